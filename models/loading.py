@@ -1,0 +1,118 @@
+"""The one place models are loaded: a local folder or a hub id, one component at a time.
+
+Stages load only the component they need (encode-text: text encoder + processor; encode-vae: VAE;
+train: transformer), so `load_component` is the entry point and never builds a whole pipeline.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from functools import lru_cache
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+Component = Literal["transformer", "vae", "text_encoder", "processor", "tokenizer", "scheduler"]
+
+_CLASSES: dict[str, tuple[str, str]] = {
+    "transformer": ("diffusers", "QwenImageTransformer2DModel"),
+    "vae": ("diffusers", "AutoencoderKLQwenImage"),
+    "scheduler": ("diffusers", "FlowMatchEulerDiscreteScheduler"),
+    "text_encoder": ("transformers", "Qwen2_5_VLForConditionalGeneration"),
+    "processor": ("transformers", "Qwen2VLProcessor"),
+    "tokenizer": ("transformers", "Qwen2Tokenizer"),
+}
+
+# Every load that happened in this process, as (model, component): tests assert a stage loads only what it needs.
+LOAD_LOG: list[tuple[str, str]] = []
+
+
+class ModelNotFoundError(RuntimeError):
+    pass
+
+
+@lru_cache(maxsize=16)
+def resolve_model(model: str) -> Path:
+    """Local folder as is; otherwise a hub id resolved through the HF cache (downloads when online)."""
+    p = Path(model).expanduser()
+    if p.is_dir():
+        if not (p / "model_index.json").is_file():
+            raise ModelNotFoundError(
+                f"{p} is a folder but has no model_index.json: expected a diffusers Qwen-Image-Edit folder "
+                "(e.g. one written by `pipeline make-tiny-model`)."
+            )
+        return p.resolve()
+    if p.exists() or model.startswith((".", "/", "~")) or model.count("/") != 1:
+        raise ModelNotFoundError(
+            f"model {model!r} is neither a model folder nor a hub id (owner/name). "
+            "Build a small offline one with `pipeline make-tiny-model DIR`."
+        )
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.jinja", "*.model"]))
+    except Exception as e:  # offline, unknown id, gated repo…
+        offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
+        raise ModelNotFoundError(
+            f"cannot load model {model!r} from the hub{' (HF_HUB_OFFLINE is set)' if offline else ''}: "
+            f"{type(e).__name__}: {e}. With no network, pass a local folder, or build a tiny offline model with "
+            "`pipeline make-tiny-model DIR` and pass DIR."
+        ) from None
+
+
+def model_variant(model: str) -> Literal["edit", "edit-plus"]:
+    index = json.loads((resolve_model(model) / "model_index.json").read_text())
+    return "edit-plus" if "Plus" in index.get("_class_name", "") else "edit"
+
+
+@lru_cache(maxsize=16)
+def model_fingerprint(model: str) -> str:
+    """Hash of every config and weight file of the model (weights by size + first/last MiB: cheap on 40 GB)."""
+    root = resolve_model(model)
+    h = hashlib.sha256()
+    for f in sorted(root.rglob("*")):
+        if not f.is_file():
+            continue
+        h.update(str(f.relative_to(root)).encode())
+        size = f.stat().st_size
+        h.update(str(size).encode())
+        with f.open("rb") as fh:
+            h.update(fh.read(1 << 20))
+            if size > 2 << 20:
+                fh.seek(-(1 << 20), os.SEEK_END)
+                h.update(fh.read())
+    return h.hexdigest()[:16]
+
+
+def load_component(
+    model: str,
+    component: Component,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device | None = None,
+):
+    """Load one pipeline component from its subfolder with the stock class."""
+    import importlib
+
+    root = resolve_model(model)
+    lib, name = _CLASSES[component]
+    cls = getattr(importlib.import_module(lib), name)
+    sub = root / component
+    if not sub.is_dir():
+        raise ModelNotFoundError(f"model {model!r} has no '{component}' folder ({sub})")
+    LOAD_LOG.append((str(model), component))
+    kwargs = {}
+    if component in ("transformer", "vae", "text_encoder") and dtype is not None:
+        kwargs["torch_dtype"] = dtype
+    obj = cls.from_pretrained(sub, **kwargs)
+    if device is not None and hasattr(obj, "to") and component in ("transformer", "vae", "text_encoder"):
+        obj = obj.to(device)
+    if hasattr(obj, "eval"):
+        obj.eval()
+    return obj
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]

@@ -1,0 +1,59 @@
+"""`pipeline` CLI: the root app. Each command lives in `pipeline/commands/<name>.py`; this file only wires them."""
+
+from __future__ import annotations
+
+import typer
+
+from pipeline.commands import (
+    demo,
+    encode_text,
+    encode_vae,
+    evaluate,
+    lora,
+    predict,
+    resize_bucket,
+    run_all,
+    store_cmd,
+    tools,
+    train,
+)
+
+app = typer.Typer(
+    help="Fine-tune Qwen-Image-Edit LoRAs through a staged, versioned feature store.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+run_app = typer.Typer(help="Run one pipeline stage (or all of them).", no_args_is_help=True)
+config_app = typer.Typer(help="Inspect the effective configuration.", no_args_is_help=True)
+
+app.command("make-tiny-model", help="Build a tiny random-init Qwen-Image-Edit(-Plus) model folder offline.")(
+    tools.make_tiny_model
+)
+app.command("make-demo-data", help="Write a synthetic mixed-resolution paired-edit dataset.")(tools.make_demo_data)
+config_app.command("show", help="Print the effective config (file + flag overrides).")(tools.config_show)
+app.add_typer(config_app, name="config")
+app.add_typer(store_cmd.store_app, name="store", help="Inspect and verify a feature store.")
+app.add_typer(store_cmd.migrate_app, name="migrate", help="Upgrade a store's schemas.")
+
+run_app.command("resize-bucket", help="Source dataset -> `images` table (resize, bucket, quarantine).")(
+    resize_bucket.command
+)
+run_app.command("encode-text", help="`images` -> `text` table (Qwen2.5-VL prompt embeds).")(encode_text.command)
+run_app.command("encode-vae", help="`images` -> `vae` table (target and control latents).")(encode_vae.command)
+run_app.command("train", help="`text` + `vae` tables -> LoRA run directory.")(train.command)
+run_app.command("evaluate", help="Held-out loss and samples, base vs LoRA -> report directory.")(evaluate.command)
+run_app.command("all", help="Every stage in order, each skipped when up to date.")(run_all.command)
+app.add_typer(run_app, name="run")
+
+app.command("predict", help="Edit an image with the model (+ optional LoRA).")(predict.command)
+app.add_typer(lora.lora_app, name="lora", help="LoRA utilities.")
+app.command("demo", help="Tiny model + synthetic data + every stage end to end, then a report.")(demo.command)
+
+
+def main() -> None:  # pragma: no cover
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,5 @@
+"""Errors a user can act on: the CLI prints them as one line (what, which file, what to do), no traceback."""
+
+
+class UserError(Exception):
+    pass

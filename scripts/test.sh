@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Quick start 2: install what the tests need and run the whole suite (offline).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+# The report test renders index.html in headless Chromium (Debian's package).
+if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) || echo "warning: could not install chromium"
+fi
+. .venv/bin/activate
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+python -m pytest tests "$@"
