@@ -78,3 +78,15 @@ def test_missing_model_offline_names_id_and_suggests_make_tiny_model(monkeypatch
     assert "Qwen/Qwen-Image-Edit-does-not-exist" in str(e.value) and "make-tiny-model" in str(e.value)
     with pytest.raises(ModelNotFoundError, match="make-tiny-model"):
         resolve_model("./no/such/folder")
+
+
+def test_cli_make_tiny_model_matches_function(tmp_path, tiny_plus_model):
+    from typer.testing import CliRunner
+
+    from pipeline.cli import app
+
+    r = CliRunner().invoke(app, ["make-tiny-model", str(tmp_path / "m"), "--variant", "edit-plus", "--seed", "0"])
+    assert r.exit_code == 0, r.output
+    assert _digest(tmp_path / "m") == _digest(Path(tiny_plus_model))
+    r = CliRunner().invoke(app, ["make-tiny-model", str(tmp_path / "x"), "--variant", "bogus"])
+    assert r.exit_code != 0

@@ -1,0 +1,73 @@
+"""Typed config: YAML sections, flag overrides, unknown keys and wrong types rejected with the key named."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from pipeline.cli import app
+from pipeline.config import ConfigError, load_config
+
+
+def test_file_values_and_overrides(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("train:\n  batch_size: 2\n  lora:\n    rank: 4\nresize:\n  target_area: 9216\n")
+    cfg = load_config(f, {"train.batch_size": 8, "train.max_steps": None})
+    assert cfg.train.batch_size == 8  # flag beats file
+    assert cfg.train.lora.rank == 4 and cfg.resize.target_area == 9216
+    assert cfg.train.max_steps == 100  # None override = keep default
+
+
+def test_unknown_key_is_named(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("train:\n  batch_sise: 2\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(f)
+    assert "unknown key 'train.batch_sise'" in str(e.value) and str(f) in str(e.value)
+
+
+def test_unknown_section_is_named(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("trian:\n  batch_size: 2\n")
+    with pytest.raises(ConfigError, match="unknown key 'trian'"):
+        load_config(f)
+
+
+def test_wrong_type_is_named(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("train:\n  lora:\n    rank: sixteen\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(f)
+    assert "'train.lora.rank'" in str(e.value) and "sixteen" in str(e.value)
+
+
+def test_fingerprint_changes_with_a_setting():
+    a = load_config(None, {})
+    b = load_config(None, {"resize.target_area": 4096})
+    assert a.resize.fingerprint() != b.resize.fingerprint()
+    assert a.train.fingerprint() == b.train.fingerprint()
+
+
+def test_config_show_prints_effective_config(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("train:\n  batch_size: 3\n")
+    r = CliRunner().invoke(app, ["config", "show", "--config", str(f), "--set", "train.max_steps=7"])
+    assert r.exit_code == 0, r.output
+    assert "batch_size: 3" in r.output and "max_steps: 7" in r.output
+
+
+def test_config_show_rejects_bad_file_with_exit_2(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("train:\n  nope: 1\n")
+    r = CliRunner().invoke(app, ["config", "show", "--config", str(f)])
+    assert r.exit_code == 2 and "unknown key 'train.nope'" in r.output
+
+
+def test_help_lists_every_command_with_one_line_help():
+    r = CliRunner().invoke(app, ["--help"])
+    assert r.exit_code == 0
+    for cmd in ["make-tiny-model", "make-demo-data", "config", "store", "migrate", "run", "predict", "lora", "demo"]:
+        assert cmd in r.output
+    r = CliRunner().invoke(app, ["run", "--help"])
+    for cmd in ["resize-bucket", "encode-text", "encode-vae", "train", "evaluate", "all"]:
+        assert cmd in r.output
