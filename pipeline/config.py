@@ -46,7 +46,15 @@ class ResizeConfig(Section):
     min_controls: int = Field(0, ge=0)
     max_image_pixels: int = Field(64 * 1024 * 1024, gt=0, description="larger images are rejected (decompression bombs)")
     val_fraction: float = Field(0.1, ge=0.0, lt=1.0)
-    shard_size_mb: int = Field(256, gt=0)
+    shard_size_mb: float = Field(256, gt=0, description="images table shard size (fractions allowed, e.g. for tests)")
+    workers: int = Field(0, ge=0, description="processes decoding/resizing/encoding PNGs (0 = in the main process)")
+
+    def fingerprint(self) -> str:
+        """Like every section's, but without the settings that say how the work is done, not what it produces
+        (shard size, workers): changing those reuses an existing version instead of rebuilding it."""
+        operational = {"shard_size_mb", "workers"}
+        blob = json.dumps(self.model_dump(mode="json", exclude=operational), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
 
 
 class EncodeTextConfig(Section):
@@ -55,14 +63,16 @@ class EncodeTextConfig(Section):
     batch_size: int = Field(8, gt=0)
     prompt_template: str | None = Field(None, description="None = the model's own diffusers template")
     prompt_template_start_idx: int | None = None
-    shard_size_mb: int = Field(256, gt=0)
+    shard_size_mb: float = Field(256, gt=0, description="shard file size target (fractions allowed)")
+    num_workers: int = Field(1, ge=0, description="threads decoding + preprocessing ahead of the forward (0 = inline)")
 
 
 class EncodeVaeConfig(Section):
     device: str = "cpu"
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     batch_size: int = Field(8, gt=0)
-    shard_size_mb: int = Field(256, gt=0)
+    shard_size_mb: float = Field(256, gt=0, description="shard file size target (fractions allowed)")
+    num_workers: int = Field(1, ge=0, description="threads decoding + preprocessing ahead of the forward (0 = inline)")
 
 
 class LoraConfig(Section):
@@ -120,17 +130,30 @@ class TrainConfig(Section):
     loss: LossConfig = LossConfig()
 
 
+class ExtraPrompt(Section):
+    """An evaluate sample that is not in the store: control image file(s), an instruction, optional target."""
+
+    prompt: str
+    images: list[str] = Field(..., min_length=1, description="control image files (several for Edit-Plus)")
+    target: str | None = Field(None, description="reference image file for PSNR/SSIM (optional)")
+    height: int | None = Field(None, gt=0, description="output size; default: the stock pipeline's ~1024² choice")
+    width: int | None = Field(None, gt=0)
+
+
 class EvaluateConfig(Section):
     device: str = "cpu"
-    seed: int = 1234
-    timesteps: list[float] = [0.1, 0.3, 0.5, 0.7, 0.9]
-    noise_seeds: list[int] = [0, 1]
-    num_samples: int = Field(4, ge=0)
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    seed: int = Field(1234, description="generation seed (the same for base and LoRA, for every sample)")
+    timesteps: list[float] = Field([0.1, 0.3, 0.5, 0.7, 0.9], min_length=1, description="sigma grid of the held-out loss")
+    noise_seeds: list[int] = Field([0, 1], min_length=1, description="fixed noise draws of the held-out loss")
+    batch_size: int = Field(8, gt=0, description="held-out loss: (sample, seed, sigma) rows per forward")
+    max_loss_samples: int | None = Field(None, gt=0, description="cap on val samples for the loss (None = all)")
+    num_samples: int = Field(4, ge=0, description="val samples to generate images for")
     num_inference_steps: int = Field(8, gt=0)
     true_cfg_scale: float = 4.0
-    negative_prompt: str = " "
+    negative_prompt: str = Field(" ", description="extra prompts' negative; val samples use the stored empty prompt")
     lora_scale: float = 1.0
-    extra_prompts: list[dict[str, Any]] = []
+    extra_prompts: list[ExtraPrompt] = []
 
 
 class PredictConfig(Section):

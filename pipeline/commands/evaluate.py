@@ -1,10 +1,45 @@
-"""`pipeline` command wrapper (placeholder until the stage lands)."""
+"""`pipeline run evaluate`: held-out loss + samples, base vs LoRA -> REPORT/{metrics.json, grid.png, index.html}."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Optional
+
 import typer
 
+from pipeline.commands.common import ConfigOpt, config_from, echo, require, user_errors
 
-def command() -> None:
-    typer.secho("not implemented yet", fg=typer.colors.YELLOW)
-    raise typer.Exit(3)
+
+def command(
+    store: Optional[str] = typer.Option(None, "--store", help="Store with `text`, `vae` (+ `images`) tables (paths.store)."),
+    model: Optional[str] = typer.Option(None, "--model", help="Model the store was encoded with (paths.model)."),
+    lora: Optional[str] = typer.Option(None, "--lora", help="LoRA folder (default: paths.run + /lora)."),
+    out: Optional[str] = typer.Option(None, "--out", help="Report directory (paths.report)."),
+    config: Optional[Path] = ConfigOpt,
+    num_samples: Optional[int] = typer.Option(None, "--num-samples", help="Val samples to generate (evaluate.num_samples)."),
+    steps: Optional[int] = typer.Option(None, "--steps", help="Inference steps (evaluate.num_inference_steps)."),
+    device: Optional[str] = typer.Option(None, "--device", help="evaluate.device"),
+) -> None:
+    cfg = config_from(
+        config,
+        {
+            "paths.store": store,
+            "paths.model": model,
+            "paths.report": out,
+            "evaluate.num_samples": num_samples,
+            "evaluate.num_inference_steps": steps,
+            "evaluate.device": device,
+        },
+    )
+    store_dir = require(cfg.paths.store, "--store", "paths.store")
+    model_id = require(cfg.paths.model, "--model", "paths.model")
+    report = require(cfg.paths.report, "--out", "paths.report")
+    lora_dir = lora or (str(Path(cfg.paths.run) / "lora") if cfg.paths.run else None)
+    lora_dir = require(lora_dir, "--lora", "paths.run")
+    from stages.evaluate import run
+
+    with user_errors():
+        metrics = run(cfg.evaluate, store_dir, model_id, lora_dir, report)
+    overall = metrics["loss"]["overall"]
+    echo(f"held-out loss on {overall['n']} val samples: base {overall['base']:.4f} -> LoRA {overall['lora']:.4f}")
+    echo(f"report: {Path(report) / 'index.html'}")

@@ -1,10 +1,47 @@
-"""`pipeline` command wrapper (placeholder until the stage lands)."""
+"""`pipeline run resize-bucket`: source dataset -> `images` table. Flags override the config file's values."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Optional
+
 import typer
 
+from pipeline.commands.common import ConfigOpt, config_from, echo, require, user_errors
 
-def command() -> None:
-    typer.secho("not implemented yet", fg=typer.colors.YELLOW)
-    raise typer.Exit(3)
+
+def command(
+    source: Optional[str] = typer.Option(None, "--source", help="Folder, .tar shard(s) or .jsonl manifest (paths.source)."),
+    store: Optional[str] = typer.Option(None, "--store", help="Store folder to write the `images` table to (paths.store)."),
+    config: Optional[Path] = ConfigOpt,
+    val_fraction: Optional[float] = typer.Option(None, "--val-fraction", help="Share of samples (by key) in val."),
+    target_area: Optional[int] = typer.Option(None, "--target-area", help="Target bucket area in pixels."),
+    multiple: Optional[int] = typer.Option(None, "--multiple", help="Bucket sides are multiples of this (16k)."),
+    control_vl_area: Optional[int] = typer.Option(None, "--control-vl-area", help="Area of each control's VL view."),
+    control_vae_area: Optional[int] = typer.Option(None, "--control-vae-area", help="Area of each control's VAE view."),
+    min_controls: Optional[int] = typer.Option(None, "--min-controls", help="Fewer controls -> quarantined."),
+    max_controls: Optional[int] = typer.Option(None, "--max-controls", help="More controls -> quarantined."),
+    max_image_pixels: Optional[int] = typer.Option(None, "--max-image-pixels", help="Larger images -> quarantined."),
+) -> None:
+    cfg = config_from(
+        config,
+        {
+            "paths.source": source,
+            "paths.store": store,
+            "resize.val_fraction": val_fraction,
+            "resize.target_area": target_area,
+            "resize.multiple": multiple,
+            "resize.control_vl_area": control_vl_area,
+            "resize.control_vae_area": control_vae_area,
+            "resize.min_controls": min_controls,
+            "resize.max_controls": max_controls,
+            "resize.max_image_pixels": max_image_pixels,
+        },
+    )
+    src = require(cfg.paths.source, "--source", "paths.source")
+    dst = require(cfg.paths.store, "--store", "paths.store")
+    from stages.resize_bucket import run
+
+    with user_errors():
+        summary = run(cfg, src, dst)
+    echo(str(summary))

@@ -1,10 +1,22 @@
-"""`pipeline` command wrapper (placeholder until the stage lands)."""
+"""`pipeline run all --config F`: every stage in order (paths from `paths.*`), each skipped when up to date."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import typer
 
+from pipeline.commands.common import config_from, echo, user_errors
 
-def command() -> None:
-    typer.secho("not implemented yet", fg=typer.colors.YELLOW)
-    raise typer.Exit(3)
+
+def command(
+    config: Path = typer.Option(..., "--config", "-c", help="YAML config with paths.{source,store,model,run,report}."),
+) -> None:
+    cfg = config_from(config, {})
+    from pipeline.orchestrate import run_all
+
+    with user_errors():
+        result = run_all(cfg, log=echo)
+    overall = result.metrics["loss"]["overall"]
+    echo(f"held-out loss (val, {overall['n']} samples): base {overall['base']:.4f} -> LoRA {overall['lora']:.4f}")
+    echo(f"report: {result.report}")

@@ -1,10 +1,49 @@
-"""`pipeline` command wrapper (placeholder until the stage lands)."""
+"""`pipeline run train`: `text` + `vae` tables -> LoRA run directory. Flags override the config file's values.
+
+Several processes: `accelerate launch --multi_gpu --num_processes N -m pipeline.cli run train ...` (on CPU add
+`--device cpu`, which makes accelerate use gloo).
+"""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Optional
+
 import typer
 
+from pipeline.commands.common import ConfigOpt, config_from, echo, require, user_errors
 
-def command() -> None:
-    typer.secho("not implemented yet", fg=typer.colors.YELLOW)
-    raise typer.Exit(3)
+
+def command(
+    store: Optional[str] = typer.Option(None, "--store", help="Store with `text` and `vae` tables (paths.store)."),
+    model: Optional[str] = typer.Option(None, "--model", help="Model folder or hub id the store was encoded with (paths.model)."),
+    out: Optional[str] = typer.Option(None, "--out", help="Run directory: checkpoints/, lora/, logs/ (paths.run)."),
+    config: Optional[Path] = ConfigOpt,
+    resume: bool = typer.Option(False, "--resume", help="Continue from the last complete checkpoint in --out."),
+    max_steps: Optional[int] = typer.Option(None, "--max-steps", help="Optimizer steps in all (train.max_steps)."),
+    batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Samples per process per micro-step."),
+    device: Optional[str] = typer.Option(None, "--device", help="'cpu' forces the CPU (train.device)."),
+) -> None:
+    cfg = config_from(
+        config,
+        {
+            "paths.store": store,
+            "paths.model": model,
+            "paths.run": out,
+            "train.max_steps": max_steps,
+            "train.batch_size": batch_size,
+            "train.device": device,
+        },
+    )
+    store_dir = require(cfg.paths.store, "--store", "paths.store")
+    model_id = require(cfg.paths.model, "--model", "paths.model")
+    run_dir = require(cfg.paths.run, "--out", "paths.run")
+    from stages.train import run
+
+    with user_errors():
+        result = run(cfg, store_dir, model_id, run_dir, resume=resume)
+    if not result.main_process:
+        return
+    if result.losses:
+        echo(f"trained steps {result.start_step}..{result.steps}: loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}")
+    echo(f"LoRA: {result.lora_dir}")

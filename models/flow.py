@@ -1,0 +1,138 @@
+"""Flow matching as in Qwen-Image (DESIGN §6): sigma sampling, noising, target, per-sample normalised loss.
+
+x_t = (1-σ)·x0 + σ·ε, the model predicts ε − x0. The transformer takes σ itself as `timestep` (t/1000, the
+diffusers edit-pipeline convention). Train and evaluate both use these functions.
+
+Sigma sampling (`SigmaConfig.sampling`):
+- uniform: σ ~ U(0, 1);
+- logit_normal: σ = sigmoid(N(logit_mean, logit_std)) (SD3 / Qwen-Image training default);
+- shift: u ~ U(0, 1) pushed by the static shift s: σ = s·u / (1 + (s−1)·u);
+- dynamic_shift: u ~ U(0, 1) pushed by the resolution-dependent exponential time shift of the real scheduler:
+  mu = calculate_shift(image_seq_len) (linear between base_shift at base_image_seq_len and max_shift at
+  max_image_seq_len, as diffusers' pipelines compute it), σ = e^mu / (e^mu + (1/u − 1)). image_seq_len is the
+  sample's target token count (what the pipelines pass: the packed latent length). Uniform u then shift is
+  the distribution of the inference schedule's σs; the scheduler's `shift_terminal` stretch only shapes the
+  inference grid and is not applied here.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from pipeline.config import SigmaConfig
+
+
+def calculate_shift(
+    image_seq_len: Tensor | float,
+    base_seq_len: int = 256,
+    max_seq_len: int = 8192,
+    base_shift: float = 0.5,
+    max_shift: float = 0.9,
+):
+    """mu for the exponential time shift; same formula as diffusers `pipeline_qwenimage.calculate_shift`."""
+    m = (max_shift - base_shift) / (max_seq_len - base_seq_len)
+    b = base_shift - m * base_seq_len
+    return image_seq_len * m + b
+
+
+def time_shift_exponential(mu: Tensor, u: Tensor) -> Tensor:
+    """e^mu / (e^mu + (1/u − 1)), written as e^mu·u / (e^mu·u + 1 − u) so u = 0 gives 0, not a division by zero."""
+    e = torch.exp(mu)
+    return e * u / (e * u + (1 - u))
+
+
+def sample_sigmas(n: int, cfg: "SigmaConfig", generator: torch.Generator, image_seq_lens: list[int]) -> Tensor:
+    """[n] float32 sigmas in [0, 1] on the generator's device; deterministic given the generator state.
+
+    image_seq_lens: per sample target token count (used by dynamic_shift only; must have n entries then).
+    """
+    device = generator.device
+    if cfg.sampling == "logit_normal":
+        z = torch.randn(n, generator=generator, device=device, dtype=torch.float32)
+        return torch.sigmoid(z * cfg.logit_std + cfg.logit_mean)
+    u = torch.rand(n, generator=generator, device=device, dtype=torch.float32)
+    if cfg.sampling == "uniform":
+        return u
+    if cfg.sampling == "shift":
+        return cfg.shift * u / (1 + (cfg.shift - 1) * u)
+    if cfg.sampling == "dynamic_shift":
+        if len(image_seq_lens) != n:
+            raise ValueError(f"dynamic_shift needs one image_seq_len per sample: got {len(image_seq_lens)} for {n}")
+        seq = torch.tensor(image_seq_lens, dtype=torch.float32, device=device)
+        mu = calculate_shift(seq, cfg.base_image_seq_len, cfg.max_image_seq_len, cfg.base_shift, cfg.max_shift)
+        return time_shift_exponential(mu, u)
+    raise ValueError(f"unknown sigma sampling {cfg.sampling!r}")
+
+
+def _per_sample(sigma: Tensor, x: Tensor) -> Tensor:
+    """Broadcast sigma ([] or [B]) against x ([B, ...] or any shape for a scalar)."""
+    sigma = sigma.to(device=x.device, dtype=x.dtype) if torch.is_floating_point(x) else sigma.to(x.device)
+    if sigma.ndim == 0:
+        return sigma
+    return sigma.reshape(-1, *([1] * (x.ndim - 1)))
+
+
+def add_noise(x0: Tensor, noise: Tensor, sigma: Tensor) -> Tensor:
+    """x_t = (1-σ)·x0 + σ·ε, σ per sample (leading dim) or a scalar."""
+    s = _per_sample(sigma, x0)
+    return (1 - s) * x0 + s * noise
+
+
+def flow_target(x0: Tensor, noise: Tensor) -> Tensor:
+    """Velocity target ε − x0."""
+    return noise - x0
+
+
+def per_sample_loss(
+    pred: list[Tensor], target: list[Tensor], weights: list[Tensor | None] | None = None
+) -> Tensor:
+    """[B] float32: each sample's squared error averaged over its own valid tokens (and channels).
+
+    pred[i], target[i]: [N_i, C] (valid target tokens only, so padding contributes nothing).
+    weights[i]: optional [N_i] token weights (e.g. `mask_token_weights`): loss_i = Σ_t w_t·mse_t / Σ_t w_t, so
+    uniform weights of any value give the unweighted loss. A sample whose weights sum to 0 contributes 0.
+    """
+    if len(pred) != len(target):
+        raise ValueError(f"{len(pred)} predictions for {len(target)} targets")
+    losses = []
+    for i, (p, t) in enumerate(zip(pred, target)):
+        token_se = (p.float() - t.float()).pow(2).mean(dim=-1)  # [N_i]
+        w = None if weights is None else weights[i]
+        if w is None:
+            losses.append(token_se.mean())
+            continue
+        w = w.to(device=token_se.device, dtype=torch.float32)
+        if w.shape != token_se.shape:
+            raise ValueError(f"sample {i}: token weights {tuple(w.shape)} do not match {tuple(token_se.shape)} tokens")
+        total = w.sum()
+        losses.append(torch.where(total > 0, (w * token_se).sum() / total.clamp_min(1e-12), token_se.sum() * 0))
+    return torch.stack(losses)
+
+
+def batch_loss(
+    pred: list[Tensor], target: list[Tensor], weights: list[Tensor | None] | None = None
+) -> Tensor:
+    """Mean over the batch of `per_sample_loss`, so a small image weighs the same as a large one."""
+    return per_sample_loss(pred, target, weights).mean()
+
+
+def mask_token_weights(mask_tokens: Tensor, foreground: float, background: float) -> Tensor:
+    """Edit mask in [0, 1] at the token grid ([N] or any shape) -> float32 weights B + (F − B)·mask."""
+    m = mask_tokens.float().clamp(0, 1)
+    return background + (foreground - background) * m
+
+
+__all__ = [
+    "calculate_shift",
+    "time_shift_exponential",
+    "sample_sigmas",
+    "add_noise",
+    "flow_target",
+    "per_sample_loss",
+    "batch_loss",
+    "mask_token_weights",
+]

@@ -1,0 +1,243 @@
+"""encode-text: `images` table -> `text` table (Qwen2.5-VL prompt embeds of instruction + control image(s)).
+
+Each sample is encoded exactly as diffusers' `QwenImageEditPipeline.encode_prompt` (Edit: one control, the
+VAE-view image, the template holds the one image slot) or `QwenImageEditPlusPipeline.encode_prompt` (Edit-Plus:
+"Picture i: " + image slot per VL-view control, 0..N controls) does for that sample alone: same template, same
+processor call, last hidden state, the template's first `start_idx` tokens dropped. Only valid tokens are stored
+(no padding), bf16, plus the empty-prompt embeds with the same control images (caption dropout).
+
+Batches hold only requests with identical input shapes (token count and image grids): padding or mixed image
+sizes change float32 rounding (~1e-7), identical shapes are bit-exact, so the table does not depend on the
+batch size (tested against the unmodified pipeline).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from pipeline.config import PipelineConfig
+from schemas.table import FieldSpec, TableSchema
+from stages.encoding_common import (
+    EncodeJob,
+    Ranks,
+    Summary,
+    batches_by_shape,
+    config_hash,
+    current_ranks,
+    open_job,
+    open_png,
+    prefetched,
+    rank_device,
+)
+
+STAGE = "encode-text"
+TABLE = "text"
+FEATURE_REVISION = "text.1"
+# diffusers builds the Edit-Plus image prompt inline in `_get_qwen_prompt_embeds`; mirrored here, and recorded
+# in the lineage so a change of it means a new table version.
+PLUS_IMAGE_PROMPT = "Picture {}: <|vision_start|><|image_pad|><|vision_end|>"
+KINDS = ("prompt", "empty")  # the instruction, and "" for caption dropout, both with the sample's images
+
+
+@dataclass(frozen=True)
+class PromptFormat:
+    variant: str  # "edit" | "edit-plus"
+    template: str
+    start_idx: int  # leading template tokens dropped from the hidden states
+
+    def text(self, instruction: str, num_images: int) -> str:
+        if self.variant == "edit-plus":
+            images = "".join(PLUS_IMAGE_PROMPT.format(i + 1) for i in range(num_images))
+            return self.template.format(images + instruction)
+        return self.template.format(instruction)
+
+    def lineage_record(self) -> dict[str, Any]:
+        return {"variant": self.variant, "template": self.template, "start_idx": self.start_idx,
+                "plus_image_prompt": PLUS_IMAGE_PROMPT if self.variant == "edit-plus" else None}
+
+
+def prompt_format(variant: str, template: str | None, start_idx: int | None) -> PromptFormat:
+    """The config's template, else the one the model's diffusers pipeline class sets in its __init__ (read from an
+    instance with no components, so nothing is loaded)."""
+    from diffusers import QwenImageEditPipeline, QwenImageEditPlusPipeline
+
+    from schemas.errors import UserError
+
+    if template is not None:
+        if start_idx is None:
+            raise UserError("encode_text.prompt_template is set but encode_text.prompt_template_start_idx is not: "
+                            "set how many leading template tokens to drop (diffusers uses 64)")
+        if template.count("{}") != 1:
+            raise UserError("encode_text.prompt_template must hold exactly one '{}' where the instruction goes")
+        return PromptFormat(variant, template, start_idx)
+    cls = QwenImageEditPlusPipeline if variant == "edit-plus" else QwenImageEditPipeline
+    ref = cls(scheduler=None, vae=None, text_encoder=None, tokenizer=None, processor=None, transformer=None)
+    return PromptFormat(variant, ref.prompt_template_encode,
+                        ref.prompt_template_encode_start_idx if start_idx is None else start_idx)
+
+
+# ---------------------------------------------------------------- per-sample preparation (runs in a thread)
+
+
+@dataclass
+class Request:
+    key: str
+    kind: str  # one of KINDS
+    inputs: dict[str, torch.Tensor]  # the processor's output for this request alone (batch dim 1)
+
+    @property
+    def shape(self) -> tuple:
+        grid = self.inputs.get("image_grid_thw")
+        return (self.inputs["input_ids"].shape[1], tuple(map(tuple, grid.tolist())) if grid is not None else ())
+
+
+@dataclass
+class Rejected:
+    key: str
+    reason: str
+    detail: str = ""
+
+
+def control_images(files: dict[str, bytes], variant: str, num_controls: int) -> list:
+    """Edit: the VAE-view control (what the pipeline resizes to its ~1024² bucket and gives the VL model);
+    Edit-Plus: each control's VL view, in order."""
+    names = [f"control_{i}.png" if variant == "edit" else f"control_{i}_vl.png" for i in range(num_controls)]
+    return [open_png(files[n]) for n in names]
+
+
+def prepare(key: str, sample: dict[str, Any], fmt: PromptFormat, processor, lock: threading.Lock) -> list[Request] | Rejected:
+    meta = sample["meta"]
+    n = int(meta.get("num_controls", 0))
+    if fmt.variant == "edit" and n != 1:
+        return Rejected(key, "edit model needs exactly one control image",
+                        f"sample has {n}; use an Edit-Plus model for 0 or several controls")
+    try:
+        images = control_images(sample["files"], fmt.variant, n)
+    except (KeyError, OSError, ValueError) as e:
+        return Rejected(key, "control image unreadable", f"{type(e).__name__}: {e}")
+    requests = []
+    for kind, instruction in zip(KINDS, (str(meta.get("caption") or ""), "")):
+        try:
+            with lock:  # the fast tokenizer is not safe to call from two threads at once
+                inputs = processor(text=[fmt.text(instruction, n)], images=images or None, padding=True, return_tensors="pt")
+        except Exception as e:  # the processor rejects an image (size, aspect ratio, ...): quarantine, go on
+            return Rejected(key, "processor rejected the sample", f"{type(e).__name__}: {e}")
+        keep = ("input_ids", "attention_mask", "pixel_values", "image_grid_thw")
+        requests.append(Request(key, kind, {k: inputs[k] for k in keep if k in inputs}))
+    return requests
+
+
+# ---------------------------------------------------------------- the batched forward
+
+
+@torch.no_grad()
+def encode_batch(text_encoder, requests: list[Request], start_idx: int) -> list[torch.Tensor]:
+    """One forward over same-shape requests; per request its last hidden states minus the template prefix.
+
+    Calls the model with exactly the arguments diffusers' `_get_qwen_prompt_embeds` passes (no
+    mm_token_type_ids, so the same position ids), via the base model: same hidden states, no lm_head.
+    """
+    device = text_encoder.device
+    cat = {k: torch.cat([r.inputs[k] for r in requests]).to(device) for k in requests[0].inputs}
+    hidden = text_encoder.model(
+        input_ids=cat["input_ids"], attention_mask=cat["attention_mask"],
+        pixel_values=cat.get("pixel_values"), image_grid_thw=cat.get("image_grid_thw"),
+    ).last_hidden_state
+    return [hidden[i, start_idx:] for i in range(len(requests))]  # same shape => no padding, every token valid
+
+
+def text_schema(job: EncodeJob, fmt: PromptFormat, hidden_size: int, dtype: str) -> TableSchema:
+    return TableSchema(
+        name=TABLE,
+        lineage=job.lineage,
+        fields=[
+            FieldSpec("prompt_embeds", "bfloat16", rank=2),
+            FieldSpec("empty_embeds", "bfloat16", rank=2),
+            FieldSpec("length", "int64", kind="column"),
+            FieldSpec("empty_length", "int64", kind="column"),
+            FieldSpec("num_controls", "int64", kind="column"),
+        ],
+        attrs={
+            "prompt_format": fmt.lineage_record(),
+            "hidden_size": hidden_size,
+            "encoder_dtype": dtype,
+            "embeds": "Qwen2.5-VL last hidden state, valid tokens only, [length, hidden_size] bf16",
+        },
+    )
+
+
+# ---------------------------------------------------------------- the stage
+
+
+def run(
+    cfg: PipelineConfig,
+    store: str | Path,
+    model: str,
+    device: str | None = None,
+    batch_size: int | None = None,
+    ranks: Ranks | None = None,
+) -> Summary:
+    from models.loading import load_component, model_variant, parse_dtype
+
+    section = cfg.encode_text.model_copy(update={k: v for k, v in (("device", device), ("batch_size", batch_size)) if v is not None})
+    fmt = prompt_format(model_variant(model), section.prompt_template, section.prompt_template_start_idx)
+    ranks = ranks or current_ranks(section.device)
+    job = open_job(store, STAGE, TABLE, config_hash(section, prompt_format=fmt.lineage_record()), model,
+                   FEATURE_REVISION, ranks)
+    if job.up_to_date:
+        return job.summary
+
+    # Only what this stage needs: the VL model and its processor (never the transformer or the VAE).
+    processor = load_component(model, "processor")
+    text_encoder = load_component(model, "text_encoder", dtype=parse_dtype(section.dtype),
+                                  device=rank_device(section.device, ranks))
+    schema = text_schema(job, fmt, text_encoder.config.text_config.hidden_size, section.dtype)
+    try:
+        todo = job.open_writer(schema, section.shard_size_mb)
+        lock = threading.Lock()
+        samples = prefetched(((key, job.images.get(key)) for key in todo),
+                             lambda item: prepare(*item, fmt, processor, lock), workers=section.num_workers)
+        done: dict[str, dict[str, torch.Tensor]] = {}  # key -> kind -> embeds, until both kinds are in
+        with job.progress(len(todo)) as bar:
+            for batch in batches_by_shape(_requests(samples, job, bar), lambda r: r.shape, section.batch_size):
+                with job.timed_forward():
+                    embeds = encode_batch(text_encoder, batch, fmt.start_idx)
+                for req, emb in zip(batch, embeds):
+                    parts = done.setdefault(req.key, {})
+                    parts[req.kind] = emb.to("cpu", torch.bfloat16)
+                    if len(parts) == len(KINDS):
+                        _write(job, req.key, done.pop(req.key))
+                        bar.update(1)
+        return job.finish()
+    finally:
+        job.close()
+
+
+def _requests(samples: Iterator[list[Request] | Rejected], job: EncodeJob, bar) -> Iterator[Request]:
+    for prepared in samples:
+        if isinstance(prepared, Rejected):
+            job.quarantine(prepared.key, prepared.reason, prepared.detail)
+            bar.update(1)
+            continue
+        yield from prepared
+
+
+def _write(job: EncodeJob, key: str, parts: dict[str, torch.Tensor]) -> None:
+    meta = job.images.meta(key)
+    job.writer.add(
+        key,
+        tensors={"prompt_embeds": parts["prompt"].contiguous(), "empty_embeds": parts["empty"].contiguous()},
+        meta={
+            "split": meta.get("split", "train"),
+            "img_shapes": meta["img_shapes"],
+            "length": parts["prompt"].shape[0],
+            "empty_length": parts["empty"].shape[0],
+            "num_controls": int(meta.get("num_controls", 0)),
+        },
+    )
+    job.summary.encoded += 1

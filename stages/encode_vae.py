@@ -1,0 +1,203 @@
+"""encode-vae: `images` table -> `vae` table (target and every control latent, bf16, normalised).
+
+Each image is encoded as the diffusers edit pipelines encode their condition image: `VaeImageProcessor`
+(scale 16 = VAE 8 x patch 2) preprocess to [-1, 1] at the stored size, `vae.encode(...).latent_dist.mode()`
+("argmax"), then (z - latents_mean) / latents_std per channel (`_encode_vae_image`); latents_mean/std are
+recorded in the schema attrs. Batches hold only images of one size (no padding, no resize).
+
+An edit mask (images table `mask.png`, white = edited) becomes `mask_weight`: one float32 per packed latent
+token (a 2x2 latent patch = 16x16 pixels), row-major over (h/2, w/2) like `_pack_latents`, holding the mean of
+mask/255 over the token's pixels, i.e. the fraction of edited pixels. Samples without a mask have none.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from pipeline.config import PipelineConfig
+from schemas.table import FieldSpec, TableSchema
+from stages.encoding_common import (
+    EncodeJob,
+    Ranks,
+    Summary,
+    batches_by_shape,
+    config_hash,
+    current_ranks,
+    open_job,
+    open_png,
+    prefetched,
+    rank_device,
+)
+
+STAGE = "encode-vae"
+TABLE = "vae"
+FEATURE_REVISION = "vae.1"
+PIXELS_PER_TOKEN = 16  # VAE scale factor 8 x 2x2 latent patch
+
+
+@dataclass
+class Request:
+    key: str
+    name: str  # "target" or "control_{i}"
+    pixels: torch.Tensor  # [1, 3, 1, H, W] in [-1, 1]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.pixels.shape[-2:])  # type: ignore[return-value]
+
+
+@dataclass
+class Prepared:
+    key: str
+    requests: list[Request]
+    mask_weight: torch.Tensor | None
+
+
+@dataclass
+class Rejected:
+    key: str
+    reason: str
+    detail: str = ""
+
+
+def mask_weight(mask, height: int, width: int) -> torch.Tensor:
+    """[H, W] mask (PIL L) -> float32 [(H/16) * (W/16)]: fraction of edited pixels per packed token."""
+    m = torch.frombuffer(bytearray(mask.tobytes()), dtype=torch.uint8).view(height, width).to(torch.float64) / 255.0
+    t = PIXELS_PER_TOKEN
+    return m.view(height // t, t, width // t, t).mean(dim=(1, 3)).flatten().to(torch.float32)
+
+
+def prepare(key: str, sample: dict[str, Any], image_processor) -> Prepared | Rejected:
+    files, meta = sample["files"], sample["meta"]
+    names = ["target"] + [f"control_{i}" for i in range(int(meta.get("num_controls", 0)))]
+    try:
+        images = {n: open_png(files[f"{n}.png"]) for n in names}
+        mask = open_png(files["mask.png"], mode="L") if "mask.png" in files else None
+    except (KeyError, OSError, ValueError) as e:
+        return Rejected(key, "image unreadable", f"{type(e).__name__}: {e}")
+    for n, im in images.items():
+        if im.width % PIXELS_PER_TOKEN or im.height % PIXELS_PER_TOKEN:
+            return Rejected(key, f"{n} size is not a multiple of {PIXELS_PER_TOKEN}",
+                            f"{im.width}x{im.height}; rerun resize-bucket with a bucket multiple of 16 or 32")
+    target = images["target"]
+    if mask is not None and mask.size != target.size:
+        return Rejected(key, "mask size differs from the target", f"mask {mask.size}, target {target.size}")
+    requests = [Request(key, n, image_processor.preprocess(im, im.height, im.width).unsqueeze(2)) for n, im in images.items()]
+    weight = mask_weight(mask, target.height, target.width) if mask is not None else None
+    return Prepared(key, requests, weight)
+
+
+@torch.no_grad()
+def encode_batch(vae, requests: list[Request], latents_mean: torch.Tensor, latents_std: torch.Tensor) -> torch.Tensor:
+    """Same-size images -> normalised latents [B, C, 1, h, w], as the pipelines' `_encode_vae_image`."""
+    pixels = torch.cat([r.pixels for r in requests]).to(vae.device, vae.dtype)
+    z = vae.encode(pixels).latent_dist.mode()
+    return (z - latents_mean.to(z.device, z.dtype)) / latents_std.to(z.device, z.dtype)
+
+
+def vae_schema(job: EncodeJob, vae, dtype: str) -> TableSchema:
+    return TableSchema(
+        name=TABLE,
+        lineage=job.lineage,
+        fields=[
+            FieldSpec("target", "bfloat16", rank=4),
+            FieldSpec("control_{i}", "bfloat16", rank=4),
+            FieldSpec("mask_weight", "float32", rank=1, optional=True),
+            FieldSpec("num_controls", "int64", kind="column"),
+            FieldSpec("latent_shapes", "json", kind="column"),
+            FieldSpec("has_mask", "bool", kind="column"),
+        ],
+        attrs={
+            "latents_mean": list(vae.config.latents_mean),
+            "latents_std": list(vae.config.latents_std),
+            "z_dim": vae.config.z_dim,
+            "vae_scale_factor": 2 ** len(vae.temperal_downsample),
+            "normalisation": "stored = (latent_dist.mode() - latents_mean) / latents_std, per channel",
+            "latent_layout": "[C, 1, h, w] with h = H/8, w = W/8 of the stored image",
+            "mask_weight": "float32 [(h/2) * (w/2)], row-major over packed 2x2-latent tokens (16x16 px each), "
+                           "fraction of edited pixels (mean of mask/255); absent when the sample has no mask",
+            "encoder_dtype": dtype,
+        },
+    )
+
+
+# ---------------------------------------------------------------- the stage
+
+
+def run(
+    cfg: PipelineConfig,
+    store: str | Path,
+    model: str,
+    device: str | None = None,
+    batch_size: int | None = None,
+    ranks: Ranks | None = None,
+) -> Summary:
+    from diffusers.image_processor import VaeImageProcessor
+
+    from models.loading import load_component, parse_dtype
+
+    section = cfg.encode_vae.model_copy(update={k: v for k, v in (("device", device), ("batch_size", batch_size)) if v is not None})
+    ranks = ranks or current_ranks(section.device)
+    job = open_job(store, STAGE, TABLE, config_hash(section), model, FEATURE_REVISION, ranks)
+    if job.up_to_date:
+        return job.summary
+
+    # Only the VAE (never the VL model or the transformer).
+    vae = load_component(model, "vae", dtype=parse_dtype(section.dtype), device=rank_device(section.device, ranks))
+    channels = vae.config.z_dim
+    latents_mean = torch.tensor(vae.config.latents_mean).view(1, channels, 1, 1, 1)
+    latents_std = torch.tensor(vae.config.latents_std).view(1, channels, 1, 1, 1)
+    image_processor = VaeImageProcessor(vae_scale_factor=PIXELS_PER_TOKEN)  # what the edit pipelines build
+    try:
+        todo = job.open_writer(vae_schema(job, vae, section.dtype), section.shard_size_mb)
+        samples = prefetched(((key, job.images.get(key)) for key in todo),
+                             lambda item: prepare(*item, image_processor), workers=section.num_workers)
+        pending: dict[str, tuple[Prepared, dict[str, torch.Tensor]]] = {}  # key -> (sample, latents so far)
+        with job.progress(len(todo)) as bar:
+            for batch in batches_by_shape(_requests(samples, job, pending, bar), lambda r: r.shape, section.batch_size):
+                with job.timed_forward():
+                    latents = encode_batch(vae, batch, latents_mean, latents_std)
+                for req, lat in zip(batch, latents):
+                    prepared, done = pending[req.key]
+                    done[req.name] = lat.to("cpu", torch.bfloat16)
+                    if len(done) == len(prepared.requests):
+                        _write(job, prepared, done)
+                        del pending[req.key]
+                        bar.update(1)
+        return job.finish()
+    finally:
+        job.close()
+
+
+def _requests(samples: Iterator[Prepared | Rejected], job: EncodeJob, pending: dict, bar) -> Iterator[Request]:
+    for prepared in samples:
+        if isinstance(prepared, Rejected):
+            job.quarantine(prepared.key, prepared.reason, prepared.detail)
+            bar.update(1)
+            continue
+        pending[prepared.key] = (prepared, {})
+        yield from prepared.requests
+
+
+def _write(job: EncodeJob, prepared: Prepared, latents: dict[str, torch.Tensor]) -> None:
+    meta = job.images.meta(prepared.key)
+    names = [r.name for r in prepared.requests]  # target first, then control_0, control_1, ...
+    tensors = {n: latents[n].contiguous() for n in names}
+    if prepared.mask_weight is not None:
+        tensors["mask_weight"] = prepared.mask_weight
+    job.writer.add(
+        prepared.key,
+        tensors=tensors,
+        meta={
+            "split": meta.get("split", "train"),
+            "img_shapes": meta["img_shapes"],
+            "num_controls": len(names) - 1,
+            "latent_shapes": [list(latents[n].shape) for n in names],
+            "has_mask": prepared.mask_weight is not None,
+        },
+    )
+    job.summary.encoded += 1

@@ -1,0 +1,295 @@
+"""What the encode stages (encode-text, encode-vae) share: ranks, lineage, the up-to-date check, the resumable
+writer with this rank's share of the `images` keys, quarantine, shape-grouped batching, prefetch, the summary.
+
+A stage reads top to bottom as: `open_job` (lineage, up to date?) -> load its one model component ->
+`job.open_writer(schema)` (keys still to do) -> loop over `batches_by_shape(prefetched(...))` -> `job.finish()`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Callable, Hashable, Iterable, Iterator, TypeVar
+
+from tqdm import tqdm
+
+from pipeline.config import Section
+from schemas.errors import UserError
+from schemas.lineage import Lineage
+from schemas.table import TableSchema
+from store import Store, TableReader, TableWriter
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+IMAGES_TABLE = "images"
+# Settings that change speed or file layout but never a feature value (batch-size independence is tested), so
+# changing them keeps the table up to date instead of re-encoding everything.
+THROUGHPUT_ONLY_SETTINGS = frozenset({"batch_size", "shard_size_mb", "num_workers"})
+
+
+# ---------------------------------------------------------------- processes
+
+
+@dataclass(frozen=True)
+class Ranks:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    barrier: Callable[[], None] = lambda: None
+
+
+def current_ranks(device: str) -> Ranks:
+    """This process's place under `accelerate launch` (or torchrun); a plain run is rank 0 of 1.
+
+    Accelerate is only initialised when a launcher set WORLD_SIZE > 1, so a single process never touches
+    torch.distributed. On a CPU device the process group is gloo (DESIGN §7: `Accelerator(cpu=True)`).
+    """
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return Ranks()
+    from accelerate import PartialState
+
+    state = PartialState(cpu=device.startswith("cpu"))
+    return Ranks(state.process_index, state.num_processes, state.local_process_index, state.wait_for_everyone)
+
+
+def rank_device(device: str, ranks: Ranks) -> str:
+    """`cuda` under a multi-process launch means this rank's own GPU."""
+    if device == "cuda" and ranks.world_size > 1:
+        return f"cuda:{ranks.local_rank}"
+    return device
+
+
+# ---------------------------------------------------------------- lineage
+
+
+def code_version(feature_revision: str) -> str:
+    """Package version + the stage's feature-format revision (bumped when the stored features change)."""
+    try:
+        pkg = metadata.version("qwen-edit-lora-pipeline")
+    except metadata.PackageNotFoundError:
+        pkg = "0+unknown"
+    return f"{pkg}+{feature_revision}"
+
+
+def config_hash(section: Section, **extra: Any) -> str:
+    """Fingerprint of the settings that determine features: the stage section without throughput-only knobs,
+    plus whatever else the stage passes (e.g. the effective prompt template)."""
+    import hashlib
+    import json
+
+    settings = {k: v for k, v in section.model_dump(mode="json").items() if k not in THROUGHPUT_ONLY_SETTINGS}
+    blob = json.dumps({"section": settings, **extra}, sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+# ---------------------------------------------------------------- summary
+
+
+@dataclass
+class Summary:
+    stage: str
+    table: str
+    version: int | None = None
+    up_to_date: bool = False
+    encoded: int = 0
+    skipped: int = 0  # already in committed shards (resume) or the whole table when up to date
+    quarantined: int = 0
+    bytes_written: int = 0
+    seconds: float = 0.0
+    forward_seconds: float = 0.0  # time inside the model forward (bench: the rest is overhead)
+    rank: int = 0
+    world_size: int = 1
+
+    def __str__(self) -> str:
+        where = f" [rank {self.rank}/{self.world_size}]" if self.world_size > 1 else ""
+        if self.up_to_date:
+            return f"{self.stage}{where}: table '{self.table}' v{self.version} is up to date ({self.skipped} samples); nothing written"
+        rate = self.encoded / self.seconds if self.seconds > 0 else 0.0
+        return (
+            f"{self.stage}{where}: table '{self.table}' v{self.version}: encoded {self.encoded}, "
+            f"skipped (already done) {self.skipped}, quarantined {self.quarantined}, "
+            f"{self.bytes_written / 1e6:.2f} MB written in {self.seconds:.1f} s ({rate:.1f} samples/s)"
+        )
+
+
+# ---------------------------------------------------------------- the job: inputs, writer, quarantine
+
+
+@dataclass
+class EncodeJob:
+    store: Store
+    images: TableReader
+    lineage: Lineage
+    ranks: Ranks
+    summary: Summary
+    started: float = field(default_factory=time.perf_counter)
+    writer: TableWriter | None = None
+    _quarantine_rows: list[dict[str, Any]] = field(default_factory=list)
+    _shard_sizes_before: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def up_to_date(self) -> bool:
+        return self.summary.up_to_date
+
+    def open_writer(self, schema: TableSchema, shard_size_mb: float) -> list[str]:
+        """Open (or resume) the output version; return this rank's keys that are not committed yet."""
+        self.writer = self.store.writer(
+            self.summary.table, schema, rank=self.ranks.rank, world_size=self.ranks.world_size, shard_size_mb=shard_size_mb
+        )
+        self.summary.version = self.writer.version
+        self._shard_sizes_before = self._rank_shard_sizes()
+        mine = self.images.iter_keys(rank=self.ranks.rank, world_size=self.ranks.world_size)
+        todo = [k for k in mine if k not in self.writer.done_keys]
+        self.summary.skipped = len(mine) - len(todo)
+        return todo
+
+    def progress(self, total: int) -> tqdm:
+        """Samples/s is tqdm's rate; one bar per rank."""
+        r = self.ranks
+        desc = self.summary.stage + (f" r{r.rank}" if r.world_size > 1 else "")
+        return tqdm(total=total, desc=desc, unit="sample", position=r.rank, dynamic_ncols=True, leave=True)
+
+    def quarantine(self, key: str, reason: str, detail: str = "") -> None:
+        """Reject one sample (it stays out of the table); the rows land in quarantine.parquet at `finish`."""
+        source = self.images.meta(key).get("source") or f"images/v{self.images.version}/{key}"
+        self._quarantine_rows.append({
+            "key": key, "source": str(source), "stage": self.summary.stage, "reason": reason, "detail": detail,
+            "table_version": f"{self.summary.table}/v{self.summary.version}",
+        })
+        self.summary.quarantined += 1
+
+    @contextmanager
+    def timed_forward(self) -> Iterator[None]:
+        t0 = time.perf_counter()
+        yield
+        self.summary.forward_seconds += time.perf_counter() - t0
+
+    def finish(self) -> Summary:
+        """Quarantine rows, this rank's last shard, barrier, rank 0 commits (manifest last), barrier."""
+        assert self.writer is not None
+        self._flush_quarantine()
+        self.writer.finish_rank()
+        self.summary.bytes_written = sum(
+            size - self._shard_sizes_before.get(name, 0) for name, size in self._rank_shard_sizes().items()
+        )
+        self.ranks.barrier()
+        if self.ranks.rank == 0:
+            self.summary.version = self.writer.commit()
+        else:
+            self.writer.close()
+        self.ranks.barrier()
+        self.summary.seconds = time.perf_counter() - self.started
+        return self.summary
+
+    def close(self) -> None:
+        """Give up the writer lock without committing (on error; a rerun resumes from committed shards)."""
+        if self.writer is not None:
+            self.writer.close()
+
+    def _rank_shard_sizes(self) -> dict[str, int]:
+        assert self.writer is not None
+        return {p.name: p.stat().st_size for p in Path(self.writer.dir).glob(f"shard-r{self.ranks.rank:02d}-*.tar")}
+
+    def _flush_quarantine(self) -> None:
+        """Skip rows this table version already quarantined (a resumed run retries those samples)."""
+        if not self._quarantine_rows:
+            return
+        q = self.store.quarantine()
+        seen: set[tuple[str | None, ...]] = set()
+        if "table_version" in q.column_names:
+            seen = set(zip(q.column("stage").to_pylist(), q.column("key").to_pylist(), q.column("table_version").to_pylist()))
+        new = [r for r in self._quarantine_rows if (r["stage"], r["key"], r["table_version"]) not in seen]
+        self.store.add_quarantine(new)
+        self._quarantine_rows = []
+
+
+def open_job(store_path: str | Path, stage: str, table: str, feature_hash: str, model: str,
+             feature_revision: str, ranks: Ranks) -> EncodeJob:
+    """Read the `images` table, build the lineage, and find out whether an identical version already exists.
+
+    An identical complete version is made current and reused ("up to date"); anything that differs (model
+    fingerprint, config, images version, code revision) leads to a new version, never a silent reuse.
+    """
+    from models.loading import model_fingerprint
+
+    path = Path(store_path)
+    if not (path / "store.json").is_file():
+        raise UserError(f"no store at {path} (no store.json); run `pipeline run resize-bucket --store {path}` first")
+    store = Store(path, create=False)
+    images = store.reader(IMAGES_TABLE)
+    lineage = Lineage(
+        stage=stage, config_hash=feature_hash, model_fingerprint=model_fingerprint(model),
+        upstream={IMAGES_TABLE: images.version}, code_version=code_version(feature_revision),
+    )
+    summary = Summary(stage=stage, table=table, rank=ranks.rank, world_size=ranks.world_size)
+    job = EncodeJob(store=store, images=images, lineage=lineage, ranks=ranks, summary=summary)
+    found = store.find_version(table, lineage)
+    if found is not None:
+        if store.tables().get(table) != found:
+            store.set_current(table, found)  # e.g. killed after the manifest, before the store.json switch
+        summary.version, summary.up_to_date, summary.skipped = found, True, len(store.reader(table, found))
+        summary.seconds = time.perf_counter() - job.started
+    return job
+
+
+# ---------------------------------------------------------------- data flow: prefetch and shape-grouped batches
+
+
+def prefetched(items: Iterable[T], load: Callable[[T], R], workers: int = 2, depth: int = 32) -> Iterator[R]:
+    """`map(load, items)` in order, with up to `depth` loads running ahead in threads (PNG decode and
+    preprocessing overlap the model forward; PIL and numpy release the GIL for the heavy parts)."""
+    if workers <= 0:
+        yield from map(load, items)
+        return
+    pending: list = []
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        for item in items:
+            pending.append(pool.submit(load, item))
+            if len(pending) >= depth:
+                yield pending.pop(0).result()
+        for f in pending:
+            yield f.result()
+
+
+def batches_by_shape(items: Iterable[T], shape_of: Callable[[T], Hashable], batch_size: int,
+                     window: int = 256) -> Iterator[list[T]]:
+    """Batches whose items all share one input shape, so no padding enters the forward and each result is
+    bit-for-bit the one the item gets alone (padding and mixed shapes change float rounding).
+
+    Items wait in per-shape groups; a full group is emitted at once; when more than `window` items wait, the
+    largest group goes out partly filled; at the end every group is flushed.
+    """
+    groups: OrderedDict[Hashable, list[T]] = OrderedDict()
+    waiting = 0
+    for item in items:
+        group = groups.setdefault(shape_of(item), [])
+        group.append(item)
+        waiting += 1
+        if len(group) >= batch_size:
+            yield groups.pop(shape_of(item))
+            waiting -= batch_size
+        elif waiting > window:
+            biggest = max(groups, key=lambda s: len(groups[s]))
+            batch = groups.pop(biggest)
+            waiting -= len(batch)
+            yield batch
+    for batch in groups.values():
+        yield batch
+
+
+def open_png(data: bytes, mode: str = "RGB"):
+    """A stored PNG as a PIL image (the images table holds sanitised 8-bit PNGs)."""
+    import io
+
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as im:
+        im.load()
+        return im.convert(mode) if im.mode != mode else im.copy()

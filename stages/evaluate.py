@@ -1,0 +1,336 @@
+"""`evaluate` stage: held-out loss and sample images, base model vs LoRA -> a report directory.
+
+Read top to bottom: open the val split of `text` + `vae` (and `images` for the pictures) -> load the
+transformer once, install the multi-resolution pieces, attach the LoRA -> held-out flow-matching loss with the
+trainer's own `flow_loss` at fixed noise seeds x a fixed σ grid, LoRA off and on -> generate N val samples
+(and the configured extra prompts) from the stored features, LoRA off and on, same seed -> PSNR/SSIM against
+the targets -> metrics.json, grid.png, index.html (`stages.report`).
+
+The text encoder is not loaded for val samples: their prompt embeds are in the store, and the true-CFG
+negative is the stored empty-prompt embedding of the same sample (the instruction left empty, the same
+controls). Only `evaluate.extra_prompts` (images from files) load the text encoder, through `stages.predict`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import math
+from collections import defaultdict
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from PIL import Image
+from tqdm.auto import tqdm
+
+from models.loading import load_component, parse_dtype
+from models.multires import install_multires
+from pipeline.config import EvaluateConfig
+from schemas.errors import UserError
+from stages.generate import PIXELS_PER_TOKEN, Conditioning, generate
+from stages.lora_merge import attach_lora
+from stages.report import SampleRow, psnr, ssim, write_report
+from stages.train_data import TrainSample, TrainTables, flow_loss, open_train_tables, sample_generator
+from store import Store, TableReader
+
+PSNR_SSIM_NOTE = (
+    "PSNR/SSIM compare each output with the sample's stored target image. They measure pixel fidelity to one "
+    "reference edit, not edit quality: a correct edit that differs from the reference in unedited details "
+    "scores low. On the tiny random-init demo model both outputs are noise from an untrained decoder, so "
+    "there the numbers only show that the plumbing runs; only the held-out loss says whether training helped."
+)
+MASK_NOTE = (
+    "Same protocol, each sample's loss restricted to its edit mask (inside: weights = mask; outside: weights = "
+    "1 − mask, normalised per sample), over the samples that have a mask with both regions non-empty."
+)
+
+
+@dataclass
+class LossRow:
+    """One held-out evaluation point: a sample at one noise seed and one σ."""
+
+    sample: TrainSample
+    seed: int
+    sigma: float
+
+
+@contextmanager
+def lora_enabled(transformer, enabled: bool):
+    """Run with the LoRA on or off (peft layers stay in place, only bypassed)."""
+    if enabled:
+        transformer.enable_lora()
+    else:
+        transformer.disable_lora()
+    try:
+        yield
+    finally:
+        transformer.enable_lora()
+
+
+def eval_noise(sample: TrainSample, seed: int) -> torch.Tensor:
+    """float32 ε like the target latent, from (seed, key) only: the same for base and LoRA, any batch order."""
+    g = sample_generator(seed, 0, sample.key, "eval-noise")
+    return torch.randn(tuple(sample.target.shape), generator=g, dtype=torch.float32)
+
+
+def bucket_of(sample: TrainSample) -> str:
+    _, h, w = sample.img_shapes[0]
+    return f"{h * PIXELS_PER_TOKEN}x{w * PIXELS_PER_TOKEN}"
+
+
+@torch.no_grad()
+def row_losses(transformer, rows: list[LossRow], batch_size: int, mask_weight=(1.0, 1.0), desc: str = "") -> list[float]:
+    """`flow_loss` of every row, in mixed-resolution batches of `batch_size` rows."""
+    out: list[float] = []
+    for i in tqdm(range(0, len(rows), batch_size), desc=desc, leave=False):
+        chunk = rows[i : i + batch_size]
+        sigmas = torch.tensor([r.sigma for r in chunk], dtype=torch.float32)
+        noises = [eval_noise(r.sample, r.seed) for r in chunk]
+        out += flow_loss(transformer, [r.sample for r in chunk], sigmas, noises, mask_weight=mask_weight).tolist()
+    return out
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else math.nan
+
+
+def held_out_loss(transformer, samples: list[TrainSample], cfg: EvaluateConfig) -> dict:
+    """Base vs LoRA loss: per sample the mean over noise seeds x σ grid; then overall, per bucket, per σ, mask."""
+    rows = [LossRow(s, seed, float(t)) for s in samples for seed in cfg.noise_seeds for t in cfg.timesteps]
+    per_row = {}
+    for name, on in (("base", False), ("lora", True)):
+        with lora_enabled(transformer, on):
+            per_row[name] = row_losses(transformer, rows, cfg.batch_size, desc=f"held-out loss ({name})")
+
+    def summary(select) -> dict:
+        picked = [i for i, r in enumerate(rows) if select(r)]
+        n = len({rows[i].sample.key for i in picked})
+        return {"n": n, **{m: _mean([per_row[m][i] for i in picked]) for m in ("base", "lora")}}
+
+    buckets = sorted({bucket_of(s) for s in samples}, key=lambda b: tuple(int(x) for x in b.split("x")))
+    result = {
+        "protocol": (
+            f"flow-matching loss on {len(samples)} val samples x noise seeds {list(cfg.noise_seeds)} x σ "
+            f"{list(cfg.timesteps)}; the trainer's flow_loss, LoRA off (base) and on (scale {cfg.lora_scale}); "
+            "per sample averaged over its target tokens, then over samples"
+        ),
+        "noise_seeds": list(cfg.noise_seeds),
+        "timesteps": list(cfg.timesteps),
+        "overall": summary(lambda r: True),
+        "per_bucket": {b: summary(lambda r, b=b: bucket_of(r.sample) == b) for b in buckets},
+        "per_timestep": {str(t): summary(lambda r, t=t: r.sigma == float(t)) for t in cfg.timesteps},
+        "per_sample": {s.key: summary(lambda r, k=s.key: r.sample.key == k) for s in samples},
+    }
+    mask = mask_region_loss(transformer, samples, cfg)
+    if mask is not None:
+        result["mask"] = mask
+    return result
+
+
+def mask_region_loss(transformer, samples: list[TrainSample], cfg: EvaluateConfig) -> dict | None:
+    """Loss inside (weights = mask) and outside (1 − mask) the edit region; None when no sample has a mask."""
+    masked = [
+        s for s in samples
+        if s.mask_weight is not None and 0 < float(s.mask_weight.clamp(0, 1).sum()) < s.mask_weight.numel()
+    ]
+    if not masked:
+        return None
+    rows = [LossRow(s, seed, float(t)) for s in masked for seed in cfg.noise_seeds for t in cfg.timesteps]
+    out: dict = {"note": MASK_NOTE}
+    for region, weights in (("inside", (1.0, 0.0)), ("outside", (0.0, 1.0))):
+        out[region] = {"n": len(masked)}
+        for name, on in (("base", False), ("lora", True)):
+            with lora_enabled(transformer, on):
+                out[region][name] = _mean(row_losses(transformer, rows, cfg.batch_size, weights, f"{region} ({name})"))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ generation
+
+
+def pick_samples(samples: list[TrainSample], n: int) -> list[TrainSample]:
+    """n samples, round-robin over buckets (so every resolution shows up), keys sorted within a bucket."""
+    by_bucket: dict[str, list[TrainSample]] = defaultdict(list)
+    for s in sorted(samples, key=lambda s: s.key):
+        by_bucket[bucket_of(s)].append(s)
+    queues = [by_bucket[b] for b in sorted(by_bucket)]
+    picked: list[TrainSample] = []
+    while len(picked) < n and any(queues):
+        for q in queues:
+            if q and len(picked) < n:
+                picked.append(q.pop(0))
+    return picked
+
+
+def conditioning(sample: TrainSample, device, dtype: torch.dtype) -> Conditioning:
+    """Stored features as the denoiser's inputs: batch of one, the stored empty prompt as the CFG negative."""
+    def f(t: torch.Tensor) -> torch.Tensor:
+        return t.to(device=device, dtype=dtype)[None]
+
+    return Conditioning(
+        prompt_embeds=f(sample.prompt_embeds),
+        control_latents=[f(c) for c in sample.controls],
+        negative_embeds=f(sample.empty_embeds),
+    )
+
+
+def generate_pair(transformer, vae, scheduler_config: dict, cond: Conditioning, height: int, width: int,
+                  cfg: EvaluateConfig) -> tuple[Image.Image, Image.Image]:
+    """(base output, LoRA output) with the same seed and settings."""
+    outs = []
+    for on in (False, True):
+        with lora_enabled(transformer, on):
+            outs.append(generate(transformer, vae, scheduler_config, cond, height, width,
+                                 cfg.num_inference_steps, cfg.true_cfg_scale, cfg.seed))
+    return outs[0], outs[1]
+
+
+def _png(data: bytes) -> Image.Image:
+    img = Image.open(io.BytesIO(data))
+    img.load()
+    return img.convert("RGB")
+
+
+def _scores(target: Image.Image | None, base: Image.Image, lora: Image.Image) -> dict[str, float]:
+    if target is None:
+        return {}
+    return {"psnr_base": psnr(target, base), "psnr_lora": psnr(target, lora),
+            "ssim_base": ssim(target, base), "ssim_lora": ssim(target, lora)}
+
+
+def images_reader(st: Store, tables: TrainTables) -> TableReader | None:
+    """The `images` version the vae table was built from (the pictures of exactly these samples)."""
+    version = tables.vae.schema.lineage.upstream.get("images")
+    if "images" not in st.tables():
+        return None
+    return st.reader("images", version)
+
+
+def val_rows(transformer, vae, scheduler_config: dict, samples: list[TrainSample], images: TableReader | None,
+             cfg: EvaluateConfig) -> list[SampleRow]:
+    rows = []
+    for s in tqdm(samples, desc="generate val samples"):
+        _, h, w = s.img_shapes[0]
+        cond = conditioning(s, transformer.device, transformer.dtype)
+        base, lora = generate_pair(transformer, vae, scheduler_config, cond, h * PIXELS_PER_TOKEN,
+                                   w * PIXELS_PER_TOKEN, cfg)
+        files = images.files(s.key) if images is not None and s.key in images else {}
+        meta = images.meta(s.key) if images is not None and s.key in images else {}
+        target = _png(files["target.png"]) if "target.png" in files else None
+        controls = [_png(files[f"control_{i}.png"]) for i in range(len(s.controls)) if f"control_{i}.png" in files]
+        rows.append(SampleRow(s.key[:12], str(meta.get("caption", "")), controls, target, base, lora,
+                              _scores(target, base, lora)))
+    return rows
+
+
+def extra_rows(model: str, transformer, vae, cfg: EvaluateConfig) -> list[SampleRow]:
+    """The configured extra prompts, through predict's stock-equivalent path (text encoder loaded once)."""
+    from stages.predict import edit, load_pipeline
+
+    pipe = load_pipeline(model, parse_dtype(cfg.dtype), {"text_encoder": cfg.device}, transformer=transformer, vae=vae)
+    rows = []
+    for i, extra in enumerate(tqdm(cfg.extra_prompts, desc="generate extra prompts")):
+        try:
+            controls = [Image.open(p).convert("RGB") for p in extra.images]
+            target = Image.open(extra.target).convert("RGB") if extra.target else None
+        except OSError as e:
+            raise UserError(f"evaluate.extra_prompts[{i}]: cannot read an image ({e}); fix the path in the config")
+        outs = []
+        for on in (False, True):
+            with lora_enabled(transformer, on):
+                outs.append(edit(pipe, controls, extra.prompt, cfg.negative_prompt, cfg.num_inference_steps,
+                                 cfg.true_cfg_scale, cfg.seed, extra.height, extra.width))
+        rows.append(SampleRow(f"extra {i + 1}", extra.prompt, controls, target, outs[0], outs[1],
+                              _scores(target, outs[0], outs[1])))
+    return rows
+
+
+def generation_summary(rows: list[SampleRow], cfg: EvaluateConfig) -> dict:
+    scored = [r for r in rows if r.scores]
+    return {
+        "settings": (
+            f"{cfg.num_inference_steps} Euler steps (dynamic shift), true CFG {cfg.true_cfg_scale} (negative: the "
+            f"stored empty prompt; extra prompts: {cfg.negative_prompt!r}), seed {cfg.seed} for every sample, "
+            f"base and LoRA alike; LoRA scale {cfg.lora_scale}"
+        ),
+        "note": PSNR_SSIM_NOTE,
+        "samples": [{"title": r.title, "caption": r.caption, **r.scores} for r in rows],
+        "mean": {m: _mean([r.scores[m] for r in scored if math.isfinite(r.scores[m])])
+                 for m in ("psnr_base", "psnr_lora", "ssim_base", "ssim_lora")} if scored else {},
+    }
+
+
+# ------------------------------------------------------------------------------------------------ the stage
+
+
+def evaluate_inputs(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path) -> dict:
+    """Everything a report depends on; equal inputs = the report is up to date (`pipeline run all` skips it)."""
+    from models.loading import model_fingerprint
+    from stages.lora_merge import lora_weight_file
+
+    st = Store(store, create=False)
+    h = hashlib.sha256(lora_weight_file(lora).read_bytes()).hexdigest()
+    return {
+        "store": str(Path(store).resolve()),
+        "tables": {t: v for t, v in sorted(st.tables().items()) if t in ("images", "text", "vae")},
+        "model_fingerprint": model_fingerprint(model),
+        "lora_sha256": h,
+        "config_fingerprint": cfg.fingerprint(),
+    }
+
+
+def report_up_to_date(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, out: str | Path) -> bool:
+    metrics = Path(out) / "metrics.json"
+    if not metrics.is_file() or not (Path(out) / "index.html").is_file():
+        return False
+    try:
+        recorded = json.loads(metrics.read_text()).get("run", {}).get("inputs")
+    except (OSError, json.JSONDecodeError):
+        return False
+    return recorded == evaluate_inputs(cfg, store, model, lora)
+
+
+
+def run(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, out: str | Path) -> dict:
+    """Evaluate base vs LoRA on the store's val split; write the report into `out`; return the metrics."""
+    inputs = evaluate_inputs(cfg, store, model, lora)
+    tables = open_train_tables(store, model, split="val")
+    keys = tables.keys[: cfg.max_loss_samples] if cfg.max_loss_samples else tables.keys
+    samples = [tables.sample(k) for k in tqdm(keys, desc="read val samples", leave=False)]
+
+    dtype = parse_dtype(cfg.dtype)
+    transformer = load_component(model, "transformer", dtype=dtype, device=cfg.device)
+    install_multires(transformer)
+    attach_lora(transformer, lora, cfg.lora_scale)
+
+    loss = held_out_loss(transformer, samples, cfg)
+
+    rows: list[SampleRow] = []
+    if cfg.num_samples > 0 or cfg.extra_prompts:
+        vae = load_component(model, "vae", dtype=dtype, device=cfg.device)
+        scheduler_config = dict(load_component(model, "scheduler").config)
+        st = Store(store, create=False)
+        rows = val_rows(transformer, vae, scheduler_config, pick_samples(samples, cfg.num_samples),
+                        images_reader(st, tables), cfg)
+        if cfg.extra_prompts:
+            rows += extra_rows(model, transformer, vae, cfg)
+
+    metrics = {
+        "loss": loss,
+        "generation": generation_summary(rows, cfg),
+        "run": {
+            "store": str(Path(store).resolve()),
+            "tables": tables.versions(),
+            "model": str(model),
+            "lora": str(Path(lora).resolve()),
+            "lora_scale": cfg.lora_scale,
+            "val_samples": len(samples),
+            "config": cfg.model_dump(mode="json"),
+            "inputs": inputs,
+        },
+    }
+    write_report(out, metrics, rows)
+    return metrics

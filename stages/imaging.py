@@ -1,0 +1,140 @@
+"""Decode and sanitise one source image: bytes in, an 8-bit RGB (or L for masks) PIL image out, or a rejection.
+
+What is done (see docs/resize-bucket.md for the table):
+- only PNG, JPEG, WebP, TIFF, BMP and GIF are opened (no plugin that shells out, e.g. EPS);
+- 0-byte, unidentifiable, truncated or otherwise undecodable data -> `ImageRejected` with the reason;
+- width x height over `max_pixels` is rejected from the header alone, before any pixel is decoded
+  (decompression bombs); Pillow's own hard bomb limit (2 x `Image.MAX_IMAGE_PIXELS`) is caught the same way;
+- EXIF orientation is applied (the pixels are rotated/flipped as a viewer shows them);
+- animated/multi-page files: the first frame;
+- modes to RGB: L/1 replicated; P via its palette; alpha (RGBA, LA, PA, P with transparency) composited over
+  white; CMYK through its embedded ICC profile to sRGB when it has one, else Pillow's plain conversion;
+  YCbCr/LAB/HSV by Pillow; 16-bit grayscale (I;16*, and I with values in 0..65535) scaled 65535 -> 255 with
+  rounding (Pillow's own convert would clip); 32-bit float (F) and anything else is rejected as unsupported.
+- masks: the same decoding, then to L (white = edited); alpha is composited over black so that transparent
+  means "not edited".
+"""
+
+from __future__ import annotations
+
+import io
+import warnings
+from dataclasses import dataclass, field
+
+import numpy as np
+from PIL import Image, ImageCms, ImageOps, UnidentifiedImageError
+
+ALLOWED_FORMATS = ("PNG", "JPEG", "WEBP", "TIFF", "BMP", "GIF")
+_SIXTEEN_BIT = ("I;16", "I;16L", "I;16B", "I;16N", "I")
+_ALPHA = ("RGBA", "LA", "La", "RGBa", "PA")
+
+
+class ImageRejected(Exception):
+    """The image cannot be used: `kind` is the quarantine reason category, `str(e)` says what exactly."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+@dataclass
+class Decoded:
+    image: Image.Image
+    notes: list[str] = field(default_factory=list)  # conversions applied, counted in the stage summary
+
+
+def decode_image(data: bytes, max_pixels: int) -> Decoded:
+    """Bytes -> 8-bit RGB image with EXIF orientation applied; raises ImageRejected."""
+    im, notes = _open_oriented(data, max_pixels)
+    rgb, note = _to_rgb(im, background=(255, 255, 255))
+    return Decoded(rgb, notes + ([note] if note else []))
+
+
+def decode_mask(data: bytes, max_pixels: int) -> Decoded:
+    """Bytes -> 8-bit L mask (white = edited) with EXIF orientation applied; raises ImageRejected."""
+    im, notes = _open_oriented(data, max_pixels)
+    if im.mode in ("1", "L"):
+        return Decoded(im.convert("L"), notes)
+    if im.mode in _SIXTEEN_BIT:
+        return Decoded(_sixteen_to_l(im), notes + ["16-bit mask scaled to 8 bits"])
+    rgb, _ = _to_rgb(im, background=(0, 0, 0))
+    return Decoded(rgb.convert("L"), notes + [f"{im.mode} mask converted to grayscale"])
+
+
+def _open_oriented(data: bytes, max_pixels: int) -> tuple[Image.Image, list[str]]:
+    if not data:
+        raise ImageRejected("empty-image", "empty file (0 bytes)")
+    notes: list[str] = []
+    with warnings.catch_warnings():
+        # our own limit (below) decides; Pillow's warning between its two limits is noise here
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        try:
+            im = Image.open(io.BytesIO(data), formats=ALLOWED_FORMATS)
+        except Image.DecompressionBombError as e:
+            raise ImageRejected("image-too-large", f"decompression bomb: {e}") from None
+        except UnidentifiedImageError:
+            raise ImageRejected("unreadable-image", f"not a readable image (formats accepted: {', '.join(ALLOWED_FORMATS)})") from None
+        except Exception as e:  # noqa: BLE001 - any header parse failure is a property of the input
+            raise ImageRejected("unreadable-image", f"cannot read image header: {e}") from None
+        w, h = im.size
+        if w <= 0 or h <= 0:
+            raise ImageRejected("unreadable-image", f"image has no pixels ({w}x{h})")
+        if w * h > max_pixels:
+            raise ImageRejected(
+                "image-too-large",
+                f"image is {w}x{h} = {w * h} pixels, over resize.max_image_pixels = {max_pixels} (decompression bomb guard)"
+            )
+        frames = getattr(im, "n_frames", 1)
+        try:
+            if im.format == "PNG":
+                # decoding stops once the pixels are complete; only verify() walks every chunk's CRC to IEND,
+                # so a file cut after its image data (or with a flipped byte in a chunk) is caught here
+                Image.open(io.BytesIO(data), formats=("PNG",)).verify()
+            im.load()
+        except Exception as e:  # noqa: BLE001 - truncated/corrupt data raise OSError, ValueError, SyntaxError...
+            raise ImageRejected("corrupt-image", f"truncated or corrupt image data: {e}") from None
+    if frames > 1:
+        notes.append(f"first frame of {frames} used")
+    try:
+        orientation = im.getexif().get(0x0112, 1)
+        if orientation not in (None, 1):
+            im = ImageOps.exif_transpose(im)
+            notes.append(f"EXIF orientation {orientation} applied")
+    except Exception:  # noqa: BLE001 - a corrupt EXIF block: keep the pixels as stored, say so
+        notes.append("EXIF unreadable, orientation ignored")
+    return im, notes
+
+
+def _to_rgb(im: Image.Image, background: tuple[int, int, int]) -> tuple[Image.Image, str | None]:
+    mode = im.mode
+    if mode == "RGB":
+        return im, None
+    if mode in ("L", "1", "YCbCr", "LAB", "HSV"):
+        return im.convert("RGB"), f"{mode} converted to RGB"
+    if mode in _SIXTEEN_BIT:
+        return _sixteen_to_l(im).convert("RGB"), f"16-bit {mode} scaled to 8-bit RGB"
+    if mode == "P" and "transparency" not in im.info:
+        return im.convert("RGB"), "palette converted to RGB"
+    if mode in _ALPHA or mode == "P":
+        rgba = im.convert("RGBA")
+        flat = Image.new("RGBA", rgba.size, (*background, 255))
+        flat.alpha_composite(rgba)
+        return flat.convert("RGB"), f"{mode} alpha composited over {'white' if background[0] else 'black'}"
+    if mode == "CMYK":
+        icc = im.info.get("icc_profile")
+        if icc:
+            try:
+                src = ImageCms.ImageCmsProfile(io.BytesIO(icc))
+                out = ImageCms.profileToProfile(im, src, ImageCms.createProfile("sRGB"), outputMode="RGB")
+                return out, "CMYK converted to sRGB via its ICC profile"
+            except (ImageCms.PyCMSError, OSError):
+                pass
+        return im.convert("RGB"), "CMYK converted to RGB (no usable ICC profile)"
+    raise ImageRejected("unsupported-mode", f"unsupported image mode {mode!r} (e.g. floating point); convert it to 8-bit RGB")
+
+
+def _sixteen_to_l(im: Image.Image) -> Image.Image:
+    arr = np.asarray(im).astype(np.int64)
+    if arr.size and (arr.min() < 0 or arr.max() > 65535):
+        raise ImageRejected("unsupported-mode", f"integer image mode {im.mode!r} with values outside 0..65535 is not supported")
+    return Image.fromarray(((arr * 255 + 32767) // 65535).astype(np.uint8))

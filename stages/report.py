@@ -1,0 +1,232 @@
+"""The evaluate report: metrics.json, grid.png and a self-contained index.html (images as data URIs).
+
+Everything here is plain data in, files out: evaluate computes, this module only lays out. The page has no
+external reference (no CDN, no linked file), so it opens from disk, from an e-mail attachment or a CI artefact.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from PIL import Image, ImageDraw
+
+TILE = 160  # grid cell side in pixels (images are fitted inside, aspect kept)
+LABEL_H = 16
+
+
+@dataclass
+class SampleRow:
+    """One row of the grid: what went in, what should come out, what base and LoRA produced."""
+
+    title: str  # e.g. the key or "extra 1"
+    caption: str
+    controls: list[Image.Image]
+    target: Image.Image | None
+    base: Image.Image
+    lora: Image.Image
+    scores: dict[str, float] = field(default_factory=dict)  # psnr/ssim of base and lora vs target
+
+
+# ------------------------------------------------------------------------------------------------ metrics
+
+
+def psnr(a: Image.Image, b: Image.Image) -> float:
+    """Peak signal-to-noise ratio in dB over RGB uint8 (b is resized to a's size if they differ)."""
+    x, y = _pair(a, b)
+    mse = float(np.mean((x - y) ** 2))
+    return math.inf if mse == 0 else 10.0 * math.log10(255.0**2 / mse)
+
+
+def ssim(a: Image.Image, b: Image.Image) -> float:
+    """Structural similarity (Wang et al. 2004: 11x11 Gaussian window, sigma 1.5, K1 0.01, K2 0.03, range 255),
+    mean over the RGB channels; valid-window region only, as the reference implementation."""
+    x, y = _pair(a, b)
+    c1, c2 = (0.01 * 255) ** 2, (0.03 * 255) ** 2
+    vals = []
+    for ch in range(3):
+        u, v = x[..., ch], y[..., ch]
+        mu_u, mu_v = _gauss(u), _gauss(v)
+        var_u = _gauss(u * u) - mu_u**2
+        var_v = _gauss(v * v) - mu_v**2
+        cov = _gauss(u * v) - mu_u * mu_v
+        s = ((2 * mu_u * mu_v + c1) * (2 * cov + c2)) / ((mu_u**2 + mu_v**2 + c1) * (var_u + var_v + c2))
+        vals.append(float(s.mean()))
+    return float(np.mean(vals))
+
+
+def _pair(a: Image.Image, b: Image.Image) -> tuple[np.ndarray, np.ndarray]:
+    if b.size != a.size:
+        b = b.resize(a.size, Image.BICUBIC)
+    return np.asarray(a.convert("RGB"), dtype=np.float64), np.asarray(b.convert("RGB"), dtype=np.float64)
+
+
+def _gauss(img: np.ndarray, size: int = 11, sigma: float = 1.5) -> np.ndarray:
+    """Separable Gaussian filter, 'valid' mode (windows that fit; a smaller window for images under 11 px)."""
+    size = min(size, img.shape[0], img.shape[1])
+    r = np.arange(size) - (size - 1) / 2
+    k = np.exp(-(r**2) / (2 * sigma**2))
+    k /= k.sum()
+    rows = np.apply_along_axis(lambda m: np.convolve(m, k, mode="valid"), 1, img)
+    return np.apply_along_axis(lambda m: np.convolve(m, k, mode="valid"), 0, rows)
+
+
+# ------------------------------------------------------------------------------------------------ grid
+
+
+def _fit(img: Image.Image, side: int) -> Image.Image:
+    img = img.convert("RGB")
+    scale = side / max(img.size)
+    # Nearest for upscaling: tiny demo images stay crisp instead of blurred.
+    resample = Image.NEAREST if scale > 1 else Image.BICUBIC
+    return img.resize((max(1, round(img.width * scale)), max(1, round(img.height * scale))), resample)
+
+
+def make_grid(rows: list[SampleRow]) -> Image.Image:
+    """Rows of [control 1..n | target | base | LoRA], each cell labelled; missing cells stay blank."""
+    n_controls = max((len(r.controls) for r in rows), default=0)
+    headers = [f"control {i + 1}" for i in range(n_controls)] + ["target", "base", "LoRA"]
+    cols = len(headers)
+    row_h = TILE + LABEL_H
+    grid = Image.new("RGB", (cols * TILE, LABEL_H + max(1, len(rows)) * row_h), "white")
+    draw = ImageDraw.Draw(grid)
+    for c, h in enumerate(headers):
+        draw.text((c * TILE + 4, 2), h, fill="black")
+    for r, row in enumerate(rows):
+        y = LABEL_H + r * row_h
+        draw.text((4, y + 2), f"{row.title}: {row.caption}"[: cols * TILE // 6], fill=(60, 60, 60))
+        cells = list(row.controls) + [None] * (n_controls - len(row.controls)) + [row.target, row.base, row.lora]
+        for c, img in enumerate(cells):
+            if img is None:
+                continue
+            tile = _fit(img, TILE - 4)
+            grid.paste(tile, (c * TILE + (TILE - tile.width) // 2, y + LABEL_H + (TILE - tile.height) // 2))
+    return grid
+
+
+# ------------------------------------------------------------------------------------------------ html
+
+
+def data_uri(img: Image.Image) -> str:
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return "–" if math.isnan(v) else ("∞" if math.isinf(v) else f"{v:.4g}")
+    return html.escape(str(v))
+
+
+def _table(headers: list[str], rows: list[list[Any]]) -> str:
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in headers)
+    body = "".join("<tr>" + "".join(f"<td>{_fmt(c)}</td>" for c in r) + "</tr>" for r in rows)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def _img(img: Image.Image | None, alt: str) -> str:
+    if img is None:
+        return "<td class='empty'>–</td>"
+    return f"<td><img src='{data_uri(_fit(img, TILE))}' alt='{html.escape(alt)}'></td>"
+
+
+def render_html(metrics: dict, rows: list[SampleRow], grid: Image.Image) -> str:
+    loss = metrics["loss"]
+    overall = [["overall", loss["overall"]["n"], loss["overall"]["base"], loss["overall"]["lora"],
+                loss["overall"]["lora"] - loss["overall"]["base"]]]
+    buckets = [[b, v["n"], v["base"], v["lora"], v["lora"] - v["base"]] for b, v in loss["per_bucket"].items()]
+    sections = [
+        "<h2>Held-out flow-matching loss (val split)</h2>",
+        f"<p>{html.escape(metrics['loss']['protocol'])}</p>",
+        _table(["bucket (h×w)", "samples", "base", "LoRA", "LoRA − base"], overall + buckets),
+    ]
+    mask = loss.get("mask")
+    if mask:
+        sections += [
+            "<h3>Inside / outside the edit mask</h3>",
+            f"<p>{html.escape(mask['note'])}</p>",
+            _table(["region", "samples", "base", "LoRA", "LoRA − base"],
+                   [[r, mask[r]["n"], mask[r]["base"], mask[r]["lora"], mask[r]["lora"] - mask[r]["base"]]
+                    for r in ("inside", "outside")]),
+        ]
+    gen = metrics.get("generation", {})
+    if rows:
+        n_controls = max(len(r.controls) for r in rows)
+        headers = ["sample", "instruction"] + [f"control {i + 1}" for i in range(n_controls)] + \
+            ["target", "base", "LoRA", "PSNR base / LoRA", "SSIM base / LoRA"]
+        body = []
+        for r in rows:
+            cells = [f"<td>{html.escape(r.title)}</td>", f"<td>{html.escape(r.caption)}</td>"]
+            cells += [_img(c, f"control {i + 1}") for i, c in enumerate(r.controls)]
+            cells += ["<td class='empty'>–</td>"] * (n_controls - len(r.controls))
+            cells += [_img(r.target, "target"), _img(r.base, "base output"), _img(r.lora, "LoRA output")]
+            s = r.scores
+            cells.append(f"<td>{_fmt(s.get('psnr_base', float('nan')))} / {_fmt(s.get('psnr_lora', float('nan')))}</td>")
+            cells.append(f"<td>{_fmt(s.get('ssim_base', float('nan')))} / {_fmt(s.get('ssim_lora', float('nan')))}</td>")
+            body.append("<tr>" + "".join(cells) + "</tr>")
+        head = "".join(f"<th>{html.escape(h)}</th>" for h in headers)
+        sections += [
+            "<h2>Samples</h2>",
+            f"<p>{html.escape(gen.get('settings', ''))}</p>",
+            f"<p class='note'>{html.escape(gen.get('note', ''))}</p>",
+            f"<table class='samples'><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>",
+            "<h2>Grid</h2>",
+            f"<img class='grid' src='{data_uri(grid)}' alt='grid of all samples'>",
+        ]
+    sections += ["<h2>Run</h2>", f"<pre>{html.escape(json.dumps(metrics.get('run', {}), indent=2))}</pre>"]
+    return f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>LoRA evaluation report</title>
+<style>
+body {{ font: 14px/1.4 system-ui, sans-serif; margin: 24px; color: #222; }}
+table {{ border-collapse: collapse; margin: 8px 0 16px; }}
+th, td {{ border: 1px solid #ccc; padding: 4px 8px; text-align: center; vertical-align: middle; }}
+th {{ background: #f3f3f3; }}
+td img {{ display: block; margin: auto; image-rendering: pixelated; }}
+img.grid {{ max-width: 100%; image-rendering: pixelated; }}
+.note {{ color: #7a4b00; background: #fff6e0; padding: 6px 10px; border-left: 3px solid #e0a000; }}
+</style></head>
+<body>
+<h1>LoRA evaluation report</h1>
+{''.join(sections)}
+</body></html>
+"""
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def _json_safe(v: Any) -> Any:
+    """NaN / inf are not JSON: write them as null (strict readers such as `jq` reject NaN)."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, dict):
+        return {k: _json_safe(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_json_safe(x) for x in v]
+    return v
+
+
+def write_report(out: str | Path, metrics: dict, rows: list[SampleRow]) -> Path:
+    """Write metrics.json, grid.png and index.html into OUT; returns the page's path."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    grid = make_grid(rows)
+    buf = io.BytesIO()
+    grid.save(buf, format="PNG")
+    _atomic_write(out / "grid.png", buf.getvalue())
+    _atomic_write(out / "index.html", render_html(metrics, rows, grid).encode("utf-8"))
+    # metrics.json last: its presence means the report is complete.
+    _atomic_write(out / "metrics.json", (json.dumps(_json_safe(metrics), indent=2) + "\n").encode())
+    return out / "index.html"

@@ -1,0 +1,371 @@
+"""Stage resize-bucket: a source dataset -> the `images` table (resized PNGs, caption, bucket, img_shapes, split).
+
+Read top to bottom: validate config -> lineage (resize settings + source listing) -> up to date? -> open the
+resumable writer -> for each source sample: judge it (caption, control count, duplicate), decode and sanitise
+its images, resize target / control views / mask to their buckets, add -> quarantine the rejects -> commit.
+Nothing bad in the input stops the run and nothing vanishes: every rejected sample becomes one quarantine row
+(source path, reason, detail) and the summary counts them. Decisions are written down in docs/resize-bucket.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+from collections import Counter, deque
+from concurrent.futures import Future, ProcessPoolExecutor
+from dataclasses import dataclass, field
+from importlib import metadata
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any
+
+from PIL import Image
+from tqdm import tqdm
+
+from pipeline.config import PipelineConfig, ResizeConfig
+from schemas import FieldSpec, Lineage, TableSchema, UserError
+from stages.bucketing import PATCH_PIXELS, BucketRule, bucket_size, crop_box_for_aspect, img_shape
+from stages.imaging import ImageRejected, decode_image, decode_mask
+from stages.sources import SourceSample, detect_format, iter_source, listing_hash
+from store import Store
+
+STAGE = "resize-bucket"
+TABLE = "images"
+# Bump when this stage's output changes for identical inputs and settings (new resampling, PNG options...).
+FEATURE_REVISION = 1
+PNG_COMPRESS_LEVEL = 3  # lossless either way; 3 is ~3x faster than the default 6 for a few % more bytes
+
+
+class Rejected(Exception):
+    """A sample that goes to the quarantine: `reason` is a short category, `detail` says what and where."""
+
+    def __init__(self, reason: str, detail: str, key: str | None = None) -> None:
+        super().__init__(reason, detail, key)  # all init args in .args: picklable back from a worker
+        self.reason, self.detail, self.key = reason, detail, key
+
+    def __str__(self) -> str:
+        return self.detail
+
+
+@dataclass
+class ResizeSummary:
+    version: int
+    up_to_date: bool = False
+    written: int = 0
+    resumed: int = 0  # already in committed shards from an interrupted run
+    quarantined: Counter = field(default_factory=Counter)  # reason -> count
+    conversions: Counter = field(default_factory=Counter)  # what sanitising did -> count
+    splits: Counter = field(default_factory=Counter)
+    buckets: Counter = field(default_factory=Counter)  # (h, w) of targets
+
+    def __str__(self) -> str:
+        if self.up_to_date:
+            return f"images v{self.version} is up to date (same source listing and resize settings); nothing to do"
+        lines = [
+            f"images v{self.version}: {self.written} samples written"
+            + (f", {self.resumed} kept from an interrupted run" if self.resumed else "")
+            + f" (train {self.splits['train']}, val {self.splits['val']}), {len(self.buckets)} target buckets",
+        ]
+        n_q = sum(self.quarantined.values())
+        lines.append(
+            f"quarantined {n_q}" + (": " + ", ".join(f"{r} {c}" for r, c in sorted(self.quarantined.items())) if n_q else "")
+        )
+        if self.conversions:
+            lines.append("converted: " + ", ".join(f"{c}x {n}" for n, c in sorted(self.conversions.items())))
+        return "\n".join(lines)
+
+
+def run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> ResizeSummary:
+    rc = cfg.resize
+    _validate(rc)
+    st = store if isinstance(store, Store) else Store(store)
+    source = Path(source).resolve()  # quarantine rows and schema attrs name the source unambiguously
+    fmt = detect_format(source)
+    listing = listing_hash(source)
+    schema = images_schema(rc, listing, source=str(source), source_format=fmt)
+
+    found = st.find_version(TABLE, schema.lineage)
+    if found is not None:
+        if st.tables().get(TABLE) != found:
+            st.set_current(TABLE, found)
+        return ResizeSummary(version=found, up_to_date=True)
+
+    writer = st.writer(TABLE, schema, shard_size_mb=rc.shard_size_mb)
+    summary = ResizeSummary(version=writer.version)
+    rules = _rules(rc)
+    first_source: dict[str, str] = {}  # key -> source of its first occurrence (duplicates name it)
+    rejects: list[dict[str, Any]] = []
+
+    def reject(rec: SourceSample, r: Rejected) -> None:
+        rejects.append({"key": r.key, "source": rec.source, "stage": STAGE, "reason": r.reason, "detail": r.detail})
+        summary.quarantined[r.reason] += 1
+
+    def store_rendered(rec: SourceSample, key: str, out: Rendered | Rejected) -> None:
+        if isinstance(out, Rejected):
+            return reject(rec, out)
+        writer.add(key, files=out.files, meta=out.meta)
+        summary.written += 1
+        summary.splits[out.meta["split"]] += 1
+        summary.buckets[tuple(out.meta["bucket"])] += 1
+        summary.conversions.update(out.notes)
+
+    try:
+        with RenderPool(rc.workers) as pool, tqdm(iter_source(source), desc=f"{STAGE} ({fmt})", unit="sample") as bar:
+            for rec in bar:
+                try:
+                    key, caption = _judge(rec, rc, first_source)
+                except Rejected as r:
+                    reject(rec, r)
+                    bar.set_postfix(quarantined=len(rejects))
+                    continue
+                if key in writer.done_keys:
+                    summary.resumed += 1
+                    continue
+                for done in pool.submit(rec, key, caption, rc, rules):
+                    store_rendered(*done)
+            for done in pool.drain():
+                store_rendered(*done)
+        _quarantine(st, rejects)
+        if summary.written + summary.resumed == 0:
+            raise UserError(
+                f"no usable sample in source {source}: {len(rejects)} quarantined "
+                f"(see {st.root / 'quarantine.parquet'}); fix the source and rerun"
+            )
+        summary.version = writer.commit()
+    finally:
+        writer.close()
+    if summary.resumed:  # the resumed samples' splits count too
+        r = st.reader(TABLE, summary.version)
+        summary.splits = Counter(r.manifest.column("split").to_pylist())
+    return summary
+
+
+class RenderPool:
+    """Renders samples in `workers` processes (or inline for 0), returning results in submission order.
+
+    At most 2 x workers samples are in flight, so memory stays bounded whatever the dataset size.
+    """
+
+    def __init__(self, workers: int) -> None:
+        self.workers = workers
+        self._ex = ProcessPoolExecutor(workers, mp_context=get_context("spawn")) if workers > 0 else None
+        self._window: deque[tuple[SourceSample, str, Future]] = deque()
+
+    def submit(self, rec: SourceSample, key: str, caption: str, rc: ResizeConfig, rules: dict[str, BucketRule]) -> list:
+        if self._ex is None:
+            return [(rec, key, render(rec, key, caption, rc, rules))]
+        self._window.append((rec, key, self._ex.submit(render, rec, key, caption, rc, rules)))
+        done = []
+        while len(self._window) > 2 * self.workers:
+            r, k, fut = self._window.popleft()
+            done.append((r, k, fut.result()))
+        return done
+
+    def drain(self) -> list:
+        done = [(r, k, fut.result()) for r, k, fut in self._window]
+        self._window.clear()
+        return done
+
+    def __enter__(self) -> "RenderPool":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._ex is not None:
+            self._ex.shutdown(cancel_futures=True)
+
+
+# ---------------------------------------------------------------- schema, lineage, keys
+
+
+def code_version() -> str:
+    try:
+        pkg = metadata.version("qwen-edit-lora-pipeline")
+    except metadata.PackageNotFoundError:
+        pkg = "0+unknown"
+    return f"{pkg}+images.{FEATURE_REVISION}"
+
+
+def images_schema(rc: ResizeConfig, listing: str, source: str = "", source_format: str = "") -> TableSchema:
+    lineage = Lineage(stage=STAGE, config_hash=f"{rc.fingerprint()}-src{listing}", code_version=code_version())
+    png, col = "png", "column"
+    return TableSchema(
+        name=TABLE,
+        lineage=lineage,
+        fields=(
+            FieldSpec("target.png", png, kind="file"),
+            FieldSpec("control_{i}.png", png, kind="file", optional=True),
+            FieldSpec("control_{i}_vl.png", png, kind="file", optional=True),
+            FieldSpec("mask.png", png, kind="file", optional=True),
+            FieldSpec("caption", "string", kind=col),
+            FieldSpec("split", "string", kind=col),
+            FieldSpec("img_shapes", "json", kind=col),
+            FieldSpec("bucket", "json", kind=col),
+            FieldSpec("control_sizes", "json", kind=col),
+            FieldSpec("control_vl_sizes", "json", kind=col),
+            FieldSpec("num_controls", "int64", kind=col),
+            FieldSpec("source", "string", kind=col),
+            FieldSpec("source_hashes", "json", kind=col),
+            FieldSpec("source_size", "json", kind=col),
+            FieldSpec("has_mask", "bool", kind=col),
+            FieldSpec("conversions", "json", kind=col, optional=True),
+        ),
+        # without the operational settings (shard size, workers), which change neither features nor lineage
+        attrs={"resize": rc.model_dump(mode="json", exclude={"shard_size_mb", "workers"}), "source": source, "source_format": source_format,
+               "source_listing": listing},
+    )
+
+
+def sample_key(target: bytes, controls: list[bytes], caption: str) -> str:
+    """Content hash of the target bytes, each control's bytes in order and the instruction (32 hex chars).
+
+    Every part is length-prefixed, so moving bytes between parts can never give the same key.
+    """
+    h = hashlib.sha256()
+    for part in (target, *controls, caption.encode("utf-8")):
+        h.update(len(part).to_bytes(8, "big"))
+        h.update(part)
+    return h.hexdigest()[:32]
+
+
+def split_for(key: str, val_fraction: float) -> str:
+    """Deterministic by key alone: the same sample is in the same split in every run and every table."""
+    return "val" if int(key[:8], 16) / 2**32 < val_fraction else "train"
+
+
+# ---------------------------------------------------------------- per sample
+
+
+def _validate(rc: ResizeConfig) -> None:
+    if rc.multiple % PATCH_PIXELS:
+        raise UserError(f"resize.multiple = {rc.multiple} must be a multiple of {PATCH_PIXELS} (VAE 8 x patch 2)")
+    if rc.min_controls > rc.max_controls:
+        raise UserError(f"resize.min_controls = {rc.min_controls} is above resize.max_controls = {rc.max_controls}")
+
+
+def _rules(rc: ResizeConfig) -> dict[str, BucketRule]:
+    def rule(area: int) -> BucketRule:
+        return BucketRule(area=area, multiple=rc.multiple, max_aspect=rc.max_aspect, min_side=rc.min_side)
+
+    return {"target": rule(rc.target_area), "vae": rule(rc.control_vae_area), "vl": rule(rc.control_vl_area)}
+
+
+def _judge(rec: SourceSample, rc: ResizeConfig, first_source: dict[str, str]) -> tuple[str, str]:
+    """Checks that need no decoding: reader problems, caption, control count, duplicate content."""
+    if rec.problem is not None:
+        raise Rejected(rec.problem_kind, rec.problem)
+    assert rec.target is not None
+    if rec.caption is None:
+        raise Rejected("missing-caption", "no caption (.txt / caption field) for this sample")
+    try:
+        caption = rec.caption.decode("utf-8").lstrip("\ufeff").strip()
+    except UnicodeDecodeError as e:
+        raise Rejected("caption-not-utf8", f"caption is not valid UTF-8 (byte {e.start}); re-save it as UTF-8") from None
+    if not caption:
+        raise Rejected("empty-caption", "caption is empty or whitespace only")
+    n = len(rec.controls)
+    if not rc.min_controls <= n <= rc.max_controls:
+        raise Rejected(
+            "control-count", f"{n} control image(s), outside resize.min_controls..max_controls = {rc.min_controls}..{rc.max_controls}"
+        )
+    key = sample_key(rec.target, rec.controls, caption)
+    if key in first_source:
+        raise Rejected("duplicate", f"same content (target, controls, caption) as {first_source[key]}", key=key)
+    first_source[key] = rec.source
+    return key, caption
+
+
+@dataclass
+class Rendered:
+    files: dict[str, bytes]
+    meta: dict[str, Any]
+    notes: list[str]
+
+
+def render(rec: SourceSample, key: str, caption: str, rc: ResizeConfig, rules: dict[str, BucketRule]) -> Rendered | Rejected:
+    """Decode every image of the sample, resize each view to its bucket, encode PNGs (runs in a worker)."""
+    try:
+        return _render(rec, key, caption, rc, rules)
+    except Rejected as r:
+        return r
+
+
+def _render(rec: SourceSample, key: str, caption: str, rc: ResizeConfig, rules: dict[str, BucketRule]) -> Rendered:
+    assert rec.target is not None
+    notes: list[str] = []
+    target = _decode(rec.target, "target", rec, 0, rc, notes)
+    tw, th = target.size
+    bh, bw = bucket_size(tw, th, rules["target"])
+    files = {"target.png": _png(_fit(target, bh, bw, rc.max_aspect, Image.Resampling.LANCZOS))}
+    vae_sizes, vl_sizes = [], []
+    for i, data in enumerate(rec.controls):
+        ctrl = _decode(data, f"control {i}", rec, 1 + i, rc, notes)
+        cw, ch = ctrl.size
+        for view, sizes, name in (("vae", vae_sizes, f"control_{i}.png"), ("vl", vl_sizes, f"control_{i}_vl.png")):
+            h, w = bucket_size(cw, ch, rules[view])
+            files[name] = _png(_fit(ctrl, h, w, rc.max_aspect, Image.Resampling.LANCZOS))
+            sizes.append([h, w])
+    if rec.mask is not None:
+        try:
+            dm = decode_mask(rec.mask, rc.max_image_pixels)
+        except ImageRejected as e:
+            raise Rejected("bad-mask", f"mask{_where(rec, 1 + len(rec.controls))}: {e}", key=key) from None
+        mask = dm.image
+        if mask.size != target.size:  # resized with its target: first onto the target's pixel grid
+            mask = mask.resize(target.size, Image.Resampling.BILINEAR)
+            notes.append("mask resized to its target")
+        # bilinear keeps partial coverage at the edges as grey (a fractional weight), never rings like Lanczos
+        files["mask.png"] = _png(_fit(mask, bh, bw, rc.max_aspect, Image.Resampling.BILINEAR))
+    meta = {
+        "caption": caption,
+        "split": split_for(key, rc.val_fraction),
+        "img_shapes": [list(img_shape(bh, bw))] + [list(img_shape(h, w)) for h, w in vae_sizes],
+        "bucket": [bh, bw],
+        "control_sizes": vae_sizes,
+        "control_vl_sizes": vl_sizes,
+        "num_controls": len(rec.controls),
+        "source": rec.source,
+        "source_hashes": [hashlib.sha256(b).hexdigest() for b in (rec.target, *rec.controls)],
+        "source_size": [th, tw],
+        "has_mask": rec.mask is not None,
+        "conversions": sorted(set(notes)),
+    }
+    return Rendered(files, meta, notes)
+
+
+def _where(rec: SourceSample, file_index: int) -> str:
+    return f" ({rec.files[file_index]})" if file_index < len(rec.files) else ""
+
+
+def _decode(data: bytes, what: str, rec: SourceSample, file_index: int, rc: ResizeConfig, notes: list[str]) -> Image.Image:
+    try:
+        d = decode_image(data, rc.max_image_pixels)
+    except ImageRejected as e:
+        raise Rejected(e.kind, f"{what}{_where(rec, file_index)}: {e}") from None
+    notes.extend(d.notes)
+    return d.image
+
+
+def _fit(im: Image.Image, h: int, w: int, max_aspect: float, resample: Image.Resampling) -> Image.Image:
+    """Centre-crop into the aspect clamp (a no-op inside it), then resize to exactly h x w."""
+    box = crop_box_for_aspect(im.width, im.height, max_aspect)
+    if box == (0, 0, im.width, im.height) and im.size == (w, h):
+        return im
+    return im.resize((w, h), resample=resample, box=box)
+
+
+def _png(im: Image.Image) -> bytes:
+    buf = io.BytesIO()
+    im.save(buf, format="PNG", compress_level=PNG_COMPRESS_LEVEL)
+    return buf.getvalue()
+
+
+def _quarantine(st: Store, rows: list[dict[str, Any]]) -> None:
+    """Append new rejects; rows already recorded (an interrupted earlier run, or an older version) are not repeated."""
+    if not rows:
+        return
+    q = st.quarantine()
+    cols = ("key", "source", "stage", "reason", "detail")
+    have = set()
+    if q.num_rows and all(c in q.column_names for c in cols):
+        have = set(zip(*(q.column(c).to_pylist() for c in cols)))
+    st.add_quarantine([r for r in rows if tuple(r[c] for c in cols) not in have])

@@ -1,0 +1,347 @@
+"""Readers for the three source formats (DESIGN §3): a folder, webdataset tars, a JSONL manifest.
+
+Each reader yields one `SourceSample` per sample with the raw bytes of the target, of each control in order, of
+the caption and of the optional edit mask. Nothing is decoded here: judging bytes (bad image, bad caption, wrong
+control count) is the stage's job, so every format is judged by the same rules. A sample the reader itself
+cannot assemble (missing file, unsafe tar member name, malformed JSONL line) is still yielded, with `problem`
+set, so it reaches the quarantine instead of vanishing.
+
+Layouts:
+- folder: `target/<stem>.png|jpg|jpeg|webp` + caption `target/<stem>.txt`, controls `control/<stem>.*`,
+  `control_1/<stem>.*`, ..., optional mask `mask/<stem>.png`.
+- webdataset: `*.tar` (a file, or every tar in a folder, sorted by name); members `<key>.png|jpg|...` (target),
+  `<key>.control.png`, `<key>.control_1.png`, ..., `<key>.txt`, `<key>.mask.png`. As in webdataset, a sample is
+  a run of consecutive members sharing the key (member path up to the first dot of its base name).
+- JSONL: one object per line: `target` (path), `controls` (list of paths; `control` alone also accepted),
+  `caption` or `prompt` (text), optional `mask` (path). Relative paths are relative to the JSONL file's folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import tarfile
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+
+from schemas.errors import UserError
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".tif", ".tiff", ".bmp")
+_CONTROL_DIR = re.compile(r"^control(?:_(\d+))?$")
+
+
+@dataclass
+class SourceSample:
+    """One sample as found in the source; bytes are raw file contents, never decoded here."""
+
+    name: str  # stem / webdataset key / JSONL line label
+    source: str  # where it came from, for the quarantine (path, or tar path + key, or jsonl path:line)
+    target: bytes | None = None
+    controls: list[bytes] = field(default_factory=list)
+    caption: bytes | None = None  # raw caption bytes; None = no caption file / field
+    mask: bytes | None = None
+    files: list[str] = field(default_factory=list)  # source file of target, controls, mask (for messages)
+    problem: str | None = None  # set when the reader could not assemble the sample
+    problem_kind: str = "bad-source"  # quarantine reason category of `problem`
+
+
+def detect_format(source: str | Path) -> str:
+    """'folder', 'webdataset' or 'jsonl' for a source path; UserError when it is none of them."""
+    p = Path(source)
+    if p.is_file():
+        if p.suffix == ".jsonl":
+            return "jsonl"
+        if p.suffix == ".tar":
+            return "webdataset"
+        raise UserError(f"source {p} is a file but neither a .jsonl manifest nor a .tar shard")
+    if not p.is_dir():
+        raise UserError(f"source {p} does not exist; pass a folder, a .tar shard (or folder of them) or a .jsonl file")
+    if (p / "target").is_dir():
+        return "folder"
+    if any(p.glob("*.tar")):
+        return "webdataset"
+    jsonls = sorted(p.glob("*.jsonl"))
+    if len(jsonls) == 1:
+        return "jsonl"
+    if len(jsonls) > 1:
+        raise UserError(f"source {p} holds several .jsonl files ({', '.join(j.name for j in jsonls)}); pass one")
+    raise UserError(f"source {p} has no target/ folder, no .tar shards and no .jsonl manifest (see DESIGN §3)")
+
+
+def iter_source(source: str | Path) -> Iterator[SourceSample]:
+    fmt = detect_format(source)
+    return {"folder": iter_folder, "webdataset": iter_webdataset, "jsonl": iter_jsonl}[fmt](Path(source))
+
+
+def source_files(source: str | Path) -> list[Path]:
+    """The files a source consists of (for the listing hash); JSONL includes the files it references."""
+    p = Path(source)
+    fmt = detect_format(p)
+    if fmt == "folder":
+        return sorted(f for f in p.rglob("*") if f.is_file())
+    if fmt == "webdataset":
+        return _tar_paths(p)
+    manifest = _jsonl_path(p)
+    files = {manifest}
+    for _, obj, _ in _jsonl_objects(manifest):
+        if isinstance(obj, dict):
+            for rel in _jsonl_paths(obj):
+                f = _resolve(manifest.parent, rel)
+                if f.is_file():
+                    files.add(f)
+    return sorted(files)
+
+
+def listing_hash(source: str | Path) -> str:
+    """Hash of (relative path, size, mtime) of every source file: a changed source gives a new table version."""
+    root = Path(source)
+    base = root if root.is_dir() else root.parent
+    h = hashlib.sha256()
+    for f in source_files(root):
+        st = f.stat()
+        rel = os.path.relpath(f, base)
+        h.update(f"{rel}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()[:16]
+
+
+# ---------------------------------------------------------------- folder
+
+
+def _images_by_stem(folder: Path) -> dict[str, list[Path]]:
+    out: dict[str, list[Path]] = {}
+    if folder.is_dir():
+        for f in sorted(folder.iterdir()):
+            if f.is_file() and f.suffix.lower() in IMAGE_SUFFIXES:
+                out.setdefault(f.stem, []).append(f)
+    return out
+
+
+def iter_folder(root: Path) -> Iterator[SourceSample]:
+    targets = _images_by_stem(root / "target")
+    # control dirs in control order: control/ is index 0, control_<i>/ is index i
+    control_dirs: dict[int, Path] = {}
+    for d in root.iterdir():
+        m = _CONTROL_DIR.match(d.name)
+        if d.is_dir() and m:
+            control_dirs[int(m.group(1) or 0)] = d
+    controls = {i: _images_by_stem(d) for i, d in control_dirs.items()}
+    masks = _images_by_stem(root / "mask")
+
+    for stem in sorted(targets):
+        s = SourceSample(name=stem, source=str(root / "target" / stem))
+        found = targets[stem]
+        if len(found) > 1:
+            s.problem = f"several target files for one sample: {', '.join(f.name for f in found)}"
+            yield s
+            continue
+        s.source = str(found[0])
+        present = [i for i in sorted(controls) if stem in controls[i]]
+        if present != list(range(len(present))):
+            s.problem = f"control folders for this sample are not contiguous from control/: found indices {present}"
+            yield s
+            continue
+        try:
+            s.target = found[0].read_bytes()
+            s.files.append(str(found[0]))
+            for i in present:
+                cands = controls[i][stem]
+                if len(cands) > 1:
+                    raise _Problem(f"several control files in {control_dirs[i].name}/: {', '.join(f.name for f in cands)}")
+                s.controls.append(cands[0].read_bytes())
+                s.files.append(str(cands[0]))
+            cap = root / "target" / f"{stem}.txt"
+            s.caption = cap.read_bytes() if cap.is_file() else None
+            if stem in masks:
+                s.mask = masks[stem][0].read_bytes()
+                s.files.append(str(masks[stem][0]))
+        except (_Problem, OSError) as e:
+            s.problem = str(e)
+        yield s
+
+    # files that belong to no target would otherwise vanish silently
+    orphans: list[Path] = [t for t in sorted((root / "target").glob("*.txt")) if t.stem not in targets]
+    for i in sorted(controls):
+        orphans += [f for stem, fs in controls[i].items() if stem not in targets for f in fs]
+    orphans += [f for stem, fs in masks.items() if stem not in targets for f in fs]
+    for f in orphans:
+        yield SourceSample(
+            name=f.stem, source=str(f), problem="file has no matching target image in target/", problem_kind="orphan-file"
+        )
+
+
+class _Problem(Exception):
+    pass
+
+
+# ---------------------------------------------------------------- webdataset
+
+
+def _tar_paths(p: Path) -> list[Path]:
+    return [p] if p.is_file() else sorted(p.glob("*.tar"))
+
+
+def _split_member(name: str) -> tuple[str, str]:
+    """webdataset's rule: key = path up to the first dot of the base name, suffix = the rest (lowercased)."""
+    d, _, base = name.rpartition("/")
+    stem, dot, ext = base.partition(".")
+    return (f"{d}/{stem}" if d else stem), (ext.lower() if dot else "")
+
+
+def _unsafe_name(name: str) -> bool:
+    pure = PurePosixPath(name)
+    return name.startswith("/") or "\\" in name or ".." in pure.parts or re.match(r"^[A-Za-z]:", name) is not None
+
+
+def _sample_from_members(key: str, where: str, members: dict[str, bytes], bad: list[str]) -> SourceSample:
+    s = SourceSample(name=key, source=where)
+    if bad:
+        s.problem = "; ".join(bad)
+        s.problem_kind = "unsafe-path" if any(b.startswith("unsafe member path") for b in bad) else "bad-source"
+        return s
+    targets = [ext for ext in members if "." not in ext and f".{ext}" in IMAGE_SUFFIXES]
+    if len(targets) != 1:
+        s.problem = (
+            f"no target image member ({'/'.join(IMAGE_SUFFIXES)}) among {sorted(members)}"
+            if not targets
+            else f"several target image members: {sorted(targets)}"
+        )
+        return s
+    s.target = members[targets[0]]
+    s.files.append(f"{where}.{targets[0]}")
+    ctrl: dict[int, bytes] = {}
+    ctrl_ext: dict[int, str] = {}
+    for ext, data in members.items():
+        head, dot, tail = ext.partition(".")
+        m = _CONTROL_DIR.match(head)
+        if m and dot and f".{tail}" in IMAGE_SUFFIXES:
+            ctrl[int(m.group(1) or 0)] = data
+            ctrl_ext[int(m.group(1) or 0)] = ext
+    if sorted(ctrl) != list(range(len(ctrl))):
+        s.problem = f"control members are not contiguous from .control: found indices {sorted(ctrl)}"
+        return s
+    s.controls = [ctrl[i] for i in range(len(ctrl))]
+    s.files += [f"{where}.{ctrl_ext[i]}" for i in range(len(ctrl))]
+    s.caption = members.get("txt")
+    masks = [ext for ext in members if ext.startswith("mask.")]
+    if masks:
+        s.mask = members[masks[0]]
+        s.files.append(f"{where}.{masks[0]}")
+    return s
+
+
+def iter_webdataset(root: Path) -> Iterator[SourceSample]:
+    for tar in _tar_paths(root):
+        try:
+            tf = tarfile.open(tar, mode="r|*")  # streaming: one pass, like webdataset
+        except (tarfile.TarError, OSError) as e:
+            yield SourceSample(name=tar.stem, source=str(tar), problem=f"cannot open tar: {e}")
+            continue
+        key: str | None = None
+        members: dict[str, bytes] = {}
+        bad: list[str] = []
+        try:
+            with tf:
+                for m in tf:
+                    if m.isdir():
+                        continue
+                    k, ext = _split_member(m.name)
+                    if key is not None and k != key:
+                        yield _sample_from_members(key, f"{tar}:{key}", members, bad)
+                        members, bad = {}, []
+                    key = k
+                    # never follow names out of the archive, even though we do not extract to disk
+                    if _unsafe_name(m.name):
+                        bad.append(f"unsafe member path {m.name!r} (absolute or '..')")
+                    elif not m.isfile():
+                        bad.append(f"member {m.name!r} is not a regular file (link or device)")
+                    else:
+                        f = tf.extractfile(m)
+                        members[ext] = f.read() if f is not None else b""
+        except (tarfile.TarError, OSError, EOFError) as e:
+            bad.append(f"tar is truncated or corrupt: {e}")
+        if key is not None:
+            yield _sample_from_members(key, f"{tar}:{key}", members, bad)
+        elif bad:
+            yield SourceSample(name=tar.stem, source=str(tar), problem="; ".join(bad))
+
+
+# ---------------------------------------------------------------- JSONL
+
+
+def _jsonl_path(p: Path) -> Path:
+    return p if p.is_file() else sorted(p.glob("*.jsonl"))[0]
+
+
+def _jsonl_objects(path: Path) -> Iterator[tuple[int, object, str | None]]:
+    """(line number, parsed object or None, error) per non-blank line."""
+    with open(path, "rb") as f:
+        for no, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            try:
+                yield no, json.loads(raw.decode("utf-8")), None
+            except UnicodeDecodeError:
+                yield no, None, "line is not valid UTF-8"
+            except json.JSONDecodeError as e:
+                yield no, None, f"line is not valid JSON: {e.msg}"
+
+
+def _jsonl_paths(obj: dict) -> list[str]:
+    paths = [obj.get("target")]
+    ctrls = obj.get("controls", obj.get("control", []))
+    paths += ctrls if isinstance(ctrls, list) else [ctrls]
+    paths.append(obj.get("mask"))
+    return [p for p in paths if isinstance(p, str)]
+
+
+def _resolve(base: Path, rel: str) -> Path:
+    p = Path(rel)
+    return p if p.is_absolute() else base / p
+
+
+def iter_jsonl(root: Path) -> Iterator[SourceSample]:
+    manifest = _jsonl_path(root)
+    base = manifest.parent
+    for no, obj, err in _jsonl_objects(manifest):
+        s = SourceSample(name=f"line{no}", source=f"{manifest}:{no}")
+        if err is None and not isinstance(obj, dict):
+            err = "line is not a JSON object"
+        if err is not None:
+            s.problem = err
+            yield s
+            continue
+        assert isinstance(obj, dict)
+        try:
+            s.target = _read_ref(base, obj.get("target"), "target")
+            ctrls = obj.get("controls", obj.get("control", []))
+            ctrls = ctrls if isinstance(ctrls, list) else [ctrls]
+            s.files.append(str(_resolve(base, obj["target"])))
+            for i, c in enumerate(ctrls):
+                s.controls.append(_read_ref(base, c, f"controls[{i}]"))
+                s.files.append(str(_resolve(base, c)))
+            if obj.get("mask") is not None:
+                s.mask = _read_ref(base, obj["mask"], "mask")
+                s.files.append(str(_resolve(base, obj["mask"])))
+        except _Problem as e:
+            s.problem = str(e)
+            yield s
+            continue
+        s.source = f"{manifest}:{no} ({obj['target']})"
+        text = obj.get("caption", obj.get("prompt"))
+        if text is not None and not isinstance(text, str):
+            s.problem = f"caption/prompt is not a string (got {type(text).__name__})"
+        s.caption = text.encode("utf-8") if isinstance(text, str) else None
+        yield s
+
+
+def _read_ref(base: Path, rel: object, what: str) -> bytes:
+    if not isinstance(rel, str) or not rel:
+        raise _Problem(f"field {what!r} is missing or not a path string")
+    p = _resolve(base, rel)
+    try:
+        return p.read_bytes()
+    except OSError as e:
+        raise _Problem(f"{what} file {p} cannot be read: {e.strerror or e}") from None

@@ -1,0 +1,212 @@
+"""Train checkpoints: written atomically, found again on `--resume`, checked against the config and store.
+
+`RUN/checkpoints/step-N/` holds
+    lora/pytorch_lora_weights.safetensors   the adapter, diffusers format (loadable like RUN/lora)
+    optimizer.safetensors + optimizer.json  AdamW state tensors / param groups (no pickle)
+    scheduler.json                          LR scheduler state
+    rng-rankNN.safetensors                  each rank's torch RNG states
+    resume.json                             `ResumeRecord`, written last
+Everything is written into `.step-N.tmp/`, fsynced, then renamed to `step-N` (the commit): a process killed
+mid-write leaves only a `.tmp` folder, which `latest_checkpoint` ignores and the next run removes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from schemas.errors import UserError
+
+RESUME_JSON = "resume.json"
+RESUME_FORMAT = 1
+_PREFIX = "step-"
+
+
+@dataclass(frozen=True)
+class ResumeRecord:
+    """Where training stopped and what it was trained on; a resume with anything else different fails."""
+
+    step: int  # optimizer steps done
+    epoch: int  # data position: the next micro-batch is batch `batch_in_epoch` of epoch `epoch`
+    batch_in_epoch: int
+    config_fingerprint: str
+    tables: dict[str, int]  # table -> version trained on
+    store: str
+    model_fingerprint: str
+    world_size: int
+    format: int = RESUME_FORMAT
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def read(cls, path: Path) -> "ResumeRecord":
+        try:
+            d = json.loads(path.read_text())
+            if d.get("format") != RESUME_FORMAT:
+                raise UserError(f"{path}: resume format {d.get('format')!r}, this code reads {RESUME_FORMAT}")
+            return cls(**d)
+        except (OSError, json.JSONDecodeError, TypeError) as e:
+            raise UserError(f"checkpoint record {path} is unreadable ({e}); delete that checkpoint folder") from e
+
+    def check_matches(self, now: "ResumeRecord", where: Path) -> None:
+        """Fail loudly when the config, the store tables, the model or the process count changed."""
+        problems = []
+        if self.config_fingerprint != now.config_fingerprint:
+            problems.append(f"train config fingerprint {self.config_fingerprint} -> {now.config_fingerprint}")
+        if self.tables != now.tables:
+            problems.append(f"store tables {self.tables} -> {now.tables}")
+        if self.model_fingerprint != now.model_fingerprint:
+            problems.append(f"model fingerprint {self.model_fingerprint} -> {now.model_fingerprint}")
+        if self.world_size != now.world_size:
+            problems.append(f"process count {self.world_size} -> {now.world_size}")
+        if problems:
+            raise UserError(
+                f"cannot resume from {where}: {'; '.join(problems)}. Resume with the same config, store and "
+                "processes, or start a new run with a different --out"
+            )
+
+
+# ---------------------------------------------------------------------------------------------- locating
+
+
+def checkpoint_dir(root: Path, step: int) -> Path:
+    return root / f"{_PREFIX}{step}"
+
+
+def temp_dir(root: Path, step: int) -> Path:
+    return root / f".{_PREFIX}{step}.tmp"
+
+
+def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """(step, folder) of every committed checkpoint, oldest first."""
+    if not root.is_dir():
+        return []
+    out = []
+    for p in root.iterdir():
+        if p.is_dir() and p.name.startswith(_PREFIX) and p.name[len(_PREFIX) :].isdigit() and (p / RESUME_JSON).is_file():
+            out.append((int(p.name[len(_PREFIX) :]), p))
+    return sorted(out)
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    done = complete_checkpoints(root)
+    return done[-1][1] if done else None
+
+
+def remove_stale(root: Path) -> None:
+    """Delete leftovers of killed writes/prunes (`.step-N.tmp`, `.step-N.deleting`)."""
+    if root.is_dir():
+        for p in root.iterdir():
+            if p.name.startswith(f".{_PREFIX}") and p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+
+
+def prune(root: Path, keep: int) -> None:
+    """Keep the newest `keep` checkpoints; older ones are renamed away first, so a kill never leaves half of one."""
+    for _, p in complete_checkpoints(root)[:-keep]:
+        doomed = p.with_name(f".{p.name}.deleting")
+        os.rename(p, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------- atomic writing
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def begin(root: Path, step: int) -> Path:
+    """Fresh temp folder for the checkpoint of `step` (rank 0 calls this)."""
+    tmp = temp_dir(root, step)
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def commit(root: Path, step: int, tmp: Path, record: ResumeRecord) -> Path:
+    """Write the record last, fsync every file and the folder, then rename: the checkpoint appears whole."""
+    (tmp / RESUME_JSON).write_text(json.dumps(asdict(record), indent=2, sort_keys=True) + "\n")
+    for p in sorted(tmp.rglob("*")):
+        _fsync_path(p)
+    _fsync_path(tmp)
+    final = checkpoint_dir(root, step)
+    if final.exists():  # re-written step (e.g. a resume that ended exactly here): replace it
+        old = final.with_name(f".{final.name}.deleting")
+        os.rename(final, old)
+        shutil.rmtree(old)
+    os.rename(tmp, final)
+    _fsync_path(root)
+    return final
+
+
+# ---------------------------------------------------------------------------------------------- state files
+
+
+def save_optimizer(optimizer: torch.optim.Optimizer, folder: Path) -> None:
+    sd = optimizer.state_dict()
+    tensors = {f"{idx}.{name}": v.detach().cpu().contiguous() for idx, st in sd["state"].items() for name, v in st.items()}
+    save_file(tensors, folder / "optimizer.safetensors")
+    groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()} for g in sd["param_groups"]]
+    (folder / "optimizer.json").write_text(json.dumps({"param_groups": groups}, indent=2) + "\n")
+
+
+def load_optimizer(optimizer: torch.optim.Optimizer, folder: Path) -> None:
+    flat = load_file(folder / "optimizer.safetensors")
+    groups = json.loads((folder / "optimizer.json").read_text())["param_groups"]
+    for g in groups:
+        if "betas" in g:
+            g["betas"] = tuple(g["betas"])
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for name, v in flat.items():
+        idx, field_name = name.split(".", 1)
+        state.setdefault(int(idx), {})[field_name] = v
+    n_params = sum(len(g["params"]) for g in optimizer.param_groups)
+    if sum(len(g["params"]) for g in groups) != n_params:
+        raise UserError(f"{folder}: optimizer state is for a different number of LoRA parameters")
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def save_scheduler(scheduler: torch.optim.lr_scheduler.LRScheduler, folder: Path) -> None:
+    sd = {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"}
+    (folder / "scheduler.json").write_text(json.dumps(sd, indent=2) + "\n")
+
+
+def load_scheduler(scheduler: torch.optim.lr_scheduler.LRScheduler, folder: Path) -> None:
+    sd = json.loads((folder / "scheduler.json").read_text())
+    sd["lr_lambdas"] = [None] * len(sd.get("base_lrs", []))  # the lambdas are rebuilt from the config
+    scheduler.load_state_dict(sd)
+
+
+def _rng_file(folder: Path, rank: int) -> Path:
+    return folder / f"rng-rank{rank:02d}.safetensors"
+
+
+def save_rng(folder: Path, rank: int) -> None:
+    states = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        states.update({f"cuda{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
+    save_file(states, _rng_file(folder, rank))
+    _fsync_path(_rng_file(folder, rank))
+
+
+def load_rng(folder: Path, rank: int) -> None:
+    path = _rng_file(folder, rank)
+    if not path.is_file():
+        raise UserError(f"{folder} has no RNG state for rank {rank}: it was written by a different process count")
+    states = load_file(path)
+    torch.set_rng_state(states["cpu"])
+    cuda = [states[f"cuda{i}"] for i in range(sum(k.startswith("cuda") for k in states))]
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda)

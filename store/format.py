@@ -1,0 +1,177 @@
+"""The on-disk layout of a store (see docs/store-format.md): names, `store.json`, atomic writes, locks.
+
+The format name and version are defined here once and checked on every open.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import io
+import json
+import os
+import re
+import signal
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from schemas.errors import UserError
+
+STORE_FORMAT = "qwen-edit-feature-store"
+STORE_FORMAT_VERSION = 1
+
+STORE_JSON = "store.json"
+STORE_LOCK = ".store.lock"
+QUARANTINE = "quarantine.parquet"
+SCHEMA_JSON = "schema.json"
+MANIFEST = "manifest.parquet"
+VERSION_RE = re.compile(r"v(\d+)")
+SHARD_RE = re.compile(r"shard-r(\d+)-(\d+)\.tar")
+KEY_RE = re.compile(r"[A-Za-z0-9_-]+")  # webdataset splits member names at the first dot: keys have none
+
+
+def version_dir(root: Path, table: str, version: int) -> Path:
+    return root / table / f"v{version}"
+
+
+def shard_name(rank: int, index: int) -> str:
+    return f"shard-r{rank:02d}-{index:06d}.tar"
+
+
+def index_name(shard: str) -> str:
+    """Per-shard index sidecar; its presence means the shard is committed."""
+    return shard[: -len(".tar")] + ".index.parquet"
+
+
+def rank_done_name(rank: int) -> str:
+    return f"rank-{rank:02d}.done"
+
+
+def list_versions(root: Path, table: str) -> list[int]:
+    d = root / table
+    if not d.is_dir():
+        return []
+    return sorted(int(m.group(1)) for p in d.iterdir() if p.is_dir() and (m := VERSION_RE.fullmatch(p.name)))
+
+
+def is_complete(vdir: Path) -> bool:
+    return (vdir / MANIFEST).is_file()
+
+
+# ---------------------------------------------------------------- atomic writes
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Temp file in the same folder, fsync, rename, fsync the folder: readers see the old or the new file."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def atomic_write_json(path: Path, obj: Any) -> None:
+    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+
+
+def atomic_write_parquet(path: Path, table: pa.Table) -> None:
+    buf = io.BytesIO()
+    pq.write_table(table, buf)
+    atomic_write_bytes(path, buf.getvalue())
+
+
+def read_json(path: Path, what: str) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UserError(f"{what} not found: {path}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{what} is not valid JSON: {path} ({e})") from None
+
+
+# ---------------------------------------------------------------- store.json
+
+
+def new_store_record() -> dict[str, Any]:
+    return {"format": STORE_FORMAT, "format_version": STORE_FORMAT_VERSION, "tables": {}}
+
+
+def read_store_record(root: Path) -> dict[str, Any]:
+    rec = read_json(root / STORE_JSON, "store.json")
+    check_store_record(rec, root / STORE_JSON)
+    return rec
+
+
+def check_store_record(rec: Any, path: Path) -> None:
+    found = (rec.get("format"), rec.get("format_version")) if isinstance(rec, dict) else (None, None)
+    if found != (STORE_FORMAT, STORE_FORMAT_VERSION):
+        raise UserError(
+            f"{path}: expected store format {STORE_FORMAT!r} version {STORE_FORMAT_VERSION}, "
+            f"found {found[0]!r} version {found[1]!r}; use a pipeline release that writes this format"
+        )
+    if not isinstance(rec.get("tables"), dict):
+        raise UserError(f"{path}: 'tables' must be a mapping of table -> {{'current': N}}")
+
+
+# ---------------------------------------------------------------- locks
+
+
+@contextmanager
+def flock(path: Path, *, blocking: bool = True, holder: str = "") -> Iterator[None]:
+    """An advisory lock the kernel drops when the process dies (SIGKILL leaves no stale lock)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+        except BlockingIOError:
+            other = Path(path).read_text().strip() or "another process"
+            os.close(fd)
+            raise UserError(
+                f"{holder or path} is being written by {other} (lock {path}); "
+                "wait for it to finish, or stop it, then rerun"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()}".encode())
+        yield
+    finally:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+class HeldLock:
+    """A non-blocking flock held until `release()` (the writer holds one for its whole life)."""
+
+    def __init__(self, path: Path, holder: str) -> None:
+        self._cm = flock(path, blocking=False, holder=holder)
+        self._cm.__enter__()
+
+    def release(self) -> None:
+        if self._cm is not None:
+            self._cm.__exit__(None, None, None)
+            self._cm = None
+
+
+# ---------------------------------------------------------------- fault injection for kill tests
+
+CRASH_ENV = "STORE_CRASH_AT"
+
+
+def crash_point(name: str) -> None:
+    """Tests set STORE_CRASH_AT=<name> to SIGKILL this process at a named step (a real kill, no cleanup)."""
+    if os.environ.get(CRASH_ENV) == name:
+        os.kill(os.getpid(), signal.SIGKILL)

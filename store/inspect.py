@@ -1,0 +1,85 @@
+"""`pipeline store inspect`: what a store holds (tables, versions, samples, buckets, bytes, lineage)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+
+from store import format as fmt
+from store import quarantine
+from store.reader import read_schema
+from store.store import Store
+
+
+def describe(root: Path) -> dict[str, Any]:
+    st = Store(root, create=False)
+    current = st.tables()
+    out: dict[str, Any] = {"store": str(root), "format": fmt.STORE_FORMAT, "format_version": fmt.STORE_FORMAT_VERSION,
+                           "tables": {}}
+    names = sorted(set(current) | {p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")})
+    for table in names:
+        versions = [_describe_version(st.version_dir(table, v), v) for v in st.versions(table)]
+        out["tables"][table] = {"current": current.get(table), "versions": versions}
+    q = quarantine.read(root)
+    out["quarantine"] = {"rows": q.num_rows, "by_reason": dict(Counter(q.column("reason").to_pylist()))}
+    return out
+
+
+def _describe_version(vdir: Path, v: int) -> dict[str, Any]:
+    d: dict[str, Any] = {"version": v, "complete": fmt.is_complete(vdir)}
+    if (vdir / fmt.SCHEMA_JSON).is_file():
+        schema = read_schema(vdir)
+        d.update(schema_version=schema.schema_version, lineage=schema.lineage.to_dict(), attrs=schema.attrs)
+    if not d["complete"]:
+        committed = list(vdir.glob("shard-r*-*.index.parquet"))
+        d["committed_shards"] = len(committed)
+        return d
+    m = pq.read_table(vdir / fmt.MANIFEST)
+    shards = dict(zip(m.column("shard").to_pylist(), m.column("shard_nbytes").to_pylist()))
+    d.update(samples=m.num_rows, shards=len(shards), bytes=sum(shards.values()))
+    if "split" in m.column_names:
+        d["splits"] = dict(Counter(m.column("split").to_pylist()))
+    d["buckets"] = _buckets(m)
+    return d
+
+
+def _buckets(m: Any) -> dict[str, int]:
+    """Target sizes in pixels, "HxW" -> count: the `bucket` column, else img_shapes (x16), else v1 height/width."""
+    cols = m.column_names
+    if "bucket" in cols:
+        sizes = [tuple(b) for b in m.column("bucket").to_pylist()]
+    elif "img_shapes" in cols:
+        sizes = [(s[0][1] * 16, s[0][2] * 16) for s in m.column("img_shapes").to_pylist()]
+    elif "height" in cols and "width" in cols:
+        sizes = list(zip(m.column("height").to_pylist(), m.column("width").to_pylist()))
+    else:
+        return {}
+    return {f"{h}x{w}": n for (h, w), n in sorted(Counter(sizes).items())}
+
+
+def render(info: dict[str, Any]) -> str:
+    lines = [f"store {info['store']} ({info['format']} v{info['format_version']})"]
+    if not info["tables"]:
+        lines.append("  no tables")
+    for table, t in info["tables"].items():
+        lines.append(f"  {table}: current v{t['current']}")
+        for v in t["versions"]:
+            mark = "*" if v["version"] == t["current"] else " "
+            if not v["complete"]:
+                lines.append(f"   {mark} v{v['version']}: incomplete ({v.get('committed_shards', 0)} shards committed)")
+                continue
+            lines.append(f"   {mark} v{v['version']}: schema v{v['schema_version']}, {v['samples']} samples, "
+                         f"{v['shards']} shards, {v['bytes'] / 1e6:.1f} MB"
+                         + (f", splits {v['splits']}" if "splits" in v else ""))
+            if v["buckets"]:
+                lines.append("       buckets: " + ", ".join(f"{b} ({n})" for b, n in v["buckets"].items()))
+            lin = v["lineage"]
+            lines.append(f"       lineage: stage {lin['stage']}, config {lin['config_hash']}, "
+                         f"model {lin['model_fingerprint'][:12] or '-'}, upstream {lin['upstream'] or '-'}, "
+                         f"code {lin['code_version'] or '-'}")
+    q = info["quarantine"]
+    lines.append(f"  quarantine: {q['rows']} rows" + (f" {q['by_reason']}" if q["rows"] else ""))
+    return "\n".join(lines)

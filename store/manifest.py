@@ -1,0 +1,75 @@
+"""Manifest rows <-> Arrow: the locating columns every table has, plus the table's own meta columns."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterable
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from schemas.errors import UserError
+from store.shard import SampleRecord
+
+TENSOR_STRUCT = pa.struct([
+    ("name", pa.string()), ("offset", pa.int64()), ("nbytes", pa.int64()),
+    ("dtype", pa.string()), ("shape", pa.list_(pa.int64())),
+])
+FILE_STRUCT = pa.struct([("name", pa.string()), ("offset", pa.int64()), ("nbytes", pa.int64())])
+LOCATING_FIELDS = [
+    pa.field("key", pa.string(), nullable=False),
+    pa.field("shard", pa.string(), nullable=False),  # file name inside the version folder
+    pa.field("shard_sha256", pa.string(), nullable=False),  # of the whole shard file
+    pa.field("shard_nbytes", pa.int64(), nullable=False),
+    pa.field("sample_offset", pa.int64(), nullable=False),  # first byte of the sample's first tar header
+    pa.field("sample_nbytes", pa.int64(), nullable=False),  # through the end of its last member's padding
+    pa.field("sample_sha256", pa.string(), nullable=False),  # of those bytes
+    pa.field("tensors", pa.list_(TENSOR_STRUCT), nullable=False),  # offsets are absolute within the shard
+    pa.field("files", pa.list_(FILE_STRUCT), nullable=False),
+]
+LOCATING_COLUMNS = frozenset(f.name for f in LOCATING_FIELDS)
+
+
+def rows_to_table(
+    records: list[SampleRecord], metas: list[dict[str, Any]], shard: str, shard_sha256: str, shard_nbytes: int
+) -> pa.Table:
+    n = len(records)
+    cols: dict[str, pa.Array] = {
+        "key": pa.array([r.key for r in records], pa.string()),
+        "shard": pa.array([shard] * n, pa.string()),
+        "shard_sha256": pa.array([shard_sha256] * n, pa.string()),
+        "shard_nbytes": pa.array([shard_nbytes] * n, pa.int64()),
+        "sample_offset": pa.array([r.sample_offset for r in records], pa.int64()),
+        "sample_nbytes": pa.array([r.sample_nbytes for r in records], pa.int64()),
+        "sample_sha256": pa.array([r.sample_sha256 for r in records], pa.string()),
+        "tensors": pa.array([r.tensors for r in records], pa.list_(TENSOR_STRUCT)),
+        "files": pa.array([r.files for r in records], pa.list_(FILE_STRUCT)),
+    }
+    meta_names: dict[str, None] = {}
+    for m in metas:
+        meta_names.update(dict.fromkeys(m))
+    for name in meta_names:
+        try:
+            cols[name] = pa.array([m.get(name) for m in metas])
+        except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
+            raise UserError(f"meta column {name!r} has values of mixed types in shard {shard}: {e}") from None
+    schema = pa.schema(LOCATING_FIELDS + [pa.field(k, cols[k].type) for k in meta_names])
+    return pa.Table.from_arrays([cols[f.name] for f in schema], schema=schema)
+
+
+def empty_manifest() -> pa.Table:
+    return pa.schema(LOCATING_FIELDS).empty_table()
+
+
+def merge_indexes(paths: Iterable[Path]) -> pa.Table:
+    """Concatenate per-shard indexes into one manifest sorted by key; duplicate keys are an error."""
+    parts = [pq.read_table(p) for p in paths]
+    if not parts:
+        return empty_manifest()
+    table = pa.concat_tables(parts, promote_options="permissive")
+    table = table.sort_by("key")
+    keys = table.column("key").to_pylist()
+    dups = sorted({a for a, b in zip(keys, keys[1:]) if a == b})
+    if dups:
+        raise UserError(f"duplicate keys across shards ({len(dups)}), e.g. {dups[:3]}: each sample must be written once")
+    return table

@@ -1,0 +1,91 @@
+"""`Store`: one folder of versioned tables plus `store.json` naming each table's current version."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterable
+
+import pyarrow as pa
+
+from schemas.errors import UserError
+from schemas.lineage import Lineage
+from schemas.table import TableSchema
+from store import format as fmt
+from store import quarantine
+from store.join import JoinedReader
+from store.reader import TableReader, read_schema
+from store.writer import TableWriter
+
+
+class Store:
+    def __init__(self, path: str | Path, create: bool = True) -> None:
+        self.root = Path(path)
+        if not (self.root / fmt.STORE_JSON).is_file():
+            if not create:
+                raise UserError(f"no store at {self.root} (no {fmt.STORE_JSON}); check the path or run a stage first")
+            self.root.mkdir(parents=True, exist_ok=True)
+            with fmt.flock(self.root / fmt.STORE_LOCK):
+                if not (self.root / fmt.STORE_JSON).is_file():
+                    fmt.atomic_write_json(self.root / fmt.STORE_JSON, fmt.new_store_record())
+        fmt.read_store_record(self.root)  # format + version checked on every open
+
+    # ------------------------------------------------------------ tables and versions
+
+    def tables(self) -> dict[str, int]:
+        rec = fmt.read_store_record(self.root)
+        return {t: int(v["current"]) for t, v in sorted(rec["tables"].items())}
+
+    def versions(self, table: str) -> list[int]:
+        return fmt.list_versions(self.root, table)
+
+    def version_dir(self, table: str, version: int) -> Path:
+        return fmt.version_dir(self.root, table, version)
+
+    def set_current(self, table: str, version: int) -> None:
+        """Point store.json at a complete version (atomic rewrite under the store lock)."""
+        if not fmt.is_complete(self.version_dir(table, version)):
+            raise UserError(f"table '{table}' v{version} is not complete; cannot make it current")
+        with fmt.flock(self.root / fmt.STORE_LOCK):
+            rec = fmt.read_store_record(self.root)
+            rec["tables"][table] = {"current": version}
+            fmt.atomic_write_json(self.root / fmt.STORE_JSON, rec)
+
+    def find_version(self, table: str, lineage: Lineage) -> int | None:
+        """A complete version built with exactly this lineage (the current one when it qualifies, else the newest)."""
+        matches = [v for v in self.versions(table)
+                   if fmt.is_complete(self.version_dir(table, v))
+                   and read_schema(self.version_dir(table, v)).lineage == lineage]
+        if not matches:
+            return None
+        current = self.tables().get(table)
+        return current if current in matches else matches[-1]
+
+    # ------------------------------------------------------------ reading and writing
+
+    def reader(self, table: str, version: int | None = None) -> TableReader:
+        if version is None:
+            tables = self.tables()
+            if table not in tables:
+                raise UserError(f"table '{table}' not in store {self.root} (tables: {sorted(tables) or 'none'}); "
+                                "run the stage that writes it first")
+            version = tables[table]
+        vdir = self.version_dir(table, version)
+        if not vdir.is_dir():
+            raise UserError(f"table '{table}' has no version v{version} in store {self.root}")
+        return TableReader(vdir, table, version)
+
+    def join(self, *tables: str) -> JoinedReader:
+        return JoinedReader({t: self.reader(t) for t in tables})
+
+    def writer(
+        self, table: str, schema: TableSchema, rank: int = 0, world_size: int = 1, shard_size_mb: float = 256,
+    ) -> TableWriter:
+        return TableWriter(self, table, schema, rank=rank, world_size=world_size, shard_size_mb=shard_size_mb)
+
+    # ------------------------------------------------------------ quarantine
+
+    def add_quarantine(self, rows: Iterable[dict[str, Any]]) -> int:
+        return quarantine.add_rows(self.root, rows)
+
+    def quarantine(self) -> pa.Table:
+        return quarantine.read(self.root)

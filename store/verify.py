@@ -1,0 +1,189 @@
+"""`pipeline store verify`: every problem as one line; an empty list means the store is sound.
+
+Checks: store.json format; each table's current version exists and is complete; for every complete version:
+schema valid, manifest columns present, keys valid and unique, each shard's size and sha256 as recorded, and
+each manifest row against its bytes (sample sha256, tar members named after the key, safetensors header
+agreeing with the recorded dtype/shape/offset of every tensor, file members at their recorded offsets).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import struct
+import tarfile
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+from tqdm import tqdm
+
+from schemas.errors import UserError
+from schemas.img_shapes import normalize_img_shapes
+from schemas.table import SCHEMA_V1
+from store import format as fmt
+from store import quarantine
+from store.manifest import LOCATING_COLUMNS
+from store.reader import read_schema, torch_dtype
+
+CHUNK = 8 * 1024 * 1024
+
+
+def verify_store(root: Path, progress: bool = True) -> list[str]:
+    try:
+        rec = fmt.read_store_record(root)
+    except UserError as e:
+        return [str(e)]
+    problems: list[str] = []
+    tables = sorted({p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")} | set(rec["tables"]))
+    for table in tables:
+        current = rec["tables"].get(table, {}).get("current")
+        if current is not None and not fmt.is_complete(fmt.version_dir(root, table, int(current))):
+            problems.append(f"{table}: store.json names v{current} as current, but it is missing or incomplete")
+        for v in fmt.list_versions(root, table):
+            vdir = fmt.version_dir(root, table, v)
+            if fmt.is_complete(vdir):  # incomplete folders are writes in progress (or killed): not yet data
+                problems += verify_version(vdir, f"{table}/v{v}", progress)
+    if (root / fmt.QUARANTINE).is_file():
+        try:
+            cols = set(quarantine.read(root).column_names)
+            missing = sorted({"key", "source", "stage", "reason"} - cols)
+            if missing:
+                problems.append(f"{fmt.QUARANTINE}: missing columns {missing}")
+        except Exception as e:  # noqa: BLE001 - any unreadable parquet is one reported problem
+            problems.append(f"{fmt.QUARANTINE}: unreadable ({e})")
+    return problems
+
+
+def verify_version(vdir: Path, name: str, progress: bool = True) -> list[str]:
+    try:
+        schema = read_schema(vdir)
+    except UserError as e:
+        return [f"{name}: {e}"]
+    try:
+        manifest = pq.read_table(vdir / fmt.MANIFEST)
+    except Exception as e:  # noqa: BLE001
+        return [f"{name}/{fmt.MANIFEST}: unreadable ({e})"]
+    missing = sorted(LOCATING_COLUMNS - set(manifest.column_names))
+    if missing:
+        return [f"{name}/{fmt.MANIFEST}: missing columns {missing}"]
+    problems: list[str] = []
+    rows = manifest.to_pylist()
+    keys = [r["key"] for r in rows]
+    seen: set[str] = set()
+    for k in keys:
+        if k in seen:
+            problems.append(f"{name}: duplicate key {k}")
+        elif not fmt.KEY_RE.fullmatch(k or ""):
+            problems.append(f"{name}: invalid key {k!r}")
+        seen.add(k)
+    for r in rows:
+        problems += _check_columns(r, schema.schema_version, name)
+    by_shard: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        by_shard.setdefault(r["shard"], []).append(r)
+    for shard, srows in tqdm(sorted(by_shard.items()), desc=f"verify {name}", unit="shard", disable=not progress):
+        problems += _check_shard(vdir / shard, f"{name}/{shard}", srows)
+    return problems
+
+
+def _check_columns(r: dict[str, Any], schema_version: int, name: str) -> list[str]:
+    if schema_version == SCHEMA_V1:
+        if not r.get("height") or not r.get("width"):
+            return [f"{name}: key {r['key']}: schema v1 row lacks height/width"]
+        return []
+    try:
+        normalize_img_shapes(r.get("img_shapes"))
+    except ValueError as e:
+        return [f"{name}: key {r['key']}: {e}"]
+    return []
+
+
+def _check_shard(path: Path, name: str, rows: list[dict[str, Any]]) -> list[str]:
+    if not path.is_file():
+        return [f"{name}: shard file missing ({len(rows)} samples)"]
+    recorded = {(r["shard_sha256"], r["shard_nbytes"]) for r in rows}
+    if len(recorded) != 1:
+        return [f"{name}: manifest rows disagree on the shard's checksum/size"]
+    (sha, nbytes), = recorded
+    problems = []
+    size = path.stat().st_size
+    if size != nbytes:
+        problems.append(f"{name}: size {size} bytes, manifest records {nbytes}")
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            h.update(chunk)
+        if h.hexdigest() != sha:
+            problems.append(f"{name}: sha256 mismatch (recorded {sha[:12]}…, found {h.hexdigest()[:12]}…): shard is corrupt")
+        for r in rows:
+            problems += [f"{name}: key {r['key']}: {p}" for p in _check_row(f, size, r)]
+    return problems
+
+
+def _check_row(f: Any, size: int, r: dict[str, Any]) -> list[str]:
+    start, n = r["sample_offset"], r["sample_nbytes"]
+    if start < 0 or start + n > size:
+        return [f"sample bytes [{start}, {start + n}) lie outside the shard"]
+    f.seek(start)
+    data = f.read(n)
+    if hashlib.sha256(data).hexdigest() != r["sample_sha256"]:
+        return ["sample bytes do not match the recorded sha256"]
+    members = _members(data, start)
+    if members is None:
+        return ["sample bytes are not whole tar members"]
+    problems = []
+    key = r["key"]
+    wrong = [m for m in members if m.split(".", 1)[0] != key]
+    if wrong:
+        problems.append(f"tar members named for another key: {wrong}")
+    for fr in r["files"]:
+        at = members.get(f"{key}.{fr['name']}")
+        if at != (fr["offset"], fr["nbytes"]):
+            problems.append(f"file {fr['name']!r} not at its recorded offset/size")
+    if r["tensors"]:
+        at = members.get(f"{key}.safetensors")
+        if at is None:
+            return problems + ["tensors recorded but no .safetensors member"]
+        problems += _check_tensors(data, start, at, r["tensors"])
+    return problems
+
+
+def _members(data: bytes, base: int) -> dict[str, tuple[int, int]] | None:
+    """member name -> (absolute data offset, size) for the tar members filling `data` exactly."""
+    out = {}
+    pos = 0
+    while pos < len(data):
+        try:
+            info = tarfile.TarInfo.frombuf(data[pos : pos + tarfile.BLOCKSIZE], "utf-8", "strict")
+        except tarfile.TarError:
+            return None
+        out[info.name] = (base + pos + tarfile.BLOCKSIZE, info.size)
+        pos += tarfile.BLOCKSIZE + info.size + (-info.size % tarfile.BLOCKSIZE)
+    return out if pos == len(data) else None
+
+
+def _check_tensors(data: bytes, base: int, member: tuple[int, int], tensors: list[dict[str, Any]]) -> list[str]:
+    moff, msize = member[0] - base, member[1]
+    try:
+        (hlen,) = struct.unpack("<Q", data[moff : moff + 8])
+        header = json.loads(data[moff + 8 : moff + 8 + hlen])
+    except (struct.error, ValueError):
+        return ["safetensors member has an unreadable header"]
+    problems = []
+    data_start = member[0] + 8 + hlen
+    for t in tensors:
+        h = header.get(t["name"])
+        if h is None:
+            problems.append(f"tensor {t['name']!r} not in the safetensors header")
+            continue
+        begin, end = h["data_offsets"]
+        st_dtype = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64", "I64": "int64",
+                    "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}.get(h["dtype"])
+        expect_nbytes = math.prod(t["shape"]) * torch_dtype(t["dtype"]).itemsize
+        if (data_start + begin, end - begin, st_dtype, list(h["shape"])) != (t["offset"], t["nbytes"], t["dtype"], list(t["shape"])):
+            problems.append(f"tensor {t['name']!r}: manifest offset/size/dtype/shape disagree with the safetensors header")
+        elif expect_nbytes != t["nbytes"] or data_start + end > member[0] + msize:
+            problems.append(f"tensor {t['name']!r}: byte size inconsistent with its shape")
+    return problems

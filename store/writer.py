@@ -1,0 +1,202 @@
+"""Resumable, multi-rank table writer: shards committed one by one (temp + fsync + rename), manifest last.
+
+Version folder life cycle: `schema.json` written when the folder is created; each committed shard gets its
+index sidecar (presence = committed); each rank that finished leaves `rank-XX.done`; rank 0's `commit()` merges
+the indexes into `manifest.parquet` (presence = version complete) and then points `store.json` at it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+import torch
+
+from schemas.errors import UserError
+from schemas.img_shapes import normalize_img_shapes
+from schemas.table import SCHEMA_V2, TableSchema
+from store import format as fmt
+from store.manifest import LOCATING_COLUMNS, merge_indexes, rows_to_table
+from store.shard import ShardBuilder, tensor_dtype_name
+
+MB = 1024 * 1024
+
+
+class TableWriter:
+    def __init__(
+        self, store: "Store", table: str, schema: TableSchema,  # type: ignore[name-defined]  # noqa: F821
+        rank: int = 0, world_size: int = 1, shard_size_mb: float = 256,
+    ) -> None:
+        if schema.name != table:
+            raise UserError(f"schema is for table {schema.name!r}, not {table!r}")
+        if not 0 <= rank < world_size:
+            raise UserError(f"rank {rank} is outside world_size {world_size}")
+        self.store, self.table, self.schema = store, table, schema
+        self.rank, self.world_size = rank, world_size
+        self.shard_bytes = max(1, int(shard_size_mb * MB))
+        (store.root / table).mkdir(parents=True, exist_ok=True)
+        # One writer per (table, rank): a second one fails here at once instead of interleaving shards.
+        self._lock = fmt.HeldLock(store.root / table / f".write-r{rank:02d}.lock", holder=f"table '{table}' (rank {rank})")
+        self.version, self.dir = self._open_version()
+        self._clean_uncommitted()
+        self.done_keys: set[str] = self._committed_keys()
+        self._added: set[str] = set()
+        self._next_index = self._next_shard_index()
+        self._builder: ShardBuilder | None = None
+        self._metas: list[dict[str, Any]] = []
+        self._finished = False
+        self._closed = False
+
+    # ------------------------------------------------------------ opening / resuming
+
+    def _open_version(self) -> tuple[int, Path]:
+        """Resume the in-progress version with this exact schema + lineage, else create v<N+1>.
+
+        Done under the store lock so that ranks starting together agree on one folder.
+        """
+        want = self.schema.to_dict()
+        with fmt.flock(self.store.root / fmt.STORE_LOCK):
+            versions = fmt.list_versions(self.store.root, self.table)
+            for v in reversed(versions):
+                vdir = fmt.version_dir(self.store.root, self.table, v)
+                if fmt.is_complete(vdir) or not (vdir / fmt.SCHEMA_JSON).is_file():
+                    continue
+                if fmt.read_json(vdir / fmt.SCHEMA_JSON, "schema.json") == want:
+                    return v, vdir
+            v = (versions[-1] if versions else 0) + 1
+            vdir = fmt.version_dir(self.store.root, self.table, v)
+            vdir.mkdir(parents=True)
+            fmt.atomic_write_json(vdir / fmt.SCHEMA_JSON, want)
+            return v, vdir
+
+    def _clean_uncommitted(self) -> None:
+        """Drop this rank's half-written shards: temp files and tars whose index never got written."""
+        prefix = f"shard-r{self.rank:02d}-"
+        for p in self.dir.glob(prefix + "*.tar.tmp"):
+            p.unlink()
+        for p in self.dir.glob(prefix + "*.tar"):
+            if not (self.dir / fmt.index_name(p.name)).is_file():
+                p.unlink()
+        (self.dir / fmt.rank_done_name(self.rank)).unlink(missing_ok=True)
+
+    def _index_paths(self) -> list[Path]:
+        return sorted(self.dir.glob("shard-r*-*.index.parquet"))
+
+    def _committed_keys(self) -> set[str]:
+        keys: set[str] = set()
+        for p in self._index_paths():
+            keys.update(pq.read_table(p, columns=["key"]).column("key").to_pylist())
+        return keys
+
+    def _next_shard_index(self) -> int:
+        idx = [int(m.group(2)) for p in self.dir.glob(f"shard-r{self.rank:02d}-*.tar")
+               if (m := fmt.SHARD_RE.fullmatch(p.name))]
+        return max(idx) + 1 if idx else 0
+
+    # ------------------------------------------------------------ adding samples
+
+    def add(
+        self, key: str, tensors: dict[str, torch.Tensor] | None = None,
+        files: dict[str, bytes] | None = None, meta: dict[str, Any] | None = None,
+    ) -> None:
+        if self._finished:
+            raise UserError(f"writer for table '{self.table}' rank {self.rank} already finished; open a new one")
+        tensors, files, meta = dict(tensors or {}), dict(files or {}), dict(meta or {})
+        if not fmt.KEY_RE.fullmatch(key):
+            raise UserError(f"sample key {key!r} must be letters, digits, '_' or '-' (no dots: webdataset splits there)")
+        if key in self.done_keys or key in self._added:
+            raise UserError(f"duplicate key {key} in table '{self.table}' (skip keys in writer.done_keys on resume)")
+        self._validate(key, tensors, files, meta)
+        if self._builder is None:
+            self._builder = ShardBuilder(self.dir / fmt.shard_name(self.rank, self._next_index))
+        self._builder.add(key, tensors, files, meta)
+        self._metas.append(meta)
+        self._added.add(key)
+        if self._builder.nbytes >= self.shard_bytes:
+            self._commit_shard()
+
+    def _validate(self, key: str, tensors: dict[str, torch.Tensor], files: dict[str, bytes], meta: dict[str, Any]) -> None:
+        where = f"table '{self.table}', sample {key}"
+        for name, t in tensors.items():
+            spec = self.schema.spec_for("tensor", name)
+            if spec is None:
+                raise UserError(f"{where}: tensor {name!r} is not a field of the schema")
+            if tensor_dtype_name(t) != spec.dtype or t.dim() != spec.rank:
+                raise UserError(f"{where}: tensor {name!r} is {t.dtype} rank {t.dim()}, schema says {spec.dtype} rank {spec.rank}")
+        for name in files:
+            if self.schema.spec_for("file", name) is None:
+                raise UserError(f"{where}: file {name!r} is not a field of the schema")
+            if name == "json" or name == "safetensors" or "/" in name:
+                raise UserError(f"{where}: file name {name!r} is reserved or invalid")
+        for kind, have in (("tensor", tensors), ("file", files), ("column", meta)):
+            missing = [n for n in self.schema.required(kind) if n not in have]  # type: ignore[arg-type]
+            if missing:
+                raise UserError(f"{where}: missing required {kind}(s) {missing}")
+        clash = LOCATING_COLUMNS & meta.keys()
+        if clash:
+            raise UserError(f"{where}: meta columns {sorted(clash)} are reserved by the manifest")
+        if self.schema.schema_version >= SCHEMA_V2:
+            try:
+                meta["img_shapes"] = [list(s) for s in normalize_img_shapes(meta.get("img_shapes"))]
+            except ValueError as e:
+                raise UserError(f"{where}: {e} (schema v2 requires img_shapes in meta)") from None
+
+    def _commit_shard(self) -> None:
+        b = self._builder
+        if b is None:
+            return
+        self._builder = None
+        if not b.records:
+            b.abandon()
+            return
+        sha = b.commit()
+        nbytes = b.final_path.stat().st_size
+        index = rows_to_table(b.records, self._metas, b.final_path.name, sha, nbytes)
+        fmt.atomic_write_parquet(self.dir / fmt.index_name(b.final_path.name), index)  # shard now committed
+        self._metas = []
+        self._next_index += 1
+        fmt.crash_point("after_shard_commit")
+
+    # ------------------------------------------------------------ finishing
+
+    def finish_rank(self) -> None:
+        """Commit the open shard and mark this rank done (multi-rank: every rank calls this, then a barrier)."""
+        if self._finished:
+            return
+        self._commit_shard()
+        fmt.atomic_write_json(self.dir / fmt.rank_done_name(self.rank), {"rank": self.rank, "world_size": self.world_size})
+        self._finished = True
+
+    def commit(self) -> int:
+        """Rank 0 (after every rank's `finish_rank`): write the manifest, then switch store.json. Returns the version."""
+        if self.rank != 0:
+            raise UserError(f"only rank 0 commits table '{self.table}'; rank {self.rank} calls finish_rank()")
+        self.finish_rank()
+        missing = [r for r in range(self.world_size) if not (self.dir / fmt.rank_done_name(r)).is_file()]
+        if missing:
+            raise UserError(f"table '{self.table}' v{self.version}: ranks {missing} have not finished; "
+                            "call commit() on rank 0 after a barrier")
+        manifest = merge_indexes(self._index_paths())
+        fmt.atomic_write_parquet(self.dir / fmt.MANIFEST, manifest)  # version complete from here on
+        fmt.crash_point("after_manifest")
+        self.store.set_current(self.table, self.version)
+        self.close()
+        return self.version
+
+    def close(self) -> None:
+        """Release the lock without committing (a rerun resumes from the committed shards)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._builder is not None:
+            self._builder.abandon()
+            self._builder = None
+        self._lock.release()
+
+    def __enter__(self) -> "TableWriter":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+

@@ -1,0 +1,71 @@
+"""LoRA IO: only adapter weights are saved, diffusers' own loader reads them unchanged, key checks on load."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from models.loading import load_component
+from models.lora_io import WEIGHT_NAME, add_lora, load_lora, lora_parameters, lora_state_dict, save_lora
+from pipeline.config import LoraConfig
+from schemas import UserError
+
+
+def _lora_transformer(model: str, cfg: LoraConfig, seed: int = 0):
+    t = load_component(model, "transformer", dtype=torch.float32)
+    add_lora(t, cfg)
+    g = torch.Generator().manual_seed(seed)
+    for p in lora_parameters(t):  # non-zero B so the adapter changes outputs
+        p.data = torch.randn(p.shape, generator=g) * 0.1
+    return t
+
+
+def test_add_lora_freezes_base_and_trains_only_targets(tiny_edit_model):
+    t = _lora_transformer(tiny_edit_model, LoraConfig(rank=4, target_modules=["to_q", "to_v"]))
+    trainable = [n for n, p in t.named_parameters() if p.requires_grad]
+    assert trainable and all(".lora_" in n and (".to_q." in n or ".to_v." in n) for n in trainable)
+    assert len(trainable) == 2 * 2 * 2  # 2 blocks x 2 targets x (A, B)
+    assert all(p.dtype == torch.float32 for p in lora_parameters(t))
+
+
+def test_saved_lora_is_adapter_only_and_diffusers_loads_it_unchanged(tiny_edit_model, tmp_path):
+    from diffusers import QwenImageEditPipeline
+
+    t = _lora_transformer(tiny_edit_model, LoraConfig(rank=4, alpha=8.0))
+    path = save_lora(t, tmp_path / "lora")
+    assert path.name == WEIGHT_NAME
+    saved = load_file(path)
+    ours = lora_state_dict(t)
+    assert set(saved) == {f"transformer.{k}" for k in ours} and all(".lora_" in k for k in saved)
+
+    pipe = QwenImageEditPipeline.from_pretrained(tiny_edit_model)
+    pipe.load_lora_weights(tmp_path / "lora")
+    (name,) = pipe.transformer.peft_config
+    assert pipe.transformer.peft_config[name].r == 4 and pipe.transformer.peft_config[name].lora_alpha == 8.0
+    theirs = lora_state_dict(pipe.transformer, name)
+    assert set(theirs) == set(ours) and all(torch.equal(theirs[k], ours[k]) for k in ours)
+
+
+def test_load_lora_round_trip_and_key_checks(tiny_edit_model, tmp_path):
+    cfg = LoraConfig(rank=4)
+    src = _lora_transformer(tiny_edit_model, cfg, seed=1)
+    save_lora(src, tmp_path / "lora")
+    dst = _lora_transformer(tiny_edit_model, cfg, seed=2)
+    load_lora(dst, tmp_path / "lora")
+    a, b = lora_state_dict(src), lora_state_dict(dst)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+    # A LoRA for other target modules: missing and unexpected keys are both an error, naming them.
+    other = _lora_transformer(tiny_edit_model, LoraConfig(rank=4, target_modules=["to_q", "add_k_proj"]))
+    with pytest.raises(UserError, match=r"missing \['transformer_blocks.0.attn.add_k_proj.lora_A.weight'.*unexpected \['transformer_blocks.0.attn.to_k"):
+        load_lora(other, tmp_path / "lora")
+    # A different rank: same keys, other shapes.
+    with pytest.raises(UserError, match="shapes differ"):
+        load_lora(_lora_transformer(tiny_edit_model, LoraConfig(rank=2)), tmp_path / "lora")
+    # A file that is not a diffusers transformer LoRA.
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    save_file({"lora_A.weight": torch.zeros(1)}, bad / WEIGHT_NAME)
+    with pytest.raises(UserError, match="prefix"):
+        load_lora(dst, bad)

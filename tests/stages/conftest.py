@@ -1,0 +1,154 @@
+"""Fixtures for stage tests: small `images` tables written with the store writer directly (the layout
+stages/resize_bucket.py writes: target.png, control_{i}.png = VAE view, control_{i}_vl.png = VL view, optional
+mask.png, and the manifest columns), so the encode stages can be tested without running resize-bucket.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from schemas import FieldSpec, Lineage, TableSchema
+from store import Store
+
+CAPTIONS = [
+    "make the square red",
+    "add a hat and change the sky to sunset, then make it brighter",
+    "rotate",
+    "make the square blue",  # same token count as the first: shares batches with it
+    "remove the circle and replace the car with a bicycle",
+]
+
+
+@dataclass
+class FixtureSample:
+    caption: str
+    target: tuple[int, int]  # (height, width) of the bucket, multiples of 16
+    controls: list[tuple[int, int]] = field(default_factory=list)  # VAE views (h, w)
+    controls_vl: list[tuple[int, int]] = field(default_factory=list)  # VL views (h, w)
+    mask: bool = False
+    corrupt_control: bool = False
+
+
+def _png(arr: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _noise(rng: np.random.Generator, h: int, w: int) -> np.ndarray:
+    # Smooth-ish content (not pure noise) so resizes and the VAE see image-like data.
+    base = rng.integers(0, 255, (h // 8 + 1, w // 8 + 1, 3), dtype=np.uint8)
+    up = np.kron(base, np.ones((8, 8, 1), dtype=np.uint8))[:h, :w]
+    return np.clip(up.astype(np.int16) + rng.integers(-20, 20, (h, w, 3)), 0, 255).astype(np.uint8)
+
+
+def images_schema(tag: str) -> TableSchema:
+    col = "column"
+    return TableSchema(
+        name="images",
+        lineage=Lineage("resize-bucket", config_hash=f"fixture-{tag}", upstream={}, code_version="fixture"),
+        fields=[
+            FieldSpec("target.png", "png", kind="file"),
+            FieldSpec("control_{i}.png", "png", kind="file", optional=True),
+            FieldSpec("control_{i}_vl.png", "png", kind="file", optional=True),
+            FieldSpec("mask.png", "png", kind="file", optional=True),
+            FieldSpec("caption", "string", kind=col),
+            FieldSpec("split", "string", kind=col),
+            FieldSpec("img_shapes", "json", kind=col),
+            FieldSpec("bucket", "json", kind=col),
+            FieldSpec("control_sizes", "json", kind=col),
+            FieldSpec("num_controls", "int64", kind=col),
+            FieldSpec("source", "string", kind=col),
+            FieldSpec("has_mask", "bool", kind=col),
+        ],
+    )
+
+
+def write_images_table(store_path: Path, samples: list[FixtureSample], seed: int = 0, tag: str = "a") -> dict[str, FixtureSample]:
+    """Write one `images` version; returns key -> sample. A new `tag` gives a new lineage (a new version)."""
+    rng = np.random.default_rng(seed)
+    st = Store(store_path)
+    w = st.writer("images", images_schema(tag))
+    out = {}
+    for i, s in enumerate(samples):
+        h, w_ = s.target
+        files = {"target.png": _png(_noise(rng, h, w_))}
+        for c, ((ch, cw), (vh, vw)) in enumerate(zip(s.controls, s.controls_vl)):
+            files[f"control_{c}.png"] = _png(_noise(rng, ch, cw))
+            files[f"control_{c}_vl.png"] = _png(_noise(rng, vh, vw))
+        if s.corrupt_control:
+            files["control_0.png"] = files["control_0_vl.png"] = b"\x89PNG\r\n\x1a\n-not-really-a-png"
+        if s.mask:
+            m = np.zeros((h, w_), dtype=np.uint8)
+            m[h // 4 : h // 2 + 3, w_ // 3 : w_ - 5] = 255  # edges not on the 16-px token grid: fractional weights
+            files["mask.png"] = _png(m)
+        key = hashlib.sha256(b"".join(files[k] for k in sorted(files)) + s.caption.encode()).hexdigest()[:32]
+        shapes = [[1, h // 16, w_ // 16]] + [[1, ch // 16, cw // 16] for ch, cw in s.controls]
+        w.add(key, files=files, meta={
+            "caption": s.caption, "split": "val" if i % 4 == 3 else "train", "img_shapes": shapes,
+            "bucket": [h, w_], "control_sizes": [list(c) for c in s.controls], "num_controls": len(s.controls),
+            "source": f"fixture/{i}", "has_mask": s.mask,
+        })
+        out[key] = s
+    w.commit()
+    return out
+
+
+def edit_samples() -> list[FixtureSample]:
+    """One control each (an Edit model's input), varied instruction lengths and control sizes."""
+    sizes = [(64, 64), (48, 80), (64, 64), (96, 64), (64, 64), (48, 80)]
+    return [
+        FixtureSample(CAPTIONS[i % len(CAPTIONS)], target=sizes[(i + 1) % len(sizes)], controls=[sizes[i]],
+                      controls_vl=[sizes[i]], mask=i % 2 == 0)
+        for i in range(6)
+    ]
+
+
+def plus_samples() -> list[FixtureSample]:
+    """0..3 controls, VL views at their own (smaller) sizes; some masks."""
+    return [
+        FixtureSample(CAPTIONS[0], (64, 64), [(64, 64)], [(56, 56)], mask=True),
+        FixtureSample(CAPTIONS[1], (48, 80), [(48, 80), (64, 64)], [(56, 84), (56, 56)]),
+        FixtureSample(CAPTIONS[2], (64, 48), [], []),
+        FixtureSample(CAPTIONS[3], (64, 64), [(64, 64)], [(56, 56)], mask=True),
+        FixtureSample(CAPTIONS[4], (80, 48), [(80, 48), (32, 32), (64, 64)], [(84, 56), (56, 56), (56, 56)]),
+        FixtureSample(CAPTIONS[0], (64, 64), [(64, 64)], [(56, 56)]),
+    ]
+
+
+@pytest.fixture(scope="session")
+def _store_templates(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("images-stores")
+    out = {}
+    for name, samples in (("edit", edit_samples()), ("plus", plus_samples())):
+        write_images_table(root / name, samples)
+        out[name] = root / name
+    return out
+
+
+@pytest.fixture
+def edit_store(_store_templates, tmp_path) -> Path:
+    """A fresh store holding an `images` table for an Edit model (one control per sample)."""
+    return Path(shutil.copytree(_store_templates["edit"], tmp_path / "store"))
+
+
+@pytest.fixture
+def plus_store(_store_templates, tmp_path) -> Path:
+    """A fresh store holding an `images` table for an Edit-Plus model (0..3 controls per sample)."""
+    return Path(shutil.copytree(_store_templates["plus"], tmp_path / "store"))
+
+
+@pytest.fixture
+def images_fixture() -> SimpleNamespace:
+    """The builders, for tests that write their own images tables (conftest modules are not importable)."""
+    return SimpleNamespace(write=write_images_table, Sample=FixtureSample, edit_samples=edit_samples,
+                           plus_samples=plus_samples)

@@ -1,0 +1,178 @@
+"""encode-text against the unmodified diffusers pipelines, batching, quarantine, lineage, loads, kill + resume."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+from pipeline.config import load_config
+from stages import encode_text
+from stages.encoding_common import batches_by_shape
+from store import Store
+from tests.stages.conftest import FixtureSample, edit_samples, write_images_table
+
+F32 = {"encode_text.dtype": "float32"}
+
+
+def _pil(data: bytes) -> Image.Image:
+    return Image.open(io.BytesIO(data)).convert("RGB")
+
+
+def _reference(pipe, variant: str, caption: str, files: dict[str, bytes], n: int) -> torch.Tensor:
+    """What the unmodified pipeline's encode_prompt returns for this sample alone, trimmed by its mask."""
+    if variant == "edit":
+        image = _pil(files["control_0.png"])  # the pipeline gives the VL model its (bucket-sized) condition image
+    else:
+        image = [_pil(files[f"control_{i}_vl.png"]) for i in range(n)] or None
+    embeds, mask = pipe.encode_prompt(caption, image=image, device="cpu")
+    return embeds[0] if mask is None else embeds[0][mask[0].bool()]
+
+
+@pytest.mark.parametrize("variant", ["edit", "edit-plus"])
+def test_matches_diffusers_encode_prompt(variant, tiny_edit_model, tiny_plus_model, edit_store, plus_store):
+    from diffusers import QwenImageEditPipeline, QwenImageEditPlusPipeline
+
+    model, store = (tiny_edit_model, edit_store) if variant == "edit" else (tiny_plus_model, plus_store)
+    cls = QwenImageEditPipeline if variant == "edit" else QwenImageEditPlusPipeline
+    pipe = cls.from_pretrained(model, torch_dtype=torch.float32)
+    images = Store(store).reader("images")
+    refs = {}
+    for key in images.keys():
+        s = images.get(key)
+        n = s["meta"]["num_controls"]
+        refs[key] = {kind: _reference(pipe, variant, text, s["files"], n)
+                     for kind, text in (("prompt", s["meta"]["caption"]), ("empty", ""))}
+
+    # float32 through the stage's own prepare -> same-shape batches -> forward: bit-exact (max abs diff 0).
+    fmt = encode_text.prompt_format(variant, None, None)
+    lock = __import__("threading").Lock()
+    requests = [r for key in images.keys() for r in encode_text.prepare(key, images.get(key), fmt, pipe.processor, lock)]
+    batches = list(batches_by_shape(requests, lambda r: r.shape, batch_size=8))
+    assert max(len(b) for b in batches) > 1, "fixture must put several samples into one batch"
+    assert len({len(r.inputs["input_ids"][0]) for r in requests}) > 2, "fixture must vary instruction lengths"
+    for batch in batches:
+        for req, emb in zip(batch, encode_text.encode_batch(pipe.text_encoder, batch, fmt.start_idx)):
+            ref = refs[req.key][req.kind]
+            assert emb.shape == ref.shape
+            assert (emb - ref).abs().max().item() == 0.0
+
+    # The stored table (bf16): exactly the float32 reference rounded to bf16 (tolerance 0 after rounding).
+    cfg = load_config(None, {**F32, "encode_text.batch_size": 8})
+    summary = encode_text.run(cfg, store, model)
+    assert summary.encoded == len(refs) and summary.quarantined == 0
+    text = Store(store).reader("text")
+    assert sorted(text.keys()) == sorted(refs)
+    for key, ref in refs.items():
+        got = text.get(key)
+        assert got["tensors"]["prompt_embeds"].dtype == torch.bfloat16
+        assert torch.equal(got["tensors"]["prompt_embeds"], ref["prompt"].to(torch.bfloat16))
+        assert torch.equal(got["tensors"]["empty_embeds"], ref["empty"].to(torch.bfloat16))
+        assert got["meta"]["length"] == ref["prompt"].shape[0]
+        assert got["meta"]["empty_length"] == ref["empty"].shape[0]
+        assert got["meta"]["img_shapes"] == images.meta(key)["img_shapes"]
+
+
+def test_batch_size_does_not_change_the_table(tiny_plus_model, plus_store, tmp_path):
+    other = Path(shutil.copytree(plus_store, tmp_path / "other"))
+    encode_text.run(load_config(None, F32), plus_store, tiny_plus_model, batch_size=1)
+    encode_text.run(load_config(None, F32), other, tiny_plus_model, batch_size=8)
+    a, b = Store(plus_store).reader("text"), Store(other).reader("text")
+    assert a.keys() == b.keys()
+    for key in a.keys():
+        ta, tb = a.tensors(key), b.tensors(key)
+        assert all(torch.equal(ta[n], tb[n]) for n in ("prompt_embeds", "empty_embeds"))
+
+
+def test_edit_model_quarantines_samples_without_exactly_one_control(tiny_edit_model, tmp_path):
+    from models.loading import LOAD_LOG
+
+    samples = edit_samples()[:3] + [
+        FixtureSample("two controls", (64, 64), [(64, 64), (64, 64)], [(64, 64), (64, 64)]),
+        FixtureSample("no control", (64, 64)),
+        FixtureSample("broken control", (64, 64), [(64, 64)], [(64, 64)], corrupt_control=True),
+    ]
+    keys = list(write_images_table(tmp_path / "s", samples))
+    LOAD_LOG.clear()
+    summary = encode_text.run(load_config(None), tmp_path / "s", tiny_edit_model)
+    # encode-text loads the VL model and its processor only: never the transformer or the VAE.
+    assert sorted(c for _, c in LOAD_LOG) == ["processor", "text_encoder"]
+    assert (summary.encoded, summary.quarantined) == (3, 3)
+    st = Store(tmp_path / "s")
+    assert sorted(st.reader("text").keys()) == sorted(keys[:3])
+    q = st.quarantine().to_pylist()
+    reasons = {r["key"]: r["reason"] for r in q if r["stage"] == "encode-text"}
+    assert reasons[keys[3]] == reasons[keys[4]] == "edit model needs exactly one control image"
+    assert reasons[keys[5]] == "control image unreadable"
+    # A rerun is up to date and adds no duplicate quarantine rows.
+    assert encode_text.run(load_config(None), tmp_path / "s", tiny_edit_model).up_to_date
+    assert len(Store(tmp_path / "s").quarantine()) == len(q)
+
+
+def _text_versions(store: Path) -> list[int]:
+    return Store(store).versions("text")
+
+
+def test_lineage_up_to_date_and_every_change_makes_a_new_version(tiny_edit_model, edit_store, tmp_path):
+    cfg = load_config(None)
+    first = encode_text.run(cfg, edit_store, tiny_edit_model)
+    listing = sorted((p, p.stat().st_mtime_ns) for p in (edit_store / "text").rglob("*"))
+    again = encode_text.run(cfg, edit_store, tiny_edit_model, batch_size=3)  # batch size: not a feature setting
+    assert again.up_to_date and again.version == first.version and again.encoded == 0
+    assert sorted((p, p.stat().st_mtime_ns) for p in (edit_store / "text").rglob("*")) == listing  # nothing written
+
+    # The prompt template.
+    tmpl = encode_text.prompt_format("edit", None, None).template.replace("Describe", "List")
+    changed = encode_text.run(load_config(None, {"encode_text.prompt_template": tmpl,
+                                                 "encode_text.prompt_template_start_idx": 64}), edit_store, tiny_edit_model)
+    assert not changed.up_to_date and changed.version == first.version + 1
+    # The model (any file of it changes the fingerprint).
+    other_model = Path(shutil.copytree(tiny_edit_model, tmp_path / "other-model"))
+    (other_model / "tiny_model.json").write_text(json.dumps({"variant": "edit", "seed": 0, "note": "changed"}))
+    assert encode_text.run(cfg, edit_store, str(other_model)).version == first.version + 2
+    # A resize setting: a new `images` version upstream.
+    write_images_table(edit_store, edit_samples(), tag="other-resize-settings")
+    assert encode_text.run(cfg, edit_store, tiny_edit_model).version == first.version + 3
+    # Back to the first inputs: that version is found again and made current, nothing re-encoded.
+    Store(edit_store).set_current("images", 1)
+    back = encode_text.run(cfg, edit_store, tiny_edit_model)
+    assert back.up_to_date and back.version == first.version and Store(edit_store).tables()["text"] == first.version
+    assert _text_versions(edit_store) == [1, 2, 3, 4]
+
+
+KILL_SCRIPT = """
+import sys
+from pipeline.config import load_config
+from stages import encode_text
+encode_text.run(load_config(None, {"encode_text.shard_size_mb": 0.002, "encode_text.batch_size": 2}), sys.argv[1], sys.argv[2])
+"""
+
+
+@pytest.mark.parametrize("crash_at", ["after_shard_commit", "after_manifest"])
+def test_killed_run_resumes_to_a_complete_verified_table(crash_at, tiny_plus_model, plus_store, tmp_path):
+    from store.verify import verify_store
+
+    env = {**os.environ, "STORE_CRASH_AT": crash_at, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-c", KILL_SCRIPT, str(plus_store), tiny_plus_model], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -9, proc.stderr[-2000:]  # SIGKILL at the crash point
+    images = Store(plus_store).reader("images")
+    if crash_at == "after_shard_commit":
+        assert "text" not in Store(plus_store).tables()
+    summary = encode_text.run(load_config(None, {"encode_text.shard_size_mb": 0.002}), plus_store, tiny_plus_model)
+    if crash_at == "after_shard_commit":
+        assert summary.skipped >= 1 and summary.skipped + summary.encoded == len(images)
+    else:  # the manifest was written: the rerun only switches store.json to it
+        assert summary.up_to_date
+    text = Store(plus_store).reader("text")
+    assert sorted(text.keys()) == sorted(images.keys())  # every sample exactly once (reader rejects duplicates)
+    assert len(text.manifest) == len(images)
+    assert verify_store(plus_store, progress=False) == []

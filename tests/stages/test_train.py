@@ -1,0 +1,324 @@
+"""The train stage on the tiny model: what it loads, checkpoints, logs, the LoRA diffusers reads back, exact
+resume (straight vs stop + resume, and a SIGKILL in the middle of a checkpoint write), gradient accumulation,
+options (int8 base, checkpointing, bf16), the CLI, and that it learns."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from models.lora_io import load_lora, lora_state_dict
+from models.multires import build_batch, multires_forward, pack_latents
+from pipeline.config import load_config
+from schemas import UserError
+from stages import train_state
+from stages.sampler import LengthAwareBatchSampler
+from stages.train import lr_factor, run, setup_transformer
+from stages.train_data import draw_noise, flow_loss, open_train_tables
+from train_store import Spec, make_train_store, mixed_specs
+
+REPO = Path(__file__).resolve().parents[2]
+
+BASE = {
+    "train.device": "cpu",
+    "train.batch_size": 2,
+    "train.learning_rate": 2e-3,
+    "train.lora.rank": 4,
+    "train.sigma.sampling": "uniform",
+}
+
+
+def cfg_of(**train):
+    return load_config(None, {**BASE, **{f"train.{k}": v for k, v in train.items()}})
+
+
+def lora_of(run_dir: Path, sub: str = "lora") -> dict[str, torch.Tensor]:
+    from models.lora_io import read_lora
+
+    return read_lora(run_dir / sub)[0]
+
+
+def assert_same_lora(a: dict, b: dict, atol: float = 0.0):
+    assert a.keys() == b.keys()
+    for k in a:
+        if atol == 0.0:
+            assert torch.equal(a[k], b[k]), k
+        else:
+            torch.testing.assert_close(a[k], b[k], rtol=0, atol=atol, msg=k)
+
+
+@pytest.fixture(scope="module")
+def store_dir(tmp_path_factory, tiny_edit_model):
+    root = tmp_path_factory.mktemp("train") / "store"
+    make_train_store(root, tiny_edit_model, mixed_specs(8, 4, masks=True))
+    return root
+
+
+# ---------------------------------------------------------------------------------------------- one full run
+
+
+@pytest.fixture(scope="module")
+def trained(store_dir, tiny_edit_model, tmp_path_factory):
+    from models.loading import LOAD_LOG
+
+    LOAD_LOG.clear()
+    cfg = cfg_of(max_steps=4, batch_size=3, checkpoint_every=1, keep_checkpoints=2, warmup_steps=2,
+                 lr_schedule="cosine", caption_dropout=0.3, **{"loss.mask_weight.foreground": 2.0})
+    out = tmp_path_factory.mktemp("run") / "run"
+    result = run(cfg, store_dir, tiny_edit_model, out)
+    return cfg, out, result, list(LOAD_LOG)
+
+
+def test_reads_store_and_loads_only_the_transformer(trained, tiny_edit_model):
+    _, _, result, loads = trained
+    assert loads == [(tiny_edit_model, "transformer")]  # never the text encoder or the VAE
+    assert result.steps == 4 and len(result.losses) == 4 and all(torch.isfinite(torch.tensor(result.losses)))
+
+
+def test_checkpoints_are_complete_and_only_the_last_k_kept(trained, store_dir):
+    cfg, out, _, _ = trained
+    root = out / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["step-3", "step-4"]
+    for step, ckpt in train_state.complete_checkpoints(root):
+        names = {p.relative_to(ckpt).as_posix() for p in ckpt.rglob("*") if p.is_file()}
+        assert names == {"lora/pytorch_lora_weights.safetensors", "optimizer.safetensors", "optimizer.json",
+                         "scheduler.json", "rng-rank00.safetensors", "resume.json"}
+        rec = train_state.ResumeRecord.read(ckpt / "resume.json")
+        assert rec.step == step and rec.tables == {"text": 1, "vae": 1} and rec.world_size == 1
+    # 8 samples at batch 3 -> 3 batches per epoch: after 4 steps, epoch 1, batch 1.
+    rec = train_state.ResumeRecord.read(root / "step-4" / "resume.json")
+    assert (rec.epoch, rec.batch_in_epoch) == (1, 1)
+    assert_same_lora(lora_of(root / "step-4"), lora_of(out))
+
+
+def test_tensorboard_scalars_and_epoch_padding_efficiency(trained, store_dir, tiny_edit_model):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg, out, result, _ = trained
+    ea = EventAccumulator(str(out / "logs"))
+    ea.Reload()
+    tags = set(ea.Tags()["scalars"])
+    for tag in ("train/loss", "train/lr", "train/grad_norm", "train/padding_efficiency", "train/samples_per_s"):
+        assert tag in tags and [e.step for e in ea.Scalars(tag)] == [1, 2, 3, 4], tag
+    assert [round(e.value, 6) for e in ea.Scalars("train/loss")] == [round(v, 6) for v in result.losses]
+    lrs = [e.value for e in ea.Scalars("train/lr")]
+    assert lrs == pytest.approx([cfg.train.learning_rate * lr_factor(s, cfg.train) for s in range(1, 5)])
+    # Epoch 0 ends at step 3; its efficiency is valid / computed tokens of the sampler's batches.
+    tables = open_train_tables(store_dir, tiny_edit_model)
+    batches = LengthAwareBatchSampler(tables.lengths, 3, seed=0, window=cfg.train.sampler_window).epoch_batches(0)
+    valid = sum(tables.lengths[i] for b in batches for i in b)
+    computed = sum(max(tables.lengths[i] for i in b) * len(b) for b in batches)
+    assert result.epoch_padding == {0: pytest.approx(valid / computed)}
+    (epoch_event,) = ea.Scalars("epoch/padding_efficiency")
+    assert epoch_event.step == 3 and epoch_event.value == pytest.approx(valid / computed)
+
+
+def test_diffusers_pipeline_with_the_lora_reproduces_the_trainer_prediction(trained, store_dir, tiny_edit_model):
+    from diffusers import QwenImageEditPipeline
+
+    cfg, out, _, _ = trained
+    lora = lora_of(out)
+    assert any(k.endswith("lora_B.weight") and v.abs().sum() > 0 for k, v in lora.items())  # it trained
+
+    tables = open_train_tables(store_dir, tiny_edit_model)
+    sample = next(s for s in map(tables.sample, tables.keys) if s.controls)
+    x_t = pack_latents(sample.target).float() * 0.6 + pack_latents(draw_noise(sample, 0, 0)) * 0.4
+    sigma = torch.tensor([0.4])
+
+    trainer_model = setup_transformer(tiny_edit_model, cfg.train, torch.device("cpu")).eval()
+    load_lora(trainer_model, out / "lora")
+    batch = build_batch([x_t], [list(sample.controls)], [sample.prompt_embeds], [sample.img_shapes])
+    with torch.no_grad():
+        ours = multires_forward(trainer_model, batch.to("cpu", torch.float32), sigma)[0, : x_t.shape[0]]
+
+    pipe = QwenImageEditPipeline.from_pretrained(tiny_edit_model)
+    pipe.load_lora_weights(out / "lora")
+    tokens = torch.cat([x_t] + [pack_latents(c).float() for c in sample.controls])[None]
+    with torch.no_grad():
+        theirs = pipe.transformer(hidden_states=tokens, encoder_hidden_states=sample.prompt_embeds.float()[None],
+                                  timestep=sigma, img_shapes=[sample.img_shapes], return_dict=False)[0][0, : x_t.shape[0]]
+        base = QwenImageEditPipeline.from_pretrained(tiny_edit_model).transformer(
+            hidden_states=tokens, encoder_hidden_states=sample.prompt_embeds.float()[None],
+            timestep=sigma, img_shapes=[sample.img_shapes], return_dict=False)[0][0, : x_t.shape[0]]
+    assert not torch.equal(theirs, base)  # the LoRA matters for this prediction...
+    assert torch.equal(ours, theirs)  # ...and diffusers reproduces the trainer bit for bit
+
+
+# ---------------------------------------------------------------------------------------------- resume
+
+
+@pytest.fixture(scope="module")
+def straight(store_dir, tiny_edit_model, tmp_path_factory):
+    """6 steps without interruption (checkpoints every 2): the reference for the resume tests."""
+    out = tmp_path_factory.mktemp("straight") / "run"
+    run(cfg_of(max_steps=6, checkpoint_every=2, warmup_steps=2), store_dir, tiny_edit_model, out)
+    return out
+
+
+def test_stop_and_resume_gives_identical_lora(straight, store_dir, tiny_edit_model, tmp_path):
+    out = tmp_path / "run"
+    run(cfg_of(max_steps=3, checkpoint_every=3, warmup_steps=2), store_dir, tiny_edit_model, out)
+    with pytest.raises(UserError, match="already holds checkpoints"):
+        run(cfg_of(max_steps=6, warmup_steps=2), store_dir, tiny_edit_model, out)
+    result = run(cfg_of(max_steps=6, checkpoint_every=3, warmup_steps=2), store_dir, tiny_edit_model, out, resume=True)
+    assert result.start_step == 3 and result.steps == 6
+    assert_same_lora(lora_of(out), lora_of(straight))
+    a, b = out / "checkpoints" / "step-6", straight / "checkpoints" / "step-6"
+    from safetensors.torch import load_file
+
+    opt_a, opt_b = load_file(a / "optimizer.safetensors"), load_file(b / "optimizer.safetensors")
+    assert opt_a.keys() == opt_b.keys() and all(torch.equal(opt_a[k], opt_b[k]) for k in opt_a)
+    assert (a / "scheduler.json").read_text() == (b / "scheduler.json").read_text()
+
+
+def test_resume_with_changed_config_or_store_fails_loudly(store_dir, tiny_edit_model, tmp_path):
+    out = tmp_path / "run"
+    run(cfg_of(max_steps=1), store_dir, tiny_edit_model, out)
+    with pytest.raises(UserError, match="train config fingerprint"):
+        run(cfg_of(max_steps=2, learning_rate=1e-2), store_dir, tiny_edit_model, out, resume=True)
+    other = tmp_path / "store"
+    make_train_store(other, tiny_edit_model, mixed_specs(8, 4, masks=True))
+    make_train_store(other, tiny_edit_model, mixed_specs(8), tag="b")  # a newer text/vae version
+    with pytest.raises(UserError, match=r"store tables \{'text': 1, 'vae': 1\} -> \{'text': 2, 'vae': 2\}"):
+        run(cfg_of(max_steps=2), other, tiny_edit_model, out, resume=True)
+
+
+_KILLED_WRITER = """
+import sys, time
+from pathlib import Path
+from pipeline.config import load_config
+from stages import train, train_state
+
+store, model, out, overrides = sys.argv[1], sys.argv[2], Path(sys.argv[3]), eval(sys.argv[4])
+real = train_state.save_optimizer
+
+def slow_save_optimizer(optimizer, folder):  # the checkpoint of step 4 hangs half-written
+    real(optimizer, folder)
+    if folder.name == ".step-4.tmp":
+        (out / "writing-step-4").write_text("")
+        time.sleep(120)
+
+train_state.save_optimizer = slow_save_optimizer
+train.run(load_config(None, overrides), store, model, out)
+"""
+
+
+def test_sigkill_during_checkpoint_write_then_resume(straight, store_dir, tiny_edit_model, tmp_path):
+    out = tmp_path / "run"
+    overrides = {**BASE, "train.max_steps": 6, "train.checkpoint_every": 2, "train.warmup_steps": 2}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _KILLED_WRITER, str(store_dir), tiny_edit_model, str(out), repr(overrides)],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "writing-step-4").exists():
+            assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    root = out / "checkpoints"
+    assert (root / ".step-4.tmp" / "optimizer.safetensors").is_file()  # killed mid-write...
+    assert not (root / "step-4").exists()  # ...never visible as a checkpoint
+    assert train_state.latest_checkpoint(root) == root / "step-2"
+
+    result = run(load_config(None, overrides), store_dir, tiny_edit_model, out, resume=True)
+    assert result.start_step == 2 and not (root / ".step-4.tmp").exists()
+    assert_same_lora(lora_of(out), lora_of(straight))
+
+
+# ---------------------------------------------------------------------------------------------- options
+
+
+def test_gradient_accumulation_equals_the_bigger_batch(tiny_edit_model, tmp_path):
+    # 4 samples: batch 4 is one step per epoch; batch 2 x accum 2 puts the same 4 samples in each step.
+    make_train_store(tmp_path / "s", tiny_edit_model, mixed_specs(4))
+    run(cfg_of(max_steps=2, batch_size=4), tmp_path / "s", tiny_edit_model, tmp_path / "big")
+    run(cfg_of(max_steps=2, batch_size=2, grad_accum=2), tmp_path / "s", tiny_edit_model, tmp_path / "accum")
+    assert_same_lora(lora_of(tmp_path / "big"), lora_of(tmp_path / "accum"), atol=1e-6)
+
+
+def test_gradient_checkpointing_int8_base_and_bf16(store_dir, tiny_edit_model, tmp_path):
+    run(cfg_of(max_steps=2), store_dir, tiny_edit_model, tmp_path / "plain")
+    run(cfg_of(max_steps=2, gradient_checkpointing=True), store_dir, tiny_edit_model, tmp_path / "ckpt")
+    assert_same_lora(lora_of(tmp_path / "plain"), lora_of(tmp_path / "ckpt"))  # recomputation is exact
+
+    cfg = cfg_of(max_steps=2, quantize_base="int8_weight_only")
+    model = setup_transformer(tiny_edit_model, cfg.train, torch.device("cpu"))
+    assert "Int8" in type(model.transformer_blocks[0].attn.to_q.base_layer.weight).__name__
+    result = run(cfg, store_dir, tiny_edit_model, tmp_path / "int8")
+    assert all(torch.isfinite(torch.tensor(result.losses)))
+    plain, int8 = lora_of(tmp_path / "plain"), lora_of(tmp_path / "int8")
+    assert any(v.abs().sum() > 0 for k, v in int8.items() if "lora_B" in k)
+    assert not all(torch.equal(plain[k], int8[k]) for k in plain)  # the quantised base changes the gradients
+
+    result = run(cfg_of(max_steps=2, mixed_precision="bf16"), store_dir, tiny_edit_model, tmp_path / "bf16")
+    assert all(torch.isfinite(torch.tensor(result.losses)))
+    assert all(v.dtype == torch.float32 for v in lora_of(tmp_path / "bf16").values())  # LoRA trains in fp32
+
+
+def test_lr_schedule():
+    cfg = cfg_of(max_steps=10, warmup_steps=2, lr_schedule="cosine").train
+    assert [lr_factor(s, cfg) for s in (0, 1, 2)] == [0.5, 1.0, 1.0]
+    assert lr_factor(6, cfg) == pytest.approx(0.5) and lr_factor(10, cfg) == pytest.approx(0.0)
+    lin = cfg.model_copy(update={"lr_schedule": "linear"})
+    assert lr_factor(6, lin) == pytest.approx(0.5)
+    assert lr_factor(9, cfg.model_copy(update={"lr_schedule": "constant"})) == 1.0
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+
+
+def test_cli_trains_and_reports_user_errors(store_dir, tiny_edit_model, tmp_path):
+    from typer.testing import CliRunner
+
+    from pipeline.cli import app
+
+    runner = CliRunner()
+    args = ["run", "train", "--store", str(store_dir), "--model", tiny_edit_model, "--out", str(tmp_path / "run"),
+            "--max-steps", "2", "--batch-size", "2", "--device", "cpu"]
+    res = runner.invoke(app, args)
+    assert res.exit_code == 0, res.output
+    assert "LoRA:" in res.output and (tmp_path / "run" / "lora" / "pytorch_lora_weights.safetensors").is_file()
+    res = runner.invoke(app, args + ["--resume"])  # nothing left to do: rewrites the same LoRA
+    assert res.exit_code == 0, res.output
+    res = runner.invoke(app, ["run", "train", "--store", str(tmp_path / "nowhere"), "--model", tiny_edit_model,
+                              "--out", str(tmp_path / "r2")])
+    assert res.exit_code == 1 and "no store at" in res.output
+
+
+# ---------------------------------------------------------------------------------------------- learning
+
+
+def test_held_out_flow_loss_drops_after_training(tiny_edit_model, tmp_path):
+    make_train_store(tmp_path / "s", tiny_edit_model, mixed_specs(12, 4))
+    cfg = cfg_of(max_steps=30, batch_size=4, learning_rate=1e-2, **{"lora.rank": 8})
+    run(cfg, tmp_path / "s", tiny_edit_model, tmp_path / "run")
+
+    val = open_train_tables(tmp_path / "s", tiny_edit_model, split="val")
+    samples = [val.sample(k) for k in val.keys]
+
+    def held_out(model) -> float:
+        losses = []
+        with torch.no_grad():
+            for seed in (0, 1):
+                for sigma in (0.2, 0.5, 0.8):
+                    noises = [draw_noise(s, seed, 0) for s in samples]
+                    losses.append(flow_loss(model, samples, torch.full((len(samples),), sigma), noises).mean())
+        return float(torch.stack(losses).mean())
+
+    model = setup_transformer(tiny_edit_model, cfg.train, torch.device("cpu")).eval()
+    before = held_out(model)  # the freshly initialised LoRA (B = 0) is the base model
+    load_lora(model, tmp_path / "run" / "lora")
+    after = held_out(model)
+    assert after < 0.9 * before, (before, after)

@@ -1,0 +1,207 @@
+"""Train inputs: table validation errors, v1 tables, manifest-only lengths, per-sample randomness, `flow_loss`
+against the unmodified diffusers transformer run on each sample alone."""
+
+from __future__ import annotations
+
+from math import prod
+
+import pytest
+import torch
+
+from models.multires import pack_latents
+from pipeline.config import SigmaConfig
+from schemas import UserError
+from stages.train_data import (
+    draw_caption_dropout,
+    draw_noise,
+    draw_sigma,
+    flow_loss,
+    load_sample,
+    open_train_tables,
+)
+from store import TableReader
+from train_store import Spec, key_of, make_train_store, mixed_specs
+
+
+@pytest.fixture(scope="module")
+def store_dir(tmp_path_factory, tiny_edit_model):
+    root = tmp_path_factory.mktemp("train-data") / "store"
+    make_train_store(root, tiny_edit_model, mixed_specs(6, 2, masks=True))
+    return root
+
+
+@pytest.fixture(scope="module")
+def tables(store_dir, tiny_edit_model):
+    return open_train_tables(store_dir, tiny_edit_model)
+
+
+@pytest.fixture(scope="module")
+def stock_transformer(tiny_edit_model):
+    from models.loading import load_component
+
+    return load_component(tiny_edit_model, "transformer", dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def multires_transformer(tiny_edit_model):
+    from models.loading import load_component
+    from models.multires import install_multires
+
+    t = load_component(tiny_edit_model, "transformer", dtype=torch.float32)
+    install_multires(t)
+    return t
+
+
+# ---------------------------------------------------------------------------------------------- validation
+
+
+def test_opens_train_split_with_lengths_from_manifests_only(store_dir, tiny_edit_model, monkeypatch):
+    def no_tensor_reads(self, key):
+        raise AssertionError("lengths must come from the manifests")
+
+    monkeypatch.setattr(TableReader, "tensors", no_tensor_reads)
+    t = open_train_tables(store_dir, tiny_edit_model)
+    specs = mixed_specs(6, 2)
+    assert t.keys == sorted(key_of(i) for i in range(6))
+    by_key = {key_of(i): s for i, s in enumerate(specs)}
+    want = [sum((h // 2) * (w // 2) for h, w in [by_key[k].target, *by_key[k].controls]) + by_key[k].text_len
+            for k in t.keys]
+    assert t.lengths == want
+    assert set(t.versions()) == {"text", "vae"}
+
+
+def test_missing_table_is_a_user_error(tmp_path, tiny_edit_model):
+    from store import Store
+
+    Store(tmp_path / "s")
+    with pytest.raises(UserError, match=r"no 'text' table.*pipeline run encode-text"):
+        open_train_tables(tmp_path / "s", tiny_edit_model)
+
+
+def test_empty_train_split_is_a_user_error(tmp_path, tiny_edit_model):
+    make_train_store(tmp_path / "s", tiny_edit_model, [Spec((4, 4), split="val")])
+    with pytest.raises(UserError, match="'train' split is empty"):
+        open_train_tables(tmp_path / "s", tiny_edit_model)
+
+
+def test_tables_from_another_model_are_refused(tmp_path, tiny_edit_model):
+    make_train_store(tmp_path / "s", tiny_edit_model, mixed_specs(2), fingerprint="0123456789abcdef")
+    with pytest.raises(UserError, match=r"table 'text' v1 .* different model \(fingerprint 0123456789abcdef\)"):
+        open_train_tables(tmp_path / "s", tiny_edit_model)
+
+
+def test_mismatched_keys_are_named(tmp_path, tiny_edit_model):
+    make_train_store(tmp_path / "s", tiny_edit_model, mixed_specs(4), skip_text={1}, skip_vae={3})
+    with pytest.raises(UserError) as e:
+        open_train_tables(tmp_path / "s", tiny_edit_model)
+    msg = str(e.value)
+    assert f"only in 'text' v1: {key_of(3)}" in msg and f"only in 'vae' v1: {key_of(1)}" in msg
+
+
+def test_v1_tables_read_via_derived_img_shapes(tmp_path, tiny_edit_model):
+    specs = [Spec((8, 12), [(12, 8)], 7), Spec((4, 8), [], 5), Spec((6, 6), [(4, 4)], 9)]
+    make_train_store(tmp_path / "v1", tiny_edit_model, specs, schema_version=1)
+    make_train_store(tmp_path / "v2", tiny_edit_model, specs, schema_version=2)
+    t1, t2 = open_train_tables(tmp_path / "v1", tiny_edit_model), open_train_tables(tmp_path / "v2", tiny_edit_model)
+    assert t1.text.is_v1 and not t2.text.is_v1
+    assert t1.lengths == t2.lengths
+    for k in t1.keys:
+        a, b = t1.sample(k), t2.sample(k)
+        assert a.img_shapes == b.img_shapes
+        assert torch.equal(a.target, b.target) and len(a.controls) == len(b.controls)
+
+
+# ---------------------------------------------------------------------------------------------- randomness
+
+
+def test_per_sample_draws_depend_only_on_seed_step_key(tables):
+    a, b = tables.sample(tables.keys[0]), tables.sample(tables.keys[1])
+    assert torch.equal(draw_noise(a, 0, 5), draw_noise(a, 0, 5))
+    assert not torch.equal(draw_noise(a, 0, 5), draw_noise(a, 0, 6))
+    assert not torch.equal(draw_noise(a, 0, 5), draw_noise(a, 1, 5))
+    assert draw_noise(a, 0, 5).shape == a.target.shape
+    cfg = SigmaConfig(sampling="dynamic_shift")
+    assert draw_sigma(a, 0, 3, cfg) == draw_sigma(a, 0, 3, cfg) != draw_sigma(b, 0, 3, cfg)
+    drops = [draw_caption_dropout(a, 0, s, 0.5) for s in range(200)]
+    assert 60 < sum(drops) < 140 and drops == [draw_caption_dropout(a, 0, s, 0.5) for s in range(200)]
+    assert not any(draw_caption_dropout(a, 0, s, 0.0) for s in range(50))
+
+
+# ---------------------------------------------------------------------------------------------- flow_loss
+
+
+def _reference_loss(stock, sample, sigma, noise, prompt=None):
+    """Unmodified diffusers transformer on one sample at batch 1: [target | controls] tokens, loss on target."""
+    x0 = pack_latents(sample.target).float()
+    eps = pack_latents(noise).float()
+    x_t = (1 - sigma) * x0 + sigma * eps
+    tokens = torch.cat([x_t] + [pack_latents(c).float() for c in sample.controls])[None]
+    prompt = sample.prompt_embeds if prompt is None else prompt
+    out = stock(
+        hidden_states=tokens,
+        encoder_hidden_states=prompt.float()[None],
+        timestep=torch.tensor([sigma]),
+        img_shapes=[sample.img_shapes],
+        return_dict=False,
+    )[0][0, : x0.shape[0]]
+    return ((out - (eps - x0)) ** 2).mean(), ((out - (eps - x0)) ** 2).mean(dim=-1)
+
+
+def test_flow_loss_matches_unmodified_transformer_per_sample(tables, stock_transformer, multires_transformer):
+    samples = [tables.sample(k) for k in tables.keys]
+    assert len({tuple(s.img_shapes[0]) for s in samples}) > 2 and len({len(s.controls) for s in samples}) == 3
+    sigmas = torch.tensor([0.1, 0.3, 0.5, 0.7, 0.85, 0.95])
+    noises = [draw_noise(s, 7, 0) for s in samples]
+    with torch.no_grad():
+        got = flow_loss(multires_transformer, samples, sigmas, noises)
+        want = torch.stack([_reference_loss(stock_transformer, s, float(sg), n)[0]
+                            for s, sg, n in zip(samples, sigmas, noises)])
+    assert got.shape == (len(samples),) and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_flow_loss_caption_dropout_and_mask_weighting(tables, stock_transformer, multires_transformer):
+    samples = [tables.sample(k) for k in tables.keys[:4]]
+    masked = [s for s in samples if s.mask_weight is not None]
+    assert masked and any(s.mask_weight is None for s in samples)
+    sigmas = torch.full((4,), 0.4)
+    noises = [draw_noise(s, 1, 2) for s in samples]
+    with torch.no_grad():
+        dropped = flow_loss(multires_transformer, samples, sigmas, noises, use_empty=[True, False, True, False])
+        weighted = flow_loss(multires_transformer, samples, sigmas, noises, mask_weight=(3.0, 0.5))
+        for i, s in enumerate(samples):
+            plain, per_token = _reference_loss(stock_transformer, s, 0.4, noises[i],
+                                               prompt=s.empty_embeds if i in (0, 2) else None)
+            torch.testing.assert_close(dropped[i], plain, rtol=1e-5, atol=1e-6)
+            _, per_token = _reference_loss(stock_transformer, s, 0.4, noises[i])
+            if s.mask_weight is None:
+                want = per_token.mean()
+            else:
+                w = 0.5 + 2.5 * s.mask_weight
+                assert w.shape == per_token.shape == (prod(s.img_shapes[0]),)
+                want = (w * per_token).sum() / w.sum()
+            torch.testing.assert_close(weighted[i], want, rtol=1e-5, atol=1e-6)
+
+
+def test_flow_loss_of_a_sample_does_not_depend_on_its_batch(tables, multires_transformer):
+    samples = [tables.sample(k) for k in tables.keys]
+    sigmas = torch.linspace(0.2, 0.8, len(samples))
+    noises = [draw_noise(s, 3, 1) for s in samples]
+    with torch.no_grad():
+        together = flow_loss(multires_transformer, samples, sigmas, noises)
+        alone = torch.cat([flow_loss(multires_transformer, [s], sigmas[i : i + 1], [noises[i]])
+                           for i, s in enumerate(samples)])
+    torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-6)
+
+
+def test_load_sample_rejects_latents_that_contradict_img_shapes(tmp_path, tiny_edit_model):
+    make_train_store(tmp_path / "s", tiny_edit_model, [Spec((8, 8))])
+    t = open_train_tables(tmp_path / "s", tiny_edit_model)
+    vae = t.vae
+    real = vae.img_shapes
+    vae.img_shapes = lambda key: [(1, 2, 2)]  # a manifest that lies about the size
+    try:
+        with pytest.raises(UserError, match="do not match img_shapes"):
+            load_sample(t.text, vae, t.keys[0])
+    finally:
+        vae.img_shapes = real

@@ -1,0 +1,57 @@
+"""Small helpers for store tests: a schema, deterministic samples, a filled store."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import torch
+
+from schemas import FieldSpec, Lineage, TableSchema
+from store import Store
+
+
+def lineage(tag: str = "a") -> Lineage:
+    return Lineage(stage="encode-vae", config_hash=f"cfg-{tag}", model_fingerprint="m", upstream={"images": 1},
+                   code_version="0.1.0+f1")
+
+
+def vae_schema(tag: str = "a") -> TableSchema:
+    return TableSchema(
+        name="vae",
+        fields=[
+            FieldSpec("target", "bfloat16", 4),
+            FieldSpec("control_{i}", "bfloat16", 4),
+            FieldSpec("mask_weight", "float32", 1, optional=True),
+            FieldSpec("target.png", "png", kind="file", optional=True),
+            FieldSpec("split", "string", kind="column"),
+        ],
+        lineage=lineage(tag),
+    )
+
+
+def key_of(i: int) -> str:
+    return hashlib.sha256(f"sample-{i}".encode()).hexdigest()[:32]
+
+
+def sample(i: int) -> dict:
+    """Sample i: 0..2 controls, odd sizes, bf16 values that are not round numbers (exactness shows)."""
+    g = torch.Generator().manual_seed(i)
+    h, w = 4 + i % 3 * 2, 6 + i % 4 * 2
+    tensors = {"target": torch.randn(4, 1, h, w, generator=g).bfloat16()}
+    for c in range(i % 3):
+        tensors[f"control_{c}"] = torch.randn(4, 1, h + 2, w, generator=g).bfloat16()
+    if i % 2:
+        tensors["mask_weight"] = torch.rand(h * w // 4, generator=g)
+    files = {"target.png": bytes(range(i % 250)) * 3}
+    shapes = [[1, h // 2, w // 2]] + [[1, (h + 2) // 2, w // 2]] * (i % 3)
+    meta = {"split": "val" if i % 5 == 0 else "train", "img_shapes": shapes, "caption": f"caption {i}"}
+    return {"key": key_of(i), "tensors": tensors, "files": files, "meta": meta}
+
+
+def fill(store: Store, n: int, shard_size_mb: float = 0.004, tag: str = "a", start: int = 0) -> int:
+    w = store.writer("vae", vae_schema(tag), shard_size_mb=shard_size_mb)
+    for i in range(start, start + n):
+        s = sample(i)
+        w.add(s["key"], tensors=s["tensors"], files=s["files"], meta=s["meta"])
+    return w.commit()

@@ -1,0 +1,87 @@
+"""`pipeline store verify` finds a flipped byte anywhere; `pipeline store inspect` reports the store."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow.parquet as pq
+from typer.testing import CliRunner
+
+from pipeline.cli import app
+from store import Store
+from store_samples import fill
+
+runner = CliRunner()
+
+
+def verify(root: Path):
+    return runner.invoke(app, ["store", "verify", str(root)])
+
+
+def test_clean_store_verifies(store: Store) -> None:
+    fill(store, 8)
+    res = verify(store.root)
+    assert res.exit_code == 0 and "ok:" in res.output
+
+
+def test_flipped_byte_anywhere_in_a_shard_is_found(store: Store) -> None:
+    fill(store, 8, shard_size_mb=0.02)
+    shard = sorted((store.root / "vae" / "v1").glob("*.tar"))[0]
+    clean = shard.read_bytes()
+    # header block, safetensors header, tensor bytes, file bytes, tail padding: every position is covered.
+    for pos in [0, 100, 600, 1100, len(clean) // 3, len(clean) // 2, len(clean) - 1]:
+        bad = bytearray(clean)
+        bad[pos] ^= 0x10
+        shard.write_bytes(bytes(bad))
+        res = verify(store.root)
+        assert res.exit_code == 1, pos
+        lines = [ln for ln in res.output.splitlines() if shard.name in ln]
+        assert any("sha256 mismatch" in ln for ln in lines), (pos, res.output)
+    shard.write_bytes(clean)
+    assert verify(store.root).exit_code == 0
+
+
+def test_manifest_problems_one_line_each(store: Store) -> None:
+    fill(store, 12)
+    mpath = store.root / "vae" / "v1" / "manifest.parquet"
+    m = pq.read_table(mpath)
+    keys = m.column("key").to_pylist()
+    keys[1] = keys[0]  # duplicate key
+    rows = m.to_pylist()
+    rows[2]["tensors"][0]["offset"] += 8  # row pointing at the wrong bytes
+    rows[3]["img_shapes"] = [[1, 0, 4]]  # invalid img_shapes
+    for r, k in zip(rows, keys):
+        r["key"] = k
+    pq.write_table(m.from_pylist(rows, schema=m.schema), mpath)
+    untouched = set(m.column("shard").to_pylist()) - {r["shard"] for r in rows[:4]}
+    (store.root / "vae" / "v1" / sorted(untouched)[0]).unlink()
+    res = verify(store.root)
+    assert res.exit_code == 1
+    out = res.output
+    assert "duplicate key" in out
+    assert "disagree with the safetensors header" in out
+    assert "img_shapes entry must be 3 positive ints" in out
+    assert "shard file missing" in out
+
+
+def test_inspect_text_and_json(store: Store) -> None:
+    fill(store, 10)
+    fill(store, 4, tag="b")
+    store.add_quarantine([{"source": "x.png", "stage": "resize-bucket", "reason": "truncated image"}])
+    res = runner.invoke(app, ["store", "inspect", str(store.root)])
+    assert res.exit_code == 0
+    assert "vae: current v2" in res.output and "10 samples" in res.output and "buckets:" in res.output
+    assert "lineage: stage encode-vae, config cfg-b" in res.output
+    info = json.loads(runner.invoke(app, ["store", "inspect", str(store.root), "--json"]).output)
+    v1, v2 = info["tables"]["vae"]["versions"]
+    assert (v1["samples"], v2["samples"], info["tables"]["vae"]["current"]) == (10, 4, 2)
+    assert v1["bytes"] == sum(p.stat().st_size for p in (store.root / "vae" / "v1").glob("*.tar"))
+    assert v1["splits"] == {"val": 2, "train": 8} and sum(v1["buckets"].values()) == 10
+    assert v1["lineage"]["config_hash"] == "cfg-a"
+    assert info["quarantine"] == {"rows": 1, "by_reason": {"truncated image": 1}}
+
+
+def test_cli_on_missing_store_is_one_red_line(tmp_path: Path) -> None:
+    res = runner.invoke(app, ["store", "inspect", str(tmp_path / "none")])
+    assert res.exit_code == 1 and "no store at" in res.output

@@ -1,0 +1,140 @@
+"""Writer robustness: SIGKILL mid-run then resume, the lock, multi-rank writers merged by rank 0."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from schemas import UserError
+from store import Store
+from store.verify import verify_store
+from store_samples import fill, key_of, sample, vae_schema
+
+HERE = Path(__file__).parent
+REPO = HERE.parent.parent
+
+WRITE_SCRIPT = textwrap.dedent("""
+    import os, signal, sys
+    sys.path.insert(0, {here!r})
+    from store import Store
+    from store_samples import sample, vae_schema
+    st = Store(sys.argv[1])
+    n, kill_after, rank, world = (int(a) for a in sys.argv[2:6])
+    w = st.writer("vae", vae_schema(), rank=rank, world_size=world, shard_size_mb=0.02)  # ~5 samples a shard
+    print("resumed", len(w.done_keys), flush=True)
+    for i in range(n):
+        if i % world != rank:
+            continue
+        s = sample(i)
+        if s["key"] in w.done_keys:
+            continue
+        if i == kill_after:
+            os.kill(os.getpid(), signal.SIGKILL)  # mid-run: a shard is half written
+        w.add(s["key"], tensors=s["tensors"], files=s["files"], meta=s["meta"])
+    if world == 1:
+        w.commit()
+    else:
+        w.finish_rank()
+""")
+
+
+def run_writer(root: Path, n: int, kill_after: int, rank: int = 0, world: int = 1) -> subprocess.CompletedProcess:
+    script = WRITE_SCRIPT.format(here=str(HERE))
+    return subprocess.run([sys.executable, "-c", script, str(root), str(n), str(kill_after), str(rank), str(world)],
+                          capture_output=True, text=True, cwd=REPO, timeout=120)
+
+
+def assert_exact(st: Store, n: int) -> None:
+    r = st.reader("vae")
+    assert r.keys() == sorted(key_of(i) for i in range(n))  # exactly one row per sample
+    assert r.manifest.num_rows == n
+    for i in range(n):
+        got = r.tensors(key_of(i))
+        for name, t in sample(i)["tensors"].items():
+            assert torch.equal(got[name], t)
+
+
+def test_sigkill_mid_run_then_resume(tmp_path: Path) -> None:
+    root = tmp_path / "s"
+    Store(root)
+    killed = run_writer(root, 30, kill_after=20)
+    assert killed.returncode == -signal.SIGKILL
+    vdir = root / "vae" / "v1"
+    committed = len(list(vdir.glob("*.index.parquet")))
+    assert 0 < committed and not (vdir / "manifest.parquet").exists()
+    tars = {p.name for p in vdir.glob("*.tar")}
+    assert tars == {p.name.replace(".index.parquet", ".tar") for p in vdir.glob("*.index.parquet")}  # no half shard
+    assert list(vdir.glob("*.tar.tmp"))  # the open shard died as a temp file (samples 18, 19 were in it)
+    assert Store(root).tables() == {}  # nothing half-visible
+    assert verify_store(root, progress=False) == []
+
+    done = run_writer(root, 30, kill_after=-1)
+    assert done.returncode == 0, done.stderr
+    resumed = int(done.stdout.split()[1])
+    assert 0 < resumed < 20  # continued from the committed shards, not from scratch
+    assert not list(vdir.glob("*.tar.tmp"))
+    st = Store(root)
+    assert st.tables() == {"vae": 1}
+    assert_exact(st, 30)
+    assert verify_store(root, progress=False) == []
+
+
+def test_second_writer_fails_fast_and_nothing_is_corrupted(store: Store) -> None:
+    w = store.writer("vae", vae_schema(), shard_size_mb=0.004)
+    s = sample(0)
+    w.add(s["key"], tensors=s["tensors"], files=s["files"], meta=s["meta"])
+    with pytest.raises(UserError, match=r"table 'vae' \(rank 0\) is being written by pid \d+"):
+        store.writer("vae", vae_schema())
+    with pytest.raises(UserError, match="being written"):
+        store.writer("vae", vae_schema("other-lineage"))  # a different version of the same table: still locked
+    for i in range(1, 6):
+        s = sample(i)
+        w.add(s["key"], tensors=s["tensors"], files=s["files"], meta=s["meta"])
+    assert w.commit() == 1
+    assert_exact(store, 6)
+    assert fill(store, 2, tag="b") == 2  # lock released by commit
+
+
+def test_two_rank_subprocesses_merge_into_one_sorted_manifest(tmp_path: Path) -> None:
+    root = tmp_path / "s"
+    Store(root)
+    procs = [subprocess.Popen([sys.executable, "-c", WRITE_SCRIPT.format(here=str(HERE)), str(root), "20", "-1",
+                               str(r), "2"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for r in range(2)]
+    for p in procs:
+        assert p.wait(timeout=120) == 0, p.stderr.read()  # type: ignore[union-attr]
+    vdir = root / "vae" / "v1"
+    assert {p.name[:9] for p in vdir.glob("shard-*.tar")} == {"shard-r00", "shard-r01"}
+    st = Store(root)
+    w0 = st.writer("vae", vae_schema(), rank=0, world_size=2)  # rank 0 after the barrier
+    assert len(w0.done_keys) == 20
+    assert w0.commit() == 1
+    manifest = pq.read_table(vdir / "manifest.parquet")
+    assert manifest.column("key").to_pylist() == sorted(key_of(i) for i in range(20))
+    assert_exact(st, 20)
+
+
+def test_commit_waits_for_every_rank_and_rejects_cross_rank_duplicates(store: Store) -> None:
+    w0 = store.writer("vae", vae_schema(), rank=0, world_size=2, shard_size_mb=0.004)
+    w1 = store.writer("vae", vae_schema(), rank=1, world_size=2, shard_size_mb=0.004)
+    assert w0.version == w1.version == 1  # both ranks joined one version folder
+    for w, idx in ((w0, [0, 1, 2]), (w1, [3, 2])):  # sample 2 written by both ranks
+        for i in idx:
+            s = sample(i)
+            w.add(s["key"], tensors=s["tensors"], files=s["files"], meta=s["meta"])
+    with pytest.raises(UserError, match=r"ranks \[1\] have not finished"):
+        w0.commit()
+    with pytest.raises(UserError, match="only rank 0 commits"):
+        w1.commit()
+    w1.finish_rank()
+    with pytest.raises(UserError, match="duplicate keys across shards"):
+        w0.commit()
+    assert store.tables() == {}
