@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from multiprocessing import get_context
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from PIL import Image
 from tqdm import tqdm
@@ -27,7 +27,9 @@ from schemas import FieldSpec, Lineage, TableSchema, UserError
 from stages.bucketing import PATCH_PIXELS, BucketRule, bucket_size, crop_box_for_aspect, img_shape
 from stages.imaging import ImageRejected, decode_image, decode_mask
 from stages.sources import SourceSample, detect_format, iter_source, listing_hash
-from store import Store
+
+if TYPE_CHECKING:
+    from store import Store
 
 STAGE = "resize-bucket"
 TABLE = "images"
@@ -57,6 +59,7 @@ class ResizeSummary:
     conversions: Counter = field(default_factory=Counter)  # what sanitising did -> count
     splits: Counter = field(default_factory=Counter)
     buckets: Counter = field(default_factory=Counter)  # (h, w) of targets
+    quarantine_file: str = ""
 
     def __str__(self) -> str:
         if self.up_to_date:
@@ -68,7 +71,9 @@ class ResizeSummary:
         ]
         n_q = sum(self.quarantined.values())
         lines.append(
-            f"quarantined {n_q}" + (": " + ", ".join(f"{r} {c}" for r, c in sorted(self.quarantined.items())) if n_q else "")
+            f"quarantined {n_q}"
+            + (": " + ", ".join(f"{r} {c}" for r, c in sorted(self.quarantined.items())) if n_q else "")
+            + (f" (rows in {self.quarantine_file})" if n_q and self.quarantine_file else "")
         )
         if self.conversions:
             lines.append("converted: " + ", ".join(f"{c}x {n}" for n, c in sorted(self.conversions.items())))
@@ -76,6 +81,8 @@ class ResizeSummary:
 
 
 def run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> ResizeSummary:
+    from store import Store  # here, not at the top: render workers import this module and need no torch
+
     rc = cfg.resize
     _validate(rc)
     st = store if isinstance(store, Store) else Store(store)
@@ -91,7 +98,7 @@ def run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> R
         return ResizeSummary(version=found, up_to_date=True)
 
     writer = st.writer(TABLE, schema, shard_size_mb=rc.shard_size_mb)
-    summary = ResizeSummary(version=writer.version)
+    summary = ResizeSummary(version=writer.version, quarantine_file=str(st.root / "quarantine.parquet"))
     rules = _rules(rc)
     first_source: dict[str, str] = {}  # key -> source of its first occurrence (duplicates name it)
     rejects: list[dict[str, Any]] = []
@@ -129,7 +136,7 @@ def run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> R
         if summary.written + summary.resumed == 0:
             raise UserError(
                 f"no usable sample in source {source}: {len(rejects)} quarantined "
-                f"(see {st.root / 'quarantine.parquet'}); fix the source and rerun"
+                f"(see {summary.quarantine_file}); fix the source and rerun"
             )
         summary.version = writer.commit()
     finally:
@@ -210,8 +217,12 @@ def images_schema(rc: ResizeConfig, listing: str, source: str = "", source_forma
             FieldSpec("conversions", "json", kind=col, optional=True),
         ),
         # without the operational settings (shard size, workers), which change neither features nor lineage
-        attrs={"resize": rc.model_dump(mode="json", exclude={"shard_size_mb", "workers"}), "source": source, "source_format": source_format,
-               "source_listing": listing},
+        attrs={
+            "resize": rc.model_dump(mode="json", exclude={"shard_size_mb", "workers"}),
+            "source": source,
+            "source_format": source_format,
+            "source_listing": listing,
+        },
     )
 
 
@@ -292,13 +303,13 @@ def render(rec: SourceSample, key: str, caption: str, rc: ResizeConfig, rules: d
 def _render(rec: SourceSample, key: str, caption: str, rc: ResizeConfig, rules: dict[str, BucketRule]) -> Rendered:
     assert rec.target is not None
     notes: list[str] = []
-    target = _decode(rec.target, "target", rec, 0, rc, notes)
+    target = _decode(rec.target, "target", rec, key, 0, rc, notes)
     tw, th = target.size
     bh, bw = bucket_size(tw, th, rules["target"])
     files = {"target.png": _png(_fit(target, bh, bw, rc.max_aspect, Image.Resampling.LANCZOS))}
     vae_sizes, vl_sizes = [], []
     for i, data in enumerate(rec.controls):
-        ctrl = _decode(data, f"control {i}", rec, 1 + i, rc, notes)
+        ctrl = _decode(data, f"control {i}", rec, key, 1 + i, rc, notes)
         cw, ch = ctrl.size
         for view, sizes, name in (("vae", vae_sizes, f"control_{i}.png"), ("vl", vl_sizes, f"control_{i}_vl.png")):
             h, w = bucket_size(cw, ch, rules[view])
@@ -336,11 +347,13 @@ def _where(rec: SourceSample, file_index: int) -> str:
     return f" ({rec.files[file_index]})" if file_index < len(rec.files) else ""
 
 
-def _decode(data: bytes, what: str, rec: SourceSample, file_index: int, rc: ResizeConfig, notes: list[str]) -> Image.Image:
+def _decode(
+    data: bytes, what: str, rec: SourceSample, key: str, file_index: int, rc: ResizeConfig, notes: list[str]
+) -> Image.Image:
     try:
         d = decode_image(data, rc.max_image_pixels)
     except ImageRejected as e:
-        raise Rejected(e.kind, f"{what}{_where(rec, file_index)}: {e}") from None
+        raise Rejected(e.kind, f"{what}{_where(rec, file_index)}: {e}", key=key) from None
     notes.extend(d.notes)
     return d.image
 

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save as safetensors_save
 
 from store.format import fsync_dir
 
@@ -60,20 +59,39 @@ def tensor_dtype_name(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
 
 
-def encode_tensors(tensors: dict[str, torch.Tensor]) -> tuple[bytes, list[dict[str, Any]]]:
-    """safetensors bytes + each tensor's (offset within these bytes, nbytes, dtype, shape)."""
+SAFETENSORS_DTYPES = {
+    torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float64: "F64", torch.int64: "I64",
+    torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+}
+
+
+def encode_tensors(tensors: dict[str, torch.Tensor]) -> tuple[list[memoryview | bytes], list[dict[str, Any]]]:
+    """A safetensors file as chunks (header, then each tensor's raw bytes: no copy of contiguous CPU tensors),
+    plus each tensor's (offset within the file, nbytes, dtype, shape).
+
+    Written here rather than with `safetensors.torch.save` so views of a larger batch tensor need no clone and
+    nothing is assembled in memory; the result is a standard safetensors file (the tests load it with the library).
+    """
     cpu = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
-    blob = safetensors_save(cpu)
-    (hlen,) = struct.unpack("<Q", blob[:8])
-    header = json.loads(blob[8 : 8 + hlen])
-    out = []
+    header: dict[str, Any] = {}
+    pos = 0
+    for name, t in cpu.items():
+        if t.dtype not in SAFETENSORS_DTYPES:
+            raise ValueError(f"tensor {name!r}: dtype {t.dtype} cannot be stored")
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [pos, pos + n]}
+        pos += n
+    hbytes = json.dumps(header, separators=(",", ":")).encode()
+    hbytes += b" " * (-len(hbytes) % 8)  # tensor data 8-byte aligned, as the safetensors spec asks
+    chunks: list[memoryview | bytes] = [struct.pack("<Q", len(hbytes)) + hbytes]
+    layout = []
     for name, t in cpu.items():
         begin, end = header[name]["data_offsets"]
-        out.append({
-            "name": name, "offset": 8 + hlen + begin, "nbytes": end - begin,
-            "dtype": tensor_dtype_name(t), "shape": list(t.shape),
-        })
-    return blob, out
+        layout.append({"name": name, "offset": 8 + len(hbytes) + begin, "nbytes": end - begin,
+                       "dtype": tensor_dtype_name(t), "shape": list(t.shape)})
+        if end > begin:
+            chunks.append(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+    return chunks, layout
 
 
 class ShardBuilder:
@@ -93,15 +111,17 @@ class ShardBuilder:
     def nbytes(self) -> int:
         return self._f.pos
 
-    def _member(self, name: str, data: bytes) -> int:
+    def _member(self, name: str, chunks: list[bytes | memoryview]) -> int:
+        size = sum(len(c) for c in chunks)
         info = tarfile.TarInfo(name)
-        info.size = len(data)
+        info.size = size
         info.mode = 0o644
         info.mtime = 0  # the same content gives the same bytes
         self._f.write(info.tobuf(tarfile.USTAR_FORMAT, "utf-8", "strict"))
         offset = self._f.pos
-        self._f.write(data)
-        pad = -len(data) % tarfile.BLOCKSIZE
+        for c in chunks:
+            self._f.write(c)
+        pad = -size % tarfile.BLOCKSIZE
         if pad:
             self._f.write(b"\0" * pad)
         return offset
@@ -111,13 +131,13 @@ class ShardBuilder:
         self._f.sample_sha = hashlib.sha256()
         rec = SampleRecord(key=key, sample_offset=start, sample_nbytes=0, sample_sha256="")
         if tensors:
-            blob, layout = encode_tensors(tensors)
-            base = self._member(f"{key}.safetensors", blob)
+            chunks, layout = encode_tensors(tensors)
+            base = self._member(f"{key}.safetensors", chunks)
             rec.tensors = [{**t, "offset": base + t["offset"]} for t in layout]
         for name, data in files.items():
-            off = self._member(f"{key}.{name}", bytes(data))
+            off = self._member(f"{key}.{name}", [bytes(data)])
             rec.files.append({"name": name, "offset": off, "nbytes": len(data)})
-        self._member(f"{key}.json", json.dumps(meta, sort_keys=True).encode())
+        self._member(f"{key}.json", [json.dumps(meta, sort_keys=True).encode()])
         rec.sample_nbytes = self._f.pos - start
         rec.sample_sha256 = self._f.sample_sha.hexdigest()
         self.records.append(rec)

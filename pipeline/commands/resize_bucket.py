@@ -22,6 +22,7 @@ def command(
     min_controls: Optional[int] = typer.Option(None, "--min-controls", help="Fewer controls -> quarantined."),
     max_controls: Optional[int] = typer.Option(None, "--max-controls", help="More controls -> quarantined."),
     max_image_pixels: Optional[int] = typer.Option(None, "--max-image-pixels", help="Larger images -> quarantined."),
+    workers: Optional[int] = typer.Option(None, "--workers", help="Processes resizing in parallel (0 = inline)."),
 ) -> None:
     cfg = config_from(
         config,
@@ -36,6 +37,7 @@ def command(
             "resize.min_controls": min_controls,
             "resize.max_controls": max_controls,
             "resize.max_image_pixels": max_image_pixels,
+            "resize.workers": workers,
         },
     )
     src = require(cfg.paths.source, "--source", "paths.source")

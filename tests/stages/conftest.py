@@ -138,13 +138,13 @@ def _store_templates(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture
 def edit_store(_store_templates, tmp_path) -> Path:
     """A fresh store holding an `images` table for an Edit model (one control per sample)."""
-    return Path(shutil.copytree(_store_templates["edit"], tmp_path / "store"))
+    return Path(shutil.copytree(_store_templates["edit"], tmp_path / "edit-store"))
 
 
 @pytest.fixture
 def plus_store(_store_templates, tmp_path) -> Path:
     """A fresh store holding an `images` table for an Edit-Plus model (0..3 controls per sample)."""
-    return Path(shutil.copytree(_store_templates["plus"], tmp_path / "store"))
+    return Path(shutil.copytree(_store_templates["plus"], tmp_path / "plus-store"))
 
 
 @pytest.fixture

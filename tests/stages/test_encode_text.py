@@ -18,7 +18,6 @@ from pipeline.config import load_config
 from stages import encode_text
 from stages.encoding_common import batches_by_shape
 from store import Store
-from tests.stages.conftest import FixtureSample, edit_samples, write_images_table
 
 F32 = {"encode_text.dtype": "float32"}
 
@@ -92,15 +91,16 @@ def test_batch_size_does_not_change_the_table(tiny_plus_model, plus_store, tmp_p
         assert all(torch.equal(ta[n], tb[n]) for n in ("prompt_embeds", "empty_embeds"))
 
 
-def test_edit_model_quarantines_samples_without_exactly_one_control(tiny_edit_model, tmp_path):
+def test_edit_model_quarantines_samples_without_exactly_one_control(tiny_edit_model, tmp_path, images_fixture):
     from models.loading import LOAD_LOG
 
-    samples = edit_samples()[:3] + [
-        FixtureSample("two controls", (64, 64), [(64, 64), (64, 64)], [(64, 64), (64, 64)]),
-        FixtureSample("no control", (64, 64)),
-        FixtureSample("broken control", (64, 64), [(64, 64)], [(64, 64)], corrupt_control=True),
+    fx = images_fixture
+    samples = fx.edit_samples()[:3] + [
+        fx.Sample("two controls", (64, 64), [(64, 64), (64, 64)], [(64, 64), (64, 64)]),
+        fx.Sample("no control", (64, 64)),
+        fx.Sample("broken control", (64, 64), [(64, 64)], [(64, 64)], corrupt_control=True),
     ]
-    keys = list(write_images_table(tmp_path / "s", samples))
+    keys = list(fx.write(tmp_path / "s", samples))
     LOAD_LOG.clear()
     summary = encode_text.run(load_config(None), tmp_path / "s", tiny_edit_model)
     # encode-text loads the VL model and its processor only: never the transformer or the VAE.
@@ -121,7 +121,7 @@ def _text_versions(store: Path) -> list[int]:
     return Store(store).versions("text")
 
 
-def test_lineage_up_to_date_and_every_change_makes_a_new_version(tiny_edit_model, edit_store, tmp_path):
+def test_lineage_up_to_date_and_every_change_makes_a_new_version(tiny_edit_model, edit_store, tmp_path, images_fixture):
     cfg = load_config(None)
     first = encode_text.run(cfg, edit_store, tiny_edit_model)
     listing = sorted((p, p.stat().st_mtime_ns) for p in (edit_store / "text").rglob("*"))
@@ -139,7 +139,7 @@ def test_lineage_up_to_date_and_every_change_makes_a_new_version(tiny_edit_model
     (other_model / "tiny_model.json").write_text(json.dumps({"variant": "edit", "seed": 0, "note": "changed"}))
     assert encode_text.run(cfg, edit_store, str(other_model)).version == first.version + 2
     # A resize setting: a new `images` version upstream.
-    write_images_table(edit_store, edit_samples(), tag="other-resize-settings")
+    images_fixture.write(edit_store, images_fixture.edit_samples(), tag="other-resize-settings")
     assert encode_text.run(cfg, edit_store, tiny_edit_model).version == first.version + 3
     # Back to the first inputs: that version is found again and made current, nothing re-encoded.
     Store(edit_store).set_current("images", 1)

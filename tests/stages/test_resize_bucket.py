@@ -127,8 +127,9 @@ def test_every_bad_input_is_quarantined_with_its_reason(messy):
     assert {name: r["reason"] for name, r in q.items()} == expect
     root = messy["root"]
     assert q["zdup.png"]["detail"] == f"same content (target, controls, caption) as {root.resolve() / 'target' / 'good.png'}"
-    assert q["zdup.png"]["key"] == Store(messy["store"]).reader("images").keys()[[
-        m["source"].endswith("good.png") for m in Store(messy["store"]).reader("images").manifest.to_pylist()].index(True)]
+    rows = Store(messy["store"]).reader("images").manifest.to_pylist()
+    assert q["zdup.png"]["key"] == next(m["key"] for m in rows if m["source"].endswith("good.png"))
+    assert len(q["truncated.png"]["key"]) == 32 and q["nocaption.png"]["key"] is None  # the key when it is known
     assert "300x300 = 90000 pixels, over resize.max_image_pixels = 65536" in q["huge.png"]["detail"]
     assert q["badcontrol.png"]["detail"].startswith(f"control 0 ({root.resolve() / 'control' / 'badcontrol.png'})")
     assert all(r["stage"] == "resize-bucket" for r in q.values())
@@ -204,6 +205,12 @@ def test_three_source_formats_give_the_same_table(tmp_path):
         manifests[fmt] = {k: ({c: v for c, v in r.meta(k).items() if c != "source"}, r.files(k)) for k in r.keys()}
     assert manifests["folder"] == manifests["webdataset"] == manifests["jsonl"]
     assert all(m["has_mask"] for m, _ in manifests["folder"].values())
+    # worker processes give the same table, and the same lineage (workers is not a feature setting)
+    s = run(cfg(workers=2), tmp_path / "folder", tmp_path / "store-folder")
+    assert s.up_to_date and s.version == 1
+    run(cfg(workers=2), tmp_path / "folder", tmp_path / "store-workers")
+    r = Store(tmp_path / "store-workers").reader("images")
+    assert {k: ({c: v for c, v in r.meta(k).items() if c != "source"}, r.files(k)) for k in r.keys()} == manifests["folder"]
 
 
 def test_unsafe_tar_members_and_bad_jsonl_lines_are_quarantined(tmp_path):
@@ -223,11 +230,20 @@ def test_unsafe_tar_members_and_bad_jsonl_lines_are_quarantined(tmp_path):
         link = tarfile.TarInfo("lnk.png")
         link.type, link.linkname = tarfile.SYMTYPE, "/etc/passwd"
         tf.addfile(link)
+    with tarfile.open(src / "b.tar", "w") as tf:  # cut inside its second sample's image
+        for i in range(2):
+            for name, data in ((f"t{i}.png", png(noise(64, 64))), (f"t{i}.txt", b"noisy")):
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                tf.addfile(info, io.BytesIO(data))
+    whole = (src / "b.tar").read_bytes()
+    (src / "b.tar").write_bytes(whole[: len(whole) // 2 + 4096])
     s = run(cfg(), src, tmp_path / "store")
-    assert s.written == 1 and s.quarantined["unsafe-path"] == 2 and s.quarantined["bad-source"] == 1
+    assert s.written == 2 and s.quarantined["unsafe-path"] == 2 and s.quarantined["bad-source"] == 2
     details = {r["source"]: r["detail"] for r in Store(tmp_path / "store").quarantine().to_pylist()}
     assert "unsafe member path '../evil.png'" in details[f"{src / 'a.tar'}:../evil"]
     assert "not a regular file" in details[f"{src / 'a.tar'}:lnk"]
+    assert "tar is truncated or corrupt" in details[f"{src / 'b.tar'}:t1"]
 
     j = tmp_path / "j"
     j.mkdir()

@@ -45,13 +45,21 @@ def lora_of(run_dir: Path, sub: str = "lora") -> dict[str, torch.Tensor]:
     return read_lora(run_dir / sub)[0]
 
 
-def assert_same_lora(a: dict, b: dict, atol: float = 0.0):
+def assert_same_lora(a: dict, b: dict):
     assert a.keys() == b.keys()
     for k in a:
-        if atol == 0.0:
-            assert torch.equal(a[k], b[k]), k
-        else:
-            torch.testing.assert_close(a[k], b[k], rtol=0, atol=atol, msg=k)
+        assert torch.equal(a[k], b[k]), k
+
+
+def assert_close_lora(a: dict, b: dict, lr: float, steps: int):
+    """Same LoRA up to float reassociation (other padding, other reduction order). Adam turns a gradient
+    component near 0 into a move of up to ±lr whatever its size, so such rare components may differ by a
+    visible fraction of lr: tolerance max |Δ| ≤ 1% of the largest possible move (lr × steps), and all but
+    1% of the weights within 1e-7."""
+    assert a.keys() == b.keys()
+    diff = torch.cat([(a[k] - b[k]).abs().flatten() for k in a])
+    assert diff.max() <= 0.01 * lr * steps, diff.max()
+    assert (diff > 1e-7).float().mean() <= 0.01
 
 
 @pytest.fixture(scope="module")
@@ -245,7 +253,7 @@ def test_gradient_accumulation_equals_the_bigger_batch(tiny_edit_model, tmp_path
     make_train_store(tmp_path / "s", tiny_edit_model, mixed_specs(4))
     run(cfg_of(max_steps=2, batch_size=4), tmp_path / "s", tiny_edit_model, tmp_path / "big")
     run(cfg_of(max_steps=2, batch_size=2, grad_accum=2), tmp_path / "s", tiny_edit_model, tmp_path / "accum")
-    assert_same_lora(lora_of(tmp_path / "big"), lora_of(tmp_path / "accum"), atol=1e-6)
+    assert_close_lora(lora_of(tmp_path / "big"), lora_of(tmp_path / "accum"), lr=2e-3, steps=2)
 
 
 def test_gradient_checkpointing_int8_base_and_bf16(store_dir, tiny_edit_model, tmp_path):
@@ -302,7 +310,7 @@ def test_cli_trains_and_reports_user_errors(store_dir, tiny_edit_model, tmp_path
 
 def test_held_out_flow_loss_drops_after_training(tiny_edit_model, tmp_path):
     make_train_store(tmp_path / "s", tiny_edit_model, mixed_specs(12, 4))
-    cfg = cfg_of(max_steps=30, batch_size=4, learning_rate=1e-2, **{"lora.rank": 8})
+    cfg = cfg_of(max_steps=10, batch_size=4, learning_rate=2e-2, **{"lora.rank": 8})
     run(cfg, tmp_path / "s", tiny_edit_model, tmp_path / "run")
 
     val = open_train_tables(tmp_path / "s", tiny_edit_model, split="val")
