@@ -8,6 +8,12 @@ DESIGN §5 — target areas 512²/768²/1024² (20/30/50 %), aspect ratios 1, 4:
 0/1/2/3 controls (10/50/25/15 %) each at ~1024² with its own aspect ratio, text 20–120 tokens + ~188 per
 control image. A token is a 16×16-pixel patch (VAE ×8, 2×2 packing); buckets are multiples of 32 px.
 Target: ≥ 0.97 linear for the sampler.
+
+Step-time section: the trainer's optimizer step (store read, per-sample σ/noise/dropout, packing, forward,
+backward, clipping, AdamW, LR schedule, TensorBoard, progress bar) as a ratio to a bare
+forward/backward/AdamW loop over the same batches, prebuilt on the device, with the same LoRA'd transformer
+(a small random one, 3 layers, 4 heads × 32, so a CPU step takes ~0.1 s and overhead would show). Each loop runs 3 times,
+alternating; per step the fastest of the runs counts (same batch each time), warm-up steps excluded. Target: ratio ≤ 1.05.
 """
 
 from __future__ import annotations
@@ -87,8 +93,119 @@ def bench_padding(n: int = 20_000, batch_size: int = 8, window: int = 64, seeds:
     return result
 
 
+def _step_time_fixture(work: Path) -> tuple[str, Path]:
+    """A model folder whose transformer is mid-sized, and a store of `text` + `vae` tables built for it."""
+    import torch
+    from diffusers import QwenImageTransformer2DModel
+
+    from models.loading import model_fingerprint
+    from models.tiny import TINY_TRANSFORMER, make_tiny_model
+    from schemas import FieldSpec, Lineage, TableSchema
+    from store import Store
+
+    model = work / "model"
+    make_tiny_model(model)
+    torch.manual_seed(0)
+    config = {**TINY_TRANSFORMER, "num_layers": 3, "num_attention_heads": 4, "attention_head_dim": 32,
+              "axes_dims_rope": (8, 12, 12)}
+    QwenImageTransformer2DModel(**config).save_pretrained(model / "transformer")
+    c, d = TINY_TRANSFORMER["in_channels"] // 4, TINY_TRANSFORMER["joint_attention_dim"]
+
+    lineage = Lineage("bench", "bench", model_fingerprint(str(model)), {"images": 1}, "bench")
+    st = Store(work / "store")
+    tw = st.writer("text", TableSchema("text", [FieldSpec("prompt_embeds", "bfloat16", 2),
+                                                FieldSpec("empty_embeds", "bfloat16", 2)], lineage))
+    vw = st.writer("vae", TableSchema("vae", [FieldSpec("target", "bfloat16", 4),
+                                              FieldSpec("control_{i}", "bfloat16", 4)], lineage))
+    g = torch.Generator().manual_seed(0)
+    sizes = [(16, 16), (16, 24), (24, 16), (12, 20), (20, 12), (20, 20)]  # latent h, w: 60..100 tokens
+    for i in range(48):
+        key = f"{i:032x}"
+        (h, w), (ch, cw) = sizes[i % len(sizes)], sizes[(i // len(sizes)) % len(sizes)]
+        text_len = 30 + (i * 7) % 60
+        meta = {"split": "train", "img_shapes": [[1, h // 2, w // 2], [1, ch // 2, cw // 2]]}
+        tw.add(key, tensors={"prompt_embeds": torch.randn(text_len, d, generator=g).bfloat16(),
+                             "empty_embeds": torch.randn(4, d, generator=g).bfloat16()},
+               meta={**meta, "length": text_len})
+        vw.add(key, tensors={"target": torch.randn(c, 1, h, w, generator=g).bfloat16(),
+                             "control_0": torch.randn(c, 1, ch, cw, generator=g).bfloat16()}, meta=meta)
+    tw.commit()
+    vw.commit()
+    return str(model), work / "store"
+
+
+def _bare_loop(model: str, store: Path, cfg, steps: int) -> list[float]:
+    """Forward/backward/AdamW over the trainer's first `steps` batches, everything prebuilt on the device."""
+    import time
+
+    import torch
+
+    from models.flow import add_noise, flow_target, per_sample_loss
+    from models.lora_io import lora_parameters
+    from models.multires import build_batch, multires_forward, pack_latents, target_outputs
+    from stages.train import DataStream, setup_transformer
+    from stages.train_data import draw_noise, draw_sigma, open_train_tables
+
+    tc, device = cfg.train, torch.device("cpu")
+    tables = open_train_tables(store, model)
+    transformer = setup_transformer(model, tc, device)
+    optimizer = torch.optim.AdamW(lora_parameters(transformer), lr=tc.learning_rate)
+    stream = DataStream(LengthAwareBatchSampler(tables.lengths, tc.batch_size, seed=tc.seed, window=tc.sampler_window))
+    prepared = []
+    for step in range(steps):
+        samples = [tables.sample(tables.keys[i]) for i in stream.next()[1][0]]
+        sigmas = torch.stack([draw_sigma(s, tc.seed, step, tc.sigma) for s in samples])
+        x0 = [pack_latents(s.target).float() for s in samples]
+        eps = [pack_latents(draw_noise(s, tc.seed, step)) for s in samples]
+        batch = build_batch([add_noise(x, e, sg) for x, e, sg in zip(x0, eps, sigmas)],
+                            [[c.float() for c in s.controls] for s in samples],
+                            [s.prompt_embeds.float() for s in samples], [s.img_shapes for s in samples])
+        prepared.append((batch.to(device), sigmas.to(device), [flow_target(x, e).to(device) for x, e in zip(x0, eps)]))
+    times = []
+    for batch, sigmas, targets in prepared:
+        t0 = time.perf_counter()
+        out = multires_forward(transformer, batch, sigmas)
+        per_sample_loss(target_outputs(out, batch), targets).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def bench_step_time(steps: int = 14, warmup: int = 4, batch_size: int = 4, repeats: int = 3) -> dict[str, float]:
+    import shutil
+    import tempfile
+
+    import torch
+
+    from pipeline.config import load_config
+    from stages.train import run
+
+    work = Path(tempfile.mkdtemp(prefix="bench-train-"))
+    try:
+        model, store = _step_time_fixture(work)
+        cfg = load_config(None, {"train.device": "cpu", "train.batch_size": batch_size, "train.max_steps": steps,
+                                 "train.checkpoint_every": 10 * steps, "train.lora.rank": 16})
+        bare, trainer = [], []
+        for attempt in range(repeats):  # alternate, so load from other processes hits both alike
+            bare.append(_bare_loop(model, store, cfg, steps)[warmup:])
+            trainer.append(run(cfg, store, model, work / f"run{attempt}").step_times[warmup:])
+        # Step k processes the same batch in every run: its fastest time is its least-disturbed time.
+        bare_s, trainer_s = sum(map(min, zip(*bare))), sum(map(min, zip(*trainer)))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    ratio = trainer_s / bare_s
+    n = steps - warmup
+    print(f"== step time: {n} steps at batch {batch_size} (mixed sizes, 1 control), CPU, {torch.get_num_threads()} threads")
+    print(f"bare forward/backward/step loop  {1000 * bare_s / n:8.1f} ms/step")
+    print(f"trainer (stages.train.run)       {1000 * trainer_s / n:8.1f} ms/step")
+    print(f"trainer / bare: {ratio:.3f}; target <= 1.05: {'met' if ratio <= 1.05 else 'NOT met'}")
+    return {"bare_ms": 1000 * bare_s / n, "trainer_ms": 1000 * trainer_s / n, "ratio": ratio}
+
+
 def main() -> None:
     bench_padding()
+    bench_step_time()
 
 
 if __name__ == "__main__":

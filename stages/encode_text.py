@@ -7,8 +7,9 @@ processor call, last hidden state, the template's first `start_idx` tokens dropp
 (no padding), bf16, plus the empty-prompt embeds with the same control images (caption dropout).
 
 Batches hold only requests with identical input shapes (token count and image grids): padding or mixed image
-sizes change float32 rounding (~1e-7), identical shapes are bit-exact, so the table does not depend on the
-batch size (tested against the unmodified pipeline).
+sizes change float32 rounding (~1e-7); identical shapes are bit-exact (but see MIN_BATCH_ROWS), so the table
+does not depend on the batch size (tested against the unmodified pipeline on CPU; GPU BLAS libraries give no
+such guarantee across batch sizes).
 """
 
 from __future__ import annotations
@@ -42,6 +43,12 @@ FEATURE_REVISION = "text.1"
 # in the lineage so a change of it means a new table version.
 PLUS_IMAGE_PROMPT = "Picture {}: <|vision_start|><|image_pad|><|vision_end|>"
 KINDS = ("prompt", "empty")  # the instruction, and "" for caption dropout, both with the sample's images
+# Even same-shape batches are not bit-exact when a matmul has few rows: MKL's sgemm takes another kernel for
+# M < 12 (and, split over 16 threads, up to M = 27), so a row's value depends on M. The smallest matmuls are
+# the vision merger's, one row per merged image token (patches / 2x2): an image with fewer merged tokens than
+# this is encoded alone. (Real VL views have ~190 or more; the LLM's rows, >= 64 template tokens, are safe.)
+MIN_BATCH_ROWS = 32
+MERGE_AREA = 4  # Qwen2.5-VL merges 2x2 patches into one token
 
 
 @dataclass(frozen=True)
@@ -91,9 +98,13 @@ class Request:
     inputs: dict[str, torch.Tensor]  # the processor's output for this request alone (batch dim 1)
 
     @property
-    def shape(self) -> tuple:
+    def shape(self) -> tuple | None:
+        """Batch key: token count + image grids; None = run alone (an image too small to batch exactly)."""
         grid = self.inputs.get("image_grid_thw")
-        return (self.inputs["input_ids"].shape[1], tuple(map(tuple, grid.tolist())) if grid is not None else ())
+        grids = tuple(map(tuple, grid.tolist())) if grid is not None else ()
+        if any(t * h * w // MERGE_AREA < MIN_BATCH_ROWS for t, h, w in grids):
+            return None
+        return (self.inputs["input_ids"].shape[1], grids)
 
 
 @dataclass

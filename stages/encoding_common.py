@@ -102,8 +102,10 @@ class Summary:
     skipped: int = 0  # already in committed shards (resume) or the whole table when up to date
     quarantined: int = 0
     bytes_written: int = 0
-    seconds: float = 0.0
-    forward_seconds: float = 0.0  # time inside the model forward (bench: the rest is overhead)
+    seconds: float = 0.0  # the whole run, model loading included
+    loop_seconds: float = 0.0  # the encode loop: read, preprocess, forward, write
+    forward_seconds: float = 0.0  # inside the model forward (bench: the rest of the loop is overhead)
+    forwards: int = 0
     rank: int = 0
     world_size: int = 1
 
@@ -111,11 +113,11 @@ class Summary:
         where = f" [rank {self.rank}/{self.world_size}]" if self.world_size > 1 else ""
         if self.up_to_date:
             return f"{self.stage}{where}: table '{self.table}' v{self.version} is up to date ({self.skipped} samples); nothing written"
-        rate = self.encoded / self.seconds if self.seconds > 0 else 0.0
+        rate = self.encoded / self.loop_seconds if self.loop_seconds > 0 else 0.0
         return (
             f"{self.stage}{where}: table '{self.table}' v{self.version}: encoded {self.encoded}, "
             f"skipped (already done) {self.skipped}, quarantined {self.quarantined}, "
-            f"{self.bytes_written / 1e6:.2f} MB written in {self.seconds:.1f} s ({rate:.1f} samples/s)"
+            f"{self.bytes_written / 1e6:.2f} MB written in {self.seconds:.1f} s (encoding {rate:.1f} samples/s)"
         )
 
 
@@ -130,6 +132,7 @@ class EncodeJob:
     ranks: Ranks
     summary: Summary
     started: float = field(default_factory=time.perf_counter)
+    loop_started: float = 0.0
     writer: TableWriter | None = None
     _quarantine_rows: list[dict[str, Any]] = field(default_factory=list)
     _shard_sizes_before: dict[str, int] = field(default_factory=dict)
@@ -148,6 +151,7 @@ class EncodeJob:
         mine = self.images.iter_keys(rank=self.ranks.rank, world_size=self.ranks.world_size)
         todo = [k for k in mine if k not in self.writer.done_keys]
         self.summary.skipped = len(mine) - len(todo)
+        self.loop_started = time.perf_counter()
         return todo
 
     def progress(self, total: int) -> tqdm:
@@ -170,12 +174,14 @@ class EncodeJob:
         t0 = time.perf_counter()
         yield
         self.summary.forward_seconds += time.perf_counter() - t0
+        self.summary.forwards += 1
 
     def finish(self) -> Summary:
         """Quarantine rows, this rank's last shard, barrier, rank 0 commits (manifest last), barrier."""
         assert self.writer is not None
         self._flush_quarantine()
         self.writer.finish_rank()
+        self.summary.loop_seconds = time.perf_counter() - self.loop_started
         self.summary.bytes_written = sum(
             size - self._shard_sizes_before.get(name, 0) for name, size in self._rank_shard_sizes().items()
         )
@@ -258,22 +264,27 @@ def prefetched(items: Iterable[T], load: Callable[[T], R], workers: int = 2, dep
             yield f.result()
 
 
-def batches_by_shape(items: Iterable[T], shape_of: Callable[[T], Hashable], batch_size: int,
+def batches_by_shape(items: Iterable[T], shape_of: Callable[[T], Hashable | None], batch_size: int,
                      window: int = 256) -> Iterator[list[T]]:
     """Batches whose items all share one input shape, so no padding enters the forward and each result is
     bit-for-bit the one the item gets alone (padding and mixed shapes change float rounding).
 
-    Items wait in per-shape groups; a full group is emitted at once; when more than `window` items wait, the
-    largest group goes out partly filled; at the end every group is flushed.
+    `shape_of` returning None sends the item alone. Items wait in per-shape groups; a full group is emitted at
+    once; when more than `window` items wait, the largest group goes out partly filled; at the end every group
+    is flushed.
     """
     groups: OrderedDict[Hashable, list[T]] = OrderedDict()
     waiting = 0
     for item in items:
-        group = groups.setdefault(shape_of(item), [])
+        shape = shape_of(item)
+        if shape is None:  # the item must run alone
+            yield [item]
+            continue
+        group = groups.setdefault(shape, [])
         group.append(item)
         waiting += 1
         if len(group) >= batch_size:
-            yield groups.pop(shape_of(item))
+            yield groups.pop(shape)
             waiting -= batch_size
         elif waiting > window:
             biggest = max(groups, key=lambda s: len(groups[s]))

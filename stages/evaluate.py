@@ -131,7 +131,11 @@ def held_out_loss(transformer, samples: list[TrainSample], cfg: EvaluateConfig) 
 
 
 def mask_region_loss(transformer, samples: list[TrainSample], cfg: EvaluateConfig) -> dict | None:
-    """Loss inside (weights = mask) and outside (1 − mask) the edit region; None when no sample has a mask."""
+    """Loss inside (weights = mask) and outside (1 − mask) the edit region; None when no sample has a mask.
+
+    Per sample (and per region) the mean over the same seeds x σ rows as the overall loss, so for a sample with
+    N target tokens and mask mass M: N·overall = M·inside + (N − M)·outside (the per-sample normalisation).
+    """
     masked = [
         s for s in samples
         if s.mask_weight is not None and 0 < float(s.mask_weight.clamp(0, 1).sum()) < s.mask_weight.numel()
@@ -139,12 +143,20 @@ def mask_region_loss(transformer, samples: list[TrainSample], cfg: EvaluateConfi
     if not masked:
         return None
     rows = [LossRow(s, seed, float(t)) for s in masked for seed in cfg.noise_seeds for t in cfg.timesteps]
+    per_sample: dict[str, dict] = {
+        s.key: {"tokens": s.mask_weight.numel(), "mask_tokens": float(s.mask_weight.clamp(0, 1).sum())} for s in masked
+    }
     out: dict = {"note": MASK_NOTE}
     for region, weights in (("inside", (1.0, 0.0)), ("outside", (0.0, 1.0))):
         out[region] = {"n": len(masked)}
         for name, on in (("base", False), ("lora", True)):
             with lora_enabled(transformer, on):
-                out[region][name] = _mean(row_losses(transformer, rows, cfg.batch_size, weights, f"{region} ({name})"))
+                values = row_losses(transformer, rows, cfg.batch_size, weights, f"{region} ({name})")
+            out[region][name] = _mean(values)
+            for s in masked:
+                mine = [v for r, v in zip(rows, values) if r.sample.key == s.key]
+                per_sample[s.key].setdefault(region, {})[name] = _mean(mine)
+    out["per_sample"] = per_sample
     return out
 
 
@@ -228,7 +240,7 @@ def val_rows(transformer, vae, scheduler_config: dict, samples: list[TrainSample
 
 def extra_rows(model: str, transformer, vae, cfg: EvaluateConfig) -> list[SampleRow]:
     """The configured extra prompts, through predict's stock-equivalent path (text encoder loaded once)."""
-    from stages.predict import edit, load_pipeline
+    from stages.predict import load_pipeline, prepare
 
     pipe = load_pipeline(model, parse_dtype(cfg.dtype), {"text_encoder": cfg.device}, transformer=transformer, vae=vae)
     rows = []
@@ -238,13 +250,10 @@ def extra_rows(model: str, transformer, vae, cfg: EvaluateConfig) -> list[Sample
             target = Image.open(extra.target).convert("RGB") if extra.target else None
         except OSError as e:
             raise UserError(f"evaluate.extra_prompts[{i}]: cannot read an image ({e}); fix the path in the config")
-        outs = []
-        for on in (False, True):
-            with lora_enabled(transformer, on):
-                outs.append(edit(pipe, controls, extra.prompt, cfg.negative_prompt, cfg.num_inference_steps,
-                                 cfg.true_cfg_scale, cfg.seed, extra.height, extra.width))
-        rows.append(SampleRow(f"extra {i + 1}", extra.prompt, controls, target, outs[0], outs[1],
-                              _scores(target, outs[0], outs[1])))
+        cond, height, width = prepare(pipe, controls, extra.prompt, cfg.negative_prompt, cfg.true_cfg_scale,
+                                      extra.height, extra.width)
+        base, lora = generate_pair(transformer, vae, dict(pipe.scheduler.config), cond, height, width, cfg)
+        rows.append(SampleRow(f"extra {i + 1}", extra.prompt, controls, target, base, lora, _scores(target, base, lora)))
     return rows
 
 

@@ -63,10 +63,11 @@ def _link_or_copy(src: Path, dst: Path) -> None:
         for child in src.iterdir():
             _link_or_copy(child, dst / child.name)
         return
+    real = src.resolve()  # hub snapshots are symlinks into the blob cache: link the blob itself
     try:
-        os.link(src, dst)  # same filesystem: no copy of multi-GB weights
+        os.link(real, dst)  # same filesystem: no copy of multi-GB weights
     except OSError:
-        shutil.copy2(src, dst)
+        shutil.copy2(real, dst)
 
 
 def merge_lora(model: str, lora: str | Path, out: str | Path, scale: float = 1.0, dtype: str | None = None) -> Path:

@@ -86,18 +86,17 @@ def prepare_controls(pipe, images: list[Image.Image], plus: bool) -> PreparedCon
 
 
 @torch.no_grad()
-def edit(
+def prepare(
     pipe,
     images: list[Image.Image],
     prompt: str,
     negative_prompt: str | None,
-    steps: int,
     true_cfg_scale: float,
-    seed: int,
     height: int | None = None,
     width: int | None = None,
-) -> Image.Image:
-    """One edit with the pipeline's components wherever they sit."""
+) -> tuple[Conditioning, int, int]:
+    """Text-encode the prompt (and the CFG negative) with the controls and VAE-encode the controls, each on its
+    component's device; returns the conditioning on the transformer's device and the output size."""
     from diffusers import QwenImageEditPlusPipeline
 
     plus = isinstance(pipe, QwenImageEditPlusPipeline)
@@ -121,7 +120,22 @@ def edit(
         pipe._encode_vae_image(px.to(pipe.vae.device, pipe.vae.dtype), generator=None).to(tr_device, embeds.dtype)
         for px in controls.vae_pixels
     ]
-    cond = Conditioning(embeds, latents, mask, neg_embeds, neg_mask)
+    return Conditioning(embeds, latents, mask, neg_embeds, neg_mask), height, width
+
+
+def edit(
+    pipe,
+    images: list[Image.Image],
+    prompt: str,
+    negative_prompt: str | None,
+    steps: int,
+    true_cfg_scale: float,
+    seed: int,
+    height: int | None = None,
+    width: int | None = None,
+) -> Image.Image:
+    """One edit with the pipeline's components wherever they sit."""
+    cond, height, width = prepare(pipe, images, prompt, negative_prompt, true_cfg_scale, height, width)
     return generate(
         pipe.transformer, pipe.vae, dict(pipe.scheduler.config), cond, height, width, steps, true_cfg_scale, seed,
         progress=True,

@@ -20,6 +20,7 @@ import numpy as np
 from PIL import Image, ImageDraw
 
 TILE = 160  # grid cell side in pixels (images are fitted inside, aspect kept)
+THUMB = 128  # side of the images in the page's sample table
 LABEL_H = 16
 
 
@@ -136,7 +137,7 @@ def _table(headers: list[str], rows: list[list[Any]]) -> str:
 def _img(img: Image.Image | None, alt: str) -> str:
     if img is None:
         return "<td class='empty'>–</td>"
-    return f"<td><img src='{data_uri(_fit(img, TILE))}' alt='{html.escape(alt)}'></td>"
+    return f"<td><img src='{data_uri(_fit(img, THUMB))}' alt='{html.escape(alt)}'></td>"
 
 
 def render_html(metrics: dict, rows: list[SampleRow], grid: Image.Image) -> str:
@@ -162,16 +163,17 @@ def render_html(metrics: dict, rows: list[SampleRow], grid: Image.Image) -> str:
     if rows:
         n_controls = max(len(r.controls) for r in rows)
         headers = ["sample", "instruction"] + [f"control {i + 1}" for i in range(n_controls)] + \
-            ["target", "base", "LoRA", "PSNR base / LoRA", "SSIM base / LoRA"]
+            ["target", "base", "LoRA", "PSNR dB (base / LoRA)", "SSIM (base / LoRA)"]
         body = []
         for r in rows:
-            cells = [f"<td>{html.escape(r.title)}</td>", f"<td>{html.escape(r.caption)}</td>"]
+            cells = [f"<td><code>{html.escape(r.title)}</code></td>", f"<td class='caption'>{html.escape(r.caption)}</td>"]
             cells += [_img(c, f"control {i + 1}") for i, c in enumerate(r.controls)]
             cells += ["<td class='empty'>–</td>"] * (n_controls - len(r.controls))
             cells += [_img(r.target, "target"), _img(r.base, "base output"), _img(r.lora, "LoRA output")]
             s = r.scores
-            cells.append(f"<td>{_fmt(s.get('psnr_base', float('nan')))} / {_fmt(s.get('psnr_lora', float('nan')))}</td>")
-            cells.append(f"<td>{_fmt(s.get('ssim_base', float('nan')))} / {_fmt(s.get('ssim_lora', float('nan')))}</td>")
+            for m in ("psnr", "ssim"):
+                pair = f"{_fmt(s.get(m + '_base', math.nan))} / {_fmt(s.get(m + '_lora', math.nan))}"
+                cells.append(f"<td class='score'>{pair}</td>")
             body.append("<tr>" + "".join(cells) + "</tr>")
         head = "".join(f"<th>{html.escape(h)}</th>" for h in headers)
         sections += [
@@ -191,6 +193,9 @@ table {{ border-collapse: collapse; margin: 8px 0 16px; }}
 th, td {{ border: 1px solid #ccc; padding: 4px 8px; text-align: center; vertical-align: middle; }}
 th {{ background: #f3f3f3; }}
 td img {{ display: block; margin: auto; image-rendering: pixelated; }}
+td.caption {{ max-width: 180px; text-align: left; }}
+td.score {{ white-space: nowrap; }}
+th {{ max-width: 110px; }}
 img.grid {{ max-width: 100%; image-rendering: pixelated; }}
 .note {{ color: #7a4b00; background: #fff6e0; padding: 6px 10px; border-left: 3px solid #e0a000; }}
 </style></head>

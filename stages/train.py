@@ -60,7 +60,7 @@ class TrainResult:
     start_step: int  # 0, or the checkpoint step it resumed from
     steps: int  # optimizer steps done in all
     losses: list[float] = field(default_factory=list)  # mean per-sample loss of each step of this start
-    step_times: list[float] = field(default_factory=list)  # seconds per optimizer step (data included)
+    step_times: list[float] = field(default_factory=list)  # s per optimizer step: data + logging, no checkpoint
     epoch_padding: dict[int, float] = field(default_factory=dict)  # epoch -> valid / computed tokens
     main_process: bool = True
 
@@ -259,14 +259,7 @@ def run(
         loss_sum = torch.zeros((), device=device)
         for epoch, global_batch, ends_epoch in micro:
             samples = [tables.sample(tables.keys[i]) for i in global_batch[rank]]
-            sigmas = torch.stack([draw_sigma(s, tc.seed, step, tc.sigma) for s in samples])
-            noises = [draw_noise(s, tc.seed, step) for s in samples]
-            empty = [draw_caption_dropout(s, tc.seed, step, tc.caption_dropout) for s in samples]
-            weights = (tc.loss.mask_weight.foreground, tc.loss.mask_weight.background)
-            with _autocast(tc, device):
-                per_sample = flow_loss(transformer, samples, sigmas, noises, use_empty=empty, mask_weight=weights)
-            (per_sample.sum() * (world / n_step)).backward()
-            loss_sum += per_sample.detach().sum()
+            loss_sum += forward_backward(transformer, samples, tc, step, device, scale=world / n_step)
             valid, computed = _tokens(global_batch, tables.lengths)
             epoch_tokens[0] += valid
             epoch_tokens[1] += computed
@@ -288,7 +281,6 @@ def run(
         loss = loss_sum.item() / n_step  # the sync point: the step's compute is done here
         dt = time.perf_counter() - t0
         result.losses.append(loss)
-        result.step_times.append(dt)
         if writer is not None and step % tc.log_every == 0:
             lin, _ = padding_efficiency([b for _, gb, _ in micro for b in gb], tables.lengths)
             writer.add_scalar("train/loss", loss, step)
@@ -298,6 +290,7 @@ def run(
             writer.add_scalar("train/samples_per_s", n_step / dt, step)
         bar.set_postfix(loss=f"{loss:.4f}", lr=f"{scheduler.get_last_lr()[0]:.2e}")
         bar.update(1)
+        result.step_times.append(time.perf_counter() - t0)  # with logging, without checkpoint writing
 
         if step % tc.checkpoint_every == 0 or step == tc.max_steps:
             epoch, batch = stream.position
@@ -321,6 +314,19 @@ def run(
 
 
 # ---------------------------------------------------------------------------------------------- loop pieces
+
+
+def forward_backward(transformer, samples: list, tc: TrainConfig, step: int, device: torch.device, scale: float):
+    """Per-sample σ, noise and caption dropout for this step, the flow loss, backward of `scale` × its sum.
+    Returns the detached sum of the per-sample losses."""
+    sigmas = torch.stack([draw_sigma(s, tc.seed, step, tc.sigma) for s in samples])
+    noises = [draw_noise(s, tc.seed, step) for s in samples]
+    empty = [draw_caption_dropout(s, tc.seed, step, tc.caption_dropout) for s in samples]
+    weights = (tc.loss.mask_weight.foreground, tc.loss.mask_weight.background)
+    with _autocast(tc, device):
+        per_sample = flow_loss(transformer, samples, sigmas, noises, use_empty=empty, mask_weight=weights)
+    (per_sample.sum() * scale).backward()
+    return per_sample.detach().sum()
 
 
 def _tokens(global_batch: list[list[int]], lengths: list[int]) -> tuple[int, int]:

@@ -134,23 +134,19 @@ def flock(path: Path, *, blocking: bool = True, holder: str = "") -> Iterator[No
     """An advisory lock the kernel drops when the process dies (SIGKILL leaves no stale lock)."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
-        except BlockingIOError:
-            other = Path(path).read_text().strip() or "another process"
-            os.close(fd)
-            raise UserError(
-                f"{holder or path} is being written by {other} (lock {path}); "
-                "wait for it to finish, or stop it, then rerun"
-            ) from None
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+    except BlockingIOError:
+        os.close(fd)
+        other = Path(path).read_text().strip() or "another process"
+        raise UserError(
+            f"{holder or path} is being written by {other} (lock {path}); wait for it to finish, or stop it, then rerun"
+        ) from None
+    try:
         os.ftruncate(fd, 0)
-        os.write(fd, f"pid {os.getpid()}".encode())
+        os.write(fd, f"pid {os.getpid()}".encode())  # for the message a second writer gets
         yield
     finally:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
+        os.close(fd)
 
 
 class HeldLock:

@@ -37,6 +37,9 @@ class _HashingFile:
         self.sample_sha.update(b)
         self.pos += len(b)
 
+    def discard(self) -> None:
+        self._f.close()
+
     def close_synced(self) -> None:
         self._f.flush()
         os.fsync(self._f.fileno())
@@ -153,5 +156,5 @@ class ShardBuilder:
         return self._f.sha.hexdigest()
 
     def abandon(self) -> None:
-        self._f._f.close()
+        self._f.discard()
         self.tmp_path.unlink(missing_ok=True)

@@ -8,7 +8,7 @@ the indexes into `manifest.parquet` (presence = version complete) and then point
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow.parquet as pq
 import torch
@@ -20,12 +20,15 @@ from store import format as fmt
 from store.manifest import LOCATING_COLUMNS, merge_indexes, rows_to_table
 from store.shard import ShardBuilder, tensor_dtype_name
 
+if TYPE_CHECKING:
+    from store.store import Store
+
 MB = 1024 * 1024
 
 
 class TableWriter:
     def __init__(
-        self, store: "Store", table: str, schema: TableSchema,  # type: ignore[name-defined]  # noqa: F821
+        self, store: Store, table: str, schema: TableSchema,
         rank: int = 0, world_size: int = 1, shard_size_mb: float = 256,
     ) -> None:
         if schema.name != table:

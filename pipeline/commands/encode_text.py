@@ -1,10 +1,32 @@
-"""`pipeline` command wrapper (placeholder until the stage lands)."""
+"""`pipeline run encode-text`: `images` -> `text` table. Flags override the config file's values.
+
+Under `accelerate launch` each process encodes its own share of the samples (the stage reads rank and world
+size from the launcher's environment) and rank 0 commits the table.
+"""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Optional
+
 import typer
 
+from pipeline.commands.common import ConfigOpt, config_from, echo, require, user_errors
 
-def command() -> None:
-    typer.secho("not implemented yet", fg=typer.colors.YELLOW)
-    raise typer.Exit(3)
+
+def command(
+    store: Optional[str] = typer.Option(None, "--store", help="Store folder holding the `images` table (paths.store)."),
+    model: Optional[str] = typer.Option(None, "--model", help="Model folder or hub id (paths.model)."),
+    device: Optional[str] = typer.Option(None, "--device", help="Device of the text encoder (encode_text.device)."),
+    batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Same-shape prompts per forward."),
+    config: Optional[Path] = ConfigOpt,
+) -> None:
+    cfg = config_from(config, {"paths.store": store, "paths.model": model,
+                               "encode_text.device": device, "encode_text.batch_size": batch_size})
+    dst = require(cfg.paths.store, "--store", "paths.store")
+    mdl = require(cfg.paths.model, "--model", "paths.model")
+    from stages.encode_text import run
+
+    with user_errors():
+        summary = run(cfg, dst, mdl)
+    echo(str(summary))

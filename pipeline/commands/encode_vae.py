@@ -1,10 +1,32 @@
-"""`pipeline` command wrapper (placeholder until the stage lands)."""
+"""`pipeline run encode-vae`: `images` -> `vae` table. Flags override the config file's values.
+
+Under `accelerate launch` each process encodes its own share of the samples (the stage reads rank and world
+size from the launcher's environment) and rank 0 commits the table.
+"""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Optional
+
 import typer
 
+from pipeline.commands.common import ConfigOpt, config_from, echo, require, user_errors
 
-def command() -> None:
-    typer.secho("not implemented yet", fg=typer.colors.YELLOW)
-    raise typer.Exit(3)
+
+def command(
+    store: Optional[str] = typer.Option(None, "--store", help="Store folder holding the `images` table (paths.store)."),
+    model: Optional[str] = typer.Option(None, "--model", help="Model folder or hub id (paths.model)."),
+    device: Optional[str] = typer.Option(None, "--device", help="Device of the VAE (encode_vae.device)."),
+    batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Same-size images per forward."),
+    config: Optional[Path] = ConfigOpt,
+) -> None:
+    cfg = config_from(config, {"paths.store": store, "paths.model": model,
+                               "encode_vae.device": device, "encode_vae.batch_size": batch_size})
+    dst = require(cfg.paths.store, "--store", "paths.store")
+    mdl = require(cfg.paths.model, "--model", "paths.model")
+    from stages.encode_vae import run
+
+    with user_errors():
+        summary = run(cfg, dst, mdl)
+    echo(str(summary))

@@ -36,6 +36,7 @@ class FixtureSample:
     controls_vl: list[tuple[int, int]] = field(default_factory=list)  # VL views (h, w)
     mask: bool = False
     corrupt_control: bool = False
+    mask_size: tuple[int, int] | None = None  # (h, w) of a mask that does not match the target (quarantine)
 
 
 def _png(arr: np.ndarray) -> bytes:
@@ -88,8 +89,9 @@ def write_images_table(store_path: Path, samples: list[FixtureSample], seed: int
         if s.corrupt_control:
             files["control_0.png"] = files["control_0_vl.png"] = b"\x89PNG\r\n\x1a\n-not-really-a-png"
         if s.mask:
-            m = np.zeros((h, w_), dtype=np.uint8)
-            m[h // 4 : h // 2 + 3, w_ // 3 : w_ - 5] = 255  # edges not on the 16-px token grid: fractional weights
+            mh, mw = s.mask_size or (h, w_)
+            m = np.zeros((mh, mw), dtype=np.uint8)
+            m[mh // 4 : mh // 2 + 3, mw // 3 : mw - 5] = 255  # edges off the 16-px token grid: fractional weights
             files["mask.png"] = _png(m)
         key = hashlib.sha256(b"".join(files[k] for k in sorted(files)) + s.caption.encode()).hexdigest()[:32]
         shapes = [[1, h // 16, w_ // 16]] + [[1, ch // 16, cw // 16] for ch, cw in s.controls]
@@ -104,24 +106,24 @@ def write_images_table(store_path: Path, samples: list[FixtureSample], seed: int
 
 
 def edit_samples() -> list[FixtureSample]:
-    """One control each (an Edit model's input), varied instruction lengths and control sizes."""
-    sizes = [(64, 64), (48, 80), (64, 64), (96, 64), (64, 64), (48, 80)]
-    return [
-        FixtureSample(CAPTIONS[i % len(CAPTIONS)], target=sizes[(i + 1) % len(sizes)], controls=[sizes[i]],
-                      controls_vl=[sizes[i]], mask=i % 2 == 0)
-        for i in range(6)
-    ]
+    """One control each (an Edit model's input): varied instruction lengths and control sizes; samples 0, 3, 5
+    share token count and control size (one batch), 1 and 4 share a control size; 2's control is too small to
+    batch exactly (encoded alone)."""
+    big, wide, small = (160, 160), (128, 192), (64, 64)
+    spec = [(0, (64, 64), big, True), (1, (48, 80), wide, False), (2, (64, 64), small, True),
+            (3, (96, 64), big, False), (4, (64, 64), wide, True), (0, (48, 80), big, False)]
+    return [FixtureSample(CAPTIONS[c], target=t, controls=[ctrl], controls_vl=[ctrl], mask=m) for c, t, ctrl, m in spec]
 
 
 def plus_samples() -> list[FixtureSample]:
-    """0..3 controls, VL views at their own (smaller) sizes; some masks."""
+    """0..3 controls, VL views at their own sizes (a 56² one is too small to batch exactly); some masks."""
     return [
-        FixtureSample(CAPTIONS[0], (64, 64), [(64, 64)], [(56, 56)], mask=True),
-        FixtureSample(CAPTIONS[1], (48, 80), [(48, 80), (64, 64)], [(56, 84), (56, 56)]),
+        FixtureSample(CAPTIONS[0], (64, 64), [(64, 64)], [(160, 160)], mask=True),
+        FixtureSample(CAPTIONS[1], (48, 80), [(48, 80), (64, 64)], [(128, 192), (160, 160)]),
         FixtureSample(CAPTIONS[2], (64, 48), [], []),
-        FixtureSample(CAPTIONS[3], (64, 64), [(64, 64)], [(56, 56)], mask=True),
-        FixtureSample(CAPTIONS[4], (80, 48), [(80, 48), (32, 32), (64, 64)], [(84, 56), (56, 56), (56, 56)]),
-        FixtureSample(CAPTIONS[0], (64, 64), [(64, 64)], [(56, 56)]),
+        FixtureSample(CAPTIONS[3], (64, 64), [(64, 64)], [(160, 160)], mask=True),
+        FixtureSample(CAPTIONS[4], (80, 48), [(80, 48), (32, 32), (64, 64)], [(192, 128), (56, 56), (160, 160)]),
+        FixtureSample(CAPTIONS[0], (64, 64), [(64, 64)], [(160, 160)]),
     ]
 
 

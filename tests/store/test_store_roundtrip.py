@@ -90,3 +90,20 @@ def test_quarantine_appends_rows(store: Store) -> None:
     assert rows[1]["detail"] == '{"pixels": 1000000000}'
     with pytest.raises(UserError, match="lacks"):
         store.add_quarantine([{"source": "x"}])
+
+
+def test_close_without_commit_resumes_same_version_and_empty_table_commits(store: Store) -> None:
+    w = store.writer("vae", vae_schema(), shard_size_mb=0.004)
+    for i in range(5):
+        s = sample(i)
+        w.add(s["key"], tensors=s["tensors"], files=s["files"], meta=s["meta"])
+    w.close()  # e.g. an exception in the stage: the open shard is dropped, committed ones stay
+    w2 = store.writer("vae", vae_schema(), shard_size_mb=0.004)
+    assert w2.version == 1 and 0 < len(w2.done_keys) <= 5
+    for i in range(5):
+        s = sample(i)
+        if s["key"] not in w2.done_keys:
+            w2.add(s["key"], tensors=s["tensors"], files=s["files"], meta=s["meta"])
+    assert w2.commit() == 1 and len(store.reader("vae")) == 5
+    assert store.writer("vae", vae_schema()).commit() == 2  # same lineage, but v1 is complete: a new version
+    assert len(store.reader("vae")) == 0 and store.reader("vae").keys() == []

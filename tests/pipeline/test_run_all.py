@@ -1,0 +1,99 @@
+"""`pipeline run all`: every stage in order on a tiny model and synthetic data with masks; killed during
+training (SIGKILL of the whole process group) and rerun, it resumes train from its last checkpoint and skips
+the finished stages; a third run skips everything. The report's held-out loss is checked for consistency
+(buckets, inside/outside the edit mask) and training lowers it."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+from typer.testing import CliRunner
+
+from pipeline.cli import app
+
+STAGES = ["resize-bucket", "encode-text", "encode-vae", "train", "evaluate"]
+
+
+def _config(tmp: Path, model: str) -> Path:
+    cfg = yaml.safe_load((Path(__file__).resolve().parents[2] / "configs" / "demo.yaml").read_text())
+    cfg["paths"] = {"source": str(tmp / "data"), "store": str(tmp / "store"), "model": model,
+                    "run": str(tmp / "run"), "report": str(tmp / "report")}
+    cfg["resize"].update(target_area=64 * 64, control_vae_area=64 * 64, val_fraction=0.3)
+    cfg["train"].update(max_steps=40, checkpoint_every=2, keep_checkpoints=2, batch_size=2)
+    cfg["evaluate"].update(num_samples=2, num_inference_steps=2, noise_seeds=[0], timesteps=[0.3, 0.7])
+    # an extra prompt from files (goes through predict's stock-equivalent path, text encoder included)
+    cfg["evaluate"]["extra_prompts"] = [{"prompt": "mirror the scene", "images": [str(tmp / "data/target/sample_0000.png")],
+                                         "target": str(tmp / "data/target/sample_0001.png"), "height": 64, "width": 64}]
+    path = tmp / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _first_checkpoint(run: Path) -> bool:
+    ckpts = run / "checkpoints"
+    return ckpts.is_dir() and any((p / "resume.json").is_file() for p in ckpts.glob("step-*"))
+
+
+def _run_cli(config: Path) -> str:
+    result = CliRunner().invoke(app, ["run", "all", "--config", str(config)])
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def test_run_all_resumes_after_kill_and_skips_when_up_to_date(tiny_plus_model, tmp_path):
+    from pipeline.demo_data import make_demo_data
+
+    make_demo_data(tmp_path / "data", n=12, fmt="folder", max_controls=2, seed=1, with_masks=True)
+    config = _config(tmp_path, tiny_plus_model)
+
+    # 1) a run killed (SIGKILL, whole process group) as soon as train has committed a checkpoint
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "run", "all", "--config", str(config)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
+    deadline = time.monotonic() + 240
+    while not _first_checkpoint(tmp_path / "run") and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL, "run all finished before the kill: raise train.max_steps"
+    assert not (tmp_path / "run" / "lora").exists() and not (tmp_path / "report").exists()
+
+    # 2) rerun: finished stages are up to date, train resumes from its checkpoint, evaluate writes the report
+    out = _run_cli(config)
+    for stage in ("resize-bucket", "encode-text", "encode-vae"):
+        section = out.split(f"== {stage}")[1].split("==")[0]
+        assert "skipped, up to date" in section, out
+    assert "trained resumed at step" in out and "to step 40" in out, out
+    report = tmp_path / "report"
+    assert {p.name for p in report.iterdir()} >= {"index.html", "grid.png", "metrics.json"}
+
+    metrics = json.loads((report / "metrics.json").read_text())
+    loss = metrics["loss"]
+    overall = loss["overall"]
+    assert overall["lora"] < overall["base"]  # 40 steps on the train split lower the held-out loss
+    assert sum(b["n"] for b in loss["per_bucket"].values()) == overall["n"] == metrics["run"]["val_samples"]
+    per_sample = loss["per_sample"]
+    for m in ("base", "lora"):
+        assert math.isclose(overall[m], sum(v[m] for v in per_sample.values()) / len(per_sample), rel_tol=1e-9)
+    # inside/outside the edit mask: per sample, N·overall = M·inside + (N − M)·outside (per-sample normalisation)
+    mask = loss["mask"]
+    assert mask["inside"]["n"] >= 1 and mask["per_sample"]
+    for key, region in mask["per_sample"].items():
+        n, m_ = region["tokens"], region["mask_tokens"]
+        for m in ("base", "lora"):
+            combined = m_ * region["inside"][m] + (n - m_) * region["outside"][m]
+            assert math.isclose(n * per_sample[key][m], combined, rel_tol=1e-4), (key, m)
+    titles = [s["title"] for s in metrics["generation"]["samples"]]
+    assert len(titles) == 3 and titles[-1] == "extra 1", titles
+    assert all(math.isfinite(s["psnr_lora"]) for s in metrics["generation"]["samples"])
+
+    # 3) nothing left to do
+    out = _run_cli(config)
+    assert out.count("skipped, up to date") == len(STAGES), out

@@ -1,0 +1,194 @@
+"""encode-vae against the pipelines' own `_encode_vae_image`, mask weights against diffusers' packing, lineage,
+loads, quarantine, kill + resume; and both encode stages under `accelerate launch` with 2 processes."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+from pipeline.config import load_config
+from stages import encode_vae
+from store import Store
+
+F32 = {"encode_vae.dtype": "float32"}
+
+
+def _images_of(sample: dict) -> dict[str, Image.Image]:
+    names = ["target"] + [f"control_{i}" for i in range(sample["meta"]["num_controls"])]
+    return {n: Image.open(io.BytesIO(sample["files"][f"{n}.png"])).convert("RGB") for n in names}
+
+
+def test_matches_diffusers_encode_vae_image_and_mask_weights_follow_packing(tiny_edit_model, edit_store, tmp_path):
+    from diffusers import QwenImageEditPipeline
+
+    pipe = QwenImageEditPipeline.from_pretrained(tiny_edit_model, torch_dtype=torch.float32)
+    images = Store(edit_store).reader("images")
+    refs: dict[str, dict[str, torch.Tensor]] = {}
+    with torch.no_grad():
+        for key in images.keys():
+            refs[key] = {n: pipe._encode_vae_image(pipe.image_processor.preprocess(im, im.height, im.width).unsqueeze(2),
+                                                   generator=None)[0]
+                         for n, im in _images_of(images.get(key)).items()}
+
+    # Batch size 1: bit-exact, the stored bf16 is the pipeline's float32 latent rounded to bf16.
+    batched = Path(shutil.copytree(edit_store, tmp_path / "batched"))
+    encode_vae.run(load_config(None, F32), edit_store, tiny_edit_model, batch_size=1)
+    # Batch size 8 (same-size images only): oneDNN's conv3d rounds differently per batch size (first difference
+    # at encoder.conv_in, ~3e-7 in float32), so within half a bf16 ulp of the float32 reference + 1e-6.
+    encode_vae.run(load_config(None, F32), batched, tiny_edit_model, batch_size=8)
+    for store in (edit_store, batched):
+        vae = Store(store).reader("vae")
+        assert vae.schema.attrs["latents_mean"] == list(pipe.vae.config.latents_mean)
+        assert vae.schema.attrs["latents_std"] == list(pipe.vae.config.latents_std)
+        assert sorted(vae.keys()) == sorted(refs)
+        for key, ref in refs.items():
+            got = vae.get(key)
+            assert got["meta"]["latent_shapes"] == [list(r.shape) for r in ref.values()]
+            assert got["meta"]["img_shapes"] == images.meta(key)["img_shapes"]
+            for name, r in ref.items():
+                t = got["tensors"][name]
+                assert t.dtype == torch.bfloat16
+                if store == edit_store:
+                    assert torch.equal(t, r.to(torch.bfloat16)), name
+                else:
+                    assert ((t.float() - r).abs() <= r.abs() * 2**-8 + 1e-6).all(), name
+
+    # Mask weights: the mask averaged over each 8x8-pixel latent cell, packed exactly like diffusers packs
+    # latents (2x2 latent patches -> one token), then averaged over the patch = fraction of edited pixels.
+    vae = Store(edit_store).reader("vae")
+    fractional = 0
+    for key in vae.keys():
+        sample, meta = vae.get(key), vae.meta(key)
+        has = "mask.png" in images.files(key)
+        assert meta["has_mask"] == has and ("mask_weight" in sample["tensors"]) == has
+        if not has:
+            continue
+        m = np.asarray(Image.open(io.BytesIO(images.files(key)["mask.png"])), dtype=np.float64) / 255.0
+        H, W = m.shape
+        cells = torch.from_numpy(m.reshape(H // 8, 8, W // 8, 8).mean(axis=(1, 3))).view(1, 1, 1, H // 8, W // 8)
+        packed = QwenImageEditPipeline._pack_latents(cells, 1, 1, H // 8, W // 8)  # [1, tokens, 1 * 2 * 2]
+        weight = sample["tensors"]["mask_weight"]
+        assert weight.dtype == torch.float32 and weight.shape == (meta["img_shapes"][0][1] * meta["img_shapes"][0][2],)
+        torch.testing.assert_close(weight, packed.mean(-1)[0].float(), rtol=0, atol=1e-6)
+        assert 0.0 <= weight.min() and weight.max() == 1.0
+        fractional += int(((weight > 0) & (weight < 1)).sum())
+    assert fractional > 0
+
+
+def test_loads_only_the_vae_quarantines_and_lineage(tiny_edit_model, tmp_path, images_fixture):
+    from models.loading import LOAD_LOG
+
+    fx, store = images_fixture, tmp_path / "s"
+    keys = list(fx.write(store, [
+        fx.Sample("no mask", (64, 64), [(64, 64)], [(64, 64)]),
+        fx.Sample("mask of another size", (64, 64), [(64, 64)], [(64, 64)], mask=True, mask_size=(48, 48)),
+        fx.Sample("broken control", (64, 64), [(64, 64)], [(64, 64)], corrupt_control=True),
+    ]))
+    cfg = load_config(None, F32)
+    LOAD_LOG.clear()
+    first = encode_vae.run(cfg, store, tiny_edit_model)
+    assert [c for _, c in LOAD_LOG] == ["vae"]  # never the VL model or the transformer
+    assert (first.encoded, first.quarantined) == (1, 2)
+    vae = Store(store).reader("vae")
+    assert vae.keys() == [keys[0]] and vae.meta(keys[0])["has_mask"] is False  # a store without masks works
+    assert "mask_weight" not in vae.tensors(keys[0])
+    reasons = {r["key"]: r["reason"] for r in Store(store).quarantine().to_pylist() if r["stage"] == "encode-vae"}
+    assert reasons == {keys[1]: "mask size differs from the target", keys[2]: "image unreadable"}
+
+    listing = sorted((p, p.stat().st_mtime_ns) for p in (store / "vae").rglob("*"))
+    again = encode_vae.run(cfg, store, tiny_edit_model, batch_size=2)
+    assert again.up_to_date and again.version == first.version
+    assert sorted((p, p.stat().st_mtime_ns) for p in (store / "vae").rglob("*")) == listing  # nothing written
+
+    other_model = Path(shutil.copytree(tiny_edit_model, tmp_path / "other-model"))
+    (other_model / "tiny_model.json").write_text(json.dumps({"variant": "edit", "seed": 0, "note": "changed"}))
+    assert encode_vae.run(cfg, store, str(other_model)).version == first.version + 1
+    assert encode_vae.run(load_config(None, {**F32, "encode_vae.device": "cpu:0"}), store,
+                          tiny_edit_model).version == first.version + 2  # a setting that can change numbers
+    fx.write(store, [fx.Sample("no mask", (64, 64), [(64, 64)], [(64, 64)])], tag="other-resize-settings")
+    assert encode_vae.run(cfg, store, tiny_edit_model).version == first.version + 3
+
+
+KILL_SCRIPT = """
+import sys
+from pipeline.config import load_config
+from stages import encode_vae
+cfg = load_config(None, {"encode_vae.shard_size_mb": 0.002, "encode_vae.batch_size": 2, "encode_vae.dtype": "float32"})
+encode_vae.run(cfg, sys.argv[1], sys.argv[2])
+"""
+
+
+def test_killed_run_resumes_to_a_complete_verified_table(tiny_edit_model, edit_store):
+    from store.verify import verify_store
+
+    env = {**os.environ, "STORE_CRASH_AT": "after_shard_commit", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-c", KILL_SCRIPT, str(edit_store), tiny_edit_model], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -9, proc.stderr[-2000:]  # SIGKILL right after the first shard was committed
+    assert "vae" not in Store(edit_store).tables()
+    cfg = load_config(None, {**F32, "encode_vae.shard_size_mb": 0.002})
+    summary = encode_vae.run(cfg, edit_store, tiny_edit_model)
+    images = Store(edit_store).reader("images")
+    assert summary.skipped >= 1 and summary.skipped + summary.encoded == len(images)
+    vae = Store(edit_store).reader("vae")
+    assert sorted(vae.keys()) == sorted(images.keys()) and len(vae.manifest) == len(images)  # each exactly once
+    assert verify_store(edit_store, progress=False) == []
+
+
+TWO_STAGES = """
+import sys
+from pipeline.cli import app
+store, model, config = sys.argv[1:4]
+for stage, extra in (("encode-text", ["--batch-size", "2"]), ("encode-vae", [])):
+    app(["run", stage, "--store", store, "--model", model, "--config", config, *extra], standalone_mode=False)
+"""
+
+
+def _rows(store: Path, table: str) -> list[tuple]:
+    """Row by row, everything but where the bytes sit (shard names and offsets differ by rank)."""
+    r = Store(store).reader(table)
+    out = []
+    for key in r.keys():
+        meta = {k: v for k, v in r.meta(key).items() if k not in ("shard",)}
+        tensors = {n: (t.dtype, tuple(t.shape), t.contiguous().view(torch.uint8).numpy().tobytes())
+                   for n, t in r.tensors(key).items()}
+        out.append((key, json.dumps(meta, sort_keys=True, default=str), sorted(tensors.items())))
+    return out
+
+
+def test_two_processes_under_accelerate_match_one_process(tiny_plus_model, plus_store, tmp_path):
+    config = tmp_path / "encode.yaml"
+    # VAE at batch size 1: its batched conv round-off depends on which images share a batch, and a rank split
+    # regroups them (see the equivalence test); text batches are bit-exact, so batch 2 there.
+    config.write_text("encode_vae:\n  dtype: float32\n  batch_size: 1\nencode_text:\n  dtype: float32\n")
+    two = Path(shutil.copytree(plus_store, tmp_path / "two"))
+    cfg = load_config(config)
+    from stages import encode_text
+
+    encode_text.run(cfg, plus_store, tiny_plus_model, batch_size=2)
+    encode_vae.run(cfg, plus_store, tiny_plus_model)
+
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    script = tmp_path / "two_stages.py"
+    script.write_text(TWO_STAGES)
+    launcher = Path(sys.executable).with_name("accelerate")
+    proc = subprocess.run(
+        [str(launcher), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+         "--main_process_port", str(29500 + os.getpid() % 1000), str(script), str(two), tiny_plus_model, str(config)],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for table in ("text", "vae"):
+        assert "[rank 1/2]" in proc.stdout  # really two ranks, each encoding its share
+        shards = {p.name for p in (two / table / "v1").glob("shard-*.tar")}
+        assert any(s.startswith("shard-r00-") for s in shards) and any(s.startswith("shard-r01-") for s in shards)
+        assert _rows(two, table) == _rows(plus_store, table)
