@@ -127,7 +127,7 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=64)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--workers", type=int, default=1, help="prefetch threads (encode_*.num_workers)")
+    ap.add_argument("--workers", type=int, default=2, help="prefetch threads (encode_*.num_workers)")
     ap.add_argument("--work", type=Path, default=None, help="scratch folder (default: a temp dir, removed)")
     args = ap.parse_args()
 

@@ -64,7 +64,7 @@ class EncodeTextConfig(Section):
     prompt_template: str | None = Field(None, description="None = the model's own diffusers template")
     prompt_template_start_idx: int | None = None
     shard_size_mb: float = Field(256, gt=0, description="shard file size target (fractions allowed)")
-    num_workers: int = Field(1, ge=0, description="threads decoding + preprocessing ahead of the forward (0 = inline)")
+    num_workers: int = Field(2, ge=0, description="threads decoding + preprocessing ahead of the forward (0 = inline)")
 
 
 class EncodeVaeConfig(Section):
@@ -72,7 +72,7 @@ class EncodeVaeConfig(Section):
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     batch_size: int = Field(8, gt=0)
     shard_size_mb: float = Field(256, gt=0, description="shard file size target (fractions allowed)")
-    num_workers: int = Field(1, ge=0, description="threads decoding + preprocessing ahead of the forward (0 = inline)")
+    num_workers: int = Field(2, ge=0, description="threads decoding + preprocessing ahead of the forward (0 = inline)")
 
 
 class LoraConfig(Section):

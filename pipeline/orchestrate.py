@@ -10,6 +10,7 @@ REPORT/metrics.json records the same tables, model, LoRA bytes and evaluate conf
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,9 +18,6 @@ from typing import Callable
 
 from pipeline.config import PipelineConfig
 from schemas.errors import UserError
-
-STAGES = ("resize-bucket", "encode-text", "encode-vae", "train", "evaluate")
-
 
 @dataclass
 class StageOutcome:
@@ -85,52 +83,71 @@ def train_up_to_date(cfg: PipelineConfig, paths: Paths) -> bool:
     )
 
 
-def run_all(cfg: PipelineConfig, log: Callable[[str], None] = print) -> AllResult:
-    from stages import encode_text, encode_vae, evaluate, resize_bucket, train
+# Each step runs one stage (or finds it up to date) and returns (skipped, one-line summary).
+Step = Callable[[PipelineConfig, Paths, AllResult], tuple[bool, str]]
 
+
+def resize_step(cfg: PipelineConfig, paths: Paths, result: AllResult) -> tuple[bool, str]:
+    from stages import resize_bucket
+
+    s = resize_bucket.run(cfg, paths.source, paths.store)
+    return s.up_to_date, str(s)
+
+
+def encode_text_step(cfg: PipelineConfig, paths: Paths, result: AllResult) -> tuple[bool, str]:
+    from stages import encode_text
+
+    s = encode_text.run(cfg, paths.store, paths.model)
+    return s.up_to_date, str(s)
+
+
+def encode_vae_step(cfg: PipelineConfig, paths: Paths, result: AllResult) -> tuple[bool, str]:
+    from stages import encode_vae
+
+    s = encode_vae.run(cfg, paths.store, paths.model)
+    return s.up_to_date, str(s)
+
+
+def train_step(cfg: PipelineConfig, paths: Paths, result: AllResult) -> tuple[bool, str]:
+    from stages import train
+
+    if train_up_to_date(cfg, paths):
+        return True, f"LoRA {paths.lora} is up to date ({cfg.train.max_steps} steps on the current tables)"
+    r = train.run(cfg, paths.store, paths.model, paths.run, resume=True)  # resume=True: continue if killed
+    result.train_losses = list(r.losses)
+    how = f"resumed at step {r.start_step}" if r.start_step else "from scratch"
+    loss = f", train loss {r.losses[0]:.4f} -> {r.losses[-1]:.4f}" if r.losses else ""
+    return False, f"trained {how} to step {r.steps}{loss}; LoRA: {r.lora_dir}"
+
+
+def evaluate_step(cfg: PipelineConfig, paths: Paths, result: AllResult) -> tuple[bool, str]:
+    from stages import evaluate
+
+    if evaluate.report_up_to_date(cfg.evaluate, paths.store, paths.model, paths.lora, paths.report):
+        return True, f"report {paths.report} is up to date"
+    evaluate.run(cfg.evaluate, paths.store, paths.model, paths.lora, paths.report)
+    return False, f"report: {paths.report / 'index.html'}"
+
+
+STEPS: list[tuple[str, Step]] = [
+    ("resize-bucket", resize_step),
+    ("encode-text", encode_text_step),
+    ("encode-vae", encode_vae_step),
+    ("train", train_step),
+    ("evaluate", evaluate_step),
+]
+
+
+def run_all(cfg: PipelineConfig, log: Callable[[str], None] = print) -> AllResult:
+    """Every stage in order; `log` gets a header per stage and its one-line summary."""
     paths = required_paths(cfg)
     result = AllResult(report=paths.report / "index.html")
-
-    def stage(name: str, fn: Callable[[], tuple[bool, str]]) -> None:
+    for name, step in STEPS:
         log(f"== {name}")
         t0 = time.perf_counter()
-        skipped, summary = fn()
+        skipped, summary = step(cfg, paths, result)
         outcome = StageOutcome(name, skipped, summary, time.perf_counter() - t0)
         result.outcomes.append(outcome)
         log(f"{summary}  [{'skipped, up to date' if skipped else f'{outcome.seconds:.1f} s'}]")
-
-    def do_resize() -> tuple[bool, str]:
-        s = resize_bucket.run(cfg, paths.source, paths.store)
-        return s.up_to_date, str(s)
-
-    def do_encode(module) -> Callable[[], tuple[bool, str]]:
-        def go() -> tuple[bool, str]:
-            s = module.run(cfg, paths.store, paths.model)
-            return s.up_to_date, str(s)
-        return go
-
-    def do_train() -> tuple[bool, str]:
-        if train_up_to_date(cfg, paths):
-            return True, f"LoRA {paths.lora} is up to date ({cfg.train.max_steps} steps on the current tables)"
-        r = train.run(cfg, paths.store, paths.model, paths.run, resume=True)
-        result.train_losses = list(r.losses)
-        how = f"resumed at step {r.start_step}" if r.start_step else "from scratch"
-        loss = f", train loss {r.losses[0]:.4f} -> {r.losses[-1]:.4f}" if r.losses else ""
-        return False, f"trained {how} to step {r.steps}{loss}; LoRA: {r.lora_dir}"
-
-    def do_evaluate() -> tuple[bool, str]:
-        if evaluate.report_up_to_date(cfg.evaluate, paths.store, paths.model, paths.lora, paths.report):
-            return True, f"report {paths.report} is up to date"
-        evaluate.run(cfg.evaluate, paths.store, paths.model, paths.lora, paths.report)
-        return False, f"report: {paths.report / 'index.html'}"
-
-    stage("resize-bucket", do_resize)
-    stage("encode-text", do_encode(encode_text))
-    stage("encode-vae", do_encode(encode_vae))
-    stage("train", do_train)
-    stage("evaluate", do_evaluate)
-
-    import json
-
     result.metrics = json.loads((paths.report / "metrics.json").read_text())
     return result

@@ -17,15 +17,17 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
 from pipeline.config import PipelineConfig
+from schemas.errors import UserError
 from schemas.table import FieldSpec, TableSchema
 from stages.encoding_common import (
     EncodeJob,
     Ranks,
+    Rejected,
     Summary,
     batches_by_shape,
     config_hash,
@@ -34,6 +36,7 @@ from stages.encoding_common import (
     open_png,
     prefetched,
     rank_device,
+    with_overrides,
 )
 
 STAGE = "encode-text"
@@ -73,9 +76,12 @@ def prompt_format(variant: str, template: str | None, start_idx: int | None) -> 
     instance with no components, so nothing is loaded)."""
     from diffusers import QwenImageEditPipeline, QwenImageEditPlusPipeline
 
-    from schemas.errors import UserError
-
     if template is not None:
+        slots = template.count("<|image_pad|>")
+        if slots != (1 if variant == "edit" else 0):
+            raise UserError(f"encode_text.prompt_template has {slots} '<|image_pad|>' slot(s); an {variant} model's "
+                            "template needs " + ("exactly one" if variant == "edit" else "none (Edit-Plus adds "
+                                                 "'Picture i: ' slots itself)"))
         if start_idx is None:
             raise UserError("encode_text.prompt_template is set but encode_text.prompt_template_start_idx is not: "
                             "set how many leading template tokens to drop (diffusers uses 64)")
@@ -107,13 +113,6 @@ class Request:
         return (self.inputs["input_ids"].shape[1], grids)
 
 
-@dataclass
-class Rejected:
-    key: str
-    reason: str
-    detail: str = ""
-
-
 def control_images(files: dict[str, bytes], variant: str, num_controls: int) -> list:
     """Edit: the VAE-view control (what the pipeline resizes to its ~1024² bucket and gives the VL model);
     Edit-Plus: each control's VL view, in order."""
@@ -121,7 +120,11 @@ def control_images(files: dict[str, bytes], variant: str, num_controls: int) -> 
     return [open_png(files[n]) for n in names]
 
 
-def prepare(key: str, sample: dict[str, Any], fmt: PromptFormat, processor, lock: threading.Lock) -> list[Request] | Rejected:
+def prepare(key: str, sample: dict[str, Any], fmt: PromptFormat, processor,
+            lock: threading.Lock) -> list[Request] | Rejected:
+    """The processor's inputs for the prompt and the empty prompt. Same result as `processor(text=[t],
+    images=images)` for each (the equivalence test checks), but the images are preprocessed once, not twice:
+    the image processor is the costliest step outside the forward."""
     meta = sample["meta"]
     n = int(meta.get("num_controls", 0))
     if fmt.variant == "edit" and n != 1:
@@ -131,16 +134,29 @@ def prepare(key: str, sample: dict[str, Any], fmt: PromptFormat, processor, lock
         images = control_images(sample["files"], fmt.variant, n)
     except (KeyError, OSError, ValueError) as e:
         return Rejected(key, "control image unreadable", f"{type(e).__name__}: {e}")
+    try:  # the processor rejects an image (size, aspect ratio, ...): quarantine, go on
+        vision = processor.image_processor(images, return_tensors="pt") if images else {}
+    except Exception as e:  # noqa: BLE001 - any rejection by the upstream processor is this sample's problem
+        return Rejected(key, "processor rejected the sample", f"{type(e).__name__}: {e}")
+    slots = [processor.replace_image_token(vision, i) for i in range(n)]
     requests = []
     for kind, instruction in zip(KINDS, (str(meta.get("caption") or ""), "")):
-        try:
-            with lock:  # the fast tokenizer is not safe to call from two threads at once
-                inputs = processor(text=[fmt.text(instruction, n)], images=images or None, padding=True, return_tensors="pt")
-        except Exception as e:  # the processor rejects an image (size, aspect ratio, ...): quarantine, go on
-            return Rejected(key, "processor rejected the sample", f"{type(e).__name__}: {e}")
-        keep = ("input_ids", "attention_mask", "pixel_values", "image_grid_thw")
-        requests.append(Request(key, kind, {k: inputs[k] for k in keep if k in inputs}))
+        text = fill_image_slots(fmt.text(instruction, n), processor.image_token, slots)
+        with lock:  # the fast tokenizer is not safe to call from two threads at once
+            tokens = processor.tokenizer([text], return_tensors="pt")
+        inputs = {"input_ids": tokens["input_ids"], "attention_mask": tokens["attention_mask"]}
+        inputs.update({k: vision[k] for k in ("pixel_values", "image_grid_thw") if k in vision})
+        requests.append(Request(key, kind, inputs))
     return requests
+
+
+def fill_image_slots(text: str, image_token: str, slots: list[str]) -> str:
+    """Each image placeholder replaced by that image's run of tokens, as the processor does."""
+    parts = text.split(image_token)
+    if len(parts) - 1 != len(slots):
+        raise UserError(f"the prompt has {len(parts) - 1} image slot(s) for {len(slots)} image(s); "
+                        "check encode_text.prompt_template")
+    return parts[0] + "".join(slot + part for slot, part in zip(slots, parts[1:]))
 
 
 # ---------------------------------------------------------------- the batched forward
@@ -195,7 +211,7 @@ def run(
 ) -> Summary:
     from models.loading import load_component, model_variant, parse_dtype
 
-    section = cfg.encode_text.model_copy(update={k: v for k, v in (("device", device), ("batch_size", batch_size)) if v is not None})
+    section = with_overrides(cfg.encode_text, device=device, batch_size=batch_size)
     fmt = prompt_format(model_variant(model), section.prompt_template, section.prompt_template_start_idx)
     ranks = ranks or current_ranks(section.device)
     job = open_job(store, STAGE, TABLE, config_hash(section, prompt_format=fmt.lineage_record()), model,
@@ -215,7 +231,8 @@ def run(
                              lambda item: prepare(*item, fmt, processor, lock), workers=section.num_workers)
         done: dict[str, dict[str, torch.Tensor]] = {}  # key -> kind -> embeds, until both kinds are in
         with job.progress(len(todo)) as bar:
-            for batch in batches_by_shape(_requests(samples, job, bar), lambda r: r.shape, section.batch_size):
+            requests = (r for pair in job.accepted(samples, bar) for r in pair)
+            for batch in batches_by_shape(requests, lambda r: r.shape, section.batch_size):
                 with job.timed_forward():
                     embeds = encode_batch(text_encoder, batch, fmt.start_idx)
                 for req, emb in zip(batch, embeds):
@@ -227,15 +244,6 @@ def run(
         return job.finish()
     finally:
         job.close()
-
-
-def _requests(samples: Iterator[list[Request] | Rejected], job: EncodeJob, bar) -> Iterator[Request]:
-    for prepared in samples:
-        if isinstance(prepared, Rejected):
-            job.quarantine(prepared.key, prepared.reason, prepared.detail)
-            bar.update(1)
-            continue
-        yield from prepared
 
 
 def _write(job: EncodeJob, key: str, parts: dict[str, torch.Tensor]) -> None:

@@ -12,9 +12,9 @@ mask/255 over the token's pixels, i.e. the fraction of edited pixels. Samples wi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -23,6 +23,7 @@ from schemas.table import FieldSpec, TableSchema
 from stages.encoding_common import (
     EncodeJob,
     Ranks,
+    Rejected,
     Summary,
     batches_by_shape,
     config_hash,
@@ -31,6 +32,7 @@ from stages.encoding_common import (
     open_png,
     prefetched,
     rank_device,
+    with_overrides,
 )
 
 STAGE = "encode-vae"
@@ -44,6 +46,7 @@ class Request:
     key: str
     name: str  # "target" or "control_{i}"
     pixels: torch.Tensor  # [1, 3, 1, H, W] in [-1, 1]
+    sample: "Prepared" = field(repr=False, compare=False)  # the sample this image belongs to
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -53,15 +56,9 @@ class Request:
 @dataclass
 class Prepared:
     key: str
-    requests: list[Request]
+    names: list[str]  # "target", "control_0", ... in order
     mask_weight: torch.Tensor | None
-
-
-@dataclass
-class Rejected:
-    key: str
-    reason: str
-    detail: str = ""
+    requests: list[Request] = field(default_factory=list)
 
 
 def mask_weight(mask, height: int, width: int) -> torch.Tensor:
@@ -86,9 +83,11 @@ def prepare(key: str, sample: dict[str, Any], image_processor) -> Prepared | Rej
     target = images["target"]
     if mask is not None and mask.size != target.size:
         return Rejected(key, "mask size differs from the target", f"mask {mask.size}, target {target.size}")
-    requests = [Request(key, n, image_processor.preprocess(im, im.height, im.width).unsqueeze(2)) for n, im in images.items()]
     weight = mask_weight(mask, target.height, target.width) if mask is not None else None
-    return Prepared(key, requests, weight)
+    prepared = Prepared(key, names, weight)
+    prepared.requests = [Request(key, n, image_processor.preprocess(im, im.height, im.width).unsqueeze(2), prepared)
+                         for n, im in images.items()]
+    return prepared
 
 
 @torch.no_grad()
@@ -140,7 +139,7 @@ def run(
 
     from models.loading import load_component, parse_dtype
 
-    section = cfg.encode_vae.model_copy(update={k: v for k, v in (("device", device), ("batch_size", batch_size)) if v is not None})
+    section = with_overrides(cfg.encode_vae, device=device, batch_size=batch_size)
     ranks = ranks or current_ranks(section.device)
     job = open_job(store, STAGE, TABLE, config_hash(section), model, FEATURE_REVISION, ranks)
     if job.up_to_date:
@@ -156,36 +155,26 @@ def run(
         todo = job.open_writer(vae_schema(job, vae, section.dtype), section.shard_size_mb)
         samples = prefetched(((key, job.images.get(key)) for key in todo),
                              lambda item: prepare(*item, image_processor), workers=section.num_workers)
-        pending: dict[str, tuple[Prepared, dict[str, torch.Tensor]]] = {}  # key -> (sample, latents so far)
+        done: dict[str, dict[str, torch.Tensor]] = {}  # key -> image name -> latent, until the sample is complete
         with job.progress(len(todo)) as bar:
-            for batch in batches_by_shape(_requests(samples, job, pending, bar), lambda r: r.shape, section.batch_size):
+            requests = (r for prepared in job.accepted(samples, bar) for r in prepared.requests)
+            for batch in batches_by_shape(requests, lambda r: r.shape, section.batch_size):
                 with job.timed_forward():
                     latents = encode_batch(vae, batch, latents_mean, latents_std)
                 for req, lat in zip(batch, latents):
-                    prepared, done = pending[req.key]
-                    done[req.name] = lat.to("cpu", torch.bfloat16)
-                    if len(done) == len(prepared.requests):
-                        _write(job, prepared, done)
-                        del pending[req.key]
+                    parts = done.setdefault(req.key, {})
+                    parts[req.name] = lat.to("cpu", torch.bfloat16)
+                    if len(parts) == len(req.sample.names):
+                        _write(job, req.sample, done.pop(req.key))
                         bar.update(1)
         return job.finish()
     finally:
         job.close()
 
 
-def _requests(samples: Iterator[Prepared | Rejected], job: EncodeJob, pending: dict, bar) -> Iterator[Request]:
-    for prepared in samples:
-        if isinstance(prepared, Rejected):
-            job.quarantine(prepared.key, prepared.reason, prepared.detail)
-            bar.update(1)
-            continue
-        pending[prepared.key] = (prepared, {})
-        yield from prepared.requests
-
-
 def _write(job: EncodeJob, prepared: Prepared, latents: dict[str, torch.Tensor]) -> None:
     meta = job.images.meta(prepared.key)
-    names = [r.name for r in prepared.requests]  # target first, then control_0, control_1, ...
+    names = prepared.names  # target first, then control_0, control_1, ...
     tensors = {n: latents[n].contiguous() for n in names}
     if prepared.mask_weight is not None:
         tensors["mask_weight"] = prepared.mask_weight

@@ -27,6 +27,7 @@ from store import Store, TableReader, TableWriter
 
 T = TypeVar("T")
 R = TypeVar("R")
+S = TypeVar("S", bound=Section)
 
 IMAGES_TABLE = "images"
 # Settings that change speed or file layout but never a feature value (batch-size independence is tested), so
@@ -89,6 +90,21 @@ def config_hash(section: Section, **extra: Any) -> str:
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
+def with_overrides(section: S, **overrides: Any) -> S:
+    """The stage's config section with the CLI/keyword overrides that are not None, validated again."""
+    given = {k: v for k, v in overrides.items() if v is not None}
+    return type(section).model_validate({**section.model_dump(), **given})
+
+
+@dataclass
+class Rejected:
+    """A sample the stage cannot encode: it goes to quarantine with this reason, the run goes on."""
+
+    key: str
+    reason: str
+    detail: str = ""
+
+
 # ---------------------------------------------------------------- summary
 
 
@@ -112,7 +128,8 @@ class Summary:
     def __str__(self) -> str:
         where = f" [rank {self.rank}/{self.world_size}]" if self.world_size > 1 else ""
         if self.up_to_date:
-            return f"{self.stage}{where}: table '{self.table}' v{self.version} is up to date ({self.skipped} samples); nothing written"
+            return (f"{self.stage}{where}: table '{self.table}' v{self.version} is up to date "
+                    f"({self.skipped} samples); nothing written")
         rate = self.encoded / self.loop_seconds if self.loop_seconds > 0 else 0.0
         return (
             f"{self.stage}{where}: table '{self.table}' v{self.version}: encoded {self.encoded}, "
@@ -144,7 +161,8 @@ class EncodeJob:
     def open_writer(self, schema: TableSchema, shard_size_mb: float) -> list[str]:
         """Open (or resume) the output version; return this rank's keys that are not committed yet."""
         self.writer = self.store.writer(
-            self.summary.table, schema, rank=self.ranks.rank, world_size=self.ranks.world_size, shard_size_mb=shard_size_mb
+            self.summary.table, schema, rank=self.ranks.rank, world_size=self.ranks.world_size,
+            shard_size_mb=shard_size_mb,
         )
         self.summary.version = self.writer.version
         self._shard_sizes_before = self._rank_shard_sizes()
@@ -168,6 +186,15 @@ class EncodeJob:
             "table_version": f"{self.summary.table}/v{self.summary.version}",
         })
         self.summary.quarantined += 1
+
+    def accepted(self, prepared: Iterable[T | Rejected], bar: tqdm) -> Iterator[T]:
+        """Pass prepared samples through; quarantine the rejected ones (they count as done on the bar)."""
+        for item in prepared:
+            if isinstance(item, Rejected):
+                self.quarantine(item.key, item.reason, item.detail)
+                bar.update(1)
+            else:
+                yield item
 
     @contextmanager
     def timed_forward(self) -> Iterator[None]:
@@ -210,7 +237,7 @@ class EncodeJob:
         q = self.store.quarantine()
         seen: set[tuple[str | None, ...]] = set()
         if "table_version" in q.column_names:
-            seen = set(zip(q.column("stage").to_pylist(), q.column("key").to_pylist(), q.column("table_version").to_pylist()))
+            seen = set(zip(*(q.column(c).to_pylist() for c in ("stage", "key", "table_version"))))
         new = [r for r in self._quarantine_rows if (r["stage"], r["key"], r["table_version"]) not in seen]
         self.store.add_quarantine(new)
         self._quarantine_rows = []
@@ -265,7 +292,7 @@ def prefetched(items: Iterable[T], load: Callable[[T], R], workers: int = 2, dep
 
 
 def batches_by_shape(items: Iterable[T], shape_of: Callable[[T], Hashable | None], batch_size: int,
-                     window: int = 256) -> Iterator[list[T]]:
+                     window: int | None = None) -> Iterator[list[T]]:
     """Batches whose items all share one input shape, so no padding enters the forward and each result is
     bit-for-bit the one the item gets alone (padding and mixed shapes change float rounding).
 
@@ -273,6 +300,7 @@ def batches_by_shape(items: Iterable[T], shape_of: Callable[[T], Hashable | None
     once; when more than `window` items wait, the largest group goes out partly filled; at the end every group
     is flushed.
     """
+    window = 8 * batch_size if window is None else window  # bounds memory: waiting items hold their pixels
     groups: OrderedDict[Hashable, list[T]] = OrderedDict()
     waiting = 0
     for item in items:

@@ -104,8 +104,9 @@ def denoise(
     if latents is None:
         latents = initial_noise(generator, channels, height, width, device, dtype)
     latents = latents.to(device=device, dtype=dtype)
-    controls = torch.cat([pack_latents(c.to(device=device, dtype=dtype)) for c in cond.control_latents], dim=1) \
-        if cond.control_latents else None
+    controls = None  # packed control tokens, appended after the target tokens at every step
+    if cond.control_latents:
+        controls = torch.cat([pack_latents(c.to(device=device, dtype=dtype)) for c in cond.control_latents], dim=1)
     img_shapes = img_shapes_for(height, width, cond.control_latents)
 
     # A fresh scheduler per call: FlowMatchEulerDiscreteScheduler keeps a step index between calls.

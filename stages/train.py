@@ -16,15 +16,21 @@ step), and after the backward passes one all-reduce (mean) of the flattened LoRA
 the gradient of the mean per-sample loss over the whole step. That is DDP's arithmetic, done by hand because
 the multires forward needs the bare module, and the LoRA gradients are small. Per-sample σ, noise and caption
 dropout come from (seed, optimizer step, key), so 1 process and N processes train the same LoRA, and so do
-batch B x grad_accum A and batch B*A when the sampler puts the same samples in the step.
+batch B x grad_accum A and batch B*A when the sampler puts the same samples in the step. The global torch
+RNG (saved per rank in checkpoints) only feeds LoRA dropout, which is therefore not layout-independent.
+Notes: after a mid-epoch resume, that epoch's padding efficiency counts from the resume point;
+`train.num_workers` is unused (store reads are zero-copy mmap slices, done inline).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import os
 import shutil
 import time
+import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -32,6 +38,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from models.loading import model_fingerprint
 from models.lora_io import add_lora, load_lora, lora_parameters, save_lora
 from models.multires import install_multires
 from pipeline.config import PipelineConfig, TrainConfig, dump_config
@@ -61,6 +68,7 @@ class TrainResult:
     steps: int  # optimizer steps done in all
     losses: list[float] = field(default_factory=list)  # mean per-sample loss of each step of this start
     step_times: list[float] = field(default_factory=list)  # s per optimizer step: data + logging, no checkpoint
+    step_cpu_times: list[float] = field(default_factory=list)  # the same in process CPU time (robust to other load)
     epoch_padding: dict[int, float] = field(default_factory=dict)  # epoch -> valid / computed tokens
     main_process: bool = True
 
@@ -80,7 +88,8 @@ def config_fingerprint(cfg: TrainConfig) -> str:
     exclude = set(_NOT_FINGERPRINTED)
     if cfg.lr_schedule != "constant":
         exclude.discard("max_steps")
-    return TrainConfig.model_validate(cfg.model_dump(exclude=exclude)).fingerprint()
+    blob = json.dumps(cfg.model_dump(mode="json", exclude=exclude), sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
 
 
 def lr_factor(step: int, cfg: TrainConfig) -> float:
@@ -130,7 +139,11 @@ def setup_transformer(model: str, cfg: TrainConfig, device: torch.device):
         # Only the blocks' linears: embeddings in/out stay exact, and they are a tiny share of the weights.
         quantize_(transformer.transformer_blocks, Int8WeightOnlyConfig())
     torch.manual_seed(cfg.seed)  # LoRA init: the same on every rank
-    add_lora(transformer, cfg.lora)
+    with warnings.catch_warnings():
+        # peft warns that a torchao base cannot merge/unmerge; training never merges (`pipeline lora merge`
+        # works on the unquantised base).
+        warnings.filterwarnings("ignore", message="TorchaoLoraLinear was instantiated")
+        add_lora(transformer, cfg.lora)
     if cfg.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
     transformer.to(device)
@@ -202,8 +215,6 @@ def run(
     tables = open_train_tables(store.root if isinstance(store, Store) else store, model, split="train")
     run_dir = Path(out)
     ckpt_root, lora_dir, log_dir = run_dir / "checkpoints", run_dir / "lora", run_dir / "logs"
-    from models.loading import model_fingerprint
-
     now = ResumeRecord(
         step=0, epoch=0, batch_in_epoch=0, config_fingerprint=config_fingerprint(tc),
         tables=tables.versions(), store=str(Path(tables.store_root).resolve()),
@@ -253,7 +264,7 @@ def run(
     epoch_tokens = [0, 0]  # valid, computed of the current epoch (all ranks, from the sampler's lengths)
     bar = tqdm(total=tc.max_steps, initial=step, desc="train", unit="step", disable=not main, dynamic_ncols=True)
     while step < tc.max_steps:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         micro = [stream.next() for _ in range(tc.grad_accum)]
         n_step = sum(len(b) for _, global_batch, _ in micro for b in global_batch)
         loss_sum = torch.zeros((), device=device)
@@ -291,6 +302,7 @@ def run(
         bar.set_postfix(loss=f"{loss:.4f}", lr=f"{scheduler.get_last_lr()[0]:.2e}")
         bar.update(1)
         result.step_times.append(time.perf_counter() - t0)  # with logging, without checkpoint writing
+        result.step_cpu_times.append(time.process_time() - c0)
 
         if step % tc.checkpoint_every == 0 or step == tc.max_steps:
             epoch, batch = stream.position

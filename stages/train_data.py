@@ -126,7 +126,11 @@ def open_train_tables(store: str | Path, model: str, split: str = "train") -> Tr
 
 def sequence_lengths(text: TableReader, vae: TableReader, keys: list[str]) -> list[int]:
     """Token count of each sample's joint sequence, from the manifests only (no tensor is read)."""
-    text_len = dict(zip(text.keys(), text.manifest.column("length").to_pylist()))
+    if "length" in text.manifest.column_names:
+        text_len = dict(zip(text.keys(), text.manifest.column("length").to_pylist()))
+    else:  # the manifest records every tensor's shape too
+        rows = text.manifest.column("tensors").to_pylist()
+        text_len = {k: next(t["shape"][0] for t in r if t["name"] == "prompt_embeds") for k, r in zip(text.keys(), rows)}
     return [sum(prod(s) for s in vae.img_shapes(k)) + int(text_len[k]) for k in keys]
 
 

@@ -22,39 +22,25 @@ def _add_broken_sample(data: Path) -> None:
     (data / "target" / f"{BROKEN_STEM}.txt").write_text("make the square red\n")
 
 
-def command(
-    workdir: Path = typer.Option(Path("demo-workdir"), "--workdir", help="Where the model, data, store, run and report go."),
-    config: Path = typer.Option(DEMO_CONFIG, "--config", "-c", help="Stage settings (paths.* are set to --workdir)."),
-) -> None:
+def prepare_inputs(model: Path, data: Path, max_controls: int) -> None:
+    """The tiny model and the synthetic data, each built once (a rerun reuses them)."""
     from models.tiny import make_tiny_model
-    from pipeline.commands.common import config_from
-    from pipeline.config import dump_config
     from pipeline.demo_data import make_demo_data
-    from pipeline.orchestrate import run_all
+
+    if not (model / "model_index.json").is_file():
+        make_tiny_model(model, variant="edit-plus", seed=0)
+        echo(f"== make-tiny-model\nwrote a tiny random-init Qwen-Image-Edit-Plus model to {model}")
+    if not (data / "target").is_dir():
+        echo("== make-demo-data")
+        echo(make_demo_data(data, n=DEMO_SAMPLES, fmt="folder", max_controls=max_controls, seed=0, with_masks=True))
+        _add_broken_sample(data)
+
+
+def summary_lines(cfg, result, store: Path, effective: Path) -> list[str]:
+    """Samples, quarantine, steps, loss before/after training (train and held-out), where the report is."""
     from store import Store
 
-    t0 = time.perf_counter()
-    workdir = workdir.resolve()
-    model, data = workdir / "tiny-model", workdir / "data"
-    paths = {"source": data, "store": workdir / "store", "model": model, "run": workdir / "run",
-             "report": workdir / "report"}
-    cfg = config_from(config, {f"paths.{k}": str(v) for k, v in paths.items()})
-    workdir.mkdir(parents=True, exist_ok=True)
-    effective = workdir / "config.yaml"
-    effective.write_text(dump_config(cfg))
-
-    with user_errors():
-        if not (model / "model_index.json").is_file():
-            make_tiny_model(model, variant="edit-plus", seed=0)
-            echo(f"== make-tiny-model\nwrote a tiny random-init Qwen-Image-Edit-Plus model to {model}")
-        if not (data / "target").is_dir():
-            echo("== make-demo-data")
-            echo(make_demo_data(data, n=DEMO_SAMPLES, fmt="folder", max_controls=cfg.resize.max_controls, seed=0,
-                                with_masks=True))
-            _add_broken_sample(data)
-        result = run_all(cfg, log=echo)
-
-    st = Store(paths["store"], create=False)
+    st = Store(store, create=False)
     images = st.reader("images")
     splits = images.manifest.column("split").to_pylist()
     quarantine = st.quarantine()
@@ -85,6 +71,29 @@ def command(
     lines += [
         f"report       {result.report}",
         f"config       {effective} (rerun: pipeline run all --config {effective})",
-        f"time         {time.perf_counter() - t0:.0f} s",
     ]
-    echo("\n".join(lines))
+    return lines
+
+
+def command(
+    workdir: Path = typer.Option(Path("demo-workdir"), "--workdir", help="Where the model, data, store, run and report go."),
+    config: Path = typer.Option(DEMO_CONFIG, "--config", "-c", help="Stage settings (paths.* are set to --workdir)."),
+) -> None:
+    from pipeline.commands.common import config_from
+    from pipeline.config import dump_config
+    from pipeline.orchestrate import run_all
+
+    t0 = time.perf_counter()
+    workdir = workdir.resolve()
+    paths = {"source": workdir / "data", "store": workdir / "store", "model": workdir / "tiny-model",
+             "run": workdir / "run", "report": workdir / "report"}
+    cfg = config_from(config, {f"paths.{k}": str(v) for k, v in paths.items()})
+    workdir.mkdir(parents=True, exist_ok=True)
+    effective = workdir / "config.yaml"  # what ran, so the user can rerun or edit it
+    effective.write_text(dump_config(cfg))
+
+    with user_errors():
+        prepare_inputs(paths["model"], paths["source"], cfg.resize.max_controls)
+        result = run_all(cfg, log=echo)
+        lines = summary_lines(cfg, result, paths["store"], effective)
+    echo("\n".join(lines + [f"time         {time.perf_counter() - t0:.0f} s"]))

@@ -27,7 +27,7 @@ def _config(tmp: Path, model: str) -> Path:
     cfg["paths"] = {"source": str(tmp / "data"), "store": str(tmp / "store"), "model": model,
                     "run": str(tmp / "run"), "report": str(tmp / "report")}
     cfg["resize"].update(target_area=64 * 64, control_vae_area=64 * 64, val_fraction=0.3)
-    cfg["train"].update(max_steps=40, checkpoint_every=2, keep_checkpoints=2, batch_size=2)
+    cfg["train"].update(max_steps=24, checkpoint_every=2, keep_checkpoints=2, batch_size=2)
     cfg["evaluate"].update(num_samples=2, num_inference_steps=2, noise_seeds=[0], timesteps=[0.3, 0.7])
     # an extra prompt from files (goes through predict's stock-equivalent path, text encoder included)
     cfg["evaluate"]["extra_prompts"] = [{"prompt": "mirror the scene", "images": [str(tmp / "data/target/sample_0000.png")],
@@ -70,14 +70,14 @@ def test_run_all_resumes_after_kill_and_skips_when_up_to_date(tiny_plus_model, t
     for stage in ("resize-bucket", "encode-text", "encode-vae"):
         section = out.split(f"== {stage}")[1].split("==")[0]
         assert "skipped, up to date" in section, out
-    assert "trained resumed at step" in out and "to step 40" in out, out
+    assert "trained resumed at step" in out and "to step 24" in out, out
     report = tmp_path / "report"
     assert {p.name for p in report.iterdir()} >= {"index.html", "grid.png", "metrics.json"}
 
     metrics = json.loads((report / "metrics.json").read_text())
     loss = metrics["loss"]
     overall = loss["overall"]
-    assert overall["lora"] < overall["base"]  # 40 steps on the train split lower the held-out loss
+    assert overall["lora"] < overall["base"]  # 24 steps on the train split lower the held-out loss
     assert sum(b["n"] for b in loss["per_bucket"].values()) == overall["n"] == metrics["run"]["val_samples"]
     per_sample = loss["per_sample"]
     for m in ("base", "lora"):
@@ -90,6 +90,23 @@ def test_run_all_resumes_after_kill_and_skips_when_up_to_date(tiny_plus_model, t
         for m in ("base", "lora"):
             combined = m_ * region["inside"][m] + (n - m_) * region["outside"][m]
             assert math.isclose(n * per_sample[key][m], combined, rel_tol=1e-4), (key, m)
+    # the base loss of one sample, recomputed alone (batch of 1) with the trainer's flow_loss and the fixed noise
+    import torch
+
+    from models.loading import load_component
+    from models.multires import install_multires
+    from stages.evaluate import eval_noise
+    from stages.train_data import flow_loss, open_train_tables
+
+    key = sorted(per_sample)[0]
+    sample = open_train_tables(tmp_path / "store", tiny_plus_model, split="val").sample(key)
+    transformer = load_component(tiny_plus_model, "transformer")
+    install_multires(transformer)
+    with torch.no_grad():
+        alone = [float(flow_loss(transformer, [sample], torch.tensor([t]), [eval_noise(sample, seed)])[0])
+                 for seed in loss["noise_seeds"] for t in loss["timesteps"]]
+    assert math.isclose(per_sample[key]["base"], sum(alone) / len(alone), rel_tol=1e-5)
+
     titles = [s["title"] for s in metrics["generation"]["samples"]]
     assert len(titles) == 3 and titles[-1] == "extra 1", titles
     assert all(math.isfinite(s["psnr_lora"]) for s in metrics["generation"]["samples"])
@@ -97,3 +114,14 @@ def test_run_all_resumes_after_kill_and_skips_when_up_to_date(tiny_plus_model, t
     # 3) nothing left to do
     out = _run_cli(config)
     assert out.count("skipped, up to date") == len(STAGES), out
+
+
+def test_shipped_configs_validate():
+    """configs/*.yaml load with the typed config (unknown keys or wrong types would be rejected)."""
+    from pipeline.config import load_config
+
+    configs = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
+    assert len(configs) >= 2
+    for path in configs:
+        cfg = load_config(path)
+        assert all(getattr(cfg.paths, k) for k in ("source", "store", "model", "run", "report")), path

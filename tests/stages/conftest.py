@@ -74,7 +74,8 @@ def images_schema(tag: str) -> TableSchema:
     )
 
 
-def write_images_table(store_path: Path, samples: list[FixtureSample], seed: int = 0, tag: str = "a") -> dict[str, FixtureSample]:
+def write_images_table(store_path: Path, samples: list[FixtureSample], seed: int = 0,
+                       tag: str = "a") -> dict[str, FixtureSample]:
     """Write one `images` version; returns key -> sample. A new `tag` gives a new lineage (a new version)."""
     rng = np.random.default_rng(seed)
     st = Store(store_path)

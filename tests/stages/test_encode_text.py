@@ -54,7 +54,8 @@ def test_matches_diffusers_encode_prompt(variant, tiny_edit_model, tiny_plus_mod
     # float32 through the stage's own prepare -> same-shape batches -> forward: bit-exact (max abs diff 0).
     fmt = encode_text.prompt_format(variant, None, None)
     lock = __import__("threading").Lock()
-    requests = [r for key in images.keys() for r in encode_text.prepare(key, images.get(key), fmt, pipe.processor, lock)]
+    requests = [r for key in images.keys()
+                for r in encode_text.prepare(key, images.get(key), fmt, pipe.processor, lock)]
     batches = list(batches_by_shape(requests, lambda r: r.shape, batch_size=8))
     assert max(len(b) for b in batches) > 1, "fixture must put several samples into one batch"
     assert len({len(r.inputs["input_ids"][0]) for r in requests}) > 2, "fixture must vary instruction lengths"
@@ -131,8 +132,8 @@ def test_lineage_up_to_date_and_every_change_makes_a_new_version(tiny_edit_model
 
     # The prompt template.
     tmpl = encode_text.prompt_format("edit", None, None).template.replace("Describe", "List")
-    changed = encode_text.run(load_config(None, {"encode_text.prompt_template": tmpl,
-                                                 "encode_text.prompt_template_start_idx": 64}), edit_store, tiny_edit_model)
+    new_template = load_config(None, {"encode_text.prompt_template": tmpl, "encode_text.prompt_template_start_idx": 64})
+    changed = encode_text.run(new_template, edit_store, tiny_edit_model)
     assert not changed.up_to_date and changed.version == first.version + 1
     # The model (any file of it changes the fingerprint).
     other_model = Path(shutil.copytree(tiny_edit_model, tmp_path / "other-model"))
@@ -152,7 +153,8 @@ KILL_SCRIPT = """
 import sys
 from pipeline.config import load_config
 from stages import encode_text
-encode_text.run(load_config(None, {"encode_text.shard_size_mb": 0.002, "encode_text.batch_size": 2}), sys.argv[1], sys.argv[2])
+cfg = load_config(None, {"encode_text.shard_size_mb": 0.002, "encode_text.batch_size": 2})
+encode_text.run(cfg, sys.argv[1], sys.argv[2])
 """
 
 

@@ -1,5 +1,7 @@
-"""evaluate: generation from stored features equals the unmodified diffusers pipeline; the held-out loss is
-the trainer's flow_loss, base vs LoRA, per bucket and inside/outside the edit mask; the report is written."""
+"""evaluate: generation from stored features equals the unmodified diffusers pipeline, base and LoRA.
+
+The held-out loss (per bucket, inside/outside the edit mask) and the written report are checked end to end on
+a real store in tests/pipeline/test_run_all.py; the page itself in tests/pipeline/test_report_html.py."""
 
 from __future__ import annotations
 
