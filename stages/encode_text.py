@@ -3,7 +3,7 @@
 Each sample is encoded exactly as diffusers' `QwenImageEditPipeline.encode_prompt` (Edit: one control, the
 VAE-view image, the template holds the one image slot) or `QwenImageEditPlusPipeline.encode_prompt` (Edit-Plus:
 "Picture i: " + image slot per VL-view control, 0..N controls) does for that sample alone: same template, same
-processor call, last hidden state, the template's first `start_idx` tokens dropped. Only valid tokens are stored
+processor inputs, last hidden state, the template's first `start_idx` tokens dropped. Only valid tokens are stored
 (no padding), bf16, plus the empty-prompt embeds with the same control images (caption dropout).
 
 Batches hold only requests with identical input shapes (token count and image grids): padding or mixed image

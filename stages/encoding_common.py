@@ -7,6 +7,9 @@ A stage reads top to bottom as: `open_job` (lineage, up to date?) -> load its on
 
 from __future__ import annotations
 
+import hashlib
+import io
+import json
 import os
 import time
 from collections import OrderedDict
@@ -17,6 +20,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable, Hashable, Iterable, Iterator, TypeVar
 
+import torch
+from PIL import Image
 from tqdm import tqdm
 
 from pipeline.config import Section
@@ -82,9 +87,6 @@ def code_version(feature_revision: str) -> str:
 def config_hash(section: Section, **extra: Any) -> str:
     """Fingerprint of the settings that determine features: the stage section without throughput-only knobs,
     plus whatever else the stage passes (e.g. the effective prompt template)."""
-    import hashlib
-    import json
-
     settings = {k: v for k, v in section.model_dump(mode="json").items() if k not in THROUGHPUT_ONLY_SETTINGS}
     blob = json.dumps({"section": settings, **extra}, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
@@ -198,8 +200,11 @@ class EncodeJob:
 
     @contextmanager
     def timed_forward(self) -> Iterator[None]:
+        """Time spent in the model (a GPU is synchronised so its queued work counts here, not after)."""
         t0 = time.perf_counter()
         yield
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
         self.summary.forward_seconds += time.perf_counter() - t0
         self.summary.forwards += 1
 
@@ -323,12 +328,8 @@ def batches_by_shape(items: Iterable[T], shape_of: Callable[[T], Hashable | None
         yield batch
 
 
-def open_png(data: bytes, mode: str = "RGB"):
+def open_png(data: bytes, mode: str = "RGB") -> Image.Image:
     """A stored PNG as a PIL image (the images table holds sanitised 8-bit PNGs)."""
-    import io
-
-    from PIL import Image
-
     with Image.open(io.BytesIO(data)) as im:
         im.load()
         return im.convert(mode) if im.mode != mode else im.copy()

@@ -100,19 +100,21 @@ def test_edit_model_quarantines_samples_without_exactly_one_control(tiny_edit_mo
         fx.Sample("two controls", (64, 64), [(64, 64), (64, 64)], [(64, 64), (64, 64)]),
         fx.Sample("no control", (64, 64)),
         fx.Sample("broken control", (64, 64), [(64, 64)], [(64, 64)], corrupt_control=True),
+        fx.Sample("aspect ratio 212", (64, 64), [(16, 3392)], [(16, 3392)]),  # Qwen2-VL's processor refuses > 200
     ]
     keys = list(fx.write(tmp_path / "s", samples))
     LOAD_LOG.clear()
     summary = encode_text.run(load_config(None), tmp_path / "s", tiny_edit_model)
     # encode-text loads the VL model and its processor only: never the transformer or the VAE.
     assert sorted(c for _, c in LOAD_LOG) == ["processor", "text_encoder"]
-    assert (summary.encoded, summary.quarantined) == (3, 3)
+    assert (summary.encoded, summary.quarantined) == (3, 4)
     st = Store(tmp_path / "s")
     assert sorted(st.reader("text").keys()) == sorted(keys[:3])
     q = st.quarantine().to_pylist()
     reasons = {r["key"]: r["reason"] for r in q if r["stage"] == "encode-text"}
     assert reasons[keys[3]] == reasons[keys[4]] == "edit model needs exactly one control image"
     assert reasons[keys[5]] == "control image unreadable"
+    assert reasons[keys[6]] == "processor rejected the sample"
     # A rerun is up to date and adds no duplicate quarantine rows.
     assert encode_text.run(load_config(None), tmp_path / "s", tiny_edit_model).up_to_date
     assert len(Store(tmp_path / "s").quarantine()) == len(q)
@@ -178,3 +180,16 @@ def test_killed_run_resumes_to_a_complete_verified_table(crash_at, tiny_plus_mod
     assert sorted(text.keys()) == sorted(images.keys())  # every sample exactly once (reader rejects duplicates)
     assert len(text.manifest) == len(images)
     assert verify_store(plus_store, progress=False) == []
+
+
+def test_batches_by_shape_emits_every_item_once_in_single_shape_batches():
+    import random
+
+    rng = random.Random(0)
+    items = [(i, rng.choice(["a", "b", "c", None])) for i in range(500)]
+    for batch_size in (1, 3, 8):
+        for window in (None, 5):
+            batches = list(batches_by_shape(items, lambda it: it[1], batch_size, window))
+            assert sorted(i for b in batches for i, _ in b) == list(range(500))
+            assert all(len({s for _, s in b}) == 1 and 1 <= len(b) <= batch_size for b in batches)
+            assert all(len(b) == 1 for b in batches if b[0][1] is None)  # "run alone" items stay alone
