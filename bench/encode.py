@@ -1,5 +1,6 @@
-"""Throughput of the encode stages on the tiny model: samples/s, batch fill, and the share of the encode loop
-spent outside the model forward (reading, PNG decode, preprocessing, writing; target <= 10% at batch 8).
+"""Throughput of the encode stages on the tiny model: samples/s, mean batch (prompts or images per forward; a
+text sample is 2 prompts: instruction + empty), and the share of the encode loop spent outside the model
+forward (reading, PNG decode, preprocessing, writing; target <= 10% at batch 8).
 
 Two data sets, each encoded by both stages into a fresh store:
   uniform  every sample the same sizes and instruction length (every batch can be full)
@@ -116,9 +117,9 @@ def baseline_vae(model: str, store: Path) -> float:
 def report(name: str, s: Summary, baseline: float) -> None:
     rate = s.encoded / s.loop_seconds
     outside = 1.0 - s.forward_seconds / s.loop_seconds
-    fill = s.encoded / max(1, s.forwards)
+    mean_batch = s.forward_items / max(1, s.forwards)
     print(f"  {name:<12} {rate:8.1f} samples/s   outside forward {outside:6.1%}   "
-          f"{s.forwards:4d} forwards ({fill:.2f} samples/forward)   baseline {baseline:7.1f} samples/s   "
+          f"{s.forwards:4d} forwards, mean batch {mean_batch:4.2f}   baseline {baseline:7.1f} samples/s   "
           f"x{rate / baseline:.2f}")
 
 

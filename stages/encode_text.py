@@ -233,7 +233,7 @@ def run(
         with job.progress(len(todo)) as bar:
             requests = (r for pair in job.accepted(samples, bar) for r in pair)
             for batch in batches_by_shape(requests, lambda r: r.shape, section.batch_size):
-                with job.timed_forward():
+                with job.timed_forward(len(batch)):
                     embeds = encode_batch(text_encoder, batch, fmt.start_idx)
                 for req, emb in zip(batch, embeds):
                     parts = done.setdefault(req.key, {})

@@ -124,6 +124,7 @@ class Summary:
     loop_seconds: float = 0.0  # the encode loop: read, preprocess, forward, write
     forward_seconds: float = 0.0  # inside the model forward (bench: the rest of the loop is overhead)
     forwards: int = 0
+    forward_items: int = 0  # prompts (text) or images (vae) through the model; / forwards = mean batch
     rank: int = 0
     world_size: int = 1
 
@@ -199,7 +200,7 @@ class EncodeJob:
                 yield item
 
     @contextmanager
-    def timed_forward(self) -> Iterator[None]:
+    def timed_forward(self, items: int) -> Iterator[None]:
         """Time spent in the model (a GPU is synchronised so its queued work counts here, not after)."""
         t0 = time.perf_counter()
         yield
@@ -207,6 +208,7 @@ class EncodeJob:
             torch.cuda.synchronize()
         self.summary.forward_seconds += time.perf_counter() - t0
         self.summary.forwards += 1
+        self.summary.forward_items += items
 
     def finish(self) -> Summary:
         """Quarantine rows, this rank's last shard, barrier, rank 0 commits (manifest last), barrier."""
