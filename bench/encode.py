@@ -5,7 +5,9 @@ forward (reading, PNG decode, preprocessing, writing; target <= 10% at batch 8).
 Two data sets, each encoded by both stages into a fresh store:
   uniform  every sample the same sizes and instruction length (every batch can be full)
   demo     `pipeline make-demo-data` through the real resize-bucket stage: mixed sizes, 0..3 controls
-           (Edit-Plus) - batches hold only identical shapes, so the fill shows what exact batching costs
+           (Edit-Plus) - exact batching holds only identical shapes, so the fill shows what exactness costs
+encode-text runs twice per data set: `encode_text.batching` exact (default) and padded (same image grids, text
+right-padded; a second table version in the same store), with padded's samples/s as a ratio of exact's.
 Baseline, measured in the same run on the same samples: the unmodified diffusers pipeline one sample at a time
 (`encode_prompt` for the prompt and the empty prompt; `_encode_vae_image` per image), data already decoded.
 
@@ -138,11 +140,13 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     try:
         models = {v: str(make_tiny_model(work / f"tiny-{v}", variant=v, seed=0)) for v in ("edit", "edit-plus")}
-        cfg = load_config(None, {
+        settings = {
             "encode_text.dtype": args.dtype, "encode_text.batch_size": args.batch_size,
             "encode_text.num_workers": args.workers, "encode_vae.dtype": args.dtype,
             "encode_vae.batch_size": args.batch_size, "encode_vae.num_workers": args.workers,
-        })
+        }
+        cfg = load_config(None, settings)
+        padded_cfg = load_config(None, {**settings, "encode_text.batching": "padded"})
         datasets = {"uniform": ("edit", lambda p: write_uniform(p, args.samples, (128, 128), (160, 160), (160, 160))),
                     "demo": ("edit-plus", lambda p: write_demo(p, args.samples, work))}
         print(f"tiny model, {args.samples} samples, batch {args.batch_size}, {args.dtype}, "
@@ -153,8 +157,13 @@ def main() -> None:
             build(store)
             model = models[variant]
             print(f"{name} ({variant}, {len(Store(store).reader('images'))} samples):")
+            text_baseline = baseline_text(model, store, variant)
             text = encode_text.run(cfg, store, model)
-            report("encode-text", text, baseline_text(model, store, variant))
+            report("text exact", text, text_baseline)
+            padded = encode_text.run(padded_cfg, store, model)
+            report("text padded", padded, text_baseline)
+            speedup = (padded.encoded / padded.loop_seconds) / (text.encoded / text.loop_seconds)
+            print(f"  text padded / exact: x{speedup:.2f} samples/s")
             vae = encode_vae.run(cfg, store, model)
             report("encode-vae", vae, baseline_vae(model, store))
     finally:

@@ -63,6 +63,9 @@ class EncodeTextConfig(Section):
     batch_size: int = Field(8, gt=0)
     prompt_template: str | None = Field(None, description="None = the model's own diffusers template")
     prompt_template_start_idx: int | None = None
+    batching: Literal["exact", "padded"] = Field(
+        "exact", description="exact: batch only identical input shapes (bit-exact, small batches on mixed data); "
+        "padded: any requests per batch, text right-padded (float32 within ~1e-6 of exact; full batches, use on GPUs)")
     shard_size_mb: float = Field(256, gt=0, description="shard file size target (fractions allowed)")
     num_workers: int = Field(2, ge=0, description="threads decoding + preprocessing ahead of the forward (0 = inline)")
 

@@ -6,18 +6,23 @@ VAE-view image, the template holds the one image slot) or `QwenImageEditPlusPipe
 processor inputs, last hidden state, the template's first `start_idx` tokens dropped. Only valid tokens are stored
 (no padding), bf16, plus the empty-prompt embeds with the same control images (caption dropout).
 
-Batches hold only requests with identical input shapes (token count and image grids): padding or mixed image
-sizes change float32 rounding (~1e-7); identical shapes are bit-exact (but see MIN_BATCH_ROWS), so the table
-does not depend on the batch size (tested against the unmodified pipeline on CPU; GPU BLAS libraries give no
-such guarantee across batch sizes).
+Batching (`encode_text.batching`, part of the lineage):
+- "exact" (default): batches hold only requests with identical input shapes (token count and image grids):
+  padding or mixed image sizes change float32 rounding (~1e-7); identical shapes are bit-exact (but see
+  MIN_BATCH_ROWS), so the table does not depend on the batch size (tested against the unmodified pipeline on
+  CPU; GPU BLAS libraries give no such guarantee across batch sizes). On mixed data batches stay small.
+- "padded": any requests share a batch (sorted by token count within a window, the text right-padded, the
+  images of all of them through the vision tower at once); each request's valid tokens equal its alone result
+  within float32 rounding (~2e-7 relative, tested), and batches are full.
 """
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable, Iterator
 
 import torch
 
@@ -46,6 +51,7 @@ FEATURE_REVISION = "text.1"
 # in the lineage so a change of it means a new table version.
 PLUS_IMAGE_PROMPT = "Picture {}: <|vision_start|><|image_pad|><|vision_end|>"
 KINDS = ("prompt", "empty")  # the instruction, and "" for caption dropout, both with the sample's images
+PADDED_WINDOW = 8  # padded batching: this many batches' worth of requests are sorted by length together
 # Even same-shape batches are not bit-exact when a matmul has few rows: MKL's sgemm takes another kernel for
 # M < 12 (and, split over 16 threads, up to M = 27), so a row's value depends on M. The smallest matmuls are
 # the vision merger's, one row per merged image token (patches / 2x2): an image with fewer merged tokens than
@@ -104,13 +110,21 @@ class Request:
     inputs: dict[str, torch.Tensor]  # the processor's output for this request alone (batch dim 1)
 
     @property
-    def shape(self) -> tuple | None:
-        """Batch key: token count + image grids; None = run alone (an image too small to batch exactly)."""
+    def num_tokens(self) -> int:
+        return self.inputs["input_ids"].shape[1]
+
+    @property
+    def grids(self) -> tuple[tuple[int, int, int], ...]:
+        """The images' (t, h, w) patch grids: the vision tower's input shape (never padded)."""
         grid = self.inputs.get("image_grid_thw")
-        grids = tuple(map(tuple, grid.tolist())) if grid is not None else ()
-        if any(t * h * w // MERGE_AREA < MIN_BATCH_ROWS for t, h, w in grids):
+        return tuple(map(tuple, grid.tolist())) if grid is not None else ()
+
+    @property
+    def shape(self) -> tuple | None:
+        """Exact batch key: token count + image grids; None = run alone (an image too small to batch exactly)."""
+        if any(t * h * w // MERGE_AREA < MIN_BATCH_ROWS for t, h, w in self.grids):
             return None
-        return (self.inputs["input_ids"].shape[1], grids)
+        return (self.num_tokens, self.grids)
 
 
 def control_images(files: dict[str, bytes], variant: str, num_controls: int) -> list:
@@ -159,23 +173,58 @@ def fill_image_slots(text: str, image_token: str, slots: list[str]) -> str:
     return parts[0] + "".join(slot + part for slot, part in zip(slots, parts[1:]))
 
 
-# ---------------------------------------------------------------- the batched forward
+# ---------------------------------------------------------------- batching and the batched forward
+
+
+def batches(requests: Iterable[Request], mode: str, batch_size: int) -> Iterator[list[Request]]:
+    """exact: identical shapes only. padded: windows of PADDED_WINDOW batches' worth of requests, each sorted by
+    token count and cut into full batches, so a batch holds similar lengths (little padding)."""
+    if mode == "exact":
+        yield from batches_by_shape(requests, lambda r: r.shape, batch_size)
+        return
+    stream = iter(requests)  # windows are read as they come (waiting requests hold their pixels)
+    while window := sorted(islice(stream, PADDED_WINDOW * batch_size), key=lambda r: r.num_tokens):
+        yield from (window[i : i + batch_size] for i in range(0, len(window), batch_size))
+
+
+def right_padded(requests: list[Request], pad_token_id: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """input_ids and attention_mask of the batch, each text right-padded to the longest (mask 0 at pads).
+
+    Right, as diffusers' `processor(..., padding=True)` pads with the Qwen2 tokenizer's default padding_side,
+    and always right: the model gets no position ids (diffusers passes no mm_token_type_ids), so positions are
+    0..L-1 by index; right padding keeps a request's positions and (causal attention) its valid tokens' context
+    exactly as alone (left padding would shift positions: RoPE makes that invariant only up to rounding).
+    """
+    length = max(r.num_tokens for r in requests)
+    if pad_token_id is None and any(r.num_tokens != length for r in requests):
+        raise ValueError("requests of different lengths need a pad_token_id")
+    ids = torch.full((len(requests), length), pad_token_id or 0, dtype=requests[0].inputs["input_ids"].dtype)
+    mask = torch.zeros((len(requests), length), dtype=requests[0].inputs["attention_mask"].dtype)
+    for i, r in enumerate(requests):
+        ids[i, : r.num_tokens] = r.inputs["input_ids"][0]
+        mask[i, : r.num_tokens] = r.inputs["attention_mask"][0]
+    return ids, mask
 
 
 @torch.no_grad()
-def encode_batch(text_encoder, requests: list[Request], start_idx: int) -> list[torch.Tensor]:
-    """One forward over same-shape requests; per request its last hidden states minus the template prefix.
+def encode_batch(text_encoder, requests: list[Request], start_idx: int,
+                 pad_token_id: int | None = None) -> list[torch.Tensor]:
+    """One forward over the requests; per request the last hidden states of its valid tokens minus the template
+    prefix, as diffusers' `_extract_masked_hidden` + `[drop_idx:]` (same-shape requests: every token valid).
 
     Calls the model with exactly the arguments diffusers' `_get_qwen_prompt_embeds` passes (no
     mm_token_type_ids, so the same position ids), via the base model: same hidden states, no lm_head.
     """
     device = text_encoder.device
-    cat = {k: torch.cat([r.inputs[k] for r in requests]).to(device) for k in requests[0].inputs}
+    ids, mask = (t.to(device) for t in right_padded(requests, pad_token_id))
+    # Every request's images in batch order: the model fills the batch's image tokens with them in that order.
+    vision = {k: torch.cat([r.inputs[k] for r in requests if k in r.inputs]).to(device)
+              for k in ("pixel_values", "image_grid_thw") if any(k in r.inputs for r in requests)}
     hidden = text_encoder.model(
-        input_ids=cat["input_ids"], attention_mask=cat["attention_mask"],
-        pixel_values=cat.get("pixel_values"), image_grid_thw=cat.get("image_grid_thw"),
+        input_ids=ids, attention_mask=mask,
+        pixel_values=vision.get("pixel_values"), image_grid_thw=vision.get("image_grid_thw"),
     ).last_hidden_state
-    return [hidden[i, start_idx:] for i in range(len(requests))]  # same shape => no padding, every token valid
+    return [h[m.bool()][start_idx:] for h, m in zip(hidden, mask)]
 
 
 def text_schema(job: EncodeJob, fmt: PromptFormat, hidden_size: int, dtype: str) -> TableSchema:
@@ -232,9 +281,9 @@ def run(
         done: dict[str, dict[str, torch.Tensor]] = {}  # key -> kind -> embeds, until both kinds are in
         with job.progress(len(todo)) as bar:
             requests = (r for pair in job.accepted(samples, bar) for r in pair)
-            for batch in batches_by_shape(requests, lambda r: r.shape, section.batch_size):
+            for batch in batches(requests, section.batching, section.batch_size):
                 with job.timed_forward(len(batch)):
-                    embeds = encode_batch(text_encoder, batch, fmt.start_idx)
+                    embeds = encode_batch(text_encoder, batch, fmt.start_idx, processor.tokenizer.pad_token_id)
                 for req, emb in zip(batch, embeds):
                     parts = done.setdefault(req.key, {})
                     parts[req.kind] = emb.to("cpu", torch.bfloat16)

@@ -23,6 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from schemas.errors import UserError
+from store.format import fsync_dir as fsync_path  # fsyncs a file or a folder alike
 
 RESUME_JSON = "resume.json"
 RESUME_FORMAT = 1
@@ -118,14 +119,6 @@ def prune(root: Path, keep: int) -> None:
 # ---------------------------------------------------------------------------------------------- atomic writing
 
 
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def begin(root: Path, step: int) -> Path:
     """Fresh temp folder for the checkpoint of `step` (rank 0 calls this)."""
     tmp = temp_dir(root, step)
@@ -139,15 +132,15 @@ def commit(root: Path, step: int, tmp: Path, record: ResumeRecord) -> Path:
     """Write the record last, fsync every file and the folder, then rename: the checkpoint appears whole."""
     (tmp / RESUME_JSON).write_text(json.dumps(asdict(record), indent=2, sort_keys=True) + "\n")
     for p in sorted(tmp.rglob("*")):
-        _fsync_path(p)
-    _fsync_path(tmp)
+        fsync_path(p)
+    fsync_path(tmp)
     final = checkpoint_dir(root, step)
     if final.exists():  # re-written step (e.g. a resume that ended exactly here): replace it
         old = final.with_name(f".{final.name}.deleting")
         os.rename(final, old)
         shutil.rmtree(old)
     os.rename(tmp, final)
-    _fsync_path(root)
+    fsync_path(root)
     return final
 
 
@@ -198,7 +191,7 @@ def save_rng(folder: Path, rank: int) -> None:
     if torch.cuda.is_available():
         states.update({f"cuda{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
     save_file(states, _rng_file(folder, rank))
-    _fsync_path(_rng_file(folder, rank))
+    fsync_path(_rng_file(folder, rank))
 
 
 def load_rng(folder: Path, rank: int) -> None:
