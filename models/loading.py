@@ -15,6 +15,8 @@ from typing import Literal
 
 import torch
 
+from schemas.errors import UserError
+
 Component = Literal["transformer", "vae", "text_encoder", "processor", "tokenizer", "scheduler"]
 
 _CLASSES: dict[str, tuple[str, str]] = {
@@ -30,8 +32,8 @@ _CLASSES: dict[str, tuple[str, str]] = {
 LOAD_LOG: list[tuple[str, str]] = []
 
 
-class ModelNotFoundError(RuntimeError):
-    pass
+class ModelNotFoundError(UserError):
+    """No such model folder or hub id (or no network): the CLI prints it as one line, no traceback."""
 
 
 @lru_cache(maxsize=16)

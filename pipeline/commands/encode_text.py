@@ -18,7 +18,9 @@ def command(
     store: Optional[str] = typer.Option(None, "--store", help="Store folder holding the `images` table (paths.store)."),
     model: Optional[str] = typer.Option(None, "--model", help="Model folder or hub id (paths.model)."),
     device: Optional[str] = typer.Option(None, "--device", help="Device of the text encoder (encode_text.device)."),
-    batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Same-shape prompts per forward."),
+    batch_size: Optional[int] = typer.Option(
+        None, "--batch-size", help="Prompts per forward (same shape with batching=exact, similar length with padded)."
+    ),
     config: Optional[Path] = ConfigOpt,
 ) -> None:
     cfg = config_from(config, {"paths.store": store, "paths.model": model,
