@@ -70,22 +70,51 @@ def model_variant(model: str) -> Literal["edit", "edit-plus"]:
     return "edit-plus" if "Plus" in index.get("_class_name", "") else "edit"
 
 
+def _fingerprint_cache() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "qwen-edit-pipeline" / "file-hashes.json"
+
+
+def _file_digest(f: Path, cache: dict[str, str]) -> str:
+    """sha256 of a file's bytes. Hub snapshots link to blobs named by that hash (free); other files are read
+    whole once and remembered by (path, size, mtime), so a 40 GB model is hashed once, not per stage run."""
+    real = Path(os.path.realpath(f))
+    if "blobs" in real.parts and len(real.name) == 64:
+        return real.name
+    st = real.stat()
+    slot = f"{real}|{st.st_size}|{st.st_mtime_ns}"
+    if slot not in cache:
+        h = hashlib.sha256()
+        with real.open("rb") as fh:
+            while chunk := fh.read(8 << 20):
+                h.update(chunk)
+        cache[slot] = h.hexdigest()
+    return cache[slot]
+
+
 @lru_cache(maxsize=16)
 def model_fingerprint(model: str) -> str:
-    """Hash of every config and weight file of the model (weights by size + first/last MiB: cheap on 40 GB)."""
+    """Hash of every file of the model folder (names + full contents): any changed weight is a new model."""
     root = resolve_model(model)
+    cache_file = _fingerprint_cache()
+    try:
+        cache = json.loads(cache_file.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    known = len(cache)
     h = hashlib.sha256()
     for f in sorted(root.rglob("*")):
-        if not f.is_file():
-            continue
-        h.update(str(f.relative_to(root)).encode())
-        size = f.stat().st_size
-        h.update(str(size).encode())
-        with f.open("rb") as fh:
-            h.update(fh.read(1 << 20))
-            if size > 2 << 20:
-                fh.seek(-(1 << 20), os.SEEK_END)
-                h.update(fh.read())
+        if f.is_file():
+            h.update(str(f.relative_to(root)).encode())
+            h.update(_file_digest(f, cache).encode())
+    if len(cache) != known:
+        try:  # a cache only: failing to write it costs a re-hash next time, nothing else
+            cache_file.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cache_file.with_name(f".{cache_file.name}.{os.getpid()}")
+            tmp.write_text(json.dumps(cache))
+            os.replace(tmp, cache_file)
+        except OSError:
+            pass
     return h.hexdigest()[:16]
 
 

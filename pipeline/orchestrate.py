@@ -74,7 +74,7 @@ def train_up_to_date(cfg: PipelineConfig, paths: Paths) -> bool:
     record = train_state.ResumeRecord.read(latest / train_state.RESUME_JSON)
     tables = open_train_tables(paths.store, paths.model, split="train")
     return (
-        record.step >= cfg.train.max_steps
+        record.step == cfg.train.max_steps
         and record.config_fingerprint == config_fingerprint(cfg.train)
         and record.tables == tables.versions()
         and record.model_fingerprint == model_fingerprint(paths.model)
@@ -113,7 +113,15 @@ def train_step(cfg: PipelineConfig, paths: Paths, result: AllResult) -> tuple[bo
 
     if train_up_to_date(cfg, paths):
         return True, f"LoRA {paths.lora} is up to date ({cfg.train.max_steps} steps on the current tables)"
-    r = train.run(cfg, paths.store, paths.model, paths.run, resume=True)  # resume=True: continue if killed
+    from stages.train_state import ResumeMismatch
+
+    try:
+        r = train.run(cfg, paths.store, paths.model, paths.run, resume=True)  # resume=True: continue if killed
+    except ResumeMismatch as e:
+        raise UserError(
+            f"{e}\n`run all` trains into paths.run ({paths.run}): set paths.run to a new folder in the config to "
+            "train with the new settings (or move the old run folder away)"
+        ) from None
     result.train_losses = list(r.losses)
     how = f"resumed at step {r.start_step}" if r.start_step else "from scratch"
     loss = f", train loss {r.losses[0]:.4f} -> {r.losses[-1]:.4f}" if r.losses else ""

@@ -155,7 +155,10 @@ def prepare(key: str, sample: dict[str, Any], fmt: PromptFormat, processor,
     slots = [processor.replace_image_token(vision, i) for i in range(n)]
     requests = []
     for kind, instruction in zip(KINDS, (str(meta.get("caption") or ""), "")):
-        text = fill_image_slots(fmt.text(instruction, n), processor.image_token, slots)
+        try:  # e.g. a caption that contains the image placeholder token itself: this sample's problem
+            text = fill_image_slots(fmt.text(instruction, n), processor.image_token, slots)
+        except UserError as e:
+            return Rejected(key, "prompt does not fit the template", str(e))
         with lock:  # the fast tokenizer is not safe to call from two threads at once
             tokens = processor.tokenizer([text], return_tensors="pt")
         inputs = {"input_ids": tokens["input_ids"], "attention_mask": tokens["attention_mask"]}

@@ -221,7 +221,7 @@ class EncodeJob:
         )
         self.ranks.barrier()
         if self.ranks.rank == 0:
-            self.summary.version = self.writer.commit()
+            self.summary.version = self.writer.commit(allow_empty=False)
         else:
             self.writer.close()
         self.ranks.barrier()
@@ -264,8 +264,11 @@ def open_job(store_path: str | Path, stage: str, table: str, feature_hash: str, 
         raise UserError(f"no store at {path} (no store.json); run `pipeline run resize-bucket --store {path}` first")
     store = Store(path, create=False)
     images = store.reader(IMAGES_TABLE)
+    # The images version's identity (not just its number) goes into the hash: a deleted and rebuilt images
+    # table restarts at v1 with other contents, and must not match features encoded from the old one.
+    images_id = store.version_id(IMAGES_TABLE, images.version)
     lineage = Lineage(
-        stage=stage, config_hash=feature_hash, model_fingerprint=model_fingerprint(model),
+        stage=stage, config_hash=f"{feature_hash}-images:{images_id}", model_fingerprint=model_fingerprint(model),
         upstream={IMAGES_TABLE: images.version}, code_version=code_version(feature_revision),
     )
     summary = Summary(stage=stage, table=table, rank=ranks.rank, world_size=ranks.world_size)

@@ -284,7 +284,7 @@ def evaluate_inputs(cfg: EvaluateConfig, store: str | Path, model: str, lora: st
     h = hashlib.sha256(lora_weight_file(lora).read_bytes()).hexdigest()
     return {
         "store": str(Path(store).resolve()),
-        "tables": {t: v for t, v in sorted(st.tables().items()) if t in ("images", "text", "vae")},
+        "tables": {t: st.version_id(t, v) for t, v in sorted(st.tables().items()) if t in ("images", "text", "vae")},
         "model_fingerprint": model_fingerprint(model),
         "lora_sha256": h,
         "config_fingerprint": cfg.fingerprint(),

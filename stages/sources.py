@@ -8,9 +8,11 @@ set, so it reaches the quarantine instead of vanishing.
 
 Layouts:
 - folder: `target/<stem>.png|jpg|jpeg|webp` + caption `target/<stem>.txt`, controls `control/<stem>.*`,
-  `control_1/<stem>.*`, ..., optional mask `mask/<stem>.png`.
+  `control_1/<stem>.*`, ..., optional mask `mask/<stem>.png`. Dotfiles (`.DS_Store`, `._x`) are OS litter and
+  ignored; any other file in these folders that is not an image (or a `.txt` in target/) quarantines its sample.
 - webdataset: `*.tar` (a file, or every tar in a folder, sorted by name); members `<key>.png|jpg|...` (target),
-  `<key>.control.png`, `<key>.control_1.png`, ..., `<key>.txt`, `<key>.mask.png`. As in webdataset, a sample is
+  `<key>.control.png`, `<key>.control_1.png`, ..., `<key>.txt`, `<key>.mask.png`; any other member quarantines
+  its sample (it would otherwise be dropped unseen). As in webdataset, a sample is
   a run of consecutive members sharing the key (member path up to the first dot of its base name).
 - JSONL: one object per line: `target` (path), `controls` (list of paths; `control` alone also accepted),
   `caption` or `prompt` (text), optional `mask` (path). Relative paths are relative to the JSONL file's folder.
@@ -29,7 +31,7 @@ from pathlib import Path, PurePosixPath
 
 from schemas.errors import UserError
 
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".tif", ".tiff", ".bmp")
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".tif", ".tiff", ".bmp", ".gif")  # = imaging.ALLOWED_FORMATS
 _CONTROL_DIR = re.compile(r"^control(?:_(\d+))?$")
 
 
@@ -80,8 +82,8 @@ def source_files(source: str | Path) -> list[Path]:
     """The files a source consists of (for the listing hash); JSONL includes the files it references."""
     p = Path(source)
     fmt = detect_format(p)
-    if fmt == "folder":
-        return sorted(f for f in p.rglob("*") if f.is_file())
+    if fmt == "folder":  # only what the reader reads: a store or OS litter inside the source changes nothing
+        return sorted(f for d in _layout_dirs(p) for f in _layout_entries(d) if f.is_file())
     if fmt == "webdataset":
         return _tar_paths(p)
     manifest = _jsonl_path(p)
@@ -110,29 +112,56 @@ def listing_hash(source: str | Path) -> str:
 # ---------------------------------------------------------------- folder
 
 
-def _images_by_stem(folder: Path) -> dict[str, list[Path]]:
-    out: dict[str, list[Path]] = {}
-    if folder.is_dir():
-        for f in sorted(folder.iterdir()):
-            if f.is_file() and f.suffix.lower() in IMAGE_SUFFIXES:
-                out.setdefault(f.stem, []).append(f)
-    return out
-
-
-def iter_folder(root: Path) -> Iterator[SourceSample]:
-    targets = _images_by_stem(root / "target")
-    # control dirs in control order: control/ is index 0, control_<i>/ is index i
-    control_dirs: dict[int, Path] = {}
+def _control_dirs(root: Path) -> dict[int, Path]:
+    """control/ is index 0, control_<i>/ is index i."""
+    out: dict[int, Path] = {}
     for d in root.iterdir():
         m = _CONTROL_DIR.match(d.name)
         if d.is_dir() and m:
-            control_dirs[int(m.group(1) or 0)] = d
-    controls = {i: _images_by_stem(d) for i, d in control_dirs.items()}
-    masks = _images_by_stem(root / "mask")
+            out[int(m.group(1) or 0)] = d
+    return out
+
+
+def _layout_dirs(root: Path) -> list[Path]:
+    return [root / "target", *(d for _, d in sorted(_control_dirs(root).items())), root / "mask"]
+
+
+def _layout_entries(folder: Path) -> list[Path]:
+    """Entries of one layout folder, minus dotfiles (OS litter such as .DS_Store or AppleDouble ._x)."""
+    return sorted(f for f in folder.iterdir() if not f.name.startswith(".")) if folder.is_dir() else []
+
+
+def _images_by_stem(folder: Path, unsupported: dict[str, list[Path]], also: tuple[str, ...] = ()) -> dict[str, list[Path]]:
+    """Image files by stem; every other entry (not an image, nor a suffix in `also`) goes to `unsupported`."""
+    out: dict[str, list[Path]] = {}
+    for f in _layout_entries(folder):
+        if f.is_file() and f.suffix.lower() in IMAGE_SUFFIXES:
+            out.setdefault(f.stem, []).append(f)
+        elif not (f.is_file() and f.suffix in also):
+            unsupported.setdefault(f.stem, []).append(f)
+    return out
+
+
+def _unsupported_message(root: Path, files: list[Path]) -> str:
+    names = ", ".join(os.path.relpath(f, root) + ("/" if f.is_dir() else "") for f in files)
+    return f"unsupported file(s) {names}: images must be one of {', '.join(IMAGE_SUFFIXES)} (captions target/<stem>.txt)"
+
+
+def iter_folder(root: Path) -> Iterator[SourceSample]:
+    unsupported: dict[str, list[Path]] = {}  # stem -> files the layout cannot use; they must not vanish
+    targets = _images_by_stem(root / "target", unsupported, also=(".txt",))
+    control_dirs = _control_dirs(root)
+    controls = {i: _images_by_stem(d, unsupported) for i, d in control_dirs.items()}
+    masks = _images_by_stem(root / "mask", unsupported)
 
     for stem in sorted(targets):
         s = SourceSample(name=stem, source=str(root / "target" / stem))
         found = targets[stem]
+        if stem in unsupported:
+            s.source = str(found[0])
+            s.problem, s.problem_kind = _unsupported_message(root, unsupported[stem]), "unsupported-file"
+            yield s
+            continue
         if len(found) > 1:
             s.problem = f"several target files for one sample: {', '.join(f.name for f in found)}"
             yield s
@@ -162,7 +191,9 @@ def iter_folder(root: Path) -> Iterator[SourceSample]:
         yield s
 
     # files that belong to no target would otherwise vanish silently
-    orphans: list[Path] = [t for t in sorted((root / "target").glob("*.txt")) if t.stem not in targets]
+    orphans: list[Path] = [
+        t for t in _layout_entries(root / "target") if t.suffix == ".txt" and t.is_file() and t.stem not in targets
+    ]
     for i in sorted(controls):
         orphans += [f for stem, fs in controls[i].items() if stem not in targets for f in fs]
     orphans += [f for stem, fs in masks.items() if stem not in targets for f in fs]
@@ -170,6 +201,11 @@ def iter_folder(root: Path) -> Iterator[SourceSample]:
         yield SourceSample(
             name=f.stem, source=str(f), problem="file has no matching target image in target/", problem_kind="orphan-file"
         )
+    for stem, fs in sorted(unsupported.items()):
+        if stem not in targets:
+            for f in fs:
+                yield SourceSample(name=stem, source=str(f), problem=_unsupported_message(root, [f]) +
+                                   " (and no matching target image in target/)", problem_kind="unsupported-file")
 
 
 class _Problem(Exception):
@@ -195,6 +231,11 @@ def _unsafe_name(name: str) -> bool:
     return name.startswith("/") or "\\" in name or ".." in pure.parts or re.match(r"^[A-Za-z]:", name) is not None
 
 
+# Metadata members common in webdataset shards (labels, per-sample JSON): not part of an edit pair, so they
+# are ignored rather than quarantining the sample. Anything else unknown (e.g. `.control.heic`) quarantines it.
+WDS_METADATA_MEMBERS = frozenset({"json", "cls", "cls2", "id", "meta", "yaml", "yml"})
+
+
 def _sample_from_members(key: str, where: str, members: dict[str, bytes], bad: list[str]) -> SourceSample:
     s = SourceSample(name=key, source=where)
     if bad:
@@ -202,6 +243,29 @@ def _sample_from_members(key: str, where: str, members: dict[str, bytes], bad: l
         s.problem_kind = "unsafe-path" if any(b.startswith("unsafe member path") for b in bad) else "bad-source"
         return s
     targets = [ext for ext in members if "." not in ext and f".{ext}" in IMAGE_SUFFIXES]
+    ctrl_ext: dict[int, list[str]] = {}
+    masks: list[str] = []
+    unknown: list[str] = []
+    for ext in members:
+        head, dot, tail = ext.partition(".")
+        m = _CONTROL_DIR.match(head)
+        if m and dot and f".{tail}" in IMAGE_SUFFIXES:
+            ctrl_ext.setdefault(int(m.group(1) or 0), []).append(ext)
+        elif head == "mask" and dot and f".{tail}" in IMAGE_SUFFIXES:
+            masks.append(ext)
+        elif ext not in targets and ext != "txt" and ext not in WDS_METADATA_MEMBERS:
+            unknown.append(ext)
+    if unknown:  # a member we would not read (e.g. .control.heic) must not be dropped unseen
+        s.problem, s.problem_kind = (
+            f"unsupported member(s) {', '.join(f'{key}.{e}' if e else key for e in sorted(unknown))}: the layout reads "
+            f"<key>.<image>, .txt, .control[_i].<image>, .mask.<image>; images {'/'.join(IMAGE_SUFFIXES)}",
+            "unsupported-file",
+        )
+        return s
+    several = [f"{key}.{'/'.join(exts)}" for exts in [*ctrl_ext.values(), masks] if len(exts) > 1]
+    if several:
+        s.problem = f"several members for one image: {', '.join(several)}"
+        return s
     if len(targets) != 1:
         s.problem = (
             f"no target image member ({'/'.join(IMAGE_SUFFIXES)}) among {sorted(members)}"
@@ -211,21 +275,12 @@ def _sample_from_members(key: str, where: str, members: dict[str, bytes], bad: l
         return s
     s.target = members[targets[0]]
     s.files.append(f"{where}.{targets[0]}")
-    ctrl: dict[int, bytes] = {}
-    ctrl_ext: dict[int, str] = {}
-    for ext, data in members.items():
-        head, dot, tail = ext.partition(".")
-        m = _CONTROL_DIR.match(head)
-        if m and dot and f".{tail}" in IMAGE_SUFFIXES:
-            ctrl[int(m.group(1) or 0)] = data
-            ctrl_ext[int(m.group(1) or 0)] = ext
-    if sorted(ctrl) != list(range(len(ctrl))):
-        s.problem = f"control members are not contiguous from .control: found indices {sorted(ctrl)}"
+    if sorted(ctrl_ext) != list(range(len(ctrl_ext))):
+        s.problem = f"control members are not contiguous from .control: found indices {sorted(ctrl_ext)}"
         return s
-    s.controls = [ctrl[i] for i in range(len(ctrl))]
-    s.files += [f"{where}.{ctrl_ext[i]}" for i in range(len(ctrl))]
+    s.controls = [members[ctrl_ext[i][0]] for i in range(len(ctrl_ext))]
+    s.files += [f"{where}.{ctrl_ext[i][0]}" for i in range(len(ctrl_ext))]
     s.caption = members.get("txt")
-    masks = [ext for ext in members if ext.startswith("mask.")]
     if masks:
         s.mask = members[masks[0]]
         s.files.append(f"{where}.{masks[0]}")

@@ -223,6 +223,15 @@ def run(
     latest = train_state.latest_checkpoint(ckpt_root)
     if latest is not None and not resume:
         raise UserError(f"{run_dir} already holds checkpoints ({latest.name}); pass --resume or use a new --out")
+    record = None
+    if resume and latest is not None:  # checked before any model is loaded: a mismatch fails fast
+        record = ResumeRecord.read(latest / train_state.RESUME_JSON)
+        record.check_matches(now, latest)
+        if record.step > tc.max_steps:
+            raise train_state.ResumeMismatch(
+                f"{latest} is already past train.max_steps ({record.step} > {tc.max_steps}): raise max_steps to "
+                "continue, or use a new --out for a shorter run"
+            )
     if main:
         ckpt_root.mkdir(parents=True, exist_ok=True)
         train_state.remove_stale(ckpt_root)
@@ -240,9 +249,7 @@ def run(
 
     # ---- resume
     step, stream = 0, DataStream(sampler)
-    if resume and latest is not None:
-        record = ResumeRecord.read(latest / train_state.RESUME_JSON)
-        record.check_matches(now, latest)
+    if record is not None and latest is not None:
         load_lora(transformer, latest / "lora")
         train_state.load_optimizer(optimizer, latest)
         train_state.load_scheduler(scheduler, latest)

@@ -52,8 +52,10 @@ class TrainTables:
     keys: list[str]  # the split's keys, sorted
     lengths: list[int]  # per key: image tokens (target + controls) + text tokens = its sequence length
 
-    def versions(self) -> dict[str, int]:
-        return {"text": self.text.version, "vae": self.vae.version}
+    def versions(self) -> dict[str, str]:
+        """Identities of the tables trained on (version + manifest hash; see `Store.version_id`)."""
+        st = Store(self.store_root, create=False)
+        return {t: st.version_id(t, r.version) for t, r in (("text", self.text), ("vae", self.vae))}
 
     def __len__(self) -> int:
         return len(self.keys)

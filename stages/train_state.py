@@ -30,6 +30,10 @@ RESUME_FORMAT = 1
 _PREFIX = "step-"
 
 
+class ResumeMismatch(UserError):
+    """The run folder's checkpoints were made with other settings, data, model or process count."""
+
+
 @dataclass(frozen=True)
 class ResumeRecord:
     """Where training stopped and what it was trained on; a resume with anything else different fails."""
@@ -38,7 +42,7 @@ class ResumeRecord:
     epoch: int  # data position: the next micro-batch is batch `batch_in_epoch` of epoch `epoch`
     batch_in_epoch: int
     config_fingerprint: str
-    tables: dict[str, int]  # table -> version trained on
+    tables: dict[str, str]  # table -> identity of the version trained on (Store.version_id)
     store: str
     model_fingerprint: str
     world_size: int
@@ -67,7 +71,7 @@ class ResumeRecord:
         if self.world_size != now.world_size:
             problems.append(f"process count {self.world_size} -> {now.world_size}")
         if problems:
-            raise UserError(
+            raise ResumeMismatch(
                 f"cannot resume from {where}: {'; '.join(problems)}. Resume with the same config, store and "
                 "processes, or start a new run with a different --out"
             )

@@ -124,6 +124,9 @@ class TableReader:
         for t in self._col("tensors")[i]:
             dt = torch_dtype(t["dtype"])
             n = t["nbytes"] // dt.itemsize
+            if n == 0:  # frombuffer rejects count=0; an empty tensor (e.g. no control views) is legal
+                out[t["name"]] = torch.empty(t["shape"], dtype=dt)
+                continue
             out[t["name"]] = torch.frombuffer(m, dtype=dt, count=n, offset=t["offset"]).view(t["shape"])
         return out
 

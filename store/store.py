@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -40,6 +42,17 @@ class Store:
 
     def version_dir(self, table: str, version: int) -> Path:
         return fmt.version_dir(self.root, table, version)
+
+    def version_id(self, table: str, version: int) -> str:
+        """`v<N>-<sha256 of its manifest>`: names one immutable version for lineage and resume records.
+
+        A version number alone is not enough: delete a table folder and rebuild it, and its versions restart at 1
+        with other contents; a downstream table or a checkpoint must then not match it.
+        """
+        manifest = self.version_dir(table, version) / fmt.MANIFEST
+        if not manifest.is_file():
+            raise UserError(f"table '{table}' v{version} is not complete (no {manifest})")
+        return f"v{version}-{hashlib.sha256(manifest.read_bytes()).hexdigest()[:16]}"
 
     def set_current(self, table: str, version: int) -> None:
         """Point store.json at a complete version (atomic rewrite under the store lock)."""

@@ -171,8 +171,12 @@ class TableWriter:
         fmt.atomic_write_json(self.dir / fmt.rank_done_name(self.rank), {"rank": self.rank, "world_size": self.world_size})
         self._finished = True
 
-    def commit(self) -> int:
-        """Rank 0 (after every rank's `finish_rank`): write the manifest, then switch store.json. Returns the version."""
+    def commit(self, allow_empty: bool = True) -> int:
+        """Rank 0 (after every rank's `finish_rank`): write the manifest, then switch store.json. Returns the version.
+
+        `allow_empty=False`: a version with no rows is refused (UserError) and nothing becomes current, so a stage
+        whose every input was rejected fails instead of leaving an empty table that later reads as up to date.
+        """
         if self.rank != 0:
             raise UserError(f"only rank 0 commits table '{self.table}'; rank {self.rank} calls finish_rank()")
         self.finish_rank()
@@ -181,6 +185,10 @@ class TableWriter:
             raise UserError(f"table '{self.table}' v{self.version}: ranks {missing} have not finished; "
                             "call commit() on rank 0 after a barrier")
         manifest = merge_indexes(self._index_paths())
+        if manifest.num_rows == 0 and not allow_empty:
+            self.close()
+            raise UserError(f"table '{self.table}' v{self.version} would be empty: every input was rejected "
+                            f"(reasons in {self.store.root / 'quarantine.parquet'}); fix the inputs or the settings")
         fmt.atomic_write_parquet(self.dir / fmt.MANIFEST, manifest)  # version complete from here on
         fmt.crash_point("after_manifest")
         self.store.set_current(self.table, self.version)

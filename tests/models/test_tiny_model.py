@@ -90,3 +90,22 @@ def test_cli_make_tiny_model_matches_function(tmp_path, tiny_plus_model):
     assert _digest(tmp_path / "m") == _digest(Path(tiny_plus_model))
     r = CliRunner().invoke(app, ["make-tiny-model", str(tmp_path / "x"), "--variant", "bogus"])
     assert r.exit_code != 0
+
+
+def test_fingerprint_sees_a_change_in_the_middle_of_a_large_weight_file(tmp_path, tiny_edit_model):
+    import shutil
+
+    from models.loading import model_fingerprint
+
+    a = tmp_path / "a"
+    shutil.copytree(tiny_edit_model, a)
+    big = a / "transformer" / "extra.safetensors"
+    big.write_bytes(bytes(6 << 20))
+    before = model_fingerprint(str(a))
+    b = tmp_path / "b"
+    shutil.copytree(a, b)
+    data = bytearray((b / "transformer" / "extra.safetensors").read_bytes())
+    data[(6 << 20) // 2 + 123] ^= 0xFF  # one byte, far from both ends
+    (b / "transformer" / "extra.safetensors").write_bytes(bytes(data))
+    assert model_fingerprint(str(b)) != before
+    assert model_fingerprint(str(a)) == before

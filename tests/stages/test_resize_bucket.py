@@ -328,3 +328,55 @@ def test_a_source_with_nothing_usable_is_an_error_after_quarantining(tmp_path):
         run(cfg(), tmp_path / "src", tmp_path / "store")
     st = Store(tmp_path / "store")
     assert [r["reason"] for r in st.quarantine().to_pylist()] == ["empty-image"] and "images" not in st.tables()
+
+
+def test_unsupported_files_quarantine_their_sample_gif_is_read_dotfiles_ignored(tmp_path):
+    src = tmp_path / "src"
+    put(src, "gif", png(rgb(64, 64)), controls=[png(rgb(48, 48, (9, 9, 9)))])
+    (src / "control" / "gif.png").rename(src / "control" / "gif.gif")  # any PIL-readable bytes; suffix is what counts
+    (src / "mask").mkdir()
+    (src / "mask" / "gif.gif").write_bytes(png(Image.new("L", (64, 64), 255), format="GIF"))
+    put(src, "heic", png(rgb(64, 48)))
+    (src / "control" / "heic.heic").write_bytes(b"not read")
+    put(src, "oddmask", png(rgb(48, 64)))
+    (src / "mask" / "oddmask.xyz").write_bytes(b"not read")
+    (src / "control_1").mkdir()
+    (src / "control_1" / "lonely.heic").write_bytes(b"no target")
+    for litter in (src / "target" / ".DS_Store", src / "control" / "._gif.gif", src / "mask" / ".hidden.png"):
+        litter.write_bytes(b"\x00\x05\x16\x07 OS litter")
+    s = run(cfg(), src, tmp_path / "store")
+    r = Store(tmp_path / "store").reader("images")
+    assert s.written == 1 and r.meta(r.keys()[0])["num_controls"] == 1 and r.meta(r.keys()[0])["has_mask"]
+    q = _quarantine(tmp_path / "store")
+    assert {n: row["reason"] for n, row in q.items()} == {
+        "heic.png": "unsupported-file", "oddmask.png": "unsupported-file", "lonely.heic": "unsupported-file"}
+    assert "control/heic.heic" in q["heic.png"]["detail"] and "mask/oddmask.xyz" in q["oddmask.png"]["detail"]
+    assert "no matching target image" in q["lonely.heic"]["detail"]
+
+    tars = tmp_path / "tars"
+    tars.mkdir()
+    with tarfile.open(tars / "a.tar", "w") as tf:
+        for name, data in (("k1.png", png(rgb(64, 64))), ("k1.txt", b"x"), ("k1.control.heic", b"?"),
+                           ("k2.png", png(rgb(64, 48))), ("k2.txt", b"y"), ("k2.control.gif", png(rgb(32, 32), format="GIF"))):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    s = run(cfg(), tars, tmp_path / "store-tar")
+    r = Store(tmp_path / "store-tar").reader("images")
+    assert s.written == 1 and r.meta(r.keys()[0])["num_controls"] == 1 and dict(s.quarantined) == {"unsupported-file": 1}
+    assert "k1.control.heic" in Store(tmp_path / "store-tar").quarantine().to_pylist()[0]["detail"]
+
+
+def test_store_and_litter_inside_a_folder_source_do_not_change_its_version(tmp_path):
+    src = tmp_path / "src"
+    make_demo_data(src, n=3, fmt="folder", max_controls=1, seed=4)
+    first = run(cfg(), src, src / "store")  # the store lives inside the source folder
+    (src / ".DS_Store").write_bytes(b"litter")
+    (src / "target" / "._sample_0000.png").write_bytes(b"AppleDouble")
+    (src / "notes.md").write_text("not part of the layout")
+    again = run(cfg(), src, src / "store")
+    assert first.version == 1 and again.up_to_date and again.version == 1
+    target = sorted((src / "target").glob("sample_*.png"))[0]
+    target.write_bytes(png(rgb(64, 64, (1, 2, 3))))
+    changed = run(cfg(), src, src / "store")
+    assert changed.version == 2 and not changed.up_to_date

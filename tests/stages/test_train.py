@@ -22,6 +22,7 @@ from stages import train_state
 from stages.sampler import LengthAwareBatchSampler
 from stages.train import lr_factor, run, setup_transformer
 from stages.train_data import draw_noise, flow_loss, open_train_tables
+from store import Store
 from train_store import assert_close_lora, make_train_store, mixed_specs
 
 REPO = Path(__file__).resolve().parents[2]
@@ -88,7 +89,10 @@ def test_checkpoints_are_complete_and_only_the_last_k_kept(trained, store_dir):
         assert names == {"lora/pytorch_lora_weights.safetensors", "optimizer.safetensors", "optimizer.json",
                          "scheduler.json", "rng-rank00.safetensors", "resume.json"}
         rec = train_state.ResumeRecord.read(ckpt / "resume.json")
-        assert rec.step == step and rec.tables == {"text": 1, "vae": 1} and rec.world_size == 1
+        st = Store(store_dir)
+        assert rec.step == step and rec.world_size == 1
+        assert rec.tables == {"text": st.version_id("text", 1), "vae": st.version_id("vae", 1)}
+        assert rec.tables["text"].startswith("v1-")  # version number + manifest hash
     # 8 samples at batch 3 -> 3 batches per epoch: after 4 steps, epoch 1, batch 1.
     rec = train_state.ResumeRecord.read(root / "step-4" / "resume.json")
     assert (rec.epoch, rec.batch_in_epoch) == (1, 1)
@@ -181,10 +185,17 @@ def test_resume_with_changed_config_or_store_fails_loudly(store_dir, tiny_edit_m
     with pytest.raises(UserError, match="train config fingerprint"):
         run(cfg_of(max_steps=2, learning_rate=1e-2), store_dir, tiny_edit_model, out, resume=True)
     other = tmp_path / "store"
-    make_train_store(other, tiny_edit_model, mixed_specs(8, 4, masks=True))
-    make_train_store(other, tiny_edit_model, mixed_specs(8), tag="b")  # a newer text/vae version
-    with pytest.raises(UserError, match=r"store tables \{'text': 1, 'vae': 1\} -> \{'text': 2, 'vae': 2\}"):
+    make_train_store(other, tiny_edit_model, mixed_specs(8, 4, masks=True), seed=1)
+    # same version numbers (v1, v1), other contents: the manifest hash in the identity tells them apart
+    with pytest.raises(UserError, match=r"store tables \{'text': 'v1-\w+', 'vae': 'v1-\w+'\} -> \{'text': 'v1-\w+'"):
         run(cfg_of(max_steps=2), other, tiny_edit_model, out, resume=True)
+    make_train_store(other, tiny_edit_model, mixed_specs(8), tag="b")  # a newer text/vae version
+    with pytest.raises(UserError, match=r"-> \{'text': 'v2-\w+', 'vae': 'v2-\w+'\}"):
+        run(cfg_of(max_steps=2), other, tiny_edit_model, out, resume=True)
+    with pytest.raises(UserError, match="already past train.max_steps"):  # a shorter run is not the longer one
+        run(cfg_of(max_steps=1), store_dir, tiny_edit_model, tmp_path / "run2")
+        run(cfg_of(max_steps=2), store_dir, tiny_edit_model, tmp_path / "run2", resume=True)
+        run(cfg_of(max_steps=1), store_dir, tiny_edit_model, tmp_path / "run2", resume=True)
 
 
 _KILLED_WRITER = """

@@ -107,3 +107,17 @@ def test_close_without_commit_resumes_same_version_and_empty_table_commits(store
     assert w2.commit() == 1 and len(store.reader("vae")) == 5
     assert store.writer("vae", vae_schema()).commit() == 2  # same lineage, but v1 is complete: a new version
     assert len(store.reader("vae")) == 0 and store.reader("vae").keys() == []
+
+
+def test_zero_element_tensor_round_trips(store: Store) -> None:
+    # e.g. a (0, 8) tensor for a sample with no control views: the writer accepts it, the reader must return it
+    s = sample(1)
+    tensors = {**s["tensors"], "mask_weight": torch.zeros(0), "control_0": torch.zeros(4, 1, 0, 6).bfloat16()}
+    w = store.writer("vae", vae_schema(), shard_size_mb=1e-7)  # one sample per shard: the empty one ends a shard
+    w.add(s["key"], tensors=tensors, files=s["files"], meta=s["meta"])
+    w.add(key_of(2), tensors=sample(2)["tensors"], meta=sample(2)["meta"])
+    w.commit()
+    got = store.reader("vae").tensors(s["key"])
+    assert got["mask_weight"].shape == (0,) and got["mask_weight"].dtype == torch.float32
+    assert got["control_0"].shape == (4, 1, 0, 6) and got["control_0"].dtype == torch.bfloat16
+    assert torch.equal(got["target"], tensors["target"])

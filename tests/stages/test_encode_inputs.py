@@ -1,0 +1,53 @@
+"""Encode stages and their inputs: a rebuilt `images` table is never mistaken for the old one (version numbers
+restart at 1 after a table folder is deleted), and a run whose every sample is rejected fails instead of
+committing an empty table."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from pipeline.config import PipelineConfig
+from schemas.errors import UserError
+from stages import encode_text, encode_vae
+from store import Store
+
+
+def test_rebuilt_images_table_with_the_same_version_number_is_reencoded(tiny_plus_model, tmp_path, images_fixture):
+    write_images_table, FixtureSample = images_fixture.write, images_fixture.Sample
+    store = tmp_path / "store"
+    write_images_table(store, [FixtureSample("a", (64, 64), [(64, 64)], [(64, 64)])], seed=0, tag="a")
+    first = encode_vae.run(PipelineConfig(), store, tiny_plus_model)
+    assert not first.up_to_date
+    shutil.rmtree(store / "images")  # the user deletes the table and rebuilds it from other data
+    write_images_table(store, [FixtureSample("b", (64, 96), [], [])], seed=1, tag="a")
+    st = Store(store)
+    assert st.tables()["images"] == 1  # same number, other contents
+    second = encode_vae.run(PipelineConfig(), store, tiny_plus_model)
+    assert not second.up_to_date and second.version == 2
+    assert st.reader("vae").keys() == st.reader("images").keys()
+
+
+def test_every_sample_rejected_is_an_error_and_no_empty_table(tiny_edit_model, tmp_path, images_fixture):
+    write_images_table, FixtureSample = images_fixture.write, images_fixture.Sample
+    store = tmp_path / "store"
+    # an Edit model needs exactly one control: both samples are rejected
+    write_images_table(store, [FixtureSample("two", (64, 64), [(64, 64)] * 2, [(64, 64)] * 2),
+                               FixtureSample("none", (64, 64), [], [])])
+    with pytest.raises(UserError, match="would be empty"):
+        encode_text.run(PipelineConfig(), store, tiny_edit_model)
+    st = Store(store)
+    assert "text" not in st.tables()
+    assert len(st.quarantine()) == 2  # the reasons are kept
+
+
+def test_caption_with_the_image_placeholder_token_is_quarantined_not_fatal(tiny_plus_model, tmp_path, images_fixture):
+    write_images_table, FixtureSample = images_fixture.write, images_fixture.Sample
+    store = tmp_path / "store"
+    write_images_table(store, [FixtureSample("make it <|image_pad|> red", (64, 64), [(64, 64)], [(64, 64)]),
+                               FixtureSample("make it red", (64, 64), [(64, 64)], [(64, 64)])])
+    summary = encode_text.run(PipelineConfig(), store, tiny_plus_model)
+    assert summary.encoded == 1 and summary.quarantined == 1
+    rows = Store(store).quarantine().to_pylist()
+    assert rows[0]["reason"] == "prompt does not fit the template"
