@@ -134,9 +134,13 @@ def load_component(
     if not sub.is_dir():
         raise ModelNotFoundError(f"model {model!r} has no '{component}' folder ({sub})")
     LOAD_LOG.append((str(model), component))
-    kwargs = {}
+    kwargs: dict = {}
     if component in ("transformer", "vae", "text_encoder") and dtype is not None:
         kwargs["torch_dtype"] = dtype
+    if component in ("transformer", "vae", "text_encoder") and device is not None and torch.device(device).type != "cpu":
+        # Stream the weights straight onto the accelerator: N ranks on one host must not each hold a full copy
+        # of a 40 GB transformer in host RAM first. (Unverified on a GPU in this project's CI: none is lent.)
+        kwargs["device_map"] = {"": torch.device(device)}
     obj = cls.from_pretrained(sub, **kwargs)
     if device is not None and hasattr(obj, "to") and component in ("transformer", "vae", "text_encoder"):
         obj = obj.to(device)

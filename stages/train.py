@@ -130,7 +130,7 @@ def setup_transformer(model: str, cfg: TrainConfig, device: torch.device):
     from models.loading import load_component
 
     base_dtype = torch.bfloat16 if cfg.mixed_precision == "bf16" else torch.float32
-    transformer = load_component(model, "transformer", dtype=base_dtype)
+    transformer = load_component(model, "transformer", dtype=base_dtype, device=device)
     install_multires(transformer)
     transformer.requires_grad_(False)
     if cfg.quantize_base == "int8_weight_only":
