@@ -118,6 +118,20 @@ def model_fingerprint(model: str) -> str:
     return h.hexdigest()[:16]
 
 
+def check_device(device: str | torch.device, what: str) -> torch.device:
+    """The device, or a UserError naming the setting when it does not exist on this machine."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise UserError(f"{what}: {device!r} is not a device name (use e.g. cpu, cuda, cuda:1): {e}") from None
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0 or (dev.index is not None and dev.index >= count):
+            raise UserError(f"{what}: {device!r} requested but this machine has {count} CUDA device(s); "
+                            "pass cpu or run on a GPU machine")
+    return dev
+
+
 def load_component(
     model: str,
     component: Component,
@@ -137,6 +151,8 @@ def load_component(
     kwargs: dict = {}
     if component in ("transformer", "vae", "text_encoder") and dtype is not None:
         kwargs["torch_dtype"] = dtype
+    if device is not None:
+        check_device(device, f"device of the {component}")
     if component in ("transformer", "vae", "text_encoder") and device is not None and torch.device(device).type != "cpu":
         # Stream the weights straight onto the accelerator: N ranks on one host must not each hold a full copy
         # of a 40 GB transformer in host RAM first. (Unverified on a GPU in this project's CI: none is lent.)

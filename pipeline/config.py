@@ -152,7 +152,7 @@ class EvaluateConfig(Section):
     batch_size: int = Field(8, gt=0, description="held-out loss: (sample, seed, sigma) rows per forward")
     max_loss_samples: int | None = Field(None, gt=0, description="cap on val samples for the loss (None = all)")
     num_samples: int = Field(4, ge=0, description="val samples to generate images for")
-    num_inference_steps: int = Field(8, gt=0)
+    num_inference_steps: int = Field(8, ge=2, description="1 step divides 0/0 in the scheduler's terminal stretch")
     true_cfg_scale: float = 4.0
     negative_prompt: str = Field(" ", description="extra prompts' negative; val samples use the stored empty prompt")
     lora_scale: float = 1.0
@@ -162,7 +162,7 @@ class EvaluateConfig(Section):
 class PredictConfig(Section):
     devices: dict[str, str] = {"transformer": "cpu", "text_encoder": "cpu", "vae": "cpu"}
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    steps: int = Field(20, gt=0)
+    steps: int = Field(20, ge=2, description="1 step divides 0/0 in the scheduler's terminal stretch")
     true_cfg_scale: float = 4.0
     negative_prompt: str = " "
     seed: int = 0

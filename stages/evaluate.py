@@ -305,6 +305,9 @@ def report_up_to_date(cfg: EvaluateConfig, store: str | Path, model: str, lora: 
 
 def run(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, out: str | Path) -> dict:
     """Evaluate base vs LoRA on the store's val split; write the report into `out`; return the metrics."""
+    out = Path(out)
+    if out.is_dir() and any(out.iterdir()) and not (out / "metrics.json").is_file():
+        raise UserError(f"{out} is not empty and holds no earlier report: pass a new or empty --out folder")
     inputs = evaluate_inputs(cfg, store, model, lora)
     tables = open_train_tables(store, model, split="val")
     keys = tables.keys[: cfg.max_loss_samples] if cfg.max_loss_samples else tables.keys

@@ -25,7 +25,7 @@ ADAPTER = "lora"
 def lora_weight_file(lora: str | Path) -> Path:
     path = Path(lora)
     path = path / WEIGHT_NAME if path.is_dir() else path
-    if not path.is_file():
+    if not path.is_file() or path.suffix != ".safetensors":
         raise UserError(
             f"no LoRA weights at {path}: pass a folder written by `pipeline run train` (RUN/lora) "
             f"holding {WEIGHT_NAME}, or the .safetensors file itself"

@@ -15,10 +15,11 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from models.loading import load_component, model_variant, parse_dtype
+from models.loading import check_device, load_component, model_variant, parse_dtype
 from pipeline.config import PredictConfig
 from schemas.errors import UserError
 from stages.generate import PIXELS_PER_TOKEN, Conditioning, generate
+from stages.lora_merge import lora_weight_file
 
 # The stock pipelines' condition sizes (pipeline_qwenimage_edit_plus.CONDITION_IMAGE_SIZE / VAE_IMAGE_SIZE).
 VL_AREA_PLUS = 384 * 384
@@ -52,13 +53,12 @@ def load_pipeline(model: str, dtype: torch.dtype, devices: dict[str, str], lora:
         transformer=transformer if transformer is not None else load_component(model, "transformer", dtype=dtype),
     )
     if lora is not None:
-        if not Path(lora).exists():
-            raise UserError(f"LoRA not found: {lora}. Pass a folder written by `pipeline run train` (RUN/lora).")
+        lora_weight_file(lora)  # a clear error for a missing or non-LoRA path
         pipe.load_lora_weights(lora, adapter_name="lora")
         pipe.set_adapters(["lora"], adapter_weights=[lora_scale])
     for name in COMPONENTS:
         if name in devices:
-            getattr(pipe, name).to(devices[name])
+            getattr(pipe, name).to(check_device(devices[name], f"predict.devices.{name}"))
     return pipe
 
 
@@ -105,6 +105,9 @@ def prepare(
     controls = prepare_controls(pipe, images, plus)
     height = (height or controls.height) // PIXELS_PER_TOKEN * PIXELS_PER_TOKEN
     width = (width or controls.width) // PIXELS_PER_TOKEN * PIXELS_PER_TOKEN
+    if height < PIXELS_PER_TOKEN or width < PIXELS_PER_TOKEN:
+        raise UserError(f"output size {height}x{width} px: height and width must be at least {PIXELS_PER_TOKEN} "
+                        f"(they are rounded down to multiples of {PIXELS_PER_TOKEN})")
     te_device, tr_device = pipe.text_encoder.device, pipe.transformer.device
     vl = controls.vl_images if plus else controls.vl_images[0]
 

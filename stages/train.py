@@ -110,6 +110,10 @@ def lr_factor(step: int, cfg: TrainConfig) -> float:
 def _accelerator(cfg: TrainConfig):
     from accelerate import Accelerator
 
+    from models.loading import check_device
+
+    if cfg.device is not None:  # a requested GPU that is not there is an error, not a silent CPU run
+        check_device(cfg.device, "train.device")
     # Mixed precision is applied with torch.autocast below, not by accelerate, so that several runs in one
     # process (tests, notebooks) never fight over accelerate's process-wide state.
     return Accelerator(cpu=cfg.device == "cpu")

@@ -101,7 +101,7 @@ def open_train_tables(store: str | Path, model: str, split: str = "train") -> Tr
         if found != want:
             raise UserError(
                 f"table '{r.table}' v{r.version} in {st.root} was built with a different model (fingerprint "
-                f"{found or 'none'}) than --model {model} ({want}); train with the model that encoded the store, "
+                f"{found or 'none'}) than --model {model} ({want}); use the model that encoded the store, "
                 f"or re-run `pipeline run {TABLES[r.table]} --model {model}`"
             )
 

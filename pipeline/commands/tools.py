@@ -19,7 +19,8 @@ def make_tiny_model(
 
     if variant not in ("edit", "edit-plus"):
         raise typer.BadParameter("use 'edit' or 'edit-plus'", param_hint="--variant")
-    build(out, variant=variant, seed=seed)  # type: ignore[arg-type]
+    with user_errors():
+        build(out, variant=variant, seed=seed)  # type: ignore[arg-type]
     echo(f"wrote tiny {variant} model to {out}")
 
 
