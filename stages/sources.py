@@ -11,8 +11,9 @@ Layouts:
   `control_1/<stem>.*`, ..., optional mask `mask/<stem>.png`. Dotfiles (`.DS_Store`, `._x`) are OS litter and
   ignored; any other file in these folders that is not an image (or a `.txt` in target/) quarantines its sample.
 - webdataset: `*.tar` (a file, or every tar in a folder, sorted by name); members `<key>.png|jpg|...` (target),
-  `<key>.control.png`, `<key>.control_1.png`, ..., `<key>.txt`, `<key>.mask.png`; any other member quarantines
-  its sample (it would otherwise be dropped unseen). As in webdataset, a sample is
+  `<key>.control.png`, `<key>.control_1.png`, ..., `<key>.txt`, `<key>.mask.png`; metadata members (`.json`,
+  `.cls`, ...: WDS_METADATA_MEMBERS) are ignored, any other member quarantines its sample (it would otherwise be
+  dropped unseen). As in webdataset, a sample is
   a run of consecutive members sharing the key (member path up to the first dot of its base name).
 - JSONL: one object per line: `target` (path), `controls` (list of paths; `control` alone also accepted),
   `caption` or `prompt` (text), optional `mask` (path). Relative paths are relative to the JSONL file's folder.
