@@ -152,25 +152,21 @@ def test_same_size_batch_is_bit_identical_to_stock(models):
     batch = batch_of(make_samples(spec))
     sigma = SIGMAS[:3]
     out = multires_forward(multi, batch, sigma)
-    ref = stock(
-        hidden_states=batch.hidden_states,
-        encoder_hidden_states=batch.encoder_hidden_states,
-        encoder_hidden_states_mask=batch.encoder_mask,
-        timestep=sigma,
-        img_shapes=batch.img_shapes,
-        return_dict=False,
-    )[0]
+
+    def called_the_stock_way(model):
+        return model(
+            hidden_states=batch.hidden_states,
+            encoder_hidden_states=batch.encoder_hidden_states,
+            encoder_hidden_states_mask=batch.encoder_mask,
+            timestep=sigma,
+            img_shapes=batch.img_shapes,
+            return_dict=False,
+        )[0]
+
+    ref = called_the_stock_way(stock)
     assert torch.equal(out, ref)
     # Called the stock way after install (what a diffusers pipeline does), it is the stock model too.
-    again = multi(
-        hidden_states=batch.hidden_states,
-        encoder_hidden_states=batch.encoder_hidden_states,
-        encoder_hidden_states_mask=batch.encoder_mask,
-        timestep=sigma,
-        img_shapes=batch.img_shapes,
-        return_dict=False,
-    )[0]
-    assert torch.equal(again, ref)
+    assert torch.equal(called_the_stock_way(multi), ref)
 
 
 @torch.no_grad()
