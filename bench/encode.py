@@ -33,8 +33,8 @@ from PIL import Image  # noqa: E402
 
 from pipeline.config import load_config  # noqa: E402
 from schemas import FieldSpec, Lineage, TableSchema  # noqa: E402
-from stages import encode_text, encode_vae  # noqa: E402
-from stages.encoding_common import Summary  # noqa: E402
+from stages.encode import text as encode_text, vae as encode_vae  # noqa: E402
+from stages.encode.common import Summary  # noqa: E402
 from store import Store  # noqa: E402
 
 
@@ -66,7 +66,7 @@ def write_uniform(store: Path, n: int, target: tuple[int, int], control: tuple[i
 
 def write_demo(store: Path, n: int, work: Path) -> None:
     from pipeline.demo_data import make_demo_data
-    from stages import resize_bucket
+    from stages.resize import stage as resize_bucket
 
     make_demo_data(work / "demo-src", n=n, fmt="folder", max_controls=3, seed=0, with_masks=True)
     cfg = load_config(None, {"resize.target_area": 128 * 128, "resize.control_vae_area": 128 * 128,

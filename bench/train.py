@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from stages.sampler import LengthAwareBatchSampler, padding_efficiency, random_batches  # noqa: E402
+from stages.train.sampler import LengthAwareBatchSampler, padding_efficiency, random_batches  # noqa: E402
 
 ASPECTS = [1.0, 4 / 3, 3 / 4, 16 / 9, 9 / 16, 3 / 2, 2 / 3]
 TARGET_AREAS = ([512 * 512, 768 * 768, 1024 * 1024], [0.2, 0.3, 0.5])
@@ -70,7 +70,7 @@ def bench_padding(n: int = 20_000, batch_size: int = 8, window: int = 64, seeds:
     for seed in range(seeds):
         totals, images, texts = realistic_mix(n, seed)
         sampler = LengthAwareBatchSampler(totals, batch_size, seed=seed, window=window)
-        ours = sampler.epoch_batches(0)
+        ours = [step[0] for step in sampler.global_steps(0)]
         base = random_batches(n, batch_size, seed)
         rows.append(
             (
@@ -143,10 +143,11 @@ def _bare_loop(model: str, store: Path, cfg, steps: int) -> tuple[list[float], l
     import torch
 
     from models.flow import add_noise, flow_target, per_sample_loss
-    from models.lora_io import lora_parameters
+    from models.lora import lora_parameters
     from models.multires import build_batch, multires_forward, pack_latents, target_outputs
-    from stages.train import DataStream, setup_transformer
-    from stages.train_data import draw_noise, draw_sigma, open_train_tables
+    from models.randomness import draw_noise, draw_sigma
+    from stages.train.data import DataStream, load, open_inputs as open_train_tables
+    from stages.train.recipe import setup_transformer
 
     tc, device = cfg.train, torch.device("cpu")
     tables = open_train_tables(store, model)
@@ -155,7 +156,7 @@ def _bare_loop(model: str, store: Path, cfg, steps: int) -> tuple[list[float], l
     stream = DataStream(LengthAwareBatchSampler(tables.lengths, tc.batch_size, seed=tc.seed, window=tc.sampler_window))
     prepared = []
     for step in range(steps):
-        samples = [tables.sample(tables.keys[i]) for i in stream.next()[1][0]]
+        samples = [load(tables, tables.keys[i]) for i in stream.next()[1][0]]
         sigmas = torch.stack([draw_sigma(s, tc.seed, step, tc.sigma) for s in samples])
         x0 = [pack_latents(s.target).float() for s in samples]
         eps = [pack_latents(draw_noise(s, tc.seed, step)) for s in samples]
@@ -182,7 +183,7 @@ def bench_step_time(steps: int = 12, warmup: int = 2, batch_size: int = 4, repea
     import torch
 
     from pipeline.config import load_config
-    from stages.train import run
+    from stages.train.recipe import run
 
     work = Path(tempfile.mkdtemp(prefix="bench-train-"))
     try:
@@ -211,7 +212,7 @@ def bench_step_time(steps: int = 12, warmup: int = 2, batch_size: int = 4, repea
           f"fastest of {repeats} runs per step")
     print(f"{'':34s} {'cpu ms':>8s} {'wall ms':>8s}")
     print(f"{'bare forward/backward/step loop':34s} {ms['bare cpu']:8.1f} {ms['bare wall']:8.1f}")
-    print(f"{'trainer (stages.train.run)':34s} {ms['trainer cpu']:8.1f} {ms['trainer wall']:8.1f}")
+    print(f"{'trainer (stages.train.recipe.run)':34s} {ms['trainer cpu']:8.1f} {ms['trainer wall']:8.1f}")
     print(f"trainer / bare: {out['ratio_cpu']:.3f} (CPU time), {out['ratio_wall']:.3f} (wall, disturbed by other load); "
           f"target <= 1.05: {'met' if out['ratio_cpu'] <= 1.05 else 'NOT met'}")
     return out

@@ -17,26 +17,29 @@ Sigma sampling (`SigmaConfig.sampling`):
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
 from torch import Tensor
 
+from models.multires import build_batch, multires_forward, pack_latents, target_outputs
+
 if TYPE_CHECKING:
-    from pipeline.config import SigmaConfig
+    from models.sample import TrainSample
 
 
-def calculate_shift(
-    image_seq_len: Tensor | float,
-    base_seq_len: int = 256,
-    max_seq_len: int = 8192,
-    base_shift: float = 0.5,
-    max_shift: float = 0.9,
-):
-    """mu for the exponential time shift; same formula as diffusers `pipeline_qwenimage.calculate_shift`."""
-    m = (max_shift - base_shift) / (max_seq_len - base_seq_len)
-    b = base_shift - m * base_seq_len
-    return image_seq_len * m + b
+class SigmaSettings(Protocol):
+    """What `sample_sigmas` reads (`schemas.config.SigmaConfig` has exactly these fields)."""
+
+    sampling: str
+    logit_mean: float
+    logit_std: float
+    shift: float
+    base_shift: float
+    max_shift: float
+    base_image_seq_len: int
+    max_image_seq_len: int
 
 
 def time_shift_exponential(mu: Tensor, u: Tensor) -> Tensor:
@@ -45,7 +48,7 @@ def time_shift_exponential(mu: Tensor, u: Tensor) -> Tensor:
     return e * u / (e * u + (1 - u))
 
 
-def sample_sigmas(n: int, cfg: "SigmaConfig", generator: torch.Generator, image_seq_lens: list[int]) -> Tensor:
+def sample_sigmas(n: int, cfg: SigmaSettings, generator: torch.Generator, image_seq_lens: list[int]) -> Tensor:
     """[n] float32 sigmas in [0, 1] on the generator's device; deterministic given the generator state.
 
     image_seq_lens: per sample target token count (used by dynamic_shift only; must have n entries then).
@@ -126,13 +129,50 @@ def mask_token_weights(mask_tokens: Tensor, foreground: float, background: float
     return background + (foreground - background) * m
 
 
-__all__ = [
-    "calculate_shift",
-    "time_shift_exponential",
-    "sample_sigmas",
-    "add_noise",
-    "flow_target",
-    "per_sample_loss",
-    "batch_loss",
-    "mask_token_weights",
-]
+def flow_loss(
+    transformer,
+    samples: list[TrainSample],
+    sigmas: Tensor,
+    noises: list[Tensor],
+    use_empty: list[bool] | None = None,
+    mask_weight: tuple[float, float] = (1.0, 1.0),
+) -> Tensor:
+    """Per-sample flow-matching losses [B] (float32) of `transformer` on a mixed-resolution batch.
+
+    The one loss of the project: train and evaluate both call it.
+    - samples: `models.sample.TrainSample`s (any sizes, any control counts); their tensors may live on the CPU in bf16.
+    - sigmas: [B] noise levels σ in [0, 1]; the transformer gets σ as its timestep (diffusers: t/1000).
+    - noises: per sample ε shaped like its target latent [C, 1, h, w] (see `draw_noise` for fixed seeds).
+    - use_empty: per sample, True = condition on the stored empty-prompt embeds (caption dropout).
+    - mask_weight: (foreground, background) token weights from the sample's stored edit mask; samples
+      without a mask, or (1, 1), give the plain loss.
+    x_t = (1-σ)·x0 + σ·ε, target ε − x0, loss on the target tokens only, averaged per sample over its own
+    valid tokens (padding and control tokens never count). Inputs go in the transformer's dtype and device;
+    the flow arithmetic and the loss are float32. Gradients flow to whatever in `transformer` requires them.
+    """
+    device, dtype = transformer.device, transformer.dtype
+    if not (len(samples) == len(noises) == sigmas.shape[0]):
+        raise ValueError(f"flow_loss: {len(samples)} samples, {len(noises)} noises, {sigmas.shape[0]} sigmas")
+    sigmas = sigmas.to(device=device, dtype=torch.float32)
+    x0 = [pack_latents(s.target).to(device=device, dtype=torch.float32) for s in samples]
+    eps = [pack_latents(n).to(device=device, dtype=torch.float32) for n in noises]
+    x_t = [add_noise(x, e, s) for x, e, s in zip(x0, eps, sigmas)]
+    prompts = [
+        (s.empty_embeds if use_empty is not None and use_empty[i] else s.prompt_embeds).to(device)
+        for i, s in enumerate(samples)
+    ]
+    batch = build_batch(
+        [x.to(dtype) for x in x_t],
+        [[c.to(device) for c in s.controls] for s in samples],
+        prompts,
+        [s.img_shapes for s in samples],
+    )
+    out = multires_forward(transformer, batch, sigmas.to(dtype))
+    preds = target_outputs(out, batch)
+    targets = [flow_target(x, e) for x, e in zip(x0, eps)]
+    weights = None
+    if tuple(mask_weight) != (1.0, 1.0):
+        weights = [
+            mask_token_weights(s.mask_weight, *mask_weight) if s.mask_weight is not None else None for s in samples
+        ]
+    return per_sample_loss(preds, targets, weights)

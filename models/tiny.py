@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 from typing import Literal
 
@@ -224,22 +223,13 @@ def build_pipeline(variant: Variant = "edit", seed: int = 0):
 
 
 def make_tiny_model(out: str | os.PathLike, variant: Variant = "edit", seed: int = 0) -> Path:
-    """Build and save; the same seed gives the same bytes."""
+    """Build and save into OUT; the same seed gives the same bytes. (`pipeline make-tiny-model` and the demo
+    call this inside `store.format.atomic_dir`, so a killed run never leaves a half-written model folder.)"""
     if variant not in ("edit", "edit-plus"):
         raise ValueError(f"unknown variant {variant!r}: use 'edit' or 'edit-plus'")
     out = Path(out)
-    if out.exists() and any(out.iterdir()):  # never overwrite or mix into another model or a dataset
-        from schemas.errors import UserError
-
-        raise UserError(f"{out} is not empty: build the tiny model into a new or empty folder")
     pipe = build_pipeline(variant, seed)
-    # Saved beside OUT and renamed into place: a killed run never leaves a half-written model folder.
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    pipe.save_pretrained(tmp, safe_serialization=True)
+    pipe.save_pretrained(out, safe_serialization=True)
     # Record what built it (a real model folder has no such file; the fingerprint covers the weights anyway).
-    (tmp / "tiny_model.json").write_text(json.dumps({"variant": variant, "seed": seed}, indent=2) + "\n")
-    if out.exists():
-        out.rmdir()  # empty (checked above)
-    os.rename(tmp, out)
+    (out / "tiny_model.json").write_text(json.dumps({"variant": variant, "seed": seed}, indent=2) + "\n")
     return out

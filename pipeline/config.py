@@ -1,181 +1,16 @@
-"""Typed pipeline configuration: one YAML file with a section per stage, CLI flags override file values.
-
-Unknown keys and wrong types are rejected by pydantic with the dotted key named (`extra="forbid"`).
-Each stage reads only its own section (plus `paths`); the section's JSON dump is what goes into the
-table lineage hash, so a changed setting means a new table version.
+"""Reading the configuration: one YAML file with a section per stage, then `--set section.key=value` and CLI
+flag overrides, validated into `schemas.config.PipelineConfig` (the section types live there, as pure data).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 
-
-class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-    def fingerprint(self) -> str:
-        """Stable hash of the effective settings (what lineage records)."""
-        blob = json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()
-        return hashlib.sha256(blob).hexdigest()[:16]
-
-
-class Paths(Section):
-    source: str | None = None
-    store: str | None = None
-    model: str | None = None
-    run: str | None = None
-    report: str | None = None
-
-
-class ResizeConfig(Section):
-    """resize-bucket: how targets and controls are sized (Edit-Plus rules by default)."""
-
-    target_area: int = Field(1024 * 1024, gt=0, description="target pixel area of a bucket")
-    multiple: int = Field(32, gt=0, description="bucket sides are multiples of this")
-    min_side: int = Field(32, gt=0)
-    max_aspect: float = Field(4.0, gt=1.0, description="buckets are clamped to this aspect ratio")
-    control_vl_area: int = Field(384 * 384, gt=0, description="VL view of each control (Edit-Plus CONDITION_IMAGE_SIZE)")
-    control_vae_area: int = Field(1024 * 1024, gt=0, description="VAE view of each control (Edit-Plus VAE_IMAGE_SIZE)")
-    max_controls: int = Field(3, ge=0)
-    min_controls: int = Field(0, ge=0)
-    max_image_pixels: int = Field(64 * 1024 * 1024, gt=0, description="larger images are rejected (decompression bombs)")
-    val_fraction: float = Field(0.1, ge=0.0, lt=1.0)
-    shard_size_mb: float = Field(256, gt=0, description="images table shard size (fractions allowed, e.g. for tests)")
-    workers: int = Field(0, ge=0, description="processes decoding/resizing/encoding PNGs (0 = in the main process)")
-
-    def fingerprint(self) -> str:
-        """Like every section's, but without the settings that say how the work is done, not what it produces
-        (shard size, workers): changing those reuses an existing version instead of rebuilding it."""
-        operational = {"shard_size_mb", "workers"}
-        blob = json.dumps(self.model_dump(mode="json", exclude=operational), sort_keys=True).encode()
-        return hashlib.sha256(blob).hexdigest()[:16]
-
-
-class EncodeTextConfig(Section):
-    device: str = "cpu"
-    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
-    batch_size: int = Field(8, gt=0)
-    prompt_template: str | None = Field(None, description="None = the model's own diffusers template")
-    prompt_template_start_idx: int | None = None
-    batching: Literal["exact", "padded"] = Field(
-        "exact", description="exact: batch only identical input shapes (bit-exact, small batches on mixed data); "
-        "padded: any requests per batch, text right-padded (float32 within ~1e-6 of exact; full batches, use on GPUs)")
-    shard_size_mb: float = Field(256, gt=0, description="shard file size target (fractions allowed)")
-    num_workers: int = Field(2, ge=0, description="threads decoding + preprocessing ahead of the forward (0 = inline)")
-
-
-class EncodeVaeConfig(Section):
-    device: str = "cpu"
-    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
-    batch_size: int = Field(8, gt=0)
-    shard_size_mb: float = Field(256, gt=0, description="shard file size target (fractions allowed)")
-    num_workers: int = Field(2, ge=0, description="threads decoding + preprocessing ahead of the forward (0 = inline)")
-
-
-class LoraConfig(Section):
-    rank: int = Field(16, gt=0)
-    alpha: float | None = Field(None, description="None = rank")
-    dropout: float = Field(0.0, ge=0.0, lt=1.0)
-    target_modules: list[str] = ["to_q", "to_k", "to_v", "to_out.0"]
-    init_weights: Literal["gaussian", "default"] = "gaussian"
-
-
-class SigmaConfig(Section):
-    sampling: Literal["uniform", "logit_normal", "shift", "dynamic_shift"] = "logit_normal"
-    logit_mean: float = 0.0
-    logit_std: float = 1.0
-    shift: float = Field(3.0, gt=0)
-    base_shift: float = 0.5
-    max_shift: float = 0.9
-    base_image_seq_len: int = 256
-    max_image_seq_len: int = 8192
-
-
-class MaskWeight(Section):
-    foreground: float = Field(1.0, ge=0.0)
-    background: float = Field(1.0, ge=0.0)
-
-
-class LossConfig(Section):
-    mask_weight: MaskWeight = MaskWeight()
-
-
-class TrainConfig(Section):
-    device: str | None = Field(None, description="None = accelerate's choice")
-    seed: int = 0
-    batch_size: int = Field(4, gt=0)
-    grad_accum: int = Field(1, gt=0)
-    max_steps: int = Field(100, gt=0)
-    learning_rate: float = Field(1e-4, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    adam_betas: tuple[float, float] = (0.9, 0.999)
-    adam_eps: float = 1e-8
-    warmup_steps: int = Field(0, ge=0)
-    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
-    max_grad_norm: float | None = 1.0
-    mixed_precision: Literal["no", "bf16", "fp16"] = "no"
-    gradient_checkpointing: bool = False
-    quantize_base: Literal["none", "int8_weight_only"] = "none"
-    caption_dropout: float = Field(0.0, ge=0.0, le=1.0)
-    checkpoint_every: int = Field(50, gt=0)
-    keep_checkpoints: int = Field(3, gt=0)
-    log_every: int = Field(1, gt=0)
-    sampler_window: int = Field(64, gt=0, description="length-aware sampler: batches per sorting window")
-    num_workers: int = Field(0, ge=0)
-    lora: LoraConfig = LoraConfig()
-    sigma: SigmaConfig = SigmaConfig()
-    loss: LossConfig = LossConfig()
-
-
-class ExtraPrompt(Section):
-    """An evaluate sample that is not in the store: control image file(s), an instruction, optional target."""
-
-    prompt: str
-    images: list[str] = Field(..., min_length=1, description="control image files (several for Edit-Plus)")
-    target: str | None = Field(None, description="reference image file for PSNR/SSIM (optional)")
-    height: int | None = Field(None, gt=0, description="output size; default: the stock pipeline's ~1024² choice")
-    width: int | None = Field(None, gt=0)
-
-
-class EvaluateConfig(Section):
-    device: str = "cpu"
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    seed: int = Field(1234, description="generation seed (the same for base and LoRA, for every sample)")
-    timesteps: list[float] = Field([0.1, 0.3, 0.5, 0.7, 0.9], min_length=1, description="sigma grid of the held-out loss")
-    noise_seeds: list[int] = Field([0, 1], min_length=1, description="fixed noise draws of the held-out loss")
-    batch_size: int = Field(8, gt=0, description="held-out loss: (sample, seed, sigma) rows per forward")
-    max_loss_samples: int | None = Field(None, gt=0, description="cap on val samples for the loss (None = all)")
-    num_samples: int = Field(4, ge=0, description="val samples to generate images for")
-    num_inference_steps: int = Field(8, ge=2, description="1 step divides 0/0 in the scheduler's terminal stretch")
-    true_cfg_scale: float = 4.0
-    negative_prompt: str = Field(" ", description="extra prompts' negative; val samples use the stored empty prompt")
-    lora_scale: float = 1.0
-    extra_prompts: list[ExtraPrompt] = []
-
-
-class PredictConfig(Section):
-    devices: dict[str, str] = {"transformer": "cpu", "text_encoder": "cpu", "vae": "cpu"}
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    steps: int = Field(20, ge=2, description="1 step divides 0/0 in the scheduler's terminal stretch")
-    true_cfg_scale: float = 4.0
-    negative_prompt: str = " "
-    seed: int = 0
-
-
-class PipelineConfig(Section):
-    paths: Paths = Paths()
-    resize: ResizeConfig = ResizeConfig()
-    encode_text: EncodeTextConfig = EncodeTextConfig()
-    encode_vae: EncodeVaeConfig = EncodeVaeConfig()
-    train: TrainConfig = TrainConfig()
-    evaluate: EvaluateConfig = EvaluateConfig()
-    predict: PredictConfig = PredictConfig()
+from schemas.config import PipelineConfig, dump_config  # noqa: F401  (re-exported for the commands)
 
 
 class ConfigError(ValueError):
@@ -228,7 +63,3 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         return PipelineConfig.model_validate(data)
     except ValidationError as e:
         raise ConfigError(_format_errors(e, origin)) from None
-
-
-def dump_config(cfg: PipelineConfig) -> str:
-    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import random
-import shutil
 import tarfile
 from collections import Counter
 from dataclasses import dataclass, replace
@@ -75,14 +73,11 @@ def make_demo_data(
     if out.exists() and any(out.iterdir()):  # old samples would mix with the new ones (stale controls!)
         raise UserError(f"{out} is not empty: write demo data into a new or empty folder")
     samples = generate_samples(n=n, max_controls=max_controls, seed=seed, with_masks=with_masks)
+    from store.format import atomic_dir  # here: the store package imports torch, this module needs none
+
     # Written beside OUT and renamed into place: a killed run never leaves a half-written dataset behind.
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    {"folder": write_folder, "webdataset": write_webdataset, "jsonl": write_jsonl}[fmt](tmp, samples)
-    if out.exists():
-        out.rmdir()  # empty (checked above)
-    os.rename(tmp, out)
+    with atomic_dir(out) as tmp:
+        {"folder": write_folder, "webdataset": write_webdataset, "jsonl": write_jsonl}[fmt](tmp, samples)
 
     counts = Counter(len(s.controls) for s in samples)
     aspects = {_reduced(*s.size) for s in samples}

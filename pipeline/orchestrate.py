@@ -16,8 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from pipeline.config import PipelineConfig
+from schemas.config import PipelineConfig
 from schemas.errors import UserError
+from schemas.stage import StageSummary
+
 
 @dataclass
 class StageOutcome:
@@ -25,14 +27,19 @@ class StageOutcome:
     skipped: bool
     summary: str
     seconds: float
+    result: StageSummary | None = None
 
 
 @dataclass
 class AllResult:
     outcomes: list[StageOutcome] = field(default_factory=list)
-    train_losses: list[float] = field(default_factory=list)  # train losses of this invocation (empty when skipped)
     metrics: dict = field(default_factory=dict)  # the evaluate report's metrics.json
     report: Path | None = None
+
+    @property
+    def train_losses(self) -> list[float]:
+        """Train losses of this invocation (empty when train was up to date)."""
+        return next((list(getattr(o.result, "losses", [])) for o in self.outcomes if o.stage == "train"), [])
 
 
 @dataclass(frozen=True)
@@ -59,103 +66,41 @@ def required_paths(cfg: PipelineConfig) -> Paths:
     return Paths(p.source, p.store, p.model, Path(p.run), Path(p.report))  # type: ignore[arg-type]
 
 
-def train_up_to_date(cfg: PipelineConfig, paths: Paths) -> bool:
-    """RUN/lora is the final LoRA of a run on the same tables, model and train config, trained to max_steps."""
-    from models.loading import model_fingerprint
-    from stages import train_state
-    from stages.lora_merge import WEIGHT_NAME
-    from stages.train import config_fingerprint
-    from stages.train_data import open_train_tables
+def stages() -> list[tuple[str, Callable[[PipelineConfig, Paths], StageSummary]]]:
+    """The stages in order, each as (name, call); every call returns a `StageSummary`."""
+    from stages.encode import text as encode_text, vae as encode_vae
+    from stages.evaluate import stage as evaluate
+    from stages.resize import stage as resize
+    from stages.train import recipe as train
 
-    weights = paths.lora / WEIGHT_NAME
-    latest = train_state.latest_checkpoint(paths.run / "checkpoints")
-    if not weights.is_file() or latest is None:
-        return False
-    record = train_state.ResumeRecord.read(latest / train_state.RESUME_JSON)
-    tables = open_train_tables(paths.store, paths.model, split="train")
-    return (
-        record.step == cfg.train.max_steps
-        and record.config_fingerprint == config_fingerprint(cfg.train)
-        and record.tables == tables.versions()
-        and record.model_fingerprint == model_fingerprint(paths.model)
-        # a LoRA older than the last checkpoint is a previous run's (killed before its final save)
-        and weights.stat().st_mtime >= (latest / train_state.RESUME_JSON).stat().st_mtime
-    )
-
-
-# Each step runs one stage (or finds it up to date) and returns (skipped, one-line summary).
-Step = Callable[[PipelineConfig, Paths, AllResult], tuple[bool, str]]
-
-
-def resize_step(cfg: PipelineConfig, paths: Paths, result: AllResult) -> tuple[bool, str]:
-    from stages import resize_bucket
-
-    s = resize_bucket.run(cfg, paths.source, paths.store)
-    return s.up_to_date, str(s)
-
-
-def encode_text_step(cfg: PipelineConfig, paths: Paths, result: AllResult) -> tuple[bool, str]:
-    from stages import encode_text
-
-    s = encode_text.run(cfg, paths.store, paths.model)
-    return s.up_to_date, str(s)
-
-
-def encode_vae_step(cfg: PipelineConfig, paths: Paths, result: AllResult) -> tuple[bool, str]:
-    from stages import encode_vae
-
-    s = encode_vae.run(cfg, paths.store, paths.model)
-    return s.up_to_date, str(s)
-
-
-def train_step(cfg: PipelineConfig, paths: Paths, result: AllResult) -> tuple[bool, str]:
-    from stages import train
-
-    if train_up_to_date(cfg, paths):
-        return True, f"LoRA {paths.lora} is up to date ({cfg.train.max_steps} steps on the current tables)"
-    from stages.train_state import ResumeMismatch
-
-    try:
-        r = train.run(cfg, paths.store, paths.model, paths.run, resume=True)  # resume=True: continue if killed
-    except ResumeMismatch as e:
-        raise UserError(
-            f"{e}\n`run all` trains into paths.run ({paths.run}): set paths.run to a new folder in the config to "
-            "train with the new settings (or move the old run folder away)"
-        ) from None
-    result.train_losses = list(r.losses)
-    how = f"resumed at step {r.start_step}" if r.start_step else "from scratch"
-    loss = f", train loss {r.losses[0]:.4f} -> {r.losses[-1]:.4f}" if r.losses else ""
-    return False, f"trained {how} to step {r.steps}{loss}; LoRA: {r.lora_dir}"
-
-
-def evaluate_step(cfg: PipelineConfig, paths: Paths, result: AllResult) -> tuple[bool, str]:
-    from stages import evaluate
-
-    if evaluate.report_up_to_date(cfg.evaluate, paths.store, paths.model, paths.lora, paths.report):
-        return True, f"report {paths.report} is up to date"
-    evaluate.run(cfg.evaluate, paths.store, paths.model, paths.lora, paths.report)
-    return False, f"report: {paths.report / 'index.html'}"
-
-
-STEPS: list[tuple[str, Step]] = [
-    ("resize-bucket", resize_step),
-    ("encode-text", encode_text_step),
-    ("encode-vae", encode_vae_step),
-    ("train", train_step),
-    ("evaluate", evaluate_step),
-]
+    return [
+        ("resize-bucket", lambda cfg, p: resize.run(cfg, p.source, p.store)),
+        ("encode-text", lambda cfg, p: encode_text.run(cfg, p.store, p.model)),
+        ("encode-vae", lambda cfg, p: encode_vae.run(cfg, p.store, p.model)),
+        # resume=True: a killed `run all` continues its training
+        ("train", lambda cfg, p: train.run(cfg, p.store, p.model, p.run, resume=True, skip_if_done=True)),
+        ("evaluate", lambda cfg, p: evaluate.run(cfg.evaluate, p.store, p.model, p.lora, p.report, skip_if_done=True)),
+    ]
 
 
 def run_all(cfg: PipelineConfig, log: Callable[[str], None] = print) -> AllResult:
     """Every stage in order; `log` gets a header per stage and its one-line summary."""
+    from stages.train.state import ResumeMismatch
+
     paths = required_paths(cfg)
     result = AllResult(report=paths.report / "index.html")
-    for name, step in STEPS:
+    for name, call in stages():
         log(f"== {name}")
         t0 = time.perf_counter()
-        skipped, summary = step(cfg, paths, result)
-        outcome = StageOutcome(name, skipped, summary, time.perf_counter() - t0)
+        try:
+            summary = call(cfg, paths)
+        except ResumeMismatch as e:
+            raise UserError(
+                f"{e}\n`run all` trains into paths.run ({paths.run}): set paths.run to a new folder in the config to "
+                "train with the new settings (or move the old run folder away)"
+            ) from None
+        outcome = StageOutcome(name, summary.up_to_date, str(summary), time.perf_counter() - t0, summary)
         result.outcomes.append(outcome)
-        log(f"{summary}  [{'skipped, up to date' if skipped else f'{outcome.seconds:.1f} s'}]")
+        log(f"{outcome.summary}  [{'skipped, up to date' if outcome.skipped else f'{outcome.seconds:.1f} s'}]")
     result.metrics = json.loads((paths.report / "metrics.json").read_text())
     return result

@@ -3,9 +3,19 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from importlib import metadata
 from typing import Any
 
 from schemas.errors import UserError
+
+
+def code_version(feature_revision: str) -> str:
+    """Package version + the stage's feature-format revision (bumped when the stored features change)."""
+    try:
+        pkg = metadata.version("qwen-edit-lora-pipeline")
+    except metadata.PackageNotFoundError:
+        pkg = "0+unknown"
+    return f"{pkg}+{feature_revision}"
 
 
 @dataclass(frozen=True)

@@ -109,6 +109,3 @@ class TableSchema:
             )
         except (KeyError, TypeError, ValueError) as e:
             raise UserError(f"schema record is malformed: missing or bad {e}") from e
-
-    def with_version(self, schema_version: int) -> "TableSchema":
-        return TableSchema(self.name, self.fields, self.lineage, schema_version, dict(self.attrs))

@@ -35,12 +35,12 @@
     r.img_shapes(key) -> list[tuple[int, int, int]]    # v1: derived from pixel columns + one-line hint
     r.iter_keys(split=None, rank=0, world_size=1, seed=None, epoch=0, buffer_size=1024) -> list[str]
     r.shard_paths() -> list[Path]                      # for webdataset.WebDataset(...)
-    j = st.join("text", "vae"); j.keys(); j.get(key) -> {"text": sample, "vae": sample}; j.iter_keys(...)
+    j = st.join("text", "vae", split=None); j.keys; j.get(key) -> {"text": sample, "vae": sample}; j.iter_keys(...)
 """
 
-from store.join import JoinedReader
+from store.join import JoinedTables
 from store.reader import TableReader
 from store.store import Store
 from store.writer import TableWriter
 
-__all__ = ["JoinedReader", "Store", "TableReader", "TableWriter"]
+__all__ = ["JoinedTables", "Store", "TableReader", "TableWriter"]

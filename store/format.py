@@ -10,6 +10,7 @@ import io
 import json
 import os
 import re
+import shutil
 import signal
 from contextlib import contextmanager
 from pathlib import Path
@@ -81,6 +82,51 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     fsync_dir(path.parent)
+
+
+@contextmanager
+def atomic_dir(final: Path, tmp: Path | None = None) -> Iterator[Path]:
+    """Yield a fresh temp folder beside `final`; when the block ends without error, fsync everything in it and
+    rename it to `final` (an existing `final` is renamed aside and removed first), so a reader sees the old
+    folder or the complete new one, never a half-written one. On error the temp folder is removed.
+
+    The one folder-level commit of the project: checkpoints, the final LoRA, merged models, demo data. `tmp`
+    names the temp folder when other processes must find it (checkpoint RNG files of every rank)."""
+    final = Path(final)
+    tmp = Path(tmp) if tmp is not None else final.with_name(f".{final.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+        for p in sorted(tmp.rglob("*")):
+            if p.is_file():
+                fsync_dir(p)  # os.fsync works on a file descriptor of a file or a folder alike
+        fsync_dir(tmp)
+        if final.exists():
+            old = final.with_name(f".{final.name}.deleting-{os.getpid()}")
+            os.rename(final, old)
+            shutil.rmtree(old)
+        os.rename(tmp, final)
+        fsync_dir(final.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def link_or_copy(src: Path, dst: Path) -> None:
+    """Hard-link a file (or every file of a folder) to dst: same bytes, no copy of multi-GB weights or shards;
+    the source stays intact. Symlinks (hub snapshots point into a blob cache) are followed to the real file.
+    Falls back to a copy across file systems or where hard links are not supported."""
+    if src.is_dir():
+        dst.mkdir(parents=True, exist_ok=True)
+        for child in src.iterdir():
+            link_or_copy(child, dst / child.name)
+        return
+    real = src.resolve()
+    try:
+        os.link(real, dst)
+    except OSError:
+        shutil.copy2(real, dst)
 
 
 def atomic_write_json(path: Path, obj: Any) -> None:

@@ -108,7 +108,7 @@ def _build(old_dir: Path, new_dir: Path, old_version: int) -> None:
     tmp.mkdir()
     manifest = pq.read_table(old_dir / fmt.MANIFEST)
     for shard in sorted(set(manifest.column("shard").to_pylist())):
-        _link_or_copy(old_dir / shard, tmp / shard)
+        fmt.link_or_copy(old_dir / shard, tmp / shard)
     fmt.crash_point("migrate_after_links")
     schema = read_schema(old_dir)
     fields = list(schema.fields)
@@ -126,11 +126,3 @@ def _build(old_dir: Path, new_dir: Path, old_version: int) -> None:
     os.rename(tmp, new_dir)  # the complete version appears at once
     fmt.fsync_dir(new_dir.parent)
     fmt.crash_point("migrate_after_rename")
-
-
-def _link_or_copy(src: Path, dst: Path) -> None:
-    """Hard link: same bytes, no copy, and the old version stays intact (versions are immutable)."""
-    try:
-        os.link(src, dst)
-    except OSError:  # a file system without hard links: copy (correct, just slower)
-        shutil.copy2(src, dst)

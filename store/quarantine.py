@@ -27,6 +27,8 @@ def _as_text(v: Any) -> str | None:
 
 
 def add_rows(root: Path, rows: Iterable[dict[str, Any]]) -> int:
+    """Append rows; a row equal in every column but `time` to one already recorded (an interrupted run that
+    retried the sample, a rerun over an older version) is not repeated. Returns how many were added."""
     rows = list(rows)
     if not rows:
         return 0
@@ -38,14 +40,28 @@ def add_rows(root: Path, rows: Iterable[dict[str, Any]]) -> int:
             raise UserError(f"quarantine row {i} lacks {missing}: {r!r}")
         cols.update(dict.fromkeys(r))
     # Every column is text, so appends from different stages never clash on types.
-    data = {c: pa.array([_as_text(r.get(c, now if c == "time" else None)) for r in rows], pa.string()) for c in cols}
-    new = pa.table(data)
+    identity = [c for c in cols if c != "time"]
     path = root / fmt.QUARANTINE
     with fmt.flock(root / fmt.STORE_LOCK):
-        if path.is_file():
-            new = pa.concat_tables([pq.read_table(path), new], promote_options="permissive")
+        old = pq.read_table(path) if path.is_file() else None
+        seen: set[tuple[str | None, ...]] = set()
+        if old is not None and old.num_rows:
+            have = {c: old.column(c).to_pylist() if c in old.column_names else [None] * old.num_rows for c in identity}
+            seen = set(zip(*(have[c] for c in identity)))
+        fresh = []
+        for r in rows:
+            ident = tuple(_as_text(r.get(c)) for c in identity)
+            if ident not in seen:
+                seen.add(ident)
+                fresh.append(r)
+        if not fresh:
+            return 0
+        data = {c: pa.array([_as_text(r.get(c, now if c == "time" else None)) for r in fresh], pa.string()) for c in cols}
+        new = pa.table(data)
+        if old is not None:
+            new = pa.concat_tables([old, new], promote_options="permissive")
         fmt.atomic_write_parquet(path, new)
-    return len(rows)
+    return len(fresh)
 
 
 def read(root: Path) -> pa.Table:

@@ -14,7 +14,7 @@ from schemas.lineage import Lineage
 from schemas.table import TableSchema
 from store import format as fmt
 from store import quarantine
-from store.join import JoinedReader
+from store.join import JoinedTables
 from store.reader import TableReader, read_schema
 from store.writer import TableWriter
 
@@ -87,8 +87,8 @@ class Store:
             raise UserError(f"table '{table}' has no version v{version} in store {self.root}")
         return TableReader(vdir, table, version)
 
-    def join(self, *tables: str) -> JoinedReader:
-        return JoinedReader({t: self.reader(t) for t in tables})
+    def join(self, *tables: str, split: str | None = None) -> JoinedTables:
+        return JoinedTables({t: self.reader(t) for t in tables}, split, self.root)
 
     def writer(
         self, table: str, schema: TableSchema, rank: int = 0, world_size: int = 1, shard_size_mb: float = 256,

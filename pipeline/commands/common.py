@@ -9,14 +9,36 @@ from typing import Any, Iterator
 
 import typer
 
-from pipeline.config import ConfigError, PipelineConfig, load_config
+from schemas.config import PipelineConfig
+
+from pipeline.config import ConfigError, load_config
 
 ConfigOpt = typer.Option(None, "--config", "-c", help="YAML config file (sections per stage).", exists=False)
+SetOpt = typer.Option(
+    [], "--set", "-s", help="Set any config key: --set train.lora.rank=32 (value parsed as YAML; repeatable).",
+)
 
 
-def config_from(path: Path | None, overrides: dict[str, Any]) -> PipelineConfig:
+def parse_sets(items: list[str]) -> dict[str, Any]:
+    """`["train.batch_size=8", ...]` -> `{"train.batch_size": 8}` (values parsed as YAML)."""
+    import yaml
+
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise typer.BadParameter(f"expected SECTION.KEY=VALUE, got {item!r}", param_hint="--set")
+        try:
+            out[key.strip()] = yaml.safe_load(value)
+        except yaml.YAMLError as e:
+            raise typer.BadParameter(f"{item!r}: the value is not valid YAML ({e})", param_hint="--set") from None
+    return out
+
+
+def config_from(path: Path | None, overrides: dict[str, Any], sets: list[str] = ()) -> PipelineConfig:
+    """The config file, then `--set` items, then the command's own flags (those that were given)."""
     try:
-        return load_config(path, overrides)
+        return load_config(path, {**parse_sets(list(sets)), **{k: v for k, v in overrides.items() if v is not None}})
     except ConfigError as e:
         typer.secho(str(e), fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from None

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import typer
 
-from pipeline.commands.common import echo, user_errors
+from pipeline.commands.common import SetOpt, echo, user_errors
 
 DEMO_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo.yaml"
 DEMO_SAMPLES = 24
@@ -24,11 +24,11 @@ def _add_broken_sample(data: Path) -> None:
 
 def prepare_inputs(model: Path, data: Path, max_controls: int) -> None:
     """The tiny model and the synthetic data, each built once (a rerun reuses them)."""
-    from models.tiny import make_tiny_model
+    from pipeline.commands.tools import write_tiny_model
     from pipeline.demo_data import make_demo_data
 
     if not (model / "model_index.json").is_file():
-        make_tiny_model(model, variant="edit-plus", seed=0)
+        write_tiny_model(model, variant="edit-plus", seed=0)
         echo(f"== make-tiny-model\nwrote a tiny random-init Qwen-Image-Edit-Plus model to {model}")
     if not (data / "target").is_dir():
         echo("== make-demo-data")
@@ -78,16 +78,17 @@ def summary_lines(cfg, result, store: Path, effective: Path) -> list[str]:
 def command(
     workdir: Path = typer.Option(Path("demo-workdir"), "--workdir", help="Where the model, data, store, run and report go."),
     config: Path = typer.Option(DEMO_CONFIG, "--config", "-c", help="Stage settings (paths.* are set to --workdir)."),
+    set_: list[str] = SetOpt,
 ) -> None:
     from pipeline.commands.common import config_from
-    from pipeline.config import dump_config
+    from schemas.config import dump_config
     from pipeline.orchestrate import run_all
 
     t0 = time.perf_counter()
     workdir = workdir.resolve()
     paths = {"source": workdir / "data", "store": workdir / "store", "model": workdir / "tiny-model",
              "run": workdir / "run", "report": workdir / "report"}
-    cfg = config_from(config, {f"paths.{k}": str(v) for k, v in paths.items()})
+    cfg = config_from(config, {f"paths.{k}": str(v) for k, v in paths.items()}, set_)
     workdir.mkdir(parents=True, exist_ok=True)
     effective = workdir / "config.yaml"  # what ran, so the user can rerun or edit it
     effective.write_text(dump_config(cfg))

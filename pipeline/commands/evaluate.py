@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from pipeline.commands.common import ConfigOpt, config_from, echo, require, user_errors
+from pipeline.commands.common import ConfigOpt, SetOpt, config_from, echo, require, user_errors
 
 
 def command(
@@ -16,12 +16,12 @@ def command(
     lora: Optional[str] = typer.Option(None, "--lora", help="LoRA folder (default: paths.run + /lora)."),
     out: Optional[str] = typer.Option(None, "--out", help="Report directory (paths.report)."),
     config: Optional[Path] = ConfigOpt,
+    set_: list[str] = SetOpt,
     num_samples: Optional[int] = typer.Option(None, "--num-samples", help="Val samples to generate (evaluate.num_samples)."),
     steps: Optional[int] = typer.Option(None, "--steps", help="Inference steps (evaluate.num_inference_steps)."),
     device: Optional[str] = typer.Option(None, "--device", help="evaluate.device"),
 ) -> None:
-    cfg = config_from(
-        config,
+    cfg = config_from(config, sets=set_, overrides=
         {
             "paths.store": store,
             "paths.model": model,
@@ -36,10 +36,8 @@ def command(
     report = require(cfg.paths.report, "--out", "paths.report")
     lora_dir = lora or (str(Path(cfg.paths.run) / "lora") if cfg.paths.run else None)
     lora_dir = require(lora_dir, "--lora", "paths.run")
-    from stages.evaluate import run
+    from stages.evaluate.stage import run
 
     with user_errors():
-        metrics = run(cfg.evaluate, store_dir, model_id, lora_dir, report)
-    overall = metrics["loss"]["overall"]
-    echo(f"held-out loss on {overall['n']} val samples: base {overall['base']:.4f} -> LoRA {overall['lora']:.4f}")
-    echo(f"report: {Path(report) / 'index.html'}")
+        result = run(cfg.evaluate, store_dir, model_id, lora_dir, report)
+    echo(str(result))

@@ -1,4 +1,4 @@
-"""`pipeline lora …`: LoRA utilities."""
+"""`pipeline lora …`: LoRA utilities (thin commands over `models.lora`)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,32 @@ def merge(
     dtype: Optional[str] = typer.Option(None, "--dtype", help="float32 | bfloat16 | float16 (default: as stored)."),
 ) -> None:
     with user_errors():
-        from stages.lora_merge import merge_lora
-
         path = merge_lora(model, lora, out, scale=scale, dtype=dtype)
     echo(f"wrote merged model to {path} (loads with diffusers' from_pretrained)")
+
+
+def merge_lora(model: str, lora: Path, out: Path, scale: float = 1.0, dtype: str | None = None) -> Path:
+    """OUT = MODEL with only `transformer/` replaced by the fused weights; every other component is hard-linked
+    (or copied) unchanged, so plain diffusers loads it like the original and a 7B text encoder is never loaded
+    just to be written back. The folder appears complete or not at all. Refuses a non-empty OUT."""
+    import json
+
+    from models.loading import parse_dtype, resolve_model
+    from models.lora import fused_transformer, lora_weight_file
+    from schemas.errors import UserError
+    from store.format import atomic_dir, link_or_copy
+
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise UserError(f"output folder {out} exists and is not empty; pass a new folder")
+    root = resolve_model(model)
+    transformer = fused_transformer(model, lora, scale, parse_dtype(dtype) if dtype else None)
+    with atomic_dir(out) as tmp:
+        for child in root.iterdir():
+            if child.name != "transformer":
+                link_or_copy(child, tmp / child.name)
+        transformer.save_pretrained(tmp / "transformer", safe_serialization=True)
+        (tmp / "merged_lora.json").write_text(
+            json.dumps({"base": str(model), "lora": str(lora_weight_file(lora)), "scale": scale}, indent=2) + "\n"
+        )
+    return out

@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from pipeline.commands.common import ConfigOpt, config_from, echo, user_errors
+from pipeline.commands.common import ConfigOpt, SetOpt, config_from, echo, user_errors
 
 
 def command(
@@ -28,9 +28,9 @@ def command(
     text_encoder_device: Optional[str] = typer.Option(None, "--text-encoder-device", help="[predict.devices.text_encoder]"),
     vae_device: Optional[str] = typer.Option(None, "--vae-device", help="[predict.devices.vae]"),
     config: Optional[Path] = ConfigOpt,
+    set_: list[str] = SetOpt,
 ) -> None:
-    cfg = config_from(
-        config,
+    cfg = config_from(config, sets=set_, overrides=
         {
             "predict.negative_prompt": negative_prompt,
             "predict.steps": steps,
@@ -43,10 +43,35 @@ def command(
         },
     )
     with user_errors():
-        from stages.predict import run
-
-        path = run(
-            cfg.predict, model, list(image), prompt, out,
-            lora=str(lora) if lora else None, lora_scale=lora_scale, height=height, width=width,
-        )
+        path = predict(cfg.predict, model, list(image), prompt, out, str(lora) if lora else None, lora_scale,
+                       height, width)
     echo(f"wrote {path}")
+
+
+def predict(cfg, model: str, images: list[Path], prompt: str, out: Path, lora: str | None, lora_scale: float,
+            height: int | None, width: int | None) -> Path:
+    """Read the control images, load the pipeline (each component on its device), edit, write OUT (PNG)."""
+    from PIL import Image
+
+    from models.edit import COMPONENTS, edit, load_pipeline
+    from models.loading import parse_dtype
+    from schemas.errors import UserError
+
+    if not images:
+        raise UserError("predict needs at least one --image")
+    pil = []
+    for p in images:
+        try:
+            pil.append(Image.open(p).convert("RGB"))
+        except (OSError, ValueError) as e:
+            raise UserError(f"cannot read image {p}: {e}. Pass a PNG or JPEG file.") from None
+    unknown = set(cfg.devices) - set(COMPONENTS)
+    if unknown:
+        raise UserError(f"predict.devices: unknown component(s) {sorted(unknown)}; use {list(COMPONENTS)}")
+    devices = {name: cfg.devices.get(name, "cpu") for name in COMPONENTS}
+    pipe = load_pipeline(model, parse_dtype(cfg.dtype), devices, lora, lora_scale)
+    result = edit(pipe, pil, prompt, cfg.negative_prompt, cfg.steps, cfg.true_cfg_scale, cfg.seed, height, width)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    result.save(out)
+    return out

@@ -7,13 +7,14 @@ from typing import Optional
 
 import typer
 
-from pipeline.commands.common import ConfigOpt, config_from, echo, require, user_errors
+from pipeline.commands.common import ConfigOpt, SetOpt, config_from, echo, require, user_errors
 
 
 def command(
     source: Optional[str] = typer.Option(None, "--source", help="Folder, .tar shard(s) or .jsonl manifest (paths.source)."),
     store: Optional[str] = typer.Option(None, "--store", help="Store folder to write the `images` table to (paths.store)."),
     config: Optional[Path] = ConfigOpt,
+    set_: list[str] = SetOpt,
     val_fraction: Optional[float] = typer.Option(None, "--val-fraction", help="Share of samples (by key) in val."),
     target_area: Optional[int] = typer.Option(None, "--target-area", help="Target bucket area in pixels."),
     multiple: Optional[int] = typer.Option(None, "--multiple", help="Bucket sides are multiples of this (16k)."),
@@ -24,8 +25,7 @@ def command(
     max_image_pixels: Optional[int] = typer.Option(None, "--max-image-pixels", help="Larger images -> quarantined."),
     workers: Optional[int] = typer.Option(None, "--workers", help="Processes resizing in parallel (0 = inline)."),
 ) -> None:
-    cfg = config_from(
-        config,
+    cfg = config_from(config, sets=set_, overrides=
         {
             "paths.source": source,
             "paths.store": store,
@@ -42,7 +42,7 @@ def command(
     )
     src = require(cfg.paths.source, "--source", "paths.source")
     dst = require(cfg.paths.store, "--store", "paths.store")
-    from stages.resize_bucket import run
+    from stages.resize.stage import run
 
     with user_errors():
         summary = run(cfg, src, dst)

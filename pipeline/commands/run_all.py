@@ -6,13 +6,14 @@ from pathlib import Path
 
 import typer
 
-from pipeline.commands.common import config_from, echo, user_errors
+from pipeline.commands.common import SetOpt, config_from, echo, user_errors
 
 
 def command(
     config: Path = typer.Option(..., "--config", "-c", help="YAML config with paths.{source,store,model,run,report}."),
+    set_: list[str] = SetOpt,
 ) -> None:
-    cfg = config_from(config, {})
+    cfg = config_from(config, {}, set_)
     from pipeline.orchestrate import run_all
 
     with user_errors():

@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from pipeline.commands.common import ConfigOpt, config_from, echo, user_errors
+from pipeline.commands.common import ConfigOpt, SetOpt, config_from, echo, user_errors
 
 
 def make_tiny_model(
@@ -15,13 +15,24 @@ def make_tiny_model(
     variant: str = typer.Option("edit", "--variant", help="edit (one control) or edit-plus (several controls)."),
     seed: int = typer.Option(0, "--seed", help="Same seed, same bytes."),
 ) -> None:
-    from models.tiny import make_tiny_model as build
-
     if variant not in ("edit", "edit-plus"):
         raise typer.BadParameter("use 'edit' or 'edit-plus'", param_hint="--variant")
     with user_errors():
-        build(out, variant=variant, seed=seed)  # type: ignore[arg-type]
+        write_tiny_model(out, variant, seed)
     echo(f"wrote tiny {variant} model to {out}")
+
+
+def write_tiny_model(out: Path, variant: str, seed: int) -> Path:
+    """The tiny model into a new or empty OUT, whole or not at all (never mixed into another model or a dataset)."""
+    from models.tiny import make_tiny_model
+    from schemas.errors import UserError
+    from store.format import atomic_dir
+
+    if out.exists() and any(out.iterdir()):
+        raise UserError(f"{out} is not empty: build the tiny model into a new or empty folder")
+    with atomic_dir(out) as tmp:
+        make_tiny_model(tmp, variant=variant, seed=seed)  # type: ignore[arg-type]
+    return out
 
 
 def make_demo_data(
@@ -41,17 +52,9 @@ def make_demo_data(
 
 def config_show(
     config: Optional[Path] = ConfigOpt,
-    set_: list[str] = typer.Option([], "--set", help="Override a key: --set train.batch_size=8 (YAML value)."),
+    set_: list[str] = SetOpt,
 ) -> None:
-    import yaml
+    from schemas.config import dump_config
 
-    from pipeline.config import dump_config
-
-    overrides = {}
-    for item in set_:
-        if "=" not in item:
-            raise typer.BadParameter(f"expected KEY=VALUE, got {item!r}", param_hint="--set")
-        k, v = item.split("=", 1)
-        overrides[k.strip()] = yaml.safe_load(v)
-    cfg = config_from(config, overrides)
+    cfg = config_from(config, {}, set_)
     typer.echo(dump_config(cfg), nl=False)

@@ -11,7 +11,7 @@ from typing import Optional
 
 import typer
 
-from pipeline.commands.common import ConfigOpt, config_from, echo, require, user_errors
+from pipeline.commands.common import ConfigOpt, SetOpt, config_from, echo, require, user_errors
 
 
 def command(
@@ -19,13 +19,13 @@ def command(
     model: Optional[str] = typer.Option(None, "--model", help="Model folder or hub id the store was encoded with (paths.model)."),
     out: Optional[str] = typer.Option(None, "--out", help="Run directory: checkpoints/, lora/, logs/ (paths.run)."),
     config: Optional[Path] = ConfigOpt,
+    set_: list[str] = SetOpt,
     resume: bool = typer.Option(False, "--resume", help="Continue from the last complete checkpoint in --out."),
     max_steps: Optional[int] = typer.Option(None, "--max-steps", help="Optimizer steps in all (train.max_steps)."),
     batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Samples per process per micro-step."),
     device: Optional[str] = typer.Option(None, "--device", help="'cpu' forces the CPU (train.device)."),
 ) -> None:
-    cfg = config_from(
-        config,
+    cfg = config_from(config, sets=set_, overrides=
         {
             "paths.store": store,
             "paths.model": model,
@@ -38,12 +38,9 @@ def command(
     store_dir = require(cfg.paths.store, "--store", "paths.store")
     model_id = require(cfg.paths.model, "--model", "paths.model")
     run_dir = require(cfg.paths.run, "--out", "paths.run")
-    from stages.train import run
+    from stages.train.recipe import run
 
     with user_errors():
         result = run(cfg, store_dir, model_id, run_dir, resume=resume)
-    if not result.main_process:
-        return
-    if result.losses:
-        echo(f"trained steps {result.start_step}..{result.steps}: loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}")
-    echo(f"LoRA: {result.lora_dir}")
+    if result.main_process:
+        echo(str(result))

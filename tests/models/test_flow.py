@@ -18,7 +18,7 @@ from models.flow import (
 )
 from models.multires import build_batch, target_outputs
 from models.tiny import SCHEDULER_CONFIG
-from pipeline.config import SigmaConfig
+from schemas.config import SigmaConfig
 
 MODES = ["uniform", "logit_normal", "shift", "dynamic_shift"]
 

@@ -7,8 +7,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from models.loading import load_component
-from models.lora_io import WEIGHT_NAME, add_lora, load_lora, lora_parameters, lora_state_dict, save_lora
-from pipeline.config import LoraConfig
+from models.lora import WEIGHT_NAME, add_lora, load_lora, lora_parameters, lora_state_dict, save_lora
+from schemas.config import LoraConfig
 from schemas import UserError
 
 
@@ -69,3 +69,25 @@ def test_load_lora_round_trip_and_key_checks(tiny_edit_model, tmp_path):
     save_file({"lora_A.weight": torch.zeros(1)}, bad / WEIGHT_NAME)
     with pytest.raises(UserError, match="prefix"):
         load_lora(dst, bad)
+
+
+def test_saved_adapter_config_reads_back_and_attach_rebuilds_the_same_adapter(tiny_edit_model, tmp_path):
+    """The config travels under diffusers' own metadata key; `attach_lora` rebuilds rank, alpha and targets from
+    it (alpha != rank would be mis-scaled otherwise) and the attached adapter predicts like the trained one."""
+    from models.lora import attach_lora, read_lora
+
+    src = _lora_transformer(tiny_edit_model, LoraConfig(rank=4, alpha=2.0, target_modules=["to_q", "to_v"]))
+    save_lora(src, tmp_path / "lora")
+    state, config = read_lora(tmp_path / "lora")
+    assert config is not None and config["r"] == 4 and config["lora_alpha"] == 2.0
+    assert sorted(config["target_modules"]) == ["to_q", "to_v"]
+
+    dst = load_component(tiny_edit_model, "transformer", dtype=torch.float32)
+    attach_lora(dst, tmp_path / "lora", scale=1.0, adapter_name="loaded")
+    cfg = dst.peft_config["loaded"]
+    assert (cfg.r, cfg.lora_alpha, sorted(cfg.target_modules)) == (4, 2.0, ["to_q", "to_v"])
+    a, b = lora_state_dict(src), lora_state_dict(dst, "loaded")
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    q_src, q_dst = src.transformer_blocks[0].attn.to_q, dst.transformer_blocks[0].attn.to_q
+    x = torch.randn(2, q_src.in_features)
+    assert torch.equal(q_src(x), q_dst(x))

@@ -71,3 +71,36 @@ def test_help_lists_every_command_with_one_line_help():
     r = CliRunner().invoke(app, ["run", "--help"])
     for cmd in ["resize-bucket", "encode-text", "encode-vae", "train", "evaluate", "all"]:
         assert cmd in r.output
+
+
+COMMANDS_READING_CONFIG = [
+    ["run", "resize-bucket", "--source", "S", "--store", "ST"],
+    ["run", "encode-text", "--store", "ST", "--model", "M"],
+    ["run", "encode-vae", "--store", "ST", "--model", "M"],
+    ["run", "train", "--store", "ST", "--model", "M", "--out", "O"],
+    ["run", "evaluate", "--store", "ST", "--model", "M", "--lora", "L", "--out", "O"],
+    ["predict", "--model", "M", "--image", "I.png", "--prompt", "p", "--out", "O.png"],
+    ["config", "show"],
+]
+
+
+@pytest.mark.parametrize("args", COMMANDS_READING_CONFIG, ids=lambda a: " ".join(a[:2]))
+def test_every_command_that_reads_the_config_takes_set(args, tmp_path):
+    runner = CliRunner()
+    bad = runner.invoke(app, args + ["--set", "train.lora.rnak=4"])
+    assert bad.exit_code == 2 and "unknown key 'train.lora.rnak'" in bad.output, bad.output
+    wrong = runner.invoke(app, args + ["--set", "train.batch_size=zero"])
+    assert wrong.exit_code == 2 and "'train.batch_size'" in wrong.output, wrong.output
+
+
+def test_set_values_are_yaml_and_flags_win_over_them(tmp_path):
+    runner = CliRunner()
+    r = runner.invoke(app, ["config", "show", "--set", "train.lora.target_modules=[to_q, to_k]",
+                            "-s", "train.caption_dropout=0.25", "--set", "paths.model=m"])
+    assert r.exit_code == 0, r.output
+    assert "- to_q\n    - to_k" in r.output and "caption_dropout: 0.25" in r.output
+    from pipeline.commands.common import config_from
+
+    cfg = config_from(None, {"train.max_steps": 7}, ["train.max_steps=3", "train.seed=5"])
+    assert (cfg.train.max_steps, cfg.train.seed) == (7, 5)
+    assert runner.invoke(app, ["config", "show", "--set", "no-equals-sign"]).exit_code == 2

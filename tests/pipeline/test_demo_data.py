@@ -1,4 +1,4 @@
-"""make-demo-data: the three formats read back (through stages.sources) as the same samples; same seed, same bytes."""
+"""make-demo-data: the three formats read back (through stages.resize.sources) as the same samples; same seed, same bytes."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from PIL import Image
 
 from pipeline.demo_data import make_demo_data
-from stages.sources import detect_format, iter_source
+from stages.resize.sources import detect_format, iter_source
 
 N = 12
 

@@ -12,7 +12,7 @@ import subprocess
 import numpy as np
 from PIL import Image
 
-from stages.report import SampleRow, psnr, ssim, write_report
+from stages.evaluate.report import SampleRow, psnr, ssim, write_report
 
 CHROMIUM_FLAGS = [
     "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",

@@ -99,11 +99,12 @@ def test_run_all_resumes_after_kill_and_skips_when_up_to_date(tiny_plus_model, t
 
     from models.loading import load_component
     from models.multires import install_multires
-    from stages.evaluate import eval_noise
-    from stages.train_data import flow_loss, open_train_tables
+    from models.flow import flow_loss
+    from models.randomness import eval_noise
+    from stages.train.data import load, open_inputs as open_train_tables
 
     key = sorted(per_sample)[0]
-    sample = open_train_tables(tmp_path / "store", tiny_plus_model, split="val").sample(key)
+    sample = load(open_train_tables(tmp_path / "store", tiny_plus_model, split="val"), key)
     transformer = load_component(tiny_plus_model, "transformer")
     install_multires(transformer)
     with torch.no_grad():

@@ -11,8 +11,9 @@ from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import (
     calculate_dimensions,
 )
 
-from pipeline.config import ResizeConfig
-from stages.bucketing import BucketRule, bucket_size, crop_box_for_aspect, img_shape
+from schemas.config import ResizeConfig
+from schemas.img_shapes import img_shapes_from_pixels as img_shape
+from stages.resize.bucketing import BucketRule, bucket_size, crop_box_for_aspect
 
 SIZES = [(w, h) for w, h in itertools.product([33, 48, 100, 257, 320, 640, 1000, 1024, 1920, 3001], repeat=2) if max(w, h) / min(w, h) <= 4]
 

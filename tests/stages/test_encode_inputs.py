@@ -8,9 +8,9 @@ import shutil
 
 import pytest
 
-from pipeline.config import PipelineConfig
+from schemas.config import PipelineConfig
 from schemas.errors import UserError
-from stages import encode_text, encode_vae
+from stages.encode import text as encode_text, vae as encode_vae
 from store import Store
 
 

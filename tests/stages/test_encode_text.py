@@ -15,8 +15,8 @@ import torch
 from PIL import Image
 
 from pipeline.config import load_config
-from stages import encode_text
-from stages.encoding_common import batches_by_shape
+from stages.encode import text as encode_text
+from stages.encode.common import batches_by_shape
 from store import Store
 
 F32 = {"encode_text.dtype": "float32"}
@@ -154,7 +154,7 @@ def test_lineage_up_to_date_and_every_change_makes_a_new_version(tiny_edit_model
 KILL_SCRIPT = """
 import sys
 from pipeline.config import load_config
-from stages import encode_text
+from stages.encode import text as encode_text
 cfg = load_config(None, {"encode_text.shard_size_mb": 0.002, "encode_text.batch_size": 2})
 encode_text.run(cfg, sys.argv[1], sys.argv[2])
 """

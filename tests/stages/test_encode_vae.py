@@ -16,7 +16,7 @@ import torch
 from PIL import Image
 
 from pipeline.config import load_config
-from stages import encode_vae
+from stages.encode import vae as encode_vae
 from store import Store
 
 F32 = {"encode_vae.dtype": "float32"}
@@ -121,7 +121,7 @@ def test_loads_only_the_vae_quarantines_and_lineage(tiny_edit_model, tmp_path, i
 KILL_SCRIPT = """
 import sys
 from pipeline.config import load_config
-from stages import encode_vae
+from stages.encode import vae as encode_vae
 cfg = load_config(None, {"encode_vae.shard_size_mb": 0.002, "encode_vae.batch_size": 2, "encode_vae.dtype": "float32"})
 encode_vae.run(cfg, sys.argv[1], sys.argv[2])
 """
@@ -168,7 +168,7 @@ def _rows(store: Path, table: str) -> list[tuple]:
 def _demo_images_store(store: Path, work: Path) -> None:
     """Real inputs: demo data (masks, 0..2 controls, mixed sizes) through the real resize-bucket stage."""
     from pipeline.demo_data import make_demo_data
-    from stages import resize_bucket
+    from stages.resize import stage as resize_bucket
 
     make_demo_data(work / "demo-src", n=6, fmt="folder", max_controls=2, seed=0, with_masks=True)
     cfg = load_config(None, {"resize.target_area": 96 * 96, "resize.control_vae_area": 96 * 96,
@@ -177,7 +177,7 @@ def _demo_images_store(store: Path, work: Path) -> None:
 
 
 def test_two_processes_under_accelerate_match_one_process(tiny_plus_model, tmp_path):
-    from stages import encode_text
+    from stages.encode import text as encode_text
     from store.verify import verify_store
 
     one, two = tmp_path / "one", tmp_path / "two"

@@ -5,7 +5,6 @@ a real store in tests/pipeline/test_run_all.py; the page itself in tests/pipelin
 
 from __future__ import annotations
 
-import json
 
 import numpy as np
 import pytest
@@ -13,12 +12,12 @@ import torch
 from PIL import Image
 
 from models.loading import load_component
-from models.lora_io import add_lora, save_lora
+from models.lora import add_lora, save_lora
 from models.multires import install_multires
-from pipeline.config import EvaluateConfig, LoraConfig
-from stages.evaluate import conditioning, generate_pair
-from stages.lora_merge import attach_lora
-from stages.train_data import TrainSample
+from schemas.config import EvaluateConfig, LoraConfig
+from stages.evaluate.stage import conditioning, generate_pair
+from models.lora import attach_lora
+from models.sample import TrainSample
 
 
 @pytest.fixture(scope="module")

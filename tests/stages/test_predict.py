@@ -99,7 +99,7 @@ def test_lora_merge_equals_base_plus_lora(tiny_edit_model, tmp_path, scale):
     assert (reference - base).abs().max() > 1e-2  # the LoRA really changes the output
     torch.testing.assert_close(got, reference, rtol=1e-5, atol=1e-5)
     # predict's loader (`--lora L --lora-scale S`) applies the same LoRA at the same scale
-    from stages.predict import load_pipeline
+    from models.edit import load_pipeline
 
     predict_pipe = load_pipeline(tiny_edit_model, torch.float32, {"transformer": "cpu"}, str(lora), scale)
     torch.testing.assert_close(_forward(predict_pipe.transformer), reference, rtol=1e-6, atol=1e-6)

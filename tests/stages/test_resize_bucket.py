@@ -18,8 +18,8 @@ from PIL import Image
 
 from pipeline.config import load_config
 from pipeline.demo_data import make_demo_data
-from stages.bucketing import BucketRule, bucket_size
-from stages.resize_bucket import run, sample_key, split_for
+from stages.resize.bucketing import BucketRule, bucket_size
+from stages.resize.stage import run, sample_key, split_for
 from store import Store
 
 SMALL = {"resize.target_area": 64 * 64, "resize.control_vae_area": 64 * 64, "resize.control_vl_area": 32 * 32,
@@ -279,7 +279,7 @@ def test_rerun_is_up_to_date_changed_setting_or_source_is_a_new_version(tmp_path
 def test_resume_after_sigkill_mid_run(tmp_path):
     make_demo_data(tmp_path / "src", n=16, fmt="webdataset", max_controls=2, seed=2)
     code = (
-        "import sys; from pipeline.config import load_config; from stages.resize_bucket import run;"
+        "import sys; from pipeline.config import load_config; from stages.resize.stage import run;"
         f"cfg = load_config(None, {{**{SMALL!r}, 'resize.shard_size_mb': 0.01}});"
         "print(run(cfg, sys.argv[1], sys.argv[2]))"
     )

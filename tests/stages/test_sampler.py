@@ -8,7 +8,8 @@ from collections import Counter
 
 import pytest
 
-from stages.sampler import LengthAwareBatchSampler, padding_efficiency, random_batches
+from stages.train.data import DataStream
+from stages.train.sampler import LengthAwareBatchSampler, padding_efficiency, random_batches
 
 
 def random_lengths(n: int, seed: int) -> list[int]:
@@ -17,14 +18,9 @@ def random_lengths(n: int, seed: int) -> list[int]:
 
 
 def all_ranks(lengths, batch_size, seed, world_size, epoch=0, **kw) -> list[list[list[int]]]:
-    out = []
-    for rank in range(world_size):
-        s = LengthAwareBatchSampler(lengths, batch_size, seed, rank=rank, world_size=world_size, **kw)
-        s.set_epoch(epoch)
-        batches = list(s)
-        assert len(batches) == len(s)
-        out.append(batches)
-    return out
+    steps = LengthAwareBatchSampler(lengths, batch_size, seed, world_size=world_size, **kw).global_steps(epoch)
+    assert all(len(step) == world_size for step in steps)
+    return [[step[rank] for step in steps] for rank in range(world_size)]
 
 
 SIZES = [1, 2, 3, 5, 7, 8, 13, 16, 31, 64, 100]
@@ -62,30 +58,26 @@ def test_deterministic_and_differs_across_epochs_and_seeds():
     a = LengthAwareBatchSampler(lengths, 4, seed=11)
     b = LengthAwareBatchSampler(list(lengths), 4, seed=11)
     for epoch in range(3):
-        a.set_epoch(epoch)
-        b.set_epoch(epoch)
-        assert list(a) == list(b)
-    assert a.epoch_batches(0) != a.epoch_batches(1)
-    assert a.epoch_batches(0) != LengthAwareBatchSampler(lengths, 4, seed=12).epoch_batches(0)
+        assert a.global_steps(epoch) == b.global_steps(epoch)
+    assert a.global_steps(0) != a.global_steps(1)
+    assert a.global_steps(0) != LengthAwareBatchSampler(lengths, 4, seed=12).global_steps(0)
 
 
 def test_resume_from_batch_position_gives_the_remaining_batches():
     for seed, n, world_size in itertools.product(range(5), [17, 50, 123], [1, 2, 3]):
         lengths = random_lengths(n, seed)
-        for rank in range(world_size):
-            full = LengthAwareBatchSampler(lengths, 4, seed, window=3, rank=rank, world_size=world_size)
-            full.set_epoch(2)
-            batches = list(full)
-            for start in range(len(batches) + 1):
-                resumed = LengthAwareBatchSampler(lengths, 4, seed, window=3, rank=rank, world_size=world_size)
-                resumed.set_epoch(2, start_batch=start)
-                assert list(resumed) == batches[start:]
+        sampler = LengthAwareBatchSampler(lengths, 4, seed, window=3, world_size=world_size)
+        straight = DataStream(sampler, epoch=2)
+        steps = [straight.next() for _ in range(2 * len(sampler.global_steps(2)))]  # into epoch 3 as well
+        for start in range(len(sampler.global_steps(2))):  # (epoch, batch) never points past an epoch
+            resumed = DataStream(LengthAwareBatchSampler(lengths, 4, seed, window=3, world_size=world_size), 2, start)
+            assert [resumed.next() for _ in range(len(steps) - start)] == steps[start:]
 
 
 def test_keeps_padding_low_while_mixing_resolutions():
     lengths = random_lengths(4000, 0)
     sampler = LengthAwareBatchSampler(lengths, 8, seed=0)
-    ours = sampler.epoch_batches(0)
+    ours = [step[0] for step in sampler.global_steps(0)]
     linear, quadratic = padding_efficiency(ours, lengths)
     base_linear, base_quadratic = padding_efficiency(random_batches(len(lengths), 8, 0), lengths)
     assert linear > 0.97 and quadratic > 0.95
@@ -109,5 +101,5 @@ def test_rejects_bad_arguments():
     with pytest.raises(ValueError):
         LengthAwareBatchSampler([1, 2], 0, seed=0)
     with pytest.raises(ValueError):
-        LengthAwareBatchSampler([1, 2], 2, seed=0, rank=2, world_size=2)
-    assert len(LengthAwareBatchSampler([], 2, seed=0)) == 0 and list(LengthAwareBatchSampler([], 2, seed=0)) == []
+        LengthAwareBatchSampler([1, 2], 2, seed=0, world_size=3)
+    assert LengthAwareBatchSampler([], 2, seed=0).global_steps(0) == []

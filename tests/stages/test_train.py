@@ -14,14 +14,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from models.lora_io import load_lora
+from models.lora import load_lora
 from models.multires import build_batch, multires_forward, pack_latents
 from pipeline.config import load_config
 from schemas import UserError
-from stages import train_state
-from stages.sampler import LengthAwareBatchSampler
-from stages.train import lr_factor, run, setup_transformer
-from stages.train_data import draw_noise, flow_loss, open_train_tables
+from stages.train import state as train_state
+from stages.train.sampler import LengthAwareBatchSampler
+from stages.train.recipe import lr_factor, run, setup_transformer
+from models.flow import flow_loss
+from models.randomness import draw_noise
+from stages.train.data import load, open_inputs as open_train_tables
 from store import Store
 from train_store import assert_close_lora, make_train_store, mixed_specs
 
@@ -41,7 +43,7 @@ def cfg_of(**train):
 
 
 def lora_of(run_dir: Path, sub: str = "lora") -> dict[str, torch.Tensor]:
-    from models.lora_io import read_lora
+    from models.lora import read_lora
 
     return read_lora(run_dir / sub)[0]
 
@@ -113,7 +115,7 @@ def test_tensorboard_scalars_and_epoch_padding_efficiency(trained, store_dir, ti
     assert lrs == pytest.approx([cfg.train.learning_rate * lr_factor(s, cfg.train) for s in range(1, 5)])
     # Epoch 0 ends at step 3; its efficiency is valid / computed tokens of the sampler's batches.
     tables = open_train_tables(store_dir, tiny_edit_model)
-    batches = LengthAwareBatchSampler(tables.lengths, 3, seed=0, window=cfg.train.sampler_window).epoch_batches(0)
+    batches = [s[0] for s in LengthAwareBatchSampler(tables.lengths, 3, seed=0, window=cfg.train.sampler_window).global_steps(0)]
     valid = sum(tables.lengths[i] for b in batches for i in b)
     computed = sum(max(tables.lengths[i] for i in b) * len(b) for b in batches)
     assert result.epoch_padding == {0: pytest.approx(valid / computed)}
@@ -129,7 +131,7 @@ def test_diffusers_pipeline_with_the_lora_reproduces_the_trainer_prediction(trai
     assert any(k.endswith("lora_B.weight") and v.abs().sum() > 0 for k, v in lora.items())  # it trained
 
     tables = open_train_tables(store_dir, tiny_edit_model)
-    sample = next(s for s in map(tables.sample, tables.keys) if s.controls)
+    sample = next(s for s in (load(tables, k) for k in tables.keys) if s.controls)
     x_t = pack_latents(sample.target).float() * 0.6 + pack_latents(draw_noise(sample, 0, 0)) * 0.4
     sigma = torch.tensor([0.4])
 
@@ -202,7 +204,7 @@ _KILLED_WRITER = """
 import sys, time
 from pathlib import Path
 from pipeline.config import load_config
-from stages import train, train_state
+from stages.train import recipe as train, state as train_state
 
 store, model, out, overrides = sys.argv[1], sys.argv[2], Path(sys.argv[3]), eval(sys.argv[4])
 real = train_state.save_optimizer
@@ -314,7 +316,7 @@ def test_held_out_flow_loss_drops_after_training(tiny_edit_model, tmp_path):
     run(cfg, tmp_path / "s", tiny_edit_model, tmp_path / "run")
 
     val = open_train_tables(tmp_path / "s", tiny_edit_model, split="val")
-    samples = [val.sample(k) for k in val.keys]
+    samples = [load(val, k) for k in val.keys]
 
     def held_out(model) -> float:
         losses = []

@@ -9,16 +9,12 @@ import pytest
 import torch
 
 from models.multires import pack_latents
-from pipeline.config import SigmaConfig
+from schemas.config import SigmaConfig
 from schemas import UserError
-from stages.train_data import (
-    draw_caption_dropout,
-    draw_noise,
-    draw_sigma,
-    flow_loss,
-    load_sample,
-    open_train_tables,
-)
+from models.flow import flow_loss
+from models.randomness import draw_caption_dropout, draw_noise, draw_sigma
+from models.sample import from_features
+from stages.train.data import load, open_inputs as open_train_tables
 from store import TableReader
 from train_store import Spec, key_of, make_train_store, mixed_specs
 
@@ -106,7 +102,7 @@ def test_v1_tables_read_via_derived_img_shapes(tmp_path, tiny_edit_model):
     assert t1.text.is_v1 and not t2.text.is_v1
     assert t1.lengths == t2.lengths
     for k in t1.keys:
-        a, b = t1.sample(k), t2.sample(k)
+        a, b = load(t1, k), load(t2, k)
         assert a.img_shapes == b.img_shapes
         assert torch.equal(a.target, b.target) and len(a.controls) == len(b.controls)
 
@@ -115,7 +111,7 @@ def test_v1_tables_read_via_derived_img_shapes(tmp_path, tiny_edit_model):
 
 
 def test_per_sample_draws_depend_only_on_seed_step_key(tables):
-    a, b = tables.sample(tables.keys[0]), tables.sample(tables.keys[1])
+    a, b = load(tables, tables.keys[0]), load(tables, tables.keys[1])
     assert torch.equal(draw_noise(a, 0, 5), draw_noise(a, 0, 5))
     assert not torch.equal(draw_noise(a, 0, 5), draw_noise(a, 0, 6))
     assert not torch.equal(draw_noise(a, 0, 5), draw_noise(a, 1, 5))
@@ -148,7 +144,7 @@ def _reference_loss(stock, sample, sigma, noise, prompt=None):
 
 
 def test_flow_loss_matches_unmodified_transformer_per_sample(tables, stock_transformer, multires_transformer):
-    samples = [tables.sample(k) for k in tables.keys]
+    samples = [load(tables, k) for k in tables.keys]
     assert len({tuple(s.img_shapes[0]) for s in samples}) > 2 and len({len(s.controls) for s in samples}) == 3
     sigmas = torch.tensor([0.1, 0.3, 0.5, 0.7, 0.85, 0.95])
     noises = [draw_noise(s, 7, 0) for s in samples]
@@ -161,7 +157,7 @@ def test_flow_loss_matches_unmodified_transformer_per_sample(tables, stock_trans
 
 
 def test_flow_loss_caption_dropout_and_mask_weighting(tables, stock_transformer, multires_transformer):
-    samples = [tables.sample(k) for k in tables.keys[:4]]
+    samples = [load(tables, k) for k in tables.keys[:4]]
     masked = [s for s in samples if s.mask_weight is not None]
     assert masked and any(s.mask_weight is None for s in samples)
     sigmas = torch.full((4,), 0.4)
@@ -184,7 +180,7 @@ def test_flow_loss_caption_dropout_and_mask_weighting(tables, stock_transformer,
 
 
 def test_flow_loss_of_a_sample_does_not_depend_on_its_batch(tables, multires_transformer):
-    samples = [tables.sample(k) for k in tables.keys]
+    samples = [load(tables, k) for k in tables.keys]
     sigmas = torch.linspace(0.2, 0.8, len(samples))
     noises = [draw_noise(s, 3, 1) for s in samples]
     with torch.no_grad():
@@ -202,6 +198,6 @@ def test_load_sample_rejects_latents_that_contradict_img_shapes(tmp_path, tiny_e
     vae.img_shapes = lambda key: [(1, 2, 2)]  # a manifest that lies about the size
     try:
         with pytest.raises(UserError, match="do not match img_shapes"):
-            load_sample(t.text, vae, t.keys[0])
+            from_features(t.keys[0], t.text.tensors(t.keys[0]), vae.tensors(t.keys[0]), vae.img_shapes(t.keys[0]))
     finally:
         vae.img_shapes = real

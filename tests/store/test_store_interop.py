@@ -62,9 +62,9 @@ def test_join_two_tables_by_key(store: Store, caplog) -> None:
     w.commit()
     j = store.join("text", "vae")
     assert j.unmatched == {"text": 1, "vae": 1} and "dropped" in caplog.text
-    assert sorted(j.keys()) == sorted(key_of(i) for i in range(10) if i != 8)
+    assert sorted(j.keys) == sorted(key_of(i) for i in range(10) if i != 8)
     got = j.get(key_of(3))
     assert got["text"]["tensors"]["prompt_embeds"].shape == (4, 8)
     assert torch.equal(got["vae"]["tensors"]["target"], sample(3)["tensors"]["target"])
     parts = [j.iter_keys(rank=r, world_size=2, seed=0) for r in range(2)]
-    assert sorted(parts[0] + parts[1]) == sorted(j.keys())
+    assert sorted(parts[0] + parts[1]) == sorted(j.keys)

@@ -6,8 +6,8 @@
     scheduler.json                          LR scheduler state
     rng-rankNN.safetensors                  each rank's torch RNG states
     resume.json                             `ResumeRecord`, written last
-Everything is written into `.step-N.tmp/`, fsynced, then renamed to `step-N` (the commit): a process killed
-mid-write leaves only a `.tmp` folder, which `latest_checkpoint` ignores and the next run removes.
+Everything is written into `.step-N.tmp/`, fsynced, then renamed to `step-N` (the commit, `store.format.atomic_dir`):
+a process killed mid-write leaves only a `.tmp` folder, which `latest_checkpoint` ignores and the next run removes.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from schemas.errors import UserError
-from store.format import fsync_dir as fsync_path  # fsyncs a file or a folder alike
 
 RESUME_JSON = "resume.json"
 RESUME_FORMAT = 1
@@ -120,32 +119,12 @@ def prune(root: Path, keep: int) -> None:
         shutil.rmtree(doomed, ignore_errors=True)
 
 
-# ---------------------------------------------------------------------------------------------- atomic writing
+# ---------------------------------------------------------------------------------------------- the record
 
 
-def begin(root: Path, step: int) -> Path:
-    """Fresh temp folder for the checkpoint of `step` (rank 0 calls this)."""
-    tmp = temp_dir(root, step)
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    return tmp
-
-
-def commit(root: Path, step: int, tmp: Path, record: ResumeRecord) -> Path:
-    """Write the record last, fsync every file and the folder, then rename: the checkpoint appears whole."""
-    (tmp / RESUME_JSON).write_text(json.dumps(asdict(record), indent=2, sort_keys=True) + "\n")
-    for p in sorted(tmp.rglob("*")):
-        fsync_path(p)
-    fsync_path(tmp)
-    final = checkpoint_dir(root, step)
-    if final.exists():  # re-written step (e.g. a resume that ended exactly here): replace it
-        old = final.with_name(f".{final.name}.deleting")
-        os.rename(final, old)
-        shutil.rmtree(old)
-    os.rename(tmp, final)
-    fsync_path(root)
-    return final
+def write_record(folder: Path, record: ResumeRecord) -> None:
+    """The resume record, written last into the checkpoint's temp folder (committed by `store.format.atomic_dir`)."""
+    (folder / RESUME_JSON).write_text(json.dumps(asdict(record), indent=2, sort_keys=True) + "\n")
 
 
 # ---------------------------------------------------------------------------------------------- state files
@@ -195,7 +174,6 @@ def save_rng(folder: Path, rank: int) -> None:
     if torch.cuda.is_available():
         states.update({f"cuda{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
     save_file(states, _rng_file(folder, rank))
-    fsync_path(_rng_file(folder, rank))
 
 
 def load_rng(folder: Path, rank: int) -> None:

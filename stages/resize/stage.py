@@ -14,7 +14,6 @@ import io
 from collections import Counter, deque
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass, field
-from importlib import metadata
 from multiprocessing import get_context
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -22,11 +21,14 @@ from typing import TYPE_CHECKING, Any
 from PIL import Image
 from tqdm import tqdm
 
-from pipeline.config import PipelineConfig, ResizeConfig
+from schemas.config import PipelineConfig, ResizeConfig
 from schemas import FieldSpec, Lineage, TableSchema, UserError
-from stages.bucketing import PATCH_PIXELS, BucketRule, bucket_size, crop_box_for_aspect, img_shape
-from stages.imaging import ImageRejected, decode_image, decode_mask
-from stages.sources import SourceSample, detect_format, iter_source, listing_hash
+from schemas.errors import Rejected
+from schemas.lineage import code_version
+from schemas.img_shapes import PIXELS_PER_PATCH, img_shapes_from_pixels
+from stages.resize.bucketing import BucketRule, bucket_size, crop_box_for_aspect
+from stages.resize.imaging import ImageRejected, decode_image, decode_mask
+from stages.resize.sources import SourceSample, detect_format, iter_source, listing_hash
 
 if TYPE_CHECKING:
     from store import Store
@@ -38,21 +40,11 @@ FEATURE_REVISION = 1
 PNG_COMPRESS_LEVEL = 3  # lossless either way; 3 is ~3x faster than the default 6 for a few % more bytes
 
 
-class Rejected(Exception):
-    """A sample that goes to the quarantine: `reason` is a short category, `detail` says what and where."""
-
-    def __init__(self, reason: str, detail: str, key: str | None = None) -> None:
-        super().__init__(reason, detail, key)  # all init args in .args: picklable back from a worker
-        self.reason, self.detail, self.key = reason, detail, key
-
-    def __str__(self) -> str:
-        return self.detail
-
-
 @dataclass
 class ResizeSummary:
     version: int
     up_to_date: bool = False
+    stage: str = STAGE
     written: int = 0
     resumed: int = 0  # already in committed shards from an interrupted run
     quarantined: Counter = field(default_factory=Counter)  # reason -> count
@@ -132,7 +124,7 @@ def run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> R
                     store_rendered(*done)
             for done in pool.drain():
                 store_rendered(*done)
-        _quarantine(st, rejects)
+        st.add_quarantine(rejects)
         if summary.written + summary.resumed == 0:
             raise UserError(
                 f"no usable sample in source {source}: {len(rejects)} quarantined "
@@ -184,16 +176,8 @@ class RenderPool:
 # ---------------------------------------------------------------- schema, lineage, keys
 
 
-def code_version() -> str:
-    try:
-        pkg = metadata.version("qwen-edit-lora-pipeline")
-    except metadata.PackageNotFoundError:
-        pkg = "0+unknown"
-    return f"{pkg}+images.{FEATURE_REVISION}"
-
-
 def images_schema(rc: ResizeConfig, listing: str, source: str = "", source_format: str = "") -> TableSchema:
-    lineage = Lineage(stage=STAGE, config_hash=f"{rc.fingerprint()}-src{listing}", code_version=code_version())
+    lineage = Lineage(stage=STAGE, config_hash=f"{rc.fingerprint()}-src{listing}", code_version=code_version(f"images.{FEATURE_REVISION}"))
     png, col = "png", "column"
     return TableSchema(
         name=TABLE,
@@ -247,8 +231,8 @@ def split_for(key: str, val_fraction: float) -> str:
 
 
 def _validate(rc: ResizeConfig) -> None:
-    if rc.multiple % PATCH_PIXELS:
-        raise UserError(f"resize.multiple = {rc.multiple} must be a multiple of {PATCH_PIXELS} (VAE 8 x patch 2)")
+    if rc.multiple % PIXELS_PER_PATCH:
+        raise UserError(f"resize.multiple = {rc.multiple} must be a multiple of {PIXELS_PER_PATCH} (VAE 8 x patch 2)")
     if rc.min_controls > rc.max_controls:
         raise UserError(f"resize.min_controls = {rc.min_controls} is above resize.max_controls = {rc.max_controls}")
 
@@ -329,7 +313,7 @@ def _render(rec: SourceSample, key: str, caption: str, rc: ResizeConfig, rules: 
     meta = {
         "caption": caption,
         "split": split_for(key, rc.val_fraction),
-        "img_shapes": [list(img_shape(bh, bw))] + [list(img_shape(h, w)) for h, w in vae_sizes],
+        "img_shapes": [list(img_shapes_from_pixels(bh, bw))] + [list(img_shapes_from_pixels(h, w)) for h, w in vae_sizes],
         "bucket": [bh, bw],
         "control_sizes": vae_sizes,
         "control_vl_sizes": vl_sizes,
@@ -372,13 +356,4 @@ def _png(im: Image.Image) -> bytes:
     return buf.getvalue()
 
 
-def _quarantine(st: Store, rows: list[dict[str, Any]]) -> None:
-    """Append new rejects; rows already recorded (an interrupted earlier run, or an older version) are not repeated."""
-    if not rows:
-        return
-    q = st.quarantine()
-    cols = ("key", "source", "stage", "reason", "detail")
-    have = set()
-    if q.num_rows and all(c in q.column_names for c in cols):
-        have = set(zip(*(q.column(c).to_pylist() for c in cols)))
-    st.add_quarantine([r for r in rows if tuple(r[c] for c in cols) not in have])
+

@@ -17,14 +17,14 @@ import numpy as np
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 from diffusers.image_processor import VaeImageProcessor
-from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_shift
+from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_shift  # the pipelines' own mu
 from diffusers.utils.torch_utils import randn_tensor
 from PIL import Image
+
+from models.multires import pack_latents as pack_one, unpack_latents as unpack_one
+from schemas.img_shapes import PIXELS_PER_PATCH
 from tqdm.auto import tqdm
 
-# VAE spatial factor (8) x transformer patch (2): pixel sides are multiples of this, as in the pipelines.
-VAE_SCALE = 8
-PIXELS_PER_TOKEN = VAE_SCALE * 2
 
 
 @dataclass
@@ -40,31 +40,27 @@ class Conditioning:
 
 def pack_latents(latents: torch.Tensor) -> torch.Tensor:
     """[B, C, 1, h, w] -> [B, h/2 * w/2, C*4] (2x2 patches), as the pipelines' `_pack_latents`."""
-    b, c, _, h, w = latents.shape
-    x = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
-    return x.reshape(b, (h // 2) * (w // 2), c * 4)
+    return torch.stack([pack_one(x) for x in latents])
 
 
 def unpack_latents(latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
     """Packed [B, N, C*4] -> [B, C, 1, h, w] for an image of height x width pixels (`_unpack_latents`)."""
-    b, _, ch = latents.shape
-    h, w = 2 * (height // PIXELS_PER_TOKEN), 2 * (width // PIXELS_PER_TOKEN)
-    x = latents.view(b, h // 2, w // 2, ch // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
-    return x.reshape(b, ch // 4, 1, h, w)
+    h, w = 2 * (height // PIXELS_PER_PATCH), 2 * (width // PIXELS_PER_PATCH)
+    return torch.stack([unpack_one(x, h, w) for x in latents])
 
 
 def initial_noise(
     generator: torch.Generator | None, channels: int, height: int, width: int, device, dtype: torch.dtype
 ) -> torch.Tensor:
     """Packed start noise, drawn exactly as the pipelines' `prepare_latents` draws it (same seed, same noise)."""
-    shape = (1, 1, channels, 2 * (height // PIXELS_PER_TOKEN), 2 * (width // PIXELS_PER_TOKEN))
+    shape = (1, 1, channels, 2 * (height // PIXELS_PER_PATCH), 2 * (width // PIXELS_PER_PATCH))
     noise = randn_tensor(shape, generator=generator, device=torch.device(device), dtype=dtype)
     return pack_latents(noise.permute(0, 2, 1, 3, 4))  # (B,1,C,h,w) viewed as the pipelines do
 
 
 def img_shapes_for(height: int, width: int, control_latents: list[torch.Tensor]) -> list[list[tuple[int, int, int]]]:
     """RoPE shapes in patch units: the target first, then each control (what the transformer needs)."""
-    shapes = [(1, height // PIXELS_PER_TOKEN, width // PIXELS_PER_TOKEN)]
+    shapes = [(1, height // PIXELS_PER_PATCH, width // PIXELS_PER_PATCH)]
     shapes += [(1, c.shape[-2] // 2, c.shape[-1] // 2) for c in control_latents]
     return [shapes]
 
@@ -150,7 +146,7 @@ def decode(vae, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
 
 def to_pil(image: torch.Tensor) -> Image.Image:
     """[1, 3, H, W] in [-1, 1] -> PIL, with the pipelines' own post-processing (rounding included)."""
-    return VaeImageProcessor(vae_scale_factor=PIXELS_PER_TOKEN).postprocess(image.float().cpu(), output_type="pil")[0]
+    return VaeImageProcessor(vae_scale_factor=PIXELS_PER_PATCH).postprocess(image.float().cpu(), output_type="pil")[0]
 
 
 def generate(

@@ -19,7 +19,6 @@ import math
 from dataclasses import dataclass
 
 # VAE spatial factor 8 x transformer patch 2: every side must be a multiple of this to pack into tokens
-PATCH_PIXELS = 16
 
 
 @dataclass(frozen=True)
@@ -61,7 +60,3 @@ def crop_box_for_aspect(width: int, height: int, max_aspect: float) -> tuple[int
         return 0, top, width, top + new_h
     return 0, 0, width, height
 
-
-def img_shape(height: int, width: int) -> tuple[int, int, int]:
-    """(frames, h, w) in transformer patch units, as the RoPE needs it."""
-    return 1, height // PATCH_PIXELS, width // PATCH_PIXELS

@@ -26,13 +26,13 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-from pipeline.config import PipelineConfig
+from schemas.config import PipelineConfig
 from schemas.errors import UserError
 from schemas.table import FieldSpec, TableSchema
-from stages.encoding_common import (
+from schemas.errors import Rejected
+from stages.encode.common import (
     EncodeJob,
     Ranks,
-    Rejected,
     Summary,
     batches_by_shape,
     config_hash,
@@ -142,23 +142,23 @@ def prepare(key: str, sample: dict[str, Any], fmt: PromptFormat, processor,
     meta = sample["meta"]
     n = int(meta.get("num_controls", 0))
     if fmt.variant == "edit" and n != 1:
-        return Rejected(key, "edit model needs exactly one control image",
-                        f"sample has {n}; use an Edit-Plus model for 0 or several controls")
+        return Rejected("edit model needs exactly one control image",
+                        f"sample has {n}; use an Edit-Plus model for 0 or several controls", key=key)
     try:
         images = control_images(sample["files"], fmt.variant, n)
     except (KeyError, OSError, ValueError) as e:
-        return Rejected(key, "control image unreadable", f"{type(e).__name__}: {e}")
+        return Rejected("control image unreadable", f"{type(e).__name__}: {e}", key=key)
     try:  # the processor rejects an image (size, aspect ratio, ...): quarantine, go on
         vision = processor.image_processor(images, return_tensors="pt") if images else {}
     except Exception as e:  # noqa: BLE001 - any rejection by the upstream processor is this sample's problem
-        return Rejected(key, "processor rejected the sample", f"{type(e).__name__}: {e}")
+        return Rejected("processor rejected the sample", f"{type(e).__name__}: {e}", key=key)
     slots = [processor.replace_image_token(vision, i) for i in range(n)]
     requests = []
     for kind, instruction in zip(KINDS, (str(meta.get("caption") or ""), "")):
         try:  # e.g. a caption that contains the image placeholder token itself: this sample's problem
             text = fill_image_slots(fmt.text(instruction, n), processor.image_token, slots)
         except UserError as e:
-            return Rejected(key, "prompt does not fit the template", str(e))
+            return Rejected("prompt does not fit the template", str(e), key=key)
         with lock:  # the fast tokenizer is not safe to call from two threads at once
             tokens = processor.tokenizer([text], return_tensors="pt")
         inputs = {"input_ids": tokens["input_ids"], "attention_mask": tokens["attention_mask"]}

@@ -1,25 +1,26 @@
-"""predict: edit one image (or several, for Edit-Plus) with the model and an optional LoRA.
+"""Editing with the stock pipelines' own pieces: one image (or several, for Edit-Plus), an optional LoRA.
+
+`pipeline predict` and evaluate's extra prompts use it.
 
 Each component may sit on its own device (`predict.devices`: a 7B text encoder on one GPU, the transformer on
 another, the VAE on the CPU). The stock pipeline's `__call__` runs everything on one "execution device", so this
 stage calls the pipeline's own pieces at their seams instead: its image resizing and `encode_prompt` on the text
-encoder's device, its `_encode_vae_image` on the VAE's device, then `stages.generate` (the same denoising loop
+encoder's device, its `_encode_vae_image` on the VAE's device, then `models.generate` (the same denoising loop
 and decode, proven equal to the stock `__call__` in `tests/stages/test_predict.py`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from PIL import Image
 
-from models.loading import check_device, load_component, model_variant, parse_dtype
-from pipeline.config import PredictConfig
+from models.loading import check_device, load_component, model_variant
 from schemas.errors import UserError
-from stages.generate import PIXELS_PER_TOKEN, Conditioning, generate
-from stages.lora_merge import lora_weight_file
+from models.generate import Conditioning, generate
+from models.lora import attach_lora
+from schemas.img_shapes import PIXELS_PER_PATCH
 
 # The stock pipelines' condition sizes (pipeline_qwenimage_edit_plus.CONDITION_IMAGE_SIZE / VAE_IMAGE_SIZE).
 VL_AREA_PLUS = 384 * 384
@@ -53,9 +54,7 @@ def load_pipeline(model: str, dtype: torch.dtype, devices: dict[str, str], lora:
         transformer=transformer if transformer is not None else load_component(model, "transformer", dtype=dtype),
     )
     if lora is not None:
-        lora_weight_file(lora)  # a clear error for a missing or non-LoRA path
-        pipe.load_lora_weights(lora, adapter_name="lora")
-        pipe.set_adapters(["lora"], adapter_weights=[lora_scale])
+        attach_lora(pipe.transformer, lora, lora_scale)
     for name in COMPONENTS:
         if name in devices:
             getattr(pipe, name).to(check_device(devices[name], f"predict.devices.{name}"))
@@ -103,11 +102,11 @@ def prepare(
     if not plus and len(images) != 1:
         raise UserError(f"Qwen-Image-Edit takes exactly one control image, got {len(images)}; use an Edit-Plus model")
     controls = prepare_controls(pipe, images, plus)
-    height = (height or controls.height) // PIXELS_PER_TOKEN * PIXELS_PER_TOKEN
-    width = (width or controls.width) // PIXELS_PER_TOKEN * PIXELS_PER_TOKEN
-    if height < PIXELS_PER_TOKEN or width < PIXELS_PER_TOKEN:
-        raise UserError(f"output size {height}x{width} px: height and width must be at least {PIXELS_PER_TOKEN} "
-                        f"(they are rounded down to multiples of {PIXELS_PER_TOKEN})")
+    height = (height or controls.height) // PIXELS_PER_PATCH * PIXELS_PER_PATCH
+    width = (width or controls.width) // PIXELS_PER_PATCH * PIXELS_PER_PATCH
+    if height < PIXELS_PER_PATCH or width < PIXELS_PER_PATCH:
+        raise UserError(f"output size {height}x{width} px: height and width must be at least {PIXELS_PER_PATCH} "
+                        f"(they are rounded down to multiples of {PIXELS_PER_PATCH})")
     te_device, tr_device = pipe.text_encoder.device, pipe.transformer.device
     vl = controls.vl_images if plus else controls.vl_images[0]
 
@@ -143,35 +142,3 @@ def edit(
         pipe.transformer, pipe.vae, dict(pipe.scheduler.config), cond, height, width, steps, true_cfg_scale, seed,
         progress=True,
     )
-
-
-def run(
-    cfg: PredictConfig,
-    model: str,
-    images: list[str | Path],
-    prompt: str,
-    out: str | Path,
-    lora: str | None = None,
-    lora_scale: float = 1.0,
-    height: int | None = None,
-    width: int | None = None,
-) -> Path:
-    """Load, edit, write OUT (PNG). Settings (steps, cfg, seed, devices, dtype) come from `cfg`."""
-    if not images:
-        raise UserError("predict needs at least one --image")
-    pil = []
-    for p in images:
-        try:
-            pil.append(Image.open(p).convert("RGB"))
-        except (OSError, ValueError) as e:
-            raise UserError(f"cannot read image {p}: {e}. Pass a PNG or JPEG file.") from None
-    unknown = set(cfg.devices) - set(COMPONENTS)
-    if unknown:
-        raise UserError(f"predict.devices: unknown component(s) {sorted(unknown)}; use {list(COMPONENTS)}")
-    devices = {name: cfg.devices.get(name, "cpu") for name in COMPONENTS}
-    pipe = load_pipeline(model, parse_dtype(cfg.dtype), devices, lora, lora_scale)
-    result = edit(pipe, pil, prompt, cfg.negative_prompt, cfg.steps, cfg.true_cfg_scale, cfg.seed, height, width)
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    result.save(out)
-    return out

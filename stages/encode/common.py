@@ -16,7 +16,6 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable, Hashable, Iterable, Iterator, TypeVar
 
@@ -24,9 +23,9 @@ import torch
 from PIL import Image
 from tqdm import tqdm
 
-from pipeline.config import Section
-from schemas.errors import UserError
-from schemas.lineage import Lineage
+from schemas.config import Section
+from schemas.errors import Rejected, UserError
+from schemas.lineage import Lineage, code_version
 from schemas.table import TableSchema
 from store import Store, TableReader, TableWriter
 
@@ -75,15 +74,6 @@ def rank_device(device: str, ranks: Ranks) -> str:
 # ---------------------------------------------------------------- lineage
 
 
-def code_version(feature_revision: str) -> str:
-    """Package version + the stage's feature-format revision (bumped when the stored features change)."""
-    try:
-        pkg = metadata.version("qwen-edit-lora-pipeline")
-    except metadata.PackageNotFoundError:
-        pkg = "0+unknown"
-    return f"{pkg}+{feature_revision}"
-
-
 def config_hash(section: Section, **extra: Any) -> str:
     """Fingerprint of the settings that determine features: the stage section without throughput-only knobs,
     plus whatever else the stage passes (e.g. the effective prompt template)."""
@@ -96,15 +86,6 @@ def with_overrides(section: S, **overrides: Any) -> S:
     """The stage's config section with the CLI/keyword overrides that are not None, validated again."""
     given = {k: v for k, v in overrides.items() if v is not None}
     return type(section).model_validate({**section.model_dump(), **given})
-
-
-@dataclass
-class Rejected:
-    """A sample the stage cannot encode: it goes to quarantine with this reason, the run goes on."""
-
-    key: str
-    reason: str
-    detail: str = ""
 
 
 # ---------------------------------------------------------------- summary
@@ -238,15 +219,8 @@ class EncodeJob:
         return {p.name: p.stat().st_size for p in Path(self.writer.dir).glob(f"shard-r{self.ranks.rank:02d}-*.tar")}
 
     def _flush_quarantine(self) -> None:
-        """Skip rows this table version already quarantined (a resumed run retries those samples)."""
-        if not self._quarantine_rows:
-            return
-        q = self.store.quarantine()
-        seen: set[tuple[str | None, ...]] = set()
-        if "table_version" in q.column_names:
-            seen = set(zip(*(q.column(c).to_pylist() for c in ("stage", "key", "table_version"))))
-        new = [r for r in self._quarantine_rows if (r["stage"], r["key"], r["table_version"]) not in seen]
-        self.store.add_quarantine(new)
+        """Rows this table version already quarantined are not repeated (a resumed run retries those samples)."""
+        self.store.add_quarantine(self._quarantine_rows)
         self._quarantine_rows = []
 
 

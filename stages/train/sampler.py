@@ -12,28 +12,18 @@ Per epoch, from (seed, epoch) alone:
    (when fewer leftovers than ranks remain, they join the last full step, whose batches then hold
    batch_size or batch_size + 1 samples) — every index appears exactly once per epoch across ranks and every
    rank gets the same number of batches (DDP steps in lockstep).
-Resume: `set_epoch(epoch, start_batch)` continues with exactly the batches an uninterrupted run would see.
+Resume: the epoch's steps are a pure function of (seed, epoch), so (epoch, batch) - the trainer's data position -
+continues with exactly the batches an uninterrupted run would see. Randomness and rank slices are
+`store.partition`'s (the project's one partition/shuffle scheme).
 """
 
 from __future__ import annotations
 
-import random
-from collections.abc import Iterator
-
-
-def _split_even(items: list[int], parts: int) -> list[list[int]]:
-    """Contiguous parts whose sizes differ by at most one (larger first)."""
-    q, rem = divmod(len(items), parts)
-    out, start = [], 0
-    for p in range(parts):
-        size = q + (1 if p < rem else 0)
-        out.append(items[start : start + size])
-        start += size
-    return out
+from store.partition import rank_slice, rng_for
 
 
 class LengthAwareBatchSampler:
-    """Iterable of lists of sample indices for one rank; deterministic from (seed, epoch)."""
+    """Every rank's batches of an epoch, deterministic from (seed, epoch); the trainer's `DataStream` walks them."""
 
     def __init__(
         self,
@@ -42,13 +32,10 @@ class LengthAwareBatchSampler:
         seed: int,
         window: int = 64,
         drop_last: bool = False,
-        rank: int = 0,
         world_size: int = 1,
     ):
         if batch_size < 1 or window < 1 or world_size < 1:
             raise ValueError(f"batch_size ({batch_size}), window ({window}) and world_size ({world_size}) must be >= 1")
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} outside world_size {world_size}")
         if not drop_last and 0 < len(lengths) < world_size:
             raise ValueError(f"{len(lengths)} samples cannot give every one of {world_size} processes a batch")
         self.lengths = [int(n) for n in lengths]
@@ -56,19 +43,11 @@ class LengthAwareBatchSampler:
         self.seed = seed
         self.window = window
         self.drop_last = drop_last
-        self.rank = rank
         self.world_size = world_size
-        self.epoch = 0
-        self.start_batch = 0
-
-    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
-        """Select the epoch; start_batch > 0 resumes inside it (batches already consumed by this rank)."""
-        self.epoch = epoch
-        self.start_batch = start_batch
 
     def global_steps(self, epoch: int) -> list[list[list[int]]]:
         """All ranks' batches: steps[k][r] is rank r's k-th batch of the epoch."""
-        rng = random.Random(f"length-aware:{self.seed}:{epoch}")
+        rng = rng_for(self.seed, epoch)
         order = list(range(len(self.lengths)))
         rng.shuffle(order)
         per_step = self.batch_size * self.world_size
@@ -92,26 +71,9 @@ class LengthAwareBatchSampler:
             if len(tail) < self.world_size:
                 # Too few for one batch per rank: they join the last full step (batches of size B or B+1).
                 tail = tail + [i for batch in steps.pop() for i in batch]
-            steps.append(_split_even(sorted(tail, key=by_length), self.world_size))
+            tail = sorted(tail, key=by_length)
+            steps.append([tail[slice(*rank_slice(len(tail), r, self.world_size))] for r in range(self.world_size)])
         return steps
-
-    def epoch_batches(self, epoch: int) -> list[list[int]]:
-        """This rank's batches for the epoch, in order."""
-        return [step[self.rank] for step in self.global_steps(epoch)]
-
-    def __iter__(self) -> Iterator[list[int]]:
-        yield from self.epoch_batches(self.epoch)[self.start_batch :]
-
-    def __len__(self) -> int:
-        """Batches per rank in a whole epoch (independent of start_batch)."""
-        n = len(self.lengths)
-        per_step = self.batch_size * self.world_size
-        if self.drop_last:
-            return n // per_step
-        full, rest = divmod(n, per_step)
-        if rest == 0:
-            return full
-        return full + 1 if rest >= self.world_size or full == 0 else full
 
 
 def padding_efficiency(batches: list[list[int]], lengths: list[int]) -> tuple[float, float]:
@@ -133,7 +95,7 @@ def padding_efficiency(batches: list[list[int]], lengths: list[int]) -> tuple[fl
 
 def random_batches(n: int, batch_size: int, seed: int) -> list[list[int]]:
     """Plain shuffled batching, the baseline `padding_efficiency` is compared against."""
-    rng = random.Random(f"random:{seed}")
+    rng = rng_for(seed)
     order = list(range(n))
     rng.shuffle(order)
     return [order[i : i + batch_size] for i in range(0, n, batch_size)]

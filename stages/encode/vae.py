@@ -18,12 +18,13 @@ from typing import Any
 
 import torch
 
-from pipeline.config import PipelineConfig
+from schemas.config import PipelineConfig
+from schemas.img_shapes import PIXELS_PER_PATCH
 from schemas.table import FieldSpec, TableSchema
-from stages.encoding_common import (
+from schemas.errors import Rejected
+from stages.encode.common import (
     EncodeJob,
     Ranks,
-    Rejected,
     Summary,
     batches_by_shape,
     config_hash,
@@ -38,7 +39,6 @@ from stages.encoding_common import (
 STAGE = "encode-vae"
 TABLE = "vae"
 FEATURE_REVISION = "vae.1"
-PIXELS_PER_TOKEN = 16  # VAE scale factor 8 x 2x2 latent patch
 
 
 @dataclass
@@ -64,7 +64,7 @@ class Prepared:
 def mask_weight(mask, height: int, width: int) -> torch.Tensor:
     """[H, W] mask (PIL L) -> float32 [(H/16) * (W/16)]: fraction of edited pixels per packed token."""
     m = torch.frombuffer(bytearray(mask.tobytes()), dtype=torch.uint8).view(height, width).to(torch.float64) / 255.0
-    t = PIXELS_PER_TOKEN
+    t = PIXELS_PER_PATCH
     return m.view(height // t, t, width // t, t).mean(dim=(1, 3)).flatten().to(torch.float32)
 
 
@@ -75,14 +75,14 @@ def prepare(key: str, sample: dict[str, Any], image_processor) -> Prepared | Rej
         images = {n: open_png(files[f"{n}.png"]) for n in names}
         mask = open_png(files["mask.png"], mode="L") if "mask.png" in files else None
     except (KeyError, OSError, ValueError) as e:
-        return Rejected(key, "image unreadable", f"{type(e).__name__}: {e}")
+        return Rejected("image unreadable", f"{type(e).__name__}: {e}", key=key)
     for n, im in images.items():
-        if im.width % PIXELS_PER_TOKEN or im.height % PIXELS_PER_TOKEN:
-            return Rejected(key, f"{n} size is not a multiple of {PIXELS_PER_TOKEN}",
-                            f"{im.width}x{im.height}; rerun resize-bucket with a bucket multiple of 16 or 32")
+        if im.width % PIXELS_PER_PATCH or im.height % PIXELS_PER_PATCH:
+            return Rejected(f"{n} size is not a multiple of {PIXELS_PER_PATCH}",
+                            f"{im.width}x{im.height}; rerun resize-bucket with a bucket multiple of 16 or 32", key=key)
     target = images["target"]
     if mask is not None and mask.size != target.size:
-        return Rejected(key, "mask size differs from the target", f"mask {mask.size}, target {target.size}")
+        return Rejected("mask size differs from the target", f"mask {mask.size}, target {target.size}", key=key)
     weight = mask_weight(mask, target.height, target.width) if mask is not None else None
     prepared = Prepared(key, names, weight)
     prepared.requests = [Request(key, n, image_processor.preprocess(im, im.height, im.width).unsqueeze(2), prepared)
@@ -150,7 +150,7 @@ def run(
     channels = vae.config.z_dim
     latents_mean = torch.tensor(vae.config.latents_mean).view(1, channels, 1, 1, 1)
     latents_std = torch.tensor(vae.config.latents_std).view(1, channels, 1, 1, 1)
-    image_processor = VaeImageProcessor(vae_scale_factor=PIXELS_PER_TOKEN)  # what the edit pipelines build
+    image_processor = VaeImageProcessor(vae_scale_factor=PIXELS_PER_PATCH)  # what the edit pipelines build
     try:
         todo = job.open_writer(vae_schema(job, vae, section.dtype), section.shard_size_mb)
         samples = prefetched(((key, job.images.get(key)) for key in todo),

@@ -4,11 +4,11 @@ Read top to bottom: open the val split of `text` + `vae` (and `images` for the p
 transformer once, install the multi-resolution pieces, attach the LoRA -> held-out flow-matching loss with the
 trainer's own `flow_loss` at fixed noise seeds x a fixed σ grid, LoRA off and on -> generate N val samples
 (and the configured extra prompts) from the stored features, LoRA off and on, same seed -> PSNR/SSIM against
-the targets -> metrics.json, grid.png, index.html (`stages.report`).
+the targets -> metrics.json, grid.png, index.html (`stages.evaluate.report`).
 
 The text encoder is not loaded for val samples: their prompt embeds are in the store, and the true-CFG
 negative is the stored empty-prompt embedding of the same sample (the instruction left empty, the same
-controls). Only `evaluate.extra_prompts` (images from files) load the text encoder, through `stages.predict`.
+controls). Only `evaluate.extra_prompts` (images from files) load the text encoder, through `models.edit`.
 """
 
 from __future__ import annotations
@@ -26,15 +26,19 @@ import torch
 from PIL import Image
 from tqdm.auto import tqdm
 
+from models.flow import flow_loss
 from models.loading import load_component, parse_dtype
+from models.lora import attach_lora, lora_weight_file
 from models.multires import install_multires
-from pipeline.config import EvaluateConfig
+from models.randomness import eval_noise
+from models.sample import TrainSample, from_features
+from schemas.config import EvaluateConfig
 from schemas.errors import UserError
-from stages.generate import PIXELS_PER_TOKEN, Conditioning, generate
-from stages.lora_merge import attach_lora
-from stages.report import SampleRow, psnr, ssim, write_report
-from stages.train_data import TrainSample, TrainTables, flow_loss, open_train_tables, sample_generator
+from models.generate import Conditioning, generate
+from schemas.img_shapes import PIXELS_PER_PATCH
+from stages.evaluate.report import SampleRow, psnr, ssim, write_report
 from store import Store, TableReader
+from store.join import JoinedTables, open_features
 
 PSNR_SSIM_NOTE = (
     "PSNR/SSIM compare each output with the sample's stored target image. They measure pixel fidelity to one "
@@ -70,15 +74,9 @@ def lora_enabled(transformer, enabled: bool):
         transformer.enable_lora()
 
 
-def eval_noise(sample: TrainSample, seed: int) -> torch.Tensor:
-    """float32 ε like the target latent, from (seed, key) only: the same for base and LoRA, any batch order."""
-    g = sample_generator(seed, 0, sample.key, "eval-noise")
-    return torch.randn(tuple(sample.target.shape), generator=g, dtype=torch.float32)
-
-
 def bucket_of(sample: TrainSample) -> str:
     _, h, w = sample.img_shapes[0]
-    return f"{h * PIXELS_PER_TOKEN}x{w * PIXELS_PER_TOKEN}"
+    return f"{h * PIXELS_PER_PATCH}x{w * PIXELS_PER_PATCH}"
 
 
 @torch.no_grad()
@@ -213,7 +211,7 @@ def _scores(target: Image.Image | None, base: Image.Image, lora: Image.Image) ->
             "ssim_base": ssim(target, base), "ssim_lora": ssim(target, lora)}
 
 
-def images_reader(st: Store, tables: TrainTables) -> TableReader | None:
+def images_reader(st: Store, tables: JoinedTables) -> TableReader | None:
     """The `images` version the vae table was built from (the pictures of exactly these samples)."""
     version = tables.vae.schema.lineage.upstream.get("images")
     if "images" not in st.tables():
@@ -227,8 +225,8 @@ def val_rows(transformer, vae, scheduler_config: dict, samples: list[TrainSample
     for s in tqdm(samples, desc="generate val samples"):
         _, h, w = s.img_shapes[0]
         cond = conditioning(s, transformer.device, transformer.dtype)
-        base, lora = generate_pair(transformer, vae, scheduler_config, cond, h * PIXELS_PER_TOKEN,
-                                   w * PIXELS_PER_TOKEN, cfg)
+        base, lora = generate_pair(transformer, vae, scheduler_config, cond, h * PIXELS_PER_PATCH,
+                                   w * PIXELS_PER_PATCH, cfg)
         files = images.files(s.key) if images is not None and s.key in images else {}
         meta = images.meta(s.key) if images is not None and s.key in images else {}
         target = _png(files["target.png"]) if "target.png" in files else None
@@ -240,7 +238,7 @@ def val_rows(transformer, vae, scheduler_config: dict, samples: list[TrainSample
 
 def extra_rows(model: str, transformer, vae, cfg: EvaluateConfig) -> list[SampleRow]:
     """The configured extra prompts, through predict's stock-equivalent path (text encoder loaded once)."""
-    from stages.predict import load_pipeline, prepare
+    from models.edit import load_pipeline, prepare
 
     pipe = load_pipeline(model, parse_dtype(cfg.dtype), {"text_encoder": cfg.device}, transformer=transformer, vae=vae)
     rows = []
@@ -278,7 +276,6 @@ def generation_summary(rows: list[SampleRow], cfg: EvaluateConfig) -> dict:
 def evaluate_inputs(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path) -> dict:
     """Everything a report depends on; equal inputs = the report is up to date (`pipeline run all` skips it)."""
     from models.loading import model_fingerprint
-    from stages.lora_merge import lora_weight_file
 
     st = Store(store, create=False)
     h = hashlib.sha256(lora_weight_file(lora).read_bytes()).hexdigest()
@@ -303,15 +300,36 @@ def report_up_to_date(cfg: EvaluateConfig, store: str | Path, model: str, lora: 
 
 
 
-def run(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, out: str | Path) -> dict:
-    """Evaluate base vs LoRA on the store's val split; write the report into `out`; return the metrics."""
+@dataclass
+class EvaluateResult:
+    metrics: dict  # what metrics.json holds
+    report: Path  # index.html
+    up_to_date: bool = False
+    stage: str = "evaluate"
+
+    def __str__(self) -> str:
+        if self.up_to_date:
+            return f"report {self.report.parent} is up to date"
+        overall = self.metrics["loss"]["overall"]
+        return (f"held-out loss on {overall['n']} val samples: base {overall['base']:.4f} -> LoRA "
+                f"{overall['lora']:.4f}; report: {self.report}")
+
+
+def run(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, out: str | Path,
+        skip_if_done: bool = False) -> EvaluateResult:
+    """Evaluate base vs LoRA on the store's val split and write the report into `out`. `skip_if_done`: reuse a
+    report of the same inputs (`pipeline run all`)."""
     out = Path(out)
+    if skip_if_done and report_up_to_date(cfg, store, model, lora, out):
+        return EvaluateResult(json.loads((out / "metrics.json").read_text()), out / "index.html", up_to_date=True)
     if out.is_dir() and any(out.iterdir()) and not (out / "metrics.json").is_file():
         raise UserError(f"{out} is not empty and holds no earlier report: pass a new or empty --out folder")
     inputs = evaluate_inputs(cfg, store, model, lora)
-    tables = open_train_tables(store, model, split="val")
+    from models.loading import model_fingerprint
+
+    tables = open_features(store, model, model_fingerprint(model), split="val")
     keys = tables.keys[: cfg.max_loss_samples] if cfg.max_loss_samples else tables.keys
-    samples = [tables.sample(k) for k in tqdm(keys, desc="read val samples", leave=False)]
+    samples = [from_features(k, *tables.features(k)) for k in tqdm(keys, desc="read val samples", leave=False)]
 
     dtype = parse_dtype(cfg.dtype)
     transformer = load_component(model, "transformer", dtype=dtype, device=cfg.device)
@@ -344,5 +362,4 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, ou
             "inputs": inputs,
         },
     }
-    write_report(out, metrics, rows)
-    return metrics
+    return EvaluateResult(metrics, write_report(out, metrics, rows))

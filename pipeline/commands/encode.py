@@ -1,0 +1,45 @@
+"""`pipeline run encode-text` (`images` -> `text`) and `encode-vae` (`images` -> `vae`). Flags override the config.
+
+Under `accelerate launch` each process encodes its own share of the samples (the stage reads rank and world
+size from the launcher's environment) and rank 0 commits the table.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Callable, Optional
+
+import typer
+
+from pipeline.commands.common import ConfigOpt, SetOpt, config_from, echo, require, user_errors
+
+
+def _command(section: str, stage_module: str, component: str, batch_help: str) -> Callable[..., None]:
+    def command(
+        store: Optional[str] = typer.Option(None, "--store", help="Store folder holding the `images` table (paths.store)."),
+        model: Optional[str] = typer.Option(None, "--model", help="Model folder or hub id (paths.model)."),
+        device: Optional[str] = typer.Option(None, "--device", help=f"Device of the {component} ({section}.device)."),
+        batch_size: Optional[int] = typer.Option(None, "--batch-size", help=batch_help),
+        config: Optional[Path] = ConfigOpt,
+        set_: list[str] = SetOpt,
+    ) -> None:
+        cfg = config_from(config, sets=set_, overrides={
+            "paths.store": store, "paths.model": model, f"{section}.device": device, f"{section}.batch_size": batch_size,
+        })
+        dst = require(cfg.paths.store, "--store", "paths.store")
+        mdl = require(cfg.paths.model, "--model", "paths.model")
+        run = importlib.import_module(stage_module).run  # the heavy stack loads only when the command runs
+
+        with user_errors():
+            summary = run(cfg, dst, mdl)
+        echo(str(summary))
+
+    return command
+
+
+text_command = _command(
+    "encode_text", "stages.encode.text", "text encoder",
+    "Prompts per forward (same shape with batching=exact, similar length with padded).",
+)
+vae_command = _command("encode_vae", "stages.encode.vae", "VAE", "Same-size images per forward.")

@@ -1,0 +1,47 @@
+"""The trainer's data: the joined `text` + `vae` inputs of one split, one sample, and the data position.
+
+The join itself (same keys in both tables, built with this model, lengths from the manifests) is
+`store.join.open_features`; the sample check is `models.sample.from_features`; per-sample σ, noise and caption
+dropout are `models.randomness`. What is left here is the trainer's endless (epoch, batch) stream.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from models.sample import TrainSample, from_features
+from stages.train.sampler import LengthAwareBatchSampler
+from store.join import JoinedTables, open_features
+
+
+def open_inputs(store: str | Path, model: str, split: str = "train") -> JoinedTables:
+    from models.loading import model_fingerprint
+
+    return open_features(store, model, model_fingerprint(model), split)
+
+
+def load(tables: JoinedTables, key: str) -> TrainSample:
+    return from_features(key, *tables.features(key))
+
+
+class DataStream:
+    """Endless (epoch, batch) stream over the sampler; `position` is what a checkpoint stores."""
+
+    def __init__(self, sampler: LengthAwareBatchSampler, epoch: int = 0, batch: int = 0):
+        self.sampler, self.epoch, self.batch = sampler, epoch, batch
+        self._steps: list[list[list[int]]] | None = None
+
+    @property
+    def position(self) -> tuple[int, int]:
+        return self.epoch, self.batch
+
+    def next(self) -> tuple[int, list[list[int]], bool]:
+        """(epoch, every rank's batch of the next global micro-step, whether it ends the epoch)."""
+        if self._steps is None:
+            self._steps = self.sampler.global_steps(self.epoch)
+        epoch, step = self.epoch, self._steps[self.batch]
+        self.batch += 1
+        last = self.batch == len(self._steps)
+        if last:
+            self.epoch, self.batch, self._steps = self.epoch + 1, 0, None
+        return epoch, step, last
