@@ -31,6 +31,7 @@ class StageOutcome:
 class AllResult:
     outcomes: list[StageOutcome] = field(default_factory=list)
     train_losses: list[float] = field(default_factory=list)  # train losses of this invocation (empty when skipped)
+    train_epochs: list[int] = field(default_factory=list)  # the epoch of each of those steps
     metrics: dict = field(default_factory=dict)  # the evaluate report's metrics.json
     report: Path | None = None
 
@@ -122,10 +123,11 @@ def train_step(cfg: PipelineConfig, paths: Paths, result: AllResult) -> tuple[bo
             f"{e}\n`run all` trains into paths.run ({paths.run}): set paths.run to a new folder in the config to "
             "train with the new settings (or move the old run folder away)"
         ) from None
+    from stages.train_summary import train_line
+
     result.train_losses = list(r.losses)
-    how = f"resumed at step {r.start_step}" if r.start_step else "from scratch"
-    loss = f", train loss {r.losses[0]:.4f} -> {r.losses[-1]:.4f}" if r.losses else ""
-    return False, f"trained {how} to step {r.steps}{loss}; LoRA: {r.lora_dir}"
+    result.train_epochs = list(r.step_epochs)
+    return False, train_line(r.start_step, r.steps, r.losses, r.step_epochs, r.lora_dir)
 
 
 def evaluate_step(cfg: PipelineConfig, paths: Paths, result: AllResult) -> tuple[bool, str]:

@@ -67,6 +67,7 @@ class TrainResult:
     start_step: int  # 0, or the checkpoint step it resumed from
     steps: int  # optimizer steps done in all
     losses: list[float] = field(default_factory=list)  # mean per-sample loss of each step of this start
+    step_epochs: list[int] = field(default_factory=list)  # the epoch each of those steps began in
     step_times: list[float] = field(default_factory=list)  # s per optimizer step: data + logging, no checkpoint
     step_cpu_times: list[float] = field(default_factory=list)  # the same in process CPU time (robust to other load)
     epoch_padding: dict[int, float] = field(default_factory=dict)  # epoch -> valid / computed tokens
@@ -112,11 +113,22 @@ def _accelerator(cfg: TrainConfig):
 
     from models.loading import check_device
 
+    from stages.train_launch import launched_world_size, use_cpu
+
     if cfg.device is not None:  # a requested GPU that is not there is an error, not a silent CPU run
         check_device(cfg.device, "train.device")
     # Mixed precision is applied with torch.autocast below, not by accelerate, so that several runs in one
     # process (tests, notebooks) never fight over accelerate's process-wide state.
-    return Accelerator(cpu=cfg.device == "cpu")
+    accelerator = Accelerator(cpu=use_cpu(cfg.device))
+    launched = launched_world_size()
+    if accelerator.num_processes != launched:  # never N independent single-process runs into one folder
+        raise UserError(
+            f"launched as {launched} processes but accelerate set up {accelerator.num_processes} "
+            f"({accelerator.distributed_type}); set train.device (e.g. --device cpu) or fix the launch"
+        )
+    if cfg.device is None and launched > 1 and accelerator.device.type == "cpu" and accelerator.is_main_process:
+        tqdm.write(f"no GPU: the {launched} processes train on the CPU (gloo); set train.device to choose")
+    return accelerator
 
 
 def _autocast(cfg: TrainConfig, device: torch.device):
@@ -230,7 +242,17 @@ def run(
     record = None
     if resume and latest is not None:  # checked before any model is loaded: a mismatch fails fast
         record = ResumeRecord.read(latest / train_state.RESUME_JSON)
-        record.check_matches(now, latest)
+        try:
+            record.check_matches(now, latest)
+        except train_state.ResumeMismatch as e:
+            from stages.train_resume import changed_settings
+
+            ignore = _NOT_FINGERPRINTED - ({"max_steps"} if tc.lr_schedule != "constant" else set())
+            changed = changed_settings(run_dir, cfg.model_dump(mode="json"), ignore)
+            if changed:
+                raise train_state.ResumeMismatch(f"{e}\nchanged since {run_dir / 'train_config.yaml'}:\n  "
+                                                 + "\n  ".join(changed)) from None
+            raise
         if record.step > tc.max_steps:
             raise train_state.ResumeMismatch(
                 f"{latest} is already past train.max_steps ({record.step} > {tc.max_steps}): raise max_steps to "
@@ -303,6 +325,7 @@ def run(
         loss = loss_sum.item() / n_step  # the sync point: the step's compute is done here
         dt = time.perf_counter() - t0
         result.losses.append(loss)
+        result.step_epochs.append(micro[0][0])
         if writer is not None and step % tc.log_every == 0:
             lin, _ = padding_efficiency([b for _, gb, _ in micro for b in gb], tables.lengths)
             writer.add_scalar("train/loss", loss, step)

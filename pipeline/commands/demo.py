@@ -58,7 +58,9 @@ def summary_lines(cfg, result, store: Path, effective: Path) -> list[str]:
         + (" — up to date, not retrained" if train.skipped else ""),
     ]
     if result.train_losses:
-        lines.append(f"train loss   {result.train_losses[0]:.4f} (first step) -> {result.train_losses[-1]:.4f} (last step)")
+        from stages.train_summary import loss_phrase
+
+        lines.append("train loss  " + loss_phrase(result.train_losses, result.train_epochs).removeprefix("train loss"))
     lines.append(
         f"val loss     base {loss['overall']['base']:.4f} -> LoRA {loss['overall']['lora']:.4f} "
         f"(held-out, {loss['overall']['n']} samples x {len(loss['noise_seeds'])} seeds x {len(loss['timesteps'])} σ)"

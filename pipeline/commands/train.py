@@ -41,9 +41,15 @@ def command(
     from stages.train import run
 
     with user_errors():
+        if resume:
+            from schemas.errors import UserError
+            from stages.train_resume import nothing_to_resume
+
+            if (why := nothing_to_resume(Path(run_dir))) is not None:
+                raise UserError(why)
         result = run(cfg, store_dir, model_id, run_dir, resume=resume)
     if not result.main_process:
         return
-    if result.losses:
-        echo(f"trained steps {result.start_step}..{result.steps}: loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}")
-    echo(f"LoRA: {result.lora_dir}")
+    from stages.train_summary import train_line
+
+    echo(train_line(result.start_step, result.steps, result.losses, result.step_epochs, result.lora_dir))
