@@ -1,6 +1,7 @@
 """`pipeline demo`: tiny offline model + synthetic data + `run all` with configs/demo.yaml, then a summary.
 
-Rerunning with the same --workdir reuses everything that is up to date (a killed demo continues).
+Rerunning with the same --workdir reuses everything that is up to date (a killed demo continues); any other
+non-empty folder is refused (pipeline/demo_workdir.py).
 """
 
 from __future__ import annotations
@@ -90,7 +91,10 @@ def command(
     paths = {"source": workdir / "data", "store": workdir / "store", "model": workdir / "tiny-model",
              "run": workdir / "run", "report": workdir / "report"}
     cfg = config_from(config, {f"paths.{k}": str(v) for k, v in paths.items()})
-    workdir.mkdir(parents=True, exist_ok=True)
+    from pipeline.demo_workdir import claim_workdir
+
+    with user_errors():
+        claim_workdir(workdir)
     effective = workdir / "config.yaml"  # what ran, so the user can rerun or edit it
     effective.write_text(dump_config(cfg))
 
