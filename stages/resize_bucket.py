@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from pipeline.config import PipelineConfig, ResizeConfig
 from schemas import FieldSpec, Lineage, TableSchema, UserError
+from schemas.resize_sizes import sizes_in_force
 from stages.bucketing import PATCH_PIXELS, BucketRule, bucket_size, crop_box_for_aspect, img_shape
 from stages.imaging import ImageRejected, decode_image, decode_mask
 from stages.sources import SourceSample, detect_format, iter_source, listing_hash
@@ -60,10 +61,13 @@ class ResizeSummary:
     splits: Counter = field(default_factory=Counter)
     buckets: Counter = field(default_factory=Counter)  # (h, w) of targets
     quarantine_file: str = ""
+    duplicates: list[tuple[str, str]] = field(default_factory=list)  # (kept source, dropped source)
+    sizes: str = ""  # the sizes in force (schemas.resize_sizes)
 
     def __str__(self) -> str:
         if self.up_to_date:
-            return f"images v{self.version} is up to date (same source listing and resize settings); nothing to do"
+            return (f"images v{self.version} is up to date (same source listing and resize settings); nothing to do"
+                    + (f"\n{self.sizes}" if self.sizes else ""))
         lines = [
             f"images v{self.version}: {self.written} samples written"
             + (f", {self.resumed} kept from an interrupted run" if self.resumed else "")
@@ -75,8 +79,16 @@ class ResizeSummary:
             + (": " + ", ".join(f"{r} {c}" for r, c in sorted(self.quarantined.items())) if n_q else "")
             + (f" (rows in {self.quarantine_file})" if n_q and self.quarantine_file else "")
         )
+        shown = 5  # every pair is in the quarantine file; the summary names the first few
+        for kept, dropped in self.duplicates[:shown]:
+            lines.append(f"duplicate: kept {kept}, dropped {dropped} (same target, controls and caption)")
+        if len(self.duplicates) > shown:
+            lines.append(f"duplicate: {len(self.duplicates) - shown} more pairs (reason 'duplicate' in {self.quarantine_file}; "
+                         "the detail names the kept file)")
         if self.conversions:
             lines.append("converted: " + ", ".join(f"{c}x {n}" for n, c in sorted(self.conversions.items())))
+        if self.sizes:
+            lines.append(self.sizes)
         return "\n".join(lines)
 
 
@@ -95,10 +107,11 @@ def run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> R
     if found is not None:
         if st.tables().get(TABLE) != found:
             st.set_current(TABLE, found)
-        return ResizeSummary(version=found, up_to_date=True)
+        return ResizeSummary(version=found, up_to_date=True, sizes=sizes_in_force(rc.model_dump()))
 
     writer = st.writer(TABLE, schema, shard_size_mb=rc.shard_size_mb)
-    summary = ResizeSummary(version=writer.version, quarantine_file=str(st.root / "quarantine.parquet"))
+    summary = ResizeSummary(version=writer.version, quarantine_file=str(st.root / "quarantine.parquet"),
+                            sizes=sizes_in_force(rc.model_dump()))
     rules = _rules(rc)
     first_source: dict[str, str] = {}  # key -> source of its first occurrence (duplicates name it)
     rejects: list[dict[str, Any]] = []
@@ -106,6 +119,8 @@ def run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> R
     def reject(rec: SourceSample, r: Rejected) -> None:
         rejects.append({"key": r.key, "source": rec.source, "stage": STAGE, "reason": r.reason, "detail": r.detail})
         summary.quarantined[r.reason] += 1
+        if r.reason == "duplicate" and r.key in first_source:
+            summary.duplicates.append((first_source[r.key], rec.source))
 
     def store_rendered(rec: SourceSample, key: str, out: Rendered | Rejected) -> None:
         if isinstance(out, Rejected):
