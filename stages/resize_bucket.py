@@ -132,7 +132,11 @@ def run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> R
         summary.conversions.update(out.notes)
 
     try:
-        with RenderPool(rc.workers) as pool, tqdm(iter_source(source), desc=f"{STAGE} ({fmt})", unit="sample") as bar:
+        from stages.source_count import count_samples
+
+        expected = count_samples(source, fmt)
+        with RenderPool(rc.workers) as pool, tqdm(iter_source(source), desc=f"{STAGE} ({fmt})", unit="sample",
+                                                  total=expected, dynamic_ncols=True) as bar:
             for rec in bar:
                 try:
                     key, caption = _judge(rec, rc, first_source)
@@ -147,6 +151,9 @@ def run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> R
                     store_rendered(*done)
             for done in pool.drain():
                 store_rendered(*done)
+            if bar.total != bar.n:  # orphans / unreadable entries counted differently: end at 100 %
+                bar.total = bar.n
+                bar.refresh()
         _quarantine(st, rejects)
         if summary.written + summary.resumed == 0:
             raise UserError(
