@@ -67,11 +67,11 @@ class TrainTables:
 # ---------------------------------------------------------------------------------------------- opening
 
 
-def _open_table(st: Store, table: str) -> TableReader:
+def _open_table(st: Store, table: str, model: str) -> TableReader:
     if table not in st.tables():
         raise UserError(
             f"store {st.root} has no '{table}' table (tables: {sorted(st.tables()) or 'none'}); "
-            f"run `pipeline run {TABLES[table]} --store {st.root}` first"
+            f"run `pipeline run {TABLES[table]} --store {st.root} --model {model}` first"
         )
     return st.reader(table)
 
@@ -93,7 +93,7 @@ def open_train_tables(store: str | Path, model: str, split: str = "train") -> Tr
     from models.loading import model_fingerprint
 
     st = Store(store, create=False)
-    text, vae = _open_table(st, "text"), _open_table(st, "vae")
+    text, vae = _open_table(st, "text", model), _open_table(st, "vae", model)
 
     want = model_fingerprint(model)
     for r in (text, vae):

@@ -71,3 +71,11 @@ def test_the_filters_drop_only_torchao_messages(caplog):
         quantizer.warning("a real torchao quantizer problem")
     shown = [r.getMessage() for r in caplog.records]
     assert shown == [msg % Mine, "some other pytree problem", "a real torchao quantizer problem"]
+
+
+def test_bench_scripts_answer_help_without_running():
+    for script in sorted((REPO / "bench").glob("*.py")):
+        proc = subprocess.run([sys.executable, str(script), "--help"], env=ENV, capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 0 and proc.stdout.startswith("usage:"), (script.name, proc.stderr[-2000:])
+        assert "==" not in proc.stdout, script.name  # no benchmark section ran
