@@ -10,6 +10,7 @@ counts samples read and preprocessed, which moves from the first second.
 from __future__ import annotations
 
 import time
+from fractions import Fraction
 
 from tqdm import tqdm
 
@@ -21,6 +22,7 @@ class SampleProgress:
         self.bar = tqdm(total=total, desc=desc, unit="sample", position=position, dynamic_ncols=True, leave=True,
                         bar_format=BAR_FORMAT, file=file)
         self.read = 0
+        self._done = Fraction(0)
 
     def sample_read(self) -> None:
         """One sample read and preprocessed (or rejected): shown at once, at most every `mininterval`."""
@@ -29,16 +31,20 @@ class SampleProgress:
         if time.time() - self.bar.last_print_t >= self.bar.mininterval:
             self.bar.refresh()
 
-    def encoded(self, share: float) -> None:
-        """One request of a sample through the model: `share` = 1 / the sample's request count."""
-        self.bar.update(share)
+    def encoded(self, requests_in_sample: int) -> None:
+        """One request of a sample through the model: the bar moves by 1 / the sample's request count (summed
+        exactly, so float rounding never takes the bar past its total)."""
+        self._add(Fraction(1, requests_in_sample))
 
     def skipped(self) -> None:
         """A rejected sample counts as done."""
-        self.bar.update(1)
+        self._add(Fraction(1))
+
+    def _add(self, share: Fraction) -> None:
+        self._done += share
+        self.bar.update(float(self._done) - self.bar.n)
 
     def close(self) -> None:
-        self.bar.n = round(self.bar.n)  # float shares can add up to 23.999...
         self.bar.close()
 
     def __enter__(self) -> "SampleProgress":

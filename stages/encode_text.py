@@ -290,7 +290,7 @@ def run(
                 for req, emb in zip(batch, embeds):
                     parts = done.setdefault(req.key, {})
                     parts[req.kind] = emb.to("cpu", torch.bfloat16)
-                    bar.encoded(1 / len(KINDS))
+                    bar.encoded(len(KINDS))
                     if len(parts) == len(KINDS):
                         _write(job, req.key, done.pop(req.key))
         return job.finish()

@@ -164,7 +164,7 @@ def run(
                 for req, lat in zip(batch, latents):
                     parts = done.setdefault(req.key, {})
                     parts[req.name] = lat.to("cpu", torch.bfloat16)
-                    bar.encoded(1 / len(req.sample.names))
+                    bar.encoded(len(req.sample.names))
                     if len(parts) == len(req.sample.names):
                         _write(job, req.sample, done.pop(req.key))
         return job.finish()

@@ -30,13 +30,14 @@ def test_sample_progress_moves_before_a_sample_is_complete():
     for _ in range(3):
         bar.sample_read()  # read and preprocessed, waiting for a batch
     assert "0.0/3 samples" in out.getvalue() and "read 3" in out.getvalue()
-    bar.encoded(1 / 2)  # the target of a sample with one control
+    bar.encoded(2)  # the target of a sample with one control (2 requests)
     assert "0.5/3 samples" in out.getvalue().rsplit("\r", 1)[-1]
-    for share in (1 / 2, 1 / 3, 1 / 3, 1 / 3):
-        bar.encoded(share)
+    for requests in (2, 3, 3, 3):
+        bar.encoded(requests)
     bar.skipped()  # a quarantined sample counts as done
     bar.close()
     last = out.getvalue().rsplit("\r", 1)[-1]
+    assert bar.bar.n == 3  # exactly: thirds never sum past the total
     assert "100%" in last and "3.0/3 samples" in last and "sample/s" in last
 
 
