@@ -1,7 +1,7 @@
 """`pipeline run train`: `text` + `vae` tables -> LoRA run directory. Flags override the config file's values.
 
-Several processes: `accelerate launch --multi_gpu --num_processes N -m pipeline.cli run train ...` (on CPU add
-`--device cpu`, which makes accelerate use gloo).
+Several processes: `accelerate launch --multi_gpu --num_processes N -m pipeline.cli run train ...`; on a machine
+without GPUs (train.device unset or `cpu`) that is one N-rank run over gloo (stages/train_launch.py).
 """
 
 from __future__ import annotations
