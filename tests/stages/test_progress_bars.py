@@ -49,3 +49,14 @@ def test_resize_bucket_and_encode_bars_through_the_cli(tiny_plus_model, tmp_path
     vae = _cli("run", "encode-vae", "--store", store, "--model", tiny_plus_model, "--batch-size", "4")
     final = vae.stderr.rsplit("\r", 1)[-1]
     assert "encode-vae: 100%|" in final and "5.0/5 samples" in final and "read 5" in final, vae.stderr
+
+
+def test_resize_bar_total_counts_every_source_format(tmp_path):
+    from stages.source_count import count_samples
+    from stages.sources import detect_format, iter_source
+
+    for fmt in ("folder", "webdataset", "jsonl"):
+        root = tmp_path / fmt
+        make_demo_data(root, n=7, fmt=fmt, max_controls=2, seed=1)
+        found = detect_format(root)
+        assert count_samples(root, found) == sum(1 for _ in iter_source(root)) == 7, fmt

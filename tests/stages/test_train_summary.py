@@ -22,3 +22,4 @@ def test_resumed_mid_epoch_and_single_epoch():
     assert train_line(6, 8, [2.0, 1.0], [4, 4], "RUN/lora") == (
         "trained resumed at step 6 to step 8: train loss 1.5000 (mean of 2 steps in epoch 4); LoRA: RUN/lora")
     assert loss_phrase([], []) == "no steps trained"
+
