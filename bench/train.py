@@ -219,8 +219,15 @@ def bench_step_time(steps: int = 12, warmup: int = 2, batch_size: int = 4, repea
 
 
 def main() -> None:
-    bench_padding()
-    bench_step_time()
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", choices=["padding", "step-time"], help="run one section (default: both)")
+    args = ap.parse_args()
+    if args.only in (None, "padding"):
+        bench_padding()
+    if args.only in (None, "step-time"):
+        bench_step_time()
 
 
 if __name__ == "__main__":

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class Section(BaseModel):
@@ -33,7 +33,30 @@ class Paths(Section):
 
 
 class ResizeConfig(Section):
-    """resize-bucket: how targets and controls are sized (Edit-Plus rules by default)."""
+    """resize-bucket: how targets and controls are sized (Edit-Plus rules by default).
+
+    `area: A` (flag `--area`) is the one switch for small-scale runs: it sets target_area and control_vae_area
+    (the two sizes Edit-Plus keeps equal, ~1024²) to A. It is consumed on load, so configs, lineage and
+    `config show` hold the two resulting keys; control_vl_area (the text encoder's view, 384² in Edit-Plus)
+    stays as set.
+    """
+
+    @model_validator(mode="before")
+    @classmethod
+    def _area_sets_target_and_control(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or data.get("area") is None:
+            if isinstance(data, dict) and "area" in data:
+                data = {k: v for k, v in data.items() if k != "area"}
+            return data
+        data = dict(data)
+        area = data.pop("area")
+        if not isinstance(area, int) or isinstance(area, bool) or area <= 0:
+            raise ValueError(f"resize.area must be a positive integer (pixels), got {area!r}")
+        clash = [k for k in ("target_area", "control_vae_area") if data.get(k) not in (None, area)]
+        if clash:
+            raise ValueError(f"resize.area = {area} sets {' and '.join(clash)}; drop {', '.join(clash)} or area")
+        data["target_area"] = data["control_vae_area"] = area
+        return data
 
     target_area: int = Field(1024 * 1024, gt=0, description="target pixel area of a bucket")
     multiple: int = Field(32, gt=0, description="bucket sides are multiples of this")

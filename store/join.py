@@ -109,7 +109,7 @@ def open_features(store: str | Path, model: str, model_fingerprint: str, split: 
     from store.store import Store
 
     st = Store(store, create=False)
-    readers = {t: _open_table(st, t) for t in ("text", "vae")}
+    readers = {t: _open_table(st, t, model) for t in ("text", "vae")}
     for r in readers.values():
         found = r.schema.lineage.model_fingerprint
         if found != model_fingerprint:
@@ -135,11 +135,11 @@ def open_features(store: str | Path, model: str, model_fingerprint: str, split: 
     return joined
 
 
-def _open_table(st, table: str) -> TableReader:
+def _open_table(st, table: str, model: str) -> TableReader:
     if table not in st.tables():
         raise UserError(
             f"store {st.root} has no '{table}' table (tables: {sorted(st.tables()) or 'none'}); "
-            f"run `pipeline run {STAGE_OF[table]} --store {st.root}` first"
+            f"run `pipeline run {STAGE_OF[table]} --store {st.root} --model {model}` first"
         )
     return st.reader(table)
 

@@ -17,17 +17,19 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Hashable, Iterable, Iterator, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterable, Iterator, TypeVar
 
 import torch
 from PIL import Image
-from tqdm import tqdm
 
 from schemas.config import Section
 from schemas.errors import Rejected, UserError
 from schemas.lineage import Lineage, code_version
 from schemas.table import TableSchema
 from store import Store, TableReader, TableWriter
+
+if TYPE_CHECKING:
+    from stages.encode.progress import SampleProgress
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -156,11 +158,13 @@ class EncodeJob:
         self.loop_started = time.perf_counter()
         return todo
 
-    def progress(self, total: int) -> tqdm:
-        """Samples/s is tqdm's rate; one bar per rank."""
+    def progress(self, total: int) -> "SampleProgress":
+        """Samples/s is tqdm's rate; one bar per rank (stages/encode/progress.py)."""
+        from stages.encode.progress import SampleProgress
+
         r = self.ranks
         desc = self.summary.stage + (f" r{r.rank}" if r.world_size > 1 else "")
-        return tqdm(total=total, desc=desc, unit="sample", position=r.rank, dynamic_ncols=True, leave=True)
+        return SampleProgress(total, desc, position=r.rank)
 
     def quarantine(self, key: str, reason: str, detail: str = "") -> None:
         """Reject one sample (it stays out of the table); the rows land in quarantine.parquet at `finish`."""
@@ -171,12 +175,13 @@ class EncodeJob:
         })
         self.summary.quarantined += 1
 
-    def accepted(self, prepared: Iterable[T | Rejected], bar: tqdm) -> Iterator[T]:
+    def accepted(self, prepared: Iterable[T | Rejected], bar: "SampleProgress") -> Iterator[T]:
         """Pass prepared samples through; quarantine the rejected ones (they count as done on the bar)."""
         for item in prepared:
+            bar.sample_read()
             if isinstance(item, Rejected):
                 self.quarantine(item.key, item.reason, item.detail)
-                bar.update(1)
+                bar.skipped()
             else:
                 yield item
 

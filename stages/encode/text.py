@@ -290,9 +290,9 @@ def run(
                 for req, emb in zip(batch, embeds):
                     parts = done.setdefault(req.key, {})
                     parts[req.kind] = emb.to("cpu", torch.bfloat16)
+                    bar.encoded(len(KINDS))
                     if len(parts) == len(KINDS):
                         _write(job, req.key, done.pop(req.key))
-                        bar.update(1)
         return job.finish()
     finally:
         job.close()

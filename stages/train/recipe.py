@@ -50,8 +50,11 @@ from schemas.config import PipelineConfig, TrainConfig, dump_config
 from schemas.errors import UserError
 from stages.train import state as train_state
 from stages.train.data import DataStream, load, open_inputs
+from stages.train.launch import launched_world_size, use_cpu
+from stages.train.resume import changed_settings
 from stages.train.sampler import LengthAwareBatchSampler, padding_efficiency
 from stages.train.state import ResumeRecord
+from stages.train.summary import train_line
 from store.format import atomic_dir
 from store.join import JoinedTables
 
@@ -66,6 +69,7 @@ class TrainResult:
     start_step: int  # 0, or the checkpoint step it resumed from
     steps: int  # optimizer steps done in all
     losses: list[float] = field(default_factory=list)  # mean per-sample loss of each step of this start
+    step_epochs: list[int] = field(default_factory=list)  # the epoch each of those steps began in
     step_times: list[float] = field(default_factory=list)  # s per optimizer step: data + logging, no checkpoint
     step_cpu_times: list[float] = field(default_factory=list)  # the same in process CPU time (robust to other load)
     epoch_padding: dict[int, float] = field(default_factory=dict)  # epoch -> valid / computed tokens
@@ -76,9 +80,7 @@ class TrainResult:
     def __str__(self) -> str:
         if self.up_to_date:
             return f"LoRA {self.lora_dir} is up to date ({self.steps} steps on the current tables)"
-        how = f"resumed at step {self.start_step}" if self.start_step else "from scratch"
-        loss = f", train loss {self.losses[0]:.4f} -> {self.losses[-1]:.4f}" if self.losses else ""
-        return f"trained {how} to step {self.steps}{loss}; LoRA: {self.lora_dir}"
+        return train_line(self.start_step, self.steps, self.losses, self.step_epochs, self.lora_dir)
 
 
 @dataclass
@@ -125,6 +127,7 @@ class Run:
 @dataclass
 class StepStats:
     loss: float
+    epoch: int  # the epoch the step began in
     samples: int
     grad_norm: float
     batches: list[list[int]]  # every rank's batch of every micro-step (for the padding figure)
@@ -172,7 +175,7 @@ def setup(cfg: PipelineConfig, store: str | Path, model: str, out: str | Path, r
         model_fingerprint=model_fingerprint(model), world_size=accelerator.num_processes,
     )
     r = Run(tc, accelerator, tables, Path(out), now)
-    latest = _resume_point(r, resume)
+    latest = _resume_point(r, resume, cfg)
     if r.main:
         r.checkpoints.mkdir(parents=True, exist_ok=True)
         train_state.remove_stale(r.checkpoints)
@@ -217,11 +220,12 @@ def step(r: Run) -> StepStats:
     r.step += 1
     loss = loss_sum.item() / n_step  # the sync point: the step's compute is done here
     batches = [b for _, gb, _ in micro for b in gb]
-    return StepStats(loss, n_step, grad_norm, batches, time.perf_counter() - t0, t0, c0)
+    return StepStats(loss, micro[0][0], n_step, grad_norm, batches, time.perf_counter() - t0, t0, c0)
 
 
 def log(r: Run, s: StepStats) -> None:
     r.result.losses.append(s.loss)
+    r.result.step_epochs.append(s.epoch)
     lr = r.scheduler.get_last_lr()[0]
     if r.writer is not None and r.step % r.cfg.log_every == 0:
         lin, _ = padding_efficiency(s.batches, r.tables.lengths)
@@ -333,7 +337,16 @@ def _accelerator(cfg: TrainConfig):
         check_device(cfg.device, "train.device")
     # Mixed precision is applied with torch.autocast below, not by accelerate, so that several runs in one
     # process (tests, notebooks) never fight over accelerate's process-wide state.
-    return Accelerator(cpu=cfg.device == "cpu")
+    accelerator = Accelerator(cpu=use_cpu(cfg.device))
+    launched = launched_world_size()
+    if accelerator.num_processes != launched:  # never N independent single-process runs into one folder
+        raise UserError(
+            f"launched as {launched} processes but accelerate set up {accelerator.num_processes} "
+            f"({accelerator.distributed_type}); set train.device (e.g. --device cpu) or fix the launch"
+        )
+    if cfg.device is None and launched > 1 and accelerator.device.type == "cpu" and accelerator.is_main_process:
+        tqdm.write(f"no GPU: the {launched} processes train on the CPU (gloo); set train.device to choose")
+    return accelerator
 
 
 def _autocast(cfg: TrainConfig, device: torch.device):
@@ -346,7 +359,7 @@ def _bf16_supported(device: torch.device) -> bool:
     return device.type == "cpu" or (device.type == "cuda" and torch.cuda.is_bf16_supported())
 
 
-def _resume_point(r: Run, resume: bool) -> Path | None:
+def _resume_point(r: Run, resume: bool, cfg: PipelineConfig) -> Path | None:
     """The checkpoint to resume from (checked against this start), or None; refuses to overwrite a run."""
     latest = train_state.latest_checkpoint(r.checkpoints)
     if latest is not None and not resume:
@@ -354,7 +367,16 @@ def _resume_point(r: Run, resume: bool) -> Path | None:
     if not resume or latest is None:
         return None
     record = ResumeRecord.read(latest / train_state.RESUME_JSON)
-    record.check_matches(r.record, latest)
+    try:
+        record.check_matches(r.record, latest)
+    except train_state.ResumeMismatch as e:
+        ignore = _NOT_FINGERPRINTED - ({"max_steps"} if r.cfg.lr_schedule != "constant" else set())
+        changed = changed_settings(r.run_dir, cfg.model_dump(mode="json"), ignore)
+        if changed:
+            raise train_state.ResumeMismatch(
+                f"{e}\nchanged since {r.run_dir / 'train_config.yaml'}:\n  " + "\n  ".join(changed)
+            ) from None
+        raise
     if record.step > r.cfg.max_steps:
         raise train_state.ResumeMismatch(
             f"{latest} is already past train.max_steps ({record.step} > {r.cfg.max_steps}): raise max_steps to "
