@@ -28,7 +28,7 @@ class Store:
             self.root.mkdir(parents=True, exist_ok=True)
             with fmt.flock(self.root / fmt.STORE_LOCK):
                 if not (self.root / fmt.STORE_JSON).is_file():
-                    fmt.atomic_write_json(self.root / fmt.STORE_JSON, fmt.new_store_record())
+                    fmt.write_store_record(self.root, fmt.new_store_record())
         fmt.read_store_record(self.root)  # format + version checked on every open
 
     # ------------------------------------------------------------ tables and versions
@@ -61,7 +61,7 @@ class Store:
         with fmt.flock(self.root / fmt.STORE_LOCK):
             rec = fmt.read_store_record(self.root)
             rec["tables"][table] = {"current": version}
-            fmt.atomic_write_json(self.root / fmt.STORE_JSON, rec)
+            fmt.write_store_record(self.root, rec)
 
     def find_version(self, table: str, lineage: Lineage) -> int | None:
         """A complete version built with exactly this lineage (the current one when it qualifies, else the newest)."""
@@ -75,7 +75,7 @@ class Store:
 
     # ------------------------------------------------------------ reading and writing
 
-    def reader(self, table: str, version: int | None = None) -> TableReader:
+    def reader(self, table: str, version: int | None = None, on_damaged: str = "stop") -> TableReader:
         if version is None:
             tables = self.tables()
             if table not in tables:
@@ -85,7 +85,7 @@ class Store:
         vdir = self.version_dir(table, version)
         if not vdir.is_dir():
             raise UserError(f"table '{table}' has no version v{version} in store {self.root}")
-        return TableReader(vdir, table, version)
+        return TableReader(vdir, table, version, on_damaged=on_damaged)
 
     def join(self, *tables: str) -> JoinedReader:
         return JoinedReader({t: self.reader(t) for t in tables})

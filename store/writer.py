@@ -17,7 +17,8 @@ from schemas.errors import UserError
 from schemas.img_shapes import normalize_img_shapes
 from schemas.table import SCHEMA_V2, TableSchema
 from store import format as fmt
-from store.manifest import LOCATING_COLUMNS, merge_indexes, rows_to_table
+from store.integrity import write_version_checksums
+from store.manifest import RESERVED_COLUMNS, merge_indexes, rows_to_table
 from store.shard import ShardBuilder, tensor_dtype_name
 
 if TYPE_CHECKING:
@@ -78,6 +79,8 @@ class TableWriter:
         prefix = f"shard-r{self.rank:02d}-"
         for p in self.dir.glob(prefix + "*.tar.tmp"):
             p.unlink()
+        for p in self.dir.glob(f".{prefix}*.tmp-*"):  # an index write killed mid-way
+            p.unlink(missing_ok=True)
         for p in self.dir.glob(prefix + "*.tar"):
             if not (self.dir / fmt.index_name(p.name)).is_file():
                 p.unlink()
@@ -113,7 +116,11 @@ class TableWriter:
         self._validate(key, tensors, files, meta)
         if self._builder is None:
             self._builder = ShardBuilder(self.dir / fmt.shard_name(self.rank, self._next_index))
-        self._builder.add(key, tensors, files, meta)
+        try:
+            self._builder.add(key, tensors, files, meta)
+        except BaseException:  # e.g. a full disk: drop the open shard (temp file removed); a rerun redoes it
+            self._drop_builder()
+            raise
         self._metas.append(meta)
         self._added.add(key)
         if self._builder.nbytes >= self.shard_bytes:
@@ -136,7 +143,7 @@ class TableWriter:
             missing = [n for n in self.schema.required(kind) if n not in have]  # type: ignore[arg-type]
             if missing:
                 raise UserError(f"{where}: missing required {kind}(s) {missing}")
-        clash = LOCATING_COLUMNS & meta.keys()
+        clash = RESERVED_COLUMNS & meta.keys()
         if clash:
             raise UserError(f"{where}: meta columns {sorted(clash)} are reserved by the manifest")
         if self.schema.schema_version >= SCHEMA_V2:
@@ -145,18 +152,30 @@ class TableWriter:
             except ValueError as e:
                 raise UserError(f"{where}: {e} (schema v2 requires img_shapes in meta)") from None
 
+    def _drop_builder(self) -> None:
+        if self._builder is not None:
+            self._builder.abandon()
+            self._added -= {r.key for r in self._builder.records}
+            self._builder = None
+        self._metas = []
+
     def _commit_shard(self) -> None:
         b = self._builder
         if b is None:
             return
-        self._builder = None
         if not b.records:
-            b.abandon()
+            self._drop_builder()
             return
-        sha = b.commit()
-        nbytes = b.final_path.stat().st_size
-        index = rows_to_table(b.records, self._metas, b.final_path.name, sha, nbytes)
-        fmt.atomic_write_parquet(self.dir / fmt.index_name(b.final_path.name), index)  # shard now committed
+        try:
+            sha = b.commit()
+            nbytes = b.final_path.stat().st_size
+            index = rows_to_table(b.records, self._metas, b.final_path.name, sha, nbytes, b.crc32c)
+            fmt.atomic_write_parquet(self.dir / fmt.index_name(b.final_path.name), index)  # shard now committed
+        except BaseException:  # full disk etc.: no uncommitted shard left behind; a rerun writes it again
+            self._drop_builder()
+            b.final_path.unlink(missing_ok=True)
+            raise
+        self._builder = None
         self._metas = []
         self._next_index += 1
         fmt.crash_point("after_shard_commit")
@@ -189,7 +208,13 @@ class TableWriter:
             self.close()
             raise UserError(f"table '{self.table}' v{self.version} would be empty: every input was rejected "
                             f"(reasons in {self.store.root / 'quarantine.parquet'}); fix the inputs or the settings")
-        fmt.atomic_write_parquet(self.dir / fmt.MANIFEST, manifest)  # version complete from here on
+        for p in self.dir.iterdir():  # temp files of killed writes: never part of a committed version
+            if fmt.is_litter(p.name):
+                p.unlink(missing_ok=True)
+        manifest_bytes = fmt.parquet_bytes(manifest)
+        # checksums.json before the manifest: a complete version (manifest present) always has its checksums.
+        write_version_checksums(self.dir, manifest, manifest_bytes)
+        fmt.atomic_write_bytes(self.dir / fmt.MANIFEST, manifest_bytes)  # version complete from here on
         fmt.crash_point("after_manifest")
         self.store.set_current(self.table, self.version)
         self.close()
@@ -200,9 +225,7 @@ class TableWriter:
         if self._closed:
             return
         self._closed = True
-        if self._builder is not None:
-            self._builder.abandon()
-            self._builder = None
+        self._drop_builder()
         self._lock.release()
 
     def __enter__(self) -> "TableWriter":
