@@ -14,6 +14,7 @@ in the digits either makes them differ from the recomputed CRC or stops them bei
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -39,7 +40,7 @@ def file_crc(path: Path) -> tuple[str, int]:
     """(crc32c hex, size) of a file, read in chunks."""
     value, size = 0, 0
     with open(path, "rb", buffering=0) as f:
-        buf = bytearray(CHUNK)
+        buf = bytearray(max(1, min(CHUNK, os.fstat(f.fileno()).st_size)))
         mv = memoryview(buf)
         while n := f.readinto(mv):
             value = crc32c.crc32c(mv[:n], value)
