@@ -11,6 +11,7 @@ import hashlib
 import io
 import json
 import os
+import shutil
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -167,6 +168,8 @@ class EncodeJob:
             self.summary.table, schema, rank=self.ranks.rank, world_size=self.ranks.world_size,
             shard_size_mb=shard_size_mb,
         )
+        if self._completed_meanwhile():
+            return []
         self.summary.version = self.writer.version
         self._shard_sizes_before = self._rank_shard_sizes()
         mine = self.images.iter_keys(rank=self.ranks.rank, world_size=self.ranks.world_size)
@@ -174,6 +177,24 @@ class EncodeJob:
         self.summary.skipped = len(mine) - len(todo)
         self.loop_started = time.perf_counter()
         return todo
+
+    def _completed_meanwhile(self) -> bool:
+        """Another process finished this very table (same lineage) after our up-to-date check, while we loaded
+        the model: reuse it ("up to date") instead of writing a duplicate version."""
+        assert self.writer is not None
+        found = self.store.find_version(self.summary.table, self.lineage)
+        if found is None:
+            return False
+        mine = self.writer.dir
+        self.writer.close()
+        self.writer = None
+        if self.ranks.rank == 0 and not any(mine.glob("shard-*")):  # the empty folder this run just created
+            shutil.rmtree(mine, ignore_errors=True)
+        if self.store.tables().get(self.summary.table) != found:
+            self.store.set_current(self.summary.table, found)
+        self.summary.version, self.summary.up_to_date = found, True
+        self.summary.skipped = len(self.store.reader(self.summary.table, found))
+        return True
 
     def progress(self, total: int) -> tqdm:
         """Samples/s is tqdm's rate; one bar per rank."""
@@ -212,6 +233,9 @@ class EncodeJob:
 
     def finish(self) -> Summary:
         """Quarantine rows, this rank's last shard, barrier, rank 0 commits (manifest last), barrier."""
+        if self.summary.up_to_date:  # completed by another process meanwhile (see open_writer)
+            self.summary.seconds = time.perf_counter() - self.started
+            return self.summary
         assert self.writer is not None
         self._flush_quarantine()
         self.writer.finish_rank()

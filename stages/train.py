@@ -43,7 +43,7 @@ from models.lora_io import add_lora, load_lora, lora_parameters, save_lora
 from models.multires import install_multires
 from pipeline.config import PipelineConfig, TrainConfig, dump_config
 from schemas.errors import UserError
-from stages import train_state
+from stages import train_guard, train_state
 from stages.sampler import LengthAwareBatchSampler, padding_efficiency
 from stages.train_data import (
     TrainTables,
@@ -53,11 +53,12 @@ from stages.train_data import (
     flow_loss,
     open_train_tables,
 )
-from stages.train_state import ResumeRecord
+from stages.train_state import ResumeRecord, fsync_tree
 from store import Store
 
 # Settings that change how long or how often, not what is trained: a resume may change them.
-_NOT_FINGERPRINTED = {"max_steps", "checkpoint_every", "keep_checkpoints", "log_every", "num_workers", "device"}
+_NOT_FINGERPRINTED = {"max_steps", "checkpoint_every", "keep_checkpoints", "log_every", "num_workers", "device",
+                      "on_damaged", "max_damaged_fraction", "on_nonfinite"}
 
 
 @dataclass
@@ -70,6 +71,7 @@ class TrainResult:
     step_times: list[float] = field(default_factory=list)  # s per optimizer step: data + logging, no checkpoint
     step_cpu_times: list[float] = field(default_factory=list)  # the same in process CPU time (robust to other load)
     epoch_padding: dict[int, float] = field(default_factory=dict)  # epoch -> valid / computed tokens
+    skipped_steps: list[int] = field(default_factory=list)  # train.on_nonfinite=skip_step: steps not applied
     main_process: bool = True
 
 
@@ -216,7 +218,19 @@ def run(
         tc = tc.model_copy(update={"mixed_precision": "no"})
 
     # ---- inputs and run folder
-    tables = open_train_tables(store.root if isinstance(store, Store) else store, model, split="train")
+    run_lock = train_guard.lock_run_dir(Path(out)) if main else None
+    try:
+        return _run(cfg, tc, accelerator, store, model, out, resume)
+    finally:
+        if run_lock is not None:
+            run_lock.release()
+
+
+def _run(cfg: PipelineConfig, tc: TrainConfig, accelerator, store, model: str, out, resume: bool) -> TrainResult:
+    device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
+    main = accelerator.is_main_process
+    tables = open_train_tables(store.root if isinstance(store, Store) else store, model, split="train",
+                               on_damaged=tc.on_damaged, max_damaged_fraction=tc.max_damaged_fraction)
     run_dir = Path(out)
     ckpt_root, lora_dir, log_dir = run_dir / "checkpoints", run_dir / "lora", run_dir / "logs"
     now = ResumeRecord(
@@ -239,7 +253,11 @@ def run(
     if main:
         ckpt_root.mkdir(parents=True, exist_ok=True)
         train_state.remove_stale(ckpt_root)
-        (run_dir / "train_config.yaml").write_text(dump_config(cfg))
+        train_state.write_text_atomic(run_dir / "train_config.yaml", dump_config(cfg))
+        if tables.damaged:
+            report = train_guard.write_damaged_report(run_dir, tables.damaged)
+            tqdm.write(f"skipping {len(tables.damaged)} damaged sample(s) of {len(tables.damaged) + len(tables)} "
+                       f"(train.on_damaged=skip), listed in {report}")
     accelerator.wait_for_everyone()
 
     # ---- model, optimizer, schedule
@@ -279,9 +297,12 @@ def run(
         micro = [stream.next() for _ in range(tc.grad_accum)]
         n_step = sum(len(b) for _, global_batch, _ in micro for b in global_batch)
         loss_sum = torch.zeros((), device=device)
+        step_losses: list[tuple[list[str], torch.Tensor]] = []  # this rank's, named in a non-finite error
         for epoch, global_batch, ends_epoch in micro:
             samples = [tables.sample(tables.keys[i]) for i in global_batch[rank]]
-            loss_sum += forward_backward(transformer, samples, tc, step, device, scale=world / n_step)
+            losses = forward_backward(transformer, samples, tc, step, device, scale=world / n_step)
+            loss_sum += losses.sum()
+            step_losses.append(([s.key for s in samples], losses))
             valid, computed = _tokens(global_batch, tables.lengths)
             epoch_tokens[0] += valid
             epoch_tokens[1] += computed
@@ -294,8 +315,18 @@ def run(
                 epoch_tokens = [0, 0]
 
         loss_sum = _all_reduce_grads(params, loss_sum, world)
-        grad_norm = _clip(params, tc.max_grad_norm)
-        optimizer.step()
+        if train_guard.all_finite(loss_sum, params):  # all-reduced: every rank decides alike
+            grad_norm = _clip(params, tc.max_grad_norm)
+            optimizer.step()
+        else:
+            per_sample = {k: v for keys, losses in step_losses for k, v in zip(keys, losses.tolist())}
+            message = train_guard.nonfinite_message(step + 1, per_sample, tables.store_root)
+            if tc.on_nonfinite == "stop":
+                raise train_guard.NonFiniteError(message)
+            # skip_step: no update; the step still counts, so the schedule and the data order go on
+            bar.write("skipped " + message.split(";")[0])
+            result.skipped_steps.append(step + 1)
+            grad_norm = float("nan")
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1
@@ -324,9 +355,12 @@ def run(
 
     # ---- final LoRA (temp folder + rename, like a checkpoint)
     if main:
+        train_guard.check_lora_finite(params, lora_dir)
         tmp = run_dir / ".lora.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        save_lora(transformer, tmp)
+        with train_guard.removing_on_error(tmp, "the final LoRA", run_dir):
+            save_lora(transformer, tmp)
+            fsync_tree(tmp)
         if lora_dir.exists():
             shutil.rmtree(lora_dir)
         os.rename(tmp, lora_dir)
@@ -341,7 +375,7 @@ def run(
 
 def forward_backward(transformer, samples: list, tc: TrainConfig, step: int, device: torch.device, scale: float):
     """Per-sample σ, noise and caption dropout for this step, the flow loss, backward of `scale` × its sum.
-    Returns the detached sum of the per-sample losses."""
+    Returns the detached per-sample losses [B]."""
     sigmas = torch.stack([draw_sigma(s, tc.seed, step, tc.sigma) for s in samples])
     noises = [draw_noise(s, tc.seed, step) for s in samples]
     empty = [draw_caption_dropout(s, tc.seed, step, tc.caption_dropout) for s in samples]
@@ -349,7 +383,7 @@ def forward_backward(transformer, samples: list, tc: TrainConfig, step: int, dev
     with _autocast(tc, device):
         per_sample = flow_loss(transformer, samples, sigmas, noises, use_empty=empty, mask_weight=weights)
     (per_sample.sum() * scale).backward()
-    return per_sample.detach().sum()
+    return per_sample.detach()
 
 
 def _tokens(global_batch: list[list[int]], lengths: list[int]) -> tuple[int, int]:
@@ -386,15 +420,20 @@ def _clip(params: list[torch.nn.Parameter], max_norm: float | None) -> float:
 def save_checkpoint(accelerator, transformer, optimizer, scheduler, root: Path, record: ResumeRecord, keep: int) -> None:
     """Every rank adds its RNG state; rank 0 writes the rest and commits (rename) once all are in."""
     tmp = None
+    what = f"checkpoint step-{record.step}"
     if accelerator.is_main_process:
-        tmp = train_state.begin(root, record.step)
+        train_guard.check_lora_finite(lora_parameters(transformer), train_state.checkpoint_dir(root, record.step))
+        with train_guard.removing_on_error(train_state.temp_dir(root, record.step), what, root):
+            tmp = train_state.begin(root, record.step)
     accelerator.wait_for_everyone()
-    train_state.save_rng(train_state.temp_dir(root, record.step), accelerator.process_index)
+    with train_guard.removing_on_error(train_state.temp_dir(root, record.step), what, root):
+        train_state.save_rng(train_state.temp_dir(root, record.step), accelerator.process_index)
     accelerator.wait_for_everyone()
     if tmp is not None:
-        save_lora(transformer, tmp / "lora")
-        train_state.save_optimizer(optimizer, tmp)
-        train_state.save_scheduler(scheduler, tmp)
-        train_state.commit(root, record.step, tmp, record)
+        with train_guard.removing_on_error(tmp, what, root):
+            save_lora(transformer, tmp / "lora")
+            train_state.save_optimizer(optimizer, tmp)
+            train_state.save_scheduler(scheduler, tmp)
+            train_state.commit(root, record.step, tmp, record)
         train_state.prune(root, keep)
     accelerator.wait_for_everyone()

@@ -9,7 +9,7 @@ resume point) see the same numbers.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from math import prod
 from pathlib import Path
 
@@ -51,6 +51,7 @@ class TrainTables:
     vae: TableReader
     keys: list[str]  # the split's keys, sorted
     lengths: list[int]  # per key: image tokens (target + controls) + text tokens = its sequence length
+    damaged: dict[str, str] = field(default_factory=dict)  # on_damaged=skip: key -> problem, left out of `keys`
 
     def versions(self) -> dict[str, str]:
         """Identities of the tables trained on (version + manifest hash; see `Store.version_id`)."""
@@ -67,13 +68,13 @@ class TrainTables:
 # ---------------------------------------------------------------------------------------------- opening
 
 
-def _open_table(st: Store, table: str) -> TableReader:
+def _open_table(st: Store, table: str, on_damaged: str = "stop") -> TableReader:
     if table not in st.tables():
         raise UserError(
             f"store {st.root} has no '{table}' table (tables: {sorted(st.tables()) or 'none'}); "
             f"run `pipeline run {TABLES[table]} --store {st.root}` first"
         )
-    return st.reader(table)
+    return st.reader(table, on_damaged=on_damaged)
 
 
 def _split_keys(r: TableReader, split: str) -> list[str]:
@@ -88,12 +89,19 @@ def _name_keys(keys: set[str], limit: int = 5) -> str:
     return ", ".join(shown) + (f" … ({len(keys)} in all)" if len(keys) > limit else "")
 
 
-def open_train_tables(store: str | Path, model: str, split: str = "train") -> TrainTables:
-    """Open `text` + `vae`, check they were built with `model` and hold the same keys; UserError otherwise."""
+def open_train_tables(
+    store: str | Path, model: str, split: str = "train", on_damaged: str = "stop", max_damaged_fraction: float = 0.0,
+) -> TrainTables:
+    """Open `text` + `vae`, check they were built with `model` and hold the same keys; UserError otherwise.
+
+    on_damaged="stop": a damaged sample raises when it is first read (a missing / short shard on open).
+    "skip": every sample of the split is checked now; damaged ones are left out and returned in `damaged`
+    (more than `max_damaged_fraction` of them: UserError).
+    """
     from models.loading import model_fingerprint
 
     st = Store(store, create=False)
-    text, vae = _open_table(st, "text"), _open_table(st, "vae")
+    text, vae = _open_table(st, "text", on_damaged), _open_table(st, "vae", on_damaged)
 
     want = model_fingerprint(model)
     for r in (text, vae):
@@ -122,8 +130,32 @@ def open_train_tables(store: str | Path, model: str, split: str = "train") -> Tr
             f"the '{split}' split is empty in store {st.root} (text v{text.version}, vae v{vae.version}); "
             "add training samples (resize-bucket puts val_fraction of them in 'val', the rest in 'train')"
         )
+    damaged: dict[str, str] = {}
+    if on_damaged == "skip":
+        damaged = find_damaged(text, vae, text_keys)
+        if len(damaged) > max_damaged_fraction * len(text_keys):
+            raise UserError(
+                f"{len(damaged)} of {len(text_keys)} '{split}' samples in {st.root} are damaged, more than "
+                f"max_damaged_fraction {max_damaged_fraction} (e.g. {next(iter(damaged.values()))}); "
+                f"run `pipeline store repair {st.root}`"
+            )
+        text_keys = [k for k in text_keys if k not in damaged]
+        if not text_keys:
+            raise UserError(f"every '{split}' sample in {st.root} is damaged; run `pipeline store repair {st.root}`")
     lengths = sequence_lengths(text, vae, text_keys)
-    return TrainTables(st.root, text, vae, text_keys, lengths)
+    return TrainTables(st.root, text, vae, text_keys, lengths, damaged)
+
+
+def find_damaged(text: TableReader, vae: TableReader, keys: list[str]) -> dict[str, str]:
+    """key -> first problem found, over both tables (reads and checks every sample's bytes once)."""
+    from tqdm import tqdm
+
+    out: dict[str, str] = {}
+    for k in tqdm(keys, desc="check samples", unit="sample", leave=False):
+        problem = text.damaged(k) or vae.damaged(k)
+        if problem is not None:
+            out[k] = problem
+    return out
 
 
 def sequence_lengths(text: TableReader, vae: TableReader, keys: list[str]) -> list[int]:

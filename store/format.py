@@ -11,6 +11,7 @@ import json
 import os
 import re
 import signal
+import socket
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -192,7 +193,7 @@ def flock(path: Path, *, blocking: bool = True, holder: str = "") -> Iterator[No
         ) from None
     try:
         os.ftruncate(fd, 0)
-        os.write(fd, f"pid {os.getpid()}".encode())  # for the message a second writer gets
+        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode())  # for the message a second writer gets
         yield
     finally:
         os.close(fd)

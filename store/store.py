@@ -58,7 +58,9 @@ class Store:
         """Point store.json at a complete version (atomic rewrite under the store lock)."""
         if not fmt.is_complete(self.version_dir(table, version)):
             raise UserError(f"table '{table}' v{version} is not complete; cannot make it current")
-        with fmt.flock(self.root / fmt.STORE_LOCK):
+        from store.io_errors import writing
+
+        with writing("store.json", self.root), fmt.flock(self.root / fmt.STORE_LOCK):
             rec = fmt.read_store_record(self.root)
             rec["tables"][table] = {"current": version}
             fmt.write_store_record(self.root, rec)

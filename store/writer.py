@@ -7,6 +7,7 @@ the indexes into `manifest.parquet` (presence = version complete) and then point
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +19,7 @@ from schemas.img_shapes import normalize_img_shapes
 from schemas.table import SCHEMA_V2, TableSchema
 from store import format as fmt
 from store.integrity import write_version_checksums
+from store.io_errors import writing
 from store.manifest import RESERVED_COLUMNS, merge_indexes, rows_to_table
 from store.shard import ShardBuilder, tensor_dtype_name
 
@@ -39,11 +41,18 @@ class TableWriter:
         self.store, self.table, self.schema = store, table, schema
         self.rank, self.world_size = rank, world_size
         self.shard_bytes = max(1, int(shard_size_mb * MB))
-        (store.root / table).mkdir(parents=True, exist_ok=True)
-        # One writer per (table, rank): a second one fails here at once instead of interleaving shards.
-        self._lock = fmt.HeldLock(store.root / table / f".write-r{rank:02d}.lock", holder=f"table '{table}' (rank {rank})")
-        self.version, self.dir = self._open_version()
-        self._clean_uncommitted()
+        with writing(f"table '{table}'", store.root / table):
+            (store.root / table).mkdir(parents=True, exist_ok=True)
+            # One writer per (table, rank): a second one fails here at once instead of interleaving shards.
+            self._lock = fmt.HeldLock(store.root / table / f".write-r{rank:02d}.lock",
+                                      holder=f"table '{table}' (rank {rank})")
+        try:
+            with writing(f"table '{table}'", store.root / table):
+                self.version, self.dir = self._open_version()
+                self._clean_uncommitted()
+        except BaseException:
+            self._lock.release()
+            raise
         self.done_keys: set[str] = self._committed_keys()
         self._added: set[str] = set()
         self._next_index = self._next_shard_index()
@@ -71,7 +80,11 @@ class TableWriter:
             v = (versions[-1] if versions else 0) + 1
             vdir = fmt.version_dir(self.store.root, self.table, v)
             vdir.mkdir(parents=True)
-            fmt.atomic_write_json(vdir / fmt.SCHEMA_JSON, want)
+            try:
+                fmt.atomic_write_json(vdir / fmt.SCHEMA_JSON, want)
+            except BaseException:  # e.g. a full disk: no empty version folder left behind
+                shutil.rmtree(vdir, ignore_errors=True)
+                raise
             return v, vdir
 
     def _clean_uncommitted(self) -> None:
@@ -117,7 +130,8 @@ class TableWriter:
         if self._builder is None:
             self._builder = ShardBuilder(self.dir / fmt.shard_name(self.rank, self._next_index))
         try:
-            self._builder.add(key, tensors, files, meta)
+            with writing(f"a shard of table '{self.table}' v{self.version}", self.dir):
+                self._builder.add(key, tensors, files, meta)
         except BaseException:  # e.g. a full disk: drop the open shard (temp file removed); a rerun redoes it
             self._drop_builder()
             raise
@@ -167,10 +181,11 @@ class TableWriter:
             self._drop_builder()
             return
         try:
-            sha = b.commit()
-            nbytes = b.final_path.stat().st_size
-            index = rows_to_table(b.records, self._metas, b.final_path.name, sha, nbytes, b.crc32c)
-            fmt.atomic_write_parquet(self.dir / fmt.index_name(b.final_path.name), index)  # shard now committed
+            with writing(f"shard {b.final_path.name} of table '{self.table}' v{self.version}", self.dir):
+                sha = b.commit()
+                nbytes = b.final_path.stat().st_size
+                index = rows_to_table(b.records, self._metas, b.final_path.name, sha, nbytes, b.crc32c)
+                fmt.atomic_write_parquet(self.dir / fmt.index_name(b.final_path.name), index)  # shard now committed
         except BaseException:  # full disk etc.: no uncommitted shard left behind; a rerun writes it again
             self._drop_builder()
             b.final_path.unlink(missing_ok=True)
@@ -187,7 +202,8 @@ class TableWriter:
         if self._finished:
             return
         self._commit_shard()
-        fmt.atomic_write_json(self.dir / fmt.rank_done_name(self.rank), {"rank": self.rank, "world_size": self.world_size})
+        with writing(f"table '{self.table}' v{self.version}", self.dir):
+            fmt.atomic_write_json(self.dir / fmt.rank_done_name(self.rank), {"rank": self.rank, "world_size": self.world_size})
         self._finished = True
 
     def commit(self, allow_empty: bool = True) -> int:
@@ -212,9 +228,10 @@ class TableWriter:
             if fmt.is_litter(p.name):
                 p.unlink(missing_ok=True)
         manifest_bytes = fmt.parquet_bytes(manifest)
-        # checksums.json before the manifest: a complete version (manifest present) always has its checksums.
-        write_version_checksums(self.dir, manifest, manifest_bytes)
-        fmt.atomic_write_bytes(self.dir / fmt.MANIFEST, manifest_bytes)  # version complete from here on
+        with writing(f"the manifest of table '{self.table}' v{self.version}", self.dir, need=2 * len(manifest_bytes)):
+            # checksums.json before the manifest: a complete version (manifest present) always has its checksums.
+            write_version_checksums(self.dir, manifest, manifest_bytes)
+            fmt.atomic_write_bytes(self.dir / fmt.MANIFEST, manifest_bytes)  # version complete from here on
         fmt.crash_point("after_manifest")
         self.store.set_current(self.table, self.version)
         self.close()
