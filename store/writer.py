@@ -214,6 +214,13 @@ class TableWriter:
         """
         if self.rank != 0:
             raise UserError(f"only rank 0 commits table '{self.table}'; rank {self.rank} calls finish_rank()")
+        try:
+            return self._commit(allow_empty)
+        except BaseException:  # e.g. a full disk: give the lock back; a rerun resumes from the committed shards
+            self.close()
+            raise
+
+    def _commit(self, allow_empty: bool) -> int:
         self.finish_rank()
         missing = [r for r in range(self.world_size) if not (self.dir / fmt.rank_done_name(r)).is_file()]
         if missing:

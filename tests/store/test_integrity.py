@@ -191,3 +191,131 @@ def test_format_1_store_stays_readable(store: Store) -> None:
     _flip(shard, row["tensors"][0]["offset"], 1)
     r = Store(store.root, create=False).reader("vae")
     assert re.search("sha256 mismatch", r.damaged(row["key"]) or "")
+
+
+# ---------------------------------------------------------------- full disk, read-only store
+
+
+def _fail_after(monkeypatch, budget: int) -> None:
+    """Shard writes fail with ENOSPC once `budget` more bytes have been written (a disk filling up)."""
+    import errno
+
+    from store import shard
+
+    real = shard._HashingFile.write
+    left = [budget]
+
+    def write(self, b):
+        left[0] -= len(b)
+        if left[0] < 0:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(self, b)
+
+    monkeypatch.setattr(shard._HashingFile, "write", write)
+
+
+def _no_litter(root: Path) -> None:
+    left = [p for p in root.rglob("*") if fmt.is_litter(p.name) or p.name.endswith(".tmp")]
+    assert not left, left
+
+
+def test_full_disk_in_a_shard_is_one_error_and_rerun_completes_each_sample_once(store: Store, monkeypatch) -> None:
+    from store.io_errors import DiskFullError
+    from store_samples import sample, vae_schema
+
+    _fail_after(monkeypatch, 30_000)
+    w = store.writer("vae", vae_schema(), shard_size_mb=0.01)
+    with pytest.raises(DiskFullError, match=r"disk full while writing a shard of table 'vae' v1 in .*MB free"):
+        for i in range(12):
+            s = sample(i)
+            w.add(s["key"], tensors=s["tensors"], files=s["files"], meta=s["meta"])
+    w.close()
+    _no_litter(store.root)
+    monkeypatch.undo()
+    w = store.writer("vae", vae_schema(), shard_size_mb=0.01)
+    assert w.version == 1 and 0 < len(w.done_keys) < 12
+    for i in range(12):
+        s = sample(i)
+        if s["key"] not in w.done_keys:
+            w.add(s["key"], tensors=s["tensors"], files=s["files"], meta=s["meta"])
+    w.commit()
+    r = store.reader("vae")
+    assert sorted(r.keys()) == sorted(key_of(i) for i in range(12))
+    assert _problems(store.root) == []
+
+
+def test_full_disk_writing_the_manifest_leaves_no_temp_file_and_rerun_commits(store: Store, monkeypatch) -> None:
+    import errno
+
+    from store.io_errors import DiskFullError
+    from store_samples import vae_schema
+
+    real = fmt.atomic_write_bytes
+
+    def full_for_manifest(path, data):
+        if path.name == fmt.MANIFEST:
+            tmp = path.with_name(f".{path.name}.tmp-{__import__('os').getpid()}")
+            tmp.write_bytes(data[: len(data) // 2])
+            try:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            finally:
+                tmp.unlink()  # what atomic_write_bytes does on a failed write
+        real(path, data)
+
+    monkeypatch.setattr(fmt, "atomic_write_bytes", full_for_manifest)
+    with pytest.raises(DiskFullError, match="disk full while writing the manifest of table 'vae' v1"):
+        fill(store, 5)
+    assert "vae" not in store.tables() and not fmt.is_complete(store.root / "vae" / "v1")
+    _no_litter(store.root)
+    monkeypatch.undo()
+    w = store.writer("vae", vae_schema())
+    assert len(w.done_keys) == 5
+    w.commit()
+    assert len(store.reader("vae")) == 5 and _problems(store.root) == []
+
+
+def test_atomic_write_removes_its_temp_file_on_enospc(tmp_path: Path, monkeypatch) -> None:
+    import errno
+    import os
+
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    with pytest.raises(OSError):
+        fmt.atomic_write_bytes(tmp_path / "x.json", b"{}")
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_read_only_store_is_one_line(store: Store, monkeypatch) -> None:
+    """A store on a read-only mount: the first write (the writer's lock file) fails with EROFS (simulated: the
+    tests run as root, whom file modes do not stop)."""
+    import errno
+    import os
+
+    from store_samples import vae_schema
+
+    fill(store, 2)
+    real_open = os.open
+
+    def read_only_open(path, flags, *a):
+        if flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+        return real_open(path, flags, *a)
+
+    monkeypatch.setattr(os, "open", read_only_open)
+    with pytest.raises(UserError, match=r"cannot write table 'vae': .*\.write-r00\.lock is not writable"):
+        store.writer("vae", vae_schema("b"))
+
+
+def test_not_writable_errors_become_one_line() -> None:
+    import errno
+
+    from store.io_errors import describe
+
+    err = describe(OSError(errno.EROFS, "Read-only file system", "/s/vae/.write-r00.lock"), "table 'vae'", Path("/s"))
+    assert err is not None and "cannot write table 'vae': /s/vae/.write-r00.lock is not writable" in str(err)
+    assert describe(ValueError("x"), "a", Path("/")) is None
