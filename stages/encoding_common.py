@@ -29,7 +29,7 @@ from pipeline.config import Section
 from schemas.errors import UserError
 from schemas.lineage import Lineage
 from schemas.table import TableSchema
-from store import Store, TableReader, TableWriter
+from store import Store, TableReader, TableWriter, repair_context
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -295,6 +295,7 @@ def open_job(store_path: str | Path, stage: str, table: str, feature_hash: str, 
         stage=stage, config_hash=f"{feature_hash}-images:{images_id}", model_fingerprint=model_fingerprint(model),
         upstream={IMAGES_TABLE: images.version}, code_version=code_version(feature_revision),
     )
+    repair_context.check(lineage, table)
     summary = Summary(stage=stage, table=table, rank=ranks.rank, world_size=ranks.world_size)
     job = EncodeJob(store=store, images=images, lineage=lineage, ranks=ranks, summary=summary)
     found = store.find_version(table, lineage)

@@ -67,6 +67,12 @@ def is_complete(vdir: Path) -> bool:
     return (vdir / MANIFEST).is_file()
 
 
+def damaged_marker(root: Path, table: str, version: int) -> Path:
+    """Written by `pipeline store repair` next to (not inside: versions are immutable) a damaged version: its
+    damaged keys. `Store.find_version` never reuses a marked version, so the stage rerun recomputes them."""
+    return root / table / f"v{version}.damaged.json"
+
+
 def is_litter(name: str) -> bool:
     """Temp files of interrupted atomic writes (`.<name>.tmp-<pid>`, `<shard>.tar.tmp`): never data."""
     return (name.startswith(".") and ".tmp-" in name) or name.endswith(".tar.tmp")

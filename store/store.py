@@ -69,6 +69,7 @@ class Store:
         """A complete version built with exactly this lineage (the current one when it qualifies, else the newest)."""
         matches = [v for v in self.versions(table)
                    if fmt.is_complete(self.version_dir(table, v))
+                   and not fmt.damaged_marker(self.root, table, v).exists()
                    and read_schema(self.version_dir(table, v)).lineage == lineage]
         if not matches:
             return None

@@ -7,6 +7,7 @@ the indexes into `manifest.parquet` (presence = version complete) and then point
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -24,6 +25,8 @@ from store.manifest import RESERVED_COLUMNS, merge_indexes, rows_to_table
 from store.shard import ShardBuilder, tensor_dtype_name
 
 if TYPE_CHECKING:
+    import pyarrow as pa
+
     from store.store import Store
 
 MB = 1024 * 1024
@@ -139,6 +142,22 @@ class TableWriter:
         self._added.add(key)
         if self._builder.nbytes >= self.shard_bytes:
             self._commit_shard()
+
+    def carry_shard(self, src_dir: Path, shard: str, rows: "pa.Table") -> None:
+        """Take a committed, intact shard of another version of this table as it is (hard link, no copy) with
+        its manifest rows as the index (repair: samples carried forward)."""
+        if (self.dir / fmt.index_name(shard)).is_file():  # carried by an earlier, killed run
+            return
+        dst = self.dir / shard
+        dst.unlink(missing_ok=True)
+        with writing(f"shard {shard} of table '{self.table}' v{self.version}", self.dir):
+            try:
+                os.link(src_dir / shard, dst)
+            except OSError:  # a file system without hard links: copy (correct, just slower)
+                shutil.copyfile(src_dir / shard, dst)
+            fmt.atomic_write_parquet(self.dir / fmt.index_name(shard), rows)
+        self.done_keys |= set(rows.column("key").to_pylist())
+        self._next_index = self._next_shard_index()
 
     def _validate(self, key: str, tensors: dict[str, torch.Tensor], files: dict[str, bytes], meta: dict[str, Any]) -> None:
         where = f"table '{self.table}', sample {key}"
