@@ -208,8 +208,12 @@ img.grid {{ max-width: 100%; image-rendering: pixelated; }}
 
 def _atomic_write(path: Path, data: bytes) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except BaseException:  # e.g. a full disk: no half-written temp file left in the report folder
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _json_safe(v: Any) -> Any:
@@ -225,13 +229,16 @@ def _json_safe(v: Any) -> Any:
 
 def write_report(out: str | Path, metrics: dict, rows: list[SampleRow]) -> Path:
     """Write metrics.json, grid.png and index.html into OUT; returns the page's path."""
+    from store.io_errors import writing
+
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     grid = make_grid(rows)
     buf = io.BytesIO()
     grid.save(buf, format="PNG")
-    _atomic_write(out / "grid.png", buf.getvalue())
-    _atomic_write(out / "index.html", render_html(metrics, rows, grid).encode("utf-8"))
-    # metrics.json last: its presence means the report is complete.
-    _atomic_write(out / "metrics.json", (json.dumps(_json_safe(metrics), indent=2) + "\n").encode())
+    with writing("the evaluate report", out):
+        out.mkdir(parents=True, exist_ok=True)
+        _atomic_write(out / "grid.png", buf.getvalue())
+        _atomic_write(out / "index.html", render_html(metrics, rows, grid).encode("utf-8"))
+        # metrics.json last: its presence means the report is complete.
+        _atomic_write(out / "metrics.json", (json.dumps(_json_safe(metrics), indent=2) + "\n").encode())
     return out / "index.html"

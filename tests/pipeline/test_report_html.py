@@ -7,9 +7,11 @@ import json
 import math
 import re
 import shutil
+from pathlib import Path
 import subprocess
 
 import numpy as np
+import pytest
 from PIL import Image
 
 from stages.report import SampleRow, psnr, ssim, write_report
@@ -94,3 +96,26 @@ def test_report_renders_in_chromium_with_every_image_loaded(tmp_path):
     ).stdout
     assert 'data-probe="9/9"' in dom, dom[-2000:]
     assert "make it red" in dom and "LoRA − base" in dom
+
+
+def test_full_disk_writing_the_report_is_one_error_and_leaves_no_temp_file(tmp_path, monkeypatch):
+    import errno
+
+    from store.io_errors import DiskFullError
+
+    real = Path.write_bytes
+
+    def full(self, data):
+        if self.name == "index.html.tmp":
+            real(self, data[: len(data) // 2])
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, data)
+
+    monkeypatch.setattr(Path, "write_bytes", full)
+    with pytest.raises(DiskFullError, match="disk full while writing the evaluate report"):
+        write_report(tmp_path / "report", _metrics(), [])
+    assert not [p for p in (tmp_path / "report").iterdir() if p.name.endswith(".tmp")]
+    assert not (tmp_path / "report" / "metrics.json").exists()
+    monkeypatch.undo()
+    write_report(tmp_path / "report", _metrics(), [])
+    assert (tmp_path / "report" / "metrics.json").is_file()
