@@ -88,3 +88,27 @@ def test_repair_names_what_it_cannot_repair_and_rebuilds_store_json(edit_store, 
     assert "store.json rebuilt" in res.output and f"images v1: 1 damaged sample(s) to recompute ({bad})" in res.output
     assert "not repaired: images v1:" in res.output and "pass --source" in res.output
     assert Store(edit_store).tables() == {"images": 1}  # store.json readable again
+
+
+def test_repair_re_renders_damaged_images_from_the_source(tmp_path):
+    import yaml
+
+    from pipeline.demo_data import make_demo_data
+    from stages import resize_bucket
+
+    settings = {"resize": {"target_area": 64 * 64, "control_vl_area": 48 * 48, "control_vae_area": 64 * 64,
+                           "multiple": 16, "min_side": 16, "shard_size_mb": 0.01}}
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(settings))
+    make_demo_data(tmp_path / "src", n=8, fmt="folder", max_controls=1, seed=1)
+    store = tmp_path / "store"
+    resize_bucket.run(load_config(config), tmp_path / "src", store)
+    clean = Path(shutil.copytree(store, tmp_path / "clean"))
+    bad = _flip(store, "images", 3, where="header")
+    res = runner.invoke(app, ["store", "repair", str(store), "--config", str(config)])  # source: from the schema
+    assert res.exit_code == 0, res.output
+    assert f"images v1: 1 damaged sample(s) to recompute ({bad})" in res.output and "ok:" in res.output
+    a, b = Store(clean).reader("images"), Store(store).reader("images")
+    assert b.version == 2 and a.keys() == b.keys()
+    assert all(a.files(k) == b.files(k) for k in a.keys())  # re-rendered bytes equal the clean ones
+    assert verify_store(store, progress=False) == []
