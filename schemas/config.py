@@ -149,6 +149,14 @@ class TrainConfig(Section):
     keep_checkpoints: int = Field(3, gt=0)
     log_every: int = Field(1, gt=0)
     sampler_window: int = Field(64, gt=0, description="length-aware sampler: batches per sorting window")
+    on_damaged: Literal["stop", "skip"] = Field(
+        "stop", description="a damaged store sample (checksum mismatch, missing/short shard): stop with an error "
+        "naming it, or leave it out (all are found before step 0, listed in RUN/damaged_samples.json)")
+    max_damaged_fraction: float = Field(0.01, ge=0.0, le=1.0, description="on_damaged=skip: stop anyway when "
+                                        "more than this fraction of the training samples is damaged")
+    on_nonfinite: Literal["stop", "skip_step"] = Field(
+        "stop", description="a non-finite loss or gradient: stop naming the step and samples, or skip that "
+        "optimizer step (no update, logged)")
     lora: LoraConfig = LoraConfig()
     sigma: SigmaConfig = SigmaConfig()
     loss: LossConfig = LossConfig()

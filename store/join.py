@@ -36,6 +36,7 @@ class JoinedTables:
             log.warning("join of %s: keys only in one side dropped: %s", list(readers), self.unmatched)
         self.keys: list[str] = sorted(common)
         self.lengths: list[int] = []  # filled by `open_features`: joint sequence length per key
+        self.damaged: dict[str, str] = {}  # open_features(on_damaged="skip"): key -> problem, left out of `keys`
 
     @property
     def unmatched(self) -> dict[str, int]:
@@ -103,13 +104,21 @@ def _name_keys(keys: set[str], limit: int = 5) -> str:
     return ", ".join(shown) + (f" … ({len(keys)} in all)" if len(keys) > limit else "")
 
 
-def open_features(store: str | Path, model: str, model_fingerprint: str, split: str = "train") -> JoinedTables:
+def open_features(
+    store: str | Path, model: str, model_fingerprint: str, split: str = "train", on_damaged: str = "stop",
+    max_damaged_fraction: float = 0.0,
+) -> JoinedTables:
     """`text` + `vae` of one split: built with the model whose fingerprint is given, the same keys in both, not
-    empty; `lengths` holds each sample's joint sequence length. UserError (what, where, what to do) otherwise."""
+    empty; `lengths` holds each sample's joint sequence length. UserError (what, where, what to do) otherwise.
+
+    on_damaged="stop": a damaged sample raises when it is first read (a missing / short shard on open).
+    "skip": every sample of the split is checked now; damaged ones are left out and listed in `damaged`
+    (more than `max_damaged_fraction` of them: UserError).
+    """
     from store.store import Store
 
     st = Store(store, create=False)
-    readers = {t: _open_table(st, t, model) for t in ("text", "vae")}
+    readers = {t: _open_table(st, t, model, on_damaged) for t in ("text", "vae")}
     for r in readers.values():
         found = r.schema.lineage.model_fingerprint
         if found != model_fingerprint:
@@ -131,17 +140,40 @@ def open_features(store: str | Path, model: str, model_fingerprint: str, split: 
             f"the '{split}' split is empty in store {st.root} (text v{text.version}, vae v{vae.version}); "
             "add training samples (resize-bucket puts val_fraction of them in 'val', the rest in 'train')"
         )
+    if on_damaged == "skip":
+        joined.damaged = find_damaged(text, vae, joined.keys)
+        if len(joined.damaged) > max_damaged_fraction * len(joined.keys):
+            raise UserError(
+                f"{len(joined.damaged)} of {len(joined.keys)} '{split}' samples in {st.root} are damaged, more than "
+                f"max_damaged_fraction {max_damaged_fraction} (e.g. {next(iter(joined.damaged.values()))}); "
+                f"run `pipeline store repair {st.root}`"
+            )
+        joined.keys = [k for k in joined.keys if k not in joined.damaged]
+        if not joined.keys:
+            raise UserError(f"every '{split}' sample in {st.root} is damaged; run `pipeline store repair {st.root}`")
     joined.lengths = sequence_lengths(text, vae, joined.keys)
     return joined
 
 
-def _open_table(st, table: str, model: str) -> TableReader:
+def find_damaged(text: TableReader, vae: TableReader, keys: list[str]) -> dict[str, str]:
+    """key -> first problem found, over both tables (reads and checks every sample's bytes once)."""
+    from tqdm import tqdm
+
+    out: dict[str, str] = {}
+    for k in tqdm(keys, desc="check samples", unit="sample", leave=False):
+        problem = text.damaged(k) or vae.damaged(k)
+        if problem is not None:
+            out[k] = problem
+    return out
+
+
+def _open_table(st, table: str, model: str, on_damaged: str = "stop") -> TableReader:
     if table not in st.tables():
         raise UserError(
             f"store {st.root} has no '{table}' table (tables: {sorted(st.tables()) or 'none'}); "
             f"run `pipeline run {STAGE_OF[table]} --store {st.root} --model {model}` first"
         )
-    return st.reader(table)
+    return st.reader(table, on_damaged=on_damaged)
 
 
 def sequence_lengths(text: TableReader, vae: TableReader, keys: list[str]) -> list[int]:

@@ -4,6 +4,7 @@ random access by key, meta, img_shapes (derived on the fly for schema v1), rank/
 
 from __future__ import annotations
 
+import json
 import logging
 import mmap
 from pathlib import Path
@@ -17,7 +18,9 @@ from schemas.errors import UserError
 from schemas.img_shapes import ImgShape, img_shapes_from_v1
 from schemas.table import KNOWN_SCHEMA_VERSIONS, SCHEMA_V1, TableSchema
 from store import format as fmt
-from store.manifest import LOCATING_COLUMNS
+from store import integrity
+from store.integrity import DamagedData
+from store.manifest import CHECKSUM_COLUMNS, LOCATING_COLUMNS, RESERVED_COLUMNS
 from store.partition import epoch_order
 
 log = logging.getLogger("store")
@@ -32,26 +35,58 @@ def torch_dtype(name: str) -> torch.dtype:
     return dt
 
 
-def read_schema(vdir: Path) -> TableSchema:
-    raw = fmt.read_json(vdir / fmt.SCHEMA_JSON, "schema.json")
+def read_schema(vdir: Path, data: bytes | None = None) -> TableSchema:
+    if data is None:
+        raw = fmt.read_json(vdir / fmt.SCHEMA_JSON, "schema.json")
+    else:
+        try:
+            raw = json.loads(data)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise UserError(f"{vdir / fmt.SCHEMA_JSON} is not valid JSON ({e})") from None
     found = raw.get("schema_version") if isinstance(raw, dict) else None
     if found not in KNOWN_SCHEMA_VERSIONS:
         raise UserError(f"{vdir / fmt.SCHEMA_JSON}: expected schema version one of {KNOWN_SCHEMA_VERSIONS}, "
                         f"found {found!r}; use a pipeline release that reads it")
-    return TableSchema.from_dict(raw)
+    try:
+        return TableSchema.from_dict(raw)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise UserError(f"{vdir / fmt.SCHEMA_JSON}: not a valid table schema ({type(e).__name__}: {e})") from None
+
+
+def read_manifest(vdir: Path, data: bytes) -> pa.Table:
+    try:
+        return pq.read_table(pa.BufferReader(data))
+    except Exception as e:  # noqa: BLE001 - any undecodable parquet is one clear error, not a traceback
+        raise DamagedData(f"{vdir / fmt.MANIFEST} is unreadable ({type(e).__name__}: {e}); "
+                          f"{integrity.repair_hint(vdir)}") from None
 
 
 class TableReader:
-    def __init__(self, vdir: Path, table: str, version: int) -> None:
+    """on_damaged="stop": a damaged sample, or a missing / short shard, raises `DamagedData` (on open for the
+    shards, on the sample's first read for its bytes). "skip": open succeeds; `damaged(key)` tells which samples
+    cannot be read, and reading one still raises."""
+
+    def __init__(self, vdir: Path, table: str, version: int, on_damaged: str = "stop") -> None:
         self.dir, self.table, self.version = vdir, table, version
         if not fmt.is_complete(vdir):
             raise UserError(f"table '{table}' v{version} at {vdir} is incomplete (no {fmt.MANIFEST}); "
                             "rerun the stage that writes it to resume")
-        self.schema = read_schema(vdir)
-        self.manifest: pa.Table = pq.read_table(vdir / fmt.MANIFEST)
+        # schema.json and manifest.parquet are checked against checksums.json before they are parsed
+        sums = integrity.read_version_checksums(vdir)
+        self.schema = read_schema(vdir, integrity.read_checked(vdir, fmt.SCHEMA_JSON, sums))
+        self.manifest: pa.Table = read_manifest(vdir, integrity.read_checked(vdir, fmt.MANIFEST, sums))
         missing = sorted(LOCATING_COLUMNS - set(self.manifest.column_names))
         if missing:
             raise UserError(f"{vdir / fmt.MANIFEST}: missing columns {missing} (see docs/store-format.md)")
+        if sums is None and CHECKSUM_COLUMNS & set(self.manifest.column_names):
+            raise DamagedData(f"{integrity.where(vdir)}: {fmt.CHECKSUMS} is missing; {integrity.repair_hint(vdir)}")
+        self.checksummed = sums is not None  # format 1: samples checked against sample_sha256 (slower)
+        self.bad_shards = integrity.shard_problems(vdir, self.manifest, sums)
+        if self.bad_shards and on_damaged == "stop":
+            raise DamagedData(f"{integrity.where(vdir)}: {next(iter(self.bad_shards.values()))}"
+                              + (f" (and {len(self.bad_shards) - 1} more shards)" if len(self.bad_shards) > 1 else "")
+                              + f"; {integrity.repair_hint(vdir)}")
+        self._checked: set[int] = set()
         self._keys: list[str] = self.manifest.column("key").to_pylist()
         self._row = {k: i for i, k in enumerate(self._keys)}
         if len(self._row) != len(self._keys):
@@ -89,7 +124,7 @@ class TableReader:
             raise UserError(f"key {key} not in table '{self.table}' v{self.version}") from None
 
     def meta_columns(self) -> list[str]:
-        return [c for c in self.manifest.column_names if c not in LOCATING_COLUMNS]
+        return [c for c in self.manifest.column_names if c not in RESERVED_COLUMNS]
 
     def meta(self, key: str) -> dict[str, Any]:
         i = self._index(key)
@@ -112,12 +147,65 @@ class TableReader:
         """Private (copy-on-write) map: tensors are writable views, and a write never reaches the file."""
         m = self._maps.get(shard)
         if m is None:
+            if shard in self.bad_shards:
+                raise DamagedData(f"{integrity.where(self.dir)}: {self.bad_shards[shard]}; "
+                                  f"{integrity.repair_hint(self.dir)}")
             with open(self.dir / shard, "rb") as f:
                 m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
             self._maps[shard] = m
         return m
 
+    def _problem(self, i: int) -> str | None:
+        """What is wrong with sample i's bytes (None: they match their checksum)."""
+        shard = self._col("shard")[i]
+        start, n = self._col("sample_offset")[i], self._col("sample_nbytes")[i]
+        size = None
+        if shard in self.bad_shards:
+            try:
+                size = (self.dir / shard).stat().st_size
+            except FileNotFoundError:
+                return self.bad_shards[shard]
+            if size < start + n:
+                return f"{self.bad_shards[shard]}; the sample lies beyond its end"
+            if size == 0:
+                return self.bad_shards[shard]
+        m = self.shard_map(shard) if shard not in self.bad_shards else self._map_anyway(shard)
+        row = {"sample_sha256": self._col("sample_sha256")[i],
+               "sample_crc32c": self._col("sample_crc32c")[i] if "sample_crc32c" in self.manifest.column_names else None}
+        with memoryview(m) as mv:
+            part = mv[start : start + n]
+            try:
+                return integrity.sample_problem(part, row)
+            finally:
+                part.release()
+
+    def _map_anyway(self, shard: str) -> mmap.mmap:
+        if shard not in self._maps:
+            with open(self.dir / shard, "rb") as f:
+                self._maps[shard] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        return self._maps[shard]
+
+    def check(self, key: str) -> None:
+        """Raise `DamagedData` unless the sample's bytes match their checksum (checked once per reader: the
+        store is immutable, and the private map never sees a consumer's writes to a tensor view)."""
+        i = self._index(key)
+        if i in self._checked:
+            return
+        problem = self._problem(i)
+        if problem is not None:
+            raise DamagedData(integrity.damaged_sample_message(self.dir, self._col("shard")[i], key, problem))
+        self._checked.add(i)
+
+    def damaged(self, key: str) -> str | None:
+        """None if the sample reads back intact, else what is wrong (does not raise)."""
+        try:
+            self.check(key)
+        except DamagedData as e:
+            return str(e)
+        return None
+
     def tensors(self, key: str) -> dict[str, torch.Tensor]:
+        self.check(key)
         i = self._index(key)
         m = self.shard_map(self._col("shard")[i])
         out = {}
@@ -131,6 +219,7 @@ class TableReader:
         return out
 
     def files(self, key: str) -> dict[str, bytes]:
+        self.check(key)
         i = self._index(key)
         m = self.shard_map(self._col("shard")[i])
         return {f["name"]: m[f["offset"] : f["offset"] + f["nbytes"]] for f in self._col("files")[i]}

@@ -11,6 +11,7 @@ import hashlib
 import io
 import json
 import os
+import shutil
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -26,7 +27,7 @@ from schemas.config import Section
 from schemas.errors import Rejected, UserError
 from schemas.lineage import Lineage, code_version
 from schemas.table import TableSchema
-from store import Store, TableReader, TableWriter
+from store import Store, TableReader, TableWriter, repair_context
 
 if TYPE_CHECKING:
     from stages.encode.progress import SampleProgress
@@ -150,6 +151,8 @@ class EncodeJob:
             self.summary.table, schema, rank=self.ranks.rank, world_size=self.ranks.world_size,
             shard_size_mb=shard_size_mb,
         )
+        if self._completed_meanwhile():
+            return []
         self.summary.version = self.writer.version
         self._shard_sizes_before = self._rank_shard_sizes()
         mine = self.images.iter_keys(rank=self.ranks.rank, world_size=self.ranks.world_size)
@@ -157,6 +160,24 @@ class EncodeJob:
         self.summary.skipped = len(mine) - len(todo)
         self.loop_started = time.perf_counter()
         return todo
+
+    def _completed_meanwhile(self) -> bool:
+        """Another process finished this very table (same lineage) after our up-to-date check, while we loaded
+        the model: reuse it ("up to date") instead of writing a duplicate version."""
+        assert self.writer is not None
+        found = self.store.find_version(self.summary.table, self.lineage)
+        if found is None:
+            return False
+        mine = self.writer.dir
+        self.writer.close()
+        self.writer = None
+        if self.ranks.rank == 0 and not any(mine.glob("shard-*")):  # the empty folder this run just created
+            shutil.rmtree(mine, ignore_errors=True)
+        if self.store.tables().get(self.summary.table) != found:
+            self.store.set_current(self.summary.table, found)
+        self.summary.version, self.summary.up_to_date = found, True
+        self.summary.skipped = len(self.store.reader(self.summary.table, found))
+        return True
 
     def progress(self, total: int) -> "SampleProgress":
         """Samples/s is tqdm's rate; one bar per rank (stages/encode/progress.py)."""
@@ -198,6 +219,9 @@ class EncodeJob:
 
     def finish(self) -> Summary:
         """Quarantine rows, this rank's last shard, barrier, rank 0 commits (manifest last), barrier."""
+        if self.summary.up_to_date:  # completed by another process meanwhile (see open_writer)
+            self.summary.seconds = time.perf_counter() - self.started
+            return self.summary
         assert self.writer is not None
         self._flush_quarantine()
         self.writer.finish_rank()
@@ -250,6 +274,7 @@ def open_job(store_path: str | Path, stage: str, table: str, feature_hash: str, 
         stage=stage, config_hash=f"{feature_hash}-images:{images_id}", model_fingerprint=model_fingerprint(model),
         upstream={IMAGES_TABLE: images.version}, code_version=code_version(feature_revision),
     )
+    repair_context.check(lineage, table)
     summary = Summary(stage=stage, table=table, rank=ranks.rank, world_size=ranks.world_size)
     job = EncodeJob(store=store, images=images, lineage=lineage, ranks=ranks, summary=summary)
     found = store.find_version(table, lineage)

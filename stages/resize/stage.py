@@ -95,6 +95,9 @@ def run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> R
     listing = listing_hash(source)
     schema = images_schema(rc, listing, source=str(source), source_format=fmt)
 
+    from store import repair_context
+
+    repair_context.check(schema.lineage, TABLE)
     found = st.find_version(TABLE, schema.lineage)
     if found is not None:
         if st.tables().get(TABLE) != found:

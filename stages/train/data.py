@@ -14,10 +14,12 @@ from stages.train.sampler import LengthAwareBatchSampler
 from store.join import JoinedTables, open_features
 
 
-def open_inputs(store: str | Path, model: str, split: str = "train") -> JoinedTables:
+def open_inputs(
+    store: str | Path, model: str, split: str = "train", on_damaged: str = "stop", max_damaged_fraction: float = 0.0,
+) -> JoinedTables:
     from models.loading import model_fingerprint
 
-    return open_features(store, model, model_fingerprint(model), split)
+    return open_features(store, model, model_fingerprint(model), split, on_damaged, max_damaged_fraction)
 
 
 def load(tables: JoinedTables, key: str) -> TrainSample:

@@ -48,18 +48,19 @@ from models.multires import install_multires
 from models.randomness import draw_caption_dropout, draw_noise, draw_sigma
 from schemas.config import PipelineConfig, TrainConfig, dump_config
 from schemas.errors import UserError
-from stages.train import state as train_state
+from stages.train import guard, state as train_state
 from stages.train.data import DataStream, load, open_inputs
 from stages.train.launch import launched_world_size, use_cpu
 from stages.train.resume import changed_settings
 from stages.train.sampler import LengthAwareBatchSampler, padding_efficiency
 from stages.train.state import ResumeRecord
 from stages.train.summary import train_line
-from store.format import atomic_dir
+from store.format import atomic_dir, atomic_write_bytes
 from store.join import JoinedTables
 
 # Settings that change how long or how often, not what is trained: a resume may change them.
-_NOT_FINGERPRINTED = {"max_steps", "checkpoint_every", "keep_checkpoints", "log_every", "device"}
+_NOT_FINGERPRINTED = {"max_steps", "checkpoint_every", "keep_checkpoints", "log_every", "device",
+                      "on_damaged", "max_damaged_fraction", "on_nonfinite"}
 
 
 @dataclass
@@ -73,6 +74,7 @@ class TrainResult:
     step_times: list[float] = field(default_factory=list)  # s per optimizer step: data + logging, no checkpoint
     step_cpu_times: list[float] = field(default_factory=list)  # the same in process CPU time (robust to other load)
     epoch_padding: dict[int, float] = field(default_factory=dict)  # epoch -> valid / computed tokens
+    skipped_steps: list[int] = field(default_factory=list)  # train.on_nonfinite=skip_step: steps not applied
     main_process: bool = True
     up_to_date: bool = False  # `skip_if_done` found the final LoRA of this very run: nothing trained
     stage: str = "train"
@@ -148,27 +150,33 @@ def run(
     if skip_if_done and up_to_date(cfg, store, model, out):
         lora = Path(out) / "lora"
         return TrainResult(Path(out), lora, cfg.train.max_steps, cfg.train.max_steps, up_to_date=True)
-    r = setup(cfg, store, model, out, resume)
-    while r.step < r.cfg.max_steps:
-        stats = step(r)
-        log(r, stats)
-        if r.step % r.cfg.checkpoint_every == 0 or r.step == r.cfg.max_steps:
-            checkpoint(r)
-    return finish(r)
+    validate_config(cfg.train)
+    accelerator = _accelerator(cfg.train)
+    # One writer per run folder: a second `train` into the same OUT is refused, naming the holder.
+    run_lock = guard.lock_run_dir(Path(out)) if accelerator.is_main_process else None
+    try:
+        r = setup(cfg, accelerator, store, model, out, resume)
+        while r.step < r.cfg.max_steps:
+            stats = step(r)
+            log(r, stats)
+            if r.step % r.cfg.checkpoint_every == 0 or r.step == r.cfg.max_steps:
+                checkpoint(r)
+        return finish(r)
+    finally:
+        if run_lock is not None:
+            run_lock.release()
 
 
-def setup(cfg: PipelineConfig, store: str | Path, model: str, out: str | Path, resume: bool) -> Run:
+def setup(cfg: PipelineConfig, accelerator, store: str | Path, model: str, out: str | Path, resume: bool) -> Run:
     """Check the config, open the inputs and the run folder (resume checks before any model is loaded), build
     the model, optimizer and sampler, restore a checkpoint."""
     tc = cfg.train
-    validate_config(tc)
-    accelerator = _accelerator(tc)
     if tc.mixed_precision == "bf16" and not _bf16_supported(accelerator.device):
         tqdm.write(f"bf16 is not supported on {accelerator.device}: training in float32")
         tc = tc.model_copy(update={"mixed_precision": "no"})
     from models.loading import model_fingerprint
 
-    tables = open_inputs(store, model, split="train")
+    tables = open_inputs(store, model, "train", tc.on_damaged, tc.max_damaged_fraction)
     now = ResumeRecord(
         step=0, epoch=0, batch_in_epoch=0, config_fingerprint=config_fingerprint(tc),
         tables=tables.versions(), store=str(Path(tables.store_root).resolve()),
@@ -179,7 +187,11 @@ def setup(cfg: PipelineConfig, store: str | Path, model: str, out: str | Path, r
     if r.main:
         r.checkpoints.mkdir(parents=True, exist_ok=True)
         train_state.remove_stale(r.checkpoints)
-        (r.run_dir / "train_config.yaml").write_text(dump_config(cfg))
+        atomic_write_bytes(r.run_dir / "train_config.yaml", dump_config(cfg).encode())
+        if tables.damaged:
+            report = guard.write_damaged_report(r.run_dir, tables.damaged)
+            tqdm.write(f"skipping {len(tables.damaged)} damaged sample(s) of {len(tables.damaged) + len(tables)} "
+                       f"(train.on_damaged=skip), listed in {report}")
     accelerator.wait_for_everyone()
 
     r.transformer = setup_transformer(model, tc, r.device)
@@ -208,13 +220,26 @@ def step(r: Run) -> StepStats:
     micro = [r.stream.next() for _ in range(tc.grad_accum)]
     n_step = sum(len(b) for _, global_batch, _ in micro for b in global_batch)
     loss_sum = torch.zeros((), device=r.device)
+    step_losses: list[tuple[list[str], torch.Tensor]] = []  # this rank's, named in a non-finite error
     for epoch, global_batch, ends_epoch in micro:
         samples = [load(r.tables, r.tables.keys[i]) for i in global_batch[r.rank]]
-        loss_sum += forward_backward(r.transformer, samples, tc, r.step, r.device, scale=r.world / n_step)
+        losses = forward_backward(r.transformer, samples, tc, r.step, r.device, scale=r.world / n_step)
+        loss_sum += losses.sum()
+        step_losses.append(([s.key for s in samples], losses))
         _count_epoch_tokens(r, epoch, global_batch, ends_epoch)
     loss_sum = _all_reduce_grads(r.params, loss_sum, r.world)
-    grad_norm = _clip(r.params, tc.max_grad_norm)
-    r.optimizer.step()
+    if guard.all_finite(loss_sum, r.params):  # all-reduced: every rank decides alike
+        grad_norm = _clip(r.params, tc.max_grad_norm)
+        r.optimizer.step()
+    else:
+        per_sample = {k: v for keys, losses in step_losses for k, v in zip(keys, losses.tolist())}
+        message = guard.nonfinite_message(r.step + 1, per_sample, r.tables.store_root)
+        if tc.on_nonfinite == "stop":
+            raise guard.NonFiniteError(message)
+        # skip_step: no update; the step still counts, so the schedule and the data order go on
+        r.bar.write("skipped " + message.split(";")[0])
+        r.result.skipped_steps.append(r.step + 1)
+        grad_norm = float("nan")
     r.scheduler.step()
     r.optimizer.zero_grad(set_to_none=True)
     r.step += 1
@@ -247,7 +272,11 @@ def checkpoint(r: Run) -> None:
     record = replace(r.record, step=r.step, epoch=epoch, batch_in_epoch=batch)
     acc, tmp = r.accelerator, train_state.temp_dir(r.checkpoints, r.step)
     final = train_state.checkpoint_dir(r.checkpoints, r.step)
-    with atomic_dir(final, tmp) if r.main else nullcontext(tmp):
+    if r.main:
+        guard.check_lora_finite(r.params, final)
+    with guard.one_line_errors(f"checkpoint step-{r.step}", r.checkpoints), (
+        atomic_dir(final, tmp) if r.main else nullcontext(tmp)
+    ):
         acc.wait_for_everyone()  # the temp folder exists
         train_state.save_rng(tmp, acc.process_index)
         acc.wait_for_everyone()
@@ -266,7 +295,8 @@ def finish(r: Run) -> TrainResult:
     r.bar.close()
     r.result.steps = r.step
     if r.main:
-        with atomic_dir(r.result.lora_dir, r.run_dir / ".lora.tmp") as tmp:
+        guard.check_lora_finite(r.params, r.result.lora_dir)
+        with guard.one_line_errors("the final LoRA", r.run_dir), atomic_dir(r.result.lora_dir, r.run_dir / ".lora.tmp") as tmp:
             save_lora(r.transformer, tmp)
         r.writer.close()
         tqdm.write(f"LoRA after {r.step} steps: {r.result.lora_dir}")
@@ -447,7 +477,7 @@ def make_optimizer(params, cfg: TrainConfig):
 
 def forward_backward(transformer, samples: list, tc: TrainConfig, step: int, device: torch.device, scale: float):
     """Per-sample σ, noise and caption dropout for this step, the flow loss, backward of `scale` × its sum.
-    Returns the detached sum of the per-sample losses."""
+    Returns the detached per-sample losses [B]."""
     sigmas = torch.stack([draw_sigma(s, tc.seed, step, tc.sigma) for s in samples])
     noises = [draw_noise(s, tc.seed, step) for s in samples]
     empty = [draw_caption_dropout(s, tc.seed, step, tc.caption_dropout) for s in samples]
@@ -455,7 +485,7 @@ def forward_backward(transformer, samples: list, tc: TrainConfig, step: int, dev
     with _autocast(tc, device):
         per_sample = flow_loss(transformer, samples, sigmas, noises, use_empty=empty, mask_weight=weights)
     (per_sample.sum() * scale).backward()
-    return per_sample.detach().sum()
+    return per_sample.detach()
 
 
 def _count_epoch_tokens(r: Run, epoch: int, global_batch: list[list[int]], ends_epoch: bool) -> None:
