@@ -261,10 +261,10 @@ def run(
     batch_size: int | None = None,
     ranks: Ranks | None = None,
 ) -> Summary:
-    from models.loading import load_component, model_variant, parse_dtype
+    from models.loading import load_component, model_variant, parse_dtype, pipeline_family
 
     section = with_overrides(cfg.encode_text, device=device, batch_size=batch_size)
-    fmt = prompt_format(model_variant(model), section.prompt_template, section.prompt_template_start_idx)
+    fmt = prompt_format(pipeline_family(model_variant(model)), section.prompt_template, section.prompt_template_start_idx)
     ranks = ranks or current_ranks(section.device)
     job = open_job(store, STAGE, TABLE, config_hash(section, prompt_format=fmt.lineage_record()), model,
                    FEATURE_REVISION, ranks)
