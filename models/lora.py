@@ -103,11 +103,18 @@ def lora_weight_file(lora: str | Path) -> Path:
 
 
 def read_lora(lora: str | Path) -> tuple[dict[str, torch.Tensor], dict | None]:
-    """(peft-named state dict without the `transformer.` prefix, saved adapter config or None)."""
+    """(peft-named state dict without the `transformer.` prefix, saved adapter config or None).
+
+    Files in the other formats diffusers' Qwen-Image loader reads (kohya `lora_unet_*`, ComfyUI
+    `diffusion_model.*`, per-module `.alpha` tensors) go through diffusers' own converter
+    (`QwenImagePipeline.lora_state_dict`), which bakes each alpha / rank into the weights: config None, alpha = rank.
+    """
     path = lora_weight_file(lora)
     state = load_file(path)
     with safe_open(path, framework="pt") as f:
         meta = (f.metadata() or {}).get(_METADATA_KEY)
+    if any(not k.startswith(_PREFIX) or k.endswith(".alpha") for k in state):
+        state, meta = _converted(path), None
     bad = [k for k in state if not k.startswith(_PREFIX)]
     if bad:
         raise UserError(f"{path}: keys without the '{_PREFIX}' prefix (not a diffusers transformer LoRA): {bad[:5]}")
@@ -116,14 +123,24 @@ def read_lora(lora: str | Path) -> tuple[dict[str, torch.Tensor], dict | None]:
     return {k[len(_PREFIX) :]: v for k, v in state.items()}, config or None
 
 
-def load_lora(transformer, lora: str | Path, adapter_name: str = ADAPTER) -> None:
+def _converted(path: Path) -> dict[str, torch.Tensor]:
+    from diffusers import QwenImagePipeline
+
+    try:
+        return QwenImagePipeline.lora_state_dict(str(path))
+    except (ValueError, KeyError) as e:
+        raise UserError(f"{path}: not a Qwen-Image LoRA diffusers can convert ({e})") from None
+
+
+def load_lora(transformer, lora: str | Path, adapter_name: str = ADAPTER, state: dict | None = None) -> None:
     """Copy saved adapter weights into the transformer's existing adapter; any key mismatch is an error.
 
     The transformer must already carry an adapter built from the same settings (`add_lora`, `attach_lora`).
+    `state`: already read (and possibly rescaled) weights of `lora`, instead of reading the file.
     """
     from peft.utils import set_peft_model_state_dict
 
-    state, _ = read_lora(lora)
+    state = read_lora(lora)[0] if state is None else state
     expected = lora_state_dict(transformer, adapter_name)
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
@@ -141,6 +158,28 @@ def load_lora(transformer, lora: str | Path, adapter_name: str = ADAPTER) -> Non
     unexpected_after = [k for k in getattr(result, "unexpected_keys", []) if ".lora_" in k]
     if unexpected_after:
         raise UserError(f"LoRA at {lora}: peft did not place keys {unexpected_after[:5]}")
+
+
+def init_from_lora(transformer, lora: str | Path, adapter_name: str = ADAPTER) -> None:
+    """Start the trainer's adapter from an existing LoRA (`train.init_lora`): same targets and rank as the
+    config (checked, one-line error naming the setting), and the same weight delta as the file: lora_B is
+    rescaled by (file alpha / r) / (config alpha / r) when the alphas differ."""
+    state, config = read_lora(lora)
+    peft_cfg = transformer.peft_config[adapter_name]
+    ranks = {k[: -len(".lora_A.weight")]: v.shape[0] for k, v in state.items() if k.endswith(".lora_A.weight")}
+    if set(ranks.values()) - {peft_cfg.r}:
+        raise UserError(f"train.init_lora {lora}: LoRA rank {sorted(set(ranks.values()))}, config "
+                        f"train.lora.rank {peft_cfg.r}; set train.lora.rank to the file's rank")
+    mine = {k[: -len(".lora_A.weight")] for k in lora_state_dict(transformer, adapter_name) if k.endswith(".lora_A.weight")}
+    if set(ranks) != mine:
+        raise UserError(f"train.init_lora {lora}: the file adapts {len(ranks)} modules, train.lora.target_modules "
+                        f"{len(mine)} (e.g. only in the file: {sorted(set(ranks) - mine)[:3]}, only in the config: "
+                        f"{sorted(mine - set(ranks))[:3]}); set train.lora.target_modules to the file's modules")
+    file_alpha = (config or {}).get("lora_alpha", peft_cfg.r)
+    factor = float(file_alpha) / float(peft_cfg.lora_alpha)
+    if factor != 1.0:
+        state = {k: v * factor if k.endswith(".lora_B.weight") else v for k, v in state.items()}
+    load_lora(transformer, lora, adapter_name, state={k: v.float() for k, v in state.items()})
 
 
 def attach_lora(transformer, lora: str | Path, scale: float = 1.0, adapter_name: str = "lora") -> None:

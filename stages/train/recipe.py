@@ -56,7 +56,10 @@ from store.format import atomic_dir
 from store.join import JoinedTables
 
 # Settings that change how long or how often, not what is trained: a resume may change them.
-_NOT_FINGERPRINTED = {"max_steps", "checkpoint_every", "keep_checkpoints", "log_every", "device"}
+_NOT_FINGERPRINTED = {"max_steps", "checkpoint_every", "keep_checkpoints", "log_every", "device",
+                      # validation and samples only read the adapter (stages/train/validate.py)
+                      "validate_every", "validate_max_samples", "validate_timesteps", "validate_noise_seeds",
+                      "sample_every", "sample_count", "sample_steps"}
 
 
 @dataclass
@@ -181,6 +184,10 @@ def setup(cfg: PipelineConfig, store: str | Path, model: str, out: str | Path, r
 
     r.transformer = setup_transformer(model, tc, r.device)
     _check_shapes(tables, r.transformer)
+    if tc.init_lora and latest is None:
+        from models.lora import init_from_lora
+
+        init_from_lora(r.transformer, tc.init_lora)
     r.params = lora_parameters(r.transformer)
     r.optimizer, r.scheduler = make_optimizer(r.params, tc)
     sampler = LengthAwareBatchSampler(
