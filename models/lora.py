@@ -27,6 +27,7 @@ WEIGHT_NAME = "pytorch_lora_weights.safetensors"  # diffusers' default LoRA file
 ADAPTER = "default"  # the trainer's adapter
 _PREFIX = "transformer."
 _METADATA_KEY = "lora_adapter_metadata"  # diffusers' LORA_ADAPTER_METADATA_KEY (loaders/lora_base.py)
+_ADAPTER_TAGS = (".lora_", ".hada_", ".lokr_")  # peft parameter names of LoRA/DoRA, LoHa, LoKr
 
 
 class LoraSettings(Protocol):
@@ -39,19 +40,28 @@ class LoraSettings(Protocol):
     init_weights: str
 
 
-def add_lora(transformer, cfg: LoraSettings) -> None:
-    """Freeze the base and attach one trainable LoRA adapter (peft) to `cfg.target_modules`."""
+def adapter_config(cfg: LoraSettings):
+    """The peft config of `cfg.kind` (default `lora`): LoRA, DoRA (LoRA + a learned magnitude per output),
+    LoHa (Hadamard product of two low-rank pairs) or LoKr (Kronecker product) on `cfg.target_modules`."""
+    from peft import LoHaConfig, LoKrConfig
     from peft import LoraConfig as PeftLoraConfig
 
+    kind = getattr(cfg, "kind", "lora")
+    alpha = cfg.alpha if cfg.alpha is not None else cfg.rank
+    if kind in ("lora", "dora"):
+        return PeftLoraConfig(
+            r=cfg.rank, lora_alpha=alpha, lora_dropout=cfg.dropout, target_modules=list(cfg.target_modules),
+            init_lora_weights=True if cfg.init_weights == "default" else cfg.init_weights, use_dora=kind == "dora",
+        )
+    cls = {"loha": LoHaConfig, "lokr": LoKrConfig}[kind]
+    # peft's LoHa/LoKr init (one factor zero): the adapter starts as the identity, like LoRA's B = 0.
+    return cls(r=cfg.rank, alpha=alpha, module_dropout=cfg.dropout, target_modules=list(cfg.target_modules))
+
+
+def add_lora(transformer, cfg: LoraSettings) -> None:
+    """Freeze the base and attach one trainable adapter (peft; `cfg.kind`) to `cfg.target_modules`."""
     transformer.requires_grad_(False)
-    peft_cfg = PeftLoraConfig(
-        r=cfg.rank,
-        lora_alpha=cfg.alpha if cfg.alpha is not None else cfg.rank,
-        lora_dropout=cfg.dropout,
-        target_modules=list(cfg.target_modules),
-        init_lora_weights=True if cfg.init_weights == "default" else cfg.init_weights,
-    )
-    transformer.add_adapter(peft_cfg, adapter_name=ADAPTER)
+    transformer.add_adapter(adapter_config(cfg), adapter_name=ADAPTER)
     # LoRA weights train in float32 even when the frozen base is bf16 (optimizer states stay exact).
     for p in lora_parameters(transformer):
         p.data = p.data.float()
@@ -59,7 +69,7 @@ def add_lora(transformer, cfg: LoraSettings) -> None:
 
 def lora_parameters(transformer) -> list[torch.nn.Parameter]:
     """The trainable adapter parameters, in a stable (module) order: the optimizer's param order."""
-    return [p for n, p in transformer.named_parameters() if ".lora_" in n and p.requires_grad]
+    return [p for n, p in transformer.named_parameters() if any(t in n for t in _ADAPTER_TAGS) and p.requires_grad]
 
 
 def lora_state_dict(transformer, adapter_name: str = ADAPTER) -> dict[str, torch.Tensor]:
@@ -155,7 +165,7 @@ def load_lora(transformer, lora: str | Path, adapter_name: str = ADAPTER, state:
     if wrong_shape:
         raise UserError(f"LoRA at {lora}: shapes differ from the adapter for {wrong_shape[:5]} (different rank?)")
     result = set_peft_model_state_dict(transformer, state, adapter_name=adapter_name)
-    unexpected_after = [k for k in getattr(result, "unexpected_keys", []) if ".lora_" in k]
+    unexpected_after = [k for k in getattr(result, "unexpected_keys", []) if any(t in k for t in _ADAPTER_TAGS)]
     if unexpected_after:
         raise UserError(f"LoRA at {lora}: peft did not place keys {unexpected_after[:5]}")
 
@@ -166,6 +176,8 @@ def init_from_lora(transformer, lora: str | Path, adapter_name: str = ADAPTER) -
     rescaled by (file alpha / r) / (config alpha / r) when the alphas differ."""
     state, config = read_lora(lora)
     peft_cfg = transformer.peft_config[adapter_name]
+    if getattr(peft_cfg, "peft_type", None) != "LORA" or getattr(peft_cfg, "use_dora", False):
+        raise UserError(f"train.init_lora {lora}: starting from a file works for train.lora.kind 'lora' only")
     ranks = {k[: -len(".lora_A.weight")]: v.shape[0] for k, v in state.items() if k.endswith(".lora_A.weight")}
     if set(ranks.values()) - {peft_cfg.r}:
         raise UserError(f"train.init_lora {lora}: LoRA rank {sorted(set(ranks.values()))}, config "
@@ -194,11 +206,13 @@ def attach_lora(transformer, lora: str | Path, scale: float = 1.0, adapter_name:
 
 
 def _peft_config(state: dict[str, torch.Tensor], saved: dict | None):
+    from peft import LoHaConfig, LoKrConfig
     from peft import LoraConfig as PeftLoraConfig
 
     if saved:
-        known = {f.name for f in dataclasses.fields(PeftLoraConfig) if f.init}
-        return PeftLoraConfig(**{k: v for k, v in saved.items() if k in known})
+        cls = {"LOHA": LoHaConfig, "LOKR": LoKrConfig}.get(saved.get("peft_type"), PeftLoraConfig)
+        known = {f.name for f in dataclasses.fields(cls) if f.init}
+        return cls(**{k: v for k, v in saved.items() if k in known})
     ranks = {k[: -len(".lora_A.weight")]: v.shape[0] for k, v in state.items() if k.endswith(".lora_A.weight")}
     if not ranks:
         raise UserError("the LoRA file holds no lora_A weights")

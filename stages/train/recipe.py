@@ -103,6 +103,8 @@ class Run:
     bar: Any = None
     result: TrainResult | None = None
     epoch_tokens: list[int] = field(default_factory=lambda: [0, 0])  # valid, computed of the current epoch
+    ema: Any = None  # stages.train.ema.AdapterEMA with train.ema_decay
+    validator: Any = None  # stages.train.validate.Validator with train.validate_every / sample_every
 
     @property
     def device(self) -> torch.device:
@@ -190,6 +192,10 @@ def setup(cfg: PipelineConfig, store: str | Path, model: str, out: str | Path, r
         init_from_lora(r.transformer, tc.init_lora)
     r.params = lora_parameters(r.transformer)
     r.optimizer, r.scheduler = make_optimizer(r.params, tc)
+    if tc.ema_decay is not None:
+        from stages.train.ema import AdapterEMA
+
+        r.ema = AdapterEMA(r.params, tc.ema_decay)
     sampler = LengthAwareBatchSampler(
         tables.lengths, tc.batch_size, seed=tc.seed, window=tc.sampler_window, world_size=r.world
     )
@@ -220,6 +226,8 @@ def step(r: Run) -> StepStats:
     grad_norm = _clip(r.params, tc.max_grad_norm)
     r.optimizer.step()
     r.scheduler.step()
+    if r.ema is not None:
+        r.ema.update()
     r.optimizer.zero_grad(set_to_none=True)
     r.step += 1
     loss = loss_sum.item() / n_step  # the sync point: the step's compute is done here
@@ -258,6 +266,8 @@ def checkpoint(r: Run) -> None:
             save_lora(r.transformer, tmp / "lora")
             train_state.save_optimizer(r.optimizer, tmp)
             train_state.save_scheduler(r.scheduler, tmp)
+            if r.ema is not None:
+                r.ema.save(tmp)
             train_state.write_record(tmp, record)
     if r.main:
         train_state.prune(r.checkpoints, r.cfg.keep_checkpoints)
@@ -271,6 +281,9 @@ def finish(r: Run) -> TrainResult:
     if r.main:
         with atomic_dir(r.result.lora_dir, r.run_dir / ".lora.tmp") as tmp:
             save_lora(r.transformer, tmp)
+        if r.ema is not None:
+            with atomic_dir(r.run_dir / "lora_ema", r.run_dir / ".lora_ema.tmp") as tmp, r.ema.swapped_in():
+                save_lora(r.transformer, tmp)
         r.writer.close()
         tqdm.write(f"LoRA after {r.step} steps: {r.result.lora_dir}")
     r.accelerator.wait_for_everyone()
@@ -376,6 +389,8 @@ def _restore(r: Run, latest: Path) -> None:
     train_state.load_optimizer(r.optimizer, latest)
     train_state.load_scheduler(r.scheduler, latest)
     train_state.load_rng(latest, r.rank)
+    if r.ema is not None:
+        r.ema.load(latest)
     r.step = record.step
     r.stream = DataStream(r.stream.sampler, record.epoch, record.batch_in_epoch)
     if r.main:
@@ -420,9 +435,9 @@ def _check_shapes(tables: JoinedTables, transformer) -> None:
 
 
 def make_optimizer(params, cfg: TrainConfig):
-    optimizer = torch.optim.AdamW(
-        params, lr=cfg.learning_rate, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps, weight_decay=cfg.weight_decay
-    )
+    from stages.train.optimizers import build_optimizer
+
+    optimizer = build_optimizer(params, cfg)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg))
     return optimizer, scheduler
 
