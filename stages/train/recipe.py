@@ -45,7 +45,7 @@ from tqdm.auto import tqdm
 from models.flow import flow_loss
 from models.lora import WEIGHT_NAME, add_lora, load_lora, lora_parameters, save_lora
 from models.multires import install_multires
-from models.randomness import draw_caption_dropout, draw_noise, draw_sigma
+from models.randomness import draw_caption_dropout, draw_noise, draw_sigma, with_control_dropout
 from schemas.config import PipelineConfig, TrainConfig, dump_config
 from schemas.errors import UserError
 from stages.train import state as train_state
@@ -448,6 +448,7 @@ def make_optimizer(params, cfg: TrainConfig):
 def forward_backward(transformer, samples: list, tc: TrainConfig, step: int, device: torch.device, scale: float):
     """Per-sample σ, noise and caption dropout for this step, the flow loss, backward of `scale` × its sum.
     Returns the detached sum of the per-sample losses."""
+    samples = with_control_dropout(samples, tc.seed, step, tc.control_dropout)
     sigmas = torch.stack([draw_sigma(s, tc.seed, step, tc.sigma) for s in samples])
     noises = [draw_noise(s, tc.seed, step) for s in samples]
     empty = [draw_caption_dropout(s, tc.seed, step, tc.caption_dropout) for s in samples]
