@@ -154,6 +154,8 @@ def run(
     while r.step < r.cfg.max_steps:
         stats = step(r)
         log(r, stats)
+        if r.validator is not None:
+            r.validator(r)
         if r.step % r.cfg.checkpoint_every == 0 or r.step == r.cfg.max_steps:
             checkpoint(r)
     return finish(r)
@@ -202,6 +204,10 @@ def setup(cfg: PipelineConfig, store: str | Path, model: str, out: str | Path, r
     r.stream = DataStream(sampler)
     if latest is not None:
         _restore(r, latest)
+    if tc.validate_every is not None or tc.sample_every is not None:
+        from stages.train.validate import Validator
+
+        r.validator = Validator(tc, store, model, r.run_dir)
     r.result = TrainResult(r.run_dir, r.run_dir / "lora", start_step=r.step, steps=r.step, main_process=r.main)
     if r.main:
         from torch.utils.tensorboard import SummaryWriter
