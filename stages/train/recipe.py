@@ -60,6 +60,7 @@ _NOT_FINGERPRINTED = {"max_steps", "checkpoint_every", "keep_checkpoints", "log_
                       # validation and samples only read the adapter (stages/train/validate.py)
                       "validate_every", "validate_max_samples", "validate_timesteps", "validate_noise_seeds",
                       "sample_every", "sample_count", "sample_steps"}
+_ADDED_LATER = {"init_lora": None, "optimizer": "adamw", "ema_decay": None, "control_dropout": 0.0}
 
 
 @dataclass
@@ -331,7 +332,14 @@ def config_fingerprint(cfg: TrainConfig) -> str:
     exclude = set(_NOT_FINGERPRINTED)
     if cfg.lr_schedule != "constant":
         exclude.discard("max_steps")
-    blob = json.dumps(cfg.model_dump(mode="json", exclude=exclude), sort_keys=True).encode()
+    settings = cfg.model_dump(mode="json", exclude=exclude)
+    # Options added after runs already existed count only when set: those runs still resume and stay up to date.
+    for key, off in _ADDED_LATER.items():
+        if settings.get(key) == off:
+            settings.pop(key)
+    if settings["lora"].get("kind") == "lora":
+        settings["lora"].pop("kind")
+    blob = json.dumps(settings, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
