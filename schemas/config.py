@@ -90,6 +90,8 @@ class EncodeTextConfig(Section):
         "padded: any requests per batch, text right-padded (float32 within ~1e-6 of exact; full batches, use on GPUs)")
     shard_size_mb: float = Field(256, gt=0, description="shard file size target (fractions allowed)")
     num_workers: int = Field(2, ge=0, description="threads decoding + preprocessing ahead of the forward (0 = inline)")
+    no_control_embeds: bool = Field(False, description="also store the instruction encoded without its control "
+                                    "images (`nocontrol_embeds`, for train.control_dropout)")
 
 
 class EncodeVaeConfig(Section):
@@ -106,6 +108,9 @@ class LoraConfig(Section):
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     target_modules: list[str] = ["to_q", "to_k", "to_v", "to_out.0"]
     init_weights: Literal["gaussian", "default"] = "gaussian"
+    kind: Literal["lora", "dora", "loha", "lokr"] = Field(
+        "lora", description="peft adapter: lora | dora (LoRA + magnitude) | loha (Hadamard) | lokr (Kronecker); "
+        "only lora loads in diffusers' Qwen-Image pipelines (docs/train.md)")
 
 
 class SigmaConfig(Section):
@@ -160,6 +165,21 @@ class TrainConfig(Section):
     lora: LoraConfig = LoraConfig()
     sigma: SigmaConfig = SigmaConfig()
     loss: LossConfig = LossConfig()
+    init_lora: str | None = Field(None, description="start from this LoRA (diffusers, kohya lora_unet_*, ComfyUI "
+                                  "diffusion_model.*); rank and targets must match train.lora")
+    optimizer: Literal["adamw", "adamw8bit", "adafactor", "prodigy"] = Field(
+        "adamw", description="adamw (torch) | adamw8bit (bitsandbytes) | adafactor (transformers) | prodigy "
+        "(prodigyopt; set learning_rate ~1.0)")
+    ema_decay: float | None = Field(None, gt=0.0, lt=1.0, description="EMA of the adapter -> RUN/lora_ema (None = off)")
+    control_dropout: float = Field(0.0, ge=0.0, le=1.0, description="per-sample probability of training on the "
+                                   "instruction encoded without its control images (needs encode_text.no_control_embeds)")
+    validate_every: int | None = Field(None, gt=0, description="held-out loss on the val split every N steps")
+    validate_max_samples: int = Field(8, gt=0, description="validation: first N val samples (by key)")
+    validate_timesteps: list[float] = Field([0.25, 0.5, 0.75], min_length=1, description="validation σ grid")
+    validate_noise_seeds: list[int] = Field([0], min_length=1, description="validation noise seeds")
+    sample_every: int | None = Field(None, gt=0, description="generate val samples every N steps -> RUN/samples")
+    sample_count: int = Field(2, gt=0, description="val samples per sample grid")
+    sample_steps: int = Field(4, ge=2, description="denoising steps of the sample grid")
 
 
 class ExtraPrompt(Section):

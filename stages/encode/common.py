@@ -40,6 +40,8 @@ IMAGES_TABLE = "images"
 # Settings that change speed or file layout but never a feature value (batch-size independence is tested), so
 # changing them keeps the table up to date instead of re-encoding everything.
 THROUGHPUT_ONLY_SETTINGS = frozenset({"batch_size", "shard_size_mb", "num_workers"})
+# Options added later, hashed only when switched on: tables built before they existed stay up to date.
+OFF_UNLESS_ON = {"no_control_embeds": False}
 
 
 # ---------------------------------------------------------------- processes
@@ -80,7 +82,8 @@ def rank_device(device: str, ranks: Ranks) -> str:
 def config_hash(section: Section, **extra: Any) -> str:
     """Fingerprint of the settings that determine features: the stage section without throughput-only knobs,
     plus whatever else the stage passes (e.g. the effective prompt template)."""
-    settings = {k: v for k, v in section.model_dump(mode="json").items() if k not in THROUGHPUT_ONLY_SETTINGS}
+    settings = {k: v for k, v in section.model_dump(mode="json").items()
+                if k not in THROUGHPUT_ONLY_SETTINGS and not (k in OFF_UNLESS_ON and v == OFF_UNLESS_ON[k])}
     blob = json.dumps({"section": settings, **extra}, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
 

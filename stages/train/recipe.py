@@ -45,7 +45,7 @@ from tqdm.auto import tqdm
 from models.flow import flow_loss
 from models.lora import WEIGHT_NAME, add_lora, load_lora, lora_parameters, save_lora
 from models.multires import install_multires
-from models.randomness import draw_caption_dropout, draw_noise, draw_sigma
+from models.randomness import draw_caption_dropout, draw_noise, draw_sigma, with_control_dropout
 from schemas.config import PipelineConfig, TrainConfig, dump_config
 from schemas.errors import UserError
 from stages.train import guard, state as train_state
@@ -60,7 +60,11 @@ from store.join import JoinedTables
 
 # Settings that change how long or how often, not what is trained: a resume may change them.
 _NOT_FINGERPRINTED = {"max_steps", "checkpoint_every", "keep_checkpoints", "log_every", "device",
-                      "on_damaged", "max_damaged_fraction", "on_nonfinite"}
+                      "on_damaged", "max_damaged_fraction", "on_nonfinite",
+                      # validation and samples only read the adapter (stages/train/validate.py)
+                      "validate_every", "validate_max_samples", "validate_timesteps", "validate_noise_seeds",
+                      "sample_every", "sample_count", "sample_steps"}
+_ADDED_LATER = {"init_lora": None, "optimizer": "adamw", "ema_decay": None, "control_dropout": 0.0}
 
 
 @dataclass
@@ -104,6 +108,8 @@ class Run:
     bar: Any = None
     result: TrainResult | None = None
     epoch_tokens: list[int] = field(default_factory=lambda: [0, 0])  # valid, computed of the current epoch
+    ema: Any = None  # stages.train.ema.AdapterEMA with train.ema_decay
+    validator: Any = None  # stages.train.validate.Validator with train.validate_every / sample_every
 
     @property
     def device(self) -> torch.device:
@@ -155,10 +161,12 @@ def run(
     # One writer per run folder: a second `train` into the same OUT is refused, naming the holder.
     run_lock = guard.lock_run_dir(Path(out)) if accelerator.is_main_process else None
     try:
-        r = setup(cfg, accelerator, store, model, out, resume)
+        r = setup(cfg, store, model, out, resume, accelerator)
         while r.step < r.cfg.max_steps:
             stats = step(r)
             log(r, stats)
+            if r.validator is not None:
+                r.validator(r)
             if r.step % r.cfg.checkpoint_every == 0 or r.step == r.cfg.max_steps:
                 checkpoint(r)
         return finish(r)
@@ -167,10 +175,14 @@ def run(
             run_lock.release()
 
 
-def setup(cfg: PipelineConfig, accelerator, store: str | Path, model: str, out: str | Path, resume: bool) -> Run:
+def setup(cfg: PipelineConfig, store: str | Path, model: str, out: str | Path, resume: bool = False,
+          accelerator=None) -> Run:
     """Check the config, open the inputs and the run folder (resume checks before any model is loaded), build
     the model, optimizer and sampler, restore a checkpoint."""
     tc = cfg.train
+    if accelerator is None:  # `run` makes it first (the run-folder lock needs the process rank)
+        validate_config(tc)
+        accelerator = _accelerator(tc)
     if tc.mixed_precision == "bf16" and not _bf16_supported(accelerator.device):
         tqdm.write(f"bf16 is not supported on {accelerator.device}: training in float32")
         tc = tc.model_copy(update={"mixed_precision": "no"})
@@ -196,14 +208,26 @@ def setup(cfg: PipelineConfig, accelerator, store: str | Path, model: str, out: 
 
     r.transformer = setup_transformer(model, tc, r.device)
     _check_shapes(tables, r.transformer)
+    if tc.init_lora and latest is None:
+        from models.lora import init_from_lora
+
+        init_from_lora(r.transformer, tc.init_lora)
     r.params = lora_parameters(r.transformer)
     r.optimizer, r.scheduler = make_optimizer(r.params, tc)
+    if tc.ema_decay is not None:
+        from stages.train.ema import AdapterEMA
+
+        r.ema = AdapterEMA(r.params, tc.ema_decay)
     sampler = LengthAwareBatchSampler(
         tables.lengths, tc.batch_size, seed=tc.seed, window=tc.sampler_window, world_size=r.world
     )
     r.stream = DataStream(sampler)
     if latest is not None:
         _restore(r, latest)
+    if tc.validate_every is not None or tc.sample_every is not None:
+        from stages.train.validate import Validator
+
+        r.validator = Validator(tc, store, model, r.run_dir)
     r.result = TrainResult(r.run_dir, r.run_dir / "lora", start_step=r.step, steps=r.step, main_process=r.main)
     if r.main:
         from torch.utils.tensorboard import SummaryWriter
@@ -241,6 +265,8 @@ def step(r: Run) -> StepStats:
         r.result.skipped_steps.append(r.step + 1)
         grad_norm = float("nan")
     r.scheduler.step()
+    if r.ema is not None:
+        r.ema.update()
     r.optimizer.zero_grad(set_to_none=True)
     r.step += 1
     loss = loss_sum.item() / n_step  # the sync point: the step's compute is done here
@@ -284,6 +310,8 @@ def checkpoint(r: Run) -> None:
             save_lora(r.transformer, tmp / "lora")
             train_state.save_optimizer(r.optimizer, tmp)
             train_state.save_scheduler(r.scheduler, tmp)
+            if r.ema is not None:
+                r.ema.save(tmp)
             train_state.write_record(tmp, record)
     if r.main:
         train_state.prune(r.checkpoints, r.cfg.keep_checkpoints)
@@ -298,6 +326,9 @@ def finish(r: Run) -> TrainResult:
         guard.check_lora_finite(r.params, r.result.lora_dir)
         with guard.one_line_errors("the final LoRA", r.run_dir), atomic_dir(r.result.lora_dir, r.run_dir / ".lora.tmp") as tmp:
             save_lora(r.transformer, tmp)
+        if r.ema is not None:
+            with atomic_dir(r.run_dir / "lora_ema", r.run_dir / ".lora_ema.tmp") as tmp, r.ema.swapped_in():
+                save_lora(r.transformer, tmp)
         r.writer.close()
         tqdm.write(f"LoRA after {r.step} steps: {r.result.lora_dir}")
     r.accelerator.wait_for_everyone()
@@ -339,7 +370,14 @@ def config_fingerprint(cfg: TrainConfig) -> str:
     exclude = set(_NOT_FINGERPRINTED)
     if cfg.lr_schedule != "constant":
         exclude.discard("max_steps")
-    blob = json.dumps(cfg.model_dump(mode="json", exclude=exclude), sort_keys=True).encode()
+    settings = cfg.model_dump(mode="json", exclude=exclude)
+    # Options added after runs already existed count only when set: those runs still resume and stay up to date.
+    for key, off in _ADDED_LATER.items():
+        if settings.get(key) == off:
+            settings.pop(key)
+    if settings["lora"].get("kind") == "lora":
+        settings["lora"].pop("kind")
+    blob = json.dumps(settings, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
@@ -421,6 +459,8 @@ def _restore(r: Run, latest: Path) -> None:
     train_state.load_optimizer(r.optimizer, latest)
     train_state.load_scheduler(r.scheduler, latest)
     train_state.load_rng(latest, r.rank)
+    if r.ema is not None:
+        r.ema.load(latest)
     r.step = record.step
     r.stream = DataStream(r.stream.sampler, record.epoch, record.batch_in_epoch)
     if r.main:
@@ -465,9 +505,9 @@ def _check_shapes(tables: JoinedTables, transformer) -> None:
 
 
 def make_optimizer(params, cfg: TrainConfig):
-    optimizer = torch.optim.AdamW(
-        params, lr=cfg.learning_rate, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps, weight_decay=cfg.weight_decay
-    )
+    from stages.train.optimizers import build_optimizer
+
+    optimizer = build_optimizer(params, cfg)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg))
     return optimizer, scheduler
 
@@ -478,6 +518,7 @@ def make_optimizer(params, cfg: TrainConfig):
 def forward_backward(transformer, samples: list, tc: TrainConfig, step: int, device: torch.device, scale: float):
     """Per-sample σ, noise and caption dropout for this step, the flow loss, backward of `scale` × its sum.
     Returns the detached per-sample losses [B]."""
+    samples = with_control_dropout(samples, tc.seed, step, tc.control_dropout)
     sigmas = torch.stack([draw_sigma(s, tc.seed, step, tc.sigma) for s in samples])
     noises = [draw_noise(s, tc.seed, step) for s in samples]
     empty = [draw_caption_dropout(s, tc.seed, step, tc.caption_dropout) for s in samples]

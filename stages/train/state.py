@@ -2,7 +2,7 @@
 
 `RUN/checkpoints/step-N/` holds
     lora/pytorch_lora_weights.safetensors   the adapter, diffusers format (loadable like RUN/lora)
-    optimizer.safetensors + optimizer.json  AdamW state tensors / param groups (no pickle)
+    optimizer.safetensors + optimizer.json  optimizer state tensors / other state + param groups (no pickle)
     scheduler.json                          LR scheduler state
     rng-rankNN.safetensors                  each rank's torch RNG states
     resume.json                             `ResumeRecord` + size and CRC32C of every other file, sealed
@@ -195,24 +195,52 @@ def write_record(folder: Path, record: ResumeRecord) -> None:
 # ---------------------------------------------------------------------------------------------- state files
 
 
+def _flatten(value: Any, key: str, tensors: dict[str, torch.Tensor], seen: dict[tuple, str]) -> Any:
+    """JSON layout of one optimizer state entry; tensors go to `tensors` under `key` (nested dicts recurse:
+    bitsandbytes keeps its quantisation state in one). A tensor shared between params (bitsandbytes' qmaps) is
+    written once and referenced by its first key."""
+    if isinstance(value, torch.Tensor):
+        ident = (value.data_ptr(), tuple(value.shape), tuple(value.stride()), value.dtype)
+        if value.numel() and ident in seen:
+            return {"tensor": seen[ident]}
+        seen[ident] = key
+        tensors[key] = value.detach().cpu().contiguous()
+        return {"tensor": key}
+    if isinstance(value, dict):
+        return {"dict": {k: _flatten(v, f"{key}.{k}", tensors, seen) for k, v in value.items()}}
+    return {"value": value}
+
+
+def _unflatten(layout: dict, tensors: dict[str, torch.Tensor]) -> Any:
+    if "tensor" in layout:
+        return tensors[layout["tensor"]]
+    if "dict" in layout:
+        return {k: _unflatten(v, tensors) for k, v in layout["dict"].items()}
+    return layout["value"]
+
+
 def save_optimizer(optimizer: torch.optim.Optimizer, folder: Path) -> None:
+    """Any torch-style optimizer (AdamW, bitsandbytes 8-bit, Adafactor, Prodigy): state tensors in safetensors,
+    everything else (ints, floats, the param groups) in JSON; no pickle."""
     sd = optimizer.state_dict()
-    tensors = {f"{idx}.{name}": v.detach().cpu().contiguous() for idx, st in sd["state"].items() for name, v in st.items()}
+    tensors: dict[str, torch.Tensor] = {}
+    seen: dict[tuple, str] = {}
+    layout = {str(idx): {name: _flatten(v, f"{idx}.{name}", tensors, seen) for name, v in st.items()}
+              for idx, st in sd["state"].items()}
     save_file(tensors, folder / "optimizer.safetensors")
     groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()} for g in sd["param_groups"]]
-    (folder / "optimizer.json").write_text(json.dumps({"param_groups": groups}, indent=2) + "\n")
+    (folder / "optimizer.json").write_text(json.dumps({"param_groups": groups, "state": layout}, indent=2) + "\n")
 
 
 def load_optimizer(optimizer: torch.optim.Optimizer, folder: Path) -> None:
     flat = load_file(folder / "optimizer.safetensors")
-    groups = json.loads((folder / "optimizer.json").read_text())["param_groups"]
-    for g in groups:
-        if "betas" in g:
-            g["betas"] = tuple(g["betas"])
-    state: dict[int, dict[str, torch.Tensor]] = {}
-    for name, v in flat.items():
-        idx, field_name = name.split(".", 1)
-        state.setdefault(int(idx), {})[field_name] = v
+    saved = json.loads((folder / "optimizer.json").read_text())
+    groups = saved["param_groups"]
+    for g, now in zip(groups, optimizer.param_groups):
+        for k, v in now.items():  # JSON has no tuples: give back the optimizer's own types (betas, eps, ...)
+            if isinstance(v, tuple) and isinstance(g.get(k), list):
+                g[k] = tuple(g[k])
+    state = {int(idx): {name: _unflatten(v, flat) for name, v in st.items()} for idx, st in saved["state"].items()}
     n_params = sum(len(g["params"]) for g in optimizer.param_groups)
     if sum(len(g["params"]) for g in groups) != n_params:
         raise UserError(f"{folder}: optimizer state is for a different number of LoRA parameters")

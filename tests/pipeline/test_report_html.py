@@ -7,7 +7,6 @@ import json
 import math
 import re
 import shutil
-from pathlib import Path
 import subprocess
 
 import numpy as np
