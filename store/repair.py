@@ -129,6 +129,10 @@ def scan_table(root: Path, table: str, version: int, progress: bool = True) -> T
     manifest = _manifest(vdir, sums, plan)
     if manifest is None:
         return plan
+    if sums is None and {"sample_crc32c", "shard_crc32c"} & set(manifest.column_names):
+        plan.unrepairable = (f"{fmt.CHECKSUMS} is missing, so its manifest cannot be trusted (rerun the stage that "
+                             "writes it: a new version)")
+        return plan
     reader = _reader_on(vdir, table, version, manifest)
     plan.samples = len(reader)
     shards_with_damage: set[str] = set()

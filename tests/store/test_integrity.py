@@ -332,3 +332,16 @@ def test_every_bit_flip_of_store_json_is_refused_on_open(store: Store) -> None:
                 fmt.read_store_record(store.root)
             path.write_bytes(clean)
     assert Store(store.root, create=False).tables() == {"vae": 1}
+
+
+def test_repair_dry_run_names_what_it_cannot_repair(store: Store) -> None:
+    from typer.testing import CliRunner
+
+    from pipeline.cli import app
+
+    fill(store, 3)
+    (store.root / "vae" / "v1" / fmt.CHECKSUMS).unlink()
+    res = CliRunner().invoke(app, ["store", "repair", str(store.root), "--dry-run"])
+    assert res.exit_code == 0 and "vae v1: CANNOT REPAIR: checksums.json is missing" in res.output
+    res = CliRunner().invoke(app, ["store", "repair", str(store.root)])
+    assert res.exit_code == 1 and "not repaired: vae v1: checksums.json is missing" in res.output
