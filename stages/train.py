@@ -211,8 +211,7 @@ def run(
     tc = cfg.train
     validate_config(tc)
     accelerator = _accelerator(tc)
-    device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
-    main = accelerator.is_main_process
+    device, main = accelerator.device, accelerator.is_main_process
     if tc.mixed_precision == "bf16" and not _bf16_supported(device):
         tqdm.write(f"bf16 is not supported on {device}: training in float32")
         tc = tc.model_copy(update={"mixed_precision": "no"})
