@@ -98,4 +98,4 @@ def unseal(data: bytes) -> dict[str, Any]:
 
 def is_sealed(data: bytes) -> bool:
     """Does the file claim a checksum at all (a legacy file has none; a damaged sealed file still has the key)."""
-    return b'"checksum"' in data or b"crc32c:" in data
+    return b'"checksum": "' in data or b'"crc32c:' in data

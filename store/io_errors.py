@@ -61,7 +61,7 @@ def writing(what: str, where: Path, need: int | None = None) -> Iterator[None]:
         yield
     except UserError:
         raise
-    except Exception as e:  # noqa: BLE001 - anything else is re-raised unchanged
+    except Exception as e:  # anything that is not a full disk / read-only folder is re-raised unchanged
         err = describe(e, what, where, need)
         if err is None:
             raise

@@ -129,11 +129,13 @@ def scan_table(root: Path, table: str, version: int, progress: bool = True) -> T
     manifest = _manifest(vdir, sums, plan)
     if manifest is None:
         return plan
+    if sums is None and {"sample_crc32c", "shard_crc32c"} & set(manifest.column_names):
+        plan.unrepairable = (f"{fmt.CHECKSUMS} is missing, so its manifest cannot be trusted (rerun the stage that "
+                             "writes it: a new version)")
+        return plan
     reader = _reader_on(vdir, table, version, manifest)
     plan.samples = len(reader)
-    shards_with_damage: set[str] = set()
-    for shard, problem in reader.bad_shards.items():
-        shards_with_damage.add(shard)
+    shards_with_damage: set[str] = set(reader.bad_shards)
     shard_col = reader.manifest.column("shard").to_pylist()
     for shard in sorted(set(shard_col) - shards_with_damage):  # whole-file check: damage between samples too
         want = sums.get(shard) if sums is not None else None
@@ -145,8 +147,6 @@ def scan_table(root: Path, table: str, version: int, progress: bool = True) -> T
         if problem is not None:
             plan.damaged[key] = problem
             shards_with_damage.add(shard)
-        elif shard in shards_with_damage:
-            plan.copied.append(key)
     plan.copied = [k for k, s in zip(reader.keys(), shard_col) if s in shards_with_damage and k not in plan.damaged]
     plan.intact_shards = sorted(set(shard_col) - shards_with_damage)
     reader.close()

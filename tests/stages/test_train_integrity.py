@@ -154,6 +154,7 @@ def test_full_disk_during_checkpoint_and_final_lora_is_one_line_and_rerun_comple
     args = ["run", "train", "--store", str(root), "--model", tiny_edit_model, "--out", str(out), "--max-steps", "2",
             "--batch-size", "2", "--device", "cpu"]
     real = train_state.save_optimizer
+    real_save_lora = train.save_lora
 
     def half_then_full(optimizer, folder):
         real(optimizer, folder)
@@ -176,8 +177,20 @@ def test_full_disk_during_checkpoint_and_final_lora_is_one_line_and_rerun_comple
     monkeypatch.setattr(train, "save_lora", lambda t, d: (Path(d).mkdir(parents=True, exist_ok=True), lora_full()))
     res = runner.invoke(app, args)
     assert res.exit_code == 1 and "disk full while writing checkpoint step-2" in res.output
-    monkeypatch.undo()
+    def final_lora_full(t, d):  # checkpoints save fine; the final LoRA hits the full disk
+        if Path(d).name == ".lora.tmp":
+            Path(d).mkdir(parents=True, exist_ok=True)
+            (Path(d) / "pytorch_lora_weights.safetensors").write_bytes(b"half")
+            lora_full()
+        return real_save_lora(t, d)
+
+    monkeypatch.setattr(train, "save_lora", final_lora_full)
     res = runner.invoke(app, args)
+    assert res.exit_code == 1 and "disk full while writing the final LoRA" in res.output, res.output
+    assert not (out / ".lora.tmp").exists() and not (out / "lora").exists()
+    assert train_state.latest_checkpoint(out / "checkpoints").name == "step-2"  # the committed checkpoint is kept
+    monkeypatch.undo()
+    res = runner.invoke(app, args + ["--resume"])
     assert res.exit_code == 0, res.output
     assert (out / "lora" / "pytorch_lora_weights.safetensors").is_file()
     assert not [p for p in out.rglob("*") if ".tmp" in p.name]

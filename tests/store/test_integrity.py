@@ -319,3 +319,29 @@ def test_not_writable_errors_become_one_line() -> None:
     err = describe(OSError(errno.EROFS, "Read-only file system", "/s/vae/.write-r00.lock"), "table 'vae'", Path("/s"))
     assert err is not None and "cannot write table 'vae': /s/vae/.write-r00.lock is not writable" in str(err)
     assert describe(ValueError("x"), "a", Path("/")) is None
+
+
+def test_every_bit_flip_of_store_json_is_refused_on_open(store: Store) -> None:
+    fill(store, 2)
+    path = store.root / fmt.STORE_JSON
+    clean = path.read_bytes()
+    for pos in range(len(clean)):
+        for bit in range(8):
+            _flip(path, pos, bit)
+            with pytest.raises(UserError):
+                fmt.read_store_record(store.root)
+            path.write_bytes(clean)
+    assert Store(store.root, create=False).tables() == {"vae": 1}
+
+
+def test_repair_dry_run_names_what_it_cannot_repair(store: Store) -> None:
+    from typer.testing import CliRunner
+
+    from pipeline.cli import app
+
+    fill(store, 3)
+    (store.root / "vae" / "v1" / fmt.CHECKSUMS).unlink()
+    res = CliRunner().invoke(app, ["store", "repair", str(store.root), "--dry-run"])
+    assert res.exit_code == 0 and "vae v1: CANNOT REPAIR: checksums.json is missing" in res.output
+    res = CliRunner().invoke(app, ["store", "repair", str(store.root)])
+    assert res.exit_code == 1 and "not repaired: vae v1: checksums.json is missing" in res.output
