@@ -95,6 +95,33 @@ def bench_padding(n: int = 20_000, batch_size: int = 8, window: int = 64, seeds:
     return result
 
 
+def bench_budget(n: int = 20_000, budgets=(32768, 65536, 98304, 131072), target_budget: int = 98304,
+                 window: int = 64, seeds: int = 3) -> dict[int, tuple[float, float, float]]:
+    """Token-budget batches on the DESIGN §5 mix: padding efficiency, mean computed tokens / budget, samples per
+    batch. The fill is bounded by whole samples: a batch of the longest samples (~17k tokens) holds
+    floor(budget / 17k) of them, so fill >= 0.90 needs a budget of several longest samples."""
+    from stages.train.budget import TokenBudgetBatchSampler, computed_fill
+
+    out = {}
+    print(f"== token-budget batches: {n} samples x {seeds} seeds, window {window} batches")
+    print(f"{'budget':>8s} {'linear':>8s} {'quadratic':>10s} {'fill':>6s} {'samples/batch':>14s}")
+    for budget in budgets:
+        rows = []
+        for seed in range(seeds):
+            totals, _, _ = realistic_mix(n, seed)
+            steps = TokenBudgetBatchSampler(totals, budget, seed=seed, window=window).global_steps(0)
+            batches = [s[0] for s in steps]
+            rows.append((*padding_efficiency(batches, totals), computed_fill(steps, totals, budget), n / len(batches)))
+        lin, quad, fill, per = (sum(c) / len(c) for c in zip(*rows))
+        out[budget] = (lin, fill, per)
+        print(f"{budget:8d} {lin:8.3f} {quad:10.3f} {fill:6.3f} {per:14.1f}")
+    lin, fill, _ = out[target_budget]
+    ok = lin >= 0.98 and fill >= 0.90
+    print(f"at budget {target_budget}: linear {lin:.3f} (target >= 0.98), fill {fill:.3f} (target >= 0.90): "
+          f"{'met' if ok else 'NOT met'}")
+    return out
+
+
 def _step_time_fixture(work: Path) -> tuple[str, Path]:
     """A model folder whose transformer is mid-sized, and a store of `text` + `vae` tables built for it."""
     import torch
@@ -220,6 +247,7 @@ def bench_step_time(steps: int = 12, warmup: int = 2, batch_size: int = 4, repea
 
 def main() -> None:
     bench_padding()
+    bench_budget()
     bench_step_time()
 
 

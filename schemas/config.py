@@ -129,6 +129,15 @@ class TrainConfig(Section):
     lora: LoraConfig = LoraConfig()
     sigma: SigmaConfig = SigmaConfig()
     loss: LossConfig = LossConfig()
+    max_tokens_per_batch: int | None = Field(
+        None, gt=0, description="None = fixed batch_size batches; else each batch holds as many samples as fit in "
+        "this many computed tokens (batch size x longest sequence), see stages/train/budget.py")
+    prefetch: int = Field(0, ge=0, description="micro-batches read, drawn and copied to the device ahead by a "
+                          "background thread (0 = inline)")
+    attention_backend: str | None = Field(
+        None, description="diffusers attention backend for padded batches (models/attention.py); None = the "
+        "fastest correct one available (CUDA) / native (CPU)")
+    compile: bool = Field(False, description="torch.compile each transformer block (regional compilation)")
 
 
 class ExtraPrompt(Section):

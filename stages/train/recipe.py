@@ -50,7 +50,8 @@ from schemas.config import PipelineConfig, TrainConfig, dump_config
 from schemas.errors import UserError
 from stages.train import state as train_state
 from stages.train.data import DataStream, load, open_inputs
-from stages.train.sampler import LengthAwareBatchSampler, padding_efficiency
+from stages.train.budget import make_sampler
+from stages.train.sampler import padding_efficiency
 from stages.train.state import ResumeRecord
 from store.format import atomic_dir
 from store.join import JoinedTables
@@ -183,9 +184,7 @@ def setup(cfg: PipelineConfig, store: str | Path, model: str, out: str | Path, r
     _check_shapes(tables, r.transformer)
     r.params = lora_parameters(r.transformer)
     r.optimizer, r.scheduler = make_optimizer(r.params, tc)
-    sampler = LengthAwareBatchSampler(
-        tables.lengths, tc.batch_size, seed=tc.seed, window=tc.sampler_window, world_size=r.world
-    )
+    sampler = make_sampler(tables.lengths, tc.batch_size, tc.max_tokens_per_batch, tc.seed, tc.sampler_window, r.world)
     r.stream = DataStream(sampler)
     if latest is not None:
         _restore(r, latest)

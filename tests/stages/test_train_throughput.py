@@ -1,0 +1,49 @@
+"""Throughput options of the train stage on the tiny model: token-budget batches (exact resume, user errors),
+prefetch (the same LoRA as inline), attention backends and regional compilation (the same numbers as native)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from models.lora import read_lora
+from pipeline.config import load_config
+from schemas import UserError
+from stages.train.recipe import run
+from train_store import make_train_store, mixed_specs
+
+BASE = {"train.device": "cpu", "train.learning_rate": 2e-3, "train.lora.rank": 4, "train.sigma.sampling": "uniform",
+        "train.caption_dropout": 0.3}
+
+
+def cfg_of(**train):
+    return load_config(None, {**BASE, **{f"train.{k}": v for k, v in train.items()}})
+
+
+def assert_same_lora(a: Path, b: Path):
+    la, lb = read_lora(a / "lora")[0], read_lora(b / "lora")[0]
+    assert la.keys() == lb.keys()
+    for k in la:
+        assert torch.equal(la[k], lb[k]), k
+
+
+@pytest.fixture(scope="module")
+def store_dir(tmp_path_factory, tiny_edit_model):
+    root = tmp_path_factory.mktemp("throughput") / "store"
+    make_train_store(root, tiny_edit_model, mixed_specs(8))  # joint lengths 9..56 tokens
+    return root
+
+
+def test_token_budget_run_resumes_exactly_and_refuses_a_budget_below_the_longest_sample(store_dir, tiny_edit_model, tmp_path):
+    # Budget 80: batches of 1 to 4 samples; 5 steps cross an epoch boundary.
+    straight = run(cfg_of(max_tokens_per_batch=80, max_steps=5, checkpoint_every=5), store_dir, tiny_edit_model,
+                   tmp_path / "straight")
+    assert len(straight.epoch_padding) >= 1
+    run(cfg_of(max_tokens_per_batch=80, max_steps=2, checkpoint_every=2), store_dir, tiny_edit_model, tmp_path / "resumed")
+    run(cfg_of(max_tokens_per_batch=80, max_steps=5, checkpoint_every=5), store_dir, tiny_edit_model,
+        tmp_path / "resumed", resume=True)
+    assert_same_lora(tmp_path / "straight", tmp_path / "resumed")
+    with pytest.raises(UserError, match="max_tokens_per_batch .* longest training sample"):
+        run(cfg_of(max_tokens_per_batch=40, max_steps=1), store_dir, tiny_edit_model, tmp_path / "small")
