@@ -47,3 +47,16 @@ def test_token_budget_run_resumes_exactly_and_refuses_a_budget_below_the_longest
     assert_same_lora(tmp_path / "straight", tmp_path / "resumed")
     with pytest.raises(UserError, match="max_tokens_per_batch .* longest training sample"):
         run(cfg_of(max_tokens_per_batch=40, max_steps=1), store_dir, tiny_edit_model, tmp_path / "small")
+
+
+def test_prefetch_trains_the_same_lora_as_inline_and_checkpoints_the_consumed_position(store_dir, tiny_edit_model, tmp_path):
+    # batch 2 x accum 2 over 8 samples: 2 steps per epoch, 3 steps cross an epoch boundary. The prefetching run
+    # stops at step 2 (its thread has read ahead into epoch 1 by then) and resumes: the checkpoint must hold
+    # the position of the micro-batches trained on, not of those read ahead.
+    common = {"batch_size": 2, "grad_accum": 2, "max_steps": 3, "checkpoint_every": 3}
+    run(cfg_of(**common, prefetch=0), store_dir, tiny_edit_model, tmp_path / "inline")
+    ahead = run(cfg_of(**{**common, "max_steps": 2, "checkpoint_every": 2}, prefetch=3), store_dir, tiny_edit_model,
+                tmp_path / "ahead")
+    assert ahead.steps == 2
+    run(cfg_of(**common, prefetch=3), store_dir, tiny_edit_model, tmp_path / "ahead", resume=True)
+    assert_same_lora(tmp_path / "inline", tmp_path / "ahead")
