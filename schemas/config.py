@@ -164,6 +164,8 @@ class EvaluateConfig(Section):
     negative_prompt: str = Field(" ", description="extra prompts' negative; val samples use the stored empty prompt")
     lora_scale: float = 1.0
     extra_prompts: list[ExtraPrompt] = []
+    attention_backend: str | None = Field(
+        None, description="attention backend of the held-out loss's padded batches (see train.attention_backend)")
 
 
 class PredictConfig(Section):

@@ -45,6 +45,7 @@ from tqdm.auto import tqdm
 
 from models.flow import FlowBatch, flow_loss, flow_loss_of
 from models.lora import WEIGHT_NAME, add_lora, load_lora, lora_parameters, save_lora
+from models.attention import use_attention_backend
 from models.multires import install_multires
 from models.randomness import draw_caption_dropout, draw_noise, draw_sigma
 from schemas.config import PipelineConfig, TrainConfig, dump_config
@@ -393,6 +394,7 @@ def setup_transformer(model: str, cfg: TrainConfig, device: torch.device):
     base_dtype = torch.bfloat16 if cfg.mixed_precision == "bf16" else torch.float32
     transformer = load_component(model, "transformer", dtype=base_dtype, device=device)
     install_multires(transformer)
+    use_attention_backend(transformer, cfg.attention_backend, "train.attention_backend", device, base_dtype)
     transformer.requires_grad_(False)
     if cfg.quantize_base == "int8_weight_only":
         from torchao.quantization import Int8WeightOnlyConfig, quantize_
