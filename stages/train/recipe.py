@@ -61,7 +61,9 @@ from store.format import atomic_dir
 from store.join import JoinedTables
 
 # Settings that change how long or how often, not what is trained: a resume may change them.
-_NOT_FINGERPRINTED = {"max_steps", "checkpoint_every", "keep_checkpoints", "log_every", "device"}
+_NOT_FINGERPRINTED = {"max_steps", "checkpoint_every", "keep_checkpoints", "log_every", "device", "prefetch", "compile"}
+# Extra torch.compile arguments of `train.compile` (tests use a fast backend).
+COMPILE_OPTIONS: dict[str, Any] = {}
 
 
 @dataclass
@@ -409,6 +411,8 @@ def setup_transformer(model: str, cfg: TrainConfig, device: torch.device):
         add_lora(transformer, cfg.lora)
     if cfg.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
+    if cfg.compile:  # regional: each block compiled in place (same parameter names); shapes vary per batch
+        transformer.compile_repeated_blocks(dynamic=True, **COMPILE_OPTIONS)
     transformer.to(device)
     transformer.train()
     return transformer
