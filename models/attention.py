@@ -75,8 +75,10 @@ def use_attention_backend(transformer, name: str | None, key: str, device: torch
 def attend(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, backend: str | None,
            parallel_config=None) -> Tensor:
     """Joint attention, q/k/v [B, S, H, D]; mask [B, 1, 1, S] bool over keys (or None). Returns [B, S, H, D]."""
-    if backend == PACKED:
+    if backend == PACKED and mask is not None:
         return packed_attention(query, key, value, mask)
+    if backend == PACKED:  # nothing to skip: SDPA without a mask (it picks flash itself)
+        backend = "native"
     if backend in PREFIX_MASK_BACKENDS and mask is not None:
         key, value, mask = keys_first(key, value, mask[:, 0, 0, :])
         mask = mask[:, None, None, :]

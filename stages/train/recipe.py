@@ -43,11 +43,10 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from models.flow import FlowBatch, flow_loss, flow_loss_of
+from models.flow import FlowBatch, flow_loss_of
 from models.lora import WEIGHT_NAME, add_lora, load_lora, lora_parameters, save_lora
 from models.attention import use_attention_backend
 from models.multires import install_multires
-from models.randomness import draw_caption_dropout, draw_noise, draw_sigma
 from schemas.config import PipelineConfig, TrainConfig, dump_config
 from schemas.errors import UserError
 from stages.train import parallel
@@ -444,19 +443,6 @@ def backward_of(model, fb: FlowBatch, tc: TrainConfig, device: torch.device, sca
     """Flow loss of a prepared micro-batch, backward of `scale` x its sum; the detached sum of per-sample losses."""
     with _autocast(tc, device):
         per_sample = flow_loss_of(model, fb)
-    (per_sample.sum() * scale).backward()
-    return per_sample.detach().sum()
-
-
-def forward_backward(transformer, samples: list, tc: TrainConfig, step: int, device: torch.device, scale: float):
-    """Per-sample σ, noise and caption dropout for this step, the flow loss, backward of `scale` × its sum.
-    Returns the detached sum of the per-sample losses."""
-    sigmas = torch.stack([draw_sigma(s, tc.seed, step, tc.sigma) for s in samples])
-    noises = [draw_noise(s, tc.seed, step) for s in samples]
-    empty = [draw_caption_dropout(s, tc.seed, step, tc.caption_dropout) for s in samples]
-    weights = (tc.loss.mask_weight.foreground, tc.loss.mask_weight.background)
-    with _autocast(tc, device):
-        per_sample = flow_loss(transformer, samples, sigmas, noises, use_empty=empty, mask_weight=weights)
     (per_sample.sum() * scale).backward()
     return per_sample.detach().sum()
 
