@@ -180,6 +180,15 @@ class TrainConfig(Section):
     sample_every: int | None = Field(None, gt=0, description="generate val samples every N steps -> RUN/samples")
     sample_count: int = Field(2, gt=0, description="val samples per sample grid")
     sample_steps: int = Field(4, ge=2, description="denoising steps of the sample grid")
+    max_tokens_per_batch: int | None = Field(
+        None, gt=0, description="None = fixed batch_size batches; else each batch holds as many samples as fit in "
+        "this many computed tokens (batch size x longest sequence), see stages/train/budget.py")
+    prefetch: int = Field(0, ge=0, description="micro-batches read, drawn and copied to the device ahead by a "
+                          "background thread (0 = inline)")
+    attention_backend: str | None = Field(
+        None, description="diffusers attention backend for padded batches (models/attention.py); None = the "
+        "fastest correct one available (CUDA) / native (CPU)")
+    compile: bool = Field(False, description="torch.compile each transformer block (regional compilation)")
 
 
 class ExtraPrompt(Section):
@@ -206,6 +215,8 @@ class EvaluateConfig(Section):
     negative_prompt: str = Field(" ", description="extra prompts' negative; val samples use the stored empty prompt")
     lora_scale: float = 1.0
     extra_prompts: list[ExtraPrompt] = []
+    attention_backend: str | None = Field(
+        None, description="attention backend of the held-out loss's padded batches (see train.attention_backend)")
 
 
 class PredictConfig(Section):

@@ -16,11 +16,12 @@ RUN/
   logs/                 TensorBoard scalars
   train_config.yaml     the effective config of the latest start
 
-Data parallel (accelerate, 1..N processes): each optimizer step takes `grad_accum` global micro-batches from
-the length-aware sampler; each rank computes its share, its loss scaled by world_size / (samples in the whole
-step), and after the backward passes one all-reduce (mean) of the flattened LoRA gradients gives every rank
-the gradient of the mean per-sample loss over the whole step. That is DDP's arithmetic, done by hand because
-the multires forward needs the bare module, and the LoRA gradients are small. Per-sample σ, noise and caption
+Data parallel (accelerate launch, 1..N processes): each optimizer step takes `grad_accum` global micro-batches
+from the length-aware (or token-budget, `stages/train/budget.py`) sampler; each rank computes its share, its
+loss scaled by world_size / (samples in the whole step), and PyTorch DDP (`stages/train/parallel.py`, `no_sync`
+on all but the last micro-batch) averages the LoRA gradients during the last backward, which gives every rank
+the gradient of the mean per-sample loss over the whole step. Micro-batches are prepared inline or ahead by a
+thread (`stages/train/prefetch.py`, `train.prefetch`). Per-sample σ, noise and caption
 dropout come from (seed, optimizer step, key), so 1 process and N processes train the same LoRA, and so do
 batch B x grad_accum A and batch B*A when the sampler puts the same samples in the step. The global torch
 RNG (saved per rank in checkpoints) only feeds LoRA dropout, which is therefore not layout-independent.
@@ -42,29 +43,33 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from models.flow import flow_loss
+from models.flow import FlowBatch, flow_loss_of
 from models.lora import WEIGHT_NAME, add_lora, load_lora, lora_parameters, save_lora
+from models.attention import use_attention_backend
 from models.multires import install_multires
-from models.randomness import draw_caption_dropout, draw_noise, draw_sigma, with_control_dropout
 from schemas.config import PipelineConfig, TrainConfig, dump_config
 from schemas.errors import UserError
-from stages.train import guard, state as train_state
+from stages.train import guard, parallel, state as train_state
+from stages.train.budget import make_sampler
 from stages.train.data import DataStream, load, open_inputs
 from stages.train.launch import launched_world_size, use_cpu
+from stages.train.prefetch import MicroBatches
 from stages.train.resume import changed_settings
-from stages.train.sampler import LengthAwareBatchSampler, padding_efficiency
+from stages.train.sampler import padding_efficiency
 from stages.train.state import ResumeRecord
 from stages.train.summary import train_line
 from store.format import atomic_dir, atomic_write_bytes
 from store.join import JoinedTables
 
 # Settings that change how long or how often, not what is trained: a resume may change them.
-_NOT_FINGERPRINTED = {"max_steps", "checkpoint_every", "keep_checkpoints", "log_every", "device",
+_NOT_FINGERPRINTED = {"max_steps", "checkpoint_every", "keep_checkpoints", "log_every", "device", "prefetch", "compile",
                       "on_damaged", "max_damaged_fraction", "on_nonfinite",
                       # validation and samples only read the adapter (stages/train/validate.py)
                       "validate_every", "validate_max_samples", "validate_timesteps", "validate_noise_seeds",
                       "sample_every", "sample_count", "sample_steps"}
 _ADDED_LATER = {"init_lora": None, "optimizer": "adamw", "ema_decay": None, "control_dropout": 0.0}
+# Extra torch.compile arguments of `train.compile` (tests use a fast backend).
+COMPILE_OPTIONS: dict[str, Any] = {}
 
 
 @dataclass
@@ -103,6 +108,9 @@ class Run:
     optimizer: Any = None
     scheduler: Any = None
     stream: DataStream | None = None
+    model: Any = None  # what the forward calls: the DDP wrapper (several processes) or the transformer
+    batches: MicroBatches | None = None  # the stream's micro-batches, prepared inline or ahead
+    position: tuple[int, int] = (0, 0)  # data position after the last micro-batch consumed
     step: int = 0
     writer: Any = None  # TensorBoard, main process only
     bar: Any = None
@@ -218,9 +226,7 @@ def setup(cfg: PipelineConfig, store: str | Path, model: str, out: str | Path, r
         from stages.train.ema import AdapterEMA
 
         r.ema = AdapterEMA(r.params, tc.ema_decay)
-    sampler = LengthAwareBatchSampler(
-        tables.lengths, tc.batch_size, seed=tc.seed, window=tc.sampler_window, world_size=r.world
-    )
+    sampler = make_sampler(tables.lengths, tc.batch_size, tc.max_tokens_per_batch, tc.seed, tc.sampler_window, r.world)
     r.stream = DataStream(sampler)
     if latest is not None:
         _restore(r, latest)
@@ -228,6 +234,9 @@ def setup(cfg: PipelineConfig, store: str | Path, model: str, out: str | Path, r
         from stages.train.validate import Validator
 
         r.validator = Validator(tc, store, model, r.run_dir)
+    r.model = parallel.wrap(r.transformer, r.world, tc.lora.target_modules)
+    r.position = r.stream.position
+    r.batches = MicroBatches(r.stream, tables, tc, r.rank, r.step, r.device, r.transformer.dtype, depth=tc.prefetch)
     r.result = TrainResult(r.run_dir, r.run_dir / "lora", start_step=r.step, steps=r.step, main_process=r.main)
     if r.main:
         from torch.utils.tensorboard import SummaryWriter
@@ -239,20 +248,22 @@ def setup(cfg: PipelineConfig, store: str | Path, model: str, out: str | Path, r
 
 
 def step(r: Run) -> StepStats:
-    """One optimizer step: grad_accum global micro-batches, this rank's share of each, then all-reduce + update."""
+    """One optimizer step: grad_accum global micro-batches, this rank's share of each (DDP all-reduces the
+    gradients during the last backward), then the update."""
     tc, t0, c0 = r.cfg, time.perf_counter(), time.process_time()
-    micro = [r.stream.next() for _ in range(tc.grad_accum)]
-    n_step = sum(len(b) for _, global_batch, _ in micro for b in global_batch)
+    micro = [r.batches.next() for _ in range(tc.grad_accum)]
+    n_step = sum(len(b) for m in micro for b in m.global_batch)
     loss_sum = torch.zeros((), device=r.device)
     step_losses: list[tuple[list[str], torch.Tensor]] = []  # this rank's, named in a non-finite error
-    for epoch, global_batch, ends_epoch in micro:
-        samples = [load(r.tables, r.tables.keys[i]) for i in global_batch[r.rank]]
-        losses = forward_backward(r.transformer, samples, tc, r.step, r.device, scale=r.world / n_step)
+    for k, m in enumerate(micro):
+        with parallel.accumulating(r.model, last=k == len(micro) - 1):
+            losses = backward_of(r.model, m.flow, tc, r.device, scale=r.world / n_step)
         loss_sum += losses.sum()
-        step_losses.append(([s.key for s in samples], losses))
-        _count_epoch_tokens(r, epoch, global_batch, ends_epoch)
-    loss_sum = _all_reduce_grads(r.params, loss_sum, r.world)
-    if guard.all_finite(loss_sum, r.params):  # all-reduced: every rank decides alike
+        step_losses.append(([r.tables.keys[i] for i in m.global_batch[r.rank]], losses))
+        _count_epoch_tokens(r, m.epoch, m.global_batch, m.ends_epoch)
+        r.position = m.position
+    loss_sum = parallel.sum_over_ranks(loss_sum, r.world)
+    if guard.all_finite(loss_sum, r.params):  # gradients all-reduced by DDP, the loss here: every rank decides alike
         grad_norm = _clip(r.params, tc.max_grad_norm)
         r.optimizer.step()
     else:
@@ -270,8 +281,8 @@ def step(r: Run) -> StepStats:
     r.optimizer.zero_grad(set_to_none=True)
     r.step += 1
     loss = loss_sum.item() / n_step  # the sync point: the step's compute is done here
-    batches = [b for _, gb, _ in micro for b in gb]
-    return StepStats(loss, micro[0][0], n_step, grad_norm, batches, time.perf_counter() - t0, t0, c0)
+    batches = [b for m in micro for b in m.global_batch]
+    return StepStats(loss, micro[0].epoch, n_step, grad_norm, batches, time.perf_counter() - t0, t0, c0)
 
 
 def log(r: Run, s: StepStats) -> None:
@@ -294,7 +305,7 @@ def log(r: Run, s: StepStats) -> None:
 def checkpoint(r: Run) -> None:
     """Every rank adds its RNG state; rank 0 writes the rest, the resume record last, and commits the folder
     (rename) once all are in."""
-    epoch, batch = r.stream.position
+    epoch, batch = r.position
     record = replace(r.record, step=r.step, epoch=epoch, batch_in_epoch=batch)
     acc, tmp = r.accelerator, train_state.temp_dir(r.checkpoints, r.step)
     final = train_state.checkpoint_dir(r.checkpoints, r.step)
@@ -321,6 +332,7 @@ def checkpoint(r: Run) -> None:
 def finish(r: Run) -> TrainResult:
     """The final LoRA (written into a temp folder, then swapped in, like a checkpoint)."""
     r.bar.close()
+    r.batches.close()
     r.result.steps = r.step
     if r.main:
         guard.check_lora_finite(r.params, r.result.lora_dir)
@@ -474,6 +486,7 @@ def setup_transformer(model: str, cfg: TrainConfig, device: torch.device):
     base_dtype = torch.bfloat16 if cfg.mixed_precision == "bf16" else torch.float32
     transformer = load_component(model, "transformer", dtype=base_dtype, device=device)
     install_multires(transformer)
+    use_attention_backend(transformer, cfg.attention_backend, "train.attention_backend", device, base_dtype)
     transformer.requires_grad_(False)
     if cfg.quantize_base == "int8_weight_only":
         from torchao.quantization import Int8WeightOnlyConfig, quantize_
@@ -488,6 +501,8 @@ def setup_transformer(model: str, cfg: TrainConfig, device: torch.device):
         add_lora(transformer, cfg.lora)
     if cfg.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
+    if cfg.compile:  # regional: each block compiled in place (same parameter names); shapes vary per batch
+        transformer.compile_repeated_blocks(dynamic=True, **COMPILE_OPTIONS)
     transformer.to(device)
     transformer.train()
     return transformer
@@ -515,16 +530,10 @@ def make_optimizer(params, cfg: TrainConfig):
 # ---------------------------------------------------------------------------------------------- step pieces
 
 
-def forward_backward(transformer, samples: list, tc: TrainConfig, step: int, device: torch.device, scale: float):
-    """Per-sample σ, noise and caption dropout for this step, the flow loss, backward of `scale` × its sum.
-    Returns the detached per-sample losses [B]."""
-    samples = with_control_dropout(samples, tc.seed, step, tc.control_dropout)
-    sigmas = torch.stack([draw_sigma(s, tc.seed, step, tc.sigma) for s in samples])
-    noises = [draw_noise(s, tc.seed, step) for s in samples]
-    empty = [draw_caption_dropout(s, tc.seed, step, tc.caption_dropout) for s in samples]
-    weights = (tc.loss.mask_weight.foreground, tc.loss.mask_weight.background)
+def backward_of(model, fb: FlowBatch, tc: TrainConfig, device: torch.device, scale: float) -> torch.Tensor:
+    """Flow loss of a prepared micro-batch, backward of `scale` x its sum; the detached per-sample losses [B]."""
     with _autocast(tc, device):
-        per_sample = flow_loss(transformer, samples, sigmas, noises, use_empty=empty, mask_weight=weights)
+        per_sample = flow_loss_of(model, fb)
     (per_sample.sum() * scale).backward()
     return per_sample.detach()
 
@@ -542,24 +551,6 @@ def _count_epoch_tokens(r: Run, epoch: int, global_batch: list[list[int]], ends_
         r.writer.add_scalar("epoch/padding_efficiency", eff, r.step + 1)
         r.bar.write(f"epoch {epoch}: padding efficiency {eff:.3f} (valid / computed tokens)")
     r.epoch_tokens = [0, 0]
-
-
-def _all_reduce_grads(params: list[torch.nn.Parameter], loss_sum: torch.Tensor, world: int) -> torch.Tensor:
-    """Mean of the LoRA gradients over ranks (one flat all-reduce, the loss sum rides along); returns the
-    loss sum over all ranks."""
-    if world == 1:
-        return loss_sum
-    import torch.distributed as dist
-
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    flat = torch.cat([g.reshape(-1).float() for g in grads] + [loss_sum.reshape(1).float()])
-    dist.all_reduce(flat)
-    offset = 0
-    for p, g in zip(params, grads):
-        n = g.numel()
-        p.grad = (flat[offset : offset + n] / world).view_as(g).to(g.dtype)
-        offset += n
-    return flat[-1]
 
 
 def _clip(params: list[torch.nn.Parameter], max_norm: float | None) -> float:
