@@ -41,6 +41,7 @@ from stages.encoding_common import (
     open_png,
     prefetched,
     rank_device,
+    resolve_precision,
     with_overrides,
 )
 
@@ -266,6 +267,8 @@ def run(
     section = with_overrides(cfg.encode_text, device=device, batch_size=batch_size)
     fmt = prompt_format(model_variant(model), section.prompt_template, section.prompt_template_start_idx)
     ranks = ranks or current_ranks(section.device)
+    target = rank_device(section.device, ranks, "encode_text.device")
+    section = resolve_precision(section, target, STAGE)
     job = open_job(store, STAGE, TABLE, config_hash(section, prompt_format=fmt.lineage_record()), model,
                    FEATURE_REVISION, ranks)
     if job.up_to_date:
@@ -274,7 +277,7 @@ def run(
     # Only what this stage needs: the VL model and its processor (never the transformer or the VAE).
     processor = load_component(model, "processor")
     text_encoder = load_component(model, "text_encoder", dtype=parse_dtype(section.dtype),
-                                  device=rank_device(section.device, ranks))
+                                  device=target)
     schema = text_schema(job, fmt, text_encoder.config.text_config.hidden_size, section.dtype)
     try:
         todo = job.open_writer(schema, section.shard_size_mb)

@@ -242,7 +242,8 @@ def extra_rows(model: str, transformer, vae, cfg: EvaluateConfig) -> list[Sample
     """The configured extra prompts, through predict's stock-equivalent path (text encoder loaded once)."""
     from stages.predict import load_pipeline, prepare
 
-    pipe = load_pipeline(model, parse_dtype(cfg.dtype), {"text_encoder": cfg.device}, transformer=transformer, vae=vae)
+    pipe = load_pipeline(model, parse_dtype(cfg.dtype, cfg.device), {"text_encoder": cfg.device},
+                         transformer=transformer, vae=vae)
     rows = []
     for i, extra in enumerate(tqdm(cfg.extra_prompts, desc="generate extra prompts")):
         try:
@@ -275,11 +276,20 @@ def generation_summary(rows: list[SampleRow], cfg: EvaluateConfig) -> dict:
 # ------------------------------------------------------------------------------------------------ the stage
 
 
+def resolved_config(cfg: EvaluateConfig) -> EvaluateConfig:
+    """This rank's device and the concrete dtype (`auto` decided by the device): what runs and is recorded."""
+    from models.precision import device_for_rank, resolved_name
+
+    device = device_for_rank(cfg.device, what="evaluate.device")
+    return cfg.model_copy(update={"device": device, "dtype": resolved_name(cfg.dtype, device)})
+
+
 def evaluate_inputs(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path) -> dict:
     """Everything a report depends on; equal inputs = the report is up to date (`pipeline run all` skips it)."""
     from models.loading import model_fingerprint
     from stages.lora_merge import lora_weight_file
 
+    cfg = resolved_config(cfg)
     st = Store(store, create=False)
     h = hashlib.sha256(lora_weight_file(lora).read_bytes()).hexdigest()
     return {
@@ -308,13 +318,19 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, ou
     out = Path(out)
     if out.is_dir() and any(out.iterdir()) and not (out / "metrics.json").is_file():
         raise UserError(f"{out} is not empty and holds no earlier report: pass a new or empty --out folder")
+    from models.precision import describe
+
+    requested = cfg.dtype
+    cfg = resolved_config(cfg)
+    tqdm.write(describe("evaluate", parse_dtype(cfg.dtype), cfg.device, requested)
+               + (f", quantize_base {cfg.quantize_base}" if cfg.quantize_base != "none" else ""))
     inputs = evaluate_inputs(cfg, store, model, lora)
     tables = open_train_tables(store, model, split="val")
     keys = tables.keys[: cfg.max_loss_samples] if cfg.max_loss_samples else tables.keys
     samples = [tables.sample(k) for k in tqdm(keys, desc="read val samples", leave=False)]
 
     dtype = parse_dtype(cfg.dtype)
-    transformer = load_component(model, "transformer", dtype=dtype, device=cfg.device)
+    transformer = load_component(model, "transformer", dtype=dtype, device=cfg.device, quantize=cfg.quantize_base)
     install_multires(transformer)
     attach_lora(transformer, lora, cfg.lora_scale)
 

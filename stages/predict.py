@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 from PIL import Image
 
+from tqdm.auto import tqdm
+
 from models.loading import check_device, load_component, model_variant, parse_dtype
 from pipeline.config import PredictConfig
 from schemas.errors import UserError
@@ -36,21 +38,26 @@ class PreparedControls:
 
 
 def load_pipeline(model: str, dtype: torch.dtype, devices: dict[str, str], lora: str | None = None,
-                  lora_scale: float = 1.0, transformer=None, vae=None):
-    """The stock Edit / Edit-Plus pipeline assembled from `load_component`, each component on its device.
+                  lora_scale: float = 1.0, transformer=None, vae=None, quantize: str = "none"):
+    """The stock Edit / Edit-Plus pipeline assembled from `load_component`, each component loaded straight
+    onto its device (never staged whole in host RAM first); the transformer optionally quantised while loading.
 
     An already loaded transformer / VAE (evaluate's, LoRA attached) is used as is instead of a second copy.
     """
     from diffusers import QwenImageEditPipeline, QwenImageEditPlusPipeline
 
+    def dev(name: str):
+        return check_device(devices[name], f"predict.devices.{name}") if name in devices else None
+
     cls = QwenImageEditPlusPipeline if model_variant(model) == "edit-plus" else QwenImageEditPipeline
     pipe = cls(
         scheduler=load_component(model, "scheduler"),
-        vae=vae if vae is not None else load_component(model, "vae", dtype=dtype),
-        text_encoder=load_component(model, "text_encoder", dtype=dtype),
+        vae=vae if vae is not None else load_component(model, "vae", dtype=dtype, device=dev("vae")),
+        text_encoder=load_component(model, "text_encoder", dtype=dtype, device=dev("text_encoder")),
         tokenizer=load_component(model, "tokenizer"),
         processor=load_component(model, "processor"),
-        transformer=transformer if transformer is not None else load_component(model, "transformer", dtype=dtype),
+        transformer=transformer if transformer is not None else load_component(
+            model, "transformer", dtype=dtype, device=dev("transformer"), quantize=quantize),
     )
     if lora is not None:
         lora_weight_file(lora)  # a clear error for a missing or non-LoRA path
@@ -168,8 +175,13 @@ def run(
     unknown = set(cfg.devices) - set(COMPONENTS)
     if unknown:
         raise UserError(f"predict.devices: unknown component(s) {sorted(unknown)}; use {list(COMPONENTS)}")
-    devices = {name: cfg.devices.get(name, "cpu") for name in COMPONENTS}
-    pipe = load_pipeline(model, parse_dtype(cfg.dtype), devices, lora, lora_scale)
+    from models.precision import describe, device_for_rank
+
+    devices = {name: device_for_rank(cfg.devices.get(name, "cpu"), what=f"predict.devices.{name}") for name in COMPONENTS}
+    dtype = parse_dtype(cfg.dtype, devices["transformer"])  # auto: decided by where the big model runs
+    tqdm.write(describe("predict", dtype, devices["transformer"], cfg.dtype)
+               + (f", quantize_base {cfg.quantize_base}" if cfg.quantize_base != "none" else ""))
+    pipe = load_pipeline(model, dtype, devices, lora, lora_scale, quantize=cfg.quantize_base)
     result = edit(pipe, pil, prompt, cfg.negative_prompt, cfg.steps, cfg.true_cfg_scale, cfg.seed, height, width)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -112,11 +112,50 @@ def _accelerator(cfg: TrainConfig):
 
     from models.loading import check_device
 
+    from models.precision import device_for_rank, first_device
+
     if cfg.device is not None:  # a requested GPU that is not there is an error, not a silent CPU run
-        check_device(cfg.device, "train.device")
+        check_device(device_for_rank(cfg.device, what="train.device"), "train.device")
     # Mixed precision is applied with torch.autocast below, not by accelerate, so that several runs in one
     # process (tests, notebooks) never fight over accelerate's process-wide state.
-    return Accelerator(cpu=cfg.device == "cpu")
+    return Accelerator(cpu=first_device(cfg.device) == "cpu")
+
+
+def train_device(cfg: TrainConfig, local_rank: int, world_size: int) -> torch.device | None:
+    """This rank's device from `train.device` (cuda:N, a per-rank list, or cuda = cuda:LOCAL_RANK); None =
+    accelerate's choice. A set GPU index becomes the current CUDA device, so NCCL and `cuda` tensors use it
+    (accelerate alone would put a single process on cuda:0 whatever was asked)."""
+    from models.loading import check_device
+    from models.precision import device_for_rank
+
+    if cfg.device is None:
+        return None
+    dev = check_device(device_for_rank(cfg.device, local_rank, world_size, "train.device"), "train.device")
+    if dev.type == "cuda" and dev.index is not None:
+        torch.cuda.set_device(dev)
+    return dev
+
+
+def resolve_precision(cfg: TrainConfig, device: torch.device) -> TrainConfig:
+    """`train.dtype: auto` made concrete for `device`: bf16 when mixed_precision is bf16 or on a bf16 GPU,
+    else float32. A bf16 base computes under bf16 autocast (the LoRA weights stay float32)."""
+    from models.precision import bf16_supported, resolve_dtype
+
+    if cfg.mixed_precision == "bf16" and not _bf16_supported(device):
+        tqdm.write(f"bf16 is not supported on {device}: training in float32")
+        cfg = cfg.model_copy(update={"mixed_precision": "no", "dtype": "float32"})
+    if cfg.dtype == "auto":
+        name = "bfloat16" if cfg.mixed_precision == "bf16" else str(resolve_dtype("auto", device)).removeprefix("torch.")
+    else:
+        name = cfg.dtype
+    if name == "float16":
+        raise UserError("train.dtype float16 is not supported (no loss scaling here); use bfloat16, float32 or auto")
+    if name == "bfloat16" and not (_bf16_supported(device) or bf16_supported(device)):
+        raise UserError(f"train.dtype bfloat16: {device} has no bf16 support; use float32 or auto")
+    update = {"dtype": name}
+    if name == "bfloat16":
+        update["mixed_precision"] = "bf16"
+    return cfg.model_copy(update=update)
 
 
 def _autocast(cfg: TrainConfig, device: torch.device):
@@ -133,15 +172,14 @@ def setup_transformer(model: str, cfg: TrainConfig, device: torch.device):
     """Frozen base (optionally int8 weight-only), multires attention, one trainable LoRA adapter."""
     from models.loading import load_component
 
-    base_dtype = torch.bfloat16 if cfg.mixed_precision == "bf16" else torch.float32
-    transformer = load_component(model, "transformer", dtype=base_dtype, device=device)
+    from models.precision import resolve_dtype
+
+    base_dtype = torch.bfloat16 if cfg.mixed_precision == "bf16" else resolve_dtype(cfg.dtype, device)
+    # Quantised (models/quantize.py) while loading, straight onto the device: the bf16 base never sits whole
+    # in memory when quantize_base is set.
+    transformer = load_component(model, "transformer", dtype=base_dtype, device=device, quantize=cfg.quantize_base)
     install_multires(transformer)
     transformer.requires_grad_(False)
-    if cfg.quantize_base == "int8_weight_only":
-        from torchao.quantization import Int8WeightOnlyConfig, quantize_
-
-        # Only the blocks' linears: embeddings in/out stay exact, and they are a tiny share of the weights.
-        quantize_(transformer.transformer_blocks, Int8WeightOnlyConfig())
     torch.manual_seed(cfg.seed)  # LoRA init: the same on every rank
     with warnings.catch_warnings():
         # peft warns that a torchao base cannot merge/unmerge; training never merges (`pipeline lora merge`
@@ -210,10 +248,16 @@ def run(
     validate_config(tc)
     accelerator = _accelerator(tc)
     device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
+    device = train_device(tc, accelerator.local_process_index, world) or device
     main = accelerator.is_main_process
-    if tc.mixed_precision == "bf16" and not _bf16_supported(device):
-        tqdm.write(f"bf16 is not supported on {device}: training in float32")
-        tc = tc.model_copy(update={"mixed_precision": "no"})
+    requested = tc.dtype
+    tc = resolve_precision(tc, device)
+    cfg = cfg.model_copy(update={"train": tc})  # train_config.yaml records the resolved dtype
+    if main:
+        from models.precision import describe, resolve_dtype
+
+        tqdm.write(describe("train (frozen base)", resolve_dtype(tc.dtype, device), device, requested)
+                   + (f", quantize_base {tc.quantize_base}" if tc.quantize_base != "none" else ""))
 
     # ---- inputs and run folder
     tables = open_train_tables(store.root if isinstance(store, Store) else store, model, split="train")

@@ -21,10 +21,11 @@ def command(
     batch_size: Optional[int] = typer.Option(
         None, "--batch-size", help="Prompts per forward (same shape with batching=exact, similar length with padded)."
     ),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="auto | float32 | bfloat16 | float16 (encode_text.dtype; auto = bf16 on a bf16 GPU, float32 on CPU)."),
     config: Optional[Path] = ConfigOpt,
 ) -> None:
     cfg = config_from(config, {"paths.store": store, "paths.model": model,
-                               "encode_text.device": device, "encode_text.batch_size": batch_size})
+                               "encode_text.device": device, "encode_text.dtype": dtype, "encode_text.batch_size": batch_size})
     dst = require(cfg.paths.store, "--store", "paths.store")
     mdl = require(cfg.paths.model, "--model", "paths.model")
     from stages.encode_text import run

@@ -19,10 +19,11 @@ def command(
     model: Optional[str] = typer.Option(None, "--model", help="Model folder or hub id (paths.model)."),
     device: Optional[str] = typer.Option(None, "--device", help="Device of the VAE (encode_vae.device)."),
     batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Same-size images per forward."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="auto | float32 | bfloat16 | float16 (encode_vae.dtype; auto = bf16 on a bf16 GPU, float32 on CPU)."),
     config: Optional[Path] = ConfigOpt,
 ) -> None:
     cfg = config_from(config, {"paths.store": store, "paths.model": model,
-                               "encode_vae.device": device, "encode_vae.batch_size": batch_size})
+                               "encode_vae.device": device, "encode_vae.dtype": dtype, "encode_vae.batch_size": batch_size})
     dst = require(cfg.paths.store, "--store", "paths.store")
     mdl = require(cfg.paths.model, "--model", "paths.model")
     from stages.encode_vae import run

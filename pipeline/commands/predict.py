@@ -23,7 +23,7 @@ def command(
     seed: Optional[int] = typer.Option(None, "--seed", help="[predict.seed]"),
     height: Optional[int] = typer.Option(None, "--height", help="Output height (default: the control's ~1024² size)."),
     width: Optional[int] = typer.Option(None, "--width", help="Output width."),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="float32 | bfloat16 | float16 [predict.dtype]."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="auto | float32 | bfloat16 | float16 [predict.dtype]; auto = bf16 on a bf16 GPU, float32 on CPU."),
     transformer_device: Optional[str] = typer.Option(None, "--transformer-device", help="[predict.devices.transformer]"),
     text_encoder_device: Optional[str] = typer.Option(None, "--text-encoder-device", help="[predict.devices.text_encoder]"),
     vae_device: Optional[str] = typer.Option(None, "--vae-device", help="[predict.devices.vae]"),

@@ -14,14 +14,23 @@ def make_tiny_model(
     out: Path = typer.Argument(..., help="Folder to write the model to."),
     variant: str = typer.Option("edit", "--variant", help="edit (one control) or edit-plus (several controls)."),
     seed: int = typer.Option(0, "--seed", help="Same seed, same bytes."),
+    full_width: bool = typer.Option(False, "--full-width", help="Real component widths (rehearsal; GBs on disk)."),
+    layers: Optional[int] = typer.Option(None, "--layers", help="--full-width: layers per stack (default: the real counts)."),
 ) -> None:
-    from models.tiny import make_tiny_model as build
-
     if variant not in ("edit", "edit-plus"):
         raise typer.BadParameter("use 'edit' or 'edit-plus'", param_hint="--variant")
+    if layers is not None and not full_width:
+        raise typer.BadParameter("--layers needs --full-width", param_hint="--layers")
     with user_errors():
-        build(out, variant=variant, seed=seed)  # type: ignore[arg-type]
-    echo(f"wrote tiny {variant} model to {out}")
+        if full_width:
+            from models.full_width import make_full_width_model
+
+            make_full_width_model(out, variant=variant, layers=layers, seed=seed)  # type: ignore[arg-type]
+        else:
+            from models.tiny import make_tiny_model as build
+
+            build(out, variant=variant, seed=seed)  # type: ignore[arg-type]
+    echo(f"wrote {'full-width' if full_width else 'tiny'} {variant} model to {out}")
 
 
 def make_demo_data(
