@@ -153,6 +153,11 @@ def resolve_precision(cfg: TrainConfig, device: torch.device) -> TrainConfig:
     if name == "bfloat16" and not (_bf16_supported(device) or bf16_supported(device)):
         raise UserError(f"train.dtype bfloat16: {device} has no bf16 support; use float32 or auto")
     update = {"dtype": name}
+    if cfg.offload == "blocks" and not cfg.gradient_checkpointing:
+        # Offloaded weights are fetched again for the backward's recompute; without checkpointing autograd
+        # would hold every block's device copy until the backward (no memory saved).
+        tqdm.write("train.offload blocks: gradient checkpointing turned on")
+        update["gradient_checkpointing"] = True
     if name == "bfloat16":
         update["mixed_precision"] = "bf16"
     return cfg.model_copy(update=update)
@@ -177,7 +182,9 @@ def setup_transformer(model: str, cfg: TrainConfig, device: torch.device):
     base_dtype = torch.bfloat16 if cfg.mixed_precision == "bf16" else resolve_dtype(cfg.dtype, device)
     # Quantised (models/quantize.py) while loading, straight onto the device: the bf16 base never sits whole
     # in memory when quantize_base is set.
-    transformer = load_component(model, "transformer", dtype=base_dtype, device=device, quantize=cfg.quantize_base)
+    # With offload the blocks load into host memory and only what stays resident moves to the device.
+    load_on = torch.device("cpu") if cfg.offload == "blocks" else device
+    transformer = load_component(model, "transformer", dtype=base_dtype, device=load_on, quantize=cfg.quantize_base)
     install_multires(transformer)
     transformer.requires_grad_(False)
     torch.manual_seed(cfg.seed)  # LoRA init: the same on every rank
@@ -186,9 +193,14 @@ def setup_transformer(model: str, cfg: TrainConfig, device: torch.device):
         # works on the unquantised base).
         warnings.filterwarnings("ignore", message="TorchaoLoraLinear was instantiated")
         add_lora(transformer, cfg.lora)
-    if cfg.gradient_checkpointing:
+    if cfg.gradient_checkpointing or cfg.offload == "blocks":
         transformer.enable_gradient_checkpointing()
-    transformer.to(device)
+    if cfg.offload == "blocks":
+        from models.offload import offload_blocks
+
+        offload_blocks(transformer, device, keep=cfg.offload_blocks_on_device)
+    else:
+        transformer.to(device)
     transformer.train()
     return transformer
 
