@@ -15,7 +15,8 @@ configuration; step time, throughput, peak memory and MFU.
    (ru_maxrss of that process), baseline RSS (after imports, before any model is loaded) and MFU.
    MFU = model FLOPs per step / s_per_step / the dense matmul throughput measured on the same device in the
    same run (a CPU has no spec sheet figure; on a GPU this is the achieved, not the datasheet, peak).
-   Model FLOPs per token and block: 2 x linear params for the forward, 2x again for the backward (input
+   Model FLOPs per token and block: 2 x the linear params the token passes (its stream's attention and
+   MLP; the modulation linears run once per sample) for the forward, 2x again for the backward (input
    gradients only: the base is frozen), 2x more when gradient checkpointing recomputes; attention
    4 x T x width per token, with the same multipliers.
 
@@ -172,7 +173,7 @@ def child(spec: dict) -> dict:
     from models.memory_plan import transformer_counts
 
     counts = transformer_counts(spec["model"])
-    flops = model_flops_per_step(counts.block_linear_params // counts.blocks, counts.blocks, counts.width,
+    flops = model_flops_per_step(counts.token_linear_params, counts.blocks, counts.width,
                                  [tokens_per_sample] * spec["batch_size"], spec["gradient_checkpointing"])
     return {
         **{k: spec[k] for k in ("quantize", "offload", "gradient_checkpointing", "batch_size", "layers", "device")},
@@ -200,7 +201,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=None, help="layers per stack (default: the real counts)")
     ap.add_argument("--area", type=int, default=1024 * 1024, help="target/control pixel area")
-    ap.add_argument("--out", type=Path, required=True, help="JSON list of runs")
+    ap.add_argument("--out", type=Path, default=None, help="JSON list of runs (required)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--variant", default="edit-plus", choices=["edit", "edit-plus"])
     ap.add_argument("--model", default=None, help="reuse a full-width model folder")
@@ -217,6 +218,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.child:
         print("REHEARSAL-RESULT " + json.dumps(child(json.loads(args.child))), flush=True)
         return []
+    if args.out is None:
+        ap.error("--out FILE.json is required")
 
     work = args.work or Path(tempfile.mkdtemp(prefix="rehearsal-"))
     work.mkdir(parents=True, exist_ok=True)

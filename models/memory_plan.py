@@ -40,6 +40,8 @@ class TransformerCounts:
     block_linear_out_features: int  # sum of their output channels (one scale each when quantised)
     block_other_params: int  # biases, norms inside blocks
     other_params: int  # img_in, txt_in, time embedding, norm_out, proj_out
+    token_linear_params: int  # per block: linear weights one token passes (its stream's attention + MLP;
+    #                           the modulation linears act on the timestep embedding, once per sample)
 
     @property
     def params(self) -> int:
@@ -55,7 +57,10 @@ def transformer_counts(model: str) -> TransformerCounts:
     cfg = json.loads((resolve_model(model) / "transformer" / "config.json").read_text())
     with init_empty_weights():
         tr = QwenImageTransformer2DModel.from_config(cfg)
-    lin = lin_out = other_in_blocks = 0
+    lin = lin_out = other_in_blocks = per_token = 0
+    for name, module in tr.transformer_blocks[0].named_modules() if len(tr.transformer_blocks) else []:
+        if isinstance(module, torch.nn.Linear) and not name.endswith("_mod.1"):
+            per_token += module.weight.numel()
     for module in tr.transformer_blocks.modules():
         if isinstance(module, torch.nn.Linear):
             lin += module.weight.numel()
@@ -64,7 +69,8 @@ def transformer_counts(model: str) -> TransformerCounts:
     other_in_blocks = block_total - lin
     total = sum(p.numel() for p in tr.parameters())
     width = cfg["num_attention_heads"] * cfg["attention_head_dim"]
-    return TransformerCounts(len(tr.transformer_blocks), width, lin, lin_out, other_in_blocks, total - block_total)
+    return TransformerCounts(len(tr.transformer_blocks), width, lin, lin_out, other_in_blocks, total - block_total,
+                             per_token // 2)  # image and text tokens each pass one of the two streams
 
 
 @lru_cache(maxsize=8)

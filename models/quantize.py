@@ -49,3 +49,53 @@ def quantization_config(name: str):
 
 def is_quantized(weight) -> bool:
     return type(weight).__module__.startswith("torchao")
+
+
+class _FrozenQuantizedLinear:
+    """y = x W^T + b for a frozen torchao-quantised W, keeping only the quantised W for the backward.
+
+    torchao's weight-only linear dequantises W and calls F.linear with the dense copy, so autograd saves that
+    dense bf16 copy for the input gradient: every block's full-precision weights would then live until the
+    backward, and training would need more memory than the unquantised base. This Function saves the
+    quantised tensor and dequantises one layer at a time in the backward.
+    """
+
+    @staticmethod
+    def function():
+        import torch
+
+        class Fn(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x, weight, bias):
+                # saved (not a ctx attribute) so gradient checkpointing and offload can drop and refetch it
+                ctx.save_for_backward(weight)
+                ctx.x_dtype = x.dtype
+                with torch.no_grad():
+                    return torch.nn.functional.linear(x, weight, bias)
+
+            @staticmethod
+            def backward(ctx, grad):
+                (weight,) = ctx.saved_tensors
+                w = weight.dequantize().to(grad.dtype)
+                return (grad @ w).to(ctx.x_dtype), None, None
+
+        return Fn
+
+
+def install_frozen_linear_backward(model) -> int:
+    """Route every torchao-quantised nn.Linear of `model` through `_FrozenQuantizedLinear`; returns how many."""
+    import torch
+
+    fn = _FrozenQuantizedLinear.function()
+    n = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear) and is_quantized(module.weight) and not module.weight.requires_grad:
+            def forward(x, m=module):
+                if not torch.is_grad_enabled() or not x.requires_grad:
+                    return torch.nn.functional.linear(x, m.weight, m.bias)
+                # torchao's linear needs x in the weight's (dequantised) dtype; autocast would cast it anyway
+                return fn.apply(x.to(m.weight.dtype), m.weight, m.bias)
+
+            module.forward = forward
+            n += 1
+    return n

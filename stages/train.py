@@ -187,6 +187,10 @@ def setup_transformer(model: str, cfg: TrainConfig, device: torch.device):
     transformer = load_component(model, "transformer", dtype=base_dtype, device=load_on, quantize=cfg.quantize_base)
     install_multires(transformer)
     transformer.requires_grad_(False)
+    if cfg.quantize_base != "none":
+        from models.quantize import install_frozen_linear_backward
+
+        install_frozen_linear_backward(transformer)  # saves the quantised, not a dequantised, weight
     torch.manual_seed(cfg.seed)  # LoRA init: the same on every rank
     with warnings.catch_warnings():
         # peft warns that a torchao base cannot merge/unmerge; training never merges (`pipeline lora merge`

@@ -89,3 +89,26 @@ def test_offloaded_blocks_train_the_same_lora(quantize, store_dir, tiny_edit_mod
     for k in a:
         assert torch.equal(a[k], b[k]), k
     assert plain.losses == off.losses
+
+
+@pytest.mark.parametrize("quantize", ["int8", "fp8"])
+def test_quantized_backward_keeps_no_dense_copy(quantize, tiny_edit_model):
+    """The input gradient through a frozen quantised linear equals the dense-dequantised reference, and
+    autograd saves only the quantised weight (not a dense copy of it)."""
+    from models.quantize import install_frozen_linear_backward
+
+    tr = load_component(tiny_edit_model, "transformer", dtype=torch.bfloat16, device="cpu", quantize=quantize)
+    lin = tr.transformer_blocks[0].img_mlp.net[2]
+    dense = lin.weight.dequantize().float()
+    x = torch.randn(5, lin.in_features, requires_grad=True)
+    (torch.nn.functional.linear(x, dense, lin.bias.float()) ** 2).sum().backward()
+    ref = x.grad.clone()
+
+    assert install_frozen_linear_backward(tr) > 0
+    x.grad = None
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = lin(x)
+    (y.float() ** 2).sum().backward()
+    assert [type(t).__name__ for t in saved] == [type(lin.weight).__name__]
+    torch.testing.assert_close(x.grad, ref, rtol=0.05, atol=0.05 * ref.abs().max().item())
