@@ -70,14 +70,16 @@ def _link_or_copy(src: Path, dst: Path) -> None:
         shutil.copy2(real, dst)
 
 
-def merge_lora(model: str, lora: str | Path, out: str | Path, scale: float = 1.0, dtype: str | None = None) -> Path:
-    """Write OUT: MODEL with transformer weights W + scale·(B·A)·alpha/r fused in. Refuses a non-empty OUT."""
+def merge_lora(model: str, lora: str | Path, out: str | Path, scale: float = 1.0, dtype: str | None = None,
+               device: str = "cpu") -> Path:
+    """Write OUT: MODEL with transformer weights W + scale·(B·A)·alpha/r fused in. Refuses a non-empty OUT.
+    The transformer loads straight onto `device` (a GPU fuses a 20B model in seconds; host RAM holds no copy)."""
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise UserError(f"output folder {out} exists and is not empty; pass a new folder")
     root = resolve_model(model)
-    torch_dtype = parse_dtype(dtype) if dtype else saved_dtype(model)
-    transformer = load_component(model, "transformer", dtype=torch_dtype)
+    torch_dtype = parse_dtype(dtype, device) if dtype else saved_dtype(model)
+    transformer = load_component(model, "transformer", dtype=torch_dtype, device=device)
     attach_lora(transformer, lora, scale=1.0)
     transformer.fuse_lora(lora_scale=scale, adapter_names=[ADAPTER])
     transformer.unload_lora()  # drops the peft layers, keeps the fused base weights

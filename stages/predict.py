@@ -63,8 +63,9 @@ def load_pipeline(model: str, dtype: torch.dtype, devices: dict[str, str], lora:
         lora_weight_file(lora)  # a clear error for a missing or non-LoRA path
         pipe.load_lora_weights(lora, adapter_name="lora")
         pipe.set_adapters(["lora"], adapter_weights=[lora_scale])
-    for name in COMPONENTS:
-        if name in devices:
+    given = {"transformer": transformer, "vae": vae}
+    for name in COMPONENTS:  # only what the caller passed in; the rest loaded onto its device above
+        if given.get(name) is not None and name in devices:
             getattr(pipe, name).to(check_device(devices[name], f"predict.devices.{name}"))
     return pipe
 
