@@ -32,6 +32,7 @@ import json
 import os
 import random
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -206,6 +207,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--variant", default="edit-plus", choices=["edit", "edit-plus"])
     ap.add_argument("--model", default=None, help="reuse a full-width model folder")
     ap.add_argument("--work", type=Path, default=None, help="working folder (model, store, runs); default: temp")
+    ap.add_argument("--minimal-text-encoder", action="store_true",
+                    help="tests: a 1-layer narrow-MLP text encoder (output width still 3584)")
     ap.add_argument("--samples", type=int, default=6)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--quantize", default="none,int8,fp8")
@@ -230,7 +233,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         model = str(work / "model")
         if not (Path(model) / "model_index.json").is_file():
             print(f"building the full-width model ({args.layers or 'real'} layers) in {model}", flush=True)
-            make_full_width_model(model, args.variant, args.layers)
+            make_full_width_model(model, args.variant, args.layers, minimal_text_encoder=args.minimal_text_encoder)
     print("writing and encoding the rehearsal store", flush=True)
     store = build_store(work, model, args.area, args.samples, args.device)
     peak_flops = matmul_flops_per_s(args.device)
@@ -244,6 +247,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 "layers": args.layers, "device": args.device, "steps": args.steps, "store": str(store),
                 "model": model, "run_dir": str(work / f"run-{i}-{q}-{off}-{int(gc)}-{bs}"),
                 "blocks_on_device": args.blocks_on_device}
+        shutil.rmtree(spec["run_dir"], ignore_errors=True)  # a fresh run, never a resume of an earlier one
         print(f"run {i}: quantize={q} offload={off} gradient_checkpointing={gc} batch_size={bs}", flush=True)
         proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True,
                               text=True, env={**os.environ, "PYTHONPATH": str(REPO)})

@@ -74,16 +74,24 @@ def _fullatt(depth: int) -> list[int]:
     return kept or [depth - 1]  # the last block always attends globally
 
 
-def build_text_encoder(tokenizer, layers: int, seed: int):
+# Test-only text encoder: the real output width (3584, what the transformer reads) and head layout, one
+# layer, a narrow MLP and a narrow vision tower, so a CPU test encodes in seconds.
+MINIMAL_TEXT = {**QWEN25_VL_7B_TEXT, "intermediate_size": 256}
+MINIMAL_VISION = {**QWEN25_VL_7B_VISION, "hidden_size": 64, "intermediate_size": 128, "num_heads": 2}
+
+
+def build_text_encoder(tokenizer, layers: int, seed: int, minimal: bool = False):
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_SPECIAL_TOKENS}
+    text, vision = (MINIMAL_TEXT, MINIMAL_VISION) if minimal else (QWEN25_VL_7B_TEXT, QWEN25_VL_7B_VISION)
+    layers = 1 if minimal else layers
     config = Qwen2_5_VLConfig(
         text_config=dict(
-            vocab_size=len(tokenizer), num_hidden_layers=layers, **QWEN25_VL_7B_TEXT,
+            vocab_size=len(tokenizer), num_hidden_layers=layers, **text,
             bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"],
         ),
-        vision_config=dict(depth=layers, fullatt_block_indexes=_fullatt(layers), **QWEN25_VL_7B_VISION),
+        vision_config=dict(depth=layers, fullatt_block_indexes=_fullatt(layers), **vision),
         image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"],
@@ -96,7 +104,8 @@ def build_text_encoder(tokenizer, layers: int, seed: int):
         return Qwen2_5_VLForConditionalGeneration(config).eval()
 
 
-def build_full_width_pipeline(variant: Variant = "edit", layers: int | None = None, seed: int = 0):
+def build_full_width_pipeline(variant: Variant = "edit", layers: int | None = None, seed: int = 0,
+                              minimal_text_encoder: bool = False):
     from diffusers import (
         AutoencoderKLQwenImage,
         FlowMatchEulerDiscreteScheduler,
@@ -109,7 +118,7 @@ def build_full_width_pipeline(variant: Variant = "edit", layers: int | None = No
     n_tr = layers or REAL_LAYERS["transformer"]
     n_te = layers or REAL_LAYERS["text"]
     tokenizer = build_tokenizer()
-    text_encoder = build_text_encoder(tokenizer, n_te, seed)
+    text_encoder = build_text_encoder(tokenizer, n_te, seed, minimal=minimal_text_encoder)
     with _default_dtype(torch.bfloat16):
         torch.manual_seed(seed + 1)
         transformer = QwenImageTransformer2DModel(num_layers=n_tr, **FULL_TRANSFORMER).eval()
@@ -131,7 +140,7 @@ def shard_size(transformer) -> int:
 
 
 def make_full_width_model(out: str | os.PathLike, variant: Variant = "edit", layers: int | None = None,
-                          seed: int = 0) -> Path:
+                          seed: int = 0, minimal_text_encoder: bool = False) -> Path:
     from schemas.errors import UserError
 
     if variant not in ("edit", "edit-plus"):
@@ -141,12 +150,13 @@ def make_full_width_model(out: str | os.PathLike, variant: Variant = "edit", lay
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise UserError(f"{out} is not empty: build the model into a new or empty folder")
-    pipe = build_full_width_pipeline(variant, layers, seed)
+    pipe = build_full_width_pipeline(variant, layers, seed, minimal_text_encoder)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     pipe.save_pretrained(tmp, safe_serialization=True, max_shard_size=shard_size(pipe.transformer))
     (tmp / "tiny_model.json").write_text(json.dumps(
-        {"variant": variant, "seed": seed, "full_width": True, "layers": layers}, indent=2) + "\n")
+        {"variant": variant, "seed": seed, "full_width": True, "layers": layers,
+         "minimal_text_encoder": minimal_text_encoder}, indent=2) + "\n")
     if out.exists():
         out.rmdir()
     os.rename(tmp, out)
