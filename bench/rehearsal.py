@@ -48,6 +48,11 @@ RUN_KEYS = ("quantize", "offload", "gradient_checkpointing", "batch_size", "laye
             "samples_per_s", "tokens_per_s", "peak_device_bytes", "peak_host_rss_bytes", "baseline_rss_bytes",
             "mfu")
 
+# glibc's dynamic mmap threshold rises to the largest block freed so far, after which freed weight-sized
+# temporaries stay in the heap and RSS keeps them: a fixed threshold lets RSS follow live memory, the same
+# for every configuration (measured, 1 layer: bf16 1.08 -> 0.95 GiB, int8 1.15 -> 0.92 GiB over baseline).
+CHILD_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
+
 _WORDS = ("make the square red and turn the background into a soft sunset while keeping the circle where it "
           "is then add a small hat rotate the scene mirror it replace the car with a bicycle brighter colour "
           "texture shape object picture").split()
@@ -145,6 +150,8 @@ def child(spec: dict) -> dict:
     import peft  # noqa: F401
     import torchao  # noqa: F401
     import transformers  # noqa: F401
+    from accelerate import Accelerator  # noqa: F401
+    from torch.utils.tensorboard import SummaryWriter  # noqa: F401  (imported by the train stage)
 
     from pipeline.config import load_config
     from stages import train
@@ -250,7 +257,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         shutil.rmtree(spec["run_dir"], ignore_errors=True)  # a fresh run, never a resume of an earlier one
         print(f"run {i}: quantize={q} offload={off} gradient_checkpointing={gc} batch_size={bs}", flush=True)
         proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True,
-                              text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+                              text=True, env={**CHILD_ENV, **os.environ, "PYTHONPATH": str(REPO)})
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("REHEARSAL-RESULT ")]
         if proc.returncode != 0 or not lines:
             sys.stderr.write(proc.stderr[-4000:])

@@ -51,13 +51,37 @@ def is_quantized(weight) -> bool:
     return type(weight).__module__.startswith("torchao")
 
 
+# Output rows dequantised at a time: bounds the dense temporary to ROWS x in_features (torchao's own CPU path
+# dequantises the whole weight through a float32 copy: 340 MB for one 3072 x 18432 modulation linear).
+ROWS = 1024
+
+
+def _chunked_linear(x, weight, bias, rows: int = ROWS):
+    import torch
+
+    outs = []
+    for start in range(0, weight.shape[0], rows):
+        w = weight[start : start + rows].dequantize().to(x.dtype)
+        outs.append(torch.nn.functional.linear(x, w, None if bias is None else bias[start : start + rows].to(x.dtype)))
+    return torch.cat(outs, dim=-1)
+
+
+def _chunked_input_grad(grad, weight, rows: int = ROWS):
+    out = None
+    for start in range(0, weight.shape[0], rows):
+        w = weight[start : start + rows].dequantize().to(grad.dtype)
+        part = grad[..., start : start + rows] @ w
+        out = part if out is None else out.add_(part)
+    return out
+
+
 class _FrozenQuantizedLinear:
     """y = x W^T + b for a frozen torchao-quantised W, keeping only the quantised W for the backward.
 
     torchao's weight-only linear dequantises W and calls F.linear with the dense copy, so autograd saves that
     dense bf16 copy for the input gradient: every block's full-precision weights would then live until the
     backward, and training would need more memory than the unquantised base. This Function saves the
-    quantised tensor and dequantises one layer at a time in the backward.
+    quantised tensor and dequantises ROWS output rows at a time, in the forward and in the backward.
     """
 
     @staticmethod
@@ -69,15 +93,12 @@ class _FrozenQuantizedLinear:
             def forward(ctx, x, weight, bias):
                 # saved (not a ctx attribute) so gradient checkpointing and offload can drop and refetch it
                 ctx.save_for_backward(weight)
-                ctx.x_dtype = x.dtype
-                with torch.no_grad():
-                    return torch.nn.functional.linear(x, weight, bias)
+                return _chunked_linear(x, weight, bias)
 
             @staticmethod
             def backward(ctx, grad):
                 (weight,) = ctx.saved_tensors
-                w = weight.dequantize().to(grad.dtype)
-                return (grad @ w).to(ctx.x_dtype), None, None
+                return _chunked_input_grad(grad, weight), None, None
 
         return Fn
 
@@ -91,10 +112,11 @@ def install_frozen_linear_backward(model) -> int:
     for module in model.modules():
         if isinstance(module, torch.nn.Linear) and is_quantized(module.weight) and not module.weight.requires_grad:
             def forward(x, m=module):
+                # compute in the weight's (dequantised) dtype, as torchao's own linear requires
+                x = x.to(m.weight.dtype)
                 if not torch.is_grad_enabled() or not x.requires_grad:
-                    return torch.nn.functional.linear(x, m.weight, m.bias)
-                # torchao's linear needs x in the weight's (dequantised) dtype; autocast would cast it anyway
-                return fn.apply(x.to(m.weight.dtype), m.weight, m.bias)
+                    return _chunked_linear(x, m.weight, m.bias)
+                return fn.apply(x, m.weight, m.bias)
 
             module.forward = forward
             n += 1
