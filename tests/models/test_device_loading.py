@@ -32,10 +32,18 @@ def test_load_component_streams_onto_the_named_gpu(fake_gpus, monkeypatch, tiny_
         return Loaded()
 
     monkeypatch.setattr(QwenImageTransformer2DModel, "from_pretrained", classmethod(fake))
-    loading.load_component(tiny_edit_model, "transformer", dtype=torch.bfloat16, device="cuda:1", quantize="int8")
+    loading.load_component(tiny_edit_model, "transformer", dtype=torch.bfloat16, device="cuda:1")
     assert seen["device_map"] == {"": torch.device("cuda:1")}
     assert seen["torch_dtype"] == torch.bfloat16
-    assert type(seen["quantization_config"]).__name__ == "TorchAoConfig"
+
+    # quantised: filled tensor by tensor straight on the device (models/quantize.py)
+    from models import quantize
+
+    got = {}
+    monkeypatch.setattr(quantize, "load_quantized_transformer",
+                        lambda folder, dtype, device, name: got.update(device=device, name=name, dtype=dtype))
+    loading.load_component(tiny_edit_model, "transformer", dtype=torch.bfloat16, device="cuda:1", quantize="int8")
+    assert got == {"device": torch.device("cuda:1"), "name": "int8", "dtype": torch.bfloat16}
 
 
 def test_predict_and_merge_load_each_component_on_its_device(fake_gpus, monkeypatch, tiny_edit_model, tmp_path):

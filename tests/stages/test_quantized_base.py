@@ -3,6 +3,8 @@ gives is a plain diffusers LoRA that loads onto the unquantised base (stock `loa
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -21,22 +23,48 @@ def store_dir(tmp_path_factory, tiny_edit_model):
     return root
 
 
-def test_quantized_while_loading_blocks_only(tiny_edit_model, monkeypatch):
-    from diffusers.quantizers.torchao import torchao_quantizer as tq
+@pytest.mark.parametrize("quantize", ["int8", "fp8"])
+def test_quantized_while_loading_blocks_only(quantize, tiny_edit_model, monkeypatch):
+    import torchao.quantization as tq
+    from diffusers import QwenImageTransformer2DModel
 
-    # No quantize_ over a materialised model: each linear is quantised on its own as its weight is read.
+    from models import quantize as qmod
+    from models.quantize import quantization_config
+
+    # Quantised a few rows at a time as each weight is read: never a whole model, never a whole weight.
     calls, original = [], tq.quantize_
-    monkeypatch.setattr(tq, "quantize_", lambda module, *a, **k: calls.append(module) or original(module, *a, **k))
-    tr = load_component(tiny_edit_model, "transformer", dtype=torch.bfloat16, device="cpu", quantize="fp8")
-    assert calls and all(isinstance(m, torch.nn.Linear) for m in calls)
-    assert "Float8" in type(tr.transformer_blocks[0].attn.to_q.weight).__name__
+    monkeypatch.setattr(tq, "quantize_", lambda module, *a, **k: calls.append(module.weight.shape) or original(module, *a, **k))
+    monkeypatch.setattr(qmod, "ROWS", 16)
+    tr = load_component(tiny_edit_model, "transformer", dtype=torch.bfloat16, device="cpu", quantize=quantize)
+    assert calls and all(shape[0] <= 16 for shape in calls) and any(shape[0] == 16 for shape in calls)
+    assert is_quantized(tr.transformer_blocks[0].attn.to_q.weight)
     assert is_quantized(tr.transformer_blocks[0].img_mlp.net[2].weight)
     assert not is_quantized(tr.img_in.weight) and not is_quantized(tr.proj_out.weight)  # in/out stay exact
-    plain = load_component(tiny_edit_model, "transformer", dtype=torch.bfloat16, device="cpu")
-    x = torch.randn(3, plain.transformer_blocks[0].attn.to_q.in_features, dtype=torch.bfloat16)
-    ref = plain.transformer_blocks[0].attn.to_q(x)
-    got = tr.transformer_blocks[0].attn.to_q(x)
-    assert (got - ref).abs().max() <= 0.1 * ref.abs().max()  # fp8 e4m3: a few % per weight
+
+    # the same weights as diffusers' own quantise-while-loading path (TorchAoConfig), the upstream reference
+    ref = QwenImageTransformer2DModel.from_pretrained(Path(tiny_edit_model) / "transformer", torch_dtype=torch.bfloat16,
+                                                      quantization_config=quantization_config(quantize))
+    ours = dict(tr.named_parameters())
+    for name, p in ref.named_parameters():
+        a, b = ours[name], p
+        if is_quantized(b):
+            assert type(a) is type(b), name
+            a, b = a.dequantize(), b.dequantize()
+        assert torch.equal(a, b), name
+
+
+def test_quantize_rows_joins_chunks_exactly():
+    from models.quantize import quantize_rows, torchao_config
+    from torchao.quantization import quantize_
+
+    w = torch.randn(100, 48, dtype=torch.bfloat16)
+    for name in ("int8", "fp8"):
+        whole = torch.nn.Linear(48, 100, bias=False, dtype=torch.bfloat16)
+        whole.weight.data = w.clone()
+        quantize_(whole, torchao_config(name))
+        chunked = quantize_rows(w, name, rows=32)
+        assert type(chunked) is type(whole.weight) and chunked.shape == w.shape
+        assert torch.equal(chunked.dequantize(), whole.weight.dequantize())
 
 
 @pytest.mark.parametrize("quantize", ["int8", "fp8"])
