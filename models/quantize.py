@@ -46,26 +46,33 @@ def torchao_config(name: str):
     return {"int8": Int8WeightOnlyConfig, "fp8": Float8WeightOnlyConfig}[name]()
 
 
-def quantize_rows(weight, name: str, rows: int | None = None):
-    """Per-output-channel weight-only quantisation of a 2-D weight, `rows` rows at a time; the chunks are
-    joined into one torchao tensor (exact: each row's scale depends on that row only)."""
+def _quantize_chunk(chunk, cfg):
     import torch
     from torchao.quantization import quantize_
 
-    cfg = torchao_config(name)
-    rows = rows or ROWS
-    parts = []
-    for start in range(0, weight.shape[0], rows):
-        chunk = weight[start : start + rows]
-        lin = torch.nn.Linear(chunk.shape[1], chunk.shape[0], bias=False, device="meta")
-        lin.weight = torch.nn.Parameter(chunk.contiguous(), requires_grad=False)
-        quantize_(lin, cfg)
-        parts.append(lin.weight.detach())
+    lin = torch.nn.Linear(chunk.shape[1], chunk.shape[0], bias=False, device="meta")
+    lin.weight = torch.nn.Parameter(chunk.contiguous(), requires_grad=False)
+    quantize_(lin, cfg)
+    return lin.weight.detach()
+
+
+def _join_rows(parts: list, shape):
+    """One torchao tensor from row chunks (torchao has no aten.cat for Int8Tensor: join the inner tensors)."""
+    import torch
+
     if len(parts) == 1:
         return parts[0]
-    names, meta = parts[0].__tensor_flatten__()  # torchao has no aten.cat for Int8Tensor: join the inner tensors
+    names, meta = parts[0].__tensor_flatten__()
     inner = {n: torch.cat([getattr(p, n) for p in parts]) for n in names}
-    return type(parts[0]).__tensor_unflatten__(inner, meta, weight.shape, None)
+    return type(parts[0]).__tensor_unflatten__(inner, meta, torch.Size(shape), None)
+
+
+def quantize_rows(weight, name: str, rows: int | None = None):
+    """Per-output-channel weight-only quantisation of a 2-D weight, `rows` rows at a time; the chunks are
+    joined into one torchao tensor (exact: each row's scale depends on that row only)."""
+    cfg, rows = torchao_config(name), rows or ROWS
+    return _join_rows([_quantize_chunk(weight[i : i + rows], cfg) for i in range(0, weight.shape[0], rows)],
+                      weight.shape)
 
 
 def quantized_weight_names(model) -> set[str]:
@@ -79,6 +86,7 @@ def quantized_weight_names(model) -> set[str]:
 def load_quantized_transformer(folder, dtype, device, name: str):
     """The stock transformer class, built on the meta device and filled shard by shard, block linears
     quantised as they are read (see the module docstring)."""
+    import gc
     import json
     from pathlib import Path
 
@@ -97,15 +105,29 @@ def load_quantized_transformer(folder, dtype, device, name: str):
     to_quantize = quantized_weight_names(model)
     expected = {n for n, _ in model.named_parameters()}
     seen = set()
+    cfg = torchao_config(name)
+
+    def read_tensor(path: Path, key: str) -> None:
+        # One mapping per tensor, closed when this returns: the file pages read stay in this process's RSS
+        # only while mapped, so at most one weight's pages are resident on top of the quantised model.
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            if key in to_quantize:  # ROWS rows read and quantised at a time: no whole bf16 weight
+                sl = f.get_slice(key)
+                shape = sl.get_shape()
+                t = _join_rows([_quantize_chunk(sl[i : i + ROWS].to(device=device, dtype=dtype), cfg)
+                                for i in range(0, shape[0], ROWS)], shape)
+            else:  # a copy: a view would keep the file mapped
+                t = f.get_tensor(key).to(device=device, dtype=dtype, copy=True)
+        owner, _, pname = key.rpartition(".")
+        model.get_submodule(owner)._parameters[pname] = torch.nn.Parameter(t, requires_grad=False)
+        seen.add(key)
+
     for file in tqdm(files, desc=f"load transformer ({name})", unit="shard", leave=False):
         with safe_open(str(folder / file), framework="pt", device="cpu") as f:
-            for key in f.keys():
-                t = f.get_tensor(key).to(device=device, dtype=dtype)
-                if key in to_quantize:
-                    t = quantize_rows(t, name)
-                owner, _, pname = key.rpartition(".")
-                model.get_submodule(owner)._parameters[pname] = torch.nn.Parameter(t, requires_grad=False)
-                seen.add(key)
+            keys = list(f.keys())
+        for key in keys:
+            read_tensor(folder / file, key)
+        gc.collect()  # torchao's quantise leaves reference cycles holding freed chunks (measured: 0.11 GiB)
     if expected - seen:
         from schemas.errors import UserError
 
