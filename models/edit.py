@@ -37,26 +37,32 @@ class PreparedControls:
 
 
 def load_pipeline(model: str, dtype: torch.dtype, devices: dict[str, str], lora: str | None = None,
-                  lora_scale: float = 1.0, transformer=None, vae=None):
-    """The stock Edit / Edit-Plus pipeline assembled from `load_component`, each component on its device.
+                  lora_scale: float = 1.0, transformer=None, vae=None, quantize: str = "none"):
+    """The stock Edit / Edit-Plus pipeline assembled from `load_component`, each component loaded straight
+    onto its device (never staged whole in host RAM first); the transformer optionally quantised while loading.
 
     An already loaded transformer / VAE (evaluate's, LoRA attached) is used as is instead of a second copy.
     """
     from diffusers import QwenImageEditPipeline, QwenImageEditPlusPipeline
 
+    def dev(name: str):
+        return check_device(devices[name], f"predict.devices.{name}") if name in devices else None
+
     cls = QwenImageEditPlusPipeline if pipeline_family(model_variant(model)) == "edit-plus" else QwenImageEditPipeline
     pipe = cls(
         scheduler=load_component(model, "scheduler"),
-        vae=vae if vae is not None else load_component(model, "vae", dtype=dtype),
-        text_encoder=load_component(model, "text_encoder", dtype=dtype),
+        vae=vae if vae is not None else load_component(model, "vae", dtype=dtype, device=dev("vae")),
+        text_encoder=load_component(model, "text_encoder", dtype=dtype, device=dev("text_encoder")),
         tokenizer=load_component(model, "tokenizer"),
         processor=load_component(model, "processor"),
-        transformer=transformer if transformer is not None else load_component(model, "transformer", dtype=dtype),
+        transformer=transformer if transformer is not None else load_component(
+            model, "transformer", dtype=dtype, device=dev("transformer"), quantize=quantize),
     )
     if lora is not None:
         attach_lora(pipe.transformer, lora, lora_scale)
-    for name in COMPONENTS:
-        if name in devices:
+    given = {"transformer": transformer, "vae": vae}
+    for name in COMPONENTS:  # only what the caller passed in; the rest loaded onto its device above
+        if given.get(name) is not None and name in devices:
             getattr(pipe, name).to(check_device(devices[name], f"predict.devices.{name}"))
     return pipe
 

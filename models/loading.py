@@ -149,8 +149,11 @@ def load_component(
     component: Component,
     dtype: torch.dtype | None = None,
     device: str | torch.device | None = None,
+    quantize: str = "none",
 ):
-    """Load one pipeline component from its subfolder with the stock class."""
+    """Load one pipeline component from its subfolder with the stock class, straight onto `device`.
+
+    `quantize` (transformer only): none | int8 | fp8, applied while the weights load (models/quantize.py)."""
     import importlib
 
     root = resolve_model(model)
@@ -169,13 +172,23 @@ def load_component(
         # Stream the weights straight onto the accelerator: N ranks on one host must not each hold a full copy
         # of a 40 GB transformer in host RAM first. (Unverified on a GPU in this project's CI: none is lent.)
         kwargs["device_map"] = {"": torch.device(device)}
+    if quantize not in ("none", None):
+        if component != "transformer":
+            raise ValueError(f"quantize is for the transformer, not the {component}")
+        from models.quantize import load_quantized_transformer
+
+        # Quantised tensor by tensor as the shards are read, straight on the device (models/quantize.py).
+        return load_quantized_transformer(sub, dtype or torch.bfloat16, torch.device(device or "cpu"), quantize)
     obj = cls.from_pretrained(sub, **kwargs)
-    if device is not None and hasattr(obj, "to") and component in ("transformer", "vae", "text_encoder"):
-        obj = obj.to(device)
+    if device is not None and "device_map" not in kwargs and component in ("transformer", "vae", "text_encoder"):
+        obj = obj.to(device)  # the CPU: from_pretrained already put it there, this is a no-op
     if hasattr(obj, "eval"):
         obj.eval()
     return obj
 
 
-def parse_dtype(name: str) -> torch.dtype:
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+def parse_dtype(name: str, device: str | torch.device = "cpu") -> torch.dtype:
+    """A dtype setting as a torch dtype; `auto` is decided by `device` (models/precision.py)."""
+    from models.precision import resolve_dtype
+
+    return resolve_dtype(name, device)

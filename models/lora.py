@@ -239,11 +239,12 @@ def saved_dtype(model: str) -> torch.dtype:
     return torch.float32
 
 
-def fused_transformer(model: str, lora: str | Path, scale: float = 1.0, dtype: torch.dtype | None = None):
+def fused_transformer(model: str, lora: str | Path, scale: float = 1.0, dtype: torch.dtype | None = None,
+                      device: str | torch.device = "cpu"):
     """MODEL's transformer with W + scale·(B·A)·alpha/r fused into its weights and the LoRA layers removed."""
     from models.loading import load_component
 
-    transformer = load_component(model, "transformer", dtype=dtype or saved_dtype(model))
+    transformer = load_component(model, "transformer", dtype=dtype or saved_dtype(model), device=device)
     attach_lora(transformer, lora, scale=1.0, adapter_name="lora")
     transformer.fuse_lora(lora_scale=scale, adapter_names=["lora"])
     transformer.unload_lora()  # drops the peft layers, keeps the fused base weights

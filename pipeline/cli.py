@@ -10,6 +10,7 @@ from pipeline.commands import (
     encode,
     evaluate,
     lora,
+    plan,
     predict,
     resize_bucket,
     run_all,
@@ -47,6 +48,7 @@ run_app.command("all", help="Every stage in order, each skipped when up to date.
 app.add_typer(run_app, name="run")
 
 app.command("predict", help="Edit an image with the model (+ optional LoRA).")(predict.command)
+app.command("plan", help="Predicted peak memory per stage for a config; fits --gpu-memory?")(plan.command)
 app.add_typer(lora.lora_app, name="lora", help="LoRA utilities.")
 app.command("demo", help="Tiny model + synthetic data + every stage end to end, then a report.")(demo.command)
 

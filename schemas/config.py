@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 
 class Section(BaseModel):
@@ -79,9 +79,14 @@ class ResizeConfig(Section):
         return hashlib.sha256(blob).hexdigest()[:16]
 
 
+DType = Literal["auto", "float32", "bfloat16", "float16"]
+_DTYPE_HELP = "auto = bfloat16 on a CUDA device that supports it, float32 on the CPU (models/precision.py)"
+_DEVICE_HELP = "cpu, cuda, cuda:N, or one device per local rank ([cuda:0, cuda:1]); cuda = cuda:LOCAL_RANK"
+
+
 class EncodeTextConfig(Section):
-    device: str = "cpu"
-    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    device: str | list[str] = Field("cpu", description=_DEVICE_HELP)
+    dtype: DType = Field("auto", description=_DTYPE_HELP)
     batch_size: int = Field(8, gt=0)
     prompt_template: str | None = Field(None, description="None = the model's own diffusers template")
     prompt_template_start_idx: int | None = None
@@ -95,8 +100,8 @@ class EncodeTextConfig(Section):
 
 
 class EncodeVaeConfig(Section):
-    device: str = "cpu"
-    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    device: str | list[str] = Field("cpu", description=_DEVICE_HELP)
+    dtype: DType = Field("auto", description=_DTYPE_HELP)
     batch_size: int = Field(8, gt=0)
     shard_size_mb: float = Field(256, gt=0, description="shard file size target (fractions allowed)")
     num_workers: int = Field(2, ge=0, description="threads decoding + preprocessing ahead of the forward (0 = inline)")
@@ -133,8 +138,20 @@ class LossConfig(Section):
     mask_weight: MaskWeight = MaskWeight()
 
 
+def _quantize_alias(value: Any) -> Any:
+    """`int8_weight_only` (the first name of the int8 option) still reads, as `int8`."""
+    return "int8" if value == "int8_weight_only" else value
+
+
+Quantize = Annotated[Literal["none", "int8", "fp8"], BeforeValidator(_quantize_alias)]
+_QUANTIZE_HELP = ("frozen transformer base, quantised while it loads (torchao weight-only): none | int8 | fp8; "
+                  "int8_weight_only is read as int8")
+
+
 class TrainConfig(Section):
-    device: str | None = Field(None, description="None = accelerate's choice")
+    device: str | list[str] | None = Field(None, description="None = accelerate's choice; else " + _DEVICE_HELP)
+    dtype: DType = Field("auto", description="frozen base weights; " + _DTYPE_HELP +
+                         " (bf16 when mixed_precision is bf16)")
     seed: int = 0
     batch_size: int = Field(4, gt=0)
     grad_accum: int = Field(1, gt=0)
@@ -148,7 +165,10 @@ class TrainConfig(Section):
     max_grad_norm: float | None = 1.0
     mixed_precision: Literal["no", "bf16", "fp16"] = "no"
     gradient_checkpointing: bool = False
-    quantize_base: Literal["none", "int8_weight_only"] = "none"
+    quantize_base: Quantize = Field("none", description=_QUANTIZE_HELP)
+    offload: Literal["none", "blocks"] = Field(
+        "none", description="blocks: frozen transformer blocks live in (pinned) host memory and stream to the device")
+    offload_blocks_on_device: int = Field(0, ge=0, description="offload=blocks: leading blocks kept on the device")
     caption_dropout: float = Field(0.0, ge=0.0, le=1.0)
     checkpoint_every: int = Field(50, gt=0)
     keep_checkpoints: int = Field(3, gt=0)
@@ -202,8 +222,9 @@ class ExtraPrompt(Section):
 
 
 class EvaluateConfig(Section):
-    device: str = "cpu"
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: str | list[str] = Field("cpu", description=_DEVICE_HELP)
+    dtype: DType = Field("auto", description=_DTYPE_HELP)
+    quantize_base: Quantize = Field("none", description=_QUANTIZE_HELP)
     seed: int = Field(1234, description="generation seed (the same for base and LoRA, for every sample)")
     timesteps: list[float] = Field([0.1, 0.3, 0.5, 0.7, 0.9], min_length=1, description="sigma grid of the held-out loss")
     noise_seeds: list[int] = Field([0, 1], min_length=1, description="fixed noise draws of the held-out loss")
@@ -221,7 +242,8 @@ class EvaluateConfig(Section):
 
 class PredictConfig(Section):
     devices: dict[str, str] = {"transformer": "cpu", "text_encoder": "cpu", "vae": "cpu"}
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: DType = Field("auto", description=_DTYPE_HELP + " (decided by the transformer's device)")
+    quantize_base: Quantize = Field("none", description=_QUANTIZE_HELP)
     steps: int = Field(20, ge=2, description="1 step divides 0/0 in the scheduler's terminal stretch")
     true_cfg_scale: float = 4.0
     negative_prompt: str = " "

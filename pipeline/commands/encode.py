@@ -21,11 +21,15 @@ def _command(section: str, stage_module: str, component: str, batch_help: str) -
         model: Optional[str] = typer.Option(None, "--model", help="Model folder or hub id (paths.model)."),
         device: Optional[str] = typer.Option(None, "--device", help=f"Device of the {component} ({section}.device)."),
         batch_size: Optional[int] = typer.Option(None, "--batch-size", help=batch_help),
+        dtype: Optional[str] = typer.Option(
+            None, "--dtype", help=f"auto | float32 | bfloat16 | float16 ({section}.dtype; auto = bf16 on a bf16 GPU, "
+            "float32 on CPU)."),
         config: Optional[Path] = ConfigOpt,
         set_: list[str] = SetOpt,
     ) -> None:
         cfg = config_from(config, sets=set_, overrides={
             "paths.store": store, "paths.model": model, f"{section}.device": device, f"{section}.batch_size": batch_size,
+            f"{section}.dtype": dtype,
         })
         dst = require(cfg.paths.store, "--store", "paths.store")
         mdl = require(cfg.paths.model, "--model", "paths.model")

@@ -15,6 +15,7 @@ def command(
     model: Optional[str] = typer.Option(None, "--model", help="Model the store was encoded with (paths.model)."),
     lora: Optional[str] = typer.Option(None, "--lora", help="LoRA folder (default: paths.run + /lora)."),
     out: Optional[str] = typer.Option(None, "--out", help="Report directory (paths.report)."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="auto | float32 | bfloat16 | float16 (evaluate.dtype; auto = bf16 on a bf16 GPU, float32 on CPU)."),
     config: Optional[Path] = ConfigOpt,
     set_: list[str] = SetOpt,
     num_samples: Optional[int] = typer.Option(None, "--num-samples", help="Val samples to generate (evaluate.num_samples)."),
@@ -28,7 +29,7 @@ def command(
             "paths.report": out,
             "evaluate.num_samples": num_samples,
             "evaluate.num_inference_steps": steps,
-            "evaluate.device": device,
+            "evaluate.device": device, "evaluate.dtype": dtype,
         },
     )
     store_dir = require(cfg.paths.store, "--store", "paths.store")

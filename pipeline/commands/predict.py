@@ -23,7 +23,7 @@ def command(
     seed: Optional[int] = typer.Option(None, "--seed", help="[predict.seed]"),
     height: Optional[int] = typer.Option(None, "--height", help="Output height (default: the control's ~1024² size)."),
     width: Optional[int] = typer.Option(None, "--width", help="Output width."),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="float32 | bfloat16 | float16 [predict.dtype]."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="auto | float32 | bfloat16 | float16 [predict.dtype]; auto = bf16 on a bf16 GPU, float32 on CPU."),
     transformer_device: Optional[str] = typer.Option(None, "--transformer-device", help="[predict.devices.transformer]"),
     text_encoder_device: Optional[str] = typer.Option(None, "--text-encoder-device", help="[predict.devices.text_encoder]"),
     vae_device: Optional[str] = typer.Option(None, "--vae-device", help="[predict.devices.vae]"),
@@ -68,8 +68,15 @@ def predict(cfg, model: str, images: list[Path], prompt: str, out: Path, lora: s
     unknown = set(cfg.devices) - set(COMPONENTS)
     if unknown:
         raise UserError(f"predict.devices: unknown component(s) {sorted(unknown)}; use {list(COMPONENTS)}")
-    devices = {name: cfg.devices.get(name, "cpu") for name in COMPONENTS}
-    pipe = load_pipeline(model, parse_dtype(cfg.dtype), devices, lora, lora_scale)
+    from tqdm.auto import tqdm
+
+    from models.precision import describe, device_for_rank
+
+    devices = {name: device_for_rank(cfg.devices.get(name, "cpu"), what=f"predict.devices.{name}") for name in COMPONENTS}
+    dtype = parse_dtype(cfg.dtype, devices["transformer"])  # auto: decided by where the big model runs
+    tqdm.write(describe("predict", dtype, devices["transformer"], cfg.dtype)
+               + (f", quantize_base {cfg.quantize_base}" if cfg.quantize_base != "none" else ""))
+    pipe = load_pipeline(model, dtype, devices, lora, lora_scale, quantize=cfg.quantize_base)
     result = edit(pipe, pil, prompt, cfg.negative_prompt, cfg.steps, cfg.true_cfg_scale, cfg.seed, height, width)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -14,24 +14,35 @@ def make_tiny_model(
     out: Path = typer.Argument(..., help="Folder to write the model to."),
     variant: str = typer.Option("edit", "--variant", help="edit (one control), edit-plus (2509: several controls) or edit-2511 (Plus with zero_cond_t)."),
     seed: int = typer.Option(0, "--seed", help="Same seed, same bytes."),
+    full_width: bool = typer.Option(False, "--full-width", help="Real component widths (rehearsal; GBs on disk)."),
+    layers: Optional[int] = typer.Option(None, "--layers", help="--full-width: layers per stack (default: the real counts)."),
 ) -> None:
     if variant not in ("edit", "edit-plus", "edit-2511"):
         raise typer.BadParameter("use 'edit', 'edit-plus' or 'edit-2511'", param_hint="--variant")
+    if layers is not None and not full_width:
+        raise typer.BadParameter("--layers needs --full-width", param_hint="--layers")
     with user_errors():
-        write_tiny_model(out, variant, seed)
-    echo(f"wrote tiny {variant} model to {out}")
+        write_tiny_model(out, variant, seed, full_width=full_width, layers=layers)
+    echo(f"wrote {'full-width' if full_width else 'tiny'} {variant} model to {out}")
 
 
-def write_tiny_model(out: Path, variant: str, seed: int) -> Path:
-    """The tiny model into a new or empty OUT, whole or not at all (never mixed into another model or a dataset)."""
-    from models.tiny import make_tiny_model
+def write_tiny_model(out: Path, variant: str, seed: int, full_width: bool = False, layers: int | None = None) -> Path:
+    """The tiny (or full-width rehearsal) model into a new or empty OUT, whole or not at all (never mixed into
+    another model or a dataset)."""
     from schemas.errors import UserError
     from store.format import atomic_dir
 
     if out.exists() and any(out.iterdir()):
-        raise UserError(f"{out} is not empty: build the tiny model into a new or empty folder")
+        raise UserError(f"{out} is not empty: build the model into a new or empty folder")
     with atomic_dir(out) as tmp:
-        make_tiny_model(tmp, variant=variant, seed=seed)  # type: ignore[arg-type]
+        if full_width:
+            from models.full_width import make_full_width_model
+
+            make_full_width_model(tmp, variant=variant, layers=layers, seed=seed)  # type: ignore[arg-type]
+        else:
+            from models.tiny import make_tiny_model
+
+            make_tiny_model(tmp, variant=variant, seed=seed)  # type: ignore[arg-type]
     return out
 
 

@@ -18,6 +18,7 @@ def command(
     store: Optional[str] = typer.Option(None, "--store", help="Store with `text` and `vae` tables (paths.store)."),
     model: Optional[str] = typer.Option(None, "--model", help="Model folder or hub id the store was encoded with (paths.model)."),
     out: Optional[str] = typer.Option(None, "--out", help="Run directory: checkpoints/, lora/, logs/ (paths.run)."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="auto | float32 | bfloat16 | float16 (train.dtype; auto = bf16 on a bf16 GPU, float32 on CPU)."),
     config: Optional[Path] = ConfigOpt,
     set_: list[str] = SetOpt,
     resume: bool = typer.Option(False, "--resume", help="Continue from the last complete checkpoint in --out."),
@@ -32,7 +33,7 @@ def command(
             "paths.run": out,
             "train.max_steps": max_steps,
             "train.batch_size": batch_size,
-            "train.device": device,
+            "train.device": device, "train.dtype": dtype,
         },
     )
     store_dir = require(cfg.paths.store, "--store", "paths.store")

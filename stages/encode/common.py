@@ -55,7 +55,7 @@ class Ranks:
     barrier: Callable[[], None] = lambda: None
 
 
-def current_ranks(device: str) -> Ranks:
+def current_ranks(device: str | list[str]) -> Ranks:
     """This process's place under `accelerate launch` (or torchrun); a plain run is rank 0 of 1.
 
     Accelerate is only initialised when a launcher set WORLD_SIZE > 1, so a single process never touches
@@ -65,15 +65,29 @@ def current_ranks(device: str) -> Ranks:
         return Ranks()
     from accelerate import PartialState
 
-    state = PartialState(cpu=device.startswith("cpu"))
+    from models.precision import first_device
+
+    state = PartialState(cpu=str(first_device(device)).startswith("cpu"))
     return Ranks(state.process_index, state.num_processes, state.local_process_index, state.wait_for_everyone)
 
 
-def rank_device(device: str, ranks: Ranks) -> str:
-    """`cuda` under a multi-process launch means this rank's own GPU."""
-    if device == "cuda" and ranks.world_size > 1:
-        return f"cuda:{ranks.local_rank}"
-    return device
+def rank_device(device: str | list[str], ranks: Ranks, what: str = "device") -> str:
+    """`cuda` under a multi-process launch means this rank's own GPU; a list names one device per local rank."""
+    from models.precision import device_for_rank
+
+    return device_for_rank(device, ranks.local_rank, ranks.world_size, what)
+
+
+def resolve_precision(section: S, device: str, stage: str) -> S:
+    """The section with `dtype: auto` replaced by what it means on `device` (printed): the lineage hash and
+    the table's recorded config then name the precision that produced the features."""
+    from tqdm.auto import tqdm
+
+    from models.precision import describe, resolve_dtype
+
+    dtype = resolve_dtype(section.dtype, device)
+    tqdm.write(describe(stage, dtype, device, section.dtype))
+    return with_overrides(section, dtype=str(dtype).removeprefix("torch."))
 
 
 # ---------------------------------------------------------------- lineage

@@ -41,6 +41,7 @@ from stages.encode.common import (
     open_png,
     prefetched,
     rank_device,
+    resolve_precision,
     with_overrides,
 )
 
@@ -281,6 +282,8 @@ def run(
     section = with_overrides(cfg.encode_text, device=device, batch_size=batch_size)
     fmt = prompt_format(pipeline_family(model_variant(model)), section.prompt_template, section.prompt_template_start_idx)
     ranks = ranks or current_ranks(section.device)
+    target = rank_device(section.device, ranks, "encode_text.device")
+    section = resolve_precision(section, target, STAGE)
     job = open_job(store, STAGE, TABLE, config_hash(section, prompt_format=fmt.lineage_record()), model,
                    FEATURE_REVISION, ranks)
     if job.up_to_date:
@@ -289,7 +292,7 @@ def run(
     # Only what this stage needs: the VL model and its processor (never the transformer or the VAE).
     processor = load_component(model, "processor")
     text_encoder = load_component(model, "text_encoder", dtype=parse_dtype(section.dtype),
-                                  device=rank_device(section.device, ranks))
+                                  device=target)
     nocontrol = section.no_control_embeds
     kinds = KINDS + ((NOCONTROL,) if nocontrol else ())
     schema = text_schema(job, fmt, text_encoder.config.text_config.hidden_size, section.dtype, nocontrol)

@@ -33,6 +33,7 @@ from stages.encode.common import (
     open_png,
     prefetched,
     rank_device,
+    resolve_precision,
     with_overrides,
 )
 
@@ -141,12 +142,14 @@ def run(
 
     section = with_overrides(cfg.encode_vae, device=device, batch_size=batch_size)
     ranks = ranks or current_ranks(section.device)
+    target = rank_device(section.device, ranks, "encode_vae.device")
+    section = resolve_precision(section, target, STAGE)
     job = open_job(store, STAGE, TABLE, config_hash(section), model, FEATURE_REVISION, ranks)
     if job.up_to_date:
         return job.summary
 
     # Only the VAE (never the VL model or the transformer).
-    vae = load_component(model, "vae", dtype=parse_dtype(section.dtype), device=rank_device(section.device, ranks))
+    vae = load_component(model, "vae", dtype=parse_dtype(section.dtype), device=target)
     channels = vae.config.z_dim
     latents_mean = torch.tensor(vae.config.latents_mean).view(1, channels, 1, 1, 1)
     latents_std = torch.tensor(vae.config.latents_std).view(1, channels, 1, 1, 1)

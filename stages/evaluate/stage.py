@@ -241,7 +241,8 @@ def extra_rows(model: str, transformer, vae, cfg: EvaluateConfig) -> list[Sample
     """The configured extra prompts, through predict's stock-equivalent path (text encoder loaded once)."""
     from models.edit import load_pipeline, prepare
 
-    pipe = load_pipeline(model, parse_dtype(cfg.dtype), {"text_encoder": cfg.device}, transformer=transformer, vae=vae)
+    pipe = load_pipeline(model, parse_dtype(cfg.dtype, cfg.device), {"text_encoder": cfg.device},
+                         transformer=transformer, vae=vae)
     rows = []
     for i, extra in enumerate(tqdm(cfg.extra_prompts, desc="generate extra prompts")):
         try:
@@ -274,10 +275,19 @@ def generation_summary(rows: list[SampleRow], cfg: EvaluateConfig) -> dict:
 # ------------------------------------------------------------------------------------------------ the stage
 
 
+def resolved_config(cfg: EvaluateConfig) -> EvaluateConfig:
+    """This rank's device and the concrete dtype (`auto` decided by the device): what runs and is recorded."""
+    from models.precision import device_for_rank, resolved_name
+
+    device = device_for_rank(cfg.device, what="evaluate.device")
+    return cfg.model_copy(update={"device": device, "dtype": resolved_name(cfg.dtype, device)})
+
+
 def evaluate_inputs(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path) -> dict:
     """Everything a report depends on; equal inputs = the report is up to date (`pipeline run all` skips it)."""
     from models.loading import model_fingerprint
 
+    cfg = resolved_config(cfg)
     st = Store(store, create=False)
     h = hashlib.sha256(lora_weight_file(lora).read_bytes()).hexdigest()
     return {
@@ -325,6 +335,12 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, ou
         return EvaluateResult(json.loads((out / "metrics.json").read_text()), out / "index.html", up_to_date=True)
     if out.is_dir() and any(out.iterdir()) and not (out / "metrics.json").is_file():
         raise UserError(f"{out} is not empty and holds no earlier report: pass a new or empty --out folder")
+    from models.precision import describe
+
+    requested = cfg.dtype
+    cfg = resolved_config(cfg)
+    tqdm.write(describe("evaluate", parse_dtype(cfg.dtype), cfg.device, requested)
+               + (f", quantize_base {cfg.quantize_base}" if cfg.quantize_base != "none" else ""))
     inputs = evaluate_inputs(cfg, store, model, lora)
     from models.loading import model_fingerprint
 
@@ -333,7 +349,7 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, ou
     samples = [from_features(k, *tables.features(k)) for k in tqdm(keys, desc="read val samples", leave=False)]
 
     dtype = parse_dtype(cfg.dtype)
-    transformer = load_component(model, "transformer", dtype=dtype, device=cfg.device)
+    transformer = load_component(model, "transformer", dtype=dtype, device=cfg.device, quantize=cfg.quantize_base)
     install_multires(transformer)
     use_attention_backend(transformer, cfg.attention_backend, "evaluate.attention_backend", torch.device(cfg.device), dtype)
     attach_lora(transformer, lora, cfg.lora_scale)

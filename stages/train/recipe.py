@@ -118,10 +118,11 @@ class Run:
     epoch_tokens: list[int] = field(default_factory=lambda: [0, 0])  # valid, computed of the current epoch
     ema: Any = None  # stages.train.ema.AdapterEMA with train.ema_decay
     validator: Any = None  # stages.train.validate.Validator with train.validate_every / sample_every
+    train_device: torch.device | None = None  # train.device for this rank (None: accelerate's choice)
 
     @property
     def device(self) -> torch.device:
-        return self.accelerator.device
+        return self.train_device or self.accelerator.device
 
     @property
     def rank(self) -> int:
@@ -191,9 +192,16 @@ def setup(cfg: PipelineConfig, store: str | Path, model: str, out: str | Path, r
     if accelerator is None:  # `run` makes it first (the run-folder lock needs the process rank)
         validate_config(tc)
         accelerator = _accelerator(tc)
-    if tc.mixed_precision == "bf16" and not _bf16_supported(accelerator.device):
-        tqdm.write(f"bf16 is not supported on {accelerator.device}: training in float32")
-        tc = tc.model_copy(update={"mixed_precision": "no"})
+    chosen = train_device(tc, accelerator.local_process_index, accelerator.num_processes)
+    device = chosen or accelerator.device
+    requested = tc.dtype
+    tc = resolve_precision(tc, device)
+    cfg = cfg.model_copy(update={"train": tc})  # train_config.yaml records the resolved dtype
+    if accelerator.is_main_process:
+        from models.precision import describe, resolve_dtype
+
+        tqdm.write(describe("train (frozen base)", resolve_dtype(tc.dtype, device), device, requested)
+                   + (f", quantize_base {tc.quantize_base}" if tc.quantize_base != "none" else ""))
     from models.loading import model_fingerprint
 
     tables = open_inputs(store, model, "train", tc.on_damaged, tc.max_damaged_fraction)
@@ -202,7 +210,7 @@ def setup(cfg: PipelineConfig, store: str | Path, model: str, out: str | Path, r
         tables=tables.versions(), store=str(Path(tables.store_root).resolve()),
         model_fingerprint=model_fingerprint(model), world_size=accelerator.num_processes,
     )
-    r = Run(tc, accelerator, tables, Path(out), now)
+    r = Run(tc, accelerator, tables, Path(out), now, train_device=chosen)
     latest = _resume_point(r, resume, cfg)
     if r.main:
         r.checkpoints.mkdir(parents=True, exist_ok=True)
@@ -412,12 +420,13 @@ def _accelerator(cfg: TrainConfig):
     from accelerate import Accelerator
 
     from models.loading import check_device
+    from models.precision import device_for_rank, first_device
 
     if cfg.device is not None:  # a requested GPU that is not there is an error, not a silent CPU run
-        check_device(cfg.device, "train.device")
+        check_device(device_for_rank(cfg.device, what="train.device"), "train.device")
     # Mixed precision is applied with torch.autocast below, not by accelerate, so that several runs in one
     # process (tests, notebooks) never fight over accelerate's process-wide state.
-    accelerator = Accelerator(cpu=use_cpu(cfg.device))
+    accelerator = Accelerator(cpu=use_cpu(first_device(cfg.device)))
     launched = launched_world_size()
     if accelerator.num_processes != launched:  # never N independent single-process runs into one folder
         raise UserError(
@@ -427,6 +436,48 @@ def _accelerator(cfg: TrainConfig):
     if cfg.device is None and launched > 1 and accelerator.device.type == "cpu" and accelerator.is_main_process:
         tqdm.write(f"no GPU: the {launched} processes train on the CPU (gloo); set train.device to choose")
     return accelerator
+
+
+def train_device(cfg: TrainConfig, local_rank: int, world_size: int) -> torch.device | None:
+    """This rank's device from `train.device` (cuda:N, a per-rank list, or cuda = cuda:LOCAL_RANK); None =
+    accelerate's choice. A set GPU index becomes the current CUDA device, so NCCL and `cuda` tensors use it
+    (accelerate alone would put a single process on cuda:0 whatever was asked)."""
+    from models.loading import check_device
+    from models.precision import device_for_rank
+
+    if cfg.device is None:
+        return None
+    dev = check_device(device_for_rank(cfg.device, local_rank, world_size, "train.device"), "train.device")
+    if dev.type == "cuda" and dev.index is not None:
+        torch.cuda.set_device(dev)
+    return dev
+
+
+def resolve_precision(cfg: TrainConfig, device: torch.device) -> TrainConfig:
+    """`train.dtype: auto` made concrete for `device`: bf16 when mixed_precision is bf16 or on a bf16 GPU,
+    else float32. A bf16 base computes under bf16 autocast (the LoRA weights stay float32)."""
+    from models.precision import bf16_supported, resolve_dtype
+
+    if cfg.mixed_precision == "bf16" and not _bf16_supported(device):
+        tqdm.write(f"bf16 is not supported on {device}: training in float32")
+        cfg = cfg.model_copy(update={"mixed_precision": "no", "dtype": "float32"})
+    if cfg.dtype == "auto":
+        name = "bfloat16" if cfg.mixed_precision == "bf16" else str(resolve_dtype("auto", device)).removeprefix("torch.")
+    else:
+        name = cfg.dtype
+    if name == "float16":
+        raise UserError("train.dtype float16 is not supported (no loss scaling here); use bfloat16, float32 or auto")
+    if name == "bfloat16" and not (_bf16_supported(device) or bf16_supported(device)):
+        raise UserError(f"train.dtype bfloat16: {device} has no bf16 support; use float32 or auto")
+    update = {"dtype": name}
+    if cfg.offload == "blocks" and not cfg.gradient_checkpointing:
+        # Offloaded weights are fetched again for the backward's recompute; without checkpointing autograd
+        # would hold every block's device copy until the backward (no memory saved).
+        tqdm.write("train.offload blocks: gradient checkpointing turned on")
+        update["gradient_checkpointing"] = True
+    if name == "bfloat16":
+        update["mixed_precision"] = "bf16"
+    return cfg.model_copy(update=update)
 
 
 def _autocast(cfg: TrainConfig, device: torch.device):
@@ -480,30 +531,40 @@ def _restore(r: Run, latest: Path) -> None:
 
 
 def setup_transformer(model: str, cfg: TrainConfig, device: torch.device):
-    """Frozen base (optionally int8 weight-only), multires attention, one trainable LoRA adapter."""
+    """Frozen base (optionally quantised while loading, optionally offloaded), multires attention, one trainable
+    LoRA adapter."""
     from models.loading import load_component
+    from models.precision import resolve_dtype
 
-    base_dtype = torch.bfloat16 if cfg.mixed_precision == "bf16" else torch.float32
-    transformer = load_component(model, "transformer", dtype=base_dtype, device=device)
+    base_dtype = torch.bfloat16 if cfg.mixed_precision == "bf16" else resolve_dtype(cfg.dtype, device)
+    # Quantised (models/quantize.py) while loading, straight onto the device: the bf16 base never sits whole
+    # in memory when quantize_base is set. With offload the blocks load into host memory and only what stays
+    # resident moves to the device.
+    load_on = torch.device("cpu") if cfg.offload == "blocks" else device
+    transformer = load_component(model, "transformer", dtype=base_dtype, device=load_on, quantize=cfg.quantize_base)
     install_multires(transformer)
     use_attention_backend(transformer, cfg.attention_backend, "train.attention_backend", device, base_dtype)
     transformer.requires_grad_(False)
-    if cfg.quantize_base == "int8_weight_only":
-        from torchao.quantization import Int8WeightOnlyConfig, quantize_
+    if cfg.quantize_base != "none":
+        from models.quantize import install_frozen_linear_backward
 
-        # Only the blocks' linears: embeddings in/out stay exact, and they are a tiny share of the weights.
-        quantize_(transformer.transformer_blocks, Int8WeightOnlyConfig())
+        install_frozen_linear_backward(transformer)  # saves the quantised, not a dequantised, weight
     torch.manual_seed(cfg.seed)  # LoRA init: the same on every rank
     with warnings.catch_warnings():
         # peft warns that a torchao base cannot merge/unmerge; training never merges (`pipeline lora merge`
         # works on the unquantised base).
         warnings.filterwarnings("ignore", message="TorchaoLoraLinear was instantiated")
         add_lora(transformer, cfg.lora)
-    if cfg.gradient_checkpointing:
+    if cfg.gradient_checkpointing or cfg.offload == "blocks":
         transformer.enable_gradient_checkpointing()
     if cfg.compile:  # regional: each block compiled in place (same parameter names); shapes vary per batch
         transformer.compile_repeated_blocks(dynamic=True, **COMPILE_OPTIONS)
-    transformer.to(device)
+    if cfg.offload == "blocks":
+        from models.offload import offload_blocks
+
+        offload_blocks(transformer, device, keep=cfg.offload_blocks_on_device)
+    else:
+        transformer.to(device)
     transformer.train()
     return transformer
 

@@ -268,7 +268,7 @@ def test_gradient_checkpointing_int8_base_and_bf16(store_dir, tiny_edit_model, t
     run(cfg_of(max_steps=2, gradient_checkpointing=True), store_dir, tiny_edit_model, tmp_path / "ckpt")
     assert_same_lora(lora_of(tmp_path / "plain"), lora_of(tmp_path / "ckpt"))  # recomputation is exact
 
-    cfg = cfg_of(max_steps=2, quantize_base="int8_weight_only")
+    cfg = cfg_of(max_steps=2, quantize_base="int8_weight_only")  # the old name of int8
     model = setup_transformer(tiny_edit_model, cfg.train, torch.device("cpu"))
     assert "Int8" in type(model.transformer_blocks[0].attn.to_q.base_layer.weight).__name__
     result = run(cfg, store_dir, tiny_edit_model, tmp_path / "int8")

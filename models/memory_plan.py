@@ -1,0 +1,180 @@
+"""Predicted peak memory of each stage from parameter and token counts (`pipeline plan`).
+
+Parameter counts come from the model's own configs, instantiated on the meta device (no weights read).
+Bytes per weight follow the configured dtype / quantisation (int8, fp8: 1 byte + a 4-byte scale per output
+channel; the non-block modules stay in the load dtype). Activations are what autograd keeps for the backward
+per transformer block and token (counted from the block's saved tensors, see ACT_* below), plus the
+working set of one block's backward. Offload keeps `blocks_on_device` blocks resident and streams the
+others (two in flight: the one computing and the one prefetched).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+from models.loading import resolve_model
+
+# Saved-for-backward elements per token per block, in units of the block width D (each image or text token
+# passes its own stream): LayerNorm in/out, modulated input, q/k/v and their RMS-normed + rotated copies,
+# attention output and its projection input, gated residuals, the MLP (input D, GELU input 4D, GELU output
+# 4D) and LoRA inputs. Compute dtype elements. Counted with torch.autograd.graph.saved_tensors_hooks on a
+# full-width block with LoRA under bf16 autocast: 42.0-44.2 bytes per token per D at 320-1280 tokens = 21.
+ACT_PER_TOKEN_BLOCK = 21
+# Working set of one block's backward on top of the saved tensors: MLP gradients (2 x 4D) and attention
+# gradients (4 x D), in float32 (per token), plus the flow loss inputs.
+ACT_BACKWARD_WORKSET = 12
+# With gradient checkpointing only each block's input (D per token) is kept; one block is recomputed at a time.
+ACT_CHECKPOINTED = 1
+
+QUANT_BYTES = {"none": None, "int8": 1, "fp8": 1}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class TransformerCounts:
+    blocks: int
+    width: int
+    block_linear_params: int  # weights of the blocks' linears (what quantisation converts)
+    block_linear_out_features: int  # sum of their output channels (one scale each when quantised)
+    block_other_params: int  # biases, norms inside blocks
+    other_params: int  # img_in, txt_in, time embedding, norm_out, proj_out
+    largest_linear: int  # weight elements of the biggest block linear (a modulation linear: 3072 x 18432)
+    token_linear_params: int  # per block: linear weights one token passes (its stream's attention + MLP;
+    #                           the modulation linears act on the timestep embedding, once per sample)
+
+    @property
+    def params(self) -> int:
+        return self.block_linear_params + self.block_other_params + self.other_params
+
+
+@lru_cache(maxsize=8)
+def transformer_counts(model: str) -> TransformerCounts:
+    import torch
+    from accelerate import init_empty_weights
+    from diffusers import QwenImageTransformer2DModel
+
+    cfg = json.loads((resolve_model(model) / "transformer" / "config.json").read_text())
+    with init_empty_weights():
+        tr = QwenImageTransformer2DModel.from_config(cfg)
+    lin = lin_out = other_in_blocks = per_token = largest = 0
+    for name, module in tr.transformer_blocks[0].named_modules() if len(tr.transformer_blocks) else []:
+        if isinstance(module, torch.nn.Linear) and not name.endswith("_mod.1"):
+            per_token += module.weight.numel()
+    for module in tr.transformer_blocks.modules():
+        if isinstance(module, torch.nn.Linear):
+            lin += module.weight.numel()
+            lin_out += module.out_features
+            largest = max(largest, module.weight.numel())
+    block_total = sum(p.numel() for p in tr.transformer_blocks.parameters())
+    other_in_blocks = block_total - lin
+    total = sum(p.numel() for p in tr.parameters())
+    width = cfg["num_attention_heads"] * cfg["attention_head_dim"]
+    return TransformerCounts(len(tr.transformer_blocks), width, lin, lin_out, other_in_blocks, total - block_total,
+                             largest, per_token // 2)  # image and text tokens each pass one of the two streams
+
+
+@lru_cache(maxsize=8)
+def component_params(model: str, component: str) -> int:
+    """Parameter count of the text encoder or the VAE, from its config on the meta device."""
+    from accelerate import init_empty_weights
+
+    root = resolve_model(model) / component
+    with init_empty_weights():
+        if component == "text_encoder":
+            from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration
+
+            m = Qwen2_5_VLForConditionalGeneration(AutoConfig.from_pretrained(root))
+        else:
+            from diffusers import AutoencoderKLQwenImage
+
+            m = AutoencoderKLQwenImage.from_config(json.loads((root / "config.json").read_text()))
+    return sum(p.numel() for p in m.parameters())
+
+
+@dataclass
+class StagePlan:
+    stage: str
+    parts: dict[str, int]  # name -> bytes
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+
+def transformer_weight_bytes(c: TransformerCounts, dtype: str, quantize: str, blocks_resident: int | None = None) -> int:
+    """Bytes of the transformer's weights on the device (`blocks_resident` of the blocks, default all)."""
+    elem = DTYPE_BYTES[dtype]
+    q = QUANT_BYTES[quantize]
+    per_block = (c.block_linear_params * (q if q else elem) + (c.block_linear_out_features * 4 if q else 0)
+                 + c.block_other_params * elem) / c.blocks
+    resident = c.blocks if blocks_resident is None else min(c.blocks, blocks_resident)
+    return int(per_block * resident + c.other_params * elem)
+
+
+def lora_params(c: TransformerCounts, rank: int, targets: int = 4) -> int:
+    """LoRA on `targets` square D x D projections per block (to_q, to_k, to_v, to_out.0 by default)."""
+    return c.blocks * targets * rank * 2 * c.width
+
+
+def train_plan(model: str, dtype: str, quantize: str, batch_size: int, tokens_per_sample: int,
+               gradient_checkpointing: bool, lora_rank: int, offload: str = "none", blocks_on_device: int = 0,
+               lora_targets: int = 4, host: bool = False) -> StagePlan:
+    """Peak device bytes of training; `host=True`: peak host RSS of a CPU run instead (everything resident,
+    and the loading peak counts when it is the higher one)."""
+    c = transformer_counts(model)
+    if host:
+        offload = "none"  # storage and compute are the same memory
+    act_elem = DTYPE_BYTES[dtype]
+    tokens = batch_size * tokens_per_sample
+    resident = None if offload == "none" else min(c.blocks, blocks_on_device + 2)
+    if gradient_checkpointing:
+        saved = ACT_CHECKPOINTED * c.blocks + ACT_PER_TOKEN_BLOCK  # block inputs + one recomputed block
+    else:
+        saved = ACT_PER_TOKEN_BLOCK * c.blocks
+    parts = {
+        "weights": transformer_weight_bytes(c, dtype, quantize, resident),
+        "lora+grads+adam": lora_params(c, lora_rank, lora_targets) * 16,  # fp32 param, grad, 2 Adam moments
+        "activations": tokens * c.width * saved * act_elem,
+        "backward working set": tokens * c.width * ACT_BACKWARD_WORKSET * 4,
+    }
+    if host and quantize != "none":
+        # loading (models/quantize.py): the quantised weights + one bf16 weight's mapped pages + a row chunk
+        load = parts["weights"] + c.largest_linear * DTYPE_BYTES[dtype] + 1024 * c.width * 4 * 4
+        excess = load - sum(parts.values())
+        if excess > 0:
+            parts["loading peak above training"] = excess
+    return StagePlan("train", parts)
+
+
+def encode_plan(model: str, component: str, dtype: str, batch_size: int, tokens_per_sample: int) -> StagePlan:
+    """Inference: weights + a few live activations of the widest layer (no autograd)."""
+    n = component_params(model, component)
+    elem = DTYPE_BYTES[dtype]
+    if component == "text_encoder":
+        cfg = json.loads((resolve_model(model) / component / "config.json").read_text())
+        text = cfg.get("text_config", cfg)
+        live = batch_size * tokens_per_sample * (4 * text["hidden_size"] + 2 * text["intermediate_size"]) * elem
+    else:  # VAE: a handful of full-resolution feature maps of the first (widest-resolution) stage
+        live = batch_size * tokens_per_sample * 256 * 96 * 6 * elem  # tokens = 16x16 px patches, 96 channels
+    return StagePlan(f"encode-{'text' if component == 'text_encoder' else 'vae'}", {"weights": n * elem, "activations": live})
+
+
+def inference_plan(model: str, dtype: str, quantize: str, tokens_per_sample: int, cfg_batch: int = 2) -> StagePlan:
+    """evaluate / predict: the transformer's forward (true CFG doubles the batch), no saved activations."""
+    c = transformer_counts(model)
+    elem = DTYPE_BYTES[dtype]
+    return StagePlan("evaluate/predict (transformer)", {
+        "weights": transformer_weight_bytes(c, dtype, quantize),
+        "activations": cfg_batch * tokens_per_sample * c.width * 8 * elem,
+    })
+
+
+def gib(n: int | float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def read_transformer_config(model: str) -> dict:
+    return json.loads((Path(resolve_model(model)) / "transformer" / "config.json").read_text())

@@ -1,0 +1,126 @@
+"""Frozen transformer blocks kept in (pinned) host memory and streamed to the compute device ahead of use.
+
+Hand-written rather than diffusers' group offloading because that one swaps `param.data` back to the host
+after each block's forward: autograd keeps the *same* parameter object for the backward, so the backward
+would then read host weights (wrong device on a GPU). Here each onload installs new device Parameter
+objects and the offload puts the host ones back; a device copy lives exactly as long as something needs it.
+With gradient checkpointing (required: `train.offload: blocks` turns it on) the forward keeps only block
+inputs, so a block's device copy is freed after its forward, and the backward's recompute of a block onloads
+it again and keeps it until that block's backward is done. The next block (in the direction of execution:
+up in the forward, down in the backward's recomputes) is copied ahead on a side CUDA stream.
+
+Only frozen parameters move: LoRA weights (trainable, owned by the optimizer) stay on the device. The first
+`keep` blocks stay on the device whole. On a CPU (storage = compute = cpu) `always_copy` makes every onload
+a real copy, so the mechanics run and are tested without a GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+
+@dataclass
+class _Block:
+    index: int
+    slots: list[tuple[nn.Module, str, nn.Parameter]]  # (module, parameter name, host parameter)
+    handles: list = field(default_factory=list)
+
+
+class BlockOffloader:
+    def __init__(self, blocks: nn.ModuleList, device: torch.device | str, keep: int = 0, always_copy: bool = False):
+        self.device = torch.device(device)
+        self.always_copy = always_copy
+        self.cuda = self.device.type == "cuda"
+        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.pending: dict[int, list[torch.Tensor]] = {}
+        self.last: int | None = None
+        self.onloads = 0  # how many block onloads happened (tests, logs)
+        self.blocks: dict[int, _Block] = {}
+        for i, block in enumerate(blocks):
+            if i < keep:
+                block.to(self.device)
+                continue
+            slots = []
+            for module in block.modules():
+                for name, p in list(module._parameters.items()):
+                    if p is None:
+                        continue
+                    if p.requires_grad:  # LoRA: trained on the device
+                        p.data = p.data.to(self.device)
+                        continue
+                    host = p.detach().to("cpu")
+                    if self.cuda:
+                        host = host.pin_memory()  # async host->device copies need page-locked memory
+                    hp = nn.Parameter(host, requires_grad=False)
+                    module._parameters[name] = hp
+                    slots.append((module, name, hp))
+            entry = _Block(i, slots)
+            entry.handles.append(block.register_forward_pre_hook(self._pre_hook(i)))
+            entry.handles.append(block.register_forward_hook(self._post_hook(i)))
+            self.blocks[i] = entry
+
+    # -------------------------------------------------------------------------------- copies
+
+    def _copy(self, i: int) -> list[torch.Tensor]:
+        out = []
+        for _, _, host in self.blocks[i].slots:
+            t = host.detach()
+            out.append(t.to(self.device, non_blocking=True, copy=self.always_copy))
+        return out
+
+    def _prefetch(self, i: int) -> None:
+        if i not in self.blocks or i in self.pending:
+            return
+        if self.stream is not None:
+            with torch.cuda.stream(self.stream):
+                self.pending[i] = self._copy(i)
+        else:
+            self.pending[i] = self._copy(i)
+
+    # -------------------------------------------------------------------------------- hooks
+
+    def _pre_hook(self, i: int):
+        def hook(module, args):
+            tensors = self.pending.pop(i, None)
+            if tensors is None:
+                tensors = self._copy(i)
+            elif self.stream is not None:
+                torch.cuda.current_stream(self.device).wait_stream(self.stream)
+                for t in tensors:  # freed on the compute stream's schedule, not the copy stream's
+                    t.record_stream(torch.cuda.current_stream(self.device))
+            for (mod, name, _), t in zip(self.blocks[i].slots, tensors):
+                mod._parameters[name] = nn.Parameter(t, requires_grad=False)
+            self.onloads += 1
+            step = 1 if self.last is None or i > self.last else -1
+            self.last = i
+            self._prefetch(i + step)
+        return hook
+
+    def _post_hook(self, i: int):
+        def hook(module, args, output):
+            for mod, name, host in self.blocks[i].slots:
+                mod._parameters[name] = host  # autograd still holds the device copy if it needs it
+        return hook
+
+    def remove(self) -> None:
+        for entry in self.blocks.values():
+            for h in entry.handles:
+                h.remove()
+        self.pending.clear()
+
+
+def offload_blocks(transformer, device: torch.device | str, keep: int, always_copy: bool | None = None) -> BlockOffloader:
+    """Put everything but the offloaded blocks' frozen weights on `device`; hook the offloaded blocks."""
+    device = torch.device(device)
+    blocks = transformer.transformer_blocks
+    for name, child in transformer.named_children():
+        if name != "transformer_blocks":
+            child.to(device)
+    if always_copy is None:
+        always_copy = device.type == "cpu"
+    offloader = BlockOffloader(blocks, device, keep=keep, always_copy=always_copy)
+    transformer._block_offloader = offloader  # keeps the hooks' owner alive with the model
+    return offloader

@@ -1,0 +1,59 @@
+"""`pipeline plan`: predicted peak device memory of each stage for the configured model, precision,
+quantisation, offload and batch (models/memory_plan.py), and whether it fits --gpu-memory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from pipeline.commands.common import ConfigOpt, config_from, echo, require, user_errors
+
+
+def command(
+    config: Optional[Path] = ConfigOpt,
+    model: Optional[str] = typer.Option(None, "--model", help="Model folder or hub id (paths.model)."),
+    gpu_memory: Optional[float] = typer.Option(None, "--gpu-memory", help="GiB of the target GPU: says fit / no fit."),
+    tokens: Optional[int] = typer.Option(None, "--tokens-per-sample",
+                                         help="Transformer sequence length per sample (default: from resize.*)."),
+    text_tokens: int = typer.Option(300, "--text-tokens", help="Caption tokens per sample (longest expected)."),
+    device: str = typer.Option("cuda", "--device", help="Device type planned for: cuda (auto = bf16) or cpu (auto = float32)."),
+) -> None:
+    cfg = config_from(config, {"paths.model": model})
+    model_id = require(cfg.paths.model, "--model", "paths.model")
+    from models import memory_plan as mp
+
+    def dtype(name: str, mixed: str = "no") -> str:
+        if name != "auto":
+            return name
+        return "bfloat16" if device.startswith("cuda") or mixed == "bf16" else "float32"
+
+    rc, tc = cfg.resize, cfg.train
+    image_tokens = rc.target_area // 256 + rc.max_controls * (rc.control_vae_area // 256)
+    seq = tokens or image_tokens + text_tokens
+    vl_tokens = text_tokens + rc.max_controls * (rc.control_vl_area // (28 * 28))
+    with user_errors():
+        plans = [
+            mp.encode_plan(model_id, "text_encoder", dtype(cfg.encode_text.dtype), cfg.encode_text.batch_size, vl_tokens),
+            mp.encode_plan(model_id, "vae", dtype(cfg.encode_vae.dtype), cfg.encode_vae.batch_size, rc.target_area // 256),
+            mp.train_plan(model_id, dtype(tc.dtype, tc.mixed_precision), tc.quantize_base, tc.batch_size, seq,
+                          tc.gradient_checkpointing, tc.lora.rank, tc.offload, tc.offload_blocks_on_device,
+                          len(tc.lora.target_modules)),
+            mp.inference_plan(model_id, dtype(cfg.evaluate.dtype), cfg.evaluate.quantize_base, seq),
+        ]
+    echo(f"model {model_id}: transformer {mp.transformer_counts(model_id).params / 1e9:.2f} B params; "
+         f"{seq} tokens per training sample, batch {tc.batch_size}, planned for {device}")
+    fails = 0
+    for p in plans:
+        detail = ", ".join(f"{k} {mp.gib(v)}" for k, v in p.parts.items())
+        verdict = ""
+        if gpu_memory is not None:
+            ok = p.total <= gpu_memory * 2**30
+            fails += not ok
+            verdict = "  fits" if ok else f"  DOES NOT FIT in {gpu_memory:g} GiB"
+        echo(f"  {p.stage:32s} {mp.gib(p.total):>11s}{verdict}   ({detail})")
+    if fails:
+        echo("options: train.quantize_base int8|fp8, train.offload blocks, train.gradient_checkpointing true, "
+             "a smaller train.batch_size / resize.target_area")
+        raise typer.Exit(1)

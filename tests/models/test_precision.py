@@ -1,0 +1,106 @@
+"""Device-aware defaults: `dtype: auto` is float32 on the CPU and bf16 on a bf16-capable CUDA device (mocked
+here: no GPU on this machine); per-rank device lists and cuda = cuda:LOCAL_RANK; every stage resolves them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models import precision
+from models.precision import device_for_rank, resolve_dtype
+from pipeline.config import load_config
+from schemas import UserError
+
+
+@pytest.fixture
+def fake_gpus(monkeypatch):
+    """Two CUDA devices of a given compute capability, without a GPU."""
+    def install(capability=(9, 0), count=2):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=None: capability)
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: capability[0] >= 8)
+        chosen = []
+        monkeypatch.setattr(torch.cuda, "set_device", lambda d: chosen.append(torch.device(d)))
+        return chosen
+    return install
+
+
+def test_every_stage_defaults_to_auto_and_auto_is_float32_on_cpu():
+    cfg = load_config(None)
+    for section in (cfg.encode_text, cfg.encode_vae, cfg.train, cfg.evaluate, cfg.predict):
+        assert section.dtype == "auto"
+    assert resolve_dtype("auto", "cpu") == torch.float32
+    assert resolve_dtype("bfloat16", "cpu") == torch.bfloat16  # explicit settings are kept
+
+
+def test_auto_is_bf16_on_a_bf16_gpu_and_float32_on_an_older_one(fake_gpus):
+    fake_gpus((9, 0))
+    assert resolve_dtype("auto", "cuda:1") == torch.bfloat16
+    assert resolve_dtype("auto", "cuda") == torch.bfloat16
+    assert resolve_dtype("auto", "cpu") == torch.float32
+    fake_gpus((7, 5))  # Turing: no native bf16
+    assert resolve_dtype("auto", "cuda:0") == torch.float32
+
+
+def test_stage_sections_resolve_and_record_a_concrete_dtype(fake_gpus):
+    from stages.encoding_common import config_hash, resolve_precision
+    from stages.evaluate.stage import resolved_config
+    from stages.train.recipe import resolve_precision as train_precision
+
+    cfg = load_config(None)
+    cpu_vae = resolve_precision(cfg.encode_vae, "cpu", "encode-vae")
+    assert cpu_vae.dtype == "float32"
+    # auto on the CPU is the same lineage as an explicit float32 (existing tables stay current)
+    explicit = resolve_precision(load_config(None, {"encode_vae.dtype": "float32"}).encode_vae, "cpu", "encode-vae")
+    assert config_hash(cpu_vae) == config_hash(explicit)
+    tc = train_precision(cfg.train, torch.device("cpu"))
+    assert (tc.dtype, tc.mixed_precision) == ("float32", "no")
+    assert resolved_config(cfg.evaluate).dtype == "float32"
+
+    fake_gpus((8, 0))
+    assert resolve_precision(cfg.encode_text, "cuda:0", "encode-text").dtype == "bfloat16"
+    tc = train_precision(cfg.train, torch.device("cuda:0"))
+    assert (tc.dtype, tc.mixed_precision) == ("bfloat16", "bf16")  # a bf16 base computes under bf16 autocast
+    assert resolved_config(cfg.evaluate.model_copy(update={"device": "cuda:1"})).dtype == "bfloat16"
+    assert train_precision(cfg.train.model_copy(update={"dtype": "float32"}), torch.device("cuda:0")).dtype == "float32"
+
+
+def test_device_lists_and_local_rank(fake_gpus, monkeypatch):
+    assert device_for_rank(["cuda:0", "cuda:1"], 1, 2) == "cuda:1"
+    assert device_for_rank("cuda", 1, 2) == "cuda:1"
+    assert device_for_rank("cuda", 0, 1) == "cuda"
+    assert device_for_rank("cuda:1", 0, 2) == "cuda:1"
+    with pytest.raises(UserError, match="one device per process"):
+        device_for_rank(["cuda:0"], 1, 2, "encode_vae.device")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert device_for_rank(["cpu", "cuda:1"]) == "cuda:1"
+
+    from stages.encoding_common import Ranks, rank_device
+    from stages.train.recipe import train_device
+
+    assert rank_device(["cuda:1", "cuda:0"], Ranks(1, 2, 1)) == "cuda:0"
+    chosen = fake_gpus((9, 0))
+    cfg = load_config(None, {"train.device": "cuda:1"}).train
+    assert train_device(cfg, 0, 1) == torch.device("cuda:1") and chosen == [torch.device("cuda:1")]
+    cfg = load_config(None, {"train.device": ["cuda:1", "cuda:0"]}).train
+    assert train_device(cfg, 1, 2) == torch.device("cuda:0")
+    with pytest.raises(UserError, match="2 CUDA device"):
+        train_device(load_config(None, {"train.device": "cuda:2"}).train, 0, 1)
+
+
+def test_dtype_flag_on_every_stage_command():
+    from typer.testing import CliRunner
+
+    from pipeline.cli import app
+
+    for cmd in (["run", "encode-text"], ["run", "encode-vae"], ["run", "train"], ["run", "evaluate"], ["predict"]):
+        out = CliRunner().invoke(app, [*cmd, "--help"], env={"COLUMNS": "200"}).output
+        assert "--dtype" in out, cmd
+
+
+def test_quantize_alias_reads_as_int8():
+    assert load_config(None, {"train.quantize_base": "int8_weight_only"}).train.quantize_base == "int8"
+    assert precision.first_device(["cuda:0", "cuda:1"]) == "cuda:0"

@@ -1,0 +1,73 @@
+"""The full-size rehearsal at --layers 1 on the CPU (real transformer widths; a minimal 3584-wide text encoder
+to keep the test short), the full-width model folder it builds, and `pipeline plan`'s weight bytes against
+the real loaded (and quantised) transformer."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_rehearsal_layers_1_on_cpu(tmp_path):
+    out = tmp_path / "r.json"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "rehearsal.py"), "--layers", "1", "--area", "4096", "--samples", "2",
+         "--steps", "1", "--quantize", "fp8", "--minimal-text-encoder", "--work", str(tmp_path / "w"),
+         "--out", str(out)], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = json.loads(out.read_text())
+    assert [r["quantize"] for r in runs] == ["fp8"]
+    for r in runs:
+        for key in ("quantize", "offload", "gradient_checkpointing", "batch_size", "layers", "device", "s_per_step",
+                    "tokens_per_s", "peak_device_bytes", "peak_host_rss_bytes", "baseline_rss_bytes", "mfu"):
+            assert key in r, key
+        assert r["layers"] == 1 and r["device"] == "cpu" and r["peak_device_bytes"] is None
+        assert r["s_per_step"] > 0 and r["tokens_per_s"] > 0 and 0 < r["mfu"]
+        assert r["peak_host_rss_bytes"] > r["baseline_rss_bytes"] > 0
+        assert all(map(lambda x: x == x, r["losses"]))  # finite (not NaN)
+
+    # the model folder: real widths, one layer, sharded, loads with the stock classes
+    model = tmp_path / "w" / "model"
+    tr = json.loads((model / "transformer" / "config.json").read_text())
+    assert (tr["num_layers"], tr["num_attention_heads"], tr["attention_head_dim"], tr["joint_attention_dim"],
+            tuple(tr["axes_dims_rope"]), tr["in_channels"]) == (1, 24, 128, 3584, (16, 56, 56), 64)
+    assert len(list((model / "transformer").glob("*.safetensors"))) > 1  # shard by shard, like the real one
+    te = json.loads((model / "text_encoder" / "config.json").read_text())
+    assert te["text_config"]["hidden_size"] == 3584
+    vae = json.loads((model / "vae" / "config.json").read_text())
+    assert (vae["base_dim"], vae["z_dim"], vae["dim_mult"]) == (96, 16, [1, 2, 4, 4])
+
+    # plan's weight bytes = the loaded transformer's bytes (plain and quantised)
+    from models.loading import load_component
+    from models.memory_plan import transformer_counts, transformer_weight_bytes
+
+    def tensor_bytes(t) -> int:
+        if hasattr(t, "__tensor_flatten__") and type(t) is not torch.nn.Parameter and type(t) is not torch.Tensor:
+            names, _ = t.__tensor_flatten__()
+            return sum(tensor_bytes(getattr(t, n)) for n in names)
+        return t.numel() * t.element_size()
+
+    counts = transformer_counts(str(model))
+    for q in ("none", "fp8"):
+        loaded = load_component(str(model), "transformer", dtype=torch.bfloat16, device="cpu", quantize=q)
+        actual = sum(tensor_bytes(p.data if q == "none" else p) for p in loaded.parameters())
+        assert transformer_weight_bytes(counts, "bfloat16", q) == pytest.approx(actual, rel=0.01), q
+
+
+def test_plan_cli_says_fit_or_not(tiny_edit_model):
+    from pipeline.cli import app
+
+    ok = CliRunner().invoke(app, ["plan", "--model", tiny_edit_model, "--gpu-memory", "80"])
+    assert ok.exit_code == 0 and "fits" in ok.output and "train" in ok.output
+    small = CliRunner().invoke(app, ["plan", "--model", tiny_edit_model, "--gpu-memory", "0.0001"])
+    assert small.exit_code == 1 and "DOES NOT FIT" in small.output and "quantize_base" in small.output
