@@ -64,7 +64,7 @@ def train_up_to_date(cfg: PipelineConfig, paths: Paths) -> bool:
     from models.loading import model_fingerprint
     from stages import train_state
     from stages.lora_merge import WEIGHT_NAME
-    from stages.train import config_fingerprint
+    from stages.train import config_fingerprint, planned_device, resolve_precision
     from stages.train_data import open_train_tables
 
     weights = paths.lora / WEIGHT_NAME
@@ -75,7 +75,8 @@ def train_up_to_date(cfg: PipelineConfig, paths: Paths) -> bool:
     tables = open_train_tables(paths.store, paths.model, split="train")
     return (
         record.step == cfg.train.max_steps
-        and record.config_fingerprint == config_fingerprint(cfg.train)
+        # the run records its resolved precision (dtype auto -> float32 / bfloat16 for its device)
+        and record.config_fingerprint == config_fingerprint(resolve_precision(cfg.train, planned_device(cfg.train)))
         and record.tables == tables.versions()
         and record.model_fingerprint == model_fingerprint(paths.model)
         # a LoRA older than the last checkpoint is a previous run's (killed before its final save)

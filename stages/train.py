@@ -136,6 +136,15 @@ def train_device(cfg: TrainConfig, local_rank: int, world_size: int) -> torch.de
     return dev
 
 
+def planned_device(cfg: TrainConfig) -> torch.device:
+    """The device a single-process run of `cfg` would use, without starting accelerate (for up-to-date checks)."""
+    from models.precision import device_for_rank
+
+    if cfg.device is not None:
+        return torch.device(device_for_rank(cfg.device, what="train.device"))
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def resolve_precision(cfg: TrainConfig, device: torch.device) -> TrainConfig:
     """`train.dtype: auto` made concrete for `device`: bf16 when mixed_precision is bf16 or on a bf16 GPU,
     else float32. A bf16 base computes under bf16 autocast (the LoRA weights stay float32)."""
