@@ -367,7 +367,8 @@ def up_to_date(cfg: PipelineConfig, store: str | Path, model: str, out: str | Pa
     tables = open_inputs(store, model, split="train")
     return (
         record.step == cfg.train.max_steps
-        and record.config_fingerprint == config_fingerprint(cfg.train)
+        # the run records its resolved precision (dtype auto -> float32 / bfloat16 for its device)
+        and record.config_fingerprint == config_fingerprint(resolve_precision(cfg.train, planned_device(cfg.train)))
         and record.tables == tables.versions()
         and record.model_fingerprint == model_fingerprint(model)
         # a LoRA older than the last checkpoint is a previous run's (killed before its final save)
@@ -451,6 +452,15 @@ def train_device(cfg: TrainConfig, local_rank: int, world_size: int) -> torch.de
     if dev.type == "cuda" and dev.index is not None:
         torch.cuda.set_device(dev)
     return dev
+
+
+def planned_device(cfg: TrainConfig) -> torch.device:
+    """The device a single-process run of `cfg` would use, without starting accelerate (for up-to-date checks)."""
+    from models.precision import device_for_rank
+
+    if cfg.device is not None:
+        return torch.device(device_for_rank(cfg.device, what="train.device"))
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def resolve_precision(cfg: TrainConfig, device: torch.device) -> TrainConfig:

@@ -45,7 +45,7 @@ def test_auto_is_bf16_on_a_bf16_gpu_and_float32_on_an_older_one(fake_gpus):
 
 
 def test_stage_sections_resolve_and_record_a_concrete_dtype(fake_gpus):
-    from stages.encoding_common import config_hash, resolve_precision
+    from stages.encode.common import config_hash, resolve_precision
     from stages.evaluate.stage import resolved_config
     from stages.train.recipe import resolve_precision as train_precision
 
@@ -78,7 +78,7 @@ def test_device_lists_and_local_rank(fake_gpus, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert device_for_rank(["cpu", "cuda:1"]) == "cuda:1"
 
-    from stages.encoding_common import Ranks, rank_device
+    from stages.encode.common import Ranks, rank_device
     from stages.train.recipe import train_device
 
     assert rank_device(["cuda:1", "cuda:0"], Ranks(1, 2, 1)) == "cuda:0"

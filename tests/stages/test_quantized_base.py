@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from models.loading import load_component
-from models.lora_io import read_lora
+from models.lora import read_lora
 from models.quantize import is_quantized
 from pipeline.config import load_config
 from stages.train.recipe import run
