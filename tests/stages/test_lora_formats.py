@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from pipeline.cli import app
 from pipeline.config import load_config
-from train_store import make_train_store, mixed_specs
+from train_store import make_train_store, mixed_specs, trainer_vs_stock
 
 TRAIN = ["--set", "train.learning_rate=0.02", "--set", "train.lora.rank=4", "--set", "train.lora.alpha=8",
          "--set", "train.sigma.sampling=uniform"]
@@ -36,36 +36,13 @@ def trained(tiny_edit_model, tmp_path_factory):
 
 def _trainer_and_stock(model: str, store: Path, lora_for_trainer: Path, lora_for_stock: Path):
     """(trainer's prediction with its LoRA, stock pipeline's prediction with `lora_for_stock`, stock base)."""
-    from diffusers import QwenImageEditPipeline
-
     from models.lora import load_lora
-    from models.multires import build_batch, multires_forward, pack_latents
-    from models.randomness import draw_noise
-    from stages.train.data import load, open_inputs
     from stages.train.recipe import setup_transformer
 
     cfg = load_config(None, {"train.lora.rank": 4, "train.lora.alpha": 8})
-    tables = open_inputs(store, model)
-    sample = next(s for s in (load(tables, k) for k in tables.keys) if s.controls)
-    x_t = pack_latents(sample.target).float() * 0.6 + pack_latents(draw_noise(sample, 0, 0)) * 0.4
-    sigma = torch.tensor([0.4])
     ours_model = setup_transformer(model, cfg.train, torch.device("cpu")).eval()
     load_lora(ours_model, lora_for_trainer)
-    batch = build_batch([x_t], [list(sample.controls)], [sample.prompt_embeds], [sample.img_shapes])
-    pipe = QwenImageEditPipeline.from_pretrained(model)
-    tokens = torch.cat([x_t] + [pack_latents(c).float() for c in sample.controls])[None]
-
-    def stock():
-        return pipe.transformer(hidden_states=tokens, encoder_hidden_states=sample.prompt_embeds.float()[None],
-                                timestep=sigma, img_shapes=[sample.img_shapes], return_dict=False)[0][0, : x_t.shape[0]]
-
-    with torch.no_grad():
-        ours = multires_forward(ours_model, batch.to("cpu", torch.float32), sigma)[0, : x_t.shape[0]]
-        base = stock()
-        pipe.load_lora_weights(lora_for_stock)
-        theirs = stock()
-    return ours, theirs, base
-
+    return trainer_vs_stock(model, store, ours_model, lora_for_stock)
 
 def test_comfyui_export_loads_in_diffusers_and_reproduces_the_trainer(trained, tiny_edit_model, tmp_path):
     out = tmp_path / "comfy.safetensors"

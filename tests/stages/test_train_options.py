@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from pipeline.cli import app
 from pipeline.config import load_config
 from stages.train.recipe import run
-from train_store import make_train_store, mixed_specs
+from train_store import make_train_store, mixed_specs, trainer_vs_stock
 
 BASE = {"train.device": "cpu", "train.batch_size": 2, "train.learning_rate": 5e-3, "train.lora.rank": 4,
         "train.sigma.sampling": "uniform", "train.warmup_steps": 1}
@@ -65,36 +65,14 @@ def test_optimizers_resume_bit_for_bit(optimizer, store_dir, tiny_edit_model, tm
 
 def _prediction_pair(model: str, store: Path, lora_dir: Path, rank: int = 4):
     """(trainer's prediction with the adapter, diffusers pipeline + load_lora_weights, stock base)."""
-    from diffusers import QwenImageEditPipeline
-
     from models.lora import attach_lora
     from models.loading import load_component
-    from models.multires import build_batch, install_multires, multires_forward, pack_latents
-    from models.randomness import draw_noise
-    from stages.train.data import load, open_inputs
+    from models.multires import install_multires
 
-    tables = open_inputs(store, model)
-    sample = next(s for s in (load(tables, k) for k in tables.keys) if s.controls)
-    x_t = pack_latents(sample.target).float() * 0.6 + pack_latents(draw_noise(sample, 0, 0)) * 0.4
-    sigma = torch.tensor([0.4])
     ours_model = load_component(model, "transformer")
     install_multires(ours_model)
     attach_lora(ours_model, lora_dir)
-    batch = build_batch([x_t], [list(sample.controls)], [sample.prompt_embeds], [sample.img_shapes])
-    pipe = QwenImageEditPipeline.from_pretrained(model)
-    tokens = torch.cat([x_t] + [pack_latents(c).float() for c in sample.controls])[None]
-
-    def stock():
-        return pipe.transformer(hidden_states=tokens, encoder_hidden_states=sample.prompt_embeds.float()[None],
-                                timestep=sigma, img_shapes=[sample.img_shapes], return_dict=False)[0][0, : x_t.shape[0]]
-
-    with torch.no_grad():
-        ours = multires_forward(ours_model, batch.to("cpu", torch.float32), sigma)[0, : x_t.shape[0]]
-        base = stock()
-        pipe.load_lora_weights(lora_dir)
-        theirs = stock()
-    return ours, theirs, base
-
+    return trainer_vs_stock(model, store, ours_model, lora_dir)
 
 @pytest.mark.parametrize("kind", ["lora", "dora", "loha", "lokr"])
 def test_adapter_kinds_train_resume_and_save(kind, store_dir, tiny_edit_model, tmp_path):

@@ -115,3 +115,33 @@ def assert_close_lora(a: dict, b: dict, lr: float, steps: int):
     diff = torch.cat([(a[k] - b[k]).abs().flatten() for k in a])
     assert diff.max() <= 0.01 * lr * steps, diff.max()
     assert (diff > 1e-7).float().mean() <= 0.01
+
+
+def trainer_vs_stock(model: str, store: Path, ours_model, lora_for_stock: Path):
+    """(prediction of `ours_model` (a multires transformer with its adapter) on a stored sample with controls,
+    the unmodified diffusers pipeline's prediction after `load_lora_weights(lora_for_stock)`, its base prediction),
+    at σ 0.4 with the step-0 noise of seed 0."""
+    from diffusers import QwenImageEditPipeline
+
+    from models.multires import build_batch, multires_forward, pack_latents
+    from models.randomness import draw_noise
+    from stages.train.data import load, open_inputs
+
+    tables = open_inputs(store, model)
+    sample = next(s for s in (load(tables, k) for k in tables.keys) if s.controls)
+    x_t = pack_latents(sample.target).float() * 0.6 + pack_latents(draw_noise(sample, 0, 0)) * 0.4
+    sigma = torch.tensor([0.4])
+    batch = build_batch([x_t], [list(sample.controls)], [sample.prompt_embeds], [sample.img_shapes])
+    pipe = QwenImageEditPipeline.from_pretrained(model)
+    tokens = torch.cat([x_t] + [pack_latents(c).float() for c in sample.controls])[None]
+
+    def stock():
+        return pipe.transformer(hidden_states=tokens, encoder_hidden_states=sample.prompt_embeds.float()[None],
+                                timestep=sigma, img_shapes=[sample.img_shapes], return_dict=False)[0][0, : x_t.shape[0]]
+
+    with torch.no_grad():
+        ours = multires_forward(ours_model, batch.to("cpu", torch.float32), sigma)[0, : x_t.shape[0]]
+        base = stock()
+        pipe.load_lora_weights(lora_for_stock)
+        theirs = stock()
+    return ours, theirs, base
