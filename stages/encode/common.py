@@ -15,7 +15,7 @@ import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Hashable, Iterable, Iterator, TypeVar
 
@@ -28,6 +28,7 @@ from schemas.errors import Rejected, UserError
 from schemas.lineage import Lineage, code_version
 from schemas.table import TableSchema
 from store import Store, TableReader, TableWriter
+from store.reuse import FEATURE_LINEAGE_ATTR, carry_forward, feature_lineage, reusable
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -98,6 +99,7 @@ class Summary:
     version: int | None = None
     up_to_date: bool = False
     encoded: int = 0
+    reused: int = 0  # carried forward from an earlier version with the same feature lineage (not recomputed)
     skipped: int = 0  # already in committed shards (resume) or the whole table when up to date
     quarantined: int = 0
     bytes_written: int = 0
@@ -117,7 +119,7 @@ class Summary:
         rate = self.encoded / self.loop_seconds if self.loop_seconds > 0 else 0.0
         return (
             f"{self.stage}{where}: table '{self.table}' v{self.version}: encoded {self.encoded}, "
-            f"skipped (already done) {self.skipped}, quarantined {self.quarantined}, "
+            f"reused {self.reused}, skipped (already done) {self.skipped}, quarantined {self.quarantined}, "
             f"{self.bytes_written / 1e6:.2f} MB written in {self.seconds:.1f} s (encoding {rate:.1f} samples/s)"
         )
 
@@ -135,6 +137,7 @@ class EncodeJob:
     started: float = field(default_factory=time.perf_counter)
     loop_started: float = 0.0
     writer: TableWriter | None = None
+    feature_lineage: str = ""  # see store.reuse: samples with this lineage in earlier versions are carried
     _quarantine_rows: list[dict[str, Any]] = field(default_factory=list)
     _shard_sizes_before: dict[str, int] = field(default_factory=dict)
 
@@ -143,7 +146,9 @@ class EncodeJob:
         return self.summary.up_to_date
 
     def open_writer(self, schema: TableSchema, shard_size_mb: float) -> list[str]:
-        """Open (or resume) the output version; return this rank's keys that are not committed yet."""
+        """Open (or resume) the output version, carry forward every key an earlier version with the same feature
+        lineage holds (hard-linked shards, split relabelled from `images`); return this rank's keys left to do."""
+        schema = replace(schema, attrs={**schema.attrs, FEATURE_LINEAGE_ATTR: self.feature_lineage})
         self.writer = self.store.writer(
             self.summary.table, schema, rank=self.ranks.rank, world_size=self.ranks.world_size,
             shard_size_mb=shard_size_mb,
@@ -153,6 +158,11 @@ class EncodeJob:
         mine = self.images.iter_keys(rank=self.ranks.rank, world_size=self.ranks.world_size)
         todo = [k for k in mine if k not in self.writer.done_keys]
         self.summary.skipped = len(mine) - len(todo)
+        for version, rows in reusable(self.store, self.summary.table, self.feature_lineage, todo).items():
+            split = {k: self.images.meta(k).get("split", "train") for k in rows.column("key").to_pylist()}
+            self.summary.reused += carry_forward(self.writer, version, rows, {"split": split})
+        if self.summary.reused:
+            todo = [k for k in todo if k not in self.writer.carried_keys]
         self.loop_started = time.perf_counter()
         return todo
 
@@ -225,13 +235,13 @@ class EncodeJob:
 
 
 def open_job(store_path: str | Path, stage: str, table: str, feature_hash: str, model: str,
-             feature_revision: str, ranks: Ranks) -> EncodeJob:
+             feature_revision: str, ranks: Ranks, components: tuple[str, ...] = ()) -> EncodeJob:
     """Read the `images` table, build the lineage, and find out whether an identical version already exists.
 
     An identical complete version is made current and reused ("up to date"); anything that differs (model
     fingerprint, config, images version, code revision) leads to a new version, never a silent reuse.
     """
-    from models.loading import model_fingerprint
+    from models.loading import component_fingerprint, model_fingerprint
 
     path = Path(store_path)
     if not (path / "store.json").is_file():
@@ -246,7 +256,12 @@ def open_job(store_path: str | Path, stage: str, table: str, feature_hash: str, 
         upstream={IMAGES_TABLE: images.version}, code_version=code_version(feature_revision),
     )
     summary = Summary(stage=stage, table=table, rank=ranks.rank, world_size=ranks.world_size)
-    job = EncodeJob(store=store, images=images, lineage=lineage, ranks=ranks, summary=summary)
+    # Per-sample reuse: the features depend on these settings, the components loaded and the images' own
+    # feature lineage (render settings), not on the images version (a relabelled split is the same pixels).
+    upstream = images.schema.attrs.get(FEATURE_LINEAGE_ATTR) or images_id
+    fl = feature_lineage(stage, feature_hash, component_fingerprint(model, components) if components else
+                         model_fingerprint(model), code_version(feature_revision), upstream)
+    job = EncodeJob(store=store, images=images, lineage=lineage, ranks=ranks, summary=summary, feature_lineage=fl)
     found = store.find_version(table, lineage)
     if found is not None:
         if store.tables().get(table) != found:
@@ -254,6 +269,15 @@ def open_job(store_path: str | Path, stage: str, table: str, feature_hash: str, 
         summary.version, summary.up_to_date, summary.skipped = found, True, len(store.reader(table, found))
         summary.seconds = time.perf_counter() - job.started
     return job
+
+
+def control_count_rejection(variant: str, num_controls: int, key: str) -> Rejected | None:
+    """The model-variant rule both encode stages apply, so an Edit (v1) model drops the same samples from the
+    `text` and the `vae` table: Edit takes exactly one control image, Edit-Plus any number."""
+    if variant == "edit" and num_controls != 1:
+        return Rejected("edit model needs exactly one control image",
+                        f"sample has {num_controls}; use an Edit-Plus model for 0 or several controls", key=key)
+    return None
 
 
 # ---------------------------------------------------------------- data flow: prefetch and shape-grouped batches

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import time
 from collections import Counter, deque
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass, field
@@ -28,7 +29,8 @@ from schemas.lineage import code_version
 from schemas.img_shapes import PIXELS_PER_PATCH, img_shapes_from_pixels
 from stages.resize.bucketing import BucketRule, bucket_size, crop_box_for_aspect
 from stages.resize.imaging import ImageRejected, decode_image, decode_mask
-from stages.resize.sources import SourceSample, detect_format, iter_source, listing_hash
+from stages.resize.content import content_listing_hash
+from stages.resize.sources import SourceSample, detect_format, iter_source
 
 if TYPE_CHECKING:
     from store import Store
@@ -37,6 +39,9 @@ STAGE = "resize-bucket"
 TABLE = "images"
 # Bump when this stage's output changes for identical inputs and settings (new resampling, PNG options...).
 FEATURE_REVISION = 1
+# Settings that decide which samples are in the table and how they are labelled, never their pixels: changing
+# them re-labels or filters (samples carried forward), nothing is re-rendered (per-sample reuse, store.reuse).
+VIEW_SETTINGS = frozenset({"val_fraction", "min_controls", "max_controls", "max_image_pixels"})
 PNG_COMPRESS_LEVEL = 3  # lossless either way; 3 is ~3x faster than the default 6 for a few % more bytes
 
 
@@ -46,7 +51,10 @@ class ResizeSummary:
     up_to_date: bool = False
     stage: str = STAGE
     written: int = 0
+    reused: int = 0  # carried forward from an earlier version with the same render settings (not re-rendered)
     resumed: int = 0  # already in committed shards from an interrupted run
+    bytes_written: int = 0
+    seconds: float = 0.0
     quarantined: Counter = field(default_factory=Counter)  # reason -> count
     conversions: Counter = field(default_factory=Counter)  # what sanitising did -> count
     splits: Counter = field(default_factory=Counter)
@@ -58,6 +66,7 @@ class ResizeSummary:
             return f"images v{self.version} is up to date (same source listing and resize settings); nothing to do"
         lines = [
             f"images v{self.version}: {self.written} samples written"
+            + (f", {self.reused} reused (carried forward, not re-rendered)" if self.reused else "")
             + (f", {self.resumed} kept from an interrupted run" if self.resumed else "")
             + f" (train {self.splits['train']}, val {self.splits['val']}), {len(self.buckets)} target buckets",
         ]
@@ -74,23 +83,28 @@ class ResizeSummary:
 
 def run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> ResizeSummary:
     from store import Store  # here, not at the top: render workers import this module and need no torch
+    from store.reuse import FEATURE_LINEAGE_ATTR, carry_forward, reusable, reusable_keys
 
     rc = cfg.resize
     _validate(rc)
     st = store if isinstance(store, Store) else Store(store)
     source = Path(source).resolve()  # quarantine rows and schema attrs name the source unambiguously
     fmt = detect_format(source)
-    listing = listing_hash(source)
+    started = time.perf_counter()
+    listing = content_listing_hash(source)
     schema = images_schema(rc, listing, source=str(source), source_format=fmt)
 
     found = st.find_version(TABLE, schema.lineage)
     if found is not None:
         if st.tables().get(TABLE) != found:
             st.set_current(TABLE, found)
-        return ResizeSummary(version=found, up_to_date=True)
+        return ResizeSummary(version=found, up_to_date=True, seconds=time.perf_counter() - started)
 
     writer = st.writer(TABLE, schema, shard_size_mb=rc.shard_size_mb)
     summary = ResizeSummary(version=writer.version, quarantine_file=str(st.root / "quarantine.parquet"))
+    lineage_hash = schema.attrs[FEATURE_LINEAGE_ATTR]
+    available = reusable_keys(st, TABLE, lineage_hash)  # keys rendered before with these render settings
+    carry: dict[str, tuple[str, str]] = {}  # key -> (source, split) of the samples to carry forward
     rules = _rules(rc)
     first_source: dict[str, str] = {}  # key -> source of its first occurrence (duplicates name it)
     rejects: list[dict[str, Any]] = []
@@ -120,19 +134,29 @@ def run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> R
                 if key in writer.done_keys:
                     summary.resumed += 1
                     continue
+                if key in available:
+                    carry[key] = (rec.source, split_for(key, rc.val_fraction))
+                    continue
                 for done in pool.submit(rec, key, caption, rc, rules):
                     store_rendered(*done)
             for done in pool.drain():
                 store_rendered(*done)
+        for version, rows in reusable(st, TABLE, lineage_hash, carry).items():
+            keys = rows.column("key").to_pylist()
+            views = {"source": {k: carry[k][0] for k in keys}, "split": {k: carry[k][1] for k in keys}}
+            summary.reused += carry_forward(writer, version, rows, views)
+            summary.splits.update(views["split"].values())
         st.add_quarantine(rejects)
-        if summary.written + summary.resumed == 0:
+        if summary.written + summary.resumed + summary.reused == 0:
             raise UserError(
                 f"no usable sample in source {source}: {len(rejects)} quarantined "
                 f"(see {summary.quarantine_file}); fix the source and rerun"
             )
+        summary.bytes_written = sum(p.stat().st_size for p in writer.dir.glob("shard-*.tar") if p.stat().st_nlink == 1)
         summary.version = writer.commit()
     finally:
         writer.close()
+    summary.seconds = time.perf_counter() - started
     if summary.resumed:  # the resumed samples' splits count too
         r = st.reader(TABLE, summary.version)
         summary.splits = Counter(r.manifest.column("split").to_pylist())
@@ -177,7 +201,10 @@ class RenderPool:
 
 
 def images_schema(rc: ResizeConfig, listing: str, source: str = "", source_format: str = "") -> TableSchema:
+    from store.reuse import FEATURE_LINEAGE_ATTR, feature_lineage
+
     lineage = Lineage(stage=STAGE, config_hash=f"{rc.fingerprint()}-src{listing}", code_version=code_version(f"images.{FEATURE_REVISION}"))
+    render = rc.model_dump(mode="json", exclude=VIEW_SETTINGS | {"shard_size_mb", "workers"})
     png, col = "png", "column"
     return TableSchema(
         name=TABLE,
@@ -206,6 +233,7 @@ def images_schema(rc: ResizeConfig, listing: str, source: str = "", source_forma
             "source": source,
             "source_format": source_format,
             "source_listing": listing,
+            FEATURE_LINEAGE_ATTR: feature_lineage(STAGE, render, code_version=lineage.code_version),
         },
     )
 
