@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import logging
 import mmap
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 
@@ -41,35 +43,79 @@ def read_schema(vdir: Path) -> TableSchema:
     return TableSchema.from_dict(raw)
 
 
+# Columns read when a version is opened; the rest of the manifest (checksums, other meta) only on demand, so
+# opening a million-sample table holds a few hundred MB of Arrow buffers, not every column as Python objects.
+CORE_COLUMNS = ("key", "shard", "tensors", "files", "split", "length", "img_shapes", "num_controls",
+                "height", "width", "control_height", "control_width")
+DEFAULT_MAX_OPEN_SHARDS = 256  # mapped shards kept open per reader (LRU); the kernel allows ~65k maps a process
+
+
 class TableReader:
-    def __init__(self, vdir: Path, table: str, version: int) -> None:
+    def __init__(self, vdir: Path, table: str, version: int, max_open_shards: int = DEFAULT_MAX_OPEN_SHARDS) -> None:
         self.dir, self.table, self.version = vdir, table, version
         if not fmt.is_complete(vdir):
             raise UserError(f"table '{table}' v{version} at {vdir} is incomplete (no {fmt.MANIFEST}); "
                             "rerun the stage that writes it to resume")
         self.schema = read_schema(vdir)
-        self.manifest: pa.Table = pq.read_table(vdir / fmt.MANIFEST)
-        missing = sorted(LOCATING_COLUMNS - set(self.manifest.column_names))
+        path = vdir / fmt.MANIFEST
+        names = pq.read_schema(path).names
+        missing = sorted(LOCATING_COLUMNS - set(names))
         if missing:
-            raise UserError(f"{vdir / fmt.MANIFEST}: missing columns {missing} (see docs/store-format.md)")
-        self._keys: list[str] = self.manifest.column("key").to_pylist()
-        self._row = {k: i for i, k in enumerate(self._keys)}
-        if len(self._row) != len(self._keys):
-            raise UserError(f"{vdir / fmt.MANIFEST}: duplicate keys; run `pipeline store verify` on the store")
+            raise UserError(f"{path}: missing columns {missing} (see docs/store-format.md)")
+        self._names = list(names)
+        self._core = pq.read_table(path, columns=[c for c in CORE_COLUMNS if c in names], read_dictionary=["shard"])
+        self._full: pa.Table | None = None
+        self.key_array: pa.StringArray = self._core.column("key").combine_chunks()
+        if pc.count_distinct(self.key_array).as_py() != len(self.key_array):
+            raise UserError(f"{path}: duplicate keys; run `pipeline store verify` on the store")
+        self._key_list: list[str] | None = None
+        self._row_of: dict[str, int] | None = None
         self._cols: dict[str, list[Any]] = {}
-        self._maps: dict[str, mmap.mmap] = {}
+        self._arrays: dict[str, pa.Array] = {}
+        self._maps: OrderedDict[str, mmap.mmap] = OrderedDict()
+        self.max_open_shards = max(1, int(max_open_shards))
         self.is_v1 = self.schema.schema_version == SCHEMA_V1
         if self.is_v1:
-            lacking = [c for c in V1_PIXEL_COLUMNS if c not in self.manifest.column_names]
+            lacking = [c for c in V1_PIXEL_COLUMNS if c not in names]
             if lacking:
-                raise UserError(f"{vdir / fmt.MANIFEST}: schema v1 table lacks pixel columns {lacking}")
+                raise UserError(f"{path}: schema v1 table lacks pixel columns {lacking}")
             log.warning("table '%s' v%d uses schema v1: img_shapes derived from pixel sizes; "
                         "run `pipeline migrate v1-to-v2 STORE` to upgrade", table, version)
 
     # ------------------------------------------------------------ basics
 
+    @property
+    def manifest(self) -> pa.Table:
+        """The whole manifest (every column), read on first use."""
+        if self._full is None:
+            self._full = pq.read_table(self.dir / fmt.MANIFEST)
+        return self._full
+
+    def column(self, name: str) -> pa.Array:
+        """One manifest column as a single Arrow array (core columns come from what `__init__` read)."""
+        if name not in self._arrays:
+            src = self._core if name in self._core.column_names else self.manifest
+            self._arrays[name] = src.column(name).combine_chunks()
+        return self._arrays[name]
+
+    def has_column(self, name: str) -> bool:
+        return name in self._names
+
+    @property
+    def _keys(self) -> list[str]:
+        if self._key_list is None:
+            self._key_list = self.key_array.to_pylist()
+        return self._key_list
+
+    @property
+    def _row(self) -> dict[str, int]:
+        """key -> row, built on the first lookup by key (the trainer addresses rows by index instead)."""
+        if self._row_of is None:
+            self._row_of = {k: i for i, k in enumerate(self._keys)}
+        return self._row_of
+
     def __len__(self) -> int:
-        return len(self._keys)
+        return len(self.key_array)
 
     def __contains__(self, key: str) -> bool:
         return key in self._row
@@ -79,8 +125,14 @@ class TableReader:
 
     def _col(self, name: str) -> list[Any]:
         if name not in self._cols:
-            self._cols[name] = self.manifest.column(name).to_pylist()
+            self._cols[name] = self.column(name).to_pylist()
         return self._cols[name]
+
+    def _cell(self, name: str, i: int) -> Any:
+        """One value, without turning the whole column into Python objects."""
+        if name in self._cols:
+            return self._cols[name][i]
+        return self.column(name)[i].as_py()
 
     def _index(self, key: str) -> int:
         try:
@@ -89,7 +141,7 @@ class TableReader:
             raise UserError(f"key {key} not in table '{self.table}' v{self.version}") from None
 
     def meta_columns(self) -> list[str]:
-        return [c for c in self.manifest.column_names if c not in LOCATING_COLUMNS]
+        return [c for c in self._names if c not in LOCATING_COLUMNS]
 
     def meta(self, key: str) -> dict[str, Any]:
         i = self._index(key)
@@ -99,29 +151,44 @@ class TableReader:
         return out
 
     def img_shapes(self, key: str) -> list[ImgShape]:
-        i = self._index(key)
+        return self.img_shapes_at(self._index(key))
+
+    def img_shapes_at(self, i: int) -> list[ImgShape]:
         if self.is_v1:
-            row = {c: self._col(c)[i] for c in ("height", "width", "control_height", "control_width")
-                   if c in self.manifest.column_names}
+            row = {c: self._cell(c, i) for c in ("height", "width", "control_height", "control_width")
+                   if c in self._names}
             return img_shapes_from_v1(row)
-        return [tuple(s) for s in self._col("img_shapes")[i]]  # type: ignore[misc]
+        return [tuple(s) for s in self._cell("img_shapes", i)]  # type: ignore[misc]
 
     # ------------------------------------------------------------ bytes
 
     def shard_map(self, shard: str) -> mmap.mmap:
-        """Private (copy-on-write) map: tensors are writable views, and a write never reaches the file."""
+        """Private (copy-on-write) map: tensors are writable views, and a write never reaches the file.
+
+        At most `max_open_shards` maps stay referenced here (least recently used dropped first): a million-sample
+        store has tens of thousands of shards. A dropped map whose tensors are still alive closes when they go."""
         m = self._maps.get(shard)
-        if m is None:
-            with open(self.dir / shard, "rb") as f:
-                m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-            self._maps[shard] = m
+        if m is not None:
+            self._maps.move_to_end(shard)
+            return m
+        with open(self.dir / shard, "rb") as f:
+            m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        self._maps[shard] = m
+        while len(self._maps) > self.max_open_shards:
+            _, old = self._maps.popitem(last=False)
+            try:
+                old.close()
+            except BufferError:  # tensors still view it
+                pass
         return m
 
     def tensors(self, key: str) -> dict[str, torch.Tensor]:
-        i = self._index(key)
-        m = self.shard_map(self._col("shard")[i])
+        return self.tensors_at(self._index(key))
+
+    def tensors_at(self, i: int) -> dict[str, torch.Tensor]:
+        m = self.shard_map(self._cell("shard", i))
         out = {}
-        for t in self._col("tensors")[i]:
+        for t in self._cell("tensors", i):
             dt = torch_dtype(t["dtype"])
             n = t["nbytes"] // dt.itemsize
             if n == 0:  # frombuffer rejects count=0; an empty tensor (e.g. no control views) is legal
@@ -132,8 +199,8 @@ class TableReader:
 
     def files(self, key: str) -> dict[str, bytes]:
         i = self._index(key)
-        m = self.shard_map(self._col("shard")[i])
-        return {f["name"]: m[f["offset"] : f["offset"] + f["nbytes"]] for f in self._col("files")[i]}
+        m = self.shard_map(self._cell("shard", i))
+        return {f["name"]: m[f["offset"] : f["offset"] + f["nbytes"]] for f in self._cell("files", i)}
 
     def get(self, key: str) -> dict[str, Any]:
         return {"key": key, "meta": self.meta(key), "tensors": self.tensors(key), "files": self.files(key)}
@@ -145,7 +212,7 @@ class TableReader:
 
     def shard_groups(self, split: str | None = None) -> list[list[str]]:
         """Keys grouped by shard (in shard order, then key order), optionally only one split."""
-        splits = self._col("split") if split is not None and "split" in self.manifest.column_names else None
+        splits = self._col("split") if split is not None and "split" in self._names else None
         if split is not None and splits is None:
             raise UserError(f"table '{self.table}' v{self.version} has no split column")
         groups: dict[str, list[str]] = {}

@@ -26,6 +26,7 @@ from tqdm import tqdm
 from schemas.config import Section
 from schemas.errors import Rejected, UserError
 from schemas.lineage import Lineage, code_version
+from schemas.stage import summary_record
 from schemas.table import TableSchema
 from store import Store, TableReader, TableWriter
 from store.reuse import FEATURE_LINEAGE_ATTR, carry_forward, feature_lineage, reusable
@@ -110,6 +111,13 @@ class Summary:
     forward_items: int = 0  # prompts (text) or images (vae) through the model; / forwards = mean batch
     rank: int = 0
     world_size: int = 1
+
+    def to_json(self) -> dict[str, Any]:
+        # up to date: every sample of the table is reused as it is
+        return summary_record(self.stage, self.table, self.version, self.encoded,
+                              self.skipped if self.up_to_date else self.reused, self.quarantined, self.bytes_written,
+                              self.seconds, self.up_to_date, resumed=0 if self.up_to_date else self.skipped,
+                              rank=self.rank, world_size=self.world_size)
 
     def __str__(self) -> str:
         where = f" [rank {self.rank}/{self.world_size}]" if self.world_size > 1 else ""

@@ -17,6 +17,7 @@ import hashlib
 import io
 import json
 import math
+import time
 from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -306,6 +307,14 @@ class EvaluateResult:
     report: Path  # index.html
     up_to_date: bool = False
     stage: str = "evaluate"
+    seconds: float = 0.0
+
+    def to_json(self) -> dict:
+        from schemas.stage import summary_record
+
+        loss = self.metrics.get("loss", {}).get("overall", {})
+        return summary_record(self.stage, seconds=self.seconds, up_to_date=self.up_to_date, report=str(self.report),
+                              val_samples=loss.get("n"), loss_base=loss.get("base"), loss_lora=loss.get("lora"))
 
     def __str__(self) -> str:
         if self.up_to_date:
@@ -316,10 +325,11 @@ class EvaluateResult:
 
 
 def run(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, out: str | Path,
-        skip_if_done: bool = False) -> EvaluateResult:
+        skip_if_done: bool = False, max_dropped_fraction: float = 0.05) -> EvaluateResult:
     """Evaluate base vs LoRA on the store's val split and write the report into `out`. `skip_if_done`: reuse a
     report of the same inputs (`pipeline run all`)."""
     out = Path(out)
+    started = time.perf_counter()
     if skip_if_done and report_up_to_date(cfg, store, model, lora, out):
         return EvaluateResult(json.loads((out / "metrics.json").read_text()), out / "index.html", up_to_date=True)
     if out.is_dir() and any(out.iterdir()) and not (out / "metrics.json").is_file():
@@ -327,9 +337,10 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, ou
     inputs = evaluate_inputs(cfg, store, model, lora)
     from models.loading import model_fingerprint
 
-    tables = open_features(store, model, model_fingerprint(model), split="val")
-    keys = tables.keys[: cfg.max_loss_samples] if cfg.max_loss_samples else tables.keys
-    samples = [from_features(k, *tables.features(k)) for k in tqdm(keys, desc="read val samples", leave=False)]
+    tables = open_features(store, model, model_fingerprint(model), split="val",
+                           max_dropped_fraction=max_dropped_fraction)
+    n = min(len(tables), cfg.max_loss_samples) if cfg.max_loss_samples else len(tables)
+    samples = [from_features(*tables.features_at(i)) for i in tqdm(range(n), desc="read val samples", leave=False)]
 
     dtype = parse_dtype(cfg.dtype)
     transformer = load_component(model, "transformer", dtype=dtype, device=cfg.device)
@@ -358,8 +369,9 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, ou
             "lora": str(Path(lora).resolve()),
             "lora_scale": cfg.lora_scale,
             "val_samples": len(samples),
+            "val_split": tables.report,
             "config": cfg.model_dump(mode="json"),
             "inputs": inputs,
         },
     }
-    return EvaluateResult(metrics, write_report(out, metrics, rows))
+    return EvaluateResult(metrics, write_report(out, metrics, rows), seconds=time.perf_counter() - started)

@@ -61,6 +61,14 @@ class ResizeSummary:
     buckets: Counter = field(default_factory=Counter)  # (h, w) of targets
     quarantine_file: str = ""
 
+    def to_json(self) -> dict[str, Any]:
+        from schemas.stage import summary_record
+
+        return summary_record(self.stage, TABLE, self.version, self.written, self.reused,
+                              sum(self.quarantined.values()), self.bytes_written, self.seconds, self.up_to_date,
+                              resumed=self.resumed, splits=dict(self.splits),
+                              quarantined_by_reason=dict(self.quarantined))
+
     def __str__(self) -> str:
         if self.up_to_date:
             return f"images v{self.version} is up to date (same source listing and resize settings); nothing to do"

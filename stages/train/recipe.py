@@ -49,7 +49,7 @@ from models.randomness import draw_caption_dropout, draw_noise, draw_sigma
 from schemas.config import PipelineConfig, TrainConfig, dump_config
 from schemas.errors import UserError
 from stages.train import state as train_state
-from stages.train.data import DataStream, load, open_inputs
+from stages.train.data import DataStream, load, load_at, open_inputs, write_data_report
 from stages.train.sampler import LengthAwareBatchSampler, padding_efficiency
 from stages.train.state import ResumeRecord
 from store.format import atomic_dir
@@ -72,6 +72,16 @@ class TrainResult:
     main_process: bool = True
     up_to_date: bool = False  # `skip_if_done` found the final LoRA of this very run: nothing trained
     stage: str = "train"
+    seconds: float = 0.0
+    data: dict = field(default_factory=dict)  # the join's report: samples, dropped, reasons (store.join)
+
+    def to_json(self) -> dict:
+        from schemas.stage import summary_record
+
+        return summary_record(self.stage, seconds=self.seconds, up_to_date=self.up_to_date, steps=self.steps,
+                              start_step=self.start_step, lora=str(self.lora_dir),
+                              loss_first=self.losses[0] if self.losses else None,
+                              loss_last=self.losses[-1] if self.losses else None, data=self.data)
 
     def __str__(self) -> str:
         if self.up_to_date:
@@ -142,6 +152,7 @@ def run(
 ) -> TrainResult:
     """Train (or, with `resume`, continue from OUT's last checkpoint). `skip_if_done`: return at once when OUT
     already holds the final LoRA of a run on the same tables, model and config (`pipeline run all`)."""
+    started = time.perf_counter()
     if skip_if_done and up_to_date(cfg, store, model, out):
         lora = Path(out) / "lora"
         return TrainResult(Path(out), lora, cfg.train.max_steps, cfg.train.max_steps, up_to_date=True)
@@ -151,7 +162,9 @@ def run(
         log(r, stats)
         if r.step % r.cfg.checkpoint_every == 0 or r.step == r.cfg.max_steps:
             checkpoint(r)
-    return finish(r)
+    result = finish(r)
+    result.seconds = time.perf_counter() - started
+    return result
 
 
 def setup(cfg: PipelineConfig, store: str | Path, model: str, out: str | Path, resume: bool) -> Run:
@@ -165,7 +178,7 @@ def setup(cfg: PipelineConfig, store: str | Path, model: str, out: str | Path, r
         tc = tc.model_copy(update={"mixed_precision": "no"})
     from models.loading import model_fingerprint
 
-    tables = open_inputs(store, model, split="train")
+    tables = open_inputs(store, model, "train", tc.max_dropped_fraction, tc.max_open_shards)
     now = ResumeRecord(
         step=0, epoch=0, batch_in_epoch=0, config_fingerprint=config_fingerprint(tc),
         tables=tables.versions(), store=str(Path(tables.store_root).resolve()),
@@ -177,6 +190,7 @@ def setup(cfg: PipelineConfig, store: str | Path, model: str, out: str | Path, r
         r.checkpoints.mkdir(parents=True, exist_ok=True)
         train_state.remove_stale(r.checkpoints)
         (r.run_dir / "train_config.yaml").write_text(dump_config(cfg))
+        tqdm.write(write_data_report(r.run_dir, tables))
     accelerator.wait_for_everyone()
 
     r.transformer = setup_transformer(model, tc, r.device)
@@ -189,7 +203,8 @@ def setup(cfg: PipelineConfig, store: str | Path, model: str, out: str | Path, r
     r.stream = DataStream(sampler)
     if latest is not None:
         _restore(r, latest)
-    r.result = TrainResult(r.run_dir, r.run_dir / "lora", start_step=r.step, steps=r.step, main_process=r.main)
+    r.result = TrainResult(r.run_dir, r.run_dir / "lora", start_step=r.step, steps=r.step, main_process=r.main,
+                           data=tables.report)
     if r.main:
         from torch.utils.tensorboard import SummaryWriter
 
@@ -206,7 +221,7 @@ def step(r: Run) -> StepStats:
     n_step = sum(len(b) for _, global_batch, _ in micro for b in global_batch)
     loss_sum = torch.zeros((), device=r.device)
     for epoch, global_batch, ends_epoch in micro:
-        samples = [load(r.tables, r.tables.keys[i]) for i in global_batch[r.rank]]
+        samples = [load_at(r.tables, i) for i in global_batch[r.rank]]
         loss_sum += forward_backward(r.transformer, samples, tc, r.step, r.device, scale=r.world / n_step)
         _count_epoch_tokens(r, epoch, global_batch, ends_epoch)
     loss_sum = _all_reduce_grads(r.params, loss_sum, r.world)
@@ -279,7 +294,7 @@ def up_to_date(cfg: PipelineConfig, store: str | Path, model: str, out: str | Pa
     if not weights.is_file() or latest is None:
         return False
     record = ResumeRecord.read(latest / train_state.RESUME_JSON)
-    tables = open_inputs(store, model, split="train")
+    tables = open_inputs(store, model, "train", cfg.train.max_dropped_fraction, cfg.train.max_open_shards)
     return (
         record.step == cfg.train.max_steps
         and record.config_fingerprint == config_fingerprint(cfg.train)
