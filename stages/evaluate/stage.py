@@ -104,12 +104,18 @@ def held_out_loss(transformer, samples: list[TrainSample], cfg: EvaluateConfig) 
         with lora_enabled(transformer, on):
             per_row[name] = row_losses(transformer, rows, cfg.batch_size, desc=f"held-out loss ({name})")
 
-    def summary(select) -> dict:
-        picked = [i for i, r in enumerate(rows) if select(r)]
+    def summary(picked: list[int]) -> dict:
         n = len({rows[i].sample.key for i in picked})
         return {"n": n, **{m: _mean([per_row[m][i] for i in picked]) for m in ("base", "lora")}}
 
-    buckets = sorted({bucket_of(s) for s in samples}, key=lambda b: tuple(int(x) for x in b.split("x")))
+    # Row indices grouped once per view (one pass over the rows), so the summaries cost O(rows), not
+    # O(groups x rows): with thousands of val samples the per-sample view alone was quadratic.
+    by_bucket, by_sigma, by_key = defaultdict(list), defaultdict(list), defaultdict(list)
+    for i, r in enumerate(rows):
+        by_bucket[bucket_of(r.sample)].append(i)
+        by_sigma[r.sigma].append(i)
+        by_key[r.sample.key].append(i)
+    buckets = sorted(by_bucket, key=lambda b: tuple(int(x) for x in b.split("x")))
     result = {
         "protocol": (
             f"flow-matching loss on {len(samples)} val samples x noise seeds {list(cfg.noise_seeds)} x σ "
@@ -118,10 +124,10 @@ def held_out_loss(transformer, samples: list[TrainSample], cfg: EvaluateConfig) 
         ),
         "noise_seeds": list(cfg.noise_seeds),
         "timesteps": list(cfg.timesteps),
-        "overall": summary(lambda r: True),
-        "per_bucket": {b: summary(lambda r, b=b: bucket_of(r.sample) == b) for b in buckets},
-        "per_timestep": {str(t): summary(lambda r, t=t: r.sigma == float(t)) for t in cfg.timesteps},
-        "per_sample": {s.key: summary(lambda r, k=s.key: r.sample.key == k) for s in samples},
+        "overall": summary(list(range(len(rows)))),
+        "per_bucket": {b: summary(by_bucket[b]) for b in buckets},
+        "per_timestep": {str(t): summary(by_sigma[float(t)]) for t in cfg.timesteps},
+        "per_sample": {s.key: summary(by_key[s.key]) for s in samples},
     }
     mask = mask_region_loss(transformer, samples, cfg)
     if mask is not None:
@@ -152,9 +158,11 @@ def mask_region_loss(transformer, samples: list[TrainSample], cfg: EvaluateConfi
             with lora_enabled(transformer, on):
                 values = row_losses(transformer, rows, cfg.batch_size, weights, f"{region} ({name})")
             out[region][name] = _mean(values)
+            mine: dict[str, list[float]] = defaultdict(list)  # one pass: O(rows)
+            for r, v in zip(rows, values):
+                mine[r.sample.key].append(v)
             for s in masked:
-                mine = [v for r, v in zip(rows, values) if r.sample.key == s.key]
-                per_sample[s.key].setdefault(region, {})[name] = _mean(mine)
+                per_sample[s.key].setdefault(region, {})[name] = _mean(mine[s.key])
     out["per_sample"] = per_sample
     return out
 
