@@ -20,7 +20,7 @@ import pyarrow.compute as pc
 from schemas.errors import UserError
 from store import format as fmt
 from store.partition import epoch_order
-from store.reader import DEFAULT_MAX_OPEN_SHARDS, TableReader
+from store.reader import DEFAULT_MAX_OPEN_SHARDS, TableReader, _strictly_increasing
 
 log = logging.getLogger("store")
 
@@ -62,6 +62,57 @@ def _split_rows(r: TableReader, split: str | None) -> np.ndarray:
     return np.flatnonzero(mask)
 
 
+def _fixed_width(arr: pa.Array) -> np.ndarray | None:
+    """A string array whose values all have one byte length, as a zero-copy numpy `S<width>` view (None when
+    they do not, or when there are nulls). Bytewise order = Arrow's string order."""
+    if len(arr) == 0 or arr.null_count or not pa.types.is_string(arr.type):
+        return None
+    offsets = np.frombuffer(arr.buffers()[1], dtype=np.int32)[arr.offset : arr.offset + len(arr) + 1]
+    width = int(offsets[1] - offsets[0])
+    if width == 0 or not np.all(np.diff(offsets) == width):
+        return None
+    return np.frombuffer(arr.buffers()[2], dtype=np.uint8)[offsets[0] : offsets[-1]].view(f"S{width}")
+
+
+def _member(sorted_values: np.ndarray, probe: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(hit mask, position) of each probe in a sorted array: binary search in C, no hash table."""
+    pos = np.searchsorted(sorted_values, probe)
+    clipped = np.minimum(pos, len(sorted_values) - 1)
+    hit = (sorted_values[clipped] == probe) if len(sorted_values) else np.zeros(len(probe), bool)
+    return hit, clipped
+
+
+def _join_sorted_fixed(j: "JoinedTables", readers: dict[str, TableReader], split_rows: dict[str, np.ndarray]) -> bool:
+    """The common case (sorted manifests, 32-hex keys): intersect by binary search on zero-copy byte views.
+    Fills j.keys / j.rows / j.only and returns True; False when the keys do not allow it."""
+    fixed = {t: _fixed_width(r.key_array) for t, r in readers.items()}
+    widths = {f.dtype.itemsize for f in fixed.values() if f is not None}
+    if any(f is None for f in fixed.values()) or len(widths) != 1 or not all(r.keys_sorted for r in readers.values()):
+        return False
+    ks = {t: fixed[t][split_rows[t]] for t in readers}  # still sorted
+    first = next(iter(ks.values()))
+    if all(len(k) == len(first) and np.array_equal(k, first) for k in ks.values()):  # the usual case: same keys
+        j.rows = {t: split_rows[t].astype(np.int64) for t in readers}
+        j.only = {t: set() for t in readers}
+        j.keys = KeyList(readers[next(iter(readers))].key_array.take(pa.array(next(iter(split_rows.values())))))
+        return True
+    common = None
+    for k in ks.values():
+        common = k if common is None else common[_member(k, common)[0]]
+    j.rows, j.only = {}, {}
+    for t in readers:
+        hit, pos = _member(ks[t], common)
+        j.rows[t] = split_rows[t][pos].astype(np.int64)
+        alone = ks[t][~_member(common, ks[t])[0]]
+        j.only[t] = {k.decode() for k in alone.tolist()}
+    width = widths.pop()
+    offsets = pa.py_buffer(np.arange(0, width * len(common) + 1, width, dtype=np.int32).tobytes())
+    j.keys = KeyList(pa.Array.from_buffers(pa.string(), len(common), [None, offsets, pa.py_buffer(common.tobytes())]))
+    if any(j.only.values()):
+        log.warning("join of %s: keys only in one side dropped: %s", list(readers), j.unmatched)
+    return True
+
+
 class JoinedTables:
     """Inner join on key of several tables (the first one that records img_shapes gives them).
 
@@ -73,11 +124,17 @@ class JoinedTables:
             raise UserError("a join needs at least two tables")
         self.readers, self.split = readers, split
         self.store_root = Path(store_root) if store_root is not None else next(iter(readers.values())).dir.parents[1]
-        split_keys_ = {t: r.key_array.take(pa.array(_split_rows(r, split))) for t, r in readers.items()}
+        self.lengths: list[int] = []  # filled by `open_features`: joint sequence length per key
+        self.report: dict[str, Any] = {}  # filled by `open_features`: samples, dropped, reasons
+        split_rows = {t: _split_rows(r, split) for t, r in readers.items()}
+        if _join_sorted_fixed(self, readers, split_rows):
+            return
+        split_keys_ = {t: r.key_array.take(pa.array(split_rows[t])) for t, r in readers.items()}
         common = None
         for ks in split_keys_.values():
             common = ks if common is None else common.filter(pc.is_in(common, value_set=ks))
-        common = common.take(pc.sort_indices(common))
+        if not _strictly_increasing(common):  # manifests are sorted by key: usually nothing to do
+            common = common.take(pc.sort_indices(common))
         self.only = {t: set(ks.filter(pc.invert(pc.is_in(ks, value_set=common))).to_pylist())
                      for t, ks in split_keys_.items()}  # keys each table holds alone
         if any(self.only.values()):
@@ -85,8 +142,6 @@ class JoinedTables:
         self.keys = KeyList(common)
         self.rows = {t: pc.index_in(common, value_set=r.key_array).to_numpy(zero_copy_only=False).astype(np.int64)
                      for t, r in readers.items()}
-        self.lengths: list[int] = []  # filled by `open_features`: joint sequence length per key
-        self.report: dict[str, Any] = {}  # filled by `open_features`: samples, dropped, reasons
 
     @property
     def unmatched(self) -> dict[str, int]:

@@ -43,11 +43,14 @@ def read_schema(vdir: Path) -> TableSchema:
     return TableSchema.from_dict(raw)
 
 
-# Columns read when a version is opened; the rest of the manifest (checksums, other meta) only on demand, so
-# opening a million-sample table holds a few hundred MB of Arrow buffers, not every column as Python objects.
-CORE_COLUMNS = ("key", "shard", "tensors", "files", "split", "length", "img_shapes", "num_controls",
-                "height", "width", "control_height", "control_width")
 DEFAULT_MAX_OPEN_SHARDS = 256  # mapped shards kept open per reader (LRU); the kernel allows ~65k maps a process
+
+
+def _strictly_increasing(keys: pa.Array) -> bool:
+    """Manifests are sorted by key: strictly increasing keys are unique (a vectorised check, no hash set)."""
+    if len(keys) < 2:
+        return True
+    return bool(pc.all(pc.less(keys.slice(0, len(keys) - 1), keys.slice(1))).as_py())
 
 
 class TableReader:
@@ -63,10 +66,12 @@ class TableReader:
         if missing:
             raise UserError(f"{path}: missing columns {missing} (see docs/store-format.md)")
         self._names = list(names)
-        self._core = pq.read_table(path, columns=[c for c in CORE_COLUMNS if c in names], read_dictionary=["shard"])
         self._full: pa.Table | None = None
-        self.key_array: pa.StringArray = self._core.column("key").combine_chunks()
-        if pc.count_distinct(self.key_array).as_py() != len(self.key_array):
+        # Opening reads the key column only; every other column is read on first use, alone (`column`), and
+        # kept as an Arrow array: a million-sample table never becomes a million Python dicts.
+        self.key_array: pa.StringArray = pq.read_table(path, columns=["key"]).column("key").combine_chunks()
+        self.keys_sorted = _strictly_increasing(self.key_array)
+        if not self.keys_sorted and pc.count_distinct(self.key_array).as_py() != len(self.key_array):
             raise UserError(f"{path}: duplicate keys; run `pipeline store verify` on the store")
         self._key_list: list[str] | None = None
         self._row_of: dict[str, int] | None = None
@@ -92,10 +97,16 @@ class TableReader:
         return self._full
 
     def column(self, name: str) -> pa.Array:
-        """One manifest column as a single Arrow array (core columns come from what `__init__` read)."""
+        """One manifest column as a single Arrow array, read from the parquet file on first use."""
         if name not in self._arrays:
-            src = self._core if name in self._core.column_names else self.manifest
-            self._arrays[name] = src.column(name).combine_chunks()
+            if self._full is not None:
+                col = self._full.column(name)
+            else:
+                if name not in self._names:
+                    raise KeyError(name)
+                col = pq.read_table(self.dir / fmt.MANIFEST, columns=[name],
+                                    read_dictionary=["shard"] if name == "shard" else None).column(name)
+            self._arrays[name] = col.combine_chunks()
         return self._arrays[name]
 
     def has_column(self, name: str) -> bool:
