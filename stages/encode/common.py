@@ -267,6 +267,10 @@ def open_job(store_path: str | Path, stage: str, table: str, feature_hash: str, 
     # Per-sample reuse: the features depend on these settings, the components loaded and the images' own
     # feature lineage (render settings), not on the images version (a relabelled split is the same pixels).
     upstream = images.schema.attrs.get(FEATURE_LINEAGE_ATTR) or images_id
+    origin = images.schema.attrs.get("migrated_from")  # v1 -> v2 migration: the very same pixels
+    if FEATURE_LINEAGE_ATTR not in images.schema.attrs and origin is not None and \
+            (store.version_dir(IMAGES_TABLE, int(origin)) / "manifest.parquet").is_file():
+        upstream = store.version_id(IMAGES_TABLE, int(origin))
     fl = feature_lineage(stage, feature_hash, component_fingerprint(model, components) if components else
                          model_fingerprint(model), code_version(feature_revision), upstream)
     job = EncodeJob(store=store, images=images, lineage=lineage, ranks=ranks, summary=summary, feature_lineage=fl)
