@@ -46,6 +46,7 @@ class TableWriter:
         self._clean_uncommitted()
         self.done_keys: set[str] = self._committed_keys()
         self._added: set[str] = set()
+        self.linked_shards: set[str] = set()  # shard names carried forward (hard-linked) in this session
         self._next_index = self._next_shard_index()
         self._builder: ShardBuilder | None = None
         self._metas: list[dict[str, Any]] = []
@@ -183,6 +184,7 @@ class TableWriter:
         dst = self.dir / name
         dst.unlink(missing_ok=True)
         fmt.link_or_copy(Path(src), dst)
+        self.linked_shards.add(name)
         col = rows.schema.get_field_index("shard")
         rows = rows.set_column(col, rows.schema.field(col), pa.array([name] * rows.num_rows, rows.schema.field(col).type))
         fmt.atomic_write_parquet(self.dir / fmt.index_name(name), rows)  # carried samples now committed

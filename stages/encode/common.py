@@ -234,7 +234,8 @@ class EncodeJob:
 
     def _rank_shard_sizes(self) -> dict[str, int]:
         assert self.writer is not None
-        return {p.name: p.stat().st_size for p in Path(self.writer.dir).glob(f"shard-r{self.ranks.rank:02d}-*.tar")}
+        return {p.name: p.stat().st_size for p in Path(self.writer.dir).glob(f"shard-r{self.ranks.rank:02d}-*.tar")
+                if p.name not in self.writer.linked_shards}  # carried shards are not written bytes
 
     def _flush_quarantine(self) -> None:
         """Rows this table version already quarantined are not repeated (a resumed run retries those samples)."""

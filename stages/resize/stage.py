@@ -160,7 +160,8 @@ def run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> R
                 f"no usable sample in source {source}: {len(rejects)} quarantined "
                 f"(see {summary.quarantine_file}); fix the source and rerun"
             )
-        summary.bytes_written = sum(p.stat().st_size for p in writer.dir.glob("shard-*.tar") if p.stat().st_nlink == 1)
+        summary.bytes_written = sum(p.stat().st_size for p in writer.dir.glob("shard-*.tar")
+                                    if p.name not in writer.linked_shards)
         summary.version = writer.commit()
     finally:
         writer.close()

@@ -101,7 +101,7 @@ def test_added_touched_and_relabelled_samples_reuse_features(tmp_path, tiny_plus
     relabel = ["--set", "resize.val_fraction=0.5"]
     r3 = run_json("resize-bucket", "--source", src, *common, *relabel)
     t3, v3 = run_json("encode-text", *enc), run_json("encode-vae", *enc)
-    assert [(x["encoded"], x["reused"]) for x in (r3, t3, v3)] == [(0, 10)] * 3
+    assert [(x["encoded"], x["reused"], x["bytes_written"]) for x in (r3, t3, v3)] == [(0, 10, 0)] * 3
     splits = split_of(store, "images")
     assert split_of(store, "text") == splits == split_of(store, "vae")
     assert splits != split_of_version(store, "images", 2)  # the labels did change
@@ -180,3 +180,22 @@ def test_gc_killed_at_any_step_leaves_a_verifiable_store(tmp_path, point):
     verify_clean(store)
     after = Store(store).reader("images")
     assert {k: after.files(k)["target.png"] for k in after.keys()} == want
+
+
+def test_another_model_with_the_same_vae_files_reuses_the_latents(tmp_path, tiny_edit_model, tiny_plus_model):
+    """Edit -> Edit-Plus with identical `vae/` files: every latent encode-vae already holds is carried forward;
+    only the samples the Edit (v1) model had rejected (0 or 2 controls) are encoded."""
+    from pipeline.demo_data import make_demo_data
+
+    plus = tmp_path / "plus-with-edit-vae"
+    shutil.copytree(tiny_plus_model, plus)
+    shutil.rmtree(plus / "vae")
+    shutil.copytree(Path(tiny_edit_model) / "vae", plus / "vae")
+    src, store = tmp_path / "src", tmp_path / "store"
+    make_demo_data(src, n=8, fmt="folder", max_controls=2, seed=6)
+    run_json("resize-bucket", "--source", src, "--store", store)
+    edit = run_json("encode-vae", "--store", store, "--model", tiny_edit_model)
+    assert edit["encoded"] + edit["quarantined"] == 8 and edit["encoded"] > 0
+    switched = run_json("encode-vae", "--store", store, "--model", plus)
+    assert (switched["version"], switched["reused"], switched["encoded"]) == (2, edit["encoded"], edit["quarantined"])
+    verify_clean(store)
