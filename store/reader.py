@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import mmap
+import os
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,7 @@ def _strictly_increasing(keys: pa.Array) -> bool:
 class TableReader:
     def __init__(self, vdir: Path, table: str, version: int, max_open_shards: int = DEFAULT_MAX_OPEN_SHARDS) -> None:
         self.dir, self.table, self.version = vdir, table, version
+        self._dir_str = str(vdir)
         if not fmt.is_complete(vdir):
             raise UserError(f"table '{table}' v{version} at {vdir} is incomplete (no {fmt.MANIFEST}); "
                             "rerun the stage that writes it to resume")
@@ -182,7 +184,7 @@ class TableReader:
         if m is not None:
             self._maps.move_to_end(shard)
             return m
-        with open(self.dir / shard, "rb") as f:
+        with open(os.path.join(self._dir_str, shard), "rb") as f:  # os.path: pathlib costs more than the map
             m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         self._maps[shard] = m
         while len(self._maps) > self.max_open_shards:
