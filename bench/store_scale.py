@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import binascii
 import json
-import os
 import random
 import sys
 import time

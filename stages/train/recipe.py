@@ -49,7 +49,7 @@ from models.randomness import draw_caption_dropout, draw_noise, draw_sigma
 from schemas.config import PipelineConfig, TrainConfig, dump_config
 from schemas.errors import UserError
 from stages.train import state as train_state
-from stages.train.data import DataStream, load, load_at, open_inputs, write_data_report
+from stages.train.data import DataStream, load_at, open_inputs, write_data_report
 from stages.train.sampler import LengthAwareBatchSampler, padding_efficiency
 from stages.train.state import ResumeRecord
 from store.format import atomic_dir
@@ -417,7 +417,7 @@ def setup_transformer(model: str, cfg: TrainConfig, device: torch.device):
 
 
 def _check_shapes(tables: JoinedTables, transformer) -> None:
-    s = load(tables, tables.keys[0])
+    s = load_at(tables, 0)
     c4, d = s.target.shape[0] * 4, s.prompt_embeds.shape[1]
     cfg = transformer.config
     if c4 != cfg.in_channels or d != cfg.joint_attention_dim:
