@@ -6,13 +6,14 @@ from pathlib import Path
 
 import typer
 
-from pipeline.commands.common import JsonOpt, SetOpt, config_from, echo, json_mode, user_errors
+from pipeline.commands.common import SetOpt, config_from, echo, json_mode, user_errors
 
 
 def command(
     config: Path = typer.Option(..., "--config", "-c", help="YAML config with paths.{source,store,model,run,report}."),
     set_: list[str] = SetOpt,
-    as_json: bool = JsonOpt,
+    as_json: bool = typer.Option(False, "--json", help="Print a JSON list, one summary object per stage, on stdout "
+                                 "(messages go to stderr)."),
 ) -> None:
     cfg = config_from(config, {}, set_)
     from pipeline.orchestrate import run_all
