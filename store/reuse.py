@@ -58,14 +58,18 @@ def reusable(store: Store, table: str, lineage_hash: str, keys: Iterable[str]) -
     return found
 
 
-def reusable_keys(store: Store, table: str, lineage_hash: str) -> set[str]:
-    """Every key held by a complete version of `table` with this feature lineage (key column only)."""
-    keys: set[str] = set()
+def reusable_keys(store: Store, table: str, lineage_hash: str, column: str) -> dict[str, Any]:
+    """key -> value of `column` (None where a version lacks it) for every key held by a complete version of
+    `table` with this feature lineage."""
+    out: dict[str, Any] = {}
     for v in store.versions(table):
         vdir = store.version_dir(table, v)
         if fmt.is_complete(vdir) and read_schema(vdir).attrs.get(FEATURE_LINEAGE_ATTR) == lineage_hash:
-            keys.update(pq.read_table(vdir / fmt.MANIFEST, columns=["key"]).column("key").to_pylist())
-    return keys
+            names = pq.read_schema(vdir / fmt.MANIFEST).names
+            m = pq.read_table(vdir / fmt.MANIFEST, columns=["key"] + ([column] if column in names else []))
+            values = m.column(column).to_pylist() if column in names else [None] * m.num_rows
+            out.update(zip(m.column("key").to_pylist(), values))
+    return out
 
 
 def with_columns(rows: pa.Table, values: dict[str, dict[str, Any]]) -> pa.Table:

@@ -146,6 +146,7 @@ class EncodeJob:
     loop_started: float = 0.0
     writer: TableWriter | None = None
     feature_lineage: str = ""  # see store.reuse: samples with this lineage in earlier versions are carried
+    match_columns: tuple[str, ...] = ()  # images columns a carried row must still match (vae: mask_sha256)
     _quarantine_rows: list[dict[str, Any]] = field(default_factory=list)
     _shard_sizes_before: dict[str, int] = field(default_factory=dict)
 
@@ -167,12 +168,27 @@ class EncodeJob:
         todo = [k for k in mine if k not in self.writer.done_keys]
         self.summary.skipped = len(mine) - len(todo)
         for version, rows in reusable(self.store, self.summary.table, self.feature_lineage, todo).items():
+            rows = self._same_content(rows)
             split = {k: self.images.meta(k).get("split", "train") for k in rows.column("key").to_pylist()}
             self.summary.reused += carry_forward(self.writer, version, rows, {"split": split})
         if self.summary.reused:
             todo = [k for k in todo if k not in self.writer.carried_keys]
         self.loop_started = time.perf_counter()
         return todo
+
+    def _same_content(self, rows):
+        """Rows whose `match_columns` (content outside the key, e.g. the mask) equal the images row's now; a
+        value unknown on either side (older tables) never matches, so such a sample is recomputed."""
+        if not self.match_columns or not rows.num_rows:
+            return rows
+        import pyarrow as pa
+
+        keep = []
+        for i, k in enumerate(rows.column("key").to_pylist()):
+            meta = self.images.meta(k)
+            keep.append(all(c in rows.column_names and meta.get(c) is not None
+                            and rows.column(c)[i].as_py() == meta.get(c) for c in self.match_columns))
+        return rows.filter(pa.array(keep, pa.bool_()))
 
     def progress(self, total: int) -> tqdm:
         """Samples/s is tqdm's rate; one bar per rank."""

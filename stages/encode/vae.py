@@ -113,6 +113,7 @@ def vae_schema(job: EncodeJob, vae, dtype: str) -> TableSchema:
             FieldSpec("num_controls", "int64", kind="column"),
             FieldSpec("latent_shapes", "json", kind="column"),
             FieldSpec("has_mask", "bool", kind="column"),
+            FieldSpec("mask_sha256", "string", kind="column", optional=True),
         ],
         attrs={
             "latents_mean": list(vae.config.latents_mean),
@@ -146,6 +147,7 @@ def run(
     section = with_overrides(cfg.encode_vae, device=device, batch_size=batch_size)
     ranks = ranks or current_ranks(section.device)
     job = open_job(store, STAGE, TABLE, config_hash(section), model, FEATURE_REVISION, ranks, components=COMPONENTS)
+    job.match_columns = ("mask_sha256",)
     if job.up_to_date:
         return job.summary
 
@@ -192,6 +194,7 @@ def _write(job: EncodeJob, prepared: Prepared, latents: dict[str, torch.Tensor])
             "num_controls": len(names) - 1,
             "latent_shapes": [list(latents[n].shape) for n in names],
             "has_mask": prepared.mask_weight is not None,
+            "mask_sha256": meta.get("mask_sha256") or "",  # reuse compares it: the mask is not in the key
         },
     )
     job.summary.encoded += 1

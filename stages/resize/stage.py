@@ -111,7 +111,7 @@ def run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> R
     writer = st.writer(TABLE, schema, shard_size_mb=rc.shard_size_mb)
     summary = ResizeSummary(version=writer.version, quarantine_file=str(st.root / "quarantine.parquet"))
     lineage_hash = schema.attrs[FEATURE_LINEAGE_ATTR]
-    available = reusable_keys(st, TABLE, lineage_hash)  # keys rendered before with these render settings
+    available = reusable_keys(st, TABLE, lineage_hash, "mask_sha256")  # key -> mask hash, rendered before
     carry: dict[str, tuple[str, str]] = {}  # key -> (source, split) of the samples to carry forward
     rules = _rules(rc)
     first_source: dict[str, str] = {}  # key -> source of its first occurrence (duplicates name it)
@@ -142,7 +142,7 @@ def run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> R
                 if key in writer.done_keys:
                     summary.resumed += 1
                     continue
-                if key in available:
+                if available.get(key, None) == mask_hash(rec.mask):  # same content, same mask
                     carry[key] = (rec.source, split_for(key, rc.val_fraction))
                     continue
                 for done in pool.submit(rec, key, caption, rc, rules):
@@ -234,6 +234,7 @@ def images_schema(rc: ResizeConfig, listing: str, source: str = "", source_forma
             FieldSpec("source_hashes", "json", kind=col),
             FieldSpec("source_size", "json", kind=col),
             FieldSpec("has_mask", "bool", kind=col),
+            FieldSpec("mask_sha256", "string", kind=col, optional=True),
             FieldSpec("conversions", "json", kind=col, optional=True),
         ),
         # without the operational settings (shard size, workers), which change neither features nor lineage
@@ -257,6 +258,12 @@ def sample_key(target: bytes, controls: list[bytes], caption: str) -> str:
         h.update(len(part).to_bytes(8, "big"))
         h.update(part)
     return h.hexdigest()[:32]
+
+
+def mask_hash(mask: bytes | None) -> str:
+    """The edit mask is not part of the key (DESIGN: key = target + controls + caption), so reuse compares it
+    separately: sha256 of its bytes, "" for none."""
+    return hashlib.sha256(mask).hexdigest() if mask is not None else ""
 
 
 def split_for(key: str, val_fraction: float) -> str:
@@ -359,6 +366,7 @@ def _render(rec: SourceSample, key: str, caption: str, rc: ResizeConfig, rules: 
         "source_hashes": [hashlib.sha256(b).hexdigest() for b in (rec.target, *rec.controls)],
         "source_size": [th, tw],
         "has_mask": rec.mask is not None,
+        "mask_sha256": mask_hash(rec.mask),
         "conversions": sorted(set(notes)),
     }
     return Rendered(files, meta, notes)

@@ -199,3 +199,30 @@ def test_another_model_with_the_same_vae_files_reuses_the_latents(tmp_path, tiny
     switched = run_json("encode-vae", "--store", store, "--model", plus)
     assert (switched["version"], switched["reused"], switched["encoded"]) == (2, edit["encoded"], edit["quarantined"])
     verify_clean(store)
+
+
+def test_a_changed_mask_is_recomputed_where_it_matters(tmp_path, tiny_plus_model):
+    """The mask is not part of the sample key: a new mask re-renders that sample and re-encodes its latents
+    (mask_weight), while its text features are reused."""
+    from pipeline.demo_data import make_demo_data
+
+    src, store = tmp_path / "src", tmp_path / "store"
+    make_demo_data(src, n=4, fmt="folder", max_controls=1, seed=7, with_masks=True)
+    enc = ["--store", store, "--model", tiny_plus_model]
+    run_json("resize-bucket", "--source", src, "--store", store)
+    run_json("encode-text", *enc), run_json("encode-vae", *enc)
+    mask = sorted((src / "mask").glob("*.png"))[0]
+    before = Store(store).reader("vae")
+    weights = {k: before.tensors(k)["mask_weight"].clone() for k in before.keys() if "mask_weight" in before.tensors(k)}
+    from PIL import Image
+
+    with Image.open(mask) as im:
+        Image.new("L", im.size, 255).save(mask)  # the whole image is now the edit region
+    r = run_json("resize-bucket", "--source", src, "--store", store)
+    t, v = run_json("encode-text", *enc), run_json("encode-vae", *enc)
+    assert (r["encoded"], r["reused"]) == (1, 3)
+    assert (t["encoded"], t["reused"]) == (0, 4) and (v["encoded"], v["reused"]) == (1, 3)
+    vae = Store(store).reader("vae")
+    changed = [k for k in weights if not (vae.tensors(k)["mask_weight"] == weights[k]).all()]
+    assert len(changed) == 1 and (vae.tensors(changed[0])["mask_weight"] == 1).all()  # the new mask, all edited
+    verify_clean(store)
