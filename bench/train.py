@@ -95,6 +95,33 @@ def bench_padding(n: int = 20_000, batch_size: int = 8, window: int = 64, seeds:
     return result
 
 
+def bench_budget(n: int = 20_000, budgets=(32768, 65536, 98304, 131072), target_budget: int = 98304,
+                 window: int = 64, seeds: int = 3) -> dict[int, tuple[float, float, float]]:
+    """Token-budget batches on the DESIGN §5 mix: padding efficiency, mean computed tokens / budget, samples per
+    batch. The fill is bounded by whole samples: a batch of the longest samples (~17k tokens) holds
+    floor(budget / 17k) of them, so fill >= 0.90 needs a budget of several longest samples."""
+    from stages.train.budget import TokenBudgetBatchSampler, computed_fill
+
+    out = {}
+    print(f"== token-budget batches: {n} samples x {seeds} seeds, window {window} batches")
+    print(f"{'budget':>8s} {'linear':>8s} {'quadratic':>10s} {'fill':>6s} {'samples/batch':>14s}")
+    for budget in budgets:
+        rows = []
+        for seed in range(seeds):
+            totals, _, _ = realistic_mix(n, seed)
+            steps = TokenBudgetBatchSampler(totals, budget, seed=seed, window=window).global_steps(0)
+            batches = [s[0] for s in steps]
+            rows.append((*padding_efficiency(batches, totals), computed_fill(steps, totals, budget), n / len(batches)))
+        lin, quad, fill, per = (sum(c) / len(c) for c in zip(*rows))
+        out[budget] = (lin, fill, per)
+        print(f"{budget:8d} {lin:8.3f} {quad:10.3f} {fill:6.3f} {per:14.1f}")
+    lin, fill, _ = out[target_budget]
+    ok = lin >= 0.98 and fill >= 0.90
+    print(f"at budget {target_budget}: linear {lin:.3f} (target >= 0.98), fill {fill:.3f} (target >= 0.90): "
+          f"{'met' if ok else 'NOT met'}")
+    return out
+
+
 def _step_time_fixture(work: Path) -> tuple[str, Path]:
     """A model folder whose transformer is mid-sized, and a store of `text` + `vae` tables built for it."""
     import torch
@@ -176,6 +203,75 @@ def _bare_loop(model: str, store: Path, cfg, steps: int) -> tuple[list[float], l
     return wall, cpu
 
 
+def _timed_epoch(model: str, store: Path, cfg, batches: list[list[int]]) -> tuple[float, int]:
+    """Forward/backward/AdamW over the given batches, prebuilt on the device; (process CPU s, target tokens)."""
+    import time
+
+    import torch
+
+    from models.flow import flow_loss_of
+    from models.lora import lora_parameters
+    from stages.train.data import open_inputs as open_train_tables
+    from stages.train.prefetch import prepare
+    from stages.train.recipe import setup_transformer
+
+    tc, device = cfg.train, torch.device("cpu")
+    tables = open_train_tables(store, model)
+    transformer = setup_transformer(model, tc, device)
+    optimizer = torch.optim.AdamW(lora_parameters(transformer), lr=tc.learning_rate)
+    prepared = [prepare(tables, tc, b, step, device, torch.float32) for step, b in enumerate(batches)]
+    cpu = 0.0
+    for fb in prepared:
+        c0 = time.process_time()
+        flow_loss_of(transformer, fb).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        cpu += time.process_time() - c0
+    return cpu, sum(t.shape[0] for fb in prepared for t in fb.targets)
+
+
+def bench_bucketed(batch_size: int = 4, repeats: int = 3) -> dict[str, float]:
+    """Target tokens / s of one epoch: the length-aware sampler's mixed batches vs other trainers' batching
+    (one bucket = one exact set of shapes per batch: samples whose shapes differ go in batches of one)."""
+    import shutil
+    import tempfile
+    from collections import defaultdict
+
+    import torch
+
+    from pipeline.config import load_config
+    from stages.train.data import open_inputs as open_train_tables
+
+    work = Path(tempfile.mkdtemp(prefix="bench-bucketed-"))
+    try:
+        model, store = _step_time_fixture(work)
+        cfg = load_config(None, {"train.device": "cpu", "train.lora.rank": 16})
+        tables = open_train_tables(store, model)
+        ours = [step[0] for step in LengthAwareBatchSampler(tables.lengths, batch_size, seed=0).global_steps(0)]
+        buckets: dict[tuple, list[int]] = defaultdict(list)
+        for i, key in enumerate(tables.keys):
+            shapes = tuple(tuple(s) for s in tables.features(key)[2])
+            buckets[shapes].append(i)
+        bucketed = [b[j : j + batch_size] for b in buckets.values() for j in range(0, len(b), batch_size)]
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        times = {"mixed": [], "bucketed": []}
+        for _ in range(repeats):
+            for name, batches in (("mixed", ours), ("bucketed", bucketed)):
+                cpu, tokens = _timed_epoch(model, store, cfg, batches)
+                times[name].append(cpu)
+        torch.set_num_threads(threads)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    rate = {k: tokens / min(v) for k, v in times.items()}
+    print(f"== one epoch ({len(tables.keys)} samples, {len(buckets)} distinct shape sets), CPU, 1 thread, best of {repeats}")
+    print(f"mixed-resolution batches of {batch_size}: {len(ours)} steps, {rate['mixed']:.0f} target tokens/s")
+    print(f"bucketed (one shape set per batch):  {len(bucketed)} steps, {rate['bucketed']:.0f} target tokens/s")
+    print(f"mixed / bucketed throughput: x{rate['mixed'] / rate['bucketed']:.2f} (and {len(bucketed) / len(ours):.1f}x "
+          "the optimizer steps per epoch for the bucketed way)")
+    return rate
+
+
 def bench_step_time(steps: int = 12, warmup: int = 2, batch_size: int = 4, repeats: int = 5) -> dict[str, float]:
     import shutil
     import tempfile
@@ -192,14 +288,19 @@ def bench_step_time(steps: int = 12, warmup: int = 2, batch_size: int = 4, repea
                                  "train.checkpoint_every": 10 * steps, "train.lora.rank": 16})
         threads = torch.get_num_threads()
         torch.set_num_threads(1)  # one thread: process CPU time = the work done, whatever else runs on the box
-        times: dict[str, list[list[float]]] = {"bare wall": [], "bare cpu": [], "trainer wall": [], "trainer cpu": []}
+        times: dict[str, list[list[float]]] = {"bare wall": [], "bare cpu": [], "trainer wall": [], "trainer cpu": [],
+                                               "prefetch wall": [], "prefetch cpu": []}
+        ahead = cfg.model_copy(update={"train": cfg.train.model_copy(update={"prefetch": 2})})
         for attempt in range(repeats):  # alternate, so load from other processes hits both alike
             wall, cpu = _bare_loop(model, store, cfg, steps)
             result = run(cfg, store, model, work / f"run{attempt}")
+            prefetched = run(ahead, store, model, work / f"ahead{attempt}")
             times["bare wall"].append(wall[warmup:])
             times["bare cpu"].append(cpu[warmup:])
             times["trainer wall"].append(result.step_times[warmup:])
             times["trainer cpu"].append(result.step_cpu_times[warmup:])
+            times["prefetch wall"].append(prefetched.step_times[warmup:])
+            times["prefetch cpu"].append(prefetched.step_cpu_times[warmup:])
         torch.set_num_threads(threads)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -213,14 +314,30 @@ def bench_step_time(steps: int = 12, warmup: int = 2, batch_size: int = 4, repea
     print(f"{'':34s} {'cpu ms':>8s} {'wall ms':>8s}")
     print(f"{'bare forward/backward/step loop':34s} {ms['bare cpu']:8.1f} {ms['bare wall']:8.1f}")
     print(f"{'trainer (stages.train.recipe.run)':34s} {ms['trainer cpu']:8.1f} {ms['trainer wall']:8.1f}")
+    print(f"{'trainer, train.prefetch: 2':34s} {ms['prefetch cpu']:8.1f} {ms['prefetch wall']:8.1f}")
+    out["prefetch_ratio_wall"] = ms["prefetch wall"] / ms["bare wall"]
+    print(f"prefetch / bare: {out['prefetch_ratio_wall']:.3f} (wall; step CPU time only counts the main thread's "
+          "share loosely: the reads run in the prefetch thread of the same process)")
     print(f"trainer / bare: {out['ratio_cpu']:.3f} (CPU time), {out['ratio_wall']:.3f} (wall, disturbed by other load); "
           f"target <= 1.05: {'met' if out['ratio_cpu'] <= 1.05 else 'NOT met'}")
     return out
 
 
 def main() -> None:
-    bench_padding()
-    bench_step_time()
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", choices=["padding", "budget", "step-time", "bucketed"],
+                    help="run one section (default: all)")
+    args = ap.parse_args()
+    if args.only in (None, "padding"):
+        bench_padding()
+    if args.only in (None, "budget"):
+        bench_budget()
+    if args.only in (None, "step-time"):
+        bench_step_time()
+    if args.only in (None, "bucketed"):
+        bench_bucketed()
 
 
 if __name__ == "__main__":

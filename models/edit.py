@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from PIL import Image
 
-from models.loading import check_device, load_component, model_variant
+from models.loading import check_device, load_component, model_variant, pipeline_family
 from schemas.errors import UserError
 from models.generate import Conditioning, generate
 from models.lora import attach_lora
@@ -44,7 +44,7 @@ def load_pipeline(model: str, dtype: torch.dtype, devices: dict[str, str], lora:
     """
     from diffusers import QwenImageEditPipeline, QwenImageEditPlusPipeline
 
-    cls = QwenImageEditPlusPipeline if model_variant(model) == "edit-plus" else QwenImageEditPipeline
+    cls = QwenImageEditPlusPipeline if pipeline_family(model_variant(model)) == "edit-plus" else QwenImageEditPipeline
     pipe = cls(
         scheduler=load_component(model, "scheduler"),
         vae=vae if vae is not None else load_component(model, "vae", dtype=dtype),

@@ -17,13 +17,14 @@ Sigma sampling (`SigmaConfig.sampling`):
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
 from torch import Tensor
 
-from models.multires import build_batch, multires_forward, pack_latents, target_outputs
+from models.multires import PackedBatch, _unwrap, build_batch, multires_forward, pack_latents, target_outputs
 
 if TYPE_CHECKING:
     from models.sample import TrainSample
@@ -150,7 +151,31 @@ def flow_loss(
     valid tokens (padding and control tokens never count). Inputs go in the transformer's dtype and device;
     the flow arithmetic and the loss are float32. Gradients flow to whatever in `transformer` requires them.
     """
-    device, dtype = transformer.device, transformer.dtype
+    base = _unwrap(transformer)  # DDP / compile wrappers have no .device / .dtype
+    fb = prepare_flow_batch(samples, sigmas, noises, use_empty, mask_weight, base.device, base.dtype)
+    return flow_loss_of(transformer, fb)
+
+
+@dataclass
+class FlowBatch:
+    """Everything `flow_loss` computes before the forward: the packed noised batch, σ, targets, token weights."""
+
+    batch: PackedBatch
+    sigmas: Tensor  # [B] float32
+    targets: list[Tensor]  # per sample [N_i, 4C] float32, ε − x0
+    weights: list[Tensor | None] | None = None
+
+
+def prepare_flow_batch(
+    samples: list[TrainSample],
+    sigmas: Tensor,
+    noises: list[Tensor],
+    use_empty: list[bool] | None,
+    mask_weight: tuple[float, float],
+    device: torch.device,
+    dtype: torch.dtype,
+) -> FlowBatch:
+    """The first half of `flow_loss` (see there), computed on `device`: what a prefetch thread can do ahead."""
     if not (len(samples) == len(noises) == sigmas.shape[0]):
         raise ValueError(f"flow_loss: {len(samples)} samples, {len(noises)} noises, {sigmas.shape[0]} sigmas")
     sigmas = sigmas.to(device=device, dtype=torch.float32)
@@ -167,12 +192,16 @@ def flow_loss(
         prompts,
         [s.img_shapes for s in samples],
     )
-    out = multires_forward(transformer, batch, sigmas.to(dtype))
-    preds = target_outputs(out, batch)
     targets = [flow_target(x, e) for x, e in zip(x0, eps)]
     weights = None
     if tuple(mask_weight) != (1.0, 1.0):
         weights = [
             mask_token_weights(s.mask_weight, *mask_weight) if s.mask_weight is not None else None for s in samples
         ]
-    return per_sample_loss(preds, targets, weights)
+    return FlowBatch(batch, sigmas, targets, weights)
+
+
+def flow_loss_of(transformer, fb: FlowBatch) -> Tensor:
+    """The second half of `flow_loss`: forward on a prepared batch, per-sample losses [B] (float32)."""
+    out = multires_forward(transformer, fb.batch, fb.sigmas.to(_unwrap(transformer).dtype))
+    return per_sample_loss(target_outputs(out, fb.batch), fb.targets, fb.weights)

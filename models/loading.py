@@ -65,9 +65,21 @@ def resolve_model(model: str) -> Path:
         ) from None
 
 
-def model_variant(model: str) -> Literal["edit", "edit-plus"]:
-    index = json.loads((resolve_model(model) / "model_index.json").read_text())
-    return "edit-plus" if "Plus" in index.get("_class_name", "") else "edit"
+def model_variant(model: str) -> Literal["edit", "edit-plus", "edit-2511"]:
+    """edit (Qwen-Image-Edit), edit-plus (2509: several controls) or edit-2511 (the Plus pipeline over a
+    transformer with `zero_cond_t`: control tokens modulated at t = 0)."""
+    root = resolve_model(model)
+    index = json.loads((root / "model_index.json").read_text())
+    if "Plus" not in index.get("_class_name", ""):
+        return "edit"
+    config = root / "transformer" / "config.json"
+    zero_cond = config.is_file() and json.loads(config.read_text()).get("zero_cond_t", False)
+    return "edit-2511" if zero_cond else "edit-plus"
+
+
+def pipeline_family(variant: str) -> Literal["edit", "edit-plus"]:
+    """The diffusers pipeline a variant runs with: 2511 uses the Edit-Plus pipeline, prompts and controls."""
+    return "edit" if variant == "edit" else "edit-plus"
 
 
 def _fingerprint_cache() -> Path:

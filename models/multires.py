@@ -30,6 +30,8 @@ from diffusers.models.transformers.transformer_qwenimage import (
 )
 from torch import Tensor, nn
 
+from models.attention import attend, joint_key_mask
+
 Shape = tuple[int, int, int]
 
 
@@ -112,7 +114,10 @@ class MaskedJointAttnProcessor(QwenDoubleStreamAttnProcessor2_0):
 
     Without an image mask and with shared (2-D) RoPE it *is* the stock processor (delegates), so same-size
     batches are bit-identical. A subclass, so `set_attention_backend` and friends keep working.
+    `_multires_backend` (set by `models.attention.set_backend`): the kernel for padded batches.
     """
+
+    _multires_backend: str | None = None
 
     def __call__(
         self,
@@ -125,7 +130,7 @@ class MaskedJointAttnProcessor(QwenDoubleStreamAttnProcessor2_0):
         image_mask: Tensor | None = None,
     ):
         per_sample_rope = image_rotary_emb is not None and image_rotary_emb[0].ndim == 3
-        if image_mask is None and not per_sample_rope:
+        if image_mask is None and not per_sample_rope and (encoder_hidden_states_mask is None or self._multires_backend is None):
             return super().__call__(
                 attn, hidden_states, encoder_hidden_states, encoder_hidden_states_mask, attention_mask, image_rotary_emb
             )
@@ -136,7 +141,10 @@ class MaskedJointAttnProcessor(QwenDoubleStreamAttnProcessor2_0):
 
         batch, seq_img = hidden_states.shape[:2]
         seq_txt = encoder_hidden_states.shape[1]
-        if image_mask is not None or encoder_hidden_states_mask is not None:
+        if self._multires_backend is not None and (image_mask is not None or encoder_hidden_states_mask is not None):
+            attention_mask = joint_key_mask(encoder_hidden_states_mask, image_mask, batch, seq_txt, seq_img,
+                                            hidden_states.device)
+        elif image_mask is not None or encoder_hidden_states_mask is not None:
             device = hidden_states.device
             txt_mask = (
                 encoder_hidden_states_mask.to(torch.bool)
@@ -177,16 +185,20 @@ class MaskedJointAttnProcessor(QwenDoubleStreamAttnProcessor2_0):
         joint_query = torch.cat([txt_query, img_query], dim=1)
         joint_key = torch.cat([txt_key, img_key], dim=1)
         joint_value = torch.cat([txt_value, img_value], dim=1)
-        joint = dispatch_attention_fn(
-            joint_query,
-            joint_key,
-            joint_value,
-            attn_mask=attention_mask,
-            dropout_p=0.0,
-            is_causal=False,
-            backend=self._attention_backend,
-            parallel_config=self._parallel_config,
-        )
+        if self._multires_backend is not None:
+            joint = attend(joint_query, joint_key, joint_value, attention_mask, self._multires_backend,
+                           self._parallel_config)
+        else:
+            joint = dispatch_attention_fn(
+                joint_query,
+                joint_key,
+                joint_value,
+                attn_mask=attention_mask,
+                dropout_p=0.0,
+                is_causal=False,
+                backend=self._attention_backend,
+                parallel_config=self._parallel_config,
+            )
         joint = joint.flatten(2, 3).to(joint_query.dtype)
 
         img_out = attn.to_out[0](joint[:, seq_txt:, :].contiguous())

@@ -6,6 +6,7 @@ processes (and any resume point) train the same LoRA, and evaluate's fixed noise
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 
 import torch
@@ -13,6 +14,7 @@ from torch import Tensor
 
 from models.flow import SigmaSettings, sample_sigmas
 from models.sample import TrainSample
+from schemas.errors import UserError
 
 
 def sample_generator(seed: int, step: int, key: str, purpose: str) -> torch.Generator:
@@ -38,6 +40,27 @@ def draw_caption_dropout(sample: TrainSample, seed: int, step: int, p: float) ->
         return False
     g = sample_generator(seed, step, sample.key, "caption-dropout")
     return bool(torch.rand((), generator=g) < p)
+
+
+def draw_control_dropout(sample: TrainSample, seed: int, step: int, p: float) -> bool:
+    if p <= 0:
+        return False
+    g = sample_generator(seed, step, sample.key, "control-dropout")
+    return bool(torch.rand((), generator=g) < p)
+
+
+def with_control_dropout(samples: list[TrainSample], seed: int, step: int, p: float) -> list[TrainSample]:
+    """Each sample drawn for control dropout conditions on its instruction encoded without the control images
+    (`nocontrol_embeds`; the control latents stay in the transformer's input)."""
+    out = []
+    for s in samples:
+        if draw_control_dropout(s, seed, step, p):
+            if s.nocontrol_embeds is None:
+                raise UserError(f"train.control_dropout needs the text table's nocontrol_embeds (sample {s.key} has "
+                                "none): re-run encode-text with encode_text.no_control_embeds: true")
+            s = dataclasses.replace(s, prompt_embeds=s.nocontrol_embeds)
+        out.append(s)
+    return out
 
 
 def eval_noise(sample: TrainSample, seed: int) -> Tensor:

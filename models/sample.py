@@ -25,6 +25,7 @@ class TrainSample:
     empty_embeds: Tensor  # [L0, D] the empty prompt (caption dropout)
     img_shapes: list[tuple[int, int, int]]  # patch units, target first, then each control
     mask_weight: Tensor | None = None  # [N_target] float32 edit mask at the token grid, optional
+    nocontrol_embeds: Tensor | None = None  # [L1, D] the instruction without its control images (control dropout)
 
     @property
     def target_tokens(self) -> int:
@@ -58,4 +59,5 @@ def from_features(
         empty_embeds=t["empty_embeds"],
         img_shapes=shapes,
         mask_weight=mask.float() if mask is not None else None,
+        nocontrol_embeds=t.get("nocontrol_embeds"),
     )

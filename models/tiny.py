@@ -1,4 +1,4 @@
-"""Build a tiny random-init Qwen-Image-Edit (or Edit-Plus) pipeline offline.
+"""Build a tiny random-init Qwen-Image-Edit (or Edit-Plus, or Edit-2511) pipeline offline.
 
 The result is saved with `save_pretrained` and loads with plain diffusers (`QwenImageEditPipeline` /
 `QwenImageEditPlusPipeline.from_pretrained(folder)`) with no project import: stock transformer, VAE,
@@ -16,7 +16,8 @@ from typing import Literal
 
 import torch
 
-Variant = Literal["edit", "edit-plus"]
+Variant = Literal["edit", "edit-plus", "edit-2511"]
+VARIANTS = ("edit", "edit-plus", "edit-2511")
 
 # Qwen2 special tokens, in Qwen's own order so ids are contiguous after the learned vocab.
 QWEN_SPECIAL_TOKENS = [
@@ -203,7 +204,8 @@ def build_pipeline(variant: Variant = "edit", seed: int = 0):
     tokenizer = build_tokenizer()
     text_encoder = build_text_encoder(tokenizer, seed)
     torch.manual_seed(seed + 1)
-    transformer = QwenImageTransformer2DModel(**TINY_TRANSFORMER).eval()
+    # Edit-2511 is the Edit-Plus pipeline over a transformer with `zero_cond_t` (controls modulated at t = 0).
+    transformer = QwenImageTransformer2DModel(**TINY_TRANSFORMER, zero_cond_t=variant == "edit-2511").eval()
     torch.manual_seed(seed + 2)
     vae = AutoencoderKLQwenImage(
         **TINY_VAE,
@@ -211,7 +213,7 @@ def build_pipeline(variant: Variant = "edit", seed: int = 0):
         latents_std=[round(1.0 + 0.25 * i, 4) for i in range(TINY_VAE["z_dim"])],
     ).eval()
     scheduler = FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG)
-    cls = QwenImageEditPlusPipeline if variant == "edit-plus" else QwenImageEditPipeline
+    cls = QwenImageEditPipeline if variant == "edit" else QwenImageEditPlusPipeline
     return cls(
         scheduler=scheduler,
         vae=vae,
@@ -225,8 +227,8 @@ def build_pipeline(variant: Variant = "edit", seed: int = 0):
 def make_tiny_model(out: str | os.PathLike, variant: Variant = "edit", seed: int = 0) -> Path:
     """Build and save into OUT; the same seed gives the same bytes. (`pipeline make-tiny-model` and the demo
     call this inside `store.format.atomic_dir`, so a killed run never leaves a half-written model folder.)"""
-    if variant not in ("edit", "edit-plus"):
-        raise ValueError(f"unknown variant {variant!r}: use 'edit' or 'edit-plus'")
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown variant {variant!r}: use one of {', '.join(VARIANTS)}")
     out = Path(out)
     pipe = build_pipeline(variant, seed)
     pipe.save_pretrained(out, safe_serialization=True)

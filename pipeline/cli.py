@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import typer
 
+import models.quiet_imports  # noqa: F401  (before any command imports torchao: drops two harmless messages)
 from pipeline.commands import (
     demo,
     encode,

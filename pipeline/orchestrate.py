@@ -41,6 +41,11 @@ class AllResult:
         """Train losses of this invocation (empty when train was up to date)."""
         return next((list(getattr(o.result, "losses", [])) for o in self.outcomes if o.stage == "train"), [])
 
+    @property
+    def train_epochs(self) -> list[int]:
+        """The epoch each of those steps began in."""
+        return next((list(getattr(o.result, "step_epochs", [])) for o in self.outcomes if o.stage == "train"), [])
+
 
 @dataclass(frozen=True)
 class Paths:

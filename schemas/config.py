@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class Section(BaseModel):
@@ -33,7 +33,30 @@ class Paths(Section):
 
 
 class ResizeConfig(Section):
-    """resize-bucket: how targets and controls are sized (Edit-Plus rules by default)."""
+    """resize-bucket: how targets and controls are sized (Edit-Plus rules by default).
+
+    `area: A` (flag `--area`) is the one switch for small-scale runs: it sets target_area and control_vae_area
+    (the two sizes Edit-Plus keeps equal, ~1024²) to A. It is consumed on load, so configs, lineage and
+    `config show` hold the two resulting keys; control_vl_area (the text encoder's view, 384² in Edit-Plus)
+    stays as set.
+    """
+
+    @model_validator(mode="before")
+    @classmethod
+    def _area_sets_target_and_control(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or data.get("area") is None:
+            if isinstance(data, dict) and "area" in data:
+                data = {k: v for k, v in data.items() if k != "area"}
+            return data
+        data = dict(data)
+        area = data.pop("area")
+        if not isinstance(area, int) or isinstance(area, bool) or area <= 0:
+            raise ValueError(f"resize.area must be a positive integer (pixels), got {area!r}")
+        clash = [k for k in ("target_area", "control_vae_area") if data.get(k) not in (None, area)]
+        if clash:
+            raise ValueError(f"resize.area = {area} sets {' and '.join(clash)}; drop {', '.join(clash)} or area")
+        data["target_area"] = data["control_vae_area"] = area
+        return data
 
     target_area: int = Field(1024 * 1024, gt=0, description="target pixel area of a bucket")
     multiple: int = Field(32, gt=0, description="bucket sides are multiples of this")
@@ -67,6 +90,8 @@ class EncodeTextConfig(Section):
         "padded: any requests per batch, text right-padded (float32 within ~1e-6 of exact; full batches, use on GPUs)")
     shard_size_mb: float = Field(256, gt=0, description="shard file size target (fractions allowed)")
     num_workers: int = Field(2, ge=0, description="threads decoding + preprocessing ahead of the forward (0 = inline)")
+    no_control_embeds: bool = Field(False, description="also store the instruction encoded without its control "
+                                    "images (`nocontrol_embeds`, for train.control_dropout)")
 
 
 class EncodeVaeConfig(Section):
@@ -83,6 +108,9 @@ class LoraConfig(Section):
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     target_modules: list[str] = ["to_q", "to_k", "to_v", "to_out.0"]
     init_weights: Literal["gaussian", "default"] = "gaussian"
+    kind: Literal["lora", "dora", "loha", "lokr"] = Field(
+        "lora", description="peft adapter: lora | dora (LoRA + magnitude) | loha (Hadamard) | lokr (Kronecker); "
+        "only lora loads in diffusers' Qwen-Image pipelines (docs/train.md)")
 
 
 class SigmaConfig(Section):
@@ -126,6 +154,14 @@ class TrainConfig(Section):
     keep_checkpoints: int = Field(3, gt=0)
     log_every: int = Field(1, gt=0)
     sampler_window: int = Field(64, gt=0, description="length-aware sampler: batches per sorting window")
+    on_damaged: Literal["stop", "skip"] = Field(
+        "stop", description="a damaged store sample (checksum mismatch, missing/short shard): stop with an error "
+        "naming it, or leave it out (all are found before step 0, listed in RUN/damaged_samples.json)")
+    max_damaged_fraction: float = Field(0.01, ge=0.0, le=1.0, description="on_damaged=skip: stop anyway when "
+                                        "more than this fraction of the training samples is damaged")
+    on_nonfinite: Literal["stop", "skip_step"] = Field(
+        "stop", description="a non-finite loss or gradient: stop naming the step and samples, or skip that "
+        "optimizer step (no update, logged)")
     lora: LoraConfig = LoraConfig()
     sigma: SigmaConfig = SigmaConfig()
     loss: LossConfig = LossConfig()
@@ -133,6 +169,30 @@ class TrainConfig(Section):
                                         "text and vae tables hold; fail when more than this share of the split is "
                                         "missing from either (reasons in STORE/quarantine.parquet)")
     max_open_shards: int = Field(256, gt=0, description="memory-mapped shards kept open per table (LRU)")
+    init_lora: str | None = Field(None, description="start from this LoRA (diffusers, kohya lora_unet_*, ComfyUI "
+                                  "diffusion_model.*); rank and targets must match train.lora")
+    optimizer: Literal["adamw", "adamw8bit", "adafactor", "prodigy"] = Field(
+        "adamw", description="adamw (torch) | adamw8bit (bitsandbytes) | adafactor (transformers) | prodigy "
+        "(prodigyopt; set learning_rate ~1.0)")
+    ema_decay: float | None = Field(None, gt=0.0, lt=1.0, description="EMA of the adapter -> RUN/lora_ema (None = off)")
+    control_dropout: float = Field(0.0, ge=0.0, le=1.0, description="per-sample probability of training on the "
+                                   "instruction encoded without its control images (needs encode_text.no_control_embeds)")
+    validate_every: int | None = Field(None, gt=0, description="held-out loss on the val split every N steps")
+    validate_max_samples: int = Field(8, gt=0, description="validation: first N val samples (by key)")
+    validate_timesteps: list[float] = Field([0.25, 0.5, 0.75], min_length=1, description="validation σ grid")
+    validate_noise_seeds: list[int] = Field([0], min_length=1, description="validation noise seeds")
+    sample_every: int | None = Field(None, gt=0, description="generate val samples every N steps -> RUN/samples")
+    sample_count: int = Field(2, gt=0, description="val samples per sample grid")
+    sample_steps: int = Field(4, ge=2, description="denoising steps of the sample grid")
+    max_tokens_per_batch: int | None = Field(
+        None, gt=0, description="None = fixed batch_size batches; else each batch holds as many samples as fit in "
+        "this many computed tokens (batch size x longest sequence), see stages/train/budget.py")
+    prefetch: int = Field(0, ge=0, description="micro-batches read, drawn and copied to the device ahead by a "
+                          "background thread (0 = inline)")
+    attention_backend: str | None = Field(
+        None, description="diffusers attention backend for padded batches (models/attention.py); None = the "
+        "fastest correct one available (CUDA) / native (CPU)")
+    compile: bool = Field(False, description="torch.compile each transformer block (regional compilation)")
 
 
 class ExtraPrompt(Section):
@@ -162,6 +222,8 @@ class EvaluateConfig(Section):
     negative_prompt: str = Field(" ", description="extra prompts' negative; val samples use the stored empty prompt")
     lora_scale: float = 1.0
     extra_prompts: list[ExtraPrompt] = []
+    attention_backend: str | None = Field(
+        None, description="attention backend of the held-out loss's padded batches (see train.attention_backend)")
 
 
 class PredictConfig(Section):

@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -22,13 +23,18 @@ import pyarrow.parquet as pq
 from schemas.errors import UserError
 
 STORE_FORMAT = "qwen-edit-feature-store"
-STORE_FORMAT_VERSION = 1
+# 2: store.json sealed with its own CRC32C, each version's `checksums.json`, per-sample `sample_crc32c` (see
+# docs/store-format.md). Version 1 stores (and v1-era table versions inside a v2 store) stay readable: their
+# samples are checked against the sha256 the manifest always held.
+STORE_FORMAT_VERSION = 2
+READABLE_FORMAT_VERSIONS = (1, 2)
 
 STORE_JSON = "store.json"
 STORE_LOCK = ".store.lock"
 QUARANTINE = "quarantine.parquet"
 SCHEMA_JSON = "schema.json"
 MANIFEST = "manifest.parquet"
+CHECKSUMS = "checksums.json"  # per version: size + crc32c of every file; written just before the manifest
 VERSION_RE = re.compile(r"v(\d+)")
 SHARD_RE = re.compile(r"shard-r(\d+)-(\d+)\.tar")
 KEY_RE = re.compile(r"[A-Za-z0-9_-]+")  # webdataset splits member names at the first dot: keys have none
@@ -62,6 +68,17 @@ def is_complete(vdir: Path) -> bool:
     return (vdir / MANIFEST).is_file()
 
 
+def damaged_marker(root: Path, table: str, version: int) -> Path:
+    """Written by `pipeline store repair` next to (not inside: versions are immutable) a damaged version: its
+    damaged keys. `Store.find_version` never reuses a marked version, so the stage rerun recomputes them."""
+    return root / table / f"v{version}.damaged.json"
+
+
+def is_litter(name: str) -> bool:
+    """Temp files of interrupted atomic writes (`.<name>.tmp-<pid>`, `<shard>.tar.tmp`): never data."""
+    return (name.startswith(".") and ".tmp-" in name) or name.endswith(".tar.tmp")
+
+
 # ---------------------------------------------------------------- atomic writes
 
 
@@ -74,13 +91,18 @@ def fsync_dir(path: Path) -> None:
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Temp file in the same folder, fsync, rename, fsync the folder: readers see the old or the new file."""
+    """Temp file in the same folder, fsync, rename, fsync the folder: readers see the old or the new file.
+    A failed write (full disk, ...) removes its temp file and re-raises."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     fsync_dir(path.parent)
 
 
@@ -133,10 +155,14 @@ def atomic_write_json(path: Path, obj: Any) -> None:
     atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
 
 
-def atomic_write_parquet(path: Path, table: pa.Table) -> None:
+def parquet_bytes(table: pa.Table) -> bytes:
     buf = io.BytesIO()
     pq.write_table(table, buf)
-    atomic_write_bytes(path, buf.getvalue())
+    return buf.getvalue()
+
+
+def atomic_write_parquet(path: Path, table: pa.Table) -> None:
+    atomic_write_bytes(path, parquet_bytes(table))
 
 
 def read_json(path: Path, what: str) -> Any:
@@ -155,21 +181,51 @@ def new_store_record() -> dict[str, Any]:
     return {"format": STORE_FORMAT, "format_version": STORE_FORMAT_VERSION, "tables": {}}
 
 
+def write_store_record(root: Path, rec: dict[str, Any]) -> None:
+    """store.json, sealed with its own checksum; always written in the current format version (older table
+    versions in the store stay readable, see READABLE_FORMAT_VERSIONS)."""
+    from store.checksum import seal
+
+    atomic_write_bytes(root / STORE_JSON, seal({**rec, "format_version": STORE_FORMAT_VERSION}))
+
+
 def read_store_record(root: Path) -> dict[str, Any]:
-    rec = read_json(root / STORE_JSON, "store.json")
-    check_store_record(rec, root / STORE_JSON)
+    from store.checksum import SealError, is_sealed, unseal
+
+    path = root / STORE_JSON
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise UserError(f"store.json not found: {path}") from None
+    if is_sealed(data):
+        try:
+            rec = unseal(data)
+        except SealError as e:
+            raise UserError(f"{path} is damaged: {e}; run `pipeline store repair {root}`") from None
+    else:  # format 1 wrote no checksum
+        rec = read_json(path, "store.json")
+        check_store_record(rec, path)
+        if rec.get("format_version") != 1:
+            raise UserError(f"{path} has no checksum, which only format version 1 lacks; it is damaged: "
+                            f"run `pipeline store repair {root}`")
+    check_store_record(rec, path)
     return rec
 
 
 def check_store_record(rec: Any, path: Path) -> None:
     found = (rec.get("format"), rec.get("format_version")) if isinstance(rec, dict) else (None, None)
-    if found != (STORE_FORMAT, STORE_FORMAT_VERSION):
+    if found[0] != STORE_FORMAT or found[1] not in READABLE_FORMAT_VERSIONS:
         raise UserError(
-            f"{path}: expected store format {STORE_FORMAT!r} version {STORE_FORMAT_VERSION}, "
+            f"{path}: expected store format {STORE_FORMAT!r} version {' or '.join(map(str, READABLE_FORMAT_VERSIONS))}, "
             f"found {found[0]!r} version {found[1]!r}; use a pipeline release that writes this format"
         )
-    if not isinstance(rec.get("tables"), dict):
-        raise UserError(f"{path}: 'tables' must be a mapping of table -> {{'current': N}}")
+    tables = rec.get("tables")
+    bad = not isinstance(tables, dict) or any(
+        not isinstance(t, dict) or not isinstance(t.get("current"), int) or isinstance(t.get("current"), bool)
+        for t in tables.values())
+    if bad:
+        raise UserError(f"{path}: 'tables' must map each table to {{'current': N}}; the file is damaged: "
+                        f"run `pipeline store repair {path.parent}`")
 
 
 # ---------------------------------------------------------------- locks
@@ -189,7 +245,7 @@ def flock(path: Path, *, blocking: bool = True, holder: str = "") -> Iterator[No
         ) from None
     try:
         os.ftruncate(fd, 0)
-        os.write(fd, f"pid {os.getpid()}".encode())  # for the message a second writer gets
+        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode())  # for the message a second writer gets
         yield
     finally:
         os.close(fd)

@@ -108,6 +108,8 @@ def collect(root: Path, dry_run: bool = False, echo: Callable[[str], None] = pri
                 f.rmdir() if f.is_dir() and not f.is_symlink() else f.unlink()
                 fmt.crash_point("gc_mid_delete")
             d.rmdir()
+        for vdir in p.remove:  # `store repair`'s marker of a removed version names nothing any more
+            fmt.damaged_marker(root, vdir.parent.name, int(vdir.name.lstrip("v"))).unlink(missing_ok=True)
         echo(f"gc: removed {len(p.remove)} version(s), freed {p.nbytes / 1e6:.1f} MB; kept "
              + ", ".join(f"{t} v{v}" for t, v in p.keep))
     return p

@@ -8,6 +8,7 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
+from schemas.resize_sizes import sizes_in_force
 from store import format as fmt
 from store import quarantine
 from store.reader import read_schema
@@ -43,6 +44,9 @@ def _describe_version(vdir: Path, v: int) -> dict[str, Any]:
     if "split" in m.column_names:
         d["splits"] = dict(Counter(m.column("split").to_pylist()))
     d["buckets"] = _buckets(m)
+    if "control_sizes" in m.column_names:  # images tables: the controls' VAE views too, not only targets
+        sizes = [tuple(s) for row in m.column("control_sizes").to_pylist() for s in (row or [])]
+        d["control_buckets"] = {f"{h}x{w}": n for (h, w), n in sorted(Counter(sizes).items())}
     return d
 
 
@@ -76,6 +80,12 @@ def render(info: dict[str, Any]) -> str:
                          + (f", splits {v['splits']}" if "splits" in v else ""))
             if v["buckets"]:
                 lines.append("       buckets: " + ", ".join(f"{b} ({n})" for b, n in v["buckets"].items()))
+            if v.get("control_buckets"):
+                lines.append("       control buckets (VAE view): "
+                             + ", ".join(f"{b} ({n})" for b, n in v["control_buckets"].items()))
+            resize = (v.get("attrs") or {}).get("resize")
+            if isinstance(resize, dict) and {"target_area", "control_vae_area", "control_vl_area"} <= resize.keys():
+                lines.append(f"       {sizes_in_force(resize)}")
             lin = v["lineage"]
             lines.append(f"       lineage: stage {lin['stage']}, config {lin['config_hash']}, "
                          f"model {lin['model_fingerprint'][:12] or '-'}, upstream {lin['upstream'] or '-'}, "

@@ -126,6 +126,7 @@ class JoinedTables:
         self.store_root = Path(store_root) if store_root is not None else next(iter(readers.values())).dir.parents[1]
         self.lengths: list[int] = []  # filled by `open_features`: joint sequence length per key
         self.report: dict[str, Any] = {}  # filled by `open_features`: samples, dropped, reasons
+        self.damaged: dict[str, str] = {}  # open_features(on_damaged="skip"): key -> problem, left out of `keys`
         split_rows = {t: _split_rows(r, split) for t, r in readers.items()}
         if _join_sorted_fixed(self, readers, split_rows):
             return
@@ -214,16 +215,21 @@ def _name_keys(keys: set[str], limit: int = 5) -> str:
 
 
 def open_features(store: str | Path, model: str, model_fingerprint: str, split: str = "train",
-                  max_dropped_fraction: float = 0.05, max_open_shards: int = DEFAULT_MAX_OPEN_SHARDS) -> JoinedTables:
+                  max_dropped_fraction: float = 0.05, max_open_shards: int = DEFAULT_MAX_OPEN_SHARDS,
+                  on_damaged: str = "stop", max_damaged_fraction: float = 0.0) -> JoinedTables:
     """`text` + `vae` of one split, built with the model whose fingerprint is given: the samples both tables
     hold (the intersection), with each one's joint sequence length in `lengths` and in `report` how many samples
     of the split were dropped (in the `images` table, or in one of the two, but not in both) and why (the
     quarantine rows of those keys, by stage and reason). UserError when the tables are missing, built with
-    another model, empty, or when more than `max_dropped_fraction` of the split was dropped."""
+    another model, empty, or when more than `max_dropped_fraction` of the split was dropped.
+
+    on_damaged="stop": a damaged sample raises when it is first read (a missing / short shard on open).
+    "skip": every joined sample is checked now; damaged ones are left out and listed in `damaged`
+    (more than `max_damaged_fraction` of them: UserError)."""
     from store.store import Store
 
     st = Store(store, create=False)
-    readers = {t: _open_table(st, t, max_open_shards) for t in ("text", "vae")}
+    readers = {t: _open_table(st, t, model, max_open_shards, on_damaged) for t in ("text", "vae")}
     for r in readers.values():
         found = r.schema.lineage.model_fingerprint
         if found != model_fingerprint:
@@ -253,8 +259,40 @@ def open_features(store: str | Path, model: str, model_fingerprint: str, split: 
             f"the '{split}' split is empty in store {st.root} (text v{text.version}, vae v{vae.version}); "
             "add training samples (resize-bucket puts val_fraction of them in 'val', the rest in 'train')"
         )
+    if on_damaged == "skip":
+        joined.damaged, bad_rows = find_damaged(joined)
+        if len(joined.damaged) > max_damaged_fraction * len(joined.keys):
+            raise UserError(
+                f"{len(joined.damaged)} of {len(joined.keys)} '{split}' samples in {st.root} are damaged, more than "
+                f"max_damaged_fraction {max_damaged_fraction} (e.g. {next(iter(joined.damaged.values()))}); "
+                f"run `pipeline store repair {st.root}`"
+            )
+        if len(bad_rows):
+            keep = np.ones(len(joined.keys), dtype=bool)
+            keep[bad_rows] = False
+            joined.keys = KeyList(joined.keys.array.filter(pa.array(keep)))
+            joined.rows = {t: r[keep] for t, r in joined.rows.items()}
+        if not len(joined.keys):
+            raise UserError(f"every '{split}' sample in {st.root} is damaged; run `pipeline store repair {st.root}`")
     joined.lengths = sequence_lengths_of(joined).tolist()
     return joined
+
+
+def find_damaged(joined: JoinedTables) -> tuple[dict[str, str], np.ndarray]:
+    """(key -> first problem found over both tables, joined row numbers of those keys): reads and checks every
+    joined sample's bytes once, by row number."""
+    from tqdm import tqdm
+
+    text, vae = joined.readers["text"], joined.readers["vae"]
+    t_rows, v_rows = joined.rows["text"], joined.rows["vae"]
+    out: dict[str, str] = {}
+    bad: list[int] = []
+    for i in tqdm(range(len(joined.keys)), desc="check samples", unit="sample", leave=False):
+        problem = text.damaged_at(int(t_rows[i])) or vae.damaged_at(int(v_rows[i]))
+        if problem is not None:
+            out[joined.keys[i]] = problem
+            bad.append(i)
+    return out, np.array(bad, dtype=np.int64)
 
 
 def dropped_report(st, joined: JoinedTables, split: str | None) -> dict[str, Any]:
@@ -304,15 +342,14 @@ def _reasons_text(rep: dict[str, Any]) -> str:
                      for stage, rs in sorted(rep["reasons"].items())) or "no reasons recorded"
 
 
-def _open_table(st, table: str, max_open_shards: int = DEFAULT_MAX_OPEN_SHARDS) -> TableReader:
+def _open_table(st, table: str, model: str, max_open_shards: int = DEFAULT_MAX_OPEN_SHARDS,
+                on_damaged: str = "stop") -> TableReader:
     if table not in st.tables():
         raise UserError(
             f"store {st.root} has no '{table}' table (tables: {sorted(st.tables()) or 'none'}); "
-            f"run `pipeline run {STAGE_OF[table]} --store {st.root}` first"
+            f"run `pipeline run {STAGE_OF[table]} --store {st.root} --model {model}` first"
         )
-    r = st.reader(table)
-    r.max_open_shards = max(1, int(max_open_shards))
-    return r
+    return st.reader(table, on_damaged=on_damaged, max_open_shards=max_open_shards)
 
 
 def text_lengths(text: TableReader) -> np.ndarray:

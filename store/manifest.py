@@ -28,10 +28,18 @@ LOCATING_FIELDS = [
     pa.field("files", pa.list_(FILE_STRUCT), nullable=False),
 ]
 LOCATING_COLUMNS = frozenset(f.name for f in LOCATING_FIELDS)
+# Store format 2 (absent in format-1 versions, which readers check against `sample_sha256` instead):
+CHECKSUM_FIELDS = [
+    pa.field("shard_crc32c", pa.string(), nullable=False),  # of the whole shard file
+    pa.field("sample_crc32c", pa.string(), nullable=False),  # of the sample's bytes; checked on every first read
+]
+CHECKSUM_COLUMNS = frozenset(f.name for f in CHECKSUM_FIELDS)
+RESERVED_COLUMNS = LOCATING_COLUMNS | CHECKSUM_COLUMNS
 
 
 def rows_to_table(
-    records: list[SampleRecord], metas: list[dict[str, Any]], shard: str, shard_sha256: str, shard_nbytes: int
+    records: list[SampleRecord], metas: list[dict[str, Any]], shard: str, shard_sha256: str, shard_nbytes: int,
+    shard_crc32c: str,
 ) -> pa.Table:
     n = len(records)
     cols: dict[str, pa.Array] = {
@@ -44,6 +52,8 @@ def rows_to_table(
         "sample_sha256": pa.array([r.sample_sha256 for r in records], pa.string()),
         "tensors": pa.array([r.tensors for r in records], pa.list_(TENSOR_STRUCT)),
         "files": pa.array([r.files for r in records], pa.list_(FILE_STRUCT)),
+        "shard_crc32c": pa.array([shard_crc32c] * n, pa.string()),
+        "sample_crc32c": pa.array([r.sample_crc32c for r in records], pa.string()),
     }
     meta_names: dict[str, None] = {}
     for m in metas:
@@ -53,12 +63,12 @@ def rows_to_table(
             cols[name] = pa.array([m.get(name) for m in metas])
         except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
             raise UserError(f"meta column {name!r} has values of mixed types in shard {shard}: {e}") from None
-    schema = pa.schema(LOCATING_FIELDS + [pa.field(k, cols[k].type) for k in meta_names])
+    schema = pa.schema(LOCATING_FIELDS + CHECKSUM_FIELDS + [pa.field(k, cols[k].type) for k in meta_names])
     return pa.Table.from_arrays([cols[f.name] for f in schema], schema=schema)
 
 
 def empty_manifest() -> pa.Table:
-    return pa.schema(LOCATING_FIELDS).empty_table()
+    return pa.schema(LOCATING_FIELDS + CHECKSUM_FIELDS).empty_table()
 
 
 def merge_indexes(paths: Iterable[Path]) -> pa.Table:

@@ -24,6 +24,7 @@ from schemas.img_shapes import img_shapes_from_v1
 from schemas.table import SCHEMA_V1, SCHEMA_V2, FieldSpec
 from store import format as fmt
 from store.reader import read_schema
+from store.integrity import write_version_checksums
 from store.store import Store
 from store.verify import verify_version
 
@@ -121,7 +122,9 @@ def _build(old_dir: Path, new_dir: Path, old_version: int) -> None:
             if c in manifest.column_names}
     shapes = [[list(x) for x in img_shapes_from_v1({c: v[i] for c, v in cols.items()})] for i in range(manifest.num_rows)]
     manifest = manifest.append_column("img_shapes", pa.array(shapes, pa.list_(pa.list_(pa.int64()))))
-    fmt.atomic_write_parquet(tmp / fmt.MANIFEST, manifest)
+    manifest_bytes = fmt.parquet_bytes(manifest)
+    write_version_checksums(tmp, manifest, manifest_bytes)
+    fmt.atomic_write_bytes(tmp / fmt.MANIFEST, manifest_bytes)
     fmt.crash_point("migrate_before_rename")
     os.rename(tmp, new_dir)  # the complete version appears at once
     fmt.fsync_dir(new_dir.parent)

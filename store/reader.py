@@ -4,6 +4,7 @@ random access by key, meta, img_shapes (derived on the fly for schema v1), rank/
 
 from __future__ import annotations
 
+import json
 import logging
 import mmap
 import os
@@ -20,7 +21,9 @@ from schemas.errors import UserError
 from schemas.img_shapes import ImgShape, img_shapes_from_v1
 from schemas.table import KNOWN_SCHEMA_VERSIONS, SCHEMA_V1, TableSchema
 from store import format as fmt
-from store.manifest import LOCATING_COLUMNS
+from store import integrity
+from store.integrity import DamagedData
+from store.manifest import CHECKSUM_COLUMNS, LOCATING_COLUMNS, RESERVED_COLUMNS
 from store.partition import epoch_order
 
 log = logging.getLogger("store")
@@ -35,13 +38,36 @@ def torch_dtype(name: str) -> torch.dtype:
     return dt
 
 
-def read_schema(vdir: Path) -> TableSchema:
-    raw = fmt.read_json(vdir / fmt.SCHEMA_JSON, "schema.json")
+def read_schema(vdir: Path, data: bytes | None = None) -> TableSchema:
+    if data is None:
+        raw = fmt.read_json(vdir / fmt.SCHEMA_JSON, "schema.json")
+    else:
+        try:
+            raw = json.loads(data)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise UserError(f"{vdir / fmt.SCHEMA_JSON} is not valid JSON ({e})") from None
     found = raw.get("schema_version") if isinstance(raw, dict) else None
     if found not in KNOWN_SCHEMA_VERSIONS:
         raise UserError(f"{vdir / fmt.SCHEMA_JSON}: expected schema version one of {KNOWN_SCHEMA_VERSIONS}, "
                         f"found {found!r}; use a pipeline release that reads it")
-    return TableSchema.from_dict(raw)
+    try:
+        return TableSchema.from_dict(raw)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise UserError(f"{vdir / fmt.SCHEMA_JSON}: not a valid table schema ({type(e).__name__}: {e})") from None
+
+
+def _unreadable(vdir: Path, e: Exception) -> DamagedData:
+    return DamagedData(f"{vdir / fmt.MANIFEST} is unreadable ({type(e).__name__}: {e}); "
+                       f"{integrity.repair_hint(vdir)}")
+
+
+def read_manifest(vdir: Path, data: bytes | pa.Buffer, columns: list[str] | None = None,
+                  read_dictionary: list[str] | None = None) -> pa.Table:
+    """Parse (some columns of) checked manifest bytes; undecodable parquet is one clear error, not a traceback."""
+    try:
+        return pq.read_table(pa.BufferReader(data), columns=columns, read_dictionary=read_dictionary)
+    except Exception as e:  # noqa: BLE001
+        raise _unreadable(vdir, e) from None
 
 
 DEFAULT_MAX_OPEN_SHARDS = 256  # mapped shards kept open per reader (LRU); the kernel allows ~65k maps a process
@@ -55,32 +81,55 @@ def _strictly_increasing(keys: pa.Array) -> bool:
 
 
 class TableReader:
-    def __init__(self, vdir: Path, table: str, version: int, max_open_shards: int = DEFAULT_MAX_OPEN_SHARDS) -> None:
+    """on_damaged="stop": a damaged sample, or a missing / short shard, raises `DamagedData` (on open for the
+    shards, on the sample's first read for its bytes). "skip": open succeeds; `damaged(key)` tells which samples
+    cannot be read, and reading one still raises."""
+
+    def __init__(self, vdir: Path, table: str, version: int, max_open_shards: int = DEFAULT_MAX_OPEN_SHARDS,
+                 on_damaged: str = "stop") -> None:
         self.dir, self.table, self.version = vdir, table, version
         self._dir_str = str(vdir)
         if not fmt.is_complete(vdir):
             raise UserError(f"table '{table}' v{version} at {vdir} is incomplete (no {fmt.MANIFEST}); "
                             "rerun the stage that writes it to resume")
-        self.schema = read_schema(vdir)
+        # schema.json and manifest.parquet are checked against checksums.json before they are parsed; the checked
+        # manifest bytes are kept, and columns are parsed from them one at a time (never re-read unchecked)
+        sums = integrity.read_version_checksums(vdir)
+        self.schema = read_schema(vdir, integrity.read_checked(vdir, fmt.SCHEMA_JSON, sums))
+        self._manifest_bytes = pa.py_buffer(integrity.read_checked(vdir, fmt.MANIFEST, sums))
         path = vdir / fmt.MANIFEST
-        names = pq.read_schema(path).names
+        try:
+            names = pq.ParquetFile(pa.BufferReader(self._manifest_bytes)).schema_arrow.names
+        except Exception as e:  # noqa: BLE001
+            raise _unreadable(vdir, e) from None
         missing = sorted(LOCATING_COLUMNS - set(names))
         if missing:
             raise UserError(f"{path}: missing columns {missing} (see docs/store-format.md)")
+        if sums is None and CHECKSUM_COLUMNS & set(names):
+            raise DamagedData(f"{integrity.where(vdir)}: {fmt.CHECKSUMS} is missing; {integrity.repair_hint(vdir)}")
+        self.checksummed = sums is not None  # format 1: samples checked against sample_sha256 (slower)
         self._names = list(names)
         self._full: pa.Table | None = None
-        # Opening reads the key column only; every other column is read on first use, alone (`column`), and
-        # kept as an Arrow array: a million-sample table never becomes a million Python dicts.
-        self.key_array: pa.StringArray = pq.read_table(path, columns=["key"]).column("key").combine_chunks()
+        self._arrays: dict[str, pa.Array] = {}
+        # Opening reads the key column only (plus shard sizes for the presence check); every other column is
+        # read on first use, alone (`column`), and kept as an Arrow array: a million-sample table never becomes
+        # a million Python dicts.
+        self.key_array: pa.StringArray = self.column("key")
         self.keys_sorted = _strictly_increasing(self.key_array)
         if not self.keys_sorted and pc.count_distinct(self.key_array).as_py() != len(self.key_array):
             raise UserError(f"{path}: duplicate keys; run `pipeline store verify` on the store")
         self._key_list: list[str] | None = None
         self._row_of: dict[str, int] | None = None
         self._cols: dict[str, list[Any]] = {}
-        self._arrays: dict[str, pa.Array] = {}
         self._maps: OrderedDict[str, mmap.mmap] = OrderedDict()
         self.max_open_shards = max(1, int(max_open_shards))
+        self.bad_shards = integrity.shard_problems(
+            vdir, pa.table({"shard": self.column("shard"), "shard_nbytes": self.column("shard_nbytes")}), sums)
+        if self.bad_shards and on_damaged == "stop":
+            raise DamagedData(f"{integrity.where(vdir)}: {next(iter(self.bad_shards.values()))}"
+                              + (f" (and {len(self.bad_shards) - 1} more shards)" if len(self.bad_shards) > 1 else "")
+                              + f"; {integrity.repair_hint(vdir)}")
+        self._checked: set[int] = set()
         self.is_v1 = self.schema.schema_version == SCHEMA_V1
         if self.is_v1:
             lacking = [c for c in V1_PIXEL_COLUMNS if c not in names]
@@ -89,24 +138,48 @@ class TableReader:
             log.warning("table '%s' v%d uses schema v1: img_shapes derived from pixel sizes; "
                         "run `pipeline migrate v1-to-v2 STORE` to upgrade", table, version)
 
+    @classmethod
+    def over_manifest(cls, vdir: Path, table: str, version: int, manifest: pa.Table) -> "TableReader":
+        """A reader that skips damage (on_damaged="skip") over a given manifest table, e.g. one `store repair`
+        rebuilt from the shard indexes; schema.json is read as it is."""
+        r = cls.__new__(cls)
+        r.dir, r.table, r.version = vdir, table, version
+        r._dir_str = str(vdir)
+        r.schema = read_schema(vdir)
+        sums = integrity.read_version_checksums(vdir)
+        r.checksummed = sums is not None
+        r._manifest_bytes = None
+        r._names = list(manifest.column_names)
+        r._full = manifest
+        r._arrays = {}
+        r.key_array = r.column("key")
+        r.keys_sorted = _strictly_increasing(r.key_array)
+        r._key_list, r._row_of, r._cols = None, None, {}
+        r._maps = OrderedDict()
+        r.max_open_shards = DEFAULT_MAX_OPEN_SHARDS
+        r.bad_shards = integrity.shard_problems(vdir, manifest, sums)
+        r._checked = set()
+        r.is_v1 = r.schema.schema_version == SCHEMA_V1
+        return r
+
     # ------------------------------------------------------------ basics
 
     @property
     def manifest(self) -> pa.Table:
-        """The whole manifest (every column), read on first use."""
+        """The whole manifest (every column, e.g. the checksum columns for verify), parsed on first use."""
         if self._full is None:
-            self._full = pq.read_table(self.dir / fmt.MANIFEST)
+            self._full = read_manifest(self.dir, self._manifest_bytes)
         return self._full
 
     def column(self, name: str) -> pa.Array:
-        """One manifest column as a single Arrow array, read from the parquet file on first use."""
+        """One manifest column as a single Arrow array, parsed from the checked manifest bytes on first use."""
         if name not in self._arrays:
             if self._full is not None:
                 col = self._full.column(name)
             else:
                 if name not in self._names:
                     raise KeyError(name)
-                col = pq.read_table(self.dir / fmt.MANIFEST, columns=[name],
+                col = read_manifest(self.dir, self._manifest_bytes, columns=[name],
                                     read_dictionary=["shard"] if name == "shard" else None).column(name)
             self._arrays[name] = col.combine_chunks()
         return self._arrays[name]
@@ -154,7 +227,7 @@ class TableReader:
             raise UserError(f"key {key} not in table '{self.table}' v{self.version}") from None
 
     def meta_columns(self) -> list[str]:
-        return [c for c in self._names if c not in LOCATING_COLUMNS]
+        return [c for c in self._names if c not in RESERVED_COLUMNS]
 
     def meta(self, key: str) -> dict[str, Any]:
         i = self._index(key)
@@ -178,8 +251,16 @@ class TableReader:
     def shard_map(self, shard: str) -> mmap.mmap:
         """Private (copy-on-write) map: tensors are writable views, and a write never reaches the file.
 
-        At most `max_open_shards` maps stay referenced here (least recently used dropped first): a million-sample
-        store has tens of thousands of shards. A dropped map whose tensors are still alive closes when they go."""
+        A shard found missing or of the wrong size on open raises `DamagedData` naming the repair command."""
+        if shard in self.bad_shards:
+            raise DamagedData(f"{integrity.where(self.dir)}: {self.bad_shards[shard]}; "
+                              f"{integrity.repair_hint(self.dir)}")
+        return self._map(shard)
+
+    def _map(self, shard: str) -> mmap.mmap:
+        """At most `max_open_shards` maps stay referenced here (least recently used dropped first): a
+        million-sample store has tens of thousands of shards. A dropped map whose tensors are still alive closes
+        when they go."""
         m = self._maps.get(shard)
         if m is not None:
             self._maps.move_to_end(shard)
@@ -195,10 +276,59 @@ class TableReader:
                 pass
         return m
 
+    def _problem(self, i: int) -> str | None:
+        """What is wrong with sample i's bytes (None: they match their checksum)."""
+        shard = self._cell("shard", i)
+        start, n = self._cell("sample_offset", i), self._cell("sample_nbytes", i)
+        if shard in self.bad_shards:
+            try:
+                size = (self.dir / shard).stat().st_size
+            except FileNotFoundError:
+                return self.bad_shards[shard]
+            if size < start + n:
+                return f"{self.bad_shards[shard]}; the sample lies beyond its end"
+            if size == 0:
+                return self.bad_shards[shard]
+        m = self._map(shard)  # a bad shard's intact samples are still checked byte by byte
+        row = {"sample_sha256": self._cell("sample_sha256", i),
+               "sample_crc32c": self._cell("sample_crc32c", i) if "sample_crc32c" in self._names else None}
+        with memoryview(m) as mv:
+            part = mv[start : start + n]
+            try:
+                return integrity.sample_problem(part, row)
+            finally:
+                part.release()
+
+    def check(self, key: str) -> None:
+        """Raise `DamagedData` unless the sample's bytes match their checksum (checked once per reader: the
+        store is immutable, and the private map never sees a consumer's writes to a tensor view)."""
+        self.check_at(self._index(key))
+
+    def check_at(self, i: int) -> None:
+        if i in self._checked:
+            return
+        problem = self._problem(i)
+        if problem is not None:
+            raise DamagedData(integrity.damaged_sample_message(self.dir, self._cell("shard", i),
+                                                               self.key_array[i].as_py(), problem))
+        self._checked.add(i)
+
+    def damaged(self, key: str) -> str | None:
+        """None if the sample reads back intact, else what is wrong (does not raise)."""
+        return self.damaged_at(self._index(key))
+
+    def damaged_at(self, i: int) -> str | None:
+        try:
+            self.check_at(i)
+        except DamagedData as e:
+            return str(e)
+        return None
+
     def tensors(self, key: str) -> dict[str, torch.Tensor]:
         return self.tensors_at(self._index(key))
 
     def tensors_at(self, i: int) -> dict[str, torch.Tensor]:
+        self.check_at(i)
         m = self.shard_map(self._cell("shard", i))
         out = {}
         for t in self._cell("tensors", i):
@@ -212,6 +342,7 @@ class TableReader:
 
     def files(self, key: str) -> dict[str, bytes]:
         i = self._index(key)
+        self.check_at(i)
         m = self.shard_map(self._cell("shard", i))
         return {f["name"]: m[f["offset"] : f["offset"] + f["nbytes"]] for f in self._cell("files", i)}
 

@@ -20,6 +20,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from schemas.errors import UserError
 from store import format as fmt
 from store.reader import read_schema
 
@@ -41,17 +42,42 @@ def feature_lineage(stage: str, settings: Any, components: str = "", code_versio
 
 def reusable(store: Store, table: str, lineage_hash: str, keys: Iterable[str]) -> dict[int, pa.Table]:
     """version -> manifest rows of the wanted keys found there; complete versions with this feature lineage,
-    newest first, each key taken once."""
+    newest first, each key taken once.
+
+    Integrity: versions marked damaged by `store repair` are never used; a version's manifest is read checked
+    against its checksums.json (a damaged one is skipped); samples of shards missing or of the wrong size are
+    not carried. While `store repair` runs a stage, every sample to carry is also checked byte by byte, so a
+    damaged shard shared by hard link with an older version is never carried back (outside repair that full
+    read is skipped: a carried sample keeps its recorded CRC, so `store verify` still finds damage)."""
+    from store import repair_context
+    from store.integrity import DamagedData
+    from store.reader import TableReader
+
+    checking = repair_context.active()
     wanted = pa.array(sorted(set(keys)), pa.string())
     found: dict[int, pa.Table] = {}
     for v in reversed(store.versions(table)):
         if len(wanted) == 0:
             break
         vdir = store.version_dir(table, v)
-        if not fmt.is_complete(vdir) or read_schema(vdir).attrs.get(FEATURE_LINEAGE_ATTR) != lineage_hash:
+        if not fmt.is_complete(vdir) or fmt.damaged_marker(store.root, table, v).exists():
             continue
-        manifest = pq.read_table(vdir / fmt.MANIFEST)
-        rows = manifest.filter(pc.is_in(manifest.column("key"), value_set=wanted))
+        try:
+            reader = TableReader(vdir, table, v, on_damaged="skip")
+        except (DamagedData, UserError):  # unreadable: recompute instead of carrying
+            continue
+        if reader.schema.attrs.get(FEATURE_LINEAGE_ATTR) != lineage_hash:
+            continue
+        manifest = reader.manifest
+        keep = pc.is_in(manifest.column("key"), value_set=wanted)
+        if reader.bad_shards:
+            keep = pc.and_(keep, pc.invert(pc.is_in(manifest.column("shard"),
+                                                    value_set=pa.array(sorted(reader.bad_shards), pa.string()))))
+        rows = manifest.filter(keep)
+        if checking and rows.num_rows:
+            intact = [reader.damaged(k) is None for k in rows.column("key").to_pylist()]
+            rows = rows.filter(pa.array(intact, pa.bool_()))
+        reader.close()
         if rows.num_rows:
             found[v] = rows
             wanted = wanted.filter(pc.invert(pc.is_in(wanted, value_set=rows.column("key"))))
@@ -64,6 +90,8 @@ def reusable_keys(store: Store, table: str, lineage_hash: str, column: str) -> d
     out: dict[str, Any] = {}
     for v in store.versions(table):
         vdir = store.version_dir(table, v)
+        if fmt.damaged_marker(store.root, table, v).exists():
+            continue
         if fmt.is_complete(vdir) and read_schema(vdir).attrs.get(FEATURE_LINEAGE_ATTR) == lineage_hash:
             names = pq.read_schema(vdir / fmt.MANIFEST).names
             m = pq.read_table(vdir / fmt.MANIFEST, columns=["key"] + ([column] if column in names else []))

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from store.checksum import RunningCrc
 from store.format import fsync_dir
 
 
@@ -29,16 +30,23 @@ class _HashingFile:
         self._f = open(path, "wb")
         self.sha = hashlib.sha256()
         self.sample_sha = hashlib.sha256()
+        self.crc = RunningCrc()  # whole file (checksums.json) and sample (manifest `sample_crc32c`, checked on read)
+        self.sample_crc = RunningCrc()
         self.pos = 0
 
     def write(self, b: bytes | memoryview) -> None:
         self._f.write(b)
         self.sha.update(b)
         self.sample_sha.update(b)
+        self.crc.update(b)
+        self.sample_crc.update(b)
         self.pos += len(b)
 
     def discard(self) -> None:
-        self._f.close()
+        try:
+            self._f.close()
+        except OSError:  # the flush of a failed (e.g. full-disk) write fails again: the file is dropped anyway
+            pass
 
     def close_synced(self) -> None:
         self._f.flush()
@@ -54,6 +62,7 @@ class SampleRecord:
     sample_offset: int
     sample_nbytes: int
     sample_sha256: str
+    sample_crc32c: str = ""
     tensors: list[dict[str, Any]] = field(default_factory=list)  # name, offset, nbytes, dtype, shape
     files: list[dict[str, Any]] = field(default_factory=list)  # name, offset, nbytes
 
@@ -132,6 +141,7 @@ class ShardBuilder:
     def add(self, key: str, tensors: dict[str, torch.Tensor], files: dict[str, bytes], meta: dict[str, Any]) -> SampleRecord:
         start = self._f.pos
         self._f.sample_sha = hashlib.sha256()
+        self._f.sample_crc = RunningCrc()
         rec = SampleRecord(key=key, sample_offset=start, sample_nbytes=0, sample_sha256="")
         if tensors:
             chunks, layout = encode_tensors(tensors)
@@ -143,6 +153,7 @@ class ShardBuilder:
         self._member(f"{key}.json", [json.dumps(meta, sort_keys=True).encode()])
         rec.sample_nbytes = self._f.pos - start
         rec.sample_sha256 = self._f.sample_sha.hexdigest()
+        rec.sample_crc32c = self._f.sample_crc.hex()
         self.records.append(rec)
         return rec
 
@@ -154,6 +165,11 @@ class ShardBuilder:
         os.replace(self.tmp_path, self.final_path)
         fsync_dir(self.final_path.parent)
         return self._f.sha.hexdigest()
+
+    @property
+    def crc32c(self) -> str:
+        """The whole shard file's CRC32C (valid after `commit`)."""
+        return self._f.crc.hex()
 
     def abandon(self) -> None:
         self._f.discard()

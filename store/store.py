@@ -15,7 +15,7 @@ from schemas.table import TableSchema
 from store import format as fmt
 from store import quarantine
 from store.join import JoinedTables
-from store.reader import TableReader, read_schema
+from store.reader import DEFAULT_MAX_OPEN_SHARDS, TableReader, read_schema
 from store.writer import TableWriter
 
 
@@ -28,7 +28,7 @@ class Store:
             self.root.mkdir(parents=True, exist_ok=True)
             with fmt.flock(self.root / fmt.STORE_LOCK):
                 if not (self.root / fmt.STORE_JSON).is_file():
-                    fmt.atomic_write_json(self.root / fmt.STORE_JSON, fmt.new_store_record())
+                    fmt.write_store_record(self.root, fmt.new_store_record())
         fmt.read_store_record(self.root)  # format + version checked on every open
 
     # ------------------------------------------------------------ tables and versions
@@ -58,15 +58,18 @@ class Store:
         """Point store.json at a complete version (atomic rewrite under the store lock)."""
         if not fmt.is_complete(self.version_dir(table, version)):
             raise UserError(f"table '{table}' v{version} is not complete; cannot make it current")
-        with fmt.flock(self.root / fmt.STORE_LOCK):
+        from store.io_errors import writing
+
+        with writing("store.json", self.root), fmt.flock(self.root / fmt.STORE_LOCK):
             rec = fmt.read_store_record(self.root)
             rec["tables"][table] = {"current": version}
-            fmt.atomic_write_json(self.root / fmt.STORE_JSON, rec)
+            fmt.write_store_record(self.root, rec)
 
     def find_version(self, table: str, lineage: Lineage) -> int | None:
         """A complete version built with exactly this lineage (the current one when it qualifies, else the newest)."""
         matches = [v for v in self.versions(table)
                    if fmt.is_complete(self.version_dir(table, v))
+                   and not fmt.damaged_marker(self.root, table, v).exists()
                    and read_schema(self.version_dir(table, v)).lineage == lineage]
         if not matches:
             return None
@@ -75,7 +78,8 @@ class Store:
 
     # ------------------------------------------------------------ reading and writing
 
-    def reader(self, table: str, version: int | None = None) -> TableReader:
+    def reader(self, table: str, version: int | None = None, on_damaged: str = "stop",
+               max_open_shards: int = DEFAULT_MAX_OPEN_SHARDS) -> TableReader:
         if version is None:
             tables = self.tables()
             if table not in tables:
@@ -85,7 +89,7 @@ class Store:
         vdir = self.version_dir(table, version)
         if not vdir.is_dir():
             raise UserError(f"table '{table}' has no version v{version} in store {self.root}")
-        return TableReader(vdir, table, version)
+        return TableReader(vdir, table, version, max_open_shards=max_open_shards, on_damaged=on_damaged)
 
     def join(self, *tables: str, split: str | None = None) -> JoinedTables:
         return JoinedTables({t: self.reader(t) for t in tables}, split, self.root)

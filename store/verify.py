@@ -1,9 +1,15 @@
-"""`pipeline store verify`: every problem as one line; an empty list means the store is sound.
+"""`pipeline store verify`: every problem as one line; an empty list means the store is sound. Never raises:
+whatever cannot be read or decoded is itself a problem line.
 
-Checks: store.json format; each table's current version exists and is complete; for every complete version:
-schema valid, manifest columns present, keys valid and unique, each shard's size and sha256 as recorded, and
-each manifest row against its bytes (sample sha256, tar members named after the key, safetensors header
-agreeing with the recorded dtype/shape/offset of every tensor, file members at their recorded offsets).
+Checks: store.json (its own checksum, format, each table's current version exists and is complete); for every
+complete version: `checksums.json` (sealed) and every file it lists (size + CRC32C: schema.json, manifest.parquet,
+every shard and index), files it does not list, temp files left by killed writes; schema valid, manifest columns
+present, keys valid and unique, and each manifest row against its bytes (sample checksum, tar members named
+after the key, safetensors header agreeing with the recorded dtype/shape/offset of every tensor, file members at
+their recorded offsets). Format-1 versions (no checksums.json) get the sha256 checks they always had.
+
+Why a single flipped bit is always reported: store.json and checksums.json carry a CRC32C of their own bytes, every
+other file's exact bytes are covered by a CRC32C in checksums.json, and a CRC detects every single-bit error.
 """
 
 from __future__ import annotations
@@ -16,26 +22,27 @@ import tarfile
 from pathlib import Path
 from typing import Any
 
-import pyarrow.parquet as pq
 from tqdm import tqdm
 
 from schemas.errors import UserError
 from schemas.img_shapes import normalize_img_shapes
 from schemas.table import SCHEMA_V1
 from store import format as fmt
-from store import quarantine
-from store.manifest import LOCATING_COLUMNS
-from store.reader import read_schema, torch_dtype
+from store import integrity, quarantine
+from store.checksum import file_crc
+from store.manifest import CHECKSUM_COLUMNS, LOCATING_COLUMNS
+from store.reader import read_manifest, read_schema, torch_dtype
 
 CHUNK = 8 * 1024 * 1024
 
 
 def verify_store(root: Path, progress: bool = True) -> list[str]:
+    problems: list[str] = []
     try:
         rec = fmt.read_store_record(root)
     except UserError as e:
-        return [str(e)]
-    problems: list[str] = []
+        problems.append(str(e))
+        rec = {"tables": {}}
     tables = sorted({p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")} | set(rec["tables"]))
     for table in tables:
         current = rec["tables"].get(table, {}).get("current")
@@ -44,7 +51,10 @@ def verify_store(root: Path, progress: bool = True) -> list[str]:
         for v in fmt.list_versions(root, table):
             vdir = fmt.version_dir(root, table, v)
             if fmt.is_complete(vdir):  # incomplete folders are writes in progress (or killed): not yet data
-                problems += verify_version(vdir, f"{table}/v{v}", progress)
+                try:
+                    problems += verify_version(vdir, f"{table}/v{v}", progress)
+                except Exception as e:  # noqa: BLE001 - verify reports, it never crashes
+                    problems.append(f"{table}/v{v}: cannot be checked ({type(e).__name__}: {e})")
     if (root / fmt.QUARANTINE).is_file():
         try:
             cols = set(quarantine.read(root).column_names)
@@ -56,35 +66,75 @@ def verify_store(root: Path, progress: bool = True) -> list[str]:
     return problems
 
 
+def _file_problems(vdir: Path, name: str, sums: dict[str, dict[str, Any]]) -> list[str]:
+    problems = []
+    for fname, entry in sorted(sums.items()):
+        path = vdir / fname
+        if not path.is_file():
+            problems.append(f"{name}/{fname}: missing")
+            continue
+        crc, size = file_crc(path)
+        if size != entry["nbytes"]:
+            problems.append(f"{name}/{fname}: size {size} bytes, {fmt.CHECKSUMS} records {entry['nbytes']}")
+        elif crc != entry["crc32c"]:
+            problems.append(f"{name}/{fname}: crc32c {crc}, {fmt.CHECKSUMS} records {entry['crc32c']}: the file is damaged")
+    for p in sorted(vdir.iterdir()):
+        if p.name in sums or p.name == fmt.CHECKSUMS:
+            continue
+        if fmt.is_litter(p.name):
+            problems.append(f"{name}/{p.name}: temp file left by an interrupted write (`pipeline store repair` removes it)")
+        else:
+            problems.append(f"{name}/{p.name}: not listed in {fmt.CHECKSUMS}")
+    return problems
+
+
 def verify_version(vdir: Path, name: str, progress: bool = True) -> list[str]:
+    problems: list[str] = []
+    try:
+        sums = integrity.read_version_checksums(vdir)
+    except UserError as e:
+        problems.append(f"{name}: {e}")
+        sums = None
+    if sums is not None:
+        problems += _file_problems(vdir, name, sums)
     try:
         schema = read_schema(vdir)
     except UserError as e:
-        return [f"{name}: {e}"]
+        return problems + [f"{name}: {e}"]
     try:
-        manifest = pq.read_table(vdir / fmt.MANIFEST)
-    except Exception as e:  # noqa: BLE001
-        return [f"{name}/{fmt.MANIFEST}: unreadable ({e})"]
+        manifest = read_manifest(vdir, (vdir / fmt.MANIFEST).read_bytes())
+    except UserError as e:
+        return problems + [f"{name}/{fmt.MANIFEST}: unreadable ({e})"]
     missing = sorted(LOCATING_COLUMNS - set(manifest.column_names))
     if missing:
-        return [f"{name}/{fmt.MANIFEST}: missing columns {missing}"]
-    problems: list[str] = []
-    rows = manifest.to_pylist()
+        return problems + [f"{name}/{fmt.MANIFEST}: missing columns {missing}"]
+    if sums is None and CHECKSUM_COLUMNS & set(manifest.column_names) and not (vdir / fmt.CHECKSUMS).exists():
+        problems.append(f"{name}: {fmt.CHECKSUMS} is missing (the manifest has checksum columns)")
+    try:
+        rows = manifest.to_pylist()
+    except Exception as e:  # noqa: BLE001
+        return problems + [f"{name}/{fmt.MANIFEST}: undecodable ({type(e).__name__}: {e})"]
     keys = [r["key"] for r in rows]
     seen: set[str] = set()
     for k in keys:
         if k in seen:
             problems.append(f"{name}: duplicate key {k}")
-        elif not fmt.KEY_RE.fullmatch(k or ""):
+        elif not isinstance(k, str) or not fmt.KEY_RE.fullmatch(k):
             problems.append(f"{name}: invalid key {k!r}")
         seen.add(k)
     for r in rows:
-        problems += _check_columns(r, schema.schema_version, name)
+        try:
+            problems += _check_columns(r, schema.schema_version, name)
+        except Exception as e:  # noqa: BLE001
+            problems.append(f"{name}: key {r.get('key')!r}: columns cannot be checked ({type(e).__name__}: {e})")
     by_shard: dict[str, list[dict[str, Any]]] = {}
     for r in rows:
-        by_shard.setdefault(r["shard"], []).append(r)
+        by_shard.setdefault(str(r["shard"]), []).append(r)
     for shard, srows in tqdm(sorted(by_shard.items()), desc=f"verify {name}", unit="shard", disable=not progress):
-        problems += _check_shard(vdir / shard, f"{name}/{shard}", srows)
+        try:
+            problems += _check_shard(vdir / shard, f"{name}/{shard}", srows, whole_file_checked=sums is not None)
+        except Exception as e:  # noqa: BLE001 - a manifest with nonsense values is a problem line
+            problems.append(f"{name}/{shard}: cannot be checked ({type(e).__name__}: {e})")
     return problems
 
 
@@ -100,7 +150,7 @@ def _check_columns(r: dict[str, Any], schema_version: int, name: str) -> list[st
     return []
 
 
-def _check_shard(path: Path, name: str, rows: list[dict[str, Any]]) -> list[str]:
+def _check_shard(path: Path, name: str, rows: list[dict[str, Any]], whole_file_checked: bool = False) -> list[str]:
     if not path.is_file():
         return [f"{name}: shard file missing ({len(rows)} samples)"]
     recorded = {(r["shard_sha256"], r["shard_nbytes"]) for r in rows}
@@ -111,14 +161,18 @@ def _check_shard(path: Path, name: str, rows: list[dict[str, Any]]) -> list[str]
     size = path.stat().st_size
     if size != nbytes:
         problems.append(f"{name}: size {size} bytes, manifest records {nbytes}")
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        while chunk := f.read(CHUNK):
-            h.update(chunk)
-        if h.hexdigest() != sha:
-            problems.append(f"{name}: sha256 mismatch (recorded {sha[:12]}…, found {h.hexdigest()[:12]}…): shard is corrupt")
+        if not whole_file_checked:  # format 1: the shard's sha256 (format 2: its CRC32C, already checked)
+            h = hashlib.sha256()
+            while chunk := f.read(CHUNK):
+                h.update(chunk)
+            if h.hexdigest() != sha:
+                problems.append(f"{name}: sha256 mismatch (recorded {sha[:12]}…, found {h.hexdigest()[:12]}…): shard is corrupt")
         for r in rows:
-            problems += [f"{name}: key {r['key']}: {p}" for p in _check_row(f, size, r)]
+            try:
+                problems += [f"{name}: key {r['key']}: {p}" for p in _check_row(f, size, r)]
+            except Exception as e:  # noqa: BLE001
+                problems.append(f"{name}: key {r.get('key')!r}: cannot be checked ({type(e).__name__}: {e})")
     return problems
 
 
@@ -128,8 +182,9 @@ def _check_row(f: Any, size: int, r: dict[str, Any]) -> list[str]:
         return [f"sample bytes [{start}, {start + n}) lie outside the shard"]
     f.seek(start)
     data = f.read(n)
-    if hashlib.sha256(data).hexdigest() != r["sample_sha256"]:
-        return ["sample bytes do not match the recorded sha256"]
+    bad = integrity.sample_problem(data, r)
+    if bad is not None:
+        return [f"sample bytes are damaged ({bad})"]
     members = _members(data, start)
     if members is None:
         return ["sample bytes are not whole tar members"]

@@ -7,6 +7,8 @@ the indexes into `manifest.parquet` (presence = version complete) and then point
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -18,10 +20,14 @@ from schemas.errors import UserError
 from schemas.img_shapes import normalize_img_shapes
 from schemas.table import SCHEMA_V2, TableSchema
 from store import format as fmt
-from store.manifest import LOCATING_COLUMNS, merge_indexes, rows_to_table
+from store.integrity import write_version_checksums
+from store.io_errors import writing
+from store.manifest import RESERVED_COLUMNS, merge_indexes, rows_to_table
 from store.shard import ShardBuilder, tensor_dtype_name
 
 if TYPE_CHECKING:
+    import pyarrow as pa
+
     from store.store import Store
 
 MB = 1024 * 1024
@@ -39,11 +45,18 @@ class TableWriter:
         self.store, self.table, self.schema = store, table, schema
         self.rank, self.world_size = rank, world_size
         self.shard_bytes = max(1, int(shard_size_mb * MB))
-        (store.root / table).mkdir(parents=True, exist_ok=True)
-        # One writer per (table, rank): a second one fails here at once instead of interleaving shards.
-        self._lock = fmt.HeldLock(store.root / table / f".write-r{rank:02d}.lock", holder=f"table '{table}' (rank {rank})")
-        self.version, self.dir = self._open_version()
-        self._clean_uncommitted()
+        with writing(f"table '{table}'", store.root / table):
+            (store.root / table).mkdir(parents=True, exist_ok=True)
+            # One writer per (table, rank): a second one fails here at once instead of interleaving shards.
+            self._lock = fmt.HeldLock(store.root / table / f".write-r{rank:02d}.lock",
+                                      holder=f"table '{table}' (rank {rank})")
+        try:
+            with writing(f"table '{table}'", store.root / table):
+                self.version, self.dir = self._open_version()
+                self._clean_uncommitted()
+        except BaseException:
+            self._lock.release()
+            raise
         self.done_keys: set[str] = self._committed_keys()
         self._added: set[str] = set()
         self.linked_shards: set[str] = set()  # shard names carried forward (hard-linked) in this session
@@ -72,7 +85,11 @@ class TableWriter:
             v = (versions[-1] if versions else 0) + 1
             vdir = fmt.version_dir(self.store.root, self.table, v)
             vdir.mkdir(parents=True)
-            fmt.atomic_write_json(vdir / fmt.SCHEMA_JSON, want)
+            try:
+                fmt.atomic_write_json(vdir / fmt.SCHEMA_JSON, want)
+            except BaseException:  # e.g. a full disk: no empty version folder left behind
+                shutil.rmtree(vdir, ignore_errors=True)
+                raise
             return v, vdir
 
     def _clean_uncommitted(self) -> None:
@@ -80,6 +97,8 @@ class TableWriter:
         prefix = f"shard-r{self.rank:02d}-"
         for p in self.dir.glob(prefix + "*.tar.tmp"):
             p.unlink()
+        for p in self.dir.glob(f".{prefix}*.tmp-*"):  # an index write killed mid-way
+            p.unlink(missing_ok=True)
         for p in self.dir.glob(prefix + "*.tar"):
             if not (self.dir / fmt.index_name(p.name)).is_file():
                 p.unlink()
@@ -115,11 +134,32 @@ class TableWriter:
         self._validate(key, tensors, files, meta)
         if self._builder is None:
             self._builder = ShardBuilder(self.dir / fmt.shard_name(self.rank, self._next_index))
-        self._builder.add(key, tensors, files, meta)
+        try:
+            with writing(f"a shard of table '{self.table}' v{self.version}", self.dir):
+                self._builder.add(key, tensors, files, meta)
+        except BaseException:  # e.g. a full disk: drop the open shard (temp file removed); a rerun redoes it
+            self._drop_builder()
+            raise
         self._metas.append(meta)
         self._added.add(key)
         if self._builder.nbytes >= self.shard_bytes:
             self._commit_shard()
+
+    def carry_shard(self, src_dir: Path, shard: str, rows: "pa.Table") -> None:
+        """Take a committed, intact shard of another version of this table as it is (hard link, no copy) with
+        its manifest rows as the index (repair: samples carried forward)."""
+        if (self.dir / fmt.index_name(shard)).is_file():  # carried by an earlier, killed run
+            return
+        dst = self.dir / shard
+        dst.unlink(missing_ok=True)
+        with writing(f"shard {shard} of table '{self.table}' v{self.version}", self.dir):
+            try:
+                os.link(src_dir / shard, dst)
+            except OSError:  # a file system without hard links: copy (correct, just slower)
+                shutil.copyfile(src_dir / shard, dst)
+            fmt.atomic_write_parquet(self.dir / fmt.index_name(shard), rows)
+        self.done_keys |= set(rows.column("key").to_pylist())
+        self._next_index = self._next_shard_index()
 
     def _validate(self, key: str, tensors: dict[str, torch.Tensor], files: dict[str, bytes], meta: dict[str, Any]) -> None:
         where = f"table '{self.table}', sample {key}"
@@ -138,7 +178,7 @@ class TableWriter:
             missing = [n for n in self.schema.required(kind) if n not in have]  # type: ignore[arg-type]
             if missing:
                 raise UserError(f"{where}: missing required {kind}(s) {missing}")
-        clash = LOCATING_COLUMNS & meta.keys()
+        clash = RESERVED_COLUMNS & meta.keys()
         if clash:
             raise UserError(f"{where}: meta columns {sorted(clash)} are reserved by the manifest")
         if self.schema.schema_version >= SCHEMA_V2:
@@ -147,18 +187,31 @@ class TableWriter:
             except ValueError as e:
                 raise UserError(f"{where}: {e} (schema v2 requires img_shapes in meta)") from None
 
+    def _drop_builder(self) -> None:
+        if self._builder is not None:
+            self._builder.abandon()
+            self._added -= {r.key for r in self._builder.records}
+            self._builder = None
+        self._metas = []
+
     def _commit_shard(self) -> None:
         b = self._builder
         if b is None:
             return
-        self._builder = None
         if not b.records:
-            b.abandon()
+            self._drop_builder()
             return
-        sha = b.commit()
-        nbytes = b.final_path.stat().st_size
-        index = rows_to_table(b.records, self._metas, b.final_path.name, sha, nbytes)
-        fmt.atomic_write_parquet(self.dir / fmt.index_name(b.final_path.name), index)  # shard now committed
+        try:
+            with writing(f"shard {b.final_path.name} of table '{self.table}' v{self.version}", self.dir):
+                sha = b.commit()
+                nbytes = b.final_path.stat().st_size
+                index = rows_to_table(b.records, self._metas, b.final_path.name, sha, nbytes, b.crc32c)
+                fmt.atomic_write_parquet(self.dir / fmt.index_name(b.final_path.name), index)  # shard now committed
+        except BaseException:  # full disk etc.: no uncommitted shard left behind; a rerun writes it again
+            self._drop_builder()
+            b.final_path.unlink(missing_ok=True)
+            raise
+        self._builder = None
         self._metas = []
         self._next_index += 1
         fmt.crash_point("after_shard_commit")
@@ -200,7 +253,8 @@ class TableWriter:
         if self._finished:
             return
         self._commit_shard()
-        fmt.atomic_write_json(self.dir / fmt.rank_done_name(self.rank), {"rank": self.rank, "world_size": self.world_size})
+        with writing(f"table '{self.table}' v{self.version}", self.dir):
+            fmt.atomic_write_json(self.dir / fmt.rank_done_name(self.rank), {"rank": self.rank, "world_size": self.world_size})
         self._finished = True
 
     def commit(self, allow_empty: bool = True) -> int:
@@ -211,6 +265,13 @@ class TableWriter:
         """
         if self.rank != 0:
             raise UserError(f"only rank 0 commits table '{self.table}'; rank {self.rank} calls finish_rank()")
+        try:
+            return self._commit(allow_empty)
+        except BaseException:  # e.g. a full disk: give the lock back; a rerun resumes from the committed shards
+            self.close()
+            raise
+
+    def _commit(self, allow_empty: bool) -> int:
         self.finish_rank()
         missing = [r for r in range(self.world_size) if not (self.dir / fmt.rank_done_name(r)).is_file()]
         if missing:
@@ -221,7 +282,14 @@ class TableWriter:
             self.close()
             raise UserError(f"table '{self.table}' v{self.version} would be empty: every input was rejected "
                             f"(reasons in {self.store.root / 'quarantine.parquet'}); fix the inputs or the settings")
-        fmt.atomic_write_parquet(self.dir / fmt.MANIFEST, manifest)  # version complete from here on
+        for p in self.dir.iterdir():  # temp files of killed writes: never part of a committed version
+            if fmt.is_litter(p.name):
+                p.unlink(missing_ok=True)
+        manifest_bytes = fmt.parquet_bytes(manifest)
+        with writing(f"the manifest of table '{self.table}' v{self.version}", self.dir, need=2 * len(manifest_bytes)):
+            # checksums.json before the manifest: a complete version (manifest present) always has its checksums.
+            write_version_checksums(self.dir, manifest, manifest_bytes)
+            fmt.atomic_write_bytes(self.dir / fmt.MANIFEST, manifest_bytes)  # version complete from here on
         fmt.crash_point("after_manifest")
         self.store.set_current(self.table, self.version)
         self.close()
@@ -232,9 +300,7 @@ class TableWriter:
         if self._closed:
             return
         self._closed = True
-        if self._builder is not None:
-            self._builder.abandon()
-            self._builder = None
+        self._drop_builder()
         self._lock.release()
 
     def __enter__(self) -> "TableWriter":

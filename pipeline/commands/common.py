@@ -71,10 +71,18 @@ def user_errors() -> Iterator[None]:
     """Turn expected errors (bad input, missing table, ...) into one red line and exit 1, not a traceback."""
     from schemas.errors import UserError
 
+    from store.io_errors import describe
+
     try:
         yield
     except (UserError, ConfigError) as e:
         typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(1) from None
+    except Exception as e:  # a full disk / read-only folder missed by a closer handler: still one line
+        err = describe(e, "output", Path(getattr(e, "filename", None) or "."))
+        if err is None:
+            raise
+        typer.secho(f"error: {err}", fg=typer.colors.RED, err=True)
         raise typer.Exit(1) from None
 
 

@@ -1,6 +1,7 @@
 """`pipeline demo`: tiny offline model + synthetic data + `run all` with configs/demo.yaml, then a summary.
 
-Rerunning with the same --workdir reuses everything that is up to date (a killed demo continues).
+Rerunning with the same --workdir reuses everything that is up to date (a killed demo continues); any other
+non-empty folder is refused (pipeline/demo_workdir.py).
 """
 
 from __future__ import annotations
@@ -58,7 +59,9 @@ def summary_lines(cfg, result, store: Path, effective: Path) -> list[str]:
         + (" — up to date, not retrained" if train.skipped else ""),
     ]
     if result.train_losses:
-        lines.append(f"train loss   {result.train_losses[0]:.4f} (first step) -> {result.train_losses[-1]:.4f} (last step)")
+        from stages.train.summary import loss_phrase
+
+        lines.append("train loss  " + loss_phrase(result.train_losses, result.train_epochs).removeprefix("train loss"))
     lines.append(
         f"val loss     base {loss['overall']['base']:.4f} -> LoRA {loss['overall']['lora']:.4f} "
         f"(held-out, {loss['overall']['n']} samples x {len(loss['noise_seeds'])} seeds x {len(loss['timesteps'])} σ)"
@@ -89,7 +92,10 @@ def command(
     paths = {"source": workdir / "data", "store": workdir / "store", "model": workdir / "tiny-model",
              "run": workdir / "run", "report": workdir / "report"}
     cfg = config_from(config, {f"paths.{k}": str(v) for k, v in paths.items()}, set_)
-    workdir.mkdir(parents=True, exist_ok=True)
+    from pipeline.demo_workdir import claim_workdir
+
+    with user_errors():
+        claim_workdir(workdir)
     effective = workdir / "config.yaml"  # what ran, so the user can rerun or edit it
     effective.write_text(dump_config(cfg))
 

@@ -50,3 +50,16 @@ def merge_lora(model: str, lora: Path, out: Path, scale: float = 1.0, dtype: str
             json.dumps({"base": str(model), "lora": str(lora_weight_file(lora)), "scale": scale}, indent=2) + "\n"
         )
     return out
+
+
+@lora_app.command("export", help="Write a LoRA in another runtime's format (comfyui: diffusion_model.* keys + alphas).")
+def export(
+    lora: Path = typer.Argument(..., help="LoRA folder (RUN/lora) or .safetensors file."),
+    format: str = typer.Option("comfyui", "--format", help="comfyui"),
+    out: Path = typer.Option(..., "--out", help="Output .safetensors file."),
+) -> None:
+    from models.lora_export import export_lora
+
+    with user_errors():
+        path = export_lora(lora, format, out)
+    echo(f"wrote {format} LoRA to {path}")

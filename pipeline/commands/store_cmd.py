@@ -1,4 +1,4 @@
-"""`pipeline store inspect|verify|gc STORE` and `pipeline migrate v1-to-v2 STORE`."""
+"""`pipeline store inspect|verify|repair|gc STORE` and `pipeline migrate v1-to-v2 STORE`."""
 
 from __future__ import annotations
 
@@ -7,7 +7,9 @@ from pathlib import Path
 
 import typer
 
-from pipeline.commands.common import echo, user_errors
+from typing import Optional
+
+from pipeline.commands.common import ConfigOpt, config_from, echo, user_errors
 
 store_app = typer.Typer(no_args_is_help=True)
 migrate_app = typer.Typer(no_args_is_help=True)
@@ -51,6 +53,68 @@ def gc(
     with user_errors():
         Store(store, create=False)  # a store, in a format this code reads
         collect(store, dry_run=dry_run, echo=echo)
+
+
+@store_app.command("repair", help="Recompute exactly the damaged samples into a new version (others carried "
+                   "forward), then verify. Needs the --model/--config (and --source for images) the store was built with.")
+def repair(
+    store: Path = StoreArg,
+    dry_run: bool = typer.Option(False, "--dry-run", help="Only say what is damaged and what would be done."),
+    model: Optional[str] = typer.Option(None, "--model", help="Model the text/vae tables were encoded with."),
+    source: Optional[str] = typer.Option(None, "--source", help="Source of the images table (default: the one "
+                                         "recorded in its schema)."),
+    config: Optional[Path] = ConfigOpt,
+) -> None:
+    from store import repair as rp
+
+    cfg = config_from(config, {"paths.model": model, "paths.source": source})
+    with user_errors():
+        plan = rp.scan(store)
+        for line in rp.describe(plan):
+            echo(line)
+        todo = plan.store_json or plan.litter or any(t.needs_repair or t.unrepairable for t in plan.tables)
+        if not todo:
+            echo(f"nothing to repair: {store} is intact")
+            return
+        if dry_run:
+            echo("dry run: nothing changed")
+            return
+        failed = rp.apply(plan, _recompute(cfg, store), echo)
+    for f in failed:
+        echo(f"not repaired: {f}")
+    if failed:
+        raise typer.Exit(1)
+    echo(f"ok: {store} repaired and verified")
+
+
+def _recompute(cfg, store: Path):
+    """The producing stage of a table, run with the repair's config/model, expecting the damaged version's
+    exact lineage (so it resumes the repair version and computes only the damaged samples)."""
+    from schemas.errors import UserError
+    from store import repair_context
+
+    def run(table: str, schema) -> None:
+        stage = schema.lineage.stage
+        with repair_context.expecting(schema.lineage):
+            if stage in ("encode-text", "encode-vae"):
+                if cfg.paths.model is None:
+                    raise UserError(f"table '{table}' is written by {stage}: pass --model (and --config)")
+                if stage == "encode-text":
+                    from stages.encode.text import run as stage_run
+                else:
+                    from stages.encode.vae import run as stage_run
+                echo(str(stage_run(cfg, store, cfg.paths.model)))
+            elif stage == "resize-bucket":
+                from stages.resize.stage import run as resize_run
+
+                src = cfg.paths.source or schema.attrs.get("source")
+                if not src:
+                    raise UserError(f"table '{table}': pass --source (the dataset it was built from)")
+                resize_run(cfg, src, store)
+            else:
+                raise UserError(f"no stage of this pipeline writes '{stage}' tables: cannot recompute")
+
+    return run
 
 
 @migrate_app.command("v1-to-v2", help="Upgrade every schema-v1 table to a new v2 version (img_shapes derived).")

@@ -12,11 +12,11 @@ from pipeline.commands.common import ConfigOpt, SetOpt, config_from, echo, user_
 
 def make_tiny_model(
     out: Path = typer.Argument(..., help="Folder to write the model to."),
-    variant: str = typer.Option("edit", "--variant", help="edit (one control) or edit-plus (several controls)."),
+    variant: str = typer.Option("edit", "--variant", help="edit (one control), edit-plus (2509: several controls) or edit-2511 (Plus with zero_cond_t)."),
     seed: int = typer.Option(0, "--seed", help="Same seed, same bytes."),
 ) -> None:
-    if variant not in ("edit", "edit-plus"):
-        raise typer.BadParameter("use 'edit' or 'edit-plus'", param_hint="--variant")
+    if variant not in ("edit", "edit-plus", "edit-2511"):
+        raise typer.BadParameter("use 'edit', 'edit-plus' or 'edit-2511'", param_hint="--variant")
     with user_errors():
         write_tiny_model(out, variant, seed)
     echo(f"wrote tiny {variant} model to {out}")

@@ -1,7 +1,7 @@
 """`pipeline run train`: `text` + `vae` tables -> LoRA run directory. Flags override the config file's values.
 
-Several processes: `accelerate launch --multi_gpu --num_processes N -m pipeline.cli run train ...` (on CPU add
-`--device cpu`, which makes accelerate use gloo).
+Several processes: `accelerate launch --multi_gpu --num_processes N -m pipeline.cli run train ...`; on a machine
+without GPUs (train.device unset or `cpu`) that is one N-rank run over gloo (stages/train/launch.py).
 """
 
 from __future__ import annotations
@@ -42,6 +42,12 @@ def command(
     from stages.train.recipe import run
 
     with user_errors(), json_mode(as_json):
+        if resume:
+            from schemas.errors import UserError
+            from stages.train.resume import nothing_to_resume
+
+            if (why := nothing_to_resume(Path(run_dir))) is not None:
+                raise UserError(why)
         result = run(cfg, store_dir, model_id, run_dir, resume=resume)
     if result.main_process:
         emit(result, as_json)

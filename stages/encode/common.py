@@ -11,25 +11,28 @@ import hashlib
 import io
 import json
 import os
+import shutil
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Hashable, Iterable, Iterator, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterable, Iterator, TypeVar
 
 import torch
 from PIL import Image
-from tqdm import tqdm
 
 from schemas.config import Section
 from schemas.errors import Rejected, UserError
 from schemas.lineage import Lineage, code_version
 from schemas.stage import summary_record
 from schemas.table import TableSchema
-from store import Store, TableReader, TableWriter
+from store import Store, TableReader, TableWriter, repair_context
 from store.reuse import FEATURE_LINEAGE_ATTR, carry_forward, feature_lineage, reusable
+
+if TYPE_CHECKING:
+    from stages.encode.progress import SampleProgress
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -39,6 +42,8 @@ IMAGES_TABLE = "images"
 # Settings that change speed or file layout but never a feature value (batch-size independence is tested), so
 # changing them keeps the table up to date instead of re-encoding everything.
 THROUGHPUT_ONLY_SETTINGS = frozenset({"batch_size", "shard_size_mb", "num_workers"})
+# Options added later, hashed only when switched on: tables built before they existed stay up to date.
+OFF_UNLESS_ON = {"no_control_embeds": False}
 
 
 # ---------------------------------------------------------------- processes
@@ -79,7 +84,8 @@ def rank_device(device: str, ranks: Ranks) -> str:
 def config_hash(section: Section, **extra: Any) -> str:
     """Fingerprint of the settings that determine features: the stage section without throughput-only knobs,
     plus whatever else the stage passes (e.g. the effective prompt template)."""
-    settings = {k: v for k, v in section.model_dump(mode="json").items() if k not in THROUGHPUT_ONLY_SETTINGS}
+    settings = {k: v for k, v in section.model_dump(mode="json").items()
+                if k not in THROUGHPUT_ONLY_SETTINGS and not (k in OFF_UNLESS_ON and v == OFF_UNLESS_ON[k])}
     blob = json.dumps({"section": settings, **extra}, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
 
@@ -162,6 +168,8 @@ class EncodeJob:
             self.summary.table, schema, rank=self.ranks.rank, world_size=self.ranks.world_size,
             shard_size_mb=shard_size_mb,
         )
+        if self._completed_meanwhile():
+            return []
         self.summary.version = self.writer.version
         self._shard_sizes_before = self._rank_shard_sizes()
         mine = self.images.iter_keys(rank=self.ranks.rank, world_size=self.ranks.world_size)
@@ -190,11 +198,31 @@ class EncodeJob:
                             and rows.column(c)[i].as_py() == meta.get(c) for c in self.match_columns))
         return rows.filter(pa.array(keep, pa.bool_()))
 
-    def progress(self, total: int) -> tqdm:
-        """Samples/s is tqdm's rate; one bar per rank."""
+    def _completed_meanwhile(self) -> bool:
+        """Another process finished this very table (same lineage) after our up-to-date check, while we loaded
+        the model: reuse it ("up to date") instead of writing a duplicate version."""
+        assert self.writer is not None
+        found = self.store.find_version(self.summary.table, self.lineage)
+        if found is None:
+            return False
+        mine = self.writer.dir
+        self.writer.close()
+        self.writer = None
+        if self.ranks.rank == 0 and not any(mine.glob("shard-*")):  # the empty folder this run just created
+            shutil.rmtree(mine, ignore_errors=True)
+        if self.store.tables().get(self.summary.table) != found:
+            self.store.set_current(self.summary.table, found)
+        self.summary.version, self.summary.up_to_date = found, True
+        self.summary.skipped = len(self.store.reader(self.summary.table, found))
+        return True
+
+    def progress(self, total: int) -> "SampleProgress":
+        """Samples/s is tqdm's rate; one bar per rank (stages/encode/progress.py)."""
+        from stages.encode.progress import SampleProgress
+
         r = self.ranks
         desc = self.summary.stage + (f" r{r.rank}" if r.world_size > 1 else "")
-        return tqdm(total=total, desc=desc, unit="sample", position=r.rank, dynamic_ncols=True, leave=True)
+        return SampleProgress(total, desc, position=r.rank)
 
     def quarantine(self, key: str, reason: str, detail: str = "") -> None:
         """Reject one sample (it stays out of the table); the rows land in quarantine.parquet at `finish`."""
@@ -205,12 +233,13 @@ class EncodeJob:
         })
         self.summary.quarantined += 1
 
-    def accepted(self, prepared: Iterable[T | Rejected], bar: tqdm) -> Iterator[T]:
+    def accepted(self, prepared: Iterable[T | Rejected], bar: "SampleProgress") -> Iterator[T]:
         """Pass prepared samples through; quarantine the rejected ones (they count as done on the bar)."""
         for item in prepared:
+            bar.sample_read()
             if isinstance(item, Rejected):
                 self.quarantine(item.key, item.reason, item.detail)
-                bar.update(1)
+                bar.skipped()
             else:
                 yield item
 
@@ -227,6 +256,9 @@ class EncodeJob:
 
     def finish(self) -> Summary:
         """Quarantine rows, this rank's last shard, barrier, rank 0 commits (manifest last), barrier."""
+        if self.summary.up_to_date:  # completed by another process meanwhile (see open_writer)
+            self.summary.seconds = time.perf_counter() - self.started
+            return self.summary
         assert self.writer is not None
         self._flush_quarantine()
         self.writer.finish_rank()
@@ -280,6 +312,7 @@ def open_job(store_path: str | Path, stage: str, table: str, feature_hash: str, 
         stage=stage, config_hash=f"{feature_hash}-images:{images_id}", model_fingerprint=model_fingerprint(model),
         upstream={IMAGES_TABLE: images.version}, code_version=code_version(feature_revision),
     )
+    repair_context.check(lineage, table)
     summary = Summary(stage=stage, table=table, rank=ranks.rank, world_size=ranks.world_size)
     # Per-sample reuse: the features depend on these settings, the components loaded and the images' own
     # feature lineage (render settings), not on the images version (a relabelled split is the same pixels).

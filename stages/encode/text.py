@@ -53,6 +53,9 @@ COMPONENTS = ("text_encoder", "processor", "tokenizer")  # what the features dep
 # in the lineage so a change of it means a new table version.
 PLUS_IMAGE_PROMPT = "Picture {}: <|vision_start|><|image_pad|><|vision_end|>"
 KINDS = ("prompt", "empty")  # the instruction, and "" for caption dropout, both with the sample's images
+# with encode_text.no_control_embeds: the instruction without the control images (train.control_dropout)
+NOCONTROL = "nocontrol"
+VISION_SLOT = "<|vision_start|><|image_pad|><|vision_end|>"
 PADDED_WINDOW = 8  # padded batching: this many batches' worth of requests are sorted by length together
 # Even same-shape batches are not bit-exact when a matmul has few rows: MKL's sgemm takes another kernel for
 # M < 12 (and, split over 16 threads, up to M = 27), so a row's value depends on M. The smallest matmuls are
@@ -73,6 +76,13 @@ class PromptFormat:
             images = "".join(PLUS_IMAGE_PROMPT.format(i + 1) for i in range(num_images))
             return self.template.format(images + instruction)
         return self.template.format(instruction)
+
+    def text_without_images(self, instruction: str) -> str:
+        """The prompt with no control image: Edit-Plus as its pipeline builds it for image=None; Edit with its
+        template's one vision slot removed."""
+        if self.variant == "edit-plus":
+            return self.template.format(instruction)
+        return self.template.replace(VISION_SLOT, "").format(instruction)
 
     def lineage_record(self) -> dict[str, Any]:
         return {"variant": self.variant, "template": self.template, "start_idx": self.start_idx,
@@ -137,7 +147,7 @@ def control_images(files: dict[str, bytes], variant: str, num_controls: int) -> 
 
 
 def prepare(key: str, sample: dict[str, Any], fmt: PromptFormat, processor,
-            lock: threading.Lock) -> list[Request] | Rejected:
+            lock: threading.Lock, nocontrol: bool = False) -> list[Request] | Rejected:
     """The processor's inputs for the prompt and the empty prompt. Same result as `processor(text=[t],
     images=images)` for each (the equivalence test checks), but the images are preprocessed once, not twice:
     the image processor is the costliest step outside the forward."""
@@ -165,6 +175,11 @@ def prepare(key: str, sample: dict[str, Any], fmt: PromptFormat, processor,
         inputs = {"input_ids": tokens["input_ids"], "attention_mask": tokens["attention_mask"]}
         inputs.update({k: vision[k] for k in ("pixel_values", "image_grid_thw") if k in vision})
         requests.append(Request(key, kind, inputs))
+    if nocontrol:  # the instruction alone, no pixels
+        with lock:
+            tokens = processor.tokenizer([fmt.text_without_images(str(meta.get("caption") or ""))], return_tensors="pt")
+        requests.append(Request(key, NOCONTROL, {"input_ids": tokens["input_ids"],
+                                                 "attention_mask": tokens["attention_mask"]}))
     return requests
 
 
@@ -231,7 +246,7 @@ def encode_batch(text_encoder, requests: list[Request], start_idx: int,
     return [h[m.bool()][start_idx:] for h, m in zip(hidden, mask)]
 
 
-def text_schema(job: EncodeJob, fmt: PromptFormat, hidden_size: int, dtype: str) -> TableSchema:
+def text_schema(job: EncodeJob, fmt: PromptFormat, hidden_size: int, dtype: str, nocontrol: bool = False) -> TableSchema:
     return TableSchema(
         name=TABLE,
         lineage=job.lineage,
@@ -241,7 +256,7 @@ def text_schema(job: EncodeJob, fmt: PromptFormat, hidden_size: int, dtype: str)
             FieldSpec("length", "int64", kind="column"),
             FieldSpec("empty_length", "int64", kind="column"),
             FieldSpec("num_controls", "int64", kind="column"),
-        ],
+        ] + ([FieldSpec("nocontrol_embeds", "bfloat16", rank=2)] if nocontrol else []),
         attrs={
             "prompt_format": fmt.lineage_record(),
             "hidden_size": hidden_size,
@@ -262,10 +277,10 @@ def run(
     batch_size: int | None = None,
     ranks: Ranks | None = None,
 ) -> Summary:
-    from models.loading import load_component, model_variant, parse_dtype
+    from models.loading import load_component, model_variant, parse_dtype, pipeline_family
 
     section = with_overrides(cfg.encode_text, device=device, batch_size=batch_size)
-    fmt = prompt_format(model_variant(model), section.prompt_template, section.prompt_template_start_idx)
+    fmt = prompt_format(pipeline_family(model_variant(model)), section.prompt_template, section.prompt_template_start_idx)
     ranks = ranks or current_ranks(section.device)
     job = open_job(store, STAGE, TABLE, config_hash(section, prompt_format=fmt.lineage_record()), model,
                    FEATURE_REVISION, ranks, components=COMPONENTS)
@@ -276,12 +291,14 @@ def run(
     processor = load_component(model, "processor")
     text_encoder = load_component(model, "text_encoder", dtype=parse_dtype(section.dtype),
                                   device=rank_device(section.device, ranks))
-    schema = text_schema(job, fmt, text_encoder.config.text_config.hidden_size, section.dtype)
+    nocontrol = section.no_control_embeds
+    kinds = KINDS + ((NOCONTROL,) if nocontrol else ())
+    schema = text_schema(job, fmt, text_encoder.config.text_config.hidden_size, section.dtype, nocontrol)
     try:
         todo = job.open_writer(schema, section.shard_size_mb)
         lock = threading.Lock()
         samples = prefetched(((key, job.images.get(key)) for key in todo),
-                             lambda item: prepare(*item, fmt, processor, lock), workers=section.num_workers)
+                             lambda item: prepare(*item, fmt, processor, lock, nocontrol), workers=section.num_workers)
         done: dict[str, dict[str, torch.Tensor]] = {}  # key -> kind -> embeds, until both kinds are in
         with job.progress(len(todo)) as bar:
             requests = (r for pair in job.accepted(samples, bar) for r in pair)
@@ -291,9 +308,9 @@ def run(
                 for req, emb in zip(batch, embeds):
                     parts = done.setdefault(req.key, {})
                     parts[req.kind] = emb.to("cpu", torch.bfloat16)
-                    if len(parts) == len(KINDS):
+                    bar.encoded(len(kinds))
+                    if len(parts) == len(kinds):
                         _write(job, req.key, done.pop(req.key))
-                        bar.update(1)
         return job.finish()
     finally:
         job.close()
@@ -303,7 +320,8 @@ def _write(job: EncodeJob, key: str, parts: dict[str, torch.Tensor]) -> None:
     meta = job.images.meta(key)
     job.writer.add(
         key,
-        tensors={"prompt_embeds": parts["prompt"].contiguous(), "empty_embeds": parts["empty"].contiguous()},
+        tensors={"prompt_embeds": parts["prompt"].contiguous(), "empty_embeds": parts["empty"].contiguous(),
+                 **({"nocontrol_embeds": parts[NOCONTROL].contiguous()} if NOCONTROL in parts else {})},
         meta={
             "split": meta.get("split", "train"),
             "img_shapes": meta["img_shapes"],

@@ -171,9 +171,9 @@ def run(
                 for req, lat in zip(batch, latents):
                     parts = done.setdefault(req.key, {})
                     parts[req.name] = lat.to("cpu", torch.bfloat16)
+                    bar.encoded(len(req.sample.names))
                     if len(parts) == len(req.sample.names):
                         _write(job, req.sample, done.pop(req.key))
-                        bar.update(1)
         return job.finish()
     finally:
         job.close()

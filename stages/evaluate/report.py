@@ -11,7 +11,6 @@ import html
 import io
 import json
 import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -206,12 +205,6 @@ img.grid {{ max-width: 100%; image-rendering: pixelated; }}
 """
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
-
 def _json_safe(v: Any) -> Any:
     """NaN / inf are not JSON: write them as null (strict readers such as `jq` reject NaN)."""
     if isinstance(v, float) and not math.isfinite(v):
@@ -225,13 +218,17 @@ def _json_safe(v: Any) -> Any:
 
 def write_report(out: str | Path, metrics: dict, rows: list[SampleRow]) -> Path:
     """Write metrics.json, grid.png and index.html into OUT; returns the page's path."""
+    from store.format import atomic_write_bytes
+    from store.io_errors import writing
+
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     grid = make_grid(rows)
     buf = io.BytesIO()
     grid.save(buf, format="PNG")
-    _atomic_write(out / "grid.png", buf.getvalue())
-    _atomic_write(out / "index.html", render_html(metrics, rows, grid).encode("utf-8"))
-    # metrics.json last: its presence means the report is complete.
-    _atomic_write(out / "metrics.json", (json.dumps(_json_safe(metrics), indent=2) + "\n").encode())
+    with writing("the evaluate report", out):
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(out / "grid.png", buf.getvalue())
+        atomic_write_bytes(out / "index.html", render_html(metrics, rows, grid).encode("utf-8"))
+        # metrics.json last: its presence means the report is complete.
+        atomic_write_bytes(out / "metrics.json", (json.dumps(_json_safe(metrics), indent=2) + "\n").encode())
     return out / "index.html"

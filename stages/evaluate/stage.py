@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 from models.flow import flow_loss
 from models.loading import load_component, parse_dtype
 from models.lora import attach_lora, lora_weight_file
+from models.attention import use_attention_backend
 from models.multires import install_multires
 from models.randomness import eval_noise
 from models.sample import TrainSample, from_features
@@ -353,6 +354,7 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, ou
     dtype = parse_dtype(cfg.dtype)
     transformer = load_component(model, "transformer", dtype=dtype, device=cfg.device)
     install_multires(transformer)
+    use_attention_backend(transformer, cfg.attention_backend, "evaluate.attention_backend", torch.device(cfg.device), dtype)
     attach_lora(transformer, lora, cfg.lora_scale)
 
     loss = held_out_loss(transformer, samples, cfg)

@@ -71,7 +71,8 @@ def detect_format(source: str | Path) -> str:
         return "jsonl"
     if len(jsonls) > 1:
         raise UserError(f"source {p} holds several .jsonl files ({', '.join(j.name for j in jsonls)}); pass one")
-    raise UserError(f"source {p} has no target/ folder, no .tar shards and no .jsonl manifest (see DESIGN §3)")
+    raise UserError(f"source {p} has no target/ folder, no .tar shards and no .jsonl manifest "
+                    "(the three layouts: docs/resize-bucket.md, 'Sources')")
 
 
 def iter_source(source: str | Path) -> Iterator[SourceSample]:

@@ -27,6 +27,7 @@ from schemas import FieldSpec, Lineage, TableSchema, UserError
 from schemas.errors import Rejected
 from schemas.lineage import code_version
 from schemas.img_shapes import PIXELS_PER_PATCH, img_shapes_from_pixels
+from schemas.resize_sizes import sizes_in_force
 from stages.resize.bucketing import BucketRule, bucket_size, crop_box_for_aspect
 from stages.resize.imaging import ImageRejected, decode_image, decode_mask
 from stages.resize.content import content_listing_hash
@@ -60,6 +61,8 @@ class ResizeSummary:
     splits: Counter = field(default_factory=Counter)
     buckets: Counter = field(default_factory=Counter)  # (h, w) of targets
     quarantine_file: str = ""
+    duplicates: list[tuple[str, str]] = field(default_factory=list)  # (kept source, dropped source)
+    sizes: str = ""  # the sizes in force (schemas.resize_sizes)
 
     def to_json(self) -> dict[str, Any]:
         from schemas.stage import summary_record
@@ -71,7 +74,8 @@ class ResizeSummary:
 
     def __str__(self) -> str:
         if self.up_to_date:
-            return f"images v{self.version} is up to date (same source listing and resize settings); nothing to do"
+            return (f"images v{self.version} is up to date (same source listing and resize settings); nothing to do"
+                    + (f"\n{self.sizes}" if self.sizes else ""))
         lines = [
             f"images v{self.version}: {self.written} samples written"
             + (f", {self.reused} reused (carried forward, not re-rendered)" if self.reused else "")
@@ -84,8 +88,16 @@ class ResizeSummary:
             + (": " + ", ".join(f"{r} {c}" for r, c in sorted(self.quarantined.items())) if n_q else "")
             + (f" (rows in {self.quarantine_file})" if n_q and self.quarantine_file else "")
         )
+        shown = 5  # every pair is in the quarantine file; the summary names the first few
+        for kept, dropped in self.duplicates[:shown]:
+            lines.append(f"duplicate: kept {kept}, dropped {dropped} (same target, controls and caption)")
+        if len(self.duplicates) > shown:
+            lines.append(f"duplicate: {len(self.duplicates) - shown} more pairs (reason 'duplicate' in {self.quarantine_file}; "
+                         "the detail names the kept file)")
         if self.conversions:
             lines.append("converted: " + ", ".join(f"{c}x {n}" for n, c in sorted(self.conversions.items())))
+        if self.sizes:
+            lines.append(self.sizes)
         return "\n".join(lines)
 
 
@@ -102,14 +114,19 @@ def run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> R
     listing = content_listing_hash(source)
     schema = images_schema(rc, listing, source=str(source), source_format=fmt)
 
+    from store import repair_context
+
+    repair_context.check(schema.lineage, TABLE)
     found = st.find_version(TABLE, schema.lineage)
     if found is not None:
         if st.tables().get(TABLE) != found:
             st.set_current(TABLE, found)
-        return ResizeSummary(version=found, up_to_date=True, seconds=time.perf_counter() - started)
+        return ResizeSummary(version=found, up_to_date=True, seconds=time.perf_counter() - started,
+                             sizes=sizes_in_force(rc.model_dump()))
 
     writer = st.writer(TABLE, schema, shard_size_mb=rc.shard_size_mb)
-    summary = ResizeSummary(version=writer.version, quarantine_file=str(st.root / "quarantine.parquet"))
+    summary = ResizeSummary(version=writer.version, quarantine_file=str(st.root / "quarantine.parquet"),
+                            sizes=sizes_in_force(rc.model_dump()))
     lineage_hash = schema.attrs[FEATURE_LINEAGE_ATTR]
     available = reusable_keys(st, TABLE, lineage_hash, "mask_sha256")  # key -> mask hash, rendered before
     carry: dict[str, tuple[str, str]] = {}  # key -> (source, split) of the samples to carry forward
@@ -120,6 +137,8 @@ def run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> R
     def reject(rec: SourceSample, r: Rejected) -> None:
         rejects.append({"key": r.key, "source": rec.source, "stage": STAGE, "reason": r.reason, "detail": r.detail})
         summary.quarantined[r.reason] += 1
+        if r.reason == "duplicate" and r.key in first_source:
+            summary.duplicates.append((first_source[r.key], rec.source))
 
     def store_rendered(rec: SourceSample, key: str, out: Rendered | Rejected) -> None:
         if isinstance(out, Rejected):
@@ -131,7 +150,11 @@ def run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> R
         summary.conversions.update(out.notes)
 
     try:
-        with RenderPool(rc.workers) as pool, tqdm(iter_source(source), desc=f"{STAGE} ({fmt})", unit="sample") as bar:
+        from stages.resize.source_count import count_samples
+
+        expected = count_samples(source, fmt)
+        with RenderPool(rc.workers) as pool, tqdm(iter_source(source), desc=f"{STAGE} ({fmt})", unit="sample",
+                                                  total=expected, dynamic_ncols=True) as bar:
             for rec in bar:
                 try:
                     key, caption = _judge(rec, rc, first_source)
@@ -149,6 +172,9 @@ def run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> R
                     store_rendered(*done)
             for done in pool.drain():
                 store_rendered(*done)
+            if bar.total != bar.n:  # orphans / unreadable entries counted differently: end at 100 %
+                bar.total = bar.n
+                bar.refresh()
         for version, rows in reusable(st, TABLE, lineage_hash, carry).items():
             keys = rows.column("key").to_pylist()
             views = {"source": {k: carry[k][0] for k in keys}, "split": {k: carry[k][1] for k in keys}}

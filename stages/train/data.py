@@ -15,10 +15,12 @@ from store.join import JoinedTables, open_features
 
 
 def open_inputs(store: str | Path, model: str, split: str = "train", max_dropped_fraction: float = 0.05,
-                max_open_shards: int = 256) -> JoinedTables:
+                max_open_shards: int = 256, on_damaged: str = "stop",
+                max_damaged_fraction: float = 0.0) -> JoinedTables:
     from models.loading import model_fingerprint
 
-    return open_features(store, model, model_fingerprint(model), split, max_dropped_fraction, max_open_shards)
+    return open_features(store, model, model_fingerprint(model), split, max_dropped_fraction, max_open_shards,
+                         on_damaged=on_damaged, max_damaged_fraction=max_damaged_fraction)
 
 
 def load(tables: JoinedTables, key: str) -> TrainSample:

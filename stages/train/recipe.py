@@ -16,11 +16,12 @@ RUN/
   logs/                 TensorBoard scalars
   train_config.yaml     the effective config of the latest start
 
-Data parallel (accelerate, 1..N processes): each optimizer step takes `grad_accum` global micro-batches from
-the length-aware sampler; each rank computes its share, its loss scaled by world_size / (samples in the whole
-step), and after the backward passes one all-reduce (mean) of the flattened LoRA gradients gives every rank
-the gradient of the mean per-sample loss over the whole step. That is DDP's arithmetic, done by hand because
-the multires forward needs the bare module, and the LoRA gradients are small. Per-sample σ, noise and caption
+Data parallel (accelerate launch, 1..N processes): each optimizer step takes `grad_accum` global micro-batches
+from the length-aware (or token-budget, `stages/train/budget.py`) sampler; each rank computes its share, its
+loss scaled by world_size / (samples in the whole step), and PyTorch DDP (`stages/train/parallel.py`, `no_sync`
+on all but the last micro-batch) averages the LoRA gradients during the last backward, which gives every rank
+the gradient of the mean per-sample loss over the whole step. Micro-batches are prepared inline or ahead by a
+thread (`stages/train/prefetch.py`, `train.prefetch`). Per-sample σ, noise and caption
 dropout come from (seed, optimizer step, key), so 1 process and N processes train the same LoRA, and so do
 batch B x grad_accum A and batch B*A when the sampler puts the same samples in the step. The global torch
 RNG (saved per rank in checkpoints) only feeds LoRA dropout, which is therefore not layout-independent.
@@ -42,21 +43,33 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from models.flow import flow_loss
+from models.flow import FlowBatch, flow_loss_of
 from models.lora import WEIGHT_NAME, add_lora, load_lora, lora_parameters, save_lora
+from models.attention import use_attention_backend
 from models.multires import install_multires
-from models.randomness import draw_caption_dropout, draw_noise, draw_sigma
 from schemas.config import PipelineConfig, TrainConfig, dump_config
 from schemas.errors import UserError
-from stages.train import state as train_state
+from stages.train import guard, parallel, state as train_state
+from stages.train.budget import make_sampler
 from stages.train.data import DataStream, load_at, open_inputs, write_data_report
-from stages.train.sampler import LengthAwareBatchSampler, padding_efficiency
+from stages.train.launch import launched_world_size, use_cpu
+from stages.train.prefetch import MicroBatches
+from stages.train.resume import changed_settings
+from stages.train.sampler import padding_efficiency
 from stages.train.state import ResumeRecord
-from store.format import atomic_dir
+from stages.train.summary import train_line
+from store.format import atomic_dir, atomic_write_bytes
 from store.join import JoinedTables
 
 # Settings that change how long or how often, not what is trained: a resume may change them.
-_NOT_FINGERPRINTED = {"max_steps", "checkpoint_every", "keep_checkpoints", "log_every", "device"}
+_NOT_FINGERPRINTED = {"max_steps", "checkpoint_every", "keep_checkpoints", "log_every", "device", "prefetch", "compile",
+                      "on_damaged", "max_damaged_fraction", "on_nonfinite",
+                      # validation and samples only read the adapter (stages/train/validate.py)
+                      "validate_every", "validate_max_samples", "validate_timesteps", "validate_noise_seeds",
+                      "sample_every", "sample_count", "sample_steps"}
+_ADDED_LATER = {"init_lora": None, "optimizer": "adamw", "ema_decay": None, "control_dropout": 0.0}
+# Extra torch.compile arguments of `train.compile` (tests use a fast backend).
+COMPILE_OPTIONS: dict[str, Any] = {}
 
 
 @dataclass
@@ -66,9 +79,11 @@ class TrainResult:
     start_step: int  # 0, or the checkpoint step it resumed from
     steps: int  # optimizer steps done in all
     losses: list[float] = field(default_factory=list)  # mean per-sample loss of each step of this start
+    step_epochs: list[int] = field(default_factory=list)  # the epoch each of those steps began in
     step_times: list[float] = field(default_factory=list)  # s per optimizer step: data + logging, no checkpoint
     step_cpu_times: list[float] = field(default_factory=list)  # the same in process CPU time (robust to other load)
     epoch_padding: dict[int, float] = field(default_factory=dict)  # epoch -> valid / computed tokens
+    skipped_steps: list[int] = field(default_factory=list)  # train.on_nonfinite=skip_step: steps not applied
     main_process: bool = True
     up_to_date: bool = False  # `skip_if_done` found the final LoRA of this very run: nothing trained
     stage: str = "train"
@@ -86,9 +101,7 @@ class TrainResult:
     def __str__(self) -> str:
         if self.up_to_date:
             return f"LoRA {self.lora_dir} is up to date ({self.steps} steps on the current tables)"
-        how = f"resumed at step {self.start_step}" if self.start_step else "from scratch"
-        loss = f", train loss {self.losses[0]:.4f} -> {self.losses[-1]:.4f}" if self.losses else ""
-        return f"trained {how} to step {self.steps}{loss}; LoRA: {self.lora_dir}"
+        return train_line(self.start_step, self.steps, self.losses, self.step_epochs, self.lora_dir)
 
 
 @dataclass
@@ -105,11 +118,16 @@ class Run:
     optimizer: Any = None
     scheduler: Any = None
     stream: DataStream | None = None
+    model: Any = None  # what the forward calls: the DDP wrapper (several processes) or the transformer
+    batches: MicroBatches | None = None  # the stream's micro-batches, prepared inline or ahead
+    position: tuple[int, int] = (0, 0)  # data position after the last micro-batch consumed
     step: int = 0
     writer: Any = None  # TensorBoard, main process only
     bar: Any = None
     result: TrainResult | None = None
     epoch_tokens: list[int] = field(default_factory=lambda: [0, 0])  # valid, computed of the current epoch
+    ema: Any = None  # stages.train.ema.AdapterEMA with train.ema_decay
+    validator: Any = None  # stages.train.validate.Validator with train.validate_every / sample_every
 
     @property
     def device(self) -> torch.device:
@@ -135,6 +153,7 @@ class Run:
 @dataclass
 class StepStats:
     loss: float
+    epoch: int  # the epoch the step began in
     samples: int
     grad_norm: float
     batches: list[list[int]]  # every rank's batch of every micro-step (for the padding figure)
@@ -156,53 +175,83 @@ def run(
     if skip_if_done and up_to_date(cfg, store, model, out):
         lora = Path(out) / "lora"
         return TrainResult(Path(out), lora, cfg.train.max_steps, cfg.train.max_steps, up_to_date=True)
-    r = setup(cfg, store, model, out, resume)
-    while r.step < r.cfg.max_steps:
-        stats = step(r)
-        log(r, stats)
-        if r.step % r.cfg.checkpoint_every == 0 or r.step == r.cfg.max_steps:
-            checkpoint(r)
-    result = finish(r)
-    result.seconds = time.perf_counter() - started
-    return result
+    validate_config(cfg.train)
+    accelerator = _accelerator(cfg.train)
+    # One writer per run folder: a second `train` into the same OUT is refused, naming the holder.
+    run_lock = guard.lock_run_dir(Path(out)) if accelerator.is_main_process else None
+    try:
+        r = setup(cfg, store, model, out, resume, accelerator)
+        while r.step < r.cfg.max_steps:
+            stats = step(r)
+            log(r, stats)
+            if r.validator is not None:
+                r.validator(r)
+            if r.step % r.cfg.checkpoint_every == 0 or r.step == r.cfg.max_steps:
+                checkpoint(r)
+        result = finish(r)
+        result.seconds = time.perf_counter() - started
+        return result
+    finally:
+        if run_lock is not None:
+            run_lock.release()
 
 
-def setup(cfg: PipelineConfig, store: str | Path, model: str, out: str | Path, resume: bool) -> Run:
+def setup(cfg: PipelineConfig, store: str | Path, model: str, out: str | Path, resume: bool = False,
+          accelerator=None) -> Run:
     """Check the config, open the inputs and the run folder (resume checks before any model is loaded), build
     the model, optimizer and sampler, restore a checkpoint."""
     tc = cfg.train
-    validate_config(tc)
-    accelerator = _accelerator(tc)
+    if accelerator is None:  # `run` makes it first (the run-folder lock needs the process rank)
+        validate_config(tc)
+        accelerator = _accelerator(tc)
     if tc.mixed_precision == "bf16" and not _bf16_supported(accelerator.device):
         tqdm.write(f"bf16 is not supported on {accelerator.device}: training in float32")
         tc = tc.model_copy(update={"mixed_precision": "no"})
     from models.loading import model_fingerprint
 
-    tables = open_inputs(store, model, "train", tc.max_dropped_fraction, tc.max_open_shards)
+    tables = open_inputs(store, model, "train", tc.max_dropped_fraction, tc.max_open_shards,
+                         on_damaged=tc.on_damaged, max_damaged_fraction=tc.max_damaged_fraction)
     now = ResumeRecord(
         step=0, epoch=0, batch_in_epoch=0, config_fingerprint=config_fingerprint(tc),
         tables=tables.versions(), store=str(Path(tables.store_root).resolve()),
         model_fingerprint=model_fingerprint(model), world_size=accelerator.num_processes,
     )
     r = Run(tc, accelerator, tables, Path(out), now)
-    latest = _resume_point(r, resume)
+    latest = _resume_point(r, resume, cfg)
     if r.main:
         r.checkpoints.mkdir(parents=True, exist_ok=True)
         train_state.remove_stale(r.checkpoints)
-        (r.run_dir / "train_config.yaml").write_text(dump_config(cfg))
+        atomic_write_bytes(r.run_dir / "train_config.yaml", dump_config(cfg).encode())
         tqdm.write(write_data_report(r.run_dir, tables))
+        if tables.damaged:
+            report = guard.write_damaged_report(r.run_dir, tables.damaged)
+            tqdm.write(f"skipping {len(tables.damaged)} damaged sample(s) of {len(tables.damaged) + len(tables)} "
+                       f"(train.on_damaged=skip), listed in {report}")
     accelerator.wait_for_everyone()
 
     r.transformer = setup_transformer(model, tc, r.device)
     _check_shapes(tables, r.transformer)
+    if tc.init_lora and latest is None:
+        from models.lora import init_from_lora
+
+        init_from_lora(r.transformer, tc.init_lora)
     r.params = lora_parameters(r.transformer)
     r.optimizer, r.scheduler = make_optimizer(r.params, tc)
-    sampler = LengthAwareBatchSampler(
-        tables.lengths, tc.batch_size, seed=tc.seed, window=tc.sampler_window, world_size=r.world
-    )
+    if tc.ema_decay is not None:
+        from stages.train.ema import AdapterEMA
+
+        r.ema = AdapterEMA(r.params, tc.ema_decay)
+    sampler = make_sampler(tables.lengths, tc.batch_size, tc.max_tokens_per_batch, tc.seed, tc.sampler_window, r.world)
     r.stream = DataStream(sampler)
     if latest is not None:
         _restore(r, latest)
+    if tc.validate_every is not None or tc.sample_every is not None:
+        from stages.train.validate import Validator
+
+        r.validator = Validator(tc, store, model, r.run_dir)
+    r.model = parallel.wrap(r.transformer, r.world, tc.lora.target_modules)
+    r.position = r.stream.position
+    r.batches = MicroBatches(r.stream, tables, tc, r.rank, r.step, r.device, r.transformer.dtype, depth=tc.prefetch)
     r.result = TrainResult(r.run_dir, r.run_dir / "lora", start_step=r.step, steps=r.step, main_process=r.main,
                            data=tables.report)
     if r.main:
@@ -215,28 +264,46 @@ def setup(cfg: PipelineConfig, store: str | Path, model: str, out: str | Path, r
 
 
 def step(r: Run) -> StepStats:
-    """One optimizer step: grad_accum global micro-batches, this rank's share of each, then all-reduce + update."""
+    """One optimizer step: grad_accum global micro-batches, this rank's share of each (DDP all-reduces the
+    gradients during the last backward), then the update."""
     tc, t0, c0 = r.cfg, time.perf_counter(), time.process_time()
-    micro = [r.stream.next() for _ in range(tc.grad_accum)]
-    n_step = sum(len(b) for _, global_batch, _ in micro for b in global_batch)
+    micro = [r.batches.next() for _ in range(tc.grad_accum)]
+    n_step = sum(len(b) for m in micro for b in m.global_batch)
     loss_sum = torch.zeros((), device=r.device)
-    for epoch, global_batch, ends_epoch in micro:
-        samples = [load_at(r.tables, i) for i in global_batch[r.rank]]
-        loss_sum += forward_backward(r.transformer, samples, tc, r.step, r.device, scale=r.world / n_step)
-        _count_epoch_tokens(r, epoch, global_batch, ends_epoch)
-    loss_sum = _all_reduce_grads(r.params, loss_sum, r.world)
-    grad_norm = _clip(r.params, tc.max_grad_norm)
-    r.optimizer.step()
+    step_losses: list[tuple[list[str], torch.Tensor]] = []  # this rank's, named in a non-finite error
+    for k, m in enumerate(micro):
+        with parallel.accumulating(r.model, last=k == len(micro) - 1):
+            losses = backward_of(r.model, m.flow, tc, r.device, scale=r.world / n_step)
+        loss_sum += losses.sum()
+        step_losses.append(([r.tables.keys[i] for i in m.global_batch[r.rank]], losses))
+        _count_epoch_tokens(r, m.epoch, m.global_batch, m.ends_epoch)
+        r.position = m.position
+    loss_sum = parallel.sum_over_ranks(loss_sum, r.world)
+    if guard.all_finite(loss_sum, r.params):  # gradients all-reduced by DDP, the loss here: every rank decides alike
+        grad_norm = _clip(r.params, tc.max_grad_norm)
+        r.optimizer.step()
+    else:
+        per_sample = {k: v for keys, losses in step_losses for k, v in zip(keys, losses.tolist())}
+        message = guard.nonfinite_message(r.step + 1, per_sample, r.tables.store_root)
+        if tc.on_nonfinite == "stop":
+            raise guard.NonFiniteError(message)
+        # skip_step: no update; the step still counts, so the schedule and the data order go on
+        r.bar.write("skipped " + message.split(";")[0])
+        r.result.skipped_steps.append(r.step + 1)
+        grad_norm = float("nan")
     r.scheduler.step()
+    if r.ema is not None:
+        r.ema.update()
     r.optimizer.zero_grad(set_to_none=True)
     r.step += 1
     loss = loss_sum.item() / n_step  # the sync point: the step's compute is done here
-    batches = [b for _, gb, _ in micro for b in gb]
-    return StepStats(loss, n_step, grad_norm, batches, time.perf_counter() - t0, t0, c0)
+    batches = [b for m in micro for b in m.global_batch]
+    return StepStats(loss, micro[0].epoch, n_step, grad_norm, batches, time.perf_counter() - t0, t0, c0)
 
 
 def log(r: Run, s: StepStats) -> None:
     r.result.losses.append(s.loss)
+    r.result.step_epochs.append(s.epoch)
     lr = r.scheduler.get_last_lr()[0]
     if r.writer is not None and r.step % r.cfg.log_every == 0:
         lin, _ = padding_efficiency(s.batches, r.tables.lengths)
@@ -254,11 +321,15 @@ def log(r: Run, s: StepStats) -> None:
 def checkpoint(r: Run) -> None:
     """Every rank adds its RNG state; rank 0 writes the rest, the resume record last, and commits the folder
     (rename) once all are in."""
-    epoch, batch = r.stream.position
+    epoch, batch = r.position
     record = replace(r.record, step=r.step, epoch=epoch, batch_in_epoch=batch)
     acc, tmp = r.accelerator, train_state.temp_dir(r.checkpoints, r.step)
     final = train_state.checkpoint_dir(r.checkpoints, r.step)
-    with atomic_dir(final, tmp) if r.main else nullcontext(tmp):
+    if r.main:
+        guard.check_lora_finite(r.params, final)
+    with guard.one_line_errors(f"checkpoint step-{r.step}", r.checkpoints), (
+        atomic_dir(final, tmp) if r.main else nullcontext(tmp)
+    ):
         acc.wait_for_everyone()  # the temp folder exists
         train_state.save_rng(tmp, acc.process_index)
         acc.wait_for_everyone()
@@ -266,6 +337,8 @@ def checkpoint(r: Run) -> None:
             save_lora(r.transformer, tmp / "lora")
             train_state.save_optimizer(r.optimizer, tmp)
             train_state.save_scheduler(r.scheduler, tmp)
+            if r.ema is not None:
+                r.ema.save(tmp)
             train_state.write_record(tmp, record)
     if r.main:
         train_state.prune(r.checkpoints, r.cfg.keep_checkpoints)
@@ -275,10 +348,15 @@ def checkpoint(r: Run) -> None:
 def finish(r: Run) -> TrainResult:
     """The final LoRA (written into a temp folder, then swapped in, like a checkpoint)."""
     r.bar.close()
+    r.batches.close()
     r.result.steps = r.step
     if r.main:
-        with atomic_dir(r.result.lora_dir, r.run_dir / ".lora.tmp") as tmp:
+        guard.check_lora_finite(r.params, r.result.lora_dir)
+        with guard.one_line_errors("the final LoRA", r.run_dir), atomic_dir(r.result.lora_dir, r.run_dir / ".lora.tmp") as tmp:
             save_lora(r.transformer, tmp)
+        if r.ema is not None:
+            with atomic_dir(r.run_dir / "lora_ema", r.run_dir / ".lora_ema.tmp") as tmp, r.ema.swapped_in():
+                save_lora(r.transformer, tmp)
         r.writer.close()
         tqdm.write(f"LoRA after {r.step} steps: {r.result.lora_dir}")
     r.accelerator.wait_for_everyone()
@@ -320,7 +398,14 @@ def config_fingerprint(cfg: TrainConfig) -> str:
     exclude = set(_NOT_FINGERPRINTED)
     if cfg.lr_schedule != "constant":
         exclude.discard("max_steps")
-    blob = json.dumps(cfg.model_dump(mode="json", exclude=exclude), sort_keys=True).encode()
+    settings = cfg.model_dump(mode="json", exclude=exclude)
+    # Options added after runs already existed count only when set: those runs still resume and stay up to date.
+    for key, off in _ADDED_LATER.items():
+        if settings.get(key) == off:
+            settings.pop(key)
+    if settings["lora"].get("kind") == "lora":
+        settings["lora"].pop("kind")
+    blob = json.dumps(settings, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
@@ -348,7 +433,16 @@ def _accelerator(cfg: TrainConfig):
         check_device(cfg.device, "train.device")
     # Mixed precision is applied with torch.autocast below, not by accelerate, so that several runs in one
     # process (tests, notebooks) never fight over accelerate's process-wide state.
-    return Accelerator(cpu=cfg.device == "cpu")
+    accelerator = Accelerator(cpu=use_cpu(cfg.device))
+    launched = launched_world_size()
+    if accelerator.num_processes != launched:  # never N independent single-process runs into one folder
+        raise UserError(
+            f"launched as {launched} processes but accelerate set up {accelerator.num_processes} "
+            f"({accelerator.distributed_type}); set train.device (e.g. --device cpu) or fix the launch"
+        )
+    if cfg.device is None and launched > 1 and accelerator.device.type == "cpu" and accelerator.is_main_process:
+        tqdm.write(f"no GPU: the {launched} processes train on the CPU (gloo); set train.device to choose")
+    return accelerator
 
 
 def _autocast(cfg: TrainConfig, device: torch.device):
@@ -361,7 +455,7 @@ def _bf16_supported(device: torch.device) -> bool:
     return device.type == "cpu" or (device.type == "cuda" and torch.cuda.is_bf16_supported())
 
 
-def _resume_point(r: Run, resume: bool) -> Path | None:
+def _resume_point(r: Run, resume: bool, cfg: PipelineConfig) -> Path | None:
     """The checkpoint to resume from (checked against this start), or None; refuses to overwrite a run."""
     latest = train_state.latest_checkpoint(r.checkpoints)
     if latest is not None and not resume:
@@ -369,7 +463,16 @@ def _resume_point(r: Run, resume: bool) -> Path | None:
     if not resume or latest is None:
         return None
     record = ResumeRecord.read(latest / train_state.RESUME_JSON)
-    record.check_matches(r.record, latest)
+    try:
+        record.check_matches(r.record, latest)
+    except train_state.ResumeMismatch as e:
+        ignore = _NOT_FINGERPRINTED - ({"max_steps"} if r.cfg.lr_schedule != "constant" else set())
+        changed = changed_settings(r.run_dir, cfg.model_dump(mode="json"), ignore)
+        if changed:
+            raise train_state.ResumeMismatch(
+                f"{e}\nchanged since {r.run_dir / 'train_config.yaml'}:\n  " + "\n  ".join(changed)
+            ) from None
+        raise
     if record.step > r.cfg.max_steps:
         raise train_state.ResumeMismatch(
             f"{latest} is already past train.max_steps ({record.step} > {r.cfg.max_steps}): raise max_steps to "
@@ -384,6 +487,8 @@ def _restore(r: Run, latest: Path) -> None:
     train_state.load_optimizer(r.optimizer, latest)
     train_state.load_scheduler(r.scheduler, latest)
     train_state.load_rng(latest, r.rank)
+    if r.ema is not None:
+        r.ema.load(latest)
     r.step = record.step
     r.stream = DataStream(r.stream.sampler, record.epoch, record.batch_in_epoch)
     if r.main:
@@ -397,6 +502,7 @@ def setup_transformer(model: str, cfg: TrainConfig, device: torch.device):
     base_dtype = torch.bfloat16 if cfg.mixed_precision == "bf16" else torch.float32
     transformer = load_component(model, "transformer", dtype=base_dtype, device=device)
     install_multires(transformer)
+    use_attention_backend(transformer, cfg.attention_backend, "train.attention_backend", device, base_dtype)
     transformer.requires_grad_(False)
     if cfg.quantize_base == "int8_weight_only":
         from torchao.quantization import Int8WeightOnlyConfig, quantize_
@@ -411,6 +517,8 @@ def setup_transformer(model: str, cfg: TrainConfig, device: torch.device):
         add_lora(transformer, cfg.lora)
     if cfg.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
+    if cfg.compile:  # regional: each block compiled in place (same parameter names); shapes vary per batch
+        transformer.compile_repeated_blocks(dynamic=True, **COMPILE_OPTIONS)
     transformer.to(device)
     transformer.train()
     return transformer
@@ -428,9 +536,9 @@ def _check_shapes(tables: JoinedTables, transformer) -> None:
 
 
 def make_optimizer(params, cfg: TrainConfig):
-    optimizer = torch.optim.AdamW(
-        params, lr=cfg.learning_rate, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps, weight_decay=cfg.weight_decay
-    )
+    from stages.train.optimizers import build_optimizer
+
+    optimizer = build_optimizer(params, cfg)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg))
     return optimizer, scheduler
 
@@ -438,17 +546,12 @@ def make_optimizer(params, cfg: TrainConfig):
 # ---------------------------------------------------------------------------------------------- step pieces
 
 
-def forward_backward(transformer, samples: list, tc: TrainConfig, step: int, device: torch.device, scale: float):
-    """Per-sample σ, noise and caption dropout for this step, the flow loss, backward of `scale` × its sum.
-    Returns the detached sum of the per-sample losses."""
-    sigmas = torch.stack([draw_sigma(s, tc.seed, step, tc.sigma) for s in samples])
-    noises = [draw_noise(s, tc.seed, step) for s in samples]
-    empty = [draw_caption_dropout(s, tc.seed, step, tc.caption_dropout) for s in samples]
-    weights = (tc.loss.mask_weight.foreground, tc.loss.mask_weight.background)
+def backward_of(model, fb: FlowBatch, tc: TrainConfig, device: torch.device, scale: float) -> torch.Tensor:
+    """Flow loss of a prepared micro-batch, backward of `scale` x its sum; the detached per-sample losses [B]."""
     with _autocast(tc, device):
-        per_sample = flow_loss(transformer, samples, sigmas, noises, use_empty=empty, mask_weight=weights)
+        per_sample = flow_loss_of(model, fb)
     (per_sample.sum() * scale).backward()
-    return per_sample.detach().sum()
+    return per_sample.detach()
 
 
 def _count_epoch_tokens(r: Run, epoch: int, global_batch: list[list[int]], ends_epoch: bool) -> None:
@@ -464,24 +567,6 @@ def _count_epoch_tokens(r: Run, epoch: int, global_batch: list[list[int]], ends_
         r.writer.add_scalar("epoch/padding_efficiency", eff, r.step + 1)
         r.bar.write(f"epoch {epoch}: padding efficiency {eff:.3f} (valid / computed tokens)")
     r.epoch_tokens = [0, 0]
-
-
-def _all_reduce_grads(params: list[torch.nn.Parameter], loss_sum: torch.Tensor, world: int) -> torch.Tensor:
-    """Mean of the LoRA gradients over ranks (one flat all-reduce, the loss sum rides along); returns the
-    loss sum over all ranks."""
-    if world == 1:
-        return loss_sum
-    import torch.distributed as dist
-
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    flat = torch.cat([g.reshape(-1).float() for g in grads] + [loss_sum.reshape(1).float()])
-    dist.all_reduce(flat)
-    offset = 0
-    for p, g in zip(params, grads):
-        n = g.numel()
-        p.grad = (flat[offset : offset + n] / world).view_as(g).to(g.dtype)
-        offset += n
-    return flat[-1]
 
 
 def _clip(params: list[torch.nn.Parameter], max_norm: float | None) -> float:

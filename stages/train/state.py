@@ -2,10 +2,11 @@
 
 `RUN/checkpoints/step-N/` holds
     lora/pytorch_lora_weights.safetensors   the adapter, diffusers format (loadable like RUN/lora)
-    optimizer.safetensors + optimizer.json  AdamW state tensors / param groups (no pickle)
+    optimizer.safetensors + optimizer.json  optimizer state tensors / other state + param groups (no pickle)
     scheduler.json                          LR scheduler state
     rng-rankNN.safetensors                  each rank's torch RNG states
-    resume.json                             `ResumeRecord`, written last
+    resume.json                             `ResumeRecord` + size and CRC32C of every other file, sealed
+                                            with its own CRC32C (store/checksum.py), written last
 Everything is written into `.step-N.tmp/`, fsynced, then renamed to `step-N` (the commit, `store.format.atomic_dir`):
 a process killed mid-write leaves only a `.tmp` folder, which `latest_checkpoint` ignores and the next run removes.
 """
@@ -33,6 +34,58 @@ class ResumeMismatch(UserError):
     """The run folder's checkpoints were made with other settings, data, model or process count."""
 
 
+class CheckpointDamaged(UserError):
+    """A checkpoint file that does not match the checksum recorded when it was written."""
+
+
+def _intact(folder: Path) -> bool:
+    try:
+        ResumeRecord.read(folder / RESUME_JSON)
+        return True
+    except UserError:
+        return False
+
+
+def damaged_message(folder: Path, what: str) -> str:
+    """Names the damaged file and offers the newest intact earlier checkpoint (kept checkpoints exist for this)."""
+    earlier = [p for step, p in complete_checkpoints(folder.parent) if p != folder and step < _step_of(folder)]
+    intact = next((p for p in reversed(earlier) if _intact(p)), None)
+    offer = (f"the previous checkpoint {intact.name} is intact: move {folder} out of {folder.parent} and rerun with "
+             f"--resume to continue from it" if intact is not None else
+             "no intact earlier checkpoint is left: start again with a new --out")
+    return f"checkpoint {folder}: {what}; {offer}"
+
+
+def _step_of(folder: Path) -> int:
+    tail = folder.name[len(_PREFIX):]
+    return int(tail) if tail.isdigit() else 1 << 62
+
+
+def file_checksums(folder: Path) -> dict[str, dict[str, Any]]:
+    from store.checksum import file_crc
+
+    out = {}
+    for p in sorted(folder.rglob("*")):
+        if p.is_file() and p.name != RESUME_JSON:
+            crc, n = file_crc(p)
+            out[p.relative_to(folder).as_posix()] = {"nbytes": n, "crc32c": crc}
+    return out
+
+
+def check_files(folder: Path, files: dict[str, dict[str, Any]]) -> None:
+    from store.checksum import file_crc
+
+    for name, entry in sorted(files.items()):
+        path = folder / name
+        if not path.is_file():
+            raise CheckpointDamaged(damaged_message(folder, f"{name} is missing"))
+        crc, n = file_crc(path)
+        if (n, crc) != (entry.get("nbytes"), entry.get("crc32c")):
+            raise CheckpointDamaged(damaged_message(
+                folder, f"{name} is damaged ({n} bytes, crc32c {crc}; recorded {entry.get('nbytes')} bytes, "
+                        f"crc32c {entry.get('crc32c')})"))
+
+
 @dataclass(frozen=True)
 class ResumeRecord:
     """Where training stopped and what it was trained on; a resume with anything else different fails."""
@@ -50,13 +103,22 @@ class ResumeRecord:
 
     @classmethod
     def read(cls, path: Path) -> "ResumeRecord":
+        """The record of a checkpoint whose every file matches the sizes and CRC32Cs recorded at commit
+        (checkpoints written before checksums carry none and are read as they are)."""
+        from store.checksum import SealError, is_sealed, unseal
+
         try:
-            d = json.loads(path.read_text())
+            data = path.read_bytes()
+            d = unseal(data) if is_sealed(data) else json.loads(data)
             if d.get("format") != RESUME_FORMAT:
                 raise UserError(f"{path}: resume format {d.get('format')!r}, this code reads {RESUME_FORMAT}")
-            return cls(**d)
-        except (OSError, json.JSONDecodeError, TypeError) as e:
-            raise UserError(f"checkpoint record {path} is unreadable ({e}); delete that checkpoint folder") from e
+            files = d.pop("files", None)
+            record = cls(**d)
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError, TypeError, SealError) as e:
+            raise CheckpointDamaged(damaged_message(path.parent, f"{path.name} is damaged or unreadable ({e})")) from None
+        if files is not None:
+            check_files(path.parent, files)
+        return record
 
     def check_matches(self, now: "ResumeRecord", where: Path) -> None:
         """Fail loudly when the config, the store tables, the model or the process count changed."""
@@ -123,31 +185,62 @@ def prune(root: Path, keep: int) -> None:
 
 
 def write_record(folder: Path, record: ResumeRecord) -> None:
-    """The resume record, written last into the checkpoint's temp folder (committed by `store.format.atomic_dir`)."""
-    (folder / RESUME_JSON).write_text(json.dumps(asdict(record), indent=2, sort_keys=True) + "\n")
+    """The resume record with every other file's size and CRC32C, sealed, written last into the checkpoint's temp
+    folder (committed by `store.format.atomic_dir`)."""
+    from store.checksum import seal
+
+    (folder / RESUME_JSON).write_bytes(seal({**asdict(record), "files": file_checksums(folder)}))
 
 
 # ---------------------------------------------------------------------------------------------- state files
 
 
+def _flatten(value: Any, key: str, tensors: dict[str, torch.Tensor], seen: dict[tuple, str]) -> Any:
+    """JSON layout of one optimizer state entry; tensors go to `tensors` under `key` (nested dicts recurse:
+    bitsandbytes keeps its quantisation state in one). A tensor shared between params (bitsandbytes' qmaps) is
+    written once and referenced by its first key."""
+    if isinstance(value, torch.Tensor):
+        ident = (value.data_ptr(), tuple(value.shape), tuple(value.stride()), value.dtype)
+        if value.numel() and ident in seen:
+            return {"tensor": seen[ident]}
+        seen[ident] = key
+        tensors[key] = value.detach().cpu().contiguous()
+        return {"tensor": key}
+    if isinstance(value, dict):
+        return {"dict": {k: _flatten(v, f"{key}.{k}", tensors, seen) for k, v in value.items()}}
+    return {"value": value}
+
+
+def _unflatten(layout: dict, tensors: dict[str, torch.Tensor]) -> Any:
+    if "tensor" in layout:
+        return tensors[layout["tensor"]]
+    if "dict" in layout:
+        return {k: _unflatten(v, tensors) for k, v in layout["dict"].items()}
+    return layout["value"]
+
+
 def save_optimizer(optimizer: torch.optim.Optimizer, folder: Path) -> None:
+    """Any torch-style optimizer (AdamW, bitsandbytes 8-bit, Adafactor, Prodigy): state tensors in safetensors,
+    everything else (ints, floats, the param groups) in JSON; no pickle."""
     sd = optimizer.state_dict()
-    tensors = {f"{idx}.{name}": v.detach().cpu().contiguous() for idx, st in sd["state"].items() for name, v in st.items()}
+    tensors: dict[str, torch.Tensor] = {}
+    seen: dict[tuple, str] = {}
+    layout = {str(idx): {name: _flatten(v, f"{idx}.{name}", tensors, seen) for name, v in st.items()}
+              for idx, st in sd["state"].items()}
     save_file(tensors, folder / "optimizer.safetensors")
     groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()} for g in sd["param_groups"]]
-    (folder / "optimizer.json").write_text(json.dumps({"param_groups": groups}, indent=2) + "\n")
+    (folder / "optimizer.json").write_text(json.dumps({"param_groups": groups, "state": layout}, indent=2) + "\n")
 
 
 def load_optimizer(optimizer: torch.optim.Optimizer, folder: Path) -> None:
     flat = load_file(folder / "optimizer.safetensors")
-    groups = json.loads((folder / "optimizer.json").read_text())["param_groups"]
-    for g in groups:
-        if "betas" in g:
-            g["betas"] = tuple(g["betas"])
-    state: dict[int, dict[str, torch.Tensor]] = {}
-    for name, v in flat.items():
-        idx, field_name = name.split(".", 1)
-        state.setdefault(int(idx), {})[field_name] = v
+    saved = json.loads((folder / "optimizer.json").read_text())
+    groups = saved["param_groups"]
+    for g, now in zip(groups, optimizer.param_groups):
+        for k, v in now.items():  # JSON has no tuples: give back the optimizer's own types (betas, eps, ...)
+            if isinstance(v, tuple) and isinstance(g.get(k), list):
+                g[k] = tuple(g[k])
+    state = {int(idx): {name: _unflatten(v, flat) for name, v in st.items()} for idx, st in saved["state"].items()}
     n_params = sum(len(g["params"]) for g in optimizer.param_groups)
     if sum(len(g["params"]) for g in groups) != n_params:
         raise UserError(f"{folder}: optimizer state is for a different number of LoRA parameters")

@@ -10,6 +10,7 @@ import shutil
 import subprocess
 
 import numpy as np
+import pytest
 from PIL import Image
 
 from stages.evaluate.report import SampleRow, psnr, ssim, write_report
@@ -94,3 +95,27 @@ def test_report_renders_in_chromium_with_every_image_loaded(tmp_path):
     ).stdout
     assert 'data-probe="9/9"' in dom, dom[-2000:]
     assert "make it red" in dom and "LoRA − base" in dom
+
+
+def test_full_disk_writing_the_report_is_one_error_and_leaves_no_temp_file(tmp_path, monkeypatch):
+    import errno
+
+    from store.io_errors import DiskFullError
+
+    import os
+
+    real = os.fsync
+
+    def full(fd):  # the page's bytes reach the disk at fsync: fail there, as a full disk does
+        if ".index.html.tmp" in os.readlink(f"/proc/self/fd/{fd}"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(DiskFullError, match="disk full while writing the evaluate report"):
+        write_report(tmp_path / "report", _metrics(), [])
+    assert not [p for p in (tmp_path / "report").iterdir() if ".tmp" in p.name]
+    assert not (tmp_path / "report" / "metrics.json").exists()
+    monkeypatch.undo()
+    write_report(tmp_path / "report", _metrics(), [])
+    assert (tmp_path / "report" / "metrics.json").is_file()

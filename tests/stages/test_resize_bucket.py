@@ -137,6 +137,9 @@ def test_every_bad_input_is_quarantined_with_its_reason(messy):
     s = messy["summary"]
     assert sum(s.quarantined.values()) == len(expect) and s.quarantined["corrupt-image"] == 3
     assert s.written == 8 and "quarantined 15" in str(s)
+    # the summary names both files of a duplicate pair: the one kept and the copy dropped
+    kept, dropped = root.resolve() / "target" / "good.png", root.resolve() / "target" / "zdup.png"
+    assert f"duplicate: kept {kept}, dropped {dropped}" in str(s)
 
 
 def test_sanitising_exif_cmyk_16bit_alpha_palette(messy):

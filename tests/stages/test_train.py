@@ -184,8 +184,13 @@ def test_stop_and_resume_gives_identical_lora(straight, store_dir, tiny_edit_mod
 def test_resume_with_changed_config_or_store_fails_loudly(store_dir, tiny_edit_model, tmp_path):
     out = tmp_path / "run"
     run(cfg_of(max_steps=1), store_dir, tiny_edit_model, out)
-    with pytest.raises(UserError, match="train config fingerprint"):
-        run(cfg_of(max_steps=2, learning_rate=1e-2), store_dir, tiny_edit_model, out, resume=True)
+    with pytest.raises(UserError, match="train config fingerprint") as refused:
+        run(cfg_of(max_steps=2, learning_rate=1e-2, **{"lora.rank": 2}), store_dir, tiny_edit_model, out, resume=True)
+    # the refusal names the changed settings (vs the run folder's train_config.yaml), not only two fingerprints;
+    # max_steps (constant schedule) may change on resume and is not listed
+    changed = str(refused.value).split("changed since")[1]
+    assert "train.learning_rate: " in changed and "-> 0.01" in changed and "train.lora.rank: " in changed
+    assert "max_steps" not in changed
     other = tmp_path / "store"
     make_train_store(other, tiny_edit_model, mixed_specs(8, 4, masks=True), seed=1)
     # same version numbers (v1, v1), other contents: the manifest hash in the identity tells them apart
@@ -305,6 +310,12 @@ def test_cli_trains_and_reports_user_errors(store_dir, tiny_edit_model, tmp_path
     res = runner.invoke(app, ["run", "train", "--store", str(tmp_path / "nowhere"), "--model", tiny_edit_model,
                               "--out", str(tmp_path / "r2")])
     assert res.exit_code == 1 and "no store at" in res.output
+    # --resume with nothing to resume (a typo in --out, an empty folder) stops instead of training from step 0
+    (tmp_path / "empty").mkdir()
+    for out, what in ((tmp_path / "rnu", "does not exist"), (tmp_path / "empty", "is empty")):
+        res = runner.invoke(app, args[:7] + [str(out)] + args[8:] + ["--resume"])
+        assert res.exit_code == 1 and f"nothing to resume, {out} {what}" in res.output, res.output
+        assert not (out / "checkpoints").exists()
 
 
 # ---------------------------------------------------------------------------------------------- learning

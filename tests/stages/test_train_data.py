@@ -70,8 +70,8 @@ def test_missing_table_is_a_user_error(tmp_path, tiny_edit_model):
     from store import Store
 
     Store(tmp_path / "s")
-    with pytest.raises(UserError, match=r"no 'text' table.*pipeline run encode-text"):
-        open_train_tables(tmp_path / "s", tiny_edit_model)
+    with pytest.raises(UserError, match=r"no 'text' table.*pipeline run encode-text --store \S+ --model \S+` first"):
+        open_train_tables(tmp_path / "s", tiny_edit_model)  # a command that runs as suggested: --model included
 
 
 def test_empty_train_split_is_a_user_error(tmp_path, tiny_edit_model):

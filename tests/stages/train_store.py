@@ -51,7 +51,9 @@ def _lineage(stage: str, model: str | None, fingerprint: str | None) -> Lineage:
 def make_train_store(
     root: Path, model: str, specs: list[Spec], seed: int = 0, schema_version: int = 2,
     fingerprint: str | None = None, tag: str = "", skip_text: set[int] = frozenset(), skip_vae: set[int] = frozenset(),
+    poison: dict[int, float] | None = None,
 ) -> Store:
+    """poison: sample index -> a value written (checksummed, so not "damaged") into its target latent."""
     st = Store(root)
     g = torch.Generator().manual_seed(seed)
     text_schema = TableSchema(
@@ -79,6 +81,8 @@ def make_train_store(
         if controls:  # learnable: the target follows the first control, resized
             base = base + torch.nn.functional.interpolate(controls[0][:, 0][None], size=(th, tw_))[0][:, None]
         target = (base + 0.5).bfloat16()
+        if poison and i in poison:
+            target[0, 0, 0, 0] = poison[i]
         shapes = [[1, th // 2, tw_ // 2]] + [[1, h // 2, w // 2] for h, w in s.controls]
         meta_common = {"split": s.split}
         if schema_version >= 2:

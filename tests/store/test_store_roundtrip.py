@@ -74,7 +74,7 @@ def test_store_format_is_checked_on_open(tmp_path) -> None:
     root = tmp_path / "s"
     Store(root)
     (root / "store.json").write_text('{"format": "qwen-edit-feature-store", "format_version": 99, "tables": {}}')
-    with pytest.raises(UserError, match="expected store format 'qwen-edit-feature-store' version 1, found .* 99"):
+    with pytest.raises(UserError, match="expected store format 'qwen-edit-feature-store' version 1 or 2, found .* 99"):
         Store(root)
     with pytest.raises(UserError, match="no store at"):
         Store(tmp_path / "nowhere", create=False)

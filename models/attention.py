@@ -1,0 +1,177 @@
+"""Attention kernels for padded mixed-resolution batches: which backend `MaskedJointAttnProcessor` uses.
+
+A mixed batch carries a boolean key mask over the joint [text | image] sequence, with holes: text padding sits
+between a sample's valid text and its image tokens. What each backend needs:
+
+- diffusers' mask-taking backends (`native` SDPA, `_native_math`, `_native_efficient`, `_native_cudnn`,
+  `flex`, `xformers`) take the mask as it is;
+- diffusers' varlen backends (`flash_varlen`, `_flash_varlen_3`, `sage_varlen`) read the mask as a per-sample
+  key *count* and take the first that many keys, so keys and values are first reordered per sample, valid
+  ones first (`keys_first`; attention does not depend on key order, and RoPE is already applied);
+- `packed` (ours, padding-free): the valid tokens of all samples packed into one sequence with per-sample
+  boundaries, padded queries and keys skipped entirely; on CUDA PyTorch's own `varlen_attn` (flash / cuDNN,
+  bf16/fp16, no extra package), on the CPU a per-sample SDPA loop (the same layout, to prove it exact).
+  Padded query positions get 0 instead of an average of valid values; no valid token ever reads them.
+- `flash`, `_native_flash`, `sage`, ...: take no mask, refused (they would attend to padding).
+
+Default (`resolve(None, ...)`): on CUDA `packed` for bf16/fp16 models when `varlen_attn` exists and a one-off
+check on the device matches native SDPA, else `native`; on the CPU `native`.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from diffusers.models.attention_dispatch import dispatch_attention_fn
+from torch import Tensor
+
+from schemas.errors import UserError
+
+MASK_BACKENDS = {"native", "_native_math", "_native_efficient", "_native_cudnn", "flex", "xformers"}
+PREFIX_MASK_BACKENDS = {"flash_varlen", "_flash_varlen_3", "sage_varlen", "flash_varlen_hub", "_flash_3_varlen_hub"}
+PACKED = "packed"
+BACKENDS = sorted(MASK_BACKENDS | PREFIX_MASK_BACKENDS | {PACKED})
+
+
+def check_name(name: str | None, key: str) -> None:
+    if name is not None and name not in BACKENDS:
+        raise UserError(
+            f"{key} {name!r} is not an attention backend that honours the padding mask; use one of "
+            f"{', '.join(BACKENDS)} (or null for the default)"
+        )
+
+
+def resolve(name: str | None, device: torch.device, dtype: torch.dtype) -> str:
+    """The configured backend, or the default for this device and dtype (see the module docstring)."""
+    if name is not None:
+        return name
+    if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and _packed_matches_native(device, dtype):
+        return PACKED
+    return "native"
+
+
+def set_backend(transformer, name: str) -> None:
+    """Every multires processor of the model uses `name` for masked batches; unmasked (same-size) batches keep
+    diffusers' default kernel choice (native SDPA picks flash itself when there is no mask)."""
+    from models.multires import MaskedJointAttnProcessor, _unwrap
+
+    # `native` is the processor's own unchanged path (diffusers' default backend, stock code for stock batches).
+    multires = None if name == "native" else name
+    for proc in _unwrap(transformer).attn_processors.values():
+        if isinstance(proc, MaskedJointAttnProcessor):
+            proc._multires_backend = multires
+            proc._attention_backend = None if multires in (None, PACKED) else multires
+
+
+def use_attention_backend(transformer, name: str | None, key: str, device: torch.device, dtype: torch.dtype) -> str:
+    """Check the configured name, resolve the default, set it on the model; returns the backend in use."""
+    check_name(name, key)
+    chosen = resolve(name, torch.device(device), dtype)
+    set_backend(transformer, chosen)
+    return chosen
+
+
+def attend(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, backend: str | None,
+           parallel_config=None) -> Tensor:
+    """Joint attention, q/k/v [B, S, H, D]; mask [B, 1, 1, S] bool over keys (or None). Returns [B, S, H, D]."""
+    if backend == PACKED and mask is not None:
+        return packed_attention(query, key, value, mask)
+    if backend == PACKED:  # nothing to skip: SDPA without a mask (it picks flash itself)
+        backend = "native"
+    if backend in PREFIX_MASK_BACKENDS and mask is not None:
+        key, value, mask = keys_first(key, value, mask[:, 0, 0, :])
+        mask = mask[:, None, None, :]
+    return dispatch_attention_fn(query, key, value, attn_mask=mask, dropout_p=0.0, is_causal=False,
+                                 backend=backend, parallel_config=parallel_config)
+
+
+def keys_first(key: Tensor, value: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Per sample, valid keys/values moved to the front (stable); mask [B, S] -> the matching prefix mask."""
+    order = torch.argsort((~mask).to(torch.int8), dim=1, stable=True)  # valid (0) before padding (1)
+    idx = order[:, :, None, None].expand_as(key)
+    prefix = torch.arange(mask.shape[1], device=mask.device)[None, :] < mask.sum(dim=1, keepdim=True)
+    return key.gather(1, idx), value.gather(1, idx), prefix
+
+
+_mask_cache: tuple | None = None  # (weakrefs to the source masks, shapes, the joint mask)
+_layout_cache: tuple | None = None  # (weakref to the joint mask, flat valid indices, cu_seqlens, max_len)
+
+
+def _ref(t: Tensor | None):
+    return None if t is None else weakref.ref(t)
+
+
+def joint_key_mask(txt_mask: Tensor | None, img_mask: Tensor | None, batch: int, seq_txt: int, seq_img: int,
+                   device: torch.device) -> Tensor:
+    """[B, 1, 1, S_txt + S_img] bool key mask; the same tensor object for every block of one forward (the
+    blocks get the same source masks), so `packed` computes its layout (a host sync) once per forward."""
+    global _mask_cache
+    shapes = (batch, seq_txt, seq_img, device)
+    if _mask_cache is not None:
+        t_ref, i_ref, cached_shapes, joint = _mask_cache
+        same = [r is None and m is None or r is not None and r() is m for r, m in ((t_ref, txt_mask), (i_ref, img_mask))]
+        if all(same) and cached_shapes == shapes:
+            return joint
+    txt = txt_mask.to(torch.bool) if txt_mask is not None else torch.ones((batch, seq_txt), dtype=torch.bool, device=device)
+    img = img_mask.to(torch.bool) if img_mask is not None else torch.ones((batch, seq_img), dtype=torch.bool, device=device)
+    joint = torch.cat([txt, img], dim=1)[:, None, None, :]
+    _mask_cache = (_ref(txt_mask), _ref(img_mask), shapes, joint)
+    return joint
+
+
+def _layout(mask: Tensor) -> tuple[Tensor, Tensor, int]:
+    """Flat indices of valid tokens, cumulative lengths and the longest length; cached per mask tensor."""
+    global _layout_cache
+    if _layout_cache is not None and _layout_cache[0]() is mask:
+        return _layout_cache[1:]
+    key, mask = mask, (mask if mask.ndim == 2 else mask[:, 0, 0, :])
+    lens = mask.sum(dim=1, dtype=torch.int32)
+    cu = torch.zeros(mask.shape[0] + 1, dtype=torch.int32, device=mask.device)
+    cu[1:] = torch.cumsum(lens, dim=0)
+    idx = mask.flatten().nonzero().squeeze(1)
+    longest = int(lens.max())
+    _layout_cache = (weakref.ref(key), idx, cu, longest)
+    return idx, cu, longest
+
+
+def packed_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None) -> Tensor:
+    """Padding-free attention: the valid tokens of all samples as one sequence with per-sample boundaries.
+    mask: [B, S] or [B, 1, 1, S] bool (valid tokens; the same positions for queries and keys)."""
+    b, s, h, d = query.shape
+    if mask is None:
+        mask = torch.ones((b, s), dtype=torch.bool, device=query.device)
+    idx, cu, longest = _layout(mask)
+    q, k, v = (x.flatten(0, 1).index_select(0, idx) for x in (query, key, value))
+    if query.is_cuda:
+        from torch.nn.attention.varlen import varlen_attn
+
+        out = varlen_attn(q, k, v, cu, cu, longest, longest)
+    else:  # reference kernel on the CPU: the same packed layout, one SDPA per segment
+        bounds = cu.tolist()
+        out = torch.cat([
+            torch.nn.functional.scaled_dot_product_attention(
+                *(x[bounds[i] : bounds[i + 1]].transpose(0, 1)[None] for x in (q, k, v))
+            )[0].transpose(0, 1)
+            for i in range(b)
+        ])
+    full = out.new_zeros((b * s, h, d)).index_copy(0, idx, out)
+    return full.view(b, s, h, d)
+
+
+def _packed_matches_native(device: torch.device, dtype: torch.dtype) -> bool:
+    """A one-off check on the device: packed attention on a small padded batch equals masked native SDPA."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+
+        g = torch.Generator(device).manual_seed(0)
+        q, k, v = (torch.randn(2, 300, 4, 64, device=device, dtype=dtype, generator=g) for _ in range(3))
+        mask = torch.ones(2, 300, dtype=torch.bool, device=device)
+        mask[0, 20:40] = False
+        mask[1, 250:] = False
+        ours = packed_attention(q, k, v, mask)
+        ref = dispatch_attention_fn(q, k, v, attn_mask=mask[:, None, None, :], backend="native")
+        err = (ours - ref).float()[mask].abs().max()
+        return bool(err <= 2e-2 * ref.float()[mask].abs().max())
+    except Exception:  # no varlen kernel for this GPU / build: native is the safe choice
+        return False

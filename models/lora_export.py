@@ -1,0 +1,71 @@
+"""LoRA export for other runtimes: ComfyUI's Qwen-Image LoRA format.
+
+ComfyUI ignores safetensors metadata, where the diffusers format keeps alpha, so alpha != rank would be
+mis-scaled there. The export writes what ComfyUI's loader maps for a Qwen-Image model (`comfy/lora.py`
+`model_lora_keys_unet`: `diffusion_model.<module>` is the module's own key) with per-module `.alpha` tensors:
+
+    diffusion_model.transformer_blocks.0.attn.to_q.lora_down.weight   [r, in]   (= peft lora_A)
+    diffusion_model.transformer_blocks.0.attn.to_q.lora_up.weight     [out, r]  (= peft lora_B)
+    diffusion_model.transformer_blocks.0.attn.to_q.alpha              []        (scale = alpha / r)
+
+diffusers' Qwen-Image loader reads the same file (`QwenImagePipeline.lora_state_dict` converts it), which is
+how the export is tested. Only plain LoRA exports: DoRA / LoHa / LoKr have no such key layout here.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from models.lora import read_lora
+from schemas.errors import UserError
+
+COMFY_PREFIX = "diffusion_model."
+FORMATS = ("comfyui",)
+
+
+def _alpha(module: str, rank: int, config: dict | None) -> float:
+    """The module's alpha as peft resolves it: alpha_pattern (regex / suffix match), else lora_alpha; a file
+    without a config (converted, alpha baked in) has alpha = rank."""
+    if not config:
+        return float(rank)
+    for pattern, value in (config.get("alpha_pattern") or {}).items():
+        if re.fullmatch(f".*\\.{pattern}$", module) or module == pattern:
+            return float(value)
+    return float(config.get("lora_alpha", rank))
+
+
+def comfyui_state_dict(lora: str | Path) -> dict[str, torch.Tensor]:
+    state, config = read_lora(lora)
+    if config and (config.get("use_dora") or config.get("peft_type", "LORA") != "LORA"):
+        raise UserError(f"{lora}: only a plain LoRA exports to ComfyUI (this one is "
+                        f"{'DoRA' if config.get('use_dora') else config.get('peft_type')})")
+    other = [k for k in state if not k.endswith((".lora_A.weight", ".lora_B.weight"))]
+    if other:
+        raise UserError(f"{lora}: keys other than lora_A/lora_B ({other[:3]}): not a plain LoRA")
+    out: dict[str, torch.Tensor] = {}
+    for key, a in state.items():
+        if not key.endswith(".lora_A.weight"):
+            continue
+        module = key[: -len(".lora_A.weight")]
+        out[f"{COMFY_PREFIX}{module}.lora_down.weight"] = a.contiguous()
+        out[f"{COMFY_PREFIX}{module}.lora_up.weight"] = state[f"{module}.lora_B.weight"].contiguous()
+        out[f"{COMFY_PREFIX}{module}.alpha"] = torch.tensor(_alpha(module, a.shape[0], config), dtype=torch.float32)
+    return out
+
+
+def export_lora(lora: str | Path, fmt: str, out: str | Path) -> Path:
+    if fmt not in FORMATS:
+        raise UserError(f"unknown export format {fmt!r}: use one of {', '.join(FORMATS)}")
+    out = Path(out)
+    if out.suffix != ".safetensors":
+        raise UserError(f"--out {out}: the export is one .safetensors file; name it *.safetensors")
+    state = comfyui_state_dict(lora)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    save_file(state, tmp, metadata={"format": "pt", "exported_by": "qwen-edit-lora-pipeline", "target": "comfyui"})
+    tmp.replace(out)
+    return out

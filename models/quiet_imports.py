@@ -1,0 +1,42 @@
+"""Two known-harmless messages that importing the model libraries logs, dropped at their source loggers.
+
+Both come from importing torchao (pulled in by transformers' and diffusers' quantizer registries on the first
+model load), not from anything this project does:
+- torch `_pytree` warns once per torchao Enum (`KernelPreference`, `ScaleCalculationMode`) that torchao still
+  calls the deprecated `register_constant()` on Enum subclasses;
+- diffusers' torchao quantizer cannot import torchao Tensor classes that torchao 0.18 moved; it only needs them
+  to unpickle torchao-serialised checkpoints, which this project never loads (safetensors only).
+Each filter matches one message and, for the pytree one, only torchao's own classes: any other warning from
+these loggers still shows. Installing costs nothing (no import of torch or torchao).
+"""
+
+from __future__ import annotations
+
+import logging
+
+_PYTREE_LOGGER = "torch.utils._pytree"
+_DIFFUSERS_TORCHAO_LOGGER = "diffusers.quantizers.torchao.torchao_quantizer"
+
+
+class _TorchaoEnumRegistration(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "is an Enum subclass and is now natively supported" not in str(record.msg):
+            return True
+        cls = record.args[0] if isinstance(record.args, tuple) and record.args else None
+        return not getattr(cls, "__module__", "").startswith("torchao.")
+
+
+class _TorchaoTensorImport(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Unable to import `torchao` Tensor objects" not in str(record.msg)
+
+
+def install() -> None:
+    """Idempotent: attach each filter once to its logger (loggers exist before the libraries create them)."""
+    for name, cls in ((_PYTREE_LOGGER, _TorchaoEnumRegistration), (_DIFFUSERS_TORCHAO_LOGGER, _TorchaoTensorImport)):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, cls) for f in logger.filters):
+            logger.addFilter(cls())
+
+
+install()

@@ -1,0 +1,41 @@
+"""Which folders `pipeline demo --workdir DIR` may write into: a new or empty one, or a previous demo's.
+
+The demo writes config.yaml, data/, store/, run/, report/ and tiny-model/ into DIR; into a dataset folder or a
+home directory that would mix its files with the user's. A demo workdir carries a marker file, so a rerun
+(which skips every stage that is up to date) is recognised; a workdir from before the marker existed is
+recognised by its config.yaml pointing at DIR/store.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from schemas.errors import UserError
+
+MARKER = ".pipeline-demo-workdir"
+
+
+def _is_previous_demo(workdir: Path) -> bool:
+    if (workdir / MARKER).is_file():
+        return True
+    try:
+        cfg = yaml.safe_load((workdir / "config.yaml").read_text()) or {}
+        return Path(cfg["paths"]["store"]).resolve() == (workdir / "store").resolve()
+    except (OSError, yaml.YAMLError, KeyError, TypeError):
+        return False
+
+
+def claim_workdir(workdir: Path) -> None:
+    """Refuse a non-empty folder that is not a previous demo workdir; otherwise create it and mark it."""
+    if workdir.exists() and not workdir.is_dir():
+        raise UserError(f"--workdir {workdir} is a file: pass a new or empty folder (e.g. demo-workdir)")
+    if workdir.is_dir() and any(workdir.iterdir()) and not _is_previous_demo(workdir):
+        raise UserError(
+            f"--workdir {workdir} is not empty and is not a previous demo workdir: the demo writes config.yaml, "
+            "data/, store/, run/, report/ and tiny-model/ there. Pass a new or empty folder (e.g. "
+            f"--workdir {workdir / 'demo-workdir'})"
+        )
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / MARKER).write_text("written by `pipeline demo`; a rerun with this --workdir reuses what is here\n")

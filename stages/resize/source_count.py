@@ -1,0 +1,28 @@
+"""How many samples a source holds, counted cheaply before reading it, so resize-bucket's bar has a total
+and an ETA. A count, not a read: a folder's target images, a tar's distinct member keys (headers only), a
+JSONL manifest's non-blank lines. Problem entries found while reading (orphan files, unreadable tars) can
+make the real number differ a little; the bar's total is corrected at the end."""
+
+from __future__ import annotations
+
+import tarfile
+from pathlib import Path
+
+from stages.resize import sources
+
+
+def count_samples(source: Path, fmt: str) -> int | None:
+    """Expected samples, or None when counting fails (the bar then runs without a total)."""
+    try:
+        if fmt == "folder":
+            return len(sources._images_by_stem(source / "target", {}, also=(".txt",)))
+        if fmt == "webdataset":
+            total = 0
+            for tar in sources._tar_paths(source):
+                with tarfile.open(tar, mode="r:") as tf:  # uncompressed tar: seeks header to header
+                    total += len({sources._split_member(m.name)[0] for m in tf.getmembers() if m.isfile()})
+            return total
+        with open(sources._jsonl_path(source), "rb") as f:
+            return sum(1 for line in f if line.strip())
+    except (OSError, tarfile.TarError):
+        return None

@@ -1,0 +1,55 @@
+"""EMA of the adapter (`train.ema_decay`): ema ← decay·ema + (1 − decay)·θ after every optimizer step.
+
+float32 copies of the trainable adapter tensors, in `lora_parameters` order. Saved into each checkpoint
+(`ema.safetensors`, resumed exactly) and, at the end, as a LoRA of its own in the diffusers format
+(`RUN/lora_ema`, written through the same `save_lora` by swapping the EMA values in for the save), so
+evaluate, predict, merge and diffusers read it like `RUN/lora`.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from schemas.errors import UserError
+
+EMA_FILE = "ema.safetensors"
+
+
+class AdapterEMA:
+    def __init__(self, params: list[torch.nn.Parameter], decay: float):
+        self.params, self.decay = params, decay
+        self.shadow = [p.detach().float().clone() for p in params]
+
+    @torch.no_grad()
+    def update(self) -> None:
+        for s, p in zip(self.shadow, self.params):
+            s.lerp_(p.detach().float(), 1.0 - self.decay)
+
+    @contextmanager
+    @torch.no_grad()
+    def swapped_in(self):
+        """The adapter holds the EMA values inside the block, its own values again after it."""
+        saved = [p.detach().clone() for p in self.params]
+        for p, s in zip(self.params, self.shadow):
+            p.copy_(s)
+        try:
+            yield
+        finally:
+            for p, v in zip(self.params, saved):
+                p.copy_(v)
+
+    def save(self, folder: Path) -> None:
+        save_file({str(i): s.contiguous().cpu() for i, s in enumerate(self.shadow)}, folder / EMA_FILE)
+
+    def load(self, folder: Path) -> None:
+        path = folder / EMA_FILE
+        if not path.is_file():
+            raise UserError(f"{folder} has no {EMA_FILE}: it was written without train.ema_decay")
+        saved = load_file(path)
+        if len(saved) != len(self.shadow):
+            raise UserError(f"{path}: EMA of {len(saved)} tensors, the adapter has {len(self.shadow)}")
+        self.shadow = [saved[str(i)].to(s.device) for i, s in enumerate(self.shadow)]

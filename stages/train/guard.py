@@ -1,0 +1,75 @@
+"""What keeps a training run from producing or overwriting garbage: one writer per run folder (a lock naming
+its holder), non-finite loss / gradient detection with the step and sample keys named, and a refusal to save a
+LoRA holding non-finite values."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from schemas.errors import UserError
+from store import format as fmt
+
+LOCK_NAME = ".train.lock"
+DAMAGED_REPORT = "damaged_samples.json"
+
+
+class NonFiniteError(UserError):
+    """A non-finite loss or gradient (train.on_nonfinite=stop)."""
+
+
+def lock_run_dir(run_dir: Path) -> fmt.HeldLock:
+    """Held for the whole run: a second `train` into the same --out fails at once naming the holder (pid, host).
+    The kernel drops an flock when its process dies, so a killed run never leaves a stale lock."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return fmt.HeldLock(run_dir / LOCK_NAME, holder=f"run folder {run_dir}")
+
+
+def all_finite(loss_sum: torch.Tensor, params: list[torch.nn.Parameter]) -> bool:
+    """One device sync: the loss and every LoRA gradient are finite."""
+    ok = torch.isfinite(loss_sum).all()
+    for p in params:
+        if p.grad is not None:
+            ok = ok & torch.isfinite(p.grad).all()
+    return bool(ok)
+
+
+def nonfinite_message(step: int, per_sample: dict[str, float], store: Path) -> str:
+    bad = [k for k, v in per_sample.items() if not torch.isfinite(torch.tensor(v))]
+    named = bad or list(per_sample)
+    which = "non-finite loss of samples" if bad else "non-finite gradient from the step's samples"
+    shown = ", ".join(named[:8]) + (f" … ({len(named)} in all)" if len(named) > 8 else "")
+    return (f"optimizer step {step}: {which} {shown}; nothing of this step was applied or saved. Check the "
+            f"store (`pipeline store verify {store}`), lower train.learning_rate, or set "
+            "train.on_nonfinite=skip_step to skip such steps")
+
+
+def check_lora_finite(params: list[torch.nn.Parameter], what: Path) -> None:
+    bad = sum(int((~torch.isfinite(p.detach())).sum()) for p in params)
+    if bad:
+        total = sum(p.numel() for p in params)
+        raise NonFiniteError(f"{bad} of {total} LoRA values are non-finite: not writing {what}")
+
+
+def write_damaged_report(run_dir: Path, damaged: dict[str, str]) -> Path:
+    path = run_dir / DAMAGED_REPORT
+    fmt.atomic_write_json(path, {"skipped": len(damaged), "samples": damaged})
+    return path
+
+
+@contextmanager
+def one_line_errors(what: str, where: Path) -> Iterator[None]:
+    """A failed write (full disk, read-only folder, ...) becomes one clear line; `store.format.atomic_dir` inside
+    has removed its temp folder, so the committed checkpoints and LoRA are untouched."""
+    from store.io_errors import describe
+
+    try:
+        yield
+    except Exception as e:
+        err = describe(e, what, where)
+        if err is None:
+            raise
+        raise err from None

@@ -1,0 +1,128 @@
+"""The trainer's micro-batches, prepared inline or ahead by a background thread (`train.prefetch`).
+
+A micro-batch is this rank's share of one global batch of the `DataStream`: its samples read from the store,
+their σ / noise / caption-dropout draws for the optimizer step the micro-batch belongs to (micro-batch j of a
+start at step s0 belongs to step s0 + j // grad_accum), and the packed, noised batch (`models.flow.FlowBatch`)
+on the device. The draws depend on (seed, step, key) only, so preparing ahead changes no number.
+
+With `depth` > 0 a thread prepares up to `depth` micro-batches ahead: on the CPU the same ops as inline (bit-
+identical); on CUDA it builds the batch on the CPU, pins it and copies it on a side stream, and the consumer's
+stream waits for that copy (an event) before using it. The stream runs ahead of training, so the data position
+a checkpoint records is the position after the last micro-batch *consumed* (`MicroBatch.position`).
+A thread, not DataLoader workers: the work is a few mmap'd reads and small tensor ops that release the GIL,
+and the stream position must stay in this process.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass, fields, is_dataclass
+from typing import Any, Callable
+
+import torch
+
+from models.flow import FlowBatch, prepare_flow_batch
+from models.randomness import draw_caption_dropout, draw_noise, draw_sigma, with_control_dropout
+from schemas.config import TrainConfig
+from stages.train.data import DataStream, load_at
+from store.join import JoinedTables
+
+
+@dataclass
+class MicroBatch:
+    epoch: int
+    global_batch: list[list[int]]  # every rank's batch (indices into tables.keys)
+    ends_epoch: bool
+    position: tuple[int, int]  # the stream position after this micro-batch (what a checkpoint records)
+    step: int  # the optimizer step it belongs to (the draws' step)
+    flow: FlowBatch  # this rank's prepared batch, on the device
+    ready: Any = None  # CUDA event the consumer's stream waits for (prefetched copies)
+
+
+def prepare(tables: JoinedTables, tc: TrainConfig, indices: list[int], step: int, device: torch.device,
+            dtype: torch.dtype) -> FlowBatch:
+    """Read the samples, draw their control dropout / σ / noise / caption dropout for `step`, pack and noise them on `device`."""
+    samples = [load_at(tables, i) for i in indices]
+    samples = with_control_dropout(samples, tc.seed, step, tc.control_dropout)
+    sigmas = torch.stack([draw_sigma(s, tc.seed, step, tc.sigma) for s in samples])
+    noises = [draw_noise(s, tc.seed, step) for s in samples]
+    empty = [draw_caption_dropout(s, tc.seed, step, tc.caption_dropout) for s in samples]
+    weights = (tc.loss.mask_weight.foreground, tc.loss.mask_weight.background)
+    return prepare_flow_batch(samples, sigmas, noises, empty, weights, device, dtype)
+
+
+def map_tensors(obj, fn: Callable[[torch.Tensor], torch.Tensor]):
+    """`fn` on every tensor of a FlowBatch (dataclasses, lists, None), the rest as it is."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, list):
+        return [map_tensors(x, fn) for x in obj]
+    if is_dataclass(obj) and not isinstance(obj, type):
+        return type(obj)(**{f.name: map_tensors(getattr(obj, f.name), fn) for f in fields(obj)})
+    return obj
+
+
+class MicroBatches:
+    """`next()` gives the next micro-batch, prepared inline (depth 0) or by a background thread."""
+
+    def __init__(self, stream: DataStream, tables: JoinedTables, tc: TrainConfig, rank: int, start_step: int,
+                 device: torch.device, dtype: torch.dtype, depth: int = 0):
+        self.stream, self.tables, self.tc, self.rank = stream, tables, tc, rank
+        self.device, self.dtype, self.depth = device, dtype, depth
+        self._count = 0
+        self._start = start_step
+        self._queue: queue.Queue | None = None
+        self._stop = threading.Event()
+        if depth > 0:
+            self._side = torch.cuda.Stream(device) if device.type == "cuda" else None
+            self._queue = queue.Queue(maxsize=depth)
+            self._thread = threading.Thread(target=self._work, name="train-prefetch", daemon=True)
+            self._thread.start()
+
+    def _make(self) -> MicroBatch:
+        epoch, global_batch, ends = self.stream.next()
+        step = self._start + self._count // self.tc.grad_accum
+        self._count += 1
+        indices = global_batch[self.rank]
+        if self._queue is None or self._side is None:  # inline, or a CPU prefetch: the same ops as inline
+            flow = prepare(self.tables, self.tc, indices, step, self.device, self.dtype)
+            return MicroBatch(epoch, global_batch, ends, self.stream.position, step, flow)
+        flow = prepare(self.tables, self.tc, indices, step, torch.device("cpu"), self.dtype)
+        with torch.cuda.stream(self._side):
+            flow = map_tensors(flow, lambda t: t.pin_memory().to(self.device, non_blocking=True))
+            ready = torch.cuda.Event()
+            ready.record(self._side)
+        return MicroBatch(epoch, global_batch, ends, self.stream.position, step, flow, ready)
+
+    def _work(self) -> None:
+        while not self._stop.is_set():
+            try:
+                item = self._make()
+            except BaseException as e:  # handed to the consumer, raised there
+                item = e
+            while not self._stop.is_set():
+                try:
+                    self._queue.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+            if isinstance(item, BaseException):
+                return
+
+    def next(self) -> MicroBatch:
+        if self._queue is None:
+            return self._make()
+        item = self._queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        if item.ready is not None:  # the compute stream waits for the side-stream copy, and owns the memory
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(item.ready)
+            map_tensors(item.flow, lambda t: t.record_stream(current) or t)
+        return item
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._queue is not None:
+            self._thread.join(timeout=5)

@@ -1,0 +1,48 @@
+"""What `--resume` tells the user before any model is loaded: that there is nothing to resume, or which
+settings differ from the ones the run folder was trained with (its `train_config.yaml`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from stages.train import state as train_state
+
+CONFIG_FILE = "train_config.yaml"  # the effective config of the run's latest start, written by stages.train
+
+
+def nothing_to_resume(run_dir: Path) -> str | None:
+    """Why `--resume` into `run_dir` cannot continue anything, or None when it can (a checkpoint, or a run
+    killed before its first checkpoint, which then starts again at step 0)."""
+    if train_state.latest_checkpoint(run_dir / "checkpoints") is not None or (run_dir / CONFIG_FILE).is_file():
+        return None
+    what = "does not exist" if not run_dir.exists() else (
+        "is empty" if run_dir.is_dir() and not any(run_dir.iterdir()) else f"holds no checkpoints/ and no {CONFIG_FILE}")
+    return (f"--resume: nothing to resume, {run_dir} {what}. Check --out (paths.run), "
+            "or leave out --resume to start a new run there")
+
+
+def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(d, dict):
+        return {prefix: d}
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
+
+
+def changed_settings(run_dir: Path, now: dict[str, Any], ignore: set[str]) -> list[str]:
+    """'train.learning_rate: 0.002 -> 0.001' for each `train.*` key that differs between
+    the run folder's train_config.yaml and `now` (a PipelineConfig dump); `ignore` holds train keys a resume may
+    change. Empty when the file is missing or unreadable (the caller still has the fingerprints)."""
+    path = run_dir / CONFIG_FILE
+    try:
+        before = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return []
+    old = {k: v for k, v in _flat({"train": before.get("train", {})}).items() if k.split(".")[1] not in ignore}
+    new = {k: v for k, v in _flat({"train": now.get("train", {})}).items() if k.split(".")[1] not in ignore}
+    return [f"{k}: {old.get(k, '(unset)')!r} -> {new.get(k, '(unset)')!r}"
+            for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]

@@ -1,0 +1,45 @@
+"""The one-line train summary that `pipeline run train`, `run all` and the demo print.
+
+Single-step losses swing with each step's σ and noise draw far more than training moves them, so the line
+compares epoch means (every sample seen once, the same mix of σ), not the first and the last step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EpochLoss:
+    epoch: int
+    mean: float
+    steps: int  # optimizer steps of this start that began in the epoch (fewer when resumed mid-epoch)
+
+
+def epoch_losses(losses: list[float], epochs: list[int]) -> list[EpochLoss]:
+    """Mean per-step loss of each epoch, in order (steps are attributed to the epoch they began in)."""
+    out: list[EpochLoss] = []
+    for loss, epoch in zip(losses, epochs):
+        if out and out[-1].epoch == epoch:
+            last = out[-1]
+            out[-1] = EpochLoss(epoch, (last.mean * last.steps + loss) / (last.steps + 1), last.steps + 1)
+        else:
+            out.append(EpochLoss(epoch, loss, 1))
+    return out
+
+
+def loss_phrase(losses: list[float], epochs: list[int]) -> str:
+    """'train loss 1.4021 (epoch 0 mean, 4 steps) -> 0.9712 (epoch 14 mean, 4 steps)', or one epoch's mean."""
+    per_epoch = epoch_losses(losses, epochs)
+    if not per_epoch:
+        return "no steps trained"
+    first, last = per_epoch[0], per_epoch[-1]
+    if first.epoch == last.epoch:
+        return f"train loss {first.mean:.4f} (mean of {first.steps} steps in epoch {first.epoch})"
+    return (f"train loss {first.mean:.4f} (epoch {first.epoch} mean, {first.steps} steps) -> "
+            f"{last.mean:.4f} (epoch {last.epoch} mean, {last.steps} steps)")
+
+
+def train_line(start_step: int, steps: int, losses: list[float], epochs: list[int], lora_dir) -> str:
+    how = f"resumed at step {start_step}" if start_step else "from scratch"
+    return f"trained {how} to step {steps}: {loss_phrase(losses, epochs)}; LoRA: {lora_dir}"

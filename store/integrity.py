@@ -1,0 +1,138 @@
+"""Integrity of one table version: its `checksums.json`, the checks a reader makes when it opens a version
+(schema and manifest bytes, every shard present with its size) and on every first read of a sample (CRC32C of
+the sample's bytes), and the one error all of these raise.
+
+`checksums.json` (sealed, see store/checksum.py) lists `{"nbytes", "crc32c"}` for every file of the version:
+schema.json, manifest.parquet, each shard, each shard index, each rank-done marker. It is written just before
+the manifest, so every complete version of store format 2 has one; versions written by format 1 have none and
+are read as before (their samples checked against the manifest's sha256 instead).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from schemas.errors import UserError
+from store import format as fmt
+from store.checksum import SealError, crc_hex, file_crc, seal, unseal
+
+CHECKSUMS_FORMAT = 1
+
+
+class DamagedData(UserError):
+    """Stored bytes that do not match their checksum, or a missing / short file."""
+
+
+def store_root(vdir: Path) -> Path:
+    return vdir.parent.parent
+
+
+def repair_hint(vdir: Path) -> str:
+    return f"run `pipeline store repair {store_root(vdir)}`"
+
+
+def where(vdir: Path) -> str:
+    return f"table '{vdir.parent.name}' {vdir.name} ({vdir})"
+
+
+# ---------------------------------------------------------------- checksums.json
+
+
+def write_version_checksums(vdir: Path, manifest: pa.Table, manifest_bytes: bytes) -> None:
+    files: dict[str, dict[str, Any]] = {fmt.MANIFEST: {"nbytes": len(manifest_bytes), "crc32c": crc_hex(manifest_bytes)}}
+    shards: dict[str, tuple[str | None, int]] = {}
+    if manifest.num_rows:
+        crcs = (manifest.column("shard_crc32c").to_pylist() if "shard_crc32c" in manifest.column_names
+                else [None] * manifest.num_rows)
+        for name, crc, n in zip(manifest.column("shard").to_pylist(), crcs, manifest.column("shard_nbytes").to_pylist()):
+            shards[name] = (crc, n)
+    for name, (crc, n) in shards.items():
+        if crc is None:  # a shard committed by format-1 code before a resume: read it once
+            crc, n = file_crc(vdir / name)
+        files[name] = {"nbytes": n, "crc32c": crc}
+    for p in sorted(vdir.iterdir()):
+        if p.is_file() and p.name not in files and p.name not in (fmt.CHECKSUMS, fmt.MANIFEST) and not fmt.is_litter(p.name):
+            crc, n = file_crc(p)
+            files[p.name] = {"nbytes": n, "crc32c": crc}
+    fmt.atomic_write_bytes(vdir / fmt.CHECKSUMS, seal({"format": CHECKSUMS_FORMAT, "files": files}))
+
+
+def read_version_checksums(vdir: Path) -> dict[str, dict[str, Any]] | None:
+    """file name -> {nbytes, crc32c}; None for a format-1 version (no checksums.json, no sample_crc32c)."""
+    path = vdir / fmt.CHECKSUMS
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    try:
+        obj = unseal(data)
+        files = obj["files"]
+        if obj.get("format") != CHECKSUMS_FORMAT or not isinstance(files, dict) or not all(
+            isinstance(e, dict) and isinstance(e.get("nbytes"), int) and isinstance(e.get("crc32c"), str)
+            for e in files.values()
+        ):
+            raise SealError("unexpected content")
+    except (SealError, KeyError, TypeError) as e:
+        raise DamagedData(f"{path} is damaged ({e}); {repair_hint(vdir)}") from None
+    return files
+
+
+def check_bytes(vdir: Path, name: str, data: bytes, sums: dict[str, dict[str, Any]]) -> None:
+    entry = sums.get(name)
+    if entry is None:
+        raise DamagedData(f"{where(vdir)}: {name} is not listed in {fmt.CHECKSUMS}; {repair_hint(vdir)}")
+    if len(data) != entry["nbytes"] or crc_hex(data) != entry["crc32c"]:
+        raise DamagedData(f"{where(vdir)}: {name} is damaged ({len(data)} bytes, crc32c {crc_hex(data)}; "
+                          f"recorded {entry['nbytes']} bytes, crc32c {entry['crc32c']}); {repair_hint(vdir)}")
+
+
+def read_checked(vdir: Path, name: str, sums: dict[str, dict[str, Any]] | None) -> bytes:
+    """A small file's bytes, checked against checksums.json when the version has one."""
+    try:
+        data = (vdir / name).read_bytes()
+    except FileNotFoundError:
+        raise DamagedData(f"{where(vdir)}: {name} is missing; {repair_hint(vdir)}") from None
+    if sums is not None:
+        check_bytes(vdir, name, data, sums)
+    return data
+
+
+def shard_problems(vdir: Path, manifest: pa.Table, sums: dict[str, dict[str, Any]] | None) -> dict[str, str]:
+    """shard -> what is wrong with its file (missing, or not its recorded size): the cheap check on open."""
+    out: dict[str, str] = {}
+    if manifest.num_rows == 0:
+        return out
+    counts: dict[str, int] = {}
+    sizes: dict[str, int] = {}
+    for s, n in zip(manifest.column("shard").to_pylist(), manifest.column("shard_nbytes").to_pylist()):
+        counts[s] = counts.get(s, 0) + 1
+        sizes[s] = n
+    for shard, n_samples in counts.items():
+        want = sums[shard]["nbytes"] if sums is not None and shard in sums else sizes[shard]
+        try:
+            size = (vdir / shard).stat().st_size
+        except FileNotFoundError:
+            out[shard] = f"shard {shard} is missing ({n_samples} samples)"
+            continue
+        if size != want:
+            out[shard] = f"shard {shard} is {size} bytes, {want} recorded ({'truncated' if size < want else 'grown'})"
+    return out
+
+
+def sample_problem(data: memoryview | bytes, row: dict[str, Any]) -> str | None:
+    """None when the sample's bytes match their recorded checksum (CRC32C, or sha256 for format-1 rows)."""
+    crc = row.get("sample_crc32c")
+    if crc:
+        have = crc_hex(data)
+        return None if have == crc else f"crc32c mismatch (recorded {crc}, read {have})"
+    have = hashlib.sha256(data).hexdigest()
+    return None if have == row["sample_sha256"] else "sha256 mismatch"
+
+
+def damaged_sample_message(vdir: Path, shard: str, key: str, what: str) -> str:
+    return (f"{where(vdir)}: sample {key} in {shard} is damaged ({what}); {repair_hint(vdir)} to recompute it "
+            "(train can go on without damaged samples: train.on_damaged=skip)")

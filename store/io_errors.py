@@ -1,0 +1,68 @@
+"""A full disk or a read-only folder while writing: one clear line (what, where, how much space is free and, when
+known, needed) instead of a traceback. Callers remove their temp files; committed data is never touched, so the
+rerun after freeing space resumes and completes."""
+
+from __future__ import annotations
+
+import errno
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+from schemas.errors import UserError
+
+_FULL = (errno.ENOSPC, errno.EDQUOT)
+_READ_ONLY = (errno.EROFS, errno.EACCES, errno.EPERM)
+
+
+class DiskFullError(UserError):
+    """No space left while writing (ENOSPC / EDQUOT)."""
+
+
+def is_disk_full(e: BaseException) -> bool:
+    if isinstance(e, OSError) and e.errno in _FULL:
+        return True
+    text = str(e)  # safetensors (Rust) raises SafetensorError("... No space left on device (os error 28)")
+    return "os error 28" in text or "No space left on device" in text
+
+
+def is_not_writable(e: BaseException) -> bool:
+    return isinstance(e, PermissionError) or (isinstance(e, OSError) and e.errno in _READ_ONLY)
+
+
+def _free(where: Path) -> str:
+    p = Path(where)
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        return f"{shutil.disk_usage(p).free / 1e6:.1f} MB free"
+    except OSError:
+        return "free space unknown"
+
+
+def describe(e: BaseException, what: str, where: Path, need: int | None = None) -> UserError | None:
+    """The one-line error for a disk-full / not-writable failure, else None."""
+    if is_disk_full(e):
+        needed = f", about {need / 1e6:.1f} MB needed" if need else ""
+        return DiskFullError(f"disk full while writing {what} in {where} ({_free(where)}{needed}); free space "
+                             "and rerun: what was already committed is kept, the partial write was removed")
+    if is_not_writable(e):
+        name = getattr(e, "filename", None) or where
+        return UserError(f"cannot write {what}: {name} is not writable ({getattr(e, 'strerror', None) or e}); "
+                         "check the folder's permissions or choose another location")
+    return None
+
+
+@contextmanager
+def writing(what: str, where: Path, need: int | None = None) -> Iterator[None]:
+    """Turn a full disk / read-only folder inside the block into one clear UserError."""
+    try:
+        yield
+    except UserError:
+        raise
+    except Exception as e:  # anything that is not a full disk / read-only folder is re-raised unchanged
+        err = describe(e, what, where, need)
+        if err is None:
+            raise
+        raise err from None

@@ -1,0 +1,278 @@
+"""`pipeline store repair STORE [--dry-run]`: recompute exactly the damaged samples into a new version.
+
+Per table (current version v<N>, in the order images, text, vae):
+  1. scan: every sample's bytes against their checksum, every shard file against checksums.json (a full read,
+     as `store verify`); a damaged manifest is rebuilt from the intact per-shard indexes;
+  2. mark v<N> damaged (`<table>/v<N>.damaged.json`, outside the immutable folder): `find_version` never
+     reuses it, so the producing stage no longer calls it "up to date";
+  3. open a writer with v<N>'s exact schema (a new v<M>, or the one a killed repair left): intact shards are
+     hard-linked with their rows, the intact samples of damaged shards re-added from their verified bytes;
+  4. the producing stage, run with the same config and model, resumes v<M> and so computes only the damaged
+     samples (given as `recompute(table, schema)` by the CLI, which knows the stages); it commits v<M>;
+  5. verify v<M>. What cannot be repaired (schema.json or checksums.json damaged, no stage to recompute with,
+     a stage whose settings differ) is named and left as it is.
+Also: a damaged store.json is rebuilt (each table -> its newest intact complete version), and temp files left
+in complete versions by killed writes are removed.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from schemas.errors import UserError
+from schemas.table import TableSchema
+from store import format as fmt
+from store import integrity
+from store.checksum import file_crc
+from store.manifest import merge_indexes
+from store.reader import TableReader, read_schema
+from store.verify import verify_version
+
+TABLE_ORDER = {"images": 0, "text": 1, "vae": 2}
+DAMAGED_SUFFIX = ".damaged"  # `v<N>.damaged/`: not a version name, so every reader and writer ignores it
+
+
+@dataclass
+class TablePlan:
+    table: str
+    version: int
+    samples: int = 0
+    damaged: dict[str, str] = field(default_factory=dict)  # key -> problem
+    intact_shards: list[str] = field(default_factory=list)  # hard-linked as they are
+    copied: list[str] = field(default_factory=list)  # intact samples of damaged shards, re-added
+    manifest_rebuilt: bool = False
+    unrepairable: str | None = None
+    new_version: int | None = None
+
+    @property
+    def needs_repair(self) -> bool:
+        return self.unrepairable is None and bool(self.damaged or self.copied or self.manifest_rebuilt)
+
+
+@dataclass
+class RepairPlan:
+    root: Path
+    store_json: str | None = None  # problem with store.json (rebuilt from the versions on disk)
+    current: dict[str, int] = field(default_factory=dict)
+    litter: list[Path] = field(default_factory=list)
+    tables: list[TablePlan] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------- scanning
+
+
+def _intact_version(vdir: Path) -> bool:
+    try:
+        sums = integrity.read_version_checksums(vdir)
+        integrity.read_checked(vdir, fmt.SCHEMA_JSON, sums)
+        integrity.read_checked(vdir, fmt.MANIFEST, sums)
+        return True
+    except UserError:
+        return False
+
+
+def _current_versions(root: Path) -> tuple[dict[str, int], str | None]:
+    try:
+        rec = fmt.read_store_record(root)
+        return {t: int(v["current"]) for t, v in rec["tables"].items()}, None
+    except UserError as e:
+        found = {}
+        for d in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
+            done = [v for v in fmt.list_versions(root, d.name) if fmt.is_complete(fmt.version_dir(root, d.name, v))]
+            intact = [v for v in done if _intact_version(fmt.version_dir(root, d.name, v))]
+            if intact or done:
+                found[d.name] = (intact or done)[-1]
+        return found, str(e)
+
+
+def _manifest(vdir: Path, sums: dict | None, plan: TablePlan) -> pa.Table | None:
+    """The version's manifest; a damaged one is rebuilt from the per-shard indexes when they are intact."""
+    try:
+        from store.reader import read_manifest
+
+        return read_manifest(vdir, integrity.read_checked(vdir, fmt.MANIFEST, sums))
+    except UserError as e:
+        indexes = sorted(vdir.glob("shard-r*-*.index.parquet"))
+        try:
+            for p in indexes:
+                if sums is not None:
+                    integrity.check_bytes(vdir, p.name, p.read_bytes(), sums)
+            if not indexes:
+                raise UserError("no shard indexes")
+            plan.manifest_rebuilt = True
+            return merge_indexes(indexes)
+        except UserError as e2:
+            plan.unrepairable = f"manifest damaged ({e}) and cannot be rebuilt from the shard indexes ({e2})"
+            return None
+
+
+def scan_table(root: Path, table: str, version: int, progress: bool = True) -> TablePlan:
+    from tqdm import tqdm
+
+    plan = TablePlan(table, version)
+    vdir = fmt.version_dir(root, table, version)
+    if not fmt.is_complete(vdir):
+        plan.unrepairable = f"v{version} is missing or incomplete; rerun the stage that writes '{table}'"
+        return plan
+    try:
+        sums = integrity.read_version_checksums(vdir)
+        read_schema(vdir, integrity.read_checked(vdir, fmt.SCHEMA_JSON, sums))
+    except UserError as e:
+        plan.unrepairable = f"{e} (the table's identity is lost: rerun its stage, which writes a new version)"
+        return plan
+    manifest = _manifest(vdir, sums, plan)
+    if manifest is None:
+        return plan
+    if sums is None and {"sample_crc32c", "shard_crc32c"} & set(manifest.column_names):
+        plan.unrepairable = (f"{fmt.CHECKSUMS} is missing, so its manifest cannot be trusted (rerun the stage that "
+                             "writes it: a new version)")
+        return plan
+    reader = _reader_on(vdir, table, version, manifest)
+    plan.samples = len(reader)
+    shards_with_damage: set[str] = set(reader.bad_shards)
+    shard_col = reader.manifest.column("shard").to_pylist()
+    for shard in sorted(set(shard_col) - shards_with_damage):  # whole-file check: damage between samples too
+        want = sums.get(shard) if sums is not None else None
+        if want is not None and file_crc(vdir / shard) != (want["crc32c"], want["nbytes"]):
+            shards_with_damage.add(shard)
+    for key, shard in tqdm(list(zip(reader.keys(), shard_col)), desc=f"scan {table}/v{version}", unit="sample",
+                           disable=not progress):
+        problem = reader.damaged(key)
+        if problem is not None:
+            plan.damaged[key] = problem
+            shards_with_damage.add(shard)
+    plan.copied = [k for k, s in zip(reader.keys(), shard_col) if s in shards_with_damage and k not in plan.damaged]
+    plan.intact_shards = sorted(set(shard_col) - shards_with_damage)
+    reader.close()
+    return plan
+
+
+def _reader_on(vdir: Path, table: str, version: int, manifest: pa.Table) -> TableReader:
+    """A reader that skips damage, over a given (possibly rebuilt) manifest."""
+    return TableReader.over_manifest(vdir, table, version, manifest)
+
+
+def scan(root: Path, progress: bool = True) -> RepairPlan:
+    if not (root / fmt.STORE_JSON).is_file() and not any(root.glob("*/v*")):
+        raise UserError(f"no store at {root} (no store.json)")
+    plan = RepairPlan(root)
+    plan.current, plan.store_json = _current_versions(root)
+    for table in sorted(plan.current, key=lambda t: (TABLE_ORDER.get(t, 9), t)):
+        for v in fmt.list_versions(root, table):
+            vdir = fmt.version_dir(root, table, v)
+            if fmt.is_complete(vdir):
+                plan.litter += [p for p in vdir.iterdir() if fmt.is_litter(p.name)]
+        plan.tables.append(scan_table(root, table, plan.current[table], progress))
+    return plan
+
+
+def describe(plan: RepairPlan) -> list[str]:
+    lines = []
+    if plan.store_json:
+        lines.append(f"store.json: {plan.store_json} -> rebuilt naming "
+                     + ", ".join(f"{t} v{v}" for t, v in sorted(plan.current.items())) + " (newest intact versions)")
+    for p in plan.litter:
+        lines.append(f"remove leftover temp file {p}")
+    for t in plan.tables:
+        name = f"{t.table} v{t.version}"
+        if t.unrepairable:
+            lines.append(f"{name}: CANNOT REPAIR: {t.unrepairable}")
+        elif not t.needs_repair:
+            lines.append(f"{name}: intact ({t.samples} samples)")
+        else:
+            extra = ", manifest rebuilt from the shard indexes" if t.manifest_rebuilt else ""
+            lines.append(f"{name}: {len(t.damaged)} damaged sample(s) to recompute "
+                         f"({', '.join(sorted(t.damaged)[:5])}{' …' if len(t.damaged) > 5 else ''}), "
+                         f"{len(t.intact_shards)} intact shard(s) carried forward, {len(t.copied)} intact sample(s) "
+                         f"of damaged shards copied{extra}")
+    return lines
+
+
+# ---------------------------------------------------------------- applying
+
+
+Recompute = Callable[[str, TableSchema], None]
+
+
+def apply(plan: RepairPlan, recompute: Recompute | None, echo: Callable[[str], None] = print) -> list[str]:
+    """Carry out the plan; returns what could not be repaired (empty: the store verifies)."""
+    from store.store import Store
+
+    root = plan.root
+    failed: list[str] = []
+    if plan.store_json:
+        rec = fmt.new_store_record()
+        rec["tables"] = {t: {"current": v} for t, v in plan.current.items()}
+        with fmt.flock(root / fmt.STORE_LOCK):
+            fmt.write_store_record(root, rec)
+        echo("store.json rebuilt")
+    for p in plan.litter:
+        p.unlink(missing_ok=True)
+    st = Store(root, create=False)
+    for t in plan.tables:
+        if t.unrepairable:
+            failed.append(f"{t.table} v{t.version}: {t.unrepairable}")
+            continue
+        if not t.needs_repair:
+            continue
+        try:
+            t.new_version = _repair_table(st, t, recompute, echo)
+        except UserError as e:
+            failed.append(f"{t.table} v{t.version}: {e}")
+            continue
+        problems = verify_version(st.version_dir(t.table, t.new_version), f"{t.table}/v{t.new_version}", progress=False)
+        if problems:
+            failed.append(f"{t.table} v{t.new_version} does not verify: {problems[0]}")
+        else:
+            # The damaged version leaves the store's version list (kept for inspection; delete it at will).
+            old = st.version_dir(t.table, t.version)
+            aside = old.with_name(f"{old.name}{DAMAGED_SUFFIX}")
+            os.rename(old, aside)
+            fmt.fsync_dir(old.parent)
+            echo(f"{t.table}: v{t.version} repaired as v{t.new_version} ({len(t.damaged)} recomputed, "
+                 f"{t.samples - len(t.damaged)} carried forward); verified. The damaged v{t.version} was moved "
+                 f"to {aside}")
+    return failed
+
+
+def _repair_table(st, t: TablePlan, recompute: Recompute | None, echo: Callable[[str], None]) -> int:
+    vdir = st.version_dir(t.table, t.version)
+    schema = read_schema(vdir)
+    if t.damaged and recompute is None:
+        raise UserError(f"{len(t.damaged)} damaged sample(s) need the stage that wrote them "
+                        f"({schema.lineage.stage}): pass --model (and the --config it was built with)")
+    fmt.atomic_write_json(fmt.damaged_marker(st.root, t.table, t.version),
+                          {"version": t.version, "damaged": t.damaged})
+    sums = integrity.read_version_checksums(vdir)
+    manifest = _manifest(vdir, sums, TablePlan(t.table, t.version))
+    assert manifest is not None
+    reader = _reader_on(vdir, t.table, t.version, manifest)
+    w = st.writer(t.table, schema)
+    try:
+        for shard in t.intact_shards:
+            w.carry_shard(vdir, shard, manifest.filter(pc.equal(manifest.column("shard"), shard)))
+        for key in t.copied:
+            if key not in w.done_keys:
+                s = reader.get(key)  # checked: only intact bytes are copied
+                meta = {k: v for k, v in s["meta"].items() if v is not None}
+                w.add(key, tensors=s["tensors"], files=s["files"], meta=meta)
+        new = w.version
+        if not t.damaged:
+            return w.commit()
+        w.finish_rank()
+    finally:
+        w.close()
+        reader.close()
+    echo(f"{t.table}: recomputing {len(t.damaged)} damaged sample(s) with {schema.lineage.stage} into v{new}")
+    assert recompute is not None
+    recompute(t.table, schema)
+    if st.tables().get(t.table) != new or not fmt.is_complete(st.version_dir(t.table, new)):
+        raise UserError(f"{schema.lineage.stage} did not complete v{new} (its settings differ from those that built "
+                        f"v{t.version}?): rerun repair with the --config and --model it was built with")
+    return new

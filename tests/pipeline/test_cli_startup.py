@@ -1,0 +1,81 @@
+"""What every command shows before it does anything: `--help` without the model stack, and a model-loading
+command without the two known-harmless messages torchao's import logs (while other warnings still show)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from enum import Enum
+from pathlib import Path
+
+from PIL import Image
+
+REPO = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
+HEAVY = ("torch", "diffusers", "transformers", "peft", "torchao", "accelerate")
+
+# Runs the CLI in-process with the given args, then prints which heavy modules got imported.
+PROBE = """
+import sys
+from pipeline.cli import app
+try:
+    app(sys.argv[1:], prog_name="pipeline")
+except SystemExit:
+    pass
+print("IMPORTED", sorted(m for m in {heavy!r} if m in sys.modules))
+"""
+
+
+def _imported_by(*args: str) -> str:
+    proc = subprocess.run([sys.executable, "-c", PROBE.format(heavy=HEAVY), *args], env=ENV,
+                          capture_output=True, text=True, timeout=120)
+    assert "Usage:" in proc.stdout, proc.stderr[-2000:]
+    return proc.stdout.rsplit("IMPORTED", 1)[1].strip()
+
+
+def test_help_does_not_import_the_model_stack():
+    for args in (["--help"], ["run", "train", "--help"], ["run", "encode-text", "--help"], ["demo", "--help"],
+                 ["store", "inspect", "--help"], ["predict", "--help"]):
+        assert _imported_by(*args) == "[]", args
+
+
+def test_model_loading_command_has_no_torchao_import_noise(tiny_plus_model, tmp_path):
+    Image.new("RGB", (64, 48), (200, 30, 30)).save(tmp_path / "in.png")
+    cmd = [sys.executable, "-m", "pipeline.cli", "predict", "--model", tiny_plus_model, "--image", str(tmp_path / "in.png"),
+           "--prompt", "make it blue", "--out", str(tmp_path / "out.png"), "--steps", "2", "--height", "64", "--width", "64"]
+    proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "out.png").is_file()
+    assert "Enum subclass" not in proc.stderr and "Unable to import `torchao`" not in proc.stderr, proc.stderr[-3000:]
+
+
+def test_the_filters_drop_only_torchao_messages(caplog):
+    import models.quiet_imports  # noqa: F401  (installs the filters)
+
+    class Mine(Enum):
+        A = 1
+
+    Mine.__module__ = "somebody.else"
+    torchao_enum = Enum("KernelPreference", "AUTO")
+    torchao_enum.__module__ = "torchao.quantization.quantize_.common.kernel_preference"
+    msg = "%s is an Enum subclass and is now natively supported by torch.compile as an opaque value type."
+    pytree = logging.getLogger("torch.utils._pytree")
+    with caplog.at_level(logging.WARNING):
+        pytree.warning(msg, torchao_enum)
+        pytree.warning(msg, Mine)
+        pytree.warning("some other pytree problem")
+        quantizer = logging.getLogger("diffusers.quantizers.torchao.torchao_quantizer")
+        quantizer.warning("Unable to import `torchao` Tensor objects. This may affect loading checkpoints")
+        quantizer.warning("a real torchao quantizer problem")
+    shown = [r.getMessage() for r in caplog.records]
+    assert shown == [msg % Mine, "some other pytree problem", "a real torchao quantizer problem"]
+
+
+def test_bench_scripts_answer_help_without_running():
+    for script in sorted((REPO / "bench").glob("*.py")):
+        proc = subprocess.run([sys.executable, str(script), "--help"], env=ENV, capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 0 and proc.stdout.startswith("usage:"), (script.name, proc.stderr[-2000:])
+        assert "==" not in proc.stdout, script.name  # no benchmark section ran

@@ -1,0 +1,46 @@
+"""`pipeline demo --workdir DIR` writes only into a new/empty folder or a previous demo workdir."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from pipeline.cli import app
+from pipeline.demo_workdir import MARKER, claim_workdir
+from schemas.errors import UserError
+
+
+def test_demo_refuses_a_folder_with_other_files(tmp_path):
+    data = tmp_path / "my-dataset"
+    (data / "target").mkdir(parents=True)
+    (data / "target" / "a.png").write_bytes(b"not ours")
+    res = CliRunner().invoke(app, ["demo", "--workdir", str(data)])
+    assert res.exit_code == 1
+    assert f"--workdir {data} is not empty and is not a previous demo workdir" in res.output
+    assert f"--workdir {data / 'demo-workdir'}" in res.output  # says what to do
+    assert sorted(p.name for p in data.iterdir()) == ["target"]  # nothing written (no config.yaml, no marker)
+    file = tmp_path / "notes.txt"
+    file.write_text("x")
+    with pytest.raises(UserError, match="is a file"):
+        claim_workdir(file)
+
+
+def test_new_empty_and_previous_demo_workdirs_are_accepted(tmp_path):
+    new = tmp_path / "a" / "b"
+    claim_workdir(new)  # created and marked
+    assert (new / MARKER).is_file()
+    (new / "store").mkdir()
+    claim_workdir(new)  # a rerun into the demo's own workdir
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    claim_workdir(empty)
+    # a workdir written before the marker existed: its config.yaml points at DIR/store
+    legacy = tmp_path / "legacy"
+    (legacy / "store").mkdir(parents=True)
+    (legacy / "config.yaml").write_text(f"paths:\n  store: {legacy / 'store'}\n")
+    claim_workdir(legacy)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.yaml").write_text("paths:\n  store: /somewhere/else\n")
+    with pytest.raises(UserError, match="not a previous demo workdir"):
+        claim_workdir(other)

@@ -1,0 +1,62 @@
+"""Progress bars a user watches: resize-bucket's has a total (so a % and an ETA); the encode bars move per
+encoded request and count samples read from the first second, instead of sitting at 0% until batches fill."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from pipeline.demo_data import make_demo_data
+from stages.encode.progress import SampleProgress
+
+REPO = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "pipeline.cli", *args], env={**ENV, "COLUMNS": "200"},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def test_sample_progress_moves_before_a_sample_is_complete():
+    out = io.StringIO()
+    bar = SampleProgress(3, "encode-vae", file=out)
+    bar.bar.mininterval = 0  # draw every change
+    for _ in range(3):
+        bar.sample_read()  # read and preprocessed, waiting for a batch
+    assert "0.0/3 samples" in out.getvalue() and "read 3" in out.getvalue()
+    bar.encoded(2)  # the target of a sample with one control (2 requests)
+    assert "0.5/3 samples" in out.getvalue().rsplit("\r", 1)[-1]
+    for requests in (2, 3, 3, 3):
+        bar.encoded(requests)
+    bar.skipped()  # a quarantined sample counts as done
+    bar.close()
+    last = out.getvalue().rsplit("\r", 1)[-1]
+    assert bar.bar.n == 3  # exactly: thirds never sum past the total
+    assert "100%" in last and "3.0/3 samples" in last and "sample/s" in last
+
+
+def test_resize_bucket_and_encode_bars_through_the_cli(tiny_plus_model, tmp_path):
+    make_demo_data(tmp_path / "data", n=5, fmt="folder", max_controls=2, seed=4)
+    store = str(tmp_path / "store")
+    resize = _cli("run", "resize-bucket", "--source", str(tmp_path / "data"), "--store", store, "--area", "4096")
+    assert "resize-bucket (folder): 100%|" in resize.stderr and "5/5 [" in resize.stderr, resize.stderr
+    vae = _cli("run", "encode-vae", "--store", store, "--model", tiny_plus_model, "--batch-size", "4")
+    final = vae.stderr.rsplit("\r", 1)[-1]
+    assert "encode-vae: 100%|" in final and "5.0/5 samples" in final and "read 5" in final, vae.stderr
+
+
+def test_resize_bar_total_counts_every_source_format(tmp_path):
+    from stages.resize.source_count import count_samples
+    from stages.resize.sources import detect_format, iter_source
+
+    for fmt in ("folder", "webdataset", "jsonl"):
+        root = tmp_path / fmt
+        make_demo_data(root, n=7, fmt=fmt, max_controls=2, seed=1)
+        found = detect_format(root)
+        assert count_samples(root, found) == sum(1 for _ in iter_source(root)) == 7, fmt

@@ -1,0 +1,114 @@
+"""`pipeline store repair`: damaged samples of the text and vae tables are recomputed by their stages (only
+those: the rest is carried forward), the store verifies again and trains to the very LoRA of the clean store;
+what cannot be repaired is named; a damaged store.json is rebuilt."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+from typer.testing import CliRunner
+
+from models.lora import read_lora
+from pipeline.cli import app
+from pipeline.config import load_config
+from stages.encode import text as encode_text, vae as encode_vae
+from stages.train.recipe import run as train
+from store import Store
+from store import format as fmt
+from store.verify import verify_store
+
+runner = CliRunner()
+SMALL_SHARDS = {"encode_text.shard_size_mb": 0.005, "encode_vae.shard_size_mb": 0.005}  # not part of the lineage
+TRAIN = {"train.device": "cpu", "train.batch_size": 2, "train.max_steps": 3, "train.lora.rank": 4,
+         "train.learning_rate": 2e-3}
+
+
+def _flip(root: Path, table: str, index: int, where: str = "tensor") -> str:
+    r = Store(root).reader(table)
+    key = sorted(r.keys())[index]
+    row = r.manifest.to_pylist()[r.keys().index(key)]
+    pos = row["tensors"][0]["offset"] + 5 if where == "tensor" else row["sample_offset"] + 3
+    shard = r.dir / row["shard"]
+    r.close()
+    data = bytearray(shard.read_bytes())
+    data[pos] ^= 0x20
+    shard.write_bytes(bytes(data))
+    return key
+
+
+def test_repair_recomputes_only_damaged_samples_and_trains_to_the_clean_lora(tiny_edit_model, edit_store, tmp_path):
+    cfg = load_config(None, SMALL_SHARDS)
+    encode_text.run(cfg, edit_store, tiny_edit_model)
+    encode_vae.run(cfg, edit_store, tiny_edit_model)
+    clean = Path(shutil.copytree(edit_store, tmp_path / "clean"))
+    assert len(list((edit_store / "vae" / "v1").glob("*.tar"))) > 2
+    bad_text = _flip(edit_store, "text", 1)
+    bad_vae = _flip(edit_store, "vae", 4, where="header")
+    assert verify_store(edit_store, progress=False)
+
+    res = runner.invoke(app, ["store", "repair", str(edit_store), "--dry-run"])
+    assert res.exit_code == 0 and "dry run: nothing changed" in res.output
+    assert f"text v1: 1 damaged sample(s) to recompute ({bad_text})" in res.output
+    assert f"vae v1: 1 damaged sample(s) to recompute ({bad_vae})" in res.output
+    assert Store(edit_store).versions("vae") == [1]
+
+    res = runner.invoke(app, ["store", "repair", str(edit_store), "--model", tiny_edit_model])
+    assert res.exit_code == 0, res.output
+    assert "encoded 1," in res.output  # each stage computed exactly the one damaged sample
+    assert "ok:" in res.output and verify_store(edit_store, progress=False) == []
+    st = Store(edit_store)
+    assert st.tables()["text"] == 2 and st.tables()["vae"] == 2
+    linked = [p for p in (edit_store / "vae" / "v2").glob("*.tar") if p.stat().st_nlink == 2]
+    assert linked  # intact shards carried forward as hard links, not copies
+    for table in ("text", "vae"):
+        a, b = Store(clean).reader(table), st.reader(table)
+        assert a.keys() == b.keys()
+        for k in a.keys():
+            ta, tb = a.tensors(k), b.tensors(k)
+            assert ta.keys() == tb.keys() and all(torch.equal(ta[n], tb[n]) for n in ta)
+    assert "nothing to repair" in runner.invoke(app, ["store", "repair", str(edit_store)]).output
+
+    cfg_t = load_config(None, TRAIN)
+    train(cfg_t, clean, tiny_edit_model, tmp_path / "run-clean")
+    train(cfg_t, edit_store, tiny_edit_model, tmp_path / "run-repaired")
+    la, lb = read_lora(tmp_path / "run-clean" / "lora")[0], read_lora(tmp_path / "run-repaired" / "lora")[0]
+    assert la.keys() == lb.keys() and all(torch.equal(la[k], lb[k]) for k in la)
+
+
+def test_repair_names_what_it_cannot_repair_and_rebuilds_store_json(edit_store, tmp_path):
+    bad = _flip(edit_store, "images", 2, where="header")  # the fixture's images have no real source to re-render from
+    path = edit_store / fmt.STORE_JSON
+    data = bytearray(path.read_bytes())
+    data[data.index(b'"current"') + 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    res = runner.invoke(app, ["store", "repair", str(edit_store)])
+    assert res.exit_code == 1
+    assert "store.json rebuilt" in res.output and f"images v1: 1 damaged sample(s) to recompute ({bad})" in res.output
+    assert "not repaired: images v1:" in res.output and "pass --source" in res.output
+    assert Store(edit_store).tables() == {"images": 1}  # store.json readable again
+
+
+def test_repair_re_renders_damaged_images_from_the_source(tmp_path):
+    import yaml
+
+    from pipeline.demo_data import make_demo_data
+    from stages.resize import stage as resize_bucket
+
+    settings = {"resize": {"target_area": 64 * 64, "control_vl_area": 48 * 48, "control_vae_area": 64 * 64,
+                           "multiple": 16, "min_side": 16, "shard_size_mb": 0.01}}
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(settings))
+    make_demo_data(tmp_path / "src", n=8, fmt="folder", max_controls=1, seed=1)
+    store = tmp_path / "store"
+    resize_bucket.run(load_config(config), tmp_path / "src", store)
+    clean = Path(shutil.copytree(store, tmp_path / "clean"))
+    bad = _flip(store, "images", 3, where="header")
+    res = runner.invoke(app, ["store", "repair", str(store), "--config", str(config)])  # source: from the schema
+    assert res.exit_code == 0, res.output
+    assert f"images v1: 1 damaged sample(s) to recompute ({bad})" in res.output and "ok:" in res.output
+    a, b = Store(clean).reader("images"), Store(store).reader("images")
+    assert b.version == 2 and a.keys() == b.keys()
+    assert all(a.files(k) == b.files(k) for k in a.keys())  # re-rendered bytes equal the clean ones
+    assert verify_store(store, progress=False) == []

@@ -1,0 +1,347 @@
+"""Damage after the write: verify reports every flipped bit of the metadata files, readers refuse damaged samples
+and missing / short shards with one clear error (or report them when asked to skip)."""
+
+from __future__ import annotations
+
+import json
+import re
+import tarfile
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from schemas.errors import UserError
+from store import Store
+from store import format as fmt
+from store.checksum import SealError, seal, unseal
+from store.integrity import DamagedData
+from store.verify import verify_store
+from store_samples import fill, key_of
+
+
+def _flip(path: Path, pos: int, bit: int) -> bytes:
+    clean = path.read_bytes()
+    bad = bytearray(clean)
+    bad[pos] ^= 1 << bit
+    path.write_bytes(bytes(bad))
+    return clean
+
+
+def _problems(root: Path) -> list[str]:
+    return verify_store(root, progress=False)
+
+
+def test_sealed_json_roundtrip_and_every_bit_flip_detected() -> None:
+    obj = {"format": "x", "tables": {"vae": {"current": 3}}, "n": [1, 2.5, "é"]}
+    data = seal(obj)
+    assert unseal(data) == obj
+    for pos in range(len(data)):
+        for bit in range(8):
+            bad = bytearray(data)
+            bad[pos] ^= 1 << bit
+            with pytest.raises(SealError):
+                unseal(bytes(bad))
+
+
+def test_verify_reports_every_flip_of_store_schema_checksums_and_manifest(store: Store) -> None:
+    """store.json, schema.json, checksums.json: every byte; manifest.parquet: every 7th byte (test time); the bit
+    flipped is the position mod 8 (every bit of a sealed file: the test above). By design every single-bit flip is caught (CRC32C of each file's exact bytes, see store/verify.py)."""
+    fill(store, 2, shard_size_mb=1)
+    root, vdir = store.root, store.root / "vae" / "v1"
+    assert _problems(root) == []
+    targets = [(root / fmt.STORE_JSON, range(len((root / fmt.STORE_JSON).read_bytes())), None)]
+    for name, stride in ((fmt.SCHEMA_JSON, 1), (fmt.CHECKSUMS, 1), (fmt.MANIFEST, 7)):
+        n = len((vdir / name).read_bytes())
+        targets.append((vdir / name, range(0, n, stride), None))
+    flips = 0
+    for path, positions, bits in targets:
+        for pos in positions:
+            for bit in (bits if bits is not None else [pos % 8]):
+                clean = _flip(path, pos, bit)
+                try:
+                    problems = _problems(root)
+                finally:
+                    path.write_bytes(clean)
+                assert problems, (path.name, pos, bit)
+                flips += 1
+    assert flips > 2000
+    assert _problems(root) == []
+
+
+def test_verify_reports_each_damaged_shard_byte_kind_and_leftover_temp_files(store: Store) -> None:
+    fill(store, 6, shard_size_mb=1)
+    vdir = store.root / "vae" / "v1"
+    shard = sorted(vdir.glob("*.tar"))[0]
+    for pos in (0, 520, len(shard.read_bytes()) - 1):  # tar header, safetensors header, end padding
+        clean = _flip(shard, pos, 3)
+        assert any(shard.name in p and "damaged" in p for p in _problems(store.root)), pos
+        shard.write_bytes(clean)
+    litter = vdir / ".shard-r00-000000.index.parquet.tmp-123"
+    litter.write_bytes(b"x")
+    assert any("temp file left by an interrupted write" in p for p in _problems(store.root))
+    litter.unlink()
+    assert _problems(store.root) == []
+
+
+def _member_offsets(shard: Path, key: str) -> dict[str, int]:
+    with tarfile.open(shard) as tf:
+        return {m.name.split(".", 1)[1]: m.offset_data for m in tf.getmembers() if m.name.startswith(key)}
+
+
+@pytest.mark.parametrize("kind", ["target", "control_0", "mask_weight", "target.png", "json", "tar-header"])
+def test_reader_refuses_a_damaged_byte_of_each_kind(store: Store, kind: str) -> None:
+    fill(store, 6, shard_size_mb=1)
+    key = key_of(1)  # sample 1: one control, a mask weight, a png
+    r = store.reader("vae")
+    row = r.manifest.to_pylist()[r.keys().index(key)]
+    shard = r.dir / row["shard"]
+    tensors = {t["name"]: t for t in row["tensors"]}
+    files = {f["name"]: f for f in row["files"]}
+    if kind in tensors:
+        pos = tensors[kind]["offset"] + tensors[kind]["nbytes"] // 2
+    elif kind in files:
+        pos = files[kind]["offset"] + 1
+    elif kind == "json":
+        pos = _member_offsets(shard, key)["json"] + 2
+    else:
+        pos = row["sample_offset"] + 10  # the first member's tar header (its name)
+    r.close()
+    _flip(shard, pos, 0)
+    r = store.reader("vae")
+    with pytest.raises(DamagedData) as e:
+        r.get(key)
+    msg = str(e.value)
+    assert "table 'vae' v1" in msg and shard.name in msg and key in msg and "pipeline store repair" in msg
+    assert r.damaged(key) is not None
+    other = key_of(2)
+    assert r.damaged(other) is None and r.get(other)["key"] == other  # the rest reads on
+    assert any(key in p for p in _problems(store.root))
+
+
+@pytest.mark.parametrize("damage", ["missing", "truncated"])
+def test_reader_refuses_missing_or_short_shard_on_open_and_skip_reports(store: Store, damage: str) -> None:
+    fill(store, 8, shard_size_mb=0.002)
+    vdir = store.root / "vae" / "v1"
+    shards = sorted(vdir.glob("*.tar"))
+    assert len(shards) >= 2
+    if damage == "missing":
+        shards[0].unlink()
+    else:
+        shards[0].write_bytes(shards[0].read_bytes()[:600])  # inside the first sample's safetensors member
+    with pytest.raises(DamagedData, match=rf"table 'vae' v1 .*{shards[0].name}.*pipeline store repair"):
+        store.reader("vae")
+    r = store.reader("vae", on_damaged="skip")
+    bad = [k for k in r.keys() if r.damaged(k)]
+    in_shard = pq.read_table(vdir / fmt.MANIFEST).to_pylist()
+    lost = {x["key"] for x in in_shard if x["shard"] == shards[0].name}
+    assert set(bad) == lost
+    assert all(r.damaged(k) is None for k in set(r.keys()) - lost)
+
+
+def test_damaged_store_json_current_is_a_clear_error(store: Store) -> None:
+    fill(store, 2)
+    path = store.root / fmt.STORE_JSON
+    text = path.read_text()
+    i = text.index('"current"') + 3
+    _flip(path, i, 5)  # "current" -> "cuRrent": valid JSON, wrong key
+    with pytest.raises(UserError, match="store.json is damaged.*pipeline store repair"):
+        Store(store.root, create=False).tables()
+    # a format-1 store.json (no checksum) with a damaged table entry: a clear error too, not a KeyError
+    path.write_text(json.dumps({"format": fmt.STORE_FORMAT, "format_version": 1, "tables": {"vae": {"curent": 1}}}))
+    with pytest.raises(UserError, match="'tables' must map each table"):
+        Store(store.root, create=False)
+
+
+def test_version_without_checksums_json_but_with_checksum_columns_is_refused(store: Store) -> None:
+    fill(store, 3)
+    (store.root / "vae" / "v1" / fmt.CHECKSUMS).unlink()
+    with pytest.raises(DamagedData, match="checksums.json is missing"):
+        store.reader("vae")
+    assert any("checksums.json" in p for p in _problems(store.root))
+
+
+def test_commit_removes_leftover_temp_files(store: Store) -> None:
+    from store_samples import sample, vae_schema
+
+    w = store.writer("vae", vae_schema())
+    s = sample(0)
+    w.add(s["key"], tensors=s["tensors"], files=s["files"], meta=s["meta"])
+    w.finish_rank()
+    (w.dir / ".shard-r00-000000.index.parquet.tmp-999").write_bytes(b"half")
+    w.commit()
+    assert not [p for p in (store.root / "vae" / "v1").iterdir() if fmt.is_litter(p.name)]
+    assert _problems(store.root) == []
+
+
+def test_format_1_store_stays_readable(store: Store) -> None:
+    """A store written before checksums (format 1): no checksums.json, no crc columns, unsealed store.json."""
+    fill(store, 3)
+    vdir = store.root / "vae" / "v1"
+    (vdir / fmt.CHECKSUMS).unlink()
+    m = pq.read_table(vdir / fmt.MANIFEST)
+    pq.write_table(m.drop_columns(["shard_crc32c", "sample_crc32c"]), vdir / fmt.MANIFEST)
+    (store.root / fmt.STORE_JSON).write_text(json.dumps(
+        {"format": fmt.STORE_FORMAT, "format_version": 1, "tables": {"vae": {"current": 1}}}))
+    r = Store(store.root, create=False).reader("vae")
+    assert not r.checksummed and all(r.damaged(k) is None for k in r.keys())
+    assert _problems(store.root) == []
+    shard = sorted(vdir.glob("*.tar"))[0]
+    row = [x for x in m.to_pylist() if x["shard"] == shard.name][0]
+    _flip(shard, row["tensors"][0]["offset"], 1)
+    r = Store(store.root, create=False).reader("vae")
+    assert re.search("sha256 mismatch", r.damaged(row["key"]) or "")
+
+
+# ---------------------------------------------------------------- full disk, read-only store
+
+
+def _fail_after(monkeypatch, budget: int) -> None:
+    """Shard writes fail with ENOSPC once `budget` more bytes have been written (a disk filling up)."""
+    import errno
+
+    from store import shard
+
+    real = shard._HashingFile.write
+    left = [budget]
+
+    def write(self, b):
+        left[0] -= len(b)
+        if left[0] < 0:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(self, b)
+
+    monkeypatch.setattr(shard._HashingFile, "write", write)
+
+
+def _no_litter(root: Path) -> None:
+    left = [p for p in root.rglob("*") if fmt.is_litter(p.name) or p.name.endswith(".tmp")]
+    assert not left, left
+
+
+def test_full_disk_in_a_shard_is_one_error_and_rerun_completes_each_sample_once(store: Store, monkeypatch) -> None:
+    from store.io_errors import DiskFullError
+    from store_samples import sample, vae_schema
+
+    _fail_after(monkeypatch, 30_000)
+    w = store.writer("vae", vae_schema(), shard_size_mb=0.01)
+    with pytest.raises(DiskFullError, match=r"disk full while writing a shard of table 'vae' v1 in .*MB free"):
+        for i in range(12):
+            s = sample(i)
+            w.add(s["key"], tensors=s["tensors"], files=s["files"], meta=s["meta"])
+    w.close()
+    _no_litter(store.root)
+    monkeypatch.undo()
+    w = store.writer("vae", vae_schema(), shard_size_mb=0.01)
+    assert w.version == 1 and 0 < len(w.done_keys) < 12
+    for i in range(12):
+        s = sample(i)
+        if s["key"] not in w.done_keys:
+            w.add(s["key"], tensors=s["tensors"], files=s["files"], meta=s["meta"])
+    w.commit()
+    r = store.reader("vae")
+    assert sorted(r.keys()) == sorted(key_of(i) for i in range(12))
+    assert _problems(store.root) == []
+
+
+def test_full_disk_writing_the_manifest_leaves_no_temp_file_and_rerun_commits(store: Store, monkeypatch) -> None:
+    import errno
+
+    from store.io_errors import DiskFullError
+    from store_samples import vae_schema
+
+    real = fmt.atomic_write_bytes
+
+    def full_for_manifest(path, data):
+        if path.name == fmt.MANIFEST:
+            tmp = path.with_name(f".{path.name}.tmp-{__import__('os').getpid()}")
+            tmp.write_bytes(data[: len(data) // 2])
+            try:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            finally:
+                tmp.unlink()  # what atomic_write_bytes does on a failed write
+        real(path, data)
+
+    monkeypatch.setattr(fmt, "atomic_write_bytes", full_for_manifest)
+    with pytest.raises(DiskFullError, match="disk full while writing the manifest of table 'vae' v1"):
+        fill(store, 5)
+    assert "vae" not in store.tables() and not fmt.is_complete(store.root / "vae" / "v1")
+    _no_litter(store.root)
+    monkeypatch.undo()
+    w = store.writer("vae", vae_schema())
+    assert len(w.done_keys) == 5
+    w.commit()
+    assert len(store.reader("vae")) == 5 and _problems(store.root) == []
+
+
+def test_atomic_write_removes_its_temp_file_on_enospc(tmp_path: Path, monkeypatch) -> None:
+    import errno
+    import os
+
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    with pytest.raises(OSError):
+        fmt.atomic_write_bytes(tmp_path / "x.json", b"{}")
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_read_only_store_is_one_line(store: Store, monkeypatch) -> None:
+    """A store on a read-only mount: the first write (the writer's lock file) fails with EROFS (simulated: the
+    tests run as root, whom file modes do not stop)."""
+    import errno
+    import os
+
+    from store_samples import vae_schema
+
+    fill(store, 2)
+    real_open = os.open
+
+    def read_only_open(path, flags, *a):
+        if flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+        return real_open(path, flags, *a)
+
+    monkeypatch.setattr(os, "open", read_only_open)
+    with pytest.raises(UserError, match=r"cannot write table 'vae': .*\.write-r00\.lock is not writable"):
+        store.writer("vae", vae_schema("b"))
+
+
+def test_not_writable_errors_become_one_line() -> None:
+    import errno
+
+    from store.io_errors import describe
+
+    err = describe(OSError(errno.EROFS, "Read-only file system", "/s/vae/.write-r00.lock"), "table 'vae'", Path("/s"))
+    assert err is not None and "cannot write table 'vae': /s/vae/.write-r00.lock is not writable" in str(err)
+    assert describe(ValueError("x"), "a", Path("/")) is None
+
+
+def test_every_bit_flip_of_store_json_is_refused_on_open(store: Store) -> None:
+    fill(store, 2)
+    path = store.root / fmt.STORE_JSON
+    clean = path.read_bytes()
+    for pos in range(len(clean)):
+        for bit in range(8):
+            _flip(path, pos, bit)
+            with pytest.raises(UserError):
+                fmt.read_store_record(store.root)
+            path.write_bytes(clean)
+    assert Store(store.root, create=False).tables() == {"vae": 1}
+
+
+def test_repair_dry_run_names_what_it_cannot_repair(store: Store) -> None:
+    from typer.testing import CliRunner
+
+    from pipeline.cli import app
+
+    fill(store, 3)
+    (store.root / "vae" / "v1" / fmt.CHECKSUMS).unlink()
+    res = CliRunner().invoke(app, ["store", "repair", str(store.root), "--dry-run"])
+    assert res.exit_code == 0 and "vae v1: CANNOT REPAIR: checksums.json is missing" in res.output
+    res = CliRunner().invoke(app, ["store", "repair", str(store.root)])
+    assert res.exit_code == 1 and "not repaired: vae v1: checksums.json is missing" in res.output
