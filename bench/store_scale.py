@@ -32,6 +32,7 @@ import pyarrow.parquet as pq
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from store import format as fmt  # noqa: E402
+from store.integrity import write_version_checksums  # noqa: E402
 from store.manifest import FILE_STRUCT, TENSOR_STRUCT  # noqa: E402
 
 HIDDEN = 3584
@@ -102,6 +103,7 @@ def _table(vdir: Path, name: str, keys: list[str], tensor_names: list[list[str]]
         [flat_names, pa.array(t_offset), pa.array(flat_nbytes), pa.array(["bfloat16"] * len(flat_nbytes)), flat_shapes],
         fields=list(TENSOR_STRUCT)), per_row)
     sha = "0" * 64
+    zero = _zero_crcs(np.concatenate([sample_bytes, shard_sizes + 10240]))  # shards are sparse: all zero bytes
     cols = {
         "key": pa.array(keys, pa.string()),
         "shard": pa.array([names[i] for i in shard], pa.string()),
@@ -112,13 +114,36 @@ def _table(vdir: Path, name: str, keys: list[str], tensor_names: list[list[str]]
         "sample_sha256": pa.array([sha] * n, pa.string()),
         "tensors": tensors,
         "files": _lists(pa.array([], FILE_STRUCT), np.zeros(n, np.int64)),
+        # store format 2: the reader checks each sample's CRC32C on its first read, as in a real store
+        "shard_crc32c": pa.array([zero[int(x)] for x in shard_sizes[shard] + 10240], pa.string()),
+        "sample_crc32c": pa.array([zero[int(x)] for x in sample_bytes], pa.string()),
         **meta,
     }
-    pq.write_table(pa.table(cols), vdir / fmt.MANIFEST)
     lineage = {"stage": f"encode-{name}", "config_hash": "bench", "model_fingerprint": "bench",
                "upstream": {}, "code_version": "bench"}
     (vdir / fmt.SCHEMA_JSON).write_text(json.dumps({"table": name, "schema_version": 2, "fields": [],
                                                     "lineage": lineage, "attrs": {}}))
+    table = pa.table(cols)
+    data = fmt.parquet_bytes(table)
+    write_version_checksums(vdir, table, data)  # lists schema.json and every shard (CRCs from the columns)
+    fmt.atomic_write_bytes(vdir / fmt.MANIFEST, data)
+
+
+def _zero_crcs(lengths: np.ndarray) -> dict[int, str]:
+    """CRC32C of n zero bytes for each distinct n, extending one running CRC (total work: the largest n)."""
+    import crc32c
+
+    out: dict[int, str] = {}
+    crc, at = 0, 0
+    chunk = bytes(1 << 22)
+    for n in np.unique(lengths):
+        n = int(n)
+        while at < n:
+            step = min(n - at, len(chunk))
+            crc = crc32c.crc32c(memoryview(chunk)[:step], crc)
+            at += step
+        out[n] = f"{crc:08x}"
+    return out
 
 
 def build(root: Path, n: int, seed: int = 0) -> None:
@@ -153,8 +178,10 @@ def build(root: Path, n: int, seed: int = 0) -> None:
     vae_meta = {"split": split, "img_shapes": img_shapes, "num_controls": pa.array(controls),
                 "has_mask": pa.array(np.zeros(n, bool))}
     _table(root / "vae" / "v1", "vae", keys, vae_names, vae_shapes, vae_meta, rng)
-    (root / fmt.STORE_JSON).write_text(json.dumps({**fmt.new_store_record(), "tables": {
-        "text": {"current": 1}, "vae": {"current": 1}}}))
+    # sealed store.json (format 2); the synthetic versions carry no checksums.json (read as format-1 versions:
+    # samples checked against sample_sha256 on first read, no shard crc columns)
+    fmt.write_store_record(root, {**fmt.new_store_record(), "tables": {
+        "text": {"current": 1}, "vae": {"current": 1}}})
 
 
 def rss() -> int:
