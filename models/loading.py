@@ -107,7 +107,22 @@ def _file_digest(f: Path, cache: dict[str, str]) -> str:
 @lru_cache(maxsize=16)
 def model_fingerprint(model: str) -> str:
     """Hash of every file of the model folder (names + full contents): any changed weight is a new model."""
+    return _files_fingerprint(resolve_model(model), None)
+
+
+@lru_cache(maxsize=32)
+def component_fingerprint(model: str, components: tuple[str, ...]) -> str:
+    """Hash of the files of the named component subfolders only (e.g. ("vae",)): what a stage's features depend
+    on, so another model sharing the same VAE files (Edit -> Edit-2509) reuses the stored latents."""
     root = resolve_model(model)
+    present = tuple(c for c in components if (root / c).is_dir())  # e.g. a model without a separate tokenizer
+    if not present:
+        raise ModelNotFoundError(f"model {model!r} has none of the folders {list(components)} in {root}")
+    return _files_fingerprint(root, present)
+
+
+def _files_fingerprint(root: Path, components: tuple[str, ...] | None) -> str:
+    files = sorted(root.rglob("*")) if components is None else sorted(f for c in components for f in (root / c).rglob("*"))
     cache_file = _fingerprint_cache()
     try:
         cache = json.loads(cache_file.read_text())
@@ -115,7 +130,7 @@ def model_fingerprint(model: str) -> str:
         cache = {}
     known = len(cache)
     h = hashlib.sha256()
-    for f in sorted(root.rglob("*")):
+    for f in files:
         if f.is_file():
             h.update(str(f.relative_to(root)).encode())
             h.update(_file_digest(f, cache).encode())

@@ -84,7 +84,8 @@ def stages() -> list[tuple[str, Callable[[PipelineConfig, Paths], StageSummary]]
         ("encode-vae", lambda cfg, p: encode_vae.run(cfg, p.store, p.model)),
         # resume=True: a killed `run all` continues its training
         ("train", lambda cfg, p: train.run(cfg, p.store, p.model, p.run, resume=True, skip_if_done=True)),
-        ("evaluate", lambda cfg, p: evaluate.run(cfg.evaluate, p.store, p.model, p.lora, p.report, skip_if_done=True)),
+        ("evaluate", lambda cfg, p: evaluate.run(cfg.evaluate, p.store, p.model, p.lora, p.report, skip_if_done=True,
+                                                  max_dropped_fraction=cfg.train.max_dropped_fraction)),
     ]
 
 

@@ -185,6 +185,10 @@ class TrainConfig(Section):
     lora: LoraConfig = LoraConfig()
     sigma: SigmaConfig = SigmaConfig()
     loss: LossConfig = LossConfig()
+    max_dropped_fraction: float = Field(0.05, ge=0.0, le=1.0, description="train/evaluate use the samples both the "
+                                        "text and vae tables hold; fail when more than this share of the split is "
+                                        "missing from either (reasons in STORE/quarantine.parquet)")
+    max_open_shards: int = Field(256, gt=0, description="memory-mapped shards kept open per table (LRU)")
     init_lora: str | None = Field(None, description="start from this LoRA (diffusers, kohya lora_unet_*, ComfyUI "
                                   "diffusion_model.*); rank and targets must match train.lora")
     optimizer: Literal["adamw", "adamw8bit", "adafactor", "prodigy"] = Field(
@@ -229,7 +233,10 @@ class EvaluateConfig(Section):
     timesteps: list[float] = Field([0.1, 0.3, 0.5, 0.7, 0.9], min_length=1, description="sigma grid of the held-out loss")
     noise_seeds: list[int] = Field([0, 1], min_length=1, description="fixed noise draws of the held-out loss")
     batch_size: int = Field(8, gt=0, description="held-out loss: (sample, seed, sigma) rows per forward")
-    max_loss_samples: int | None = Field(None, gt=0, description="cap on val samples for the loss (None = all)")
+    max_loss_samples: int | None = Field(256, gt=0, description="cap on val samples for the held-out loss (the "
+                                         "first N keys of the val split, a content hash: a fixed, unbiased subset; "
+                                         "None = all, which for a 5% val split of 1M samples is 50k x seeds x σ "
+                                         "forwards per model)")
     num_samples: int = Field(4, ge=0, description="val samples to generate images for")
     num_inference_steps: int = Field(8, ge=2, description="1 step divides 0/0 in the scheduler's terminal stretch")
     true_cfg_scale: float = 4.0

@@ -3,7 +3,7 @@ that prints `str(summary)` - the stage's one-line summary - and notes whether th
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 
 @runtime_checkable
@@ -12,3 +12,15 @@ class StageSummary(Protocol):
     up_to_date: bool  # True: nothing was computed, the existing output was reused
 
     def __str__(self) -> str: ...
+
+    def to_json(self) -> dict[str, Any]: ...  # `summary_record(...)`: what `pipeline run <stage> --json` prints
+
+
+def summary_record(stage: str, table: str | None = None, version: int | None = None, encoded: int = 0,
+                   reused: int = 0, quarantined: int = 0, bytes_written: int = 0, seconds: float = 0.0,
+                   up_to_date: bool = False, **extra: Any) -> dict[str, Any]:
+    """The one JSON shape of a stage summary: `encoded` = computed in this run, `reused` = carried forward from
+    an earlier version (or the whole table when up to date), then stage-specific extras."""
+    return {"stage": stage, "table": table, "version": version, "encoded": int(encoded), "reused": int(reused),
+            "quarantined": int(quarantined), "bytes_written": int(bytes_written), "seconds": round(float(seconds), 3),
+            "up_to_date": bool(up_to_date), **extra}

@@ -2,7 +2,8 @@
 
 `JoinedTables` is an inner join on key (optionally of one split); keys missing from some table are counted in
 `unmatched` and logged, never silently lost. `open_features` is the trainer's view of a store: `text` + `vae`
-built with the expected model, the same keys in both, sequence lengths from the manifests alone.
+built with the expected model, the samples both hold (the dropped ones counted, with their quarantine reasons;
+too many is an error), sequence lengths from the manifests alone (Arrow compute, no per-row Python objects).
 """
 
 from __future__ import annotations
@@ -10,33 +11,138 @@ from __future__ import annotations
 import logging
 from math import prod
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from schemas.errors import UserError
+from store import format as fmt
 from store.partition import epoch_order
-from store.reader import TableReader
+from store.reader import DEFAULT_MAX_OPEN_SHARDS, TableReader, _strictly_increasing
 
 log = logging.getLogger("store")
 
 STAGE_OF = {"images": "resize-bucket", "text": "encode-text", "vae": "encode-vae"}  # table -> the stage that writes it
 
 
+class KeyList(Sequence[str]):
+    """The joined keys as one Arrow string array (sorted): `keys[i]` is a str, a slice a list; no per-key Python
+    objects unless asked for."""
+
+    def __init__(self, keys: pa.StringArray) -> None:
+        self.array = keys
+
+    def __len__(self) -> int:
+        return len(self.array)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return self.array[i].to_pylist()
+        return self.array[i].as_py()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.array.to_pylist())
+
+    def __eq__(self, other: object) -> bool:
+        return list(self) == list(other) if isinstance(other, (list, tuple, KeyList)) else NotImplemented
+
+    def __repr__(self) -> str:
+        return f"KeyList({len(self)} keys)"
+
+
+def _split_rows(r: TableReader, split: str | None) -> np.ndarray:
+    """Row numbers of one split (all rows for None)."""
+    if split is None:
+        return np.arange(len(r), dtype=np.int64)
+    if not r.has_column("split"):
+        raise UserError(f"table '{r.table}' v{r.version} ({r.dir}) has no split column; rebuild it with the current code")
+    mask = pc.equal(r.column("split"), split).to_numpy(zero_copy_only=False)
+    return np.flatnonzero(mask)
+
+
+def _fixed_width(arr: pa.Array) -> np.ndarray | None:
+    """A string array whose values all have one byte length, as a zero-copy numpy `S<width>` view (None when
+    they do not, or when there are nulls). Bytewise order = Arrow's string order."""
+    if len(arr) == 0 or arr.null_count or not pa.types.is_string(arr.type):
+        return None
+    offsets = np.frombuffer(arr.buffers()[1], dtype=np.int32)[arr.offset : arr.offset + len(arr) + 1]
+    width = int(offsets[1] - offsets[0])
+    if width == 0 or not np.all(np.diff(offsets) == width):
+        return None
+    return np.frombuffer(arr.buffers()[2], dtype=np.uint8)[offsets[0] : offsets[-1]].view(f"S{width}")
+
+
+def _member(sorted_values: np.ndarray, probe: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(hit mask, position) of each probe in a sorted array: binary search in C, no hash table."""
+    pos = np.searchsorted(sorted_values, probe)
+    clipped = np.minimum(pos, len(sorted_values) - 1)
+    hit = (sorted_values[clipped] == probe) if len(sorted_values) else np.zeros(len(probe), bool)
+    return hit, clipped
+
+
+def _join_sorted_fixed(j: "JoinedTables", readers: dict[str, TableReader], split_rows: dict[str, np.ndarray]) -> bool:
+    """The common case (sorted manifests, 32-hex keys): intersect by binary search on zero-copy byte views.
+    Fills j.keys / j.rows / j.only and returns True; False when the keys do not allow it."""
+    fixed = {t: _fixed_width(r.key_array) for t, r in readers.items()}
+    widths = {f.dtype.itemsize for f in fixed.values() if f is not None}
+    if any(f is None for f in fixed.values()) or len(widths) != 1 or not all(r.keys_sorted for r in readers.values()):
+        return False
+    ks = {t: fixed[t][split_rows[t]] for t in readers}  # still sorted
+    first = next(iter(ks.values()))
+    if all(len(k) == len(first) and np.array_equal(k, first) for k in ks.values()):  # the usual case: same keys
+        j.rows = {t: split_rows[t].astype(np.int64) for t in readers}
+        j.only = {t: set() for t in readers}
+        j.keys = KeyList(readers[next(iter(readers))].key_array.take(pa.array(next(iter(split_rows.values())))))
+        return True
+    common = None
+    for k in ks.values():
+        common = k if common is None else common[_member(k, common)[0]]
+    j.rows, j.only = {}, {}
+    for t in readers:
+        hit, pos = _member(ks[t], common)
+        j.rows[t] = split_rows[t][pos].astype(np.int64)
+        alone = ks[t][~_member(common, ks[t])[0]]
+        j.only[t] = {k.decode() for k in alone.tolist()}
+    width = widths.pop()
+    offsets = pa.py_buffer(np.arange(0, width * len(common) + 1, width, dtype=np.int32).tobytes())
+    j.keys = KeyList(pa.Array.from_buffers(pa.string(), len(common), [None, offsets, pa.py_buffer(common.tobytes())]))
+    if any(j.only.values()):
+        log.warning("join of %s: keys only in one side dropped: %s", list(readers), j.unmatched)
+    return True
+
+
 class JoinedTables:
-    """Inner join on key of several tables (the first one that records img_shapes gives them)."""
+    """Inner join on key of several tables (the first one that records img_shapes gives them).
+
+    `keys` (sorted) and `rows[table]` (each key's row number in that table) are Arrow / numpy arrays, so a join
+    of two million-sample tables costs a few hash lookups per key in C, not Python sets and dicts."""
 
     def __init__(self, readers: dict[str, TableReader], split: str | None = None, store_root: Path | None = None):
         if len(readers) < 2:
             raise UserError("a join needs at least two tables")
         self.readers, self.split = readers, split
         self.store_root = Path(store_root) if store_root is not None else next(iter(readers.values())).dir.parents[1]
-        key_sets = {t: set(split_keys(r, split)) for t, r in readers.items()}
-        common = set.intersection(*key_sets.values())
-        self.only = {t: ks - common for t, ks in key_sets.items()}  # keys each table holds alone
+        self.lengths: list[int] = []  # filled by `open_features`: joint sequence length per key
+        self.report: dict[str, Any] = {}  # filled by `open_features`: samples, dropped, reasons
+        self.damaged: dict[str, str] = {}  # open_features(on_damaged="skip"): key -> problem, left out of `keys`
+        split_rows = {t: _split_rows(r, split) for t, r in readers.items()}
+        if _join_sorted_fixed(self, readers, split_rows):
+            return
+        split_keys_ = {t: r.key_array.take(pa.array(split_rows[t])) for t, r in readers.items()}
+        common = None
+        for ks in split_keys_.values():
+            common = ks if common is None else common.filter(pc.is_in(common, value_set=ks))
+        if not _strictly_increasing(common):  # manifests are sorted by key: usually nothing to do
+            common = common.take(pc.sort_indices(common))
+        self.only = {t: set(ks.filter(pc.invert(pc.is_in(ks, value_set=common))).to_pylist())
+                     for t, ks in split_keys_.items()}  # keys each table holds alone
         if any(self.only.values()):
             log.warning("join of %s: keys only in one side dropped: %s", list(readers), self.unmatched)
-        self.keys: list[str] = sorted(common)
-        self.lengths: list[int] = []  # filled by `open_features`: joint sequence length per key
-        self.damaged: dict[str, str] = {}  # open_features(on_damaged="skip"): key -> problem, left out of `keys`
+        self.keys = KeyList(common)
+        self.rows = {t: pc.index_in(common, value_set=r.key_array).to_numpy(zero_copy_only=False).astype(np.int64)
+                     for t, r in readers.items()}
 
     @property
     def unmatched(self) -> dict[str, int]:
@@ -63,6 +169,13 @@ class JoinedTables:
     def features(self, key: str) -> tuple[dict, dict, list[tuple[int, int, int]], str]:
         """(text tensors, vae tensors, img_shapes, where): the arguments of `models.sample.from_features`."""
         return self.readers["text"].tensors(key), self.readers["vae"].tensors(key), self.img_shapes(key), self.where("vae")
+
+    def features_at(self, i: int) -> tuple[str, dict, dict, list[tuple[int, int, int]], str]:
+        """(key, text tensors, vae tensors, img_shapes, where) of the i-th joined key, by row number (no key
+        lookups): `models.sample.from_features(*joined.features_at(i))`."""
+        text, vae = self.readers["text"], self.readers["vae"]
+        ti, vi = int(self.rows["text"][i]), int(self.rows["vae"][i])
+        return self.keys[i], text.tensors_at(ti), vae.tensors_at(vi), vae.img_shapes_at(vi), self.where("vae")
 
     def img_shapes(self, key: str) -> list[tuple[int, int, int]]:
         return self._shapes_reader().img_shapes(key)
@@ -93,10 +206,7 @@ class JoinedTables:
 def split_keys(r: TableReader, split: str | None) -> list[str]:
     if split is None:
         return r.keys()
-    if "split" not in r.manifest.column_names:
-        raise UserError(f"table '{r.table}' v{r.version} ({r.dir}) has no split column; rebuild it with the current code")
-    splits = r.manifest.column("split").to_pylist()
-    return sorted(k for k, s in zip(r.keys(), splits) if s == split)
+    return sorted(r.key_array.take(pa.array(_split_rows(r, split))).to_pylist())
 
 
 def _name_keys(keys: set[str], limit: int = 5) -> str:
@@ -104,21 +214,22 @@ def _name_keys(keys: set[str], limit: int = 5) -> str:
     return ", ".join(shown) + (f" … ({len(keys)} in all)" if len(keys) > limit else "")
 
 
-def open_features(
-    store: str | Path, model: str, model_fingerprint: str, split: str = "train", on_damaged: str = "stop",
-    max_damaged_fraction: float = 0.0,
-) -> JoinedTables:
-    """`text` + `vae` of one split: built with the model whose fingerprint is given, the same keys in both, not
-    empty; `lengths` holds each sample's joint sequence length. UserError (what, where, what to do) otherwise.
+def open_features(store: str | Path, model: str, model_fingerprint: str, split: str = "train",
+                  max_dropped_fraction: float = 0.05, max_open_shards: int = DEFAULT_MAX_OPEN_SHARDS,
+                  on_damaged: str = "stop", max_damaged_fraction: float = 0.0) -> JoinedTables:
+    """`text` + `vae` of one split, built with the model whose fingerprint is given: the samples both tables
+    hold (the intersection), with each one's joint sequence length in `lengths` and in `report` how many samples
+    of the split were dropped (in the `images` table, or in one of the two, but not in both) and why (the
+    quarantine rows of those keys, by stage and reason). UserError when the tables are missing, built with
+    another model, empty, or when more than `max_dropped_fraction` of the split was dropped.
 
     on_damaged="stop": a damaged sample raises when it is first read (a missing / short shard on open).
-    "skip": every sample of the split is checked now; damaged ones are left out and listed in `damaged`
-    (more than `max_damaged_fraction` of them: UserError).
-    """
+    "skip": every joined sample is checked now; damaged ones are left out and listed in `damaged`
+    (more than `max_damaged_fraction` of them: UserError)."""
     from store.store import Store
 
     st = Store(store, create=False)
-    readers = {t: _open_table(st, t, model, on_damaged) for t in ("text", "vae")}
+    readers = {t: _open_table(st, t, model, max_open_shards, on_damaged) for t in ("text", "vae")}
     for r in readers.values():
         found = r.schema.lineage.model_fingerprint
         if found != model_fingerprint:
@@ -129,58 +240,151 @@ def open_features(
             )
     joined = JoinedTables(readers, split, st.root)
     text, vae = readers["text"], readers["vae"]
-    if any(joined.only.values()):
-        parts = [f"only in '{t}' v{readers[t].version}: {_name_keys(ks)}" for t, ks in joined.only.items() if ks]
+    joined.report = dropped_report(st, joined, split)
+    rep = joined.report
+    if rep["dropped"]:
+        log.warning("%s split: %d of %d samples are not in both the text and vae tables (%.1f%%): %s; rows in %s",
+                    split, rep["dropped"], rep["samples"], 100 * rep["dropped_fraction"], _reasons_text(rep),
+                    rep["quarantine_file"])
+    if rep["dropped_fraction"] > max_dropped_fraction:
         raise UserError(
-            f"the '{split}' splits of the text and vae tables in {st.root} hold different keys ({'; '.join(parts)}); "
-            "re-run the encode stages so both are built from the same `images` table version"
+            f"the '{split}' split of store {st.root}: {rep['dropped']} of {rep['samples']} samples "
+            f"({100 * rep['dropped_fraction']:.1f}%) are not in both the text and vae tables, above "
+            f"train.max_dropped_fraction = {max_dropped_fraction}: {_reasons_text(rep)} (rows in "
+            f"{rep['quarantine_file']}); fix those inputs, use a model that accepts them, or raise "
+            "train.max_dropped_fraction to train on the rest"
         )
-    if not joined.keys:
+    if not len(joined.keys):
         raise UserError(
             f"the '{split}' split is empty in store {st.root} (text v{text.version}, vae v{vae.version}); "
             "add training samples (resize-bucket puts val_fraction of them in 'val', the rest in 'train')"
         )
     if on_damaged == "skip":
-        joined.damaged = find_damaged(text, vae, joined.keys)
+        joined.damaged, bad_rows = find_damaged(joined)
         if len(joined.damaged) > max_damaged_fraction * len(joined.keys):
             raise UserError(
                 f"{len(joined.damaged)} of {len(joined.keys)} '{split}' samples in {st.root} are damaged, more than "
                 f"max_damaged_fraction {max_damaged_fraction} (e.g. {next(iter(joined.damaged.values()))}); "
                 f"run `pipeline store repair {st.root}`"
             )
-        joined.keys = [k for k in joined.keys if k not in joined.damaged]
-        if not joined.keys:
+        if len(bad_rows):
+            keep = np.ones(len(joined.keys), dtype=bool)
+            keep[bad_rows] = False
+            joined.keys = KeyList(joined.keys.array.filter(pa.array(keep)))
+            joined.rows = {t: r[keep] for t, r in joined.rows.items()}
+        if not len(joined.keys):
             raise UserError(f"every '{split}' sample in {st.root} is damaged; run `pipeline store repair {st.root}`")
-    joined.lengths = sequence_lengths(text, vae, joined.keys)
+    joined.lengths = sequence_lengths_of(joined).tolist()
     return joined
 
 
-def find_damaged(text: TableReader, vae: TableReader, keys: list[str]) -> dict[str, str]:
-    """key -> first problem found, over both tables (reads and checks every sample's bytes once)."""
+def find_damaged(joined: JoinedTables) -> tuple[dict[str, str], np.ndarray]:
+    """(key -> first problem found over both tables, joined row numbers of those keys): reads and checks every
+    joined sample's bytes once, by row number."""
     from tqdm import tqdm
 
+    text, vae = joined.readers["text"], joined.readers["vae"]
+    t_rows, v_rows = joined.rows["text"], joined.rows["vae"]
     out: dict[str, str] = {}
-    for k in tqdm(keys, desc="check samples", unit="sample", leave=False):
-        problem = text.damaged(k) or vae.damaged(k)
+    bad: list[int] = []
+    for i in tqdm(range(len(joined.keys)), desc="check samples", unit="sample", leave=False):
+        problem = text.damaged_at(int(t_rows[i])) or vae.damaged_at(int(v_rows[i]))
         if problem is not None:
-            out[k] = problem
-    return out
+            out[joined.keys[i]] = problem
+            bad.append(i)
+    return out, np.array(bad, dtype=np.int64)
 
 
-def _open_table(st, table: str, model: str, on_damaged: str = "stop") -> TableReader:
+def dropped_report(st, joined: JoinedTables, split: str | None) -> dict[str, Any]:
+    """How many samples of the split did not make it into the join, and the quarantine reasons of those keys
+    (by stage, then reason; keys without a quarantine row count as 'not encoded', e.g. an images version
+    newer than an encode stage's table)."""
+    universe = set().union(*joined.only.values())
+    images_version = joined.readers["vae"].schema.lineage.upstream.get("images")
+    if images_version is not None and fmt.is_complete(fmt.version_dir(st.root, "images", images_version)):
+        images = st.reader("images", images_version)
+        ks = images.key_array.take(pa.array(_split_rows(images, split)))
+        missing = ks.filter(pc.invert(pc.is_in(ks, value_set=joined.keys.array)))
+        universe |= set(missing.to_pylist())
+        total = len(ks)
+    else:
+        total = len(joined.keys) + len(universe)
+    reasons: dict[str, dict[str, int]] = {}
+    q = st.quarantine()
+    explained: set[str] = set()
+    if universe and q.num_rows:
+        q = q.filter(pc.is_in(q.column("key"), value_set=pa.array(sorted(universe), pa.string())))
+        seen = set()
+        for key, stage, reason in zip(*(q.column(c).to_pylist() for c in ("key", "stage", "reason"))):
+            if (key, stage, reason) not in seen:
+                seen.add((key, stage, reason))
+                reasons.setdefault(stage, {}).setdefault(reason, 0)
+                reasons[stage][reason] += 1
+                explained.add(key)
+    for t, ks in joined.only.items():  # in one table, not the other, no quarantine row: the other lacks it
+        other = STAGE_OF["vae" if t == "text" else "text"]
+        unexplained = len(ks - explained)
+        if unexplained:
+            reasons.setdefault(other, {})["not encoded"] = reasons.get(other, {}).get("not encoded", 0) + unexplained
+            explained |= ks
+    rest = len(universe - explained)
+    if rest:
+        reasons.setdefault("encode-text/encode-vae", {})["not encoded"] = rest
+    dropped = len(universe)
+    return {"split": split, "samples": total, "joined": len(joined.keys), "dropped": dropped,
+            "dropped_fraction": dropped / total if total else 0.0, "reasons": reasons,
+            "only_in": {t: len(ks) for t, ks in joined.only.items()},
+            "quarantine_file": str(st.root / fmt.QUARANTINE)}
+
+
+def _reasons_text(rep: dict[str, Any]) -> str:
+    return "; ".join(f"{stage}: " + ", ".join(f"{r} {n}" for r, n in sorted(rs.items()))
+                     for stage, rs in sorted(rep["reasons"].items())) or "no reasons recorded"
+
+
+def _open_table(st, table: str, model: str, max_open_shards: int = DEFAULT_MAX_OPEN_SHARDS,
+                on_damaged: str = "stop") -> TableReader:
     if table not in st.tables():
         raise UserError(
             f"store {st.root} has no '{table}' table (tables: {sorted(st.tables()) or 'none'}); "
             f"run `pipeline run {STAGE_OF[table]} --store {st.root} --model {model}` first"
         )
-    return st.reader(table, on_damaged=on_damaged)
+    return st.reader(table, on_damaged=on_damaged, max_open_shards=max_open_shards)
+
+
+def text_lengths(text: TableReader) -> np.ndarray:
+    """Prompt token count per row of the text table (the `length` column, else the prompt_embeds shape)."""
+    if text.has_column("length"):
+        return text.column("length").to_numpy(zero_copy_only=False).astype(np.int64)
+    rows = text.column("tensors").to_pylist()
+    return np.array([next(t["shape"][0] for t in r if t["name"] == "prompt_embeds") for r in rows], np.int64)
+
+
+def image_tokens(vae: TableReader) -> np.ndarray:
+    """Image token count per row of the vae table: the sum over its img_shapes of frames x h x w, computed on
+    the Arrow buffers (list<list<int64>>) without Python objects; schema v1 tables per row."""
+    if vae.is_v1 or not vae.has_column("img_shapes"):
+        return np.array([sum(prod(s) for s in vae.img_shapes_at(i)) for i in range(len(vae))], np.int64)
+    shapes = vae.column("img_shapes")
+    per_row = pc.list_value_length(shapes).to_numpy(zero_copy_only=False).astype(np.int64)
+    inner = pc.list_flatten(shapes)
+    if len(inner) and not np.all(pc.list_value_length(inner).to_numpy(zero_copy_only=False) == 3):
+        raise UserError(f"table 'vae' v{vae.version} ({vae.dir}): img_shapes entries must be [frames, h, w]")
+    prods = pc.list_flatten(inner).to_numpy(zero_copy_only=False).astype(np.int64).reshape(-1, 3).prod(axis=1)
+    ends = np.cumsum(per_row)
+    cum = np.concatenate([[0], np.cumsum(prods)])
+    return cum[ends] - cum[ends - per_row]
+
+
+def sequence_lengths_of(joined: JoinedTables) -> np.ndarray:
+    """Token count of each joined sample's joint sequence (image tokens + text tokens), from the manifests only."""
+    text, vae = joined.readers["text"], joined.readers["vae"]
+    return image_tokens(vae)[joined.rows["vae"]] + text_lengths(text)[joined.rows["text"]]
 
 
 def sequence_lengths(text: TableReader, vae: TableReader, keys: list[str]) -> list[int]:
     """Token count of each sample's joint sequence (image tokens + text tokens), from the manifests only."""
-    if "length" in text.manifest.column_names:
-        text_len = dict(zip(text.keys(), text.manifest.column("length").to_pylist()))
-    else:  # the manifest records every tensor's shape too
-        rows = text.manifest.column("tensors").to_pylist()
-        text_len = {k: next(t["shape"][0] for t in r if t["name"] == "prompt_embeds") for k, r in zip(text.keys(), rows)}
-    return [sum(prod(s) for s in vae.img_shapes(k)) + int(text_len[k]) for k in keys]
+    ka = pa.array(list(keys), pa.string())
+    t_rows = pc.index_in(ka, value_set=text.key_array).to_numpy(zero_copy_only=False).astype(np.int64)
+    v_rows = pc.index_in(ka, value_set=vae.key_array).to_numpy(zero_copy_only=False).astype(np.int64)
+    return (image_tokens(vae)[v_rows] + text_lengths(text)[t_rows]).tolist()

@@ -7,10 +7,13 @@ from __future__ import annotations
 import json
 import logging
 import mmap
+import os
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 
@@ -53,12 +56,28 @@ def read_schema(vdir: Path, data: bytes | None = None) -> TableSchema:
         raise UserError(f"{vdir / fmt.SCHEMA_JSON}: not a valid table schema ({type(e).__name__}: {e})") from None
 
 
-def read_manifest(vdir: Path, data: bytes) -> pa.Table:
+def _unreadable(vdir: Path, e: Exception) -> DamagedData:
+    return DamagedData(f"{vdir / fmt.MANIFEST} is unreadable ({type(e).__name__}: {e}); "
+                       f"{integrity.repair_hint(vdir)}")
+
+
+def read_manifest(vdir: Path, data: bytes | pa.Buffer, columns: list[str] | None = None,
+                  read_dictionary: list[str] | None = None) -> pa.Table:
+    """Parse (some columns of) checked manifest bytes; undecodable parquet is one clear error, not a traceback."""
     try:
-        return pq.read_table(pa.BufferReader(data))
-    except Exception as e:  # noqa: BLE001 - any undecodable parquet is one clear error, not a traceback
-        raise DamagedData(f"{vdir / fmt.MANIFEST} is unreadable ({type(e).__name__}: {e}); "
-                          f"{integrity.repair_hint(vdir)}") from None
+        return pq.read_table(pa.BufferReader(data), columns=columns, read_dictionary=read_dictionary)
+    except Exception as e:  # noqa: BLE001
+        raise _unreadable(vdir, e) from None
+
+
+DEFAULT_MAX_OPEN_SHARDS = 256  # mapped shards kept open per reader (LRU); the kernel allows ~65k maps a process
+
+
+def _strictly_increasing(keys: pa.Array) -> bool:
+    """Manifests are sorted by key: strictly increasing keys are unique (a vectorised check, no hash set)."""
+    if len(keys) < 2:
+        return True
+    return bool(pc.all(pc.less(keys.slice(0, len(keys) - 1), keys.slice(1))).as_py())
 
 
 class TableReader:
@@ -66,45 +85,123 @@ class TableReader:
     shards, on the sample's first read for its bytes). "skip": open succeeds; `damaged(key)` tells which samples
     cannot be read, and reading one still raises."""
 
-    def __init__(self, vdir: Path, table: str, version: int, on_damaged: str = "stop") -> None:
+    def __init__(self, vdir: Path, table: str, version: int, max_open_shards: int = DEFAULT_MAX_OPEN_SHARDS,
+                 on_damaged: str = "stop") -> None:
         self.dir, self.table, self.version = vdir, table, version
+        self._dir_str = str(vdir)
         if not fmt.is_complete(vdir):
             raise UserError(f"table '{table}' v{version} at {vdir} is incomplete (no {fmt.MANIFEST}); "
                             "rerun the stage that writes it to resume")
-        # schema.json and manifest.parquet are checked against checksums.json before they are parsed
+        # schema.json and manifest.parquet are checked against checksums.json before they are parsed; the checked
+        # manifest bytes are kept, and columns are parsed from them one at a time (never re-read unchecked)
         sums = integrity.read_version_checksums(vdir)
         self.schema = read_schema(vdir, integrity.read_checked(vdir, fmt.SCHEMA_JSON, sums))
-        self.manifest: pa.Table = read_manifest(vdir, integrity.read_checked(vdir, fmt.MANIFEST, sums))
-        missing = sorted(LOCATING_COLUMNS - set(self.manifest.column_names))
+        self._manifest_bytes = pa.py_buffer(integrity.read_checked(vdir, fmt.MANIFEST, sums))
+        path = vdir / fmt.MANIFEST
+        try:
+            names = pq.ParquetFile(pa.BufferReader(self._manifest_bytes)).schema_arrow.names
+        except Exception as e:  # noqa: BLE001
+            raise _unreadable(vdir, e) from None
+        missing = sorted(LOCATING_COLUMNS - set(names))
         if missing:
-            raise UserError(f"{vdir / fmt.MANIFEST}: missing columns {missing} (see docs/store-format.md)")
-        if sums is None and CHECKSUM_COLUMNS & set(self.manifest.column_names):
+            raise UserError(f"{path}: missing columns {missing} (see docs/store-format.md)")
+        if sums is None and CHECKSUM_COLUMNS & set(names):
             raise DamagedData(f"{integrity.where(vdir)}: {fmt.CHECKSUMS} is missing; {integrity.repair_hint(vdir)}")
         self.checksummed = sums is not None  # format 1: samples checked against sample_sha256 (slower)
-        self.bad_shards = integrity.shard_problems(vdir, self.manifest, sums)
+        self._names = list(names)
+        self._full: pa.Table | None = None
+        self._arrays: dict[str, pa.Array] = {}
+        # Opening reads the key column only (plus shard sizes for the presence check); every other column is
+        # read on first use, alone (`column`), and kept as an Arrow array: a million-sample table never becomes
+        # a million Python dicts.
+        self.key_array: pa.StringArray = self.column("key")
+        self.keys_sorted = _strictly_increasing(self.key_array)
+        if not self.keys_sorted and pc.count_distinct(self.key_array).as_py() != len(self.key_array):
+            raise UserError(f"{path}: duplicate keys; run `pipeline store verify` on the store")
+        self._key_list: list[str] | None = None
+        self._row_of: dict[str, int] | None = None
+        self._cols: dict[str, list[Any]] = {}
+        self._maps: OrderedDict[str, mmap.mmap] = OrderedDict()
+        self.max_open_shards = max(1, int(max_open_shards))
+        self.bad_shards = integrity.shard_problems(
+            vdir, pa.table({"shard": self.column("shard"), "shard_nbytes": self.column("shard_nbytes")}), sums)
         if self.bad_shards and on_damaged == "stop":
             raise DamagedData(f"{integrity.where(vdir)}: {next(iter(self.bad_shards.values()))}"
                               + (f" (and {len(self.bad_shards) - 1} more shards)" if len(self.bad_shards) > 1 else "")
                               + f"; {integrity.repair_hint(vdir)}")
         self._checked: set[int] = set()
-        self._keys: list[str] = self.manifest.column("key").to_pylist()
-        self._row = {k: i for i, k in enumerate(self._keys)}
-        if len(self._row) != len(self._keys):
-            raise UserError(f"{vdir / fmt.MANIFEST}: duplicate keys; run `pipeline store verify` on the store")
-        self._cols: dict[str, list[Any]] = {}
-        self._maps: dict[str, mmap.mmap] = {}
         self.is_v1 = self.schema.schema_version == SCHEMA_V1
         if self.is_v1:
-            lacking = [c for c in V1_PIXEL_COLUMNS if c not in self.manifest.column_names]
+            lacking = [c for c in V1_PIXEL_COLUMNS if c not in names]
             if lacking:
-                raise UserError(f"{vdir / fmt.MANIFEST}: schema v1 table lacks pixel columns {lacking}")
+                raise UserError(f"{path}: schema v1 table lacks pixel columns {lacking}")
             log.warning("table '%s' v%d uses schema v1: img_shapes derived from pixel sizes; "
                         "run `pipeline migrate v1-to-v2 STORE` to upgrade", table, version)
 
+    @classmethod
+    def over_manifest(cls, vdir: Path, table: str, version: int, manifest: pa.Table) -> "TableReader":
+        """A reader that skips damage (on_damaged="skip") over a given manifest table, e.g. one `store repair`
+        rebuilt from the shard indexes; schema.json is read as it is."""
+        r = cls.__new__(cls)
+        r.dir, r.table, r.version = vdir, table, version
+        r._dir_str = str(vdir)
+        r.schema = read_schema(vdir)
+        sums = integrity.read_version_checksums(vdir)
+        r.checksummed = sums is not None
+        r._manifest_bytes = None
+        r._names = list(manifest.column_names)
+        r._full = manifest
+        r._arrays = {}
+        r.key_array = r.column("key")
+        r.keys_sorted = _strictly_increasing(r.key_array)
+        r._key_list, r._row_of, r._cols = None, None, {}
+        r._maps = OrderedDict()
+        r.max_open_shards = DEFAULT_MAX_OPEN_SHARDS
+        r.bad_shards = integrity.shard_problems(vdir, manifest, sums)
+        r._checked = set()
+        r.is_v1 = r.schema.schema_version == SCHEMA_V1
+        return r
+
     # ------------------------------------------------------------ basics
 
+    @property
+    def manifest(self) -> pa.Table:
+        """The whole manifest (every column, e.g. the checksum columns for verify), parsed on first use."""
+        if self._full is None:
+            self._full = read_manifest(self.dir, self._manifest_bytes)
+        return self._full
+
+    def column(self, name: str) -> pa.Array:
+        """One manifest column as a single Arrow array, parsed from the checked manifest bytes on first use."""
+        if name not in self._arrays:
+            if self._full is not None:
+                col = self._full.column(name)
+            else:
+                if name not in self._names:
+                    raise KeyError(name)
+                col = read_manifest(self.dir, self._manifest_bytes, columns=[name],
+                                    read_dictionary=["shard"] if name == "shard" else None).column(name)
+            self._arrays[name] = col.combine_chunks()
+        return self._arrays[name]
+
+    def has_column(self, name: str) -> bool:
+        return name in self._names
+
+    @property
+    def _keys(self) -> list[str]:
+        if self._key_list is None:
+            self._key_list = self.key_array.to_pylist()
+        return self._key_list
+
+    @property
+    def _row(self) -> dict[str, int]:
+        """key -> row, built on the first lookup by key (the trainer addresses rows by index instead)."""
+        if self._row_of is None:
+            self._row_of = {k: i for i, k in enumerate(self._keys)}
+        return self._row_of
+
     def __len__(self) -> int:
-        return len(self._keys)
+        return len(self.key_array)
 
     def __contains__(self, key: str) -> bool:
         return key in self._row
@@ -114,8 +211,14 @@ class TableReader:
 
     def _col(self, name: str) -> list[Any]:
         if name not in self._cols:
-            self._cols[name] = self.manifest.column(name).to_pylist()
+            self._cols[name] = self.column(name).to_pylist()
         return self._cols[name]
+
+    def _cell(self, name: str, i: int) -> Any:
+        """One value, without turning the whole column into Python objects."""
+        if name in self._cols:
+            return self._cols[name][i]
+        return self.column(name)[i].as_py()
 
     def _index(self, key: str) -> int:
         try:
@@ -124,7 +227,7 @@ class TableReader:
             raise UserError(f"key {key} not in table '{self.table}' v{self.version}") from None
 
     def meta_columns(self) -> list[str]:
-        return [c for c in self.manifest.column_names if c not in RESERVED_COLUMNS]
+        return [c for c in self._names if c not in RESERVED_COLUMNS]
 
     def meta(self, key: str) -> dict[str, Any]:
         i = self._index(key)
@@ -134,32 +237,49 @@ class TableReader:
         return out
 
     def img_shapes(self, key: str) -> list[ImgShape]:
-        i = self._index(key)
+        return self.img_shapes_at(self._index(key))
+
+    def img_shapes_at(self, i: int) -> list[ImgShape]:
         if self.is_v1:
-            row = {c: self._col(c)[i] for c in ("height", "width", "control_height", "control_width")
-                   if c in self.manifest.column_names}
+            row = {c: self._cell(c, i) for c in ("height", "width", "control_height", "control_width")
+                   if c in self._names}
             return img_shapes_from_v1(row)
-        return [tuple(s) for s in self._col("img_shapes")[i]]  # type: ignore[misc]
+        return [tuple(s) for s in self._cell("img_shapes", i)]  # type: ignore[misc]
 
     # ------------------------------------------------------------ bytes
 
     def shard_map(self, shard: str) -> mmap.mmap:
-        """Private (copy-on-write) map: tensors are writable views, and a write never reaches the file."""
+        """Private (copy-on-write) map: tensors are writable views, and a write never reaches the file.
+
+        A shard found missing or of the wrong size on open raises `DamagedData` naming the repair command."""
+        if shard in self.bad_shards:
+            raise DamagedData(f"{integrity.where(self.dir)}: {self.bad_shards[shard]}; "
+                              f"{integrity.repair_hint(self.dir)}")
+        return self._map(shard)
+
+    def _map(self, shard: str) -> mmap.mmap:
+        """At most `max_open_shards` maps stay referenced here (least recently used dropped first): a
+        million-sample store has tens of thousands of shards. A dropped map whose tensors are still alive closes
+        when they go."""
         m = self._maps.get(shard)
-        if m is None:
-            if shard in self.bad_shards:
-                raise DamagedData(f"{integrity.where(self.dir)}: {self.bad_shards[shard]}; "
-                                  f"{integrity.repair_hint(self.dir)}")
-            with open(self.dir / shard, "rb") as f:
-                m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-            self._maps[shard] = m
+        if m is not None:
+            self._maps.move_to_end(shard)
+            return m
+        with open(os.path.join(self._dir_str, shard), "rb") as f:  # os.path: pathlib costs more than the map
+            m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        self._maps[shard] = m
+        while len(self._maps) > self.max_open_shards:
+            _, old = self._maps.popitem(last=False)
+            try:
+                old.close()
+            except BufferError:  # tensors still view it
+                pass
         return m
 
     def _problem(self, i: int) -> str | None:
         """What is wrong with sample i's bytes (None: they match their checksum)."""
-        shard = self._col("shard")[i]
-        start, n = self._col("sample_offset")[i], self._col("sample_nbytes")[i]
-        size = None
+        shard = self._cell("shard", i)
+        start, n = self._cell("sample_offset", i), self._cell("sample_nbytes", i)
         if shard in self.bad_shards:
             try:
                 size = (self.dir / shard).stat().st_size
@@ -169,9 +289,9 @@ class TableReader:
                 return f"{self.bad_shards[shard]}; the sample lies beyond its end"
             if size == 0:
                 return self.bad_shards[shard]
-        m = self.shard_map(shard) if shard not in self.bad_shards else self._map_anyway(shard)
-        row = {"sample_sha256": self._col("sample_sha256")[i],
-               "sample_crc32c": self._col("sample_crc32c")[i] if "sample_crc32c" in self.manifest.column_names else None}
+        m = self._map(shard)  # a bad shard's intact samples are still checked byte by byte
+        row = {"sample_sha256": self._cell("sample_sha256", i),
+               "sample_crc32c": self._cell("sample_crc32c", i) if "sample_crc32c" in self._names else None}
         with memoryview(m) as mv:
             part = mv[start : start + n]
             try:
@@ -179,37 +299,39 @@ class TableReader:
             finally:
                 part.release()
 
-    def _map_anyway(self, shard: str) -> mmap.mmap:
-        if shard not in self._maps:
-            with open(self.dir / shard, "rb") as f:
-                self._maps[shard] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-        return self._maps[shard]
-
     def check(self, key: str) -> None:
         """Raise `DamagedData` unless the sample's bytes match their checksum (checked once per reader: the
         store is immutable, and the private map never sees a consumer's writes to a tensor view)."""
-        i = self._index(key)
+        self.check_at(self._index(key))
+
+    def check_at(self, i: int) -> None:
         if i in self._checked:
             return
         problem = self._problem(i)
         if problem is not None:
-            raise DamagedData(integrity.damaged_sample_message(self.dir, self._col("shard")[i], key, problem))
+            raise DamagedData(integrity.damaged_sample_message(self.dir, self._cell("shard", i),
+                                                               self.key_array[i].as_py(), problem))
         self._checked.add(i)
 
     def damaged(self, key: str) -> str | None:
         """None if the sample reads back intact, else what is wrong (does not raise)."""
+        return self.damaged_at(self._index(key))
+
+    def damaged_at(self, i: int) -> str | None:
         try:
-            self.check(key)
+            self.check_at(i)
         except DamagedData as e:
             return str(e)
         return None
 
     def tensors(self, key: str) -> dict[str, torch.Tensor]:
-        self.check(key)
-        i = self._index(key)
-        m = self.shard_map(self._col("shard")[i])
+        return self.tensors_at(self._index(key))
+
+    def tensors_at(self, i: int) -> dict[str, torch.Tensor]:
+        self.check_at(i)
+        m = self.shard_map(self._cell("shard", i))
         out = {}
-        for t in self._col("tensors")[i]:
+        for t in self._cell("tensors", i):
             dt = torch_dtype(t["dtype"])
             n = t["nbytes"] // dt.itemsize
             if n == 0:  # frombuffer rejects count=0; an empty tensor (e.g. no control views) is legal
@@ -219,10 +341,10 @@ class TableReader:
         return out
 
     def files(self, key: str) -> dict[str, bytes]:
-        self.check(key)
         i = self._index(key)
-        m = self.shard_map(self._col("shard")[i])
-        return {f["name"]: m[f["offset"] : f["offset"] + f["nbytes"]] for f in self._col("files")[i]}
+        self.check_at(i)
+        m = self.shard_map(self._cell("shard", i))
+        return {f["name"]: m[f["offset"] : f["offset"] + f["nbytes"]] for f in self._cell("files", i)}
 
     def get(self, key: str) -> dict[str, Any]:
         return {"key": key, "meta": self.meta(key), "tensors": self.tensors(key), "files": self.files(key)}
@@ -234,7 +356,7 @@ class TableReader:
 
     def shard_groups(self, split: str | None = None) -> list[list[str]]:
         """Keys grouped by shard (in shard order, then key order), optionally only one split."""
-        splits = self._col("split") if split is not None and "split" in self.manifest.column_names else None
+        splits = self._col("split") if split is not None and "split" in self._names else None
         if split is not None and splits is None:
             raise UserError(f"table '{self.table}' v{self.version} has no split column")
         groups: dict[str, list[str]] = {}

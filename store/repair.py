@@ -155,18 +155,7 @@ def scan_table(root: Path, table: str, version: int, progress: bool = True) -> T
 
 def _reader_on(vdir: Path, table: str, version: int, manifest: pa.Table) -> TableReader:
     """A reader that skips damage, over a given (possibly rebuilt) manifest."""
-    r = TableReader.__new__(TableReader)
-    r.dir, r.table, r.version = vdir, table, version
-    r.schema = read_schema(vdir)
-    r.manifest = manifest
-    r._keys = manifest.column("key").to_pylist()
-    r._row = {k: i for i, k in enumerate(r._keys)}
-    r._cols, r._maps, r._checked = {}, {}, set()
-    r.is_v1 = r.schema.schema_version == 1
-    sums = integrity.read_version_checksums(vdir)
-    r.checksummed = sums is not None
-    r.bad_shards = integrity.shard_problems(vdir, manifest, sums)
-    return r
+    return TableReader.over_manifest(vdir, table, version, manifest)
 
 
 def scan(root: Path, progress: bool = True) -> RepairPlan:

@@ -23,6 +23,11 @@ def expecting(lineage: Lineage) -> Iterator[None]:
         _EXPECTED.reset(token)
 
 
+def active() -> bool:
+    """True while `pipeline store repair` runs a producing stage."""
+    return _EXPECTED.get() is not None
+
+
 def check(lineage: Lineage, table: str) -> None:
     want = _EXPECTED.get()
     if want is None or want == lineage:

@@ -15,7 +15,7 @@ from schemas.table import TableSchema
 from store import format as fmt
 from store import quarantine
 from store.join import JoinedTables
-from store.reader import TableReader, read_schema
+from store.reader import DEFAULT_MAX_OPEN_SHARDS, TableReader, read_schema
 from store.writer import TableWriter
 
 
@@ -78,7 +78,8 @@ class Store:
 
     # ------------------------------------------------------------ reading and writing
 
-    def reader(self, table: str, version: int | None = None, on_damaged: str = "stop") -> TableReader:
+    def reader(self, table: str, version: int | None = None, on_damaged: str = "stop",
+               max_open_shards: int = DEFAULT_MAX_OPEN_SHARDS) -> TableReader:
         if version is None:
             tables = self.tables()
             if table not in tables:
@@ -88,7 +89,7 @@ class Store:
         vdir = self.version_dir(table, version)
         if not vdir.is_dir():
             raise UserError(f"table '{table}' has no version v{version} in store {self.root}")
-        return TableReader(vdir, table, version, on_damaged=on_damaged)
+        return TableReader(vdir, table, version, max_open_shards=max_open_shards, on_damaged=on_damaged)
 
     def join(self, *tables: str, split: str | None = None) -> JoinedTables:
         return JoinedTables({t: self.reader(t) for t in tables}, split, self.root)

@@ -12,6 +12,7 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
@@ -58,6 +59,7 @@ class TableWriter:
             raise
         self.done_keys: set[str] = self._committed_keys()
         self._added: set[str] = set()
+        self.linked_shards: set[str] = set()  # shard names carried forward (hard-linked) in this session
         self._next_index = self._next_shard_index()
         self._builder: ShardBuilder | None = None
         self._metas: list[dict[str, Any]] = []
@@ -213,6 +215,36 @@ class TableWriter:
         self._metas = []
         self._next_index += 1
         fmt.crash_point("after_shard_commit")
+
+    @property
+    def carried_keys(self) -> set[str]:
+        """Keys added in this session (written or carried forward)."""
+        return self._added
+
+    def add_linked_shard(self, src: Path, rows: "pa.Table") -> str:
+        """Carry samples forward from a shard of an earlier version: the shard file is hard-linked (bytes shared,
+        `fmt.link_or_copy`) under this rank's next shard name, and `rows` (its manifest rows for the samples
+        carried, meta columns already updated) become that shard's index - the commit, as for a written shard.
+        Returns the new shard name. Keys already added or committed are an error, as in `add`."""
+        if self._finished:
+            raise UserError(f"writer for table '{self.table}' rank {self.rank} already finished; open a new one")
+        keys = rows.column("key").to_pylist()
+        dup = [k for k in keys if k in self.done_keys or k in self._added]
+        if dup:
+            raise UserError(f"duplicate key {dup[0]} in table '{self.table}' (carried forward twice)")
+        self._commit_shard()  # an open shard keeps its reserved name; the linked one takes the next
+        name = fmt.shard_name(self.rank, self._next_index)
+        dst = self.dir / name
+        dst.unlink(missing_ok=True)
+        fmt.link_or_copy(Path(src), dst)
+        self.linked_shards.add(name)
+        col = rows.schema.get_field_index("shard")
+        rows = rows.set_column(col, rows.schema.field(col), pa.array([name] * rows.num_rows, rows.schema.field(col).type))
+        fmt.atomic_write_parquet(self.dir / fmt.index_name(name), rows)  # carried samples now committed
+        self._added.update(keys)
+        self._next_index += 1
+        fmt.crash_point("after_linked_shard")
+        return name
 
     # ------------------------------------------------------------ finishing
 

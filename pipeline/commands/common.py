@@ -19,6 +19,28 @@ SetOpt = typer.Option(
 )
 
 
+JsonOpt = typer.Option(False, "--json", help="Print the summary as one JSON object on stdout (messages go to stderr).")
+
+
+@contextmanager
+def json_mode(enabled: bool) -> Iterator[None]:
+    """With --json, everything the stage prints goes to stderr, so stdout holds only the JSON."""
+    if not enabled:
+        yield
+        return
+    from contextlib import redirect_stdout
+
+    with redirect_stdout(sys.stderr):
+        yield
+
+
+def emit(summary: Any, as_json: bool) -> None:
+    """The stage's one-line summary, or its `to_json()` as one JSON line."""
+    import json
+
+    echo(json.dumps(summary.to_json(), sort_keys=True) if as_json else str(summary))
+
+
 def parse_sets(items: list[str]) -> dict[str, Any]:
     """`["train.batch_size=8", ...]` -> `{"train.batch_size": 8}` (values parsed as YAML)."""
     import yaml

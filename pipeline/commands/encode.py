@@ -12,7 +12,7 @@ from typing import Callable, Optional
 
 import typer
 
-from pipeline.commands.common import ConfigOpt, SetOpt, config_from, echo, require, user_errors
+from pipeline.commands.common import ConfigOpt, JsonOpt, SetOpt, config_from, emit, json_mode, require, user_errors
 
 
 def _command(section: str, stage_module: str, component: str, batch_help: str) -> Callable[..., None]:
@@ -26,6 +26,7 @@ def _command(section: str, stage_module: str, component: str, batch_help: str) -
             "float32 on CPU)."),
         config: Optional[Path] = ConfigOpt,
         set_: list[str] = SetOpt,
+        as_json: bool = JsonOpt,
     ) -> None:
         cfg = config_from(config, sets=set_, overrides={
             "paths.store": store, "paths.model": model, f"{section}.device": device, f"{section}.batch_size": batch_size,
@@ -35,9 +36,9 @@ def _command(section: str, stage_module: str, component: str, batch_help: str) -
         mdl = require(cfg.paths.model, "--model", "paths.model")
         run = importlib.import_module(stage_module).run  # the heavy stack loads only when the command runs
 
-        with user_errors():
+        with user_errors(), json_mode(as_json):
             summary = run(cfg, dst, mdl)
-        echo(str(summary))
+        emit(summary, as_json)
 
     return command
 

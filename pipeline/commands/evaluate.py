@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from pipeline.commands.common import ConfigOpt, SetOpt, config_from, echo, require, user_errors
+from pipeline.commands.common import ConfigOpt, JsonOpt, SetOpt, config_from, emit, json_mode, require, user_errors
 
 
 def command(
@@ -21,6 +21,7 @@ def command(
     num_samples: Optional[int] = typer.Option(None, "--num-samples", help="Val samples to generate (evaluate.num_samples)."),
     steps: Optional[int] = typer.Option(None, "--steps", help="Inference steps (evaluate.num_inference_steps)."),
     device: Optional[str] = typer.Option(None, "--device", help="evaluate.device"),
+    as_json: bool = JsonOpt,
 ) -> None:
     cfg = config_from(config, sets=set_, overrides=
         {
@@ -39,6 +40,7 @@ def command(
     lora_dir = require(lora_dir, "--lora", "paths.run")
     from stages.evaluate.stage import run
 
-    with user_errors():
-        result = run(cfg.evaluate, store_dir, model_id, lora_dir, report)
-    echo(str(result))
+    with user_errors(), json_mode(as_json):
+        result = run(cfg.evaluate, store_dir, model_id, lora_dir, report,
+                     max_dropped_fraction=cfg.train.max_dropped_fraction)
+    emit(result, as_json)

@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from pipeline.commands.common import ConfigOpt, SetOpt, config_from, echo, require, user_errors
+from pipeline.commands.common import ConfigOpt, JsonOpt, SetOpt, config_from, emit, json_mode, require, user_errors
 
 
 def command(
@@ -26,6 +26,7 @@ def command(
     max_controls: Optional[int] = typer.Option(None, "--max-controls", help="More controls -> quarantined."),
     max_image_pixels: Optional[int] = typer.Option(None, "--max-image-pixels", help="Larger images -> quarantined."),
     workers: Optional[int] = typer.Option(None, "--workers", help="Processes resizing in parallel (0 = inline)."),
+    as_json: bool = JsonOpt,
 ) -> None:
     cfg = config_from(config, sets=set_, overrides=
         {
@@ -47,6 +48,6 @@ def command(
     dst = require(cfg.paths.store, "--store", "paths.store")
     from stages.resize.stage import run
 
-    with user_errors():
+    with user_errors(), json_mode(as_json):
         summary = run(cfg, src, dst)
-    echo(str(summary))
+    emit(summary, as_json)

@@ -6,16 +6,26 @@ from pathlib import Path
 
 import typer
 
-from pipeline.commands.common import SetOpt, config_from, echo, user_errors
+from pipeline.commands.common import SetOpt, config_from, echo, json_mode, user_errors
 
 
 def command(
     config: Path = typer.Option(..., "--config", "-c", help="YAML config with paths.{source,store,model,run,report}."),
     set_: list[str] = SetOpt,
+    as_json: bool = typer.Option(False, "--json", help="Print a JSON list, one summary object per stage, on stdout "
+                                 "(messages go to stderr)."),
 ) -> None:
     cfg = config_from(config, {}, set_)
     from pipeline.orchestrate import run_all
 
+    if as_json:
+        import json
+        import sys
+
+        with user_errors(), json_mode(True):
+            result = run_all(cfg, log=lambda m: print(m, file=sys.stderr))
+        echo(json.dumps([o.result.to_json() for o in result.outcomes], sort_keys=True))
+        return
     with user_errors():
         result = run_all(cfg, log=echo)
     overall = result.metrics["loss"]["overall"]

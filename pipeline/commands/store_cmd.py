@@ -1,4 +1,4 @@
-"""`pipeline store inspect|verify|repair STORE` and `pipeline migrate v1-to-v2 STORE`."""
+"""`pipeline store inspect|verify|repair|gc STORE` and `pipeline migrate v1-to-v2 STORE`."""
 
 from __future__ import annotations
 
@@ -41,6 +41,18 @@ def verify(store: Path = StoreArg) -> None:
     if problems:
         raise typer.Exit(1)
     echo(f"ok: {store} verified")
+
+
+@store_app.command("gc", help="Remove table versions nothing current references (atomic per version, kill-safe).")
+def gc(
+    store: Path = StoreArg, dry_run: bool = typer.Option(False, "--dry-run", help="Only say what would be removed."),
+) -> None:
+    from store.gc import collect
+    from store.store import Store
+
+    with user_errors():
+        Store(store, create=False)  # a store, in a format this code reads
+        collect(store, dry_run=dry_run, echo=echo)
 
 
 @store_app.command("repair", help="Recompute exactly the damaged samples into a new version (others carried "

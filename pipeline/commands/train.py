@@ -11,7 +11,7 @@ from typing import Optional
 
 import typer
 
-from pipeline.commands.common import ConfigOpt, SetOpt, config_from, echo, require, user_errors
+from pipeline.commands.common import ConfigOpt, JsonOpt, SetOpt, config_from, emit, json_mode, require, user_errors
 
 
 def command(
@@ -25,6 +25,7 @@ def command(
     max_steps: Optional[int] = typer.Option(None, "--max-steps", help="Optimizer steps in all (train.max_steps)."),
     batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Samples per process per micro-step."),
     device: Optional[str] = typer.Option(None, "--device", help="'cpu' forces the CPU (train.device)."),
+    as_json: bool = JsonOpt,
 ) -> None:
     cfg = config_from(config, sets=set_, overrides=
         {
@@ -41,7 +42,7 @@ def command(
     run_dir = require(cfg.paths.run, "--out", "paths.run")
     from stages.train.recipe import run
 
-    with user_errors():
+    with user_errors(), json_mode(as_json):
         if resume:
             from schemas.errors import UserError
             from stages.train.resume import nothing_to_resume
@@ -50,4 +51,4 @@ def command(
                 raise UserError(why)
         result = run(cfg, store_dir, model_id, run_dir, resume=resume)
     if result.main_process:
-        echo(str(result))
+        emit(result, as_json)

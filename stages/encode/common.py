@@ -16,7 +16,7 @@ import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterable, Iterator, TypeVar
 
@@ -26,8 +26,10 @@ from PIL import Image
 from schemas.config import Section
 from schemas.errors import Rejected, UserError
 from schemas.lineage import Lineage, code_version
+from schemas.stage import summary_record
 from schemas.table import TableSchema
 from store import Store, TableReader, TableWriter, repair_context
+from store.reuse import FEATURE_LINEAGE_ATTR, carry_forward, feature_lineage, reusable
 
 if TYPE_CHECKING:
     from stages.encode.progress import SampleProgress
@@ -118,6 +120,7 @@ class Summary:
     version: int | None = None
     up_to_date: bool = False
     encoded: int = 0
+    reused: int = 0  # carried forward from an earlier version with the same feature lineage (not recomputed)
     skipped: int = 0  # already in committed shards (resume) or the whole table when up to date
     quarantined: int = 0
     bytes_written: int = 0
@@ -129,6 +132,13 @@ class Summary:
     rank: int = 0
     world_size: int = 1
 
+    def to_json(self) -> dict[str, Any]:
+        # up to date: every sample of the table is reused as it is
+        return summary_record(self.stage, self.table, self.version, self.encoded,
+                              self.skipped if self.up_to_date else self.reused, self.quarantined, self.bytes_written,
+                              self.seconds, self.up_to_date, resumed=0 if self.up_to_date else self.skipped,
+                              rank=self.rank, world_size=self.world_size)
+
     def __str__(self) -> str:
         where = f" [rank {self.rank}/{self.world_size}]" if self.world_size > 1 else ""
         if self.up_to_date:
@@ -137,7 +147,7 @@ class Summary:
         rate = self.encoded / self.loop_seconds if self.loop_seconds > 0 else 0.0
         return (
             f"{self.stage}{where}: table '{self.table}' v{self.version}: encoded {self.encoded}, "
-            f"skipped (already done) {self.skipped}, quarantined {self.quarantined}, "
+            f"reused {self.reused}, skipped (already done) {self.skipped}, quarantined {self.quarantined}, "
             f"{self.bytes_written / 1e6:.2f} MB written in {self.seconds:.1f} s (encoding {rate:.1f} samples/s)"
         )
 
@@ -155,6 +165,8 @@ class EncodeJob:
     started: float = field(default_factory=time.perf_counter)
     loop_started: float = 0.0
     writer: TableWriter | None = None
+    feature_lineage: str = ""  # see store.reuse: samples with this lineage in earlier versions are carried
+    match_columns: tuple[str, ...] = ()  # images columns a carried row must still match (vae: mask_sha256)
     _quarantine_rows: list[dict[str, Any]] = field(default_factory=list)
     _shard_sizes_before: dict[str, int] = field(default_factory=dict)
 
@@ -163,7 +175,9 @@ class EncodeJob:
         return self.summary.up_to_date
 
     def open_writer(self, schema: TableSchema, shard_size_mb: float) -> list[str]:
-        """Open (or resume) the output version; return this rank's keys that are not committed yet."""
+        """Open (or resume) the output version, carry forward every key an earlier version with the same feature
+        lineage holds (hard-linked shards, split relabelled from `images`); return this rank's keys left to do."""
+        schema = replace(schema, attrs={**schema.attrs, FEATURE_LINEAGE_ATTR: self.feature_lineage})
         self.writer = self.store.writer(
             self.summary.table, schema, rank=self.ranks.rank, world_size=self.ranks.world_size,
             shard_size_mb=shard_size_mb,
@@ -175,8 +189,28 @@ class EncodeJob:
         mine = self.images.iter_keys(rank=self.ranks.rank, world_size=self.ranks.world_size)
         todo = [k for k in mine if k not in self.writer.done_keys]
         self.summary.skipped = len(mine) - len(todo)
+        for version, rows in reusable(self.store, self.summary.table, self.feature_lineage, todo).items():
+            rows = self._same_content(rows)
+            split = {k: self.images.meta(k).get("split", "train") for k in rows.column("key").to_pylist()}
+            self.summary.reused += carry_forward(self.writer, version, rows, {"split": split})
+        if self.summary.reused:
+            todo = [k for k in todo if k not in self.writer.carried_keys]
         self.loop_started = time.perf_counter()
         return todo
+
+    def _same_content(self, rows):
+        """Rows whose `match_columns` (content outside the key, e.g. the mask) equal the images row's now; a
+        value unknown on either side (older tables) never matches, so such a sample is recomputed."""
+        if not self.match_columns or not rows.num_rows:
+            return rows
+        import pyarrow as pa
+
+        keep = []
+        for i, k in enumerate(rows.column("key").to_pylist()):
+            meta = self.images.meta(k)
+            keep.append(all(c in rows.column_names and meta.get(c) is not None
+                            and rows.column(c)[i].as_py() == meta.get(c) for c in self.match_columns))
+        return rows.filter(pa.array(keep, pa.bool_()))
 
     def _completed_meanwhile(self) -> bool:
         """Another process finished this very table (same lineage) after our up-to-date check, while we loaded
@@ -262,7 +296,8 @@ class EncodeJob:
 
     def _rank_shard_sizes(self) -> dict[str, int]:
         assert self.writer is not None
-        return {p.name: p.stat().st_size for p in Path(self.writer.dir).glob(f"shard-r{self.ranks.rank:02d}-*.tar")}
+        return {p.name: p.stat().st_size for p in Path(self.writer.dir).glob(f"shard-r{self.ranks.rank:02d}-*.tar")
+                if p.name not in self.writer.linked_shards}  # carried shards are not written bytes
 
     def _flush_quarantine(self) -> None:
         """Rows this table version already quarantined are not repeated (a resumed run retries those samples)."""
@@ -271,13 +306,13 @@ class EncodeJob:
 
 
 def open_job(store_path: str | Path, stage: str, table: str, feature_hash: str, model: str,
-             feature_revision: str, ranks: Ranks) -> EncodeJob:
+             feature_revision: str, ranks: Ranks, components: tuple[str, ...] = ()) -> EncodeJob:
     """Read the `images` table, build the lineage, and find out whether an identical version already exists.
 
     An identical complete version is made current and reused ("up to date"); anything that differs (model
     fingerprint, config, images version, code revision) leads to a new version, never a silent reuse.
     """
-    from models.loading import model_fingerprint
+    from models.loading import component_fingerprint, model_fingerprint
 
     path = Path(store_path)
     if not (path / "store.json").is_file():
@@ -293,7 +328,16 @@ def open_job(store_path: str | Path, stage: str, table: str, feature_hash: str, 
     )
     repair_context.check(lineage, table)
     summary = Summary(stage=stage, table=table, rank=ranks.rank, world_size=ranks.world_size)
-    job = EncodeJob(store=store, images=images, lineage=lineage, ranks=ranks, summary=summary)
+    # Per-sample reuse: the features depend on these settings, the components loaded and the images' own
+    # feature lineage (render settings), not on the images version (a relabelled split is the same pixels).
+    upstream = images.schema.attrs.get(FEATURE_LINEAGE_ATTR) or images_id
+    origin = images.schema.attrs.get("migrated_from")  # v1 -> v2 migration: the very same pixels
+    if FEATURE_LINEAGE_ATTR not in images.schema.attrs and origin is not None and \
+            (store.version_dir(IMAGES_TABLE, int(origin)) / "manifest.parquet").is_file():
+        upstream = store.version_id(IMAGES_TABLE, int(origin))
+    fl = feature_lineage(stage, feature_hash, component_fingerprint(model, components) if components else
+                         model_fingerprint(model), code_version(feature_revision), upstream)
+    job = EncodeJob(store=store, images=images, lineage=lineage, ranks=ranks, summary=summary, feature_lineage=fl)
     found = store.find_version(table, lineage)
     if found is not None:
         if store.tables().get(table) != found:
@@ -301,6 +345,15 @@ def open_job(store_path: str | Path, stage: str, table: str, feature_hash: str, 
         summary.version, summary.up_to_date, summary.skipped = found, True, len(store.reader(table, found))
         summary.seconds = time.perf_counter() - job.started
     return job
+
+
+def control_count_rejection(variant: str, num_controls: int, key: str) -> Rejected | None:
+    """The model-variant rule both encode stages apply, so an Edit (v1) model drops the same samples from the
+    `text` and the `vae` table: Edit takes exactly one control image, Edit-Plus any number."""
+    if variant == "edit" and num_controls != 1:
+        return Rejected("edit model needs exactly one control image",
+                        f"sample has {num_controls}; use an Edit-Plus model for 0 or several controls", key=key)
+    return None
 
 
 # ---------------------------------------------------------------- data flow: prefetch and shape-grouped batches

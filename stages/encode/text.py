@@ -36,6 +36,7 @@ from stages.encode.common import (
     Summary,
     batches_by_shape,
     config_hash,
+    control_count_rejection,
     current_ranks,
     open_job,
     open_png,
@@ -48,6 +49,7 @@ from stages.encode.common import (
 STAGE = "encode-text"
 TABLE = "text"
 FEATURE_REVISION = "text.1"
+COMPONENTS = ("text_encoder", "processor", "tokenizer")  # what the features depend on (per-sample reuse)
 # diffusers builds the Edit-Plus image prompt inline in `_get_qwen_prompt_embeds`; mirrored here, and recorded
 # in the lineage so a change of it means a new table version.
 PLUS_IMAGE_PROMPT = "Picture {}: <|vision_start|><|image_pad|><|vision_end|>"
@@ -152,9 +154,8 @@ def prepare(key: str, sample: dict[str, Any], fmt: PromptFormat, processor,
     the image processor is the costliest step outside the forward."""
     meta = sample["meta"]
     n = int(meta.get("num_controls", 0))
-    if fmt.variant == "edit" and n != 1:
-        return Rejected("edit model needs exactly one control image",
-                        f"sample has {n}; use an Edit-Plus model for 0 or several controls", key=key)
+    if (rejected := control_count_rejection(fmt.variant, n, key)) is not None:
+        return rejected
     try:
         images = control_images(sample["files"], fmt.variant, n)
     except (KeyError, OSError, ValueError) as e:
@@ -285,7 +286,7 @@ def run(
     target = rank_device(section.device, ranks, "encode_text.device")
     section = resolve_precision(section, target, STAGE)
     job = open_job(store, STAGE, TABLE, config_hash(section, prompt_format=fmt.lineage_record()), model,
-                   FEATURE_REVISION, ranks)
+                   FEATURE_REVISION, ranks, components=COMPONENTS)
     if job.up_to_date:
         return job.summary
 

@@ -28,6 +28,7 @@ from stages.encode.common import (
     Summary,
     batches_by_shape,
     config_hash,
+    control_count_rejection,
     current_ranks,
     open_job,
     open_png,
@@ -40,6 +41,7 @@ from stages.encode.common import (
 STAGE = "encode-vae"
 TABLE = "vae"
 FEATURE_REVISION = "vae.1"
+COMPONENTS = ("vae",)  # what the latents depend on: another model with the same VAE files reuses them
 
 
 @dataclass
@@ -69,8 +71,10 @@ def mask_weight(mask, height: int, width: int) -> torch.Tensor:
     return m.view(height // t, t, width // t, t).mean(dim=(1, 3)).flatten().to(torch.float32)
 
 
-def prepare(key: str, sample: dict[str, Any], image_processor) -> Prepared | Rejected:
+def prepare(key: str, sample: dict[str, Any], image_processor, variant: str = "edit-plus") -> Prepared | Rejected:
     files, meta = sample["files"], sample["meta"]
+    if (rejected := control_count_rejection(variant, int(meta.get("num_controls", 0)), key)) is not None:
+        return rejected
     names = ["target"] + [f"control_{i}" for i in range(int(meta.get("num_controls", 0)))]
     try:
         images = {n: open_png(files[f"{n}.png"]) for n in names}
@@ -110,6 +114,7 @@ def vae_schema(job: EncodeJob, vae, dtype: str) -> TableSchema:
             FieldSpec("num_controls", "int64", kind="column"),
             FieldSpec("latent_shapes", "json", kind="column"),
             FieldSpec("has_mask", "bool", kind="column"),
+            FieldSpec("mask_sha256", "string", kind="column", optional=True),
         ],
         attrs={
             "latents_mean": list(vae.config.latents_mean),
@@ -138,13 +143,14 @@ def run(
 ) -> Summary:
     from diffusers.image_processor import VaeImageProcessor
 
-    from models.loading import load_component, parse_dtype
+    from models.loading import load_component, model_variant, parse_dtype
 
     section = with_overrides(cfg.encode_vae, device=device, batch_size=batch_size)
     ranks = ranks or current_ranks(section.device)
     target = rank_device(section.device, ranks, "encode_vae.device")
     section = resolve_precision(section, target, STAGE)
-    job = open_job(store, STAGE, TABLE, config_hash(section), model, FEATURE_REVISION, ranks)
+    job = open_job(store, STAGE, TABLE, config_hash(section), model, FEATURE_REVISION, ranks, components=COMPONENTS)
+    job.match_columns = ("mask_sha256",)
     if job.up_to_date:
         return job.summary
 
@@ -154,10 +160,11 @@ def run(
     latents_mean = torch.tensor(vae.config.latents_mean).view(1, channels, 1, 1, 1)
     latents_std = torch.tensor(vae.config.latents_std).view(1, channels, 1, 1, 1)
     image_processor = VaeImageProcessor(vae_scale_factor=PIXELS_PER_PATCH)  # what the edit pipelines build
+    variant = model_variant(model)
     try:
         todo = job.open_writer(vae_schema(job, vae, section.dtype), section.shard_size_mb)
         samples = prefetched(((key, job.images.get(key)) for key in todo),
-                             lambda item: prepare(*item, image_processor), workers=section.num_workers)
+                             lambda item: prepare(*item, image_processor, variant), workers=section.num_workers)
         done: dict[str, dict[str, torch.Tensor]] = {}  # key -> image name -> latent, until the sample is complete
         with job.progress(len(todo)) as bar:
             requests = (r for prepared in job.accepted(samples, bar) for r in prepared.requests)
@@ -190,6 +197,7 @@ def _write(job: EncodeJob, prepared: Prepared, latents: dict[str, torch.Tensor])
             "num_controls": len(names) - 1,
             "latent_shapes": [list(latents[n].shape) for n in names],
             "has_mask": prepared.mask_weight is not None,
+            "mask_sha256": meta.get("mask_sha256") or "",  # reuse compares it: the mask is not in the key
         },
     )
     job.summary.encoded += 1

@@ -17,6 +17,7 @@ import hashlib
 import io
 import json
 import math
+import time
 from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -104,12 +105,18 @@ def held_out_loss(transformer, samples: list[TrainSample], cfg: EvaluateConfig) 
         with lora_enabled(transformer, on):
             per_row[name] = row_losses(transformer, rows, cfg.batch_size, desc=f"held-out loss ({name})")
 
-    def summary(select) -> dict:
-        picked = [i for i, r in enumerate(rows) if select(r)]
+    def summary(picked: list[int]) -> dict:
         n = len({rows[i].sample.key for i in picked})
         return {"n": n, **{m: _mean([per_row[m][i] for i in picked]) for m in ("base", "lora")}}
 
-    buckets = sorted({bucket_of(s) for s in samples}, key=lambda b: tuple(int(x) for x in b.split("x")))
+    # Row indices grouped once per view (one pass over the rows), so the summaries cost O(rows), not
+    # O(groups x rows): with thousands of val samples the per-sample view alone was quadratic.
+    by_bucket, by_sigma, by_key = defaultdict(list), defaultdict(list), defaultdict(list)
+    for i, r in enumerate(rows):
+        by_bucket[bucket_of(r.sample)].append(i)
+        by_sigma[r.sigma].append(i)
+        by_key[r.sample.key].append(i)
+    buckets = sorted(by_bucket, key=lambda b: tuple(int(x) for x in b.split("x")))
     result = {
         "protocol": (
             f"flow-matching loss on {len(samples)} val samples x noise seeds {list(cfg.noise_seeds)} x σ "
@@ -118,10 +125,10 @@ def held_out_loss(transformer, samples: list[TrainSample], cfg: EvaluateConfig) 
         ),
         "noise_seeds": list(cfg.noise_seeds),
         "timesteps": list(cfg.timesteps),
-        "overall": summary(lambda r: True),
-        "per_bucket": {b: summary(lambda r, b=b: bucket_of(r.sample) == b) for b in buckets},
-        "per_timestep": {str(t): summary(lambda r, t=t: r.sigma == float(t)) for t in cfg.timesteps},
-        "per_sample": {s.key: summary(lambda r, k=s.key: r.sample.key == k) for s in samples},
+        "overall": summary(list(range(len(rows)))),
+        "per_bucket": {b: summary(by_bucket[b]) for b in buckets},
+        "per_timestep": {str(t): summary(by_sigma[float(t)]) for t in cfg.timesteps},
+        "per_sample": {s.key: summary(by_key[s.key]) for s in samples},
     }
     mask = mask_region_loss(transformer, samples, cfg)
     if mask is not None:
@@ -152,9 +159,11 @@ def mask_region_loss(transformer, samples: list[TrainSample], cfg: EvaluateConfi
             with lora_enabled(transformer, on):
                 values = row_losses(transformer, rows, cfg.batch_size, weights, f"{region} ({name})")
             out[region][name] = _mean(values)
+            mine: dict[str, list[float]] = defaultdict(list)  # one pass: O(rows)
+            for r, v in zip(rows, values):
+                mine[r.sample.key].append(v)
             for s in masked:
-                mine = [v for r, v in zip(rows, values) if r.sample.key == s.key]
-                per_sample[s.key].setdefault(region, {})[name] = _mean(mine)
+                per_sample[s.key].setdefault(region, {})[name] = _mean(mine[s.key])
     out["per_sample"] = per_sample
     return out
 
@@ -317,6 +326,14 @@ class EvaluateResult:
     report: Path  # index.html
     up_to_date: bool = False
     stage: str = "evaluate"
+    seconds: float = 0.0
+
+    def to_json(self) -> dict:
+        from schemas.stage import summary_record
+
+        loss = self.metrics.get("loss", {}).get("overall", {})
+        return summary_record(self.stage, seconds=self.seconds, up_to_date=self.up_to_date, report=str(self.report),
+                              val_samples=loss.get("n"), loss_base=loss.get("base"), loss_lora=loss.get("lora"))
 
     def __str__(self) -> str:
         if self.up_to_date:
@@ -327,10 +344,11 @@ class EvaluateResult:
 
 
 def run(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, out: str | Path,
-        skip_if_done: bool = False) -> EvaluateResult:
+        skip_if_done: bool = False, max_dropped_fraction: float = 0.05) -> EvaluateResult:
     """Evaluate base vs LoRA on the store's val split and write the report into `out`. `skip_if_done`: reuse a
     report of the same inputs (`pipeline run all`)."""
     out = Path(out)
+    started = time.perf_counter()
     if skip_if_done and report_up_to_date(cfg, store, model, lora, out):
         return EvaluateResult(json.loads((out / "metrics.json").read_text()), out / "index.html", up_to_date=True)
     if out.is_dir() and any(out.iterdir()) and not (out / "metrics.json").is_file():
@@ -344,9 +362,10 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, ou
     inputs = evaluate_inputs(cfg, store, model, lora)
     from models.loading import model_fingerprint
 
-    tables = open_features(store, model, model_fingerprint(model), split="val")
-    keys = tables.keys[: cfg.max_loss_samples] if cfg.max_loss_samples else tables.keys
-    samples = [from_features(k, *tables.features(k)) for k in tqdm(keys, desc="read val samples", leave=False)]
+    tables = open_features(store, model, model_fingerprint(model), split="val",
+                           max_dropped_fraction=max_dropped_fraction)
+    n = min(len(tables), cfg.max_loss_samples) if cfg.max_loss_samples else len(tables)
+    samples = [from_features(*tables.features_at(i)) for i in tqdm(range(n), desc="read val samples", leave=False)]
 
     dtype = parse_dtype(cfg.dtype)
     transformer = load_component(model, "transformer", dtype=dtype, device=cfg.device, quantize=cfg.quantize_base)
@@ -376,8 +395,9 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, ou
             "lora": str(Path(lora).resolve()),
             "lora_scale": cfg.lora_scale,
             "val_samples": len(samples),
+            "val_split": tables.report,
             "config": cfg.model_dump(mode="json"),
             "inputs": inputs,
         },
     }
-    return EvaluateResult(metrics, write_report(out, metrics, rows))
+    return EvaluateResult(metrics, write_report(out, metrics, rows), seconds=time.perf_counter() - started)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import time
 from collections import Counter, deque
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass, field
@@ -29,7 +30,8 @@ from schemas.img_shapes import PIXELS_PER_PATCH, img_shapes_from_pixels
 from schemas.resize_sizes import sizes_in_force
 from stages.resize.bucketing import BucketRule, bucket_size, crop_box_for_aspect
 from stages.resize.imaging import ImageRejected, decode_image, decode_mask
-from stages.resize.sources import SourceSample, detect_format, iter_source, listing_hash
+from stages.resize.content import content_listing_hash
+from stages.resize.sources import SourceSample, detect_format, iter_source
 
 if TYPE_CHECKING:
     from store import Store
@@ -38,6 +40,9 @@ STAGE = "resize-bucket"
 TABLE = "images"
 # Bump when this stage's output changes for identical inputs and settings (new resampling, PNG options...).
 FEATURE_REVISION = 1
+# Settings that decide which samples are in the table and how they are labelled, never their pixels: changing
+# them re-labels or filters (samples carried forward), nothing is re-rendered (per-sample reuse, store.reuse).
+VIEW_SETTINGS = frozenset({"val_fraction", "min_controls", "max_controls", "max_image_pixels"})
 PNG_COMPRESS_LEVEL = 3  # lossless either way; 3 is ~3x faster than the default 6 for a few % more bytes
 
 
@@ -47,7 +52,10 @@ class ResizeSummary:
     up_to_date: bool = False
     stage: str = STAGE
     written: int = 0
+    reused: int = 0  # carried forward from an earlier version with the same render settings (not re-rendered)
     resumed: int = 0  # already in committed shards from an interrupted run
+    bytes_written: int = 0
+    seconds: float = 0.0
     quarantined: Counter = field(default_factory=Counter)  # reason -> count
     conversions: Counter = field(default_factory=Counter)  # what sanitising did -> count
     splits: Counter = field(default_factory=Counter)
@@ -56,12 +64,21 @@ class ResizeSummary:
     duplicates: list[tuple[str, str]] = field(default_factory=list)  # (kept source, dropped source)
     sizes: str = ""  # the sizes in force (schemas.resize_sizes)
 
+    def to_json(self) -> dict[str, Any]:
+        from schemas.stage import summary_record
+
+        return summary_record(self.stage, TABLE, self.version, self.written, self.reused,
+                              sum(self.quarantined.values()), self.bytes_written, self.seconds, self.up_to_date,
+                              resumed=self.resumed, splits=dict(self.splits),
+                              quarantined_by_reason=dict(self.quarantined))
+
     def __str__(self) -> str:
         if self.up_to_date:
             return (f"images v{self.version} is up to date (same source listing and resize settings); nothing to do"
                     + (f"\n{self.sizes}" if self.sizes else ""))
         lines = [
             f"images v{self.version}: {self.written} samples written"
+            + (f", {self.reused} reused (carried forward, not re-rendered)" if self.reused else "")
             + (f", {self.resumed} kept from an interrupted run" if self.resumed else "")
             + f" (train {self.splits['train']}, val {self.splits['val']}), {len(self.buckets)} target buckets",
         ]
@@ -86,13 +103,15 @@ class ResizeSummary:
 
 def run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> ResizeSummary:
     from store import Store  # here, not at the top: render workers import this module and need no torch
+    from store.reuse import FEATURE_LINEAGE_ATTR, carry_forward, reusable, reusable_keys
 
     rc = cfg.resize
     _validate(rc)
     st = store if isinstance(store, Store) else Store(store)
     source = Path(source).resolve()  # quarantine rows and schema attrs name the source unambiguously
     fmt = detect_format(source)
-    listing = listing_hash(source)
+    started = time.perf_counter()
+    listing = content_listing_hash(source)
     schema = images_schema(rc, listing, source=str(source), source_format=fmt)
 
     from store import repair_context
@@ -102,11 +121,15 @@ def run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> R
     if found is not None:
         if st.tables().get(TABLE) != found:
             st.set_current(TABLE, found)
-        return ResizeSummary(version=found, up_to_date=True, sizes=sizes_in_force(rc.model_dump()))
+        return ResizeSummary(version=found, up_to_date=True, seconds=time.perf_counter() - started,
+                             sizes=sizes_in_force(rc.model_dump()))
 
     writer = st.writer(TABLE, schema, shard_size_mb=rc.shard_size_mb)
     summary = ResizeSummary(version=writer.version, quarantine_file=str(st.root / "quarantine.parquet"),
                             sizes=sizes_in_force(rc.model_dump()))
+    lineage_hash = schema.attrs[FEATURE_LINEAGE_ATTR]
+    available = reusable_keys(st, TABLE, lineage_hash, "mask_sha256")  # key -> mask hash, rendered before
+    carry: dict[str, tuple[str, str]] = {}  # key -> (source, split) of the samples to carry forward
     rules = _rules(rc)
     first_source: dict[str, str] = {}  # key -> source of its first occurrence (duplicates name it)
     rejects: list[dict[str, Any]] = []
@@ -142,6 +165,9 @@ def run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> R
                 if key in writer.done_keys:
                     summary.resumed += 1
                     continue
+                if available.get(key, None) == mask_hash(rec.mask):  # same content, same mask
+                    carry[key] = (rec.source, split_for(key, rc.val_fraction))
+                    continue
                 for done in pool.submit(rec, key, caption, rc, rules):
                     store_rendered(*done)
             for done in pool.drain():
@@ -149,15 +175,23 @@ def run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> R
             if bar.total != bar.n:  # orphans / unreadable entries counted differently: end at 100 %
                 bar.total = bar.n
                 bar.refresh()
+        for version, rows in reusable(st, TABLE, lineage_hash, carry).items():
+            keys = rows.column("key").to_pylist()
+            views = {"source": {k: carry[k][0] for k in keys}, "split": {k: carry[k][1] for k in keys}}
+            summary.reused += carry_forward(writer, version, rows, views)
+            summary.splits.update(views["split"].values())
         st.add_quarantine(rejects)
-        if summary.written + summary.resumed == 0:
+        if summary.written + summary.resumed + summary.reused == 0:
             raise UserError(
                 f"no usable sample in source {source}: {len(rejects)} quarantined "
                 f"(see {summary.quarantine_file}); fix the source and rerun"
             )
+        summary.bytes_written = sum(p.stat().st_size for p in writer.dir.glob("shard-*.tar")
+                                    if p.name not in writer.linked_shards)
         summary.version = writer.commit()
     finally:
         writer.close()
+    summary.seconds = time.perf_counter() - started
     if summary.resumed:  # the resumed samples' splits count too
         r = st.reader(TABLE, summary.version)
         summary.splits = Counter(r.manifest.column("split").to_pylist())
@@ -202,7 +236,10 @@ class RenderPool:
 
 
 def images_schema(rc: ResizeConfig, listing: str, source: str = "", source_format: str = "") -> TableSchema:
+    from store.reuse import FEATURE_LINEAGE_ATTR, feature_lineage
+
     lineage = Lineage(stage=STAGE, config_hash=f"{rc.fingerprint()}-src{listing}", code_version=code_version(f"images.{FEATURE_REVISION}"))
+    render = rc.model_dump(mode="json", exclude=VIEW_SETTINGS | {"shard_size_mb", "workers"})
     png, col = "png", "column"
     return TableSchema(
         name=TABLE,
@@ -223,6 +260,7 @@ def images_schema(rc: ResizeConfig, listing: str, source: str = "", source_forma
             FieldSpec("source_hashes", "json", kind=col),
             FieldSpec("source_size", "json", kind=col),
             FieldSpec("has_mask", "bool", kind=col),
+            FieldSpec("mask_sha256", "string", kind=col, optional=True),
             FieldSpec("conversions", "json", kind=col, optional=True),
         ),
         # without the operational settings (shard size, workers), which change neither features nor lineage
@@ -231,6 +269,7 @@ def images_schema(rc: ResizeConfig, listing: str, source: str = "", source_forma
             "source": source,
             "source_format": source_format,
             "source_listing": listing,
+            FEATURE_LINEAGE_ATTR: feature_lineage(STAGE, render, code_version=lineage.code_version),
         },
     )
 
@@ -245,6 +284,12 @@ def sample_key(target: bytes, controls: list[bytes], caption: str) -> str:
         h.update(len(part).to_bytes(8, "big"))
         h.update(part)
     return h.hexdigest()[:32]
+
+
+def mask_hash(mask: bytes | None) -> str:
+    """The edit mask is not part of the key (DESIGN: key = target + controls + caption), so reuse compares it
+    separately: sha256 of its bytes, "" for none."""
+    return hashlib.sha256(mask).hexdigest() if mask is not None else ""
 
 
 def split_for(key: str, val_fraction: float) -> str:
@@ -347,6 +392,7 @@ def _render(rec: SourceSample, key: str, caption: str, rc: ResizeConfig, rules: 
         "source_hashes": [hashlib.sha256(b).hexdigest() for b in (rec.target, *rec.controls)],
         "source_size": [th, tw],
         "has_mask": rec.mask is not None,
+        "mask_sha256": mask_hash(rec.mask),
         "conversions": sorted(set(notes)),
     }
     return Rendered(files, meta, notes)

@@ -14,16 +14,36 @@ from stages.train.sampler import LengthAwareBatchSampler
 from store.join import JoinedTables, open_features
 
 
-def open_inputs(
-    store: str | Path, model: str, split: str = "train", on_damaged: str = "stop", max_damaged_fraction: float = 0.0,
-) -> JoinedTables:
+def open_inputs(store: str | Path, model: str, split: str = "train", max_dropped_fraction: float = 0.05,
+                max_open_shards: int = 256, on_damaged: str = "stop",
+                max_damaged_fraction: float = 0.0) -> JoinedTables:
     from models.loading import model_fingerprint
 
-    return open_features(store, model, model_fingerprint(model), split, on_damaged, max_damaged_fraction)
+    return open_features(store, model, model_fingerprint(model), split, max_dropped_fraction, max_open_shards,
+                         on_damaged=on_damaged, max_damaged_fraction=max_damaged_fraction)
 
 
 def load(tables: JoinedTables, key: str) -> TrainSample:
     return from_features(key, *tables.features(key))
+
+
+def load_at(tables: JoinedTables, i: int) -> TrainSample:
+    """The i-th joined sample, addressed by row numbers (no key lookups: the trainer's path at any scale)."""
+    return from_features(*tables.features_at(i))
+
+
+def write_data_report(run_dir: Path, tables: JoinedTables) -> str:
+    """RUN/data.json: what the join kept and dropped (and why); returns the one line the trainer prints."""
+    import json
+
+    rep = tables.report
+    (Path(run_dir) / "data.json").write_text(json.dumps(rep, indent=2, sort_keys=True) + "\n")
+    if not rep.get("dropped"):
+        return f"training on all {rep.get('joined', len(tables))} samples of the '{rep.get('split')}' split"
+    reasons = "; ".join(f"{st}: " + ", ".join(f"{r} {n}" for r, n in sorted(rs.items()))
+                        for st, rs in sorted(rep["reasons"].items()))
+    return (f"training on {rep['joined']} of {rep['samples']} samples of the '{rep['split']}' split: {rep['dropped']} "
+            f"not in both the text and vae tables ({reasons}; rows in {rep['quarantine_file']})")
 
 
 class DataStream:

@@ -25,7 +25,7 @@ import torch
 from models.flow import FlowBatch, prepare_flow_batch
 from models.randomness import draw_caption_dropout, draw_noise, draw_sigma, with_control_dropout
 from schemas.config import TrainConfig
-from stages.train.data import DataStream, load
+from stages.train.data import DataStream, load_at
 from store.join import JoinedTables
 
 
@@ -43,7 +43,7 @@ class MicroBatch:
 def prepare(tables: JoinedTables, tc: TrainConfig, indices: list[int], step: int, device: torch.device,
             dtype: torch.dtype) -> FlowBatch:
     """Read the samples, draw their control dropout / σ / noise / caption dropout for `step`, pack and noise them on `device`."""
-    samples = [load(tables, tables.keys[i]) for i in indices]
+    samples = [load_at(tables, i) for i in indices]
     samples = with_control_dropout(samples, tc.seed, step, tc.control_dropout)
     sigmas = torch.stack([draw_sigma(s, tc.seed, step, tc.sigma) for s in samples])
     noises = [draw_noise(s, tc.seed, step) for s in samples]

@@ -51,7 +51,7 @@ from schemas.config import PipelineConfig, TrainConfig, dump_config
 from schemas.errors import UserError
 from stages.train import guard, parallel, state as train_state
 from stages.train.budget import make_sampler
-from stages.train.data import DataStream, load, open_inputs
+from stages.train.data import DataStream, load_at, open_inputs, write_data_report
 from stages.train.launch import launched_world_size, use_cpu
 from stages.train.prefetch import MicroBatches
 from stages.train.resume import changed_settings
@@ -87,6 +87,16 @@ class TrainResult:
     main_process: bool = True
     up_to_date: bool = False  # `skip_if_done` found the final LoRA of this very run: nothing trained
     stage: str = "train"
+    seconds: float = 0.0
+    data: dict = field(default_factory=dict)  # the join's report: samples, dropped, reasons (store.join)
+
+    def to_json(self) -> dict:
+        from schemas.stage import summary_record
+
+        return summary_record(self.stage, seconds=self.seconds, up_to_date=self.up_to_date, steps=self.steps,
+                              start_step=self.start_step, lora=str(self.lora_dir),
+                              loss_first=self.losses[0] if self.losses else None,
+                              loss_last=self.losses[-1] if self.losses else None, data=self.data)
 
     def __str__(self) -> str:
         if self.up_to_date:
@@ -162,6 +172,7 @@ def run(
 ) -> TrainResult:
     """Train (or, with `resume`, continue from OUT's last checkpoint). `skip_if_done`: return at once when OUT
     already holds the final LoRA of a run on the same tables, model and config (`pipeline run all`)."""
+    started = time.perf_counter()
     if skip_if_done and up_to_date(cfg, store, model, out):
         lora = Path(out) / "lora"
         return TrainResult(Path(out), lora, cfg.train.max_steps, cfg.train.max_steps, up_to_date=True)
@@ -178,7 +189,9 @@ def run(
                 r.validator(r)
             if r.step % r.cfg.checkpoint_every == 0 or r.step == r.cfg.max_steps:
                 checkpoint(r)
-        return finish(r)
+        result = finish(r)
+        result.seconds = time.perf_counter() - started
+        return result
     finally:
         if run_lock is not None:
             run_lock.release()
@@ -204,7 +217,8 @@ def setup(cfg: PipelineConfig, store: str | Path, model: str, out: str | Path, r
                    + (f", quantize_base {tc.quantize_base}" if tc.quantize_base != "none" else ""))
     from models.loading import model_fingerprint
 
-    tables = open_inputs(store, model, "train", tc.on_damaged, tc.max_damaged_fraction)
+    tables = open_inputs(store, model, "train", tc.max_dropped_fraction, tc.max_open_shards,
+                         on_damaged=tc.on_damaged, max_damaged_fraction=tc.max_damaged_fraction)
     now = ResumeRecord(
         step=0, epoch=0, batch_in_epoch=0, config_fingerprint=config_fingerprint(tc),
         tables=tables.versions(), store=str(Path(tables.store_root).resolve()),
@@ -216,6 +230,7 @@ def setup(cfg: PipelineConfig, store: str | Path, model: str, out: str | Path, r
         r.checkpoints.mkdir(parents=True, exist_ok=True)
         train_state.remove_stale(r.checkpoints)
         atomic_write_bytes(r.run_dir / "train_config.yaml", dump_config(cfg).encode())
+        tqdm.write(write_data_report(r.run_dir, tables))
         if tables.damaged:
             report = guard.write_damaged_report(r.run_dir, tables.damaged)
             tqdm.write(f"skipping {len(tables.damaged)} damaged sample(s) of {len(tables.damaged) + len(tables)} "
@@ -245,7 +260,8 @@ def setup(cfg: PipelineConfig, store: str | Path, model: str, out: str | Path, r
     r.model = parallel.wrap(r.transformer, r.world, tc.lora.target_modules)
     r.position = r.stream.position
     r.batches = MicroBatches(r.stream, tables, tc, r.rank, r.step, r.device, r.transformer.dtype, depth=tc.prefetch)
-    r.result = TrainResult(r.run_dir, r.run_dir / "lora", start_step=r.step, steps=r.step, main_process=r.main)
+    r.result = TrainResult(r.run_dir, r.run_dir / "lora", start_step=r.step, steps=r.step, main_process=r.main,
+                           data=tables.report)
     if r.main:
         from torch.utils.tensorboard import SummaryWriter
 
@@ -364,7 +380,7 @@ def up_to_date(cfg: PipelineConfig, store: str | Path, model: str, out: str | Pa
     if not weights.is_file() or latest is None:
         return False
     record = ResumeRecord.read(latest / train_state.RESUME_JSON)
-    tables = open_inputs(store, model, split="train")
+    tables = open_inputs(store, model, "train", cfg.train.max_dropped_fraction, cfg.train.max_open_shards)
     return (
         record.step == cfg.train.max_steps
         # the run records its resolved precision (dtype auto -> float32 / bfloat16 for its device)
@@ -580,7 +596,7 @@ def setup_transformer(model: str, cfg: TrainConfig, device: torch.device):
 
 
 def _check_shapes(tables: JoinedTables, transformer) -> None:
-    s = load(tables, tables.keys[0])
+    s = load_at(tables, 0)
     c4, d = s.target.shape[0] * 4, s.prompt_embeds.shape[1]
     cfg = transformer.config
     if c4 != cfg.in_channels or d != cfg.joint_attention_dim:

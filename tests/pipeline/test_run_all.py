@@ -119,6 +119,12 @@ def test_run_all_resumes_after_kill_and_skips_when_up_to_date(tiny_plus_model, t
     # 3) nothing left to do
     out = _run_cli(config)
     assert out.count("skipped, up to date") == len(STAGES), out
+    # ... and as JSON: one object per stage on stdout, nothing else there
+    result = CliRunner().invoke(app, ["run", "all", "--config", str(config), "--json"])
+    assert result.exit_code == 0, result.output
+    records = json.loads(result.stdout)
+    assert [r["stage"] for r in records] == STAGES and all(r["up_to_date"] and r["encoded"] == 0 for r in records)
+    assert [r["table"] for r in records[:3]] == ["images", "text", "vae"]
 
 
 def test_shipped_configs_validate():

@@ -21,6 +21,7 @@ from pipeline.demo_data import make_demo_data
 from stages.resize.bucketing import BucketRule, bucket_size
 from stages.resize.stage import run, sample_key, split_for
 from store import Store
+from store.verify import verify_store
 
 SMALL = {"resize.target_area": 64 * 64, "resize.control_vae_area": 64 * 64, "resize.control_vl_area": 32 * 32,
          "resize.multiple": 16, "resize.min_side": 16, "resize.max_controls": 2}
@@ -276,7 +277,9 @@ def test_rerun_is_up_to_date_changed_setting_or_source_is_a_new_version(tmp_path
     assert back.up_to_date and back.version == 1 and st.tables()["images"] == 1
     (tmp_path / "src" / "target" / "sample_0000.txt").write_text("now with a caption")
     grown = run(cfg(), tmp_path / "src", st)
-    assert grown.version == 3 and grown.written == 6
+    # only the newly captioned sample is rendered; the other 5 are carried forward from v1 (hard-linked shards)
+    assert grown.version == 3 and grown.written == 1 and grown.reused == 5
+    assert len(st.reader("images", 3)) == 6 and verify_store(st.root, progress=False) == []
 
 
 def test_resume_after_sigkill_mid_run(tmp_path):

@@ -86,12 +86,18 @@ def test_tables_from_another_model_are_refused(tmp_path, tiny_edit_model):
         open_train_tables(tmp_path / "s", tiny_edit_model)
 
 
-def test_mismatched_keys_are_named(tmp_path, tiny_edit_model):
+def test_mismatched_keys_train_on_the_intersection_or_fail_above_the_threshold(tmp_path, tiny_edit_model):
     make_train_store(tmp_path / "s", tiny_edit_model, mixed_specs(4), skip_text={1}, skip_vae={3})
-    with pytest.raises(UserError) as e:
+    with pytest.raises(UserError) as e:  # 2 of 4 dropped: above the default 5%
         open_train_tables(tmp_path / "s", tiny_edit_model)
     msg = str(e.value)
-    assert f"only in 'text' v1: {key_of(3)}" in msg and f"only in 'vae' v1: {key_of(1)}" in msg
+    assert "2 of 4 samples (50.0%)" in msg and "encode-text: not encoded 1" in msg and "encode-vae: not encoded 1" in msg
+    from models.loading import model_fingerprint
+    from store.join import open_features
+
+    t = open_features(tmp_path / "s", tiny_edit_model, model_fingerprint(tiny_edit_model), "train", 0.5)
+    assert list(t.keys) == sorted(key_of(i) for i in (0, 2)) and t.report["dropped"] == 2
+    assert t.report["only_in"] == {"text": 1, "vae": 1}
 
 
 def test_v1_tables_read_via_derived_img_shapes(tmp_path, tiny_edit_model):

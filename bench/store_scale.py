@@ -1,0 +1,263 @@
+"""Store metadata at dataset scale: synthetic `text` + `vae` tables of N samples, read through the project's own
+reader, join and sampler.
+
+    python bench/store_scale.py --samples 1000000 [--small 10000] [--dir /tmp/store-scale]
+
+Builds (once per N, reused on reruns) realistic manifests - real column set and types, prompt lengths 300..1100
+tokens x 3584 bf16, 16-channel latents of 32..128 per side, 0..2 controls, shards of ~256 MB (~30k per table at
+1M samples) - with sparse shard files (no disk blocks; reads return zeros). Then prints for N:
+  open     time + RSS (over the interpreter's baseline after imports) to open both tables
+  join     time to join them on the train split and compute every sample's sequence length
+  loads    the first load (reads the shard + tensors columns), then 1,000 random samples through
+           `JoinedTables.features_at` (mmap views, first byte of each tensor touched)
+  plan     the length-aware sampler's epoch plan (batch 4, 8 ranks)
+and the same for --small N as the baseline of the random-load rate (ratio = rate at N / rate at small N).
+"""
+
+from __future__ import annotations
+
+import argparse
+import binascii
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pyarrow as pa
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from store import format as fmt  # noqa: E402
+from store.integrity import write_version_checksums  # noqa: E402
+from store.manifest import FILE_STRUCT, TENSOR_STRUCT  # noqa: E402
+
+HIDDEN = 3584
+SHARD_BYTES = 256 << 20
+
+
+def _keys(n: int, rng: np.random.Generator) -> list[str]:
+    raw = binascii.hexlify(rng.bytes(16 * n)).decode()
+    return sorted(raw[i * 32 : (i + 1) * 32] for i in range(n))
+
+
+def _lists(values: pa.Array, counts: np.ndarray) -> pa.Array:
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    return pa.ListArray.from_arrays(pa.array(offsets), values)
+
+
+def _layout(sizes: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Shards filled in a random (write) order, as real encode stages do: (shard index, offset, shard sizes)."""
+    order = rng.permutation(len(sizes))
+    cum = np.cumsum(sizes[order])
+    shard_sorted = (cum - 1) // SHARD_BYTES
+    start = np.concatenate([[0], cum[:-1]])
+    shard_start = np.zeros(shard_sorted.max() + 1, np.int64)
+    first = np.concatenate([[True], shard_sorted[1:] != shard_sorted[:-1]])
+    shard_start[shard_sorted[first]] = start[first]
+    offset_sorted = start - shard_start[shard_sorted]
+    shard, offset = np.empty_like(shard_sorted), np.empty_like(offset_sorted)
+    shard[order], offset[order] = shard_sorted, offset_sorted
+    shard_sizes = np.bincount(shard, weights=sizes).astype(np.int64)
+    return shard, offset, shard_sizes
+
+
+def _table(vdir: Path, name: str, keys: list[str], tensor_names: list[list[str]], shapes: list[np.ndarray],
+           meta: dict[str, pa.Array], rng: np.random.Generator) -> None:
+    """One complete version folder: schema.json, sparse shards, manifest.parquet."""
+    n = len(keys)
+    per_row = np.array([len(t) for t in tensor_names])
+    nbytes = np.concatenate([np.prod(s, axis=1) * 2 for s in shapes]).astype(np.int64)  # bf16; row-major by row
+    flat_nbytes = np.zeros(per_row.sum(), np.int64)
+    # shapes[j] holds the j-th tensor of every row that has one; reorder to row-major (row, tensor j)
+    pos = np.concatenate([[0], np.cumsum(per_row)])[:-1]
+    ofs = 0
+    idx_of = []
+    for j, s in enumerate(shapes):
+        rows = np.flatnonzero(per_row > j)
+        flat_nbytes[pos[rows] + j] = nbytes[ofs : ofs + len(rows)]
+        idx_of.append((rows, ofs))
+        ofs += len(rows)
+    sample_bytes = np.add.reduceat(flat_nbytes, pos) + 2048
+    shard, offset, shard_sizes = _layout(sample_bytes, rng)
+    vdir.mkdir(parents=True)
+    names = [f"shard-r00-{i:06d}.tar" for i in range(len(shard_sizes))]
+    for nm, size in zip(names, shard_sizes):
+        with open(vdir / nm, "wb") as f:
+            f.truncate(int(size) + 10240)
+    row_of_flat = np.repeat(np.arange(n), per_row)
+    first_flat = np.repeat(pos, per_row)
+    cum_flat = np.cumsum(flat_nbytes) - flat_nbytes
+    in_sample = cum_flat - cum_flat[first_flat]
+    t_offset = offset[row_of_flat] + 1024 + in_sample
+    shape_lists = np.empty(per_row.sum(), object)
+    for j, s in enumerate(shapes):
+        rows, _ = idx_of[j]
+        shape_lists[pos[rows] + j] = list(s)
+    flat_shapes = pa.array([x.tolist() for x in shape_lists], pa.list_(pa.int64()))
+    flat_names = pa.array([nm for t in tensor_names for nm in t], pa.string())
+    tensors = _lists(pa.StructArray.from_arrays(
+        [flat_names, pa.array(t_offset), pa.array(flat_nbytes), pa.array(["bfloat16"] * len(flat_nbytes)), flat_shapes],
+        fields=list(TENSOR_STRUCT)), per_row)
+    sha = "0" * 64
+    zero = _zero_crcs(np.concatenate([sample_bytes, shard_sizes + 10240]))  # shards are sparse: all zero bytes
+    cols = {
+        "key": pa.array(keys, pa.string()),
+        "shard": pa.array([names[i] for i in shard], pa.string()),
+        "shard_sha256": pa.array([sha] * n, pa.string()),
+        "shard_nbytes": pa.array(shard_sizes[shard] + 10240),
+        "sample_offset": pa.array(offset),
+        "sample_nbytes": pa.array(sample_bytes),
+        "sample_sha256": pa.array([sha] * n, pa.string()),
+        "tensors": tensors,
+        "files": _lists(pa.array([], FILE_STRUCT), np.zeros(n, np.int64)),
+        # store format 2: the reader checks each sample's CRC32C on its first read, as in a real store
+        "shard_crc32c": pa.array([zero[int(x)] for x in shard_sizes[shard] + 10240], pa.string()),
+        "sample_crc32c": pa.array([zero[int(x)] for x in sample_bytes], pa.string()),
+        **meta,
+    }
+    lineage = {"stage": f"encode-{name}", "config_hash": "bench", "model_fingerprint": "bench",
+               "upstream": {}, "code_version": "bench"}
+    (vdir / fmt.SCHEMA_JSON).write_text(json.dumps({"table": name, "schema_version": 2, "fields": [],
+                                                    "lineage": lineage, "attrs": {}}))
+    table = pa.table(cols)
+    data = fmt.parquet_bytes(table)
+    write_version_checksums(vdir, table, data)  # lists schema.json and every shard (CRCs from the columns)
+    fmt.atomic_write_bytes(vdir / fmt.MANIFEST, data)
+
+
+def _zero_crcs(lengths: np.ndarray) -> dict[int, str]:
+    """CRC32C of n zero bytes for each distinct n, extending one running CRC (total work: the largest n)."""
+    import crc32c
+
+    out: dict[int, str] = {}
+    crc, at = 0, 0
+    chunk = bytes(1 << 22)
+    for n in np.unique(lengths):
+        n = int(n)
+        while at < n:
+            step = min(n - at, len(chunk))
+            crc = crc32c.crc32c(memoryview(chunk)[:step], crc)
+            at += step
+        out[n] = f"{crc:08x}"
+    return out
+
+
+def build(root: Path, n: int, seed: int = 0) -> None:
+    if (root / fmt.STORE_JSON).is_file():
+        return
+    rng = np.random.default_rng(seed)
+    keys = _keys(n, rng)
+    controls = rng.integers(0, 3, n)
+    lat = rng.integers(4, 17, (n, 3, 2)) * 8  # latent h, w per image (32..128)
+    img_counts = 1 + controls
+    # img_shapes per row: target then each control, in patch units [1, h/2, w/2]
+    flat = []
+    for j in range(3):
+        rows = np.flatnonzero(controls >= j) if j else np.arange(n)
+        flat.append((rows, np.stack([np.ones(len(rows), np.int64), lat[rows, j, 0] // 2, lat[rows, j, 1] // 2], 1)))
+    order = np.concatenate([rows * 3 + j for j, (rows, _) in enumerate(flat)])
+    vals = np.concatenate([v for _, v in flat])[np.argsort(order, kind="stable")]
+    inner = pa.ListArray.from_arrays(pa.array(np.arange(0, 3 * len(vals) + 1, 3, dtype=np.int32)), pa.array(vals.reshape(-1)))
+    img_shapes = _lists(inner, img_counts)
+    split = pa.array(np.where(rng.random(n) < 0.05, "val", "train"))
+    length = rng.integers(300, 1101, n)
+    empty = rng.integers(60, 200, n)
+    text_meta = {"split": split, "img_shapes": img_shapes, "length": pa.array(length), "empty_length": pa.array(empty),
+                 "num_controls": pa.array(controls)}
+    _table(root / "text" / "v1", "text", keys, [["prompt_embeds", "empty_embeds"]] * n,
+           [np.stack([length, np.full(n, HIDDEN)], 1), np.stack([empty, np.full(n, HIDDEN)], 1)], text_meta, rng)
+    vae_names = [["target"] + [f"control_{i}" for i in range(c)] for c in controls]
+    vae_shapes = []
+    for j in range(3):
+        rows = np.flatnonzero(controls >= j) if j else np.arange(n)
+        vae_shapes.append(np.stack([np.full(len(rows), 16), np.ones(len(rows), np.int64), lat[rows, j, 0], lat[rows, j, 1]], 1))
+    vae_meta = {"split": split, "img_shapes": img_shapes, "num_controls": pa.array(controls),
+                "has_mask": pa.array(np.zeros(n, bool))}
+    _table(root / "vae" / "v1", "vae", keys, vae_names, vae_shapes, vae_meta, rng)
+    # sealed store.json (format 2); the synthetic versions carry no checksums.json (read as format-1 versions:
+    # samples checked against sample_sha256 on first read, no shard crc columns)
+    fmt.write_store_record(root, {**fmt.new_store_record(), "tables": {
+        "text": {"current": 1}, "vae": {"current": 1}}})
+
+
+def rss() -> int:
+    return psutil.Process().memory_info().rss
+
+
+def measure(root: Path, loads: int = 1000) -> dict:
+    from stages.train.sampler import LengthAwareBatchSampler
+    from store.join import JoinedTables, sequence_lengths_of
+    from store.store import Store
+
+    base = rss()
+    t0 = time.perf_counter()
+    st = Store(root, create=False)
+    readers = {t: st.reader(t) for t in ("text", "vae")}
+    t_open = time.perf_counter() - t0
+    rss_open = rss() - base
+    t0 = time.perf_counter()
+    joined = JoinedTables(readers, "train", st.root)
+    lengths = sequence_lengths_of(joined)
+    t_join = time.perf_counter() - t0
+    rss_join = rss() - base
+    rng = random.Random(0)
+    picks = [rng.randrange(len(joined)) for _ in range(loads)]
+    t0 = time.perf_counter()
+    joined.features_at(0)  # the first load reads the shard + tensors columns of both manifests
+    t_first = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for i in picks:
+        _, text, vae, shapes, _ = joined.features_at(i)
+        for t in (*text.values(), *vae.values()):
+            t.view(-1)[0].item()
+    t_load = time.perf_counter() - t0
+    maps = sum(len(r._maps) for r in readers.values())
+    t0 = time.perf_counter()
+    steps = LengthAwareBatchSampler(lengths.tolist(), 4, seed=0, window=64, world_size=8).global_steps(0)
+    t_plan = time.perf_counter() - t0
+    return {"samples": len(readers["text"]), "train": len(joined), "open_s": t_open, "open_rss_mb": rss_open / 2**20,
+            "join_lengths_s": t_join, "open_join_rss_mb": rss_join / 2**20, "loads_per_s": loads / t_load,
+            "open_maps": maps, "first_load_s": t_first,
+            "after_loads_rss_mb": (rss() - base) / 2**20, "plan_s": t_plan, "plan_steps": len(steps), "peak_rss_mb": rss() / 2**20}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--samples", type=int, default=1_000_000)
+    ap.add_argument("--small", type=int, default=10_000, help="baseline size for the random-load rate")
+    ap.add_argument("--dir", type=Path, default=Path("/dev/shm/store-scale"),
+                    help="tmpfs by default: a fault on a sparse ext4 file costs ~15 ms here, on tmpfs ~6 us")
+    ap.add_argument("--measure-only", type=int, default=0, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.measure_only:  # a fresh process per size: RSS over this interpreter's own baseline
+        import torch  # noqa: F401 - the baseline includes what the trainer imports anyway
+
+        print(json.dumps(measure(args.dir / f"n{args.measure_only}")))
+        return
+    import subprocess
+
+    out = {}
+    for n in (args.small, args.samples):
+        t0 = time.perf_counter()
+        build(args.dir / f"n{n}", n)
+        print(f"built/found N={n} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+        res = subprocess.run([sys.executable, __file__, "--dir", str(args.dir), "--measure-only", str(n)],
+                             capture_output=True, text=True, check=True)
+        out[n] = json.loads(res.stdout.strip().splitlines()[-1])
+    big, small = out[args.samples], out[args.small]
+    for n, r in out.items():
+        print(f"N={n:>9,}: open both tables {r['open_s']:.2f} s (+{r['open_rss_mb']:.0f} MB RSS); join train split + "
+              f"lengths {r['join_lengths_s']:.2f} s (open+join +{r['open_join_rss_mb']:.0f} MB RSS over baseline); "
+              f"first load (reads the locating columns) {r['first_load_s']:.2f} s; then 1,000 random loads "
+              f"{r['loads_per_s']:.0f} samples/s ({r['open_maps']} shard maps open, +{r['after_loads_rss_mb']:.0f} MB); "
+              f"epoch plan {r['plan_s']:.2f} s ({r['plan_steps']} steps, 8 ranks x batch 4)")
+    print(f"open + lengths at N={args.samples:,}: {big['open_s'] + big['join_lengths_s']:.2f} s "
+          f"(target <= 8 s), +{big['open_join_rss_mb']:.0f} MB (target <= 1024 MB); epoch plan {big['plan_s']:.2f} s "
+          f"(target <= 2 s); random-load rate vs N={args.small:,}: {big['loads_per_s'] / small['loads_per_s']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""`pipeline store gc STORE [--dry-run]`: remove the table versions nothing current references.
+
+Kept: each table's current version (store.json) and, transitively, the versions named in a kept version's
+lineage `upstream` (evaluate reads the `images` version its `vae` table was built from). Removed: every other
+complete version, and incomplete versions whose table has no live writer (a writer holds `.write-rNN.lock`).
+Carried-forward samples live in hard links inside the version that uses them, so removing an older version
+never takes bytes a kept version needs.
+
+Kill-safe: under the store lock (no version can become current meanwhile) each doomed folder is first renamed
+to `.<name>.gc-deleting` (atomic; not a version name, so readers, `verify` and `inspect` no longer see it),
+then deleted. A kill leaves either the version intact or a dot-folder that the next `gc` finishes removing.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from store import format as fmt
+from store.reader import read_schema
+
+DELETING_SUFFIX = ".gc-deleting"
+
+
+@dataclass
+class GcPlan:
+    keep: list[tuple[str, int]] = field(default_factory=list)
+    remove: list[Path] = field(default_factory=list)  # version folders, then leftovers of a killed gc
+    leftovers: list[Path] = field(default_factory=list)
+    nbytes: int = 0  # bytes freed (files whose last link goes)
+
+
+def _kept(root: Path, current: dict[str, int]) -> set[tuple[str, int]]:
+    keep: set[tuple[str, int]] = set()
+    todo = list(current.items())
+    while todo:
+        table, v = todo.pop()
+        if (table, v) in keep:
+            continue
+        keep.add((table, v))
+        vdir = fmt.version_dir(root, table, v)
+        if (vdir / fmt.SCHEMA_JSON).is_file():
+            todo += [(t, int(u)) for t, u in read_schema(vdir).lineage.upstream.items()
+                     if fmt.version_dir(root, t, int(u)).is_dir()]
+    return keep
+
+
+def _writer_active(table_dir: Path) -> bool:
+    """True when some process holds a writer lock of this table (it may be filling an incomplete version)."""
+    for lock in table_dir.glob(".write-r*.lock"):
+        fd = os.open(lock, os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)
+    return False
+
+
+def _freed(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file() and p.stat().st_nlink == 1)
+
+
+def plan(root: Path) -> GcPlan:
+    current = {t: int(v["current"]) for t, v in fmt.read_store_record(root)["tables"].items()}
+    keep = _kept(root, current)
+    out = GcPlan(keep=sorted(keep))
+    for table_dir in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        out.leftovers += sorted(p for p in table_dir.iterdir() if p.name.endswith(DELETING_SUFFIX))
+        active = _writer_active(table_dir)
+        for v in fmt.list_versions(root, table_dir.name):
+            vdir = fmt.version_dir(root, table_dir.name, v)
+            if (table_dir.name, v) in keep or (active and not fmt.is_complete(vdir)):
+                continue
+            out.remove.append(vdir)
+    out.nbytes = sum(_freed(p) for p in out.remove + out.leftovers)
+    return out
+
+
+def collect(root: Path, dry_run: bool = False, echo: Callable[[str], None] = print) -> GcPlan:
+    root = Path(root)
+    with fmt.flock(root / fmt.STORE_LOCK):
+        p = plan(root)
+        for vdir in p.remove:
+            echo(f"{'would remove' if dry_run else 'remove'} {vdir.relative_to(root)}")
+        for d in p.leftovers:
+            echo(f"{'would finish removing' if dry_run else 'finish removing'} {d.relative_to(root)} (an interrupted gc)")
+        if dry_run:
+            echo(f"dry run: {len(p.remove)} version(s), {p.nbytes / 1e6:.1f} MB would be freed")
+            return p
+        doomed = list(p.leftovers)
+        for vdir in p.remove:
+            fmt.crash_point("gc_before_rename")
+            gone = vdir.with_name(f".{vdir.name}{DELETING_SUFFIX}")
+            shutil.rmtree(gone, ignore_errors=True)
+            os.rename(vdir, gone)  # the commit: from here on it is no version
+            fmt.fsync_dir(vdir.parent)
+            doomed.append(gone)
+            fmt.crash_point("gc_after_rename")
+        for d in doomed:
+            for f in sorted(d.rglob("*"), reverse=True):
+                f.rmdir() if f.is_dir() and not f.is_symlink() else f.unlink()
+                fmt.crash_point("gc_mid_delete")
+            d.rmdir()
+        for vdir in p.remove:  # `store repair`'s marker of a removed version names nothing any more
+            fmt.damaged_marker(root, vdir.parent.name, int(vdir.name.lstrip("v"))).unlink(missing_ok=True)
+        echo(f"gc: removed {len(p.remove)} version(s), freed {p.nbytes / 1e6:.1f} MB; kept "
+             + ", ".join(f"{t} v{v}" for t, v in p.keep))
+    return p
