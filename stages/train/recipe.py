@@ -56,7 +56,8 @@ from store.format import atomic_dir
 from store.join import JoinedTables
 
 # Settings that change how long or how often, not what is trained: a resume may change them.
-_NOT_FINGERPRINTED = {"max_steps", "checkpoint_every", "keep_checkpoints", "log_every", "device"}
+_NOT_FINGERPRINTED = {"max_steps", "checkpoint_every", "keep_checkpoints", "log_every", "device",
+                      "max_dropped_fraction", "max_open_shards"}  # which samples: recorded by the tables
 
 
 @dataclass
