@@ -64,6 +64,7 @@ from store.join import JoinedTables
 # Settings that change how long or how often, not what is trained: a resume may change them.
 _NOT_FINGERPRINTED = {"max_steps", "checkpoint_every", "keep_checkpoints", "log_every", "device", "prefetch", "compile",
                       "on_damaged", "max_damaged_fraction", "on_nonfinite",
+                      "max_dropped_fraction", "max_open_shards",  # which samples: recorded by the tables
                       # validation and samples only read the adapter (stages/train/validate.py)
                       "validate_every", "validate_max_samples", "validate_timesteps", "validate_noise_seeds",
                       "sample_every", "sample_count", "sample_steps"}
