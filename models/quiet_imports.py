@@ -1,11 +1,13 @@
-"""Two known-harmless messages that importing the model libraries logs, dropped at their source loggers.
+"""Known-harmless messages that importing the model libraries logs, dropped at their source loggers.
 
 Both come from importing torchao (pulled in by transformers' and diffusers' quantizer registries on the first
 model load), not from anything this project does:
 - torch `_pytree` warns once per torchao Enum (`KernelPreference`, `ScaleCalculationMode`) that torchao still
   calls the deprecated `register_constant()` on Enum subclasses;
 - diffusers' torchao quantizer cannot import torchao Tensor classes that torchao 0.18 moved; it only needs them
-  to unpickle torchao-serialised checkpoints, which this project never loads (safetensors only).
+  to unpickle torchao-serialised checkpoints, which this project never loads (safetensors only);
+- bitsandbytes (imported by peft, and for `train.optimizer: adamw8bit`) cannot fetch an optional CPU 4-bit gemm
+  kernel from a hub on machines with AVX512-BF16; it only serves 4-bit inference, which this project never runs.
 Each filter matches one message and, for the pytree one, only torchao's own classes: any other warning from
 these loggers still shows. Installing costs nothing (no import of torch or torchao).
 """
@@ -16,6 +18,7 @@ import logging
 
 _PYTREE_LOGGER = "torch.utils._pytree"
 _DIFFUSERS_TORCHAO_LOGGER = "diffusers.quantizers.torchao.torchao_quantizer"
+_BNB_CPU_LOGGER = "bitsandbytes.backends.cpu.ops"
 
 
 class _TorchaoEnumRegistration(logging.Filter):
@@ -31,9 +34,15 @@ class _TorchaoTensorImport(logging.Filter):
         return "Unable to import `torchao` Tensor objects" not in str(record.msg)
 
 
+class _BnbCpuGemm4bit(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Failed to load CPU gemm_4bit_forward from kernels-community" not in str(record.msg)
+
+
 def install() -> None:
     """Idempotent: attach each filter once to its logger (loggers exist before the libraries create them)."""
-    for name, cls in ((_PYTREE_LOGGER, _TorchaoEnumRegistration), (_DIFFUSERS_TORCHAO_LOGGER, _TorchaoTensorImport)):
+    for name, cls in ((_PYTREE_LOGGER, _TorchaoEnumRegistration), (_DIFFUSERS_TORCHAO_LOGGER, _TorchaoTensorImport),
+                      (_BNB_CPU_LOGGER, _BnbCpuGemm4bit)):
         logger = logging.getLogger(name)
         if not any(isinstance(f, cls) for f in logger.filters):
             logger.addFilter(cls())

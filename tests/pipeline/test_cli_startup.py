@@ -49,6 +49,7 @@ def test_model_loading_command_has_no_torchao_import_noise(tiny_plus_model, tmp_
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (tmp_path / "out.png").is_file()
     assert "Enum subclass" not in proc.stderr and "Unable to import `torchao`" not in proc.stderr, proc.stderr[-3000:]
+    assert "gemm_4bit_forward" not in proc.stderr, proc.stderr[-3000:]
 
 
 def test_the_filters_drop_only_torchao_messages(caplog):
@@ -69,8 +70,12 @@ def test_the_filters_drop_only_torchao_messages(caplog):
         quantizer = logging.getLogger("diffusers.quantizers.torchao.torchao_quantizer")
         quantizer.warning("Unable to import `torchao` Tensor objects. This may affect loading checkpoints")
         quantizer.warning("a real torchao quantizer problem")
+        bnb = logging.getLogger("bitsandbytes.backends.cpu.ops")
+        bnb.warning("Failed to load CPU gemm_4bit_forward from kernels-community: %s. Please make sure ...", "x")
+        bnb.warning("a real bitsandbytes problem")
     shown = [r.getMessage() for r in caplog.records]
-    assert shown == [msg % Mine, "some other pytree problem", "a real torchao quantizer problem"]
+    assert shown == [msg % Mine, "some other pytree problem", "a real torchao quantizer problem",
+                     "a real bitsandbytes problem"]
 
 
 def test_bench_scripts_answer_help_without_running():
