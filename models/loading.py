@@ -15,6 +15,7 @@ from typing import Literal
 
 import torch
 
+from models.file_hashes import FileHashes
 from schemas.errors import UserError
 
 Component = Literal["transformer", "vae", "text_encoder", "processor", "tokenizer", "scheduler"]
@@ -82,26 +83,13 @@ def pipeline_family(variant: str) -> Literal["edit", "edit-plus"]:
     return "edit" if variant == "edit" else "edit-plus"
 
 
-def _fingerprint_cache() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "qwen-edit-pipeline" / "file-hashes.json"
-
-
-def _file_digest(f: Path, cache: dict[str, str]) -> str:
+def _file_digest(f: Path, hashes: FileHashes) -> str:
     """sha256 of a file's bytes. Hub snapshots link to blobs named by that hash (free); other files are read
     whole once and remembered by (path, size, mtime), so a 40 GB model is hashed once, not per stage run."""
     real = Path(os.path.realpath(f))
     if "blobs" in real.parts and len(real.name) == 64:
         return real.name
-    st = real.stat()
-    slot = f"{real}|{st.st_size}|{st.st_mtime_ns}"
-    if slot not in cache:
-        h = hashlib.sha256()
-        with real.open("rb") as fh:
-            while chunk := fh.read(8 << 20):
-                h.update(chunk)
-        cache[slot] = h.hexdigest()
-    return cache[slot]
+    return hashes.sha256(real)
 
 
 @lru_cache(maxsize=16)
@@ -123,25 +111,12 @@ def component_fingerprint(model: str, components: tuple[str, ...]) -> str:
 
 def _files_fingerprint(root: Path, components: tuple[str, ...] | None) -> str:
     files = sorted(root.rglob("*")) if components is None else sorted(f for c in components for f in (root / c).rglob("*"))
-    cache_file = _fingerprint_cache()
-    try:
-        cache = json.loads(cache_file.read_text())
-    except (OSError, ValueError):
-        cache = {}
-    known = len(cache)
     h = hashlib.sha256()
-    for f in files:
-        if f.is_file():
-            h.update(str(f.relative_to(root)).encode())
-            h.update(_file_digest(f, cache).encode())
-    if len(cache) != known:
-        try:  # a cache only: failing to write it costs a re-hash next time, nothing else
-            cache_file.parent.mkdir(parents=True, exist_ok=True)
-            tmp = cache_file.with_name(f".{cache_file.name}.{os.getpid()}")
-            tmp.write_text(json.dumps(cache))
-            os.replace(tmp, cache_file)
-        except OSError:
-            pass
+    with FileHashes("file-hashes.json") as hashes:
+        for f in files:
+            if f.is_file():
+                h.update(str(f.relative_to(root)).encode())
+                h.update(_file_digest(f, hashes).encode())
     return h.hexdigest()[:16]
 
 
