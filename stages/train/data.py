@@ -34,10 +34,10 @@ def load_at(tables: JoinedTables, i: int) -> TrainSample:
 
 def write_data_report(run_dir: Path, tables: JoinedTables) -> str:
     """RUN/data.json: what the join kept and dropped (and why); returns the one line the trainer prints."""
-    import json
+    from store.format import atomic_write_json
 
     rep = tables.report
-    (Path(run_dir) / "data.json").write_text(json.dumps(rep, indent=2, sort_keys=True) + "\n")
+    atomic_write_json(Path(run_dir) / "data.json", rep)
     if not rep.get("dropped"):
         return f"training on all {rep.get('joined', len(tables))} samples of the '{rep.get('split')}' split"
     reasons = "; ".join(f"{st}: " + ", ".join(f"{r} {n}" for r, n in sorted(rs.items()))

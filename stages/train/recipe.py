@@ -226,7 +226,7 @@ def setup(cfg: PipelineConfig, store: str | Path, model: str, out: str | Path, r
         model_fingerprint=model_fingerprint(model), world_size=accelerator.num_processes,
     )
     r = Run(tc, accelerator, tables, Path(out), now, train_device=chosen)
-    latest = _resume_point(r, resume, cfg)
+    latest, resumed = _resume_point(r, resume, cfg)
     if r.main:
         r.checkpoints.mkdir(parents=True, exist_ok=True)
         train_state.remove_stale(r.checkpoints)
@@ -253,7 +253,7 @@ def setup(cfg: PipelineConfig, store: str | Path, model: str, out: str | Path, r
     sampler = make_sampler(tables.lengths, tc.batch_size, tc.max_tokens_per_batch, tc.seed, tc.sampler_window, r.world)
     r.stream = DataStream(sampler)
     if latest is not None:
-        _restore(r, latest)
+        _restore(r, latest, resumed)
     if tc.validate_every is not None or tc.sample_every is not None:
         from stages.train.validate import Validator
 
@@ -517,13 +517,14 @@ def _bf16_supported(device: torch.device) -> bool:
     return device.type == "cpu" or (device.type == "cuda" and torch.cuda.is_bf16_supported())
 
 
-def _resume_point(r: Run, resume: bool, cfg: PipelineConfig) -> Path | None:
-    """The checkpoint to resume from (checked against this start), or None; refuses to overwrite a run."""
+def _resume_point(r: Run, resume: bool, cfg: PipelineConfig) -> tuple[Path | None, ResumeRecord | None]:
+    """The checkpoint to resume from and its record (checked against this start, files checked once), or
+    (None, None); refuses to overwrite a run."""
     latest = train_state.latest_checkpoint(r.checkpoints)
     if latest is not None and not resume:
         raise UserError(f"{r.run_dir} already holds checkpoints ({latest.name}); pass --resume or use a new --out")
     if not resume or latest is None:
-        return None
+        return None, None
     record = ResumeRecord.read(latest / train_state.RESUME_JSON)
     try:
         record.check_matches(r.record, latest)
@@ -540,11 +541,10 @@ def _resume_point(r: Run, resume: bool, cfg: PipelineConfig) -> Path | None:
             f"{latest} is already past train.max_steps ({record.step} > {r.cfg.max_steps}): raise max_steps to "
             "continue, or use a new --out for a shorter run"
         )
-    return latest
+    return latest, record
 
 
-def _restore(r: Run, latest: Path) -> None:
-    record = ResumeRecord.read(latest / train_state.RESUME_JSON)
+def _restore(r: Run, latest: Path, record: ResumeRecord) -> None:
     load_lora(r.transformer, latest / "lora")
     train_state.load_optimizer(r.optimizer, latest)
     train_state.load_scheduler(r.scheduler, latest)
