@@ -224,11 +224,16 @@ class EncodeJob:
         self.writer = None
         if self.ranks.rank == 0 and not any(mine.glob("shard-*")):  # the empty folder this run just created
             shutil.rmtree(mine, ignore_errors=True)
+        self.adopt(found)
+        return True
+
+    def adopt(self, found: int) -> None:
+        """Reuse the complete version `found` of this lineage: make it current (a run killed after its manifest,
+        before the store.json switch, left it not current) and report the table up to date."""
         if self.store.tables().get(self.summary.table) != found:
             self.store.set_current(self.summary.table, found)
         self.summary.version, self.summary.up_to_date = found, True
         self.summary.skipped = len(self.store.reader(self.summary.table, found))
-        return True
 
     def progress(self, total: int) -> "SampleProgress":
         """Samples/s is tqdm's rate; one bar per rank (stages/encode/progress.py)."""
@@ -340,9 +345,7 @@ def open_job(store_path: str | Path, stage: str, table: str, feature_hash: str, 
     job = EncodeJob(store=store, images=images, lineage=lineage, ranks=ranks, summary=summary, feature_lineage=fl)
     found = store.find_version(table, lineage)
     if found is not None:
-        if store.tables().get(table) != found:
-            store.set_current(table, found)  # e.g. killed after the manifest, before the store.json switch
-        summary.version, summary.up_to_date, summary.skipped = found, True, len(store.reader(table, found))
+        job.adopt(found)
         summary.seconds = time.perf_counter() - job.started
     return job
 
