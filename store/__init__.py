@@ -7,7 +7,7 @@
     st.tables() -> dict[str, int]                      # table -> current version
     st.versions(table) -> list[int]
     st.find_version(table, lineage: Lineage) -> int | None   # complete version with identical lineage
-    st.set_current(table, version)                     # after reusing a found version that is not current
+    st.set_current(table, version)                     # after reusing a found version (no-op when current)
     st.version_id(table, version) -> str               # "v<N>-<manifest sha256[:16]>": identity for lineage/resume
         # a stage: `v = st.find_version(t, lin); if v is not None: st.set_current(t, v); return` (up to date),
         # else open a writer (an incomplete version with the same schema+lineage is resumed, else v<N+1>)

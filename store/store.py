@@ -55,9 +55,12 @@ class Store:
         return f"v{version}-{hashlib.sha256(manifest.read_bytes()).hexdigest()[:16]}"
 
     def set_current(self, table: str, version: int) -> None:
-        """Point store.json at a complete version (atomic rewrite under the store lock)."""
+        """Point store.json at a complete version (atomic rewrite under the store lock); nothing is written (and no
+        lock taken, so a read-only store stays usable) when it is current already."""
         if not fmt.is_complete(self.version_dir(table, version)):
             raise UserError(f"table '{table}' v{version} is not complete; cannot make it current")
+        if self.tables().get(table) == version:
+            return
         from store.io_errors import writing
 
         with writing("store.json", self.root), fmt.flock(self.root / fmt.STORE_LOCK):

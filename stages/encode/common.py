@@ -230,8 +230,7 @@ class EncodeJob:
     def adopt(self, found: int) -> None:
         """Reuse the complete version `found` of this lineage: make it current (a run killed after its manifest,
         before the store.json switch, left it not current) and report the table up to date."""
-        if self.store.tables().get(self.summary.table) != found:
-            self.store.set_current(self.summary.table, found)
+        self.store.set_current(self.summary.table, found)
         self.summary.version, self.summary.up_to_date = found, True
         self.summary.skipped = len(self.store.reader(self.summary.table, found))
 

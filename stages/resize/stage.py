@@ -119,8 +119,7 @@ def run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> R
     repair_context.check(schema.lineage, TABLE)
     found = st.find_version(TABLE, schema.lineage)
     if found is not None:
-        if st.tables().get(TABLE) != found:
-            st.set_current(TABLE, found)
+        st.set_current(TABLE, found)  # e.g. killed after the manifest, before the store.json switch
         return ResizeSummary(version=found, up_to_date=True, seconds=time.perf_counter() - started,
                              sizes=sizes_in_force(rc.model_dump()))
 
