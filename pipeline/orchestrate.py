@@ -6,6 +6,10 @@ same lineage and reuse it (a killed one resumes from its committed shards); trai
 was written after the last checkpoint and that checkpoint was trained on the same tables, model and train
 config up to `train.max_steps` (otherwise train resumes from its last checkpoint); evaluate is up to date when
 REPORT/metrics.json records the same tables, model, LoRA bytes and evaluate config.
+
+When paths.run holds a run that cannot be continued (the tables, the model or the train config changed, e.g.
+samples were added), train keeps it as RUN.previous/N-TIME (one atomic rename, stages/train/previous.py), with the
+report evaluated on it moved inside it first as `evaluate-report/`, and trains afresh into paths.run.
 """
 
 from __future__ import annotations
@@ -82,29 +86,37 @@ def stages() -> list[tuple[str, Callable[[PipelineConfig, Paths], StageSummary]]
         ("resize-bucket", lambda cfg, p: resize.run(cfg, p.source, p.store)),
         ("encode-text", lambda cfg, p: encode_text.run(cfg, p.store, p.model)),
         ("encode-vae", lambda cfg, p: encode_vae.run(cfg, p.store, p.model)),
-        # resume=True: a killed `run all` continues its training
-        ("train", lambda cfg, p: train.run(cfg, p.store, p.model, p.run, resume=True, skip_if_done=True)),
+        # resume=True: a killed `run all` continues its training; new_run=True: a run on other inputs is kept
+        ("train", lambda cfg, p: train.run(cfg, p.store, p.model, p.run, resume=True, skip_if_done=True,
+                                           new_run=True, before_keep=lambda run: _report_into(p.report, run))),
         ("evaluate", lambda cfg, p: evaluate.run(cfg.evaluate, p.store, p.model, p.lora, p.report, skip_if_done=True,
                                                   max_dropped_fraction=cfg.train.max_dropped_fraction)),
     ]
 
 
+REPORT_IN_KEPT_RUN = "evaluate-report"
+
+
+def _report_into(report: Path, run: Path) -> None:
+    """The report of the run about to be kept goes into its folder (a rename; the kept run then holds its own
+    evaluation). A kill right after this leaves it in RUN, where the rerun's keep takes it along."""
+    import os
+
+    if report.is_dir() and not report.resolve().is_relative_to(run.resolve()):
+        try:
+            os.rename(report, run / REPORT_IN_KEPT_RUN)
+        except OSError:  # another file system: the report stays, and evaluate rewrites it for the new LoRA
+            pass
+
+
 def run_all(cfg: PipelineConfig, log: Callable[[str], None] = print) -> AllResult:
     """Every stage in order; `log` gets a header per stage and its one-line summary."""
-    from stages.train.state import ResumeMismatch
-
     paths = required_paths(cfg)
     result = AllResult(report=paths.report / "index.html")
     for name, call in stages():
         log(f"== {name}")
         t0 = time.perf_counter()
-        try:
-            summary = call(cfg, paths)
-        except ResumeMismatch as e:
-            raise UserError(
-                f"{e}\n`run all` trains into paths.run ({paths.run}): set paths.run to a new folder in the config to "
-                "train with the new settings (or move the old run folder away)"
-            ) from None
+        summary = call(cfg, paths)
         outcome = StageOutcome(name, summary.up_to_date, str(summary), time.perf_counter() - t0, summary)
         result.outcomes.append(outcome)
         log(f"{outcome.summary}  [{'skipped, up to date' if outcome.skipped else f'{outcome.seconds:.1f} s'}]")

@@ -22,6 +22,9 @@ def command(
     config: Optional[Path] = ConfigOpt,
     set_: list[str] = SetOpt,
     resume: bool = typer.Option(False, "--resume", help="Continue from the last complete checkpoint in --out."),
+    new_run: bool = typer.Option(False, "--new-run", help="Keep the run --out holds (moved to OUT.previous/N-TIME) "
+                                 "and train afresh into --out; with --resume only when that run cannot be continued "
+                                 "(other tables, model or train config), as `run all` does."),
     max_steps: Optional[int] = typer.Option(None, "--max-steps", help="Optimizer steps in all (train.max_steps)."),
     batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Samples per process per micro-step."),
     device: Optional[str] = typer.Option(None, "--device", help="'cpu' forces the CPU (train.device)."),
@@ -49,6 +52,6 @@ def command(
 
             if (why := nothing_to_resume(Path(run_dir))) is not None:
                 raise UserError(why)
-        result = run(cfg, store_dir, model_id, run_dir, resume=resume)
+        result = run(cfg, store_dir, model_id, run_dir, resume=resume, new_run=new_run)
     if result.main_process:
         emit(result, as_json)

@@ -38,7 +38,7 @@ import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from tqdm.auto import tqdm
@@ -49,7 +49,7 @@ from models.attention import use_attention_backend
 from models.multires import install_multires
 from schemas.config import PipelineConfig, TrainConfig, dump_config
 from schemas.errors import UserError
-from stages.train import guard, parallel, state as train_state
+from stages.train import guard, parallel, previous, state as train_state
 from stages.train.budget import make_sampler
 from stages.train.data import DataStream, load_at, open_inputs, write_data_report
 from stages.train.launch import launched_world_size, use_cpu
@@ -90,6 +90,7 @@ class TrainResult:
     stage: str = "train"
     seconds: float = 0.0
     data: dict = field(default_factory=dict)  # the join's report: samples, dropped, reasons (store.join)
+    kept_previous: Path | None = None  # where the run the folder held before this fresh start was kept
 
     def to_json(self) -> dict:
         from schemas.stage import summary_record
@@ -97,7 +98,8 @@ class TrainResult:
         return summary_record(self.stage, seconds=self.seconds, up_to_date=self.up_to_date, steps=self.steps,
                               start_step=self.start_step, lora=str(self.lora_dir),
                               loss_first=self.losses[0] if self.losses else None,
-                              loss_last=self.losses[-1] if self.losses else None, data=self.data)
+                              loss_last=self.losses[-1] if self.losses else None, data=self.data,
+                              kept_previous=str(self.kept_previous) if self.kept_previous else None)
 
     def __str__(self) -> str:
         if self.up_to_date:
@@ -130,6 +132,10 @@ class Run:
     ema: Any = None  # stages.train.ema.AdapterEMA with train.ema_decay
     validator: Any = None  # stages.train.validate.Validator with train.validate_every / sample_every
     train_device: torch.device | None = None  # train.device for this rank (None: accelerate's choice)
+    new_run: bool = False  # keep the run the folder holds (stages.train.previous) instead of refusing it
+    before_keep: Callable[[Path], None] | None = None  # called with RUN just before it is kept (run all: report)
+    kept_previous: Path | None = None
+    run_lock: Any = None  # the lock of the fresh RUN after a keep (the first one moved with the kept run)
 
     @property
     def device(self) -> torch.device:
@@ -169,10 +175,12 @@ class StepStats:
 
 def run(
     cfg: PipelineConfig, store: str | Path, model: str, out: str | Path, resume: bool = False,
-    skip_if_done: bool = False,
+    skip_if_done: bool = False, new_run: bool = False, before_keep: Callable[[Path], None] | None = None,
 ) -> TrainResult:
     """Train (or, with `resume`, continue from OUT's last checkpoint). `skip_if_done`: return at once when OUT
-    already holds the final LoRA of a run on the same tables, model and config (`pipeline run all`)."""
+    already holds the final LoRA of a run on the same tables, model and config (`pipeline run all`).
+    `new_run`: a run in OUT that cannot be continued (without `resume`: any trained run) is kept as
+    OUT.previous/N-TIME (stages/train/previous.py) and training starts afresh; `before_keep(OUT)` runs first."""
     started = time.perf_counter()
     if skip_if_done and up_to_date(cfg, store, model, out):
         lora = Path(out) / "lora"
@@ -181,8 +189,9 @@ def run(
     accelerator = _accelerator(cfg.train)
     # One writer per run folder: a second `train` into the same OUT is refused, naming the holder.
     run_lock = guard.lock_run_dir(Path(out)) if accelerator.is_main_process else None
+    locks = [run_lock]
     try:
-        r = setup(cfg, store, model, out, resume, accelerator)
+        r = setup(cfg, store, model, out, resume, accelerator, new_run=new_run, before_keep=before_keep, locks=locks)
         while r.step < r.cfg.max_steps:
             stats = step(r)
             log(r, stats)
@@ -194,14 +203,17 @@ def run(
         result.seconds = time.perf_counter() - started
         return result
     finally:
-        if run_lock is not None:
-            run_lock.release()
+        for lock in locks:
+            if lock is not None:
+                lock.release()
 
 
 def setup(cfg: PipelineConfig, store: str | Path, model: str, out: str | Path, resume: bool = False,
-          accelerator=None) -> Run:
+          accelerator=None, *, new_run: bool = False, before_keep: Callable[[Path], None] | None = None,
+          locks: list | None = None) -> Run:
     """Check the config, open the inputs and the run folder (resume checks before any model is loaded), build
-    the model, optimizer and sampler, restore a checkpoint."""
+    the model, optimizer and sampler, restore a checkpoint. `locks`: the run folder's lock is appended there
+    when a keep (`new_run`) makes a fresh folder."""
     tc = cfg.train
     if accelerator is None:  # `run` makes it first (the run-folder lock needs the process rank)
         validate_config(tc)
@@ -225,8 +237,12 @@ def setup(cfg: PipelineConfig, store: str | Path, model: str, out: str | Path, r
         tables=tables.versions(), store=str(Path(tables.store_root).resolve()),
         model_fingerprint=model_fingerprint(model), world_size=accelerator.num_processes,
     )
-    r = Run(tc, accelerator, tables, Path(out), now, train_device=chosen)
-    latest, resumed = _resume_point(r, resume, cfg)
+    r = Run(tc, accelerator, tables, Path(out), now, train_device=chosen, new_run=new_run, before_keep=before_keep)
+    try:
+        latest, resumed = _resume_point(r, resume, cfg)
+    finally:
+        if locks is not None:
+            locks.append(r.run_lock)
     if r.main:
         r.checkpoints.mkdir(parents=True, exist_ok=True)
         train_state.remove_stale(r.checkpoints)
@@ -262,7 +278,7 @@ def setup(cfg: PipelineConfig, store: str | Path, model: str, out: str | Path, r
     r.position = r.stream.position
     r.batches = MicroBatches(r.stream, tables, tc, r.rank, r.step, r.device, r.transformer.dtype, depth=tc.prefetch)
     r.result = TrainResult(r.run_dir, r.run_dir / "lora", start_step=r.step, steps=r.step, main_process=r.main,
-                           data=tables.report)
+                           data=tables.report, kept_previous=r.kept_previous)
     if r.main:
         from torch.utils.tensorboard import SummaryWriter
 
@@ -521,27 +537,47 @@ def _resume_point(r: Run, resume: bool, cfg: PipelineConfig) -> tuple[Path | Non
     """The checkpoint to resume from and its record (checked against this start, files checked once), or
     (None, None); refuses to overwrite a run."""
     latest = train_state.latest_checkpoint(r.checkpoints)
+    if not resume and r.new_run and previous.holds_trained_run(r.run_dir):
+        return _keep_previous(r, "--new-run")
     if latest is not None and not resume:
-        raise UserError(f"{r.run_dir} already holds checkpoints ({latest.name}); pass --resume or use a new --out")
+        raise UserError(f"{r.run_dir} already holds checkpoints ({latest.name}); pass --resume to continue it, "
+                        f"--new-run to keep it as {previous.previous_root(r.run_dir)}/N-TIME and train afresh, "
+                        "or use a new --out")
     if not resume or latest is None:
         return None, None
     record = ResumeRecord.read(latest / train_state.RESUME_JSON)
     try:
         record.check_matches(r.record, latest)
+        if record.step > r.cfg.max_steps:
+            raise train_state.ResumeMismatch(
+                f"{latest} is already past train.max_steps ({record.step} > {r.cfg.max_steps}): raise max_steps "
+                "to continue, or use a new --out for a shorter run",
+                reason=f"train.max_steps {record.step} -> {r.cfg.max_steps}")
     except train_state.ResumeMismatch as e:
         ignore = _NOT_FINGERPRINTED - ({"max_steps"} if r.cfg.lr_schedule != "constant" else set())
         changed = changed_settings(r.run_dir, cfg.model_dump(mode="json"), ignore)
-        if changed:
-            raise train_state.ResumeMismatch(
-                f"{e}\nchanged since {r.run_dir / 'train_config.yaml'}:\n  " + "\n  ".join(changed)
-            ) from None
-        raise
-    if record.step > r.cfg.max_steps:
+        why = f"{e}\nchanged since {r.run_dir / 'train_config.yaml'}:\n  " + "\n  ".join(changed) if changed else str(e)
+        if r.new_run:
+            return _keep_previous(r, "; ".join([e.reason, *changed]))
         raise train_state.ResumeMismatch(
-            f"{latest} is already past train.max_steps ({record.step} > {r.cfg.max_steps}): raise max_steps to "
-            "continue, or use a new --out for a shorter run"
-        )
+            f"{why}\nTo keep this run (moved to {previous.previous_root(r.run_dir)}/N-TIME) and train afresh into "
+            f"{r.run_dir}, add --new-run (what `pipeline run all` does)", reason=e.reason) from None
     return latest, record
+
+
+def _keep_previous(r: Run, why: str) -> tuple[None, None]:
+    """Every rank has decided alike (from the same files); once all are past reading the old run, the main
+    process moves it aside in one rename and locks the fresh folder."""
+    r.accelerator.wait_for_everyone()
+    if r.main:
+        if r.before_keep is not None:
+            r.before_keep(r.run_dir)
+        r.kept_previous = previous.keep(r.run_dir)
+        r.run_lock = guard.lock_run_dir(r.run_dir)
+        tqdm.write(f"kept the previous run of {r.run_dir} (its LoRA and checkpoints) in {r.kept_previous}; "
+                   f"training afresh into {r.run_dir} ({why})")
+    r.accelerator.wait_for_everyone()
+    return None, None
 
 
 def _restore(r: Run, latest: Path, record: ResumeRecord) -> None:

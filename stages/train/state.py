@@ -33,6 +33,10 @@ _PREFIX = "step-"
 class ResumeMismatch(UserError):
     """The run folder's checkpoints were made with other settings, data, model or process count."""
 
+    def __init__(self, message: str, reason: str = "") -> None:
+        super().__init__(message)
+        self.reason = reason or message  # what differs, without the advice (the line a keep prints)
+
 
 class CheckpointDamaged(UserError):
     """A checkpoint file that does not match the checksum recorded when it was written."""
@@ -134,7 +138,7 @@ class ResumeRecord:
         if problems:
             raise ResumeMismatch(
                 f"cannot resume from {where}: {'; '.join(problems)}. Resume with the same config, store and "
-                "processes, or start a new run with a different --out"
+                "processes, or start a new run with a different --out", reason="; ".join(problems)
             )
 
 

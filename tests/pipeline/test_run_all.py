@@ -136,3 +136,89 @@ def test_shipped_configs_validate():
     for path in configs:
         cfg = load_config(path)
         assert all(getattr(cfg.paths, k) for k in ("source", "store", "model", "run", "report")), path
+
+
+def _lora_bytes(run: Path) -> bytes:
+    return (run / "lora" / "pytorch_lora_weights.safetensors").read_bytes()
+
+
+def test_run_all_after_adding_a_sample_keeps_the_old_run_and_trains_afresh(tiny_plus_model, tmp_path):
+    """Adding a photo and rerunning `run all`: only it is encoded, the old run (LoRA, checkpoints, its report) is
+    kept where the one line says, a new LoRA is trained and evaluated. `run train --resume` alone refuses and
+    names --new-run; a keep killed before or after its rename loses nothing."""
+    import shutil
+
+    from pipeline.demo_data import make_demo_data
+
+    make_demo_data(tmp_path / "all", n=9, fmt="folder", max_controls=1, seed=2)
+    stems = sorted(p.stem for p in (tmp_path / "all" / "target").glob("*.png"))
+
+    def add(which: list[str]) -> None:
+        for f in (tmp_path / "all").rglob("*"):
+            if f.is_file() and f.name.split(".")[0] in which:
+                to = tmp_path / "data" / f.relative_to(tmp_path / "all")
+                to.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(f, to)
+
+    add(stems[:7])
+    cfg = yaml.safe_load((Path(__file__).resolve().parents[2] / "configs" / "demo.yaml").read_text())
+    run, report, store = tmp_path / "run", tmp_path / "report", tmp_path / "store"
+    cfg["paths"] = {"source": str(tmp_path / "data"), "store": str(store), "model": tiny_plus_model,
+                    "run": str(run), "report": str(report)}
+    cfg["resize"].update(target_area=64 * 64, control_vae_area=64 * 64, val_fraction=0.3)
+    cfg["train"].update(max_steps=2, checkpoint_every=2, batch_size=2)
+    cfg["evaluate"].update(num_samples=1, num_inference_steps=2, noise_seeds=[0], timesteps=[0.5])
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+
+    def run_all_json() -> tuple[list[dict], str]:
+        result = CliRunner().invoke(app, ["run", "all", "--config", str(config), "--json"])
+        assert result.exit_code == 0, result.output
+        return json.loads(result.stdout), result.stderr
+
+    first, _ = run_all_json()
+    assert first[3]["kept_previous"] is None and first[3]["steps"] == 2
+    old_lora, old_metrics = _lora_bytes(run), (report / "metrics.json").read_text()
+
+    # one more photo: encoded alone; the old run is kept, a new one trained and evaluated
+    add(stems[7:8])
+    records, messages = run_all_json()
+    by = {r["stage"]: r for r in records}
+    assert [(by[s]["encoded"], by[s]["reused"]) for s in ("encode-text", "encode-vae")] == [(1, 7), (1, 7)]
+    kept = Path(by["train"]["kept_previous"])
+    assert kept.parent == tmp_path / "run.previous" and kept.name.startswith("1-")
+    assert f"kept the previous run of {run}" in messages and str(kept) in messages, messages
+    assert "store tables" in messages.split(str(kept))[1].splitlines()[0]  # says why, on the same line
+    assert _lora_bytes(kept) == old_lora and (kept / "checkpoints" / "step-2" / "resume.json").is_file()
+    assert (kept / "evaluate-report" / "metrics.json").read_text() == old_metrics  # its own report, kept with it
+    assert by["train"]["start_step"] == 0 and by["train"]["steps"] == 2 and not by["evaluate"]["up_to_date"]
+    assert _lora_bytes(run) != old_lora
+    metrics = json.loads((report / "metrics.json").read_text())
+    assert metrics != json.loads(old_metrics)
+    assert "ok:" in CliRunner().invoke(app, ["store", "verify", str(store)]).stdout
+    # up to date now: nothing kept, nothing trained
+    again, _ = run_all_json()
+    assert all(r["up_to_date"] for r in again) and again[3]["kept_previous"] is None
+
+    # another photo, encoded; `run train --resume` on its own refuses and names the flag
+    add(stems[8:9])
+    for stage in ("resize-bucket", "encode-text", "encode-vae"):
+        assert CliRunner().invoke(app, ["run", stage, "--config", str(config)]).exit_code == 0
+    train = ["run", "train", "--config", str(config), "--resume"]
+    refused = CliRunner().invoke(app, train)
+    assert refused.exit_code == 1 and "--new-run" in refused.output and "store tables" in refused.output
+    second_lora = _lora_bytes(run)
+
+    # a keep killed before / after its rename: the run is in one piece, in RUN or in RUN.previous/2-*
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    args = [sys.executable, "-m", "pipeline.cli", *train, "--new-run"]
+    for point in ("keep_before_rename", "keep_after_rename"):
+        killed = subprocess.run(args, env={**env, "STORE_CRASH_AT": point}, capture_output=True, text=True)
+        assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert not run.exists()
+    kept2 = [p for p in (tmp_path / "run.previous").iterdir() if p.name.startswith("2-")]
+    assert len(kept2) == 1 and _lora_bytes(kept2[0]) == second_lora and _lora_bytes(kept) == old_lora
+    out = CliRunner().invoke(app, [*train[:-1], "--new-run", "--json"])  # RUN is gone: a fresh run, nothing kept
+    assert out.exit_code == 0, out.output
+    rec = json.loads(out.stdout.strip().splitlines()[-1])
+    assert rec["kept_previous"] is None and rec["steps"] == 2 and (run / "lora").is_dir()
