@@ -226,3 +226,63 @@ def test_a_changed_mask_is_recomputed_where_it_matters(tmp_path, tiny_plus_model
     changed = [k for k in weights if not (vae.tensors(k)["mask_weight"] == weights[k]).all()]
     assert len(changed) == 1 and (vae.tensors(changed[0])["mask_weight"] == 1).all()  # the new mask, all edited
     verify_clean(store)
+
+
+def _as_schema_v1(vdir: Path) -> None:
+    """Rewrite a schema-v2 `images` version as the schema-v1 table an earlier release wrote (docs/store-format.md,
+    "Schema v1"): pixel-size columns instead of img_shapes, no feature lineage; shards untouched."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from store import format as fmt
+    from store.integrity import write_version_checksums
+
+    m = pq.read_table(vdir / fmt.MANIFEST)
+    buckets, controls = m.column("bucket").to_pylist(), m.column("control_sizes").to_pylist()
+    assert all(len(c) <= 1 for c in controls)  # v1 knew one control at most
+    m = m.drop_columns(["img_shapes"])
+    for name, values in (("height", [b[0] for b in buckets]), ("width", [b[1] for b in buckets]),
+                         ("control_height", [c[0][0] if c else None for c in controls]),
+                         ("control_width", [c[0][1] if c else None for c in controls])):
+        m = m.append_column(name, pa.array(values, pa.int64()))
+    schema = json.loads((vdir / fmt.SCHEMA_JSON).read_text())
+    schema["schema_version"] = 1
+    schema["fields"] = [f for f in schema["fields"] if f["name"] != "img_shapes"] + [
+        {"name": n, "kind": "column", "dtype": "int64", "rank": 0, "optional": n.startswith("control")}
+        for n in ("height", "width", "control_height", "control_width")]
+    del schema["attrs"]["feature_lineage"]
+    fmt.atomic_write_json(vdir / fmt.SCHEMA_JSON, schema)
+    data = fmt.parquet_bytes(m)
+    write_version_checksums(vdir, m, data)
+    fmt.atomic_write_bytes(vdir / fmt.MANIFEST, data)
+
+
+def test_migrating_images_v1_to_v2_keeps_text_and_vae_usable(tmp_path, tiny_plus_model):
+    """An `images` table of schema v1 (an earlier release) encoded by this code, then `migrate v1-to-v2`: the
+    encode stages encode nothing (every sample carried forward), train runs, the store verifies."""
+    from pipeline.demo_data import make_demo_data
+
+    src, store = tmp_path / "src", tmp_path / "store"
+    make_demo_data(src, n=8, fmt="folder", max_controls=1, seed=8)
+    run_json("resize-bucket", "--source", src, "--store", store, "--set", "resize.val_fraction=0.25")
+    _as_schema_v1(store / "images" / "v1")
+    verify_clean(store)
+    enc = ["--store", store, "--model", tiny_plus_model]
+    t1, v1 = run_json("encode-text", *enc), run_json("encode-vae", *enc)
+    assert (t1["encoded"], v1["encoded"]) == (8, 8)
+    before = {t: Store(store).reader(t) for t in ("text", "vae")}
+
+    out = cli("migrate", "v1-to-v2", store)
+    assert "images: v1 (schema v1) -> v2 (schema v2)" in out and Store(store).tables()["images"] == 2
+    verify_clean(store)
+    t2, v2 = run_json("encode-text", *enc), run_json("encode-vae", *enc)
+    assert [(x["encoded"], x["reused"], x["bytes_written"]) for x in (t2, v2)] == [(0, 8, 0)] * 2
+    after = {t: Store(store).reader(t) for t in ("text", "vae")}
+    for t, name in (("text", "prompt_embeds"), ("vae", "target")):
+        assert after[t].schema.lineage.upstream == {"images": 2}  # built from the migrated images version
+        assert all((after[t].tensors(k)[name] == before[t].tensors(k)[name]).all() for k in before[t].keys())
+    rec = json.loads(cli("run", "train", *enc, "--out", tmp_path / "run", "--set", "train.max_steps=2",
+                         "--set", "train.batch_size=2", "--set", "train.device=cpu", "--json").strip().splitlines()[-1])
+    n_train = list(split_of(store, "images").values()).count("train")
+    assert rec["steps"] == 2 and rec["data"]["dropped"] == 0 and rec["data"]["joined"] == n_train > 0
+    verify_clean(store)
