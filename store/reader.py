@@ -269,11 +269,9 @@ class TableReader:
             m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         self._maps[shard] = m
         while len(self._maps) > self.max_open_shards:
-            _, old = self._maps.popitem(last=False)
-            try:
-                old.close()
-            except BufferError:  # tensors still view it
-                pass
+            # Dropped, never closed: tensors from torch.frombuffer hold a reference to the map but no buffer
+            # export, so close() would unmap memory they still view (a segfault on their next read).
+            self._maps.popitem(last=False)
         return m
 
     def _problem(self, i: int) -> str | None:
@@ -373,9 +371,4 @@ class TableReader:
         return epoch_order(self.shard_groups(split), rank, world_size, seed, epoch, buffer_size)
 
     def close(self) -> None:
-        for m in self._maps.values():
-            try:
-                m.close()
-            except BufferError:  # tensors still view it; the map closes when they are gone
-                pass
-        self._maps.clear()
+        self._maps.clear()  # each map unmaps when its last tensor goes (see `_map`)

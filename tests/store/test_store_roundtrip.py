@@ -121,3 +121,30 @@ def test_zero_element_tensor_round_trips(store: Store) -> None:
     assert got["mask_weight"].shape == (0,) and got["mask_weight"].dtype == torch.float32
     assert got["control_0"].shape == (4, 1, 0, 6) and got["control_0"].dtype == torch.bfloat16
     assert torch.equal(got["target"], tensors["target"])
+
+
+def test_tensors_outlive_the_shard_lru_and_the_reader(tmp_path):
+    """A tensor is a view of its shard's map: the LRU dropping that map (max_open_shards=1) or the reader's
+    close() must not unmap memory the tensor still reads (run in a child process: that bug is a segfault)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = f"""
+import torch
+from store import Store
+from store_samples import fill, key_of
+st = Store({str(tmp_path / 'store')!r})
+fill(st, 12, shard_size_mb=0.002)
+r = st.reader("vae", max_open_shards=1)
+assert len(r.shard_paths()) > 3
+kept = [r.tensors(key_of(i))["target"] for i in range(12)]  # each read drops the previous shard's map
+r.close()
+fresh = Store({str(tmp_path / 'store')!r}).reader("vae")
+assert all(torch.equal(t.clone(), fresh.tensors(key_of(i))["target"]) for i, t in enumerate(kept))
+print("ok")
+"""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path])}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", (done.returncode, done.stderr[-2000:])
