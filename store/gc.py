@@ -4,7 +4,9 @@ Kept: each table's current version (store.json) and, transitively, the versions 
 lineage `upstream` (evaluate reads the `images` version its `vae` table was built from). Removed: every other
 complete version, and incomplete versions whose table has no live writer (a writer holds `.write-rNN.lock`).
 Carried-forward samples live in hard links inside the version that uses them, so removing an older version
-never takes bytes a kept version needs.
+never takes bytes a kept version needs. Kept as well: every version a live read lease names (a training or an
+encode stage still reading a version that is no longer current, `store/lease.py`), with its upstream; the files
+of dead leases (their process is gone) are removed.
 
 Kill-safe: under the store lock (no version can become current meanwhile) each doomed folder is first renamed
 to `.<name>.gc-deleting` (atomic; not a version name, so readers, `verify` and `inspect` no longer see it),
@@ -21,6 +23,7 @@ from pathlib import Path
 from typing import Callable
 
 from store import format as fmt
+from store import lease as leases
 from store.reader import read_schema
 
 DELETING_SUFFIX = ".gc-deleting"
@@ -32,11 +35,13 @@ class GcPlan:
     remove: list[Path] = field(default_factory=list)  # version folders, then leftovers of a killed gc
     leftovers: list[Path] = field(default_factory=list)
     nbytes: int = 0  # bytes freed (files whose last link goes)
+    leased: dict[tuple[str, int], list[str]] = field(default_factory=dict)  # kept only for live leases: by whom
+    dead_leases: list[leases.Found] = field(default_factory=list)  # lease files of gone processes (removed)
 
 
-def _kept(root: Path, current: dict[str, int]) -> set[tuple[str, int]]:
+def _kept(root: Path, current: dict[str, int] | list[tuple[str, int]]) -> set[tuple[str, int]]:
     keep: set[tuple[str, int]] = set()
-    todo = list(current.items())
+    todo = list(current.items()) if isinstance(current, dict) else list(current)
     while todo:
         table, v = todo.pop()
         if (table, v) in keep:
@@ -70,7 +75,16 @@ def _freed(folder: Path) -> int:
 def plan(root: Path) -> GcPlan:
     current = {t: int(v["current"]) for t, v in fmt.read_store_record(root)["tables"].items()}
     keep = _kept(root, current)
-    out = GcPlan(keep=sorted(keep))
+    out = GcPlan()
+    for found in leases.leases(root):
+        if not found.live:
+            out.dead_leases.append(found)
+            continue
+        named = [(t, v) for t, v in found.versions() if fmt.version_dir(root, t, v).is_dir()]
+        for tv in sorted(_kept(root, named) - keep):
+            out.leased.setdefault(tv, []).append(found.describe())
+    keep |= set(out.leased)
+    out.keep = sorted(keep)
     for table_dir in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
         out.leftovers += sorted(p for p in table_dir.iterdir() if p.name.endswith(DELETING_SUFFIX))
         active = _writer_active(table_dir)
@@ -91,6 +105,10 @@ def collect(root: Path, dry_run: bool = False, echo: Callable[[str], None] = pri
             echo(f"{'would remove' if dry_run else 'remove'} {vdir.relative_to(root)}")
         for d in p.leftovers:
             echo(f"{'would finish removing' if dry_run else 'finish removing'} {d.relative_to(root)} (an interrupted gc)")
+        for (table, v), by in sorted(p.leased.items()):
+            echo(f"keep {table}/v{v}: not current, but read by " + "; ".join(by))
+        for found in p.dead_leases:
+            echo(f"{'would remove' if dry_run else 'remove'} the lease of a gone reader: {found.describe()}")
         if dry_run:
             echo(f"dry run: {len(p.remove)} version(s), {p.nbytes / 1e6:.1f} MB would be freed")
             return p
@@ -110,6 +128,8 @@ def collect(root: Path, dry_run: bool = False, echo: Callable[[str], None] = pri
             d.rmdir()
         for vdir in p.remove:  # `store repair`'s marker of a removed version names nothing any more
             fmt.damaged_marker(root, vdir.parent.name, int(vdir.name.lstrip("v"))).unlink(missing_ok=True)
+        for found in p.dead_leases:
+            found.path.unlink(missing_ok=True)
         echo(f"gc: removed {len(p.remove)} version(s), freed {p.nbytes / 1e6:.1f} MB; kept "
              + ", ".join(f"{t} v{v}" for t, v in p.keep))
     return p

@@ -9,6 +9,7 @@ too many is an error), sequence lengths from the manifests alone (Arrow compute,
 from __future__ import annotations
 
 import logging
+import weakref
 from math import prod
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -127,6 +128,7 @@ class JoinedTables:
         self.lengths: list[int] = []  # filled by `open_features`: joint sequence length per key
         self.report: dict[str, Any] = {}  # filled by `open_features`: samples, dropped, reasons
         self.damaged: dict[str, str] = {}  # open_features(on_damaged="skip"): key -> problem, left out of `keys`
+        self.lease: Any = None  # open_features: the read lease on these versions (store/lease.py)
         split_rows = {t: _split_rows(r, split) for t, r in readers.items()}
         if _join_sorted_fixed(self, readers, split_rows):
             return
@@ -226,10 +228,27 @@ def open_features(store: str | Path, model: str, model_fingerprint: str, split: 
     on_damaged="stop": a damaged sample raises when it is first read (a missing / short shard on open).
     "skip": every joined sample is checked now; damaged ones are left out and listed in `damaged`
     (more than `max_damaged_fraction` of them: UserError)."""
+    from store.lease import hold
     from store.store import Store
 
     st = Store(store, create=False)
-    readers = {t: _open_table(st, t, model, max_open_shards, on_damaged) for t in ("text", "vae")}
+    # A read lease on the two versions (resolved and registered under the store lock): `store gc` keeps them
+    # while this process reads them, even when newer versions become current meanwhile.
+    lease = hold(st.root, {"text": None, "vae": None}, f"reader of the '{split}' split (train / evaluate)")
+    try:
+        joined = _open_features(st, lease, model, model_fingerprint, split, max_dropped_fraction, max_open_shards,
+                                on_damaged, max_damaged_fraction)
+    except BaseException:
+        lease.release()
+        raise
+    joined.lease = lease
+    weakref.finalize(joined, lease.release)
+    return joined
+
+
+def _open_features(st, lease, model: str, model_fingerprint: str, split: str, max_dropped_fraction: float,
+                   max_open_shards: int, on_damaged: str, max_damaged_fraction: float) -> JoinedTables:
+    readers = {t: _open_table(st, t, model, max_open_shards, on_damaged, lease.version(t)) for t in ("text", "vae")}
     for r in readers.values():
         found = r.schema.lineage.model_fingerprint
         if found != model_fingerprint:
@@ -343,13 +362,13 @@ def _reasons_text(rep: dict[str, Any]) -> str:
 
 
 def _open_table(st, table: str, model: str, max_open_shards: int = DEFAULT_MAX_OPEN_SHARDS,
-                on_damaged: str = "stop") -> TableReader:
+                on_damaged: str = "stop", version: int | None = None) -> TableReader:
     if table not in st.tables():
         raise UserError(
             f"store {st.root} has no '{table}' table (tables: {sorted(st.tables()) or 'none'}); "
             f"run `pipeline run {STAGE_OF[table]} --store {st.root} --model {model}` first"
         )
-    return st.reader(table, on_damaged=on_damaged, max_open_shards=max_open_shards)
+    return st.reader(table, version, on_damaged=on_damaged, max_open_shards=max_open_shards)
 
 
 def text_lengths(text: TableReader) -> np.ndarray:

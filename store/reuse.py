@@ -116,12 +116,22 @@ def carry_forward(writer: TableWriter, src_version: int, rows: pa.Table,
                   views: dict[str, dict[str, Any]] | None = None) -> int:
     """Link every shard of `rows` (rows of `src_version` of the writer's table) into the writer's version and
     commit those rows (view columns replaced from `views`). Returns the number of samples carried."""
+    from store.lease import hold
+
     src_dir = fmt.version_dir(writer.store.root, writer.table, src_version)
     rows = with_columns(rows, views or {})
     shards = rows.column("shard")
     n = 0
-    for shard in sorted(set(shards.to_pylist())):
-        part = rows.filter(pc.equal(shards, shard))
-        writer.add_linked_shard(Path(src_dir) / shard, part)
-        n += part.num_rows
+    # A read lease while linking: a `store gc` meanwhile keeps the source version (store/lease.py).
+    lease = hold(writer.store.root, {writer.table: src_version}, f"carry forward into '{writer.table}'")
+    try:
+        if lease.version(writer.table) is None:
+            raise UserError(f"table '{writer.table}' v{src_version} was removed (`store gc`) while this stage chose "
+                            "samples to carry forward from it; rerun the stage (it resumes)")
+        for shard in sorted(set(shards.to_pylist())):
+            part = rows.filter(pc.equal(shards, shard))
+            writer.add_linked_shard(Path(src_dir) / shard, part)
+            n += part.num_rows
+    finally:
+        lease.release()
     return n

@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import time
+import weakref
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -29,6 +30,7 @@ from schemas.lineage import Lineage, code_version
 from schemas.stage import summary_record
 from schemas.table import TableSchema
 from store import Store, TableReader, TableWriter, repair_context
+from store.lease import hold
 from store.reuse import FEATURE_LINEAGE_ATTR, carry_forward, feature_lineage, reusable
 
 if TYPE_CHECKING:
@@ -167,6 +169,7 @@ class EncodeJob:
     writer: TableWriter | None = None
     feature_lineage: str = ""  # see store.reuse: samples with this lineage in earlier versions are carried
     match_columns: tuple[str, ...] = ()  # images columns a carried row must still match (vae: mask_sha256)
+    lease: Any = None  # the read lease on `images` (store/lease.py); released when the job is done or collected
     _quarantine_rows: list[dict[str, Any]] = field(default_factory=list)
     _shard_sizes_before: dict[str, int] = field(default_factory=dict)
 
@@ -291,12 +294,16 @@ class EncodeJob:
             self.writer.close()
         self.ranks.barrier()
         self.summary.seconds = time.perf_counter() - self.started
+        if self.lease is not None:
+            self.lease.release()
         return self.summary
 
     def close(self) -> None:
         """Give up the writer lock without committing (on error; a rerun resumes from committed shards)."""
         if self.writer is not None:
             self.writer.close()
+        if self.lease is not None:
+            self.lease.release()
 
     def _rank_shard_sizes(self) -> dict[str, int]:
         assert self.writer is not None
@@ -322,7 +329,9 @@ def open_job(store_path: str | Path, stage: str, table: str, feature_hash: str, 
     if not (path / "store.json").is_file():
         raise UserError(f"no store at {path} (no store.json); run `pipeline run resize-bucket --store {path}` first")
     store = Store(path, create=False)
-    images = store.reader(IMAGES_TABLE)
+    # A read lease on the images version (store/lease.py): `store gc` keeps it while this stage reads it.
+    lease = hold(store.root, {IMAGES_TABLE: None}, stage)
+    images = store.reader(IMAGES_TABLE, lease.version(IMAGES_TABLE))
     # The images version's identity (not just its number) goes into the hash: a deleted and rebuilt images
     # table restarts at v1 with other contents, and must not match features encoded from the old one.
     images_id = store.version_id(IMAGES_TABLE, images.version)
@@ -341,7 +350,9 @@ def open_job(store_path: str | Path, stage: str, table: str, feature_hash: str, 
         upstream = store.version_id(IMAGES_TABLE, int(origin))
     fl = feature_lineage(stage, feature_hash, component_fingerprint(model, components) if components else
                          model_fingerprint(model), code_version(feature_revision), upstream)
-    job = EncodeJob(store=store, images=images, lineage=lineage, ranks=ranks, summary=summary, feature_lineage=fl)
+    job = EncodeJob(store=store, images=images, lineage=lineage, ranks=ranks, summary=summary, feature_lineage=fl,
+                    lease=lease)
+    weakref.finalize(job, lease.release)
     found = store.find_version(table, lineage)
     if found is not None:
         job.adopt(found)

@@ -286,3 +286,49 @@ def test_migrating_images_v1_to_v2_keeps_text_and_vae_usable(tmp_path, tiny_plus
     n_train = list(split_of(store, "images").values()).count("train")
     assert rec["steps"] == 2 and rec["data"]["dropped"] == 0 and rec["data"]["joined"] == n_train > 0
     verify_clean(store)
+
+
+def test_gc_during_a_training_keeps_the_versions_it_reads(tmp_path, tiny_plus_model):
+    """`pipeline run train` holds read leases on the text + vae versions it trains on: a new text version and a
+    `store gc` while it runs (paused with SIGSTOP, so the timing is certain) keep the old version's shards, and
+    the training, reopening shards one at a time (max_open_shards=1), finishes. Once it exits, gc removes it."""
+    import signal
+    import time
+
+    from pipeline.demo_data import make_demo_data
+
+    src, store, run = tmp_path / "src", tmp_path / "store", tmp_path / "run"
+    make_demo_data(src, n=8, fmt="folder", max_controls=1, seed=9)
+    tiny_shards = ["--set", "encode_text.shard_size_mb=0.002", "--set", "encode_vae.shard_size_mb=0.002"]
+    enc = ["--store", store, "--model", tiny_plus_model, *tiny_shards]
+    run_json("resize-bucket", "--source", src, "--store", store, "--set", "resize.val_fraction=0")
+    run_json("encode-text", *enc), run_json("encode-vae", *enc)
+    assert len(Store(store).reader("text").shard_paths()) > 2
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    train = subprocess.Popen(
+        [sys.executable, "-m", "pipeline.cli", "run", "train", "--store", str(store), "--model", tiny_plus_model,
+         "--out", str(run), "--set", "train.max_steps=8", "--set", "train.batch_size=2", "--set", "train.device=cpu",
+         "--set", "train.checkpoint_every=1", "--set", "train.max_open_shards=1", *SMALL],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (run / "checkpoints" / "step-1").is_dir() and train.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert train.poll() is None, train.stdout.read()
+        train.send_signal(signal.SIGSTOP)
+        newer = run_json("encode-text", *enc, "--set", "encode_text.dtype=bfloat16")
+        assert newer["version"] == 2 and Store(store).tables()["text"] == 2
+        out = cli("store", "gc", store, "--dry-run")
+        assert "keep text/v1: not current, but read by reader of the 'train' split" in out, out
+        assert "would remove text/v1" not in out
+        cli("store", "gc", store)
+        assert Store(store).versions("text") == [1, 2]
+    finally:
+        train.send_signal(signal.SIGCONT)
+    output = train.communicate(timeout=300)[0]
+    assert train.returncode == 0, output[-3000:]
+    assert "trained from scratch to step 8" in output and (run / "lora").is_dir()
+    assert not list((store / ".leases").glob("*.json"))  # released at exit
+    cli("store", "gc", store)
+    assert Store(store).versions("text") == [2]
+    verify_clean(store)

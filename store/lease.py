@@ -1,0 +1,208 @@
+"""Read leases: a process that reads table versions names them in a small file, and `store gc` keeps every
+version a live lease names (docs/store-format.md, "Read leases").
+
+`STORE/.leases/<host>-<pid>-<random>.json` (a dot folder: no table, so verify / inspect / repair ignore it) holds
+host, pid, the process's start time, its pid namespace, what it is (train, evaluate, encode-text, ...) and
+`versions` ({table: [N, ...]}). It is written with `store.format.atomic_write_json` under the store lock, the lock
+`gc` holds from its plan to its last delete: so a lease either exists before gc plans (its versions are kept) or is
+written after gc is done (and then names versions that exist, which `hold` checks). It is removed when the reader
+is done or garbage collected, and at interpreter exit, on error too.
+
+A kill -9 leaves the file behind; it must not block gc for ever. Liveness:
+- same host and pid namespace: the pid is running and started when the lease says (a reused pid is not the
+  reader); decided at once, whatever the file's age;
+- another host (a store on a shared file system): the reader cannot be asked, so its lease is refreshed (file
+  mtime) every `REFRESH_SECONDS` by a daemon thread, and counts as live until `STALE_SECONDS` after its last
+  refresh (15 min: a margin of several missed refreshes and of clock skew between hosts).
+gc removes the files of dead leases.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import secrets
+import socket
+import sys
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+from store import format as fmt
+
+log = logging.getLogger("store")
+
+LEASES_DIR = ".leases"
+REFRESH_SECONDS = 60.0
+STALE_SECONDS = 15 * 60.0
+
+
+def _proc_start(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (/proc/PID/stat field 22); None where unknown."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[19])  # fields after the (command) start at field 3
+
+
+def _pid_namespace() -> str | None:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+
+
+def _pid_running(pid: int, started: int | None) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: it exists
+        pass
+    now = _proc_start(pid)
+    return started is None or now is None or now == started
+
+
+@dataclass
+class Lease:
+    """The versions this process reads from one store; `path` is None when the store is read-only (no gc can run
+    there from here either) and the lease is then a no-op."""
+
+    root: Path
+    what: str
+    versions: dict[str, list[int]] = field(default_factory=dict)
+    path: Path | None = None
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _pid: int = field(default_factory=os.getpid)
+
+    def version(self, table: str) -> int | None:
+        """The version of `table` this lease resolved (the first one named)."""
+        named = self.versions.get(table)
+        return named[0] if named else None
+
+    def record(self) -> dict[str, Any]:
+        return {"host": socket.gethostname(), "pid": os.getpid(), "pid_start": _proc_start(os.getpid()),
+                "pid_namespace": _pid_namespace(), "what": self.what, "versions": self.versions,
+                "argv": sys.argv[:6],
+                "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+    def add(self, table: str, version: int) -> bool:
+        """Name one more version (under the store lock); False when it no longer exists (gc took it first)."""
+        if self.path is None:  # read-only store or released: nothing to register
+            return fmt.is_complete(fmt.version_dir(self.root, table, version))
+        with fmt.flock(self.root / fmt.STORE_LOCK):
+            if not fmt.is_complete(fmt.version_dir(self.root, table, version)):
+                return False
+            if version not in self.versions.setdefault(table, []):
+                self.versions[table].append(version)
+                if self.path is not None:
+                    fmt.atomic_write_json(self.path, self.record())
+        return True
+
+    def release(self) -> None:
+        self._stop.set()
+        if self.path is not None and self._pid == os.getpid():  # never a forked child's copy
+            self.path.unlink(missing_ok=True)
+            self.path = None
+
+    def _refresh(self) -> None:
+        while not self._stop.wait(REFRESH_SECONDS):
+            path = self.path
+            if path is None:
+                return
+            try:
+                os.utime(path)
+            except OSError as e:  # removed by a gc that judged it dead (not refreshed for STALE_SECONDS)
+                if not self._stop.is_set():
+                    log.warning("read lease %s is gone (%s): a `store gc` may now remove what this %s reads",
+                                path, e.strerror or e, self.what)
+                return
+
+
+def hold(root: str | Path, tables: dict[str, int | None], what: str, owner: object | None = None) -> Lease:
+    """A lease on the given versions of one store (None = the table's current version, resolved here under the
+    store lock; a table the store does not have is left out, for the caller's own error). With `owner`, the
+    lease is released when that object is garbage collected; always at interpreter exit."""
+    root = Path(root)
+    lease = Lease(root, what)
+    try:
+        (root / LEASES_DIR).mkdir(exist_ok=True)
+        with fmt.flock(root / fmt.STORE_LOCK):
+            current = {t: int(v["current"]) for t, v in fmt.read_store_record(root)["tables"].items()}
+            for table, v in tables.items():
+                v = current.get(table) if v is None else v
+                if v is not None and fmt.is_complete(fmt.version_dir(root, table, v)):
+                    lease.versions[table] = [v]
+            lease.path = root / LEASES_DIR / f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}.json"
+            fmt.atomic_write_json(lease.path, lease.record())
+    except OSError as e:  # a read-only store: reading goes on without a lease
+        log.warning("store %s: no read lease (%s); a `store gc` meanwhile could remove versions this %s reads",
+                    root, e.strerror or e, what)
+        lease.path = None
+        current = {t: int(v["current"]) for t, v in fmt.read_store_record(root)["tables"].items()}
+        lease.versions = {t: [current[t] if v is None else v] for t, v in tables.items()
+                          if (current.get(t) if v is None else v) is not None}
+        return lease
+    threading.Thread(target=lease._refresh, name="store-lease-refresh", daemon=True).start()
+    if owner is not None:
+        weakref.finalize(owner, lease.release)
+    atexit.register(lease.release)
+    return lease
+
+
+# ---------------------------------------------------------------- what gc reads
+
+
+@dataclass(frozen=True)
+class Found:
+    path: Path
+    record: dict[str, Any]
+    live: bool
+    why: str  # "pid 123 on host, running" / "pid 123 on host is gone" / "refreshed 20 s ago on other-host"
+
+    def describe(self) -> str:
+        return f"{self.record.get('what', '?')} ({self.why}, lease {self.path.name})"
+
+    def versions(self) -> Iterable[tuple[str, int]]:
+        for table, vs in (self.record.get("versions") or {}).items():
+            for v in vs:
+                yield table, int(v)
+
+
+def judge(path: Path, record: dict[str, Any], mtime: float, now: float | None = None) -> Found:
+    now = time.time() if now is None else now
+    host, pid = record.get("host"), record.get("pid")
+    if host == socket.gethostname() and record.get("pid_namespace") == _pid_namespace() and isinstance(pid, int):
+        if _pid_running(pid, record.get("pid_start")):
+            return Found(path, record, True, f"pid {pid} on {host}, running")
+        return Found(path, record, False, f"pid {pid} on {host} is gone")
+    age = now - mtime
+    if age <= STALE_SECONDS:
+        return Found(path, record, True, f"pid {pid} on {host}, refreshed {age:.0f} s ago")
+    return Found(path, record, False, f"pid {pid} on {host}, not refreshed for {age / 60:.0f} min")
+
+
+def leases(root: Path) -> list[Found]:
+    """Every lease file of the store, judged live or dead (an unreadable one - a torn write is impossible with
+    atomic writes, so it is damage - counts as dead)."""
+    out = []
+    folder = Path(root) / LEASES_DIR
+    if not folder.is_dir():
+        return out
+    for p in sorted(folder.glob("*.json")):
+        try:
+            mtime = p.stat().st_mtime
+            record = json.loads(p.read_text())
+        except FileNotFoundError:  # released meanwhile
+            continue
+        except (OSError, ValueError) as e:
+            out.append(Found(p, {}, False, f"unreadable ({e})"))
+            continue
+        out.append(judge(p, record if isinstance(record, dict) else {}, mtime))
+    return out

@@ -1,0 +1,105 @@
+"""Read leases (store/lease.py): `store gc` keeps a version a live reader names - this process, another
+process, a process on another host refreshed lately - and removes it, with the lease file, once the reader is
+gone (kill -9, a reused pid, a remote lease not refreshed for STALE_SECONDS)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from store import Store
+from store import gc, lease
+from store_samples import fill
+
+
+def two_versions(store: Store) -> None:
+    fill(store, 6, tag="a")
+    fill(store, 6, tag="b")  # v2 becomes current: v1 is what gc would remove
+    assert store.tables()["vae"] == 2 and store.versions("vae") == [1, 2]
+
+
+def lease_files(store: Store) -> list[Path]:
+    return sorted((store.root / lease.LEASES_DIR).glob("*.json"))
+
+
+def test_a_lease_of_this_process_keeps_the_version_until_released(store):
+    two_versions(store)
+    held = lease.hold(store.root, {"vae": 1}, "a test reader")
+    assert held.versions == {"vae": [1]} and lease_files(store) == [held.path]
+    messages: list[str] = []
+    p = gc.collect(store.root, dry_run=True, echo=messages.append)
+    assert ("vae", 1) in p.keep and not p.remove
+    assert any(m.startswith("keep vae/v1: not current, but read by a test reader (pid") for m in messages), messages
+    gc.collect(store.root, echo=messages.append)
+    assert store.versions("vae") == [1, 2]
+    held.release()
+    assert lease_files(store) == []
+    gc.collect(store.root, echo=messages.append)
+    assert store.versions("vae") == [2]
+
+
+def test_current_resolved_under_the_lock_and_a_removed_version_not_leased(store):
+    two_versions(store)
+    held = lease.hold(store.root, {"vae": None, "text": None}, "reader")
+    assert held.versions == {"vae": [2]}  # the current one; a table the store lacks is left out
+    gc.collect(store.root, echo=lambda m: None)  # removes v1
+    assert held.add("vae", 1) is False and held.versions == {"vae": [2]}
+    held.release()
+
+
+READER = """
+import sys, time
+from store.lease import hold
+held = hold(sys.argv[1], {"vae": 1}, "reader process")
+print(held.path, flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_live_reader_process_keeps_the_version_a_killed_one_does_not(store):
+    two_versions(store)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.Popen([sys.executable, "-c", READER, str(store.root)], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        path = Path(proc.stdout.readline().strip())
+        assert path.is_file() and json.loads(path.read_text())["pid"] == proc.pid
+        assert not gc.collect(store.root, echo=lambda m: None).remove  # alive: kept
+        assert store.versions("vae") == [1, 2]
+    finally:
+        proc.send_signal(signal.SIGKILL)  # no cleanup: the lease file stays behind
+        proc.wait()
+    assert path.is_file()
+    messages: list[str] = []
+    p = gc.collect(store.root, echo=messages.append)
+    assert [f.path for f in p.dead_leases] == [path] and not path.exists()
+    assert any("remove the lease of a gone reader: reader process" in m and "is gone" in m for m in messages)
+    assert store.versions("vae") == [2]
+
+
+def test_a_reused_pid_and_remote_leases_judged_by_start_time_and_refresh_age(tmp_path):
+    mine = lease.Lease(tmp_path, "me").record()
+    assert lease.judge(tmp_path / "a.json", mine, time.time()).live
+    reused = {**mine, "pid_start": (mine["pid_start"] or 0) + 1}  # our pid, but another process's start time
+    assert not lease.judge(tmp_path / "a.json", reused, time.time()).live
+    remote = {**mine, "host": "another-host"}
+    now = time.time()
+    assert lease.judge(tmp_path / "a.json", remote, now - 60, now).live
+    old = lease.judge(tmp_path / "a.json", remote, now - lease.STALE_SECONDS - 1, now)
+    assert not old.live and "not refreshed for 15 min" in old.why
+
+
+def test_a_remote_lease_is_refreshed_while_held(store, monkeypatch):
+    two_versions(store)
+    monkeypatch.setattr(lease, "REFRESH_SECONDS", 0.05)
+    held = lease.hold(store.root, {"vae": 1}, "reader")
+    os.utime(held.path, (1, 1))  # as if written long ago
+    deadline = time.monotonic() + 10
+    while held.path.stat().st_mtime < time.time() - 60 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert held.path.stat().st_mtime > time.time() - 60  # refreshed by the daemon thread
+    held.release()
