@@ -316,7 +316,7 @@ def test_gc_during_a_training_keeps_the_versions_it_reads(tmp_path, tiny_plus_mo
             time.sleep(0.05)
         assert train.poll() is None, train.stdout.read()
         train.send_signal(signal.SIGSTOP)
-        newer = run_json("encode-text", *enc, "--set", "encode_text.dtype=bfloat16")
+        newer = json.loads(cli("run", "encode-text", *enc, "--set", "encode_text.dtype=bfloat16", "--json"))
         assert newer["version"] == 2 and Store(store).tables()["text"] == 2
         out = cli("store", "gc", store, "--dry-run")
         assert "keep text/v1: not current, but read by reader of the 'train' split" in out, out
