@@ -43,9 +43,10 @@ def verify(store: Path = StoreArg) -> None:
     echo(f"ok: {store} verified")
 
 
-@store_app.command("gc", help="Remove table versions nothing current references (atomic per version, kill-safe).")
+@store_app.command("gc", help="Remove table versions nothing current references and no running reader (train, "
+                   "evaluate, an encode stage) holds a lease on (atomic per version, kill-safe).")
 def gc(
-    store: Path = StoreArg, dry_run: bool = typer.Option(False, "--dry-run", help="Only say what would be removed."),
+    store: Path = StoreArg, dry_run: bool = typer.Option(False, "--dry-run", help="Only say what would be removed (and what leases keep)."),
 ) -> None:
     from store.gc import collect
     from store.store import Store

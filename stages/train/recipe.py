@@ -190,6 +190,7 @@ def run(
     # One writer per run folder: a second `train` into the same OUT is refused, naming the holder.
     run_lock = guard.lock_run_dir(Path(out)) if accelerator.is_main_process else None
     locks = [run_lock]
+    r = None
     try:
         r = setup(cfg, store, model, out, resume, accelerator, new_run=new_run, before_keep=before_keep, locks=locks)
         while r.step < r.cfg.max_steps:
@@ -206,6 +207,8 @@ def run(
         for lock in locks:
             if lock is not None:
                 lock.release()
+        if r is not None and r.tables.lease is not None:  # the read lease (store/lease.py): gc may take them now
+            r.tables.lease.release()
 
 
 def setup(cfg: PipelineConfig, store: str | Path, model: str, out: str | Path, resume: bool = False,
