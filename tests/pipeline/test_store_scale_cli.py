@@ -147,6 +147,7 @@ def test_edit_v1_on_mixed_controls_trains_on_the_intersection(tmp_path, tiny_edi
     msg = refused.output
     assert "encode-text: edit model needs exactly one control image" in msg and "max_dropped_fraction" in msg
     assert "prompt does not fit the template 1" in msg and "encode-vae" in msg
+    assert not list((store / ".leases").glob("*.json"))  # the refused reader's read lease is gone at once
 
     out = cli(*train, "--set", "train.max_dropped_fraction=0.9", "--json")
     rec = json.loads(out.strip().splitlines()[-1])
