@@ -103,3 +103,26 @@ def test_a_remote_lease_is_refreshed_while_held(store, monkeypatch):
         time.sleep(0.02)
     assert held.path.stat().st_mtime > time.time() - 60  # refreshed by the daemon thread
     held.release()
+
+
+def test_a_read_only_store_reads_without_a_lease(store, monkeypatch, caplog):
+    """On a read-only mount (simulated as in test_integrity: the tests run as root) no lease can be written:
+    one warning, the versions are still resolved, and reading goes on."""
+    import errno
+
+    two_versions(store)
+    real_open = os.open
+
+    def read_only_open(path, flags, *a):
+        if flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+        return real_open(path, flags, *a)
+
+    monkeypatch.setattr(os, "open", read_only_open)
+    with caplog.at_level("WARNING", logger="store"):
+        held = lease.hold(store.root, {"vae": None}, "a reader")
+    assert held.path is None and held.versions == {"vae": [2]} and lease_files(store) == []
+    assert "no read lease (Read-only file system)" in caplog.text
+    assert held.add("vae", 1) is True  # nothing to register; the version is there
+    held.release()
+    assert store.reader("vae", held.version("vae")).keys()
