@@ -194,12 +194,12 @@ def rss() -> int:
 
 def rss_parts() -> dict[str, int]:
     """RssAnon (private memory) and RssFile (mapped file pages: shared between ranks, dropped by the kernel
-    under pressure) from /proc/self/status, in bytes."""
-    out = {}
+    under pressure; pages of files on tmpfs are RssShmem, counted here too) from /proc/self/status, in bytes."""
+    out = {"RssAnon": 0, "RssFile": 0}
     for line in Path("/proc/self/status").read_text().splitlines():
         name, _, value = line.partition(":")
-        if name in ("RssAnon", "RssFile"):
-            out[name] = int(value.split()[0]) * 1024
+        if name in ("RssAnon", "RssFile", "RssShmem"):
+            out["RssAnon" if name == "RssAnon" else "RssFile"] += int(value.split()[0]) * 1024
     return out
 
 

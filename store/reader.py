@@ -88,6 +88,19 @@ def fixed_width_view(arr: pa.Array) -> np.ndarray | None:
     return np.frombuffer(arr.buffers()[2], dtype=np.uint8)[offsets[0] : offsets[-1]].view(f"S{width}")
 
 
+def _mapped_checked(vdir: Path, name: str, sums: dict[str, dict[str, Any]] | None) -> pa.Buffer:
+    """A file of the version memory-mapped read-only, checked against checksums.json when the version has one."""
+    try:
+        mapped = pa.memory_map(os.path.join(str(vdir), name))
+    except FileNotFoundError:
+        raise DamagedData(f"{integrity.where(vdir)}: {name} is missing; {integrity.repair_hint(vdir)}") from None
+    data = mapped.read_buffer()  # holds the map open for as long as the buffer (or a column sliced from it) lives
+    if sums is not None:
+        with memoryview(data) as mv:
+            integrity.check_bytes(vdir, name, mv, sums)
+    return data
+
+
 def _strictly_increasing(keys: pa.Array) -> bool:
     """Manifests are sorted by key: strictly increasing keys are unique (a vectorised check, no hash set)."""
     if len(keys) < 2:
@@ -107,11 +120,14 @@ class TableReader:
         if not fmt.is_complete(vdir):
             raise UserError(f"table '{table}' v{version} at {vdir} is incomplete (no {fmt.MANIFEST}); "
                             "rerun the stage that writes it to resume")
-        # schema.json and manifest.parquet are checked against checksums.json before they are parsed; the checked
-        # manifest bytes are kept, and columns are parsed from them one at a time (never re-read unchecked)
+        # schema.json and manifest.parquet are checked against checksums.json before they are parsed; the
+        # manifest stays memory-mapped (checked once over the map), and columns are parsed from the map one at a
+        # time, never from a re-read. The map's pages are the page cache's: shared by every rank reading the
+        # version and dropped by the kernel when memory runs short, where a private copy (hundreds of MB at 1M
+        # samples) would be held by each process. Versions are immutable (replaced by rename, never rewritten).
         sums = integrity.read_version_checksums(vdir)
         self.schema = read_schema(vdir, integrity.read_checked(vdir, fmt.SCHEMA_JSON, sums))
-        self._manifest_bytes = pa.py_buffer(integrity.read_checked(vdir, fmt.MANIFEST, sums))
+        self._manifest_bytes = _mapped_checked(vdir, fmt.MANIFEST, sums)
         path = vdir / fmt.MANIFEST
         try:
             names = pq.ParquetFile(pa.BufferReader(self._manifest_bytes)).schema_arrow.names
@@ -316,18 +332,25 @@ class TableReader:
         return h
 
     def _sample_buffer(self, shard: str, start: int, n: int) -> tuple[Any, int] | str:
-        """(buffer, where shard offset 0 lies in it), or what is wrong. A shard read `SCAN_RUN` times in a row is
-        mapped (a scan: zero-copy views, the kernel's readahead); any other read is one pread of the sample's
-        bytes into a fresh buffer that only this sample's tensors reference (never reused). A random read in a
-        million-sample store hits one shard of ~20k, so a map would be set up and torn down for a single sample,
-        and one large read is what a cold disk serves best."""
+        """(buffer, where shard offset 0 lies in it), or what is wrong. The `SCAN_RUN`-th and later reads in a row
+        from one shard (a scan) come from the shard's map (zero-copy views, the kernel's readahead); any other
+        read is one pread of the sample's bytes into a fresh buffer that only this sample's tensors reference
+        (never reused). A random read in a million-sample store hits one shard of ~20k, so a map would be set up
+        and torn down for a single sample, and one large read is what a cold disk serves best."""
         last, count = self._run
         self._run = (shard, count + 1 if shard == last else 1)
-        h = self._handle(shard)
-        if isinstance(h, mmap.mmap) or self._run[1] >= SCAN_RUN:
+        if self._run[1] >= SCAN_RUN:
             return self._map(shard), 0
+        h = self._handle(shard)
         buf = np.empty(n, np.uint8)
-        got = os.preadv(h, [buf], start)
+        if isinstance(h, int):
+            got = os.preadv(h, [buf], start)
+        else:  # mapped by an earlier scan: copied out of the map
+            with memoryview(h) as mv, memoryview(buf) as dst:
+                got = max(0, min(n, len(mv) - start))
+                part = mv[start : start + got]
+                dst[:got] = part
+                part.release()
         if got != n:
             return f"the shard ends {n - got} bytes before the sample does"
         return buf, -start
