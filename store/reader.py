@@ -379,8 +379,11 @@ class TableReader:
         return got
 
     def _checksum_row(self, i: int) -> dict[str, Any]:
-        return {"sample_sha256": self._cell("sample_sha256", i),
-                "sample_crc32c": self._cell("sample_crc32c", i) if "sample_crc32c" in self._names else None}
+        if "sample_crc32c" in self._names:  # format 2: the sha256 column (64 MB at 1M samples) is never parsed
+            crc = self._cell("sample_crc32c", i)
+            if crc:
+                return {"sample_crc32c": crc}
+        return {"sample_sha256": self._cell("sample_sha256", i), "sample_crc32c": None}
 
     def _shard_problem(self, shard: str, start: int, n: int) -> str | None:
         """What the open-time check found wrong with a shard, if it makes this sample unreadable."""
