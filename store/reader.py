@@ -345,12 +345,12 @@ class TableReader:
         buf = np.empty(n, np.uint8)
         if isinstance(h, int):
             got = os.preadv(h, [buf], start)
-        else:  # mapped by an earlier scan: copied out of the map
-            with memoryview(h) as mv, memoryview(buf) as dst:
-                got = max(0, min(n, len(mv) - start))
-                part = mv[start : start + got]
-                dst[:got] = part
-                part.release()
+        else:  # mapped by an earlier scan (the map keeps no descriptor we can use): read like any random read
+            fd = os.open(os.path.join(self._dir_str, shard), os.O_RDONLY)
+            try:
+                got = os.preadv(fd, [buf], start)
+            finally:
+                os.close(fd)
         if got != n:
             return f"the shard ends {n - got} bytes before the sample does"
         return buf, -start

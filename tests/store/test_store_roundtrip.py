@@ -48,9 +48,12 @@ def test_scans_view_the_shard_map_and_random_reads_own_their_bytes(store: Store)
     base = ctypes.addressof(ctypes.c_char.from_buffer(m))
     inside = [base <= t.data_ptr() < base + len(m) for t in got]
     assert inside == [False] * (SCAN_RUN - 1) + [True] * (len(keys) - SCAN_RUN + 1)
+    other = next(k for s, ks in by_shard.items() if s != shard for k in ks)
+    r.tensors(other)  # the scan is over: a read from the still-mapped shard gets bytes of its own
+    t = r.tensors(keys[0])["target"]
+    assert not base <= t.data_ptr() < base + len(m) and torch.equal(t, got[0])
     # Random reads (alternating shards): each sample's tensors own a fresh buffer - writing to one changes
     # neither the other sample, nor a re-read, nor the store.
-    other = next(k for s, ks in by_shard.items() if s != shard for k in ks)
     r2 = store.reader("vae")
     a, b = r2.tensors(keys[0])["target"], r2.tensors(other)["target"]
     a0, b0 = a.clone(), b.clone()
