@@ -215,6 +215,10 @@ class TableReader:
                 col = read_manifest(self.dir, self._manifest_bytes, columns=[name],
                                     read_dictionary=["shard"] if name == "shard" else None).column(name)
             self._arrays[name] = col.combine_chunks()
+            del col
+            # the parse's scratch memory goes back to the system (the allocator keeps it otherwise: ~180 MB
+            # at 1M samples, in every rank)
+            pa.default_memory_pool().release_unused()
         return self._arrays[name]
 
     def has_column(self, name: str) -> bool:
