@@ -1,53 +1,136 @@
-"""sha256 of files' bytes, remembered by (real path, size, mtime) in a JSON file under the user cache folder, so
-unchanged multi-GB model weights or a dataset's images are read once, not on every stage run.
+"""sha256 of files' bytes, remembered by (real path, size, mtime) in a sqlite database under the user cache
+folder, so unchanged multi-GB model weights or a dataset's images are read once, not on every stage run.
 
 Used by the model fingerprints (`models.loading`) and by the source identity of resize-bucket
-(`stages.resize.content`). Hand-written: a dict in one JSON file is all it needs.
+(`stages.resize.content`). The identity is always the bytes: a file whose size or mtime changed (touched,
+rewritten, copied) is read and hashed again, and keeps its identity when its bytes are the same.
+
+sqlite (stdlib) rather than one JSON file: at a million source files the JSON was ~150 MB read and rewritten
+whole on every run; here each file is one row looked up by its primary key, new hashes are written in batched
+transactions (a killed run keeps what it flushed), and the WAL journal with a busy timeout lets concurrent
+processes (ranks, stages run side by side) share one cache. It is a cache only: when it cannot be opened or
+written, files are hashed without it, and a damaged database file is replaced.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
+import logging
 import os
+import sqlite3
 from pathlib import Path
+
+log = logging.getLogger("models")
+
+FLUSH_EVERY = 1000  # new hashes per write transaction
+_TABLE = ("CREATE TABLE IF NOT EXISTS sha256 (path TEXT PRIMARY KEY, size INTEGER NOT NULL, "
+          "mtime_ns INTEGER NOT NULL, sha256 TEXT NOT NULL) WITHOUT ROWID")
+_UPSERT = ("INSERT INTO sha256 VALUES (?, ?, ?, ?) ON CONFLICT(path) DO UPDATE SET size = excluded.size, "
+           "mtime_ns = excluded.mtime_ns, sha256 = excluded.sha256")
+
+
+def file_sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(8 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _connect(path: Path) -> sqlite3.Connection:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    db = sqlite3.connect(path, timeout=30)  # waits up to 30 s for another process's write transaction
+    try:
+        db.execute("PRAGMA journal_mode=WAL")  # readers never wait for a writer
+        db.execute("PRAGMA synchronous=NORMAL")  # a cache: a power cut may lose the last batch, never corrupt it
+        db.execute(_TABLE)
+        db.commit()
+    except BaseException:
+        db.close()
+        raise
+    return db
+
+
+def _open(path: Path) -> sqlite3.Connection | None:
+    try:
+        return _connect(path)
+    except sqlite3.OperationalError as e:  # locked past the timeout, read-only or full disk: go on without
+        log.warning("file hash cache %s not usable (%s); hashing without it", path, e)
+        return None
+    except sqlite3.DatabaseError as e:  # not a database (damaged): start a new one
+        log.warning("file hash cache %s is damaged (%s); starting a new one", path, e)
+    except OSError as e:
+        log.warning("file hash cache %s not usable (%s); hashing without it", path, e)
+        return None
+    try:
+        for suffix in ("", "-wal", "-shm"):
+            Path(f"{path}{suffix}").unlink(missing_ok=True)
+        return _connect(path)
+    except (sqlite3.Error, OSError) as e:
+        log.warning("file hash cache %s not usable (%s); hashing without it", path, e)
+        return None
 
 
 class FileHashes:
-    """`with FileHashes("name.json") as hashes: hashes.sha256(path)`; new entries are saved when the block ends."""
+    """`with FileHashes("name.sqlite") as hashes: hashes.sha256(path)`; new hashes are saved in batches and
+    when the block ends. `hashed` counts the files read in this block (cache misses)."""
 
     def __init__(self, cache_name: str) -> None:
         base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
         self.path = Path(base) / "qwen-edit-pipeline" / cache_name
-        self.cache: dict[str, str] = {}
+        self._db: sqlite3.Connection | None = None
+        self._pending: dict[str, tuple[int, int, str]] = {}
+        self.hashed = 0
 
     def __enter__(self) -> "FileHashes":
-        try:
-            self.cache = json.loads(self.path.read_text())
-        except (OSError, ValueError):
-            self.cache = {}
-        self._known = len(self.cache)
+        self._db = _open(self.path)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if len(self.cache) == self._known:
+        self._flush()
+        if self._db is not None:
+            self._db.close()
+            self._db = None
+
+    def _known(self, real: str) -> tuple[int, int, str] | None:
+        if real in self._pending:
+            return self._pending[real]
+        if self._db is None:
+            return None
+        try:
+            return self._db.execute("SELECT size, mtime_ns, sha256 FROM sha256 WHERE path = ?", (real,)).fetchone()
+        except sqlite3.Error as e:
+            self._give_up(e)
+            return None
+
+    def _flush(self) -> None:
+        rows = [(p, *v) for p, v in self._pending.items()]
+        self._pending.clear()
+        if not rows or self._db is None:
             return
-        try:  # a cache only: failing to write it costs a re-hash next time, nothing else
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}")
-            tmp.write_text(json.dumps(self.cache))
-            os.replace(tmp, self.path)
-        except OSError:
-            pass
+        try:
+            with self._db:  # one transaction per batch
+                self._db.executemany(_UPSERT, rows)
+        except sqlite3.Error as e:  # a cache only: the cost is a re-hash next time
+            self._give_up(e)
+
+    def _give_up(self, e: Exception) -> None:
+        log.warning("file hash cache %s failed (%s); hashing without it", self.path, e)
+        if self._db is not None:
+            self._db.close()
+            self._db = None
 
     def sha256(self, f: str | Path) -> str:
         real = os.path.realpath(f)
         st = os.stat(real)
-        slot = f"{real}|{st.st_size}|{st.st_mtime_ns}"
-        if slot not in self.cache:
-            h = hashlib.sha256()
-            with open(real, "rb") as fh:
-                while chunk := fh.read(8 << 20):
-                    h.update(chunk)
-            self.cache[slot] = h.hexdigest()
-        return self.cache[slot]
+        known = self._known(real)
+        if known is not None and known[0] == st.st_size and known[1] == st.st_mtime_ns:
+            return known[2]
+        digest = file_sha256(real)
+        self.hashed += 1
+        after = os.stat(real)
+        if (after.st_size, after.st_mtime_ns) == (st.st_size, st.st_mtime_ns):  # not changed while read
+            self._pending[real] = (st.st_size, st.st_mtime_ns, digest)
+            if len(self._pending) >= FLUSH_EVERY:
+                self._flush()
+        return digest

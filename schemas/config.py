@@ -188,7 +188,8 @@ class TrainConfig(Section):
     max_dropped_fraction: float = Field(0.05, ge=0.0, le=1.0, description="train/evaluate use the samples both the "
                                         "text and vae tables hold; fail when more than this share of the split is "
                                         "missing from either (reasons in STORE/quarantine.parquet)")
-    max_open_shards: int = Field(256, gt=0, description="memory-mapped shards kept open per table (LRU)")
+    max_open_shards: int = Field(256, gt=0, description="shard files kept open per table (LRU; descriptors for "
+                                 "random reads, maps for scans)")
     init_lora: str | None = Field(None, description="start from this LoRA (diffusers, kohya lora_unet_*, ComfyUI "
                                   "diffusion_model.*); rank and targets must match train.lora")
     optimizer: Literal["adamw", "adamw8bit", "adafactor", "prodigy"] = Field(

@@ -11,9 +11,11 @@ are read as before (their samples checked against the manifest's sha256 instead)
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 
 from schemas.errors import UserError
@@ -106,20 +108,27 @@ def shard_problems(vdir: Path, manifest: pa.Table, sums: dict[str, dict[str, Any
     out: dict[str, str] = {}
     if manifest.num_rows == 0:
         return out
-    counts: dict[str, int] = {}
-    sizes: dict[str, int] = {}
-    for s, n in zip(manifest.column("shard").to_pylist(), manifest.column("shard_nbytes").to_pylist()):
-        counts[s] = counts.get(s, 0) + 1
-        sizes[s] = n
-    for shard, n_samples in counts.items():
-        want = sums[shard]["nbytes"] if sums is not None and shard in sums else sizes[shard]
+    # per distinct shard: sample count and recorded size, with numpy over the dictionary indices (a million
+    # rows in Python took seconds)
+    shard = manifest.column("shard")
+    shard = (shard.unify_dictionaries() if pa.types.is_dictionary(shard.type) else shard.dictionary_encode())
+    shard = shard.combine_chunks()
+    idx = shard.indices.to_numpy(zero_copy_only=False)
+    counts = np.bincount(idx, minlength=len(shard.dictionary))
+    sizes = np.zeros(len(shard.dictionary), np.int64)
+    sizes[idx] = manifest.column("shard_nbytes").to_numpy()
+    base = str(vdir)
+    for name, n_samples, recorded in zip(shard.dictionary.to_pylist(), counts.tolist(), sizes.tolist()):
+        if not n_samples:
+            continue
+        want = sums[name]["nbytes"] if sums is not None and name in sums else recorded
         try:
-            size = (vdir / shard).stat().st_size
+            size = os.stat(os.path.join(base, name)).st_size  # os.path: pathlib costs more than the stat
         except FileNotFoundError:
-            out[shard] = f"shard {shard} is missing ({n_samples} samples)"
+            out[name] = f"shard {name} is missing ({n_samples} samples)"
             continue
         if size != want:
-            out[shard] = f"shard {shard} is {size} bytes, {want} recorded ({'truncated' if size < want else 'grown'})"
+            out[name] = f"shard {name} is {size} bytes, {want} recorded ({'truncated' if size < want else 'grown'})"
     return out
 
 

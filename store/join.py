@@ -22,6 +22,7 @@ from schemas.errors import UserError
 from store import format as fmt
 from store.partition import epoch_order
 from store.reader import DEFAULT_MAX_OPEN_SHARDS, TableReader, _strictly_increasing
+from store.reader import fixed_width_view as _fixed_width
 
 log = logging.getLogger("store")
 
@@ -61,18 +62,6 @@ def _split_rows(r: TableReader, split: str | None) -> np.ndarray:
         raise UserError(f"table '{r.table}' v{r.version} ({r.dir}) has no split column; rebuild it with the current code")
     mask = pc.equal(r.column("split"), split).to_numpy(zero_copy_only=False)
     return np.flatnonzero(mask)
-
-
-def _fixed_width(arr: pa.Array) -> np.ndarray | None:
-    """A string array whose values all have one byte length, as a zero-copy numpy `S<width>` view (None when
-    they do not, or when there are nulls). Bytewise order = Arrow's string order."""
-    if len(arr) == 0 or arr.null_count or not pa.types.is_string(arr.type):
-        return None
-    offsets = np.frombuffer(arr.buffers()[1], dtype=np.int32)[arr.offset : arr.offset + len(arr) + 1]
-    width = int(offsets[1] - offsets[0])
-    if width == 0 or not np.all(np.diff(offsets) == width):
-        return None
-    return np.frombuffer(arr.buffers()[2], dtype=np.uint8)[offsets[0] : offsets[-1]].view(f"S{width}")
 
 
 def _member(sorted_values: np.ndarray, probe: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

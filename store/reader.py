@@ -1,5 +1,6 @@
-"""Reading one table version: mmap fast path (tensors sliced by manifest offsets, no tar parsing, no copy),
-random access by key, meta, img_shapes (derived on the fly for schema v1), rank/epoch iteration order.
+"""Reading one table version: tensors sliced by manifest offsets (no tar parsing) - from a shard map when the
+reader scans a shard (no copy), else from one pread of the sample's bytes into a buffer of its own -, random
+access by key, meta, img_shapes (derived on the fly for schema v1), rank/epoch iteration order.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -70,7 +72,33 @@ def read_manifest(vdir: Path, data: bytes | pa.Buffer, columns: list[str] | None
         raise _unreadable(vdir, e) from None
 
 
-DEFAULT_MAX_OPEN_SHARDS = 256  # mapped shards kept open per reader (LRU); the kernel allows ~65k maps a process
+DEFAULT_MAX_OPEN_SHARDS = 256  # shard files kept open per reader (LRU); the kernel allows ~65k maps a process
+SCAN_RUN = 3  # this many reads in a row from one shard make it a scan: the shard is mapped (random reads pread)
+
+
+def fixed_width_view(arr: pa.Array) -> np.ndarray | None:
+    """A string array whose values all have one byte length, as a zero-copy numpy `S<width>` view (None when
+    they do not, or when there are nulls). Bytewise order = Arrow's string order."""
+    if len(arr) == 0 or arr.null_count or not pa.types.is_string(arr.type):
+        return None
+    offsets = np.frombuffer(arr.buffers()[1], dtype=np.int32)[arr.offset : arr.offset + len(arr) + 1]
+    width = int(offsets[1] - offsets[0])
+    if width == 0 or not np.all(np.diff(offsets) == width):
+        return None
+    return np.frombuffer(arr.buffers()[2], dtype=np.uint8)[offsets[0] : offsets[-1]].view(f"S{width}")
+
+
+def _mapped_checked(vdir: Path, name: str, sums: dict[str, dict[str, Any]] | None) -> pa.Buffer:
+    """A file of the version memory-mapped read-only, checked against checksums.json when the version has one."""
+    try:
+        mapped = pa.memory_map(os.path.join(str(vdir), name))
+    except FileNotFoundError:
+        raise DamagedData(f"{integrity.where(vdir)}: {name} is missing; {integrity.repair_hint(vdir)}") from None
+    data = mapped.read_buffer()  # holds the map open for as long as the buffer (or a column sliced from it) lives
+    if sums is not None:
+        with memoryview(data) as mv:
+            integrity.check_bytes(vdir, name, mv, sums)
+    return data
 
 
 def _strictly_increasing(keys: pa.Array) -> bool:
@@ -92,11 +120,14 @@ class TableReader:
         if not fmt.is_complete(vdir):
             raise UserError(f"table '{table}' v{version} at {vdir} is incomplete (no {fmt.MANIFEST}); "
                             "rerun the stage that writes it to resume")
-        # schema.json and manifest.parquet are checked against checksums.json before they are parsed; the checked
-        # manifest bytes are kept, and columns are parsed from them one at a time (never re-read unchecked)
+        # schema.json and manifest.parquet are checked against checksums.json before they are parsed; the
+        # manifest stays memory-mapped (checked once over the map), and columns are parsed from the map one at a
+        # time, never from a re-read. The map's pages are the page cache's: shared by every rank reading the
+        # version and dropped by the kernel when memory runs short, where a private copy (hundreds of MB at 1M
+        # samples) would be held by each process. Versions are immutable (replaced by rename, never rewritten).
         sums = integrity.read_version_checksums(vdir)
         self.schema = read_schema(vdir, integrity.read_checked(vdir, fmt.SCHEMA_JSON, sums))
-        self._manifest_bytes = pa.py_buffer(integrity.read_checked(vdir, fmt.MANIFEST, sums))
+        self._manifest_bytes = _mapped_checked(vdir, fmt.MANIFEST, sums)
         path = vdir / fmt.MANIFEST
         try:
             names = pq.ParquetFile(pa.BufferReader(self._manifest_bytes)).schema_arrow.names
@@ -120,8 +151,10 @@ class TableReader:
             raise UserError(f"{path}: duplicate keys; run `pipeline store verify` on the store")
         self._key_list: list[str] | None = None
         self._row_of: dict[str, int] | None = None
+        self._sorted_fixed: np.ndarray | None | bool = False  # False: not looked at yet
         self._cols: dict[str, list[Any]] = {}
-        self._maps: OrderedDict[str, mmap.mmap] = OrderedDict()
+        self._open: OrderedDict[str, int | mmap.mmap] = OrderedDict()  # shard -> descriptor, or map when scanned
+        self._run: tuple[str | None, int] = (None, 0)  # (shard of the last reads, how many in a row)
         self.max_open_shards = max(1, int(max_open_shards))
         self.bad_shards = integrity.shard_problems(
             vdir, pa.table({"shard": self.column("shard"), "shard_nbytes": self.column("shard_nbytes")}), sums)
@@ -154,8 +187,8 @@ class TableReader:
         r._arrays = {}
         r.key_array = r.column("key")
         r.keys_sorted = _strictly_increasing(r.key_array)
-        r._key_list, r._row_of, r._cols = None, None, {}
-        r._maps = OrderedDict()
+        r._key_list, r._row_of, r._cols, r._sorted_fixed = None, None, {}, False
+        r._open, r._run = OrderedDict(), (None, 0)
         r.max_open_shards = DEFAULT_MAX_OPEN_SHARDS
         r.bad_shards = integrity.shard_problems(vdir, manifest, sums)
         r._checked = set()
@@ -182,6 +215,10 @@ class TableReader:
                 col = read_manifest(self.dir, self._manifest_bytes, columns=[name],
                                     read_dictionary=["shard"] if name == "shard" else None).column(name)
             self._arrays[name] = col.combine_chunks()
+            del col
+            # the parse's scratch memory goes back to the system (the allocator keeps it otherwise: ~180 MB
+            # at 1M samples, in every rank)
+            pa.default_memory_pool().release_unused()
         return self._arrays[name]
 
     def has_column(self, name: str) -> bool:
@@ -204,7 +241,22 @@ class TableReader:
         return len(self.key_array)
 
     def __contains__(self, key: str) -> bool:
-        return key in self._row
+        return self.row_of(key) is not None
+
+    def row_of(self, key: str) -> int | None:
+        """The key's row number, or None. Sorted fixed-width keys (content hashes: the usual case) are found by
+        binary search on a zero-copy view of the key column; a million-entry key -> row dict (~1 s, ~170 MB at
+        1M samples) is built only for other keys."""
+        if self._sorted_fixed is False:
+            self._sorted_fixed = fixed_width_view(self.key_array) if self.keys_sorted else None
+        keys = self._sorted_fixed
+        if keys is None:
+            return self._row.get(key)
+        b = key.encode()
+        if len(b) != keys.dtype.itemsize or b"\0" in b:  # numpy `S` values drop trailing NULs
+            return None
+        i = int(np.searchsorted(keys, b))
+        return i if i < len(keys) and keys[i] == b else None
 
     def keys(self) -> list[str]:
         return list(self._keys)
@@ -221,10 +273,10 @@ class TableReader:
         return self.column(name)[i].as_py()
 
     def _index(self, key: str) -> int:
-        try:
-            return self._row[key]
-        except KeyError:
-            raise UserError(f"key {key} not in table '{self.table}' v{self.version}") from None
+        i = self.row_of(key)
+        if i is None:
+            raise UserError(f"key {key} not in table '{self.table}' v{self.version}")
+        return i
 
     def meta_columns(self) -> list[str]:
         return [c for c in self._names if c not in RESERVED_COLUMNS]
@@ -257,59 +309,114 @@ class TableReader:
                               f"{integrity.repair_hint(self.dir)}")
         return self._map(shard)
 
-    def _map(self, shard: str) -> mmap.mmap:
-        """At most `max_open_shards` maps stay referenced here (least recently used dropped first): a
-        million-sample store has tens of thousands of shards. A dropped map whose tensors are still alive closes
-        when they go."""
-        m = self._maps.get(shard)
-        if m is not None:
-            self._maps.move_to_end(shard)
-            return m
-        with open(os.path.join(self._dir_str, shard), "rb") as f:  # os.path: pathlib costs more than the map
-            m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-        self._maps[shard] = m
-        while len(self._maps) > self.max_open_shards:
-            # Dropped, never closed: tensors from torch.frombuffer hold a reference to the map but no buffer
-            # export, so close() would unmap memory they still view (a segfault on their next read).
-            self._maps.popitem(last=False)
-        return m
+    def _handle(self, shard: str) -> int | mmap.mmap:
+        """The shard's open descriptor or map. At most `max_open_shards` stay open here (least recently used
+        closed first): a million-sample store has tens of thousands of shards. A dropped map whose tensors are
+        still alive closes when they go."""
+        h = self._open.get(shard)
+        if h is not None:
+            self._open.move_to_end(shard)
+            return h
+        h = os.open(os.path.join(self._dir_str, shard), os.O_RDONLY)  # os.path: pathlib costs more than the read
+        self._open[shard] = h
+        while len(self._open) > self.max_open_shards:
+            _, old = self._open.popitem(last=False)
+            _close(old)
+        return h
 
-    def _problem(self, i: int) -> str | None:
-        """What is wrong with sample i's bytes (None: they match their checksum)."""
+    def _map(self, shard: str) -> mmap.mmap:
+        h = self._handle(shard)
+        if isinstance(h, int):
+            try:
+                m = mmap.mmap(h, 0, access=mmap.ACCESS_COPY)  # the map keeps its own duplicate of the descriptor
+            finally:
+                os.close(h)
+                del self._open[shard]
+            self._open[shard] = h = m
+        return h
+
+    def _sample_buffer(self, shard: str, start: int, n: int) -> tuple[Any, int] | str:
+        """(buffer, where shard offset 0 lies in it), or what is wrong. The `SCAN_RUN`-th and later reads in a row
+        from one shard (a scan) come from the shard's map (zero-copy views, the kernel's readahead); any other
+        read is one pread of the sample's bytes into a fresh buffer that only this sample's tensors reference
+        (never reused). A random read in a million-sample store hits one shard of ~20k, so a map would be set up
+        and torn down for a single sample, and one large read is what a cold disk serves best."""
+        last, count = self._run
+        self._run = (shard, count + 1 if shard == last else 1)
+        if self._run[1] >= SCAN_RUN:
+            return self._map(shard), 0
+        h = self._handle(shard)
+        buf = np.empty(n, np.uint8)
+        if isinstance(h, int):
+            got = os.preadv(h, [buf], start)
+        else:  # mapped by an earlier scan (the map keeps no descriptor we can use): read like any random read
+            fd = os.open(os.path.join(self._dir_str, shard), os.O_RDONLY)
+            try:
+                got = os.preadv(fd, [buf], start)
+            finally:
+                os.close(fd)
+        if got != n:
+            return f"the shard ends {n - got} bytes before the sample does"
+        return buf, -start
+
+    def _checked_bytes(self, i: int) -> tuple[Any, int]:
+        """Sample i's bytes as (buffer, where shard offset 0 lies in it), checked against their checksum on the
+        reader's first read of the sample (the store is immutable, and the private map never sees a consumer's
+        writes to a tensor view). Raises `DamagedData` naming the sample and the repair command."""
         shard = self._cell("shard", i)
         start, n = self._cell("sample_offset", i), self._cell("sample_nbytes", i)
+        problem = self._shard_problem(shard, start, n) if shard in self.bad_shards else None
+        if problem is None:  # a bad shard's intact samples are still checked byte by byte
+            got = self._sample_buffer(shard, start, n)
+            if isinstance(got, str):
+                problem = got
+            elif i not in self._checked:
+                with memoryview(got[0]) as mv:
+                    part = mv[start + got[1] : start + got[1] + n]
+                    try:
+                        problem = integrity.sample_problem(part, self._checksum_row(i))
+                    finally:
+                        part.release()
+        if problem is not None:
+            raise DamagedData(integrity.damaged_sample_message(self.dir, shard, self.key_array[i].as_py(), problem))
+        self._checked.add(i)
+        return got
+
+    def _checksum_row(self, i: int) -> dict[str, Any]:
+        if "sample_crc32c" in self._names:  # format 2: the sha256 column (64 MB at 1M samples) is never parsed
+            crc = self._cell("sample_crc32c", i)
+            if crc:
+                return {"sample_crc32c": crc}
+        return {"sample_sha256": self._cell("sample_sha256", i), "sample_crc32c": None}
+
+    def _shard_problem(self, shard: str, start: int, n: int) -> str | None:
+        """What the open-time check found wrong with a shard, if it makes this sample unreadable."""
+        try:
+            size = (self.dir / shard).stat().st_size
+        except FileNotFoundError:
+            return self.bad_shards[shard]
+        if size < start + n:
+            return f"{self.bad_shards[shard]}; the sample lies beyond its end"
+        if size == 0:
+            return self.bad_shards[shard]
+        return None
+
+    def _intact_bytes(self, i: int) -> tuple[Any, int]:
+        """Checked bytes of a sample in a shard that is whole (a bad shard's samples are not served)."""
+        got = self._checked_bytes(i)
+        shard = self._cell("shard", i)
         if shard in self.bad_shards:
-            try:
-                size = (self.dir / shard).stat().st_size
-            except FileNotFoundError:
-                return self.bad_shards[shard]
-            if size < start + n:
-                return f"{self.bad_shards[shard]}; the sample lies beyond its end"
-            if size == 0:
-                return self.bad_shards[shard]
-        m = self._map(shard)  # a bad shard's intact samples are still checked byte by byte
-        row = {"sample_sha256": self._cell("sample_sha256", i),
-               "sample_crc32c": self._cell("sample_crc32c", i) if "sample_crc32c" in self._names else None}
-        with memoryview(m) as mv:
-            part = mv[start : start + n]
-            try:
-                return integrity.sample_problem(part, row)
-            finally:
-                part.release()
+            raise DamagedData(f"{integrity.where(self.dir)}: {self.bad_shards[shard]}; "
+                              f"{integrity.repair_hint(self.dir)}")
+        return got
 
     def check(self, key: str) -> None:
-        """Raise `DamagedData` unless the sample's bytes match their checksum (checked once per reader: the
-        store is immutable, and the private map never sees a consumer's writes to a tensor view)."""
+        """Raise `DamagedData` unless the sample's bytes match their checksum (checked once per reader)."""
         self.check_at(self._index(key))
 
     def check_at(self, i: int) -> None:
-        if i in self._checked:
-            return
-        problem = self._problem(i)
-        if problem is not None:
-            raise DamagedData(integrity.damaged_sample_message(self.dir, self._cell("shard", i),
-                                                               self.key_array[i].as_py(), problem))
-        self._checked.add(i)
+        if i not in self._checked:
+            self._checked_bytes(i)
 
     def damaged(self, key: str) -> str | None:
         """None if the sample reads back intact, else what is wrong (does not raise)."""
@@ -326,8 +433,8 @@ class TableReader:
         return self.tensors_at(self._index(key))
 
     def tensors_at(self, i: int) -> dict[str, torch.Tensor]:
-        self.check_at(i)
-        m = self.shard_map(self._cell("shard", i))
+        """The sample's tensors: views of the shard map during a scan, else of the sample's own buffer."""
+        buf, base = self._intact_bytes(i)
         out = {}
         for t in self._cell("tensors", i):
             dt = torch_dtype(t["dtype"])
@@ -335,14 +442,15 @@ class TableReader:
             if n == 0:  # frombuffer rejects count=0; an empty tensor (e.g. no control views) is legal
                 out[t["name"]] = torch.empty(t["shape"], dtype=dt)
                 continue
-            out[t["name"]] = torch.frombuffer(m, dtype=dt, count=n, offset=t["offset"]).view(t["shape"])
+            out[t["name"]] = torch.frombuffer(buf, dtype=dt, count=n, offset=t["offset"] + base).view(t["shape"])
         return out
 
     def files(self, key: str) -> dict[str, bytes]:
         i = self._index(key)
-        self.check_at(i)
-        m = self.shard_map(self._cell("shard", i))
-        return {f["name"]: m[f["offset"] : f["offset"] + f["nbytes"]] for f in self._cell("files", i)}
+        buf, base = self._intact_bytes(i)
+        with memoryview(buf) as mv:
+            return {f["name"]: bytes(mv[f["offset"] + base : f["offset"] + base + f["nbytes"]])
+                    for f in self._cell("files", i)}
 
     def get(self, key: str) -> dict[str, Any]:
         return {"key": key, "meta": self.meta(key), "tensors": self.tensors(key), "files": self.files(key)}
@@ -371,4 +479,14 @@ class TableReader:
         return epoch_order(self.shard_groups(split), rank, world_size, seed, epoch, buffer_size)
 
     def close(self) -> None:
-        self._maps.clear()  # each map unmaps when its last tensor goes (see `_map`)
+        for h in self._open.values():
+            _close(h)
+        self._open.clear()
+
+
+def _close(h: int | mmap.mmap) -> None:
+    """A descriptor is closed; a map is only dropped, never closed: tensors from torch.frombuffer hold a reference
+    to the map but no buffer export, so close() would unmap memory they still view (a segfault on their next
+    read). The map unmaps when the last tensor viewing it goes."""
+    if isinstance(h, int):
+        os.close(h)

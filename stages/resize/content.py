@@ -2,7 +2,7 @@
 sha256 of its bytes, so touching a file or copying the dataset elsewhere changes nothing. Hashes are cached by
 (real path, size, mtime) so a rerun over an unchanged source reads no image bytes at all.
 
-The cache is `models.file_hashes.FileHashes`, the one the model fingerprints use.
+The cache is `models.file_hashes.FileHashes` (sqlite, one row per path), the one the model fingerprints use.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from models.file_hashes import FileHashes
 
 from stages.resize.sources import source_files
 
-CACHE_NAME = "source-hashes.json"
+CACHE_NAME = "source-hashes.sqlite"
 
 
 def content_listing_hash(source: str | Path) -> str:

@@ -345,3 +345,21 @@ def test_repair_dry_run_names_what_it_cannot_repair(store: Store) -> None:
     assert res.exit_code == 0 and "vae v1: CANNOT REPAIR: checksums.json is missing" in res.output
     res = CliRunner().invoke(app, ["store", "repair", str(store.root)])
     assert res.exit_code == 1 and "not repaired: vae v1: checksums.json is missing" in res.output
+
+
+def test_shard_cut_short_after_open_is_a_clear_error(store: Store) -> None:
+    """A shard truncated while a reader has it open (disk trouble, a stray tool) gives DamagedData naming the
+    sample, not a crash (a map of a file cut short kills the process with SIGBUS on access)."""
+    fill(store, 8, shard_size_mb=0.05)
+    r = store.reader("vae")
+    shards = r.manifest.column("shard").to_pylist()
+    offsets = r.manifest.column("sample_offset").to_pylist()
+    rows = sorted((i for i, s in enumerate(shards) if s == shards[0]), key=lambda i: offsets[i])
+    assert len(rows) >= 2
+    first, last = r.keys()[rows[0]], r.keys()[rows[-1]]
+    r.tensors(first)  # the shard is open now
+    path = r.dir / shards[0]
+    with open(path, "r+b") as f:
+        f.truncate(offsets[rows[-1]] + 100)
+    with pytest.raises(DamagedData, match=rf"sample {last} in {shards[0]} is damaged \(the shard ends .* before"):
+        r.tensors(last)

@@ -29,16 +29,38 @@ def test_roundtrip_exact_random_access(store: Store) -> None:
         assert r.img_shapes(key_of(i)) == [tuple(x) for x in s["meta"]["img_shapes"]]
 
 
-def test_reader_tensors_are_views_of_the_shard_map(store: Store) -> None:
-    fill(store, 3)
-    r = store.reader("vae")
-    t = r.tensors(key_of(1))["target"]
-    m = r.shard_map(r.manifest.column("shard")[r.keys().index(key_of(1))].as_py())
-    # Zero-copy: the tensor's memory lies inside the mapped shard.
+def test_scans_view_the_shard_map_and_random_reads_own_their_bytes(store: Store) -> None:
     import ctypes
 
+    from store.reader import SCAN_RUN
+
+    fill(store, 24, shard_size_mb=0.05)
+    r = store.reader("vae")
+    shards = r.manifest.column("shard").to_pylist()
+    by_shard: dict[str, list[str]] = {}
+    for k, s in zip(r.keys(), shards):
+        by_shard.setdefault(s, []).append(k)
+    shard, keys = max(by_shard.items(), key=lambda kv: len(kv[1]))
+    assert len(keys) > SCAN_RUN and len(by_shard) > 1
+    # A scan (reads in a row from one shard): from the SCAN_RUN-th read on, tensors lie inside the mapped shard.
+    got = [r.tensors(k)["target"] for k in keys]
+    m = r.shard_map(shard)
     base = ctypes.addressof(ctypes.c_char.from_buffer(m))
-    assert base <= t.data_ptr() < base + len(m)
+    inside = [base <= t.data_ptr() < base + len(m) for t in got]
+    assert inside == [False] * (SCAN_RUN - 1) + [True] * (len(keys) - SCAN_RUN + 1)
+    other = next(k for s, ks in by_shard.items() if s != shard for k in ks)
+    r.tensors(other)  # the scan is over: a read from the still-mapped shard gets bytes of its own
+    t = r.tensors(keys[0])["target"]
+    assert not base <= t.data_ptr() < base + len(m) and torch.equal(t, got[0])
+    # Random reads (alternating shards): each sample's tensors own a fresh buffer - writing to one changes
+    # neither the other sample, nor a re-read, nor the store.
+    r2 = store.reader("vae")
+    a, b = r2.tensors(keys[0])["target"], r2.tensors(other)["target"]
+    a0, b0 = a.clone(), b.clone()
+    a.fill_(7)
+    assert torch.equal(r2.tensors(keys[0])["target"], a0) and torch.equal(b, b0)
+    assert torch.equal(store.reader("vae").tensors(keys[0])["target"], a0)
+    assert not r2._open or all(isinstance(h, int) for h in r2._open.values())  # no shard was mapped
 
 
 def test_find_version_and_new_version_on_lineage_change(store: Store) -> None:
@@ -139,7 +161,9 @@ st = Store({str(tmp_path / 'store')!r})
 fill(st, 12, shard_size_mb=0.002)
 r = st.reader("vae", max_open_shards=1)
 assert len(r.shard_paths()) > 3
-kept = [r.tensors(key_of(i))["target"] for i in range(12)]  # each read drops the previous shard's map
+# the 3rd read in a row from one shard is served from its map (a scan); the next shard's map drops it
+kept = [[r.tensors(key_of(i)) for _ in range(3)][-1]["target"] for i in range(12)]
+assert not any(isinstance(h, int) for h in r._open.values())
 r.close()
 fresh = Store({str(tmp_path / 'store')!r}).reader("vae")
 assert all(torch.equal(t.clone(), fresh.tensors(key_of(i))["target"]) for i, t in enumerate(kept))
@@ -148,3 +172,33 @@ print("ok")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path])}
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
     assert done.returncode == 0 and done.stdout.strip() == "ok", (done.returncode, done.stderr[-2000:])
+
+
+def test_open_shards_stay_bounded(store: Store) -> None:
+    import os
+    import random
+
+    fill(store, 24)
+    fds = len(os.listdir("/proc/self/fd"))
+    r = store.reader("vae", max_open_shards=2)
+    keys = r.keys()
+    assert len(r.shard_paths()) > 3
+    for k in random.Random(0).choices(keys, k=60) + keys:  # random reads, then a scan (maps shards)
+        assert r.tensors(k)["target"].numel() > 0
+        assert len(r._open) <= 2
+    assert len(os.listdir("/proc/self/fd")) <= fds + 4  # 2 descriptors + 2 maps' own duplicates at most
+    r.close()
+    assert len(os.listdir("/proc/self/fd")) <= fds + 2  # maps still viewed by live tensors close when they go
+
+
+def test_lookup_by_key_without_a_key_dict(store: Store) -> None:
+    fill(store, 24)
+    r = store.reader("vae")
+    keys = r.keys()
+    assert [r.row_of(k) for k in keys] == list(range(24))
+    assert r._row_of is None  # found by binary search on the sorted fixed-width key column
+    k = keys[5]
+    for absent in (k[:-1], k + "0", k[:-1] + ("0" if k[-1] != "0" else "1"), "", keys[-1] + "f"):
+        assert absent not in r and r.row_of(absent) is None
+    with pytest.raises(UserError, match="not in table 'vae'"):
+        r.tensors(k[:-1])

@@ -1,0 +1,112 @@
+"""The path/size/mtime -> sha256 cache (models/file_hashes.py): identity is the bytes; the cache survives the
+process, is shared by concurrent processes, and is only a cache (a damaged file is replaced)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import models.file_hashes as fh
+from models.file_hashes import FileHashes
+from stages.resize.content import CACHE_NAME, content_listing_hash
+
+ROOT = Path(__file__).resolve().parents[2]
+HASH_ALL = """
+import sys
+from models.file_hashes import FileHashes
+with FileHashes("t.sqlite") as h:
+    for p in sys.argv[1:]:
+        h.sha256(p)
+print(h.hashed)
+"""
+
+
+def _hash_in_process(files: list[Path], cache: Path) -> subprocess.Popen:
+    env = {**os.environ, "XDG_CACHE_HOME": str(cache), "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen([sys.executable, "-c", HASH_ALL, *map(str, files)], env=env, stdout=subprocess.PIPE,
+                            text=True)
+
+
+def _files(d: Path, n: int, tag: str = "") -> list[Path]:
+    d.mkdir(parents=True, exist_ok=True)
+    out = []
+    for i in range(n):
+        p = d / f"f{i:04d}.bin"
+        p.write_bytes(f"{tag}{i}".encode() * 50)
+        os.utime(p, ns=(10**18, 10**18 + i))
+        out.append(p)
+    return out
+
+
+def _sha(p: Path) -> str:
+    return hashlib.sha256(p.read_bytes()).hexdigest()
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def test_cache_survives_the_process_and_identity_is_the_bytes(tmp_path, cache, monkeypatch) -> None:
+    files = _files(tmp_path / "src", 30)
+    p = _hash_in_process(files, cache)
+    assert p.communicate()[0].strip() == "30" and p.returncode == 0
+    # A second process: every hash comes from the cache (reading a file would fail here), and is right.
+    real = fh.file_sha256
+    monkeypatch.setattr(fh, "file_sha256", lambda path: pytest.fail(f"{path} read despite the cache"))
+    with FileHashes("t.sqlite") as h:
+        assert [h.sha256(f) for f in files] == [_sha(f) for f in files] and h.hashed == 0
+    monkeypatch.setattr(fh, "file_sha256", real)
+    # Changed bytes, same size: re-hashed (mtime moved). Touched, same bytes: re-read, same identity.
+    files[0].write_bytes(files[0].read_bytes().replace(b"0", b"9"))
+    os.utime(files[1], ns=(2 * 10**18, 2 * 10**18))
+    with FileHashes("t.sqlite") as h:
+        assert h.sha256(files[0]) == _sha(files[0]) != _sha(files[2])
+        before = _sha(files[1])
+        assert h.sha256(files[1]) == before and h.hashed == 2
+        assert h.sha256(files[1]) == before and h.hashed == 2  # remembered before the batch is written
+    with FileHashes("t.sqlite") as h:  # the new stats are the ones remembered (one row per path)
+        assert [h.sha256(f) for f in files] == [_sha(f) for f in files] and h.hashed == 0
+        assert h._db.execute("SELECT count(*) FROM sha256").fetchone()[0] == 30
+
+
+def test_concurrent_processes_share_one_cache(tmp_path, cache) -> None:
+    a, b = _files(tmp_path / "a", 1500, "a"), _files(tmp_path / "b", 1500, "b")  # > FLUSH_EVERY: several batches
+    procs = [_hash_in_process(a + b[:200], cache), _hash_in_process(b + a[:200], cache)]
+    counts = [int(p.communicate()[0]) for p in procs]
+    # each reads its own 1500 files, and the other's 200 unless that process already wrote them (timing)
+    assert all(1500 <= c <= 1700 for c in counts) and all(p.returncode == 0 for p in procs), counts
+    with FileHashes("t.sqlite") as h:
+        assert all(h.sha256(f) == _sha(f) for f in a + b) and h.hashed == 0
+
+
+def test_damaged_cache_is_replaced(tmp_path, cache) -> None:
+    files = _files(tmp_path / "src", 3)
+    (cache / "qwen-edit-pipeline").mkdir(parents=True)
+    (cache / "qwen-edit-pipeline" / "t.sqlite").write_bytes(b"not a database" * 100)
+    with FileHashes("t.sqlite") as h:
+        assert [h.sha256(f) for f in files] == [_sha(f) for f in files] and h.hashed == 3
+    with FileHashes("t.sqlite") as h:
+        assert [h.sha256(f) for f in files] == [_sha(f) for f in files] and h.hashed == 0
+
+
+def test_source_identity_ignores_touch_and_copy(tmp_path, cache) -> None:
+    src = tmp_path / "src"
+    files = _files(src / "target", 5)  # a folder source: target/ holds the images
+    first = content_listing_hash(src)
+    for f in files:
+        os.utime(f, ns=(3 * 10**18, 3 * 10**18))
+    copy = tmp_path / "copy"
+    (copy / "target").mkdir(parents=True)
+    for f in files:
+        (copy / "target" / f.name).write_bytes(f.read_bytes())
+    assert content_listing_hash(src) == first == content_listing_hash(copy)
+    files[2].write_bytes(b"other bytes")
+    assert content_listing_hash(src) != first
+    assert (cache / "qwen-edit-pipeline" / CACHE_NAME).is_file()
