@@ -10,7 +10,7 @@ import mmap
 import os
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -22,6 +22,7 @@ from schemas.img_shapes import ImgShape, img_shapes_from_v1
 from schemas.table import KNOWN_SCHEMA_VERSIONS, SCHEMA_V1, TableSchema
 from store import format as fmt
 from store import integrity
+from store.check_ahead import DEFAULT_WINDOW, CheckAhead
 from store.integrity import DamagedData
 from store.manifest import CHECKSUM_COLUMNS, LOCATING_COLUMNS, RESERVED_COLUMNS
 from store.partition import epoch_order
@@ -125,11 +126,15 @@ class TableReader:
         self.max_open_shards = max(1, int(max_open_shards))
         self.bad_shards = integrity.shard_problems(
             vdir, pa.table({"shard": self.column("shard"), "shard_nbytes": self.column("shard_nbytes")}), sums)
+        self.records_damage = True  # damage found is recorded in the store (integrity.record_damage)
+        if self.bad_shards:
+            integrity.record_damage(vdir, shards=self.bad_shards)
         if self.bad_shards and on_damaged == "stop":
             raise DamagedData(f"{integrity.where(vdir)}: {next(iter(self.bad_shards.values()))}"
                               + (f" (and {len(self.bad_shards) - 1} more shards)" if len(self.bad_shards) > 1 else "")
                               + f"; {integrity.repair_hint(vdir)}")
         self._checked: set[int] = set()
+        self._ahead: CheckAhead | None = None
         self.is_v1 = self.schema.schema_version == SCHEMA_V1
         if self.is_v1:
             lacking = [c for c in V1_PIXEL_COLUMNS if c not in names]
@@ -159,6 +164,8 @@ class TableReader:
         r.max_open_shards = DEFAULT_MAX_OPEN_SHARDS
         r.bad_shards = integrity.shard_problems(vdir, manifest, sums)
         r._checked = set()
+        r._ahead = None
+        r.records_damage = False  # store repair's scan: it writes its own record
         r.is_v1 = r.schema.schema_version == SCHEMA_V1
         return r
 
@@ -276,8 +283,15 @@ class TableReader:
                 pass
         return m
 
-    def _problem(self, i: int) -> str | None:
-        """What is wrong with sample i's bytes (None: they match their checksum)."""
+    def prepare_checks(self) -> None:
+        """Parse the columns a sample check reads (before another thread checks: it then only reads them)."""
+        for name in ("shard", "sample_offset", "sample_nbytes", "sample_sha256", "sample_crc32c"):
+            if name in self._names:
+                self.column(name)
+
+    def _problem(self, i: int, mapper=None) -> str | None:
+        """What is wrong with sample i's bytes (None: they match their checksum). `mapper`: shard -> map (the
+        check-ahead thread passes its own; the reader's LRU is not thread-safe)."""
         shard = self._cell("shard", i)
         start, n = self._cell("sample_offset", i), self._cell("sample_nbytes", i)
         if shard in self.bad_shards:
@@ -289,7 +303,7 @@ class TableReader:
                 return f"{self.bad_shards[shard]}; the sample lies beyond its end"
             if size == 0:
                 return self.bad_shards[shard]
-        m = self._map(shard)  # a bad shard's intact samples are still checked byte by byte
+        m = (mapper or self._map)(shard)  # a bad shard's intact samples are still checked byte by byte
         row = {"sample_sha256": self._cell("sample_sha256", i),
                "sample_crc32c": self._cell("sample_crc32c", i) if "sample_crc32c" in self._names else None}
         with memoryview(m) as mv:
@@ -307,11 +321,28 @@ class TableReader:
     def check_at(self, i: int) -> None:
         if i in self._checked:
             return
-        problem = self._problem(i)
+        done, problem = self._ahead.take(i) if self._ahead is not None else (False, None)
+        if not done:
+            problem = self._problem(i)
         if problem is not None:
-            raise DamagedData(integrity.damaged_sample_message(self.dir, self._cell("shard", i),
-                                                               self.key_array[i].as_py(), problem))
+            key = self.key_array[i].as_py()
+            if self.records_damage:
+                integrity.record_damage(self.dir, {key: problem})
+            raise DamagedData(integrity.damaged_sample_message(self.dir, self._cell("shard", i), key, problem))
         self._checked.add(i)
+
+    def check_ahead(self, order: Iterable[int], window: int = DEFAULT_WINDOW) -> CheckAhead:
+        """Check the rows of `order` (the consumer's read order, may be endless) in a background thread, at most
+        `window` rows ahead of the consumer (store/check_ahead.py); `check_at` then only waits for a row's result.
+        Replaces a running check-ahead; `stop_check_ahead` or `close` ends it."""
+        self.stop_check_ahead()
+        self._ahead = CheckAhead(self, order, window)
+        return self._ahead
+
+    def stop_check_ahead(self) -> None:
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            ahead.close()
 
     def damaged(self, key: str) -> str | None:
         """None if the sample reads back intact, else what is wrong (does not raise)."""
@@ -373,6 +404,7 @@ class TableReader:
         return epoch_order(self.shard_groups(split), rank, world_size, seed, epoch, buffer_size)
 
     def close(self) -> None:
+        self.stop_check_ahead()
         for m in self._maps.values():
             try:
                 m.close()

@@ -62,7 +62,7 @@ from store.format import atomic_dir, atomic_write_bytes
 from store.join import JoinedTables
 
 # Settings that change how long or how often, not what is trained: a resume may change them.
-_NOT_FINGERPRINTED = {"max_steps", "checkpoint_every", "keep_checkpoints", "log_every", "device", "prefetch", "compile",
+_NOT_FINGERPRINTED = {"max_steps", "checkpoint_every", "keep_checkpoints", "log_every", "device", "prefetch", "compile", "check_ahead",
                       "on_damaged", "max_damaged_fraction", "on_nonfinite",
                       "max_dropped_fraction", "max_open_shards",  # which samples: recorded by the tables
                       # validation and samples only read the adapter (stages/train/validate.py)
@@ -181,6 +181,7 @@ def run(
     accelerator = _accelerator(cfg.train)
     # One writer per run folder: a second `train` into the same OUT is refused, naming the holder.
     run_lock = guard.lock_run_dir(Path(out)) if accelerator.is_main_process else None
+    r = None
     try:
         r = setup(cfg, store, model, out, resume, accelerator)
         while r.step < r.cfg.max_steps:
@@ -194,6 +195,8 @@ def run(
         result.seconds = time.perf_counter() - started
         return result
     finally:
+        if r is not None and r.batches is not None:  # stopped early (an error): no reader thread left running
+            r.batches.close()
         if run_lock is not None:
             run_lock.release()
 
