@@ -160,7 +160,8 @@ class Summary:
         )
         if self.repaired_from is not None:
             line += (f"; v{self.repaired_from} was recorded as damaged: its damaged samples recomputed, the rest "
-                     f"carried forward, v{self.version} verified")
+                     f"carried forward, v{self.version} verified (v{self.repaired_from} moved to "
+                     f"v{self.repaired_from}.damaged/)")
         if self.damaged:
             shown = sorted(self.damaged)
             line += (f"\nskipped {len(shown)} damaged input sample(s) of table 'images' (on_damaged=skip; "
@@ -359,6 +360,9 @@ class EncodeJob:
             raise UserError(f"table '{table}' v{v} (recomputed from damaged v{self.repairing}) does not verify: "
                             f"{problems[0]}; run `pipeline store repair {self.store.root}`")
         self.summary.repaired_from = self.repairing
+        from store.repair import set_aside
+
+        set_aside(self.store.version_dir(table, self.repairing))
 
     def close(self) -> None:
         """Give up the writer lock without committing (on error; a rerun resumes from committed shards)."""
@@ -418,7 +422,7 @@ def open_job(store_path: str | Path, stage: str, table: str, feature_hash: str, 
         summary.seconds = time.perf_counter() - job.started
         return job
     current = store.tables().get(table)
-    if current is not None and fmt.damaged_marker(store.root, table, current).exists():
+    if current is not None and fmt.damaged_marker(store.root, table, current).exists() and not repair_context.active():
         from tqdm.auto import tqdm
 
         job.repairing = current
