@@ -95,9 +95,14 @@ class TableReader:
                             "rerun the stage that writes it to resume")
         # schema.json and manifest.parquet are checked against checksums.json before they are parsed; the checked
         # manifest bytes are kept, and columns are parsed from them one at a time (never re-read unchecked)
-        sums = integrity.read_version_checksums(vdir)
-        self.schema = read_schema(vdir, integrity.read_checked(vdir, fmt.SCHEMA_JSON, sums))
-        self._manifest_bytes = pa.py_buffer(integrity.read_checked(vdir, fmt.MANIFEST, sums))
+        try:
+            sums = integrity.read_version_checksums(vdir)
+            schema_bytes = integrity.read_checked(vdir, fmt.SCHEMA_JSON, sums)
+            self._manifest_bytes = pa.py_buffer(integrity.read_checked(vdir, fmt.MANIFEST, sums))
+        except DamagedData as e:  # recorded: the stage that wrote the version must not call it up to date
+            integrity.record_damage(vdir, problems=[str(e)])
+            raise
+        self.schema = read_schema(vdir, schema_bytes)
         path = vdir / fmt.MANIFEST
         try:
             names = pq.ParquetFile(pa.BufferReader(self._manifest_bytes)).schema_arrow.names

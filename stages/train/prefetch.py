@@ -134,9 +134,14 @@ class MicroBatches:
 
 
 def read_order(stream: DataStream, rank: int) -> Iterator[int]:
-    """This rank's joined sample indices in the order the stream reads them, from its position on, endless."""
-    epoch, batch = stream.position
-    while True:
-        for step in stream.sampler.global_steps(epoch)[batch:]:
-            yield from step[rank]
-        epoch, batch = epoch + 1, 0
+    """This rank's joined sample indices in the order the stream reads them, from its position now on, endless
+    (the position is taken here, not when the check-ahead thread starts walking the order)."""
+    start = stream.position
+
+    def walk(epoch: int, batch: int) -> Iterator[int]:
+        while True:
+            for step in stream.sampler.global_steps(epoch)[batch:]:
+                yield from step[rank]
+            epoch, batch = epoch + 1, 0
+
+    return walk(*start)
