@@ -111,12 +111,15 @@ def store_scan(root: Path, dst: torch.Tensor, mode: str = "ahead", window: int =
             n = t.numel()
             dst[:n].copy_(t.reshape(-1))  # what a collate into a (pinned) batch buffer does
             nbytes += n * 2
+    if mode == "ahead":
+        THREAD_CHECKED.append((r._ahead.checked, len(keys)))
     r.close()  # ends the check-ahead thread
     CONSUMER_CPU.setdefault(mode, []).append(time.thread_time() - c0)
     return time.perf_counter() - t0, nbytes
 
 
 CONSUMER_CPU: dict[str, list[float]] = {}  # mode -> CPU seconds of the reading thread per warm pass
+THREAD_CHECKED: list[tuple[int, int]] = []  # (samples the check-ahead thread checked, samples) per pass
 
 
 def wds_scan(paths: list[Path], dst: torch.Tensor) -> tuple[float, int]:
@@ -210,6 +213,10 @@ def main() -> None:
         print(line("inline check (old)", best["inline"], best["none"], tensor_bytes))
         print(f"  reading thread's CPU time vs no check (what the read costs where a second core is free): "
               f"check-ahead {100 * (cpu['ahead'] / cpu['none'] - 1):+.1f}%, inline {100 * (cpu['inline'] / cpu['none'] - 1):+.1f}%")
+        done = sum(c for c, _ in THREAD_CHECKED[: args.repeats])
+        total = sum(n_ for _, n_ in THREAD_CHECKED[: args.repeats])
+        print(f"  samples checked by the check-ahead thread (warm passes; the reader waits for one still in progress): "
+              f"{done} of {total}, the rest inline by the reader (it overtook the thread)")
         if not args.no_cold:
             cb = {m: min(v) for m, v in cold.items()}
             print("cold page cache (shard files evicted before each pass)")
