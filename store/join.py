@@ -183,9 +183,11 @@ class JoinedTables:
     def check_ahead(self, order: Callable[[], Iterable[int]], window: int = 32) -> None:
         """Check the joined samples in the consumer's read order ahead of it: one check-ahead thread per table
         (store/check_ahead.py), each walking its own copy of `order()` (joined indices, may be endless)."""
+        def table_rows(rows: np.ndarray) -> Iterator[int]:  # a function: each table's own rows, bound now
+            return (int(rows[i]) for i in order())
+
         for t, r in self.readers.items():
-            rows = self.rows[t]
-            r.check_ahead((int(rows[i]) for i in order()), window)
+            r.check_ahead(table_rows(self.rows[t]), window)
 
     def stop_check_ahead(self) -> None:
         for r in self.readers.values():

@@ -104,3 +104,28 @@ def test_no_thread_left_when_the_consumer_stops_early(store: Store) -> None:
     joined.close()  # closing the reader ends its thread too
     assert not _threads()
     r.close()
+
+
+def test_joined_check_ahead_walks_each_tables_own_rows(store: Store) -> None:
+    """Two tables whose row numbers differ (one holds extra keys): each thread checks its own table's rows of
+    the joined samples, in the joined order."""
+    from dataclasses import replace
+
+    from store.join import JoinedTables
+    from store_samples import sample, vae_schema
+
+    for table, indices in (("left", range(0, 10)), ("right", range(3, 12))):
+        w = store.writer(table, replace(vae_schema(), name=table), shard_size_mb=0.004)
+        for i in indices:
+            s = sample(i)
+            w.add(s["key"], tensors=s["tensors"], files=s["files"], meta=s["meta"])
+        w.commit()
+    joined = JoinedTables({t: store.reader(t) for t in ("left", "right")})
+    assert len(joined) == 7 and not (joined.rows["left"] == joined.rows["right"]).all()
+    order = list(reversed(range(len(joined))))
+    joined.check_ahead(lambda: iter(order), window=len(order))
+    for t, r in joined.readers.items():
+        _wait(lambda r=r: r._ahead.checked == len(order))
+        assert list(r._ahead._results) == [int(joined.rows[t][i]) for i in order]
+    joined.stop_check_ahead()
+    assert not _threads()
