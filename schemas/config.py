@@ -97,6 +97,11 @@ class EncodeTextConfig(Section):
     num_workers: int = Field(2, ge=0, description="threads decoding + preprocessing ahead of the forward (0 = inline)")
     no_control_embeds: bool = Field(False, description="also store the instruction encoded without its control "
                                     "images (`nocontrol_embeds`, for train.control_dropout)")
+    on_damaged: Literal["stop", "skip"] = Field(
+        "stop", description="a damaged `images` sample (checksum mismatch, missing/short shard): stop with an error "
+        "naming it, or skip it (quarantined as damaged-input, named in the summary)")
+    max_damaged_fraction: float = Field(0.01, ge=0.0, le=1.0, description="on_damaged=skip: stop anyway when "
+                                        "more than this fraction of the samples is damaged")
 
 
 class EncodeVaeConfig(Section):
@@ -105,6 +110,11 @@ class EncodeVaeConfig(Section):
     batch_size: int = Field(8, gt=0)
     shard_size_mb: float = Field(256, gt=0, description="shard file size target (fractions allowed)")
     num_workers: int = Field(2, ge=0, description="threads decoding + preprocessing ahead of the forward (0 = inline)")
+    on_damaged: Literal["stop", "skip"] = Field(
+        "stop", description="a damaged `images` sample (checksum mismatch, missing/short shard): stop with an error "
+        "naming it, or skip it (quarantined as damaged-input, named in the summary)")
+    max_damaged_fraction: float = Field(0.01, ge=0.0, le=1.0, description="on_damaged=skip: stop anyway when "
+                                        "more than this fraction of the samples is damaged")
 
 
 class LoraConfig(Section):
@@ -214,6 +224,8 @@ class TrainConfig(Section):
         None, description="diffusers attention backend for padded batches (models/attention.py); None = the "
         "fastest correct one available (CUDA) / native (CPU)")
     compile: bool = Field(False, description="torch.compile each transformer block (regional compilation)")
+    check_ahead: int = Field(32, ge=0, description="samples whose checksums a background thread verifies ahead of "
+                             "the reads, in the sampler's order (0 = check each sample inline on its first read)")
 
 
 class ExtraPrompt(Section):
@@ -246,6 +258,11 @@ class EvaluateConfig(Section):
     extra_prompts: list[ExtraPrompt] = []
     attention_backend: str | None = Field(
         None, description="attention backend of the held-out loss's padded batches (see train.attention_backend)")
+    on_damaged: Literal["stop", "skip"] = Field(
+        "stop", description="a damaged val sample in text/vae (checksum mismatch, missing/short shard): stop with an "
+        "error naming it, or leave it out (named in the summary and metrics.json)")
+    max_damaged_fraction: float = Field(0.01, ge=0.0, le=1.0, description="on_damaged=skip: stop anyway when "
+                                        "more than this fraction of the val samples is damaged")
 
 
 class PredictConfig(Section):

@@ -142,6 +142,46 @@ def sample_problem(data: memoryview | bytes, row: dict[str, Any]) -> str | None:
     return None if have == row["sample_sha256"] else "sha256 mismatch"
 
 
+def record_damage(vdir: Path, samples: dict[str, str] | None = None, shards: dict[str, str] | None = None,
+                  problems: list[str] | None = None) -> None:
+    """Record damage found in a version in its `v<N>.damaged.json` marker (merged with what is recorded), so
+    the rerun of the stage that wrote it no longer calls it "up to date" but recomputes the damaged samples
+    (store/reuse.py). Best effort: a read-only store, or any other failure to write, records nothing."""
+    import json
+
+    try:
+        version = int(vdir.name.lstrip("v"))
+    except ValueError:
+        return
+    path = fmt.damaged_marker(store_root(vdir), vdir.parent.name, version)
+    try:
+        try:
+            rec = json.loads(path.read_text())
+            if not isinstance(rec, dict):
+                rec = {}
+        except (OSError, ValueError):
+            rec = {}
+        before = json.dumps(rec, sort_keys=True)
+        rec["version"] = version
+        for name, new in (("damaged", samples), ("shards", shards)):
+            if new:
+                rec[name] = {**(rec.get(name) if isinstance(rec.get(name), dict) else {}), **new}
+        if problems:
+            known = rec.get("problems") if isinstance(rec.get("problems"), list) else []
+            rec["problems"] = sorted(set(map(str, known)) | set(problems))[:50]
+        if json.dumps(rec, sort_keys=True) != before:
+            fmt.atomic_write_json(path, rec)
+    except OSError:
+        pass
+
+
+def is_marked(vdir: Path) -> bool:
+    try:
+        return fmt.damaged_marker(store_root(vdir), vdir.parent.name, int(vdir.name.lstrip("v"))).exists()
+    except ValueError:
+        return False
+
+
 def damaged_sample_message(vdir: Path, shard: str, key: str, what: str) -> str:
     return (f"{where(vdir)}: sample {key} in {shard} is damaged ({what}); {repair_hint(vdir)} to recompute it "
             "(train can go on without damaged samples: train.on_damaged=skip)")

@@ -12,7 +12,7 @@ import logging
 import weakref
 from math import prod
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -170,6 +170,19 @@ class JoinedTables:
 
     def img_shapes(self, key: str) -> list[tuple[int, int, int]]:
         return self._shapes_reader().img_shapes(key)
+
+    def check_ahead(self, order: Callable[[], Iterable[int]], window: int = 32) -> None:
+        """Check the joined samples in the consumer's read order ahead of it: one check-ahead thread per table
+        (store/check_ahead.py), each walking its own copy of `order()` (joined indices, may be endless)."""
+        def table_rows(rows: np.ndarray) -> Iterator[int]:  # a function: each table's own rows, bound now
+            return (int(rows[i]) for i in order())
+
+        for t, r in self.readers.items():
+            r.check_ahead(table_rows(self.rows[t]), window)
+
+    def stop_check_ahead(self) -> None:
+        for r in self.readers.values():
+            r.stop_check_ahead()
 
     def where(self, table: str) -> str:
         r = self.readers[table]

@@ -11,7 +11,7 @@ import mmap
 import os
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import numpy as np
 import pyarrow as pa
@@ -24,6 +24,7 @@ from schemas.img_shapes import ImgShape, img_shapes_from_v1
 from schemas.table import KNOWN_SCHEMA_VERSIONS, SCHEMA_V1, TableSchema
 from store import format as fmt
 from store import integrity
+from store.check_ahead import DEFAULT_WINDOW, CheckAhead
 from store.integrity import DamagedData
 from store.manifest import CHECKSUM_COLUMNS, LOCATING_COLUMNS, RESERVED_COLUMNS
 from store.partition import epoch_order
@@ -125,9 +126,14 @@ class TableReader:
         # time, never from a re-read. The map's pages are the page cache's: shared by every rank reading the
         # version and dropped by the kernel when memory runs short, where a private copy (hundreds of MB at 1M
         # samples) would be held by each process. Versions are immutable (replaced by rename, never rewritten).
-        sums = integrity.read_version_checksums(vdir)
-        self.schema = read_schema(vdir, integrity.read_checked(vdir, fmt.SCHEMA_JSON, sums))
-        self._manifest_bytes = _mapped_checked(vdir, fmt.MANIFEST, sums)
+        try:
+            sums = integrity.read_version_checksums(vdir)
+            schema_bytes = integrity.read_checked(vdir, fmt.SCHEMA_JSON, sums)
+            self._manifest_bytes = _mapped_checked(vdir, fmt.MANIFEST, sums)
+        except DamagedData as e:  # recorded: the stage that wrote the version must not call it up to date
+            integrity.record_damage(vdir, problems=[str(e)])
+            raise
+        self.schema = read_schema(vdir, schema_bytes)
         path = vdir / fmt.MANIFEST
         try:
             names = pq.ParquetFile(pa.BufferReader(self._manifest_bytes)).schema_arrow.names
@@ -158,11 +164,15 @@ class TableReader:
         self.max_open_shards = max(1, int(max_open_shards))
         self.bad_shards = integrity.shard_problems(
             vdir, pa.table({"shard": self.column("shard"), "shard_nbytes": self.column("shard_nbytes")}), sums)
+        self.records_damage = True  # damage found is recorded in the store (integrity.record_damage)
+        if self.bad_shards:
+            integrity.record_damage(vdir, shards=self.bad_shards)
         if self.bad_shards and on_damaged == "stop":
             raise DamagedData(f"{integrity.where(vdir)}: {next(iter(self.bad_shards.values()))}"
                               + (f" (and {len(self.bad_shards) - 1} more shards)" if len(self.bad_shards) > 1 else "")
                               + f"; {integrity.repair_hint(vdir)}")
         self._checked: set[int] = set()
+        self._ahead: CheckAhead | None = None
         self.is_v1 = self.schema.schema_version == SCHEMA_V1
         if self.is_v1:
             lacking = [c for c in V1_PIXEL_COLUMNS if c not in names]
@@ -192,6 +202,8 @@ class TableReader:
         r.max_open_shards = DEFAULT_MAX_OPEN_SHARDS
         r.bad_shards = integrity.shard_problems(vdir, manifest, sums)
         r._checked = set()
+        r._ahead = None
+        r.records_damage = False  # store repair's scan: it writes its own record
         r.is_v1 = r.schema.schema_version == SCHEMA_V1
         return r
 
@@ -324,6 +336,34 @@ class TableReader:
             _close(old)
         return h
 
+    def prepare_checks(self) -> None:
+        """Parse the columns a sample check reads (before another thread checks: it then only reads them)."""
+        names = ["shard", "sample_offset", "sample_nbytes", "sample_crc32c"]
+        if "sample_crc32c" not in self._names:
+            names.append("sample_sha256")
+        for name in names:
+            if name in self._names:
+                self.column(name)
+
+    def _problem(self, i: int, mapper) -> str | None:
+        """What is wrong with sample i's bytes (None: they match their checksum), read through `mapper` (shard ->
+        map): the check-ahead thread's own maps (the reader's LRU is not thread-safe)."""
+        shard = self._cell("shard", i)
+        start, n = self._cell("sample_offset", i), self._cell("sample_nbytes", i)
+        if shard in self.bad_shards:
+            problem = self._shard_problem(shard, start, n)
+            if problem is not None:
+                return problem
+        m = mapper(shard)
+        if len(m) < start + n:
+            return f"the shard ends {start + n - len(m)} bytes before the sample does"
+        with memoryview(m) as mv:
+            part = mv[start : start + n]
+            try:
+                return integrity.sample_problem(part, self._checksum_row(i))
+            finally:
+                part.release()
+
     def _map(self, shard: str) -> mmap.mmap:
         h = self._handle(shard)
         if isinstance(h, int):
@@ -366,6 +406,11 @@ class TableReader:
         shard = self._cell("shard", i)
         start, n = self._cell("sample_offset", i), self._cell("sample_nbytes", i)
         problem = self._shard_problem(shard, start, n) if shard in self.bad_shards else None
+        if problem is None and i not in self._checked and self._ahead is not None:
+            # The check-ahead thread verified these bytes of the (immutable) shard through its own map.
+            done, problem = self._ahead.take(i)
+            if done and problem is None:
+                self._checked.add(i)
         if problem is None:  # a bad shard's intact samples are still checked byte by byte
             got = self._sample_buffer(shard, start, n)
             if isinstance(got, str):
@@ -378,7 +423,10 @@ class TableReader:
                     finally:
                         part.release()
         if problem is not None:
-            raise DamagedData(integrity.damaged_sample_message(self.dir, shard, self.key_array[i].as_py(), problem))
+            key = self.key_array[i].as_py()
+            if self.records_damage:  # the stage that wrote the version must not call it up to date
+                integrity.record_damage(self.dir, {key: problem})
+            raise DamagedData(integrity.damaged_sample_message(self.dir, shard, key, problem))
         self._checked.add(i)
         return got
 
@@ -417,6 +465,19 @@ class TableReader:
     def check_at(self, i: int) -> None:
         if i not in self._checked:
             self._checked_bytes(i)
+
+    def check_ahead(self, order: Iterable[int], window: int = DEFAULT_WINDOW) -> CheckAhead:
+        """Check the rows of `order` (the consumer's read order, may be endless) in a background thread, at most
+        `window` rows ahead of the consumer (store/check_ahead.py); `check_at` then only waits for a row's result.
+        Replaces a running check-ahead; `stop_check_ahead` or `close` ends it."""
+        self.stop_check_ahead()
+        self._ahead = CheckAhead(self, order, window)
+        return self._ahead
+
+    def stop_check_ahead(self) -> None:
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            ahead.close()
 
     def damaged(self, key: str) -> str | None:
         """None if the sample reads back intact, else what is wrong (does not raise)."""
@@ -479,6 +540,7 @@ class TableReader:
         return epoch_order(self.shard_groups(split), rank, world_size, seed, epoch, buffer_size)
 
     def close(self) -> None:
+        self.stop_check_ahead()
         for h in self._open.values():
             _close(h)
         self._open.clear()

@@ -230,15 +230,24 @@ def apply(plan: RepairPlan, recompute: Recompute | None, echo: Callable[[str], N
         if problems:
             failed.append(f"{t.table} v{t.new_version} does not verify: {problems[0]}")
         else:
-            # The damaged version leaves the store's version list (kept for inspection; delete it at will).
-            old = st.version_dir(t.table, t.version)
-            aside = old.with_name(f"{old.name}{DAMAGED_SUFFIX}")
-            os.rename(old, aside)
-            fmt.fsync_dir(old.parent)
+            aside = set_aside(st.version_dir(t.table, t.version))
             echo(f"{t.table}: v{t.version} repaired as v{t.new_version} ({len(t.damaged)} recomputed, "
                  f"{t.samples - len(t.damaged)} carried forward); verified. The damaged v{t.version} was moved "
                  f"to {aside}")
     return failed
+
+
+def set_aside(vdir: Path) -> Path:
+    """A damaged version, once replaced by one that verifies, leaves the store's version list: renamed to
+    `v<N>.damaged/` (kept for inspection; delete it at will)."""
+    aside = vdir.with_name(f"{vdir.name}{DAMAGED_SUFFIX}")
+    if aside.exists():  # set aside before (a version number reused after a table was rebuilt)
+        import shutil
+
+        shutil.rmtree(aside)
+    os.rename(vdir, aside)
+    fmt.fsync_dir(vdir.parent)
+    return aside
 
 
 def _repair_table(st, t: TablePlan, recompute: Recompute | None, echo: Callable[[str], None]) -> int:

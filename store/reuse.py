@@ -40,44 +40,86 @@ def feature_lineage(stage: str, settings: Any, components: str = "", code_versio
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
+def marked_versions(store: Store, table: str) -> list[int]:
+    """Versions of `table` recorded as damaged (`v<N>.damaged.json`: by a reader, `store verify` or repair)."""
+    return [v for v in store.versions(table) if fmt.damaged_marker(store.root, table, v).exists()]
+
+
+def checking_needed(store: Store, table: str) -> bool:
+    """Carried samples are checked byte by byte (and their shards whole) while `store repair` runs a stage, or
+    when a version of the table is recorded as damaged: its shards may be shared by hard link with other
+    versions, so their damage must not be carried forward."""
+    from store import repair_context
+
+    return repair_context.active() or bool(marked_versions(store, table))
+
+
+_SCANS: dict[tuple[str, int], Any] = {}  # (version folder, marker mtime) -> store.repair.TablePlan
+
+
+def damage_scan(store: Store, table: str, version: int):
+    """Every sample and shard of a version checked (`store.repair.scan_table`: a full read), once per process
+    and marker state; damage found in a version not yet recorded as damaged is recorded."""
+    from store import integrity
+    from store.repair import scan_table
+
+    vdir = store.version_dir(table, version)
+    marker = fmt.damaged_marker(store.root, table, version)
+
+    def stamp() -> tuple[str, int]:
+        return str(vdir), marker.stat().st_mtime_ns if marker.exists() else 0
+
+    if stamp() not in _SCANS:
+        plan = scan_table(store.root, table, version)
+        if plan.damaged:
+            integrity.record_damage(vdir, plan.damaged)
+        _SCANS[stamp()] = plan
+    return _SCANS[stamp()]
+
+
 def reusable(store: Store, table: str, lineage_hash: str, keys: Iterable[str]) -> dict[int, pa.Table]:
     """version -> manifest rows of the wanted keys found there; complete versions with this feature lineage,
     newest first, each key taken once.
 
-    Integrity: versions marked damaged by `store repair` are never used; a version's manifest is read checked
-    against its checksums.json (a damaged one is skipped); samples of shards missing or of the wrong size are
-    not carried. While `store repair` runs a stage, every sample to carry is also checked byte by byte, so a
-    damaged shard shared by hard link with an older version is never carried back (outside repair that full
-    read is skipped: a carried sample keeps its recorded CRC, so `store verify` still finds damage)."""
-    from store import repair_context
+    Integrity: a version's manifest is read checked against its checksums.json (a damaged one is skipped);
+    samples of shards missing or of the wrong size are not carried. When `checking_needed` (store repair runs
+    a stage, or a version of the table is recorded as damaged) every version is scanned in full first
+    (`damage_scan`): its damaged samples are left out (so recomputed), and `carry_forward` copies the intact
+    samples of damaged shards instead of linking the shard. Otherwise that full read is skipped: a carried
+    sample keeps its recorded CRC, so `store verify` and the checked reader still find damage."""
     from store.integrity import DamagedData
     from store.reader import TableReader
 
-    checking = repair_context.active()
+    checking = checking_needed(store, table)
     wanted = pa.array(sorted(set(keys)), pa.string())
     found: dict[int, pa.Table] = {}
     for v in reversed(store.versions(table)):
         if len(wanted) == 0:
             break
         vdir = store.version_dir(table, v)
-        if not fmt.is_complete(vdir) or fmt.damaged_marker(store.root, table, v).exists():
+        if not fmt.is_complete(vdir):
             continue
         try:
             reader = TableReader(vdir, table, v, on_damaged="skip")
         except (DamagedData, UserError):  # unreadable: recompute instead of carrying
             continue
         if reader.schema.attrs.get(FEATURE_LINEAGE_ATTR) != lineage_hash:
+            reader.close()
             continue
         manifest = reader.manifest
         keep = pc.is_in(manifest.column("key"), value_set=wanted)
-        if reader.bad_shards:
+        reader.close()
+        if checking:
+            plan = damage_scan(store, table, v)
+            if plan.unrepairable or plan.manifest_rebuilt:
+                continue
+            if plan.damaged:
+                keep = pc.and_(keep, pc.invert(pc.is_in(manifest.column("key"),
+                                                        value_set=pa.array(sorted(plan.damaged), pa.string()))))
+        elif reader.bad_shards:
             keep = pc.and_(keep, pc.invert(pc.is_in(manifest.column("shard"),
                                                     value_set=pa.array(sorted(reader.bad_shards), pa.string()))))
         rows = manifest.filter(keep)
-        if checking and rows.num_rows:
-            intact = [reader.damaged(k) is None for k in rows.column("key").to_pylist()]
-            rows = rows.filter(pa.array(intact, pa.bool_()))
-        reader.close()
         if rows.num_rows:
             found[v] = rows
             wanted = wanted.filter(pc.invert(pc.is_in(wanted, value_set=rows.column("key"))))
@@ -86,17 +128,26 @@ def reusable(store: Store, table: str, lineage_hash: str, keys: Iterable[str]) -
 
 def reusable_keys(store: Store, table: str, lineage_hash: str, column: str) -> dict[str, Any]:
     """key -> value of `column` (None where a version lacks it) for every key held by a complete version of
-    `table` with this feature lineage."""
+    `table` with this feature lineage (damaged samples left out when `checking_needed`)."""
+    checking = checking_needed(store, table)
     out: dict[str, Any] = {}
     for v in store.versions(table):
         vdir = store.version_dir(table, v)
-        if fmt.damaged_marker(store.root, table, v).exists():
+        try:
+            if not fmt.is_complete(vdir) or read_schema(vdir).attrs.get(FEATURE_LINEAGE_ATTR) != lineage_hash:
+                continue
+        except UserError:
             continue
-        if fmt.is_complete(vdir) and read_schema(vdir).attrs.get(FEATURE_LINEAGE_ATTR) == lineage_hash:
-            names = pq.read_schema(vdir / fmt.MANIFEST).names
-            m = pq.read_table(vdir / fmt.MANIFEST, columns=["key"] + ([column] if column in names else []))
-            values = m.column(column).to_pylist() if column in names else [None] * m.num_rows
-            out.update(zip(m.column("key").to_pylist(), values))
+        damaged: dict[str, str] = {}
+        if checking:
+            plan = damage_scan(store, table, v)
+            if plan.unrepairable or plan.manifest_rebuilt:
+                continue
+            damaged = plan.damaged
+        names = pq.read_schema(vdir / fmt.MANIFEST).names
+        m = pq.read_table(vdir / fmt.MANIFEST, columns=["key"] + ([column] if column in names else []))
+        values = m.column(column).to_pylist() if column in names else [None] * m.num_rows
+        out.update((k, val) for k, val in zip(m.column("key").to_pylist(), values) if k not in damaged)
     return out
 
 
@@ -115,7 +166,9 @@ def with_columns(rows: pa.Table, values: dict[str, dict[str, Any]]) -> pa.Table:
 def carry_forward(writer: TableWriter, src_version: int, rows: pa.Table,
                   views: dict[str, dict[str, Any]] | None = None) -> int:
     """Link every shard of `rows` (rows of `src_version` of the writer's table) into the writer's version and
-    commit those rows (view columns replaced from `views`). Returns the number of samples carried."""
+    commit those rows (view columns replaced from `views`). Returns the number of samples carried. When
+    `checking_needed`, a shard the damage scan did not find intact is not linked: its (intact, checked)
+    samples are copied into the writer's own shards."""
     from store.lease import hold
 
     src_dir = fmt.version_dir(writer.store.root, writer.table, src_version)
@@ -128,10 +181,30 @@ def carry_forward(writer: TableWriter, src_version: int, rows: pa.Table,
         if lease.version(writer.table) is None:
             raise UserError(f"table '{writer.table}' v{src_version} was removed (`store gc`) while this stage chose "
                             "samples to carry forward from it; rerun the stage (it resumes)")
+        plan = damage_scan(writer.store, writer.table, src_version) if checking_needed(writer.store, writer.table) \
+            else None
         for shard in sorted(set(shards.to_pylist())):
             part = rows.filter(pc.equal(shards, shard))
-            writer.add_linked_shard(Path(src_dir) / shard, part)
+            if plan is None or shard in plan.intact_shards:
+                writer.add_linked_shard(Path(src_dir) / shard, part)
+            else:
+                _copy_samples(writer, src_dir, src_version, part)
             n += part.num_rows
     finally:
         lease.release()
     return n
+
+
+def _copy_samples(writer: TableWriter, src_dir: Path, src_version: int, rows: pa.Table) -> None:
+    """Re-add samples from their checked bytes (the reader refuses damaged ones), meta from `rows`."""
+    from store.manifest import RESERVED_COLUMNS
+    from store.reader import TableReader
+
+    reader = TableReader(src_dir, writer.table, src_version, on_damaged="skip")
+    try:
+        for row in rows.to_pylist():
+            s = reader.get(row["key"])
+            meta = {c: v for c, v in row.items() if c not in RESERVED_COLUMNS and v is not None}
+            writer.add(row["key"], tensors=s["tensors"], files=s["files"], meta=meta)
+    finally:
+        reader.close()

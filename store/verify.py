@@ -34,6 +34,7 @@ from store.manifest import CHECKSUM_COLUMNS, LOCATING_COLUMNS
 from store.reader import read_manifest, read_schema, torch_dtype
 
 CHUNK = 8 * 1024 * 1024
+LITTER_NOTE = "temp file left by an interrupted write (`pipeline store repair` removes it)"
 
 
 def verify_store(root: Path, progress: bool = True) -> list[str]:
@@ -52,9 +53,15 @@ def verify_store(root: Path, progress: bool = True) -> list[str]:
             vdir = fmt.version_dir(root, table, v)
             if fmt.is_complete(vdir):  # incomplete folders are writes in progress (or killed): not yet data
                 try:
-                    problems += verify_version(vdir, f"{table}/v{v}", progress)
+                    found = verify_version(vdir, f"{table}/v{v}", progress)
                 except Exception as e:  # noqa: BLE001 - verify reports, it never crashes
-                    problems.append(f"{table}/v{v}: cannot be checked ({type(e).__name__}: {e})")
+                    found = [f"{table}/v{v}: cannot be checked ({type(e).__name__}: {e})"]
+                problems += found
+                # Recorded in the store, so the stage that wrote the version recomputes its damaged samples on
+                # its next run instead of calling it up to date (temp files left by killed writes are not damage).
+                damage = [p for p in found if not p.endswith(LITTER_NOTE)]
+                if damage:
+                    integrity.record_damage(vdir, problems=damage)
     if (root / fmt.QUARANTINE).is_file():
         try:
             cols = set(quarantine.read(root).column_names)
@@ -82,7 +89,7 @@ def _file_problems(vdir: Path, name: str, sums: dict[str, dict[str, Any]]) -> li
         if p.name in sums or p.name == fmt.CHECKSUMS:
             continue
         if fmt.is_litter(p.name):
-            problems.append(f"{name}/{p.name}: temp file left by an interrupted write (`pipeline store repair` removes it)")
+            problems.append(f"{name}/{p.name}: {LITTER_NOTE}")
         else:
             problems.append(f"{name}/{p.name}: not listed in {fmt.CHECKSUMS}")
     return problems

@@ -31,6 +31,7 @@ from schemas.stage import summary_record
 from schemas.table import TableSchema
 from store import Store, TableReader, TableWriter, repair_context
 from store.lease import hold
+from store import format as fmt
 from store.reuse import FEATURE_LINEAGE_ATTR, carry_forward, feature_lineage, reusable
 
 if TYPE_CHECKING:
@@ -41,9 +42,11 @@ R = TypeVar("R")
 S = TypeVar("S", bound=Section)
 
 IMAGES_TABLE = "images"
+DAMAGED_INPUT = "damaged-input"  # quarantine reason of an `images` sample whose bytes fail their checksum
 # Settings that change speed or file layout but never a feature value (batch-size independence is tested), so
 # changing them keeps the table up to date instead of re-encoding everything.
-THROUGHPUT_ONLY_SETTINGS = frozenset({"batch_size", "shard_size_mb", "num_workers"})
+# The damaged-input options choose which samples are encoded, never a feature value, and are not hashed either.
+THROUGHPUT_ONLY_SETTINGS = frozenset({"batch_size", "shard_size_mb", "num_workers", "on_damaged", "max_damaged_fraction"})
 # Options added later, hashed only when switched on: tables built before they existed stay up to date.
 OFF_UNLESS_ON = {"no_control_embeds": False}
 
@@ -133,25 +136,39 @@ class Summary:
     forward_items: int = 0  # prompts (text) or images (vae) through the model; / forwards = mean batch
     rank: int = 0
     world_size: int = 1
+    store: str = ""
+    damaged: dict[str, str] = field(default_factory=dict)  # on_damaged=skip: damaged `images` samples, key -> problem
+    repaired_from: int | None = None  # the version recorded as damaged whose damaged samples this run recomputed
 
     def to_json(self) -> dict[str, Any]:
         # up to date: every sample of the table is reused as it is
         return summary_record(self.stage, self.table, self.version, self.encoded,
                               self.skipped if self.up_to_date else self.reused, self.quarantined, self.bytes_written,
                               self.seconds, self.up_to_date, resumed=0 if self.up_to_date else self.skipped,
-                              rank=self.rank, world_size=self.world_size)
+                              rank=self.rank, world_size=self.world_size, damaged_inputs=sorted(self.damaged),
+                              repaired_from=self.repaired_from)
 
     def __str__(self) -> str:
         where = f" [rank {self.rank}/{self.world_size}]" if self.world_size > 1 else ""
         if self.up_to_date:
             return (f"{self.stage}{where}: table '{self.table}' v{self.version} is up to date "
-                    f"({self.skipped} samples); nothing written")
+                    f"({self.skipped} samples; no damage recorded, its bytes were not re-read: "
+                    f"`pipeline store verify {self.store}` checks them); nothing written")
         rate = self.encoded / self.loop_seconds if self.loop_seconds > 0 else 0.0
-        return (
+        line = (
             f"{self.stage}{where}: table '{self.table}' v{self.version}: encoded {self.encoded}, "
             f"reused {self.reused}, skipped (already done) {self.skipped}, quarantined {self.quarantined}, "
             f"{self.bytes_written / 1e6:.2f} MB written in {self.seconds:.1f} s (encoding {rate:.1f} samples/s)"
         )
+        if self.repaired_from is not None:
+            line += (f"; v{self.repaired_from} was recorded as damaged: its damaged samples recomputed, the rest "
+                     f"carried forward, v{self.version} verified (v{self.repaired_from} moved to "
+                     f"v{self.repaired_from}.damaged/)")
+        if self.damaged:
+            shown = sorted(self.damaged)
+            line += (f"\nskipped {len(shown)} damaged input sample(s) of table 'images' (on_damaged=skip; "
+                     f"quarantined as {DAMAGED_INPUT!r}): {', '.join(shown[:10])}{' …' if len(shown) > 10 else ''}")
+        return line
 
 
 # ---------------------------------------------------------------- the job: inputs, writer, quarantine
@@ -170,6 +187,10 @@ class EncodeJob:
     feature_lineage: str = ""  # see store.reuse: samples with this lineage in earlier versions are carried
     match_columns: tuple[str, ...] = ()  # images columns a carried row must still match (vae: mask_sha256)
     lease: Any = None  # the read lease on `images` (store/lease.py); released when the job is done or collected
+    on_damaged: str = "stop"  # a damaged `images` sample: stop, or skip (quarantined as DAMAGED_INPUT)
+    max_damaged_fraction: float = 0.0  # on_damaged=skip: stop anyway above this share of this rank's samples
+    repairing: int | None = None  # the current version, recorded as damaged: verify the new one after commit
+    _total: int = 0
     _quarantine_rows: list[dict[str, Any]] = field(default_factory=list)
     _shard_sizes_before: dict[str, int] = field(default_factory=dict)
 
@@ -190,6 +211,7 @@ class EncodeJob:
         self.summary.version = self.writer.version
         self._shard_sizes_before = self._rank_shard_sizes()
         mine = self.images.iter_keys(rank=self.ranks.rank, world_size=self.ranks.world_size)
+        self._total = len(mine)
         todo = [k for k in mine if k not in self.writer.done_keys]
         self.summary.skipped = len(mine) - len(todo)
         for version, rows in reusable(self.store, self.summary.table, self.feature_lineage, todo).items():
@@ -237,6 +259,27 @@ class EncodeJob:
         self.summary.version, self.summary.up_to_date = found, True
         self.summary.skipped = len(self.store.reader(self.summary.table, found))
 
+    def read_inputs(self, keys: list[str]) -> Iterator[tuple[str, dict[str, Any] | Rejected]]:
+        """(key, `images` sample) in order, every sample's bytes checked before they are returned (a check-ahead
+        thread verifies the next ones while the encoder works, store/check_ahead.py). With on_damaged=skip a
+        damaged sample comes as a `Rejected` (quarantined as DAMAGED_INPUT by `accepted`) instead of raising."""
+        from store.integrity import DamagedData
+
+        self.images.check_ahead([self.images._index(k) for k in keys])
+        for key in keys:
+            try:
+                sample: dict[str, Any] | Rejected = self.images.get(key)
+            except DamagedData as e:
+                if self.on_damaged != "skip":
+                    raise
+                sample = Rejected(DAMAGED_INPUT, str(e), key=key)
+            yield key, sample
+
+    @staticmethod
+    def unless_rejected(prepare: Callable[[tuple[str, Any]], R]) -> Callable[[tuple[str, Any]], R | Rejected]:
+        """`prepare` for read samples; a `Rejected` input (a damaged one) passes through as it is."""
+        return lambda item: item[1] if isinstance(item[1], Rejected) else prepare(item)
+
     def progress(self, total: int) -> "SampleProgress":
         """Samples/s is tqdm's rate; one bar per rank (stages/encode/progress.py)."""
         from stages.encode.progress import SampleProgress
@@ -261,8 +304,19 @@ class EncodeJob:
             if isinstance(item, Rejected):
                 self.quarantine(item.key, item.reason, item.detail)
                 bar.skipped()
+                if item.reason == DAMAGED_INPUT:
+                    self._damaged_input(item.key, item.detail)
             else:
                 yield item
+
+    def _damaged_input(self, key: str, problem: str) -> None:
+        self.summary.damaged[key] = problem
+        n, total = len(self.summary.damaged), max(self._total, 1)
+        if n > self.max_damaged_fraction * total:
+            section = self.summary.stage.replace("-", "_")
+            raise UserError(
+                f"{n} of {total} samples of table 'images' v{self.images.version} in {self.store.root} are damaged, "
+                f"more than {section}.max_damaged_fraction {self.max_damaged_fraction} (e.g. {problem})")
 
     @contextmanager
     def timed_forward(self, items: int) -> Iterator[None]:
@@ -287,9 +341,12 @@ class EncodeJob:
         self.summary.bytes_written = sum(
             size - self._shard_sizes_before.get(name, 0) for name, size in self._rank_shard_sizes().items()
         )
+        self.images.stop_check_ahead()
         self.ranks.barrier()
         if self.ranks.rank == 0:
             self.summary.version = self.writer.commit(allow_empty=False)
+            if self.repairing is not None:
+                self._verify_repaired()
         else:
             self.writer.close()
         self.ranks.barrier()
@@ -298,8 +355,23 @@ class EncodeJob:
             self.lease.release()
         return self.summary
 
+    def _verify_repaired(self) -> None:
+        """The version that replaces one recorded as damaged is read back in full (as `store verify`)."""
+        from store.verify import verify_version
+
+        table, v = self.summary.table, self.summary.version
+        problems = verify_version(self.store.version_dir(table, v), f"{table}/v{v}", progress=False)
+        if problems:
+            raise UserError(f"table '{table}' v{v} (recomputed from damaged v{self.repairing}) does not verify: "
+                            f"{problems[0]}; run `pipeline store repair {self.store.root}`")
+        self.summary.repaired_from = self.repairing
+        from store.repair import set_aside
+
+        set_aside(self.store.version_dir(table, self.repairing))
+
     def close(self) -> None:
         """Give up the writer lock without committing (on error; a rerun resumes from committed shards)."""
+        self.images.stop_check_ahead()
         if self.writer is not None:
             self.writer.close()
         if self.lease is not None:
@@ -317,7 +389,8 @@ class EncodeJob:
 
 
 def open_job(store_path: str | Path, stage: str, table: str, feature_hash: str, model: str,
-             feature_revision: str, ranks: Ranks, components: tuple[str, ...] = ()) -> EncodeJob:
+             feature_revision: str, ranks: Ranks, components: tuple[str, ...] = (), on_damaged: str = "stop",
+             max_damaged_fraction: float = 0.0) -> EncodeJob:
     """Read the `images` table, build the lineage, and find out whether an identical version already exists.
 
     An identical complete version is made current and reused ("up to date"); anything that differs (model
@@ -331,7 +404,7 @@ def open_job(store_path: str | Path, stage: str, table: str, feature_hash: str, 
     store = Store(path, create=False)
     # A read lease on the images version (store/lease.py): `store gc` keeps it while this stage reads it.
     lease = hold(store.root, {IMAGES_TABLE: None}, stage)
-    images = store.reader(IMAGES_TABLE, lease.version(IMAGES_TABLE))
+    images = store.reader(IMAGES_TABLE, lease.version(IMAGES_TABLE), on_damaged=on_damaged)
     # The images version's identity (not just its number) goes into the hash: a deleted and rebuilt images
     # table restarts at v1 with other contents, and must not match features encoded from the old one.
     images_id = store.version_id(IMAGES_TABLE, images.version)
@@ -340,7 +413,7 @@ def open_job(store_path: str | Path, stage: str, table: str, feature_hash: str, 
         upstream={IMAGES_TABLE: images.version}, code_version=code_version(feature_revision),
     )
     repair_context.check(lineage, table)
-    summary = Summary(stage=stage, table=table, rank=ranks.rank, world_size=ranks.world_size)
+    summary = Summary(stage=stage, table=table, rank=ranks.rank, world_size=ranks.world_size, store=str(path))
     # Per-sample reuse: the features depend on these settings, the components loaded and the images' own
     # feature lineage (render settings), not on the images version (a relabelled split is the same pixels).
     upstream = images.schema.attrs.get(FEATURE_LINEAGE_ATTR) or images_id
@@ -351,12 +424,21 @@ def open_job(store_path: str | Path, stage: str, table: str, feature_hash: str, 
     fl = feature_lineage(stage, feature_hash, component_fingerprint(model, components) if components else
                          model_fingerprint(model), code_version(feature_revision), upstream)
     job = EncodeJob(store=store, images=images, lineage=lineage, ranks=ranks, summary=summary, feature_lineage=fl,
-                    lease=lease)
+                    lease=lease, on_damaged=on_damaged, max_damaged_fraction=max_damaged_fraction)
     weakref.finalize(job, lease.release)
-    found = store.find_version(table, lineage)
+    found = store.find_version(table, lineage)  # never a version recorded as damaged
     if found is not None:
         job.adopt(found)
         summary.seconds = time.perf_counter() - job.started
+        return job
+    current = store.tables().get(table)
+    if current is not None and fmt.damaged_marker(store.root, table, current).exists() and not repair_context.active():
+        from tqdm.auto import tqdm
+
+        job.repairing = current
+        tqdm.write(f"{stage}: table '{table}' v{current} is recorded as damaged "
+                   f"({fmt.damaged_marker(store.root, table, current)}): recomputing its damaged samples into a new "
+                   "version, carrying the intact ones forward")
     return job
 
 

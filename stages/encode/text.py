@@ -286,7 +286,8 @@ def run(
     target = rank_device(section.device, ranks, "encode_text.device")
     section = resolve_precision(section, target, STAGE)
     job = open_job(store, STAGE, TABLE, config_hash(section, prompt_format=fmt.lineage_record()), model,
-                   FEATURE_REVISION, ranks, components=COMPONENTS)
+                   FEATURE_REVISION, ranks, components=COMPONENTS,
+                   on_damaged=section.on_damaged, max_damaged_fraction=section.max_damaged_fraction)
     if job.up_to_date:
         return job.summary
 
@@ -300,8 +301,9 @@ def run(
     try:
         todo = job.open_writer(schema, section.shard_size_mb)
         lock = threading.Lock()
-        samples = prefetched(((key, job.images.get(key)) for key in todo),
-                             lambda item: prepare(*item, fmt, processor, lock, nocontrol), workers=section.num_workers)
+        samples = prefetched(job.read_inputs(todo),
+                             job.unless_rejected(lambda item: prepare(*item, fmt, processor, lock, nocontrol)),
+                             workers=section.num_workers)
         done: dict[str, dict[str, torch.Tensor]] = {}  # key -> kind -> embeds, until both kinds are in
         with job.progress(len(todo)) as bar:
             requests = (r for pair in job.accepted(samples, bar) for r in pair)

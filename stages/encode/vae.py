@@ -149,7 +149,8 @@ def run(
     ranks = ranks or current_ranks(section.device)
     target = rank_device(section.device, ranks, "encode_vae.device")
     section = resolve_precision(section, target, STAGE)
-    job = open_job(store, STAGE, TABLE, config_hash(section), model, FEATURE_REVISION, ranks, components=COMPONENTS)
+    job = open_job(store, STAGE, TABLE, config_hash(section), model, FEATURE_REVISION, ranks, components=COMPONENTS,
+                   on_damaged=section.on_damaged, max_damaged_fraction=section.max_damaged_fraction)
     job.match_columns = ("mask_sha256",)
     if job.up_to_date:
         return job.summary
@@ -163,8 +164,8 @@ def run(
     variant = model_variant(model)
     try:
         todo = job.open_writer(vae_schema(job, vae, section.dtype), section.shard_size_mb)
-        samples = prefetched(((key, job.images.get(key)) for key in todo),
-                             lambda item: prepare(*item, image_processor, variant), workers=section.num_workers)
+        samples = prefetched(job.read_inputs(todo),
+                             job.unless_rejected(lambda item: prepare(*item, image_processor, variant)), workers=section.num_workers)
         done: dict[str, dict[str, torch.Tensor]] = {}  # key -> image name -> latent, until the sample is complete
         with job.progress(len(todo)) as bar:
             requests = (r for prepared in job.accepted(samples, bar) for r in prepared.requests)

@@ -221,23 +221,32 @@ def _scores(target: Image.Image | None, base: Image.Image, lora: Image.Image) ->
             "ssim_base": ssim(target, base), "ssim_lora": ssim(target, lora)}
 
 
-def images_reader(st: Store, tables: JoinedTables) -> TableReader | None:
+def images_reader(st: Store, tables: JoinedTables, on_damaged: str = "stop") -> TableReader | None:
     """The `images` version the vae table was built from (the pictures of exactly these samples)."""
     version = tables.vae.schema.lineage.upstream.get("images")
     if "images" not in st.tables():
         return None
-    return st.reader("images", version)
+    return st.reader("images", version, on_damaged=on_damaged)
 
 
 def val_rows(transformer, vae, scheduler_config: dict, samples: list[TrainSample], images: TableReader | None,
-             cfg: EvaluateConfig) -> list[SampleRow]:
+             cfg: EvaluateConfig, damaged: dict[str, str] | None = None) -> list[SampleRow]:
+    """With evaluate.on_damaged=skip a damaged `images` sample shows no pictures and is added to `damaged`."""
+    from store.integrity import DamagedData
+
     rows = []
     for s in tqdm(samples, desc="generate val samples"):
         _, h, w = s.img_shapes[0]
         cond = conditioning(s, transformer.device, transformer.dtype)
         base, lora = generate_pair(transformer, vae, scheduler_config, cond, h * PIXELS_PER_PATCH,
                                    w * PIXELS_PER_PATCH, cfg)
-        files = images.files(s.key) if images is not None and s.key in images else {}
+        try:
+            files = images.files(s.key) if images is not None and s.key in images else {}
+        except DamagedData as e:
+            if cfg.on_damaged != "skip" or damaged is None:
+                raise
+            damaged[f"images:{s.key}"] = str(e)
+            files = {}
         meta = images.meta(s.key) if images is not None and s.key in images else {}
         target = _png(files["target.png"]) if "target.png" in files else None
         controls = [_png(files[f"control_{i}.png"]) for i in range(len(s.controls)) if f"control_{i}.png" in files]
@@ -327,20 +336,27 @@ class EvaluateResult:
     up_to_date: bool = False
     stage: str = "evaluate"
     seconds: float = 0.0
+    damaged: dict[str, str] | None = None  # evaluate.on_damaged=skip: samples left out, key -> problem
 
     def to_json(self) -> dict:
         from schemas.stage import summary_record
 
         loss = self.metrics.get("loss", {}).get("overall", {})
         return summary_record(self.stage, seconds=self.seconds, up_to_date=self.up_to_date, report=str(self.report),
-                              val_samples=loss.get("n"), loss_base=loss.get("base"), loss_lora=loss.get("lora"))
+                              val_samples=loss.get("n"), loss_base=loss.get("base"), loss_lora=loss.get("lora"),
+                              damaged_samples=sorted(self.damaged or {}))
 
     def __str__(self) -> str:
         if self.up_to_date:
             return f"report {self.report.parent} is up to date"
         overall = self.metrics["loss"]["overall"]
-        return (f"held-out loss on {overall['n']} val samples: base {overall['base']:.4f} -> LoRA "
+        line = (f"held-out loss on {overall['n']} val samples: base {overall['base']:.4f} -> LoRA "
                 f"{overall['lora']:.4f}; report: {self.report}")
+        if self.damaged:
+            shown = sorted(self.damaged)
+            line += (f"\nskipped {len(shown)} damaged val sample(s) (evaluate.on_damaged=skip; listed in "
+                     f"metrics.json run.damaged_samples): {', '.join(shown[:10])}{' …' if len(shown) > 10 else ''}")
+        return line
 
 
 def run(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, out: str | Path,
@@ -363,9 +379,15 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, ou
     from models.loading import model_fingerprint
 
     tables = open_features(store, model, model_fingerprint(model), split="val",
-                           max_dropped_fraction=max_dropped_fraction)
+                           max_dropped_fraction=max_dropped_fraction, on_damaged=cfg.on_damaged,
+                           max_damaged_fraction=cfg.max_damaged_fraction)
+    damaged = dict(tables.damaged)
     n = min(len(tables), cfg.max_loss_samples) if cfg.max_loss_samples else len(tables)
-    samples = [from_features(*tables.features_at(i)) for i in tqdm(range(n), desc="read val samples", leave=False)]
+    tables.check_ahead(lambda: iter(range(n)))  # the bytes checked by a thread just ahead of the reads
+    try:
+        samples = [from_features(*tables.features_at(i)) for i in tqdm(range(n), desc="read val samples", leave=False)]
+    finally:
+        tables.stop_check_ahead()
 
     dtype = parse_dtype(cfg.dtype)
     transformer = load_component(model, "transformer", dtype=dtype, device=cfg.device, quantize=cfg.quantize_base)
@@ -381,7 +403,7 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, ou
         scheduler_config = dict(load_component(model, "scheduler").config)
         st = Store(store, create=False)
         rows = val_rows(transformer, vae, scheduler_config, pick_samples(samples, cfg.num_samples),
-                        images_reader(st, tables), cfg)
+                        images_reader(st, tables, cfg.on_damaged), cfg, damaged)
         if cfg.extra_prompts:
             rows += extra_rows(model, transformer, vae, cfg)
 
@@ -396,8 +418,10 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, ou
             "lora_scale": cfg.lora_scale,
             "val_samples": len(samples),
             "val_split": tables.report,
+            "damaged_samples": damaged,
             "config": cfg.model_dump(mode="json"),
             "inputs": inputs,
         },
     }
-    return EvaluateResult(metrics, write_report(out, metrics, rows), seconds=time.perf_counter() - started)
+    return EvaluateResult(metrics, write_report(out, metrics, rows), seconds=time.perf_counter() - started,
+                          damaged=damaged)

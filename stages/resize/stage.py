@@ -63,6 +63,8 @@ class ResizeSummary:
     quarantine_file: str = ""
     duplicates: list[tuple[str, str]] = field(default_factory=list)  # (kept source, dropped source)
     sizes: str = ""  # the sizes in force (schemas.resize_sizes)
+    store: str = ""
+    repaired_from: int | None = None  # the version recorded as damaged whose damaged samples this run re-rendered
 
     def to_json(self) -> dict[str, Any]:
         from schemas.stage import summary_record
@@ -70,11 +72,13 @@ class ResizeSummary:
         return summary_record(self.stage, TABLE, self.version, self.written, self.reused,
                               sum(self.quarantined.values()), self.bytes_written, self.seconds, self.up_to_date,
                               resumed=self.resumed, splits=dict(self.splits),
-                              quarantined_by_reason=dict(self.quarantined))
+                              quarantined_by_reason=dict(self.quarantined), repaired_from=self.repaired_from)
 
     def __str__(self) -> str:
         if self.up_to_date:
-            return (f"images v{self.version} is up to date (same source listing and resize settings); nothing to do"
+            return (f"images v{self.version} is up to date (same source listing and resize settings; no damage "
+                    f"recorded, its bytes were not re-read: `pipeline store verify {self.store}` checks them); "
+                    "nothing to do"
                     + (f"\n{self.sizes}" if self.sizes else ""))
         lines = [
             f"images v{self.version}: {self.written} samples written"
@@ -82,6 +86,10 @@ class ResizeSummary:
             + (f", {self.resumed} kept from an interrupted run" if self.resumed else "")
             + f" (train {self.splits['train']}, val {self.splits['val']}), {len(self.buckets)} target buckets",
         ]
+        if self.repaired_from is not None:
+            lines.append(f"v{self.repaired_from} was recorded as damaged: its damaged samples re-rendered from the "
+                         f"source, the rest carried forward, v{self.version} verified (v{self.repaired_from} moved to "
+                         f"v{self.repaired_from}.damaged/)")
         n_q = sum(self.quarantined.values())
         lines.append(
             f"quarantined {n_q}"
@@ -103,6 +111,7 @@ class ResizeSummary:
 
 def run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> ResizeSummary:
     from store import Store  # here, not at the top: render workers import this module and need no torch
+    from store import format as fmt_
     from store.reuse import FEATURE_LINEAGE_ATTR, carry_forward, reusable, reusable_keys
 
     rc = cfg.resize
@@ -121,7 +130,10 @@ def run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> R
     if found is not None:
         st.set_current(TABLE, found)  # e.g. killed after the manifest, before the store.json switch
         return ResizeSummary(version=found, up_to_date=True, seconds=time.perf_counter() - started,
-                             sizes=sizes_in_force(rc.model_dump()))
+                             sizes=sizes_in_force(rc.model_dump()), store=str(st.root))
+    current = st.tables().get(TABLE)  # recorded as damaged (find_version skips it): re-render its damaged samples
+    repairing = (current if current is not None and fmt_.damaged_marker(st.root, TABLE, current).exists()
+                 and not repair_context.active() else None)  # under `store repair`, repair verifies and sets aside
 
     writer = st.writer(TABLE, schema, shard_size_mb=rc.shard_size_mb)
     summary = ResizeSummary(version=writer.version, quarantine_file=str(st.root / "quarantine.parquet"),
@@ -190,6 +202,17 @@ def run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> R
         summary.version = writer.commit()
     finally:
         writer.close()
+    if repairing is not None:
+        from store.verify import verify_version
+
+        problems = verify_version(st.version_dir(TABLE, summary.version), f"{TABLE}/v{summary.version}", progress=False)
+        if problems:
+            raise UserError(f"table '{TABLE}' v{summary.version} (re-rendered from damaged v{repairing}) does not "
+                            f"verify: {problems[0]}; run `pipeline store repair {st.root}`")
+        summary.repaired_from = repairing
+        from store.repair import set_aside
+
+        set_aside(st.version_dir(TABLE, repairing))
     summary.seconds = time.perf_counter() - started
     if summary.resumed:  # the resumed samples' splits count too
         r = st.reader(TABLE, summary.version)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import queue
 import threading
 from dataclasses import dataclass, fields, is_dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -74,6 +74,10 @@ class MicroBatches:
         self._start = start_step
         self._queue: queue.Queue | None = None
         self._stop = threading.Event()
+        # The read order is the sampler's plan from the stream's position on: a thread checks the samples' bytes
+        # ahead of the reads (store/check_ahead.py), so the checksum costs no read time.
+        if tc.check_ahead > 0:
+            tables.check_ahead(lambda: read_order(stream, rank), window=tc.check_ahead)
         if depth > 0:
             self._side = torch.cuda.Stream(device) if device.type == "cuda" else None
             self._queue = queue.Queue(maxsize=depth)
@@ -126,3 +130,18 @@ class MicroBatches:
         self._stop.set()
         if self._queue is not None:
             self._thread.join(timeout=5)
+        self.tables.stop_check_ahead()
+
+
+def read_order(stream: DataStream, rank: int) -> Iterator[int]:
+    """This rank's joined sample indices in the order the stream reads them, from its position now on, endless
+    (the position is taken here, not when the check-ahead thread starts walking the order)."""
+    start = stream.position
+
+    def walk(epoch: int, batch: int) -> Iterator[int]:
+        while True:
+            for step in stream.sampler.global_steps(epoch)[batch:]:
+                yield from step[rank]
+            epoch, batch = epoch + 1, 0
+
+    return walk(*start)

@@ -62,7 +62,7 @@ from store.format import atomic_dir, atomic_write_bytes
 from store.join import JoinedTables
 
 # Settings that change how long or how often, not what is trained: a resume may change them.
-_NOT_FINGERPRINTED = {"max_steps", "checkpoint_every", "keep_checkpoints", "log_every", "device", "prefetch", "compile",
+_NOT_FINGERPRINTED = {"max_steps", "checkpoint_every", "keep_checkpoints", "log_every", "device", "prefetch", "compile", "check_ahead",
                       "on_damaged", "max_damaged_fraction", "on_nonfinite",
                       "max_dropped_fraction", "max_open_shards",  # which samples: recorded by the tables
                       # validation and samples only read the adapter (stages/train/validate.py)
@@ -204,6 +204,8 @@ def run(
         result.seconds = time.perf_counter() - started
         return result
     finally:
+        if r is not None and r.batches is not None:  # stopped early (an error): no reader thread left running
+            r.batches.close()
         for lock in locks:
             if lock is not None:
                 lock.release()

@@ -81,26 +81,34 @@ def test_damage_in_a_shared_shard_is_found_in_the_new_version_and_not_carried_du
     shard = r.dir / row["shard"]
     r.close()
     _flip(shard, row["tensors"][0]["offset"] + 3)  # the inode both versions share
-    assert any(bad in p for p in verify_store(store.root, progress=False))
-    with pytest.raises(DamagedData, match="pipeline store repair"):
-        store.reader("vae", 2).tensors(bad)
-    # a plain stage run carries by metadata only; under `store repair` each carried sample is checked first
+    # nothing recorded yet: a plain stage run carries by metadata only; under `store repair` each carried sample
+    # is checked first
     assert bad in reusable(store, "vae", LINEAGE, [bad]).get(2, None).column("key").to_pylist()
     with repair_context.expecting(Lineage(stage="x", config_hash="y")):
         found = reusable(store, "vae", LINEAGE, keys)
     carried = {k for rows in found.values() for k in rows.column("key").to_pylist()}
     assert carried == set(keys) - {bad}
+    assert any(bad in p for p in verify_store(store.root, progress=False))
+    with pytest.raises(DamagedData, match="pipeline store repair"):
+        store.reader("vae", 2).tensors(bad)
+    # verify and the reader recorded the damage: from now on every stage run checks what it carries
+    assert fmt.damaged_marker(store.root, "vae", 2).exists() and fmt.damaged_marker(store.root, "vae", 1).exists()
+    found = reusable(store, "vae", LINEAGE, keys)
+    assert {k for rows in found.values() for k in rows.column("key").to_pylist()} == set(keys) - {bad}
 
 
-def test_versions_marked_damaged_or_with_missing_shards_are_not_reused(store: Store) -> None:
+def test_versions_recorded_damaged_or_with_missing_shards_give_only_their_intact_samples(store: Store) -> None:
     _write(store, "a", range(6))
     keys = [key_of(i) for i in range(6)]
     vdir = store.version_dir("vae", 1)
     lost = sorted(vdir.glob("shard-*.tar"))[0]
-    lost_keys = {k for k, s in zip(store.reader("vae").keys(), store.reader("vae").manifest.column("shard").to_pylist())
+    lost_keys = {k for k, s in zip(store.reader("vae", on_damaged="skip").keys(),
+                                   store.reader("vae", on_damaged="skip").manifest.column("shard").to_pylist())
                  if s == lost.name}
     lost.unlink()
     found = reusable(store, "vae", LINEAGE, keys)
     assert {k for rows in found.values() for k in rows.column("key").to_pylist()} == set(keys) - lost_keys
-    fmt.damaged_marker(store.root, "vae", 1).write_text("{}")
-    assert reusable(store, "vae", LINEAGE, keys) == {}
+    fmt.damaged_marker(store.root, "vae", 1).write_text("{}")  # recorded: scanned in full, intact samples reused
+    found = reusable(store, "vae", LINEAGE, keys)
+    assert {k for rows in found.values() for k in rows.column("key").to_pylist()} == set(keys) - lost_keys
+    assert store.find_version("vae", store.reader("vae", on_damaged="skip").schema.lineage) is None  # never up to date

@@ -1,0 +1,131 @@
+"""Check-ahead (store/check_ahead.py): a thread verifies samples ahead of the consumer. The consumer gets the very
+same tensors, a damaged sample is refused with the same message as an inline check, the consumer really uses the
+thread's results, and no thread outlives the reader or a consumer that stops early."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from store import Store
+from store.integrity import DamagedData
+from store_samples import fill
+
+
+def _threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("check-ahead")]
+
+
+def _wait(pred, timeout: float = 20.0) -> None:
+    end = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < end, "check-ahead thread made no progress"
+        time.sleep(0.01)
+
+
+def _flip_sample(root: Path, index: int) -> str:
+    r = Store(root).reader("vae")
+    key = r.keys()[index]
+    row = r.manifest.to_pylist()[index]
+    shard = r.dir / row["shard"]
+    r.close()
+    data = bytearray(shard.read_bytes())
+    data[row["tensors"][0]["offset"] + 3] ^= 0x10
+    shard.write_bytes(bytes(data))
+    return key
+
+
+def test_check_ahead_returns_the_same_tensors_from_the_threads_checks(store: Store, monkeypatch) -> None:
+    fill(store, 12)
+    inline, ahead = store.reader("vae"), store.reader("vae")
+    n = len(ahead)
+    checker = ahead.check_ahead(range(n), window=n)
+    _wait(lambda: checker.checked == n)
+    # Every row was checked by the thread: the consumer must take those results and never check inline.
+    monkeypatch.setattr(ahead, "_problem", lambda *a, **k: pytest.fail("checked inline despite check-ahead"))
+    for i in range(n):
+        a, b = inline.tensors_at(i), ahead.tensors_at(i)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    inline.close()
+    ahead.close()
+    assert not checker.running and not _threads()
+
+
+def test_window_bounds_the_thread_and_rows_it_did_not_reach_are_checked_inline(store: Store) -> None:
+    fill(store, 12)
+    r = store.reader("vae")
+    checker = r.check_ahead(range(len(r)), window=3)
+    _wait(lambda: checker.checked == 3)
+    time.sleep(0.2)
+    assert checker.checked == 3  # nothing taken yet: the thread waits at the window
+    for i in reversed(range(len(r))):  # against the order: the rows not reached are checked inline
+        r.tensors_at(i)
+    assert len(r._checked) == len(r)
+    r.close()
+    assert not _threads()
+
+
+def test_damaged_sample_is_refused_through_check_ahead_with_the_inline_message(store: Store) -> None:
+    fill(store, 10)
+    key = _flip_sample(store.root, 4)
+    inline = store.reader("vae")
+    with pytest.raises(DamagedData) as want:
+        inline.tensors(key)
+    inline.close()
+    r = store.reader("vae")
+    checker = r.check_ahead(range(len(r)), window=len(r))
+    _wait(lambda: checker.checked == len(r))
+    for i in range(4):
+        r.tensors_at(i)
+    with pytest.raises(DamagedData) as got:
+        r.tensors_at(4)
+    assert str(got.value) == str(want.value) and key in str(got.value) and "pipeline store repair" in str(got.value)
+    with pytest.raises(DamagedData):  # refused again on a second read, never returned
+        r.tensors_at(4)
+    r.close()
+
+
+def test_no_thread_left_when_the_consumer_stops_early(store: Store) -> None:
+    fill(store, 8)
+    r = store.reader("vae")
+    checker = r.check_ahead(itertools.cycle(range(len(r))), window=2)  # an endless order (train: every epoch)
+    for i in range(3):
+        r.tensors_at(i)
+    r.stop_check_ahead()
+    assert not checker.running and not _threads()
+    r.tensors_at(5)  # reading goes on, checked inline
+    joined = Store(store.root).reader("vae")
+    joined.check_ahead(itertools.cycle(range(len(joined))), window=2)
+    joined.close()  # closing the reader ends its thread too
+    assert not _threads()
+    r.close()
+
+
+def test_joined_check_ahead_walks_each_tables_own_rows(store: Store) -> None:
+    """Two tables whose row numbers differ (one holds extra keys): each thread checks its own table's rows of
+    the joined samples, in the joined order."""
+    from dataclasses import replace
+
+    from store.join import JoinedTables
+    from store_samples import sample, vae_schema
+
+    for table, indices in (("left", range(0, 10)), ("right", range(3, 12))):
+        w = store.writer(table, replace(vae_schema(), name=table), shard_size_mb=0.004)
+        for i in indices:
+            s = sample(i)
+            w.add(s["key"], tensors=s["tensors"], files=s["files"], meta=s["meta"])
+        w.commit()
+    joined = JoinedTables({t: store.reader(t) for t in ("left", "right")})
+    assert len(joined) == 7 and not (joined.rows["left"] == joined.rows["right"]).all()
+    order = list(reversed(range(len(joined))))
+    joined.check_ahead(lambda: iter(order), window=len(order))
+    for t, r in joined.readers.items():
+        _wait(lambda r=r: r._ahead.checked == len(order))
+        assert list(r._ahead._results) == [int(joined.rows[t][i]) for i in order]
+    joined.stop_check_ahead()
+    assert not _threads()
