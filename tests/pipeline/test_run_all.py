@@ -150,7 +150,7 @@ def test_run_all_after_adding_a_sample_keeps_the_old_run_and_trains_afresh(tiny_
 
     from pipeline.demo_data import make_demo_data
 
-    make_demo_data(tmp_path / "all", n=9, fmt="folder", max_controls=1, seed=2)
+    make_demo_data(tmp_path / "all", n=10, fmt="folder", max_controls=1, seed=2)
     stems = sorted(p.stem for p in (tmp_path / "all" / "target").glob("*.png"))
 
     def add(which: list[str]) -> None:
@@ -165,8 +165,8 @@ def test_run_all_after_adding_a_sample_keeps_the_old_run_and_trains_afresh(tiny_
     run, report, store = tmp_path / "run", tmp_path / "report", tmp_path / "store"
     cfg["paths"] = {"source": str(tmp_path / "data"), "store": str(store), "model": tiny_plus_model,
                     "run": str(run), "report": str(report)}
-    cfg["resize"].update(target_area=64 * 64, control_vae_area=64 * 64, val_fraction=0.3)
-    cfg["train"].update(max_steps=2, checkpoint_every=2, batch_size=2)
+    cfg["resize"].update(target_area=64 * 64, control_vae_area=64 * 64, val_fraction=0.2)
+    cfg["train"].update(max_steps=2, checkpoint_every=2, batch_size=4)  # 8 draws: the whole train split
     cfg["evaluate"].update(num_samples=1, num_inference_steps=2, noise_seeds=[0], timesteps=[0.5])
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(cfg))
@@ -180,11 +180,13 @@ def test_run_all_after_adding_a_sample_keeps_the_old_run_and_trains_afresh(tiny_
     assert first[3]["kept_previous"] is None and first[3]["steps"] == 2
     old_lora, old_metrics = _lora_bytes(run), (report / "metrics.json").read_text()
 
-    # one more photo: encoded alone; the old run is kept, a new one trained and evaluated
-    add(stems[7:8])
+    # two more photos (the split is drawn from each key's hash: one of them lands in train here): encoded alone;
+    # the old run is kept, a new one trained and evaluated
+    add(stems[7:9])
     records, messages = run_all_json()
     by = {r["stage"]: r for r in records}
-    assert [(by[s]["encoded"], by[s]["reused"]) for s in ("encode-text", "encode-vae")] == [(1, 7), (1, 7)]
+    assert [(by[s]["encoded"], by[s]["reused"]) for s in ("encode-text", "encode-vae")] == [(2, 7), (2, 7)]
+    assert by["train"]["data"]["joined"] > first[3]["data"]["joined"]  # the train split grew
     kept = Path(by["train"]["kept_previous"])
     assert kept.parent == tmp_path / "run.previous" and kept.name.startswith("1-")
     assert f"kept the previous run of {run}" in messages and str(kept) in messages, messages
@@ -201,7 +203,7 @@ def test_run_all_after_adding_a_sample_keeps_the_old_run_and_trains_afresh(tiny_
     assert all(r["up_to_date"] for r in again) and again[3]["kept_previous"] is None
 
     # another photo, encoded; `run train --resume` on its own refuses and names the flag
-    add(stems[8:9])
+    add(stems[9:10])
     for stage in ("resize-bucket", "encode-text", "encode-vae"):
         assert CliRunner().invoke(app, ["run", stage, "--config", str(config)]).exit_code == 0
     train = ["run", "train", "--config", str(config), "--resume"]
