@@ -111,8 +111,8 @@ def shard_problems(vdir: Path, manifest: pa.Table, sums: dict[str, dict[str, Any
     # per distinct shard: sample count and recorded size, with numpy over the dictionary indices (a million
     # rows in Python took seconds)
     shard = manifest.column("shard")
-    shard = (shard.unify_dictionaries() if pa.types.is_dictionary(shard.type) else shard.dictionary_encode())
-    shard = shard.combine_chunks()
+    shard = (shard if pa.types.is_dictionary(shard.type) else shard.dictionary_encode())
+    shard = shard.unify_dictionaries().combine_chunks()
     idx = shard.indices.to_numpy(zero_copy_only=False)
     counts = np.bincount(idx, minlength=len(shard.dictionary))
     sizes = np.zeros(len(shard.dictionary), np.int64)
