@@ -12,7 +12,7 @@ configuration; step time, throughput, peak memory and MFU.
    real train stage (`stages.train.recipe.run`, bf16 base + bf16 autocast) for --steps steps and reports
    s/step (median of the steps after the first), samples/s, tokens/s (valid tokens, mean sequence length x
    batch / s_per_step), peak device bytes (torch.cuda.max_memory_allocated; null on CPU), peak host RSS
-   (ru_maxrss of that process), baseline RSS (after imports, before any model is loaded) and MFU.
+   (VmHWM of that process), baseline RSS (after imports, before any model is loaded) and MFU.
    MFU = model FLOPs per step / s_per_step / the dense matmul throughput measured on the same device in the
    same run (a CPU has no spec sheet figure; on a GPU this is the achieved, not the datasheet, peak).
    Model FLOPs per token and block: 2 x the linear params the token passes (its stream's attention and
@@ -31,7 +31,6 @@ import itertools
 import json
 import os
 import random
-import resource
 import shutil
 import statistics
 import subprocess
@@ -64,7 +63,14 @@ def rss_bytes() -> int:
 
 
 def peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    """This process's RSS high-water mark (VmHWM). Not getrusage's ru_maxrss: Linux carries that across
+    execve from the process that spawned this one (subprocess's vfork shares the driver's memory until the
+    exec), so a child started by a driver holding the encoders read the driver's 4.3 GB as its own peak."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024  # kB
+    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 # ------------------------------------------------------------------------------------------------ data

@@ -2,7 +2,7 @@
 
 Parameter counts come from the model's own configs, instantiated on the meta device (no weights read).
 Bytes per weight follow the configured dtype / quantisation (int8, fp8: 1 byte + a 4-byte scale per output
-channel; the non-block modules stay in the load dtype). Activations are what autograd keeps for the backward
+channel; nf4: half a byte + a 4-byte absmax per block of 64; the non-block modules stay in the load dtype). Activations are what autograd keeps for the backward
 per transformer block and token (counted from the block's saved tensors, see ACT_* below), plus the
 working set of one block's backward. Offload keeps `blocks_on_device` blocks resident and streams the
 others (two in flight: the one computing and the one prefetched).
@@ -29,7 +29,8 @@ ACT_BACKWARD_WORKSET = 12
 # With gradient checkpointing only each block's input (D per token) is kept; one block is recomputed at a time.
 ACT_CHECKPOINTED = 1
 
-QUANT_BYTES = {"none": None, "int8": 1, "fp8": 1}
+# Quantised storage: bytes per weight, scale bytes per output channel, scale bytes per weight (block absmax).
+QUANT_BYTES = {"none": None, "int8": (1, 4, 0), "fp8": (1, 4, 0), "nf4": (0.5, 0, 4 / 64)}
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -108,7 +109,8 @@ def transformer_weight_bytes(c: TransformerCounts, dtype: str, quantize: str, bl
     """Bytes of the transformer's weights on the device (`blocks_resident` of the blocks, default all)."""
     elem = DTYPE_BYTES[dtype]
     q = QUANT_BYTES[quantize]
-    per_block = (c.block_linear_params * (q if q else elem) + (c.block_linear_out_features * 4 if q else 0)
+    per_weight, per_channel, per_weight_scale = q if q else (elem, 0, 0)
+    per_block = (c.block_linear_params * (per_weight + per_weight_scale) + c.block_linear_out_features * per_channel
                  + c.block_other_params * elem) / c.blocks
     resident = c.blocks if blocks_resident is None else min(c.blocks, blocks_resident)
     return int(per_block * resident + c.other_params * elem)
