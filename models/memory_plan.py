@@ -1,9 +1,10 @@
 """Predicted peak memory of each stage from parameter and token counts (`pipeline plan`).
 
 Parameter counts come from the model's own configs, instantiated on the meta device (no weights read).
-Bytes per weight follow the configured dtype / quantisation (int8, fp8: 1 byte + a 4-byte scale per output
-channel; nf4: half a byte + a 4-byte absmax per block of 64; the non-block modules stay in the load dtype). Activations are what autograd keeps for the backward
-per transformer block and token (counted from the block's saved tensors, see ACT_* below), plus the
+Bytes per weight follow the configured dtype / quantisation (int8, fp8: 1 byte + a float32 scale per output
+channel (+ an int8 zero point for int8); nf4: half a byte + a float32 absmax per block of 64; the non-block
+modules stay in the load dtype). Activations are what autograd keeps for the backward per transformer block
+and token (counted from the block's saved tensors, see ACT_* below), plus the
 working set of one block's backward. Offload keeps `blocks_on_device` blocks resident and streams the
 others (two in flight: the one computing and the one prefetched).
 """
@@ -29,8 +30,9 @@ ACT_BACKWARD_WORKSET = 12
 # With gradient checkpointing only each block's input (D per token) is kept; one block is recomputed at a time.
 ACT_CHECKPOINTED = 1
 
-# Quantised storage: bytes per weight, scale bytes per output channel, scale bytes per weight (block absmax).
-QUANT_BYTES = {"none": None, "int8": (1, 4, 0), "fp8": (1, 4, 0), "nf4": (0.5, 0, 4 / 64)}
+# Quantised storage: bytes per weight, scale bytes per output channel (int8: float32 scale + int8 zero point),
+# scale bytes per weight (NF4: one float32 absmax per block of 64).
+QUANT_BYTES = {"none": None, "int8": (1, 5, 0), "fp8": (1, 4, 0), "nf4": (0.5, 0, 4 / 64)}
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
