@@ -19,7 +19,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_rehearsal_layers_1_on_cpu(tmp_path):
     out = tmp_path / "r.json"
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    # one thread per process: on the shared 2-core machine more threads only spin against other jobs (this
+    # command: 33 s wall at one thread; 58-85 s with the default threads under a load average of ~3-4)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, str(REPO / "bench" / "rehearsal.py"), "--layers", "1", "--area", "4096", "--samples", "2",
          "--steps", "1", "--quantize", "int8", "--minimal-text-encoder", "--work", str(tmp_path / "w"),
