@@ -12,9 +12,10 @@ configuration; step time, throughput, peak memory and MFU.
    real train stage (`stages.train.recipe.run`, bf16 base + bf16 autocast) for --steps steps and reports
    s/step (median of the steps after the first), samples/s, tokens/s (valid tokens, mean sequence length x
    batch / s_per_step), peak device bytes (torch.cuda.max_memory_allocated; null on CPU), peak host RSS
-   (ru_maxrss of that process), baseline RSS (after imports, before any model is loaded) and MFU.
-   MFU = model FLOPs per step / s_per_step / the dense matmul throughput measured on the same device in the
-   same run (a CPU has no spec sheet figure; on a GPU this is the achieved, not the datasheet, peak).
+   (VmHWM of that process), baseline RSS (after imports, before any model is loaded) and MFU.
+   MFU = model FLOPs per step / s_per_step / the dense bf16 matmul throughput measured in the same process
+   right after its steps (a CPU has no spec sheet figure; on a GPU this is the achieved, not the datasheet,
+   peak).
    Model FLOPs per token and block: 2 x the linear params the token passes (its stream's attention and
    MLP; the modulation linears run once per sample) for the forward, 2x again for the backward (input
    gradients only: the base is frozen), 2x more when gradient checkpointing recomputes; attention
@@ -31,7 +32,6 @@ import itertools
 import json
 import os
 import random
-import resource
 import shutil
 import statistics
 import subprocess
@@ -64,7 +64,14 @@ def rss_bytes() -> int:
 
 
 def peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    """This process's RSS high-water mark (VmHWM). Not getrusage's ru_maxrss: Linux carries that across
+    execve from the process that spawned this one (subprocess's vfork shares the driver's memory until the
+    exec), so a child started by a driver holding the encoders read the driver's 4.3 GB as its own peak."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024  # kB
+    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 # ------------------------------------------------------------------------------------------------ data
@@ -170,9 +177,23 @@ def child(spec: dict) -> dict:
     cfg = load_config(None, overrides)
     if spec["device"].startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
+    base_bytes = []
+    setup = train.setup_transformer
+
+    def measured_setup(*a, **k):  # the frozen base's stored bytes, as loaded (checks `pipeline plan`)
+        from models.quantize import stored_bytes
+
+        t = setup(*a, **k)
+        base_bytes.append(sum(stored_bytes(p) for n, p in t.named_parameters() if ".lora_" not in n))
+        return t
+
+    train.setup_transformer = measured_setup
     result = train.run(cfg, spec["store"], spec["model"], spec["run_dir"])
     peak_device = torch.cuda.max_memory_allocated() if spec["device"].startswith("cuda") else None
     peak = peak_rss_bytes()
+    # in this process, right after its steps: on a shared CPU the rate drifts with the load, and a rate taken
+    # once at the start gave an MFU above 1 for a run that happened to step while the machine was quiet
+    peak_flops = matmul_flops_per_s(spec["device"])
 
     tables = open_train_tables(spec["store"], spec["model"], split="train")
     lengths = list(tables.lengths)
@@ -198,7 +219,10 @@ def child(spec: dict) -> dict:
         "peak_host_rss_bytes": peak,
         "baseline_rss_bytes": baseline,
         "peak_over_baseline_bytes": peak - baseline,
+        "base_weight_bytes": base_bytes[0],
         "model_flops_per_step": flops,
+        "device_matmul_flops_per_s": peak_flops,
+        "mfu": flops / s_per_step / peak_flops,
         "losses": result.losses,
     }
 
@@ -219,7 +243,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     help="tests: a 1-layer narrow-MLP text encoder (output width still 3584)")
     ap.add_argument("--samples", type=int, default=6)
     ap.add_argument("--steps", type=int, default=2)
-    ap.add_argument("--quantize", default="none,int8,fp8")
+    ap.add_argument("--quantize", default="none,int8,fp8,nf4")
     ap.add_argument("--offload", default="none", help="none,blocks")
     ap.add_argument("--blocks-on-device", type=int, default=0)
     ap.add_argument("--gradient-checkpointing", default="off", help="off,on")
@@ -244,7 +268,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
             make_full_width_model(model, args.variant, args.layers, minimal_text_encoder=args.minimal_text_encoder)
     print("writing and encoding the rehearsal store", flush=True)
     store = build_store(work, model, args.area, args.samples, args.device)
-    peak_flops = matmul_flops_per_s(args.device)
 
     combos = itertools.product(args.quantize.split(","), args.offload.split(","),
                                [g == "on" for g in args.gradient_checkpointing.split(",")],
@@ -264,8 +287,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
             sys.stderr.write(proc.stderr[-4000:])
             raise SystemExit(f"run {i} failed (exit {proc.returncode})")
         run = json.loads(lines[-1].removeprefix("REHEARSAL-RESULT "))
-        run["mfu"] = run["model_flops_per_step"] / run["s_per_step"] / peak_flops
-        run["device_matmul_flops_per_s"] = peak_flops
         runs.append(run)
         print(f"  {run['s_per_step']:.2f} s/step, {run['tokens_per_s']:.1f} tokens/s, peak RSS over baseline "
               f"{run['peak_over_baseline_bytes'] / 2**30:.2f} GiB, MFU {run['mfu']:.3f}", flush=True)

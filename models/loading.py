@@ -143,7 +143,7 @@ def load_component(
 ):
     """Load one pipeline component from its subfolder with the stock class, straight onto `device`.
 
-    `quantize` (transformer only): none | int8 | fp8, applied while the weights load (models/quantize.py)."""
+    `quantize` (transformer only): none | int8 | fp8 | nf4, applied while the weights load (models/quantize.py)."""
     import importlib
 
     root = resolve_model(model)

@@ -1,9 +1,10 @@
 """Predicted peak memory of each stage from parameter and token counts (`pipeline plan`).
 
 Parameter counts come from the model's own configs, instantiated on the meta device (no weights read).
-Bytes per weight follow the configured dtype / quantisation (int8, fp8: 1 byte + a 4-byte scale per output
-channel; the non-block modules stay in the load dtype). Activations are what autograd keeps for the backward
-per transformer block and token (counted from the block's saved tensors, see ACT_* below), plus the
+Bytes per weight follow the configured dtype / quantisation (int8, fp8: 1 byte + a float32 scale per output
+channel (+ an int8 zero point for int8); nf4: half a byte + a float32 absmax per block of 64; the non-block
+modules stay in the load dtype). Activations are what autograd keeps for the backward per transformer block
+and token (counted from the block's saved tensors, see ACT_* below), plus the
 working set of one block's backward. Offload keeps `blocks_on_device` blocks resident and streams the
 others (two in flight: the one computing and the one prefetched).
 """
@@ -24,12 +25,16 @@ from models.loading import resolve_model
 # full-width block with LoRA under bf16 autocast: 42.0-44.2 bytes per token per D at 320-1280 tokens = 21.
 ACT_PER_TOKEN_BLOCK = 21
 # Working set of one block's backward on top of the saved tensors: MLP gradients (2 x 4D) and attention
-# gradients (4 x D), in float32 (per token), plus the flow loss inputs.
+# gradients (4 x D) per token, in the compute dtype (under bf16 autocast the activation gradients are bf16;
+# counting them as float32 put the plan 12-17 % above every measured CPU peak, the same ~0.09 GiB at 1 and 2
+# layers), plus the flow loss inputs.
 ACT_BACKWARD_WORKSET = 12
 # With gradient checkpointing only each block's input (D per token) is kept; one block is recomputed at a time.
 ACT_CHECKPOINTED = 1
 
-QUANT_BYTES = {"none": None, "int8": 1, "fp8": 1}
+# Quantised storage: bytes per weight, scale bytes per output channel (int8: float32 scale + int8 zero point),
+# scale bytes per weight (NF4: one float32 absmax per block of 64).
+QUANT_BYTES = {"none": None, "int8": (1, 5, 0), "fp8": (1, 4, 0), "nf4": (0.5, 0, 4 / 64)}
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -108,7 +113,8 @@ def transformer_weight_bytes(c: TransformerCounts, dtype: str, quantize: str, bl
     """Bytes of the transformer's weights on the device (`blocks_resident` of the blocks, default all)."""
     elem = DTYPE_BYTES[dtype]
     q = QUANT_BYTES[quantize]
-    per_block = (c.block_linear_params * (q if q else elem) + (c.block_linear_out_features * 4 if q else 0)
+    per_weight, per_channel, per_weight_scale = q if q else (elem, 0, 0)
+    per_block = (c.block_linear_params * (per_weight + per_weight_scale) + c.block_linear_out_features * per_channel
                  + c.block_other_params * elem) / c.blocks
     resident = c.blocks if blocks_resident is None else min(c.blocks, blocks_resident)
     return int(per_block * resident + c.other_params * elem)
@@ -138,7 +144,7 @@ def train_plan(model: str, dtype: str, quantize: str, batch_size: int, tokens_pe
         "weights": transformer_weight_bytes(c, dtype, quantize, resident),
         "lora+grads+adam": lora_params(c, lora_rank, lora_targets) * 16,  # fp32 param, grad, 2 Adam moments
         "activations": tokens * c.width * saved * act_elem,
-        "backward working set": tokens * c.width * ACT_BACKWARD_WORKSET * 4,
+        "backward working set": tokens * c.width * ACT_BACKWARD_WORKSET * act_elem,
     }
     if host and quantize != "none":
         # loading (models/quantize.py): the quantised weights + one bf16 weight's mapped pages + a row chunk

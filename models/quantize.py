@@ -11,25 +11,37 @@ width layers, more than the 1.42 GiB bf16 model.) Only the transformer blocks' l
 input/output projections, norms and time embedding are ~2 % of the weights and stay exact. Trained LoRAs are
 plain peft/diffusers LoRAs and load onto an unquantised base.
 
-4-bit: torchao's int4 weight-only needs a CUDA kernel package (not usable on the CPU here); bitsandbytes
-NF4 was not wired in (see docs/train.md), so no 4-bit option is offered.
+4-bit (`nf4`): bitsandbytes' NF4 (blocks of 64 weights, one float32 absmax each, no double quantisation) in
+its own `Params4bit` format, quantised ROWS rows at a time by `bitsandbytes.functional.quantize_4bit` (the
+chunks join exactly into the whole-tensor result when a chunk starts on a block boundary). The matmul is not
+bitsandbytes' `matmul_4bit` (it dequantises the whole weight per call, and once more in the backward): every
+quantised linear (torchao and NF4 alike) runs through `_FrozenQuantizedLinear` below. torchao's int4 needs a
+CUDA kernel package (not usable on the CPU here).
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
-QuantizeName = Literal["none", "int8", "fp8"]
+QuantizeName = Literal["none", "int8", "fp8", "nf4"]
 
-# Output rows quantised / dequantised at a time: bounds the dense temporaries to ROWS x in_features (torchao
+# Output rows quantised at a time while loading: bounds the dense temporaries to ROWS x in_features (torchao
 # works on a whole weight through float32 copies: ~340 MB for one 3072 x 18432 modulation linear).
 ROWS = 1024
+# Dense weight elements dequantised at a time in a matmul. Forward and backward run while every saved
+# activation is alive, so these temporaries sit on top of the training peak: torchao dequantises through a
+# float32 copy, so 1024 rows of a 12288-wide MLP weight were 50 MB float32 + 25 MB bf16 at the peak (measured
+# 2 layers: int8 1.25 GiB peak over baseline, of which ~0.15 GiB such temporaries). 2**21 elements: 8 MB
+# float32 + 4 MB bf16, and a row chunk of the largest weight is still a matmul of >= 170 rows.
+DEQUANT_ELEMENTS = 1 << 21
+# NF4 block size (values per absmax): bitsandbytes' default for 4-bit.
+NF4_BLOCK = 64
 
 # Modules kept in the load dtype (matched by name fragment, as diffusers' modules_to_not_convert does).
 KEEP_EXACT = ["img_in", "txt_in", "proj_out", "norm_out", "time_text_embed"]
 
 # Stored bytes per quantised weight element, and per-output-channel scale bytes (for memory planning).
-BYTES_PER_WEIGHT = {"int8": 1.0, "fp8": 1.0}
+BYTES_PER_WEIGHT = {"int8": 1.0, "fp8": 1.0, "nf4": 0.5}
 
 
 def canonical(name: str) -> QuantizeName:
@@ -75,6 +87,122 @@ def quantize_rows(weight, name: str, rows: int | None = None):
                       weight.shape)
 
 
+def _nf4_row_step(in_features: int) -> int:
+    """Rows per NF4 block boundary: a row chunk that starts at a multiple of this starts a new block."""
+    import math
+
+    return NF4_BLOCK // math.gcd(in_features, NF4_BLOCK)
+
+
+def _quantize_nf4_chunk(chunk):
+    from bitsandbytes.functional import quantize_4bit
+
+    return quantize_4bit(chunk.contiguous(), blocksize=NF4_BLOCK, quant_type="nf4", compress_statistics=False)
+
+
+def _join_nf4(parts: list, shape, dtype):
+    """One bitsandbytes `Params4bit` (the packed 4-bit codes and the absmax of the whole weight) from row
+    chunks that each start on a block boundary: equal to quantising the whole weight at once."""
+    import torch
+    from bitsandbytes.functional import QuantState
+    from bitsandbytes.nn import Params4bit
+
+    packed = torch.cat([p.reshape(-1) for p, _ in parts]).reshape(-1, 1)
+    state = QuantState(absmax=torch.cat([s.absmax for _, s in parts]), shape=torch.Size(shape), code=parts[0][1].code,
+                       blocksize=NF4_BLOCK, quant_type="nf4", dtype=dtype)
+    return Params4bit(packed, requires_grad=False, quant_state=state, blocksize=NF4_BLOCK, compress_statistics=False,
+                      quant_type="nf4", quant_storage=torch.uint8, bnb_quantized=True)
+
+
+def quantize_rows_nf4(weight, rows: int | None = None):
+    """NF4 of a 2-D weight, `rows` rows at a time (rounded to a block boundary), as one `Params4bit`."""
+    step = _nf4_row_step(weight.shape[1])
+    rows = max(step, (rows or ROWS) // step * step)
+    return _join_nf4([_quantize_nf4_chunk(weight[i : i + rows]) for i in range(0, weight.shape[0], rows)],
+                     weight.shape, weight.dtype)
+
+
+def is_nf4(weight) -> bool:
+    return type(weight).__name__ == "Params4bit" and type(weight).__module__.startswith("bitsandbytes")
+
+
+def compute_dtype(weight):
+    """The dense dtype a quantised weight dequantises to (the load dtype)."""
+    return weight.quant_state.dtype if is_nf4(weight) else weight.dtype
+
+
+def out_in_features(weight) -> tuple[int, int]:
+    shape = weight.quant_state.shape if is_nf4(weight) else weight.shape
+    return int(shape[0]), int(shape[1])
+
+
+def dequantize_rows(weight, start: int, stop: int):
+    """Rows start:stop of a quantised weight, dense in its load dtype (only those rows are dequantised)."""
+    if not is_nf4(weight):
+        return _dequantize_torchao_rows(weight, start, stop)
+    import torch
+    from bitsandbytes.functional import QuantState, dequantize_4bit
+
+    state = weight.quant_state
+    n, k = out_in_features(weight)
+    stop = min(stop, n)
+    lo, hi = start * k, stop * k  # flat element range, starting on a block boundary (`_nf4_row_step`)
+    # Dequantised as a flat run of blocks: bitsandbytes 0.50.2's CPU kernel, given a 2-D shape whose rows are
+    # not a whole number of blocks, indexes the absmax per row and returns wrong values (0.18 mean abs error
+    # vs 0.07 for a 100 x 96 randn weight; checked against code[nibble] x absmax[block] by hand).
+    part = QuantState(absmax=state.absmax[lo // NF4_BLOCK : -(-hi // NF4_BLOCK)], shape=torch.Size((hi - lo,)),
+                      code=state.code, blocksize=NF4_BLOCK, quant_type="nf4", dtype=state.dtype)
+    return dequantize_4bit(weight.data[lo // 2 : hi // 2], part).reshape(stop - start, k)
+
+
+def _dequantize_torchao_rows(weight, start: int, stop: int):
+    """Rows of a per-output-channel torchao Int8Tensor / Float8Tensor as qdata x scale in one dense buffer of
+    the load dtype. torchao's own `dequantize` goes through float32 copies (and an int8 zero point of 0):
+    ~25 MB of temporaries per 2**21-element chunk on top of the training peak. Bit for bit equal to it
+    (tested); any other layout falls back to it."""
+    import torch
+
+    names = weight.__tensor_flatten__()[0]
+    zero = getattr(weight, "zero_point", None)
+    per_row = getattr(weight, "block_size", None) == [1, weight.shape[1]] and weight.scale.numel() == weight.shape[0]
+    if (weight.device.type != "cpu" or not per_row or not set(names) <= {"qdata", "scale", "zero_point"}
+            or (zero is not None and zero[start:stop].any())):
+        return weight[start:stop].dequantize()  # on a GPU a few MB of float32 temporaries beat 100 small kernels
+    qdata, scale = weight.qdata[start:stop], weight.scale[start:stop].reshape(-1, 1)
+    out = torch.empty(qdata.shape, dtype=weight.dtype, device=qdata.device)
+    # torchao's own arithmetic (float32 value x float32 scale, rounded once to the load dtype), a few rows at a
+    # time so the float32 temporaries stay ~1 MB (a mixed-dtype in-place multiply would take the slow
+    # element-by-element casting path: 10x slower, measured)
+    step = max(1, (1 << 18) // max(1, qdata.shape[1]))
+    for i in range(0, qdata.shape[0], step):
+        out[i : i + step] = qdata[i : i + step].to(torch.float32).mul_(scale[i : i + step])
+    return out
+
+
+def stored_bytes(t) -> int:
+    """Bytes a (possibly quantised) parameter holds: NF4 codes + absmax, a torchao tensor's inner tensors."""
+    import torch
+
+    if is_nf4(t):
+        return t.data.numel() * t.data.element_size() + t.quant_state.absmax.numel() * t.quant_state.absmax.element_size()
+    if is_quantized(t):
+        return sum(stored_bytes(getattr(t, n)) for n in t.__tensor_flatten__()[0])
+    t = t.data if isinstance(t, torch.nn.Parameter) else t
+    return t.numel() * t.element_size()
+
+
+def dequantize(weight):
+    """The whole dense weight (tests, references; training never forms it)."""
+    return dequantize_rows(weight, 0, out_in_features(weight)[0])
+
+
+def row_chunk(weight) -> int:
+    """Rows per dequantised chunk in a matmul: DEQUANT_ELEMENTS dense elements, on an NF4 block boundary."""
+    _, k = out_in_features(weight)
+    step = _nf4_row_step(k) if is_nf4(weight) else 1
+    return max(step, DEQUANT_ELEMENTS // k // step * step)
+
+
 def quantized_weight_names(model) -> set[str]:
     import torch
 
@@ -105,7 +233,17 @@ def load_quantized_transformer(folder, dtype, device, name: str):
     to_quantize = quantized_weight_names(model)
     expected = {n for n, _ in model.named_parameters()}
     seen = set()
-    cfg = torchao_config(name)
+    name = canonical(name)
+    cfg = None if name == "nf4" else torchao_config(name)
+
+    def quantize_read(sl, shape):
+        if name == "nf4":
+            step = _nf4_row_step(shape[1])
+            rows = max(step, ROWS // step * step)
+            return _join_nf4([_quantize_nf4_chunk(sl[i : i + rows].to(device=device, dtype=dtype))
+                              for i in range(0, shape[0], rows)], shape, dtype)
+        return _join_rows([_quantize_chunk(sl[i : i + ROWS].to(device=device, dtype=dtype), cfg)
+                           for i in range(0, shape[0], ROWS)], shape)
 
     def read_tensor(path: Path, key: str) -> None:
         # One mapping per tensor, closed when this returns: the file pages read stay in this process's RSS
@@ -113,13 +251,12 @@ def load_quantized_transformer(folder, dtype, device, name: str):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             if key in to_quantize:  # ROWS rows read and quantised at a time: no whole bf16 weight
                 sl = f.get_slice(key)
-                shape = sl.get_shape()
-                t = _join_rows([_quantize_chunk(sl[i : i + ROWS].to(device=device, dtype=dtype), cfg)
-                                for i in range(0, shape[0], ROWS)], shape)
+                t = quantize_read(sl, sl.get_shape())
             else:  # a copy: a view would keep the file mapped
                 t = f.get_tensor(key).to(device=device, dtype=dtype, copy=True)
         owner, _, pname = key.rpartition(".")
-        model.get_submodule(owner)._parameters[pname] = torch.nn.Parameter(t, requires_grad=False)
+        # a Params4bit is a Parameter already (re-wrapping would drop its quant_state)
+        model.get_submodule(owner)._parameters[pname] = t if is_nf4(t) else torch.nn.Parameter(t, requires_grad=False)
         seen.add(key)
 
     for file in tqdm(files, desc=f"load transformer ({name})", unit="shard", leave=False):
@@ -133,11 +270,13 @@ def load_quantized_transformer(folder, dtype, device, name: str):
 
         raise UserError(f"{folder}: the checkpoint lacks {len(expected - seen)} transformer weights "
                         f"(e.g. {sorted(expected - seen)[:3]}): an incomplete or different model folder")
+    install_frozen_linear_backward(model)  # NF4 weights have no linear of their own; torchao's saves a dense copy
     return model.eval()
 
 
 def quantization_config(name: str):
-    """What `from_pretrained(quantization_config=...)` takes to quantise the transformer blocks while loading."""
+    """What `from_pretrained(quantization_config=...)` takes to quantise the transformer blocks while loading
+    (torchao kinds: the reference the tests compare this module's loader with)."""
     ao = torchao_config(name)
     if ao is None:
         return None
@@ -147,30 +286,34 @@ def quantization_config(name: str):
 
 
 def is_quantized(weight) -> bool:
-    return type(weight).__module__.startswith("torchao")
+    return type(weight).__module__.startswith("torchao") or is_nf4(weight)
 
 
-
-
-def _chunked_linear(x, weight, bias, rows: int | None = None):
+def _chunked_linear(x, weight, bias):
+    """x W^T + b with W dequantised `row_chunk` output rows at a time, written into one preallocated output
+    (a list of chunk outputs joined by torch.cat would hold the output twice)."""
     import torch
 
-    rows = rows or ROWS
-    outs = []
-    for start in range(0, weight.shape[0], rows):
-        w = weight[start : start + rows].dequantize().to(x.dtype)
-        outs.append(torch.nn.functional.linear(x, w, None if bias is None else bias[start : start + rows].to(x.dtype)))
-    return torch.cat(outs, dim=-1)
-
-
-def _chunked_input_grad(grad, weight, rows: int | None = None):
-    rows = rows or ROWS
-    out = None
-    for start in range(0, weight.shape[0], rows):
-        w = weight[start : start + rows].dequantize().to(grad.dtype)
-        part = grad[..., start : start + rows] @ w
-        out = part if out is None else out.add_(part)
+    n, _ = out_in_features(weight)
+    rows = row_chunk(weight)
+    out = x.new_empty(*x.shape[:-1], n)
+    for start in range(0, n, rows):
+        w = dequantize_rows(weight, start, start + rows).to(x.dtype)
+        out[..., start : start + rows] = torch.nn.functional.linear(
+            x, w, None if bias is None else bias[start : start + rows].to(x.dtype))
+        del w
     return out
+
+
+def _chunked_input_grad(grad, weight):
+    """grad W, accumulated in place chunk by chunk (addmm_: no second full-size partial product)."""
+    n, k = out_in_features(weight)
+    rows = row_chunk(weight)
+    g = grad.reshape(-1, n)
+    out = g.new_zeros(g.shape[0], k)
+    for start in range(0, n, rows):
+        out.addmm_(g[:, start : start + rows], dequantize_rows(weight, start, start + rows).to(g.dtype))
+    return out.reshape(*grad.shape[:-1], k)
 
 
 class _FrozenQuantizedLinear:
@@ -179,7 +322,8 @@ class _FrozenQuantizedLinear:
     torchao's weight-only linear dequantises W and calls F.linear with the dense copy, so autograd saves that
     dense bf16 copy for the input gradient: every block's full-precision weights would then live until the
     backward, and training would need more memory than the unquantised base. This Function saves the
-    quantised tensor and dequantises ROWS output rows at a time, in the forward and in the backward.
+    quantised tensor and dequantises `row_chunk` output rows at a time, in the forward and in the backward,
+    so no dequantised chunk outlives its matmul. (An NF4 `Params4bit` has no linear of its own at all.)
     """
 
     @staticmethod
@@ -202,7 +346,8 @@ class _FrozenQuantizedLinear:
 
 
 def install_frozen_linear_backward(model) -> int:
-    """Route every torchao-quantised nn.Linear of `model` through `_FrozenQuantizedLinear`; returns how many."""
+    """Route every quantised nn.Linear of `model` through `_FrozenQuantizedLinear`; returns how many (the
+    loader does it; calling it again is harmless)."""
     import torch
 
     fn = _FrozenQuantizedLinear.function()
@@ -211,7 +356,7 @@ def install_frozen_linear_backward(model) -> int:
         if isinstance(module, torch.nn.Linear) and is_quantized(module.weight) and not module.weight.requires_grad:
             def forward(x, m=module):
                 # compute in the weight's (dequantised) dtype, as torchao's own linear requires
-                x = x.to(m.weight.dtype)
+                x = x.to(compute_dtype(m.weight))
                 if not torch.is_grad_enabled() or not x.requires_grad:
                     return _chunked_linear(x, m.weight, m.bias)
                 return fn.apply(x, m.weight, m.bias)

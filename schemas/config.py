@@ -153,9 +153,9 @@ def _quantize_alias(value: Any) -> Any:
     return "int8" if value == "int8_weight_only" else value
 
 
-Quantize = Annotated[Literal["none", "int8", "fp8"], BeforeValidator(_quantize_alias)]
-_QUANTIZE_HELP = ("frozen transformer base, quantised while it loads (torchao weight-only): none | int8 | fp8; "
-                  "int8_weight_only is read as int8")
+Quantize = Annotated[Literal["none", "int8", "fp8", "nf4"], BeforeValidator(_quantize_alias)]
+_QUANTIZE_HELP = ("frozen transformer base, quantised while it loads: none | int8 | fp8 (torchao weight-only) | nf4 "
+                  "(bitsandbytes 4-bit); int8_weight_only is read as int8")
 
 
 class TrainConfig(Section):

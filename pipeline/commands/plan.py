@@ -54,6 +54,6 @@ def command(
             verdict = "  fits" if ok else f"  DOES NOT FIT in {gpu_memory:g} GiB"
         echo(f"  {p.stage:32s} {mp.gib(p.total):>11s}{verdict}   ({detail})")
     if fails:
-        echo("options: train.quantize_base int8|fp8, train.offload blocks, train.gradient_checkpointing true, "
+        echo("options: train.quantize_base int8|fp8|nf4, train.offload blocks, train.gradient_checkpointing true, "
              "a smaller train.batch_size / resize.target_area")
         raise typer.Exit(1)
