@@ -35,6 +35,7 @@ class CheckAhead:
         self._cond = threading.Condition()
         self._results: dict[int, str | None] = {}  # row -> problem (None: intact), in the order checked
         self._busy: int | None = None  # the row being checked right now
+        self._seen: set[int] = set()  # rows this thread checked (a damaged one taken by the consumer stays here)
         self._stop = False
         self.checked = 0  # rows this thread checked (tests, bench)
         self._thread = threading.Thread(target=self._work, args=(iter(order),), daemon=True,
@@ -58,6 +59,9 @@ class CheckAhead:
                 maps.move_to_end(shard)
             return m
 
+        # An endless order (train's plan over epochs) repeats rows: once a whole table's worth of rows in a row
+        # needed no check, every row the order can yield is done, and the thread ends instead of spinning.
+        done_in_a_row, rows = 0, len(self.reader)
         try:
             for i in order:
                 i = int(i)
@@ -66,8 +70,13 @@ class CheckAhead:
                         self._cond.wait()
                     if self._stop:
                         return
-                    if i in self.reader._checked or i in self._results:
+                    if i in self.reader._checked or i in self._results or i in self._seen:
+                        done_in_a_row += 1
+                        if done_in_a_row > rows:
+                            return
                         continue
+                    done_in_a_row = 0
+                    self._seen.add(i)
                     self._busy = i
                 try:
                     problem = self.reader._problem(i, mapper)  # outside the lock: crc32c releases the GIL

@@ -27,3 +27,18 @@ def tiny_plus_model(tmp_path_factory) -> str:
     out = tmp_path_factory.mktemp("models") / "tiny-edit-plus"
     make_tiny_model(out, variant="edit-plus", seed=0)
     return str(out)
+
+
+@pytest.fixture(autouse=True)
+def _no_reader_threads_left():
+    """Every stage stops the background threads it starts (check-ahead, prefetch), on success and on error: a
+    thread left behind keeps a reader (its maps, its descriptors) alive and competes for the CPU."""
+    import threading
+    import time
+
+    yield
+    names = ("check-ahead-", "train-prefetch")
+    deadline = time.monotonic() + 5
+    while (left := [t for t in threading.enumerate() if t.name.startswith(names)]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not left, f"background threads left running: {[t.name for t in left]}"

@@ -129,3 +129,17 @@ def test_joined_check_ahead_walks_each_tables_own_rows(store: Store) -> None:
         assert list(r._ahead._results) == [int(joined.rows[t][i]) for i in order]
     joined.stop_check_ahead()
     assert not _threads()
+
+
+def test_an_endless_order_ends_the_thread_once_every_row_is_checked(store: Store) -> None:
+    """Train's read order repeats over epochs forever: once every row it yields is checked, the thread ends
+    (it used to walk the endless order at full speed, taking a core from the training)."""
+    fill(store, 12)
+    r = store.reader("vae")
+    n = len(r)
+    checker = r.check_ahead(itertools.cycle(range(n)), window=4)
+    for i in range(n):  # the consumer reads one epoch
+        r.tensors_at(i)
+    _wait(lambda: not checker.running)
+    assert checker.checked <= n and len(r._checked) == n
+    r.close()
