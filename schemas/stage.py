@@ -24,3 +24,9 @@ def summary_record(stage: str, table: str | None = None, version: int | None = N
     return {"stage": stage, "table": table, "version": version, "encoded": int(encoded), "reused": int(reused),
             "quarantined": int(quarantined), "bytes_written": int(bytes_written), "seconds": round(float(seconds), 3),
             "up_to_date": bool(up_to_date), **extra}
+
+
+def few(keys, most: int = 10) -> str:
+    """Sorted keys for a summary line: the first `most`, then an ellipsis."""
+    shown = sorted(keys)
+    return ", ".join(shown[:most]) + (" …" if len(shown) > most else "")

@@ -27,7 +27,7 @@ from PIL import Image
 from schemas.config import Section
 from schemas.errors import Rejected, UserError
 from schemas.lineage import Lineage, code_version
-from schemas.stage import summary_record
+from schemas.stage import few, summary_record
 from schemas.table import TableSchema
 from store import Store, TableReader, TableWriter, repair_context
 from store.lease import hold
@@ -165,9 +165,8 @@ class Summary:
                      f"carried forward, v{self.version} verified (v{self.repaired_from} moved to "
                      f"v{self.repaired_from}.damaged/)")
         if self.damaged:
-            shown = sorted(self.damaged)
-            line += (f"\nskipped {len(shown)} damaged input sample(s) of table 'images' (on_damaged=skip; "
-                     f"quarantined as {DAMAGED_INPUT!r}): {', '.join(shown[:10])}{' …' if len(shown) > 10 else ''}")
+            line += (f"\nskipped {len(self.damaged)} damaged input sample(s) of table 'images' (on_damaged=skip; "
+                     f"quarantined as {DAMAGED_INPUT!r}): {few(self.damaged)}")
         return line
 
 

@@ -38,6 +38,7 @@ from schemas.config import EvaluateConfig
 from schemas.errors import UserError
 from models.generate import Conditioning, generate
 from schemas.img_shapes import PIXELS_PER_PATCH
+from schemas.stage import few
 from stages.evaluate.report import SampleRow, psnr, ssim, write_report
 from store import Store, TableReader
 from store.join import JoinedTables, open_features
@@ -353,9 +354,8 @@ class EvaluateResult:
         line = (f"held-out loss on {overall['n']} val samples: base {overall['base']:.4f} -> LoRA "
                 f"{overall['lora']:.4f}; report: {self.report}")
         if self.damaged:
-            shown = sorted(self.damaged)
-            line += (f"\nskipped {len(shown)} damaged val sample(s) (evaluate.on_damaged=skip; listed in "
-                     f"metrics.json run.damaged_samples): {', '.join(shown[:10])}{' …' if len(shown) > 10 else ''}")
+            line += (f"\nskipped {len(self.damaged)} damaged val sample(s) (evaluate.on_damaged=skip; listed in "
+                     f"metrics.json run.damaged_samples): {few(self.damaged)}")
         return line
 
 

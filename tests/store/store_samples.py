@@ -54,3 +54,16 @@ def fill(store: Store, n: int, shard_size_mb: float = 0.004, tag: str = "a", sta
         s = sample(i)
         w.add(s["key"], tensors=s["tensors"], files=s["files"], meta=s["meta"])
     return w.commit()
+
+
+def read_only_open(real_open):
+    """An `os.open` that refuses writes as a read-only file system does (EROFS); reads pass through."""
+    import errno
+    import os
+
+    def opener(path, flags, *a):
+        if flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+        return real_open(path, flags, *a)
+
+    return opener

@@ -17,7 +17,7 @@ from store import format as fmt
 from store.checksum import SealError, seal, unseal
 from store.integrity import DamagedData
 from store.verify import verify_store
-from store_samples import fill, key_of
+from store_samples import fill, key_of, read_only_open
 
 
 def _flip(path: Path, pos: int, bit: int) -> bytes:
@@ -293,20 +293,12 @@ def test_atomic_write_removes_its_temp_file_on_enospc(tmp_path: Path, monkeypatc
 def test_read_only_store_is_one_line(store: Store, monkeypatch) -> None:
     """A store on a read-only mount: the first write (the writer's lock file) fails with EROFS (simulated: the
     tests run as root, whom file modes do not stop)."""
-    import errno
     import os
 
     from store_samples import vae_schema
 
     fill(store, 2)
-    real_open = os.open
-
-    def read_only_open(path, flags, *a):
-        if flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
-            raise OSError(errno.EROFS, "Read-only file system", str(path))
-        return real_open(path, flags, *a)
-
-    monkeypatch.setattr(os, "open", read_only_open)
+    monkeypatch.setattr(os, "open", read_only_open(os.open))
     with pytest.raises(UserError, match=r"cannot write table 'vae': .*\.write-r00\.lock is not writable"):
         store.writer("vae", vae_schema("b"))
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from store import Store
 from store import gc, lease
-from store_samples import fill
+from store_samples import fill, read_only_open
 
 
 def two_versions(store: Store) -> None:
@@ -108,17 +108,9 @@ def test_a_remote_lease_is_refreshed_while_held(store, monkeypatch):
 def test_a_read_only_store_reads_without_a_lease(store, monkeypatch, caplog):
     """On a read-only mount (simulated as in test_integrity: the tests run as root) no lease can be written:
     one warning, the versions are still resolved, and reading goes on."""
-    import errno
 
     two_versions(store)
-    real_open = os.open
-
-    def read_only_open(path, flags, *a):
-        if flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
-            raise OSError(errno.EROFS, "Read-only file system", str(path))
-        return real_open(path, flags, *a)
-
-    monkeypatch.setattr(os, "open", read_only_open)
+    monkeypatch.setattr(os, "open", read_only_open(os.open))
     with caplog.at_level("WARNING", logger="store"):
         held = lease.hold(store.root, {"vae": None}, "a reader")
     assert held.path is None and held.versions == {"vae": [2]} and lease_files(store) == []
