@@ -175,13 +175,6 @@ def record_damage(vdir: Path, samples: dict[str, str] | None = None, shards: dic
         pass
 
 
-def is_marked(vdir: Path) -> bool:
-    try:
-        return fmt.damaged_marker(store_root(vdir), vdir.parent.name, int(vdir.name.lstrip("v"))).exists()
-    except ValueError:
-        return False
-
-
 def damaged_sample_message(vdir: Path, shard: str, key: str, what: str) -> str:
     return (f"{where(vdir)}: sample {key} in {shard} is damaged ({what}); {repair_hint(vdir)} to recompute it "
             "(train can go on without damaged samples: train.on_damaged=skip)")
