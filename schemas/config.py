@@ -81,6 +81,18 @@ class ResizeConfig(Section):
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 _DTYPE_HELP = "auto = bfloat16 on a CUDA device that supports it, float32 on the CPU (models/precision.py)"
+
+
+def _on_damaged(what: str, otherwise: str):
+    """`on_damaged` of a section that reads store samples (train, evaluate, the encoders): the same choice
+    everywhere, described for what that section reads."""
+    return Field("stop", description=f"a damaged {what} (checksum mismatch, missing/short shard): stop with an "
+                 f"error naming it, or {otherwise}")
+
+
+def _max_damaged_fraction(of: str):
+    return Field(0.01, ge=0.0, le=1.0, description=f"on_damaged=skip: stop anyway when more than this fraction of "
+                 f"{of} is damaged")
 _DEVICE_HELP = "cpu, cuda, cuda:N, or one device per local rank ([cuda:0, cuda:1]); cuda = cuda:LOCAL_RANK"
 
 
@@ -97,11 +109,9 @@ class EncodeTextConfig(Section):
     num_workers: int = Field(2, ge=0, description="threads decoding + preprocessing ahead of the forward (0 = inline)")
     no_control_embeds: bool = Field(False, description="also store the instruction encoded without its control "
                                     "images (`nocontrol_embeds`, for train.control_dropout)")
-    on_damaged: Literal["stop", "skip"] = Field(
-        "stop", description="a damaged `images` sample (checksum mismatch, missing/short shard): stop with an error "
-        "naming it, or skip it (quarantined as damaged-input, named in the summary)")
-    max_damaged_fraction: float = Field(0.01, ge=0.0, le=1.0, description="on_damaged=skip: stop anyway when "
-                                        "more than this fraction of the samples is damaged")
+    on_damaged: Literal["stop", "skip"] = _on_damaged(
+        "`images` sample", "skip it (quarantined as damaged-input, named in the summary)")
+    max_damaged_fraction: float = _max_damaged_fraction("the samples")
 
 
 class EncodeVaeConfig(Section):
@@ -110,11 +120,9 @@ class EncodeVaeConfig(Section):
     batch_size: int = Field(8, gt=0)
     shard_size_mb: float = Field(256, gt=0, description="shard file size target (fractions allowed)")
     num_workers: int = Field(2, ge=0, description="threads decoding + preprocessing ahead of the forward (0 = inline)")
-    on_damaged: Literal["stop", "skip"] = Field(
-        "stop", description="a damaged `images` sample (checksum mismatch, missing/short shard): stop with an error "
-        "naming it, or skip it (quarantined as damaged-input, named in the summary)")
-    max_damaged_fraction: float = Field(0.01, ge=0.0, le=1.0, description="on_damaged=skip: stop anyway when "
-                                        "more than this fraction of the samples is damaged")
+    on_damaged: Literal["stop", "skip"] = _on_damaged(
+        "`images` sample", "skip it (quarantined as damaged-input, named in the summary)")
+    max_damaged_fraction: float = _max_damaged_fraction("the samples")
 
 
 class LoraConfig(Section):
@@ -184,11 +192,9 @@ class TrainConfig(Section):
     keep_checkpoints: int = Field(3, gt=0)
     log_every: int = Field(1, gt=0)
     sampler_window: int = Field(64, gt=0, description="length-aware sampler: batches per sorting window")
-    on_damaged: Literal["stop", "skip"] = Field(
-        "stop", description="a damaged store sample (checksum mismatch, missing/short shard): stop with an error "
-        "naming it, or leave it out (all are found before step 0, listed in RUN/damaged_samples.json)")
-    max_damaged_fraction: float = Field(0.01, ge=0.0, le=1.0, description="on_damaged=skip: stop anyway when "
-                                        "more than this fraction of the training samples is damaged")
+    on_damaged: Literal["stop", "skip"] = _on_damaged(
+        "store sample", "leave it out (all are found before step 0, listed in RUN/damaged_samples.json)")
+    max_damaged_fraction: float = _max_damaged_fraction("the training samples")
     on_nonfinite: Literal["stop", "skip_step"] = Field(
         "stop", description="a non-finite loss or gradient: stop naming the step and samples, or skip that "
         "optimizer step (no update, logged)")
@@ -258,11 +264,9 @@ class EvaluateConfig(Section):
     extra_prompts: list[ExtraPrompt] = []
     attention_backend: str | None = Field(
         None, description="attention backend of the held-out loss's padded batches (see train.attention_backend)")
-    on_damaged: Literal["stop", "skip"] = Field(
-        "stop", description="a damaged val sample in text/vae (checksum mismatch, missing/short shard): stop with an "
-        "error naming it, or leave it out (named in the summary and metrics.json)")
-    max_damaged_fraction: float = Field(0.01, ge=0.0, le=1.0, description="on_damaged=skip: stop anyway when "
-                                        "more than this fraction of the val samples is damaged")
+    on_damaged: Literal["stop", "skip"] = _on_damaged(
+        "val sample in text/vae", "leave it out (named in the summary and metrics.json)")
+    max_damaged_fraction: float = _max_damaged_fraction("the val samples")
 
 
 class PredictConfig(Section):
