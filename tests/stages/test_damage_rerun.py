@@ -16,6 +16,7 @@ from pathlib import Path
 import yaml
 from typer.testing import CliRunner
 
+from damage import flip_bit, sample_byte
 from pipeline.cli import app
 from store import Store
 from store import format as fmt
@@ -32,19 +33,6 @@ def encode_json(stage: str, store: Path, model: str, *extra: str) -> dict:
     res = invoke("run", stage, "--store", store, "--model", model, "--device", "cpu", *SMALL_SHARDS, *extra, "--json")
     assert res.exit_code == 0, res.output
     return json.loads([ln for ln in res.stdout.splitlines() if ln.strip()][-1])
-
-
-def flip(root: Path, table: str, key: str, member: str | None = None) -> Path:
-    """One byte inside a stored tensor (or file member) of sample `key`."""
-    r = Store(root).reader(table)
-    row = r.manifest.to_pylist()[r.keys().index(key)]
-    entry = next(x for x in row["files" if member else "tensors"] if member is None or x["name"] == member)
-    shard = r.dir / row["shard"]
-    r.close()
-    data = bytearray(shard.read_bytes())
-    data[entry["offset"] + entry["nbytes"] // 2] ^= 0x10
-    shard.write_bytes(bytes(data))
-    return shard
 
 
 def split_keys(root: Path, split: str) -> list[str]:
@@ -70,7 +58,7 @@ def test_rerun_of_encode_text_recomputes_exactly_the_damaged_sample(tiny_edit_mo
     assert "bytes were not re-read" in res.output and f"pipeline store verify {edit_store}" in res.output
 
     key = split_keys(edit_store, "train")[2]
-    flip(edit_store, "text", key)
+    flip_bit(*sample_byte(edit_store, "text", key), 4)
     res = invoke(*train_args(edit_store, tiny_edit_model, tmp_path / "run"))
     assert res.exit_code == 1 and "Traceback" not in res.output
     line = [ln for ln in res.output.splitlines() if "error:" in ln][0]
@@ -92,7 +80,7 @@ def test_rerun_of_encode_text_recomputes_exactly_the_damaged_sample(tiny_edit_mo
 
 def test_encoders_skip_and_report_damaged_images_up_to_a_threshold(tiny_edit_model, edit_store, tmp_path):
     key = split_keys(edit_store, "train")[1]
-    flip(edit_store, "images", key, member="target.png")
+    flip_bit(*sample_byte(edit_store, "images", key, "target.png"), 4)
     res = invoke("run", "encode-text", "--store", edit_store, "--model", tiny_edit_model, "--device", "cpu")
     assert res.exit_code == 1 and key in res.output and "table 'images' v1" in res.output  # default: stop
     res = invoke("run", "encode-vae", "--store", edit_store, "--model", tiny_edit_model, "--device", "cpu",
@@ -124,7 +112,7 @@ def test_evaluate_skips_and_reports_damaged_val_samples(tiny_edit_model, tmp_pat
     r = Store(root).reader("vae")
     val = sorted(k for k, s in zip(r.keys(), r.manifest.column("split").to_pylist()) if s == "val")
     r.close()
-    flip(root, "vae", val[1])
+    flip_bit(*sample_byte(root, "vae", val[1]), 4)
     args = ["run", "evaluate", "--store", root, "--model", tiny_edit_model, "--lora", tmp_path / "run" / "lora",
             "--device", "cpu", "--num-samples", "0", "--set", "evaluate.timesteps=[0.5]",
             "--set", "evaluate.noise_seeds=[0]"]
@@ -157,14 +145,15 @@ def test_images_repair_and_resize_rerun_keep_every_encoded_sample(tiny_plus_mode
         assert encode_json(stage, store, tiny_plus_model, "--config", config)["encoded"] == n
 
     keys = Store(store).reader("images").keys()
-    flip(store, "images", keys[3], member="target.png")  # repaired by `store repair`, from the source
+    flip_bit(*sample_byte(store, "images", keys[3], "target.png"), 4)  # repaired by `store repair`, from the source
     res = invoke("store", "repair", store, "--config", config)
     assert res.exit_code == 0 and "ok:" in res.output, res.output
     for stage in ("encode-text", "encode-vae"):
         rec = encode_json(stage, store, tiny_plus_model, "--config", config)
         assert (rec["encoded"], rec["reused"], rec["up_to_date"]) == (0, n, False)  # new images version, same bytes
 
-    flip(store, "images", keys[5], member="target.png")  # found by `store verify`, repaired by the stage's rerun
+    # found by `store verify`, repaired by the stage's rerun
+    flip_bit(*sample_byte(store, "images", keys[5], "target.png"), 4)
     assert invoke("store", "verify", store).exit_code == 1
     res = invoke("run", "resize-bucket", "--config", config, "--source", tmp_path / "src", "--store", store, "--json")
     assert res.exit_code == 0, res.output

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
+from damage import flip_bit, key_at, sample_byte
 from pipeline.cli import app
 from pipeline.config import load_config
 from stages.encode import vae as encode_vae
@@ -18,15 +19,9 @@ F32 = {"encode_vae.dtype": "float32"}
 
 
 def test_encode_vae_refuses_a_damaged_png_in_images(tiny_edit_model, edit_store):
-    r = Store(edit_store).reader("images")
-    key = sorted(r.keys())[1]
-    row = r.manifest.to_pylist()[r.keys().index(key)]
-    f = next(x for x in row["files"] if x["name"] == "target.png")
-    shard = r.dir / row["shard"]
-    r.close()
-    data = bytearray(shard.read_bytes())
-    data[f["offset"] + f["nbytes"] // 2] ^= 0x08  # inside the PNG's pixel data: still decodes, wrong pixels
-    shard.write_bytes(bytes(data))
+    key = key_at(edit_store, "images", 1)
+    shard, pos = sample_byte(edit_store, "images", key, "target.png")
+    flip_bit(shard, pos, 3)  # inside the PNG's pixel data: still decodes, wrong pixels
     res = CliRunner().invoke(app, ["run", "encode-vae", "--store", str(edit_store), "--model", tiny_edit_model,
                                    "--device", "cpu"])
     assert res.exit_code == 1 and "Traceback" not in res.output

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from typer.testing import CliRunner
 
+from damage import HEADER, flip_bit, key_at, sample_byte
 from models.lora import read_lora
 from pipeline.cli import app
 from pipeline.config import load_config
@@ -26,15 +27,10 @@ TRAIN = {"train.device": "cpu", "train.batch_size": 2, "train.max_steps": 3, "tr
 
 
 def _flip(root: Path, table: str, index: int, where: str = "tensor") -> str:
-    r = Store(root).reader(table)
-    key = sorted(r.keys())[index]
-    row = r.manifest.to_pylist()[r.keys().index(key)]
-    pos = row["tensors"][0]["offset"] + 5 if where == "tensor" else row["sample_offset"] + 3
-    shard = r.dir / row["shard"]
-    r.close()
-    data = bytearray(shard.read_bytes())
-    data[pos] ^= 0x20
-    shard.write_bytes(bytes(data))
+    """One bit of the `index`-th sample: 5 bytes into its first tensor, or 3 bytes into its tar header."""
+    key = key_at(root, table, index)
+    member, offset = (HEADER, 3) if where == "header" else (None, 5)
+    flip_bit(*sample_byte(root, table, key, member, offset), 5)
     return key
 
 
@@ -80,9 +76,7 @@ def test_repair_recomputes_only_damaged_samples_and_trains_to_the_clean_lora(tin
 def test_repair_names_what_it_cannot_repair_and_rebuilds_store_json(edit_store, tmp_path):
     bad = _flip(edit_store, "images", 2, where="header")  # the fixture's images have no real source to re-render from
     path = edit_store / fmt.STORE_JSON
-    data = bytearray(path.read_bytes())
-    data[data.index(b'"current"') + 2] ^= 0x01
-    path.write_bytes(bytes(data))
+    flip_bit(path, path.read_bytes().index(b'"current"') + 2, 0)
     res = runner.invoke(app, ["store", "repair", str(edit_store)])
     assert res.exit_code == 1
     assert "store.json rebuilt" in res.output and f"images v1: 1 damaged sample(s) to recompute ({bad})" in res.output

@@ -18,6 +18,7 @@ from stages.train import guard as train_guard, recipe as train, state as train_s
 from stages.train.recipe import run
 from store import Store
 from store.integrity import DamagedData
+from damage import flip_bit, key_at, sample_byte
 from train_store import make_train_store, mixed_specs
 
 runner = CliRunner()
@@ -29,24 +30,13 @@ def cfg_of(**train_cfg):
     return load_config(None, {**BASE, **{f"train.{k}": v for k, v in train_cfg.items()}})
 
 
-def _flip_tensor_byte(root: Path, table: str, index: int, tensor: str) -> str:
-    r = Store(root, create=False).reader(table)
-    key = sorted(r.keys())[index]
-    row = r.manifest.to_pylist()[r.keys().index(key)]
-    t = next(t for t in row["tensors"] if t["name"] == tensor)
-    shard = r.dir / row["shard"]
-    r.close()
-    data = bytearray(shard.read_bytes())
-    data[t["offset"] + t["nbytes"] // 2] ^= 0x40
-    shard.write_bytes(bytes(data))
-    return key
-
-
 @pytest.fixture
 def damaged_store(tmp_path, tiny_edit_model) -> tuple[Path, str]:
     root = tmp_path / "store"
     make_train_store(root, tiny_edit_model, mixed_specs(8))
-    return root, _flip_tensor_byte(root, "vae", 3, "target")
+    key = key_at(root, "vae", 3)
+    flip_bit(*sample_byte(root, "vae", key, "target"), 6)
+    return root, key
 
 
 def test_cli_train_refuses_a_damaged_sample_in_one_line(damaged_store, tiny_edit_model, tmp_path):
@@ -79,7 +69,8 @@ def test_evaluate_refuses_a_damaged_val_sample(tmp_path, tiny_edit_model):
     make_train_store(root, tiny_edit_model, mixed_specs(4, 4))
     r = Store(root).reader("text")
     val = sorted(k for k, s in zip(r.keys(), r.manifest.column("split").to_pylist()) if s == "val")
-    key = _flip_tensor_byte(root, "text", sorted(r.keys()).index(val[0]), "prompt_embeds")
+    key = val[0]
+    flip_bit(*sample_byte(root, "text", key, "prompt_embeds"), 6)
     tables = open_train_tables(root, tiny_edit_model, split="val")  # what evaluate reads
     with pytest.raises(DamagedData, match=f"table 'text' v1 .*sample {key}"):
         [load(tables, k) for k in tables.keys]
@@ -131,9 +122,7 @@ def test_damaged_checkpoint_is_named_and_the_previous_offered(tmp_path, tiny_edi
     out = tmp_path / "run"
     run(cfg_of(max_steps=2, checkpoint_every=1), root, tiny_edit_model, out)
     path = out / "checkpoints" / "step-2" / name
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0x01
-    path.write_bytes(bytes(data))
+    flip_bit(path, path.stat().st_size // 2, 0)
     with pytest.raises(train_state.CheckpointDamaged, match=rf"step-2: {'resume.json' if name == 'resume.json' else name}"
                        r".*damaged.*previous checkpoint step-1 is intact"):
         run(cfg_of(max_steps=3, checkpoint_every=1), root, tiny_edit_model, out, resume=True)

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from damage import flip_bit, key_at, sample_byte
 from store import Store
 from store.integrity import DamagedData
 from store_samples import fill
@@ -29,14 +30,8 @@ def _wait(pred, timeout: float = 20.0) -> None:
 
 
 def _flip_sample(root: Path, index: int) -> str:
-    r = Store(root).reader("vae")
-    key = r.keys()[index]
-    row = r.manifest.to_pylist()[index]
-    shard = r.dir / row["shard"]
-    r.close()
-    data = bytearray(shard.read_bytes())
-    data[row["tensors"][0]["offset"] + 3] ^= 0x10
-    shard.write_bytes(bytes(data))
+    key = key_at(root, "vae", index)
+    flip_bit(*sample_byte(root, "vae", key, offset=3), 4)
     return key
 
 

@@ -17,15 +17,8 @@ from store import format as fmt
 from store.checksum import SealError, seal, unseal
 from store.integrity import DamagedData
 from store.verify import verify_store
+from damage import flip_bit
 from store_samples import fill, key_of, read_only_open
-
-
-def _flip(path: Path, pos: int, bit: int) -> bytes:
-    clean = path.read_bytes()
-    bad = bytearray(clean)
-    bad[pos] ^= 1 << bit
-    path.write_bytes(bytes(bad))
-    return clean
 
 
 def _problems(root: Path) -> list[str]:
@@ -58,7 +51,7 @@ def test_verify_reports_every_flip_of_store_schema_checksums_and_manifest(store:
     for path, positions, bits in targets:
         for pos in positions:
             for bit in (bits if bits is not None else [pos % 8]):
-                clean = _flip(path, pos, bit)
+                clean = flip_bit(path, pos, bit)
                 try:
                     problems = _problems(root)
                 finally:
@@ -74,7 +67,7 @@ def test_verify_reports_each_damaged_shard_byte_kind_and_leftover_temp_files(sto
     vdir = store.root / "vae" / "v1"
     shard = sorted(vdir.glob("*.tar"))[0]
     for pos in (0, 520, len(shard.read_bytes()) - 1):  # tar header, safetensors header, end padding
-        clean = _flip(shard, pos, 3)
+        clean = flip_bit(shard, pos, 3)
         assert any(shard.name in p and "damaged" in p for p in _problems(store.root)), pos
         shard.write_bytes(clean)
     litter = vdir / ".shard-r00-000000.index.parquet.tmp-123"
@@ -107,7 +100,7 @@ def test_reader_refuses_a_damaged_byte_of_each_kind(store: Store, kind: str) -> 
     else:
         pos = row["sample_offset"] + 10  # the first member's tar header (its name)
     r.close()
-    _flip(shard, pos, 0)
+    flip_bit(shard, pos, 0)
     r = store.reader("vae")
     with pytest.raises(DamagedData) as e:
         r.get(key)
@@ -144,7 +137,7 @@ def test_damaged_store_json_current_is_a_clear_error(store: Store) -> None:
     path = store.root / fmt.STORE_JSON
     text = path.read_text()
     i = text.index('"current"') + 3
-    _flip(path, i, 5)  # "current" -> "cuRrent": valid JSON, wrong key
+    flip_bit(path, i, 5)  # "current" -> "cuRrent": valid JSON, wrong key
     with pytest.raises(UserError, match="store.json is damaged.*pipeline store repair"):
         Store(store.root, create=False).tables()
     # a format-1 store.json (no checksum) with a damaged table entry: a clear error too, not a KeyError
@@ -188,7 +181,7 @@ def test_format_1_store_stays_readable(store: Store) -> None:
     assert _problems(store.root) == []
     shard = sorted(vdir.glob("*.tar"))[0]
     row = [x for x in m.to_pylist() if x["shard"] == shard.name][0]
-    _flip(shard, row["tensors"][0]["offset"], 1)
+    flip_bit(shard, row["tensors"][0]["offset"], 1)
     r = Store(store.root, create=False).reader("vae")
     assert re.search("sha256 mismatch", r.damaged(row["key"]) or "")
 
@@ -319,7 +312,7 @@ def test_every_bit_flip_of_store_json_is_refused_on_open(store: Store) -> None:
     clean = path.read_bytes()
     for pos in range(len(clean)):
         for bit in range(8):
-            _flip(path, pos, bit)
+            flip_bit(path, pos, bit)
             with pytest.raises(UserError):
                 fmt.read_store_record(store.root)
             path.write_bytes(clean)
