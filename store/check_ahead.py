@@ -35,7 +35,9 @@ class CheckAhead:
         self._cond = threading.Condition()
         self._results: dict[int, str | None] = {}  # row -> problem (None: intact), in the order checked
         self._busy: int | None = None  # the row being checked right now
-        self._seen: set[int] = set()  # rows this thread checked (a damaged one taken by the consumer stays here)
+        # Rows whose check found a problem (or failed): never in the reader's checked set, so remembered here;
+        # intact rows are in `reader._checked` once taken (a second set of every row would cost ~60 MB at 1M).
+        self._bad: set[int] = set()
         self._stop = False
         self.checked = 0  # rows this thread checked (tests, bench)
         self._thread = threading.Thread(target=self._work, args=(iter(order),), daemon=True,
@@ -70,23 +72,25 @@ class CheckAhead:
                         self._cond.wait()
                     if self._stop:
                         return
-                    if i in self.reader._checked or i in self._results or i in self._seen:
+                    if i in self.reader._checked or i in self._results or i in self._bad:
                         done_in_a_row += 1
                         if done_in_a_row > rows:
                             return
                         continue
                     done_in_a_row = 0
-                    self._seen.add(i)
                     self._busy = i
                 try:
                     problem = self.reader._problem(i, mapper)  # outside the lock: crc32c releases the GIL
                 except Exception:  # noqa: BLE001 - e.g. a shard gone: the consumer checks inline, and reports it
                     with self._cond:
+                        self._bad.add(i)
                         self._busy = None
                         self._cond.notify_all()
                     continue
                 with self._cond:
                     self._results[i] = problem
+                    if problem is not None:
+                        self._bad.add(i)
                     self._busy = None
                     self.checked += 1
                     self._cond.notify_all()

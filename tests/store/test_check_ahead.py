@@ -138,3 +138,13 @@ def test_an_endless_order_ends_the_thread_once_every_row_is_checked(store: Store
     _wait(lambda: not checker.running)
     assert checker.checked <= n and len(r._checked) == n
     r.close()
+    # a damaged row never becomes "checked": the thread remembers it, so a consumer that skips it epoch after
+    # epoch does not make the thread check it again each epoch (and walk the plan between)
+    bad = store.reader("vae").keys().index(_flip_sample(store.root, 4))
+    r = store.reader("vae", on_damaged="skip")
+    checker = r.check_ahead(itertools.cycle(range(n)), window=4)
+    for i in [i for _ in range(3) for i in range(n) if i != bad]:  # three epochs
+        r.tensors_at(i)
+    _wait(lambda: not checker.running)
+    assert checker.checked <= n and len(r._checked) == n - 1
+    r.close()
