@@ -49,7 +49,7 @@ from models.attention import use_attention_backend
 from models.multires import install_multires
 from schemas.config import PipelineConfig, TrainConfig, dump_config
 from schemas.errors import UserError
-from stages.train import guard, parallel, previous, state as train_state
+from stages.train import elastic, guard, parallel, previous, state as train_state
 from stages.train.budget import make_sampler
 from stages.train.data import DataStream, load_at, open_inputs, write_data_report
 from stages.train.launch import launched_world_size, use_cpu
@@ -271,8 +271,11 @@ def setup(cfg: PipelineConfig, store: str | Path, model: str, out: str | Path, r
         from stages.train.ema import AdapterEMA
 
         r.ema = AdapterEMA(r.params, tc.ema_decay)
-    sampler = make_sampler(tables.lengths, tc.batch_size, tc.max_tokens_per_batch, tc.seed, tc.sampler_window, r.world)
-    r.stream = DataStream(sampler)
+    # The order is planned for the run's first world size whatever this start's (stages/train/elastic.py).
+    canonical = resumed.canonical if resumed is not None else r.world
+    r.record = replace(r.record, canonical_world_size=canonical)
+    sampler = make_sampler(tables.lengths, tc.batch_size, tc.max_tokens_per_batch, tc.seed, tc.sampler_window, canonical)
+    r.stream = DataStream(elastic.on_world(sampler, r.world))
     if latest is not None:
         _restore(r, latest, resumed)
     if tc.validate_every is not None or tc.sample_every is not None:
@@ -589,13 +592,16 @@ def _restore(r: Run, latest: Path, record: ResumeRecord) -> None:
     load_lora(r.transformer, latest / "lora")
     train_state.load_optimizer(r.optimizer, latest)
     train_state.load_scheduler(r.scheduler, latest)
-    train_state.load_rng(latest, r.rank)
+    elastic.restore_rng(latest, r.rank, record.world_size == r.world, r.cfg.seed, record.step)
     if r.ema is not None:
         r.ema.load(latest)
     r.step = record.step
     r.stream = DataStream(r.stream.sampler, record.epoch, record.batch_in_epoch)
+    elastic.check_split(r.stream.sampler, record.epoch, record.batch_in_epoch)
     if r.main:
         tqdm.write(f"resumed from {latest} (step {r.step}, epoch {record.epoch}, batch {record.batch_in_epoch})")
+        if record.world_size != r.world:
+            tqdm.write(elastic.change_line(record.world_size, r.world, record.canonical))
 
 
 def setup_transformer(model: str, cfg: TrainConfig, device: torch.device):

@@ -31,7 +31,7 @@ _PREFIX = "step-"
 
 
 class ResumeMismatch(UserError):
-    """The run folder's checkpoints were made with other settings, data, model or process count."""
+    """The run folder's checkpoints were made with other settings, data or model."""
 
     def __init__(self, message: str, reason: str = "") -> None:
         super().__init__(message)
@@ -101,9 +101,16 @@ class ResumeRecord:
     tables: dict[str, str]  # table -> identity of the version trained on (Store.version_id)
     store: str
     model_fingerprint: str
-    world_size: int
+    world_size: int  # processes of the start that wrote it (a resume may use another count: stages/train/elastic.py)
     format: int = RESUME_FORMAT
     extra: dict[str, Any] = field(default_factory=dict)
+    # processes the sample order is planned for: the run's first world size (None: checkpoints written before
+    # elastic resume, whose order was planned for their `world_size`)
+    canonical_world_size: int | None = None
+
+    @property
+    def canonical(self) -> int:
+        return self.canonical_world_size or self.world_size
 
     @classmethod
     def read(cls, path: Path) -> "ResumeRecord":
@@ -125,7 +132,8 @@ class ResumeRecord:
         return record
 
     def check_matches(self, now: "ResumeRecord", where: Path) -> None:
-        """Fail loudly when the config, the store tables, the model or the process count changed."""
+        """Fail loudly when the config, the store tables or the model changed (the process count may change:
+        the sample order is planned for the record's canonical world size, stages/train/elastic.py)."""
         problems = []
         if self.config_fingerprint != now.config_fingerprint:
             problems.append(f"train config fingerprint {self.config_fingerprint} -> {now.config_fingerprint}")
@@ -133,12 +141,10 @@ class ResumeRecord:
             problems.append(f"store tables {self.tables} -> {now.tables}")
         if self.model_fingerprint != now.model_fingerprint:
             problems.append(f"model fingerprint {self.model_fingerprint} -> {now.model_fingerprint}")
-        if self.world_size != now.world_size:
-            problems.append(f"process count {self.world_size} -> {now.world_size}")
         if problems:
             raise ResumeMismatch(
-                f"cannot resume from {where}: {'; '.join(problems)}. Resume with the same config, store and "
-                "processes, or start a new run with a different --out", reason="; ".join(problems)
+                f"cannot resume from {where}: {'; '.join(problems)}. Resume with the same config and store, "
+                "or start a new run with a different --out", reason="; ".join(problems)
             )
 
 

@@ -1,0 +1,110 @@
+"""Elastic resume: the sample order of a run does not depend on how many processes train it.
+
+MosaicML streaming's anchor is *canonical nodes*: the order is planned for a number of nodes fixed when the run
+starts, and whatever physical nodes exist later take their share of that plan. Here the canonical number is the
+run's first world size W0 (recorded in every checkpoint as `canonical_world_size`): the samplers
+(`sampler.py`, `budget.py`) plan every epoch's global steps for W0 processes, exactly as before, and a start on
+W processes splits each global step's samples over its W ranks (`split_step`). So:
+
+- the samples of every global step - and therefore every optimizer step - are the same on any W: the loss is
+  the mean per-sample loss of the step whatever the split (recipe.py's world_size / samples-in-step scaling),
+  and per-sample σ / noise / dropout come from (seed, step, key), so a run resumed on another W trains the LoRA
+  a straight run would (within float tolerance; bit-identical orders when W == W0);
+- the data position (epoch, global step) of a checkpoint means the same on any W: after a change every remaining
+  sample of the epoch is seen exactly once.
+The global batch stays what the run started with (batch_size x W0 samples per micro-step); each process now
+takes W0 / W times as many (the one line printed on the change says so). Every rank needs at least one sample
+per step: a step with fewer samples than processes is refused with a UserError (all ranks alike, from the same
+integers); `check_split` refuses it for the rest of the resumed epoch and the whole next one as the
+checkpoint is restored (fixed-size batches give every epoch the same step sizes, so that covers all epochs;
+token-budget steps vary per epoch, and a later too-small one is refused when training reaches it).
+
+LoRA dropout draws from the global torch RNG, saved per rank: with the same W each rank restores its own; after a
+change every rank seeds it from (seed, step, rank) instead (`restore_rng`), so a resume is still reproducible.
+LoRA dropout is not layout-independent in the first place (recipe.py), so with `lora.dropout` > 0 the LoRA after
+a change matches no straight run exactly; with dropout 0 (the default) nothing reads that RNG.
+
+Pure functions of integers, like the samplers (tested exhaustively in tests/stages/test_elastic.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from schemas.errors import UserError
+from store.partition import rank_slice, rng_for
+
+
+def split_step(step: list[list[int]], world_size: int, lengths: list[int]) -> list[list[int]]:
+    """A global step's samples (planned as any number of batches) as `world_size` batches: sorted by length
+    (stable), so neighbours in length share a batch, then cut into contiguous shares within one of each other."""
+    samples = sorted((i for batch in step for i in batch), key=lengths.__getitem__)
+    if len(samples) < world_size:
+        raise UserError(
+            f"a global step of {len(samples)} samples cannot give each of {world_size} processes one: this run's "
+            f"steps were planned for {len(step)} processes; resume on at most {len(samples)} processes")
+    return [samples[slice(*rank_slice(len(samples), r, world_size))] for r in range(world_size)]
+
+
+class SplitSteps(Sequence):
+    """An epoch's planned steps, each split when it is read: a resume never needs the steps before its position,
+    which may be too small for this world (they ran on the old one)."""
+
+    def __init__(self, planned: list[list[list[int]]], world_size: int, lengths: list[int]):
+        self.planned, self.world_size, self.lengths = planned, world_size, lengths
+
+    def __len__(self) -> int:
+        return len(self.planned)
+
+    def __getitem__(self, k):
+        if isinstance(k, slice):
+            return [split_step(s, self.world_size, self.lengths) for s in self.planned[k]]
+        return split_step(self.planned[k], self.world_size, self.lengths)
+
+
+class ElasticSteps:
+    """A sampler planned for `canonical` processes, its steps split over `world_size`: the same interface
+    (`global_steps(epoch)`, `lengths`, `world_size`)."""
+
+    def __init__(self, sampler, world_size: int):
+        self.sampler = sampler
+        self.lengths = sampler.lengths
+        self.world_size = world_size
+        self.canonical = sampler.world_size
+
+    def global_steps(self, epoch: int) -> SplitSteps:
+        return SplitSteps(self.sampler.global_steps(epoch), self.world_size, self.lengths)
+
+
+def on_world(sampler, world_size: int):
+    """The steps for this start: the canonical sampler itself when nothing changed, else its steps re-split."""
+    return sampler if sampler.world_size == world_size else ElasticSteps(sampler, world_size)
+
+
+def check_split(steps, epoch: int, batch: int) -> None:
+    """Raise the UserError now (every rank alike) if the rest of the resumed epoch or the next one has a step
+    too small for this world, rather than when training reaches it."""
+    if isinstance(steps, ElasticSteps):
+        steps.global_steps(epoch)[batch:]
+        steps.global_steps(epoch + 1)[:]
+
+
+def change_line(before: int, now: int, canonical: int) -> str:
+    """The one line a resume on another process count prints."""
+    return (f"world size changed {before} -> {now} processes: the sample order stays the one planned for "
+            f"{canonical}; each global step's samples are now split over {now} ({canonical / now:.3g}x as many "
+            "per process as at the start), so the LoRA is the one a straight run trains")
+
+
+def restore_rng(folder: Path, rank: int, same_world: bool, seed: int, step: int) -> None:
+    """This rank's torch RNG: its own saved state on the same world size; after a change, seeded from
+    (seed, step, rank) (the saved states belong to the old ranks)."""
+    import torch
+
+    from stages.train import state as train_state
+
+    if same_world:
+        train_state.load_rng(folder, rank)
+        return
+    torch.manual_seed(rng_for(seed, step, rank, 0x5EED).getrandbits(63))  # also seeds every CUDA device

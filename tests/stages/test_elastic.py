@@ -1,0 +1,140 @@
+"""Elastic resume (stages/train/elastic.py): a run planned for W0 processes continued on W, as pure functions of
+integers, exhaustive over sample counts, batch sizes / budgets, both world sizes and every resume point."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections import Counter
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from schemas.errors import UserError
+from stages.train import elastic, state as train_state
+from stages.train.budget import TokenBudgetBatchSampler
+from stages.train.data import DataStream
+from stages.train.sampler import LengthAwareBatchSampler
+
+SIZES = [1, 2, 3, 5, 8, 13, 31, 64]
+WORLDS = [1, 2, 3, 4, 8]
+
+
+def random_lengths(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.choice([64, 144, 256, 576, 1024]) + rng.randint(0, 40) for _ in range(n)]
+
+
+def samplers(n: int, canonical: int, seed: int):
+    """Both kinds planned for `canonical` processes (the fixed-size one with several batch sizes)."""
+    lengths = random_lengths(n, seed)
+    for batch_size in (1, 2, 3):
+        yield LengthAwareBatchSampler(lengths, batch_size, seed, window=2, world_size=canonical)
+    for budget in (1100, 3000):
+        yield TokenBudgetBatchSampler(lengths, budget, seed, window=2, world_size=canonical)
+
+
+def take(stream: DataStream, count: int) -> list[list[list[int]]]:
+    return [stream.next()[1] for _ in range(count)]
+
+
+def test_every_remaining_sample_once_after_a_world_size_change():
+    cases = refused = 0
+    for n, canonical, seed in itertools.product(SIZES, WORLDS, [0, 1]):
+        if n < canonical:
+            continue  # the run could not have started on `canonical` processes
+        for sampler in samplers(n, canonical, seed):
+            epoch = seed
+            planned = sampler.global_steps(epoch)
+            for world, stop in itertools.product(WORLDS, range(len(planned))):
+                before = take(DataStream(sampler, epoch, 0), stop)  # the first start, on `canonical`
+                after_stream = DataStream(elastic.on_world(sampler, world), epoch, stop)  # resumed on `world`
+                smallest = min(sum(len(b) for b in s) for s in planned[stop:])
+                if smallest < world:  # a step too small to give every rank a sample: refused, every rank alike
+                    with pytest.raises(UserError, match="cannot give each of"):
+                        take(after_stream, len(planned) - stop)
+                    refused += 1
+                    continue
+                after = take(after_stream, len(planned) - stop)
+                assert after_stream.position == (epoch + 1, 0)  # the epoch ends where the plan does
+                counts = Counter(i for step in before + after for batch in step for i in batch)
+                assert set(counts) == set(range(n)) and set(counts.values()) == {1}  # each sample once
+                assert all(len(step) == world for step in after)  # every rank a batch of every step
+                assert all(batch for step in after for batch in step)  # ... never an empty one
+                # Each optimizer step trains on the same samples as on `canonical` processes: the same LoRA.
+                assert [sorted(i for b in s for i in b) for s in after] == \
+                       [sorted(i for b in s for i in b) for s in planned[stop:]]
+                if world == canonical:  # nothing changed: exactly the planned batches
+                    assert after == planned[stop:]
+                else:  # shares within one sample of each other
+                    assert all(max(map(len, s)) - min(map(len, s)) <= 1 for s in after)
+                cases += 1
+    assert cases > 2000 and refused > 0
+
+
+def test_a_second_change_keeps_the_canonical_plan():
+    """4 -> 2 -> 8 processes within one epoch: the plan stays the one made for 4 (106 samples at a global batch
+    of 12: the last step holds 10, enough for 8 processes)."""
+    lengths = random_lengths(106, 3)
+    sampler = LengthAwareBatchSampler(lengths, 3, seed=3, world_size=4)
+    plan = sampler.global_steps(1)
+    seen = take(DataStream(sampler, 1, 0), 3)
+    seen += take(DataStream(elastic.on_world(sampler, 2), 1, 3), 4)
+    seen += take(DataStream(elastic.on_world(sampler, 8), 1, 7), len(plan) - 7)
+    assert [sorted(i for b in s for i in b) for s in seen] == [sorted(i for b in s for i in b) for s in plan]
+    assert sorted(i for s in seen for b in s for i in b) == list(range(106))
+
+
+def test_split_sorts_by_length_and_refuses_more_processes_than_samples():
+    lengths = [50, 10, 40, 20, 30]
+    assert elastic.split_step([[0, 1], [2, 3, 4]], 2, lengths) == [[1, 3], [4, 2, 0]]
+    with pytest.raises(UserError, match="5 samples cannot give each of 6 processes one.*at most 5"):
+        elastic.split_step([[0, 1], [2, 3, 4]], 6, lengths)
+
+
+def _record(**kw) -> train_state.ResumeRecord:
+    base = dict(step=4, epoch=1, batch_in_epoch=2, config_fingerprint="c", tables={"text": "v1"}, store="/s",
+                model_fingerprint="m", world_size=4)
+    return train_state.ResumeRecord(**{**base, **kw})
+
+
+def test_record_allows_another_process_count_and_keeps_the_canonical_one(tmp_path):
+    saved, now = _record(world_size=4, canonical_world_size=4), _record(world_size=2)
+    saved.check_matches(now, tmp_path)  # another process count: no refusal
+    with pytest.raises(train_state.ResumeMismatch, match="config fingerprint"):
+        saved.check_matches(_record(world_size=2, config_fingerprint="d"), tmp_path)
+    train_state.write_record(tmp_path, _record(world_size=2, canonical_world_size=4))
+    assert train_state.ResumeRecord.read(tmp_path / train_state.RESUME_JSON).canonical == 4
+    # A checkpoint written before elastic resume: its order was planned for the processes that wrote it.
+    assert _record(world_size=3).canonical == 3
+
+
+def test_rng_own_state_on_the_same_world_seeded_after_a_change(tmp_path):
+    torch.manual_seed(123)
+    saved = torch.get_rng_state()
+    save_file({"cpu": saved}, tmp_path / "rng-rank01.safetensors")
+    torch.manual_seed(0)
+    elastic.restore_rng(tmp_path, 1, same_world=True, seed=7, step=4)
+    assert torch.equal(torch.get_rng_state(), saved)
+
+    draws = []
+    for rank in (0, 1, 0):  # after a change: from (seed, step, rank), reproducible and different per rank
+        elastic.restore_rng(tmp_path, rank, same_world=False, seed=7, step=4)
+        draws.append(torch.rand(3))
+    assert torch.equal(draws[0], draws[2]) and not torch.equal(draws[0], draws[1])
+    assert not torch.equal(torch.get_rng_state(), saved)
+
+
+def test_change_line_names_both_counts():
+    line = elastic.change_line(4, 2, 4)
+    assert line.startswith("world size changed 4 -> 2 processes") and "2x as many" in line
+
+
+def test_check_split_refuses_at_resume_what_the_rest_of_the_epoch_cannot_split():
+    lengths = random_lengths(9, 0)  # batch 2 on 2 processes: steps of 4, 4 and a tail of 1 joined to the last
+    sampler = LengthAwareBatchSampler(lengths, 2, seed=0, world_size=2)
+    elastic.check_split(elastic.on_world(sampler, 4), 0, 1)  # 4 processes: every step holds >= 4
+    with pytest.raises(UserError, match="cannot give each of 5 processes one"):
+        elastic.check_split(elastic.on_world(sampler, 5), 0, 2)  # past the end of epoch 0: epoch 1 is checked
+    elastic.check_split(sampler, 0, 0)  # the same world: nothing to check
