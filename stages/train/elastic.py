@@ -13,11 +13,10 @@ W processes splits each global step's samples over its W ranks (`split_step`). S
 - the data position (epoch, global step) of a checkpoint means the same on any W: after a change every remaining
   sample of the epoch is seen exactly once.
 The global batch stays what the run started with (batch_size x W0 samples per micro-step); each process now
-takes W0 / W times as many (the one line printed on the change says so). Every rank needs at least one sample
-per step: a step with fewer samples than processes is refused with a UserError (all ranks alike, from the same
-integers); `check_split` refuses it for the rest of the resumed epoch and the whole next one as the
-checkpoint is restored (fixed-size batches give every epoch the same step sizes, so that covers all epochs;
-token-budget steps vary per epoch, and a later too-small one is refused when training reaches it).
+takes about W0 / W times as many (the one line printed on the change says so). A step with fewer samples than
+processes (the epoch's tail, after growing past W0) leaves some ranks an empty share: they run a stand-in of
+zero weight, so DDP stays in lockstep and the step's gradient is still exactly the mean over its real samples -
+unlike MosaicML's padding by repeated samples, no sample counts twice.
 
 LoRA dropout draws from the global torch RNG, saved per rank: with the same W each rank restores its own; after a
 change every rank seeds it from (seed, step, rank) instead (`restore_rng`), so a resume is still reproducible.
@@ -32,24 +31,20 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from schemas.errors import UserError
 from store.partition import rank_slice, rng_for
 
 
 def split_step(step: list[list[int]], world_size: int, lengths: list[int]) -> list[list[int]]:
     """A global step's samples (planned as any number of batches) as `world_size` batches: sorted by length
-    (stable), so neighbours in length share a batch, then cut into contiguous shares within one of each other."""
+    (stable), so neighbours in length share a batch, then cut into contiguous shares within one of each other.
+    With fewer samples than processes some shares are empty: those ranks train on a zero-weight stand-in
+    (`stages.train.prefetch.prepare_share`)."""
     samples = sorted((i for batch in step for i in batch), key=lengths.__getitem__)
-    if len(samples) < world_size:
-        raise UserError(
-            f"a global step of {len(samples)} samples cannot give each of {world_size} processes one: this run's "
-            f"steps were planned for {len(step)} processes; resume on at most {len(samples)} processes")
     return [samples[slice(*rank_slice(len(samples), r, world_size))] for r in range(world_size)]
 
 
 class SplitSteps(Sequence):
-    """An epoch's planned steps, each split when it is read: a resume never needs the steps before its position,
-    which may be too small for this world (they ran on the old one)."""
+    """An epoch's planned steps, each split when it is read (a resume reads only those after its position)."""
 
     def __init__(self, planned: list[list[list[int]]], world_size: int, lengths: list[int]):
         self.planned, self.world_size, self.lengths = planned, world_size, lengths
@@ -80,14 +75,6 @@ class ElasticSteps:
 def on_world(sampler, world_size: int):
     """The steps for this start: the canonical sampler itself when nothing changed, else its steps re-split."""
     return sampler if sampler.world_size == world_size else ElasticSteps(sampler, world_size)
-
-
-def check_split(steps, epoch: int, batch: int) -> None:
-    """Raise the UserError now (every rank alike) if the rest of the resumed epoch or the next one has a step
-    too small for this world, rather than when training reaches it."""
-    if isinstance(steps, ElasticSteps):
-        steps.global_steps(epoch)[batch:]
-        steps.global_steps(epoch + 1)[:]
 
 
 def change_line(before: int, now: int, canonical: int) -> str:

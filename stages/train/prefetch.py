@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from dataclasses import dataclass, fields, is_dataclass
+from dataclasses import dataclass, fields, is_dataclass, replace
 from typing import Any, Callable, Iterator
 
 import torch
@@ -50,6 +50,18 @@ def prepare(tables: JoinedTables, tc: TrainConfig, indices: list[int], step: int
     empty = [draw_caption_dropout(s, tc.seed, step, tc.caption_dropout) for s in samples]
     weights = (tc.loss.mask_weight.foreground, tc.loss.mask_weight.background)
     return prepare_flow_batch(samples, sigmas, noises, empty, weights, device, dtype)
+
+
+def prepare_share(tables: JoinedTables, tc: TrainConfig, indices: list[int], global_batch: list[list[int]],
+                  step: int, device: torch.device, dtype: torch.dtype) -> FlowBatch:
+    """`prepare` of this rank's share; an empty share (a step of fewer samples than processes after an elastic
+    resume, stages/train/elastic.py) becomes a stand-in of zero weight: the step's first sample with all token
+    weights 0, whose loss and gradient are exactly 0 (`models.flow.per_sample_loss`). The rank still runs its
+    forward and backward, so DDP's all-reduce goes on in step; the recipe counts only the step's real samples."""
+    if indices:
+        return prepare(tables, tc, indices, step, device, dtype)
+    flow = prepare(tables, tc, [next(i for b in global_batch for i in b)], step, device, dtype)
+    return replace(flow, weights=[torch.zeros(t.shape[0], device=t.device) for t in flow.targets])
 
 
 def map_tensors(obj, fn: Callable[[torch.Tensor], torch.Tensor]):
@@ -90,9 +102,9 @@ class MicroBatches:
         self._count += 1
         indices = global_batch[self.rank]
         if self._queue is None or self._side is None:  # inline, or a CPU prefetch: the same ops as inline
-            flow = prepare(self.tables, self.tc, indices, step, self.device, self.dtype)
+            flow = prepare_share(self.tables, self.tc, indices, global_batch, step, self.device, self.dtype)
             return MicroBatch(epoch, global_batch, ends, self.stream.position, step, flow)
-        flow = prepare(self.tables, self.tc, indices, step, torch.device("cpu"), self.dtype)
+        flow = prepare_share(self.tables, self.tc, indices, global_batch, step, torch.device("cpu"), self.dtype)
         with torch.cuda.stream(self._side):
             flow = map_tensors(flow, lambda t: t.pin_memory().to(self.device, non_blocking=True))
             ready = torch.cuda.Event()

@@ -597,7 +597,6 @@ def _restore(r: Run, latest: Path, record: ResumeRecord) -> None:
         r.ema.load(latest)
     r.step = record.step
     r.stream = DataStream(r.stream.sampler, record.epoch, record.batch_in_epoch)
-    elastic.check_split(r.stream.sampler, record.epoch, record.batch_in_epoch)
     if r.main:
         tqdm.write(f"resumed from {latest} (step {r.step}, epoch {record.epoch}, batch {record.batch_in_epoch})")
         if record.world_size != r.world:

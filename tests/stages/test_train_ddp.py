@@ -1,6 +1,7 @@
-"""Two-process data parallel on CPU (gloo, `accelerate launch --multi_gpu`) trains the same LoRA as one process
-with the same global batch, and resumed on one process (elastic resume) it goes on training the LoRA the
-straight run trains. Slow (two fresh interpreters): one launch, 3 steps, then 2 more in this process.
+"""Elastic data parallel on CPU (gloo, `accelerate launch --multi_gpu`): a run started on one process, resumed on
+two, then on one again, trains the LoRA a straight one-process run with the same global batch trains. Slow (two
+fresh interpreters): one launch of 3 steps, the rest in this process. (A fresh 2-rank run against one process:
+tests/stages/test_train_multinode.py.)
 
 The launched run leaves train.device unset, as the README's command does: on a machine without GPUs that must
 still be one 2-rank run (not two independent 1-process runs into the same folder)."""
@@ -33,49 +34,55 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_processes_train_the_same_lora_as_one_and_resume_on_one(tiny_edit_model, tmp_path, capsys):
+def _losses(stdout: str) -> str:
+    lines = [line for line in stdout.splitlines() if line.startswith("trained ")]
+    assert len(lines) == 1, stdout  # one run, not two: one summary line
+    return lines[0]
+
+
+def test_one_then_two_then_one_process_train_the_straight_runs_lora(tiny_edit_model, tmp_path, capsys):
     store = tmp_path / "store"
-    # 11 samples at global batch 4: steps of 4, 4 and a tail of 3, which the two ranks split 2 + 1.
-    make_train_store(store, tiny_edit_model, mixed_specs(11))
+    # 9 samples at a global batch of 4: steps of 4, 4 and 1 per epoch. On two processes the 1-sample step leaves
+    # one rank an empty share (a zero-weight stand-in); the other steps split 2 + 2.
+    make_train_store(store, tiny_edit_model, mixed_specs(9))
     cfg_file = tmp_path / "train.yaml"
     cfg_file.write_text(yaml.safe_dump({"train": TRAIN}))
 
-    # The straight 1-process run goes on to step 5 (epoch 1); its step-3 checkpoint is the reference at 3 steps.
-    one = run(load_config(cfg_file, {"train.batch_size": 4, "train.device": "cpu", "train.max_steps": 5}), store,
-              tiny_edit_model, tmp_path / "one")
+    def config(steps: int):
+        return load_config(cfg_file, {"train.batch_size": 4, "train.device": "cpu", "train.max_steps": steps})
+
+    straight = run(config(7), store, tiny_edit_model, tmp_path / "straight")
+    run(config(3), store, tiny_edit_model, tmp_path / "elastic")  # epoch 0 on one process
+
     cmd = [
         sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
         "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
         "--main_process_port", str(_free_port()),
         "-m", "pipeline.cli", "run", "train", "--store", str(store), "--model", tiny_edit_model,
-        "--out", str(tmp_path / "two"), "--config", str(cfg_file), "--batch-size", "2",
+        "--out", str(tmp_path / "elastic"), "--config", str(cfg_file), "--batch-size", "4", "--max-steps", "6",
+        "--resume",
     ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    # One run, not two: one summary line, one note that the ranks train on the CPU; 3 steps are one epoch.
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("trained ")]
-    assert len(lines) == 1, proc.stdout
     assert (proc.stdout + proc.stderr).count("processes train on the CPU (gloo)") == 1, proc.stdout
-    mean = float(re.search(r"train loss (\S+) \(mean of 3 steps in epoch 0\)", lines[0]).group(1))
-    assert abs(mean - sum(one.losses[:3]) / 3) < 2e-4  # the global mean losses match the 1-process run's
+    assert proc.stdout.count("world size changed 1 -> 2 processes") == 1, proc.stdout
+    # Steps 4-6 are epoch 1: its global mean loss is the straight run's (each rank's loss scaled by world_size /
+    # samples in the step keeps the mean exact for the 1 + 0 step too).
+    mean = float(re.search(r"train loss (\S+) \(mean of 3 steps in epoch 1\)", _losses(proc.stdout)).group(1))
+    assert abs(mean - sum(straight.losses[3:6]) / 3) < 2e-4
 
-    # Step 3 is the uneven tail: scaling each rank's loss by world_size / samples-in-step keeps the mean exact.
-    ckpt = tmp_path / "two" / "checkpoints" / "step-3"
+    ckpt = tmp_path / "elastic" / "checkpoints" / "step-6"
     assert {p.name for p in ckpt.glob("rng-rank*")} == {"rng-rank00.safetensors", "rng-rank01.safetensors"}
-    assert train_state.ResumeRecord.read(ckpt / "resume.json").world_size == 2
-    assert_close_lora(read_lora(tmp_path / "one" / "checkpoints" / "step-3" / "lora")[0],
-                      read_lora(tmp_path / "two" / "lora")[0], lr=TRAIN["learning_rate"], steps=3)
+    record = train_state.ResumeRecord.read(ckpt / "resume.json")
+    assert (record.world_size, record.canonical) == (2, 1)  # the order stays planned for one process
+    assert_close_lora(read_lora(tmp_path / "straight" / "checkpoints" / "step-6" / "lora")[0],
+                      read_lora(ckpt / "lora")[0], lr=TRAIN["learning_rate"], steps=6)
 
-    # Elastic resume 2 -> 1 process (same config: batch 2 per process as planned for 2, so each global step of 4
-    # samples now runs on one process): steps 4 and 5 (epoch 1) are the straight run's.
+    # ... and back on one process for step 7 (epoch 2).
     capsys.readouterr()
-    resumed = run(load_config(cfg_file, {"train.batch_size": 2, "train.device": "cpu", "train.max_steps": 5}), store,
-                  tiny_edit_model, tmp_path / "two", resume=True)
+    resumed = run(config(7), store, tiny_edit_model, tmp_path / "elastic", resume=True)
     assert "world size changed 2 -> 1 processes" in capsys.readouterr().out
-    assert resumed.start_step == 3 and resumed.steps == 5
-    assert all(abs(a - b) < 2e-4 for a, b in zip(resumed.losses, one.losses[3:]))
-    record = train_state.ResumeRecord.read(tmp_path / "two" / "checkpoints" / "step-5" / "resume.json")
-    assert (record.world_size, record.canonical) == (1, 2)  # the order stays planned for 2 processes
-    assert_close_lora(read_lora(tmp_path / "one" / "lora")[0], read_lora(tmp_path / "two" / "lora")[0],
-                      lr=TRAIN["learning_rate"], steps=5)
+    assert resumed.start_step == 6 and abs(resumed.losses[0] - straight.losses[6]) < 2e-4
+    assert_close_lora(read_lora(tmp_path / "straight" / "lora")[0], read_lora(tmp_path / "elastic" / "lora")[0],
+                      lr=TRAIN["learning_rate"], steps=7)
