@@ -26,7 +26,7 @@ def command(
                                  "and train afresh into --out; with --resume only when that run cannot be continued "
                                  "(other tables, model or train config), as `run all` does."),
     max_steps: Optional[int] = typer.Option(None, "--max-steps", help="Optimizer steps in all (train.max_steps)."),
-    batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Samples per process per micro-step."),
+    batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Samples per process per micro-step (train.batch_size; a resume on another process count keeps the global batch)."),
     device: Optional[str] = typer.Option(None, "--device", help="'cpu' forces the CPU (train.device)."),
     as_json: bool = JsonOpt,
 ) -> None:

@@ -25,6 +25,8 @@ thread (`stages/train/prefetch.py`, `train.prefetch`). Per-sample σ, noise and 
 dropout come from (seed, optimizer step, key), so 1 process and N processes train the same LoRA, and so do
 batch B x grad_accum A and batch B*A when the sampler puts the same samples in the step. The global torch
 RNG (saved per rank in checkpoints) only feeds LoRA dropout, which is therefore not layout-independent.
+The sampler's global steps are planned for the run's first world size, so a resume on another process count
+splits the same steps over its ranks and trains the same LoRA (`stages/train/elastic.py`).
 Note: after a mid-epoch resume, that epoch's padding efficiency counts from the resume point.
 """
 
