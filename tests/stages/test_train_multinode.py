@@ -22,6 +22,20 @@ from train_store import assert_close_lora, make_train_store, mixed_specs
 REPO = Path(__file__).resolve().parents[2]
 
 
+def start_nodes(cli_args: list[str], node_env: tuple[dict, dict] = ({}, {})) -> list[subprocess.Popen]:
+    """`torchrun --nnodes 2 --node-rank K --nproc-per-node 1 -m pipeline.cli ARGS` for K = 0, 1: two "nodes" on
+    this machine, a static rendezvous hosted by node 0 on 127.0.0.1 (a free port). Each in its own session, so a
+    test can kill a whole node (its torchrun agent and worker)."""
+    port = _free_port()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    return [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+         "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
+         "-m", "pipeline.cli", *cli_args],
+        env={**env, **node_env[node]}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True) for node in (0, 1)]
+
+
 def test_two_nodes_train_the_same_lora_as_one_process(tiny_edit_model, tmp_path):
     store = tmp_path / "store"
     make_train_store(store, tiny_edit_model, mixed_specs(11))  # steps of 4, 4 and a tail of 3 (split 2 + 1)
@@ -29,14 +43,8 @@ def test_two_nodes_train_the_same_lora_as_one_process(tiny_edit_model, tmp_path)
     cfg_file.write_text(yaml.safe_dump({"train": TRAIN}))
     one = run(load_config(cfg_file, {"train.batch_size": 4, "train.device": "cpu"}), store, tiny_edit_model, tmp_path / "one")
 
-    port = _free_port()
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    nodes = [subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
-         "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
-         "-m", "pipeline.cli", "run", "train", "--store", str(store), "--model", tiny_edit_model,
-         "--out", str(tmp_path / "two"), "--config", str(cfg_file), "--batch-size", "2"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for node in (0, 1)]
+    nodes = start_nodes(["run", "train", "--store", str(store), "--model", tiny_edit_model, "--out",
+                         str(tmp_path / "two"), "--config", str(cfg_file), "--batch-size", "2"])
     outs = [p.communicate(timeout=300) for p in nodes]
     for p, (out, err) in zip(nodes, outs):
         assert p.returncode == 0, err[-3000:]
