@@ -4,7 +4,7 @@
     lora/pytorch_lora_weights.safetensors   the adapter, diffusers format (loadable like RUN/lora)
     optimizer.safetensors + optimizer.json  optimizer state tensors / other state + param groups (no pickle)
     scheduler.json                          LR scheduler state
-    rng-rankNN.safetensors                  each rank's torch RNG states
+    rng-rankNN.safetensors                  each rank's torch RNG states (restored on the same process count)
     resume.json                             `ResumeRecord` + size and CRC32C of every other file, sealed
                                             with its own CRC32C (store/checksum.py), written last
 Everything is written into `.step-N.tmp/`, fsynced, then renamed to `step-N` (the commit, `store.format.atomic_dir`):
@@ -282,7 +282,7 @@ def save_rng(folder: Path, rank: int) -> None:
 def load_rng(folder: Path, rank: int) -> None:
     path = _rng_file(folder, rank)
     if not path.is_file():
-        raise UserError(f"{folder} has no RNG state for rank {rank}: it was written by a different process count")
+        raise UserError(f"{folder} has no RNG state for rank {rank}: the checkpoint is incomplete")
     states = load_file(path)
     torch.set_rng_state(states["cpu"])
     cuda = [states[f"cuda{i}"] for i in range(sum(k.startswith("cuda") for k in states))]
