@@ -61,6 +61,7 @@ def test_every_remaining_sample_once_after_a_world_size_change():
                     assert after == planned[stop:]
                 else:  # shares within one sample of each other; empty only in a step of fewer samples than ranks
                     assert all(max(map(len, s)) - min(map(len, s)) <= 1 for s in after)
+                    assert all(all(s) or sum(map(len, s)) < world for s in after)
                     stand_ins += sum(1 for s in after for b in s if not b)
                 cases += 1
     assert cases > 2000 and stand_ins > 0
