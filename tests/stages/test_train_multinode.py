@@ -57,3 +57,20 @@ def test_two_nodes_train_the_same_lora_as_one_process(tiny_edit_model, tmp_path)
     assert train_state.ResumeRecord.read(ckpt / "resume.json").world_size == 2
     assert_close_lora(read_lora(tmp_path / "one" / "lora")[0], read_lora(tmp_path / "two" / "lora")[0],
                       lr=TRAIN["learning_rate"], steps=3)
+
+
+def test_node_one_of_two_picks_its_device_by_local_rank(monkeypatch):
+    """What torchrun sets on the second node of 2 x 1 (and 2 x 2): devices come from LOCAL_RANK, the launch size
+    and the data split from WORLD_SIZE / RANK."""
+    from models.precision import device_for_rank
+    from stages.encode.common import Ranks, rank_device
+    from stages.train.launch import launched_world_size
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert launched_world_size() == 2
+    assert device_for_rank("cuda") == "cuda:0" and device_for_rank(["cuda:0"]) == "cuda:0"  # not cuda:1 (absent)
+    assert rank_device("cuda", Ranks(rank=1, world_size=2, local_rank=0)) == "cuda:0"
+    assert rank_device(["cuda:0", "cuda:1"], Ranks(rank=3, world_size=4, local_rank=1)) == "cuda:1"  # 2 x 2
