@@ -67,24 +67,26 @@ class LossStore:
     """Open (or start) the group at `folder/losses.zarr` for `fingerprint`; see the module doc."""
 
     def __init__(self, folder: str | Path, fingerprint: str, axes: Axes, settings: dict):
-        zarr = _zarr()
         self.path = Path(folder) / GROUP
-        self.axes = axes
-        if self.path.exists():
-            recorded = self._recorded_fingerprint()
-            if recorded != fingerprint:
-                aside = self.path.with_name(f"losses.{(recorded or 'unreadable')[:12]}.zarr")
-                if aside.exists():
-                    aside = aside.with_name(f"{aside.stem}.{os.getpid()}.zarr")
-                os.rename(self.path, aside)
-                self.kept_aside: Path | None = aside
-            else:
-                self.kept_aside = None
+        self.axes, self.fingerprint, self.settings = axes, fingerprint, settings
+        self.kept_aside: Path | None = None
+        if self.path.exists() and self._recorded_fingerprint() != fingerprint:
+            self.start_over()
         else:
-            self.kept_aside = None
-        if not self.path.exists():
-            self._create(fingerprint, settings)
-        self.group = zarr.open_group(self.path, mode="r+", use_consolidated=True)
+            if not self.path.exists():
+                self._create(fingerprint, settings)
+            self.group = _zarr().open_group(self.path, mode="r+", use_consolidated=True)
+
+    def start_over(self) -> None:
+        """Keep the current group aside (`losses.<its fingerprint>[.N].zarr`) and begin an empty one."""
+        recorded = (self._recorded_fingerprint() or "unreadable")[:12]
+        aside, n = self.path.with_name(f"losses.{recorded}.zarr"), 1
+        while aside.exists():
+            aside, n = self.path.with_name(f"losses.{recorded}.{n}.zarr"), n + 1
+        os.rename(self.path, aside)
+        self.kept_aside = aside
+        self._create(self.fingerprint, self.settings)
+        self.group = _zarr().open_group(self.path, mode="r+", use_consolidated=True)
 
     def _recorded_fingerprint(self) -> str | None:
         try:

@@ -1,0 +1,137 @@
+"""`evaluate --all-checkpoints`: a run whose three checkpoints are built so the best one is known (a zero LoRA is
+the base exactly; a large random one is worse), the zarr group read back by xarray with its named dimensions,
+an append killed before its commit, a checkpoint already evaluated skipped, a changed setting -> a new array."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import xarray as xr
+from typer.testing import CliRunner
+
+from models.loading import load_component
+from models.lora import add_lora, save_lora
+from pipeline.cli import app
+from schemas.config import EvaluateConfig, LoraConfig
+from stages.evaluate import checkpoints as ev
+from store.loss_array import GROUP
+from train_store import make_train_store, mixed_specs
+
+CFG = dict(noise_seeds=[0, 1], timesteps=[0.3, 0.7], batch_size=4, num_samples=0, device="cpu")
+
+
+def _write_lora(transformer, folder, scale: float) -> None:
+    """A LoRA with B = scale x a fixed random matrix (scale 0: exactly the base model)."""
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in transformer.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * scale)
+    save_lora(transformer, folder / "lora")
+    (folder / "resume.json").write_text("{}")  # what marks a committed checkpoint (stages/train/state.py)
+
+
+@pytest.fixture(scope="module")
+def run_and_store(tiny_edit_model, tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpts")
+    make_train_store(root / "store", tiny_edit_model, mixed_specs(1, 5, masks=True))
+    transformer = load_component(tiny_edit_model, "transformer")
+    add_lora(transformer, LoraConfig(rank=4, alpha=4.0))
+    # step 10: far from the base (worse); steps 20 and 30: zero LoRAs, the base itself -> a tie, the earlier wins
+    for step, scale in ((10, 20.0), (20, 0.0), (30, 0.0)):
+        _write_lora(transformer, root / "run" / "checkpoints" / f"step-{step}", scale)
+    return root
+
+
+def _ckpts(root):
+    return [(s, root / "run" / "checkpoints" / f"step-{s}" / "lora") for s in (10, 20, 30)]
+
+
+def test_best_checkpoint_known_by_construction_and_zarr_reads_in_xarray(run_and_store, tiny_edit_model, tmp_path):
+    root = run_and_store
+    out = tmp_path / "report"
+    res = ev.run(EvaluateConfig(**CFG), root / "store", tiny_edit_model, _ckpts(root), out)
+    assert res.evaluated == 3
+    c = res.metrics["checkpoints"]
+    assert c["steps"] == [10, 20, 30]
+    assert res.best["step"] == 20 and res.best["path"].endswith("step-20/lora")
+    assert res.metrics["checkpoints"]["last"]["step"] == 30
+    base = c["base"]["overall"]
+    assert c["per_step"][1]["overall"] == pytest.approx(base, rel=1e-6)  # a zero LoRA is the base
+    assert c["per_step"][0]["overall"] > base
+    assert "step 20" in str(res) and res.best["path"] in str(res)
+    assert res.to_json()["best_checkpoint"] == res.best["path"]
+
+    ds = xr.open_zarr(out / GROUP)
+    assert ds.loss.dims == ("step", "sample", "seed", "sigma", "region")
+    assert ds.base_loss.dims == ("sample", "seed", "sigma", "region")
+    assert list(ds.step.values) == [10, 20, 30] and list(ds.region.values) == ["all", "inside", "outside"]
+    assert list(ds.sigma.values) == [0.3, 0.7] and list(ds.seed.values) == [0, 1] and ds.sizes["sample"] == 5
+    assert set(ds.bucket.values) and str(ds.checkpoint.values[1]).endswith("step-20/lora")
+    per_step = ds.loss.sel(region="all").mean(["sample", "seed", "sigma"]).values
+    np.testing.assert_allclose(per_step, [p["overall"] for p in c["per_step"]], rtol=1e-6)
+    # inside / outside exist for the masked samples only
+    assert np.isnan(ds.loss.sel(region="inside").values).any() and np.isfinite(ds.loss.sel(region="inside").values).any()
+
+    # metrics.json keeps the single-LoRA `loss` section (base vs the best checkpoint)
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["loss"]["overall"]["base"] == pytest.approx(base, rel=1e-6)
+    assert metrics["checkpoints"]["best"]["step"] == 20
+
+    # evaluated again: nothing recomputed; with skip_if_done: up to date
+    again = ev.run(EvaluateConfig(**CFG), root / "store", tiny_edit_model, _ckpts(root), out)
+    assert again.evaluated == 0 and again.best["step"] == 20
+    assert ev.run(EvaluateConfig(**CFG), root / "store", tiny_edit_model, _ckpts(root), out, skip_if_done=True).up_to_date
+
+    # a changed evaluation setting starts a new array; the old one is kept beside it
+    changed = ev.run(EvaluateConfig(**{**CFG, "timesteps": [0.5]}), root / "store", tiny_edit_model, _ckpts(root), out)
+    assert changed.evaluated == 3
+    assert xr.open_zarr(out / GROUP).sizes["sigma"] == 1
+    kept = [p for p in out.iterdir() if p.name.startswith("losses.") and p.name != GROUP]
+    assert len(kept) == 1 and xr.open_zarr(kept[0]).sizes["sigma"] == 2
+
+
+def test_killed_append_leaves_a_readable_array_and_the_rerun_completes_it(run_and_store, tiny_edit_model, tmp_path,
+                                                                          monkeypatch):
+    import zarr
+
+    root, out = run_and_store, tmp_path / "report"
+    real = zarr.consolidate_metadata
+    commits = []
+
+    def dies_at_fourth_commit(path, *a, **k):  # group created, base, step 10; then the kill: step 20 written, no commit
+        commits.append(path)
+        if len(commits) == 4:
+            raise KeyboardInterrupt("killed")
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(zarr, "consolidate_metadata", dies_at_fourth_commit)
+    with pytest.raises(KeyboardInterrupt):
+        ev.run(EvaluateConfig(**CFG), root / "store", tiny_edit_model, _ckpts(root), out)
+    monkeypatch.undo()
+    ds = xr.open_zarr(out / GROUP)
+    assert list(ds.step.values) == [10]  # the partial step 20 is not part of the array
+    assert np.isfinite(ds.loss.sel(region="all").values).all()
+    first = ds.loss.values.copy()
+
+    res = ev.run(EvaluateConfig(**CFG), root / "store", tiny_edit_model, _ckpts(root), out)
+    assert res.evaluated == 2 and res.best["step"] == 20
+    ds = xr.open_zarr(out / GROUP)
+    assert list(ds.step.values) == [10, 20, 30]
+    np.testing.assert_array_equal(ds.loss.values[:1], first)
+
+
+def test_cli_all_checkpoints_json_names_the_best_path(run_and_store, tiny_edit_model, tmp_path):
+    root = run_and_store
+    args = ["run", "evaluate", "--all-checkpoints", "--run", str(root / "run"), "--store", str(root / "store"),
+            "--model", tiny_edit_model, "--out", str(tmp_path / "report"), "--json", "--num-samples", "0",
+            *[x for k, v in {"evaluate.noise_seeds": "[0]", "evaluate.timesteps": "[0.5]"}.items()
+              for x in ("--set", f"{k}={v}")]]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    record = json.loads(res.stdout.strip().splitlines()[-1])
+    assert record["best_step"] == 20 and record["best_checkpoint"].endswith("step-20/lora")
+    assert record["checkpoints"] == [10, 20, 30]
