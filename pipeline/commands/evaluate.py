@@ -39,6 +39,7 @@ def command(
     model_id = require(cfg.paths.model, "--model", "paths.model")
     report = require(cfg.paths.report, "--out", "paths.report")
     if all_checkpoints:
+        from pipeline.orchestrate import kept_checkpoints
         from stages.evaluate.checkpoints import run as run_checkpoints
 
         run_path = Path(require(run_dir or cfg.paths.run, "--run", "paths.run"))
@@ -56,9 +57,3 @@ def command(
                      max_dropped_fraction=cfg.train.max_dropped_fraction)
     emit(result, as_json)
 
-
-def kept_checkpoints(run: Path) -> list[tuple[int, Path]]:
-    """(step, LoRA folder) of every committed checkpoint of RUN, oldest first."""
-    from stages.train.state import complete_checkpoints
-
-    return [(step, folder / "lora") for step, folder in complete_checkpoints(run / "checkpoints")]

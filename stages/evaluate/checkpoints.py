@@ -126,7 +126,7 @@ class CheckpointsResult:
                 f"{c['base']['overall']:.4f}) {b['path']}; report: {self.report}")
 
 
-def _up_to_date(out: Path, fingerprint: str, checkpoints: list[tuple[int, Path]]) -> dict | None:
+def _up_to_date(out: Path, fingerprint: str, checkpoints: list[tuple[int, Path]], cfg: EvaluateConfig) -> dict | None:
     metrics_file = out / "metrics.json"
     recorded = recorded_steps(out, fingerprint)
     if recorded is None or not metrics_file.is_file() or not (out / "index.html").is_file():
@@ -136,7 +136,8 @@ def _up_to_date(out: Path, fingerprint: str, checkpoints: list[tuple[int, Path]]
     except (OSError, json.JSONDecodeError):
         return None
     c = metrics.get("checkpoints", {})
-    if c.get("fingerprint") != fingerprint or c.get("steps") != sorted(recorded):
+    if c.get("fingerprint") != fingerprint or c.get("steps") != sorted(recorded) \
+            or c.get("config_fingerprint") != cfg.fingerprint():
         return None
     if any(recorded.get(step) != lora_sha256(path) for step, path in checkpoints):
         return None
@@ -161,7 +162,7 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, checkpoints: list[tu
     requested = cfg.dtype
     cfg = single.resolved_config(cfg)
     fingerprint, settings = loss_fingerprint(cfg, store, model)
-    if skip_if_done and (done := _up_to_date(out, fingerprint, checkpoints)) is not None:
+    if skip_if_done and (done := _up_to_date(out, fingerprint, checkpoints, cfg)) is not None:
         return CheckpointsResult(done, out / "index.html", up_to_date=True)
     if out.is_dir() and any(p.name != GROUP for p in out.iterdir()) and not (out / "metrics.json").is_file():
         raise UserError(f"{out} is not empty and holds no earlier report: pass a new or empty --out folder")
@@ -215,16 +216,16 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, checkpoints: list[tu
     metrics = {
         "loss": loss,
         "checkpoints": {
-            "losses": str(losses.path), "fingerprint": fingerprint, "steps": steps, "paths": paths,
+            "losses": str(losses.path), "fingerprint": fingerprint, "config_fingerprint": cfg.fingerprint(), "steps": steps, "paths": paths,
             "base": per_step["base"], "per_step": per_step["steps"], "best": point(best_i), "last": point(last_i),
             "note": "best = lowest overall held-out loss among the checkpoints still on disk (ties: earlier step)",
         },
     }
     rows = []
-    if cfg.num_samples > 0:
+    if cfg.num_samples > 0 or cfg.extra_prompts:
         rows = generated_rows(cfg, model, store, tables, transformer, samples, paths[best_i], steps[best_i],
                               paths[last_i], steps[last_i], attached, damaged)
-    metrics["generation"] = single.generation_summary([], cfg)
+    metrics["generation"] = single.generation_summary(rows, cfg)  # "lora" = the best checkpoint
     metrics["run"] = {
         "store": str(Path(store).resolve()), "tables": tables.versions(), "model": str(model),
         "lora_scale": cfg.lora_scale, "val_samples": len(samples), "val_split": tables.report,

@@ -135,3 +135,60 @@ def test_cli_all_checkpoints_json_names_the_best_path(run_and_store, tiny_edit_m
     record = json.loads(res.stdout.strip().splitlines()[-1])
     assert record["best_step"] == 20 and record["best_checkpoint"].endswith("step-20/lora")
     assert record["checkpoints"] == [10, 20, 30]
+
+
+# After `load`: decoded images, and the curves' drawn size (a polyline with a zero box is not visible).
+CURVE_PROBE = """<script>
+window.addEventListener('load', () => {
+  const imgs = [...document.images];
+  const ok = imgs.filter(i => i.complete && i.naturalWidth > 0).length;
+  const lines = [...document.querySelectorAll('svg.curve polyline')];
+  const drawn = lines.filter(l => { const b = l.getBBox(); return b.width > 50; }).length;
+  const best = document.querySelectorAll('svg.curve circle.best').length;
+  document.body.setAttribute('data-probe', ok + '/' + imgs.length + ' lines ' + drawn + '/' + lines.length + ' best ' + best);
+});
+</script>"""
+
+
+def test_report_renders_in_chromium_with_curves_and_base_best_last(run_and_store, tiny_edit_model, tmp_path):
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from PIL import Image
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pipeline"))
+    from test_report_html import CHROMIUM_FLAGS, _chromium
+
+    root = run_and_store
+    cfg = EvaluateConfig(**{**CFG, "num_samples": 2, "num_inference_steps": 2})
+    res = ev.run(cfg, root / "store", tiny_edit_model, _ckpts(root), tmp_path / "report")
+    text = res.report.read_text()
+    assert "http://" not in text.replace("http://www.w3.org/2000/svg", "") and "https://" not in text
+    assert "<script" not in text
+    for label in ("base", "best (step 20)", "last (step 30)"):
+        assert label in text
+    # curves: overall, per bucket, inside / outside; one line per bucket
+    n_buckets = len(res.metrics["checkpoints"]["base"]["per_bucket"])
+    assert text.count("<svg class='curve'") == 3
+    n_lines = 1 + n_buckets + 2
+    srcs = re.findall(r"src='([^']*)'", text)
+
+    probe = tmp_path / "probe.html"
+    probe.write_text(text.replace("</body>", CURVE_PROBE + "</body>"))
+    run = [_chromium(), *CHROMIUM_FLAGS, f"--user-data-dir={tmp_path / 'chrome'}", "--virtual-time-budget=10000"]
+    dom = subprocess.run([*run, "--dump-dom", probe.as_uri()], capture_output=True, text=True, timeout=120).stdout
+    assert f'data-probe="{len(srcs)}/{len(srcs)} lines {n_lines}/{n_lines} best 1"' in dom, dom[-1500:]
+    assert "Best checkpoint" in dom and res.best["path"] in dom
+
+    shot = tmp_path / "shot.png"
+    subprocess.run([*run, f"--screenshot={shot}", "--window-size=1300,1100", res.report.as_uri()],
+                   capture_output=True, timeout=120)
+    img = Image.open(shot).convert("RGB")
+    colors = img.getcolors(1 << 20)
+    assert colors is not None and len(colors) > 50  # not a blank page: text, curves, images
+    import os
+
+    if os.environ.get("H5_KEEP_SCREENSHOT"):  # to look at it: H5_KEEP_SCREENSHOT=/some/file.png
+        img.save(os.environ["H5_KEEP_SCREENSHOT"])
