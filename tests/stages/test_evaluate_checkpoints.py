@@ -192,3 +192,42 @@ def test_report_renders_in_chromium_with_curves_and_base_best_last(run_and_store
 
     if os.environ.get("H5_KEEP_SCREENSHOT"):  # to look at it: H5_KEEP_SCREENSHOT=/some/file.png
         img.save(os.environ["H5_KEEP_SCREENSHOT"])
+
+
+def test_compare_two_runs_page_and_csv_and_refuses_other_held_out_sets(run_and_store, tiny_edit_model, tmp_path):
+    import csv
+
+    root = run_and_store
+    ckpts = _ckpts(root)
+    ev.run(EvaluateConfig(**CFG), root / "store", tiny_edit_model, ckpts, tmp_path / "a" / "report")
+    # run b: the same held-out set, other checkpoints (its best is its step 5, the zero LoRA)
+    ev.run(EvaluateConfig(**CFG), root / "store", tiny_edit_model, [(5, ckpts[1][1]), (15, ckpts[0][1])],
+           tmp_path / "b" / "report")
+    out = tmp_path / "cmp"
+    res = CliRunner().invoke(app, ["compare", str(tmp_path / "a" / "report"), str(tmp_path / "b" / "report"),
+                                   "--out", str(out), "--json"])
+    assert res.exit_code == 0, res.output
+    record = json.loads(res.stdout)
+    assert [r["best_step"] for r in record["runs"]] == [20, 5]
+    rows = list(csv.DictReader((out / "curves.csv").open()))
+    assert [(r["run"], r["step"]) for r in rows if r["best"]] == [(record["runs"][0]["label"], "20"),
+                                                                  (record["runs"][1]["label"], "5")]
+    assert {r["step"] for r in rows} == {"base", "5", "10", "15", "20", "30"}
+    base_rows = [float(r["loss"]) for r in rows if r["step"] == "base"]
+    assert base_rows[0] == base_rows[1]  # one held-out set, one base
+    page = (out / "index.html").read_text()
+    assert page.count("<svg class='curve'") >= 2 and "<script" not in page
+
+    # another σ grid: refused, the difference named
+    ev.run(EvaluateConfig(**{**CFG, "timesteps": [0.5]}), root / "store", tiny_edit_model, ckpts[:1],
+           tmp_path / "c" / "report")
+    res = CliRunner().invoke(app, ["compare", str(tmp_path / "a" / "report"), str(tmp_path / "c" / "report"),
+                                   "--out", str(tmp_path / "cmp2")])
+    assert res.exit_code == 1 and "held-out sets differ in σ grid" in res.output, res.output
+    # another store (other val samples): refused
+    make_train_store(tmp_path / "store2", tiny_edit_model, mixed_specs(1, 3, masks=True), tag="other")
+    ev.run(EvaluateConfig(**CFG), tmp_path / "store2", tiny_edit_model, ckpts[:1], tmp_path / "d" / "evaluate-report")  # a kept run
+    res = CliRunner().invoke(app, ["compare", str(tmp_path / "a" / "report"), str(tmp_path / "d"),
+                                   "--out", str(tmp_path / "cmp3")])
+    assert res.exit_code == 1 and "held-out sets differ in store tables" in res.output, res.output
+    assert not (tmp_path / "cmp2").exists() and not (tmp_path / "cmp3").exists()
