@@ -144,6 +144,21 @@ class LossStore:
 
     # ------------------------------------------------------------------------------------------------ writes
 
+    def drop_from(self, step: int) -> None:
+        """Forget the steps >= `step` (recorded by a run killed after its last checkpoint, about to be redone)."""
+        zarr = _zarr()
+        steps = [int(s) for s in self.group["step"][:]] if self.group["step"].shape[0] else []
+        keep = sum(1 for s in steps if s < step)
+        if keep == len(steps):
+            return
+        if steps[:keep] != sorted(steps)[:keep] or any(s < step for s in steps[keep:]):
+            raise ValueError(f"{self.path}: steps {steps} are not in order")
+        for name in ("loss", "step", "checkpoint", "lora_sha256"):
+            arr = self.group[name]
+            arr.resize((keep, *arr.shape[1:]))
+        zarr.consolidate_metadata(self.path)
+        self.group = zarr.open_group(self.path, mode="r+", use_consolidated=True)
+
     def write_base(self, grid: np.ndarray) -> None:
         zarr = _zarr()
         self.group.create_array("base_loss", data=grid.astype("float32"), fill_value=np.nan,
