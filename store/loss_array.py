@@ -76,6 +76,8 @@ class LossStore:
             if not self.path.exists():
                 self._create(fingerprint, settings)
             self.group = _zarr().open_group(self.path, mode="r+", use_consolidated=True)
+            if [str(k) for k in self.group["sample"][:]] != list(axes.keys):
+                self.start_over()  # other samples (e.g. one found damaged and skipped): not one array any more
 
     def start_over(self) -> None:
         """Keep the current group aside (`losses.<its fingerprint>[.N].zarr`) and begin an empty one."""

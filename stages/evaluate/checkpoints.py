@@ -30,8 +30,8 @@ from store import Store
 from store.loss_array import GROUP, Axes, LossStore, recorded_steps
 
 #: evaluate settings that change the numbers in the array (the others only change the pictures)
-LOSS_SETTINGS = ("noise_seeds", "timesteps", "batch_size", "max_loss_samples", "lora_scale", "dtype", "device",
-                 "attention_backend", "quantize_base", "on_damaged")
+LOSS_SETTINGS = ("noise_seeds", "timesteps", "batch_size", "max_loss_samples", "lora_scale", "dtype",
+                 "attention_backend", "quantize_base", "on_damaged")  # + the device type (cuda:0 = cuda:1)
 
 
 def loss_fingerprint(cfg: EvaluateConfig, store: str | Path, model: str) -> tuple[str, dict]:
@@ -164,7 +164,8 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, checkpoints: list[tu
     fingerprint, settings = loss_fingerprint(cfg, store, model)
     if skip_if_done and (done := _up_to_date(out, fingerprint, checkpoints, cfg)) is not None:
         return CheckpointsResult(done, out / "index.html", up_to_date=True)
-    if out.is_dir() and any(p.name != GROUP for p in out.iterdir()) and not (out / "metrics.json").is_file():
+    ours = lambda name: name.startswith(("losses", ".losses")) and ".zarr" in name  # noqa: E731 (groups, kept or new)
+    if out.is_dir() and any(not ours(p.name) for p in out.iterdir()) and not (out / "metrics.json").is_file():
         raise UserError(f"{out} is not empty and holds no earlier report: pass a new or empty --out folder")
     tqdm.write(describe("evaluate", single.parse_dtype(cfg.dtype), cfg.device, requested))
 
