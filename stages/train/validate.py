@@ -2,8 +2,8 @@
 
 Held-out loss: evaluate's protocol on a fixed, capped subset of the val split (the first
 `validate_max_samples` keys in sorted order) x `validate_noise_seeds` x `validate_timesteps`, with the trainer's
-own `models.flow.flow_loss` and `models.randomness.eval_noise` (fixed per (seed, key), the same at every
-validation) -> TensorBoard `val/loss` (and `val/loss_ema` with an EMA). Samples: the first `sample_count` of those
+own flow loss (`models.held_out.loss_grid` over `models.flow`) and `models.randomness.eval_noise` (fixed per
+(seed, key), the same at every validation) -> tracker `val/loss` (and `val/loss_ema` with an EMA). Samples: the first `sample_count` of those
 val samples generated from their stored features (`models.generate`, seed `train.seed`, `sample_steps` Euler
 steps, true CFG 4 against the stored empty prompt) -> `RUN/samples/step-N.png` (one row: each sample's output)
 and TensorBoard `samples/grid`.
@@ -64,8 +64,6 @@ class Validator:
             raise UserError(f"train.validate_every / sample_every is set but store {store} has no val samples; "
                             "set resize.val_fraction > 0 or turn validation off")
         self.samples: list[TrainSample] = [load(tables, k) for k in keys]
-        self.rows = [(s, seed, float(t)) for s in self.samples for seed in cfg.validate_noise_seeds
-                     for t in cfg.validate_timesteps]
         self._vae = self._scheduler = None
         self._base: np.ndarray | None = None  # the base model's grid, computed at the first validation
         self._losses = None  # RUN/losses.zarr, opened by the main process at its first validation
