@@ -6,6 +6,7 @@ import typer
 
 import models.quiet_imports  # noqa: F401  (before any command imports torchao: drops two harmless messages)
 from pipeline.commands import (
+    compare,
     demo,
     encode,
     evaluate,
@@ -47,6 +48,9 @@ run_app.command("evaluate", help="Held-out loss and samples, base vs LoRA -> rep
 run_app.command("all", help="Every stage in order, each skipped when up to date.")(run_all.command)
 app.add_typer(run_app, name="run")
 
+app.command("compare", help="Several runs' held-out loss curves and best checkpoints on one page + a CSV.")(
+    compare.command
+)
 app.command("predict", help="Edit an image with the model (+ optional LoRA).")(predict.command)
 app.command("plan", help="Predicted peak memory per stage for a config; fits --gpu-memory?")(plan.command)
 app.add_typer(lora.lora_app, name="lora", help="LoRA utilities.")

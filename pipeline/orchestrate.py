@@ -10,6 +10,9 @@ REPORT/metrics.json records the same tables, model, LoRA bytes and evaluate conf
 When paths.run holds a run that cannot be continued (the tables, the model or the train config changed, e.g.
 samples were added), train keeps it as RUN.previous/N-TIME (one atomic rename, stages/train/previous.py), with the
 report evaluated on it moved inside it first as `evaluate-report/`, and trains afresh into paths.run.
+
+evaluate covers every kept checkpoint (RUN/checkpoints/step-N): held-out losses appended to REPORT/losses.zarr
+(a checkpoint already there is skipped), curves and the best checkpoint in the report.
 """
 
 from __future__ import annotations
@@ -78,7 +81,6 @@ def required_paths(cfg: PipelineConfig) -> Paths:
 def stages() -> list[tuple[str, Callable[[PipelineConfig, Paths], StageSummary]]]:
     """The stages in order, each as (name, call); every call returns a `StageSummary`."""
     from stages.encode import text as encode_text, vae as encode_vae
-    from stages.evaluate import stage as evaluate
     from stages.resize import stage as resize
     from stages.train import recipe as train
 
@@ -89,9 +91,28 @@ def stages() -> list[tuple[str, Callable[[PipelineConfig, Paths], StageSummary]]
         # resume=True: a killed `run all` continues its training; new_run=True: a run on other inputs is kept
         ("train", lambda cfg, p: train.run(cfg, p.store, p.model, p.run, resume=True, skip_if_done=True,
                                            new_run=True, before_keep=lambda run: _report_into(p.report, run))),
-        ("evaluate", lambda cfg, p: evaluate.run(cfg.evaluate, p.store, p.model, p.lora, p.report, skip_if_done=True,
-                                                  max_dropped_fraction=cfg.train.max_dropped_fraction)),
+        ("evaluate", evaluate_run),
     ]
+
+
+def kept_checkpoints(run: Path) -> list[tuple[int, Path]]:
+    """(step, LoRA folder) of every committed checkpoint of RUN, oldest first."""
+    from stages.train.state import complete_checkpoints
+
+    return [(step, folder / "lora") for step, folder in complete_checkpoints(run / "checkpoints")]
+
+
+def evaluate_run(cfg: PipelineConfig, p: Paths) -> StageSummary:
+    """Every kept checkpoint (curves, the best one; `stages.evaluate.checkpoints`); a run without checkpoints:
+    its final LoRA alone."""
+    from stages.evaluate import checkpoints, stage as evaluate
+
+    kept = kept_checkpoints(p.run)
+    if kept:
+        return checkpoints.run(cfg.evaluate, p.store, p.model, kept, p.report, skip_if_done=True,
+                               max_dropped_fraction=cfg.train.max_dropped_fraction)
+    return evaluate.run(cfg.evaluate, p.store, p.model, p.lora, p.report, skip_if_done=True,
+                        max_dropped_fraction=cfg.train.max_dropped_fraction)
 
 
 REPORT_IN_KEPT_RUN = "evaluate-report"

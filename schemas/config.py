@@ -191,6 +191,11 @@ class TrainConfig(Section):
     checkpoint_every: int = Field(50, gt=0)
     keep_checkpoints: int = Field(3, gt=0)
     log_every: int = Field(1, gt=0)
+    log_with: list[str] = Field(["tensorboard"], description="metric trackers (accelerate's): tensorboard, wandb, "
+                                "mlflow, comet_ml, aim, clearml, dvclive, swanlab, trackio; all but tensorboard are "
+                                "optional packages")
+    profile: int = Field(0, ge=0, description="record the first N optimizer steps of a start with torch.profiler -> "
+                         "RUN/profile/trace-rank{R}.json (Chrome trace); 0 = off")
     sampler_window: int = Field(64, gt=0, description="length-aware sampler: batches per sorting window")
     on_damaged: Literal["stop", "skip"] = _on_damaged(
         "store sample", "leave it out (all are found before step 0, listed in RUN/damaged_samples.json)")

@@ -21,6 +21,8 @@ def command(
     num_samples: Optional[int] = typer.Option(None, "--num-samples", help="Val samples to generate (evaluate.num_samples)."),
     steps: Optional[int] = typer.Option(None, "--steps", help="Inference steps (evaluate.num_inference_steps)."),
     device: Optional[str] = typer.Option(None, "--device", help="evaluate.device"),
+    all_checkpoints: bool = typer.Option(False, "--all-checkpoints", help="Evaluate the base and every kept checkpoint of the run (RUN/checkpoints/step-N): held-out losses into REPORT/losses.zarr, curves, the best checkpoint."),
+    run_dir: Optional[str] = typer.Option(None, "--run", help="Run folder whose checkpoints --all-checkpoints evaluates (paths.run)."),
     as_json: bool = JsonOpt,
 ) -> None:
     cfg = config_from(config, sets=set_, overrides=
@@ -36,6 +38,16 @@ def command(
     store_dir = require(cfg.paths.store, "--store", "paths.store")
     model_id = require(cfg.paths.model, "--model", "paths.model")
     report = require(cfg.paths.report, "--out", "paths.report")
+    if all_checkpoints:
+        from pipeline.orchestrate import kept_checkpoints
+        from stages.evaluate.checkpoints import run as run_checkpoints
+
+        run_path = Path(require(run_dir or cfg.paths.run, "--run", "paths.run"))
+        with user_errors(), json_mode(as_json):
+            result = run_checkpoints(cfg.evaluate, store_dir, model_id, kept_checkpoints(run_path), report,
+                                     max_dropped_fraction=cfg.train.max_dropped_fraction)
+        emit(result, as_json)
+        return
     lora_dir = lora or (str(Path(cfg.paths.run) / "lora") if cfg.paths.run else None)
     lora_dir = require(lora_dir, "--lora", "paths.run")
     from stages.evaluate.stage import run
@@ -44,3 +56,4 @@ def command(
         result = run(cfg.evaluate, store_dir, model_id, lora_dir, report,
                      max_dropped_fraction=cfg.train.max_dropped_fraction)
     emit(result, as_json)
+

@@ -39,6 +39,7 @@ from schemas.errors import UserError
 from models.generate import Conditioning, generate
 from schemas.img_shapes import PIXELS_PER_PATCH
 from schemas.stage import few
+from models.held_out import MASK_NOTE, bucket_of, loss_grid, loss_summary  # noqa: F401 (re-exported)
 from stages.evaluate.report import SampleRow, psnr, ssim, write_report
 from store import Store, TableReader
 from store.join import JoinedTables, open_features
@@ -48,10 +49,6 @@ PSNR_SSIM_NOTE = (
     "reference edit, not edit quality: a correct edit that differs from the reference in unedited details "
     "scores low. On the tiny random-init demo model both outputs are noise from an untrained decoder, so "
     "there the numbers only show that the plumbing runs; only the held-out loss says whether training helped."
-)
-MASK_NOTE = (
-    "Same protocol, each sample's loss restricted to its edit mask (inside: weights = mask; outside: weights = "
-    "1 − mask, normalised per sample), over the samples that have a mask with both regions non-empty."
 )
 
 
@@ -77,11 +74,6 @@ def lora_enabled(transformer, enabled: bool):
         transformer.enable_lora()
 
 
-def bucket_of(sample: TrainSample) -> str:
-    _, h, w = sample.img_shapes[0]
-    return f"{h * PIXELS_PER_PATCH}x{w * PIXELS_PER_PATCH}"
-
-
 @torch.no_grad()
 def row_losses(transformer, rows: list[LossRow], batch_size: int, mask_weight=(1.0, 1.0), desc: str = "") -> list[float]:
     """`flow_loss` of every row, in mixed-resolution batches of `batch_size` rows."""
@@ -99,74 +91,22 @@ def _mean(values: list[float]) -> float:
 
 
 def held_out_loss(transformer, samples: list[TrainSample], cfg: EvaluateConfig) -> dict:
-    """Base vs LoRA loss: per sample the mean over noise seeds x σ grid; then overall, per bucket, per σ, mask."""
-    rows = [LossRow(s, seed, float(t)) for s in samples for seed in cfg.noise_seeds for t in cfg.timesteps]
-    per_row = {}
+    """Base vs LoRA loss: per sample the mean over noise seeds x σ grid; then overall, per bucket, per σ, mask.
+    One forward per row and LoRA state, weighted all / inside / outside the mask (`loss_grid`)."""
+    grids = {}
     for name, on in (("base", False), ("lora", True)):
         with lora_enabled(transformer, on):
-            per_row[name] = row_losses(transformer, rows, cfg.batch_size, desc=f"held-out loss ({name})")
-
-    def summary(picked: list[int]) -> dict:
-        n = len({rows[i].sample.key for i in picked})
-        return {"n": n, **{m: _mean([per_row[m][i] for i in picked]) for m in ("base", "lora")}}
-
-    # Row indices grouped once per view (one pass over the rows), so the summaries cost O(rows), not
-    # O(groups x rows): with thousands of val samples the per-sample view alone was quadratic.
-    by_bucket, by_sigma, by_key = defaultdict(list), defaultdict(list), defaultdict(list)
-    for i, r in enumerate(rows):
-        by_bucket[bucket_of(r.sample)].append(i)
-        by_sigma[r.sigma].append(i)
-        by_key[r.sample.key].append(i)
-    buckets = sorted(by_bucket, key=lambda b: tuple(int(x) for x in b.split("x")))
-    result = {
-        "protocol": (
-            f"flow-matching loss on {len(samples)} val samples x noise seeds {list(cfg.noise_seeds)} x σ "
-            f"{list(cfg.timesteps)}; the trainer's flow_loss, LoRA off (base) and on (scale {cfg.lora_scale}); "
-            "per sample averaged over its target tokens, then over samples"
-        ),
-        "noise_seeds": list(cfg.noise_seeds),
-        "timesteps": list(cfg.timesteps),
-        "overall": summary(list(range(len(rows)))),
-        "per_bucket": {b: summary(by_bucket[b]) for b in buckets},
-        "per_timestep": {str(t): summary(by_sigma[float(t)]) for t in cfg.timesteps},
-        "per_sample": {s.key: summary(by_key[s.key]) for s in samples},
-    }
-    mask = mask_region_loss(transformer, samples, cfg)
-    if mask is not None:
-        result["mask"] = mask
-    return result
+            grids[name] = loss_grid(transformer, samples, list(cfg.noise_seeds), [float(t) for t in cfg.timesteps],
+                                    cfg.batch_size, desc=f"held-out loss ({name})")
+    return loss_summary(grids, samples, list(cfg.noise_seeds), [float(t) for t in cfg.timesteps], protocol(cfg, samples))
 
 
-def mask_region_loss(transformer, samples: list[TrainSample], cfg: EvaluateConfig) -> dict | None:
-    """Loss inside (weights = mask) and outside (1 − mask) the edit region; None when no sample has a mask.
-
-    Per sample (and per region) the mean over the same seeds x σ rows as the overall loss, so for a sample with
-    N target tokens and mask mass M: N·overall = M·inside + (N − M)·outside (the per-sample normalisation).
-    """
-    masked = [
-        s for s in samples
-        if s.mask_weight is not None and 0 < float(s.mask_weight.clamp(0, 1).sum()) < s.mask_weight.numel()
-    ]
-    if not masked:
-        return None
-    rows = [LossRow(s, seed, float(t)) for s in masked for seed in cfg.noise_seeds for t in cfg.timesteps]
-    per_sample: dict[str, dict] = {
-        s.key: {"tokens": s.mask_weight.numel(), "mask_tokens": float(s.mask_weight.clamp(0, 1).sum())} for s in masked
-    }
-    out: dict = {"note": MASK_NOTE}
-    for region, weights in (("inside", (1.0, 0.0)), ("outside", (0.0, 1.0))):
-        out[region] = {"n": len(masked)}
-        for name, on in (("base", False), ("lora", True)):
-            with lora_enabled(transformer, on):
-                values = row_losses(transformer, rows, cfg.batch_size, weights, f"{region} ({name})")
-            out[region][name] = _mean(values)
-            mine: dict[str, list[float]] = defaultdict(list)  # one pass: O(rows)
-            for r, v in zip(rows, values):
-                mine[r.sample.key].append(v)
-            for s in masked:
-                per_sample[s.key].setdefault(region, {})[name] = _mean(mine[s.key])
-    out["per_sample"] = per_sample
-    return out
+def protocol(cfg: EvaluateConfig, samples: list[TrainSample]) -> str:
+    return (
+        f"flow-matching loss on {len(samples)} val samples x noise seeds {list(cfg.noise_seeds)} x σ "
+        f"{list(cfg.timesteps)}; the trainer's flow_loss, LoRA off (base) and on (scale {cfg.lora_scale}); "
+        "per sample averaged over its target tokens, then over samples"
+    )
 
 
 # ------------------------------------------------------------------------------------------------ generation
@@ -359,6 +299,32 @@ class EvaluateResult:
         return line
 
 
+def read_val_samples(cfg: EvaluateConfig, store: str | Path, model: str,
+                     max_dropped_fraction: float) -> tuple[JoinedTables, list[TrainSample]]:
+    """The val split's joined tables and its first `max_loss_samples` samples (all when unset)."""
+    from models.loading import model_fingerprint
+
+    tables = open_features(store, model, model_fingerprint(model), split="val",
+                           max_dropped_fraction=max_dropped_fraction, on_damaged=cfg.on_damaged,
+                           max_damaged_fraction=cfg.max_damaged_fraction)
+    n = min(len(tables), cfg.max_loss_samples) if cfg.max_loss_samples else len(tables)
+    tables.check_ahead(lambda: iter(range(n)))  # the bytes checked by a thread just ahead of the reads
+    try:
+        samples = [from_features(*tables.features_at(i)) for i in tqdm(range(n), desc="read val samples", leave=False)]
+    finally:
+        tables.stop_check_ahead()
+    return tables, samples
+
+
+def load_transformer(cfg: EvaluateConfig, model: str):
+    """The transformer in the resolved dtype and device, multi-resolution installed, no adapter yet."""
+    dtype = parse_dtype(cfg.dtype)
+    transformer = load_component(model, "transformer", dtype=dtype, device=cfg.device, quantize=cfg.quantize_base)
+    install_multires(transformer)
+    use_attention_backend(transformer, cfg.attention_backend, "evaluate.attention_backend", torch.device(cfg.device), dtype)
+    return transformer
+
+
 def run(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, out: str | Path,
         skip_if_done: bool = False, max_dropped_fraction: float = 0.05) -> EvaluateResult:
     """Evaluate base vs LoRA on the store's val split and write the report into `out`. `skip_if_done`: reuse a
@@ -376,23 +342,11 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, ou
     tqdm.write(describe("evaluate", parse_dtype(cfg.dtype), cfg.device, requested)
                + (f", quantize_base {cfg.quantize_base}" if cfg.quantize_base != "none" else ""))
     inputs = evaluate_inputs(cfg, store, model, lora)
-    from models.loading import model_fingerprint
-
-    tables = open_features(store, model, model_fingerprint(model), split="val",
-                           max_dropped_fraction=max_dropped_fraction, on_damaged=cfg.on_damaged,
-                           max_damaged_fraction=cfg.max_damaged_fraction)
+    tables, samples = read_val_samples(cfg, store, model, max_dropped_fraction)
     damaged = dict(tables.damaged)
-    n = min(len(tables), cfg.max_loss_samples) if cfg.max_loss_samples else len(tables)
-    tables.check_ahead(lambda: iter(range(n)))  # the bytes checked by a thread just ahead of the reads
-    try:
-        samples = [from_features(*tables.features_at(i)) for i in tqdm(range(n), desc="read val samples", leave=False)]
-    finally:
-        tables.stop_check_ahead()
 
     dtype = parse_dtype(cfg.dtype)
-    transformer = load_component(model, "transformer", dtype=dtype, device=cfg.device, quantize=cfg.quantize_base)
-    install_multires(transformer)
-    use_attention_backend(transformer, cfg.attention_backend, "evaluate.attention_backend", torch.device(cfg.device), dtype)
+    transformer = load_transformer(cfg, model)
     attach_lora(transformer, lora, cfg.lora_scale)
 
     loss = held_out_loss(transformer, samples, cfg)

@@ -64,7 +64,7 @@ from store.format import atomic_dir, atomic_write_bytes
 from store.join import JoinedTables
 
 # Settings that change how long or how often, not what is trained: a resume may change them.
-_NOT_FINGERPRINTED = {"max_steps", "checkpoint_every", "keep_checkpoints", "log_every", "device", "prefetch", "compile", "check_ahead",
+_NOT_FINGERPRINTED = {"max_steps", "checkpoint_every", "keep_checkpoints", "log_every", "log_with", "profile", "device", "prefetch", "compile", "check_ahead",
                       "on_damaged", "max_damaged_fraction", "on_nonfinite",
                       "max_dropped_fraction", "max_open_shards",  # which samples: recorded by the tables
                       # validation and samples only read the adapter (stages/train/validate.py)
@@ -127,12 +127,13 @@ class Run:
     batches: MicroBatches | None = None  # the stream's micro-batches, prepared inline or ahead
     position: tuple[int, int] = (0, 0)  # data position after the last micro-batch consumed
     step: int = 0
-    writer: Any = None  # TensorBoard, main process only
+    writer: Any = None  # stages.train.trackers.Trackers (train.log_with), main process only
     bar: Any = None
     result: TrainResult | None = None
     epoch_tokens: list[int] = field(default_factory=lambda: [0, 0])  # valid, computed of the current epoch
     ema: Any = None  # stages.train.ema.AdapterEMA with train.ema_decay
     validator: Any = None  # stages.train.validate.Validator with train.validate_every / sample_every
+    profiler: Any = None  # stages.train.trackers.StepProfiler with train.profile
     train_device: torch.device | None = None  # train.device for this rank (None: accelerate's choice)
     new_run: bool = False  # keep the run the folder holds (stages.train.previous) instead of refusing it
     before_keep: Callable[[Path], None] | None = None  # called with RUN just before it is kept (run all: report)
@@ -188,6 +189,9 @@ def run(
         lora = Path(out) / "lora"
         return TrainResult(Path(out), lora, cfg.train.max_steps, cfg.train.max_steps, up_to_date=True)
     validate_config(cfg.train)
+    from stages.train.trackers import tracker_classes
+
+    tracker_classes(cfg.train.log_with)  # every rank, before any work: an unknown or missing tracker stops all alike
     accelerator = _accelerator(cfg.train)
     # One writer per run folder: a second `train` into the same OUT is refused, naming the holder.
     run_lock = guard.lock_run_dir(Path(out)) if accelerator.is_main_process else None
@@ -290,10 +294,15 @@ def setup(cfg: PipelineConfig, store: str | Path, model: str, out: str | Path, r
     r.result = TrainResult(r.run_dir, r.run_dir / "lora", start_step=r.step, steps=r.step, main_process=r.main,
                            data=tables.report, kept_previous=r.kept_previous)
     if r.main:
-        from torch.utils.tensorboard import SummaryWriter
+        from stages.train.trackers import Trackers
 
         # purge_step drops events a killed run logged after its last checkpoint, so curves do not double back.
-        r.writer = SummaryWriter(str(r.run_dir / "logs"), purge_step=r.step + 1 if r.step else None)
+        r.writer = Trackers(tc.log_with, r.run_dir, {"train": tc.model_dump(mode="json")},
+                            purge_step=r.step + 1 if r.step else None)
+    if tc.profile and tc.max_steps > r.step:
+        from stages.train.trackers import StepProfiler
+
+        r.profiler = StepProfiler(min(tc.profile, tc.max_steps - r.step), r.run_dir, r.rank, r.device)
     r.bar = tqdm(total=tc.max_steps, initial=r.step, desc="train", unit="step", disable=not r.main, dynamic_ncols=True)
     return r
 
@@ -340,13 +349,15 @@ def log(r: Run, s: StepStats) -> None:
     r.result.losses.append(s.loss)
     r.result.step_epochs.append(s.epoch)
     lr = r.scheduler.get_last_lr()[0]
+    if r.profiler is not None:
+        r.profiler.step()
     if r.writer is not None and r.step % r.cfg.log_every == 0:
+        from stages.train.trackers import peak_memory_gb
+
         lin, _ = padding_efficiency(s.batches, r.tables.lengths)
-        r.writer.add_scalar("train/loss", s.loss, r.step)
-        r.writer.add_scalar("train/lr", lr, r.step)
-        r.writer.add_scalar("train/grad_norm", s.grad_norm, r.step)
-        r.writer.add_scalar("train/padding_efficiency", lin, r.step)
-        r.writer.add_scalar("train/samples_per_s", s.samples / s.seconds, r.step)
+        r.writer.log({"train/loss": s.loss, "train/lr": lr, "train/grad_norm": s.grad_norm,
+                      "train/padding_efficiency": lin, "train/samples_per_s": s.samples / s.seconds,
+                      "train/peak_memory_gb": peak_memory_gb(r.device)}, r.step)
     r.bar.set_postfix(loss=f"{s.loss:.4f}", lr=f"{lr:.2e}")
     r.bar.update(1)
     r.result.step_times.append(time.perf_counter() - s.started)  # with logging, without checkpoint writing

@@ -2,19 +2,27 @@
 
 Held-out loss: evaluate's protocol on a fixed, capped subset of the val split (the first
 `validate_max_samples` keys in sorted order) x `validate_noise_seeds` x `validate_timesteps`, with the trainer's
-own `models.flow.flow_loss` and `models.randomness.eval_noise` (fixed per (seed, key), the same at every
-validation) -> TensorBoard `val/loss` (and `val/loss_ema` with an EMA). Samples: the first `sample_count` of those
+own flow loss (`models.held_out.loss_grid` over `models.flow`) and `models.randomness.eval_noise` (fixed per
+(seed, key), the same at every validation) -> tracker `val/loss` (and `val/loss_ema` with an EMA). Samples: the first `sample_count` of those
 val samples generated from their stored features (`models.generate`, seed `train.seed`, `sample_steps` Euler
 steps, true CFG 4 against the stored empty prompt) -> `RUN/samples/step-N.png` (one row: each sample's output)
 and TensorBoard `samples/grid`.
 
 Resume-exact: validation runs in eval mode (no LoRA dropout), under `torch.no_grad` and a forked global RNG,
 and never touches the data stream, so a run with validation trains the same LoRA as one without (tested).
-Runs on the main process only; the others go on to the next step's all-reduce and wait there.
+
+The held-out loss runs on every rank: rank r computes the samples i with i % world == r (one forward per row,
+`models.held_out.loss_grid`), the per-row losses are summed across ranks into the full grid, so every rank
+holds the same numbers as one process computing them all (tested with two gloo processes). The main process
+appends each validation's grid to RUN/losses.zarr (`store.loss_array`, the layout evaluate --all-checkpoints
+writes; the base model's losses once, as its reference), readable with `xarray.open_zarr` while training runs.
+Sample images stay on the main process.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -23,9 +31,8 @@ import torch
 from PIL import Image
 from tqdm.auto import tqdm
 
-from models.flow import flow_loss
 from models.generate import Conditioning, generate
-from models.randomness import eval_noise
+from models.held_out import bucket_of, loss_grid
 from models.sample import TrainSample
 from schemas.config import TrainConfig
 from schemas.errors import UserError
@@ -57,20 +64,33 @@ class Validator:
             raise UserError(f"train.validate_every / sample_every is set but store {store} has no val samples; "
                             "set resize.val_fraction > 0 or turn validation off")
         self.samples: list[TrainSample] = [load(tables, k) for k in keys]
-        self.rows = [(s, seed, float(t)) for s in self.samples for seed in cfg.validate_noise_seeds
-                     for t in cfg.validate_timesteps]
         self._vae = self._scheduler = None
+        self._base: np.ndarray | None = None  # the base model's grid, computed at the first validation
+        self._losses = None  # RUN/losses.zarr, opened by the main process at its first validation
+        from models.loading import model_fingerprint
 
-    def loss(self, transformer) -> float:
+        self.settings = {
+            "tables": tables.versions(), "model_fingerprint": model_fingerprint(model),
+            "validate": {"keys": keys, "noise_seeds": list(cfg.validate_noise_seeds),
+                         "timesteps": list(cfg.validate_timesteps), "batch_size": cfg.batch_size},
+        }
+        self.fingerprint = hashlib.sha256(json.dumps(self.settings, sort_keys=True, default=str).encode()).hexdigest()
+
+    def grid(self, transformer, rank: int = 0, world: int = 1, accelerator=None) -> np.ndarray:
+        """[sample, seed, σ, region] losses of every val sample: this rank's share computed here, summed across
+        ranks (`accelerator.reduce`), so all ranks return the same full grid. Collective when world > 1."""
+        mine = [i for i in range(len(self.samples)) if i % world == rank]
+        part = loss_grid(transformer, [self.samples[i] for i in mine], list(self.cfg.validate_noise_seeds),
+                         [float(t) for t in self.cfg.validate_timesteps], self.cfg.batch_size, "validation")
+        full = torch.zeros(len(self.samples), *part.shape[1:], dtype=torch.float64)
+        full[mine] = torch.from_numpy(part)  # other ranks' rows stay 0 here; the sum fills them in
+        if world > 1:
+            full = accelerator.reduce(full.to(accelerator.device), reduction="sum").cpu()
+        return full.numpy()
+
+    def loss(self, transformer, rank: int = 0, world: int = 1, accelerator=None) -> float:
         """Mean over samples x seeds x σ of the per-sample flow loss (rows in batches of train.batch_size)."""
-        values: list[float] = []
-        bs = self.cfg.batch_size
-        for i in range(0, len(self.rows), bs):
-            chunk = self.rows[i : i + bs]
-            sigmas = torch.tensor([t for _, _, t in chunk], dtype=torch.float32)
-            noises = [eval_noise(s, seed) for s, seed, _ in chunk]
-            values += flow_loss(transformer, [s for s, _, _ in chunk], sigmas, noises).tolist()
-        return sum(values) / len(values)
+        return mean_loss(self.grid(transformer, rank, world, accelerator))
 
     def samples_grid(self, transformer) -> Image.Image:
         from models.loading import load_component
@@ -95,23 +115,57 @@ class Validator:
         return grid
 
     def __call__(self, r) -> None:
-        """At the configured steps: log the held-out loss (and the EMA's), write the sample grid."""
+        """At the configured steps: the held-out loss on every rank (logged and appended to RUN/losses.zarr by
+        the main process), the sample grid on the main process."""
         cfg, step = self.cfg, r.step
         do_loss = cfg.validate_every is not None and step % cfg.validate_every == 0
         do_samples = cfg.sample_every is not None and step % cfg.sample_every == 0
-        if not (do_loss or do_samples) or not r.main:
+        if not (do_loss or do_samples):
             return
         with untouched(r.transformer):
             if do_loss:
-                loss = self.loss(r.transformer)
-                r.writer.add_scalar("val/loss", loss, step)
-                r.bar.write(f"step {step}: val loss {loss:.4f} ({len(self.samples)} samples)")
+                collective = dict(rank=r.rank, world=r.world, accelerator=r.accelerator)
+                if self._base is None:  # once per process: the reference line, the model without its LoRA
+                    r.transformer.disable_lora()
+                    try:
+                        self._base = self.grid(r.transformer, **collective)
+                    finally:
+                        r.transformer.enable_lora()
+                grid = self.grid(r.transformer, **collective)
+                loss = mean_loss(grid)
+                ema = None
                 if r.ema is not None:
                     with r.ema.swapped_in():
-                        r.writer.add_scalar("val/loss_ema", self.loss(r.transformer), step)
-            if do_samples:
+                        ema = self.loss(r.transformer, **collective)
+                if r.main:
+                    self.record(step, grid)
+                    r.writer.add_scalar("val/loss", loss, step)
+                    r.bar.write(f"step {step}: val loss {loss:.4f} ({len(self.samples)} samples)")
+                    if ema is not None:
+                        r.writer.add_scalar("val/loss_ema", ema, step)
+            if do_samples and r.main:
                 grid = self.samples_grid(r.transformer)
                 out = self.run_dir / "samples"
                 out.mkdir(parents=True, exist_ok=True)
                 grid.save(out / f"step-{step:06d}.png")
                 r.writer.add_image("samples/grid", np.asarray(grid), step, dataformats="HWC")
+
+    def record(self, step: int, grid: np.ndarray) -> None:
+        """Append this validation to RUN/losses.zarr (main process). The first append of this process drops
+        steps >= `step` that a killed run recorded after its last checkpoint, so the curve never doubles back."""
+        from store.loss_array import Axes, LossStore
+
+        if self._losses is None:
+            self._losses = LossStore(self.run_dir, self.fingerprint, Axes(
+                [s.key for s in self.samples], [bucket_of(s) for s in self.samples],
+                list(self.cfg.validate_noise_seeds), [float(t) for t in self.cfg.validate_timesteps]), self.settings)
+            self._losses.drop_from(step)
+            if not self._losses.has_base():
+                self._losses.write_base(self._base)
+        self._losses.append(step, f"training step {step}", "", grid)
+
+
+def mean_loss(grid: np.ndarray) -> float:
+    """Mean of the region-"all" losses in row order (sample, seed, σ): the sum the one-process loop made."""
+    values = grid[..., 0].reshape(-1).tolist()
+    return sum(values) / len(values)

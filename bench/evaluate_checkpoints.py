@@ -1,0 +1,111 @@
+"""Cost of `evaluate --all-checkpoints` against N single-LoRA evaluations (issue 21: N checkpoints must cost at
+most N x one LoRA's loss pass).
+
+    python bench/evaluate_checkpoints.py [N]
+
+On the tiny random model (models/tiny.py) and a store of 24 val samples of mixed sizes, half with an edit mask,
+noise seeds [0, 1] x 5 σ (evaluate's defaults), num_samples 0 (held-out loss only):
+- single: `stages.evaluate.stage.run` on one LoRA (load, base + LoRA loss, report), today's code;
+- single, old loss protocol: the loss part as it was before one forward per row (masked samples: 3 passes);
+- all: `stages.evaluate.checkpoints.run` on N checkpoints into a fresh report (load once, base once, N appends).
+Timed in process CPU time on one thread (the box is shared; wall time is printed too). The fastest of 3 runs.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests" / "stages"))  # the store builder the tests use
+
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+def timed(fn, repeat: int = 3) -> tuple[float, float]:
+    best = (float("inf"), float("inf"))
+    for _ in range(repeat):
+        c, w = time.process_time(), time.perf_counter()
+        fn()
+        best = min(best, (time.process_time() - c, time.perf_counter() - w))
+    return best
+
+
+def old_loss_pass(transformer, samples, cfg) -> None:
+    """The loss before this change: rows through flow_loss for base and LoRA, then again per mask region."""
+    from models.held_out import has_two_regions
+    from stages.evaluate.stage import LossRow, lora_enabled, row_losses
+
+    rows = [LossRow(s, k, float(t)) for s in samples for k in cfg.noise_seeds for t in cfg.timesteps]
+    masked = [r for r in rows if has_two_regions(r.sample)]
+    for on in (False, True):
+        with lora_enabled(transformer, on):
+            row_losses(transformer, rows, cfg.batch_size)
+            for w in ((1.0, 0.0), (0.0, 1.0)):
+                row_losses(transformer, masked, cfg.batch_size, w)
+
+
+def main(n: int = 4) -> None:
+    from models.loading import load_component
+    from models.lora import add_lora, attach_lora, save_lora
+    from models.tiny import make_tiny_model
+    from schemas.config import EvaluateConfig, LoraConfig
+    from stages.evaluate import checkpoints, stage
+    from train_store import make_train_store, mixed_specs
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench-eval-"))
+    try:
+        model = str(make_tiny_model(tmp / "model"))
+        make_train_store(tmp / "store", model, mixed_specs(2, 24, masks=True))
+        t = load_component(model, "transformer")
+        add_lora(t, LoraConfig(rank=4))
+        ckpts = []
+        for i in range(n):
+            g = torch.Generator().manual_seed(i)
+            with torch.no_grad():
+                for name, p in t.named_parameters():
+                    if "lora_B" in name:
+                        p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+            save_lora(t, tmp / "run" / f"step-{(i + 1) * 10}" / "lora")
+            ckpts.append(((i + 1) * 10, tmp / "run" / f"step-{(i + 1) * 10}" / "lora"))
+        cfg = EvaluateConfig(num_samples=0, device="cpu")
+
+        k = [0]
+
+        def single() -> None:
+            k[0] += 1
+            stage.run(cfg, tmp / "store", model, ckpts[0][1], tmp / f"single-{k[0]}")
+
+        def all_checkpoints() -> None:
+            k[0] += 1
+            checkpoints.run(cfg, tmp / "store", model, ckpts, tmp / f"all-{k[0]}")
+
+        resolved = stage.resolved_config(cfg)
+        _, samples = stage.read_val_samples(resolved, tmp / "store", model, 0.05)
+        tr = stage.load_transformer(resolved, model)
+        attach_lora(tr, ckpts[0][1])
+        old = timed(lambda: old_loss_pass(tr, samples, resolved))
+        new = timed(lambda: stage.held_out_loss(tr, samples, resolved))
+        one = timed(single)
+        many = timed(all_checkpoints)
+        print(f"{len(samples)} val samples ({sum(s.mask_weight is not None for s in samples)} masked), "
+              f"seeds {list(cfg.noise_seeds)} x σ {list(cfg.timesteps)}, N = {n} checkpoints; CPU s (wall s)")
+        print(f"loss part, one LoRA, old protocol (3 passes on masked): {old[0]:.2f} ({old[1]:.2f})")
+        print(f"loss part, one LoRA, one forward per row:                {new[0]:.2f} ({new[1]:.2f})  "
+              f"ratio {new[0] / old[0]:.2f}")
+        print(f"single-LoRA evaluate (load + base + LoRA + report):       {one[0]:.2f} ({one[1]:.2f})")
+        print(f"--all-checkpoints, N = {n} (load + base + N + report):      {many[0]:.2f} ({many[1]:.2f})")
+        print(f"ratio all / (N x single evaluate): {many[0] / (n * one[0]):.2f}   "
+              f"all / (N x old loss part): {many[0] / (n * old[0]):.2f}   target <= 1")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 4)

@@ -1,0 +1,22 @@
+"""`pipeline compare REPORT_OR_RUN... --out DIR`: several runs' held-out loss curves and best checkpoints on one
+page (DIR/index.html) and in one table (DIR/curves.csv); runs on different held-out sets are refused."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from pipeline.commands.common import JsonOpt, emit, json_mode, user_errors
+
+
+def command(
+    inputs: list[str] = typer.Argument(..., help="Report folders (with losses.zarr) or run folders holding one."),
+    out: Path = typer.Option(..., "--out", help="Folder for index.html and curves.csv."),
+    as_json: bool = JsonOpt,
+) -> None:
+    from stages.evaluate.compare import write_compare
+
+    with user_errors(), json_mode(as_json):
+        result = write_compare(inputs, out)
+    emit(result, as_json)

@@ -1,0 +1,238 @@
+"""`evaluate --all-checkpoints`: the held-out loss of the base and of every kept checkpoint of a run -> which is best.
+
+Read top to bottom: fingerprint the evaluation (store tables, model, protocol) -> open REPORT/losses.zarr
+(`store.loss_array`) -> read the val samples -> load the transformer once -> base losses (when the group has none)
+-> per checkpoint not yet in the group: swap its LoRA weights into the one adapter, one `loss_grid`, one append
+(a checkpoint already recorded with the same bytes is skipped) -> best = lowest overall held-out loss (ties to
+the earlier step) -> generate the val samples with base, best and last -> metrics.json, index.html with curves.
+
+metrics.json keeps evaluate's `loss` section (base vs the best checkpoint), so whatever read a single-LoRA
+report reads this one too; `checkpoints` adds the per-step curves and `best` / `last`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from models.held_out import bucket_of, loss_grid, loss_summary
+from schemas.config import EvaluateConfig
+from schemas.errors import UserError
+from schemas.stage import few
+from store import Store
+from store.loss_array import GROUP, Axes, LossStore, recorded_steps
+
+#: evaluate settings that change the numbers in the array (the others only change the pictures)
+LOSS_SETTINGS = ("noise_seeds", "timesteps", "batch_size", "max_loss_samples", "lora_scale", "dtype",
+                 "attention_backend", "quantize_base", "on_damaged")  # + the device type (cuda:0 = cuda:1)
+
+
+def loss_fingerprint(cfg: EvaluateConfig, store: str | Path, model: str) -> tuple[str, dict]:
+    """(hash, settings) of everything the held-out losses depend on besides the LoRA: equal = same array."""
+    from models.loading import model_fingerprint
+
+    st = Store(store, create=False)
+    settings = {
+        "store": str(Path(store).resolve()),
+        "tables": {t: st.version_id(t, v) for t, v in sorted(st.tables().items()) if t in ("text", "vae")},
+        "model_fingerprint": model_fingerprint(model),
+        "evaluate": {k: v for k, v in cfg.model_dump(mode="json").items() if k in LOSS_SETTINGS},
+        "device_type": str(cfg.device).split(":")[0],
+    }
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest(), settings
+
+
+def lora_sha256(checkpoint: Path) -> str:
+    from models.lora import lora_weight_file
+
+    return hashlib.sha256(lora_weight_file(checkpoint).read_bytes()).hexdigest()
+
+
+# ------------------------------------------------------------------------------------------------ the numbers
+
+
+def step_summaries(base: np.ndarray, grids: np.ndarray, samples_meta: list[str]) -> dict:
+    """Per step: overall, per bucket, inside / outside (means over rows; a sample weighs its seeds x σ rows);
+    and the base's same numbers. samples_meta: each sample's bucket."""
+    buckets = sorted(set(samples_meta), key=lambda b: tuple(int(x) for x in b.split("x")))
+    idx = {b: [i for i, m in enumerate(samples_meta) if m == b] for b in buckets}
+
+    def numbers(g: np.ndarray) -> dict:
+        def mean(a: np.ndarray) -> float:
+            a = a[np.isfinite(a)] if a.size else a
+            return float(a.mean()) if a.size else math.nan
+
+        return {
+            "overall": mean(g[..., 0]),
+            "per_bucket": {b: mean(g[ix, ..., 0]) for b, ix in idx.items()},
+            "inside": mean(g[..., 1]),
+            "outside": mean(g[..., 2]),
+        }
+
+    return {"base": numbers(base), "steps": [numbers(g) for g in grids]}
+
+
+def pick_best(steps: list[int], overall: list[float]) -> int | None:
+    """Index of the lowest finite held-out loss; a tie goes to the earlier step."""
+    best = None
+    for i in sorted(range(len(steps)), key=lambda i: steps[i]):
+        if math.isfinite(overall[i]) and (best is None or overall[i] < overall[best]):
+            best = i
+    return best
+
+
+# ------------------------------------------------------------------------------------------------ the result
+
+
+@dataclass
+class CheckpointsResult:
+    metrics: dict
+    report: Path
+    up_to_date: bool = False
+    evaluated: int = 0  # checkpoints whose losses this run computed
+    stage: str = "evaluate"
+    seconds: float = 0.0
+
+    @property
+    def best(self) -> dict:
+        return self.metrics["checkpoints"]["best"]
+
+    def to_json(self) -> dict:
+        from schemas.stage import summary_record
+
+        c = self.metrics["checkpoints"]
+        return summary_record(self.stage, seconds=self.seconds, up_to_date=self.up_to_date, report=str(self.report),
+                              val_samples=self.metrics["loss"]["overall"]["n"], losses=c["losses"],
+                              checkpoints=c["steps"], checkpoints_evaluated=self.evaluated,
+                              best_checkpoint=self.best["path"], best_step=self.best["step"],
+                              loss_best=self.best["loss"], loss_base=c["base"]["overall"],
+                              last_step=c["steps"][-1], damaged_samples=sorted(self.metrics["run"]["damaged_samples"]))
+
+    def __str__(self) -> str:
+        b, c = self.best, self.metrics["checkpoints"]
+        if self.up_to_date:
+            head = f"report {self.report.parent} is up to date ({len(c['steps'])} checkpoints)"
+        else:
+            head = (f"evaluated {self.evaluated} of {len(c['steps'])} checkpoints "
+                    f"({len(c['steps']) - self.evaluated} already in {c['losses']})")
+        return (f"{head}; best checkpoint step {b['step']}: held-out loss {b['loss']:.4f} (base "
+                f"{c['base']['overall']:.4f}) {b['path']}; report: {self.report}")
+
+
+def _up_to_date(out: Path, fingerprint: str, checkpoints: list[tuple[int, Path]], cfg: EvaluateConfig) -> dict | None:
+    metrics_file = out / "metrics.json"
+    recorded = recorded_steps(out, fingerprint)
+    if recorded is None or not metrics_file.is_file() or not (out / "index.html").is_file():
+        return None
+    try:
+        metrics = json.loads(metrics_file.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    c = metrics.get("checkpoints", {})
+    if c.get("fingerprint") != fingerprint or c.get("steps") != sorted(recorded) \
+            or c.get("config_fingerprint") != cfg.fingerprint():
+        return None
+    if any(recorded.get(step) != lora_sha256(path) for step, path in checkpoints):
+        return None
+    return metrics
+
+
+# ------------------------------------------------------------------------------------------------ the stage
+
+
+def run(cfg: EvaluateConfig, store: str | Path, model: str, checkpoints: list[tuple[int, Path]], out: str | Path,
+        skip_if_done: bool = False, max_dropped_fraction: float = 0.05) -> CheckpointsResult:
+    """Evaluate the base and every (step, LoRA folder) of `checkpoints` into OUT (losses.zarr + the report)."""
+    from models.lora import attach_lora, load_lora
+    from models.precision import describe
+    from stages.evaluate import stage as single
+    from stages.evaluate.checkpoint_report import generated_rows, write_checkpoint_report
+
+    out, started = Path(out), time.perf_counter()
+    if not checkpoints:
+        raise UserError("no checkpoints to evaluate: the run folder holds no checkpoints/step-N "
+                        "(train with train.checkpoint_every set, or evaluate one LoRA without --all-checkpoints)")
+    requested = cfg.dtype
+    cfg = single.resolved_config(cfg)
+    fingerprint, settings = loss_fingerprint(cfg, store, model)
+    if skip_if_done and (done := _up_to_date(out, fingerprint, checkpoints, cfg)) is not None:
+        return CheckpointsResult(done, out / "index.html", up_to_date=True)
+    ours = lambda name: name.startswith(("losses", ".losses")) and ".zarr" in name  # noqa: E731 (groups, kept or new)
+    if out.is_dir() and any(not ours(p.name) for p in out.iterdir()) and not (out / "metrics.json").is_file():
+        raise UserError(f"{out} is not empty and holds no earlier report: pass a new or empty --out folder")
+    tqdm.write(describe("evaluate", single.parse_dtype(cfg.dtype), cfg.device, requested))
+
+    tables, samples = single.read_val_samples(cfg, store, model, max_dropped_fraction)
+    damaged = dict(tables.damaged)
+    seeds, sigmas = list(cfg.noise_seeds), [float(t) for t in cfg.timesteps]
+    axes = Axes([s.key for s in samples], [bucket_of(s) for s in samples], seeds, sigmas)
+    out.mkdir(parents=True, exist_ok=True)
+    losses = LossStore(out, fingerprint, axes, settings)
+    if losses.kept_aside is not None:
+        tqdm.write(f"evaluation settings changed: the earlier losses are kept in {losses.kept_aside}")
+    recorded = losses.steps()
+    shas = {step: lora_sha256(path) for step, path in checkpoints}
+    if any(recorded.get(step, sha) != sha for step, sha in shas.items()):
+        # a step recorded with other weights: another run trained into this folder; its numbers go aside
+        losses.start_over()
+        tqdm.write(f"the run's checkpoints are not the ones evaluated before: earlier losses kept in {losses.kept_aside}")
+        recorded = {}
+    todo = [(step, path) for step, path in checkpoints if step not in recorded]
+
+    transformer = single.load_transformer(cfg, model)
+    if not losses.has_base():  # before any adapter exists: the plain model
+        losses.write_base(loss_grid(transformer, samples, seeds, sigmas, cfg.batch_size, "held-out loss (base)"))
+    attached = False
+    for step, path in tqdm(todo, desc="checkpoints"):
+        if not attached:
+            attach_lora(transformer, path, cfg.lora_scale)
+            attached = True
+        else:  # same adapter, new weights: no new modules per checkpoint
+            load_lora(transformer, path, adapter_name="lora")
+        grid = loss_grid(transformer, samples, seeds, sigmas, cfg.batch_size, f"held-out loss (step {step})")
+        losses.append(step, str(Path(path).resolve()), shas[step], grid)
+
+    steps, paths, grids = losses.losses()
+    base = losses.base()
+    per_step = step_summaries(base, grids, axes.buckets)
+    overall = [s["overall"] for s in per_step["steps"]]
+    alive = [i for i, p in enumerate(paths) if Path(p).exists()]
+    best_i = pick_best([steps[i] for i in alive], [overall[i] for i in alive])
+    if best_i is None:
+        raise UserError(f"no checkpoint in {losses.path} has a finite held-out loss; check the run's training loss")
+    best_i, last_i = alive[best_i], alive[-1] if alive else len(steps) - 1
+    protocol = single.protocol(cfg, samples).replace("LoRA off (base) and on", "LoRA off (base) and the best checkpoint")
+    loss = loss_summary({"base": base, "lora": grids[best_i]}, samples, seeds, sigmas, protocol)
+
+    def point(i: int) -> dict:
+        return {"step": steps[i], "path": paths[i], "loss": overall[i]}
+
+    metrics = {
+        "loss": loss,
+        "checkpoints": {
+            "losses": str(losses.path), "fingerprint": fingerprint, "config_fingerprint": cfg.fingerprint(), "steps": steps, "paths": paths,
+            "base": per_step["base"], "per_step": per_step["steps"], "best": point(best_i), "last": point(last_i),
+            "note": "best = lowest overall held-out loss among the checkpoints still on disk (ties: earlier step)",
+        },
+    }
+    rows = []
+    if cfg.num_samples > 0 or cfg.extra_prompts:
+        rows = generated_rows(cfg, model, store, tables, transformer, samples, paths[best_i], steps[best_i],
+                              paths[last_i], steps[last_i], attached, damaged)
+    metrics["generation"] = single.generation_summary(rows, cfg)  # "lora" = the best checkpoint
+    metrics["run"] = {
+        "store": str(Path(store).resolve()), "tables": tables.versions(), "model": str(model),
+        "lora_scale": cfg.lora_scale, "val_samples": len(samples), "val_split": tables.report,
+        "damaged_samples": damaged, "config": cfg.model_dump(mode="json"), "settings": settings,
+    }
+    report = write_checkpoint_report(out, metrics, rows)
+    if damaged:
+        tqdm.write(f"skipped {len(damaged)} damaged val sample(s): {few(damaged)}")
+    return CheckpointsResult(metrics, report, evaluated=len(todo), seconds=time.perf_counter() - started)

@@ -1,0 +1,186 @@
+"""`pipeline compare`: several runs' held-out loss curves and best points on one page, plus a CSV.
+
+Each input is a report folder (holding `losses.zarr`, written by `evaluate --all-checkpoints` or `run all`) or a
+run folder whose report was kept inside it (`RUN/evaluate-report/`). Runs are comparable only on the same
+held-out set: the same store `text` / `vae` table versions, the same val sample keys, noise seeds and σ grid;
+anything else is refused with the difference named (numbers of different held-out sets are not one scale).
+"""
+
+from __future__ import annotations
+
+import csv
+import html
+import io
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from schemas.errors import UserError
+from stages.evaluate.curves import Chart, Series, svg
+from store.loss_array import GROUP, open_dataset
+
+KEPT_REPORT = "evaluate-report"  # where `run all` moves a kept run's report (pipeline/orchestrate.py)
+
+
+@dataclass
+class RunCurves:
+    label: str
+    group: Path
+    steps: list[int]
+    checkpoints: list[str]
+    overall: list[float]
+    inside: list[float]
+    outside: list[float]
+    base: dict[str, float]  # region -> base loss
+    held_out: dict  # what makes two held-out sets the same
+
+    @property
+    def best(self) -> int | None:
+        best = None
+        for i in sorted(range(len(self.steps)), key=lambda i: self.steps[i]):
+            if math.isfinite(self.overall[i]) and (best is None or self.overall[i] < self.overall[best]):
+                best = i
+        return best
+
+
+def find_group(path: str | Path) -> Path:
+    p = Path(path)
+    for candidate in (p / GROUP, p / KEPT_REPORT / GROUP, p if p.name.endswith(".zarr") else None):
+        if candidate is not None and (candidate / "zarr.json").is_file():
+            return candidate
+    raise UserError(f"{p}: no {GROUP} there (nor in {p / KEPT_REPORT}); pass a report folder written by "
+                    "`pipeline run evaluate --all-checkpoints` or `pipeline run all`, or a run folder holding one")
+
+
+def _mean(a: np.ndarray) -> float:
+    a = a[np.isfinite(a)]
+    return float(a.mean()) if a.size else math.nan
+
+
+def read_curves(path: str | Path, label: str) -> RunCurves:
+    group = find_group(path)
+    ds = open_dataset(group)
+    settings = dict(ds.attrs.get("settings", {}))
+    loss = ds.loss.values.astype(np.float64)  # [step, sample, seed, sigma, region]
+    base = ds.base_loss.values.astype(np.float64) if "base_loss" in ds else np.full(loss.shape[1:], np.nan)
+    regions = [str(r) for r in ds.region.values]
+    r = {name: regions.index(name) for name in ("all", "inside", "outside")}
+    return RunCurves(
+        label=label, group=group, steps=[int(s) for s in ds.step.values],
+        checkpoints=[str(c) for c in ds.checkpoint.values],
+        overall=[_mean(g[..., r["all"]]) for g in loss], inside=[_mean(g[..., r["inside"]]) for g in loss],
+        outside=[_mean(g[..., r["outside"]]) for g in loss],
+        base={k: _mean(base[..., i]) for k, i in r.items()},
+        held_out={
+            "store tables": settings.get("tables"),
+            "val samples": [str(k) for k in ds.sample.values],
+            "noise seeds": [int(s) for s in ds.seed.values],
+            "σ grid": [float(s) for s in ds.sigma.values],
+        },
+    )
+
+
+def check_same_held_out(runs: list[RunCurves]) -> None:
+    """Refuse runs evaluated on different held-out sets, naming what differs and where."""
+    first = runs[0]
+    for other in runs[1:]:
+        for what, value in first.held_out.items():
+            theirs = other.held_out[what]
+            if theirs != value:
+                detail = ""
+                if what == "val samples":
+                    a, b = set(value), set(theirs)
+                    detail = f" ({len(a - b)} only in the first, {len(b - a)} only in the other)"
+                elif what == "store tables":
+                    detail = f" ({value} vs {theirs})"
+                raise UserError(
+                    f"cannot compare {first.group} and {other.group}: their held-out sets differ in {what}{detail}; "
+                    "compare runs evaluated on the same store version and val split with the same evaluate settings"
+                )
+
+
+def labels_for(paths: list[str]) -> list[str]:
+    """Each input's folder name; the full path where two names collide."""
+    names = [Path(p).resolve().name for p in paths]
+    return [n if names.count(n) == 1 else str(Path(p).resolve()) for n, p in zip(names, paths)]
+
+
+def write_compare(paths: list[str], out: str | Path) -> "CompareResult":
+    from store.format import atomic_write_bytes
+    from store.io_errors import writing
+
+    if len(paths) < 2:
+        raise UserError("pipeline compare needs at least two reports or runs")
+    runs = [read_curves(p, label) for p, label in zip(paths, labels_for(paths))]
+    check_same_held_out(runs)
+    out = Path(out)
+    rows = [["run", "step", "checkpoint", "loss", "loss_inside", "loss_outside", "best"]]
+    for r in runs:
+        rows.append([r.label, "base", "", r.base["all"], r.base["inside"], r.base["outside"], ""])
+        for i, s in enumerate(r.steps):
+            rows.append([r.label, s, r.checkpoints[i], r.overall[i], r.inside[i], r.outside[i],
+                         "best" if i == r.best else ""])
+    buf = io.StringIO()
+    csv.writer(buf, lineterminator="\n").writerows(rows)
+    page = render(runs)
+    with writing("the comparison", out):
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(out / "curves.csv", buf.getvalue().encode())
+        atomic_write_bytes(out / "index.html", page.encode())
+    return CompareResult(runs, out / "index.html", out / "curves.csv")
+
+
+def render(runs: list[RunCurves]) -> str:
+    charts = [Chart("held-out loss per checkpoint (all val samples)",
+                    [Series(r.label, r.steps, r.overall, r.base["all"], r.steps[r.best] if r.best is not None else None)
+                     for r in runs])]
+    for region in ("inside", "outside"):
+        series = [Series(r.label, r.steps, getattr(r, region), r.base[region]) for r in runs]
+        if any(v == v for s in series for v in s.values):  # NaN != NaN: no masked sample, no chart
+            charts.append(Chart(f"{region} the edit mask", series))
+    best_rows = "".join(
+        f"<tr><td>{html.escape(r.label)}</td><td>{r.steps[r.best] if r.best is not None else '–'}</td>"
+        f"<td>{r.overall[r.best]:.5g}</td><td>{r.base['all']:.5g}</td>"
+        f"<td><code>{html.escape(r.checkpoints[r.best])}</code></td></tr>" if r.best is not None else ""
+        for r in runs)
+    held = runs[0].held_out
+    return f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>Run comparison</title>
+<style>
+body {{ font: 14px/1.4 system-ui, sans-serif; margin: 24px; color: #222; }}
+table {{ border-collapse: collapse; margin: 8px 0 16px; }}
+th, td {{ border: 1px solid #ccc; padding: 4px 8px; }}
+th {{ background: #f3f3f3; }}
+svg {{ margin: 0 16px 16px 0; border: 1px solid #eee; }}
+</style></head><body>
+<h1>Run comparison</h1>
+<p>Same held-out set: {len(held['val samples'])} val samples x noise seeds {held['noise seeds']} x σ {held['σ grid']}
+(store tables {html.escape(json.dumps(held['store tables']))}).</p>
+<table><thead><tr><th>run</th><th>best step</th><th>held-out loss</th><th>base</th><th>checkpoint</th></tr></thead>
+<tbody>{best_rows}</tbody></table>
+{''.join(svg(c) for c in charts)}
+</body></html>
+"""
+
+
+@dataclass
+class CompareResult:
+    runs: list[RunCurves]
+    report: Path
+    csv: Path
+    stage: str = "compare"
+    up_to_date: bool = False
+
+    def to_json(self) -> dict:
+        return {"stage": self.stage, "report": str(self.report), "csv": str(self.csv),
+                "runs": [{"label": r.label, "group": str(r.group), "best_step": r.steps[r.best] if r.best is not None
+                          else None, "best_checkpoint": r.checkpoints[r.best] if r.best is not None else None,
+                          "best_loss": r.overall[r.best] if r.best is not None else None} for r in self.runs]}
+
+    def __str__(self) -> str:
+        bests = "; ".join(f"{r.label}: best step {r.steps[r.best]} ({r.overall[r.best]:.4f})" if r.best is not None
+                          else f"{r.label}: no finite loss" for r in self.runs)
+        return f"compared {len(self.runs)} runs ({bests}); page {self.report}, table {self.csv}"

@@ -1,0 +1,125 @@
+"""Training metrics through accelerate's tracker interface (`train.log_with`), and a `torch.profiler` trace.
+
+`Trackers` builds each named tracker from accelerate's registry (`accelerate.tracking.LOGGER_TYPE_TO_CLASS`:
+tensorboard, wandb, mlflow, comet_ml, aim, clearml, dvclive, swanlab, trackio) on the main process, and offers
+the two calls the trainer makes: `log({name: value}, step)` and `add_image(...)` (`add_scalar` for one value).
+TensorBoard, the default, writes RUN/logs as before (with `purge_step` on resume, so a killed run's events after
+its last checkpoint are dropped); the others are optional packages (`pip install wandb` / `mlflow`), an unknown
+or missing one is a one-line error before training starts.
+
+`StepProfiler` (`train.profile: N`) records the first N optimizer steps of this start with `torch.profiler` and
+writes RUN/profile/trace-rank{R}.json (Chrome trace format: chrome://tracing, Perfetto, TensorBoard's profiler).
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from schemas.errors import UserError
+
+TRACE_DIR = "profile"
+
+
+def _flat(config: dict, prefix: str = "") -> dict[str, Any]:
+    """Nested config -> {"train/learning_rate": 1e-4, ...}: trackers take only bool / str / int / float."""
+    out: dict[str, Any] = {}
+    for k, v in config.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flat(v, key + "/"))
+        elif isinstance(v, (bool, int, float, str)):
+            out[key] = v
+        else:
+            out[key] = str(v)
+    return out
+
+
+def tracker_classes(names: list[str]) -> list[type]:
+    """The accelerate tracker classes for `train.log_with`; a clear error for an unknown or uninstalled one."""
+    from accelerate.tracking import LOGGER_TYPE_TO_CLASS
+    from accelerate.utils import imports
+
+    out = []
+    for name in names:
+        if name not in LOGGER_TYPE_TO_CLASS:
+            raise UserError(f"train.log_with: unknown tracker {name!r}; one of {', '.join(sorted(LOGGER_TYPE_TO_CLASS))}")
+        available = getattr(imports, f"is_{name}_available", None)
+        if name != "tensorboard" and available is not None and not available():
+            raise UserError(f"train.log_with: {name} is not installed; `pip install {name}` or log with tensorboard")
+        out.append(LOGGER_TYPE_TO_CLASS[name])
+    return out
+
+
+class Trackers:
+    """The run's metric loggers (main process only)."""
+
+    def __init__(self, names: list[str], run_dir: Path, config: dict, purge_step: int | None):
+        self.trackers = []
+        for cls in tracker_classes(names):
+            if cls.name == "tensorboard":  # RUN/logs, as the SummaryWriter wrote it before
+                t = cls("logs", str(run_dir), **({"purge_step": purge_step} if purge_step else {}))
+            elif cls.requires_logging_directory:
+                t = cls(run_dir.name, str(run_dir / "logs"))
+            else:
+                t = cls(run_dir.name)
+            t.start()
+            if cls.name != "tensorboard":  # TensorBoard keeps the config in RUN/config.yaml already
+                t.store_init_configuration(_flat(config))
+            self.trackers.append(t)
+
+    def log(self, values: dict[str, float], step: int) -> None:
+        for t in self.trackers:
+            t.log(values, step=step)
+
+    def add_scalar(self, name: str, value: float, step: int) -> None:
+        self.log({name: value}, step)
+
+    def add_image(self, name: str, image: np.ndarray, step: int, dataformats: str = "HWC") -> None:
+        for t in self.trackers:
+            if t.name == "tensorboard":
+                t.writer.add_image(name, image, step, dataformats=dataformats)
+            elif hasattr(t, "log_images"):
+                t.log_images({name: [image]}, step=step)
+
+    def close(self) -> None:
+        for t in self.trackers:
+            t.finish()
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """Peak memory of this process on its device since the start: CUDA's allocator peak, or the process's peak
+    resident host memory (ru_maxrss, KiB on Linux) on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+class StepProfiler:
+    """`torch.profiler` over the next `steps` optimizer steps (call `step()` after each); writes the trace once."""
+
+    def __init__(self, steps: int, run_dir: Path, rank: int, device: torch.device):
+        from torch.profiler import ProfilerActivity, profile
+
+        self.left = steps
+        self.path = run_dir / TRACE_DIR / f"trace-rank{rank}.json"
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        self.prof = profile(activities=activities, record_shapes=True, profile_memory=True)
+        self.prof.start()
+
+    def step(self) -> None:
+        if self.left <= 0:
+            return
+        self.prof.step()
+        self.left -= 1
+        if self.left == 0:
+            self.prof.stop()
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_name(f".{self.path.name}.tmp")
+            self.prof.export_chrome_trace(str(tmp))
+            os.replace(tmp, self.path)  # a trace file that exists is whole

@@ -1,0 +1,207 @@
+"""Held-out losses of a run's checkpoints: one zarr v3 group, appended one checkpoint at a time.
+
+    losses.zarr/
+      base_loss   float32 (sample, seed, sigma, region)         the model without LoRA: the reference line
+      loss        float32 (step, sample, seed, sigma, region)   one chunk per checkpoint step
+      step        int64   (step)        checkpoint        str (step)  its folder   lora_sha256 str (step)
+      sample      str (sample: keys)    bucket  str (sample)   seed int64   sigma float64   region str
+      zarr.json   group attrs (settings, fingerprint) + consolidated metadata: the commit record
+
+Read with xarray (dimension names are stored, coordinates are the arrays named like their dimension):
+
+    import xarray as xr
+    ds = xr.open_zarr("REPORT/losses.zarr")
+    ds.loss.sel(region="all").mean(["sample", "seed", "sigma"])  # held-out loss per checkpoint step
+
+Commit order (why the append is kill-safe): an append resizes the arrays and writes the new step's chunks,
+then rewrites the consolidated metadata in the root zarr.json last (zarr's LocalStore writes each file via a
+temporary file + rename). Readers (xarray, and `open` here) take the shapes from that consolidated record, so
+a process killed mid-append leaves the group as it was before: the partial step lies beyond the recorded
+shape, unseen, and the next append overwrites it.
+
+A group is for one evaluation setting (`fingerprint`: store tables, model, noise seeds, σ grid, LoRA scale,
+dtype, ...). Opening with another fingerprint keeps the old group as `losses.<old fingerprint>.zarr` beside it
+and starts a new one, so numbers of different protocols never share an array.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+
+REGIONS = ("all", "inside", "outside")  # models.held_out computes them in this order
+GROUP = "losses.zarr"
+FORMAT = 1  # bump when the layout above changes; a group of another format is kept aside like a new setting
+_STR = dict(dtype=str)  # zarr 3 variable-length UTF-8 strings
+
+
+def _zarr():
+    import zarr
+
+    # zarr warns that the variable-length string dtype may change in the v3 spec; we read what we write.
+    warnings.filterwarnings("ignore", message=".*not part of the Zarr format 3.*")
+    warnings.filterwarnings("ignore", category=UserWarning, module="zarr")
+    return zarr
+
+
+@dataclass
+class Axes:
+    """The fixed dimensions of one evaluation: which samples (and their buckets), seeds and σ values."""
+
+    keys: list[str]
+    buckets: list[str]
+    seeds: list[int]
+    sigmas: list[float]
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return (len(self.keys), len(self.seeds), len(self.sigmas), len(REGIONS))
+
+
+class LossStore:
+    """Open (or start) the group at `folder/losses.zarr` for `fingerprint`; see the module doc."""
+
+    def __init__(self, folder: str | Path, fingerprint: str, axes: Axes, settings: dict):
+        self.path = Path(folder) / GROUP
+        self.axes, self.fingerprint, self.settings = axes, fingerprint, settings
+        self.kept_aside: Path | None = None
+        if self.path.exists() and self._recorded_fingerprint() != fingerprint:
+            self.start_over()
+        else:
+            if not self.path.exists():
+                self._create(fingerprint, settings)
+            self.group = _zarr().open_group(self.path, mode="r+", use_consolidated=True)
+            if [str(k) for k in self.group["sample"][:]] != list(axes.keys):
+                self.start_over()  # other samples (e.g. one found damaged and skipped): not one array any more
+
+    def start_over(self) -> None:
+        """Keep the current group aside (`losses.<its fingerprint>[.N].zarr`) and begin an empty one."""
+        recorded = (self._recorded_fingerprint() or "unreadable")[:12]
+        aside, n = self.path.with_name(f"losses.{recorded}.zarr"), 1
+        while aside.exists():
+            aside, n = self.path.with_name(f"losses.{recorded}.{n}.zarr"), n + 1
+        os.rename(self.path, aside)
+        self.kept_aside = aside
+        self._create(self.fingerprint, self.settings)
+        self.group = _zarr().open_group(self.path, mode="r+", use_consolidated=True)
+
+    def _recorded_fingerprint(self) -> str | None:
+        try:
+            g = _zarr().open_group(self.path, mode="r", use_consolidated=True)
+            attrs = dict(g.attrs)
+        except Exception:  # noqa: BLE001 - any unreadable group is replaced, never appended to
+            return None
+        return attrs.get("fingerprint") if attrs.get("format") == FORMAT else None
+
+    def _create(self, fingerprint: str, settings: dict) -> None:
+        zarr = _zarr()
+        tmp = self.path.with_name(f".{GROUP}.tmp-{os.getpid()}")
+        g = zarr.open_group(tmp, mode="w", zarr_format=3)
+        a, full = self.axes, self.axes.shape
+        g.attrs.update({"format": FORMAT, "fingerprint": fingerprint, "settings": settings})
+        g.create_array("sample", shape=(len(a.keys),), dimension_names=["sample"], **_STR)[:] = np.array(a.keys, dtype=object)
+        g.create_array("bucket", shape=(len(a.keys),), dimension_names=["sample"], **_STR)[:] = np.array(a.buckets, dtype=object)
+        g.create_array("seed", data=np.asarray(a.seeds, dtype="int64"), dimension_names=["seed"])
+        g.create_array("sigma", data=np.asarray(a.sigmas, dtype="float64"), dimension_names=["sigma"])
+        g.create_array("region", shape=(len(REGIONS),), dimension_names=["region"], **_STR)[:] = np.array(REGIONS, dtype=object)
+        g.create_array("loss", shape=(0, *full), chunks=(1, *full), dtype="float32", fill_value=np.nan,
+                       dimension_names=["step", "sample", "seed", "sigma", "region"])
+        g.create_array("step", shape=(0,), chunks=(1,), dtype="int64", dimension_names=["step"])
+        for name in ("checkpoint", "lora_sha256"):
+            g.create_array(name, shape=(0,), chunks=(1,), dimension_names=["step"], **_STR)
+        g["loss"].attrs["coordinates"] = "bucket checkpoint lora_sha256"  # xarray: these are coordinates
+        zarr.consolidate_metadata(tmp)
+        os.rename(tmp, self.path)  # the group appears whole or not at all
+
+    # ------------------------------------------------------------------------------------------------ reads
+
+    def steps(self) -> dict[int, str]:
+        """step -> LoRA sha256 of every committed checkpoint."""
+        n = self.group["step"].shape[0]
+        if n == 0:
+            return {}
+        return dict(zip((int(s) for s in self.group["step"][:]), (str(h) for h in self.group["lora_sha256"][:])))
+
+    def has_base(self) -> bool:
+        return "base_loss" in self.group
+
+    def base(self) -> np.ndarray:
+        return np.asarray(self.group["base_loss"][:], dtype=np.float64)
+
+    def losses(self) -> tuple[list[int], list[str], np.ndarray]:
+        """(steps, checkpoint paths, [step, sample, seed, σ, region] losses), in step order."""
+        n = self.group["step"].shape[0]
+        if n == 0:
+            return [], [], np.zeros((0, *self.axes.shape))
+        steps = [int(s) for s in self.group["step"][:]]
+        paths = [str(p) for p in self.group["checkpoint"][:]]
+        values = np.asarray(self.group["loss"][:n], dtype=np.float64)
+        order = np.argsort(steps, kind="stable")
+        return [steps[i] for i in order], [paths[i] for i in order], values[order]
+
+    # ------------------------------------------------------------------------------------------------ writes
+
+    def drop_from(self, step: int) -> None:
+        """Forget the steps >= `step` (recorded by a run killed after its last checkpoint, about to be redone)."""
+        zarr = _zarr()
+        steps = [int(s) for s in self.group["step"][:]] if self.group["step"].shape[0] else []
+        keep = sum(1 for s in steps if s < step)
+        if keep == len(steps):
+            return
+        if steps[:keep] != sorted(steps)[:keep] or any(s < step for s in steps[keep:]):
+            raise ValueError(f"{self.path}: steps {steps} are not in order")
+        for name in ("loss", "step", "checkpoint", "lora_sha256"):
+            arr = self.group[name]
+            arr.resize((keep, *arr.shape[1:]))
+        zarr.consolidate_metadata(self.path)
+        self.group = zarr.open_group(self.path, mode="r+", use_consolidated=True)
+
+    def write_base(self, grid: np.ndarray) -> None:
+        zarr = _zarr()
+        self.group.create_array("base_loss", data=grid.astype("float32"), fill_value=np.nan,
+                                dimension_names=["sample", "seed", "sigma", "region"], overwrite=True)
+        zarr.consolidate_metadata(self.path)
+
+    def append(self, step: int, checkpoint: str, lora_sha256: str, grid: np.ndarray) -> None:
+        """One checkpoint's losses: its chunk and coordinates first, the consolidated metadata (commit) last."""
+        zarr = _zarr()
+        if grid.shape != self.axes.shape:
+            raise ValueError(f"losses shaped {grid.shape}, the group holds {self.axes.shape}")
+        n = self.group["step"].shape[0]
+        loss = self.group["loss"]
+        loss.resize((n + 1, *self.axes.shape))
+        loss[n] = grid.astype("float32")
+        for name, value in (("step", step), ("checkpoint", checkpoint), ("lora_sha256", lora_sha256)):
+            arr = self.group[name]
+            arr.resize((n + 1,))
+            arr[n] = value
+        zarr.consolidate_metadata(self.path)  # the commit: before this, readers still see n steps
+        self.group = zarr.open_group(self.path, mode="r+", use_consolidated=True)
+
+
+def recorded_steps(folder: str | Path, fingerprint: str) -> dict[int, str] | None:
+    """step -> LoRA sha256 committed in `folder/losses.zarr` for this fingerprint; None when there is no such group."""
+    path = Path(folder) / GROUP
+    if not path.exists():
+        return None
+    try:
+        g = _zarr().open_group(path, mode="r", use_consolidated=True)
+        if g.attrs.get("format") != FORMAT or g.attrs.get("fingerprint") != fingerprint:
+            return None
+        n = g["step"].shape[0]
+        return dict(zip((int(s) for s in g["step"][:n]), (str(h) for h in g["lora_sha256"][:n]))) if n else {}
+    except Exception:  # noqa: BLE001 - unreadable: not up to date, the next append replaces it
+        return None
+
+
+def open_dataset(path: str | Path):
+    """The group as an xarray Dataset (what the report and `pipeline compare` read)."""
+    import xarray as xr
+
+    _zarr()
+    return xr.open_zarr(path, consolidated=True)

@@ -1,0 +1,253 @@
+"""`evaluate --all-checkpoints`: a run whose three checkpoints are built so the best one is known (a zero LoRA is
+the base exactly; a large random one is worse), the zarr group read back by xarray with its named dimensions,
+an append killed before its commit, a checkpoint already evaluated skipped, a changed setting -> a new array."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import xarray as xr
+from typer.testing import CliRunner
+
+from models.loading import load_component
+from models.lora import add_lora, save_lora
+from pipeline.cli import app
+from schemas.config import EvaluateConfig, LoraConfig
+from stages.evaluate import checkpoints as ev
+from store.loss_array import GROUP
+from train_store import make_train_store, mixed_specs
+
+CFG = dict(noise_seeds=[0, 1], timesteps=[0.3, 0.7], batch_size=4, num_samples=0, device="cpu")
+
+
+def _write_lora(transformer, folder, scale: float) -> None:
+    """A LoRA with B = scale x a fixed random matrix (scale 0: exactly the base model)."""
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in transformer.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * scale)
+    save_lora(transformer, folder / "lora")
+    (folder / "resume.json").write_text("{}")  # what marks a committed checkpoint (stages/train/state.py)
+
+
+@pytest.fixture(scope="module")
+def run_and_store(tiny_edit_model, tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpts")
+    make_train_store(root / "store", tiny_edit_model, mixed_specs(1, 5, masks=True))
+    transformer = load_component(tiny_edit_model, "transformer")
+    add_lora(transformer, LoraConfig(rank=4, alpha=4.0))
+    # step 10: far from the base (worse); steps 20 and 30: zero LoRAs, the base itself -> a tie, the earlier wins
+    for step, scale in ((10, 20.0), (20, 0.0), (30, 0.0)):
+        _write_lora(transformer, root / "run" / "checkpoints" / f"step-{step}", scale)
+    return root
+
+
+def _ckpts(root):
+    return [(s, root / "run" / "checkpoints" / f"step-{s}" / "lora") for s in (10, 20, 30)]
+
+
+def test_best_checkpoint_known_by_construction_and_zarr_reads_in_xarray(run_and_store, tiny_edit_model, tmp_path):
+    root = run_and_store
+    out = tmp_path / "report"
+    res = ev.run(EvaluateConfig(**CFG), root / "store", tiny_edit_model, _ckpts(root), out)
+    assert res.evaluated == 3
+    c = res.metrics["checkpoints"]
+    assert c["steps"] == [10, 20, 30]
+    assert res.best["step"] == 20 and res.best["path"].endswith("step-20/lora")
+    assert res.metrics["checkpoints"]["last"]["step"] == 30
+    base = c["base"]["overall"]
+    assert c["per_step"][1]["overall"] == pytest.approx(base, rel=1e-6)  # a zero LoRA is the base
+    assert c["per_step"][0]["overall"] > base
+    assert "step 20" in str(res) and res.best["path"] in str(res)
+    assert res.to_json()["best_checkpoint"] == res.best["path"]
+
+    ds = xr.open_zarr(out / GROUP)
+    assert ds.loss.dims == ("step", "sample", "seed", "sigma", "region")
+    assert ds.base_loss.dims == ("sample", "seed", "sigma", "region")
+    assert list(ds.step.values) == [10, 20, 30] and list(ds.region.values) == ["all", "inside", "outside"]
+    assert list(ds.sigma.values) == [0.3, 0.7] and list(ds.seed.values) == [0, 1] and ds.sizes["sample"] == 5
+    assert set(ds.bucket.values) and str(ds.checkpoint.values[1]).endswith("step-20/lora")
+    per_step = ds.loss.sel(region="all").mean(["sample", "seed", "sigma"]).values
+    np.testing.assert_allclose(per_step, [p["overall"] for p in c["per_step"]], rtol=1e-6)
+    # inside / outside exist for the masked samples only
+    assert np.isnan(ds.loss.sel(region="inside").values).any() and np.isfinite(ds.loss.sel(region="inside").values).any()
+
+    # metrics.json keeps the single-LoRA `loss` section (base vs the best checkpoint)
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["loss"]["overall"]["base"] == pytest.approx(base, rel=1e-6)
+    assert metrics["checkpoints"]["best"]["step"] == 20
+
+    # evaluated again: nothing recomputed; with skip_if_done: up to date
+    again = ev.run(EvaluateConfig(**CFG), root / "store", tiny_edit_model, _ckpts(root), out)
+    assert again.evaluated == 0 and again.best["step"] == 20
+    assert ev.run(EvaluateConfig(**CFG), root / "store", tiny_edit_model, _ckpts(root), out, skip_if_done=True).up_to_date
+
+    # a changed evaluation setting starts a new array; the old one is kept beside it
+    changed = ev.run(EvaluateConfig(**{**CFG, "timesteps": [0.5]}), root / "store", tiny_edit_model, _ckpts(root), out)
+    assert changed.evaluated == 3
+    assert xr.open_zarr(out / GROUP).sizes["sigma"] == 1
+    kept = [p for p in out.iterdir() if p.name.startswith("losses.") and p.name != GROUP]
+    assert len(kept) == 1 and xr.open_zarr(kept[0]).sizes["sigma"] == 2
+
+
+KILLED_APPEND = """
+import os, signal, sys
+from pathlib import Path
+import zarr
+from schemas.config import EvaluateConfig
+from stages.evaluate import checkpoints as ev
+
+real, commits = zarr.consolidate_metadata, []
+
+def dies_at_fourth_commit(path, *a, **k):  # group created, base, step 10; then SIGKILL: step 20 written, no commit
+    commits.append(path)
+    if len(commits) == 4:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(path, *a, **k)
+
+zarr.consolidate_metadata = dies_at_fourth_commit
+store, model, out, cfg = sys.argv[1], sys.argv[2], sys.argv[3], eval(sys.argv[4])
+root = Path(store).parent
+ckpts = [(s, root / "run" / "checkpoints" / f"step-{s}" / "lora") for s in (10, 20, 30)]
+ev.run(EvaluateConfig(**cfg), store, model, ckpts, out)
+"""
+
+
+def test_killed_append_leaves_a_readable_array_and_the_rerun_completes_it(run_and_store, tiny_edit_model, tmp_path):
+    """A process SIGKILLed between writing a checkpoint's chunk and its commit (a deterministic point, not a
+    timed kill): the array reads without the partial step, and the rerun evaluates only what is missing."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root, out = run_and_store, tmp_path / "report"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-c", KILLED_APPEND, str(root / "store"), tiny_edit_model, str(out),
+                           repr(CFG)], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    assert (out / GROUP / "loss" / "c" / "1").exists()  # step 20's chunk is on disk, beyond the committed shape
+    ds = xr.open_zarr(out / GROUP)
+    assert list(ds.step.values) == [10]  # the partial step 20 is not part of the array
+    assert np.isfinite(ds.loss.sel(region="all").values).all()
+    first = ds.loss.values.copy()
+
+    res = ev.run(EvaluateConfig(**CFG), root / "store", tiny_edit_model, _ckpts(root), out)
+    assert res.evaluated == 2 and res.best["step"] == 20
+    ds = xr.open_zarr(out / GROUP)
+    assert list(ds.step.values) == [10, 20, 30]
+    np.testing.assert_array_equal(ds.loss.values[:1], first)
+
+
+def test_cli_all_checkpoints_json_names_the_best_path(run_and_store, tiny_edit_model, tmp_path):
+    root = run_and_store
+    args = ["run", "evaluate", "--all-checkpoints", "--run", str(root / "run"), "--store", str(root / "store"),
+            "--model", tiny_edit_model, "--out", str(tmp_path / "report"), "--json", "--num-samples", "0",
+            *[x for k, v in {"evaluate.noise_seeds": "[0]", "evaluate.timesteps": "[0.5]"}.items()
+              for x in ("--set", f"{k}={v}")]]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    record = json.loads(res.stdout.strip().splitlines()[-1])
+    assert record["best_step"] == 20 and record["best_checkpoint"].endswith("step-20/lora")
+    assert record["checkpoints"] == [10, 20, 30]
+
+
+# After `load`: decoded images, and the curves' drawn size (a polyline with a zero box is not visible).
+CURVE_PROBE = """<script>
+window.addEventListener('load', () => {
+  const imgs = [...document.images];
+  const ok = imgs.filter(i => i.complete && i.naturalWidth > 0).length;
+  const lines = [...document.querySelectorAll('svg.curve polyline')];
+  const drawn = lines.filter(l => { const b = l.getBBox(); return b.width > 50; }).length;
+  const best = document.querySelectorAll('svg.curve circle.best').length;
+  document.body.setAttribute('data-probe', ok + '/' + imgs.length + ' lines ' + drawn + '/' + lines.length + ' best ' + best);
+});
+</script>"""
+
+
+def test_report_renders_in_chromium_with_curves_and_base_best_last(run_and_store, tiny_edit_model, tmp_path):
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from PIL import Image
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pipeline"))
+    from test_report_html import CHROMIUM_FLAGS, _chromium
+
+    root = run_and_store
+    cfg = EvaluateConfig(**{**CFG, "num_samples": 2, "num_inference_steps": 2})
+    res = ev.run(cfg, root / "store", tiny_edit_model, _ckpts(root), tmp_path / "report")
+    text = res.report.read_text()
+    assert "http://" not in text.replace("http://www.w3.org/2000/svg", "") and "https://" not in text
+    assert "<script" not in text
+    for label in ("base", "best (step 20)", "last (step 30)"):
+        assert label in text
+    # curves: overall, per bucket, inside / outside; one line per bucket
+    n_buckets = len(res.metrics["checkpoints"]["base"]["per_bucket"])
+    assert text.count("<svg class='curve'") == 3
+    n_lines = 1 + n_buckets + 2
+    srcs = re.findall(r"src='([^']*)'", text)
+
+    probe = tmp_path / "probe.html"
+    probe.write_text(text.replace("</body>", CURVE_PROBE + "</body>"))
+    run = [_chromium(), *CHROMIUM_FLAGS, f"--user-data-dir={tmp_path / 'chrome'}", "--virtual-time-budget=10000"]
+    dom = subprocess.run([*run, "--dump-dom", probe.as_uri()], capture_output=True, text=True, timeout=120).stdout
+    assert f'data-probe="{len(srcs)}/{len(srcs)} lines {n_lines}/{n_lines} best 1"' in dom, dom[-1500:]
+    assert "Best checkpoint" in dom and res.best["path"] in dom
+
+    shot = tmp_path / "shot.png"
+    subprocess.run([*run, f"--screenshot={shot}", "--window-size=1300,1100", res.report.as_uri()],
+                   capture_output=True, timeout=120)
+    img = Image.open(shot).convert("RGB")
+    colors = img.getcolors(1 << 20)
+    assert colors is not None and len(colors) > 50  # not a blank page: text, curves, images
+    import os
+
+    if os.environ.get("H5_KEEP_SCREENSHOT"):  # to look at it: H5_KEEP_SCREENSHOT=/some/file.png
+        img.save(os.environ["H5_KEEP_SCREENSHOT"])
+
+
+def test_compare_two_runs_page_and_csv_and_refuses_other_held_out_sets(run_and_store, tiny_edit_model, tmp_path):
+    import csv
+
+    root = run_and_store
+    ckpts = _ckpts(root)
+    ev.run(EvaluateConfig(**CFG), root / "store", tiny_edit_model, ckpts, tmp_path / "a" / "report")
+    # run b: the same held-out set, other checkpoints (its best is its step 5, the zero LoRA)
+    ev.run(EvaluateConfig(**CFG), root / "store", tiny_edit_model, [(5, ckpts[1][1]), (15, ckpts[0][1])],
+           tmp_path / "b" / "report")
+    out = tmp_path / "cmp"
+    res = CliRunner().invoke(app, ["compare", str(tmp_path / "a" / "report"), str(tmp_path / "b" / "report"),
+                                   "--out", str(out), "--json"])
+    assert res.exit_code == 0, res.output
+    record = json.loads(res.stdout)
+    assert [r["best_step"] for r in record["runs"]] == [20, 5]
+    rows = list(csv.DictReader((out / "curves.csv").open()))
+    assert [(r["run"], r["step"]) for r in rows if r["best"]] == [(record["runs"][0]["label"], "20"),
+                                                                  (record["runs"][1]["label"], "5")]
+    assert {r["step"] for r in rows} == {"base", "5", "10", "15", "20", "30"}
+    base_rows = [float(r["loss"]) for r in rows if r["step"] == "base"]
+    assert base_rows[0] == base_rows[1]  # one held-out set, one base
+    page = (out / "index.html").read_text()
+    assert page.count("<svg class='curve'") >= 2 and "<script" not in page
+
+    # another σ grid: refused, the difference named
+    ev.run(EvaluateConfig(**{**CFG, "timesteps": [0.5]}), root / "store", tiny_edit_model, ckpts[:1],
+           tmp_path / "c" / "report")
+    res = CliRunner().invoke(app, ["compare", str(tmp_path / "a" / "report"), str(tmp_path / "c" / "report"),
+                                   "--out", str(tmp_path / "cmp2")])
+    assert res.exit_code == 1 and "held-out sets differ in σ grid" in res.output, res.output
+    # another store (other val samples): refused
+    make_train_store(tmp_path / "store2", tiny_edit_model, mixed_specs(1, 3, masks=True), tag="other")
+    ev.run(EvaluateConfig(**CFG), tmp_path / "store2", tiny_edit_model, ckpts[:1], tmp_path / "d" / "evaluate-report")  # a kept run
+    res = CliRunner().invoke(app, ["compare", str(tmp_path / "a" / "report"), str(tmp_path / "d"),
+                                   "--out", str(tmp_path / "cmp3")])
+    assert res.exit_code == 1 and "held-out sets differ in store tables" in res.output, res.output
+    assert not (tmp_path / "cmp2").exists() and not (tmp_path / "cmp3").exists()

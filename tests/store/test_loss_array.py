@@ -1,0 +1,48 @@
+"""The zarr group of held-out losses: what is appended reads back through xarray by dimension name; other
+samples or another fingerprint start a new group (the old one kept beside it); dropped steps are gone."""
+
+from __future__ import annotations
+
+import numpy as np
+import xarray as xr
+
+from store.loss_array import GROUP, Axes, LossStore, recorded_steps
+
+AXES = Axes(["k1", "k2", "k3"], ["32x32", "32x64", "32x32"], [0, 1], [0.25, 0.75])
+
+
+def _grid(v: float) -> np.ndarray:
+    g = np.full(AXES.shape, v)
+    g[1, ..., 1:] = np.nan  # k2 has no mask
+    return g
+
+
+def test_append_reads_back_in_xarray_and_drop_from(tmp_path):
+    s = LossStore(tmp_path, "fp", AXES, {"what": "test"})
+    s.write_base(_grid(2.0))
+    for step in (10, 20, 30):
+        s.append(step, f"ckpt-{step}", f"sha{step}", _grid(step / 10))
+    ds = xr.open_zarr(tmp_path / GROUP)
+    assert ds.loss.dims == ("step", "sample", "seed", "sigma", "region")
+    np.testing.assert_array_equal(ds.loss.sel(step=20).values, _grid(2.0).astype("float32"))
+    assert list(ds.bucket.values) == AXES.buckets and list(ds.checkpoint.values) == ["ckpt-10", "ckpt-20", "ckpt-30"]
+    assert recorded_steps(tmp_path, "fp") == {10: "sha10", 20: "sha20", 30: "sha30"}
+    assert recorded_steps(tmp_path, "other") is None
+
+    s.drop_from(20)  # a resumed run redoes steps 20 and 30
+    assert list(xr.open_zarr(tmp_path / GROUP).step.values) == [10]
+    s.append(20, "ckpt-20", "new", _grid(5.0))
+    again = LossStore(tmp_path, "fp", AXES, {})
+    assert again.steps() == {10: "sha10", 20: "new"} and again.kept_aside is None
+    np.testing.assert_array_equal(again.base(), _grid(2.0))
+
+
+def test_other_samples_or_fingerprint_start_a_new_group_and_keep_the_old(tmp_path):
+    s = LossStore(tmp_path, "fp", AXES, {})
+    s.append(10, "c", "h", _grid(1.0))
+    fewer = Axes(AXES.keys[:2], AXES.buckets[:2], AXES.seeds, AXES.sigmas)
+    t = LossStore(tmp_path, "fp", fewer, {})
+    assert t.kept_aside is not None and t.steps() == {} and xr.open_zarr(t.kept_aside).sizes["sample"] == 3
+    u = LossStore(tmp_path, "fp2", fewer, {})
+    assert u.kept_aside is not None and u.kept_aside != t.kept_aside
+    assert len(list(tmp_path.glob("losses.*.zarr"))) == 2 and xr.open_zarr(tmp_path / GROUP).sizes["sample"] == 2
