@@ -28,6 +28,7 @@ from stages.encode.common import (
     Summary,
     batches_by_shape,
     config_hash,
+    earlier_config_hashes,
     control_count_rejection,
     current_ranks,
     open_job,
@@ -150,7 +151,8 @@ def run(
     target = rank_device(section.device, ranks, "encode_vae.device")
     section = resolve_precision(section, target, STAGE)
     job = open_job(store, STAGE, TABLE, config_hash(section), model, FEATURE_REVISION, ranks, components=COMPONENTS,
-                   on_damaged=section.on_damaged, max_damaged_fraction=section.max_damaged_fraction)
+                   on_damaged=section.on_damaged, max_damaged_fraction=section.max_damaged_fraction,
+                   earlier_hashes=earlier_config_hashes(section))
     job.match_columns = ("mask_sha256",)
     if job.up_to_date:
         return job.summary

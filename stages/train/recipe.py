@@ -30,8 +30,6 @@ Note: after a mid-epoch resume, that epoch's padding efficiency counts from the 
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 import time
 import warnings
@@ -49,6 +47,7 @@ from models.attention import use_attention_backend
 from models.multires import install_multires
 from schemas.config import PipelineConfig, TrainConfig, dump_config
 from schemas.errors import UserError
+from schemas.lineage import section_fingerprint, unhashed_names
 from stages.train import guard, parallel, previous, state as train_state
 from stages.train.budget import make_sampler
 from stages.train.data import DataStream, load_at, open_inputs, write_data_report
@@ -61,14 +60,6 @@ from stages.train.summary import train_line
 from store.format import atomic_dir, atomic_write_bytes
 from store.join import JoinedTables
 
-# Settings that change how long or how often, not what is trained: a resume may change them.
-_NOT_FINGERPRINTED = {"max_steps", "checkpoint_every", "keep_checkpoints", "log_every", "device", "prefetch", "compile", "check_ahead",
-                      "on_damaged", "max_damaged_fraction", "on_nonfinite",
-                      "max_dropped_fraction", "max_open_shards",  # which samples: recorded by the tables
-                      # validation and samples only read the adapter (stages/train/validate.py)
-                      "validate_every", "validate_max_samples", "validate_timesteps", "validate_noise_seeds",
-                      "sample_every", "sample_count", "sample_steps"}
-_ADDED_LATER = {"init_lora": None, "optimizer": "adamw", "ema_decay": None, "control_dropout": 0.0}
 # Extra torch.compile arguments of `train.compile` (tests use a fast backend).
 COMPILE_OPTIONS: dict[str, Any] = {}
 
@@ -425,19 +416,8 @@ def validate_config(cfg: TrainConfig) -> None:
 
 
 def config_fingerprint(cfg: TrainConfig) -> str:
-    """What determines the trained weights. max_steps counts only when the LR schedule decays towards it."""
-    exclude = set(_NOT_FINGERPRINTED)
-    if cfg.lr_schedule != "constant":
-        exclude.discard("max_steps")
-    settings = cfg.model_dump(mode="json", exclude=exclude)
-    # Options added after runs already existed count only when set: those runs still resume and stay up to date.
-    for key, off in _ADDED_LATER.items():
-        if settings.get(key) == off:
-            settings.pop(key)
-    if settings["lora"].get("kind") == "lora":
-        settings["lora"].pop("kind")
-    blob = json.dumps(settings, sort_keys=True).encode()
-    return hashlib.sha256(blob).hexdigest()[:16]
+    """What determines the trained weights, as declared in schemas/config.py (a resume may change the rest)."""
+    return section_fingerprint(cfg)
 
 
 def lr_factor(step: int, cfg: TrainConfig) -> float:
@@ -559,7 +539,7 @@ def _resume_point(r: Run, resume: bool, cfg: PipelineConfig) -> tuple[Path | Non
                 "to continue, or use a new --out for a shorter run",
                 reason=f"train.max_steps {record.step} -> {r.cfg.max_steps}")
     except train_state.ResumeMismatch as e:
-        ignore = _NOT_FINGERPRINTED - ({"max_steps"} if r.cfg.lr_schedule != "constant" else set())
+        ignore = unhashed_names(r.cfg)
         changed = changed_settings(r.run_dir, cfg.model_dump(mode="json"), ignore)
         why = f"{e}\nchanged since {r.run_dir / 'train_config.yaml'}:\n  " + "\n  ".join(changed) if changed else str(e)
         if r.new_run:
