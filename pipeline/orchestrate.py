@@ -89,8 +89,7 @@ def stages() -> list[tuple[str, Callable[[PipelineConfig, Paths], StageSummary]]
         # resume=True: a killed `run all` continues its training; new_run=True: a run on other inputs is kept
         ("train", lambda cfg, p: train.run(cfg, p.store, p.model, p.run, resume=True, skip_if_done=True,
                                            new_run=True, before_keep=lambda run: _report_into(p.report, run))),
-        ("evaluate", lambda cfg, p: evaluate.run(cfg.evaluate, p.store, p.model, p.lora, p.report, skip_if_done=True,
-                                                  max_dropped_fraction=cfg.train.max_dropped_fraction)),
+        ("evaluate", lambda cfg, p: evaluate.run(cfg.evaluate, p.store, p.model, p.lora, p.report, skip_if_done=True)),
     ]
 
 

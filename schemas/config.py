@@ -266,6 +266,11 @@ class EvaluateConfig(Section):
     on_damaged: Annotated[Literal["stop", "skip"], IDENTITY] = _on_damaged(
         "val sample in text/vae", "leave it out (named in the summary and metrics.json)")
     max_damaged_fraction: Annotated[float, THROUGHPUT] = _max_damaged_fraction("the val samples")
+    max_dropped_fraction: Annotated[float, THROUGHPUT] = Field(
+        0.05, ge=0.0, le=1.0, description="fail when more than this share of the val split is missing from the "
+        "text or vae table (as train.max_dropped_fraction for the train split)")
+    max_open_shards: Annotated[int, THROUGHPUT] = Field(256, gt=0, description="shard files kept open per table "
+                                                        "(as train.max_open_shards)")
 
 
 class PredictConfig(Section):

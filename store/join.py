@@ -220,7 +220,7 @@ def _name_keys(keys: set[str], limit: int = 5) -> str:
 
 def open_features(store: str | Path, model: str, model_fingerprint: str, split: str = "train",
                   max_dropped_fraction: float = 0.05, max_open_shards: int = DEFAULT_MAX_OPEN_SHARDS,
-                  on_damaged: str = "stop", max_damaged_fraction: float = 0.0) -> JoinedTables:
+                  on_damaged: str = "stop", max_damaged_fraction: float = 0.0, section: str = "train") -> JoinedTables:
     """`text` + `vae` of one split, built with the model whose fingerprint is given: the samples both tables
     hold (the intersection), with each one's joint sequence length in `lengths` and in `report` how many samples
     of the split were dropped (in the `images` table, or in one of the two, but not in both) and why (the
@@ -229,7 +229,7 @@ def open_features(store: str | Path, model: str, model_fingerprint: str, split: 
 
     on_damaged="stop": a damaged sample raises when it is first read (a missing / short shard on open).
     "skip": every joined sample is checked now; damaged ones are left out and listed in `damaged`
-    (more than `max_damaged_fraction` of them: UserError)."""
+    (more than `max_damaged_fraction` of them: UserError). `section`: the config section errors name."""
     from store.lease import hold
     from store.store import Store
 
@@ -239,7 +239,7 @@ def open_features(store: str | Path, model: str, model_fingerprint: str, split: 
     lease = hold(st.root, {"text": None, "vae": None}, f"reader of the '{split}' split (train / evaluate)")
     try:
         joined = _open_features(st, lease, model, model_fingerprint, split, max_dropped_fraction, max_open_shards,
-                                on_damaged, max_damaged_fraction)
+                                on_damaged, max_damaged_fraction, section)
     except BaseException:
         lease.release()
         raise
@@ -249,7 +249,8 @@ def open_features(store: str | Path, model: str, model_fingerprint: str, split: 
 
 
 def _open_features(st, lease, model: str, model_fingerprint: str, split: str, max_dropped_fraction: float,
-                   max_open_shards: int, on_damaged: str, max_damaged_fraction: float) -> JoinedTables:
+                   max_open_shards: int, on_damaged: str, max_damaged_fraction: float,
+                   section: str = "train") -> JoinedTables:
     readers = {t: _open_table(st, t, model, max_open_shards, on_damaged, lease.version(t)) for t in ("text", "vae")}
     for r in readers.values():
         found = r.schema.lineage.model_fingerprint
@@ -271,9 +272,9 @@ def _open_features(st, lease, model: str, model_fingerprint: str, split: str, ma
         raise UserError(
             f"the '{split}' split of store {st.root}: {rep['dropped']} of {rep['samples']} samples "
             f"({100 * rep['dropped_fraction']:.1f}%) are not in both the text and vae tables, above "
-            f"train.max_dropped_fraction = {max_dropped_fraction}: {_reasons_text(rep)} (rows in "
+            f"{section}.max_dropped_fraction = {max_dropped_fraction}: {_reasons_text(rep)} (rows in "
             f"{rep['quarantine_file']}); fix those inputs, use a model that accepts them, or raise "
-            "train.max_dropped_fraction to train on the rest"
+            f"{section}.max_dropped_fraction to use the rest"
         )
     if not len(joined.keys):
         raise UserError(

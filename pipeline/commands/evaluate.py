@@ -41,6 +41,5 @@ def command(
     from stages.evaluate.stage import run
 
     with user_errors(), json_mode(as_json):
-        result = run(cfg.evaluate, store_dir, model_id, lora_dir, report,
-                     max_dropped_fraction=cfg.train.max_dropped_fraction)
+        result = run(cfg.evaluate, store_dir, model_id, lora_dir, report)
     emit(result, as_json)

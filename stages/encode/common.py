@@ -85,11 +85,11 @@ def resolve_precision(section: S, device: str, stage: str) -> S:
     the table's recorded config then name the precision that produced the features."""
     from tqdm.auto import tqdm
 
-    from models.precision import describe, resolve_dtype
+    from models.precision import resolve_precision as resolve
 
-    dtype = resolve_dtype(section.dtype, device)
-    tqdm.write(describe(stage, dtype, device, section.dtype))
-    return with_overrides(section, dtype=str(dtype).removeprefix("torch."))
+    precision = resolve(section.dtype, device)
+    tqdm.write(precision.describe(stage, device))
+    return with_overrides(section, dtype=precision.weights)
 
 
 # ---------------------------------------------------------------- lineage

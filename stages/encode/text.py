@@ -280,6 +280,7 @@ def run(
     ranks: Ranks | None = None,
 ) -> Summary:
     from models.loading import load_component, model_variant, parse_dtype, pipeline_family
+    from models.precision import check_loaded_dtype
 
     section = with_overrides(cfg.encode_text, device=device, batch_size=batch_size)
     fmt = prompt_format(pipeline_family(model_variant(model)), section.prompt_template, section.prompt_template_start_idx)
@@ -297,6 +298,7 @@ def run(
     processor = load_component(model, "processor")
     text_encoder = load_component(model, "text_encoder", dtype=parse_dtype(section.dtype),
                                   device=target)
+    check_loaded_dtype(text_encoder, section.dtype, "encode_text.dtype")
     nocontrol = section.no_control_embeds
     kinds = KINDS + ((NOCONTROL,) if nocontrol else ())
     schema = text_schema(job, fmt, text_encoder.config.text_config.hidden_size, section.dtype, nocontrol)

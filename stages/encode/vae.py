@@ -145,6 +145,7 @@ def run(
     from diffusers.image_processor import VaeImageProcessor
 
     from models.loading import load_component, model_variant, parse_dtype
+    from models.precision import check_loaded_dtype
 
     section = with_overrides(cfg.encode_vae, device=device, batch_size=batch_size)
     ranks = ranks or current_ranks(section.device)
@@ -159,6 +160,7 @@ def run(
 
     # Only the VAE (never the VL model or the transformer).
     vae = load_component(model, "vae", dtype=parse_dtype(section.dtype), device=target)
+    check_loaded_dtype(vae, section.dtype, "encode_vae.dtype")
     channels = vae.config.z_dim
     latents_mean = torch.tensor(vae.config.latents_mean).view(1, channels, 1, 1, 1)
     latents_std = torch.tensor(vae.config.latents_std).view(1, channels, 1, 1, 1)

@@ -50,7 +50,8 @@ from schemas.errors import UserError
 from schemas.lineage import section_fingerprint, unhashed_names
 from stages.train import guard, parallel, previous, state as train_state
 from stages.train.budget import make_sampler
-from stages.train.data import DataStream, load_at, open_inputs, write_data_report
+from stages.features import open_configured
+from stages.train.data import DataStream, load_at, write_data_report
 from stages.train.launch import launched_world_size, use_cpu
 from stages.train.prefetch import MicroBatches
 from stages.train.resume import changed_settings
@@ -223,11 +224,11 @@ def setup(cfg: PipelineConfig, store: str | Path, model: str, out: str | Path, r
         from models.precision import describe, resolve_dtype
 
         tqdm.write(describe("train (frozen base)", resolve_dtype(tc.dtype, device), device, requested)
+                   + (", bf16 autocast" if tc.mixed_precision == "bf16" and tc.dtype != "bfloat16" else "")
                    + (f", quantize_base {tc.quantize_base}" if tc.quantize_base != "none" else ""))
     from models.loading import model_fingerprint
 
-    tables = open_inputs(store, model, "train", tc.max_dropped_fraction, tc.max_open_shards,
-                         on_damaged=tc.on_damaged, max_damaged_fraction=tc.max_damaged_fraction)
+    tables = open_configured(tc, "train", store, model, "train")
     now = ResumeRecord(
         step=0, epoch=0, batch_in_epoch=0, config_fingerprint=config_fingerprint(tc),
         tables=tables.versions(), store=str(Path(tables.store_root).resolve()),
@@ -393,7 +394,7 @@ def up_to_date(cfg: PipelineConfig, store: str | Path, model: str, out: str | Pa
     if not weights.is_file() or latest is None:
         return False
     record = ResumeRecord.read(latest / train_state.RESUME_JSON)
-    tables = open_inputs(store, model, "train", cfg.train.max_dropped_fraction, cfg.train.max_open_shards)
+    tables = open_configured(cfg.train, "train", store, model, "train")  # as the training itself reads them
     return (
         record.step == cfg.train.max_steps
         # the run records its resolved precision (dtype auto -> float32 / bfloat16 for its device)
@@ -482,29 +483,19 @@ def planned_device(cfg: TrainConfig) -> torch.device:
 
 
 def resolve_precision(cfg: TrainConfig, device: torch.device) -> TrainConfig:
-    """`train.dtype: auto` made concrete for `device`: bf16 when mixed_precision is bf16 or on a bf16 GPU,
-    else float32. A bf16 base computes under bf16 autocast (the LoRA weights stay float32)."""
-    from models.precision import bf16_supported, resolve_dtype
+    """The config with the precision `models.precision.resolve_precision` decides for `device`: `train.dtype`
+    is the frozen base's dtype (what loads and is recorded), `mixed_precision` the autocast around it."""
+    from models.precision import resolve_precision as resolve
 
-    if cfg.mixed_precision == "bf16" and not _bf16_supported(device):
-        tqdm.write(f"bf16 is not supported on {device}: training in float32")
-        cfg = cfg.model_copy(update={"mixed_precision": "no", "dtype": "float32"})
-    if cfg.dtype == "auto":
-        name = "bfloat16" if cfg.mixed_precision == "bf16" else str(resolve_dtype("auto", device)).removeprefix("torch.")
-    else:
-        name = cfg.dtype
-    if name == "float16":
+    if cfg.dtype == "float16":
         raise UserError("train.dtype float16 is not supported (no loss scaling here); use bfloat16, float32 or auto")
-    if name == "bfloat16" and not (_bf16_supported(device) or bf16_supported(device)):
-        raise UserError(f"train.dtype bfloat16: {device} has no bf16 support; use float32 or auto")
-    update = {"dtype": name}
+    precision = resolve(cfg.dtype, device, cfg.mixed_precision, what="train.dtype")
+    update: dict[str, Any] = {"dtype": precision.weights, "mixed_precision": "bf16" if precision.autocast_bf16 else "no"}
     if cfg.offload == "blocks" and not cfg.gradient_checkpointing:
         # Offloaded weights are fetched again for the backward's recompute; without checkpointing autograd
         # would hold every block's device copy until the backward (no memory saved).
         tqdm.write("train.offload blocks: gradient checkpointing turned on")
         update["gradient_checkpointing"] = True
-    if name == "bfloat16":
-        update["mixed_precision"] = "bf16"
     return cfg.model_copy(update=update)
 
 
@@ -512,10 +503,6 @@ def _autocast(cfg: TrainConfig, device: torch.device):
     if cfg.mixed_precision != "bf16":
         return nullcontext()
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-
-
-def _bf16_supported(device: torch.device) -> bool:
-    return device.type == "cpu" or (device.type == "cuda" and torch.cuda.is_bf16_supported())
 
 
 def _resume_point(r: Run, resume: bool, cfg: PipelineConfig) -> tuple[Path | None, ResumeRecord | None]:
@@ -582,14 +569,15 @@ def setup_transformer(model: str, cfg: TrainConfig, device: torch.device):
     """Frozen base (optionally quantised while loading, optionally offloaded), multires attention, one trainable
     LoRA adapter."""
     from models.loading import load_component
-    from models.precision import resolve_dtype
+    from models.precision import check_loaded_dtype, dtype_name, resolve_dtype
 
-    base_dtype = torch.bfloat16 if cfg.mixed_precision == "bf16" else resolve_dtype(cfg.dtype, device)
+    base_dtype = resolve_dtype(cfg.dtype, device)  # resolved (resolve_precision): what train_config.yaml records
     # Quantised (models/quantize.py) while loading, straight onto the device: the bf16 base never sits whole
     # in memory when quantize_base is set. With offload the blocks load into host memory and only what stays
     # resident moves to the device.
     load_on = torch.device("cpu") if cfg.offload == "blocks" else device
     transformer = load_component(model, "transformer", dtype=base_dtype, device=load_on, quantize=cfg.quantize_base)
+    check_loaded_dtype(transformer, dtype_name(base_dtype), "train.dtype")
     install_multires(transformer)
     use_attention_backend(transformer, cfg.attention_backend, "train.attention_backend", device, base_dtype)
     transformer.requires_grad_(False)
