@@ -167,8 +167,8 @@ _HASHED_AS_BEFORE = Role("throughput", hashed_as_before=True)
 
 class TrainConfig(Section):
     device: Annotated[str | list[str] | None, THROUGHPUT] = Field(None, description="None = accelerate's choice; else " + _DEVICE_HELP)
-    dtype: Annotated[DType, FEATURES] = Field("auto", description="frozen base weights; " + _DTYPE_HELP +
-                         " (bf16 when mixed_precision is bf16)")
+    dtype: Annotated[DType, FEATURES] = Field("auto", description="frozen base weights; " + _DTYPE_HELP + " (auto: "
+                                              "bf16 under mixed_precision bf16; float32 stays float32 under bf16 autocast)")
     seed: Annotated[int, FEATURES] = 0
     batch_size: Annotated[int, FEATURES] = Field(4, gt=0)
     grad_accum: Annotated[int, FEATURES] = Field(1, gt=0)

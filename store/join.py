@@ -12,7 +12,7 @@ import logging
 import weakref
 from math import prod
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -216,6 +216,24 @@ def split_keys(r: TableReader, split: str | None) -> list[str]:
 def _name_keys(keys: set[str], limit: int = 5) -> str:
     shown = sorted(keys)[:limit]
     return ", ".join(shown) + (f" … ({len(keys)} in all)" if len(keys) > limit else "")
+
+
+class ReadingSettings(Protocol):
+    """The reading keys a config section declares (train, evaluate: schemas/config.py)."""
+
+    on_damaged: str
+    max_damaged_fraction: float
+    max_dropped_fraction: float
+    max_open_shards: int
+
+
+def open_configured(settings: ReadingSettings, section: str, store: str | Path, model: str, model_fingerprint: str,
+                    split: str) -> JoinedTables:
+    """The one way a stage opens its features: `open_features` with the reading keys of its own config section
+    (`section` names it in errors) on every path - training, its validator, its up-to-date check, evaluate."""
+    return open_features(store, model, model_fingerprint, split, settings.max_dropped_fraction,
+                         settings.max_open_shards, on_damaged=settings.on_damaged,
+                         max_damaged_fraction=settings.max_damaged_fraction, section=section)
 
 
 def open_features(store: str | Path, model: str, model_fingerprint: str, split: str = "train",

@@ -41,8 +41,7 @@ from schemas.img_shapes import PIXELS_PER_PATCH
 from schemas.stage import few
 from stages.evaluate.report import SampleRow, psnr, ssim, write_report
 from store import Store, TableReader
-from stages.features import open_configured
-from store.join import JoinedTables
+from store.join import JoinedTables, open_configured
 
 PSNR_SSIM_NOTE = (
     "PSNR/SSIM compare each output with the sample's stored target image. They measure pixel fidelity to one "
@@ -377,7 +376,9 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, ou
     tqdm.write(describe("evaluate", parse_dtype(cfg.dtype), cfg.device, requested)
                + (f", quantize_base {cfg.quantize_base}" if cfg.quantize_base != "none" else ""))
     inputs = evaluate_inputs(cfg, store, model, lora)
-    tables = open_configured(cfg, "evaluate", store, model, "val")
+    from models.loading import model_fingerprint
+
+    tables = open_configured(cfg, "evaluate", store, model, model_fingerprint(model), "val")
     damaged = dict(tables.damaged)
     n = min(len(tables), cfg.max_loss_samples) if cfg.max_loss_samples else len(tables)
     tables.check_ahead(lambda: iter(range(n)))  # the bytes checked by a thread just ahead of the reads

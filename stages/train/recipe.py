@@ -50,7 +50,6 @@ from schemas.errors import UserError
 from schemas.lineage import section_fingerprint, unhashed_names
 from stages.train import guard, parallel, previous, state as train_state
 from stages.train.budget import make_sampler
-from stages.features import open_configured
 from stages.train.data import DataStream, load_at, write_data_report
 from stages.train.launch import launched_world_size, use_cpu
 from stages.train.prefetch import MicroBatches
@@ -59,7 +58,7 @@ from stages.train.sampler import padding_efficiency
 from stages.train.state import ResumeRecord
 from stages.train.summary import train_line
 from store.format import atomic_dir, atomic_write_bytes
-from store.join import JoinedTables
+from store.join import JoinedTables, open_configured
 
 # Extra torch.compile arguments of `train.compile` (tests use a fast backend).
 COMPILE_OPTIONS: dict[str, Any] = {}
@@ -228,7 +227,7 @@ def setup(cfg: PipelineConfig, store: str | Path, model: str, out: str | Path, r
                    + (f", quantize_base {tc.quantize_base}" if tc.quantize_base != "none" else ""))
     from models.loading import model_fingerprint
 
-    tables = open_configured(tc, "train", store, model, "train")
+    tables = open_configured(tc, "train", store, model, model_fingerprint(model), "train")
     now = ResumeRecord(
         step=0, epoch=0, batch_in_epoch=0, config_fingerprint=config_fingerprint(tc),
         tables=tables.versions(), store=str(Path(tables.store_root).resolve()),
@@ -394,7 +393,7 @@ def up_to_date(cfg: PipelineConfig, store: str | Path, model: str, out: str | Pa
     if not weights.is_file() or latest is None:
         return False
     record = ResumeRecord.read(latest / train_state.RESUME_JSON)
-    tables = open_configured(cfg.train, "train", store, model, "train")  # as the training itself reads them
+    tables = open_configured(cfg.train, "train", store, model, model_fingerprint(model), "train")  # as training does
     return (
         record.step == cfg.train.max_steps
         # the run records its resolved precision (dtype auto -> float32 / bfloat16 for its device)
