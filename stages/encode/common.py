@@ -413,7 +413,6 @@ def open_job(store_path: str | Path, stage: str, table: str, feature_hash: str, 
         stage=stage, config_hash=f"{feature_hash}-images:{images_id}", model_fingerprint=model_fingerprint(model),
         upstream={IMAGES_TABLE: images.version}, code_version=code_version(feature_revision),
     )
-    repair_context.check(lineage, table)
     summary = Summary(stage=stage, table=table, rank=ranks.rank, world_size=ranks.world_size, store=str(path))
     # Per-sample reuse: the features depend on these settings, the components loaded and the images' own
     # feature lineage (render settings), not on the images version (a relabelled split is the same pixels).
@@ -425,13 +424,18 @@ def open_job(store_path: str | Path, stage: str, table: str, feature_hash: str, 
     fingerprint = component_fingerprint(model, components) if components else model_fingerprint(model)
     fl, *earlier = (feature_lineage(stage, h, fingerprint, code_version(feature_revision), upstream)
                     for h in (feature_hash, *earlier_hashes))
+    # The same features as hashed before the declared lineage scheme (tables encoded then stay current, and
+    # `store repair` of such a table resumes its repair version under its own lineage).
+    hashed_before = [(replace(lineage, config_hash=f"{h}-images:{images_id}"), e) for h, e in zip(earlier_hashes, earlier)]
+    lineage, fl = next(((old, e) for old, e in hashed_before if repair_context.expected() == old), (lineage, fl))
+    repair_context.check(lineage, table)
     job = EncodeJob(store=store, images=images, lineage=lineage, ranks=ranks, summary=summary, feature_lineage=fl,
                     earlier_lineages=tuple(earlier), lease=lease, on_damaged=on_damaged,
                     max_damaged_fraction=max_damaged_fraction)
     weakref.finalize(job, lease.release)
     found = store.find_version(table, lineage)  # never a version recorded as damaged
-    for h in earlier_hashes if found is None else ():  # a table encoded before the declared lineage scheme
-        found = store.find_version(table, replace(lineage, config_hash=f"{h}-images:{images_id}"))
+    for old, _ in hashed_before if found is None else ():
+        found = store.find_version(table, old)
         if found is not None:
             break
     if found is not None:
