@@ -222,12 +222,13 @@ def _scores(target: Image.Image | None, base: Image.Image, lora: Image.Image) ->
             "ssim_base": ssim(target, base), "ssim_lora": ssim(target, lora)}
 
 
-def images_reader(st: Store, tables: JoinedTables, on_damaged: str = "stop") -> TableReader | None:
+def images_reader(st: Store, tables: JoinedTables, on_damaged: str = "stop",
+                  max_open_shards: int = 256) -> TableReader | None:
     """The `images` version the vae table was built from (the pictures of exactly these samples)."""
     version = tables.vae.schema.lineage.upstream.get("images")
     if "images" not in st.tables():
         return None
-    return st.reader("images", version, on_damaged=on_damaged)
+    return st.reader("images", version, on_damaged=on_damaged, max_open_shards=max_open_shards)
 
 
 def val_rows(transformer, vae, scheduler_config: dict, samples: list[TrainSample], images: TableReader | None,
@@ -403,7 +404,7 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, ou
         scheduler_config = dict(load_component(model, "scheduler").config)
         st = Store(store, create=False)
         rows = val_rows(transformer, vae, scheduler_config, pick_samples(samples, cfg.num_samples),
-                        images_reader(st, tables, cfg.on_damaged), cfg, damaged)
+                        images_reader(st, tables, cfg.on_damaged, cfg.max_open_shards), cfg, damaged)
         if cfg.extra_prompts:
             rows += extra_rows(model, transformer, vae, cfg)
 
