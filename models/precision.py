@@ -13,6 +13,7 @@ under a multi-process launch means this rank's own GPU (`cuda:LOCAL_RANK`).
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Literal, Sequence
 
 import torch
@@ -32,6 +33,13 @@ def bf16_supported(device: str | torch.device) -> bool:
     index = dev.index if dev.index is not None else torch.cuda.current_device()
     major, _ = torch.cuda.get_device_capability(index)
     return major >= 8 and torch.cuda.is_bf16_supported()  # Ampere and newer run bf16 natively
+
+
+def bf16_usable(device: str | torch.device) -> bool:
+    """bf16 runs here at all (emulated on a CPU, `torch.cuda.is_bf16_supported` on CUDA): what an explicit
+    bfloat16 or train's bf16 autocast needs. `bf16_supported` is the narrower "native, so `auto` picks it"."""
+    dev = torch.device(device)
+    return dev.type == "cpu" or (dev.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_bf16_supported())
 
 
 def resolve_dtype(name: str, device: str | torch.device) -> torch.dtype:
@@ -85,3 +93,65 @@ def first_device(spec: DeviceSpec | None) -> str | None:
     if isinstance(spec, Sequence) and not isinstance(spec, str):
         return str(spec[0]) if spec else None
     return spec
+
+
+@dataclass(frozen=True)
+class Precision:
+    """A stage's precision, resolved once: the dtype its frozen weights load in (the name it records) and
+    whether it computes under bf16 autocast (train's `mixed_precision: bf16`; the LoRA weights stay float32)."""
+
+    weights: str  # float32 | bfloat16 | float16: loaded, recorded, and checked after loading
+    autocast_bf16: bool = False
+    requested: str = "auto"
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return _DTYPES[self.weights]
+
+    def describe(self, stage: str, device: str | torch.device) -> str:
+        how = "auto" if self.requested == "auto" else "set"
+        return f"{stage}: {self.weights} on {device} ({how})" + (", bf16 autocast" if self.autocast_bf16 and
+                                                                self.weights != "bfloat16" else "")
+
+
+def resolve_precision(requested: str, device: str | torch.device, mixed_precision: str | None = None,
+                      what: str = "dtype") -> Precision:
+    """The one precision resolver of every stage (encode, train, evaluate, predict, lora merge).
+
+    Without `mixed_precision` (every stage but train) the weights are the compute dtype: `auto` -> bf16 on a
+    bf16-native CUDA device, else float32. Train (`mixed_precision` given): `dtype` is the frozen base's dtype
+    and is honoured as set - float32 under `mixed_precision: bf16` is a float32 base computing under bf16
+    autocast; `auto` follows mixed_precision (bf16 -> a bf16 base) or else the device; a bf16 base always
+    computes under bf16 autocast (its float32 LoRA needs it). bf16 where it cannot run falls back to float32
+    with a line saying so (mixed precision) or is refused (an explicit bfloat16)."""
+    if mixed_precision is None:
+        return Precision(dtype_name(resolve_dtype(requested, device)), requested=requested)
+    autocast = mixed_precision == "bf16"
+    if autocast and not bf16_usable(device):
+        from tqdm.auto import tqdm
+
+        tqdm.write(f"bf16 is not supported on {device}: training in float32")
+        return Precision("float32", requested=requested)
+    if requested == "auto":
+        name = "bfloat16" if autocast else resolved_name("auto", device)
+    else:
+        name = dtype_name(resolve_dtype(requested, device))
+    if name == "bfloat16" and not bf16_usable(device):
+        raise UserError(f"{what} bfloat16: {device} has no bf16 support; use float32 or auto")
+    return Precision(name, autocast_bf16=autocast or name == "bfloat16", requested=requested)
+
+
+def check_loaded_dtype(module: torch.nn.Module, recorded: str, what: str) -> None:
+    """Post-load invariant (torchtune's `validate_expected_param_dtype`): every frozen floating-point parameter
+    of `module` is in the dtype the stage records, so the record says what was loaded. Quantised weights
+    (their own storage) and adapters (trainable or `lora_*`: float32 LoRA weights) are not the base and are skipped."""
+    from models.quantize import is_quantized
+
+    expected = _DTYPES[recorded]
+    keep = set(getattr(module, "_keep_in_fp32_modules", None) or ())
+    for name, p in module.named_parameters():
+        if p.requires_grad or "lora_" in name or not p.is_floating_point() or is_quantized(p) or keep & set(name.split(".")):
+            continue
+        if p.dtype != expected:
+            raise UserError(f"{what}: {name} was loaded as {dtype_name(p.dtype)} but {recorded} is recorded; "
+                            "this is a bug in the stage's loading, please report it")

@@ -109,10 +109,8 @@ def evaluate_run(cfg: PipelineConfig, p: Paths) -> StageSummary:
 
     kept = kept_checkpoints(p.run)
     if kept:
-        return checkpoints.run(cfg.evaluate, p.store, p.model, kept, p.report, skip_if_done=True,
-                               max_dropped_fraction=cfg.train.max_dropped_fraction)
-    return evaluate.run(cfg.evaluate, p.store, p.model, p.lora, p.report, skip_if_done=True,
-                        max_dropped_fraction=cfg.train.max_dropped_fraction)
+        return checkpoints.run(cfg.evaluate, p.store, p.model, kept, p.report, skip_if_done=True)
+    return evaluate.run(cfg.evaluate, p.store, p.model, p.lora, p.report, skip_if_done=True)
 
 
 REPORT_IN_KEPT_RUN = "evaluate-report"

@@ -1,35 +1,35 @@
 """Typed pipeline configuration as pure data: a section per stage (parsing files and flags is `pipeline.config`).
 
 Unknown keys and wrong types are rejected by pydantic with the dotted key named (`extra="forbid"`).
-Each stage reads only its own section (plus `paths`); the section's JSON dump is what goes into the
-table lineage hash, so a changed setting means a new table version.
+Each stage reads only its own section (plus `paths`). Every field declares once, as an `Annotated` lineage
+`Role` (schemas/lineage.py), whether it changes features, identity or only throughput; every settings hash (table
+lineage, per-sample feature lineage, the train run fingerprint, evaluate's inputs) is derived from that.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+
+from schemas.lineage import FEATURES, IDENTITY, THROUGHPUT, Role, added_later, section_fingerprint
 
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     def fingerprint(self) -> str:
-        """Stable hash of the effective settings (what lineage records)."""
-        blob = json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()
-        return hashlib.sha256(blob).hexdigest()[:16]
+        """Stable hash of the settings that change what this section's stage produces (features + identity)."""
+        return section_fingerprint(self)
 
 
 class Paths(Section):
-    source: str | None = None
-    store: str | None = None
-    model: str | None = None
-    run: str | None = None
-    report: str | None = None
+    source: Annotated[str | None, IDENTITY] = None
+    store: Annotated[str | None, IDENTITY] = None
+    model: Annotated[str | None, IDENTITY] = None
+    run: Annotated[str | None, IDENTITY] = None
+    report: Annotated[str | None, IDENTITY] = None
 
 
 class ResizeConfig(Section):
@@ -58,25 +58,18 @@ class ResizeConfig(Section):
         data["target_area"] = data["control_vae_area"] = area
         return data
 
-    target_area: int = Field(1024 * 1024, gt=0, description="target pixel area of a bucket")
-    multiple: int = Field(32, gt=0, description="bucket sides are multiples of this")
-    min_side: int = Field(32, gt=0)
-    max_aspect: float = Field(4.0, gt=1.0, description="buckets are clamped to this aspect ratio")
-    control_vl_area: int = Field(384 * 384, gt=0, description="VL view of each control (Edit-Plus CONDITION_IMAGE_SIZE)")
-    control_vae_area: int = Field(1024 * 1024, gt=0, description="VAE view of each control (Edit-Plus VAE_IMAGE_SIZE)")
-    max_controls: int = Field(3, ge=0)
-    min_controls: int = Field(0, ge=0)
-    max_image_pixels: int = Field(64 * 1024 * 1024, gt=0, description="larger images are rejected (decompression bombs)")
-    val_fraction: float = Field(0.1, ge=0.0, lt=1.0)
-    shard_size_mb: float = Field(256, gt=0, description="images table shard size (fractions allowed, e.g. for tests)")
-    workers: int = Field(0, ge=0, description="processes decoding/resizing/encoding PNGs (0 = in the main process)")
-
-    def fingerprint(self) -> str:
-        """Like every section's, but without the settings that say how the work is done, not what it produces
-        (shard size, workers): changing those reuses an existing version instead of rebuilding it."""
-        operational = {"shard_size_mb", "workers"}
-        blob = json.dumps(self.model_dump(mode="json", exclude=operational), sort_keys=True).encode()
-        return hashlib.sha256(blob).hexdigest()[:16]
+    target_area: Annotated[int, FEATURES] = Field(1024 * 1024, gt=0, description="target pixel area of a bucket")
+    multiple: Annotated[int, FEATURES] = Field(32, gt=0, description="bucket sides are multiples of this")
+    min_side: Annotated[int, FEATURES] = Field(32, gt=0)
+    max_aspect: Annotated[float, FEATURES] = Field(4.0, gt=1.0, description="buckets are clamped to this aspect ratio")
+    control_vl_area: Annotated[int, FEATURES] = Field(384 * 384, gt=0, description="VL view of each control (Edit-Plus CONDITION_IMAGE_SIZE)")
+    control_vae_area: Annotated[int, FEATURES] = Field(1024 * 1024, gt=0, description="VAE view of each control (Edit-Plus VAE_IMAGE_SIZE)")
+    max_controls: Annotated[int, IDENTITY] = Field(3, ge=0)
+    min_controls: Annotated[int, IDENTITY] = Field(0, ge=0)
+    max_image_pixels: Annotated[int, IDENTITY] = Field(64 * 1024 * 1024, gt=0, description="larger images are rejected (decompression bombs)")
+    val_fraction: Annotated[float, IDENTITY] = Field(0.1, ge=0.0, lt=1.0)
+    shard_size_mb: Annotated[float, THROUGHPUT] = Field(256, gt=0, description="images table shard size (fractions allowed, e.g. for tests)")
+    workers: Annotated[int, THROUGHPUT] = Field(0, ge=0, description="processes decoding/resizing/encoding PNGs (0 = in the main process)")
 
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
@@ -97,63 +90,63 @@ _DEVICE_HELP = "cpu, cuda, cuda:N, or one device per local rank ([cuda:0, cuda:1
 
 
 class EncodeTextConfig(Section):
-    device: str | list[str] = Field("cpu", description=_DEVICE_HELP)
-    dtype: DType = Field("auto", description=_DTYPE_HELP)
-    batch_size: int = Field(8, gt=0)
-    prompt_template: str | None = Field(None, description="None = the model's own diffusers template")
-    prompt_template_start_idx: int | None = None
-    batching: Literal["exact", "padded"] = Field(
+    device: Annotated[str | list[str], THROUGHPUT] = Field("cpu", description=_DEVICE_HELP)
+    dtype: Annotated[DType, FEATURES] = Field("auto", description=_DTYPE_HELP)
+    batch_size: Annotated[int, THROUGHPUT] = Field(8, gt=0)
+    prompt_template: Annotated[str | None, FEATURES] = Field(None, description="None = the model's own diffusers template")
+    prompt_template_start_idx: Annotated[int | None, FEATURES] = None
+    batching: Annotated[Literal["exact", "padded"], FEATURES] = Field(
         "exact", description="exact: batch only identical input shapes (bit-exact, small batches on mixed data); "
         "padded: any requests per batch, text right-padded (float32 within ~1e-6 of exact; full batches, use on GPUs)")
-    shard_size_mb: float = Field(256, gt=0, description="shard file size target (fractions allowed)")
-    num_workers: int = Field(2, ge=0, description="threads decoding + preprocessing ahead of the forward (0 = inline)")
-    no_control_embeds: bool = Field(False, description="also store the instruction encoded without its control "
+    shard_size_mb: Annotated[float, THROUGHPUT] = Field(256, gt=0, description="shard file size target (fractions allowed)")
+    num_workers: Annotated[int, THROUGHPUT] = Field(2, ge=0, description="threads decoding + preprocessing ahead of the forward (0 = inline)")
+    no_control_embeds: Annotated[bool, added_later()] = Field(False, description="also store the instruction encoded without its control "
                                     "images (`nocontrol_embeds`, for train.control_dropout)")
-    on_damaged: Literal["stop", "skip"] = _on_damaged(
+    on_damaged: Annotated[Literal["stop", "skip"], THROUGHPUT] = _on_damaged(
         "`images` sample", "skip it (quarantined as damaged-input, named in the summary)")
-    max_damaged_fraction: float = _max_damaged_fraction("the samples")
+    max_damaged_fraction: Annotated[float, THROUGHPUT] = _max_damaged_fraction("the samples")
 
 
 class EncodeVaeConfig(Section):
-    device: str | list[str] = Field("cpu", description=_DEVICE_HELP)
-    dtype: DType = Field("auto", description=_DTYPE_HELP)
-    batch_size: int = Field(8, gt=0)
-    shard_size_mb: float = Field(256, gt=0, description="shard file size target (fractions allowed)")
-    num_workers: int = Field(2, ge=0, description="threads decoding + preprocessing ahead of the forward (0 = inline)")
-    on_damaged: Literal["stop", "skip"] = _on_damaged(
+    device: Annotated[str | list[str], THROUGHPUT] = Field("cpu", description=_DEVICE_HELP)
+    dtype: Annotated[DType, FEATURES] = Field("auto", description=_DTYPE_HELP)
+    batch_size: Annotated[int, THROUGHPUT] = Field(8, gt=0)
+    shard_size_mb: Annotated[float, THROUGHPUT] = Field(256, gt=0, description="shard file size target (fractions allowed)")
+    num_workers: Annotated[int, THROUGHPUT] = Field(2, ge=0, description="threads decoding + preprocessing ahead of the forward (0 = inline)")
+    on_damaged: Annotated[Literal["stop", "skip"], THROUGHPUT] = _on_damaged(
         "`images` sample", "skip it (quarantined as damaged-input, named in the summary)")
-    max_damaged_fraction: float = _max_damaged_fraction("the samples")
+    max_damaged_fraction: Annotated[float, THROUGHPUT] = _max_damaged_fraction("the samples")
 
 
 class LoraConfig(Section):
-    rank: int = Field(16, gt=0)
-    alpha: float | None = Field(None, description="None = rank")
-    dropout: float = Field(0.0, ge=0.0, lt=1.0)
-    target_modules: list[str] = ["to_q", "to_k", "to_v", "to_out.0"]
-    init_weights: Literal["gaussian", "default"] = "gaussian"
-    kind: Literal["lora", "dora", "loha", "lokr"] = Field(
+    rank: Annotated[int, FEATURES] = Field(16, gt=0)
+    alpha: Annotated[float | None, FEATURES] = Field(None, description="None = rank")
+    dropout: Annotated[float, FEATURES] = Field(0.0, ge=0.0, lt=1.0)
+    target_modules: Annotated[list[str], FEATURES] = ["to_q", "to_k", "to_v", "to_out.0"]
+    init_weights: Annotated[Literal["gaussian", "default"], FEATURES] = "gaussian"
+    kind: Annotated[Literal["lora", "dora", "loha", "lokr"], added_later()] = Field(
         "lora", description="peft adapter: lora | dora (LoRA + magnitude) | loha (Hadamard) | lokr (Kronecker); "
         "only lora loads in diffusers' Qwen-Image pipelines (docs/train.md)")
 
 
 class SigmaConfig(Section):
-    sampling: Literal["uniform", "logit_normal", "shift", "dynamic_shift"] = "logit_normal"
-    logit_mean: float = 0.0
-    logit_std: float = 1.0
-    shift: float = Field(3.0, gt=0)
-    base_shift: float = 0.5
-    max_shift: float = 0.9
-    base_image_seq_len: int = 256
-    max_image_seq_len: int = 8192
+    sampling: Annotated[Literal["uniform", "logit_normal", "shift", "dynamic_shift"], FEATURES] = "logit_normal"
+    logit_mean: Annotated[float, FEATURES] = 0.0
+    logit_std: Annotated[float, FEATURES] = 1.0
+    shift: Annotated[float, FEATURES] = Field(3.0, gt=0)
+    base_shift: Annotated[float, FEATURES] = 0.5
+    max_shift: Annotated[float, FEATURES] = 0.9
+    base_image_seq_len: Annotated[int, FEATURES] = 256
+    max_image_seq_len: Annotated[int, FEATURES] = 8192
 
 
 class MaskWeight(Section):
-    foreground: float = Field(1.0, ge=0.0)
-    background: float = Field(1.0, ge=0.0)
+    foreground: Annotated[float, FEATURES] = Field(1.0, ge=0.0)
+    background: Annotated[float, FEATURES] = Field(1.0, ge=0.0)
 
 
 class LossConfig(Section):
-    mask_weight: MaskWeight = MaskWeight()
+    mask_weight: Annotated[MaskWeight, FEATURES] = MaskWeight()
 
 
 def _quantize_alias(value: Any) -> Any:
@@ -166,132 +159,143 @@ _QUANTIZE_HELP = ("frozen transformer base, quantised while it loads: none | int
                   "(bitsandbytes 4-bit); int8_weight_only is read as int8")
 
 
+# The LR schedule decays towards max_steps: then it changes the weights; under a constant LR a resume may raise it.
+_DECAYING_LR_ONLY = Role("throughput", features_if=lambda train: train.lr_schedule != "constant")
+# Memory settings (the weights are the same) that run fingerprints have always held: kept, so runs stay resumable.
+_HASHED_AS_BEFORE = Role("throughput", hashed_as_before=True)
+
+
 class TrainConfig(Section):
-    device: str | list[str] | None = Field(None, description="None = accelerate's choice; else " + _DEVICE_HELP)
-    dtype: DType = Field("auto", description="frozen base weights; " + _DTYPE_HELP +
-                         " (bf16 when mixed_precision is bf16)")
-    seed: int = 0
-    batch_size: int = Field(4, gt=0)
-    grad_accum: int = Field(1, gt=0)
-    max_steps: int = Field(100, gt=0)
-    learning_rate: float = Field(1e-4, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    adam_betas: tuple[float, float] = (0.9, 0.999)
-    adam_eps: float = 1e-8
-    warmup_steps: int = Field(0, ge=0)
-    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
-    max_grad_norm: float | None = 1.0
-    mixed_precision: Literal["no", "bf16", "fp16"] = "no"
-    gradient_checkpointing: bool = False
-    quantize_base: Quantize = Field("none", description=_QUANTIZE_HELP)
-    offload: Literal["none", "blocks"] = Field(
+    device: Annotated[str | list[str] | None, THROUGHPUT] = Field(None, description="None = accelerate's choice; else " + _DEVICE_HELP)
+    dtype: Annotated[DType, FEATURES] = Field("auto", description="frozen base weights; " + _DTYPE_HELP + " (auto: "
+                                              "bf16 under mixed_precision bf16; float32 stays float32 under bf16 autocast)")
+    seed: Annotated[int, FEATURES] = 0
+    batch_size: Annotated[int, FEATURES] = Field(4, gt=0)
+    grad_accum: Annotated[int, FEATURES] = Field(1, gt=0)
+    max_steps: Annotated[int, _DECAYING_LR_ONLY] = Field(100, gt=0)
+    learning_rate: Annotated[float, FEATURES] = Field(1e-4, gt=0)
+    weight_decay: Annotated[float, FEATURES] = Field(0.0, ge=0)
+    adam_betas: Annotated[tuple[float, float], FEATURES] = (0.9, 0.999)
+    adam_eps: Annotated[float, FEATURES] = 1e-8
+    warmup_steps: Annotated[int, FEATURES] = Field(0, ge=0)
+    lr_schedule: Annotated[Literal["constant", "cosine", "linear"], FEATURES] = "constant"
+    max_grad_norm: Annotated[float | None, FEATURES] = 1.0
+    mixed_precision: Annotated[Literal["no", "bf16", "fp16"], FEATURES] = "no"
+    gradient_checkpointing: Annotated[bool, _HASHED_AS_BEFORE] = False
+    quantize_base: Annotated[Quantize, FEATURES] = Field("none", description=_QUANTIZE_HELP)
+    offload: Annotated[Literal["none", "blocks"], _HASHED_AS_BEFORE] = Field(
         "none", description="blocks: frozen transformer blocks live in (pinned) host memory and stream to the device")
-    offload_blocks_on_device: int = Field(0, ge=0, description="offload=blocks: leading blocks kept on the device")
-    caption_dropout: float = Field(0.0, ge=0.0, le=1.0)
-    checkpoint_every: int = Field(50, gt=0)
-    keep_checkpoints: int = Field(3, gt=0)
-    log_every: int = Field(1, gt=0)
-    log_with: list[str] = Field(["tensorboard"], description="metric trackers (accelerate's): tensorboard, wandb, "
+    offload_blocks_on_device: Annotated[int, _HASHED_AS_BEFORE] = Field(0, ge=0, description="offload=blocks: leading blocks kept on the device")
+    caption_dropout: Annotated[float, FEATURES] = Field(0.0, ge=0.0, le=1.0)
+    checkpoint_every: Annotated[int, THROUGHPUT] = Field(50, gt=0)
+    keep_checkpoints: Annotated[int, THROUGHPUT] = Field(3, gt=0)
+    log_every: Annotated[int, THROUGHPUT] = Field(1, gt=0)
+    log_with: Annotated[list[str], THROUGHPUT] = Field(["tensorboard"], description="metric trackers (accelerate's): tensorboard, wandb, "
                                 "mlflow, comet_ml, aim, clearml, dvclive, swanlab, trackio; all but tensorboard are "
                                 "optional packages")
-    profile: int = Field(0, ge=0, description="record the first N optimizer steps of a start with torch.profiler -> "
+    profile: Annotated[int, THROUGHPUT] = Field(0, ge=0, description="record the first N optimizer steps of a start with torch.profiler -> "
                          "RUN/profile/trace-rank{R}.json (Chrome trace); 0 = off")
-    sampler_window: int = Field(64, gt=0, description="length-aware sampler: batches per sorting window")
-    on_damaged: Literal["stop", "skip"] = _on_damaged(
+    sampler_window: Annotated[int, FEATURES] = Field(64, gt=0, description="length-aware sampler: batches per sorting window")
+    on_damaged: Annotated[Literal["stop", "skip"], THROUGHPUT] = _on_damaged(
         "store sample", "leave it out (all are found before step 0, listed in RUN/damaged_samples.json)")
-    max_damaged_fraction: float = _max_damaged_fraction("the training samples")
-    on_nonfinite: Literal["stop", "skip_step"] = Field(
+    max_damaged_fraction: Annotated[float, THROUGHPUT] = _max_damaged_fraction("the training samples")
+    on_nonfinite: Annotated[Literal["stop", "skip_step"], THROUGHPUT] = Field(
         "stop", description="a non-finite loss or gradient: stop naming the step and samples, or skip that "
         "optimizer step (no update, logged)")
-    lora: LoraConfig = LoraConfig()
-    sigma: SigmaConfig = SigmaConfig()
-    loss: LossConfig = LossConfig()
-    max_dropped_fraction: float = Field(0.05, ge=0.0, le=1.0, description="train/evaluate use the samples both the "
+    lora: Annotated[LoraConfig, FEATURES] = LoraConfig()
+    sigma: Annotated[SigmaConfig, FEATURES] = SigmaConfig()
+    loss: Annotated[LossConfig, FEATURES] = LossConfig()
+    max_dropped_fraction: Annotated[float, THROUGHPUT] = Field(0.05, ge=0.0, le=1.0, description="train/evaluate use the samples both the "
                                         "text and vae tables hold; fail when more than this share of the split is "
                                         "missing from either (reasons in STORE/quarantine.parquet)")
-    max_open_shards: int = Field(256, gt=0, description="shard files kept open per table (LRU; descriptors for "
+    max_open_shards: Annotated[int, THROUGHPUT] = Field(256, gt=0, description="shard files kept open per table (LRU; descriptors for "
                                  "random reads, maps for scans)")
-    init_lora: str | None = Field(None, description="start from this LoRA (diffusers, kohya lora_unet_*, ComfyUI "
+    init_lora: Annotated[str | None, added_later()] = Field(None, description="start from this LoRA (diffusers, kohya lora_unet_*, ComfyUI "
                                   "diffusion_model.*); rank and targets must match train.lora")
-    optimizer: Literal["adamw", "adamw8bit", "adafactor", "prodigy"] = Field(
+    optimizer: Annotated[Literal["adamw", "adamw8bit", "adafactor", "prodigy"], added_later()] = Field(
         "adamw", description="adamw (torch) | adamw8bit (bitsandbytes) | adafactor (transformers) | prodigy "
         "(prodigyopt; set learning_rate ~1.0)")
-    ema_decay: float | None = Field(None, gt=0.0, lt=1.0, description="EMA of the adapter -> RUN/lora_ema (None = off)")
-    control_dropout: float = Field(0.0, ge=0.0, le=1.0, description="per-sample probability of training on the "
+    ema_decay: Annotated[float | None, added_later()] = Field(None, gt=0.0, lt=1.0, description="EMA of the adapter -> RUN/lora_ema (None = off)")
+    control_dropout: Annotated[float, added_later()] = Field(0.0, ge=0.0, le=1.0, description="per-sample probability of training on the "
                                    "instruction encoded without its control images (needs encode_text.no_control_embeds)")
-    validate_every: int | None = Field(None, gt=0, description="held-out loss on the val split every N steps")
-    validate_max_samples: int = Field(8, gt=0, description="validation: first N val samples (by key)")
-    validate_timesteps: list[float] = Field([0.25, 0.5, 0.75], min_length=1, description="validation σ grid")
-    validate_noise_seeds: list[int] = Field([0], min_length=1, description="validation noise seeds")
-    sample_every: int | None = Field(None, gt=0, description="generate val samples every N steps -> RUN/samples")
-    sample_count: int = Field(2, gt=0, description="val samples per sample grid")
-    sample_steps: int = Field(4, ge=2, description="denoising steps of the sample grid")
-    max_tokens_per_batch: int | None = Field(
+    validate_every: Annotated[int | None, THROUGHPUT] = Field(None, gt=0, description="held-out loss on the val split every N steps")
+    validate_max_samples: Annotated[int, THROUGHPUT] = Field(8, gt=0, description="validation: first N val samples (by key)")
+    validate_timesteps: Annotated[list[float], THROUGHPUT] = Field([0.25, 0.5, 0.75], min_length=1, description="validation σ grid")
+    validate_noise_seeds: Annotated[list[int], THROUGHPUT] = Field([0], min_length=1, description="validation noise seeds")
+    sample_every: Annotated[int | None, THROUGHPUT] = Field(None, gt=0, description="generate val samples every N steps -> RUN/samples")
+    sample_count: Annotated[int, THROUGHPUT] = Field(2, gt=0, description="val samples per sample grid")
+    sample_steps: Annotated[int, THROUGHPUT] = Field(4, ge=2, description="denoising steps of the sample grid")
+    max_tokens_per_batch: Annotated[int | None, FEATURES] = Field(
         None, gt=0, description="None = fixed batch_size batches; else each batch holds as many samples as fit in "
         "this many computed tokens (batch size x longest sequence), see stages/train/budget.py")
-    prefetch: int = Field(0, ge=0, description="micro-batches read, drawn and copied to the device ahead by a "
+    prefetch: Annotated[int, THROUGHPUT] = Field(0, ge=0, description="micro-batches read, drawn and copied to the device ahead by a "
                           "background thread (0 = inline)")
-    attention_backend: str | None = Field(
+    attention_backend: Annotated[str | None, FEATURES] = Field(
         None, description="diffusers attention backend for padded batches (models/attention.py); None = the "
         "fastest correct one available (CUDA) / native (CPU)")
-    compile: bool = Field(False, description="torch.compile each transformer block (regional compilation)")
-    check_ahead: int = Field(32, ge=0, description="samples whose checksums a background thread verifies ahead of "
+    compile: Annotated[bool, THROUGHPUT] = Field(False, description="torch.compile each transformer block (regional compilation)")
+    check_ahead: Annotated[int, THROUGHPUT] = Field(32, ge=0, description="samples whose checksums a background thread verifies ahead of "
                              "the reads, in the sampler's order (0 = check each sample inline on its first read)")
 
 
 class ExtraPrompt(Section):
     """An evaluate sample that is not in the store: control image file(s), an instruction, optional target."""
 
-    prompt: str
-    images: list[str] = Field(..., min_length=1, description="control image files (several for Edit-Plus)")
-    target: str | None = Field(None, description="reference image file for PSNR/SSIM (optional)")
-    height: int | None = Field(None, gt=0, description="output size; default: the stock pipeline's ~1024² choice")
-    width: int | None = Field(None, gt=0)
+    prompt: Annotated[str, FEATURES]
+    images: Annotated[list[str], FEATURES] = Field(..., min_length=1, description="control image files (several for Edit-Plus)")
+    target: Annotated[str | None, FEATURES] = Field(None, description="reference image file for PSNR/SSIM (optional)")
+    height: Annotated[int | None, FEATURES] = Field(None, gt=0, description="output size; default: the stock pipeline's ~1024² choice")
+    width: Annotated[int | None, FEATURES] = Field(None, gt=0)
 
 
 class EvaluateConfig(Section):
-    device: str | list[str] = Field("cpu", description=_DEVICE_HELP)
-    dtype: DType = Field("auto", description=_DTYPE_HELP)
-    quantize_base: Quantize = Field("none", description=_QUANTIZE_HELP)
-    seed: int = Field(1234, description="generation seed (the same for base and LoRA, for every sample)")
-    timesteps: list[float] = Field([0.1, 0.3, 0.5, 0.7, 0.9], min_length=1, description="sigma grid of the held-out loss")
-    noise_seeds: list[int] = Field([0, 1], min_length=1, description="fixed noise draws of the held-out loss")
-    batch_size: int = Field(8, gt=0, description="held-out loss: (sample, seed, sigma) rows per forward")
-    max_loss_samples: int | None = Field(256, gt=0, description="cap on val samples for the held-out loss (the "
+    device: Annotated[str | list[str], THROUGHPUT] = Field("cpu", description=_DEVICE_HELP)
+    dtype: Annotated[DType, FEATURES] = Field("auto", description=_DTYPE_HELP)
+    quantize_base: Annotated[Quantize, FEATURES] = Field("none", description=_QUANTIZE_HELP)
+    seed: Annotated[int, FEATURES] = Field(1234, description="generation seed (the same for base and LoRA, for every sample)")
+    timesteps: Annotated[list[float], FEATURES] = Field([0.1, 0.3, 0.5, 0.7, 0.9], min_length=1, description="sigma grid of the held-out loss")
+    noise_seeds: Annotated[list[int], FEATURES] = Field([0, 1], min_length=1, description="fixed noise draws of the held-out loss")
+    batch_size: Annotated[int, THROUGHPUT] = Field(8, gt=0, description="held-out loss: (sample, seed, sigma) rows per forward")
+    max_loss_samples: Annotated[int | None, FEATURES] = Field(256, gt=0, description="cap on val samples for the held-out loss (the "
                                          "first N keys of the val split, a content hash: a fixed, unbiased subset; "
                                          "None = all, which for a 5% val split of 1M samples is 50k x seeds x σ "
                                          "forwards per model)")
-    num_samples: int = Field(4, ge=0, description="val samples to generate images for")
-    num_inference_steps: int = Field(8, ge=2, description="1 step divides 0/0 in the scheduler's terminal stretch")
-    true_cfg_scale: float = 4.0
-    negative_prompt: str = Field(" ", description="extra prompts' negative; val samples use the stored empty prompt")
-    lora_scale: float = 1.0
-    extra_prompts: list[ExtraPrompt] = []
-    attention_backend: str | None = Field(
+    num_samples: Annotated[int, FEATURES] = Field(4, ge=0, description="val samples to generate images for")
+    num_inference_steps: Annotated[int, FEATURES] = Field(8, ge=2, description="1 step divides 0/0 in the scheduler's terminal stretch")
+    true_cfg_scale: Annotated[float, FEATURES] = 4.0
+    negative_prompt: Annotated[str, FEATURES] = Field(" ", description="extra prompts' negative; val samples use the stored empty prompt")
+    lora_scale: Annotated[float, FEATURES] = 1.0
+    extra_prompts: Annotated[list[ExtraPrompt], FEATURES] = []
+    attention_backend: Annotated[str | None, FEATURES] = Field(
         None, description="attention backend of the held-out loss's padded batches (see train.attention_backend)")
-    on_damaged: Literal["stop", "skip"] = _on_damaged(
+    on_damaged: Annotated[Literal["stop", "skip"], IDENTITY] = _on_damaged(
         "val sample in text/vae", "leave it out (named in the summary and metrics.json)")
-    max_damaged_fraction: float = _max_damaged_fraction("the val samples")
+    max_damaged_fraction: Annotated[float, THROUGHPUT] = _max_damaged_fraction("the val samples")
+    max_dropped_fraction: Annotated[float, THROUGHPUT] = Field(
+        0.05, ge=0.0, le=1.0, description="fail when more than this share of the val split is missing from the "
+        "text or vae table (as train.max_dropped_fraction for the train split)")
+    max_open_shards: Annotated[int, THROUGHPUT] = Field(256, gt=0, description="shard files kept open per table "
+                                                        "(as train.max_open_shards)")
 
 
 class PredictConfig(Section):
-    devices: dict[str, str] = {"transformer": "cpu", "text_encoder": "cpu", "vae": "cpu"}
-    dtype: DType = Field("auto", description=_DTYPE_HELP + " (decided by the transformer's device)")
-    quantize_base: Quantize = Field("none", description=_QUANTIZE_HELP)
-    steps: int = Field(20, ge=2, description="1 step divides 0/0 in the scheduler's terminal stretch")
-    true_cfg_scale: float = 4.0
-    negative_prompt: str = " "
-    seed: int = 0
+    devices: Annotated[dict[str, str], THROUGHPUT] = {"transformer": "cpu", "text_encoder": "cpu", "vae": "cpu"}
+    dtype: Annotated[DType, FEATURES] = Field("auto", description=_DTYPE_HELP + " (decided by the transformer's device)")
+    quantize_base: Annotated[Quantize, FEATURES] = Field("none", description=_QUANTIZE_HELP)
+    steps: Annotated[int, FEATURES] = Field(20, ge=2, description="1 step divides 0/0 in the scheduler's terminal stretch")
+    true_cfg_scale: Annotated[float, FEATURES] = 4.0
+    negative_prompt: Annotated[str, FEATURES] = " "
+    seed: Annotated[int, FEATURES] = 0
 
 
 class PipelineConfig(Section):
-    paths: Paths = Paths()
-    resize: ResizeConfig = ResizeConfig()
-    encode_text: EncodeTextConfig = EncodeTextConfig()
-    encode_vae: EncodeVaeConfig = EncodeVaeConfig()
-    train: TrainConfig = TrainConfig()
-    evaluate: EvaluateConfig = EvaluateConfig()
-    predict: PredictConfig = PredictConfig()
+    paths: Annotated[Paths, IDENTITY] = Paths()
+    resize: Annotated[ResizeConfig, FEATURES] = ResizeConfig()
+    encode_text: Annotated[EncodeTextConfig, FEATURES] = EncodeTextConfig()
+    encode_vae: Annotated[EncodeVaeConfig, FEATURES] = EncodeVaeConfig()
+    train: Annotated[TrainConfig, FEATURES] = TrainConfig()
+    evaluate: Annotated[EvaluateConfig, FEATURES] = EvaluateConfig()
+    predict: Annotated[PredictConfig, FEATURES] = PredictConfig()
 
 
 def dump_config(cfg: PipelineConfig) -> str:

@@ -1,10 +1,15 @@
-"""Lineage: everything that determines a table version's features. Equal lineage = reusable version."""
+"""Lineage: everything that determines a table version's features (equal lineage = reusable version), and the
+one declared scheme every settings hash is derived from (`Role`, `hashed_settings`)."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import asdict, dataclass, field
 from importlib import metadata
-from typing import Any
+from typing import Any, Callable, Literal
+
+from pydantic import BaseModel
 
 from schemas.errors import UserError
 
@@ -43,3 +48,102 @@ class Lineage:
             )
         except (KeyError, TypeError, ValueError) as e:
             raise UserError(f"lineage record is malformed ({e!r}): {d!r}") from e
+
+
+# ---------------------------------------------------------------- the declared lineage scheme
+#
+# Every field of every config section (schemas/config.py) carries one `Role` as an `Annotated` marker; the
+# functions below derive every settings hash from those declarations (table versions, per-sample feature
+# lineage, the train run fingerprint, the evaluate report's inputs). A marker adds nothing to the JSON schema.
+
+RoleKind = Literal["features", "identity", "throughput"]
+
+
+@dataclass(frozen=True)
+class Role:
+    """What a config setting changes, and so which hashes it enters.
+
+    features:   the values computed (a sample's stored features, a run's trained weights, an evaluation's
+                numbers): in every hash of its section.
+    identity:   what an output is besides its per-sample values (which samples a table holds, how they are
+                labelled): in the version / run fingerprint, not in the per-sample feature lineage (samples
+                are carried forward across a change).
+    throughput: how fast, where (device), in what file layout, how often it logs / checkpoints / validates,
+                what happens on a failure: in no hash (changing it re-runs nothing).
+    """
+
+    kind: RoleKind
+    # Added after outputs existed: hashed only when set to something other than its default, so the outputs
+    # made before it existed stay current (a default of None / "off" changes nothing).
+    hashed_unless_default: bool = False
+    # A throughput setting that fingerprints made before this scheme already held: still hashed so that those
+    # outputs (trained runs) stay current and resumable.
+    hashed_as_before: bool = False
+    # features only while this holds for the section (e.g. max_steps under a decaying LR schedule)
+    features_if: Callable[[Any], bool] | None = None
+
+    def enters(self, scope: str, section: Any) -> bool:
+        if self.features_if is not None:
+            return self.features_if(section)
+        if self.hashed_as_before:
+            return True
+        return self.kind == "features" or (self.kind == "identity" and scope == "output")
+
+
+FEATURES = Role("features")
+IDENTITY = Role("identity")
+THROUGHPUT = Role("throughput")
+
+
+def added_later(kind: RoleKind = "features") -> Role:
+    return Role(kind, hashed_unless_default=True)
+
+
+def role_of(model: type[BaseModel], name: str) -> Role | None:
+    """The field's declared role (None = undeclared: `hashed_settings` refuses it)."""
+    return next((m for m in model.model_fields[name].metadata if isinstance(m, Role)), None)
+
+
+Scope = Literal["sample", "output"]
+
+
+def hashed_settings(section: BaseModel, scope: Scope = "output") -> dict[str, Any]:
+    """The section's settings (JSON values) that enter a hash of `scope`: "sample" = per-sample feature
+    lineage (features), "output" = a table version's or a run's fingerprint (features + identity)."""
+    dumped = section.model_dump(mode="json")
+    out: dict[str, Any] = {}
+    for name, info in type(section).model_fields.items():
+        role = role_of(type(section), name)
+        if role is None:
+            raise TypeError(f"{type(section).__name__}.{name} declares no lineage Role (schemas/lineage.py)")
+        if not role.enters(scope, section):
+            continue
+        value = getattr(section, name)
+        if role.hashed_unless_default and value == info.default:
+            continue
+        out[name] = hashed_settings(value, scope) if isinstance(value, BaseModel) else dumped[name]
+    return out
+
+
+def unhashed_names(section: BaseModel, scope: Scope = "output") -> set[str]:
+    """Top-level settings of the section that enter no hash of `scope` (a change to them keeps outputs current)."""
+    return {name for name in type(section).model_fields
+            if not (role_of(type(section), name) or THROUGHPUT).enters(scope, section)}
+
+
+def settings_hash(settings: Any) -> str:
+    """The one settings hash: 16 hex chars of sha256 over sorted-key JSON."""
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def section_fingerprint(section: BaseModel, scope: Scope = "output") -> str:
+    """Fingerprint of a section's hashed settings (resize, train, evaluate; the encoders add their extras)."""
+    return settings_hash(hashed_settings(section, scope))
+
+
+def feature_lineage(stage: str, settings: Any, components: str = "", code_version: str = "",
+                    upstream: str = "") -> str:
+    """Per-sample feature lineage (store/reuse.py carries samples with an equal one forward): stage, feature
+    settings, component fingerprint, code revision and the upstream table's feature lineage."""
+    return settings_hash({"stage": stage, "settings": settings, "components": components, "code": code_version,
+                          "upstream": upstream})

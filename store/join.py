@@ -12,7 +12,7 @@ import logging
 import weakref
 from math import prod
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -218,9 +218,27 @@ def _name_keys(keys: set[str], limit: int = 5) -> str:
     return ", ".join(shown) + (f" … ({len(keys)} in all)" if len(keys) > limit else "")
 
 
+class ReadingSettings(Protocol):
+    """The reading keys a config section declares (train, evaluate: schemas/config.py)."""
+
+    on_damaged: str
+    max_damaged_fraction: float
+    max_dropped_fraction: float
+    max_open_shards: int
+
+
+def open_configured(settings: ReadingSettings, section: str, store: str | Path, model: str, model_fingerprint: str,
+                    split: str) -> JoinedTables:
+    """The one way a stage opens its features: `open_features` with the reading keys of its own config section
+    (`section` names it in errors) on every path - training, its validator, its up-to-date check, evaluate."""
+    return open_features(store, model, model_fingerprint, split, settings.max_dropped_fraction,
+                         settings.max_open_shards, on_damaged=settings.on_damaged,
+                         max_damaged_fraction=settings.max_damaged_fraction, section=section)
+
+
 def open_features(store: str | Path, model: str, model_fingerprint: str, split: str = "train",
                   max_dropped_fraction: float = 0.05, max_open_shards: int = DEFAULT_MAX_OPEN_SHARDS,
-                  on_damaged: str = "stop", max_damaged_fraction: float = 0.0) -> JoinedTables:
+                  on_damaged: str = "stop", max_damaged_fraction: float = 0.0, section: str = "train") -> JoinedTables:
     """`text` + `vae` of one split, built with the model whose fingerprint is given: the samples both tables
     hold (the intersection), with each one's joint sequence length in `lengths` and in `report` how many samples
     of the split were dropped (in the `images` table, or in one of the two, but not in both) and why (the
@@ -229,7 +247,7 @@ def open_features(store: str | Path, model: str, model_fingerprint: str, split: 
 
     on_damaged="stop": a damaged sample raises when it is first read (a missing / short shard on open).
     "skip": every joined sample is checked now; damaged ones are left out and listed in `damaged`
-    (more than `max_damaged_fraction` of them: UserError)."""
+    (more than `max_damaged_fraction` of them: UserError). `section`: the config section errors name."""
     from store.lease import hold
     from store.store import Store
 
@@ -239,7 +257,7 @@ def open_features(store: str | Path, model: str, model_fingerprint: str, split: 
     lease = hold(st.root, {"text": None, "vae": None}, f"reader of the '{split}' split (train / evaluate)")
     try:
         joined = _open_features(st, lease, model, model_fingerprint, split, max_dropped_fraction, max_open_shards,
-                                on_damaged, max_damaged_fraction)
+                                on_damaged, max_damaged_fraction, section)
     except BaseException:
         lease.release()
         raise
@@ -249,7 +267,8 @@ def open_features(store: str | Path, model: str, model_fingerprint: str, split: 
 
 
 def _open_features(st, lease, model: str, model_fingerprint: str, split: str, max_dropped_fraction: float,
-                   max_open_shards: int, on_damaged: str, max_damaged_fraction: float) -> JoinedTables:
+                   max_open_shards: int, on_damaged: str, max_damaged_fraction: float,
+                   section: str = "train") -> JoinedTables:
     readers = {t: _open_table(st, t, model, max_open_shards, on_damaged, lease.version(t)) for t in ("text", "vae")}
     for r in readers.values():
         found = r.schema.lineage.model_fingerprint
@@ -271,9 +290,9 @@ def _open_features(st, lease, model: str, model_fingerprint: str, split: str, ma
         raise UserError(
             f"the '{split}' split of store {st.root}: {rep['dropped']} of {rep['samples']} samples "
             f"({100 * rep['dropped_fraction']:.1f}%) are not in both the text and vae tables, above "
-            f"train.max_dropped_fraction = {max_dropped_fraction}: {_reasons_text(rep)} (rows in "
+            f"{section}.max_dropped_fraction = {max_dropped_fraction}: {_reasons_text(rep)} (rows in "
             f"{rep['quarantine_file']}); fix those inputs, use a model that accepts them, or raise "
-            "train.max_dropped_fraction to train on the rest"
+            f"{section}.max_dropped_fraction to use the rest"
         )
     if not len(joined.keys):
         raise UserError(

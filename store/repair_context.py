@@ -23,6 +23,11 @@ def expecting(lineage: Lineage) -> Iterator[None]:
         _EXPECTED.reset(token)
 
 
+def expected() -> Lineage | None:
+    """The lineage of the version being repaired (None outside a repair)."""
+    return _EXPECTED.get()
+
+
 def active() -> bool:
     """True while `pipeline store repair` runs a producing stage."""
     return _EXPECTED.get() is not None

@@ -2,7 +2,7 @@
 
 A sample's stored features are determined by its *feature lineage* - a hash of the writing stage, its
 feature-relevant settings, the fingerprint of the model components it loads and its code revision (recorded in
-`schema.json` as `attrs.feature_lineage`) - and by the sample's own content key. When a stage builds a new
+`schema.json` as `attrs.feature_lineage`, computed by `schemas.lineage.feature_lineage`) - and by the sample's own content key. When a stage builds a new
 version, every key already held by a complete version with the same feature lineage is carried forward: its
 shard is hard-linked into the new version and its manifest rows are copied with the view columns (`split`,
 `source`) taken from the current input. Nothing is recomputed, and the new version is self-contained (its own
@@ -11,8 +11,6 @@ folder holds every shard it references), so readers, `verify` and `gc` need no c
 
 from __future__ import annotations
 
-import hashlib
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
 
@@ -29,15 +27,6 @@ if TYPE_CHECKING:
     from store.writer import TableWriter
 
 FEATURE_LINEAGE_ATTR = "feature_lineage"
-
-
-def feature_lineage(stage: str, settings: Any, components: str = "", code_version: str = "",
-                    upstream: str = "") -> str:
-    """One hash of what determines a sample's features besides its key: stage, feature settings (JSON-able),
-    component fingerprint, code revision, and the upstream table's feature lineage."""
-    blob = json.dumps({"stage": stage, "settings": settings, "components": components, "code": code_version,
-                       "upstream": upstream}, sort_keys=True).encode()
-    return hashlib.sha256(blob).hexdigest()[:16]
 
 
 def marked_versions(store: Store, table: str) -> list[int]:
@@ -77,9 +66,9 @@ def damage_scan(store: Store, table: str, version: int):
     return _SCANS[stamp()]
 
 
-def reusable(store: Store, table: str, lineage_hash: str, keys: Iterable[str]) -> dict[int, pa.Table]:
-    """version -> manifest rows of the wanted keys found there; complete versions with this feature lineage,
-    newest first, each key taken once.
+def reusable(store: Store, table: str, lineage_hash: str | Iterable[str], keys: Iterable[str]) -> dict[int, pa.Table]:
+    """version -> manifest rows of the wanted keys found there; complete versions with this feature lineage (or
+    any of these: the same features hashed by an earlier scheme), newest first, each key taken once.
 
     Integrity: a version's manifest is read checked against its checksums.json (a damaged one is skipped);
     samples of shards missing or of the wrong size are not carried. When `checking_needed` (store repair runs
@@ -91,6 +80,7 @@ def reusable(store: Store, table: str, lineage_hash: str, keys: Iterable[str]) -
     from store.reader import TableReader
 
     checking = checking_needed(store, table)
+    accepted = {lineage_hash} if isinstance(lineage_hash, str) else set(lineage_hash)
     wanted = pa.array(sorted(set(keys)), pa.string())
     found: dict[int, pa.Table] = {}
     for v in reversed(store.versions(table)):
@@ -103,7 +93,7 @@ def reusable(store: Store, table: str, lineage_hash: str, keys: Iterable[str]) -
             reader = TableReader(vdir, table, v, on_damaged="skip")
         except (DamagedData, UserError):  # unreadable: recompute instead of carrying
             continue
-        if reader.schema.attrs.get(FEATURE_LINEAGE_ATTR) != lineage_hash:
+        if reader.schema.attrs.get(FEATURE_LINEAGE_ATTR) not in accepted:
             reader.close()
             continue
         manifest = reader.manifest

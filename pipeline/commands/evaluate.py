@@ -44,8 +44,7 @@ def command(
 
         run_path = Path(require(run_dir or cfg.paths.run, "--run", "paths.run"))
         with user_errors(), json_mode(as_json):
-            result = run_checkpoints(cfg.evaluate, store_dir, model_id, kept_checkpoints(run_path), report,
-                                     max_dropped_fraction=cfg.train.max_dropped_fraction)
+            result = run_checkpoints(cfg.evaluate, store_dir, model_id, kept_checkpoints(run_path), report)
         emit(result, as_json)
         return
     lora_dir = lora or (str(Path(cfg.paths.run) / "lora") if cfg.paths.run else None)
@@ -53,7 +52,6 @@ def command(
     from stages.evaluate.stage import run
 
     with user_errors(), json_mode(as_json):
-        result = run(cfg.evaluate, store_dir, model_id, lora_dir, report,
-                     max_dropped_fraction=cfg.train.max_dropped_fraction)
+        result = run(cfg.evaluate, store_dir, model_id, lora_dir, report)
     emit(result, as_json)
 

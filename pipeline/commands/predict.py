@@ -54,7 +54,6 @@ def predict(cfg, model: str, images: list[Path], prompt: str, out: Path, lora: s
     from PIL import Image
 
     from models.edit import COMPONENTS, edit, load_pipeline
-    from models.loading import parse_dtype
     from schemas.errors import UserError
 
     if not images:
@@ -70,13 +69,15 @@ def predict(cfg, model: str, images: list[Path], prompt: str, out: Path, lora: s
         raise UserError(f"predict.devices: unknown component(s) {sorted(unknown)}; use {list(COMPONENTS)}")
     from tqdm.auto import tqdm
 
-    from models.precision import describe, device_for_rank
+    from models.precision import check_loaded_dtype, device_for_rank, resolve_precision
 
     devices = {name: device_for_rank(cfg.devices.get(name, "cpu"), what=f"predict.devices.{name}") for name in COMPONENTS}
-    dtype = parse_dtype(cfg.dtype, devices["transformer"])  # auto: decided by where the big model runs
-    tqdm.write(describe("predict", dtype, devices["transformer"], cfg.dtype)
+    precision = resolve_precision(cfg.dtype, devices["transformer"])  # auto: decided by where the big model runs
+    tqdm.write(precision.describe("predict", devices["transformer"])
                + (f", quantize_base {cfg.quantize_base}" if cfg.quantize_base != "none" else ""))
-    pipe = load_pipeline(model, dtype, devices, lora, lora_scale, quantize=cfg.quantize_base)
+    pipe = load_pipeline(model, precision.dtype, devices, lora, lora_scale, quantize=cfg.quantize_base)
+    for name in COMPONENTS:
+        check_loaded_dtype(getattr(pipe, name), precision.weights, "predict.dtype")
     result = edit(pipe, pil, prompt, cfg.negative_prompt, cfg.steps, cfg.true_cfg_scale, cfg.seed, height, width)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)

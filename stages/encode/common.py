@@ -7,9 +7,7 @@ A stage reads top to bottom as: `open_job` (lineage, up to date?) -> load its on
 
 from __future__ import annotations
 
-import hashlib
 import io
-import json
 import os
 import shutil
 import time
@@ -26,13 +24,13 @@ from PIL import Image
 
 from schemas.config import Section
 from schemas.errors import Rejected, UserError
-from schemas.lineage import Lineage, code_version
+from schemas.lineage import Lineage, code_version, feature_lineage, hashed_settings, settings_hash
 from schemas.stage import few, summary_record
 from schemas.table import TableSchema
 from store import Store, TableReader, TableWriter, repair_context
 from store.lease import hold
 from store import format as fmt
-from store.reuse import FEATURE_LINEAGE_ATTR, carry_forward, feature_lineage, reusable
+from store.reuse import FEATURE_LINEAGE_ATTR, carry_forward, reusable
 
 if TYPE_CHECKING:
     from stages.encode.progress import SampleProgress
@@ -43,12 +41,9 @@ S = TypeVar("S", bound=Section)
 
 IMAGES_TABLE = "images"
 DAMAGED_INPUT = "damaged-input"  # quarantine reason of an `images` sample whose bytes fail their checksum
-# Settings that change speed or file layout but never a feature value (batch-size independence is tested), so
-# changing them keeps the table up to date instead of re-encoding everything.
-# The damaged-input options choose which samples are encoded, never a feature value, and are not hashed either.
-THROUGHPUT_ONLY_SETTINGS = frozenset({"batch_size", "shard_size_mb", "num_workers", "on_damaged", "max_damaged_fraction"})
-# Options added later, hashed only when switched on: tables built before they existed stay up to date.
-OFF_UNLESS_ON = {"no_control_embeds": False}
+# Device spellings a table hashed before the declared lineage scheme (which held `device`) may have been encoded
+# with: with the one configured now, the old hashes tried so that those tables stay current and their samples reusable.
+_EARLIER_DEVICES = ("cpu", "cuda", "mps", *(f"cuda:{i}" for i in range(8)))
 
 
 # ---------------------------------------------------------------- processes
@@ -90,23 +85,29 @@ def resolve_precision(section: S, device: str, stage: str) -> S:
     the table's recorded config then name the precision that produced the features."""
     from tqdm.auto import tqdm
 
-    from models.precision import describe, resolve_dtype
+    from models.precision import resolve_precision as resolve
 
-    dtype = resolve_dtype(section.dtype, device)
-    tqdm.write(describe(stage, dtype, device, section.dtype))
-    return with_overrides(section, dtype=str(dtype).removeprefix("torch."))
+    precision = resolve(section.dtype, device)
+    tqdm.write(precision.describe(stage, device))
+    return with_overrides(section, dtype=precision.weights)
 
 
 # ---------------------------------------------------------------- lineage
 
 
 def config_hash(section: Section, **extra: Any) -> str:
-    """Fingerprint of the settings that determine features: the stage section without throughput-only knobs,
-    plus whatever else the stage passes (e.g. the effective prompt template)."""
-    settings = {k: v for k, v in section.model_dump(mode="json").items()
-                if k not in THROUGHPUT_ONLY_SETTINGS and not (k in OFF_UNLESS_ON and v == OFF_UNLESS_ON[k])}
-    blob = json.dumps({"section": settings, **extra}, sort_keys=True).encode()
-    return hashlib.sha256(blob).hexdigest()[:16]
+    """Fingerprint of the settings that determine features (declared in schemas/config.py, derived by
+    schemas.lineage), plus whatever else the stage passes (e.g. the effective prompt template)."""
+    return settings_hash({"section": hashed_settings(section), **extra})
+
+
+def earlier_config_hashes(section: Section, **extra: Any) -> tuple[str, ...]:
+    """`config_hash` as written before the declared scheme, when it also hashed `device`: the configured device
+    first, then the usual spellings. Tables encoded then are still current, and their samples reused."""
+    settings = hashed_settings(section)
+    devices = [section.model_dump(mode="json")["device"], *_EARLIER_DEVICES]
+    hashes = (settings_hash({"section": {**settings, "device": d}, **extra}) for d in devices)
+    return tuple(dict.fromkeys(hashes))
 
 
 def with_overrides(section: S, **overrides: Any) -> S:
@@ -184,6 +185,7 @@ class EncodeJob:
     loop_started: float = 0.0
     writer: TableWriter | None = None
     feature_lineage: str = ""  # see store.reuse: samples with this lineage in earlier versions are carried
+    earlier_lineages: tuple[str, ...] = ()  # the same features hashed as before the declared scheme: carried too
     match_columns: tuple[str, ...] = ()  # images columns a carried row must still match (vae: mask_sha256)
     lease: Any = None  # the read lease on `images` (store/lease.py); released when the job is done or collected
     on_damaged: str = "stop"  # a damaged `images` sample: stop, or skip (quarantined as DAMAGED_INPUT)
@@ -213,7 +215,7 @@ class EncodeJob:
         self._total = len(mine)
         todo = [k for k in mine if k not in self.writer.done_keys]
         self.summary.skipped = len(mine) - len(todo)
-        for version, rows in reusable(self.store, self.summary.table, self.feature_lineage, todo).items():
+        for version, rows in reusable(self.store, self.summary.table, (self.feature_lineage, *self.earlier_lineages), todo).items():
             rows = self._same_content(rows)
             split = {k: self.images.meta(k).get("split", "train") for k in rows.column("key").to_pylist()}
             self.summary.reused += carry_forward(self.writer, version, rows, {"split": split})
@@ -389,7 +391,7 @@ class EncodeJob:
 
 def open_job(store_path: str | Path, stage: str, table: str, feature_hash: str, model: str,
              feature_revision: str, ranks: Ranks, components: tuple[str, ...] = (), on_damaged: str = "stop",
-             max_damaged_fraction: float = 0.0) -> EncodeJob:
+             max_damaged_fraction: float = 0.0, earlier_hashes: tuple[str, ...] = ()) -> EncodeJob:
     """Read the `images` table, build the lineage, and find out whether an identical version already exists.
 
     An identical complete version is made current and reused ("up to date"); anything that differs (model
@@ -411,7 +413,6 @@ def open_job(store_path: str | Path, stage: str, table: str, feature_hash: str, 
         stage=stage, config_hash=f"{feature_hash}-images:{images_id}", model_fingerprint=model_fingerprint(model),
         upstream={IMAGES_TABLE: images.version}, code_version=code_version(feature_revision),
     )
-    repair_context.check(lineage, table)
     summary = Summary(stage=stage, table=table, rank=ranks.rank, world_size=ranks.world_size, store=str(path))
     # Per-sample reuse: the features depend on these settings, the components loaded and the images' own
     # feature lineage (render settings), not on the images version (a relabelled split is the same pixels).
@@ -420,12 +421,23 @@ def open_job(store_path: str | Path, stage: str, table: str, feature_hash: str, 
     if FEATURE_LINEAGE_ATTR not in images.schema.attrs and origin is not None and \
             (store.version_dir(IMAGES_TABLE, int(origin)) / "manifest.parquet").is_file():
         upstream = store.version_id(IMAGES_TABLE, int(origin))
-    fl = feature_lineage(stage, feature_hash, component_fingerprint(model, components) if components else
-                         model_fingerprint(model), code_version(feature_revision), upstream)
+    fingerprint = component_fingerprint(model, components) if components else model_fingerprint(model)
+    fl, *earlier = (feature_lineage(stage, h, fingerprint, code_version(feature_revision), upstream)
+                    for h in (feature_hash, *earlier_hashes))
+    # The same features as hashed before the declared lineage scheme (tables encoded then stay current, and
+    # `store repair` of such a table resumes its repair version under its own lineage).
+    hashed_before = [(replace(lineage, config_hash=f"{h}-images:{images_id}"), e) for h, e in zip(earlier_hashes, earlier)]
+    lineage, fl = next(((old, e) for old, e in hashed_before if repair_context.expected() == old), (lineage, fl))
+    repair_context.check(lineage, table)
     job = EncodeJob(store=store, images=images, lineage=lineage, ranks=ranks, summary=summary, feature_lineage=fl,
-                    lease=lease, on_damaged=on_damaged, max_damaged_fraction=max_damaged_fraction)
+                    earlier_lineages=tuple(earlier), lease=lease, on_damaged=on_damaged,
+                    max_damaged_fraction=max_damaged_fraction)
     weakref.finalize(job, lease.release)
     found = store.find_version(table, lineage)  # never a version recorded as damaged
+    for old, _ in hashed_before if found is None else ():
+        found = store.find_version(table, old)
+        if found is not None:
+            break
     if found is not None:
         job.adopt(found)
         summary.seconds = time.perf_counter() - job.started

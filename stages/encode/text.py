@@ -36,6 +36,7 @@ from stages.encode.common import (
     Summary,
     batches_by_shape,
     config_hash,
+    earlier_config_hashes,
     control_count_rejection,
     current_ranks,
     open_job,
@@ -279,6 +280,7 @@ def run(
     ranks: Ranks | None = None,
 ) -> Summary:
     from models.loading import load_component, model_variant, parse_dtype, pipeline_family
+    from models.precision import check_loaded_dtype
 
     section = with_overrides(cfg.encode_text, device=device, batch_size=batch_size)
     fmt = prompt_format(pipeline_family(model_variant(model)), section.prompt_template, section.prompt_template_start_idx)
@@ -287,7 +289,8 @@ def run(
     section = resolve_precision(section, target, STAGE)
     job = open_job(store, STAGE, TABLE, config_hash(section, prompt_format=fmt.lineage_record()), model,
                    FEATURE_REVISION, ranks, components=COMPONENTS,
-                   on_damaged=section.on_damaged, max_damaged_fraction=section.max_damaged_fraction)
+                   on_damaged=section.on_damaged, max_damaged_fraction=section.max_damaged_fraction,
+                   earlier_hashes=earlier_config_hashes(section, prompt_format=fmt.lineage_record()))
     if job.up_to_date:
         return job.summary
 
@@ -295,6 +298,7 @@ def run(
     processor = load_component(model, "processor")
     text_encoder = load_component(model, "text_encoder", dtype=parse_dtype(section.dtype),
                                   device=target)
+    check_loaded_dtype(text_encoder, section.dtype, "encode_text.dtype")
     nocontrol = section.no_control_embeds
     kinds = KINDS + ((NOCONTROL,) if nocontrol else ())
     schema = text_schema(job, fmt, text_encoder.config.text_config.hidden_size, section.dtype, nocontrol)

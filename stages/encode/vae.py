@@ -28,6 +28,7 @@ from stages.encode.common import (
     Summary,
     batches_by_shape,
     config_hash,
+    earlier_config_hashes,
     control_count_rejection,
     current_ranks,
     open_job,
@@ -144,19 +145,22 @@ def run(
     from diffusers.image_processor import VaeImageProcessor
 
     from models.loading import load_component, model_variant, parse_dtype
+    from models.precision import check_loaded_dtype
 
     section = with_overrides(cfg.encode_vae, device=device, batch_size=batch_size)
     ranks = ranks or current_ranks(section.device)
     target = rank_device(section.device, ranks, "encode_vae.device")
     section = resolve_precision(section, target, STAGE)
     job = open_job(store, STAGE, TABLE, config_hash(section), model, FEATURE_REVISION, ranks, components=COMPONENTS,
-                   on_damaged=section.on_damaged, max_damaged_fraction=section.max_damaged_fraction)
+                   on_damaged=section.on_damaged, max_damaged_fraction=section.max_damaged_fraction,
+                   earlier_hashes=earlier_config_hashes(section))
     job.match_columns = ("mask_sha256",)
     if job.up_to_date:
         return job.summary
 
     # Only the VAE (never the VL model or the transformer).
     vae = load_component(model, "vae", dtype=parse_dtype(section.dtype), device=target)
+    check_loaded_dtype(vae, section.dtype, "encode_vae.dtype")
     channels = vae.config.z_dim
     latents_mean = torch.tensor(vae.config.latents_mean).view(1, channels, 1, 1, 1)
     latents_std = torch.tensor(vae.config.latents_std).view(1, channels, 1, 1, 1)

@@ -148,7 +148,7 @@ def _up_to_date(out: Path, fingerprint: str, checkpoints: list[tuple[int, Path]]
 
 
 def run(cfg: EvaluateConfig, store: str | Path, model: str, checkpoints: list[tuple[int, Path]], out: str | Path,
-        skip_if_done: bool = False, max_dropped_fraction: float = 0.05) -> CheckpointsResult:
+        skip_if_done: bool = False) -> CheckpointsResult:
     """Evaluate the base and every (step, LoRA folder) of `checkpoints` into OUT (losses.zarr + the report)."""
     from models.lora import attach_lora, load_lora
     from models.precision import describe
@@ -169,7 +169,7 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, checkpoints: list[tu
         raise UserError(f"{out} is not empty and holds no earlier report: pass a new or empty --out folder")
     tqdm.write(describe("evaluate", single.parse_dtype(cfg.dtype), cfg.device, requested))
 
-    tables, samples = single.read_val_samples(cfg, store, model, max_dropped_fraction)
+    tables, samples = single.read_val_samples(cfg, store, model)
     damaged = dict(tables.damaged)
     seeds, sigmas = list(cfg.noise_seeds), [float(t) for t in cfg.timesteps]
     axes = Axes([s.key for s in samples], [bucket_of(s) for s in samples], seeds, sigmas)

@@ -42,7 +42,7 @@ from schemas.stage import few
 from models.held_out import MASK_NOTE, bucket_of, loss_grid, loss_summary  # noqa: F401 (re-exported)
 from stages.evaluate.report import SampleRow, psnr, ssim, write_report
 from store import Store, TableReader
-from store.join import JoinedTables, open_features
+from store.join import JoinedTables, open_configured
 
 PSNR_SSIM_NOTE = (
     "PSNR/SSIM compare each output with the sample's stored target image. They measure pixel fidelity to one "
@@ -162,12 +162,13 @@ def _scores(target: Image.Image | None, base: Image.Image, lora: Image.Image) ->
             "ssim_base": ssim(target, base), "ssim_lora": ssim(target, lora)}
 
 
-def images_reader(st: Store, tables: JoinedTables, on_damaged: str = "stop") -> TableReader | None:
+def images_reader(st: Store, tables: JoinedTables, on_damaged: str = "stop",
+                  max_open_shards: int = 256) -> TableReader | None:
     """The `images` version the vae table was built from (the pictures of exactly these samples)."""
     version = tables.vae.schema.lineage.upstream.get("images")
     if "images" not in st.tables():
         return None
-    return st.reader("images", version, on_damaged=on_damaged)
+    return st.reader("images", version, on_damaged=on_damaged, max_open_shards=max_open_shards)
 
 
 def val_rows(transformer, vae, scheduler_config: dict, samples: list[TrainSample], images: TableReader | None,
@@ -236,10 +237,10 @@ def generation_summary(rows: list[SampleRow], cfg: EvaluateConfig) -> dict:
 
 def resolved_config(cfg: EvaluateConfig) -> EvaluateConfig:
     """This rank's device and the concrete dtype (`auto` decided by the device): what runs and is recorded."""
-    from models.precision import device_for_rank, resolved_name
+    from models.precision import device_for_rank, resolve_precision
 
     device = device_for_rank(cfg.device, what="evaluate.device")
-    return cfg.model_copy(update={"device": device, "dtype": resolved_name(cfg.dtype, device)})
+    return cfg.model_copy(update={"device": device, "dtype": resolve_precision(cfg.dtype, device).weights})
 
 
 def evaluate_inputs(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path) -> dict:
@@ -299,14 +300,11 @@ class EvaluateResult:
         return line
 
 
-def read_val_samples(cfg: EvaluateConfig, store: str | Path, model: str,
-                     max_dropped_fraction: float) -> tuple[JoinedTables, list[TrainSample]]:
+def read_val_samples(cfg: EvaluateConfig, store: str | Path, model: str) -> tuple[JoinedTables, list[TrainSample]]:
     """The val split's joined tables and its first `max_loss_samples` samples (all when unset)."""
     from models.loading import model_fingerprint
 
-    tables = open_features(store, model, model_fingerprint(model), split="val",
-                           max_dropped_fraction=max_dropped_fraction, on_damaged=cfg.on_damaged,
-                           max_damaged_fraction=cfg.max_damaged_fraction)
+    tables = open_configured(cfg, "evaluate", store, model, model_fingerprint(model), "val")
     n = min(len(tables), cfg.max_loss_samples) if cfg.max_loss_samples else len(tables)
     tables.check_ahead(lambda: iter(range(n)))  # the bytes checked by a thread just ahead of the reads
     try:
@@ -320,13 +318,14 @@ def load_transformer(cfg: EvaluateConfig, model: str):
     """The transformer in the resolved dtype and device, multi-resolution installed, no adapter yet."""
     dtype = parse_dtype(cfg.dtype)
     transformer = load_component(model, "transformer", dtype=dtype, device=cfg.device, quantize=cfg.quantize_base)
+    check_loaded_dtype(transformer, cfg.dtype, "evaluate.dtype")
     install_multires(transformer)
     use_attention_backend(transformer, cfg.attention_backend, "evaluate.attention_backend", torch.device(cfg.device), dtype)
     return transformer
 
 
 def run(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, out: str | Path,
-        skip_if_done: bool = False, max_dropped_fraction: float = 0.05) -> EvaluateResult:
+        skip_if_done: bool = False) -> EvaluateResult:
     """Evaluate base vs LoRA on the store's val split and write the report into `out`. `skip_if_done`: reuse a
     report of the same inputs (`pipeline run all`)."""
     out = Path(out)
@@ -335,14 +334,14 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, ou
         return EvaluateResult(json.loads((out / "metrics.json").read_text()), out / "index.html", up_to_date=True)
     if out.is_dir() and any(out.iterdir()) and not (out / "metrics.json").is_file():
         raise UserError(f"{out} is not empty and holds no earlier report: pass a new or empty --out folder")
-    from models.precision import describe
+    from models.precision import check_loaded_dtype, describe
 
     requested = cfg.dtype
     cfg = resolved_config(cfg)
     tqdm.write(describe("evaluate", parse_dtype(cfg.dtype), cfg.device, requested)
                + (f", quantize_base {cfg.quantize_base}" if cfg.quantize_base != "none" else ""))
     inputs = evaluate_inputs(cfg, store, model, lora)
-    tables, samples = read_val_samples(cfg, store, model, max_dropped_fraction)
+    tables, samples = read_val_samples(cfg, store, model)
     damaged = dict(tables.damaged)
 
     dtype = parse_dtype(cfg.dtype)
@@ -354,10 +353,11 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, ou
     rows: list[SampleRow] = []
     if cfg.num_samples > 0 or cfg.extra_prompts:
         vae = load_component(model, "vae", dtype=dtype, device=cfg.device)
+        check_loaded_dtype(vae, cfg.dtype, "evaluate.dtype")
         scheduler_config = dict(load_component(model, "scheduler").config)
         st = Store(store, create=False)
         rows = val_rows(transformer, vae, scheduler_config, pick_samples(samples, cfg.num_samples),
-                        images_reader(st, tables, cfg.on_damaged), cfg, damaged)
+                        images_reader(st, tables, cfg.on_damaged, cfg.max_open_shards), cfg, damaged)
         if cfg.extra_prompts:
             rows += extra_rows(model, transformer, vae, cfg)
 

@@ -40,9 +40,6 @@ STAGE = "resize-bucket"
 TABLE = "images"
 # Bump when this stage's output changes for identical inputs and settings (new resampling, PNG options...).
 FEATURE_REVISION = 1
-# Settings that decide which samples are in the table and how they are labelled, never their pixels: changing
-# them re-labels or filters (samples carried forward), nothing is re-rendered (per-sample reuse, store.reuse).
-VIEW_SETTINGS = frozenset({"val_fraction", "min_controls", "max_controls", "max_image_pixels"})
 PNG_COMPRESS_LEVEL = 3  # lossless either way; 3 is ~3x faster than the default 6 for a few % more bytes
 
 
@@ -258,10 +255,11 @@ class RenderPool:
 
 
 def images_schema(rc: ResizeConfig, listing: str, source: str = "", source_format: str = "") -> TableSchema:
-    from store.reuse import FEATURE_LINEAGE_ATTR, feature_lineage
+    from schemas.lineage import feature_lineage, hashed_settings, unhashed_names
+    from store.reuse import FEATURE_LINEAGE_ATTR
 
     lineage = Lineage(stage=STAGE, config_hash=f"{rc.fingerprint()}-src{listing}", code_version=code_version(f"images.{FEATURE_REVISION}"))
-    render = rc.model_dump(mode="json", exclude=VIEW_SETTINGS | {"shard_size_mb", "workers"})
+    render = hashed_settings(rc, "sample")  # the pixels' settings: not the view (which samples, split labels)
     png, col = "png", "column"
     return TableSchema(
         name=TABLE,
@@ -287,7 +285,7 @@ def images_schema(rc: ResizeConfig, listing: str, source: str = "", source_forma
         ),
         # without the operational settings (shard size, workers), which change neither features nor lineage
         attrs={
-            "resize": rc.model_dump(mode="json", exclude={"shard_size_mb", "workers"}),
+            "resize": rc.model_dump(mode="json", exclude=unhashed_names(rc)),
             "source": source,
             "source_format": source_format,
             "source_listing": listing,

@@ -32,8 +32,6 @@ Note: after a mid-epoch resume, that epoch's padding efficiency counts from the 
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 import time
 import warnings
@@ -51,9 +49,10 @@ from models.attention import use_attention_backend
 from models.multires import install_multires
 from schemas.config import PipelineConfig, TrainConfig, dump_config
 from schemas.errors import UserError
+from schemas.lineage import section_fingerprint, unhashed_names
 from stages.train import elastic, guard, parallel, previous, state as train_state
 from stages.train.budget import make_sampler
-from stages.train.data import DataStream, load_at, open_inputs, write_data_report
+from stages.train.data import DataStream, load_at, write_data_report
 from stages.train.launch import launched_world_size, use_cpu
 from stages.train.prefetch import MicroBatches
 from stages.train.resume import changed_settings
@@ -61,16 +60,8 @@ from stages.train.sampler import padding_efficiency
 from stages.train.state import ResumeRecord
 from stages.train.summary import train_line
 from store.format import atomic_dir, atomic_write_bytes
-from store.join import JoinedTables
+from store.join import JoinedTables, open_configured
 
-# Settings that change how long or how often, not what is trained: a resume may change them.
-_NOT_FINGERPRINTED = {"max_steps", "checkpoint_every", "keep_checkpoints", "log_every", "log_with", "profile", "device", "prefetch", "compile", "check_ahead",
-                      "on_damaged", "max_damaged_fraction", "on_nonfinite",
-                      "max_dropped_fraction", "max_open_shards",  # which samples: recorded by the tables
-                      # validation and samples only read the adapter (stages/train/validate.py)
-                      "validate_every", "validate_max_samples", "validate_timesteps", "validate_noise_seeds",
-                      "sample_every", "sample_count", "sample_steps"}
-_ADDED_LATER = {"init_lora": None, "optimizer": "adamw", "ema_decay": None, "control_dropout": 0.0}
 # Extra torch.compile arguments of `train.compile` (tests use a fast backend).
 COMPILE_OPTIONS: dict[str, Any] = {}
 
@@ -238,11 +229,11 @@ def setup(cfg: PipelineConfig, store: str | Path, model: str, out: str | Path, r
         from models.precision import describe, resolve_dtype
 
         tqdm.write(describe("train (frozen base)", resolve_dtype(tc.dtype, device), device, requested)
+                   + (", bf16 autocast" if tc.mixed_precision == "bf16" and tc.dtype != "bfloat16" else "")
                    + (f", quantize_base {tc.quantize_base}" if tc.quantize_base != "none" else ""))
     from models.loading import model_fingerprint
 
-    tables = open_inputs(store, model, "train", tc.max_dropped_fraction, tc.max_open_shards,
-                         on_damaged=tc.on_damaged, max_damaged_fraction=tc.max_damaged_fraction)
+    tables = open_configured(tc, "train", store, model, model_fingerprint(model), "train")
     now = ResumeRecord(
         step=0, epoch=0, batch_in_epoch=0, config_fingerprint=config_fingerprint(tc),
         tables=tables.versions(), store=str(Path(tables.store_root).resolve()),
@@ -418,7 +409,7 @@ def up_to_date(cfg: PipelineConfig, store: str | Path, model: str, out: str | Pa
     if not weights.is_file() or latest is None:
         return False
     record = ResumeRecord.read(latest / train_state.RESUME_JSON)
-    tables = open_inputs(store, model, "train", cfg.train.max_dropped_fraction, cfg.train.max_open_shards)
+    tables = open_configured(cfg.train, "train", store, model, model_fingerprint(model), "train")  # as training does
     return (
         record.step == cfg.train.max_steps
         # the run records its resolved precision (dtype auto -> float32 / bfloat16 for its device)
@@ -441,19 +432,8 @@ def validate_config(cfg: TrainConfig) -> None:
 
 
 def config_fingerprint(cfg: TrainConfig) -> str:
-    """What determines the trained weights. max_steps counts only when the LR schedule decays towards it."""
-    exclude = set(_NOT_FINGERPRINTED)
-    if cfg.lr_schedule != "constant":
-        exclude.discard("max_steps")
-    settings = cfg.model_dump(mode="json", exclude=exclude)
-    # Options added after runs already existed count only when set: those runs still resume and stay up to date.
-    for key, off in _ADDED_LATER.items():
-        if settings.get(key) == off:
-            settings.pop(key)
-    if settings["lora"].get("kind") == "lora":
-        settings["lora"].pop("kind")
-    blob = json.dumps(settings, sort_keys=True).encode()
-    return hashlib.sha256(blob).hexdigest()[:16]
+    """What determines the trained weights, as declared in schemas/config.py (a resume may change the rest)."""
+    return section_fingerprint(cfg)
 
 
 def lr_factor(step: int, cfg: TrainConfig) -> float:
@@ -518,29 +498,19 @@ def planned_device(cfg: TrainConfig) -> torch.device:
 
 
 def resolve_precision(cfg: TrainConfig, device: torch.device) -> TrainConfig:
-    """`train.dtype: auto` made concrete for `device`: bf16 when mixed_precision is bf16 or on a bf16 GPU,
-    else float32. A bf16 base computes under bf16 autocast (the LoRA weights stay float32)."""
-    from models.precision import bf16_supported, resolve_dtype
+    """The config with the precision `models.precision.resolve_precision` decides for `device`: `train.dtype`
+    is the frozen base's dtype (what loads and is recorded), `mixed_precision` the autocast around it."""
+    from models.precision import resolve_precision as resolve
 
-    if cfg.mixed_precision == "bf16" and not _bf16_supported(device):
-        tqdm.write(f"bf16 is not supported on {device}: training in float32")
-        cfg = cfg.model_copy(update={"mixed_precision": "no", "dtype": "float32"})
-    if cfg.dtype == "auto":
-        name = "bfloat16" if cfg.mixed_precision == "bf16" else str(resolve_dtype("auto", device)).removeprefix("torch.")
-    else:
-        name = cfg.dtype
-    if name == "float16":
+    if cfg.dtype == "float16":
         raise UserError("train.dtype float16 is not supported (no loss scaling here); use bfloat16, float32 or auto")
-    if name == "bfloat16" and not (_bf16_supported(device) or bf16_supported(device)):
-        raise UserError(f"train.dtype bfloat16: {device} has no bf16 support; use float32 or auto")
-    update = {"dtype": name}
+    precision = resolve(cfg.dtype, device, cfg.mixed_precision, what="train.dtype")
+    update: dict[str, Any] = {"dtype": precision.weights, "mixed_precision": "bf16" if precision.autocast_bf16 else "no"}
     if cfg.offload == "blocks" and not cfg.gradient_checkpointing:
         # Offloaded weights are fetched again for the backward's recompute; without checkpointing autograd
         # would hold every block's device copy until the backward (no memory saved).
         tqdm.write("train.offload blocks: gradient checkpointing turned on")
         update["gradient_checkpointing"] = True
-    if name == "bfloat16":
-        update["mixed_precision"] = "bf16"
     return cfg.model_copy(update=update)
 
 
@@ -548,10 +518,6 @@ def _autocast(cfg: TrainConfig, device: torch.device):
     if cfg.mixed_precision != "bf16":
         return nullcontext()
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-
-
-def _bf16_supported(device: torch.device) -> bool:
-    return device.type == "cpu" or (device.type == "cuda" and torch.cuda.is_bf16_supported())
 
 
 def _resume_point(r: Run, resume: bool, cfg: PipelineConfig) -> tuple[Path | None, ResumeRecord | None]:
@@ -575,7 +541,7 @@ def _resume_point(r: Run, resume: bool, cfg: PipelineConfig) -> tuple[Path | Non
                 "to continue, or use a new --out for a shorter run",
                 reason=f"train.max_steps {record.step} -> {r.cfg.max_steps}")
     except train_state.ResumeMismatch as e:
-        ignore = _NOT_FINGERPRINTED - ({"max_steps"} if r.cfg.lr_schedule != "constant" else set())
+        ignore = unhashed_names(r.cfg)
         changed = changed_settings(r.run_dir, cfg.model_dump(mode="json"), ignore)
         why = f"{e}\nchanged since {r.run_dir / 'train_config.yaml'}:\n  " + "\n  ".join(changed) if changed else str(e)
         if r.new_run:
@@ -620,14 +586,15 @@ def setup_transformer(model: str, cfg: TrainConfig, device: torch.device):
     """Frozen base (optionally quantised while loading, optionally offloaded), multires attention, one trainable
     LoRA adapter."""
     from models.loading import load_component
-    from models.precision import resolve_dtype
+    from models.precision import check_loaded_dtype, dtype_name, resolve_dtype
 
-    base_dtype = torch.bfloat16 if cfg.mixed_precision == "bf16" else resolve_dtype(cfg.dtype, device)
+    base_dtype = resolve_dtype(cfg.dtype, device)  # resolved (resolve_precision): what train_config.yaml records
     # Quantised (models/quantize.py) while loading, straight onto the device: the bf16 base never sits whole
     # in memory when quantize_base is set. With offload the blocks load into host memory and only what stays
     # resident moves to the device.
     load_on = torch.device("cpu") if cfg.offload == "blocks" else device
     transformer = load_component(model, "transformer", dtype=base_dtype, device=load_on, quantize=cfg.quantize_base)
+    check_loaded_dtype(transformer, dtype_name(base_dtype), "train.dtype")
     install_multires(transformer)
     use_attention_backend(transformer, cfg.attention_backend, "train.attention_backend", device, base_dtype)
     transformer.requires_grad_(False)

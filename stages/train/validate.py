@@ -37,7 +37,8 @@ from models.sample import TrainSample
 from schemas.config import TrainConfig
 from schemas.errors import UserError
 from schemas.img_shapes import PIXELS_PER_PATCH
-from stages.train.data import load, open_inputs
+from stages.train.data import load
+from store.join import open_configured
 
 SAMPLE_CFG = 4.0
 
@@ -58,7 +59,9 @@ def untouched(transformer):
 class Validator:
     def __init__(self, cfg: TrainConfig, store, model: str, run_dir: Path):
         self.cfg, self.model, self.run_dir = cfg, model, run_dir
-        tables = open_inputs(store, model, split="val")
+        from models.loading import model_fingerprint
+
+        tables = open_configured(cfg, "train", store, model, model_fingerprint(model), "val")  # as training reads
         keys = sorted(tables.keys)[: cfg.validate_max_samples]
         if not keys:
             raise UserError(f"train.validate_every / sample_every is set but store {store} has no val samples; "

@@ -104,3 +104,18 @@ def test_dtype_flag_on_every_stage_command():
 def test_quantize_alias_reads_as_int8():
     assert load_config(None, {"train.quantize_base": "int8_weight_only"}).train.quantize_base == "int8"
     assert precision.first_device(["cuda:0", "cuda:1"]) == "cuda:0"
+
+
+def test_one_resolver_train_dtype_is_the_base_and_mixed_precision_the_autocast(fake_gpus):
+    """models.precision.resolve_precision: what loads (and is recorded) and whether bf16 autocast runs."""
+    from models.precision import Precision, resolve_precision
+
+    cpu = torch.device("cpu")
+    assert resolve_precision("auto", cpu) == Precision("float32", requested="auto")  # encode / evaluate / predict
+    assert resolve_precision("float32", cpu, "bf16") == Precision("float32", True, "float32")  # honoured as set
+    assert resolve_precision("auto", cpu, "bf16") == Precision("bfloat16", True, "auto")
+    assert resolve_precision("bfloat16", cpu, "no") == Precision("bfloat16", True, "bfloat16")  # bf16 base: autocast
+    fake_gpus((7, 5))
+    assert resolve_precision("auto", "cuda:0", "bf16") == Precision("float32", False, "auto")  # falls back, said
+    with pytest.raises(UserError, match="train.dtype bfloat16: cuda:0 has no bf16 support"):
+        resolve_precision("bfloat16", "cuda:0", "no", what="train.dtype")

@@ -112,10 +112,49 @@ def test_loads_only_the_vae_quarantines_and_lineage(tiny_edit_model, tmp_path, i
     other_model = Path(shutil.copytree(tiny_edit_model, tmp_path / "other-model"))
     (other_model / "tiny_model.json").write_text(json.dumps({"variant": "edit", "seed": 0, "note": "changed"}))
     assert encode_vae.run(cfg, store, str(other_model)).version == first.version + 1
-    assert encode_vae.run(load_config(None, {**F32, "encode_vae.device": "cpu:0"}), store,
+    assert encode_vae.run(load_config(None, {"encode_vae.dtype": "bfloat16"}), store,
                           tiny_edit_model).version == first.version + 2  # a setting that can change numbers
     fx.write(store, [fx.Sample("no mask", (64, 64), [(64, 64)], [(64, 64)])], tag="other-resize-settings")
     assert encode_vae.run(cfg, store, tiny_edit_model).version == first.version + 3
+
+
+def test_another_device_spelling_reuses_every_sample(tiny_edit_model, tmp_path, images_fixture):
+    """Where a value runs is never a feature (issue 24.5): cpu -> cpu:0 -> [cpu] encodes nothing again."""
+    fx, store = images_fixture, tmp_path / "s"
+    fx.write(store, [fx.Sample("a", (64, 64), [(64, 64)], [(64, 64)]), fx.Sample("b", (64, 32), [(64, 32)], [(64, 32)])])
+    first = encode_vae.run(load_config(None, {**F32, "encode_vae.device": "cpu"}), store, tiny_edit_model)
+    assert first.encoded == 2
+    for device in ("cpu:0", ["cpu"]):
+        again = encode_vae.run(load_config(None, {**F32, "encode_vae.device": device, "encode_vae.num_workers": 0}),
+                               store, tiny_edit_model, batch_size=1)
+        assert (again.up_to_date, again.encoded, again.version) == (True, 0, first.version)
+
+
+def test_a_table_encoded_before_the_declared_lineage_scheme_stays_current(tiny_edit_model, tmp_path, images_fixture,
+                                                                          monkeypatch):
+    """A table hashed the old way (its config hash held `device`) is up to date for the same settings."""
+    from stages.encode.common import earlier_config_hashes
+
+    from typer.testing import CliRunner
+
+    from damage import flip_bit, key_at, sample_byte
+    from pipeline.cli import app
+
+    fx, store = images_fixture, tmp_path / "s"
+    fx.write(store, [fx.Sample(c, (64, 64), [(64, 64)], [(64, 64)]) for c in ("a", "b")])
+    cfg = load_config(None, {**F32, "encode_vae.device": "cpu", "encode_vae.shard_size_mb": 0.001})
+    with monkeypatch.context() as m:  # how the code before the scheme hashed (pinned in tests/schemas)
+        m.setattr(encode_vae, "config_hash", lambda section: earlier_config_hashes(section)[0])
+        m.setattr(encode_vae, "earlier_config_hashes", lambda section: ())
+        old = encode_vae.run(cfg, store, tiny_edit_model)
+    assert old.encoded == 2
+    for device in ("cpu", ["cpu"]):  # the device it was encoded with, or another spelling of it
+        now = encode_vae.run(load_config(None, {**F32, "encode_vae.device": device}), store, tiny_edit_model)
+        assert (now.up_to_date, now.encoded, now.version) == (True, 0, old.version)
+    # `store repair` of such a table recomputes only its damaged sample, under the table's own lineage
+    flip_bit(*sample_byte(store, "vae", key_at(store, "vae", 0), None, 5), 5)
+    res = CliRunner().invoke(app, ["store", "repair", str(store), "--model", tiny_edit_model])
+    assert res.exit_code == 0 and "encoded 1," in res.output, res.output
 
 
 KILL_SCRIPT = """

@@ -263,3 +263,27 @@ def test_evaluate_loss_on_a_quantized_base(quantize, store_dir, tiny_edit_model,
         losses[q] = (overall["base"], overall["lora"])
     assert losses[quantize] == pytest.approx(losses["none"], rel=LOSS_RTOL[quantize])
     assert losses[quantize] != losses["none"]
+
+
+def test_quantized_input_gradient_has_the_dense_bf16_error(monkeypatch):
+    """The input gradient of the chunked quantised linear over many chunks is accumulated in float32 and rounded
+    once: its error against a float32 reference (same dequantised weight) is that of one dense bf16 matmul, not
+    the chunk count times larger (issue 24.6: 3.2x at the real width when chunks were summed in bf16)."""
+    from models import quantize as qmod
+
+    torch.manual_seed(0)
+    monkeypatch.setattr(qmod, "DEQUANT_ELEMENTS", 16 * 256)  # 16-row chunks: 32 chunks of a 512 x 256 weight
+    lin = torch.nn.Linear(256, 512, bias=False, dtype=torch.bfloat16)
+    lin.weight = torch.nn.Parameter(qmod.quantize_rows(lin.weight.detach(), "int8"), requires_grad=False)
+    assert qmod.install_frozen_linear_backward(lin) == 1 and 512 // qmod.row_chunk(lin.weight) == 32
+    x = torch.randn(64, 256, dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(64, 512, dtype=torch.bfloat16)
+    lin(x).backward(g)
+    w = qmod.dequantize(lin.weight).to(torch.bfloat16)
+    exact = g.float() @ w.float()
+    dense_bf16 = g @ w  # what an unquantised bf16 base computes (one matmul, rounded once)
+
+    def rel(a):
+        return ((a.float() - exact).norm() / exact.norm()).item()
+
+    assert rel(x.grad) <= 1.05 * rel(dense_bf16), (rel(x.grad), rel(dense_bf16))

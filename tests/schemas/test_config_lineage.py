@@ -1,0 +1,93 @@
+"""The declared lineage scheme (schemas/lineage.py): every config field says what it changes, and every
+settings hash is derived from that; the hashes of outputs made before the scheme are kept (pinned here)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from pydantic import BaseModel
+
+from schemas import config as C
+from schemas.lineage import Role, hashed_settings, role_of, section_fingerprint
+
+
+def _sections(model: type[BaseModel], seen: set) -> list[type[BaseModel]]:
+    """Every config model reachable from PipelineConfig (nested sections and list items)."""
+    if model in seen:
+        return []
+    seen.add(model)
+    found = [model]
+    for info in model.model_fields.values():
+        for t in _types(info.annotation):
+            if isinstance(t, type) and issubclass(t, BaseModel):
+                found += _sections(t, seen)
+    return found
+
+
+def _types(annotation) -> list:
+    args = getattr(annotation, "__args__", ())
+    return [annotation, *[t for a in args for t in _types(a)]]
+
+
+def test_every_config_field_declares_its_lineage_role():
+    sections = _sections(C.PipelineConfig, set())
+    assert {C.TrainConfig, C.LoraConfig, C.MaskWeight, C.ExtraPrompt, C.EncodeTextConfig} <= set(sections)
+    undeclared = [f"{m.__name__}.{n}" for m in sections for n in m.model_fields if role_of(m, n) is None]
+    assert undeclared == []
+    for m in sections:
+        for n in m.model_fields:
+            assert isinstance(role_of(m, n), Role) and role_of(m, n).kind in ("features", "identity", "throughput")
+    # the markers add nothing to the JSON schema a user reads
+    schema = json.dumps(C.PipelineConfig.model_json_schema())
+    assert "Role" not in schema and "throughput" not in schema and '"identity"' not in schema
+
+
+def test_where_it_runs_how_fast_and_how_many_workers_never_change_features():
+    for section in (C.EncodeTextConfig(), C.EncodeVaeConfig(), C.ResizeConfig(), C.EvaluateConfig()):
+        settings = hashed_settings(section, "sample")
+        for name in ("device", "batch_size", "num_workers", "workers", "shard_size_mb", "max_open_shards"):
+            assert name not in settings, f"{type(section).__name__}.{name}"
+    for section in (C.TrainConfig(), C.PredictConfig()):
+        for name in ("device", "devices", "num_workers", "prefetch", "check_ahead", "compile"):
+            assert name not in hashed_settings(section)
+    vae = C.EncodeVaeConfig(dtype="float32")
+    assert section_fingerprint(vae) == section_fingerprint(vae.model_copy(update={"device": ["cuda:0", "cuda:1"],
+                                                                                  "batch_size": 1, "num_workers": 0}))
+    assert section_fingerprint(vae) != section_fingerprint(vae.model_copy(update={"dtype": "bfloat16"}))
+
+
+def test_an_undeclared_field_is_refused():
+    class Bare(C.Section):
+        x: int = 0
+
+    with pytest.raises(TypeError, match="Bare.x declares no lineage Role"):
+        hashed_settings(Bare())
+
+
+# Values computed by the code before the declared scheme (commit 34f7d89): runs and tables made then stay current.
+def test_train_and_resize_fingerprints_equal_their_pre_scheme_values():
+    from stages.train.recipe import config_fingerprint
+
+    assert config_fingerprint(C.TrainConfig(dtype="float32")) == "a0d4db39ac12a0bb"
+    assert config_fingerprint(C.TrainConfig(dtype="float32", lr_schedule="cosine", max_steps=7)) == "d161a628dea67558"
+    assert config_fingerprint(C.TrainConfig(dtype="bfloat16", mixed_precision="bf16", optimizer="prodigy", ema_decay=0.9,
+                                            lora=C.LoraConfig(kind="dora", rank=4))) == "b2616a2dc036b31f"
+    # a resume may change what is not hashed (device, cadence, failure policy, a constant-LR max_steps)
+    assert config_fingerprint(C.TrainConfig(dtype="float32", device="cpu:0", max_steps=9, check_ahead=0,
+                                            on_damaged="skip", validate_every=2)) == "a0d4db39ac12a0bb"
+    assert C.ResizeConfig().fingerprint() == "c1b31852610f2c40"
+    assert C.ResizeConfig(workers=3, shard_size_mb=1).fingerprint() == "c1b31852610f2c40"
+
+
+def test_encode_hashes_written_before_the_scheme_are_still_recognised():
+    from stages.encode.common import config_hash, earlier_config_hashes
+
+    vae = C.EncodeVaeConfig(dtype="float32")
+    assert "4d6a6f3323d96796" in earlier_config_hashes(vae)  # device cpu (the default)
+    assert "de58dd1da3969066" in earlier_config_hashes(vae.model_copy(update={"dtype": "bfloat16", "device": "cuda:3"}))
+    text = C.EncodeTextConfig(dtype="float32")
+    assert "b5c733014dabf077" in earlier_config_hashes(text, prompt_format={"a": 1})
+    assert "4b1831adcaed648a" in earlier_config_hashes(text.model_copy(update={"no_control_embeds": True}),
+                                                       prompt_format={"a": 1})
+    assert config_hash(vae) not in earlier_config_hashes(vae)  # the new hash holds no device
