@@ -1,7 +1,7 @@
 """Cost of `evaluate --all-checkpoints` against N single-LoRA evaluations (issue 21: N checkpoints must cost at
 most N x one LoRA's loss pass).
 
-    python bench/evaluate_checkpoints.py [N]
+    python bench/evaluate_checkpoints.py [--checkpoints N]
 
 On the tiny random model (models/tiny.py) and a store of 24 val samples of mixed sizes, half with an edit mask,
 noise seeds [0, 1] x 5 σ (evaluate's defaults), num_samples 0 (held-out loss only):
@@ -13,6 +13,7 @@ Timed in process CPU time on one thread (the box is shared; wall time is printed
 
 from __future__ import annotations
 
+import argparse
 import shutil
 import sys
 import tempfile
@@ -108,4 +109,6 @@ def main(n: int = 4) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 4)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--checkpoints", type=int, default=4, help="N checkpoints evaluated in one --all-checkpoints run")
+    main(ap.parse_args().checkpoints)

@@ -32,6 +32,7 @@ from models.loading import load_component, parse_dtype
 from models.lora import attach_lora, lora_weight_file
 from models.attention import use_attention_backend
 from models.multires import install_multires
+from models.precision import check_loaded_dtype, describe
 from models.randomness import eval_noise
 from models.sample import TrainSample, from_features
 from schemas.config import EvaluateConfig
@@ -334,8 +335,6 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, ou
         return EvaluateResult(json.loads((out / "metrics.json").read_text()), out / "index.html", up_to_date=True)
     if out.is_dir() and any(out.iterdir()) and not (out / "metrics.json").is_file():
         raise UserError(f"{out} is not empty and holds no earlier report: pass a new or empty --out folder")
-    from models.precision import check_loaded_dtype, describe
-
     requested = cfg.dtype
     cfg = resolved_config(cfg)
     tqdm.write(describe("evaluate", parse_dtype(cfg.dtype), cfg.device, requested)
