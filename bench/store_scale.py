@@ -235,7 +235,7 @@ def measure(root: Path, loads: int = 1000) -> dict:
         for t in (*text.values(), *vae.values()):
             t.view(-1)[0].item()
     t_load = time.perf_counter() - t0
-    handles = [h for r in readers.values() for h in r._open.values()]
+    handles = [h for r in readers.values() for h in r.shards.open_handles()]
     maps = sum(not isinstance(h, int) for h in handles)
     t0 = time.perf_counter()
     steps = LengthAwareBatchSampler(lengths.tolist(), 4, seed=0, window=64, world_size=8).global_steps(0)
@@ -262,10 +262,10 @@ def main() -> None:
         import torch  # noqa: F401 - the baseline includes what the trainer imports anyway
 
         if args.private_manifest:  # the baseline of the mapped manifest: the previous reader's private copy
-            import store.reader
+            import store.manifest_view
             from store import integrity
 
-            store.reader._mapped_checked = lambda vdir, name, sums: pa.py_buffer(
+            store.manifest_view.mapped_checked = lambda vdir, name, sums: pa.py_buffer(
                 integrity.read_checked(vdir, name, sums))
         print(json.dumps(measure(args.dir / f"n{args.measure_only}")))
         return

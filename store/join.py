@@ -21,8 +21,9 @@ import pyarrow.compute as pc
 from schemas.errors import UserError
 from store import format as fmt
 from store.partition import epoch_order
-from store.reader import DEFAULT_MAX_OPEN_SHARDS, TableReader, _strictly_increasing
-from store.reader import fixed_width_view as _fixed_width
+from store.manifest_view import fixed_width_view as _fixed_width
+from store.manifest_view import strictly_increasing as _strictly_increasing
+from store.reader import DEFAULT_MAX_OPEN_SHARDS, TableReader
 
 log = logging.getLogger("store")
 

@@ -264,7 +264,7 @@ class EncodeJob:
         damaged sample comes as a `Rejected` (quarantined as DAMAGED_INPUT by `accepted`) instead of raising."""
         from store.integrity import DamagedData
 
-        self.images.check_ahead([self.images._index(k) for k in keys])
+        self.images.check_ahead([self.images.row_of(k) for k in keys])
         for key in keys:
             try:
                 sample: dict[str, Any] | Rejected = self.images.get(key)
