@@ -185,6 +185,20 @@ class JoinedTables:
         for r in self.readers.values():
             r.stop_check_ahead()
 
+    def close(self) -> None:
+        """Close every reader (check-ahead threads, shard descriptors) and release the read lease; idempotent.
+        Tensors already handed out stay valid (they own their buffers, or keep their shard's map alive)."""
+        for r in self.readers.values():
+            r.close()
+        if self.lease is not None:
+            self.lease.release()
+
+    def __enter__(self) -> "JoinedTables":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def where(self, table: str) -> str:
         r = self.readers[table]
         return f"'{table}' v{r.version} ({r.dir})"
@@ -238,10 +252,13 @@ def open_features(store: str | Path, model: str, model_fingerprint: str, split: 
     # A read lease on the two versions (resolved and registered under the store lock): `store gc` keeps them
     # while this process reads them, even when newer versions become current meanwhile.
     lease = hold(st.root, {"text": None, "vae": None}, f"reader of the '{split}' split (train / evaluate)")
+    readers: dict[str, TableReader] = {}
     try:
-        joined = _open_features(st, lease, model, model_fingerprint, split, max_dropped_fraction, max_open_shards,
-                                on_damaged, max_damaged_fraction)
+        joined = _open_features(st, lease, readers, model, model_fingerprint, split, max_dropped_fraction,
+                                max_open_shards, on_damaged, max_damaged_fraction)
     except BaseException:
+        for r in readers.values():  # a refused store (wrong model, too many dropped) leaves nothing open
+            r.close()
         lease.release()
         raise
     joined.lease = lease
@@ -249,9 +266,12 @@ def open_features(store: str | Path, model: str, model_fingerprint: str, split: 
     return joined
 
 
-def _open_features(st, lease, model: str, model_fingerprint: str, split: str, max_dropped_fraction: float,
-                   max_open_shards: int, on_damaged: str, max_damaged_fraction: float) -> JoinedTables:
-    readers = {t: _open_table(st, t, model, max_open_shards, on_damaged, lease.version(t)) for t in ("text", "vae")}
+def _open_features(st, lease, readers: dict[str, TableReader], model: str, model_fingerprint: str, split: str,
+                   max_dropped_fraction: float, max_open_shards: int, on_damaged: str,
+                   max_damaged_fraction: float) -> JoinedTables:
+    """Fills `readers` as it opens them (the caller closes them when this raises)."""
+    for t in ("text", "vae"):
+        readers[t] = _open_table(st, t, model, max_open_shards, on_damaged, lease.version(t))
     for r in readers.values():
         found = r.schema.lineage.model_fingerprint
         if found != model_fingerprint:
@@ -324,8 +344,8 @@ def dropped_report(st, joined: JoinedTables, split: str | None) -> dict[str, Any
     universe = set().union(*joined.only.values())
     images_version = joined.readers["vae"].schema.lineage.upstream.get("images")
     if images_version is not None and fmt.is_complete(fmt.version_dir(st.root, "images", images_version)):
-        images = st.reader("images", images_version)
-        ks = images.key_array.take(pa.array(_split_rows(images, split)))
+        with st.reader("images", images_version) as images:
+            ks = images.key_array.take(pa.array(_split_rows(images, split)))
         missing = ks.filter(pc.invert(pc.is_in(ks, value_set=joined.keys.array)))
         universe |= set(missing.to_pylist())
         total = len(ks)

@@ -256,7 +256,8 @@ class EncodeJob:
         before the store.json switch, left it not current) and report the table up to date."""
         self.store.set_current(self.summary.table, found)
         self.summary.version, self.summary.up_to_date = found, True
-        self.summary.skipped = len(self.store.reader(self.summary.table, found))
+        with self.store.reader(self.summary.table, found) as done:
+            self.summary.skipped = len(done)
 
     def read_inputs(self, keys: list[str]) -> Iterator[tuple[str, dict[str, Any] | Rejected]]:
         """(key, `images` sample) in order, every sample's bytes checked before they are returned (a check-ahead
@@ -369,8 +370,9 @@ class EncodeJob:
         set_aside(self.store.version_dir(table, self.repairing))
 
     def close(self) -> None:
-        """Give up the writer lock without committing (on error; a rerun resumes from committed shards)."""
-        self.images.stop_check_ahead()
+        """Give up the writer lock without committing (on error; a rerun resumes from committed shards); close
+        the `images` reader and release its lease (idempotent: also the end of a finished or up-to-date job)."""
+        self.images.close()
         if self.writer is not None:
             self.writer.close()
         if self.lease is not None:
@@ -429,6 +431,7 @@ def open_job(store_path: str | Path, stage: str, table: str, feature_hash: str, 
     if found is not None:
         job.adopt(found)
         summary.seconds = time.perf_counter() - job.started
+        job.close()  # nothing to read: the stage returns the summary
         return job
     current = store.tables().get(table)
     if current is not None and fmt.damaged_marker(store.root, table, current).exists() and not repair_context.active():

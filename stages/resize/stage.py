@@ -215,8 +215,8 @@ def run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> R
         set_aside(st.version_dir(TABLE, repairing))
     summary.seconds = time.perf_counter() - started
     if summary.resumed:  # the resumed samples' splits count too
-        r = st.reader(TABLE, summary.version)
-        summary.splits = Counter(r.manifest.column("split").to_pylist())
+        with st.reader(TABLE, summary.version) as r:
+            summary.splits = Counter(r.manifest.column("split").to_pylist())
     return summary
 
 

@@ -204,13 +204,7 @@ def run(
         result.seconds = time.perf_counter() - started
         return result
     finally:
-        if r is not None and r.batches is not None:  # stopped early (an error): no reader thread left running
-            r.batches.close()
-        for lock in locks:
-            if lock is not None:
-                lock.release()
-        if r is not None and r.tables.lease is not None:  # the read lease (store/lease.py): gc may take them now
-            r.tables.lease.release()
+        cleanup(r, locks)
 
 
 def setup(cfg: PipelineConfig, store: str | Path, model: str, out: str | Path, resume: bool = False,
@@ -393,6 +387,25 @@ def finish(r: Run) -> TrainResult:
     return r.result
 
 
+def cleanup(r: Run | None, locks: list) -> None:
+    """The last phase, after a finished run or an error (torchtune's recipes end the same way): whatever setup
+    opened is closed - the micro-batch stream and its reader thread, the readers' shard descriptors and
+    check-ahead threads, the read lease (gc may take the versions now), the TensorBoard writer, the progress bar
+    and the run folder's locks - so a process that goes on (`pipeline run all`, tests) holds no descriptor of
+    this run. Every step here is idempotent (`finish` closed some of them already)."""
+    if r is not None:
+        if r.batches is not None:
+            r.batches.close()
+        if r.bar is not None:
+            r.bar.close()
+        if r.writer is not None:
+            r.writer.close()
+        r.tables.close()
+    for lock in locks:
+        if lock is not None:
+            lock.release()
+
+
 def up_to_date(cfg: PipelineConfig, store: str | Path, model: str, out: str | Path) -> bool:
     """OUT/lora is the final LoRA of a run on the same tables, model and train config, trained to max_steps."""
     from models.loading import model_fingerprint
@@ -403,6 +416,7 @@ def up_to_date(cfg: PipelineConfig, store: str | Path, model: str, out: str | Pa
         return False
     record = ResumeRecord.read(latest / train_state.RESUME_JSON)
     tables = open_inputs(store, model, "train", cfg.train.max_dropped_fraction, cfg.train.max_open_shards)
+    tables.close()  # only its versions are compared below
     return (
         record.step == cfg.train.max_steps
         # the run records its resolved precision (dtype auto -> float32 / bfloat16 for its device)

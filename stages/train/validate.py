@@ -54,9 +54,11 @@ class Validator:
         tables = open_inputs(store, model, split="val")
         keys = sorted(tables.keys)[: cfg.validate_max_samples]
         if not keys:
+            tables.close()
             raise UserError(f"train.validate_every / sample_every is set but store {store} has no val samples; "
                             "set resize.val_fraction > 0 or turn validation off")
         self.samples: list[TrainSample] = [load(tables, k) for k in keys]
+        tables.close()  # the samples are in memory now
         self.rows = [(s, seed, float(t)) for s in self.samples for seed in cfg.validate_noise_seeds
                      for t in cfg.validate_timesteps]
         self._vae = self._scheduler = None
