@@ -330,26 +330,31 @@ class EncodeJob:
         self.summary.forward_items += items
 
     def finish(self) -> Summary:
-        """Quarantine rows, this rank's last shard, barrier, rank 0 commits (manifest last), barrier."""
+        """Quarantine rows, this rank's last shard, rank 0 commits (manifest last). Both parts are agreed on by
+        all ranks (models/collective.py; they are the barriers too): a rank that fails (a full disk, its
+        damaged-input threshold, in `close` for a failure in its loop) stops every rank with its one line."""
+        from models.collective import together
+
         if self.summary.up_to_date:  # completed by another process meanwhile (see open_writer)
             self.summary.seconds = time.perf_counter() - self.started
             return self.summary
         assert self.writer is not None
-        self._flush_quarantine()
-        self.writer.finish_rank()
-        self.summary.loop_seconds = time.perf_counter() - self.loop_started
-        self.summary.bytes_written = sum(
-            size - self._shard_sizes_before.get(name, 0) for name, size in self._rank_shard_sizes().items()
-        )
-        self.images.stop_check_ahead()
-        self.ranks.barrier()
-        if self.ranks.rank == 0:
-            self.summary.version = self.writer.commit(allow_empty=False)
-            if self.repairing is not None:
-                self._verify_repaired()
-        else:
-            self.writer.close()
-        self.ranks.barrier()
+        world, stage = self.ranks.world_size, self.summary.stage
+        with together(world, f"{stage}: this rank's last shard"):
+            self._flush_quarantine()
+            self.writer.finish_rank()
+            self.summary.loop_seconds = time.perf_counter() - self.loop_started
+            self.summary.bytes_written = sum(
+                size - self._shard_sizes_before.get(name, 0) for name, size in self._rank_shard_sizes().items()
+            )
+            self.images.stop_check_ahead()
+        with together(world, f"{stage}: the commit of table '{self.summary.table}'"):
+            if self.ranks.rank == 0:
+                self.summary.version = self.writer.commit(allow_empty=False)
+                if self.repairing is not None:
+                    self._verify_repaired()
+            else:
+                self.writer.close()
         self.summary.seconds = time.perf_counter() - self.started
         if self.lease is not None:
             self.lease.release()
@@ -367,11 +372,20 @@ class EncodeJob:
         self.summary.repaired_from = self.repairing
         from store.repair import set_aside
 
-        set_aside(self.store.version_dir(table, self.repairing))
+        from tqdm.auto import tqdm
+
+        tqdm.write(f"{self.summary.stage}: {set_aside(self.store.version_dir(table, self.repairing))}")
 
     def close(self) -> None:
         """Give up the writer lock without committing (on error; a rerun resumes from committed shards); close
-        the `images` reader and release its lease (idempotent: also the end of a finished or up-to-date job)."""
+        the `images` reader and release its lease (idempotent: also the end of a finished or up-to-date job).
+        Called from the stage's `finally`: an exception in flight is this rank's failure in its own part of the
+        work, which the other ranks learn at their next agreement (`finish`) instead of waiting for this rank."""
+        import sys
+
+        from models.collective import share_failure
+
+        share_failure(self.ranks.world_size, sys.exc_info()[1], self.summary.stage)
         self.images.close()
         if self.writer is not None:
             self.writer.close()

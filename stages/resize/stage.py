@@ -212,7 +212,7 @@ def run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> R
         summary.repaired_from = repairing
         from store.repair import set_aside
 
-        set_aside(st.version_dir(TABLE, repairing))
+        tqdm.write(f"resize-bucket: {set_aside(st.version_dir(TABLE, repairing))}")
     summary.seconds = time.perf_counter() - started
     if summary.resumed:  # the resumed samples' splits count too
         with st.reader(TABLE, summary.version) as r:
