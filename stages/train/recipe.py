@@ -59,7 +59,7 @@ from stages.train.resume import changed_settings
 from stages.train.sampler import padding_efficiency
 from stages.train.state import ResumeRecord
 from stages.train.summary import train_line
-from store.format import atomic_dir, atomic_write_bytes
+from store.format import atomic_dir, atomic_write_bytes, pause_point
 from store.join import JoinedTables
 
 # Settings that change how long or how often, not what is trained: a resume may change them.
@@ -376,6 +376,7 @@ def checkpoint(r: Run) -> None:
                 train_state.write_record(tmp, record)
                 folder.close()  # fsync + rename: the checkpoint is committed
                 train_state.prune(r.checkpoints, r.cfg.keep_checkpoints)
+    pause_point("train_after_checkpoint")
 
 
 def finish(r: Run) -> TrainResult:
