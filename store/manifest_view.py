@@ -190,6 +190,11 @@ class ManifestView:
             pa.default_memory_pool().release_unused()
         return self._arrays[name]
 
+    @property
+    def parsed(self) -> set[str]:
+        """The columns parsed so far (kept as Arrow arrays: private memory of this process)."""
+        return set(self._arrays)
+
     def has_column(self, name: str) -> bool:
         return name in self.names
 

@@ -10,6 +10,7 @@ manager: `close()` ends its check-ahead thread and closes its descriptors.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -29,6 +30,7 @@ from store.manifest_view import (  # noqa: F401 - re-exported: the store's reade
 )
 from store.partition import epoch_order
 from store.sample_check import SampleCheck
+from store.shard import SAFETENSORS_DTYPES
 from store.shard_io import DEFAULT_MAX_OPEN_SHARDS, SCAN_RUN, ShardFiles  # noqa: F401 - SCAN_RUN re-exported
 
 
@@ -37,6 +39,38 @@ def torch_dtype(name: str) -> torch.dtype:
     if not isinstance(dt, torch.dtype):
         raise UserError(f"unknown tensor dtype {name!r} in manifest")
     return dt
+
+
+_SAFETENSORS_TO_TORCH = {code: dt for dt, code in SAFETENSORS_DTYPES.items()}
+_TAR_BLOCK = 512
+
+
+def member_tensors(buf: Any, at: int) -> dict[str, torch.Tensor] | None:
+    """The tensors of a sample whose first tar member (header at `at` in `buf`) is its `.safetensors` file, as
+    views of `buf`, from that file's own (checked) header; None when the first member is something else.
+
+    Read from the sample's bytes rather than from the manifest's `tensors` column: that column, parsed, is the
+    largest thing a reader holds (~400 MB per process at 1M samples), and the bytes are read anyway."""
+    with memoryview(buf) as mv:
+        name = bytes(mv[at : at + 100]).split(b"\0", 1)[0]
+        if not name.endswith(b".safetensors"):
+            return None
+        data = at + _TAR_BLOCK
+        n = int.from_bytes(mv[data : data + 8], "little")
+        header = json.loads(bytes(mv[data + 8 : data + 8 + n]))
+    first = data + 8 + n
+    out = {}
+    for tname, meta in header.items():
+        if tname == "__metadata__":
+            continue
+        dt = _SAFETENSORS_TO_TORCH[meta["dtype"]]
+        begin, end = meta["data_offsets"]
+        count = (end - begin) // dt.itemsize
+        if count == 0:  # frombuffer rejects count=0; an empty tensor (e.g. no control views) is legal
+            out[tname] = torch.empty(meta["shape"], dtype=dt)
+            continue
+        out[tname] = torch.frombuffer(buf, dtype=dt, count=count, offset=first + begin).view(meta["shape"])
+    return out
 
 
 class TableReader:
@@ -197,7 +231,11 @@ class TableReader:
     def tensors_at(self, i: int) -> dict[str, torch.Tensor]:
         """The sample's tensors: views of the shard map during a scan, else of the sample's own buffer."""
         buf, base = self._intact_bytes(i)
-        out = {}
+        _, start, _ = self.view.locate(i)
+        found = member_tensors(buf, start + base)
+        if found is not None:
+            return found
+        out = {}  # no safetensors member first (a hand-written store): the manifest's layout
         for t in self.view.cell("tensors", i):
             dt = torch_dtype(t["dtype"])
             n = t["nbytes"] // dt.itemsize
