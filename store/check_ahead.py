@@ -4,8 +4,9 @@ The CRC32C of a sample's bytes costs about as much as copying them out of the pa
 core), so checking inline on first read doubles the time of a warm read. The consumer's read order is known in
 advance (train's epoch plan, evaluate's list, an encoder's image order), and `crc32c` releases the GIL, so a
 thread checks the next samples (read by pread, never mapped) while the consumer copies the current ones. The
-guarantee stays "every sample checked before its bytes are returned": `TableReader.check_at(i)` takes this thread's result for `i` (waiting
-while the thread is on `i`), and checks inline what the thread has not reached or did not schedule. The window
+guarantee stays "every sample checked before its bytes are returned": `TableReader.check_at(i)` takes this
+thread's result for `i` (waiting while the thread is on `i`), and checks inline what the thread has not reached
+or did not schedule. The window
 (results computed but not yet taken) bounds how far the thread runs ahead: reading far ahead would only evict
 the consumer's pages. Not a library: no package verifies byte ranges ahead of a consumer.
 """

@@ -332,7 +332,7 @@ class EncodeJob:
     def finish(self) -> Summary:
         """Quarantine rows, this rank's last shard, rank 0 commits (manifest last). Both parts are agreed on by
         all ranks (models/collective.py; they are the barriers too): a rank that fails (a full disk, its
-        damaged-input threshold, in `close` for a failure in its loop) stops every rank with its one line."""
+        damaged-input threshold, in `failed` for a failure in its loop) stops every rank with its one line."""
         from models.collective import together
 
         if self.summary.up_to_date:  # completed by another process meanwhile (see open_writer)
@@ -378,19 +378,19 @@ class EncodeJob:
 
     def close(self) -> None:
         """Give up the writer lock without committing (on error; a rerun resumes from committed shards); close
-        the `images` reader and release its lease (idempotent: also the end of a finished or up-to-date job).
-        Called from the stage's `finally`: an exception in flight is this rank's failure in its own part of the
-        work, which the other ranks learn at their next agreement (`finish`) instead of waiting for this rank."""
-        import sys
-
-        from models.collective import share_failure
-
-        share_failure(self.ranks.world_size, sys.exc_info()[1], self.summary.stage)
+        the `images` reader and release its lease (idempotent: also the end of a finished or up-to-date job)."""
         self.images.close()
         if self.writer is not None:
             self.writer.close()
         if self.lease is not None:
             self.lease.release()
+
+    def failed(self, error: BaseException) -> None:
+        """This rank failed in its own part of the work (its loop): the other ranks learn it at their next
+        agreement (`finish`) instead of waiting for this rank there (models/collective.py)."""
+        from models.collective import share_failure
+
+        share_failure(self.ranks.world_size, error, self.summary.stage)
 
     def _rank_shard_sizes(self) -> dict[str, int]:
         assert self.writer is not None

@@ -387,7 +387,8 @@ def finish(r: Run) -> TrainResult:
     with together(r.world, "the final LoRA"):  # rank 0 writes; every rank learns whether it could
         if r.main:
             guard.check_lora_finite(r.params, r.result.lora_dir)
-            with guard.one_line_errors("the final LoRA", r.run_dir), atomic_dir(r.result.lora_dir, r.run_dir / ".lora.tmp") as tmp:
+            with guard.one_line_errors("the final LoRA", r.run_dir), \
+                    atomic_dir(r.result.lora_dir, r.run_dir / ".lora.tmp") as tmp:
                 save_lora(r.transformer, tmp)
             if r.ema is not None:
                 with guard.one_line_errors("the EMA LoRA", r.run_dir), \
