@@ -102,9 +102,9 @@ def store_scan(root: Path, dst: torch.Tensor, mode: str = "ahead", window: int =
     r = Store(root).reader("features")
     keys = r.iter_keys()
     if mode == "none":  # bench baseline only: mark every sample as already checked, so no CRC runs
-        r._checked = set(range(len(r)))
+        r.checks.mark_all_checked()
     elif mode == "ahead":
-        r.check_ahead([r._index(k) for k in keys], window=window)
+        r.check_ahead([r.row_of(k) for k in keys], window=window)
     nbytes = 0
     for key in keys:
         for t in r.tensors(key).values():

@@ -5,12 +5,13 @@ reader, join and sampler.
 
 Builds (once per N, reused on reruns) realistic manifests - real column set and types, prompt lengths 300..1100
 tokens x 3584 bf16, 16-channel latents of 32..128 per side, 0..2 controls, shards of ~256 MB (~30k per table at
-1M samples) - with sparse shard files (no disk blocks; reads return zeros, like a warm page cache). Then
+1M samples) - with sparse shard files (no disk blocks; reads return zeros, like a warm page cache; the samples
+the measurement loads get real tar + safetensors headers, read as in a real store). Then
 prints for N:
   open     time + RSS (over the interpreter's baseline after imports; private vs mapped file pages) to open both
            tables
   join     time to join them on the train split and compute every sample's sequence length
-  loads    the first load (reads the shard + tensors columns), the first lookup by key, then 1,000 random samples
+  loads    the first load (reads the locating columns), the first lookup by key, then 1,000 random samples
            through `JoinedTables.features_at` as train reads them (each sample's bytes read and CRC32C-checked,
            first byte of each tensor touched)
   plan     the length-aware sampler's epoch plan (batch 4, 8 ranks)
@@ -40,6 +41,7 @@ from store.integrity import write_version_checksums  # noqa: E402
 from store.manifest import FILE_STRUCT, TENSOR_STRUCT  # noqa: E402
 
 HIDDEN = 3584
+AFTER_LOADS_TARGET_MB = 300  # host memory per rank for store metadata after loads (x 8 ranks per node)
 SHARD_BYTES = 256 << 20
 
 
@@ -67,6 +69,52 @@ def _layout(sizes: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, np
     shard[order], offset[order] = shard_sorted, offset_sorted
     shard_sizes = np.bincount(shard, weights=sizes).astype(np.int64)
     return shard, offset, shard_sizes
+
+
+def _write_headers(vdir: Path, rows: np.ndarray, keys: list[str], shard_names: list[str], shard: np.ndarray,
+                   offset: np.ndarray, sample_bytes: np.ndarray, tensors: pa.Array) -> dict[int, str]:
+    """Real sample heads (tar header + safetensors header, tensor data at +1024 as the manifest says) for the
+    rows the measurement loads, so the reader takes its real path (tensors from the sample's own header);
+    returns those rows' CRC32C (header + zeros). Every other sample stays all zeros (no page written)."""
+    import struct
+    import tarfile
+
+    import crc32c
+
+    from store.shard import SAFETENSORS_DTYPES
+
+    code = {str(dt).removeprefix("torch."): c for dt, c in SAFETENSORS_DTYPES.items()}
+    zeros = bytes(1 << 22)
+    out = {}
+    for r in rows.tolist():
+        data0 = int(offset[r]) + 1024
+        header = {t["name"]: {"dtype": code[t["dtype"]], "shape": t["shape"],
+                              "data_offsets": [t["offset"] - data0, t["offset"] - data0 + t["nbytes"]]}
+                  for t in tensors[r].as_py()}
+        h = json.dumps(header, separators=(",", ":")).encode()
+        h += b" " * (1024 - 512 - 8 - len(h))
+        info = tarfile.TarInfo(f"{keys[r]}.safetensors")
+        info.size = int(sample_bytes[r]) - 1024
+        head = info.tobuf(tarfile.USTAR_FORMAT) + struct.pack("<Q", len(h)) + h
+        with open(vdir / shard_names[shard[r]], "r+b") as f:
+            f.seek(int(offset[r]))
+            f.write(head)
+        crc, left = crc32c.crc32c(head), int(sample_bytes[r]) - len(head)
+        while left:
+            step = min(left, len(zeros))
+            crc = crc32c.crc32c(memoryview(zeros)[:step], crc)
+            left -= step
+        out[r] = f"{crc:08x}"
+    return out
+
+
+def measured_rows(split: np.ndarray, loads: int = 1000) -> np.ndarray:
+    """The rows `measure` loads (its picks over the joined train split, the first sample, the key lookup):
+    keys are sorted and both tables hold every key, so joined index i is the i-th train row."""
+    train = np.flatnonzero(split == "train")
+    rng = random.Random(0)
+    picks = [rng.randrange(len(train)) for _ in range(loads)] + [0, len(train) // 2]
+    return np.unique(train[picks])
 
 
 def _table(vdir: Path, name: str, keys: list[str], tensor_names: list[list[str]], shapes: list[np.ndarray],
@@ -108,6 +156,11 @@ def _table(vdir: Path, name: str, keys: list[str], tensor_names: list[list[str]]
         fields=list(TENSOR_STRUCT)), per_row)
     sha = "0" * 64
     zero = _zero_crcs(np.concatenate([sample_bytes, shard_sizes + 10240]))  # shards are sparse: all zero bytes
+    real = _write_headers(vdir, measured_rows(np.asarray(meta["split"].to_pylist())), keys, names, shard, offset,
+                          sample_bytes, tensors)
+    sample_crcs = [zero[int(x)] for x in sample_bytes]
+    for r, crc in real.items():
+        sample_crcs[r] = crc
     cols = {
         "key": pa.array(keys, pa.string()),
         "shard": pa.array([names[i] for i in shard], pa.string()),
@@ -120,7 +173,7 @@ def _table(vdir: Path, name: str, keys: list[str], tensor_names: list[list[str]]
         "files": _lists(pa.array([], FILE_STRUCT), np.zeros(n, np.int64)),
         # store format 2: the reader checks each sample's CRC32C on its first read, as in a real store
         "shard_crc32c": pa.array([zero[int(x)] for x in shard_sizes[shard] + 10240], pa.string()),
-        "sample_crc32c": pa.array([zero[int(x)] for x in sample_bytes], pa.string()),
+        "sample_crc32c": pa.array(sample_crcs, pa.string()),
         **meta,
     }
     lineage = {"stage": f"encode-{name}", "config_hash": "bench", "model_fingerprint": "bench",
@@ -235,7 +288,7 @@ def measure(root: Path, loads: int = 1000) -> dict:
         for t in (*text.values(), *vae.values()):
             t.view(-1)[0].item()
     t_load = time.perf_counter() - t0
-    handles = [h for r in readers.values() for h in r._open.values()]
+    handles = [h for r in readers.values() for h in r.shards.open_handles()]
     maps = sum(not isinstance(h, int) for h in handles)
     t0 = time.perf_counter()
     steps = LengthAwareBatchSampler(lengths.tolist(), 4, seed=0, window=64, world_size=8).global_steps(0)
@@ -262,10 +315,10 @@ def main() -> None:
         import torch  # noqa: F401 - the baseline includes what the trainer imports anyway
 
         if args.private_manifest:  # the baseline of the mapped manifest: the previous reader's private copy
-            import store.reader
+            import store.manifest_view
             from store import integrity
 
-            store.reader._mapped_checked = lambda vdir, name, sums: pa.py_buffer(
+            store.manifest_view.mapped_checked = lambda vdir, name, sums: pa.py_buffer(
                 integrity.read_checked(vdir, name, sums))
         print(json.dumps(measure(args.dir / f"n{args.measure_only}")))
         return
@@ -304,6 +357,8 @@ def main() -> None:
     print(f"open + lengths at N={args.samples:,}: {big['open_s'] + big['join_lengths_s']:.2f} s "
           f"(target <= 8 s), +{big['open_join_rss_mb']:.0f} MB (target <= 1024 MB); epoch plan {big['plan_s']:.2f} s "
           f"(target <= 2 s); random-load rate vs N={args.small:,}: {big['loads_per_s'] / small['loads_per_s']:.2f}x")
+    print(f"after 1,000 random loads at N={args.samples:,}: +{big['after_loads_rss_mb']:.0f} MB RSS per process, "
+          f"{big['after_loads_anon_mb']:.0f} MB of it private (target <= {AFTER_LOADS_TARGET_MB} MB per rank)")
 
 
 if __name__ == "__main__":

@@ -3,67 +3,57 @@
 The CRC32C of a sample's bytes costs about as much as copying them out of the page cache (both ~15 GB/s on one
 core), so checking inline on first read doubles the time of a warm read. The consumer's read order is known in
 advance (train's epoch plan, evaluate's list, an encoder's image order), and `crc32c` releases the GIL, so a
-thread checks the next samples while the consumer copies the current ones. The guarantee stays "every sample
-checked before its bytes are returned": `TableReader.check_at(i)` takes this thread's result for `i` (waiting
-while the thread is on `i`), and checks inline what the thread has not reached or did not schedule. The window
+thread checks the next samples (read by pread, never mapped) while the consumer copies the current ones. The
+guarantee stays "every sample checked before its bytes are returned": `TableReader.check_at(i)` takes this
+thread's result for `i` (waiting while the thread is on `i`), and checks inline what the thread has not reached
+or did not schedule. The window
 (results computed but not yet taken) bounds how far the thread runs ahead: reading far ahead would only evict
-the consumer's pages. Not a library: no package verifies mmap'd byte ranges ahead of a consumer.
+the consumer's pages. Not a library: no package verifies byte ranges ahead of a consumer.
 """
 
 from __future__ import annotations
 
-import mmap
-import os
 import threading
-from collections import OrderedDict
+from pathlib import Path
 from typing import TYPE_CHECKING, Iterable
 
+from store.shard_io import ShardFiles
+
 if TYPE_CHECKING:
-    from store.reader import TableReader
+    from store.sample_check import SampleCheck
 
 DEFAULT_WINDOW = 32  # samples checked ahead of the consumer
-_OPEN_MAPS = 4  # the thread's own shard maps (the reader's LRU is not thread-safe)
+_OPEN_SHARDS = 4  # the thread's own shard descriptors (the reader's LRU is not thread-safe)
 
 
 class CheckAhead:
-    """One background thread checking `reader`'s rows in `order` (row numbers; may be endless, consumed lazily
-    by the thread). Results wait in a dict until `take` hands them to the consumer; `close` stops the thread."""
+    """One background thread checking rows in `order` (row numbers; may be endless, consumed lazily by the
+    thread) with `check` (the reader's sample check), reading by pread through shard files of its own: never a
+    map, so a shard cut short under the reader is a problem reported for its rows, not SIGBUS. Results wait in a
+    dict until `take` hands them to the consumer; `close` stops the thread."""
 
-    def __init__(self, reader: "TableReader", order: Iterable[int], window: int = DEFAULT_WINDOW) -> None:
-        self.reader, self.window = reader, max(1, int(window))
-        reader.prepare_checks()  # manifest columns parsed here, in the consumer's thread; the thread only reads them
+    def __init__(self, check: "SampleCheck", vdir: Path, order: Iterable[int], window: int = DEFAULT_WINDOW,
+                 name: str = "") -> None:
+        self.check, self.vdir, self.window = check, vdir, max(1, int(window))
         self._cond = threading.Condition()
         self._results: dict[int, str | None] = {}  # row -> problem (None: intact), in the order checked
         self._busy: int | None = None  # the row being checked right now
-        # Rows whose check found a problem (or failed): never in the reader's checked set, so remembered here;
-        # intact rows are in `reader._checked` once taken (a second set of every row would cost ~60 MB at 1M).
+        # Rows whose check found a problem (or failed): never marked checked, so remembered here; intact rows
+        # are marked in the sample check once taken (a second set of every row would cost ~60 MB at 1M).
         self._bad: set[int] = set()
         self._stop = False
         self.checked = 0  # rows this thread checked (tests, bench)
         self._thread = threading.Thread(target=self._work, args=(iter(order),), daemon=True,
-                                        name=f"check-ahead-{reader.table}")
+                                        name=f"check-ahead-{name}")
         self._thread.start()
 
     # ------------------------------------------------------------ the thread
 
     def _work(self, order) -> None:
-        maps: OrderedDict[str, mmap.mmap] = OrderedDict()
-
-        def mapper(shard: str) -> mmap.mmap:
-            m = maps.get(shard)
-            if m is None:
-                with open(os.path.join(self.reader.dir, shard), "rb") as f:
-                    m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-                maps[shard] = m
-                while len(maps) > _OPEN_MAPS:
-                    maps.popitem(last=False)[1].close()
-            else:
-                maps.move_to_end(shard)
-            return m
-
+        files = ShardFiles(self.vdir, _OPEN_SHARDS, scans=False)
         # An endless order (train's plan over epochs) repeats rows: once a whole table's worth of rows in a row
         # needed no check, every row the order can yield is done, and the thread ends instead of spinning.
-        done_in_a_row, rows = 0, len(self.reader)
+        done_in_a_row, rows = 0, len(self.check.view)
         try:
             for i in order:
                 i = int(i)
@@ -72,7 +62,7 @@ class CheckAhead:
                         self._cond.wait()
                     if self._stop:
                         return
-                    if i in self.reader._checked or i in self._results or i in self._bad:
+                    if self.check.is_checked(i) or i in self._results or i in self._bad:
                         done_in_a_row += 1
                         if done_in_a_row > rows:
                             return
@@ -80,7 +70,7 @@ class CheckAhead:
                     done_in_a_row = 0
                     self._busy = i
                 try:
-                    problem = self.reader._problem(i, mapper)  # outside the lock: crc32c releases the GIL
+                    problem = self.check.problem(i, files)  # outside the lock: crc32c releases the GIL
                 except Exception:  # noqa: BLE001 - e.g. a shard gone: the consumer checks inline, and reports it
                     with self._cond:
                         self._bad.add(i)
@@ -99,8 +89,7 @@ class CheckAhead:
                 self._busy = None
                 self._stop = True
                 self._cond.notify_all()
-            for m in maps.values():
-                m.close()
+            files.close()
 
     # ------------------------------------------------------------ the consumer
 

@@ -273,3 +273,15 @@ def crash_point(name: str) -> None:
     """Tests set STORE_CRASH_AT=<name> to SIGKILL this process at a named step (a real kill, no cleanup)."""
     if os.environ.get(CRASH_ENV) == name:
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+PAUSE_ENV = "STORE_PAUSE_AT"
+
+
+def pause_point(name: str) -> None:
+    """Tests set STORE_PAUSE_AT=<name> to have this process stop itself (SIGSTOP) the first time it reaches a
+    named step, until they send SIGCONT: what the test does meanwhile happens at that very point, whatever
+    the machine's load (a stop sent from outside lands wherever the process happens to be)."""
+    if os.environ.get(PAUSE_ENV) == name:
+        del os.environ[PAUSE_ENV]  # once
+        os.kill(os.getpid(), signal.SIGSTOP)

@@ -11,6 +11,8 @@ are read as before (their samples checked against the manifest's sha256 instead)
 from __future__ import annotations
 
 import hashlib
+import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -23,6 +25,9 @@ from store import format as fmt
 from store.checksum import SealError, crc_hex, file_crc, seal, unseal
 
 CHECKSUMS_FORMAT = 1
+DAMAGE_LOCK = ".damage.lock"  # store root: serialises the read-merge-write of every v<N>.damaged.json
+
+log = logging.getLogger("store")
 
 
 class DamagedData(UserError):
@@ -146,33 +151,46 @@ def record_damage(vdir: Path, samples: dict[str, str] | None = None, shards: dic
                   problems: list[str] | None = None) -> None:
     """Record damage found in a version in its `v<N>.damaged.json` marker (merged with what is recorded), so
     the rerun of the stage that wrote it no longer calls it "up to date" but recomputes the damaged samples
-    (store/reuse.py). Best effort: a read-only store, or any other failure to write, records nothing."""
-    import json
-
+    (store/reuse.py). Readers on every rank and process record, so the read-merge-write runs under the store's
+    damage lock (`DAMAGE_LOCK`, its own: a reader may find damage while its process holds the store lock):
+    two readers never drop each other's findings. A failure to record (a read-only store, a full disk) is
+    reported as one warning line, never silently: reading goes on, but a rerun of the stage that wrote the
+    version may then call it up to date."""
     try:
         version = int(vdir.name.lstrip("v"))
     except ValueError:
         return
-    path = fmt.damaged_marker(store_root(vdir), vdir.parent.name, version)
+    root = store_root(vdir)
+    path = fmt.damaged_marker(root, vdir.parent.name, version)
     try:
-        try:
-            rec = json.loads(path.read_text())
-            if not isinstance(rec, dict):
-                rec = {}
-        except (OSError, ValueError):
+        with fmt.flock(root / DAMAGE_LOCK):
+            _merge_damage(path, version, samples, shards, problems)
+    except OSError as e:
+        log.warning("%s: could not record the damage found in %s (%s: %s); a rerun of the stage that wrote it "
+                    "may call it up to date: run `pipeline store verify %s` where the store is writable",
+                    where(vdir), path, type(e).__name__, e.strerror or e, root)
+
+
+def _merge_damage(path: Path, version: int, samples: dict[str, str] | None, shards: dict[str, str] | None,
+                  problems: list[str] | None) -> None:
+    try:
+        rec = json.loads(path.read_text())
+        if not isinstance(rec, dict):
             rec = {}
-        before = json.dumps(rec, sort_keys=True)
-        rec["version"] = version
-        for name, new in (("damaged", samples), ("shards", shards)):
-            if new:
-                rec[name] = {**(rec.get(name) if isinstance(rec.get(name), dict) else {}), **new}
-        if problems:
-            known = rec.get("problems") if isinstance(rec.get("problems"), list) else []
-            rec["problems"] = sorted(set(map(str, known)) | set(problems))[:50]
-        if json.dumps(rec, sort_keys=True) != before:
-            fmt.atomic_write_json(path, rec)
-    except OSError:
-        pass
+    except FileNotFoundError:
+        rec = {}
+    except ValueError:  # a marker damaged itself: rewritten from what is found now
+        rec = {}
+    before = json.dumps(rec, sort_keys=True)
+    rec["version"] = version
+    for name, new in (("damaged", samples), ("shards", shards)):
+        if new:
+            rec[name] = {**(rec.get(name) if isinstance(rec.get(name), dict) else {}), **new}
+    if problems:
+        known = rec.get("problems") if isinstance(rec.get("problems"), list) else []
+        rec["problems"] = sorted(set(map(str, known)) | set(problems))[:50]
+    if json.dumps(rec, sort_keys=True) != before:
+        fmt.atomic_write_json(path, rec)
 
 
 def damaged_sample_message(vdir: Path, shard: str, key: str, what: str) -> str:

@@ -9,6 +9,7 @@ too many is an error), sequence lengths from the manifests alone (Arrow compute,
 from __future__ import annotations
 
 import logging
+import os
 import weakref
 from math import prod
 from pathlib import Path
@@ -21,8 +22,9 @@ import pyarrow.compute as pc
 from schemas.errors import UserError
 from store import format as fmt
 from store.partition import epoch_order
-from store.reader import DEFAULT_MAX_OPEN_SHARDS, TableReader, _strictly_increasing
-from store.reader import fixed_width_view as _fixed_width
+from store.manifest_view import fixed_width_view as _fixed_width
+from store.manifest_view import strictly_increasing as _strictly_increasing
+from store.reader import DEFAULT_MAX_OPEN_SHARDS, TableReader
 
 log = logging.getLogger("store")
 
@@ -184,6 +186,20 @@ class JoinedTables:
         for r in self.readers.values():
             r.stop_check_ahead()
 
+    def close(self) -> None:
+        """Close every reader (check-ahead threads, shard descriptors) and release the read lease; idempotent.
+        Tensors already handed out stay valid (they own their buffers, or keep their shard's map alive)."""
+        for r in self.readers.values():
+            r.close()
+        if self.lease is not None:
+            self.lease.release()
+
+    def __enter__(self) -> "JoinedTables":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def where(self, table: str) -> str:
         r = self.readers[table]
         return f"'{table}' v{r.version} ({r.dir})"
@@ -228,17 +244,21 @@ class ReadingSettings(Protocol):
 
 
 def open_configured(settings: ReadingSettings, section: str, store: str | Path, model: str, model_fingerprint: str,
-                    split: str) -> JoinedTables:
+                    split: str, rank: int = 0, world: int = 1,
+                    combine: Callable[[np.ndarray], np.ndarray] | None = None) -> JoinedTables:
     """The one way a stage opens its features: `open_features` with the reading keys of its own config section
     (`section` names it in errors) on every path - training, its validator, its up-to-date check, evaluate."""
     return open_features(store, model, model_fingerprint, split, settings.max_dropped_fraction,
                          settings.max_open_shards, on_damaged=settings.on_damaged,
-                         max_damaged_fraction=settings.max_damaged_fraction, section=section)
+                         max_damaged_fraction=settings.max_damaged_fraction, section=section, rank=rank, world=world,
+                         combine=combine)
 
 
 def open_features(store: str | Path, model: str, model_fingerprint: str, split: str = "train",
                   max_dropped_fraction: float = 0.05, max_open_shards: int = DEFAULT_MAX_OPEN_SHARDS,
-                  on_damaged: str = "stop", max_damaged_fraction: float = 0.0, section: str = "train") -> JoinedTables:
+                  on_damaged: str = "stop", max_damaged_fraction: float = 0.0, section: str = "train",
+                  rank: int = 0, world: int = 1,
+                  combine: Callable[[np.ndarray], np.ndarray] | None = None) -> JoinedTables:
     """`text` + `vae` of one split, built with the model whose fingerprint is given: the samples both tables
     hold (the intersection), with each one's joint sequence length in `lengths` and in `report` how many samples
     of the split were dropped (in the `images` table, or in one of the two, but not in both) and why (the
@@ -246,8 +266,10 @@ def open_features(store: str | Path, model: str, model_fingerprint: str, split: 
     another model, empty, or when more than `max_dropped_fraction` of the split was dropped.
 
     on_damaged="stop": a damaged sample raises when it is first read (a missing / short shard on open).
-    "skip": every joined sample is checked now; damaged ones are left out and listed in `damaged`
-    (more than `max_damaged_fraction` of them: UserError). `section`: the config section errors name."""
+    "skip": every joined sample is checked now, each rank (`rank` of `world`) a share of them in a few
+    threads, and `combine` (the stage's all-ranks OR of a per-row mask) gives every rank every rank's findings;
+    damaged ones are left out and listed in `damaged` (more than `max_damaged_fraction` of them: UserError, the
+    same on every rank). `section`: the config section errors name."""
     from store.lease import hold
     from store.store import Store
 
@@ -255,10 +277,13 @@ def open_features(store: str | Path, model: str, model_fingerprint: str, split: 
     # A read lease on the two versions (resolved and registered under the store lock): `store gc` keeps them
     # while this process reads them, even when newer versions become current meanwhile.
     lease = hold(st.root, {"text": None, "vae": None}, f"reader of the '{split}' split (train / evaluate)")
+    readers: dict[str, TableReader] = {}
     try:
-        joined = _open_features(st, lease, model, model_fingerprint, split, max_dropped_fraction, max_open_shards,
-                                on_damaged, max_damaged_fraction, section)
+        joined = _open_features(st, lease, readers, model, model_fingerprint, split, max_dropped_fraction,
+                                max_open_shards, on_damaged, max_damaged_fraction, section, rank, world, combine)
     except BaseException:
+        for r in readers.values():  # a refused store (wrong model, too many dropped) leaves nothing open
+            r.close()
         lease.release()
         raise
     joined.lease = lease
@@ -266,10 +291,13 @@ def open_features(store: str | Path, model: str, model_fingerprint: str, split: 
     return joined
 
 
-def _open_features(st, lease, model: str, model_fingerprint: str, split: str, max_dropped_fraction: float,
-                   max_open_shards: int, on_damaged: str, max_damaged_fraction: float,
-                   section: str = "train") -> JoinedTables:
-    readers = {t: _open_table(st, t, model, max_open_shards, on_damaged, lease.version(t)) for t in ("text", "vae")}
+def _open_features(st, lease, readers: dict[str, TableReader], model: str, model_fingerprint: str, split: str,
+                   max_dropped_fraction: float, max_open_shards: int, on_damaged: str,
+                   max_damaged_fraction: float, section: str = "train", rank: int = 0, world: int = 1,
+                   combine: Callable[[np.ndarray], np.ndarray] | None = None) -> JoinedTables:
+    """Fills `readers` as it opens them (the caller closes them when this raises)."""
+    for t in ("text", "vae"):
+        readers[t] = _open_table(st, t, model, max_open_shards, on_damaged, lease.version(t))
     for r in readers.values():
         found = r.schema.lineage.model_fingerprint
         if found != model_fingerprint:
@@ -300,13 +328,18 @@ def _open_features(st, lease, model: str, model_fingerprint: str, split: str, ma
             "add training samples (resize-bucket puts val_fraction of them in 'val', the rest in 'train')"
         )
     if on_damaged == "skip":
-        joined.damaged, bad_rows = find_damaged(joined)
-        if len(joined.damaged) > max_damaged_fraction * len(joined.keys):
+        bad = find_damaged(joined, rank, world)
+        if combine is not None:
+            bad = combine(bad)
+        bad_rows = np.flatnonzero(bad)
+        if len(bad_rows) > max_damaged_fraction * len(joined.keys):
             raise UserError(
-                f"{len(joined.damaged)} of {len(joined.keys)} '{split}' samples in {st.root} are damaged, more than "
-                f"max_damaged_fraction {max_damaged_fraction} (e.g. {next(iter(joined.damaged.values()))}); "
+                f"{len(bad_rows)} of {len(joined.keys)} '{split}' samples in {st.root} are damaged, more than "
+                f"max_damaged_fraction {max_damaged_fraction} (e.g. {damage_of(joined, int(bad_rows[0]))}); "
                 f"run `pipeline store repair {st.root}`"
             )
+        # what is wrong with each (found by any rank: checked again here, a few samples at most)
+        joined.damaged = {joined.keys[int(i)]: damage_of(joined, int(i)) for i in bad_rows}
         if len(bad_rows):
             keep = np.ones(len(joined.keys), dtype=bool)
             keep[bad_rows] = False
@@ -318,21 +351,63 @@ def _open_features(st, lease, model: str, model_fingerprint: str, split: str, ma
     return joined
 
 
-def find_damaged(joined: JoinedTables) -> tuple[dict[str, str], np.ndarray]:
-    """(key -> first problem found over both tables, joined row numbers of those keys): reads and checks every
-    joined sample's bytes once, by row number."""
+CHECK_CHUNK = 256  # joined rows per task of the damage pre-pass
+
+
+def find_damaged(joined: JoinedTables, rank: int = 0, world: int = 1,
+                 workers: int | None = None) -> np.ndarray:
+    """A mask over the joined rows, True where this rank's share (rows rank, rank + world, ...) holds a damaged
+    sample in either table. The bytes are read by pread and CRC-checked in `workers` threads (crc32c and the
+    reads release the GIL), each with shard descriptors of its own; intact rows count as checked in the readers
+    (training does not check them again). Not a library: the same check as every first read
+    (store/sample_check.py), only spread over threads and ranks."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from tqdm import tqdm
 
+    from store.shard_io import ShardFiles
+
     text, vae = joined.readers["text"], joined.readers["vae"]
+    for r in (text, vae):
+        r.prepare_checks()  # columns parsed here, before the threads only read them
     t_rows, v_rows = joined.rows["text"], joined.rows["vae"]
-    out: dict[str, str] = {}
-    bad: list[int] = []
-    for i in tqdm(range(len(joined.keys)), desc="check samples", unit="sample", leave=False):
-        problem = text.damaged_at(int(t_rows[i])) or vae.damaged_at(int(v_rows[i]))
-        if problem is not None:
-            out[joined.keys[i]] = problem
-            bad.append(i)
-    return out, np.array(bad, dtype=np.int64)
+    mine = np.arange(rank, len(joined.keys), world, dtype=np.int64)
+    bad = np.zeros(len(joined.keys), dtype=bool)
+    workers = workers or max(1, min(8, len(os.sched_getaffinity(0))))
+
+    def check(chunk: np.ndarray) -> int:
+        files = {r.table: ShardFiles(r.dir, 4, scans=False) for r in (text, vae)}
+        try:
+            for i in chunk:
+                for r, row in ((text, int(t_rows[i])), (vae, int(v_rows[i]))):
+                    if r.checks.is_checked(row):
+                        continue
+                    try:
+                        problem = r.checks.problem(row, files[r.table])
+                    except UserError as e:  # e.g. a shard gone under the reader
+                        problem = str(e)
+                    if problem is None:
+                        r.checks.mark_checked(row)
+                    else:
+                        bad[i] = True
+                        break
+        finally:
+            for f in files.values():
+                f.close()
+        return len(chunk)
+
+    chunks = [mine[k : k + CHECK_CHUNK] for k in range(0, len(mine), CHECK_CHUNK)]
+    with ThreadPoolExecutor(workers) as pool, tqdm(total=len(mine), desc="check samples", unit="sample",
+                                                   leave=False) as bar:
+        for n in pool.map(check, chunks):
+            bar.update(n)
+    return bad
+
+
+def damage_of(joined: JoinedTables, i: int) -> str:
+    """What is wrong with joined row i (the first table's problem; recorded in the store as any read's)."""
+    return (joined.readers["text"].damaged_at(int(joined.rows["text"][i]))
+            or joined.readers["vae"].damaged_at(int(joined.rows["vae"][i])) or "damaged")
 
 
 def dropped_report(st, joined: JoinedTables, split: str | None) -> dict[str, Any]:
@@ -342,8 +417,8 @@ def dropped_report(st, joined: JoinedTables, split: str | None) -> dict[str, Any
     universe = set().union(*joined.only.values())
     images_version = joined.readers["vae"].schema.lineage.upstream.get("images")
     if images_version is not None and fmt.is_complete(fmt.version_dir(st.root, "images", images_version)):
-        images = st.reader("images", images_version)
-        ks = images.key_array.take(pa.array(_split_rows(images, split)))
+        with st.reader("images", images_version) as images:
+            ks = images.key_array.take(pa.array(_split_rows(images, split)))
         missing = ks.filter(pc.invert(pc.is_in(ks, value_set=joined.keys.array)))
         universe |= set(missing.to_pylist())
         total = len(ks)

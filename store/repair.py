@@ -232,22 +232,33 @@ def apply(plan: RepairPlan, recompute: Recompute | None, echo: Callable[[str], N
         else:
             aside = set_aside(st.version_dir(t.table, t.version))
             echo(f"{t.table}: v{t.version} repaired as v{t.new_version} ({len(t.damaged)} recomputed, "
-                 f"{t.samples - len(t.damaged)} carried forward); verified. The damaged v{t.version} was moved "
-                 f"to {aside}")
+                 f"{t.samples - len(t.damaged)} carried forward); verified. {aside[0].upper()}{aside[1:]}")
     return failed
 
 
-def set_aside(vdir: Path) -> Path:
+def set_aside(vdir: Path) -> str:
     """A damaged version, once replaced by one that verifies, leaves the store's version list: renamed to
-    `v<N>.damaged/` (kept for inspection; delete it at will)."""
-    aside = vdir.with_name(f"{vdir.name}{DAMAGED_SUFFIX}")
-    if aside.exists():  # set aside before (a version number reused after a table was rebuilt)
-        import shutil
+    `v<N>.damaged/` (kept for inspection; delete it at will) - unless a live read lease names it (a training or
+    an encoder still reading it, store/lease.py): then it stays where it is, no longer current, and `store gc`
+    removes it once its last reader is gone (as gc does for any version a reader holds). Moving it would make
+    the running reader's next shard open fail. Decided under the store lock, which `hold` also takes, so a
+    lease is either seen here or made after the version left. Returns what happened, for the user."""
+    from store.lease import leases
 
-        shutil.rmtree(aside)
-    os.rename(vdir, aside)
-    fmt.fsync_dir(vdir.parent)
-    return aside
+    root, table, version = integrity.store_root(vdir), vdir.parent.name, int(vdir.name.lstrip("v"))
+    with fmt.flock(root / fmt.STORE_LOCK):
+        readers = [f.describe() for f in leases(root) if f.live and (table, version) in set(f.versions())]
+        if readers:
+            return (f"the damaged v{version} is still read by {'; '.join(readers)}: left in place (not current); "
+                    f"`pipeline store gc {root}` removes it once no reader holds it")
+        aside = vdir.with_name(f"{vdir.name}{DAMAGED_SUFFIX}")
+        if aside.exists():  # set aside before (a version number reused after a table was rebuilt)
+            import shutil
+
+            shutil.rmtree(aside)
+        os.rename(vdir, aside)
+        fmt.fsync_dir(vdir.parent)
+    return f"the damaged v{version} was moved to {aside}"
 
 
 def _repair_table(st, t: TablePlan, recompute: Recompute | None, echo: Callable[[str], None]) -> int:

@@ -42,8 +42,8 @@ def summary_lines(cfg, result, store: Path, effective: Path) -> list[str]:
     from store import Store
 
     st = Store(store, create=False)
-    images = st.reader("images")
-    splits = images.manifest.column("split").to_pylist()
+    with st.reader("images") as images:
+        splits = images.manifest.column("split").to_pylist()
     quarantine = st.quarantine()
     reasons = quarantine.column("reason").to_pylist() if quarantine.num_rows else []
     loss = result.metrics["loss"]

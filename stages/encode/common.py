@@ -258,7 +258,8 @@ class EncodeJob:
         before the store.json switch, left it not current) and report the table up to date."""
         self.store.set_current(self.summary.table, found)
         self.summary.version, self.summary.up_to_date = found, True
-        self.summary.skipped = len(self.store.reader(self.summary.table, found))
+        with self.store.reader(self.summary.table, found) as done:
+            self.summary.skipped = len(done)
 
     def read_inputs(self, keys: list[str]) -> Iterator[tuple[str, dict[str, Any] | Rejected]]:
         """(key, `images` sample) in order, every sample's bytes checked before they are returned (a check-ahead
@@ -266,7 +267,7 @@ class EncodeJob:
         damaged sample comes as a `Rejected` (quarantined as DAMAGED_INPUT by `accepted`) instead of raising."""
         from store.integrity import DamagedData
 
-        self.images.check_ahead([self.images._index(k) for k in keys])
+        self.images.check_ahead([self.images.row_of(k) for k in keys])
         for key in keys:
             try:
                 sample: dict[str, Any] | Rejected = self.images.get(key)
@@ -331,26 +332,31 @@ class EncodeJob:
         self.summary.forward_items += items
 
     def finish(self) -> Summary:
-        """Quarantine rows, this rank's last shard, barrier, rank 0 commits (manifest last), barrier."""
+        """Quarantine rows, this rank's last shard, rank 0 commits (manifest last). Both parts are agreed on by
+        all ranks (models/collective.py; they are the barriers too): a rank that fails (a full disk, its
+        damaged-input threshold, in `failed` for a failure in its loop) stops every rank with its one line."""
+        from models.collective import together
+
         if self.summary.up_to_date:  # completed by another process meanwhile (see open_writer)
             self.summary.seconds = time.perf_counter() - self.started
             return self.summary
         assert self.writer is not None
-        self._flush_quarantine()
-        self.writer.finish_rank()
-        self.summary.loop_seconds = time.perf_counter() - self.loop_started
-        self.summary.bytes_written = sum(
-            size - self._shard_sizes_before.get(name, 0) for name, size in self._rank_shard_sizes().items()
-        )
-        self.images.stop_check_ahead()
-        self.ranks.barrier()
-        if self.ranks.rank == 0:
-            self.summary.version = self.writer.commit(allow_empty=False)
-            if self.repairing is not None:
-                self._verify_repaired()
-        else:
-            self.writer.close()
-        self.ranks.barrier()
+        world, stage = self.ranks.world_size, self.summary.stage
+        with together(world, f"{stage}: this rank's last shard"):
+            self._flush_quarantine()
+            self.writer.finish_rank()
+            self.summary.loop_seconds = time.perf_counter() - self.loop_started
+            self.summary.bytes_written = sum(
+                size - self._shard_sizes_before.get(name, 0) for name, size in self._rank_shard_sizes().items()
+            )
+            self.images.stop_check_ahead()
+        with together(world, f"{stage}: the commit of table '{self.summary.table}'"):
+            if self.ranks.rank == 0:
+                self.summary.version = self.writer.commit(allow_empty=False)
+                if self.repairing is not None:
+                    self._verify_repaired()
+            else:
+                self.writer.close()
         self.summary.seconds = time.perf_counter() - self.started
         if self.lease is not None:
             self.lease.release()
@@ -368,15 +374,25 @@ class EncodeJob:
         self.summary.repaired_from = self.repairing
         from store.repair import set_aside
 
-        set_aside(self.store.version_dir(table, self.repairing))
+        from tqdm.auto import tqdm
+
+        tqdm.write(f"{self.summary.stage}: {set_aside(self.store.version_dir(table, self.repairing))}")
 
     def close(self) -> None:
-        """Give up the writer lock without committing (on error; a rerun resumes from committed shards)."""
-        self.images.stop_check_ahead()
+        """Give up the writer lock without committing (on error; a rerun resumes from committed shards); close
+        the `images` reader and release its lease (idempotent: also the end of a finished or up-to-date job)."""
+        self.images.close()
         if self.writer is not None:
             self.writer.close()
         if self.lease is not None:
             self.lease.release()
+
+    def failed(self, error: BaseException) -> None:
+        """This rank failed in its own part of the work (its loop): the other ranks learn it at their next
+        agreement (`finish`) instead of waiting for this rank there (models/collective.py)."""
+        from models.collective import share_failure
+
+        share_failure(self.ranks.world_size, error, self.summary.stage)
 
     def _rank_shard_sizes(self) -> dict[str, int]:
         assert self.writer is not None
@@ -441,6 +457,7 @@ def open_job(store_path: str | Path, stage: str, table: str, feature_hash: str, 
     if found is not None:
         job.adopt(found)
         summary.seconds = time.perf_counter() - job.started
+        job.close()  # nothing to read: the stage returns the summary
         return job
     current = store.tables().get(table)
     if current is not None and fmt.damaged_marker(store.root, table, current).exists() and not repair_context.active():

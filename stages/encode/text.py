@@ -321,6 +321,9 @@ def run(
                     if len(parts) == len(kinds):
                         _write(job, req.key, done.pop(req.key))
         return job.finish()
+    except BaseException as e:
+        job.failed(e)
+        raise
     finally:
         job.close()
 

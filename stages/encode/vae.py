@@ -183,6 +183,9 @@ def run(
                     if len(parts) == len(req.sample.names):
                         _write(job, req.sample, done.pop(req.key))
         return job.finish()
+    except BaseException as e:
+        job.failed(e)
+        raise
     finally:
         job.close()
 

@@ -355,8 +355,11 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, ou
         check_loaded_dtype(vae, cfg.dtype, "evaluate.dtype")
         scheduler_config = dict(load_component(model, "scheduler").config)
         st = Store(store, create=False)
+        images = images_reader(st, tables, cfg.on_damaged, cfg.max_open_shards)
         rows = val_rows(transformer, vae, scheduler_config, pick_samples(samples, cfg.num_samples),
-                        images_reader(st, tables, cfg.on_damaged, cfg.max_open_shards), cfg, damaged)
+                        images, cfg, damaged)
+        if images is not None:
+            images.close()
         if cfg.extra_prompts:
             rows += extra_rows(model, transformer, vae, cfg)
 
@@ -376,5 +379,6 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, ou
             "inputs": inputs,
         },
     }
+    tables.close()  # readers and read lease: a process that goes on (`run all`) holds nothing of them
     return EvaluateResult(metrics, write_report(out, metrics, rows), seconds=time.perf_counter() - started,
                           damaged=damaged)

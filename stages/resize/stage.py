@@ -209,11 +209,11 @@ def run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> R
         summary.repaired_from = repairing
         from store.repair import set_aside
 
-        set_aside(st.version_dir(TABLE, repairing))
+        tqdm.write(f"resize-bucket: {set_aside(st.version_dir(TABLE, repairing))}")
     summary.seconds = time.perf_counter() - started
     if summary.resumed:  # the resumed samples' splits count too
-        r = st.reader(TABLE, summary.version)
-        summary.splits = Counter(r.manifest.column("split").to_pylist())
+        with st.reader(TABLE, summary.version) as r:
+            summary.splits = Counter(r.manifest.column("split").to_pylist())
     return summary
 
 

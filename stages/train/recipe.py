@@ -35,7 +35,8 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
+from functools import partial
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
@@ -43,6 +44,7 @@ from typing import Any, Callable
 import torch
 from tqdm.auto import tqdm
 
+from models.collective import any_over_ranks, together
 from models.flow import FlowBatch, flow_loss_of
 from models.lora import WEIGHT_NAME, add_lora, load_lora, lora_parameters, save_lora
 from models.attention import use_attention_backend
@@ -59,7 +61,7 @@ from stages.train.resume import changed_settings
 from stages.train.sampler import padding_efficiency
 from stages.train.state import ResumeRecord
 from stages.train.summary import train_line
-from store.format import atomic_dir, atomic_write_bytes
+from store.format import atomic_dir, atomic_write_bytes, pause_point
 from store.join import JoinedTables, open_configured
 
 # Extra torch.compile arguments of `train.compile` (tests use a fast backend).
@@ -201,13 +203,7 @@ def run(
         result.seconds = time.perf_counter() - started
         return result
     finally:
-        if r is not None and r.batches is not None:  # stopped early (an error): no reader thread left running
-            r.batches.close()
-        for lock in locks:
-            if lock is not None:
-                lock.release()
-        if r is not None and r.tables.lease is not None:  # the read lease (store/lease.py): gc may take them now
-            r.tables.lease.release()
+        cleanup(r, locks)
 
 
 def setup(cfg: PipelineConfig, store: str | Path, model: str, out: str | Path, resume: bool = False,
@@ -233,7 +229,11 @@ def setup(cfg: PipelineConfig, store: str | Path, model: str, out: str | Path, r
                    + (f", quantize_base {tc.quantize_base}" if tc.quantize_base != "none" else ""))
     from models.loading import model_fingerprint
 
-    tables = open_configured(tc, "train", store, model, model_fingerprint(model), "train")
+    with together(accelerator.num_processes, "opening the store"):  # a rank refused alone stops every rank
+        world = accelerator.num_processes
+        tables = open_configured(tc, "train", store, model, model_fingerprint(model), "train",
+                                 rank=accelerator.process_index, world=world,
+                                 combine=partial(any_over_ranks, world=world))
     now = ResumeRecord(
         step=0, epoch=0, batch_in_epoch=0, config_fingerprint=config_fingerprint(tc),
         tables=tables.versions(), store=str(Path(tables.store_root).resolve()),
@@ -302,7 +302,8 @@ def step(r: Run) -> StepStats:
     """One optimizer step: grad_accum global micro-batches, this rank's share of each (DDP all-reduces the
     gradients during the last backward), then the update."""
     tc, t0, c0 = r.cfg, time.perf_counter(), time.process_time()
-    micro = [r.batches.next() for _ in range(tc.grad_accum)]
+    with together(r.world, f"reading the data of step {r.step + 1}"):  # e.g. a damaged sample on one rank
+        micro = [r.batches.next() for _ in range(tc.grad_accum)]
     n_step = sum(len(b) for m in micro for b in m.global_batch)
     loss_sum = torch.zeros((), device=r.device)
     step_losses: list[tuple[list[str], torch.Tensor]] = []  # this rank's, named in a non-finite error
@@ -357,29 +358,35 @@ def log(r: Run, s: StepStats) -> None:
 
 def checkpoint(r: Run) -> None:
     """Every rank adds its RNG state; rank 0 writes the rest, the resume record last, and commits the folder
-    (rename) once all are in."""
+    (rename) once all are in. Each part is agreed on by all ranks (models/collective.py, also the barriers):
+    a full disk on rank 0 stops every rank with rank 0's one line, instead of the others waiting for it."""
     epoch, batch = r.position
     record = replace(r.record, step=r.step, epoch=epoch, batch_in_epoch=batch)
     acc, tmp = r.accelerator, train_state.temp_dir(r.checkpoints, r.step)
     final = train_state.checkpoint_dir(r.checkpoints, r.step)
-    if r.main:
-        guard.check_lora_finite(r.params, final)
-    with guard.one_line_errors(f"checkpoint step-{r.step}", r.checkpoints), (
-        atomic_dir(final, tmp) if r.main else nullcontext(tmp)
-    ):
-        acc.wait_for_everyone()  # the temp folder exists
-        train_state.save_rng(tmp, acc.process_index)
-        acc.wait_for_everyone()
-        if r.main:
-            save_lora(r.transformer, tmp / "lora")
-            train_state.save_optimizer(r.optimizer, tmp)
-            train_state.save_scheduler(r.scheduler, tmp)
-            if r.ema is not None:
-                r.ema.save(tmp)
-            train_state.write_record(tmp, record)
-    if r.main:
-        train_state.prune(r.checkpoints, r.cfg.keep_checkpoints)
-    acc.wait_for_everyone()
+    what = f"checkpoint step-{r.step}"
+
+    def step_of_all(part: str):
+        return together(r.world, f"{what} ({part})")
+
+    with ExitStack() as folder:  # rank 0's temp folder: committed by `folder.close()`, removed on an error
+        with step_of_all("temp folder"), guard.one_line_errors(what, r.checkpoints):
+            if r.main:
+                guard.check_lora_finite(r.params, final)
+                folder.enter_context(atomic_dir(final, tmp))
+        with step_of_all("RNG state"), guard.one_line_errors(what, r.checkpoints):
+            train_state.save_rng(tmp, acc.process_index)
+        with step_of_all("write"), guard.one_line_errors(what, r.checkpoints):
+            if r.main:
+                save_lora(r.transformer, tmp / "lora")
+                train_state.save_optimizer(r.optimizer, tmp)
+                train_state.save_scheduler(r.scheduler, tmp)
+                if r.ema is not None:
+                    r.ema.save(tmp)
+                train_state.write_record(tmp, record)
+                folder.close()  # fsync + rename: the checkpoint is committed
+                train_state.prune(r.checkpoints, r.cfg.keep_checkpoints)
+    pause_point("train_after_checkpoint")
 
 
 def finish(r: Run) -> TrainResult:
@@ -387,17 +394,38 @@ def finish(r: Run) -> TrainResult:
     r.bar.close()
     r.batches.close()
     r.result.steps = r.step
-    if r.main:
-        guard.check_lora_finite(r.params, r.result.lora_dir)
-        with guard.one_line_errors("the final LoRA", r.run_dir), atomic_dir(r.result.lora_dir, r.run_dir / ".lora.tmp") as tmp:
-            save_lora(r.transformer, tmp)
-        if r.ema is not None:
-            with atomic_dir(r.run_dir / "lora_ema", r.run_dir / ".lora_ema.tmp") as tmp, r.ema.swapped_in():
+    with together(r.world, "the final LoRA"):  # rank 0 writes; every rank learns whether it could
+        if r.main:
+            guard.check_lora_finite(r.params, r.result.lora_dir)
+            with guard.one_line_errors("the final LoRA", r.run_dir), \
+                    atomic_dir(r.result.lora_dir, r.run_dir / ".lora.tmp") as tmp:
                 save_lora(r.transformer, tmp)
-        r.writer.close()
-        tqdm.write(f"LoRA after {r.step} steps: {r.result.lora_dir}")
-    r.accelerator.wait_for_everyone()
+            if r.ema is not None:
+                with guard.one_line_errors("the EMA LoRA", r.run_dir), \
+                        atomic_dir(r.run_dir / "lora_ema", r.run_dir / ".lora_ema.tmp") as tmp, r.ema.swapped_in():
+                    save_lora(r.transformer, tmp)
+            r.writer.close()
+            tqdm.write(f"LoRA after {r.step} steps: {r.result.lora_dir}")
     return r.result
+
+
+def cleanup(r: Run | None, locks: list) -> None:
+    """The last phase, after a finished run or an error (torchtune's recipes end the same way): whatever setup
+    opened is closed - the micro-batch stream and its reader thread, the readers' shard descriptors and
+    check-ahead threads, the read lease (gc may take the versions now), the TensorBoard writer, the progress bar
+    and the run folder's locks - so a process that goes on (`pipeline run all`, tests) holds no descriptor of
+    this run. Every step here is idempotent (`finish` closed some of them already)."""
+    if r is not None:
+        if r.batches is not None:
+            r.batches.close()
+        if r.bar is not None:
+            r.bar.close()
+        if r.writer is not None:
+            r.writer.close()
+        r.tables.close()
+    for lock in locks:
+        if lock is not None:
+            lock.release()
 
 
 def up_to_date(cfg: PipelineConfig, store: str | Path, model: str, out: str | Path) -> bool:
@@ -410,6 +438,7 @@ def up_to_date(cfg: PipelineConfig, store: str | Path, model: str, out: str | Pa
         return False
     record = ResumeRecord.read(latest / train_state.RESUME_JSON)
     tables = open_configured(cfg.train, "train", store, model, model_fingerprint(model), "train")  # as training does
+    tables.close()  # only its versions are compared below
     return (
         record.step == cfg.train.max_steps
         # the run records its resolved precision (dtype auto -> float32 / bfloat16 for its device)

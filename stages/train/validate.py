@@ -64,19 +64,19 @@ class Validator:
         tables = open_configured(cfg, "train", store, model, model_fingerprint(model), "val")  # as training reads
         keys = sorted(tables.keys)[: cfg.validate_max_samples]
         if not keys:
+            tables.close()
             raise UserError(f"train.validate_every / sample_every is set but store {store} has no val samples; "
                             "set resize.val_fraction > 0 or turn validation off")
         self.samples: list[TrainSample] = [load(tables, k) for k in keys]
         self._vae = self._scheduler = None
         self._base: np.ndarray | None = None  # the base model's grid, computed at the first validation
         self._losses = None  # RUN/losses.zarr, opened by the main process at its first validation
-        from models.loading import model_fingerprint
-
         self.settings = {
             "tables": tables.versions(), "model_fingerprint": model_fingerprint(model),
             "validate": {"keys": keys, "noise_seeds": list(cfg.validate_noise_seeds),
                          "timesteps": list(cfg.validate_timesteps), "batch_size": cfg.batch_size},
         }
+        tables.close()  # the samples are in memory now
         self.fingerprint = hashlib.sha256(json.dumps(self.settings, sort_keys=True, default=str).encode()).hexdigest()
 
     def grid(self, transformer, rank: int = 0, world: int = 1, accelerator=None) -> np.ndarray:

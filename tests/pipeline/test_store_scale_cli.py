@@ -87,7 +87,7 @@ def test_added_touched_and_relabelled_samples_reuse_features(tmp_path, tiny_plus
     k = old.keys()[0]
     assert (old.tensors(k)["prompt_embeds"] == new.tensors(k)["prompt_embeds"]).all()
     assert os.path.samefile(old.dir / old.manifest.column("shard")[0].as_py(),
-                            new.dir / new._cell("shard", new._row[k]))  # one file, two links
+                            new.dir / new.view.shard_of(new.row_of(k)))  # one file, two links
     verify_clean(store)
 
     # touching every source file (same bytes): nothing is new
@@ -291,8 +291,11 @@ def test_migrating_images_v1_to_v2_keeps_text_and_vae_usable(tmp_path, tiny_plus
 
 def test_gc_during_a_training_keeps_the_versions_it_reads(tmp_path, tiny_plus_model):
     """`pipeline run train` holds read leases on the text + vae versions it trains on: a new text version and a
-    `store gc` while it runs (paused with SIGSTOP, so the timing is certain) keep the old version's shards, and
-    the training, reopening shards one at a time (max_open_shards=1), finishes. Once it exits, gc removes it."""
+    `store gc` while it runs keep the old version's shards, and the training, reopening shards one at a time
+    (max_open_shards=1), finishes. Once it exits, gc removes it. The training stops itself (STORE_PAUSE_AT)
+    right after its first checkpoint, lease held: a SIGSTOP sent when the test saw that checkpoint could land
+    after the training had finished, or had released its lease on the way out (the test then failed under
+    load: gc removed text/v1)."""
     import signal
     import time
 
@@ -305,18 +308,22 @@ def test_gc_during_a_training_keeps_the_versions_it_reads(tmp_path, tiny_plus_mo
     run_json("resize-bucket", "--source", src, "--store", store, "--set", "resize.val_fraction=0")
     run_json("encode-text", *enc), run_json("encode-vae", *enc)
     assert len(Store(store).reader("text").shard_paths()) > 2
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "STORE_PAUSE_AT": "train_after_checkpoint"}
     train = subprocess.Popen(
         [sys.executable, "-m", "pipeline.cli", "run", "train", "--store", str(store), "--model", tiny_plus_model,
          "--out", str(run), "--set", "train.max_steps=8", "--set", "train.batch_size=2", "--set", "train.device=cpu",
          "--set", "train.checkpoint_every=1", "--set", "train.max_open_shards=1", *SMALL],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.monotonic() + 120
-        while not (run / "checkpoints" / "step-1").is_dir() and train.poll() is None and time.monotonic() < deadline:
+        deadline = time.monotonic() + 240
+
+        def stopped() -> bool:  # state "T": the training stopped itself after its first checkpoint
+            return Path(f"/proc/{train.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+
+        while train.poll() is None and not stopped() and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert train.poll() is None, train.stdout.read()
-        train.send_signal(signal.SIGSTOP)
+        assert train.poll() is None and stopped(), train.stdout.read()
+        assert (run / "checkpoints" / "step-1").is_dir()
         newer = json.loads(cli("run", "encode-text", *enc, "--set", "encode_text.dtype=bfloat16", "--json"))
         assert newer["version"] == 2 and Store(store).tables()["text"] == 2
         out = cli("store", "gc", store, "--dry-run")

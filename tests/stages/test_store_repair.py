@@ -106,3 +106,51 @@ def test_repair_re_renders_damaged_images_from_the_source(tmp_path):
     assert b.version == 2 and a.keys() == b.keys()
     assert all(a.files(k) == b.files(k) for k in a.keys())  # re-rendered bytes equal the clean ones
     assert verify_store(store, progress=False) == []
+
+
+def test_repair_keeps_a_damaged_version_a_running_reader_holds(tiny_edit_model, edit_store, tmp_path):
+    """A training (here: a process holding the same read lease and reader) reads vae v1 while `store repair`
+    replaces it: v1 stays in place until the reader is gone (moving it aside made the reader's next shard open
+    a FileNotFoundError traceback), the reader reads every intact sample to the end, and `store gc` removes v1
+    once it has left. A reader that loses a shard anyway (deleted by hand) gets one line."""
+    import subprocess
+    import sys
+
+    cfg = load_config(None, SMALL_SHARDS)
+    encode_text.run(cfg, edit_store, tiny_edit_model)
+    encode_vae.run(cfg, edit_store, tiny_edit_model)
+    bad = _flip(edit_store, "vae", 2)
+    reader = subprocess.Popen([sys.executable, "-c", f"""
+import sys
+from store import Store
+from store.lease import hold
+lease = hold({str(edit_store)!r}, {{"vae": None}}, "a test training")
+r = Store({str(edit_store)!r}).reader("vae", lease.version("vae"), on_damaged="skip")
+print("ready", flush=True)
+sys.stdin.readline()
+print("read", sum(1 for k in r.keys() if k != {bad!r} and r.tensors(k)), flush=True)
+"""], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert reader.stdout.readline().strip() == "ready"
+        res = runner.invoke(app, ["store", "repair", str(edit_store), "--model", tiny_edit_model])
+        assert res.exit_code == 0, res.output
+        assert "The damaged v1 is still read by a test training (pid" in res.output, res.output
+        assert Store(edit_store).tables()["vae"] == 2 and (edit_store / "vae" / "v1").is_dir()
+        out, err = reader.communicate("go\n", timeout=120)
+    finally:
+        reader.kill()
+    assert reader.returncode == 0 and out.strip() == f"read {len(Store(edit_store).reader('vae').keys()) - 1}", err
+    res = runner.invoke(app, ["store", "gc", str(edit_store)])
+    assert res.exit_code == 0 and not (edit_store / "vae" / "v1").exists(), res.output
+
+    from store.integrity import DamagedData
+
+    r = Store(edit_store).reader("vae")
+    shard = r.view.shard_of(0)
+    (r.dir / shard).unlink()
+    try:
+        r.tensors_at(0)
+        raise AssertionError("read a deleted shard")
+    except DamagedData as e:
+        assert f"shard {shard} disappeared while it was being read" in str(e) and "\n" not in str(e)
+    r.close()

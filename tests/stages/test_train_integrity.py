@@ -19,6 +19,7 @@ from stages.train.recipe import run
 from store import Store
 from store.integrity import DamagedData
 from damage import flip_bit, key_at, sample_byte
+from stages.train.data import open_inputs as open_train_tables
 from train_store import make_train_store, mixed_specs
 
 runner = CliRunner()
@@ -60,6 +61,28 @@ def test_skip_damaged_reports_them_and_threshold_stops(damaged_store, tiny_edit_
     assert result.steps == 2
     report = json.loads((tmp_path / "b" / train_guard.DAMAGED_REPORT).read_text())
     assert list(report["samples"]) == [key] and "damaged" in report["samples"][key]
+
+
+def test_the_skip_pre_pass_is_shared_by_the_ranks_and_threads(damaged_store, tiny_edit_model):
+    """on_damaged=skip checks every sample before step 0: each rank only its share (rows rank, rank + world,
+    ...), in several threads; the shares' findings together are the whole split's (one rank used to read the
+    whole split alone, single-threaded, on every rank)."""
+    from store.join import find_damaged
+
+    root, key = damaged_store
+    masks = []
+    for rank in (0, 1):
+        with open_train_tables(root, tiny_edit_model) as tables:
+            masks.append(find_damaged(tables, rank, 2, workers=3))
+            share = len(range(rank, len(tables), 2))
+            # only this rank's share was read: its intact rows count as checked, no other row (the damaged
+            # sample's bytes are in `vae`)
+            assert tables.text.checks.checked_count == share
+            assert tables.vae.checks.checked_count + int(masks[-1].sum()) == share
+            assert not masks[-1][1 - rank :: 2].any()
+            bad = tables.keys.array.to_pylist().index(key)
+    combined = masks[0] | masks[1]
+    assert list(map(int, combined.nonzero()[0])) == [bad]
 
 
 def test_evaluate_refuses_a_damaged_val_sample(tmp_path, tiny_edit_model):

@@ -42,7 +42,7 @@ def test_check_ahead_returns_the_same_tensors_from_the_threads_checks(store: Sto
     checker = ahead.check_ahead(range(n), window=n)
     _wait(lambda: checker.checked == n)
     # Every row was checked by the thread: the consumer must take those results and never check inline.
-    monkeypatch.setattr(ahead, "_problem", lambda *a, **k: pytest.fail("checked inline despite check-ahead"))
+    monkeypatch.setattr(ahead.checks, "bytes_problem", lambda *a, **k: pytest.fail("checked inline despite check-ahead"))
     for i in range(n):
         a, b = inline.tensors_at(i), ahead.tensors_at(i)
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -60,7 +60,7 @@ def test_window_bounds_the_thread_and_rows_it_did_not_reach_are_checked_inline(s
     assert checker.checked == 3  # nothing taken yet: the thread waits at the window
     for i in reversed(range(len(r))):  # against the order: the rows not reached are checked inline
         r.tensors_at(i)
-    assert len(r._checked) == len(r)
+    assert r.checks.checked_count == len(r)
     r.close()
     assert not _threads()
 
@@ -136,7 +136,7 @@ def test_an_endless_order_ends_the_thread_once_every_row_is_checked(store: Store
     for i in range(n):  # the consumer reads one epoch
         r.tensors_at(i)
     _wait(lambda: not checker.running)
-    assert checker.checked <= n and len(r._checked) == n
+    assert checker.checked <= n and r.checks.checked_count == n
     r.close()
     # a damaged row never becomes "checked": the thread remembers it, so a consumer that skips it epoch after
     # epoch does not make the thread check it again each epoch (and walk the plan between)
@@ -146,5 +146,40 @@ def test_an_endless_order_ends_the_thread_once_every_row_is_checked(store: Store
     for i in [i for _ in range(3) for i in range(n) if i != bad]:  # three epochs
         r.tensors_at(i)
     _wait(lambda: not checker.running)
-    assert checker.checked <= n and len(r._checked) == n - 1
+    assert checker.checked <= n and r.checks.checked_count == n - 1
     r.close()
+
+
+def test_a_shard_cut_short_under_a_checking_reader_is_damaged_data_not_sigbus(store: Store, tmp_path) -> None:
+    """The check-ahead thread has read part of a shard when the file is truncated under the reader: the rest of
+    its rows are `DamagedData` (the thread and the consumer read by pread), never SIGBUS. The thread used to map
+    the shard and touch pages past the new end. In a subprocess: a SIGBUS fails this test instead of killing
+    pytest."""
+    import os
+    import subprocess
+    import sys
+
+    fill(store, 12, shard_size_mb=0.02)
+    script = f"""
+import os, time
+from store import Store
+from store.integrity import DamagedData
+r = Store({str(store.root)!r}).reader("vae")
+shard = r.view.shard_of(0)
+rows = [i for i in range(len(r)) if r.view.shard_of(i) == shard]
+assert len(rows) >= 3, rows
+checker = r.check_ahead(rows, window=1)
+while checker.checked < 1:  # the thread has read the shard's first row and waits at the window
+    time.sleep(0.01)
+os.truncate(r.dir / shard, r.view.locate(rows[1])[1] + 1)
+try:
+    for i in rows:
+        r.tensors_at(i)
+except DamagedData as e:
+    print("DamagedData:", str(e).splitlines()[0])
+r.close()
+"""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path])}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])  # -7: SIGBUS
+    assert done.stdout.startswith("DamagedData:") and "bytes before the sample does" in done.stdout, done.stdout

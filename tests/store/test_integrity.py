@@ -348,3 +348,42 @@ def test_shard_cut_short_after_open_is_a_clear_error(store: Store) -> None:
         f.truncate(offsets[rows[-1]] + 100)
     with pytest.raises(DamagedData, match=rf"sample {last} in {shards[0]} is damaged \(the shard ends .* before"):
         r.tensors(last)
+
+
+def test_damage_records_from_concurrent_readers_are_all_kept(store: Store) -> None:
+    """Readers on several ranks record damage into one marker at once: the read-merge-write is locked, so no
+    finding is lost (unlocked, concurrent rewrites dropped each other's samples)."""
+    import threading
+
+    from store import integrity
+
+    fill(store, 4)
+    vdir = store.version_dir("vae", 1)
+
+    def record(t: int) -> None:
+        for i in range(25):
+            integrity.record_damage(vdir, {f"k{t}-{i}": "crc32c mismatch"})
+
+    threads = [threading.Thread(target=record, args=(t,)) for t in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    marker = json.loads(fmt.damaged_marker(store.root, "vae", 1).read_text())
+    assert len(marker["damaged"]) == 6 * 25
+
+
+def test_a_damage_record_that_cannot_be_written_is_reported(store: Store, monkeypatch, caplog) -> None:
+    import errno
+
+    from store import integrity
+
+    fill(store, 4)
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(fmt, "atomic_write_json", full)
+    with caplog.at_level("WARNING", logger="store"):
+        integrity.record_damage(store.version_dir("vae", 1), {"k": "crc32c mismatch"})
+    assert "could not record the damage found in" in caplog.text and "No space left on device" in caplog.text

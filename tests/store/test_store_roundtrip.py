@@ -60,7 +60,7 @@ def test_scans_view_the_shard_map_and_random_reads_own_their_bytes(store: Store)
     a.fill_(7)
     assert torch.equal(r2.tensors(keys[0])["target"], a0) and torch.equal(b, b0)
     assert torch.equal(store.reader("vae").tensors(keys[0])["target"], a0)
-    assert not r2._open or all(isinstance(h, int) for h in r2._open.values())  # no shard was mapped
+    assert all(isinstance(h, int) for h in r2.shards.open_handles())  # no shard was mapped
 
 
 def test_find_version_and_new_version_on_lineage_change(store: Store) -> None:
@@ -163,7 +163,7 @@ r = st.reader("vae", max_open_shards=1)
 assert len(r.shard_paths()) > 3
 # the 3rd read in a row from one shard is served from its map (a scan); the next shard's map drops it
 kept = [[r.tensors(key_of(i)) for _ in range(3)][-1]["target"] for i in range(12)]
-assert not any(isinstance(h, int) for h in r._open.values())
+assert not any(isinstance(h, int) for h in r.shards.open_handles())
 r.close()
 fresh = Store({str(tmp_path / 'store')!r}).reader("vae")
 assert all(torch.equal(t.clone(), fresh.tensors(key_of(i))["target"]) for i, t in enumerate(kept))
@@ -185,7 +185,7 @@ def test_open_shards_stay_bounded(store: Store) -> None:
     assert len(r.shard_paths()) > 3
     for k in random.Random(0).choices(keys, k=60) + keys:  # random reads, then a scan (maps shards)
         assert r.tensors(k)["target"].numel() > 0
-        assert len(r._open) <= 2
+        assert len(r.shards.open_handles()) <= 2
     assert len(os.listdir("/proc/self/fd")) <= fds + 4  # 2 descriptors + 2 maps' own duplicates at most
     r.close()
     assert len(os.listdir("/proc/self/fd")) <= fds + 2  # maps still viewed by live tensors close when they go
@@ -196,9 +196,30 @@ def test_lookup_by_key_without_a_key_dict(store: Store) -> None:
     r = store.reader("vae")
     keys = r.keys()
     assert [r.row_of(k) for k in keys] == list(range(24))
-    assert r._row_of is None  # found by binary search on the sorted fixed-width key column
+    assert not r.view.key_dict_built  # found by binary search on the sorted fixed-width key column
     k = keys[5]
     for absent in (k[:-1], k + "0", k[:-1] + ("0" if k[-1] != "0" else "1"), "", keys[-1] + "f"):
         assert absent not in r and r.row_of(absent) is None
     with pytest.raises(UserError, match="not in table 'vae'"):
         r.tensors(k[:-1])
+
+
+def test_tensors_come_from_the_samples_own_header_not_the_parsed_manifest(store: Store) -> None:
+    """The manifest's `tensors` column (the largest a reader would hold: ~400 MB per rank at 1M samples) is
+    never parsed for reads: each sample's tensors come from its checked safetensors header, the same as the
+    manifest's layout and as safetensors' own loader reads the member."""
+    from safetensors.torch import load
+
+    fill(store, 12)
+    r = store.reader("vae")
+    got = {k: r.tensors(k) for k in r.keys()}
+    assert "tensors" not in r.view.parsed
+    layout = r.manifest.column("tensors").to_pylist()
+    for i, k in enumerate(r.keys()):
+        assert [t["name"] for t in layout[i]] == list(got[k])
+        assert [t["shape"] for t in layout[i]] == [list(t.shape) for t in got[k].values()]
+        shard, start, n = r.view.locate(i)
+        raw = (r.dir / shard).read_bytes()[start + 512 : start + n]
+        ref = load(raw[: 8 + int.from_bytes(raw[:8], "little") + sum(t["nbytes"] for t in layout[i])])
+        assert all(torch.equal(ref[name], got[k][name]) for name in ref)
+    r.close()

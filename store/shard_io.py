@@ -1,0 +1,118 @@
+"""Reading a version's shard files: an LRU of open descriptors (maps for scanned shards), sample bytes by pread
+or from a scan's map. Part of the reader (store/reader.py); one `ShardFiles` per thread (the LRU is not
+thread-safe: the check-ahead thread has its own, pread only).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from store import integrity
+from store.integrity import DamagedData
+
+DEFAULT_MAX_OPEN_SHARDS = 256  # shard files kept open per reader (LRU); the kernel allows ~65k maps a process
+SCAN_RUN = 3  # this many reads in a row from one shard make it a scan: the shard is mapped (random reads pread)
+
+
+def lost_file(vdir: Path, shard: str) -> DamagedData:
+    """A shard that was there when the reader opened and is gone now: one line, no traceback."""
+    return DamagedData(f"{integrity.where(vdir)}: shard {shard} disappeared while it was being read (the version "
+                       "was moved aside or deleted under a running reader, e.g. by `pipeline store repair` or "
+                       "by hand); rerun the command, or resume the training, to read the current version")
+
+
+class ShardFiles:
+    """Shard files of one version folder, at most `max_open` open at once (least recently used closed first): a
+    million-sample store has tens of thousands of shards. `scans=False`: never maps (every read is a pread)."""
+
+    def __init__(self, vdir: Path, max_open: int = DEFAULT_MAX_OPEN_SHARDS, scans: bool = True) -> None:
+        self.dir, self._dir_str = vdir, str(vdir)
+        self.max_open, self.scans = max(1, int(max_open)), scans
+        self._open: OrderedDict[str, int | mmap.mmap] = OrderedDict()  # shard -> descriptor, or map when scanned
+        self._run: tuple[str | None, int] = (None, 0)  # (shard of the last reads, how many in a row)
+
+    def _os_open(self, shard: str) -> int:
+        try:
+            return os.open(os.path.join(self._dir_str, shard), os.O_RDONLY)  # os.path: cheaper than pathlib
+        except FileNotFoundError:
+            raise lost_file(self.dir, shard) from None
+
+    def _handle(self, shard: str) -> int | mmap.mmap:
+        h = self._open.get(shard)
+        if h is not None:
+            self._open.move_to_end(shard)
+            return h
+        h = self._os_open(shard)
+        self._open[shard] = h
+        while len(self._open) > self.max_open:
+            _, old = self._open.popitem(last=False)
+            _close(old)
+        return h
+
+    def map(self, shard: str) -> mmap.mmap:
+        """Private (copy-on-write) map: tensors are writable views, and a write never reaches the file."""
+        h = self._handle(shard)
+        if isinstance(h, int):
+            try:
+                m = mmap.mmap(h, 0, access=mmap.ACCESS_COPY)  # the map keeps its own duplicate of the descriptor
+            finally:
+                os.close(h)
+                del self._open[shard]
+            self._open[shard] = h = m
+        return h
+
+    def pread(self, shard: str, start: int, n: int) -> np.ndarray | str:
+        """The n bytes at `start` in a fresh buffer of their own, or what is wrong (the file is short)."""
+        h = self._handle(shard)
+        buf = np.empty(n, np.uint8)
+        if isinstance(h, int):
+            got = os.preadv(h, [buf], start)
+        else:  # mapped by an earlier scan (the map keeps no descriptor we can use): read like any random read
+            fd = self._os_open(shard)
+            try:
+                got = os.preadv(fd, [buf], start)
+            finally:
+                os.close(fd)
+        if got != n:
+            return f"the shard ends {n - got} bytes before the sample does"
+        return buf
+
+    def sample(self, shard: str, start: int, n: int) -> tuple[Any, int] | str:
+        """(buffer, where shard offset 0 lies in it), or what is wrong. The `SCAN_RUN`-th and later reads in a row
+        from one shard (a scan) come from the shard's map (zero-copy views, the kernel's readahead); any other
+        read is one pread of the sample's bytes into a fresh buffer that only this sample's tensors reference
+        (never reused). A random read in a million-sample store hits one shard of ~20k, so a map would be set up
+        and torn down for a single sample, and one large read is what a cold disk serves best."""
+        last, count = self._run
+        self._run = (shard, count + 1 if shard == last else 1)
+        if self.scans and self._run[1] >= SCAN_RUN:
+            m = self.map(shard)
+            if len(m) < start + n:  # mapped after the file was cut short: its tensors would lie past the map
+                return f"the shard ends {start + n - len(m)} bytes before the sample does"
+            return m, 0
+        got = self.pread(shard, start, n)
+        return got if isinstance(got, str) else (got, -start)
+
+    def open_handles(self) -> list[int | mmap.mmap]:
+        """The descriptors and maps held now (tests, bench)."""
+        return list(self._open.values())
+
+    def close(self) -> None:
+        for h in self._open.values():
+            _close(h)
+        self._open.clear()
+        self._run = (None, 0)
+
+
+def _close(h: int | mmap.mmap) -> None:
+    """A descriptor is closed; a map is only dropped, never closed: tensors from torch.frombuffer hold a reference
+    to the map but no buffer export, so close() would unmap memory they still view (a segfault on their next
+    read). The map unmaps when the last tensor viewing it goes."""
+    if isinstance(h, int):
+        os.close(h)
