@@ -62,7 +62,7 @@ def generated_rows(cfg, model: str, store, tables, transformer, samples, best_pa
     dtype = parse_dtype(cfg.dtype)
     vae = load_component(model, "vae", dtype=dtype, device=cfg.device)
     sched = dict(load_component(model, "scheduler").config)
-    images = images_reader(Store(store, create=False), tables, cfg.on_damaged)
+    images = images_reader(Store(store, create=False), tables, cfg.on_damaged, cfg.max_open_shards)
     jobs: list[_Job] = []
     for s in pick_samples(samples, cfg.num_samples):
         try:
@@ -79,6 +79,8 @@ def generated_rows(cfg, model: str, store, tables, transformer, samples, best_pa
                          _png(files["target.png"]) if "target.png" in files else None,
                          conditioning(s, transformer.device, transformer.dtype), h * PIXELS_PER_PATCH,
                          w * PIXELS_PER_PATCH, sched))
+    if images is not None:
+        images.close()  # the PNGs are decoded now
     if cfg.extra_prompts:
         from models.edit import load_pipeline, prepare
         from schemas.errors import UserError
