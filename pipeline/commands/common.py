@@ -86,6 +86,24 @@ def user_errors() -> Iterator[None]:
         raise typer.Exit(1) from None
 
 
+def checked_lora(lora: Path | str, model: str | None = None, strict_base: bool = False) -> None:
+    """Before a LoRA is applied: its file matches the checksum record train sealed beside it (finite values are
+    checked by the loader itself), and, given MODEL, it was trained on that base (a warning, or with
+    `strict_base` an error, when its recorded fingerprint differs)."""
+    from models.lora import check_base_model, lora_weight_file
+
+    from store.checksum import check_recorded
+
+    check_recorded(lora_weight_file(lora))
+    if model is not None:
+        warning = check_base_model(lora, model, strict_base)
+        if warning:
+            typer.secho(f"warning: {warning}", fg=typer.colors.YELLOW, err=True)
+
+
+StrictBaseOpt = typer.Option(False, "--strict-base", help="Refuse a LoRA whose recorded base model differs from --model.")
+
+
 def require(value: Any, flag: str, key: str) -> Any:
     if value is None:
         typer.secho(f"error: {flag} is required (or set `{key}` in the config file)", fg=typer.colors.RED, err=True)

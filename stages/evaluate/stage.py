@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 from models.flow import flow_loss
 from models.loading import load_component, parse_dtype
 from models.lora import attach_lora, lora_weight_file
+from store.checksum import check_recorded
 from models.attention import use_attention_backend
 from models.multires import install_multires
 from models.randomness import eval_noise
@@ -375,6 +376,7 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, ou
     cfg = resolved_config(cfg)
     tqdm.write(describe("evaluate", parse_dtype(cfg.dtype), cfg.device, requested)
                + (f", quantize_base {cfg.quantize_base}" if cfg.quantize_base != "none" else ""))
+    check_recorded(lora_weight_file(lora))  # the file train sealed: a flipped bit is refused, not evaluated
     inputs = evaluate_inputs(cfg, store, model, lora)
     from models.loading import model_fingerprint
 
