@@ -16,7 +16,8 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_valida
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # allow_inf_nan=False: `.inf` / `.nan` (valid YAML floats) are refused for every float setting with its key
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
     def fingerprint(self) -> str:
         """Stable hash of the effective settings (what lineage records)."""
@@ -67,6 +68,8 @@ class ResizeConfig(Section):
     max_controls: int = Field(3, ge=0)
     min_controls: int = Field(0, ge=0)
     max_image_pixels: int = Field(64 * 1024 * 1024, gt=0, description="larger images are rejected (decompression bombs)")
+    max_file_bytes: int = Field(1 << 30, gt=0, description="larger source files are quarantined unread (only regular "
+                                "files are read at all)")
     val_fraction: float = Field(0.1, ge=0.0, lt=1.0)
     shard_size_mb: float = Field(256, gt=0, description="images table shard size (fractions allowed, e.g. for tests)")
     workers: int = Field(0, ge=0, description="processes decoding/resizing/encoding PNGs (0 = in the main process)")
@@ -79,6 +82,7 @@ class ResizeConfig(Section):
         return hashlib.sha256(blob).hexdigest()[:16]
 
 
+Sigma = Annotated[float, Field(gt=0.0, le=1.0)]  # a noise level σ of the flow: 0 (clean) excluded, 1 = pure noise
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 _DTYPE_HELP = "auto = bfloat16 on a CUDA device that supports it, float32 on the CPU (models/precision.py)"
 
@@ -127,7 +131,7 @@ class EncodeVaeConfig(Section):
 
 class LoraConfig(Section):
     rank: int = Field(16, gt=0)
-    alpha: float | None = Field(None, description="None = rank")
+    alpha: float | None = Field(None, gt=0, description="None = rank")
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     target_modules: list[str] = ["to_q", "to_k", "to_v", "to_out.0"]
     init_weights: Literal["gaussian", "default"] = "gaussian"
@@ -139,7 +143,7 @@ class LoraConfig(Section):
 class SigmaConfig(Section):
     sampling: Literal["uniform", "logit_normal", "shift", "dynamic_shift"] = "logit_normal"
     logit_mean: float = 0.0
-    logit_std: float = 1.0
+    logit_std: float = Field(1.0, gt=0)
     shift: float = Field(3.0, gt=0)
     base_shift: float = 0.5
     max_shift: float = 0.9
@@ -176,11 +180,11 @@ class TrainConfig(Section):
     max_steps: int = Field(100, gt=0)
     learning_rate: float = Field(1e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
-    adam_betas: tuple[float, float] = (0.9, 0.999)
-    adam_eps: float = 1e-8
+    adam_betas: tuple[Annotated[float, Field(ge=0.0, lt=1.0)], Annotated[float, Field(ge=0.0, lt=1.0)]] = (0.9, 0.999)
+    adam_eps: float = Field(1e-8, gt=0)
     warmup_steps: int = Field(0, ge=0)
     lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
-    max_grad_norm: float | None = 1.0
+    max_grad_norm: float | None = Field(1.0, gt=0)
     mixed_precision: Literal["no", "bf16", "fp16"] = "no"
     gradient_checkpointing: bool = False
     quantize_base: Quantize = Field("none", description=_QUANTIZE_HELP)
@@ -216,7 +220,7 @@ class TrainConfig(Section):
                                    "instruction encoded without its control images (needs encode_text.no_control_embeds)")
     validate_every: int | None = Field(None, gt=0, description="held-out loss on the val split every N steps")
     validate_max_samples: int = Field(8, gt=0, description="validation: first N val samples (by key)")
-    validate_timesteps: list[float] = Field([0.25, 0.5, 0.75], min_length=1, description="validation σ grid")
+    validate_timesteps: list[Sigma] = Field([0.25, 0.5, 0.75], min_length=1, description="validation σ grid")
     validate_noise_seeds: list[int] = Field([0], min_length=1, description="validation noise seeds")
     sample_every: int | None = Field(None, gt=0, description="generate val samples every N steps -> RUN/samples")
     sample_count: int = Field(2, gt=0, description="val samples per sample grid")
@@ -249,7 +253,7 @@ class EvaluateConfig(Section):
     dtype: DType = Field("auto", description=_DTYPE_HELP)
     quantize_base: Quantize = Field("none", description=_QUANTIZE_HELP)
     seed: int = Field(1234, description="generation seed (the same for base and LoRA, for every sample)")
-    timesteps: list[float] = Field([0.1, 0.3, 0.5, 0.7, 0.9], min_length=1, description="sigma grid of the held-out loss")
+    timesteps: list[Sigma] = Field([0.1, 0.3, 0.5, 0.7, 0.9], min_length=1, description="sigma grid of the held-out loss")
     noise_seeds: list[int] = Field([0, 1], min_length=1, description="fixed noise draws of the held-out loss")
     batch_size: int = Field(8, gt=0, description="held-out loss: (sample, seed, sigma) rows per forward")
     max_loss_samples: int | None = Field(256, gt=0, description="cap on val samples for the held-out loss (the "
