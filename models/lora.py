@@ -61,7 +61,14 @@ def adapter_config(cfg: LoraSettings):
 def add_lora(transformer, cfg: LoraSettings) -> None:
     """Freeze the base and attach one trainable adapter (peft; `cfg.kind`) to `cfg.target_modules`."""
     transformer.requires_grad_(False)
-    transformer.add_adapter(adapter_config(cfg), adapter_name=ADAPTER)
+    from peft.tuners.tuners_utils import NoMatchingPeftModuleError
+
+    try:
+        transformer.add_adapter(adapter_config(cfg), adapter_name=ADAPTER)
+    except NoMatchingPeftModuleError:
+        names = sorted({n.rsplit(".", 1)[-1] for n, m in transformer.named_modules() if isinstance(m, torch.nn.Linear)})
+        raise UserError(f"train.lora.target_modules {list(cfg.target_modules)} matches no layer of the model; its "
+                        f"linear layers are named {names}") from None
     # LoRA weights train in float32 even when the frozen base is bf16 (optimizer states stay exact).
     for p in lora_parameters(transformer):
         p.data = p.data.float()
@@ -154,8 +161,13 @@ def _add_metadata(path: Path, extra: dict[str, str]) -> None:
 
 def lora_base_fingerprint(lora: str | Path) -> str | None:
     """The base model fingerprint a LoRA written by `pipeline run train` records (None: written elsewhere)."""
-    with safe_open(lora_weight_file(lora), framework="pt") as f:
-        return (f.metadata() or {}).get(_BASE_KEY)
+    path = lora_weight_file(lora)
+    try:
+        with safe_open(path, framework="pt") as f:
+            return (f.metadata() or {}).get(_BASE_KEY)
+    except Exception as e:  # SafetensorError: not a safetensors file at all
+        raise UserError(f"{path} is not a readable .safetensors file ({type(e).__name__}: {e}); pass the LoRA "
+                        "written by `pipeline run train` (RUN/lora) or an intact copy") from None
 
 
 def check_base_model(lora: str | Path, model: str, strict: bool) -> str | None:

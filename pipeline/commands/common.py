@@ -67,8 +67,9 @@ def config_from(path: Path | None, overrides: dict[str, Any], sets: list[str] = 
 
 
 @contextmanager
-def user_errors() -> Iterator[None]:
-    """Turn expected errors (bad input, missing table, ...) into one red line and exit 1, not a traceback."""
+def user_errors(output: Path | str | None = None) -> Iterator[None]:
+    """Turn expected errors (bad input, missing table, ...) into one red line and exit 1, not a traceback.
+    `output`: the folder or file the command writes, named when a full disk does not say which file it hit."""
     from schemas.errors import UserError
 
     from store.io_errors import describe
@@ -78,8 +79,13 @@ def user_errors() -> Iterator[None]:
     except (UserError, ConfigError) as e:
         typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
         raise typer.Exit(1) from None
+    except (FileExistsError, NotADirectoryError) as e:  # e.g. --out / --store naming an existing file
+        name = e.filename or output
+        typer.secho(f"error: {name} (or a folder on its path) is a file, not a folder: pass a folder path",
+                    fg=typer.colors.RED, err=True)
+        raise typer.Exit(1) from None
     except Exception as e:  # a full disk / read-only folder missed by a closer handler: still one line
-        err = describe(e, "output", Path(getattr(e, "filename", None) or "."))
+        err = describe(e, "output", Path(getattr(e, "filename", None) or output or "."))
         if err is None:
             raise
         typer.secho(f"error: {err}", fg=typer.colors.RED, err=True)

@@ -22,7 +22,7 @@ def merge(
     device: str = typer.Option("cpu", "--device", help="Device the transformer loads onto for the fuse (cpu, cuda:N)."),
     strict_base: bool = StrictBaseOpt,
 ) -> None:
-    with user_errors():
+    with user_errors(out):
         checked_lora(lora, model, strict_base)
         path = merge_lora(model, lora, out, scale=scale, dtype=dtype, device=device)
     echo(f"wrote merged model to {path} (loads with diffusers' from_pretrained)")
@@ -65,7 +65,7 @@ def export(
 ) -> None:
     from models.lora_export import export_lora
 
-    with user_errors():
+    with user_errors(out):
         checked_lora(lora)
         path = export_lora(lora, format, out)
     echo(f"wrote {format} LoRA to {path}")

@@ -43,7 +43,7 @@ def command(
             "predict.devices.vae": vae_device,
         },
     )
-    with user_errors():
+    with user_errors(out):
         if lora:
             checked_lora(lora, model, strict_base)
         path = predict(cfg.predict, model, list(image), prompt, out, str(lora) if lora else None, lora_scale,
@@ -66,7 +66,7 @@ def predict(cfg, model: str, images: list[Path], prompt: str, out: Path, lora: s
     for p in images:
         try:
             pil.append(Image.open(p).convert("RGB"))
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, Image.DecompressionBombError) as e:
             raise UserError(f"cannot read image {p}: {e}. Pass a PNG or JPEG file.") from None
     unknown = set(cfg.devices) - set(COMPONENTS)
     if unknown:
