@@ -271,6 +271,9 @@ class EvaluateConfig(Section):
     on_damaged: Literal["stop", "skip"] = _on_damaged(
         "val sample in text/vae", "leave it out (named in the summary and metrics.json)")
     max_damaged_fraction: float = _max_damaged_fraction("the val samples")
+    on_nonfinite: Literal["stop", "skip"] = Field(
+        "stop", description="a val sample whose held-out loss is NaN/inf (base or LoRA): stop naming the samples, "
+        "or leave it out of every mean (counted and named in the summary and metrics.json)")
 
 
 class PredictConfig(Section):

@@ -40,6 +40,7 @@ from schemas.errors import UserError
 from models.generate import Conditioning, generate
 from schemas.img_shapes import PIXELS_PER_PATCH
 from schemas.stage import few
+from stages.evaluate.nonfinite import finite_rows
 from stages.evaluate.report import SampleRow, psnr, ssim, write_report
 from store import Store, TableReader
 from store.join import JoinedTables, open_features
@@ -107,6 +108,8 @@ def held_out_loss(transformer, samples: list[TrainSample], cfg: EvaluateConfig) 
         with lora_enabled(transformer, on):
             per_row[name] = row_losses(transformer, rows, cfg.batch_size, desc=f"held-out loss ({name})")
 
+    kept, nonfinite = finite_rows([r.sample.key for r in rows], per_row, cfg.on_nonfinite)
+
     def summary(picked: list[int]) -> dict:
         n = len({rows[i].sample.key for i in picked})
         return {"n": n, **{m: _mean([per_row[m][i] for i in picked]) for m in ("base", "lora")}}
@@ -114,7 +117,8 @@ def held_out_loss(transformer, samples: list[TrainSample], cfg: EvaluateConfig) 
     # Row indices grouped once per view (one pass over the rows), so the summaries cost O(rows), not
     # O(groups x rows): with thousands of val samples the per-sample view alone was quadratic.
     by_bucket, by_sigma, by_key = defaultdict(list), defaultdict(list), defaultdict(list)
-    for i, r in enumerate(rows):
+    for i in kept:
+        r = rows[i]
         by_bucket[bucket_of(r.sample)].append(i)
         by_sigma[r.sigma].append(i)
         by_key[r.sample.key].append(i)
@@ -127,12 +131,13 @@ def held_out_loss(transformer, samples: list[TrainSample], cfg: EvaluateConfig) 
         ),
         "noise_seeds": list(cfg.noise_seeds),
         "timesteps": list(cfg.timesteps),
-        "overall": summary(list(range(len(rows)))),
+        "overall": summary(kept),
+        "nonfinite_samples": nonfinite,  # left out of every mean (evaluate.on_nonfinite=skip)
         "per_bucket": {b: summary(by_bucket[b]) for b in buckets},
         "per_timestep": {str(t): summary(by_sigma[float(t)]) for t in cfg.timesteps},
-        "per_sample": {s.key: summary(by_key[s.key]) for s in samples},
+        "per_sample": {s.key: summary(by_key[s.key]) for s in samples if s.key in by_key},
     }
-    mask = mask_region_loss(transformer, samples, cfg)
+    mask = mask_region_loss(transformer, [s for s in samples if s.key in by_key], cfg)
     if mask is not None:
         result["mask"] = mask
     return result
@@ -354,6 +359,10 @@ class EvaluateResult:
         overall = self.metrics["loss"]["overall"]
         line = (f"held-out loss on {overall['n']} val samples: base {overall['base']:.4f} -> LoRA "
                 f"{overall['lora']:.4f}; report: {self.report}")
+        nonfinite = self.metrics["loss"].get("nonfinite_samples")
+        if nonfinite:
+            line += (f"\nleft out {len(nonfinite)} val sample(s) with a non-finite loss (evaluate.on_nonfinite=skip; "
+                     f"listed in metrics.json loss.nonfinite_samples): {few(nonfinite)}")
         if self.damaged:
             line += (f"\nskipped {len(self.damaged)} damaged val sample(s) (evaluate.on_damaged=skip; listed in "
                      f"metrics.json run.damaged_samples): {few(self.damaged)}")
