@@ -94,7 +94,7 @@ def _mapped_checked(vdir: Path, name: str, sums: dict[str, dict[str, Any]] | Non
     try:
         mapped = pa.memory_map(os.path.join(str(vdir), name))
     except FileNotFoundError:
-        raise DamagedData(f"{integrity.where(vdir)}: {name} is missing; {integrity.repair_hint(vdir)}") from None
+        raise DamagedData(f"{integrity.where(vdir)}: {name} is missing; {integrity.repair_hint(vdir, name)}") from None
     data = mapped.read_buffer()  # holds the map open for as long as the buffer (or a column sliced from it) lives
     if sums is not None:
         with memoryview(data) as mv:
@@ -143,7 +143,8 @@ class TableReader:
         if missing:
             raise UserError(f"{path}: missing columns {missing} (see docs/store-format.md)")
         if sums is None and CHECKSUM_COLUMNS & set(names):
-            raise DamagedData(f"{integrity.where(vdir)}: {fmt.CHECKSUMS} is missing; {integrity.repair_hint(vdir)}")
+            raise DamagedData(f"{integrity.where(vdir)}: {fmt.CHECKSUMS} is missing; "
+                              f"{integrity.repair_hint(vdir, fmt.CHECKSUMS)}")
         self.checksummed = sums is not None  # format 1: samples checked against sample_sha256 (slower)
         self._names = list(names)
         self._full: pa.Table | None = None

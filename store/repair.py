@@ -49,10 +49,13 @@ class TablePlan:
     manifest_rebuilt: bool = False
     unrepairable: str | None = None
     new_version: int | None = None
+    # damaged files the manifest makes redundant (shard indexes, rank-NN.done): a new version gets fresh ones
+    derived_damaged: list[str] = field(default_factory=list)
 
     @property
     def needs_repair(self) -> bool:
-        return self.unrepairable is None and bool(self.damaged or self.copied or self.manifest_rebuilt)
+        return self.unrepairable is None and bool(self.damaged or self.copied or self.manifest_rebuilt
+                                                  or self.derived_damaged)
 
 
 @dataclass
@@ -124,7 +127,7 @@ def scan_table(root: Path, table: str, version: int, progress: bool = True) -> T
         sums = integrity.read_version_checksums(vdir)
         read_schema(vdir, integrity.read_checked(vdir, fmt.SCHEMA_JSON, sums))
     except UserError as e:
-        plan.unrepairable = f"{e} (the table's identity is lost: rerun its stage, which writes a new version)"
+        plan.unrepairable = str(e)  # the advice in it says which stage to rerun (integrity.repair_hint)
         return plan
     manifest = _manifest(vdir, sums, plan)
     if manifest is None:
@@ -148,6 +151,10 @@ def scan_table(root: Path, table: str, version: int, progress: bool = True) -> T
             plan.damaged[key] = problem
             shards_with_damage.add(shard)
     plan.copied = [k for k, s in zip(reader.keys(), shard_col) if s in shards_with_damage and k not in plan.damaged]
+    if sums is not None:  # without this, verify fails on such a file forever while repair finds nothing to do
+        derived = {n: e for n, e in sums.items() if n not in (fmt.MANIFEST, fmt.SCHEMA_JSON) and n not in set(shard_col)}
+        plan.derived_damaged = sorted(n for n, e in derived.items() if not (vdir / n).is_file()
+                                      or file_crc(vdir / n) != (e["crc32c"], e["nbytes"]))
     plan.intact_shards = sorted(set(shard_col) - shards_with_damage)
     reader.close()
     return plan
@@ -187,6 +194,8 @@ def describe(plan: RepairPlan) -> list[str]:
             lines.append(f"{name}: intact ({t.samples} samples)")
         else:
             extra = ", manifest rebuilt from the shard indexes" if t.manifest_rebuilt else ""
+            if t.derived_damaged:
+                extra += f", damaged {', '.join(t.derived_damaged)} written afresh in the new version"
             lines.append(f"{name}: {len(t.damaged)} damaged sample(s) to recompute "
                          f"({', '.join(sorted(t.damaged)[:5])}{' …' if len(t.damaged) > 5 else ''}), "
                          f"{len(t.intact_shards)} intact shard(s) carried forward, {len(t.copied)} intact sample(s) "
