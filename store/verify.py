@@ -56,6 +56,7 @@ def verify_store(root: Path, progress: bool = True) -> list[str]:
                     found = verify_version(vdir, f"{table}/v{v}", progress)
                 except Exception as e:  # noqa: BLE001 - verify reports, it never crashes
                     found = [f"{table}/v{v}: cannot be checked ({type(e).__name__}: {e})"]
+                found = [_one_line(p) for p in found]
                 problems += found
                 # Recorded in the store, so the stage that wrote the version recomputes its damaged samples on
                 # its next run instead of calling it up to date (temp files left by killed writes are not damage).
@@ -71,6 +72,11 @@ def verify_store(root: Path, progress: bool = True) -> list[str]:
         except Exception as e:  # noqa: BLE001 - any unreadable parquet is one reported problem
             problems.append(f"{fmt.QUARANTINE}: unreadable ({e})")
     return problems
+
+
+def _one_line(problem: str) -> str:
+    """Library messages (pyarrow's parquet errors) carry newlines; verify's contract is one line per problem."""
+    return " ".join(problem.split())
 
 
 def _file_problems(vdir: Path, name: str, sums: dict[str, dict[str, Any]]) -> list[str]:
