@@ -63,6 +63,7 @@ def verify_store(root: Path, progress: bool = True) -> list[str]:
                 damage = [p for p in found if not p.endswith(LITTER_NOTE)]
                 if damage:
                     integrity.record_damage(vdir, problems=damage)
+    problems += [f"{p.name}: {LITTER_NOTE}" for p in sorted(root.iterdir()) if p.is_file() and fmt.is_litter(p.name)]
     if (root / fmt.QUARANTINE).is_file():
         try:
             cols = set(quarantine.read(root).column_names)

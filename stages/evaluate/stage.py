@@ -369,6 +369,14 @@ class EvaluateResult:
         return line
 
 
+def _only_report_files(out: Path) -> bool:
+    """Does `out` hold nothing but what the report writer writes (an interrupted report: a full disk or a kill
+    before metrics.json, written last)? Then the rerun may write over it; anything else is someone's folder."""
+    from store.format import is_litter
+
+    return all(p.name in ("grid.png", "index.html") or (p.is_file() and is_litter(p.name)) for p in out.iterdir())
+
+
 def run(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, out: str | Path,
         skip_if_done: bool = False, max_dropped_fraction: float = 0.05) -> EvaluateResult:
     """Evaluate base vs LoRA on the store's val split and write the report into `out`. `skip_if_done`: reuse a
@@ -377,7 +385,7 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, ou
     started = time.perf_counter()
     if skip_if_done and report_up_to_date(cfg, store, model, lora, out):
         return EvaluateResult(json.loads((out / "metrics.json").read_text()), out / "index.html", up_to_date=True)
-    if out.is_dir() and any(out.iterdir()) and not (out / "metrics.json").is_file():
+    if out.is_dir() and not (out / "metrics.json").is_file() and not _only_report_files(out):
         raise UserError(f"{out} is not empty and holds no earlier report: pass a new or empty --out folder")
     from models.precision import describe
 

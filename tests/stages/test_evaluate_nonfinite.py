@@ -53,3 +53,34 @@ def test_skip_leaves_the_sample_out_of_every_mean(poisoned, tiny_edit_model, tmp
     assert loss["nonfinite_samples"] == [key_of(3)] and loss["overall"]["n"] == 2
     assert math.isfinite(loss["overall"]["base"]) and math.isfinite(loss["overall"]["lora"])
     assert key_of(3) not in loss["per_sample"]
+
+
+def test_a_report_interrupted_before_metrics_json_is_written_over(poisoned, tiny_edit_model, tmp_path):
+    """A full disk (or a kill) while evaluate wrote its report leaves grid.png / index.html / a temp file but no
+    metrics.json (written last): the rerun completes it; a folder holding anything else is still refused."""
+    out = tmp_path / "report"
+    out.mkdir()
+    (out / "grid.png").write_bytes(b"half")
+    (out / ".index.html.tmp-4242").write_bytes(b"<ht")
+    r = _evaluate(poisoned, tiny_edit_model, out, "evaluate.on_nonfinite=skip")
+    assert r.exit_code == 0, r.output
+    assert (out / "metrics.json").is_file()
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    r = _evaluate(poisoned, tiny_edit_model, other, "evaluate.on_nonfinite=skip")
+    assert r.exit_code == 1 and "not empty" in r.output and (other / "notes.txt").read_text() == "mine"
+
+
+def test_a_full_disk_without_a_file_name_names_the_commands_output(tmp_path, capsys):
+    import errno
+
+    import typer
+
+    from pipeline.commands.common import user_errors
+
+    out = tmp_path / "run"
+    with pytest.raises(typer.Exit), user_errors(out):
+        raise OSError(errno.ENOSPC, "No space left on device")  # a write() reports no file name
+    err = capsys.readouterr().err
+    assert f"disk full while writing output in {out}" in err and " in . (" not in err
