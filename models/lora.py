@@ -300,12 +300,30 @@ def init_from_lora(transformer, lora: str | Path, adapter_name: str = ADAPTER) -
     if set(ranks) != mine:
         raise UserError(f"train.init_lora {lora}: the file adapts {len(ranks)} modules, train.lora.target_modules "
                         f"{len(mine)} (e.g. only in the file: {sorted(set(ranks) - mine)[:3]}, only in the config: "
-                        f"{sorted(mine - set(ranks))[:3]}); set train.lora.target_modules to the file's modules")
+                        f"{sorted(mine - set(ranks))[:3]}); set the file's modules: --set "
+                        f"'train.lora.target_modules={_target_list(transformer, set(ranks))}'")
     file_alpha = (config or {}).get("lora_alpha", peft_cfg.r)
     factor = float(file_alpha) / float(peft_cfg.lora_alpha)
     if factor != 1.0:
         state = {k: v * factor if k.endswith(".lora_B.weight") else v for k, v in state.items()}
     load_lora(transformer, lora, adapter_name, state={k: v.float() for k, v in state.items()})
+
+
+def _target_list(transformer, modules: set[str]) -> str:
+    """`modules` as a target_modules value to paste (YAML flow list): the short names (peft matches a name's
+    suffix; `to_out.0`, not `0`) when they select exactly these modules of the model, else the full names."""
+    def short(name: str) -> str:
+        parts = name.split(".")
+        return ".".join(parts[-2:]) if parts[-1].isdigit() and len(parts) > 1 else parts[-1]
+
+    linear = set()
+    for name, m in transformer.named_modules():
+        parts = name.split(".")
+        if isinstance(m, torch.nn.Linear) and not any(p.startswith(("lora_", "hada_", "lokr_")) for p in parts):
+            linear.add(name.removesuffix(".base_layer"))
+    names = sorted({short(m) for m in modules})
+    selected = {n for n in linear if any(n == s or n.endswith("." + s) for s in names)}
+    return "[" + ", ".join(names if selected == modules else sorted(modules)) + "]"
 
 
 def attach_lora(transformer, lora: str | Path, scale: float = 1.0, adapter_name: str = "lora") -> None:

@@ -157,3 +157,15 @@ def test_a_lora_of_another_base_model_warns_or_is_refused(trained, tiny_edit_mod
     # the same model: no warning
     out = _cli("lora", "merge", "--model", tiny_edit_model, "--lora", lora, "--out", tmp_path / "m2")
     assert "warning" not in out
+
+
+def test_init_lora_summary_and_a_refusal_that_prints_the_list_to_paste(trained, tiny_edit_model, tmp_path):
+    lora = trained / "run" / "lora"
+    base = ["run", "train", "--store", trained / "store", "--model", tiny_edit_model, "--max-steps", 1,
+            "--device", "cpu", "--set", f"train.init_lora={lora}", "--set", f"train.lora.rank={RANK}"]
+    out = _cli(*base, "--out", tmp_path / "a", "--set", "train.lora.target_modules=[to_q]", code=1)
+    assert "--set 'train.lora.target_modules=[" in out
+    paste = out.split("--set '", 1)[1].split("'", 1)[0]
+    assert paste.startswith("train.lora.target_modules=[") and "to_out.0" in paste
+    out = _cli(*base, "--out", tmp_path / "b", "--set", paste)
+    assert "trained from init_lora" in out and "from scratch" not in out
