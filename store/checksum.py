@@ -149,7 +149,10 @@ def check_recorded(path: Path, records: tuple[str, ...] = (FOLDER_RECORD, "resum
             if not record.is_file():
                 continue
             try:
-                files = unseal(record.read_bytes()).get("files") or {}
+                data = record.read_bytes()
+                if not is_sealed(data):  # a record from before checksums (plain JSON): nothing to check against
+                    continue
+                files = unseal(data).get("files") or {}
             except (OSError, SealError) as e:
                 raise UserError(f"{path}: its checksum record {record} is damaged ({e}); the file cannot be "
                                 "trusted: use an intact copy or rerun the command that wrote it") from None

@@ -169,3 +169,20 @@ def test_init_lora_summary_and_a_refusal_that_prints_the_list_to_paste(trained, 
     assert paste.startswith("train.lora.target_modules=[") and "to_out.0" in paste
     out = _cli(*base, "--out", tmp_path / "b", "--set", paste)
     assert "trained from init_lora" in out and "from scratch" not in out
+
+
+def test_a_checkpoint_lora_is_checked_against_its_resume_json(trained, tmp_path):
+    import shutil
+
+    from schemas.errors import UserError
+    from store.checksum import check_recorded
+
+    ck = tmp_path / "step-2"
+    shutil.copytree(trained / "run" / "checkpoints" / "step-2", ck)
+    weights = ck / "lora" / "pytorch_lora_weights.safetensors"
+    check_recorded(weights)  # intact
+    flip_bit(weights, weights.stat().st_size - 3, 1)
+    with pytest.raises(UserError, match="resume.json"):
+        check_recorded(weights)
+    (ck / "resume.json").write_text(json.dumps({"step": 2}))  # a record from before checksums: not refused
+    check_recorded(weights)
