@@ -47,6 +47,7 @@ def resolve_model(model: str) -> Path:
                 f"{p} is a folder but has no model_index.json: expected a diffusers Qwen-Image-Edit folder "
                 "(e.g. one written by `pipeline make-tiny-model`)."
             )
+        _check_complete(p)
         return p.resolve()
     if p.exists() or model.startswith((".", "/", "~")) or model.count("/") != 1:
         raise ModelNotFoundError(
@@ -93,6 +94,30 @@ def _file_digest(f: Path, hashes: FileHashes) -> str:
 
 
 @lru_cache(maxsize=16)
+def _check_complete(folder: Path) -> None:
+    """Every component model_index.json names has its folder, and every JSON config parses: otherwise the damage
+    is named here, not later as a model of a different fingerprint or a loader's traceback."""
+    import json
+
+    def parsed(path: Path):
+        try:
+            return json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:  # ValueError: JSONDecodeError and UnicodeDecodeError
+            raise ModelNotFoundError(f"model folder {folder} is damaged: {path.relative_to(folder)} is not valid "
+                                     f"JSON ({e}); restore it from the original download") from None
+
+    index = parsed(folder / "model_index.json")
+    if not isinstance(index, dict):
+        raise ModelNotFoundError(f"model folder {folder} is damaged: model_index.json is not a JSON object")
+    missing = sorted(name for name, spec in index.items() if not name.startswith("_") and isinstance(spec, list)
+                     and spec and spec[0] is not None and not (folder / name).is_dir())
+    if missing:
+        raise ModelNotFoundError(f"model folder {folder} is incomplete: component folder(s) {missing} named in "
+                                 "model_index.json are missing; restore them from the original download")
+    for config in sorted(folder.glob("*/*config*.json")):
+        parsed(config)
+
+
 def model_fingerprint(model: str) -> str:
     """Hash of every file of the model folder (names + full contents): any changed weight is a new model."""
     return _files_fingerprint(resolve_model(model), None)

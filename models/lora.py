@@ -61,7 +61,14 @@ def adapter_config(cfg: LoraSettings):
 def add_lora(transformer, cfg: LoraSettings) -> None:
     """Freeze the base and attach one trainable adapter (peft; `cfg.kind`) to `cfg.target_modules`."""
     transformer.requires_grad_(False)
-    transformer.add_adapter(adapter_config(cfg), adapter_name=ADAPTER)
+    from peft.tuners.tuners_utils import NoMatchingPeftModuleError
+
+    try:
+        transformer.add_adapter(adapter_config(cfg), adapter_name=ADAPTER)
+    except NoMatchingPeftModuleError:
+        names = sorted({n.rsplit(".", 1)[-1] for n, m in transformer.named_modules() if isinstance(m, torch.nn.Linear)})
+        raise UserError(f"train.lora.target_modules {list(cfg.target_modules)} matches no layer of the model; its "
+                        f"linear layers are named {names}") from None
     # LoRA weights train in float32 even when the frozen base is bf16 (optimizer states stay exact).
     for p in lora_parameters(transformer):
         p.data = p.data.float()
@@ -82,19 +89,103 @@ def lora_state_dict(transformer, adapter_name: str = ADAPTER) -> dict[str, torch
     return get_peft_model_state_dict(transformer, adapter_name=adapter_name)
 
 
-def save_lora(transformer, out_dir: str | Path) -> Path:
-    """Write only the adapter, in the diffusers LoRA format; returns the weight file."""
+def save_lora(transformer, out_dir: str | Path, fold_alpha: bool = False, base_fingerprint: str | None = None) -> Path:
+    """Write only the adapter, in the diffusers LoRA format; returns the weight file.
+
+    `fold_alpha` (the final LoRA): each module's alpha / r is multiplied into its lora_B and the saved config says
+    alpha = r, so loaders that ignore the metadata (ComfyUI, musubi-tuner's converter: they take alpha = rank)
+    apply the same weights as diffusers. Checkpoints stay unfolded: resume needs the trained values exactly
+    (x * s / s is not x in floating point). `base_fingerprint`: the base model's fingerprint
+    (`models.loading.model_fingerprint`), recorded so predict / merge can tell a LoRA trained on another model."""
     from diffusers import QwenImageEditPipeline
 
     out_dir = Path(out_dir)
     state = {k: v.detach().to("cpu").contiguous() for k, v in lora_state_dict(transformer).items()}
+    config = transformer.peft_config[ADAPTER].to_dict()
+    extra = {_BASE_KEY: base_fingerprint} if base_fingerprint else {}
+    if fold_alpha and _is_plain_lora(config) and _has_scaling(transformer):
+        state, config = _folded(transformer, state, config)
+        extra[_FOLDED_KEY] = "1"
     QwenImageEditPipeline.save_lora_weights(
         out_dir,
         transformer_lora_layers=state,
-        transformer_lora_adapter_metadata=transformer.peft_config[ADAPTER].to_dict(),
+        transformer_lora_adapter_metadata=config,
         weight_name=WEIGHT_NAME,
     )
+    if extra:
+        _add_metadata(out_dir / WEIGHT_NAME, extra)
     return out_dir / WEIGHT_NAME
+
+
+_BASE_KEY = "base_model_fingerprint"  # our own metadata keys, beside diffusers' (which its loader ignores)
+_FOLDED_KEY = "alpha_folded_into_lora_B"
+
+
+def _is_plain_lora(config: dict) -> bool:
+    return str(config.get("peft_type", "LORA")).upper().endswith("LORA") and not config.get("use_dora")
+
+
+def _has_scaling(transformer) -> bool:
+    return any(ADAPTER in getattr(m, "scaling", {}) for m in transformer.modules())
+
+
+def _folded(transformer, state: dict[str, torch.Tensor], config: dict) -> tuple[dict, dict]:
+    """lora_B * the module's peft scaling (alpha / r, alpha_pattern / rank_pattern resolved by peft itself)."""
+    state = dict(state)
+    done = set()
+    for name, module in transformer.named_modules():
+        key = f"{name}.lora_B.weight"
+        if key in state and ADAPTER in getattr(module, "scaling", {}):
+            scale = float(module.scaling[ADAPTER])
+            state[key] = (state[key].float() * scale).to(state[key].dtype).contiguous() if scale != 1.0 else state[key]
+            done.add(key)
+    left = [k for k in state if k.endswith(".lora_B.weight") and k not in done]
+    if left:
+        raise RuntimeError(f"no peft scaling found for {left[:3]}")  # a peft change: fail loud, never mis-scale
+    config = {**config, "lora_alpha": config["r"], "alpha_pattern": dict(config.get("rank_pattern") or {})}
+    return state, config
+
+
+def _add_metadata(path: Path, extra: dict[str, str]) -> None:
+    """Add keys to the file's safetensors metadata (diffusers' writer takes only its adapter config)."""
+    import os
+
+    from safetensors.torch import save_file
+
+    with safe_open(path, framework="pt") as f:
+        meta = dict(f.metadata() or {})
+    tmp = path.with_name(f".{path.name}.tmp")
+    save_file(load_file(path), tmp, metadata={**meta, **extra})
+    os.replace(tmp, path)
+
+
+def lora_base_fingerprint(lora: str | Path) -> str | None:
+    """The base model fingerprint a LoRA written by `pipeline run train` records (None: written elsewhere)."""
+    path = lora_weight_file(lora)
+    try:
+        with safe_open(path, framework="pt") as f:
+            return (f.metadata() or {}).get(_BASE_KEY)
+    except Exception as e:  # SafetensorError: not a safetensors file at all
+        raise UserError(f"{path} is not a readable .safetensors file ({type(e).__name__}: {e}); pass the LoRA "
+                        "written by `pipeline run train` (RUN/lora) or an intact copy") from None
+
+
+def check_base_model(lora: str | Path, model: str, strict: bool) -> str | None:
+    """None when the LoRA was trained on MODEL (or does not say); else the warning line, or a UserError when
+    `strict`. Applying a LoRA to another base runs without error and gives silently wrong images."""
+    from models.loading import model_fingerprint
+
+    recorded = lora_base_fingerprint(lora)
+    if recorded is None:
+        return None
+    now = model_fingerprint(model)
+    if recorded == now:
+        return None
+    msg = (f"LoRA {lora} was trained on a base model with fingerprint {recorded}, but {model} has {now}: "
+           "its images will not be what training validated")
+    if strict:
+        raise UserError(f"{msg}; pass the model it was trained on, or drop --strict-base to apply it anyway")
+    return msg + " (pass --strict-base to refuse)"
 
 
 # ---------------------------------------------------------------------------------------------- the loader
@@ -120,9 +211,14 @@ def read_lora(lora: str | Path) -> tuple[dict[str, torch.Tensor], dict | None]:
     (`QwenImagePipeline.lora_state_dict`), which bakes each alpha / rank into the weights: config None, alpha = rank.
     """
     path = lora_weight_file(lora)
-    state = load_file(path)
-    with safe_open(path, framework="pt") as f:
-        meta = (f.metadata() or {}).get(_METADATA_KEY)
+    try:
+        state = load_file(path)
+        with safe_open(path, framework="pt") as f:
+            meta = (f.metadata() or {}).get(_METADATA_KEY)
+    except Exception as e:  # safetensors raises its own SafetensorError (and OSError) for a file it cannot parse
+        raise UserError(f"{path} is not a readable .safetensors file ({type(e).__name__}: {e}); pass the LoRA "
+                        "written by `pipeline run train` (RUN/lora) or an intact copy") from None
+    _check_finite(path, state)
     if any(not k.startswith(_PREFIX) or k.endswith(".alpha") for k in state):
         state, meta = _converted(path), None
     bad = [k for k in state if not k.startswith(_PREFIX)]
@@ -131,6 +227,17 @@ def read_lora(lora: str | Path) -> tuple[dict[str, torch.Tensor], dict | None]:
     # diffusers writes the config with each key prefixed by the component (`transformer.r`, ...)
     config = {k[len(_PREFIX) :]: v for k, v in json.loads(meta).items() if k.startswith(_PREFIX)} if meta else None
     return {k[len(_PREFIX) :]: v for k, v in state.items()}, config or None
+
+
+def _check_finite(path: Path, state: dict[str, torch.Tensor]) -> None:
+    """A NaN / inf weight gives NaN images and losses without any error: refuse the file instead."""
+    bad = {k: int((~torch.isfinite(v)).sum()) for k, v in state.items() if v.is_floating_point()}
+    bad = {k: n for k, n in bad.items() if n}
+    if bad:
+        total = sum(v.numel() for v in state.values())
+        raise UserError(f"{path}: {sum(bad.values())} of {total} LoRA values are NaN or infinite (e.g. in "
+                        f"{next(iter(bad))}): the file is damaged or training diverged; use an intact copy or an "
+                        "earlier checkpoint's LoRA (RUN/checkpoints/step-N/lora)")
 
 
 def _converted(path: Path) -> dict[str, torch.Tensor]:
@@ -150,7 +257,9 @@ def load_lora(transformer, lora: str | Path, adapter_name: str = ADAPTER, state:
     """
     from peft.utils import set_peft_model_state_dict
 
-    state = read_lora(lora)[0] if state is None else state
+    config = None
+    if state is None:
+        state, config = read_lora(lora)
     expected = lora_state_dict(transformer, adapter_name)
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
@@ -164,6 +273,11 @@ def load_lora(transformer, lora: str | Path, adapter_name: str = ADAPTER, state:
     wrong_shape = [k for k in state if state[k].shape != expected[k].shape]
     if wrong_shape:
         raise UserError(f"LoRA at {lora}: shapes differ from the adapter for {wrong_shape[:5]} (different rank?)")
+    have = getattr(transformer.peft_config.get(adapter_name), "lora_alpha", None)
+    if config and have is not None and float(config.get("lora_alpha", have)) != float(have):
+        # e.g. a final LoRA (alpha folded in, alpha = r) loaded into a training adapter of alpha != r
+        raise UserError(f"LoRA at {lora} was saved with alpha {config['lora_alpha']}, the adapter has alpha "
+                        f"{have}: loading it as is would scale it wrongly (use train.init_lora to start from it)")
     result = set_peft_model_state_dict(transformer, state, adapter_name=adapter_name)
     unexpected_after = [k for k in getattr(result, "unexpected_keys", []) if any(t in k for t in _ADAPTER_TAGS)]
     if unexpected_after:
@@ -186,12 +300,30 @@ def init_from_lora(transformer, lora: str | Path, adapter_name: str = ADAPTER) -
     if set(ranks) != mine:
         raise UserError(f"train.init_lora {lora}: the file adapts {len(ranks)} modules, train.lora.target_modules "
                         f"{len(mine)} (e.g. only in the file: {sorted(set(ranks) - mine)[:3]}, only in the config: "
-                        f"{sorted(mine - set(ranks))[:3]}); set train.lora.target_modules to the file's modules")
+                        f"{sorted(mine - set(ranks))[:3]}); set the file's modules: --set "
+                        f"'train.lora.target_modules={_target_list(transformer, set(ranks))}'")
     file_alpha = (config or {}).get("lora_alpha", peft_cfg.r)
     factor = float(file_alpha) / float(peft_cfg.lora_alpha)
     if factor != 1.0:
         state = {k: v * factor if k.endswith(".lora_B.weight") else v for k, v in state.items()}
     load_lora(transformer, lora, adapter_name, state={k: v.float() for k, v in state.items()})
+
+
+def _target_list(transformer, modules: set[str]) -> str:
+    """`modules` as a target_modules value to paste (YAML flow list): the short names (peft matches a name's
+    suffix; `to_out.0`, not `0`) when they select exactly these modules of the model, else the full names."""
+    def short(name: str) -> str:
+        parts = name.split(".")
+        return ".".join(parts[-2:]) if parts[-1].isdigit() and len(parts) > 1 else parts[-1]
+
+    linear = set()
+    for name, m in transformer.named_modules():
+        parts = name.split(".")
+        if isinstance(m, torch.nn.Linear) and not any(p.startswith(("lora_", "hada_", "lokr_")) for p in parts):
+            linear.add(name.removesuffix(".base_layer"))
+    names = sorted({short(m) for m in modules})
+    selected = {n for n in linear if any(n == s or n.endswith("." + s) for s in names)}
+    return "[" + ", ".join(names if selected == modules else sorted(modules)) + "]"
 
 
 def attach_lora(transformer, lora: str | Path, scale: float = 1.0, adapter_name: str = "lora") -> None:

@@ -19,6 +19,7 @@ path unchanged, so it is bit-identical to the stock processor.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from math import prod
 
 import torch
@@ -96,6 +97,21 @@ class PerSampleRope(nn.Module):
                 txt = torch.cat([txt[: sample.text_len], neutral.expand(txt_len - sample.text_len, txt.shape[1])])
             txt_rows.append(txt)
         return torch.stack(img_rows), torch.stack(txt_rows)
+
+
+def text_positions_left(img_shapes, scale_rope: bool = True) -> int:
+    """How many text tokens the stock RoPE table holds next to these images: diffusers' `QwenEmbedRope` builds a
+    fixed table (4096 positions) and starts the text at the largest image extent (as `PerSampleRope` does); a
+    longer text has no positions and the transformer fails. Read from an instance, so the number follows diffusers."""
+    extent = 0
+    for _, height, width in img_shapes or ():
+        extent = max(extent, max(height // 2, width // 2) if scale_rope else max(height, width))
+    return _rope_table_positions() - extent
+
+
+@lru_cache(maxsize=1)
+def _rope_table_positions() -> int:
+    return int(QwenEmbedRope(theta=10000, axes_dim=[16, 56, 56], scale_rope=True).pos_freqs.shape[0])
 
 
 def _apply_rope(x: Tensor, freqs: Tensor) -> Tensor:

@@ -57,7 +57,16 @@ app.add_typer(lora.lora_app, name="lora", help="LoRA utilities.")
 app.command("demo", help="Tiny model + synthetic data + every stage end to end, then a report.")(demo.command)
 
 
+def _terminate(signum, frame) -> None:
+    # SIGTERM's default kills the process at once: no finally block, no atexit (read leases, locks, temp files
+    # stay behind). As SystemExit in the main thread, everything unwinds as on Ctrl-C.
+    raise SystemExit(128 + signum)
+
+
 def main() -> None:  # pragma: no cover
+    import signal
+
+    signal.signal(signal.SIGTERM, _terminate)
     app()
 
 

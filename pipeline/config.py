@@ -49,9 +49,13 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         if not p.is_file():
             raise ConfigError(f"config file not found: {p}")
         try:
-            loaded = yaml.safe_load(p.read_text()) or {}
+            loaded = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file {p} is not UTF-8 text (byte {e.start}): pass a YAML file") from None
+        except OSError as e:
+            raise ConfigError(f"config file {p} cannot be read: {e.strerror or e}") from None
         except yaml.YAMLError as e:
-            raise ConfigError(f"config file {p} is not valid YAML: {e}") from e
+            raise ConfigError(f"config file {p} is not valid YAML: {e}") from None
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {p} must hold a mapping of sections, got {type(loaded).__name__}")
         data = loaded

@@ -17,7 +17,8 @@ from schemas.lineage import FEATURES, IDENTITY, THROUGHPUT, Role, added_later, s
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # allow_inf_nan=False: `.inf` / `.nan` (valid YAML floats) are refused for every float setting with its key
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
     def fingerprint(self) -> str:
         """Stable hash of the settings that change what this section's stage produces (features + identity)."""
@@ -67,11 +68,14 @@ class ResizeConfig(Section):
     max_controls: Annotated[int, IDENTITY] = Field(3, ge=0)
     min_controls: Annotated[int, IDENTITY] = Field(0, ge=0)
     max_image_pixels: Annotated[int, IDENTITY] = Field(64 * 1024 * 1024, gt=0, description="larger images are rejected (decompression bombs)")
+    max_file_bytes: Annotated[int, added_later("identity")] = Field(
+        1 << 30, gt=0, description="larger source files are quarantined unread (only regular files are read at all)")
     val_fraction: Annotated[float, IDENTITY] = Field(0.1, ge=0.0, lt=1.0)
     shard_size_mb: Annotated[float, THROUGHPUT] = Field(256, gt=0, description="images table shard size (fractions allowed, e.g. for tests)")
     workers: Annotated[int, THROUGHPUT] = Field(0, ge=0, description="processes decoding/resizing/encoding PNGs (0 = in the main process)")
 
 
+Sigma = Annotated[float, Field(gt=0.0, le=1.0)]  # a noise level σ of the flow: 0 (clean) excluded, 1 = pure noise
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 _DTYPE_HELP = "auto = bfloat16 on a CUDA device that supports it, float32 on the CPU (models/precision.py)"
 
@@ -120,7 +124,7 @@ class EncodeVaeConfig(Section):
 
 class LoraConfig(Section):
     rank: Annotated[int, FEATURES] = Field(16, gt=0)
-    alpha: Annotated[float | None, FEATURES] = Field(None, description="None = rank")
+    alpha: Annotated[float | None, FEATURES] = Field(None, gt=0, description="None = rank")
     dropout: Annotated[float, FEATURES] = Field(0.0, ge=0.0, lt=1.0)
     target_modules: Annotated[list[str], FEATURES] = ["to_q", "to_k", "to_v", "to_out.0"]
     init_weights: Annotated[Literal["gaussian", "default"], FEATURES] = "gaussian"
@@ -132,7 +136,7 @@ class LoraConfig(Section):
 class SigmaConfig(Section):
     sampling: Annotated[Literal["uniform", "logit_normal", "shift", "dynamic_shift"], FEATURES] = "logit_normal"
     logit_mean: Annotated[float, FEATURES] = 0.0
-    logit_std: Annotated[float, FEATURES] = 1.0
+    logit_std: Annotated[float, FEATURES] = Field(1.0, gt=0)
     shift: Annotated[float, FEATURES] = Field(3.0, gt=0)
     base_shift: Annotated[float, FEATURES] = 0.5
     max_shift: Annotated[float, FEATURES] = 0.9
@@ -175,11 +179,11 @@ class TrainConfig(Section):
     max_steps: Annotated[int, _DECAYING_LR_ONLY] = Field(100, gt=0)
     learning_rate: Annotated[float, FEATURES] = Field(1e-4, gt=0)
     weight_decay: Annotated[float, FEATURES] = Field(0.0, ge=0)
-    adam_betas: Annotated[tuple[float, float], FEATURES] = (0.9, 0.999)
-    adam_eps: Annotated[float, FEATURES] = 1e-8
+    adam_betas: Annotated[tuple[Annotated[float, Field(ge=0.0, lt=1.0)], Annotated[float, Field(ge=0.0, lt=1.0)]], FEATURES] = (0.9, 0.999)
+    adam_eps: Annotated[float, FEATURES] = Field(1e-8, gt=0)
     warmup_steps: Annotated[int, FEATURES] = Field(0, ge=0)
     lr_schedule: Annotated[Literal["constant", "cosine", "linear"], FEATURES] = "constant"
-    max_grad_norm: Annotated[float | None, FEATURES] = 1.0
+    max_grad_norm: Annotated[float | None, FEATURES] = Field(1.0, gt=0)
     mixed_precision: Annotated[Literal["no", "bf16", "fp16"], FEATURES] = "no"
     gradient_checkpointing: Annotated[bool, _HASHED_AS_BEFORE] = False
     quantize_base: Annotated[Quantize, FEATURES] = Field("none", description=_QUANTIZE_HELP)
@@ -220,7 +224,7 @@ class TrainConfig(Section):
                                    "instruction encoded without its control images (needs encode_text.no_control_embeds)")
     validate_every: Annotated[int | None, THROUGHPUT] = Field(None, gt=0, description="held-out loss on the val split every N steps")
     validate_max_samples: Annotated[int, THROUGHPUT] = Field(8, gt=0, description="validation: first N val samples (by key)")
-    validate_timesteps: Annotated[list[float], THROUGHPUT] = Field([0.25, 0.5, 0.75], min_length=1, description="validation σ grid")
+    validate_timesteps: Annotated[list[Sigma], THROUGHPUT] = Field([0.25, 0.5, 0.75], min_length=1, description="validation σ grid")
     validate_noise_seeds: Annotated[list[int], THROUGHPUT] = Field([0], min_length=1, description="validation noise seeds")
     sample_every: Annotated[int | None, THROUGHPUT] = Field(None, gt=0, description="generate val samples every N steps -> RUN/samples")
     sample_count: Annotated[int, THROUGHPUT] = Field(2, gt=0, description="val samples per sample grid")
@@ -253,7 +257,7 @@ class EvaluateConfig(Section):
     dtype: Annotated[DType, FEATURES] = Field("auto", description=_DTYPE_HELP)
     quantize_base: Annotated[Quantize, FEATURES] = Field("none", description=_QUANTIZE_HELP)
     seed: Annotated[int, FEATURES] = Field(1234, description="generation seed (the same for base and LoRA, for every sample)")
-    timesteps: Annotated[list[float], FEATURES] = Field([0.1, 0.3, 0.5, 0.7, 0.9], min_length=1, description="sigma grid of the held-out loss")
+    timesteps: Annotated[list[Sigma], FEATURES] = Field([0.1, 0.3, 0.5, 0.7, 0.9], min_length=1, description="sigma grid of the held-out loss")
     noise_seeds: Annotated[list[int], FEATURES] = Field([0, 1], min_length=1, description="fixed noise draws of the held-out loss")
     batch_size: Annotated[int, THROUGHPUT] = Field(8, gt=0, description="held-out loss: (sample, seed, sigma) rows per forward")
     max_loss_samples: Annotated[int | None, FEATURES] = Field(256, gt=0, description="cap on val samples for the held-out loss (the "
@@ -271,6 +275,9 @@ class EvaluateConfig(Section):
     on_damaged: Annotated[Literal["stop", "skip"], IDENTITY] = _on_damaged(
         "val sample in text/vae", "leave it out (named in the summary and metrics.json)")
     max_damaged_fraction: Annotated[float, THROUGHPUT] = _max_damaged_fraction("the val samples")
+    on_nonfinite: Annotated[Literal["stop", "skip"], added_later("identity")] = Field(
+        "stop", description="a val sample whose held-out loss is NaN/inf (base or LoRA): stop naming the samples, "
+        "or leave it out of every mean (counted and named in the summary and metrics.json)")
     max_dropped_fraction: Annotated[float, THROUGHPUT] = Field(
         0.05, ge=0.0, le=1.0, description="fail when more than this share of the val split is missing from the "
         "text or vae table (as train.max_dropped_fraction for the train split)")

@@ -99,3 +99,68 @@ def unseal(data: bytes) -> dict[str, Any]:
 def is_sealed(data: bytes) -> bool:
     """Does the file claim a checksum at all (a legacy file has none; a damaged sealed file still has the key)."""
     return b'"checksum": "' in data or b'"crc32c:' in data
+
+
+# ---------------------------------------------------------------- a folder's files, recorded in sealed JSON
+# (a checkpoint's resume.json, the final LoRA's checksums.json: the one way a written folder is checked later)
+
+FOLDER_RECORD = "checksums.json"
+
+
+def folder_checksums(folder: Path, skip: tuple[str, ...] = ()) -> dict[str, dict[str, Any]]:
+    """{relative path: {"nbytes", "crc32c"}} of every file under `folder` but the `skip` names."""
+    out = {}
+    for p in sorted(folder.rglob("*")):
+        if p.is_file() and p.name not in skip:
+            crc, n = file_crc(p)
+            out[p.relative_to(folder).as_posix()] = {"nbytes": n, "crc32c": crc}
+    return out
+
+
+def file_mismatch(folder: Path, name: str, entry: dict[str, Any]) -> str | None:
+    """What is wrong with `folder/name` against its recorded entry ("x is missing", "x is damaged (...)"), or None."""
+    path = folder / name
+    if not path.is_file():
+        return f"{name} is missing"
+    crc, n = file_crc(path)
+    if (n, crc) != (entry.get("nbytes"), entry.get("crc32c")):
+        return (f"{name} is damaged ({n} bytes, crc32c {crc}; recorded {entry.get('nbytes')} bytes, "
+                f"crc32c {entry.get('crc32c')})")
+    return None
+
+
+def write_folder_record(folder: Path, extra: dict[str, Any] | None = None) -> None:
+    """Seal the sizes and CRC32Cs of `folder`'s files into `folder/checksums.json` (call inside the temp folder,
+    before its commit)."""
+    (folder / FOLDER_RECORD).write_bytes(seal({**(extra or {}), "files": folder_checksums(folder, (FOLDER_RECORD,))}))
+
+
+def check_recorded(path: Path, records: tuple[str, ...] = (FOLDER_RECORD, "resume.json"), levels: int = 2) -> None:
+    """Check one file against the sealed record of the folder holding it (its own folder's `checksums.json`, or
+    up to `levels` folders up: a checkpoint's `resume.json` covers `lora/<file>`); a UserError when it differs.
+    A file no record names (written elsewhere) passes: there is nothing to check it against."""
+    from schemas.errors import UserError
+
+    path = Path(path)
+    folder = path.parent
+    for _ in range(levels):
+        for name in records:
+            record = folder / name
+            if not record.is_file():
+                continue
+            try:
+                data = record.read_bytes()
+                if not is_sealed(data):  # a record from before checksums (plain JSON): nothing to check against
+                    continue
+                files = unseal(data).get("files") or {}
+            except (OSError, SealError) as e:
+                raise UserError(f"{path}: its checksum record {record} is damaged ({e}); the file cannot be "
+                                "trusted: use an intact copy or rerun the command that wrote it") from None
+            rel = path.resolve().relative_to(folder.resolve()).as_posix()
+            if rel in files:
+                problem = file_mismatch(folder, rel, files[rel])
+                if problem:
+                    raise UserError(f"{folder}: {problem}, checked against {record}; the file changed after it "
+                                    "was written: use an intact copy or rerun the command that wrote it")
+                return
+        folder = folder.parent

@@ -18,6 +18,7 @@ from __future__ import annotations
 import fcntl
 import os
 import shutil
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -57,7 +58,7 @@ def _kept(root: Path, current: dict[str, int] | list[tuple[str, int]]) -> set[tu
 def _writer_active(table_dir: Path) -> bool:
     """True when some process holds a writer lock of this table (it may be filling an incomplete version)."""
     for lock in table_dir.glob(".write-r*.lock"):
-        fd = os.open(lock, os.O_RDWR)
+        fd = os.open(lock, os.O_RDONLY)  # flock needs no write access: a read-only store can be planned
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             fcntl.flock(fd, fcntl.LOCK_UN)
@@ -99,7 +100,8 @@ def plan(root: Path) -> GcPlan:
 
 def collect(root: Path, dry_run: bool = False, echo: Callable[[str], None] = print) -> GcPlan:
     root = Path(root)
-    with fmt.flock(root / fmt.STORE_LOCK):
+    # a dry run changes nothing, so it needs no store lock (which a read-only store cannot create)
+    with (nullcontext() if dry_run else fmt.flock(root / fmt.STORE_LOCK)):
         p = plan(root)
         for vdir in p.remove:
             echo(f"{'would remove' if dry_run else 'remove'} {vdir.relative_to(root)}")

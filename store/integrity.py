@@ -38,7 +38,18 @@ def store_root(vdir: Path) -> Path:
     return vdir.parent.parent
 
 
-def repair_hint(vdir: Path) -> str:
+_PRODUCER = {"images": "resize-bucket", "text": "encode-text", "vae": "encode-vae"}
+
+
+def repair_hint(vdir: Path, name: str | None = None) -> str:
+    """The advice that works for damage to `name` of version `vdir`: repair recomputes damaged samples and
+    rebuilds a manifest, but a version whose schema.json or checksums.json is damaged has lost its identity, so
+    only rerunning its stage (a new version) helps; saying "repair" there would go in a circle."""
+    if name in (fmt.SCHEMA_JSON, fmt.CHECKSUMS):
+        stage = _PRODUCER.get(vdir.parent.name)
+        how = f"`pipeline run {stage}` with the same store, model and config" if stage else "the stage that wrote it"
+        return (f"rerun {how}: it writes a new version of '{vdir.parent.name}' (reusing its intact samples); "
+                "`pipeline store repair` cannot rebuild this file")
     return f"run `pipeline store repair {store_root(vdir)}`"
 
 
@@ -84,17 +95,17 @@ def read_version_checksums(vdir: Path) -> dict[str, dict[str, Any]] | None:
         ):
             raise SealError("unexpected content")
     except (SealError, KeyError, TypeError) as e:
-        raise DamagedData(f"{path} is damaged ({e}); {repair_hint(vdir)}") from None
+        raise DamagedData(f"{path} is damaged ({e}); {repair_hint(vdir, fmt.CHECKSUMS)}") from None
     return files
 
 
 def check_bytes(vdir: Path, name: str, data: bytes, sums: dict[str, dict[str, Any]]) -> None:
     entry = sums.get(name)
     if entry is None:
-        raise DamagedData(f"{where(vdir)}: {name} is not listed in {fmt.CHECKSUMS}; {repair_hint(vdir)}")
+        raise DamagedData(f"{where(vdir)}: {name} is not listed in {fmt.CHECKSUMS}; {repair_hint(vdir, fmt.CHECKSUMS)}")
     if len(data) != entry["nbytes"] or crc_hex(data) != entry["crc32c"]:
         raise DamagedData(f"{where(vdir)}: {name} is damaged ({len(data)} bytes, crc32c {crc_hex(data)}; "
-                          f"recorded {entry['nbytes']} bytes, crc32c {entry['crc32c']}); {repair_hint(vdir)}")
+                          f"recorded {entry['nbytes']} bytes, crc32c {entry['crc32c']}); {repair_hint(vdir, name)}")
 
 
 def read_checked(vdir: Path, name: str, sums: dict[str, dict[str, Any]] | None) -> bytes:
@@ -102,7 +113,7 @@ def read_checked(vdir: Path, name: str, sums: dict[str, dict[str, Any]] | None) 
     try:
         data = (vdir / name).read_bytes()
     except FileNotFoundError:
-        raise DamagedData(f"{where(vdir)}: {name} is missing; {repair_hint(vdir)}") from None
+        raise DamagedData(f"{where(vdir)}: {name} is missing; {repair_hint(vdir, name)}") from None
     if sums is not None:
         check_bytes(vdir, name, data, sums)
     return data

@@ -80,7 +80,7 @@ def mapped_checked(vdir: Path, name: str, sums: dict[str, dict[str, Any]] | None
     try:
         mapped = pa.memory_map(os.path.join(str(vdir), name))
     except FileNotFoundError:
-        raise DamagedData(f"{integrity.where(vdir)}: {name} is missing; {integrity.repair_hint(vdir)}") from None
+        raise DamagedData(f"{integrity.where(vdir)}: {name} is missing; {integrity.repair_hint(vdir, name)}") from None
     data = mapped.read_buffer()  # holds the map open for as long as the buffer (or a column sliced from it) lives
     mapped.close()  # the descriptor: the buffer keeps the map itself
     if sums is not None:
@@ -146,7 +146,8 @@ class ManifestView:
         if missing:
             raise UserError(f"{path}: missing columns {missing} (see docs/store-format.md)")
         if sums is None and CHECKSUM_COLUMNS & set(names):
-            raise DamagedData(f"{integrity.where(vdir)}: {fmt.CHECKSUMS} is missing; {integrity.repair_hint(vdir)}")
+            raise DamagedData(f"{integrity.where(vdir)}: {fmt.CHECKSUMS} is missing; "
+                              f"{integrity.repair_hint(vdir, fmt.CHECKSUMS)}")
         view = cls(vdir, table, version, schema, names, sums, manifest_bytes=manifest_bytes)
         if not view.keys_sorted and pc.count_distinct(view.key_array).as_py() != len(view.key_array):
             raise UserError(f"{path}: duplicate keys; run `pipeline store verify` on the store")

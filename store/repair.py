@@ -18,6 +18,7 @@ in complete versions by killed writes are removed.
 from __future__ import annotations
 
 import os
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -49,10 +50,15 @@ class TablePlan:
     manifest_rebuilt: bool = False
     unrepairable: str | None = None
     new_version: int | None = None
+    # damaged files the manifest makes redundant (shard indexes, rank-NN.done): a new version gets fresh ones
+    derived_damaged: list[str] = field(default_factory=list)
+    # shards with bytes appended after their recorded end (every sample intact): carried as their first N bytes
+    trimmed: dict[str, int] = field(default_factory=dict)
 
     @property
     def needs_repair(self) -> bool:
-        return self.unrepairable is None and bool(self.damaged or self.copied or self.manifest_rebuilt)
+        return self.unrepairable is None and bool(self.damaged or self.copied or self.manifest_rebuilt
+                                                  or self.derived_damaged or self.trimmed)
 
 
 @dataclass
@@ -124,7 +130,7 @@ def scan_table(root: Path, table: str, version: int, progress: bool = True) -> T
         sums = integrity.read_version_checksums(vdir)
         read_schema(vdir, integrity.read_checked(vdir, fmt.SCHEMA_JSON, sums))
     except UserError as e:
-        plan.unrepairable = f"{e} (the table's identity is lost: rerun its stage, which writes a new version)"
+        plan.unrepairable = str(e)  # the advice in it says which stage to rerun (integrity.repair_hint)
         return plan
     manifest = _manifest(vdir, sums, plan)
     if manifest is None:
@@ -147,10 +153,35 @@ def scan_table(root: Path, table: str, version: int, progress: bool = True) -> T
         if problem is not None:
             plan.damaged[key] = problem
             shards_with_damage.add(shard)
+    for shard in sorted(shards_with_damage - {s for k, s in zip(reader.keys(), shard_col) if k in plan.damaged}):
+        want = sums.get(shard) if sums is not None else None
+        if want is not None and _grown_intact(vdir / shard, want):
+            plan.trimmed[shard] = want["nbytes"]
+    shards_with_damage -= set(plan.trimmed)
     plan.copied = [k for k, s in zip(reader.keys(), shard_col) if s in shards_with_damage and k not in plan.damaged]
-    plan.intact_shards = sorted(set(shard_col) - shards_with_damage)
+    if sums is not None:  # without this, verify fails on such a file forever while repair finds nothing to do
+        derived = {n: e for n, e in sums.items() if n not in (fmt.MANIFEST, fmt.SCHEMA_JSON) and n not in set(shard_col)}
+        plan.derived_damaged = sorted(n for n, e in derived.items() if not (vdir / n).is_file()
+                                      or file_crc(vdir / n) != (e["crc32c"], e["nbytes"]))
+    plan.intact_shards = sorted(set(shard_col) - shards_with_damage - set(plan.trimmed))
     reader.close()
     return plan
+
+
+def _grown_intact(path: Path, want: dict) -> bool:
+    """The shard is longer than recorded and its first recorded bytes are exactly the recorded ones."""
+    import crc32c
+
+    try:
+        if path.stat().st_size <= want["nbytes"]:
+            return False
+        value, left = 0, want["nbytes"]
+        with open(path, "rb") as f:
+            while left and (chunk := f.read(min(left, 8 << 20))):
+                value, left = crc32c.crc32c(chunk, value), left - len(chunk)
+        return left == 0 and f"{value:08x}" == want["crc32c"]
+    except OSError:
+        return False
 
 
 def _reader_on(vdir: Path, table: str, version: int, manifest: pa.Table) -> TableReader:
@@ -163,6 +194,8 @@ def scan(root: Path, progress: bool = True) -> RepairPlan:
         raise UserError(f"no store at {root} (no store.json)")
     plan = RepairPlan(root)
     plan.current, plan.store_json = _current_versions(root)
+    # temp files of a killed atomic write of store.json (`.store.json.tmp-<pid>`) whose writer is gone
+    plan.litter += [p for p in sorted(root.iterdir()) if p.is_file() and fmt.is_litter(p.name) and not _pid_alive(p.name)]
     for table in sorted(plan.current, key=lambda t: (TABLE_ORDER.get(t, 9), t)):
         for v in fmt.list_versions(root, table):
             vdir = fmt.version_dir(root, table, v)
@@ -170,6 +203,19 @@ def scan(root: Path, progress: bool = True) -> RepairPlan:
                 plan.litter += [p for p in vdir.iterdir() if fmt.is_litter(p.name)]
         plan.tables.append(scan_table(root, table, plan.current[table], progress))
     return plan
+
+
+def _pid_alive(name: str) -> bool:
+    tail = name.rsplit(".tmp-", 1)[-1]
+    if not tail.isdigit():
+        return False
+    try:
+        os.kill(int(tail), 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
 
 
 def describe(plan: RepairPlan) -> list[str]:
@@ -187,6 +233,10 @@ def describe(plan: RepairPlan) -> list[str]:
             lines.append(f"{name}: intact ({t.samples} samples)")
         else:
             extra = ", manifest rebuilt from the shard indexes" if t.manifest_rebuilt else ""
+            if t.trimmed:
+                extra += f", bytes appended after {', '.join(t.trimmed)} dropped (its samples intact)"
+            if t.derived_damaged:
+                extra += f", damaged {', '.join(t.derived_damaged)} written afresh in the new version"
             lines.append(f"{name}: {len(t.damaged)} damaged sample(s) to recompute "
                          f"({', '.join(sorted(t.damaged)[:5])}{' …' if len(t.damaged) > 5 else ''}), "
                          f"{len(t.intact_shards)} intact shard(s) carried forward, {len(t.copied)} intact sample(s) "
@@ -277,6 +327,16 @@ def _repair_table(st, t: TablePlan, recompute: Recompute | None, echo: Callable[
     try:
         for shard in t.intact_shards:
             w.carry_shard(vdir, shard, manifest.filter(pc.equal(manifest.column("shard"), shard)))
+        for shard, nbytes in t.trimmed.items():  # the recorded bytes only, as a new file (versions are immutable)
+            trim_dir = vdir.parent / f".trim-v{t.version}"
+            trim_dir.mkdir(exist_ok=True)
+            with open(vdir / shard, "rb") as src, open(trim_dir / shard, "wb") as dst:
+                left = nbytes
+                while left and (chunk := src.read(min(left, 8 << 20))):
+                    dst.write(chunk)
+                    left -= len(chunk)
+            w.carry_shard(trim_dir, shard, manifest.filter(pc.equal(manifest.column("shard"), shard)))
+            shutil.rmtree(trim_dir, ignore_errors=True)
         for key in t.copied:
             if key not in w.done_keys:
                 s = reader.get(key)  # checked: only intact bytes are copied

@@ -56,12 +56,14 @@ def verify_store(root: Path, progress: bool = True) -> list[str]:
                     found = verify_version(vdir, f"{table}/v{v}", progress)
                 except Exception as e:  # noqa: BLE001 - verify reports, it never crashes
                     found = [f"{table}/v{v}: cannot be checked ({type(e).__name__}: {e})"]
+                found = [_one_line(p) for p in found]
                 problems += found
                 # Recorded in the store, so the stage that wrote the version recomputes its damaged samples on
                 # its next run instead of calling it up to date (temp files left by killed writes are not damage).
                 damage = [p for p in found if not p.endswith(LITTER_NOTE)]
                 if damage:
                     integrity.record_damage(vdir, problems=damage)
+    problems += [f"{p.name}: {LITTER_NOTE}" for p in sorted(root.iterdir()) if p.is_file() and fmt.is_litter(p.name)]
     if (root / fmt.QUARANTINE).is_file():
         try:
             cols = set(quarantine.read(root).column_names)
@@ -71,6 +73,11 @@ def verify_store(root: Path, progress: bool = True) -> list[str]:
         except Exception as e:  # noqa: BLE001 - any unreadable parquet is one reported problem
             problems.append(f"{fmt.QUARANTINE}: unreadable ({e})")
     return problems
+
+
+def _one_line(problem: str) -> str:
+    """Library messages (pyarrow's parquet errors) carry newlines; verify's contract is one line per problem."""
+    return " ".join(problem.split())
 
 
 def _file_problems(vdir: Path, name: str, sums: dict[str, dict[str, Any]]) -> list[str]:

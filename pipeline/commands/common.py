@@ -67,8 +67,9 @@ def config_from(path: Path | None, overrides: dict[str, Any], sets: list[str] = 
 
 
 @contextmanager
-def user_errors() -> Iterator[None]:
-    """Turn expected errors (bad input, missing table, ...) into one red line and exit 1, not a traceback."""
+def user_errors(output: Path | str | None = None) -> Iterator[None]:
+    """Turn expected errors (bad input, missing table, ...) into one red line and exit 1, not a traceback.
+    `output`: the folder or file the command writes, named when a full disk does not say which file it hit."""
     from schemas.errors import UserError
 
     from store.io_errors import describe
@@ -78,12 +79,35 @@ def user_errors() -> Iterator[None]:
     except (UserError, ConfigError) as e:
         typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
         raise typer.Exit(1) from None
+    except (FileExistsError, NotADirectoryError) as e:  # e.g. --out / --store naming an existing file
+        name = e.filename or output
+        typer.secho(f"error: {name} (or a folder on its path) is a file, not a folder: pass a folder path",
+                    fg=typer.colors.RED, err=True)
+        raise typer.Exit(1) from None
     except Exception as e:  # a full disk / read-only folder missed by a closer handler: still one line
-        err = describe(e, "output", Path(getattr(e, "filename", None) or "."))
+        err = describe(e, "output", Path(getattr(e, "filename", None) or output or "."))
         if err is None:
             raise
         typer.secho(f"error: {err}", fg=typer.colors.RED, err=True)
         raise typer.Exit(1) from None
+
+
+def checked_lora(lora: Path | str, model: str | None = None, strict_base: bool = False) -> None:
+    """Before a LoRA is applied: its file matches the checksum record train sealed beside it (finite values are
+    checked by the loader itself), and, given MODEL, it was trained on that base (a warning, or with
+    `strict_base` an error, when its recorded fingerprint differs)."""
+    from models.lora import check_base_model, lora_weight_file
+
+    from store.checksum import check_recorded
+
+    check_recorded(lora_weight_file(lora))
+    if model is not None:
+        warning = check_base_model(lora, model, strict_base)
+        if warning:
+            typer.secho(f"warning: {warning}", fg=typer.colors.YELLOW, err=True)
+
+
+StrictBaseOpt = typer.Option(False, "--strict-base", help="Refuse a LoRA whose recorded base model differs from --model.")
 
 
 def require(value: Any, flag: str, key: str) -> Any:

@@ -36,7 +36,7 @@ def _command(section: str, stage_module: str, component: str, batch_help: str) -
         mdl = require(cfg.paths.model, "--model", "paths.model")
         run = importlib.import_module(stage_module).run  # the heavy stack loads only when the command runs
 
-        with user_errors(), json_mode(as_json):
+        with user_errors(dst), json_mode(as_json):
             summary = run(cfg, dst, mdl)
         emit(summary, as_json)
 

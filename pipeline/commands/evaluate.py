@@ -51,7 +51,7 @@ def command(
     lora_dir = require(lora_dir, "--lora", "paths.run")
     from stages.evaluate.stage import run
 
-    with user_errors(), json_mode(as_json):
+    with user_errors(report), json_mode(as_json):
         result = run(cfg.evaluate, store_dir, model_id, lora_dir, report)
     emit(result, as_json)
 

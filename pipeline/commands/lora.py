@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from pipeline.commands.common import echo, user_errors
+from pipeline.commands.common import StrictBaseOpt, checked_lora, echo, user_errors
 
 lora_app = typer.Typer(no_args_is_help=True)
 
@@ -20,8 +20,10 @@ def merge(
     scale: float = typer.Option(1.0, "--scale", help="LoRA strength baked into the weights."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="auto | float32 | bfloat16 | float16 (default: as stored)."),
     device: str = typer.Option("cpu", "--device", help="Device the transformer loads onto for the fuse (cpu, cuda:N)."),
+    strict_base: bool = StrictBaseOpt,
 ) -> None:
-    with user_errors():
+    with user_errors(out):
+        checked_lora(lora, model, strict_base)
         path = merge_lora(model, lora, out, scale=scale, dtype=dtype, device=device)
     echo(f"wrote merged model to {path} (loads with diffusers' from_pretrained)")
 
@@ -63,6 +65,7 @@ def export(
 ) -> None:
     from models.lora_export import export_lora
 
-    with user_errors():
+    with user_errors(out):
+        checked_lora(lora)
         path = export_lora(lora, format, out)
     echo(f"wrote {format} LoRA to {path}")

@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from pipeline.commands.common import ConfigOpt, SetOpt, config_from, echo, user_errors
+from pipeline.commands.common import ConfigOpt, SetOpt, StrictBaseOpt, checked_lora, config_from, echo, user_errors
 
 
 def command(
@@ -27,6 +27,7 @@ def command(
     transformer_device: Optional[str] = typer.Option(None, "--transformer-device", help="[predict.devices.transformer]"),
     text_encoder_device: Optional[str] = typer.Option(None, "--text-encoder-device", help="[predict.devices.text_encoder]"),
     vae_device: Optional[str] = typer.Option(None, "--vae-device", help="[predict.devices.vae]"),
+    strict_base: bool = StrictBaseOpt,
     config: Optional[Path] = ConfigOpt,
     set_: list[str] = SetOpt,
 ) -> None:
@@ -42,7 +43,9 @@ def command(
             "predict.devices.vae": vae_device,
         },
     )
-    with user_errors():
+    with user_errors(out):
+        if lora:
+            checked_lora(lora, model, strict_base)
         path = predict(cfg.predict, model, list(image), prompt, out, str(lora) if lora else None, lora_scale,
                        height, width)
     echo(f"wrote {path}")
@@ -62,7 +65,7 @@ def predict(cfg, model: str, images: list[Path], prompt: str, out: Path, lora: s
     for p in images:
         try:
             pil.append(Image.open(p).convert("RGB"))
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, Image.DecompressionBombError) as e:
             raise UserError(f"cannot read image {p}: {e}. Pass a PNG or JPEG file.") from None
     unknown = set(cfg.devices) - set(COMPONENTS)
     if unknown:

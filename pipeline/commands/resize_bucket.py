@@ -48,6 +48,6 @@ def command(
     dst = require(cfg.paths.store, "--store", "paths.store")
     from stages.resize.stage import run
 
-    with user_errors(), json_mode(as_json):
+    with user_errors(dst), json_mode(as_json):
         summary = run(cfg, src, dst)
     emit(summary, as_json)

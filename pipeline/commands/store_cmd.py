@@ -71,6 +71,12 @@ def repair(
     cfg = config_from(config, {"paths.model": model, "paths.source": source})
     with user_errors():
         plan = rp.scan(store)
+        if plan.store_json and not plan.current:
+            from schemas.errors import UserError
+
+            # nothing to rebuild store.json from: a damaged store.json over no table versions is not a store
+            raise UserError(f"{store} is not a store: {plan.store_json}, and it holds no table versions to "
+                            "rebuild it from; pass the store folder (the one `pipeline run` wrote)")
         for line in rp.describe(plan):
             echo(line)
         todo = plan.store_json or plan.litter or any(t.needs_repair or t.unrepairable for t in plan.tables)

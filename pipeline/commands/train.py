@@ -45,7 +45,7 @@ def command(
     run_dir = require(cfg.paths.run, "--out", "paths.run")
     from stages.train.recipe import run
 
-    with user_errors(), json_mode(as_json):
+    with user_errors(run_dir), json_mode(as_json):
         if resume:
             from schemas.errors import UserError
             from stages.train.resume import nothing_to_resume

@@ -177,12 +177,29 @@ def prepare(key: str, sample: dict[str, Any], fmt: PromptFormat, processor,
         inputs = {"input_ids": tokens["input_ids"], "attention_mask": tokens["attention_mask"]}
         inputs.update({k: vision[k] for k in ("pixel_values", "image_grid_thw") if k in vision})
         requests.append(Request(key, kind, inputs))
+        if (too_long := caption_length_rejection(key, requests[-1].num_tokens - fmt.start_idx, meta)) is not None:
+            return too_long
     if nocontrol:  # the instruction alone, no pixels
         with lock:
             tokens = processor.tokenizer([fmt.text_without_images(str(meta.get("caption") or ""))], return_tensors="pt")
         requests.append(Request(key, NOCONTROL, {"input_ids": tokens["input_ids"],
                                                  "attention_mask": tokens["attention_mask"]}))
     return requests
+
+
+def caption_length_rejection(key: str, text_tokens: int, meta: dict[str, Any]) -> Rejected | None:
+    """Quarantine a prompt with more tokens than the transformer has text positions next to the sample's images
+    (`models.multires.text_positions_left`). Not truncated: the stock edit pipelines neither truncate nor check
+    (their `max_sequence_length` is never applied), so a truncated embedding is one no stock pipeline makes and a
+    silently shortened instruction; the stored text stays exactly what the stock pipeline would encode."""
+    from models.multires import text_positions_left
+
+    left = text_positions_left(meta.get("img_shapes"))
+    if text_tokens <= left:
+        return None
+    return Rejected("caption too long", f"the prompt is {text_tokens} tokens (caption, template and image tokens), "
+                    f"the transformer has {left} text positions next to this sample's images (its RoPE table); "
+                    "shorten the caption", key=key)
 
 
 def fill_image_slots(text: str, image_token: str, slots: list[str]) -> str:

@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 from models.flow import flow_loss
 from models.loading import load_component, parse_dtype
 from models.lora import attach_lora, lora_weight_file
+from store.checksum import check_recorded
 from models.attention import use_attention_backend
 from models.multires import install_multires
 from models.precision import check_loaded_dtype, describe
@@ -41,6 +42,7 @@ from models.generate import Conditioning, generate
 from schemas.img_shapes import PIXELS_PER_PATCH
 from schemas.stage import few
 from models.held_out import MASK_NOTE, bucket_of, loss_grid, loss_summary  # noqa: F401 (re-exported)
+from stages.evaluate.nonfinite import finite_rows
 from stages.evaluate.report import SampleRow, psnr, ssim, write_report
 from store import Store, TableReader
 from store.join import JoinedTables, open_configured
@@ -99,7 +101,16 @@ def held_out_loss(transformer, samples: list[TrainSample], cfg: EvaluateConfig) 
         with lora_enabled(transformer, on):
             grids[name] = loss_grid(transformer, samples, list(cfg.noise_seeds), [float(t) for t in cfg.timesteps],
                                     cfg.batch_size, desc=f"held-out loss ({name})")
-    return loss_summary(grids, samples, list(cfg.noise_seeds), [float(t) for t in cfg.timesteps], protocol(cfg, samples))
+    # Non-finite losses (evaluate.on_nonfinite): stop naming the samples, or leave those samples out of every mean.
+    per_k = len(cfg.noise_seeds) * len(cfg.timesteps)
+    row_keys = [s.key for s in samples for _ in range(per_k)]
+    kept_rows, nonfinite = finite_rows(row_keys, {m: g[..., 0].reshape(-1).tolist() for m, g in grids.items()},
+                                       cfg.on_nonfinite)
+    kept = sorted({i // per_k for i in kept_rows})
+    result = loss_summary({m: g[kept] for m, g in grids.items()}, [samples[i] for i in kept], list(cfg.noise_seeds),
+                          [float(t) for t in cfg.timesteps], protocol(cfg, samples))
+    result["nonfinite_samples"] = nonfinite  # left out of every mean (evaluate.on_nonfinite=skip)
+    return result
 
 
 def protocol(cfg: EvaluateConfig, samples: list[TrainSample]) -> str:
@@ -295,6 +306,10 @@ class EvaluateResult:
         overall = self.metrics["loss"]["overall"]
         line = (f"held-out loss on {overall['n']} val samples: base {overall['base']:.4f} -> LoRA "
                 f"{overall['lora']:.4f}; report: {self.report}")
+        nonfinite = self.metrics["loss"].get("nonfinite_samples")
+        if nonfinite:
+            line += (f"\nleft out {len(nonfinite)} val sample(s) with a non-finite loss (evaluate.on_nonfinite=skip; "
+                     f"listed in metrics.json loss.nonfinite_samples): {few(nonfinite)}")
         if self.damaged:
             line += (f"\nskipped {len(self.damaged)} damaged val sample(s) (evaluate.on_damaged=skip; listed in "
                      f"metrics.json run.damaged_samples): {few(self.damaged)}")
@@ -325,6 +340,14 @@ def load_transformer(cfg: EvaluateConfig, model: str):
     return transformer
 
 
+def _only_report_files(out: Path) -> bool:
+    """Does `out` hold nothing but what the report writer writes (an interrupted report: a full disk or a kill
+    before metrics.json, written last)? Then the rerun may write over it; anything else is someone's folder."""
+    from store.format import is_litter
+
+    return all(p.name in ("grid.png", "index.html") or (p.is_file() and is_litter(p.name)) for p in out.iterdir())
+
+
 def run(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, out: str | Path,
         skip_if_done: bool = False) -> EvaluateResult:
     """Evaluate base vs LoRA on the store's val split and write the report into `out`. `skip_if_done`: reuse a
@@ -333,12 +356,13 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, ou
     started = time.perf_counter()
     if skip_if_done and report_up_to_date(cfg, store, model, lora, out):
         return EvaluateResult(json.loads((out / "metrics.json").read_text()), out / "index.html", up_to_date=True)
-    if out.is_dir() and any(out.iterdir()) and not (out / "metrics.json").is_file():
+    if out.is_dir() and not (out / "metrics.json").is_file() and not _only_report_files(out):
         raise UserError(f"{out} is not empty and holds no earlier report: pass a new or empty --out folder")
     requested = cfg.dtype
     cfg = resolved_config(cfg)
     tqdm.write(describe("evaluate", parse_dtype(cfg.dtype), cfg.device, requested)
                + (f", quantize_base {cfg.quantize_base}" if cfg.quantize_base != "none" else ""))
+    check_recorded(lora_weight_file(lora))  # the file train sealed: a flipped bit is refused, not evaluated
     inputs = evaluate_inputs(cfg, store, model, lora)
     tables, samples = read_val_samples(cfg, store, model)
     damaged = dict(tables.damaged)

@@ -17,6 +17,11 @@ Layouts:
   a run of consecutive members sharing the key (member path up to the first dot of its base name).
 - JSONL: one object per line: `target` (path), `controls` (list of paths; `control` alone also accepted),
   `caption` or `prompt` (text), optional `mask` (path). Relative paths are relative to the JSONL file's folder.
+
+What is read (every format): only regular files (a device, FIFO or socket is never opened for reading: /dev/zero
+would be read without end), of at most `resize.max_file_bytes`; never outside the source through a symlink or
+`..` (a folder source: its folder; a JSONL source: the JSONL file's folder for relative paths; absolute JSONL
+paths are read where they point, as documented). Each refusal quarantines the sample with the reason.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import hashlib
 import json
 import os
 import re
+import stat
 import tarfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -34,6 +40,7 @@ from schemas.errors import UserError
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".tif", ".tiff", ".bmp", ".gif")  # = imaging.ALLOWED_FORMATS
 _CONTROL_DIR = re.compile(r"^control(?:_(\d+))?$")
+DEFAULT_MAX_FILE_BYTES = 1 << 30  # = ResizeConfig.max_file_bytes' default
 
 
 @dataclass
@@ -75,9 +82,9 @@ def detect_format(source: str | Path) -> str:
                     "(the three layouts: docs/resize-bucket.md, 'Sources')")
 
 
-def iter_source(source: str | Path) -> Iterator[SourceSample]:
+def iter_source(source: str | Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES) -> Iterator[SourceSample]:
     fmt = detect_format(source)
-    return {"folder": iter_folder, "webdataset": iter_webdataset, "jsonl": iter_jsonl}[fmt](Path(source))
+    return {"folder": iter_folder, "webdataset": iter_webdataset, "jsonl": iter_jsonl}[fmt](Path(source), max_file_bytes)
 
 
 def source_files(source: str | Path) -> list[Path]:
@@ -85,7 +92,7 @@ def source_files(source: str | Path) -> list[Path]:
     p = Path(source)
     fmt = detect_format(p)
     if fmt == "folder":  # only what the reader reads: a store or OS litter inside the source changes nothing
-        return sorted(f for d in _layout_dirs(p) for f in _layout_entries(d) if f.is_file())
+        return sorted(f for d in _layout_dirs(p) for f in _layout_entries(d) if f.is_file() and _inside(f, p))
     if fmt == "webdataset":
         return _tar_paths(p)
     manifest = _jsonl_path(p)
@@ -94,7 +101,8 @@ def source_files(source: str | Path) -> list[Path]:
         if isinstance(obj, dict):
             for rel in _jsonl_paths(obj):
                 f = _resolve(manifest.parent, rel)
-                if f.is_file():
+                # what the reader would refuse is not hashed either (it is quarantined, never read)
+                if f.is_file() and (Path(rel).is_absolute() or _inside(f, manifest.parent)):
                     files.add(f)
     return sorted(files)
 
@@ -109,6 +117,50 @@ def listing_hash(source: str | Path) -> str:
         rel = os.path.relpath(f, base)
         h.update(f"{rel}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
     return h.hexdigest()[:16]
+
+
+# ---------------------------------------------------------------- the one way a source file is read
+
+
+class _Problem(Exception):
+    def __init__(self, message: str, kind: str = "bad-source") -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+def _inside(path: Path, root: Path) -> bool:
+    """Does `path`, symlinks and `..` resolved, lie within `root` (itself resolved)?"""
+    real, base = os.path.realpath(path), os.path.realpath(root)
+    return real == base or real.startswith(base.rstrip(os.sep) + os.sep)
+
+
+def read_source_file(path: Path, root: Path | None, max_bytes: int, what: str = "file") -> bytes:
+    """The bytes of a regular file of at most `max_bytes`, within `root` (None: anywhere, for an absolute JSONL
+    path); `_Problem` naming the reason otherwise."""
+    if root is not None and not _inside(path, root):
+        raise _Problem(f"{what} {path} resolves to {os.path.realpath(path)}, outside the source {root} (symlink or "
+                       "'..'): not read; copy the file into the source", "outside-source")
+    try:
+        # O_NONBLOCK: opening a FIFO must not wait for a writer; the mode is checked on the open file (no race)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as e:
+        raise _Problem(f"{what} file {path} cannot be read: {e.strerror or e}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise _Problem(f"{what} {path} is not a regular file (a device, FIFO or socket): not read", "not-a-file")
+        if st.st_size > max_bytes:
+            raise _Problem(f"{what} {path} is {st.st_size} bytes, over resize.max_file_bytes ({max_bytes})",
+                           "file-too-large")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            data = f.read(max_bytes + 1)
+        if len(data) > max_bytes:  # grew while read
+            raise _Problem(f"{what} {path} is over resize.max_file_bytes ({max_bytes})", "file-too-large")
+        return data
+    except OSError as e:
+        raise _Problem(f"{what} file {path} cannot be read: {e.strerror or e}") from None
+    finally:
+        os.close(fd)
 
 
 # ---------------------------------------------------------------- folder
@@ -149,7 +201,7 @@ def _unsupported_message(root: Path, files: list[Path]) -> str:
     return f"unsupported file(s) {names}: images must be one of {', '.join(IMAGE_SUFFIXES)} (captions target/<stem>.txt)"
 
 
-def iter_folder(root: Path) -> Iterator[SourceSample]:
+def iter_folder(root: Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES) -> Iterator[SourceSample]:
     unsupported: dict[str, list[Path]] = {}  # stem -> files the layout cannot use; they must not vanish
     targets = _images_by_stem(root / "target", unsupported, also=(".txt",))
     control_dirs = _control_dirs(root)
@@ -174,22 +226,25 @@ def iter_folder(root: Path) -> Iterator[SourceSample]:
             s.problem = f"control folders for this sample are not contiguous from control/: found indices {present}"
             yield s
             continue
+        def read(path: Path, what: str) -> bytes:
+            return read_source_file(path, root, max_file_bytes, what)
+
         try:
-            s.target = found[0].read_bytes()
+            s.target = read(found[0], "target")
             s.files.append(str(found[0]))
             for i in present:
                 cands = controls[i][stem]
                 if len(cands) > 1:
                     raise _Problem(f"several control files in {control_dirs[i].name}/: {', '.join(f.name for f in cands)}")
-                s.controls.append(cands[0].read_bytes())
+                s.controls.append(read(cands[0], f"control {i}"))
                 s.files.append(str(cands[0]))
             cap = root / "target" / f"{stem}.txt"
-            s.caption = cap.read_bytes() if cap.is_file() else None
+            s.caption = read(cap, "caption") if cap.is_file() else None
             if stem in masks:
-                s.mask = masks[stem][0].read_bytes()
+                s.mask = read(masks[stem][0], "mask")
                 s.files.append(str(masks[stem][0]))
-        except (_Problem, OSError) as e:
-            s.problem = str(e)
+        except _Problem as e:
+            s.problem, s.problem_kind = str(e), e.kind
         yield s
 
     # files that belong to no target would otherwise vanish silently
@@ -208,10 +263,6 @@ def iter_folder(root: Path) -> Iterator[SourceSample]:
             for f in fs:
                 yield SourceSample(name=stem, source=str(f), problem=_unsupported_message(root, [f]) +
                                    " (and no matching target image in target/)", problem_kind="unsupported-file")
-
-
-class _Problem(Exception):
-    pass
 
 
 # ---------------------------------------------------------------- webdataset
@@ -289,7 +340,7 @@ def _sample_from_members(key: str, where: str, members: dict[str, bytes], bad: l
     return s
 
 
-def iter_webdataset(root: Path) -> Iterator[SourceSample]:
+def iter_webdataset(root: Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES) -> Iterator[SourceSample]:
     for tar in _tar_paths(root):
         try:
             tf = tarfile.open(tar, mode="r|*")  # streaming: one pass, like webdataset
@@ -314,6 +365,10 @@ def iter_webdataset(root: Path) -> Iterator[SourceSample]:
                         bad.append(f"unsafe member path {m.name!r} (absolute or '..')")
                     elif not m.isfile():
                         bad.append(f"member {m.name!r} is not a regular file (link or device)")
+                    elif ext in members:  # webdataset would keep the last copy silently
+                        bad.append(f"member {m.name!r} appears twice in the run of key {k!r}")
+                    elif m.size > max_file_bytes:
+                        bad.append(f"member {m.name!r} is {m.size} bytes, over resize.max_file_bytes ({max_file_bytes})")
                     else:
                         f = tf.extractfile(m)
                         members[ext] = f.read() if f is not None else b""
@@ -359,7 +414,7 @@ def _resolve(base: Path, rel: str) -> Path:
     return p if p.is_absolute() else base / p
 
 
-def iter_jsonl(root: Path) -> Iterator[SourceSample]:
+def iter_jsonl(root: Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES) -> Iterator[SourceSample]:
     manifest = _jsonl_path(root)
     base = manifest.parent
     for no, obj, err in _jsonl_objects(manifest):
@@ -371,6 +426,9 @@ def iter_jsonl(root: Path) -> Iterator[SourceSample]:
             yield s
             continue
         assert isinstance(obj, dict)
+        def _read_ref(base: Path, rel: object, what: str) -> bytes:
+            return _read_jsonl_ref(base, rel, what, max_file_bytes)
+
         try:
             s.target = _read_ref(base, obj.get("target"), "target")
             ctrls = obj.get("controls", obj.get("control", []))
@@ -383,7 +441,7 @@ def iter_jsonl(root: Path) -> Iterator[SourceSample]:
                 s.mask = _read_ref(base, obj["mask"], "mask")
                 s.files.append(str(_resolve(base, obj["mask"])))
         except _Problem as e:
-            s.problem = str(e)
+            s.problem, s.problem_kind = str(e), e.kind
             yield s
             continue
         s.source = f"{manifest}:{no} ({obj['target']})"
@@ -394,11 +452,8 @@ def iter_jsonl(root: Path) -> Iterator[SourceSample]:
         yield s
 
 
-def _read_ref(base: Path, rel: object, what: str) -> bytes:
+def _read_jsonl_ref(base: Path, rel: object, what: str, max_file_bytes: int) -> bytes:
     if not isinstance(rel, str) or not rel:
         raise _Problem(f"field {what!r} is missing or not a path string")
-    p = _resolve(base, rel)
-    try:
-        return p.read_bytes()
-    except OSError as e:
-        raise _Problem(f"{what} file {p} cannot be read: {e.strerror or e}") from None
+    # a relative path stays within the JSONL file's folder; an absolute one is read where it points
+    return read_source_file(_resolve(base, rel), None if Path(rel).is_absolute() else base, max_file_bytes, what)

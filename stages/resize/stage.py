@@ -161,7 +161,7 @@ def run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> R
         from stages.resize.source_count import count_samples
 
         expected = count_samples(source, fmt)
-        with RenderPool(rc.workers) as pool, tqdm(iter_source(source), desc=f"{STAGE} ({fmt})", unit="sample",
+        with RenderPool(rc.workers) as pool, tqdm(iter_source(source, rc.max_file_bytes), desc=f"{STAGE} ({fmt})", unit="sample",
                                                   total=expected, dynamic_ncols=True) as bar:
             for rec in bar:
                 try:

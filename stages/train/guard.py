@@ -42,9 +42,12 @@ def nonfinite_message(step: int, per_sample: dict[str, float], store: Path) -> s
     named = bad or list(per_sample)
     which = "non-finite loss of samples" if bad else "non-finite gradient from the step's samples"
     shown = ", ".join(named[:8]) + (f" … ({len(named)} in all)" if len(named) > 8 else "")
-    return (f"optimizer step {step}: {which} {shown}; nothing of this step was applied or saved. Check the "
-            f"store (`pipeline store verify {store}`), lower train.learning_rate, or set "
-            "train.on_nonfinite=skip_step to skip such steps")
+    # Not "run store verify": verify checks bytes against checksums, and a faulty encoder writes NaN with valid ones.
+    return (f"optimizer step {step}: {which} {shown}; nothing of this step was applied or saved. If the same "
+            "samples fail again, their stored features hold NaN/inf (intact checksums, so `store verify` passes): "
+            "leave them out with train.on_nonfinite=skip_step and re-encode them (encode in float32: "
+            "--set encode_vae.dtype=float32 / encode_text.dtype=float32); if other samples fail each time, lower "
+            "train.learning_rate")
 
 
 def check_lora_finite(params: list[torch.nn.Parameter], what: Path) -> None:

@@ -33,9 +33,20 @@ def wrap(transformer: nn.Module, world: int, target_modules: list[str]) -> nn.Mo
     frozen += [name for name, _ in transformer.named_buffers()]
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(transformer, frozen)
     return DistributedDataParallel(
-        transformer, device_ids=None, broadcast_buffers=False,
+        transformer, device_ids=None, **_no_buffer_sync(DistributedDataParallel),
         find_unused_parameters=not set(target_modules) <= _ALWAYS_USED,
     )
+
+
+def _no_buffer_sync(ddp_class) -> dict:
+    """No buffer broadcast in forward. Every buffer is on the ignore list above (frozen, identical on all ranks),
+    so the init sync has nothing to send either way; torch >= 2.13 deprecates `broadcast_buffers` with a
+    FutureWarning on every rank, so the new name is used where it exists."""
+    import inspect
+
+    if "forward_sync_buffers" in inspect.signature(ddp_class.__init__).parameters:
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}
 
 
 def accumulating(model: nn.Module, last: bool):

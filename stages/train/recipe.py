@@ -86,6 +86,7 @@ class TrainResult:
     seconds: float = 0.0
     data: dict = field(default_factory=dict)  # the join's report: samples, dropped, reasons (store.join)
     kept_previous: Path | None = None  # where the run the folder held before this fresh start was kept
+    init_lora: str | None = None  # train.init_lora this run started from (not a resume)
 
     def to_json(self) -> dict:
         from schemas.stage import summary_record
@@ -99,7 +100,8 @@ class TrainResult:
     def __str__(self) -> str:
         if self.up_to_date:
             return f"LoRA {self.lora_dir} is up to date ({self.steps} steps on the current tables)"
-        return train_line(self.start_step, self.steps, self.losses, self.step_epochs, self.lora_dir)
+        return train_line(self.start_step, self.steps, self.losses, self.step_epochs, self.lora_dir,
+                          init_lora=self.init_lora, skipped=len(self.skipped_steps))
 
 
 @dataclass
@@ -259,8 +261,10 @@ def setup(cfg: PipelineConfig, store: str | Path, model: str, out: str | Path, r
     r.transformer = setup_transformer(model, tc, r.device)
     _check_shapes(tables, r.transformer)
     if tc.init_lora and latest is None:
-        from models.lora import init_from_lora
+        from models.lora import init_from_lora, lora_weight_file
+        from store.checksum import check_recorded
 
+        check_recorded(lora_weight_file(tc.init_lora))
         init_from_lora(r.transformer, tc.init_lora)
     r.params = lora_parameters(r.transformer)
     r.optimizer, r.scheduler = make_optimizer(r.params, tc)
@@ -283,7 +287,8 @@ def setup(cfg: PipelineConfig, store: str | Path, model: str, out: str | Path, r
     r.position = r.stream.position
     r.batches = MicroBatches(r.stream, tables, tc, r.rank, r.step, r.device, r.transformer.dtype, depth=tc.prefetch)
     r.result = TrainResult(r.run_dir, r.run_dir / "lora", start_step=r.step, steps=r.step, main_process=r.main,
-                           data=tables.report, kept_previous=r.kept_previous)
+                           data=tables.report, kept_previous=r.kept_previous,
+                           init_lora=tc.init_lora if tc.init_lora and latest is None else None)
     if r.main:
         from stages.train.trackers import Trackers
 
@@ -378,7 +383,7 @@ def checkpoint(r: Run) -> None:
             train_state.save_rng(tmp, acc.process_index)
         with step_of_all("write"), guard.one_line_errors(what, r.checkpoints):
             if r.main:
-                save_lora(r.transformer, tmp / "lora")
+                save_lora(r.transformer, tmp / "lora", base_fingerprint=r.record.model_fingerprint)
                 train_state.save_optimizer(r.optimizer, tmp)
                 train_state.save_scheduler(r.scheduler, tmp)
                 if r.ema is not None:
@@ -399,14 +404,23 @@ def finish(r: Run) -> TrainResult:
             guard.check_lora_finite(r.params, r.result.lora_dir)
             with guard.one_line_errors("the final LoRA", r.run_dir), \
                     atomic_dir(r.result.lora_dir, r.run_dir / ".lora.tmp") as tmp:
-                save_lora(r.transformer, tmp)
+                _save_final_lora(r, tmp)
             if r.ema is not None:
                 with guard.one_line_errors("the EMA LoRA", r.run_dir), \
                         atomic_dir(r.run_dir / "lora_ema", r.run_dir / ".lora_ema.tmp") as tmp, r.ema.swapped_in():
-                    save_lora(r.transformer, tmp)
+                    _save_final_lora(r, tmp)
             r.writer.close()
             tqdm.write(f"LoRA after {r.step} steps: {r.result.lora_dir}")
     return r.result
+
+
+def _save_final_lora(r: Run, folder: Path) -> None:
+    """The LoRA users load elsewhere: alpha folded in (every loader applies the same weights), the base model's
+    fingerprint in its metadata, and a sealed checksum record that every later load checks."""
+    from store.checksum import write_folder_record
+
+    save_lora(r.transformer, folder, fold_alpha=True, base_fingerprint=r.record.model_fingerprint)
+    write_folder_record(folder)
 
 
 def cleanup(r: Run | None, locks: list) -> None:

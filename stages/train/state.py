@@ -66,28 +66,18 @@ def _step_of(folder: Path) -> int:
 
 
 def file_checksums(folder: Path) -> dict[str, dict[str, Any]]:
-    from store.checksum import file_crc
+    from store.checksum import folder_checksums
 
-    out = {}
-    for p in sorted(folder.rglob("*")):
-        if p.is_file() and p.name != RESUME_JSON:
-            crc, n = file_crc(p)
-            out[p.relative_to(folder).as_posix()] = {"nbytes": n, "crc32c": crc}
-    return out
+    return folder_checksums(folder, (RESUME_JSON,))
 
 
 def check_files(folder: Path, files: dict[str, dict[str, Any]]) -> None:
-    from store.checksum import file_crc
+    from store.checksum import file_mismatch
 
     for name, entry in sorted(files.items()):
-        path = folder / name
-        if not path.is_file():
-            raise CheckpointDamaged(damaged_message(folder, f"{name} is missing"))
-        crc, n = file_crc(path)
-        if (n, crc) != (entry.get("nbytes"), entry.get("crc32c")):
-            raise CheckpointDamaged(damaged_message(
-                folder, f"{name} is damaged ({n} bytes, crc32c {crc}; recorded {entry.get('nbytes')} bytes, "
-                        f"crc32c {entry.get('crc32c')})"))
+        problem = file_mismatch(folder, name, entry)
+        if problem:
+            raise CheckpointDamaged(damaged_message(folder, problem))
 
 
 @dataclass(frozen=True)

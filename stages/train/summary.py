@@ -6,6 +6,7 @@ compares epoch means (every sample seen once, the same mix of σ), not the first
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -17,9 +18,12 @@ class EpochLoss:
 
 
 def epoch_losses(losses: list[float], epochs: list[int]) -> list[EpochLoss]:
-    """Mean per-step loss of each epoch, in order (steps are attributed to the epoch they began in)."""
+    """Mean per-step loss of each epoch, in order (steps are attributed to the epoch they began in). Non-finite
+    losses (steps `train.on_nonfinite=skip_step` skipped) are left out: one NaN would make every mean NaN."""
     out: list[EpochLoss] = []
     for loss, epoch in zip(losses, epochs):
+        if not math.isfinite(loss):
+            continue
         if out and out[-1].epoch == epoch:
             last = out[-1]
             out[-1] = EpochLoss(epoch, (last.mean * last.steps + loss) / (last.steps + 1), last.steps + 1)
@@ -40,6 +44,9 @@ def loss_phrase(losses: list[float], epochs: list[int]) -> str:
             f"{last.mean:.4f} (epoch {last.epoch} mean, {last.steps} steps)")
 
 
-def train_line(start_step: int, steps: int, losses: list[float], epochs: list[int], lora_dir) -> str:
-    how = f"resumed at step {start_step}" if start_step else "from scratch"
-    return f"trained {how} to step {steps}: {loss_phrase(losses, epochs)}; LoRA: {lora_dir}"
+def train_line(start_step: int, steps: int, losses: list[float], epochs: list[int], lora_dir,
+               init_lora: str | None = None, skipped: int = 0) -> str:
+    how = (f"resumed at step {start_step}" if start_step else f"from init_lora {init_lora}" if init_lora
+           else "from scratch")
+    skip = f" ({skipped} non-finite step(s) skipped, not in the means)" if skipped else ""
+    return f"trained {how} to step {steps}: {loss_phrase(losses, epochs)}{skip}; LoRA: {lora_dir}"

@@ -46,3 +46,19 @@ def test_one_inference_step_is_rejected_by_the_config():
         load_config(None, {"predict.steps": 1})
     with pytest.raises(ConfigError, match="evaluate.num_inference_steps"):
         load_config(None, {"evaluate.num_inference_steps": 1})
+
+
+@pytest.mark.parametrize("key,value", [
+    ("evaluate.timesteps", [1.5]), ("evaluate.timesteps", [0.0]), ("train.validate_timesteps", [-0.1]),
+    ("train.learning_rate", float("inf")), ("train.learning_rate", float("nan")), ("train.lora.alpha", 0),
+    ("train.adam_betas", [0.9, 1.0]), ("train.adam_eps", 0), ("train.max_grad_norm", float("inf")),
+    ("evaluate.lora_scale", float("nan")), ("resize.max_aspect", float("inf")), ("train.sigma.logit_std", 0),
+])
+def test_out_of_range_and_non_finite_settings_are_refused_naming_the_key(key, value):
+    with pytest.raises(ConfigError, match=key.split(".")[-1]):
+        load_config(None, {key: value})
+
+
+def test_non_finite_yaml_through_the_cli_is_one_line(tmp_path):
+    r = _run(["config", "show", "--set", "train.learning_rate=.inf"])
+    assert r.exit_code == 2 and "learning_rate" in r.output and "Traceback" not in r.output

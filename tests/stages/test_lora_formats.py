@@ -16,7 +16,7 @@ from pipeline.config import load_config
 from train_store import make_train_store, mixed_specs, trainer_vs_stock
 
 TRAIN = ["--set", "train.learning_rate=0.02", "--set", "train.lora.rank=4", "--set", "train.lora.alpha=8",
-         "--set", "train.sigma.sampling=uniform"]
+         "--set", "train.sigma.sampling=uniform", "--set", "train.checkpoint_every=2"]
 
 
 def _cli(*args, code: int = 0) -> str:
@@ -50,14 +50,17 @@ def test_comfyui_export_loads_in_diffusers_and_reproduces_the_trainer(trained, t
     sd = load_file(out)
     assert all(k.startswith("diffusion_model.transformer_blocks.") for k in sd)
     alphas = {k: v for k, v in sd.items() if k.endswith(".alpha")}
-    assert len(alphas) == 2 * 4 and all(v.ndim == 0 and float(v) == 8.0 for v in alphas.values())  # 2 blocks x 4
+    # the final LoRA has alpha / r folded into lora_up: alpha = rank here
+    assert len(alphas) == 2 * 4 and all(v.ndim == 0 and float(v) == 4.0 for v in alphas.values())  # 2 blocks x 4
     assert {k.rsplit(".", 2)[-2] for k in sd if k.endswith(".weight")} == {"lora_down", "lora_up"}
 
     from diffusers import QwenImagePipeline
 
     converted = QwenImagePipeline.lora_state_dict(str(out))  # diffusers' converter for this format
     assert all(k.startswith("transformer.") and k.endswith(("lora_A.weight", "lora_B.weight")) for k in converted)
-    ours, theirs, base = _trainer_and_stock(tiny_edit_model, trained / "store", trained / "run" / "lora", out)
+    # the trainer with its exact (unfolded, alpha 8) values of the last checkpoint
+    ours, theirs, base = _trainer_and_stock(tiny_edit_model, trained / "store",
+                                            trained / "run" / "checkpoints" / "step-2" / "lora", out)
     assert not torch.equal(theirs, base)
     torch.testing.assert_close(theirs, ours, rtol=1e-6, atol=1e-6)  # alpha/r baked into A and B: fp32 rounding
     _cli("lora", "export", trained / "run" / "lora", "--format", "a1111", "--out", out, code=1)

@@ -186,15 +186,15 @@ def test_full_disk_during_checkpoint_and_final_lora_is_one_line_and_rerun_comple
         raise SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "
                               "\"No space left on device\" }) (os error 28)")
 
-    monkeypatch.setattr(train, "save_lora", lambda t, d: (Path(d).mkdir(parents=True, exist_ok=True), lora_full()))
+    monkeypatch.setattr(train, "save_lora", lambda t, d, **_: (Path(d).mkdir(parents=True, exist_ok=True), lora_full()))
     res = runner.invoke(app, args)
     assert res.exit_code == 1 and "disk full while writing checkpoint step-2" in res.output
-    def final_lora_full(t, d):  # checkpoints save fine; the final LoRA hits the full disk
+    def final_lora_full(t, d, **kw):  # checkpoints save fine; the final LoRA hits the full disk
         if Path(d).name == ".lora.tmp":
             Path(d).mkdir(parents=True, exist_ok=True)
             (Path(d) / "pytorch_lora_weights.safetensors").write_bytes(b"half")
             lora_full()
-        return real_save_lora(t, d)
+        return real_save_lora(t, d, **kw)
 
     monkeypatch.setattr(train, "save_lora", final_lora_full)
     res = runner.invoke(app, args)

@@ -23,3 +23,11 @@ def test_resumed_mid_epoch_and_single_epoch():
         "trained resumed at step 6 to step 8: train loss 1.5000 (mean of 2 steps in epoch 4); LoRA: RUN/lora")
     assert loss_phrase([], []) == "no steps trained"
 
+
+
+def test_skipped_nonfinite_steps_are_left_out_of_the_means_and_counted():
+    line = train_line(0, 4, [2.0, float("nan"), 1.0, float("inf")], [0, 0, 0, 0], "RUN/lora", skipped=2)
+    assert "nan" not in line and "inf" not in line
+    assert "train loss 1.5000 (mean of 2 steps in epoch 0)" in line and "2 non-finite step(s) skipped" in line
+    assert train_line(0, 1, [1.0], [0], "RUN/lora", init_lora="A.safetensors").startswith(
+        "trained from init_lora A.safetensors to step 1")

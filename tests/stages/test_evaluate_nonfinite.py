@@ -1,0 +1,86 @@
+"""A val sample whose stored latent is NaN (checksum valid, as a faulty encoder writes it): evaluate stops naming
+it (exit 1, nothing written), or with `evaluate.on_nonfinite: skip` leaves it out of every mean and names it."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from models.loading import load_component
+from models.lora import add_lora, save_lora
+from pipeline.cli import app
+from schemas.config import LoraConfig
+from train_store import key_of, make_train_store, mixed_specs
+
+
+@pytest.fixture(scope="module")
+def poisoned(tiny_edit_model, tmp_path_factory):
+    root = tmp_path_factory.mktemp("nonfinite")
+    make_train_store(root / "store", tiny_edit_model, mixed_specs(2, 3), poison={3: float("nan")})
+    transformer = load_component(tiny_edit_model, "transformer")
+    add_lora(transformer, LoraConfig(rank=4))
+    save_lora(transformer, root / "lora")
+    return root
+
+
+def _evaluate(root, model, out, *sets):
+    args = ["run", "evaluate", "--store", root / "store", "--model", model, "--lora", root / "lora", "--out", out,
+            "--set", "evaluate.device=cpu", "--set", "evaluate.num_samples=0", "--set", "evaluate.noise_seeds=[0]",
+            "--set", "evaluate.timesteps=[0.5]"]
+    for s in sets:
+        args += ["--set", s]
+    result = CliRunner().invoke(app, [str(a) for a in args])
+    assert "Traceback" not in result.output
+    return result
+
+
+def test_nonfinite_val_loss_stops_naming_the_sample(poisoned, tiny_edit_model, tmp_path):
+    r = _evaluate(poisoned, tiny_edit_model, tmp_path / "report")
+    assert r.exit_code == 1, r.output
+    assert key_of(3) in r.output and "evaluate.on_nonfinite=skip" in r.output and "base" in r.output
+    assert not (tmp_path / "report" / "metrics.json").exists()
+
+
+def test_skip_leaves_the_sample_out_of_every_mean(poisoned, tiny_edit_model, tmp_path):
+    r = _evaluate(poisoned, tiny_edit_model, tmp_path / "report", "evaluate.on_nonfinite=skip")
+    assert r.exit_code == 0, r.output
+    assert "left out 1 val sample(s) with a non-finite loss" in r.output and "nan" not in r.output.lower()
+    loss = json.loads((tmp_path / "report" / "metrics.json").read_text())["loss"]
+    assert loss["nonfinite_samples"] == [key_of(3)] and loss["overall"]["n"] == 2
+    assert math.isfinite(loss["overall"]["base"]) and math.isfinite(loss["overall"]["lora"])
+    assert key_of(3) not in loss["per_sample"]
+
+
+def test_a_report_interrupted_before_metrics_json_is_written_over(poisoned, tiny_edit_model, tmp_path):
+    """A full disk (or a kill) while evaluate wrote its report leaves grid.png / index.html / a temp file but no
+    metrics.json (written last): the rerun completes it; a folder holding anything else is still refused."""
+    out = tmp_path / "report"
+    out.mkdir()
+    (out / "grid.png").write_bytes(b"half")
+    (out / ".index.html.tmp-4242").write_bytes(b"<ht")
+    r = _evaluate(poisoned, tiny_edit_model, out, "evaluate.on_nonfinite=skip")
+    assert r.exit_code == 0, r.output
+    assert (out / "metrics.json").is_file()
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    r = _evaluate(poisoned, tiny_edit_model, other, "evaluate.on_nonfinite=skip")
+    assert r.exit_code == 1 and "not empty" in r.output and (other / "notes.txt").read_text() == "mine"
+
+
+def test_a_full_disk_without_a_file_name_names_the_commands_output(tmp_path, capsys):
+    import errno
+
+    import typer
+
+    from pipeline.commands.common import user_errors
+
+    out = tmp_path / "run"
+    with pytest.raises(typer.Exit), user_errors(out):
+        raise OSError(errno.ENOSPC, "No space left on device")  # a write() reports no file name
+    err = capsys.readouterr().err
+    assert f"disk full while writing output in {out}" in err and " in . (" not in err

@@ -1,0 +1,124 @@
+"""Hostile sources through `pipeline run resize-bucket`: nothing outside the source is read (symlinks, `..`),
+only regular files of at most `resize.max_file_bytes` are read (a `/dev/zero` path is refused at once, unread),
+and a tar member twice in one sample is quarantined rather than silently keeping the last copy."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import tarfile
+from pathlib import Path
+
+from PIL import Image
+from typer.testing import CliRunner
+
+from pipeline.cli import app
+from store import Store
+
+
+def _png(colour=(200, 40, 40), size=(64, 64)) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", size, colour).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _resize(source: Path, store: Path, *sets: str):
+    args = ["run", "resize-bucket", "--source", str(source), "--store", str(store), "--set", "resize.target_area=4096",
+            "--set", "resize.multiple=16", "--set", "resize.val_fraction=0.0"]
+    for s in sets:
+        args += ["--set", s]
+    result = CliRunner().invoke(app, args)
+    assert "Traceback" not in result.output, result.output
+    return result
+
+
+def _quarantine(store: Path) -> dict[str, tuple[str, str]]:
+    """source -> (reason, detail)."""
+    return {r["source"]: (r["reason"], r["detail"]) for r in Store(store, create=False).quarantine().to_pylist()}
+
+
+def _stored_captions(store: Path) -> list[str]:
+    r = Store(store, create=False).reader("images")
+    try:
+        return sorted(r.meta(k)["caption"] for k in r.keys())
+    finally:
+        r.close()
+
+
+def test_a_folder_source_never_follows_a_symlink_outside(tmp_path):
+    secret = tmp_path / "elsewhere" / "secret.png"
+    secret.parent.mkdir()
+    secret.write_bytes(_png((1, 2, 3)))
+    (tmp_path / "elsewhere" / "note.txt").write_text("a secret caption")
+    src = tmp_path / "src"
+    (src / "target").mkdir(parents=True)
+    (src / "target" / "ok.png").write_bytes(_png())
+    (src / "target" / "ok.txt").write_text("fine")
+    (src / "target" / "x.png").symlink_to(secret)
+    (src / "target" / "x.txt").write_text("stolen")
+    (src / "target" / "y.png").write_bytes(_png((9, 9, 9)))
+    (src / "target" / "y.txt").symlink_to(tmp_path / "elsewhere" / "note.txt")
+    inside = src / "target" / "z.png"  # a symlink within the source is fine
+    (src / "real").mkdir()
+    (src / "real" / "z.png").write_bytes(_png((5, 50, 5)))
+    inside.symlink_to(src / "real" / "z.png")
+    (src / "target" / "z.txt").write_text("linked inside")
+    result = _resize(src, tmp_path / "store")
+    assert result.exit_code == 0, result.output
+    q = _quarantine(tmp_path / "store")
+    assert q[str(src / "target" / "x.png")][0] == "outside-source"
+    assert "outside the source" in q[str(src / "target" / "x.png")][1]
+    assert q[str(src / "target" / "y.png")][0] == "outside-source"
+    assert _stored_captions(tmp_path / "store") == ["fine", "linked inside"]
+
+
+def test_jsonl_paths_stay_in_their_folder_and_only_regular_files_are_read(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "ok.png").write_bytes(_png())
+    (tmp_path / "outside.png").write_bytes(_png((3, 3, 3)))
+    big = src / "big.png"
+    big.write_bytes(_png() + b"\0" * 5000)
+    os.mkfifo(src / "fifo.png")
+    lines = [
+        {"target": "ok.png", "caption": "fine"},
+        {"target": "../outside.png", "caption": "traversal"},
+        {"target": "../../../../../../etc/passwd", "caption": "passwd"},
+        {"target": "/dev/zero", "caption": "endless"},  # absolute: allowed, but not a regular file
+        {"target": "fifo.png", "caption": "fifo"},
+        {"target": "big.png", "caption": "big"},
+        {"target": str(tmp_path / "outside.png"), "caption": "absolute is allowed"},
+    ]
+    (src / "data.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    result = _resize(src, tmp_path / "store", "resize.max_file_bytes=4000")
+    assert result.exit_code == 0, result.output
+    reasons = {src_.split(":")[-1].split(" ")[0]: v for src_, v in _quarantine(tmp_path / "store").items()}
+    assert reasons["2"][0] == "outside-source" and reasons["3"][0] == "outside-source"
+    assert reasons["4"][0] == "not-a-file" and reasons["5"][0] == "not-a-file"
+    assert reasons["6"][0] == "file-too-large" and "resize.max_file_bytes" in reasons["6"][1]
+    assert _stored_captions(tmp_path / "store") == ["absolute is allowed", "fine"]
+
+
+def test_a_tar_member_twice_is_quarantined_and_a_large_member_unread(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    with tarfile.open(src / "a.tar", "w") as tf:
+        def add(name: str, data: bytes) -> None:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+
+        add("ok.png", _png())
+        add("ok.txt", b"fine")
+        add("dup.png", _png((1, 1, 1)))
+        add("dup.txt", b"first")
+        add("dup.png", _png((2, 2, 2)))
+        add("big.png", _png() + b"\0" * 5000)
+        add("big.txt", b"big")
+    result = _resize(src, tmp_path / "store", "resize.max_file_bytes=4000")
+    assert result.exit_code == 0, result.output
+    q = _quarantine(tmp_path / "store")
+    assert "appears twice" in q[f"{src / 'a.tar'}:dup"][1]
+    assert "resize.max_file_bytes" in q[f"{src / 'a.tar'}:big"][1]
+    assert _stored_captions(tmp_path / "store") == ["fine"]
