@@ -45,7 +45,7 @@ CONFIGS = {
     "bf16-packed": cfg(),
     "bf16-native": cfg(attention="native"),
     "bf16-anchors": cfg(attention="native", batching=("anchors", 4)),
-    "bf16-packed-nockpt": cfg(ckpt=False),
+    "bf16-packed-nockpt": cfg(ckpt=False, batching=("batch", 1)),  # all 60 blocks' activations: one sample
     "bf16-packed-budget": cfg(batching=("budget", 65536)),
     "bf16-packed-compile": cfg(compile=True),
     "int8-packed": cfg(quantize="int8"),
