@@ -283,11 +283,14 @@ def run_train(device: torch.device, smoke: bool, deadline: float, record, names:
             record.setdefault("not_run_budget", []).append(name)
             record.flush()
             continue
+        failed = False
         try:
             configs[name] = run_config(name, CONFIGS[name], d, samples, device, smoke, deadline)
         except Exception as e:  # out of memory under a cap, a kernel this build lacks: recorded, and on to the next
             configs[name] = {"config": CONFIGS[name], "error": f"{type(e).__name__}: {str(e)[:400]}",
                              "where": traceback.format_exc(limit=-3)[-800:]}
+            failed = True
+        if failed:  # after the except block: its traceback held the failed configuration's model alive
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.set_per_process_memory_fraction(1.0, device)
