@@ -51,7 +51,8 @@ def test_correctness_errors_within_tolerance(smoke):
     assert eq["float32"]["native"]["forward"] < 1e-5
     same = data["stages"]["correctness"]["same_lora"]
     for name in ("offload", "prefetch"):
-        assert same[name]["ran"] and same[name]["bit_identical"], same[name]
+        assert same[name]["ran"] and same[name]["bit_identical"] and same[name]["ok"], same[name]
+    assert same["run_to_run_noise"] == 0.0  # the CPU kernels are deterministic
     q = data["stages"]["correctness"]["quantized"]
     for kind in ("int8", "fp8"):
         assert q[kind]["ran"] and q[kind]["lora_grads_finite"] and q[kind]["rel_loss_deviation"] < 0.05
