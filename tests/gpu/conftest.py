@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))  # test_multires helpers
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # bench.gpu
 
 

@@ -111,6 +111,12 @@ def test_compile_with_packed_matches_eager(cuda):
     assert torch.equal(b["out"][~b["image_mask"]], torch.zeros_like(b["out"][~b["image_mask"]]))
 
 
+def test_auto_dtype_is_bf16_on_this_gpu(cuda):
+    from models.precision import resolve_dtype
+
+    assert resolve_dtype("auto", cuda) is torch.bfloat16
+
+
 def test_device_map_loading_lands_on_the_gpu(cuda, tiny_edit_model):
     from models.loading import load_component
 
