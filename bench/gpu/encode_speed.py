@@ -19,12 +19,12 @@ import torch
 
 
 def build_model(folder: Path, device: torch.device, smoke: bool) -> str:
-    from models.full_width import build_full_width_pipeline, build_text_encoder
+    from models.full_width import REAL_LAYERS, build_full_width_pipeline, build_text_encoder
 
     with torch.device(device):  # random init on the device: minutes of CPU init saved for 8B parameters
         pipe = build_full_width_pipeline("edit-plus", layers=1, seed=0, minimal_text_encoder=smoke)
         if not smoke:
-            pipe.text_encoder = build_text_encoder(pipe.tokenizer, 28, 0)
+            pipe.text_encoder = build_text_encoder(pipe.tokenizer, REAL_LAYERS["text"], 0, vision_layers=REAL_LAYERS["vision"])
     pipe.save_pretrained(folder, safe_serialization=True)
     (folder / "tiny_model.json").write_text(json.dumps({"variant": "edit-plus", "seed": 0, "full_width": True,
                                                         "layers": 1, "minimal_text_encoder": smoke}) + "\n")
