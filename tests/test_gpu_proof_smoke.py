@@ -83,8 +83,10 @@ def test_a_rerun_of_one_train_config_keeps_the_others(smoke, tmp_path):
     data, work = smoke
     out = tmp_path / "proof.json"
     out.write_text(json.dumps(data))
-    subprocess.run([sys.executable, str(REPO / "bench" / "gpu" / "proof.py"), "--stage", "train", "--smoke",
-                    "--configs", "bf16-native", "--out", str(out), "--budget-s", "0"], check=True, cwd=REPO, timeout=600)
+    sys.path.insert(0, str(REPO))
+    from bench.gpu.proof import main
+
+    main(["--stage", "train", "--smoke", "--configs", "bf16-native", "--out", str(out), "--budget-s", "0"])
     again = json.loads(out.read_text())
     train = again["stages"]["train"]
     assert train["not_run_budget"] == ["bf16-native"] and train["complete"] is False  # budget 0: nothing new starts
