@@ -24,6 +24,17 @@ import torch
 from torch import nn
 
 
+def pinned(t: torch.Tensor, pin=lambda x: x.pin_memory()) -> torch.Tensor:
+    """A page-locked copy of a host tensor. A tensor subclass (torchao's int8 / fp8 weights) implements no pin
+    op of its own: its inner tensors (codes, scales) are pinned and the subclass rebuilt around them."""
+    flatten = getattr(t, "__tensor_flatten__", None)
+    if type(t) in (torch.Tensor, nn.Parameter) or flatten is None:
+        return pin(t)
+    names, meta = flatten()
+    inner = {n: pinned(getattr(t, n), pin) for n in names}
+    return type(t).__tensor_unflatten__(inner, meta, t.size(), t.stride())
+
+
 def _in_backward() -> bool | None:
     """True inside autograd's backward (a checkpointed block's recompute): the next block is the one below.
     Comparing with the last block onloaded cannot tell a forward's first block after a backward (whose last
@@ -66,7 +77,7 @@ class BlockOffloader:
                         continue
                     host = p.detach().to("cpu")
                     if self.cuda:
-                        host = host.pin_memory()  # async host->device copies need page-locked memory
+                        host = pinned(host)  # async host->device copies need page-locked memory
                     hp = nn.Parameter(host, requires_grad=False)
                     module._parameters[name] = hp
                     slots.append((module, name, hp))

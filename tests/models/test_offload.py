@@ -63,3 +63,28 @@ def test_offloaded_training_step_equals_resident():
     for m in (base, resident):
         _train_step(m, batch)
     assert torch.equal(base.img_in.weight.grad, resident.img_in.weight.grad)
+
+
+def test_quantized_weights_are_pinned_through_their_inner_tensors():
+    """torchao's int8 / fp8 tensors have no pin op of their own: `pinned` pins their codes and scales and
+    rebuilds the same tensor (the CPU cannot pin: a clone stands in for pin_memory, and is seen to be called
+    on the inner tensors, never on the wrapper)."""
+    from models.offload import pinned
+    from models.quantize import dequantize, quantize_rows
+
+    w = torch.randn(64, 96, dtype=torch.bfloat16)
+    seen = []
+
+    def fake_pin(x):
+        seen.append(type(x))
+        return x.clone()
+
+    for kind in ("int8", "fp8"):
+        seen.clear()
+        q = quantize_rows(w, kind)
+        p = pinned(q, pin=fake_pin)
+        assert type(p) is type(q) and p.shape == q.shape
+        assert seen and all(t is torch.Tensor for t in seen)
+        assert torch.equal(dequantize(p), dequantize(q))
+    seen.clear()
+    assert torch.equal(pinned(w, pin=fake_pin), w) and seen == [torch.Tensor]
