@@ -15,12 +15,16 @@ between a sample's valid text and its image tokens. What each backend needs:
 - `flash`, `_native_flash`, `sage`, ...: take no mask, refused (they would attend to padding).
 
 Default (`resolve(None, ...)`): on CUDA `packed` for bf16/fp16 models when `varlen_attn` exists and a one-off
-check on the device matches native SDPA, else `native`; on the CPU `native`.
+check on the device matches native SDPA, else `native`; on the CPU `native`. The choice and its reason (the
+probe's error and its exception text when it failed) are printed once per process and kept on the model
+(`attention_record`), so a run records which kernel it used and why: never a silent fallback.
 """
 
 from __future__ import annotations
 
+import sys
 import weakref
+from dataclasses import asdict, dataclass
 
 import torch
 from diffusers.models.attention_dispatch import dispatch_attention_fn
@@ -42,13 +46,59 @@ def check_name(name: str | None, key: str) -> None:
         )
 
 
+@dataclass(frozen=True)
+class Choice:
+    backend: str
+    reason: str
+    probe: dict | None = None  # the packed probe's result on this device: ok, max_rel_err, error
+
+
+_probes: dict[tuple, dict] = {}  # (device, dtype) -> probe result: one probe per process and device
+_announced: set[tuple] = set()
+
+
+def choose(name: str | None, device: torch.device, dtype: torch.dtype, key: str = "attention_backend") -> Choice:
+    """The configured backend, or the default for this device and dtype, with the reason (module docstring)."""
+    device = torch.device(device)
+    if name is not None:
+        return Choice(name, f"configured ({key})")
+    if device.type != "cuda":
+        return Choice("native", f"default on {device.type}: native SDPA with the padding mask (packed is for CUDA)")
+    if dtype not in (torch.bfloat16, torch.float16):
+        return Choice("native", f"default for {str(dtype).replace('torch.', '')} on CUDA: varlen kernels take bf16/fp16 only")
+    probe = _probes.get((str(device), dtype))
+    if probe is None:
+        probe = _probes[(str(device), dtype)] = probe_packed(device, dtype)
+    if probe["ok"]:
+        return Choice(PACKED, f"default on CUDA: the packed probe matched native SDPA (max rel err {probe['max_rel_err']:.1e})", probe)
+    why = probe["error"] or f"max rel err {probe['max_rel_err']:.1e} over the 2e-2 tolerance"
+    return Choice("native", f"packed probe failed, falling back to native SDPA: {why}", probe)
+
+
 def resolve(name: str | None, device: torch.device, dtype: torch.dtype) -> str:
     """The configured backend, or the default for this device and dtype (see the module docstring)."""
-    if name is not None:
-        return name
-    if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and _packed_matches_native(device, dtype):
-        return PACKED
-    return "native"
+    return choose(name, device, dtype).backend
+
+
+def announce(choice: Choice, key: str) -> None:
+    """Print the choice once per process (per key and choice): the user sees which kernel runs and why."""
+    if (key, choice.backend, choice.reason) in _announced:
+        return
+    _announced.add((key, choice.backend, choice.reason))
+    from tqdm.auto import tqdm
+
+    tqdm.write(f"{key}: {choice.backend} ({choice.reason})", file=sys.stderr)
+
+
+def attention_record(transformer) -> dict | None:
+    """The backend `use_attention_backend` set on this model and why (for run records)."""
+    choice = getattr(transformer, "_attention_choice", None)
+    return None if choice is None else asdict(choice)
+
+
+def report_choice(device: torch.device, dtype: torch.dtype) -> dict:
+    """The default choice on this device, as a record (bench/gpu/proof.py's environment)."""
+    return asdict(choose(None, torch.device(device), dtype))
 
 
 def set_backend(transformer, name: str) -> None:
@@ -67,9 +117,11 @@ def set_backend(transformer, name: str) -> None:
 def use_attention_backend(transformer, name: str | None, key: str, device: torch.device, dtype: torch.dtype) -> str:
     """Check the configured name, resolve the default, set it on the model; returns the backend in use."""
     check_name(name, key)
-    chosen = resolve(name, torch.device(device), dtype)
-    set_backend(transformer, chosen)
-    return chosen
+    choice = choose(name, torch.device(device), dtype, key)
+    set_backend(transformer, choice.backend)
+    transformer._attention_choice = choice
+    announce(choice, key)
+    return choice.backend
 
 
 def attend(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, backend: str | None,
@@ -159,8 +211,9 @@ def packed_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | N
     return full.view(b, s, h, d)
 
 
-def _packed_matches_native(device: torch.device, dtype: torch.dtype) -> bool:
-    """A one-off check on the device: packed attention on a small padded batch equals masked native SDPA."""
+def probe_packed(device: torch.device, dtype: torch.dtype) -> dict:
+    """A one-off check on the device: packed attention on a small padded batch equals masked native SDPA.
+    Returns {ok, max_rel_err, error}: error is the exception (type and text) when the kernel did not run."""
     try:
         from torch.nn.attention.varlen import varlen_attn  # noqa: F401
 
@@ -171,7 +224,8 @@ def _packed_matches_native(device: torch.device, dtype: torch.dtype) -> bool:
         mask[1, 250:] = False
         ours = packed_attention(q, k, v, mask)
         ref = dispatch_attention_fn(q, k, v, attn_mask=mask[:, None, None, :], backend="native")
-        err = (ours - ref).float()[mask].abs().max()
-        return bool(err <= 2e-2 * ref.float()[mask].abs().max())
-    except Exception:  # no varlen kernel for this GPU / build: native is the safe choice
-        return False
+        err = ((ours - ref).float()[mask].abs().max() / ref.float()[mask].abs().max()).item()
+        return {"ok": err <= 2e-2, "max_rel_err": err, "error": None}
+    except Exception as e:  # no varlen kernel for this GPU / build: native, and the reason is reported
+        text = " ".join(str(e).split())  # one line (CUDA errors span several)
+        return {"ok": False, "max_rel_err": None, "error": f"{type(e).__name__}: {text[:300]}"}

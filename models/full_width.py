@@ -79,18 +79,20 @@ MINIMAL_TEXT = {**QWEN25_VL_7B_TEXT, "intermediate_size": 256}
 MINIMAL_VISION = {**QWEN25_VL_7B_VISION, "hidden_size": 64, "intermediate_size": 128, "num_heads": 2}
 
 
-def build_text_encoder(tokenizer, layers: int, seed: int, minimal: bool = False):
+def build_text_encoder(tokenizer, layers: int, seed: int, minimal: bool = False, vision_layers: int | None = None):
+    """`layers` text decoder layers and (unless `vision_layers` is given) as many vision blocks."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_SPECIAL_TOKENS}
     text, vision = (MINIMAL_TEXT, MINIMAL_VISION) if minimal else (QWEN25_VL_7B_TEXT, QWEN25_VL_7B_VISION)
     layers = 1 if minimal else layers
+    depth = 1 if minimal else vision_layers or layers
     config = Qwen2_5_VLConfig(
         text_config=dict(
             vocab_size=len(tokenizer), num_hidden_layers=layers, **text,
             bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"],
         ),
-        vision_config=dict(depth=layers, fullatt_block_indexes=_fullatt(layers), **vision),
+        vision_config=dict(depth=depth, fullatt_block_indexes=_fullatt(depth), **vision),
         image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"],
@@ -117,7 +119,8 @@ def build_full_width_pipeline(variant: Variant = "edit", layers: int | None = No
     n_tr = layers or REAL_LAYERS["transformer"]
     n_te = layers or REAL_LAYERS["text"]
     tokenizer = build_tokenizer()
-    text_encoder = build_text_encoder(tokenizer, n_te, seed, minimal=minimal_text_encoder)
+    text_encoder = build_text_encoder(tokenizer, n_te, seed, minimal=minimal_text_encoder,
+                                      vision_layers=layers or REAL_LAYERS["vision"])  # the real 32 by default
     with _default_dtype(torch.bfloat16):
         torch.manual_seed(seed + 1)
         transformer = QwenImageTransformer2DModel(num_layers=n_tr, **FULL_TRANSFORMER).eval()

@@ -18,6 +18,19 @@ from pathlib import Path
 
 from models.loading import resolve_model
 
+# The published component configs (transformer, text_encoder, vae config.json) of the hub models, shipped
+# with the package: planning needs only parameter counts, and a user plans before downloading 60 GB.
+PUBLISHED = {f"Qwen/{name}": Path(__file__).parent / "published" / name
+             for name in ("Qwen-Image-Edit", "Qwen-Image-Edit-2509", "Qwen-Image-Edit-2511")}
+
+
+def config_root(model: str) -> Path:
+    """Where the component configs of `model` are: a local folder as is, a published hub id from the shipped
+    configs (no network), anything else through the hub cache."""
+    if model in PUBLISHED and not Path(model).expanduser().is_dir():
+        return PUBLISHED[model]
+    return resolve_model(model)
+
 # Saved-for-backward elements per token per block, in units of the block width D (each image or text token
 # passes its own stream): LayerNorm in/out, modulated input, q/k/v and their RMS-normed + rotated copies,
 # attention output and its projection input, gated residuals, the MLP (input D, GELU input 4D, GELU output
@@ -57,14 +70,20 @@ class TransformerCounts:
 
 @lru_cache(maxsize=8)
 def transformer_counts(model: str) -> TransformerCounts:
-    import torch
     from accelerate import init_empty_weights
     from diffusers import QwenImageTransformer2DModel
 
-    cfg = json.loads((resolve_model(model) / "transformer" / "config.json").read_text())
+    cfg = json.loads((config_root(model) / "transformer" / "config.json").read_text())
     with init_empty_weights():
         tr = QwenImageTransformer2DModel.from_config(cfg)
-    lin = lin_out = other_in_blocks = per_token = largest = 0
+    return counts_from_model(tr)
+
+
+def counts_from_model(tr) -> TransformerCounts:
+    """The counts of an instantiated transformer (meta, host or device; before LoRA is added)."""
+    import torch
+
+    lin = lin_out = per_token = largest = 0
     for name, module in tr.transformer_blocks[0].named_modules() if len(tr.transformer_blocks) else []:
         if isinstance(module, torch.nn.Linear) and not name.endswith("_mod.1"):
             per_token += module.weight.numel()
@@ -76,7 +95,7 @@ def transformer_counts(model: str) -> TransformerCounts:
     block_total = sum(p.numel() for p in tr.transformer_blocks.parameters())
     other_in_blocks = block_total - lin
     total = sum(p.numel() for p in tr.parameters())
-    width = cfg["num_attention_heads"] * cfg["attention_head_dim"]
+    width = tr.config.num_attention_heads * tr.config.attention_head_dim
     return TransformerCounts(len(tr.transformer_blocks), width, lin, lin_out, other_in_blocks, total - block_total,
                              largest, per_token // 2)  # image and text tokens each pass one of the two streams
 
@@ -86,7 +105,7 @@ def component_params(model: str, component: str) -> int:
     """Parameter count of the text encoder or the VAE, from its config on the meta device."""
     from accelerate import init_empty_weights
 
-    root = resolve_model(model) / component
+    root = config_root(model) / component
     with init_empty_weights():
         if component == "text_encoder":
             from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration
@@ -127,10 +146,10 @@ def lora_params(c: TransformerCounts, rank: int, targets: int = 4) -> int:
 
 def train_plan(model: str, dtype: str, quantize: str, batch_size: int, tokens_per_sample: int,
                gradient_checkpointing: bool, lora_rank: int, offload: str = "none", blocks_on_device: int = 0,
-               lora_targets: int = 4, host: bool = False) -> StagePlan:
+               lora_targets: int = 4, host: bool = False, counts: TransformerCounts | None = None) -> StagePlan:
     """Peak device bytes of training; `host=True`: peak host RSS of a CPU run instead (everything resident,
-    and the loading peak counts when it is the higher one)."""
-    c = transformer_counts(model)
+    and the loading peak counts when it is the higher one). `counts`: of a model built in memory (bench)."""
+    c = counts or transformer_counts(model)
     if host:
         offload = "none"  # storage and compute are the same memory
     act_elem = DTYPE_BYTES[dtype]
@@ -160,7 +179,7 @@ def encode_plan(model: str, component: str, dtype: str, batch_size: int, tokens_
     n = component_params(model, component)
     elem = DTYPE_BYTES[dtype]
     if component == "text_encoder":
-        cfg = json.loads((resolve_model(model) / component / "config.json").read_text())
+        cfg = json.loads((config_root(model) / component / "config.json").read_text())
         text = cfg.get("text_config", cfg)
         live = batch_size * tokens_per_sample * (4 * text["hidden_size"] + 2 * text["intermediate_size"]) * elem
     else:  # VAE: a handful of full-resolution feature maps of the first (widest-resolution) stage
@@ -183,4 +202,4 @@ def gib(n: int | float) -> str:
 
 
 def read_transformer_config(model: str) -> dict:
-    return json.loads((Path(resolve_model(model)) / "transformer" / "config.json").read_text())
+    return json.loads((config_root(model) / "transformer" / "config.json").read_text())

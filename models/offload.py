@@ -7,7 +7,8 @@ objects and the offload puts the host ones back; a device copy lives exactly as 
 With gradient checkpointing (required: `train.offload: blocks` turns it on) the forward keeps only block
 inputs, so a block's device copy is freed after its forward, and the backward's recompute of a block onloads
 it again and keeps it until that block's backward is done. The next block (in the direction of execution:
-up in the forward, down in the backward's recomputes) is copied ahead on a side CUDA stream.
+up in the forward, down in the backward's recomputes, told apart by whether autograd's backward is running)
+is copied ahead on a side CUDA stream.
 
 Only frozen parameters move: LoRA weights (trainable, owned by the optimizer) stay on the device. The first
 `keep` blocks stay on the device whole. On a CPU (storage = compute = cpu) `always_copy` makes every onload
@@ -16,10 +17,31 @@ a real copy, so the mechanics run and are tested without a GPU.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+
+
+def pinned(t: torch.Tensor, pin=lambda x: x.pin_memory()) -> torch.Tensor:
+    """A page-locked copy of a host tensor. A tensor subclass (torchao's int8 / fp8 weights) implements no pin
+    op of its own: its inner tensors (codes, scales) are pinned and the subclass rebuilt around them."""
+    flatten = getattr(t, "__tensor_flatten__", None)
+    if type(t) in (torch.Tensor, nn.Parameter) or flatten is None:
+        return pin(t)
+    names, meta = flatten()
+    inner = {n: pinned(getattr(t, n), pin) for n in names}
+    return type(t).__tensor_unflatten__(inner, meta, t.size(), t.stride())
+
+
+def _in_backward() -> bool | None:
+    """True inside autograd's backward (a checkpointed block's recompute): the next block is the one below.
+    Comparing with the last block onloaded cannot tell a forward's first block after a backward (whose last
+    recompute was that same block) from a backward's first recompute: it prefetched downwards, into
+    nothing, at the start of every forward after the first."""
+    task = getattr(torch._C, "_current_graph_task_id", None)  # private, present since torch 2.1
+    return None if task is None else task() != -1
 
 
 @dataclass
@@ -38,6 +60,8 @@ class BlockOffloader:
         self.pending: dict[int, list[torch.Tensor]] = {}
         self.last: int | None = None
         self.onloads = 0  # how many block onloads happened (tests, logs)
+        # (block onloaded, block copied ahead or None), the last few: which block is fetched when (tests)
+        self.ahead: deque[tuple[int, int | None]] = deque(maxlen=4 * len(blocks) + 4)
         self.blocks: dict[int, _Block] = {}
         for i, block in enumerate(blocks):
             if i < keep:
@@ -53,7 +77,7 @@ class BlockOffloader:
                         continue
                     host = p.detach().to("cpu")
                     if self.cuda:
-                        host = host.pin_memory()  # async host->device copies need page-locked memory
+                        host = pinned(host)  # async host->device copies need page-locked memory
                     hp = nn.Parameter(host, requires_grad=False)
                     module._parameters[name] = hp
                     slots.append((module, name, hp))
@@ -94,8 +118,12 @@ class BlockOffloader:
             for (mod, name, _), t in zip(self.blocks[i].slots, tensors):
                 mod._parameters[name] = nn.Parameter(t, requires_grad=False)
             self.onloads += 1
-            step = 1 if self.last is None or i > self.last else -1
+            backward = _in_backward()
+            if backward is None:  # no way to ask autograd: guess from the last block onloaded
+                backward = self.last is not None and i <= self.last
+            step = -1 if backward else 1
             self.last = i
+            self.ahead.append((i, i + step if i + step in self.blocks else None))
             self._prefetch(i + step)
         return hook
 

@@ -13,7 +13,8 @@ from pipeline.commands.common import ConfigOpt, config_from, echo, require, user
 
 def command(
     config: Optional[Path] = ConfigOpt,
-    model: Optional[str] = typer.Option(None, "--model", help="Model folder or hub id (paths.model)."),
+    model: Optional[str] = typer.Option(None, "--model", help="Model folder or hub id (paths.model); the published "
+                                        "Qwen/Qwen-Image-Edit(-2509/-2511) ids plan offline from shipped configs."),
     gpu_memory: Optional[float] = typer.Option(None, "--gpu-memory", help="GiB of the target GPU: says fit / no fit."),
     tokens: Optional[int] = typer.Option(None, "--tokens-per-sample",
                                          help="Transformer sequence length per sample (default: from resize.*)."),

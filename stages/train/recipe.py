@@ -259,6 +259,10 @@ def setup(cfg: PipelineConfig, store: str | Path, model: str, out: str | Path, r
     accelerator.wait_for_everyone()
 
     r.transformer = setup_transformer(model, tc, r.device)
+    if r.main:  # which attention kernel this run uses and why (a failed packed probe's error included)
+        from models.attention import attention_record
+
+        atomic_write_bytes(r.run_dir / "attention.json", (json.dumps(attention_record(r.transformer), indent=1) + "\n").encode())
     _check_shapes(tables, r.transformer)
     if tc.init_lora and latest is None:
         from models.lora import init_from_lora, lora_weight_file

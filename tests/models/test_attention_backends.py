@@ -96,3 +96,35 @@ def test_packed_attention_layout_and_errors():
     assert resolve(None, torch.device("cpu"), torch.float32) == "native"
     assert resolve("packed", torch.device("cpu"), torch.float32) == "packed"
     assert "native" in BACKENDS and "flash" not in BACKENDS
+
+
+def test_default_choice_is_reported_with_the_probe_error_never_silent(capsys):
+    """A failed `packed` probe on CUDA (here: no CUDA at all, or a kernel that raises) falls back to native
+    with the exception text in the reason, printed once, and kept on the model for the run record."""
+    from models import attention
+
+    model = make_transformer("axes8-12-12_2x32")
+    install_multires(model)
+    attention._probes.clear()
+    attention._announced.clear()
+    real = attention.packed_attention
+
+    def broken(*a, **k):
+        raise RuntimeError("no varlen kernel for this build")
+
+    attention.packed_attention = broken  # on a GPU machine the probe gets this far; on a CPU one, not even
+    try:
+        chosen = attention.use_attention_backend(model, None, "train.attention_backend", torch.device("cuda"), torch.bfloat16)
+        attention.use_attention_backend(model, None, "train.attention_backend", torch.device("cuda"), torch.bfloat16)
+    finally:
+        attention.packed_attention = real
+        attention._probes.clear()
+    assert chosen == "native"
+    record = attention.attention_record(model)
+    assert record["backend"] == "native" and record["probe"]["ok"] is False
+    error = record["probe"]["error"]
+    assert error and ":" in error  # "ExceptionType: text"
+    assert record["reason"].startswith("packed probe failed") and error in record["reason"]
+    err = capsys.readouterr().err
+    assert err.count("train.attention_backend: native (packed probe failed") == 1 and error in err
+

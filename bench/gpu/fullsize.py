@@ -1,0 +1,298 @@
+"""Train stage of bench/gpu/proof.py: the 60-layer full-width transformer (random init, built directly on the
+device: no 41 GB save/load), LoRA training steps on realistic synthetic samples, one configuration at a time.
+
+Samples (in memory, bf16, like the store's): 1 MP targets of several aspect ratios, 0-3 controls at ~1 MP each
+with its own aspect ratio (10/50/25/15 %), prompts of 50-300 tokens + 188 VL tokens per control (Edit-Plus).
+Every configuration trains one epoch over the same samples (after one warm-up batch, two with compile), so
+`packed`, masked `native` and the anchors' way (bucketed: batches of one exact shape set, batch 1 when shapes
+differ) compare target tokens/s on the same work.
+
+Per configuration: s/step (median), samples/s, target tokens/s, MFU (model FLOPs as bench/rehearsal.py counts
+them / time / the dense bf16 peak: the H200's 989 TFLOP/s spec sheet figure, and the matmul rate measured in
+this process beside it), peak allocated / reserved (torch.cuda.max_memory_*, weights included), data share
+(building the batch on the device in-line, timed apart; the trainer overlaps it with `train.prefetch`), and
+`pipeline plan`'s prediction (models/memory_plan.train_plan on the same counts) beside the measured peak.
+Memory caps emulate smaller cards with torch.cuda.set_per_process_memory_fraction, set after the model is
+built, quantised and offloaded (the cap applies to training, not to the one-off random init).
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import random
+import statistics
+import time
+import traceback
+from collections import defaultdict
+
+import torch
+
+H200_DENSE_BF16 = 989e12  # FLOP/s, NVIDIA's H200 SXM datasheet (dense, no sparsity)
+ASPECTS = [1.0, 4 / 3, 3 / 4, 16 / 9, 9 / 16, 3 / 2, 2 / 3]
+CONTROLS = ([0, 1, 2, 3], [0.10, 0.50, 0.25, 0.15])
+VL_TOKENS_PER_CONTROL = 188
+
+
+def cfg(quantize="none", ckpt=True, attention="packed", batching=("batch", 4), compile=False, offload=False,
+        cap_gib=None) -> dict:
+    return dict(quantize=quantize, checkpointing=ckpt, attention=attention, batching=list(batching), compile=compile,
+                offload=offload, cap_gib=cap_gib)
+
+
+# In the order README runs them (first call: the comparisons the targets name; second: memory and speed options).
+CONFIGS = {
+    "bf16-packed": cfg(),
+    "bf16-native": cfg(attention="native"),
+    "bf16-anchors": cfg(attention="native", batching=("anchors", 4)),
+    "bf16-packed-nockpt": cfg(ckpt=False, batching=("batch", 1)),  # all 60 blocks' activations: one sample
+    "bf16-packed-budget": cfg(batching=("budget", 65536)),
+    "bf16-packed-compile": cfg(compile=True),
+    "int8-packed": cfg(quantize="int8"),
+    "fp8-packed": cfg(quantize="fp8"),
+    "int8-offload-24g": cfg(quantize="int8", offload=True, cap_gib=24),
+    "fp8-offload-24g": cfg(quantize="fp8", offload=True, cap_gib=24),
+    "int8-offload-32g": cfg(quantize="int8", offload=True, cap_gib=32),
+    "bf16-offload-48g": cfg(offload=True, cap_gib=48),
+}
+
+# --smoke (the CPU test): one configuration per code path (packed / native / anchors / budget / quantised /
+# offload under a cap).
+SMOKE_CONFIGS = ["bf16-packed", "bf16-native", "bf16-anchors", "bf16-packed-budget", "int8-packed", "int8-offload-24g"]
+
+
+def patches(area_px: int, aspect: float, multiple: int = 32) -> tuple[int, int]:
+    h = max(multiple, round(math.sqrt(area_px / aspect) / multiple) * multiple)
+    w = max(multiple, round(math.sqrt(area_px * aspect) / multiple) * multiple)
+    return h // 16, w // 16
+
+
+def make_samples(n: int, area_px: int, joint_dim: int, channels: int, seed: int = 0, text_range=(50, 300)):
+    from models.sample import TrainSample
+
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        shapes = [patches(area_px, rng.choice(ASPECTS))]
+        shapes += [patches(area_px, rng.choice(ASPECTS)) for _ in range(rng.choices(*CONTROLS)[0])]
+        text = rng.randint(*text_range) + VL_TOKENS_PER_CONTROL * (len(shapes) - 1) * (area_px >= 2**18)
+        lat = [torch.randn(channels, 1, 2 * h, 2 * w, generator=g).bfloat16() for h, w in shapes]
+        out.append(TrainSample(key=f"{i:032x}", target=lat[0], controls=lat[1:],
+                               prompt_embeds=torch.randn(text, joint_dim, generator=g).bfloat16(),
+                               empty_embeds=torch.randn(4, joint_dim, generator=g).bfloat16(),
+                               img_shapes=[(1, h, w) for h, w in shapes]))
+    return out
+
+
+def seq_len(s) -> int:
+    return sum(math.prod(x) for x in s.img_shapes) + s.prompt_embeds.shape[0]
+
+
+def batches_for(samples, batching: list) -> list[list[int]]:
+    from stages.train.budget import make_sampler
+
+    kind, size = batching
+    lengths = [seq_len(s) for s in samples]
+    if kind == "anchors":  # one exact shape set per batch (other trainers' buckets); batch 1 when shapes differ
+        buckets = defaultdict(list)
+        for i, s in enumerate(samples):
+            buckets[tuple(s.img_shapes)].append(i)
+        return [b[j : j + size] for b in buckets.values() for j in range(0, len(b), size)]
+    sampler = make_sampler(lengths, size if kind == "batch" else 1, size if kind == "budget" else None, 0, 64, 1)
+    return [step[0] for step in sampler.global_steps(0)]
+
+
+def build_model(d: dict, device: torch.device, seed: int = 0):
+    from diffusers import QwenImageTransformer2DModel
+
+    torch.manual_seed(seed)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):  # random init where it runs: no host copy of 41 GB
+            return QwenImageTransformer2DModel(**d)
+    finally:
+        torch.set_default_dtype(old)
+
+
+def counts_of(model):
+    from models.memory_plan import counts_from_model
+
+    return counts_from_model(model)
+
+
+def quantize_in_place(model, kind: str) -> None:
+    from models.quantize import install_frozen_linear_backward, quantize_rows, quantized_weight_names
+
+    for name in quantized_weight_names(model):
+        owner, _, pname = name.rpartition(".")
+        mod = model.get_submodule(owner)
+        q = quantize_rows(mod.weight.detach(), kind)
+        mod._parameters[pname] = torch.nn.Parameter(q, requires_grad=False)
+    install_frozen_linear_backward(model)
+
+
+def setup(d: dict, c: dict, device: torch.device, smoke: bool):
+    """The train stage's setup_transformer, on a model built in memory (same order of operations)."""
+    from models.attention import use_attention_backend
+    from models.lora import add_lora, lora_parameters
+    from models.multires import install_multires
+    from pipeline.config import load_config
+    from stages.train import recipe
+
+    model = build_model(d, device)
+    counts = counts_of(model)
+    install_multires(model)
+    backend = use_attention_backend(model, c["attention"], "proof train.attention_backend", device, torch.bfloat16)
+    model.requires_grad_(False)
+    if c["quantize"] != "none":
+        quantize_in_place(model, c["quantize"])
+    torch.manual_seed(0)
+    add_lora(model, load_config(None, {}).train.lora)
+    if c["checkpointing"] or c["offload"]:
+        model.enable_gradient_checkpointing()
+    if c["compile"]:
+        model.compile_repeated_blocks(dynamic=True, **recipe.COMPILE_OPTIONS)
+    if c["offload"]:
+        from models.offload import offload_blocks
+
+        offload_blocks(model, device, keep=0)
+    model.train()
+    return model, lora_parameters(model), counts, backend
+
+
+def matmul_rate(device: torch.device, smoke: bool) -> float:
+    n = 512 if smoke else 8192
+    a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
+    best = float("inf")
+    for _ in range(4):
+        _sync(device)
+        t = time.perf_counter()
+        a @ b
+        _sync(device)
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_config(name: str, c: dict, d: dict, samples, device: torch.device, smoke: bool, deadline: float) -> dict:
+    from bench.rehearsal import model_flops_per_step
+    from models.flow import flow_loss_of, prepare_flow_batch
+    from models.memory_plan import train_plan
+    from models.randomness import draw_noise
+
+    cuda = device.type == "cuda"
+    model, params, counts, backend = setup(d, c, device, smoke)
+    opt = torch.optim.AdamW(params, lr=1e-4)
+    if cuda:
+        gc.collect()
+        torch.cuda.empty_cache()
+        if c["cap_gib"]:
+            total = torch.cuda.get_device_properties(device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, c["cap_gib"] * 2**30 / total), device)
+        torch.cuda.reset_peak_memory_stats(device)
+    batches = batches_for(samples, c["batching"])
+    warm = 2 if c["compile"] else 1
+    plan_batch = max(len(b) for b in batches)
+    plan_tokens = max(max(seq_len(samples[i]) for i in b) for b in batches)
+    g = torch.Generator().manual_seed(0)
+    rows, partial = [], False
+    for step, b in enumerate(batches[:warm] + batches):
+        if time.monotonic() > deadline:
+            partial = True
+            break
+        _sync(device)
+        t0 = time.perf_counter()
+        picked = [samples[i] for i in b]
+        sig = torch.rand(len(b), generator=g) * 0.9 + 0.05
+        fb = prepare_flow_batch(picked, sig, [draw_noise(s, 0, step) for s in picked], None, (1.0, 1.0), device,
+                                torch.bfloat16)
+        _sync(device)
+        t1 = time.perf_counter()
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+            loss = flow_loss_of(model, fb).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        _sync(device)
+        t2 = time.perf_counter()
+        if step >= warm:
+            rows.append(dict(seconds=t2 - t0, data_seconds=t1 - t0, samples=len(b), loss=loss.item(),
+                             target_tokens=sum(s.target_tokens for s in picked),
+                             lengths=[seq_len(s) for s in picked]))
+    out = {"config": c, "attention_backend": backend, "steps": len(rows), "partial": partial,
+           "batches_per_epoch": len(batches)}
+    if rows:
+        total = sum(r["seconds"] for r in rows)
+        flops = sum(model_flops_per_step(counts.token_linear_params, counts.blocks, counts.width, r["lengths"],
+                                         c["checkpointing"] or c["offload"]) for r in rows)
+        peak_rate = H200_DENSE_BF16 if cuda else None
+        measured_rate = matmul_rate(device, smoke)
+        out.update(
+            s_per_step=statistics.median(r["seconds"] for r in rows),
+            samples_per_s=sum(r["samples"] for r in rows) / total,
+            target_tokens_per_s=sum(r["target_tokens"] for r in rows) / total,
+            data_share=sum(r["data_seconds"] for r in rows) / total,
+            model_flops=flops,
+            mfu_vs_spec=flops / total / peak_rate if peak_rate else None,
+            peak_flops_spec=peak_rate,
+            mfu_vs_measured_matmul=flops / total / measured_rate,
+            measured_matmul_flops=measured_rate,
+            losses=[r["loss"] for r in rows],
+        )
+    if cuda:
+        out.update(peak_allocated=torch.cuda.max_memory_allocated(device), peak_reserved=torch.cuda.max_memory_reserved(device))
+    plan = train_plan("", "bfloat16", c["quantize"], plan_batch, plan_tokens, c["checkpointing"] or c["offload"], 16,
+                      "blocks" if c["offload"] else "none", 0, counts=counts)
+    out.update(plan_bytes=plan.total, plan_parts=plan.parts, plan_batch=plan_batch, plan_tokens_per_sample=plan_tokens)
+    if cuda and out.get("peak_allocated"):
+        out["plan_over_measured"] = plan.total / out["peak_allocated"]
+    del model, params, opt
+    gc.collect()
+    if cuda:
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+        torch.cuda.empty_cache()
+    return out
+
+
+def run_train(device: torch.device, smoke: bool, deadline: float, record, names: list[str] | None,
+              layers: int | None, n_samples: int | None) -> None:
+    from models.full_width import FULL_TRANSFORMER
+
+    if smoke:
+        d = dict(patch_size=2, in_channels=16, out_channels=4, attention_head_dim=32, num_attention_heads=2,
+                 joint_attention_dim=32, axes_dims_rope=(8, 12, 12), num_layers=layers or 1)
+        samples = make_samples(n_samples or 4, 64 * 64, 32, 4, text_range=(3, 12))
+    else:
+        d = dict(FULL_TRANSFORMER, num_layers=layers or 60)
+        samples = make_samples(n_samples or 8, 1024 * 1024, FULL_TRANSFORMER["joint_attention_dim"], 16)
+    record.setdefault("samples", [dict(shapes=[list(x) for x in s.img_shapes], text=s.prompt_embeds.shape[0])
+                                  for s in samples])
+    record["layers"] = d["num_layers"]
+    configs = record.setdefault("configs", {})
+    for name in names or list(CONFIGS):
+        if smoke and name not in SMOKE_CONFIGS:  # one of each code path; compile: a minute of tracing on a CPU
+            record.setdefault("skipped_smoke", []).append(name)
+            continue
+        if time.monotonic() > deadline:
+            record.setdefault("not_run_budget", []).append(name)
+            record.flush()
+            continue
+        failed = False
+        try:
+            configs[name] = run_config(name, CONFIGS[name], d, samples, device, smoke, deadline)
+        except Exception as e:  # out of memory under a cap, a kernel this build lacks: recorded, and on to the next
+            configs[name] = {"config": CONFIGS[name], "error": f"{type(e).__name__}: {str(e)[:400]}",
+                             "where": traceback.format_exc(limit=-3)[-800:]}
+            failed = True
+        if failed:  # after the except block: its traceback held the failed configuration's model alive
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.set_per_process_memory_fraction(1.0, device)
+                torch.cuda.empty_cache()
+        record.flush()

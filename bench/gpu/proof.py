@@ -1,0 +1,205 @@
+"""Prove the real-size path on a GPU: one entry, stages selectable, results in one JSON file.
+
+    python3 bench/gpu/proof.py --stage correctness --out $OUT/proof.json --budget-s 540
+    python3 bench/gpu/proof.py --stage train --configs bf16-packed,bf16-native,bf16-anchors --out ... --budget-s 540
+    python3 bench/gpu/proof.py --stage all --smoke --out /tmp/smoke.json        # every stage, tiny, on the CPU
+
+Stages (bench/gpu/README.md says which call runs which; docs/gpu.md what each measures):
+- correctness: padded mixed-resolution batches vs each sample alone through the unmodified diffusers
+  transformer at the real width (bench/gpu/correctness.py), fp32 TF32-off and bf16, every attention backend
+  that runs; offload / prefetch / compile give the same LoRA, int8 / fp8 (/ nf4) base vs bf16 loss
+  (bench/gpu/same_lora.py);
+- train: the 60-layer full-width transformer per configuration (bench/gpu/fullsize.py);
+- encode: encode-text / encode-vae vs the stock pipeline per sample (bench/gpu/encode_speed.py).
+
+The JSON (`--out`, default proof.json) holds {"env": ..., "stages": {name: entry}}; it is rewritten after every
+unit of work (a backend, a configuration), so a command killed at its limit leaves everything done so far. A
+rerun of a stage replaces that stage's entry, except that `--configs` reruns only the named train
+configurations and keeps the others. `--budget-s`: no new unit of work starts after this many seconds from
+the start (the unit in flight finishes, the rest are listed under `not_run_budget`): set it ~60 s under the
+call's limit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+STAGES = ("correctness", "train", "encode")
+
+
+class StageRecord(dict):
+    """One stage's entry; flush() rewrites the whole results file (atomically) with it in place."""
+
+    def __init__(self, results: "Results", name: str):
+        super().__init__()
+        self.results, self.name = results, name
+
+    def flush(self) -> None:
+        self.results.write()
+
+
+class Results:
+    def __init__(self, path: Path):
+        self.path = path
+        self.data = json.loads(path.read_text()) if path.is_file() else {}
+        self.data.setdefault("stages", {})
+
+    def stage(self, name: str, keep_configs: bool) -> StageRecord:
+        rec = StageRecord(self, name)
+        old = self.data["stages"].get(name)
+        if keep_configs and old and "configs" in old:
+            rec["configs"] = dict(old["configs"])
+        self.data["stages"][name] = rec
+        return rec
+
+    def write(self) -> None:
+        tmp = self.path.with_suffix(self.path.suffix + ".tmp")
+        tmp.write_text(json.dumps(self.data, indent=1, default=_jsonable) + "\n")
+        os.replace(tmp, self.path)
+
+
+def _jsonable(x):
+    if isinstance(x, Path):
+        return str(x)
+    if hasattr(x, "tolist"):
+        return x.tolist()
+    return repr(x)
+
+
+def environment(device) -> dict:
+    import torch
+
+    env = {"python": platform.python_version(), "torch": torch.__version__, "device": str(device),
+           "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    for pkg in ("diffusers", "transformers", "peft", "torchao", "accelerate", "bitsandbytes"):
+        try:
+            env[pkg] = __import__(pkg).__version__
+        except Exception as e:  # noqa: BLE001  (absent: recorded)
+            env[pkg] = f"absent ({type(e).__name__})"
+    if device.type == "cuda":
+        p = torch.cuda.get_device_properties(device)
+        env.update(gpu=p.name, gpu_memory_bytes=p.total_memory, capability=f"{p.major}.{p.minor}",
+                   cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version())
+    return env
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--stage", default="all", choices=[*STAGES, "all"])
+    ap.add_argument("--out", type=Path, default=Path("proof.json"))
+    ap.add_argument("--smoke", action="store_true", help="every stage on the CPU with tiny dimensions")
+    ap.add_argument("--budget-s", type=float, default=540.0, help="start no new unit of work after this many s")
+    ap.add_argument("--configs", default=None, help="train: comma-separated configuration names (default: all)")
+    ap.add_argument("--layers", type=int, default=None, help="train: transformer blocks (default 60; smoke 1)")
+    ap.add_argument("--samples", type=int, default=None, help="train / encode: samples (default 8 / 16)")
+    ap.add_argument("--parts", default="equivalence,quantized,same_lora",
+                    help="correctness: which parts (equivalence, quantized, same_lora)")
+    ap.add_argument("--work", type=Path, default=None, help="scratch folder (default: a temp dir)")
+    args = ap.parse_args(argv)
+
+    import torch
+
+    start = time.monotonic()
+    deadline = start + args.budget_s
+    device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
+    if not args.smoke and device.type == "cpu":
+        print("proof: no CUDA device; run with --smoke for the CPU check", file=sys.stderr)
+        raise SystemExit(2)
+    from models.attention import report_choice
+
+    results = Results(args.out)
+    results.data["env"] = environment(device)
+    results.data["env"]["smoke"] = args.smoke
+    results.data["env"]["default_attention"] = report_choice(device, torch.bfloat16)
+    results.write()
+    work = args.work or Path(tempfile.mkdtemp(prefix="gpu-proof-"))
+    stages = STAGES if args.stage == "all" else (args.stage,)
+    names = args.configs.split(",") if args.configs else None
+    from bench.gpu.fullsize import CONFIGS
+
+    unknown = [n for n in names or [] if n not in CONFIGS]
+    if unknown:
+        ap.error(f"unknown --configs {unknown}; known: {', '.join(CONFIGS)}")
+    for stage in stages:
+        rec = results.stage(stage, keep_configs=stage == "train" and names is not None)
+        rec["started_s"] = time.monotonic() - start
+        rec.flush()
+        if stage == "correctness":
+            from bench.gpu.correctness import run_equivalence
+            from bench.gpu.same_lora import run_quantized, run_same_lora
+
+            parts = args.parts.split(",")
+            if "equivalence" in parts:
+                run_equivalence(device, args.smoke, deadline, rec)
+            if "quantized" in parts:
+                run_quantized(device, args.smoke, deadline, rec)
+            if "same_lora" in parts:
+                run_same_lora(device, args.smoke, work / "same-lora", deadline, rec)
+        elif stage == "train":
+            from bench.gpu.fullsize import run_train
+
+            run_train(device, args.smoke, deadline, rec, names, args.layers, args.samples)
+        else:
+            from bench.gpu.encode_speed import run_encode
+
+            run_encode(device, args.smoke, work / "encode", deadline, rec, args.samples)
+        rec["seconds"] = time.monotonic() - start - rec["started_s"]
+        rec["complete"] = not _budget_cut(rec)
+        rec.flush()
+        print(summary(stage, rec), flush=True)
+    return results.data
+
+
+def _budget_cut(rec: dict) -> bool:
+    if any(k == "not_run_budget" for k in rec):
+        return True
+    return any(isinstance(v, dict) and (_budget_cut(v) or v.get("partial")) for v in rec.values())
+
+
+def summary(stage: str, rec: dict) -> str:
+    """A short table for the end of the call's output (the reply carries the tail)."""
+    lines = [f"== {stage}: {rec.get('seconds', 0):.0f} s, complete={rec.get('complete')}"]
+    if stage == "correctness":
+        for prec in ("float32", "bfloat16"):
+            for name, r in rec.get("equivalence", {}).get(prec, {}).items():
+                if isinstance(r, dict) and "ran" in r:
+                    lines.append(f"{prec:9s} {name:18s} " + (
+                        f"ok={r['ok']} fwd {r['forward']:.1e} dx {r['grad_input_image']:.1e} dW {r['grad_weights']:.1e}"
+                        if r["ran"] else f"did not run: {r['error'][:90]}"))
+        for name, r in rec.get("same_lora", {}).items():
+            if isinstance(r, dict) and "ran" in r:
+                lines.append(f"same LoRA {name:9s} " + (f"diff {r.get('max_rel_diff_vs_plain', 0):.1e} ok={r.get('ok', True)}"
+                                                        if r["ran"] else f"failed: {r['error'][:90]}"))
+        for name, r in rec.get("quantized", {}).items():
+            if isinstance(r, dict) and r.get("ran"):
+                lines.append(f"quantized {name:5s} loss deviation {r['rel_loss_deviation']:.2e}")
+    elif stage == "train":
+        for name, r in rec.get("configs", {}).items():
+            if "error" in r:
+                lines.append(f"{name:22s} error: {r['error'][:90]}")
+            elif "s_per_step" in r:
+                mfu = r.get("mfu_vs_spec") or r.get("mfu_vs_measured_matmul")
+                peak = r.get("peak_allocated")
+                lines.append(f"{name:22s} {r['s_per_step']:7.2f} s/step {r['target_tokens_per_s']:9.0f} tgt tok/s "
+                             f"MFU {mfu:.2f} data {r['data_share']:.1%} "
+                             + (f"peak {peak / 2**30:.1f} GiB plan {r['plan_bytes'] / 2**30:.1f} GiB" if peak else ""))
+    else:
+        for name in ("encode_text", "encode_vae"):
+            r = rec.get(name, {})
+            if "samples_per_s" in r:
+                lines.append(f"{name:12s} {r['samples_per_s']:.2f} samples/s, x{r.get('x_stock', float('nan')):.2f} stock")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

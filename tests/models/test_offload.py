@@ -1,0 +1,90 @@
+"""Block offload (models/offload.py) on the CPU (always_copy: every onload a real copy): which block is
+copied ahead when. Forward: the next block up; a checkpointed backward's recomputes: the next block down; and
+the first block of a forward that follows a backward prefetches upwards too (it prefetched downwards, into
+nothing, before: the block after it was then copied on the compute stream, unhidden)."""
+
+from __future__ import annotations
+
+import torch
+
+from models.offload import offload_blocks
+from test_multires import MIXED, SIGMAS, batch_of, make_samples, make_transformer
+
+
+def _train_step(model, batch):
+    from models.multires import multires_forward
+
+    out = multires_forward(model, batch, SIGMAS)
+    out.square().mean().backward()
+
+
+def test_prefetch_follows_the_direction_of_execution():
+    from diffusers import QwenImageTransformer2DModel
+
+    from models.multires import install_multires
+
+    torch.manual_seed(0)
+    model = QwenImageTransformer2DModel(patch_size=2, in_channels=16, out_channels=4, num_layers=4,
+                                        attention_head_dim=32, num_attention_heads=2, joint_attention_dim=32,
+                                        axes_dims_rope=(8, 12, 12))
+    install_multires(model)
+    model.requires_grad_(False)
+    model.img_in.weight.requires_grad_(True)  # something to differentiate through every block
+    model.enable_gradient_checkpointing()
+    model.train()
+    off = offload_blocks(model, "cpu", keep=1)  # block 0 stays; 1..3 offloaded
+    batch = batch_of(make_samples(MIXED))
+
+    _train_step(model, batch)
+    first = list(off.ahead)
+    # forward 1, 2, 3 (each fetches the next one up), then the backward recomputes 3, 2, 1 (the next one down)
+    assert first == [(1, 2), (2, 3), (3, None), (3, 2), (2, 1), (1, None)]
+    off.ahead.clear()
+    _train_step(model, batch)
+    assert list(off.ahead)[0] == (1, 2), "a forward after a backward must prefetch the next block up"
+    assert list(off.ahead) == first
+
+
+def test_offloaded_training_step_equals_resident():
+    """The offloaded model computes the same gradients as the same model resident (the copies are exact)."""
+    import copy
+
+    base = make_transformer("axes8-12-12_2x32")
+    from models.multires import install_multires
+
+    install_multires(base)
+    base.requires_grad_(False)
+    base.img_in.weight.requires_grad_(True)
+    base.enable_gradient_checkpointing()
+    base.train()
+    resident = copy.deepcopy(base)
+    offload_blocks(base, "cpu", keep=0)
+    batch = batch_of(make_samples(MIXED))
+    for m in (base, resident):
+        _train_step(m, batch)
+    assert torch.equal(base.img_in.weight.grad, resident.img_in.weight.grad)
+
+
+def test_quantized_weights_are_pinned_through_their_inner_tensors():
+    """torchao's int8 / fp8 tensors have no pin op of their own: `pinned` pins their codes and scales and
+    rebuilds the same tensor (the CPU cannot pin: a clone stands in for pin_memory, and is seen to be called
+    on the inner tensors, never on the wrapper)."""
+    from models.offload import pinned
+    from models.quantize import dequantize, quantize_rows
+
+    w = torch.randn(64, 96, dtype=torch.bfloat16)
+    seen = []
+
+    def fake_pin(x):
+        seen.append(type(x))
+        return x.clone()
+
+    for kind in ("int8", "fp8"):
+        seen.clear()
+        q = quantize_rows(w, kind)
+        p = pinned(q, pin=fake_pin)
+        assert type(p) is type(q) and p.shape == q.shape
+        assert seen and all(t is torch.Tensor for t in seen)
+        assert torch.equal(dequantize(p), dequantize(q))
+    seen.clear()
+    assert torch.equal(pinned(w, pin=fake_pin), w) and seen == [torch.Tensor]

@@ -1,0 +1,100 @@
+"""bench/gpu/proof.py --smoke: every stage on the CPU with tiny dimensions, so a broken script never burns GPU
+minutes. Checks the JSON the GPU run will be read from: its fields, the correctness errors within tolerance,
+padded positions exactly 0, the same LoRA with and without offload / prefetch, the run record of the
+attention choice."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory) -> tuple[dict, Path]:
+    work = tmp_path_factory.mktemp("gpu-proof")
+    out = work / "proof.json"
+    # a fresh process, as on the GPU machine (the stages set global torch state)
+    subprocess.run([sys.executable, str(REPO / "bench" / "gpu" / "proof.py"), "--stage", "all", "--smoke",
+                    "--out", str(out), "--work", str(work / "scratch"), "--budget-s", "600"],
+                   check=True, cwd=REPO, timeout=900)
+    return json.loads(out.read_text()), work
+
+
+def test_env_and_every_stage_complete(smoke):
+    data, _ = smoke
+    assert data["env"]["smoke"] is True and data["env"]["torch"]
+    assert data["env"]["default_attention"]["backend"] == "native"
+    assert set(data["stages"]) == {"correctness", "train", "encode"}
+    assert all(s["complete"] for s in data["stages"].values())
+
+
+def test_correctness_errors_within_tolerance(smoke):
+    data, _ = smoke
+    eq = data["stages"]["correctness"]["equivalence"]
+    for precision in ("float32", "bfloat16"):
+        ran = {k: v for k, v in eq[precision].items() if isinstance(v, dict) and v.get("ran")}
+        assert {"native", "_native_math", "packed"} <= set(ran)
+        for name, r in ran.items():
+            assert r["ok"], (precision, name, r)
+            assert r["padded_out_exact_zero"] and r["padded_grad_image_exact_zero"] and r["padded_grad_text_exact_zero"]
+            assert not r["missing_weight_grads"]
+            for key, tol in eq[precision]["tolerance"].items():
+                assert 0 <= r[key] <= tol, (precision, name, key)
+        # a backend that cannot run here is recorded with its error, not dropped
+        assert all("error" in v for v in eq[precision].values() if isinstance(v, dict) and v.get("ran") is False)
+    assert eq["float32"]["native"]["forward"] < 1e-5
+    same = data["stages"]["correctness"]["same_lora"]
+    for name in ("offload", "prefetch"):
+        assert same[name]["ran"] and same[name]["bit_identical"] and same[name]["ok"], same[name]
+    assert same["run_to_run_noise"] == 0.0  # the CPU kernels are deterministic
+    q = data["stages"]["correctness"]["quantized"]
+    for kind in ("int8", "fp8"):
+        assert q[kind]["ran"] and q[kind]["lora_grads_finite"] and q[kind]["rel_loss_deviation"] < 0.05
+
+
+def test_train_fields(smoke):
+    data, _ = smoke
+    configs = data["stages"]["train"]["configs"]
+    assert {"bf16-packed", "bf16-native", "bf16-anchors", "int8-offload-24g"} <= set(configs)
+    for name, r in configs.items():
+        assert "error" not in r, (name, r)
+        for key in ("s_per_step", "samples_per_s", "target_tokens_per_s", "data_share", "mfu_vs_measured_matmul",
+                    "plan_bytes", "attention_backend", "steps"):
+            assert key in r, (name, key)
+        assert r["steps"] == r["batches_per_epoch"] and 0 <= r["data_share"] < 1
+    assert configs["bf16-anchors"]["batches_per_epoch"] >= configs["bf16-packed"]["batches_per_epoch"]
+    assert configs["bf16-packed"]["attention_backend"] == "packed"
+
+
+def test_encode_fields(smoke):
+    data, _ = smoke
+    enc = data["stages"]["encode"]
+    for name in ("encode_text", "encode_vae"):
+        assert enc[name]["samples_per_s"] > 0 and enc[name]["x_stock"] > 0
+
+
+def test_a_rerun_of_one_train_config_keeps_the_others(smoke, tmp_path):
+    data, work = smoke
+    out = tmp_path / "proof.json"
+    out.write_text(json.dumps(data))
+    sys.path.insert(0, str(REPO))
+    from bench.gpu.proof import main
+
+    main(["--stage", "train", "--smoke", "--configs", "bf16-native", "--out", str(out), "--budget-s", "0"])
+    again = json.loads(out.read_text())
+    train = again["stages"]["train"]
+    assert train["not_run_budget"] == ["bf16-native"] and train["complete"] is False  # budget 0: nothing new starts
+    assert train["configs"]["bf16-packed"] == data["stages"]["train"]["configs"]["bf16-packed"]
+    assert again["stages"]["correctness"] == data["stages"]["correctness"]
+
+
+def test_the_train_run_records_its_attention_choice(smoke):
+    _, work = smoke
+    record = json.loads((work / "scratch" / "same-lora" / "run-plain" / "attention.json").read_text())
+    assert record["backend"] == "native" and "default on cpu" in record["reason"]
