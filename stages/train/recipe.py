@@ -61,7 +61,7 @@ from stages.train.resume import changed_settings
 from stages.train.sampler import padding_efficiency
 from stages.train.state import ResumeRecord
 from stages.train.summary import train_line
-from store.format import atomic_dir, atomic_write_bytes, pause_point
+from store.format import atomic_dir, atomic_write_bytes, atomic_write_json, pause_point
 from store.join import JoinedTables, open_configured
 
 # Extra torch.compile arguments of `train.compile` (tests use a fast backend).
@@ -262,7 +262,7 @@ def setup(cfg: PipelineConfig, store: str | Path, model: str, out: str | Path, r
     if r.main:  # which attention kernel this run uses and why (a failed packed probe's error included)
         from models.attention import attention_record
 
-        atomic_write_bytes(r.run_dir / "attention.json", (json.dumps(attention_record(r.transformer), indent=1) + "\n").encode())
+        atomic_write_json(r.run_dir / "attention.json", attention_record(r.transformer))
     _check_shapes(tables, r.transformer)
     if tc.init_lora and latest is None:
         from models.lora import init_from_lora, lora_weight_file
