@@ -610,7 +610,10 @@ def setup_transformer(model: str, cfg: TrainConfig, device: torch.device):
     # resident moves to the device.
     load_on = torch.device("cpu") if cfg.offload == "blocks" else device
     transformer = load_component(model, "transformer", dtype=base_dtype, device=load_on, quantize=cfg.quantize_base)
-    install_multires(transformer)
+    from models.qwen21_flow import is_qwen21
+
+    if not is_qwen21(transformer):  # 2.1 mixes layouts with its own forward (models/qwen21_multires.py)
+        install_multires(transformer)
     use_attention_backend(transformer, cfg.attention_backend, "train.attention_backend", device, base_dtype)
     transformer.requires_grad_(False)
     if cfg.quantize_base != "none":
@@ -639,6 +642,12 @@ def setup_transformer(model: str, cfg: TrainConfig, device: torch.device):
 
 def _check_shapes(tables: JoinedTables, transformer) -> None:
     s = load_at(tables, 0)
+    if s.slot_mask is not None:  # Qwen-Image-2.1 features
+        from models.qwen21_flow import check_shapes_21
+
+        if (problem := check_shapes_21(s, transformer, str(tables.store_root))) is not None:
+            raise UserError(problem)
+        return
     c4, d = s.target.shape[0] * 4, s.prompt_embeds.shape[1]
     cfg = transformer.config
     if c4 != cfg.in_channels or d != cfg.joint_attention_dim:

@@ -1,4 +1,5 @@
-"""encode-text / encode-vae on a Qwen-Image-2.1 model against the unmodified `QwenImage21Pipeline`."""
+"""Qwen-Image-2.1 through the store: encode-text / encode-vae against the unmodified `QwenImage21Pipeline`, then
+train from the CLI; the LoRA loads in the stock pipeline and reproduces the trainer's prediction."""
 
 from __future__ import annotations
 
@@ -36,8 +37,8 @@ def _png(h, w, mode, rng) -> bytes:
     return buf.getvalue()
 
 
-@pytest.fixture
-def store21(tmp_path):
+def write_store21(root, samples=SAMPLES):
+    """An `images` table as resize-bucket writes it for 2.1 (control_{i}.png = each reference, sides in 32s)."""
     col = "column"
     schema = TableSchema(name="images", lineage=Lineage("resize-bucket", config_hash="fixture-21", upstream={},
                                                         code_version="fixture"),
@@ -47,15 +48,20 @@ def store21(tmp_path):
                                  FieldSpec("img_shapes", "json", kind=col), FieldSpec("num_controls", "int64", kind=col),
                                  FieldSpec("source", "string", kind=col)])
     rng = np.random.default_rng(0)
-    w = Store(tmp_path / "s").writer("images", schema)
-    for i, (caption, (th, tw, tm), refs) in enumerate(SAMPLES):
+    w = Store(root).writer("images", schema)
+    for i, (caption, (th, tw, tm), refs) in enumerate(samples):
         files = {"target.png": _png(th, tw, tm, rng)}
         files.update({f"control_{c}.png": _png(h, w_, m, rng) for c, (h, w_, m) in enumerate(refs)})
         shapes = [[1, th // 16, tw // 16]] + [[1, h // 16, w_ // 16] for h, w_, _ in refs]
         w.add(f"{i:032x}", files=files, meta={"caption": caption, "split": "train", "img_shapes": shapes,
                                               "num_controls": len(refs), "source": f"fixture/{i}"})
     w.commit()
-    return tmp_path / "s"
+    return root
+
+
+@pytest.fixture
+def store21(tmp_path):
+    return write_store21(tmp_path / "s")
 
 
 def _rgba(data: bytes) -> Image.Image:
@@ -94,3 +100,65 @@ def test_encode_text_and_vae_match_the_stock_pipeline(tiny_21_model, store21):
     assert st.reader("text").schema.attrs["prompt_format"]["variant"] == "qwen-image-2.1"
     reasons = st.quarantine().column("reason").to_pylist()
     assert reasons.count("qwen-image-2.1 takes at most 10 references") == 2  # one row per stage
+
+
+def _cli(*args) -> str:
+    from typer.testing import CliRunner
+
+    from pipeline.cli import app
+
+    result = CliRunner().invoke(app, [str(a) for a in args])
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def test_train_21_from_the_cli_and_the_stock_pipeline_loads_the_lora(tiny_21_model, tmp_path):
+    from diffusers import QwenImage21Pipeline
+
+    from models.lora import load_lora
+    from models.qwen21_multires import Qwen21Sample, build_batch, joint_image_mask, latent_tokens, qwen21_forward
+    from models.randomness import draw_noise
+    from stages.train.data import load, open_inputs
+    from stages.train.recipe import setup_transformer
+
+    mixed = SAMPLES[:3] + [("make it blue", (32, 64, "RGBA"), [(64, 32, "RGB"), (32, 32, "RGBA")]),
+                           ("flip it", (64, 32, "RGB"), [(32, 96, "RGB")])]
+    store = write_store21(tmp_path / "s", mixed)
+    _cli("run", "encode-text", "--store", store, "--model", tiny_21_model)
+    _cli("run", "encode-vae", "--store", store, "--model", tiny_21_model)
+    run_dir = tmp_path / "run"
+    _cli("run", "train", "--store", store, "--model", tiny_21_model, "--out", run_dir, "--max-steps", 2,
+         "--batch-size", 3, "--device", "cpu", "--set", "train.learning_rate=0.02", "--set", "train.lora.rank=4",
+         "--set", "train.caption_dropout=0.5", "--set", "train.gradient_checkpointing=true")
+    assert (run_dir / "lora" / "pytorch_lora_weights.safetensors").is_file()
+
+    # The trainer's prediction on a stored sample with references == the stock 2.1 transformer + the LoRA.
+    tables = open_inputs(store, tiny_21_model)
+    sample = next(s for s in (load(tables, k) for k in tables.keys) if len(s.controls) > 1)
+    x_t = latent_tokens(sample.target).float() * 0.6 + latent_tokens(draw_noise(sample, 0, 0)) * 0.4
+    sigma = torch.tensor([0.4])
+    cfg = load_config(None, {"train.lora.rank": 4})
+    ours_model = setup_transformer(tiny_21_model, cfg.train, torch.device("cpu")).eval()
+    load_lora(ours_model, run_dir / "lora")
+    hw = tuple(sample.img_shapes[0][1:])
+    batch = build_batch([Qwen21Sample(sample.prompt_embeds.float(), sample.slot_mask,
+                                      [c.float() for c in sample.controls], x_t, hw)])
+    with torch.no_grad():
+        ours = qwen21_forward(ours_model, batch, sigma)[0][batch.target_mask[0]]
+
+    pipe = QwenImage21Pipeline.from_pretrained(tiny_21_model)
+    tokens = torch.cat([latent_tokens(c).float() for c in sample.controls] + [x_t])[None]
+    slots, _ = joint_image_mask(sample.slot_mask, x_t.shape[0])
+    shapes = [[(1, c.shape[-2], c.shape[-1]) for c in sample.controls] + [(1, *hw)]]
+
+    def stock() -> torch.Tensor:
+        with torch.no_grad():
+            out = pipe.transformer(hidden_states=tokens, encoder_hidden_states=sample.prompt_embeds.float()[None],
+                                   timestep=sigma, img_shapes=shapes, img_mask=slots[None], return_dict=False)[0]
+        return out[0, -x_t.shape[0]:]
+
+    base = stock()
+    pipe.load_lora_weights(run_dir / "lora")
+    theirs = stock()
+    assert not torch.equal(theirs, base)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
