@@ -391,7 +391,14 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, ou
 
     dtype = parse_dtype(cfg.dtype)
     transformer = load_component(model, "transformer", dtype=dtype, device=cfg.device, quantize=cfg.quantize_base)
-    install_multires(transformer)
+    from models.qwen21_flow import is_qwen21
+
+    if is_qwen21(transformer):  # its own mixed-layout forward (models/qwen21_multires.py); no image generation yet
+        if cfg.num_samples > 0 or cfg.extra_prompts:
+            raise UserError("evaluate on a Qwen-Image-2.1 model computes the held-out loss only for now: set "
+                            "evaluate.num_samples: 0 and no evaluate.extra_prompts (configs/qwen-image-2.1.yaml)")
+    else:
+        install_multires(transformer)
     use_attention_backend(transformer, cfg.attention_backend, "evaluate.attention_backend", torch.device(cfg.device), dtype)
     attach_lora(transformer, lora, cfg.lora_scale)
 

@@ -162,3 +162,32 @@ def test_train_21_from_the_cli_and_the_stock_pipeline_loads_the_lora(tiny_21_mod
     theirs = stock()
     assert not torch.equal(theirs, base)
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
+def test_run_all_with_the_21_config_on_demo_data(tmp_path):
+    """`pipeline run all --config configs/qwen-image-2.1.yaml` on the tiny 2.1 model and the demo data: every
+    stage's --json summary, a LoRA, and a held-out loss report."""
+    import json
+    from pathlib import Path
+
+    model = tmp_path / "tiny-21"
+    _cli("make-tiny-model", model, "--variant", "qwen-image-2.1")
+    _cli("make-demo-data", tmp_path / "data", "--n", "10", "--max-controls", "3")
+    config = Path(__file__).parents[2] / "configs" / "qwen-image-2.1.yaml"
+    paths = {"source": tmp_path / "data", "store": tmp_path / "store", "model": model, "run": tmp_path / "run",
+             "report": tmp_path / "report"}
+    sets = [x for k, v in paths.items() for x in ("--set", f"paths.{k}={v}")]
+    from typer.testing import CliRunner
+
+    from pipeline.cli import app
+
+    result = CliRunner().invoke(app, [str(a) for a in ("run", "all", "--config", config, "--json", *sets, "--set",
+                                                       "train.max_steps=4", "--set", "train.checkpoint_every=2")])
+    assert result.exit_code == 0, result.output
+    summaries = json.loads(result.stdout)
+    assert [s["stage"] for s in summaries][:4] == ["resize-bucket", "encode-text", "encode-vae", "train"]
+    print(summaries)
+    assert summaries[1]["encoded"] > 0 and summaries[2]["encoded"] > 0
+    assert (tmp_path / "run" / "lora" / "pytorch_lora_weights.safetensors").is_file()
+    metrics = json.loads((tmp_path / "report" / "metrics.json").read_text())
+    assert metrics["loss"]["overall"]["n"] > 0
