@@ -67,14 +67,20 @@ class ResizeConfig(Section):
     max_controls: int = Field(3, ge=0)
     min_controls: int = Field(0, ge=0)
     max_image_pixels: int = Field(64 * 1024 * 1024, gt=0, description="larger images are rejected (decompression bombs)")
+    keep_alpha: bool = Field(False, description="store images with transparency as RGBA instead of composited over "
+                             "white (Qwen-Image-2.1: its VAE reads the alpha channel)")
     val_fraction: float = Field(0.1, ge=0.0, lt=1.0)
     shard_size_mb: float = Field(256, gt=0, description="images table shard size (fractions allowed, e.g. for tests)")
     workers: int = Field(0, ge=0, description="processes decoding/resizing/encoding PNGs (0 = in the main process)")
 
+    def unset_switches(self) -> set[str]:
+        """Switches added later, left out of fingerprints while off, so earlier tables keep their lineage."""
+        return set() if self.keep_alpha else {"keep_alpha"}
+
     def fingerprint(self) -> str:
         """Like every section's, but without the settings that say how the work is done, not what it produces
         (shard size, workers): changing those reuses an existing version instead of rebuilding it."""
-        operational = {"shard_size_mb", "workers"}
+        operational = {"shard_size_mb", "workers"} | self.unset_switches()
         blob = json.dumps(self.model_dump(mode="json", exclude=operational), sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 

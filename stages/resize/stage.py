@@ -261,7 +261,7 @@ def images_schema(rc: ResizeConfig, listing: str, source: str = "", source_forma
     from store.reuse import FEATURE_LINEAGE_ATTR, feature_lineage
 
     lineage = Lineage(stage=STAGE, config_hash=f"{rc.fingerprint()}-src{listing}", code_version=code_version(f"images.{FEATURE_REVISION}"))
-    render = rc.model_dump(mode="json", exclude=VIEW_SETTINGS | {"shard_size_mb", "workers"})
+    render = rc.model_dump(mode="json", exclude=VIEW_SETTINGS | {"shard_size_mb", "workers"} | rc.unset_switches())
     png, col = "png", "column"
     return TableSchema(
         name=TABLE,
@@ -287,7 +287,7 @@ def images_schema(rc: ResizeConfig, listing: str, source: str = "", source_forma
         ),
         # without the operational settings (shard size, workers), which change neither features nor lineage
         attrs={
-            "resize": rc.model_dump(mode="json", exclude={"shard_size_mb", "workers"}),
+            "resize": rc.model_dump(mode="json", exclude={"shard_size_mb", "workers"} | rc.unset_switches()),
             "source": source,
             "source_format": source_format,
             "source_listing": listing,
@@ -428,7 +428,12 @@ def _decode(
     data: bytes, what: str, rec: SourceSample, key: str, file_index: int, rc: ResizeConfig, notes: list[str]
 ) -> Image.Image:
     try:
-        d = decode_image(data, rc.max_image_pixels)
+        if rc.keep_alpha:  # Qwen-Image-2.1: RGBA kept for its VAE (stages/resize/alpha.py)
+            from stages.resize.alpha import decode_keeping_alpha
+
+            d = decode_keeping_alpha(data, rc.max_image_pixels)
+        else:
+            d = decode_image(data, rc.max_image_pixels)
     except ImageRejected as e:
         raise Rejected(e.kind, f"{what}{_where(rec, file_index)}: {e}", key=key) from None
     notes.extend(d.notes)
