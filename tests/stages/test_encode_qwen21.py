@@ -191,3 +191,44 @@ def test_run_all_with_the_21_config_on_demo_data(tmp_path):
     assert (tmp_path / "run" / "lora" / "pytorch_lora_weights.safetensors").is_file()
     metrics = json.loads((tmp_path / "report" / "metrics.json").read_text())
     assert metrics["loss"]["overall"]["n"] > 0
+
+
+MIXED = SAMPLES[:3] + [("make it blue", (32, 64, "RGBA"), [(64, 32, "RGB"), (32, 32, "RGBA")]),
+                       ("flip it", (64, 32, "RGB"), [(32, 96, "RGB")])]
+
+
+@pytest.fixture(scope="module")
+def encoded21(tiny_21_model, tmp_path_factory):
+    store = write_store21(tmp_path_factory.mktemp("q21") / "s", MIXED)
+    cfg = load_config(None, F32)
+    encode_text.run(cfg, store, tiny_21_model)
+    encode_vae.run(cfg, store, tiny_21_model)
+    return store
+
+
+def _train_cfg(**train):
+    base = {"train.device": "cpu", "train.batch_size": 2, "train.learning_rate": 0.01, "train.lora.rank": 4,
+            "train.sigma.sampling": "dynamic_shift", "train.sigma.max_shift": 1.15,
+            "train.sigma.max_image_seq_len": 4096, "train.caption_dropout": 0.3}
+    return load_config(None, {**base, **{f"train.{k}": v for k, v in train.items()}})
+
+
+def test_21_stop_and_resume_gives_identical_lora_and_int8_base_trains(tiny_21_model, encoded21, tmp_path):
+    from models.lora import read_lora
+    from stages.train.recipe import run, setup_transformer
+
+    run(_train_cfg(max_steps=4, checkpoint_every=2), encoded21, tiny_21_model, tmp_path / "straight")
+    run(_train_cfg(max_steps=2, checkpoint_every=2), encoded21, tiny_21_model, tmp_path / "resumed")
+    result = run(_train_cfg(max_steps=4, checkpoint_every=2), encoded21, tiny_21_model, tmp_path / "resumed",
+                 resume=True)
+    assert result.start_step == 2 and result.steps == 4
+    a, b = read_lora(tmp_path / "straight" / "lora")[0], read_lora(tmp_path / "resumed" / "lora")[0]
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    cfg = _train_cfg(max_steps=2, quantize_base="int8")
+    model = setup_transformer(tiny_21_model, cfg.train, torch.device("cpu"))
+    assert "Int8" in type(model.transformer_blocks[0].attn.to_q.base_layer.weight).__name__
+    result = run(cfg, encoded21, tiny_21_model, tmp_path / "int8")
+    assert all(torch.isfinite(torch.tensor(result.losses)))
+    int8 = read_lora(tmp_path / "int8" / "lora")[0]
+    assert any(v.abs().sum() > 0 for k, v in int8.items() if "lora_B" in k)
