@@ -7,7 +7,8 @@ pixels go to the VLM (composited over white, by the stock pipeline code) and to 
 
 text table (per sample, unpadded): `prompt_embeds` [L, D] and `slot_mask` [L] (True at the VLM image slots: the
 layout record the transformer needs, with the references' latent shapes from the vae table), the same for the
-empty prompt (caption dropout) with the same references. vae table: as for the Edit variants, 64-channel
+empty prompt (caption dropout) with the same references, and with `encode_text.no_control_embeds` the
+instruction alone in the text-to-image template (`nocontrol_embeds`, for reference dropout). vae table: as for the Edit variants, 64-channel
 latents [64, 1, H/16, W/16] of the RGBA target and references, normalised as `_encode_vae_image` does.
 
 A sample with more than 10 references, a reference side not a multiple of 32, or a VLM grid that differs from
@@ -88,7 +89,7 @@ def prompt_format_record() -> dict[str, Any]:
             "diffusers": diffusers.__version__}
 
 
-def text_schema(job, hidden_size: int, dtype: str) -> TableSchema:
+def text_schema(job, hidden_size: int, dtype: str, nocontrol: bool = False) -> TableSchema:
     return TableSchema(
         name="text",
         lineage=job.lineage,
@@ -100,7 +101,7 @@ def text_schema(job, hidden_size: int, dtype: str) -> TableSchema:
             FieldSpec("length", "int64", kind="column"),
             FieldSpec("empty_length", "int64", kind="column"),
             FieldSpec("num_controls", "int64", kind="column"),
-        ],
+        ] + ([FieldSpec("nocontrol_embeds", "bfloat16", rank=2)] if nocontrol else []),
         attrs={
             "prompt_format": prompt_format_record(),
             "hidden_size": hidden_size,
@@ -130,7 +131,8 @@ def run_text(cfg: PipelineConfig, store: str | Path, model: str, device: str | N
     processor = load_component(model, "processor")
     text_encoder = load_component(model, "text_encoder", dtype=parse_dtype(section.dtype), device=target)
     encoder = prompt_encoder(text_encoder, processor)
-    schema = text_schema(job, text_encoder.config.text_config.hidden_size, section.dtype)
+    nocontrol = section.no_control_embeds  # reference dropout: the text-to-image prompt, no references
+    schema = text_schema(job, text_encoder.config.text_config.hidden_size, section.dtype, nocontrol)
     try:
         todo = job.open_writer(schema, section.shard_size_mb)
         samples = prefetched(job.read_inputs(todo), job.unless_rejected(lambda item: prepare_text(*item)),
@@ -138,9 +140,10 @@ def run_text(cfg: PipelineConfig, store: str | Path, model: str, device: str | N
         with job.progress(len(todo)) as bar:
             for item in job.accepted(samples, bar):
                 # One sample per forward: the stock encoder takes one reference set per call.
-                with job.timed_forward(2):
+                with job.timed_forward(3 if nocontrol else 2):
                     prompt, slots = encode_prompt(encoder, item.caption, item.references)
                     empty, empty_slots = encode_prompt(encoder, "", item.references)
+                    alone = encode_prompt(encoder, item.caption, [])[0] if nocontrol else None
                 problem = grid_mismatch(slots, [(im.height, im.width) for im in item.references])
                 if problem is not None:
                     job.quarantine(item.key, "VLM grid differs from the VAE grid", problem)
@@ -151,6 +154,7 @@ def run_text(cfg: PipelineConfig, store: str | Path, model: str, device: str | N
                     "prompt_embeds": prompt.to("cpu", torch.bfloat16).contiguous(),
                     "empty_embeds": empty.to("cpu", torch.bfloat16).contiguous(),
                     "slot_mask": slots.cpu().contiguous(), "empty_slot_mask": empty_slots.cpu().contiguous(),
+                    **({"nocontrol_embeds": alone.to("cpu", torch.bfloat16).contiguous()} if nocontrol else {}),
                 }, meta={"split": meta.get("split", "train"), "img_shapes": meta["img_shapes"],
                          "length": prompt.shape[0], "empty_length": empty.shape[0],
                          "num_controls": len(item.references)})

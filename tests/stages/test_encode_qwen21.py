@@ -232,3 +232,33 @@ def test_21_stop_and_resume_gives_identical_lora_and_int8_base_trains(tiny_21_mo
     assert all(torch.isfinite(torch.tensor(result.losses)))
     int8 = read_lora(tmp_path / "int8" / "lora")[0]
     assert any(v.abs().sum() > 0 for k, v in int8.items() if "lora_B" in k)
+
+
+def test_21_reference_dropout_trains_on_the_text_to_image_prompt(tiny_21_model, tmp_path):
+    from diffusers import QwenImage21Pipeline
+
+    from models.flow import prepare_flow_batch
+    from models.randomness import with_control_dropout
+    from stages.train.data import load, open_inputs
+    from stages.train.recipe import run
+
+    store = write_store21(tmp_path / "s", MIXED)
+    cfg = load_config(None, {**F32, "encode_text.no_control_embeds": True})
+    encode_text.run(cfg, store, tiny_21_model)
+    encode_vae.run(cfg, store, tiny_21_model)
+    pipe = QwenImage21Pipeline.from_pretrained(tiny_21_model)
+    tables = open_inputs(store, tiny_21_model)
+    sample = next(s for s in (load(tables, k) for k in tables.keys) if s.controls)
+    caption = Store(store).reader("images").meta(sample.key)["caption"]
+    want, _, _ = pipe.encode_prompt(prompt=caption, image=None, device="cpu")  # the text-to-image template
+    assert torch.equal(sample.nocontrol_embeds, want[0].to(torch.bfloat16))
+
+    (dropped,) = with_control_dropout([sample], 0, 0, 1.0)
+    assert dropped.controls == [] and not dropped.slot_mask.any() and dropped.img_shapes == sample.img_shapes[:1]
+    fb = prepare_flow_batch([dropped], torch.tensor([0.5]), [torch.zeros_like(sample.target.float())], [True],
+                            (1.0, 1.0), torch.device("cpu"), torch.float32)
+    n_target = sample.img_shapes[0][1] * sample.img_shapes[0][2]
+    assert fb.batch.lengths == [sample.nocontrol_embeds.shape[0] + n_target]  # no reference tokens left
+
+    result = run(_train_cfg(max_steps=2, control_dropout=0.5), store, tiny_21_model, tmp_path / "run")
+    assert all(torch.isfinite(torch.tensor(result.losses)))
