@@ -262,3 +262,25 @@ def test_21_reference_dropout_trains_on_the_text_to_image_prompt(tiny_21_model, 
 
     result = run(_train_cfg(max_steps=2, control_dropout=0.5), store, tiny_21_model, tmp_path / "run")
     assert all(torch.isfinite(torch.tensor(result.losses)))
+
+
+def test_21_predict_cli_is_the_stock_pipeline_with_the_lora(tiny_21_model, encoded21, tmp_path):
+    from diffusers import QwenImage21Pipeline
+
+    from stages.train.recipe import run
+
+    run(_train_cfg(max_steps=2), encoded21, tiny_21_model, tmp_path / "run")
+    ref = tmp_path / "ref.png"
+    _rgba_img = Image.fromarray(np.random.default_rng(3).integers(0, 255, (64, 96, 4), dtype=np.uint8), "RGBA")
+    _rgba_img.save(ref)
+    out = tmp_path / "out.png"
+    _cli("predict", "--model", tiny_21_model, "--lora", tmp_path / "run" / "lora", "--image", ref, "--prompt",
+         "make the square red", "--steps", 2, "--cfg", 1.0, "--height", 64, "--width", 96, "--out", out)
+    got = np.asarray(Image.open(out))
+    assert got.shape == (64, 96, 4)  # RGBA out
+
+    pipe = QwenImage21Pipeline.from_pretrained(tiny_21_model)
+    pipe.load_lora_weights(tmp_path / "run" / "lora")
+    want = pipe(image=[Image.open(ref)], prompt="make the square red", num_inference_steps=2, height=64, width=96,
+                output_resolution=78, generator=torch.Generator().manual_seed(0), output_type="pil").images[0]
+    np.testing.assert_array_equal(got, np.asarray(want))
