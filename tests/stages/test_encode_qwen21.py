@@ -284,3 +284,26 @@ def test_21_predict_cli_is_the_stock_pipeline_with_the_lora(tiny_21_model, encod
     want = pipe(image=[Image.open(ref)], prompt="make the square red", num_inference_steps=2, height=64, width=96,
                 output_resolution=78, generator=torch.Generator().manual_seed(0), output_type="pil").images[0]
     np.testing.assert_array_equal(got, np.asarray(want))
+
+
+def test_21_lora_merge_gives_a_folder_the_stock_pipeline_loads_with_the_lora_fused(tiny_21_model, encoded21, tmp_path):
+    from diffusers import QwenImage21Pipeline
+
+    from stages.train.recipe import run
+
+    run(_train_cfg(max_steps=2), encoded21, tiny_21_model, tmp_path / "run")
+    _cli("lora", "merge", "--model", tiny_21_model, "--lora", tmp_path / "run" / "lora", "--out", tmp_path / "merged")
+    merged = QwenImage21Pipeline.from_pretrained(tmp_path / "merged")
+    ref = QwenImage21Pipeline.from_pretrained(tiny_21_model)
+    ref.load_lora_weights(tmp_path / "run" / "lora")
+    g = torch.Generator().manual_seed(0)
+    tokens, text = torch.randn(1, 2 * 2 + 4 * 2, 64, generator=g), torch.randn(1, 5, 32, generator=g)
+    slots = torch.tensor([[False, True, False, False, False, True, True]])  # text with 1 reference slot, 2 target slots
+
+    def out(pipe):
+        with torch.no_grad():
+            return pipe.transformer(hidden_states=tokens, encoder_hidden_states=text, timestep=torch.tensor([0.3]),
+                                    img_shapes=[[(1, 2, 2), (1, 2, 4)]], img_mask=slots, return_dict=False)[0]
+
+    torch.testing.assert_close(out(merged), out(ref), rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(out(merged), out(QwenImage21Pipeline.from_pretrained(tiny_21_model)))  # LoRA in it
