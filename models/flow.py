@@ -210,7 +210,7 @@ def flow_loss_of(transformer, fb: FlowBatch) -> Tensor:
     if not isinstance(fb.batch, PackedBatch):  # a Qwen-Image-2.1 batch (models/qwen21_flow.py)
         from models.qwen21_flow import predictions_21
 
-        preds = predictions_21(transformer, fb.batch, fb.sigmas, _unwrap(transformer).dtype)
+        preds = predictions_21(transformer, fb.batch, fb.sigmas)
         return per_sample_loss(preds, fb.targets, fb.weights)
     out = multires_forward(transformer, fb.batch, fb.sigmas.to(_unwrap(transformer).dtype))
     return per_sample_loss(target_outputs(out, fb.batch), fb.targets, fb.weights)

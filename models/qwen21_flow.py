@@ -50,9 +50,12 @@ def prepare_flow_batch_21(samples: list[TrainSample], sigmas: Tensor, noises: li
     return FlowBatch(build_batch(rows), sigmas, [flow_target(x, e) for x, e in zip(x0, eps)], weights)
 
 
-def predictions_21(transformer, batch: Qwen21Batch, sigmas: Tensor, dtype: torch.dtype) -> list[Tensor]:
-    """Each sample's predicted velocity on its target tokens; the 2.1 pipeline passes σ as the timestep (t/1000)."""
-    return target_outputs(qwen21_forward(transformer, batch, sigmas.to(dtype)), batch)
+def predictions_21(transformer, batch: Qwen21Batch, sigmas: Tensor) -> list[Tensor]:
+    """Each sample's predicted velocity on its target tokens; the 2.1 pipeline passes σ as the timestep (t/1000).
+    `transformer` may be the training wrapper (DDP over `Qwen21Batched`): the call goes through it."""
+    from models.qwen21_multires import _unwrap
+
+    return target_outputs(qwen21_forward(transformer, batch, sigmas.to(_unwrap(transformer).dtype)), batch)
 
 
 def check_shapes_21(sample: TrainSample, transformer, where: str) -> str | None:

@@ -225,11 +225,32 @@ def _block(block, hidden: Tensor, modulation: Tensor, freqs: Tensor, mask: Tenso
     return hidden
 
 
+class Qwen21Batched(torch.nn.Module):
+    """`qwen21_forward` as a module's forward, for DDP: a DistributedDataParallel wrapper only synchronises the
+    gradients of a forward that goes through it, and the stock transformer's own forward is the one-layout one.
+    Training wraps this (`stages/train/recipe.py`); it holds the transformer, no parameters of its own."""
+
+    def __init__(self, transformer) -> None:
+        super().__init__()
+        self.transformer = transformer
+
+    def forward(self, batch: Qwen21Batch, timestep: Tensor) -> Tensor:
+        return _forward(self.transformer, batch, timestep)
+
+
 def qwen21_forward(transformer, batch: Qwen21Batch, timestep: Tensor) -> Tensor:
     """[B, S, C] the model output for every sample's joint sequence (its own layout), 0 at padded positions.
 
-    timestep: [B] in [0, 1] (the pipeline passes t / 1000). Reads the modules of `transformer` (unwrapped from
-    DDP / compile), so it runs with whatever adapters are attached to them."""
+    timestep: [B] in [0, 1] (the pipeline passes t / 1000). Reads the modules of `transformer`, so it runs with
+    whatever adapters are attached to them. A `Qwen21Batched` (or a DDP wrapper of one) is called through its
+    wrapper, so DDP synchronises the gradients; any other wrapper (compile) is unwrapped."""
+    inner = getattr(transformer, "module", transformer)
+    if isinstance(inner, Qwen21Batched):
+        return transformer(batch, timestep)
+    return _forward(transformer, batch, timestep)
+
+
+def _forward(transformer, batch: Qwen21Batch, timestep: Tensor) -> Tensor:
     model = _unwrap(transformer)
     causal_condition = bool(model.config.causal_condition)
     image_mask = batch.image_mask.unsqueeze(-1)
@@ -275,8 +296,11 @@ def per_sample_loss(out: Tensor, target: Tensor, batch: Qwen21Batch, weight: Ten
 
 
 def _unwrap(model):
-    """The transformer inside DDP (`.module`) or torch.compile (`._orig_mod`) wrappers."""
+    """The transformer inside DDP (`.module`), torch.compile (`._orig_mod`) or `Qwen21Batched` wrappers."""
     while True:
+        if isinstance(model, Qwen21Batched):
+            model = model.transformer
+            continue
         inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
         if inner is None or not isinstance(inner, torch.nn.Module):
             return model

@@ -279,7 +279,14 @@ def setup(cfg: PipelineConfig, store: str | Path, model: str, out: str | Path, r
         from stages.train.validate import Validator
 
         r.validator = Validator(tc, store, model, r.run_dir)
-    r.model = parallel.wrap(r.transformer, r.world, tc.lora.target_modules)
+    from models.qwen21_flow import is_qwen21
+
+    if is_qwen21(r.transformer):  # DDP must wrap the module whose forward training calls (models/qwen21_multires.py)
+        from models.qwen21_multires import Qwen21Batched
+
+        r.model = parallel.wrap(Qwen21Batched(r.transformer), r.world, tc.lora.target_modules)
+    else:
+        r.model = parallel.wrap(r.transformer, r.world, tc.lora.target_modules)
     r.position = r.stream.position
     r.batches = MicroBatches(r.stream, tables, tc, r.rank, r.step, r.device, r.transformer.dtype, depth=tc.prefetch)
     r.result = TrainResult(r.run_dir, r.run_dir / "lora", start_step=r.step, steps=r.step, main_process=r.main,

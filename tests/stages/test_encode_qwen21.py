@@ -307,3 +307,41 @@ def test_21_lora_merge_gives_a_folder_the_stock_pipeline_loads_with_the_lora_fus
 
     torch.testing.assert_close(out(merged), out(ref), rtol=1e-5, atol=1e-6)
     assert not torch.allclose(out(merged), out(QwenImage21Pipeline.from_pretrained(tiny_21_model)))  # LoRA in it
+
+
+def test_21_two_processes_train_the_same_lora_as_one(tiny_21_model, tmp_path):
+    """DDP on 2.1 goes through the `Qwen21Batched` wrapper, so the ranks' gradients are all-reduced: two gloo
+    processes at batch 1 train the LoRA one process trains at batch 2 (slow: two fresh interpreters)."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    import yaml
+
+    from models.lora import read_lora
+    from stages.train.recipe import run
+
+    # 4 samples: global batch 2 gives the same two steps (same pairs) at 1 x 2 and 2 x 1
+    store = write_store21(tmp_path / "s", MIXED[:4])
+    encode_text.run(load_config(None, F32), store, tiny_21_model)
+    encode_vae.run(load_config(None, F32), store, tiny_21_model)
+    train = {"learning_rate": 0.01, "lora": {"rank": 4}, "max_steps": 2, "checkpoint_every": 2,
+             "sigma": {"sampling": "dynamic_shift", "max_shift": 1.15, "max_image_seq_len": 4096}}
+    cfg_file = tmp_path / "train.yaml"
+    cfg_file.write_text(yaml.safe_dump({"train": train}))
+    run(load_config(cfg_file, {"train.batch_size": 2, "train.device": "cpu"}), store, tiny_21_model,
+        tmp_path / "one")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(port),
+           "-m", "pipeline.cli", "run", "train", "--store", str(store), "--model", tiny_21_model,
+           "--out", str(tmp_path / "two"), "--config", str(cfg_file), "--batch-size", "1"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    one, two = read_lora(tmp_path / "one" / "lora")[0], read_lora(tmp_path / "two" / "lora")[0]
+    diff = torch.cat([(one[k] - two[k]).abs().flatten() for k in one])
+    assert one.keys() == two.keys() and diff.max() <= 1e-4 * 0.01 * 2, diff.max()  # float reassociation only
