@@ -2,21 +2,25 @@
 
 The stock 2.1 transformer reads one layout for the whole batch (`img_shapes[0]`, `img_mask[0]`): every sample
 must have the same references, sizes and prompt image slots. `qwen21_forward` runs a padded batch of samples
-with *different* layouts through the same model instance, reading its modules (`img_in`, `txt_in`, `pos_embed`,
-`time_text_embed`, `modulation`, each block's norms / attention projections / MLP, `norm_out`, `proj_out`), so
-LoRA layers, quantised weights and gradient checkpointing apply as they do in the stock forward. Nothing is
-installed or patched: the stock `forward` stays what diffusers ships (the pipeline and the equivalence tests use
-it).
+with *different* layouts through the same model instance: its own input projections, timestep embedding and
+shared modulation, then every stock `QwenImage21TransformerBlock` called as the stock forward calls it (so LoRA
+layers, quantised weights, gradient checkpointing, block offload hooks and regional compile apply), then the
+stock `norm_out` / `proj_out`. `install_qwen21` sets one attention processor on the instance
+(`set_attn_processor`, nothing patched): it is the stock `QwenImage21AttnProcessor` for a stock call and
+handles a padded batch's per-sample RoPE and mask otherwise.
 
-Per sample (row b of the batch), positions `[0, n_b)` hold exactly the joint sequence the stock model builds
-for that sample alone: the VLM sequence with each image slot expanded to 4 latent tokens (references in order),
-then the target tokens last; positions `[n_b, S)` are padding. Per sample:
+Layout of row b (S positions): the sample's joint sequence exactly as the stock model builds it for that sample
+alone (the VLM sequence with each image slot expanded to 4 latent tokens, references in order, then the target
+tokens), split so that every sample's *target tokens end at S*: [prefix_b | padding | target_b]. All targets
+then lie inside one shared region [S - T_max, S), so the blocks' `target_token_mask` (one mask for the batch in
+the stock code) gives every prefix token the t = 0 modulation row and every target token its sample's row
+(`causal_condition`); padding reads either and is ignored. Relative order within a sample is kept, so per
+sample:
 
-- RoPE: the stock `pos_embed` on the sample's own `img_shapes` and image mask; a neutral rotation on padding;
+- RoPE: the stock `pos_embed` on the sample's own `img_shapes` and image mask, placed at its positions; a
+  neutral rotation on padding;
 - attention: the block-causal mask `(q >= kv) or same image block` over the sample's own blocks, padded keys
-  excluded (a padded query sees only itself, so no row is empty; its output is zeroed at the end);
-- modulation: with `causal_condition` text and reference tokens read the t = 0 row, target tokens their own
-  sample's timestep row (as `_select_modulation_rows` does for one layout).
+  excluded (a padded query sees only itself, so no row is empty); padded outputs are zeroed at the end.
 
 Attention is one masked SDPA call per block with a dense [B, 1, S, S] boolean mask (exact, any backend that
 takes a mask); a flex/varlen kernel is a later optimisation.
@@ -29,6 +33,7 @@ from math import prod
 
 import torch
 import torch.nn.functional as F
+from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21AttnProcessor
 from torch import Tensor
 
 Shape = tuple[int, int, int]
@@ -62,6 +67,8 @@ class Qwen21Batch:
     valid_mask: Tensor  # [B, S] bool: not padding
     image_ids: Tensor  # [B, S] long: -1 at text and padding, a per-sample image block id at image tokens
     img_shapes: list[list[Shape]]  # per sample: references, then the target (latent tokens)
+    positions: list[Tensor]  # per sample: the padded position of each token of its joint sequence, in order
+    target_region: Tensor  # [S] bool: the shared target region [S - T_max, S) (the blocks' target_token_mask)
 
     @property
     def lengths(self) -> list[int]:
@@ -80,7 +87,13 @@ class Qwen21Batch:
             valid_mask=self.valid_mask.to(device),
             image_ids=self.image_ids.to(device),
             img_shapes=self.img_shapes,
+            positions=[p.to(device) for p in self.positions],
+            target_region=self.target_region.to(device),
         )
+
+    def joint(self, out: Tensor, b: int) -> Tensor:
+        """Sample b's joint sequence (in the stock model's order) out of a padded [B, S, ...] tensor."""
+        return out[b][self.positions[b]]
 
 
 def latent_tokens(latent: Tensor) -> Tensor:
@@ -134,28 +147,36 @@ def build_batch(samples: list[Qwen21Sample]) -> Qwen21Batch:
                 "VAE grid (each slot is 2x2 latent tokens)"
             )
         rows.append((s, refs, shapes, img_pos))
-    longest = max(r[3].shape[0] for r in rows)
+    targets = [prod(r[2][-1]) for r in rows]
+    prefixes = [r[3].shape[0] - t for r, t in zip(rows, targets)]
+    longest_prefix, longest_target = max(prefixes), max(targets)
+    S = longest_prefix + longest_target
     B = len(samples)
     ref0 = samples[0]
-    text = ref0.prompt_embeds.new_zeros((B, longest, ref0.prompt_embeds.shape[1]))
-    image = ref0.target.new_zeros((B, longest, ref0.target.shape[1]))
-    image_mask = torch.zeros((B, longest), dtype=torch.bool, device=ref0.target.device)
+    device = ref0.target.device
+    text = ref0.prompt_embeds.new_zeros((B, S, ref0.prompt_embeds.shape[1]))
+    image = ref0.target.new_zeros((B, S, ref0.target.shape[1]))
+    image_mask = torch.zeros((B, S), dtype=torch.bool, device=device)
     target_mask, valid_mask = torch.zeros_like(image_mask), torch.zeros_like(image_mask)
-    image_ids = torch.full((B, longest), -1, dtype=torch.long, device=ref0.target.device)
-    for b, (s, refs, shapes, img_pos) in enumerate(rows):
-        n = img_pos.shape[0]
-        valid_mask[b, :n] = True
-        image_mask[b, :n] = img_pos
-        text_pos = (~img_pos).nonzero(as_tuple=True)[0]
+    image_ids = torch.full((B, S), -1, dtype=torch.long, device=device)
+    positions = []
+    for b, ((s, refs, shapes, img_pos), p, t) in enumerate(zip(rows, prefixes, targets)):
+        pos = torch.cat([torch.arange(p), torch.arange(S - t, S)]).to(device)  # prefix first, target at the end
+        positions.append(pos)
+        img_pos = img_pos.to(device)
+        valid_mask[b, pos] = True
+        image_mask[b, pos] = img_pos
+        target_mask[b, S - t :] = True
         # Text positions of the joint sequence are, in order, the non-slot positions of the VLM sequence.
-        text[b, text_pos] = s.prompt_embeds[~s.slot_mask.bool()].to(text.dtype)
-        img_idx = img_pos.nonzero(as_tuple=True)[0]
+        text[b, pos[~img_pos]] = s.prompt_embeds[~s.slot_mask.bool()].to(text.dtype)
+        img_idx = pos[img_pos]
         image[b, img_idx] = torch.cat([*refs, s.target]).to(image.dtype)
         image_ids[b, img_idx] = torch.cat(
             [torch.full((prod(sh),), k, dtype=torch.long) for k, sh in enumerate(shapes)]
-        ).to(image_ids.device)
-        target_mask[b, img_idx[-prod(shapes[-1]) :]] = True
-    return Qwen21Batch(text, image, image_mask, target_mask, valid_mask, image_ids, [r[2] for r in rows])
+        ).to(device)
+    target_region = torch.arange(S, device=device) >= longest_prefix
+    return Qwen21Batch(text, image, image_mask, target_mask, valid_mask, image_ids, [r[2] for r in rows], positions,
+                       target_region)
 
 
 def block_causal_mask(batch: Qwen21Batch) -> Tensor:
@@ -172,23 +193,16 @@ def block_causal_mask(batch: Qwen21Batch) -> Tensor:
 
 
 def per_sample_rope(transformer, batch: Qwen21Batch) -> Tensor:
-    """[B, S, D/2] complex: the stock `pos_embed` on each sample's own layout, 1+0j on padding."""
-    rows = []
-    S = batch.valid_mask.shape[1]
+    """[B, S, D/2] complex: the stock `pos_embed` on each sample's own layout at its positions, 1+0j on padding."""
     device = batch.image.device
+    rows = []
     for b, shapes in enumerate(batch.img_shapes):
-        n = int(batch.valid_mask[b].sum())
-        freqs = transformer.pos_embed(shapes, batch.image_mask[b, :n], device=device)
-        rows.append(torch.cat([freqs, freqs.new_ones((S - n, freqs.shape[1]))]))
+        pos = batch.positions[b]
+        freqs = transformer.pos_embed(shapes, batch.image_mask[b, pos], device=device)
+        row = freqs.new_ones((batch.valid_mask.shape[1], freqs.shape[1]))
+        row[pos] = freqs
+        rows.append(row)
     return torch.stack(rows)
-
-
-def _select(params: Tensor, target_mask: Tensor | None) -> Tensor:
-    """Per-token modulation rows: `_select_modulation_rows` with a per-sample target mask [B, S]."""
-    if target_mask is None:
-        return params.unsqueeze(1)
-    real, zero = params[:-1].unsqueeze(1), params[-1:].unsqueeze(0)
-    return torch.where(target_mask.unsqueeze(-1), real, zero)
 
 
 def _rope(x: Tensor, freqs: Tensor) -> Tensor:
@@ -212,17 +226,23 @@ def _attention(attn, hidden: Tensor, freqs: Tensor, mask: Tensor) -> Tensor:
     return attn.to_out[1](attn.to_out[0](out))
 
 
-def _block(block, hidden: Tensor, modulation: Tensor, freqs: Tensor, mask: Tensor, sel: Tensor | None) -> Tensor:
-    """`QwenImage21TransformerBlock.forward` with per-sample modulation rows and the batch's own mask."""
-    mod1, mod2 = modulation.chunk(2, dim=-1)
-    scale1, gate1 = (_select(p, sel) for p in mod1.chunk(2, dim=-1))
-    attn_out = _attention(block.attn, block.img_norm1(hidden) * (1 + scale1), freqs, mask)
-    hidden = hidden + gate1.tanh() * attn_out
-    scale2, gate2 = (_select(p, sel) for p in mod2.chunk(2, dim=-1))
-    hidden = hidden + gate2.tanh() * block.img_mlp(block.img_norm2(hidden) * (1 + scale2))
-    if hidden.dtype == torch.float16:
-        hidden = hidden.clip(-65504, 65504)
-    return hidden
+class PaddedBlockCausalAttnProcessor(QwenImage21AttnProcessor):
+    """The stock processor, plus a padded mixed-layout batch: per-sample RoPE ([B, S, D/2]) and a dense
+    [B, 1, S, S] boolean mask. A stock call (shared RoPE [S, D/2], segments, KV cache) goes to the stock code."""
+
+    def __call__(self, attn, hidden_states, attention_mask=None, rotary_emb=None, layer_cache=None,
+                 kv_cache_mode=None, cache_write_slice=None, segments=None, key_valid=None):
+        if rotary_emb is None or rotary_emb.ndim != 3:
+            return super().__call__(attn, hidden_states, attention_mask, rotary_emb, layer_cache, kv_cache_mode,
+                                    cache_write_slice, segments, key_valid)
+        return _attention(attn, hidden_states, rotary_emb, attention_mask)
+
+
+def install_qwen21(transformer) -> None:
+    """Set `PaddedBlockCausalAttnProcessor` on every block of this instance (idempotent; no parameter change)."""
+    model = _unwrap(transformer)
+    if not all(isinstance(p, PaddedBlockCausalAttnProcessor) for p in model.attn_processors.values()):
+        model.set_attn_processor(PaddedBlockCausalAttnProcessor())
 
 
 class Qwen21Batched(torch.nn.Module):
@@ -252,28 +272,27 @@ def qwen21_forward(transformer, batch: Qwen21Batch, timestep: Tensor) -> Tensor:
 
 def _forward(transformer, batch: Qwen21Batch, timestep: Tensor) -> Tensor:
     model = _unwrap(transformer)
-    causal_condition = bool(model.config.causal_condition)
+    install_qwen21(model)
     image_mask = batch.image_mask.unsqueeze(-1)
     hidden = torch.where(image_mask, model.img_in(batch.image), model.txt_in(batch.text))
     freqs = per_sample_rope(model, batch)
     mask = block_causal_mask(batch)
     timestep = timestep.to(hidden.dtype)
-    if causal_condition:  # an extra t = 0 row: text and reference tokens modulate from it
+    if model.config.causal_condition:  # an extra t = 0 row: text and reference tokens modulate from it
         timestep = torch.cat([timestep, timestep.new_zeros(1)])
+        modulation_mask = batch.target_region
+    else:
+        modulation_mask = None
     temb = model.time_text_embed(timestep, hidden)
     modulation = model.modulation(temb)
-    sel = batch.target_mask if causal_condition else None
-    checkpoint = torch.is_grad_enabled() and getattr(model, "gradient_checkpointing", False)
-    for block in model.transformer_blocks:
-        if checkpoint:
-            hidden = torch.utils.checkpoint.checkpoint(
-                _block, block, hidden, modulation, freqs, mask, sel, use_reentrant=False
-            )
+    for block in model.transformer_blocks:  # called as the stock forward calls them
+        if torch.is_grad_enabled() and model.gradient_checkpointing:
+            hidden = model._gradient_checkpointing_func(block, hidden, modulation, freqs, mask, modulation_mask,
+                                                        None, None, None, None, None)
         else:
-            hidden = _block(block, hidden, modulation, freqs, mask, sel)
-    norm_out = model.norm_out
-    scale = _select(norm_out.linear(norm_out.silu(temb).to(hidden.dtype)), sel)
-    out = model.proj_out(norm_out.norm(hidden) * (1 + scale))
+            hidden = block(hidden_states=hidden, modulation=modulation, rotary_emb=freqs, attention_mask=mask,
+                           target_token_mask=modulation_mask)
+    out = model.proj_out(model.norm_out(hidden, temb, modulation_mask))
     # Padded rows ran through the blocks on their own (they see only themselves): zero them, so nothing reads
     # them and their gradient is exactly 0.
     return out * batch.valid_mask.unsqueeze(-1).to(out.dtype)

@@ -619,7 +619,11 @@ def setup_transformer(model: str, cfg: TrainConfig, device: torch.device):
     transformer = load_component(model, "transformer", dtype=base_dtype, device=load_on, quantize=cfg.quantize_base)
     from models.qwen21_flow import is_qwen21
 
-    if not is_qwen21(transformer):  # 2.1 mixes layouts with its own forward (models/qwen21_multires.py)
+    if is_qwen21(transformer):  # 2.1 mixes layouts with its own forward (models/qwen21_multires.py)
+        from models.qwen21_multires import install_qwen21
+
+        install_qwen21(transformer)
+    else:
         install_multires(transformer)
     use_attention_backend(transformer, cfg.attention_backend, "train.attention_backend", device, base_dtype)
     transformer.requires_grad_(False)

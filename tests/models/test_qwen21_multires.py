@@ -8,6 +8,8 @@ references of different sizes and aspects, different prompt lengths, different t
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from diffusers import QwenImage21Transformer2DModel
@@ -15,6 +17,7 @@ from diffusers import QwenImage21Transformer2DModel
 from models.qwen21_multires import (
     Qwen21Sample,
     build_batch,
+    install_qwen21,
     joint_image_mask,
     latent_tokens,
     per_sample_loss,
@@ -85,83 +88,97 @@ def stock_alone(model, s: Qwen21Sample, t: torch.Tensor) -> tuple[torch.Tensor, 
 
 
 @pytest.fixture(params=list(CONFIGS), scope="module")
-def model(request):
-    return make_transformer(request.param)
+def models(request):
+    """(the unmodified reference, an installed copy with identical weights)."""
+    stock = make_transformer(request.param)
+    ours = copy.deepcopy(stock)
+    install_qwen21(ours)
+    assert all(type(p).__name__ == "QwenImage21AttnProcessor" for p in stock.attn_processors.values())
+    return stock, ours
 
 
 @pytest.mark.parametrize("order", [[0, 1, 2, 3, 4], [3, 1], [4, 0, 2]])
-def test_padded_batch_equals_each_sample_alone(model, order):
+def test_padded_batch_equals_each_sample_alone(models, order):
+    stock, ours = models
     g = torch.Generator().manual_seed(len(order))
     samples = [make_sample(MIXED[i], g) for i in order]
     t = torch.rand(len(samples), generator=g)
     batch = build_batch(samples)
     with torch.no_grad():
-        out = qwen21_forward(model, batch, t)
+        out = qwen21_forward(ours, batch, t)
         worst = 0.0
         for b, s in enumerate(samples):
-            ref, _ = stock_alone(model, s, t[b])
-            n = ref.shape[0]
-            assert batch.lengths[b] == n
-            err = ((out[b, :n] - ref).abs().max() / ref.abs().max()).item()
-            worst = max(worst, err)
-            assert torch.equal(out[b, n:], torch.zeros_like(out[b, n:]))  # padding exactly 0
-            assert torch.equal(target_outputs(out, batch)[b], out[b, n - s.target.shape[0] : n])  # target last
+            ref, _ = stock_alone(stock, s, t[b])
+            mine = batch.joint(out, b)
+            assert mine.shape == ref.shape
+            worst = max(worst, ((mine - ref).abs().max() / ref.abs().max()).item())
+            pad = out[b][~batch.valid_mask[b]]
+            assert torch.equal(pad, torch.zeros_like(pad))  # padding exactly 0
+            assert torch.equal(target_outputs(out, batch)[b], mine[-s.target.shape[0]:])  # target last
+        # the installed processor is the stock one for a stock call
+        s = samples[0]
+        assert torch.equal(stock_alone(ours, s, t[0])[0], stock_alone(stock, s, t[0])[0])
     print(f"max relative error {worst:.2e}")
     assert worst <= 1e-5
 
 
-def test_gradients_equal_and_padding_gets_none(model):
+def test_gradients_equal_and_padding_gets_none(models):
+    stock, ours = models
     g = torch.Generator().manual_seed(7)
     samples = [make_sample(MIXED[i], g) for i in (2, 1, 3, 0)]
     t = torch.rand(len(samples), generator=g)
     weights = [torch.randn(build_batch([s]).lengths[0], C, generator=g) for s in samples]
-    params = [p for p in model.parameters()]
 
     # reference: each sample alone through the stock forward, gradients summed
-    model.zero_grad()
+    stock.zero_grad()
     ref_inputs = []
     for b, s in enumerate(samples):
-        out, leaves = stock_alone(model, s, t[b])
+        out, leaves = stock_alone(stock, s, t[b])
         (out * weights[b]).sum().backward()
         ref_inputs.append(leaves)
-    ref_param_grads = [p.grad.clone() for p in params]
+    ref_param_grads = {n: p.grad.clone() for n, p in stock.named_parameters()}
 
-    model.zero_grad()
+    ours.zero_grad()
     batch = build_batch(samples)
     batch.text.requires_grad_(True)
     batch.image.requires_grad_(True)
-    out = qwen21_forward(model, batch, t)
+    out = qwen21_forward(ours, batch, t)
     w = torch.zeros_like(out)
     for b, wb in enumerate(weights):
-        w[b, : wb.shape[0]] = wb
+        w[b, batch.positions[b]] = wb
     (out * w).sum().backward()
 
     def rel(a, r):
         return ((a - r).abs().max() / r.abs().max().clamp_min(1e-30)).item()
 
-    worst = max(rel(p.grad, r) for p, r in zip(params, ref_param_grads) if r.abs().max() > 0)
+    worst = max(rel(p.grad, ref_param_grads[n]) for n, p in ours.named_parameters()
+                if ref_param_grads[n].abs().max() > 0)
     for b, (text, tokens) in enumerate(ref_inputs):
-        n = batch.lengths[b]
-        img = batch.image_mask[b, :n]
-        worst = max(worst, rel(batch.image.grad[b, :n][img], tokens.grad))
-        worst = max(worst, rel(batch.text.grad[b, :n][~img], text.grad[~samples[b].slot_mask]))
-        assert torch.equal(batch.image.grad[b, n:], torch.zeros_like(batch.image.grad[b, n:]))
-        assert torch.equal(batch.text.grad[b, n:], torch.zeros_like(batch.text.grad[b, n:]))
+        img = batch.image_mask[b][batch.positions[b]]
+        worst = max(worst, rel(batch.joint(batch.image.grad, b)[img], tokens.grad))
+        worst = max(worst, rel(batch.joint(batch.text.grad, b)[~img], text.grad[~samples[b].slot_mask]))
+        for grad in (batch.image.grad, batch.text.grad):
+            pad = grad[b][~batch.valid_mask[b]]
+            assert torch.equal(pad, torch.zeros_like(pad))
     print(f"max relative gradient error {worst:.2e}")
     assert worst <= 1e-5
 
 
-def test_gradient_checkpointing_same_gradients(model):
+def test_gradient_checkpointing_same_gradients(models):
+    _, model = models
     g = torch.Generator().manual_seed(3)
     samples = [make_sample(MIXED[i], g) for i in (0, 2)]
     batch, t = build_batch(samples), torch.rand(2, generator=g)
     grads = []
     for ckpt in (False, True):
         model.zero_grad()
-        model.gradient_checkpointing = ckpt
+        if ckpt:
+            model.enable_gradient_checkpointing()
+        else:
+            model.disable_gradient_checkpointing()
         per_sample_loss(qwen21_forward(model, batch, t), torch.zeros_like(batch.image), batch).sum().backward()
         grads.append([p.grad.clone() for p in model.parameters()])
-    model.gradient_checkpointing = False
+    model.disable_gradient_checkpointing()
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=0)
 
