@@ -109,6 +109,8 @@ def text_schema(job, hidden_size: int, dtype: str, nocontrol: bool = False) -> T
             "embeds": "Qwen3-VL last decoder layer (before the final norm), system tokens dropped, valid tokens "
                       "only, [length, hidden_size] bf16; slot_mask [length] bool marks the image slots (each 2x2 "
                       "latent tokens of its reference, in order)",
+            "length": "text tokens of the joint sequence (prompt rows minus image slots): with the image tokens "
+                      "of img_shapes, the sample's exact joint sequence length",
         },
     )
 
@@ -156,7 +158,9 @@ def run_text(cfg: PipelineConfig, store: str | Path, model: str, device: str | N
                     "slot_mask": slots.cpu().contiguous(), "empty_slot_mask": empty_slots.cpu().contiguous(),
                     **({"nocontrol_embeds": alone.to("cpu", torch.bfloat16).contiguous()} if nocontrol else {}),
                 }, meta={"split": meta.get("split", "train"), "img_shapes": meta["img_shapes"],
-                         "length": prompt.shape[0], "empty_length": empty.shape[0],
+                         # text tokens of the joint sequence: + the image tokens (img_shapes) = its exact length,
+                         # which the join hands the length-aware sampler
+                         "length": int((~slots).sum()), "empty_length": int((~empty_slots).sum()),
                          "num_controls": len(item.references)})
                 job.summary.encoded += 1
                 bar.encoded(1)

@@ -253,6 +253,15 @@ def test_21_reference_dropout_trains_on_the_text_to_image_prompt(tiny_21_model, 
     want, _, _ = pipe.encode_prompt(prompt=caption, image=None, device="cpu")  # the text-to-image template
     assert torch.equal(sample.nocontrol_embeds, want[0].to(torch.bfloat16))
 
+    # the sampler's lengths are the exact joint sequence lengths the transformer runs
+    from models.qwen21_multires import Qwen21Sample, build_batch, latent_tokens
+
+    for i, key in enumerate(tables.keys):
+        s = load(tables, key)
+        hw = tuple(s.img_shapes[0][1:])
+        row = Qwen21Sample(s.prompt_embeds, s.slot_mask, list(s.controls), latent_tokens(s.target), hw)
+        assert tables.lengths[i] == build_batch([row]).lengths[0]
+
     (dropped,) = with_control_dropout([sample], 0, 0, 1.0)
     assert dropped.controls == [] and not dropped.slot_mask.any() and dropped.img_shapes == sample.img_shapes[:1]
     fb = prepare_flow_batch([dropped], torch.tensor([0.5]), [torch.zeros_like(sample.target.float())], [True],
