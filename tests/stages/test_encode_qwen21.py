@@ -37,7 +37,7 @@ def _png(h, w, mode, rng) -> bytes:
     return buf.getvalue()
 
 
-def write_store21(root, samples=SAMPLES):
+def write_store21(root, samples=SAMPLES, val=()):
     """An `images` table as resize-bucket writes it for 2.1 (control_{i}.png = each reference, sides in 32s)."""
     col = "column"
     schema = TableSchema(name="images", lineage=Lineage("resize-bucket", config_hash="fixture-21", upstream={},
@@ -53,7 +53,8 @@ def write_store21(root, samples=SAMPLES):
         files = {"target.png": _png(th, tw, tm, rng)}
         files.update({f"control_{c}.png": _png(h, w_, m, rng) for c, (h, w_, m) in enumerate(refs)})
         shapes = [[1, th // 16, tw // 16]] + [[1, h // 16, w_ // 16] for h, w_, _ in refs]
-        w.add(f"{i:032x}", files=files, meta={"caption": caption, "split": "train", "img_shapes": shapes,
+        w.add(f"{i:032x}", files=files, meta={"caption": caption, "split": "val" if i in val else "train",
+                                              "img_shapes": shapes,
                                               "num_controls": len(refs), "source": f"fixture/{i}"})
     w.commit()
     return root
@@ -381,3 +382,16 @@ def test_21_offloaded_blocks_train_the_same_lora(tiny_21_model, encoded21, tmp_p
     a, b = read_lora(plain.lora_dir)[0], read_lora(off.lora_dir)[0]
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert plain.losses == off.losses
+
+
+def test_21_validation_loss_while_training(tiny_21_model, tmp_path):
+    from stages.train.recipe import run
+
+    store = write_store21(tmp_path / "s", MIXED, val=(1, 2))
+    encode_text.run(load_config(None, F32), store, tiny_21_model)
+    encode_vae.run(load_config(None, F32), store, tiny_21_model)
+    result = run(_train_cfg(max_steps=2, validate_every=1), store, tiny_21_model, tmp_path / "run")
+    assert all(torch.isfinite(torch.tensor(result.losses)))
+    assert list((tmp_path / "run" / "logs").iterdir())  # val/loss logged to TensorBoard
+    with pytest.raises(Exception, match="sample_every"):
+        run(_train_cfg(max_steps=1, sample_every=1), store, tiny_21_model, tmp_path / "run2")
