@@ -139,3 +139,53 @@ def build_pipeline_21(seed: int = 0):
         processor=build_processor_21(tokenizer),
         transformer=transformer,
     )
+
+
+# ---------------------------------------------------------------------------------------------- full width
+
+# The real widths (the rehearsal of models/full_width.py for 2.1): the transformer and VAE are diffusers'
+# defaults for these classes (the released config: 32 blocks of 32 x 128, context 4096, RGBA 64-channel VAE);
+# the text encoder is Qwen3-VL-8B's layout (from its published config). The vocabulary is the tiny BPE's, as
+# for the Edit full-width model.
+REAL_LAYERS_21 = {"transformer": 32, "text": 36, "vision": 27}
+QWEN3_VL_8B_TEXT = dict(
+    hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+    max_position_embeddings=262144, rms_norm_eps=1e-6,
+    rope_parameters={"rope_type": "default", "rope_theta": 5000000.0, "mrope_section": [24, 20, 20],
+                     "mrope_interleaved": True},
+)
+QWEN3_VL_8B_VISION = dict(hidden_size=1152, intermediate_size=4304, num_heads=16, out_hidden_size=4096,
+                          num_position_embeddings=2304, deepstack_visual_indexes=[8, 16, 24])
+
+
+def build_full_width_pipeline_21(layers: int | None = None, seed: int = 0, minimal_text_encoder: bool = False):
+    """Real widths, `layers` blocks per stack (default: the real counts), bf16. minimal_text_encoder: one
+    4096-wide text layer with a narrow MLP and a narrow one-block vision tower (tests)."""
+    from diffusers import AutoencoderKLQwenImage21, FlowMatchEulerDiscreteScheduler, QwenImage21Pipeline, QwenImage21Transformer2DModel
+
+    from models.full_width import _default_dtype
+
+    n_tr, n_te, n_vi = (layers or REAL_LAYERS_21[k] for k in ("transformer", "text", "vision"))
+    text, vision = dict(QWEN3_VL_8B_TEXT), dict(QWEN3_VL_8B_VISION)
+    if minimal_text_encoder:
+        n_te, n_vi = 1, 1
+        text["intermediate_size"] = 256
+        vision.update(hidden_size=64, intermediate_size=128, num_heads=2)
+    vision["deepstack_visual_indexes"] = [i for i in vision["deepstack_visual_indexes"] if i < n_vi] or [n_vi - 1]
+    tokenizer = build_tokenizer()
+    with _default_dtype(torch.bfloat16):
+        text_encoder = build_text_encoder_21(tokenizer, seed, text={**text, "num_hidden_layers": n_te},
+                                             vision={**vision, "depth": n_vi})
+        torch.manual_seed(seed + 1)
+        transformer = QwenImage21Transformer2DModel(num_layers=n_tr).eval()
+        torch.manual_seed(seed + 2)
+        vae = AutoencoderKLQwenImage21().eval()
+    return QwenImage21Pipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG_21),
+        vae=vae,
+        text_encoder=text_encoder,
+        # the pipeline hands the processor references already at the reference area (1024² by default):
+        # limits that never resize them, so the VLM grid is the VAE grid
+        processor=build_processor_21(tokenizer, max_pixels=4096 * 4096),
+        transformer=transformer,
+    )

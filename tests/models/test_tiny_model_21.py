@@ -69,3 +69,24 @@ def test_cli_make_tiny_model_21_same_seed_same_bytes(tmp_path, tiny_21_model):
                 for f in sorted(Path(folder).rglob("*")) if f.is_file()}
 
     assert digest(tmp_path / "m") == digest(tiny_21_model)
+
+
+def test_full_width_21_has_the_real_widths_and_loads(tmp_path):
+    """`make-tiny-model --variant qwen-image-2.1 --full-width --layers 1` (here with the minimal text encoder the
+    Edit rehearsal test uses): real transformer / VAE / Qwen3-VL-8B text widths, loaded with the stock classes."""
+    import json
+
+    from models.full_width import make_full_width_model
+
+    model = make_full_width_model(tmp_path / "m", "qwen-image-2.1", layers=1, minimal_text_encoder=True)
+    assert model_variant(str(model)) == "qwen-image-2.1"
+    tr = json.loads((model / "transformer" / "config.json").read_text())
+    assert (tr["num_layers"], tr["num_attention_heads"], tr["attention_head_dim"], tr["context_in_dim"],
+            tuple(tr["axes_dims_rope"]), tr["in_channels"], tr["mlp_ratio"], tr["causal_condition"]) == (
+        1, 32, 128, 4096, (16, 56, 56), 64, 3, True)
+    vae = json.loads((model / "vae" / "config.json").read_text())
+    assert (vae["base_dim"], vae["z_dim"], vae["in_channels"], vae["dim_mult"]) == (96, 64, 4, [1, 2, 4, 8, 8])
+    te = json.loads((model / "text_encoder" / "config.json").read_text())
+    assert (te["text_config"]["hidden_size"], te["vision_config"]["out_hidden_size"]) == (4096, 4096)
+    loaded = load_component(str(model), "transformer")
+    assert type(loaded).__name__ == "QwenImage21Transformer2DModel" and len(loaded.transformer_blocks) == 1
