@@ -43,4 +43,4 @@ def command(
     with user_errors(), json_mode(as_json):
         result = run(cfg.evaluate, store_dir, model_id, lora_dir, report,
                      max_dropped_fraction=cfg.train.max_dropped_fraction)
-    emit(result, as_json)
+    emit(result, as_json, model_id)

@@ -189,6 +189,7 @@ def test_run_all_with_the_21_config_on_demo_data(tmp_path):
     assert [s["stage"] for s in summaries][:4] == ["resize-bucket", "encode-text", "encode-vae", "train"]
     print(summaries)
     assert summaries[1]["encoded"] > 0 and summaries[2]["encoded"] > 0
+    assert {s["variant"] for s in summaries} == {"qwen-image-2.1"}  # every stage's record names the variant
     assert (tmp_path / "run" / "lora" / "pytorch_lora_weights.safetensors").is_file()
     metrics = json.loads((tmp_path / "report" / "metrics.json").read_text())
     assert metrics["loss"]["overall"]["n"] > 0
