@@ -44,3 +44,23 @@ def test_rgba_reference_is_composited_over_white_for_the_vlm(tiny_21_model):
     a, _ = encode_prompt(ours, "x", [clear])
     assert torch.equal(a, encode_prompt(ours, "x", [white])[0])
     assert not torch.equal(a, encode_prompt(ours, "x", [red])[0])
+
+
+def test_generation_from_stored_features_equals_the_stock_pipeline(tiny_21_model):
+    """`models.qwen21_generate.generate_21` from the prompt encoding and the normalised reference latents (what
+    the store holds) gives the stock `QwenImage21Pipeline` image (no KV cache), bit for bit."""
+    from diffusers import QwenImage21Pipeline
+
+    from models.qwen21_generate import generate_21
+
+    pipe = QwenImage21Pipeline.from_pretrained(tiny_21_model)
+    ref = _img(64, 96, "RGBA", 0).convert("RGBA")
+    want = pipe(image=[ref], prompt="make it red", output_resolution=78, height=64, width=96, num_inference_steps=3,
+                generator=torch.Generator().manual_seed(5), use_kv_cache=False, output_type="np").images[0]
+    embeds, slots = encode_prompt(prompt_encoder(pipe.text_encoder, pipe.processor), "make it red", [ref])
+    pixels = pipe.image_processor.preprocess(ref, width=96, height=64).unsqueeze(2)
+    with torch.no_grad():
+        latent = pipe._encode_vae_image(pixels, None)[0]
+    got = generate_21(pipe.transformer, pipe.vae, pipe.scheduler, embeds, slots, [latent], 64, 96, 3, 5,
+                      output_type="np")
+    np.testing.assert_array_equal(got, want)
