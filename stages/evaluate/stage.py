@@ -393,10 +393,11 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, ou
     transformer = load_component(model, "transformer", dtype=dtype, device=cfg.device, quantize=cfg.quantize_base)
     from models.qwen21_flow import is_qwen21
 
-    if is_qwen21(transformer):  # its own mixed-layout forward (models/qwen21_multires.py); no image generation yet
-        if cfg.num_samples > 0 or cfg.extra_prompts:
-            raise UserError("evaluate on a Qwen-Image-2.1 model computes the held-out loss only for now: set "
-                            "evaluate.num_samples: 0 and no evaluate.extra_prompts (configs/qwen-image-2.1.yaml)")
+    qwen21 = is_qwen21(transformer)
+    if qwen21:  # its own mixed-layout forward (models/qwen21_multires.py), images by stages/evaluate/qwen21.py
+        if cfg.extra_prompts:
+            raise UserError("evaluate.extra_prompts are not built for Qwen-Image-2.1 yet: remove them "
+                            "(the val samples' images are generated)")
     else:
         install_multires(transformer)
     use_attention_backend(transformer, cfg.attention_backend, "evaluate.attention_backend", torch.device(cfg.device), dtype)
@@ -409,8 +410,12 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, ou
         vae = load_component(model, "vae", dtype=dtype, device=cfg.device)
         scheduler_config = dict(load_component(model, "scheduler").config)
         st = Store(store, create=False)
-        rows = val_rows(transformer, vae, scheduler_config, pick_samples(samples, cfg.num_samples),
-                        images_reader(st, tables, cfg.on_damaged), cfg, damaged)
+        if qwen21:
+            from stages.evaluate.qwen21 import val_rows_21 as val_rows_of
+        else:
+            val_rows_of = val_rows
+        rows = val_rows_of(transformer, vae, scheduler_config, pick_samples(samples, cfg.num_samples),
+                           images_reader(st, tables, cfg.on_damaged), cfg, damaged)
         if cfg.extra_prompts:
             rows += extra_rows(model, transformer, vae, cfg)
 

@@ -193,6 +193,7 @@ def test_run_all_with_the_21_config_on_demo_data(tmp_path):
     assert (tmp_path / "run" / "lora" / "pytorch_lora_weights.safetensors").is_file()
     metrics = json.loads((tmp_path / "report" / "metrics.json").read_text())
     assert metrics["loss"]["overall"]["n"] > 0
+    assert len(metrics["generation"]["samples"]) == 2 and "psnr_lora" in metrics["generation"]["samples"][0]  # val images, base vs LoRA
 
 
 MIXED = SAMPLES[:3] + [("make it blue", (32, 64, "RGBA"), [(64, 32, "RGB"), (32, 32, "RGBA")]),
