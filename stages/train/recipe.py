@@ -260,11 +260,6 @@ def setup(cfg: PipelineConfig, store: str | Path, model: str, out: str | Path, r
     accelerator.wait_for_everyone()
 
     r.transformer = setup_transformer(model, tc, r.device)
-    from models.qwen21_flow import is_qwen21
-
-    if tc.sample_every is not None and is_qwen21(r.transformer):
-        raise UserError("train.sample_every: sample images while training are not built for Qwen-Image-2.1 yet; "
-                        "unset it (train.validate_every, the held-out loss, works)")
     _check_shapes(tables, r.transformer)
     if tc.init_lora and latest is None:
         from models.lora import init_from_lora

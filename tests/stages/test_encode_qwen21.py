@@ -392,8 +392,9 @@ def test_21_validation_loss_while_training(tiny_21_model, tmp_path):
     store = write_store21(tmp_path / "s", MIXED, val=(1, 2))
     encode_text.run(load_config(None, F32), store, tiny_21_model)
     encode_vae.run(load_config(None, F32), store, tiny_21_model)
-    result = run(_train_cfg(max_steps=2, validate_every=1), store, tiny_21_model, tmp_path / "run")
+    result = run(_train_cfg(max_steps=2, validate_every=1, sample_every=2, sample_steps=2), store, tiny_21_model,
+                 tmp_path / "run")
     assert all(torch.isfinite(torch.tensor(result.losses)))
     assert list((tmp_path / "run" / "logs").iterdir())  # val/loss logged to TensorBoard
-    with pytest.raises(Exception, match="sample_every"):
-        run(_train_cfg(max_steps=1, sample_every=1), store, tiny_21_model, tmp_path / "run2")
+    grid = Image.open(tmp_path / "run" / "samples" / "step-000002.png")
+    assert grid.size == (64 + 64, 96)  # the two val samples (64x64 and 96x64 px targets) side by side
