@@ -160,7 +160,7 @@ def flow_loss(
 class FlowBatch:
     """Everything `flow_loss` computes before the forward: the packed noised batch, σ, targets, token weights."""
 
-    batch: PackedBatch
+    batch: PackedBatch  # (a `models.qwen21_multires.Qwen21Batch` for Qwen-Image-2.1 samples)
     sigmas: Tensor  # [B] float32
     targets: list[Tensor]  # per sample [N_i, 4C] float32, ε − x0
     weights: list[Tensor | None] | None = None
@@ -178,6 +178,10 @@ def prepare_flow_batch(
     """The first half of `flow_loss` (see there), computed on `device`: what a prefetch thread can do ahead."""
     if not (len(samples) == len(noises) == sigmas.shape[0]):
         raise ValueError(f"flow_loss: {len(samples)} samples, {len(noises)} noises, {sigmas.shape[0]} sigmas")
+    if samples and samples[0].slot_mask is not None:  # Qwen-Image-2.1 samples (models/qwen21_flow.py)
+        from models.qwen21_flow import prepare_flow_batch_21
+
+        return prepare_flow_batch_21(samples, sigmas, noises, use_empty, mask_weight, device, dtype)
     sigmas = sigmas.to(device=device, dtype=torch.float32)
     x0 = [pack_latents(s.target).to(device=device, dtype=torch.float32) for s in samples]
     eps = [pack_latents(n).to(device=device, dtype=torch.float32) for n in noises]
@@ -201,7 +205,16 @@ def prepare_flow_batch(
     return FlowBatch(batch, sigmas, targets, weights)
 
 
+def target_predictions(transformer, fb: FlowBatch) -> list[Tensor]:
+    """The forward on a prepared batch: each sample's predictions at its own target tokens."""
+    if not isinstance(fb.batch, PackedBatch):  # a Qwen-Image-2.1 batch (models/qwen21_flow.py)
+        from models.qwen21_flow import predictions_21
+
+        return predictions_21(transformer, fb.batch, fb.sigmas)
+    out = multires_forward(transformer, fb.batch, fb.sigmas.to(_unwrap(transformer).dtype))
+    return target_outputs(out, fb.batch)
+
+
 def flow_loss_of(transformer, fb: FlowBatch) -> Tensor:
     """The second half of `flow_loss`: forward on a prepared batch, per-sample losses [B] (float32)."""
-    out = multires_forward(transformer, fb.batch, fb.sigmas.to(_unwrap(transformer).dtype))
-    return per_sample_loss(target_outputs(out, fb.batch), fb.targets, fb.weights)
+    return per_sample_loss(target_predictions(transformer, fb), fb.targets, fb.weights)

@@ -145,12 +145,17 @@ def make_full_width_model(out: str | os.PathLike, variant: Variant = "edit", lay
                           seed: int = 0, minimal_text_encoder: bool = False) -> Path:
     from schemas.errors import UserError
 
-    if variant not in ("edit", "edit-plus"):
-        raise UserError(f"unknown variant {variant!r}: use 'edit' or 'edit-plus'")
+    if variant not in ("edit", "edit-plus", "qwen-image-2.1"):
+        raise UserError(f"unknown variant {variant!r}: use 'edit', 'edit-plus' or 'qwen-image-2.1'")
     if layers is not None and layers < 1:
         raise UserError(f"--layers must be at least 1 (got {layers})")
     out = Path(out)  # written in place: `pipeline make-tiny-model` wraps this in store.format.atomic_dir
-    pipe = build_full_width_pipeline(variant, layers, seed, minimal_text_encoder)
+    if variant == "qwen-image-2.1":  # models/tiny21.py
+        from models.tiny21 import build_full_width_pipeline_21
+
+        pipe = build_full_width_pipeline_21(layers, seed, minimal_text_encoder)
+    else:
+        pipe = build_full_width_pipeline(variant, layers, seed, minimal_text_encoder)
     pipe.save_pretrained(out, safe_serialization=True, max_shard_size=shard_size(pipe.transformer))
     (out / "tiny_model.json").write_text(json.dumps(
         {"variant": variant, "seed": seed, "full_width": True, "layers": layers,

@@ -18,8 +18,8 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from models.flow import mask_token_weights, per_sample_loss, prepare_flow_batch
-from models.multires import _unwrap, multires_forward, target_outputs
+from models.flow import mask_token_weights, per_sample_loss, prepare_flow_batch, target_predictions
+from models.multires import _unwrap
 from models.randomness import eval_noise
 from models.sample import TrainSample
 from schemas.img_shapes import PIXELS_PER_PATCH
@@ -63,7 +63,7 @@ def loss_grid(transformer, samples: list[TrainSample], seeds: list[int], sigmas:
             batch_samples, torch.tensor([float(sigmas[t]) for _, _, t in chunk], dtype=torch.float32),
             [eval_noise(samples[i], seeds[k]) for i, k, _ in chunk], None, (1.0, 1.0), base.device, base.dtype,
         )
-        preds = target_outputs(multires_forward(transformer, fb.batch, fb.sigmas.to(base.dtype)), fb.batch)
+        preds = target_predictions(transformer, fb)
         values = [per_sample_loss(preds, fb.targets)]
         masked = [j for j, (i, _, _) in enumerate(chunk) if two[i]]
         for fg, bg in ((1.0, 0.0), (0.0, 1.0)):  # inside, outside

@@ -29,6 +29,16 @@ _CLASSES: dict[str, tuple[str, str]] = {
     "tokenizer": ("transformers", "Qwen2Tokenizer"),
 }
 
+# Qwen-Image-2.1 folders hold other classes under the same component names (models/tiny21.py builds one).
+_CLASSES_21: dict[str, tuple[str, str]] = {
+    **_CLASSES,
+    "transformer": ("diffusers", "QwenImage21Transformer2DModel"),
+    "vae": ("diffusers", "AutoencoderKLQwenImage21"),
+    "text_encoder": ("transformers", "Qwen3VLForConditionalGeneration"),
+    "processor": ("transformers", "Qwen3VLProcessor"),
+}
+QWEN21_PIPELINE = "QwenImage21Pipeline"
+
 # Every load that happened in this process, as (model, component): tests assert a stage loads only what it needs.
 LOAD_LOG: list[tuple[str, str]] = []
 
@@ -67,11 +77,14 @@ def resolve_model(model: str) -> Path:
         ) from None
 
 
-def model_variant(model: str) -> Literal["edit", "edit-plus", "edit-2511"]:
-    """edit (Qwen-Image-Edit), edit-plus (2509: several controls) or edit-2511 (the Plus pipeline over a
-    transformer with `zero_cond_t`: control tokens modulated at t = 0)."""
+def model_variant(model: str) -> Literal["edit", "edit-plus", "edit-2511", "qwen-image-2.1"]:
+    """edit (Qwen-Image-Edit), edit-plus (2509: several controls), edit-2511 (the Plus pipeline over a
+    transformer with `zero_cond_t`: control tokens modulated at t = 0) or qwen-image-2.1 (`QwenImage21Pipeline`:
+    0..10 references, block-causal transformer, Qwen3-VL)."""
     root = resolve_model(model)
     index = json.loads((root / "model_index.json").read_text())
+    if index.get("_class_name") == QWEN21_PIPELINE:
+        return "qwen-image-2.1"
     if "Plus" not in index.get("_class_name", ""):
         return "edit"
     config = root / "transformer" / "config.json"
@@ -79,8 +92,10 @@ def model_variant(model: str) -> Literal["edit", "edit-plus", "edit-2511"]:
     return "edit-2511" if zero_cond else "edit-plus"
 
 
-def pipeline_family(variant: str) -> Literal["edit", "edit-plus"]:
+def pipeline_family(variant: str) -> Literal["edit", "edit-plus", "qwen-image-2.1"]:
     """The diffusers pipeline a variant runs with: 2511 uses the Edit-Plus pipeline, prompts and controls."""
+    if variant == "qwen-image-2.1":
+        return "qwen-image-2.1"
     return "edit" if variant == "edit" else "edit-plus"
 
 
@@ -172,7 +187,7 @@ def load_component(
     import importlib
 
     root = resolve_model(model)
-    lib, name = _CLASSES[component]
+    lib, name = (_CLASSES_21 if model_variant(model) == "qwen-image-2.1" else _CLASSES)[component]
     cls = getattr(importlib.import_module(lib), name)
     sub = root / component
     if not sub.is_dir():

@@ -226,7 +226,12 @@ def load_quantized_transformer(folder, dtype, device, name: str):
 
     folder = Path(folder)
     with init_empty_weights():
-        model = QwenImageTransformer2DModel.from_config(QwenImageTransformer2DModel.load_config(folder))
+        config = QwenImageTransformer2DModel.load_config(folder)
+        # the class the folder names (Qwen-Image-2.1: QwenImage21Transformer2DModel), the Edit one by default
+        import diffusers
+
+        cls = getattr(diffusers, config.get("_class_name", ""), QwenImageTransformer2DModel)
+        model = cls.from_config(config)
     index = folder / "diffusion_pytorch_model.safetensors.index.json"
     files = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file()
              else ["diffusion_pytorch_model.safetensors"])

@@ -58,7 +58,14 @@ def with_control_dropout(samples: list[TrainSample], seed: int, step: int, p: fl
             if s.nocontrol_embeds is None:
                 raise UserError(f"train.control_dropout needs the text table's nocontrol_embeds (sample {s.key} has "
                                 "none): re-run encode-text with encode_text.no_control_embeds: true")
-            s = dataclasses.replace(s, prompt_embeds=s.nocontrol_embeds)
+            if s.slot_mask is not None:  # Qwen-Image-2.1: the layout follows the prompt's slots, so drop the
+                # references themselves (the text-to-image prompt); the caption stays (no empty t2i prompt stored)
+                no_slots = s.nocontrol_embeds.new_zeros(s.nocontrol_embeds.shape[0], dtype=torch.bool)
+                s = dataclasses.replace(s, prompt_embeds=s.nocontrol_embeds, slot_mask=no_slots, controls=[],
+                                        img_shapes=s.img_shapes[:1], empty_embeds=s.nocontrol_embeds,
+                                        empty_slot_mask=no_slots)
+            else:
+                s = dataclasses.replace(s, prompt_embeds=s.nocontrol_embeds)
         out.append(s)
     return out
 

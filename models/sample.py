@@ -26,6 +26,8 @@ class TrainSample:
     img_shapes: list[tuple[int, int, int]]  # patch units, target first, then each control
     mask_weight: Tensor | None = None  # [N_target] float32 edit mask at the token grid, optional
     nocontrol_embeds: Tensor | None = None  # [L1, D] the instruction without its control images (control dropout)
+    slot_mask: Tensor | None = None  # Qwen-Image-2.1: [L] bool, the prompt's image slots (None: an Edit model)
+    empty_slot_mask: Tensor | None = None  # Qwen-Image-2.1: [L0] bool, the empty prompt's image slots
 
     @property
     def target_tokens(self) -> int:
@@ -43,8 +45,9 @@ def from_features(
     n_controls = sum(1 for name in v if name.startswith("control_"))
     controls = [v[f"control_{i}"] for i in range(n_controls)]
     latents = [v["target"], *controls]
+    per = 1 if "slot_mask" in t else 2  # latent pixels per img_shapes unit: 2.1 has no 2x2 packing
     if len(shapes) != len(latents) or any(
-        lat.ndim != 4 or (lat.shape[2] // 2, lat.shape[3] // 2) != (s[1], s[2]) for lat, s in zip(latents, shapes)
+        lat.ndim != 4 or (lat.shape[2] // per, lat.shape[3] // per) != (s[1], s[2]) for lat, s in zip(latents, shapes)
     ):
         raise UserError(
             f"sample {key} in {where}: latent shapes {[tuple(x.shape) for x in latents]} "
@@ -60,4 +63,6 @@ def from_features(
         img_shapes=shapes,
         mask_weight=mask.float() if mask is not None else None,
         nocontrol_embeds=t.get("nocontrol_embeds"),
+        slot_mask=t.get("slot_mask"),
+        empty_slot_mask=t.get("empty_slot_mask"),
     )

@@ -1,4 +1,4 @@
-"""Build a tiny random-init Qwen-Image-Edit (or Edit-Plus, or Edit-2511) pipeline offline.
+"""Build a tiny random-init Qwen-Image-Edit (or Edit-Plus, Edit-2511, Qwen-Image-2.1) pipeline offline.
 
 The result is saved with `save_pretrained` and loads with plain diffusers (`QwenImageEditPipeline` /
 `QwenImageEditPlusPipeline.from_pretrained(folder)`) with no project import: stock transformer, VAE,
@@ -16,8 +16,8 @@ from typing import Literal
 
 import torch
 
-Variant = Literal["edit", "edit-plus", "edit-2511"]
-VARIANTS = ("edit", "edit-plus", "edit-2511")
+Variant = Literal["edit", "edit-plus", "edit-2511", "qwen-image-2.1"]
+VARIANTS = ("edit", "edit-plus", "edit-2511", "qwen-image-2.1")
 
 # Qwen2 special tokens, in Qwen's own order so ids are contiguous after the learned vocab.
 QWEN_SPECIAL_TOKENS = [
@@ -230,7 +230,12 @@ def make_tiny_model(out: str | os.PathLike, variant: Variant = "edit", seed: int
     if variant not in VARIANTS:
         raise ValueError(f"unknown variant {variant!r}: use one of {', '.join(VARIANTS)}")
     out = Path(out)
-    pipe = build_pipeline(variant, seed)
+    if variant == "qwen-image-2.1":  # another pipeline, transformer, VAE and text encoder (models/tiny21.py)
+        from models.tiny21 import build_pipeline_21
+
+        pipe = build_pipeline_21(seed)
+    else:
+        pipe = build_pipeline(variant, seed)
     pipe.save_pretrained(out, safe_serialization=True)
     # Record what built it (a real model folder has no such file; the fingerprint covers the weights anyway).
     (out / "tiny_model.json").write_text(json.dumps({"variant": variant, "seed": seed}, indent=2) + "\n")

@@ -70,6 +70,9 @@ class ResizeConfig(Section):
     max_image_pixels: Annotated[int, IDENTITY] = Field(64 * 1024 * 1024, gt=0, description="larger images are rejected (decompression bombs)")
     max_file_bytes: Annotated[int, added_later("identity")] = Field(
         1 << 30, gt=0, description="larger source files are quarantined unread (only regular files are read at all)")
+    keep_alpha: Annotated[bool, added_later()] = Field(
+        False, description="store images with transparency as RGBA instead of composited over white (Qwen-Image-2.1: "
+        "its VAE reads the alpha channel)")
     val_fraction: Annotated[float, IDENTITY] = Field(0.1, ge=0.0, lt=1.0)
     shard_size_mb: Annotated[float, THROUGHPUT] = Field(256, gt=0, description="images table shard size (fractions allowed, e.g. for tests)")
     workers: Annotated[int, THROUGHPUT] = Field(0, ge=0, description="processes decoding/resizing/encoding PNGs (0 = in the main process)")

@@ -127,8 +127,11 @@ def hashed_settings(section: BaseModel, scope: Scope = "output") -> dict[str, An
 
 def unhashed_names(section: BaseModel, scope: Scope = "output") -> set[str]:
     """Top-level settings of the section that enter no hash of `scope` (a change to them keeps outputs current)."""
-    return {name for name in type(section).model_fields
-            if not (role_of(type(section), name) or THROUGHPUT).enters(scope, section)}
+    def unhashed(name: str, info: Any) -> bool:
+        role = role_of(type(section), name) or THROUGHPUT
+        return not role.enters(scope, section) or (role.hashed_unless_default and getattr(section, name) == info.default)
+
+    return {name for name, info in type(section).model_fields.items() if unhashed(name, info)}
 
 
 def settings_hash(settings: Any) -> str:

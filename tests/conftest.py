@@ -42,3 +42,12 @@ def _no_reader_threads_left():
     while (left := [t for t in threading.enumerate() if t.name.startswith(names)]) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not left, f"background threads left running: {[t.name for t in left]}"
+
+
+@pytest.fixture(scope="session")
+def tiny_21_model(tmp_path_factory) -> str:
+    from models.tiny import make_tiny_model
+
+    out = tmp_path_factory.mktemp("models") / "tiny-qwen-image-2.1"
+    make_tiny_model(out, variant="qwen-image-2.1", seed=0)
+    return str(out)

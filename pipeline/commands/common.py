@@ -34,11 +34,21 @@ def json_mode(enabled: bool) -> Iterator[None]:
         yield
 
 
-def emit(summary: Any, as_json: bool) -> None:
-    """The stage's one-line summary, or its `to_json()` as one JSON line."""
+def emit(summary: Any, as_json: bool, model: str | None = None) -> None:
+    """The stage's one-line summary, or its `to_json()` as one JSON line (with the model's `variant` when the
+    stage ran on a model)."""
     import json
 
-    echo(json.dumps(summary.to_json(), sort_keys=True) if as_json else str(summary))
+    echo(json.dumps(with_variant(summary.to_json(), model), sort_keys=True) if as_json else str(summary))
+
+
+def with_variant(record: dict, model: str | None) -> dict:
+    """The summary record plus `variant` (edit, edit-plus, edit-2511, qwen-image-2.1) of the model it ran on."""
+    if model is None:
+        return record
+    from models.loading import model_variant
+
+    return {**record, "variant": model_variant(model)}
 
 
 def parse_sets(items: list[str]) -> dict[str, Any]:

@@ -38,7 +38,7 @@ def _command(section: str, stage_module: str, component: str, batch_help: str) -
 
         with user_errors(dst), json_mode(as_json):
             summary = run(cfg, dst, mdl)
-        emit(summary, as_json)
+        emit(summary, as_json, mdl)
 
     return command
 

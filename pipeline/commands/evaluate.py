@@ -53,5 +53,4 @@ def command(
 
     with user_errors(report), json_mode(as_json):
         result = run(cfg.evaluate, store_dir, model_id, lora_dir, report)
-    emit(result, as_json)
-
+    emit(result, as_json, model_id)

@@ -78,10 +78,22 @@ def predict(cfg, model: str, images: list[Path], prompt: str, out: Path, lora: s
     precision = resolve_precision(cfg.dtype, devices["transformer"])  # auto: decided by where the big model runs
     tqdm.write(precision.describe("predict", devices["transformer"])
                + (f", quantize_base {cfg.quantize_base}" if cfg.quantize_base != "none" else ""))
-    pipe = load_pipeline(model, precision.dtype, devices, lora, lora_scale, quantize=cfg.quantize_base)
+    from models.loading import model_variant
+
+    if model_variant(model) == "qwen-image-2.1":  # the stock 2.1 pipeline; references keep their alpha
+        from models.qwen21_predict import edit_21, load_pipeline_21
+
+        pil = [Image.open(p) for p in images]
+        pil = [im.convert("RGBA") if "A" in im.getbands() or "transparency" in im.info else im.convert("RGB")
+               for im in pil]
+        pipe = load_pipeline_21(model, precision.dtype, devices, lora, lora_scale, quantize=cfg.quantize_base)
+        result = edit_21(pipe, pil, prompt, cfg.negative_prompt, cfg.steps, cfg.true_cfg_scale, cfg.seed, height,
+                         width)
+    else:
+        pipe = load_pipeline(model, precision.dtype, devices, lora, lora_scale, quantize=cfg.quantize_base)
+        result = edit(pipe, pil, prompt, cfg.negative_prompt, cfg.steps, cfg.true_cfg_scale, cfg.seed, height, width)
     for name in COMPONENTS:
         check_loaded_dtype(getattr(pipe, name), precision.weights, "predict.dtype")
-    result = edit(pipe, pil, prompt, cfg.negative_prompt, cfg.steps, cfg.true_cfg_scale, cfg.seed, height, width)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     result.save(out)

@@ -24,7 +24,10 @@ def command(
 
         with user_errors(), json_mode(True):
             result = run_all(cfg, log=lambda m: print(m, file=sys.stderr))
-        echo(json.dumps([o.result.to_json() for o in result.outcomes], sort_keys=True))
+        from pipeline.commands.common import with_variant
+
+        # every stage record names the variant of paths.model (resize-bucket's table is model-independent)
+        echo(json.dumps([with_variant(o.result.to_json(), cfg.paths.model) for o in result.outcomes], sort_keys=True))
         return
     with user_errors():
         result = run_all(cfg, log=echo)

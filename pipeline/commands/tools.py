@@ -12,13 +12,13 @@ from pipeline.commands.common import ConfigOpt, SetOpt, config_from, echo, user_
 
 def make_tiny_model(
     out: Path = typer.Argument(..., help="Folder to write the model to."),
-    variant: str = typer.Option("edit", "--variant", help="edit (one control), edit-plus (2509: several controls) or edit-2511 (Plus with zero_cond_t)."),
+    variant: str = typer.Option("edit", "--variant", help="edit (one control), edit-plus (2509: several controls), edit-2511 (Plus with zero_cond_t) or qwen-image-2.1 (0..10 references)."),
     seed: int = typer.Option(0, "--seed", help="Same seed, same bytes."),
     full_width: bool = typer.Option(False, "--full-width", help="Real component widths (rehearsal; GBs on disk)."),
     layers: Optional[int] = typer.Option(None, "--layers", help="--full-width: layers per stack (default: the real counts)."),
 ) -> None:
-    if variant not in ("edit", "edit-plus", "edit-2511"):
-        raise typer.BadParameter("use 'edit', 'edit-plus' or 'edit-2511'", param_hint="--variant")
+    if variant not in ("edit", "edit-plus", "edit-2511", "qwen-image-2.1"):
+        raise typer.BadParameter("use 'edit', 'edit-plus', 'edit-2511' or 'qwen-image-2.1'", param_hint="--variant")
     if layers is not None and not full_width:
         raise typer.BadParameter("--layers needs --full-width", param_hint="--layers")
     with user_errors():

@@ -54,4 +54,4 @@ def command(
                 raise UserError(why)
         result = run(cfg, store_dir, model_id, run_dir, resume=resume, new_run=new_run)
     if result.main_process:
-        emit(result, as_json)
+        emit(result, as_json, model_id)

@@ -299,6 +299,10 @@ def run(
     from models.loading import load_component, model_variant, parse_dtype, pipeline_family
     from models.precision import check_loaded_dtype
 
+    if model_variant(model) == "qwen-image-2.1":  # Qwen3-VL, 0..10 references, slot masks
+        from stages.encode.qwen21 import run_text
+
+        return run_text(cfg, store, model, device, batch_size, ranks)
     section = with_overrides(cfg.encode_text, device=device, batch_size=batch_size)
     fmt = prompt_format(pipeline_family(model_variant(model)), section.prompt_template, section.prompt_template_start_idx)
     ranks = ranks or current_ranks(section.device)

@@ -123,7 +123,7 @@ def vae_schema(job: EncodeJob, vae, dtype: str) -> TableSchema:
             "z_dim": vae.config.z_dim,
             "vae_scale_factor": 2 ** len(vae.temperal_downsample),
             "normalisation": "stored = (latent_dist.mode() - latents_mean) / latents_std, per channel",
-            "latent_layout": "[C, 1, h, w] with h = H/8, w = W/8 of the stored image",
+            "latent_layout": "[C, 1, h, w] with h = H/f, w = W/f of the stored image (f = vae_scale_factor)",
             "mask_weight": "float32 [(h/2) * (w/2)], row-major over packed 2x2-latent tokens (16x16 px each), "
                            "fraction of edited pixels (mean of mask/255); absent when the sample has no mask",
             "encoder_dtype": dtype,
@@ -166,10 +166,16 @@ def run(
     latents_std = torch.tensor(vae.config.latents_std).view(1, channels, 1, 1, 1)
     image_processor = VaeImageProcessor(vae_scale_factor=PIXELS_PER_PATCH)  # what the edit pipelines build
     variant = model_variant(model)
+    prep = prepare
+    if variant == "qwen-image-2.1":  # RGBA in, 64 channels, 16x (stages/encode/qwen21.py)
+        from stages.encode.qwen21 import image_processor_21, prepare_vae
+
+        image_processor = image_processor_21()
+        prep = lambda key, sample, processor, _variant: prepare_vae(key, sample, processor)  # noqa: E731
     try:
         todo = job.open_writer(vae_schema(job, vae, section.dtype), section.shard_size_mb)
         samples = prefetched(job.read_inputs(todo),
-                             job.unless_rejected(lambda item: prepare(*item, image_processor, variant)), workers=section.num_workers)
+                             job.unless_rejected(lambda item: prep(*item, image_processor, variant)), workers=section.num_workers)
         done: dict[str, dict[str, torch.Tensor]] = {}  # key -> image name -> latent, until the sample is complete
         with job.progress(len(todo)) as bar:
             requests = (r for prepared in job.accepted(samples, bar) for r in prepared.requests)

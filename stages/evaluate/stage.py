@@ -33,6 +33,7 @@ from models.lora import attach_lora, lora_weight_file
 from store.checksum import check_recorded
 from models.attention import use_attention_backend
 from models.multires import install_multires
+from models.qwen21_flow import is_qwen21
 from models.precision import check_loaded_dtype, describe
 from models.randomness import eval_noise
 from models.sample import TrainSample, from_features
@@ -335,7 +336,12 @@ def load_transformer(cfg: EvaluateConfig, model: str):
     dtype = parse_dtype(cfg.dtype)
     transformer = load_component(model, "transformer", dtype=dtype, device=cfg.device, quantize=cfg.quantize_base)
     check_loaded_dtype(transformer, cfg.dtype, "evaluate.dtype")
-    install_multires(transformer)
+    if is_qwen21(transformer):  # its own mixed-layout forward (models/qwen21_multires.py), images by stages/evaluate/qwen21.py
+        if cfg.extra_prompts:
+            raise UserError("evaluate.extra_prompts are not built for Qwen-Image-2.1 yet: remove them "
+                            "(the val samples' images are generated)")
+    else:
+        install_multires(transformer)
     use_attention_backend(transformer, cfg.attention_backend, "evaluate.attention_backend", torch.device(cfg.device), dtype)
     return transformer
 
@@ -379,9 +385,13 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, ou
         check_loaded_dtype(vae, cfg.dtype, "evaluate.dtype")
         scheduler_config = dict(load_component(model, "scheduler").config)
         st = Store(store, create=False)
+        if is_qwen21(transformer):
+            from stages.evaluate.qwen21 import val_rows_21 as val_rows_of
+        else:
+            val_rows_of = val_rows
         images = images_reader(st, tables, cfg.on_damaged, cfg.max_open_shards)
-        rows = val_rows(transformer, vae, scheduler_config, pick_samples(samples, cfg.num_samples),
-                        images, cfg, damaged)
+        rows = val_rows_of(transformer, vae, scheduler_config, pick_samples(samples, cfg.num_samples),
+                           images, cfg, damaged)
         if images is not None:
             images.close()
         if cfg.extra_prompts:

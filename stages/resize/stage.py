@@ -426,7 +426,12 @@ def _decode(
     data: bytes, what: str, rec: SourceSample, key: str, file_index: int, rc: ResizeConfig, notes: list[str]
 ) -> Image.Image:
     try:
-        d = decode_image(data, rc.max_image_pixels)
+        if rc.keep_alpha:  # Qwen-Image-2.1: RGBA kept for its VAE (stages/resize/alpha.py)
+            from stages.resize.alpha import decode_keeping_alpha
+
+            d = decode_keeping_alpha(data, rc.max_image_pixels)
+        else:
+            d = decode_image(data, rc.max_image_pixels)
     except ImageRejected as e:
         raise Rejected(e.kind, f"{what}{_where(rec, file_index)}: {e}", key=key) from None
     notes.extend(d.notes)

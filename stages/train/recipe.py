@@ -287,7 +287,14 @@ def setup(cfg: PipelineConfig, store: str | Path, model: str, out: str | Path, r
         from stages.train.validate import Validator
 
         r.validator = Validator(tc, store, model, r.run_dir)
-    r.model = parallel.wrap(r.transformer, r.world, tc.lora.target_modules)
+    from models.qwen21_flow import is_qwen21
+
+    if is_qwen21(r.transformer):  # DDP must wrap the module whose forward training calls (models/qwen21_multires.py)
+        from models.qwen21_multires import Qwen21Batched
+
+        r.model = parallel.wrap(Qwen21Batched(r.transformer), r.world, tc.lora.target_modules)
+    else:
+        r.model = parallel.wrap(r.transformer, r.world, tc.lora.target_modules)
     r.position = r.stream.position
     r.batches = MicroBatches(r.stream, tables, tc, r.rank, r.step, r.device, r.transformer.dtype, depth=tc.prefetch)
     r.result = TrainResult(r.run_dir, r.run_dir / "lora", start_step=r.step, steps=r.step, main_process=r.main,
@@ -642,7 +649,14 @@ def setup_transformer(model: str, cfg: TrainConfig, device: torch.device):
     load_on = torch.device("cpu") if cfg.offload == "blocks" else device
     transformer = load_component(model, "transformer", dtype=base_dtype, device=load_on, quantize=cfg.quantize_base)
     check_loaded_dtype(transformer, dtype_name(base_dtype), "train.dtype")
-    install_multires(transformer)
+    from models.qwen21_flow import is_qwen21
+
+    if is_qwen21(transformer):  # 2.1 mixes layouts with its own forward (models/qwen21_multires.py)
+        from models.qwen21_multires import install_qwen21
+
+        install_qwen21(transformer)
+    else:
+        install_multires(transformer)
     use_attention_backend(transformer, cfg.attention_backend, "train.attention_backend", device, base_dtype)
     transformer.requires_grad_(False)
     if cfg.quantize_base != "none":
@@ -671,6 +685,12 @@ def setup_transformer(model: str, cfg: TrainConfig, device: torch.device):
 
 def _check_shapes(tables: JoinedTables, transformer) -> None:
     s = load_at(tables, 0)
+    if s.slot_mask is not None:  # Qwen-Image-2.1 features
+        from models.qwen21_flow import check_shapes_21
+
+        if (problem := check_shapes_21(s, transformer, str(tables.store_root))) is not None:
+            raise UserError(problem)
+        return
     c4, d = s.target.shape[0] * 4, s.prompt_embeds.shape[1]
     cfg = transformer.config
     if c4 != cfg.in_channels or d != cfg.joint_attention_dim:

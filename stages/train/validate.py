@@ -104,6 +104,9 @@ class Validator:
         images = []
         for s in tqdm(self.samples[: self.cfg.sample_count], desc="samples", leave=False):
             _, h, w = s.img_shapes[0]
+            if s.slot_mask is not None:  # Qwen-Image-2.1 (models/qwen21_generate.py), RGB for the grid
+                images.append(self._sample_21(transformer, s, h, w))
+                continue
             dev, dt = transformer.device, transformer.dtype
             cond = Conditioning(prompt_embeds=s.prompt_embeds.to(dev, dt)[None],
                                 control_latents=[c.to(dev, dt)[None] for c in s.controls],
@@ -116,6 +119,16 @@ class Validator:
             grid.paste(im, (x, 0))
             x += im.width
         return grid
+
+    def _sample_21(self, transformer, s: TrainSample, h: int, w: int) -> Image.Image:
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        from models.qwen21_generate import generate_21
+
+        scheduler = FlowMatchEulerDiscreteScheduler.from_config(self._scheduler)
+        return generate_21(transformer, self._vae, scheduler, s.prompt_embeds, s.slot_mask, list(s.controls), h * 16,
+                           w * 16, self.cfg.sample_steps, self.cfg.seed, SAMPLE_CFG,
+                           (s.empty_embeds, s.empty_slot_mask)).convert("RGB")
 
     def __call__(self, r) -> None:
         """At the configured steps: the held-out loss on every rank (logged and appended to RUN/losses.zarr by

@@ -1,0 +1,209 @@
+"""encode-text and encode-vae for Qwen-Image-2.1 models (`stages/encode/text.py` / `vae.py` branch here).
+
+The `images` table is the same one the Edit variants read: `control_{i}.png` is each reference, resized once to
+the reference area keeping its aspect (resize-bucket with `multiple: 32`; configs/qwen-image-2.1.yaml). The same
+pixels go to the VLM (composited over white, by the stock pipeline code) and to the VAE (RGBA, 4 channels); the
+`control_{i}_vl.png` views are not read.
+
+text table (per sample, unpadded): `prompt_embeds` [L, D] and `slot_mask` [L] (True at the VLM image slots: the
+layout record the transformer needs, with the references' latent shapes from the vae table), the same for the
+empty prompt (caption dropout) with the same references, and with `encode_text.no_control_embeds` the
+instruction alone in the text-to-image template (`nocontrol_embeds`, for reference dropout). vae table: as for the Edit variants, 64-channel
+latents [64, 1, H/16, W/16] of the RGBA target and references, normalised as `_encode_vae_image` does.
+
+A sample with more than 10 references, a reference side not a multiple of 32, or a VLM grid that differs from
+the VAE grid is quarantined with its reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from schemas.config import PipelineConfig
+from schemas.errors import Rejected
+from schemas.table import FieldSpec, TableSchema
+from stages.encode.common import (
+    Ranks,
+    Summary,
+    config_hash,
+    current_ranks,
+    open_job,
+    open_png,
+    prefetched,
+    rank_device,
+    resolve_precision,
+    with_overrides,
+)
+
+MAX_REFERENCES = 10
+PIXELS_PER_SIDE = 32  # one VLM slot = 32 x 32 pixels = 2 x 2 latent tokens
+TEXT_REVISION = "text21.1"
+VAE_REVISION = "vae21.1"
+
+
+def reference_rejection(key: str, meta: dict[str, Any]) -> Rejected | None:
+    n = int(meta.get("num_controls", 0))
+    if n > MAX_REFERENCES:
+        return Rejected("qwen-image-2.1 takes at most 10 references",
+                        f"sample has {n}; split it or drop references", key=key)
+    return None
+
+
+def _side_rejection(key: str, name: str, im) -> Rejected | None:
+    if im.width % PIXELS_PER_SIDE or im.height % PIXELS_PER_SIDE:
+        return Rejected(f"{name} size is not a multiple of {PIXELS_PER_SIDE}",
+                        f"{im.width}x{im.height}; rerun resize-bucket with resize.multiple: 32", key=key)
+    return None
+
+
+@dataclass
+class TextItem:
+    key: str
+    caption: str
+    references: list  # PIL RGBA, in order
+
+
+def prepare_text(key: str, sample: dict[str, Any]) -> TextItem | Rejected:
+    meta, files = sample["meta"], sample["files"]
+    if (r := reference_rejection(key, meta)) is not None:
+        return r
+    try:
+        refs = [open_png(files[f"control_{i}.png"], "RGBA") for i in range(int(meta.get("num_controls", 0)))]
+    except (KeyError, OSError, ValueError) as e:
+        return Rejected("control image unreadable", f"{type(e).__name__}: {e}", key=key)
+    for i, im in enumerate(refs):
+        if (r := _side_rejection(key, f"control_{i}", im)) is not None:
+            return r
+    return TextItem(key, str(meta.get("caption") or ""), refs)
+
+
+def prompt_format_record() -> dict[str, Any]:
+    """What decides the features besides the model files: the stock encoder code (diffusers' version)."""
+    import diffusers
+
+    return {"variant": "qwen-image-2.1", "encoder": "QwenImage21Pipeline._get_qwen_prompt_embeds",
+            "diffusers": diffusers.__version__}
+
+
+def text_schema(job, hidden_size: int, dtype: str, nocontrol: bool = False) -> TableSchema:
+    return TableSchema(
+        name="text",
+        lineage=job.lineage,
+        fields=[
+            FieldSpec("prompt_embeds", "bfloat16", rank=2),
+            FieldSpec("empty_embeds", "bfloat16", rank=2),
+            FieldSpec("slot_mask", "bool", rank=1),
+            FieldSpec("empty_slot_mask", "bool", rank=1),
+            FieldSpec("length", "int64", kind="column"),
+            FieldSpec("empty_length", "int64", kind="column"),
+            FieldSpec("num_controls", "int64", kind="column"),
+        ] + ([FieldSpec("nocontrol_embeds", "bfloat16", rank=2)] if nocontrol else []),
+        attrs={
+            "prompt_format": prompt_format_record(),
+            "hidden_size": hidden_size,
+            "encoder_dtype": dtype,
+            "embeds": "Qwen3-VL last decoder layer (before the final norm), system tokens dropped, valid tokens "
+                      "only, [length, hidden_size] bf16; slot_mask [length] bool marks the image slots (each 2x2 "
+                      "latent tokens of its reference, in order)",
+            "length": "text tokens of the joint sequence (prompt rows minus image slots): with the image tokens "
+                      "of img_shapes, the sample's exact joint sequence length",
+        },
+    )
+
+
+def run_text(cfg: PipelineConfig, store: str | Path, model: str, device: str | None = None,
+             batch_size: int | None = None, ranks: Ranks | None = None) -> Summary:
+    from models.loading import load_component, parse_dtype
+    from models.qwen21_text import encode_prompt, grid_mismatch, prompt_encoder
+
+    section = with_overrides(cfg.encode_text, device=device, batch_size=batch_size)
+    ranks = ranks or current_ranks(section.device)
+    target = rank_device(section.device, ranks, "encode_text.device")
+    section = resolve_precision(section, target, "encode-text")
+    record = prompt_format_record()
+    job = open_job(store, "encode-text", "text", config_hash(section, prompt_format=record), model, TEXT_REVISION,
+                   ranks, components=("text_encoder", "processor", "tokenizer"),
+                   on_damaged=section.on_damaged, max_damaged_fraction=section.max_damaged_fraction)
+    if job.up_to_date:
+        return job.summary
+    processor = load_component(model, "processor")
+    text_encoder = load_component(model, "text_encoder", dtype=parse_dtype(section.dtype), device=target)
+    encoder = prompt_encoder(text_encoder, processor)
+    nocontrol = section.no_control_embeds  # reference dropout: the text-to-image prompt, no references
+    schema = text_schema(job, text_encoder.config.text_config.hidden_size, section.dtype, nocontrol)
+    try:
+        todo = job.open_writer(schema, section.shard_size_mb)
+        samples = prefetched(job.read_inputs(todo), job.unless_rejected(lambda item: prepare_text(*item)),
+                             workers=section.num_workers)
+        with job.progress(len(todo)) as bar:
+            for item in job.accepted(samples, bar):
+                # One sample per forward: the stock encoder takes one reference set per call.
+                with job.timed_forward(3 if nocontrol else 2):
+                    prompt, slots = encode_prompt(encoder, item.caption, item.references)
+                    empty, empty_slots = encode_prompt(encoder, "", item.references)
+                    alone = encode_prompt(encoder, item.caption, [])[0] if nocontrol else None
+                problem = grid_mismatch(slots, [(im.height, im.width) for im in item.references])
+                if problem is not None:
+                    job.quarantine(item.key, "VLM grid differs from the VAE grid", problem)
+                    bar.skipped()
+                    continue
+                meta = job.images.meta(item.key)
+                job.writer.add(item.key, tensors={
+                    "prompt_embeds": prompt.to("cpu", torch.bfloat16).contiguous(),
+                    "empty_embeds": empty.to("cpu", torch.bfloat16).contiguous(),
+                    "slot_mask": slots.cpu().contiguous(), "empty_slot_mask": empty_slots.cpu().contiguous(),
+                    **({"nocontrol_embeds": alone.to("cpu", torch.bfloat16).contiguous()} if nocontrol else {}),
+                }, meta={"split": meta.get("split", "train"), "img_shapes": meta["img_shapes"],
+                         # text tokens of the joint sequence: + the image tokens (img_shapes) = its exact length,
+                         # which the join hands the length-aware sampler
+                         "length": int((~slots).sum()), "empty_length": int((~empty_slots).sum()),
+                         "num_controls": len(item.references)})
+                job.summary.encoded += 1
+                bar.encoded(1)
+        return job.finish()
+    finally:
+        job.close()
+
+
+# ---------------------------------------------------------------- encode-vae
+
+
+def preprocess_rgba(image_processor, im) -> torch.Tensor:
+    """[1, 4, 1, H, W] in [-1, 1]: the pipeline's `image_processor.preprocess(img.convert('RGBA'), ...)`."""
+    return image_processor.preprocess(im, height=im.height, width=im.width).unsqueeze(2)
+
+
+def image_processor_21():
+    from diffusers.image_processor import VaeImageProcessor
+
+    return VaeImageProcessor(vae_scale_factor=16, vae_latent_channels=64)  # what QwenImage21Pipeline builds
+
+
+def prepare_vae(key: str, sample: dict[str, Any], image_processor):
+    """The vae stage's `Prepared` (stages/encode/vae.py) for a 2.1 sample: RGBA target and references."""
+    from stages.encode.vae import Prepared, Request, mask_weight
+
+    files, meta = sample["files"], sample["meta"]
+    if (r := reference_rejection(key, meta)) is not None:
+        return r
+    names = ["target"] + [f"control_{i}" for i in range(int(meta.get("num_controls", 0)))]
+    try:
+        images = {n: open_png(files[f"{n}.png"], "RGBA") for n in names}
+        mask = open_png(files["mask.png"], mode="L") if "mask.png" in files else None
+    except (KeyError, OSError, ValueError) as e:
+        return Rejected("image unreadable", f"{type(e).__name__}: {e}", key=key)
+    for n, im in images.items():
+        if (r := _side_rejection(key, n, im)) is not None:
+            return r
+    target = images["target"]
+    if mask is not None and mask.size != target.size:
+        return Rejected("mask size differs from the target", f"mask {mask.size}, target {target.size}", key=key)
+    # one 2.1 latent token = 16 x 16 pixels, the same grid as an Edit packed token
+    weight = mask_weight(mask, target.height, target.width) if mask is not None else None
+    prepared = Prepared(key, names, weight)
+    prepared.requests = [Request(key, n, preprocess_rgba(image_processor, im), prepared) for n, im in images.items()]
+    return prepared

@@ -1,0 +1,17 @@
+"""resize.keep_alpha (Qwen-Image-2.1): an image with transparency is stored as RGBA instead of composited over white.
+
+Qwen-Image-2.1's VAE reads four channels (RGBA in, RGBA out); its pipeline composites over white only the copy the
+VLM sees (encode-text does the same from the stored RGBA). Every other image decodes as `decode_image` does.
+"""
+
+from __future__ import annotations
+
+from stages.resize.imaging import _ALPHA, Decoded, _open_oriented, decode_image
+
+
+def decode_keeping_alpha(data: bytes, max_pixels: int) -> Decoded:
+    """Bytes -> RGBA when the image has an alpha channel or a transparent palette entry, else `decode_image`."""
+    im, notes = _open_oriented(data, max_pixels)
+    if im.mode in _ALPHA or (im.mode == "P" and "transparency" in im.info):
+        return Decoded(im.convert("RGBA"), notes + [f"{im.mode} kept with its alpha (RGBA)"])
+    return decode_image(data, max_pixels)

@@ -1,0 +1,92 @@
+"""The tiny Qwen-Image-2.1 model is a real diffusers folder: plain `QwenImage21Pipeline` loads and runs it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from models.loading import load_component, model_variant
+
+# Runs in a fresh interpreter so that nothing from this project is imported.
+_LOAD_AND_RUN_21 = r"""
+import sys, numpy as np, torch
+from PIL import Image
+from diffusers import QwenImage21Pipeline
+pipe = QwenImage21Pipeline.from_pretrained(sys.argv[1])
+assert type(pipe.processor).__name__ == "Qwen3VLProcessor", type(pipe.processor)
+assert type(pipe.text_encoder).__name__ == "Qwen3VLForConditionalGeneration"
+rng = np.random.RandomState(0)
+rgba = Image.fromarray((rng.rand(64, 96, 4) * 255).astype("uint8"), "RGBA")
+rgb = Image.fromarray((rng.rand(96, 64, 3) * 255).astype("uint8"))
+# two references of different aspect, RGBA among them; the output follows the last reference's aspect
+out = pipe(image=[rgba, rgb], prompt="make the square red", output_resolution=96, num_inference_steps=2,
+           output_type="np", generator=torch.Generator().manual_seed(0))
+assert out.images.shape == (1, 128, 64, 4), out.images.shape
+# text to image (no reference) with guidance
+out = pipe(prompt="a red square", negative_prompt="blurry", true_cfg_scale=2.0, height=64, width=96,
+           num_inference_steps=2, output_type="np", generator=torch.Generator().manual_seed(0))
+assert out.images.shape == (1, 64, 96, 4), out.images.shape
+assert np.isfinite(out.images).all()
+assert not any(m.startswith(("models", "pipeline", "stages", "store", "schemas")) for m in sys.modules), "project import"
+print("OK")
+"""
+
+
+def test_tiny_21_model_loads_with_plain_diffusers_and_runs(tiny_21_model):
+    proc = subprocess.run(
+        [sys.executable, "-c", _LOAD_AND_RUN_21, tiny_21_model], capture_output=True, text=True, cwd="/", timeout=300
+    )
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_loader_detects_21_and_loads_its_classes(tiny_21_model, tiny_plus_model):
+    assert model_variant(tiny_21_model) == "qwen-image-2.1"
+    assert model_variant(tiny_plus_model) == "edit-plus"
+    tr = load_component(tiny_21_model, "transformer")
+    assert type(tr).__name__ == "QwenImage21Transformer2DModel" and tr.config.causal_condition
+    vae = load_component(tiny_21_model, "vae")
+    assert type(vae).__name__ == "AutoencoderKLQwenImage21"
+    assert vae.config.z_dim == 64 and vae.config.in_channels == 4 and vae.spatial_compression_ratio == 16
+    assert type(load_component(tiny_21_model, "text_encoder")).__name__ == "Qwen3VLForConditionalGeneration"
+    assert type(load_component(tiny_21_model, "processor")).__name__ == "Qwen3VLProcessor"
+    # another model's classes still come from their own table
+    assert type(load_component(tiny_plus_model, "transformer")).__name__ == "QwenImageTransformer2DModel"
+
+
+def test_cli_make_tiny_model_21_same_seed_same_bytes(tmp_path, tiny_21_model):
+    import hashlib
+    from pathlib import Path
+
+    from typer.testing import CliRunner
+
+    from pipeline.cli import app
+
+    r = CliRunner().invoke(app, ["make-tiny-model", str(tmp_path / "m"), "--variant", "qwen-image-2.1"])
+    assert r.exit_code == 0, r.output
+
+    def digest(folder):
+        return {str(f.relative_to(folder)): hashlib.sha256(f.read_bytes()).hexdigest()
+                for f in sorted(Path(folder).rglob("*")) if f.is_file()}
+
+    assert digest(tmp_path / "m") == digest(tiny_21_model)
+
+
+def test_full_width_21_has_the_real_widths_and_loads(tmp_path):
+    """`make-tiny-model --variant qwen-image-2.1 --full-width --layers 1` (here with the minimal text encoder the
+    Edit rehearsal test uses): real transformer / VAE / Qwen3-VL-8B text widths, loaded with the stock classes."""
+    import json
+
+    from models.full_width import make_full_width_model
+
+    model = make_full_width_model(tmp_path / "m", "qwen-image-2.1", layers=1, minimal_text_encoder=True)
+    assert model_variant(str(model)) == "qwen-image-2.1"
+    tr = json.loads((model / "transformer" / "config.json").read_text())
+    assert (tr["num_layers"], tr["num_attention_heads"], tr["attention_head_dim"], tr["context_in_dim"],
+            tuple(tr["axes_dims_rope"]), tr["in_channels"], tr["mlp_ratio"], tr["causal_condition"]) == (
+        1, 32, 128, 4096, (16, 56, 56), 64, 3, True)
+    vae = json.loads((model / "vae" / "config.json").read_text())
+    assert (vae["base_dim"], vae["z_dim"], vae["in_channels"], vae["dim_mult"]) == (96, 64, 4, [1, 2, 4, 8, 8])
+    te = json.loads((model / "text_encoder" / "config.json").read_text())
+    assert (te["text_config"]["hidden_size"], te["vision_config"]["out_hidden_size"]) == (4096, 4096)
+    loaded = load_component(str(model), "transformer")
+    assert type(loaded).__name__ == "QwenImage21Transformer2DModel" and len(loaded.transformer_blocks) == 1
