@@ -7,7 +7,6 @@ One self-contained index.html (inline SVG curves, images as data URIs, no script
 from __future__ import annotations
 
 import html
-import io
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,7 +15,7 @@ from PIL import Image, ImageDraw
 from tqdm.auto import tqdm
 
 from stages.evaluate.curves import Chart, Series, svg
-from stages.evaluate.report import LABEL_H, TILE, _fit, _fmt, _img, _json_safe, _table, data_uri
+from stages.evaluate.report import LABEL_H, TILE, _fit, _fmt, _img, _table, data_uri, write_report_files
 
 
 @dataclass
@@ -55,51 +54,37 @@ def generated_rows(cfg, model: str, store, tables, transformer, samples, best_pa
     from models.lora import attach_lora, load_lora
     from schemas.img_shapes import PIXELS_PER_PATCH
     from stages.evaluate.report import psnr, ssim
-    from stages.evaluate.stage import _png, conditioning, images_reader, lora_enabled, pick_samples
+    from models.qwen21_flow import is_qwen21
+    from stages.evaluate.qwen21 import image_21
+    from stages.evaluate.stage import (conditioning, extra_prompt_inputs, images_reader, lora_enabled, pick_samples,
+                                       stored_pictures)
     from store import Store
-    from store.integrity import DamagedData
 
+    qwen21 = is_qwen21(transformer)
     dtype = parse_dtype(cfg.dtype)
     vae = load_component(model, "vae", dtype=dtype, device=cfg.device)
     sched = dict(load_component(model, "scheduler").config)
     images = images_reader(Store(store, create=False), tables, cfg.on_damaged, cfg.max_open_shards)
     jobs: list[_Job] = []
     for s in pick_samples(samples, cfg.num_samples):
-        try:
-            files = images.files(s.key) if images is not None and s.key in images else {}
-        except DamagedData as e:
-            if cfg.on_damaged != "skip":
-                raise
-            damaged[f"images:{s.key}"] = str(e)
-            files = {}
-        meta = images.meta(s.key) if images is not None and s.key in images else {}
+        caption, controls, target = stored_pictures(images, s, cfg.on_damaged, damaged)
         _, h, w = s.img_shapes[0]
-        jobs.append(_Job(s.key[:12], str(meta.get("caption", "")),
-                         [_png(files[f"control_{j}.png"]) for j in range(len(s.controls)) if f"control_{j}.png" in files],
-                         _png(files["target.png"]) if "target.png" in files else None,
-                         conditioning(s, transformer.device, transformer.dtype), h * PIXELS_PER_PATCH,
+        jobs.append(_Job(s.key[:12], caption, controls, target,
+                         s if qwen21 else conditioning(s, transformer.device, transformer.dtype), h * PIXELS_PER_PATCH,
                          w * PIXELS_PER_PATCH, sched))
     if images is not None:
         images.close()  # the PNGs are decoded now
     if cfg.extra_prompts:
-        from models.edit import load_pipeline, prepare
-        from schemas.errors import UserError
+        jobs += [_Job(*inputs) for inputs in extra_prompt_inputs(model, transformer, vae, cfg)]
 
-        pipe = load_pipeline(model, dtype, {"text_encoder": cfg.device}, transformer=transformer, vae=vae)
-        for i, extra in enumerate(cfg.extra_prompts):
-            try:
-                controls = [Image.open(p).convert("RGB") for p in extra.images]
-                target = Image.open(extra.target).convert("RGB") if extra.target else None
-            except OSError as e:
-                raise UserError(f"evaluate.extra_prompts[{i}]: cannot read an image ({e}); fix the path in the config")
-            cond, height, width = prepare(pipe, controls, extra.prompt, cfg.negative_prompt, cfg.true_cfg_scale,
-                                          extra.height, extra.width)
-            jobs.append(_Job(f"extra {i + 1}", extra.prompt, controls, target, cond, height, width,
-                             dict(pipe.scheduler.config)))
+    def output(j: _Job) -> Image.Image:
+        if qwen21:  # j.cond is the val sample: 2.1 generates from its stored features with its own loop
+            return image_21(transformer, vae, j.scheduler, j.cond, cfg)
+        return generate(transformer, vae, j.scheduler, j.cond, j.height, j.width, cfg.num_inference_steps,
+                        cfg.true_cfg_scale, cfg.seed)
 
     def outputs(label: str) -> list[Image.Image]:
-        return [generate(transformer, vae, j.scheduler, j.cond, j.height, j.width, cfg.num_inference_steps,
-                         cfg.true_cfg_scale, cfg.seed) for j in tqdm(jobs, desc=f"generate ({label})", leave=False)]
+        return [output(j) for j in tqdm(jobs, desc=f"generate ({label})", leave=False)]
 
     if attached:
         with lora_enabled(transformer, False):
@@ -223,16 +208,5 @@ img.grid {{ max-width: 100%; image-rendering: pixelated; }}
 
 def write_checkpoint_report(out: str | Path, metrics: dict, rows: list[OutputsRow]) -> Path:
     """grid.png, index.html, then metrics.json (its presence means the report is complete)."""
-    from store.format import atomic_write_bytes
-    from store.io_errors import writing
-
-    out = Path(out)
     grid = make_grid(rows)
-    buf = io.BytesIO()
-    grid.save(buf, format="PNG")
-    with writing("the evaluate report", out):
-        out.mkdir(parents=True, exist_ok=True)
-        atomic_write_bytes(out / "grid.png", buf.getvalue())
-        atomic_write_bytes(out / "index.html", render_html(metrics, rows, grid).encode("utf-8"))
-        atomic_write_bytes(out / "metrics.json", (json.dumps(_json_safe(metrics), indent=2) + "\n").encode())
-    return out / "index.html"
+    return write_report_files(out, metrics, grid, render_html(metrics, rows, grid))

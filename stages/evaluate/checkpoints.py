@@ -27,7 +27,7 @@ from schemas.config import EvaluateConfig
 from schemas.errors import UserError
 from schemas.stage import few
 from store import Store
-from store.loss_array import GROUP, Axes, LossStore, recorded_steps
+from store.loss_array import Axes, LossStore, recorded_steps
 
 #: evaluate settings that change the numbers in the array (the others only change the pictures)
 LOSS_SETTINGS = ("noise_seeds", "timesteps", "batch_size", "max_loss_samples", "lora_scale", "dtype",

@@ -218,17 +218,21 @@ def _json_safe(v: Any) -> Any:
 
 def write_report(out: str | Path, metrics: dict, rows: list[SampleRow]) -> Path:
     """Write metrics.json, grid.png and index.html into OUT; returns the page's path."""
+    grid = make_grid(rows)
+    return write_report_files(out, metrics, grid, render_html(metrics, rows, grid))
+
+
+def write_report_files(out: str | Path, metrics: dict, grid: Image.Image, page: str) -> Path:
+    """grid.png, index.html, then metrics.json: its presence means the report is complete."""
     from store.format import atomic_write_bytes
     from store.io_errors import writing
 
     out = Path(out)
-    grid = make_grid(rows)
     buf = io.BytesIO()
     grid.save(buf, format="PNG")
     with writing("the evaluate report", out):
         out.mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(out / "grid.png", buf.getvalue())
-        atomic_write_bytes(out / "index.html", render_html(metrics, rows, grid).encode("utf-8"))
-        # metrics.json last: its presence means the report is complete.
+        atomic_write_bytes(out / "index.html", page.encode("utf-8"))
         atomic_write_bytes(out / "metrics.json", (json.dumps(_json_safe(metrics), indent=2) + "\n").encode())
     return out / "index.html"

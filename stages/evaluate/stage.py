@@ -184,40 +184,47 @@ def images_reader(st: Store, tables: JoinedTables, on_damaged: str = "stop",
     return st.reader("images", version, on_damaged=on_damaged, max_open_shards=max_open_shards)
 
 
+def stored_pictures(images, s: TrainSample, on_damaged: str, damaged: dict | None):
+    """The val sample's caption, control pictures and target from the `images` table (empty when the table or
+    the sample is absent; a damaged sample under on_damaged=skip loses only its pictures, recorded in `damaged`)."""
+    from store.integrity import DamagedData
+
+    try:
+        files = images.files(s.key) if images is not None and s.key in images else {}
+    except DamagedData as e:
+        if on_damaged != "skip" or damaged is None:
+            raise
+        damaged[f"images:{s.key}"] = str(e)
+        files = {}
+    meta = images.meta(s.key) if images is not None and s.key in images else {}
+    target = _png(files["target.png"]) if "target.png" in files else None
+    controls = [_png(files[f"control_{i}.png"]) for i in range(len(s.controls)) if f"control_{i}.png" in files]
+    return str(meta.get("caption", "")), controls, target
+
+
 def val_rows(transformer, vae, scheduler_config: dict, samples: list[TrainSample], images: TableReader | None,
              cfg: EvaluateConfig, damaged: dict[str, str] | None = None) -> list[SampleRow]:
     """With evaluate.on_damaged=skip a damaged `images` sample shows no pictures and is added to `damaged`."""
-    from store.integrity import DamagedData
-
     rows = []
     for s in tqdm(samples, desc="generate val samples"):
         _, h, w = s.img_shapes[0]
         cond = conditioning(s, transformer.device, transformer.dtype)
         base, lora = generate_pair(transformer, vae, scheduler_config, cond, h * PIXELS_PER_PATCH,
                                    w * PIXELS_PER_PATCH, cfg)
-        try:
-            files = images.files(s.key) if images is not None and s.key in images else {}
-        except DamagedData as e:
-            if cfg.on_damaged != "skip" or damaged is None:
-                raise
-            damaged[f"images:{s.key}"] = str(e)
-            files = {}
-        meta = images.meta(s.key) if images is not None and s.key in images else {}
-        target = _png(files["target.png"]) if "target.png" in files else None
-        controls = [_png(files[f"control_{i}.png"]) for i in range(len(s.controls)) if f"control_{i}.png" in files]
-        rows.append(SampleRow(s.key[:12], str(meta.get("caption", "")), controls, target, base, lora,
+        caption, controls, target = stored_pictures(images, s, cfg.on_damaged, damaged)
+        rows.append(SampleRow(s.key[:12], caption, controls, target, base, lora,
                               _scores(target, base, lora)))
     return rows
 
 
-def extra_rows(model: str, transformer, vae, cfg: EvaluateConfig) -> list[SampleRow]:
-    """The configured extra prompts, through predict's stock-equivalent path (text encoder loaded once)."""
+def extra_prompt_inputs(model: str, transformer, vae, cfg: EvaluateConfig):
+    """Each configured extra prompt through predict's stock-equivalent path (text encoder loaded once):
+    (title, prompt, controls, target, conditioning, height, width, scheduler config)."""
     from models.edit import load_pipeline, prepare
 
     pipe = load_pipeline(model, parse_dtype(cfg.dtype, cfg.device), {"text_encoder": cfg.device},
                          transformer=transformer, vae=vae)
-    rows = []
-    for i, extra in enumerate(tqdm(cfg.extra_prompts, desc="generate extra prompts")):
+    for i, extra in enumerate(cfg.extra_prompts):
         try:
             controls = [Image.open(p).convert("RGB") for p in extra.images]
             target = Image.open(extra.target).convert("RGB") if extra.target else None
@@ -225,8 +232,17 @@ def extra_rows(model: str, transformer, vae, cfg: EvaluateConfig) -> list[Sample
             raise UserError(f"evaluate.extra_prompts[{i}]: cannot read an image ({e}); fix the path in the config")
         cond, height, width = prepare(pipe, controls, extra.prompt, cfg.negative_prompt, cfg.true_cfg_scale,
                                       extra.height, extra.width)
-        base, lora = generate_pair(transformer, vae, dict(pipe.scheduler.config), cond, height, width, cfg)
-        rows.append(SampleRow(f"extra {i + 1}", extra.prompt, controls, target, base, lora, _scores(target, base, lora)))
+        yield f"extra {i + 1}", extra.prompt, controls, target, cond, height, width, dict(pipe.scheduler.config)
+
+
+def extra_rows(model: str, transformer, vae, cfg: EvaluateConfig) -> list[SampleRow]:
+    """The configured extra prompts, base and LoRA."""
+    rows = []
+    for title, prompt, controls, target, cond, height, width, sched in tqdm(
+            extra_prompt_inputs(model, transformer, vae, cfg), total=len(cfg.extra_prompts),
+            desc="generate extra prompts"):
+        base, lora = generate_pair(transformer, vae, sched, cond, height, width, cfg)
+        rows.append(SampleRow(title, prompt, controls, target, base, lora, _scores(target, base, lora)))
     return rows
 
 

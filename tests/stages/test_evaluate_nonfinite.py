@@ -7,7 +7,6 @@ import json
 import math
 
 import pytest
-import torch
 from typer.testing import CliRunner
 
 from models.loading import load_component

@@ -3,7 +3,6 @@ nothing is written."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest

@@ -41,7 +41,7 @@ def test_two_nodes_train_the_same_lora_as_one_process(tiny_edit_model, tmp_path)
     make_train_store(store, tiny_edit_model, mixed_specs(11))  # steps of 4, 4 and a tail of 3 (split 2 + 1)
     cfg_file = tmp_path / "train.yaml"
     cfg_file.write_text(yaml.safe_dump({"train": TRAIN}))
-    one = run(load_config(cfg_file, {"train.batch_size": 4, "train.device": "cpu"}), store, tiny_edit_model, tmp_path / "one")
+    run(load_config(cfg_file, {"train.batch_size": 4, "train.device": "cpu"}), store, tiny_edit_model, tmp_path / "one")
 
     nodes = start_nodes(["run", "train", "--store", str(store), "--model", tiny_edit_model, "--out",
                          str(tmp_path / "two"), "--config", str(cfg_file), "--batch-size", "2"])
