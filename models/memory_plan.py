@@ -31,6 +31,15 @@ def config_root(model: str) -> Path:
         return PUBLISHED[model]
     return resolve_model(model)
 
+
+def is_qwen21(model: str) -> bool:
+    """A Qwen-Image-2.1 folder (its model_index names QwenImage21Pipeline, as models.loading.model_variant
+    reads it); the shipped published configs are all Edit models and have no model_index."""
+    from models.loading import QWEN21_PIPELINE
+
+    index = config_root(model) / "model_index.json"
+    return index.is_file() and json.loads(index.read_text()).get("_class_name") == QWEN21_PIPELINE
+
 # Saved-for-backward elements per token per block, in units of the block width D (each image or text token
 # passes its own stream): LayerNorm in/out, modulated input, q/k/v and their RMS-normed + rotated copies,
 # attention output and its projection input, gated residuals, the MLP (input D, GELU input 4D, GELU output
@@ -71,11 +80,12 @@ class TransformerCounts:
 @lru_cache(maxsize=8)
 def transformer_counts(model: str) -> TransformerCounts:
     from accelerate import init_empty_weights
-    from diffusers import QwenImageTransformer2DModel
+    from diffusers import QwenImage21Transformer2DModel, QwenImageTransformer2DModel
 
     cfg = json.loads((config_root(model) / "transformer" / "config.json").read_text())
+    cls = QwenImage21Transformer2DModel if is_qwen21(model) else QwenImageTransformer2DModel
     with init_empty_weights():
-        tr = QwenImageTransformer2DModel.from_config(cfg)
+        tr = cls.from_config(cfg)
     return counts_from_model(tr)
 
 
@@ -96,8 +106,11 @@ def counts_from_model(tr) -> TransformerCounts:
     other_in_blocks = block_total - lin
     total = sum(p.numel() for p in tr.parameters())
     width = tr.config.num_attention_heads * tr.config.attention_head_dim
+    # Edit blocks are dual-stream (image and text tokens each pass one of the two streams' linears); a 2.1
+    # block is single-stream (every token passes all its linears; its modulation is one shared module).
+    streams = 2 if len(tr.transformer_blocks) and hasattr(tr.transformer_blocks[0], "txt_mlp") else 1
     return TransformerCounts(len(tr.transformer_blocks), width, lin, lin_out, other_in_blocks, total - block_total,
-                             largest, per_token // 2)  # image and text tokens each pass one of the two streams
+                             largest, per_token // streams)
 
 
 @lru_cache(maxsize=8)
@@ -107,7 +120,16 @@ def component_params(model: str, component: str) -> int:
 
     root = config_root(model) / component
     with init_empty_weights():
-        if component == "text_encoder":
+        if is_qwen21(model):  # Qwen3-VL text encoder, the RGBA 64-channel VAE (models/tiny21.py)
+            if component == "text_encoder":
+                from transformers import AutoConfig, Qwen3VLForConditionalGeneration
+
+                m = Qwen3VLForConditionalGeneration(AutoConfig.from_pretrained(root))
+            else:
+                from diffusers import AutoencoderKLQwenImage21
+
+                m = AutoencoderKLQwenImage21.from_config(json.loads((root / "config.json").read_text()))
+        elif component == "text_encoder":
             from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration
 
             m = Qwen2_5_VLForConditionalGeneration(AutoConfig.from_pretrained(root))

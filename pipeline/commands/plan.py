@@ -35,6 +35,10 @@ def command(
     seq = tokens or image_tokens + text_tokens
     vl_tokens = text_tokens + rc.max_controls * (rc.control_vl_area // (28 * 28))
     with user_errors():
+        qwen21 = mp.is_qwen21(model_id)
+    if qwen21:  # the VLM reads the VAE's reference pixels; Qwen3-VL: 32 x 32 px per token
+        vl_tokens = text_tokens + rc.max_controls * (rc.control_vae_area // (32 * 32))
+    with user_errors():
         plans = [
             mp.encode_plan(model_id, "text_encoder", dtype(cfg.encode_text.dtype), cfg.encode_text.batch_size, vl_tokens),
             mp.encode_plan(model_id, "vae", dtype(cfg.encode_vae.dtype), cfg.encode_vae.batch_size, rc.target_area // 256),

@@ -90,3 +90,58 @@ def test_full_width_21_has_the_real_widths_and_loads(tmp_path):
     assert (te["text_config"]["hidden_size"], te["vision_config"]["out_hidden_size"]) == (4096, 4096)
     loaded = load_component(str(model), "transformer")
     assert type(loaded).__name__ == "QwenImage21Transformer2DModel" and len(loaded.transformer_blocks) == 1
+
+
+def _real_params(model: str, component: str) -> int:
+    return sum(p.numel() for p in load_component(model, component).parameters())
+
+
+def _assert_plan_counts_are_the_loaded_models(model: str) -> None:
+    """`pipeline plan`'s counts (configs on the meta device, models/memory_plan.py) equal the parameter counts
+    of the components the stages load; before, plan built the Edit classes from a 2.1 folder and failed."""
+    from models.memory_plan import component_params, transformer_counts
+
+    c = transformer_counts(model)
+    tr = load_component(model, "transformer")
+    assert c.params == sum(p.numel() for p in tr.parameters())
+    assert (c.blocks, c.width) == (len(tr.transformer_blocks), tr.config.num_attention_heads * tr.config.attention_head_dim)
+    # single-stream blocks: every token passes all the block's linears (attention + gated MLP)
+    assert c.token_linear_params == sum(m.weight.numel() for m in tr.transformer_blocks[0].modules()
+                                        if isinstance(m, __import__("torch").nn.Linear))
+    assert component_params(model, "text_encoder") == _real_params(model, "text_encoder")
+    assert component_params(model, "vae") == _real_params(model, "vae")
+
+
+def _plan_cli(model: str) -> str:
+    from typer.testing import CliRunner
+
+    from pipeline.cli import app
+
+    r = CliRunner().invoke(app, ["plan", "--model", model, "--device", "cpu"])
+    assert r.exit_code == 0, r.output
+    assert "encode-text" in r.output and "encode-vae" in r.output and "train" in r.output, r.output
+    return r.output
+
+
+def test_plan_reads_the_tiny_21_folder(tiny_21_model):
+    _assert_plan_counts_are_the_loaded_models(tiny_21_model)
+    _plan_cli(tiny_21_model)
+
+
+def test_plan_reads_the_full_width_21_folder(tmp_path):
+    """The `--full-width --layers 1` 2.1 folder (minimal text encoder): the real block, plus the real-size
+    count of the released 32-block transformer from the same code path on the meta device."""
+    from accelerate import init_empty_weights
+    from diffusers import QwenImage21Transformer2DModel
+
+    from models.full_width import make_full_width_model
+    from models.memory_plan import counts_from_model
+
+    model = str(make_full_width_model(tmp_path / "m", "qwen-image-2.1", layers=1, minimal_text_encoder=True))
+    _assert_plan_counts_are_the_loaded_models(model)
+    assert "transformer 0." in _plan_cli(model)
+    with init_empty_weights():
+        full = QwenImage21Transformer2DModel()  # diffusers' defaults = the released widths, 32 blocks
+    c = counts_from_model(full)
+    assert c.params == sum(p.numel() for p in full.parameters()) and c.blocks == 32 and c.width == 4096
+    assert 7.0e9 < c.params < 7.5e9  # the issue's "7B"
