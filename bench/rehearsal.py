@@ -53,6 +53,21 @@ RUN_KEYS = ("quantize", "offload", "gradient_checkpointing", "batch_size", "laye
 # for every configuration (measured, 1 layer: bf16 1.08 -> 0.95 GiB, int8 1.15 -> 0.92 GiB over baseline).
 CHILD_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
 
+# A Qwen-Image-2.1 model (`--variant qwen-image-2.1`) gets configs/qwen-image-2.1.yaml's settings: sides a
+# multiple of 32 (one Qwen3-VL token = 2x2 latent tokens), up to 10 references, the 2.1 timestep shift.
+OVERRIDES_21 = {"resize.multiple": 32, "resize.max_controls": 10, "sigma.sampling": "dynamic_shift",
+                "sigma.base_shift": 0.5, "sigma.max_shift": 1.15, "sigma.base_image_seq_len": 256,
+                "sigma.max_image_seq_len": 4096}
+
+
+def variant_overrides(model: str) -> dict:
+    from models.loading import model_variant
+
+    if model_variant(model) != "qwen-image-2.1":
+        return {}
+    return {k if k.startswith("resize.") else f"train.{k}": v for k, v in OVERRIDES_21.items()}
+
+
 _WORDS = ("make the square red and turn the background into a soft sunset while keeping the circle where it "
           "is then add a small hat rotate the scene mirror it replace the car with a bicycle brighter colour "
           "texture shape object picture").split()
@@ -104,12 +119,16 @@ def build_store(work: Path, model: str, area: int, n: int, device: str, seed: in
     store = work / "store"
     if (store / ".rehearsal-done").is_file():
         return store
-    write_source(work / "source", n, area, seed, load_component(model, "tokenizer"))
+    overrides = variant_overrides(model)
+    # 2.1 keeps its tokenizer inside the Qwen3-VL processor folder
+    tokenizer = load_component(model, "processor").tokenizer if overrides else load_component(model, "tokenizer")
+    write_source(work / "source", n, area, seed, tokenizer)
     cfg = load_config(None, {
         "resize.target_area": area, "resize.control_vae_area": area,
         "resize.control_vl_area": max(3136, area * 384 * 384 // (1024 * 1024)), "resize.val_fraction": 0.0,
         "encode_text.device": device, "encode_vae.device": device,
         "encode_text.batch_size": 1, "encode_vae.batch_size": 1,
+        **{k: v for k, v in overrides.items() if k.startswith("resize.")},
     })
     resize_bucket.run(cfg, work / "source", store)
     encode_text.run(cfg, store, model)
@@ -171,6 +190,7 @@ def child(spec: dict) -> dict:
         "train.batch_size": spec["batch_size"], "train.gradient_checkpointing": spec["gradient_checkpointing"],
         "train.quantize_base": spec["quantize"], "train.checkpoint_every": 10_000, "train.lora.rank": 16,
         "train.sampler_window": 1,
+        **{k: v for k, v in variant_overrides(spec["model"]).items() if k.startswith("train.")},
     }
     if spec["offload"] != "none":
         overrides.update({"train.offload": spec["offload"], "train.offload_blocks_on_device": spec["blocks_on_device"]})
@@ -236,7 +256,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--area", type=int, default=1024 * 1024, help="target/control pixel area")
     ap.add_argument("--out", type=Path, default=None, help="JSON list of runs (required)")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--variant", default="edit-plus", choices=["edit", "edit-plus"])
+    ap.add_argument("--variant", default="edit-plus", choices=["edit", "edit-plus", "qwen-image-2.1"])
     ap.add_argument("--model", default=None, help="reuse a full-width model folder")
     ap.add_argument("--work", type=Path, default=None, help="working folder (model, store, runs); default: temp")
     ap.add_argument("--minimal-text-encoder", action="store_true",
