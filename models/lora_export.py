@@ -8,6 +8,12 @@ mis-scaled there. The export writes what ComfyUI's loader maps for a Qwen-Image 
     diffusion_model.transformer_blocks.0.attn.to_q.lora_up.weight     [out, r]  (= peft lora_B)
     diffusion_model.transformer_blocks.0.attn.to_q.alpha              []        (scale = alpha / r)
 
+Qwen-Image-2.1 (ComfyUI's own `comfy/ldm/qwen_image21/model.py`, loaded through the same `QwenImage` branch of
+`model_lora_keys_unet`) has the diffusers module names, except that ComfyUI fuses each block's `img_mlp.gate_layer`
+and `img_mlp.proj` into one `img_mlp.gate_up` at load: its loader maps a LoRA on either half only from the name
+`transformer.<module>` (or the bare module name), never from `diffusion_model.<module>`. Those two modules (2.1
+only; the Edit MLP is `img_mlp.net.*`) are therefore written as `transformer.<module>.lora_down.weight` etc.
+
 diffusers' Qwen-Image loader reads the same file (`QwenImagePipeline.lora_state_dict` converts it), which is
 how the export is tested. Only plain LoRA exports: DoRA / LoHa / LoKr have no such key layout here.
 """
@@ -24,6 +30,8 @@ from models.lora import read_lora
 from schemas.errors import UserError
 
 COMFY_PREFIX = "diffusion_model."
+# ComfyUI's 2.1 model holds these two as the halves of a fused `img_mlp.gate_up` (see the module docstring)
+COMFY_FUSED_HALVES = (".img_mlp.gate_layer", ".img_mlp.proj")
 FORMATS = ("comfyui",)
 
 
@@ -51,9 +59,10 @@ def comfyui_state_dict(lora: str | Path) -> dict[str, torch.Tensor]:
         if not key.endswith(".lora_A.weight"):
             continue
         module = key[: -len(".lora_A.weight")]
-        out[f"{COMFY_PREFIX}{module}.lora_down.weight"] = a.contiguous()
-        out[f"{COMFY_PREFIX}{module}.lora_up.weight"] = state[f"{module}.lora_B.weight"].contiguous()
-        out[f"{COMFY_PREFIX}{module}.alpha"] = torch.tensor(_alpha(module, a.shape[0], config), dtype=torch.float32)
+        name = f"transformer.{module}" if module.endswith(COMFY_FUSED_HALVES) else f"{COMFY_PREFIX}{module}"
+        out[f"{name}.lora_down.weight"] = a.contiguous()
+        out[f"{name}.lora_up.weight"] = state[f"{module}.lora_B.weight"].contiguous()
+        out[f"{name}.alpha"] = torch.tensor(_alpha(module, a.shape[0], config), dtype=torch.float32)
     return out
 
 

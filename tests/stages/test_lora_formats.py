@@ -109,3 +109,79 @@ def test_init_lora_from_diffusers_comfyui_and_kohya_files(trained, tiny_edit_mod
     out = _cli("run", "train", "--store", trained / "store", "--model", tiny_edit_model, "--out", tmp_path / "run2",
                "--max-steps", 1, "--device", "cpu", "--set", f"train.init_lora={kohya}", code=1)
     assert "train.lora.rank" in out
+
+
+def _comfy_key_map(sd: dict[str, torch.Tensor]) -> dict:
+    """ComfyUI's `comfy/lora.py::model_lora_keys_unet` for a QwenImage-family model (Comfy-Org/ComfyUI, the 2.1
+    support): the generic `diffusion_model.<module>` names, then the QwenImage branch, where a fused 2.1
+    `img_mlp.gate_up` is addressed by its halves `gate_layer` (rows [0, half)) and `proj` (rows [half, 2 half))."""
+    key_map: dict = {}
+    for k in sd:
+        if k.startswith("diffusion_model.") and k.endswith(".weight"):
+            key_map[k[: -len(".weight")]] = k
+    for k in sd:
+        if k.startswith("diffusion_model.") and k.endswith(".weight"):
+            key_lora = k[len("diffusion_model."): -len(".weight")]
+            targets = [(key_lora, k)]
+            if key_lora.endswith(".img_mlp.gate_up"):
+                half = sd[k].shape[0] // 2
+                targets = [(key_lora.replace(".gate_up", ".gate_layer"), (k, (0, 0, half))),
+                           (key_lora.replace(".gate_up", ".proj"), (k, (0, half, half)))]
+            for key_lora, to in targets:
+                key_map[key_lora] = to
+                key_map[f"transformer.{key_lora}"] = to
+    return key_map
+
+
+def test_comfyui_export_21_maps_every_module_onto_comfyuis_fused_21_model(tiny_21_model, tmp_path):
+    """A 2.1 LoRA on attention and the gated MLP: every exported key is one ComfyUI's loader maps for its 2.1 model
+    (gate_layer / proj fused into gate_up); the weights ComfyUI patches (W += alpha / r * up @ down, on the
+    half) give each layer the output of the stock transformer with the diffusers LoRA attached."""
+    from models.loading import load_component
+
+    torch.manual_seed(0)
+    stock = load_component(tiny_21_model, "transformer").float().eval()
+    modules = ["attn.to_q", "attn.to_out.0", "img_mlp.gate_layer", "img_mlp.proj", "img_mlp.out"]
+    rank, lora = 2, {}
+    for b in range(len(stock.transformer_blocks)):
+        for m in modules:
+            lin = stock.get_submodule(f"transformer_blocks.{b}.{m}")
+            lora[f"transformer.transformer_blocks.{b}.{m}.lora_A.weight"] = torch.randn(rank, lin.in_features) * 0.1
+            lora[f"transformer.transformer_blocks.{b}.{m}.lora_B.weight"] = torch.randn(lin.out_features, rank) * 0.1
+    src = tmp_path / "lora21.safetensors"
+    save_file(lora, src)
+    out = tmp_path / "comfy21.safetensors"
+    _cli("lora", "export", src, "--format", "comfyui", "--out", out)
+    exported = load_file(out)
+
+    # ComfyUI's 2.1 state dict: the diffusers names under diffusion_model., gate_layer and proj fused
+    sd = {f"diffusion_model.{k}": v.clone() for k, v in stock.state_dict().items()}
+    for b in range(len(stock.transformer_blocks)):
+        p = f"diffusion_model.transformer_blocks.{b}.img_mlp."
+        sd[p + "gate_up.weight"] = torch.cat([sd.pop(p + "gate_layer.weight"), sd.pop(p + "proj.weight")])
+    key_map = _comfy_key_map(sd)
+    names = {k.rsplit(".", 2)[0] if k.endswith(".weight") else k.rsplit(".", 1)[0] for k in exported}
+    assert len(names) == len(modules) * len(stock.transformer_blocks)
+    unmapped = sorted(n for n in names if n not in key_map)
+    assert not unmapped, unmapped  # ComfyUI would skip these ("lora key not loaded")
+    for n in names:
+        to = key_map[n]
+        key, (dim, start, length) = (to, (0, 0, None)) if isinstance(to, str) else to
+        w = sd[key] if length is None else sd[key].narrow(dim, start, length)
+        up, down = exported[f"{n}.lora_up.weight"], exported[f"{n}.lora_down.weight"]
+        w += float(exported[f"{n}.alpha"]) / down.shape[0] * (up @ down)
+
+    reference = load_component(tiny_21_model, "transformer").float().eval()
+    reference.load_lora_adapter(str(src), prefix="transformer")  # diffusers' own loader, unmodified
+    for b in range(len(stock.transformer_blocks)):
+        gate_up = sd[f"diffusion_model.transformer_blocks.{b}.img_mlp.gate_up.weight"]
+        half = gate_up.shape[0] // 2
+        merged = {"img_mlp.gate_layer": gate_up[:half], "img_mlp.proj": gate_up[half:]}
+        for m in modules:
+            x = torch.randn(3, stock.get_submodule(f"transformer_blocks.{b}.{m}").in_features)
+            w = merged.get(m, sd.get(f"diffusion_model.transformer_blocks.{b}.{m}.weight"))
+            with torch.no_grad():
+                theirs = reference.get_submodule(f"transformer_blocks.{b}.{m}")(x)
+                base = stock.get_submodule(f"transformer_blocks.{b}.{m}")(x)
+            assert not torch.allclose(theirs, base)
+            torch.testing.assert_close(torch.nn.functional.linear(x, w), theirs, rtol=1e-5, atol=1e-5)
