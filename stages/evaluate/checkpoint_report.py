@@ -55,7 +55,7 @@ def generated_rows(cfg, model: str, store, tables, transformer, samples, best_pa
     from schemas.img_shapes import PIXELS_PER_PATCH
     from stages.evaluate.report import psnr, ssim
     from models.qwen21_flow import is_qwen21
-    from stages.evaluate.qwen21 import image_21
+    from stages.evaluate.qwen21 import extra_inputs_21, image_21
     from stages.evaluate.stage import (conditioning, extra_prompt_inputs, images_reader, lora_enabled, pick_samples,
                                        stored_pictures)
     from store import Store
@@ -75,9 +75,12 @@ def generated_rows(cfg, model: str, store, tables, transformer, samples, best_pa
     if images is not None:
         images.close()  # the PNGs are decoded now
     if cfg.extra_prompts:
-        jobs += [_Job(*inputs) for inputs in extra_prompt_inputs(model, transformer, vae, cfg)]
+        extra_inputs = extra_inputs_21 if qwen21 else extra_prompt_inputs
+        jobs += [_Job(*inputs) for inputs in extra_inputs(model, transformer, vae, cfg)]
 
     def output(j: _Job) -> Image.Image:
+        if qwen21 and callable(j.cond):  # an extra prompt: the stock 2.1 pipeline call (stages/evaluate/qwen21.py)
+            return j.cond()
         if qwen21:  # j.cond is the val sample: 2.1 generates from its stored features with its own loop
             return image_21(transformer, vae, j.scheduler, j.cond, cfg)
         return generate(transformer, vae, j.scheduler, j.cond, j.height, j.width, cfg.num_inference_steps,

@@ -35,3 +35,53 @@ def image_21(transformer, vae, scheduler_config: dict, s, cfg):
                         s.prompt_embeds, s.slot_mask, list(s.controls), h * 16, w * 16, cfg.num_inference_steps,
                         cfg.seed, cfg.true_cfg_scale, (s.empty_embeds, s.empty_slot_mask))
     return image.convert("RGB")
+
+
+
+def extra_inputs_21(model: str, transformer, vae, cfg):
+    """`evaluate.extra_prompts` on a 2.1 model, as `stage.extra_prompt_inputs` yields them for the others, with
+    `cond` a function giving the image of the transformer as it is when called (LoRA on, off, or another
+    checkpoint): the stock `QwenImage21Pipeline` call predict makes (`models.qwen21_predict.edit_21`) over this
+    transformer and VAE, the text encoder and processor loaded once. References keep their alpha (the pipeline
+    composites them over white for the VLM); the report's images and scores are RGB."""
+    from diffusers import QwenImage21Pipeline
+    from PIL import Image
+
+    from models.loading import load_component, parse_dtype
+    from models.qwen21_predict import edit_21
+    from schemas.errors import UserError
+
+    pipe = QwenImage21Pipeline(
+        scheduler=load_component(model, "scheduler"), vae=vae, processor=load_component(model, "processor"),
+        text_encoder=load_component(model, "text_encoder", dtype=parse_dtype(cfg.dtype), device=cfg.device),
+        transformer=transformer)
+    for i, extra in enumerate(cfg.extra_prompts):
+        try:
+            refs = [Image.open(p) for p in extra.images]
+            refs = [im.convert("RGBA" if "A" in im.getbands() else "RGB") for im in refs]
+            target = Image.open(extra.target).convert("RGB") if extra.target else None
+        except OSError as e:
+            raise UserError(f"evaluate.extra_prompts[{i}]: cannot read an image ({e}); fix the path in the config")
+
+        def cond(refs=refs, extra=extra):
+            return edit_21(pipe, refs, extra.prompt, cfg.negative_prompt, cfg.num_inference_steps,
+                           cfg.true_cfg_scale, cfg.seed, extra.height, extra.width).convert("RGB")
+
+        yield (f"extra {i + 1}", extra.prompt, [r.convert("RGB") for r in refs], target, cond, extra.height,
+               extra.width, dict(pipe.scheduler.config))
+
+
+def extra_rows_21(model: str, transformer, vae, cfg) -> list:
+    """The extra prompts' rows, base (LoRA bypassed) and LoRA, same seed."""
+    from stages.evaluate.report import SampleRow
+    from stages.evaluate.stage import _scores, lora_enabled
+
+    rows = []
+    for title, prompt, refs, target, cond, *_ in tqdm(extra_inputs_21(model, transformer, vae, cfg),
+                                                      total=len(cfg.extra_prompts), desc="generate extra prompts"):
+        pair = []
+        for on in (False, True):
+            with lora_enabled(transformer, on):
+                pair.append(cond())
+        rows.append(SampleRow(title, prompt, refs, target, pair[0], pair[1], _scores(target, pair[0], pair[1])))
+    return rows

@@ -8,7 +8,8 @@ the targets -> metrics.json, grid.png, index.html (`stages.evaluate.report`).
 
 The text encoder is not loaded for val samples: their prompt embeds are in the store, and the true-CFG
 negative is the stored empty-prompt embedding of the same sample (the instruction left empty, the same
-controls). Only `evaluate.extra_prompts` (images from files) load the text encoder, through `models.edit`.
+controls). Only `evaluate.extra_prompts` (images from files) load the text encoder, through `models.edit` (2.1:
+the stock pipeline call of `models.qwen21_predict`, stages/evaluate/qwen21.py).
 """
 
 from __future__ import annotations
@@ -352,11 +353,7 @@ def load_transformer(cfg: EvaluateConfig, model: str):
     dtype = parse_dtype(cfg.dtype)
     transformer = load_component(model, "transformer", dtype=dtype, device=cfg.device, quantize=cfg.quantize_base)
     check_loaded_dtype(transformer, cfg.dtype, "evaluate.dtype")
-    if is_qwen21(transformer):  # its own mixed-layout forward (models/qwen21_multires.py), images by stages/evaluate/qwen21.py
-        if cfg.extra_prompts:
-            raise UserError("evaluate.extra_prompts are not built for Qwen-Image-2.1 yet: remove them "
-                            "(the val samples' images are generated)")
-    else:
+    if not is_qwen21(transformer):  # 2.1: its own mixed-layout forward (models/qwen21_multires.py), images by stages/evaluate/qwen21.py
         install_multires(transformer)
     use_attention_backend(transformer, cfg.attention_backend, "evaluate.attention_backend", torch.device(cfg.device), dtype)
     return transformer
@@ -410,7 +407,11 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, ou
                            images, cfg, damaged)
         if images is not None:
             images.close()
-        if cfg.extra_prompts:
+        if cfg.extra_prompts and is_qwen21(transformer):
+            from stages.evaluate.qwen21 import extra_rows_21
+
+            rows += extra_rows_21(model, transformer, vae, cfg)
+        elif cfg.extra_prompts:
             rows += extra_rows(model, transformer, vae, cfg)
 
     metrics = {

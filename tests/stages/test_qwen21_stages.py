@@ -398,3 +398,50 @@ def test_21_validation_loss_while_training(tiny_21_model, tmp_path):
     assert list((tmp_path / "run" / "logs").iterdir())  # val/loss logged to TensorBoard
     grid = Image.open(tmp_path / "run" / "samples" / "step-000002.png")
     assert grid.size == (64 + 64, 96)  # the two val samples (64x64 and 96x64 px targets) side by side
+
+
+def test_21_evaluate_extra_prompts_are_the_stock_pipeline_base_and_lora(tiny_21_model, tmp_path, monkeypatch):
+    """`evaluate.extra_prompts` on 2.1 (refused before): the report's extra row holds the stock
+    `QwenImage21Pipeline`'s image without the LoRA (base) and with `load_lora_weights` (LoRA), same seed."""
+    import json
+
+    from diffusers import QwenImage21Pipeline
+
+    from stages.evaluate import stage as evaluate
+    from stages.train.recipe import run
+
+    store = write_store21(tmp_path / "s", MIXED, val=(0,))
+    cfg = load_config(None, F32)
+    encode_text.run(cfg, store, tiny_21_model)
+    encode_vae.run(cfg, store, tiny_21_model)
+    run(_train_cfg(max_steps=2), store, tiny_21_model, tmp_path / "run")
+    ref = tmp_path / "ref.png"
+    Image.fromarray(np.random.default_rng(5).integers(0, 255, (64, 96, 4), dtype=np.uint8), "RGBA").save(ref)
+    target = tmp_path / "target.png"
+    Image.fromarray(np.random.default_rng(6).integers(0, 255, (64, 96, 3), dtype=np.uint8)).save(target)
+
+    rows = []
+    write_report = evaluate.write_report
+    monkeypatch.setattr(evaluate, "write_report", lambda out, metrics, r: (rows.extend(r), write_report(out, metrics, r))[1])
+    ev = load_config(None, {"evaluate.dtype": "float32", "evaluate.num_samples": 0, "evaluate.num_inference_steps": 2,
+                            "evaluate.true_cfg_scale": 1.0,
+                            "evaluate.extra_prompts": [{"prompt": "make the square red", "images": [str(ref)],
+                                                        "target": str(target), "height": 64, "width": 96}]}).evaluate
+    evaluate.run(ev, store, tiny_21_model, tmp_path / "run" / "lora", tmp_path / "report")
+    (row,) = rows
+    assert row.title == "extra 1" and row.caption == "make the square red" and "psnr_lora" in row.scores
+    samples = json.loads((tmp_path / "report" / "metrics.json").read_text())["generation"]["samples"]
+    assert [s["title"] for s in samples] == ["extra 1"]
+
+    pipe = QwenImage21Pipeline.from_pretrained(tiny_21_model)
+
+    def stock():
+        return pipe(image=[Image.open(ref)], prompt="make the square red", num_inference_steps=2, height=64, width=96,
+                    output_resolution=78, generator=torch.Generator().manual_seed(ev.seed), output_type="pil").images[0]
+
+    base = stock()
+    pipe.load_lora_weights(tmp_path / "run" / "lora")
+    lora = stock()
+    assert not np.array_equal(np.asarray(base), np.asarray(lora))
+    np.testing.assert_array_equal(np.asarray(row.base), np.asarray(base.convert("RGB")))
+    np.testing.assert_array_equal(np.asarray(row.lora), np.asarray(lora.convert("RGB")))
