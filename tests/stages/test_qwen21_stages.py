@@ -414,7 +414,7 @@ def test_21_evaluate_extra_prompts_are_the_stock_pipeline_base_and_lora(tiny_21_
     cfg = load_config(None, F32)
     encode_text.run(cfg, store, tiny_21_model)
     encode_vae.run(cfg, store, tiny_21_model)
-    run(_train_cfg(max_steps=2), store, tiny_21_model, tmp_path / "run")
+    run(_train_cfg(max_steps=2, checkpoint_every=1), store, tiny_21_model, tmp_path / "run")
     ref = tmp_path / "ref.png"
     Image.fromarray(np.random.default_rng(5).integers(0, 255, (64, 96, 4), dtype=np.uint8), "RGBA").save(ref)
     target = tmp_path / "target.png"
@@ -445,3 +445,20 @@ def test_21_evaluate_extra_prompts_are_the_stock_pipeline_base_and_lora(tiny_21_
     assert not np.array_equal(np.asarray(base), np.asarray(lora))
     np.testing.assert_array_equal(np.asarray(row.base), np.asarray(base.convert("RGB")))
     np.testing.assert_array_equal(np.asarray(row.lora), np.asarray(lora.convert("RGB")))
+
+    # --all-checkpoints: the same extra row from the base and the best checkpoint
+    from stages.evaluate import checkpoint_report, checkpoints
+
+    ck_rows = []
+    write_ck = checkpoint_report.write_checkpoint_report
+    monkeypatch.setattr(checkpoint_report, "write_checkpoint_report",
+                        lambda out, metrics, r: (ck_rows.extend(r), write_ck(out, metrics, r))[1])
+    ckpts = [(n, tmp_path / "run" / "checkpoints" / f"step-{n}" / "lora") for n in (1, 2)]
+    res = checkpoints.run(ev, store, tiny_21_model, ckpts, tmp_path / "ck-report")
+    (ck,) = ck_rows
+    best = res.metrics["checkpoints"]["best"]
+    pipe.unload_lora_weights()
+    pipe.load_lora_weights(best["path"])
+    np.testing.assert_array_equal(np.asarray(ck.outputs["base"]), np.asarray(base.convert("RGB")))
+    np.testing.assert_array_equal(np.asarray(ck.outputs[f"best (step {best['step']})"]),
+                                  np.asarray(stock().convert("RGB")))
