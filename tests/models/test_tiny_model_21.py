@@ -99,6 +99,8 @@ def _real_params(model: str, component: str) -> int:
 def _assert_plan_counts_are_the_loaded_models(model: str) -> None:
     """`pipeline plan`'s counts (configs on the meta device, models/memory_plan.py) equal the parameter counts
     of the components the stages load; before, plan built the Edit classes from a 2.1 folder and failed."""
+    import torch
+
     from models.memory_plan import component_params, transformer_counts
 
     c = transformer_counts(model)
@@ -107,7 +109,7 @@ def _assert_plan_counts_are_the_loaded_models(model: str) -> None:
     assert (c.blocks, c.width) == (len(tr.transformer_blocks), tr.config.num_attention_heads * tr.config.attention_head_dim)
     # single-stream blocks: every token passes all the block's linears (attention + gated MLP)
     assert c.token_linear_params == sum(m.weight.numel() for m in tr.transformer_blocks[0].modules()
-                                        if isinstance(m, __import__("torch").nn.Linear))
+                                        if isinstance(m, torch.nn.Linear))
     assert component_params(model, "text_encoder") == _real_params(model, "text_encoder")
     assert component_params(model, "vae") == _real_params(model, "vae")
 
