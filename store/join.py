@@ -97,8 +97,10 @@ def _join_sorted_fixed(j: "JoinedTables", readers: dict[str, TableReader], split
     ks = {t: fixed[t][split_rows[t]] for t in readers}  # still sorted
     first = next(iter(ks.values()))
     if all(len(k) == len(first) and np.array_equal(k, first) for k in ks.values()):  # the usual case: same keys
-        rows = next(iter(split_rows.values())).astype(np.int64)
-        j.rows = {t: rows for t in readers}  # one array for every table (read only)
+        j.rows = {}
+        for t in readers:  # tables with the same rows share one array (read only)
+            same = [r for r in j.rows.values() if np.array_equal(r, split_rows[t])]
+            j.rows[t] = same[0] if same else split_rows[t].astype(np.int64)
         whole = next(iter(fixed.values()))
         owner = next(iter(readers.values())).view
         for r, f in zip(readers.values(), fixed.values()):
