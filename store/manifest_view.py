@@ -209,7 +209,7 @@ class ManifestView:
                                     read_dictionary=["shard"] if name == "shard" else None).column(name)
             col = col.combine_chunks()
             if name == "img_shapes" and self._full is None and col.type == pa.list_(pa.list_(pa.int64())):
-                # [frames, h, w] of latent patches fit int32: half the largest column kept (~30 MB at 1M);
+                # [frames, h, w] of latent patches fit int32: half the values of the largest column kept (~23 MB less at 1M);
                 # the values read back (`cell`, `image_tokens`) are the same ints
                 try:
                     col = col.cast(pa.list_(pa.list_(pa.int32())))
