@@ -23,6 +23,7 @@ from schemas.errors import UserError
 from store import format as fmt
 from store.partition import epoch_order
 from store.manifest_view import fixed_width_view as _fixed_width
+from store.manifest_view import release_memory
 from store.manifest_view import strictly_increasing as _strictly_increasing
 from store.reader import DEFAULT_MAX_OPEN_SHARDS, TableReader
 
@@ -32,19 +33,31 @@ STAGE_OF = {"images": "resize-bucket", "text": "encode-text", "vae": "encode-vae
 
 
 class KeyList(Sequence[str]):
-    """The joined keys as one Arrow string array (sorted): `keys[i]` is a str, a slice a list; no per-key Python
-    objects unless asked for."""
+    """The joined keys (sorted): `keys[i]` is a str, a slice a list; no per-key Python objects unless asked for.
+    Held as a table's own key array and the joined rows in it (`rows`, None: every row), not as a copy of the
+    keys (~36 MB at 1M samples in every rank); `array` builds the joined keys as one Arrow array when asked."""
 
-    def __init__(self, keys: pa.StringArray) -> None:
-        self.array = keys
+    def __init__(self, keys: pa.StringArray, rows: np.ndarray | None = None) -> None:
+        self.source, self.rows = keys, rows
+
+    @property
+    def array(self) -> pa.StringArray:
+        return self.source if self.rows is None else self.source.take(pa.array(self.rows))
+
+    def subset(self, keep: np.ndarray) -> "KeyList":
+        """The keys where the boolean mask `keep` is True."""
+        rows = np.arange(len(self.source), dtype=np.int64) if self.rows is None else self.rows
+        return KeyList(self.source, rows[keep])
 
     def __len__(self) -> int:
-        return len(self.array)
+        return len(self.source) if self.rows is None else len(self.rows)
 
     def __getitem__(self, i):  # type: ignore[override]
+        if self.rows is None:
+            return self.source[i].to_pylist() if isinstance(i, slice) else self.source[i].as_py()
         if isinstance(i, slice):
-            return self.array[i].to_pylist()
-        return self.array[i].as_py()
+            return self.source.take(pa.array(self.rows[i])).to_pylist()
+        return self.source[int(self.rows[i])].as_py()
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.array.to_pylist())
@@ -84,9 +97,18 @@ def _join_sorted_fixed(j: "JoinedTables", readers: dict[str, TableReader], split
     ks = {t: fixed[t][split_rows[t]] for t in readers}  # still sorted
     first = next(iter(ks.values()))
     if all(len(k) == len(first) and np.array_equal(k, first) for k in ks.values()):  # the usual case: same keys
-        j.rows = {t: split_rows[t].astype(np.int64) for t in readers}
+        j.rows = {}
+        for t in readers:  # tables with the same rows share one array (read only)
+            same = [r for r in j.rows.values() if np.array_equal(r, split_rows[t])]
+            j.rows[t] = same[0] if same else split_rows[t].astype(np.int64)
+        whole = next(iter(fixed.values()))
+        owner = next(iter(readers.values())).view
+        for r, f in zip(readers.values(), fixed.values()):
+            if r.view is not owner and len(f) == len(whole) and np.array_equal(f, whole):
+                r.view.adopt_keys(owner)  # one parsed key column for every table that holds the same keys
         j.only = {t: set() for t in readers}
-        j.keys = KeyList(readers[next(iter(readers))].key_array.take(pa.array(next(iter(split_rows.values())))))
+        first_table = next(iter(readers))
+        j.keys = KeyList(readers[first_table].key_array, j.rows[first_table])
         return True
     common = None
     for k in ks.values():
@@ -121,7 +143,10 @@ class JoinedTables:
         self.damaged: dict[str, str] = {}  # open_features(on_damaged="skip"): key -> problem, left out of `keys`
         self.lease: Any = None  # open_features: the read lease on these versions (store/lease.py)
         split_rows = {t: _split_rows(r, split) for t, r in readers.items()}
+        for r in readers.values():
+            r.view.forget("split")  # the join's rows replace it
         if _join_sorted_fixed(self, readers, split_rows):
+            release_memory()  # the dropped columns' pages
             return
         split_keys_ = {t: r.key_array.take(pa.array(split_rows[t])) for t, r in readers.items()}
         common = None
@@ -343,7 +368,7 @@ def _open_features(st, lease, readers: dict[str, TableReader], model: str, model
         if len(bad_rows):
             keep = np.ones(len(joined.keys), dtype=bool)
             keep[bad_rows] = False
-            joined.keys = KeyList(joined.keys.array.filter(pa.array(keep)))
+            joined.keys = joined.keys.subset(keep)
             joined.rows = {t: r[keep] for t, r in joined.rows.items()}
         if not len(joined.keys):
             raise UserError(f"every '{split}' sample in {st.root} is damaged; run `pipeline store repair {st.root}`")
@@ -494,7 +519,10 @@ def image_tokens(vae: TableReader) -> np.ndarray:
 def sequence_lengths_of(joined: JoinedTables) -> np.ndarray:
     """Token count of each joined sample's joint sequence (image tokens + text tokens), from the manifests only."""
     text, vae = joined.readers["text"], joined.readers["vae"]
-    return image_tokens(vae)[joined.rows["vae"]] + text_lengths(text)[joined.rows["text"]]
+    out = image_tokens(vae)[joined.rows["vae"]] + text_lengths(text)[joined.rows["text"]]
+    text.view.forget("length")  # read once, here
+    release_memory()  # the million-row temporaries' pages
+    return out
 
 
 def sequence_lengths(text: TableReader, vae: TableReader, keys: list[str]) -> list[int]:

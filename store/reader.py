@@ -86,6 +86,7 @@ class TableReader:
         bad_shards = integrity.shard_problems(
             vdir, pa.table({"shard": self.view.column("shard"), "shard_nbytes": self.view.column("shard_nbytes")}),
             self.view.sums)
+        self.view.forget("shard_nbytes")  # only the open-time size check reads it
         self.checks = SampleCheck(self.view, bad_shards, records_damage)
         self._ahead: CheckAhead | None = None
         if bad_shards and records_damage:

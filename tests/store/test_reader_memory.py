@@ -1,0 +1,77 @@
+"""What a reader keeps per rank (issue 24 point 10): one parsed key column for joined tables with the same keys,
+joined keys as rows into it (no copy), columns only opening / joining needs dropped after, CRCs as numbers -
+and every read still the same (keys, img_shapes, tensors, a damaged sample refused)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from damage import flip_bit, sample_byte
+from store import Store
+from store.integrity import DamagedData
+from store.join import JoinedTables
+from store.manifest_view import read_manifest
+from store_samples import sample, vae_schema
+
+
+def _tables(store: Store, ranges: dict[str, range]) -> None:
+    for table, indices in ranges.items():
+        w = store.writer(table, replace(vae_schema(), name=table), shard_size_mb=0.004)
+        for i in indices:
+            s = sample(i)
+            w.add(s["key"], tensors=s["tensors"], files=s["files"], meta=s["meta"])
+        w.commit()
+
+
+def test_joined_tables_with_the_same_keys_keep_one_key_column_and_no_copy(store: Store) -> None:
+    _tables(store, {"text": range(12), "vae": range(12)})
+    left, right = store.reader("text"), store.reader("vae")
+    expected = {sample(i)["key"]: sample(i) for i in range(12) if sample(i)["meta"]["split"] == "train"}
+    joined = JoinedTables({"text": left, "vae": right}, "train")
+    assert right.key_array is left.key_array  # parsed once
+    assert joined.keys.source is left.key_array and joined.rows["text"] is joined.rows["vae"]
+    for r in (left, right):
+        assert not {"split", "shard_nbytes"} & r.view.parsed  # only opening and joining read them
+    assert list(joined.keys) == sorted(expected) and joined.keys[1:3] == sorted(expected)[1:3]
+    for i in range(len(joined)):
+        key, a, b, shapes, _ = joined.features_at(i)
+        want = expected[key]
+        assert right.row_of(key) == left.row_of(key) == int(joined.rows["vae"][i])
+        assert [list(s) for s in shapes] == want["meta"]["img_shapes"]
+        for got in (a, b):
+            assert got.keys() == want["tensors"].keys()
+            for name, t in want["tensors"].items():
+                assert torch.equal(got[name], t)
+    joined.close()
+
+
+def test_tables_with_other_rows_outside_the_split_keep_their_own_rows(store: Store) -> None:
+    """The same train keys, but `left` holds val samples `right` lacks: each table's rows are its own."""
+    _tables(store, {"left": range(12), "right": [i for i in range(12) if sample(i)["meta"]["split"] == "train"]})
+    joined = JoinedTables({"left": store.reader("left"), "right": store.reader("right")}, "train")
+    assert not (joined.rows["left"] == joined.rows["right"]).all()
+    for t, r in joined.readers.items():
+        assert [r.key_array[int(i)].as_py() for i in joined.rows[t]] == list(joined.keys)
+    joined.close()
+
+
+def test_crcs_kept_as_numbers_are_the_recorded_ones_and_still_refuse_damage(store: Store) -> None:
+    _tables(store, {"vae": range(8)})
+    r = store.reader("vae")
+    recorded = read_manifest(r.dir, (r.dir / "manifest.parquet").read_bytes(), ["sample_crc32c"]).column(0)
+    r.prepare_checks()
+    crcs = r.view.sample_crcs()
+    assert crcs is not None and "sample_crc32c" not in r.view.parsed
+    assert [f"{int(c):08x}" for c in crcs] == recorded.to_pylist()
+    r.close()
+    key = sample(3)["key"]
+    shard, pos = sample_byte(store.root, "vae", key)
+    flip_bit(shard, pos, 0)
+    r = Store(store.root, create=False).reader("vae")
+    with pytest.raises(DamagedData, match="crc32c mismatch"):
+        r.tensors(key)
+    r.tensors(sample(4)["key"])  # the others read
+    r.close()
