@@ -7,7 +7,6 @@ One self-contained index.html (inline SVG curves, images as data URIs, no script
 from __future__ import annotations
 
 import html
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,7 +14,7 @@ from PIL import Image, ImageDraw
 from tqdm.auto import tqdm
 
 from stages.evaluate.curves import Chart, Series, svg
-from stages.evaluate.report import LABEL_H, TILE, _fit, _fmt, _img, _table, data_uri, write_report_files
+from stages.evaluate.report import LABEL_H, TILE, _fit, _fmt, _img, _table, data_uri, page, write_report_files
 
 
 @dataclass
@@ -188,25 +187,9 @@ def render_html(metrics: dict, rows: list[OutputsRow], grid: Image.Image) -> str
             f"<table class='samples'><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>",
             "<h2>Grid</h2>", f"<img class='grid' src='{data_uri(grid)}' alt='grid of all samples'>",
         ]
-    sections += ["<h2>Run</h2>", f"<pre>{html.escape(json.dumps(metrics.get('run', {}), indent=2))}</pre>"]
-    return f"""<!doctype html>
-<html lang="en"><head><meta charset="utf-8"><title>LoRA checkpoints report</title>
-<style>
-body {{ font: 14px/1.4 system-ui, sans-serif; margin: 24px; color: #222; }}
-table {{ border-collapse: collapse; margin: 8px 0 16px; }}
-th, td {{ border: 1px solid #ccc; padding: 4px 8px; text-align: center; vertical-align: middle; }}
-th {{ background: #f3f3f3; }}
-td img {{ display: block; margin: auto; image-rendering: pixelated; }}
-td.caption {{ max-width: 180px; text-align: left; }}
-img.grid {{ max-width: 100%; image-rendering: pixelated; }}
-.curves svg {{ margin: 0 16px 16px 0; border: 1px solid #eee; }}
-.best {{ background: #eef7ee; padding: 6px 10px; border-left: 3px solid #2ca02c; }}
-</style></head>
-<body>
-<h1>LoRA checkpoints report</h1>
-{''.join(sections)}
-</body></html>
-"""
+    return page("LoRA checkpoints report", sections, metrics, extra_css="""
+.curves svg { margin: 0 16px 16px 0; border: 1px solid #eee; }
+.best { background: #eef7ee; padding: 6px 10px; border-left: 3px solid #2ca02c; }""")
 
 
 def write_checkpoint_report(out: str | Path, metrics: dict, rows: list[OutputsRow]) -> Path:

@@ -183,23 +183,31 @@ def render_html(metrics: dict, rows: list[SampleRow], grid: Image.Image) -> str:
             "<h2>Grid</h2>",
             f"<img class='grid' src='{data_uri(grid)}' alt='grid of all samples'>",
         ]
-    sections += ["<h2>Run</h2>", f"<pre>{html.escape(json.dumps(metrics.get('run', {}), indent=2))}</pre>"]
+    return page("LoRA evaluation report", sections, metrics, extra_css="""
+td.score { white-space: nowrap; }
+th { max-width: 110px; }
+.note { color: #7a4b00; background: #fff6e0; padding: 6px 10px; border-left: 3px solid #e0a000; }""")
+
+
+_CSS = """body { font: 14px/1.4 system-ui, sans-serif; margin: 24px; color: #222; }
+table { border-collapse: collapse; margin: 8px 0 16px; }
+th, td { border: 1px solid #ccc; padding: 4px 8px; text-align: center; vertical-align: middle; }
+th { background: #f3f3f3; }
+td img { display: block; margin: auto; image-rendering: pixelated; }
+td.caption { max-width: 180px; text-align: left; }
+img.grid { max-width: 100%; image-rendering: pixelated; }"""
+
+
+def page(title: str, sections: list[str], metrics: dict, extra_css: str = "") -> str:
+    """One self-contained report page (no script): the sections, then the run record."""
+    sections = sections + ["<h2>Run</h2>", f"<pre>{html.escape(json.dumps(metrics.get('run', {}), indent=2))}</pre>"]
     return f"""<!doctype html>
-<html lang="en"><head><meta charset="utf-8"><title>LoRA evaluation report</title>
+<html lang="en"><head><meta charset="utf-8"><title>{title}</title>
 <style>
-body {{ font: 14px/1.4 system-ui, sans-serif; margin: 24px; color: #222; }}
-table {{ border-collapse: collapse; margin: 8px 0 16px; }}
-th, td {{ border: 1px solid #ccc; padding: 4px 8px; text-align: center; vertical-align: middle; }}
-th {{ background: #f3f3f3; }}
-td img {{ display: block; margin: auto; image-rendering: pixelated; }}
-td.caption {{ max-width: 180px; text-align: left; }}
-td.score {{ white-space: nowrap; }}
-th {{ max-width: 110px; }}
-img.grid {{ max-width: 100%; image-rendering: pixelated; }}
-.note {{ color: #7a4b00; background: #fff6e0; padding: 6px 10px; border-left: 3px solid #e0a000; }}
+{_CSS}{extra_css}
 </style></head>
 <body>
-<h1>LoRA evaluation report</h1>
+<h1>{title}</h1>
 {''.join(sections)}
 </body></html>
 """
