@@ -150,7 +150,6 @@ def _up_to_date(out: Path, fingerprint: str, checkpoints: list[tuple[int, Path]]
 def run(cfg: EvaluateConfig, store: str | Path, model: str, checkpoints: list[tuple[int, Path]], out: str | Path,
         skip_if_done: bool = False) -> CheckpointsResult:
     """Evaluate the base and every (step, LoRA folder) of `checkpoints` into OUT (losses.zarr + the report)."""
-    from models.lora import attach_lora, load_lora
     from models.precision import describe
     from stages.evaluate import stage as single
     from stages.evaluate.checkpoint_report import generated_rows, write_checkpoint_report
@@ -172,61 +171,17 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, checkpoints: list[tu
     tables, samples = single.read_val_samples(cfg, store, model)
     with tables:  # closed on every path: descriptors, check-ahead thread, read lease
         damaged = dict(tables.damaged)
-        seeds, sigmas = list(cfg.noise_seeds), [float(t) for t in cfg.timesteps]
-        axes = Axes([s.key for s in samples], [bucket_of(s) for s in samples], seeds, sigmas)
+        axes = Axes([s.key for s in samples], [bucket_of(s) for s in samples], list(cfg.noise_seeds),
+                    [float(t) for t in cfg.timesteps])
         out.mkdir(parents=True, exist_ok=True)
         losses = LossStore(out, fingerprint, axes, settings)
-        if losses.kept_aside is not None:
-            tqdm.write(f"evaluation settings changed: the earlier losses are kept in {losses.kept_aside}")
-        recorded = losses.steps()
-        shas = {step: lora_sha256(path) for step, path in checkpoints}
-        if any(recorded.get(step, sha) != sha for step, sha in shas.items()):
-            # a step recorded with other weights: another run trained into this folder; its numbers go aside
-            losses.start_over()
-            tqdm.write(f"the run's checkpoints are not the ones evaluated before: earlier losses kept in {losses.kept_aside}")
-            recorded = {}
-        todo = [(step, path) for step, path in checkpoints if step not in recorded]
-
         transformer = single.load_transformer(cfg, model)
-        if not losses.has_base():  # before any adapter exists: the plain model
-            losses.write_base(loss_grid(transformer, samples, seeds, sigmas, cfg.batch_size, "held-out loss (base)"))
-        attached = False
-        for step, path in tqdm(todo, desc="checkpoints"):
-            if not attached:
-                attach_lora(transformer, path, cfg.lora_scale)
-                attached = True
-            else:  # same adapter, new weights: no new modules per checkpoint
-                load_lora(transformer, path, adapter_name="lora")
-            grid = loss_grid(transformer, samples, seeds, sigmas, cfg.batch_size, f"held-out loss (step {step})")
-            losses.append(step, str(Path(path).resolve()), shas[step], grid)
-
-        steps, paths, grids = losses.losses()
-        base = losses.base()
-        per_step = step_summaries(base, grids, axes.buckets)
-        overall = [s["overall"] for s in per_step["steps"]]
-        alive = [i for i, p in enumerate(paths) if Path(p).exists()]
-        best_i = pick_best([steps[i] for i in alive], [overall[i] for i in alive])
-        if best_i is None:
-            raise UserError(f"no checkpoint in {losses.path} has a finite held-out loss; check the run's training loss")
-        best_i, last_i = alive[best_i], alive[-1] if alive else len(steps) - 1
-        protocol = single.protocol(cfg, samples).replace("LoRA off (base) and on", "LoRA off (base) and the best checkpoint")
-        loss = loss_summary({"base": base, "lora": grids[best_i]}, samples, seeds, sigmas, protocol)
-
-        def point(i: int) -> dict:
-            return {"step": steps[i], "path": paths[i], "loss": overall[i]}
-
-        metrics = {
-            "loss": loss,
-            "checkpoints": {
-                "losses": str(losses.path), "fingerprint": fingerprint, "config_fingerprint": cfg.fingerprint(), "steps": steps, "paths": paths,
-                "base": per_step["base"], "per_step": per_step["steps"], "best": point(best_i), "last": point(last_i),
-                "note": "best = lowest overall held-out loss among the checkpoints still on disk (ties: earlier step)",
-            },
-        }
+        evaluated, attached = _append_missing(losses, checkpoints, transformer, samples, cfg)
+        metrics, best, last = _summary(losses, samples, cfg, fingerprint)
         rows = []
         if cfg.num_samples > 0 or cfg.extra_prompts:
-            rows = generated_rows(cfg, model, store, tables, transformer, samples, paths[best_i], steps[best_i],
-                                  paths[last_i], steps[last_i], attached, damaged)
+            rows = generated_rows(cfg, model, store, tables, transformer, samples, best["path"], best["step"],
+                                  last["path"], last["step"], attached, damaged)
         metrics["generation"] = single.generation_summary(rows, cfg)  # "lora" = the best checkpoint
         metrics["run"] = {
             "store": str(Path(store).resolve()), "tables": tables.versions(), "model": str(model),
@@ -236,4 +191,73 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, checkpoints: list[tu
         report = write_checkpoint_report(out, metrics, rows)
         if damaged:
             tqdm.write(f"skipped {len(damaged)} damaged val sample(s): {few(damaged)}")
-        return CheckpointsResult(metrics, report, evaluated=len(todo), seconds=time.perf_counter() - started)
+        return CheckpointsResult(metrics, report, evaluated=evaluated, seconds=time.perf_counter() - started)
+
+
+def _append_missing(losses: LossStore, checkpoints: list[tuple[int, Path]], transformer, samples,
+                    cfg: EvaluateConfig) -> tuple[int, bool]:
+    """The base's grid (once) and each checkpoint not yet in the array, one append each. Returns (how many
+    checkpoints were evaluated now, whether the adapter is attached to `transformer`)."""
+    from models.lora import attach_lora, load_lora
+
+    if losses.kept_aside is not None:
+        tqdm.write(f"evaluation settings changed: the earlier losses are kept in {losses.kept_aside}")
+    recorded = losses.steps()
+    shas = {step: lora_sha256(path) for step, path in checkpoints}
+    if any(recorded.get(step, sha) != sha for step, sha in shas.items()):
+        # a step recorded with other weights: another run trained into this folder; its numbers go aside
+        losses.start_over()
+        tqdm.write(f"the run's checkpoints are not the ones evaluated before: earlier losses kept in {losses.kept_aside}")
+        recorded = {}
+    todo = [(step, path) for step, path in checkpoints if step not in recorded]
+    seeds, sigmas = list(cfg.noise_seeds), [float(t) for t in cfg.timesteps]
+    if not losses.has_base():  # before any adapter exists: the plain model
+        losses.write_base(loss_grid(transformer, samples, seeds, sigmas, cfg.batch_size, "held-out loss (base)"))
+    attached = False
+    for step, path in tqdm(todo, desc="checkpoints"):
+        if not attached:
+            attach_lora(transformer, path, cfg.lora_scale)
+            attached = True
+        else:  # same adapter, new weights: no new modules per checkpoint
+            load_lora(transformer, path, adapter_name="lora")
+        grid = loss_grid(transformer, samples, seeds, sigmas, cfg.batch_size, f"held-out loss (step {step})")
+        losses.append(step, str(Path(path).resolve()), shas[step], grid)
+    return len(todo), attached
+
+
+def _summary(losses: LossStore, samples, cfg: EvaluateConfig, fingerprint: str) -> tuple[dict, dict, dict]:
+    """metrics.json's loss and checkpoints sections, the best and the last checkpoint still on disk.
+
+    A val sample whose base loss is non-finite has bad stored features: evaluate.on_nonfinite stops naming it
+    (or leaves it out of every number). A checkpoint with a non-finite loss is simply never the best."""
+    from stages.evaluate import stage as single
+
+    steps, paths, grids = losses.losses()
+    base = losses.base()
+    kept, nonfinite = single.finite_samples(samples, {"base": base}, cfg)
+    base, grids, samples = base[kept], grids[:, kept], [samples[i] for i in kept]
+    per_step = step_summaries(base, grids, [bucket_of(s) for s in samples])
+    overall = [s["overall"] for s in per_step["steps"]]
+    alive = [i for i, p in enumerate(paths) if Path(p).exists()]
+    best_i = pick_best([steps[i] for i in alive], [overall[i] for i in alive])
+    if best_i is None:
+        raise UserError(f"no checkpoint in {losses.path} has a finite held-out loss; check the run's training loss")
+    best_i, last_i = alive[best_i], alive[-1]
+    protocol = single.protocol(cfg, samples).replace("LoRA off (base) and on", "LoRA off (base) and the best checkpoint")
+    loss = loss_summary({"base": base, "lora": grids[best_i]}, samples, list(cfg.noise_seeds),
+                        [float(t) for t in cfg.timesteps], protocol)
+    loss["nonfinite_samples"] = nonfinite  # left out of every number (evaluate.on_nonfinite=skip)
+
+    def point(i: int) -> dict:
+        return {"step": steps[i], "path": paths[i], "loss": overall[i]}
+
+    metrics = {
+        "loss": loss,
+        "checkpoints": {
+            "losses": str(losses.path), "fingerprint": fingerprint, "config_fingerprint": cfg.fingerprint(),
+            "steps": steps, "paths": paths, "base": per_step["base"], "per_step": per_step["steps"],
+            "best": point(best_i), "last": point(last_i),
+            "note": "best = lowest overall held-out loss among the checkpoints still on disk (ties: earlier step)",
+        },
+    }
+    return metrics, point(best_i), point(last_i)

@@ -95,6 +95,16 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else math.nan
 
 
+def finite_samples(samples: list[TrainSample], grids: dict, cfg: EvaluateConfig) -> tuple[list[int], list[str]]:
+    """evaluate.on_nonfinite over `loss_grid` arrays named e.g. "base" / "lora": stop naming the samples whose
+    held-out loss is NaN/inf in any of them, or (skip) the indices of the samples to keep and the keys left out."""
+    per_k = len(cfg.noise_seeds) * len(cfg.timesteps)
+    row_keys = [s.key for s in samples for _ in range(per_k)]
+    kept_rows, nonfinite = finite_rows(row_keys, {m: g[..., 0].reshape(-1).tolist() for m, g in grids.items()},
+                                       cfg.on_nonfinite)
+    return sorted({i // per_k for i in kept_rows}), nonfinite
+
+
 def held_out_loss(transformer, samples: list[TrainSample], cfg: EvaluateConfig) -> dict:
     """Base vs LoRA loss: per sample the mean over noise seeds x σ grid; then overall, per bucket, per σ, mask.
     One forward per row and LoRA state, weighted all / inside / outside the mask (`loss_grid`)."""
@@ -103,12 +113,7 @@ def held_out_loss(transformer, samples: list[TrainSample], cfg: EvaluateConfig) 
         with lora_enabled(transformer, on):
             grids[name] = loss_grid(transformer, samples, list(cfg.noise_seeds), [float(t) for t in cfg.timesteps],
                                     cfg.batch_size, desc=f"held-out loss ({name})")
-    # Non-finite losses (evaluate.on_nonfinite): stop naming the samples, or leave those samples out of every mean.
-    per_k = len(cfg.noise_seeds) * len(cfg.timesteps)
-    row_keys = [s.key for s in samples for _ in range(per_k)]
-    kept_rows, nonfinite = finite_rows(row_keys, {m: g[..., 0].reshape(-1).tolist() for m, g in grids.items()},
-                                       cfg.on_nonfinite)
-    kept = sorted({i // per_k for i in kept_rows})
+    kept, nonfinite = finite_samples(samples, grids, cfg)
     result = loss_summary({m: g[kept] for m, g in grids.items()}, [samples[i] for i in kept], list(cfg.noise_seeds),
                           [float(t) for t in cfg.timesteps], protocol(cfg, samples))
     result["nonfinite_samples"] = nonfinite  # left out of every mean (evaluate.on_nonfinite=skip)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 
 import pytest
 from typer.testing import CliRunner
@@ -83,3 +84,25 @@ def test_a_full_disk_without_a_file_name_names_the_commands_output(tmp_path, cap
         raise OSError(errno.ENOSPC, "No space left on device")  # a write() reports no file name
     err = capsys.readouterr().err
     assert f"disk full while writing output in {out}" in err and " in . (" not in err
+
+
+def test_all_checkpoints_stop_on_bad_features_or_leave_them_out(poisoned, tiny_edit_model, tmp_path):
+    """`--all-checkpoints` applies the same rule to the base's losses: NaN features stop naming the sample (before
+    this, every mean became NaN and the run ended with 'no checkpoint has a finite held-out loss')."""
+    from schemas.config import EvaluateConfig
+    from schemas.errors import UserError
+    from stages.evaluate import checkpoints as ev
+
+    ckpt = tmp_path / "run" / "checkpoints" / "step-1"
+    ckpt.mkdir(parents=True)
+    shutil.copytree(poisoned / "lora", ckpt / "lora")
+    (ckpt / "resume.json").write_text("{}")
+    cfg = dict(noise_seeds=[0], timesteps=[0.5], num_samples=0, device="cpu")
+    with pytest.raises(UserError, match=key_of(3)):
+        ev.run(EvaluateConfig(**cfg), poisoned / "store", tiny_edit_model, [(1, ckpt / "lora")], tmp_path / "stop")
+    res = ev.run(EvaluateConfig(**cfg, on_nonfinite="skip"), poisoned / "store", tiny_edit_model,
+                 [(1, ckpt / "lora")], tmp_path / "skip")
+    loss = res.metrics["loss"]
+    assert loss["nonfinite_samples"] == [key_of(3)] and loss["overall"]["n"] == 2
+    assert math.isfinite(loss["overall"]["base"]) and math.isfinite(loss["overall"]["lora"])
+    assert res.best["step"] == 1 and math.isfinite(res.best["loss"])
