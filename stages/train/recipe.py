@@ -264,6 +264,15 @@ def setup(cfg: PipelineConfig, store: str | Path, model: str, out: str | Path, r
 
         atomic_write_json(r.run_dir / "attention.json", attention_record(r.transformer))
     _check_shapes(tables, r.transformer)
+    _build_training(r, store, model, latest, resumed)
+    r.bar = tqdm(total=tc.max_steps, initial=r.step, desc="train", unit="step", disable=not r.main, dynamic_ncols=True)
+    return r
+
+
+def _build_training(r: Run, store: str | Path, model: str, latest: Path | None, resumed: ResumeRecord | None) -> None:
+    """Adapter (fresh, from init_lora, or restored from `latest`), optimizer, EMA, sampler and data stream,
+    validator, the DDP wrap, micro-batches, trackers and profiler: everything a step needs."""
+    tc = r.cfg
     if tc.init_lora and latest is None:
         from models.lora import init_from_lora, lora_weight_file
         from store.checksum import check_recorded
@@ -279,7 +288,7 @@ def setup(cfg: PipelineConfig, store: str | Path, model: str, out: str | Path, r
     # The order is planned for the run's first world size whatever this start's (stages/train/elastic.py).
     canonical = resumed.canonical if resumed is not None else r.world
     r.record = replace(r.record, canonical_world_size=canonical)
-    sampler = make_sampler(tables.lengths, tc.batch_size, tc.max_tokens_per_batch, tc.seed, tc.sampler_window, canonical)
+    sampler = make_sampler(r.tables.lengths, tc.batch_size, tc.max_tokens_per_batch, tc.seed, tc.sampler_window, canonical)
     r.stream = DataStream(elastic.on_world(sampler, r.world))
     if latest is not None:
         _restore(r, latest, resumed)
@@ -296,9 +305,9 @@ def setup(cfg: PipelineConfig, store: str | Path, model: str, out: str | Path, r
     else:
         r.model = parallel.wrap(r.transformer, r.world, tc.lora.target_modules)
     r.position = r.stream.position
-    r.batches = MicroBatches(r.stream, tables, tc, r.rank, r.step, r.device, r.transformer.dtype, depth=tc.prefetch)
+    r.batches = MicroBatches(r.stream, r.tables, tc, r.rank, r.step, r.device, r.transformer.dtype, depth=tc.prefetch)
     r.result = TrainResult(r.run_dir, r.run_dir / "lora", start_step=r.step, steps=r.step, main_process=r.main,
-                           data=tables.report, kept_previous=r.kept_previous,
+                           data=r.tables.report, kept_previous=r.kept_previous,
                            init_lora=tc.init_lora if tc.init_lora and latest is None else None)
     if r.main:
         from stages.train.trackers import Trackers
@@ -310,8 +319,6 @@ def setup(cfg: PipelineConfig, store: str | Path, model: str, out: str | Path, r
         from stages.train.trackers import StepProfiler
 
         r.profiler = StepProfiler(min(tc.profile, tc.max_steps - r.step), r.run_dir, r.rank, r.device)
-    r.bar = tqdm(total=tc.max_steps, initial=r.step, desc="train", unit="step", disable=not r.main, dynamic_ncols=True)
-    return r
 
 
 def step(r: Run) -> StepStats:
