@@ -21,6 +21,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch import nn
 
 
@@ -114,7 +115,8 @@ class BlockOffloader:
             elif self.stream is not None:
                 torch.cuda.current_stream(self.device).wait_stream(self.stream)
                 for t in tensors:  # freed on the compute stream's schedule, not the copy stream's
-                    t.record_stream(torch.cuda.current_stream(self.device))
+                    for plain in _plain_tensors(t):
+                        plain.record_stream(torch.cuda.current_stream(self.device))
             for (mod, name, _), t in zip(self.blocks[i].slots, tensors):
                 mod._parameters[name] = nn.Parameter(t, requires_grad=False)
             self.onloads += 1
@@ -138,6 +140,17 @@ class BlockOffloader:
             for h in entry.handles:
                 h.remove()
         self.pending.clear()
+
+
+def _plain_tensors(t: torch.Tensor):
+    """The plain tensors holding `t`'s memory: torchao's quantised weights are wrapper subclasses whose
+    dispatch has no record_stream (measured on the H200: NotImplementedError), their inner tensors do."""
+    if is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()
+        for name in names:
+            yield from _plain_tensors(getattr(t, name))
+    else:
+        yield t
 
 
 def offload_blocks(transformer, device: torch.device | str, keep: int, always_copy: bool | None = None) -> BlockOffloader:
