@@ -21,6 +21,7 @@ CUDA kernel package (not usable on the CPU here).
 
 from __future__ import annotations
 
+import functools
 from typing import Literal
 
 QuantizeName = Literal["none", "int8", "fp8", "nf4"]
@@ -315,7 +316,8 @@ def _chunked_input_grad(grad, weight):
 
     The sum runs in float32 and is rounded to the gradient's dtype once: summed in bf16, every chunk's partial
     sum was rounded again (19-28 chunks at the real width: 3.2x the error of a dense bf16 matmul; float32
-    accumulation gives the dense figure). Cost: a float32 output and one float32 chunk of each operand."""
+    accumulation gives the dense figure). Cost: a float32 output (and on the CPU one float32 chunk of each
+    operand)."""
     import torch
 
     n, k = out_in_features(weight)
@@ -323,8 +325,28 @@ def _chunked_input_grad(grad, weight):
     g = grad.reshape(-1, n)
     out = g.new_zeros(g.shape[0], k, dtype=torch.float32)
     for start in range(0, n, rows):
-        out.addmm_(g[:, start : start + rows].float(), dequantize_rows(weight, start, start + rows).float())
+        _accumulate(out, g[:, start : start + rows], dequantize_rows(weight, start, start + rows).to(g.dtype))
     return out.to(grad.dtype).reshape(*grad.shape[:-1], k)
+
+
+def _accumulate(out, a, b) -> None:
+    """out += a @ b, `out` float32. On CUDA the half-precision operands go to the tensor cores with float32
+    accumulation straight into `out` (addmm's out_dtype); float32 operands there run ~13x slower on an H200
+    and made int8/fp8 training 2.6x slower than bf16 (measured, docs/gpu.md). The CPU has no such kernel and
+    gains nothing from bf16: float32 operands."""
+    import torch
+
+    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and _has_out_dtype():
+        torch.addmm(out, a, b, out_dtype=torch.float32, out=out)
+    else:
+        out.addmm_(a.float(), b.float())
+
+
+@functools.cache
+def _has_out_dtype() -> bool:
+    import torch
+
+    return "dtype_out" in torch.ops.aten.addmm.overloads()
 
 
 class _FrozenQuantizedLinear:
