@@ -131,6 +131,11 @@ def hold(root: str | Path, tables: dict[str, int | None], what: str, owner: obje
     lease is released when that object is garbage collected; always at interpreter exit."""
     root = Path(root)
     lease = Lease(root, what)
+    # Registered before the lease file exists: a signal (SystemExit / KeyboardInterrupt) that lands between
+    # writing the file and returning must not leave a lease that blocks gc (test_signals can hit it under load).
+    if owner is not None:
+        weakref.finalize(owner, lease.release)
+    atexit.register(lease.release)
     try:
         (root / LEASES_DIR).mkdir(exist_ok=True)
         with fmt.flock(root / fmt.STORE_LOCK):
@@ -150,9 +155,6 @@ def hold(root: str | Path, tables: dict[str, int | None], what: str, owner: obje
                           if (current.get(t) if v is None else v) is not None}
         return lease
     threading.Thread(target=lease._refresh, name="store-lease-refresh", daemon=True).start()
-    if owner is not None:
-        weakref.finalize(owner, lease.release)
-    atexit.register(lease.release)
     return lease
 
 
