@@ -26,6 +26,7 @@ from schemas.config import Section
 from schemas.errors import Rejected, UserError
 from schemas.lineage import Lineage, code_version, feature_lineage, hashed_settings, settings_hash
 from schemas.stage import few, summary_record
+from models.ordered_map import ordered_map
 from schemas.table import TableSchema
 from store import Store, TableReader, TableWriter, repair_context
 from store.lease import hold
@@ -488,14 +489,9 @@ def prefetched(items: Iterable[T], load: Callable[[T], R], workers: int = 2, dep
     if workers <= 0:
         yield from map(load, items)
         return
-    pending: list = []
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        for item in items:
-            pending.append(pool.submit(load, item))
-            if len(pending) >= depth:
-                yield pending.pop(0).result()
-        for f in pending:
-            yield f.result()
+        for _, loaded in ordered_map(load, items, pool, ahead=depth - 1):
+            yield loaded
 
 
 def batches_by_shape(items: Iterable[T], shape_of: Callable[[T], Hashable | None], batch_size: int,
