@@ -311,6 +311,17 @@ def set_aside(vdir: Path) -> str:
     return f"the damaged v{version} was moved to {aside}"
 
 
+def replace_damaged(st, table: str, new: int, damaged: int, how: str) -> str:
+    """The version rebuilt from one recorded as damaged (`how`: "re-rendered", "recomputed") is read back in full
+    (as `store verify`) before the damaged one leaves (`set_aside`): the one verify-then-set-aside of the stages.
+    Returns what happened, for the user."""
+    problems = verify_version(st.version_dir(table, new), f"{table}/v{new}", progress=False)
+    if problems:
+        raise UserError(f"table '{table}' v{new} ({how} from damaged v{damaged}) does not verify: {problems[0]}; "
+                        f"run `pipeline store repair {st.root}`")
+    return set_aside(st.version_dir(table, damaged))
+
+
 def _carry(w, src: Path, manifest: pa.Table) -> None:
     """Link a shard into the repaired version with its rows, unless an earlier, killed repair already did."""
     rows = manifest.filter(pc.equal(manifest.column("shard"), src.name))

@@ -6,7 +6,6 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from schemas.errors import UserError
 from stages.encode.intake import flush_quarantine
 from stages.encode.output import rank_shard_sizes
 from stages.encode.summary import Summary
@@ -49,19 +48,13 @@ def finish(job: EncodeJob) -> Summary:
 
 def _verify_repaired(job: EncodeJob) -> None:
     """The version that replaces one recorded as damaged is read back in full (as `store verify`)."""
-    from store.verify import verify_version
-
-    table, v = job.summary.table, job.summary.version
-    problems = verify_version(job.store.version_dir(table, v), f"{table}/v{v}", progress=False)
-    if problems:
-        raise UserError(f"table '{table}' v{v} (recomputed from damaged v{job.repairing}) does not verify: "
-                        f"{problems[0]}; run `pipeline store repair {job.store.root}`")
-    job.summary.repaired_from = job.repairing
-    from store.repair import set_aside
-
     from tqdm.auto import tqdm
 
-    tqdm.write(f"{job.summary.stage}: {set_aside(job.store.version_dir(table, job.repairing))}")
+    from store.repair import replace_damaged
+
+    done = replace_damaged(job.store, job.summary.table, job.summary.version, job.repairing, "recomputed")
+    job.summary.repaired_from = job.repairing
+    tqdm.write(f"{job.summary.stage}: {done}")
 
 
 def close(job: EncodeJob) -> None:

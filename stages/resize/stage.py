@@ -287,15 +287,11 @@ def _commit(st: Store, writer: Any, source: Path, intake: _Intake) -> None:
 
 def _verify_repaired(st: Store, summary: ResizeSummary, repairing: int) -> None:
     """The version re-rendered from a damaged one must verify before the damaged one is set aside."""
-    from store.repair import set_aside
-    from store.verify import verify_version
+    from store.repair import replace_damaged
 
-    problems = verify_version(st.version_dir(TABLE, summary.version), f"{TABLE}/v{summary.version}", progress=False)
-    if problems:
-        raise UserError(f"table '{TABLE}' v{summary.version} (re-rendered from damaged v{repairing}) does not "
-                        f"verify: {problems[0]}; run `pipeline store repair {st.root}`")
+    done = replace_damaged(st, TABLE, summary.version, repairing, "re-rendered")
     summary.repaired_from = repairing
-    tqdm.write(f"resize-bucket: {set_aside(st.version_dir(TABLE, repairing))}")
+    tqdm.write(f"resize-bucket: {done}")
 
 
 # ---------------------------------------------------------------- schema, lineage, keys
