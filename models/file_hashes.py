@@ -17,24 +17,25 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 import sqlite3
 from pathlib import Path
 
 log = logging.getLogger("models")
 
+CACHE_NAME = "file-hashes.sqlite"  # one cache for every caller: a file hashed by one is known to the others
 FLUSH_EVERY = 1000  # new hashes per write transaction
+_SHA256 = re.compile(r"[0-9a-f]{64}")  # what a row must hold to be trusted (a damaged row is re-hashed)
 _TABLE = ("CREATE TABLE IF NOT EXISTS sha256 (path TEXT PRIMARY KEY, size INTEGER NOT NULL, "
           "mtime_ns INTEGER NOT NULL, sha256 TEXT NOT NULL) WITHOUT ROWID")
 _UPSERT = ("INSERT INTO sha256 VALUES (?, ?, ?, ?) ON CONFLICT(path) DO UPDATE SET size = excluded.size, "
            "mtime_ns = excluded.mtime_ns, sha256 = excluded.sha256")
 
 
-def file_sha256(path: str) -> str:
-    h = hashlib.sha256()
+def file_sha256(path: str | Path) -> str:
+    """The one file hasher (stdlib `hashlib.file_digest`: chunked, no copy through Python)."""
     with open(path, "rb") as fh:
-        while chunk := fh.read(8 << 20):
-            h.update(chunk)
-    return h.hexdigest()
+        return hashlib.file_digest(fh, "sha256").hexdigest()
 
 
 def _connect(path: Path) -> sqlite3.Connection:
@@ -75,7 +76,7 @@ class FileHashes:
     """`with FileHashes("name.sqlite") as hashes: hashes.sha256(path)`; new hashes are saved in batches and
     when the block ends. `hashed` counts the files read in this block (cache misses)."""
 
-    def __init__(self, cache_name: str) -> None:
+    def __init__(self, cache_name: str = CACHE_NAME) -> None:
         base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
         self.path = Path(base) / "qwen-edit-pipeline" / cache_name
         self._db: sqlite3.Connection | None = None
@@ -124,7 +125,8 @@ class FileHashes:
         real = os.path.realpath(f)
         st = os.stat(real)
         known = self._known(real)
-        if known is not None and known[0] == st.st_size and known[1] == st.st_mtime_ns:
+        if (known is not None and known[0] == st.st_size and known[1] == st.st_mtime_ns
+                and isinstance(known[2], str) and _SHA256.fullmatch(known[2])):
             return known[2]
         digest = file_sha256(real)
         self.hashed += 1

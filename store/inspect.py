@@ -6,11 +6,11 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import pyarrow.parquet as pq
-
 from schemas.resize_sizes import sizes_in_force
 from store import format as fmt
 from store import quarantine
+from store.integrity import DamagedData
+from store.manifest_view import checked_manifest
 from store.reader import read_schema
 from store.store import Store
 
@@ -38,7 +38,11 @@ def _describe_version(vdir: Path, v: int) -> dict[str, Any]:
         committed = list(vdir.glob("shard-r*-*.index.parquet"))
         d["committed_shards"] = len(committed)
         return d
-    m = pq.read_table(vdir / fmt.MANIFEST)
+    try:
+        m = checked_manifest(vdir)
+    except DamagedData as e:  # inspect describes a damaged store too: the damage, named, instead of its numbers
+        d["damaged"] = str(e)
+        return d
     shards = dict(zip(m.column("shard").to_pylist(), m.column("shard_nbytes").to_pylist()))
     d.update(samples=m.num_rows, shards=len(shards), bytes=sum(shards.values()))
     if "split" in m.column_names:
@@ -74,6 +78,9 @@ def render(info: dict[str, Any]) -> str:
             mark = "*" if v["version"] == t["current"] else " "
             if not v["complete"]:
                 lines.append(f"   {mark} v{v['version']}: incomplete ({v.get('committed_shards', 0)} shards committed)")
+                continue
+            if "damaged" in v:
+                lines.append(f"   {mark} v{v['version']}: damaged: {v['damaged']}")
                 continue
             lines.append(f"   {mark} v{v['version']}: schema v{v['schema_version']}, {v['samples']} samples, "
                          f"{v['shards']} shards, {v['bytes'] / 1e6:.1f} MB"

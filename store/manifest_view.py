@@ -65,6 +65,20 @@ def read_manifest(vdir: Path, data: bytes | pa.Buffer, columns: list[str] | None
         raise _unreadable(vdir, e) from None
 
 
+def checked_manifest(vdir: Path, columns: list[str] | None = None) -> pa.Table:
+    """A complete version's manifest (the named columns it has, or all), its bytes checked against
+    checksums.json first: a damaged manifest is a `DamagedData`, never rows read from damaged bytes. For the
+    one-off readers (reuse, migrate, inspect) that need the rows but no `TableReader`."""
+    data = integrity.read_checked(vdir, fmt.MANIFEST, integrity.read_version_checksums(vdir))
+    if columns is not None:
+        try:
+            names = set(pq.ParquetFile(pa.BufferReader(data)).schema_arrow.names)
+        except Exception as e:  # noqa: BLE001
+            raise _unreadable(vdir, e) from None
+        columns = [c for c in columns if c in names]
+    return read_manifest(vdir, data, columns)
+
+
 def fixed_width_view(arr: pa.Array) -> np.ndarray | None:
     """A string array whose values all have one byte length, as a zero-copy numpy `S<width>` view (None when
     they do not, or when there are nulls). Bytewise order = Arrow's string order."""

@@ -17,12 +17,12 @@ from pathlib import Path
 from typing import Callable
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from schemas.errors import UserError
 from schemas.img_shapes import img_shapes_from_v1
 from schemas.table import SCHEMA_V1, SCHEMA_V2, FieldSpec
 from store import format as fmt
+from store.manifest_view import checked_manifest
 from store.reader import read_schema
 from store.integrity import write_version_checksums
 from store.store import Store
@@ -47,7 +47,7 @@ def plan(st: Store) -> list[Step]:
         old_dir = st.version_dir(table, cur)
         if read_schema(old_dir).schema_version != SCHEMA_V1:
             continue
-        manifest = pq.read_table(old_dir / fmt.MANIFEST, columns=["key", "shard"])
+        manifest = checked_manifest(old_dir, ["key", "shard"])
         done = _finished_migration(st, table, cur)
         new = done if done is not None else max(st.versions(table)) + 1
         steps.append(Step(table, cur, new, manifest.num_rows, len(set(manifest.column("shard").to_pylist())),
@@ -107,7 +107,7 @@ def _migrate_table(st: Store, s: Step) -> None:
 def _build(old_dir: Path, new_dir: Path, old_version: int) -> None:
     tmp = new_dir.with_name(new_dir.name + MIGRATING_SUFFIX)
     tmp.mkdir()
-    manifest = pq.read_table(old_dir / fmt.MANIFEST)
+    manifest = checked_manifest(old_dir)
     for shard in sorted(set(manifest.column("shard").to_pylist())):
         fmt.link_or_copy(old_dir / shard, tmp / shard)
     fmt.crash_point("migrate_after_links")

@@ -311,6 +311,24 @@ def set_aside(vdir: Path) -> str:
     return f"the damaged v{version} was moved to {aside}"
 
 
+def replace_damaged(st, table: str, new: int, damaged: int, how: str) -> str:
+    """The version rebuilt from one recorded as damaged (`how`: "re-rendered", "recomputed") is read back in full
+    (as `store verify`) before the damaged one leaves (`set_aside`): the one verify-then-set-aside of the stages.
+    Returns what happened, for the user."""
+    problems = verify_version(st.version_dir(table, new), f"{table}/v{new}", progress=False)
+    if problems:
+        raise UserError(f"table '{table}' v{new} ({how} from damaged v{damaged}) does not verify: {problems[0]}; "
+                        f"run `pipeline store repair {st.root}`")
+    return set_aside(st.version_dir(table, damaged))
+
+
+def _carry(w, src: Path, manifest: pa.Table) -> None:
+    """Link a shard into the repaired version with its rows, unless an earlier, killed repair already did."""
+    rows = manifest.filter(pc.equal(manifest.column("shard"), src.name))
+    if rows.num_rows and not set(rows.column("key").to_pylist()) <= w.done_keys:
+        w.add_linked_shard(src, rows)
+
+
 def _repair_table(st, t: TablePlan, recompute: Recompute | None, echo: Callable[[str], None]) -> int:
     vdir = st.version_dir(t.table, t.version)
     schema = read_schema(vdir)
@@ -326,7 +344,7 @@ def _repair_table(st, t: TablePlan, recompute: Recompute | None, echo: Callable[
     w = st.writer(t.table, schema)
     try:
         for shard in t.intact_shards:
-            w.carry_shard(vdir, shard, manifest.filter(pc.equal(manifest.column("shard"), shard)))
+            _carry(w, vdir / shard, manifest)
         for shard, nbytes in t.trimmed.items():  # the recorded bytes only, as a new file (versions are immutable)
             trim_dir = vdir.parent / f".trim-v{t.version}"
             trim_dir.mkdir(exist_ok=True)
@@ -335,7 +353,7 @@ def _repair_table(st, t: TablePlan, recompute: Recompute | None, echo: Callable[
                 while left and (chunk := src.read(min(left, 8 << 20))):
                     dst.write(chunk)
                     left -= len(chunk)
-            w.carry_shard(trim_dir, shard, manifest.filter(pc.equal(manifest.column("shard"), shard)))
+            _carry(w, trim_dir / shard, manifest)
             shutil.rmtree(trim_dir, ignore_errors=True)
         for key in t.copied:
             if key not in w.done_keys:

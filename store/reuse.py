@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from schemas.errors import UserError
 from store import format as fmt
+from store.manifest_view import checked_manifest
 from store.reader import read_schema
 
 if TYPE_CHECKING:
@@ -134,9 +134,11 @@ def reusable_keys(store: Store, table: str, lineage_hash: str, column: str) -> d
             if plan.unrepairable or plan.manifest_rebuilt:
                 continue
             damaged = plan.damaged
-        names = pq.read_schema(vdir / fmt.MANIFEST).names
-        m = pq.read_table(vdir / fmt.MANIFEST, columns=["key"] + ([column] if column in names else []))
-        values = m.column(column).to_pylist() if column in names else [None] * m.num_rows
+        try:
+            m = checked_manifest(vdir, ["key", column])
+        except UserError:  # damaged (DamagedData) or unreadable: recompute instead of carrying, as `reusable`
+            continue
+        values = m.column(column).to_pylist() if column in m.column_names else [None] * m.num_rows
         out.update((k, val) for k, val in zip(m.column("key").to_pylist(), values) if k not in damaged)
     return out
 

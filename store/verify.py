@@ -33,7 +33,6 @@ from store.checksum import file_crc
 from store.manifest import CHECKSUM_COLUMNS, LOCATING_COLUMNS
 from store.reader import read_manifest, read_schema, torch_dtype
 
-CHUNK = 8 * 1024 * 1024
 LITTER_NOTE = "temp file left by an interrupted write (`pipeline store repair` removes it)"
 
 
@@ -177,9 +176,7 @@ def _check_shard(path: Path, name: str, rows: list[dict[str, Any]], whole_file_c
         problems.append(f"{name}: size {size} bytes, manifest records {nbytes}")
     with open(path, "rb") as f:
         if not whole_file_checked:  # format 1: the shard's sha256 (format 2: its CRC32C, already checked)
-            h = hashlib.sha256()
-            while chunk := f.read(CHUNK):
-                h.update(chunk)
+            h = hashlib.file_digest(f, "sha256")  # stdlib, chunked: the one way a whole file is hashed
             if h.hexdigest() != sha:
                 problems.append(f"{name}: sha256 mismatch (recorded {sha[:12]}…, found {h.hexdigest()[:12]}…): shard is corrupt")
         for r in rows:

@@ -7,7 +7,6 @@ the indexes into `manifest.parquet` (presence = version complete) and then point
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -145,22 +144,6 @@ class TableWriter:
         if self._builder.nbytes >= self.shard_bytes:
             self._commit_shard()
 
-    def carry_shard(self, src_dir: Path, shard: str, rows: "pa.Table") -> None:
-        """Take a committed, intact shard of another version of this table as it is (hard link, no copy) with
-        its manifest rows as the index (repair: samples carried forward)."""
-        if (self.dir / fmt.index_name(shard)).is_file():  # carried by an earlier, killed run
-            return
-        dst = self.dir / shard
-        dst.unlink(missing_ok=True)
-        with writing(f"shard {shard} of table '{self.table}' v{self.version}", self.dir):
-            try:
-                os.link(src_dir / shard, dst)
-            except OSError:  # a file system without hard links: copy (correct, just slower)
-                shutil.copyfile(src_dir / shard, dst)
-            fmt.atomic_write_parquet(self.dir / fmt.index_name(shard), rows)
-        self.done_keys |= set(rows.column("key").to_pylist())
-        self._next_index = self._next_shard_index()
-
     def _validate(self, key: str, tensors: dict[str, torch.Tensor], files: dict[str, bytes], meta: dict[str, Any]) -> None:
         where = f"table '{self.table}', sample {key}"
         for name, t in tensors.items():
@@ -222,9 +205,10 @@ class TableWriter:
         return self._added
 
     def add_linked_shard(self, src: Path, rows: "pa.Table") -> str:
-        """Carry samples forward from a shard of an earlier version: the shard file is hard-linked (bytes shared,
-        `fmt.link_or_copy`) under this rank's next shard name, and `rows` (its manifest rows for the samples
-        carried, meta columns already updated) become that shard's index - the commit, as for a written shard.
+        """Carry samples forward from a committed, intact shard of another version (reuse, and repair's intact
+        shards): the shard file is hard-linked (bytes shared, `fmt.link_or_copy`) under this rank's next shard
+        name, and `rows` (its manifest rows for the samples carried, meta columns already updated) become that
+        shard's index - the commit, as for a written shard.
         Returns the new shard name. Keys already added or committed are an error, as in `add`."""
         if self._finished:
             raise UserError(f"writer for table '{self.table}' rank {self.rank} already finished; open a new one")
@@ -235,12 +219,13 @@ class TableWriter:
         self._commit_shard()  # an open shard keeps its reserved name; the linked one takes the next
         name = fmt.shard_name(self.rank, self._next_index)
         dst = self.dir / name
-        dst.unlink(missing_ok=True)
-        fmt.link_or_copy(Path(src), dst)
-        self.linked_shards.add(name)
         col = rows.schema.get_field_index("shard")
         rows = rows.set_column(col, rows.schema.field(col), pa.array([name] * rows.num_rows, rows.schema.field(col).type))
-        fmt.atomic_write_parquet(self.dir / fmt.index_name(name), rows)  # carried samples now committed
+        with writing(f"shard {name} of table '{self.table}' v{self.version}", self.dir):  # e.g. a full disk, named
+            dst.unlink(missing_ok=True)
+            fmt.link_or_copy(Path(src), dst)
+            fmt.atomic_write_parquet(self.dir / fmt.index_name(name), rows)  # carried samples now committed
+        self.linked_shards.add(name)
         self._added.update(keys)
         self._next_index += 1
         fmt.crash_point("after_linked_shard")

@@ -37,6 +37,9 @@ class SampleRow:
 
 
 # ------------------------------------------------------------------------------------------------ metrics
+# Written with numpy rather than taken from scikit-image / torchmetrics: two short functions do not justify a
+# runtime dependency on scipy (or a second metrics stack) for every user; tests/stages/test_evaluate_metrics.py
+# checks both against scikit-image's (a `test` extra) on random, photo-like and demo images.
 
 
 def psnr(a: Image.Image, b: Image.Image) -> float:

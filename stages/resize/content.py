@@ -2,7 +2,8 @@
 sha256 of its bytes, so touching a file or copying the dataset elsewhere changes nothing. Hashes are cached by
 (real path, size, mtime) so a rerun over an unchanged source reads no image bytes at all.
 
-The cache is `models.file_hashes.FileHashes` (sqlite, one row per path), the one the model fingerprints use.
+The cache is `models.file_hashes.FileHashes` (sqlite, one row per path): the same database file the model
+fingerprints use.
 """
 
 from __future__ import annotations
@@ -17,15 +18,13 @@ from models.file_hashes import FileHashes
 
 from stages.resize.sources import source_files
 
-CACHE_NAME = "source-hashes.sqlite"
-
 
 def content_listing_hash(source: str | Path) -> str:
     """Hash of (relative path, sha256 of the bytes) of every source file (`sources.source_files`)."""
     root = Path(source)
     base = root if root.is_dir() else root.parent
     h = hashlib.sha256()
-    with FileHashes(CACHE_NAME) as hashes:
+    with FileHashes() as hashes:
         for f in tqdm(source_files(root), desc="source content hashes", unit="file", leave=False):
             h.update(f"{os.path.relpath(f, base)}\0{hashes.sha256(f)}\n".encode())
     return h.hexdigest()[:16]

@@ -12,12 +12,14 @@ from __future__ import annotations
 import hashlib
 import io
 import time
-from collections import Counter, deque
-from concurrent.futures import Future, ProcessPoolExecutor
+from collections import Counter
+from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from multiprocessing import get_context
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 from PIL import Image
 from tqdm import tqdm
@@ -28,6 +30,7 @@ from schemas.errors import Rejected
 from schemas.lineage import code_version
 from schemas.img_shapes import PIXELS_PER_PATCH, img_shapes_from_pixels
 from schemas.resize_sizes import sizes_in_force
+from models.ordered_map import ordered_map
 from stages.resize.bucketing import BucketRule, bucket_size, crop_box_for_aspect
 from stages.resize.imaging import ImageRejected, decode_image, decode_mask
 from stages.resize.content import content_listing_hash
@@ -108,108 +111,31 @@ class ResizeSummary:
 
 def run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> ResizeSummary:
     from store import Store  # here, not at the top: render workers import this module and need no torch
-    from store import format as fmt_
-    from store.reuse import FEATURE_LINEAGE_ATTR, carry_forward, reusable, reusable_keys
 
     rc = cfg.resize
     _validate(rc)
     st = store if isinstance(store, Store) else Store(store)
     source = Path(source).resolve()  # quarantine rows and schema attrs name the source unambiguously
-    fmt = detect_format(source)
     started = time.perf_counter()
-    listing = content_listing_hash(source)
-    schema = images_schema(rc, listing, source=str(source), source_format=fmt)
-
-    from store import repair_context
-
-    repair_context.check(schema.lineage, TABLE)
-    found = st.find_version(TABLE, schema.lineage)
+    fmt = detect_format(source)
+    schema = images_schema(rc, content_listing_hash(source), source=str(source), source_format=fmt)
+    found = _up_to_date_version(st, schema)
     if found is not None:
-        st.set_current(TABLE, found)  # e.g. killed after the manifest, before the store.json switch
         return ResizeSummary(version=found, up_to_date=True, seconds=time.perf_counter() - started,
                              sizes=sizes_in_force(rc.model_dump()), store=str(st.root))
-    current = st.tables().get(TABLE)  # recorded as damaged (find_version skips it): re-render its damaged samples
-    repairing = (current if current is not None and fmt_.damaged_marker(st.root, TABLE, current).exists()
-                 and not repair_context.active() else None)  # under `store repair`, repair verifies and sets aside
-
+    repairing = _damaged_current(st)
     writer = st.writer(TABLE, schema, shard_size_mb=rc.shard_size_mb)
-    summary = ResizeSummary(version=writer.version, quarantine_file=str(st.root / "quarantine.parquet"),
-                            sizes=sizes_in_force(rc.model_dump()))
-    lineage_hash = schema.attrs[FEATURE_LINEAGE_ATTR]
-    available = reusable_keys(st, TABLE, lineage_hash, "mask_sha256")  # key -> mask hash, rendered before
-    carry: dict[str, tuple[str, str]] = {}  # key -> (source, split) of the samples to carry forward
-    rules = _rules(rc)
-    first_source: dict[str, str] = {}  # key -> source of its first occurrence (duplicates name it)
-    rejects: list[dict[str, Any]] = []
-
-    def reject(rec: SourceSample, r: Rejected) -> None:
-        rejects.append({"key": r.key, "source": rec.source, "stage": STAGE, "reason": r.reason, "detail": r.detail})
-        summary.quarantined[r.reason] += 1
-        if r.reason == "duplicate" and r.key in first_source:
-            summary.duplicates.append((first_source[r.key], rec.source))
-
-    def store_rendered(rec: SourceSample, key: str, out: Rendered | Rejected) -> None:
-        if isinstance(out, Rejected):
-            return reject(rec, out)
-        writer.add(key, files=out.files, meta=out.meta)
-        summary.written += 1
-        summary.splits[out.meta["split"]] += 1
-        summary.buckets[tuple(out.meta["bucket"])] += 1
-        summary.conversions.update(out.notes)
-
+    intake = _Intake(ResizeSummary(version=writer.version, quarantine_file=str(st.root / "quarantine.parquet"),
+                                   sizes=sizes_in_force(rc.model_dump())))
     try:
-        from stages.resize.source_count import count_samples
-
-        expected = count_samples(source, fmt)
-        with RenderPool(rc.workers) as pool, tqdm(iter_source(source, rc.max_file_bytes), desc=f"{STAGE} ({fmt})", unit="sample",
-                                                  total=expected, dynamic_ncols=True) as bar:
-            for rec in bar:
-                try:
-                    key, caption = _judge(rec, rc, first_source)
-                except Rejected as r:
-                    reject(rec, r)
-                    bar.set_postfix(quarantined=len(rejects))
-                    continue
-                if key in writer.done_keys:
-                    summary.resumed += 1
-                    continue
-                if available.get(key, None) == mask_hash(rec.mask):  # same content, same mask
-                    carry[key] = (rec.source, split_for(key, rc.val_fraction))
-                    continue
-                for done in pool.submit(rec, key, caption, rc, rules):
-                    store_rendered(*done)
-            for done in pool.drain():
-                store_rendered(*done)
-            if bar.total != bar.n:  # orphans / unreadable entries counted differently: end at 100 %
-                bar.total = bar.n
-                bar.refresh()
-        for version, rows in reusable(st, TABLE, lineage_hash, carry).items():
-            keys = rows.column("key").to_pylist()
-            views = {"source": {k: carry[k][0] for k in keys}, "split": {k: carry[k][1] for k in keys}}
-            summary.reused += carry_forward(writer, version, rows, views)
-            summary.splits.update(views["split"].values())
-        st.add_quarantine(rejects)
-        if summary.written + summary.resumed + summary.reused == 0:
-            raise UserError(
-                f"no usable sample in source {source}: {len(rejects)} quarantined "
-                f"(see {summary.quarantine_file}); fix the source and rerun"
-            )
-        summary.bytes_written = sum(p.stat().st_size for p in writer.dir.glob("shard-*.tar")
-                                    if p.name not in writer.linked_shards)
-        summary.version = writer.commit()
+        carry = _render_source(source, fmt, rc, writer, _rendered_before(st, schema), intake)
+        _carry_forward(st, writer, schema, carry, intake.summary)
+        _commit(st, writer, source, intake)
     finally:
         writer.close()
+    summary = intake.summary
     if repairing is not None:
-        from store.verify import verify_version
-
-        problems = verify_version(st.version_dir(TABLE, summary.version), f"{TABLE}/v{summary.version}", progress=False)
-        if problems:
-            raise UserError(f"table '{TABLE}' v{summary.version} (re-rendered from damaged v{repairing}) does not "
-                            f"verify: {problems[0]}; run `pipeline store repair {st.root}`")
-        summary.repaired_from = repairing
-        from store.repair import set_aside
-
-        tqdm.write(f"resize-bucket: {set_aside(st.version_dir(TABLE, repairing))}")
+        _verify_repaired(st, summary, repairing)
     summary.seconds = time.perf_counter() - started
     if summary.resumed:  # the resumed samples' splits count too
         with st.reader(TABLE, summary.version) as r:
@@ -217,38 +143,155 @@ def run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> R
     return summary
 
 
-class RenderPool:
-    """Renders samples in `workers` processes (or inline for 0), returning results in submission order.
+# ---------------------------------------------------------------- the steps of `run`
 
-    At most 2 x workers samples are in flight, so memory stays bounded whatever the dataset size.
-    """
 
-    def __init__(self, workers: int) -> None:
-        self.workers = workers
-        self._ex = ProcessPoolExecutor(workers, mp_context=get_context("spawn")) if workers > 0 else None
-        self._window: deque[tuple[SourceSample, str, Future]] = deque()
+@dataclass
+class _Intake:
+    """What the run learns sample by sample: the summary's counts, the quarantine rows, and the source of each
+    key's first occurrence (a duplicate names it)."""
 
-    def submit(self, rec: SourceSample, key: str, caption: str, rc: ResizeConfig, rules: dict[str, BucketRule]) -> list:
-        if self._ex is None:
-            return [(rec, key, render(rec, key, caption, rc, rules))]
-        self._window.append((rec, key, self._ex.submit(render, rec, key, caption, rc, rules)))
-        done = []
-        while len(self._window) > 2 * self.workers:
-            r, k, fut = self._window.popleft()
-            done.append((r, k, fut.result()))
-        return done
+    summary: ResizeSummary
+    rejects: list[dict[str, Any]] = field(default_factory=list)
+    first_source: dict[str, str] = field(default_factory=dict)
 
-    def drain(self) -> list:
-        done = [(r, k, fut.result()) for r, k, fut in self._window]
-        self._window.clear()
-        return done
+    def reject(self, rec: SourceSample, r: Rejected) -> None:
+        self.rejects.append({"key": r.key, "source": rec.source, "stage": STAGE, "reason": r.reason,
+                             "detail": r.detail})
+        self.summary.quarantined[r.reason] += 1
+        if r.reason == "duplicate" and r.key in self.first_source:
+            self.summary.duplicates.append((self.first_source[r.key], rec.source))
 
-    def __enter__(self) -> "RenderPool":
-        return self
+    def store(self, writer: Any, rec: SourceSample, key: str, out: Rendered | Rejected) -> None:
+        if isinstance(out, Rejected):
+            return self.reject(rec, out)
+        writer.add(key, files=out.files, meta=out.meta)
+        s = self.summary
+        s.written += 1
+        s.splits[out.meta["split"]] += 1
+        s.buckets[tuple(out.meta["bucket"])] += 1
+        s.conversions.update(out.notes)
 
-    def __exit__(self, *exc: object) -> None:
-        if self._ex is not None:
-            self._ex.shutdown(cancel_futures=True)
+
+def _up_to_date_version(st: Store, schema: TableSchema) -> int | None:
+    """A complete version with this lineage (same source listing and settings), made current again."""
+    from store import repair_context
+
+    repair_context.check(schema.lineage, TABLE)
+    found = st.find_version(TABLE, schema.lineage)
+    if found is not None:
+        st.set_current(TABLE, found)  # e.g. killed after the manifest, before the store.json switch
+    return found
+
+
+def _damaged_current(st: Store) -> int | None:
+    """The current version when it is recorded as damaged (find_version skipped it): this run re-renders its
+    damaged samples. Not under `store repair`, which verifies and sets aside itself."""
+    from store import format as fmt_
+    from store import repair_context
+
+    current = st.tables().get(TABLE)
+    if current is None or repair_context.active() or not fmt_.damaged_marker(st.root, TABLE, current).exists():
+        return None
+    return current
+
+
+def _rendered_before(st: Store, schema: TableSchema) -> dict[str, str]:
+    """key -> mask hash of every sample an earlier version rendered with the same pixel settings."""
+    from store.reuse import FEATURE_LINEAGE_ATTR, reusable_keys
+
+    return reusable_keys(st, TABLE, schema.attrs[FEATURE_LINEAGE_ATTR], "mask_sha256")
+
+
+def _render_source(source: Path, fmt: str, rc: ResizeConfig, writer: Any, rendered_before: dict[str, str],
+                   intake: _Intake) -> dict[str, tuple[str, str]]:
+    """Judge every source sample, render the new ones in `rc.workers` processes and add them to the writer.
+    Returns key -> (source, split) of the samples to carry forward from an earlier version instead."""
+    from stages.resize.source_count import count_samples
+
+    carry: dict[str, tuple[str, str]] = {}
+
+    def to_render(bar: tqdm) -> Iterator[tuple[SourceSample, str, str]]:
+        for rec in bar:
+            try:
+                key, caption = _judge(rec, rc, intake.first_source)
+            except Rejected as r:
+                intake.reject(rec, r)
+                bar.set_postfix(quarantined=len(intake.rejects))
+                continue
+            if key in writer.done_keys:
+                intake.summary.resumed += 1
+            elif rendered_before.get(key, None) == mask_hash(rec.mask):  # same content, same mask
+                carry[key] = (rec.source, split_for(key, rc.val_fraction))
+            else:
+                yield rec, key, caption
+
+    render_one = partial(_render_item, rc=rc, rules=_rules(rc))
+    with _render_pool(rc.workers) as pool, tqdm(iter_source(source, rc.max_file_bytes), desc=f"{STAGE} ({fmt})",
+                                                 unit="sample", total=count_samples(source, fmt),
+                                                 dynamic_ncols=True) as bar:
+        # at most 2 x workers samples in flight: memory stays bounded whatever the dataset size
+        for (rec, key, _), out in ordered_map(render_one, to_render(bar), pool, ahead=2 * rc.workers):
+            intake.store(writer, rec, key, out)
+        if bar.total != bar.n:  # orphans / unreadable entries counted differently: end at 100 %
+            bar.total = bar.n
+            bar.refresh()
+    return carry
+
+
+@contextmanager
+def _render_pool(workers: int) -> Iterator[ProcessPoolExecutor | None]:
+    """`workers` spawned processes (fork would copy a parent holding torch), none for 0 (render inline)."""
+    if workers <= 0:
+        yield None
+        return
+    pool = ProcessPoolExecutor(workers, mp_context=get_context("spawn"))
+    try:
+        yield pool
+    finally:
+        pool.shutdown(cancel_futures=True)
+
+
+def _render_item(item: tuple[SourceSample, str, str], rc: ResizeConfig,
+                 rules: dict[str, BucketRule]) -> Rendered | Rejected:
+    rec, key, caption = item
+    return render(rec, key, caption, rc, rules)
+
+
+def _carry_forward(st: Store, writer: Any, schema: TableSchema, carry: dict[str, tuple[str, str]],
+                   summary: ResizeSummary) -> None:
+    """Link the shards of samples rendered before with the same settings; their source and split are this
+    run's (a view of the same pixels)."""
+    from store.reuse import FEATURE_LINEAGE_ATTR, carry_forward, reusable
+
+    for version, rows in reusable(st, TABLE, schema.attrs[FEATURE_LINEAGE_ATTR], carry).items():
+        keys = rows.column("key").to_pylist()
+        views = {"source": {k: carry[k][0] for k in keys}, "split": {k: carry[k][1] for k in keys}}
+        summary.reused += carry_forward(writer, version, rows, views)
+        summary.splits.update(views["split"].values())
+
+
+def _commit(st: Store, writer: Any, source: Path, intake: _Intake) -> None:
+    """Quarantine rows first, then the version (an empty result is the user's to fix, not a table)."""
+    summary = intake.summary
+    st.add_quarantine(intake.rejects)
+    if summary.written + summary.resumed + summary.reused == 0:
+        raise UserError(
+            f"no usable sample in source {source}: {len(intake.rejects)} quarantined "
+            f"(see {summary.quarantine_file}); fix the source and rerun"
+        )
+    summary.bytes_written = sum(p.stat().st_size for p in writer.dir.glob("shard-*.tar")
+                                if p.name not in writer.linked_shards)
+    summary.version = writer.commit()
+
+
+def _verify_repaired(st: Store, summary: ResizeSummary, repairing: int) -> None:
+    """The version re-rendered from a damaged one must verify before the damaged one is set aside."""
+    from store.repair import replace_damaged
+
+    done = replace_damaged(st, TABLE, summary.version, repairing, "re-rendered")
+    summary.repaired_from = repairing
+    tqdm.write(f"resize-bucket: {done}")
 
 
 # ---------------------------------------------------------------- schema, lineage, keys

@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 
 import models.file_hashes as fh
-from models.file_hashes import FileHashes
-from stages.resize.content import CACHE_NAME, content_listing_hash
+from models.file_hashes import CACHE_NAME, FileHashes
+from stages.resize.content import content_listing_hash
 
 ROOT = Path(__file__).resolve().parents[2]
 HASH_ALL = """
 import sys
-from models.file_hashes import FileHashes
+from models.file_hashes import CACHE_NAME, FileHashes
 with FileHashes("t.sqlite") as h:
     for p in sys.argv[1:]:
         h.sha256(p)
@@ -110,3 +110,30 @@ def test_source_identity_ignores_touch_and_copy(tmp_path, cache) -> None:
     files[2].write_bytes(b"other bytes")
     assert content_listing_hash(src) != first
     assert (cache / "qwen-edit-pipeline" / CACHE_NAME).is_file()
+
+
+def test_a_damaged_row_is_not_trusted(tmp_path, cache) -> None:
+    """A row whose hash is not a sha256 (a torn or hand-edited cache) is re-hashed and replaced, never returned."""
+    f = _files(tmp_path / "src", 1)[0]
+    with FileHashes() as h:
+        h.sha256(f)
+    st = f.stat()
+    for bad in ("", "0" * 63, "x" * 64, 12345):
+        with FileHashes() as h:
+            with h._db:
+                h._db.execute("UPDATE sha256 SET sha256 = ? WHERE path = ?", (bad, os.path.realpath(f)))
+        with FileHashes() as h:
+            assert h.sha256(f) == _sha(f) and h.hashed == 1, bad
+        assert f.stat().st_mtime_ns == st.st_mtime_ns
+    with FileHashes() as h:  # the replaced row is trusted again
+        assert h.sha256(f) == _sha(f) and h.hashed == 0
+
+
+def test_model_and_source_hashes_share_one_cache(tmp_path, cache) -> None:
+    """Source images hashed by resize-bucket are known to the model fingerprint's cache (one database file)."""
+    src = tmp_path / "src"
+    files = _files(src / "target", 3)
+    content_listing_hash(src)
+    assert [p.name for p in (cache / "qwen-edit-pipeline").glob("*.sqlite")] == [CACHE_NAME]
+    with FileHashes() as h:
+        assert [h.sha256(f) for f in files] == [_sha(f) for f in files] and h.hashed == 0

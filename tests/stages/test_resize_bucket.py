@@ -386,3 +386,24 @@ def test_store_and_litter_inside_a_folder_source_do_not_change_its_version(tmp_p
     target.write_bytes(png(rgb(64, 64, (1, 2, 3))))
     changed = run(cfg(), src, src / "store")
     assert changed.version == 2 and not changed.up_to_date
+
+
+def test_a_damaged_earlier_manifest_is_not_trusted_for_reuse(tmp_path):
+    """An earlier version whose manifest bytes no longer match checksums.json offers nothing to carry forward:
+    every sample is rendered again (none lost, none read from the damaged rows), and inspect names the damage."""
+    from store.inspect import describe, render
+
+    make_demo_data(tmp_path / "src", n=6, fmt="folder", max_controls=2, seed=1)
+    (tmp_path / "src" / "target" / "sample_0000.txt").write_bytes(b"")
+    st = Store(tmp_path / "store")
+    assert run(cfg(), tmp_path / "src", st).version == 1
+    manifest = st.version_dir("images", 1) / "manifest.parquet"
+    data = bytearray(manifest.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size, one byte changed
+    manifest.write_bytes(bytes(data))
+    (tmp_path / "src" / "target" / "sample_0000.txt").write_text("now with a caption")
+    grown = run(cfg(), tmp_path / "src", st)
+    assert grown.version == 2 and grown.written == 6 and grown.reused == 0
+    assert len(st.reader("images", 2)) == 6
+    v1 = describe(st.root)["tables"]["images"]["versions"][0]
+    assert "manifest.parquet is damaged" in v1["damaged"] and "damaged:" in render(describe(st.root))

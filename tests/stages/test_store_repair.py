@@ -154,3 +154,38 @@ print("read", sum(1 for k in r.keys() if k != {bad!r} and r.tensors(k)), flush=T
     except DamagedData as e:
         assert f"shard {shard} disappeared while it was being read" in str(e) and "\n" not in str(e)
     r.close()
+
+
+def test_repair_killed_after_carrying_a_shard_resumes(tmp_path):
+    """`store repair` SIGKILLed right after linking its first intact shard into the new version: the rerun
+    carries the rest (not that one twice), re-renders the damaged sample, and the store verifies."""
+    import os
+    import subprocess
+    import sys
+
+    import yaml
+
+    from pipeline.demo_data import make_demo_data
+    from stages.resize import stage as resize_bucket
+
+    settings = {"resize": {"target_area": 64 * 64, "control_vl_area": 48 * 48, "control_vae_area": 64 * 64,
+                           "multiple": 16, "min_side": 16, "shard_size_mb": 0.01}}
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(settings))
+    make_demo_data(tmp_path / "src", n=8, fmt="folder", max_controls=1, seed=1)
+    store = tmp_path / "store"
+    resize_bucket.run(load_config(config), tmp_path / "src", store)
+    clean = Path(shutil.copytree(store, tmp_path / "clean"))
+    _flip(store, "images", 3, where="header")
+    args = [sys.executable, "-c", "from pipeline.cli import app; app()", "store", "repair", str(store),
+            "--config", str(config)]
+    killed = subprocess.run(args, env={**os.environ, "STORE_CRASH_AT": "after_linked_shard"}, capture_output=True,
+                            text=True)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    assert len(list((store / "images" / "v2").glob("shard-*.index.parquet"))) == 1  # one shard carried, then killed
+    res = runner.invoke(app, ["store", "repair", str(store), "--config", str(config)])
+    assert res.exit_code == 0, res.output
+    a, b = Store(clean).reader("images"), Store(store).reader("images")
+    assert b.version == 2 and a.keys() == b.keys()
+    assert all(a.files(k) == b.files(k) for k in a.keys())
+    assert verify_store(store, progress=False) == []

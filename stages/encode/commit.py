@@ -1,0 +1,75 @@
+"""The end of an encode job: this rank's last shard and quarantine rows, rank 0's commit (all ranks agreeing on
+both, models/collective.py), the check of a version that replaces a damaged one; or giving up without commit."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from stages.encode.intake import flush_quarantine
+from stages.encode.output import rank_shard_sizes
+from stages.encode.summary import Summary
+
+if TYPE_CHECKING:
+    from stages.encode.job import EncodeJob
+
+
+def finish(job: EncodeJob) -> Summary:
+    """Quarantine rows, this rank's last shard, rank 0 commits (manifest last). Both parts are agreed on by
+    all ranks (models/collective.py; they are the barriers too): a rank that fails (a full disk, its
+    damaged-input threshold, in `failed` for a failure in its loop) stops every rank with its one line."""
+    from models.collective import together
+
+    if job.summary.up_to_date:  # completed by another process meanwhile (see open_writer)
+        job.summary.seconds = time.perf_counter() - job.started
+        return job.summary
+    assert job.writer is not None
+    world, stage = job.ranks.world_size, job.summary.stage
+    with together(world, f"{stage}: this rank's last shard"):
+        flush_quarantine(job)
+        job.writer.finish_rank()
+        job.summary.loop_seconds = time.perf_counter() - job.loop_started
+        job.summary.bytes_written = sum(
+            size - job.shard_sizes_before.get(name, 0) for name, size in rank_shard_sizes(job).items()
+        )
+        job.images.stop_check_ahead()
+    with together(world, f"{stage}: the commit of table '{job.summary.table}'"):
+        if job.ranks.rank == 0:
+            job.summary.version = job.writer.commit(allow_empty=False)
+            if job.repairing is not None:
+                _verify_repaired(job)
+        else:
+            job.writer.close()
+    job.summary.seconds = time.perf_counter() - job.started
+    if job.lease is not None:
+        job.lease.release()
+    return job.summary
+
+
+def _verify_repaired(job: EncodeJob) -> None:
+    """The version that replaces one recorded as damaged is read back in full (as `store verify`)."""
+    from tqdm.auto import tqdm
+
+    from store.repair import replace_damaged
+
+    done = replace_damaged(job.store, job.summary.table, job.summary.version, job.repairing, "recomputed")
+    job.summary.repaired_from = job.repairing
+    tqdm.write(f"{job.summary.stage}: {done}")
+
+
+def close(job: EncodeJob) -> None:
+    """Give up the writer lock without committing (on error; a rerun resumes from committed shards); close
+    the `images` reader and release its lease (idempotent: also the end of a finished or up-to-date job)."""
+    job.images.close()
+    if job.writer is not None:
+        job.writer.close()
+    if job.lease is not None:
+        job.lease.release()
+
+
+def failed(job: EncodeJob, error: BaseException) -> None:
+    """This rank failed in its own part of the work (its loop): the other ranks learn it at their next
+    agreement (`finish`) instead of waiting for this rank there (models/collective.py)."""
+    from models.collective import share_failure
+
+    share_failure(job.ranks.world_size, error, job.summary.stage)

@@ -1,0 +1,86 @@
+"""The input side of an encode job: this rank's `images` samples read checked, the rejected ones quarantined
+(rows written at commit), and the damaged-input threshold of on_damaged=skip."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, TypeVar
+
+from schemas.errors import Rejected, UserError
+from stages.encode.summary import DAMAGED_INPUT
+
+if TYPE_CHECKING:
+    from stages.encode.job import EncodeJob
+    from stages.encode.progress import SampleProgress
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+def read_inputs(job: EncodeJob, keys: list[str]) -> Iterator[tuple[str, dict[str, Any] | Rejected]]:
+    """(key, `images` sample) in order, every sample's bytes checked before they are returned (a check-ahead
+    thread verifies the next ones while the encoder works, store/check_ahead.py). With on_damaged=skip a
+    damaged sample comes as a `Rejected` (quarantined as DAMAGED_INPUT by `accepted`) instead of raising."""
+    from store.integrity import DamagedData
+
+    job.images.check_ahead([job.images.row_of(k) for k in keys])
+    for key in keys:
+        try:
+            sample: dict[str, Any] | Rejected = job.images.get(key)
+        except DamagedData as e:
+            if job.on_damaged != "skip":
+                raise
+            sample = Rejected(DAMAGED_INPUT, str(e), key=key)
+        yield key, sample
+
+
+def unless_rejected(prepare: Callable[[tuple[str, Any]], R]) -> Callable[[tuple[str, Any]], R | Rejected]:
+    """`prepare` for read samples; a `Rejected` input (a damaged one) passes through as it is."""
+    return lambda item: item[1] if isinstance(item[1], Rejected) else prepare(item)
+
+
+def quarantine(job: EncodeJob, key: str, reason: str, detail: str = "") -> None:
+    """Reject one sample (it stays out of the table); the rows land in quarantine.parquet at `finish`."""
+    source = job.images.meta(key).get("source") or f"images/v{job.images.version}/{key}"
+    job.quarantine_rows.append({
+        "key": key, "source": str(source), "stage": job.summary.stage, "reason": reason, "detail": detail,
+        "table_version": f"{job.summary.table}/v{job.summary.version}",
+    })
+    job.summary.quarantined += 1
+
+
+def accepted(job: EncodeJob, prepared: Iterable[T | Rejected], bar: "SampleProgress") -> Iterator[T]:
+    """Pass prepared samples through; quarantine the rejected ones (they count as done on the bar)."""
+    for item in prepared:
+        bar.sample_read()
+        if isinstance(item, Rejected):
+            quarantine(job, item.key, item.reason, item.detail)
+            bar.skipped()
+            if item.reason == DAMAGED_INPUT:
+                _damaged_input(job, item.key, item.detail)
+        else:
+            yield item
+
+
+def _damaged_input(job: EncodeJob, key: str, problem: str) -> None:
+    job.summary.damaged[key] = problem
+    n, total = len(job.summary.damaged), max(job.total, 1)
+    if n > job.max_damaged_fraction * total:
+        section = job.summary.stage.replace("-", "_")
+        raise UserError(
+            f"{n} of {total} samples of table 'images' v{job.images.version} in {job.store.root} are damaged, "
+            f"more than {section}.max_damaged_fraction {job.max_damaged_fraction} (e.g. {problem})")
+
+
+def flush_quarantine(job: EncodeJob) -> None:
+    """Rows this table version already quarantined are not repeated (a resumed run retries those samples)."""
+    job.store.add_quarantine(job.quarantine_rows)
+    job.quarantine_rows = []
+
+
+def control_count_rejection(variant: str, num_controls: int, key: str) -> Rejected | None:
+    """The model-variant rule both encode stages apply, so an Edit (v1) model drops the same samples from the
+    `text` and the `vae` table: Edit takes exactly one control image, Edit-Plus any number."""
+    if variant == "edit" and num_controls != 1:
+        return Rejected("edit model needs exactly one control image",
+                        f"sample has {num_controls}; use an Edit-Plus model for 0 or several controls", key=key)
+    return None

@@ -1,0 +1,115 @@
+"""`EncodeJob`: what one encode run holds (store, `images` reader and lease, lineage, ranks, writer, summary) and
+the calls a stage makes on it, top to bottom. The work is in the modules named by what they do: `plan`
+(`open_job`: lineage, up to date?), `output` (open the writer, carry forward), `intake` (read checked,
+quarantine), `commit` (finish, close), `batching` (prefetch, shape-grouped batches)."""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, TypeVar
+
+import torch
+
+from schemas.errors import Rejected
+from schemas.lineage import Lineage
+from schemas.table import TableSchema
+from store import Store, TableReader, TableWriter
+from stages.encode import commit, intake, output
+from stages.encode.ranks import Ranks
+from stages.encode.summary import Summary
+
+if TYPE_CHECKING:
+    from stages.encode.progress import SampleProgress
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+@dataclass
+class EncodeJob:
+    store: Store
+    images: TableReader
+    lineage: Lineage
+    ranks: Ranks
+    summary: Summary
+    started: float = field(default_factory=time.perf_counter)
+    loop_started: float = 0.0
+    writer: TableWriter | None = None
+    feature_lineage: str = ""  # see store.reuse: samples with this lineage in earlier versions are carried
+    earlier_lineages: tuple[str, ...] = ()  # the same features hashed as before the declared scheme: carried too
+    match_columns: tuple[str, ...] = ()  # images columns a carried row must still match (vae: mask_sha256)
+    lease: Any = None  # the read lease on `images` (store/lease.py); released when the job is done or collected
+    on_damaged: str = "stop"  # a damaged `images` sample: stop, or skip (quarantined as DAMAGED_INPUT)
+    max_damaged_fraction: float = 0.0  # on_damaged=skip: stop anyway above this share of this rank's samples
+    repairing: int | None = None  # the current version, recorded as damaged: verify the new one after commit
+    total: int = 0  # this rank's share of the `images` keys (the damaged-input threshold's base)
+    quarantine_rows: list[dict[str, Any]] = field(default_factory=list)
+    shard_sizes_before: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def up_to_date(self) -> bool:
+        return self.summary.up_to_date
+
+    # ------------------------------------------------------------ output (stages/encode/output.py)
+
+    def open_writer(self, schema: TableSchema, shard_size_mb: float) -> list[str]:
+        """Open (or resume) the output version, carry forward every key an earlier version with the same feature
+        lineage holds (hard-linked shards, split relabelled from `images`); return this rank's keys left to do."""
+        return output.open_writer(self, schema, shard_size_mb)
+
+    def adopt(self, found: int) -> None:
+        """Reuse the complete version `found` of this lineage (made current; the table reported up to date)."""
+        output.adopt(self, found)
+
+    # ------------------------------------------------------------ input (stages/encode/intake.py)
+
+    def read_inputs(self, keys: list[str]) -> Iterator[tuple[str, dict[str, Any] | Rejected]]:
+        """(key, `images` sample) in order, each checked; a damaged one as a `Rejected` under on_damaged=skip."""
+        return intake.read_inputs(self, keys)
+
+    unless_rejected = staticmethod(intake.unless_rejected)
+
+    def quarantine(self, key: str, reason: str, detail: str = "") -> None:
+        """Reject one sample (it stays out of the table); the rows land in quarantine.parquet at `finish`."""
+        intake.quarantine(self, key, reason, detail)
+
+    def accepted(self, prepared: Iterable[T | Rejected], bar: "SampleProgress") -> Iterator[T]:
+        """Pass prepared samples through; quarantine the rejected ones (they count as done on the bar)."""
+        return intake.accepted(self, prepared, bar)
+
+    # ------------------------------------------------------------ the loop
+
+    def progress(self, total: int) -> "SampleProgress":
+        """Samples/s is tqdm's rate; one bar per rank (stages/encode/progress.py)."""
+        from stages.encode.progress import SampleProgress
+
+        r = self.ranks
+        desc = self.summary.stage + (f" r{r.rank}" if r.world_size > 1 else "")
+        return SampleProgress(total, desc, position=r.rank)
+
+    @contextmanager
+    def timed_forward(self, items: int) -> Iterator[None]:
+        """Time spent in the model (a GPU is synchronised so its queued work counts here, not after)."""
+        t0 = time.perf_counter()
+        yield
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        self.summary.forward_seconds += time.perf_counter() - t0
+        self.summary.forwards += 1
+        self.summary.forward_items += items
+
+    # ------------------------------------------------------------ the end (stages/encode/commit.py)
+
+    def finish(self) -> Summary:
+        """Quarantine rows, this rank's last shard, rank 0 commits (manifest last); all ranks agree on both."""
+        return commit.finish(self)
+
+    def close(self) -> None:
+        """Give up without committing (on error; a rerun resumes); close the `images` reader, release the lease."""
+        commit.close(self)
+
+    def failed(self, error: BaseException) -> None:
+        """This rank failed in its loop: the other ranks learn it at their next agreement (`finish`)."""
+        commit.failed(self, error)

@@ -1,0 +1,88 @@
+"""The output side of an encode job: open (or resume) the table version, carry forward what an earlier version
+with the same feature lineage holds, or adopt a version another process completed meanwhile."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from schemas.table import TableSchema
+from store.reuse import FEATURE_LINEAGE_ATTR, carry_forward, reusable
+
+if TYPE_CHECKING:
+    from stages.encode.job import EncodeJob
+
+
+def open_writer(job: EncodeJob, schema: TableSchema, shard_size_mb: float) -> list[str]:
+    """Open (or resume) the output version, carry forward every key an earlier version with the same feature
+    lineage holds (hard-linked shards, split relabelled from `images`); return this rank's keys left to do."""
+    schema = replace(schema, attrs={**schema.attrs, FEATURE_LINEAGE_ATTR: job.feature_lineage})
+    job.writer = job.store.writer(
+        job.summary.table, schema, rank=job.ranks.rank, world_size=job.ranks.world_size,
+        shard_size_mb=shard_size_mb,
+    )
+    if _completed_meanwhile(job):
+        return []
+    job.summary.version = job.writer.version
+    job.shard_sizes_before = rank_shard_sizes(job)
+    mine = job.images.iter_keys(rank=job.ranks.rank, world_size=job.ranks.world_size)
+    job.total = len(mine)
+    todo = [k for k in mine if k not in job.writer.done_keys]
+    job.summary.skipped = len(mine) - len(todo)
+    for version, rows in reusable(job.store, job.summary.table, (job.feature_lineage, *job.earlier_lineages), todo).items():
+        rows = _same_content(job, rows)
+        split = {k: job.images.meta(k).get("split", "train") for k in rows.column("key").to_pylist()}
+        job.summary.reused += carry_forward(job.writer, version, rows, {"split": split})
+    if job.summary.reused:
+        todo = [k for k in todo if k not in job.writer.carried_keys]
+    job.loop_started = time.perf_counter()
+    return todo
+
+
+def _same_content(job: EncodeJob, rows):
+    """Rows whose `match_columns` (content outside the key, e.g. the mask) equal the images row's now; a
+    value unknown on either side (older tables) never matches, so such a sample is recomputed."""
+    if not job.match_columns or not rows.num_rows:
+        return rows
+    import pyarrow as pa
+
+    keep = []
+    for i, k in enumerate(rows.column("key").to_pylist()):
+        meta = job.images.meta(k)
+        keep.append(all(c in rows.column_names and meta.get(c) is not None
+                        and rows.column(c)[i].as_py() == meta.get(c) for c in job.match_columns))
+    return rows.filter(pa.array(keep, pa.bool_()))
+
+
+def _completed_meanwhile(job: EncodeJob) -> bool:
+    """Another process finished this very table (same lineage) after our up-to-date check, while we loaded
+    the model: reuse it ("up to date") instead of writing a duplicate version."""
+    assert job.writer is not None
+    found = job.store.find_version(job.summary.table, job.lineage)
+    if found is None:
+        return False
+    mine = job.writer.dir
+    job.writer.close()
+    job.writer = None
+    if job.ranks.rank == 0 and not any(mine.glob("shard-*")):  # the empty folder this run just created
+        shutil.rmtree(mine, ignore_errors=True)
+    adopt(job, found)
+    return True
+
+
+def adopt(job: EncodeJob, found: int) -> None:
+    """Reuse the complete version `found` of this lineage: make it current (a run killed after its manifest,
+    before the store.json switch, left it not current) and report the table up to date."""
+    job.store.set_current(job.summary.table, found)
+    job.summary.version, job.summary.up_to_date = found, True
+    with job.store.reader(job.summary.table, found) as done:
+        job.summary.skipped = len(done)
+
+
+def rank_shard_sizes(job: EncodeJob) -> dict[str, int]:
+    assert job.writer is not None
+    return {p.name: p.stat().st_size for p in Path(job.writer.dir).glob(f"shard-r{job.ranks.rank:02d}-*.tar")
+            if p.name not in job.writer.linked_shards}  # carried shards are not written bytes

@@ -1,0 +1,88 @@
+"""Planning an encode job: read the `images` table under a lease, build the lineage (and the ones hashed before
+the declared scheme), and find out whether an identical version exists (up to date) or the current one is
+recorded as damaged (recompute its damaged samples)."""
+
+from __future__ import annotations
+
+import time
+import weakref
+from dataclasses import replace
+from pathlib import Path
+
+from schemas.errors import UserError
+from schemas.lineage import Lineage, code_version, feature_lineage
+from store import Store, repair_context
+from store import format as fmt
+from store.lease import hold
+from store.reuse import FEATURE_LINEAGE_ATTR
+from stages.encode.job import EncodeJob
+from stages.encode.output import adopt
+from stages.encode.ranks import Ranks
+from stages.encode.summary import Summary
+
+IMAGES_TABLE = "images"
+
+
+def open_job(store_path: str | Path, stage: str, table: str, feature_hash: str, model: str,
+             feature_revision: str, ranks: Ranks, components: tuple[str, ...] = (), on_damaged: str = "stop",
+             max_damaged_fraction: float = 0.0, earlier_hashes: tuple[str, ...] = ()) -> EncodeJob:
+    """Read the `images` table, build the lineage, and find out whether an identical version already exists.
+
+    An identical complete version is made current and reused ("up to date"); anything that differs (model
+    fingerprint, config, images version, code revision) leads to a new version, never a silent reuse.
+    """
+    from models.loading import component_fingerprint, model_fingerprint
+
+    path = Path(store_path)
+    if not (path / "store.json").is_file():
+        raise UserError(f"no store at {path} (no store.json); run `pipeline run resize-bucket --store {path}` first")
+    store = Store(path, create=False)
+    # A read lease on the images version (store/lease.py): `store gc` keeps it while this stage reads it.
+    lease = hold(store.root, {IMAGES_TABLE: None}, stage)
+    images = store.reader(IMAGES_TABLE, lease.version(IMAGES_TABLE), on_damaged=on_damaged)
+    # The images version's identity (not just its number) goes into the hash: a deleted and rebuilt images
+    # table restarts at v1 with other contents, and must not match features encoded from the old one.
+    images_id = store.version_id(IMAGES_TABLE, images.version)
+    lineage = Lineage(
+        stage=stage, config_hash=f"{feature_hash}-images:{images_id}", model_fingerprint=model_fingerprint(model),
+        upstream={IMAGES_TABLE: images.version}, code_version=code_version(feature_revision),
+    )
+    summary = Summary(stage=stage, table=table, rank=ranks.rank, world_size=ranks.world_size, store=str(path))
+    # Per-sample reuse: the features depend on these settings, the components loaded and the images' own
+    # feature lineage (render settings), not on the images version (a relabelled split is the same pixels).
+    upstream = images.schema.attrs.get(FEATURE_LINEAGE_ATTR) or images_id
+    origin = images.schema.attrs.get("migrated_from")  # v1 -> v2 migration: the very same pixels
+    if FEATURE_LINEAGE_ATTR not in images.schema.attrs and origin is not None and \
+            (store.version_dir(IMAGES_TABLE, int(origin)) / "manifest.parquet").is_file():
+        upstream = store.version_id(IMAGES_TABLE, int(origin))
+    fingerprint = component_fingerprint(model, components) if components else model_fingerprint(model)
+    fl, *earlier = (feature_lineage(stage, h, fingerprint, code_version(feature_revision), upstream)
+                    for h in (feature_hash, *earlier_hashes))
+    # The same features as hashed before the declared lineage scheme (tables encoded then stay current, and
+    # `store repair` of such a table resumes its repair version under its own lineage).
+    hashed_before = [(replace(lineage, config_hash=f"{h}-images:{images_id}"), e) for h, e in zip(earlier_hashes, earlier)]
+    lineage, fl = next(((old, e) for old, e in hashed_before if repair_context.expected() == old), (lineage, fl))
+    repair_context.check(lineage, table)
+    job = EncodeJob(store=store, images=images, lineage=lineage, ranks=ranks, summary=summary, feature_lineage=fl,
+                    earlier_lineages=tuple(earlier), lease=lease, on_damaged=on_damaged,
+                    max_damaged_fraction=max_damaged_fraction)
+    weakref.finalize(job, lease.release)
+    found = store.find_version(table, lineage)  # never a version recorded as damaged
+    for old, _ in hashed_before if found is None else ():
+        found = store.find_version(table, old)
+        if found is not None:
+            break
+    if found is not None:
+        adopt(job, found)
+        summary.seconds = time.perf_counter() - job.started
+        job.close()  # nothing to read: the stage returns the summary
+        return job
+    current = store.tables().get(table)
+    if current is not None and fmt.damaged_marker(store.root, table, current).exists() and not repair_context.active():
+        from tqdm.auto import tqdm
+
+        job.repairing = current
+        tqdm.write(f"{stage}: table '{table}' v{current} is recorded as damaged "
+                   f"({fmt.damaged_marker(store.root, table, current)}): recomputing its damaged samples into a new "
+                   "version, carrying the intact ones forward")
+    return job

@@ -1,0 +1,49 @@
+"""The encode sections' settings: the features hash (declared lineage scheme, plus the hashes written before it),
+CLI overrides, and `dtype: auto` resolved to what it means on the device."""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+from schemas.config import Section
+from schemas.lineage import hashed_settings, settings_hash
+
+S = TypeVar("S", bound=Section)
+
+# Device spellings a table hashed before the declared lineage scheme (which held `device`) may have been encoded
+# with: with the one configured now, the old hashes tried so that those tables stay current and their samples reusable.
+_EARLIER_DEVICES = ("cpu", "cuda", "mps", *(f"cuda:{i}" for i in range(8)))
+
+
+def resolve_precision(section: S, device: str, stage: str) -> S:
+    """The section with `dtype: auto` replaced by what it means on `device` (printed): the lineage hash and
+    the table's recorded config then name the precision that produced the features."""
+    from tqdm.auto import tqdm
+
+    from models.precision import resolve_precision as resolve
+
+    precision = resolve(section.dtype, device)
+    tqdm.write(precision.describe(stage, device))
+    return with_overrides(section, dtype=precision.weights)
+
+
+
+def config_hash(section: Section, **extra: Any) -> str:
+    """Fingerprint of the settings that determine features (declared in schemas/config.py, derived by
+    schemas.lineage), plus whatever else the stage passes (e.g. the effective prompt template)."""
+    return settings_hash({"section": hashed_settings(section), **extra})
+
+
+def earlier_config_hashes(section: Section, **extra: Any) -> tuple[str, ...]:
+    """`config_hash` as written before the declared scheme, when it also hashed `device`: the configured device
+    first, then the usual spellings. Tables encoded then are still current, and their samples reused."""
+    settings = hashed_settings(section)
+    devices = [section.model_dump(mode="json")["device"], *_EARLIER_DEVICES]
+    hashes = (settings_hash({"section": {**settings, "device": d}, **extra}) for d in devices)
+    return tuple(dict.fromkeys(hashes))
+
+
+def with_overrides(section: S, **overrides: Any) -> S:
+    """The stage's config section with the CLI/keyword overrides that are not None, validated again."""
+    given = {k: v for k, v in overrides.items() if v is not None}
+    return type(section).model_validate({**section.model_dump(), **given})
