@@ -170,12 +170,14 @@ def summary(stage: str, rec: dict) -> str:
     """A short table for the end of the call's output (the reply carries the tail)."""
     lines = [f"== {stage}: {rec.get('seconds', 0):.0f} s, complete={rec.get('complete')}"]
     if stage == "correctness":
+        from bench.gpu.correctness import did_not_run
+
         for prec in ("float32", "bfloat16"):
             for name, r in rec.get("equivalence", {}).get(prec, {}).items():
                 if isinstance(r, dict) and "ran" in r:
                     lines.append(f"{prec:9s} {name:18s} " + (
                         f"ok={r['ok']} fwd {r['forward']:.1e} dx {r['grad_input_image']:.1e} dW {r['grad_weights']:.1e}"
-                        if r["ran"] else f"did not run: {r['error'][:90]}"))
+                        if r["ran"] else did_not_run(r)))
         for name, r in rec.get("same_lora", {}).items():
             if isinstance(r, dict) and "ran" in r:
                 lines.append(f"same LoRA {name:9s} " + (f"diff {r.get('max_rel_diff_vs_plain', 0):.1e} ok={r.get('ok', True)}"
