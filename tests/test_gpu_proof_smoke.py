@@ -69,8 +69,13 @@ def test_train_fields(smoke):
                     "plan_bytes", "attention_backend", "steps"):
             assert key in r, (name, key)
         assert r["steps"] == r["batches_per_epoch"] and 0 <= r["data_share"] < 1
+        assert len(r["rows"]) == r["steps"] and all(row["seconds"] > 0 and row["lengths"] for row in r["rows"])
+        real = sum(sum(row["lengths"]) for row in r["rows"])
+        assert r["padding_share"] == pytest.approx(sum(row["padded_tokens"] for row in r["rows"]) / real)
     assert configs["bf16-anchors"]["batches_per_epoch"] >= configs["bf16-packed"]["batches_per_epoch"]
     assert configs["bf16-packed"]["attention_backend"] == "packed"
+    assert configs["bf16-anchors"]["padding_share"] <= configs["bf16-packed"]["padding_share"]
+    assert configs["bf16-packed"]["padding_share"] > 1  # mixed sizes at batch 4 pad
 
 
 def test_encode_fields(smoke):
@@ -127,3 +132,27 @@ def test_absent_packages_and_bf16_only_kernels_read_as_such(monkeypatch):
     text = summary("correctness", {"equivalence": rec["equivalence"]})
     assert "flash_varlen       not installed (flash-attn absent)" in text and "NoneType" not in text
     assert "no float32 kernel (cuDNN attention takes bf16/fp16), expected" in text
+
+
+def test_plan_comes_before_a_configuration_runs_and_skips_what_cannot_fit(monkeypatch):
+    """A configuration whose plan exceeds its memory cap by more than 10 % is skipped with the reason; one that
+    fails still records its plan and padding (on the H200, bf16-packed-nockpt ran out of memory with none)."""
+    sys.path.insert(0, str(REPO))
+    import torch
+
+    from bench.gpu import fullsize
+
+    def fails(*a, **k):
+        raise RuntimeError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(fullsize, "run_config", fails)
+    monkeypatch.setitem(fullsize.CONFIGS, "tiny-cap", fullsize.cfg(cap_gib=1e-4))
+    monkeypatch.setattr(fullsize, "SMOKE_CONFIGS", ["bf16-packed", "tiny-cap"])
+    rec = _Record()
+    fullsize.run_train(torch.device("cpu"), True, float("inf"), rec, ["bf16-packed", "tiny-cap"], 1, 4)
+    failed, skipped = rec["configs"]["bf16-packed"], rec["configs"]["tiny-cap"]
+    assert failed["error"].startswith("RuntimeError") and failed["plan_bytes"] > 0 and failed["padding_share"] >= 1
+    assert skipped["skipped"].startswith("plan ") and "exceeds the 0.0001 GiB cap" in skipped["skipped"]
+    assert "error" not in skipped and skipped["plan_bytes"] > 1.1 * 1e-4 * 2**30
+    assert fullsize.over_limit(100, fullsize.CONFIGS["bf16-packed"], 95) is None  # within 10 %: run it
+    assert "card" in fullsize.over_limit(120, fullsize.CONFIGS["bf16-packed"], 100)

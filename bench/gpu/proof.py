@@ -187,14 +187,18 @@ def summary(stage: str, rec: dict) -> str:
                 lines.append(f"quantized {name:5s} loss deviation {r['rel_loss_deviation']:.2e}")
     elif stage == "train":
         for name, r in rec.get("configs", {}).items():
-            if "error" in r:
-                lines.append(f"{name:22s} error: {r['error'][:90]}")
+            plan = f"plan {r['plan_bytes'] / 2**30:.1f} GiB" if "plan_bytes" in r else ""
+            pad = f"pad {r['padding_share']:.3f}" if "padding_share" in r else ""
+            if "skipped" in r:
+                lines.append(f"{name:22s} skipped: {r['skipped']}")
+            elif "error" in r:
+                lines.append(f"{name:22s} error: {r['error'][:90]} ({plan})")
             elif "s_per_step" in r:
                 mfu = r.get("mfu_vs_spec") or r.get("mfu_vs_measured_matmul")
                 peak = r.get("peak_allocated")
                 lines.append(f"{name:22s} {r['s_per_step']:7.2f} s/step {r['target_tokens_per_s']:9.0f} tgt tok/s "
-                             f"MFU {mfu:.2f} data {r['data_share']:.1%} "
-                             + (f"peak {peak / 2**30:.1f} GiB plan {r['plan_bytes'] / 2**30:.1f} GiB" if peak else ""))
+                             f"MFU {mfu:.2f} data {r['data_share']:.1%} {pad} "
+                             + (f"peak {peak / 2**30:.1f} GiB " if peak else "") + plan)
     else:
         for name in ("encode_text", "encode_vae"):
             r = rec.get(name, {})
