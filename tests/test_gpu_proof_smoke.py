@@ -81,8 +81,11 @@ def test_train_fields(smoke):
 def test_encode_fields(smoke):
     data, _ = smoke
     enc = data["stages"]["encode"]
-    for name in ("encode_text", "encode_vae"):
-        assert enc[name]["samples_per_s"] > 0 and enc[name]["x_stock"] > 0
+    for name in ("encode_text", "encode_vae", "encode_text_padded"):  # steady state: second passes compared
+        assert enc[name]["samples_per_s"] > 0 and enc[name]["x_stock"] > 0 and enc[name]["encoded"] == enc["samples"]
+    for name in ("encode_text", "encode_vae"):  # the first passes, reported apart
+        assert enc["first_pass"][name]["encoded"] == enc["samples"] and enc["first_pass"][name]["x_stock_first_pass"] > 0
+    assert set(enc["stock_per_sample"]["first_pass"]) == {"encode_prompt_samples_per_s", "vae_samples_per_s"}
 
 
 def test_a_rerun_of_one_train_config_keeps_the_others(smoke, tmp_path):

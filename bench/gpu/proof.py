@@ -200,10 +200,12 @@ def summary(stage: str, rec: dict) -> str:
                              f"MFU {mfu:.2f} data {r['data_share']:.1%} {pad} "
                              + (f"peak {peak / 2**30:.1f} GiB " if peak else "") + plan)
     else:
-        for name in ("encode_text", "encode_vae"):
-            r = rec.get(name, {})
+        for name in ("encode_text", "encode_vae", "encode_text_padded"):
+            r, first = rec.get(name, {}), rec.get("first_pass", {}).get(name, {})
             if "samples_per_s" in r:
-                lines.append(f"{name:12s} {r['samples_per_s']:.2f} samples/s, x{r.get('x_stock', float('nan')):.2f} stock")
+                lines.append(f"{name:18s} {r['samples_per_s']:.2f} samples/s, x{r.get('x_stock', float('nan')):.2f} stock "
+                             f"(steady state; batch {r.get('mean_batch', float('nan')):.1f})"
+                             + (f", first pass x{first.get('x_stock_first_pass', float('nan')):.2f}" if first else ""))
     return "\n".join(lines)
 
 
