@@ -35,9 +35,11 @@ VL_TOKENS_PER_CONTROL = 188
 
 
 def cfg(quantize="none", ckpt=True, attention="packed", batching=("batch", 4), compile=False, offload=False,
-        cap_gib=None) -> dict:
+        cap_gib=None, masked=False) -> dict:
+    # masked: the attention kernel of padded batches even for a batch of one sample (which otherwise takes the
+    # stock path): an all-true image mask through multires_forward
     return dict(quantize=quantize, checkpointing=ckpt, attention=attention, batching=list(batching), compile=compile,
-                offload=offload, cap_gib=cap_gib)
+                offload=offload, cap_gib=cap_gib, masked=masked)
 
 
 # Offloaded configurations run batch 1: batch 4 of 1-MP samples holds ~34 GB of checkpointed activations alone
@@ -47,9 +49,10 @@ CONFIGS = {
     "bf16-packed": cfg(),
     "bf16-native": cfg(attention="native"),
     "bf16-anchors": cfg(attention="native", batching=("anchors", 4)),
-    # packed at batch 1: no padding at all, so beside bf16-anchors it isolates the varlen kernel and the
-    # gather / scatter around it from the padding of batch 4 (the H200's batch-4 gap beyond padding)
-    "bf16-packed-b1": cfg(batching=("batch", 1)),
+    # packed at batch 1 (forced through the padded-batch path): no padding at all, so beside bf16-anchors
+    # (the stock path, dense flash) it isolates varlen_attn and the gather / scatter around it from batch 4's
+    # padding (on the H200 batch 4 ran 0.765x the anchors' tokens/s, padding explains 0.853)
+    "bf16-packed-b1": cfg(batching=("batch", 1), masked=True),
     "bf16-packed-nockpt": cfg(ckpt=False, batching=("batch", 1)),  # all 60 blocks' activations: one sample
     "bf16-packed-budget": cfg(batching=("budget", 65536)),
     "bf16-packed-compile": cfg(compile=True),
@@ -63,7 +66,8 @@ CONFIGS = {
 
 # --smoke (the CPU test): one configuration per code path (packed / native / anchors / budget / quantised /
 # offload under a cap).
-SMOKE_CONFIGS = ["bf16-packed", "bf16-native", "bf16-anchors", "bf16-packed-budget", "int8-packed", "int8-offload-24g"]
+SMOKE_CONFIGS = ["bf16-packed", "bf16-native", "bf16-anchors", "bf16-packed-b1", "bf16-packed-budget", "int8-packed",
+                 "int8-offload-24g"]
 
 
 def patches(area_px: int, aspect: float, multiple: int = 32) -> tuple[int, int]:
@@ -217,7 +221,7 @@ def run_config(name: str, c: dict, d: dict, samples, batches: list[list[int]], p
         _sync(device)
         t1 = time.perf_counter()
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
-            loss = flow_loss_of(model, fb).mean()
+            loss = (masked_loss(model, fb) if c.get("masked") else flow_loss_of(model, fb)).mean()
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -257,6 +261,15 @@ def run_config(name: str, c: dict, d: dict, samples, batches: list[list[int]], p
         torch.cuda.set_per_process_memory_fraction(1.0, _index(device))
         torch.cuda.empty_cache()
     return out
+
+
+def masked_loss(model, fb):
+    """flow_loss_of with the image mask always passed: the padded-batch attention path even at batch 1."""
+    from models.flow import per_sample_loss
+    from models.multires import multires_forward, target_outputs
+
+    out = multires_forward(model, fb.batch, fb.sigmas.to(model.dtype), attention_kwargs={"image_mask": fb.batch.image_mask})
+    return per_sample_loss(target_outputs(out, fb.batch), fb.targets, fb.weights)
 
 
 def padded_tokens(picked) -> int:
