@@ -100,7 +100,7 @@ def test_compiled_checkpointed_lora_gradients_equal_eager(backend):
     eager = lora_model(2, backend)
     compiled = copy.deepcopy(eager)
     compiled.compile_repeated_blocks(dynamic=True, fullgraph=True, backend="aot_eager")
-    for spec in (MIXED, MIXED[1:4]):
+    for spec in (MIXED, MIXED[:3] + MIXED[4:] + MIXED[1:2]):  # the second: other lengths (the 8x8 target out)
         samples = make_samples(spec)
         ref_loss, ref = lora_grads(eager, samples)
         loss, got = lora_grads(compiled, samples)
