@@ -12,6 +12,9 @@ between a sample's valid text and its image tokens. What each backend needs:
   boundaries, padded queries and keys skipped entirely; on CUDA PyTorch's own `varlen_attn` (flash / cuDNN,
   bf16/fp16, no extra package), on the CPU a per-sample SDPA loop (the same layout, to prove it exact).
   Padded query positions get 0 instead of an average of valid values; no valid token ever reads them.
+  Its layout (valid-token indices, cumulative lengths, longest length) is a `JointLayout` that
+  `multires_forward` builds once per forward and passes to every block: nothing inside a block syncs with the
+  host, so 60 blocks and their checkpoint recomputes cost one sync, and compiled blocks have no graph break.
 - `flash`, `_native_flash`, `sage`, ...: take no mask, refused (they would attend to padding).
 
 Default (`resolve(None, ...)`): on CUDA `packed` for bf16/fp16 models when `varlen_attn` exists and a one-off
@@ -23,7 +26,6 @@ probe's error and its exception text when it failed) are printed once per proces
 from __future__ import annotations
 
 import sys
-import weakref
 from dataclasses import asdict, dataclass
 
 import torch
@@ -124,11 +126,14 @@ def use_attention_backend(transformer, name: str | None, key: str, device: torch
     return choice.backend
 
 
-def attend(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, backend: str | None,
+def attend(query: Tensor, key: Tensor, value: Tensor, mask: "JointLayout | Tensor | None", backend: str | None,
            parallel_config=None) -> Tensor:
-    """Joint attention, q/k/v [B, S, H, D]; mask [B, 1, 1, S] bool over keys (or None). Returns [B, S, H, D]."""
+    """Joint attention, q/k/v [B, S, H, D]; mask: the forward's `JointLayout`, or a [B, 1, 1, S] bool key mask,
+    or None. Returns [B, S, H, D]."""
     if backend == PACKED and mask is not None:
         return packed_attention(query, key, value, mask)
+    if isinstance(mask, JointLayout):
+        mask = mask.mask
     if backend == PACKED:  # nothing to skip: SDPA without a mask (it picks flash itself)
         backend = "native"
     if backend in PREFIX_MASK_BACKENDS and mask is not None:
@@ -146,61 +151,69 @@ def keys_first(key: Tensor, value: Tensor, mask: Tensor) -> tuple[Tensor, Tensor
     return key.gather(1, idx), value.gather(1, idx), prefix
 
 
-_mask_cache: tuple | None = None  # (weakrefs to the source masks, shapes, the joint mask)
-_layout_cache: tuple | None = None  # (weakref to the joint mask, flat valid indices, cu_seqlens, max_len)
+@dataclass(frozen=True)
+class JointLayout:
+    """Where the valid tokens of a padded joint [text | image] batch are. Built once per transformer forward,
+    outside the checkpointed (and compiled) blocks, and handed to every block's attention through
+    `attention_kwargs`: the blocks read it and never derive it from a tensor, so they hold no host sync, no
+    data-dependent Python int (a graph break under torch.compile) and no cache that could answer differently
+    in the forward and in the checkpoint recompute."""
 
-
-def _ref(t: Tensor | None):
-    return None if t is None else weakref.ref(t)
+    mask: Tensor  # [B, 1, 1, S_txt + S_img] bool key mask (the mask-taking backends)
+    index: Tensor | None = None  # packed: [N] int64 flat positions of the valid tokens in [B * S]
+    cu_seqlens: Tensor | None = None  # packed: [B + 1] int32 cumulative valid lengths
+    max_len: int = 0  # packed: the longest sample's valid length (varlen kernels take it as an int)
+    bounds: tuple[int, ...] = ()  # packed: cu_seqlens on the host (the CPU reference loop's segments)
 
 
 def joint_key_mask(txt_mask: Tensor | None, img_mask: Tensor | None, batch: int, seq_txt: int, seq_img: int,
                    device: torch.device) -> Tensor:
-    """[B, 1, 1, S_txt + S_img] bool key mask; the same tensor object for every block of one forward (the
-    blocks get the same source masks), so `packed` computes its layout (a host sync) once per forward."""
-    global _mask_cache
-    shapes = (batch, seq_txt, seq_img, device)
-    if _mask_cache is not None:
-        t_ref, i_ref, cached_shapes, joint = _mask_cache
-        same = [r is None and m is None or r is not None and r() is m for r, m in ((t_ref, txt_mask), (i_ref, img_mask))]
-        if all(same) and cached_shapes == shapes:
-            return joint
+    """[B, 1, 1, S_txt + S_img] bool key mask over the joint [text | image] sequence."""
     txt = txt_mask.to(torch.bool) if txt_mask is not None else torch.ones((batch, seq_txt), dtype=torch.bool, device=device)
     img = img_mask.to(torch.bool) if img_mask is not None else torch.ones((batch, seq_img), dtype=torch.bool, device=device)
-    joint = torch.cat([txt, img], dim=1)[:, None, None, :]
-    _mask_cache = (_ref(txt_mask), _ref(img_mask), shapes, joint)
-    return joint
+    return torch.cat([txt, img], dim=1)[:, None, None, :]
 
 
-def _layout(mask: Tensor) -> tuple[Tensor, Tensor, int]:
-    """Flat indices of valid tokens, cumulative lengths and the longest length; cached per mask tensor."""
-    global _layout_cache
-    if _layout_cache is not None and _layout_cache[0]() is mask:
-        return _layout_cache[1:]
-    key, mask = mask, (mask if mask.ndim == 2 else mask[:, 0, 0, :])
-    lens = mask.sum(dim=1, dtype=torch.int32)
-    cu = torch.zeros(mask.shape[0] + 1, dtype=torch.int32, device=mask.device)
+def joint_layout(txt_mask: Tensor | None, img_mask: Tensor | None, batch: int, seq_txt: int, seq_img: int,
+                 device: torch.device, packed: bool) -> JointLayout:
+    """The layout of one forward (see `JointLayout`); with `packed`, also the packed indices and lengths."""
+    mask = joint_key_mask(txt_mask, img_mask, batch, seq_txt, seq_img, device)
+    return packed_layout(mask) if packed else JointLayout(mask)
+
+
+def packed_layout(mask: Tensor) -> JointLayout:
+    """Flat indices of the valid tokens, cumulative lengths, longest length. mask [B, S] or [B, 1, 1, S] bool.
+
+    Computed from one host copy of the mask (B x S bools): the lengths are needed on the host anyway (varlen
+    kernels take the longest as an int), so this is the forward's one sync for attention, and the index and
+    lengths go to the device once, for all blocks."""
+    flat = mask if mask.ndim == 2 else mask[:, 0, 0, :]
+    host = flat.to("cpu", torch.bool)
+    lens = host.sum(dim=1, dtype=torch.int32)
+    cu = torch.zeros(host.shape[0] + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(lens, dim=0)
-    idx = mask.flatten().nonzero().squeeze(1)
-    longest = int(lens.max())
-    _layout_cache = (weakref.ref(key), idx, cu, longest)
-    return idx, cu, longest
+    index = host.flatten().nonzero().squeeze(1)
+    joint = mask if mask.ndim == 4 else mask[:, None, None, :]
+    return JointLayout(joint, index.to(mask.device), cu.to(mask.device), int(lens.max()), tuple(cu.tolist()))
 
 
-def packed_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None) -> Tensor:
+def packed_attention(query: Tensor, key: Tensor, value: Tensor, layout: JointLayout | Tensor | None) -> Tensor:
     """Padding-free attention: the valid tokens of all samples as one sequence with per-sample boundaries.
-    mask: [B, S] or [B, 1, 1, S] bool (valid tokens; the same positions for queries and keys)."""
+    layout: a `JointLayout` with the packed fields (the per-forward one), or a [B, S] / [B, 1, 1, S] bool mask
+    of valid tokens (the same positions for queries and keys; its layout is built here, one host sync)."""
     b, s, h, d = query.shape
-    if mask is None:
-        mask = torch.ones((b, s), dtype=torch.bool, device=query.device)
-    idx, cu, longest = _layout(mask)
+    if layout is None:
+        layout = torch.ones((b, s), dtype=torch.bool, device=query.device)
+    if not isinstance(layout, JointLayout) or layout.index is None:
+        layout = packed_layout(layout if isinstance(layout, Tensor) else layout.mask)
+    idx = layout.index
     q, k, v = (x.flatten(0, 1).index_select(0, idx) for x in (query, key, value))
     if query.is_cuda:
         from torch.nn.attention.varlen import varlen_attn
 
-        out = varlen_attn(q, k, v, cu, cu, longest, longest)
+        out = varlen_attn(q, k, v, layout.cu_seqlens, layout.cu_seqlens, layout.max_len, layout.max_len)
     else:  # reference kernel on the CPU: the same packed layout, one SDPA per segment
-        bounds = cu.tolist()
+        bounds = layout.bounds
         out = torch.cat([
             torch.nn.functional.scaled_dot_product_attention(
                 *(x[bounds[i] : bounds[i + 1]].transpose(0, 1)[None] for x in (q, k, v))

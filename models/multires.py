@@ -31,7 +31,7 @@ from diffusers.models.transformers.transformer_qwenimage import (
 )
 from torch import Tensor, nn
 
-from models.attention import attend, joint_key_mask
+from models.attention import PACKED, JointLayout, attend, joint_key_mask, joint_layout
 
 Shape = tuple[int, int, int]
 
@@ -144,6 +144,7 @@ class MaskedJointAttnProcessor(QwenDoubleStreamAttnProcessor2_0):
         attention_mask: Tensor | None = None,
         image_rotary_emb: tuple[Tensor, Tensor] | None = None,
         image_mask: Tensor | None = None,
+        joint_layout: JointLayout | None = None,
     ):
         per_sample_rope = image_rotary_emb is not None and image_rotary_emb[0].ndim == 3
         if image_mask is None and not per_sample_rope and (encoder_hidden_states_mask is None or self._multires_backend is None):
@@ -157,7 +158,9 @@ class MaskedJointAttnProcessor(QwenDoubleStreamAttnProcessor2_0):
 
         batch, seq_img = hidden_states.shape[:2]
         seq_txt = encoder_hidden_states.shape[1]
-        if self._multires_backend is not None and (image_mask is not None or encoder_hidden_states_mask is not None):
+        if joint_layout is not None:  # built once for this forward by multires_forward (no per-block sync)
+            attention_mask = joint_layout if self._multires_backend is not None else joint_layout.mask
+        elif self._multires_backend is not None and (image_mask is not None or encoder_hidden_states_mask is not None):
             attention_mask = joint_key_mask(encoder_hidden_states_mask, image_mask, batch, seq_txt, seq_img,
                                             hidden_states.device)
         elif image_mask is not None or encoder_hidden_states_mask is not None:
@@ -392,6 +395,13 @@ def multires_forward(transformer, batch: PackedBatch, timestep: Tensor, **kwargs
             img_shapes.append(SampleShapes(list(s) + pad, text_len=t))
         if image_padded:
             attention_kwargs["image_mask"] = batch.image_mask
+    image_mask = attention_kwargs.get("image_mask")
+    if image_mask is not None or text_padded:
+        # The attention layout of this forward, once for every block (and every checkpoint recompute).
+        b, s_img = batch.hidden_states.shape[:2]
+        attention_kwargs["joint_layout"] = joint_layout(
+            batch.encoder_mask if text_padded else None, image_mask, b, batch.encoder_mask.shape[1], s_img,
+            batch.hidden_states.device, packed=_uses_packed(transformer))
     out = transformer(
         hidden_states=batch.hidden_states,
         encoder_hidden_states=batch.encoder_hidden_states,
@@ -406,6 +416,10 @@ def multires_forward(transformer, batch: PackedBatch, timestep: Tensor, **kwargs
         # where (not multiply) so gradients reaching padded inputs are exactly 0, even through inf/nan.
         out = torch.where(batch.image_mask[..., None], out, torch.zeros((), dtype=out.dtype, device=out.device))
     return out
+
+
+def _uses_packed(transformer) -> bool:
+    return any(getattr(p, "_multires_backend", None) == PACKED for p in _unwrap(transformer).attn_processors.values())
 
 
 def target_outputs(out: Tensor, batch: PackedBatch) -> list[Tensor]:

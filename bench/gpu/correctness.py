@@ -22,6 +22,13 @@ import torch
 CUDA_BACKENDS = ["native", "_native_math", "_native_efficient", "_native_cudnn", "flex", "packed", "flash_varlen",
                  "_flash_varlen_3"]
 CPU_BACKENDS = ["native", "_native_math", "packed", "flex"]
+# Backends that need a package this machine may lack: reported as not installed instead of being run
+# (diffusers binds the kernel to None when the import fails, so a call says only "'NoneType' object is not
+# callable"). The check is diffusers' own.
+NEEDS_PACKAGE = {"flash_varlen": ("flash-attn", "is_flash_attn_available"),
+                 "_flash_varlen_3": ("flash-attn 3", "is_flash_attn_3_available")}
+# Kernels that take bf16/fp16 only: in float32 they fail by design (recorded as expected, with the error).
+NO_FLOAT32_KERNEL = {"_native_cudnn": "cuDNN attention", "packed": "varlen_attn (flash / cuDNN)"}
 # float32 (TF32 off): reductions in another order over ~1e4 terms; bf16: relative to the stock-bf16 floor.
 FP32_TOL = 1e-4
 BF16_FLOOR_FACTOR = 2.0
@@ -193,6 +200,10 @@ def run_equivalence(device: torch.device, smoke: bool, deadline: float, record) 
             if time.monotonic() > deadline:
                 entry.setdefault("not_run_budget", []).append(backend)
                 continue
+            if (absent := missing_package(backend)) is not None:
+                entry[backend] = {"ran": False, "skipped": f"not installed ({absent} absent)"}
+                record.flush()
+                continue
             t0 = time.perf_counter()
             try:
                 errs = compare(batched(multi, samples, sigmas, weights, device, backend), ref32)
@@ -203,10 +214,31 @@ def run_equivalence(device: torch.device, smoke: bool, deadline: float, record) 
             except Exception as e:  # a backend this build / device lacks: recorded, never silent
                 entry[backend] = {"ran": False, "error": f"{type(e).__name__}: {str(e)[:400]}",
                                   "where": traceback.format_exc(limit=-2)[-600:]}
+                if dtype is torch.float32 and backend in NO_FLOAT32_KERNEL:
+                    entry[backend]["expected"] = f"no float32 kernel ({NO_FLOAT32_KERNEL[backend]} takes bf16/fp16)"
             record.flush()
         del multi
         if device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def missing_package(backend: str) -> str | None:
+    """The package a backend needs when it is not importable here, else None."""
+    if backend not in NEEDS_PACKAGE:
+        return None
+    import diffusers.utils
+
+    package, check = NEEDS_PACKAGE[backend]
+    return None if getattr(diffusers.utils, check)() else package
+
+
+def did_not_run(r: dict) -> str:
+    """One line for a backend that did not run: absent package, expected (no float32 kernel), or the error."""
+    if "skipped" in r:
+        return r["skipped"]
+    if "expected" in r:
+        return f"{r['expected']}, expected"
+    return f"did not run: {r['error'][:90]}"
 
 
 def compare_stock(ours: dict, ref: dict) -> dict:

@@ -5,6 +5,7 @@ The model folder: the Edit-Plus layout with a Qwen2.5-VL-7B-shaped text encoder 
 text layers and 32 vision blocks; the tiny BPE vocabulary, see models/full_width.py), the real VAE config, a
 1-layer transformer (encoding never runs it), built on the device and saved once. The data: bench/rehearsal.py's
 source (mixed aspects, 0-3 controls, captions of 50-300 tokens), resize-bucket at 1 MP targets and controls.
+Both sides are compared in steady state (a second pass over the same inputs; model loads never counted).
 """
 
 from __future__ import annotations
@@ -65,32 +66,61 @@ def stock_inputs(store: Path):
 
 
 def stock_rates(model: str, store: Path, device: torch.device, dtype: torch.dtype) -> dict:
-    """The stock Edit-Plus pipeline, one sample at a time (prompt + empty prompt; target + each control)."""
+    """The stock Edit-Plus pipeline, one sample at a time (prompt + empty prompt; target + each control).
+
+    Each is timed over a second full pass (steady state: every input shape already seen in this process), the
+    first pass reported beside it, so neither side is charged first-call costs (kernel loading, GEMM
+    heuristics per new shape) the other is not."""
     from diffusers import QwenImageEditPlusPipeline
 
     pipe = QwenImageEditPlusPipeline.from_pretrained(model, torch_dtype=dtype).to(device)
     inputs = stock_inputs(store)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    with torch.no_grad():
-        pipe.encode_prompt(inputs[0][0], image=inputs[0][1], device=device)  # warm-up
+
+    def text_pass() -> float:
         sync()
         t0 = time.perf_counter()
         for caption, vl, _ in inputs:
             pipe.encode_prompt(caption, image=vl, device=device)
             pipe.encode_prompt("", image=vl, device=device)
         sync()
-        text = len(inputs) / (time.perf_counter() - t0)
+        return len(inputs) / (time.perf_counter() - t0)
+
+    def vae_pass() -> float:
+        sync()
         t0 = time.perf_counter()
         for _, _, ims in inputs:
             for im in ims:
                 x = pipe.image_processor.preprocess(im, im.height, im.width).unsqueeze(2).to(device, dtype)
                 pipe._encode_vae_image(x, generator=None)
         sync()
-        vae = len(inputs) / (time.perf_counter() - t0)
-    return {"encode_prompt_samples_per_s": text, "vae_samples_per_s": vae}
+        return len(inputs) / (time.perf_counter() - t0)
+
+    with torch.no_grad():
+        text_first, vae_first = text_pass(), vae_pass()
+        text, vae = text_pass(), vae_pass()
+    del pipe
+    return {"encode_prompt_samples_per_s": text, "vae_samples_per_s": vae,
+            "first_pass": {"encode_prompt_samples_per_s": text_first, "vae_samples_per_s": vae_first}}
+
+
+def ours_rates(fn, cfg, store: Path, model: str) -> dict:
+    s = fn(cfg, store, model)  # loop time only: the model load is not in it
+    return {"samples_per_s": s.encoded / s.loop_seconds, "encoded": s.encoded,
+            "forward_share": s.forward_seconds / s.loop_seconds, "forwards": s.forwards,
+            "mean_batch": s.forward_items / max(s.forwards, 1)}
 
 
 def run_encode(device: torch.device, smoke: bool, work: Path, deadline: float, record, n_samples: int | None) -> None:
+    """Ours and stock, each over all samples twice; the second (steady-state) pass is the one compared.
+
+    On the H200 the first version timed ours cold - first in the process, every input shape new - against
+    stock after a warm-up and after ours had run the same shapes: encode-text read 0.44x stock. Here each
+    side's first pass is reported apart (`first_pass`) and `x_stock` compares second passes. Ours needs a
+    fresh copy of the store per pass (a second run on the same store is up to date and encodes nothing).
+    `encode_text_padded`: encode_text.batching padded (full batches of mixed shapes) beside the default exact."""
+    import shutil
+
     from pipeline.config import load_config
     from stages.encode import text as encode_text, vae as encode_vae
 
@@ -100,30 +130,42 @@ def run_encode(device: torch.device, smoke: bool, work: Path, deadline: float, r
     t0 = time.perf_counter()
     model = build_model(work / "model", device, smoke)
     store = build_store(work, model, area, n)
+    copies = {tag: work / f"store-{tag}" for tag in ("warm", "padded")}
+    for path in copies.values():
+        shutil.copytree(store, path)
     record.update(samples=n, area_px=area, dtype=dtype, setup_seconds=time.perf_counter() - t0)
     record.flush()
-    cfg = load_config(None, {"encode_text.device": device.type, "encode_vae.device": device.type,
-                             "encode_text.dtype": dtype, "encode_vae.dtype": dtype,
-                             "encode_text.batch_size": 8, "encode_vae.batch_size": 8})
-    for name, fn in (("encode_text", encode_text.run), ("encode_vae", encode_vae.run)):
+    common = {"encode_text.device": device.type, "encode_vae.device": device.type, "encode_text.dtype": dtype,
+              "encode_vae.dtype": dtype, "encode_text.batch_size": 8, "encode_vae.batch_size": 8}
+    cfg = load_config(None, common)
+    padded = load_config(None, {**common, "encode_text.batching": "padded"})
+    units = [("first_pass", "encode_text", encode_text.run, cfg, store),
+             ("first_pass", "encode_vae", encode_vae.run, cfg, store),
+             (None, "encode_text", encode_text.run, cfg, copies["warm"]),
+             (None, "encode_vae", encode_vae.run, cfg, copies["warm"]),
+             (None, "encode_text_padded", encode_text.run, padded, copies["padded"])]
+    for group, name, fn, c, where in units:
+        into = record.setdefault(group, {}) if group else record
         if time.monotonic() > deadline:
-            record.setdefault("not_run_budget", []).append(name)
+            record.setdefault("not_run_budget", []).append(f"{group}.{name}" if group else name)
             continue
         try:
-            s = fn(cfg, store, model)
-            record[name] = {"samples_per_s": s.encoded / s.loop_seconds, "encoded": s.encoded,
-                            "forward_share": s.forward_seconds / s.loop_seconds, "forwards": s.forwards}
+            into[name] = ours_rates(fn, c, where, model)
         except Exception as e:
-            record[name] = {"error": f"{type(e).__name__}: {str(e)[:400]}", "where": traceback.format_exc(limit=-3)[-800:]}
+            into[name] = {"error": f"{type(e).__name__}: {str(e)[:400]}", "where": traceback.format_exc(limit=-3)[-800:]}
         record.flush()
     if time.monotonic() > deadline:
         record.setdefault("not_run_budget", []).append("stock")
         return
     try:
-        record["stock_per_sample"] = stock_rates(model, store, device, getattr(torch, dtype))
-        for ours, base in (("encode_text", "encode_prompt_samples_per_s"), ("encode_vae", "vae_samples_per_s")):
+        record["stock_per_sample"] = stock = stock_rates(model, store, device, getattr(torch, dtype))
+        for ours, base in (("encode_text", "encode_prompt_samples_per_s"), ("encode_vae", "vae_samples_per_s"),
+                           ("encode_text_padded", "encode_prompt_samples_per_s")):
             if "samples_per_s" in record.get(ours, {}):
-                record[ours]["x_stock"] = record[ours]["samples_per_s"] / record["stock_per_sample"][base]
+                record[ours]["x_stock"] = record[ours]["samples_per_s"] / stock[base]
+            first = record.get("first_pass", {}).get(ours, {})
+            if "samples_per_s" in first:
+                first["x_stock_first_pass"] = first["samples_per_s"] / stock["first_pass"][base]
     except Exception as e:
         record["stock_per_sample"] = {"error": f"{type(e).__name__}: {str(e)[:400]}",
                                       "where": traceback.format_exc(limit=-3)[-800:]}

@@ -35,9 +35,11 @@ VL_TOKENS_PER_CONTROL = 188
 
 
 def cfg(quantize="none", ckpt=True, attention="packed", batching=("batch", 4), compile=False, offload=False,
-        cap_gib=None) -> dict:
+        cap_gib=None, masked=False) -> dict:
+    # masked: the attention kernel of padded batches even for a batch of one sample (which otherwise takes the
+    # stock path): an all-true image mask through multires_forward
     return dict(quantize=quantize, checkpointing=ckpt, attention=attention, batching=list(batching), compile=compile,
-                offload=offload, cap_gib=cap_gib)
+                offload=offload, cap_gib=cap_gib, masked=masked)
 
 
 # Offloaded configurations run batch 1: batch 4 of 1-MP samples holds ~34 GB of checkpointed activations alone
@@ -47,6 +49,10 @@ CONFIGS = {
     "bf16-packed": cfg(),
     "bf16-native": cfg(attention="native"),
     "bf16-anchors": cfg(attention="native", batching=("anchors", 4)),
+    # packed at batch 1 (forced through the padded-batch path): no padding at all, so beside bf16-anchors
+    # (the stock path, dense flash) it isolates varlen_attn and the gather / scatter around it from batch 4's
+    # padding (on the H200 batch 4 ran 0.765x the anchors' tokens/s, padding explains 0.853)
+    "bf16-packed-b1": cfg(batching=("batch", 1), masked=True),
     "bf16-packed-nockpt": cfg(ckpt=False, batching=("batch", 1)),  # all 60 blocks' activations: one sample
     "bf16-packed-budget": cfg(batching=("budget", 65536)),
     "bf16-packed-compile": cfg(compile=True),
@@ -60,7 +66,8 @@ CONFIGS = {
 
 # --smoke (the CPU test): one configuration per code path (packed / native / anchors / budget / quantised /
 # offload under a cap).
-SMOKE_CONFIGS = ["bf16-packed", "bf16-native", "bf16-anchors", "bf16-packed-budget", "int8-packed", "int8-offload-24g"]
+SMOKE_CONFIGS = ["bf16-packed", "bf16-native", "bf16-anchors", "bf16-packed-b1", "bf16-packed-budget", "int8-packed",
+                 "int8-offload-24g"]
 
 
 def patches(area_px: int, aspect: float, multiple: int = 32) -> tuple[int, int]:
@@ -182,10 +189,10 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_config(name: str, c: dict, d: dict, samples, device: torch.device, smoke: bool, deadline: float) -> dict:
+def run_config(name: str, c: dict, d: dict, samples, batches: list[list[int]], plan: dict, device: torch.device,
+               smoke: bool, deadline: float) -> dict:
     from bench.rehearsal import model_flops_per_step
     from models.flow import flow_loss_of, prepare_flow_batch
-    from models.memory_plan import train_plan
     from models.randomness import draw_noise
 
     cuda = device.type == "cuda"
@@ -198,10 +205,7 @@ def run_config(name: str, c: dict, d: dict, samples, device: torch.device, smoke
             total = torch.cuda.get_device_properties(device).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, c["cap_gib"] * 2**30 / total), _index(device))
         torch.cuda.reset_peak_memory_stats(device)
-    batches = batches_for(samples, c["batching"])
     warm = 2 if c["compile"] else 1
-    plan_batch = max(len(b) for b in batches)
-    plan_tokens = max(max(seq_len(samples[i]) for i in b) for b in batches)
     g = torch.Generator().manual_seed(0)
     rows, partial = [], False
     for step, b in enumerate(batches[:warm] + batches):
@@ -217,7 +221,7 @@ def run_config(name: str, c: dict, d: dict, samples, device: torch.device, smoke
         _sync(device)
         t1 = time.perf_counter()
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
-            loss = flow_loss_of(model, fb).mean()
+            loss = (masked_loss(model, fb) if c.get("masked") else flow_loss_of(model, fb)).mean()
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -226,9 +230,9 @@ def run_config(name: str, c: dict, d: dict, samples, device: torch.device, smoke
         if step >= warm:
             rows.append(dict(seconds=t2 - t0, data_seconds=t1 - t0, samples=len(b), loss=loss.item(),
                              target_tokens=sum(s.target_tokens for s in picked),
-                             lengths=[seq_len(s) for s in picked]))
+                             lengths=[seq_len(s) for s in picked], padded_tokens=padded_tokens(picked)))
     out = {"config": c, "attention_backend": backend, "steps": len(rows), "partial": partial,
-           "batches_per_epoch": len(batches)}
+           "batches_per_epoch": len(batches), **plan, "rows": rows}
     if rows:
         total = sum(r["seconds"] for r in rows)
         flops = sum(model_flops_per_step(counts.token_linear_params, counts.blocks, counts.width, r["lengths"],
@@ -249,17 +253,66 @@ def run_config(name: str, c: dict, d: dict, samples, device: torch.device, smoke
         )
     if cuda:
         out.update(peak_allocated=torch.cuda.max_memory_allocated(device), peak_reserved=torch.cuda.max_memory_reserved(device))
-    plan = train_plan("", "bfloat16", c["quantize"], plan_batch, plan_tokens, c["checkpointing"] or c["offload"], 16,
-                      "blocks" if c["offload"] else "none", 0, counts=counts)
-    out.update(plan_bytes=plan.total, plan_parts=plan.parts, plan_batch=plan_batch, plan_tokens_per_sample=plan_tokens)
     if cuda and out.get("peak_allocated"):
-        out["plan_over_measured"] = plan.total / out["peak_allocated"]
+        out["plan_over_measured"] = plan["plan_bytes"] / out["peak_allocated"]
     del model, params, opt
     gc.collect()
     if cuda:
         torch.cuda.set_per_process_memory_fraction(1.0, _index(device))
         torch.cuda.empty_cache()
     return out
+
+
+def masked_loss(model, fb):
+    """flow_loss_of with the image mask always passed: the padded-batch attention path even at batch 1."""
+    from models.flow import per_sample_loss
+    from models.multires import multires_forward, target_outputs
+
+    out = multires_forward(model, fb.batch, fb.sigmas.to(model.dtype), attention_kwargs={"image_mask": fb.batch.image_mask})
+    return per_sample_loss(target_outputs(out, fb.batch), fb.targets, fb.weights)
+
+
+def padded_tokens(picked) -> int:
+    """Tokens the batch's linears process: every sample padded to the batch's longest image sequence and its
+    longest text (build_batch pads the two streams apart)."""
+    img = max(sum(math.prod(x) for x in s.img_shapes) for s in picked)
+    return len(picked) * (img + max(s.prompt_embeds.shape[0] for s in picked))
+
+
+def plan_of(c: dict, samples, batches: list[list[int]], counts) -> dict:
+    """`pipeline plan`'s prediction for this configuration (models/memory_plan.train_plan on the model's counts,
+    the longest padded sample x the largest batch), and the epoch's padding (padded / real tokens): known before
+    the configuration runs, so a failed or skipped one still has them."""
+    from models.memory_plan import train_plan
+
+    plan_batch = max(len(b) for b in batches)
+    plan_tokens = max(max(seq_len(samples[i]) for i in b) for b in batches)
+    plan = train_plan("", "bfloat16", c["quantize"], plan_batch, plan_tokens, c["checkpointing"] or c["offload"], 16,
+                      "blocks" if c["offload"] else "none", 0, counts=counts)
+    real = sum(seq_len(samples[i]) for b in batches for i in b)
+    padded = sum(padded_tokens([samples[i] for i in b]) for b in batches)
+    return dict(plan_bytes=plan.total, plan_parts=plan.parts, plan_batch=plan_batch, plan_tokens_per_sample=plan_tokens,
+                padding_share=padded / real)
+
+
+def over_limit(plan_bytes: int, c: dict, card_bytes: int | None) -> str | None:
+    """Why a configuration is not run: its plan exceeds the memory cap it emulates, or the card, by more than
+    10 % (plan's own accuracy target), so it would only spend GPU minutes reaching an out-of-memory error."""
+    if c["cap_gib"]:
+        limit, what = c["cap_gib"] * 2**30, f"the {c['cap_gib']:g} GiB cap"
+    else:
+        limit, what = card_bytes, "the card's " + (f"{card_bytes / 2**30:.1f} GiB" if card_bytes else "memory")
+    if limit is None or plan_bytes <= 1.1 * limit:
+        return None
+    return f"plan {plan_bytes / 2**30:.3g} GiB exceeds {what} by more than 10 %"
+
+
+def meta_counts(d: dict):
+    """The transformer's counts from a model built on the meta device (no memory, no time)."""
+    from diffusers import QwenImageTransformer2DModel
+
+    with torch.device("meta"):
+        return counts_of(QwenImageTransformer2DModel(**d))
 
 
 def _index(device: torch.device) -> int:
@@ -282,6 +335,8 @@ def run_train(device: torch.device, smoke: bool, deadline: float, record, names:
                                   for s in samples])
     record["layers"] = d["num_layers"]
     configs = record.setdefault("configs", {})
+    counts = meta_counts(d)
+    card = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
     for name in names or list(CONFIGS):
         if smoke and name not in SMOKE_CONFIGS:  # one of each code path; compile: a minute of tracing on a CPU
             record.setdefault("skipped_smoke", []).append(name)
@@ -290,11 +345,18 @@ def run_train(device: torch.device, smoke: bool, deadline: float, record, names:
             record.setdefault("not_run_budget", []).append(name)
             record.flush()
             continue
+        c = CONFIGS[name]
+        batches = batches_for(samples, c["batching"])
+        plan = plan_of(c, samples, batches, counts)
+        if (why := over_limit(plan["plan_bytes"], c, card)) is not None:
+            configs[name] = {"config": c, **plan, "skipped": why}
+            record.flush()
+            continue
         failed = False
         try:
-            configs[name] = run_config(name, CONFIGS[name], d, samples, device, smoke, deadline)
+            configs[name] = run_config(name, c, d, samples, batches, plan, device, smoke, deadline)
         except Exception as e:  # out of memory under a cap, a kernel this build lacks: recorded, and on to the next
-            configs[name] = {"config": CONFIGS[name], "error": f"{type(e).__name__}: {str(e)[:400]}",
+            configs[name] = {"config": c, **plan, "error": f"{type(e).__name__}: {str(e)[:400]}",
                              "where": traceback.format_exc(limit=-3)[-800:]}
             failed = True
         if failed:  # after the except block: its traceback held the failed configuration's model alive

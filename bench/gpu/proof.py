@@ -170,12 +170,14 @@ def summary(stage: str, rec: dict) -> str:
     """A short table for the end of the call's output (the reply carries the tail)."""
     lines = [f"== {stage}: {rec.get('seconds', 0):.0f} s, complete={rec.get('complete')}"]
     if stage == "correctness":
+        from bench.gpu.correctness import did_not_run
+
         for prec in ("float32", "bfloat16"):
             for name, r in rec.get("equivalence", {}).get(prec, {}).items():
                 if isinstance(r, dict) and "ran" in r:
                     lines.append(f"{prec:9s} {name:18s} " + (
                         f"ok={r['ok']} fwd {r['forward']:.1e} dx {r['grad_input_image']:.1e} dW {r['grad_weights']:.1e}"
-                        if r["ran"] else f"did not run: {r['error'][:90]}"))
+                        if r["ran"] else did_not_run(r)))
         for name, r in rec.get("same_lora", {}).items():
             if isinstance(r, dict) and "ran" in r:
                 lines.append(f"same LoRA {name:9s} " + (f"diff {r.get('max_rel_diff_vs_plain', 0):.1e} ok={r.get('ok', True)}"
@@ -185,19 +187,25 @@ def summary(stage: str, rec: dict) -> str:
                 lines.append(f"quantized {name:5s} loss deviation {r['rel_loss_deviation']:.2e}")
     elif stage == "train":
         for name, r in rec.get("configs", {}).items():
-            if "error" in r:
-                lines.append(f"{name:22s} error: {r['error'][:90]}")
+            plan = f"plan {r['plan_bytes'] / 2**30:.1f} GiB" if "plan_bytes" in r else ""
+            pad = f"pad {r['padding_share']:.3f}" if "padding_share" in r else ""
+            if "skipped" in r:
+                lines.append(f"{name:22s} skipped: {r['skipped']}")
+            elif "error" in r:
+                lines.append(f"{name:22s} error: {r['error'][:90]} ({plan})")
             elif "s_per_step" in r:
                 mfu = r.get("mfu_vs_spec") or r.get("mfu_vs_measured_matmul")
                 peak = r.get("peak_allocated")
                 lines.append(f"{name:22s} {r['s_per_step']:7.2f} s/step {r['target_tokens_per_s']:9.0f} tgt tok/s "
-                             f"MFU {mfu:.2f} data {r['data_share']:.1%} "
-                             + (f"peak {peak / 2**30:.1f} GiB plan {r['plan_bytes'] / 2**30:.1f} GiB" if peak else ""))
+                             f"MFU {mfu:.2f} data {r['data_share']:.1%} {pad} "
+                             + (f"peak {peak / 2**30:.1f} GiB " if peak else "") + plan)
     else:
-        for name in ("encode_text", "encode_vae"):
-            r = rec.get(name, {})
+        for name in ("encode_text", "encode_vae", "encode_text_padded"):
+            r, first = rec.get(name, {}), rec.get("first_pass", {}).get(name, {})
             if "samples_per_s" in r:
-                lines.append(f"{name:12s} {r['samples_per_s']:.2f} samples/s, x{r.get('x_stock', float('nan')):.2f} stock")
+                lines.append(f"{name:18s} {r['samples_per_s']:.2f} samples/s, x{r.get('x_stock', float('nan')):.2f} stock "
+                             f"(steady state; batch {r.get('mean_batch', float('nan')):.1f})"
+                             + (f", first pass x{first.get('x_stock_first_pass', float('nan')):.2f}" if first else ""))
     return "\n".join(lines)
 
 
