@@ -12,7 +12,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from schemas.errors import UserError
 from store.checksum import CHUNK, RunningCrc
@@ -113,8 +113,39 @@ class Remote:
                 crc.update(chunk)
         return crc.hex()
 
-    def upload(self, local: Path, rel: str, crc: str, progress) -> None:
-        self.fs.put_file(str(local), self.path(rel), callback=_Bytes(progress), **self._meta(crc))
+    def upload(self, local: Path, rel: str, crc: str, progress) -> bool:
+        """Upload `local` as `rel` only if no object `rel` exists; False when one does (nothing written).
+
+        Every object of a version is written once: on S3 a conditional PUT (If-None-Match: *) decides on the
+        server, so a pusher never overwrites an object another pusher wrote, and of two pushers racing for the
+        same version exactly one creates its manifest (the commit). Elsewhere it is a check, then a write."""
+        if not self.is_s3:
+            if self.fs.exists(self.path(rel)):
+                return False
+            self.fs.put_file(str(local), self.path(rel), callback=_Bytes(progress))
+            return True
+        try:
+            self.fs.put_file(str(local), self.path(rel), callback=_Bytes(progress), mode="create",
+                             **self._meta(crc))
+        except FileExistsError:
+            return False
+        except OSError as e:
+            if not _precondition_failed(e):
+                raise
+            return False
+        return True
+
+    def has(self, rel: str, nbytes: int, crc: str, listing: dict[str, int] | None = None) -> bool:
+        """Is object `rel` there with this size and CRC32C? (`listing`: sizes already listed, saves a request)"""
+        if listing is not None:
+            size = listing.get(rel)
+        else:
+            try:
+                self.fs.invalidate_cache()
+                size = int(self.fs.info(self.path(rel))["size"])
+            except FileNotFoundError:
+                return False
+        return size == nbytes and self.recorded_crc(rel) == crc
 
     def download(self, rel: str, local: Path, progress) -> str:
         """Fetch one object to `local`; its CRC32C (computed from the bytes written, no re-read)."""
@@ -126,8 +157,41 @@ class Remote:
                 progress.update(len(chunk))
         return crc.hex()
 
+    def swap(self, rel: str, update: Callable[[bytes | None], bytes], attempts: int = 8) -> None:
+        """Compare-and-swap of a small object (store.json): `update(old bytes or None)` -> new bytes, written
+        only if the object is still what was read (S3: If-Match on its ETag / If-None-Match when absent); on a
+        lost race it reads again and retries, so two pushers never drop each other's update."""
+        for _ in range(attempts):
+            self.fs.invalidate_cache()
+            try:
+                etag = self.fs.info(self.path(rel)).get("ETag")
+                old = self.read(rel)
+            except FileNotFoundError:
+                etag, old = None, None
+            new = update(old)
+            if not self.is_s3:
+                self.write(rel, new)
+                return
+            cond = {"IfMatch": etag} if etag else {"mode": "create"}
+            try:
+                self.fs.pipe_file(self.path(rel), new, **cond)
+                return
+            except FileExistsError:
+                continue
+            except OSError as e:
+                if not _precondition_failed(e):
+                    raise
+        raise UserError(f"{self.url}/{rel}: changed by another writer {attempts} times in a row while this one "
+                        "tried to update it; rerun")
+
     def _meta(self, crc: str | None) -> dict[str, Any]:
         return {"Metadata": {CRC_META: crc}} if self.is_s3 and crc else {}
+
+
+def _precondition_failed(e: OSError) -> bool:
+    """s3fs reports a failed If-Match as a plain OSError; the server's message says which."""
+    text = str(e).lower()
+    return "precondition" in text.replace("-", "") or "412" in text
 
 
 class _Bytes:

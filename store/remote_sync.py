@@ -134,24 +134,41 @@ def push(src: Path, url: str, storage_options: dict[str, Any] | None = None,
             for rel, f in todo:
                 path = src / rel
                 _check_local(path, f)
-                remote.upload(path, rel, f.crc, bar)
+                # objects are write-once: one that appeared since the listing must be this very file
+                if not remote.upload(path, rel, f.crc, bar) and not remote.has(rel, f.nbytes, f.crc):
+                    table, version = rel.split("/")[:2]
+                    raise _conflict(table, int(version[1:]), url, src)
                 summary.objects_sent += 1
                 summary.bytes_sent += f.nbytes
         quarantine = src / fmt.QUARANTINE
         if quarantine.is_file() and fmt.QUARANTINE not in listing:
             data = quarantine.read_bytes()
             remote.write(fmt.QUARANTINE, data, crc_hex(data))
-        # store.json last: the remote's current versions become the local ones (every one is complete there now)
-        remote_rec = _remote_record(remote, listing) or fmt.new_store_record()
-        tables = {**remote_rec["tables"], **local_rec["tables"]}
-        remote.write(fmt.STORE_JSON, seal({**remote_rec, "tables": tables,
-                                          "format_version": fmt.STORE_FORMAT_VERSION}))
+        # store.json last: the remote's current versions become the local ones (those complete there now)
+        there = {tuple(name.rsplit("/v", 1)) for name in summary.copied + summary.present}
+        current = {t: e for t, e in local_rec["tables"].items() if (t, str(e["current"])) in there}
+        remote.swap(fmt.STORE_JSON, lambda old: _merged_record(old, current, url))
     return summary
+
+
+def _merged_record(old: bytes | None, current: dict[str, Any], url: str) -> bytes:
+    rec = fmt.new_store_record() if old is None else _parse_record(old, url)
+    return seal({**rec, "tables": {**rec["tables"], **current}, "format_version": fmt.STORE_FORMAT_VERSION})
+
+
+def _parse_record(data: bytes, url: str) -> dict[str, Any]:
+    where = f"{url}/{fmt.STORE_JSON}"
+    try:
+        rec = unseal(data)
+    except SealError as e:
+        raise UserError(f"{where} is damaged ({e}); push the store again into an empty prefix") from None
+    fmt.check_store_record(rec, Path(where))
+    return rec
 
 
 def _same(remote: Remote, listing: dict[str, int], f: _File) -> bool:
     """Is the object there already with this file's size and CRC32C?"""
-    return listing.get(f.rel) == f.nbytes and remote.recorded_crc(f.rel) == f.crc
+    return remote.has(f.rel, f.nbytes, f.crc, listing)
 
 
 def _check_local(path: Path, f: _File) -> None:
@@ -169,14 +186,7 @@ def _check_local(path: Path, f: _File) -> None:
 def _remote_record(remote: Remote, listing: dict[str, int]) -> dict[str, Any] | None:
     if fmt.STORE_JSON not in listing:
         return None
-    where = remote.path(fmt.STORE_JSON)
-    try:
-        rec = unseal(remote.read(fmt.STORE_JSON))
-    except SealError as e:
-        raise UserError(f"{remote.url}/{fmt.STORE_JSON} is damaged ({e}); push the store again into an empty "
-                        "prefix") from None
-    fmt.check_store_record(rec, Path(where))
-    return rec
+    return _parse_record(remote.read(fmt.STORE_JSON), remote.url)
 
 
 # ---------------------------------------------------------------- pull

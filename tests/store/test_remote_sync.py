@@ -9,6 +9,7 @@ import torch
 from typer.testing import CliRunner
 
 from pipeline.cli import app
+from schemas.errors import UserError
 from store import Store
 from store import remote as remote_mod
 from store.remote_sync import pull, push
@@ -151,3 +152,28 @@ def test_bad_credentials_and_missing_bucket_are_one_line(s3_env, store: Store, m
     out = res.output.strip()
     assert len(out.splitlines()) == 1 and "access to " + s3_env.url() + " denied" in out
     assert "AWS_ACCESS_KEY_ID" in out
+
+
+def test_two_pushers_racing_for_one_version_never_both_commit(s3_env, tmp_path: Path, monkeypatch) -> None:
+    a, b = Store(tmp_path / "a"), Store(tmp_path / "b")
+    fill(a, 6, tag="a")
+    fill(b, 6, tag="b", start=50)  # another store: its v1 holds other samples under the same object names
+    push(a.root, s3_env.url())
+    before = {k: s3_env.client().head_object(Bucket=s3_env.bucket, Key=k)["ETag"] for k in objects(s3_env)}
+    # b listed the remote before a's push landed: it plans to upload all of its v1
+    real_listing = remote_mod.Remote.listing
+    calls = []
+
+    def stale_first_listing(self):
+        calls.append(1)
+        return {} if len(calls) == 1 else real_listing(self)
+
+    monkeypatch.setattr(remote_mod.Remote, "listing", stale_first_listing)
+    with pytest.raises(UserError, match="differs between"):
+        push(b.root, s3_env.url())
+    # every object is a's, untouched: pulling gives a's store, intact
+    assert {k: s3_env.client().head_object(Bucket=s3_env.bucket, Key=k)["ETag"] for k in objects(s3_env)} == before
+    pulled = tmp_path / "pulled"
+    pull(s3_env.url(), pulled)
+    assert files_of(pulled) == files_of(a.root)
+    assert verify_store(pulled) == []
