@@ -177,3 +177,29 @@ def test_two_pushers_racing_for_one_version_never_both_commit(s3_env, tmp_path: 
     pull(s3_env.url(), pulled)
     assert files_of(pulled) == files_of(a.root)
     assert verify_store(pulled) == []
+
+
+def test_interrupted_pull_shows_nothing_and_a_rerun_fetches_only_the_rest(s3_env, store: Store, tmp_path: Path,
+                                                                         monkeypatch) -> None:
+    fill(store, 12)
+    push(store.root, s3_env.url())
+    real_download = remote_mod.Remote.download
+    fetched: list[str] = []
+
+    def failing_download(self, rel, local, progress):
+        if len(fetched) == 4:
+            raise ConnectionResetError("connection reset by peer")
+        fetched.append(rel)
+        return real_download(self, rel, local, progress)
+
+    monkeypatch.setattr(remote_mod.Remote, "download", failing_download)
+    dst = tmp_path / "pulled"
+    with pytest.raises(UserError, match="lost the connection"):
+        pull(s3_env.url(), dst)
+    assert Store(dst, create=False).versions("vae") == [] and Store(dst, create=False).tables() == {}
+
+    monkeypatch.setattr(remote_mod.Remote, "download", real_download)
+    summary = pull(s3_env.url(), dst)
+    n_files = len(list((store.root / "vae" / "v1").iterdir()))
+    assert summary.objects_skipped == 4 and summary.objects_sent == n_files - 4
+    assert files_of(dst) == files_of(store.root) and verify_store(dst) == []
