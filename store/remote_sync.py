@@ -193,7 +193,9 @@ def _remote_record(remote: Remote, listing: dict[str, int]) -> dict[str, Any] | 
 
 
 def pull(url: str, dst: Path, storage_options: dict[str, Any] | None = None,
-         echo: Callable[[str], None] = print) -> SyncSummary:
+         echo: Callable[[str], None] = print, tables: list[str] | None = None) -> SyncSummary:
+    """Every complete remote version the local store lacks; with `tables`, only those tables' current versions
+    (what a reader opening them needs: store/remote_cache.py)."""
     from store.store import Store
 
     dst = Path(dst)
@@ -204,6 +206,12 @@ def pull(url: str, dst: Path, storage_options: dict[str, Any] | None = None,
         rec = _remote_record(remote, listing)
         if rec is None:
             raise UserError(f"no store at {url} (no {fmt.STORE_JSON} there); check the URL, or push a store first")
+        if tables is not None:
+            missing = sorted(set(tables) - set(rec["tables"]))
+            if missing:
+                raise UserError(f"no table {', '.join(missing)} in the store at {url} (tables: "
+                                f"{sorted(rec['tables']) or 'none'}); run the stage that writes it and push again")
+            wanted = {(t, int(rec["tables"][t]["current"])) for t in tables}
         store = Store(dst)
         plan: list[tuple[str, int, bytes, list[_File]]] = []
         for rel in sorted(listing):
@@ -211,6 +219,8 @@ def pull(url: str, dst: Path, storage_options: dict[str, Any] | None = None,
             if not m:
                 continue
             table, version = m.group(1), int(m.group(2))
+            if tables is not None and (table, version) not in wanted:
+                continue
             record = remote.read(f"{table}/v{version}/{fmt.CHECKSUMS}")
             files = _ordered(table, version, _checksums(record, f"{url}/{table}/v{version}/{fmt.CHECKSUMS}"),
                              record)
@@ -230,6 +240,8 @@ def pull(url: str, dst: Path, storage_options: dict[str, Any] | None = None,
         if fmt.QUARANTINE in listing and not quarantine.is_file():
             fmt.atomic_write_bytes(quarantine, remote.read(fmt.QUARANTINE))
         for table, entry in sorted(rec["tables"].items()):
+            if tables is not None and table not in tables:
+                continue
             if fmt.is_complete(fmt.version_dir(dst, table, int(entry["current"]))):
                 store.set_current(table, int(entry["current"]))
     return summary

@@ -34,3 +34,47 @@ def test_pulled_store_trains_the_same_lora(s3_env, tiny_edit_model, tmp_path: Pa
     assert a.keys() == b.keys() and a
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+def test_train_reads_a_store_url_through_a_bounded_cache(s3_env, tiny_edit_model, tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from pipeline.cli import app
+    from schemas.errors import UserError
+    from store.remote_cache import local_store
+
+    local = tmp_path / "store"
+    make_train_store(local, tiny_edit_model, mixed_specs(6, 2, masks=True))
+    push(local, s3_env.url("features"))
+    cache = tmp_path / "cache"
+    args = ["run", "train", "--model", tiny_edit_model, "--device", "cpu", "--batch-size", "2", "--max-steps", "3",
+            "-s", "train.learning_rate=2e-3", "-s", "train.lora.rank=4", "-s", "train.warmup_steps=1"]
+    res = CliRunner().invoke(app, [*args, "--store", s3_env.url("features"), "--out", str(tmp_path / "run-url"),
+                                   "--cache-dir", str(cache), "--cache-gb", "1"])
+    assert res.exit_code == 0, res.output
+    res = CliRunner().invoke(app, [*args, "--store", str(local), "--out", str(tmp_path / "run-local")])
+    assert res.exit_code == 0, res.output
+    a, b = read_lora(tmp_path / "run-local" / "lora")[0], read_lora(tmp_path / "run-url" / "lora")[0]
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    # a second store URL that does not fit beside the first: the least recently used versions are evicted
+    (cached,) = [p for p in cache.iterdir() if p.is_dir()]
+    size = sum(p.stat().st_size for p in cached.rglob("*") if p.is_file())
+    push(local, s3_env.url("other"))
+    limit = size * 1.5
+    other = local_store(s3_env.url("other"), ["text", "vae"], cache, limit_gb=limit / 1e9)
+    assert Store_versions(other) == {"text": [1], "vae": [1]}  # in use: kept
+    left = Store_versions(cached)
+    assert left["text"] == [] or left["vae"] == []  # the older store's versions went first
+    assert sum(p.stat().st_size for p in cache.glob("*/*/v*/*")) <= limit
+    # the first one is pulled again (checked) when used next
+    assert Store_versions(local_store(s3_env.url("features"), ["vae"], cache, limit_gb=10))["vae"] == [1]
+    # versions in use that cannot fit: one line naming the cache and the limit
+    with pytest.raises(UserError, match="over its limit"):
+        local_store(s3_env.url("features"), ["text", "vae"], cache, limit_gb=size * 0.5 / 1e9)
+
+
+def Store_versions(root: Path) -> dict[str, list[int]]:
+    from store import format as fmt
+
+    return {t: fmt.list_versions(root, t) for t in ("text", "vae")}
