@@ -24,7 +24,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from schemas.errors import UserError
 from store import format as fmt
@@ -100,8 +100,7 @@ def _conflict(table: str, version: int, url: str, local: Path) -> UserError:
 # ---------------------------------------------------------------- push
 
 
-def push(src: Path, url: str, storage_options: dict[str, Any] | None = None,
-         echo: Callable[[str], None] = print) -> SyncSummary:
+def push(src: Path, url: str, storage_options: dict[str, Any] | None = None) -> SyncSummary:
     src = Path(src)
     if not (src / fmt.STORE_JSON).is_file():
         raise UserError(f"no store at {src} (no {fmt.STORE_JSON}); pass the store folder a stage wrote")
@@ -193,7 +192,7 @@ def _remote_record(remote: Remote, listing: dict[str, int]) -> dict[str, Any] | 
 
 
 def pull(url: str, dst: Path, storage_options: dict[str, Any] | None = None,
-         echo: Callable[[str], None] = print, tables: list[str] | None = None) -> SyncSummary:
+         tables: list[str] | None = None) -> SyncSummary:
     """Every complete remote version the local store lacks; with `tables`, only those tables' current versions
     (what a reader opening them needs: store/remote_cache.py)."""
     from store.store import Store

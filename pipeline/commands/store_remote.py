@@ -30,7 +30,7 @@ def push(
     from store.remote_sync import push as do_push
 
     with user_errors():
-        echo(str(do_push(store, url, _options(option), echo)))
+        echo(str(do_push(store, url, _options(option))))
 
 
 def pull(
@@ -41,4 +41,4 @@ def pull(
     from store.remote_sync import pull as do_pull
 
     with user_errors(store):
-        echo(str(do_pull(url, store, _options(option), echo)))
+        echo(str(do_pull(url, store, _options(option))))
