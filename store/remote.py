@@ -9,6 +9,7 @@ itself, or fsspec storage options passed by the caller.
 
 from __future__ import annotations
 
+import errno
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,19 +39,31 @@ def remote_errors(url: str, action: str) -> Iterator[None]:
         yield
     except UserError:
         raise
-    except PermissionError as e:
-        raise UserError(f"{action}: access to {url} denied ({_first_line(e)}); check AWS_ACCESS_KEY_ID / "
-                        "AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) and the bucket's permissions") from None
-    except FileNotFoundError as e:
-        if "bucket" in str(e).lower():
-            raise UserError(f"{action}: the bucket of {url} does not exist ({_first_line(e)}); create it or "
-                            "fix the URL") from None
-        raise UserError(f"{action}: {url}: {_first_line(e)} (an object disappeared meanwhile?); rerun") from None
+    except OSError as e:
+        if e.filename or e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):  # local: the CLI's handler says
+            raise
+        _remote_os_error(e, url, action)
     except Exception as e:  # noqa: BLE001  connection refused/reset, timeouts: botocore's and aiohttp's own types
         if not _is_transport_error(e):
             raise
         raise UserError(f"{action}: lost the connection to {url} ({type(e).__name__}: {_first_line(e)}); "
                         + _hint(url)) from None
+
+
+def _remote_os_error(e: OSError, url: str, action: str) -> None:
+    """s3fs reports the server's answers as OSError subclasses (no file name)."""
+    if isinstance(e, PermissionError):
+        raise UserError(f"{action}: access to {url} denied ({_first_line(e)}); check AWS_ACCESS_KEY_ID / "
+                        "AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) and the bucket's permissions") from None
+    if isinstance(e, FileNotFoundError):
+        if "bucket" in str(e).lower():
+            raise UserError(f"{action}: the bucket of {url} does not exist ({_first_line(e)}); create it or "
+                            "fix the URL") from None
+        raise UserError(f"{action}: {url}: {_first_line(e)} (an object disappeared meanwhile?); rerun") from None
+    if _is_transport_error(e):
+        raise UserError(f"{action}: lost the connection to {url} ({type(e).__name__}: {_first_line(e)}); "
+                        + _hint(url)) from None
+    raise UserError(f"{action}: {url} answered: {_first_line(e)}; rerun, or check the server") from None
 
 
 def _first_line(e: BaseException) -> str:

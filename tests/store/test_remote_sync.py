@@ -203,3 +203,42 @@ def test_interrupted_pull_shows_nothing_and_a_rerun_fetches_only_the_rest(s3_env
     n_files = len(list((store.root / "vae" / "v1").iterdir()))
     assert summary.objects_skipped == 4 and summary.objects_sent == n_files - 4
     assert files_of(dst) == files_of(store.root) and verify_store(dst) == []
+
+
+def test_server_gone_mid_push_then_back_a_rerun_completes(store: Store, monkeypatch) -> None:
+    """A real outage: the server stops after 3 objects (one line, no traceback), comes back on another port (moto
+    keeps its objects in the process), and the rerun sends only what is missing."""
+    from s3_server import aws_env, start_server
+
+    fill(store, 12)
+    server, endpoint = start_server()
+    aws_env(monkeypatch, endpoint)
+    import boto3
+
+    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket="outage-bucket")
+    real_upload = remote_mod.Remote.upload
+    sent = []
+
+    def upload_then_outage(self, local, rel, crc, progress):
+        if len(sent) == 3:
+            server.stop()
+        out = real_upload(self, local, rel, crc, progress)
+        sent.append(rel)
+        return out
+
+    monkeypatch.setattr(remote_mod.Remote, "upload", upload_then_outage)
+    res = runner.invoke(app, ["store", "push", str(store.root), "s3://outage-bucket/s"])
+    assert res.exit_code == 1
+    assert "Traceback" not in res.output
+    out = [ln for ln in res.output.splitlines() if ln.strip() and "push s3://" not in ln]  # + the progress bar
+    assert len(out) == 1 and "lost the connection to s3://outage-bucket/s" in out[0] and "rerun" in out[0]
+
+    monkeypatch.setattr(remote_mod.Remote, "upload", real_upload)
+    server, endpoint = start_server()
+    try:
+        aws_env(monkeypatch, endpoint)
+        summary = push(store.root, "s3://outage-bucket/s")
+        n_files = len(list((store.root / "vae" / "v1").iterdir()))
+        assert summary.objects_skipped == 3 and summary.objects_sent == n_files - 3
+    finally:
+        server.stop()
