@@ -7,6 +7,10 @@ stale; a newer current version on the remote is pulled beside it on the next ope
 cache: pulls and evictions run under one lock on the cache folder (the first process pulls, the others wait and
 find it there), and a version a live reader holds a read lease on (store/lease.py, written by train's reader
 inside the cached store) is never evicted.
+
+A writer (the encoders) works on the cached copy and then pushes it back (`push_back`): the remote commit keeps
+push's guarantees (write-once objects, manifest last, store.json by compare-and-swap), so a killed encoder leaves
+nothing visible on the remote and a rerun resumes from the cached copy's committed shards.
 """
 
 from __future__ import annotations
@@ -22,27 +26,32 @@ from store import format as fmt
 from store import lease as leases
 from store.remote import is_url
 
-DEFAULT_CACHE_DIR = Path.home() / ".cache" / "qwen-edit-pipeline" / "stores"
+
+
+def default_cache_dir() -> Path:
+    return Path.home() / ".cache" / "qwen-edit-pipeline" / "stores"
+
 CACHE_LOCK = ".cache.lock"
 EVICTING = ".evicting"
 
 
 def local_store(store: str | Path, tables: list[str], cache_dir: str | Path | None = None,
-                limit_gb: float | None = None, storage_options: dict[str, Any] | None = None) -> Path:
+                limit_gb: float | None = None, storage_options: dict[str, Any] | None = None,
+                optional: tuple[str, ...] = ()) -> Path:
     """`store` itself when it is a local folder; for a URL, the cached local copy holding `tables`' current
-    versions (pulled now if missing)."""
+    versions (pulled now if missing; those in `optional` only when the remote has them)."""
     if not is_url(store):
         return Path(store)
     from store.remote_sync import pull
 
     url = str(store).rstrip("/")
-    cache = Path(cache_dir) if cache_dir is not None else DEFAULT_CACHE_DIR
+    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     cache.mkdir(parents=True, exist_ok=True)
     root = cache / hashlib.sha256(url.encode()).hexdigest()[:16]
     with fmt.flock(cache / CACHE_LOCK):
-        pull(url, root, storage_options, tables=tables)
+        pull(url, root, storage_options, tables=tables, optional=optional)
         current = fmt.read_store_record(root)["tables"]
-        needed = {(t, int(current[t]["current"])) for t in tables}
+        needed = {(t, int(current[t]["current"])) for t in tables if t in current}
         for t, v in needed:
             os.utime(fmt.version_dir(root, t, v))  # last use, for LRU
         if limit_gb is not None:
@@ -85,3 +94,13 @@ def evict(cache: Path, limit: int, keep: set[tuple[Path, str, int]]) -> list[Pat
         raise UserError(f"the store cache {cache} needs {total / 1e9:.2f} GB for the versions in use, over its "
                         f"limit of {limit / 1e9:.2f} GB; raise the limit (--cache-gb) or use a bigger --cache-dir")
     return removed
+
+
+def push_back(store: str | Path, local: Path, storage_options: dict[str, Any] | None = None):
+    """After a writer committed into the cached copy `local` of the store URL `store`: push what it added (the
+    push's summary; None for a local store)."""
+    if not is_url(store):
+        return None
+    from store.remote_sync import push
+
+    return push(local, str(store).rstrip("/"), storage_options)

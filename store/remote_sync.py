@@ -192,9 +192,9 @@ def _remote_record(remote: Remote, listing: dict[str, int]) -> dict[str, Any] | 
 
 
 def pull(url: str, dst: Path, storage_options: dict[str, Any] | None = None,
-         tables: list[str] | None = None) -> SyncSummary:
+         tables: list[str] | None = None, optional: tuple[str, ...] = ()) -> SyncSummary:
     """Every complete remote version the local store lacks; with `tables`, only those tables' current versions
-    (what a reader opening them needs: store/remote_cache.py)."""
+    (what a reader opening them needs: store/remote_cache.py), of which those in `optional` may be missing."""
     from store.store import Store
 
     dst = Path(dst)
@@ -206,6 +206,7 @@ def pull(url: str, dst: Path, storage_options: dict[str, Any] | None = None,
         if rec is None:
             raise UserError(f"no store at {url} (no {fmt.STORE_JSON} there); check the URL, or push a store first")
         if tables is not None:
+            tables = [t for t in tables if t in rec["tables"] or t not in optional]
             missing = sorted(set(tables) - set(rec["tables"]))
             if missing:
                 raise UserError(f"no table {', '.join(missing)} in the store at {url} (tables: "
