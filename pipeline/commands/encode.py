@@ -29,6 +29,9 @@ def _command(section: str, stage_module: str, component: str, batch_help: str, o
         config: Optional[Path] = ConfigOpt,
         set_: list[str] = SetOpt,
         as_json: bool = JsonOpt,
+        cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="With --store s3://...: the local cache "
+                                                 "(default ~/.cache/qwen-edit-pipeline/stores)."),
+        cache_gb: Optional[float] = typer.Option(None, "--cache-gb", help="Size limit of --cache-dir (LRU eviction)."),
     ) -> None:
         cfg = config_from(config, sets=set_, overrides={
             "paths.store": store, "paths.model": model, f"{section}.device": device, f"{section}.batch_size": batch_size,
@@ -44,7 +47,7 @@ def _command(section: str, stage_module: str, component: str, batch_help: str, o
             from store.remote_cache import local_store, push_back
 
             # a URL: encode into a local cached copy (its images, and the output table for reuse), then push it back
-            local = local_store(dst, ["images", out_table], optional=(out_table,))
+            local = local_store(dst, ["images", out_table], cache_dir, cache_gb, optional=(out_table,))
             summary = run(cfg, local, mdl)
             if os.environ.get("RANK", "0") == "0" and (pushed := push_back(dst, local)) is not None:
                 echo(str(pushed))  # rank 0 committed the table

@@ -20,7 +20,7 @@ def test_encode_text_on_a_store_url(s3_env, edit_store: Path, tiny_edit_model, t
     url = s3_env.url("enc")
     push(edit_store, url)
     args = ["run", "encode-text", "--model", tiny_edit_model, "--device", "cpu"]
-    res = CliRunner().invoke(app, [*args, "--store", url], env={"HOME": str(tmp_path / "home")})
+    res = CliRunner().invoke(app, [*args, "--store", url, "--cache-dir", str(tmp_path / "cache")])
     assert res.exit_code == 0, res.output
     assert "copied text/v1" in res.output
     local = CliRunner().invoke(app, [*args, "--store", str(edit_store)])
@@ -36,5 +36,7 @@ def test_encode_text_on_a_store_url(s3_env, edit_store: Path, tiny_edit_model, t
     a.close(), b.close()
 
     again = CliRunner().invoke(app, [*args, "--store", url, "--json"], env={"HOME": str(tmp_path / "home")})
+    # (default cache: under HOME)
+    assert (tmp_path / "home" / ".cache" / "qwen-edit-pipeline" / "stores").is_dir()
     assert again.exit_code == 0, again.output
     assert '"encoded": 0' in again.output and "nothing new" in again.output
