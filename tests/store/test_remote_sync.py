@@ -242,3 +242,41 @@ def test_server_gone_mid_push_then_back_a_rerun_completes(store: Store, monkeypa
         assert summary.objects_skipped == 3 and summary.objects_sent == n_files - 3
     finally:
         server.stop()
+
+
+def test_server_gone_mid_pull_then_back_a_rerun_completes(store: Store, monkeypatch, tmp_path: Path) -> None:
+    from s3_server import aws_env, start_server
+
+    fill(store, 12)
+    server, endpoint = start_server()
+    aws_env(monkeypatch, endpoint)
+    import boto3
+
+    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket="outage-pull")
+    push(store.root, "s3://outage-pull/s")
+    real_download = remote_mod.Remote.download
+    fetched = []
+
+    def download_then_outage(self, rel, local, progress):
+        if len(fetched) == 4:
+            server.stop()
+        fetched.append(rel)
+        return real_download(self, rel, local, progress)
+
+    monkeypatch.setattr(remote_mod.Remote, "download", download_then_outage)
+    dst = tmp_path / "pulled"
+    res = runner.invoke(app, ["store", "pull", "s3://outage-pull/s", str(dst)])
+    assert res.exit_code == 1 and "Traceback" not in res.output
+    out = [ln for ln in res.output.splitlines() if ln.strip() and "pull s3://" not in ln]  # + the progress bar
+    assert len(out) == 1 and "lost the connection to s3://outage-pull/s" in out[0]
+    assert Store(dst, create=False).versions("vae") == []  # nothing half-fetched is visible
+
+    monkeypatch.setattr(remote_mod.Remote, "download", real_download)
+    server, endpoint = start_server()
+    try:
+        aws_env(monkeypatch, endpoint)
+        summary = pull("s3://outage-pull/s", dst)
+        assert summary.objects_skipped == 4 and summary.copied == ["vae/v1"]
+        assert files_of(dst) == files_of(store.root) and verify_store(dst) == []
+    finally:
+        server.stop()
