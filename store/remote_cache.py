@@ -24,6 +24,7 @@ from typing import Any
 from schemas.errors import UserError
 from store import format as fmt
 from store import lease as leases
+from store.io_errors import writing
 from store.remote import is_url
 
 
@@ -48,7 +49,7 @@ def local_store(store: str | Path, tables: list[str], cache_dir: str | Path | No
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     cache.mkdir(parents=True, exist_ok=True)
     root = cache / hashlib.sha256(url.encode()).hexdigest()[:16]
-    with fmt.flock(cache / CACHE_LOCK):
+    with fmt.flock(cache / CACHE_LOCK), writing("the store cache", cache):
         pull(url, root, storage_options, tables=tables, optional=optional)
         current = fmt.read_store_record(root)["tables"]
         needed = {(t, int(current[t]["current"])) for t in tables if t in current}

@@ -260,7 +260,11 @@ def _pull_version(remote: Remote, dst: Path, table: str, version: int, files: li
             bar.update(f.nbytes)
             continue
         part = path.with_name(path.name + ".part")
-        crc = remote.download(f.rel, part, bar)
+        try:
+            crc = remote.download(f.rel, part, bar)
+        except BaseException:  # a full disk, a lost connection: no partial file is left behind
+            part.unlink(missing_ok=True)
+            raise
         size = part.stat().st_size
         if (size, crc) != (f.nbytes, f.crc):
             part.unlink()

@@ -78,3 +78,34 @@ def Store_versions(root: Path) -> dict[str, list[int]]:
     from store import format as fmt
 
     return {t: fmt.list_versions(root, t) for t in ("text", "vae")}
+
+
+def test_a_full_cache_disk_is_one_line_and_shows_nothing(s3_env, tiny_edit_model, tmp_path: Path, monkeypatch) -> None:
+    import errno
+
+    from schemas.errors import UserError
+    from store import remote as remote_mod
+    from store.remote_cache import local_store
+
+    local = tmp_path / "store"
+    make_train_store(local, tiny_edit_model, mixed_specs(4))
+    push(local, s3_env.url("full"))
+    real_download = remote_mod.Remote.download
+    calls = []
+
+    def disk_fills_up(self, rel, dst, progress):
+        calls.append(rel)
+        if len(calls) == 3:
+            dst.write_bytes(b"partial")
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_download(self, rel, dst, progress)
+
+    monkeypatch.setattr(remote_mod.Remote, "download", disk_fills_up)
+    cache = tmp_path / "cache"
+    with pytest.raises(UserError, match="disk full while writing the store cache in " + str(cache)):
+        local_store(s3_env.url("full"), ["text", "vae"], cache)
+    assert not list(cache.rglob("*.part"))  # no partial file left
+    (root,) = [p for p in cache.iterdir() if p.is_dir()]
+    assert Store_versions(root) == {"text": [], "vae": []}
+    monkeypatch.setattr(remote_mod.Remote, "download", real_download)
+    assert Store_versions(local_store(s3_env.url("full"), ["text", "vae"], cache)) == {"text": [1], "vae": [1]}
