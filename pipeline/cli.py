@@ -16,6 +16,7 @@ from pipeline.commands import (
     resize_bucket,
     run_all,
     store_cmd,
+    store_remote,
     tools,
     train,
 )
@@ -35,6 +36,10 @@ app.command("make-tiny-model", help="Build a tiny random-init Qwen-Image-Edit(-P
 app.command("make-demo-data", help="Write a synthetic mixed-resolution paired-edit dataset.")(tools.make_demo_data)
 config_app.command("show", help="Print the effective config (file + flag overrides).")(tools.config_show)
 app.add_typer(config_app, name="config")
+store_cmd.store_app.command("push", help="Copy a local store's committed versions to a URL (s3://bucket/prefix): "
+                             "only what the remote lacks, manifests last, resumable.")(store_remote.push)
+store_cmd.store_app.command("pull", help="Copy a remote store's committed versions into a local folder, every "
+                             "file checked against its checksum before the version becomes visible.")(store_remote.pull)
 app.add_typer(store_cmd.store_app, name="store", help="Inspect and verify a feature store.")
 app.add_typer(store_cmd.migrate_app, name="migrate", help="Upgrade a store's schemas.")
 

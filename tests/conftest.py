@@ -10,6 +10,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
 
+from s3_server import s3_env, s3_server  # noqa: E402,F401  (the S3 test server's fixtures)
+
 
 @pytest.fixture(scope="session")
 def tiny_edit_model(tmp_path_factory) -> str:

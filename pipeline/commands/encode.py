@@ -12,12 +12,14 @@ from typing import Callable, Optional
 
 import typer
 
-from pipeline.commands.common import ConfigOpt, JsonOpt, SetOpt, config_from, emit, json_mode, require, user_errors
+from pipeline.commands.common import (
+    ConfigOpt, JsonOpt, SetOpt, config_from, echo, emit, json_mode, require, user_errors,
+)
 
 
-def _command(section: str, stage_module: str, component: str, batch_help: str) -> Callable[..., None]:
+def _command(section: str, stage_module: str, component: str, batch_help: str, out_table: str) -> Callable[..., None]:
     def command(
-        store: Optional[str] = typer.Option(None, "--store", help="Store folder holding the `images` table (paths.store)."),
+        store: Optional[str] = typer.Option(None, "--store", help="Store folder holding the `images` table (paths.store), or its URL (s3://bucket/prefix: encoded in a local cache, then pushed back; one node)."),
         model: Optional[str] = typer.Option(None, "--model", help="Model folder or hub id (paths.model)."),
         device: Optional[str] = typer.Option(None, "--device", help=f"Device of the {component} ({section}.device)."),
         batch_size: Optional[int] = typer.Option(None, "--batch-size", help=batch_help),
@@ -27,6 +29,9 @@ def _command(section: str, stage_module: str, component: str, batch_help: str) -
         config: Optional[Path] = ConfigOpt,
         set_: list[str] = SetOpt,
         as_json: bool = JsonOpt,
+        cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="With --store s3://...: the local cache "
+                                                 "(default ~/.cache/qwen-edit-pipeline/stores)."),
+        cache_gb: Optional[float] = typer.Option(None, "--cache-gb", help="Size limit of --cache-dir (LRU eviction)."),
     ) -> None:
         cfg = config_from(config, sets=set_, overrides={
             "paths.store": store, "paths.model": model, f"{section}.device": device, f"{section}.batch_size": batch_size,
@@ -37,7 +42,15 @@ def _command(section: str, stage_module: str, component: str, batch_help: str) -
         run = importlib.import_module(stage_module).run  # the heavy stack loads only when the command runs
 
         with user_errors(dst), json_mode(as_json):
-            summary = run(cfg, dst, mdl)
+            import os
+
+            from store.remote_cache import local_store, push_back
+
+            # a URL: encode into a local cached copy (its images, and the output table for reuse), then push it back
+            local = local_store(dst, ["images", out_table], cache_dir, cache_gb, optional=(out_table,))
+            summary = run(cfg, local, mdl)
+            if os.environ.get("RANK", "0") == "0" and (pushed := push_back(dst, local)) is not None:
+                echo(str(pushed))  # rank 0 committed the table
         emit(summary, as_json, mdl)
 
     return command
@@ -45,6 +58,6 @@ def _command(section: str, stage_module: str, component: str, batch_help: str) -
 
 text_command = _command(
     "encode_text", "stages.encode.text", "text encoder",
-    "Prompts per forward (same shape with batching=exact, similar length with padded).",
+    "Prompts per forward (same shape with batching=exact, similar length with padded).", "text",
 )
-vae_command = _command("encode_vae", "stages.encode.vae", "VAE", "Same-size images per forward.")
+vae_command = _command("encode_vae", "stages.encode.vae", "VAE", "Same-size images per forward.", "vae")

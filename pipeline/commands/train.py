@@ -29,6 +29,11 @@ def command(
     batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Samples per process per micro-step (train.batch_size; a resume on another process count keeps the global batch)."),
     device: Optional[str] = typer.Option(None, "--device", help="'cpu' forces the CPU (train.device)."),
     as_json: bool = JsonOpt,
+    cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="With --store s3://...: the local cache the "
+                                             "store's text and vae versions are pulled into (default "
+                                             "~/.cache/qwen-edit-pipeline/stores)."),
+    cache_gb: Optional[float] = typer.Option(None, "--cache-gb", help="Size limit of --cache-dir; least recently "
+                                             "used versions beyond it are evicted (default: no limit)."),
 ) -> None:
     cfg = config_from(config, sets=set_, overrides=
         {
@@ -52,6 +57,9 @@ def command(
 
             if (why := nothing_to_resume(Path(run_dir))) is not None:
                 raise UserError(why)
+        from store.remote_cache import local_store
+
+        store_dir = local_store(store_dir, ["text", "vae"], cache_dir, cache_gb)  # a URL: its cached copy
         result = run(cfg, store_dir, model_id, run_dir, resume=resume, new_run=new_run)
     if result.main_process:
         emit(result, as_json, model_id)

@@ -1,0 +1,44 @@
+"""`pipeline store push STORE URL` / `pipeline store pull URL STORE`: copy committed versions to and from a URL."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from pipeline.commands.common import echo, user_errors
+
+UrlArg = typer.Argument(..., help="Remote store folder: s3://bucket/prefix (or another fsspec URL).")
+OptionsOpt = typer.Option(
+    [], "--option", "-o", help="fsspec storage option KEY=VALUE (value parsed as YAML; repeatable), e.g. "
+    "-o endpoint_url=http://127.0.0.1:9000 -o anon=true. Default: the standard AWS environment.",
+)
+
+
+def _options(items: list[str]) -> Optional[dict]:
+    from pipeline.commands.common import parse_sets
+
+    return parse_sets(items) or None
+
+
+def push(
+    store: Path = typer.Argument(..., help="Local store folder (holds store.json)."),
+    url: str = UrlArg,
+    option: list[str] = OptionsOpt,
+) -> None:
+    from store.remote_sync import push as do_push
+
+    with user_errors():
+        echo(str(do_push(store, url, _options(option))))
+
+
+def pull(
+    url: str = UrlArg,
+    store: Path = typer.Argument(..., help="Local store folder (created if missing)."),
+    option: list[str] = OptionsOpt,
+) -> None:
+    from store.remote_sync import pull as do_pull
+
+    with user_errors(store):
+        echo(str(do_pull(url, store, _options(option))))

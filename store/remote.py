@@ -1,0 +1,250 @@
+"""A store's folder at a URL (`s3://bucket/prefix`, or any other fsspec scheme): open it, list it, move files.
+
+fsspec (+ s3fs for `s3://`) does the protocol work: signing, multipart uploads, retries. What is ours is only the
+store's commit protocol on top (store/remote_sync.py) and turning the libraries' exceptions into one line a user
+can act on. Configuration is the standard AWS environment (`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`,
+`AWS_DEFAULT_REGION`, `AWS_ENDPOINT_URL` for an S3-compatible server, `AWS_PROFILE`), which botocore reads
+itself, or fsspec storage options passed by the caller.
+"""
+
+from __future__ import annotations
+
+import errno
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from schemas.errors import UserError
+from store.checksum import CHUNK, RunningCrc
+
+# user metadata recorded on every object we upload to S3: a rerun can tell an object is already there (same size,
+# same CRC32C as the store's checksums.json) from one HEAD request, without reading it back
+CRC_META = "crc32c"
+
+
+def is_url(path: str | Path) -> bool:
+    return "://" in str(path)
+
+
+def _hint(url: str) -> str:
+    return ("check AWS_ENDPOINT_URL (an S3-compatible server), the network, and that the server runs; "
+            f"rerun to continue (what reached {url} is not sent again)")
+
+
+@contextmanager
+def remote_errors(url: str, action: str) -> Iterator[None]:
+    """The libraries' errors as one UserError line: what failed, on which URL, what to do."""
+    try:
+        yield
+    except UserError:
+        raise
+    except OSError as e:
+        if e.filename or e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):  # local: the CLI's handler says
+            raise
+        _remote_os_error(e, url, action)
+    except Exception as e:  # noqa: BLE001  connection refused/reset, timeouts: botocore's and aiohttp's own types
+        if not _is_transport_error(e):
+            raise
+        raise UserError(f"{action}: lost the connection to {url} ({type(e).__name__}: {_first_line(e)}); "
+                        + _hint(url)) from None
+
+
+def _remote_os_error(e: OSError, url: str, action: str) -> None:
+    """s3fs reports the server's answers as OSError subclasses (no file name)."""
+    if isinstance(e, PermissionError):
+        raise UserError(f"{action}: access to {url} denied ({_first_line(e)}); check AWS_ACCESS_KEY_ID / "
+                        "AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) and the bucket's permissions") from None
+    if isinstance(e, FileNotFoundError):
+        if "bucket" in str(e).lower():
+            raise UserError(f"{action}: the bucket of {url} does not exist ({_first_line(e)}); create it or "
+                            "fix the URL") from None
+        raise UserError(f"{action}: {url}: {_first_line(e)} (an object disappeared meanwhile?); rerun") from None
+    if _is_transport_error(e):
+        raise UserError(f"{action}: lost the connection to {url} ({type(e).__name__}: {_first_line(e)}); "
+                        + _hint(url)) from None
+    raise UserError(f"{action}: {url} answered: {_first_line(e)}; rerun, or check the server") from None
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__
+
+
+def _is_transport_error(e: BaseException) -> bool:
+    if isinstance(e, (ConnectionError, TimeoutError)):
+        return True
+    try:
+        from botocore.exceptions import ConnectionError as BotoConnectionError, HTTPClientError
+    except ImportError:
+        return False
+    return isinstance(e, (BotoConnectionError, HTTPClientError))
+
+
+@dataclass
+class Remote:
+    """One store folder at a URL: the fsspec file system and the folder's path on it."""
+
+    url: str
+    fs: Any
+    root: str
+
+    def path(self, rel: str) -> str:
+        return f"{self.root}/{rel}"
+
+    @property
+    def is_s3(self) -> bool:
+        protocol = self.fs.protocol
+        return bool({"s3", "s3a"} & set(protocol if isinstance(protocol, (tuple, list)) else [protocol]))
+
+    def listing(self) -> dict[str, int]:
+        """{path relative to the store root: size} of every object under it (one listing, never cached)."""
+        self.fs.invalidate_cache()
+        try:
+            found = self.fs.find(self.root, detail=True)
+        except FileNotFoundError as e:
+            if "bucket" in str(e).lower():
+                raise
+            return {}
+        prefix = self.root.rstrip("/") + "/"
+        return {name[len(prefix):]: int(info["size"]) for name, info in found.items()
+                if name.startswith(prefix) and info.get("type") != "directory"}
+
+    def read(self, rel: str) -> bytes:
+        return self.fs.cat_file(self.path(rel))
+
+    def write(self, rel: str, data: bytes, crc: str | None = None) -> None:
+        self.fs.pipe_file(self.path(rel), data, **self._meta(crc))
+
+    def recorded_crc(self, rel: str) -> str | None:
+        """The CRC32C recorded with the object at upload (S3 user metadata); elsewhere computed from its bytes."""
+        if self.is_s3:
+            return (self.fs.metadata(self.path(rel)) or {}).get(CRC_META)
+        crc = RunningCrc()
+        with self.fs.open(self.path(rel), "rb") as f:
+            while chunk := f.read(CHUNK):
+                crc.update(chunk)
+        return crc.hex()
+
+    def upload(self, local: Path, rel: str, crc: str, progress) -> bool:
+        """Upload `local` as `rel` only if no object `rel` exists; False when one does (nothing written).
+
+        Every object of a version is written once: on S3 a conditional PUT (If-None-Match: *) decides on the
+        server, so a pusher never overwrites an object another pusher wrote, and of two pushers racing for the
+        same version exactly one creates its manifest (the commit). Elsewhere it is a check, then a write."""
+        if not self.is_s3:
+            if self.fs.exists(self.path(rel)):
+                return False
+            self.fs.put_file(str(local), self.path(rel), callback=_Bytes(progress))
+            return True
+        try:
+            self.fs.put_file(str(local), self.path(rel), callback=_Bytes(progress), mode="create",
+                             **self._meta(crc))
+        except FileExistsError:
+            return False
+        except OSError as e:
+            if not _precondition_failed(e):
+                raise
+            return False
+        return True
+
+    def has(self, rel: str, nbytes: int, crc: str, listing: dict[str, int] | None = None) -> bool:
+        """Is object `rel` there with this size and CRC32C? (`listing`: sizes already listed, saves a request)"""
+        if listing is not None:
+            size = listing.get(rel)
+        else:
+            try:
+                self.fs.invalidate_cache()
+                size = int(self.fs.info(self.path(rel))["size"])
+            except FileNotFoundError:
+                return False
+        return size == nbytes and self.recorded_crc(rel) == crc
+
+    def download(self, rel: str, local: Path, progress) -> str:
+        """Fetch one object to `local`; its CRC32C (computed from the bytes written, no re-read)."""
+        crc = RunningCrc()
+        with self.fs.open(self.path(rel), "rb", block_size=CHUNK) as src, open(local, "wb") as dst:
+            while chunk := src.read(CHUNK):
+                dst.write(chunk)
+                crc.update(chunk)
+                progress.update(len(chunk))
+        return crc.hex()
+
+    def swap(self, rel: str, update: Callable[[bytes | None], bytes], attempts: int = 8) -> None:
+        """Compare-and-swap of a small object (store.json): `update(old bytes or None)` -> new bytes, written
+        only if the object is still what was read (S3: If-Match on its ETag / If-None-Match when absent); on a
+        lost race it reads again and retries, so two pushers never drop each other's update."""
+        for _ in range(attempts):
+            self.fs.invalidate_cache()
+            try:
+                etag = self.fs.info(self.path(rel)).get("ETag")
+                old = self.read(rel)
+            except FileNotFoundError:
+                etag, old = None, None
+            new = update(old)
+            if not self.is_s3:
+                self.write(rel, new)
+                return
+            cond = {"IfMatch": etag} if etag else {"mode": "create"}
+            try:
+                self.fs.pipe_file(self.path(rel), new, **cond)
+                return
+            except FileExistsError:
+                continue
+            except OSError as e:
+                if not _precondition_failed(e):
+                    raise
+        raise UserError(f"{self.url}/{rel}: changed by another writer {attempts} times in a row while this one "
+                        "tried to update it; rerun")
+
+    def _meta(self, crc: str | None) -> dict[str, Any]:
+        return {"Metadata": {CRC_META: crc}} if self.is_s3 and crc else {}
+
+
+def _precondition_failed(e: OSError) -> bool:
+    """s3fs reports a failed If-Match as a plain OSError; the server's message says which."""
+    text = str(e).lower()
+    return "precondition" in text.replace("-", "") or "412" in text
+
+
+class _Bytes:
+    """fsspec progress callback -> the one tqdm bar of the whole transfer (fsspec's TqdmCallback makes a bar per
+    file)."""
+
+    def __init__(self, bar) -> None:
+        self.bar = bar
+
+    def set_size(self, size: int) -> None:
+        pass
+
+    def relative_update(self, inc: int = 1) -> None:
+        self.bar.update(inc)
+
+    def absolute_update(self, value: int) -> None:
+        pass
+
+    def branched(self, *args, **kwargs):
+        return None
+
+    def call(self, *args, **kwargs) -> None:
+        pass
+
+
+def open_remote(url: str, storage_options: dict[str, Any] | None = None) -> Remote:
+    """The store folder at `url`; UserError when the scheme's library is missing."""
+    try:
+        import fsspec
+    except ImportError:
+        raise UserError(f"{url}: a store at a URL needs fsspec: pip install 'qwen-edit-lora-pipeline[s3]'") from None
+    try:
+        # a fresh instance each time: a cached one may hold a session to a server that has since restarted
+        fs, root = fsspec.url_to_fs(url, skip_instance_cache=True, **(storage_options or {}))
+    except ImportError as e:
+        raise UserError(f"{url}: this scheme needs a package that is not installed ({_first_line(e)}); for "
+                        "s3:// install the s3 extra: pip install 'qwen-edit-lora-pipeline[s3]'") from None
+    except ValueError as e:
+        raise UserError(f"{url}: not a store URL this program can open ({_first_line(e)})") from None
+    root = root.rstrip("/")
+    if not root:
+        raise UserError(f"{url}: no bucket or folder in the URL; pass s3://bucket/prefix")
+    return Remote(url, fs, root)

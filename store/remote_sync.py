@@ -1,0 +1,281 @@
+"""`pipeline store push|pull`: copy a store's committed versions between a local folder and a URL.
+
+The remote holds the local layout unchanged (`store.json`, `<table>/v<N>/<file>`), so what makes a version
+visible is the same on both sides: its `manifest.parquet`. An object store has no rename, but a PUT is atomic
+(an object is there whole or not at all), so the commit order is the commit:
+- push uploads each version's data objects (schema, shards, indexes, rank-done files), then `checksums.json`,
+  then `manifest.parquet` LAST, and rewrites the remote `store.json` only after every version is complete: a
+  reader of the remote never sees a version whose files are not all there. A rerun after a failure lists the
+  remote once and skips every object already there with the same size and CRC32C (recorded as object metadata
+  at upload; the values are those of the version's `checksums.json`), so it sends only the rest.
+- pull downloads into `<table>/.v<N>.pull/` (not a version name: readers ignore it), checks every file's CRC32C
+  against the version's sealed `checksums.json` as it arrives (a damaged object is refused, naming it), fetches
+  the manifest last and renames the folder to `v<N>` - the local commit, exactly as a writer's. A rerun keeps the
+  files already fetched and checked.
+Versions are immutable, so "what the other side lacks" is a version without a manifest there; the same version
+number with a different manifest is a conflict (two stores that grew apart), refused rather than overwritten.
+Only the store's own files are copied: complete versions not marked damaged, `store.json`, `quarantine.parquet`
+(only to a side that has none); never temp files, locks, leases, or incomplete versions.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from schemas.errors import UserError
+from store import format as fmt
+from store.checksum import SealError, crc_hex, file_crc, seal, unseal
+from store.remote import Remote, open_remote, remote_errors
+
+PULL_SUFFIX = ".pull"
+_MANIFEST_RE = re.compile(r"([^/]+)/v(\d+)/" + re.escape(fmt.MANIFEST))
+
+
+@dataclass
+class SyncSummary:
+    direction: str  # "push" | "pull"
+    url: str
+    copied: list[str] = field(default_factory=list)  # "table/vN" made complete on the destination
+    present: list[str] = field(default_factory=list)  # already complete there
+    objects_sent: int = 0
+    objects_skipped: int = 0  # already there with the same size and CRC32C (a rerun)
+    bytes_sent: int = 0
+
+    def __str__(self) -> str:
+        what = ", ".join(self.copied) or "nothing new"
+        return (f"{self.direction} {self.url}: copied {what}; {len(self.present)} version(s) already there; "
+                f"{self.objects_sent} file(s), {self.bytes_sent / 2**20:.1f} MiB sent, {self.objects_skipped} "
+                "already there")
+
+
+@dataclass
+class _File:
+    rel: str  # path relative to the store root ("vae/v1/shard-r00-000000.tar")
+    nbytes: int
+    crc: str
+
+
+def _ordered(table: str, version: int, files: dict[str, dict[str, Any]], record: bytes) -> list[_File]:
+    """A version's files in commit order: data, then checksums.json, then manifest.parquet last."""
+    base = f"{table}/v{version}/"
+    data = [_File(base + n, int(e["nbytes"]), e["crc32c"]) for n, e in sorted(files.items()) if n != fmt.MANIFEST]
+    manifest = files[fmt.MANIFEST]
+    return data + [_File(base + fmt.CHECKSUMS, len(record), crc_hex(record)),
+                   _File(base + fmt.MANIFEST, int(manifest["nbytes"]), manifest["crc32c"])]
+
+
+def _checksums(record: bytes, where: str) -> dict[str, dict[str, Any]]:
+    try:
+        files = unseal(record).get("files") or {}
+    except SealError as e:
+        raise UserError(f"{where} is damaged ({e}); push it again from an intact store, or run "
+                        "`pipeline store verify` on the store it came from") from None
+    if fmt.MANIFEST not in files:
+        raise UserError(f"{where} does not list {fmt.MANIFEST}; the version cannot be checked")
+    return files
+
+
+def _local_versions(root: Path) -> list[tuple[str, int]]:
+    """Complete, undamaged versions of every table the local store names."""
+    tables = fmt.read_store_record(root)["tables"]
+    return [(t, v) for t in sorted(tables) for v in fmt.list_versions(root, t)
+            if fmt.is_complete(fmt.version_dir(root, t, v)) and not fmt.damaged_marker(root, t, v).exists()]
+
+
+def _progress(total: int, desc: str):
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, dynamic_ncols=True)
+
+
+def _conflict(table: str, version: int, url: str, local: Path) -> UserError:
+    return UserError(f"{table} v{version} differs between {local} and {url} (a different manifest under the same "
+                     "version number: the stores grew apart); push/pull into an empty prefix or folder instead")
+
+
+# ---------------------------------------------------------------- push
+
+
+def push(src: Path, url: str, storage_options: dict[str, Any] | None = None) -> SyncSummary:
+    src = Path(src)
+    if not (src / fmt.STORE_JSON).is_file():
+        raise UserError(f"no store at {src} (no {fmt.STORE_JSON}); pass the store folder a stage wrote")
+    local_rec = fmt.read_store_record(src)
+    remote = open_remote(url, storage_options)
+    summary = SyncSummary("push", url)
+    with remote_errors(url, "push"):
+        listing = remote.listing()
+        todo: list[tuple[str, _File]] = []
+        for table, version in _local_versions(src):
+            vdir = fmt.version_dir(src, table, version)
+            if not (vdir / fmt.CHECKSUMS).is_file():
+                raise UserError(f"{vdir} has no {fmt.CHECKSUMS} (store format 1): push copies only versions it "
+                                "can verify; rebuild the table with this version of the pipeline")
+            record = (vdir / fmt.CHECKSUMS).read_bytes()
+            files = _ordered(table, version, _checksums(record, str(vdir / fmt.CHECKSUMS)), record)
+            manifest = files[-1]
+            if manifest.rel in listing:
+                if not _same(remote, listing, manifest):
+                    raise _conflict(table, version, url, src)
+                summary.present.append(f"{table}/v{version}")
+                continue
+            summary.copied.append(f"{table}/v{version}")
+            for f in files:
+                if _same(remote, listing, f):
+                    summary.objects_skipped += 1
+                else:
+                    todo.append((f.rel, f))
+        with _progress(sum(f.nbytes for _, f in todo), f"push {url}") as bar:
+            for rel, f in todo:
+                path = src / rel
+                _check_local(path, f)
+                # objects are write-once: one that appeared since the listing must be this very file
+                if not remote.upload(path, rel, f.crc, bar) and not remote.has(rel, f.nbytes, f.crc):
+                    table, version = rel.split("/")[:2]
+                    raise _conflict(table, int(version[1:]), url, src)
+                summary.objects_sent += 1
+                summary.bytes_sent += f.nbytes
+        quarantine = src / fmt.QUARANTINE
+        if quarantine.is_file() and fmt.QUARANTINE not in listing:
+            data = quarantine.read_bytes()
+            remote.write(fmt.QUARANTINE, data, crc_hex(data))
+        # store.json last: the remote's current versions become the local ones (those complete there now)
+        there = {tuple(name.rsplit("/v", 1)) for name in summary.copied + summary.present}
+        current = {t: e for t, e in local_rec["tables"].items() if (t, str(e["current"])) in there}
+        remote.swap(fmt.STORE_JSON, lambda old: _merged_record(old, current, url))
+    return summary
+
+
+def _merged_record(old: bytes | None, current: dict[str, Any], url: str) -> bytes:
+    rec = fmt.new_store_record() if old is None else _parse_record(old, url)
+    return seal({**rec, "tables": {**rec["tables"], **current}, "format_version": fmt.STORE_FORMAT_VERSION})
+
+
+def _parse_record(data: bytes, url: str) -> dict[str, Any]:
+    where = f"{url}/{fmt.STORE_JSON}"
+    try:
+        rec = unseal(data)
+    except SealError as e:
+        raise UserError(f"{where} is damaged ({e}); push the store again into an empty prefix") from None
+    fmt.check_store_record(rec, Path(where))
+    return rec
+
+
+def _same(remote: Remote, listing: dict[str, int], f: _File) -> bool:
+    """Is the object there already with this file's size and CRC32C?"""
+    return remote.has(f.rel, f.nbytes, f.crc, listing)
+
+
+def _check_local(path: Path, f: _File) -> None:
+    """Never spread damage: the local file must still match its checksum record before it is sent."""
+    try:
+        crc, n = file_crc(path)
+    except FileNotFoundError:
+        raise UserError(f"{path} is missing (listed in its version's {fmt.CHECKSUMS}); run "
+                        f"`pipeline store verify` / `pipeline store repair` on the store, then push again") from None
+    if (n, crc) != (f.nbytes, f.crc):
+        raise UserError(f"{path} is damaged ({n} bytes, crc32c {crc}; recorded {f.nbytes} bytes, crc32c {f.crc}); "
+                        "run `pipeline store repair` on the store, then push again")
+
+
+def _remote_record(remote: Remote, listing: dict[str, int]) -> dict[str, Any] | None:
+    if fmt.STORE_JSON not in listing:
+        return None
+    return _parse_record(remote.read(fmt.STORE_JSON), remote.url)
+
+
+# ---------------------------------------------------------------- pull
+
+
+def pull(url: str, dst: Path, storage_options: dict[str, Any] | None = None,
+         tables: list[str] | None = None, optional: tuple[str, ...] = ()) -> SyncSummary:
+    """Every complete remote version the local store lacks; with `tables`, only those tables' current versions
+    (what a reader opening them needs: store/remote_cache.py), of which those in `optional` may be missing."""
+    from store.store import Store
+
+    dst = Path(dst)
+    remote = open_remote(url, storage_options)
+    summary = SyncSummary("pull", url)
+    with remote_errors(url, "pull"):
+        listing = remote.listing()
+        rec = _remote_record(remote, listing)
+        if rec is None:
+            raise UserError(f"no store at {url} (no {fmt.STORE_JSON} there); check the URL, or push a store first")
+        if tables is not None:
+            tables = [t for t in tables if t in rec["tables"] or t not in optional]
+            missing = sorted(set(tables) - set(rec["tables"]))
+            if missing:
+                raise UserError(f"no table {', '.join(missing)} in the store at {url} (tables: "
+                                f"{sorted(rec['tables']) or 'none'}); run the stage that writes it and push again")
+            wanted = {(t, int(rec["tables"][t]["current"])) for t in tables}
+        store = Store(dst)
+        plan: list[tuple[str, int, bytes, list[_File]]] = []
+        for rel in sorted(listing):
+            m = _MANIFEST_RE.fullmatch(rel)
+            if not m:
+                continue
+            table, version = m.group(1), int(m.group(2))
+            if tables is not None and (table, version) not in wanted:
+                continue
+            record = remote.read(f"{table}/v{version}/{fmt.CHECKSUMS}")
+            files = _ordered(table, version, _checksums(record, f"{url}/{table}/v{version}/{fmt.CHECKSUMS}"),
+                             record)
+            vdir = fmt.version_dir(dst, table, version)
+            if vdir.exists():
+                if not fmt.is_complete(vdir) or file_crc(vdir / fmt.MANIFEST)[0] != files[-1].crc:
+                    raise _conflict(table, version, url, dst)
+                summary.present.append(f"{table}/v{version}")
+                continue
+            plan.append((table, version, record, files))
+        total = sum(f.nbytes for *_, files in plan for f in files)
+        with _progress(total, f"pull {url}") as bar:
+            for table, version, record, files in plan:
+                _pull_version(remote, dst, table, version, files, bar, summary)
+                summary.copied.append(f"{table}/v{version}")
+        quarantine = dst / fmt.QUARANTINE
+        if fmt.QUARANTINE in listing and not quarantine.is_file():
+            fmt.atomic_write_bytes(quarantine, remote.read(fmt.QUARANTINE))
+        for table, entry in sorted(rec["tables"].items()):
+            if tables is not None and table not in tables:
+                continue
+            if fmt.is_complete(fmt.version_dir(dst, table, int(entry["current"]))):
+                store.set_current(table, int(entry["current"]))
+    return summary
+
+
+def _pull_version(remote: Remote, dst: Path, table: str, version: int, files: list[_File], bar,
+                  summary: SyncSummary) -> None:
+    """Fetch one version into its pull folder, every file checked, the manifest last; rename = commit."""
+    final = fmt.version_dir(dst, table, version)
+    tmp = final.with_name(f".{final.name}{PULL_SUFFIX}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    for f in files:
+        path = dst / f.rel.replace(f"{table}/v{version}/", f"{table}/{tmp.name}/", 1)
+        if path.is_file() and file_crc(path) == (f.crc, f.nbytes):  # fetched and checked by an earlier run
+            summary.objects_skipped += 1
+            bar.update(f.nbytes)
+            continue
+        part = path.with_name(path.name + ".part")
+        try:
+            crc = remote.download(f.rel, part, bar)
+        except BaseException:  # a full disk, a lost connection: no partial file is left behind
+            part.unlink(missing_ok=True)
+            raise
+        size = part.stat().st_size
+        if (size, crc) != (f.nbytes, f.crc):
+            part.unlink()
+            raise UserError(f"{remote.url}/{f.rel} is damaged ({size} bytes, crc32c {crc}; its version's "
+                            f"{fmt.CHECKSUMS} records {f.nbytes} bytes, crc32c {f.crc}); refused: push that version "
+                            "again from an intact store")
+        os.replace(part, path)
+        summary.objects_sent += 1
+        summary.bytes_sent += f.nbytes
+    for p in tmp.iterdir():
+        fmt.fsync_dir(p)  # os.fsync on a descriptor of the file
+    fmt.fsync_dir(tmp)
+    os.rename(tmp, final)
+    fmt.fsync_dir(final.parent)

@@ -1,0 +1,111 @@
+"""A store pushed to the S3 test server and pulled back trains exactly as the original (same LoRA, bit for bit)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from models.lora import read_lora
+from pipeline.config import load_config
+from stages.train.recipe import run
+from store.remote_sync import pull, push
+from train_store import make_train_store, mixed_specs
+
+pytest.importorskip("s3fs", reason="push/pull to s3:// needs the s3 extra")
+
+CFG = {"train.device": "cpu", "train.batch_size": 2, "train.learning_rate": 2e-3, "train.lora.rank": 4,
+       "train.max_steps": 3, "train.warmup_steps": 1}
+
+
+def test_pulled_store_trains_the_same_lora(s3_env, tiny_edit_model, tmp_path: Path) -> None:
+    local = tmp_path / "store"
+    make_train_store(local, tiny_edit_model, mixed_specs(6, 2, masks=True))
+    push(local, s3_env.url("features"))
+    pulled = tmp_path / "pulled"
+    summary = pull(s3_env.url("features"), pulled)
+    assert sorted(summary.copied) == ["text/v1", "vae/v1"]
+
+    cfg = load_config(None, CFG)
+    run(cfg, local, tiny_edit_model, tmp_path / "run-local")
+    run(cfg, pulled, tiny_edit_model, tmp_path / "run-pulled")
+    a, b = read_lora(tmp_path / "run-local" / "lora")[0], read_lora(tmp_path / "run-pulled" / "lora")[0]
+    assert a.keys() == b.keys() and a
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_train_reads_a_store_url_through_a_bounded_cache(s3_env, tiny_edit_model, tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from pipeline.cli import app
+    from schemas.errors import UserError
+    from store.remote_cache import local_store
+
+    local = tmp_path / "store"
+    make_train_store(local, tiny_edit_model, mixed_specs(6, 2, masks=True))
+    push(local, s3_env.url("features"))
+    cache = tmp_path / "cache"
+    args = ["run", "train", "--model", tiny_edit_model, "--device", "cpu", "--batch-size", "2", "--max-steps", "3",
+            "-s", "train.learning_rate=2e-3", "-s", "train.lora.rank=4", "-s", "train.warmup_steps=1"]
+    res = CliRunner().invoke(app, [*args, "--store", s3_env.url("features"), "--out", str(tmp_path / "run-url"),
+                                   "--cache-dir", str(cache), "--cache-gb", "1"])
+    assert res.exit_code == 0, res.output
+    res = CliRunner().invoke(app, [*args, "--store", str(local), "--out", str(tmp_path / "run-local")])
+    assert res.exit_code == 0, res.output
+    a, b = read_lora(tmp_path / "run-local" / "lora")[0], read_lora(tmp_path / "run-url" / "lora")[0]
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    # a second store URL that does not fit beside the first: the least recently used versions are evicted
+    (cached,) = [p for p in cache.iterdir() if p.is_dir()]
+    size = sum(p.stat().st_size for p in cached.rglob("*") if p.is_file())
+    push(local, s3_env.url("other"))
+    limit = size * 1.5
+    other = local_store(s3_env.url("other"), ["text", "vae"], cache, limit_gb=limit / 1e9)
+    assert Store_versions(other) == {"text": [1], "vae": [1]}  # in use: kept
+    left = Store_versions(cached)
+    assert left["text"] == [] or left["vae"] == []  # the older store's versions went first
+    assert sum(p.stat().st_size for p in cache.glob("*/*/v*/*")) <= limit
+    # the first one is pulled again (checked) when used next
+    assert Store_versions(local_store(s3_env.url("features"), ["vae"], cache, limit_gb=10))["vae"] == [1]
+    # versions in use that cannot fit: one line naming the cache and the limit
+    with pytest.raises(UserError, match="over its limit"):
+        local_store(s3_env.url("features"), ["text", "vae"], cache, limit_gb=size * 0.5 / 1e9)
+
+
+def Store_versions(root: Path) -> dict[str, list[int]]:
+    from store import format as fmt
+
+    return {t: fmt.list_versions(root, t) for t in ("text", "vae")}
+
+
+def test_a_full_cache_disk_is_one_line_and_shows_nothing(s3_env, tiny_edit_model, tmp_path: Path, monkeypatch) -> None:
+    import errno
+
+    from schemas.errors import UserError
+    from store import remote as remote_mod
+    from store.remote_cache import local_store
+
+    local = tmp_path / "store"
+    make_train_store(local, tiny_edit_model, mixed_specs(4))
+    push(local, s3_env.url("full"))
+    real_download = remote_mod.Remote.download
+    calls = []
+
+    def disk_fills_up(self, rel, dst, progress):
+        calls.append(rel)
+        if len(calls) == 3:
+            dst.write_bytes(b"partial")
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_download(self, rel, dst, progress)
+
+    monkeypatch.setattr(remote_mod.Remote, "download", disk_fills_up)
+    cache = tmp_path / "cache"
+    with pytest.raises(UserError, match="disk full while writing the store cache in " + str(cache)):
+        local_store(s3_env.url("full"), ["text", "vae"], cache)
+    assert not list(cache.rglob("*.part"))  # no partial file left
+    (root,) = [p for p in cache.iterdir() if p.is_dir()]
+    assert Store_versions(root) == {"text": [], "vae": []}
+    monkeypatch.setattr(remote_mod.Remote, "download", real_download)
+    assert Store_versions(local_store(s3_env.url("full"), ["text", "vae"], cache)) == {"text": [1], "vae": [1]}

@@ -1,0 +1,282 @@
+"""`pipeline store push|pull` against a real S3-protocol server (moto on 127.0.0.1, tests/s3_server.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from pipeline.cli import app
+from schemas.errors import UserError
+from store import Store
+from store import remote as remote_mod
+from store.remote_sync import pull, push
+from store.verify import verify_store
+from store_samples import fill, sample
+
+runner = CliRunner()
+pytest.importorskip("s3fs", reason="push/pull to s3:// needs the s3 extra")
+
+
+def files_of(root: Path) -> dict[str, bytes]:
+    """Every file of the store's complete versions and store.json (what a reader depends on)."""
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file() and not any(part.startswith(".") for part in p.relative_to(root).parts)}
+
+
+def objects(env) -> dict[str, int]:
+    out = env.client().list_objects_v2(Bucket=env.bucket).get("Contents", [])
+    return {o["Key"]: o["Size"] for o in out}
+
+
+def two_version_store(store: Store) -> Store:
+    fill(store, 10, tag="a")  # vae v1
+    fill(store, 6, tag="b", start=20)  # vae v2, current
+    return store
+
+
+def test_push_then_pull_round_trips_the_store(s3_env, store: Store, tmp_path: Path) -> None:
+    two_version_store(store)
+    res = runner.invoke(app, ["store", "push", str(store.root), s3_env.url()])
+    assert res.exit_code == 0, res.output
+    assert "copied vae/v1, vae/v2" in res.output
+    keys = objects(s3_env)
+    assert "store/vae/v2/manifest.parquet" in keys and "store/store.json" in keys
+
+    dst = tmp_path / "pulled"
+    res = runner.invoke(app, ["store", "pull", s3_env.url(), str(dst)])
+    assert res.exit_code == 0, res.output
+    # the same bytes, so the same checksums; the pulled store verifies and reads the same tensors
+    assert files_of(dst) == files_of(store.root)
+    assert verify_store(dst) == []
+    pulled = Store(dst, create=False)
+    assert pulled.tables() == store.tables() == {"vae": 2}
+    a, b = store.reader("vae"), pulled.reader("vae")
+    for i in range(20, 26):
+        key = sample(i)["key"]
+        ta, tb = a.tensors(key), b.tensors(key)
+        assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
+    a.close(), b.close()
+
+    # nothing new: a second push/pull sends nothing
+    again = push(store.root, s3_env.url())
+    assert again.copied == [] and again.objects_sent == 0 and sorted(again.present) == ["vae/v1", "vae/v2"]
+    assert pull(s3_env.url(), dst).objects_sent == 0
+
+
+def test_killed_push_leaves_no_visible_version_and_a_rerun_sends_only_the_rest(s3_env, store: Store,
+                                                                              monkeypatch) -> None:
+    fill(store, 12)
+    sent: list[str] = []
+    real_upload = remote_mod.Remote.upload
+
+    def failing_upload(self, local, rel, crc, progress):
+        if len(sent) == 3:  # the server goes away after 3 objects
+            raise ConnectionResetError("connection reset by peer")
+        real_upload(self, local, rel, crc, progress)
+        sent.append(rel)
+
+    monkeypatch.setattr(remote_mod.Remote, "upload", failing_upload)
+    res = runner.invoke(app, ["store", "push", str(store.root), s3_env.url()])
+    assert res.exit_code == 1
+    err = res.output.strip().splitlines()[-1]
+    assert "lost the connection" in err and s3_env.url() in err and "rerun" in err
+    after_kill = objects(s3_env)
+    assert len(after_kill) == 3
+    # no manifest, no store.json: no reader sees a version
+    assert not any(k.endswith(("manifest.parquet", "store.json")) for k in after_kill)
+
+    monkeypatch.setattr(remote_mod.Remote, "upload", real_upload)
+    total = len(list((store.root / "vae" / "v1").iterdir()))
+    summary = push(store.root, s3_env.url())
+    assert summary.objects_skipped == 3 and summary.objects_sent == total - 3
+    assert summary.copied == ["vae/v1"]
+
+
+def test_corrupted_remote_object_is_refused_on_pull(s3_env, store: Store, tmp_path: Path) -> None:
+    fill(store, 8)
+    push(store.root, s3_env.url())
+    client = s3_env.client()
+    key = next(k for k in objects(s3_env) if k.endswith(".tar"))
+    data = bytearray(client.get_object(Bucket=s3_env.bucket, Key=key)["Body"].read())
+    data[len(data) // 2] ^= 0x01
+    client.put_object(Bucket=s3_env.bucket, Key=key, Body=bytes(data))
+
+    dst = tmp_path / "pulled"
+    res = runner.invoke(app, ["store", "pull", s3_env.url(), str(dst)])
+    assert res.exit_code == 1
+    line = res.output.strip().splitlines()[-1]
+    assert "damaged" in line and key.split("/", 1)[1] in line and "refused" in line
+    assert Store(dst, create=False).versions("vae") == []  # nothing visible locally
+    assert Store(dst, create=False).tables() == {}
+
+
+def test_server_stopped_is_one_line(store: Store, monkeypatch, tmp_path: Path) -> None:
+    from s3_server import aws_env, start_server
+
+    fill(store, 4)
+    server, endpoint = start_server()
+    aws_env(monkeypatch, endpoint)
+    import boto3
+
+    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket="stopped-bucket")
+    server.stop()
+    for args in (["push", str(store.root), "s3://stopped-bucket/s"], ["pull", "s3://stopped-bucket/s",
+                                                                       str(tmp_path / "x")]):
+        res = runner.invoke(app, ["store", *args])
+        assert res.exit_code == 1, res.output
+        out = res.output.strip()
+        assert "Traceback" not in out and len(out.splitlines()) == 1
+        assert "lost the connection to s3://stopped-bucket/s" in out and "AWS_ENDPOINT_URL" in out
+
+
+def test_bad_credentials_and_missing_bucket_are_one_line(s3_env, store: Store, monkeypatch) -> None:
+    fill(store, 4)
+    res = runner.invoke(app, ["store", "push", str(store.root), "s3://no-such-bucket/store"])
+    assert res.exit_code == 1
+    assert res.output.strip().splitlines() == [
+        next(ln for ln in res.output.splitlines() if "does not exist" in ln)]
+    assert "s3://no-such-bucket/store" in res.output
+
+    import moto.settings
+    from moto.core.responses import ActionAuthenticatorMixin
+
+    # moto checks credentials only when told to: from now on every request must carry a known key
+    monkeypatch.setattr(moto.settings, "INITIAL_NO_AUTH_ACTION_COUNT", 0)
+    monkeypatch.setattr(ActionAuthenticatorMixin, "request_count", 0)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAWRONGWRONGWRONG0")
+    res = runner.invoke(app, ["store", "push", str(store.root), s3_env.url()])
+    assert res.exit_code == 1
+    out = res.output.strip()
+    assert len(out.splitlines()) == 1 and "access to " + s3_env.url() + " denied" in out
+    assert "AWS_ACCESS_KEY_ID" in out
+
+
+def test_two_pushers_racing_for_one_version_never_both_commit(s3_env, tmp_path: Path, monkeypatch) -> None:
+    a, b = Store(tmp_path / "a"), Store(tmp_path / "b")
+    fill(a, 6, tag="a")
+    fill(b, 6, tag="b", start=50)  # another store: its v1 holds other samples under the same object names
+    push(a.root, s3_env.url())
+    before = {k: s3_env.client().head_object(Bucket=s3_env.bucket, Key=k)["ETag"] for k in objects(s3_env)}
+    # b listed the remote before a's push landed: it plans to upload all of its v1
+    real_listing = remote_mod.Remote.listing
+    calls = []
+
+    def stale_first_listing(self):
+        calls.append(1)
+        return {} if len(calls) == 1 else real_listing(self)
+
+    monkeypatch.setattr(remote_mod.Remote, "listing", stale_first_listing)
+    with pytest.raises(UserError, match="differs between"):
+        push(b.root, s3_env.url())
+    # every object is a's, untouched: pulling gives a's store, intact
+    assert {k: s3_env.client().head_object(Bucket=s3_env.bucket, Key=k)["ETag"] for k in objects(s3_env)} == before
+    pulled = tmp_path / "pulled"
+    pull(s3_env.url(), pulled)
+    assert files_of(pulled) == files_of(a.root)
+    assert verify_store(pulled) == []
+
+
+def test_interrupted_pull_shows_nothing_and_a_rerun_fetches_only_the_rest(s3_env, store: Store, tmp_path: Path,
+                                                                         monkeypatch) -> None:
+    fill(store, 12)
+    push(store.root, s3_env.url())
+    real_download = remote_mod.Remote.download
+    fetched: list[str] = []
+
+    def failing_download(self, rel, local, progress):
+        if len(fetched) == 4:
+            raise ConnectionResetError("connection reset by peer")
+        fetched.append(rel)
+        return real_download(self, rel, local, progress)
+
+    monkeypatch.setattr(remote_mod.Remote, "download", failing_download)
+    dst = tmp_path / "pulled"
+    with pytest.raises(UserError, match="lost the connection"):
+        pull(s3_env.url(), dst)
+    assert Store(dst, create=False).versions("vae") == [] and Store(dst, create=False).tables() == {}
+
+    monkeypatch.setattr(remote_mod.Remote, "download", real_download)
+    summary = pull(s3_env.url(), dst)
+    n_files = len(list((store.root / "vae" / "v1").iterdir()))
+    assert summary.objects_skipped == 4 and summary.objects_sent == n_files - 4
+    assert files_of(dst) == files_of(store.root) and verify_store(dst) == []
+
+
+def test_server_gone_mid_push_then_back_a_rerun_completes(store: Store, monkeypatch) -> None:
+    """A real outage: the server stops after 3 objects (one line, no traceback), comes back on another port (moto
+    keeps its objects in the process), and the rerun sends only what is missing."""
+    from s3_server import aws_env, start_server
+
+    fill(store, 12)
+    server, endpoint = start_server()
+    aws_env(monkeypatch, endpoint)
+    import boto3
+
+    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket="outage-bucket")
+    real_upload = remote_mod.Remote.upload
+    sent = []
+
+    def upload_then_outage(self, local, rel, crc, progress):
+        if len(sent) == 3:
+            server.stop()
+        out = real_upload(self, local, rel, crc, progress)
+        sent.append(rel)
+        return out
+
+    monkeypatch.setattr(remote_mod.Remote, "upload", upload_then_outage)
+    res = runner.invoke(app, ["store", "push", str(store.root), "s3://outage-bucket/s"])
+    assert res.exit_code == 1
+    assert "Traceback" not in res.output
+    out = [ln for ln in res.output.splitlines() if ln.strip() and "push s3://" not in ln]  # + the progress bar
+    assert len(out) == 1 and "lost the connection to s3://outage-bucket/s" in out[0] and "rerun" in out[0]
+
+    monkeypatch.setattr(remote_mod.Remote, "upload", real_upload)
+    server, endpoint = start_server()
+    try:
+        aws_env(monkeypatch, endpoint)
+        summary = push(store.root, "s3://outage-bucket/s")
+        n_files = len(list((store.root / "vae" / "v1").iterdir()))
+        assert summary.objects_skipped == 3 and summary.objects_sent == n_files - 3
+    finally:
+        server.stop()
+
+
+def test_server_gone_mid_pull_then_back_a_rerun_completes(store: Store, monkeypatch, tmp_path: Path) -> None:
+    from s3_server import aws_env, start_server
+
+    fill(store, 12)
+    server, endpoint = start_server()
+    aws_env(monkeypatch, endpoint)
+    import boto3
+
+    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket="outage-pull")
+    push(store.root, "s3://outage-pull/s")
+    real_download = remote_mod.Remote.download
+    fetched = []
+
+    def download_then_outage(self, rel, local, progress):
+        if len(fetched) == 4:
+            server.stop()
+        fetched.append(rel)
+        return real_download(self, rel, local, progress)
+
+    monkeypatch.setattr(remote_mod.Remote, "download", download_then_outage)
+    dst = tmp_path / "pulled"
+    res = runner.invoke(app, ["store", "pull", "s3://outage-pull/s", str(dst)])
+    assert res.exit_code == 1 and "Traceback" not in res.output
+    out = [ln for ln in res.output.splitlines() if ln.strip() and "pull s3://" not in ln]  # + the progress bar
+    assert len(out) == 1 and "lost the connection to s3://outage-pull/s" in out[0]
+    assert Store(dst, create=False).versions("vae") == []  # nothing half-fetched is visible
+
+    monkeypatch.setattr(remote_mod.Remote, "download", real_download)
+    server, endpoint = start_server()
+    try:
+        aws_env(monkeypatch, endpoint)
+        summary = pull("s3://outage-pull/s", dst)
+        assert summary.objects_skipped == 4 and summary.copied == ["vae/v1"]
+        assert files_of(dst) == files_of(store.root) and verify_store(dst) == []
+    finally:
+        server.stop()
