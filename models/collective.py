@@ -39,6 +39,7 @@ class RankFailed(UserError):
 
 
 POLL_SECONDS = 0.5  # how often a watch thread asks the store whether a rank failed alone
+HOST_WAIT_SECONDS = 10.0  # how long a failed rank that serves the store waits for the others to read its line
 
 
 def _device() -> torch.device:
@@ -186,6 +187,10 @@ def _watch(client, key: str) -> None:
     if _state["published"]:  # this rank failed: its main thread reports (and cleans up)
         return
     message = client.get(key).decode("utf-8", "replace")
+    try:
+        client.add(f"{key}/seen", 1)  # a publisher that hosts the store waits for this before it exits
+    except Exception:  # noqa: BLE001
+        pass
     if report_once(message):
         os._exit(1)  # the main thread may be inside a collective that never returns
 
@@ -201,12 +206,14 @@ def report_once(message: str) -> bool:
             stream.flush()
         except (OSError, ValueError):
             pass
-    sys.stderr.write(f"error: {message}\n")
+    tq = sys.modules.get("tqdm.std")  # a progress bar still open (this rank's main thread is stuck) ends mid-line
+    mid_line = tq is not None and bool(getattr(tq.tqdm, "_instances", None))
+    sys.stderr.write(("\n" if mid_line else "") + f"error: {message}\n")
     sys.stderr.flush()
     return True
 
 
-def publish_failure(message: str) -> str:
+def publish_failure(message: str, world: int) -> str:
     """Tell every rank's watch thread that this rank failed with `message`; the line every rank prints (the
     first one published, when several ranks fail at once). Without a store, `message` itself."""
     _state["published"] = True
@@ -214,9 +221,20 @@ def publish_failure(message: str) -> str:
         client = _store_client()
         if client is None:
             return message
-        return client.compare_set(_failure_key(), "", message).decode("utf-8", "replace")
+        key = _failure_key()
+        line = client.compare_set(key, "", message).decode("utf-8", "replace")
+        if _hosts_store():  # the store ends with this process: the others read the line first (bounded wait)
+            deadline = time.monotonic() + HOST_WAIT_SECONDS
+            while client.add(f"{key}/seen", 0) < world - 1 and time.monotonic() < deadline:
+                time.sleep(POLL_SECONDS / 5)
+        return line
     except Exception:  # noqa: BLE001 - no store: the others learn it at their next agreement, if ever
         return message
+
+
+def _hosts_store() -> bool:
+    """Rank 0 of a plain env:// launch serves the store itself; under torchrun the agent does."""
+    return os.environ.get("RANK") == "0" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true"
 
 
 def peer_failure() -> str | None:
@@ -262,7 +280,7 @@ def fails_alone(world: int, what: str, oom_advice: str = "") -> Iterator[None]:
             text = _message(e, what)
         else:
             text = f"rank {rank}: {_message(e, what)}"
-        raise RankFailed(publish_failure(" ".join(text.splitlines()))) from None
+        raise RankFailed(publish_failure(" ".join(text.splitlines()), world)) from None
 
 
 def failure_line(error: BaseException, line: str) -> str:
@@ -271,4 +289,6 @@ def failure_line(error: BaseException, line: str) -> str:
     rank's failure, of which this error may be a consequence) wins, so every rank prints the same."""
     if not _state["watching"] or agreed(error):
         return line
-    return publish_failure(line)
+    import torch.distributed as dist  # watching: a launch of several ranks
+
+    return publish_failure(line, dist.get_world_size() if dist.is_initialized() else int(os.environ["WORLD_SIZE"]))

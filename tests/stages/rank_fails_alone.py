@@ -2,8 +2,9 @@
 fails where the other rank does not wait for it in an agreement, through the CLI (its exit status and output
 are the test's):
 
-    rank_fails_alone.py train-oom STORE MODEL OUT   rank 1 runs out of memory inside its backward (rank 0 then
-                                                    sits in DDP's gradient all-reduce, which never completes)
+    rank_fails_alone.py train-oom STORE MODEL OUT R one rank (R) runs out of memory inside its backward (the
+                                                    other then sits in DDP's gradient all-reduce, which never
+                                                    completes); rank 0 also serves the launch's store
     rank_fails_alone.py encode-open STORE MODEL     rank 1 cannot open encode-vae's inputs (before any
                                                     collective)
 """
@@ -38,7 +39,7 @@ def main() -> None:
         from stages.train import recipe
 
         real = recipe.flow_loss_of
-        if RANK == 1:
+        if RANK == int(sys.argv[5]):
             recipe.flow_loss_of = lambda *a, **k: _OutOfMemoryInBackward.apply(real(*a, **k))
         sys.argv = ["pipeline", "run", "train", "--store", store, "--model", model, "--out", sys.argv[4],
                     "--device", "cpu", "--max-steps", "2", "--batch-size", "2", "--set", "train.lora.rank=4"]

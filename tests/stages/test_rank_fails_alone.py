@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 
 from test_rank_failures import REPO, HERE, _free_port
 from train_store import make_train_store, mixed_specs
@@ -47,11 +49,12 @@ def _same_line_everywhere(outs: list[tuple[int, str, str]]) -> str:
     return last0
 
 
-def test_out_of_memory_in_one_ranks_backward_stops_every_rank(tiny_edit_model, tmp_path) -> None:
+@pytest.mark.parametrize("failing", [1, 0])  # rank 0 also serves the launch's store (it waits for the others)
+def test_out_of_memory_in_one_ranks_backward_stops_every_rank(tiny_edit_model, tmp_path, failing) -> None:
     store = tmp_path / "store"
     make_train_store(store, tiny_edit_model, mixed_specs(8))
-    line = _same_line_everywhere(_launch("train-oom", str(store), tiny_edit_model, str(tmp_path / "run")))
-    assert "rank 1 ran out of memory in optimizer step 1" in line and "Tried to allocate" in line, line
+    line = _same_line_everywhere(_launch("train-oom", str(store), tiny_edit_model, str(tmp_path / "run"), str(failing)))
+    assert f"rank {failing} ran out of memory in optimizer step 1" in line and "Tried to allocate" in line, line
     assert "train.batch_size" in line, line  # what to change
     assert not (tmp_path / "run" / "lora").exists()
 
