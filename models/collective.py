@@ -158,7 +158,8 @@ def _store_client():
     host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     if not host or not port:
         return None
-    return dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False, timeout=timedelta(seconds=60))
+    # a short timeout: every call here answers at once, and a store that is gone must not hold an exit for long
+    return dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False, timeout=timedelta(seconds=10))
 
 
 def watch_failures(world: int) -> None:
