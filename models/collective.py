@@ -116,11 +116,15 @@ def together(world: int, what: str = "") -> Iterator[None]:
 
 def share_failure(world: int, error: BaseException | None, what: str = "") -> None:
     """The failure path of a rank that left the steps it shares with the others (an error in its own part of
-    the work): take part in the one agreement the other ranks reach next (`together`), so they stop with this
-    message instead of waiting for this rank. Nothing to do for one process, no error, or an agreed one."""
+    the work): publish it through the launcher's store, so the other ranks stop at once with this message
+    (their watch threads, below) instead of finishing their share first; without a store, take part in the one
+    agreement the other ranks reach next (`together`). Nothing to do for one process, no error, or an agreed
+    one."""
     if world <= 1 or error is None or agreed(error) or not isinstance(error, Exception):
         return
-    _agree(_message(error, what), world)
+    message = _message(error, what)
+    if _publish(message, world) is None:  # no store: the others learn it at their next agreement
+        _agree(message, world)
     _mark(error)
 
 
@@ -217,11 +221,19 @@ def report_once(message: str) -> bool:
 def publish_failure(message: str, world: int) -> str:
     """Tell every rank's watch thread that this rank failed with `message`; the line every rank prints (the
     first one published, when several ranks fail at once). Without a store, `message` itself."""
+    line = _publish(message, world)
+    return message if line is None else line
+
+
+def _publish(message: str, world: int) -> str | None:
+    """`publish_failure`, or None when no store could be reached (nothing published)."""
+    if not _state["watching"]:
+        return None
     _state["published"] = True
     try:
         client = _store_client()
         if client is None:
-            return message
+            return None
         key = _failure_key()
         line = client.compare_set(key, "", message).decode("utf-8", "replace")
         if _hosts_store():  # the store ends with this process: the others read the line first (bounded wait)
@@ -230,7 +242,7 @@ def publish_failure(message: str, world: int) -> str:
                 time.sleep(POLL_SECONDS / 5)
         return line
     except Exception:  # noqa: BLE001 - no store: the others learn it at their next agreement, if ever
-        return message
+        return None
 
 
 def _hosts_store() -> bool:
