@@ -6,10 +6,24 @@ barrier until the collective timeout (torchtune all-reduces its decisions the sa
 
 Only integers and UTF-8 bytes travel (two small collectives: an all-reduce of the failing rank, a broadcast of
 its message); no pickled objects. With one process nothing is exchanged and the error passes through as it is.
+
+Work during which the other ranks may sit in a collective this rank will never join cannot be agreed on in
+place: DDP all-reduces the gradients inside the last backward, so a rank that runs out of memory in its forward
+or backward leaves the others waiting there (NCCL: until the collective timeout). Such work runs in
+`fails_alone(...)`: an error is written, as its one line, to the launcher's key-value store (the TCPStore at
+MASTER_ADDR:MASTER_PORT that torchrun / accelerate set up, through a connection of our own), and every other
+rank's watch thread (`watch_failures`), which polls that key, prints the same line and ends its process with
+status 1 at once, even from inside a collective. Such a rank ends like a killed process: what it wrote is
+resumable (shards, checkpoints are committed by rename), its read lease names a dead process (gc ignores it)
+and its file locks go with the process. The failing rank itself unwinds normally and prints the line.
 """
 
 from __future__ import annotations
 
+import os
+import sys
+import threading
+import time
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -22,6 +36,10 @@ MESSAGE_BYTES = 2048  # the broadcast message's fixed size (a one-line error; lo
 
 class RankFailed(UserError):
     """Another rank (or this one) failed a step all ranks take together; the message is that rank's error."""
+
+
+POLL_SECONDS = 0.5  # how often a watch thread asks the store whether a rank failed alone
+HOST_WAIT_SECONDS = 10.0  # how long a failed rank that serves the store waits for the others to read its line
 
 
 def _device() -> torch.device:
@@ -80,6 +98,7 @@ def together(world: int, what: str = "") -> Iterator[None]:
     if world <= 1:
         yield
         return
+    watch_failures(world)  # from the first agreement on, a rank that fails alone stops this one too
     error: BaseException | None = None
     try:
         yield
@@ -97,11 +116,15 @@ def together(world: int, what: str = "") -> Iterator[None]:
 
 def share_failure(world: int, error: BaseException | None, what: str = "") -> None:
     """The failure path of a rank that left the steps it shares with the others (an error in its own part of
-    the work): take part in the one agreement the other ranks reach next (`together`), so they stop with this
-    message instead of waiting for this rank. Nothing to do for one process, no error, or an agreed one."""
+    the work): publish it through the launcher's store, so the other ranks stop at once with this message
+    (their watch threads, below) instead of finishing their share first; without a store, take part in the one
+    agreement the other ranks reach next (`together`). Nothing to do for one process, no error, or an agreed
+    one."""
     if world <= 1 or error is None or agreed(error) or not isinstance(error, Exception):
         return
-    _agree(_message(error, what), world)
+    message = _message(error, what)
+    if _publish(message, world) is None:  # no store: the others learn it at their next agreement
+        _agree(message, world)
     _mark(error)
 
 
@@ -115,3 +138,170 @@ def any_over_ranks(mask, world: int):
     t = torch.from_numpy(mask.astype(np.uint8)).to(_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.cpu().numpy().astype(bool)
+
+
+# ---------------------------------------------------------------------------------------------- failing alone
+
+_state: dict = {"watching": False, "published": False}
+_report_lock = threading.Lock()
+
+
+def _failure_key() -> str:
+    # One key per launch attempt: torchrun's agent store outlives a restarted attempt (max_restarts).
+    run = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    return f"pipeline/rank-failed/{run}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
+def _store_client():
+    """A connection of our own to the launcher's store (a blocked or busy process-group connection is never
+    shared with the watch thread); None when the launch named none (MASTER_ADDR / MASTER_PORT)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not host or not port:
+        return None
+    # a short timeout: every call here answers at once, and a store that is gone must not hold an exit for long
+    return dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False, timeout=timedelta(seconds=10))
+
+
+def watch_failures(world: int) -> None:
+    """Start this process's watch thread (once): when another rank publishes a failure (`fails_alone`), print its
+    line and end this process with status 1, wherever the main thread is (a collective included)."""
+    if world <= 1 or _state["watching"]:
+        return
+    _state["watching"] = True
+    try:
+        client = _store_client()
+    except Exception:  # noqa: BLE001 - no store reachable: failures are only agreed on (`together`)
+        client = None
+    if client is None:
+        return
+    threading.Thread(target=_watch, args=(client, _failure_key()), name="rank-failure-watch", daemon=True).start()
+
+
+def _watch(client, key: str) -> None:
+    while True:
+        try:
+            if client.check([key]):
+                break
+        except Exception:  # noqa: BLE001 - the store is gone: the launch is over
+            return
+        time.sleep(POLL_SECONDS)
+    if _state["published"]:  # this rank failed: its main thread reports (and cleans up)
+        return
+    message = client.get(key).decode("utf-8", "replace")
+    try:
+        client.add(f"{key}/seen", 1)  # a publisher that hosts the store waits for this before it exits
+    except Exception:  # noqa: BLE001
+        pass
+    if report_once(message):
+        os._exit(1)  # the main thread may be inside a collective that never returns
+
+
+def report_once(message: str) -> bool:
+    """Print `error: MESSAGE` to stderr unless this process already reported a failure; whether it printed.
+    The lock is kept: the process ends after its report, and a second reporter (watch or main thread) stays
+    silent."""
+    if not _report_lock.acquire(blocking=False):
+        return False
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    tq = sys.modules.get("tqdm.std")  # a progress bar still open (this rank's main thread is stuck) ends mid-line
+    mid_line = tq is not None and bool(getattr(tq.tqdm, "_instances", None))
+    sys.stderr.write(("\n" if mid_line else "") + f"error: {message}\n")
+    sys.stderr.flush()
+    return True
+
+
+def publish_failure(message: str, world: int) -> str:
+    """Tell every rank's watch thread that this rank failed with `message`; the line every rank prints (the
+    first one published, when several ranks fail at once). Without a store, `message` itself."""
+    line = _publish(message, world)
+    return message if line is None else line
+
+
+def _publish(message: str, world: int) -> str | None:
+    """`publish_failure`, or None when no store could be reached (nothing published)."""
+    if not _state["watching"]:
+        return None
+    _state["published"] = True
+    try:
+        client = _store_client()
+        if client is None:
+            return None
+        key = _failure_key()
+        line = client.compare_set(key, "", message).decode("utf-8", "replace")
+        if _hosts_store():  # the store ends with this process: the others read the line first (bounded wait)
+            deadline = time.monotonic() + HOST_WAIT_SECONDS
+            while client.add(f"{key}/seen", 0) < world - 1 and time.monotonic() < deadline:
+                time.sleep(POLL_SECONDS / 5)
+        return line
+    except Exception:  # noqa: BLE001 - no store: the others learn it at their next agreement, if ever
+        return None
+
+
+def _hosts_store() -> bool:
+    """Rank 0 of a plain env:// launch serves the store itself; under torchrun the agent does."""
+    return os.environ.get("RANK") == "0" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true"
+
+
+def peer_failure() -> str | None:
+    """The line another rank published, if any (for a main thread that met a collective error first: a peer's
+    exit closes the gloo connections)."""
+    if not _state["watching"]:
+        return None
+    try:
+        client = _store_client()
+        if client is not None and client.check([_failure_key()]):
+            return client.get(_failure_key()).decode("utf-8", "replace")
+    except Exception:  # noqa: BLE001
+        pass
+    return None
+
+
+def out_of_memory(error: BaseException) -> bool:
+    return isinstance(error, (torch.OutOfMemoryError, MemoryError))
+
+
+@contextmanager
+def fails_alone(world: int, what: str, oom_advice: str = "") -> Iterator[None]:
+    """Run this rank's own part of a step (its data, its forward and backward) where the other ranks may be
+    inside a collective it will not join: an error is published to every rank (see the module doc) and raised
+    here as `RankFailed` with the same line, so the failing rank unwinds and reports it without a traceback.
+    Out of memory is named as such, with `oom_advice` (what to change). One process: errors pass through."""
+    if world <= 1:
+        yield
+        return
+    watch_failures(world)
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - published to every rank
+        if agreed(e):
+            raise
+        import torch.distributed as dist
+
+        rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+        if out_of_memory(e):
+            first = (str(e).splitlines() or [""])[0]
+            text = f"rank {rank} ran out of memory in {what} ({first})" + (f": {oom_advice}" if oom_advice else "")
+        elif isinstance(e, UserError):
+            text = _message(e, what)
+        else:
+            text = f"rank {rank}: {_message(e, what)}"
+        raise RankFailed(publish_failure(" ".join(text.splitlines()), world)) from None
+
+
+def failure_line(error: BaseException, line: str) -> str:
+    """The line a process prints at its top level for `error` (one-line text `line`). With several ranks, an error
+    the others do not know of yet is published first (they stop with it), and a line published before (another
+    rank's failure, of which this error may be a consequence) wins, so every rank prints the same."""
+    if not _state["watching"] or agreed(error):
+        return line
+    import torch.distributed as dist  # watching: a launch of several ranks
+
+    return publish_failure(line, dist.get_world_size() if dist.is_initialized() else int(os.environ["WORLD_SIZE"]))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import typer
 
 import models.quiet_imports  # noqa: F401  (before any command imports torchao: drops two harmless messages)
@@ -10,6 +12,7 @@ from pipeline.commands import (
     demo,
     encode,
     evaluate,
+    launch,
     lora,
     plan,
     predict,
@@ -52,6 +55,10 @@ run_app.command("train", help="`text` + `vae` tables -> LoRA run directory.")(tr
 run_app.command("evaluate", help="Held-out loss and samples, base vs LoRA -> report directory.")(evaluate.command)
 run_app.command("all", help="Every stage in order, each skipped when up to date.")(run_all.command)
 app.add_typer(run_app, name="run")
+app.command("launch", context_settings=launch.LAUNCH_SETTINGS,
+            help="Several processes of a command under torchrun: pipeline launch [TORCHRUN OPTIONS] COMMAND ...")(
+    launch.command
+)
 
 app.command("compare", help="Several runs' held-out loss curves and best checkpoints on one page + a CSV.")(
     compare.command
@@ -65,6 +72,10 @@ app.command("demo", help="Tiny model + synthetic data + every stage end to end, 
 def _terminate(signum, frame) -> None:
     # SIGTERM's default kills the process at once: no finally block, no atexit (read leases, locks, temp files
     # stay behind). As SystemExit in the main thread, everything unwinds as on Ctrl-C.
+    collective = sys.modules.get("models.collective")  # never imported here (a signal may come mid-import)
+    if collective is not None and (line := collective.peer_failure()) is not None:
+        # torchrun stops the other ranks once one exits: they print its line too (models/collective.py)
+        collective.report_once(line)
     raise SystemExit(128 + signum)
 
 

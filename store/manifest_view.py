@@ -105,6 +105,28 @@ def mapped_checked(vdir: Path, name: str, sums: dict[str, dict[str, Any]] | None
     return data
 
 
+# Columns every rank keeps parsed, stored in the narrowest of these types their values fit (tried in order; the
+# values read back - `cell`, `locate`, `image_tokens` - are the same ints): [frames, h, w] of latent patches fit
+# int16 (~35 -> ~23 MB at 1M samples), a sample's offset in its shard and its size fit uint32 (shards are far
+# below 4 GiB: 8 -> 4 MB each, per table).
+NARROWER = {
+    "img_shapes": (pa.list_(pa.list_(pa.int16())), pa.list_(pa.list_(pa.int32()))),
+    "sample_offset": (pa.uint32(),),
+    "sample_nbytes": (pa.uint32(),),
+}
+
+
+def _narrowed(col: pa.Array, types: tuple[pa.DataType, ...]) -> pa.Array:
+    for t in types:
+        if col.type == t:
+            return col
+        try:
+            return col.cast(t)  # safe cast: a value that does not fit raises, and the next type is tried
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+            continue
+    return col
+
+
 def _libc_trim():
     """glibc's malloc_trim, or None (another libc). No library exposes it; it is one call."""
     try:
@@ -222,13 +244,8 @@ class ManifestView:
                 col = read_manifest(self.dir, self._bytes, columns=[name],
                                     read_dictionary=["shard"] if name == "shard" else None).column(name)
             col = col.combine_chunks()
-            if name == "img_shapes" and self._full is None and col.type == pa.list_(pa.list_(pa.int64())):
-                # [frames, h, w] of latent patches fit int32: half the values of the largest column kept (~23 MB less at 1M);
-                # the values read back (`cell`, `image_tokens`) are the same ints
-                try:
-                    col = col.cast(pa.list_(pa.list_(pa.int32())))
-                except pa.ArrowInvalid:  # a value beyond int32 (never a real shape): kept as it is
-                    pass
+            if self._full is None and name in NARROWER:
+                col = _narrowed(col, NARROWER[name])
             self._arrays[name] = col
             del col
             # the parse's scratch memory goes back to the system (the allocator keeps it otherwise: ~180 MB

@@ -87,7 +87,9 @@ def user_errors(output: Path | str | None = None) -> Iterator[None]:
     try:
         yield
     except (UserError, ConfigError) as e:
-        typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
+        from models.collective import failure_line  # several ranks: the others stop with the same line
+
+        typer.secho(f"error: {failure_line(e, str(e))}", fg=typer.colors.RED, err=True)
         raise typer.Exit(1) from None
     except (FileExistsError, NotADirectoryError) as e:  # e.g. --out / --store naming an existing file
         name = e.filename or output
@@ -95,9 +97,16 @@ def user_errors(output: Path | str | None = None) -> Iterator[None]:
                     fg=typer.colors.RED, err=True)
         raise typer.Exit(1) from None
     except Exception as e:  # a full disk / read-only folder missed by a closer handler: still one line
+        from models.collective import failure_line, peer_failure, report_once
+
+        if (peer := peer_failure()) is not None:  # e.g. gloo's "connection closed" when a failed rank exited
+            report_once(peer)
+            raise typer.Exit(1) from None
         err = describe(e, "output", Path(getattr(e, "filename", None) or output or "."))
         if err is None:
+            failure_line(e, f"{type(e).__name__}: {e}")  # the other ranks stop; the traceback is this rank's
             raise
+        err = failure_line(e, err)
         typer.secho(f"error: {err}", fg=typer.colors.RED, err=True)
         raise typer.Exit(1) from None
 

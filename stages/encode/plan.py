@@ -26,6 +26,25 @@ IMAGES_TABLE = "images"
 def open_job(store_path: str | Path, stage: str, table: str, feature_hash: str, model: str,
              feature_revision: str, ranks: Ranks, components: tuple[str, ...] = (), on_damaged: str = "stop",
              max_damaged_fraction: float = 0.0, earlier_hashes: tuple[str, ...] = ()) -> EncodeJob:
+    """`_open_job` on every rank, then agreed on (models/collective.py): a rank that cannot open its inputs
+    stops every rank with its line before any model is loaded (the others would wait at the commit)."""
+    from models.collective import together
+
+    job = None
+    try:
+        with together(ranks.world_size, f"{stage}: opening the inputs"):
+            job = _open_job(store_path, stage, table, feature_hash, model, feature_revision, ranks, components,
+                            on_damaged, max_damaged_fraction, earlier_hashes)
+    except BaseException:
+        if job is not None:  # another rank failed: this one's reader and lease go now
+            job.close()
+        raise
+    return job
+
+
+def _open_job(store_path: str | Path, stage: str, table: str, feature_hash: str, model: str,
+              feature_revision: str, ranks: Ranks, components: tuple[str, ...] = (), on_damaged: str = "stop",
+              max_damaged_fraction: float = 0.0, earlier_hashes: tuple[str, ...] = ()) -> EncodeJob:
     """Read the `images` table, build the lineage, and find out whether an identical version already exists.
 
     An identical complete version is made current and reused ("up to date"); anything that differs (model

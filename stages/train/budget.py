@@ -23,6 +23,8 @@ A sample longer than the budget is an error: the budget must hold the longest sa
 
 from __future__ import annotations
 
+import numpy as np
+
 from store.partition import rng_for
 
 
@@ -37,12 +39,12 @@ class TokenBudgetBatchSampler:
         longest = max(lengths, default=0)
         if longest > max_tokens:
             raise ValueError(f"the longest sample has {longest} tokens, more than the budget of {max_tokens} per batch")
-        self.lengths = [int(n) for n in lengths]
+        self.lengths = np.asarray(lengths, dtype=np.int64)  # shared with the join's array, not a list copy
         self.max_tokens = max_tokens
         self.seed = seed
         self.window = window
         self.world_size = world_size
-        mean = sum(self.lengths) / len(self.lengths) if self.lengths else 1
+        mean = int(self.lengths.sum()) / len(self.lengths) if len(self.lengths) else 1
         # A window of `window` global steps, in samples: mean batch size estimated from the mean length.
         self.window_samples = window * world_size * max(1, int(max_tokens // mean))
 

@@ -28,13 +28,14 @@ def lock_run_dir(run_dir: Path) -> fmt.HeldLock:
     return fmt.HeldLock(run_dir / LOCK_NAME, holder=f"run folder {run_dir}")
 
 
-def all_finite(loss_sum: torch.Tensor, params: list[torch.nn.Parameter]) -> bool:
-    """One device sync: the loss and every LoRA gradient are finite."""
+def finite(loss_sum: torch.Tensor, params: list[torch.nn.Parameter]) -> torch.Tensor:
+    """Whether the loss and every LoRA gradient are finite, as a device tensor (no sync: the recipe reads it
+    with the step's other figures)."""
     ok = torch.isfinite(loss_sum).all()
     for p in params:
         if p.grad is not None:
             ok = ok & torch.isfinite(p.grad).all()
-    return bool(ok)
+    return ok
 
 
 def nonfinite_message(step: int, per_sample: dict[str, float], store: Path) -> str:

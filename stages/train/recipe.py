@@ -44,7 +44,7 @@ from typing import Any, Callable
 import torch
 from tqdm.auto import tqdm
 
-from models.collective import any_over_ranks, together
+from models.collective import any_over_ranks, fails_alone, together
 from models.flow import FlowBatch, flow_loss_of
 from models.lora import WEIGHT_NAME, add_lora, load_lora, lora_parameters, save_lora
 from models.attention import use_attention_backend
@@ -63,6 +63,10 @@ from stages.train.state import ResumeRecord
 from stages.train.summary import train_line
 from store.format import atomic_dir, atomic_write_bytes, atomic_write_json, pause_point
 from store.join import JoinedTables, open_configured
+
+# What to change when a step runs out of memory (named in the error every rank prints).
+OOM_ADVICE = ("lower train.batch_size or train.max_tokens_per_batch, or set train.gradient_checkpointing, "
+              "train.offload: blocks or train.quantize_base (`pipeline plan` predicts the peak)")
 
 # Extra torch.compile arguments of `train.compile` (tests use a fast backend).
 COMPILE_OPTIONS: dict[str, Any] = {}
@@ -323,23 +327,33 @@ def _build_training(r: Run, store: str | Path, model: str, latest: Path | None, 
 
 def step(r: Run) -> StepStats:
     """One optimizer step: grad_accum global micro-batches, this rank's share of each (DDP all-reduces the
-    gradients during the last backward), then the update."""
+    gradients during the last backward), then the update.
+
+    Collectives per step: DDP's gradient all-reduce and the loss sum, nothing else; one host sync (the loss,
+    the finite check and the gradient norm read together). This rank's data, forward and backward run in
+    `fails_alone`: the others may be in DDP's all-reduce, so a failure here (a damaged sample, out of memory)
+    is published to every rank instead of agreed on (models/collective.py)."""
     tc, t0, c0 = r.cfg, time.perf_counter(), time.process_time()
-    with together(r.world, f"reading the data of step {r.step + 1}"):  # e.g. a damaged sample on one rank
-        micro = [r.batches.next() for _ in range(tc.grad_accum)]
-    n_step = sum(len(b) for m in micro for b in m.global_batch)
-    loss_sum = torch.zeros((), device=r.device)
     step_losses: list[tuple[list[str], torch.Tensor]] = []  # this rank's, named in a non-finite error
-    for k, m in enumerate(micro):
-        with parallel.accumulating(r.model, last=k == len(micro) - 1):
-            losses = backward_of(r.model, m.flow, tc, r.device, scale=r.world / n_step)
-        loss_sum += losses.sum()
-        step_losses.append(([r.tables.keys[i] for i in m.global_batch[r.rank]], losses))
-        _count_epoch_tokens(r, m.epoch, m.global_batch, m.ends_epoch)
-        r.position = m.position
+    loss_sum = torch.zeros((), device=r.device)
+    with fails_alone(r.world, f"optimizer step {r.step + 1}", OOM_ADVICE):
+        micro = [r.batches.next() for _ in range(tc.grad_accum)]
+        n_step = sum(len(b) for m in micro for b in m.global_batch)
+        for k, m in enumerate(micro):
+            with parallel.accumulating(r.model, last=k == len(micro) - 1):
+                losses = backward_of(r.model, m.flow, tc, r.device, scale=r.world / n_step)
+            loss_sum += losses.sum()
+            step_losses.append(([r.tables.keys[i] for i in m.global_batch[r.rank]], losses))
+            _count_epoch_tokens(r, m.epoch, m.global_batch, m.ends_epoch)
+            r.position = m.position
     loss_sum = parallel.sum_over_ranks(loss_sum, r.world)
-    if guard.all_finite(loss_sum, r.params):  # gradients all-reduced by DDP, the loss here: every rank decides alike
-        grad_norm = _clip(r.params, tc.max_grad_norm)
+    # gradients all-reduced by DDP, the loss here: every rank decides alike. Clipping a non-finite step's
+    # gradients does no harm: they are dropped below.
+    finite = guard.finite(loss_sum, r.params)
+    norm = _clip(r.params, tc.max_grad_norm)
+    figures = [t.float().to(loss_sum.device) for t in (loss_sum, finite, norm)]
+    total, ok, grad_norm = torch.stack(figures).tolist()  # the step's one host sync
+    if ok:
         r.optimizer.step()
     else:
         per_sample = {k: v for keys, losses in step_losses for k, v in zip(keys, losses.tolist())}
@@ -355,7 +369,7 @@ def step(r: Run) -> StepStats:
         r.ema.update()
     r.optimizer.zero_grad(set_to_none=True)
     r.step += 1
-    loss = loss_sum.item() / n_step  # the sync point: the step's compute is done here
+    loss = total / n_step
     batches = [b for m in micro for b in m.global_batch]
     return StepStats(loss, micro[0].epoch, n_step, grad_norm, batches, time.perf_counter() - t0, t0, c0)
 
@@ -741,8 +755,9 @@ def _count_epoch_tokens(r: Run, epoch: int, global_batch: list[list[int]], ends_
     r.epoch_tokens = [0, 0]
 
 
-def _clip(params: list[torch.nn.Parameter], max_norm: float | None) -> float:
+def _clip(params: list[torch.nn.Parameter], max_norm: float | None) -> torch.Tensor:
+    """The gradients' total norm (clipped to `max_norm` when set), on the device: read with the step's loss."""
     if max_norm is None:
         grads = [p.grad for p in params if p.grad is not None]
-        return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
-    return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+    return torch.nn.utils.clip_grad_norm_(params, max_norm)

@@ -75,3 +75,26 @@ def test_crcs_kept_as_numbers_are_the_recorded_ones_and_still_refuse_damage(stor
         r.tensors(key)
     r.tensors(sample(4)["key"])  # the others read
     r.close()
+
+
+def test_locating_columns_kept_narrow_read_the_recorded_values(store: Store) -> None:
+    """Offsets and sizes as uint32, img_shapes as int16 (half and a quarter of int64 per rank): the same values."""
+    import pyarrow as pa
+
+    from store.manifest_view import NARROWER, _narrowed
+
+    _tables(store, {"vae": range(8)})
+    r = store.reader("vae")
+    names = ["sample_offset", "sample_nbytes", "img_shapes"]
+    recorded = read_manifest(r.dir, (r.dir / "manifest.parquet").read_bytes(), names)
+    assert recorded.column("sample_offset").type == pa.int64()  # as written
+    for name, kept in zip(names, (pa.uint32(), pa.uint32(), pa.list_(pa.list_(pa.int16())))):
+        assert r.view.column(name).type == kept
+        assert r.view.column(name).to_pylist() == recorded.column(name).to_pylist()
+    r.close()
+    # values that do not fit keep a wider type, never a wrapped value
+    wide = pa.array([[[1, 40000, 2]]], pa.list_(pa.list_(pa.int64())))
+    assert _narrowed(wide, NARROWER["img_shapes"]).to_pylist() == [[[1, 40000, 2]]]
+    assert _narrowed(wide, NARROWER["img_shapes"]).type == pa.list_(pa.list_(pa.int32()))
+    far = pa.array([5 << 32], pa.int64())
+    assert _narrowed(far, NARROWER["sample_offset"]).to_pylist() == [5 << 32]

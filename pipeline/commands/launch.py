@@ -1,0 +1,34 @@
+"""`pipeline launch [TORCHRUN OPTIONS] COMMAND ...`: several processes of `pipeline COMMAND` under torchrun.
+
+The same as `torchrun [TORCHRUN OPTIONS] -m pipeline.cli COMMAND ...` (torchrun's own parser reads the options;
+its first non-option argument starts the command), except when a rank fails: every rank has
+already printed the same `error: ...` line (models/collective.py), and torchrun would then end in its own
+`ChildFailedError` traceback and summary box, which says nothing more. Here the launcher's failure is one line
+(which ranks exited how) and exit status 1.
+"""
+
+from __future__ import annotations
+
+import typer
+
+LAUNCH_SETTINGS = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}
+
+
+def command(ctx: typer.Context) -> None:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    try:
+        args = parse_args(list(ctx.args))
+    except SystemExit as e:  # argparse printed what was wrong (or the help)
+        raise typer.Exit(e.code if isinstance(e.code, int) else 2) from None
+    # torchrun read the command's first word as its script: the script is this CLI, run as a module
+    args.training_script_args = [args.training_script, *args.training_script_args]
+    args.training_script, args.module = "pipeline.cli", True
+    try:
+        run(args)
+    except ChildFailedError as e:
+        failed = ", ".join(f"rank {rank} exit {f.exitcode}" for rank, f in sorted(e.failures.items()))
+        typer.secho(f"error: {e.name} stopped: {failed} (the ranks' own error is the line above)",
+                    fg=typer.colors.RED, err=True)
+        raise typer.Exit(1) from None

@@ -1,0 +1,60 @@
+"""Run by each of two gloo processes (tests/stages/test_rank_fails_alone.py, not a test module itself): rank 1
+fails where the other rank does not wait for it in an agreement, through the CLI (its exit status and output
+are the test's):
+
+    rank_fails_alone.py train-oom STORE MODEL OUT R one rank (R) runs out of memory inside its backward (the
+                                                    other then sits in DDP's gradient all-reduce, which never
+                                                    completes); rank 0 also serves the launch's store
+    rank_fails_alone.py encode-open STORE MODEL     rank 1 cannot open encode-vae's inputs (before any
+                                                    collective)
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+RANK = int(os.environ["RANK"])
+
+
+class _OutOfMemoryInBackward(torch.autograd.Function):
+    """Identity forward; its backward fails as a CUDA allocation does."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (test)")
+
+
+def main() -> None:
+    case, store, model = sys.argv[1:4]
+    from pipeline.cli import main as cli
+
+    if case == "train-oom":
+        from stages.train import recipe
+
+        real = recipe.flow_loss_of
+        if RANK == int(sys.argv[5]):
+            recipe.flow_loss_of = lambda *a, **k: _OutOfMemoryInBackward.apply(real(*a, **k))
+        sys.argv = ["pipeline", "run", "train", "--store", store, "--model", model, "--out", sys.argv[4],
+                    "--device", "cpu", "--max-steps", "2", "--batch-size", "2", "--set", "train.lora.rank=4"]
+    else:
+        from schemas.errors import UserError
+        from stages.encode import common
+
+        def refused(*a, **k):
+            raise UserError("rank 1 cannot hold a read lease on the images table (test)")
+
+        if RANK == 1:
+            common.hold = refused
+        sys.argv = ["pipeline", "run", "encode-vae", "--store", store, "--model", model, "--device", "cpu"]
+    cli()
+
+
+if __name__ == "__main__":
+    main()

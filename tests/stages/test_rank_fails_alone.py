@@ -1,0 +1,63 @@
+"""A rank that fails where the others do not wait for it in an agreement still stops every rank: both exit 1
+within the test's timeout with the same one line and no traceback (models/collective.py `fails_alone`, the
+watch thread, `open_job`'s agreement). Two gloo processes on the CPU started with the launcher's environment
+(tests/stages/rank_fails_alone.py). Before: in train, rank 1's out-of-memory traceback while rank 0 waited in
+DDP's all-reduce until rank 1's exit broke the connection (NCCL: until the collective timeout); in encode, rank
+0 loaded the model and encoded its share before it failed at the commit."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+from test_rank_failures import REPO, HERE, _free_port
+from train_store import make_train_store, mixed_specs
+
+
+def _launch(*args: str) -> list[tuple[int, str, str]]:
+    port = _free_port()
+    procs = []
+    for rank in (0, 1):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+               "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+               "PYTHONPATH": os.pathsep.join([str(REPO), str(HERE), str(HERE.parent)])}
+        procs.append(subprocess.Popen([sys.executable, str(HERE / "rank_fails_alone.py"), *args], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = []
+    try:
+        for p in procs:
+            stdout, stderr = p.communicate(timeout=300)  # a rank left waiting in a collective hangs: this fails
+            outs.append((p.returncode, stdout, stderr))
+    finally:
+        for p in procs:
+            p.kill()
+    return outs
+
+
+def _same_line_everywhere(outs: list[tuple[int, str, str]]) -> str:
+    (rc0, out0, err0), (rc1, out1, err1) = outs
+    assert "Traceback" not in err0 + out0 + err1 + out1, (err0[-3000:], err1[-3000:])
+    assert rc0 == rc1 == 1, (rc0, rc1, err0[-2000:], err1[-2000:])
+    last0, last1 = err0.strip().splitlines()[-1], err1.strip().splitlines()[-1]
+    assert last0 == last1 and last0.startswith("error: "), (last0, last1)
+    return last0
+
+
+@pytest.mark.parametrize("failing", [1, 0])  # rank 0 also serves the launch's store (it waits for the others)
+def test_out_of_memory_in_one_ranks_backward_stops_every_rank(tiny_edit_model, tmp_path, failing) -> None:
+    store = tmp_path / "store"
+    make_train_store(store, tiny_edit_model, mixed_specs(8))
+    line = _same_line_everywhere(_launch("train-oom", str(store), tiny_edit_model, str(tmp_path / "run"), str(failing)))
+    assert f"rank {failing} ran out of memory in optimizer step 1" in line and "Tried to allocate" in line, line
+    assert "train.batch_size" in line, line  # what to change
+    assert not (tmp_path / "run" / "lora").exists()
+
+
+def test_one_rank_failing_to_open_encode_inputs_stops_every_rank(tiny_edit_model, edit_store) -> None:
+    line = _same_line_everywhere(_launch("encode-open", str(edit_store), tiny_edit_model))
+    assert "rank 1 cannot hold a read lease" in line, line
