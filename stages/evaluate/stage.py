@@ -38,6 +38,7 @@ from models.qwen21_flow import is_qwen21
 from models.precision import check_loaded_dtype, describe
 from models.randomness import eval_noise
 from models.sample import TrainSample, from_features
+from schemas import up_to_date as current
 from schemas.config import EvaluateConfig
 from schemas.errors import UserError
 from models.generate import Conditioning, generate
@@ -302,7 +303,8 @@ def report_up_to_date(cfg: EvaluateConfig, store: str | Path, model: str, lora: 
         recorded = json.loads(metrics.read_text()).get("run", {}).get("inputs")
     except (OSError, json.JSONDecodeError):
         return False
-    return recorded == evaluate_inputs(cfg, store, model, lora)
+    return current.is_current(recorded if isinstance(recorded, dict) else None,
+                              evaluate_inputs(cfg, store, model, lora))
 
 
 

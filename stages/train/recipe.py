@@ -49,6 +49,7 @@ from models.flow import FlowBatch, flow_loss_of
 from models.lora import WEIGHT_NAME, add_lora, load_lora, lora_parameters, save_lora
 from models.attention import use_attention_backend
 from models.multires import install_multires
+from schemas import up_to_date as current
 from schemas.config import PipelineConfig, TrainConfig, dump_config
 from schemas.errors import UserError
 from schemas.lineage import section_fingerprint, unhashed_names
@@ -461,25 +462,34 @@ def cleanup(r: Run | None, locks: list) -> None:
 
 
 def up_to_date(cfg: PipelineConfig, store: str | Path, model: str, out: str | Path) -> bool:
-    """OUT/lora is the final LoRA of a run on the same tables, model and train config, trained to max_steps."""
-    from models.loading import model_fingerprint
-
+    """OUT/lora is the final LoRA of a run on the same tables, model and train config, trained to max_steps
+    (`schemas.up_to_date`: the last checkpoint's record against `run_inputs`)."""
     weights = Path(out) / "lora" / WEIGHT_NAME
     latest = train_state.latest_checkpoint(Path(out) / "checkpoints")
     if not weights.is_file() or latest is None:
         return False
+    # a LoRA older than the last checkpoint is a previous run's (killed before its final save)
+    if weights.stat().st_mtime < (latest / train_state.RESUME_JSON).stat().st_mtime:
+        return False
     record = ResumeRecord.read(latest / train_state.RESUME_JSON)
+    recorded = {"step": record.step, "config_fingerprint": record.config_fingerprint, "tables": record.tables,
+                "model_fingerprint": record.model_fingerprint}
+    return current.is_current(recorded, run_inputs(cfg, store, model))
+
+
+def run_inputs(cfg: PipelineConfig, store: str | Path, model: str) -> dict[str, Any]:
+    """What a finished run of `cfg` records: its last step, config fingerprint, table versions and model."""
+    from models.loading import model_fingerprint
+
     tables = open_configured(cfg.train, "train", store, model, model_fingerprint(model), "train")  # as training does
-    tables.close()  # only its versions are compared below
-    return (
-        record.step == cfg.train.max_steps
+    tables.close()  # only its versions are compared
+    return {
+        "step": cfg.train.max_steps,
         # the run records its resolved precision (dtype auto -> float32 / bfloat16 for its device)
-        and record.config_fingerprint == config_fingerprint(resolve_precision(cfg.train, planned_device(cfg.train)))
-        and record.tables == tables.versions()
-        and record.model_fingerprint == model_fingerprint(model)
-        # a LoRA older than the last checkpoint is a previous run's (killed before its final save)
-        and weights.stat().st_mtime >= (latest / train_state.RESUME_JSON).stat().st_mtime
-    )
+        "config_fingerprint": config_fingerprint(resolve_precision(cfg.train, planned_device(cfg.train))),
+        "tables": tables.versions(),
+        "model_fingerprint": model_fingerprint(model),
+    }
 
 
 # ---------------------------------------------------------------------------------------------- config
