@@ -28,6 +28,7 @@ import torch
 from PIL import Image
 from tqdm.auto import tqdm
 
+from features.open import open_configured
 from models.flow import flow_loss
 from models.loading import load_component, parse_dtype
 from models.lora import attach_lora, lora_weight_file
@@ -48,7 +49,7 @@ from models.held_out import MASK_NOTE, bucket_of, loss_grid, loss_summary  # noq
 from stages.evaluate.nonfinite import finite_rows
 from stages.evaluate.report import SampleRow, psnr, ssim, write_report
 from store import Store, TableReader
-from store.join import JoinedTables, open_configured
+from store.join import JoinedTables
 
 PSNR_SSIM_NOTE = (
     "PSNR/SSIM compare each output with the sample's stored target image. They measure pixel fidelity to one "

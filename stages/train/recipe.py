@@ -44,6 +44,7 @@ from typing import Any, Callable
 import torch
 from tqdm.auto import tqdm
 
+from features.open import open_configured
 from models.collective import any_over_ranks, together
 from models.flow import FlowBatch, flow_loss_of
 from models.lora import WEIGHT_NAME, add_lora, load_lora, lora_parameters, save_lora
@@ -63,7 +64,7 @@ from stages.train.sampler import padding_efficiency
 from stages.train.state import ResumeRecord
 from stages.train.summary import train_line
 from store.format import atomic_dir, atomic_write_bytes, atomic_write_json, pause_point
-from store.join import JoinedTables, open_configured
+from store.join import JoinedTables
 
 # Extra torch.compile arguments of `train.compile` (tests use a fast backend).
 COMPILE_OPTIONS: dict[str, Any] = {}
