@@ -32,7 +32,6 @@ Note: after a mid-epoch resume, that epoch's padding efficiency counts from the 
 
 from __future__ import annotations
 
-import math
 import time
 import warnings
 from contextlib import ExitStack, nullcontext
@@ -508,16 +507,26 @@ def config_fingerprint(cfg: TrainConfig) -> str:
     return section_fingerprint(cfg)
 
 
+#: train.lr_schedule -> the name of diffusers' schedule (`diffusers.optimization.get_scheduler`) with that shape
+LIBRARY_SCHEDULES = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}
+
+
+def lr_schedule(cfg: TrainConfig) -> Callable[[int], float]:
+    """Multiplier of the base LR per optimizer step (0-based): diffusers' schedule of `train.lr_schedule` with
+    linear warm-up. The warm-up is read one step ahead, so the first step trains at 1/warmup_steps of the LR,
+    not at 0 (a step at LR 0 would do nothing); from the end of the warm-up on it is the library's, step for step."""
+    from diffusers.optimization import get_scheduler
+
+    probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)  # get_scheduler wants an optimizer
+    library = get_scheduler(LIBRARY_SCHEDULES[cfg.lr_schedule], probe, num_warmup_steps=cfg.warmup_steps,
+                            num_training_steps=cfg.max_steps).lr_lambdas[0]
+    warmup = cfg.warmup_steps
+    return lambda step: library(step + 1 if step < warmup else step)
+
+
 def lr_factor(step: int, cfg: TrainConfig) -> float:
-    """Multiplier of the base LR for optimizer step `step` (0-based): linear warm-up, then the schedule."""
-    if step < cfg.warmup_steps:
-        return (step + 1) / cfg.warmup_steps
-    if cfg.lr_schedule == "constant":
-        return 1.0
-    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps))
-    if cfg.lr_schedule == "linear":
-        return 1.0 - progress
-    return 0.5 * (1.0 + math.cos(math.pi * progress))
+    """Multiplier of the base LR for optimizer step `step` (0-based): `lr_schedule(cfg)` at that step."""
+    return lr_schedule(cfg)(step)
 
 
 # ---------------------------------------------------------------------------------------------- setup pieces
@@ -722,7 +731,7 @@ def make_optimizer(params, cfg: TrainConfig):
     from stages.train.optimizers import build_optimizer
 
     optimizer = build_optimizer(params, cfg)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(cfg))
     return optimizer, scheduler
 
 
