@@ -45,7 +45,7 @@ from schemas.errors import UserError
 from models.generate import Conditioning, generate
 from schemas.img_shapes import PIXELS_PER_PATCH
 from schemas.stage import few
-from models.held_out import MASK_NOTE, bucket_of, loss_grid, loss_summary  # noqa: F401 (re-exported)
+from models.held_out import bucket_of, loss_grid, loss_summary
 from stages.evaluate.nonfinite import finite_rows
 from stages.evaluate.report import SampleRow, psnr, ssim, write_report
 from store import Store, TableReader
