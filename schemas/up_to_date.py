@@ -14,10 +14,11 @@ from typing import Any, Mapping
 
 
 def stale_inputs(recorded: Mapping[str, Any] | None, present: Mapping[str, Any]) -> list[str]:
-    """Names of the inputs whose recorded value is not the present one (a missing record: every input)."""
+    """Names of the inputs whose recorded value is not the present one, in the present's order, then those only
+    recorded (a missing record: every input)."""
     if recorded is None:
-        return sorted(present)
-    return sorted(k for k in set(recorded) | set(present) if recorded.get(k) != present.get(k))
+        return list(present)
+    return [k for k in [*present, *(k for k in recorded if k not in present)] if recorded.get(k) != present.get(k)]
 
 
 def is_current(recorded: Mapping[str, Any] | None, present: Mapping[str, Any]) -> bool:

@@ -472,9 +472,7 @@ def up_to_date(cfg: PipelineConfig, store: str | Path, model: str, out: str | Pa
     if weights.stat().st_mtime < (latest / train_state.RESUME_JSON).stat().st_mtime:
         return False
     record = ResumeRecord.read(latest / train_state.RESUME_JSON)
-    recorded = {"step": record.step, "config_fingerprint": record.config_fingerprint, "tables": record.tables,
-                "model_fingerprint": record.model_fingerprint}
-    return current.is_current(recorded, run_inputs(cfg, store, model))
+    return current.is_current({"step": record.step, **record.inputs()}, run_inputs(cfg, store, model))
 
 
 def run_inputs(cfg: PipelineConfig, store: str | Path, model: str) -> dict[str, Any]:
