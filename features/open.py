@@ -130,10 +130,7 @@ def _open_features(st, lease, readers: dict[str, TableReader], model: str, model
         # what is wrong with each (found by any rank: checked again here, a few samples at most)
         joined.damaged = {joined.keys[int(i)]: damage_of(joined, int(i)) for i in bad_rows}
         if len(bad_rows):
-            keep = np.ones(len(joined.keys), dtype=bool)
-            keep[bad_rows] = False
-            joined.keys = joined.keys.subset(keep)
-            joined.rows = {t: r[keep] for t, r in joined.rows.items()}
+            joined.leave_out(bad_rows)
         if not len(joined.keys):
             raise UserError(f"every '{split}' sample in {st.root} is damaged; run `pipeline store repair {st.root}`")
     joined.lengths = sequence_lengths_of(joined).tolist()
