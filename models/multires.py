@@ -362,10 +362,6 @@ def build_batch(
     )
 
 
-# Names used in docs/architecture.md.
-MultiResBatch = PackedBatch
-collate = build_batch
-
 
 # ---------------------------------------------------------------------------------------------- forward
 

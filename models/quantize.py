@@ -240,6 +240,10 @@ def load_quantized_transformer(folder, dtype, device, name: str):
     expected = {n for n, _ in model.named_parameters()}
     seen = set()
     name = canonical(name)
+    if name == "nf4":
+        from models.optional import require
+
+        require("bitsandbytes", "quantize_base 'nf4'")  # before any weight is read
     cfg = None if name == "nf4" else torchao_config(name)
 
     def quantize_read(sl, shape):

@@ -10,7 +10,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from schemas.config import PipelineConfig, dump_config  # noqa: F401  (re-exported for the commands)
+from schemas.config import PipelineConfig
 
 
 class ConfigError(ValueError):

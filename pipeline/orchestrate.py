@@ -1,7 +1,8 @@
 """`pipeline run all`: resize-bucket -> encode-text -> encode-vae -> train -> evaluate, each skipped when up to
 date, every one resumable, so a killed `run all` rerun continues where it stopped.
 
-The up-to-date checks are the stages' own: resize-bucket and the encode stages find a table version with the
+Every stage decides with the one rule of `schemas/up_to_date.py` (the inputs an output recorded equal the
+inputs now), on its own record: resize-bucket and the encode stages find a table version with the
 same lineage and reuse it (a killed one resumes from its committed shards); train is up to date when RUN/lora
 was written after the last checkpoint and that checkpoint was trained on the same tables, model and train
 config up to `train.max_steps` (otherwise train resumes from its last checkpoint); evaluate is up to date when

@@ -38,7 +38,24 @@ def store_root(vdir: Path) -> Path:
     return vdir.parent.parent
 
 
-_PRODUCER = {"images": "resize-bucket", "text": "encode-text", "vae": "encode-vae"}
+def _written_by(vdir: Path) -> str | None:
+    """The stage that wrote this table, as its versions record it (their lineage's `stage`; checksums.json keeps
+    a copy for when schema.json is the damaged file); None when no record says. Best effort: the record may be
+    the damaged file."""
+    def recorded(path: Path, *keys: str) -> str | None:
+        try:
+            data = path.read_bytes()
+            obj = unseal(data) if path.name == fmt.CHECKSUMS else json.loads(data)
+            for k in keys:
+                obj = obj[k]
+            return obj if isinstance(obj, str) and obj.replace("-", "").isalnum() else None
+        except (OSError, ValueError, SealError, KeyError, TypeError):
+            return None
+
+    siblings = sorted(p for p in vdir.parent.glob("v*") if p.is_dir() and p != vdir)
+    found = [recorded(vdir / fmt.SCHEMA_JSON, "lineage", "stage"), recorded(vdir / fmt.CHECKSUMS, "stage"),
+             *(recorded(p / fmt.SCHEMA_JSON, "lineage", "stage") for p in siblings)]
+    return next((f for f in found if f), None)
 
 
 def repair_hint(vdir: Path, name: str | None = None) -> str:
@@ -46,7 +63,7 @@ def repair_hint(vdir: Path, name: str | None = None) -> str:
     rebuilds a manifest, but a version whose schema.json or checksums.json is damaged has lost its identity, so
     only rerunning its stage (a new version) helps; saying "repair" there would go in a circle."""
     if name in (fmt.SCHEMA_JSON, fmt.CHECKSUMS):
-        stage = _PRODUCER.get(vdir.parent.name)
+        stage = _written_by(vdir)
         how = f"`pipeline run {stage}` with the same store, model and config" if stage else "the stage that wrote it"
         return (f"rerun {how}: it writes a new version of '{vdir.parent.name}' (reusing its intact samples); "
                 "`pipeline store repair` cannot rebuild this file")
@@ -76,7 +93,12 @@ def write_version_checksums(vdir: Path, manifest: pa.Table, manifest_bytes: byte
         if p.is_file() and p.name not in files and p.name not in (fmt.CHECKSUMS, fmt.MANIFEST) and not fmt.is_litter(p.name):
             crc, n = file_crc(p)
             files[p.name] = {"nbytes": n, "crc32c": crc}
-    fmt.atomic_write_bytes(vdir / fmt.CHECKSUMS, seal({"format": CHECKSUMS_FORMAT, "files": files}))
+    record: dict[str, Any] = {"format": CHECKSUMS_FORMAT, "files": files}
+    try:  # who wrote the version, for the advice when schema.json is the damaged file (`_written_by`)
+        record["stage"] = str(json.loads((vdir / fmt.SCHEMA_JSON).read_bytes())["lineage"]["stage"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    fmt.atomic_write_bytes(vdir / fmt.CHECKSUMS, seal(record))
 
 
 def read_version_checksums(vdir: Path) -> dict[str, dict[str, Any]] | None:
@@ -206,4 +228,4 @@ def _merge_damage(path: Path, version: int, samples: dict[str, str] | None, shar
 
 def damaged_sample_message(vdir: Path, shard: str, key: str, what: str) -> str:
     return (f"{where(vdir)}: sample {key} in {shard} is damaged ({what}); {repair_hint(vdir)} to recompute it "
-            "(train can go on without damaged samples: train.on_damaged=skip)")
+            "(readers can leave damaged samples out: on_damaged=skip in the reading stage's config section)")

@@ -1,36 +1,30 @@
 """The one join of tables by sample key: train and evaluate read `text` + `vae` as one sample through it.
 
 `JoinedTables` is an inner join on key (optionally of one split); keys missing from some table are counted in
-`unmatched` and logged, never silently lost. `open_features` is the trainer's view of a store: `text` + `vae`
-built with the expected model, the samples both hold (the dropped ones counted, with their quarantine reasons;
-too many is an error), sequence lengths from the manifests alone (Arrow compute, no per-row Python objects).
+`unmatched` and logged, never silently lost. Sequence lengths come from the manifests alone (Arrow compute, no
+per-row Python objects). Which tables a stage joins, and what it checks on them, is `features/open.py`.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import weakref
 from math import prod
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from schemas.errors import UserError
-from store import format as fmt
 from store.partition import epoch_order
 from store.manifest_view import fixed_width_view as _fixed_width
 from store.manifest_view import release_memory
 from store.manifest_view import strictly_increasing as _strictly_increasing
-from store.reader import DEFAULT_MAX_OPEN_SHARDS, TableReader
+from store.reader import TableReader
 
 log = logging.getLogger("store")
-
-STAGE_OF = {"images": "resize-bucket", "text": "encode-text", "vae": "encode-vae"}  # table -> the stage that writes it
-
 
 class KeyList(Sequence[str]):
     """The joined keys (sorted): `keys[i]` is a str, a slice a list; no per-key Python objects unless asked for.
@@ -69,7 +63,7 @@ class KeyList(Sequence[str]):
         return f"KeyList({len(self)} keys)"
 
 
-def _split_rows(r: TableReader, split: str | None) -> np.ndarray:
+def rows_of_split(r: TableReader, split: str | None) -> np.ndarray:
     """Row numbers of one split (all rows for None)."""
     if split is None:
         return np.arange(len(r), dtype=np.int64)
@@ -143,13 +137,13 @@ class JoinedTables:
             raise UserError("a join needs at least two tables")
         self.readers, self.split = readers, split
         self.store_root = Path(store_root) if store_root is not None else next(iter(readers.values())).dir.parents[1]
-        # filled by `open_features`: joint sequence length per key (int64 numbers, not a list: ~36 MB of Python
-        # ints at 1M samples in every rank)
+        # filled by whoever opens the join (features/open.py): joint sequence length per key (int64 numbers, not
+        # a list: ~36 MB of Python ints at 1M samples in every rank)
         self.lengths: np.ndarray = np.zeros(0, np.int64)
-        self.report: dict[str, Any] = {}  # filled by `open_features`: samples, dropped, reasons
-        self.damaged: dict[str, str] = {}  # open_features(on_damaged="skip"): key -> problem, left out of `keys`
-        self.lease: Any = None  # open_features: the read lease on these versions (store/lease.py)
-        split_rows = {t: _split_rows(r, split) for t, r in readers.items()}
+        self.report: dict[str, Any] = {}  # filled by the opener: samples, dropped, reasons
+        self.damaged: dict[str, str] = {}  # the opener's on_damaged="skip": key -> problem, left out of `keys`
+        self.lease: Any = None  # the opener's read lease on these versions (store/lease.py)
+        split_rows = {t: rows_of_split(r, split) for t, r in readers.items()}
         for r in readers.values():
             r.view.forget("split")  # the join's rows replace it
         if _join_sorted_fixed(self, readers, split_rows):
@@ -236,6 +230,13 @@ class JoinedTables:
         r = self.readers[table]
         return f"'{table}' v{r.version} ({r.dir})"
 
+    def leave_out(self, rows: np.ndarray) -> None:
+        """Drop the joined rows `rows` (indices into `keys`), e.g. damaged samples."""
+        keep = np.ones(len(self.keys), dtype=bool)
+        keep[rows] = False
+        self.keys = self.keys.subset(keep)
+        self.rows = {t: r[keep] for t, r in self.rows.items()}
+
     def versions(self) -> dict[str, str]:
         """Identities of the joined tables (version + manifest hash; see `Store.version_id`)."""
         from store.store import Store
@@ -258,129 +259,12 @@ class JoinedTables:
 def split_keys(r: TableReader, split: str | None) -> list[str]:
     if split is None:
         return r.keys()
-    return sorted(r.key_array.take(pa.array(_split_rows(r, split))).to_pylist())
+    return sorted(r.key_array.take(pa.array(rows_of_split(r, split))).to_pylist())
 
 
 def _name_keys(keys: set[str], limit: int = 5) -> str:
     shown = sorted(keys)[:limit]
     return ", ".join(shown) + (f" … ({len(keys)} in all)" if len(keys) > limit else "")
-
-
-class ReadingSettings(Protocol):
-    """The reading keys a config section declares (train, evaluate: schemas/config.py)."""
-
-    on_damaged: str
-    max_damaged_fraction: float
-    max_dropped_fraction: float
-    max_open_shards: int
-
-
-def open_configured(settings: ReadingSettings, section: str, store: str | Path, model: str, model_fingerprint: str,
-                    split: str, rank: int = 0, world: int = 1,
-                    combine: Callable[[np.ndarray], np.ndarray] | None = None) -> JoinedTables:
-    """The one way a stage opens its features: `open_features` with the reading keys of its own config section
-    (`section` names it in errors) on every path - training, its validator, its up-to-date check, evaluate."""
-    return open_features(store, model, model_fingerprint, split, settings.max_dropped_fraction,
-                         settings.max_open_shards, on_damaged=settings.on_damaged,
-                         max_damaged_fraction=settings.max_damaged_fraction, section=section, rank=rank, world=world,
-                         combine=combine)
-
-
-def open_features(store: str | Path, model: str, model_fingerprint: str, split: str = "train",
-                  max_dropped_fraction: float = 0.05, max_open_shards: int = DEFAULT_MAX_OPEN_SHARDS,
-                  on_damaged: str = "stop", max_damaged_fraction: float = 0.0, section: str = "train",
-                  rank: int = 0, world: int = 1,
-                  combine: Callable[[np.ndarray], np.ndarray] | None = None) -> JoinedTables:
-    """`text` + `vae` of one split, built with the model whose fingerprint is given: the samples both tables
-    hold (the intersection), with each one's joint sequence length in `lengths` and in `report` how many samples
-    of the split were dropped (in the `images` table, or in one of the two, but not in both) and why (the
-    quarantine rows of those keys, by stage and reason). UserError when the tables are missing, built with
-    another model, empty, or when more than `max_dropped_fraction` of the split was dropped.
-
-    on_damaged="stop": a damaged sample raises when it is first read (a missing / short shard on open).
-    "skip": every joined sample is checked now, each rank (`rank` of `world`) a share of them in a few
-    threads, and `combine` (the stage's all-ranks OR of a per-row mask) gives every rank every rank's findings;
-    damaged ones are left out and listed in `damaged` (more than `max_damaged_fraction` of them: UserError, the
-    same on every rank). `section`: the config section errors name."""
-    from store.lease import hold
-    from store.store import Store
-
-    st = Store(store, create=False)
-    # A read lease on the two versions (resolved and registered under the store lock): `store gc` keeps them
-    # while this process reads them, even when newer versions become current meanwhile.
-    lease = hold(st.root, {"text": None, "vae": None}, f"reader of the '{split}' split (train / evaluate)")
-    readers: dict[str, TableReader] = {}
-    try:
-        joined = _open_features(st, lease, readers, model, model_fingerprint, split, max_dropped_fraction,
-                                max_open_shards, on_damaged, max_damaged_fraction, section, rank, world, combine)
-    except BaseException:
-        for r in readers.values():  # a refused store (wrong model, too many dropped) leaves nothing open
-            r.close()
-        lease.release()
-        raise
-    joined.lease = lease
-    weakref.finalize(joined, lease.release)
-    return joined
-
-
-def _open_features(st, lease, readers: dict[str, TableReader], model: str, model_fingerprint: str, split: str,
-                   max_dropped_fraction: float, max_open_shards: int, on_damaged: str,
-                   max_damaged_fraction: float, section: str = "train", rank: int = 0, world: int = 1,
-                   combine: Callable[[np.ndarray], np.ndarray] | None = None) -> JoinedTables:
-    """Fills `readers` as it opens them (the caller closes them when this raises)."""
-    for t in ("text", "vae"):
-        readers[t] = _open_table(st, t, model, max_open_shards, on_damaged, lease.version(t))
-    for r in readers.values():
-        found = r.schema.lineage.model_fingerprint
-        if found != model_fingerprint:
-            raise UserError(
-                f"table '{r.table}' v{r.version} in {st.root} was built with a different model (fingerprint "
-                f"{found or 'none'}) than --model {model} ({model_fingerprint}); use the model that encoded the "
-                f"store, or re-run `pipeline run {STAGE_OF[r.table]} --model {model}`"
-            )
-    joined = JoinedTables(readers, split, st.root)
-    text, vae = readers["text"], readers["vae"]
-    joined.report = dropped_report(st, joined, split)
-    rep = joined.report
-    if rep["dropped"]:
-        log.warning("%s split: %d of %d samples are not in both the text and vae tables (%.1f%%): %s; rows in %s",
-                    split, rep["dropped"], rep["samples"], 100 * rep["dropped_fraction"], _reasons_text(rep),
-                    rep["quarantine_file"])
-    if rep["dropped_fraction"] > max_dropped_fraction:
-        raise UserError(
-            f"the '{split}' split of store {st.root}: {rep['dropped']} of {rep['samples']} samples "
-            f"({100 * rep['dropped_fraction']:.1f}%) are not in both the text and vae tables, above "
-            f"{section}.max_dropped_fraction = {max_dropped_fraction}: {_reasons_text(rep)} (rows in "
-            f"{rep['quarantine_file']}); fix those inputs, use a model that accepts them, or raise "
-            f"{section}.max_dropped_fraction to use the rest"
-        )
-    if not len(joined.keys):
-        raise UserError(
-            f"the '{split}' split is empty in store {st.root} (text v{text.version}, vae v{vae.version}); "
-            "add training samples (resize-bucket puts val_fraction of them in 'val', the rest in 'train')"
-        )
-    if on_damaged == "skip":
-        bad = find_damaged(joined, rank, world)
-        if combine is not None:
-            bad = combine(bad)
-        bad_rows = np.flatnonzero(bad)
-        if len(bad_rows) > max_damaged_fraction * len(joined.keys):
-            raise UserError(
-                f"{len(bad_rows)} of {len(joined.keys)} '{split}' samples in {st.root} are damaged, more than "
-                f"max_damaged_fraction {max_damaged_fraction} (e.g. {damage_of(joined, int(bad_rows[0]))}); "
-                f"run `pipeline store repair {st.root}`"
-            )
-        # what is wrong with each (found by any rank: checked again here, a few samples at most)
-        joined.damaged = {joined.keys[int(i)]: damage_of(joined, int(i)) for i in bad_rows}
-        if len(bad_rows):
-            keep = np.ones(len(joined.keys), dtype=bool)
-            keep[bad_rows] = False
-            joined.keys = joined.keys.subset(keep)
-            joined.rows = {t: r[keep] for t, r in joined.rows.items()}
-        if not len(joined.keys):
-            raise UserError(f"every '{split}' sample in {st.root} is damaged; run `pipeline store repair {st.root}`")
-    joined.lengths = sequence_lengths_of(joined)
-    return joined
 
 
 CHECK_CHUNK = 256  # joined rows per task of the damage pre-pass
@@ -442,63 +326,6 @@ def damage_of(joined: JoinedTables, i: int) -> str:
             or joined.readers["vae"].damaged_at(int(joined.rows["vae"][i])) or "damaged")
 
 
-def dropped_report(st, joined: JoinedTables, split: str | None) -> dict[str, Any]:
-    """How many samples of the split did not make it into the join, and the quarantine reasons of those keys
-    (by stage, then reason; keys without a quarantine row count as 'not encoded', e.g. an images version
-    newer than an encode stage's table)."""
-    universe = set().union(*joined.only.values())
-    images_version = joined.readers["vae"].schema.lineage.upstream.get("images")
-    if images_version is not None and fmt.is_complete(fmt.version_dir(st.root, "images", images_version)):
-        with st.reader("images", images_version) as images:
-            ks = images.key_array.take(pa.array(_split_rows(images, split)))
-        missing = ks.filter(pc.invert(pc.is_in(ks, value_set=joined.keys.array)))
-        universe |= set(missing.to_pylist())
-        total = len(ks)
-    else:
-        total = len(joined.keys) + len(universe)
-    reasons: dict[str, dict[str, int]] = {}
-    q = st.quarantine()
-    explained: set[str] = set()
-    if universe and q.num_rows:
-        q = q.filter(pc.is_in(q.column("key"), value_set=pa.array(sorted(universe), pa.string())))
-        seen = set()
-        for key, stage, reason in zip(*(q.column(c).to_pylist() for c in ("key", "stage", "reason"))):
-            if (key, stage, reason) not in seen:
-                seen.add((key, stage, reason))
-                reasons.setdefault(stage, {}).setdefault(reason, 0)
-                reasons[stage][reason] += 1
-                explained.add(key)
-    for t, ks in joined.only.items():  # in one table, not the other, no quarantine row: the other lacks it
-        other = STAGE_OF["vae" if t == "text" else "text"]
-        unexplained = len(ks - explained)
-        if unexplained:
-            reasons.setdefault(other, {})["not encoded"] = reasons.get(other, {}).get("not encoded", 0) + unexplained
-            explained |= ks
-    rest = len(universe - explained)
-    if rest:
-        reasons.setdefault("encode-text/encode-vae", {})["not encoded"] = rest
-    dropped = len(universe)
-    return {"split": split, "samples": total, "joined": len(joined.keys), "dropped": dropped,
-            "dropped_fraction": dropped / total if total else 0.0, "reasons": reasons,
-            "only_in": {t: len(ks) for t, ks in joined.only.items()},
-            "quarantine_file": str(st.root / fmt.QUARANTINE)}
-
-
-def _reasons_text(rep: dict[str, Any]) -> str:
-    return "; ".join(f"{stage}: " + ", ".join(f"{r} {n}" for r, n in sorted(rs.items()))
-                     for stage, rs in sorted(rep["reasons"].items())) or "no reasons recorded"
-
-
-def _open_table(st, table: str, model: str, max_open_shards: int = DEFAULT_MAX_OPEN_SHARDS,
-                on_damaged: str = "stop", version: int | None = None) -> TableReader:
-    if table not in st.tables():
-        raise UserError(
-            f"store {st.root} has no '{table}' table (tables: {sorted(st.tables()) or 'none'}); "
-            f"run `pipeline run {STAGE_OF[table]} --store {st.root} --model {model}` first"
-        )
-    return st.reader(table, version, on_damaged=on_damaged, max_open_shards=max_open_shards)
-
-
 def text_lengths(text: TableReader) -> np.ndarray:
     """Prompt token count per row of the text table (the `length` column, else the prompt_embeds shape)."""
     if text.has_column("length"):
@@ -530,11 +357,3 @@ def sequence_lengths_of(joined: JoinedTables) -> np.ndarray:
     text.view.forget("length")  # read once, here
     release_memory()  # the million-row temporaries' pages
     return out
-
-
-def sequence_lengths(text: TableReader, vae: TableReader, keys: list[str]) -> list[int]:
-    """Token count of each sample's joint sequence (image tokens + text tokens), from the manifests only."""
-    ka = pa.array(list(keys), pa.string())
-    t_rows = pc.index_in(ka, value_set=text.key_array).to_numpy(zero_copy_only=False).astype(np.int64)
-    v_rows = pc.index_in(ka, value_set=vae.key_array).to_numpy(zero_copy_only=False).astype(np.int64)
-    return (image_tokens(vae)[v_rows] + text_lengths(text)[t_rows]).tolist()

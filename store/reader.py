@@ -24,14 +24,13 @@ from store.check_ahead import DEFAULT_WINDOW, CheckAhead
 from store.integrity import DamagedData
 from store.manifest_view import (  # noqa: F401 - re-exported: the store's readers import them from here
     ManifestView,
-    fixed_width_view,
     read_manifest,
     read_schema,
 )
 from store.partition import epoch_order
 from store.sample_check import SampleCheck
 from store.shard import SAFETENSORS_DTYPES
-from store.shard_io import DEFAULT_MAX_OPEN_SHARDS, SCAN_RUN, ShardFiles  # noqa: F401 - SCAN_RUN re-exported
+from store.shard_io import DEFAULT_MAX_OPEN_SHARDS, ShardFiles
 
 
 def torch_dtype(name: str) -> torch.dtype:

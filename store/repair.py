@@ -1,6 +1,6 @@
 """`pipeline store repair STORE [--dry-run]`: recompute exactly the damaged samples into a new version.
 
-Per table (current version v<N>, in the order images, text, vae):
+Per table (current version v<N>, in the order the caller gives: images, text, vae):
   1. scan: every sample's bytes against their checksum, every shard file against checksums.json (a full read,
      as `store verify`); a damaged manifest is rebuilt from the intact per-shard indexes;
   2. mark v<N> damaged (`<table>/v<N>.damaged.json`, outside the immutable folder): `find_version` never
@@ -21,7 +21,7 @@ import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -35,7 +35,6 @@ from store.manifest import merge_indexes
 from store.reader import TableReader, read_schema
 from store.verify import verify_version
 
-TABLE_ORDER = {"images": 0, "text": 1, "vae": 2}
 DAMAGED_SUFFIX = ".damaged"  # `v<N>.damaged/`: not a version name, so every reader and writer ignores it
 
 
@@ -189,14 +188,17 @@ def _reader_on(vdir: Path, table: str, version: int, manifest: pa.Table) -> Tabl
     return TableReader.over_manifest(vdir, table, version, manifest)
 
 
-def scan(root: Path, progress: bool = True) -> RepairPlan:
+def scan(root: Path, progress: bool = True, order: Sequence[str] = ()) -> RepairPlan:
+    """What is damaged, table by table: the tables named in `order` first, in that order (the caller knows which
+    stage reads which table: features/tables.py), then the others by name."""
     if not (root / fmt.STORE_JSON).is_file() and not any(root.glob("*/v*")):
         raise UserError(f"no store at {root} (no store.json)")
     plan = RepairPlan(root)
     plan.current, plan.store_json = _current_versions(root)
     # temp files of a killed atomic write of store.json (`.store.json.tmp-<pid>`) whose writer is gone
     plan.litter += [p for p in sorted(root.iterdir()) if p.is_file() and fmt.is_litter(p.name) and not _pid_alive(p.name)]
-    for table in sorted(plan.current, key=lambda t: (TABLE_ORDER.get(t, 9), t)):
+    rank = {t: i for i, t in enumerate(order)}
+    for table in sorted(plan.current, key=lambda t: (rank.get(t, len(rank)), t)):
         for v in fmt.list_versions(root, table):
             vdir = fmt.version_dir(root, table, v)
             if fmt.is_complete(vdir):

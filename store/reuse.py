@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from schemas import up_to_date
 from schemas.errors import UserError
 from store import format as fmt
 from store.manifest_view import checked_manifest
@@ -66,6 +67,13 @@ def damage_scan(store: Store, table: str, version: int):
     return _SCANS[stamp()]
 
 
+def same_features(attrs: dict[str, Any], accepted: Iterable[str]) -> bool:
+    """A version whose samples are the features wanted: its recorded feature lineage is one of `accepted`
+    (`schemas.up_to_date`, the one rule every reuse goes through)."""
+    recorded = {FEATURE_LINEAGE_ATTR: attrs.get(FEATURE_LINEAGE_ATTR)}
+    return any(up_to_date.is_current(recorded, {FEATURE_LINEAGE_ATTR: h}) for h in accepted)
+
+
 def reusable(store: Store, table: str, lineage_hash: str | Iterable[str], keys: Iterable[str]) -> dict[int, pa.Table]:
     """version -> manifest rows of the wanted keys found there; complete versions with this feature lineage (or
     any of these: the same features hashed by an earlier scheme), newest first, each key taken once.
@@ -93,7 +101,7 @@ def reusable(store: Store, table: str, lineage_hash: str | Iterable[str], keys: 
             reader = TableReader(vdir, table, v, on_damaged="skip")
         except (DamagedData, UserError):  # unreadable: recompute instead of carrying
             continue
-        if reader.schema.attrs.get(FEATURE_LINEAGE_ATTR) not in accepted:
+        if not same_features(reader.schema.attrs, accepted):
             reader.close()
             continue
         manifest = reader.manifest
@@ -124,7 +132,7 @@ def reusable_keys(store: Store, table: str, lineage_hash: str, column: str) -> d
     for v in store.versions(table):
         vdir = store.version_dir(table, v)
         try:
-            if not fmt.is_complete(vdir) or read_schema(vdir).attrs.get(FEATURE_LINEAGE_ATTR) != lineage_hash:
+            if not fmt.is_complete(vdir) or not same_features(read_schema(vdir).attrs, (lineage_hash,)):
                 continue
         except UserError:
             continue

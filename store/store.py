@@ -11,6 +11,7 @@ import pyarrow as pa
 
 from schemas.errors import UserError
 from schemas.lineage import Lineage
+from schemas import up_to_date
 from schemas.table import TableSchema
 from store import format as fmt
 from store import quarantine
@@ -73,7 +74,8 @@ class Store:
         matches = [v for v in self.versions(table)
                    if fmt.is_complete(self.version_dir(table, v))
                    and not fmt.damaged_marker(self.root, table, v).exists()
-                   and read_schema(self.version_dir(table, v)).lineage == lineage]
+                   and up_to_date.is_current(read_schema(self.version_dir(table, v)).lineage.to_dict(),
+                                             lineage.to_dict())]
         if not matches:
             return None
         current = self.tables().get(table)

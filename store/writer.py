@@ -25,8 +25,6 @@ from store.manifest import RESERVED_COLUMNS, merge_indexes, rows_to_table
 from store.shard import ShardBuilder, tensor_dtype_name
 
 if TYPE_CHECKING:
-    import pyarrow as pa
-
     from store.store import Store
 
 MB = 1024 * 1024

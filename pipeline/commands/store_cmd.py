@@ -66,11 +66,12 @@ def repair(
                                          "recorded in its schema)."),
     config: Optional[Path] = ConfigOpt,
 ) -> None:
+    from features.tables import TABLE_ORDER
     from store import repair as rp
 
     cfg = config_from(config, {"paths.model": model, "paths.source": source})
     with user_errors():
-        plan = rp.scan(store)
+        plan = rp.scan(store, order=TABLE_ORDER)
         if plan.store_json and not plan.current:
             from schemas.errors import UserError
 

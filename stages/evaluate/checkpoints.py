@@ -23,15 +23,18 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from models.held_out import bucket_of, loss_grid, loss_summary
+from schemas import up_to_date as current
 from schemas.config import EvaluateConfig
 from schemas.errors import UserError
+from schemas.lineage import hashed_settings
 from schemas.stage import few
 from store import Store
 from store.loss_array import Axes, LossStore, recorded_steps
 
-#: evaluate settings that change the numbers in the array (the others only change the pictures)
-LOSS_SETTINGS = ("noise_seeds", "timesteps", "batch_size", "max_loss_samples", "lora_scale", "dtype",
-                 "attention_backend", "quantize_base", "on_damaged")  # + the device type (cuda:0 = cuda:1)
+#: hashed evaluate settings (schemas/config.py declares which) that change the numbers in the array (the others
+#: only change the pictures); device and batch size are throughput: a change keeps the array
+LOSS_SETTINGS = ("noise_seeds", "timesteps", "max_loss_samples", "lora_scale", "dtype",
+                 "attention_backend", "quantize_base", "on_damaged")
 
 
 def loss_fingerprint(cfg: EvaluateConfig, store: str | Path, model: str) -> tuple[str, dict]:
@@ -43,8 +46,7 @@ def loss_fingerprint(cfg: EvaluateConfig, store: str | Path, model: str) -> tupl
         "store": str(Path(store).resolve()),
         "tables": {t: st.version_id(t, v) for t, v in sorted(st.tables().items()) if t in ("text", "vae")},
         "model_fingerprint": model_fingerprint(model),
-        "evaluate": {k: v for k, v in cfg.model_dump(mode="json").items() if k in LOSS_SETTINGS},
-        "device_type": str(cfg.device).split(":")[0],
+        "evaluate": {k: v for k, v in hashed_settings(cfg).items() if k in LOSS_SETTINGS},
     }
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest(), settings
 
@@ -127,6 +129,8 @@ class CheckpointsResult:
 
 
 def _up_to_date(out: Path, fingerprint: str, checkpoints: list[tuple[int, Path]], cfg: EvaluateConfig) -> dict | None:
+    """The report's metrics when it is current (`schemas.up_to_date`): the same loss array (`fingerprint`),
+    every checkpoint recorded with its present bytes, the same evaluate settings."""
     metrics_file = out / "metrics.json"
     recorded = recorded_steps(out, fingerprint)
     if recorded is None or not metrics_file.is_file() or not (out / "index.html").is_file():
@@ -136,12 +140,12 @@ def _up_to_date(out: Path, fingerprint: str, checkpoints: list[tuple[int, Path]]
     except (OSError, json.JSONDecodeError):
         return None
     c = metrics.get("checkpoints", {})
-    if c.get("fingerprint") != fingerprint or c.get("steps") != sorted(recorded) \
-            or c.get("config_fingerprint") != cfg.fingerprint():
-        return None
-    if any(recorded.get(step) != lora_sha256(path) for step, path in checkpoints):
-        return None
-    return metrics
+    recorded_inputs = {"fingerprint": c.get("fingerprint"), "steps": c.get("steps"),
+                       "config_fingerprint": c.get("config_fingerprint"),
+                       "loras": {str(step): recorded.get(step) for step, _ in checkpoints}}
+    present = {"fingerprint": fingerprint, "steps": sorted(recorded), "config_fingerprint": cfg.fingerprint(),
+               "loras": {str(step): lora_sha256(path) for step, path in checkpoints}}
+    return metrics if current.is_current(recorded_inputs, present) else None
 
 
 # ------------------------------------------------------------------------------------------------ the stage

@@ -28,6 +28,7 @@ import torch
 from PIL import Image
 from tqdm.auto import tqdm
 
+from features.open import open_configured
 from models.flow import flow_loss
 from models.loading import load_component, parse_dtype
 from models.lora import attach_lora, lora_weight_file
@@ -38,16 +39,17 @@ from models.qwen21_flow import is_qwen21
 from models.precision import check_loaded_dtype, describe
 from models.randomness import eval_noise
 from models.sample import TrainSample, from_features
+from schemas import up_to_date as current
 from schemas.config import EvaluateConfig
 from schemas.errors import UserError
 from models.generate import Conditioning, generate
 from schemas.img_shapes import PIXELS_PER_PATCH
 from schemas.stage import few
-from models.held_out import MASK_NOTE, bucket_of, loss_grid, loss_summary  # noqa: F401 (re-exported)
+from models.held_out import bucket_of, loss_grid, loss_summary
 from stages.evaluate.nonfinite import finite_rows
 from stages.evaluate.report import SampleRow, psnr, ssim, write_report
 from store import Store, TableReader
-from store.join import JoinedTables, open_configured
+from store.join import JoinedTables
 
 PSNR_SSIM_NOTE = (
     "PSNR/SSIM compare each output with the sample's stored target image. They measure pixel fidelity to one "
@@ -302,7 +304,8 @@ def report_up_to_date(cfg: EvaluateConfig, store: str | Path, model: str, lora: 
         recorded = json.loads(metrics.read_text()).get("run", {}).get("inputs")
     except (OSError, json.JSONDecodeError):
         return False
-    return recorded == evaluate_inputs(cfg, store, model, lora)
+    return current.is_current(recorded if isinstance(recorded, dict) else None,
+                              evaluate_inputs(cfg, store, model, lora))
 
 
 

@@ -26,7 +26,6 @@ paths are read where they point, as documented). Each refusal quarantines the sa
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -105,18 +104,6 @@ def source_files(source: str | Path) -> list[Path]:
                 if f.is_file() and (Path(rel).is_absolute() or _inside(f, manifest.parent)):
                     files.add(f)
     return sorted(files)
-
-
-def listing_hash(source: str | Path) -> str:
-    """Hash of (relative path, size, mtime) of every source file: a changed source gives a new table version."""
-    root = Path(source)
-    base = root if root.is_dir() else root.parent
-    h = hashlib.sha256()
-    for f in source_files(root):
-        st = f.stat()
-        rel = os.path.relpath(f, base)
-        h.update(f"{rel}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
-    return h.hexdigest()[:16]
 
 
 # ---------------------------------------------------------------- the one way a source file is read

@@ -1,7 +1,7 @@
 """The trainer's data: the joined `text` + `vae` inputs of one split, one sample, and the data position.
 
 The join itself (same keys in both tables, built with this model, lengths from the manifests) is
-`store.join.open_features`; the sample check is `models.sample.from_features`; per-sample σ, noise and caption
+`features.open.open_features`; the sample check is `models.sample.from_features`; per-sample σ, noise and caption
 dropout are `models.randomness`. What is left here is the trainer's endless (epoch, batch) stream.
 """
 
@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from features.open import open_features
 from models.sample import TrainSample, from_features
 from stages.train.sampler import LengthAwareBatchSampler
-from store.join import JoinedTables, open_features
+from store.join import JoinedTables
 
 
 def open_inputs(store: str | Path, model: str, split: str = "train", max_dropped_fraction: float = 0.05,

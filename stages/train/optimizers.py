@@ -1,29 +1,23 @@
 """The trainer's optimizers (`train.optimizer`): AdamW (torch), AdamW 8-bit (bitsandbytes), Adafactor
 (transformers), Prodigy (prodigyopt). Each is the library's own class; state is saved by `stages.train.state`.
 
-Missing optional packages are a one-line error naming the pip package.
+Missing optional packages are a one-line error naming the pyproject extra that installs them (models/optional.py).
 """
 
 from __future__ import annotations
 
-import importlib
-
 import torch
 
+from models.optional import require
 from schemas.config import TrainConfig
 from schemas.errors import UserError
 
-# (module, pip package) of each optional optimizer
-_OPTIONAL = {"adamw8bit": ("bitsandbytes", "bitsandbytes"), "adafactor": ("transformers.optimization", "transformers"),
-             "prodigy": ("prodigyopt", "prodigyopt")}
+# the module of each optimizer that is not torch's
+_MODULE = {"adamw8bit": "bitsandbytes", "adafactor": "transformers.optimization", "prodigy": "prodigyopt"}
 
 
 def _module(kind: str):
-    module, package = _OPTIONAL[kind]
-    try:
-        return importlib.import_module(module)
-    except ImportError as e:
-        raise UserError(f"train.optimizer {kind!r} needs the package {package!r} ({e}); pip install {package}") from None
+    return require(_MODULE[kind], f"train.optimizer {kind!r}")
 
 
 def build_optimizer(params, cfg: TrainConfig) -> torch.optim.Optimizer:

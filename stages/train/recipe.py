@@ -32,7 +32,6 @@ Note: after a mid-epoch resume, that epoch's padding efficiency counts from the 
 
 from __future__ import annotations
 
-import math
 import time
 import warnings
 from contextlib import ExitStack, nullcontext
@@ -44,11 +43,13 @@ from typing import Any, Callable
 import torch
 from tqdm.auto import tqdm
 
+from features.open import open_configured
 from models.collective import any_over_ranks, fails_alone, together
 from models.flow import FlowBatch, flow_loss_of
 from models.lora import WEIGHT_NAME, add_lora, load_lora, lora_parameters, save_lora
 from models.attention import use_attention_backend
 from models.multires import install_multires
+from schemas import up_to_date as current
 from schemas.config import PipelineConfig, TrainConfig, dump_config
 from schemas.errors import UserError
 from schemas.lineage import section_fingerprint, unhashed_names
@@ -62,7 +63,7 @@ from stages.train.sampler import padding_efficiency
 from stages.train.state import ResumeRecord
 from stages.train.summary import train_line
 from store.format import atomic_dir, atomic_write_bytes, atomic_write_json, pause_point
-from store.join import JoinedTables, open_configured
+from store.join import JoinedTables
 
 # What to change when a step runs out of memory (named in the error every rank prints).
 OOM_ADVICE = ("lower train.batch_size or train.max_tokens_per_batch, or set train.gradient_checkpointing, "
@@ -475,25 +476,32 @@ def cleanup(r: Run | None, locks: list) -> None:
 
 
 def up_to_date(cfg: PipelineConfig, store: str | Path, model: str, out: str | Path) -> bool:
-    """OUT/lora is the final LoRA of a run on the same tables, model and train config, trained to max_steps."""
-    from models.loading import model_fingerprint
-
+    """OUT/lora is the final LoRA of a run on the same tables, model and train config, trained to max_steps
+    (`schemas.up_to_date`: the last checkpoint's record against `run_inputs`)."""
     weights = Path(out) / "lora" / WEIGHT_NAME
     latest = train_state.latest_checkpoint(Path(out) / "checkpoints")
     if not weights.is_file() or latest is None:
         return False
+    # a LoRA older than the last checkpoint is a previous run's (killed before its final save)
+    if weights.stat().st_mtime < (latest / train_state.RESUME_JSON).stat().st_mtime:
+        return False
     record = ResumeRecord.read(latest / train_state.RESUME_JSON)
+    return current.is_current({"step": record.step, **record.inputs()}, run_inputs(cfg, store, model))
+
+
+def run_inputs(cfg: PipelineConfig, store: str | Path, model: str) -> dict[str, Any]:
+    """What a finished run of `cfg` records: its last step, config fingerprint, table versions and model."""
+    from models.loading import model_fingerprint
+
     tables = open_configured(cfg.train, "train", store, model, model_fingerprint(model), "train")  # as training does
-    tables.close()  # only its versions are compared below
-    return (
-        record.step == cfg.train.max_steps
+    tables.close()  # only its versions are compared
+    return {
+        "step": cfg.train.max_steps,
         # the run records its resolved precision (dtype auto -> float32 / bfloat16 for its device)
-        and record.config_fingerprint == config_fingerprint(resolve_precision(cfg.train, planned_device(cfg.train)))
-        and record.tables == tables.versions()
-        and record.model_fingerprint == model_fingerprint(model)
-        # a LoRA older than the last checkpoint is a previous run's (killed before its final save)
-        and weights.stat().st_mtime >= (latest / train_state.RESUME_JSON).stat().st_mtime
-    )
+        "config_fingerprint": config_fingerprint(resolve_precision(cfg.train, planned_device(cfg.train))),
+        "tables": tables.versions(),
+        "model_fingerprint": model_fingerprint(model),
+    }
 
 
 # ---------------------------------------------------------------------------------------------- config
@@ -511,16 +519,26 @@ def config_fingerprint(cfg: TrainConfig) -> str:
     return section_fingerprint(cfg)
 
 
+#: train.lr_schedule -> the name of diffusers' schedule (`diffusers.optimization.get_scheduler`) with that shape
+LIBRARY_SCHEDULES = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}
+
+
+def lr_schedule(cfg: TrainConfig) -> Callable[[int], float]:
+    """Multiplier of the base LR per optimizer step (0-based): diffusers' schedule of `train.lr_schedule` with
+    linear warm-up. The warm-up is read one step ahead, so the first step trains at 1/warmup_steps of the LR,
+    not at 0 (a step at LR 0 would do nothing); from the end of the warm-up on it is the library's, step for step."""
+    from diffusers.optimization import get_scheduler
+
+    probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)  # get_scheduler wants an optimizer
+    library = get_scheduler(LIBRARY_SCHEDULES[cfg.lr_schedule], probe, num_warmup_steps=cfg.warmup_steps,
+                            num_training_steps=cfg.max_steps).lr_lambdas[0]
+    warmup = cfg.warmup_steps
+    return lambda step: library(step + 1 if step < warmup else step)
+
+
 def lr_factor(step: int, cfg: TrainConfig) -> float:
-    """Multiplier of the base LR for optimizer step `step` (0-based): linear warm-up, then the schedule."""
-    if step < cfg.warmup_steps:
-        return (step + 1) / cfg.warmup_steps
-    if cfg.lr_schedule == "constant":
-        return 1.0
-    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps))
-    if cfg.lr_schedule == "linear":
-        return 1.0 - progress
-    return 0.5 * (1.0 + math.cos(math.pi * progress))
+    """Multiplier of the base LR for optimizer step `step` (0-based): `lr_schedule(cfg)` at that step."""
+    return lr_schedule(cfg)(step)
 
 
 # ---------------------------------------------------------------------------------------------- setup pieces
@@ -725,7 +743,7 @@ def make_optimizer(params, cfg: TrainConfig):
     from stages.train.optimizers import build_optimizer
 
     optimizer = build_optimizer(params, cfg)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(cfg))
     return optimizer, scheduler
 
 

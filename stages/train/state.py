@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from schemas import up_to_date
 from schemas.errors import UserError
 
 RESUME_JSON = "resume.json"
@@ -80,6 +81,10 @@ def check_files(folder: Path, files: dict[str, dict[str, Any]]) -> None:
             raise CheckpointDamaged(damaged_message(folder, problem))
 
 
+_INPUT_LABEL = {"config_fingerprint": "train config fingerprint", "tables": "store tables",
+                "model_fingerprint": "model fingerprint"}
+
+
 @dataclass(frozen=True)
 class ResumeRecord:
     """Where training stopped and what it was trained on; a resume with anything else different fails."""
@@ -121,16 +126,16 @@ class ResumeRecord:
             check_files(path.parent, files)
         return record
 
+    def inputs(self) -> dict[str, Any]:
+        """What the weights were trained from (`schemas.up_to_date`: a resume and the up-to-date check compare it)."""
+        return {"config_fingerprint": self.config_fingerprint, "tables": self.tables,
+                "model_fingerprint": self.model_fingerprint}
+
     def check_matches(self, now: "ResumeRecord", where: Path) -> None:
         """Fail loudly when the config, the store tables or the model changed (the process count may change:
         the sample order is planned for the record's canonical world size, stages/train/elastic.py)."""
-        problems = []
-        if self.config_fingerprint != now.config_fingerprint:
-            problems.append(f"train config fingerprint {self.config_fingerprint} -> {now.config_fingerprint}")
-        if self.tables != now.tables:
-            problems.append(f"store tables {self.tables} -> {now.tables}")
-        if self.model_fingerprint != now.model_fingerprint:
-            problems.append(f"model fingerprint {self.model_fingerprint} -> {now.model_fingerprint}")
+        before, after = self.inputs(), now.inputs()
+        problems = [f"{_INPUT_LABEL[k]} {before[k]} -> {after[k]}" for k in up_to_date.stale_inputs(before, after)]
         if problems:
             raise ResumeMismatch(
                 f"cannot resume from {where}: {'; '.join(problems)}. Resume with the same config and store, "

@@ -31,6 +31,7 @@ import torch
 from PIL import Image
 from tqdm.auto import tqdm
 
+from features.open import open_configured
 from models.generate import Conditioning, generate
 from models.held_out import bucket_of, loss_grid
 from models.sample import TrainSample
@@ -38,7 +39,6 @@ from schemas.config import TrainConfig
 from schemas.errors import UserError
 from schemas.img_shapes import PIXELS_PER_PATCH
 from stages.train.data import load
-from store.join import open_configured
 
 SAMPLE_CFG = 4.0
 

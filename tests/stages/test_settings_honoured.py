@@ -169,7 +169,7 @@ def test_max_open_shards_bounds_the_open_files_of_every_reading_section(tiny_edi
 
     from models.loading import model_fingerprint
     from stages.train.data import load_at
-    from store.join import open_configured
+    from features.open import open_configured
 
     store = _store(tmp_path / "s", tiny_edit_model)
 

@@ -93,7 +93,7 @@ def test_mismatched_keys_train_on_the_intersection_or_fail_above_the_threshold(t
     msg = str(e.value)
     assert "2 of 4 samples (50.0%)" in msg and "encode-text: not encoded 1" in msg and "encode-vae: not encoded 1" in msg
     from models.loading import model_fingerprint
-    from store.join import open_features
+    from features.open import open_features
 
     t = open_features(tmp_path / "s", tiny_edit_model, model_fingerprint(tiny_edit_model), "train", 0.5)
     assert list(t.keys) == sorted(key_of(i) for i in (0, 2)) and t.report["dropped"] == 2

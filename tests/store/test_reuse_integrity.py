@@ -102,3 +102,15 @@ def test_versions_recorded_damaged_or_with_missing_shards_give_only_their_intact
     found = reusable(store, "vae", LINEAGE, keys)
     assert {k for rows in found.values() for k in rows.column("key").to_pylist()} == set(keys) - lost_keys
     assert store.find_version("vae", store.reader("vae", on_damaged="skip").schema.lineage) is None  # never up to date
+
+
+def test_per_sample_reuse_goes_through_the_one_rule(store: Store, monkeypatch) -> None:
+    """Carrying samples forward is a reuse decision too: with `schemas.up_to_date` saying "stale" nothing is
+    carried (a path comparing lineages by itself would still carry)."""
+    from schemas import up_to_date
+
+    _write(store, "a", range(3))
+    keys = [key_of(i) for i in range(3)]
+    assert sum(t.num_rows for t in reusable(store, "vae", LINEAGE, keys).values()) == 3
+    monkeypatch.setattr(up_to_date, "is_current", lambda recorded, present: False)
+    assert reusable(store, "vae", LINEAGE, keys) == {}

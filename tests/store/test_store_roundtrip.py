@@ -32,7 +32,7 @@ def test_roundtrip_exact_random_access(store: Store) -> None:
 def test_scans_view_the_shard_map_and_random_reads_own_their_bytes(store: Store) -> None:
     import ctypes
 
-    from store.reader import SCAN_RUN
+    from store.shard_io import SCAN_RUN
 
     fill(store, 24, shard_size_mb=0.05)
     r = store.reader("vae")

@@ -1,0 +1,194 @@
+"""Opening the trainer's features: `text` + `vae` of one split, built with the expected model, the samples both
+hold (the dropped ones counted, with their quarantine reasons; too many is an error), damaged samples checked or
+left out per the section's reading keys, sequence lengths from the manifests (`store.join`).
+`open_configured` is the one way train, its validator, its up-to-date check and evaluate open them."""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from features.tables import PRODUCER
+from schemas.errors import UserError
+from store import format as fmt
+from store.join import JoinedTables, damage_of, find_damaged, rows_of_split, sequence_lengths_of
+from store.reader import DEFAULT_MAX_OPEN_SHARDS, TableReader
+
+log = logging.getLogger("store")
+
+
+class ReadingSettings(Protocol):
+    """The reading keys a config section declares (train, evaluate: schemas/config.py)."""
+
+    on_damaged: str
+    max_damaged_fraction: float
+    max_dropped_fraction: float
+    max_open_shards: int
+
+
+def open_configured(settings: ReadingSettings, section: str, store: str | Path, model: str, model_fingerprint: str,
+                    split: str, rank: int = 0, world: int = 1,
+                    combine: Callable[[np.ndarray], np.ndarray] | None = None) -> JoinedTables:
+    """The one way a stage opens its features: `open_features` with the reading keys of its own config section
+    (`section` names it in errors) on every path - training, its validator, its up-to-date check, evaluate."""
+    return open_features(store, model, model_fingerprint, split, settings.max_dropped_fraction,
+                         settings.max_open_shards, on_damaged=settings.on_damaged,
+                         max_damaged_fraction=settings.max_damaged_fraction, section=section, rank=rank, world=world,
+                         combine=combine)
+
+
+def open_features(store: str | Path, model: str, model_fingerprint: str, split: str = "train",
+                  max_dropped_fraction: float = 0.05, max_open_shards: int = DEFAULT_MAX_OPEN_SHARDS,
+                  on_damaged: str = "stop", max_damaged_fraction: float = 0.0, section: str = "train",
+                  rank: int = 0, world: int = 1,
+                  combine: Callable[[np.ndarray], np.ndarray] | None = None) -> JoinedTables:
+    """`text` + `vae` of one split, built with the model whose fingerprint is given: the samples both tables
+    hold (the intersection), with each one's joint sequence length in `lengths` and in `report` how many samples
+    of the split were dropped (in the `images` table, or in one of the two, but not in both) and why (the
+    quarantine rows of those keys, by stage and reason). UserError when the tables are missing, built with
+    another model, empty, or when more than `max_dropped_fraction` of the split was dropped.
+
+    on_damaged="stop": a damaged sample raises when it is first read (a missing / short shard on open).
+    "skip": every joined sample is checked now, each rank (`rank` of `world`) a share of them in a few
+    threads, and `combine` (the stage's all-ranks OR of a per-row mask) gives every rank every rank's findings;
+    damaged ones are left out and listed in `damaged` (more than `max_damaged_fraction` of them: UserError, the
+    same on every rank). `section`: the config section errors name."""
+    from store.lease import hold
+    from store.store import Store
+
+    st = Store(store, create=False)
+    # A read lease on the two versions (resolved and registered under the store lock): `store gc` keeps them
+    # while this process reads them, even when newer versions become current meanwhile.
+    lease = hold(st.root, {"text": None, "vae": None}, f"reader of the '{split}' split (train / evaluate)")
+    readers: dict[str, TableReader] = {}
+    try:
+        joined = _open_features(st, lease, readers, model, model_fingerprint, split, max_dropped_fraction,
+                                max_open_shards, on_damaged, max_damaged_fraction, section, rank, world, combine)
+    except BaseException:
+        for r in readers.values():  # a refused store (wrong model, too many dropped) leaves nothing open
+            r.close()
+        lease.release()
+        raise
+    joined.lease = lease
+    weakref.finalize(joined, lease.release)
+    return joined
+
+
+def _open_features(st, lease, readers: dict[str, TableReader], model: str, model_fingerprint: str, split: str,
+                   max_dropped_fraction: float, max_open_shards: int, on_damaged: str,
+                   max_damaged_fraction: float, section: str = "train", rank: int = 0, world: int = 1,
+                   combine: Callable[[np.ndarray], np.ndarray] | None = None) -> JoinedTables:
+    """Fills `readers` as it opens them (the caller closes them when this raises)."""
+    for t in ("text", "vae"):
+        readers[t] = _open_table(st, t, model, max_open_shards, on_damaged, lease.version(t))
+    for r in readers.values():
+        found = r.schema.lineage.model_fingerprint
+        if found != model_fingerprint:
+            raise UserError(
+                f"table '{r.table}' v{r.version} in {st.root} was built with a different model (fingerprint "
+                f"{found or 'none'}) than --model {model} ({model_fingerprint}); use the model that encoded the "
+                f"store, or re-run `pipeline run {PRODUCER[r.table]} --model {model}`"
+            )
+    joined = JoinedTables(readers, split, st.root)
+    text, vae = readers["text"], readers["vae"]
+    joined.report = dropped_report(st, joined, split)
+    rep = joined.report
+    if rep["dropped"]:
+        log.warning("%s split: %d of %d samples are not in both the text and vae tables (%.1f%%): %s; rows in %s",
+                    split, rep["dropped"], rep["samples"], 100 * rep["dropped_fraction"], _reasons_text(rep),
+                    rep["quarantine_file"])
+    if rep["dropped_fraction"] > max_dropped_fraction:
+        raise UserError(
+            f"the '{split}' split of store {st.root}: {rep['dropped']} of {rep['samples']} samples "
+            f"({100 * rep['dropped_fraction']:.1f}%) are not in both the text and vae tables, above "
+            f"{section}.max_dropped_fraction = {max_dropped_fraction}: {_reasons_text(rep)} (rows in "
+            f"{rep['quarantine_file']}); fix those inputs, use a model that accepts them, or raise "
+            f"{section}.max_dropped_fraction to use the rest"
+        )
+    if not len(joined.keys):
+        raise UserError(
+            f"the '{split}' split is empty in store {st.root} (text v{text.version}, vae v{vae.version}); "
+            "add training samples (resize-bucket puts val_fraction of them in 'val', the rest in 'train')"
+        )
+    if on_damaged == "skip":
+        bad = find_damaged(joined, rank, world)
+        if combine is not None:
+            bad = combine(bad)
+        bad_rows = np.flatnonzero(bad)
+        if len(bad_rows) > max_damaged_fraction * len(joined.keys):
+            raise UserError(
+                f"{len(bad_rows)} of {len(joined.keys)} '{split}' samples in {st.root} are damaged, more than "
+                f"max_damaged_fraction {max_damaged_fraction} (e.g. {damage_of(joined, int(bad_rows[0]))}); "
+                f"run `pipeline store repair {st.root}`"
+            )
+        # what is wrong with each (found by any rank: checked again here, a few samples at most)
+        joined.damaged = {joined.keys[int(i)]: damage_of(joined, int(i)) for i in bad_rows}
+        if len(bad_rows):
+            joined.leave_out(bad_rows)
+        if not len(joined.keys):
+            raise UserError(f"every '{split}' sample in {st.root} is damaged; run `pipeline store repair {st.root}`")
+    joined.lengths = sequence_lengths_of(joined)
+    return joined
+
+
+def dropped_report(st, joined: JoinedTables, split: str | None) -> dict[str, Any]:
+    """How many samples of the split did not make it into the join, and the quarantine reasons of those keys
+    (by stage, then reason; keys without a quarantine row count as 'not encoded', e.g. an images version
+    newer than an encode stage's table)."""
+    universe = set().union(*joined.only.values())
+    images_version = joined.readers["vae"].schema.lineage.upstream.get("images")
+    if images_version is not None and fmt.is_complete(fmt.version_dir(st.root, "images", images_version)):
+        with st.reader("images", images_version) as images:
+            ks = images.key_array.take(pa.array(rows_of_split(images, split)))
+        missing = ks.filter(pc.invert(pc.is_in(ks, value_set=joined.keys.array)))
+        universe |= set(missing.to_pylist())
+        total = len(ks)
+    else:
+        total = len(joined.keys) + len(universe)
+    reasons: dict[str, dict[str, int]] = {}
+    q = st.quarantine()
+    explained: set[str] = set()
+    if universe and q.num_rows:
+        q = q.filter(pc.is_in(q.column("key"), value_set=pa.array(sorted(universe), pa.string())))
+        seen = set()
+        for key, stage, reason in zip(*(q.column(c).to_pylist() for c in ("key", "stage", "reason"))):
+            if (key, stage, reason) not in seen:
+                seen.add((key, stage, reason))
+                reasons.setdefault(stage, {}).setdefault(reason, 0)
+                reasons[stage][reason] += 1
+                explained.add(key)
+    for t, ks in joined.only.items():  # in one table, not the other, no quarantine row: the other lacks it
+        other = PRODUCER["vae" if t == "text" else "text"]
+        unexplained = len(ks - explained)
+        if unexplained:
+            reasons.setdefault(other, {})["not encoded"] = reasons.get(other, {}).get("not encoded", 0) + unexplained
+            explained |= ks
+    rest = len(universe - explained)
+    if rest:
+        reasons.setdefault("encode-text/encode-vae", {})["not encoded"] = rest
+    dropped = len(universe)
+    return {"split": split, "samples": total, "joined": len(joined.keys), "dropped": dropped,
+            "dropped_fraction": dropped / total if total else 0.0, "reasons": reasons,
+            "only_in": {t: len(ks) for t, ks in joined.only.items()},
+            "quarantine_file": str(st.root / fmt.QUARANTINE)}
+
+
+def _reasons_text(rep: dict[str, Any]) -> str:
+    return "; ".join(f"{stage}: " + ", ".join(f"{r} {n}" for r, n in sorted(rs.items()))
+                     for stage, rs in sorted(rep["reasons"].items())) or "no reasons recorded"
+
+
+def _open_table(st, table: str, model: str, max_open_shards: int = DEFAULT_MAX_OPEN_SHARDS,
+                on_damaged: str = "stop", version: int | None = None) -> TableReader:
+    if table not in st.tables():
+        raise UserError(
+            f"store {st.root} has no '{table}' table (tables: {sorted(st.tables()) or 'none'}); "
+            f"run `pipeline run {PRODUCER[table]} --store {st.root} --model {model}` first"
+        )
+    return st.reader(table, version, on_damaged=on_damaged, max_open_shards=max_open_shards)

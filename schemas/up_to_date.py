@@ -1,0 +1,26 @@
+"""The one up-to-date rule: an output is current when the inputs it recorded when it was made equal the inputs
+derived now. Every stage decides reuse through it: a table version (`Store.find_version`: the schema's
+`Lineage`), a run's final LoRA (train: the last checkpoint's resume record), a report (evaluate: `metrics.json`'s
+inputs) and a checkpoint report (evaluate --all-checkpoints).
+
+What goes into the inputs is the stage's business, derived from the declared lineage scheme
+(`schemas.lineage`): a setting that enters no hash (device, batch size, workers) is in no record, so changing it
+keeps every output current; a hashed one differs, so every path recomputes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+
+def stale_inputs(recorded: Mapping[str, Any] | None, present: Mapping[str, Any]) -> list[str]:
+    """Names of the inputs whose recorded value is not the present one, in the present's order, then those only
+    recorded (a missing record: every input)."""
+    if recorded is None:
+        return list(present)
+    return [k for k in [*present, *(k for k in recorded if k not in present)] if recorded.get(k) != present.get(k)]
+
+
+def is_current(recorded: Mapping[str, Any] | None, present: Mapping[str, Any]) -> bool:
+    """The output that recorded `recorded` is what `present` would make now: reuse it."""
+    return not stale_inputs(recorded, present)
