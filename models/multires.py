@@ -125,12 +125,40 @@ def _apply_rope(x: Tensor, freqs: Tensor) -> Tensor:
 # ---------------------------------------------------------------------------------------------- attention
 
 
+# What MaskedJointAttnProcessor.__call__ was derived from: diffusers' QwenDoubleStreamAttnProcessor2_0.__call__,
+# as a hash of its syntax tree (comments and docstrings do not count). When the installed diffusers' processor
+# differs, our copy may have drifted from it: install_multires warns and tests/models/test_multires.py fails,
+# naming what to re-derive. The copy stays (rather than patching the stock one's module globals) so that
+# per-sample RoPE and the packed kernel trace cleanly under torch.compile.
+STOCK_PROCESSOR_AST = "99bdd15622c801ea0002bdba3ee0562fd693fb1a718a90261e8cd1af3705ce81"
+
+
+def stock_processor_ast() -> str:
+    """sha256 of the installed stock processor's `__call__`, as its syntax tree unparsed without docstrings."""
+    import ast
+    import hashlib
+    import inspect
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(QwenDoubleStreamAttnProcessor2_0.__call__)))
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr) and isinstance(
+                getattr(body[0], "value", None), ast.Constant) and isinstance(body[0].value.value, str):
+            node.body = body[1:] or [ast.Pass()]
+    return hashlib.sha256(ast.unparse(tree).encode()).hexdigest()  # normalised source: layout-independent
+
+
 class MaskedJointAttnProcessor(QwenDoubleStreamAttnProcessor2_0):
     """Stock joint [text | image] attention plus an image key mask and per-sample RoPE.
 
     Without an image mask and with shared (2-D) RoPE it *is* the stock processor (delegates), so same-size
     batches are bit-identical. A subclass, so `set_attention_backend` and friends keep working.
     `_multires_backend` (set by `models.attention.set_backend`): the kernel for padded batches.
+
+    What differs from the stock `__call__` (STOCK_PROCESSOR_AST), and only that: the joint key mask covers the
+    image tokens too (`image_mask`, or the forward's `joint_layout`); RoPE may be per sample (`_apply_rope`);
+    the attention goes to `_multires_backend` (`models.attention.attend`) when one is set.
     """
 
     _multires_backend: str | None = None
@@ -156,27 +184,16 @@ class MaskedJointAttnProcessor(QwenDoubleStreamAttnProcessor2_0):
         if attention_mask is not None:
             raise ValueError("MaskedJointAttnProcessor builds its own mask: pass encoder_hidden_states_mask/image_mask")
 
+        # differs: the mask covers [text | image] keys; one layout per forward (multires_forward: no per-block sync)
         batch, seq_img = hidden_states.shape[:2]
         seq_txt = encoder_hidden_states.shape[1]
-        if joint_layout is not None:  # built once for this forward by multires_forward (no per-block sync)
+        if joint_layout is not None:
             attention_mask = joint_layout if self._multires_backend is not None else joint_layout.mask
-        elif self._multires_backend is not None and (image_mask is not None or encoder_hidden_states_mask is not None):
+        elif image_mask is not None or encoder_hidden_states_mask is not None:
             attention_mask = joint_key_mask(encoder_hidden_states_mask, image_mask, batch, seq_txt, seq_img,
                                             hidden_states.device)
-        elif image_mask is not None or encoder_hidden_states_mask is not None:
-            device = hidden_states.device
-            txt_mask = (
-                encoder_hidden_states_mask.to(torch.bool)
-                if encoder_hidden_states_mask is not None
-                else torch.ones((batch, seq_txt), dtype=torch.bool, device=device)
-            )
-            img_mask = (
-                image_mask.to(torch.bool)
-                if image_mask is not None
-                else torch.ones((batch, seq_img), dtype=torch.bool, device=device)
-            )
-            attention_mask = torch.cat([txt_mask, img_mask], dim=1)[:, None, None, :]
 
+        # as stock: projections, heads, QK norms
         head_dim = attn.inner_dim // attn.heads
         img_query = attn.to_q(hidden_states).unflatten(-1, (-1, head_dim))
         img_key = attn.to_k(hidden_states).unflatten(-1, (-1, head_dim))
@@ -184,7 +201,6 @@ class MaskedJointAttnProcessor(QwenDoubleStreamAttnProcessor2_0):
         txt_query = attn.add_q_proj(encoder_hidden_states).unflatten(-1, (-1, head_dim))
         txt_key = attn.add_k_proj(encoder_hidden_states).unflatten(-1, (-1, head_dim))
         txt_value = attn.add_v_proj(encoder_hidden_states).unflatten(-1, (-1, head_dim))
-
         if attn.norm_q is not None:
             img_query = attn.norm_q(img_query)
         if attn.norm_k is not None:
@@ -194,32 +210,24 @@ class MaskedJointAttnProcessor(QwenDoubleStreamAttnProcessor2_0):
         if attn.norm_added_k is not None:
             txt_key = attn.norm_added_k(txt_key)
 
-        if image_rotary_emb is not None:
+        if image_rotary_emb is not None:  # differs: per-sample freqs allowed (stock's function for shared ones)
             img_freqs, txt_freqs = image_rotary_emb
-            img_query = _apply_rope(img_query, img_freqs)
-            img_key = _apply_rope(img_key, img_freqs)
-            txt_query = _apply_rope(txt_query, txt_freqs)
-            txt_key = _apply_rope(txt_key, txt_freqs)
+            img_query, img_key = _apply_rope(img_query, img_freqs), _apply_rope(img_key, img_freqs)
+            txt_query, txt_key = _apply_rope(txt_query, txt_freqs), _apply_rope(txt_key, txt_freqs)
 
         joint_query = torch.cat([txt_query, img_query], dim=1)
         joint_key = torch.cat([txt_key, img_key], dim=1)
         joint_value = torch.cat([txt_value, img_value], dim=1)
-        if self._multires_backend is not None:
+        if self._multires_backend is not None:  # differs: the padded-batch kernel (packed, or a masked SDPA)
             joint = attend(joint_query, joint_key, joint_value, attention_mask, self._multires_backend,
                            self._parallel_config)
         else:
-            joint = dispatch_attention_fn(
-                joint_query,
-                joint_key,
-                joint_value,
-                attn_mask=attention_mask,
-                dropout_p=0.0,
-                is_causal=False,
-                backend=self._attention_backend,
-                parallel_config=self._parallel_config,
-            )
+            joint = dispatch_attention_fn(joint_query, joint_key, joint_value, attn_mask=attention_mask, dropout_p=0.0,
+                                          is_causal=False, backend=self._attention_backend,
+                                          parallel_config=self._parallel_config)
         joint = joint.flatten(2, 3).to(joint_query.dtype)
 
+        # as stock: split, output projections
         img_out = attn.to_out[0](joint[:, seq_txt:, :].contiguous())
         if len(attn.to_out) > 1:
             img_out = attn.to_out[1](img_out)
@@ -238,6 +246,20 @@ def install_multires(transformer) -> None:
     if not isinstance(transformer.pos_embed, PerSampleRope):
         transformer.pos_embed = PerSampleRope(transformer.pos_embed)
     transformer.set_attn_processor(MaskedJointAttnProcessor())
+    _warn_if_stock_processor_changed()
+
+
+@lru_cache(maxsize=1)
+def _warn_if_stock_processor_changed() -> None:
+    if stock_processor_ast() != STOCK_PROCESSOR_AST:
+        import logging
+
+        import diffusers
+
+        logging.getLogger(__name__).warning(
+            "diffusers %s: QwenDoubleStreamAttnProcessor2_0.__call__ differs from the one MaskedJointAttnProcessor "
+            "was derived from; padded batches may no longer match the stock model (tests/models/test_multires.py "
+            "checks it; pin the tested diffusers version)", diffusers.__version__)
 
 
 def _unwrap(model):

@@ -273,3 +273,33 @@ def test_training_step_with_checkpointing_matches_stock(models, with_lora):
         assert all(isinstance(p, MaskedJointAttnProcessor) for p in multi.attn_processors.values())
         assert any(g.abs().max() > 0 for g in grads)
 
+
+
+def test_the_stock_processor_is_the_one_our_copy_was_derived_from():
+    """MaskedJointAttnProcessor.__call__ is the stock processor plus a mask, per-sample RoPE and a kernel choice:
+    when the installed diffusers' processor changes, this fails loudly (the copy must be re-derived)."""
+    from diffusers import __version__
+
+    from models.multires import STOCK_PROCESSOR_AST, stock_processor_ast
+
+    assert stock_processor_ast() == STOCK_PROCESSOR_AST, (
+        f"diffusers {__version__} changed QwenDoubleStreamAttnProcessor2_0.__call__: re-derive "
+        "models/multires.MaskedJointAttnProcessor.__call__ from it (keep only the marked differences), run "
+        "this file, then set STOCK_PROCESSOR_AST to stock_processor_ast()")
+
+
+def test_the_pin_sees_a_changed_processor(monkeypatch):
+    from diffusers.models.transformers import transformer_qwenimage as stock
+
+    from models.multires import STOCK_PROCESSOR_AST, stock_processor_ast
+
+    original = stock.QwenDoubleStreamAttnProcessor2_0.__call__
+
+    def changed(self, attn, hidden_states, encoder_hidden_states=None, encoder_hidden_states_mask=None,
+                attention_mask=None, image_rotary_emb=None):
+        """A docstring does not count; a changed statement does."""
+        return original(self, attn, hidden_states * 2, encoder_hidden_states, encoder_hidden_states_mask,
+                        attention_mask, image_rotary_emb)
+
+    monkeypatch.setattr(stock.QwenDoubleStreamAttnProcessor2_0, "__call__", changed)
+    assert stock_processor_ast() != STOCK_PROCESSOR_AST
