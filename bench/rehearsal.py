@@ -216,7 +216,7 @@ def child(spec: dict) -> dict:
     peak_flops = matmul_flops_per_s(spec["device"])
 
     tables = open_train_tables(spec["store"], spec["model"], split="train")
-    lengths = list(tables.lengths)
+    lengths = tables.lengths.tolist()  # numbers (numpy at the join) -> JSON-able ints
     times = result.step_times[1:] if len(result.step_times) > 1 else result.step_times
     s_per_step = statistics.median(times)
     tokens_per_sample = statistics.mean(lengths)
