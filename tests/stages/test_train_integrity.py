@@ -116,6 +116,25 @@ def test_a_skipped_sample_trains_the_lora_of_a_store_without_it(tmp_path, tiny_e
     assert list(json.loads((tmp_path / "a" / train_guard.DAMAGED_REPORT).read_text())["samples"]) == [key_of(3)]
 
 
+def test_a_share_all_damaged_runs_a_zero_weight_stand_in(damaged_store, tiny_edit_model):
+    """A rank whose whole share of a micro-batch is damaged still runs a forward and backward (DDP's all-reduce
+    waits for it): on an intact sample of the step, every token weight 0; with on_damaged=stop it raises."""
+    from stages.train.damaged import DamagedRows
+    from stages.train.prefetch import prepare_share
+
+    root, key = damaged_store
+    tc = cfg_of(on_damaged="skip").train
+    with open_train_tables(root, tiny_edit_model, on_damaged="skip") as tables:
+        bad = tables.keys.array.to_pylist().index(key)
+        other = (bad + 1) % len(tables)
+        rows = DamagedRows(skip=True)
+        flow = prepare_share(tables, tc, [bad], [[bad], [other]], 0, torch.device("cpu"), torch.float32, rows)
+        assert list(rows.damaged_of([bad, other])) == [bad]
+        assert len(flow.weights) == 1 and all(float(w.abs().sum()) == 0 for w in flow.weights)
+        with pytest.raises(DamagedData, match=key):
+            prepare_share(tables, tc, [bad], [[bad], [other]], 0, torch.device("cpu"), torch.float32)
+
+
 def test_evaluate_refuses_a_damaged_val_sample(tmp_path, tiny_edit_model):
     from stages.train.data import load, open_inputs as open_train_tables
 
