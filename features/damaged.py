@@ -30,7 +30,7 @@ def limit_message(damaged: int, read: int, total: int, fraction: float, section:
     return (f"{damaged} of the {read} '{split}' samples read so far in {store} are damaged ({section}.on_damaged="
             f"skip), more than {section}.max_damaged_fraction = {fraction} of {max(read, total)} (the split holds "
             f"{total}); listed in {listed}; run `pipeline store repair {store}`, or raise "
-            f"{section}.max_damaged_fraction to train on the rest")
+            f"{section}.max_damaged_fraction to use the rest")
 
 
 def read_intact(tables: JoinedTables, n: int, load: Callable[[int], T], desc: str = "read samples") -> list[T]:

@@ -232,13 +232,6 @@ class JoinedTables:
         r = self.readers[table]
         return f"'{table}' v{r.version} ({r.dir})"
 
-    def leave_out(self, rows: np.ndarray) -> None:
-        """Drop the joined rows `rows` (indices into `keys`), e.g. damaged samples."""
-        keep = np.ones(len(self.keys), dtype=bool)
-        keep[rows] = False
-        self.keys = self.keys.subset(keep)
-        self.rows = {t: r[keep] for t, r in self.rows.items()}
-
     def versions(self) -> dict[str, str]:
         """Identities of the joined tables (version + manifest hash; see `Store.version_id`)."""
         from store.store import Store
