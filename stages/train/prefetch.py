@@ -24,8 +24,8 @@ import torch
 
 from models.flow import FlowBatch, prepare_flow_batch
 from models.randomness import draw_caption_dropout, draw_noise, draw_sigma, with_control_dropout
-from schemas.config import TrainConfig
 from models.sample import TrainSample
+from schemas.config import TrainConfig
 from stages.train.damaged import DamagedRows
 from stages.train.data import DataStream, load_at
 from store.join import JoinedTables

@@ -43,7 +43,7 @@ import torch
 from tqdm.auto import tqdm
 
 from features.open import open_configured
-from models.collective import RankFailed, fails_alone, together
+from models.collective import fails_alone, together
 from models.flow import FlowBatch, flow_loss_of
 from models.lora import WEIGHT_NAME, add_lora, load_lora, lora_parameters, save_lora
 from models.attention import use_attention_backend
