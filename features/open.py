@@ -1,6 +1,6 @@
 """Opening the trainer's features: `text` + `vae` of one split, built with the expected model, the samples both
 hold (the dropped ones counted, with their quarantine reasons; too many is an error), damaged samples checked or
-left out per the section's reading keys, sequence lengths from the manifests (`store.join`).
+left out where they are read per the section's reading keys (features/damaged.py), sequence lengths from the manifests (`store.join`).
 `open_configured` is the one way train, its validator, its up-to-date check and evaluate open them."""
 
 from __future__ import annotations
@@ -8,16 +8,15 @@ from __future__ import annotations
 import logging
 import weakref
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from features.tables import PRODUCER
 from schemas.errors import UserError
 from store import format as fmt
-from store.join import JoinedTables, damage_of, find_damaged, rows_of_split, sequence_lengths_of
+from store.join import JoinedTables, rows_of_split, sequence_lengths_of
 from store.reader import DEFAULT_MAX_OPEN_SHARDS, TableReader
 
 log = logging.getLogger("store")
@@ -33,21 +32,17 @@ class ReadingSettings(Protocol):
 
 
 def open_configured(settings: ReadingSettings, section: str, store: str | Path, model: str, model_fingerprint: str,
-                    split: str, rank: int = 0, world: int = 1,
-                    combine: Callable[[np.ndarray], np.ndarray] | None = None) -> JoinedTables:
+                    split: str) -> JoinedTables:
     """The one way a stage opens its features: `open_features` with the reading keys of its own config section
     (`section` names it in errors) on every path - training, its validator, its up-to-date check, evaluate."""
     return open_features(store, model, model_fingerprint, split, settings.max_dropped_fraction,
                          settings.max_open_shards, on_damaged=settings.on_damaged,
-                         max_damaged_fraction=settings.max_damaged_fraction, section=section, rank=rank, world=world,
-                         combine=combine)
+                         max_damaged_fraction=settings.max_damaged_fraction, section=section)
 
 
 def open_features(store: str | Path, model: str, model_fingerprint: str, split: str = "train",
                   max_dropped_fraction: float = 0.05, max_open_shards: int = DEFAULT_MAX_OPEN_SHARDS,
-                  on_damaged: str = "stop", max_damaged_fraction: float = 0.0, section: str = "train",
-                  rank: int = 0, world: int = 1,
-                  combine: Callable[[np.ndarray], np.ndarray] | None = None) -> JoinedTables:
+                  on_damaged: str = "stop", max_damaged_fraction: float = 0.0, section: str = "train") -> JoinedTables:
     """`text` + `vae` of one split, built with the model whose fingerprint is given: the samples both tables
     hold (the intersection), with each one's joint sequence length in `lengths` and in `report` how many samples
     of the split were dropped (in the `images` table, or in one of the two, but not in both) and why (the
@@ -55,10 +50,10 @@ def open_features(store: str | Path, model: str, model_fingerprint: str, split: 
     another model, empty, or when more than `max_dropped_fraction` of the split was dropped.
 
     on_damaged="stop": a damaged sample raises when it is first read (a missing / short shard on open).
-    "skip": every joined sample is checked now, each rank (`rank` of `world`) a share of them in a few
-    threads, and `combine` (the stage's all-ranks OR of a per-row mask) gives every rank every rank's findings;
-    damaged ones are left out and listed in `damaged` (more than `max_damaged_fraction` of them: UserError, the
-    same on every rank). `section`: the config section errors name."""
+    "skip": the tables open despite bad shards, and no sample is read here (a check of every sample before
+    step 0 was a full read of the split, terabytes at 1M samples): whoever reads leaves a damaged sample out
+    where it meets it and applies `max_damaged_fraction` to what it has read (features/damaged.py; train:
+    stages/train/damaged.py). `section`: the config section errors name."""
     from store.lease import hold
     from store.store import Store
 
@@ -69,7 +64,7 @@ def open_features(store: str | Path, model: str, model_fingerprint: str, split: 
     readers: dict[str, TableReader] = {}
     try:
         joined = _open_features(st, lease, readers, model, model_fingerprint, split, max_dropped_fraction,
-                                max_open_shards, on_damaged, max_damaged_fraction, section, rank, world, combine)
+                                max_open_shards, on_damaged, max_damaged_fraction, section)
     except BaseException:
         for r in readers.values():  # a refused store (wrong model, too many dropped) leaves nothing open
             r.close()
@@ -82,8 +77,7 @@ def open_features(store: str | Path, model: str, model_fingerprint: str, split: 
 
 def _open_features(st, lease, readers: dict[str, TableReader], model: str, model_fingerprint: str, split: str,
                    max_dropped_fraction: float, max_open_shards: int, on_damaged: str,
-                   max_damaged_fraction: float, section: str = "train", rank: int = 0, world: int = 1,
-                   combine: Callable[[np.ndarray], np.ndarray] | None = None) -> JoinedTables:
+                   max_damaged_fraction: float, section: str = "train") -> JoinedTables:
     """Fills `readers` as it opens them (the caller closes them when this raises)."""
     for t in ("text", "vae"):
         readers[t] = _open_table(st, t, model, max_open_shards, on_damaged, lease.version(t))
@@ -116,23 +110,7 @@ def _open_features(st, lease, readers: dict[str, TableReader], model: str, model
             f"the '{split}' split is empty in store {st.root} (text v{text.version}, vae v{vae.version}); "
             "add training samples (resize-bucket puts val_fraction of them in 'val', the rest in 'train')"
         )
-    if on_damaged == "skip":
-        bad = find_damaged(joined, rank, world)
-        if combine is not None:
-            bad = combine(bad)
-        bad_rows = np.flatnonzero(bad)
-        if len(bad_rows) > max_damaged_fraction * len(joined.keys):
-            raise UserError(
-                f"{len(bad_rows)} of {len(joined.keys)} '{split}' samples in {st.root} are damaged, more than "
-                f"max_damaged_fraction {max_damaged_fraction} (e.g. {damage_of(joined, int(bad_rows[0]))}); "
-                f"run `pipeline store repair {st.root}`"
-            )
-        # what is wrong with each (found by any rank: checked again here, a few samples at most)
-        joined.damaged = {joined.keys[int(i)]: damage_of(joined, int(i)) for i in bad_rows}
-        if len(bad_rows):
-            joined.leave_out(bad_rows)
-        if not len(joined.keys):
-            raise UserError(f"every '{split}' sample in {st.root} is damaged; run `pipeline store repair {st.root}`")
+    joined.on_damaged, joined.max_damaged_fraction, joined.section = on_damaged, max_damaged_fraction, section
     joined.lengths = sequence_lengths_of(joined)
     return joined
 

@@ -128,18 +128,6 @@ def share_failure(world: int, error: BaseException | None, what: str = "") -> No
     _mark(error)
 
 
-def any_over_ranks(mask, world: int):
-    """A boolean numpy mask OR-ed over all ranks (e.g. the damaged rows each rank found in its share)."""
-    if world <= 1:
-        return mask
-    import numpy as np
-    import torch.distributed as dist
-
-    t = torch.from_numpy(mask.astype(np.uint8)).to(_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.cpu().numpy().astype(bool)
-
-
 # ---------------------------------------------------------------------------------------------- failing alone
 
 _state: dict = {"watching": False, "published": False}

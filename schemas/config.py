@@ -204,7 +204,8 @@ class TrainConfig(Section):
                          "RUN/profile/trace-rank{R}.json (Chrome trace); 0 = off")
     sampler_window: Annotated[int, FEATURES] = Field(64, gt=0, description="length-aware sampler: batches per sorting window")
     on_damaged: Annotated[Literal["stop", "skip"], THROUGHPUT] = _on_damaged(
-        "store sample", "leave it out (all are found before step 0, listed in RUN/damaged_samples.json)")
+        "store sample", "leave it out of its batch where it is read (no pass before step 0), listed in "
+        "RUN/damaged_samples.json")
     max_damaged_fraction: Annotated[float, THROUGHPUT] = _max_damaged_fraction("the training samples")
     on_nonfinite: Annotated[Literal["stop", "skip_step"], THROUGHPUT] = Field(
         "stop", description="a non-finite loss or gradient: stop naming the step and samples, or skip that "

@@ -8,7 +8,6 @@ per-row Python objects). Which tables a stage joins, and what it checks on them,
 from __future__ import annotations
 
 import logging
-import os
 from math import prod
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
@@ -141,7 +140,10 @@ class JoinedTables:
         # a list: ~36 MB of Python ints at 1M samples in every rank)
         self.lengths: np.ndarray = np.zeros(0, np.int64)
         self.report: dict[str, Any] = {}  # filled by the opener: samples, dropped, reasons
-        self.damaged: dict[str, str] = {}  # the opener's on_damaged="skip": key -> problem, left out of `keys`
+        # the opener's reading keys (features/open.py), and with on_damaged="skip" the samples a reader found
+        # damaged and left out (key -> problem), filled as they are met: nothing reads ahead of the consumer
+        self.on_damaged, self.max_damaged_fraction, self.section = "stop", 0.0, "train"
+        self.damaged: dict[str, str] = {}
         self.lease: Any = None  # the opener's read lease on these versions (store/lease.py)
         split_rows = {t: rows_of_split(r, split) for t, r in readers.items()}
         for r in readers.values():
@@ -230,13 +232,6 @@ class JoinedTables:
         r = self.readers[table]
         return f"'{table}' v{r.version} ({r.dir})"
 
-    def leave_out(self, rows: np.ndarray) -> None:
-        """Drop the joined rows `rows` (indices into `keys`), e.g. damaged samples."""
-        keep = np.ones(len(self.keys), dtype=bool)
-        keep[rows] = False
-        self.keys = self.keys.subset(keep)
-        self.rows = {t: r[keep] for t, r in self.rows.items()}
-
     def versions(self) -> dict[str, str]:
         """Identities of the joined tables (version + manifest hash; see `Store.version_id`)."""
         from store.store import Store
@@ -265,65 +260,6 @@ def split_keys(r: TableReader, split: str | None) -> list[str]:
 def _name_keys(keys: set[str], limit: int = 5) -> str:
     shown = sorted(keys)[:limit]
     return ", ".join(shown) + (f" … ({len(keys)} in all)" if len(keys) > limit else "")
-
-
-CHECK_CHUNK = 256  # joined rows per task of the damage pre-pass
-
-
-def find_damaged(joined: JoinedTables, rank: int = 0, world: int = 1,
-                 workers: int | None = None) -> np.ndarray:
-    """A mask over the joined rows, True where this rank's share (rows rank, rank + world, ...) holds a damaged
-    sample in either table. The bytes are read by pread and CRC-checked in `workers` threads (crc32c and the
-    reads release the GIL), each with shard descriptors of its own; intact rows count as checked in the readers
-    (training does not check them again). Not a library: the same check as every first read
-    (store/sample_check.py), only spread over threads and ranks."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from tqdm import tqdm
-
-    from store.shard_io import ShardFiles
-
-    text, vae = joined.readers["text"], joined.readers["vae"]
-    for r in (text, vae):
-        r.prepare_checks()  # columns parsed here, before the threads only read them
-    t_rows, v_rows = joined.rows["text"], joined.rows["vae"]
-    mine = np.arange(rank, len(joined.keys), world, dtype=np.int64)
-    bad = np.zeros(len(joined.keys), dtype=bool)
-    workers = workers or max(1, min(8, len(os.sched_getaffinity(0))))
-
-    def check(chunk: np.ndarray) -> int:
-        files = {r.table: ShardFiles(r.dir, 4, scans=False) for r in (text, vae)}
-        try:
-            for i in chunk:
-                for r, row in ((text, int(t_rows[i])), (vae, int(v_rows[i]))):
-                    if r.checks.is_checked(row):
-                        continue
-                    try:
-                        problem = r.checks.problem(row, files[r.table])
-                    except UserError as e:  # e.g. a shard gone under the reader
-                        problem = str(e)
-                    if problem is None:
-                        r.checks.mark_checked(row)
-                    else:
-                        bad[i] = True
-                        break
-        finally:
-            for f in files.values():
-                f.close()
-        return len(chunk)
-
-    chunks = [mine[k : k + CHECK_CHUNK] for k in range(0, len(mine), CHECK_CHUNK)]
-    with ThreadPoolExecutor(workers) as pool, tqdm(total=len(mine), desc="check samples", unit="sample",
-                                                   leave=False) as bar:
-        for n in pool.map(check, chunks):
-            bar.update(n)
-    return bad
-
-
-def damage_of(joined: JoinedTables, i: int) -> str:
-    """What is wrong with joined row i (the first table's problem; recorded in the store as any read's)."""
-    return (joined.readers["text"].damaged_at(int(joined.rows["text"][i]))
-            or joined.readers["vae"].damaged_at(int(joined.rows["vae"][i])) or "damaged")
 
 
 def text_lengths(text: TableReader) -> np.ndarray:

@@ -28,6 +28,7 @@ import torch
 from PIL import Image
 from tqdm.auto import tqdm
 
+from features.damaged import read_intact
 from features.open import open_configured
 from models.flow import flow_loss
 from models.loading import load_component, parse_dtype
@@ -348,9 +349,9 @@ def read_val_samples(cfg: EvaluateConfig, store: str | Path, model: str) -> tupl
 
     tables = open_configured(cfg, "evaluate", store, model, model_fingerprint(model), "val")
     n = min(len(tables), cfg.max_loss_samples) if cfg.max_loss_samples else len(tables)
-    tables.check_ahead(lambda: iter(range(n)))  # the bytes checked by a thread just ahead of the reads
-    try:
-        samples = [from_features(*tables.features_at(i)) for i in tqdm(range(n), desc="read val samples", leave=False)]
+    tables.check_ahead(lambda: iter(range(len(tables))))  # the bytes checked by a thread just ahead of the reads
+    try:  # evaluate.on_damaged=skip: a damaged one left out where it is read, the next one read instead
+        samples = read_intact(tables, n, lambda i: from_features(*tables.features_at(i)), "read val samples")
     finally:
         tables.stop_check_ahead()
     return tables, samples

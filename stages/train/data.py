@@ -17,17 +17,13 @@ from store.join import JoinedTables
 
 def open_inputs(store: str | Path, model: str, split: str = "train", max_dropped_fraction: float = 0.05,
                 max_open_shards: int = 256, on_damaged: str = "stop",
-                max_damaged_fraction: float = 0.0, rank: int = 0, world: int = 1) -> JoinedTables:
-    """`rank` of `world`: with on_damaged=skip each rank checks a share of the samples, and every rank learns
-    every rank's findings (models/collective.py), so all apply the same threshold to the same samples."""
-    from functools import partial
-
-    from models.collective import any_over_ranks
+                max_damaged_fraction: float = 0.0) -> JoinedTables:
+    """With on_damaged=skip nothing is read here: the trainer leaves a damaged sample out of its batch where it
+    meets it (stages/train/damaged.py)."""
     from models.loading import model_fingerprint
 
     return open_features(store, model, model_fingerprint(model), split, max_dropped_fraction, max_open_shards,
-                         on_damaged=on_damaged, max_damaged_fraction=max_damaged_fraction, rank=rank, world=world,
-                         combine=partial(any_over_ranks, world=world))
+                         on_damaged=on_damaged, max_damaged_fraction=max_damaged_fraction)
 
 
 def load(tables: JoinedTables, key: str) -> TrainSample:

@@ -58,9 +58,20 @@ def check_lora_finite(params: list[torch.nn.Parameter], what: Path) -> None:
         raise NonFiniteError(f"{bad} of {total} LoRA values are non-finite: not writing {what}")
 
 
-def write_damaged_report(run_dir: Path, damaged: dict[str, str]) -> Path:
+def record_skipped(run_dir: Path, damaged: dict[str, str]) -> Path:
+    """Add samples left out as damaged (key -> problem) to RUN/damaged_samples.json: every rank adds what it
+    met, so the read-merge-write runs under a lock of its own (no rank drops another's findings); a resume adds
+    to the list of the earlier starts."""
+    import json
+
     path = run_dir / DAMAGED_REPORT
-    fmt.atomic_write_json(path, {"skipped": len(damaged), "samples": damaged})
+    with fmt.flock(run_dir / ".damaged_samples.lock"):
+        try:
+            known = json.loads(path.read_text()).get("samples", {})
+        except (FileNotFoundError, ValueError, AttributeError):
+            known = {}
+        merged = {**known, **damaged}
+        fmt.atomic_write_json(path, {"skipped": len(merged), "samples": dict(sorted(merged.items()))})
     return path
 
 

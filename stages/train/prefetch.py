@@ -17,14 +17,16 @@ from __future__ import annotations
 
 import queue
 import threading
-from dataclasses import dataclass, fields, is_dataclass, replace
+from dataclasses import dataclass, field, fields, is_dataclass, replace
 from typing import Any, Callable, Iterator
 
 import torch
 
 from models.flow import FlowBatch, prepare_flow_batch
 from models.randomness import draw_caption_dropout, draw_noise, draw_sigma, with_control_dropout
+from models.sample import TrainSample
 from schemas.config import TrainConfig
+from stages.train.damaged import DamagedRows
 from stages.train.data import DataStream, load_at
 from store.join import JoinedTables
 
@@ -38,12 +40,14 @@ class MicroBatch:
     step: int  # the optimizer step it belongs to (the draws' step)
     flow: FlowBatch  # this rank's prepared batch, on the device
     ready: Any = None  # CUDA event the consumer's stream waits for (prefetched copies)
+    damaged: dict[int, str] = field(default_factory=dict)  # on_damaged=skip: rows of this rank's share left out
 
 
 def prepare(tables: JoinedTables, tc: TrainConfig, indices: list[int], step: int, device: torch.device,
-            dtype: torch.dtype) -> FlowBatch:
-    """Read the samples, draw their control dropout / σ / noise / caption dropout for `step`, pack and noise them on `device`."""
-    samples = [load_at(tables, i) for i in indices]
+            dtype: torch.dtype, samples: list[TrainSample] | None = None) -> FlowBatch:
+    """Read the samples (or take `samples`, read already), draw their control dropout / σ / noise / caption
+    dropout for `step`, pack and noise them on `device`."""
+    samples = [load_at(tables, i) for i in indices] if samples is None else samples
     samples = with_control_dropout(samples, tc.seed, step, tc.control_dropout)
     sigmas = torch.stack([draw_sigma(s, tc.seed, step, tc.sigma) for s in samples])
     noises = [draw_noise(s, tc.seed, step) for s in samples]
@@ -53,14 +57,19 @@ def prepare(tables: JoinedTables, tc: TrainConfig, indices: list[int], step: int
 
 
 def prepare_share(tables: JoinedTables, tc: TrainConfig, indices: list[int], global_batch: list[list[int]],
-                  step: int, device: torch.device, dtype: torch.dtype) -> FlowBatch:
-    """`prepare` of this rank's share; an empty share (a step of fewer samples than processes after an elastic
-    resume, stages/train/elastic.py) becomes a stand-in of zero weight: the step's first sample with all token
-    weights 0, whose loss and gradient are exactly 0 (`models.flow.per_sample_loss`). The rank still runs its
-    forward and backward, so DDP's all-reduce goes on in step; the recipe counts only the step's real samples."""
-    if indices:
-        return prepare(tables, tc, indices, step, device, dtype)
-    flow = prepare(tables, tc, [next(i for b in global_batch for i in b)], step, device, dtype)
+                  step: int, device: torch.device, dtype: torch.dtype, rows: DamagedRows | None = None) -> FlowBatch:
+    """`prepare` of this rank's share (its intact samples, `rows` with train.on_damaged=skip:
+    stages/train/damaged.py); an empty share (a step of fewer samples than processes after an elastic resume,
+    stages/train/elastic.py, or a share all damaged) becomes a stand-in of zero weight: the step's first intact
+    sample with all token weights 0, whose loss and gradient are exactly 0 (`models.flow.per_sample_loss`). The
+    rank still runs its forward and backward, so DDP's all-reduce goes on in step; the recipe counts only the
+    step's real samples."""
+    rows = rows if rows is not None else DamagedRows(skip=False)
+    samples = rows.load(tables, indices)
+    if samples:
+        return prepare(tables, tc, indices, step, device, dtype, samples)
+    stand_in = rows.stand_in(tables, (i for b in global_batch for i in b))
+    flow = prepare(tables, tc, [], step, device, dtype, [stand_in])
     return replace(flow, weights=[torch.zeros(t.shape[0], device=t.device) for t in flow.targets])
 
 
@@ -86,6 +95,7 @@ class MicroBatches:
         self._start = start_step
         self._queue: queue.Queue | None = None
         self._stop = threading.Event()
+        self.rows = DamagedRows(skip=tables.on_damaged == "skip")  # used by the one thread that prepares
         # The read order is the sampler's plan from the stream's position on: a thread checks the samples' bytes
         # ahead of the reads (store/check_ahead.py), so the checksum costs no read time.
         if tc.check_ahead > 0:
@@ -102,14 +112,17 @@ class MicroBatches:
         self._count += 1
         indices = global_batch[self.rank]
         if self._queue is None or self._side is None:  # inline, or a CPU prefetch: the same ops as inline
-            flow = prepare_share(self.tables, self.tc, indices, global_batch, step, self.device, self.dtype)
-            return MicroBatch(epoch, global_batch, ends, self.stream.position, step, flow)
-        flow = prepare_share(self.tables, self.tc, indices, global_batch, step, torch.device("cpu"), self.dtype)
+            flow = prepare_share(self.tables, self.tc, indices, global_batch, step, self.device, self.dtype, self.rows)
+            return MicroBatch(epoch, global_batch, ends, self.stream.position, step, flow,
+                              damaged=self.rows.damaged_of(indices))
+        flow = prepare_share(self.tables, self.tc, indices, global_batch, step, torch.device("cpu"), self.dtype,
+                             self.rows)
         with torch.cuda.stream(self._side):
             flow = map_tensors(flow, lambda t: t.pin_memory().to(self.device, non_blocking=True))
             ready = torch.cuda.Event()
             ready.record(self._side)
-        return MicroBatch(epoch, global_batch, ends, self.stream.position, step, flow, ready)
+        return MicroBatch(epoch, global_batch, ends, self.stream.position, step, flow, ready,
+                          self.rows.damaged_of(indices))
 
     def _work(self) -> None:
         while not self._stop.is_set():

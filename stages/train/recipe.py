@@ -35,7 +35,6 @@ from __future__ import annotations
 import time
 import warnings
 from contextlib import ExitStack, nullcontext
-from functools import partial
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
@@ -44,7 +43,7 @@ import torch
 from tqdm.auto import tqdm
 
 from features.open import open_configured
-from models.collective import any_over_ranks, fails_alone, together
+from models.collective import fails_alone, together
 from models.flow import FlowBatch, flow_loss_of
 from models.lora import WEIGHT_NAME, add_lora, load_lora, lora_parameters, save_lora
 from models.attention import use_attention_backend
@@ -55,7 +54,8 @@ from schemas.errors import UserError
 from schemas.lineage import section_fingerprint, unhashed_names
 from stages.train import elastic, guard, parallel, previous, state as train_state
 from stages.train.budget import make_sampler
-from stages.train.data import DataStream, load_at, write_data_report
+from stages.train.damaged import DamagedRows, DamageTally
+from stages.train.data import DataStream, write_data_report
 from stages.train.launch import launched_world_size, use_cpu
 from stages.train.prefetch import MicroBatches
 from stages.train.resume import changed_settings
@@ -139,6 +139,7 @@ class Run:
     before_keep: Callable[[Path], None] | None = None  # called with RUN just before it is kept (run all: report)
     kept_previous: Path | None = None
     run_lock: Any = None  # the lock of the fresh RUN after a keep (the first one moved with the kept run)
+    damage: DamageTally | None = None  # train.on_damaged=skip: samples left out, the agreed limit
 
     @property
     def device(self) -> torch.device:
@@ -237,10 +238,7 @@ def setup(cfg: PipelineConfig, store: str | Path, model: str, out: str | Path, r
     from models.loading import model_fingerprint
 
     with together(accelerator.num_processes, "opening the store"):  # a rank refused alone stops every rank
-        world = accelerator.num_processes
-        tables = open_configured(tc, "train", store, model, model_fingerprint(model), "train",
-                                 rank=accelerator.process_index, world=world,
-                                 combine=partial(any_over_ranks, world=world))
+        tables = open_configured(tc, "train", store, model, model_fingerprint(model), "train")
     now = ResumeRecord(
         step=0, epoch=0, batch_in_epoch=0, config_fingerprint=config_fingerprint(tc),
         tables=tables.versions(), store=str(Path(tables.store_root).resolve()),
@@ -257,10 +255,6 @@ def setup(cfg: PipelineConfig, store: str | Path, model: str, out: str | Path, r
         train_state.remove_stale(r.checkpoints)
         atomic_write_bytes(r.run_dir / "train_config.yaml", dump_config(cfg).encode())
         tqdm.write(write_data_report(r.run_dir, tables))
-        if tables.damaged:
-            report = guard.write_damaged_report(r.run_dir, tables.damaged)
-            tqdm.write(f"skipping {len(tables.damaged)} damaged sample(s) of {len(tables.damaged) + len(tables)} "
-                       f"(train.on_damaged=skip), listed in {report}")
     accelerator.wait_for_everyone()
 
     r.transformer = setup_transformer(model, tc, r.device)
@@ -301,6 +295,9 @@ def _build_training(r: Run, store: str | Path, model: str, latest: Path | None, 
         from stages.train.validate import Validator
 
         r.validator = Validator(tc, store, model, r.run_dir)
+        if r.main and r.validator.damaged:
+            tqdm.write(f"validation: left out {len(r.validator.damaged)} damaged val sample(s) (train.on_damaged="
+                       f"skip): {', '.join(sorted(r.validator.damaged))}")
     from models.qwen21_flow import is_qwen21
 
     if is_qwen21(r.transformer):  # DDP must wrap the module whose forward training calls (models/qwen21_multires.py)
@@ -310,6 +307,8 @@ def _build_training(r: Run, store: str | Path, model: str, latest: Path | None, 
     else:
         r.model = parallel.wrap(r.transformer, r.world, tc.lora.target_modules)
     r.position = r.stream.position
+    if tables_skip(r.tables):
+        r.damage = DamageTally(r.run_dir, r.rank, r.world)
     r.batches = MicroBatches(r.stream, r.tables, tc, r.rank, r.step, r.device, r.transformer.dtype, depth=tc.prefetch)
     r.result = TrainResult(r.run_dir, r.run_dir / "lora", start_step=r.step, steps=r.step, main_process=r.main,
                            data=r.tables.report, kept_previous=r.kept_previous,
@@ -337,6 +336,7 @@ def step(r: Run) -> StepStats:
     tc, t0, c0 = r.cfg, time.perf_counter(), time.process_time()
     step_losses: list[tuple[list[str], torch.Tensor]] = []  # this rank's, named in a non-finite error
     loss_sum = torch.zeros((), device=r.device)
+    damaged = 0  # train.on_damaged=skip: this rank's planned samples left out as damaged (stages/train/damaged.py)
     with fails_alone(r.world, f"optimizer step {r.step + 1}", OOM_ADVICE):
         micro = [r.batches.next() for _ in range(tc.grad_accum)]
         n_step = sum(len(b) for m in micro for b in m.global_batch)
@@ -344,17 +344,35 @@ def step(r: Run) -> StepStats:
             with parallel.accumulating(r.model, last=k == len(micro) - 1):
                 losses = backward_of(r.model, m.flow, tc, r.device, scale=r.world / n_step)
             loss_sum += losses.sum()
-            step_losses.append(([r.tables.keys[i] for i in m.global_batch[r.rank]], losses))
+            share = [i for i in m.global_batch[r.rank] if i not in m.damaged]
+            step_losses.append(([r.tables.keys[i] for i in share], losses))
             _count_epoch_tokens(r, m.epoch, m.global_batch, m.ends_epoch)
             r.position = m.position
-    loss_sum = parallel.sum_over_ranks(loss_sum, r.world)
+            if m.damaged:
+                damaged += len(m.damaged)
+                r.damage.record(r.tables, m.damaged, r.step + 1)
+    if r.damage is None:
+        loss_sum = parallel.sum_over_ranks(loss_sum, r.world)
+        left_out = torch.zeros((), device=loss_sum.device)
+    else:  # the damaged count rides on the loss all-reduce; DDP averaged with the planned count: rescaled
+        summed = parallel.sum_over_ranks(torch.stack([loss_sum, torch.tensor(float(damaged), device=r.device)]),
+                                         r.world)
+        loss_sum, left_out = summed[0], summed[1]
+        _rescale(r.params, n_step / (n_step - left_out).clamp(min=1))  # exactly 1.0 when none was left out
     # gradients all-reduced by DDP, the loss here: every rank decides alike. Clipping a non-finite step's
     # gradients does no harm: they are dropped below.
     finite = guard.finite(loss_sum, r.params)
     norm = _clip(r.params, tc.max_grad_norm)
-    figures = [t.float().to(loss_sum.device) for t in (loss_sum, finite, norm)]
-    total, ok, grad_norm = torch.stack(figures).tolist()  # the step's one host sync
-    if ok:
+    figures = [t.float().to(loss_sum.device) for t in (loss_sum, finite, norm, left_out)]
+    total, ok, grad_norm, left_out = torch.stack(figures).tolist()  # the step's one host sync
+    intact = n_step - int(left_out)
+    if r.damage is not None:
+        r.damage.add(r.tables, int(left_out), n_step)  # over the limit: the same error on every rank, now
+    if intact == 0:  # every sample of the step damaged: no update (the step counts, as a skipped one)
+        r.bar.write(f"optimizer step {r.step + 1}: every sample damaged, no update")
+        r.result.skipped_steps.append(r.step + 1)
+        ok, grad_norm = False, float("nan")
+    elif ok:
         r.optimizer.step()
     else:
         per_sample = {k: v for keys, losses in step_losses for k, v in zip(keys, losses.tolist())}
@@ -370,9 +388,9 @@ def step(r: Run) -> StepStats:
         r.ema.update()
     r.optimizer.zero_grad(set_to_none=True)
     r.step += 1
-    loss = total / n_step
+    loss = total / intact if intact else float("nan")
     batches = [b for m in micro for b in m.global_batch]
-    return StepStats(loss, micro[0].epoch, n_step, grad_norm, batches, time.perf_counter() - t0, t0, c0)
+    return StepStats(loss, micro[0].epoch, intact, grad_norm, batches, time.perf_counter() - t0, t0, c0)
 
 
 def log(r: Run, s: StepStats) -> None:
@@ -444,6 +462,9 @@ def finish(r: Run) -> TrainResult:
                     _save_final_lora(r, tmp)
             r.writer.close()
             tqdm.write(f"LoRA after {r.step} steps: {r.result.lora_dir}")
+            if r.damage is not None and r.damage.damaged:
+                tqdm.write(f"left out {r.damage.damaged} damaged sample read(s) of {r.damage.read} "
+                           f"(train.on_damaged=skip), listed in {r.run_dir / guard.DAMAGED_REPORT}")
     return r.result
 
 
@@ -723,7 +744,7 @@ def setup_transformer(model: str, cfg: TrainConfig, device: torch.device):
 
 
 def _check_shapes(tables: JoinedTables, transformer) -> None:
-    s = load_at(tables, 0)
+    s = DamagedRows(skip=tables_skip(tables)).stand_in(tables, [])  # the first intact sample: a read, not a pass
     if s.slot_mask is not None:  # Qwen-Image-2.1 features
         from models.qwen21_flow import check_shapes_21
 
@@ -771,6 +792,17 @@ def _count_epoch_tokens(r: Run, epoch: int, global_batch: list[list[int]], ends_
         r.writer.add_scalar("epoch/padding_efficiency", eff, r.step + 1)
         r.bar.write(f"epoch {epoch}: padding efficiency {eff:.3f} (valid / computed tokens)")
     r.epoch_tokens = [0, 0]
+
+
+def tables_skip(tables: JoinedTables) -> bool:
+    return tables.on_damaged == "skip"
+
+
+def _rescale(params: list[torch.nn.Parameter], factor: torch.Tensor) -> None:
+    """Gradients times `factor` (a device scalar: no host sync)."""
+    for p in params:
+        if p.grad is not None:
+            p.grad.mul_(factor.to(p.grad.device, p.grad.dtype))
 
 
 def _clip(params: list[torch.nn.Parameter], max_norm: float | None) -> torch.Tensor:

@@ -38,7 +38,8 @@ from models.sample import TrainSample
 from schemas.config import TrainConfig
 from schemas.errors import UserError
 from schemas.img_shapes import PIXELS_PER_PATCH
-from stages.train.data import load
+from features.damaged import read_intact
+from stages.train.data import load_at
 
 SAMPLE_CFG = 4.0
 
@@ -62,12 +63,18 @@ class Validator:
         from models.loading import model_fingerprint
 
         tables = open_configured(cfg, "train", store, model, model_fingerprint(model), "val")  # as training reads
-        keys = sorted(tables.keys)[: cfg.validate_max_samples]
-        if not keys:
+        if not len(tables):
             tables.close()
             raise UserError(f"train.validate_every / sample_every is set but store {store} has no val samples; "
                             "set resize.val_fraction > 0 or turn validation off")
-        self.samples: list[TrainSample] = [load(tables, k) for k in keys]
+        try:  # the first validate_max_samples (sorted keys); on_damaged=skip: damaged ones left out, the next read
+            self.samples: list[TrainSample] = read_intact(tables, cfg.validate_max_samples,
+                                                          lambda i: load_at(tables, i), "read val samples")
+        except BaseException:
+            tables.close()
+            raise
+        keys = [s.key for s in self.samples]
+        self.damaged = dict(tables.damaged)  # named by the recipe (main process)
         self._vae = self._scheduler = None
         self._base: np.ndarray | None = None  # the base model's grid, computed at the first validation
         self._losses = None  # RUN/losses.zarr, opened by the main process at its first validation

@@ -119,7 +119,7 @@ def test_evaluate_skips_and_reports_damaged_val_samples(tiny_edit_model, tmp_pat
     res = invoke(*args, "--out", tmp_path / "a")
     assert res.exit_code == 1 and val[1] in res.output and "table 'vae' v1" in res.output  # default: stop
     res = invoke(*args, "--out", tmp_path / "b", "--set", "evaluate.on_damaged=skip")  # 1 of 4 > 1%
-    assert res.exit_code == 1 and "more than max_damaged_fraction 0.01" in res.output
+    assert res.exit_code == 1 and "more than evaluate.max_damaged_fraction = 0.01" in res.output
     res = invoke(*args, "--out", tmp_path / "c", "--set", "evaluate.on_damaged=skip",
                  "--set", "evaluate.max_damaged_fraction=0.3")
     assert res.exit_code == 0, res.output

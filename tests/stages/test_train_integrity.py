@@ -53,36 +53,86 @@ def test_cli_train_refuses_a_damaged_sample_in_one_line(damaged_store, tiny_edit
 
 
 def test_skip_damaged_reports_them_and_threshold_stops(damaged_store, tiny_edit_model, tmp_path):
+    """The limit is judged as the samples are read: 1 damaged of 8 > 10% once it is met (an epoch of 4 steps
+    reads every sample); 20% lets the run go on, the sample listed."""
     root, key = damaged_store
-    with pytest.raises(UserError, match="1 of 8 'train' samples .* are damaged, more than max_damaged_fraction"):
-        run(cfg_of(max_steps=1, on_damaged="skip", max_damaged_fraction=0.1), root, tiny_edit_model, tmp_path / "a")
-    result = run(cfg_of(max_steps=2, on_damaged="skip", max_damaged_fraction=0.2), root, tiny_edit_model,
+    with pytest.raises(UserError, match=r"1 of the \d+ 'train' samples read so far .* are damaged .*more than "
+                                        r"train.max_damaged_fraction = 0.1 of 8 .*damaged_samples.json"):
+        run(cfg_of(max_steps=4, on_damaged="skip", max_damaged_fraction=0.1), root, tiny_edit_model, tmp_path / "a")
+    assert list(json.loads((tmp_path / "a" / train_guard.DAMAGED_REPORT).read_text())["samples"]) == [key]
+    result = run(cfg_of(max_steps=4, on_damaged="skip", max_damaged_fraction=0.2), root, tiny_edit_model,
                  tmp_path / "b")
-    assert result.steps == 2
+    assert result.steps == 4
     report = json.loads((tmp_path / "b" / train_guard.DAMAGED_REPORT).read_text())
     assert list(report["samples"]) == [key] and "damaged" in report["samples"][key]
 
 
-def test_the_skip_pre_pass_is_shared_by_the_ranks_and_threads(damaged_store, tiny_edit_model):
-    """on_damaged=skip checks every sample before step 0: each rank only its share (rows rank, rank + world,
-    ...), in several threads; the shares' findings together are the whole split's (one rank used to read the
-    whole split alone, single-threaded, on every rank)."""
-    from store.join import find_damaged
+def test_skip_reads_no_sample_before_step_0_and_each_sample_once(damaged_store, tiny_edit_model, tmp_path,
+                                                                 monkeypatch):
+    """on_damaged=skip used to CRC-read the whole split before step 0 (terabytes at 1M samples, then read again
+    by the training). Now opening reads no sample's bytes, and a training of one epoch checks each sample of
+    each table exactly once - the damaged one included, left out where it was met."""
+    from store.sample_check import SampleCheck
 
     root, key = damaged_store
-    masks = []
-    for rank in (0, 1):
-        with open_train_tables(root, tiny_edit_model) as tables:
-            masks.append(find_damaged(tables, rank, 2, workers=3))
-            share = len(range(rank, len(tables), 2))
-            # only this rank's share was read: its intact rows count as checked, no other row (the damaged
-            # sample's bytes are in `vae`)
-            assert tables.text.checks.checked_count == share
-            assert tables.vae.checks.checked_count + int(masks[-1].sum()) == share
-            assert not masks[-1][1 - rank :: 2].any()
-            bad = tables.keys.array.to_pylist().index(key)
-    combined = masks[0] | masks[1]
-    assert list(map(int, combined.nonzero()[0])) == [bad]
+    checked: dict[tuple[str, int], int] = {}
+    real = SampleCheck.bytes_problem
+
+    def counting(self, i, *a, **k):
+        checked[(self.view.dir.parent.name, i)] = checked.get((self.view.dir.parent.name, i), 0) + 1
+        return real(self, i, *a, **k)
+
+    monkeypatch.setattr(SampleCheck, "bytes_problem", counting)
+    with open_train_tables(root, tiny_edit_model, on_damaged="skip") as tables:
+        assert len(tables) == 8 and not checked and not tables.damaged  # nothing read to open
+    for check_ahead in (32, 0):  # the check-ahead thread, and inline checks
+        checked.clear()
+        result = run(cfg_of(max_steps=4, on_damaged="skip", max_damaged_fraction=0.2, check_ahead=check_ahead),
+                     root, tiny_edit_model, tmp_path / f"run{check_ahead}")
+        assert result.steps == 4
+        assert sorted(checked) == [(t, i) for t in ("text", "vae") for i in range(8)], checked
+        assert set(checked.values()) == {1}, checked  # once each: no pre-pass, the damaged one never again
+        assert list(json.loads((tmp_path / f"run{check_ahead}" / train_guard.DAMAGED_REPORT).read_text())
+                    ["samples"]) == [key]
+
+
+def test_a_skipped_sample_trains_the_lora_of_a_store_without_it(tmp_path, tiny_edit_model):
+    """With every sample in one batch the plan does not depend on the damaged sample, so the run that meets it
+    and leaves it out trains the LoRA of a store that never held it: each step is the mean over the samples it
+    trained on (the planned count corrected by the damaged count on the loss all-reduce)."""
+    from models.lora import read_lora
+    from train_store import assert_close_lora, key_of
+
+    damaged, absent = tmp_path / "damaged", tmp_path / "absent"
+    make_train_store(damaged, tiny_edit_model, mixed_specs(8))
+    flip_bit(*sample_byte(damaged, "vae", key_of(3), "target"), 6)
+    make_train_store(absent, tiny_edit_model, mixed_specs(8), skip_vae={3})  # sample 3 not in the join
+    cfg = cfg_of(max_steps=3, batch_size=8, on_damaged="skip", max_damaged_fraction=0.2, max_dropped_fraction=0.2)
+    a = run(cfg, damaged, tiny_edit_model, tmp_path / "a")
+    b = run(cfg, absent, tiny_edit_model, tmp_path / "b")
+    assert [round(x, 5) for x in a.losses] == [round(x, 5) for x in b.losses]
+    assert_close_lora(read_lora(tmp_path / "a" / "lora")[0], read_lora(tmp_path / "b" / "lora")[0], lr=2e-3,
+                      steps=3)
+    assert list(json.loads((tmp_path / "a" / train_guard.DAMAGED_REPORT).read_text())["samples"]) == [key_of(3)]
+
+
+def test_a_share_all_damaged_runs_a_zero_weight_stand_in(damaged_store, tiny_edit_model):
+    """A rank whose whole share of a micro-batch is damaged still runs a forward and backward (DDP's all-reduce
+    waits for it): on an intact sample of the step, every token weight 0; with on_damaged=stop it raises."""
+    from stages.train.damaged import DamagedRows
+    from stages.train.prefetch import prepare_share
+
+    root, key = damaged_store
+    tc = cfg_of(on_damaged="skip").train
+    with open_train_tables(root, tiny_edit_model, on_damaged="skip") as tables:
+        bad = tables.keys.array.to_pylist().index(key)
+        other = (bad + 1) % len(tables)
+        rows = DamagedRows(skip=True)
+        flow = prepare_share(tables, tc, [bad], [[bad], [other]], 0, torch.device("cpu"), torch.float32, rows)
+        assert list(rows.damaged_of([bad, other])) == [bad]
+        assert len(flow.weights) == 1 and all(float(w.abs().sum()) == 0 for w in flow.weights)
+        with pytest.raises(DamagedData, match=key):
+            prepare_share(tables, tc, [bad], [[bad], [other]], 0, torch.device("cpu"), torch.float32)
 
 
 def test_evaluate_refuses_a_damaged_val_sample(tmp_path, tiny_edit_model):

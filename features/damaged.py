@@ -1,0 +1,65 @@
+"""`on_damaged: skip` while reading, with no pass over the split before the first read: a sample is CRC-checked
+on its first read (store/sample_check.py, as every read), and one found damaged is left out where it is met.
+The limit `max_damaged_fraction` is judged on what was read so far (`over_limit`); train applies it at every
+optimizer step on counts summed over the ranks (stages/train/damaged.py), evaluate and the validator here
+(`read_intact`: every rank reads the same samples, so all decide alike)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, TypeVar
+
+from schemas.errors import UserError
+from store.integrity import DamagedData
+from store.join import JoinedTables
+
+T = TypeVar("T")
+
+
+def over_limit(damaged: int, read: int, total: int, fraction: float) -> bool:
+    """More than `fraction` damaged, of max(samples read, samples in the split). Counts are occurrences (a sample
+    read in two epochs counts twice, damaged or not). Over the split's size while fewer were read: the limit is
+    reached only once it is certain for the whole split (a ratio over the first few reads would stop a run whose
+    first sample read is damaged: 1 of 1 > 1%); at an epoch's end it is exactly the old full check's verdict."""
+    return damaged > fraction * max(read, total)
+
+
+def limit_message(damaged: int, read: int, total: int, fraction: float, section: str, split: str | None,
+                  store: Path | str, listed: str) -> str:
+    """The one line every rank prints when `over_limit` (the same numbers on every rank: no rank's own keys)."""
+    return (f"{damaged} of the {read} '{split}' samples read so far in {store} are damaged ({section}.on_damaged="
+            f"skip), more than {section}.max_damaged_fraction = {fraction} of {max(read, total)} (the split holds "
+            f"{total}); listed in {listed}; run `pipeline store repair {store}`, or raise "
+            f"{section}.max_damaged_fraction to use the rest")
+
+
+def read_intact(tables: JoinedTables, n: int, load: Callable[[int], T], desc: str = "read samples") -> list[T]:
+    """The first `n` intact samples of the join in row order (`load(row)` each). With the tables opened
+    on_damaged=skip, a damaged one is left out, recorded in `tables.damaged` (key -> problem), and the next row
+    read instead (so the n are those a split without the damaged samples would give); then `over_limit`
+    -> UserError. With "stop" the first damaged sample raises `DamagedData`."""
+    from tqdm.auto import tqdm
+
+    out: list[T] = []
+    read = 0
+    rows = iter(range(len(tables)))
+    with tqdm(total=n, desc=desc, leave=False) as bar:
+        for i in rows:
+            if len(out) >= n:
+                break
+            read += 1
+            try:
+                out.append(load(i))
+            except DamagedData as e:
+                if tables.on_damaged != "skip":
+                    raise
+                tables.damaged[tables.keys[i]] = " ".join(str(e).splitlines())
+                continue
+            bar.update(1)
+    damaged = len(tables.damaged)
+    if damaged and over_limit(damaged, read, len(tables), tables.max_damaged_fraction):
+        keys = sorted(tables.damaged)
+        listed = ", ".join(keys[:5]) + (f" ... ({damaged} in all)" if damaged > 5 else "")
+        raise UserError(limit_message(damaged, read, len(tables), tables.max_damaged_fraction, tables.section,
+                                      tables.split, tables.store_root, listed))
+    return out

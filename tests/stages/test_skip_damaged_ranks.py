@@ -1,0 +1,78 @@
+"""train.on_damaged=skip on two gloo processes, with no pass over the split before step 0: the rank that meets
+the damaged sample leaves it out of its batch and still runs its forward and backward, so neither rank hangs
+or falls out of step; the damaged count rides on the loss all-reduce, so both ranks train the LoRA one process
+trains on the same global batches, and both stop at the same step with the same line over the limit."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from damage import flip_bit, sample_byte
+from models.lora import read_lora
+from pipeline.config import load_config
+from stages.train.recipe import run
+from train_store import assert_close_lora, key_of, make_train_store, mixed_specs
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _results(output: str) -> dict[str, str]:
+    return dict(line[len("RESULT "):].split(": ", 1) for line in output.splitlines() if line.startswith("RESULT "))
+
+
+def test_two_ranks_skip_a_damaged_sample_together(tiny_edit_model, tmp_path) -> None:
+    store = tmp_path / "store"
+    make_train_store(store, tiny_edit_model, mixed_specs(8))
+    key = key_of(3)
+    flip_bit(*sample_byte(store, "vae", key, "target"), 6)
+
+    port = _free_port()
+    procs = []
+    for rank in (0, 1):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+               "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+               "PYTHONPATH": os.pathsep.join([str(REPO), str(HERE), str(HERE.parent)])}
+        procs.append(subprocess.Popen([sys.executable, str(HERE / "skip_damaged_ranks.py"), str(store),
+                                       tiny_edit_model, str(tmp_path / "out")],
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = []
+    try:
+        for p in procs:
+            stdout, stderr = p.communicate(timeout=420)  # a rank left waiting in DDP's all-reduce hangs: this fails
+            outs.append((p.returncode, stdout, stderr))
+    finally:
+        for p in procs:
+            p.kill()
+    (rc0, out0, err0), (rc1, out1, err1) = outs
+    assert rc0 == rc1 == 0, (err0[-3000:], err1[-3000:])
+    assert "Traceback" not in err0 + out0 + err1 + out1, (err0[-3000:], err1[-3000:])
+    r0, r1 = _results(out0), _results(out1)
+    assert r0 == r1 and r0["ok"] == "steps 2", (r0, r1)
+    # one rank met it (one epoch: each sample in one rank's share), in both runs
+    met = [out for out in (out0, out1) if f"left out damaged sample(s) {key}" in out]
+    assert len(met) == 1 and met[0].count(f"left out damaged sample(s) {key}") == 2, (out0, out1)
+    assert "max_damaged_fraction = 0.0" in r0["limit"] and "damaged_samples.json" in r0["limit"], r0
+    for case in ("ok", "limit"):
+        assert list(json.loads((tmp_path / "out" / case / "damaged_samples.json").read_text())["samples"]) == [key]
+    assert not (tmp_path / "out" / "limit" / "lora").exists()
+
+    # the same global batches on one process (batch 2 x 2 ranks = batch 4): the same LoRA
+    one = run(load_config(None, {"train.device": "cpu", "train.batch_size": 4, "train.lora.rank": 4,
+                                 "train.learning_rate": 2e-3, "train.sigma.sampling": "uniform",
+                                 "train.max_steps": 2, "train.on_damaged": "skip",
+                                 "train.max_damaged_fraction": 0.2}), store, tiny_edit_model, tmp_path / "one")
+    assert_close_lora(read_lora(tmp_path / "one" / "lora")[0], read_lora(tmp_path / "out" / "ok" / "lora")[0],
+                      lr=2e-3, steps=2)
