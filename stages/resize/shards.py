@@ -17,7 +17,9 @@ brace lists (`shard-{000..099}.tar`, `a.tar::b.tar`), all through the `webdatase
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -102,16 +104,31 @@ def remote_listing(urls: list[str]) -> list[str]:
 
 
 def _fs(url: str) -> tuple[Any, str]:
+    """The file system of `url` and the path on it; its listing cache dropped (objects may have changed)."""
     try:
-        import fsspec
+        import fsspec  # noqa: F401
     except ImportError:
         raise UserError(f"{url}: a source at a URL needs fsspec: pip install 'qwen-edit-lora-pipeline[s3]'") from None
+    protocol = url.split("://", 1)[0]
     try:
-        # a fresh instance: a cached one may hold a session to a server that has since restarted
-        return fsspec.url_to_fs(url, skip_instance_cache=True)
+        fs = _filesystem(protocol, tuple(os.environ.get(k) for k in _AWS_ENV))
     except ImportError as e:
         raise UserError(f"{url}: this scheme needs a package that is not installed ({e}); for s3:// install the "
                         "s3 extra: pip install 'qwen-edit-lora-pipeline[s3]'") from None
+    fs.invalidate_cache()
+    return fs, type(fs)._strip_protocol(url)
+
+
+_AWS_ENV = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_PROFILE", "AWS_DEFAULT_REGION")
+
+
+@functools.lru_cache(maxsize=4)
+def _filesystem(protocol: str, env: tuple[str | None, ...]) -> Any:
+    """One instance per scheme and AWS environment (`env` is the cache key): a new one costs a session set-up
+    (~0.3 s) per request, and fsspec's own instance cache would not see a changed environment."""
+    import fsspec
+
+    return fsspec.filesystem(protocol, skip_instance_cache=True)
 
 
 @contextmanager
