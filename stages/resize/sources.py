@@ -1,4 +1,6 @@
-"""Readers for the three source formats (DESIGN §3): a folder, webdataset tars, a JSONL manifest.
+"""Readers for the source formats (DESIGN §3): a folder, webdataset tars, a JSONL manifest, parquet files (the
+last in parquet_source.py; where tar shards are and how they are opened - local, brace lists, http(s), s3 - in
+shards.py).
 
 Each reader yields one `SourceSample` per sample with the raw bytes of the target, of each control in order, of
 the caption and of the optional edit mask. Nothing is decoded here: judging bytes (bad image, bad caption, wrong
@@ -10,13 +12,14 @@ Layouts:
 - folder: `target/<stem>.png|jpg|jpeg|webp` + caption `target/<stem>.txt`, controls `control/<stem>.*`,
   `control_1/<stem>.*`, ..., optional mask `mask/<stem>.png`. Dotfiles (`.DS_Store`, `._x`) are OS litter and
   ignored; any other file in these folders that is not an image (or a `.txt` in target/) quarantines its sample.
-- webdataset: `*.tar` (a file, or every tar in a folder, sorted by name); members `<key>.png|jpg|...` (target),
-  `<key>.control.png`, `<key>.control_1.png`, ..., `<key>.txt`, `<key>.mask.png`; metadata members (`.json`,
-  `.cls`, ...: WDS_METADATA_MEMBERS) are ignored, any other member quarantines its sample (it would otherwise be
-  dropped unseen). As in webdataset, a sample is
-  a run of consecutive members sharing the key (member path up to the first dot of its base name).
+- webdataset: `*.tar` (a file, every tar in a folder sorted by name, a brace list, or URLs: shards.py); members
+  `<key>.png|jpg|...` (target), `<key>.control.png`, `<key>.control_1.png`, ..., `<key>.txt`, `<key>.mask.png`;
+  metadata members (`.json`, `.cls`, ...: WDS_METADATA_MEMBERS) are ignored, any other member quarantines its
+  sample (it would otherwise be dropped unseen). As in webdataset, a sample is a run of consecutive members
+  sharing the key (member path up to the first dot of its base name).
 - JSONL: one object per line: `target` (path), `controls` (list of paths; `control` alone also accepted),
   `caption` or `prompt` (text), optional `mask` (path). Relative paths are relative to the JSONL file's folder.
+- parquet: image bytes in columns, mapped by `resize.columns` (parquet_source.py).
 
 What is read (every format): only regular files (a device, FIFO or socket is never opened for reading: /dev/zero
 would be read without end), of at most `resize.max_file_bytes`; never outside the source through a symlink or
