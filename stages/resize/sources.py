@@ -386,18 +386,26 @@ def _tar_samples(tar: str, tf: tarfile.TarFile, stream: Any, max_file_bytes: int
                 else:
                     f = tf.extractfile(m)
                     members[ext] = f.read() if f is not None else b""
-    except (tarfile.TarError, OSError, EOFError) as e:
-        _stream_failed(tar, stream)  # a lost connection is the run's error, not the data's
+    except (tarfile.TarError, EOFError) as e:  # the data: a truncated or corrupt tar
+        _close_shard(tar, stream)  # unless the transfer failed, which is the run's error, not the data's
+        bad.append(f"tar is truncated or corrupt: {e}")
+    except Exception as e:  # noqa: BLE001  reading failed: a local disk's OSError, or a transfer's (any library type)
+        if is_url(tar):
+            raise UserError(f"source shard {tar}: the transfer failed ({type(e).__name__}: {e}); check the server "
+                            "and rerun (samples already written are kept)") from None
+        if not isinstance(e, OSError):
+            raise
+        _close_shard(tar, stream)
         bad.append(f"tar is truncated or corrupt: {e}")
     else:
-        _stream_failed(tar, stream)
+        _close_shard(tar, stream)
     if key is not None:
         yield _sample_from_members(key, f"{tar}:{key}", members, bad)
     elif bad:
         yield SourceSample(name=Path(tar).stem, source=tar, problem="; ".join(bad))
 
 
-def _stream_failed(tar: str, stream: Any) -> None:
+def _close_shard(tar: str, stream: Any) -> None:
     """Close a shard's stream; a URL whose transfer failed (curl's exit status, s3fs's error) stops the run with
     one line rather than quarantining its remaining samples as if the tar were corrupt: a rerun continues."""
     try:

@@ -132,3 +132,41 @@ def _png() -> bytes:
     b = io.BytesIO()
     Image.new("RGB", (64, 48), (10, 200, 10)).save(b, format="PNG")
     return b.getvalue()
+
+
+class _CutHandler(_QuietHandler):
+    """Announces the whole file, sends half of it, hangs up: a server that stops mid-transfer."""
+
+    def copyfile(self, source, outputfile) -> None:
+        data = source.read()
+        outputfile.write(data[: len(data) // 2])
+        outputfile.flush()
+        self.close_connection = True
+
+
+def test_a_transfer_cut_mid_shard_stops_with_one_line_and_a_rerun_completes(shards, tmp_path, monkeypatch):
+    for name in ("http_proxy", "HTTP_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    root = tmp_path / "www"
+    root.mkdir()
+    for tar in shards["tars"].glob("*.tar"):
+        (root / tar.name).write_bytes(tar.read_bytes())
+    servers = {}
+    for kind, handler in (("cut", _CutHandler), ("whole", _QuietHandler)):
+        server = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(handler, directory=str(root)))
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers[kind] = server
+    try:
+        cut = f"http://127.0.0.1:{servers['cut'].server_address[1]}/demo-000000.tar"
+        with pytest.raises(UserError, match="source shard .*demo-000000.tar: the transfer failed") as e:
+            run(load_config(None, SMALL), cut, tmp_path / "store")
+        assert "\n" not in str(e.value)
+        q = Store(tmp_path / "store", create=False).quarantine().to_pylist() if (tmp_path / "store").exists() else []
+        assert q == []  # nothing blamed on the data
+        whole = f"http://127.0.0.1:{servers['whole'].server_address[1]}/demo-000000.tar"
+        s = run(load_config(None, SMALL), whole, tmp_path / "store")
+        assert s.written == 16 and not s.quarantined
+    finally:
+        for server in servers.values():
+            server.shutdown()
+            server.server_close()
