@@ -113,8 +113,10 @@ def _fs(url: str) -> tuple[Any, str]:
     try:
         fs = _filesystem(protocol, tuple(os.environ.get(k) for k in _AWS_ENV))
     except ImportError as e:
-        raise UserError(f"{url}: this scheme needs a package that is not installed ({e}); for s3:// install the "
-                        "s3 extra: pip install 'qwen-edit-lora-pipeline[s3]'") from None
+        raise UserError(f"{url}: this scheme needs a package that is not installed ({e}); for s3:// and "
+                        "http(s):// install the s3 extra: pip install 'qwen-edit-lora-pipeline[s3]'") from None
+    except ValueError as e:
+        raise UserError(f"{url}: not a source URL this program can open ({e}); use a path, http(s):// or s3://") from None
     fs.invalidate_cache()
     return fs, type(fs)._strip_protocol(url)
 
