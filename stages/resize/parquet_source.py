@@ -4,7 +4,8 @@ datasets' `Image` feature, a `{bytes, path}` struct, or plain binary columns), r
 Which column holds what is `resize.columns` (target, references, instruction, optional mask). `references` names
 one list column (0..N images per row) or several single-image columns (controls in that order; a null ends the
 list, a null followed by an image is not contiguous). Read in row batches of the mapped columns only, so memory
-is bounded by a batch (and one row group inside pyarrow), never the whole file. Rows become `SourceSample`s that
+is bounded by one row group of those columns (pyarrow decodes a row group's pages together; HF datasets writes
+image datasets in row groups of 100 rows), never the whole file. Rows become `SourceSample`s that
 the stage judges like every other format: a null or oversized image, a path without bytes, a non-text
 instruction quarantines the row with the same reasons as a file would; a missing or mistyped mapped column is
 the user's to fix (one UserError naming the column and the file).
@@ -174,7 +175,8 @@ def iter_parquet(root: Path, columns: Any, max_file_bytes: int) -> Iterator[Any]
         layouts[path] = _layout(schema, columns, path)
     for path in files:
         try:
-            pf = pq.ParquetFile(path)
+            # buffered column-chunk reads: a row group's chunk is streamed, not read whole before decoding
+            pf = pq.ParquetFile(path, buffer_size=8 << 20, pre_buffer=False)
             lay = layouts[path]
         except (pa.ArrowException, OSError, KeyError) as e:
             yield SourceSample(name=path.stem, source=str(path), problem=f"cannot open parquet file: {e}")
