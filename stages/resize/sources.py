@@ -351,10 +351,13 @@ def _sample_from_members(key: str, where: str, members: dict[str, bytes], bad: l
 def iter_webdataset(root: str | Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES) -> Iterator[SourceSample]:
     """Every shard of the source (shards.py: local, http(s), s3, brace lists), streamed once, in order."""
     for tar in shard_urls(root):
+        stream = None
         try:
             stream = open_shard(tar)
             tf = tarfile.open(fileobj=stream, mode="r|*")  # streaming: one pass, like webdataset
         except (tarfile.TarError, OSError) as e:
+            if stream is not None:
+                _close_shard(tar, stream)  # a failed transfer (e.g. curl's exit status) stops the run instead
             yield SourceSample(name=Path(tar).stem, source=tar, problem=f"cannot open tar: {e}")
             continue
         yield from _tar_samples(tar, tf, stream, max_file_bytes)
