@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -79,6 +80,9 @@ def open_shard(url: str) -> IO[bytes]:
             return fs.open(path, "rb", block_size=8 << 20)
     from webdataset.gopen import gopen
 
+    if url.startswith(("http://", "https://")) and shutil.which("curl") is None:
+        raise UserError(f"source shard {url}: http(s) shards are streamed with curl (webdataset's gopen), which is "
+                        "not installed; install curl (e.g. apt-get install curl)")
     return gopen(url, "rb")
 
 

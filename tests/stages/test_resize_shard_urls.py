@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import io
 import os
+import shutil
 import tarfile
 import threading
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
@@ -87,6 +88,10 @@ def http_root(tmp_path, monkeypatch):
     thread.join()
 
 
+needs_curl = pytest.mark.skipif(shutil.which("curl") is None, reason="webdataset streams http(s) with curl")
+
+
+@needs_curl
 def test_an_http_source_is_the_folder_table_and_a_changed_shard_a_new_version(shards, http_root, tmp_path):
     root, url = http_root
     for tar in shards["tars"].glob("*.tar"):
@@ -144,6 +149,7 @@ class _CutHandler(_QuietHandler):
         self.close_connection = True
 
 
+@needs_curl
 def test_a_transfer_cut_mid_shard_stops_with_one_line_and_a_rerun_completes(shards, tmp_path, monkeypatch):
     for name in ("http_proxy", "HTTP_PROXY", "all_proxy", "ALL_PROXY"):
         monkeypatch.delenv(name, raising=False)
