@@ -176,3 +176,31 @@ def test_a_transfer_cut_mid_shard_stops_with_one_line_and_a_rerun_completes(shar
         for server in servers.values():
             server.shutdown()
             server.server_close()
+
+
+class _UntaggedHandler(_QuietHandler):
+    """A server that says nothing about a file's version (no ETag, no Last-Modified)."""
+
+    def send_header(self, keyword, value) -> None:
+        if keyword.lower() not in ("last-modified", "etag"):
+            super().send_header(keyword, value)
+
+
+def test_a_shard_from_a_server_without_tags_is_identified_by_its_bytes(tmp_path, monkeypatch):
+    from stages.resize.shards import remote_identity
+
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
+    (tmp_path / "a.tar").write_bytes(b"one" * 100)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_UntaggedHandler, directory=str(tmp_path)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/a.tar"
+        if shutil.which("curl") is None:
+            pytest.skip("webdataset streams http(s) with curl")
+        before = remote_identity(url)
+        assert before.startswith("300 sha256=")
+        (tmp_path / "a.tar").write_bytes(b"two" * 100)  # same size, same (absent) tags: only the bytes differ
+        assert remote_identity(url) != before
+    finally:
+        server.shutdown()
+        server.server_close()
