@@ -43,7 +43,8 @@ COLOURS: dict[str, tuple[int, int, int]] = {
 BACKGROUNDS: list[tuple[int, int, int]] = [(235, 235, 235), (200, 200, 210), (60, 60, 70), (250, 240, 220)]
 EDITS = ("recolour", "mirror", "remove", "add")
 SAMPLES_PER_TAR = 16
-FORMATS = ("folder", "webdataset", "jsonl")
+FORMATS = ("folder", "webdataset", "jsonl", "parquet")
+PARQUET_ROW_GROUP = 8  # rows per row group: several groups even in a small demo, as published datasets have
 
 
 @dataclass
@@ -77,7 +78,8 @@ def make_demo_data(
 
     # Written beside OUT and renamed into place: a killed run never leaves a half-written dataset behind.
     with atomic_dir(out) as tmp:
-        {"folder": write_folder, "webdataset": write_webdataset, "jsonl": write_jsonl}[fmt](tmp, samples)
+        {"folder": write_folder, "webdataset": write_webdataset, "jsonl": write_jsonl,
+         "parquet": write_parquet}[fmt](tmp, samples)
 
     counts = Counter(len(s.controls) for s in samples)
     aspects = {_reduced(*s.size) for s in samples}
@@ -270,6 +272,26 @@ def write_jsonl(out: Path, samples: list[DemoSample]) -> None:
             _write(out / obj["mask"], s.mask)  # type: ignore[operator]
         lines.append(json.dumps(obj, ensure_ascii=False))
     _write(out / "samples.jsonl", ("\n".join(lines) + "\n").encode("utf-8"))
+
+
+def write_parquet(out: Path, samples: list[DemoSample]) -> None:
+    """HF datasets' layout: `data/train-00000-of-00001.parquet`, images as `Image()` structs {bytes, path};
+    columns `target`, `controls` (a list of images), `caption`, `mask` (null when none): resize.columns' defaults."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    image = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    table = pa.table({
+        "target": pa.array([{"bytes": s.target, "path": f"{s.stem}.png"} for s in samples], image),
+        "controls": pa.array([[{"bytes": c, "path": f"{s.stem}.{_control_name(i)}.png"}
+                               for i, c in enumerate(s.controls)] for s in samples], pa.list_(image)),
+        "caption": pa.array([s.caption for s in samples], pa.string()),
+        "mask": pa.array([{"bytes": s.mask, "path": f"{s.stem}.mask.png"} if s.mask is not None else None
+                          for s in samples], image),
+    })
+    path = out / "data" / "train-00000-of-00001.parquet"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(table, path, row_group_size=PARQUET_ROW_GROUP)
 
 
 def _write(path: Path, data: bytes) -> None:

@@ -33,6 +33,18 @@ class Paths(Section):
     report: Annotated[str | None, IDENTITY] = None
 
 
+class ParquetColumns(Section):
+    """resize.columns: which parquet column holds what (a parquet source, docs/resize-bucket.md). Image columns
+    hold bytes: a binary column or a HF datasets `{bytes, path}` struct; `references` names one list column or
+    several single-image columns (controls in that order); [] for samples without controls."""
+
+    target: Annotated[str, IDENTITY] = Field("target", description="column of the target (edited) image")
+    references: Annotated[list[str], IDENTITY] = Field(
+        default_factory=lambda: ["controls"], description="control image column(s): one list column, or one column per control")
+    instruction: Annotated[str, IDENTITY] = Field("caption", description="column of the edit instruction (string)")
+    mask: Annotated[str | None, IDENTITY] = Field(None, description="column of the optional edit mask (None = no masks)")
+
+
 class ResizeConfig(Section):
     """resize-bucket: how targets and controls are sized (Edit-Plus rules by default).
 
@@ -76,6 +88,9 @@ class ResizeConfig(Section):
     val_fraction: Annotated[float, IDENTITY] = Field(0.1, ge=0.0, lt=1.0)
     shard_size_mb: Annotated[float, THROUGHPUT] = Field(256, gt=0, description="images table shard size (fractions allowed, e.g. for tests)")
     workers: Annotated[int, THROUGHPUT] = Field(0, ge=0, description="processes decoding/resizing/encoding PNGs (0 = in the main process)")
+    # which bytes are the target, controls, caption: changes which samples a table holds (keys are content hashes)
+    columns: Annotated[ParquetColumns, added_later("identity")] = Field(
+        ParquetColumns(), description="parquet sources: the column mapping")
 
 
 Sigma = Annotated[float, Field(gt=0.0, le=1.0)]  # a noise level σ of the flow: 0 (clean) excluded, 1 = pure noise

@@ -11,7 +11,7 @@ from pipeline.commands.common import ConfigOpt, JsonOpt, SetOpt, config_from, em
 
 
 def command(
-    source: Optional[str] = typer.Option(None, "--source", help="Folder, .tar shard(s) or .jsonl manifest (paths.source)."),
+    source: Optional[str] = typer.Option(None, "--source", help="Folder, .tar shard(s) (a folder, brace list, http(s):// or s3:// URL), .jsonl manifest, or .parquet file(s) (paths.source)."),
     store: Optional[str] = typer.Option(None, "--store", help="Store folder to write the `images` table to (paths.store)."),
     config: Optional[Path] = ConfigOpt,
     set_: list[str] = SetOpt,

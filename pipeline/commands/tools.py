@@ -49,7 +49,7 @@ def write_tiny_model(out: Path, variant: str, seed: int, full_width: bool = Fals
 def make_demo_data(
     out: Path = typer.Argument(..., help="Folder (or tar folder / .jsonl parent) to write the dataset to."),
     n: int = typer.Option(48, "--n", help="Number of samples."),
-    format: str = typer.Option("folder", "--format", help="folder | webdataset | jsonl"),
+    format: str = typer.Option("folder", "--format", help="folder | webdataset | jsonl | parquet"),
     max_controls: int = typer.Option(3, "--max-controls", help="Controls per sample vary in 0..max."),
     seed: int = typer.Option(0, "--seed"),
     with_masks: bool = typer.Option(False, "--with-masks", help="Also write edit-region masks."),

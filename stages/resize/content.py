@@ -2,6 +2,11 @@
 sha256 of its bytes, so touching a file or copying the dataset elsewhere changes nothing. Hashes are cached by
 (real path, size, mtime) so a rerun over an unchanged source reads no image bytes at all.
 
+Per format: a folder, JSONL or parquet source, and local tar shards (a folder of them or a brace list), by their
+files (`sources.source_files`; parquet: the parquet files); tar shards at URLs by URL, size and the server's
+content tag (ETag, else Content-MD5, else Last-Modified; the bytes' sha256 when the server sends none), from one
+metadata request per shard (`shards.remote_identity`). A changed source is re-rendered, an unchanged one reused.
+
 The cache is `models.file_hashes.FileHashes` (sqlite, one row per path): the same database file the model
 fingerprints use.
 """
@@ -16,15 +21,22 @@ from tqdm import tqdm
 
 from models.file_hashes import FileHashes
 
+from stages.resize.shards import is_shard_list, is_url, remote_listing, shard_urls
 from stages.resize.sources import source_files
 
 
 def content_listing_hash(source: str | Path) -> str:
-    """Hash of (relative path, sha256 of the bytes) of every source file (`sources.source_files`)."""
-    root = Path(source)
-    base = root if root.is_dir() else root.parent
+    """Hash of (relative path, sha256 of the bytes) of every local source file (`sources.source_files`), and of
+    (URL, size, content tag) of every shard at a URL."""
+    s = str(source)
+    root = Path(s)
+    # relative to the folder the files are named from: a brace list and its folder of shards hash the same
+    base = root.parent if is_shard_list(s) or not root.is_dir() else root
     h = hashlib.sha256()
     with FileHashes() as hashes:
-        for f in tqdm(source_files(root), desc="source content hashes", unit="file", leave=False):
+        for f in tqdm(source_files(s), desc="source content hashes", unit="file", leave=False):
             h.update(f"{os.path.relpath(f, base)}\0{hashes.sha256(f)}\n".encode())
+    if is_url(s):
+        for line in remote_listing([u for u in shard_urls(s) if is_url(u)]):
+            h.update(f"{line}\n".encode())
     return h.hexdigest()[:16]

@@ -1,6 +1,7 @@
 """How many samples a source holds, counted cheaply before reading it, so resize-bucket's bar has a total
 and an ETA. A count, not a read: a folder's target images, a tar's distinct member keys (headers only), a
-JSONL manifest's non-blank lines. Problem entries found while reading (orphan files, unreadable tars) can
+JSONL manifest's non-blank lines, a parquet source's rows (from the footers). Shards at URLs are not
+counted (it would take a pass over them): the bar then runs without a total. Problem entries found while reading (orphan files, unreadable tars) can
 make the real number differ a little; the bar's total is corrected at the end."""
 
 from __future__ import annotations
@@ -11,18 +12,25 @@ from pathlib import Path
 from stages.resize import sources
 
 
-def count_samples(source: Path, fmt: str) -> int | None:
+def count_samples(source: str | Path, fmt: str) -> int | None:
     """Expected samples, or None when counting fails (the bar then runs without a total)."""
     try:
         if fmt == "folder":
-            return len(sources._images_by_stem(source / "target", {}, also=(".txt",)))
+            return len(sources._images_by_stem(Path(source) / "target", {}, also=(".txt",)))
+        if fmt == "parquet":
+            from stages.resize.parquet_source import count_rows
+
+            return count_rows(Path(source))
         if fmt == "webdataset":
+            tars = sources.shard_urls(source)
+            if any(sources.is_url(t) for t in tars):
+                return None
             total = 0
-            for tar in sources._tar_paths(source):
+            for tar in tars:
                 with tarfile.open(tar, mode="r:") as tf:  # uncompressed tar: seeks header to header
                     total += len({sources._split_member(m.name)[0] for m in tf.getmembers() if m.isfile()})
             return total
-        with open(sources._jsonl_path(source), "rb") as f:
+        with open(sources._jsonl_path(Path(source)), "rb") as f:
             return sum(1 for line in f if line.strip())
-    except (OSError, tarfile.TarError):
+    except (OSError, tarfile.TarError, ValueError):  # pyarrow's ArrowInvalid is a ValueError
         return None

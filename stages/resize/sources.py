@@ -1,4 +1,6 @@
-"""Readers for the three source formats (DESIGN §3): a folder, webdataset tars, a JSONL manifest.
+"""Readers for the source formats (DESIGN §3): a folder, webdataset tars, a JSONL manifest, parquet files (the
+last in parquet_source.py; where tar shards are and how they are opened - local, brace lists, http(s), s3 - in
+shards.py).
 
 Each reader yields one `SourceSample` per sample with the raw bytes of the target, of each control in order, of
 the caption and of the optional edit mask. Nothing is decoded here: judging bytes (bad image, bad caption, wrong
@@ -10,13 +12,14 @@ Layouts:
 - folder: `target/<stem>.png|jpg|jpeg|webp` + caption `target/<stem>.txt`, controls `control/<stem>.*`,
   `control_1/<stem>.*`, ..., optional mask `mask/<stem>.png`. Dotfiles (`.DS_Store`, `._x`) are OS litter and
   ignored; any other file in these folders that is not an image (or a `.txt` in target/) quarantines its sample.
-- webdataset: `*.tar` (a file, or every tar in a folder, sorted by name); members `<key>.png|jpg|...` (target),
-  `<key>.control.png`, `<key>.control_1.png`, ..., `<key>.txt`, `<key>.mask.png`; metadata members (`.json`,
-  `.cls`, ...: WDS_METADATA_MEMBERS) are ignored, any other member quarantines its sample (it would otherwise be
-  dropped unseen). As in webdataset, a sample is
-  a run of consecutive members sharing the key (member path up to the first dot of its base name).
+- webdataset: `*.tar` (a file, every tar in a folder sorted by name, a brace list, or URLs: shards.py); members
+  `<key>.png|jpg|...` (target), `<key>.control.png`, `<key>.control_1.png`, ..., `<key>.txt`, `<key>.mask.png`;
+  metadata members (`.json`, `.cls`, ...: WDS_METADATA_MEMBERS) are ignored, any other member quarantines its
+  sample (it would otherwise be dropped unseen). As in webdataset, a sample is a run of consecutive members
+  sharing the key (member path up to the first dot of its base name).
 - JSONL: one object per line: `target` (path), `controls` (list of paths; `control` alone also accepted),
   `caption` or `prompt` (text), optional `mask` (path). Relative paths are relative to the JSONL file's folder.
+- parquet: image bytes in columns, mapped by `resize.columns` (parquet_source.py).
 
 What is read (every format): only regular files (a device, FIFO or socket is never opened for reading: /dev/zero
 would be read without end), of at most `resize.max_file_bytes`; never outside the source through a symlink or
@@ -34,8 +37,10 @@ import tarfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
+from typing import Any
 
 from schemas.errors import UserError
+from stages.resize.shards import is_shard_list, is_url, open_shard, shard_urls
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".tif", ".tiff", ".bmp", ".gif")  # = imaging.ALLOWED_FORMATS
 _CONTROL_DIR = re.compile(r"^control(?:_(\d+))?$")
@@ -58,16 +63,19 @@ class SourceSample:
 
 
 def detect_format(source: str | Path) -> str:
-    """'folder', 'webdataset' or 'jsonl' for a source path; UserError when it is none of them."""
+    """'folder', 'webdataset', 'jsonl' or 'parquet' for a source; UserError when it is none of them."""
+    if is_shard_list(source):  # a URL or a brace list of shards
+        if str(source).endswith(".parquet"):
+            raise UserError(f"source {source}: parquet sources are read from local files or folders only")
+        return "webdataset"
     p = Path(source)
     if p.is_file():
-        if p.suffix == ".jsonl":
-            return "jsonl"
-        if p.suffix == ".tar":
-            return "webdataset"
-        raise UserError(f"source {p} is a file but neither a .jsonl manifest nor a .tar shard")
+        if p.suffix in (".jsonl", ".tar", ".parquet"):
+            return {".jsonl": "jsonl", ".tar": "webdataset", ".parquet": "parquet"}[p.suffix]
+        raise UserError(f"source {p} is a file but neither a .jsonl manifest, a .tar shard nor a .parquet file")
     if not p.is_dir():
-        raise UserError(f"source {p} does not exist; pass a folder, a .tar shard (or folder of them) or a .jsonl file")
+        raise UserError(f"source {p} does not exist; pass a folder, a .tar shard (or folder, brace list or URL of "
+                        "them), a .jsonl file or a .parquet file (or folder of them)")
     if (p / "target").is_dir():
         return "folder"
     if any(p.glob("*.tar")):
@@ -77,23 +85,40 @@ def detect_format(source: str | Path) -> str:
         return "jsonl"
     if len(jsonls) > 1:
         raise UserError(f"source {p} holds several .jsonl files ({', '.join(j.name for j in jsonls)}); pass one")
-    raise UserError(f"source {p} has no target/ folder, no .tar shards and no .jsonl manifest "
-                    "(the three layouts: docs/resize-bucket.md, 'Sources')")
+    from stages.resize.parquet_source import parquet_files
+
+    if parquet_files(p):
+        return "parquet"
+    raise UserError(f"source {p} has no target/ folder, no .tar shards, no .jsonl manifest and no .parquet files "
+                    "(the layouts: docs/resize-bucket.md, 'Sources')")
 
 
-def iter_source(source: str | Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES) -> Iterator[SourceSample]:
+def iter_source(source: str | Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+                columns: Any = None) -> Iterator[SourceSample]:
+    """The samples of a source; `columns` is `resize.columns` (a parquet source's column mapping)."""
     fmt = detect_format(source)
-    return {"folder": iter_folder, "webdataset": iter_webdataset, "jsonl": iter_jsonl}[fmt](Path(source), max_file_bytes)
+    if fmt == "webdataset":
+        return iter_webdataset(source, max_file_bytes)
+    if fmt == "parquet":
+        from stages.resize.parquet_source import iter_parquet
+
+        return iter_parquet(Path(source), columns, max_file_bytes)
+    return {"folder": iter_folder, "jsonl": iter_jsonl}[fmt](Path(source), max_file_bytes)
 
 
 def source_files(source: str | Path) -> list[Path]:
-    """The files a source consists of (for the listing hash); JSONL includes the files it references."""
+    """The local files a source consists of (for the listing hash); JSONL includes the files it references.
+    A webdataset source at URLs has none: content.py identifies its shards by their metadata (shards.py)."""
+    fmt = detect_format(source)
+    if fmt == "webdataset":
+        return [Path(u) for u in shard_urls(source) if not is_url(u)]
     p = Path(source)
-    fmt = detect_format(p)
+    if fmt == "parquet":
+        from stages.resize.parquet_source import parquet_files
+
+        return parquet_files(p)
     if fmt == "folder":  # only what the reader reads: a store or OS litter inside the source changes nothing
         return sorted(f for d in _layout_dirs(p) for f in _layout_entries(d) if f.is_file() and _inside(f, p))
-    if fmt == "webdataset":
-        return _tar_paths(p)
     manifest = _jsonl_path(p)
     files = {manifest}
     for _, obj, _ in _jsonl_objects(manifest):
@@ -255,10 +280,6 @@ def iter_folder(root: Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES) -> Ite
 # ---------------------------------------------------------------- webdataset
 
 
-def _tar_paths(p: Path) -> list[Path]:
-    return [p] if p.is_file() else sorted(p.glob("*.tar"))
-
-
 def _split_member(name: str) -> tuple[str, str]:
     """webdataset's rule: key = path up to the first dot of the base name, suffix = the rest (lowercased)."""
     d, _, base = name.rpartition("/")
@@ -327,44 +348,76 @@ def _sample_from_members(key: str, where: str, members: dict[str, bytes], bad: l
     return s
 
 
-def iter_webdataset(root: Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES) -> Iterator[SourceSample]:
-    for tar in _tar_paths(root):
+def iter_webdataset(root: str | Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES) -> Iterator[SourceSample]:
+    """Every shard of the source (shards.py: local, http(s), s3, brace lists), streamed once, in order."""
+    for tar in shard_urls(root):
+        stream = None
         try:
-            tf = tarfile.open(tar, mode="r|*")  # streaming: one pass, like webdataset
+            stream = open_shard(tar)
+            tf = tarfile.open(fileobj=stream, mode="r|*")  # streaming: one pass, like webdataset
         except (tarfile.TarError, OSError) as e:
-            yield SourceSample(name=tar.stem, source=str(tar), problem=f"cannot open tar: {e}")
+            if stream is not None:
+                _close_shard(tar, stream)  # a failed transfer (e.g. curl's exit status) stops the run instead
+            yield SourceSample(name=Path(tar).stem, source=tar, problem=f"cannot open tar: {e}")
             continue
-        key: str | None = None
-        members: dict[str, bytes] = {}
-        bad: list[str] = []
-        try:
-            with tf:
-                for m in tf:
-                    if m.isdir():
-                        continue
-                    k, ext = _split_member(m.name)
-                    if key is not None and k != key:
-                        yield _sample_from_members(key, f"{tar}:{key}", members, bad)
-                        members, bad = {}, []
-                    key = k
-                    # never follow names out of the archive, even though we do not extract to disk
-                    if _unsafe_name(m.name):
-                        bad.append(f"unsafe member path {m.name!r} (absolute or '..')")
-                    elif not m.isfile():
-                        bad.append(f"member {m.name!r} is not a regular file (link or device)")
-                    elif ext in members:  # webdataset would keep the last copy silently
-                        bad.append(f"member {m.name!r} appears twice in the run of key {k!r}")
-                    elif m.size > max_file_bytes:
-                        bad.append(f"member {m.name!r} is {m.size} bytes, over resize.max_file_bytes ({max_file_bytes})")
-                    else:
-                        f = tf.extractfile(m)
-                        members[ext] = f.read() if f is not None else b""
-        except (tarfile.TarError, OSError, EOFError) as e:
-            bad.append(f"tar is truncated or corrupt: {e}")
-        if key is not None:
-            yield _sample_from_members(key, f"{tar}:{key}", members, bad)
-        elif bad:
-            yield SourceSample(name=tar.stem, source=str(tar), problem="; ".join(bad))
+        yield from _tar_samples(tar, tf, stream, max_file_bytes)
+
+
+def _tar_samples(tar: str, tf: tarfile.TarFile, stream: Any, max_file_bytes: int) -> Iterator[SourceSample]:
+    key: str | None = None
+    members: dict[str, bytes] = {}
+    bad: list[str] = []
+    try:
+        with tf:
+            for m in tf:
+                if m.isdir():
+                    continue
+                k, ext = _split_member(m.name)
+                if key is not None and k != key:
+                    yield _sample_from_members(key, f"{tar}:{key}", members, bad)
+                    members, bad = {}, []
+                key = k
+                # never follow names out of the archive, even though we do not extract to disk
+                if _unsafe_name(m.name):
+                    bad.append(f"unsafe member path {m.name!r} (absolute or '..')")
+                elif not m.isfile():
+                    bad.append(f"member {m.name!r} is not a regular file (link or device)")
+                elif ext in members:  # webdataset would keep the last copy silently
+                    bad.append(f"member {m.name!r} appears twice in the run of key {k!r}")
+                elif m.size > max_file_bytes:
+                    bad.append(f"member {m.name!r} is {m.size} bytes, over resize.max_file_bytes ({max_file_bytes})")
+                else:
+                    f = tf.extractfile(m)
+                    members[ext] = f.read() if f is not None else b""
+    except (tarfile.TarError, EOFError) as e:  # the data: a truncated or corrupt tar
+        _close_shard(tar, stream)  # unless the transfer failed, which is the run's error, not the data's
+        bad.append(f"tar is truncated or corrupt: {e}")
+    except Exception as e:  # noqa: BLE001  reading failed: a local disk's OSError, or a transfer's (any library type)
+        if is_url(tar):
+            raise UserError(f"source shard {tar}: the transfer failed ({type(e).__name__}: {e}); check the server "
+                            "and rerun (samples already written are kept)") from None
+        if not isinstance(e, OSError):
+            raise
+        _close_shard(tar, stream)
+        bad.append(f"tar is truncated or corrupt: {e}")
+    else:
+        _close_shard(tar, stream)
+    if key is not None:
+        yield _sample_from_members(key, f"{tar}:{key}", members, bad)
+    elif bad:
+        yield SourceSample(name=Path(tar).stem, source=tar, problem="; ".join(bad))
+
+
+def _close_shard(tar: str, stream: Any) -> None:
+    """Close a shard's stream; a URL whose transfer failed (curl's exit status, s3fs's error) stops the run with
+    one line rather than quarantining its remaining samples as if the tar were corrupt: a rerun continues."""
+    try:
+        stream.close()
+    except Exception as e:  # noqa: BLE001  webdataset's Pipe raises a bare IOError with curl's status
+        if not is_url(tar):
+            return
+        raise UserError(f"source shard {tar}: the transfer failed ({e}); check the server and rerun "
+                        "(samples already written are kept)") from None
 
 
 # ---------------------------------------------------------------- JSONL

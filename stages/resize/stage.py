@@ -115,7 +115,7 @@ def run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> R
     rc = cfg.resize
     _validate(rc)
     st = store if isinstance(store, Store) else Store(store)
-    source = Path(source).resolve()  # quarantine rows and schema attrs name the source unambiguously
+    source = _named_source(source)
     started = time.perf_counter()
     fmt = detect_format(source)
     schema = images_schema(rc, content_listing_hash(source), source=str(source), source_format=fmt)
@@ -144,6 +144,20 @@ def run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> R
 
 
 # ---------------------------------------------------------------- the steps of `run`
+
+
+def _named_source(source: str | Path) -> str | Path:
+    """A local path resolved (quarantine rows and schema attrs name the source unambiguously); a URL or a brace
+    list of shards as given (a Path would fold `s3://` into `s3:/`)."""
+    from stages.resize.shards import is_shard_list, is_url
+
+    if is_url(source) or "::" in str(source):
+        return str(source)
+    if is_shard_list(source):  # a brace list: resolve its folder, keep the pattern
+        p = Path(source)
+        return str(p.parent.resolve() / p.name)
+    return Path(source).resolve()
+
 
 
 @dataclass
@@ -203,7 +217,7 @@ def _rendered_before(st: Store, schema: TableSchema) -> dict[str, str]:
     return reusable_keys(st, TABLE, schema.attrs[FEATURE_LINEAGE_ATTR], "mask_sha256")
 
 
-def _render_source(source: Path, fmt: str, rc: ResizeConfig, writer: Any, rendered_before: dict[str, str],
+def _render_source(source: str | Path, fmt: str, rc: ResizeConfig, writer: Any, rendered_before: dict[str, str],
                    intake: _Intake) -> dict[str, tuple[str, str]]:
     """Judge every source sample, render the new ones in `rc.workers` processes and add them to the writer.
     Returns key -> (source, split) of the samples to carry forward from an earlier version instead."""
@@ -227,7 +241,7 @@ def _render_source(source: Path, fmt: str, rc: ResizeConfig, writer: Any, render
                 yield rec, key, caption
 
     render_one = partial(_render_item, rc=rc, rules=_rules(rc))
-    with _render_pool(rc.workers) as pool, tqdm(iter_source(source, rc.max_file_bytes), desc=f"{STAGE} ({fmt})",
+    with _render_pool(rc.workers) as pool, tqdm(iter_source(source, rc.max_file_bytes, rc.columns), desc=f"{STAGE} ({fmt})",
                                                  unit="sample", total=count_samples(source, fmt),
                                                  dynamic_ncols=True) as bar:
         # at most 2 x workers samples in flight: memory stays bounded whatever the dataset size
@@ -271,7 +285,7 @@ def _carry_forward(st: Store, writer: Any, schema: TableSchema, carry: dict[str,
         summary.splits.update(views["split"].values())
 
 
-def _commit(st: Store, writer: Any, source: Path, intake: _Intake) -> None:
+def _commit(st: Store, writer: Any, source: str | Path, intake: _Intake) -> None:
     """Quarantine rows first, then the version (an empty result is the user's to fix, not a table)."""
     summary = intake.summary
     st.add_quarantine(intake.rejects)

@@ -55,8 +55,10 @@ def test_resize_bar_total_counts_every_source_format(tmp_path):
     from stages.resize.source_count import count_samples
     from stages.resize.sources import detect_format, iter_source
 
-    for fmt in ("folder", "webdataset", "jsonl"):
+    for fmt in ("folder", "webdataset", "jsonl", "parquet"):
         root = tmp_path / fmt
         make_demo_data(root, n=7, fmt=fmt, max_controls=2, seed=1)
         found = detect_format(root)
         assert count_samples(root, found) == sum(1 for _ in iter_source(root)) == 7, fmt
+    braces = f"{tmp_path / 'webdataset'}/demo-{{000000..000000}}.tar"  # a brace list of local shards: counted too
+    assert count_samples(braces, detect_format(braces)) == 7

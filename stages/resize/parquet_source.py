@@ -1,0 +1,193 @@
+"""Parquet sources: image-edit datasets published as parquet with the image bytes in columns (the layout of HF
+datasets' `Image` feature, a `{bytes, path}` struct, or plain binary columns), read with pyarrow.
+
+Which column holds what is `resize.columns` (target, references, instruction, optional mask). `references` names
+one list column (0..N images per row) or several single-image columns (controls in that order; a null ends the
+list, a null followed by an image is not contiguous). Read in row batches of the mapped columns only, so memory
+is bounded by one row group of those columns (pyarrow decodes a row group's pages together; HF datasets writes
+image datasets in row groups of 100 rows), never the whole file. Rows become `SourceSample`s that
+the stage judges like every other format: a null or oversized image, a path without bytes, a non-text
+instruction quarantines the row with the same reasons as a file would; a missing or mistyped mapped column is
+the user's to fix (one UserError naming the column and the file).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from schemas.errors import UserError
+
+BATCH_ROWS = 16  # rows converted to Python at a time: images are large, a few MB per row is common
+_STORE_MARKER = "store.json"  # = store.format.STORE_JSON: a store kept inside the source is not read as data
+
+
+def parquet_files(root: Path) -> list[Path]:
+    """A `.parquet` file, or every `.parquet` under a folder (HF layout `data/train-*.parquet` included), by
+    relative path; dot-folders and store folders inside the source are skipped."""
+    if root.is_file():
+        return [root]
+    out = []
+    for f in sorted(root.rglob("*.parquet")):
+        rel = f.relative_to(root).parts
+        if any(p.startswith(".") for p in rel):
+            continue
+        if any((root.joinpath(*rel[:i]) / _STORE_MARKER).exists() for i in range(len(rel))):
+            continue
+        if f.is_file():
+            out.append(f)
+    return out
+
+
+def count_rows(root: Path) -> int:
+    """Rows of every file, from the footers alone."""
+    import pyarrow.parquet as pq
+
+    return sum(pq.ParquetFile(f).metadata.num_rows for f in parquet_files(root))
+
+
+@dataclass
+class _Layout:
+    """The mapped columns of one file, checked against its schema."""
+
+    target: str
+    references: list[str]
+    references_is_list: bool
+    instruction: str
+    mask: str | None
+
+    @property
+    def names(self) -> list[str]:
+        return list(dict.fromkeys([self.target, *self.references, self.instruction,
+                                   *([self.mask] if self.mask else [])]))
+
+
+def _is_image_type(t: Any) -> bool:
+    import pyarrow as pa
+
+    if pa.types.is_binary(t) or pa.types.is_large_binary(t):
+        return True
+    return pa.types.is_struct(t) and t.get_field_index("bytes") >= 0 and _is_image_type(t.field("bytes").type)
+
+
+def _layout(schema: Any, columns: Any, path: Path) -> _Layout:
+    import pyarrow as pa
+
+    names = schema.names
+
+    def column(name: str, setting: str) -> Any:
+        if name not in names:
+            raise UserError(f"parquet source {path} has no column {name!r} (resize.columns.{setting}); its columns: "
+                            f"{', '.join(names)}: set resize.columns.{setting} to the right one")
+        return schema.field(name).type
+
+    def image(name: str, setting: str, t: Any) -> None:
+        if not _is_image_type(t):
+            raise UserError(f"parquet source {path}: column {name!r} (resize.columns.{setting}) is {t}, not image "
+                            "bytes (binary, or a {bytes, path} struct as HF datasets' Image); fix resize.columns")
+
+    image(columns.target, "target", column(columns.target, "target"))
+    refs = list(columns.references)
+    ref_types = [column(r, "references") for r in refs]
+    is_list = len(refs) == 1 and (pa.types.is_list(ref_types[0]) or pa.types.is_large_list(ref_types[0]))
+    for r, t in zip(refs, ref_types):
+        image(r, "references", t.value_type if is_list else t)
+    t = column(columns.instruction, "instruction")
+    if not (pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t)
+            or pa.types.is_large_binary(t)):
+        raise UserError(f"parquet source {path}: column {columns.instruction!r} (resize.columns.instruction) is {t}, "
+                        "not text; fix resize.columns.instruction")
+    if columns.mask:
+        image(columns.mask, "mask", column(columns.mask, "mask"))
+    return _Layout(columns.target, refs, is_list, columns.instruction, columns.mask)
+
+
+class _Problem(Exception):
+    def __init__(self, message: str, kind: str = "bad-source") -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+def _image_bytes(cell: Any, what: str, max_bytes: int) -> bytes:
+    """The bytes of one image cell (binary, or HF's {bytes, path}); `_Problem` naming the reason otherwise."""
+    data = cell.get("bytes") if isinstance(cell, dict) else cell
+    if data is None:
+        path = cell.get("path") if isinstance(cell, dict) else None
+        if path:  # HF datasets may store only a path to a file elsewhere: never read where data points
+            raise _Problem(f"{what} has no bytes, only a path ({path!r}): not read; publish the images embedded "
+                           "(datasets: Image() feature, push_to_hub / to_parquet embed them)")
+        raise _Problem(f"{what} is null")
+    if len(data) > max_bytes:
+        raise _Problem(f"{what} is {len(data)} bytes, over resize.max_file_bytes ({max_bytes})", "file-too-large")
+    return bytes(data)
+
+
+def _sample(row: dict[str, Any], lay: _Layout, path: Path, no: int, max_bytes: int):
+    from stages.resize.sources import SourceSample
+
+    where = f"{path}:{no}"
+    s = SourceSample(name=f"{path.stem}:{no}", source=where)
+    try:
+        s.target = _image_bytes(row[lay.target], f"target (column {lay.target!r})", max_bytes)
+        s.files.append(f"{where}[{lay.target}]")
+        if lay.references_is_list:
+            col = lay.references[0]
+            cells = [(f"{col}[{i}]", c) for i, c in enumerate(row[col] or [])]
+        else:
+            cells = [(c, row[c]) for c in lay.references]
+            present = [i for i, (_, c) in enumerate(cells) if c is not None]
+            if present != list(range(len(present))):
+                raise _Problem(f"control columns for this row are not contiguous from {lay.references[0]!r}: "
+                               f"found indices {present}")
+            cells = cells[:len(present)]
+        for i, (name, cell) in enumerate(cells):
+            s.controls.append(_image_bytes(cell, f"control {i} (column {name!r})", max_bytes))
+            s.files.append(f"{where}[{name}]")
+        if lay.mask and row[lay.mask] is not None:
+            s.mask = _image_bytes(row[lay.mask], f"mask (column {lay.mask!r})", max_bytes)
+            s.files.append(f"{where}[{lay.mask}]")
+    except _Problem as e:
+        s.problem, s.problem_kind = str(e), e.kind
+        return s
+    text = row[lay.instruction]
+    s.caption = text.encode("utf-8") if isinstance(text, str) else (bytes(text) if text is not None else None)
+    return s
+
+
+def iter_parquet(root: Path, columns: Any, max_file_bytes: int) -> Iterator[Any]:
+    """One `SourceSample` per row of every file, in file then row order."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from schemas.config import ParquetColumns
+    from stages.resize.sources import SourceSample
+
+    columns = columns if columns is not None else ParquetColumns()
+    files = parquet_files(root)
+    layouts: dict[Path, _Layout] = {}
+    for path in files:  # every file's mapping checked from its footer before the first row is read
+        try:
+            schema = pq.read_schema(path)
+        except (pa.ArrowException, OSError):
+            continue  # quarantined below
+        layouts[path] = _layout(schema, columns, path)
+    for path in files:
+        try:
+            # buffered column-chunk reads: a row group's chunk is streamed, not read whole before decoding
+            pf = pq.ParquetFile(path, buffer_size=8 << 20, pre_buffer=False)
+            lay = layouts[path]
+        except (pa.ArrowException, OSError, KeyError) as e:
+            yield SourceSample(name=path.stem, source=str(path), problem=f"cannot open parquet file: {e}")
+            continue
+        with pf:
+            no = 0
+            try:
+                for batch in pf.iter_batches(batch_size=BATCH_ROWS, columns=lay.names):
+                    for row in batch.to_pylist():
+                        yield _sample(row, lay, path, no, max_file_bytes)
+                        no += 1
+            except (pa.ArrowException, OSError) as e:
+                yield SourceSample(name=f"{path.stem}:{no}", source=f"{path}:{no}",
+                                   problem=f"parquet file is truncated or corrupt from row {no} on: {e}")
