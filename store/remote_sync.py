@@ -203,6 +203,8 @@ def pull(url: str, dst: Path, storage_options: dict[str, Any] | None = None,
     with remote_errors(url, "pull"):
         listing = remote.listing()
         rec = _remote_record(remote, listing)
+        if rec is None and tables is not None and set(tables) <= set(optional):
+            rec = fmt.new_store_record()  # an empty prefix, of which nothing is needed: a store's first writer
         if rec is None:
             raise UserError(f"no store at {url} (no {fmt.STORE_JSON} there); check the URL, or push a store first")
         if tables is not None:
