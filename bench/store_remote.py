@@ -221,7 +221,7 @@ def bench_train(work: Path, repeats: int, warmup: int = 2) -> None:
     for where, depth in cases:
         share = min(waits[(where, depth)])
         t_open, t_run = min(opened[(where, depth)])
-        extra = f"; open {t_open:.2f} s = {100 * t_open / t_run:.1f}% of the run ({t_run:.1f} s)" if where != "local" else ""
+        extra = "" if where == "local" else f"; open {t_open:.2f} s = {100 * t_open / t_run:.1f}% of the run ({t_run:.1f} s)"
         label = "local store" if where == "local" else f"URL, {where} cache"
         print(f"{label:15s}, prefetch {depth}: data wait {100 * share:5.2f}% of a step{extra}")
 

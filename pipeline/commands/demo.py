@@ -1,8 +1,8 @@
 """`pipeline demo`: tiny offline model + synthetic data + `run all` with configs/demo.yaml, then a summary.
 
 With `--store s3://bucket/prefix` every stage works on the store at that URL through a local cache
-(pipeline/store_url.py). Rerunning with the same --workdir reuses everything that is up to date (a killed demo continues); any other
-non-empty folder is refused (pipeline/demo_workdir.py).
+(pipeline/store_url.py). Rerunning with the same --workdir reuses everything that is up to date (a killed demo
+continues); any other non-empty folder is refused (pipeline/demo_workdir.py).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """`pipeline demo --store s3://bucket/prefix` against the S3 test server (moto on 127.0.0.1): every stage runs with
 its store on the URL (configured by the AWS_* environment only); the remote then holds the three tables, which pull
-back checked and verify; the LoRA and the report are written; a rerun finds every stage up to date."""
+back checked and verify; the held-out losses are those of the demo on a local store; a rerun finds every
+stage up to date."""
 
 from __future__ import annotations
 
@@ -39,8 +40,13 @@ def test_demo_runs_end_to_end_on_a_store_url(s3_env, tmp_path: Path) -> None:
     pull(url, pulled)
     assert verify_store(pulled) == []
     assert Store(pulled, create=False).tables() == {"images": 1, "text": 1, "vae": 1}
-    metrics = json.loads((work / "report" / "metrics.json").read_text())
-    assert metrics["loss"]["overall"]["n"] > 0
+    # the same numbers as the demo on a local store
+    local = CliRunner().invoke(app, ["demo", "--workdir", str(tmp_path / "local"), *SMALL])
+    assert local.exit_code == 0, local.output
+    loss, reference = (json.loads((w / "report" / "metrics.json").read_text())["loss"]
+                       for w in (work, tmp_path / "local"))
+    assert loss["overall"]["n"] > 0 and loss["overall"] == reference["overall"]
+    assert loss["per_sample"] == reference["per_sample"]
 
     again = CliRunner().invoke(app, ["demo", "--workdir", str(work), "--store", url, *SMALL])
     assert again.exit_code == 0, again.output
