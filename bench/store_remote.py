@@ -221,7 +221,8 @@ def bench_train(work: Path, repeats: int, warmup: int = 2) -> None:
     for where, depth in cases:
         share = min(waits[(where, depth)])
         t_open, t_run = min(opened[(where, depth)])
-        extra = "" if where == "local" else f"; open {t_open:.2f} s = {100 * t_open / t_run:.1f}% of the run ({t_run:.1f} s)"
+        share_open = f"; open {t_open:.2f} s = {100 * t_open / t_run:.1f}% of the run ({t_run:.1f} s)"
+        extra = "" if where == "local" else share_open
         label = "local store" if where == "local" else f"URL, {where} cache"
         print(f"{label:15s}, prefetch {depth}: data wait {100 * share:5.2f}% of a step{extra}")
 
