@@ -1,14 +1,22 @@
-"""Push / pull throughput of `pipeline store push|pull` against a local S3-protocol server, vs a local copy.
+"""Object-storage throughput against a local S3-protocol server (moto on 127.0.0.1), each vs a local baseline
+measured in the same run (best of --repeats, interleaved: a busy machine slows every case alike).
 
-Builds a store of realistic tensors (bench/store_read.py's builder: prompt embeds + latents, bf16), starts moto's
-S3 server on 127.0.0.1 (the test extra) in a subprocess, and measures in the same run, best of --repeats:
-  copy   shutil.copytree of the store folder (read + write on this disk: the baseline)
-  push   store.remote_sync.push into an empty prefix (local CRC check of every file, then upload)
-  pull   store.remote_sync.pull into an empty folder (download, every file's CRC32C checked, rename)
-Prints MB/s and the ratio to the copy. The server is Python (moto keeps objects in memory) on the same cores, so the
-figures bound the client's own overhead on this machine; a real S3 endpoint is limited by the network instead.
+sync   `pipeline store push|pull` of a store of realistic tensors (bench/store_read.py's builder: prompt embeds +
+       latents, bf16) vs shutil.copytree of the store folder (read + write on this disk).
+read   readers of a store URL through the local cache (store/remote_cache.py), vs the same store read locally:
+         scan    every tensor of every sample (check-ahead CRC, as train/evaluate/encode read)
+         random  --random samples at random keys
+       cold = an empty cache (the open pulls the version, every file checked, then reads it), warm = the cache
+       already holds it (the open lists the remote, finds the version there, then reads locally).
+train  a CPU training run of configs/demo.yaml (its tiny model, its 24 synthetic samples, 60 steps) on the local
+       store, on the URL with a warm cache and with a cold one, train.prefetch 0 and 2: the time each step waits
+       for its micro-batch (`MicroBatches.next`, timed here) as a share of the step, and for a cold cache the
+       one-off pull at open as a share of the run. Steps 1-2 (warm-up) left out.
+The server is Python (moto keeps objects in memory) on the same cores, so the remote figures bound the client's own
+overhead on this machine; a real S3 endpoint is limited by the network instead.
 
-    python bench/store_remote.py --gb 0.5 --repeats 3
+    python bench/store_remote.py --gb 0.5 --repeats 3            # all three
+    python bench/store_remote.py --only read --gb 0.3
 """
 
 from __future__ import annotations
@@ -53,39 +61,191 @@ def store_bytes(root: Path) -> int:
     return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
 
 
+def bench_sync(work: Path, gb: float, shard_mb: float, repeats: int, seed: int) -> None:
+    from store.remote_sync import pull, push
+
+    src = work / "store"
+    build(src, gb, shard_mb, seed)
+    nbytes = store_bytes(src)
+    best = {"copy": float("inf"), "push": float("inf"), "pull": float("inf")}
+    for i in range(repeats):  # interleaved: a busy machine slows all three alike
+        t = time.perf_counter()
+        shutil.copytree(src, work / f"copy-{i}")
+        best["copy"] = min(best["copy"], time.perf_counter() - t)
+        shutil.rmtree(work / f"copy-{i}")
+        t = time.perf_counter()
+        push(src, f"s3://bench/run-{i}")
+        best["push"] = min(best["push"], time.perf_counter() - t)
+        t = time.perf_counter()
+        pull(f"s3://bench/run-{i}", work / f"pulled-{i}")
+        best["pull"] = min(best["pull"], time.perf_counter() - t)
+        shutil.rmtree(work / f"pulled-{i}")
+    mb = nbytes / 1e6
+    print(f"== sync: store of {mb:.0f} MB in {len(list(src.rglob('*.tar')))} shards; best of {repeats}")
+    for name, secs in best.items():
+        print(f"{name:5s} {mb / secs:8.1f} MB/s  ({secs:.2f} s, {best['copy'] / secs:.2f}x copy)")
+    shutil.rmtree(src)
+
+
+def _random_reads(root: Path, dst, count: int, seed: int) -> float:
+    """Seconds to open the table and read `count` samples at random keys (every first read CRC-checked)."""
+    import random
+
+    from store import Store
+
+    t0 = time.perf_counter()
+    with Store(root).reader("features") as r:
+        for key in random.Random(seed).choices(r.keys(), k=count):
+            for t in r.get(key)["tensors"].values():
+                dst[: t.numel()].copy_(t.reshape(-1))
+    return time.perf_counter() - t0
+
+
+def bench_read(work: Path, gb: float, shard_mb: float, repeats: int, seed: int, count: int) -> dict[str, float]:
+    import torch
+    from store_read import HIDDEN, store_scan
+
+    from store.remote_cache import local_store
+    from store.remote_sync import push
+
+    src, url = work / "read-store", "s3://bench/read"
+    n = build(src, gb, shard_mb, seed)
+    push(src, url)
+    dst = torch.empty(1100 * HIDDEN, dtype=torch.bfloat16)
+    _, tensor_bytes = store_scan(src, dst, "none")  # also warms the page cache for the local baseline
+    runs: dict[str, list[float]] = {f"{w} {k}": [] for k in ("scan", "random") for w in ("local", "cold", "warm")}
+    opens: dict[str, list[float]] = {k: [] for k in runs}  # of those seconds, the open (list + pull if cold)
+
+    def via_cache(name: str, cache: Path, read) -> None:
+        t0 = time.perf_counter()
+        root = local_store(url, ["features"], cache)
+        t_open = time.perf_counter() - t0
+        runs[name].append(t_open + read(root))
+        opens[name].append(t_open)
+
+    for i in range(repeats):
+        scan = lambda root: store_scan(root, dst, "ahead")[0]  # noqa: E731
+        rand = lambda root: _random_reads(root, dst, count, seed + i)  # noqa: E731
+        for kind, read in (("scan", scan), ("random", rand)):
+            cache = work / f"cache-{kind}-{i}"
+            runs[f"local {kind}"].append(read(src))
+            opens[f"local {kind}"].append(0.0)
+            via_cache(f"cold {kind}", cache, read)
+            via_cache(f"warm {kind}", cache, read)
+            shutil.rmtree(cache)
+    best = {k: min(v) for k, v in runs.items()}
+    reads = {k: min(t - o for t, o in zip(runs[k], opens[k])) for k in runs}  # after the open
+    print(f"== read: {n} samples, {tensor_bytes / 1e9:.2f} GB of tensors in {len(list(src.rglob('*.tar')))} shards; "
+          f"random: {count} samples; best of {repeats}; open = list the remote (+ pull when cold), then the reads")
+    for kind in ("scan", "random"):
+        for where in ("local", "cold", "warm"):
+            name = f"{kind} {where}"
+            secs, after, base = best[f"{where} {kind}"], reads[f"{where} {kind}"], best[f"local {kind}"]
+            work_ = tensor_bytes / 1e6 if kind == "scan" else count
+            unit = "MB/s" if kind == "scan" else "samples/s"
+            print(f"{name:13s} {work_ / secs:8.1f} {unit:9s} {base / secs:5.2f}x local  (open {secs - after:.2f} s + "
+                  f"reads {after:.2f} s; reads alone {base / after:.2f}x local)")
+    shutil.rmtree(src)
+    return best
+
+
+def _demo_stores(work: Path, url: str):
+    """configs/demo.yaml's model, data and `text` + `vae` tables (built as `pipeline demo` does), pushed to `url`."""
+    from pipeline.commands.demo import DEMO_CONFIG, prepare_inputs
+    from pipeline.config import load_config
+    from stages.encode import text as encode_text, vae as encode_vae
+    from stages.resize import stage as resize
+    from store.remote_sync import push
+
+    paths = {"source": work / "data", "store": work / "demo-store", "model": work / "tiny-model"}
+    cfg = load_config(DEMO_CONFIG, {f"paths.{k}": str(v) for k, v in paths.items()})
+    prepare_inputs(paths["model"], paths["source"], cfg.resize.max_controls)
+    resize.run(cfg, paths["source"], paths["store"])
+    encode_text.run(cfg, paths["store"], str(paths["model"]))
+    encode_vae.run(cfg, paths["store"], str(paths["model"]))
+    push(paths["store"], url)
+    return cfg, paths["store"], str(paths["model"])
+
+
+WAITS: list[float] = []  # seconds each MicroBatches.next() took in the current run
+
+
+def _timed_next():
+    """MicroBatches.next, timed (bench instrumentation only)."""
+    from stages.train import prefetch
+
+    real = prefetch.MicroBatches.next
+
+    def next_(self):
+        t0 = time.perf_counter()
+        out = real(self)
+        WAITS.append(time.perf_counter() - t0)
+        return out
+
+    prefetch.MicroBatches.next = next_
+
+
+def bench_train(work: Path, repeats: int, warmup: int = 2) -> None:
+    from stages.train.recipe import run
+    from store.remote_cache import local_store
+
+    url = "s3://bench/demo"
+    cfg, store, model = _demo_stores(work, url)
+    _timed_next()
+    cases = [("local", 0), ("local", 2), ("warm", 0), ("warm", 2), ("cold", 0), ("cold", 2)]
+    waits: dict[tuple, list[float]] = {c: [] for c in cases}  # share of step time waiting for data, per run
+    opened: dict[tuple, list[tuple[float, float]]] = {c: [] for c in cases}  # (open s, run s)
+    k = 0
+    for i in range(repeats):
+        for where, depth in cases:
+            k += 1
+            c = cfg.model_copy(update={"train": cfg.train.model_copy(update={"prefetch": depth})})
+            cache = work / f"train-cache-{where}-{i}-{depth}"
+            t0 = time.perf_counter()
+            if where == "warm":
+                local_store(url, ["text", "vae"], cache)  # filled before the measured run
+                t0 = time.perf_counter()
+            root = store if where == "local" else local_store(url, ["text", "vae"], cache)
+            t_open = time.perf_counter() - t0
+            WAITS.clear()
+            result = run(c, root, model, work / f"run-{k}")
+            steps = result.step_times[warmup:]
+            waits[(where, depth)].append(sum(WAITS[warmup:len(result.step_times)]) / sum(steps))
+            opened[(where, depth)].append((t_open, time.perf_counter() - t0))
+            shutil.rmtree(work / f"run-{k}")
+            shutil.rmtree(cache, ignore_errors=True)
+    steps_ms = 1000 * sum(steps) / len(steps)
+    print(f"== train: configs/demo.yaml on the CPU, {cfg.train.max_steps} steps of batch {cfg.train.batch_size} "
+          f"(~{steps_ms:.0f} ms a step), data wait = time in MicroBatches.next / step time, steps {warmup + 1}+; "
+          f"best of {repeats}")
+    for where, depth in cases:
+        share = min(waits[(where, depth)])
+        t_open, t_run = min(opened[(where, depth)])
+        share_open = f"; open {t_open:.2f} s = {100 * t_open / t_run:.1f}% of the run ({t_run:.1f} s)"
+        extra = "" if where == "local" else share_open
+        label = "local store" if where == "local" else f"URL, {where} cache"
+        print(f"{label:15s}, prefetch {depth}: data wait {100 * share:5.2f}% of a step{extra}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", choices=["sync", "read", "train"], default=None)
     ap.add_argument("--gb", type=float, default=0.5)
     ap.add_argument("--shard-mb", type=float, default=64)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--random", type=int, default=300, help="random reads per pass")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-
-    from store.remote_sync import pull, push
 
     work = Path(tempfile.mkdtemp(prefix="store-remote-bench-"))
     server, _ = start_s3()
     try:
-        src = work / "store"
-        build(src, args.gb, args.shard_mb, args.seed)
-        nbytes = store_bytes(src)
-        best = {"copy": float("inf"), "push": float("inf"), "pull": float("inf")}
-        for i in range(args.repeats):  # interleaved: a busy machine slows all three alike
-            t = time.perf_counter()
-            shutil.copytree(src, work / f"copy-{i}")
-            best["copy"] = min(best["copy"], time.perf_counter() - t)
-            shutil.rmtree(work / f"copy-{i}")
-            t = time.perf_counter()
-            push(src, f"s3://bench/run-{i}")
-            best["push"] = min(best["push"], time.perf_counter() - t)
-            t = time.perf_counter()
-            pull(f"s3://bench/run-{i}", work / f"pulled-{i}")
-            best["pull"] = min(best["pull"], time.perf_counter() - t)
-            shutil.rmtree(work / f"pulled-{i}")
-        mb = nbytes / 1e6
-        print(f"store: {mb:.0f} MB in {len(list(src.rglob('*.tar')))} shards; best of {args.repeats}")
-        for name, secs in best.items():
-            print(f"{name:5s} {mb / secs:8.1f} MB/s  ({secs:.2f} s, {best['copy'] / secs:.2f}x copy)")
+        if args.only in (None, "sync"):
+            bench_sync(work, args.gb, args.shard_mb, args.repeats, args.seed)
+        if args.only in (None, "read"):
+            bench_read(work, args.gb, args.shard_mb, args.repeats, args.seed, args.random)
+        if args.only in (None, "train"):
+            bench_train(work, args.repeats)
     finally:
         server.terminate()
         server.wait()

@@ -129,14 +129,22 @@ def _report_into(report: Path, run: Path) -> None:
             pass
 
 
-def run_all(cfg: PipelineConfig, log: Callable[[str], None] = print) -> AllResult:
-    """Every stage in order; `log` gets a header per stage and its one-line summary."""
+def run_all(cfg: PipelineConfig, log: Callable[[str], None] = print, cache_dir: Path | None = None,
+            cache_gb: float | None = None) -> AllResult:
+    """Every stage in order; `log` gets a header per stage and its one-line summary. A store URL is worked on
+    through its local cache in `cache_dir` (pipeline/store_url.py)."""
+    from dataclasses import replace
+
+    from pipeline.store_url import StoreAccess
+
     paths = required_paths(cfg)
+    access = StoreAccess(paths.store, cache_dir, cache_gb)
     result = AllResult(report=paths.report / "index.html")
     for name, call in stages():
         log(f"== {name}")
         t0 = time.perf_counter()
-        summary = call(cfg, paths)
+        with access.for_stage(name, log) as local:
+            summary = call(cfg, replace(paths, store=local))
         outcome = StageOutcome(name, summary.up_to_date, str(summary), time.perf_counter() - t0, summary)
         result.outcomes.append(outcome)
         log(f"{outcome.summary}  [{'skipped, up to date' if outcome.skipped else f'{outcome.seconds:.1f} s'}]")

@@ -36,11 +36,12 @@ CACHE_LOCK = ".cache.lock"
 EVICTING = ".evicting"
 
 
-def local_store(store: str | Path, tables: list[str], cache_dir: str | Path | None = None,
+def local_store(store: str | Path, tables: list[str] | None, cache_dir: str | Path | None = None,
                 limit_gb: float | None = None, storage_options: dict[str, Any] | None = None,
                 optional: tuple[str, ...] = ()) -> Path:
     """`store` itself when it is a local folder; for a URL, the cached local copy holding `tables`' current
-    versions (pulled now if missing; those in `optional` only when the remote has them)."""
+    versions (pulled now if missing; those in `optional` only when the remote has them). `tables=None`: every
+    complete version the remote holds (what `store verify` checks)."""
     if not is_url(store):
         return Path(store)
     from store.remote_sync import pull
@@ -50,9 +51,12 @@ def local_store(store: str | Path, tables: list[str], cache_dir: str | Path | No
     cache.mkdir(parents=True, exist_ok=True)
     root = cache / hashlib.sha256(url.encode()).hexdigest()[:16]
     with fmt.flock(cache / CACHE_LOCK), writing("the store cache", cache):
-        pull(url, root, storage_options, tables=tables, optional=optional)
+        pulled = pull(url, root, storage_options, tables=tables, optional=optional)
         current = fmt.read_store_record(root)["tables"]
-        needed = {(t, int(current[t]["current"])) for t in tables if t in current}
+        if tables is None:
+            needed = {(t, int(v)) for t, v in (name.rsplit("/v", 1) for name in pulled.copied + pulled.present)}
+        else:
+            needed = {(t, int(current[t]["current"])) for t in tables if t in current}
         for t, v in needed:
             os.utime(fmt.version_dir(root, t, v))  # last use, for LRU
         if limit_gb is not None:

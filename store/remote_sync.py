@@ -201,8 +201,12 @@ def pull(url: str, dst: Path, storage_options: dict[str, Any] | None = None,
     remote = open_remote(url, storage_options)
     summary = SyncSummary("pull", url)
     with remote_errors(url, "pull"):
+        if tables is not None and _all_cached(remote, dst, tables, summary):
+            return summary
         listing = remote.listing()
         rec = _remote_record(remote, listing)
+        if rec is None and tables is not None and set(tables) <= set(optional):
+            rec = fmt.new_store_record()  # an empty prefix, of which nothing is needed: a store's first writer
         if rec is None:
             raise UserError(f"no store at {url} (no {fmt.STORE_JSON} there); check the URL, or push a store first")
         if tables is not None:
@@ -245,6 +249,35 @@ def pull(url: str, dst: Path, storage_options: dict[str, Any] | None = None,
             if fmt.is_complete(fmt.version_dir(dst, table, int(entry["current"]))):
                 store.set_current(table, int(entry["current"]))
     return summary
+
+
+def _all_cached(remote: Remote, dst: Path, tables: list[str], summary: SyncSummary) -> bool:
+    """A reader's warm open: are the current versions of `tables` all in `dst` already? Then one GET of store.json
+    and one of each version's checksums.json (a version that differs is refused) replace the listing of the whole
+    prefix (thousands of objects for a large store); False sends the caller the full way."""
+    from store.store import Store
+
+    if not (dst / fmt.STORE_JSON).is_file():
+        return False
+    try:
+        rec = _parse_record(remote.read(fmt.STORE_JSON), remote.url)
+    except FileNotFoundError:
+        return False
+    if not set(tables) <= set(rec["tables"]):
+        return False
+    wanted = [(t, int(rec["tables"][t]["current"])) for t in tables]
+    if not all(fmt.is_complete(fmt.version_dir(dst, t, v)) for t, v in wanted):
+        return False
+    for t, v in wanted:
+        where = f"{remote.url}/{t}/v{v}/{fmt.CHECKSUMS}"
+        manifest = _checksums(remote.read(f"{t}/v{v}/{fmt.CHECKSUMS}"), where)[fmt.MANIFEST]
+        if file_crc(fmt.version_dir(dst, t, v) / fmt.MANIFEST)[0] != manifest["crc32c"]:
+            raise _conflict(t, v, remote.url, dst)
+        summary.present.append(f"{t}/v{v}")
+    store = Store(dst)
+    for t, v in wanted:
+        store.set_current(t, v)
+    return True
 
 
 def _pull_version(remote: Remote, dst: Path, table: str, version: int, files: list[_File], bar,

@@ -1,17 +1,20 @@
 """`pipeline demo`: tiny offline model + synthetic data + `run all` with configs/demo.yaml, then a summary.
 
-Rerunning with the same --workdir reuses everything that is up to date (a killed demo continues); any other
-non-empty folder is refused (pipeline/demo_workdir.py).
+With `--store s3://bucket/prefix` every stage works on the store at that URL through a local cache
+(pipeline/store_url.py). Rerunning with the same --workdir reuses everything that is up to date (a killed demo
+continues); any other non-empty folder is refused (pipeline/demo_workdir.py).
 """
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Optional
 
 import typer
 
 from pipeline.commands.common import SetOpt, echo, user_errors
+from pipeline.commands.store_remote import CacheGbOpt
 
 DEMO_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo.yaml"
 DEMO_SAMPLES = 24
@@ -37,7 +40,7 @@ def prepare_inputs(model: Path, data: Path, max_controls: int) -> None:
         _add_broken_sample(data)
 
 
-def summary_lines(cfg, result, store: Path, effective: Path) -> list[str]:
+def summary_lines(cfg, result, store: Path, effective: Path, rerun_flags: str = "") -> list[str]:
     """Samples, quarantine, steps, loss before/after training (train and held-out), where the report is."""
     from store import Store
 
@@ -73,7 +76,7 @@ def summary_lines(cfg, result, store: Path, effective: Path) -> list[str]:
         )
     lines += [
         f"report       {result.report}",
-        f"config       {effective} (rerun: pipeline run all --config {effective})",
+        f"config       {effective} (rerun: pipeline run all --config {effective}{rerun_flags})",
     ]
     return lines
 
@@ -82,6 +85,12 @@ def command(
     workdir: Path = typer.Option(Path("demo-workdir"), "--workdir", help="Where the model, data, store, run and report go."),
     config: Path = typer.Option(DEMO_CONFIG, "--config", "-c", help="Stage settings (paths.* are set to --workdir)."),
     set_: list[str] = SetOpt,
+    store: Optional[str] = typer.Option(None, "--store", help="The store's folder or URL (s3://bucket/prefix; "
+                                        "endpoint and credentials from the AWS_* environment). Default: "
+                                        "WORKDIR/store."),
+    cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="With --store s3://...: the local cache "
+                                             "(default WORKDIR/store-cache)."),
+    cache_gb: Optional[float] = CacheGbOpt,
 ) -> None:
     from pipeline.commands.common import config_from
     from schemas.config import dump_config
@@ -89,7 +98,7 @@ def command(
 
     t0 = time.perf_counter()
     workdir = workdir.resolve()
-    paths = {"source": workdir / "data", "store": workdir / "store", "model": workdir / "tiny-model",
+    paths = {"source": workdir / "data", "store": store or workdir / "store", "model": workdir / "tiny-model",
              "run": workdir / "run", "report": workdir / "report"}
     cfg = config_from(config, {f"paths.{k}": str(v) for k, v in paths.items()}, set_)
     from pipeline.demo_workdir import claim_workdir
@@ -101,6 +110,11 @@ def command(
 
     with user_errors():
         prepare_inputs(paths["model"], paths["source"], cfg.resize.max_controls)
-        result = run_all(cfg, log=echo)
-        lines = summary_lines(cfg, result, paths["store"], effective)
+        from pipeline.store_url import StoreAccess
+
+        access = StoreAccess(str(paths["store"]), cache_dir or workdir / "store-cache", cache_gb)
+        result = run_all(cfg, log=echo, cache_dir=access.cache_dir, cache_gb=cache_gb)
+        local = access.local(["images"])  # the store itself, or its cached copy
+        flags = f" --cache-dir {access.cache_dir}" if local != Path(paths["store"]) else ""
+        lines = summary_lines(cfg, result, local, effective, flags)
     echo("\n".join(lines + [f"time         {time.perf_counter() - t0:.0f} s"]))

@@ -8,10 +8,18 @@ from typing import Optional
 import typer
 
 from pipeline.commands.common import ConfigOpt, JsonOpt, SetOpt, config_from, emit, json_mode, require, user_errors
+from pipeline.commands.store_remote import CacheDirOpt, CacheGbOpt
+
+
+def _local(store: str, cache_dir: Optional[Path], cache_gb: Optional[float]) -> str:
+    """`store`, or for a URL its cached copy holding the tables evaluate reads."""
+    from store.remote_cache import local_store
+
+    return str(local_store(store, ["text", "vae", "images"], cache_dir, cache_gb, optional=("images",)))
 
 
 def command(
-    store: Optional[str] = typer.Option(None, "--store", help="Store with `text`, `vae` (+ `images`) tables (paths.store)."),
+    store: Optional[str] = typer.Option(None, "--store", help="Store with `text`, `vae` (+ `images`) tables (paths.store), or its URL (s3://bucket/prefix: read through --cache-dir)."),
     model: Optional[str] = typer.Option(None, "--model", help="Model the store was encoded with (paths.model)."),
     lora: Optional[str] = typer.Option(None, "--lora", help="LoRA folder (default: paths.run + /lora)."),
     out: Optional[str] = typer.Option(None, "--out", help="Report directory (paths.report)."),
@@ -24,6 +32,8 @@ def command(
     all_checkpoints: bool = typer.Option(False, "--all-checkpoints", help="Evaluate the base and every kept checkpoint of the run (RUN/checkpoints/step-N): held-out losses into REPORT/losses.zarr, curves, the best checkpoint."),
     run_dir: Optional[str] = typer.Option(None, "--run", help="Run folder whose checkpoints --all-checkpoints evaluates (paths.run)."),
     as_json: bool = JsonOpt,
+    cache_dir: Optional[Path] = CacheDirOpt,
+    cache_gb: Optional[float] = CacheGbOpt,
 ) -> None:
     cfg = config_from(config, sets=set_, overrides=
         {
@@ -44,7 +54,8 @@ def command(
 
         run_path = Path(require(run_dir or cfg.paths.run, "--run", "paths.run"))
         with user_errors(), json_mode(as_json):
-            result = run_checkpoints(cfg.evaluate, store_dir, model_id, kept_checkpoints(run_path), report)
+            result = run_checkpoints(cfg.evaluate, _local(store_dir, cache_dir, cache_gb), model_id,
+                                     kept_checkpoints(run_path), report)
         emit(result, as_json)
         return
     lora_dir = lora or (str(Path(cfg.paths.run) / "lora") if cfg.paths.run else None)
@@ -52,5 +63,5 @@ def command(
     from stages.evaluate.stage import run
 
     with user_errors(report), json_mode(as_json):
-        result = run(cfg.evaluate, store_dir, model_id, lora_dir, report)
+        result = run(cfg.evaluate, _local(store_dir, cache_dir, cache_gb), model_id, lora_dir, report)
     emit(result, as_json, model_id)

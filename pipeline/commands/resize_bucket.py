@@ -7,12 +7,15 @@ from typing import Optional
 
 import typer
 
-from pipeline.commands.common import ConfigOpt, JsonOpt, SetOpt, config_from, emit, json_mode, require, user_errors
+from pipeline.commands.common import (
+    ConfigOpt, JsonOpt, SetOpt, config_from, echo, emit, json_mode, require, user_errors,
+)
+from pipeline.commands.store_remote import CacheDirOpt, CacheGbOpt
 
 
 def command(
     source: Optional[str] = typer.Option(None, "--source", help="Folder, .tar shard(s) (a folder, brace list, http(s):// or s3:// URL), .jsonl manifest, or .parquet file(s) (paths.source)."),
-    store: Optional[str] = typer.Option(None, "--store", help="Store folder to write the `images` table to (paths.store)."),
+    store: Optional[str] = typer.Option(None, "--store", help="Store folder to write the `images` table to (paths.store), or its URL (s3://bucket/prefix: written in a local cache, then pushed; one node)."),
     config: Optional[Path] = ConfigOpt,
     set_: list[str] = SetOpt,
     val_fraction: Optional[float] = typer.Option(None, "--val-fraction", help="Share of samples (by key) in val."),
@@ -27,6 +30,8 @@ def command(
     max_image_pixels: Optional[int] = typer.Option(None, "--max-image-pixels", help="Larger images -> quarantined."),
     workers: Optional[int] = typer.Option(None, "--workers", help="Processes resizing in parallel (0 = inline)."),
     as_json: bool = JsonOpt,
+    cache_dir: Optional[Path] = CacheDirOpt,
+    cache_gb: Optional[float] = CacheGbOpt,
 ) -> None:
     cfg = config_from(config, sets=set_, overrides=
         {
@@ -48,6 +53,10 @@ def command(
     dst = require(cfg.paths.store, "--store", "paths.store")
     from stages.resize.stage import run
 
+    from pipeline.store_url import StoreAccess
+
     with user_errors(dst), json_mode(as_json):
-        summary = run(cfg, src, dst)
+        log = (lambda m: typer.echo(m, err=True)) if as_json else echo  # --json: stdout holds the JSON alone
+        with StoreAccess(dst, cache_dir, cache_gb).for_stage("resize-bucket", log) as local:  # a URL: pushed after
+            summary = run(cfg, src, local)
     emit(summary, as_json)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 import typer
 
 from pipeline.commands.common import SetOpt, config_from, echo, json_mode, user_errors
+from pipeline.commands.store_remote import CacheDirOpt, CacheGbOpt
 
 
 def command(
@@ -14,6 +16,8 @@ def command(
     set_: list[str] = SetOpt,
     as_json: bool = typer.Option(False, "--json", help="Print a JSON list, one summary object per stage, on stdout "
                                  "(messages go to stderr)."),
+    cache_dir: Optional[Path] = CacheDirOpt,
+    cache_gb: Optional[float] = CacheGbOpt,
 ) -> None:
     cfg = config_from(config, {}, set_)
     from pipeline.orchestrate import run_all
@@ -23,14 +27,15 @@ def command(
         import sys
 
         with user_errors(), json_mode(True):
-            result = run_all(cfg, log=lambda m: print(m, file=sys.stderr))
+            result = run_all(cfg, log=lambda m: print(m, file=sys.stderr), cache_dir=cache_dir,
+                             cache_gb=cache_gb)
         from pipeline.commands.common import with_variant
 
         # every stage record names the variant of paths.model (resize-bucket's table is model-independent)
         echo(json.dumps([with_variant(o.result.to_json(), cfg.paths.model) for o in result.outcomes], sort_keys=True))
         return
     with user_errors():
-        result = run_all(cfg, log=echo)
+        result = run_all(cfg, log=echo, cache_dir=cache_dir, cache_gb=cache_gb)
     overall = result.metrics["loss"]["overall"]
     echo(f"held-out loss (val, {overall['n']} samples): base {overall['base']:.4f} -> LoRA {overall['lora']:.4f}")
     echo(f"report: {result.report}")

@@ -10,6 +10,7 @@ import typer
 from typing import Optional
 
 from pipeline.commands.common import ConfigOpt, config_from, echo, user_errors
+from pipeline.commands.store_remote import CacheDirOpt, CacheGbOpt
 
 store_app = typer.Typer(no_args_is_help=True)
 migrate_app = typer.Typer(no_args_is_help=True)
@@ -17,25 +18,39 @@ migrate_app = typer.Typer(no_args_is_help=True)
 StoreArg = typer.Argument(..., help="Store folder (holds store.json).")
 
 
+StoreOrUrlArg = typer.Argument(..., help="Store folder (holds store.json), or its URL (s3://bucket/prefix).")
+
+
 @store_app.command("inspect", help="Tables, versions, sample counts, buckets, bytes, lineage.")
-def inspect(store: Path = StoreArg, as_json: bool = typer.Option(False, "--json", help="Machine-readable.")) -> None:
+def inspect(store: str = StoreOrUrlArg, as_json: bool = typer.Option(False, "--json", help="Machine-readable.")) -> None:
     from store.inspect import describe, render
+    from store.remote import is_url
 
     with user_errors():
-        info = describe(store)
+        if is_url(store):  # its metadata only (store/remote_view.py)
+            from store.remote_view import metadata_copy
+
+            with metadata_copy(store) as root:
+                info = {**describe(root), "store": store}
+        else:
+            info = describe(Path(store))
     echo(json.dumps(info, indent=2, sort_keys=True) if as_json else render(info))
 
 
-@store_app.command("verify", help="Re-check every shard and manifest row; exit 1 with one line per problem.")
-def verify(store: Path = StoreArg) -> None:
+@store_app.command("verify", help="Re-check every shard and manifest row; exit 1 with one line per problem. A URL: "
+                   "every version pulled into the cache (each file checked as it arrives), then checked there.")
+def verify(store: str = StoreOrUrlArg, cache_dir: Optional[Path] = CacheDirOpt,
+           cache_gb: Optional[float] = CacheGbOpt) -> None:
+    from store.remote_cache import local_store
     from store.verify import verify_store
 
     with user_errors():
-        if not (store / "store.json").is_file():
+        root = local_store(store, None, cache_dir, cache_gb)  # a URL: its cached copy of every version
+        if not (root / "store.json").is_file():
             from schemas.errors import UserError
 
             raise UserError(f"no store at {store} (no store.json)")
-        problems = verify_store(store)
+        problems = verify_store(root)
     for p in problems:
         echo(p)
     if problems:

@@ -1,0 +1,57 @@
+"""What `pipeline store inspect` reads of a store at a URL: its metadata only, never a shard.
+
+Inspect describes tables from `store.json`, each version's `schema.json`, `checksums.json` and `manifest.parquet`
+(sample counts, buckets, bytes) and `quarantine.parquet`: a few KB per version, where pulling the versions into the
+cache would move the whole store. So these files alone are fetched into a temporary folder (checked as pull checks
+them: `checksums.json` by its seal, the others against it) and the local code path describes that folder. Only
+complete versions (those with a manifest on the remote) are described; a push in progress is not yet a version.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+from schemas.errors import UserError
+from store import format as fmt
+from store.checksum import crc_hex
+from store.remote import open_remote, remote_errors
+from store.remote_sync import _MANIFEST_RE, _checksums
+
+METADATA = (fmt.SCHEMA_JSON, fmt.MANIFEST)
+
+
+@contextmanager
+def metadata_copy(url: str, storage_options: dict[str, Any] | None = None) -> Iterator[Path]:
+    """A temporary local store folder holding the metadata of every complete version at `url`."""
+    url = url.rstrip("/")
+    remote = open_remote(url, storage_options)
+    with tempfile.TemporaryDirectory(prefix="store-inspect-") as tmp, remote_errors(url, "inspect"):
+        root = Path(tmp)
+        listing = remote.listing()
+        if fmt.STORE_JSON not in listing:
+            raise UserError(f"no store at {url} (no {fmt.STORE_JSON} there); check the URL, or push a store first")
+        for name in (fmt.STORE_JSON, fmt.QUARANTINE):
+            if name in listing:
+                (root / name).write_bytes(remote.read(name))
+        for rel in sorted(listing):
+            m = _MANIFEST_RE.fullmatch(rel)
+            if not m:
+                continue
+            base = f"{m.group(1)}/v{m.group(2)}"
+            vdir = root / base
+            vdir.mkdir(parents=True)
+            record = remote.read(f"{base}/{fmt.CHECKSUMS}")
+            files = _checksums(record, f"{url}/{base}/{fmt.CHECKSUMS}")
+            (vdir / fmt.CHECKSUMS).write_bytes(record)
+            for name in METADATA:
+                if name not in files:
+                    continue
+                data = remote.read(f"{base}/{name}")
+                if (len(data), crc_hex(data)) != (int(files[name]["nbytes"]), files[name]["crc32c"]):
+                    raise UserError(f"{url}/{base}/{name} is damaged (it does not match its version's "
+                                    f"{fmt.CHECKSUMS}); push that version again from an intact store")
+                (vdir / name).write_bytes(data)
+        yield root
