@@ -70,7 +70,7 @@ def test_two_ranks_skip_a_damaged_sample_together(tiny_edit_model, tmp_path) -> 
     assert not (tmp_path / "out" / "limit" / "lora").exists()
 
     # the same global batches on one process (batch 2 x 2 ranks = batch 4): the same LoRA
-    one = run(load_config(None, {"train.device": "cpu", "train.batch_size": 4, "train.lora.rank": 4,
+    run(load_config(None, {"train.device": "cpu", "train.batch_size": 4, "train.lora.rank": 4,
                                  "train.learning_rate": 2e-3, "train.sigma.sampling": "uniform",
                                  "train.max_steps": 2, "train.on_damaged": "skip",
                                  "train.max_damaged_fraction": 0.2}), store, tiny_edit_model, tmp_path / "one")
