@@ -1,5 +1,6 @@
-"""Where this start begins: a fresh run, a checkpoint to resume from (checked against this start), or the
-run the folder held kept aside (`--new-run`); then the run folder's files, and restoring the checkpoint."""
+"""This start's inputs (the tables, opened by all ranks together, and the record of what it trains on) and where
+it begins: a fresh run, a checkpoint to resume from (checked against this start), or the run the folder held kept
+aside (`--new-run`); then the run folder's files, and restoring the checkpoint once the model is built."""
 
 from __future__ import annotations
 
@@ -25,6 +26,29 @@ from store.join import JoinedTables
 
 if TYPE_CHECKING:
     from stages.train.recipe import Run
+
+
+def open_tables(tc: TrainConfig, store: str | Path, model: str, accelerator) -> JoinedTables:
+    """The `text` + `vae` samples this run trains on, opened by every rank together: a rank refused alone
+    stops every rank."""
+    from models.loading import model_fingerprint
+
+    with together(accelerator.num_processes, "opening the store"):
+        world = accelerator.num_processes
+        return open_configured(tc, "train", store, model, model_fingerprint(model), "train",
+                               rank=accelerator.process_index, world=world,
+                               combine=partial(any_over_ranks, world=world))
+
+
+def start_record(tc: TrainConfig, tables: JoinedTables, model: str, world_size: int) -> ResumeRecord:
+    """What this start trains on (step, epoch and batch are filled in at each checkpoint)."""
+    from models.loading import model_fingerprint
+
+    return ResumeRecord(
+        step=0, epoch=0, batch_in_epoch=0, config_fingerprint=config_fingerprint(tc),
+        tables=tables.versions(), store=str(Path(tables.store_root).resolve()),
+        model_fingerprint=model_fingerprint(model), world_size=world_size,
+    )
 
 
 def resume_point(r: Run, resume: bool, cfg: PipelineConfig) -> tuple[Path | None, ResumeRecord | None]:
@@ -74,6 +98,19 @@ def keep_previous(r: Run, why: str) -> tuple[None, None]:
     return None, None
 
 
+def prepare_run_dir(r: Run, cfg: PipelineConfig) -> None:
+    """Main process: the checkpoints folder without stale temp folders, this start's effective config, the
+    data report and the list of damaged samples skipped."""
+    r.checkpoints.mkdir(parents=True, exist_ok=True)
+    train_state.remove_stale(r.checkpoints)
+    atomic_write_bytes(r.run_dir / "train_config.yaml", dump_config(cfg).encode())
+    tqdm.write(write_data_report(r.run_dir, r.tables))
+    if r.tables.damaged:
+        report = guard.write_damaged_report(r.run_dir, r.tables.damaged)
+        tqdm.write(f"skipping {len(r.tables.damaged)} damaged sample(s) of {len(r.tables.damaged) + len(r.tables)} "
+                   f"(train.on_damaged=skip), listed in {report}")
+
+
 def restore(r: Run, latest: Path, record: ResumeRecord) -> None:
     load_lora(r.transformer, latest / "lora")
     train_state.load_optimizer(r.optimizer, latest)
@@ -87,39 +124,3 @@ def restore(r: Run, latest: Path, record: ResumeRecord) -> None:
         tqdm.write(f"resumed from {latest} (step {r.step}, epoch {record.epoch}, batch {record.batch_in_epoch})")
         if record.world_size != r.world:
             tqdm.write(elastic.change_line(record.world_size, r.world, record.canonical))
-
-
-def open_tables(tc: TrainConfig, store: str | Path, model: str, accelerator) -> JoinedTables:
-    """The `text` + `vae` samples this run trains on, opened by every rank together: a rank refused alone
-    stops every rank."""
-    from models.loading import model_fingerprint
-
-    with together(accelerator.num_processes, "opening the store"):
-        world = accelerator.num_processes
-        return open_configured(tc, "train", store, model, model_fingerprint(model), "train",
-                               rank=accelerator.process_index, world=world,
-                               combine=partial(any_over_ranks, world=world))
-
-
-def start_record(tc: TrainConfig, tables: JoinedTables, model: str, world_size: int) -> ResumeRecord:
-    """What this start trains on (step, epoch and batch are filled in at each checkpoint)."""
-    from models.loading import model_fingerprint
-
-    return ResumeRecord(
-        step=0, epoch=0, batch_in_epoch=0, config_fingerprint=config_fingerprint(tc),
-        tables=tables.versions(), store=str(Path(tables.store_root).resolve()),
-        model_fingerprint=model_fingerprint(model), world_size=world_size,
-    )
-
-
-def prepare_run_dir(r: Run, cfg: PipelineConfig) -> None:
-    """Main process: the checkpoints folder without stale temp folders, this start's effective config, the
-    data report and the list of damaged samples skipped."""
-    r.checkpoints.mkdir(parents=True, exist_ok=True)
-    train_state.remove_stale(r.checkpoints)
-    atomic_write_bytes(r.run_dir / "train_config.yaml", dump_config(cfg).encode())
-    tqdm.write(write_data_report(r.run_dir, r.tables))
-    if r.tables.damaged:
-        report = guard.write_damaged_report(r.run_dir, r.tables.damaged)
-        tqdm.write(f"skipping {len(r.tables.damaged)} damaged sample(s) of {len(r.tables.damaged) + len(r.tables)} "
-                   f"(train.on_damaged=skip), listed in {report}")
