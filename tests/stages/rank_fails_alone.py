@@ -45,13 +45,13 @@ def main() -> None:
                     "--device", "cpu", "--max-steps", "2", "--batch-size", "2", "--set", "train.lora.rank=4"]
     else:
         from schemas.errors import UserError
-        from stages.encode import common
+        from stages.encode import plan
 
         def refused(*a, **k):
             raise UserError("rank 1 cannot hold a read lease on the images table (test)")
 
         if RANK == 1:
-            common.hold = refused
+            plan.hold = refused  # where open_job takes its read lease (stages/encode/plan.py)
         sys.argv = ["pipeline", "run", "encode-vae", "--store", store, "--model", model, "--device", "cpu"]
     cli()
 
