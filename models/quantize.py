@@ -216,26 +216,12 @@ def load_quantized_transformer(folder, dtype, device, name: str):
     """The stock transformer class, built on the meta device and filled shard by shard, block linears
     quantised as they are read (see the module docstring)."""
     import gc
-    import json
     from pathlib import Path
 
-    import torch
-    from accelerate import init_empty_weights
-    from diffusers import QwenImageTransformer2DModel
-    from safetensors import safe_open
     from tqdm.auto import tqdm
 
     folder = Path(folder)
-    with init_empty_weights():
-        config = QwenImageTransformer2DModel.load_config(folder)
-        # the class the folder names (Qwen-Image-2.1: QwenImage21Transformer2DModel), the Edit one by default
-        import diffusers
-
-        cls = getattr(diffusers, config.get("_class_name", ""), QwenImageTransformer2DModel)
-        model = cls.from_config(config)
-    index = folder / "diffusion_pytorch_model.safetensors.index.json"
-    files = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file()
-             else ["diffusion_pytorch_model.safetensors"])
+    model = _empty_transformer(folder)
     to_quantize = quantized_weight_names(model)
     expected = {n for n, _ in model.named_parameters()}
     seen = set()
@@ -245,35 +231,11 @@ def load_quantized_transformer(folder, dtype, device, name: str):
 
         require("bitsandbytes", "quantize_base 'nf4'")  # before any weight is read
     cfg = None if name == "nf4" else torchao_config(name)
-
-    def quantize_read(sl, shape):
-        if name == "nf4":
-            step = _nf4_row_step(shape[1])
-            rows = max(step, ROWS // step * step)
-            return _join_nf4([_quantize_nf4_chunk(sl[i : i + rows].to(device=device, dtype=dtype))
-                              for i in range(0, shape[0], rows)], shape, dtype)
-        return _join_rows([_quantize_chunk(sl[i : i + ROWS].to(device=device, dtype=dtype), cfg)
-                           for i in range(0, shape[0], ROWS)], shape)
-
-    def read_tensor(path: Path, key: str) -> None:
-        # One mapping per tensor, closed when this returns: the file pages read stay in this process's RSS
-        # only while mapped, so at most one weight's pages are resident on top of the quantised model.
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            if key in to_quantize:  # ROWS rows read and quantised at a time: no whole bf16 weight
-                sl = f.get_slice(key)
-                t = quantize_read(sl, sl.get_shape())
-            else:  # a copy: a view would keep the file mapped
-                t = f.get_tensor(key).to(device=device, dtype=dtype, copy=True)
-        owner, _, pname = key.rpartition(".")
-        # a Params4bit is a Parameter already (re-wrapping would drop its quant_state)
-        model.get_submodule(owner)._parameters[pname] = t if is_nf4(t) else torch.nn.Parameter(t, requires_grad=False)
-        seen.add(key)
-
-    for file in tqdm(files, desc=f"load transformer ({name})", unit="shard", leave=False):
-        with safe_open(str(folder / file), framework="pt", device="cpu") as f:
-            keys = list(f.keys())
-        for key in keys:
-            read_tensor(folder / file, key)
+    for file in tqdm(_weight_files(folder), desc=f"load transformer ({name})", unit="shard", leave=False):
+        for key in _tensor_names(folder / file):
+            weight = _read_weight(folder / file, key, key in to_quantize, name, cfg, device, dtype)
+            _set_frozen_parameter(model, key, weight)
+            seen.add(key)
         gc.collect()  # torchao's quantise leaves reference cycles holding freed chunks (measured: 0.11 GiB)
     if expected - seen:
         from schemas.errors import UserError
@@ -282,6 +244,68 @@ def load_quantized_transformer(folder, dtype, device, name: str):
                         f"(e.g. {sorted(expected - seen)[:3]}): an incomplete or different model folder")
     install_frozen_linear_backward(model)  # NF4 weights have no linear of their own; torchao's saves a dense copy
     return model.eval()
+
+
+def _empty_transformer(folder):
+    """The class the folder names (Qwen-Image-2.1: QwenImage21Transformer2DModel; the Edit one by default),
+    built from its config on the meta device: no weight allocated."""
+    import diffusers
+    from accelerate import init_empty_weights
+    from diffusers import QwenImageTransformer2DModel
+
+    with init_empty_weights():
+        config = QwenImageTransformer2DModel.load_config(folder)
+        cls = getattr(diffusers, config.get("_class_name", ""), QwenImageTransformer2DModel)
+        return cls.from_config(config)
+
+
+def _weight_files(folder) -> list[str]:
+    """The folder's safetensors files: those its index names, or the single file."""
+    import json
+
+    index = folder / "diffusion_pytorch_model.safetensors.index.json"
+    return (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file()
+            else ["diffusion_pytorch_model.safetensors"])
+
+
+def _tensor_names(path) -> list[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt", device="cpu") as f:
+        return list(f.keys())
+
+
+def _read_weight(path, key: str, quantize: bool, name: str, cfg, device, dtype):
+    """One weight of one file, on `device`: quantised ROWS rows at a time (no whole bf16 weight), or a copy."""
+    from safetensors import safe_open
+
+    # One mapping per tensor, closed when this returns: the file pages read stay in this process's RSS
+    # only while mapped, so at most one weight's pages are resident on top of the quantised model.
+    with safe_open(str(path), framework="pt", device="cpu") as f:
+        if quantize:
+            sl = f.get_slice(key)
+            return _quantize_rows(sl, sl.get_shape(), name, cfg, device, dtype)
+        return f.get_tensor(key).to(device=device, dtype=dtype, copy=True)  # a copy: a view keeps the file mapped
+
+
+def _quantize_rows(sl, shape, name: str, cfg, device, dtype):
+    """A weight read as row slices and quantised chunk by chunk (NF4 on its block boundary, torchao per ROWS)."""
+    if name == "nf4":
+        step = _nf4_row_step(shape[1])
+        rows = max(step, ROWS // step * step)
+        return _join_nf4([_quantize_nf4_chunk(sl[i : i + rows].to(device=device, dtype=dtype))
+                          for i in range(0, shape[0], rows)], shape, dtype)
+    return _join_rows([_quantize_chunk(sl[i : i + ROWS].to(device=device, dtype=dtype), cfg)
+                       for i in range(0, shape[0], ROWS)], shape)
+
+
+def _set_frozen_parameter(model, key: str, weight) -> None:
+    import torch
+
+    owner, _, pname = key.rpartition(".")
+    # a Params4bit is a Parameter already (re-wrapping would drop its quant_state)
+    model.get_submodule(owner)._parameters[pname] = (weight if is_nf4(weight)
+                                                      else torch.nn.Parameter(weight, requires_grad=False))
 
 
 def quantization_config(name: str):

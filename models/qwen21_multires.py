@@ -248,7 +248,7 @@ def install_qwen21(transformer) -> None:
 class Qwen21Batched(torch.nn.Module):
     """`qwen21_forward` as a module's forward, for DDP: a DistributedDataParallel wrapper only synchronises the
     gradients of a forward that goes through it, and the stock transformer's own forward is the one-layout one.
-    Training wraps this (`stages/train/recipe.py`); it holds the transformer, no parameters of its own."""
+    Training wraps this (`stages/train/build.py`); it holds the transformer, no parameters of its own."""
 
     def __init__(self, transformer) -> None:
         super().__init__()

@@ -22,11 +22,7 @@ from schemas.img_shapes import ImgShape
 from store import integrity
 from store.check_ahead import DEFAULT_WINDOW, CheckAhead
 from store.integrity import DamagedData
-from store.manifest_view import (  # noqa: F401 - re-exported: the store's readers import them from here
-    ManifestView,
-    read_manifest,
-    read_schema,
-)
+from store.manifest_view import ManifestView
 from store.partition import epoch_order
 from store.sample_check import SampleCheck
 from store.shard import SAFETENSORS_DTYPES

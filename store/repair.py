@@ -32,7 +32,8 @@ from store import format as fmt
 from store import integrity
 from store.checksum import file_crc
 from store.manifest import merge_indexes
-from store.reader import TableReader, read_schema
+from store.manifest_view import read_schema
+from store.reader import TableReader
 from store.verify import verify_version
 
 DAMAGED_SUFFIX = ".damaged"  # `v<N>.damaged/`: not a version name, so every reader and writer ignores it
@@ -99,7 +100,7 @@ def _current_versions(root: Path) -> tuple[dict[str, int], str | None]:
 def _manifest(vdir: Path, sums: dict | None, plan: TablePlan) -> pa.Table | None:
     """The version's manifest; a damaged one is rebuilt from the per-shard indexes when they are intact."""
     try:
-        from store.reader import read_manifest
+        from store.manifest_view import read_manifest
 
         return read_manifest(vdir, integrity.read_checked(vdir, fmt.MANIFEST, sums))
     except UserError as e:

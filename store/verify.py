@@ -31,7 +31,8 @@ from store import format as fmt
 from store import integrity, quarantine
 from store.checksum import file_crc
 from store.manifest import CHECKSUM_COLUMNS, LOCATING_COLUMNS
-from store.reader import read_manifest, read_schema, torch_dtype
+from store.manifest_view import read_manifest, read_schema
+from store.reader import torch_dtype
 
 LITTER_NOTE = "temp file left by an interrupted write (`pipeline store repair` removes it)"
 

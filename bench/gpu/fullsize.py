@@ -148,7 +148,7 @@ def setup(d: dict, c: dict, device: torch.device, smoke: bool):
     from models.lora import add_lora, lora_parameters
     from models.multires import install_multires
     from pipeline.config import load_config
-    from stages.train import recipe
+    from stages.train import build
 
     model = build_model(d, device)
     counts = counts_of(model)
@@ -162,7 +162,7 @@ def setup(d: dict, c: dict, device: torch.device, smoke: bool):
     if c["checkpointing"] or c["offload"]:
         model.enable_gradient_checkpointing()
     if c["compile"]:
-        model.compile_repeated_blocks(dynamic=True, **recipe.COMPILE_OPTIONS)
+        model.compile_repeated_blocks(dynamic=True, **build.COMPILE_OPTIONS)
     if c["offload"]:
         from models.offload import offload_blocks
 

@@ -69,11 +69,7 @@ def _open_job(store_path: str | Path, stage: str, table: str, feature_hash: str,
     summary = Summary(stage=stage, table=table, rank=ranks.rank, world_size=ranks.world_size, store=str(path))
     # Per-sample reuse: the features depend on these settings, the components loaded and the images' own
     # feature lineage (render settings), not on the images version (a relabelled split is the same pixels).
-    upstream = images.schema.attrs.get(FEATURE_LINEAGE_ATTR) or images_id
-    origin = images.schema.attrs.get("migrated_from")  # v1 -> v2 migration: the very same pixels
-    if FEATURE_LINEAGE_ATTR not in images.schema.attrs and origin is not None and \
-            (store.version_dir(IMAGES_TABLE, int(origin)) / "manifest.parquet").is_file():
-        upstream = store.version_id(IMAGES_TABLE, int(origin))
+    upstream = _images_feature_lineage(store, images, images_id)
     fingerprint = component_fingerprint(model, components) if components else model_fingerprint(model)
     fl, *earlier = (feature_lineage(stage, h, fingerprint, code_version(feature_revision), upstream)
                     for h in (feature_hash, *earlier_hashes))
@@ -86,16 +82,40 @@ def _open_job(store_path: str | Path, stage: str, table: str, feature_hash: str,
                     earlier_lineages=tuple(earlier), lease=lease, on_damaged=on_damaged,
                     max_damaged_fraction=max_damaged_fraction)
     weakref.finalize(job, lease.release)
-    found = store.find_version(table, lineage)  # never a version recorded as damaged
-    for old, _ in hashed_before if found is None else ():
-        found = store.find_version(table, old)
-        if found is not None:
-            break
+    found = _identical_version(store, table, lineage, [old for old, _ in hashed_before])
     if found is not None:
         adopt(job, found)
         summary.seconds = time.perf_counter() - job.started
         job.close()  # nothing to read: the stage returns the summary
         return job
+    _note_damaged_current(job, store, stage, table)
+    return job
+
+
+def _images_feature_lineage(store: Store, images, images_id: str) -> str:
+    """The images' own feature lineage (render settings), or their version's identity; a table migrated from
+    v1 keeps the identity of the version it was migrated from (the very same pixels)."""
+    upstream = images.schema.attrs.get(FEATURE_LINEAGE_ATTR) or images_id
+    origin = images.schema.attrs.get("migrated_from")  # v1 -> v2 migration: the very same pixels
+    if FEATURE_LINEAGE_ATTR not in images.schema.attrs and origin is not None and \
+            (store.version_dir(IMAGES_TABLE, int(origin)) / "manifest.parquet").is_file():
+        upstream = store.version_id(IMAGES_TABLE, int(origin))
+    return upstream
+
+
+def _identical_version(store: Store, table: str, lineage: Lineage, hashed_before: list[Lineage]) -> int | None:
+    """A complete version of `table` with this lineage, or with one of the lineages hashed before the declared
+    scheme; never a version recorded as damaged."""
+    found = store.find_version(table, lineage)
+    for old in hashed_before if found is None else ():
+        found = store.find_version(table, old)
+        if found is not None:
+            break
+    return found
+
+
+def _note_damaged_current(job: EncodeJob, store: Store, stage: str, table: str) -> None:
+    """A current version recorded as damaged (outside `store repair`): this job recomputes its damaged samples."""
     current = store.tables().get(table)
     if current is not None and fmt.damaged_marker(store.root, table, current).exists() and not repair_context.active():
         from tqdm.auto import tqdm
@@ -104,4 +124,3 @@ def _open_job(store_path: str | Path, stage: str, table: str, feature_hash: str,
         tqdm.write(f"{stage}: table '{table}' v{current} is recorded as damaged "
                    f"({fmt.damaged_marker(store.root, table, current)}): recomputing its damaged samples into a new "
                    "version, carrying the intact ones forward")
-    return job

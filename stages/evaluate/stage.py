@@ -395,7 +395,6 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, ou
     tables, samples = read_val_samples(cfg, store, model)
     damaged = dict(tables.damaged)
 
-    dtype = parse_dtype(cfg.dtype)
     transformer = load_transformer(cfg, model)
     attach_lora(transformer, lora, cfg.lora_scale)
 
@@ -403,42 +402,56 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, ou
 
     rows: list[SampleRow] = []
     if cfg.num_samples > 0 or cfg.extra_prompts:
-        vae = load_component(model, "vae", dtype=dtype, device=cfg.device)
-        check_loaded_dtype(vae, cfg.dtype, "evaluate.dtype")
-        scheduler_config = dict(load_component(model, "scheduler").config)
-        st = Store(store, create=False)
-        if is_qwen21(transformer):
-            from stages.evaluate.qwen21 import val_rows_21 as val_rows_of
-        else:
-            val_rows_of = val_rows
-        images = images_reader(st, tables, cfg.on_damaged, cfg.max_open_shards)
-        rows = val_rows_of(transformer, vae, scheduler_config, pick_samples(samples, cfg.num_samples),
-                           images, cfg, damaged)
-        if images is not None:
-            images.close()
-        if cfg.extra_prompts and is_qwen21(transformer):
-            from stages.evaluate.qwen21 import extra_rows_21
-
-            rows += extra_rows_21(model, transformer, vae, cfg)
-        elif cfg.extra_prompts:
-            rows += extra_rows(model, transformer, vae, cfg)
+        rows = sample_rows(cfg, store, model, transformer, tables, samples, damaged)
 
     metrics = {
         "loss": loss,
         "generation": generation_summary(rows, cfg),
-        "run": {
-            "store": str(Path(store).resolve()),
-            "tables": tables.versions(),
-            "model": str(model),
-            "lora": str(Path(lora).resolve()),
-            "lora_scale": cfg.lora_scale,
-            "val_samples": len(samples),
-            "val_split": tables.report,
-            "damaged_samples": damaged,
-            "config": cfg.model_dump(mode="json"),
-            "inputs": inputs,
-        },
+        "run": _run_record(cfg, store, model, lora, tables, len(samples), damaged, inputs),
     }
     tables.close()  # readers and read lease: a process that goes on (`run all`) holds nothing of them
     return EvaluateResult(metrics, write_report(out, metrics, rows), seconds=time.perf_counter() - started,
                           damaged=damaged)
+
+
+def sample_rows(cfg: EvaluateConfig, store: str | Path, model: str, transformer, tables, samples: list,
+                damaged: dict) -> list[SampleRow]:
+    """Base and LoRA images of `num_samples` val samples (with their stored target and controls) and of the
+    extra prompts: the VAE and the scheduler are loaded only here."""
+    vae = load_component(model, "vae", dtype=parse_dtype(cfg.dtype), device=cfg.device)
+    check_loaded_dtype(vae, cfg.dtype, "evaluate.dtype")
+    scheduler_config = dict(load_component(model, "scheduler").config)
+    st = Store(store, create=False)
+    if is_qwen21(transformer):
+        from stages.evaluate.qwen21 import val_rows_21 as val_rows_of
+    else:
+        val_rows_of = val_rows
+    images = images_reader(st, tables, cfg.on_damaged, cfg.max_open_shards)
+    rows = val_rows_of(transformer, vae, scheduler_config, pick_samples(samples, cfg.num_samples),
+                       images, cfg, damaged)
+    if images is not None:
+        images.close()
+    if cfg.extra_prompts and is_qwen21(transformer):
+        from stages.evaluate.qwen21 import extra_rows_21
+
+        rows += extra_rows_21(model, transformer, vae, cfg)
+    elif cfg.extra_prompts:
+        rows += extra_rows(model, transformer, vae, cfg)
+    return rows
+
+
+def _run_record(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, tables, val_samples: int,
+                damaged: dict, inputs: dict) -> dict:
+    """metrics.json `run`: what was evaluated (`inputs`: what `skip_if_done` compares)."""
+    return {
+        "store": str(Path(store).resolve()),
+        "tables": tables.versions(),
+        "model": str(model),
+        "lora": str(Path(lora).resolve()),
+        "lora_scale": cfg.lora_scale,
+        "val_samples": val_samples,
+        "val_split": tables.report,
+        "damaged_samples": damaged,
+        "config": cfg.model_dump(mode="json"),
+        "inputs": inputs,
+    }

@@ -22,7 +22,7 @@ import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
-from PIL import Image, ImageCms, ImageOps, UnidentifiedImageError
+from PIL import Image, ImageCms, ImageOps, PngImagePlugin, UnidentifiedImageError
 
 ALLOWED_FORMATS = ("PNG", "JPEG", "WEBP", "TIFF", "BMP", "GIF")
 _SIXTEEN_BIT = ("I;16", "I;16L", "I;16B", "I;16N", "I")
@@ -87,9 +87,7 @@ def _open_oriented(data: bytes, max_pixels: int) -> tuple[Image.Image, list[str]
         frames = getattr(im, "n_frames", 1)
         try:
             if im.format == "PNG":
-                # decoding stops once the pixels are complete; only verify() walks every chunk's CRC to IEND,
-                # so a file cut after its image data (or with a flipped byte in a chunk) is caught here
-                Image.open(io.BytesIO(data), formats=("PNG",)).verify()
+                _check_png_chunks(data, im)
             im.load()
         except Exception as e:  # noqa: BLE001 - truncated/corrupt data raise OSError, ValueError, SyntaxError...
             raise ImageRejected("corrupt-image", f"truncated or corrupt image data: {e}") from None
@@ -103,6 +101,16 @@ def _open_oriented(data: bytes, max_pixels: int) -> tuple[Image.Image, list[str]
     except Exception:  # noqa: BLE001 - a corrupt EXIF block: keep the pixels as stored, say so
         notes.append("EXIF unreadable, orientation ignored")
     return im, notes
+
+
+def _check_png_chunks(data: bytes, im: Image.Image) -> None:
+    """Every chunk's CRC from the first image data to IEND (those before were checked while opening). Decoding
+    stops once the pixels are complete, so only this walk catches a file cut after its image data or a flipped
+    byte in a chunk. It is the walk Pillow's `verify()` runs, over the bytes already in memory, without the
+    second open of the image that `verify()` needs (it must come directly after an open, and spends the image)."""
+    chunks = PngImagePlugin.ChunkStream(io.BytesIO(data))
+    chunks.fp.seek(im.tile[0][2] - 8)  # back to the first IDAT's header, as `PngImageFile.verify`
+    chunks.verify()
 
 
 def _to_rgb(im: Image.Image, background: tuple[int, int, int]) -> tuple[Image.Image, str | None]:

@@ -101,3 +101,8 @@ class DamageTally:
             # agreed: every rank has these numbers from the same all-reduce, and raises this same line
             raise RankFailed(limit_message(self.damaged, self.read, len(tables), f, "train", tables.split,
                                            tables.store_root, str(self.run_dir / guard.DAMAGED_REPORT)))
+
+
+def tables_skip(tables: JoinedTables) -> bool:
+    """Whether this join was opened with on_damaged=skip (damaged samples left out where they are read)."""
+    return tables.on_damaged == "skip"

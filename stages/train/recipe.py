@@ -6,9 +6,14 @@
         log(run, stats)            TensorBoard scalars, progress bar
         checkpoint(run)            every checkpoint_every steps and at the end
     finish(run)                    the final LoRA
+    cleanup(run)                   after a finished run or an error: close whatever setup opened
 
-Each is a small function over `Run`, the recipe's state. Only the transformer is loaded, never the text encoder
-or the VAE: the store already holds their outputs.
+Each is a small function over `Run`, the recipe's state; the phases other than the step live in modules of
+their own: `settings.py` (config checks, fingerprint, precision, devices), `start.py` (the inputs, where this
+start begins: fresh, resumed or the previous run kept), `build.py` (transformer, adapter, optimizer, sampler,
+data stream), `schedule.py` (optimizer + LR schedule), `saving.py` (checkpoint, final LoRA, cleanup),
+`result.py` (`TrainResult`) and `current.py` (the up-to-date check of `skip_if_done`). Only the transformer is
+loaded, never the text encoder or the VAE: the store already holds their outputs.
 
 RUN/
   checkpoints/step-N/   LoRA + optimizer + scheduler + RNG + data position (stages/train/state.py)
@@ -33,80 +38,35 @@ Note: after a mid-epoch resume, that epoch's padding efficiency counts from the 
 from __future__ import annotations
 
 import time
-import warnings
-from contextlib import ExitStack, nullcontext
-from dataclasses import dataclass, field, replace
+from contextlib import nullcontext
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 from tqdm.auto import tqdm
 
-from features.open import open_configured
-from models.collective import fails_alone, together
+from models.collective import fails_alone
 from models.flow import FlowBatch, flow_loss_of
-from models.lora import WEIGHT_NAME, add_lora, load_lora, lora_parameters, save_lora
-from models.attention import use_attention_backend
-from models.multires import install_multires
-from schemas import up_to_date as current
-from schemas.config import PipelineConfig, TrainConfig, dump_config
-from schemas.errors import UserError
-from schemas.lineage import section_fingerprint, unhashed_names
-from stages.train import elastic, guard, parallel, previous, state as train_state
-from stages.train.budget import make_sampler
-from stages.train.damaged import DamagedRows, DamageTally
-from stages.train.data import DataStream, write_data_report
-from stages.train.launch import launched_world_size, use_cpu
+from schemas.config import PipelineConfig, TrainConfig
+from stages.train import guard, parallel
+from stages.train.build import build_training, check_shapes, setup_transformer
+from stages.train.current import up_to_date
+from stages.train.damaged import DamageTally
+from stages.train.data import DataStream
 from stages.train.prefetch import MicroBatches
-from stages.train.resume import changed_settings
+from stages.train.result import TrainResult
 from stages.train.sampler import padding_efficiency
+from stages.train.saving import checkpoint, cleanup, finish
+from stages.train.settings import make_accelerator, resolved_config, train_device, validate_config
+from stages.train.start import open_tables, prepare_run_dir, resume_point, start_record
 from stages.train.state import ResumeRecord
-from stages.train.summary import train_line
-from store.format import atomic_dir, atomic_write_bytes, atomic_write_json, pause_point
+from store.format import atomic_write_json
 from store.join import JoinedTables
 
 # What to change when a step runs out of memory (named in the error every rank prints).
 OOM_ADVICE = ("lower train.batch_size or train.max_tokens_per_batch, or set train.gradient_checkpointing, "
               "train.offload: blocks or train.quantize_base (`pipeline plan` predicts the peak)")
-
-# Extra torch.compile arguments of `train.compile` (tests use a fast backend).
-COMPILE_OPTIONS: dict[str, Any] = {}
-
-
-@dataclass
-class TrainResult:
-    run_dir: Path
-    lora_dir: Path
-    start_step: int  # 0, or the checkpoint step it resumed from
-    steps: int  # optimizer steps done in all
-    losses: list[float] = field(default_factory=list)  # mean per-sample loss of each step of this start
-    step_epochs: list[int] = field(default_factory=list)  # the epoch each of those steps began in
-    step_times: list[float] = field(default_factory=list)  # s per optimizer step: data + logging, no checkpoint
-    step_cpu_times: list[float] = field(default_factory=list)  # the same in process CPU time (robust to other load)
-    epoch_padding: dict[int, float] = field(default_factory=dict)  # epoch -> valid / computed tokens
-    skipped_steps: list[int] = field(default_factory=list)  # train.on_nonfinite=skip_step: steps not applied
-    main_process: bool = True
-    up_to_date: bool = False  # `skip_if_done` found the final LoRA of this very run: nothing trained
-    stage: str = "train"
-    seconds: float = 0.0
-    data: dict = field(default_factory=dict)  # the join's report: samples, dropped, reasons (store.join)
-    kept_previous: Path | None = None  # where the run the folder held before this fresh start was kept
-    init_lora: str | None = None  # train.init_lora this run started from (not a resume)
-
-    def to_json(self) -> dict:
-        from schemas.stage import summary_record
-
-        return summary_record(self.stage, seconds=self.seconds, up_to_date=self.up_to_date, steps=self.steps,
-                              start_step=self.start_step, lora=str(self.lora_dir),
-                              loss_first=self.losses[0] if self.losses else None,
-                              loss_last=self.losses[-1] if self.losses else None, data=self.data,
-                              kept_previous=str(self.kept_previous) if self.kept_previous else None)
-
-    def __str__(self) -> str:
-        if self.up_to_date:
-            return f"LoRA {self.lora_dir} is up to date ({self.steps} steps on the current tables)"
-        return train_line(self.start_step, self.steps, self.losses, self.step_epochs, self.lora_dir,
-                          init_lora=self.init_lora, skipped=len(self.skipped_steps))
 
 
 @dataclass
@@ -173,7 +133,6 @@ class StepStats:
     started: float  # perf_counter / process_time at the step's start: `log` adds its own time to the step's
     cpu_started: float
 
-
 # ---------------------------------------------------------------------------------------------- the recipe
 
 
@@ -193,7 +152,7 @@ def run(
     from stages.train.trackers import tracker_classes
 
     tracker_classes(cfg.train.log_with)  # every rank, before any work: an unknown or missing tracker stops all alike
-    accelerator = _accelerator(cfg.train)
+    accelerator = make_accelerator(cfg.train)
     # One writer per run folder: a second `train` into the same OUT is refused, naming the holder.
     run_lock = guard.lock_run_dir(Path(out)) if accelerator.is_main_process else None
     locks = [run_lock]
@@ -220,41 +179,22 @@ def setup(cfg: PipelineConfig, store: str | Path, model: str, out: str | Path, r
     """Check the config, open the inputs and the run folder (resume checks before any model is loaded), build
     the model, optimizer and sampler, restore a checkpoint. `locks`: the run folder's lock is appended there
     when a keep (`new_run`) makes a fresh folder."""
-    tc = cfg.train
     if accelerator is None:  # `run` makes it first (the run-folder lock needs the process rank)
-        validate_config(tc)
-        accelerator = _accelerator(tc)
-    chosen = train_device(tc, accelerator.local_process_index, accelerator.num_processes)
-    device = chosen or accelerator.device
-    requested = tc.dtype
-    tc = resolve_precision(tc, device)
-    cfg = cfg.model_copy(update={"train": tc})  # train_config.yaml records the resolved dtype
-    if accelerator.is_main_process:
-        from models.precision import describe, resolve_dtype
-
-        tqdm.write(describe("train (frozen base)", resolve_dtype(tc.dtype, device), device, requested)
-                   + (", bf16 autocast" if tc.mixed_precision == "bf16" and tc.dtype != "bfloat16" else "")
-                   + (f", quantize_base {tc.quantize_base}" if tc.quantize_base != "none" else ""))
-    from models.loading import model_fingerprint
-
-    with together(accelerator.num_processes, "opening the store"):  # a rank refused alone stops every rank
-        tables = open_configured(tc, "train", store, model, model_fingerprint(model), "train")
-    now = ResumeRecord(
-        step=0, epoch=0, batch_in_epoch=0, config_fingerprint=config_fingerprint(tc),
-        tables=tables.versions(), store=str(Path(tables.store_root).resolve()),
-        model_fingerprint=model_fingerprint(model), world_size=accelerator.num_processes,
-    )
+        validate_config(cfg.train)
+        accelerator = make_accelerator(cfg.train)
+    chosen = train_device(cfg.train, accelerator.local_process_index, accelerator.num_processes)
+    cfg = resolved_config(cfg, chosen or accelerator.device, accelerator.is_main_process)
+    tc = cfg.train
+    tables = open_tables(tc, store, model, accelerator)
+    now = start_record(tc, tables, model, accelerator.num_processes)
     r = Run(tc, accelerator, tables, Path(out), now, train_device=chosen, new_run=new_run, before_keep=before_keep)
     try:
-        latest, resumed = _resume_point(r, resume, cfg)
+        latest, resumed = resume_point(r, resume, cfg)
     finally:
         if locks is not None:
             locks.append(r.run_lock)
     if r.main:
-        r.checkpoints.mkdir(parents=True, exist_ok=True)
-        train_state.remove_stale(r.checkpoints)
-        atomic_write_bytes(r.run_dir / "train_config.yaml", dump_config(cfg).encode())
-        tqdm.write(write_data_report(r.run_dir, tables))
+        prepare_run_dir(r, cfg)
     accelerator.wait_for_everyone()
 
     r.transformer = setup_transformer(model, tc, r.device)
@@ -262,67 +202,10 @@ def setup(cfg: PipelineConfig, store: str | Path, model: str, out: str | Path, r
         from models.attention import attention_record
 
         atomic_write_json(r.run_dir / "attention.json", attention_record(r.transformer))
-    _check_shapes(tables, r.transformer)
-    _build_training(r, store, model, latest, resumed)
+    check_shapes(tables, r.transformer)
+    build_training(r, store, model, latest, resumed)
     r.bar = tqdm(total=tc.max_steps, initial=r.step, desc="train", unit="step", disable=not r.main, dynamic_ncols=True)
     return r
-
-
-def _build_training(r: Run, store: str | Path, model: str, latest: Path | None, resumed: ResumeRecord | None) -> None:
-    """Adapter (fresh, from init_lora, or restored from `latest`), optimizer, EMA, sampler and data stream,
-    validator, the DDP wrap, micro-batches, trackers and profiler: everything a step needs."""
-    tc = r.cfg
-    if tc.init_lora and latest is None:
-        from models.lora import init_from_lora, lora_weight_file
-        from store.checksum import check_recorded
-
-        check_recorded(lora_weight_file(tc.init_lora))
-        init_from_lora(r.transformer, tc.init_lora)
-    r.params = lora_parameters(r.transformer)
-    r.optimizer, r.scheduler = make_optimizer(r.params, tc)
-    if tc.ema_decay is not None:
-        from stages.train.ema import AdapterEMA
-
-        r.ema = AdapterEMA(r.params, tc.ema_decay)
-    # The order is planned for the run's first world size whatever this start's (stages/train/elastic.py).
-    canonical = resumed.canonical if resumed is not None else r.world
-    r.record = replace(r.record, canonical_world_size=canonical)
-    sampler = make_sampler(r.tables.lengths, tc.batch_size, tc.max_tokens_per_batch, tc.seed, tc.sampler_window, canonical)
-    r.stream = DataStream(elastic.on_world(sampler, r.world))
-    if latest is not None:
-        _restore(r, latest, resumed)
-    if tc.validate_every is not None or tc.sample_every is not None:
-        from stages.train.validate import Validator
-
-        r.validator = Validator(tc, store, model, r.run_dir)
-        if r.main and r.validator.damaged:
-            tqdm.write(f"validation: left out {len(r.validator.damaged)} damaged val sample(s) (train.on_damaged="
-                       f"skip): {', '.join(sorted(r.validator.damaged))}")
-    from models.qwen21_flow import is_qwen21
-
-    if is_qwen21(r.transformer):  # DDP must wrap the module whose forward training calls (models/qwen21_multires.py)
-        from models.qwen21_multires import Qwen21Batched
-
-        r.model = parallel.wrap(Qwen21Batched(r.transformer), r.world, tc.lora.target_modules)
-    else:
-        r.model = parallel.wrap(r.transformer, r.world, tc.lora.target_modules)
-    r.position = r.stream.position
-    if tables_skip(r.tables):
-        r.damage = DamageTally(r.run_dir, r.rank, r.world)
-    r.batches = MicroBatches(r.stream, r.tables, tc, r.rank, r.step, r.device, r.transformer.dtype, depth=tc.prefetch)
-    r.result = TrainResult(r.run_dir, r.run_dir / "lora", start_step=r.step, steps=r.step, main_process=r.main,
-                           data=r.tables.report, kept_previous=r.kept_previous,
-                           init_lora=tc.init_lora if tc.init_lora and latest is None else None)
-    if r.main:
-        from stages.train.trackers import Trackers
-
-        # purge_step drops events a killed run logged after its last checkpoint, so curves do not double back.
-        r.writer = Trackers(tc.log_with, r.run_dir, {"train": tc.model_dump(mode="json")},
-                            purge_step=r.step + 1 if r.step else None)
-    if tc.profile and tc.max_steps > r.step:
-        from stages.train.trackers import StepProfiler
-
-        r.profiler = StepProfiler(min(tc.profile, tc.max_steps - r.step), r.run_dir, r.rank, r.device)
 
 
 def step(r: Run) -> StepStats:
@@ -412,364 +295,13 @@ def log(r: Run, s: StepStats) -> None:
     r.result.step_cpu_times.append(time.process_time() - s.cpu_started)
 
 
-def checkpoint(r: Run) -> None:
-    """Every rank adds its RNG state; rank 0 writes the rest, the resume record last, and commits the folder
-    (rename) once all are in. Each part is agreed on by all ranks (models/collective.py, also the barriers):
-    a full disk on rank 0 stops every rank with rank 0's one line, instead of the others waiting for it."""
-    epoch, batch = r.position
-    record = replace(r.record, step=r.step, epoch=epoch, batch_in_epoch=batch)
-    acc, tmp = r.accelerator, train_state.temp_dir(r.checkpoints, r.step)
-    final = train_state.checkpoint_dir(r.checkpoints, r.step)
-    what = f"checkpoint step-{r.step}"
-
-    def step_of_all(part: str):
-        return together(r.world, f"{what} ({part})")
-
-    with ExitStack() as folder:  # rank 0's temp folder: committed by `folder.close()`, removed on an error
-        with step_of_all("temp folder"), guard.one_line_errors(what, r.checkpoints):
-            if r.main:
-                guard.check_lora_finite(r.params, final)
-                folder.enter_context(atomic_dir(final, tmp))
-        with step_of_all("RNG state"), guard.one_line_errors(what, r.checkpoints):
-            train_state.save_rng(tmp, acc.process_index)
-        with step_of_all("write"), guard.one_line_errors(what, r.checkpoints):
-            if r.main:
-                save_lora(r.transformer, tmp / "lora", base_fingerprint=r.record.model_fingerprint)
-                train_state.save_optimizer(r.optimizer, tmp)
-                train_state.save_scheduler(r.scheduler, tmp)
-                if r.ema is not None:
-                    r.ema.save(tmp)
-                train_state.write_record(tmp, record)
-                folder.close()  # fsync + rename: the checkpoint is committed
-                train_state.prune(r.checkpoints, r.cfg.keep_checkpoints)
-    pause_point("train_after_checkpoint")
-
-
-def finish(r: Run) -> TrainResult:
-    """The final LoRA (written into a temp folder, then swapped in, like a checkpoint)."""
-    r.bar.close()
-    r.batches.close()
-    r.result.steps = r.step
-    with together(r.world, "the final LoRA"):  # rank 0 writes; every rank learns whether it could
-        if r.main:
-            guard.check_lora_finite(r.params, r.result.lora_dir)
-            with guard.one_line_errors("the final LoRA", r.run_dir), \
-                    atomic_dir(r.result.lora_dir, r.run_dir / ".lora.tmp") as tmp:
-                _save_final_lora(r, tmp)
-            if r.ema is not None:
-                with guard.one_line_errors("the EMA LoRA", r.run_dir), \
-                        atomic_dir(r.run_dir / "lora_ema", r.run_dir / ".lora_ema.tmp") as tmp, r.ema.swapped_in():
-                    _save_final_lora(r, tmp)
-            r.writer.close()
-            tqdm.write(f"LoRA after {r.step} steps: {r.result.lora_dir}")
-            if r.damage is not None and r.damage.damaged:
-                tqdm.write(f"left out {r.damage.damaged} damaged sample read(s) of {r.damage.read} "
-                           f"(train.on_damaged=skip), listed in {r.run_dir / guard.DAMAGED_REPORT}")
-    return r.result
-
-
-def _save_final_lora(r: Run, folder: Path) -> None:
-    """The LoRA users load elsewhere: alpha folded in (every loader applies the same weights), the base model's
-    fingerprint in its metadata, and a sealed checksum record that every later load checks."""
-    from store.checksum import write_folder_record
-
-    save_lora(r.transformer, folder, fold_alpha=True, base_fingerprint=r.record.model_fingerprint)
-    write_folder_record(folder)
-
-
-def cleanup(r: Run | None, locks: list) -> None:
-    """The last phase, after a finished run or an error (torchtune's recipes end the same way): whatever setup
-    opened is closed - the micro-batch stream and its reader thread, the readers' shard descriptors and
-    check-ahead threads, the read lease (gc may take the versions now), the TensorBoard writer, the progress bar
-    and the run folder's locks - so a process that goes on (`pipeline run all`, tests) holds no descriptor of
-    this run. Every step here is idempotent (`finish` closed some of them already)."""
-    if r is not None:
-        if r.batches is not None:
-            r.batches.close()
-        if r.bar is not None:
-            r.bar.close()
-        if r.writer is not None:
-            r.writer.close()
-        r.tables.close()
-    for lock in locks:
-        if lock is not None:
-            lock.release()
-
-
-def up_to_date(cfg: PipelineConfig, store: str | Path, model: str, out: str | Path) -> bool:
-    """OUT/lora is the final LoRA of a run on the same tables, model and train config, trained to max_steps
-    (`schemas.up_to_date`: the last checkpoint's record against `run_inputs`)."""
-    weights = Path(out) / "lora" / WEIGHT_NAME
-    latest = train_state.latest_checkpoint(Path(out) / "checkpoints")
-    if not weights.is_file() or latest is None:
-        return False
-    # a LoRA older than the last checkpoint is a previous run's (killed before its final save)
-    if weights.stat().st_mtime < (latest / train_state.RESUME_JSON).stat().st_mtime:
-        return False
-    record = ResumeRecord.read(latest / train_state.RESUME_JSON)
-    return current.is_current({"step": record.step, **record.inputs()}, run_inputs(cfg, store, model))
-
-
-def run_inputs(cfg: PipelineConfig, store: str | Path, model: str) -> dict[str, Any]:
-    """What a finished run of `cfg` records: its last step, config fingerprint, table versions and model."""
-    from models.loading import model_fingerprint
-
-    tables = open_configured(cfg.train, "train", store, model, model_fingerprint(model), "train")  # as training does
-    tables.close()  # only its versions are compared
-    return {
-        "step": cfg.train.max_steps,
-        # the run records its resolved precision (dtype auto -> float32 / bfloat16 for its device)
-        "config_fingerprint": config_fingerprint(resolve_precision(cfg.train, planned_device(cfg.train))),
-        "tables": tables.versions(),
-        "model_fingerprint": model_fingerprint(model),
-    }
-
-
-# ---------------------------------------------------------------------------------------------- config
-
-
-def validate_config(cfg: TrainConfig) -> None:
-    if cfg.mixed_precision == "fp16":
-        raise UserError("train.mixed_precision 'fp16' is not supported (no loss scaling here); use 'bf16' or 'no'")
-    if cfg.warmup_steps > cfg.max_steps:
-        raise UserError(f"train.warmup_steps ({cfg.warmup_steps}) exceeds train.max_steps ({cfg.max_steps})")
-
-
-def config_fingerprint(cfg: TrainConfig) -> str:
-    """What determines the trained weights, as declared in schemas/config.py (a resume may change the rest)."""
-    return section_fingerprint(cfg)
-
-
-#: train.lr_schedule -> the name of diffusers' schedule (`diffusers.optimization.get_scheduler`) with that shape
-LIBRARY_SCHEDULES = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}
-
-
-def lr_schedule(cfg: TrainConfig) -> Callable[[int], float]:
-    """Multiplier of the base LR per optimizer step (0-based): diffusers' schedule of `train.lr_schedule` with
-    linear warm-up. The warm-up is read one step ahead, so the first step trains at 1/warmup_steps of the LR,
-    not at 0 (a step at LR 0 would do nothing); from the end of the warm-up on it is the library's, step for step."""
-    from diffusers.optimization import get_scheduler
-
-    probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)  # get_scheduler wants an optimizer
-    library = get_scheduler(LIBRARY_SCHEDULES[cfg.lr_schedule], probe, num_warmup_steps=cfg.warmup_steps,
-                            num_training_steps=cfg.max_steps).lr_lambdas[0]
-    warmup = cfg.warmup_steps
-    return lambda step: library(step + 1 if step < warmup else step)
-
-
-def lr_factor(step: int, cfg: TrainConfig) -> float:
-    """Multiplier of the base LR for optimizer step `step` (0-based): `lr_schedule(cfg)` at that step."""
-    return lr_schedule(cfg)(step)
-
-
-# ---------------------------------------------------------------------------------------------- setup pieces
-
-
-def _accelerator(cfg: TrainConfig):
-    from accelerate import Accelerator
-
-    from models.loading import check_device
-    from models.precision import device_for_rank, first_device
-
-    if cfg.device is not None:  # a requested GPU that is not there is an error, not a silent CPU run
-        check_device(device_for_rank(cfg.device, what="train.device"), "train.device")
-    # Mixed precision is applied with torch.autocast below, not by accelerate, so that several runs in one
-    # process (tests, notebooks) never fight over accelerate's process-wide state.
-    accelerator = Accelerator(cpu=use_cpu(first_device(cfg.device)))
-    launched = launched_world_size()
-    if accelerator.num_processes != launched:  # never N independent single-process runs into one folder
-        raise UserError(
-            f"launched as {launched} processes but accelerate set up {accelerator.num_processes} "
-            f"({accelerator.distributed_type}); set train.device (e.g. --device cpu) or fix the launch"
-        )
-    if cfg.device is None and launched > 1 and accelerator.device.type == "cpu" and accelerator.is_main_process:
-        tqdm.write(f"no GPU: the {launched} processes train on the CPU (gloo); set train.device to choose")
-    return accelerator
-
-
-def train_device(cfg: TrainConfig, local_rank: int, world_size: int) -> torch.device | None:
-    """This rank's device from `train.device` (cuda:N, a per-rank list, or cuda = cuda:LOCAL_RANK); None =
-    accelerate's choice. A set GPU index becomes the current CUDA device, so NCCL and `cuda` tensors use it
-    (accelerate alone would put a single process on cuda:0 whatever was asked)."""
-    from models.loading import check_device
-    from models.precision import device_for_rank
-
-    if cfg.device is None:
-        return None
-    dev = check_device(device_for_rank(cfg.device, local_rank, world_size, "train.device"), "train.device")
-    if dev.type == "cuda" and dev.index is not None:
-        torch.cuda.set_device(dev)
-    return dev
-
-
-def planned_device(cfg: TrainConfig) -> torch.device:
-    """The device a single-process run of `cfg` would use, without starting accelerate (for up-to-date checks)."""
-    from models.precision import device_for_rank
-
-    if cfg.device is not None:
-        return torch.device(device_for_rank(cfg.device, what="train.device"))
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def resolve_precision(cfg: TrainConfig, device: torch.device) -> TrainConfig:
-    """The config with the precision `models.precision.resolve_precision` decides for `device`: `train.dtype`
-    is the frozen base's dtype (what loads and is recorded), `mixed_precision` the autocast around it."""
-    from models.precision import resolve_precision as resolve
-
-    if cfg.dtype == "float16":
-        raise UserError("train.dtype float16 is not supported (no loss scaling here); use bfloat16, float32 or auto")
-    precision = resolve(cfg.dtype, device, cfg.mixed_precision, what="train.dtype")
-    update: dict[str, Any] = {"dtype": precision.weights, "mixed_precision": "bf16" if precision.autocast_bf16 else "no"}
-    if cfg.offload == "blocks" and not cfg.gradient_checkpointing:
-        # Offloaded weights are fetched again for the backward's recompute; without checkpointing autograd
-        # would hold every block's device copy until the backward (no memory saved).
-        tqdm.write("train.offload blocks: gradient checkpointing turned on")
-        update["gradient_checkpointing"] = True
-    return cfg.model_copy(update=update)
+# ---------------------------------------------------------------------------------------------- step pieces
 
 
 def _autocast(cfg: TrainConfig, device: torch.device):
     if cfg.mixed_precision != "bf16":
         return nullcontext()
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-
-
-def _resume_point(r: Run, resume: bool, cfg: PipelineConfig) -> tuple[Path | None, ResumeRecord | None]:
-    """The checkpoint to resume from and its record (checked against this start, files checked once), or
-    (None, None); refuses to overwrite a run."""
-    latest = train_state.latest_checkpoint(r.checkpoints)
-    if not resume and r.new_run and previous.holds_trained_run(r.run_dir):
-        return _keep_previous(r, "--new-run")
-    if latest is not None and not resume:
-        raise UserError(f"{r.run_dir} already holds checkpoints ({latest.name}); pass --resume to continue it, "
-                        f"--new-run to keep it as {previous.previous_root(r.run_dir)}/N-TIME and train afresh, "
-                        "or use a new --out")
-    if not resume or latest is None:
-        return None, None
-    record = ResumeRecord.read(latest / train_state.RESUME_JSON)
-    try:
-        record.check_matches(r.record, latest)
-        if record.step > r.cfg.max_steps:
-            raise train_state.ResumeMismatch(
-                f"{latest} is already past train.max_steps ({record.step} > {r.cfg.max_steps}): raise max_steps "
-                "to continue, or use a new --out for a shorter run",
-                reason=f"train.max_steps {record.step} -> {r.cfg.max_steps}")
-    except train_state.ResumeMismatch as e:
-        ignore = unhashed_names(r.cfg)
-        changed = changed_settings(r.run_dir, cfg.model_dump(mode="json"), ignore)
-        why = f"{e}\nchanged since {r.run_dir / 'train_config.yaml'}:\n  " + "\n  ".join(changed) if changed else str(e)
-        if r.new_run:
-            return _keep_previous(r, "; ".join([e.reason, *changed]))
-        raise train_state.ResumeMismatch(
-            f"{why}\nTo keep this run (moved to {previous.previous_root(r.run_dir)}/N-TIME) and train afresh into "
-            f"{r.run_dir}, add --new-run (what `pipeline run all` does)", reason=e.reason) from None
-    return latest, record
-
-
-def _keep_previous(r: Run, why: str) -> tuple[None, None]:
-    """Every rank has decided alike (from the same files); once all are past reading the old run, the main
-    process moves it aside in one rename and locks the fresh folder."""
-    r.accelerator.wait_for_everyone()
-    if r.main:
-        if r.before_keep is not None:
-            r.before_keep(r.run_dir)
-        r.kept_previous = previous.keep(r.run_dir)
-        r.run_lock = guard.lock_run_dir(r.run_dir)
-        tqdm.write(f"kept the previous run of {r.run_dir} (its LoRA and checkpoints) in {r.kept_previous}; "
-                   f"training afresh into {r.run_dir} ({why})")
-    r.accelerator.wait_for_everyone()
-    return None, None
-
-
-def _restore(r: Run, latest: Path, record: ResumeRecord) -> None:
-    load_lora(r.transformer, latest / "lora")
-    train_state.load_optimizer(r.optimizer, latest)
-    train_state.load_scheduler(r.scheduler, latest)
-    elastic.restore_rng(latest, r.rank, record.world_size == r.world, r.cfg.seed, record.step)
-    if r.ema is not None:
-        r.ema.load(latest)
-    r.step = record.step
-    r.stream = DataStream(r.stream.sampler, record.epoch, record.batch_in_epoch)
-    if r.main:
-        tqdm.write(f"resumed from {latest} (step {r.step}, epoch {record.epoch}, batch {record.batch_in_epoch})")
-        if record.world_size != r.world:
-            tqdm.write(elastic.change_line(record.world_size, r.world, record.canonical))
-
-
-def setup_transformer(model: str, cfg: TrainConfig, device: torch.device):
-    """Frozen base (optionally quantised while loading, optionally offloaded), multires attention, one trainable
-    LoRA adapter."""
-    from models.loading import load_component
-    from models.precision import check_loaded_dtype, dtype_name, resolve_dtype
-
-    base_dtype = resolve_dtype(cfg.dtype, device)  # resolved (resolve_precision): what train_config.yaml records
-    # Quantised (models/quantize.py) while loading, straight onto the device: the bf16 base never sits whole
-    # in memory when quantize_base is set. With offload the blocks load into host memory and only what stays
-    # resident moves to the device.
-    load_on = torch.device("cpu") if cfg.offload == "blocks" else device
-    transformer = load_component(model, "transformer", dtype=base_dtype, device=load_on, quantize=cfg.quantize_base)
-    check_loaded_dtype(transformer, dtype_name(base_dtype), "train.dtype")
-    from models.qwen21_flow import is_qwen21
-
-    if is_qwen21(transformer):  # 2.1 mixes layouts with its own forward (models/qwen21_multires.py)
-        from models.qwen21_multires import install_qwen21
-
-        install_qwen21(transformer)
-    else:
-        install_multires(transformer)
-    use_attention_backend(transformer, cfg.attention_backend, "train.attention_backend", device, base_dtype)
-    transformer.requires_grad_(False)
-    if cfg.quantize_base != "none":
-        from models.quantize import install_frozen_linear_backward
-
-        install_frozen_linear_backward(transformer)  # saves the quantised, not a dequantised, weight
-    torch.manual_seed(cfg.seed)  # LoRA init: the same on every rank
-    with warnings.catch_warnings():
-        # peft warns that a torchao base cannot merge/unmerge; training never merges (`pipeline lora merge`
-        # works on the unquantised base).
-        warnings.filterwarnings("ignore", message="TorchaoLoraLinear was instantiated")
-        add_lora(transformer, cfg.lora)
-    if cfg.gradient_checkpointing or cfg.offload == "blocks":
-        transformer.enable_gradient_checkpointing()
-    if cfg.compile:  # regional: each block compiled in place (same parameter names); shapes vary per batch
-        transformer.compile_repeated_blocks(dynamic=True, **COMPILE_OPTIONS)
-    if cfg.offload == "blocks":
-        from models.offload import offload_blocks
-
-        offload_blocks(transformer, device, keep=cfg.offload_blocks_on_device)
-    else:
-        transformer.to(device)
-    transformer.train()
-    return transformer
-
-
-def _check_shapes(tables: JoinedTables, transformer) -> None:
-    s = DamagedRows(skip=tables_skip(tables)).stand_in(tables, [])  # the first intact sample: a read, not a pass
-    if s.slot_mask is not None:  # Qwen-Image-2.1 features
-        from models.qwen21_flow import check_shapes_21
-
-        if (problem := check_shapes_21(s, transformer, str(tables.store_root))) is not None:
-            raise UserError(problem)
-        return
-    c4, d = s.target.shape[0] * 4, s.prompt_embeds.shape[1]
-    cfg = transformer.config
-    if c4 != cfg.in_channels or d != cfg.joint_attention_dim:
-        raise UserError(
-            f"store {tables.store_root} holds latents with {s.target.shape[0]} channels and text embeds of width {d}, "
-            f"but the transformer expects {cfg.in_channels // 4} and {cfg.joint_attention_dim}: wrong --model?"
-        )
-
-
-def make_optimizer(params, cfg: TrainConfig):
-    from stages.train.optimizers import build_optimizer
-
-    optimizer = build_optimizer(params, cfg)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(cfg))
-    return optimizer, scheduler
-
-
-# ---------------------------------------------------------------------------------------------- step pieces
-
 
 def backward_of(model, fb: FlowBatch, tc: TrainConfig, device: torch.device, scale: float) -> torch.Tensor:
     """Flow loss of a prepared micro-batch, backward of `scale` x its sum; the detached per-sample losses [B]."""
@@ -792,10 +324,6 @@ def _count_epoch_tokens(r: Run, epoch: int, global_batch: list[list[int]], ends_
         r.writer.add_scalar("epoch/padding_efficiency", eff, r.step + 1)
         r.bar.write(f"epoch {epoch}: padding efficiency {eff:.3f} (valid / computed tokens)")
     r.epoch_tokens = [0, 0]
-
-
-def tables_skip(tables: JoinedTables) -> bool:
-    return tables.on_damaged == "skip"
 
 
 def _rescale(params: list[torch.nn.Parameter], factor: torch.Tensor) -> None:

@@ -47,7 +47,7 @@ def test_auto_is_bf16_on_a_bf16_gpu_and_float32_on_an_older_one(fake_gpus):
 def test_stage_sections_resolve_and_record_a_concrete_dtype(fake_gpus):
     from stages.encode.common import config_hash, resolve_precision
     from stages.evaluate.stage import resolved_config
-    from stages.train.recipe import resolve_precision as train_precision
+    from stages.train.settings import resolve_precision as train_precision
 
     cfg = load_config(None)
     cpu_vae = resolve_precision(cfg.encode_vae, "cpu", "encode-vae")
@@ -79,7 +79,7 @@ def test_device_lists_and_local_rank(fake_gpus, monkeypatch):
     assert device_for_rank(["cpu", "cuda:1"]) == "cuda:1"
 
     from stages.encode.common import Ranks, rank_device
-    from stages.train.recipe import train_device
+    from stages.train.settings import train_device
 
     assert rank_device(["cuda:1", "cuda:0"], Ranks(1, 2, 1)) == "cuda:0"
     chosen = fake_gpus((9, 0))

@@ -67,7 +67,7 @@ def test_an_undeclared_field_is_refused():
 
 # Values computed by the code before the declared scheme (commit 34f7d89): runs and tables made then stay current.
 def test_train_and_resize_fingerprints_equal_their_pre_scheme_values():
-    from stages.train.recipe import config_fingerprint
+    from stages.train.settings import config_fingerprint
 
     assert config_fingerprint(C.TrainConfig(dtype="float32")) == "a0d4db39ac12a0bb"
     assert config_fingerprint(C.TrainConfig(dtype="float32", lr_schedule="cosine", max_steps=7)) == "d161a628dea67558"

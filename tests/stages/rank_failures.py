@@ -41,7 +41,7 @@ def case(name: str, module, attr: str, failing, call) -> None:
 def main() -> None:
     train_store, model, out, encode_store, damaged_store = map(Path, sys.argv[1:6])
     from stages.encode import vae as encode_vae
-    from stages.train import recipe
+    from stages.train import recipe, saving as train_saving
     from stages.train import state as train_state
     from store import writer
 
@@ -53,7 +53,7 @@ def main() -> None:
         return lambda transformer, folder, *a, **k: (enospc() if Path(folder).name == ".lora.tmp"
                                                      else real(transformer, folder, *a, **k))
 
-    case("final", recipe, "save_lora", final_only,
+    case("final", train_saving, "save_lora", final_only,
          lambda: recipe.run(load_config(None, {**train, "train.checkpoint_every": 100}), train_store, model, out / "b"))
     case("commit", writer, "write_version_checksums", lambda real: enospc,
          lambda: encode_vae.run(load_config(None, {"encode_vae.device": "cpu"}), encode_store, model))

@@ -8,7 +8,7 @@ import torch
 from diffusers.optimization import get_scheduler
 
 from pipeline.config import load_config
-from stages.train.recipe import LIBRARY_SCHEDULES, lr_factor, make_optimizer
+from stages.train.schedule import LIBRARY_SCHEDULES, lr_factor, make_optimizer
 
 
 def _library_lrs(name: str, warmup: int, total: int) -> list[float]:

@@ -20,7 +20,8 @@ from pipeline.config import load_config
 from schemas import UserError
 from stages.train import state as train_state
 from stages.train.sampler import LengthAwareBatchSampler
-from stages.train.recipe import lr_factor, run, setup_transformer
+from stages.train.recipe import run, setup_transformer
+from stages.train.schedule import lr_factor
 from models.flow import flow_loss
 from models.randomness import draw_noise
 from stages.train.data import load, open_inputs as open_train_tables

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from pipeline.cli import app
 from pipeline.config import load_config
 from schemas import UserError
-from stages.train import guard as train_guard, recipe as train, state as train_state
+from stages.train import guard as train_guard, saving as train_saving, state as train_state
 from stages.train.recipe import run
 from store import Store
 from store.integrity import DamagedData
@@ -216,7 +216,7 @@ def test_full_disk_during_checkpoint_and_final_lora_is_one_line_and_rerun_comple
     args = ["run", "train", "--store", str(root), "--model", tiny_edit_model, "--out", str(out), "--max-steps", "2",
             "--batch-size", "2", "--device", "cpu"]
     real = train_state.save_optimizer
-    real_save_lora = train.save_lora
+    real_save_lora = train_saving.save_lora
 
     def half_then_full(optimizer, folder):
         real(optimizer, folder)
@@ -236,7 +236,7 @@ def test_full_disk_during_checkpoint_and_final_lora_is_one_line_and_rerun_comple
         raise SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "
                               "\"No space left on device\" }) (os error 28)")
 
-    monkeypatch.setattr(train, "save_lora", lambda t, d, **_: (Path(d).mkdir(parents=True, exist_ok=True), lora_full()))
+    monkeypatch.setattr(train_saving, "save_lora", lambda t, d, **_: (Path(d).mkdir(parents=True, exist_ok=True), lora_full()))
     res = runner.invoke(app, args)
     assert res.exit_code == 1 and "disk full while writing checkpoint step-2" in res.output
     def final_lora_full(t, d, **kw):  # checkpoints save fine; the final LoRA hits the full disk
@@ -246,7 +246,7 @@ def test_full_disk_during_checkpoint_and_final_lora_is_one_line_and_rerun_comple
             lora_full()
         return real_save_lora(t, d, **kw)
 
-    monkeypatch.setattr(train, "save_lora", final_lora_full)
+    monkeypatch.setattr(train_saving, "save_lora", final_lora_full)
     res = runner.invoke(app, args)
     assert res.exit_code == 1 and "disk full while writing the final LoRA" in res.output, res.output
     assert not (out / ".lora.tmp").exists() and not (out / "lora").exists()

@@ -63,15 +63,15 @@ def test_prefetch_trains_the_same_lora_as_inline_and_checkpoints_the_consumed_po
 
 
 def test_packed_attention_and_compiled_blocks_train_the_same_lora(store_dir, tiny_edit_model, tmp_path, monkeypatch):
-    from stages.train import recipe
+    from stages.train import build
     from train_store import assert_close_lora
 
     run(cfg_of(batch_size=4, max_steps=2), store_dir, tiny_edit_model, tmp_path / "native")
     run(cfg_of(batch_size=4, max_steps=2, attention_backend="packed"), store_dir, tiny_edit_model, tmp_path / "packed")
     # Inductor on this 2-core CPU takes minutes per shape: the wiring (regional compile of every block, dynamic
     # shapes, autograd through the compiled blocks) is checked with the aot_eager backend.
-    monkeypatch.setattr(recipe, "COMPILE_OPTIONS", {"backend": "aot_eager"})
-    compiled = recipe.setup_transformer(tiny_edit_model, cfg_of(compile=True).train, torch.device("cpu"))
+    monkeypatch.setattr(build, "COMPILE_OPTIONS", {"backend": "aot_eager"})
+    compiled = build.setup_transformer(tiny_edit_model, cfg_of(compile=True).train, torch.device("cpu"))
     assert all(b._compiled_call_impl is not None for b in compiled.transformer_blocks)
     run(cfg_of(batch_size=4, max_steps=2, compile=True), store_dir, tiny_edit_model, tmp_path / "compiled")
     a, b, c = (read_lora(tmp_path / n / "lora")[0] for n in ("native", "packed", "compiled"))

@@ -1,0 +1,44 @@
+"""Whether OUT already holds the final LoRA of this very run (`pipeline run all`'s `skip_if_done`), by the one
+up-to-date rule (`schemas/up_to_date.py`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from features.open import open_configured
+from models.lora import WEIGHT_NAME
+from schemas import up_to_date as current
+from schemas.config import PipelineConfig
+from stages.train import state as train_state
+from stages.train.settings import config_fingerprint, planned_device, resolve_precision
+from stages.train.state import ResumeRecord
+
+
+def up_to_date(cfg: PipelineConfig, store: str | Path, model: str, out: str | Path) -> bool:
+    """OUT/lora is the final LoRA of a run on the same tables, model and train config, trained to max_steps
+    (`schemas.up_to_date`: the last checkpoint's record against `run_inputs`)."""
+    weights = Path(out) / "lora" / WEIGHT_NAME
+    latest = train_state.latest_checkpoint(Path(out) / "checkpoints")
+    if not weights.is_file() or latest is None:
+        return False
+    # a LoRA older than the last checkpoint is a previous run's (killed before its final save)
+    if weights.stat().st_mtime < (latest / train_state.RESUME_JSON).stat().st_mtime:
+        return False
+    record = ResumeRecord.read(latest / train_state.RESUME_JSON)
+    return current.is_current({"step": record.step, **record.inputs()}, run_inputs(cfg, store, model))
+
+
+def run_inputs(cfg: PipelineConfig, store: str | Path, model: str) -> dict[str, Any]:
+    """What a finished run of `cfg` records: its last step, config fingerprint, table versions and model."""
+    from models.loading import model_fingerprint
+
+    tables = open_configured(cfg.train, "train", store, model, model_fingerprint(model), "train")  # as training does
+    tables.close()  # only its versions are compared
+    return {
+        "step": cfg.train.max_steps,
+        # the run records its resolved precision (dtype auto -> float32 / bfloat16 for its device)
+        "config_fingerprint": config_fingerprint(resolve_precision(cfg.train, planned_device(cfg.train))),
+        "tables": tables.versions(),
+        "model_fingerprint": model_fingerprint(model),
+    }

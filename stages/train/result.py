@@ -1,0 +1,44 @@
+"""`TrainResult`: what the train stage returns (its summary record and its one line)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from stages.train.summary import train_line
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    lora_dir: Path
+    start_step: int  # 0, or the checkpoint step it resumed from
+    steps: int  # optimizer steps done in all
+    losses: list[float] = field(default_factory=list)  # mean per-sample loss of each step of this start
+    step_epochs: list[int] = field(default_factory=list)  # the epoch each of those steps began in
+    step_times: list[float] = field(default_factory=list)  # s per optimizer step: data + logging, no checkpoint
+    step_cpu_times: list[float] = field(default_factory=list)  # the same in process CPU time (robust to other load)
+    epoch_padding: dict[int, float] = field(default_factory=dict)  # epoch -> valid / computed tokens
+    skipped_steps: list[int] = field(default_factory=list)  # train.on_nonfinite=skip_step: steps not applied
+    main_process: bool = True
+    up_to_date: bool = False  # `skip_if_done` found the final LoRA of this very run: nothing trained
+    stage: str = "train"
+    seconds: float = 0.0
+    data: dict = field(default_factory=dict)  # the join's report: samples, dropped, reasons (store.join)
+    kept_previous: Path | None = None  # where the run the folder held before this fresh start was kept
+    init_lora: str | None = None  # train.init_lora this run started from (not a resume)
+
+    def to_json(self) -> dict:
+        from schemas.stage import summary_record
+
+        return summary_record(self.stage, seconds=self.seconds, up_to_date=self.up_to_date, steps=self.steps,
+                              start_step=self.start_step, lora=str(self.lora_dir),
+                              loss_first=self.losses[0] if self.losses else None,
+                              loss_last=self.losses[-1] if self.losses else None, data=self.data,
+                              kept_previous=str(self.kept_previous) if self.kept_previous else None)
+
+    def __str__(self) -> str:
+        if self.up_to_date:
+            return f"LoRA {self.lora_dir} is up to date ({self.steps} steps on the current tables)"
+        return train_line(self.start_step, self.steps, self.losses, self.step_epochs, self.lora_dir,
+                          init_lora=self.init_lora, skipped=len(self.skipped_steps))

@@ -1,0 +1,104 @@
+"""Writing what training made: each checkpoint (agreed on by all ranks, committed by rename), the final LoRA,
+and `cleanup`, the last phase, which closes whatever setup opened."""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from tqdm.auto import tqdm
+
+from models.collective import together
+from models.lora import save_lora
+from stages.train import guard, state as train_state
+from stages.train.result import TrainResult
+from store.format import atomic_dir, pause_point
+
+if TYPE_CHECKING:
+    from stages.train.recipe import Run
+
+
+def checkpoint(r: Run) -> None:
+    """Every rank adds its RNG state; rank 0 writes the rest, the resume record last, and commits the folder
+    (rename) once all are in. Each part is agreed on by all ranks (models/collective.py, also the barriers):
+    a full disk on rank 0 stops every rank with rank 0's one line, instead of the others waiting for it."""
+    epoch, batch = r.position
+    record = replace(r.record, step=r.step, epoch=epoch, batch_in_epoch=batch)
+    acc, tmp = r.accelerator, train_state.temp_dir(r.checkpoints, r.step)
+    final = train_state.checkpoint_dir(r.checkpoints, r.step)
+    what = f"checkpoint step-{r.step}"
+
+    def step_of_all(part: str):
+        return together(r.world, f"{what} ({part})")
+
+    with ExitStack() as folder:  # rank 0's temp folder: committed by `folder.close()`, removed on an error
+        with step_of_all("temp folder"), guard.one_line_errors(what, r.checkpoints):
+            if r.main:
+                guard.check_lora_finite(r.params, final)
+                folder.enter_context(atomic_dir(final, tmp))
+        with step_of_all("RNG state"), guard.one_line_errors(what, r.checkpoints):
+            train_state.save_rng(tmp, acc.process_index)
+        with step_of_all("write"), guard.one_line_errors(what, r.checkpoints):
+            if r.main:
+                save_lora(r.transformer, tmp / "lora", base_fingerprint=r.record.model_fingerprint)
+                train_state.save_optimizer(r.optimizer, tmp)
+                train_state.save_scheduler(r.scheduler, tmp)
+                if r.ema is not None:
+                    r.ema.save(tmp)
+                train_state.write_record(tmp, record)
+                folder.close()  # fsync + rename: the checkpoint is committed
+                train_state.prune(r.checkpoints, r.cfg.keep_checkpoints)
+    pause_point("train_after_checkpoint")
+
+
+def finish(r: Run) -> TrainResult:
+    """The final LoRA (written into a temp folder, then swapped in, like a checkpoint)."""
+    r.bar.close()
+    r.batches.close()
+    r.result.steps = r.step
+    with together(r.world, "the final LoRA"):  # rank 0 writes; every rank learns whether it could
+        if r.main:
+            guard.check_lora_finite(r.params, r.result.lora_dir)
+            with guard.one_line_errors("the final LoRA", r.run_dir), \
+                    atomic_dir(r.result.lora_dir, r.run_dir / ".lora.tmp") as tmp:
+                _save_final_lora(r, tmp)
+            if r.ema is not None:
+                with guard.one_line_errors("the EMA LoRA", r.run_dir), \
+                        atomic_dir(r.run_dir / "lora_ema", r.run_dir / ".lora_ema.tmp") as tmp, r.ema.swapped_in():
+                    _save_final_lora(r, tmp)
+            r.writer.close()
+            tqdm.write(f"LoRA after {r.step} steps: {r.result.lora_dir}")
+            if r.damage is not None and r.damage.damaged:
+                tqdm.write(f"left out {r.damage.damaged} damaged sample read(s) of {r.damage.read} "
+                           f"(train.on_damaged=skip), listed in {r.run_dir / guard.DAMAGED_REPORT}")
+    return r.result
+
+
+def _save_final_lora(r: Run, folder: Path) -> None:
+    """The LoRA users load elsewhere: alpha folded in (every loader applies the same weights), the base model's
+    fingerprint in its metadata, and a sealed checksum record that every later load checks."""
+    from store.checksum import write_folder_record
+
+    save_lora(r.transformer, folder, fold_alpha=True, base_fingerprint=r.record.model_fingerprint)
+    write_folder_record(folder)
+
+
+def cleanup(r: Run | None, locks: list) -> None:
+    """The last phase, after a finished run or an error (torchtune's recipes end the same way): whatever setup
+    opened is closed - the micro-batch stream and its reader thread, the readers' shard descriptors and
+    check-ahead threads, the read lease (gc may take the versions now), the TensorBoard writer, the progress bar
+    and the run folder's locks - so a process that goes on (`pipeline run all`, tests) holds no descriptor of
+    this run. Every step here is idempotent (`finish` closed some of them already)."""
+    if r is not None:
+        if r.batches is not None:
+            r.batches.close()
+        if r.bar is not None:
+            r.bar.close()
+        if r.writer is not None:
+            r.writer.close()
+        r.tables.close()
+    for lock in locks:
+        if lock is not None:
+            lock.release()

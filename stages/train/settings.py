@@ -1,0 +1,103 @@
+"""The train section checked and resolved for this start: config checks, the run fingerprint, the precision
+(`models/precision.py` decides) and the devices (accelerate, `train.device` per rank)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from schemas.config import PipelineConfig, TrainConfig
+from schemas.errors import UserError
+from schemas.lineage import section_fingerprint
+from stages.train.launch import launched_world_size, use_cpu
+
+
+def validate_config(cfg: TrainConfig) -> None:
+    if cfg.mixed_precision == "fp16":
+        raise UserError("train.mixed_precision 'fp16' is not supported (no loss scaling here); use 'bf16' or 'no'")
+    if cfg.warmup_steps > cfg.max_steps:
+        raise UserError(f"train.warmup_steps ({cfg.warmup_steps}) exceeds train.max_steps ({cfg.max_steps})")
+
+
+def config_fingerprint(cfg: TrainConfig) -> str:
+    """What determines the trained weights, as declared in schemas/config.py (a resume may change the rest)."""
+    return section_fingerprint(cfg)
+
+
+def make_accelerator(cfg: TrainConfig):
+    from accelerate import Accelerator
+
+    from models.loading import check_device
+    from models.precision import device_for_rank, first_device
+
+    if cfg.device is not None:  # a requested GPU that is not there is an error, not a silent CPU run
+        check_device(device_for_rank(cfg.device, what="train.device"), "train.device")
+    # Mixed precision is applied with torch.autocast below, not by accelerate, so that several runs in one
+    # process (tests, notebooks) never fight over accelerate's process-wide state.
+    accelerator = Accelerator(cpu=use_cpu(first_device(cfg.device)))
+    launched = launched_world_size()
+    if accelerator.num_processes != launched:  # never N independent single-process runs into one folder
+        raise UserError(
+            f"launched as {launched} processes but accelerate set up {accelerator.num_processes} "
+            f"({accelerator.distributed_type}); set train.device (e.g. --device cpu) or fix the launch"
+        )
+    if cfg.device is None and launched > 1 and accelerator.device.type == "cpu" and accelerator.is_main_process:
+        tqdm.write(f"no GPU: the {launched} processes train on the CPU (gloo); set train.device to choose")
+    return accelerator
+
+
+def train_device(cfg: TrainConfig, local_rank: int, world_size: int) -> torch.device | None:
+    """This rank's device from `train.device` (cuda:N, a per-rank list, or cuda = cuda:LOCAL_RANK); None =
+    accelerate's choice. A set GPU index becomes the current CUDA device, so NCCL and `cuda` tensors use it
+    (accelerate alone would put a single process on cuda:0 whatever was asked)."""
+    from models.loading import check_device
+    from models.precision import device_for_rank
+
+    if cfg.device is None:
+        return None
+    dev = check_device(device_for_rank(cfg.device, local_rank, world_size, "train.device"), "train.device")
+    if dev.type == "cuda" and dev.index is not None:
+        torch.cuda.set_device(dev)
+    return dev
+
+
+def planned_device(cfg: TrainConfig) -> torch.device:
+    """The device a single-process run of `cfg` would use, without starting accelerate (for up-to-date checks)."""
+    from models.precision import device_for_rank
+
+    if cfg.device is not None:
+        return torch.device(device_for_rank(cfg.device, what="train.device"))
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def resolve_precision(cfg: TrainConfig, device: torch.device) -> TrainConfig:
+    """The config with the precision `models.precision.resolve_precision` decides for `device`: `train.dtype`
+    is the frozen base's dtype (what loads and is recorded), `mixed_precision` the autocast around it."""
+    from models.precision import resolve_precision as resolve
+
+    if cfg.dtype == "float16":
+        raise UserError("train.dtype float16 is not supported (no loss scaling here); use bfloat16, float32 or auto")
+    precision = resolve(cfg.dtype, device, cfg.mixed_precision, what="train.dtype")
+    update: dict[str, Any] = {"dtype": precision.weights, "mixed_precision": "bf16" if precision.autocast_bf16 else "no"}
+    if cfg.offload == "blocks" and not cfg.gradient_checkpointing:
+        # Offloaded weights are fetched again for the backward's recompute; without checkpointing autograd
+        # would hold every block's device copy until the backward (no memory saved).
+        tqdm.write("train.offload blocks: gradient checkpointing turned on")
+        update["gradient_checkpointing"] = True
+    return cfg.model_copy(update=update)
+
+
+def resolved_config(cfg: PipelineConfig, device: torch.device, main: bool) -> PipelineConfig:
+    """The config with the train section's precision resolved for `device` (train_config.yaml records the
+    resolved dtype); the main process prints what loads and how."""
+    from models.precision import describe, resolve_dtype
+
+    requested = cfg.train.dtype
+    tc = resolve_precision(cfg.train, device)
+    if main:
+        tqdm.write(describe("train (frozen base)", resolve_dtype(tc.dtype, device), device, requested)
+                   + (", bf16 autocast" if tc.mixed_precision == "bf16" and tc.dtype != "bfloat16" else "")
+                   + (f", quantize_base {tc.quantize_base}" if tc.quantize_base != "none" else ""))
+    return cfg.model_copy(update={"train": tc})

@@ -1,0 +1,118 @@
+"""This start's inputs (the tables, opened by all ranks together, and the record of what it trains on) and where
+it begins: a fresh run, a checkpoint to resume from (checked against this start), or the run the folder held kept
+aside (`--new-run`); then the run folder's files, and restoring the checkpoint once the model is built."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from tqdm.auto import tqdm
+
+from features.open import open_configured
+from models.collective import together
+from models.lora import load_lora
+from schemas.config import PipelineConfig, TrainConfig, dump_config
+from schemas.errors import UserError
+from schemas.lineage import unhashed_names
+from stages.train import elastic, guard, previous, state as train_state
+from stages.train.data import DataStream, write_data_report
+from stages.train.resume import changed_settings
+from stages.train.settings import config_fingerprint
+from stages.train.state import ResumeRecord
+from store.format import atomic_write_bytes
+from store.join import JoinedTables
+
+if TYPE_CHECKING:
+    from stages.train.recipe import Run
+
+
+def open_tables(tc: TrainConfig, store: str | Path, model: str, accelerator) -> JoinedTables:
+    """The `text` + `vae` samples this run trains on, opened by every rank together: a rank refused alone
+    stops every rank."""
+    from models.loading import model_fingerprint
+
+    with together(accelerator.num_processes, "opening the store"):
+        return open_configured(tc, "train", store, model, model_fingerprint(model), "train")
+
+
+def start_record(tc: TrainConfig, tables: JoinedTables, model: str, world_size: int) -> ResumeRecord:
+    """What this start trains on (step, epoch and batch are filled in at each checkpoint)."""
+    from models.loading import model_fingerprint
+
+    return ResumeRecord(
+        step=0, epoch=0, batch_in_epoch=0, config_fingerprint=config_fingerprint(tc),
+        tables=tables.versions(), store=str(Path(tables.store_root).resolve()),
+        model_fingerprint=model_fingerprint(model), world_size=world_size,
+    )
+
+
+def resume_point(r: Run, resume: bool, cfg: PipelineConfig) -> tuple[Path | None, ResumeRecord | None]:
+    """The checkpoint to resume from and its record (checked against this start, files checked once), or
+    (None, None); refuses to overwrite a run."""
+    latest = train_state.latest_checkpoint(r.checkpoints)
+    if not resume and r.new_run and previous.holds_trained_run(r.run_dir):
+        return keep_previous(r, "--new-run")
+    if latest is not None and not resume:
+        raise UserError(f"{r.run_dir} already holds checkpoints ({latest.name}); pass --resume to continue it, "
+                        f"--new-run to keep it as {previous.previous_root(r.run_dir)}/N-TIME and train afresh, "
+                        "or use a new --out")
+    if not resume or latest is None:
+        return None, None
+    record = ResumeRecord.read(latest / train_state.RESUME_JSON)
+    try:
+        record.check_matches(r.record, latest)
+        if record.step > r.cfg.max_steps:
+            raise train_state.ResumeMismatch(
+                f"{latest} is already past train.max_steps ({record.step} > {r.cfg.max_steps}): raise max_steps "
+                "to continue, or use a new --out for a shorter run",
+                reason=f"train.max_steps {record.step} -> {r.cfg.max_steps}")
+    except train_state.ResumeMismatch as e:
+        ignore = unhashed_names(r.cfg)
+        changed = changed_settings(r.run_dir, cfg.model_dump(mode="json"), ignore)
+        why = f"{e}\nchanged since {r.run_dir / 'train_config.yaml'}:\n  " + "\n  ".join(changed) if changed else str(e)
+        if r.new_run:
+            return keep_previous(r, "; ".join([e.reason, *changed]))
+        raise train_state.ResumeMismatch(
+            f"{why}\nTo keep this run (moved to {previous.previous_root(r.run_dir)}/N-TIME) and train afresh into "
+            f"{r.run_dir}, add --new-run (what `pipeline run all` does)", reason=e.reason) from None
+    return latest, record
+
+
+def keep_previous(r: Run, why: str) -> tuple[None, None]:
+    """Every rank has decided alike (from the same files); once all are past reading the old run, the main
+    process moves it aside in one rename and locks the fresh folder."""
+    r.accelerator.wait_for_everyone()
+    if r.main:
+        if r.before_keep is not None:
+            r.before_keep(r.run_dir)
+        r.kept_previous = previous.keep(r.run_dir)
+        r.run_lock = guard.lock_run_dir(r.run_dir)
+        tqdm.write(f"kept the previous run of {r.run_dir} (its LoRA and checkpoints) in {r.kept_previous}; "
+                   f"training afresh into {r.run_dir} ({why})")
+    r.accelerator.wait_for_everyone()
+    return None, None
+
+
+def prepare_run_dir(r: Run, cfg: PipelineConfig) -> None:
+    """Main process: the checkpoints folder without stale temp folders, this start's effective config and the
+    data report."""
+    r.checkpoints.mkdir(parents=True, exist_ok=True)
+    train_state.remove_stale(r.checkpoints)
+    atomic_write_bytes(r.run_dir / "train_config.yaml", dump_config(cfg).encode())
+    tqdm.write(write_data_report(r.run_dir, r.tables))
+
+
+def restore(r: Run, latest: Path, record: ResumeRecord) -> None:
+    load_lora(r.transformer, latest / "lora")
+    train_state.load_optimizer(r.optimizer, latest)
+    train_state.load_scheduler(r.scheduler, latest)
+    elastic.restore_rng(latest, r.rank, record.world_size == r.world, r.cfg.seed, record.step)
+    if r.ema is not None:
+        r.ema.load(latest)
+    r.step = record.step
+    r.stream = DataStream(r.stream.sampler, record.epoch, record.batch_in_epoch)
+    if r.main:
+        tqdm.write(f"resumed from {latest} (step {r.step}, epoch {record.epoch}, batch {record.batch_in_epoch})")
+        if record.world_size != r.world:
+            tqdm.write(elastic.change_line(record.world_size, r.world, record.canonical))
