@@ -7,36 +7,14 @@ DDP's all-reduce until rank 1's exit broke the connection (NCCL: until the colle
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 
-
-from test_rank_failures import REPO, HERE, _free_port
 from train_store import make_train_store, mixed_specs
+from two_ranks import launch_two
 
 
 def _launch(*args: str) -> list[tuple[int, str, str]]:
-    port = _free_port()
-    procs = []
-    for rank in (0, 1):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
-               "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
-               "PYTHONPATH": os.pathsep.join([str(REPO), str(HERE), str(HERE.parent)])}
-        procs.append(subprocess.Popen([sys.executable, str(HERE / "rank_fails_alone.py"), *args], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    outs = []
-    try:
-        for p in procs:
-            stdout, stderr = p.communicate(timeout=300)  # a rank left waiting in a collective hangs: this fails
-            outs.append((p.returncode, stdout, stderr))
-    finally:
-        for p in procs:
-            p.kill()
-    return outs
+    return launch_two("rank_fails_alone.py", *args, timeout=300)
 
 
 def _same_line_everywhere(outs: list[tuple[int, str, str]]) -> str:

@@ -7,30 +7,13 @@ printed its line, rank 1 died with a gloo "connection closed" traceback (NCCL: w
 
 from __future__ import annotations
 
-import os
 import shutil
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 from damage import flip_bit, sample_byte
 from store import Store
 from train_store import make_train_store, mixed_specs
-
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _results(output: str) -> dict[str, str]:
-    return dict(line[len("RESULT "):].split(": ", 1) for line in output.splitlines() if line.startswith("RESULT "))
-
+from two_ranks import launch_two, results
 
 def test_a_failure_on_one_rank_stops_every_rank_with_its_line(tiny_edit_model, edit_store, tmp_path) -> None:
     train_store = tmp_path / "train-store"
@@ -41,27 +24,11 @@ def test_a_failure_on_one_rank_stops_every_rank_with_its_line(tiny_edit_model, e
     assert theirs
     flip_bit(*sample_byte(damaged, "images", theirs[0]), 2)
 
-    port = _free_port()
-    procs = []
-    for rank in (0, 1):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
-               "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(REPO), str(HERE),
-                                                                                             str(HERE.parent)])}
-        procs.append(subprocess.Popen(
-            [sys.executable, str(HERE / "rank_failures.py"), str(train_store), tiny_edit_model, str(tmp_path / "out"),
-             str(edit_store), str(damaged)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    outs = []
-    try:
-        for p in procs:
-            stdout, stderr = p.communicate(timeout=420)  # a rank left waiting at a barrier hangs: this fails
-            outs.append((p.returncode, stdout, stderr))
-    finally:
-        for p in procs:
-            p.kill()
+    outs = launch_two("rank_failures.py", str(train_store), tiny_edit_model, str(tmp_path / "out"),
+                      str(edit_store), str(damaged))
     (rc0, out0, err0), (rc1, out1, err1) = outs
     assert "Traceback" not in err0 + out0 and "Traceback" not in err1 + out1, (err0[-3000:], err1[-3000:])
-    r0, r1 = _results(out0), _results(out1)
+    r0, r1 = results(out0), results(out1)
     assert r0 == r1 and set(r0) == {"checkpoint", "final", "commit"}, (r0, r1)
     assert "checkpoint step-1" in r0["checkpoint"] and "the final LoRA" in r0["final"], r0
     assert "manifest" in r0["commit"], r0

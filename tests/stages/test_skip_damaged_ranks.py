@@ -6,31 +6,13 @@ trains on the same global batches, and both stop at the same step with the same 
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
-from pathlib import Path
 
 from damage import flip_bit, sample_byte
 from models.lora import read_lora
 from pipeline.config import load_config
 from stages.train.recipe import run
 from train_store import assert_close_lora, key_of, make_train_store, mixed_specs
-
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _results(output: str) -> dict[str, str]:
-    return dict(line[len("RESULT "):].split(": ", 1) for line in output.splitlines() if line.startswith("RESULT "))
-
+from two_ranks import launch_two, results
 
 def test_two_ranks_skip_a_damaged_sample_together(tiny_edit_model, tmp_path) -> None:
     store = tmp_path / "store"
@@ -38,28 +20,11 @@ def test_two_ranks_skip_a_damaged_sample_together(tiny_edit_model, tmp_path) -> 
     key = key_of(3)
     flip_bit(*sample_byte(store, "vae", key, "target"), 6)
 
-    port = _free_port()
-    procs = []
-    for rank in (0, 1):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
-               "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
-               "PYTHONPATH": os.pathsep.join([str(REPO), str(HERE), str(HERE.parent)])}
-        procs.append(subprocess.Popen([sys.executable, str(HERE / "skip_damaged_ranks.py"), str(store),
-                                       tiny_edit_model, str(tmp_path / "out")],
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    outs = []
-    try:
-        for p in procs:
-            stdout, stderr = p.communicate(timeout=420)  # a rank left waiting in DDP's all-reduce hangs: this fails
-            outs.append((p.returncode, stdout, stderr))
-    finally:
-        for p in procs:
-            p.kill()
+    outs = launch_two("skip_damaged_ranks.py", str(store), tiny_edit_model, str(tmp_path / "out"))
     (rc0, out0, err0), (rc1, out1, err1) = outs
     assert rc0 == rc1 == 0, (err0[-3000:], err1[-3000:])
     assert "Traceback" not in err0 + out0 + err1 + out1, (err0[-3000:], err1[-3000:])
-    r0, r1 = _results(out0), _results(out1)
+    r0, r1 = results(out0), results(out1)
     assert r0 == r1 and r0["ok"] == "steps 2", (r0, r1)
     # one rank met it (one epoch: each sample in one rank's share), in both runs
     met = [out for out in (out0, out1) if f"left out damaged sample(s) {key}" in out]

@@ -1,0 +1,47 @@
+"""Two gloo processes started directly with the launcher's environment (so each one's output is its own): the
+one way the rank tests launch a script on ranks 0 and 1 and collect (exit status, stdout, stderr) of each."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_two(script: str, *args: str, timeout: float = 420) -> list[tuple[int, str, str]]:
+    """Run tests/stages/`script` with `args` as ranks 0 and 1 of one gloo world. A rank left waiting in a
+    collective hangs: the timeout then fails the test (no timing assert: a bound, generous under load)."""
+    port = free_port()
+    procs = []
+    for rank in (0, 1):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+               "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+               "PYTHONPATH": os.pathsep.join([str(REPO), str(HERE), str(HERE.parent)])}
+        procs.append(subprocess.Popen([sys.executable, str(HERE / script), *args], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = []
+    try:
+        for p in procs:
+            stdout, stderr = p.communicate(timeout=timeout)
+            outs.append((p.returncode, stdout, stderr))
+    finally:
+        for p in procs:
+            p.kill()
+    return outs
+
+
+def results(output: str) -> dict[str, str]:
+    """The `RESULT name: line` lines a rank script prints."""
+    return dict(line[len("RESULT "):].split(": ", 1) for line in output.splitlines() if line.startswith("RESULT "))
