@@ -1,14 +1,12 @@
-"""The data flow of an encode loop: inputs prepared ahead in threads, grouped into batches of one shape, and the
-stored PNGs opened as images."""
+"""The data flow of an encode loop: inputs prepared ahead in threads, grouped into batches of one shape (the
+stored PNGs are opened by features/pictures.py)."""
 
 from __future__ import annotations
 
-import io
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Hashable, Iterable, Iterator, TypeVar
 
-from PIL import Image
 
 from models.ordered_map import ordered_map
 
@@ -57,10 +55,3 @@ def batches_by_shape(items: Iterable[T], shape_of: Callable[[T], Hashable | None
             yield batch
     for batch in groups.values():
         yield batch
-
-
-def open_png(data: bytes, mode: str = "RGB") -> Image.Image:
-    """A stored PNG as a PIL image (the images table holds sanitised 8-bit PNGs)."""
-    with Image.open(io.BytesIO(data)) as im:
-        im.load()
-        return im.convert(mode) if im.mode != mode else im.copy()

@@ -12,7 +12,8 @@ Where each part lives: `ranks.py` (processes and devices), `settings.py` (featur
 
 from __future__ import annotations
 
-from stages.encode.batching import batches_by_shape, open_png, prefetched
+from features.pictures import open_png
+from stages.encode.batching import batches_by_shape, prefetched
 from stages.encode.intake import control_count_rejection
 from stages.encode.job import EncodeJob
 from stages.encode.plan import IMAGES_TABLE, open_job

@@ -15,7 +15,6 @@ the stock pipeline call of `models.qwen21_predict`, stages/evaluate/qwen21.py).
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import math
 import time
@@ -30,6 +29,7 @@ from tqdm.auto import tqdm
 
 from features.damaged import read_intact
 from features.open import open_configured
+from features.pictures import open_png
 from models.flow import flow_loss
 from models.loading import load_component, parse_dtype
 from models.lora import attach_lora, lora_weight_file
@@ -171,12 +171,6 @@ def generate_pair(transformer, vae, scheduler_config: dict, cond: Conditioning, 
     return outs[0], outs[1]
 
 
-def _png(data: bytes) -> Image.Image:
-    img = Image.open(io.BytesIO(data))
-    img.load()
-    return img.convert("RGB")
-
-
 def _scores(target: Image.Image | None, base: Image.Image, lora: Image.Image) -> dict[str, float]:
     if target is None:
         return {}
@@ -206,8 +200,8 @@ def stored_pictures(images, s: TrainSample, on_damaged: str, damaged: dict | Non
         damaged[f"images:{s.key}"] = str(e)
         files = {}
     meta = images.meta(s.key) if images is not None and s.key in images else {}
-    target = _png(files["target.png"]) if "target.png" in files else None
-    controls = [_png(files[f"control_{i}.png"]) for i in range(len(s.controls)) if f"control_{i}.png" in files]
+    target = open_png(files["target.png"]) if "target.png" in files else None
+    controls = [open_png(files[f"control_{i}.png"]) for i in range(len(s.controls)) if f"control_{i}.png" in files]
     return str(meta.get("caption", "")), controls, target
 
 
