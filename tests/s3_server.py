@@ -64,7 +64,6 @@ def aws_env(monkeypatch, endpoint: str) -> None:
 
 @pytest.fixture(scope="session")
 def s3_server():
-    pytest.importorskip("moto.server", reason="the S3 test server needs the test extra (moto[server])")
     server, endpoint = start_server()
     yield endpoint
     server.stop()

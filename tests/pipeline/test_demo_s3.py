@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
 from typer.testing import CliRunner
 
 from pipeline.cli import app
@@ -16,7 +15,6 @@ from store import Store
 from store.remote_sync import pull
 from store.verify import verify_store
 
-pytest.importorskip("s3fs", reason="a store URL needs the s3 extra")
 
 # the demo, smaller: a few steps and one generated sample keep it to a minute on a busy CPU
 SMALL = ["-s", "train.max_steps=2", "-s", "train.checkpoint_every=2", "-s", "evaluate.num_samples=1",

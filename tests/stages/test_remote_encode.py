@@ -5,15 +5,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 import torch
 from typer.testing import CliRunner
 
 from pipeline.cli import app
 from store import Store
 from store.remote_sync import pull, push
-
-pytest.importorskip("s3fs", reason="a store URL needs the s3 extra")
 
 
 def test_encode_text_on_a_store_url(s3_env, edit_store: Path, tiny_edit_model, tmp_path: Path) -> None:

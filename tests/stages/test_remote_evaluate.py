@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
 from typer.testing import CliRunner
 
 from models.loading import load_component
@@ -15,8 +14,6 @@ from pipeline.cli import app
 from schemas.config import LoraConfig
 from store.remote_sync import push
 from train_store import make_train_store, mixed_specs
-
-pytest.importorskip("s3fs", reason="a store URL needs the s3 extra")
 
 
 def _evaluate(store: str, model: str, lora: Path, out: Path, *extra: str) -> dict:

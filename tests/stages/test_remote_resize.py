@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 from typer.testing import CliRunner
 
 from pipeline.cli import app
@@ -14,7 +13,6 @@ from pipeline.demo_data import make_demo_data
 from store import Store
 from store.remote_sync import pull
 
-pytest.importorskip("s3fs", reason="a store URL needs the s3 extra")
 
 ARGS = ["--area", "4096", "--multiple", "32", "--val-fraction", "0.25", "--workers", "0"]
 

@@ -13,8 +13,6 @@ from stages.train.recipe import run
 from store.remote_sync import pull, push
 from train_store import make_train_store, mixed_specs
 
-pytest.importorskip("s3fs", reason="push/pull to s3:// needs the s3 extra")
-
 CFG = {"train.device": "cpu", "train.batch_size": 2, "train.learning_rate": 2e-3, "train.lora.rank": 4,
        "train.max_steps": 3, "train.warmup_steps": 1}
 
