@@ -20,6 +20,7 @@ and its file locks go with the process. The failing rank itself unwinds normally
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import threading
@@ -166,17 +167,30 @@ def watch_failures(world: int) -> None:
         client = None
     if client is None:
         return
-    threading.Thread(target=_watch, args=(client, _failure_key()), name="rank-failure-watch", daemon=True).start()
+    stop = threading.Event()
+    watcher = threading.Thread(target=_watch, args=(client, _failure_key(), stop), name="rank-failure-watch",
+                               daemon=True)
+    watcher.start()
+
+    def _stop_watching() -> None:
+        # Stopped and joined before the interpreter finalizes: a daemon thread still inside the store client's
+        # C++ call then is killed mid-call, which aborted a finished rank (SIGABRT, seen once in CI).
+        stop.set()
+        watcher.join(timeout=15)
+
+    atexit.register(_stop_watching)
 
 
-def _watch(client, key: str) -> None:
-    while True:
+def _watch(client, key: str, stop: threading.Event) -> None:
+    while not stop.is_set():
         try:
             if client.check([key]):
                 break
         except Exception:  # noqa: BLE001 - the store is gone: the launch is over
             return
-        time.sleep(POLL_SECONDS)
+        stop.wait(POLL_SECONDS)
+    else:
+        return  # the process is exiting normally
     if _state["published"]:  # this rank failed: its main thread reports (and cleans up)
         return
     message = client.get(key).decode("utf-8", "replace")
