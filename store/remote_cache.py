@@ -1,16 +1,21 @@
-"""A store at a URL read through a bounded local cache: the versions a reader needs, pulled when it opens them.
+"""A store at a URL read through a bounded local cache: each version's metadata on open, shard bytes on need.
 
-`local_store(url, tables, cache_dir, limit_gb)` pulls the current versions of `tables` (every file checked, as
-`pipeline store pull`) into `cache_dir/<hash of url>/`, a local store the reader then opens as any other, and
-evicts least recently used versions beyond the size limit. Versions are immutable, so a cached version never goes
-stale; a newer current version on the remote is pulled beside it on the next open. Processes of one node share the
-cache: pulls and evictions run under one lock on the cache folder (the first process pulls, the others wait and
-find it there), and a version a live reader holds a read lease on (store/lease.py, written by train's reader
-inside the cached store) is never evicted.
+`local_store(url, tables, cache_dir, limit_gb)` makes `cache_dir/<hash of url>/` a local store holding the
+current versions of `tables` lazily (store/remote_shards.py: store.json, schema, manifest, shard indexes, each
+checked against the version's sealed checksums.json; a shard is fetched - whole for a scan, by byte range for a
+random read - when a reader first needs it), and the reader then opens it as any other. Versions are immutable, so
+a cached version never goes stale; a newer current version on the remote is opened beside it on the next open.
+The cache stays under its size limit by evicting least recently used shard files (`make_room`, before every whole
+fetch, so also during a long read) and, on open, whole versions nobody uses (`evict`). Processes of one node share
+the cache: opens, evictions and space reservations run under one lock on the cache folder; a shard unlinked while
+another process has it open stays readable there (POSIX), and its next miss fetches it again; a version a live
+reader holds a read lease on (store/lease.py, written by train's reader inside the cached store) is never evicted
+whole, and the metadata of the versions in use never at all.
 
 A writer (the encoders) works on the cached copy and then pushes it back (`push_back`): the remote commit keeps
 push's guarantees (write-once objects, manifest last, store.json by compare-and-swap), so a killed encoder leaves
-nothing visible on the remote and a rerun resumes from the cached copy's committed shards.
+nothing visible on the remote and a rerun resumes from the cached copy's committed shards. Once pushed, its
+versions are marked as copies of the remote's (their shards become evictable, refetched on need).
 """
 
 from __future__ import annotations
@@ -38,29 +43,37 @@ EVICTING = ".evicting"
 
 def local_store(store: str | Path, tables: list[str] | None, cache_dir: str | Path | None = None,
                 limit_gb: float | None = None, storage_options: dict[str, Any] | None = None,
-                optional: tuple[str, ...] = ()) -> Path:
-    """`store` itself when it is a local folder; for a URL, the cached local copy holding `tables`' current
-    versions (pulled now if missing; those in `optional` only when the remote has them). `tables=None`: every
-    complete version the remote holds (what `store verify` checks)."""
+                optional: tuple[str, ...] = (), *, whole: bool = False) -> Path:
+    """`store` itself when it is a local folder; for a URL, the cached local store holding `tables`' current
+    versions (those in `optional` only when the remote has them), lazily: metadata now, shards when read.
+    `tables=None`: every complete version the remote holds (what `store verify` checks). `whole=True`: pull
+    the versions entirely now (every file checked, as `pipeline store pull`)."""
     if not is_url(store):
         return Path(store)
-    from store.remote_sync import pull
+    from store import remote_shards
 
     url = str(store).rstrip("/")
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     cache.mkdir(parents=True, exist_ok=True)
     root = cache / hashlib.sha256(url.encode()).hexdigest()[:16]
+    limit = None if limit_gb is None else int(limit_gb * 1e9)
+    remote_shards.set_limit(cache, limit)  # this process's shard fetches keep the cache under it
     with fmt.flock(cache / CACHE_LOCK), writing("the store cache", cache):
-        pulled = pull(url, root, storage_options, tables=tables, optional=optional)
-        current = fmt.read_store_record(root)["tables"]
-        if tables is None:
-            needed = {(t, int(v)) for t, v in (name.rsplit("/v", 1) for name in pulled.copied + pulled.present)}
+        if whole:
+            from store.remote_sync import pull
+
+            pulled = pull(url, root, storage_options, tables=tables, optional=optional)
+            current = fmt.read_store_record(root)["tables"]
+            if tables is None:
+                needed = {(t, int(v)) for t, v in (n.rsplit("/v", 1) for n in pulled.copied + pulled.present)}
+            else:
+                needed = {(t, int(current[t]["current"])) for t in tables if t in current}
         else:
-            needed = {(t, int(current[t]["current"])) for t in tables if t in current}
+            needed = remote_shards.open_lazily(url, root, storage_options, tables, optional)
         for t, v in needed:
             os.utime(fmt.version_dir(root, t, v))  # last use, for LRU
-        if limit_gb is not None:
-            evict(cache, int(limit_gb * 1e9), {(root, t, v) for t, v in needed})
+        if limit is not None:
+            evict(cache, limit, {(root, t, v) for t, v in needed})
         (root / "source-url.txt").write_text(url + "\n")  # which remote this cached store copies, for a human
     return root
 
@@ -69,36 +82,76 @@ def _size(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
 
-def evict(cache: Path, limit: int, keep: set[tuple[Path, str, int]]) -> list[Path]:
-    """Remove least recently used cached versions until the cache holds at most `limit` bytes (call under the
-    cache lock). Kept: `keep` and versions with a live read lease. UserError when the kept ones alone exceed it."""
-    versions = []  # (last use, bytes, root, table, version)
+def _candidates(cache: Path, keep: set[tuple[Path, str, int]], whole_versions: bool) -> tuple[int, list]:
+    """(bytes the cache holds, what may go: [(last use, bytes, path, is a whole version)]). A version in `keep`
+    or under a live read lease keeps its folder and metadata; a lazily cached version's shards may always go
+    (refetched on need)."""
+    from store.remote_shards import is_lazy, is_shard
+
+    total, out = 0, []
     for root in sorted(p for p in cache.iterdir() if p.is_dir()):
         if not (root / fmt.STORE_JSON).is_file():
+            total += _size(root)
             continue
         leased = {(t, v) for found in leases.leases(root) if found.live for t, v in found.versions()}
-        for table_dir in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
-            for v in fmt.list_versions(root, table_dir.name):
+        total += sum(p.stat().st_size for p in root.iterdir() if p.is_file())
+        for table_dir in sorted(p for p in root.iterdir() if p.is_dir()):
+            if table_dir.name.startswith("."):
+                total += _size(table_dir)
+                continue
+            versions = set(fmt.list_versions(root, table_dir.name))
+            for p in table_dir.iterdir():
+                if p.is_file():
+                    total += p.stat().st_size
+                elif not (fmt.VERSION_RE.fullmatch(p.name) and int(p.name[1:]) in versions):
+                    total += _size(p)  # a pull or lazy open in progress, a version being evicted
+            for v in sorted(versions):
                 vdir = fmt.version_dir(root, table_dir.name, v)
+                files = [(f, f.stat()) for f in vdir.iterdir() if f.is_file()]
+                n = sum(st.st_size for _, st in files)
+                total += n
                 pinned = (root, table_dir.name, v) in keep or (table_dir.name, v) in leased
-                versions.append((vdir.stat().st_mtime, _size(vdir), pinned, vdir))
-    total = sum(n for _, n, _, _ in versions)
+                if whole_versions and not pinned:
+                    out.append((vdir.stat().st_mtime, n, vdir, True))
+                elif is_lazy(vdir):
+                    out += [(st.st_mtime, st.st_size, f, False) for f, st in files if is_shard(f.name)]
+    return total, out
+
+
+def _evict(cache: Path, limit: int, keep: set[tuple[Path, str, int]], whole_versions: bool) -> tuple[int, list]:
+    total, candidates = _candidates(cache, keep, whole_versions)
     removed = []
-    for _, n, pinned, vdir in sorted(versions, key=lambda x: x[0]):
+    for _, n, path, is_version in sorted(candidates, key=lambda x: x[0]):
         if total <= limit:
             break
-        if pinned:
-            continue
-        # renamed first (no longer a version name: an opening reader sees it gone, never half-deleted)
-        doomed = vdir.with_name(f".{vdir.name}{EVICTING}")
-        os.rename(vdir, doomed)
-        shutil.rmtree(doomed)
+        if is_version:
+            # renamed first (no longer a version name: an opening reader sees it gone, never half-deleted)
+            doomed = path.with_name(f".{path.name}{EVICTING}")
+            os.rename(path, doomed)
+            shutil.rmtree(doomed)
+        else:
+            path.unlink(missing_ok=True)  # a process that has it open keeps reading it (POSIX)
         total -= n
-        removed.append(vdir)
+        removed.append(path)
+    return total, removed
+
+
+def evict(cache: Path, limit: int, keep: set[tuple[Path, str, int]]) -> list[Path]:
+    """Remove least recently used shards of lazily cached versions and whole versions not in use until the cache
+    holds at most `limit` bytes (call under the cache lock). Kept: the metadata of `keep` and of versions with a
+    live read lease. UserError when that alone exceeds the limit."""
+    total, removed = _evict(cache, limit, keep, whole_versions=True)
     if total > limit:
         raise UserError(f"the store cache {cache} needs {total / 1e9:.2f} GB for the versions in use, over its "
                         f"limit of {limit / 1e9:.2f} GB; raise the limit (--cache-gb) or use a bigger --cache-dir")
     return removed
+
+
+def make_room(cache: Path, limit: int, incoming: int) -> bool:
+    """Before fetching `incoming` bytes (under the cache lock): evict least recently used shards until they fit
+    under `limit`; False when they cannot (the caller reads by range instead)."""
+    total, _ = _evict(cache, limit - incoming, set(), whole_versions=False)
+    return total + incoming <= limit
 
 
 def push_back(store: str | Path, local: Path, storage_options: dict[str, Any] | None = None):
@@ -108,4 +161,13 @@ def push_back(store: str | Path, local: Path, storage_options: dict[str, Any] | 
         return None
     from store.remote_sync import push
 
-    return push(local, str(store).rstrip("/"), storage_options)
+    from store import remote_shards
+
+    url = str(store).rstrip("/")
+    summary = push(local, url, storage_options)
+    for name in summary.copied:  # on the remote now: the cached shards are copies, evictable and refetched
+        table, version = name.rsplit("/v", 1)
+        vdir = fmt.version_dir(local, table, int(version))
+        if not remote_shards.is_lazy(vdir):
+            remote_shards.mark(vdir, url, table, int(version))
+    return summary

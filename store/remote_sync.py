@@ -30,6 +30,7 @@ from schemas.errors import UserError
 from store import format as fmt
 from store.checksum import SealError, crc_hex, file_crc, seal, unseal
 from store.remote import Remote, open_remote, remote_errors
+from store.remote_shards import is_lazy
 
 PULL_SUFFIX = ".pull"
 _MANIFEST_RE = re.compile(r"([^/]+)/v(\d+)/" + re.escape(fmt.MANIFEST))
@@ -112,6 +113,9 @@ def push(src: Path, url: str, storage_options: dict[str, Any] | None = None) -> 
         todo: list[tuple[str, _File]] = []
         for table, version in _local_versions(src):
             vdir = fmt.version_dir(src, table, version)
+            if is_lazy(vdir):  # a cached copy of a version of this very remote (store/remote_shards.py)
+                summary.present.append(f"{table}/v{version}")
+                continue
             if not (vdir / fmt.CHECKSUMS).is_file():
                 raise UserError(f"{vdir} has no {fmt.CHECKSUMS} (store format 1): push copies only versions it "
                                 "can verify; rebuild the table with this version of the pipeline")

@@ -1,6 +1,8 @@
 """Reading a version's shard files: an LRU of open descriptors (maps for scanned shards), sample bytes by pread
 or from a scan's map. Part of the reader (store/reader.py); one `ShardFiles` per thread (the LRU is not
-thread-safe: the check-ahead thread has its own, pread only).
+thread-safe: the check-ahead thread has its own, pread only). In a lazily cached version of a store at a URL
+(store/remote_shards.py) a shard not there yet is fetched on this miss: whole for a scan, its sample's byte
+range for a random read.
 """
 
 from __future__ import annotations
@@ -36,12 +38,27 @@ class ShardFiles:
         self.max_open, self.scans = max(1, int(max_open)), scans
         self._open: OrderedDict[str, int | mmap.mmap] = OrderedDict()  # shard -> descriptor, or map when scanned
         self._run: tuple[str | None, int] = (None, 0)  # (shard of the last reads, how many in a row)
+        from store.remote_shards import fetcher_for
+
+        self._fetcher = fetcher_for(vdir)  # None unless a lazily cached version (one stat here, none per read)
 
     def _os_open(self, shard: str) -> int:
+        path = os.path.join(self._dir_str, shard)  # os.path: cheaper than pathlib
         try:
-            return os.open(os.path.join(self._dir_str, shard), os.O_RDONLY)  # os.path: cheaper than pathlib
+            fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
-            raise lost_file(self.dir, shard) from None
+            if self._fetcher is None:
+                raise lost_file(self.dir, shard) from None
+            problem = self._fetcher.fetch_whole(shard)  # not cached yet, or evicted since
+            if problem is not None:
+                raise DamagedData(f"{integrity.where(self.dir)}: {problem}") from None
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                raise lost_file(self.dir, shard) from None
+        if self._fetcher is not None:
+            self._fetcher.touch(fd)  # its last use, for the cache's LRU eviction
+        return fd
 
     def _handle(self, shard: str) -> int | mmap.mmap:
         h = self._open.get(shard)
@@ -69,6 +86,12 @@ class ShardFiles:
 
     def pread(self, shard: str, start: int, n: int) -> np.ndarray | str:
         """The n bytes at `start` in a fresh buffer of their own, or what is wrong (the file is short)."""
+        if (self._fetcher is not None and shard not in self._open
+                and not os.path.exists(os.path.join(self._dir_str, shard))):
+            # not cached: only these bytes from the remote (the check-ahead thread's kept for the consumer)
+            got = self._fetcher.read(shard, start, n, keep=not self.scans)
+            if got is not None:
+                return got if len(got) == n else f"the shard ends {n - len(got)} bytes before the sample does"
         h = self._handle(shard)
         buf = np.empty(n, np.uint8)
         if isinstance(h, int):
@@ -91,7 +114,8 @@ class ShardFiles:
         and torn down for a single sample, and one large read is what a cold disk serves best."""
         last, count = self._run
         self._run = (shard, count + 1 if shard == last else 1)
-        if self.scans and self._run[1] >= SCAN_RUN:
+        if self.scans and self._run[1] >= SCAN_RUN and (
+                self._fetcher is None or self._fetcher.fetch_whole(shard) is None):  # a scan caches whole shards
             m = self.map(shard)
             if len(m) < start + n:  # mapped after the file was cut short: its tensors would lie past the map
                 return f"the shard ends {start + n - len(m)} bytes before the sample does"

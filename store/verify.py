@@ -30,6 +30,7 @@ from schemas.table import SCHEMA_V1
 from store import format as fmt
 from store import integrity, quarantine
 from store.checksum import file_crc
+from store.remote_shards import FETCH_TAG, MARKER, fetcher_for
 from store.manifest import CHECKSUM_COLUMNS, LOCATING_COLUMNS
 from store.manifest_view import read_manifest, read_schema
 from store.reader import torch_dtype
@@ -82,8 +83,12 @@ def _one_line(problem: str) -> str:
 
 def _file_problems(vdir: Path, name: str, sums: dict[str, dict[str, Any]]) -> list[str]:
     problems = []
+    fetcher = fetcher_for(vdir)  # a cached version of a store at a URL: each shard fetched whole and checked
     for fname, entry in sorted(sums.items()):
         path = vdir / fname
+        if fetcher is not None and not path.is_file() and (problem := fetcher.fetch_whole(fname)) is not None:
+            problems.append(f"{name}/{fname}: {problem}")
+            continue
         if not path.is_file():
             problems.append(f"{name}/{fname}: missing")
             continue
@@ -93,7 +98,7 @@ def _file_problems(vdir: Path, name: str, sums: dict[str, dict[str, Any]]) -> li
         elif crc != entry["crc32c"]:
             problems.append(f"{name}/{fname}: crc32c {crc}, {fmt.CHECKSUMS} records {entry['crc32c']}: the file is damaged")
     for p in sorted(vdir.iterdir()):
-        if p.name in sums or p.name == fmt.CHECKSUMS:
+        if p.name in sums or p.name in (fmt.CHECKSUMS, MARKER) or FETCH_TAG in p.name:
             continue
         if fmt.is_litter(p.name):
             problems.append(f"{name}/{p.name}: {LITTER_NOTE}")
@@ -165,6 +170,9 @@ def _check_columns(r: dict[str, Any], schema_version: int, name: str) -> list[st
 
 
 def _check_shard(path: Path, name: str, rows: list[dict[str, Any]], whole_file_checked: bool = False) -> list[str]:
+    fetcher = fetcher_for(path.parent)
+    if fetcher is not None and not path.is_file() and (problem := fetcher.fetch_whole(path.name)) is not None:
+        return [f"{name}: {problem}"]  # evicted since the file check, and now cannot be fetched
     if not path.is_file():
         return [f"{name}: shard file missing ({len(rows)} samples)"]
     recorded = {(r["shard_sha256"], r["shard_nbytes"]) for r in rows}

@@ -22,6 +22,7 @@ from store import format as fmt
 from store.integrity import write_version_checksums
 from store.io_errors import writing
 from store.manifest import RESERVED_COLUMNS, merge_indexes, rows_to_table
+from store.remote_shards import ensure_local
 from store.shard import ShardBuilder, tensor_dtype_name
 
 if TYPE_CHECKING:
@@ -221,7 +222,7 @@ class TableWriter:
         rows = rows.set_column(col, rows.schema.field(col), pa.array([name] * rows.num_rows, rows.schema.field(col).type))
         with writing(f"shard {name} of table '{self.table}' v{self.version}", self.dir):  # e.g. a full disk, named
             dst.unlink(missing_ok=True)
-            fmt.link_or_copy(Path(src), dst)
+            fmt.link_or_copy(ensure_local(Path(src)), dst)  # a lazily cached source shard: fetched first
             fmt.atomic_write_parquet(self.dir / fmt.index_name(name), rows)  # carried samples now committed
         self.linked_shards.add(name)
         self._added.update(keys)

@@ -1,0 +1,336 @@
+"""Lazily cached versions of a store at a URL: metadata fetched on open, shard bytes on first need.
+
+`open_lazily` fetches into the cache's local store folder only what a reader's open path reads of each version
+(store.json, and per version every file its sealed `checksums.json` lists except the shard files: schema,
+manifest, shard indexes, rank-done files), each checked against that record as `pipeline store pull` checks it,
+plus a marker (`MARKER`) naming where the version lives. Then the ordinary reader (store/reader.py) opens the
+folder; its shard files (store/shard_io.py) call back here, through `fetcher_for`, when a shard is not there:
+- a scan (or a caller that needs the whole file: verify, a writer hard-linking a shard) fetches the whole shard
+  to a temp name in the version folder, its size and CRC32C checked against `checksums.json` while it streams,
+  and renames it into place: processes of one node sharing the cache may fetch the same shard at once, one
+  rename wins, same bytes; no torn file is ever visible under a shard name. A shard that fails the check is not
+  cached; its samples are then read by range, so the per-sample check names the damaged ones.
+- a random read fetches only the sample's byte range (one HTTP Range GET); the reader checks those bytes against
+  the sample's CRC32C on first read exactly as bytes read from a local file. Ranges are not kept on disk; once
+  the ranges read from a shard reach `WHOLE_AFTER` of its size, the rest is cheaper as one GET and the shard is
+  fetched whole (later epochs then read it warm).
+A check-ahead thread (a pread-only `ShardFiles`) keeps the ranges it fetched for the consumer's read of the same
+sample (`_memo`, bounded): the check-ahead window is then the remote prefetch, and no range is fetched twice.
+Space is made before a whole fetch by evicting least recently used shards (store/remote_cache.evict, under the
+cache lock); when the cache cannot make room the shard is read by range instead, never an error mid-run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+from schemas.errors import UserError
+from store import format as fmt
+from store.checksum import CHUNK, RunningCrc, file_crc
+from store.remote import Remote, open_remote, remote_errors
+
+log = logging.getLogger("store")
+
+MARKER = ".remote.json"  # in a lazily cached version folder: {"url", "table", "version"} of its remote copy
+LAZY_SUFFIX = ".lazy"  # `.v<N>.lazy`: a version's metadata being fetched (not a version name: readers skip it)
+FETCH_TAG = ".fetch-"  # `.<shard>.fetch-<pid>-<thread>`: a shard being fetched (counted by the cache, never read)
+WHOLE_AFTER = 0.5  # fraction of a shard read by range after which it is fetched whole
+MEMO_BYTES = 256 * 2**20  # ranges fetched by a check-ahead thread, kept for the consumer's read
+
+
+def is_lazy(vdir: Path | str) -> bool:
+    return os.path.isfile(os.path.join(vdir, MARKER))
+
+
+def is_shard(name: str) -> bool:
+    return fmt.SHARD_RE.fullmatch(name) is not None
+
+
+_fetchers: dict[str, "ShardFetcher"] = {}
+_fetchers_lock = threading.Lock()
+_limits: dict[str, int] = {}  # cache folder -> size limit in bytes (set by remote_cache.local_store)
+
+
+def set_limit(cache: Path, limit: int | None) -> None:
+    if limit is None:
+        _limits.pop(str(cache), None)
+    else:
+        _limits[str(cache)] = int(limit)
+
+
+def fetcher_for(vdir: Path | str) -> "ShardFetcher | None":
+    """The fetcher of a lazily cached version folder (one per folder and process), None for any other folder."""
+    key = str(vdir)
+    f = _fetchers.get(key)
+    if f is not None or not is_lazy(key):
+        return f
+    with _fetchers_lock:
+        if key not in _fetchers:
+            _fetchers[key] = ShardFetcher(Path(key))
+        return _fetchers[key]
+
+
+def fetch_stats() -> dict[str, int]:
+    """Totals over this process's fetchers (tests, bench): whole shards fetched, their bytes, ranges, their bytes."""
+    out = {"shards": 0, "shard_bytes": 0, "ranges": 0, "range_bytes": 0}
+    for f in list(_fetchers.values()):
+        for k in out:
+            out[k] += f.stats[k]
+    return out
+
+
+class ShardFetcher:
+    """Fetches the shard files of one lazily cached version folder (thread-safe)."""
+
+    def __init__(self, vdir: Path) -> None:
+        from store import integrity
+
+        self.vdir = vdir
+        source = json.loads((vdir / MARKER).read_text())
+        self.url, self.base = source["url"], f"{source['table']}/v{int(source['version'])}"
+        self.sums = integrity.read_version_checksums(vdir) or {}
+        self.cache = vdir.parent.parent.parent  # <cache>/<store hash>/<table>/v<N>
+        self._remote: Remote | None = None
+        self._lock = threading.Lock()
+        self._shard_locks: dict[str, threading.Lock] = {}
+        self._ranged: dict[str, int] = {}  # shard -> bytes fetched by range so far
+        self._uncacheable: dict[str, str] = {}  # shard -> why its whole fetch failed (read by range instead)
+        self._memo: OrderedDict[tuple[str, int, int], np.ndarray] = OrderedDict()
+        self._memo_bytes = 0
+        self.stats = {"shards": 0, "shard_bytes": 0, "ranges": 0, "range_bytes": 0}
+
+    @property
+    def remote(self) -> Remote:
+        if self._remote is None:
+            self._remote = open_remote(self.url)
+        return self._remote
+
+    @contextmanager
+    def _connection(self, action: str) -> Iterator[None]:
+        """The library's errors as one line; after one, the next fetch opens a fresh connection (a server that
+        restarted is reached again, as by a new process)."""
+        try:
+            with remote_errors(self.url, action):
+                yield
+        except BaseException:
+            self._remote = None
+            raise
+
+    # ------------------------------------------------------------ whole shards
+
+    def fetch_whole(self, shard: str) -> str | None:
+        """Make the shard file present; None when it is, else why it cannot be (damaged on the server, not
+        listed, no room in the cache)."""
+        path = self.vdir / shard
+        if path.exists():
+            return None
+        if shard in self._uncacheable:
+            return self._uncacheable[shard]
+        entry = self.sums.get(shard)
+        if entry is None:
+            return f"shard {shard} is not listed in its version's {fmt.CHECKSUMS}"
+        with self._lock:
+            lock = self._shard_locks.setdefault(shard, threading.Lock())
+        with lock:  # one fetch per shard in this process; other processes may race (one rename wins)
+            if path.exists():
+                return None
+            part = self.vdir / f".{shard}{FETCH_TAG}{os.getpid()}-{threading.get_ident()}"
+            if not self._reserve(part, int(entry["nbytes"])):
+                return "no room in the store cache"  # not kept: a later read may find room
+            try:
+                with self._connection(f"fetch {self.base}/{shard}"):
+                    n, crc = _download(self.remote, f"{self.base}/{shard}", part)
+                if (n, crc) != (int(entry["nbytes"]), entry["crc32c"]):
+                    problem = (f"{self.url}/{self.base}/{shard} is damaged ({n} bytes, crc32c {crc}; "
+                               f"{fmt.CHECKSUMS} records {entry['nbytes']} bytes, crc32c {entry['crc32c']})")
+                    self._uncacheable[shard] = problem
+                    log.warning("%s: not cached, its samples are read by range (each checked)", problem)
+                    return problem
+                os.replace(part, path)  # atomic: readers see the whole checked file or none
+            finally:
+                if part.exists():
+                    part.unlink()
+            self.stats["shards"] += 1
+            self.stats["shard_bytes"] += n
+        return None
+
+    def _reserve(self, part: Path, nbytes: int) -> bool:
+        """Under the cache lock: evict least recently used shards until `nbytes` more fit under the limit, then
+        create `part` at its full size so that other processes count it. False when it cannot fit."""
+        from store.remote_cache import CACHE_LOCK, make_room
+
+        limit = _limits.get(str(self.cache))
+        if limit is None:
+            part.touch()
+            return True
+        with fmt.flock(self.cache / CACHE_LOCK):
+            if not make_room(self.cache, limit, nbytes):
+                return False
+            with open(part, "wb") as f:
+                f.truncate(nbytes)
+        return True
+
+    def touch(self, fd: int) -> None:
+        """A shard opened for reading: its last use, for LRU eviction."""
+        try:
+            os.utime(fd)
+        except OSError:
+            pass
+
+    # ------------------------------------------------------------ byte ranges
+
+    def read(self, shard: str, start: int, n: int, keep: bool = False) -> np.ndarray | None:
+        """Sample bytes [start, start + n) of a shard not cached: a range fetched now (or kept by the check-ahead
+        thread), or None when the shard has just been fetched whole (read it from its file). `keep`: the caller
+        is the check-ahead thread; the consumer's read of the same bytes takes them from memory."""
+        key = (shard, start, n)
+        with self._lock:
+            got = self._memo.pop(key, None)
+            if got is not None:
+                self._memo_bytes -= n
+                return got
+            ranged = self._ranged.get(shard, 0) + n
+            self._ranged[shard] = ranged
+        entry = self.sums.get(shard)
+        if (entry is not None and shard not in self._uncacheable and ranged >= WHOLE_AFTER * int(entry["nbytes"])
+                and self.fetch_whole(shard) is None):
+            return None
+        with self._connection(f"read {self.base}/{shard}"):
+            data = self.remote.fs.cat_file(self.remote.path(f"{self.base}/{shard}"),
+                                            start=start, end=start + n)  # an HTTP Range GET
+        buf = np.frombuffer(bytearray(data), np.uint8)  # writable, as a pread buffer
+        with self._lock:
+            self.stats["ranges"] += 1
+            self.stats["range_bytes"] += len(buf)
+            if keep:
+                self._memo[key] = buf
+                self._memo_bytes += n
+                while self._memo_bytes > MEMO_BYTES and self._memo:
+                    (_, _, m), _ = self._memo.popitem(last=False)
+                    self._memo_bytes -= m
+        return buf
+
+
+def _download(remote: Remote, rel: str, part: Path) -> tuple[int, str]:
+    """Stream one object into `part` (created, maybe at its reserved size); (bytes written, their CRC32C)."""
+    crc, n = RunningCrc(), 0
+    with remote.fs.open(remote.path(rel), "rb", block_size=CHUNK) as src, open(part, "r+b") as dst:
+        while chunk := src.read(CHUNK):
+            dst.write(chunk)
+            crc.update(chunk)
+            n += len(chunk)
+        dst.truncate(n)
+    return n, crc.hex()
+
+
+def ensure_local(path: Path) -> Path:
+    """A writer about to hard-link or read a whole shard file: fetched first when its version is lazily cached."""
+    f = fetcher_for(path.parent)
+    if f is not None and not path.exists():
+        problem = f.fetch_whole(path.name)
+        if problem is not None:
+            raise UserError(f"{path}: cannot be fetched ({problem}); rerun, or repair the store at {f.url}")
+    return path
+
+
+# ---------------------------------------------------------------- open: metadata only
+
+
+def open_lazily(url: str, root: Path, storage_options: dict[str, Any] | None, tables: list[str] | None,
+                optional: tuple[str, ...] = ()) -> set[tuple[str, int]]:
+    """Make `root` a local store holding, lazily, the current versions of `tables` at `url` (`tables=None`: every
+    complete version there); the (table, version) pairs it holds for the caller. A version cached already is
+    checked against the remote's record (one GET of its checksums.json; a different one under the same number is
+    refused); a warm open lists nothing."""
+    from store.remote_sync import _MANIFEST_RE, _checksums, _conflict, _ordered, _parse_record
+    from store.store import Store
+
+    remote = open_remote(url, storage_options)
+    with remote_errors(url, "open"):
+        try:
+            rec = _parse_record(remote.read(fmt.STORE_JSON), url)
+        except FileNotFoundError:
+            rec = None
+        if rec is None and tables is not None and set(tables) <= set(optional):
+            rec = fmt.new_store_record()  # an empty prefix, of which nothing is needed: a store's first writer
+        if rec is None:
+            raise UserError(f"no store at {url} (no {fmt.STORE_JSON} there); check the URL, or push a store first")
+        if tables is None:
+            wanted = {(m.group(1), int(m.group(2))) for rel in remote.listing()
+                      if (m := _MANIFEST_RE.fullmatch(rel))}
+        else:
+            tables = [t for t in tables if t in rec["tables"] or t not in optional]
+            missing = sorted(set(tables) - set(rec["tables"]))
+            if missing:
+                raise UserError(f"no table {', '.join(missing)} in the store at {url} (tables: "
+                                f"{sorted(rec['tables']) or 'none'}); run the stage that writes it and push again")
+            wanted = {(t, int(rec["tables"][t]["current"])) for t in tables}
+        store = Store(root)
+        fetched = False
+        for t, v in sorted(wanted):
+            where = f"{url}/{t}/v{v}/{fmt.CHECKSUMS}"
+            record = remote.read(f"{t}/v{v}/{fmt.CHECKSUMS}")
+            files = _ordered(t, v, _checksums(record, where), record)
+            vdir = fmt.version_dir(root, t, v)
+            if vdir.exists():
+                if not fmt.is_complete(vdir) or file_crc(vdir / fmt.MANIFEST)[0] != files[-1].crc:
+                    raise _conflict(t, v, url, root)
+                continue
+            _fetch_metadata(remote, root, t, v, files)
+            fetched = True
+        quarantine = root / fmt.QUARANTINE
+        if fetched and not quarantine.is_file():
+            try:
+                fmt.atomic_write_bytes(quarantine, remote.read(fmt.QUARANTINE))
+            except FileNotFoundError:
+                pass
+        for t, entry in sorted(rec["tables"].items()):
+            if (tables is None or t in tables) and fmt.is_complete(fmt.version_dir(root, t, int(entry["current"]))):
+                store.set_current(t, int(entry["current"]))
+    return wanted
+
+
+def _fetch_metadata(remote: Remote, root: Path, table: str, version: int, files) -> None:
+    """A version's files except its shards into `.v<N>.lazy/`, each checked, the manifest last, the marker, and
+    the rename to `v<N>`: the local commit, as pull's."""
+    final = fmt.version_dir(root, table, version)
+    tmp = final.with_name(f".{final.name}{LAZY_SUFFIX}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    for f in files:
+        name = f.rel.rsplit("/", 1)[1]
+        if is_shard(name):
+            continue
+        path = tmp / name
+        if path.is_file() and file_crc(path) == (f.crc, f.nbytes):  # fetched and checked by an earlier open
+            continue
+        part = path.with_name(path.name + ".part")
+        part.touch()
+        try:
+            n, crc = _download(remote, f.rel, part)
+        except BaseException:  # a full disk, a lost connection: no partial file is left behind
+            part.unlink(missing_ok=True)
+            raise
+        if (n, crc) != (f.nbytes, f.crc):
+            part.unlink()
+            raise UserError(f"{remote.url}/{f.rel} is damaged ({n} bytes, crc32c {crc}; its version's "
+                            f"{fmt.CHECKSUMS} records {f.nbytes} bytes, crc32c {f.crc}); refused: push that version "
+                            "again from an intact store")
+        os.replace(part, path)
+    mark(tmp, remote.url, table, version)
+    os.rename(tmp, final)
+
+
+def mark(vdir: Path, url: str, table: str, version: int) -> None:
+    """Mark a version folder as a cached copy of `url`'s: its missing shards are fetched, its shards evictable."""
+    fmt.atomic_write_json(vdir / MARKER, {"url": url, "table": table, "version": version,
+                                          "cached_at": time.time()})

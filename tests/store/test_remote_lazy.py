@@ -1,0 +1,192 @@
+"""A store URL read through the lazy cache (store/remote_shards.py) against the S3 test server: opening fetches
+metadata only; a random read fetches the sample's byte range, a scan whole shards (checked, renamed into place);
+an object damaged on the server is refused on first read and nothing of it is cached; the cache stays under its
+limit during a read of a store bigger than it; two processes share one cache."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from store import Store
+from store import format as fmt
+from store.integrity import DamagedData
+from store.remote_cache import local_store
+from store.remote_shards import FETCH_TAG, MARKER, fetch_stats
+from store.remote_sync import push
+from store_samples import fill
+
+
+def _pushed(s3_env, store: Store, n: int = 24) -> str:
+    fill(store, n, shard_size_mb=0.02)  # 4 shards of 6 samples (~30 KB each, a sample ~4 KB)
+    push(store.root, s3_env.url())
+    return s3_env.url()
+
+
+def _shard_files(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*") if fmt.SHARD_RE.fullmatch(p.name))
+
+
+def _cache_bytes(cache: Path) -> int:
+    return sum(p.stat().st_size for p in cache.rglob("*") if p.is_file())
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _one_key_per_shard(reader) -> list[str]:
+    return [group[len(group) // 2] for group in reader.shard_groups()]
+
+
+def test_open_fetches_metadata_and_a_random_read_only_byte_ranges(s3_env, store: Store, tmp_path: Path) -> None:
+    url = _pushed(s3_env, store)
+    root = local_store(url, ["vae"], tmp_path / "cache")
+    vdir = fmt.version_dir(root, "vae", 1)
+    assert (vdir / MARKER).is_file() and (vdir / fmt.MANIFEST).is_file()
+    assert _shard_files(root) == []  # open: no shard fetched
+    before = fetch_stats()
+    with store.reader("vae") as local, Store(root, create=False).reader("vae") as cached:
+        keys = _one_key_per_shard(local)  # one sample of each shard: random reads, never a scan
+        assert len(keys) == 4
+        for k in keys:
+            assert _same(cached.tensors(k), local.tensors(k))
+        read = sum(local.view.locate(local.row_of(k))[2] for k in keys)
+    after = fetch_stats()
+    assert _shard_files(root) == []  # byte ranges only: no shard file appeared in the cache
+    assert after["shards"] == before["shards"]
+    assert after["ranges"] - before["ranges"] == 4 and after["range_bytes"] - before["range_bytes"] == read
+
+
+def test_a_scan_caches_whole_checked_shards(s3_env, store: Store, tmp_path: Path) -> None:
+    url = _pushed(s3_env, store)
+    root = local_store(url, ["vae"], tmp_path / "cache")
+    assert _shard_files(root) == []
+    with store.reader("vae") as local, Store(root, create=False).reader("vae") as cached:
+        for group in local.shard_groups():
+            for k in group:
+                assert _same(cached.tensors(k), local.tensors(k))
+    shards = _shard_files(root)
+    assert [p.name for p in shards] == [p.name for p in _shard_files(store.root)]
+    for p in shards:
+        assert p.read_bytes() == (store.root / "vae" / "v1" / p.name).read_bytes()
+    assert not [p for p in root.rglob("*") if FETCH_TAG in p.name]
+    assert Store(root, create=False).versions("vae") == [1]
+
+
+def _damage_on_server(s3_env, shard: str, at: int) -> None:
+    """Flip one byte of an object on the server (same size), through boto3, as a disk or a bad copy would."""
+    client = s3_env.client()
+    key = f"store/vae/v1/{shard}"
+    data = bytearray(client.get_object(Bucket=s3_env.bucket, Key=key)["Body"].read())
+    data[at] ^= 0xFF
+    client.put_object(Bucket=s3_env.bucket, Key=key, Body=bytes(data))
+
+
+@pytest.mark.parametrize("how", ["random", "scan"])
+def test_an_object_damaged_on_the_server_is_refused_on_first_read_and_not_cached(s3_env, store: Store,
+                                                                              tmp_path: Path, how: str) -> None:
+    url = _pushed(s3_env, store)
+    with store.reader("vae") as local:
+        group = local.shard_groups()[1]
+        bad = group[len(group) // 2]
+        shard, start, n = local.view.locate(local.row_of(bad))
+        _damage_on_server(s3_env, shard, start + n - 3)  # inside the sample's tensor bytes
+        root = local_store(url, ["vae"], tmp_path / "cache")
+        with Store(root, create=False).reader("vae") as cached:
+            order = group if how == "scan" else [bad]
+            for k in order:
+                if k == bad:
+                    with pytest.raises(DamagedData) as e:
+                        cached.tensors(k)
+                    assert "\n" not in str(e.value) and bad in str(e.value) and "crc32c mismatch" in str(e.value)
+                else:  # the shard's intact samples still read (by range: the shard is not cached)
+                    assert _same(cached.tensors(k), local.tensors(k))
+    vdir = fmt.version_dir(root, "vae", 1)
+    assert not (vdir / shard).exists()  # nothing of the damaged object stays cached
+    assert not [p for p in root.rglob("*") if FETCH_TAG in p.name]
+
+
+def test_a_read_of_a_store_bigger_than_the_cache_stays_under_its_limit(s3_env, store: Store, tmp_path: Path,
+                                                                       monkeypatch) -> None:
+    from store import remote_shards
+
+    url = _pushed(s3_env, store)
+    cache = tmp_path / "cache"
+    root = local_store(url, ["vae"], cache)
+    metadata = _cache_bytes(cache)
+    shard = max(p.stat().st_size for p in _shard_files(store.root))
+    limit = metadata + 2 * shard + 100  # room for two of the four shards
+    root = local_store(url, ["vae"], cache, limit_gb=limit / 1e9)
+    seen = []
+    real = remote_shards.ShardFetcher.fetch_whole
+
+    def fetch_whole(self, name):  # the cache's size after every fetch
+        got = real(self, name)
+        seen.append(_cache_bytes(cache))
+        return got
+
+    monkeypatch.setattr(remote_shards.ShardFetcher, "fetch_whole", fetch_whole)
+    fetched = fetch_stats()["shards"]
+    with store.reader("vae") as local, Store(root, create=False).reader("vae") as cached:
+        for epoch in range(2):
+            for group in local.shard_groups():
+                for k in group:
+                    assert _same(cached.tensors(k), local.tensors(k))
+    assert seen and max(seen) <= limit and _cache_bytes(cache) <= limit
+    assert 1 <= len(_shard_files(root)) <= 2  # the least recently used went first
+    assert fetch_stats()["shards"] - fetched >= 4 + 2  # evicted shards were fetched again in the second epoch
+
+    # the metadata of the versions in use alone over the limit: one line at open
+    from schemas.errors import UserError
+
+    with pytest.raises(UserError, match="over its limit"):
+        local_store(url, ["vae"], cache, limit_gb=metadata / 2 / 1e9)
+
+
+READER = textwrap.dedent("""
+    import random, sys, zlib
+    from store import Store
+    from store.remote_cache import local_store
+    url, cache, limit = sys.argv[1], sys.argv[2], float(sys.argv[3])
+    root = local_store(url, ["vae"], cache, limit_gb=limit)
+    crc = {}
+    with Store(root, create=False).reader("vae") as r:
+        keys = r.keys()
+        for order in ([k for g in r.shard_groups() for k in g], random.Random(int(sys.argv[4])).sample(keys, len(keys))):
+            for k in order:
+                t = r.tensors(k)
+                crc[k] = zlib.crc32(b"".join(t[n].view(-1).view(__import__("torch").uint8).numpy().tobytes()
+                                            for n in sorted(t)))
+    print(sum(crc.values()), len(crc))
+""")
+
+
+def test_two_processes_share_one_cache(s3_env, store: Store, tmp_path: Path) -> None:
+    import zlib
+
+    url = _pushed(s3_env, store)
+    cache = tmp_path / "cache"
+    root = local_store(url, ["vae"], cache)
+    limit = (_cache_bytes(cache) + 3 * max(p.stat().st_size for p in _shard_files(store.root))) / 1e9
+    procs = [subprocess.Popen([sys.executable, "-c", READER, url, str(cache), str(limit), str(seed)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ.copy())
+             for seed in (1, 2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-2000:]
+    with store.reader("vae") as local:
+        want = 0
+        for k in local.keys():
+            t = local.tensors(k)
+            want += zlib.crc32(b"".join(t[n].view(-1).view(torch.uint8).numpy().tobytes() for n in sorted(t)))
+        expected = f"{want} {len(local)}"
+    assert [out.strip().splitlines()[-1] for out, _ in outs] == [expected, expected]
+    assert _cache_bytes(cache) <= limit * 1e9
+    assert not [p for p in root.rglob("*") if FETCH_TAG in p.name]
