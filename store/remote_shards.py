@@ -37,6 +37,7 @@ import numpy as np
 from schemas.errors import UserError
 from store import format as fmt
 from store.checksum import CHUNK, RunningCrc, file_crc
+from store.io_errors import writing
 from store.remote import Remote, open_remote, remote_errors
 
 log = logging.getLogger("store")
@@ -148,7 +149,7 @@ class ShardFetcher:
             if not self._reserve(part, int(entry["nbytes"])):
                 return "no room in the store cache"  # not kept: a later read may find room
             try:
-                with self._connection(f"fetch {self.base}/{shard}"):
+                with writing("the store cache", self.cache), self._connection(f"fetch {self.base}/{shard}"):
                     n, crc = _download(self.remote, f"{self.base}/{shard}", part)
                 if (n, crc) != (int(entry["nbytes"]), entry["crc32c"]):
                     problem = (f"{self.url}/{self.base}/{shard} is damaged ({n} bytes, crc32c {crc}; "

@@ -34,42 +34,54 @@ def test_pulled_store_trains_the_same_lora(s3_env, tiny_edit_model, tmp_path: Pa
         assert torch.equal(a[k], b[k]), k
 
 
-def test_train_reads_a_store_url_through_a_bounded_cache(s3_env, tiny_edit_model, tmp_path: Path) -> None:
+def test_train_reads_a_store_url_through_a_cache_smaller_than_the_store(s3_env, tiny_edit_model,
+                                                                       tmp_path: Path) -> None:
+    """The cache holds the versions' metadata and a few shards; the training reads every shard, evicting the least
+    recently used ones as it goes, stays under the limit and trains the LoRA the local store trains."""
     from typer.testing import CliRunner
 
     from pipeline.cli import app
     from schemas.errors import UserError
+    from store import format as fmt
     from store.remote_cache import local_store
 
     local = tmp_path / "store"
-    make_train_store(local, tiny_edit_model, mixed_specs(6, 2, masks=True))
+    make_train_store(local, tiny_edit_model, mixed_specs(6, 2, masks=True), shard_size_mb=0.004)
     push(local, s3_env.url("features"))
+    shards = [p.stat().st_size for p in local.rglob("*") if fmt.SHARD_RE.fullmatch(p.name)]
     cache = tmp_path / "cache"
+    local_store(s3_env.url("features"), ["text", "vae"], cache)  # metadata only
+    metadata = _bytes(cache)
+    limit = metadata + 3 * max(shards) + 4096  # room for three shards (and the run's read lease)
+    assert len(shards) > 3 and metadata + sum(shards) > limit
     args = ["run", "train", "--model", tiny_edit_model, "--device", "cpu", "--batch-size", "2", "--max-steps", "3",
             "-s", "train.learning_rate=2e-3", "-s", "train.lora.rank=4", "-s", "train.warmup_steps=1"]
     res = CliRunner().invoke(app, [*args, "--store", s3_env.url("features"), "--out", str(tmp_path / "run-url"),
-                                   "--cache-dir", str(cache), "--cache-gb", "1"])
+                                   "--cache-dir", str(cache), "--cache-gb", str(limit / 1e9)])
     assert res.exit_code == 0, res.output
+    assert _bytes(cache) <= limit
     res = CliRunner().invoke(app, [*args, "--store", str(local), "--out", str(tmp_path / "run-local")])
     assert res.exit_code == 0, res.output
     a, b = read_lora(tmp_path / "run-local" / "lora")[0], read_lora(tmp_path / "run-url" / "lora")[0]
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
-    # a second store URL that does not fit beside the first: the least recently used versions are evicted
+    # a second store URL whose metadata does not fit beside the first's: the versions nobody uses are evicted
     (cached,) = [p for p in cache.iterdir() if p.is_dir()]
-    size = sum(p.stat().st_size for p in cached.rglob("*") if p.is_file())
     push(local, s3_env.url("other"))
-    limit = size * 1.5
-    other = local_store(s3_env.url("other"), ["text", "vae"], cache, limit_gb=limit / 1e9)
+    other = local_store(s3_env.url("other"), ["text", "vae"], cache, limit_gb=metadata * 1.5 / 1e9)
     assert Store_versions(other) == {"text": [1], "vae": [1]}  # in use: kept
     left = Store_versions(cached)
     assert left["text"] == [] or left["vae"] == []  # the older store's versions went first
-    assert sum(p.stat().st_size for p in cache.glob("*/*/v*/*")) <= limit
-    # the first one is pulled again (checked) when used next
+    assert _bytes(cache) <= metadata * 1.5
+    # the first one is opened again (checked) when used next
     assert Store_versions(local_store(s3_env.url("features"), ["vae"], cache, limit_gb=10))["vae"] == [1]
-    # versions in use that cannot fit: one line naming the cache and the limit
+    # the metadata of the versions in use cannot fit: one line naming the cache and the limit
     with pytest.raises(UserError, match="over its limit"):
-        local_store(s3_env.url("features"), ["text", "vae"], cache, limit_gb=size * 0.5 / 1e9)
+        local_store(s3_env.url("features"), ["text", "vae"], cache, limit_gb=metadata * 0.5 / 1e9)
+
+
+def _bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
 
 def Store_versions(root: Path) -> dict[str, list[int]]:
@@ -79,31 +91,38 @@ def Store_versions(root: Path) -> dict[str, list[int]]:
 
 
 def test_a_full_cache_disk_is_one_line_and_shows_nothing(s3_env, tiny_edit_model, tmp_path: Path, monkeypatch) -> None:
+    """On open (a version's metadata) and on a read (a shard fetched whole): one line, no partial file."""
     import errno
 
     from schemas.errors import UserError
-    from store import remote as remote_mod
+    from store import Store
+    from store import remote_shards
     from store.remote_cache import local_store
 
     local = tmp_path / "store"
     make_train_store(local, tiny_edit_model, mixed_specs(4))
     push(local, s3_env.url("full"))
-    real_download = remote_mod.Remote.download
+    real_download = remote_shards._download
     calls = []
 
-    def disk_fills_up(self, rel, dst, progress):
+    def disk_fills_up(remote, rel, part):
         calls.append(rel)
-        if len(calls) == 3:
-            dst.write_bytes(b"partial")
+        if len(calls) == 3 or rel.endswith(".tar"):
+            part.write_bytes(b"partial")
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real_download(self, rel, dst, progress)
+        return real_download(remote, rel, part)
 
-    monkeypatch.setattr(remote_mod.Remote, "download", disk_fills_up)
+    monkeypatch.setattr(remote_shards, "_download", disk_fills_up)
     cache = tmp_path / "cache"
     with pytest.raises(UserError, match="disk full while writing the store cache in " + str(cache)):
         local_store(s3_env.url("full"), ["text", "vae"], cache)
     assert not list(cache.rglob("*.part"))  # no partial file left
     (root,) = [p for p in cache.iterdir() if p.is_dir()]
     assert Store_versions(root) == {"text": [], "vae": []}
-    monkeypatch.setattr(remote_mod.Remote, "download", real_download)
     assert Store_versions(local_store(s3_env.url("full"), ["text", "vae"], cache)) == {"text": [1], "vae": [1]}
+    with Store(root, create=False).reader("vae") as r, pytest.raises(UserError, match="disk full while writing "
+                                                                                        "the store cache"):
+        for k in r.keys():  # a scan: the shard is fetched whole
+            r.tensors(k)
+    assert not [p for p in root.rglob("*") if remote_shards.FETCH_TAG in p.name]
+    assert not [p for p in root.rglob("*.tar")]

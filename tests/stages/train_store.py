@@ -51,7 +51,7 @@ def _lineage(stage: str, model: str | None, fingerprint: str | None) -> Lineage:
 def make_train_store(
     root: Path, model: str, specs: list[Spec], seed: int = 0, schema_version: int = 2,
     fingerprint: str | None = None, tag: str = "", skip_text: set[int] = frozenset(), skip_vae: set[int] = frozenset(),
-    poison: dict[int, float] | None = None,
+    poison: dict[int, float] | None = None, shard_size_mb: float = 256,
 ) -> Store:
     """poison: sample index -> a value written (checksummed, so not "damaged") into its target latent."""
     st = Store(root)
@@ -71,7 +71,7 @@ def make_train_store(
         schema_version=schema_version,
         attrs={"latents_mean": [0.0] * C, "latents_std": [1.0] * C},
     )
-    tw, vw = st.writer("text", text_schema), st.writer("vae", vae_schema)
+    tw, vw = st.writer("text", text_schema, shard_size_mb=shard_size_mb), st.writer("vae", vae_schema, shard_size_mb=shard_size_mb)
     empty = torch.randn(3, D, generator=g).bfloat16()
     for i, s in enumerate(specs):
         key = key_of(i, tag)

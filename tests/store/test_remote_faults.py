@@ -1,6 +1,6 @@
 """Faults of a store URL against the S3 test server: a `pipeline store push` process SIGKILLed half-way leaves no
-visible version and its rerun completes; the server stopped in the middle of a file while the cache pulls leaves
-nothing half-written in the cache, and the pull completes once the server is back."""
+visible version and its rerun completes; the server stopped in the middle of a shard a reader fetches leaves
+nothing half-written in the cache, and the read completes once the server is back."""
 
 from __future__ import annotations
 
@@ -81,7 +81,12 @@ def test_sigkilled_push_leaves_no_visible_version_and_a_rerun_completes(s3_env, 
 
 def test_server_stopped_mid_file_leaves_nothing_half_written_in_the_cache(store: Store, monkeypatch,
                                                                          tmp_path: Path) -> None:
+    """The server goes away in the middle of a shard a reader's scan fetches whole: one line naming the URL, no
+    partial file under any name a reader opens, and once the server is back the read completes, every file
+    checked."""
     from s3_server import aws_env, start_server
+    from store import remote_shards
+    from store.checksum import RunningCrc
     from store.remote_cache import local_store
 
     fill(store, 12, shard_size_mb=0.02)
@@ -91,51 +96,43 @@ def test_server_stopped_mid_file_leaves_nothing_half_written_in_the_cache(store:
 
     boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket="outage-cache")
     push(store.root, "s3://outage-cache/s")
-    monkeypatch.setattr(remote_mod, "CHUNK", 4096)  # every file read in several ranged requests
-    real_download = remote_mod.Remote.download
-    files: list[str] = []
+    cache = tmp_path / "cache"
+    root = local_store("s3://outage-cache/s", ["vae"], cache)  # metadata only
+    monkeypatch.setattr(remote_shards, "CHUNK", 4096)  # every shard read in several ranged requests
+    received: list[int] = []  # bytes of the shard cut short that arrived
+    server_running = [True]
 
-    received: list[int] = []  # bytes of the file cut short that arrived
+    class StopAfterFirstChunk(RunningCrc):
+        """The CRC of a shard being fetched: the server goes away once its first chunk has arrived."""
 
-    class StopAfterFirstChunk:
-        """The progress bar of the first shard: the server goes away once its first chunk has arrived."""
-
-        def __init__(self, bar) -> None:
-            self.bar = bar
-
-        def update(self, n: int) -> None:
-            self.bar.update(n)
-            received.append(n)
+        def update(self, data) -> None:
+            super().update(data)
+            received.append(len(data))
             if server_running:
                 server.stop()
                 server_running.clear()
 
-    server_running = [True]
+    monkeypatch.setattr(remote_shards, "RunningCrc", StopAfterFirstChunk)
+    with Store(root, create=False).reader("vae") as r:
+        first = r.shard_groups()[0]
+        with pytest.raises(UserError, match="lost the connection to s3://outage-cache/s"):
+            for k in first:  # a scan: the third read fetches the shard whole
+                r.tensors(k)
+    assert not server_running
+    shard = r.view.shard_of(r.row_of(first[0]))
+    assert 0 < sum(received) < (store.root / "vae" / "v1" / shard).stat().st_size  # cut off mid-file
+    vdir = fmt.version_dir(root, "vae", 1)
+    assert not (vdir / shard).exists()  # nothing half-written under the shard's name
+    assert not [p for p in root.rglob("*") if remote_shards.FETCH_TAG in p.name or p.suffix == ".part"]
 
-    def download(self, rel, local, progress):
-        files.append(rel)
-        if rel.endswith(".tar") and server_running:
-            progress = StopAfterFirstChunk(progress)
-        return real_download(self, rel, local, progress)
-
-    monkeypatch.setattr(remote_mod.Remote, "download", download)
-    cache = tmp_path / "cache"
-    with pytest.raises(UserError, match="lost the connection to s3://outage-cache/s"):
-        local_store("s3://outage-cache/s", ["vae"], cache)
-    assert not server_running and files[-1].endswith(".tar")
-    assert 0 < sum(received) < (store.root / files[-1]).stat().st_size  # cut off in the middle of the file
-    (root,) = [p for p in cache.iterdir() if p.is_dir()]
-    assert not list(root.rglob("*.part"))  # the file cut short was removed
-    assert Store(root, create=False).versions("vae") == []  # and no version is visible
-    for p in root.rglob("*"):  # what is kept of the interrupted pull is whole, checked files only
-        if p.is_file() and p.parent.name.endswith(".pull"):
-            assert p.read_bytes() == (store.root / "vae" / "v1" / p.name).read_bytes()
-
-    monkeypatch.setattr(remote_mod.Remote, "download", real_download)
+    monkeypatch.setattr(remote_shards, "RunningCrc", RunningCrc)
     server, endpoint = start_server()
     try:
         aws_env(monkeypatch, endpoint)
-        assert Store(local_store("s3://outage-cache/s", ["vae"], cache), create=False).versions("vae") == [1]
-        assert verify_store(root) == []
+        with Store(local_store("s3://outage-cache/s", ["vae"], cache), create=False).reader("vae") as r:
+            for k in first:
+                r.tensors(k)
+        assert (vdir / shard).read_bytes() == (store.root / "vae" / "v1" / shard).read_bytes()
+        assert verify_store(root) == []  # the other shards fetched (and checked) by verify
     finally:
         server.stop()
