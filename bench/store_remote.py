@@ -3,15 +3,19 @@ measured in the same run (best of --repeats, interleaved: a busy machine slows e
 
 sync   `pipeline store push|pull` of a store of realistic tensors (bench/store_read.py's builder: prompt embeds +
        latents, bf16) vs shutil.copytree of the store folder (read + write on this disk).
-read   readers of a store URL through the local cache (store/remote_cache.py), vs the same store read locally:
+read   readers of a store URL through the lazy local cache (store/remote_cache.py, store/remote_shards.py), vs
+       the same store read locally:
          scan    every tensor of every sample (check-ahead CRC, as train/evaluate/encode read)
          random  --random samples at random keys
-       cold = an empty cache (the open pulls the version, every file checked, then reads it), warm = the cache
-       already holds it (the open lists the remote, finds the version there, then reads locally).
+       cold = an empty cache (the open fetches the version's metadata; the reads fetch shards whole when they
+       scan, byte ranges when they read at random), warm = the cache as the cold pass left it (the open reads
+       store.json and checksums.json from the remote, the reads find the shards the cold pass cached). The open is
+       reported apart from the reads, and the bytes fetched from the server apart from the bytes read.
 train  a CPU training run of configs/demo.yaml (its tiny model, its 24 synthetic samples, 60 steps) on the local
        store, on the URL with a warm cache and with a cold one, train.prefetch 0 and 2: the time each step waits
-       for its micro-batch (`MicroBatches.next`, timed here) as a share of the step, and for a cold cache the
-       one-off pull at open as a share of the run. Steps 1-2 (warm-up) left out.
+       for its micro-batch (`MicroBatches.next`, timed here) as a share of the step (a cold cache fetches during
+       the steps: the prefetch and check-ahead threads overlap those fetches with compute), and the one-off open
+       as a share of the run. Steps 1-2 (warm-up) left out.
 The server is Python (moto keeps objects in memory) on the same cores, so the remote figures bound the client's own
 overhead on this machine; a real S3 endpoint is limited by the network instead.
 
@@ -106,6 +110,7 @@ def bench_read(work: Path, gb: float, shard_mb: float, repeats: int, seed: int, 
     from store_read import HIDDEN, store_scan
 
     from store.remote_cache import local_store
+    from store.remote_shards import fetch_stats
     from store.remote_sync import push
 
     src, url = work / "read-store", "s3://bench/read"
@@ -116,12 +121,18 @@ def bench_read(work: Path, gb: float, shard_mb: float, repeats: int, seed: int, 
     runs: dict[str, list[float]] = {f"{w} {k}": [] for k in ("scan", "random") for w in ("local", "cold", "warm")}
     opens: dict[str, list[float]] = {k: [] for k in runs}  # of those seconds, the open (list + pull if cold)
 
+    fetched: dict[str, list[int]] = {k: [] for k in runs}  # bytes fetched from the server (shards + ranges)
+
     def via_cache(name: str, cache: Path, read) -> None:
+        before = fetch_stats()
         t0 = time.perf_counter()
         root = local_store(url, ["features"], cache)
         t_open = time.perf_counter() - t0
         runs[name].append(t_open + read(root))
         opens[name].append(t_open)
+        after = fetch_stats()
+        fetched[name].append(after["shard_bytes"] + after["range_bytes"] - before["shard_bytes"]
+                             - before["range_bytes"])
 
     for i in range(repeats):
         scan = lambda root: store_scan(root, dst, "ahead")[0]  # noqa: E731
@@ -135,16 +146,20 @@ def bench_read(work: Path, gb: float, shard_mb: float, repeats: int, seed: int, 
             shutil.rmtree(cache)
     best = {k: min(v) for k, v in runs.items()}
     reads = {k: min(t - o for t, o in zip(runs[k], opens[k])) for k in runs}  # after the open
-    print(f"== read: {n} samples, {tensor_bytes / 1e9:.2f} GB of tensors in {len(list(src.rglob('*.tar')))} shards; "
-          f"random: {count} samples; best of {repeats}; open = list the remote (+ pull when cold), then the reads")
+    read_bytes = {"scan": tensor_bytes, "random": tensor_bytes * count / n}  # ~: random keys, mean sample size
+    print(f"== read: {n} samples, {tensor_bytes / 1e9:.2f} GB of tensors in {len(list(src.rglob('*.tar')))} shards "
+          f"({store_bytes(src) / 1e9:.2f} GB store); random: {count} samples (~{read_bytes['random'] / 1e6:.0f} MB); "
+          f"best of {repeats}; open = store.json + checksums.json (+ the version's metadata when cold), then the "
+          "reads; fetched = bytes from the server during open + reads")
     for kind in ("scan", "random"):
         for where in ("local", "cold", "warm"):
             name = f"{kind} {where}"
             secs, after, base = best[f"{where} {kind}"], reads[f"{where} {kind}"], best[f"local {kind}"]
             work_ = tensor_bytes / 1e6 if kind == "scan" else count
             unit = "MB/s" if kind == "scan" else "samples/s"
+            got = "" if where == "local" else f"; fetched {min(fetched[f'{where} {kind}']) / 1e6:.0f} MB"
             print(f"{name:13s} {work_ / secs:8.1f} {unit:9s} {base / secs:5.2f}x local  (open {secs - after:.2f} s + "
-                  f"reads {after:.2f} s; reads alone {base / after:.2f}x local)")
+                  f"reads {after:.2f} s; reads alone {base / after:.2f}x local{got})")
     shutil.rmtree(src)
     return best
 
@@ -188,43 +203,54 @@ def _timed_next():
 def bench_train(work: Path, repeats: int, warmup: int = 2) -> None:
     from stages.train.recipe import run
     from store.remote_cache import local_store
+    from store.remote_shards import fetch_stats
 
     url = "s3://bench/demo"
     cfg, store, model = _demo_stores(work, url)
     _timed_next()
     cases = [("local", 0), ("local", 2), ("warm", 0), ("warm", 2), ("cold", 0), ("cold", 2)]
     waits: dict[tuple, list[float]] = {c: [] for c in cases}  # share of step time waiting for data, per run
+    waits_all: dict[tuple, list[float]] = {c: [] for c in cases}  # the same over every step (warm-up included)
     opened: dict[tuple, list[tuple[float, float]]] = {c: [] for c in cases}  # (open s, run s)
+    fetched: dict[tuple, list[int]] = {c: [] for c in cases}
     k = 0
     for i in range(repeats):
         for where, depth in cases:
             k += 1
             c = cfg.model_copy(update={"train": cfg.train.model_copy(update={"prefetch": depth})})
             cache = work / f"train-cache-{where}-{i}-{depth}"
+            if where == "warm":  # filled by a training before the measured run
+                c0 = cfg.model_copy(update={"train": cfg.train.model_copy(update={"prefetch": 0})})
+                run(c0, local_store(url, ["text", "vae"], cache), model, work / f"fill-{k}")
+                shutil.rmtree(work / f"fill-{k}")
+            stats = fetch_stats()
             t0 = time.perf_counter()
-            if where == "warm":
-                local_store(url, ["text", "vae"], cache)  # filled before the measured run
-                t0 = time.perf_counter()
             root = store if where == "local" else local_store(url, ["text", "vae"], cache)
             t_open = time.perf_counter() - t0
             WAITS.clear()
             result = run(c, root, model, work / f"run-{k}")
             steps = result.step_times[warmup:]
             waits[(where, depth)].append(sum(WAITS[warmup:len(result.step_times)]) / sum(steps))
+            waits_all[(where, depth)].append(sum(WAITS[:len(result.step_times)]) / sum(result.step_times))
             opened[(where, depth)].append((t_open, time.perf_counter() - t0))
+            now = fetch_stats()
+            fetched[(where, depth)].append(sum(now[x] - stats[x] for x in ("shard_bytes", "range_bytes")))
             shutil.rmtree(work / f"run-{k}")
             shutil.rmtree(cache, ignore_errors=True)
     steps_ms = 1000 * sum(steps) / len(steps)
+    total = store_bytes(store)
     print(f"== train: configs/demo.yaml on the CPU, {cfg.train.max_steps} steps of batch {cfg.train.batch_size} "
           f"(~{steps_ms:.0f} ms a step), data wait = time in MicroBatches.next / step time, steps {warmup + 1}+; "
           f"best of {repeats}")
     for where, depth in cases:
         share = min(waits[(where, depth)])
         t_open, t_run = min(opened[(where, depth)])
-        share_open = f"; open {t_open:.2f} s = {100 * t_open / t_run:.1f}% of the run ({t_run:.1f} s)"
+        share_open = (f"; open {t_open:.2f} s = {100 * t_open / t_run:.1f}% of the run ({t_run:.1f} s); fetched "
+                      f"{min(fetched[(where, depth)]) / 1e6:.1f} of the store's {total / 1e6:.1f} MB")
         extra = "" if where == "local" else share_open
         label = "local store" if where == "local" else f"URL, {where} cache"
-        print(f"{label:15s}, prefetch {depth}: data wait {100 * share:5.2f}% of a step{extra}")
+        print(f"{label:15s}, prefetch {depth}: data wait {100 * share:5.2f}% of a step ({100 * min(waits_all[(where, depth)]):.2f}% "
+              f"over every step){extra}")
 
 
 def main() -> None:
