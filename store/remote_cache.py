@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -78,8 +79,21 @@ def local_store(store: str | Path, tables: list[str] | None, cache_dir: str | Pa
     return root
 
 
+def _stat(p: Path) -> os.stat_result | None:
+    """None for a file gone since it was listed (another process renames its fetched shards into place and
+    unlinks its temp files without the cache lock)."""
+    try:
+        return p.stat()
+    except FileNotFoundError:
+        return None
+
+
+def _files(folder: Path) -> list[tuple[Path, os.stat_result]]:
+    return [(p, st) for p in folder.iterdir() if (st := _stat(p)) is not None and stat.S_ISREG(st.st_mode)]
+
+
 def _size(folder: Path) -> int:
-    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+    return sum(st.st_size for p in folder.rglob("*") if (st := _stat(p)) is not None and stat.S_ISREG(st.st_mode))
 
 
 def _candidates(cache: Path, keep: set[tuple[Path, str, int]], whole_versions: bool) -> tuple[int, list]:
@@ -94,7 +108,7 @@ def _candidates(cache: Path, keep: set[tuple[Path, str, int]], whole_versions: b
             total += _size(root)
             continue
         leased = {(t, v) for found in leases.leases(root) if found.live for t, v in found.versions()}
-        total += sum(p.stat().st_size for p in root.iterdir() if p.is_file())
+        total += sum(st.st_size for _, st in _files(root))
         for table_dir in sorted(p for p in root.iterdir() if p.is_dir()):
             if table_dir.name.startswith("."):
                 total += _size(table_dir)
@@ -102,17 +116,17 @@ def _candidates(cache: Path, keep: set[tuple[Path, str, int]], whole_versions: b
             versions = set(fmt.list_versions(root, table_dir.name))
             for p in table_dir.iterdir():
                 if p.is_file():
-                    total += p.stat().st_size
+                    total += (st.st_size if (st := _stat(p)) is not None else 0)
                 elif not (fmt.VERSION_RE.fullmatch(p.name) and int(p.name[1:]) in versions):
                     total += _size(p)  # a pull or lazy open in progress, a version being evicted
             for v in sorted(versions):
                 vdir = fmt.version_dir(root, table_dir.name, v)
-                files = [(f, f.stat()) for f in vdir.iterdir() if f.is_file()]
+                files = _files(vdir)
                 n = sum(st.st_size for _, st in files)
                 total += n
                 pinned = (root, table_dir.name, v) in keep or (table_dir.name, v) in leased
                 if whole_versions and not pinned:
-                    out.append((vdir.stat().st_mtime, n, vdir, True))
+                    out.append((vdir.stat().st_mtime, n, vdir, True))  # renamed only under the lock
                 elif is_lazy(vdir):
                     out += [(st.st_mtime, st.st_size, f, False) for f, st in files if is_shard(f.name)]
     return total, out

@@ -202,6 +202,12 @@ class ShardFetcher:
                 return got
             ranged = self._ranged.get(shard, 0) + n
             self._ranged[shard] = ranged
+            fetching = self._shard_locks.get(shard)
+        if fetching is not None and fetching.locked():  # another thread fetches it whole (a scan): wait for it
+            with fetching:
+                pass
+            if os.path.exists(self.vdir / shard):
+                return None
         entry = self.sums.get(shard)
         if (entry is not None and shard not in self._uncacheable and ranged >= WHOLE_AFTER * int(entry["nbytes"])
                 and self.fetch_whole(shard) is None):

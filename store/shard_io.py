@@ -88,8 +88,7 @@ class ShardFiles:
         """The n bytes at `start` in a fresh buffer of their own, or what is wrong (the file is short)."""
         if (self._fetcher is not None and shard not in self._open
                 and not os.path.exists(os.path.join(self._dir_str, shard))):
-            # not cached: only these bytes from the remote (the check-ahead thread's kept for the consumer)
-            got = self._fetcher.read(shard, start, n, keep=not self.scans)
+            got = self._fetch(shard, start, n)
             if got is not None:
                 return got if len(got) == n else f"the shard ends {n - len(got)} bytes before the sample does"
         h = self._handle(shard)
@@ -105,6 +104,17 @@ class ShardFiles:
         if got != n:
             return f"the shard ends {n - got} bytes before the sample does"
         return buf
+
+    def _fetch(self, shard: str, start: int, n: int) -> np.ndarray | None:
+        """A shard not cached: only these bytes from the remote, or None once it is cached whole. The check-ahead
+        thread (scans=False) reads in the consumer's order: its third read in a row from one shard fetches the
+        shard whole, ahead of the consumer's scan; the ranges it fetches are kept for the consumer's reads."""
+        if not self.scans:
+            last, count = self._run
+            self._run = (shard, count + 1 if shard == last else 1)
+            if self._run[1] >= SCAN_RUN and self._fetcher.fetch_whole(shard) is None:
+                return None
+        return self._fetcher.read(shard, start, n, keep=not self.scans)
 
     def sample(self, shard: str, start: int, n: int) -> tuple[Any, int] | str:
         """(buffer, where shard offset 0 lies in it), or what is wrong. The `SCAN_RUN`-th and later reads in a row

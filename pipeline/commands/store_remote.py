@@ -14,11 +14,12 @@ OptionsOpt = typer.Option(
     [], "--option", "-o", help="fsspec storage option KEY=VALUE (value parsed as YAML; repeatable), e.g. "
     "-o endpoint_url=http://127.0.0.1:9000 -o anon=true. Default: the standard AWS environment.",
 )
-CacheDirOpt = typer.Option(None, "--cache-dir", help="With a store URL (s3://...): the local cache its versions "
-                           "are pulled into and written in before they are pushed (default "
+CacheDirOpt = typer.Option(None, "--cache-dir", help="With a store URL (s3://...): the local cache its versions' "
+                           "metadata and the shards read are fetched into, and tables are written in before they are "
+                           "pushed (default "
                            "~/.cache/qwen-edit-pipeline/stores).")
-CacheGbOpt = typer.Option(None, "--cache-gb", help="Size limit of --cache-dir in GB; least recently used versions "
-                          "beyond it are evicted (default: no limit).")
+CacheGbOpt = typer.Option(None, "--cache-gb", help="Size limit of --cache-dir in GB; least recently used shards "
+                          "(and versions nobody uses) beyond it are evicted, also during a read (default: no limit).")
 
 
 def _options(items: list[str]) -> Optional[dict]:
