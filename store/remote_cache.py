@@ -125,7 +125,7 @@ def _candidates(cache: Path, keep: set[tuple[Path, str, int]], whole_versions: b
                 n = sum(st.st_size for _, st in files)
                 total += n
                 pinned = (root, table_dir.name, v) in keep or (table_dir.name, v) in leased
-                if whole_versions and not pinned:
+                if whole_versions and not pinned and fmt.is_complete(vdir):  # never a writer's version in progress
                     out.append((vdir.stat().st_mtime, n, vdir, True))  # renamed only under the lock
                 elif is_lazy(vdir):
                     out += [(st.st_mtime, st.st_size, f, False) for f, st in files if is_shard(f.name)]

@@ -38,6 +38,7 @@ class ShardFiles:
         self.max_open, self.scans = max(1, int(max_open)), scans
         self._open: OrderedDict[str, int | mmap.mmap] = OrderedDict()  # shard -> descriptor, or map when scanned
         self._run: tuple[str | None, int] = (None, 0)  # (shard of the last reads, how many in a row)
+        self._carried = False  # the current shard's reads continue a scan of the previous one (lazy versions)
         from store.remote_shards import fetcher_for
 
         self._fetcher = fetcher_for(vdir)  # None unless a lazily cached version (one stat here, none per read)
@@ -105,15 +106,24 @@ class ShardFiles:
             return f"the shard ends {n - got} bytes before the sample does"
         return buf
 
+    def _scanning(self, shard: str) -> bool:
+        """Count a read from `shard`; True when it belongs to a scan: the `SCAN_RUN`-th or later read in a row
+        from one shard, or - in a lazily cached version, where each read before that fetches a byte range - any
+        read of a shard whose first read came right after a full run on the one before (a scan goes on from shard
+        to shard)."""
+        last, count = self._run
+        if shard != last:
+            self._carried = self._fetcher is not None and count >= SCAN_RUN
+            count = 0
+        self._run = (shard, count + 1)
+        return count + 1 >= SCAN_RUN or self._carried
+
     def _fetch(self, shard: str, start: int, n: int) -> np.ndarray | None:
         """A shard not cached: only these bytes from the remote, or None once it is cached whole. The check-ahead
         thread (scans=False) reads in the consumer's order: its third read in a row from one shard fetches the
         shard whole, ahead of the consumer's scan; the ranges it fetches are kept for the consumer's reads."""
-        if not self.scans:
-            last, count = self._run
-            self._run = (shard, count + 1 if shard == last else 1)
-            if self._run[1] >= SCAN_RUN and self._fetcher.fetch_whole(shard) is None:
-                return None
+        if not self.scans and self._scanning(shard) and self._fetcher.fetch_whole(shard) is None:
+            return None
         return self._fetcher.read(shard, start, n, keep=not self.scans)
 
     def sample(self, shard: str, start: int, n: int) -> tuple[Any, int] | str:
@@ -122,9 +132,7 @@ class ShardFiles:
         read is one pread of the sample's bytes into a fresh buffer that only this sample's tensors reference
         (never reused). A random read in a million-sample store hits one shard of ~20k, so a map would be set up
         and torn down for a single sample, and one large read is what a cold disk serves best."""
-        last, count = self._run
-        self._run = (shard, count + 1 if shard == last else 1)
-        if self.scans and self._run[1] >= SCAN_RUN and (
+        if self.scans and self._scanning(shard) and (
                 self._fetcher is None or self._fetcher.fetch_whole(shard) is None):  # a scan caches whole shards
             m = self.map(shard)
             if len(m) < start + n:  # mapped after the file was cut short: its tensors would lie past the map
@@ -141,7 +149,7 @@ class ShardFiles:
         for h in self._open.values():
             _close(h)
         self._open.clear()
-        self._run = (None, 0)
+        self._run, self._carried = (None, 0), False
 
 
 def _close(h: int | mmap.mmap) -> None:
