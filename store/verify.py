@@ -30,10 +30,10 @@ from schemas.table import SCHEMA_V1
 from store import format as fmt
 from store import integrity, quarantine
 from store.checksum import file_crc
-from store.remote_shards import FETCH_TAG, MARKER, fetcher_for
 from store.manifest import CHECKSUM_COLUMNS, LOCATING_COLUMNS
 from store.manifest_view import read_manifest, read_schema
 from store.reader import torch_dtype
+from store.remote_shards import FETCH_TAG, MARKER, fetcher_for
 
 LITTER_NOTE = "temp file left by an interrupted write (`pipeline store repair` removes it)"
 

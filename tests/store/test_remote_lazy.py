@@ -190,3 +190,23 @@ def test_two_processes_share_one_cache(s3_env, store: Store, tmp_path: Path) -> 
     assert [out.strip().splitlines()[-1] for out, _ in outs] == [expected, expected]
     assert _cache_bytes(cache) <= limit * 1e9
     assert not [p for p in root.rglob("*") if FETCH_TAG in p.name]
+
+
+def test_a_writer_carries_forward_shards_of_a_lazily_cached_version(s3_env, store: Store, tmp_path: Path) -> None:
+    """An encoder on a URL reusing its previous version links that version's shards: fetched (checked) first."""
+    from store.reuse import carry_forward
+    from store_samples import vae_schema
+
+    url = _pushed(s3_env, store)
+    root = local_store(url, ["vae"], tmp_path / "cache")
+    cached = Store(root, create=False)
+    with cached.reader("vae") as r:
+        rows = r.manifest
+    w = cached.writer("vae", vae_schema("b"), shard_size_mb=0.02)
+    assert carry_forward(w, 1, rows) == 24
+    w.commit()
+    with store.reader("vae") as local, cached.reader("vae", 2) as new:
+        assert sorted(new.keys()) == sorted(local.keys())
+        for k in local.keys():
+            assert _same(new.tensors(k), local.tensors(k))
+    assert len(_shard_files(fmt.version_dir(root, "vae", 2))) == 4
