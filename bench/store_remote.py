@@ -142,6 +142,7 @@ def bench_read(work: Path, gb: float, shard_mb: float, repeats: int, seed: int, 
             runs[f"local {kind}"].append(read(src))
             opens[f"local {kind}"].append(0.0)
             via_cache(f"cold {kind}", cache, read)
+            os.sync()  # the cold pass's writes reach the disk first: a warm read does not compete with writeback
             via_cache(f"warm {kind}", cache, read)
             shutil.rmtree(cache)
     best = {k: min(v) for k, v in runs.items()}
