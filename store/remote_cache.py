@@ -129,7 +129,26 @@ def _candidates(cache: Path, keep: set[tuple[Path, str, int]], whole_versions: b
                     out.append((vdir.stat().st_mtime, n, vdir, True))  # renamed only under the lock
                 elif is_lazy(vdir):
                     out += [(st.st_mtime, st.st_size, f, False) for f, st in files if is_shard(f.name)]
+                # the temp file of a fetch whose process was killed: first to go
+                out += [(0.0, st.st_size, f, False) for f, st in files if _orphan_fetch(f.name)]
     return total, out
+
+
+def _orphan_fetch(name: str) -> bool:
+    """`.<shard>.fetch-<pid>-<thread>` of a process no longer running (the cache is shared by one node's
+    processes, so the pid is this host's)."""
+    from store.remote_shards import FETCH_TAG
+
+    if FETCH_TAG not in name:
+        return False
+    try:
+        pid = int(name.rsplit(FETCH_TAG, 1)[1].split("-", 1)[0])
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except (ValueError, PermissionError):
+        return False
+    return False
 
 
 def _evict(cache: Path, limit: int, keep: set[tuple[Path, str, int]], whole_versions: bool) -> tuple[int, list]:

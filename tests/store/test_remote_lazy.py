@@ -210,3 +210,17 @@ def test_a_writer_carries_forward_shards_of_a_lazily_cached_version(s3_env, stor
         for k in local.keys():
             assert _same(new.tensors(k), local.tensors(k))
     assert len(_shard_files(fmt.version_dir(root, "vae", 2))) == 4
+
+
+def test_the_temp_file_of_a_killed_fetch_is_evicted_first(s3_env, store: Store, tmp_path: Path) -> None:
+    url = _pushed(s3_env, store)
+    cache = tmp_path / "cache"
+    root = local_store(url, ["vae"], cache)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    vdir = fmt.version_dir(root, "vae", 1)
+    orphan = vdir / f".shard-r00-000000.tar{FETCH_TAG}{int(dead.stdout)}-1"
+    orphan.write_bytes(b"x" * 50_000)  # left by a fetch SIGKILLed half-way
+    mine = vdir / f".shard-r00-000001.tar{FETCH_TAG}{os.getpid()}-1"
+    mine.write_bytes(b"x" * 10)  # a fetch of a live process: kept
+    local_store(url, ["vae"], cache, limit_gb=_cache_bytes(cache) / 2 / 1e9 + 40_000 / 1e9)
+    assert not orphan.exists() and mine.exists()
