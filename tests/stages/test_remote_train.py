@@ -44,6 +44,7 @@ def test_train_reads_a_store_url_through_a_cache_smaller_than_the_store(s3_env, 
     from schemas.errors import UserError
     from store import format as fmt
     from store.remote_cache import local_store
+    from store.remote_shards import fetch_stats
 
     local = tmp_path / "store"
     make_train_store(local, tiny_edit_model, mixed_specs(6, 2, masks=True), shard_size_mb=0.004)
@@ -56,10 +57,13 @@ def test_train_reads_a_store_url_through_a_cache_smaller_than_the_store(s3_env, 
     assert len(shards) > 3 and metadata + sum(shards) > limit
     args = ["run", "train", "--model", tiny_edit_model, "--device", "cpu", "--batch-size", "2", "--max-steps", "3",
             "-s", "train.learning_rate=2e-3", "-s", "train.lora.rank=4", "-s", "train.warmup_steps=1"]
+    fetched = fetch_stats()["shards"]
     res = CliRunner().invoke(app, [*args, "--store", s3_env.url("features"), "--out", str(tmp_path / "run-url"),
                                    "--cache-dir", str(cache), "--cache-gb", str(limit / 1e9)])
     assert res.exit_code == 0, res.output
     assert _bytes(cache) <= limit
+    cached_now = [p for p in cache.rglob("*") if fmt.SHARD_RE.fullmatch(p.name)]
+    assert fetch_stats()["shards"] - fetched > len(cached_now)  # shards were fetched whole and evicted meanwhile
     res = CliRunner().invoke(app, [*args, "--store", str(local), "--out", str(tmp_path / "run-local")])
     assert res.exit_code == 0, res.output
     a, b = read_lora(tmp_path / "run-local" / "lora")[0], read_lora(tmp_path / "run-url" / "lora")[0]
