@@ -1,5 +1,6 @@
 """`pipeline store inspect|verify s3://...` against the S3 test server: inspect says what a local inspect of the same
-store says (from the metadata alone: no shard is fetched); verify pulls every version into the cache, checked, and
+store says (from the metadata alone: no shard is fetched); verify opens every version in the cache, fetches each shard
+checked, and
 reports a damaged object on the remote."""
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def test_verify_of_a_url_checks_every_version_through_the_cache(s3_env, store: S
     assert res.exit_code == 0, res.output
     assert f"ok: {s3_env.url()} verified" in res.output
     (cached,) = [p for p in cache.iterdir() if p.is_dir()]
-    assert Store(cached, create=False).versions("vae") == [1, 2]  # both versions pulled, not only the current
+    assert Store(cached, create=False).versions("vae") == [1, 2]  # both versions opened, not only the current
 
     # a flipped byte in a shard of v1 on the server: verify (into a fresh cache) names it and exits 1
     client = s3_env.client()
