@@ -1,7 +1,6 @@
 """`pipeline store inspect|verify s3://...` against the S3 test server: inspect says what a local inspect of the same
 store says (from the metadata alone: no shard is fetched); verify opens every version in the cache, fetches each shard
-checked, and
-reports a damaged object on the remote."""
+checked, and reports a damaged object on the remote."""
 
 from __future__ import annotations
 
