@@ -117,8 +117,6 @@ def upload_rank(writer: TableWriter, files: dict[str, dict[str, Any]]) -> None:
 def commit_remote(writer: TableWriter, allow_empty: bool) -> int:
     """Rank 0, after every rank's `finish_rank` (a barrier): the manifest from every rank's index, then the remote
     commit in push's order. Returns the version."""
-    from store.integrity import write_version_checksums
-    from store.manifest import merge_indexes
     from store.remote_sync import _merged_record
 
     url, table, version = str(writer.remote_url), writer.table, writer.version
@@ -127,54 +125,74 @@ def commit_remote(writer: TableWriter, allow_empty: bool) -> int:
     staging = writer.dir.with_name(f".{writer.dir.name}{COMMIT_SUFFIX}")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
-    with remote_errors(url, f"commit of table '{table}' v{version}"):
-        listing = _listing(remote, table, version)
-        recorded: dict[str, dict[str, Any]] = {}  # every rank's files, as each rank recorded them
-        missing = []
-        for r in range(writer.world_size):
-            done = fmt.rank_done_name(r)
-            if f"{base}/{done}" not in listing:
-                missing.append(r)
-                continue
-            data = (writer.dir / done).read_bytes() if r == writer.rank else remote.read(f"{base}/{done}")
-            (staging / done).write_bytes(data)
-            recorded.update(json.loads(data).get("files") or {})
-        if missing:
-            raise UserError(f"table '{table}' v{version}: ranks {missing} have not uploaded their part to {url}; "
-                            "rerun every node")
-        for name, entry in sorted(recorded.items()):
-            if f"{base}/{name}" not in listing or listing[f"{base}/{name}"] != entry["nbytes"]:
-                raise UserError(f"{url}/{base}/{name} is missing or incomplete on the remote; rerun every node")
-            if name.endswith(".index.parquet") or name == fmt.SCHEMA_JSON:  # small: fetched, checked
-                dst = staging / name
-                if (writer.dir / name).is_file() and name.startswith(f"shard-r{writer.rank:02d}-"):
-                    shutil.copyfile(writer.dir / name, dst)
-                else:
-                    dst.write_bytes(remote.read(f"{base}/{name}"))
-                if _entry(dst) != {"nbytes": entry["nbytes"], "crc32c": entry["crc32c"]}:
-                    raise UserError(f"{url}/{base}/{name} does not match its rank's record; rerun every node")
-        manifest = merge_indexes(sorted(staging.glob("shard-r*-*.index.parquet")))
-        if manifest.num_rows == 0 and not allow_empty:
-            writer.close()
-            raise UserError(f"table '{table}' v{version} would be empty: every input was rejected; fix the inputs "
-                            "or the settings")
-        manifest_bytes = fmt.parquet_bytes(manifest)
-        # shards' sizes and CRC32Cs come from the manifest (as on one disk), the small files' from staging
-        write_version_checksums(staging, manifest, manifest_bytes)
-        fmt.atomic_write_bytes(staging / fmt.MANIFEST, manifest_bytes)
-        checksums = json.loads((staging / fmt.CHECKSUMS).read_bytes()).get("files", {})
-        differs = [n for n, e in recorded.items() if n in checksums and
-                   (checksums[n]["nbytes"], checksums[n]["crc32c"]) != (e["nbytes"], e["crc32c"])]
-        if differs:
-            raise UserError(f"table '{table}' v{version}: {differs[0]} differs from its index; rerun every node")
-        with _progress(len(manifest_bytes), f"commit {url}") as bar:
-            for name in (fmt.CHECKSUMS, fmt.MANIFEST):  # the manifest last: the version is complete from here on
-                _upload(remote, staging / name, f"{base}/{name}", _entry(staging / name), listing, bar)
-        fmt.crash_point("after_manifest")
-        remote.swap(fmt.STORE_JSON, lambda old: _merged_record(old, {table: {"current": version}}, url))
-    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        with remote_errors(url, f"commit of table '{table}' v{version}"):
+            listing = _listing(remote, table, version)
+            recorded = _gather(writer, remote, listing, staging)
+            manifest_bytes = _manifest(writer, staging, recorded, allow_empty)
+            with _progress(len(manifest_bytes), f"commit {url}") as bar:
+                for name in (fmt.CHECKSUMS, fmt.MANIFEST):  # the manifest last: the version is complete from here on
+                    _upload(remote, staging / name, f"{base}/{name}", _entry(staging / name), listing, bar)
+            fmt.crash_point("after_manifest")
+            remote.swap(fmt.STORE_JSON, lambda old: _merged_record(old, {table: {"current": version}}, url))
+    finally:  # the small files fetched for the commit: a rerun fetches them again
+        shutil.rmtree(staging, ignore_errors=True)
     writer.close()
     return version
+
+
+def _gather(writer: TableWriter, remote, listing: dict[str, int], staging: Path) -> dict[str, dict[str, Any]]:
+    """Every rank's rank-done file, shard indexes and schema.json into `staging` (small files; rank 0's own from its
+    folder, the others' from the remote), each checked against its rank's record; returns every rank's record of
+    its files. Every file a rank recorded must be on the remote with its size."""
+    url, base = remote.url, f"{writer.table}/v{writer.version}"
+    recorded: dict[str, dict[str, Any]] = {}
+    missing = []
+    for r in range(writer.world_size):
+        done = fmt.rank_done_name(r)
+        if f"{base}/{done}" not in listing:
+            missing.append(r)
+            continue
+        data = (writer.dir / done).read_bytes() if r == writer.rank else remote.read(f"{base}/{done}")
+        (staging / done).write_bytes(data)
+        recorded.update(json.loads(data).get("files") or {})
+    if missing:
+        raise UserError(f"table '{writer.table}' v{writer.version}: ranks {missing} have not uploaded their part to "
+                        f"{url}; rerun every node")
+    mine = f"shard-r{writer.rank:02d}-"
+    for name, entry in sorted(recorded.items()):
+        if listing.get(f"{base}/{name}") != entry["nbytes"]:
+            raise UserError(f"{url}/{base}/{name} is missing or incomplete on the remote; rerun every node")
+        if name.endswith(".index.parquet") or name == fmt.SCHEMA_JSON:  # small: fetched, checked
+            if name.startswith(mine):
+                shutil.copyfile(writer.dir / name, staging / name)
+            else:
+                (staging / name).write_bytes(remote.read(f"{base}/{name}"))
+            if _entry(staging / name) != {"nbytes": entry["nbytes"], "crc32c": entry["crc32c"]}:
+                raise UserError(f"{url}/{base}/{name} does not match its rank's record; rerun every node")
+    return recorded
+
+
+def _manifest(writer: TableWriter, staging: Path, recorded: dict[str, dict[str, Any]], allow_empty: bool) -> bytes:
+    """manifest.parquet and checksums.json in `staging` (as a writer on one disk writes them: the shards' sizes and
+    CRC32Cs from the manifest, the small files' from their bytes); the manifest's bytes."""
+    from store.integrity import write_version_checksums
+    from store.manifest import merge_indexes
+
+    table, version = writer.table, writer.version
+    manifest = merge_indexes(sorted(staging.glob("shard-r*-*.index.parquet")))
+    if manifest.num_rows == 0 and not allow_empty:
+        raise UserError(f"table '{table}' v{version} would be empty: every input was rejected (reasons in each "
+                        "node's cached quarantine.parquet); fix the inputs or the settings")
+    manifest_bytes = fmt.parquet_bytes(manifest)
+    write_version_checksums(staging, manifest, manifest_bytes)
+    fmt.atomic_write_bytes(staging / fmt.MANIFEST, manifest_bytes)
+    listed = json.loads((staging / fmt.CHECKSUMS).read_bytes()).get("files", {})
+    differs = [n for n, e in recorded.items()
+               if n in listed and (listed[n]["nbytes"], listed[n]["crc32c"]) != (e["nbytes"], e["crc32c"])]
+    if differs:
+        raise UserError(f"table '{table}' v{version}: {differs[0]} differs from its index; rerun every node")
+    return manifest_bytes
 
 
 def drop_local_version(writer: TableWriter) -> None:
