@@ -45,7 +45,8 @@ def test_two_caches_commit_one_version_on_the_remote(s3_env, tmp_path, monkeypat
     _writer(tmp_path / "node1", url, 1).finish_rank()
     sent = []
     real = remote_mod.Remote.upload
-    monkeypatch.setattr(remote_mod.Remote, "upload", lambda self, path, rel, *a: sent.append(rel) or real(self, path, rel, *a))
+    monkeypatch.setattr(remote_mod.Remote, "upload",
+                        lambda self, path, rel, *a: sent.append(rel) or real(self, path, rel, *a))
     again = _writer(tmp_path / "node0", url, 0)  # the rerun of rank 0 resumes its committed shards
     assert len(again.done_keys) == N // 2
     assert again.commit() == 1
