@@ -61,12 +61,12 @@ def _taken_on_remote(url: str, table: str, want: dict) -> set[int]:
         taken = set()
         for v, files in versions.items():
             if fmt.MANIFEST in files or fmt.SCHEMA_JSON not in files or \
-                    json_of(remote.read(f"{table}/v{v}/{fmt.SCHEMA_JSON}")) != want:
+                    _json_of(remote.read(f"{table}/v{v}/{fmt.SCHEMA_JSON}")) != want:
                 taken.add(v)
     return taken
 
 
-def json_of(data: bytes):
+def _json_of(data: bytes):
     import json
 
     try:
