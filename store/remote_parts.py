@@ -159,8 +159,11 @@ def _gather(writer: TableWriter, remote, listing: dict[str, int], staging: Path)
     if missing:
         raise UserError(f"table '{writer.table}' v{writer.version}: ranks {missing} have not uploaded their part to "
                         f"{url}; rerun every node")
+    from tqdm import tqdm
+
     mine = f"shard-r{writer.rank:02d}-"
-    for name, entry in sorted(recorded.items()):
+    for name, entry in tqdm(sorted(recorded.items()), desc=f"commit: the ranks' indexes from {url}", unit="file",
+                            dynamic_ncols=True):
         if listing.get(f"{base}/{name}") != entry["nbytes"]:
             raise UserError(f"{url}/{base}/{name} is missing or incomplete on the remote; rerun every node")
         if name.endswith(".index.parquet") or name == fmt.SCHEMA_JSON:  # small: fetched, checked
