@@ -18,6 +18,7 @@ by itself, and only small files travel to rank 0:
 
 from __future__ import annotations
 
+import io
 import json
 import shutil
 from pathlib import Path
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
 
 #: which remote a cached store copies (written by store/remote_cache.local_store into the cache's store folder)
 SOURCE_URL = "source-url.txt"
+INDEX_SUFFIX = ".index.parquet"
 COMMIT_SUFFIX = ".commit"  # `<table>/.v<N>.commit/`: rank 0's small files of the commit (not a version name)
 
 
@@ -50,10 +52,8 @@ def rank_files(vdir: Path, rank: int) -> dict[str, dict[str, Any]]:
     """{name: {nbytes, crc32c}} of this rank's part of the version: schema.json, its committed shards (their
     size and CRC32C as recorded in their index at commit, not read again) and their indexes."""
     files: dict[str, dict[str, Any]] = {}
-    for shard in sorted(vdir.glob(f"shard-r{rank:02d}-*.tar")):
-        index = vdir / fmt.index_name(shard.name)
-        if not index.is_file():
-            continue  # uncommitted: never part of the version
+    for index in sorted(vdir.glob(f"shard-r{rank:02d}-*{INDEX_SUFFIX}")):  # committed shards (tars without: not)
+        shard = vdir / (index.name[: -len(INDEX_SUFFIX)] + ".tar")  # absent when adopted from the remote
         rows = pq.read_table(index, columns=[c for c in ("shard_nbytes", "shard_crc32c")
                                               if c in pq.read_schema(index).names])
         crc = rows.column("shard_crc32c")[0].as_py() if "shard_crc32c" in rows.column_names and rows.num_rows else None
@@ -83,6 +83,9 @@ def _upload(remote, path: Path, rel: str, entry: dict[str, Any], listing: dict[s
     if remote.has(rel, entry["nbytes"], entry["crc32c"], listing):
         bar.update(entry["nbytes"])
         return
+    if not path.is_file():  # adopted from the remote (adopt_uploaded), where it now differs
+        raise UserError(f"{remote.url}/{rel} no longer matches its index and is not in this node's cache; remove the "
+                        "incomplete version on the remote (`pipeline store gc`) and rerun")
     crc, n = file_crc(path)  # never spread damage: the local file still matches what its rank recorded
     if (n, crc) != (entry["nbytes"], entry["crc32c"]):
         raise UserError(f"{path} is damaged ({n} bytes, crc32c {crc}; recorded {entry['nbytes']} bytes, crc32c "
@@ -108,10 +111,33 @@ def upload_rank(writer: TableWriter, files: dict[str, dict[str, Any]]) -> None:
     done = fmt.rank_done_name(writer.rank)
     with remote_errors(url, f"upload of rank {writer.rank}'s part of table '{writer.table}' v{writer.version}"):
         listing = _listing(remote, writer.table, writer.version)
-        ordered = [*sorted(files.items()), (done, _entry(writer.dir / done))]
+        # shards before their indexes (an index there means its shard is: adopt_uploaded), the rank-done file last
+        ordered = [*sorted(files.items(), key=lambda f: (f[0].endswith(INDEX_SUFFIX), f[0])),
+                   (done, _entry(writer.dir / done))]
         with _progress(sum(e["nbytes"] for _, e in ordered), f"upload r{writer.rank} {url}") as bar:
             for name, entry in ordered:
                 _upload(remote, writer.dir / name, f"{base}/{name}", entry, listing, bar)
+
+
+def adopt_uploaded(writer: TableWriter) -> None:
+    """A rank whose node lost its cache (a replaced spot instance) but had uploaded shards of this version: their
+    indexes (small) are fetched into the cache, so those shards count as committed (its keys are not encoded
+    again, its upload skips them); the shards themselves stay on the remote. Only an index whose shard is there
+    with the size the index records."""
+    url, base = str(writer.remote_url), f"{writer.table}/v{writer.version}"
+    remote = open_remote(url)
+    prefix = f"{base}/shard-r{writer.rank:02d}-"
+    with remote_errors(url, f"reading rank {writer.rank}'s part of table '{writer.table}' v{writer.version}"):
+        listing = _listing(remote, writer.table, writer.version)
+        for rel in sorted(r for r in listing if r.startswith(prefix) and r.endswith(INDEX_SUFFIX)):
+            name = rel[len(base) + 1:]
+            shard = f"{rel[: -len(INDEX_SUFFIX)]}.tar"
+            if (writer.dir / name).is_file() or shard not in listing:
+                continue
+            data = remote.read(rel)
+            sizes = pq.read_table(io.BytesIO(data), columns=["shard_nbytes"]).column("shard_nbytes").to_pylist()
+            if sizes and int(sizes[0]) == listing[shard]:
+                fmt.atomic_write_bytes(writer.dir / name, data)
 
 
 def commit_remote(writer: TableWriter, allow_empty: bool) -> int:

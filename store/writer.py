@@ -68,6 +68,10 @@ class TableWriter:
             with writing(f"table '{table}'", store.root / table):
                 self.version, self.dir = self._open_version(version)
                 self._clean_uncommitted()
+            if remote_url is not None:  # a node that lost its cache: its part already uploaded counts as committed
+                from store.remote_parts import adopt_uploaded
+
+                adopt_uploaded(self)
         except BaseException:
             self._lock.release()
             raise
@@ -128,8 +132,11 @@ class TableWriter:
         return keys
 
     def _next_shard_index(self) -> int:
-        idx = [int(m.group(2)) for p in self.dir.glob(f"shard-r{self.rank:02d}-*.tar")
-               if (m := fmt.SHARD_RE.fullmatch(p.name))]
+        names = [p.name for p in self.dir.glob(f"shard-r{self.rank:02d}-*.tar")]
+        if self.remote_url is not None:  # adopted indexes of shards that are only on the remote
+            names += [p.name.replace(".index.parquet", ".tar")
+                      for p in self.dir.glob(f"shard-r{self.rank:02d}-*.index.parquet")]
+        idx = [int(m.group(2)) for name in names if (m := fmt.SHARD_RE.fullmatch(name))]
         return max(idx) + 1 if idx else 0
 
     # ------------------------------------------------------------ adding samples

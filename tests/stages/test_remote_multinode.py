@@ -6,9 +6,7 @@ one-process local encode. Slow (fresh interpreters): one training launch, two en
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
 from pathlib import Path
 
 import torch
@@ -22,7 +20,7 @@ from stages.train.recipe import run
 from store import Store
 from store.remote_sync import pull, push
 from test_train_ddp import TRAIN
-from test_train_multinode import start_nodes
+from test_train_multinode import kill_node, start_nodes
 from train_store import assert_close_lora, make_train_store, mixed_specs
 
 
@@ -88,7 +86,7 @@ def test_an_encoder_on_two_nodes_caches_killed_and_rerun_commits_every_sample_on
     _, err1 = node1.communicate(timeout=300)
     assert node1.returncode != 0, err1[-2000:]  # node 1's worker was SIGKILLed right after its first shard
     assert "Signal 9" in err1 or "SIGKILL" in err1, err1[-2000:]
-    os.killpg(node0.pid, signal.SIGKILL)  # node 0 waits for node 1 at the barrier: the job is lost
+    kill_node(node0)  # node 0 waits for node 1 at the barrier: the job is lost
     node0.communicate(timeout=60)
     tables, manifests = _remote_tables(s3_env, "enc")
     assert "vae" not in tables and not [m for m in manifests if m.startswith("enc/vae/")]  # nothing visible

@@ -38,6 +38,28 @@ def start_nodes(cli_args: list[str], node_env: tuple[dict, dict] = ({}, {}),
         start_new_session=True) for node in (0, 1)]
 
 
+def kill_node(node: subprocess.Popen) -> None:
+    """SIGKILL a whole "node": its torchrun agent's process group and its workers, which torchrun starts in
+    sessions of their own (a worker left alive would hold the node's output pipes open)."""
+    import signal
+
+    import psutil
+
+    try:
+        workers = psutil.Process(node.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        workers = []
+    try:
+        os.killpg(node.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    for w in workers:
+        try:
+            w.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
 def test_two_nodes_train_the_same_lora_as_one_process(tiny_edit_model, tmp_path):
     store = tmp_path / "store"
     make_train_store(store, tiny_edit_model, mixed_specs(11))  # steps of 4, 4 and a tail of 3 (split 2 + 1)

@@ -60,6 +60,30 @@ def test_two_caches_commit_one_version_on_the_remote(s3_env, tmp_path, monkeypat
     assert verify_store(pulled, progress=False) == []
 
 
+def test_a_node_that_lost_its_cache_keeps_what_it_uploaded(s3_env, tmp_path, monkeypatch) -> None:
+    import shutil
+
+    url = s3_env.url("lost")
+    _writer(tmp_path / "node1", url, 1).finish_rank()  # rank 1's part is on the remote; then its node is replaced
+    shutil.rmtree(tmp_path / "node1")
+    sent = []
+    real = remote_mod.Remote.upload
+    monkeypatch.setattr(remote_mod.Remote, "upload",
+                        lambda self, path, rel, *a: sent.append(rel) or real(self, path, rel, *a))
+    fresh = Store(tmp_path / "node1-new").writer("vae", vae_schema(), rank=1, world_size=2, shard_size_mb=0.02,
+                                                  version=1, remote_url=url)
+    assert fresh.done_keys == {key_of(i) for i in range(1, N, 2)}  # nothing to encode again
+    assert not list(fresh.dir.glob("*.tar"))  # only the indexes came (the shards stay on the remote)
+    fresh.finish_rank()
+    assert sent == []  # its part was there already
+    fresh.close()
+    assert _writer(tmp_path / "node0", url, 0).commit() == 1
+    pulled = tmp_path / "pulled"
+    pull(url, pulled)
+    assert Store(pulled).reader("vae").keys() == sorted(key_of(i) for i in range(N))
+    assert verify_store(pulled, progress=False) == []
+
+
 def test_a_part_of_another_run_is_refused_in_one_line(s3_env, tmp_path) -> None:
     url = s3_env.url("clash")
     _writer(tmp_path / "old", url, 1, tag="old").finish_rank()  # another run's rank 1 left its part of v1
@@ -79,11 +103,11 @@ def test_the_version_number_skips_what_the_remote_holds_for_other_runs(s3_env, t
     assert _taken_on_remote(url, "vae", vae_schema("other").to_dict()) == set()  # its own parts: resumed
 
 
-def test_an_unreachable_remote_is_one_line(tmp_path, monkeypatch) -> None:
+def test_an_unreachable_remote_is_one_line(s3_env, tmp_path, monkeypatch) -> None:
     from s3_server import aws_env, free_port
 
-    aws_env(monkeypatch, f"http://127.0.0.1:{free_port()}")  # nothing listens there
-    w = _writer(tmp_path / "node1", "s3://nowhere/store", 1)
+    w = _writer(tmp_path / "node1", s3_env.url("gone"), 1)
+    aws_env(monkeypatch, f"http://127.0.0.1:{free_port()}")  # the server is gone before the upload
     with pytest.raises(UserError, match=r"upload of rank 1's part of table 'vae' v1: lost the connection") as e:
         w.finish_rank()
     assert "\n" not in str(e.value)
