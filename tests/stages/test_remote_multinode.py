@@ -18,6 +18,7 @@ from pipeline.cli import app
 from pipeline.config import load_config
 from stages.train.recipe import run
 from store import Store
+from store.remote_cache import local_store
 from store.remote_sync import pull, push
 from test_train_ddp import TRAIN
 from test_train_multinode import kill_node, start_nodes
@@ -76,9 +77,7 @@ def test_an_encoder_on_two_nodes_caches_killed_and_rerun_commits_every_sample_on
     args = ["run", "encode-vae", "--store", url, "--model", tiny_edit_model, "--config", str(cfg_file)]
     # node 1's cache holds a stale in-progress vae/v1 of another run (another schema): its own pick would be v2,
     # node 0's v1; the ranks agree on one version
-    import hashlib
-
-    root = tmp_path / "cache-node1" / hashlib.sha256(url.encode()).hexdigest()[:16]
+    root = local_store(url, ["images"], tmp_path / "cache-node1")  # node 1's cached copy (where it writes)
     (root / "vae" / "v1").mkdir(parents=True)
     (root / "vae" / "v1" / "schema.json").write_text(json.dumps({"name": "vae", "an": "older run"}))
 
@@ -99,7 +98,7 @@ def test_an_encoder_on_two_nodes_caches_killed_and_rerun_commits_every_sample_on
     tables, manifests = _remote_tables(s3_env, "enc")
     assert tables["vae"]["current"] == 2 and "enc/vae/v2/manifest.parquet" in manifests
     for node in (0, 1):  # no cache keeps the version half (each held only its node's shards)
-        assert not list((tmp_path / f"cache-node{node}").glob("*/vae/v2"))
+        assert not [p for p in (tmp_path / f"cache-node{node}").rglob("v2") if p.parent.name == "vae"]
 
     pulled = tmp_path / "pulled"
     pull(url, pulled)
