@@ -115,6 +115,17 @@ def together(world: int, what: str = "") -> Iterator[None]:
     raise RankFailed(message) from None
 
 
+def all_max(world: int, values: list[int]) -> list[int]:
+    """Each value's maximum over every rank (integers only, like everything here); one process: `values`."""
+    if world <= 1:
+        return list(values)
+    import torch.distributed as dist
+
+    t = torch.tensor(values, dtype=torch.int64, device=_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return [int(v) for v in t.tolist()]
+
+
 def share_failure(world: int, error: BaseException | None, what: str = "") -> None:
     """The failure path of a rank that left the steps it shares with the others (an error in its own part of
     the work): publish it through the launcher's store, so the other ranks stop at once with this message

@@ -102,8 +102,10 @@ class Store:
 
     def writer(
         self, table: str, schema: TableSchema, rank: int = 0, world_size: int = 1, shard_size_mb: float = 256,
+        version: int | None = None, remote_url: str | None = None,
     ) -> TableWriter:
-        return TableWriter(self, table, schema, rank=rank, world_size=world_size, shard_size_mb=shard_size_mb)
+        return TableWriter(self, table, schema, rank=rank, world_size=world_size, shard_size_mb=shard_size_mb,
+                           version=version, remote_url=remote_url)
 
     # ------------------------------------------------------------ quarantine
 

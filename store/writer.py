@@ -31,10 +31,24 @@ if TYPE_CHECKING:
 MB = 1024 * 1024
 
 
+def candidate_version(root: Path, table: str, want: dict[str, Any]) -> int:
+    """The version a writer with schema `want` opens: the newest in-progress one with that exact schema (resume),
+    else one past the newest (call under the store lock; reads only)."""
+    versions = fmt.list_versions(root, table)
+    for v in reversed(versions):
+        vdir = fmt.version_dir(root, table, v)
+        if fmt.is_complete(vdir) or not (vdir / fmt.SCHEMA_JSON).is_file():
+            continue
+        if fmt.read_json(vdir / fmt.SCHEMA_JSON, "schema.json") == want:
+            return v
+    return (versions[-1] if versions else 0) + 1
+
+
 class TableWriter:
     def __init__(
         self, store: Store, table: str, schema: TableSchema,
         rank: int = 0, world_size: int = 1, shard_size_mb: float = 256,
+        version: int | None = None, remote_url: str | None = None,
     ) -> None:
         if schema.name != table:
             raise UserError(f"schema is for table {schema.name!r}, not {table!r}")
@@ -42,6 +56,9 @@ class TableWriter:
             raise UserError(f"rank {rank} is outside world_size {world_size}")
         self.store, self.table, self.schema = store, table, schema
         self.rank, self.world_size = rank, world_size
+        # `store` is a node's cached copy of this URL and the ranks write through several caches: each rank
+        # uploads its own part, rank 0 commits on the remote (store/remote_parts.py)
+        self.remote_url = remote_url
         self.shard_bytes = max(1, int(shard_size_mb * MB))
         with writing(f"table '{table}'", store.root / table):
             (store.root / table).mkdir(parents=True, exist_ok=True)
@@ -50,8 +67,12 @@ class TableWriter:
                                       holder=f"table '{table}' (rank {rank})")
         try:
             with writing(f"table '{table}'", store.root / table):
-                self.version, self.dir = self._open_version()
+                self.version, self.dir = self._open_version(version)
                 self._clean_uncommitted()
+            if remote_url is not None:  # a node that lost its cache: its part already uploaded counts as committed
+                from store.remote_parts import adopt_uploaded
+
+                adopt_uploaded(self)
         except BaseException:
             self._lock.release()
             raise
@@ -66,22 +87,22 @@ class TableWriter:
 
     # ------------------------------------------------------------ opening / resuming
 
-    def _open_version(self) -> tuple[int, Path]:
-        """Resume the in-progress version with this exact schema + lineage, else create v<N+1>.
+    def _open_version(self, version: int | None = None) -> tuple[int, Path]:
+        """Resume the in-progress version with this exact schema + lineage, else create v<N+1>; `version`: that
+        one (agreed on by ranks that do not share this folder: stages/encode/nodes.py), resumed or created.
 
         Done under the store lock so that ranks starting together agree on one folder.
         """
         want = self.schema.to_dict()
         with fmt.flock(self.store.root / fmt.STORE_LOCK):
-            versions = fmt.list_versions(self.store.root, self.table)
-            for v in reversed(versions):
-                vdir = fmt.version_dir(self.store.root, self.table, v)
-                if fmt.is_complete(vdir) or not (vdir / fmt.SCHEMA_JSON).is_file():
-                    continue
-                if fmt.read_json(vdir / fmt.SCHEMA_JSON, "schema.json") == want:
-                    return v, vdir
-            v = (versions[-1] if versions else 0) + 1
+            v = candidate_version(self.store.root, self.table, want) if version is None else version
             vdir = fmt.version_dir(self.store.root, self.table, v)
+            if vdir.is_dir():
+                if not fmt.is_complete(vdir) and (vdir / fmt.SCHEMA_JSON).is_file() and \
+                        fmt.read_json(vdir / fmt.SCHEMA_JSON, "schema.json") == want:
+                    return v, vdir
+                raise UserError(f"{vdir} is another writer's version (complete, or another schema), but the ranks "
+                                f"agreed to write table '{self.table}' v{v}; remove that folder and rerun")
             vdir.mkdir(parents=True)
             try:
                 fmt.atomic_write_json(vdir / fmt.SCHEMA_JSON, want)
@@ -112,8 +133,11 @@ class TableWriter:
         return keys
 
     def _next_shard_index(self) -> int:
-        idx = [int(m.group(2)) for p in self.dir.glob(f"shard-r{self.rank:02d}-*.tar")
-               if (m := fmt.SHARD_RE.fullmatch(p.name))]
+        names = [p.name for p in self.dir.glob(f"shard-r{self.rank:02d}-*.tar")]
+        if self.remote_url is not None:  # adopted indexes of shards that are only on the remote
+            names += [p.name.replace(".index.parquet", ".tar")
+                      for p in self.dir.glob(f"shard-r{self.rank:02d}-*.index.parquet")]
+        idx = [int(m.group(2)) for name in names if (m := fmt.SHARD_RE.fullmatch(name))]
         return max(idx) + 1 if idx else 0
 
     # ------------------------------------------------------------ adding samples
@@ -237,8 +261,17 @@ class TableWriter:
         if self._finished:
             return
         self._commit_shard()
+        done: dict[str, Any] = {"rank": self.rank, "world_size": self.world_size}
+        if self.remote_url is not None:  # what rank 0 will list in checksums.json without reading the files
+            from store.remote_parts import rank_files
+
+            done["files"] = rank_files(self.dir, self.rank)
         with writing(f"table '{self.table}' v{self.version}", self.dir):
-            fmt.atomic_write_json(self.dir / fmt.rank_done_name(self.rank), {"rank": self.rank, "world_size": self.world_size})
+            fmt.atomic_write_json(self.dir / fmt.rank_done_name(self.rank), done)
+        if self.remote_url is not None:
+            from store.remote_parts import upload_rank
+
+            upload_rank(self, done["files"])
         self._finished = True
 
     def commit(self, allow_empty: bool = True) -> int:
@@ -257,6 +290,10 @@ class TableWriter:
 
     def _commit(self, allow_empty: bool) -> int:
         self.finish_rank()
+        if self.remote_url is not None:
+            from store.remote_parts import commit_remote
+
+            return commit_remote(self, allow_empty)
         missing = [r for r in range(self.world_size) if not (self.dir / fmt.rank_done_name(r)).is_file()]
         if missing:
             raise UserError(f"table '{self.table}' v{self.version}: ranks {missing} have not finished; "

@@ -19,7 +19,7 @@ from pipeline.commands.common import (
 
 def _command(section: str, stage_module: str, component: str, batch_help: str, out_table: str) -> Callable[..., None]:
     def command(
-        store: Optional[str] = typer.Option(None, "--store", help="Store folder holding the `images` table (paths.store), or its URL (s3://bucket/prefix: encoded in a local cache, then pushed back; one node)."),
+        store: Optional[str] = typer.Option(None, "--store", help="Store folder holding the `images` table (paths.store), or its URL (s3://bucket/prefix: encoded in a local cache, then pushed back; on several nodes each node's ranks upload their own shards and rank 0 commits)."),
         model: Optional[str] = typer.Option(None, "--model", help="Model folder or hub id (paths.model)."),
         device: Optional[str] = typer.Option(None, "--device", help=f"Device of the {component} ({section}.device)."),
         batch_size: Optional[int] = typer.Option(None, "--batch-size", help=batch_help),
@@ -49,7 +49,10 @@ def _command(section: str, stage_module: str, component: str, batch_help: str, o
             # a URL: encode into a local cached copy (its images, and the output table for reuse), then push it back
             local = local_store(dst, ["images", out_table], cache_dir, cache_gb, optional=(out_table,))
             summary = run(cfg, local, mdl)
-            if os.environ.get("RANK", "0") == "0" and (pushed := push_back(dst, local)) is not None:
+            if summary.committed_to:  # several nodes' caches: each rank uploaded its part, rank 0 committed there
+                if summary.rank == 0:
+                    echo(f"committed table '{summary.table}' v{summary.version} at {summary.committed_to}")
+            elif os.environ.get("RANK", "0") == "0" and (pushed := push_back(dst, local)) is not None:
                 echo(str(pushed))  # rank 0 committed the table
         emit(summary, as_json, mdl)
 

@@ -40,6 +40,11 @@ def finish(job: EncodeJob) -> Summary:
                 _verify_repaired(job)
         else:
             job.writer.close()
+    if job.writer.remote_url is not None:  # committed on the remote by rank 0 (store/remote_parts.py)
+        from store.remote_parts import drop_local_version
+
+        drop_local_version(job.writer)
+        job.summary.committed_to = job.writer.remote_url
     job.summary.seconds = time.perf_counter() - job.started
     if job.lease is not None:
         job.lease.release()

@@ -19,10 +19,13 @@ if TYPE_CHECKING:
 def open_writer(job: EncodeJob, schema: TableSchema, shard_size_mb: float) -> list[str]:
     """Open (or resume) the output version, carry forward every key an earlier version with the same feature
     lineage holds (hard-linked shards, split relabelled from `images`); return this rank's keys left to do."""
+    from stages.encode.nodes import writer_place
+
     schema = replace(schema, attrs={**schema.attrs, FEATURE_LINEAGE_ATTR: job.feature_lineage})
+    version, remote_url = writer_place(job, schema)  # several nodes' caches of a store URL: agreed by all ranks
     job.writer = job.store.writer(
         job.summary.table, schema, rank=job.ranks.rank, world_size=job.ranks.world_size,
-        shard_size_mb=shard_size_mb,
+        shard_size_mb=shard_size_mb, version=version, remote_url=remote_url,
     )
     if _completed_meanwhile(job):
         return []

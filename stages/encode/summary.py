@@ -31,6 +31,7 @@ class Summary:
     store: str = ""
     damaged: dict[str, str] = field(default_factory=dict)  # on_damaged=skip: damaged `images` samples, key -> problem
     repaired_from: int | None = None  # the version recorded as damaged whose damaged samples this run recomputed
+    committed_to: str = ""  # the store URL rank 0 committed on directly (ranks on several nodes: no push back)
 
     def to_json(self) -> dict[str, Any]:
         # up to date: every sample of the table is reused as it is

@@ -4,14 +4,12 @@ launches of two fresh interpreters): one test."""
 
 from __future__ import annotations
 
-import os
 import re
-import signal
 
 import yaml
 
 from store import Store
-from test_train_multinode import start_nodes
+from test_train_multinode import kill_node, start_nodes
 
 
 def test_an_encoder_with_a_node_killed_and_rerun_commits_every_sample_once(tiny_edit_model, edit_store, tmp_path):
@@ -26,7 +24,7 @@ def test_an_encoder_with_a_node_killed_and_rerun_commits_every_sample_once(tiny_
     _, err1 = node1.communicate(timeout=300)
     assert node1.returncode != 0, err1[-2000:]  # node 1's worker was SIGKILLed right after its first shard
     assert "Signal 9" in err1 or "SIGKILL" in err1, err1[-2000:]
-    os.killpg(node0.pid, signal.SIGKILL)  # node 0 waits for node 1 at the commit barrier: the job is lost
+    kill_node(node0)  # node 0 waits for node 1 at the commit barrier: the job is lost
     node0.communicate(timeout=60)
     assert "vae" not in Store(edit_store).tables()  # no table version committed ...
     assert list((edit_store / "vae").rglob("shard-r01-*.tar"))  # ... but node 1's first shard was

@@ -22,18 +22,42 @@ from train_store import assert_close_lora, make_train_store, mixed_specs
 REPO = Path(__file__).resolve().parents[2]
 
 
-def start_nodes(cli_args: list[str], node_env: tuple[dict, dict] = ({}, {})) -> list[subprocess.Popen]:
+def start_nodes(cli_args: list[str], node_env: tuple[dict, dict] = ({}, {}),
+                node_args: tuple[list[str], list[str]] = ([], [])) -> list[subprocess.Popen]:
     """`torchrun --nnodes 2 --node-rank K --nproc-per-node 1 -m pipeline.cli ARGS` for K = 0, 1: two "nodes" on
     this machine, a static rendezvous hosted by node 0 on 127.0.0.1 (a free port). Each in its own session, so a
-    test can kill a whole node (its torchrun agent and worker)."""
+    test can kill a whole node (its torchrun agent and worker). `node_env` / `node_args`: each node's own
+    environment and extra arguments (e.g. its --cache-dir)."""
     port = _free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     return [subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
          "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
-         "-m", "pipeline.cli", *cli_args],
+         "-m", "pipeline.cli", *cli_args, *node_args[node]],
         env={**env, **node_env[node]}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True) for node in (0, 1)]
+
+
+def kill_node(node: subprocess.Popen) -> None:
+    """SIGKILL a whole "node": its torchrun agent's process group and its workers, which torchrun starts in
+    sessions of their own (a worker left alive would hold the node's output pipes open)."""
+    import signal
+
+    import psutil
+
+    try:
+        workers = psutil.Process(node.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        workers = []
+    try:
+        os.killpg(node.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    for w in workers:
+        try:
+            w.kill()
+        except psutil.NoSuchProcess:
+            pass
 
 
 def test_two_nodes_train_the_same_lora_as_one_process(tiny_edit_model, tmp_path):

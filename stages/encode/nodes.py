@@ -1,0 +1,75 @@
+"""Ranks of an encoder on several nodes, each node with its own cached copy of a store URL: do they share one
+cache (one node, or a shared filesystem: today's way, the cache's commit then pushed back), and which version
+number do they all write (their caches may hold different in-progress versions)? Decided by every rank together
+(models/collective.py: only integers travel)."""
+
+from __future__ import annotations
+
+import hashlib
+import socket
+from typing import TYPE_CHECKING
+
+from schemas.table import TableSchema
+from store import format as fmt
+from store.remote_parts import source_url
+from store.writer import candidate_version
+
+if TYPE_CHECKING:
+    from stages.encode.job import EncodeJob
+
+_BITS = 62  # a cache's identity, as an integer every rank can all-reduce
+
+
+def writer_place(job: EncodeJob, schema: TableSchema) -> tuple[int | None, str | None]:
+    """(the agreed version, the store URL) when the ranks write a store URL through more than one cache; (None,
+    None) otherwise: one process, a local store, or one cache for all (the writer opens its version as always)."""
+    from models.collective import all_max, together
+
+    world, table = job.ranks.world_size, job.summary.table
+    url = source_url(job.store.root)
+    if world <= 1 or url is None:  # the same answer on every rank: all of them open the same URL, or none
+        return None, None
+    want = schema.to_dict()
+    with together(world, f"{job.summary.stage}: the version of table '{table}'"):
+        here = f"{socket.gethostname()}:{job.store.root.resolve()}"
+        cache = int.from_bytes(hashlib.sha256(here.encode()).digest()[:8], "big") >> (64 - _BITS)
+        with fmt.flock(job.store.root / fmt.STORE_LOCK):
+            mine = candidate_version(job.store.root, table, want)
+        taken = _taken_on_remote(url, table, want) if job.ranks.rank == 0 else set()
+    high, neg_low, agreed = all_max(world, [cache, -cache, mine])
+    if high == -neg_low:
+        return None, None
+    while agreed in taken:  # rank 0 alone knows the remote: the others send 0
+        agreed += 1
+    (agreed,) = all_max(world, [agreed if job.ranks.rank == 0 else 0])
+    return agreed, url
+
+
+def _taken_on_remote(url: str, table: str, want: dict) -> set[int]:
+    """Version numbers of `table` the remote holds that this run cannot write: complete ones, and parts of
+    another run (its schema.json differs or is missing); parts with this very schema are resumed."""
+    from store.remote import Remote, open_remote, remote_errors
+
+    remote = open_remote(url)
+    with remote_errors(url, f"listing table '{table}'"):
+        names = Remote(url, remote.fs, remote.path(table)).listing()
+        versions: dict[int, set[str]] = {}
+        for rel in names:
+            head, _, name = rel.partition("/")
+            if (m := fmt.VERSION_RE.fullmatch(head)) and name:
+                versions.setdefault(int(m.group(1)), set()).add(name)
+        taken = set()
+        for v, files in versions.items():
+            if fmt.MANIFEST in files or fmt.SCHEMA_JSON not in files or \
+                    _json_of(remote.read(f"{table}/v{v}/{fmt.SCHEMA_JSON}")) != want:
+                taken.add(v)
+    return taken
+
+
+def _json_of(data: bytes):
+    import json
+
+    try:
+        return json.loads(data)
+    except ValueError:
+        return None

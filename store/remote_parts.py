@@ -1,0 +1,237 @@
+"""One version of a store at a URL written by ranks on several nodes, each node through its own cached copy.
+
+A node's cache (store/remote_cache.py) is a local store only that node sees, so rank 0 cannot find the other
+nodes' shards, indexes and rank-done files there, as it does on one disk. Instead each part travels to the remote
+by itself, and only small files travel to rank 0:
+- at the end of its loop (`TableWriter.finish_rank`) every rank uploads its own files of the version - schema.json,
+  its shards, their indexes, then its rank-done file, which lists each of those files' size and CRC32C - to
+  `<table>/v<N>/` on the remote, write-once (store/remote.py: If-None-Match on S3). Without a manifest there the
+  version is invisible (push's protocol), and a rerun skips every object already there with the same size and
+  CRC32C;
+- rank 0's commit (`commit_remote`) reads the other ranks' rank-done files and downloads their shard indexes
+  (small; never their shards), merges every index into the manifest, writes checksums.json from its own files
+  and the other ranks' recorded sizes and CRC32Cs, and commits in push's order: checksums.json, manifest.parquet
+  (the version is complete from here on), then store.json by compare-and-swap;
+- every rank then drops the version from its node's cache: it was never complete there (its shards are spread
+  over the nodes), and the next reader pulls it through the cache like any other remote version.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pyarrow.parquet as pq
+
+from schemas.errors import UserError
+from store import format as fmt
+from store.checksum import file_crc
+from store.remote import open_remote, remote_errors
+
+if TYPE_CHECKING:
+    from store.writer import TableWriter
+
+#: which remote a cached store copies (written by store/remote_cache.local_store into the cache's store folder)
+SOURCE_URL = "source-url.txt"
+INDEX_SUFFIX = ".index.parquet"
+COMMIT_SUFFIX = ".commit"  # `<table>/.v<N>.commit/`: rank 0's small files of the commit (not a version name)
+
+
+def source_url(root: Path) -> str | None:
+    """The URL whose cached copy `root` is; None for a store that is not a cache."""
+    try:
+        return (Path(root) / SOURCE_URL).read_text().strip() or None
+    except FileNotFoundError:
+        return None
+
+
+def rank_files(vdir: Path, rank: int) -> dict[str, dict[str, Any]]:
+    """{name: {nbytes, crc32c}} of this rank's part of the version: schema.json, its committed shards (their
+    size and CRC32C as recorded in their index at commit, not read again) and their indexes."""
+    files: dict[str, dict[str, Any]] = {}
+    for index in sorted(vdir.glob(f"shard-r{rank:02d}-*{INDEX_SUFFIX}")):  # committed shards (tars without: not)
+        shard = vdir / (index.name[: -len(INDEX_SUFFIX)] + ".tar")  # absent when adopted from the remote
+        rows = pq.read_table(index, columns=[c for c in ("shard_nbytes", "shard_crc32c")
+                                              if c in pq.read_schema(index).names])
+        crc = rows.column("shard_crc32c")[0].as_py() if "shard_crc32c" in rows.column_names and rows.num_rows else None
+        if crc is None:  # a shard carried from a format-1 version: read it once
+            crc, nbytes = file_crc(shard)
+        else:
+            nbytes = int(rows.column("shard_nbytes")[0].as_py())
+        files[shard.name] = {"nbytes": nbytes, "crc32c": crc}
+        files[index.name] = _entry(index)
+    files[fmt.SCHEMA_JSON] = _entry(vdir / fmt.SCHEMA_JSON)
+    return files
+
+
+def _entry(path: Path) -> dict[str, Any]:
+    crc, n = file_crc(path)
+    return {"nbytes": n, "crc32c": crc}
+
+
+def _progress(total: int, desc: str):
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, dynamic_ncols=True)
+
+
+def _upload(remote, path: Path, rel: str, entry: dict[str, Any], listing: dict[str, int], bar) -> None:
+    """Write-once: an object already there must be this very file (a rerun), never overwritten."""
+    if remote.has(rel, entry["nbytes"], entry["crc32c"], listing):
+        bar.update(entry["nbytes"])
+        return
+    if not path.is_file():  # adopted from the remote (adopt_uploaded), where it now differs
+        raise UserError(f"{remote.url}/{rel} no longer matches its index and is not in this node's cache; remove the "
+                        "incomplete version on the remote (`pipeline store gc`) and rerun")
+    crc, n = file_crc(path)  # never spread damage: the local file still matches what its rank recorded
+    if (n, crc) != (entry["nbytes"], entry["crc32c"]):
+        raise UserError(f"{path} is damaged ({n} bytes, crc32c {crc}; recorded {entry['nbytes']} bytes, crc32c "
+                        f"{entry['crc32c']}); remove it and its index, then rerun to encode those samples again")
+    if not remote.upload(path, rel, entry["crc32c"], bar) and not remote.has(rel, entry["nbytes"], entry["crc32c"]):
+        raise UserError(f"{remote.url}/{rel} exists with other content (a part of another run of this version "
+                        "number); remove the incomplete version on the remote (`pipeline store gc`) and rerun")
+
+
+def _listing(remote, table: str, version: int) -> dict[str, int]:
+    """Objects under `<table>/v<N>/` only (not the whole store), keyed as `remote.has` expects."""
+    from store.remote import Remote
+
+    base = f"{table}/v{version}"
+    return {f"{base}/{rel}": n for rel, n in Remote(remote.url, remote.fs, remote.path(base)).listing().items()}
+
+
+def upload_rank(writer: TableWriter, files: dict[str, dict[str, Any]]) -> None:
+    """This rank's files of the version to the remote (write-once), its rank-done file last."""
+    url = str(writer.remote_url)
+    remote = open_remote(url)
+    base = f"{writer.table}/v{writer.version}"
+    done = fmt.rank_done_name(writer.rank)
+    with remote_errors(url, f"upload of rank {writer.rank}'s part of table '{writer.table}' v{writer.version}"):
+        listing = _listing(remote, writer.table, writer.version)
+        # shards before their indexes (an index there means its shard is: adopt_uploaded), the rank-done file last
+        ordered = [*sorted(files.items(), key=lambda f: (f[0].endswith(INDEX_SUFFIX), f[0])),
+                   (done, _entry(writer.dir / done))]
+        with _progress(sum(e["nbytes"] for _, e in ordered), f"upload r{writer.rank} {url}") as bar:
+            for name, entry in ordered:
+                _upload(remote, writer.dir / name, f"{base}/{name}", entry, listing, bar)
+
+
+def adopt_uploaded(writer: TableWriter) -> None:
+    """A rank whose node lost its cache (a replaced spot instance) but had uploaded shards of this version: their
+    indexes (small) are fetched into the cache, so those shards count as committed (its keys are not encoded
+    again, its upload skips them); the shards themselves stay on the remote. Only an index whose shard is there
+    with the size the index records."""
+    url, base = str(writer.remote_url), f"{writer.table}/v{writer.version}"
+    remote = open_remote(url)
+    prefix = f"{base}/shard-r{writer.rank:02d}-"
+    with remote_errors(url, f"reading rank {writer.rank}'s part of table '{writer.table}' v{writer.version}"):
+        listing = _listing(remote, writer.table, writer.version)
+        for rel in sorted(r for r in listing if r.startswith(prefix) and r.endswith(INDEX_SUFFIX)):
+            name = rel[len(base) + 1:]
+            shard = f"{rel[: -len(INDEX_SUFFIX)]}.tar"
+            if (writer.dir / name).is_file() or shard not in listing:
+                continue
+            data = remote.read(rel)
+            sizes = pq.read_table(io.BytesIO(data), columns=["shard_nbytes"]).column("shard_nbytes").to_pylist()
+            if sizes and int(sizes[0]) == listing[shard]:
+                fmt.atomic_write_bytes(writer.dir / name, data)
+
+
+def commit_remote(writer: TableWriter, allow_empty: bool) -> int:
+    """Rank 0, after every rank's `finish_rank` (a barrier): the manifest from every rank's index, then the remote
+    commit in push's order. Returns the version."""
+    from store.remote_sync import _merged_record
+
+    url, table, version = str(writer.remote_url), writer.table, writer.version
+    remote = open_remote(url)
+    base = f"{table}/v{version}"
+    staging = writer.dir.with_name(f".{writer.dir.name}{COMMIT_SUFFIX}")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    try:
+        with remote_errors(url, f"commit of table '{table}' v{version}"):
+            listing = _listing(remote, table, version)
+            recorded = _gather(writer, remote, listing, staging)
+            manifest_bytes = _manifest(writer, staging, recorded, allow_empty)
+            with _progress(len(manifest_bytes), f"commit {url}") as bar:
+                for name in (fmt.CHECKSUMS, fmt.MANIFEST):  # the manifest last: the version is complete from here on
+                    _upload(remote, staging / name, f"{base}/{name}", _entry(staging / name), listing, bar)
+            fmt.crash_point("after_manifest")
+            remote.swap(fmt.STORE_JSON, lambda old: _merged_record(old, {table: {"current": version}}, url))
+    finally:  # the small files fetched for the commit: a rerun fetches them again
+        shutil.rmtree(staging, ignore_errors=True)
+    writer.close()
+    return version
+
+
+def _gather(writer: TableWriter, remote, listing: dict[str, int], staging: Path) -> dict[str, dict[str, Any]]:
+    """Every rank's rank-done file, shard indexes and schema.json into `staging` (small files; rank 0's own from its
+    folder, the others' from the remote), each checked against its rank's record; returns every rank's record of
+    its files. Every file a rank recorded must be on the remote with its size."""
+    url, base = remote.url, f"{writer.table}/v{writer.version}"
+    recorded: dict[str, dict[str, Any]] = {}
+    missing = []
+    for r in range(writer.world_size):
+        done = fmt.rank_done_name(r)
+        if f"{base}/{done}" not in listing:
+            missing.append(r)
+            continue
+        data = (writer.dir / done).read_bytes() if r == writer.rank else remote.read(f"{base}/{done}")
+        (staging / done).write_bytes(data)
+        recorded.update(json.loads(data).get("files") or {})
+    if missing:
+        raise UserError(f"table '{writer.table}' v{writer.version}: ranks {missing} have not uploaded their part to "
+                        f"{url}; rerun every node")
+    from tqdm import tqdm
+
+    mine = f"shard-r{writer.rank:02d}-"
+    for name, entry in tqdm(sorted(recorded.items()), desc=f"commit: the ranks' indexes from {url}", unit="file",
+                            dynamic_ncols=True):
+        if listing.get(f"{base}/{name}") != entry["nbytes"]:
+            raise UserError(f"{url}/{base}/{name} is missing or incomplete on the remote; rerun every node")
+        if name.endswith(".index.parquet") or name == fmt.SCHEMA_JSON:  # small: fetched, checked
+            if name.startswith(mine):
+                shutil.copyfile(writer.dir / name, staging / name)
+            else:
+                (staging / name).write_bytes(remote.read(f"{base}/{name}"))
+            if _entry(staging / name) != {"nbytes": entry["nbytes"], "crc32c": entry["crc32c"]}:
+                raise UserError(f"{url}/{base}/{name} does not match its rank's record; rerun every node")
+    return recorded
+
+
+def _manifest(writer: TableWriter, staging: Path, recorded: dict[str, dict[str, Any]], allow_empty: bool) -> bytes:
+    """manifest.parquet and checksums.json in `staging` (as a writer on one disk writes them: the shards' sizes and
+    CRC32Cs from the manifest, the small files' from their bytes); the manifest's bytes."""
+    from store.integrity import write_version_checksums
+    from store.manifest import merge_indexes
+
+    table, version = writer.table, writer.version
+    manifest = merge_indexes(sorted(staging.glob("shard-r*-*.index.parquet")))
+    if manifest.num_rows == 0 and not allow_empty:
+        raise UserError(f"table '{table}' v{version} would be empty: every input was rejected (reasons in each "
+                        "node's cached quarantine.parquet); fix the inputs or the settings")
+    manifest_bytes = fmt.parquet_bytes(manifest)
+    write_version_checksums(staging, manifest, manifest_bytes)
+    fmt.atomic_write_bytes(staging / fmt.MANIFEST, manifest_bytes)
+    listed = json.loads((staging / fmt.CHECKSUMS).read_bytes()).get("files", {})
+    differs = [n for n, e in recorded.items()
+               if n in listed and (listed[n]["nbytes"], listed[n]["crc32c"]) != (e["nbytes"], e["crc32c"])]
+    if differs:
+        raise UserError(f"table '{table}' v{version}: {differs[0]} differs from its index; rerun every node")
+    return manifest_bytes
+
+
+def drop_local_version(writer: TableWriter) -> None:
+    """After the remote commit: this node's cached folder of the version goes (it holds only this node's shards);
+    renamed first, so an opening reader never sees it half-deleted."""
+    vdir = writer.dir
+    with fmt.flock(writer.store.root / fmt.STORE_LOCK):
+        if not vdir.is_dir():
+            return  # another rank of this node dropped it
+        doomed = vdir.with_name(f".{vdir.name}.dropped")
+        shutil.rmtree(doomed, ignore_errors=True)
+        vdir.rename(doomed)
+    shutil.rmtree(doomed, ignore_errors=True)

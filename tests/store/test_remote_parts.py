@@ -1,0 +1,114 @@
+"""Ranks writing one version of a store URL through separate caches (store/remote_parts.py), in one process: each
+rank uploads its own part write-once, rank 0 commits on the remote from the indexes alone; nothing is visible
+before that, a rerun sends nothing twice, a part of another run is refused in one line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from schemas import UserError
+from store import Store
+from store import remote as remote_mod
+from store.remote_sync import pull
+from store.verify import verify_store
+from store_samples import key_of, sample, vae_schema
+
+N = 12
+
+
+def _writer(cache: Path, url: str, rank: int, tag: str = "a"):
+    w = Store(cache).writer("vae", vae_schema(tag), rank=rank, world_size=2, shard_size_mb=0.02, version=1,
+                            remote_url=url)
+    for i in range(rank, N, 2):
+        s = sample(i)
+        if s["key"] not in w.done_keys:
+            w.add(s["key"], tensors=s["tensors"], files=s["files"], meta=s["meta"])
+    return w
+
+
+def _objects(s3_env, prefix: str) -> list[str]:
+    found = s3_env.client().list_objects_v2(Bucket=s3_env.bucket, Prefix=prefix + "/").get("Contents", [])
+    return [o["Key"][len(prefix) + 1:] for o in found]
+
+
+def test_two_caches_commit_one_version_on_the_remote(s3_env, tmp_path, monkeypatch) -> None:
+    url = s3_env.url("parts")
+    zero = _writer(tmp_path / "node0", url, 0)
+    with pytest.raises(UserError, match=r"ranks \[1\] have not uploaded their part"):
+        zero.commit()  # rank 1 has not finished: refused, nothing visible
+    names = _objects(s3_env, "parts")
+    assert names and all(n.startswith("vae/v1/") for n in names) and "vae/v1/manifest.parquet" not in names
+    assert not [n for n in names if n.startswith("vae/v1/shard-r01")]
+
+    _writer(tmp_path / "node1", url, 1).finish_rank()
+    sent = []
+    real = remote_mod.Remote.upload
+    monkeypatch.setattr(remote_mod.Remote, "upload",
+                        lambda self, path, rel, *a: sent.append(rel) or real(self, path, rel, *a))
+    again = _writer(tmp_path / "node0", url, 0)  # the rerun of rank 0 resumes its committed shards
+    assert len(again.done_keys) == N // 2
+    assert again.commit() == 1
+    assert sent == ["vae/v1/checksums.json", "vae/v1/manifest.parquet"]  # its part was there already
+    assert not (tmp_path / "node0" / "vae" / ".v1.commit").exists()
+
+    pulled = tmp_path / "pulled"
+    pull(url, pulled)
+    r = Store(pulled).reader("vae")
+    assert r.keys() == sorted(key_of(i) for i in range(N)) and r.manifest.num_rows == N  # each exactly once
+    assert verify_store(pulled, progress=False) == []
+
+
+def test_a_node_that_lost_its_cache_keeps_what_it_uploaded(s3_env, tmp_path, monkeypatch) -> None:
+    import shutil
+
+    url = s3_env.url("lost")
+    _writer(tmp_path / "node1", url, 1).finish_rank()  # rank 1's part is on the remote; then its node is replaced
+    shutil.rmtree(tmp_path / "node1")
+    sent = []
+    real = remote_mod.Remote.upload
+    monkeypatch.setattr(remote_mod.Remote, "upload",
+                        lambda self, path, rel, *a: sent.append(rel) or real(self, path, rel, *a))
+    fresh = Store(tmp_path / "node1-new").writer("vae", vae_schema(), rank=1, world_size=2, shard_size_mb=0.02,
+                                                  version=1, remote_url=url)
+    assert fresh.done_keys == {key_of(i) for i in range(1, N, 2)}  # nothing to encode again
+    assert not list(fresh.dir.glob("*.tar"))  # only the indexes came (the shards stay on the remote)
+    fresh.finish_rank()
+    assert sent == []  # its part was there already
+    fresh.close()
+    assert _writer(tmp_path / "node0", url, 0).commit() == 1
+    pulled = tmp_path / "pulled"
+    pull(url, pulled)
+    assert Store(pulled).reader("vae").keys() == sorted(key_of(i) for i in range(N))
+    assert verify_store(pulled, progress=False) == []
+
+
+def test_a_part_of_another_run_is_refused_in_one_line(s3_env, tmp_path) -> None:
+    url = s3_env.url("clash")
+    _writer(tmp_path / "old", url, 1, tag="old").finish_rank()  # another run's rank 1 left its part of v1
+    w = _writer(tmp_path / "new", url, 1, tag="new")
+    with pytest.raises(UserError, match=r"exists with other content .*rerun") as e:
+        w.finish_rank()
+    assert "\n" not in str(e.value)
+    w.close()
+
+
+def test_the_version_number_skips_what_the_remote_holds_for_other_runs(s3_env, tmp_path) -> None:
+    from stages.encode.nodes import _taken_on_remote
+
+    url = s3_env.url("taken")
+    _writer(tmp_path / "a", url, 1, tag="other").finish_rank()  # v1: parts of another run
+    assert _taken_on_remote(url, "vae", vae_schema("a").to_dict()) == {1}
+    assert _taken_on_remote(url, "vae", vae_schema("other").to_dict()) == set()  # its own parts: resumed
+
+
+def test_an_unreachable_remote_is_one_line(s3_env, tmp_path, monkeypatch) -> None:
+    from s3_server import aws_env, free_port
+
+    w = _writer(tmp_path / "node1", s3_env.url("gone"), 1)
+    aws_env(monkeypatch, f"http://127.0.0.1:{free_port()}")  # the server is gone before the upload
+    with pytest.raises(UserError, match=r"upload of rank 1's part of table 'vae' v1: lost the connection") as e:
+        w.finish_rank()
+    assert "\n" not in str(e.value)
+    w.close()
