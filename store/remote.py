@@ -110,6 +110,28 @@ class Remote:
         return {name[len(prefix):]: int(info["size"]) for name, info in found.items()
                 if name.startswith(prefix) and info.get("type") != "directory"}
 
+    def listing_times(self) -> dict[str, tuple[int, float]]:
+        """{path relative to the store root: (size, last modified, epoch seconds)} of every object (one listing;
+        on S3 the time is the server's LastModified: when the object's last PUT completed)."""
+        self.fs.invalidate_cache()
+        try:
+            found = self.fs.find(self.root, detail=True)
+        except FileNotFoundError as e:
+            if "bucket" in str(e).lower():
+                raise
+            return {}
+        prefix = self.root.rstrip("/") + "/"
+        return {name[len(prefix):]: (int(info["size"]), _modified(info)) for name, info in found.items()
+                if name.startswith(prefix) and info.get("type") != "directory"}
+
+    def delete(self, rels: list[str]) -> None:
+        """Remove these objects (one batched request on S3); one already gone is not an error."""
+        if rels:
+            try:
+                self.fs.rm([self.path(r) for r in rels])
+            except FileNotFoundError:
+                pass
+
     def read(self, rel: str) -> bytes:
         return self.fs.cat_file(self.path(rel))
 
@@ -199,6 +221,12 @@ class Remote:
 
     def _meta(self, crc: str | None) -> dict[str, Any]:
         return {"Metadata": {CRC_META: crc}} if self.is_s3 and crc else {}
+
+
+def _modified(info: dict[str, Any]) -> float:
+    """An fsspec listing entry's modification time as epoch seconds (S3: LastModified; local: mtime)."""
+    when = info.get("LastModified", info.get("mtime", info.get("last_modified", info.get("created", 0.0))))
+    return when.timestamp() if hasattr(when, "timestamp") else float(when or 0.0)
 
 
 def _precondition_failed(e: OSError) -> bool:

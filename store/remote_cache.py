@@ -38,7 +38,7 @@ EVICTING = ".evicting"
 
 def local_store(store: str | Path, tables: list[str] | None, cache_dir: str | Path | None = None,
                 limit_gb: float | None = None, storage_options: dict[str, Any] | None = None,
-                optional: tuple[str, ...] = ()) -> Path:
+                optional: tuple[str, ...] = (), lease: bool = True) -> Path:
     """`store` itself when it is a local folder; for a URL, the cached local copy holding `tables`' current
     versions (pulled now if missing; those in `optional` only when the remote has them). `tables=None`: every
     complete version the remote holds (what `store verify` checks)."""
@@ -62,6 +62,10 @@ def local_store(store: str | Path, tables: list[str] | None, cache_dir: str | Pa
         if limit_gb is not None:
             evict(cache, int(limit_gb * 1e9), {(root, t, v) for t, v in needed})
         (root / "source-url.txt").write_text(url + "\n")  # which remote this cached store copies, for a human
+    if lease:  # a lease object on the remote naming what this process reads, till it exits (store/remote_lease.py)
+        from store.remote_lease import hold_reading
+
+        hold_reading(url, sorted(needed), storage_options)
     return root
 
 

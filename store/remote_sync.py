@@ -28,11 +28,17 @@ from typing import Any
 
 from schemas.errors import UserError
 from store import format as fmt
+from store import remote_lease
 from store.checksum import SealError, crc_hex, file_crc, seal, unseal
 from store.remote import Remote, open_remote, remote_errors
 
 PULL_SUFFIX = ".pull"
 _MANIFEST_RE = re.compile(r"([^/]+)/v(\d+)/" + re.escape(fmt.MANIFEST))
+
+
+def marker_rel(table: str, version: int) -> str:
+    """Where `store repair` marks a version damaged (store/format.damaged_marker), relative to the store root."""
+    return fmt.damaged_marker(Path("."), table, version).as_posix()
 
 
 @dataclass
@@ -44,6 +50,7 @@ class SyncSummary:
     objects_sent: int = 0
     objects_skipped: int = 0  # already there with the same size and CRC32C (a rerun)
     bytes_sent: int = 0
+    damaged: list[str] = field(default_factory=list)  # objects kept although they differ (pull for repair)
 
     def __str__(self) -> str:
         what = ", ".join(self.copied) or "nothing new"
@@ -92,7 +99,12 @@ def _progress(total: int, desc: str):
     return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, dynamic_ncols=True)
 
 
-def _conflict(table: str, version: int, url: str, local: Path) -> UserError:
+def _conflict(table: str, version: int, url: str, local: Path, remote: Remote | None = None) -> UserError:
+    if remote is not None and not remote.fs.exists(remote.path(f"{table}/v{version}/{fmt.MANIFEST}")):
+        return UserError(f"{table} v{version} at {url} is an incomplete version with other contents than "
+                         f"{local}'s (objects of a push that was killed before its manifest, from another store); "
+                         f"`pipeline store gc {url}` removes it once it is an hour old and no push holds it, then "
+                         "push again")
     return UserError(f"{table} v{version} differs between {local} and {url} (a different manifest under the same "
                      "version number: the stores grew apart); push/pull into an empty prefix or folder instead")
 
@@ -129,25 +141,36 @@ def push(src: Path, url: str, storage_options: dict[str, Any] | None = None) -> 
                     summary.objects_skipped += 1
                 else:
                     todo.append((f.rel, f))
-        with _progress(sum(f.nbytes for _, f in todo), f"push {url}") as bar:
-            for rel, f in todo:
-                path = src / rel
-                _check_local(path, f)
-                # objects are write-once: one that appeared since the listing must be this very file
-                if not remote.upload(path, rel, f.crc, bar) and not remote.has(rel, f.nbytes, f.crc):
-                    table, version = rel.split("/")[:2]
-                    raise _conflict(table, int(version[1:]), url, src)
-                summary.objects_sent += 1
-                summary.bytes_sent += f.nbytes
-        quarantine = src / fmt.QUARANTINE
-        if quarantine.is_file() and fmt.QUARANTINE not in listing:
-            data = quarantine.read_bytes()
-            remote.write(fmt.QUARANTINE, data, crc_hex(data))
-        # store.json last: the remote's current versions become the local ones (those complete there now)
-        there = {tuple(name.rsplit("/v", 1)) for name in summary.copied + summary.present}
-        current = {t: e for t, e in local_rec["tables"].items() if (t, str(e["current"])) in there}
-        remote.swap(fmt.STORE_JSON, lambda old: _merged_record(old, current, url))
+        # a push lease names the versions being written: `store gc` never takes them for a killed push's leftovers
+        lease = remote_lease.hold(remote, [(t, int(v)) for t, v in (n.rsplit("/v", 1) for n in summary.copied)],
+                                  "push", kind="push") if summary.copied else None
+        try:
+            _upload(remote, src, url, todo, summary)
+            quarantine = src / fmt.QUARANTINE
+            if quarantine.is_file() and fmt.QUARANTINE not in listing:
+                data = quarantine.read_bytes()
+                remote.write(fmt.QUARANTINE, data, crc_hex(data))
+            # store.json last: the remote's current versions become the local ones (those complete there now)
+            there = {tuple(name.rsplit("/v", 1)) for name in summary.copied + summary.present}
+            current = {t: e for t, e in local_rec["tables"].items() if (t, str(e["current"])) in there}
+            remote.swap(fmt.STORE_JSON, lambda old: _merged_record(old, current, url))
+        finally:  # held until the new versions are current: till then gc would count them unreferenced
+            if lease is not None:
+                lease.release()
     return summary
+
+
+def _upload(remote: Remote, src: Path, url: str, todo: list[tuple[str, _File]], summary: SyncSummary) -> None:
+    with _progress(sum(f.nbytes for _, f in todo), f"push {url}") as bar:
+        for rel, f in todo:
+            path = src / rel
+            _check_local(path, f)
+            # objects are write-once: one that appeared since the listing must be this very file
+            if not remote.upload(path, rel, f.crc, bar) and not remote.has(rel, f.nbytes, f.crc):
+                table, version = rel.split("/")[:2]
+                raise _conflict(table, int(version[1:]), url, src, remote)
+            summary.objects_sent += 1
+            summary.bytes_sent += f.nbytes
 
 
 def _merged_record(old: bytes | None, current: dict[str, Any], url: str) -> bytes:
@@ -192,9 +215,12 @@ def _remote_record(remote: Remote, listing: dict[str, int]) -> dict[str, Any] | 
 
 
 def pull(url: str, dst: Path, storage_options: dict[str, Any] | None = None,
-         tables: list[str] | None = None, optional: tuple[str, ...] = ()) -> SyncSummary:
+         tables: list[str] | None = None, optional: tuple[str, ...] = (), damaged_ok: bool = False) -> SyncSummary:
     """Every complete remote version the local store lacks; with `tables`, only those tables' current versions
-    (what a reader opening them needs: store/remote_cache.py), of which those in `optional` may be missing."""
+    (what a reader opening them needs: store/remote_cache.py), of which those in `optional` may be missing.
+    Versions that `store repair` replaced (a `<table>/v<N>.damaged.json` marker on the remote) are not copied.
+    `damaged_ok` (repair's working copy, store/remote_work.py): an object that does not match its checksums is
+    kept as it is, for repair to find, and named in the summary's `damaged`, instead of refused."""
     from store.store import Store
 
     dst = Path(dst)
@@ -225,6 +251,8 @@ def pull(url: str, dst: Path, storage_options: dict[str, Any] | None = None,
             table, version = m.group(1), int(m.group(2))
             if tables is not None and (table, version) not in wanted:
                 continue
+            if marker_rel(table, version) in listing:
+                continue
             record = remote.read(f"{table}/v{version}/{fmt.CHECKSUMS}")
             files = _ordered(table, version, _checksums(record, f"{url}/{table}/v{version}/{fmt.CHECKSUMS}"),
                              record)
@@ -238,7 +266,7 @@ def pull(url: str, dst: Path, storage_options: dict[str, Any] | None = None,
         total = sum(f.nbytes for *_, files in plan for f in files)
         with _progress(total, f"pull {url}") as bar:
             for table, version, record, files in plan:
-                _pull_version(remote, dst, table, version, files, bar, summary)
+                _pull_version(remote, dst, table, version, files, bar, summary, damaged_ok)
                 summary.copied.append(f"{table}/v{version}")
         quarantine = dst / fmt.QUARANTINE
         if fmt.QUARANTINE in listing and not quarantine.is_file():
@@ -281,7 +309,7 @@ def _all_cached(remote: Remote, dst: Path, tables: list[str], summary: SyncSumma
 
 
 def _pull_version(remote: Remote, dst: Path, table: str, version: int, files: list[_File], bar,
-                  summary: SyncSummary) -> None:
+                  summary: SyncSummary, damaged_ok: bool = False) -> None:
     """Fetch one version into its pull folder, every file checked, the manifest last; rename = commit."""
     final = fmt.version_dir(dst, table, version)
     tmp = final.with_name(f".{final.name}{PULL_SUFFIX}")
@@ -299,7 +327,9 @@ def _pull_version(remote: Remote, dst: Path, table: str, version: int, files: li
             part.unlink(missing_ok=True)
             raise
         size = part.stat().st_size
-        if (size, crc) != (f.nbytes, f.crc):
+        if (size, crc) != (f.nbytes, f.crc) and damaged_ok:
+            summary.damaged.append(f.rel)
+        elif (size, crc) != (f.nbytes, f.crc):
             part.unlink()
             raise UserError(f"{remote.url}/{f.rel} is damaged ({size} bytes, crc32c {crc}; its version's "
                             f"{fmt.CHECKSUMS} records {f.nbytes} bytes, crc32c {f.crc}); refused: push that version "
