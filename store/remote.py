@@ -33,8 +33,9 @@ def _hint(url: str) -> str:
 
 
 @contextmanager
-def remote_errors(url: str, action: str) -> Iterator[None]:
-    """The libraries' errors as one UserError line: what failed, on which URL, what to do."""
+def remote_errors(url: str, action: str, missing: str | None = None) -> Iterator[None]:
+    """The libraries' errors as one UserError line: what failed, on which URL, what to do. `missing`: what to
+    do when the object does not exist (a source URL: fix it), where a store's objects vanish only meanwhile."""
     try:
         yield
     except UserError:
@@ -42,6 +43,8 @@ def remote_errors(url: str, action: str) -> Iterator[None]:
     except OSError as e:
         if e.filename or e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):  # local: the CLI's handler says
             raise
+        if missing and isinstance(e, FileNotFoundError) and "bucket" not in str(e).lower():
+            raise UserError(f"{action}: {url} does not exist ({_first_line(e)}); {missing}") from None
         _remote_os_error(e, url, action)
     except Exception as e:  # noqa: BLE001  connection refused/reset, timeouts: botocore's and aiohttp's own types
         if not _is_transport_error(e):
