@@ -141,6 +141,7 @@ def hold_reading(url: str, versions: Iterable[tuple[str, int]],
         remote.fs.invalidate_cache()
         for t, v in versions:
             if not remote.fs.exists(remote.path(f"{t}/v{v}/{fmt.MANIFEST}")):
+                release_reading(url)  # the process stops here: nothing of this URL is read
                 raise UserError(f"{url}: {t} v{v} was removed (by `store gc`) while this process opened it; "
                                 "rerun to read the current version")
     return lease

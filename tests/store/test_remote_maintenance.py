@@ -76,6 +76,60 @@ def test_repair_of_a_url_gives_a_current_version_that_verify_and_a_reader_use(s3
     assert not any(k.startswith("store/vae/v1/") or k.endswith("v1.damaged.json") for k in objects(s3_env))
 
 
+def test_a_damaged_version_a_reader_holds_stays_marked_until_gc(s3_env, store: Store, tmp_path: Path) -> None:
+    fill(store, 6)
+    push(store.root, s3_env.url())
+    client = s3_env.client()
+    key = sorted(k for k in objects(s3_env) if k.endswith(".tar"))[0]
+    data = client.get_object(Bucket=s3_env.bucket, Key=key)["Body"].read()
+    client.put_object(Bucket=s3_env.bucket, Key=key, Body=data + b"appended")
+    reader = remote_lease.hold(open_remote(s3_env.url()), [("vae", 1)], "pipeline train")  # a training on v1
+    try:
+        r = _cli("store", "repair", s3_env.url(), "--cache-dir", tmp_path / "work")
+        assert r.exit_code == 0 and "is still read by pipeline train" in r.output, r.output
+        keys = objects(s3_env)
+        assert "store/vae/v1/manifest.parquet" in keys and "store/vae/v1.damaged.json" in keys
+        assert remote_current(s3_env) == {"vae": 2}
+        # marked: verify (every version) and pull skip it, so the store verifies
+        assert _cli("store", "verify", s3_env.url(), "--cache-dir", tmp_path / "c1").exit_code == 0
+        assert pull(s3_env.url(), tmp_path / "pulled").copied == ["vae/v2"]
+        r = _cli("store", "gc", s3_env.url())
+        assert r.exit_code == 0 and "keep vae/v1: not current, but held by pipeline train" in r.output, r.output
+    finally:
+        reader.release()
+    assert _cli("store", "gc", s3_env.url()).exit_code == 0
+    assert not any(k.startswith("store/vae/v1") for k in objects(s3_env))
+
+
+def test_a_reader_whose_version_gc_removed_before_its_lease_is_told(s3_env, store: Store, tmp_path: Path,
+                                                                    monkeypatch) -> None:
+    """The race gc and an opening reader can have: the reader read store.json (v1 current) and pulled v1; before
+    its lease is written, v2 is pushed and gc removes v1. The reader's check after its lease PUT says so."""
+    from store.remote_gc import collect
+
+    fill(store, 4)
+    push(store.root, s3_env.url())
+    real_hold = remote_lease.hold
+
+    def gc_first(remote, versions, what, kind="read"):
+        if kind == "push":  # the push below
+            return real_hold(remote, versions, what, kind)
+        fill(store, 4, tag="b", start=10)
+        push(store.root, s3_env.url())
+        collect(s3_env.url(), echo=lambda line: None)
+        return real_hold(remote, versions, what, kind)
+
+    monkeypatch.setattr(remote_lease, "hold", gc_first)
+    import pytest
+    from schemas.errors import UserError
+
+    with pytest.raises(UserError, match="vae v1 was removed .* rerun"):
+        local_store(s3_env.url(), ["vae"], tmp_path / "cache")
+    monkeypatch.setattr(remote_lease, "hold", real_hold)
+    assert not any("/.leases/" in k for k in objects(s3_env))  # its lease went with the error
+    assert Store(local_store(s3_env.url(), ["vae"], tmp_path / "cache", lease=False)).reader("vae").version == 2
+
+
 def test_migrate_of_a_url_makes_a_v2_version_current(s3_env, tmp_path: Path) -> None:
     from test_v1_handwritten import SAMPLES, write_v1_store
 
