@@ -27,9 +27,10 @@ def is_url(path: str | Path) -> bool:
     return "://" in str(path)
 
 
-def _hint(url: str) -> str:
+def _hint(url: str, source: bool = False) -> str:
     return ("check AWS_ENDPOINT_URL (an S3-compatible server), the network, and that the server runs; "
-            f"rerun to continue (what reached {url} is not sent again)")
+            + ("then rerun (samples already written are kept)" if source else
+               f"rerun to continue (what reached {url} is not sent again)"))
 
 
 @contextmanager
@@ -45,15 +46,15 @@ def remote_errors(url: str, action: str, missing: str | None = None) -> Iterator
             raise
         if missing and isinstance(e, FileNotFoundError) and "bucket" not in str(e).lower():
             raise UserError(f"{action}: {url} does not exist ({_first_line(e)}); {missing}") from None
-        _remote_os_error(e, url, action)
+        _remote_os_error(e, url, action, source=missing is not None)
     except Exception as e:  # noqa: BLE001  connection refused/reset, timeouts: botocore's and aiohttp's own types
         if not _is_transport_error(e):
             raise
         raise UserError(f"{action}: lost the connection to {url} ({type(e).__name__}: {_first_line(e)}); "
-                        + _hint(url)) from None
+                        + _hint(url, source=missing is not None)) from None
 
 
-def _remote_os_error(e: OSError, url: str, action: str) -> None:
+def _remote_os_error(e: OSError, url: str, action: str, source: bool = False) -> None:
     """s3fs reports the server's answers as OSError subclasses (no file name)."""
     if isinstance(e, PermissionError):
         raise UserError(f"{action}: access to {url} denied ({_first_line(e)}); check AWS_ACCESS_KEY_ID / "
@@ -65,13 +66,18 @@ def _remote_os_error(e: OSError, url: str, action: str) -> None:
         raise UserError(f"{action}: {url}: {_first_line(e)} (an object disappeared meanwhile?); rerun") from None
     if _is_transport_error(e):
         raise UserError(f"{action}: lost the connection to {url} ({type(e).__name__}: {_first_line(e)}); "
-                        + _hint(url)) from None
+                        + _hint(url, source)) from None
     raise UserError(f"{action}: {url} answered: {_first_line(e)}; rerun, or check the server") from None
 
 
 def _first_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return text[0] if text else type(e).__name__
+
+
+def is_transport_error(e: BaseException) -> bool:
+    """A lost connection, a timeout (botocore's, aiohttp's or the OS's types), not an answer of the server."""
+    return _is_transport_error(e)
 
 
 def _is_transport_error(e: BaseException) -> bool:

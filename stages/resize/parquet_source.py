@@ -14,13 +14,15 @@ the user's to fix (one UserError naming the column and the file).
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from schemas.errors import UserError
-from store.remote import is_url
+from store.remote import is_transport_error, is_url
 
+URL_BLOCK_BYTES = 8 << 20  # a parquet file at a URL is fetched by range requests of this size
 BATCH_ROWS = 16  # rows converted to Python at a time: images are large, a few MB per row is common
 _STORE_MARKER = "store.json"  # = store.format.STORE_JSON: a store kept inside the source is not read as data
 
@@ -87,7 +89,22 @@ def _open(path: Any) -> Any:
     from stages.resize.shards import remote_fs
 
     fs, p = remote_fs(path)
-    return fs.open(p, "rb", block_size=8 << 20)
+    return fs.open(p, "rb", block_size=URL_BLOCK_BYTES)
+
+
+@contextmanager
+def _server_errors(path: Any) -> Iterator[None]:
+    """At a URL, a lost connection is the server's or the network's, not the data's: one line (rerun), never a
+    quarantined row; anything else (a corrupt file) goes on to the caller's quarantine."""
+    try:
+        yield
+    except Exception as e:
+        if not (is_url(path) and is_transport_error(e)):
+            raise
+        from stages.resize.shards import remote_source_errors
+
+        with remote_source_errors(str(path)):  # store/remote.py's one line for a lost connection
+            raise
 
 
 def _stem(path: Any) -> str:
@@ -222,19 +239,21 @@ def iter_parquet(root: str | Path, columns: Any, max_file_bytes: int) -> Iterato
     layouts: dict[Path, _Layout] = {}
     for path in files:  # every file's mapping checked from its footer before the first row is read
         try:
-            schema = pq.read_schema(_open(path))
+            with _server_errors(path):
+                schema = pq.read_schema(_open(path))
         except (pa.ArrowException, OSError):
             continue  # quarantined below
         layouts[path] = _layout(schema, columns, path)
     for path in files:
         try:
             # buffered column-chunk reads: a row group's chunk is streamed, not read whole before decoding
-            pf = pq.ParquetFile(_open(path), buffer_size=8 << 20, pre_buffer=False)
+            with _server_errors(path):
+                pf = pq.ParquetFile(_open(path), buffer_size=8 << 20, pre_buffer=False)
             lay = layouts[path]
         except (pa.ArrowException, OSError, KeyError) as e:
             yield SourceSample(name=_stem(path), source=str(path), problem=f"cannot open parquet file: {e}")
             continue
-        with pf:
+        with pf, _server_errors(path):
             no = 0
             try:
                 for batch in pf.iter_batches(batch_size=BATCH_ROWS, columns=lay.names):
@@ -242,5 +261,7 @@ def iter_parquet(root: str | Path, columns: Any, max_file_bytes: int) -> Iterato
                         yield _sample(row, lay, path, no, max_file_bytes)
                         no += 1
             except (pa.ArrowException, OSError) as e:
+                if is_url(path) and is_transport_error(e):
+                    raise
                 yield SourceSample(name=f"{_stem(path)}:{no}", source=f"{path}:{no}",
                                    problem=f"parquet file is truncated or corrupt from row {no} on: {e}")
