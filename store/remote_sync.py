@@ -112,7 +112,11 @@ def _conflict(table: str, version: int, url: str, local: Path, remote: Remote | 
 # ---------------------------------------------------------------- push
 
 
-def push(src: Path, url: str, storage_options: dict[str, Any] | None = None) -> SyncSummary:
+def push(src: Path, url: str, storage_options: dict[str, Any] | None = None,
+         replacing: dict[str, int] | None = None) -> SyncSummary:
+    """Every complete local version the remote lacks, then store.json. `replacing` ({table: version}, repair and
+    migrate on a URL): only those tables' current versions change, and only if the remote's still are those
+    versions (checked inside store.json's compare-and-swap): a writer that advanced one meanwhile is not undone."""
     src = Path(src)
     if not (src / fmt.STORE_JSON).is_file():
         raise UserError(f"no store at {src} (no {fmt.STORE_JSON}); pass the store folder a stage wrote")
@@ -153,7 +157,9 @@ def push(src: Path, url: str, storage_options: dict[str, Any] | None = None) -> 
             # store.json last: the remote's current versions become the local ones (those complete there now)
             there = {tuple(name.rsplit("/v", 1)) for name in summary.copied + summary.present}
             current = {t: e for t, e in local_rec["tables"].items() if (t, str(e["current"])) in there}
-            remote.swap(fmt.STORE_JSON, lambda old: _merged_record(old, current, url))
+            if replacing is not None:
+                current = {t: e for t, e in current.items() if t in replacing}
+            remote.swap(fmt.STORE_JSON, lambda old: _merged_record(old, current, url, replacing))
         finally:  # held until the new versions are current: till then gc would count them unreferenced
             if lease is not None:
                 lease.release()
@@ -173,8 +179,14 @@ def _upload(remote: Remote, src: Path, url: str, todo: list[tuple[str, _File]], 
             summary.bytes_sent += f.nbytes
 
 
-def _merged_record(old: bytes | None, current: dict[str, Any], url: str) -> bytes:
+def _merged_record(old: bytes | None, current: dict[str, Any], url: str,
+                   replacing: dict[str, int] | None = None) -> bytes:
     rec = fmt.new_store_record() if old is None else _parse_record(old, url)
+    for table, v in (replacing or {}).items():
+        now = (rec["tables"].get(table) or {}).get("current")
+        if now is not None and int(now) != v:
+            raise UserError(f"{url}: table '{table}' became v{now} while this command replaced v{v}; its new "
+                            f"version is uploaded but not made current: rerun the command on the new state")
     return seal({**rec, "tables": {**rec["tables"], **current}, "format_version": fmt.STORE_FORMAT_VERSION})
 
 

@@ -45,12 +45,16 @@ def work_copy(url: str, cache_dir: str | Path | None, damaged_ok: bool = False,
 
 
 def publish(url: str, root: Path, replaced: list[tuple[str, int]], echo: Callable[[str], None] = print,
-            storage_options: dict[str, Any] | None = None) -> None:
-    """Push the working copy's new versions (they become current), then retire the versions repair replaced."""
+            storage_options: dict[str, Any] | None = None, damaged: bool = True) -> None:
+    """Push the working copy's new versions, made current only where the remote's current versions are still
+    the `replaced` ones (store.json's compare-and-swap); then, for repair (`damaged`), retire the replaced ones."""
     from store.remote_sync import marker_rel, push
 
     url = url.rstrip("/")
-    echo(str(push(root, url, storage_options)))
+    echo(str(push(root, url, storage_options, replacing=dict(replaced))))
+    if not damaged:
+        shutil.rmtree(root, ignore_errors=True)
+        return
     remote = open_remote(url, storage_options)
     with remote_errors(url, "repair"):
         for table, v in replaced:

@@ -186,5 +186,10 @@ def v1_to_v2(
         from store.remote_work import publish, work_copy
 
         root = work_copy(store, cache_dir)  # migrated in a working copy, then pushed back (store/remote_work.py)
-        if migrate_v1_to_v2(root, dry_run=dry_run, echo=echo) and not dry_run:
-            publish(store, root, [], echo)
+        steps = migrate_v1_to_v2(root, dry_run=dry_run, echo=echo)
+        if steps and not dry_run:
+            publish(store, root, [(s.table, s.old) for s in steps], echo, damaged=False)
+        else:  # nothing to publish: a working copy left behind could later push back versions gc removed
+            import shutil
+
+            shutil.rmtree(root, ignore_errors=True)

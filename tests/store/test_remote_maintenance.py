@@ -241,3 +241,20 @@ def test_a_live_push_lease_keeps_its_incomplete_version(s3_env, store: Store) ->
         assert "store/vae/v2/shard-r00-000000.tar" in objects(s3_env)
     finally:
         lease.release()
+
+
+def test_a_replacing_push_never_undoes_a_newer_current_version(s3_env, store: Store, tmp_path: Path) -> None:
+    """repair / migrate on a URL publish with `replacing`: store.json changes only if the table is still at the
+    version they replaced (a writer that committed meanwhile wins; the command says to rerun)."""
+    import pytest
+    from schemas.errors import UserError
+
+    fill(store, 4)
+    fill(store, 4, tag="b", start=10)
+    push(store.root, s3_env.url())  # remote current: v2
+    copy = tmp_path / "copy"
+    pull(s3_env.url(), copy)
+    Store(copy).set_current("vae", 1)  # a working copy that still thinks v1 is current
+    with pytest.raises(UserError, match="'vae' became v2 while this command replaced v1"):
+        push(copy, s3_env.url(), replacing={"vae": 1})
+    assert remote_current(s3_env) == {"vae": 2}
