@@ -59,8 +59,11 @@ class RemoteLease:
     _pid: int = field(default_factory=os.getpid)
 
     def record(self) -> dict[str, Any]:
-        base = local_lease.Lease(PurePosixPath(self.remote.url), self.what, self.versions).record()  # type: ignore[arg-type]
-        return {**base, "kind": self.kind}
+        """store/lease.py's record (what `judge` reads), plus the kind and the time of this write."""
+        return {"host": socket.gethostname(), "pid": os.getpid(), "pid_start": local_lease._proc_start(os.getpid()),
+                "pid_namespace": local_lease._pid_namespace(), "what": self.what, "kind": self.kind,
+                "versions": self.versions, "argv": sys.argv[:6],
+                "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
     def _write(self) -> None:
         self.remote.write(self.rel, json.dumps(self.record(), sort_keys=True).encode())
@@ -173,3 +176,9 @@ def release_reading(url: str) -> None:
     lease = _held.pop(url.rstrip("/"), None)
     if lease is not None:
         lease.release()
+
+
+def release_all() -> None:
+    """Every read lease this process holds (a process that runs several commands in turn, e.g. the tests)."""
+    for url in list(_held):
+        release_reading(url)
