@@ -117,7 +117,7 @@ _held: dict[str, RemoteLease] = {}
 
 def _what() -> str:
     """What the process is, for a human reading gc's output: the command (`pipeline train`, ...)."""
-    return " ".join([os.path.basename(sys.argv[0]) if sys.argv else "python", *sys.argv[1:2]])
+    return " ".join([os.path.basename(sys.argv[0]) if sys.argv else "python", *sys.argv[1:3]])
 
 
 def hold_reading(url: str, versions: Iterable[tuple[str, int]],
