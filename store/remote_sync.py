@@ -171,6 +171,8 @@ def _upload(remote: Remote, src: Path, url: str, todo: list[tuple[str, _File]], 
         for rel, f in todo:
             path = src / rel
             _check_local(path, f)
+            if rel.endswith("/" + fmt.MANIFEST):
+                fmt.crash_point("push_before_manifest")
             # objects are write-once: one that appeared since the listing must be this very file
             if not remote.upload(path, rel, f.crc, bar) and not remote.has(rel, f.nbytes, f.crc):
                 table, version = rel.split("/")[:2]
@@ -184,7 +186,8 @@ def _merged_record(old: bytes | None, current: dict[str, Any], url: str,
     rec = fmt.new_store_record() if old is None else _parse_record(old, url)
     for table, v in (replacing or {}).items():
         now = (rec["tables"].get(table) or {}).get("current")
-        if now is not None and int(now) != v:
+        new = current.get(table, {}).get("current")
+        if now is not None and int(now) != v and (new is None or int(now) != int(new)):  # new: a rerun's again
             raise UserError(f"{url}: table '{table}' became v{now} while this command replaced v{v}; its new "
                             f"version is uploaded but not made current: rerun the command on the new state")
     return seal({**rec, "tables": {**rec["tables"], **current}, "format_version": fmt.STORE_FORMAT_VERSION})
@@ -232,7 +235,8 @@ def pull(url: str, dst: Path, storage_options: dict[str, Any] | None = None,
     (what a reader opening them needs: store/remote_cache.py), of which those in `optional` may be missing.
     Versions that `store repair` replaced (a `<table>/v<N>.damaged.json` marker on the remote) are not copied.
     `damaged_ok` (repair's working copy, store/remote_work.py): an object that does not match its checksums is
-    kept as it is, for repair to find, and named in the summary's `damaged`, instead of refused."""
+    kept as it is, for repair to find, and named in the summary's `damaged`, instead of refused; a version marked
+    damaged in `dst` (a killed repair replaced it there already) is not pulled again."""
     from store.store import Store
 
     dst = Path(dst)
@@ -264,6 +268,8 @@ def pull(url: str, dst: Path, storage_options: dict[str, Any] | None = None,
             if tables is not None and (table, version) not in wanted:
                 continue
             if marker_rel(table, version) in listing:
+                continue
+            if damaged_ok and fmt.damaged_marker(dst, table, version).exists():  # replaced here by a killed repair
                 continue
             record = remote.read(f"{table}/v{version}/{fmt.CHECKSUMS}")
             files = _ordered(table, version, _checksums(record, f"{url}/{table}/v{version}/{fmt.CHECKSUMS}"),

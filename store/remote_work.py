@@ -44,6 +44,17 @@ def work_copy(url: str, cache_dir: str | Path | None, damaged_ok: bool = False,
     return root
 
 
+def replaced_here(root: Path) -> list[tuple[str, int]]:
+    """The versions repair replaced in the working copy, this run or a killed earlier one: marked damaged and set
+    aside (no longer a version there); the remote has yet to retire them."""
+    out = []
+    for marker in sorted(root.glob("*/v*.damaged.json")):
+        table, v = marker.parent.name, int(marker.name.split(".")[0][1:])
+        if not fmt.is_complete(fmt.version_dir(root, table, v)):
+            out.append((table, v))
+    return out
+
+
 def publish(url: str, root: Path, replaced: list[tuple[str, int]], echo: Callable[[str], None] = print,
             storage_options: dict[str, Any] | None = None, damaged: bool = True) -> None:
     """Push the working copy's new versions, made current only where the remote's current versions are still
@@ -58,6 +69,7 @@ def publish(url: str, root: Path, replaced: list[tuple[str, int]], echo: Callabl
     remote = open_remote(url, storage_options)
     with remote_errors(url, "repair"):
         for table, v in replaced:
+            fmt.crash_point("repair_before_retire")
             marker = fmt.damaged_marker(root, table, v)
             if marker.is_file():
                 remote.write(marker_rel(table, v), marker.read_bytes())

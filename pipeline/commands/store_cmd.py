@@ -105,7 +105,7 @@ def repair(
     cfg = config_from(config, {"paths.model": model, "paths.source": source})
     with user_errors():
         if url is not None:  # repaired in a working copy, then pushed back (store/remote_work.py)
-            from store.remote_work import work_copy
+            from store.remote_work import publish, replaced_here, work_copy
 
             store = work_copy(url, cache_dir, damaged_ok=True)
         store = Path(store)
@@ -120,6 +120,12 @@ def repair(
             echo(line)
         todo = plan.store_json or plan.litter or any(t.needs_repair or t.unrepairable for t in plan.tables)
         if not todo or dry_run:
+            if url is not None and not dry_run and (done := replaced_here(store)):  # what a killed repair finished
+                echo(f"{url}: publishing the repair of {', '.join(f'{t} v{v}' for t, v in done)} an earlier, "
+                     "interrupted run finished")
+                publish(url, store, done, echo)
+                echo(f"ok: {url} repaired and verified")
+                return
             echo(f"nothing to repair: {url or store} is intact" if not todo else "dry run: nothing changed")
             if url is not None:  # a working copy left behind could later push back versions gc removed
                 import shutil
@@ -127,13 +133,8 @@ def repair(
                 shutil.rmtree(store, ignore_errors=True)
             return
         failed = rp.apply(plan, _recompute(cfg, store), echo)
-        if url is not None:
-            from store import format as fmt
-            from store.remote_work import publish
-
-            # replaced: those repair set aside once their new version verified (no reader leases the work copy)
-            publish(url, store, [(t.table, t.version) for t in plan.tables if t.new_version is not None
-                                 and not fmt.is_complete(fmt.version_dir(store, t.table, t.version))], echo)
+        if url is not None:  # replaced: those repair set aside once their new version verified
+            publish(url, store, replaced_here(store), echo)
     for f in failed:
         echo(f"not repaired: {f}")
     if failed:

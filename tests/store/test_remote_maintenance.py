@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
+import pytest
 import torch
 from typer.testing import CliRunner
 
@@ -74,6 +78,37 @@ def test_repair_of_a_url_gives_a_current_version_that_verify_and_a_reader_use(s3
     # the retired version's leftover objects go with the next gc (no grace: repair marked it)
     assert _cli("store", "gc", s3_env.url()).exit_code == 0
     assert not any(k.startswith("store/vae/v1/") or k.endswith("v1.damaged.json") for k in objects(s3_env))
+
+
+KILLED_REPAIR = "import sys; from pipeline.cli import app; app(['store', 'repair', sys.argv[1], '--cache-dir', sys.argv[2]])"
+
+
+@pytest.mark.parametrize("point", ["push_before_manifest", "repair_before_retire"])
+def test_a_killed_repair_of_a_url_shows_nothing_half_done_and_its_rerun_finishes(s3_env, store: Store,
+                                                                              tmp_path: Path, point: str) -> None:
+    fill(store, 6)
+    push(store.root, s3_env.url())
+    client = s3_env.client()
+    key = sorted(k for k in objects(s3_env) if k.endswith(".tar"))[0]
+    data = client.get_object(Bucket=s3_env.bucket, Key=key)["Body"].read()
+    client.put_object(Bucket=s3_env.bucket, Key=key, Body=data + b"appended")
+    work = tmp_path / "work"
+    killed = subprocess.run([sys.executable, "-c", KILLED_REPAIR, s3_env.url(), str(work)],
+                            env={**os.environ, "STORE_CRASH_AT": point}, capture_output=True)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr.decode()[-2000:]
+    keys = objects(s3_env)
+    if point == "push_before_manifest":  # the new version is not there, the old one is still current
+        assert remote_current(s3_env) == {"vae": 1} and "store/vae/v2/manifest.parquet" not in keys
+    else:  # the new version is current, the damaged one not yet retired
+        assert remote_current(s3_env) == {"vae": 2} and "store/vae/v1/manifest.parquet" in keys
+    assert "store/vae/v1.damaged.json" not in keys
+
+    r = _cli("store", "repair", s3_env.url(), "--cache-dir", work)
+    assert r.exit_code == 0 and "retired" in r.output, r.output
+    keys = objects(s3_env)
+    assert remote_current(s3_env) == {"vae": 2} and "store/vae/v1.damaged.json" in keys
+    assert "store/vae/v1/manifest.parquet" not in keys and "store/vae/v3/manifest.parquet" not in keys
+    assert _cli("store", "verify", s3_env.url(), "--cache-dir", tmp_path / "c1").exit_code == 0
 
 
 def test_a_damaged_version_a_reader_holds_stays_marked_until_gc(s3_env, store: Store, tmp_path: Path) -> None:
