@@ -106,11 +106,12 @@ class Remote:
         protocol = self.fs.protocol
         return bool({"s3", "s3a"} & set(protocol if isinstance(protocol, (tuple, list)) else [protocol]))
 
-    def listing(self) -> dict[str, int]:
-        """{path relative to the store root: size} of every object under it (one listing, never cached)."""
+    def listing(self, under: str = "") -> dict[str, int]:
+        """{path relative to the store root: size} of every object under it, or under its folder `under` (one
+        listing, never cached)."""
         self.fs.invalidate_cache()
         try:
-            found = self.fs.find(self.root, detail=True)
+            found = self.fs.find(self.path(under) if under else self.root, detail=True)
         except FileNotFoundError as e:
             if "bucket" in str(e).lower():
                 raise
@@ -189,7 +190,10 @@ class Remote:
                 size = int(self.fs.info(self.path(rel))["size"])
             except FileNotFoundError:
                 return False
-        return size == nbytes and self.recorded_crc(rel) == crc
+        try:
+            return size == nbytes and self.recorded_crc(rel) == crc
+        except FileNotFoundError:  # listed, then removed (a gc of a killed push's leftovers): not there
+            return False
 
     def download(self, rel: str, local: Path, progress) -> str:
         """Fetch one object to `local`; its CRC32C (computed from the bytes written, no re-read)."""

@@ -107,7 +107,11 @@ def hold(remote: Remote, versions: Iterable[tuple[str, int]], what: str, kind: s
         lease.versions.setdefault(t, []).append(int(v))
     atexit.register(lease.release)  # registered first: a signal landing after the PUT must not leave it behind
     lease.rel = f"{LEASES_DIR}/{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}.json"
-    lease._write()
+    try:
+        lease._write()
+    except BaseException:  # nothing written (no bucket, no server): nothing to remove at exit
+        lease.rel = ""
+        raise
     threading.Thread(target=lease._heartbeat, name="store-remote-lease", daemon=True).start()
     return lease
 

@@ -3,8 +3,9 @@
 The remote holds the local layout unchanged (`store.json`, `<table>/v<N>/<file>`), so what makes a version
 visible is the same on both sides: its `manifest.parquet`. An object store has no rename, but a PUT is atomic
 (an object is there whole or not at all), so the commit order is the commit:
-- push uploads each version's data objects (schema, shards, indexes, rank-done files), then `checksums.json`,
-  then `manifest.parquet` LAST, and rewrites the remote `store.json` only after every version is complete: a
+- push writes its lease object (store/remote_lease.py) before it lists the remote, uploads each version's data
+  objects (schema, shards, indexes, rank-done files), then `checksums.json`, checks the version's objects are all
+  there (one listing: a gc may have taken a killed push's leftovers meanwhile), then `manifest.parquet` LAST, and rewrites the remote `store.json` only after every version is complete: a
   reader of the remote never sees a version whose files are not all there. A rerun after a failure lists the
   remote once and skips every object already there with the same size and CRC32C (recorded as object metadata
   at upload; the values are those of the version's `checksums.json`), so it sends only the rest.
@@ -124,32 +125,14 @@ def push(src: Path, url: str, storage_options: dict[str, Any] | None = None,
     remote = open_remote(url, storage_options)
     summary = SyncSummary("push", url)
     with remote_errors(url, "push"):
-        listing = remote.listing()
-        todo: list[tuple[str, _File]] = []
-        for table, version in _local_versions(src):
-            vdir = fmt.version_dir(src, table, version)
-            if not (vdir / fmt.CHECKSUMS).is_file():
-                raise UserError(f"{vdir} has no {fmt.CHECKSUMS} (store format 1): push copies only versions it "
-                                "can verify; rebuild the table with this version of the pipeline")
-            record = (vdir / fmt.CHECKSUMS).read_bytes()
-            files = _ordered(table, version, _checksums(record, str(vdir / fmt.CHECKSUMS)), record)
-            manifest = files[-1]
-            if manifest.rel in listing:
-                if not _same(remote, listing, manifest):
-                    raise _conflict(table, version, url, src)
-                summary.present.append(f"{table}/v{version}")
-                continue
-            summary.copied.append(f"{table}/v{version}")
-            for f in files:
-                if _same(remote, listing, f):
-                    summary.objects_skipped += 1
-                else:
-                    todo.append((f.rel, f))
-        # a push lease names the versions being written: `store gc` never takes them for a killed push's leftovers
-        lease = remote_lease.hold(remote, [(t, int(v)) for t, v in (n.rsplit("/v", 1) for n in summary.copied)],
-                                  "push", kind="push") if summary.copied else None
+        versions = _local_versions(src)
+        # The push lease first, naming every version this push may write, before it lists what is there: a gc
+        # from then on keeps those versions' objects (the leftovers of a killed push this one resumes included).
+        lease = remote_lease.hold(remote, versions, "push", kind="push") if versions else None
         try:
-            _upload(remote, src, url, todo, summary)
+            listing = remote.listing()
+            todo, files_of = _plan_push(remote, src, url, listing, versions, summary)
+            _upload(remote, src, url, todo, files_of, summary)
             quarantine = src / fmt.QUARANTINE
             if quarantine.is_file() and fmt.QUARANTINE not in listing:
                 data = quarantine.read_bytes()
@@ -166,19 +149,63 @@ def push(src: Path, url: str, storage_options: dict[str, Any] | None = None,
     return summary
 
 
-def _upload(remote: Remote, src: Path, url: str, todo: list[tuple[str, _File]], summary: SyncSummary) -> None:
-    with _progress(sum(f.nbytes for _, f in todo), f"push {url}") as bar:
-        for rel, f in todo:
-            path = src / rel
-            _check_local(path, f)
-            if rel.endswith("/" + fmt.MANIFEST):
+def _plan_push(remote: Remote, src: Path, url: str, listing: dict[str, int], versions: list[tuple[str, int]],
+               summary: SyncSummary) -> tuple[list[_File], dict[str, list[_File]]]:
+    """What to send (objects not there with the same size and CRC32C), and each copied version's files."""
+    todo: list[_File] = []
+    files_of: dict[str, list[_File]] = {}
+    for table, version in versions:
+        vdir = fmt.version_dir(src, table, version)
+        if not (vdir / fmt.CHECKSUMS).is_file():
+            raise UserError(f"{vdir} has no {fmt.CHECKSUMS} (store format 1): push copies only versions it "
+                            "can verify; rebuild the table with this version of the pipeline")
+        record = (vdir / fmt.CHECKSUMS).read_bytes()
+        files = _ordered(table, version, _checksums(record, str(vdir / fmt.CHECKSUMS)), record)
+        manifest = files[-1]
+        if manifest.rel in listing:
+            if not _same(remote, listing, manifest):
+                raise _conflict(table, version, url, src)
+            summary.present.append(f"{table}/v{version}")
+            continue
+        summary.copied.append(f"{table}/v{version}")
+        files_of[manifest.rel] = files
+        for f in files:
+            if _same(remote, listing, f):
+                summary.objects_skipped += 1
+            else:
+                todo.append(f)
+    return todo, files_of
+
+
+def _upload(remote: Remote, src: Path, url: str, todo: list[_File], files_of: dict[str, list[_File]],
+            summary: SyncSummary) -> None:
+    with _progress(sum(f.nbytes for f in todo), f"push {url}") as bar:
+        for f in todo:
+            if f.rel in files_of:  # a manifest: the commit of its version
+                _refill(remote, src, url, files_of[f.rel], bar, summary)
                 fmt.crash_point("push_before_manifest")
-            # objects are write-once: one that appeared since the listing must be this very file
-            if not remote.upload(path, rel, f.crc, bar) and not remote.has(rel, f.nbytes, f.crc):
-                table, version = rel.split("/")[:2]
-                raise _conflict(table, int(version[1:]), url, src, remote)
-            summary.objects_sent += 1
-            summary.bytes_sent += f.nbytes
+            _send(remote, src, url, f, bar, summary)
+
+
+def _send(remote: Remote, src: Path, url: str, f: _File, bar, summary: SyncSummary) -> None:
+    _check_local(src / f.rel, f)
+    # objects are write-once: one that appeared since the listing must be this very file
+    if not remote.upload(src / f.rel, f.rel, f.crc, bar) and not remote.has(f.rel, f.nbytes, f.crc):
+        table, version = f.rel.split("/")[:2]
+        raise _conflict(table, int(version[1:]), url, src, remote)
+    summary.objects_sent += 1
+    summary.bytes_sent += f.nbytes
+
+
+def _refill(remote: Remote, src: Path, url: str, files: list[_File], bar, summary: SyncSummary) -> None:
+    """Right before a version's manifest, one listing of the version: every other object must be there. A gc
+    that judged the leftovers of a killed push stale before this push's lease existed may have removed objects
+    this push skipped as present; they are sent again, so the manifest never commits an incomplete version."""
+    base = files[-1].rel.rsplit("/", 1)[0]
+    there = remote.listing(base)
+    for f in files[:-1]:
+        if there.get(f.rel) != f.nbytes:
+            _send(remote, src, url, f, bar, summary)
 
 
 def _merged_record(old: bytes | None, current: dict[str, Any], url: str,

@@ -295,3 +295,42 @@ def test_a_replacing_push_never_undoes_a_newer_current_version(s3_env, store: St
     with pytest.raises(UserError, match="'vae' became v2 while this command replaced v1"):
         push(copy, s3_env.url(), replacing={"vae": 1})
     assert remote_current(s3_env) == {"vae": 2}
+
+
+def test_a_resumed_push_refills_what_a_gc_removed_after_its_listing(s3_env, store: Store, tmp_path: Path,
+                                                                    monkeypatch) -> None:
+    """A gc that took a killed push's leftovers as stale right after the rerun listed them (the rerun skipped them
+    as present): the rerun sends them again before its manifest, so the version it commits is whole."""
+    fill(store, 12)
+    real_upload = remote_mod.Remote.upload
+    sent: list[str] = []
+
+    def failing_upload(self, local, rel, crc, progress):
+        if len(sent) == 3:
+            raise ConnectionResetError("connection reset by peer")
+        sent.append(rel)
+        return real_upload(self, local, rel, crc, progress)
+
+    monkeypatch.setattr(remote_mod.Remote, "upload", failing_upload)
+    assert _cli("store", "push", store.root, s3_env.url()).exit_code == 1
+    monkeypatch.setattr(remote_mod.Remote, "upload", real_upload)
+    leftovers = [k for k in objects(s3_env) if k.startswith("store/vae/v1/")]
+    assert len(leftovers) == 3
+
+    gc_ran: list[bool] = []
+
+    def gc_then_upload(self, local, rel, crc, progress):
+        if not gc_ran:  # the push planned (it skipped them): now a gc removes them, once
+            gc_ran.append(True)
+            for key in leftovers:
+                s3_env.client().delete_object(Bucket=s3_env.bucket, Key=key)
+        return real_upload(self, local, rel, crc, progress)
+
+    monkeypatch.setattr(remote_mod.Remote, "upload", gc_then_upload)
+    summary = push(store.root, s3_env.url())
+    monkeypatch.setattr(remote_mod.Remote, "upload", real_upload)
+    assert summary.objects_skipped == 3 and summary.copied == ["vae/v1"]
+    assert all(k in objects(s3_env) for k in leftovers)
+    pulled = tmp_path / "pulled"
+    pull(s3_env.url(), pulled)
+    assert verify_store(pulled) == []
