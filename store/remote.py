@@ -27,14 +27,16 @@ def is_url(path: str | Path) -> bool:
     return "://" in str(path)
 
 
-def _hint(url: str) -> str:
+def _hint(url: str, source: bool = False) -> str:
     return ("check AWS_ENDPOINT_URL (an S3-compatible server), the network, and that the server runs; "
-            f"rerun to continue (what reached {url} is not sent again)")
+            + ("then rerun (samples already written are kept)" if source else
+               f"rerun to continue (what reached {url} is not sent again)"))
 
 
 @contextmanager
-def remote_errors(url: str, action: str) -> Iterator[None]:
-    """The libraries' errors as one UserError line: what failed, on which URL, what to do."""
+def remote_errors(url: str, action: str, missing: str | None = None) -> Iterator[None]:
+    """The libraries' errors as one UserError line: what failed, on which URL, what to do. `missing`: what to
+    do when the object does not exist (a source URL: fix it), where a store's objects vanish only meanwhile."""
     try:
         yield
     except UserError:
@@ -42,15 +44,17 @@ def remote_errors(url: str, action: str) -> Iterator[None]:
     except OSError as e:
         if e.filename or e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):  # local: the CLI's handler says
             raise
-        _remote_os_error(e, url, action)
+        if missing and isinstance(e, FileNotFoundError) and "bucket" not in str(e).lower():
+            raise UserError(f"{action}: {url} does not exist ({_first_line(e)}); {missing}") from None
+        _remote_os_error(e, url, action, source=missing is not None)
     except Exception as e:  # noqa: BLE001  connection refused/reset, timeouts: botocore's and aiohttp's own types
         if not _is_transport_error(e):
             raise
         raise UserError(f"{action}: lost the connection to {url} ({type(e).__name__}: {_first_line(e)}); "
-                        + _hint(url)) from None
+                        + _hint(url, source=missing is not None)) from None
 
 
-def _remote_os_error(e: OSError, url: str, action: str) -> None:
+def _remote_os_error(e: OSError, url: str, action: str, source: bool = False) -> None:
     """s3fs reports the server's answers as OSError subclasses (no file name)."""
     if isinstance(e, PermissionError):
         raise UserError(f"{action}: access to {url} denied ({_first_line(e)}); check AWS_ACCESS_KEY_ID / "
@@ -62,13 +66,18 @@ def _remote_os_error(e: OSError, url: str, action: str) -> None:
         raise UserError(f"{action}: {url}: {_first_line(e)} (an object disappeared meanwhile?); rerun") from None
     if _is_transport_error(e):
         raise UserError(f"{action}: lost the connection to {url} ({type(e).__name__}: {_first_line(e)}); "
-                        + _hint(url)) from None
+                        + _hint(url, source)) from None
     raise UserError(f"{action}: {url} answered: {_first_line(e)}; rerun, or check the server") from None
 
 
 def _first_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return text[0] if text else type(e).__name__
+
+
+def is_transport_error(e: BaseException) -> bool:
+    """A lost connection, a timeout (botocore's, aiohttp's or the OS's types), not an answer of the server."""
+    return _is_transport_error(e)
 
 
 def _is_transport_error(e: BaseException) -> bool:
@@ -97,8 +106,23 @@ class Remote:
         protocol = self.fs.protocol
         return bool({"s3", "s3a"} & set(protocol if isinstance(protocol, (tuple, list)) else [protocol]))
 
-    def listing(self) -> dict[str, int]:
-        """{path relative to the store root: size} of every object under it (one listing, never cached)."""
+    def listing(self, under: str = "") -> dict[str, int]:
+        """{path relative to the store root: size} of every object under it, or under its folder `under` (one
+        listing, never cached)."""
+        self.fs.invalidate_cache()
+        try:
+            found = self.fs.find(self.path(under) if under else self.root, detail=True)
+        except FileNotFoundError as e:
+            if "bucket" in str(e).lower():
+                raise
+            return {}
+        prefix = self.root.rstrip("/") + "/"
+        return {name[len(prefix):]: int(info["size"]) for name, info in found.items()
+                if name.startswith(prefix) and info.get("type") != "directory"}
+
+    def listing_times(self) -> dict[str, tuple[int, float]]:
+        """{path relative to the store root: (size, last modified, epoch seconds)} of every object (one listing;
+        on S3 the time is the server's LastModified: when the object's last PUT completed)."""
         self.fs.invalidate_cache()
         try:
             found = self.fs.find(self.root, detail=True)
@@ -107,8 +131,16 @@ class Remote:
                 raise
             return {}
         prefix = self.root.rstrip("/") + "/"
-        return {name[len(prefix):]: int(info["size"]) for name, info in found.items()
+        return {name[len(prefix):]: (int(info["size"]), _modified(info)) for name, info in found.items()
                 if name.startswith(prefix) and info.get("type") != "directory"}
+
+    def delete(self, rels: list[str]) -> None:
+        """Remove these objects (one batched request on S3); one already gone is not an error."""
+        if rels:
+            try:
+                self.fs.rm([self.path(r) for r in rels])
+            except FileNotFoundError:
+                pass
 
     def read(self, rel: str) -> bytes:
         return self.fs.cat_file(self.path(rel))
@@ -158,7 +190,10 @@ class Remote:
                 size = int(self.fs.info(self.path(rel))["size"])
             except FileNotFoundError:
                 return False
-        return size == nbytes and self.recorded_crc(rel) == crc
+        try:
+            return size == nbytes and self.recorded_crc(rel) == crc
+        except FileNotFoundError:  # listed, then removed (a gc of a killed push's leftovers): not there
+            return False
 
     def download(self, rel: str, local: Path, progress) -> str:
         """Fetch one object to `local`; its CRC32C (computed from the bytes written, no re-read)."""
@@ -199,6 +234,12 @@ class Remote:
 
     def _meta(self, crc: str | None) -> dict[str, Any]:
         return {"Metadata": {CRC_META: crc}} if self.is_s3 and crc else {}
+
+
+def _modified(info: dict[str, Any]) -> float:
+    """An fsspec listing entry's modification time as epoch seconds (S3: LastModified; local: mtime)."""
+    when = info.get("LastModified", info.get("mtime", info.get("last_modified", info.get("created", 0.0))))
+    return when.timestamp() if hasattr(when, "timestamp") else float(when or 0.0)
 
 
 def _precondition_failed(e: OSError) -> bool:

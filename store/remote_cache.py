@@ -44,11 +44,12 @@ EVICTING = ".evicting"
 
 def local_store(store: str | Path, tables: list[str] | None, cache_dir: str | Path | None = None,
                 limit_gb: float | None = None, storage_options: dict[str, Any] | None = None,
-                optional: tuple[str, ...] = (), *, whole: bool = False) -> Path:
+                optional: tuple[str, ...] = (), *, whole: bool = False, lease: bool = True) -> Path:
     """`store` itself when it is a local folder; for a URL, the cached local store holding `tables`' current
     versions (those in `optional` only when the remote has them), lazily: metadata now, shards when read.
     `tables=None`: every complete version the remote holds (what `store verify` checks). `whole=True`: pull
-    the versions entirely now (every file checked, as `pipeline store pull`)."""
+    the versions entirely now (every file checked, as `pipeline store pull`). `lease`: a lease object on the
+    remote names the versions read, till this process exits (store/remote_lease.py)."""
     if not is_url(store):
         return Path(store)
     from store import remote_shards
@@ -76,6 +77,10 @@ def local_store(store: str | Path, tables: list[str] | None, cache_dir: str | Pa
         if limit is not None:
             evict(cache, limit, {(root, t, v) for t, v in needed})
         (root / "source-url.txt").write_text(url + "\n")  # which remote this cached store copies (a human; store/remote_parts.py finds the URL here)
+    if lease:  # a lease object on the remote naming what this process reads, till it exits (store/remote_lease.py)
+        from store.remote_lease import hold_reading
+
+        hold_reading(url, sorted(needed), storage_options)
     return root
 
 
@@ -192,9 +197,8 @@ def push_back(store: str | Path, local: Path, storage_options: dict[str, Any] | 
     push's summary; None for a local store)."""
     if not is_url(store):
         return None
-    from store.remote_sync import push
-
     from store import remote_shards
+    from store.remote_sync import push
 
     url = str(store).rstrip("/")
     summary = push(local, url, storage_options)

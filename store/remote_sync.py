@@ -3,8 +3,9 @@
 The remote holds the local layout unchanged (`store.json`, `<table>/v<N>/<file>`), so what makes a version
 visible is the same on both sides: its `manifest.parquet`. An object store has no rename, but a PUT is atomic
 (an object is there whole or not at all), so the commit order is the commit:
-- push uploads each version's data objects (schema, shards, indexes, rank-done files), then `checksums.json`,
-  then `manifest.parquet` LAST, and rewrites the remote `store.json` only after every version is complete: a
+- push writes its lease object (store/remote_lease.py) before it lists the remote, uploads each version's data
+  objects (schema, shards, indexes, rank-done files), then `checksums.json`, checks the version's objects are all
+  there (one listing: a gc may have taken a killed push's leftovers meanwhile), then `manifest.parquet` LAST, and rewrites the remote `store.json` only after every version is complete: a
   reader of the remote never sees a version whose files are not all there. A rerun after a failure lists the
   remote once and skips every object already there with the same size and CRC32C (recorded as object metadata
   at upload; the values are those of the version's `checksums.json`), so it sends only the rest.
@@ -28,12 +29,18 @@ from typing import Any
 
 from schemas.errors import UserError
 from store import format as fmt
+from store import remote_lease
 from store.checksum import SealError, crc_hex, file_crc, seal, unseal
 from store.remote import Remote, open_remote, remote_errors
 from store.remote_shards import is_lazy
 
 PULL_SUFFIX = ".pull"
 _MANIFEST_RE = re.compile(r"([^/]+)/v(\d+)/" + re.escape(fmt.MANIFEST))
+
+
+def marker_rel(table: str, version: int) -> str:
+    """Where `store repair` marks a version damaged (store/format.damaged_marker), relative to the store root."""
+    return fmt.damaged_marker(Path("."), table, version).as_posix()
 
 
 @dataclass
@@ -45,6 +52,7 @@ class SyncSummary:
     objects_sent: int = 0
     objects_skipped: int = 0  # already there with the same size and CRC32C (a rerun)
     bytes_sent: int = 0
+    damaged: list[str] = field(default_factory=list)  # objects kept although they differ (pull for repair)
 
     def __str__(self) -> str:
         what = ", ".join(self.copied) or "nothing new"
@@ -93,7 +101,12 @@ def _progress(total: int, desc: str):
     return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, dynamic_ncols=True)
 
 
-def _conflict(table: str, version: int, url: str, local: Path) -> UserError:
+def _conflict(table: str, version: int, url: str, local: Path, remote: Remote | None = None) -> UserError:
+    if remote is not None and not remote.fs.exists(remote.path(f"{table}/v{version}/{fmt.MANIFEST}")):
+        return UserError(f"{table} v{version} at {url} is an incomplete version with other contents than "
+                         f"{local}'s (objects of a push that was killed before its manifest, from another store); "
+                         f"`pipeline store gc {url}` removes it once it is an hour old and no push holds it, then "
+                         "push again")
     return UserError(f"{table} v{version} differs between {local} and {url} (a different manifest under the same "
                      "version number: the stores grew apart); push/pull into an empty prefix or folder instead")
 
@@ -101,7 +114,11 @@ def _conflict(table: str, version: int, url: str, local: Path) -> UserError:
 # ---------------------------------------------------------------- push
 
 
-def push(src: Path, url: str, storage_options: dict[str, Any] | None = None) -> SyncSummary:
+def push(src: Path, url: str, storage_options: dict[str, Any] | None = None,
+         replacing: dict[str, int] | None = None) -> SyncSummary:
+    """Every complete local version the remote lacks, then store.json. `replacing` ({table: version}, repair and
+    migrate on a URL): only those tables' current versions change, and only if the remote's still are those
+    versions (checked inside store.json's compare-and-swap): a writer that advanced one meanwhile is not undone."""
     src = Path(src)
     if not (src / fmt.STORE_JSON).is_file():
         raise UserError(f"no store at {src} (no {fmt.STORE_JSON}); pass the store folder a stage wrote")
@@ -109,53 +126,101 @@ def push(src: Path, url: str, storage_options: dict[str, Any] | None = None) -> 
     remote = open_remote(url, storage_options)
     summary = SyncSummary("push", url)
     with remote_errors(url, "push"):
-        listing = remote.listing()
-        todo: list[tuple[str, _File]] = []
-        for table, version in _local_versions(src):
-            vdir = fmt.version_dir(src, table, version)
-            if is_lazy(vdir):  # a cached copy of a version of this very remote (store/remote_shards.py)
-                summary.present.append(f"{table}/v{version}")
-                continue
-            if not (vdir / fmt.CHECKSUMS).is_file():
-                raise UserError(f"{vdir} has no {fmt.CHECKSUMS} (store format 1): push copies only versions it "
-                                "can verify; rebuild the table with this version of the pipeline")
-            record = (vdir / fmt.CHECKSUMS).read_bytes()
-            files = _ordered(table, version, _checksums(record, str(vdir / fmt.CHECKSUMS)), record)
-            manifest = files[-1]
-            if manifest.rel in listing:
-                if not _same(remote, listing, manifest):
-                    raise _conflict(table, version, url, src)
-                summary.present.append(f"{table}/v{version}")
-                continue
-            summary.copied.append(f"{table}/v{version}")
-            for f in files:
-                if _same(remote, listing, f):
-                    summary.objects_skipped += 1
-                else:
-                    todo.append((f.rel, f))
-        with _progress(sum(f.nbytes for _, f in todo), f"push {url}") as bar:
-            for rel, f in todo:
-                path = src / rel
-                _check_local(path, f)
-                # objects are write-once: one that appeared since the listing must be this very file
-                if not remote.upload(path, rel, f.crc, bar) and not remote.has(rel, f.nbytes, f.crc):
-                    table, version = rel.split("/")[:2]
-                    raise _conflict(table, int(version[1:]), url, src)
-                summary.objects_sent += 1
-                summary.bytes_sent += f.nbytes
-        quarantine = src / fmt.QUARANTINE
-        if quarantine.is_file() and fmt.QUARANTINE not in listing:
-            data = quarantine.read_bytes()
-            remote.write(fmt.QUARANTINE, data, crc_hex(data))
-        # store.json last: the remote's current versions become the local ones (those complete there now)
-        there = {tuple(name.rsplit("/v", 1)) for name in summary.copied + summary.present}
-        current = {t: e for t, e in local_rec["tables"].items() if (t, str(e["current"])) in there}
-        remote.swap(fmt.STORE_JSON, lambda old: _merged_record(old, current, url))
+        versions = _local_versions(src)
+        # The push lease first, naming every version this push may write, before it lists what is there: a gc
+        # from then on keeps those versions' objects (the leftovers of a killed push this one resumes included).
+        lease = remote_lease.hold(remote, versions, "push", kind="push") if versions else None
+        try:
+            listing = remote.listing()
+            todo, files_of = _plan_push(remote, src, url, listing, versions, summary)
+            _upload(remote, src, url, todo, files_of, summary)
+            quarantine = src / fmt.QUARANTINE
+            if quarantine.is_file() and fmt.QUARANTINE not in listing:
+                data = quarantine.read_bytes()
+                remote.write(fmt.QUARANTINE, data, crc_hex(data))
+            # store.json last: the remote's current versions become the local ones (those complete there now)
+            there = {tuple(name.rsplit("/v", 1)) for name in summary.copied + summary.present}
+            current = {t: e for t, e in local_rec["tables"].items() if (t, str(e["current"])) in there}
+            if replacing is not None:
+                current = {t: e for t, e in current.items() if t in replacing}
+            remote.swap(fmt.STORE_JSON, lambda old: _merged_record(old, current, url, replacing))
+        finally:  # held until the new versions are current: till then gc would count them unreferenced
+            if lease is not None:
+                lease.release()
     return summary
 
 
-def _merged_record(old: bytes | None, current: dict[str, Any], url: str) -> bytes:
+def _plan_push(remote: Remote, src: Path, url: str, listing: dict[str, int], versions: list[tuple[str, int]],
+               summary: SyncSummary) -> tuple[list[_File], dict[str, list[_File]]]:
+    """What to send (objects not there with the same size and CRC32C), and each copied version's files."""
+    todo: list[_File] = []
+    files_of: dict[str, list[_File]] = {}
+    for table, version in versions:
+        vdir = fmt.version_dir(src, table, version)
+        if is_lazy(vdir):  # a cached copy of a version of this very remote (store/remote_shards.py)
+            summary.present.append(f"{table}/v{version}")
+            continue
+        if not (vdir / fmt.CHECKSUMS).is_file():
+            raise UserError(f"{vdir} has no {fmt.CHECKSUMS} (store format 1): push copies only versions it "
+                            "can verify; rebuild the table with this version of the pipeline")
+        record = (vdir / fmt.CHECKSUMS).read_bytes()
+        files = _ordered(table, version, _checksums(record, str(vdir / fmt.CHECKSUMS)), record)
+        manifest = files[-1]
+        if manifest.rel in listing:
+            if not _same(remote, listing, manifest):
+                raise _conflict(table, version, url, src)
+            summary.present.append(f"{table}/v{version}")
+            continue
+        summary.copied.append(f"{table}/v{version}")
+        files_of[manifest.rel] = files
+        for f in files:
+            if _same(remote, listing, f):
+                summary.objects_skipped += 1
+            else:
+                todo.append(f)
+    return todo, files_of
+
+
+def _upload(remote: Remote, src: Path, url: str, todo: list[_File], files_of: dict[str, list[_File]],
+            summary: SyncSummary) -> None:
+    with _progress(sum(f.nbytes for f in todo), f"push {url}") as bar:
+        for f in todo:
+            if f.rel in files_of:  # a manifest: the commit of its version
+                _refill(remote, src, url, files_of[f.rel], bar, summary)
+                fmt.crash_point("push_before_manifest")
+            _send(remote, src, url, f, bar, summary)
+
+
+def _send(remote: Remote, src: Path, url: str, f: _File, bar, summary: SyncSummary) -> None:
+    _check_local(src / f.rel, f)
+    # objects are write-once: one that appeared since the listing must be this very file
+    if not remote.upload(src / f.rel, f.rel, f.crc, bar) and not remote.has(f.rel, f.nbytes, f.crc):
+        table, version = f.rel.split("/")[:2]
+        raise _conflict(table, int(version[1:]), url, src, remote)
+    summary.objects_sent += 1
+    summary.bytes_sent += f.nbytes
+
+
+def _refill(remote: Remote, src: Path, url: str, files: list[_File], bar, summary: SyncSummary) -> None:
+    """Right before a version's manifest, one listing of the version: every other object must be there. A gc
+    that judged the leftovers of a killed push stale before this push's lease existed may have removed objects
+    this push skipped as present; they are sent again, so the manifest never commits an incomplete version."""
+    base = files[-1].rel.rsplit("/", 1)[0]
+    there = remote.listing(base)
+    for f in files[:-1]:
+        if there.get(f.rel) != f.nbytes:
+            _send(remote, src, url, f, bar, summary)
+
+
+def _merged_record(old: bytes | None, current: dict[str, Any], url: str,
+                   replacing: dict[str, int] | None = None) -> bytes:
     rec = fmt.new_store_record() if old is None else _parse_record(old, url)
+    for table, v in (replacing or {}).items():
+        now = (rec["tables"].get(table) or {}).get("current")
+        new = current.get(table, {}).get("current")
+        if now is not None and int(now) != v and (new is None or int(now) != int(new)):  # new: a rerun's again
+            raise UserError(f"{url}: table '{table}' became v{now} while this command replaced v{v}; its new "
+                            f"version is uploaded but not made current: rerun the command on the new state")
     return seal({**rec, "tables": {**rec["tables"], **current}, "format_version": fmt.STORE_FORMAT_VERSION})
 
 
@@ -196,9 +261,13 @@ def _remote_record(remote: Remote, listing: dict[str, int]) -> dict[str, Any] | 
 
 
 def pull(url: str, dst: Path, storage_options: dict[str, Any] | None = None,
-         tables: list[str] | None = None, optional: tuple[str, ...] = ()) -> SyncSummary:
+         tables: list[str] | None = None, optional: tuple[str, ...] = (), damaged_ok: bool = False) -> SyncSummary:
     """Every complete remote version the local store lacks; with `tables`, only those tables' current versions
-    (what a reader opening them needs: store/remote_cache.py), of which those in `optional` may be missing."""
+    (what a reader opening them needs: store/remote_cache.py), of which those in `optional` may be missing.
+    Versions that `store repair` replaced (a `<table>/v<N>.damaged.json` marker on the remote) are not copied.
+    `damaged_ok` (repair's working copy, store/remote_work.py): an object that does not match its checksums is
+    kept as it is, for repair to find, and named in the summary's `damaged`, instead of refused; a version marked
+    damaged in `dst` (a killed repair replaced it there already) is not pulled again."""
     from store.store import Store
 
     dst = Path(dst)
@@ -229,6 +298,10 @@ def pull(url: str, dst: Path, storage_options: dict[str, Any] | None = None,
             table, version = m.group(1), int(m.group(2))
             if tables is not None and (table, version) not in wanted:
                 continue
+            if marker_rel(table, version) in listing:
+                continue
+            if damaged_ok and fmt.damaged_marker(dst, table, version).exists():  # replaced here by a killed repair
+                continue
             record = remote.read(f"{table}/v{version}/{fmt.CHECKSUMS}")
             files = _ordered(table, version, _checksums(record, f"{url}/{table}/v{version}/{fmt.CHECKSUMS}"),
                              record)
@@ -242,7 +315,7 @@ def pull(url: str, dst: Path, storage_options: dict[str, Any] | None = None,
         total = sum(f.nbytes for *_, files in plan for f in files)
         with _progress(total, f"pull {url}") as bar:
             for table, version, record, files in plan:
-                _pull_version(remote, dst, table, version, files, bar, summary)
+                _pull_version(remote, dst, table, version, files, bar, summary, damaged_ok)
                 summary.copied.append(f"{table}/v{version}")
         quarantine = dst / fmt.QUARANTINE
         if fmt.QUARANTINE in listing and not quarantine.is_file():
@@ -285,7 +358,7 @@ def _all_cached(remote: Remote, dst: Path, tables: list[str], summary: SyncSumma
 
 
 def _pull_version(remote: Remote, dst: Path, table: str, version: int, files: list[_File], bar,
-                  summary: SyncSummary) -> None:
+                  summary: SyncSummary, damaged_ok: bool = False) -> None:
     """Fetch one version into its pull folder, every file checked, the manifest last; rename = commit."""
     final = fmt.version_dir(dst, table, version)
     tmp = final.with_name(f".{final.name}{PULL_SUFFIX}")
@@ -303,7 +376,9 @@ def _pull_version(remote: Remote, dst: Path, table: str, version: int, files: li
             part.unlink(missing_ok=True)
             raise
         size = part.stat().st_size
-        if (size, crc) != (f.nbytes, f.crc):
+        if (size, crc) != (f.nbytes, f.crc) and damaged_ok:
+            summary.damaged.append(f.rel)
+        elif (size, crc) != (f.nbytes, f.crc):
             part.unlink()
             raise UserError(f"{remote.url}/{f.rel} is damaged ({size} bytes, crc32c {crc}; its version's "
                             f"{fmt.CHECKSUMS} records {f.nbytes} bytes, crc32c {f.crc}); refused: push that version "

@@ -18,7 +18,7 @@ from schemas.errors import UserError
 from store import format as fmt
 from store.checksum import crc_hex
 from store.remote import open_remote, remote_errors
-from store.remote_sync import _MANIFEST_RE, _checksums
+from store.remote_sync import _MANIFEST_RE, _checksums, marker_rel
 
 METADATA = (fmt.SCHEMA_JSON, fmt.MANIFEST)
 
@@ -39,6 +39,8 @@ def metadata_copy(url: str, storage_options: dict[str, Any] | None = None) -> It
         for rel in sorted(listing):
             m = _MANIFEST_RE.fullmatch(rel)
             if not m:
+                continue
+            if marker_rel(m.group(1), int(m.group(2))) in listing:  # retired by `store repair URL`
                 continue
             base = f"{m.group(1)}/v{m.group(2)}"
             vdir = root / base

@@ -46,6 +46,16 @@ def _no_reader_threads_left():
     assert not left, f"background threads left running: {[t.name for t in left]}"
 
 
+@pytest.fixture(autouse=True)
+def _remote_read_leases_released():
+    """A command reading a store URL holds its lease object until the process exits (store/remote_lease.py); the
+    tests run many commands in one process: each test's leases go with it (and their heartbeat threads)."""
+    yield
+    from store.remote_lease import release_all
+
+    release_all()
+
+
 @pytest.fixture(scope="session")
 def tiny_21_model(tmp_path_factory) -> str:
     from models.tiny import make_tiny_model

@@ -51,6 +51,10 @@ def verify(store: str = StoreOrUrlArg, cache_dir: Optional[Path] = CacheDirOpt,
 
             raise UserError(f"no store at {store} (no store.json)")
         problems = verify_store(root)
+        if store != str(root):  # a URL: verify's read lease goes now, not at exit
+            from store.remote_lease import release_reading
+
+            release_reading(store)
     for p in problems:
         echo(p)
     if problems:
@@ -59,33 +63,52 @@ def verify(store: str = StoreOrUrlArg, cache_dir: Optional[Path] = CacheDirOpt,
 
 
 @store_app.command("gc", help="Remove table versions nothing current references and no running reader (train, "
-                   "evaluate, an encode stage) holds a lease on (atomic per version, kill-safe).")
+                   "evaluate, an encode stage) holds a lease on (atomic per version, kill-safe). A URL: also the "
+                   "incomplete versions of killed pushes, once older than --incomplete-after.")
 def gc(
-    store: Path = StoreArg, dry_run: bool = typer.Option(False, "--dry-run", help="Only say what would be removed (and what leases keep)."),
+    store: str = StoreOrUrlArg, dry_run: bool = typer.Option(False, "--dry-run", help="Only say what would be removed (and what leases keep)."),
+    incomplete_after: float = typer.Option(60.0, "--incomplete-after", help="With a URL: minutes after its newest "
+                                           "object that an incomplete version (no manifest, no live push lease) "
+                                           "is taken for a killed push's leftovers and removed."),
 ) -> None:
-    from store.gc import collect
-    from store.store import Store
+    from store.remote import is_url
 
     with user_errors():
-        Store(store, create=False)  # a store, in a format this code reads
-        collect(store, dry_run=dry_run, echo=echo)
+        if is_url(store):
+            from store.remote_gc import collect as remote_collect
+
+            remote_collect(store, dry_run=dry_run, grace_s=incomplete_after * 60, echo=echo)
+            return
+        from store.gc import collect
+        from store.store import Store
+
+        Store(Path(store), create=False)  # a store, in a format this code reads
+        collect(Path(store), dry_run=dry_run, echo=echo)
 
 
 @store_app.command("repair", help="Recompute exactly the damaged samples into a new version (others carried "
                    "forward), then verify. Needs the --model/--config (and --source for images) the store was built with.")
 def repair(
-    store: Path = StoreArg,
+    store: str = StoreOrUrlArg,
     dry_run: bool = typer.Option(False, "--dry-run", help="Only say what is damaged and what would be done."),
     model: Optional[str] = typer.Option(None, "--model", help="Model the text/vae tables were encoded with."),
     source: Optional[str] = typer.Option(None, "--source", help="Source of the images table (default: the one "
                                          "recorded in its schema)."),
     config: Optional[Path] = ConfigOpt,
+    cache_dir: Optional[Path] = CacheDirOpt,
 ) -> None:
     from features.tables import TABLE_ORDER
     from store import repair as rp
+    from store.remote import is_url
 
+    url = store if is_url(store) else None
     cfg = config_from(config, {"paths.model": model, "paths.source": source})
     with user_errors():
+        if url is not None:  # repaired in a working copy, then pushed back (store/remote_work.py)
+            from store.remote_work import publish, replaced_here, work_copy
+
+            store = work_copy(url, cache_dir, damaged_ok=True)
+        store = Path(store)
         plan = rp.scan(store, order=TABLE_ORDER)
         if plan.store_json and not plan.current:
             from schemas.errors import UserError
@@ -96,18 +119,27 @@ def repair(
         for line in rp.describe(plan):
             echo(line)
         todo = plan.store_json or plan.litter or any(t.needs_repair or t.unrepairable for t in plan.tables)
-        if not todo:
-            echo(f"nothing to repair: {store} is intact")
-            return
-        if dry_run:
-            echo("dry run: nothing changed")
+        if not todo or dry_run:
+            if url is not None and not dry_run and (done := replaced_here(store)):  # what a killed repair finished
+                echo(f"{url}: publishing the repair of {', '.join(f'{t} v{v}' for t, v in done)} an earlier, "
+                     "interrupted run finished")
+                publish(url, store, done, echo)
+                echo(f"ok: {url} repaired and verified")
+                return
+            echo(f"nothing to repair: {url or store} is intact" if not todo else "dry run: nothing changed")
+            if url is not None:  # a working copy left behind could later push back versions gc removed
+                import shutil
+
+                shutil.rmtree(store, ignore_errors=True)
             return
         failed = rp.apply(plan, _recompute(cfg, store), echo)
+        if url is not None:  # replaced: those repair set aside once their new version verified
+            publish(url, store, replaced_here(store), echo)
     for f in failed:
         echo(f"not repaired: {f}")
     if failed:
         raise typer.Exit(1)
-    echo(f"ok: {store} repaired and verified")
+    echo(f"ok: {url or store} repaired and verified")
 
 
 def _recompute(cfg, store: Path):
@@ -142,9 +174,23 @@ def _recompute(cfg, store: Path):
 
 @migrate_app.command("v1-to-v2", help="Upgrade every schema-v1 table to a new v2 version (img_shapes derived).")
 def v1_to_v2(
-    store: Path = StoreArg, dry_run: bool = typer.Option(False, "--dry-run", help="Only say what would change."),
+    store: str = StoreOrUrlArg, dry_run: bool = typer.Option(False, "--dry-run", help="Only say what would change."),
+    cache_dir: Optional[Path] = CacheDirOpt,
 ) -> None:
     from store.migrate import migrate_v1_to_v2
+    from store.remote import is_url
 
     with user_errors():
-        migrate_v1_to_v2(store, dry_run=dry_run, echo=echo)
+        if not is_url(store):
+            migrate_v1_to_v2(Path(store), dry_run=dry_run, echo=echo)
+            return
+        from store.remote_work import publish, work_copy
+
+        root = work_copy(store, cache_dir)  # migrated in a working copy, then pushed back (store/remote_work.py)
+        steps = migrate_v1_to_v2(root, dry_run=dry_run, echo=echo)
+        if steps and not dry_run:
+            publish(store, root, [(s.table, s.old) for s in steps], echo, damaged=False)
+        else:  # nothing to publish: a working copy left behind could later push back versions gc removed
+            import shutil
+
+            shutil.rmtree(root, ignore_errors=True)

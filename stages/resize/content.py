@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from models.file_hashes import FileHashes
 
-from stages.resize.shards import is_shard_list, is_url, remote_listing, shard_urls
+from stages.resize.shards import is_shard_list, is_url, remote_listing, remote_source_files
 from stages.resize.sources import source_files
 
 
@@ -37,6 +37,6 @@ def content_listing_hash(source: str | Path) -> str:
         for f in tqdm(source_files(s), desc="source content hashes", unit="file", leave=False):
             h.update(f"{os.path.relpath(f, base)}\0{hashes.sha256(f)}\n".encode())
     if is_url(s):
-        for line in remote_listing([u for u in shard_urls(s) if is_url(u)]):
+        for line in remote_listing([u for u in remote_source_files(s) if is_url(u)]):
             h.update(f"{line}\n".encode())
     return h.hexdigest()[:16]

@@ -14,19 +14,26 @@ the user's to fix (one UserError naming the column and the file).
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from schemas.errors import UserError
+from store.remote import is_transport_error, is_url
 
+URL_BLOCK_BYTES = 8 << 20  # a parquet file at a URL is fetched by range requests of this size
 BATCH_ROWS = 16  # rows converted to Python at a time: images are large, a few MB per row is common
 _STORE_MARKER = "store.json"  # = store.format.STORE_JSON: a store kept inside the source is not read as data
 
 
-def parquet_files(root: Path) -> list[Path]:
+def parquet_files(root: str | Path) -> list[Any]:
     """A `.parquet` file, or every `.parquet` under a folder (HF layout `data/train-*.parquet` included), by
-    relative path; dot-folders and store folders inside the source are skipped."""
+    relative path; dot-folders and store folders inside the source are skipped. At a URL (`s3://...`): the file,
+    or the `.parquet` objects under the prefix, as URL strings (read through fsspec: shards.py's file system)."""
+    if is_url(root):
+        return remote_parquet_files(str(root))
+    root = Path(root)
     if root.is_file():
         return [root]
     out = []
@@ -41,11 +48,74 @@ def parquet_files(root: Path) -> list[Path]:
     return out
 
 
-def count_rows(root: Path) -> int:
+def is_parquet_url(source: str) -> bool:
+    """A parquet source at a URL: a `.parquet` object, or a prefix (no brace list, no `.tar`) holding `.parquet`
+    objects and no `.tar` (then a webdataset prefix)."""
+    if not is_url(source) or "::" in source or "{" in source:
+        return False
+    if source.endswith(".parquet"):
+        return True
+    if source.endswith(".tar") or not source.startswith(("s3://", "s3a://")):
+        return False
+    from stages.resize.shards import remote_fs, remote_source_errors
+
+    fs, path = remote_fs(source)
+    with remote_source_errors(source):
+        names = fs.find(path.rstrip("/"))
+    return any(n.endswith(".parquet") for n in names) and not any(n.endswith(".tar") for n in names)
+
+
+def remote_parquet_files(url: str) -> list[str]:
+    """The parquet file at `url`, or the `.parquet` objects under the prefix (dot-folders skipped), sorted."""
+    from stages.resize.shards import remote_fs, remote_source_errors
+
+    fs, path = remote_fs(url)
+    scheme = url.split("://", 1)[0]
+    with remote_source_errors(url):
+        if url.endswith(".parquet"):
+            fs.info(path)  # a missing file: one line naming it
+            return [url]
+        found = sorted(fs.glob(path.rstrip("/") + "/**/*.parquet"))
+    base = path.rstrip("/") + "/"
+    return [f"{scheme}://{name}" for name in found
+            if not any(part.startswith(".") for part in name[len(base):].split("/"))]
+
+
+def _open(path: Any) -> Any:
+    """What pyarrow reads: a local path as it is; a URL as a random-access file of fsspec (range requests, so
+    a footer or one row group's columns are fetched, never the whole object)."""
+    if not is_url(path):
+        return path
+    from stages.resize.shards import remote_fs
+
+    fs, p = remote_fs(path)
+    return fs.open(p, "rb", block_size=URL_BLOCK_BYTES)
+
+
+@contextmanager
+def _server_errors(path: Any) -> Iterator[None]:
+    """At a URL, a lost connection is the server's or the network's, not the data's: one line (rerun), never a
+    quarantined row; anything else (a corrupt file) goes on to the caller's quarantine."""
+    try:
+        yield
+    except Exception as e:
+        if not (is_url(path) and is_transport_error(e)):
+            raise
+        from stages.resize.shards import remote_source_errors
+
+        with remote_source_errors(str(path)):  # store/remote.py's one line for a lost connection
+            raise
+
+
+def _stem(path: Any) -> str:
+    return Path(str(path).rsplit("/", 1)[-1]).stem
+
+
+def count_rows(root: str | Path) -> int:
     """Rows of every file, from the footers alone."""
     import pyarrow.parquet as pq
 
-    return sum(pq.ParquetFile(f).metadata.num_rows for f in parquet_files(root))
+    return sum(pq.ParquetFile(_open(f)).metadata.num_rows for f in parquet_files(root))
 
 
 @dataclass
@@ -128,7 +198,7 @@ def _sample(row: dict[str, Any], lay: _Layout, path: Path, no: int, max_bytes: i
     from stages.resize.sources import SourceSample
 
     where = f"{path}:{no}"
-    s = SourceSample(name=f"{path.stem}:{no}", source=where)
+    s = SourceSample(name=f"{_stem(path)}:{no}", source=where)
     try:
         s.target = _image_bytes(row[lay.target], f"target (column {lay.target!r})", max_bytes)
         s.files.append(f"{where}[{lay.target}]")
@@ -156,7 +226,7 @@ def _sample(row: dict[str, Any], lay: _Layout, path: Path, no: int, max_bytes: i
     return s
 
 
-def iter_parquet(root: Path, columns: Any, max_file_bytes: int) -> Iterator[Any]:
+def iter_parquet(root: str | Path, columns: Any, max_file_bytes: int) -> Iterator[Any]:
     """One `SourceSample` per row of every file, in file then row order."""
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -169,19 +239,21 @@ def iter_parquet(root: Path, columns: Any, max_file_bytes: int) -> Iterator[Any]
     layouts: dict[Path, _Layout] = {}
     for path in files:  # every file's mapping checked from its footer before the first row is read
         try:
-            schema = pq.read_schema(path)
+            with _server_errors(path):
+                schema = pq.read_schema(_open(path))
         except (pa.ArrowException, OSError):
             continue  # quarantined below
         layouts[path] = _layout(schema, columns, path)
     for path in files:
         try:
             # buffered column-chunk reads: a row group's chunk is streamed, not read whole before decoding
-            pf = pq.ParquetFile(path, buffer_size=8 << 20, pre_buffer=False)
+            with _server_errors(path):
+                pf = pq.ParquetFile(_open(path), buffer_size=8 << 20, pre_buffer=False)
             lay = layouts[path]
         except (pa.ArrowException, OSError, KeyError) as e:
-            yield SourceSample(name=path.stem, source=str(path), problem=f"cannot open parquet file: {e}")
+            yield SourceSample(name=_stem(path), source=str(path), problem=f"cannot open parquet file: {e}")
             continue
-        with pf:
+        with pf, _server_errors(path):
             no = 0
             try:
                 for batch in pf.iter_batches(batch_size=BATCH_ROWS, columns=lay.names):
@@ -189,5 +261,7 @@ def iter_parquet(root: Path, columns: Any, max_file_bytes: int) -> Iterator[Any]
                         yield _sample(row, lay, path, no, max_file_bytes)
                         no += 1
             except (pa.ArrowException, OSError) as e:
-                yield SourceSample(name=f"{path.stem}:{no}", source=f"{path}:{no}",
+                if is_url(path) and is_transport_error(e):
+                    raise
+                yield SourceSample(name=f"{_stem(path)}:{no}", source=f"{path}:{no}",
                                    problem=f"parquet file is truncated or corrupt from row {no} on: {e}")

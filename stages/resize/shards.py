@@ -21,8 +21,6 @@ import functools
 import hashlib
 import os
 import shutil
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
@@ -65,9 +63,17 @@ def shard_urls(source: str | Path) -> list[str]:
     return out
 
 
+def remote_source_files(source: str) -> list[str]:
+    """The files of a source given as a URL or shard list: its parquet files (a parquet source at a URL), else
+    its tar shards."""
+    from stages.resize.parquet_source import is_parquet_url, remote_parquet_files
+
+    return remote_parquet_files(source) if is_parquet_url(source) else shard_urls(source)
+
+
 def _s3_tars(prefix: str) -> list[str]:
-    fs, root = _fs(prefix)
-    with _remote_errors(prefix):
+    fs, root = remote_fs(prefix)
+    with remote_source_errors(prefix):
         found = sorted(fs.glob(root.rstrip("/") + "/*.tar"))
     return [f"s3://{name}" for name in found]
 
@@ -75,8 +81,8 @@ def _s3_tars(prefix: str) -> list[str]:
 def open_shard(url: str) -> IO[bytes]:
     """A readable binary stream of one shard (close it when done)."""
     if url.startswith(("s3://", "s3a://")):
-        fs, path = _fs(url)
-        with _remote_errors(url):
+        fs, path = remote_fs(url)
+        with remote_source_errors(url):
             return fs.open(path, "rb", block_size=8 << 20)
     from webdataset.gopen import gopen
 
@@ -88,8 +94,8 @@ def open_shard(url: str) -> IO[bytes]:
 
 def remote_identity(url: str) -> str:
     """`size tag` of a shard at a URL, from the server's metadata; the sha256 of its bytes when it has no tag."""
-    fs, path = _fs(url)
-    with _remote_errors(url):
+    fs, path = remote_fs(url)
+    with remote_source_errors(url):
         info = fs.info(path)
     tag = next((f"{k}={info[k]}" for k in (*_REMOTE_TAGS, *(k.lower() for k in _REMOTE_TAGS)) if info.get(k)), None)
     if tag is None:  # nothing says whether it changed: its bytes do
@@ -107,7 +113,7 @@ def remote_listing(urls: list[str]) -> list[str]:
                                                           leave=False)]
 
 
-def _fs(url: str) -> tuple[Any, str]:
+def remote_fs(url: str) -> tuple[Any, str]:
     """The file system of `url` and the path on it; its listing cache dropped (objects may have changed)."""
     try:
         import fsspec  # noqa: F401
@@ -137,19 +143,9 @@ def _filesystem(protocol: str, env: tuple[str | None, ...]) -> Any:
     return fsspec.filesystem(protocol, skip_instance_cache=True)
 
 
-@contextmanager
-def _remote_errors(url: str) -> Iterator[None]:
-    """The libraries' errors about a source URL as one UserError line naming it."""
-    try:
-        yield
-    except UserError:
-        raise
-    except Exception as e:  # noqa: BLE001  s3fs / aiohttp / botocore each have their own types
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        if isinstance(e, FileNotFoundError):
-            raise UserError(f"source shard {url} does not exist ({first}); fix the URL") from None
-        if isinstance(e, PermissionError):
-            raise UserError(f"source shard {url}: access denied ({first}); check AWS_ACCESS_KEY_ID / "
-                            "AWS_SECRET_ACCESS_KEY (or AWS_PROFILE)") from None
-        raise UserError(f"source shard {url} cannot be read ({type(e).__name__}: {first}); check the URL, "
-                        "AWS_ENDPOINT_URL and the network, then rerun (samples already written are kept)") from None
+def remote_source_errors(url: str):
+    """The libraries' errors about a source URL as one UserError line naming it (store/remote.py's, worded for a
+    source: a missing object is the user's URL to fix)."""
+    from store.remote import remote_errors
+
+    return remote_errors(url, "source shard" if not url.endswith(".parquet") else "parquet source", missing="fix the URL")

@@ -20,7 +20,7 @@ def count_samples(source: str | Path, fmt: str) -> int | None:
         if fmt == "parquet":
             from stages.resize.parquet_source import count_rows
 
-            return count_rows(Path(source))
+            return count_rows(source if sources.is_url(source) else Path(source))
         if fmt == "webdataset":
             tars = sources.shard_urls(source)
             if any(sources.is_url(t) for t in tars):

@@ -64,10 +64,10 @@ class SourceSample:
 
 def detect_format(source: str | Path) -> str:
     """'folder', 'webdataset', 'jsonl' or 'parquet' for a source; UserError when it is none of them."""
-    if is_shard_list(source):  # a URL or a brace list of shards
-        if str(source).endswith(".parquet"):
-            raise UserError(f"source {source}: parquet sources are read from local files or folders only")
-        return "webdataset"
+    if is_shard_list(source):  # a URL or a brace list of shards, or parquet at a URL
+        from stages.resize.parquet_source import is_parquet_url
+
+        return "parquet" if is_parquet_url(str(source)) else "webdataset"
     p = Path(source)
     if p.is_file():
         if p.suffix in (".jsonl", ".tar", ".parquet"):
@@ -102,7 +102,7 @@ def iter_source(source: str | Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
     if fmt == "parquet":
         from stages.resize.parquet_source import iter_parquet
 
-        return iter_parquet(Path(source), columns, max_file_bytes)
+        return iter_parquet(source if is_url(source) else Path(source), columns, max_file_bytes)
     return {"folder": iter_folder, "jsonl": iter_jsonl}[fmt](Path(source), max_file_bytes)
 
 
@@ -116,7 +116,7 @@ def source_files(source: str | Path) -> list[Path]:
     if fmt == "parquet":
         from stages.resize.parquet_source import parquet_files
 
-        return parquet_files(p)
+        return [] if is_url(source) else parquet_files(p)  # at a URL: content.py hashes their metadata
     if fmt == "folder":  # only what the reader reads: a store or OS litter inside the source changes nothing
         return sorted(f for d in _layout_dirs(p) for f in _layout_entries(d) if f.is_file() and _inside(f, p))
     manifest = _jsonl_path(p)

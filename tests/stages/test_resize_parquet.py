@@ -185,3 +185,44 @@ def test_a_missing_mapped_column_is_one_line_naming_it_and_the_file(samples, tmp
     assert "no column 'target' (resize.columns.target)" in result.output
     with pytest.raises(UserError, match="column 'id' .* is string, not image bytes"):
         run(cfg(**{**MAPPING, "target": "id"}), tmp_path / "edits.parquet", tmp_path / "store")
+
+
+def test_parquet_at_an_s3_url_gives_the_table_of_the_local_file(samples, s3_env, tmp_path):
+    """A parquet file (and a prefix of them) on the S3 test server, read through fsspec: the same `images` table as
+    the same file read locally; unchanged objects are up to date, a missing one is one line naming it."""
+    local = tmp_path / "edits.parquet"
+    _edit_dataset(local, samples["samples"])
+    s3_env.client().put_object(Bucket=s3_env.bucket, Key="data/train-00000.parquet", Body=local.read_bytes())
+    url = f"s3://{s3_env.bucket}/data/train-00000.parquet"
+    s = run(cfg(**MAPPING), url, tmp_path / "store")
+    assert s.written == N and not s.quarantined
+    assert _table(tmp_path / "store") == samples["table"]
+    assert run(cfg(**MAPPING), url, tmp_path / "store").up_to_date  # same size and ETag
+    s = run(cfg(**MAPPING), f"s3://{s3_env.bucket}/data", tmp_path / "store-prefix")  # the prefix: its files
+    assert s.written == N and _table(tmp_path / "store-prefix") == samples["table"]
+    with pytest.raises(UserError, match=f"s3://{s3_env.bucket}/data/nope.parquet"):
+        run(cfg(**MAPPING), f"s3://{s3_env.bucket}/data/nope.parquet", tmp_path / "store")
+
+
+def test_a_server_stopped_mid_file_is_one_line_not_quarantined_rows(samples, tmp_path, monkeypatch):
+    from s3_server import aws_env, start_server
+
+    local = tmp_path / "edits.parquet"
+    _edit_dataset(local, samples["samples"])
+    server, endpoint = start_server()
+    aws_env(monkeypatch, endpoint)
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+    client.create_bucket(Bucket="outage-parquet")
+    client.put_object(Bucket="outage-parquet", Key="edits.parquet", Body=local.read_bytes())
+    monkeypatch.setattr(parquet_source, "BATCH_ROWS", 2)
+    monkeypatch.setattr(parquet_source, "URL_BLOCK_BYTES", 4096)  # the file is not all fetched before the stop
+    rows = parquet_source.iter_parquet("s3://outage-parquet/edits.parquet", cfg(**MAPPING).resize.columns, 1 << 30)
+    assert next(rows).problem is None
+    server.stop()
+    with pytest.raises(UserError, match="lost the connection to s3://outage-parquet/edits.parquet") as e:
+        for s in rows:
+            assert s.problem is None  # nothing blamed on the data
+    assert "\n" not in str(e.value)
+

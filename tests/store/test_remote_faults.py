@@ -4,6 +4,7 @@ nothing half-written in the cache, and the read completes once the server is bac
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -68,6 +69,11 @@ def test_sigkilled_push_leaves_no_visible_version_and_a_rerun_completes(s3_env, 
         os.killpg(child.pid, signal.SIGKILL)
         child.wait()
     keys = _keys(s3_env)
+    # the killed push's lease object stays behind (no atexit after SIGKILL): gc judges it dead (its pid is gone)
+    leases = [k for k in keys if "/.leases/" in k]
+    assert len(leases) == 1 and json.loads(s3_env.client().get_object(
+        Bucket=s3_env.bucket, Key=leases[0])["Body"].read())["versions"] == {"vae": [1]}
+    keys = [k for k in keys if k not in leases]
     assert len(keys) == 3 and not any(k.endswith(fmt.MANIFEST) or k.endswith(fmt.STORE_JSON) for k in keys)
     with pytest.raises(UserError, match="no store at"):  # nothing visible: not even a store
         pull(s3_env.url(), tmp_path / "early")

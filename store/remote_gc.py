@@ -1,0 +1,190 @@
+"""`pipeline store gc URL [--dry-run]`: store/gc.py for a store at a URL.
+
+Kept, as on a local disk: each table's current version (store.json), the versions a kept version's lineage
+names (`upstream`), and every version a live lease object names (store/remote_lease.py: readers and pushes in
+progress), with their upstream. Removed:
+- every other complete version (one with a manifest);
+- incomplete versions (data objects without a manifest: a push or a gc that was killed half-way) that no live
+  lease names and whose newest object is older than `grace_s` (default 1 hour): a version number a killed push
+  left behind then no longer blocks another store's push of that number;
+- versions `store repair URL` retired (marked damaged, manifest deleted: store/remote_work.py) at once;
+- lease objects judged dead, and the damaged marker (`<table>/v<N>.damaged.json`) of a removed version.
+
+Order, per version: the leases and store.json are read again (one listing, one GET) right before its manifest is
+DELETEd, so a lease written or a version made current since the plan still keeps it; the manifest goes first (the
+version stops existing at once for every reader: pull, verify and inspect list versions by their manifest),
+then the rest of its objects. A killed gc leaves an incomplete version, which the next gc removes after the
+grace period. docs/store-format.md, "On an object store", states the remaining race and why it is safe.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from schemas.errors import UserError
+from store import format as fmt
+from store import remote_lease
+from store.remote import Remote, open_remote, remote_errors
+
+GRACE_SECONDS = 3600.0
+_OBJECT_RE = re.compile(r"([^./][^/]*)/v(\d+)/(.+)")
+_MARKER_RE = re.compile(r"([^./][^/]*)/v(\d+)\.damaged\.json")
+
+
+@dataclass
+class Version:
+    table: str
+    version: int
+    objects: dict[str, tuple[int, float]] = field(default_factory=dict)  # rel: (size, modified)
+
+    @property
+    def name(self) -> str:
+        return f"{self.table}/v{self.version}"
+
+    @property
+    def complete(self) -> bool:
+        return f"{self.name}/{fmt.MANIFEST}" in self.objects
+
+    @property
+    def nbytes(self) -> int:
+        return sum(n for n, _ in self.objects.values())
+
+    @property
+    def newest(self) -> float:
+        return max(t for _, t in self.objects.values())
+
+
+@dataclass
+class RemoteGcPlan:
+    keep: list[tuple[str, int]] = field(default_factory=list)
+    remove: list[Version] = field(default_factory=list)  # complete versions, then incomplete ones
+    young_incomplete: list[Version] = field(default_factory=list)  # kept: within the grace period
+    leased: dict[tuple[str, int], list[str]] = field(default_factory=dict)
+    dead_leases: list[str] = field(default_factory=list)  # lease object paths
+    markers: dict[tuple[str, int], str] = field(default_factory=dict)  # damaged markers by version
+    nbytes: int = 0
+
+
+def _current(remote: Remote) -> dict[str, int] | None:
+    """The current versions; None without a store.json (a first push killed before it: nothing is current yet,
+    so gc keeps every complete version and removes only stale incomplete ones)."""
+    from store.remote_sync import _parse_record
+
+    try:
+        rec = _parse_record(remote.read(fmt.STORE_JSON), remote.url)
+    except FileNotFoundError:
+        return None
+    return {t: int(e["current"]) for t, e in rec["tables"].items()}
+
+
+def _closure(remote: Remote, roots: list[tuple[str, int]], versions: dict[tuple[str, int], Version]) -> set:
+    """`roots` and, transitively, the versions their schema.json lineage names as upstream."""
+    keep: set[tuple[str, int]] = set()
+    todo = list(roots)
+    while todo:
+        tv = todo.pop()
+        if tv in keep:
+            continue
+        keep.add(tv)
+        v = versions.get(tv)
+        if v is None or f"{v.name}/{fmt.SCHEMA_JSON}" not in v.objects:
+            continue
+        try:
+            upstream = (json.loads(remote.read(f"{v.name}/{fmt.SCHEMA_JSON}")).get("lineage") or {}).get("upstream")
+        except (FileNotFoundError, ValueError):
+            continue  # gone or unreadable: nothing more to keep through it (verify reports damage)
+        todo += [(t, int(u)) for t, u in (upstream or {}).items()]
+    return keep
+
+
+def plan(remote: Remote, grace_s: float = GRACE_SECONDS, now: float | None = None) -> RemoteGcPlan:
+    now = time.time() if now is None else now
+    listing = remote.listing_times()
+    if not listing:
+        raise UserError(f"no store at {remote.url} (nothing there); check the URL")
+    versions: dict[tuple[str, int], Version] = {}
+    out = RemoteGcPlan()
+    for rel, info in listing.items():
+        if m := _OBJECT_RE.fullmatch(rel):
+            key = (m.group(1), int(m.group(2)))
+            versions.setdefault(key, Version(*key)).objects[rel] = info
+        elif m := _MARKER_RE.fullmatch(rel):
+            out.markers[(m.group(1), int(m.group(2)))] = rel
+    current = _current(remote)
+    roots = sorted(current.items()) if current is not None else [tv for tv, v in versions.items() if v.complete]
+    keep = _closure(remote, roots, versions)
+    for found in remote_lease.leases(remote, listing, now):
+        if not found.live:
+            out.dead_leases.append(str(found.path))
+            continue
+        for tv in sorted(_closure(remote, list(found.versions()), versions) - keep):
+            out.leased.setdefault(tv, []).append(found.describe())
+    keep |= set(out.leased)
+    out.keep = sorted(tv for tv in keep if tv in versions)
+    doomed = [v for tv, v in sorted(versions.items()) if tv not in keep]
+    out.remove = [v for v in doomed if v.complete]
+    for v in (v for v in doomed if not v.complete):
+        retired = (v.table, v.version) in out.markers  # repair retired it: no push is writing it
+        (out.remove if retired or now - v.newest >= grace_s else out.young_incomplete).append(v)
+    out.nbytes = sum(v.nbytes for v in out.remove)
+    return out
+
+
+def _still_doomed(remote: Remote, v: Version) -> list[str]:
+    """Right before the DELETE: who keeps `v` now (a lease written, or v made current, since the plan)."""
+    keepers = []
+    if (_current(remote) or {}).get(v.table) == v.version:
+        keepers.append("it is current now")
+    leases = {rel: info for rel, info in remote.listing_times().items()
+              if rel.startswith(remote_lease.LEASES_DIR + "/")}
+    for found in remote_lease.leases(remote, leases):
+        if found.live and (v.table, v.version) in set(found.versions()):
+            keepers.append(found.describe())
+    return keepers
+
+
+def collect(url: str, dry_run: bool = False, grace_s: float = GRACE_SECONDS,
+            echo: Callable[[str], None] = print, storage_options: dict[str, Any] | None = None) -> RemoteGcPlan:
+    from tqdm import tqdm
+
+    url = url.rstrip("/")
+    remote = open_remote(url, storage_options)
+    with remote_errors(url, "gc"):
+        p = plan(remote, grace_s)
+        would = "would remove" if dry_run else "remove"
+        for v in p.remove:
+            what = "" if v.complete else (f" (incomplete: no manifest, newest object "
+                                          f"{(time.time() - v.newest) / 60:.0f} min old; a killed push or gc)")
+            echo(f"{would} {v.name}{what}")
+        for (table, v), by in sorted(p.leased.items()):
+            echo(f"keep {table}/v{v}: not current, but held by " + "; ".join(by))
+        for v in p.young_incomplete:
+            echo(f"keep {v.name}: incomplete, its newest object is {(time.time() - v.newest) / 60:.0f} min old "
+                 f"(a push may still be writing it; removed once {grace_s / 60:.0f} min old)")
+        for rel in p.dead_leases:
+            echo(f"{would} the lease of a gone process: {rel}")
+        if dry_run:
+            echo(f"dry run: {len(p.remove)} version(s), {p.nbytes / 1e6:.1f} MB would be freed")
+            return p
+        removed = []
+        for v in tqdm(p.remove, desc=f"gc {url}", unit="version"):
+            keepers = _still_doomed(remote, v)
+            if keepers:
+                echo(f"keep {v.name}: {'; '.join(keepers)} (since the plan)")
+                continue
+            manifest = f"{v.name}/{fmt.MANIFEST}"
+            if manifest in v.objects:
+                remote.delete([manifest])  # the version stops existing here
+            fmt.crash_point("remote_gc_after_manifest")
+            remote.delete(sorted(set(v.objects) - {manifest}))
+            if (v.table, v.version) in p.markers:
+                remote.delete([p.markers[(v.table, v.version)]])
+            removed.append(v)
+        remote.delete(p.dead_leases)
+        echo(f"gc {url}: {len(removed)} version(s) removed, {sum(v.nbytes for v in removed) / 1e6:.1f} MB freed")
+        p.remove = removed
+    return p

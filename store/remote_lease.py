@@ -1,0 +1,188 @@
+"""Read (and push) leases on a store at a URL: lease OBJECTS, the object-store form of store/lease.py's files.
+
+`<prefix>/.leases/<host>-<pid>-<random>.json` holds the same record as a local lease (host, pid, its start time
+and pid namespace, what it is, `versions` {table: [N, ...]}) plus `kind` ("read" or "push"). A process that
+reads versions of a URL store (train, evaluate, the encoders reading `images`, verify: whatever opens it through
+store/remote_cache.local_store) or pushes versions into it (store/remote_sync.push) writes one, rewrites it every
+`REFRESH_SECONDS` from a daemon thread (the heartbeat: the object's LastModified is its refresh time, set by the
+server), and deletes it when done and at interpreter exit. `pipeline store gc URL` (store/remote_gc.py) keeps
+every version a live lease names. Liveness is store/lease.judge's: a lease of this host and pid namespace is live
+while its process runs; any other is live until `STALE_SECONDS` (15 min) after its last refresh, so a reader
+killed with -9 blocks gc for at most that long.
+
+The race with gc (docs/store-format.md, "On an object store"): a reader learns its version from store.json, THEN
+writes its lease, THEN checks that the version's manifest still exists (`hold` retries with the new current
+version when it does not). gc lists the leases again right before each manifest DELETE. What is left is the
+window between that listing and that DELETE (one request) overlapping the reader's lease PUT and manifest check:
+then the reader fails on its next fetch with "an object disappeared meanwhile; rerun" - never wrong bytes, since
+every object is checked against its version's sealed checksums.json and a removed version's number is never
+reused by a reader's writer (new versions are numbered above every existing one).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import secrets
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import PurePosixPath
+from typing import Any, Iterable
+
+from store import format as fmt
+from store import lease as local_lease
+from store.remote import Remote
+
+log = logging.getLogger("store")
+
+LEASES_DIR = local_lease.LEASES_DIR
+REFRESH_SECONDS = local_lease.REFRESH_SECONDS
+STALE_SECONDS = local_lease.STALE_SECONDS
+
+
+@dataclass
+class RemoteLease:
+    """One process's lease object on one remote store; `versions` grows as it opens more (`add`)."""
+
+    remote: Remote
+    kind: str  # "read" | "push"
+    what: str
+    rel: str = ""
+    versions: dict[str, list[int]] = field(default_factory=dict)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _pid: int = field(default_factory=os.getpid)
+
+    def record(self) -> dict[str, Any]:
+        """store/lease.py's record (what `judge` reads), plus the kind and the time of this write."""
+        return {"host": socket.gethostname(), "pid": os.getpid(), "pid_start": local_lease._proc_start(os.getpid()),
+                "pid_namespace": local_lease._pid_namespace(), "what": self.what, "kind": self.kind,
+                "versions": self.versions, "argv": sys.argv[:6],
+                "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+    def _write(self) -> None:
+        self.remote.write(self.rel, json.dumps(self.record(), sort_keys=True).encode())
+
+    def add(self, versions: Iterable[tuple[str, int]]) -> None:
+        with self._lock:
+            new = False
+            for t, v in versions:
+                if v not in self.versions.setdefault(t, []):
+                    self.versions[t].append(v)
+                    new = True
+            if new and self.rel:
+                self._write()
+
+    def release(self) -> None:
+        self._stop.set()
+        with self._lock:
+            if self.rel and self._pid == os.getpid():  # never a forked child's copy
+                try:
+                    self.remote.fs.rm_file(self.remote.path(self.rel))
+                except Exception as e:  # noqa: BLE001  at exit the server may be gone: gc judges it stale later
+                    log.warning("could not remove the lease %s/%s (%s); `store gc` ignores it once stale",
+                                self.remote.url, self.rel, e)
+                self.rel = ""
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(REFRESH_SECONDS):
+            with self._lock:
+                if not self.rel:
+                    return
+                try:
+                    self._write()
+                except Exception as e:  # noqa: BLE001  a lost connection: try again at the next beat
+                    log.warning("could not refresh the lease %s/%s (%s)", self.remote.url, self.rel, e)
+
+
+def hold(remote: Remote, versions: Iterable[tuple[str, int]], what: str, kind: str = "read") -> RemoteLease:
+    """Write a lease object naming `versions` and start its heartbeat; released at interpreter exit."""
+    lease = RemoteLease(remote, kind, what)
+    for t, v in versions:
+        lease.versions.setdefault(t, []).append(int(v))
+    atexit.register(lease.release)  # registered first: a signal landing after the PUT must not leave it behind
+    lease.rel = f"{LEASES_DIR}/{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}.json"
+    try:
+        lease._write()
+    except BaseException:  # nothing written (no bucket, no server): nothing to remove at exit
+        lease.rel = ""
+        raise
+    threading.Thread(target=lease._heartbeat, name="store-remote-lease", daemon=True).start()
+    return lease
+
+
+_held: dict[str, RemoteLease] = {}
+
+
+def _what() -> str:
+    """What the process is, for a human reading gc's output: the command (`pipeline train`, ...)."""
+    return " ".join([os.path.basename(sys.argv[0]) if sys.argv else "python", *sys.argv[1:3]])
+
+
+def hold_reading(url: str, versions: Iterable[tuple[str, int]],
+                 storage_options: dict[str, Any] | None = None) -> RemoteLease | None:
+    """The process's one read lease on this URL (created on first use, then extended; released at exit), then a
+    check that every named version still has its manifest: one gc removed before it saw the lease is reported."""
+    from schemas.errors import UserError
+    from store.remote import open_remote, remote_errors
+
+    versions = list(versions)
+    with remote_errors(url, "read lease"):
+        lease = _held.get(url)
+        if lease is None or not lease.rel:
+            remote = open_remote(url, storage_options)
+            try:
+                lease = _held[url] = hold(remote, versions, _what())
+            except PermissionError as e:  # read-only credentials: reading goes on without a lease
+                log.warning("%s: no read lease (%s); a `store gc` meanwhile could remove versions this process "
+                            "reads", url, e)
+                return None
+        else:
+            lease.add(versions)
+        remote = lease.remote
+        remote.fs.invalidate_cache()
+        for t, v in versions:
+            if not remote.fs.exists(remote.path(f"{t}/v{v}/{fmt.MANIFEST}")):
+                release_reading(url)  # the process stops here: nothing of this URL is read
+                raise UserError(f"{url}: {t} v{v} was removed (by `store gc`) while this process opened it; "
+                                "rerun to read the current version")
+    return lease
+
+
+# ---------------------------------------------------------------- what gc reads
+
+
+def leases(remote: Remote, listing: dict[str, tuple[int, float]], now: float | None = None) -> list[local_lease.Found]:
+    """Every lease object, judged live or dead (`listing`: {rel: (size, LastModified epoch)}); an unreadable one
+    counts as dead (objects are written whole, so it is damage)."""
+    out = []
+    for rel, (_, mtime) in sorted(listing.items()):
+        if not (rel.startswith(LEASES_DIR + "/") and rel.endswith(".json")):
+            continue
+        try:
+            record = json.loads(remote.read(rel))
+        except FileNotFoundError:  # released meanwhile
+            continue
+        except ValueError as e:
+            out.append(local_lease.Found(PurePosixPath(rel), {}, False, f"unreadable ({e})"))  # type: ignore[arg-type]
+            continue
+        out.append(local_lease.judge(PurePosixPath(rel), record if isinstance(record, dict) else {}, mtime, now))  # type: ignore[arg-type]
+    return out
+
+
+def release_reading(url: str) -> None:
+    """The process is done reading `url` (a command that ends before the process does, e.g. `store verify`)."""
+    lease = _held.pop(url.rstrip("/"), None)
+    if lease is not None:
+        lease.release()
+
+
+def release_all() -> None:
+    """Every read lease this process holds (a process that runs several commands in turn, e.g. the tests)."""
+    for url in list(_held):
+        release_reading(url)

@@ -1,0 +1,336 @@
+"""`store repair|gc URL`, `migrate v1-to-v2 URL`, read leases on the remote and the leftovers of killed pushes,
+against the S3 test server (moto on 127.0.0.1, tests/s3_server.py; no mock inside the process)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from pipeline.cli import app
+from store import Store
+from store import remote as remote_mod
+from store import remote_lease
+from store.integrity import write_version_checksums
+from store.lease import _pid_namespace
+from store.remote import open_remote
+from store.remote_cache import local_store
+from store.remote_sync import pull, push
+from store.verify import verify_store
+from store_samples import fill
+
+runner = CliRunner()
+
+
+def _cli(*args):
+    r = runner.invoke(app, [str(a) for a in args])
+    assert "Traceback" not in r.output, r.output
+    return r
+
+
+def objects(env) -> dict[str, int]:
+    out = env.client().list_objects_v2(Bucket=env.bucket).get("Contents", [])
+    return {o["Key"]: o["Size"] for o in out}
+
+
+def remote_current(env) -> dict[str, int]:
+    data = json.loads(env.client().get_object(Bucket=env.bucket, Key="store/store.json")["Body"].read())
+    return {t: e["current"] for t, e in data["tables"].items()}
+
+
+def test_repair_of_a_url_gives_a_current_version_that_verify_and_a_reader_use(s3_env, store: Store,
+                                                                              tmp_path: Path) -> None:
+    fill(store, 6)
+    before = {k: store.reader("vae").get(k)["tensors"] for k in store.reader("vae").keys()}
+    push(store.root, s3_env.url())
+    client = s3_env.client()
+    key = sorted(k for k in objects(s3_env) if k.endswith(".tar"))[0]
+    data = client.get_object(Bucket=s3_env.bucket, Key=key)["Body"].read()
+    client.put_object(Bucket=s3_env.bucket, Key=key, Body=data + os.urandom(700))  # bytes appended on the remote
+    assert _cli("store", "verify", s3_env.url(), "--cache-dir", tmp_path / "c0").exit_code == 1
+
+    r = _cli("store", "repair", s3_env.url(), "--cache-dir", tmp_path / "work")
+    assert r.exit_code == 0 and "bytes appended" in r.output and "retired" in r.output, r.output
+    assert remote_current(s3_env) == {"vae": 2}
+    keys = objects(s3_env)
+    assert "store/vae/v1/manifest.parquet" not in keys and "store/vae/v1.damaged.json" in keys
+    assert not (tmp_path / "work" / ".work").exists() or not any((tmp_path / "work" / ".work").iterdir())
+    r = _cli("store", "verify", s3_env.url(), "--cache-dir", tmp_path / "c1")
+    assert r.exit_code == 0, r.output
+
+    root = local_store(s3_env.url(), ["vae"], tmp_path / "c2", lease=False)
+    reader = Store(root, create=False).reader("vae")
+    assert reader.version == 2 and sorted(reader.keys()) == sorted(before)
+    for k, tensors in before.items():
+        got = reader.get(k)["tensors"]
+        assert all(torch.equal(got[n], t) for n, t in tensors.items())
+    reader.close()
+
+    # the retired version's leftover objects go with the next gc (no grace: repair marked it)
+    assert _cli("store", "gc", s3_env.url()).exit_code == 0
+    assert not any(k.startswith("store/vae/v1/") or k.endswith("v1.damaged.json") for k in objects(s3_env))
+
+
+KILLED_REPAIR = "import sys; from pipeline.cli import app; app(['store', 'repair', sys.argv[1], '--cache-dir', sys.argv[2]])"
+
+
+@pytest.mark.parametrize("point", ["push_before_manifest", "repair_before_retire"])
+def test_a_killed_repair_of_a_url_shows_nothing_half_done_and_its_rerun_finishes(s3_env, store: Store,
+                                                                              tmp_path: Path, point: str) -> None:
+    fill(store, 6)
+    push(store.root, s3_env.url())
+    client = s3_env.client()
+    key = sorted(k for k in objects(s3_env) if k.endswith(".tar"))[0]
+    data = client.get_object(Bucket=s3_env.bucket, Key=key)["Body"].read()
+    client.put_object(Bucket=s3_env.bucket, Key=key, Body=data + b"appended")
+    work = tmp_path / "work"
+    killed = subprocess.run([sys.executable, "-c", KILLED_REPAIR, s3_env.url(), str(work)],
+                            env={**os.environ, "STORE_CRASH_AT": point}, capture_output=True)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr.decode()[-2000:]
+    keys = objects(s3_env)
+    if point == "push_before_manifest":  # the new version is not there, the old one is still current
+        assert remote_current(s3_env) == {"vae": 1} and "store/vae/v2/manifest.parquet" not in keys
+    else:  # the new version is current, the damaged one not yet retired
+        assert remote_current(s3_env) == {"vae": 2} and "store/vae/v1/manifest.parquet" in keys
+    assert "store/vae/v1.damaged.json" not in keys
+
+    r = _cli("store", "repair", s3_env.url(), "--cache-dir", work)
+    assert r.exit_code == 0 and "retired" in r.output, r.output
+    keys = objects(s3_env)
+    assert remote_current(s3_env) == {"vae": 2} and "store/vae/v1.damaged.json" in keys
+    assert "store/vae/v1/manifest.parquet" not in keys and "store/vae/v3/manifest.parquet" not in keys
+    assert _cli("store", "verify", s3_env.url(), "--cache-dir", tmp_path / "c1").exit_code == 0
+
+
+def test_a_damaged_version_a_reader_holds_stays_marked_until_gc(s3_env, store: Store, tmp_path: Path) -> None:
+    fill(store, 6)
+    push(store.root, s3_env.url())
+    client = s3_env.client()
+    key = sorted(k for k in objects(s3_env) if k.endswith(".tar"))[0]
+    data = client.get_object(Bucket=s3_env.bucket, Key=key)["Body"].read()
+    client.put_object(Bucket=s3_env.bucket, Key=key, Body=data + b"appended")
+    reader = remote_lease.hold(open_remote(s3_env.url()), [("vae", 1)], "pipeline train")  # a training on v1
+    try:
+        r = _cli("store", "repair", s3_env.url(), "--cache-dir", tmp_path / "work")
+        assert r.exit_code == 0 and "is still read by pipeline train" in r.output, r.output
+        keys = objects(s3_env)
+        assert "store/vae/v1/manifest.parquet" in keys and "store/vae/v1.damaged.json" in keys
+        assert remote_current(s3_env) == {"vae": 2}
+        # marked: verify (every version) and pull skip it, so the store verifies
+        assert _cli("store", "verify", s3_env.url(), "--cache-dir", tmp_path / "c1").exit_code == 0
+        assert pull(s3_env.url(), tmp_path / "pulled").copied == ["vae/v2"]
+        r = _cli("store", "inspect", s3_env.url(), "--json")
+        assert [v["version"] for v in json.loads(r.output)["tables"]["vae"]["versions"]] == [2], r.output
+        r = _cli("store", "gc", s3_env.url())
+        assert r.exit_code == 0 and "keep vae/v1: not current, but held by pipeline train" in r.output, r.output
+    finally:
+        reader.release()
+    assert _cli("store", "gc", s3_env.url()).exit_code == 0
+    assert not any(k.startswith("store/vae/v1") for k in objects(s3_env))
+
+
+def test_a_reader_whose_version_gc_removed_before_its_lease_is_told(s3_env, store: Store, tmp_path: Path,
+                                                                    monkeypatch) -> None:
+    """The race gc and an opening reader can have: the reader read store.json (v1 current) and pulled v1; before
+    its lease is written, v2 is pushed and gc removes v1. The reader's check after its lease PUT says so."""
+    from store.remote_gc import collect
+
+    fill(store, 4)
+    push(store.root, s3_env.url())
+    real_hold = remote_lease.hold
+
+    def gc_first(remote, versions, what, kind="read"):
+        if kind == "push":  # the push below
+            return real_hold(remote, versions, what, kind)
+        fill(store, 4, tag="b", start=10)
+        push(store.root, s3_env.url())
+        collect(s3_env.url(), echo=lambda line: None)
+        return real_hold(remote, versions, what, kind)
+
+    monkeypatch.setattr(remote_lease, "hold", gc_first)
+    import pytest
+    from schemas.errors import UserError
+
+    with pytest.raises(UserError, match="vae v1 was removed .* rerun"):
+        local_store(s3_env.url(), ["vae"], tmp_path / "cache")
+    monkeypatch.setattr(remote_lease, "hold", real_hold)
+    assert not any("/.leases/" in k for k in objects(s3_env))  # its lease went with the error
+    assert Store(local_store(s3_env.url(), ["vae"], tmp_path / "cache", lease=False)).reader("vae").version == 2
+
+
+def test_migrate_of_a_url_makes_a_v2_version_current(s3_env, tmp_path: Path) -> None:
+    from test_v1_handwritten import SAMPLES, write_v1_store
+
+    root = tmp_path / "v1store"
+    write_v1_store(root)
+    vdir = root / "vae" / "v1"
+    manifest_bytes = (vdir / "manifest.parquet").read_bytes()
+    write_version_checksums(vdir, pq.read_table(vdir / "manifest.parquet"), manifest_bytes)  # pushable
+    push(root, s3_env.url())
+
+    r = _cli("migrate", "v1-to-v2", s3_env.url(), "--cache-dir", tmp_path / "work")
+    assert r.exit_code == 0 and "v1 (schema v1) -> v2 (schema v2)" in r.output, r.output
+    assert remote_current(s3_env) == {"vae": 2}
+    assert _cli("store", "verify", s3_env.url(), "--cache-dir", tmp_path / "c1").exit_code == 0
+    reader = Store(local_store(s3_env.url(), ["vae"], tmp_path / "c2", lease=False), create=False).reader("vae")
+    assert reader.schema.schema_version == 2 and reader.schema.attrs["migrated_from"] == 1
+    assert sorted(reader.keys()) == sorted(k for k, *_ in SAMPLES)
+    reader.close()
+    again = _cli("migrate", "v1-to-v2", s3_env.url(), "--cache-dir", tmp_path / "work")
+    assert again.exit_code == 0 and "nothing to do" in again.output
+
+
+def _stale_lease(s3_env, versions: dict[str, list[int]]) -> str:
+    """A lease object of a process of this host that is gone (no such pid): dead at once."""
+    rel = f"store/.leases/{socket.gethostname()}-999999999-dead.json"
+    record = {"host": socket.gethostname(), "pid": 999999999, "pid_start": 1, "pid_namespace": _pid_namespace(),
+              "what": "pipeline train", "versions": versions, "kind": "read"}
+    s3_env.client().put_object(Bucket=s3_env.bucket, Key=rel, Body=json.dumps(record).encode())
+    return rel
+
+
+def test_gc_of_a_url_keeps_current_and_leased_versions(s3_env, store: Store, tmp_path: Path) -> None:
+    fill(store, 4, tag="a")  # v1
+    push(store.root, s3_env.url())
+    local_store(s3_env.url(), ["vae"], tmp_path / "cache")  # a reader of v1: its lease object names v1
+    fill(store, 4, tag="b", start=10)  # v2
+    fill(store, 4, tag="c", start=20)  # v3, current
+    push(store.root, s3_env.url())
+    dead = _stale_lease(s3_env, {"vae": [2]})  # a killed reader's lease on v2 must not keep it
+    leases = [k for k in objects(s3_env) if "/.leases/" in k]
+    assert len(leases) == 2 and dead in leases
+
+    before = objects(s3_env)
+    r = _cli("store", "gc", s3_env.url(), "--dry-run")
+    assert r.exit_code == 0 and "would remove vae/v2" in r.output and "keep vae/v1" in r.output, r.output
+    assert objects(s3_env) == before  # a dry run deletes nothing
+
+    r = _cli("store", "gc", s3_env.url())
+    assert r.exit_code == 0, r.output
+    keys = objects(s3_env)
+    assert not any(k.startswith("store/vae/v2/") for k in keys) and dead not in keys
+    assert "store/vae/v1/manifest.parquet" in keys and "store/vae/v3/manifest.parquet" in keys
+    assert pull(s3_env.url(), tmp_path / "pulled").copied == ["vae/v1", "vae/v3"]
+    assert verify_store(tmp_path / "pulled") == []
+
+    remote_lease._held.pop(s3_env.url()).release()  # the reader is done: its lease object goes
+    assert not any("/.leases/" in k for k in objects(s3_env))
+    assert _cli("store", "gc", s3_env.url()).exit_code == 0
+    keys = objects(s3_env)
+    assert not any(k.startswith("store/vae/v1/") for k in keys) and "store/vae/v3/manifest.parquet" in keys
+
+
+def test_a_killed_push_of_another_store_blocks_until_gc_removes_it(s3_env, store: Store, tmp_path: Path,
+                                                                  monkeypatch) -> None:
+    fill(store, 12)
+    real_upload = remote_mod.Remote.upload
+    sent: list[str] = []
+
+    def failing_upload(self, local, rel, crc, progress):
+        if len(sent) == 3:  # killed after 3 objects of v1
+            raise ConnectionResetError("connection reset by peer")
+        sent.append(rel)
+        return real_upload(self, local, rel, crc, progress)
+
+    monkeypatch.setattr(remote_mod.Remote, "upload", failing_upload)
+    assert _cli("store", "push", store.root, s3_env.url()).exit_code == 1
+    monkeypatch.setattr(remote_mod.Remote, "upload", real_upload)
+    assert not any("/.leases/" in k for k in objects(s3_env))  # the push lease went with the failed push
+
+    other = Store(tmp_path / "other")
+    fill(other, 5, tag="b", start=40)  # its own v1, other contents
+    r = _cli("store", "push", other.root, s3_env.url())
+    assert r.exit_code == 1 and "incomplete version" in r.output and f"pipeline store gc {s3_env.url()}" in r.output
+
+    # within the grace period the leftovers are kept (a push may still be writing them)
+    r = _cli("store", "gc", s3_env.url())
+    assert r.exit_code == 0 and "keep vae/v1: incomplete" in r.output, r.output
+    r = _cli("store", "gc", s3_env.url(), "--incomplete-after", "0")
+    assert r.exit_code == 0 and "remove vae/v1 (incomplete" in r.output, r.output
+    assert not any(k.startswith("store/vae/") for k in objects(s3_env))
+
+    r = _cli("store", "push", other.root, s3_env.url())
+    assert r.exit_code == 0 and "copied vae/v1" in r.output, r.output
+    pulled = tmp_path / "pulled"
+    pull(s3_env.url(), pulled)
+    assert verify_store(pulled) == [] and sorted(Store(pulled).reader("vae").keys()) == sorted(
+        Store(other.root).reader("vae").keys())
+
+
+def test_a_live_push_lease_keeps_its_incomplete_version(s3_env, store: Store) -> None:
+    fill(store, 4)
+    push(store.root, s3_env.url())
+    remote = open_remote(s3_env.url())
+    s3_env.client().put_object(Bucket=s3_env.bucket, Key="store/vae/v2/shard-r00-000000.tar", Body=b"x" * 10)
+    lease = remote_lease.hold(remote, [("vae", 2)], "push", kind="push")
+    try:
+        r = _cli("store", "gc", s3_env.url(), "--incomplete-after", "0")
+        assert r.exit_code == 0 and "keep vae/v2: not current, but held by push" in r.output, r.output
+        assert "store/vae/v2/shard-r00-000000.tar" in objects(s3_env)
+    finally:
+        lease.release()
+
+
+def test_a_replacing_push_never_undoes_a_newer_current_version(s3_env, store: Store, tmp_path: Path) -> None:
+    """repair / migrate on a URL publish with `replacing`: store.json changes only if the table is still at the
+    version they replaced (a writer that committed meanwhile wins; the command says to rerun)."""
+    import pytest
+    from schemas.errors import UserError
+
+    fill(store, 4)
+    fill(store, 4, tag="b", start=10)
+    push(store.root, s3_env.url())  # remote current: v2
+    copy = tmp_path / "copy"
+    pull(s3_env.url(), copy)
+    Store(copy).set_current("vae", 1)  # a working copy that still thinks v1 is current
+    with pytest.raises(UserError, match="'vae' became v2 while this command replaced v1"):
+        push(copy, s3_env.url(), replacing={"vae": 1})
+    assert remote_current(s3_env) == {"vae": 2}
+
+
+def test_a_resumed_push_refills_what_a_gc_removed_after_its_listing(s3_env, store: Store, tmp_path: Path,
+                                                                    monkeypatch) -> None:
+    """A gc that took a killed push's leftovers as stale right after the rerun listed them (the rerun skipped them
+    as present): the rerun sends them again before its manifest, so the version it commits is whole."""
+    fill(store, 12)
+    real_upload = remote_mod.Remote.upload
+    sent: list[str] = []
+
+    def failing_upload(self, local, rel, crc, progress):
+        if len(sent) == 3:
+            raise ConnectionResetError("connection reset by peer")
+        sent.append(rel)
+        return real_upload(self, local, rel, crc, progress)
+
+    monkeypatch.setattr(remote_mod.Remote, "upload", failing_upload)
+    assert _cli("store", "push", store.root, s3_env.url()).exit_code == 1
+    monkeypatch.setattr(remote_mod.Remote, "upload", real_upload)
+    leftovers = [k for k in objects(s3_env) if k.startswith("store/vae/v1/")]
+    assert len(leftovers) == 3
+
+    gc_ran: list[bool] = []
+
+    def gc_then_upload(self, local, rel, crc, progress):
+        if not gc_ran:  # the push planned (it skipped them): now a gc removes them, once
+            gc_ran.append(True)
+            for key in leftovers:
+                s3_env.client().delete_object(Bucket=s3_env.bucket, Key=key)
+        return real_upload(self, local, rel, crc, progress)
+
+    monkeypatch.setattr(remote_mod.Remote, "upload", gc_then_upload)
+    summary = push(store.root, s3_env.url())
+    monkeypatch.setattr(remote_mod.Remote, "upload", real_upload)
+    assert summary.objects_skipped == 3 and summary.copied == ["vae/v1"]
+    assert all(k in objects(s3_env) for k in leftovers)
+    pulled = tmp_path / "pulled"
+    pull(s3_env.url(), pulled)
+    assert verify_store(pulled) == []
