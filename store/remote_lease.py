@@ -142,7 +142,8 @@ def hold_reading(url: str, versions: Iterable[tuple[str, int]],
                 log.warning("%s: no read lease (%s); a `store gc` meanwhile could remove versions this process "
                             "reads", url, e)
                 return None
-        else:
+        else:  # a fresh client, as every open (store/remote.open_remote): the server may have restarted since
+            lease.remote = open_remote(url, storage_options)
             lease.add(versions)
         remote = lease.remote
         remote.fs.invalidate_cache()

@@ -289,6 +289,8 @@ def open_lazily(url: str, root: Path, storage_options: dict[str, Any] | None, ta
             record = remote.read(f"{t}/v{v}/{fmt.CHECKSUMS}")
             files = _ordered(t, v, _checksums(record, where), record)
             vdir = fmt.version_dir(root, t, v)
+            if vdir.exists() and not fmt.is_complete(vdir):
+                _set_aside_if_dead(root, t, vdir)  # a dead writer's folder, its number committed on the remote since
             if vdir.exists():
                 if not fmt.is_complete(vdir) or file_crc(vdir / fmt.MANIFEST)[0] != files[-1].crc:
                     raise _conflict(t, v, url, root)
@@ -305,6 +307,27 @@ def open_lazily(url: str, root: Path, storage_options: dict[str, Any] | None, ta
             if (tables is None or t in tables) and fmt.is_complete(fmt.version_dir(root, t, int(entry["current"]))):
                 store.set_current(t, int(entry["current"]))
     return wanted
+
+
+def _set_aside_if_dead(root: Path, table: str, vdir: Path) -> None:
+    """A version folder without a manifest in the cache, whose number the remote holds complete: the part of a
+    multi-node encode killed between the remote commit and dropping it (all of it is on the remote:
+    store/remote_parts.py), or a killed writer whose number another writer took since. Unless a live writer of this
+    node holds one of the table's writer locks (then the caller reports the conflict), it is renamed out of the
+    version names (as eviction does) and removed, with every writer lock held, and the remote's version is opened
+    in its place."""
+    import shutil
+    from contextlib import ExitStack
+
+    with ExitStack() as held:
+        for lock in sorted((root / table).glob(".write-r*.lock")):
+            try:
+                held.enter_context(fmt.flock(lock, blocking=False))
+            except UserError:  # a live writer
+                return
+        doomed = vdir.with_name(f".{vdir.name}.stale-{os.getpid()}")
+        os.rename(vdir, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
 
 
 def _fetch_metadata(remote: Remote, root: Path, table: str, version: int, files) -> None:

@@ -53,12 +53,13 @@ class SyncSummary:
     objects_skipped: int = 0  # already there with the same size and CRC32C (a rerun)
     bytes_sent: int = 0
     damaged: list[str] = field(default_factory=list)  # objects kept although they differ (pull for repair)
+    newer: list[str] = field(default_factory=list)  # push: "table/vN" the remote had current, above the pushed one
 
     def __str__(self) -> str:
         what = ", ".join(self.copied) or "nothing new"
         return (f"{self.direction} {self.url}: copied {what}; {len(self.present)} version(s) already there; "
                 f"{self.objects_sent} file(s), {self.bytes_sent / 2**20:.1f} MiB sent, {self.objects_skipped} "
-                "already there")
+                "already there" + (f"; kept the remote's newer current {', '.join(self.newer)}" if self.newer else ""))
 
 
 @dataclass
@@ -143,7 +144,7 @@ def push(src: Path, url: str, storage_options: dict[str, Any] | None = None,
             current = {t: e for t, e in local_rec["tables"].items() if (t, str(e["current"])) in there}
             if replacing is not None:
                 current = {t: e for t, e in current.items() if t in replacing}
-            remote.swap(fmt.STORE_JSON, lambda old: _merged_record(old, current, url, replacing))
+            remote.swap(fmt.STORE_JSON, lambda old: _merged_record(old, current, url, replacing, summary.newer))
         finally:  # held until the new versions are current: till then gc would count them unreferenced
             if lease is not None:
                 lease.release()
@@ -213,8 +214,19 @@ def _refill(remote: Remote, src: Path, url: str, files: list[_File], bar, summar
 
 
 def _merged_record(old: bytes | None, current: dict[str, Any], url: str,
-                   replacing: dict[str, int] | None = None) -> bytes:
+                   replacing: dict[str, int] | None = None, newer: list[str] | None = None) -> bytes:
+    """The remote's store.json with `current` made current - except over a higher version number (committed there
+    by another writer since this store last saw it: a push never rolls the remote back; listed in `newer`)."""
     rec = fmt.new_store_record() if old is None else _parse_record(old, url)
+    if newer is not None:
+        newer.clear()  # this is called again on every compare-and-swap attempt
+    current = dict(current)
+    for table, entry in list(current.items()):
+        now = (rec["tables"].get(table) or {}).get("current")
+        if replacing is None and now is not None and int(now) > int(entry["current"]):
+            del current[table]
+            if newer is not None:
+                newer.append(f"{table}/v{now}")
     for table, v in (replacing or {}).items():
         now = (rec["tables"].get(table) or {}).get("current")
         new = current.get(table, {}).get("current")

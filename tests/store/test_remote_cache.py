@@ -15,7 +15,6 @@ from store.remote_cache import local_store
 from store.remote_sync import push
 from store_samples import fill
 
-pytest.importorskip("s3fs", reason="a store URL needs the s3 extra")
 
 
 def test_a_warm_open_lists_nothing_and_refuses_a_changed_version(s3_env, store: Store, tmp_path: Path,

@@ -18,12 +18,10 @@ import pytest
 from schemas.errors import UserError
 from store import Store
 from store import format as fmt
-from store import remote as remote_mod
 from store.remote_sync import pull, push
 from store.verify import verify_store
 from store_samples import fill
 
-pytest.importorskip("s3fs", reason="a store URL needs the s3 extra")
 
 # `pipeline store push` in a child process that stops (sleeps) after 3 objects, once it has said so in a file: the
 # test then SIGKILLs it, at a known point and without any timing assumption

@@ -16,7 +16,6 @@ from store.remote_sync import push
 from store_samples import fill
 
 runner = CliRunner()
-pytest.importorskip("s3fs", reason="a store URL needs the s3 extra")
 
 
 def _two_versions(store: Store) -> Store:

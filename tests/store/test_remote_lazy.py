@@ -224,3 +224,29 @@ def test_the_temp_file_of_a_killed_fetch_is_evicted_first(s3_env, store: Store, 
     mine.write_bytes(b"x" * 10)  # a fetch of a live process: kept
     local_store(url, ["vae"], cache, limit_gb=_cache_bytes(cache) / 2 / 1e9 + 40_000 / 1e9)
     assert not orphan.exists() and mine.exists()
+
+
+def test_a_dead_writers_folder_under_a_number_the_remote_committed_is_set_aside(s3_env, store: Store,
+                                                                               tmp_path: Path) -> None:
+    """A node killed between a multi-node encode's remote commit and dropping its part (or a killed writer whose
+    number another writer took) leaves `vae/v1/` without a manifest in its cache: the next open sets it aside and
+    opens the remote's v1 - unless a live writer of the node holds the table's lock (then the conflict stands)."""
+    import hashlib
+
+    from schemas.errors import UserError
+
+    url = _pushed(s3_env, store, n=6)
+    cache = tmp_path / "cache"
+    root = cache / hashlib.sha256(url.encode()).hexdigest()[:16]
+    stale = fmt.version_dir(root, "vae", 1)
+    stale.mkdir(parents=True)
+    (stale / "shard-r01-000000.tar").write_bytes(b"this node's part, uploaded before the kill")
+    with fmt.flock(root / "vae" / ".write-r01.lock", blocking=False):  # a live writer: not touched
+        with pytest.raises(UserError, match="differs between"):
+            local_store(url, ["vae"], cache)
+    assert (stale / "shard-r01-000000.tar").is_file()
+
+    with Store(local_store(url, ["vae"], cache), create=False).reader("vae") as cached, store.reader("vae") as local:
+        assert cached.keys() == local.keys()
+        assert all(_same(cached.tensors(k), local.tensors(k)) for k in local.keys())
+    assert not (stale / "shard-r01-000000.tar").exists() and not list((root / "vae").glob(".v1.stale-*"))

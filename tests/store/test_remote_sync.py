@@ -17,7 +17,6 @@ from store.verify import verify_store
 from store_samples import fill, sample
 
 runner = CliRunner()
-pytest.importorskip("s3fs", reason="push/pull to s3:// needs the s3 extra")
 
 
 def files_of(root: Path) -> dict[str, bytes]:
@@ -280,3 +279,26 @@ def test_server_gone_mid_pull_then_back_a_rerun_completes(store: Store, monkeypa
         assert files_of(dst) == files_of(store.root) and verify_store(dst) == []
     finally:
         server.stop()
+
+
+def test_a_push_never_rolls_the_remote_back_to_an_older_current_version(s3_env, store: Store, tmp_path: Path) -> None:
+    """A store that has not seen the remote's newer version (another writer committed vae v2 there since this store
+    pushed v1) pushes again: v2 stays current on the remote, and the summary says so."""
+    fill(store, 4, tag="a")  # vae v1
+    push(store.root, s3_env.url())
+    other = tmp_path / "other"
+    pull(s3_env.url(), other)
+    fill(Store(other, create=False), 3, tag="b", start=20)  # vae v2 in another copy of the store
+    push(other, s3_env.url())
+    fill(store, 2, tag="c", start=40)  # v2 locally too, other content: a conflict, refused as before
+    with pytest.raises(UserError, match="differs|conflict|grew apart"):
+        push(store.root, s3_env.url())
+
+    behind = tmp_path / "behind"
+    pull(s3_env.url(), behind)  # every version
+    Store(behind, create=False).set_current("vae", 1)  # a copy whose current is the older version
+    summary = push(behind, s3_env.url())
+    assert summary.newer == ["vae/v2"] and "kept the remote's newer current vae/v2" in str(summary)
+    pulled = tmp_path / "check"
+    pull(s3_env.url(), pulled)
+    assert Store(pulled, create=False).tables() == {"vae": 2}
