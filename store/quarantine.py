@@ -1,6 +1,7 @@
 """`STORE/quarantine.parquet`: rejected inputs, one row each (key, source, stage, reason, detail, ...).
 
-Appends are read-modify-write under the store lock and land via temp + rename: never a torn file.
+Appends are read-modify-write under the store lock and land via temp + rename: never a torn file. Copies of a
+store (a URL and its caches, several nodes) merge their rows by the same rule (`merged_rows`): rows only add up.
 """
 
 from __future__ import annotations
@@ -40,28 +41,51 @@ def add_rows(root: Path, rows: Iterable[dict[str, Any]]) -> int:
             raise UserError(f"quarantine row {i} lacks {missing}: {r!r}")
         cols.update(dict.fromkeys(r))
     # Every column is text, so appends from different stages never clash on types.
-    identity = [c for c in cols if c != "time"]
+    table = pa.table({c: pa.array([_as_text(r.get(c, now if c == "time" else None)) for r in rows], pa.string())
+                      for c in cols})
+    return merge_into(root, table)
+
+
+def merge_into(root: Path, rows: pa.Table) -> int:
+    """Add `rows` (a quarantine table: another copy's, e.g. a store URL's) to this store's, under the store lock;
+    how many were new."""
     path = root / fmt.QUARANTINE
     with fmt.flock(root / fmt.STORE_LOCK):
         old = pq.read_table(path) if path.is_file() else None
-        seen: set[tuple[str | None, ...]] = set()
-        if old is not None and old.num_rows:
-            have = {c: old.column(c).to_pylist() if c in old.column_names else [None] * old.num_rows for c in identity}
-            seen = set(zip(*(have[c] for c in identity)))
-        fresh = []
-        for r in rows:
-            ident = tuple(_as_text(r.get(c)) for c in identity)
-            if ident not in seen:
-                seen.add(ident)
-                fresh.append(r)
-        if not fresh:
-            return 0
-        data = {c: pa.array([_as_text(r.get(c, now if c == "time" else None)) for r in fresh], pa.string()) for c in cols}
-        new = pa.table(data)
-        if old is not None:
-            new = pa.concat_tables([old, new], promote_options="permissive")
-        fmt.atomic_write_parquet(path, new)
-    return len(fresh)
+        merged, added = merged_rows(old, rows)
+        if added:
+            fmt.atomic_write_parquet(path, merged)
+    return added
+
+
+def merged_rows(old: pa.Table | None, rows: pa.Table) -> tuple[pa.Table, int]:
+    """`old` plus the rows of `rows` it does not hold yet (the one de-duplication rule: equal in every column but
+    `time`), and how many those are. Pure: a local append, push and pull all merge by it."""
+    if old is None or not old.num_rows:
+        old = None
+    identity = [c for c in rows.column_names if c != "time"]  # the incoming rows' columns, as an append compares
+
+    def idents(t: pa.Table) -> list[tuple[str | None, ...]]:
+        have = {c: t.column(c).to_pylist() if c in t.column_names else [None] * t.num_rows for c in identity}
+        return list(zip(*(have[c] for c in identity))) if identity else [()] * t.num_rows
+
+    seen = set(idents(old)) if old is not None else set()
+    keep = []
+    for i, ident in enumerate(idents(rows)):
+        if ident not in seen:
+            seen.add(ident)
+            keep.append(i)
+    if not keep:
+        return (old if old is not None else rows.slice(0, 0)), 0
+    fresh = rows.take(pa.array(keep, pa.int64()))
+    return (fresh if old is None else pa.concat_tables([old, fresh], promote_options="permissive")), len(keep)
+
+
+def table_of(data: bytes) -> pa.Table:
+    """A quarantine.parquet's bytes as a table."""
+    import io
+
+    return pq.read_table(io.BytesIO(data))
 
 
 def read(root: Path) -> pa.Table:

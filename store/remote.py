@@ -205,9 +205,9 @@ class Remote:
                 progress.update(len(chunk))
         return crc.hex()
 
-    def swap(self, rel: str, update: Callable[[bytes | None], bytes], attempts: int = 8) -> None:
-        """Compare-and-swap of a small object (store.json): `update(old bytes or None)` -> new bytes, written
-        only if the object is still what was read (S3: If-Match on its ETag / If-None-Match when absent); on a
+    def swap(self, rel: str, update: Callable[[bytes | None], bytes | None], attempts: int = 8) -> None:
+        """Compare-and-swap of a small object (store.json): `update(old bytes or None)` -> new bytes (None: leave
+        it as it is), written only if the object is still what was read (S3: If-Match on its ETag / If-None-Match when absent); on a
         lost race it reads again and retries, so two pushers never drop each other's update."""
         for _ in range(attempts):
             self.fs.invalidate_cache()
@@ -217,6 +217,8 @@ class Remote:
             except FileNotFoundError:
                 etag, old = None, None
             new = update(old)
+            if new is None:  # nothing to change
+                return
             if not self.is_s3:
                 self.write(rel, new)
                 return

@@ -235,3 +235,13 @@ def drop_local_version(writer: TableWriter) -> None:
         shutil.rmtree(doomed, ignore_errors=True)
         vdir.rename(doomed)
     shutil.rmtree(doomed, ignore_errors=True)
+
+
+def push_node_quarantine(writer: TableWriter) -> None:
+    """This node's quarantine rows (its cache's `quarantine.parquet`: what its ranks rejected) merged into the
+    remote's, as push merges them (store/remote_sync.push_quarantine)."""
+    from store.remote_sync import push_quarantine
+
+    url = str(writer.remote_url)
+    with remote_errors(url, f"the quarantine rows of table '{writer.table}' v{writer.version}"):
+        push_quarantine(open_remote(url), writer.store.root)

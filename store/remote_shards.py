@@ -259,7 +259,7 @@ def open_lazily(url: str, root: Path, storage_options: dict[str, Any] | None, ta
     complete version there); the (table, version) pairs it holds for the caller. A version cached already is
     checked against the remote's record (one GET of its checksums.json; a different one under the same number is
     refused); a warm open lists nothing."""
-    from store.remote_sync import _MANIFEST_RE, _checksums, _conflict, _ordered, _parse_record
+    from store.remote_sync import _MANIFEST_RE, _checksums, _conflict, _ordered, _parse_record, pull_quarantine
     from store.store import Store
 
     remote = open_remote(url, storage_options)
@@ -297,12 +297,8 @@ def open_lazily(url: str, root: Path, storage_options: dict[str, Any] | None, ta
                 continue
             _fetch_metadata(remote, root, t, v, files)
             fetched = True
-        quarantine = root / fmt.QUARANTINE
-        if fetched and not quarantine.is_file():
-            try:
-                fmt.atomic_write_bytes(quarantine, remote.read(fmt.QUARANTINE))
-            except FileNotFoundError:
-                pass
+        if fetched:
+            pull_quarantine(remote, root)  # the rows other stages and nodes added there (a merge)
         for t, entry in sorted(rec["tables"].items()):
             if (tables is None or t in tables) and fmt.is_complete(fmt.version_dir(root, t, int(entry["current"]))):
                 store.set_current(t, int(entry["current"]))

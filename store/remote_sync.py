@@ -15,8 +15,9 @@ visible is the same on both sides: its `manifest.parquet`. An object store has n
   files already fetched and checked.
 Versions are immutable, so "what the other side lacks" is a version without a manifest there; the same version
 number with a different manifest is a conflict (two stores that grew apart), refused rather than overwritten.
-Only the store's own files are copied: complete versions not marked damaged, `store.json`, `quarantine.parquet`
-(only to a side that has none); never temp files, locks, leases, or incomplete versions.
+Only the store's own files are copied: complete versions not marked damaged, `store.json`, and the rows of
+`quarantine.parquet` (merged: the other side's rows plus those it lacks, so the rejections of every stage and every
+node add up; on the remote by compare-and-swap); never temp files, locks, leases, or incomplete versions.
 """
 
 from __future__ import annotations
@@ -135,10 +136,7 @@ def push(src: Path, url: str, storage_options: dict[str, Any] | None = None,
             listing = remote.listing()
             todo, files_of = _plan_push(remote, src, url, listing, versions, summary)
             _upload(remote, src, url, todo, files_of, summary)
-            quarantine = src / fmt.QUARANTINE
-            if quarantine.is_file() and fmt.QUARANTINE not in listing:
-                data = quarantine.read_bytes()
-                remote.write(fmt.QUARANTINE, data, crc_hex(data))
+            push_quarantine(remote, src)
             # store.json last: the remote's current versions become the local ones (those complete there now)
             there = {tuple(name.rsplit("/v", 1)) for name in summary.copied + summary.present}
             current = {t: e for t, e in local_rec["tables"].items() if (t, str(e["current"])) in there}
@@ -211,6 +209,36 @@ def _refill(remote: Remote, src: Path, url: str, files: list[_File], bar, summar
     for f in files[:-1]:
         if there.get(f.rel) != f.nbytes:
             _send(remote, src, url, f, bar, summary)
+
+
+def push_quarantine(remote: Remote, src: Path) -> int:
+    """Add the local quarantine rows the remote's `quarantine.parquet` lacks (every stage, every node adds rows: a
+    merge, by compare-and-swap, so no node's rows are lost); how many were new."""
+    from store import quarantine
+
+    path = src / fmt.QUARANTINE
+    if not path.is_file():
+        return 0
+    mine = quarantine.table_of(path.read_bytes())
+    added = [0]
+
+    def update(old: bytes | None) -> bytes | None:
+        merged, added[0] = quarantine.merged_rows(None if old is None else quarantine.table_of(old), mine)
+        return fmt.parquet_bytes(merged) if added[0] else None  # None: nothing new, nothing written
+
+    remote.swap(fmt.QUARANTINE, update, attempts=64)  # every node of a job may merge at once
+    return added[0]
+
+
+def pull_quarantine(remote: Remote, dst: Path) -> int:
+    """Add the remote's quarantine rows the local copy lacks; how many were new."""
+    from store import quarantine
+
+    try:
+        data = remote.read(fmt.QUARANTINE)
+    except FileNotFoundError:
+        return 0
+    return quarantine.merge_into(dst, quarantine.table_of(data))
 
 
 def _merged_record(old: bytes | None, current: dict[str, Any], url: str,
@@ -329,9 +357,8 @@ def pull(url: str, dst: Path, storage_options: dict[str, Any] | None = None,
             for table, version, record, files in plan:
                 _pull_version(remote, dst, table, version, files, bar, summary, damaged_ok)
                 summary.copied.append(f"{table}/v{version}")
-        quarantine = dst / fmt.QUARANTINE
-        if fmt.QUARANTINE in listing and not quarantine.is_file():
-            fmt.atomic_write_bytes(quarantine, remote.read(fmt.QUARANTINE))
+        if fmt.QUARANTINE in listing:
+            pull_quarantine(remote, dst)
         for table, entry in sorted(rec["tables"].items()):
             if tables is not None and table not in tables:
                 continue

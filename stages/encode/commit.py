@@ -41,10 +41,12 @@ def finish(job: EncodeJob) -> Summary:
         else:
             job.writer.close()
     if job.writer.remote_url is not None:  # committed on the remote by rank 0 (store/remote_parts.py)
-        from store.remote_parts import drop_local_version
+        from store.remote_parts import drop_local_version, push_node_quarantine
 
         drop_local_version(job.writer)
         job.summary.committed_to = job.writer.remote_url
+        if job.ranks.local_rank == 0:  # this node's rejected samples (its ranks share its cache's quarantine)
+            push_node_quarantine(job.writer)
     job.summary.seconds = time.perf_counter() - job.started
     if job.lease is not None:
         job.lease.release()

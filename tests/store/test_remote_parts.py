@@ -112,3 +112,31 @@ def test_an_unreachable_remote_is_one_line(s3_env, tmp_path, monkeypatch) -> Non
         w.finish_rank()
     assert "\n" not in str(e.value)
     w.close()
+
+
+def test_every_nodes_quarantine_rows_reach_the_remote_merged(s3_env, tmp_path) -> None:
+    """Each node rejects other samples into its own cache's quarantine.parquet; after the commit each node merges
+    its rows into the remote's (compare-and-swap): the remote holds every node's rows once, a repeat adds none, and
+    a pull merges them into a copy that already had some."""
+    from store import quarantine
+    from store.remote_parts import push_node_quarantine
+
+    url = s3_env.url("rejects")
+    rows = {0: [{"key": key_of(100), "source": "s", "stage": "encode-vae", "reason": "too_small"}],
+            1: [{"key": key_of(101), "source": "s", "stage": "encode-vae", "reason": "damaged_input"},
+                {"key": key_of(102), "source": "s", "stage": "encode-vae", "reason": "too_small"}]}
+    writers = {}
+    for rank in (0, 1):
+        writers[rank] = _writer(tmp_path / f"node{rank}", url, rank)
+        quarantine.add_rows(tmp_path / f"node{rank}", rows[rank])
+    writers[1].finish_rank()
+    writers[0].commit()
+    for rank in (0, 1, 1):  # node 1 twice: a rerun adds nothing
+        push_node_quarantine(writers[rank])
+
+    pulled = tmp_path / "pulled"
+    quarantine.add_rows(Store(pulled).root, rows[0])  # a copy that has node 0's row already
+    pull(url, pulled)
+    got = quarantine.read(pulled)
+    assert sorted(zip(got.column("key").to_pylist(), got.column("reason").to_pylist())) == [
+        (key_of(100), "too_small"), (key_of(101), "damaged_input"), (key_of(102), "too_small")]

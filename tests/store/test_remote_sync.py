@@ -302,3 +302,21 @@ def test_a_push_never_rolls_the_remote_back_to_an_older_current_version(s3_env, 
     pulled = tmp_path / "check"
     pull(s3_env.url(), pulled)
     assert Store(pulled, create=False).tables() == {"vae": 2}
+
+
+def test_a_later_stages_quarantine_rows_reach_the_remote(s3_env, store: Store, tmp_path: Path) -> None:
+    """resize-bucket's rejections are pushed with its table; encode's, added later to the same store, are merged in
+    by the next push (they used to stay local: the remote's quarantine.parquet was written only when absent)."""
+    from store import quarantine
+
+    fill(store, 4)
+    quarantine.add_rows(store.root, [{"key": None, "source": "a.tar:x.jpg", "stage": "resize-bucket",
+                                      "reason": "unreadable"}])
+    push(store.root, s3_env.url())
+    quarantine.add_rows(store.root, [{"key": sample(1)["key"], "source": "s", "stage": "encode-text",
+                                      "reason": "caption too long"}])
+    push(store.root, s3_env.url())
+    push(store.root, s3_env.url())  # nothing new: no row twice
+    pulled = tmp_path / "pulled"
+    pull(s3_env.url(), pulled)
+    assert sorted(quarantine.read(pulled).column("stage").to_pylist()) == ["encode-text", "resize-bucket"]
