@@ -12,7 +12,8 @@ folder; its shard files (store/shard_io.py) call back here, through `fetcher_for
   cached; its samples are then read by range, so the per-sample check names the damaged ones.
 - a random read fetches only the sample's byte range (one HTTP Range GET); the reader checks those bytes against
   the sample's CRC32C on first read exactly as bytes read from a local file. Ranges are not kept on disk; once
-  the ranges read from a shard reach `WHOLE_AFTER` of its size, the rest is cheaper as one GET and the shard is
+  the ranges this node's processes read from a shard reach `WHOLE_AFTER` of its size (counted across processes:
+  ranks of a node read disjoint samples of the same shards), the rest is cheaper as one GET and the shard is
   fetched whole (later epochs then read it warm).
 A check-ahead thread (a pread-only `ShardFiles`) keeps the ranges it fetched for the consumer's read of the same
 sample (`_memo`, bounded): the check-ahead window is then the remote prefetch, and no range is fetched twice.
@@ -45,6 +46,7 @@ log = logging.getLogger("store")
 MARKER = ".remote.json"  # in a lazily cached version folder: {"url", "table", "version"} of its remote copy
 LAZY_SUFFIX = ".lazy"  # `.v<N>.lazy`: a version's metadata being fetched (not a version name: readers skip it)
 FETCH_TAG = ".fetch-"  # `.<shard>.fetch-<pid>-<thread>`: a shard being fetched (counted by the cache, never read)
+RANGED = FETCH_TAG + "ranged"  # `.<shard>.fetch-ranged`: bytes this node's processes read from the shard by range
 WHOLE_AFTER = 0.5  # fraction of a shard read by range after which it is fetched whole
 MEMO_BYTES = 256 * 2**20  # ranges fetched by a check-ahead thread, kept for the consumer's read
 
@@ -158,6 +160,7 @@ class ShardFetcher:
                     log.warning("%s: not cached, its samples are read by range (each checked)", problem)
                     return problem
                 os.replace(part, path)  # atomic: readers see the whole checked file or none
+                Path(self.vdir / f".{shard}{RANGED}").unlink(missing_ok=True)  # cached whole: no count needed
             finally:
                 if part.exists():
                     part.unlink()
@@ -203,6 +206,7 @@ class ShardFetcher:
             ranged = self._ranged.get(shard, 0) + n
             self._ranged[shard] = ranged
             fetching = self._shard_locks.get(shard)
+        ranged = max(ranged, self._node_ranged(shard, n))
         if fetching is not None and fetching.locked():  # another thread fetches it whole (a scan): wait for it
             with fetching:
                 pass
@@ -226,6 +230,25 @@ class ShardFetcher:
                     (_, _, m), _ = self._memo.popitem(last=False)
                     self._memo_bytes -= m
         return buf
+
+    def _node_ranged(self, shard: str, n: int) -> int:
+        """Add `n` to the bytes this node's processes have read from `shard` by range; their total. Ranks of one
+        node read disjoint samples of the same shards (each about 1/ranks of a shard per epoch), so a count per
+        process would never reach `WHOLE_AFTER` and every epoch would fetch its ranges again; the node's count
+        caches the shard whole once the node has read half of it. Appends of 8 bytes (O_APPEND: whole records
+        from every process); 0 when the cache cannot be written (the process's own count decides)."""
+        path = os.path.join(self.vdir, f".{shard}{RANGED}")
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, int(n).to_bytes(8, "little"))
+            finally:
+                os.close(fd)
+            with open(path, "rb") as f:
+                data = f.read()
+        except OSError:
+            return 0
+        return int(np.frombuffer(data[: len(data) // 8 * 8], "<i8").sum())
 
 
 def _download(remote: Remote, rel: str, part: Path) -> tuple[int, str]:

@@ -250,3 +250,31 @@ def test_a_dead_writers_folder_under_a_number_the_remote_committed_is_set_aside(
         assert cached.keys() == local.keys()
         assert all(_same(cached.tensors(k), local.tensors(k)) for k in local.keys())
     assert not (stale / "shard-r01-000000.tar").exists() and not list((root / "vae").glob(".v1.stale-*"))
+
+
+def test_ranges_read_by_several_processes_of_a_node_count_together(s3_env, store: Store, tmp_path: Path) -> None:
+    """Ranks of one node read disjoint samples of the same shards: two processes (two fetchers) each reading 30% of
+    a shard by range make the node's 60%, so the shard is fetched whole once the node passed half of it - a count
+    per process (30% each) would range-read it again every epoch."""
+    from store.remote_shards import WHOLE_AFTER, ShardFetcher
+
+    url = _pushed(s3_env, store)
+    root = local_store(url, ["vae"], tmp_path / "cache")
+    vdir = fmt.version_dir(root, "vae", 1)
+    a, b = ShardFetcher(vdir), ShardFetcher(vdir)  # as two processes sharing the cache
+    shard = next(n for n in sorted(a.sums) if fmt.SHARD_RE.fullmatch(n))
+    size = int(a.sums[shard]["nbytes"])
+    chunk = size // 20
+    original = (store.root / "vae" / "v1" / shard).read_bytes()
+    for i in range(6):  # 30% of the shard through process a
+        assert bytes(a.read(shard, i * chunk, chunk)) == original[i * chunk:(i + 1) * chunk]
+    whole_at = None
+    for i in range(6, 12):  # the next 30% through process b (a reader asks only while the shard is not cached)
+        got = b.read(shard, i * chunk, chunk)
+        if got is None:  # the shard is cached whole from here on
+            whole_at = i
+            break
+        assert bytes(got) == original[i * chunk:(i + 1) * chunk]
+    assert whole_at is not None and (whole_at + 1) * chunk >= WHOLE_AFTER * size > whole_at * chunk
+    assert (vdir / shard).read_bytes() == original
+    assert not list(vdir.glob(f".{shard}.fetch-*"))  # the count goes with the whole fetch
