@@ -206,9 +206,10 @@ class Remote:
         return crc.hex()
 
     def swap(self, rel: str, update: Callable[[bytes | None], bytes | None], attempts: int = 8) -> None:
-        """Compare-and-swap of a small object (store.json): `update(old bytes or None)` -> new bytes (None: leave
-        it as it is), written only if the object is still what was read (S3: If-Match on its ETag / If-None-Match when absent); on a
-        lost race it reads again and retries, so two pushers never drop each other's update."""
+        """Compare-and-swap of a small object (store.json, quarantine.parquet): `update(old bytes or None)` -> new
+        bytes (None: leave it as it is), written only if the object is still what was read (S3: If-Match on its
+        ETag / If-None-Match when absent); on a lost race it reads again and retries, so two writers never drop
+        each other's update."""
         for _ in range(attempts):
             self.fs.invalidate_cache()
             try:

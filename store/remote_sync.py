@@ -5,8 +5,9 @@ visible is the same on both sides: its `manifest.parquet`. An object store has n
 (an object is there whole or not at all), so the commit order is the commit:
 - push writes its lease object (store/remote_lease.py) before it lists the remote, uploads each version's data
   objects (schema, shards, indexes, rank-done files), then `checksums.json`, checks the version's objects are all
-  there (one listing: a gc may have taken a killed push's leftovers meanwhile), then `manifest.parquet` LAST, and rewrites the remote `store.json` only after every version is complete: a
-  reader of the remote never sees a version whose files are not all there. A rerun after a failure lists the
+  there (one listing: a gc may have taken a killed push's leftovers meanwhile), then `manifest.parquet` LAST,
+  and rewrites the remote `store.json` only after every version is complete (never to an older current version
+  than the remote's): a reader of the remote never sees a version whose files are not all there. A rerun after a failure lists the
   remote once and skips every object already there with the same size and CRC32C (recorded as object metadata
   at upload; the values are those of the version's `checksums.json`), so it sends only the rest.
 - pull downloads into `<table>/.v<N>.pull/` (not a version name: readers ignore it), checks every file's CRC32C
