@@ -69,9 +69,13 @@ app.add_typer(lora.lora_app, name="lora", help="LoRA utilities.")
 app.command("demo", help="Tiny model + synthetic data + every stage end to end, then a report.")(demo.command)
 
 
+_signalled: list[int] = []  # the signals that stopped this process (SIGTERM, SIGINT)
+
+
 def _terminate(signum, frame) -> None:
     # SIGTERM's default kills the process at once: no finally block, no atexit (read leases, locks, temp files
     # stay behind). As SystemExit in the main thread, everything unwinds as on Ctrl-C.
+    _signalled.append(signum)
     collective = sys.modules.get("models.collective")  # never imported here (a signal may come mid-import)
     if collective is not None and (line := collective.peer_failure()) is not None:
         # torchrun stops the other ranks once one exits: they print its line too (models/collective.py)
@@ -79,11 +83,27 @@ def _terminate(signum, frame) -> None:
     raise SystemExit(128 + signum)
 
 
+def _interrupt(signum, frame) -> None:
+    _signalled.append(signum)
+    raise KeyboardInterrupt  # Python's own SIGINT behaviour; only recorded first
+
+
 def main() -> None:  # pragma: no cover
     import signal
 
     signal.signal(signal.SIGTERM, _terminate)
-    app()
+    signal.signal(signal.SIGINT, _interrupt)
+    try:
+        app()
+    except Exception as e:
+        if not _signalled:
+            raise
+        # The stop raised inside a library's native call comes out as whatever that library makes of it (e.g.
+        # safetensors' load as a ValueError that diffusers turns into an OSError): the signal is the cause, and
+        # everything has unwound (leases, locks released) - one line, no traceback.
+        name = signal.Signals(_signalled[0]).name
+        print(f"stopped by {name} ({type(e).__name__} while stopping)", file=sys.stderr)
+        raise SystemExit(128 + _signalled[0]) from None
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -76,7 +76,8 @@ def local_store(store: str | Path, tables: list[str] | None, cache_dir: str | Pa
             os.utime(fmt.version_dir(root, t, v))  # last use, for LRU
         if limit is not None:
             evict(cache, limit, {(root, t, v) for t, v in needed})
-        (root / "source-url.txt").write_text(url + "\n")  # which remote this cached store copies (a human; store/remote_parts.py finds the URL here)
+        # which remote this cached store copies: for a human, and store/remote_parts.py finds the URL here
+        (root / "source-url.txt").write_text(url + "\n")
     if lease:  # a lease object on the remote naming what this process reads, till it exits (store/remote_lease.py)
         from store.remote_lease import hold_reading
 

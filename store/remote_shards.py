@@ -282,7 +282,7 @@ def open_lazily(url: str, root: Path, storage_options: dict[str, Any] | None, ta
     complete version there); the (table, version) pairs it holds for the caller. A version cached already is
     checked against the remote's record (one GET of its checksums.json; a different one under the same number is
     refused); a warm open lists nothing."""
-    from store.remote_sync import _MANIFEST_RE, _checksums, _conflict, _ordered, _parse_record, pull_quarantine
+    from store.remote_sync import _checksums, _conflict, _ordered, _parse_record, pull_quarantine, wanted_versions
     from store.store import Store
 
     remote = open_remote(url, storage_options)
@@ -291,20 +291,9 @@ def open_lazily(url: str, root: Path, storage_options: dict[str, Any] | None, ta
             rec = _parse_record(remote.read(fmt.STORE_JSON), url)
         except FileNotFoundError:
             rec = None
-        if rec is None and tables is not None and set(tables) <= set(optional):
-            rec = fmt.new_store_record()  # an empty prefix, of which nothing is needed: a store's first writer
-        if rec is None:
-            raise UserError(f"no store at {url} (no {fmt.STORE_JSON} there); check the URL, or push a store first")
-        if tables is None:
-            wanted = {(m.group(1), int(m.group(2))) for rel in remote.listing()
-                      if (m := _MANIFEST_RE.fullmatch(rel))}
-        else:
-            tables = [t for t in tables if t in rec["tables"] or t not in optional]
-            missing = sorted(set(tables) - set(rec["tables"]))
-            if missing:
-                raise UserError(f"no table {', '.join(missing)} in the store at {url} (tables: "
-                                f"{sorted(rec['tables']) or 'none'}); run the stage that writes it and push again")
-            wanted = {(t, int(rec["tables"][t]["current"])) for t in tables}
+        # verify: every complete version not retired by repair; else the tables' current ones (a warm open lists nothing)
+        listing = remote.listing() if tables is None else None
+        rec, tables, wanted = wanted_versions(rec, url, tables, optional, listing)
         store = Store(root)
         fetched = False
         for t, v in sorted(wanted):

@@ -7,9 +7,10 @@ visible is the same on both sides: its `manifest.parquet`. An object store has n
   objects (schema, shards, indexes, rank-done files), then `checksums.json`, checks the version's objects are all
   there (one listing: a gc may have taken a killed push's leftovers meanwhile), then `manifest.parquet` LAST,
   and rewrites the remote `store.json` only after every version is complete (never to an older current version
-  than the remote's): a reader of the remote never sees a version whose files are not all there. A rerun after a failure lists the
-  remote once and skips every object already there with the same size and CRC32C (recorded as object metadata
-  at upload; the values are those of the version's `checksums.json`), so it sends only the rest.
+  than the remote's): a reader of the remote never sees a version whose files are not all there. A rerun after
+  a failure lists the remote once and skips every object already there with the same size and CRC32C (recorded
+  as object metadata at upload; the values are those of the version's `checksums.json`), so it sends only the
+  rest.
 - pull downloads into `<table>/.v<N>.pull/` (not a version name: readers ignore it), checks every file's CRC32C
   against the version's sealed `checksums.json` as it arrives (a damaged object is refused, naming it), fetches
   the manifest last and renames the folder to `v<N>` - the local commit, exactly as a writer's. A rerun keeps the
@@ -301,6 +302,27 @@ def _remote_record(remote: Remote, listing: dict[str, int]) -> dict[str, Any] | 
 # ---------------------------------------------------------------- pull
 
 
+def wanted_versions(rec: dict[str, Any] | None, url: str, tables: list[str] | None, optional: tuple[str, ...],
+                    listing: dict[str, int] | None) -> tuple[dict[str, Any], list[str] | None, set[tuple[str, int]]]:
+    """What a pull or a cache open of `url` takes: (its store record, the tables asked for that it has, the
+    versions): `tables`' current versions (those in `optional` may be missing; an empty prefix when all are), or
+    with `tables=None` every complete version in `listing` that `store repair` did not retire."""
+    if rec is None and tables is not None and set(tables) <= set(optional):
+        rec = fmt.new_store_record()  # an empty prefix, of which nothing is needed: a store's first writer
+    if rec is None:
+        raise UserError(f"no store at {url} (no {fmt.STORE_JSON} there); check the URL, or push a store first")
+    if tables is None:
+        listing = listing or {}
+        return rec, None, {(m.group(1), int(m.group(2))) for rel in listing if (m := _MANIFEST_RE.fullmatch(rel))
+                           and marker_rel(m.group(1), int(m.group(2))) not in listing}
+    tables = [t for t in tables if t in rec["tables"] or t not in optional]
+    missing = sorted(set(tables) - set(rec["tables"]))
+    if missing:
+        raise UserError(f"no table {', '.join(missing)} in the store at {url} (tables: "
+                        f"{sorted(rec['tables']) or 'none'}); run the stage that writes it and push again")
+    return rec, tables, {(t, int(rec["tables"][t]["current"])) for t in tables}
+
+
 def pull(url: str, dst: Path, storage_options: dict[str, Any] | None = None,
          tables: list[str] | None = None, optional: tuple[str, ...] = (), damaged_ok: bool = False) -> SyncSummary:
     """Every complete remote version the local store lacks; with `tables`, only those tables' current versions
@@ -318,18 +340,7 @@ def pull(url: str, dst: Path, storage_options: dict[str, Any] | None = None,
         if tables is not None and _all_cached(remote, dst, tables, summary):
             return summary
         listing = remote.listing()
-        rec = _remote_record(remote, listing)
-        if rec is None and tables is not None and set(tables) <= set(optional):
-            rec = fmt.new_store_record()  # an empty prefix, of which nothing is needed: a store's first writer
-        if rec is None:
-            raise UserError(f"no store at {url} (no {fmt.STORE_JSON} there); check the URL, or push a store first")
-        if tables is not None:
-            tables = [t for t in tables if t in rec["tables"] or t not in optional]
-            missing = sorted(set(tables) - set(rec["tables"]))
-            if missing:
-                raise UserError(f"no table {', '.join(missing)} in the store at {url} (tables: "
-                                f"{sorted(rec['tables']) or 'none'}); run the stage that writes it and push again")
-            wanted = {(t, int(rec["tables"][t]["current"])) for t in tables}
+        rec, tables, wanted = wanted_versions(_remote_record(remote, listing), url, tables, optional, listing)
         store = Store(dst)
         plan: list[tuple[str, int, bytes, list[_File]]] = []
         for rel in sorted(listing):

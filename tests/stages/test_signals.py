@@ -38,3 +38,36 @@ def test_a_signal_releases_the_read_lease(tiny_edit_model, tmp_path, sig):
     assert proc.returncode != 0
     assert "Traceback" not in out, out
     assert not list(leases.glob("*.json")), out
+
+
+def test_a_signal_that_a_library_turns_into_another_error_is_one_line(monkeypatch, capsys):
+    """SIGINT landing inside safetensors' load comes out of diffusers as an OSError (seen under load in the test
+    above): the CLI knows a signal stopped it, so it says so in one line with 128 + the signal, no traceback."""
+    import pipeline.cli as cli
+
+    def loading_when_interrupted():
+        try:
+            cli._interrupt(signal.SIGINT, None)
+        except KeyboardInterrupt:
+            raise OSError("Unable to load weights from checkpoint file") from None
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    monkeypatch.setattr(cli, "app", loading_when_interrupted)
+    monkeypatch.setattr(cli, "_signalled", [])
+    try:
+        with pytest.raises(SystemExit) as stop:
+            cli.main()
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+    assert stop.value.code == 128 + signal.SIGINT
+    assert capsys.readouterr().err.strip() == "stopped by SIGINT (OSError while stopping)"
+
+    monkeypatch.setattr(cli, "app", lambda: (_ for _ in ()).throw(OSError("a real error")))
+    monkeypatch.setattr(cli, "_signalled", [])
+    try:
+        with pytest.raises(OSError, match="a real error"):  # no signal: the error is the error
+            cli.main()
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
