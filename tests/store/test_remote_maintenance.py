@@ -229,14 +229,14 @@ def test_gc_of_a_url_keeps_current_and_leased_versions(s3_env, store: Store, tmp
     assert not any(k.startswith("store/vae/v1/") for k in keys) and "store/vae/v3/manifest.parquet" in keys
 
 
-def test_a_killed_push_of_another_store_blocks_until_gc_removes_it(s3_env, store: Store, tmp_path: Path,
-                                                                  monkeypatch) -> None:
+def _push_killed_after_three_objects(store: Store, s3_env, monkeypatch) -> None:
+    """12 samples in `store`, pushed by a push whose connection dies after 3 objects of v1 (exit 1)."""
     fill(store, 12)
     real_upload = remote_mod.Remote.upload
     sent: list[str] = []
 
     def failing_upload(self, local, rel, crc, progress):
-        if len(sent) == 3:  # killed after 3 objects of v1
+        if len(sent) == 3:
             raise ConnectionResetError("connection reset by peer")
         sent.append(rel)
         return real_upload(self, local, rel, crc, progress)
@@ -244,6 +244,11 @@ def test_a_killed_push_of_another_store_blocks_until_gc_removes_it(s3_env, store
     monkeypatch.setattr(remote_mod.Remote, "upload", failing_upload)
     assert _cli("store", "push", store.root, s3_env.url()).exit_code == 1
     monkeypatch.setattr(remote_mod.Remote, "upload", real_upload)
+
+
+def test_a_killed_push_of_another_store_blocks_until_gc_removes_it(s3_env, store: Store, tmp_path: Path,
+                                                                  monkeypatch) -> None:
+    _push_killed_after_three_objects(store, s3_env, monkeypatch)
     assert not any("/.leases/" in k for k in objects(s3_env))  # the push lease went with the failed push
 
     other = Store(tmp_path / "other")
@@ -301,23 +306,12 @@ def test_a_resumed_push_refills_what_a_gc_removed_after_its_listing(s3_env, stor
                                                                     monkeypatch) -> None:
     """A gc that took a killed push's leftovers as stale right after the rerun listed them (the rerun skipped them
     as present): the rerun sends them again before its manifest, so the version it commits is whole."""
-    fill(store, 12)
-    real_upload = remote_mod.Remote.upload
-    sent: list[str] = []
-
-    def failing_upload(self, local, rel, crc, progress):
-        if len(sent) == 3:
-            raise ConnectionResetError("connection reset by peer")
-        sent.append(rel)
-        return real_upload(self, local, rel, crc, progress)
-
-    monkeypatch.setattr(remote_mod.Remote, "upload", failing_upload)
-    assert _cli("store", "push", store.root, s3_env.url()).exit_code == 1
-    monkeypatch.setattr(remote_mod.Remote, "upload", real_upload)
+    _push_killed_after_three_objects(store, s3_env, monkeypatch)
     leftovers = [k for k in objects(s3_env) if k.startswith("store/vae/v1/")]
     assert len(leftovers) == 3
 
     gc_ran: list[bool] = []
+    real_upload = remote_mod.Remote.upload
 
     def gc_then_upload(self, local, rel, crc, progress):
         if not gc_ran:  # the push planned (it skipped them): now a gc removes them, once
