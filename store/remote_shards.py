@@ -341,6 +341,8 @@ def _set_aside_if_dead(root: Path, table: str, vdir: Path) -> None:
 def _fetch_metadata(remote: Remote, root: Path, table: str, version: int, files) -> None:
     """A version's files except its shards into `.v<N>.lazy/`, each checked, the manifest last, the marker, and
     the rename to `v<N>`: the local commit, as pull's."""
+    from store.remote_sync import damaged_object
+
     final = fmt.version_dir(root, table, version)
     tmp = final.with_name(f".{final.name}{LAZY_SUFFIX}")
     tmp.mkdir(parents=True, exist_ok=True)
@@ -360,9 +362,7 @@ def _fetch_metadata(remote: Remote, root: Path, table: str, version: int, files)
             raise
         if (n, crc) != (f.nbytes, f.crc):
             part.unlink()
-            raise UserError(f"{remote.url}/{f.rel} is damaged ({n} bytes, crc32c {crc}; its version's "
-                            f"{fmt.CHECKSUMS} records {f.nbytes} bytes, crc32c {f.crc}); refused: push that version "
-                            "again from an intact store")
+            raise damaged_object(remote.url, f, n, crc)
         os.replace(part, path)
     mark(tmp, remote.url, table, version)
     os.rename(tmp, final)

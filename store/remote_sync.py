@@ -302,6 +302,13 @@ def _remote_record(remote: Remote, listing: dict[str, int]) -> dict[str, Any] | 
 # ---------------------------------------------------------------- pull
 
 
+def damaged_object(url: str, f: _File, nbytes: int, crc: str) -> UserError:
+    """A fetched object whose bytes are not what its version's checksums.json records: refused, in one line."""
+    return UserError(f"{url}/{f.rel} is damaged ({nbytes} bytes, crc32c {crc}; its version's {fmt.CHECKSUMS} "
+                     f"records {f.nbytes} bytes, crc32c {f.crc}); refused: push that version again from an intact "
+                     "store")
+
+
 def wanted_versions(rec: dict[str, Any] | None, url: str, tables: list[str] | None, optional: tuple[str, ...],
                     listing: dict[str, int] | None) -> tuple[dict[str, Any], list[str] | None, set[tuple[str, int]]]:
     """What a pull or a cache open of `url` takes: (its store record, the tables asked for that it has, the
@@ -431,9 +438,7 @@ def _pull_version(remote: Remote, dst: Path, table: str, version: int, files: li
             summary.damaged.append(f.rel)
         elif (size, crc) != (f.nbytes, f.crc):
             part.unlink()
-            raise UserError(f"{remote.url}/{f.rel} is damaged ({size} bytes, crc32c {crc}; its version's "
-                            f"{fmt.CHECKSUMS} records {f.nbytes} bytes, crc32c {f.crc}); refused: push that version "
-                            "again from an intact store")
+            raise damaged_object(remote.url, f, size, crc)
         os.replace(part, path)
         summary.objects_sent += 1
         summary.bytes_sent += f.nbytes

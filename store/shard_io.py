@@ -29,6 +29,11 @@ def lost_file(vdir: Path, shard: str) -> DamagedData:
                        "by hand); rerun the command, or resume the training, to read the current version")
 
 
+class NotCached(Exception):
+    """A shard of a lazily cached version that cannot be cached whole now (evicted by another process just before
+    this open and no room left, or damaged on the server): its samples are read by range instead."""
+
+
 class ShardFiles:
     """Shard files of one version folder, at most `max_open` open at once (least recently used closed first): a
     million-sample store has tens of thousands of shards. `scans=False`: never maps (every read is a pread)."""
@@ -52,7 +57,7 @@ class ShardFiles:
                 raise lost_file(self.dir, shard) from None
             problem = self._fetcher.fetch_whole(shard)  # not cached yet, or evicted since
             if problem is not None:
-                raise DamagedData(f"{integrity.where(self.dir)}: {problem}") from None
+                raise NotCached(problem) from None
             try:
                 fd = os.open(path, os.O_RDONLY)
             except FileNotFoundError:
@@ -91,7 +96,14 @@ class ShardFiles:
                 and not os.path.exists(os.path.join(self._dir_str, shard))):
             got = self._fetch(shard, start, n)
             if got is not None:
-                return got if len(got) == n else f"the shard ends {n - len(got)} bytes before the sample does"
+                return _whole(got, n)
+        try:
+            return self._pread_file(shard, start, n)
+        except NotCached:  # gone between the check and the open, and not fetched whole again: by range
+            got = self._fetcher.read(shard, start, n, keep=not self.scans)
+            return self._pread_file(shard, start, n) if got is None else _whole(got, n)
+
+    def _pread_file(self, shard: str, start: int, n: int) -> np.ndarray | str:
         h = self._handle(shard)
         buf = np.empty(n, np.uint8)
         if isinstance(h, int):
@@ -134,10 +146,14 @@ class ShardFiles:
         and torn down for a single sample, and one large read is what a cold disk serves best."""
         if self.scans and self._scanning(shard) and (
                 self._fetcher is None or self._fetcher.fetch_whole(shard) is None):  # a scan caches whole shards
-            m = self.map(shard)
-            if len(m) < start + n:  # mapped after the file was cut short: its tensors would lie past the map
-                return f"the shard ends {start + n - len(m)} bytes before the sample does"
-            return m, 0
+            try:
+                m = self.map(shard)
+            except NotCached:  # evicted by another process right after its fetch, and no room now
+                m = None
+            if m is not None:
+                if len(m) < start + n:  # mapped after the file was cut short: its tensors would lie past the map
+                    return f"the shard ends {start + n - len(m)} bytes before the sample does"
+                return m, 0
         got = self.pread(shard, start, n)
         return got if isinstance(got, str) else (got, -start)
 
@@ -150,6 +166,10 @@ class ShardFiles:
             _close(h)
         self._open.clear()
         self._run, self._carried = (None, 0), False
+
+
+def _whole(got: np.ndarray, n: int) -> np.ndarray | str:
+    return got if len(got) == n else f"the shard ends {n - len(got)} bytes before the sample does"
 
 
 def _close(h: int | mmap.mmap) -> None:
