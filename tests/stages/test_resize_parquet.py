@@ -20,6 +20,7 @@ from schemas.errors import UserError
 from stages.resize import parquet_source
 from stages.resize.stage import run
 from store import Store
+from test_resize_shard_urls import _table  # key -> (row without `source`, files)
 
 SMALL = {"resize.target_area": 64 * 64, "resize.control_vae_area": 64 * 64, "resize.control_vl_area": 32 * 32,
          "resize.multiple": 16, "resize.min_side": 16, "resize.max_controls": 2}
@@ -29,14 +30,6 @@ IMAGE = pa.struct([("bytes", pa.binary()), ("path", pa.string())])  # HF dataset
 
 def cfg(**columns):
     return load_config(None, {**SMALL, **{f"resize.columns.{k}": v for k, v in columns.items()}})
-
-
-def _table(store: Path) -> dict:
-    r = Store(store, create=False).reader("images")
-    try:
-        return {k: ({c: v for c, v in r.meta(k).items() if c != "source"}, r.files(k)) for k in r.keys()}
-    finally:
-        r.close()
 
 
 def _img(data: bytes | None, name: str) -> dict | None:

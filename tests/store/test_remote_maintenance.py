@@ -80,18 +80,23 @@ def test_repair_of_a_url_gives_a_current_version_that_verify_and_a_reader_use(s3
     assert not any(k.startswith("store/vae/v1/") or k.endswith("v1.damaged.json") for k in objects(s3_env))
 
 
-KILLED_REPAIR = "import sys; from pipeline.cli import app; app(['store', 'repair', sys.argv[1], '--cache-dir', sys.argv[2]])"
-
-
-@pytest.mark.parametrize("point", ["push_before_manifest", "repair_before_retire"])
-def test_a_killed_repair_of_a_url_shows_nothing_half_done_and_its_rerun_finishes(s3_env, store: Store,
-                                                                              tmp_path: Path, point: str) -> None:
+def _pushed_with_a_grown_shard(store: Store, s3_env) -> None:
+    """6 samples pushed; then the first shard object on the server gets bytes appended (damaged, v1)."""
     fill(store, 6)
     push(store.root, s3_env.url())
     client = s3_env.client()
     key = sorted(k for k in objects(s3_env) if k.endswith(".tar"))[0]
     data = client.get_object(Bucket=s3_env.bucket, Key=key)["Body"].read()
     client.put_object(Bucket=s3_env.bucket, Key=key, Body=data + b"appended")
+
+
+KILLED_REPAIR = "import sys; from pipeline.cli import app; app(['store', 'repair', sys.argv[1], '--cache-dir', sys.argv[2]])"
+
+
+@pytest.mark.parametrize("point", ["push_before_manifest", "repair_before_retire"])
+def test_a_killed_repair_of_a_url_shows_nothing_half_done_and_its_rerun_finishes(s3_env, store: Store,
+                                                                              tmp_path: Path, point: str) -> None:
+    _pushed_with_a_grown_shard(store, s3_env)
     work = tmp_path / "work"
     killed = subprocess.run([sys.executable, "-c", KILLED_REPAIR, s3_env.url(), str(work)],
                             env={**os.environ, "STORE_CRASH_AT": point}, capture_output=True)
@@ -112,12 +117,7 @@ def test_a_killed_repair_of_a_url_shows_nothing_half_done_and_its_rerun_finishes
 
 
 def test_a_damaged_version_a_reader_holds_stays_marked_until_gc(s3_env, store: Store, tmp_path: Path) -> None:
-    fill(store, 6)
-    push(store.root, s3_env.url())
-    client = s3_env.client()
-    key = sorted(k for k in objects(s3_env) if k.endswith(".tar"))[0]
-    data = client.get_object(Bucket=s3_env.bucket, Key=key)["Body"].read()
-    client.put_object(Bucket=s3_env.bucket, Key=key, Body=data + b"appended")
+    _pushed_with_a_grown_shard(store, s3_env)
     reader = remote_lease.hold(open_remote(s3_env.url()), [("vae", 1)], "pipeline train")  # a training on v1
     try:
         r = _cli("store", "repair", s3_env.url(), "--cache-dir", tmp_path / "work")
