@@ -27,6 +27,7 @@ import json
 import os
 import platform
 import sys
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -122,7 +123,16 @@ def main(argv: list[str] | None = None) -> dict:
     results.data["env"]["smoke"] = args.smoke
     results.data["env"]["default_attention"] = report_choice(device, torch.bfloat16)
     results.write()
+    own_work = args.work is None  # a scratch folder this call made is removed at its end (~1 GB per call)
     work = args.work or Path(tempfile.mkdtemp(prefix="gpu-proof-"))
+    try:
+        return _run_stages(args, ap, device, results, work, start, deadline)
+    finally:
+        if own_work:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _run_stages(args, ap, device, results, work: Path, start: float, deadline: float) -> dict:
     stages = STAGES if args.stage == "all" else (args.stage,)
     names = args.configs.split(",") if args.configs else None
     from bench.gpu.fullsize import CONFIGS

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
+
+import pytest
 
 from models.loading import load_component, model_variant
 
@@ -71,14 +74,22 @@ def test_cli_make_tiny_model_21_same_seed_same_bytes(tmp_path, tiny_21_model):
     assert digest(tmp_path / "m") == digest(tiny_21_model)
 
 
-def test_full_width_21_has_the_real_widths_and_loads(tmp_path):
-    """`make-tiny-model --variant qwen-image-2.1 --full-width --layers 1` (here with the minimal text encoder the
-    Edit rehearsal test uses): real transformer / VAE / Qwen3-VL-8B text widths, loaded with the stock classes."""
-    import json
-
+@pytest.fixture(scope="module")
+def full_width_21(tmp_path_factory):
+    """`make-tiny-model --variant qwen-image-2.1 --full-width --layers 1` (with the minimal text encoder the Edit
+    rehearsal test uses): 1.3 GB on disk, so built once for this module and removed after it."""
     from models.full_width import make_full_width_model
 
-    model = make_full_width_model(tmp_path / "m", "qwen-image-2.1", layers=1, minimal_text_encoder=True)
+    folder = tmp_path_factory.mktemp("full-width-21")
+    yield make_full_width_model(folder / "m", "qwen-image-2.1", layers=1, minimal_text_encoder=True)
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_full_width_21_has_the_real_widths_and_loads(full_width_21):
+    """Real transformer / VAE / Qwen3-VL-8B text widths, loaded with the stock classes."""
+    import json
+
+    model = full_width_21
     assert model_variant(str(model)) == "qwen-image-2.1"
     tr = json.loads((model / "transformer" / "config.json").read_text())
     assert (tr["num_layers"], tr["num_attention_heads"], tr["attention_head_dim"], tr["context_in_dim"],
@@ -130,16 +141,15 @@ def test_plan_reads_the_tiny_21_folder(tiny_21_model):
     _plan_cli(tiny_21_model)
 
 
-def test_plan_reads_the_full_width_21_folder(tmp_path):
+def test_plan_reads_the_full_width_21_folder(full_width_21):
     """The `--full-width --layers 1` 2.1 folder (minimal text encoder): the real block, plus the real-size
     count of the released 32-block transformer from the same code path on the meta device."""
     from accelerate import init_empty_weights
     from diffusers import QwenImage21Transformer2DModel
 
-    from models.full_width import make_full_width_model
     from models.memory_plan import counts_from_model
 
-    model = str(make_full_width_model(tmp_path / "m", "qwen-image-2.1", layers=1, minimal_text_encoder=True))
+    model = str(full_width_21)
     _assert_plan_counts_are_the_loaded_models(model)
     assert "transformer 0." in _plan_cli(model)
     with init_empty_weights():

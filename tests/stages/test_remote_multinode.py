@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 from models.lora import read_lora
 from pipeline.cli import app
 from pipeline.config import load_config
+from stages.train import state as train_state
 from stages.train.recipe import run
 from store import Store
 from store.remote_cache import local_store
@@ -47,7 +48,13 @@ def test_two_nodes_with_their_own_caches_train_the_same_lora_from_a_store_url(s3
 
     nodes = start_nodes(["run", "train", "--store", url, "--model", tiny_edit_model, "--out", str(tmp_path / "two"),
                          "--config", str(cfg_file), "--batch-size", "2"], node_args=_caches(tmp_path))
-    _finished(nodes)
+    outs = _finished(nodes)
+    # One 2-rank run: the summary and the CPU note come from global rank 0 (node 0) only.
+    assert [sum(line.startswith("trained ") for line in out.splitlines()) for out, _ in outs] == [1, 0]
+    assert sum((out + err).count("processes train on the CPU (gloo)") for out, err in outs) == 1
+    ckpt = tmp_path / "two" / "checkpoints" / "step-3"
+    assert {p.name for p in ckpt.glob("rng-rank*")} == {"rng-rank00.safetensors", "rng-rank01.safetensors"}
+    assert train_state.ResumeRecord.read(ckpt / "resume.json").world_size == 2
     for node in (0, 1):  # each node read the remote through its own cache
         (cached,) = [p for p in (tmp_path / f"cache-node{node}").iterdir() if p.is_dir()]
         assert (cached / "text" / "v1" / "manifest.parquet").is_file() and (cached / "vae" / "v1").is_dir()

@@ -1,7 +1,7 @@
 """Elastic data parallel on CPU (gloo, `accelerate launch --multi_gpu`): a run started on one process, resumed on
 two, then on one again, trains the LoRA a straight one-process run with the same global batch trains. Slow (two
-fresh interpreters): one launch of 3 steps, the rest in this process. (A fresh 2-rank run against one process:
-tests/stages/test_train_multinode.py.)
+fresh interpreters): one launch of 3 steps, the rest in this process. (A fresh 2-rank run on two "nodes" against
+one process: tests/stages/test_remote_multinode.py.)
 
 The launched run leaves train.device unset, as the README's command does: on a machine without GPUs that must
 still be one 2-rank run (not two independent 1-process runs into the same folder)."""

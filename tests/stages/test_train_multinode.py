@@ -1,7 +1,7 @@
-"""Two nodes x one process (`torchrun --nnodes 2 --node-rank 0|1`, a static rendezvous on 127.0.0.1, gloo) train
-the same LoRA as one process with the same global batch - and so as one node x two processes
-(tests/stages/test_train_ddp.py). Both "nodes" are on this machine and share the local store and the run folder,
-as nodes share a network filesystem. Slow (two fresh interpreters): one test, 3 steps."""
+"""Two "nodes" on this machine (`torchrun --nnodes 2 --node-rank 0|1`, a static rendezvous on 127.0.0.1, gloo):
+the launch helpers the multi-node tests share (tests/stages/test_remote_multinode.py trains on 2 nodes from a store
+URL and compares with one process; test_encode_multinode.py kills a node of an encoder), and what torchrun sets
+on a second node."""
 
 from __future__ import annotations
 
@@ -10,14 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import yaml
-
-from models.lora import read_lora
-from pipeline.config import load_config
-from stages.train import state as train_state
-from stages.train.recipe import run
-from test_train_ddp import TRAIN, _free_port
-from train_store import assert_close_lora, make_train_store, mixed_specs
+from test_train_ddp import _free_port
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -58,29 +51,6 @@ def kill_node(node: subprocess.Popen) -> None:
             w.kill()
         except psutil.NoSuchProcess:
             pass
-
-
-def test_two_nodes_train_the_same_lora_as_one_process(tiny_edit_model, tmp_path):
-    store = tmp_path / "store"
-    make_train_store(store, tiny_edit_model, mixed_specs(11))  # steps of 4, 4 and a tail of 3 (split 2 + 1)
-    cfg_file = tmp_path / "train.yaml"
-    cfg_file.write_text(yaml.safe_dump({"train": TRAIN}))
-    run(load_config(cfg_file, {"train.batch_size": 4, "train.device": "cpu"}), store, tiny_edit_model, tmp_path / "one")
-
-    nodes = start_nodes(["run", "train", "--store", str(store), "--model", tiny_edit_model, "--out",
-                         str(tmp_path / "two"), "--config", str(cfg_file), "--batch-size", "2"])
-    outs = [p.communicate(timeout=300) for p in nodes]
-    for p, (out, err) in zip(nodes, outs):
-        assert p.returncode == 0, err[-3000:]
-    # One 2-rank run: the summary and the CPU note come from global rank 0 (node 0) only.
-    assert [sum(line.startswith("trained ") for line in out.splitlines()) for out, _ in outs] == [1, 0]
-    assert sum((out + err).count("processes train on the CPU (gloo)") for out, err in outs) == 1
-
-    ckpt = tmp_path / "two" / "checkpoints" / "step-3"
-    assert {p.name for p in ckpt.glob("rng-rank*")} == {"rng-rank00.safetensors", "rng-rank01.safetensors"}
-    assert train_state.ResumeRecord.read(ckpt / "resume.json").world_size == 2
-    assert_close_lora(read_lora(tmp_path / "one" / "lora")[0], read_lora(tmp_path / "two" / "lora")[0],
-                      lr=TRAIN["learning_rate"], steps=3)
 
 
 def test_node_one_of_two_picks_its_device_by_local_rank(monkeypatch):
