@@ -64,6 +64,24 @@ def test_open_fetches_metadata_and_a_random_read_only_byte_ranges(s3_env, store:
     assert after["ranges"] - before["ranges"] == 4 and after["range_bytes"] - before["range_bytes"] == read
 
 
+def test_shard_paths_of_a_lazy_version_are_whole_shards_webdataset_reads(s3_env, store: Store, tmp_path: Path) -> None:
+    """`shard_paths()` hands files to a reader of its own (webdataset): in a lazy version they are fetched first."""
+    import webdataset as wds
+    from safetensors.torch import load as load_safetensors
+
+    url = _pushed(s3_env, store)
+    root = local_store(url, ["vae"], tmp_path / "cache")
+    assert _shard_files(root) == []
+    with Store(root, create=False).reader("vae") as cached, store.reader("vae") as local:
+        paths = cached.shard_paths()
+        assert [p.name for p in paths] == [p.name for p in local.shard_paths()]
+        got = {s["__key__"]: s["safetensors"] for s in wds.WebDataset([str(p) for p in paths], shardshuffle=False)}
+        assert sorted(got) == local.keys()
+        assert all(_same(load_safetensors(got[k]), local.tensors(k)) for k in got)
+    for p in paths:
+        assert p.read_bytes() == (store.root / "vae" / "v1" / p.name).read_bytes()
+
+
 def test_a_scan_caches_whole_checked_shards(s3_env, store: Store, tmp_path: Path) -> None:
     url = _pushed(s3_env, store)
     root = local_store(url, ["vae"], tmp_path / "cache")
