@@ -26,8 +26,8 @@ import argparse
 import json
 import os
 import platform
-import sys
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
