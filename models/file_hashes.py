@@ -19,6 +19,7 @@ import logging
 import os
 import re
 import sqlite3
+import time
 from pathlib import Path
 
 log = logging.getLogger("models")
@@ -38,18 +39,33 @@ def file_sha256(path: str | Path) -> str:
         return hashlib.file_digest(fh, "sha256").hexdigest()
 
 
+_OPEN_WAIT_S = 30.0  # as long as the busy timeout a write waits
+
+
 def _connect(path: Path) -> sqlite3.Connection:
     path.parent.mkdir(parents=True, exist_ok=True)
-    db = sqlite3.connect(path, timeout=30)  # waits up to 30 s for another process's write transaction
-    try:
-        db.execute("PRAGMA journal_mode=WAL")  # readers never wait for a writer
-        db.execute("PRAGMA synchronous=NORMAL")  # a cache: a power cut may lose the last batch, never corrupt it
-        db.execute(_TABLE)
-        db.commit()
-    except BaseException:
-        db.close()
-        raise
-    return db
+    deadline = time.monotonic() + _OPEN_WAIT_S
+    pause = 0.01
+    while True:
+        db = sqlite3.connect(path, timeout=_OPEN_WAIT_S)  # waits for another process's write transaction
+        try:
+            db.execute("PRAGMA journal_mode=WAL")  # readers never wait for a writer
+            db.execute("PRAGMA synchronous=NORMAL")  # a cache: a power cut may lose the last batch, never corrupt it
+            db.execute(_TABLE)
+            db.commit()
+            return db
+        except sqlite3.OperationalError as e:
+            db.close()
+            # Processes opening a new database at once (ranks starting together): sqlite answers "database is
+            # locked" at once here, without its busy handler (measured: 7 of 15 rounds of 4 processes lost the
+            # cache), so this retries what the timeout would have waited for.
+            if "locked" not in str(e) and "busy" not in str(e) or time.monotonic() > deadline:
+                raise
+            time.sleep(pause)
+            pause = min(pause * 2, 0.5)
+        except BaseException:
+            db.close()
+            raise
 
 
 def _open(path: Path) -> sqlite3.Connection | None:
