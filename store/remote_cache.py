@@ -94,12 +94,19 @@ def _stat(p: Path) -> os.stat_result | None:
         return None
 
 
+def _counted(p: Path) -> os.stat_result | None:
+    """A file the cache limit counts. Not lock files: a few bytes each, rewritten with the pid of whoever takes
+    the lock next (so their size moves after any count: a limit met exactly was exceeded by a byte)."""
+    st = None if p.name.endswith(".lock") else _stat(p)
+    return st if st is not None and stat.S_ISREG(st.st_mode) else None
+
+
 def _files(folder: Path) -> list[tuple[Path, os.stat_result]]:
-    return [(p, st) for p in folder.iterdir() if (st := _stat(p)) is not None and stat.S_ISREG(st.st_mode)]
+    return [(p, st) for p in folder.iterdir() if (st := _counted(p)) is not None]
 
 
 def _size(folder: Path) -> int:
-    return sum(st.st_size for p in folder.rglob("*") if (st := _stat(p)) is not None and stat.S_ISREG(st.st_mode))
+    return sum(st.st_size for p in folder.rglob("*") if (st := _counted(p)) is not None)
 
 
 def _candidates(cache: Path, keep: set[tuple[Path, str, int]], whole_versions: bool) -> tuple[int, list]:
@@ -122,7 +129,7 @@ def _candidates(cache: Path, keep: set[tuple[Path, str, int]], whole_versions: b
             versions = set(fmt.list_versions(root, table_dir.name))
             for p in table_dir.iterdir():
                 if p.is_file():
-                    total += (st.st_size if (st := _stat(p)) is not None else 0)
+                    total += (st.st_size if (st := _counted(p)) is not None else 0)
                 elif not (fmt.VERSION_RE.fullmatch(p.name) and int(p.name[1:]) in versions):
                     total += _size(p)  # a pull or lazy open in progress, a version being evicted
             for v in sorted(versions):

@@ -34,7 +34,8 @@ def _shard_files(root: Path) -> list[Path]:
 
 
 def _cache_bytes(cache: Path) -> int:
-    return sum(p.stat().st_size for p in cache.rglob("*") if p.is_file())
+    """What the cache limit counts: every file but the lock files (store/remote_cache._counted)."""
+    return sum(p.stat().st_size for p in cache.rglob("*") if p.is_file() and not p.name.endswith(".lock"))
 
 
 def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
