@@ -24,7 +24,7 @@ from store.check_ahead import DEFAULT_WINDOW, CheckAhead
 from store.integrity import DamagedData
 from store.manifest_view import ManifestView
 from store.partition import epoch_order
-from store.remote_shards import fetcher_for
+from store.remote_shards import ensure_local
 from store.sample_check import SampleCheck
 from store.shard import SAFETENSORS_DTYPES
 from store.shard_io import DEFAULT_MAX_OPEN_SHARDS, ShardFiles
@@ -255,13 +255,8 @@ class TableReader:
     def shard_paths(self) -> list[Path]:
         """The shard files, for a tar reader such as `webdataset.WebDataset`. In a lazily cached version of a store
         at a URL each is fetched whole (checked) first: the caller opens the paths itself, past the reader's
-        fetch-on-miss. Raises `DamagedData` when one cannot be (damaged on the server, no room in the cache)."""
-        paths = [self.dir / s for s in dict.fromkeys(self.view.values("shard"))]
-        fetcher = fetcher_for(self.dir)
-        for path in paths if fetcher is not None else ():
-            if (problem := fetcher.fetch_whole(path.name)) is not None:
-                raise DamagedData(f"{integrity.where(self.dir)}: {problem}")
-        return paths
+        fetch-on-miss (UserError when one cannot be: damaged on the server, no room in the cache)."""
+        return [ensure_local(self.dir / s) for s in dict.fromkeys(self.view.values("shard"))]
 
     # ------------------------------------------------------------ iteration
 

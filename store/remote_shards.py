@@ -263,13 +263,19 @@ def _download(remote: Remote, rel: str, part: Path) -> tuple[int, str]:
     return n, crc.hex()
 
 
-def ensure_local(path: Path) -> Path:
-    """A writer about to hard-link or read a whole shard file: fetched first when its version is lazily cached."""
+def fetch_problem(path: Path) -> str | None:
+    """A file of a lazily cached version not in the cache (not fetched yet, or evicted since) is fetched whole and
+    checked; what the fetch could not do, else None (also for any other folder's file)."""
     f = fetcher_for(path.parent)
-    if f is not None and not path.exists():
-        problem = f.fetch_whole(path.name)
-        if problem is not None:
-            raise UserError(f"{path}: cannot be fetched ({problem}); rerun, or repair the store at {f.url}")
+    return f.fetch_whole(path.name) if f is not None and not path.exists() else None
+
+
+def ensure_local(path: Path) -> Path:
+    """A caller about to hard-link or open a whole shard file itself: fetched first when its version is lazily
+    cached."""
+    if (problem := fetch_problem(path)) is not None:
+        raise UserError(f"{path}: cannot be fetched ({problem}); rerun, or repair the store at "
+                        f"{fetcher_for(path.parent).url}")
     return path
 
 

@@ -33,7 +33,7 @@ from store.checksum import file_crc
 from store.manifest import CHECKSUM_COLUMNS, LOCATING_COLUMNS
 from store.manifest_view import read_manifest, read_schema
 from store.reader import torch_dtype
-from store.remote_shards import FETCH_TAG, MARKER, fetcher_for
+from store.remote_shards import FETCH_TAG, MARKER, fetch_problem
 
 LITTER_NOTE = "temp file left by an interrupted write (`pipeline store repair` removes it)"
 
@@ -81,18 +81,11 @@ def _one_line(problem: str) -> str:
     return " ".join(problem.split())
 
 
-def _fetch_problem(path: Path) -> str | None:
-    """A cached version of a store at a URL: a file not in the cache (not fetched yet, or evicted since) is fetched
-    whole and checked; what the fetch could not do, else None."""
-    fetcher = fetcher_for(path.parent)
-    return fetcher.fetch_whole(path.name) if fetcher is not None and not path.is_file() else None
-
-
 def _file_problems(vdir: Path, name: str, sums: dict[str, dict[str, Any]]) -> list[str]:
     problems = []
     for fname, entry in sorted(sums.items()):
         path = vdir / fname
-        if (problem := _fetch_problem(path)) is not None:
+        if (problem := fetch_problem(path)) is not None:
             problems.append(f"{name}/{fname}: {problem}")
             continue
         if not path.is_file():
@@ -176,7 +169,7 @@ def _check_columns(r: dict[str, Any], schema_version: int, name: str) -> list[st
 
 
 def _check_shard(path: Path, name: str, rows: list[dict[str, Any]], whole_file_checked: bool = False) -> list[str]:
-    if (problem := _fetch_problem(path)) is not None:
+    if (problem := fetch_problem(path)) is not None:
         return [f"{name}: {problem}"]  # evicted since the file check, and now cannot be fetched
     if not path.is_file():
         return [f"{name}: shard file missing ({len(rows)} samples)"]
