@@ -11,6 +11,10 @@ read   readers of a store URL through the lazy local cache (store/remote_cache.p
        scan, byte ranges when they read at random), warm = the cache as the cold pass left it (the open reads
        store.json and checksums.json from the remote, the reads find the shards the cold pass cached). The open is
        reported apart from the reads, and the bytes fetched from the server apart from the bytes read.
+ranks  --ranks processes of one node sharing a cold cache, each reading its disjoint share of the samples in its
+       own random order (as the ranks of a distributed training read): bytes fetched from the server by all of
+       them together vs the store's size, with the node's per-shard fetch lock (store/remote_shards.py) and
+       without it (each rank passing the whole-fetch threshold downloads the shard itself, as before the lock).
 train  a CPU training run of configs/demo.yaml (its tiny model, its 24 synthetic samples, 60 steps) on the local
        store, on the URL with a warm cache and with a cold one, train.prefetch 0 and 2: the time each step waits
        for its micro-batch (`MicroBatches.next`, timed here) as a share of the step (a cold cache fetches during
@@ -21,6 +25,7 @@ overhead on this machine; a real S3 endpoint is limited by the network instead.
 
     python bench/store_remote.py --gb 0.5 --repeats 3            # all three
     python bench/store_remote.py --only read --gb 0.3
+    python bench/store_remote.py --only ranks --gb 0.3 --shard-mb 16 --ranks 4
 """
 
 from __future__ import annotations
@@ -165,6 +170,58 @@ def bench_read(work: Path, gb: float, shard_mb: float, repeats: int, seed: int, 
     return best
 
 
+RANK = """
+import contextlib, json, random, sys, time, types
+from store import Store, format as fmt, remote_shards
+from store.remote_cache import local_store
+url, cache, rank, world, seed, locked = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:7])
+if not locked:  # as before the node lock: every process fetches what it passes the threshold of (no cache limit
+    # here, so the cache lock this also turns off is never taken)
+    remote_shards.fmt = types.SimpleNamespace(**{**vars(fmt), "flock": lambda *a, **k: contextlib.nullcontext()})
+root = local_store(url, ["features"], cache, lease=False)
+t0 = time.perf_counter()
+with Store(root, create=False).reader("features") as r:
+    keys = r.keys()[rank::world]
+    for k in random.Random(seed + rank).sample(keys, len(keys)):
+        r.tensors(k)
+print(json.dumps({**remote_shards.fetch_stats(), "seconds": time.perf_counter() - t0}))
+"""
+
+
+def bench_ranks(work: Path, gb: float, shard_mb: float, repeats: int, seed: int, ranks: int) -> None:
+    import json
+
+    from store.remote_sync import push
+
+    src, url = work / "ranks-store", "s3://bench/ranks"
+    n = build(src, gb, shard_mb, seed)
+    push(src, url)
+    nbytes = sum(p.stat().st_size for p in src.rglob("*.tar"))
+    got: dict[bool, list[dict]] = {True: [], False: []}
+    for i in range(repeats):
+        for locked in (True, False):  # interleaved
+            cache = work / f"ranks-cache-{i}-{int(locked)}"
+            procs = [subprocess.Popen([sys.executable, "-c", RANK, url, str(cache), str(r), str(ranks), str(seed + i),
+                                       str(int(locked))], stdout=subprocess.PIPE, text=True) for r in range(ranks)]
+            stats = [json.loads(p.communicate()[0].strip().splitlines()[-1]) for p in procs]
+            if any(p.returncode for p in procs):
+                raise SystemExit("a rank failed")
+            got[locked].append({k: sum(s[k] for s in stats) for k in stats[0] if k != "seconds"}
+                               | {"seconds": max(s["seconds"] for s in stats)})
+            shutil.rmtree(cache)
+    print(f"== ranks: {ranks} processes of one node, one cold cache, {n} samples in "
+          f"{len(list(src.rglob('*.tar')))} shards ({nbytes / 1e6:.0f} MB of shards); each rank its 1/{ranks} in "
+          f"random order; {repeats} runs each")
+    for locked in (True, False):
+        runs = got[locked]
+        fetched = [(r["shard_bytes"] + r["range_bytes"]) / nbytes for r in runs]
+        print(f"{'node lock' if locked else 'no lock':9s}  fetched {min(fetched):.2f}-{max(fetched):.2f}x the "
+              f"shards' bytes; whole fetches {min(r['shards'] for r in runs)}-{max(r['shards'] for r in runs)}, "
+              f"ranges {min(r['ranges'] for r in runs)}-{max(r['ranges'] for r in runs)}; slowest rank "
+              f"{min(r['seconds'] for r in runs):.2f}-{max(r['seconds'] for r in runs):.2f} s")
+    shutil.rmtree(src)
+
+
 def _demo_stores(work: Path, url: str):
     """configs/demo.yaml's model, data and `text` + `vae` tables (built as `pipeline demo` does), pushed to `url`."""
     from pipeline.commands.demo import DEMO_CONFIG, prepare_inputs
@@ -256,12 +313,13 @@ def bench_train(work: Path, repeats: int, warmup: int = 2) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", choices=["sync", "read", "train"], default=None)
+    ap.add_argument("--only", choices=["sync", "read", "ranks", "train"], default=None)
     ap.add_argument("--gb", type=float, default=0.5)
     ap.add_argument("--shard-mb", type=float, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--random", type=int, default=300, help="random reads per pass")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--ranks", type=int, default=4, help="processes of one node (ranks)")
     args = ap.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="store-remote-bench-"))
@@ -271,6 +329,8 @@ def main() -> None:
             bench_sync(work, args.gb, args.shard_mb, args.repeats, args.seed)
         if args.only in (None, "read"):
             bench_read(work, args.gb, args.shard_mb, args.repeats, args.seed, args.random)
+        if args.only in (None, "ranks"):
+            bench_ranks(work, args.gb, args.shard_mb, args.repeats, args.seed, args.ranks)
         if args.only in (None, "train"):
             bench_train(work, args.repeats)
     finally:

@@ -7,9 +7,9 @@ plus a marker (`MARKER`) naming where the version lives. Then the ordinary reade
 folder; its shard files (store/shard_io.py) call back here, through `fetcher_for`, when a shard is not there:
 - a scan (or a caller that needs the whole file: verify, a writer hard-linking a shard) fetches the whole shard
   to a temp name in the version folder, its size and CRC32C checked against `checksums.json` while it streams,
-  and renames it into place: processes of one node sharing the cache may fetch the same shard at once, one
-  rename wins, same bytes; no torn file is ever visible under a shard name. A shard that fails the check is not
-  cached; its samples are then read by range, so the per-sample check names the damaged ones.
+  and renames it into place: no torn file is ever visible under a shard name. One process of the node fetches a
+  shard at a time (`FETCH_LOCK`); another's random read takes its range meanwhile. A shard that fails the check
+  is not cached; its samples are then read by range, so the per-sample check names the damaged ones.
 - a random read fetches only the sample's byte range (one HTTP Range GET); the reader checks those bytes against
   the sample's CRC32C on first read exactly as bytes read from a local file. Ranges are not kept on disk; once
   the ranges this node's processes read from a shard reach `WHOLE_AFTER` of its size (counted across processes:
@@ -29,7 +29,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -47,12 +47,19 @@ MARKER = ".remote.json"  # in a lazily cached version folder: {"url", "table", "
 LAZY_SUFFIX = ".lazy"  # `.v<N>.lazy`: a version's metadata being fetched (not a version name: readers skip it)
 FETCH_TAG = ".fetch-"  # `.<shard>.fetch-<pid>-<thread>`: a shard being fetched (counted by the cache, never read)
 RANGED = FETCH_TAG + "ranged"  # `.<shard>.fetch-ranged`: bytes this node's processes read from the shard by range
+FETCH_LOCK = ".fetch.lock"  # `.<shard>.fetch.lock`: held by the one process of the node fetching the shard whole
 WHOLE_AFTER = 0.5  # fraction of a shard read by range after which it is fetched whole
 MEMO_BYTES = 256 * 2**20  # ranges fetched by a check-ahead thread, kept for the consumer's read
 
 
 def is_lazy(vdir: Path | str) -> bool:
     return os.path.isfile(os.path.join(vdir, MARKER))
+
+
+def is_cache_file(name: str) -> bool:
+    """What the cache keeps beside a lazily cached version's own files (the marker, fetches in progress, the range
+    counts, the fetch locks): never part of the version (verify skips them)."""
+    return name == MARKER or FETCH_TAG in name or name.endswith(FETCH_LOCK)
 
 
 def is_shard(name: str) -> bool:
@@ -131,9 +138,9 @@ class ShardFetcher:
 
     # ------------------------------------------------------------ whole shards
 
-    def fetch_whole(self, shard: str) -> str | None:
+    def fetch_whole(self, shard: str, wait: bool = True) -> str | None:
         """Make the shard file present; None when it is, else why it cannot be (damaged on the server, not
-        listed, no room in the cache)."""
+        listed, no room in the cache, or - `wait=False` - another process of the node fetching it now)."""
         path = self.vdir / shard
         if path.exists():
             return None
@@ -144,7 +151,15 @@ class ShardFetcher:
             return f"shard {shard} is not listed in its version's {fmt.CHECKSUMS}"
         with self._lock:
             lock = self._shard_locks.setdefault(shard, threading.Lock())
-        with lock:  # one fetch per shard in this process; other processes may race (one rename wins)
+        with lock, ExitStack() as node:  # one fetch per shard in this process, and in this node (below)
+            # Ranks of a node read the same shards and pass `WHOLE_AFTER` together: unlocked, each downloaded the
+            # shard and reserved its size (evicting shards for copies the one winning rename then dropped). A
+            # flock (dropped by the kernel with a killed process) lets one fetch; a random read (wait=False) reads
+            # its range meanwhile, a scan waits and then reads the file the other process put there.
+            try:
+                node.enter_context(fmt.flock(self.vdir / f".{shard}{FETCH_LOCK}", blocking=wait))
+            except UserError:
+                return f"shard {shard} is being fetched by another process"
             if path.exists():
                 return None
             part = self.vdir / f".{shard}{FETCH_TAG}{os.getpid()}-{threading.get_ident()}"
@@ -214,7 +229,7 @@ class ShardFetcher:
                 return None
         entry = self.sums.get(shard)
         if (entry is not None and shard not in self._uncacheable and ranged >= WHOLE_AFTER * int(entry["nbytes"])
-                and self.fetch_whole(shard) is None):
+                and self.fetch_whole(shard, wait=False) is None):
             return None
         with self._connection(f"read {self.base}/{shard}"):
             data = self.remote.fs.cat_file(self.remote.path(f"{self.base}/{shard}"),

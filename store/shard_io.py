@@ -134,7 +134,7 @@ class ShardFiles:
         """A shard not cached: only these bytes from the remote, or None once it is cached whole. The check-ahead
         thread (scans=False) reads in the consumer's order: its third read in a row from one shard fetches the
         shard whole, ahead of the consumer's scan; the ranges it fetches are kept for the consumer's reads."""
-        if not self.scans and self._scanning(shard) and self._fetcher.fetch_whole(shard) is None:
+        if not self.scans and self._scanning(shard) and self._fetcher.fetch_whole(shard, wait=False) is None:
             return None
         return self._fetcher.read(shard, start, n, keep=not self.scans)
 

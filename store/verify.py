@@ -33,7 +33,7 @@ from store.checksum import file_crc
 from store.manifest import CHECKSUM_COLUMNS, LOCATING_COLUMNS
 from store.manifest_view import read_manifest, read_schema
 from store.reader import torch_dtype
-from store.remote_shards import FETCH_TAG, MARKER, fetch_problem
+from store.remote_shards import fetch_problem, is_cache_file
 
 LITTER_NOTE = "temp file left by an interrupted write (`pipeline store repair` removes it)"
 
@@ -97,7 +97,7 @@ def _file_problems(vdir: Path, name: str, sums: dict[str, dict[str, Any]]) -> li
         elif crc != entry["crc32c"]:
             problems.append(f"{name}/{fname}: crc32c {crc}, {fmt.CHECKSUMS} records {entry['crc32c']}: the file is damaged")
     for p in sorted(vdir.iterdir()):
-        if p.name in sums or p.name in (fmt.CHECKSUMS, MARKER) or FETCH_TAG in p.name:
+        if p.name in sums or p.name == fmt.CHECKSUMS or is_cache_file(p.name):
             continue
         if fmt.is_litter(p.name):
             problems.append(f"{name}/{p.name}: {LITTER_NOTE}")

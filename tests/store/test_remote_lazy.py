@@ -146,8 +146,8 @@ def test_a_read_of_a_store_bigger_than_the_cache_stays_under_its_limit(s3_env, s
     seen = []
     real = remote_shards.ShardFetcher.fetch_whole
 
-    def fetch_whole(self, name):  # the cache's size after every fetch
-        got = real(self, name)
+    def fetch_whole(self, name, wait=True):  # the cache's size after every fetch
+        got = real(self, name, wait)
         seen.append(_cache_bytes(cache))
         return got
 
@@ -275,7 +275,7 @@ def test_ranges_read_by_several_processes_of_a_node_count_together(s3_env, store
     """Ranks of one node read disjoint samples of the same shards: two processes (two fetchers) each reading 30% of
     a shard by range make the node's 60%, so the shard is fetched whole once the node passed half of it - a count
     per process (30% each) would range-read it again every epoch."""
-    from store.remote_shards import WHOLE_AFTER, ShardFetcher
+    from store.remote_shards import FETCH_LOCK, WHOLE_AFTER, ShardFetcher
 
     url = _pushed(s3_env, store)
     root = local_store(url, ["vae"], tmp_path / "cache")
@@ -316,6 +316,37 @@ def test_a_shard_evicted_between_the_check_and_the_open_is_read_by_range(s3_env,
     with Store(root, create=False).reader("vae") as cached, store.reader("vae") as local:
         key = _one_key_per_shard(local)[0]
         monkeypatch.setattr(shard_io, "os", racing_os)
-        monkeypatch.setattr(ShardFetcher, "fetch_whole", lambda self, shard: "no room in the store cache")
+        monkeypatch.setattr(ShardFetcher, "fetch_whole", lambda self, shard, wait=True: "no room in the store cache")
         assert _same(cached.tensors(key), local.tensors(key))
     assert not _shard_files(root)
+
+
+def test_one_process_of_a_node_fetches_a_shard_whole(s3_env, store: Store, tmp_path: Path) -> None:
+    """Ranks of a node pass the whole-fetch threshold of a shard together. While one process holds the shard's
+    fetch lock, another's random read takes its range (no second download, no second reservation), and a scan
+    (or a caller needing the file) waits and then uses the file the first process put there."""
+    import threading
+
+    from store.remote_shards import FETCH_LOCK, WHOLE_AFTER, ShardFetcher
+
+    url = _pushed(s3_env, store)
+    root = local_store(url, ["vae"], tmp_path / "cache")
+    vdir = fmt.version_dir(root, "vae", 1)
+    fetcher = ShardFetcher(vdir)
+    shard = next(n for n in sorted(fetcher.sums) if fmt.SHARD_RE.fullmatch(n))
+    size = int(fetcher.sums[shard]["nbytes"])
+    original = (store.root / "vae" / "v1" / shard).read_bytes()
+    half = int(WHOLE_AFTER * size) + 1
+    with fmt.flock(vdir / f".{shard}{FETCH_LOCK}"):  # another process of the node is fetching it (its own flock)
+        got = fetcher.read(shard, 0, half)  # past the threshold: would fetch it whole
+        assert got is not None and bytes(got) == original[:half]
+        assert not (vdir / shard).exists() and fetcher.stats["shards"] == 0
+        waited: list[str | None] = []
+        scan = threading.Thread(target=lambda: waited.append(fetcher.fetch_whole(shard)))
+        scan.start()
+        scan.join(0.5)
+        assert scan.is_alive() and not waited  # waits for the other process's fetch
+        (vdir / shard).write_bytes(original)  # the other process's rename
+    scan.join(30)
+    assert waited == [None] and fetcher.stats["shards"] == 0  # no second download
+    assert (vdir / shard).read_bytes() == original
