@@ -43,7 +43,7 @@ def main() -> None:
     from stages.encode import vae as encode_vae
     from stages.train import recipe, saving as train_saving
     from stages.train import state as train_state
-    from store import writer
+    from store import writer_commit
 
     train = {"train.device": "cpu", "train.batch_size": 2, "train.lora.rank": 4, "train.max_steps": 2}
     case("checkpoint", train_state, "save_optimizer", lambda real: enospc,
@@ -55,7 +55,7 @@ def main() -> None:
 
     case("final", train_saving, "save_lora", final_only,
          lambda: recipe.run(load_config(None, {**train, "train.checkpoint_every": 100}), train_store, model, out / "b"))
-    case("commit", writer, "write_version_checksums", lambda real: enospc,
+    case("commit", writer_commit, "write_version_checksums", lambda real: enospc,
          lambda: encode_vae.run(load_config(None, {"encode_vae.device": "cpu"}), encode_store, model))
 
     from pipeline.cli import main as cli

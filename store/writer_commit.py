@@ -1,0 +1,59 @@
+"""Finishing a table writer's version (store/writer.py): each rank's done file, then on rank 0 the commit of a
+version on this disk - litter removed, checksums.json, manifest.parquet (presence = complete), store.json.
+(Ranks on several nodes writing one version of a URL commit there instead: store/remote_parts.py.)"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from schemas.errors import UserError
+from store import format as fmt
+from store.integrity import write_version_checksums
+from store.io_errors import writing
+from store.manifest import merge_indexes
+from store.writer_open import index_paths
+
+if TYPE_CHECKING:
+    from store.writer import TableWriter
+
+
+def mark_rank_done(writer: TableWriter) -> None:
+    """Write this rank's `rank-XX.done` (its shards all committed); a rank of a URL's version uploads its part."""
+    done: dict[str, Any] = {"rank": writer.rank, "world_size": writer.world_size}
+    if writer.remote_url is not None:  # what rank 0 will list in checksums.json without reading the files
+        from store.remote_parts import rank_files
+
+        done["files"] = rank_files(writer.dir, writer.rank)
+    with writing(f"table '{writer.table}' v{writer.version}", writer.dir):
+        fmt.atomic_write_json(writer.dir / fmt.rank_done_name(writer.rank), done)
+    if writer.remote_url is not None:
+        from store.remote_parts import upload_rank
+
+        upload_rank(writer, done["files"])
+
+
+def commit_local(writer: TableWriter, allow_empty: bool) -> int:
+    """Rank 0, every rank done: merge the indexes into the manifest, commit it, make the version current, release
+    the writer. Returns the version."""
+    table, version, vdir = writer.table, writer.version, writer.dir
+    missing = [r for r in range(writer.world_size) if not (vdir / fmt.rank_done_name(r)).is_file()]
+    if missing:
+        raise UserError(f"table '{table}' v{version}: ranks {missing} have not finished; "
+                        "call commit() on rank 0 after a barrier")
+    manifest = merge_indexes(index_paths(vdir))
+    if manifest.num_rows == 0 and not allow_empty:
+        writer.close()
+        raise UserError(f"table '{table}' v{version} would be empty: every input was rejected "
+                        f"(reasons in {writer.store.root / 'quarantine.parquet'}); fix the inputs or the settings")
+    for p in vdir.iterdir():  # temp files of killed writes: never part of a committed version
+        if fmt.is_litter(p.name):
+            p.unlink(missing_ok=True)
+    manifest_bytes = fmt.parquet_bytes(manifest)
+    with writing(f"the manifest of table '{table}' v{version}", vdir, need=2 * len(manifest_bytes)):
+        # checksums.json before the manifest: a complete version (manifest present) always has its checksums.
+        write_version_checksums(vdir, manifest, manifest_bytes)
+        fmt.atomic_write_bytes(vdir / fmt.MANIFEST, manifest_bytes)  # version complete from here on
+    fmt.crash_point("after_manifest")
+    writer.store.set_current(table, version)
+    writer.close()
+    return version
