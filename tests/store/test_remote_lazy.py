@@ -275,7 +275,7 @@ def test_ranges_read_by_several_processes_of_a_node_count_together(s3_env, store
     """Ranks of one node read disjoint samples of the same shards: two processes (two fetchers) each reading 30% of
     a shard by range make the node's 60%, so the shard is fetched whole once the node passed half of it - a count
     per process (30% each) would range-read it again every epoch."""
-    from store.remote_shards import FETCH_LOCK, WHOLE_AFTER, ShardFetcher
+    from store.remote_shards import WHOLE_AFTER, ShardFetcher
 
     url = _pushed(s3_env, store)
     root = local_store(url, ["vae"], tmp_path / "cache")
