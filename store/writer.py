@@ -59,12 +59,12 @@ class TableWriter:
                 from store.remote_parts import adopt_uploaded
 
                 adopt_uploaded(self)
-        except BaseException:
+            self.done_keys: set[str] = committed_keys(self.dir)
+            self._shards = RankShards(self.dir, rank, next_shard_index(self.dir, rank, remote_url is not None),
+                                      self.shard_bytes, f"table '{table}' v{self.version}")
+        except BaseException:  # the lock goes with a writer that failed to open (a long-lived process retries)
             self._lock.release()
             raise
-        self.done_keys: set[str] = committed_keys(self.dir)
-        self._shards = RankShards(self.dir, rank, next_shard_index(self.dir, rank, remote_url is not None),
-                                  self.shard_bytes, f"table '{table}' v{self.version}")
         self._finished = False
         self._closed = False
 

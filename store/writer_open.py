@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from schemas.errors import UserError
@@ -80,7 +81,13 @@ def index_paths(vdir: Path) -> list[Path]:
 def committed_keys(vdir: Path) -> set[str]:
     keys: set[str] = set()
     for p in index_paths(vdir):
-        keys.update(pq.read_table(p, columns=["key"]).column("key").to_pylist())
+        try:
+            keys.update(pq.read_table(p, columns=["key"]).column("key").to_pylist())
+        except (pa.ArrowException, OSError, ValueError, KeyError) as e:  # a damaged disk, or a hand edit
+            shard = p.name.replace(".index.parquet", ".tar")
+            raise UserError(f"{p}: the index of a committed shard of this unfinished version cannot be read "
+                            f"({str(e).splitlines()[0] if str(e) else type(e).__name__}); delete it and {shard} "
+                            "beside it, then rerun: their samples are written again") from None
     return keys
 
 

@@ -223,3 +223,29 @@ def test_tensors_come_from_the_samples_own_header_not_the_parsed_manifest(store:
         ref = load(raw[: 8 + int.from_bytes(raw[:8], "little") + sum(t["nbytes"] for t in layout[i])])
         assert all(torch.equal(ref[name], got[k][name]) for name in ref)
     r.close()
+
+
+def test_a_damaged_index_of_an_unfinished_version_is_one_line_and_the_lock_is_released(store: Store) -> None:
+    """Resuming a version whose committed shard index is unreadable (a damaged disk): one line naming the file and
+    what to do, and the rank's lock is released (a long-lived process opening the writer again is not refused as
+    'being written'); once the damaged index and its shard are deleted, the resume writes their samples again."""
+    w = store.writer("vae", vae_schema(), shard_size_mb=0.004)
+    for i in range(5):
+        s = sample(i)
+        w.add(s["key"], tensors=s["tensors"], files=s["files"], meta=s["meta"])
+    w.close()  # killed before the commit: committed shards stay
+    vdir = store.root / "vae" / "v1"
+    index = sorted(vdir.glob("shard-r00-*.index.parquet"))[0]
+    index.write_bytes(b"not parquet at all")
+    for _ in range(2):  # the second open would be refused as locked if the first kept the lock
+        with pytest.raises(UserError) as e:
+            store.writer("vae", vae_schema(), shard_size_mb=0.004)
+        assert str(index) in str(e.value) and "\n" not in str(e.value) and "delete it" in str(e.value)
+    index.unlink()
+    (vdir / index.name.replace(".index.parquet", ".tar")).unlink()
+    w2 = store.writer("vae", vae_schema(), shard_size_mb=0.004)
+    for i in range(5):
+        s = sample(i)
+        if s["key"] not in w2.done_keys:
+            w2.add(s["key"], tensors=s["tensors"], files=s["files"], meta=s["meta"])
+    assert w2.commit() == 1 and len(store.reader("vae")) == 5
