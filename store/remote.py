@@ -10,8 +10,12 @@ itself, or fsspec storage options passed by the caller.
 from __future__ import annotations
 
 import errno
+import os
+import secrets
+import socket
+import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -21,6 +25,7 @@ from store.checksum import CHUNK, RunningCrc
 # user metadata recorded on every object we upload to S3: a rerun can tell an object is already there (same size,
 # same CRC32C as the store's checksums.json) from one HEAD request, without reading it back
 CRC_META = "crc32c"
+CLOCK_DIR = ".clock"  # `Remote.now`'s probe objects (each removed at once)
 
 
 def is_url(path: str | Path) -> bool:
@@ -97,9 +102,28 @@ class Remote:
     url: str
     fs: Any
     root: str
+    _skew: float | None = field(default=None, repr=False, compare=False)  # server clock - this machine's
 
     def path(self, rel: str) -> str:
         return f"{self.root}/{rel}"
+
+    def now(self) -> float:
+        """The server's clock (epoch seconds), what its LastModified times are compared with (a lease's last
+        refresh, a push's newest object): this machine's clock may be off by more than gc's margins, and judging
+        a live reader's lease stale (or a running push's objects old) would delete data in use. The offset is
+        measured once per Remote: a 0-byte probe object written, its LastModified read, removed (whole seconds
+        on S3: the offset is within ~1 s). A probe left by a killed command is removed by `store gc`."""
+        if self._skew is None:
+            rel = f"{CLOCK_DIR}/{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
+            before = time.time()
+            self.fs.pipe_file(self.path(rel), b"")
+            after = time.time()
+            try:
+                server = _modified(self.fs.info(self.path(rel)))
+            finally:
+                self.delete([rel])
+            self._skew = server - (before + after) / 2
+        return time.time() + self._skew
 
     @property
     def is_s3(self) -> bool:

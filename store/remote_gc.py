@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from schemas.errors import UserError
 from store import format as fmt
 from store import remote_lease
-from store.remote import Remote, open_remote, remote_errors
+from store.remote import CLOCK_DIR, Remote, open_remote, remote_errors
 
 GRACE_SECONDS = 3600.0
 _OBJECT_RE = re.compile(r"([^./][^/]*)/v(\d+)/(.+)")
@@ -66,6 +65,8 @@ class RemoteGcPlan:
     leased: dict[tuple[str, int], list[str]] = field(default_factory=dict)
     dead_leases: list[str] = field(default_factory=list)  # lease object paths
     markers: dict[tuple[str, int], str] = field(default_factory=dict)  # damaged markers by version
+    probes: list[str] = field(default_factory=list)  # clock probes left by killed commands (Remote.now)
+    now: float = 0.0  # the server's clock at the plan
     nbytes: int = 0
 
 
@@ -102,7 +103,8 @@ def _closure(remote: Remote, roots: list[tuple[str, int]], versions: dict[tuple[
 
 
 def plan(remote: Remote, grace_s: float = GRACE_SECONDS, now: float | None = None) -> RemoteGcPlan:
-    now = time.time() if now is None else now
+    """`now`: the server's clock by default (ages are measured on LastModified, the server's times)."""
+    now = remote.now() if now is None else now
     listing = remote.listing_times()
     if not listing:
         raise UserError(f"no store at {remote.url} (nothing there); check the URL")
@@ -114,6 +116,8 @@ def plan(remote: Remote, grace_s: float = GRACE_SECONDS, now: float | None = Non
             versions.setdefault(key, Version(*key)).objects[rel] = info
         elif m := _MARKER_RE.fullmatch(rel):
             out.markers[(m.group(1), int(m.group(2)))] = rel
+        elif rel.startswith(CLOCK_DIR + "/") and now - info[1] >= grace_s:
+            out.probes.append(rel)  # a clock probe of a command killed between its PUT and its DELETE
     current = _current(remote)
     roots = sorted(current.items()) if current is not None else [tv for tv, v in versions.items() if v.complete]
     keep = _closure(remote, roots, versions)
@@ -131,6 +135,7 @@ def plan(remote: Remote, grace_s: float = GRACE_SECONDS, now: float | None = Non
         retired = (v.table, v.version) in out.markers  # repair retired it: no push is writing it
         (out.remove if retired or now - v.newest >= grace_s else out.young_incomplete).append(v)
     out.nbytes = sum(v.nbytes for v in out.remove)
+    out.now = now
     return out
 
 
@@ -158,15 +163,17 @@ def collect(url: str, dry_run: bool = False, grace_s: float = GRACE_SECONDS,
         would = "would remove" if dry_run else "remove"
         for v in p.remove:
             what = "" if v.complete else (f" (incomplete: no manifest, newest object "
-                                          f"{(time.time() - v.newest) / 60:.0f} min old; a killed push or gc)")
+                                          f"{(p.now - v.newest) / 60:.0f} min old; a killed push or gc)")
             echo(f"{would} {v.name}{what}")
         for (table, v), by in sorted(p.leased.items()):
             echo(f"keep {table}/v{v}: not current, but held by " + "; ".join(by))
         for v in p.young_incomplete:
-            echo(f"keep {v.name}: incomplete, its newest object is {(time.time() - v.newest) / 60:.0f} min old "
+            echo(f"keep {v.name}: incomplete, its newest object is {(p.now - v.newest) / 60:.0f} min old "
                  f"(a push may still be writing it; removed once {grace_s / 60:.0f} min old)")
         for rel in p.dead_leases:
             echo(f"{would} the lease of a gone process: {rel}")
+        if p.probes:
+            echo(f"{would} {len(p.probes)} clock probe(s) left by killed commands ({CLOCK_DIR}/)")
         if dry_run:
             echo(f"dry run: {len(p.remove)} version(s), {p.nbytes / 1e6:.1f} MB would be freed")
             return p
@@ -184,7 +191,7 @@ def collect(url: str, dry_run: bool = False, grace_s: float = GRACE_SECONDS,
             if (v.table, v.version) in p.markers:
                 remote.delete([p.markers[(v.table, v.version)]])
             removed.append(v)
-        remote.delete(p.dead_leases)
+        remote.delete(p.dead_leases + p.probes)
         echo(f"gc {url}: {len(removed)} version(s) removed, {sum(v.nbytes for v in removed) / 1e6:.1f} MB freed")
         p.remove = removed
     return p

@@ -159,8 +159,10 @@ def hold_reading(url: str, versions: Iterable[tuple[str, int]],
 
 
 def leases(remote: Remote, listing: dict[str, tuple[int, float]], now: float | None = None) -> list[local_lease.Found]:
-    """Every lease object, judged live or dead (`listing`: {rel: (size, LastModified epoch)}); an unreadable one
-    counts as dead (objects are written whole, so it is damage)."""
+    """Every lease object, judged live or dead (`listing`: {rel: (size, LastModified epoch)}) by the server's
+    clock (`now`, default `remote.now()`: LastModified is the server's); an unreadable one counts as dead (objects
+    are written whole, so it is damage)."""
+    now = remote.now() if now is None else now
     out = []
     for rel, (_, mtime) in sorted(listing.items()):
         if not (rel.startswith(LEASES_DIR + "/") and rel.endswith(".json")):

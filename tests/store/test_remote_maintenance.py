@@ -328,3 +328,40 @@ def test_a_resumed_push_refills_what_a_gc_removed_after_its_listing(s3_env, stor
     pulled = tmp_path / "pulled"
     pull(s3_env.url(), pulled)
     assert verify_store(pulled) == []
+
+
+def test_gc_judges_ages_by_the_servers_clock_not_this_machines(s3_env, store: Store, monkeypatch) -> None:
+    """This machine's clock two hours ahead of the server's: a lease another node refreshed a moment ago and a
+    push's objects written a moment ago are young by the server's LastModified; judged by the local clock, gc
+    deleted the version that node reads and the push in progress. A clock probe left by a killed command goes."""
+    import time as real_time
+    import types
+
+    from store import lease as local_lease, remote_gc
+
+    fill(store, 4, tag="a")  # v1
+    fill(store, 4, tag="b", start=10)  # v2, current
+    push(store.root, s3_env.url())
+    client = s3_env.client()
+    record = {"host": "another-node", "pid": 4242, "pid_start": 1, "pid_namespace": "x", "what": "pipeline train",
+              "versions": {"vae": [1]}, "kind": "read"}  # refreshed just now by a reader on another machine
+    client.put_object(Bucket=s3_env.bucket, Key="store/.leases/another-node-4242-abcd.json",
+                      Body=json.dumps(record).encode())
+    client.put_object(Bucket=s3_env.bucket, Key="store/vae/v3/shard-r00-000000.tar", Body=b"x" * 10)  # a push now
+    probe = "store/.clock/dead-host-1-0000"
+    client.put_object(Bucket=s3_env.bucket, Key=probe, Body=b"")
+
+    ahead = types.SimpleNamespace(**{**vars(real_time), "time": lambda: real_time.time() + 7200})
+    for module in (remote_mod, remote_gc, local_lease):
+        monkeypatch.setattr(module, "time", ahead, raising=False)
+    r = _cli("store", "gc", s3_env.url())
+    assert r.exit_code == 0, r.output
+    keys = objects(s3_env)
+    assert "store/vae/v1/manifest.parquet" in keys and "keep vae/v1: not current, but held by" in r.output
+    assert "store/vae/v3/shard-r00-000000.tar" in keys and "keep vae/v3: incomplete" in r.output, r.output
+    assert "store/.leases/another-node-4242-abcd.json" in keys
+    assert probe in keys and not any(k.startswith("store/.clock/") and k != probe for k in keys)  # its own removed
+
+    r = _cli("store", "gc", s3_env.url(), "--incomplete-after", "0")  # an old probe goes with the leftovers
+    assert r.exit_code == 0 and "1 clock probe(s)" in r.output, r.output
+    assert probe not in objects(s3_env)
