@@ -101,8 +101,54 @@ def _counted(p: Path) -> os.stat_result | None:
     return st if st is not None and stat.S_ISREG(st.st_mode) else None
 
 
-def _files(folder: Path) -> list[tuple[Path, os.stat_result]]:
-    return [(p, st) for p in folder.iterdir() if (st := _counted(p)) is not None]
+def _files(folder: Path, recorded: dict[str, int] | None = None) -> tuple[list[tuple[str, int, float]], int]:
+    """([(name, bytes, last use)] of the counted files directly in `folder`, bytes of those in `recorded`).
+    `recorded`: files whose sizes are known without a stat (a lazily cached version's metadata: never evicted
+    alone, so not listed). os.scandir, no Path per file: a walk runs under the cache lock before every whole-shard
+    fetch, and a 1M-sample version holds ~20k files."""
+    out, known = [], 0
+    try:
+        entries = list(os.scandir(folder))
+    except FileNotFoundError:
+        return out, known
+    for e in entries:
+        if e.name.endswith(".lock"):
+            continue
+        if recorded is not None and (n := recorded.get(e.name)) is not None:
+            known += n
+            continue
+        try:
+            st = e.stat(follow_symlinks=False)
+        except FileNotFoundError:  # gone since the listing
+            continue
+        if stat.S_ISREG(st.st_mode):
+            out.append((e.name, st.st_size, st.st_mtime))
+    return out, known
+
+
+_recorded: dict[str, tuple[tuple[int, int, int], dict[str, int]]] = {}  # version folder -> (its record's id, sizes)
+
+
+def _metadata_sizes(vdir: Path) -> dict[str, int]:
+    """{name: bytes} of a lazily cached version's metadata (every file its checksums.json lists but the shards):
+    fetched whole and checked before the version folder exists, and immutable after, so a walk needs no stat for
+    its ~20k shard indexes. Kept per process, keyed by the record file's inode, mtime and size."""
+    from store import integrity
+    from store.remote_shards import is_shard
+
+    try:
+        st = os.stat(vdir / fmt.CHECKSUMS)
+    except FileNotFoundError:
+        return {}
+    key = (st.st_ino, st.st_mtime_ns, st.st_size)
+    got = _recorded.get(str(vdir))
+    if got is None or got[0] != key:
+        try:
+            sums = integrity.read_version_checksums(vdir) or {}
+        except integrity.DamagedData:  # the readers and verify say so; the walk stats every file instead
+            return {}
+        got = _recorded[str(vdir)] = (key, {n: int(e["nbytes"]) for n, e in sums.items() if not is_shard(n)})
+    return got[1]
 
 
 def _size(folder: Path) -> int:
@@ -121,7 +167,7 @@ def _candidates(cache: Path, keep: set[tuple[Path, str, int]], whole_versions: b
             total += _size(root)
             continue
         leased = {(t, v) for found in leases.leases(root) if found.live for t, v in found.versions()}
-        total += sum(st.st_size for _, st in _files(root))
+        total += sum(n for _, n, _ in _files(root)[0])
         for table_dir in sorted(p for p in root.iterdir() if p.is_dir()):
             if table_dir.name.startswith("."):
                 total += _size(table_dir)
@@ -134,16 +180,17 @@ def _candidates(cache: Path, keep: set[tuple[Path, str, int]], whole_versions: b
                     total += _size(p)  # a pull or lazy open in progress, a version being evicted
             for v in sorted(versions):
                 vdir = fmt.version_dir(root, table_dir.name, v)
-                files = _files(vdir)
-                n = sum(st.st_size for _, st in files)
+                lazy = is_lazy(vdir)
+                files, metadata = _files(vdir, _metadata_sizes(vdir) if lazy else None)
+                n = metadata + sum(size for _, size, _ in files)
                 total += n
                 pinned = (root, table_dir.name, v) in keep or (table_dir.name, v) in leased
                 if whole_versions and not pinned and fmt.is_complete(vdir):  # never a writer's version in progress
                     out.append((vdir.stat().st_mtime, n, vdir, True))  # renamed only under the lock
-                elif is_lazy(vdir):
-                    out += [(st.st_mtime, st.st_size, f, False) for f, st in files if is_shard(f.name)]
+                elif lazy:
+                    out += [(used, size, vdir / name, False) for name, size, used in files if is_shard(name)]
                 # the temp file of a fetch whose process was killed: first to go
-                out += [(0.0, st.st_size, f, False) for f, st in files if _orphan_fetch(f.name)]
+                out += [(0.0, size, vdir / name, False) for name, size, _ in files if _orphan_fetch(name)]
     return total, out
 
 

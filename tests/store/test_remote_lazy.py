@@ -350,3 +350,21 @@ def test_one_process_of_a_node_fetches_a_shard_whole(s3_env, store: Store, tmp_p
     scan.join(30)
     assert waited == [None] and fetcher.stats["shards"] == 0  # no second download
     assert (vdir / shard).read_bytes() == original
+
+
+def test_the_cache_walk_counts_what_is_on_disk(s3_env, store: Store, tmp_path: Path) -> None:
+    """The walk before each whole fetch takes a lazily cached version's metadata sizes from its checksums.json
+    instead of a stat per file (a 1M-sample version has ~20k shard indexes): its total must be what the files
+    hold, with shards cached, range counts and fetch locks beside them."""
+    from store.remote_cache import _candidates
+
+    url = _pushed(s3_env, store)
+    cache = tmp_path / "cache"
+    root = local_store(url, ["vae"], cache)
+    with store.reader("vae") as local, Store(root, create=False).reader("vae") as cached:
+        for k in local.shard_groups()[0] + _one_key_per_shard(local)[1:]:  # one shard scanned, others by range
+            assert _same(cached.tensors(k), local.tensors(k))
+    assert 1 <= len(_shard_files(root)) < 4 and list(root.rglob(f"*{RANGED}"))
+    total, candidates = _candidates(cache, set(), whole_versions=False)
+    assert total == _cache_bytes(cache)
+    assert [p.name for _, _, p, _ in candidates] == [p.name for p in _shard_files(root)]  # only shards may go
