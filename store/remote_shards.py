@@ -359,21 +359,29 @@ def _set_aside_if_dead(root: Path, table: str, vdir: Path) -> None:
     shutil.rmtree(doomed, ignore_errors=True)
 
 
+METADATA_FETCHES = 16  # metadata objects fetched at once by a lazy open
+
+
 def _fetch_metadata(remote: Remote, root: Path, table: str, version: int, files) -> None:
-    """A version's files except its shards into `.v<N>.lazy/`, each checked, the manifest last, the marker, and
-    the rename to `v<N>`: the local commit, as pull's."""
+    """A version's files except its shards into `.v<N>.lazy/`, each checked, the marker, and the rename to `v<N>`:
+    the local commit, as pull's. Fetched `METADATA_FETCHES` at a time: a 1M-sample version has ~20k shard indexes,
+    one small GET each (~16 ms against the test server: 666 shards took 10.9 s one after the other), and the
+    rename, not the order, is the commit."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tqdm import tqdm
+
     from store.remote_sync import damaged_object
 
     final = fmt.version_dir(root, table, version)
     tmp = final.with_name(f".{final.name}{LAZY_SUFFIX}")
     tmp.mkdir(parents=True, exist_ok=True)
-    for f in files:
-        name = f.rel.rsplit("/", 1)[1]
-        if is_shard(name):
-            continue
-        path = tmp / name
+    todo = [f for f in files if not is_shard(f.rel.rsplit("/", 1)[1])]
+
+    def fetch(f) -> None:
+        path = tmp / f.rel.rsplit("/", 1)[1]
         if path.is_file() and file_crc(path) == (f.crc, f.nbytes):  # fetched and checked by an earlier open
-            continue
+            return
         part = path.with_name(path.name + ".part")
         part.touch()
         try:
@@ -385,6 +393,12 @@ def _fetch_metadata(remote: Remote, root: Path, table: str, version: int, files)
             part.unlink()
             raise damaged_object(remote.url, f, n, crc)
         os.replace(part, path)
+
+    with ThreadPoolExecutor(METADATA_FETCHES, thread_name_prefix="lazy-open") as pool, \
+            tqdm(total=len(todo), desc=f"open {remote.url}/{table}/v{version}", unit="file", dynamic_ncols=True,
+                 disable=len(todo) < 100) as bar:
+        for _ in pool.map(fetch, todo):  # the first error is raised here (the others finish first)
+            bar.update()
     mark(tmp, remote.url, table, version)
     os.rename(tmp, final)
 
