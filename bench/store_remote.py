@@ -15,9 +15,9 @@ ranks  --ranks processes of one node sharing a cold cache, each reading its disj
        own random order (as the ranks of a distributed training read): bytes fetched from the server by all of
        them together vs the store's size, with the node's per-shard fetch lock (store/remote_shards.py) and
        without it (each rank passing the whole-fetch threshold downloads the shard itself, as before the lock).
-open   a cold open of a store URL whose version has --open-shards small shards (a 1M-sample table has ~20k: the
-       open fetches every shard index, the manifest and the schema, each checked): the metadata fetched
-       `remote_shards.METADATA_FETCHES` at a time vs one after the other (1), interleaved.
+objects  push, pull and a cold lazy open of a version of --shards-count small shards (a 1M-sample table has ~20k,
+       each with its index: two objects per shard, one round trip each), `store.remote.TRANSFERS` objects at a
+       time vs one after the other, interleaved.
 train  a CPU training run of configs/demo.yaml (its tiny model, its 24 synthetic samples, 60 steps) on the local
        store, on the URL with a warm cache and with a cold one, train.prefetch 0 and 2: the time each step waits
        for its micro-batch (`MicroBatches.next`, timed here) as a share of the step (a cold cache fetches during
@@ -29,7 +29,7 @@ overhead on this machine; a real S3 endpoint is limited by the network instead.
     python bench/store_remote.py --gb 0.5 --repeats 3            # all three
     python bench/store_remote.py --only read --gb 0.3
     python bench/store_remote.py --only ranks --gb 0.3 --shard-mb 16 --ranks 4
-    python bench/store_remote.py --only open --open-shards 600
+    python bench/store_remote.py --only objects --shards-count 600
 """
 
 from __future__ import annotations
@@ -226,34 +226,39 @@ def bench_ranks(work: Path, gb: float, shard_mb: float, repeats: int, seed: int,
     shutil.rmtree(src)
 
 
-def bench_open(work: Path, shards: int, repeats: int) -> None:
+def bench_objects(work: Path, shards: int, repeats: int) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "store"))
     from store_samples import fill  # tiny samples: the objects' count matters here, not their bytes
 
-    from store import Store, remote_shards
+    from store import Store, remote
     from store.remote_cache import local_store
-    from store.remote_sync import push
+    from store.remote_sync import pull, push
 
-    src, url = Store(work / "open-store"), "s3://bench/open"
+    src = Store(work / "objects-store")
     fill(src, shards * 3 // 2, shard_size_mb=0.004)  # ~1.5 samples (~4 KB each) per shard
-    push(src.root, url)
     n = len(list(src.root.rglob("*.tar")))
-    best = {1: float("inf"), remote_shards.METADATA_FETCHES: float("inf")}
-    default = remote_shards.METADATA_FETCHES
+    default = remote.TRANSFERS
+    best = {(what, k): float("inf") for what in ("push", "pull", "open") for k in (1, default)}
     try:
         for i in range(repeats):
-            for at_once in best:  # interleaved
-                remote_shards.METADATA_FETCHES = at_once
-                t = time.perf_counter()
-                local_store(url, ["vae"], work / f"open-cache-{i}-{at_once}", lease=False)
-                best[at_once] = min(best[at_once], time.perf_counter() - t)
-                shutil.rmtree(work / f"open-cache-{i}-{at_once}")
+            for at_once in (1, default):  # interleaved
+                remote.TRANSFERS = at_once
+                url = f"s3://bench/objects-{i}-{at_once}"
+                for what, run in (("push", lambda: push(src.root, url)),
+                                  ("pull", lambda: pull(url, work / "pulled")),
+                                  ("open", lambda: local_store(url, ["vae"], work / "cache", lease=False))):
+                    t = time.perf_counter()
+                    run()
+                    best[what, at_once] = min(best[what, at_once], time.perf_counter() - t)
+                shutil.rmtree(work / "pulled")
+                shutil.rmtree(work / "cache")
     finally:
-        remote_shards.METADATA_FETCHES = default
-    print(f"== open: a cold lazy open of a version with {n} shards ({n} shard indexes + manifest + schema); "
-          f"best of {repeats}")
-    for at_once, secs in best.items():
-        print(f"{at_once:3d} at a time  {secs:6.2f} s  ({best[1] / secs:.2f}x one after the other)")
+        remote.TRANSFERS = default
+    print(f"== objects: a version of {n} shards ({2 * n + 3} objects: shards, their indexes, manifest, schema, "
+          f"checksums); push, pull, cold lazy open (metadata only: {n + 3} objects); best of {repeats}")
+    for what in ("push", "pull", "open"):
+        one, many = best[what, 1], best[what, default]
+        print(f"{what:5s} one at a time {one:6.2f} s, {default} at a time {many:6.2f} s ({one / many:.2f}x)")
     shutil.rmtree(src.root)
 
 
@@ -348,14 +353,14 @@ def bench_train(work: Path, repeats: int, warmup: int = 2) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", choices=["sync", "read", "ranks", "open", "train"], default=None)
+    ap.add_argument("--only", choices=["sync", "read", "ranks", "objects", "train"], default=None)
     ap.add_argument("--gb", type=float, default=0.5)
     ap.add_argument("--shard-mb", type=float, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--random", type=int, default=300, help="random reads per pass")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ranks", type=int, default=4, help="processes of one node (ranks)")
-    ap.add_argument("--open-shards", type=int, default=600, help="shards of the store a cold open fetches the indexes of")
+    ap.add_argument("--shards-count", type=int, default=600, help="shards of the `objects` case's version")
     args = ap.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="store-remote-bench-"))
@@ -367,8 +372,8 @@ def main() -> None:
             bench_read(work, args.gb, args.shard_mb, args.repeats, args.seed, args.random)
         if args.only in (None, "ranks"):
             bench_ranks(work, args.gb, args.shard_mb, args.repeats, args.seed, args.ranks)
-        if args.only in (None, "open"):
-            bench_open(work, args.open_shards, args.repeats)
+        if args.only in (None, "objects"):
+            bench_objects(work, args.shards_count, args.repeats)
         if args.only in (None, "train"):
             bench_train(work, args.repeats)
     finally:

@@ -13,6 +13,7 @@ import errno
 import os
 import secrets
 import socket
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -26,6 +27,32 @@ from store.checksum import CHUNK, RunningCrc
 # same CRC32C as the store's checksums.json) from one HEAD request, without reading it back
 CRC_META = "crc32c"
 CLOCK_DIR = ".clock"  # `Remote.now`'s probe objects (each removed at once)
+TRANSFERS = 16  # objects moved at once by push, pull and a lazy open
+
+
+def each_at_once(fn: Callable[[Any], Any], items: list[Any]) -> Iterator[Any]:
+    """fn(item) for every item, `TRANSFERS` at a time, results in order. A version holds one small object per
+    shard (its index; ~20k at 1M samples), each one round trip: one after the other, the latency is the whole
+    cost. Threads: fsspec's calls into its event loop are thread-safe. On an error the queued calls are cancelled,
+    the running ones finish, and the first error is raised."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    pool = ThreadPoolExecutor(TRANSFERS, thread_name_prefix="transfer")
+    try:
+        yield from pool.map(fn, items)
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+class SharedBar:
+    """A tqdm bar that several transfer threads update (tqdm's own counter is not thread-safe)."""
+
+    def __init__(self, bar: Any) -> None:
+        self.bar, self._lock = bar, threading.Lock()
+
+    def update(self, n: int = 1) -> None:
+        with self._lock:
+            self.bar.update(n)
 
 
 def is_url(path: str | Path) -> bool:

@@ -39,7 +39,7 @@ from schemas.errors import UserError
 from store import format as fmt
 from store.checksum import CHUNK, RunningCrc, file_crc
 from store.io_errors import writing
-from store.remote import Remote, open_remote, remote_errors
+from store.remote import Remote, each_at_once, open_remote, remote_errors
 
 log = logging.getLogger("store")
 
@@ -359,16 +359,10 @@ def _set_aside_if_dead(root: Path, table: str, vdir: Path) -> None:
     shutil.rmtree(doomed, ignore_errors=True)
 
 
-METADATA_FETCHES = 16  # metadata objects fetched at once by a lazy open
-
-
 def _fetch_metadata(remote: Remote, root: Path, table: str, version: int, files) -> None:
     """A version's files except its shards into `.v<N>.lazy/`, each checked, the marker, and the rename to `v<N>`:
-    the local commit, as pull's. Fetched `METADATA_FETCHES` at a time: a 1M-sample version has ~20k shard indexes,
-    one small GET each (~16 ms against the test server: 666 shards took 10.9 s one after the other), and the
-    rename, not the order, is the commit."""
-    from concurrent.futures import ThreadPoolExecutor
-
+    the local commit, as pull's. Fetched several at a time (`each_at_once`; the rename, not the order, is the
+    commit)."""
     from tqdm import tqdm
 
     from store.remote_sync import damaged_object
@@ -394,10 +388,9 @@ def _fetch_metadata(remote: Remote, root: Path, table: str, version: int, files)
             raise damaged_object(remote.url, f, n, crc)
         os.replace(part, path)
 
-    with ThreadPoolExecutor(METADATA_FETCHES, thread_name_prefix="lazy-open") as pool, \
-            tqdm(total=len(todo), desc=f"open {remote.url}/{table}/v{version}", unit="file", dynamic_ncols=True,
-                 disable=len(todo) < 100) as bar:
-        for _ in pool.map(fetch, todo):  # the first error is raised here (the others finish first)
+    with tqdm(total=len(todo), desc=f"open {remote.url}/{table}/v{version}", unit="file", dynamic_ncols=True,
+              disable=len(todo) < 100) as bar:
+        for _ in each_at_once(fetch, todo):
             bar.update()
     mark(tmp, remote.url, table, version)
     os.rename(tmp, final)

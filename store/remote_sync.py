@@ -34,7 +34,7 @@ from schemas.errors import UserError
 from store import format as fmt
 from store import remote_lease
 from store.checksum import SealError, crc_hex, file_crc, seal, unseal
-from store.remote import Remote, open_remote, remote_errors
+from store.remote import Remote, SharedBar, each_at_once, open_remote, remote_errors
 from store.remote_shards import is_lazy
 
 PULL_SUFFIX = ".pull"
@@ -57,6 +57,10 @@ class SyncSummary:
     bytes_sent: int = 0
     damaged: list[str] = field(default_factory=list)  # objects kept although they differ (pull for repair)
     newer: list[str] = field(default_factory=list)  # push: "table/vN" the remote had current, above the pushed one
+
+    def sent(self, f: "_File") -> None:
+        self.objects_sent += 1
+        self.bytes_sent += f.nbytes
 
     def __str__(self) -> str:
         what = ", ".join(self.copied) or "nothing new"
@@ -184,22 +188,32 @@ def _plan_push(remote: Remote, src: Path, url: str, listing: dict[str, int], ver
 
 def _upload(remote: Remote, src: Path, url: str, todo: list[_File], files_of: dict[str, list[_File]],
             summary: SyncSummary) -> None:
-    with _progress(sum(f.nbytes for f in todo), f"push {url}") as bar:
+    with _progress(sum(f.nbytes for f in todo), f"push {url}") as progress:
+        bar, batch = SharedBar(progress), []
+
+        def send_batch() -> None:  # several at a time: only a manifest's order matters
+            for f in each_at_once(lambda f: _send(remote, src, url, f, bar), batch):
+                summary.sent(f)
+            batch.clear()
+
         for f in todo:
-            if f.rel in files_of:  # a manifest: the commit of its version
-                _refill(remote, src, url, files_of[f.rel], bar, summary)
-                fmt.crash_point("push_before_manifest")
-            _send(remote, src, url, f, bar, summary)
+            if f.rel not in files_of:
+                batch.append(f)
+                continue
+            send_batch()  # a manifest: the commit of its version, once every other object of it is there
+            _refill(remote, src, url, files_of[f.rel], bar, summary)
+            fmt.crash_point("push_before_manifest")
+            summary.sent(_send(remote, src, url, f, bar))
+        send_batch()
 
 
-def _send(remote: Remote, src: Path, url: str, f: _File, bar, summary: SyncSummary) -> None:
+def _send(remote: Remote, src: Path, url: str, f: _File, bar) -> _File:
     _check_local(src / f.rel, f)
     # objects are write-once: one that appeared since the listing must be this very file
     if not remote.upload(src / f.rel, f.rel, f.crc, bar) and not remote.has(f.rel, f.nbytes, f.crc):
         table, version = f.rel.split("/")[:2]
         raise _conflict(table, int(version[1:]), url, src, remote)
-    summary.objects_sent += 1
-    summary.bytes_sent += f.nbytes
+    return f
 
 
 def _refill(remote: Remote, src: Path, url: str, files: list[_File], bar, summary: SyncSummary) -> None:
@@ -210,7 +224,7 @@ def _refill(remote: Remote, src: Path, url: str, files: list[_File], bar, summar
     there = remote.listing(base)
     for f in files[:-1]:
         if there.get(f.rel) != f.nbytes:
-            _send(remote, src, url, f, bar, summary)
+            summary.sent(_send(remote, src, url, f, bar))
 
 
 def push_quarantine(remote: Remote, src: Path) -> int:
@@ -421,12 +435,15 @@ def _pull_version(remote: Remote, dst: Path, table: str, version: int, files: li
     final = fmt.version_dir(dst, table, version)
     tmp = final.with_name(f".{final.name}{PULL_SUFFIX}")
     tmp.mkdir(parents=True, exist_ok=True)
-    for f in files:
+    bar = SharedBar(bar)
+
+    def fetch(f: _File) -> str:
+        """One file into the pull folder, checked: 'skipped' (there from an earlier run), 'damaged' (kept, with
+        damaged_ok) or 'sent'."""
         path = dst / f.rel.replace(f"{table}/v{version}/", f"{table}/{tmp.name}/", 1)
         if path.is_file() and file_crc(path) == (f.crc, f.nbytes):  # fetched and checked by an earlier run
-            summary.objects_skipped += 1
             bar.update(f.nbytes)
-            continue
+            return "skipped"
         part = path.with_name(path.name + ".part")
         try:
             crc = remote.download(f.rel, part, bar)
@@ -434,14 +451,19 @@ def _pull_version(remote: Remote, dst: Path, table: str, version: int, files: li
             part.unlink(missing_ok=True)
             raise
         size = part.stat().st_size
-        if (size, crc) != (f.nbytes, f.crc) and damaged_ok:
-            summary.damaged.append(f.rel)
-        elif (size, crc) != (f.nbytes, f.crc):
+        if (size, crc) != (f.nbytes, f.crc) and not damaged_ok:
             part.unlink()
             raise damaged_object(remote.url, f, size, crc)
         os.replace(part, path)
-        summary.objects_sent += 1
-        summary.bytes_sent += f.nbytes
+        return "sent" if (size, crc) == (f.nbytes, f.crc) else "damaged"
+
+    for f, how in zip(files, each_at_once(fetch, files)):  # several at a time: the rename below is the commit
+        if how == "skipped":
+            summary.objects_skipped += 1
+            continue
+        if how == "damaged":
+            summary.damaged.append(f.rel)
+        summary.sent(f)
     for p in tmp.iterdir():
         fmt.fsync_dir(p)  # os.fsync on a descriptor of the file
     fmt.fsync_dir(tmp)

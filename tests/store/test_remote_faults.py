@@ -29,18 +29,11 @@ STALLING_PUSH = textwrap.dedent("""
     import sys, time
     from pathlib import Path
     from store import remote
+    from transfer_gate import AfterN
 
-    real, sent = remote.Remote.upload, []
-
-    def upload(self, *args, **kwargs):
-        if len(sent) == 3:
-            Path(sys.argv[3]).write_text("3 sent")
-            time.sleep(3600)
-        out = real(self, *args, **kwargs)
-        sent.append(args[1])
-        return out
-
-    remote.Remote.upload = upload
+    gate = AfterN(3, remote.Remote.upload, then=lambda: Path(sys.argv[3]).write_text("3 sent"),
+                  after=lambda *a: time.sleep(3600))
+    remote.Remote.upload = lambda self, *a, **k: gate(self, *a, **k)
     from pipeline.cli import app
     app(["store", "push", sys.argv[1], sys.argv[2]])
 """)
@@ -54,8 +47,9 @@ def test_sigkilled_push_leaves_no_visible_version_and_a_rerun_completes(s3_env, 
                                                                        tmp_path: Path) -> None:
     fill(store, 12)
     marker = tmp_path / "stalled"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
     child = subprocess.Popen([sys.executable, "-c", STALLING_PUSH, str(store.root), s3_env.url(), str(marker)],
-                             env=dict(os.environ), start_new_session=True,
+                             env=env, start_new_session=True,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 300  # a generous bound for a loaded machine, not a timing assertion

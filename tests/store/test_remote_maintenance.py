@@ -27,6 +27,7 @@ from store.remote_cache import local_store
 from store.remote_sync import pull, push
 from store.verify import verify_store
 from store_samples import fill
+from transfer_gate import AfterN
 
 runner = CliRunner()
 
@@ -233,15 +234,12 @@ def _push_killed_after_three_objects(store: Store, s3_env, monkeypatch) -> None:
     """12 samples in `store`, pushed by a push whose connection dies after 3 objects of v1 (exit 1)."""
     fill(store, 12)
     real_upload = remote_mod.Remote.upload
-    sent: list[str] = []
 
-    def failing_upload(self, local, rel, crc, progress):
-        if len(sent) == 3:
-            raise ConnectionResetError("connection reset by peer")
-        sent.append(rel)
-        return real_upload(self, local, rel, crc, progress)
+    def reset(*args):
+        raise ConnectionResetError("connection reset by peer")
 
-    monkeypatch.setattr(remote_mod.Remote, "upload", failing_upload)
+    gate = AfterN(3, real_upload, after=reset)
+    monkeypatch.setattr(remote_mod.Remote, "upload", lambda self, *a: gate(self, *a))
     assert _cli("store", "push", store.root, s3_env.url()).exit_code == 1
     monkeypatch.setattr(remote_mod.Remote, "upload", real_upload)
 

@@ -14,6 +14,7 @@ from store import Store
 from store import remote as remote_mod
 from store.remote_sync import pull, push
 from store.verify import verify_store
+from transfer_gate import AfterN
 from store_samples import fill, sample
 
 runner = CliRunner()
@@ -68,16 +69,13 @@ def test_push_then_pull_round_trips_the_store(s3_env, store: Store, tmp_path: Pa
 def test_killed_push_leaves_no_visible_version_and_a_rerun_sends_only_the_rest(s3_env, store: Store,
                                                                               monkeypatch) -> None:
     fill(store, 12)
-    sent: list[str] = []
     real_upload = remote_mod.Remote.upload
 
-    def failing_upload(self, local, rel, crc, progress):
-        if len(sent) == 3:  # the server goes away after 3 objects
-            raise ConnectionResetError("connection reset by peer")
-        real_upload(self, local, rel, crc, progress)
-        sent.append(rel)
+    def reset(*args):
+        raise ConnectionResetError("connection reset by peer")
 
-    monkeypatch.setattr(remote_mod.Remote, "upload", failing_upload)
+    gate = AfterN(3, real_upload, after=reset)  # the server goes away after 3 objects
+    monkeypatch.setattr(remote_mod.Remote, "upload", lambda self, *a: gate(self, *a))
     res = runner.invoke(app, ["store", "push", str(store.root), s3_env.url()])
     assert res.exit_code == 1
     err = res.output.strip().splitlines()[-1]
@@ -216,16 +214,8 @@ def test_server_gone_mid_push_then_back_a_rerun_completes(store: Store, monkeypa
 
     boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket="outage-bucket")
     real_upload = remote_mod.Remote.upload
-    sent = []
-
-    def upload_then_outage(self, local, rel, crc, progress):
-        if len(sent) == 3:
-            server.stop()
-        out = real_upload(self, local, rel, crc, progress)
-        sent.append(rel)
-        return out
-
-    monkeypatch.setattr(remote_mod.Remote, "upload", upload_then_outage)
+    gate = AfterN(3, real_upload, then=server.stop)  # the server stops after 3 objects; later ones reach nothing
+    monkeypatch.setattr(remote_mod.Remote, "upload", lambda self, *a: gate(self, *a))
     res = runner.invoke(app, ["store", "push", str(store.root), "s3://outage-bucket/s"])
     assert res.exit_code == 1
     assert "Traceback" not in res.output
@@ -254,15 +244,8 @@ def test_server_gone_mid_pull_then_back_a_rerun_completes(store: Store, monkeypa
     boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket="outage-pull")
     push(store.root, "s3://outage-pull/s")
     real_download = remote_mod.Remote.download
-    fetched = []
-
-    def download_then_outage(self, rel, local, progress):
-        if len(fetched) == 4:
-            server.stop()
-        fetched.append(rel)
-        return real_download(self, rel, local, progress)
-
-    monkeypatch.setattr(remote_mod.Remote, "download", download_then_outage)
+    gate = AfterN(4, real_download, then=server.stop)
+    monkeypatch.setattr(remote_mod.Remote, "download", lambda self, *a: gate(self, *a))
     dst = tmp_path / "pulled"
     res = runner.invoke(app, ["store", "pull", "s3://outage-pull/s", str(dst)])
     assert res.exit_code == 1 and "Traceback" not in res.output
