@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-from models.held_out import bucket_of, loss_grid, loss_summary
+from models.held_out import bucket_of, has_two_regions, loss_grid, loss_summary
 from schemas import up_to_date as current
 from schemas.config import EvaluateConfig
 from schemas.errors import UserError
@@ -60,22 +60,25 @@ def lora_sha256(checkpoint: Path) -> str:
 # ------------------------------------------------------------------------------------------------ the numbers
 
 
-def step_summaries(base: np.ndarray, grids: np.ndarray, samples_meta: list[str]) -> dict:
+def step_summaries(base: np.ndarray, grids: np.ndarray, samples_meta: list[str], two_regions: list[bool]) -> dict:
     """Per step: overall, per bucket, inside / outside (means over rows; a sample weighs its seeds x σ rows);
-    and the base's same numbers. samples_meta: each sample's bucket."""
+    and the base's same numbers. samples_meta: each sample's bucket; two_regions: whether its mask has an inside
+    and an outside (only those have inside / outside losses; the others hold NaN there by design)."""
     buckets = sorted(set(samples_meta), key=lambda b: tuple(int(x) for x in b.split("x")))
     idx = {b: [i for i, m in enumerate(samples_meta) if m == b] for b in buckets}
+    masked = [i for i, two in enumerate(two_regions) if two]
 
     def numbers(g: np.ndarray) -> dict:
+        # No non-finite value is left out here: a checkpoint that overflows on some samples has a non-finite
+        # loss (never the best), not the mean of the samples it did not overflow on.
         def mean(a: np.ndarray) -> float:
-            a = a[np.isfinite(a)] if a.size else a
             return float(a.mean()) if a.size else math.nan
 
         return {
             "overall": mean(g[..., 0]),
             "per_bucket": {b: mean(g[ix, ..., 0]) for b, ix in idx.items()},
-            "inside": mean(g[..., 1]),
-            "outside": mean(g[..., 2]),
+            "inside": mean(g[masked, ..., 1]),
+            "outside": mean(g[masked, ..., 2]),
         }
 
     return {"base": numbers(base), "steps": [numbers(g) for g in grids]}
@@ -240,7 +243,7 @@ def _summary(losses: LossStore, samples, cfg: EvaluateConfig, fingerprint: str) 
     base = losses.base()
     kept, nonfinite = single.finite_samples(samples, {"base": base}, cfg)
     base, grids, samples = base[kept], grids[:, kept], [samples[i] for i in kept]
-    per_step = step_summaries(base, grids, [bucket_of(s) for s in samples])
+    per_step = step_summaries(base, grids, [bucket_of(s) for s in samples], [has_two_regions(s) for s in samples])
     overall = [s["overall"] for s in per_step["steps"]]
     alive = [i for i, p in enumerate(paths) if Path(p).exists()]
     best_i = pick_best([steps[i] for i in alive], [overall[i] for i in alive])

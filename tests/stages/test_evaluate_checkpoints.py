@@ -251,3 +251,46 @@ def test_compare_two_runs_page_and_csv_and_refuses_other_held_out_sets(run_and_s
                                    "--out", str(tmp_path / "cmp3")])
     assert res.exit_code == 1 and "held-out sets differ in store tables" in res.output, res.output
     assert not (tmp_path / "cmp2").exists() and not (tmp_path / "cmp3").exists()
+
+
+def test_a_checkpoint_with_non_finite_losses_on_some_samples_is_never_the_best(run_and_store, tiny_edit_model,
+                                                                               tmp_path):
+    """A diverging checkpoint overflows on some val samples only (inf on the largest images, as in bf16) and is
+    low on the rest: its held-out loss is not finite, so it is never the best. Before, the per-step mean left its
+    non-finite rows out (meant for the NaN inside / outside of unmasked samples), so its mean over the easy
+    samples alone was the lowest and it was named the best checkpoint."""
+    import csv
+    import math
+
+    import zarr
+
+    root, out = run_and_store, tmp_path / "report"
+    ev.run(EvaluateConfig(**CFG), root / "store", tiny_edit_model, _ckpts(root), out)
+    group = zarr.open_group(out / GROUP, mode="r+", use_consolidated=True)
+    assert [int(s) for s in group["step"][:]] == [10, 20, 30]
+    diverged = np.asarray(group["base_loss"][:]) * 0.5  # half the base's loss on every row ...
+    diverged[0] = np.inf  # ... but inf on every row of one sample
+    group["loss"][0] = diverged.astype("float32")
+
+    res = ev.run(EvaluateConfig(**CFG), root / "store", tiny_edit_model, _ckpts(root), out)
+    assert res.evaluated == 0  # the recorded numbers, summarised again
+    c = res.metrics["checkpoints"]
+    assert not math.isfinite(c["per_step"][0]["overall"])  # not the mean of the other samples
+    assert res.best["step"] == 20 and res.best["path"].endswith("step-20/lora")
+    bucket = next(b for b in c["per_step"][0]["per_bucket"] if not math.isfinite(c["per_step"][0]["per_bucket"][b]))
+    assert bucket  # the bucket of the overflowing sample shows it too
+    # inside / outside stay finite numbers for the finite checkpoints (NaN there only marks "no two-region mask")
+    assert math.isfinite(c["per_step"][1]["inside"]) and math.isfinite(c["base"]["outside"])
+    assert json.loads((out / "metrics.json").read_text())["checkpoints"]["best"]["step"] == 20
+
+    # `pipeline compare` reads the same array the same way
+    import shutil
+
+    shutil.copytree(out, tmp_path / "copy")
+    cmp = CliRunner().invoke(app, ["compare", str(out), str(tmp_path / "copy"), "--out", str(tmp_path / "cmp"),
+                                   "--json"])
+    assert cmp.exit_code == 0, cmp.output
+    assert [r["best_step"] for r in json.loads(cmp.stdout)["runs"]] == [20, 20]
+    rows = {r["step"]: r for r in csv.DictReader((tmp_path / "cmp" / "curves.csv").open()) if r["run"] == "report"}
+    assert float(rows["20"]["loss"]) == pytest.approx(c["per_step"][1]["overall"], rel=1e-6)
+    assert float(rows["base"]["loss_inside"]) == pytest.approx(c["base"]["inside"], rel=1e-6)
