@@ -57,6 +57,21 @@ def lora_sha256(checkpoint: Path) -> str:
     return hashlib.sha256(lora_weight_file(checkpoint).read_bytes()).hexdigest()
 
 
+def check_intact(checkpoints: list[tuple[int, Path]]) -> None:
+    """Each checkpoint's LoRA file against the CRC32C its sealed resume.json records (as single-LoRA evaluate
+    checks RUN/lora's checksums.json): a flipped bit is refused naming the file, not evaluated as trained
+    weights, nor taken (its hash changed) for another run's checkpoint."""
+    from models.lora import lora_weight_file
+    from store.checksum import check_recorded
+
+    for step, path in checkpoints:
+        try:
+            check_recorded(lora_weight_file(path))
+        except UserError as e:
+            raise UserError(f"checkpoint step {step}: {e}; or move {Path(path).parent} out of the run's "
+                            "checkpoints/ to evaluate the others") from None
+
+
 # ------------------------------------------------------------------------------------------------ the numbers
 
 
@@ -165,6 +180,7 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, checkpoints: list[tu
     if not checkpoints:
         raise UserError("no checkpoints to evaluate: the run folder holds no checkpoints/step-N "
                         "(train with train.checkpoint_every set, or evaluate one LoRA without --all-checkpoints)")
+    check_intact(checkpoints)
     requested = cfg.dtype
     cfg = single.resolved_config(cfg)
     fingerprint, settings = loss_fingerprint(cfg, store, model)

@@ -294,3 +294,35 @@ def test_a_checkpoint_with_non_finite_losses_on_some_samples_is_never_the_best(r
     rows = {r["step"]: r for r in csv.DictReader((tmp_path / "cmp" / "curves.csv").open()) if r["run"] == "report"}
     assert float(rows["20"]["loss"]) == pytest.approx(c["per_step"][1]["overall"], rel=1e-6)
     assert float(rows["base"]["loss_inside"]) == pytest.approx(c["base"]["inside"], rel=1e-6)
+
+
+def test_a_checkpoint_lora_damaged_after_its_commit_is_refused_naming_it(run_and_store, tiny_edit_model, tmp_path):
+    """A checkpoint's resume.json seals the CRC32C of its lora/ file (stages/train/state.py), as the final LoRA's
+    checksums.json does; single-LoRA evaluate checks the latter. --all-checkpoints read the checkpoints without
+    that check: a flipped bit in a weight (still finite) was evaluated as if trained, and when the step was
+    already in the array, taken for 'another run trained into this folder' (the earlier numbers put aside)."""
+    import shutil
+
+    from schemas.errors import UserError
+    from stages.train.state import file_checksums
+    from store.checksum import seal
+
+    root = tmp_path / "root"
+    shutil.copytree(run_and_store / "run", root / "run")
+    for step in (10, 20, 30):  # what train commits: every file's size and CRC32C, sealed
+        folder = root / "run" / "checkpoints" / f"step-{step}"
+        (folder / "resume.json").write_bytes(seal({"files": file_checksums(folder)}))
+    ckpts, out = _ckpts(root), tmp_path / "report"
+    assert ev.run(EvaluateConfig(**CFG), run_and_store / "store", tiny_edit_model, ckpts, out).evaluated == 3
+
+    weights = ckpts[1][1] / "pytorch_lora_weights.safetensors"
+    data = bytearray(weights.read_bytes())
+    header = int.from_bytes(data[:8], "little")
+    data[8 + header] ^= 1  # the lowest mantissa bit of the first weight: still a finite number
+    weights.write_bytes(bytes(data))
+    for kwargs in ({}, {"skip_if_done": True}):
+        with pytest.raises(UserError, match=r"step-20.*lora.*damaged") as e:
+            ev.run(EvaluateConfig(**CFG), run_and_store / "store", tiny_edit_model, ckpts, out, **kwargs)
+        assert "\n" not in str(e.value) and "checkpoint step 20" in str(e.value)
+    assert not [p for p in out.iterdir() if p.name.startswith("losses.") and p.name != GROUP]  # nothing put aside
+    assert list(xr.open_zarr(out / GROUP).step.values) == [10, 20, 30]
