@@ -148,7 +148,8 @@ class CheckpointsResult:
 
 def _up_to_date(out: Path, fingerprint: str, checkpoints: list[tuple[int, Path]], cfg: EvaluateConfig) -> dict | None:
     """The report's metrics when it is current (`schemas.up_to_date`): the same loss array (`fingerprint`),
-    every checkpoint recorded with its present bytes, the same evaluate settings."""
+    every checkpoint recorded with its present bytes and path (a moved run: the report names the new paths),
+    the same evaluate settings."""
     metrics_file = out / "metrics.json"
     recorded = recorded_steps(out, fingerprint)
     if recorded is None or not metrics_file.is_file() or not (out / "index.html").is_file():
@@ -158,11 +159,14 @@ def _up_to_date(out: Path, fingerprint: str, checkpoints: list[tuple[int, Path]]
     except (OSError, json.JSONDecodeError):
         return None
     c = metrics.get("checkpoints", {})
+    recorded_paths = dict(zip(c.get("steps") or [], c.get("paths") or []))
     recorded_inputs = {"fingerprint": c.get("fingerprint"), "steps": c.get("steps"),
                        "config_fingerprint": c.get("config_fingerprint"),
-                       "loras": {str(step): recorded.get(step) for step, _ in checkpoints}}
+                       "loras": {str(step): recorded.get(step) for step, _ in checkpoints},
+                       "paths": {str(step): recorded_paths.get(step) for step, _ in checkpoints}}
     present = {"fingerprint": fingerprint, "steps": sorted(recorded), "config_fingerprint": cfg.fingerprint(),
-               "loras": {str(step): lora_sha256(path) for step, path in checkpoints}}
+               "loras": {str(step): lora_sha256(path) for step, path in checkpoints},
+               "paths": {str(step): str(Path(path).resolve()) for step, path in checkpoints}}
     return metrics if current.is_current(recorded_inputs, present) else None
 
 
@@ -200,7 +204,7 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, checkpoints: list[tu
         losses = LossStore(out, fingerprint, axes, settings)
         transformer = single.load_transformer(cfg, model)
         evaluated, attached = _append_missing(losses, checkpoints, transformer, samples, cfg)
-        metrics, best, last = _summary(losses, samples, cfg, fingerprint)
+        metrics, best, last = _summary(losses, samples, cfg, fingerprint, checkpoints)
         rows = []
         if cfg.num_samples > 0 or cfg.extra_prompts:
             rows = generated_rows(cfg, model, store, tables, transformer, samples, best["path"], best["step"],
@@ -248,20 +252,26 @@ def _append_missing(losses: LossStore, checkpoints: list[tuple[int, Path]], tran
     return len(todo), attached
 
 
-def _summary(losses: LossStore, samples, cfg: EvaluateConfig, fingerprint: str) -> tuple[dict, dict, dict]:
+def _summary(losses: LossStore, samples, cfg: EvaluateConfig, fingerprint: str,
+             checkpoints: list[tuple[int, Path]]) -> tuple[dict, dict, dict]:
     """metrics.json's loss and checkpoints sections, the best and the last checkpoint still on disk.
+
+    "Still on disk" = among `checkpoints` (the run's kept ones now, named by their present paths): a checkpoint
+    pruned since keeps its point on the curves; a run folder moved since keeps its numbers (same bytes).
 
     A val sample whose base loss is non-finite has bad stored features: evaluate.on_nonfinite stops naming it
     (or leaves it out of every number). A checkpoint with a non-finite loss is simply never the best."""
     from stages.evaluate import stage as single
 
     steps, paths, grids = losses.losses()
+    present = {step: str(Path(path).resolve()) for step, path in checkpoints}
+    paths = [present.get(step, p) for step, p in zip(steps, paths)]
     base = losses.base()
     kept, nonfinite = single.finite_samples(samples, {"base": base}, cfg)
     base, grids, samples = base[kept], grids[:, kept], [samples[i] for i in kept]
     per_step = step_summaries(base, grids, [bucket_of(s) for s in samples], [has_two_regions(s) for s in samples])
     overall = [s["overall"] for s in per_step["steps"]]
-    alive = [i for i, p in enumerate(paths) if Path(p).exists()]
+    alive = [i for i, step in enumerate(steps) if step in present]
     best_i = pick_best([steps[i] for i in alive], [overall[i] for i in alive])
     if best_i is None:
         raise UserError(f"no checkpoint in {losses.path} has a finite held-out loss; check the run's training loss")

@@ -326,3 +326,33 @@ def test_a_checkpoint_lora_damaged_after_its_commit_is_refused_naming_it(run_and
         assert "\n" not in str(e.value) and "checkpoint step 20" in str(e.value)
     assert not [p for p in out.iterdir() if p.name.startswith("losses.") and p.name != GROUP]  # nothing put aside
     assert list(xr.open_zarr(out / GROUP).step.values) == [10, 20, 30]
+
+
+def test_a_moved_run_folder_keeps_its_losses_and_names_the_checkpoints_where_they_are(run_and_store,
+                                                                                     tiny_edit_model, tmp_path):
+    """The run folder moved (renamed, or mounted elsewhere) after its checkpoints were evaluated: the same bytes
+    are not evaluated again, and the best is chosen among the run's checkpoints with their present paths. Before,
+    'still on disk' was judged by the recorded paths: every checkpoint looked deleted and evaluate stopped with
+    'no checkpoint ... has a finite held-out loss' (and an up-to-date report named paths that no longer exist)."""
+    import shutil
+
+    root, out = tmp_path / "root", tmp_path / "report"
+    shutil.copytree(run_and_store / "run", root / "run")
+    first = ev.run(EvaluateConfig(**CFG), run_and_store / "store", tiny_edit_model, _ckpts(root), out)
+    assert first.best["step"] == 20
+    (root / "run").rename(root / "moved")
+    moved = [(s, root / "moved" / "checkpoints" / f"step-{s}" / "lora") for s in (10, 20, 30)]
+
+    res = ev.run(EvaluateConfig(**CFG), run_and_store / "store", tiny_edit_model, moved, out, skip_if_done=True)
+    assert not res.up_to_date and res.evaluated == 0  # a new report (other paths), the same bytes' losses
+    assert res.best["step"] == 20 and res.best["path"] == str(moved[1][1].resolve())
+    assert res.metrics["checkpoints"]["last"]["path"] == str(moved[2][1].resolve())
+    assert res.metrics["checkpoints"]["paths"] == [str(p.resolve()) for _, p in moved]
+    assert res.best["loss"] == first.best["loss"]
+    again = ev.run(EvaluateConfig(**CFG), run_and_store / "store", tiny_edit_model, moved, out, skip_if_done=True)
+    assert again.up_to_date and again.best["path"] == str(moved[1][1].resolve())
+
+    # a checkpoint pruned since (train.keep_last) stays in the curves but is never the best
+    shutil.rmtree(root / "moved" / "checkpoints" / "step-20")
+    res = ev.run(EvaluateConfig(**CFG), run_and_store / "store", tiny_edit_model, [moved[0], moved[2]], out)
+    assert res.metrics["checkpoints"]["steps"] == [10, 20, 30] and res.best["step"] == 30
