@@ -356,3 +356,26 @@ def test_a_moved_run_folder_keeps_its_losses_and_names_the_checkpoints_where_the
     shutil.rmtree(root / "moved" / "checkpoints" / "step-20")
     res = ev.run(EvaluateConfig(**CFG), run_and_store / "store", tiny_edit_model, [moved[0], moved[2]], out)
     assert res.metrics["checkpoints"]["steps"] == [10, 20, 30] and res.best["step"] == 30
+
+
+def test_lora_dropout_of_the_training_config_is_off_while_evaluating(tiny_edit_model, tmp_path):
+    """A LoRA trained with train.lora.dropout > 0 keeps lora_dropout in its saved adapter config. peft builds the
+    attached layers (their Dropout included) in training mode although the loaded model is in eval mode, so
+    evaluate drew dropout masks from the global RNG: two checkpoints with the same bytes got different held-out
+    losses (the best pick a coin toss) and the single-LoRA report another number again. With the adapter in eval
+    mode the numbers are the LoRA's own, the same every time."""
+    from stages.evaluate import stage as single
+
+    make_train_store(tmp_path / "store", tiny_edit_model, mixed_specs(1, 4))
+    transformer = load_component(tiny_edit_model, "transformer")
+    add_lora(transformer, LoraConfig(rank=4, alpha=4.0, dropout=0.5))
+    for step in (10, 20):  # the same weights twice
+        _write_lora(transformer, tmp_path / "run" / "checkpoints" / f"step-{step}", 0.5)
+    ckpts = [(s, tmp_path / "run" / "checkpoints" / f"step-{s}" / "lora") for s in (10, 20)]
+    cfg = EvaluateConfig(**CFG)
+    res = ev.run(cfg, tmp_path / "store", tiny_edit_model, ckpts, tmp_path / "report")
+    ds = xr.open_zarr(tmp_path / "report" / GROUP)
+    np.testing.assert_array_equal(ds.loss.values[0], ds.loss.values[1])
+    assert not np.array_equal(ds.loss.values[0], ds.base_loss.values)  # the LoRA does change the numbers
+    one = single.run(cfg, tmp_path / "store", tiny_edit_model, ckpts[0][1], tmp_path / "single")
+    assert one.metrics["loss"]["overall"]["lora"] == pytest.approx(res.best["loss"], rel=1e-6)
