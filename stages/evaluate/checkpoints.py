@@ -271,7 +271,7 @@ def _summary(losses: LossStore, samples, cfg: EvaluateConfig, fingerprint: str,
     base, grids, samples = base[kept], grids[:, kept], [samples[i] for i in kept]
     per_step = step_summaries(base, grids, [bucket_of(s) for s in samples], [has_two_regions(s) for s in samples])
     overall = [s["overall"] for s in per_step["steps"]]
-    alive = [i for i, step in enumerate(steps) if step in present]
+    alive = [i for i, step in enumerate(steps) if step in present and Path(present[step]).exists()]  # pruned meanwhile
     best_i = pick_best([steps[i] for i in alive], [overall[i] for i in alive])
     if best_i is None:
         raise UserError(f"no checkpoint in {losses.path} has a finite held-out loss; check the run's training loss")
