@@ -194,6 +194,7 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, checkpoints: list[tu
     if out.is_dir() and any(not ours(p.name) for p in out.iterdir()) and not (out / "metrics.json").is_file():
         raise UserError(f"{out} is not empty and holds no earlier report: pass a new or empty --out folder")
     tqdm.write(describe("evaluate", single.parse_dtype(cfg.dtype), cfg.device, requested))
+    single.warn_other_base([path for _, path in checkpoints], model, [step for step, _ in checkpoints])
 
     tables, samples = single.read_val_samples(cfg, store, model)
     with tables:  # closed on every path: descriptors, check-ahead thread, read lease

@@ -379,3 +379,33 @@ def test_lora_dropout_of_the_training_config_is_off_while_evaluating(tiny_edit_m
     assert not np.array_equal(ds.loss.values[0], ds.base_loss.values)  # the LoRA does change the numbers
     one = single.run(cfg, tmp_path / "store", tiny_edit_model, ckpts[0][1], tmp_path / "single")
     assert one.metrics["loss"]["overall"]["lora"] == pytest.approx(res.best["loss"], rel=1e-6)
+
+
+def test_a_lora_trained_on_another_base_model_is_named_in_a_warning(tiny_edit_model, tmp_path, capsys):
+    """A LoRA records its base model's fingerprint (train writes it into every checkpoint's and the final LoRA's
+    metadata). Stores are shared between models with the same VAE and text encoder (Edit -> Edit-2509), so
+    evaluate runs without error on another base, and its numbers say nothing about the LoRA: predict and merge
+    warn (or refuse with --strict-base); evaluate said nothing."""
+    from models.loading import model_fingerprint
+    from stages.evaluate import stage as single
+
+    make_train_store(tmp_path / "store", tiny_edit_model, mixed_specs(1, 2))
+    transformer = load_component(tiny_edit_model, "transformer")
+    add_lora(transformer, LoraConfig(rank=4, alpha=4.0))
+    for step in (10, 20):
+        folder = tmp_path / "run" / "checkpoints" / f"step-{step}"
+        save_lora(transformer, folder / "lora", base_fingerprint="0" * 64)  # trained on some other model
+        (folder / "resume.json").write_text("{}")
+    ckpts = [(s, tmp_path / "run" / "checkpoints" / f"step-{s}" / "lora") for s in (10, 20)]
+    cfg = EvaluateConfig(**{**CFG, "noise_seeds": [0], "timesteps": [0.5]})
+    capsys.readouterr()
+    single.run(cfg, tmp_path / "store", tiny_edit_model, ckpts[0][1], tmp_path / "single")
+    out = capsys.readouterr().out
+    assert out.count("warning: LoRA") == 1 and "was trained on a base model with fingerprint 0000" in out
+    ev.run(cfg, tmp_path / "store", tiny_edit_model, ckpts, tmp_path / "report")
+    out = capsys.readouterr().out
+    assert out.count("warning: LoRA") == 1 and "(checkpoints 10, 20)" in out, out
+    # the LoRA of this very model: no warning
+    save_lora(transformer, tmp_path / "own", base_fingerprint=model_fingerprint(tiny_edit_model))
+    single.run(cfg, tmp_path / "store", tiny_edit_model, tmp_path / "own", tmp_path / "own-report")
+    assert "warning" not in capsys.readouterr().out
