@@ -64,7 +64,7 @@ def check_intact(checkpoints: list[tuple[int, Path]]) -> None:
     from models.lora import lora_weight_file
     from store.checksum import check_recorded
 
-    for step, path in checkpoints:
+    for step, path in tqdm(checkpoints, desc="check checkpoint files", leave=False):
         try:
             check_recorded(lora_weight_file(path))
         except UserError as e:
@@ -231,7 +231,7 @@ def _append_missing(losses: LossStore, checkpoints: list[tuple[int, Path]], tran
     if losses.kept_aside is not None:
         tqdm.write(f"evaluation settings changed: the earlier losses are kept in {losses.kept_aside}")
     recorded = losses.steps()
-    shas = {step: lora_sha256(path) for step, path in checkpoints}
+    shas = {step: lora_sha256(path) for step, path in tqdm(checkpoints, desc="hash checkpoints", leave=False)}
     if any(recorded.get(step, sha) != sha for step, sha in shas.items()):
         # a step recorded with other weights: another run trained into this folder; its numbers go aside
         losses.start_over()
