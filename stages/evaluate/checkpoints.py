@@ -232,8 +232,9 @@ def _append_missing(losses: LossStore, checkpoints: list[tuple[int, Path]], tran
         tqdm.write(f"evaluation settings changed: the earlier losses are kept in {losses.kept_aside}")
     recorded = losses.steps()
     shas = {step: lora_sha256(path) for step, path in tqdm(checkpoints, desc="hash checkpoints", leave=False)}
-    if any(recorded.get(step, sha) != sha for step, sha in shas.items()):
-        # a step recorded with other weights: another run trained into this folder; its numbers go aside
+    if any(recorded.get(step, sha) != sha for step, sha in shas.items()) or _other_runs(losses, checkpoints):
+        # a step recorded with other weights (another run trained into this folder), or checkpoints of another run
+        # folder still on disk (this --out held another run's report): its numbers go aside
         losses.start_over()
         tqdm.write(f"the run's checkpoints are not the ones evaluated before: earlier losses kept in {losses.kept_aside}")
         recorded = {}
@@ -251,6 +252,19 @@ def _append_missing(losses: LossStore, checkpoints: list[tuple[int, Path]], tran
         grid = loss_grid(transformer, samples, seeds, sigmas, cfg.batch_size, f"held-out loss (step {step})")
         losses.append(step, str(Path(path).resolve()), shas[step], grid)
     return len(todo), attached
+
+
+def _other_runs(losses: LossStore, checkpoints: list[tuple[int, Path]]) -> bool:
+    """Does the array hold a checkpoint of another run folder that is still on disk? (One no longer on disk was
+    pruned by this run, or the run folder moved: its numbers stay.)"""
+    def run_of(path) -> Path:  # RUN/checkpoints/step-N/lora -> RUN
+        parents = Path(path).resolve().parents
+        return parents[2] if len(parents) > 2 else parents[-1]
+
+    steps_now = {step for step, _ in checkpoints}
+    runs_now = {run_of(path) for _, path in checkpoints}
+    steps, paths, _ = losses.losses()
+    return any(step not in steps_now and Path(p).is_dir() and run_of(p) not in runs_now for step, p in zip(steps, paths))
 
 
 def _summary(losses: LossStore, samples, cfg: EvaluateConfig, fingerprint: str,

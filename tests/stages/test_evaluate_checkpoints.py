@@ -409,3 +409,25 @@ def test_a_lora_trained_on_another_base_model_is_named_in_a_warning(tiny_edit_mo
     save_lora(transformer, tmp_path / "own", base_fingerprint=model_fingerprint(tiny_edit_model))
     single.run(cfg, tmp_path / "store", tiny_edit_model, tmp_path / "own", tmp_path / "own-report")
     assert "warning" not in capsys.readouterr().out
+
+
+def test_another_runs_checkpoints_in_the_same_report_folder_start_a_new_array(run_and_store, tiny_edit_model,
+                                                                              tmp_path):
+    """REPORT evaluated run A (steps 10-30); then run B, whose checkpoints are at other steps (40, 50), into the
+    same --out. Before, nothing told them apart (only a step recorded with other bytes did): B's report held A's
+    steps in its curves, table and step list. Now A's numbers are kept aside and B's array holds B alone; A's
+    checkpoints are still on disk, which is what tells another run from checkpoints pruned or a run moved."""
+    import shutil
+
+    out = tmp_path / "report"
+    ev.run(EvaluateConfig(**CFG), run_and_store / "store", tiny_edit_model, _ckpts(run_and_store), out)
+    b = tmp_path / "b" / "checkpoints"
+    for new, old in ((40, 30), (50, 10)):
+        shutil.copytree(run_and_store / "run" / "checkpoints" / f"step-{old}", b / f"step-{new}")
+    res = ev.run(EvaluateConfig(**CFG), run_and_store / "store", tiny_edit_model,
+                 [(s, b / f"step-{s}" / "lora") for s in (40, 50)], out)
+    assert res.metrics["checkpoints"]["steps"] == [40, 50] and res.evaluated == 2
+    assert res.best["step"] == 40 and res.best["path"].startswith(str(b.resolve()))
+    assert list(xr.open_zarr(out / GROUP).step.values) == [40, 50]
+    kept = [p for p in out.iterdir() if p.name.startswith("losses.") and p.name != GROUP]
+    assert len(kept) == 1 and list(xr.open_zarr(kept[0]).step.values) == [10, 20, 30]
