@@ -332,6 +332,8 @@ def attach_lora(transformer, lora: str | Path, scale: float = 1.0, adapter_name:
     (what diffusers assumes too)."""
     state, config = read_lora(lora)
     transformer.add_adapter(_peft_config(state, config), adapter_name=adapter_name)
+    if not transformer.training:  # peft builds the new layers (their lora/module dropout too) in training mode:
+        transformer.eval()  # a model loaded for inference would draw dropout masks from the global RNG
     # peft builds adapter weights in the layers' dtype: load the saved values into exactly those.
     load_lora(transformer, lora, adapter_name)
     transformer.set_adapters([adapter_name], weights=[scale])

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-from models.held_out import bucket_of, loss_grid, loss_summary
+from models.held_out import bucket_of, has_two_regions, loss_grid, loss_summary
 from schemas import up_to_date as current
 from schemas.config import EvaluateConfig
 from schemas.errors import UserError
@@ -57,25 +57,43 @@ def lora_sha256(checkpoint: Path) -> str:
     return hashlib.sha256(lora_weight_file(checkpoint).read_bytes()).hexdigest()
 
 
+def check_intact(checkpoints: list[tuple[int, Path]]) -> None:
+    """Each checkpoint's LoRA file against the CRC32C its sealed resume.json records (as single-LoRA evaluate
+    checks RUN/lora's checksums.json): a flipped bit is refused naming the file, not evaluated as trained
+    weights, nor taken (its hash changed) for another run's checkpoint."""
+    from models.lora import lora_weight_file
+    from store.checksum import check_recorded
+
+    for step, path in tqdm(checkpoints, desc="check checkpoint files", leave=False):
+        try:
+            check_recorded(lora_weight_file(path))
+        except UserError as e:
+            raise UserError(f"checkpoint step {step}: {e}; or move {Path(path).parent} out of the run's "
+                            "checkpoints/ to evaluate the others") from None
+
+
 # ------------------------------------------------------------------------------------------------ the numbers
 
 
-def step_summaries(base: np.ndarray, grids: np.ndarray, samples_meta: list[str]) -> dict:
+def step_summaries(base: np.ndarray, grids: np.ndarray, samples_meta: list[str], two_regions: list[bool]) -> dict:
     """Per step: overall, per bucket, inside / outside (means over rows; a sample weighs its seeds x σ rows);
-    and the base's same numbers. samples_meta: each sample's bucket."""
+    and the base's same numbers. samples_meta: each sample's bucket; two_regions: whether its mask has an inside
+    and an outside (only those have inside / outside losses; the others hold NaN there by design)."""
     buckets = sorted(set(samples_meta), key=lambda b: tuple(int(x) for x in b.split("x")))
     idx = {b: [i for i, m in enumerate(samples_meta) if m == b] for b in buckets}
+    masked = [i for i, two in enumerate(two_regions) if two]
 
     def numbers(g: np.ndarray) -> dict:
+        # No non-finite value is left out here: a checkpoint that overflows on some samples has a non-finite
+        # loss (never the best), not the mean of the samples it did not overflow on.
         def mean(a: np.ndarray) -> float:
-            a = a[np.isfinite(a)] if a.size else a
             return float(a.mean()) if a.size else math.nan
 
         return {
             "overall": mean(g[..., 0]),
             "per_bucket": {b: mean(g[ix, ..., 0]) for b, ix in idx.items()},
-            "inside": mean(g[..., 1]),
-            "outside": mean(g[..., 2]),
+            "inside": mean(g[masked, ..., 1]),
+            "outside": mean(g[masked, ..., 2]),
         }
 
     return {"base": numbers(base), "steps": [numbers(g) for g in grids]}
@@ -130,7 +148,8 @@ class CheckpointsResult:
 
 def _up_to_date(out: Path, fingerprint: str, checkpoints: list[tuple[int, Path]], cfg: EvaluateConfig) -> dict | None:
     """The report's metrics when it is current (`schemas.up_to_date`): the same loss array (`fingerprint`),
-    every checkpoint recorded with its present bytes, the same evaluate settings."""
+    every checkpoint recorded with its present bytes and path (a moved run: the report names the new paths),
+    the same evaluate settings."""
     metrics_file = out / "metrics.json"
     recorded = recorded_steps(out, fingerprint)
     if recorded is None or not metrics_file.is_file() or not (out / "index.html").is_file():
@@ -140,11 +159,14 @@ def _up_to_date(out: Path, fingerprint: str, checkpoints: list[tuple[int, Path]]
     except (OSError, json.JSONDecodeError):
         return None
     c = metrics.get("checkpoints", {})
+    recorded_paths = dict(zip(c.get("steps") or [], c.get("paths") or []))
     recorded_inputs = {"fingerprint": c.get("fingerprint"), "steps": c.get("steps"),
                        "config_fingerprint": c.get("config_fingerprint"),
-                       "loras": {str(step): recorded.get(step) for step, _ in checkpoints}}
+                       "loras": {str(step): recorded.get(step) for step, _ in checkpoints},
+                       "paths": {str(step): recorded_paths.get(step) for step, _ in checkpoints}}
     present = {"fingerprint": fingerprint, "steps": sorted(recorded), "config_fingerprint": cfg.fingerprint(),
-               "loras": {str(step): lora_sha256(path) for step, path in checkpoints}}
+               "loras": {str(step): lora_sha256(path) for step, path in checkpoints},
+               "paths": {str(step): str(Path(path).resolve()) for step, path in checkpoints}}
     return metrics if current.is_current(recorded_inputs, present) else None
 
 
@@ -162,6 +184,7 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, checkpoints: list[tu
     if not checkpoints:
         raise UserError("no checkpoints to evaluate: the run folder holds no checkpoints/step-N "
                         "(train with train.checkpoint_every set, or evaluate one LoRA without --all-checkpoints)")
+    check_intact(checkpoints)
     requested = cfg.dtype
     cfg = single.resolved_config(cfg)
     fingerprint, settings = loss_fingerprint(cfg, store, model)
@@ -171,6 +194,7 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, checkpoints: list[tu
     if out.is_dir() and any(not ours(p.name) for p in out.iterdir()) and not (out / "metrics.json").is_file():
         raise UserError(f"{out} is not empty and holds no earlier report: pass a new or empty --out folder")
     tqdm.write(describe("evaluate", single.parse_dtype(cfg.dtype), cfg.device, requested))
+    single.warn_other_base([path for _, path in checkpoints], model, [step for step, _ in checkpoints])
 
     tables, samples = single.read_val_samples(cfg, store, model)
     with tables:  # closed on every path: descriptors, check-ahead thread, read lease
@@ -181,7 +205,7 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, checkpoints: list[tu
         losses = LossStore(out, fingerprint, axes, settings)
         transformer = single.load_transformer(cfg, model)
         evaluated, attached = _append_missing(losses, checkpoints, transformer, samples, cfg)
-        metrics, best, last = _summary(losses, samples, cfg, fingerprint)
+        metrics, best, last = _summary(losses, samples, cfg, fingerprint, checkpoints)
         rows = []
         if cfg.num_samples > 0 or cfg.extra_prompts:
             rows = generated_rows(cfg, model, store, tables, transformer, samples, best["path"], best["step"],
@@ -207,9 +231,10 @@ def _append_missing(losses: LossStore, checkpoints: list[tuple[int, Path]], tran
     if losses.kept_aside is not None:
         tqdm.write(f"evaluation settings changed: the earlier losses are kept in {losses.kept_aside}")
     recorded = losses.steps()
-    shas = {step: lora_sha256(path) for step, path in checkpoints}
-    if any(recorded.get(step, sha) != sha for step, sha in shas.items()):
-        # a step recorded with other weights: another run trained into this folder; its numbers go aside
+    shas = {step: lora_sha256(path) for step, path in tqdm(checkpoints, desc="hash checkpoints", leave=False)}
+    if any(recorded.get(step, sha) != sha for step, sha in shas.items()) or _other_runs(losses, checkpoints):
+        # a step recorded with other weights (another run trained into this folder), or checkpoints of another run
+        # folder still on disk (this --out held another run's report): its numbers go aside
         losses.start_over()
         tqdm.write(f"the run's checkpoints are not the ones evaluated before: earlier losses kept in {losses.kept_aside}")
         recorded = {}
@@ -229,20 +254,39 @@ def _append_missing(losses: LossStore, checkpoints: list[tuple[int, Path]], tran
     return len(todo), attached
 
 
-def _summary(losses: LossStore, samples, cfg: EvaluateConfig, fingerprint: str) -> tuple[dict, dict, dict]:
+def _other_runs(losses: LossStore, checkpoints: list[tuple[int, Path]]) -> bool:
+    """Does the array hold a checkpoint of another run folder that is still on disk? (One no longer on disk was
+    pruned by this run, or the run folder moved: its numbers stay.)"""
+    def run_of(path) -> Path:  # RUN/checkpoints/step-N/lora -> RUN
+        parents = Path(path).resolve().parents
+        return parents[2] if len(parents) > 2 else parents[-1]
+
+    steps_now = {step for step, _ in checkpoints}
+    runs_now = {run_of(path) for _, path in checkpoints}
+    steps, paths, _ = losses.losses()
+    return any(step not in steps_now and Path(p).is_dir() and run_of(p) not in runs_now for step, p in zip(steps, paths))
+
+
+def _summary(losses: LossStore, samples, cfg: EvaluateConfig, fingerprint: str,
+             checkpoints: list[tuple[int, Path]]) -> tuple[dict, dict, dict]:
     """metrics.json's loss and checkpoints sections, the best and the last checkpoint still on disk.
+
+    "Still on disk" = among `checkpoints` (the run's kept ones now, named by their present paths): a checkpoint
+    pruned since keeps its point on the curves; a run folder moved since keeps its numbers (same bytes).
 
     A val sample whose base loss is non-finite has bad stored features: evaluate.on_nonfinite stops naming it
     (or leaves it out of every number). A checkpoint with a non-finite loss is simply never the best."""
     from stages.evaluate import stage as single
 
     steps, paths, grids = losses.losses()
+    present = {step: str(Path(path).resolve()) for step, path in checkpoints}
+    paths = [present.get(step, p) for step, p in zip(steps, paths)]
     base = losses.base()
     kept, nonfinite = single.finite_samples(samples, {"base": base}, cfg)
     base, grids, samples = base[kept], grids[:, kept], [samples[i] for i in kept]
-    per_step = step_summaries(base, grids, [bucket_of(s) for s in samples])
+    per_step = step_summaries(base, grids, [bucket_of(s) for s in samples], [has_two_regions(s) for s in samples])
     overall = [s["overall"] for s in per_step["steps"]]
-    alive = [i for i, p in enumerate(paths) if Path(p).exists()]
+    alive = [i for i, step in enumerate(steps) if step in present and Path(present[step]).exists()]  # pruned meanwhile
     best_i = pick_best([steps[i] for i in alive], [overall[i] for i in alive])
     if best_i is None:
         raise UserError(f"no checkpoint in {losses.path} has a finite held-out loss; check the run's training loss")

@@ -56,8 +56,16 @@ def find_group(path: str | Path) -> Path:
 
 
 def _mean(a: np.ndarray) -> float:
-    a = a[np.isfinite(a)]
+    """Non-finite values included: a checkpoint that overflows on some samples has no finite loss (never the best),
+    not the mean of the samples it did not overflow on. The rows left out by design are left out by `_kept`."""
     return float(a.mean()) if a.size else math.nan
+
+
+def _kept(reference: np.ndarray) -> np.ndarray:
+    """[sample] bool: a sample whose reference losses (the base's; a region's) are all finite. A non-finite base
+    loss marks bad stored features (evaluate stops, or with on_nonfinite=skip leaves the sample out of every
+    number); NaN inside / outside marks a sample without a two-region mask."""
+    return np.isfinite(reference).reshape(len(reference), -1).all(axis=1)
 
 
 def read_curves(path: str | Path, label: str) -> RunCurves:
@@ -68,12 +76,17 @@ def read_curves(path: str | Path, label: str) -> RunCurves:
     base = ds.base_loss.values.astype(np.float64) if "base_loss" in ds else np.full(loss.shape[1:], np.nan)
     regions = [str(r) for r in ds.region.values]
     r = {name: regions.index(name) for name in ("all", "inside", "outside")}
+    # the samples evaluate's numbers are over (stages/evaluate/checkpoints.py `_summary`); without a base, all
+    kept = _kept(base[..., r["all"]]) if "base_loss" in ds else np.ones(loss.shape[1], dtype=bool)
+    two = kept & (_kept(base[..., r["inside"]]) if "base_loss" in ds else np.isfinite(loss[..., r["inside"]]).any(
+        axis=tuple(i for i in range(loss.ndim - 1) if i != 1)))
     return RunCurves(
         label=label, group=group, steps=[int(s) for s in ds.step.values],
         checkpoints=[str(c) for c in ds.checkpoint.values],
-        overall=[_mean(g[..., r["all"]]) for g in loss], inside=[_mean(g[..., r["inside"]]) for g in loss],
-        outside=[_mean(g[..., r["outside"]]) for g in loss],
-        base={k: _mean(base[..., i]) for k, i in r.items()},
+        overall=[_mean(g[kept, ..., r["all"]]) for g in loss], inside=[_mean(g[two, ..., r["inside"]]) for g in loss],
+        outside=[_mean(g[two, ..., r["outside"]]) for g in loss],
+        base={"all": _mean(base[kept, ..., r["all"]]), "inside": _mean(base[two, ..., r["inside"]]),
+              "outside": _mean(base[two, ..., r["outside"]])},
         held_out={
             "store tables": settings.get("tables"),
             "val samples": [str(k) for k in ds.sample.values],

@@ -362,6 +362,22 @@ def load_transformer(cfg: EvaluateConfig, model: str):
     return transformer
 
 
+def warn_other_base(loras: list, model: str, steps: list[int] | None = None) -> None:
+    """One warning line when the LoRA(s) record another base model than MODEL (as predict and merge warn): the
+    store may be shared with that model (same VAE and text encoder), so nothing else stops the run, and the
+    numbers would say nothing about the LoRA."""
+    from models.loading import model_fingerprint
+    from models.lora import lora_base_fingerprint
+
+    now = model_fingerprint(model)
+    other = [(i, fp) for i, lora in enumerate(loras) if (fp := lora_base_fingerprint(lora)) not in (None, now)]
+    if other:
+        shown = [str(steps[i]) for i, _ in other][:10] if steps else []
+        which = f" (checkpoints {', '.join(shown)}{' …' if len(other) > 10 else ''})" if steps else ""
+        tqdm.write(f"warning: LoRA {loras[other[0][0]]} was trained on a base model with fingerprint {other[0][1]}, "
+                   f"but {model} has {now}{which}: its held-out loss and images do not show what training did")
+
+
 def _only_report_files(out: Path) -> bool:
     """Does `out` hold nothing but what the report writer writes (an interrupted report: a full disk or a kill
     before metrics.json, written last)? Then the rerun may write over it; anything else is someone's folder."""
@@ -385,6 +401,7 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, ou
     tqdm.write(describe("evaluate", parse_dtype(cfg.dtype), cfg.device, requested)
                + (f", quantize_base {cfg.quantize_base}" if cfg.quantize_base != "none" else ""))
     check_recorded(lora_weight_file(lora))  # the file train sealed: a flipped bit is refused, not evaluated
+    warn_other_base([lora], model)
     inputs = evaluate_inputs(cfg, store, model, lora)
     tables, samples = read_val_samples(cfg, store, model)
     damaged = dict(tables.damaged)

@@ -13,7 +13,8 @@ W processes splits each global step's samples over its W ranks (`split_step`). S
 - the data position (epoch, global step) of a checkpoint means the same on any W: after a change every remaining
   sample of the epoch is seen exactly once.
 The global batch stays what the run started with (batch_size x W0 samples per micro-step); each process now
-takes about W0 / W times as many (the one line printed on the change says so). A step with fewer samples than
+takes about W0 / W times as many (the one line printed on the change says so). Token-budget steps are split by
+padded cost instead of count (`cost_shares`), so growing never gives a process more than the budget. A step with fewer samples than
 processes (the epoch's tail, after growing past W0) leaves some ranks an empty share: they run a stand-in of
 zero weight, so DDP stays in lockstep and the step's gradient is still exactly the mean over its real samples -
 unlike MosaicML's padding by repeated samples, no sample counts twice.
@@ -34,28 +35,72 @@ from pathlib import Path
 from store.partition import rank_slice, rng_for
 
 
-def split_step(step: list[list[int]], world_size: int, lengths: list[int]) -> list[list[int]]:
+def split_step(step: list[list[int]], world_size: int, lengths: list[int], by_cost: bool = False) -> list[list[int]]:
     """A global step's samples (planned as any number of batches) as `world_size` batches: sorted by length
-    (stable), so neighbours in length share a batch, then cut into contiguous shares within one of each other.
-    With fewer samples than processes some shares are empty: those ranks train on a zero-weight stand-in
-    (`stages.train.prefetch.prepare_share`)."""
+    (stable), so neighbours in length share a batch, then cut into contiguous shares within one of each other
+    (`by_cost`: of the lowest possible padded cost instead, `cost_shares`). With fewer samples than processes
+    some shares are empty: those ranks train on a zero-weight stand-in (`stages.train.prefetch.prepare_share`)."""
     samples = sorted((i for batch in step for i in batch), key=lengths.__getitem__)
+    if by_cost:
+        return cost_shares(samples, world_size, [int(lengths[i]) for i in samples])
     return [samples[slice(*rank_slice(len(samples), r, world_size))] for r in range(world_size)]
+
+
+def _fit(sorted_lengths: list[int], start: int, cap: int) -> int:
+    """How many samples from `start` one batch of padded cost (size x longest) <= cap holds (sorted ascending)."""
+    end = start
+    while end < len(sorted_lengths) and (end - start + 1) * sorted_lengths[end] <= cap:
+        end += 1
+    return end - start
+
+
+def _shares_needed(sorted_lengths: list[int], start: int, cap: int) -> int:
+    n, pos = 0, start
+    while pos < len(sorted_lengths):
+        pos, n = pos + _fit(sorted_lengths, pos, cap), n + 1
+    return n
+
+
+def cost_shares(samples: list[int], world_size: int, sorted_lengths: list[int]) -> list[list[int]]:
+    """`samples` (sorted by length) cut into `world_size` contiguous shares whose largest padded cost (size x
+    longest, the token budget's measure) is the lowest possible, counts as even as that cost allows.
+
+    For token-budget steps: their batch sizes vary with length, so equal counts can give one rank the long
+    samples *and* many of them (a step of 8 short + 2 long samples on 3 processes: 4 long ones' cost, 2 budgets).
+    A contiguous cut of the sorted order is as good as any grouping for this cost, so the lowest cap is never
+    above the planned batches' largest cost when the processes are at least as many as planned."""
+    n = len(samples)
+    if n == 0:
+        return [[] for _ in range(world_size)]
+    lo, hi = max(sorted_lengths), n * max(sorted_lengths)  # one share of the longest / everything in one share
+    while lo < hi:  # the lowest cap that `world_size` shares can keep
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if _shares_needed(sorted_lengths, 0, mid) <= world_size else (mid + 1, hi)
+    shares, pos = [], 0
+    for r in range(world_size):
+        left = world_size - r
+        most = _fit(sorted_lengths, pos, lo)
+        take = min(most, -(-(n - pos) // left))  # even counts where the cap allows ...
+        if _shares_needed(sorted_lengths, pos + take, lo) > left - 1:
+            take = most  # ... else as many as the cap allows, so the rest still fits
+        shares.append(samples[pos : pos + take])
+        pos += take
+    return shares
 
 
 class SplitSteps(Sequence):
     """An epoch's planned steps, each split when it is read (a resume reads only those after its position)."""
 
-    def __init__(self, planned: list[list[list[int]]], world_size: int, lengths: list[int]):
-        self.planned, self.world_size, self.lengths = planned, world_size, lengths
+    def __init__(self, planned: list[list[list[int]]], world_size: int, lengths: list[int], by_cost: bool = False):
+        self.planned, self.world_size, self.lengths, self.by_cost = planned, world_size, lengths, by_cost
 
     def __len__(self) -> int:
         return len(self.planned)
 
     def __getitem__(self, k):
         if isinstance(k, slice):
-            return [split_step(s, self.world_size, self.lengths) for s in self.planned[k]]
-        return split_step(self.planned[k], self.world_size, self.lengths)
+            return [split_step(s, self.world_size, self.lengths, self.by_cost) for s in self.planned[k]]
+        return split_step(self.planned[k], self.world_size, self.lengths, self.by_cost)
 
 
 class ElasticSteps:
@@ -67,9 +112,11 @@ class ElasticSteps:
         self.lengths = sampler.lengths
         self.world_size = world_size
         self.canonical = sampler.world_size
+        # token-budget steps (`budget.py`) are split by padded cost: their batches' sizes vary with length
+        self.by_cost = hasattr(sampler, "max_tokens")
 
     def global_steps(self, epoch: int) -> SplitSteps:
-        return SplitSteps(self.sampler.global_steps(epoch), self.world_size, self.lengths)
+        return SplitSteps(self.sampler.global_steps(epoch), self.world_size, self.lengths, self.by_cost)
 
 
 def on_world(sampler, world_size: int):

@@ -59,8 +59,10 @@ def test_every_remaining_sample_once_after_a_world_size_change():
                        [sorted(i for b in s for i in b) for s in planned[stop:]]
                 if world == canonical:  # nothing changed: exactly the planned batches
                     assert after == planned[stop:]
-                else:  # shares within one sample of each other; empty only in a step of fewer samples than ranks
-                    assert all(max(map(len, s)) - min(map(len, s)) <= 1 for s in after)
+                else:  # shares within one sample of each other (token-budget steps: of the lowest padded cost,
+                    # test_token_budget_shares_...); empty only in a step of fewer samples than ranks
+                    if isinstance(sampler, LengthAwareBatchSampler):
+                        assert all(max(map(len, s)) - min(map(len, s)) <= 1 for s in after)
                     assert all(all(s) or sum(map(len, s)) < world for s in after)
                     stand_ins += sum(1 for s in after for b in s if not b)
                 cases += 1
@@ -153,3 +155,34 @@ def test_an_empty_share_trains_a_stand_in_of_zero_loss_and_zero_gradient(tiny_ed
     loss = backward_of(transformer, stand_in, tc, torch.device("cpu"), scale=1.0)
     assert loss.tolist() == [0.0]
     assert all(torch.equal(p.grad, torch.zeros_like(p)) for p in params)
+
+
+def _cost(batch: list[int], lengths) -> int:
+    """What a padded batch computes: its size x its longest sequence (the token budget's measure)."""
+    return len(batch) * max(int(lengths[i]) for i in batch) if batch else 0
+
+
+def test_token_budget_shares_stay_within_the_budget_on_more_processes():
+    """A token-budget run (train.max_tokens_per_batch, tuned to the GPU's memory) resumed on more processes: no
+    share may cost more than the budget. Before, a step was cut into shares of equal *counts*: a step planned for
+    2 processes as 8 short samples + 1 long one gave the third of 3 processes 2 short + the long one, 3 x the
+    long one's cost, 3 budgets (out of memory, and the budget cannot be lowered on resume: it is hashed)."""
+    budget = 16384
+    lengths = [1024] * 8 + [8192] * 2
+    planned = [list(range(8)), [8, 9]]  # 8 x 1024 | 2 x 8192: each batch within the budget
+    worst = max(_cost(s, lengths) for s in elastic.split_step(planned, 3, lengths, by_cost=True))
+    assert worst <= budget, worst / budget
+    checked = 0
+    for n, canonical, seed in itertools.product(SIZES + [200], WORLDS, [0, 1, 2]):
+        if n < canonical:
+            continue
+        lengths = random_lengths(n, seed)
+        for budget in (1100, 3000, 12000):
+            sampler = TokenBudgetBatchSampler(lengths, budget, seed, window=2, world_size=canonical)
+            for world in (w for w in WORLDS if w > canonical):
+                for planned, split in zip(sampler.global_steps(seed), elastic.on_world(sampler, world).global_steps(seed)):
+                    # within the budget, or (the one step the leftovers joined) within what the plan itself had
+                    bound = max(budget, max(_cost(b, lengths) for b in planned))
+                    assert max(_cost(s, lengths) for s in split) <= bound, (n, canonical, world, budget, split)
+                    checked += 1
+    assert checked > 1000

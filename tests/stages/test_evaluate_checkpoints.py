@@ -251,3 +251,183 @@ def test_compare_two_runs_page_and_csv_and_refuses_other_held_out_sets(run_and_s
                                    "--out", str(tmp_path / "cmp3")])
     assert res.exit_code == 1 and "held-out sets differ in store tables" in res.output, res.output
     assert not (tmp_path / "cmp2").exists() and not (tmp_path / "cmp3").exists()
+
+
+def test_a_checkpoint_with_non_finite_losses_on_some_samples_is_never_the_best(run_and_store, tiny_edit_model,
+                                                                               tmp_path):
+    """A diverging checkpoint overflows on some val samples only (inf on the largest images, as in bf16) and is
+    low on the rest: its held-out loss is not finite, so it is never the best. Before, the per-step mean left its
+    non-finite rows out (meant for the NaN inside / outside of unmasked samples), so its mean over the easy
+    samples alone was the lowest and it was named the best checkpoint."""
+    import csv
+    import math
+
+    import zarr
+
+    root, out = run_and_store, tmp_path / "report"
+    ev.run(EvaluateConfig(**CFG), root / "store", tiny_edit_model, _ckpts(root), out)
+    group = zarr.open_group(out / GROUP, mode="r+", use_consolidated=True)
+    assert [int(s) for s in group["step"][:]] == [10, 20, 30]
+    diverged = np.asarray(group["base_loss"][:]) * 0.5  # half the base's loss on every row ...
+    diverged[0] = np.inf  # ... but inf on every row of one sample
+    group["loss"][0] = diverged.astype("float32")
+
+    res = ev.run(EvaluateConfig(**CFG), root / "store", tiny_edit_model, _ckpts(root), out)
+    assert res.evaluated == 0  # the recorded numbers, summarised again
+    c = res.metrics["checkpoints"]
+    assert not math.isfinite(c["per_step"][0]["overall"])  # not the mean of the other samples
+    assert res.best["step"] == 20 and res.best["path"].endswith("step-20/lora")
+    bucket = next(b for b in c["per_step"][0]["per_bucket"] if not math.isfinite(c["per_step"][0]["per_bucket"][b]))
+    assert bucket  # the bucket of the overflowing sample shows it too
+    # inside / outside stay finite numbers for the finite checkpoints (NaN there only marks "no two-region mask")
+    assert math.isfinite(c["per_step"][1]["inside"]) and math.isfinite(c["base"]["outside"])
+    assert json.loads((out / "metrics.json").read_text())["checkpoints"]["best"]["step"] == 20
+
+    # `pipeline compare` reads the same array the same way
+    import shutil
+
+    shutil.copytree(out, tmp_path / "copy")
+    cmp = CliRunner().invoke(app, ["compare", str(out), str(tmp_path / "copy"), "--out", str(tmp_path / "cmp"),
+                                   "--json"])
+    assert cmp.exit_code == 0, cmp.output
+    assert [r["best_step"] for r in json.loads(cmp.stdout)["runs"]] == [20, 20]
+    rows = {r["step"]: r for r in csv.DictReader((tmp_path / "cmp" / "curves.csv").open()) if r["run"] == "report"}
+    assert float(rows["20"]["loss"]) == pytest.approx(c["per_step"][1]["overall"], rel=1e-6)
+    assert float(rows["base"]["loss_inside"]) == pytest.approx(c["base"]["inside"], rel=1e-6)
+
+
+def test_a_checkpoint_lora_damaged_after_its_commit_is_refused_naming_it(run_and_store, tiny_edit_model, tmp_path):
+    """A checkpoint's resume.json seals the CRC32C of its lora/ file (stages/train/state.py), as the final LoRA's
+    checksums.json does; single-LoRA evaluate checks the latter. --all-checkpoints read the checkpoints without
+    that check: a flipped bit in a weight (still finite) was evaluated as if trained, and when the step was
+    already in the array, taken for 'another run trained into this folder' (the earlier numbers put aside)."""
+    import shutil
+
+    from schemas.errors import UserError
+    from stages.train.state import file_checksums
+    from store.checksum import seal
+
+    root = tmp_path / "root"
+    shutil.copytree(run_and_store / "run", root / "run")
+    for step in (10, 20, 30):  # what train commits: every file's size and CRC32C, sealed
+        folder = root / "run" / "checkpoints" / f"step-{step}"
+        (folder / "resume.json").write_bytes(seal({"files": file_checksums(folder)}))
+    ckpts, out = _ckpts(root), tmp_path / "report"
+    assert ev.run(EvaluateConfig(**CFG), run_and_store / "store", tiny_edit_model, ckpts, out).evaluated == 3
+
+    weights = ckpts[1][1] / "pytorch_lora_weights.safetensors"
+    data = bytearray(weights.read_bytes())
+    header = int.from_bytes(data[:8], "little")
+    data[8 + header] ^= 1  # the lowest mantissa bit of the first weight: still a finite number
+    weights.write_bytes(bytes(data))
+    for kwargs in ({}, {"skip_if_done": True}):
+        with pytest.raises(UserError, match=r"step-20.*lora.*damaged") as e:
+            ev.run(EvaluateConfig(**CFG), run_and_store / "store", tiny_edit_model, ckpts, out, **kwargs)
+        assert "\n" not in str(e.value) and "checkpoint step 20" in str(e.value)
+    assert not [p for p in out.iterdir() if p.name.startswith("losses.") and p.name != GROUP]  # nothing put aside
+    assert list(xr.open_zarr(out / GROUP).step.values) == [10, 20, 30]
+
+
+def test_a_moved_run_folder_keeps_its_losses_and_names_the_checkpoints_where_they_are(run_and_store,
+                                                                                     tiny_edit_model, tmp_path):
+    """The run folder moved (renamed, or mounted elsewhere) after its checkpoints were evaluated: the same bytes
+    are not evaluated again, and the best is chosen among the run's checkpoints with their present paths. Before,
+    'still on disk' was judged by the recorded paths: every checkpoint looked deleted and evaluate stopped with
+    'no checkpoint ... has a finite held-out loss' (and an up-to-date report named paths that no longer exist)."""
+    import shutil
+
+    root, out = tmp_path / "root", tmp_path / "report"
+    shutil.copytree(run_and_store / "run", root / "run")
+    first = ev.run(EvaluateConfig(**CFG), run_and_store / "store", tiny_edit_model, _ckpts(root), out)
+    assert first.best["step"] == 20
+    (root / "run").rename(root / "moved")
+    moved = [(s, root / "moved" / "checkpoints" / f"step-{s}" / "lora") for s in (10, 20, 30)]
+
+    res = ev.run(EvaluateConfig(**CFG), run_and_store / "store", tiny_edit_model, moved, out, skip_if_done=True)
+    assert not res.up_to_date and res.evaluated == 0  # a new report (other paths), the same bytes' losses
+    assert res.best["step"] == 20 and res.best["path"] == str(moved[1][1].resolve())
+    assert res.metrics["checkpoints"]["last"]["path"] == str(moved[2][1].resolve())
+    assert res.metrics["checkpoints"]["paths"] == [str(p.resolve()) for _, p in moved]
+    assert res.best["loss"] == first.best["loss"]
+    again = ev.run(EvaluateConfig(**CFG), run_and_store / "store", tiny_edit_model, moved, out, skip_if_done=True)
+    assert again.up_to_date and again.best["path"] == str(moved[1][1].resolve())
+
+    # a checkpoint pruned since (train.keep_last) stays in the curves but is never the best
+    shutil.rmtree(root / "moved" / "checkpoints" / "step-20")
+    res = ev.run(EvaluateConfig(**CFG), run_and_store / "store", tiny_edit_model, [moved[0], moved[2]], out)
+    assert res.metrics["checkpoints"]["steps"] == [10, 20, 30] and res.best["step"] == 30
+
+
+def test_lora_dropout_of_the_training_config_is_off_while_evaluating(tiny_edit_model, tmp_path):
+    """A LoRA trained with train.lora.dropout > 0 keeps lora_dropout in its saved adapter config. peft builds the
+    attached layers (their Dropout included) in training mode although the loaded model is in eval mode, so
+    evaluate drew dropout masks from the global RNG: two checkpoints with the same bytes got different held-out
+    losses (the best pick a coin toss) and the single-LoRA report another number again. With the adapter in eval
+    mode the numbers are the LoRA's own, the same every time."""
+    from stages.evaluate import stage as single
+
+    make_train_store(tmp_path / "store", tiny_edit_model, mixed_specs(1, 4))
+    transformer = load_component(tiny_edit_model, "transformer")
+    add_lora(transformer, LoraConfig(rank=4, alpha=4.0, dropout=0.5))
+    for step in (10, 20):  # the same weights twice
+        _write_lora(transformer, tmp_path / "run" / "checkpoints" / f"step-{step}", 0.5)
+    ckpts = [(s, tmp_path / "run" / "checkpoints" / f"step-{s}" / "lora") for s in (10, 20)]
+    cfg = EvaluateConfig(**CFG)
+    res = ev.run(cfg, tmp_path / "store", tiny_edit_model, ckpts, tmp_path / "report")
+    ds = xr.open_zarr(tmp_path / "report" / GROUP)
+    np.testing.assert_array_equal(ds.loss.values[0], ds.loss.values[1])
+    assert not np.array_equal(ds.loss.values[0], ds.base_loss.values)  # the LoRA does change the numbers
+    one = single.run(cfg, tmp_path / "store", tiny_edit_model, ckpts[0][1], tmp_path / "single")
+    assert one.metrics["loss"]["overall"]["lora"] == pytest.approx(res.best["loss"], rel=1e-6)
+
+
+def test_a_lora_trained_on_another_base_model_is_named_in_a_warning(tiny_edit_model, tmp_path, capsys):
+    """A LoRA records its base model's fingerprint (train writes it into every checkpoint's and the final LoRA's
+    metadata). Stores are shared between models with the same VAE and text encoder (Edit -> Edit-2509), so
+    evaluate runs without error on another base, and its numbers say nothing about the LoRA: predict and merge
+    warn (or refuse with --strict-base); evaluate said nothing."""
+    from models.loading import model_fingerprint
+    from stages.evaluate import stage as single
+
+    make_train_store(tmp_path / "store", tiny_edit_model, mixed_specs(1, 2))
+    transformer = load_component(tiny_edit_model, "transformer")
+    add_lora(transformer, LoraConfig(rank=4, alpha=4.0))
+    for step in (10, 20):
+        folder = tmp_path / "run" / "checkpoints" / f"step-{step}"
+        save_lora(transformer, folder / "lora", base_fingerprint="0" * 64)  # trained on some other model
+        (folder / "resume.json").write_text("{}")
+    ckpts = [(s, tmp_path / "run" / "checkpoints" / f"step-{s}" / "lora") for s in (10, 20)]
+    cfg = EvaluateConfig(**{**CFG, "noise_seeds": [0], "timesteps": [0.5]})
+    capsys.readouterr()
+    single.run(cfg, tmp_path / "store", tiny_edit_model, ckpts[0][1], tmp_path / "single")
+    out = capsys.readouterr().out
+    assert out.count("warning: LoRA") == 1 and "was trained on a base model with fingerprint 0000" in out
+    ev.run(cfg, tmp_path / "store", tiny_edit_model, ckpts, tmp_path / "report")
+    out = capsys.readouterr().out
+    assert out.count("warning: LoRA") == 1 and "(checkpoints 10, 20)" in out, out
+    # the LoRA of this very model: no warning
+    save_lora(transformer, tmp_path / "own", base_fingerprint=model_fingerprint(tiny_edit_model))
+    single.run(cfg, tmp_path / "store", tiny_edit_model, tmp_path / "own", tmp_path / "own-report")
+    assert "warning" not in capsys.readouterr().out
+
+
+def test_another_runs_checkpoints_in_the_same_report_folder_start_a_new_array(run_and_store, tiny_edit_model,
+                                                                              tmp_path):
+    """REPORT evaluated run A (steps 10-30); then run B, whose checkpoints are at other steps (40, 50), into the
+    same --out. Before, nothing told them apart (only a step recorded with other bytes did): B's report held A's
+    steps in its curves, table and step list. Now A's numbers are kept aside and B's array holds B alone; A's
+    checkpoints are still on disk, which is what tells another run from checkpoints pruned or a run moved."""
+    import shutil
+
+    out = tmp_path / "report"
+    ev.run(EvaluateConfig(**CFG), run_and_store / "store", tiny_edit_model, _ckpts(run_and_store), out)
+    b = tmp_path / "b" / "checkpoints"
+    for new, old in ((40, 30), (50, 10)):
+        shutil.copytree(run_and_store / "run" / "checkpoints" / f"step-{old}", b / f"step-{new}")
+    res = ev.run(EvaluateConfig(**CFG), run_and_store / "store", tiny_edit_model,
+                 [(s, b / f"step-{s}" / "lora") for s in (40, 50)], out)
+    assert res.metrics["checkpoints"]["steps"] == [40, 50] and res.evaluated == 2
+    assert res.best["step"] == 40 and res.best["path"].startswith(str(b.resolve()))
+    assert list(xr.open_zarr(out / GROUP).step.values) == [40, 50]
+    kept = [p for p in out.iterdir() if p.name.startswith("losses.") and p.name != GROUP]
+    assert len(kept) == 1 and list(xr.open_zarr(kept[0]).step.values) == [10, 20, 30]
