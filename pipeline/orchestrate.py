@@ -100,7 +100,9 @@ def kept_checkpoints(run: Path) -> list[tuple[int, Path]]:
     """(step, LoRA folder) of every committed checkpoint of RUN, oldest first."""
     from stages.train.state import complete_checkpoints
 
-    return [(step, folder / "lora") for step, folder in complete_checkpoints(run / "checkpoints")]
+    if not Path(run).is_dir():
+        raise UserError(f"run folder {run} does not exist; pass the folder train wrote (--run or paths.run)")
+    return [(step, folder / "lora") for step, folder in complete_checkpoints(Path(run) / "checkpoints")]
 
 
 def evaluate_run(cfg: PipelineConfig, p: Paths) -> StageSummary:

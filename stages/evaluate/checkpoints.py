@@ -28,6 +28,7 @@ from schemas.config import EvaluateConfig
 from schemas.errors import UserError
 from schemas.lineage import hashed_settings
 from schemas.stage import few
+from stages.evaluate.stage import one_evaluate_per_report
 from store import Store
 from store.loss_array import Axes, LossStore, recorded_steps
 
@@ -173,6 +174,7 @@ def _up_to_date(out: Path, fingerprint: str, checkpoints: list[tuple[int, Path]]
 # ------------------------------------------------------------------------------------------------ the stage
 
 
+@one_evaluate_per_report
 def run(cfg: EvaluateConfig, store: str | Path, model: str, checkpoints: list[tuple[int, Path]], out: str | Path,
         skip_if_done: bool = False) -> CheckpointsResult:
     """Evaluate the base and every (step, LoRA folder) of `checkpoints` into OUT (losses.zarr + the report)."""
@@ -190,7 +192,8 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, checkpoints: list[tu
     fingerprint, settings = loss_fingerprint(cfg, store, model)
     if skip_if_done and (done := _up_to_date(out, fingerprint, checkpoints, cfg)) is not None:
         return CheckpointsResult(done, out / "index.html", up_to_date=True)
-    ours = lambda name: name.startswith(("losses", ".losses")) and ".zarr" in name  # noqa: E731 (groups, kept or new)
+    ours = lambda name: name == single.REPORT_LOCK or (  # noqa: E731  (the lock; loss groups, kept or new)
+        name.startswith(("losses", ".losses")) and ".zarr" in name)
     if out.is_dir() and any(not ours(p.name) for p in out.iterdir()) and not (out / "metrics.json").is_file():
         raise UserError(f"{out} is not empty and holds no earlier report: pass a new or empty --out folder")
     tqdm.write(describe("evaluate", single.parse_dtype(cfg.dtype), cfg.device, requested))

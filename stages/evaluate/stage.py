@@ -378,14 +378,37 @@ def warn_other_base(loras: list, model: str, steps: list[int] | None = None) -> 
                    f"but {model} has {now}{which}: its held-out loss and images do not show what training did")
 
 
+REPORT_LOCK = ".evaluate.lock"  # in a report folder: held by the evaluate writing it
+
+
+def one_evaluate_per_report(run):
+    """Runs `run(cfg, store, model, what, out, ...)` holding `out`'s lock: two evaluates writing one report folder
+    (its loss array, index.html, metrics.json) would interleave their files; the second stops at once, naming the
+    first's pid. A flock: the kernel drops it with a killed process."""
+    import functools
+
+    from store.format import flock
+
+    @functools.wraps(run)
+    def locked(cfg, store, model, what, out, *args, **kwargs):
+        out = Path(out)
+        out.mkdir(parents=True, exist_ok=True)
+        with flock(out / REPORT_LOCK, blocking=False, holder=f"the report folder {out}"):
+            return run(cfg, store, model, what, out, *args, **kwargs)
+
+    return locked
+
+
 def _only_report_files(out: Path) -> bool:
     """Does `out` hold nothing but what the report writer writes (an interrupted report: a full disk or a kill
     before metrics.json, written last)? Then the rerun may write over it; anything else is someone's folder."""
     from store.format import is_litter
 
-    return all(p.name in ("grid.png", "index.html") or (p.is_file() and is_litter(p.name)) for p in out.iterdir())
+    return all(p.name in ("grid.png", "index.html", REPORT_LOCK) or (p.is_file() and is_litter(p.name))
+               for p in out.iterdir())
 
 
+@one_evaluate_per_report
 def run(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, out: str | Path,
         skip_if_done: bool = False) -> EvaluateResult:
     """Evaluate base vs LoRA on the store's val split and write the report into `out`. `skip_if_done`: reuse a

@@ -5,6 +5,7 @@ an append killed before its commit, a checkpoint already evaluated skipped, a ch
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -431,3 +432,31 @@ def test_another_runs_checkpoints_in_the_same_report_folder_start_a_new_array(ru
     assert list(xr.open_zarr(out / GROUP).step.values) == [40, 50]
     kept = [p for p in out.iterdir() if p.name.startswith("losses.") and p.name != GROUP]
     assert len(kept) == 1 and list(xr.open_zarr(kept[0]).step.values) == [10, 20, 30]
+
+
+def test_a_second_evaluate_into_the_same_report_folder_stops_at_once(tmp_path: Path) -> None:
+    """Two evaluates writing one report folder would interleave its loss array and pages: the second stops before
+    reading anything, naming the folder and the first's pid (held here as the first would hold it)."""
+    import os
+
+    from schemas.errors import UserError
+    from stages.evaluate import checkpoints as ev, stage as single
+    from store.format import flock
+
+    out = tmp_path / "report"
+    out.mkdir()
+    with flock(out / single.REPORT_LOCK):
+        for run, what in ((single.run, tmp_path / "lora"), (ev.run, [(10, tmp_path / "lora")])):
+            with pytest.raises(UserError) as e:
+                run(None, tmp_path / "store", "model", what, out)  # nothing is read before the lock
+            assert str(out) in str(e.value) and f"pid {os.getpid()}" in str(e.value) and "\n" not in str(e.value)
+    assert [p.name for p in out.iterdir()] == [single.REPORT_LOCK]
+
+
+def test_a_run_folder_that_does_not_exist_is_named(tmp_path: Path) -> None:
+    """A misspelled --run used to say only "the run folder holds no checkpoints/step-N"."""
+    from pipeline.orchestrate import kept_checkpoints
+    from schemas.errors import UserError
+
+    with pytest.raises(UserError, match=f"run folder {tmp_path / 'rnu'} does not exist"):
+        kept_checkpoints(tmp_path / "rnu")
