@@ -13,8 +13,10 @@ W processes splits each global step's samples over its W ranks (`split_step`). S
 - the data position (epoch, global step) of a checkpoint means the same on any W: after a change every remaining
   sample of the epoch is seen exactly once.
 The global batch stays what the run started with (batch_size x W0 samples per micro-step); each process now
-takes about W0 / W times as many (the one line printed on the change says so). Token-budget steps are split by
-padded cost instead of count (`cost_shares`), so growing never gives a process more than the budget. A step with fewer samples than
+takes about W0 / W times as many (the one line printed on the change says so), as micro-batches no bigger than
+planned (`chunks`: fewer processes accumulate more micro-batches; the memory per process stays what the run was
+sized for). Token-budget steps are split by padded cost instead of count (`cost_shares`), so growing never gives
+a process more than the budget. A step with fewer samples than
 processes (the epoch's tail, after growing past W0) leaves some ranks an empty share: they run a stand-in of
 zero weight, so DDP stays in lockstep and the step's gradient is still exactly the mean over its real samples -
 unlike MosaicML's padding by repeated samples, no sample counts twice.
@@ -86,6 +88,38 @@ def cost_shares(samples: list[int], world_size: int, sorted_lengths: list[int]) 
         shares.append(samples[pos : pos + take])
         pos += take
     return shares
+
+
+def chunks(share: list[int], lengths, batch_size: int | None = None, max_tokens: int | None = None) -> list[list[int]]:
+    """A rank's share of a step (sorted by length: `split_step`) as contiguous micro-batches no bigger than the run
+    planned per process: at most `batch_size` samples, or a padded cost (count x longest) within `max_tokens` (one
+    sample at least, as the budget sampler's own batches). After a resume on fewer processes a share holds
+    W0 / W planned batches' samples: one forward over all of them needs W0 / W times the memory the run was
+    sized for; as micro-batches (gradients accumulated, DDP's all-reduce on the last) the peak stays the
+    planned one and the gradient is the same sum. The empty share stays one (a stand-in)."""
+    if not share:
+        return [share]
+    if max_tokens is None:
+        size = max(1, int(batch_size or len(share)))
+        return [share[i:i + size] for i in range(0, len(share), size)]
+    sorted_lengths = [int(lengths[i]) for i in share]
+    out, pos = [], 0
+    while pos < len(share):
+        take = max(1, _fit(sorted_lengths, pos, max_tokens))
+        out.append(share[pos:pos + take])
+        pos += take
+    return out
+
+
+def micro_split(steps):
+    """`chunks` for the steps a start reads (`on_world`): shares of a re-split step, cut to the planned size; the
+    canonical sampler's own batches as they are."""
+    if not isinstance(steps, ElasticSteps):
+        return lambda share: [share]
+    planned = steps.sampler
+    if steps.by_cost:
+        return lambda share: chunks(share, steps.lengths, max_tokens=planned.max_tokens)
+    return lambda share: chunks(share, steps.lengths, batch_size=planned.batch_size)
 
 
 class SplitSteps(Sequence):

@@ -28,6 +28,7 @@ from models.sample import TrainSample
 from schemas.config import TrainConfig
 from stages.train.damaged import DamagedRows
 from stages.train.data import DataStream, load_at
+from stages.train.elastic import micro_split
 from store.join import JoinedTables
 
 
@@ -38,7 +39,8 @@ class MicroBatch:
     ends_epoch: bool
     position: tuple[int, int]  # the stream position after this micro-batch (what a checkpoint records)
     step: int  # the optimizer step it belongs to (the draws' step)
-    flow: FlowBatch  # this rank's prepared batch, on the device
+    flows: list[FlowBatch]  # this rank's prepared share, on the device: one batch, or its planned-size parts
+    # after an elastic resume on fewer processes (stages/train/elastic.chunks), accumulated one after the other
     ready: Any = None  # CUDA event the consumer's stream waits for (prefetched copies)
     damaged: dict[int, str] = field(default_factory=dict)  # on_damaged=skip: rows of this rank's share left out
 
@@ -73,6 +75,23 @@ def prepare_share(tables: JoinedTables, tc: TrainConfig, indices: list[int], glo
     return replace(flow, weights=[torch.zeros(t.shape[0], device=t.device) for t in flow.targets])
 
 
+def prepare_chunks(tables: JoinedTables, tc: TrainConfig, indices: list[int], global_batch: list[list[int]],
+                   step: int, device: torch.device, dtype: torch.dtype, rows: DamagedRows | None,
+                   split: Callable[[list[int]], list[list[int]]]) -> list[FlowBatch]:
+    """`prepare_share` as the micro-batches `split` cuts this rank's intact samples into (each sample's draws
+    depend on (seed, step, key) only: the same numbers in any cut)."""
+    rows = rows if rows is not None else DamagedRows(skip=False)
+    samples = rows.load(tables, indices)
+    if not samples:  # every one damaged, or an empty share: the stand-in
+        return [prepare_share(tables, tc, [], global_batch, step, device, dtype, rows)]
+    damaged = rows.damaged_of(indices)
+    flows, pos = [], 0
+    for group in split([i for i in indices if i not in damaged]):
+        flows.append(prepare(tables, tc, group, step, device, dtype, samples[pos:pos + len(group)]))
+        pos += len(group)
+    return flows
+
+
 def map_tensors(obj, fn: Callable[[torch.Tensor], torch.Tensor]):
     """`fn` on every tensor of a FlowBatch (dataclasses, lists, None), the rest as it is."""
     if isinstance(obj, torch.Tensor):
@@ -93,6 +112,7 @@ class MicroBatches:
         self.device, self.dtype, self.depth = device, dtype, depth
         self._count = 0
         self._start = start_step
+        self._split = micro_split(stream.sampler)
         self._queue: queue.Queue | None = None
         self._stop = threading.Event()
         self.rows = DamagedRows(skip=tables.on_damaged == "skip")  # used by the one thread that prepares
@@ -112,16 +132,17 @@ class MicroBatches:
         self._count += 1
         indices = global_batch[self.rank]
         if self._queue is None or self._side is None:  # inline, or a CPU prefetch: the same ops as inline
-            flow = prepare_share(self.tables, self.tc, indices, global_batch, step, self.device, self.dtype, self.rows)
-            return MicroBatch(epoch, global_batch, ends, self.stream.position, step, flow,
+            flows = prepare_chunks(self.tables, self.tc, indices, global_batch, step, self.device, self.dtype,
+                                   self.rows, self._split)
+            return MicroBatch(epoch, global_batch, ends, self.stream.position, step, flows,
                               damaged=self.rows.damaged_of(indices))
-        flow = prepare_share(self.tables, self.tc, indices, global_batch, step, torch.device("cpu"), self.dtype,
-                             self.rows)
+        flows = prepare_chunks(self.tables, self.tc, indices, global_batch, step, torch.device("cpu"), self.dtype,
+                               self.rows, self._split)
         with torch.cuda.stream(self._side):
-            flow = map_tensors(flow, lambda t: t.pin_memory().to(self.device, non_blocking=True))
+            flows = map_tensors(flows, lambda t: t.pin_memory().to(self.device, non_blocking=True))
             ready = torch.cuda.Event()
             ready.record(self._side)
-        return MicroBatch(epoch, global_batch, ends, self.stream.position, step, flow, ready,
+        return MicroBatch(epoch, global_batch, ends, self.stream.position, step, flows, ready,
                           self.rows.damaged_of(indices))
 
     def _work(self) -> None:
@@ -148,7 +169,7 @@ class MicroBatches:
         if item.ready is not None:  # the compute stream waits for the side-stream copy, and owns the memory
             current = torch.cuda.current_stream(self.device)
             current.wait_event(item.ready)
-            map_tensors(item.flow, lambda t: t.record_stream(current) or t)
+            map_tensors(item.flows, lambda t: t.record_stream(current) or t)
         return item
 
     def close(self) -> None:

@@ -224,8 +224,11 @@ def step(r: Run) -> StepStats:
         micro = [r.batches.next() for _ in range(tc.grad_accum)]
         n_step = sum(len(b) for m in micro for b in m.global_batch)
         for k, m in enumerate(micro):
-            with parallel.accumulating(r.model, last=k == len(micro) - 1):
-                losses = backward_of(r.model, m.flow, tc, r.device, scale=r.world / n_step)
+            parts = []
+            for j, flow in enumerate(m.flows):  # several: this rank's share cut to the planned size (elastic.chunks)
+                with parallel.accumulating(r.model, last=k == len(micro) - 1 and j == len(m.flows) - 1):
+                    parts.append(backward_of(r.model, flow, tc, r.device, scale=r.world / n_step))
+            losses = torch.cat(parts) if len(parts) > 1 else parts[0]
             loss_sum += losses.sum()
             share = [i for i in m.global_batch[r.rank] if i not in m.damaged]
             step_losses.append(([r.tables.keys[i] for i in share], losses))

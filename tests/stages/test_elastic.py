@@ -186,3 +186,76 @@ def test_token_budget_shares_stay_within_the_budget_on_more_processes():
                     assert max(_cost(s, lengths) for s in split) <= bound, (n, canonical, world, budget, split)
                     checked += 1
     assert checked > 1000
+
+
+def test_fewer_processes_accumulate_micro_batches_of_the_planned_size():
+    """A run planned for W0 processes resumed on fewer: each share (W0 / W planned batches' samples) is cut into
+    micro-batches no bigger than a planned one - at most batch_size samples, or within the token budget (or one
+    sample) - which hold exactly the share, in order. Before, the whole share was one batch: W0 / W times the
+    memory the run was sized for (out of memory on a card the run just fitted)."""
+    checked = 0
+    for n, canonical, seed in itertools.product(SIZES + [200], WORLDS, [0, 1]):
+        if n < canonical:
+            continue
+        for sampler in samplers(n, canonical, seed):
+            for world in (w for w in WORLDS if w < canonical):
+                steps = elastic.on_world(sampler, world)
+                split = elastic.micro_split(steps)
+                for shares in steps.global_steps(seed):
+                    for share in shares:
+                        parts = split(share)
+                        assert [i for p in parts for i in p] == share and all(parts) == bool(share)
+                        for p in parts:
+                            if hasattr(sampler, "max_tokens"):
+                                assert len(p) == 1 or _cost(p, sampler.lengths) <= sampler.max_tokens
+                            else:
+                                assert len(p) <= sampler.batch_size
+                        checked += 1
+    assert checked > 1000
+    same = LengthAwareBatchSampler(random_lengths(8, 0), 2, 0, world_size=2)
+    assert elastic.micro_split(elastic.on_world(same, 2))([3, 1, 2, 0]) == [[3, 1, 2, 0]]  # no change: as planned
+
+
+def test_a_share_in_micro_batches_gives_the_gradient_of_one_batch(tiny_edit_model, tmp_path):
+    """The share of a run planned for 2 processes (batch 2 each) resumed on 1: 4 samples as 2 micro-batches of 2
+    give the loss and LoRA gradient of the 4 in one batch (the padded batches equal batch-1 runs)."""
+    from models.lora import lora_parameters
+    from pipeline.config import load_config
+    from stages.train.data import open_inputs
+    from stages.train.prefetch import prepare, prepare_chunks
+    from stages.train.recipe import backward_of, setup_transformer
+    from train_store import make_train_store, mixed_specs
+
+    store = tmp_path / "store"
+    make_train_store(store, tiny_edit_model, mixed_specs(4))
+    tc = load_config(None, {"train.device": "cpu", "train.dtype": "float32"}).train
+    tables = open_inputs(store, tiny_edit_model)
+    transformer = setup_transformer(tiny_edit_model, tc, torch.device("cpu"))
+    params = lora_parameters(transformer)
+    for name, p in transformer.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p.data, std=0.1)
+    cpu = torch.device("cpu")
+    share = [0, 1, 2, 3]
+    one = backward_of(transformer, prepare(tables, tc, share, 3, cpu, torch.float32), tc, cpu, scale=0.25)
+    whole = [p.grad.clone() for p in params]
+    transformer.zero_grad(set_to_none=False)
+    flows = prepare_chunks(tables, tc, share, [share], 3, cpu, torch.float32, None,
+                           lambda s: elastic.chunks(s, None, batch_size=2))
+    assert [len(f.targets) for f in flows] == [2, 2]
+    parts = torch.cat([backward_of(transformer, f, tc, cpu, scale=0.25) for f in flows])
+    torch.testing.assert_close(parts, one, rtol=1e-5, atol=1e-6)
+    for got, want in zip((p.grad for p in params), whole):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+    transformer.zero_grad(set_to_none=False)
+
+    # the trainer's own micro-batches: a plan for 2 processes (batch 2 each) read by 1 comes as 2 parts of 2
+    from stages.train.prefetch import MicroBatches
+
+    planned = LengthAwareBatchSampler([100, 200, 300, 400], 2, 0, world_size=2)
+    batches = MicroBatches(DataStream(elastic.on_world(planned, 1)), tables, tc, 0, 0, cpu, torch.float32)
+    try:
+        m = batches.next()
+    finally:
+        batches.close()
+    assert [len(f.targets) for f in m.flows] == [2, 2] and sorted(m.global_batch[0]) == share
