@@ -363,3 +363,22 @@ def test_gc_judges_ages_by_the_servers_clock_not_this_machines(s3_env, store: St
     r = _cli("store", "gc", s3_env.url(), "--incomplete-after", "0")  # an old probe goes with the leftovers
     assert r.exit_code == 0 and "1 clock probe(s)" in r.output, r.output
     assert probe not in objects(s3_env)
+
+
+def test_a_dry_run_gc_with_read_only_access_still_plans(s3_env, store: Store, monkeypatch) -> None:
+    """The clock probe is a write: with read-only credentials (a dry run to look) the ages are judged by this
+    machine's clock, with a warning, instead of the dry run failing on the probe."""
+    import s3fs
+
+    fill(store, 4)
+    push(store.root, s3_env.url())
+    real = s3fs.S3FileSystem.pipe_file
+
+    def read_only(self, path, *args, **kwargs):
+        if "/.clock/" in str(path):
+            raise PermissionError("Access Denied")
+        return real(self, path, *args, **kwargs)
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "pipe_file", read_only)
+    r = _cli("store", "gc", s3_env.url(), "--dry-run")
+    assert r.exit_code == 0 and "dry run" in r.output, r.output
