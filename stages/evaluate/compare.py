@@ -2,7 +2,8 @@
 
 Each input is a report folder (holding `losses.zarr`, written by `evaluate --all-checkpoints` or `run all`) or a
 run folder whose report was kept inside it (`RUN/evaluate-report/`). Runs are comparable only on the same
-held-out set: the same store `text` / `vae` table versions, the same val sample keys, noise seeds and σ grid;
+held-out set: the same store `text` / `vae` table versions, the same val sample keys, noise seeds and σ grid,
+measured the same way (base model, and evaluate's dtype, LoRA scale, quantised base, attention backend);
 anything else is refused with the difference named (numbers of different held-out sets are not one scale).
 """
 
@@ -92,6 +93,9 @@ def read_curves(path: str | Path, label: str) -> RunCurves:
             "val samples": [str(k) for k in ds.sample.values],
             "noise seeds": [int(s) for s in ds.seed.values],
             "σ grid": [float(s) for s in ds.sigma.values],
+            # the same samples through another base model, dtype, LoRA scale or quantised base are not one scale
+            "base model": settings.get("model_fingerprint"),
+            "evaluate settings": settings.get("evaluate"),
         },
     )
 
@@ -107,8 +111,13 @@ def check_same_held_out(runs: list[RunCurves]) -> None:
                 if what == "val samples":
                     a, b = set(value), set(theirs)
                     detail = f" ({len(a - b)} only in the first, {len(b - a)} only in the other)"
-                elif what == "store tables":
+                elif what in ("store tables", "base model"):
                     detail = f" ({value} vs {theirs})"
+                elif what == "evaluate settings":
+                    keys = sorted(k for k in {*(value or {}), *(theirs or {})}
+                                  if (value or {}).get(k) != (theirs or {}).get(k))
+                    detail = " (" + ", ".join(f"{k}: {(value or {}).get(k)} vs {(theirs or {}).get(k)}"
+                                              for k in keys) + ")"
                 raise UserError(
                     f"cannot compare {first.group} and {other.group}: their held-out sets differ in {what}{detail}; "
                     "compare runs evaluated on the same store version and val split with the same evaluate settings"

@@ -245,6 +245,12 @@ def test_compare_two_runs_page_and_csv_and_refuses_other_held_out_sets(run_and_s
     res = CliRunner().invoke(app, ["compare", str(tmp_path / "a" / "report"), str(tmp_path / "c" / "report"),
                                    "--out", str(tmp_path / "cmp2")])
     assert res.exit_code == 1 and "held-out sets differ in σ grid" in res.output, res.output
+    # the same held-out set at another LoRA scale: not one scale either, the setting named
+    ev.run(EvaluateConfig(**{**CFG, "lora_scale": 0.5}), root / "store", tiny_edit_model, ckpts[:1],
+           tmp_path / "e" / "report")
+    res = CliRunner().invoke(app, ["compare", str(tmp_path / "a" / "report"), str(tmp_path / "e" / "report"),
+                                   "--out", str(tmp_path / "cmp4")])
+    assert res.exit_code == 1 and "differ in evaluate settings (lora_scale: 1.0 vs 0.5)" in res.output, res.output
     # another store (other val samples): refused
     make_train_store(tmp_path / "store2", tiny_edit_model, mixed_specs(1, 3, masks=True), tag="other")
     ev.run(EvaluateConfig(**CFG), tmp_path / "store2", tiny_edit_model, ckpts[:1], tmp_path / "d" / "evaluate-report")  # a kept run
