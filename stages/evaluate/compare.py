@@ -106,6 +106,8 @@ def check_same_held_out(runs: list[RunCurves]) -> None:
     for other in runs[1:]:
         for what, value in first.held_out.items():
             theirs = other.held_out[what]
+            if what == "evaluate settings" and (value is None or theirs is None):
+                continue  # validation while training records none (RUN/losses.zarr): comparable as before
             if theirs != value:
                 detail = ""
                 if what == "val samples":
@@ -114,10 +116,8 @@ def check_same_held_out(runs: list[RunCurves]) -> None:
                 elif what in ("store tables", "base model"):
                     detail = f" ({value} vs {theirs})"
                 elif what == "evaluate settings":
-                    keys = sorted(k for k in {*(value or {}), *(theirs or {})}
-                                  if (value or {}).get(k) != (theirs or {}).get(k))
-                    detail = " (" + ", ".join(f"{k}: {(value or {}).get(k)} vs {(theirs or {}).get(k)}"
-                                              for k in keys) + ")"
+                    keys = sorted(k for k in {*value, *theirs} if value.get(k) != theirs.get(k))
+                    detail = " (" + ", ".join(f"{k}: {value.get(k)} vs {theirs.get(k)}" for k in keys) + ")"
                 raise UserError(
                     f"cannot compare {first.group} and {other.group}: their held-out sets differ in {what}{detail}; "
                     "compare runs evaluated on the same store version and val split with the same evaluate settings"
