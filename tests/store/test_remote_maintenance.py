@@ -363,3 +363,22 @@ def test_gc_judges_ages_by_the_servers_clock_not_this_machines(s3_env, store: St
     r = _cli("store", "gc", s3_env.url(), "--incomplete-after", "0")  # an old probe goes with the leftovers
     assert r.exit_code == 0 and "1 clock probe(s)" in r.output, r.output
     assert probe not in objects(s3_env)
+
+
+def test_gc_dry_run_with_read_only_credentials_reports_the_plan(s3_env, store: Store, monkeypatch) -> None:
+    """A dry run writes nothing the user asked for; with a key that may only read (what one hands out to look),
+    the clock probe of Remote.now is refused: the plan is still reported (on this machine's clock, said so)."""
+    import s3fs
+
+    fill(store, 4, tag="a")  # v1
+    fill(store, 4, tag="b", start=10)  # v2, current
+    push(store.root, s3_env.url())
+    before = objects(s3_env)
+
+    async def denied(self, path, *args, **kwargs):
+        raise PermissionError(f"Access Denied: PutObject {path}")
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "_pipe_file", denied)
+    r = _cli("store", "gc", s3_env.url(), "--dry-run")
+    assert r.exit_code == 0 and "would remove vae/v1" in r.output and "this machine's clock" in r.output, r.output
+    assert objects(s3_env) == before
