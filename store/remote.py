@@ -35,11 +35,26 @@ def each_at_once(fn: Callable[[Any], Any], items: list[Any]) -> Iterator[Any]:
     shard (its index; ~20k at 1M samples), each one round trip: one after the other, the latency is the whole
     cost. Threads: fsspec's calls into its event loop are thread-safe. On an error the queued calls are cancelled,
     the running ones finish, and the first error is raised."""
-    from concurrent.futures import ThreadPoolExecutor
+    from concurrent.futures import CancelledError, ThreadPoolExecutor
+
+    failed = threading.Event()
+
+    def guarded(item: Any) -> Any:
+        # pool.map submits every item at once and raises an error only when the results reach it in order: while
+        # an earlier transfer still ran (a large shard), the other threads went on through every queued item (a
+        # damaged object: the rest of the version fetched for nothing). Items are started in order, so one that
+        # starts after a failure comes after it: skipped, and the failure is still the error raised.
+        if failed.is_set():
+            raise CancelledError()
+        try:
+            return fn(item)
+        except BaseException:
+            failed.set()
+            raise
 
     pool = ThreadPoolExecutor(TRANSFERS, thread_name_prefix="transfer")
     try:
-        yield from pool.map(fn, items)
+        yield from pool.map(guarded, items)
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
 
@@ -143,16 +158,7 @@ class Remote:
         if self._skew is None:
             rel = f"{CLOCK_DIR}/{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
             before = time.time()
-            try:
-                self.fs.pipe_file(self.path(rel), b"")
-            except PermissionError:  # read-only access (`store gc --dry-run`): say so, judge by this clock
-                import logging
-
-                logging.getLogger("store").warning(
-                    "%s: cannot write a clock probe (read-only access?); object ages are judged by this machine's "
-                    "clock", self.url)
-                self._skew = 0.0
-                return time.time()
+            self.fs.pipe_file(self.path(rel), b"")  # read-only access: PermissionError (gc --dry-run handles it)
             after = time.time()
             try:
                 server = _modified(self.fs.info(self.path(rel)))

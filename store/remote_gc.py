@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -152,6 +153,17 @@ def _still_doomed(remote: Remote, v: Version) -> list[str]:
     return keepers
 
 
+def _dry_run_clock(remote: Remote, echo: Callable[[str], None]) -> float:
+    """The server's clock; where these credentials may not write its probe (a dry run is what a read-only key is
+    handed out for), this machine's, said so: a dry run removes nothing, so a skewed age misleads no DELETE."""
+    try:
+        return remote.now()
+    except PermissionError as e:
+        echo(f"note: could not write a clock probe to {remote.url} ({str(e).splitlines()[0] if str(e) else e}); "
+             "ages below are on this machine's clock")
+        return time.time()
+
+
 def collect(url: str, dry_run: bool = False, grace_s: float = GRACE_SECONDS,
             echo: Callable[[str], None] = print, storage_options: dict[str, Any] | None = None) -> RemoteGcPlan:
     from tqdm import tqdm
@@ -159,7 +171,7 @@ def collect(url: str, dry_run: bool = False, grace_s: float = GRACE_SECONDS,
     url = url.rstrip("/")
     remote = open_remote(url, storage_options)
     with remote_errors(url, "gc"):
-        p = plan(remote, grace_s)
+        p = plan(remote, grace_s, _dry_run_clock(remote, echo) if dry_run else None)
         would = "would remove" if dry_run else "remove"
         for v in p.remove:
             what = "" if v.complete else (f" (incomplete: no manifest, newest object "

@@ -431,7 +431,7 @@ def _all_cached(remote: Remote, dst: Path, tables: list[str], summary: SyncSumma
 
 def _pull_version(remote: Remote, dst: Path, table: str, version: int, files: list[_File], bar,
                   summary: SyncSummary, damaged_ok: bool = False) -> None:
-    """Fetch one version into its pull folder, every file checked, the manifest last; rename = commit."""
+    """Fetch one version into its pull folder, every file checked (several at a time); the rename is the commit."""
     final = fmt.version_dir(dst, table, version)
     tmp = final.with_name(f".{final.name}{PULL_SUFFIX}")
     tmp.mkdir(parents=True, exist_ok=True)
