@@ -127,25 +127,32 @@ def test_change_line_names_both_counts():
     assert line.startswith("world size changed 4 -> 2 processes") and "2x as many" in line
 
 
-def test_an_empty_share_trains_a_stand_in_of_zero_loss_and_zero_gradient(tiny_edit_model, tmp_path):
-    """The rank with nothing to do in a step runs forward and backward (DDP's all-reduce needs it) on a
-    stand-in whose loss and LoRA gradient are exactly 0."""
+def _trainable(model: str, tmp_path, n: int):
+    """(train config, joined tables of an n-sample store, the transformer with a LoRA whose every weight gets a
+    gradient, the LoRA parameters), float32 on the CPU."""
     from models.lora import lora_parameters
     from pipeline.config import load_config
     from stages.train.data import open_inputs
-    from stages.train.prefetch import prepare, prepare_share
-    from stages.train.recipe import backward_of, setup_transformer
+    from stages.train.recipe import setup_transformer
     from train_store import make_train_store, mixed_specs
 
-    store = tmp_path / "store"
-    make_train_store(store, tiny_edit_model, mixed_specs(3))
+    make_train_store(tmp_path / "store", model, mixed_specs(n))
     tc = load_config(None, {"train.device": "cpu", "train.dtype": "float32"}).train
-    tables = open_inputs(store, tiny_edit_model)
-    transformer = setup_transformer(tiny_edit_model, tc, torch.device("cpu"))
-    params = lora_parameters(transformer)
+    tables = open_inputs(tmp_path / "store", model)
+    transformer = setup_transformer(model, tc, torch.device("cpu"))
     for name, p in transformer.named_parameters():  # lora_B starts at 0: give every LoRA weight a gradient
         if "lora_B" in name:
             torch.nn.init.normal_(p.data, std=0.1)
+    return tc, tables, transformer, lora_parameters(transformer)
+
+
+def test_an_empty_share_trains_a_stand_in_of_zero_loss_and_zero_gradient(tiny_edit_model, tmp_path):
+    """The rank with nothing to do in a step runs forward and backward (DDP's all-reduce needs it) on a
+    stand-in whose loss and LoRA gradient are exactly 0."""
+    from stages.train.prefetch import prepare, prepare_share
+    from stages.train.recipe import backward_of
+
+    tc, tables, transformer, params = _trainable(tiny_edit_model, tmp_path, 3)
 
     real = backward_of(transformer, prepare(tables, tc, [2], 5, torch.device("cpu"), torch.float32), tc,
                        torch.device("cpu"), scale=1.0)
@@ -219,22 +226,10 @@ def test_fewer_processes_accumulate_micro_batches_of_the_planned_size():
 def test_a_share_in_micro_batches_gives_the_gradient_of_one_batch(tiny_edit_model, tmp_path):
     """The share of a run planned for 2 processes (batch 2 each) resumed on 1: 4 samples as 2 micro-batches of 2
     give the loss and LoRA gradient of the 4 in one batch (the padded batches equal batch-1 runs)."""
-    from models.lora import lora_parameters
-    from pipeline.config import load_config
-    from stages.train.data import open_inputs
     from stages.train.prefetch import prepare, prepare_chunks
-    from stages.train.recipe import backward_of, setup_transformer
-    from train_store import make_train_store, mixed_specs
+    from stages.train.recipe import backward_of
 
-    store = tmp_path / "store"
-    make_train_store(store, tiny_edit_model, mixed_specs(4))
-    tc = load_config(None, {"train.device": "cpu", "train.dtype": "float32"}).train
-    tables = open_inputs(store, tiny_edit_model)
-    transformer = setup_transformer(tiny_edit_model, tc, torch.device("cpu"))
-    params = lora_parameters(transformer)
-    for name, p in transformer.named_parameters():
-        if "lora_B" in name:
-            torch.nn.init.normal_(p.data, std=0.1)
+    tc, tables, transformer, params = _trainable(tiny_edit_model, tmp_path, 4)
     cpu = torch.device("cpu")
     share = [0, 1, 2, 3]
     one = backward_of(transformer, prepare(tables, tc, share, 3, cpu, torch.float32), tc, cpu, scale=0.25)
