@@ -33,30 +33,56 @@ TRANSFERS = 16  # objects moved at once by push, pull and a lazy open
 def each_at_once(fn: Callable[[Any], Any], items: list[Any]) -> Iterator[Any]:
     """fn(item) for every item, `TRANSFERS` at a time, results in order. A version holds one small object per
     shard (its index; ~20k at 1M samples), each one round trip: one after the other, the latency is the whole
-    cost. Threads: fsspec's calls into its event loop are thread-safe. On an error the queued calls are cancelled,
-    the running ones finish, and the first error is raised."""
-    from concurrent.futures import CancelledError, ThreadPoolExecutor
+    cost. Threads: fsspec's calls into its event loop are thread-safe.
 
-    failed = threading.Event()
+    Items start in order; once one fails, no later one starts, the running ones finish, and the first failure in
+    order is raised. An interrupt (Ctrl-C) or a caller that stops early does not wait for the running ones: they
+    are daemon threads, dropped when the process ends (nothing a transfer leaves half done is ever committed).
+    Written here because concurrent.futures joins its workers at interpreter exit: a Ctrl-C during a push waited
+    for up to 16 large uploads, and `pool.map` went on through every queued item after a failure."""
+    items = list(items)
+    results: dict[int, tuple[bool, Any]] = {}
+    state = {"next": 0, "stop": False}
+    cond = threading.Condition()
 
-    def guarded(item: Any) -> Any:
-        # pool.map submits every item at once and raises an error only when the results reach it in order: while
-        # an earlier transfer still ran (a large shard), the other threads went on through every queued item (a
-        # damaged object: the rest of the version fetched for nothing). Items are started in order, so one that
-        # starts after a failure comes after it: skipped, and the failure is still the error raised.
-        if failed.is_set():
-            raise CancelledError()
-        try:
-            return fn(item)
-        except BaseException:
-            failed.set()
-            raise
+    def work() -> None:
+        while True:
+            with cond:
+                i = state["next"]
+                if state["stop"] or i >= len(items):
+                    return
+                state["next"] = i + 1
+            try:
+                got = (True, fn(items[i]))
+            except BaseException as e:  # handed to the caller in order
+                got = (False, e)
+            with cond:
+                results[i] = got
+                state["stop"] = state["stop"] or not got[0]
+                cond.notify_all()
 
-    pool = ThreadPoolExecutor(TRANSFERS, thread_name_prefix="transfer")
+    workers = [threading.Thread(target=work, name="transfer", daemon=True)
+               for _ in range(min(TRANSFERS, len(items)))]
+    for t in workers:
+        t.start()
     try:
-        yield from pool.map(guarded, items)
+        for i in range(len(items)):
+            with cond:
+                while i not in results:  # every item before a failure was started: none is waited for in vain
+                    cond.wait()
+                ok, got = results.pop(i)
+            if not ok:
+                raise got
+            yield got
+    except Exception:
+        with cond:
+            state["stop"] = True
+        for t in workers:  # an error: the running transfers finish (and clean up) before it is raised
+            t.join()
+        raise
     finally:
-        pool.shutdown(wait=True, cancel_futures=True)
+        with cond:
+            state["stop"] = True
 
 
 class SharedBar:

@@ -36,3 +36,40 @@ def test_a_failed_transfer_stops_the_queued_ones_while_an_earlier_one_still_runs
 
 def test_results_come_in_order() -> None:
     assert list(each_at_once(lambda i: i * i, list(range(100)))) == [i * i for i in range(100)]
+
+
+INTERRUPTED = """
+import os, signal, sys, threading
+from store.remote import each_at_once
+
+release, finished = threading.Event(), threading.Event()
+
+def transfer(i):
+    if i == 0:  # a large upload still in flight
+        release.wait(120)
+        finished.set()
+    return i
+
+try:
+    threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()
+    list(each_at_once(transfer, list(range(40))))
+except KeyboardInterrupt:
+    print("interrupted; the running transfer", "finished first" if finished.is_set() else "left running")
+    sys.exit(130)
+"""
+
+
+def test_ctrl_c_does_not_wait_for_the_transfers_in_flight() -> None:
+    """Ctrl-C during a push: the command stops at once (the running transfers are daemon threads, dropped with the
+    process; nothing they leave is committed). With concurrent.futures the interrupt waited for every upload in
+    flight, and the process's exit joined them again."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", INTERRUPTED], capture_output=True, text=True, env=env, timeout=200)
+    assert proc.returncode == 130, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "interrupted; the running transfer left running"
