@@ -147,10 +147,11 @@ class CheckpointsResult:
                 f"{c['base']['overall']:.4f}) {b['path']}; report: {self.report}")
 
 
-def _up_to_date(out: Path, fingerprint: str, checkpoints: list[tuple[int, Path]], cfg: EvaluateConfig) -> dict | None:
+def _up_to_date(out: Path, fingerprint: str, checkpoints: list[tuple[int, Path]], shas: dict[int, str],
+                cfg: EvaluateConfig) -> dict | None:
     """The report's metrics when it is current (`schemas.up_to_date`): the same loss array (`fingerprint`),
-    every checkpoint recorded with its present bytes and path (a moved run: the report names the new paths),
-    the same evaluate settings."""
+    every checkpoint recorded with its present bytes (`shas`) and path (a moved run: the report names the new
+    paths), the same evaluate settings."""
     metrics_file = out / "metrics.json"
     recorded = recorded_steps(out, fingerprint)
     if recorded is None or not metrics_file.is_file() or not (out / "index.html").is_file():
@@ -166,7 +167,7 @@ def _up_to_date(out: Path, fingerprint: str, checkpoints: list[tuple[int, Path]]
                        "loras": {str(step): recorded.get(step) for step, _ in checkpoints},
                        "paths": {str(step): recorded_paths.get(step) for step, _ in checkpoints}}
     present = {"fingerprint": fingerprint, "steps": sorted(recorded), "config_fingerprint": cfg.fingerprint(),
-               "loras": {str(step): lora_sha256(path) for step, path in checkpoints},
+               "loras": {str(step): shas[step] for step, _ in checkpoints},
                "paths": {str(step): str(Path(path).resolve()) for step, path in checkpoints}}
     return metrics if current.is_current(recorded_inputs, present) else None
 
@@ -187,10 +188,13 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, checkpoints: list[tu
         raise UserError("no checkpoints to evaluate: the run folder holds no checkpoints/step-N "
                         "(train with train.checkpoint_every set, or evaluate one LoRA without --all-checkpoints)")
     check_intact(checkpoints)
+    # each checkpoint's bytes hashed once: the up-to-date check and the appends both compare them (GBs for many
+    # large-rank checkpoints)
+    shas = {step: lora_sha256(path) for step, path in tqdm(checkpoints, desc="hash checkpoints", leave=False)}
     requested = cfg.dtype
     cfg = single.resolved_config(cfg)
     fingerprint, settings = loss_fingerprint(cfg, store, model)
-    if skip_if_done and (done := _up_to_date(out, fingerprint, checkpoints, cfg)) is not None:
+    if skip_if_done and (done := _up_to_date(out, fingerprint, checkpoints, shas, cfg)) is not None:
         return CheckpointsResult(done, out / "index.html", up_to_date=True)
     ours = lambda name: name == single.REPORT_LOCK or (  # noqa: E731  (the lock; loss groups, kept or new)
         name.startswith(("losses", ".losses")) and ".zarr" in name)
@@ -207,7 +211,7 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, checkpoints: list[tu
         out.mkdir(parents=True, exist_ok=True)
         losses = LossStore(out, fingerprint, axes, settings)
         transformer = single.load_transformer(cfg, model)
-        evaluated, attached = _append_missing(losses, checkpoints, transformer, samples, cfg)
+        evaluated, attached = _append_missing(losses, checkpoints, shas, transformer, samples, cfg)
         metrics, best, last = _summary(losses, samples, cfg, fingerprint, checkpoints)
         rows = []
         if cfg.num_samples > 0 or cfg.extra_prompts:
@@ -225,8 +229,8 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, checkpoints: list[tu
         return CheckpointsResult(metrics, report, evaluated=evaluated, seconds=time.perf_counter() - started)
 
 
-def _append_missing(losses: LossStore, checkpoints: list[tuple[int, Path]], transformer, samples,
-                    cfg: EvaluateConfig) -> tuple[int, bool]:
+def _append_missing(losses: LossStore, checkpoints: list[tuple[int, Path]], shas: dict[int, str], transformer,
+                    samples, cfg: EvaluateConfig) -> tuple[int, bool]:
     """The base's grid (once) and each checkpoint not yet in the array, one append each. Returns (how many
     checkpoints were evaluated now, whether the adapter is attached to `transformer`)."""
     from models.lora import attach_lora, load_lora
@@ -234,7 +238,6 @@ def _append_missing(losses: LossStore, checkpoints: list[tuple[int, Path]], tran
     if losses.kept_aside is not None:
         tqdm.write(f"evaluation settings changed: the earlier losses are kept in {losses.kept_aside}")
     recorded = losses.steps()
-    shas = {step: lora_sha256(path) for step, path in tqdm(checkpoints, desc="hash checkpoints", leave=False)}
     if any(recorded.get(step, sha) != sha for step, sha in shas.items()) or _other_runs(losses, checkpoints):
         # a step recorded with other weights (another run trained into this folder), or checkpoints of another run
         # folder still on disk (this --out held another run's report): its numbers go aside
