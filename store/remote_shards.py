@@ -39,7 +39,7 @@ from schemas.errors import UserError
 from store import format as fmt
 from store.checksum import CHUNK, RunningCrc, file_crc
 from store.io_errors import writing
-from store.remote import Remote, each_at_once, open_remote, remote_errors
+from store.remote import Remote, SharedBar, each_at_once, open_remote, remote_errors
 
 log = logging.getLogger("store")
 
@@ -365,33 +365,17 @@ def _fetch_metadata(remote: Remote, root: Path, table: str, version: int, files)
     commit)."""
     from tqdm import tqdm
 
-    from store.remote_sync import damaged_object
+    from store.remote_sync import fetch_checked
 
     final = fmt.version_dir(root, table, version)
     tmp = final.with_name(f".{final.name}{LAZY_SUFFIX}")
     tmp.mkdir(parents=True, exist_ok=True)
     todo = [f for f in files if not is_shard(f.rel.rsplit("/", 1)[1])]
-
-    def fetch(f) -> None:
-        path = tmp / f.rel.rsplit("/", 1)[1]
-        if path.is_file() and file_crc(path) == (f.crc, f.nbytes):  # fetched and checked by an earlier open
-            return
-        part = path.with_name(path.name + ".part")
-        part.touch()
-        try:
-            n, crc = _download(remote, f.rel, part)
-        except BaseException:  # a full disk, a lost connection: no partial file is left behind
-            part.unlink(missing_ok=True)
-            raise
-        if (n, crc) != (f.nbytes, f.crc):
-            part.unlink()
-            raise damaged_object(remote.url, f, n, crc)
-        os.replace(part, path)
-
-    with tqdm(total=len(todo), desc=f"open {remote.url}/{table}/v{version}", unit="file", dynamic_ncols=True,
-              disable=len(todo) < 100) as bar:
-        for _ in each_at_once(fetch, todo):
-            bar.update()
+    with tqdm(total=sum(f.nbytes for f in todo), desc=f"open {remote.url}/{table}/v{version}", unit="B",
+              unit_scale=True, unit_divisor=1024, dynamic_ncols=True, disable=len(todo) < 100) as progress:
+        bar = SharedBar(progress)
+        for _ in each_at_once(lambda f: fetch_checked(remote, f, tmp / f.rel.rsplit("/", 1)[1], bar), todo):
+            pass
     mark(tmp, remote.url, table, version)
     os.rename(tmp, final)
 

@@ -429,6 +429,27 @@ def _all_cached(remote: Remote, dst: Path, tables: list[str], summary: SyncSumma
     return True
 
 
+def fetch_checked(remote: Remote, f: _File, path: Path, bar, damaged_ok: bool = False) -> str:
+    """One object into `path`, its size and CRC32C checked while it streams to `.part` (renamed into place: never a
+    partial file under the name): 'skipped' when `path` holds it already (an earlier run), 'sent', or - a
+    difference with `damaged_ok` (pull for repair) - 'damaged', kept; any other difference raises."""
+    if path.is_file() and file_crc(path) == (f.crc, f.nbytes):  # fetched and checked by an earlier run
+        bar.update(f.nbytes)
+        return "skipped"
+    part = path.with_name(path.name + ".part")
+    try:
+        crc = remote.download(f.rel, part, bar)
+    except BaseException:  # a full disk, a lost connection: no partial file is left behind
+        part.unlink(missing_ok=True)
+        raise
+    size = part.stat().st_size
+    if (size, crc) != (f.nbytes, f.crc) and not damaged_ok:
+        part.unlink()
+        raise damaged_object(remote.url, f, size, crc)
+    os.replace(part, path)
+    return "sent" if (size, crc) == (f.nbytes, f.crc) else "damaged"
+
+
 def _pull_version(remote: Remote, dst: Path, table: str, version: int, files: list[_File], bar,
                   summary: SyncSummary, damaged_ok: bool = False) -> None:
     """Fetch one version into its pull folder, every file checked (several at a time); the rename is the commit."""
@@ -438,24 +459,8 @@ def _pull_version(remote: Remote, dst: Path, table: str, version: int, files: li
     bar = SharedBar(bar)
 
     def fetch(f: _File) -> str:
-        """One file into the pull folder, checked: 'skipped' (there from an earlier run), 'damaged' (kept, with
-        damaged_ok) or 'sent'."""
-        path = dst / f.rel.replace(f"{table}/v{version}/", f"{table}/{tmp.name}/", 1)
-        if path.is_file() and file_crc(path) == (f.crc, f.nbytes):  # fetched and checked by an earlier run
-            bar.update(f.nbytes)
-            return "skipped"
-        part = path.with_name(path.name + ".part")
-        try:
-            crc = remote.download(f.rel, part, bar)
-        except BaseException:  # a full disk, a lost connection: no partial file is left behind
-            part.unlink(missing_ok=True)
-            raise
-        size = part.stat().st_size
-        if (size, crc) != (f.nbytes, f.crc) and not damaged_ok:
-            part.unlink()
-            raise damaged_object(remote.url, f, size, crc)
-        os.replace(part, path)
-        return "sent" if (size, crc) == (f.nbytes, f.crc) else "damaged"
+        return fetch_checked(remote, f, dst / f.rel.replace(f"{table}/v{version}/", f"{table}/{tmp.name}/", 1), bar,
+                             damaged_ok)
 
     for f, how in zip(files, each_at_once(fetch, files)):  # several at a time: the rename below is the commit
         if how == "skipped":

@@ -106,17 +106,22 @@ def test_a_full_cache_disk_is_one_line_and_shows_nothing(s3_env, tiny_edit_model
     local = tmp_path / "store"
     make_train_store(local, tiny_edit_model, mixed_specs(4))
     push(local, s3_env.url("full"))
-    real_download = remote_shards._download
-    calls = []
+    import itertools
 
-    def disk_fills_up(remote, rel, part):
-        calls.append(rel)
-        if len(calls) == 3 or rel.endswith(".tar"):
+    from store.remote import Remote
+
+    real_fetch, real_download = remote_shards._download, Remote.download  # a shard's fetch / a metadata object's
+    calls = itertools.count()  # next() is atomic: metadata objects are fetched several at a time
+
+    def disk_fills_up(rel, part):
+        if next(calls) == 2 or rel.endswith(".tar"):
             part.write_bytes(b"partial")
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real_download(remote, rel, part)
 
-    monkeypatch.setattr(remote_shards, "_download", disk_fills_up)
+    monkeypatch.setattr(remote_shards, "_download",
+                        lambda remote, rel, part: disk_fills_up(rel, part) or real_fetch(remote, rel, part))
+    monkeypatch.setattr(Remote, "download", lambda self, rel, part, progress: disk_fills_up(rel, part)
+                        or real_download(self, rel, part, progress))
     cache = tmp_path / "cache"
     with pytest.raises(UserError, match="disk full while writing the store cache in " + str(cache)):
         local_store(s3_env.url("full"), ["text", "vae"], cache)
