@@ -94,10 +94,14 @@ def _stat(p: Path) -> os.stat_result | None:
         return None
 
 
+def _uncounted(name: str) -> bool:
+    """Lock files: a few bytes each, rewritten with the pid of whoever takes the lock next (so their size moves
+    after any count: a limit met exactly was exceeded by a byte). The cache limit counts every other file."""
+    return name.endswith(".lock")
+
+
 def _counted(p: Path) -> os.stat_result | None:
-    """A file the cache limit counts. Not lock files: a few bytes each, rewritten with the pid of whoever takes
-    the lock next (so their size moves after any count: a limit met exactly was exceeded by a byte)."""
-    st = None if p.name.endswith(".lock") else _stat(p)
+    st = None if _uncounted(p.name) else _stat(p)
     return st if st is not None and stat.S_ISREG(st.st_mode) else None
 
 
@@ -112,7 +116,7 @@ def _files(folder: Path, recorded: dict[str, int] | None = None) -> tuple[list[t
     except FileNotFoundError:
         return out, known
     for e in entries:
-        if e.name.endswith(".lock"):
+        if _uncounted(e.name):
             continue
         if recorded is not None and (n := recorded.get(e.name)) is not None:
             known += n
