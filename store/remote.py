@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from schemas.errors import UserError
+from store import remote_local
 from store.checksum import CHUNK, RunningCrc
 
 # user metadata recorded on every object we upload to S3: a rerun can tell an object is already there (same size,
@@ -184,7 +185,7 @@ class Remote:
         if self._skew is None:
             rel = f"{CLOCK_DIR}/{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
             before = time.time()
-            self.fs.pipe_file(self.path(rel), b"")  # read-only access: PermissionError (gc --dry-run handles it)
+            self.write(rel, b"")  # read-only access: PermissionError (gc --dry-run handles it)
             after = time.time()
             try:
                 server = _modified(self.fs.info(self.path(rel)))
@@ -192,6 +193,10 @@ class Remote:
                 self.delete([rel])
             self._skew = server - (before + after) / 2
         return time.time() + self._skew
+
+    @property
+    def is_local(self) -> bool:
+        return remote_local.is_local(self.fs)
 
     @property
     def is_s3(self) -> bool:
@@ -238,6 +243,9 @@ class Remote:
         return self.fs.cat_file(self.path(rel))
 
     def write(self, rel: str, data: bytes, crc: str | None = None) -> None:
+        if self.is_local:
+            remote_local.write(self.root, self.path(rel), data)
+            return
         self.fs.pipe_file(self.path(rel), data, **self._meta(crc))
 
     def recorded_crc(self, rel: str) -> str | None:
@@ -255,7 +263,10 @@ class Remote:
 
         Every object of a version is written once: on S3 a conditional PUT (If-None-Match: *) decides on the
         server, so a pusher never overwrites an object another pusher wrote, and of two pushers racing for the
-        same version exactly one creates its manifest (the commit). Elsewhere it is a check, then a write."""
+        same version exactly one creates its manifest (the commit). On a local file system `link(2)` decides
+        (store/remote_local.py); elsewhere it is a check, then a write."""
+        if self.is_local:
+            return remote_local.create(self.root, local, self.path(rel), progress)
         if not self.is_s3:
             if self.fs.exists(self.path(rel)):
                 return False
@@ -301,7 +312,16 @@ class Remote:
         """Compare-and-swap of a small object (store.json, quarantine.parquet): `update(old bytes or None)` -> new
         bytes (None: leave it as it is), written only if the object is still what was read (S3: If-Match on its
         ETag / If-None-Match when absent); on a lost race it reads again and retries, so two writers never drop
-        each other's update."""
+        each other's update. On a local file system the read-modify-write holds a flock instead."""
+        if self.is_local:
+            with remote_local.exclusive(self.root, rel):
+                try:
+                    old = self.read(rel)
+                except FileNotFoundError:
+                    old = None
+                if (new := update(old)) is not None:
+                    self.write(rel, new)
+            return
         for _ in range(attempts):
             self.fs.invalidate_cache()
             try:

@@ -29,6 +29,7 @@ from schemas.errors import UserError
 from store import format as fmt
 from store import remote_lease
 from store.remote import CLOCK_DIR, Remote, open_remote, remote_errors
+from store.remote_local import UPLOAD_DIR
 
 GRACE_SECONDS = 3600.0
 _OBJECT_RE = re.compile(r"([^./][^/]*)/v(\d+)/(.+)")
@@ -66,7 +67,7 @@ class RemoteGcPlan:
     leased: dict[tuple[str, int], list[str]] = field(default_factory=dict)
     dead_leases: list[str] = field(default_factory=list)  # lease object paths
     markers: dict[tuple[str, int], str] = field(default_factory=dict)  # damaged markers by version
-    probes: list[str] = field(default_factory=list)  # clock probes left by killed commands (Remote.now)
+    leftovers: list[str] = field(default_factory=list)  # clock probes and temp uploads of killed commands
     now: float = 0.0  # the server's clock at the plan
     nbytes: int = 0
 
@@ -117,8 +118,10 @@ def plan(remote: Remote, grace_s: float = GRACE_SECONDS, now: float | None = Non
             versions.setdefault(key, Version(*key)).objects[rel] = info
         elif m := _MARKER_RE.fullmatch(rel):
             out.markers[(m.group(1), int(m.group(2)))] = rel
-        elif rel.startswith(CLOCK_DIR + "/") and now - info[1] >= grace_s:
-            out.probes.append(rel)  # a clock probe of a command killed between its PUT and its DELETE
+        elif rel.startswith((CLOCK_DIR + "/", UPLOAD_DIR + "/")) and now - info[1] >= grace_s:
+            # a clock probe of a command killed between its PUT and its DELETE, or the temp file of a killed
+            # write to a file:// remote (store/remote_local.py); untouched for the grace period: not in use
+            out.leftovers.append(rel)
     current = _current(remote)
     roots = sorted(current.items()) if current is not None else [tv for tv, v in versions.items() if v.complete]
     keep = _closure(remote, roots, versions)
@@ -184,8 +187,9 @@ def collect(url: str, dry_run: bool = False, grace_s: float = GRACE_SECONDS,
                  f"(a push may still be writing it; removed once {grace_s / 60:.0f} min old)")
         for rel in p.dead_leases:
             echo(f"{would} the lease of a gone process: {rel}")
-        if p.probes:
-            echo(f"{would} {len(p.probes)} clock probe(s) left by killed commands ({CLOCK_DIR}/)")
+        if p.leftovers:
+            echo(f"{would} {len(p.leftovers)} leftover(s) of killed commands ({CLOCK_DIR}/ probes, "
+                 f"{UPLOAD_DIR}/ temp files)")
         if dry_run:
             echo(f"dry run: {len(p.remove)} version(s), {p.nbytes / 1e6:.1f} MB would be freed")
             return p
@@ -203,7 +207,7 @@ def collect(url: str, dry_run: bool = False, grace_s: float = GRACE_SECONDS,
             if (v.table, v.version) in p.markers:
                 remote.delete([p.markers[(v.table, v.version)]])
             removed.append(v)
-        remote.delete(p.dead_leases + p.probes)
+        remote.delete(p.dead_leases + p.leftovers)
         echo(f"gc {url}: {len(removed)} version(s) removed, {sum(v.nbytes for v in removed) / 1e6:.1f} MB freed")
         p.remove = removed
     return p

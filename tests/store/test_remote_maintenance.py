@@ -361,7 +361,7 @@ def test_gc_judges_ages_by_the_servers_clock_not_this_machines(s3_env, store: St
     assert probe in keys and not any(k.startswith("store/.clock/") and k != probe for k in keys)  # its own removed
 
     r = _cli("store", "gc", s3_env.url(), "--incomplete-after", "0")  # an old probe goes with the leftovers
-    assert r.exit_code == 0 and "1 clock probe(s)" in r.output, r.output
+    assert r.exit_code == 0 and "1 leftover(s) of killed commands" in r.output, r.output
     assert probe not in objects(s3_env)
 
 
