@@ -60,8 +60,8 @@ class ShardFiles:
                 raise NotCached(problem) from None
             try:
                 fd = os.open(path, os.O_RDONLY)
-            except FileNotFoundError:
-                raise lost_file(self.dir, shard) from None
+            except FileNotFoundError:  # another process of the node evicted it right after the fetch
+                raise NotCached("evicted by another process right after its fetch") from None
         if self._fetcher is not None:
             self._fetcher.touch(fd)  # its last use, for the cache's LRU eviction
         return fd

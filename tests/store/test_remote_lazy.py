@@ -321,6 +321,24 @@ def test_a_shard_evicted_between_the_check_and_the_open_is_read_by_range(s3_env,
     assert not _shard_files(root)
 
 
+def test_a_shard_evicted_right_after_its_whole_fetch_is_read_by_range(s3_env, store: Store, tmp_path: Path,
+                                                                      monkeypatch) -> None:
+    """A scan fetches a shard whole, and another process of the node evicts it before this one opens it (twice in
+    a row: the cache is that tight). The scan goes on by range; before, the shard was reported lost (DamagedData)."""
+    from store.remote_shards import ShardFetcher
+
+    url = _pushed(s3_env, store)
+    root = local_store(url, ["vae"], tmp_path / "cache")
+    # a scan's fetch "succeeds" and the file is gone; a range read's try at a whole fetch finds no room
+    monkeypatch.setattr(ShardFetcher, "fetch_whole",
+                        lambda self, shard, wait=True: None if wait else "no room in the store cache")
+    with store.reader("vae") as local, Store(root, create=False).reader("vae") as cached:
+        for group in local.shard_groups():
+            for k in group:
+                assert _same(cached.tensors(k), local.tensors(k))
+    assert not _shard_files(root)
+
+
 def test_one_process_of_a_node_fetches_a_shard_whole(s3_env, store: Store, tmp_path: Path) -> None:
     """Ranks of a node pass the whole-fetch threshold of a shard together. While one process holds the shard's
     fetch lock, another's random read takes its range (no second download, no second reservation), and a scan
