@@ -76,7 +76,9 @@ def create(root: str, local: Path, path: str, progress) -> bool:
         try:
             os.link(tmp, path)
         except FileExistsError:
-            return False
+            # NFS retries a link whose reply was lost and reports the name taken - by this very link: then the
+            # temp file has a second name (the classic NFS-safe lock test)
+            return os.stat(tmp).st_nlink == 2
         return True
     finally:
         tmp.unlink(missing_ok=True)
