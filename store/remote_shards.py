@@ -31,7 +31,7 @@ import time
 from collections import OrderedDict
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -298,9 +298,9 @@ def ensure_local(path: Path) -> Path:
 
 
 def open_lazily(url: str, root: Path, storage_options: dict[str, Any] | None, tables: list[str] | None,
-                optional: tuple[str, ...] = ()) -> set[tuple[str, int]]:
+                optional: tuple[str, ...] = (), skip: Callable[[str, int], bool] | None = None) -> set[tuple[str, int]]:
     """Make `root` a local store holding, lazily, the current versions of `tables` at `url` (`tables=None`: every
-    complete version there); the (table, version) pairs it holds for the caller. A version cached already is
+    complete version there, but those `skip` names); the (table, version) pairs it holds for the caller. A version cached already is
     checked against the remote's record (one GET of its checksums.json; a different one under the same number is
     refused); a warm open lists nothing."""
     from store.remote_sync import _checksums, _conflict, _ordered, _parse_record, pull_quarantine, wanted_versions
@@ -317,6 +317,7 @@ def open_lazily(url: str, root: Path, storage_options: dict[str, Any] | None, ta
         rec, tables, wanted = wanted_versions(rec, url, tables, optional, listing)
         store = Store(root)
         fetched = False
+        wanted = {(t, v) for t, v in wanted if skip is None or not skip(t, v)}
         for t, v in sorted(wanted):
             where = f"{url}/{t}/v{v}/{fmt.CHECKSUMS}"
             record = remote.read(f"{t}/v{v}/{fmt.CHECKSUMS}")

@@ -2,9 +2,12 @@
 
 The working copy is `<cache dir>/.work/<hash of the URL>/` (beside the readers' cache, not in it: a dot folder
 holds no store.json, so cache eviction never touches it, and a reader never sees a version repair is still
-writing). It holds every complete remote version (version numbers are then chosen above every one the remote
-has), pulled with every object checked; for repair, an object that fails its check is kept as it is
-(`damaged_ok`), for repair's scan to find. The local command then runs there with all its guarantees (writer
+writing). It holds each table's current version whole - what repair scans and recomputes from, and what migrate
+rewrites - pulled with every object checked; for repair, an object that fails its check is kept as it is
+(`damaged_ok`), for repair's scan to find. Every other complete remote version is there as a lazily cached copy
+(its metadata only, store/remote_shards.py): new version numbers are then chosen above every one the remote has,
+and push skips such copies. Where that open fails (an older version's metadata damaged), every version is pulled
+whole, as before: at terabytes the difference is the non-current versions' shards never crossing the network. The local command then runs there with all its guarantees (writer
 locks, manifest-last commit, verify before set-aside), and `publish` pushes the result back with push's protocol:
 write-once objects, each version's manifest last, store.json by compare-and-swap. So a killed repair/migrate
 leaves nothing visible on the remote; a rerun pulls nothing new and resumes in the working copy; two of them
@@ -23,6 +26,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable
 
+from schemas.errors import UserError
 from store import format as fmt
 from store import remote_lease
 from store.remote import open_remote, remote_errors
@@ -33,15 +37,35 @@ WORK_DIR = ".work"
 def work_copy(url: str, cache_dir: str | Path | None, damaged_ok: bool = False,
               storage_options: dict[str, Any] | None = None) -> Path:
     from store.remote_cache import default_cache_dir
+    from store.remote_shards import open_lazily
     from store.remote_sync import pull
 
     url = url.rstrip("/")
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     root = cache / WORK_DIR / hashlib.sha256(url.encode()).hexdigest()[:16]
     root.mkdir(parents=True, exist_ok=True)
-    pull(url, root, storage_options, damaged_ok=damaged_ok)
+    tables = _remote_tables(url, storage_options)
+    pull(url, root, storage_options, tables=tables, damaged_ok=damaged_ok)
+    if tables is not None:
+        try:
+            # not a version a killed repair replaced here already (it awaits its retirement on the remote)
+            open_lazily(url, root, storage_options, None, skip=lambda t, v: fmt.damaged_marker(root, t, v).exists())
+        except UserError:  # (DamagedData too) an older version's metadata damaged (or its manifest pulled damaged)
+            pull(url, root, storage_options, damaged_ok=damaged_ok)
     (root / "source-url.txt").write_text(url + "\n")
     return root
+
+
+def _remote_tables(url: str, storage_options: dict[str, Any] | None) -> list[str] | None:
+    """The tables the remote's store.json names; None without one (pull then says so)."""
+    from store.remote_sync import _parse_record
+
+    remote = open_remote(url, storage_options)
+    with remote_errors(url, "open"):
+        try:
+            return sorted(_parse_record(remote.read(fmt.STORE_JSON), url)["tables"])
+        except FileNotFoundError:
+            return None
 
 
 def replaced_here(root: Path) -> list[tuple[str, int]]:

@@ -81,6 +81,33 @@ def test_repair_of_a_url_gives_a_current_version_that_verify_and_a_reader_use(s3
     assert not any(k.startswith("store/vae/v1/") or k.endswith("v1.damaged.json") for k in objects(s3_env))
 
 
+def test_repair_of_a_url_fetches_only_the_current_versions_shards(s3_env, store: Store, tmp_path: Path,
+                                                                    monkeypatch) -> None:
+    """Repair scans each table's current version: only its shards cross the network (before, every complete
+    version was pulled whole: terabytes for a large store's history). The other versions' metadata is enough to
+    number the new version above every one the remote holds (v3 here, not current)."""
+    fill(store, 8, tag="a")  # v1
+    fill(store, 6, tag="b", start=20)  # v2, made current below
+    fill(store, 4, tag="c", start=40)  # v3, not current
+    store.set_current("vae", 2)
+    push(store.root, s3_env.url())
+    client = s3_env.client()
+    key = sorted(k for k in objects(s3_env) if k.startswith("store/vae/v2/") and k.endswith(".tar"))[0]
+    data = client.get_object(Bucket=s3_env.bucket, Key=key)["Body"].read()
+    client.put_object(Bucket=s3_env.bucket, Key=key, Body=data + b"appended")
+    fetched: list[str] = []
+    real = remote_mod.Remote.download
+    monkeypatch.setattr(remote_mod.Remote, "download",
+                        lambda self, rel, local, progress: fetched.append(rel) or real(self, rel, local, progress))
+
+    r = _cli("store", "repair", s3_env.url(), "--cache-dir", tmp_path / "work")
+    assert r.exit_code == 0 and "retired" in r.output, r.output
+    shards = {rel.split("/")[1] for rel in fetched if rel.endswith(".tar")}
+    assert shards == {"v2"}, sorted(fetched)
+    assert remote_current(s3_env) == {"vae": 4}  # above v3
+    assert _cli("store", "verify", s3_env.url(), "--cache-dir", tmp_path / "c1").exit_code == 0
+
+
 def _pushed_with_a_grown_shard(store: Store, s3_env) -> None:
     """6 samples pushed; then the first shard object on the server gets bytes appended (damaged, v1)."""
     fill(store, 6)
