@@ -38,17 +38,25 @@ def command(
         qwen21 = mp.is_qwen21(model_id)
     if qwen21:  # the VLM reads the VAE's reference pixels; Qwen3-VL: 32 x 32 px per token
         vl_tokens = text_tokens + rc.max_controls * (rc.control_vae_area // (32 * 32))
+    # token-budget batches (train.max_tokens_per_batch) compute up to the budget's tokens per micro-batch
+    # (batch size x longest sequence), whatever train.batch_size says: plan the budget, not batch_size x seq
+    budget = tc.max_tokens_per_batch
+    train_batch, train_seq = (1, budget) if budget else (tc.batch_size, seq)
     with user_errors():
         plans = [
             mp.encode_plan(model_id, "text_encoder", dtype(cfg.encode_text.dtype), cfg.encode_text.batch_size, vl_tokens),
             mp.encode_plan(model_id, "vae", dtype(cfg.encode_vae.dtype), cfg.encode_vae.batch_size, rc.target_area // 256),
-            mp.train_plan(model_id, dtype(tc.dtype, tc.mixed_precision), tc.quantize_base, tc.batch_size, seq,
+            mp.train_plan(model_id, dtype(tc.dtype, tc.mixed_precision), tc.quantize_base, train_batch, train_seq,
                           tc.gradient_checkpointing, tc.lora.rank, tc.offload, tc.offload_blocks_on_device,
                           len(tc.lora.target_modules)),
             mp.inference_plan(model_id, dtype(cfg.evaluate.dtype), cfg.evaluate.quantize_base, seq),
         ]
+    batching = f"token budget {budget} per batch" if budget else f"batch {tc.batch_size}"
     echo(f"model {model_id}: transformer {mp.transformer_counts(model_id).params / 1e9:.2f} B params; "
-         f"{seq} tokens per training sample, batch {tc.batch_size}, planned for {device}")
+         f"{seq} tokens per training sample, {batching}, planned for {device}")
+    if budget and budget < seq:
+        echo(f"  note: train.max_tokens_per_batch {budget} is below a sample's {seq} tokens: train refuses a budget "
+             "smaller than the longest sample")
     fails = 0
     for p in plans:
         detail = ", ".join(f"{k} {mp.gib(v)}" for k, v in p.parts.items())
@@ -60,5 +68,5 @@ def command(
         echo(f"  {p.stage:32s} {mp.gib(p.total):>11s}{verdict}   ({detail})")
     if fails:
         echo("options: train.quantize_base int8|fp8|nf4, train.offload blocks, train.gradient_checkpointing true, "
-             "a smaller train.batch_size / resize.target_area")
+             f"a smaller {'train.max_tokens_per_batch' if budget else 'train.batch_size'} / resize.target_area")
         raise typer.Exit(1)

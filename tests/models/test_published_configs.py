@@ -43,3 +43,23 @@ def test_a_local_folder_wins_over_the_shipped_configs(tmp_path, monkeypatch):
     (tmp_path / "Qwen" / "Qwen-Image-Edit" / "model_index.json").write_text("{}")
     monkeypatch.chdir(tmp_path)
     assert config_root("Qwen/Qwen-Image-Edit") == (tmp_path / "Qwen" / "Qwen-Image-Edit").resolve()
+
+
+def test_plan_uses_the_token_budget_when_set(tmp_path):
+    """train.max_tokens_per_batch: a micro-batch computes up to the budget's tokens whatever batch_size says, so
+    plan's train peak is that of the budget (it planned batch_size x seq: 66,736 tokens for a 98,304 budget,
+    0.68x the activations)."""
+    from typer.testing import CliRunner
+
+    from models import memory_plan as mp
+    from pipeline.cli import app
+
+    config = tmp_path / "budget.yaml"
+    config.write_text("train:\n  max_tokens_per_batch: 98304\n  gradient_checkpointing: true\n")
+    result = CliRunner().invoke(app, ["plan", "--model", "Qwen/Qwen-Image-Edit-2509", "--config", str(config)])
+    assert result.exit_code == 0, result.output
+    budget = mp.train_plan("Qwen/Qwen-Image-Edit-2509", "bfloat16", "none", 1, 98304, True, 16)
+    fixed = mp.train_plan("Qwen/Qwen-Image-Edit-2509", "bfloat16", "none", 4, 16684, True, 16)
+    train_line = next(line for line in result.output.splitlines() if line.strip().startswith("train "))
+    assert mp.gib(budget.total) in train_line and mp.gib(fixed.total) not in train_line, result.output
+    assert "token budget 98304 per batch" in result.output
