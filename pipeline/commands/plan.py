@@ -31,13 +31,22 @@ def command(
         return "bfloat16" if device.startswith("cuda") or mixed == "bf16" else "float32"
 
     rc, tc = cfg.resize, cfg.train
-    image_tokens = rc.target_area // 256 + rc.max_controls * (rc.control_vae_area // 256)
-    seq = tokens or image_tokens + text_tokens
-    vl_tokens = text_tokens + rc.max_controls * (rc.control_vl_area // (28 * 28))
     with user_errors():
-        qwen21 = mp.is_qwen21(model_id)
-    if qwen21:  # the VLM reads the VAE's reference pixels; Qwen3-VL: 32 x 32 px per token
-        vl_tokens = text_tokens + rc.max_controls * (rc.control_vae_area // (32 * 32))
+        family = mp.plan_family(model_id)
+    controls = min(rc.max_controls, 1) if family == "edit" else rc.max_controls  # Edit (v1) keeps one control
+    image_tokens = rc.target_area // 256 + controls * (rc.control_vae_area // 256)
+    if family == "qwen-image-2.1":
+        # the VLM reads the VAE's reference pixels (Qwen3-VL: 32 x 32 px per slot); in the transformer's
+        # sequence each slot's place is taken by the reference's latent tokens, counted in image_tokens
+        vl_tokens = text_tokens + controls * (rc.control_vae_area // (32 * 32))
+        sample_tokens = image_tokens + text_tokens
+    else:
+        # Qwen2.5-VL (28 x 28 px per token) sees each control at the VAE view (Edit: control_{i}.png) or at
+        # control_vl_area (Plus); its image tokens stay in the prompt embeddings the transformer reads
+        vl_area = rc.control_vae_area if family == "edit" else rc.control_vl_area
+        vl_tokens = text_tokens + controls * (vl_area // (28 * 28))
+        sample_tokens = image_tokens + vl_tokens
+    seq = tokens or sample_tokens
     # token-budget batches (train.max_tokens_per_batch) compute up to the budget's tokens per micro-batch
     # (batch size x longest sequence), whatever train.batch_size says: plan the budget, not batch_size x seq
     budget = tc.max_tokens_per_batch
