@@ -61,6 +61,16 @@ def predict(cfg, model: str, images: list[Path], prompt: str, out: Path, lora: s
 
     if not images:
         raise UserError("predict needs at least one --image")
+    from models.loading import model_variant
+
+    # Checked before minutes of loading and denoising: PIL picks the format from the name when it saves.
+    out_format = Image.registered_extensions().get(Path(out).suffix.lower())
+    if out_format is None:
+        raise UserError(f"--out {out}: {Path(out).suffix or 'no extension'} is not an image type; name it .png "
+                        "(or .webp, .jpg)")
+    if out_format == "JPEG" and model_variant(model) == "qwen-image-2.1":
+        raise UserError(f"--out {out}: Qwen-Image-2.1 edits are RGBA (alpha kept) and JPEG has no alpha; name it "
+                        ".png or .webp")
     pil = []
     for p in images:
         try:
@@ -78,8 +88,6 @@ def predict(cfg, model: str, images: list[Path], prompt: str, out: Path, lora: s
     precision = resolve_precision(cfg.dtype, devices["transformer"])  # auto: decided by where the big model runs
     tqdm.write(precision.describe("predict", devices["transformer"])
                + (f", quantize_base {cfg.quantize_base}" if cfg.quantize_base != "none" else ""))
-    from models.loading import model_variant
-
     if model_variant(model) == "qwen-image-2.1":  # the stock 2.1 pipeline; references keep their alpha
         from models.qwen21_predict import edit_21, load_pipeline_21
 

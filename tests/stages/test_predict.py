@@ -50,6 +50,23 @@ def test_predict_rejects_unknown_device_component(tiny_edit_model, tmp_path):
     assert result.exit_code == 1 and "unet" in result.output
 
 
+
+def test_predict_refuses_an_output_name_it_cannot_write_before_any_work(tiny_edit_model, tiny_21_model, tmp_path):
+    """`--out edited` (no extension) or `.jpg` for a 2.1 model (RGBA edits): PIL refused the name only when
+    saving, a traceback after the models were loaded and every denoising step had run, and the image was lost.
+    Now one line before anything is loaded."""
+    from models.loading import LOAD_LOG
+
+    control = _control(tmp_path / "control.png")
+    for model, out, why in ((tiny_edit_model, tmp_path / "edited", "no extension is not an image type"),
+                            (tiny_21_model, tmp_path / "edited.jpg", "JPEG has no alpha")):
+        LOAD_LOG.clear()
+        result = CliRunner().invoke(app, ["predict", "--model", model, "--image", str(control), "--prompt", PROMPT,
+                                          "--steps", "2", "--height", "64", "--width", "64", "--out", str(out)])
+        assert result.exit_code == 1 and why in result.output, (result.output, result.exception)
+        assert isinstance(result.exception, SystemExit) and not out.exists() and LOAD_LOG == []
+
+
 def _make_lora(model: str, out_dir) -> None:
     """A LoRA with alpha != rank and non-zero B (peft's gaussian init leaves B = 0), saved the diffusers way."""
     from diffusers import QwenImageEditPipeline, QwenImageTransformer2DModel
