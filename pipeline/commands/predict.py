@@ -56,7 +56,7 @@ def predict(cfg, model: str, images: list[Path], prompt: str, out: Path, lora: s
     """Read the control images, load the pipeline (each component on its device), edit, write OUT (PNG)."""
     from PIL import Image
 
-    from models.edit import COMPONENTS, edit, load_pipeline
+    from models.edit import COMPONENTS, edit, load_pipeline, open_reference
     from schemas.errors import UserError
 
     if not images:
@@ -74,7 +74,7 @@ def predict(cfg, model: str, images: list[Path], prompt: str, out: Path, lora: s
     pil = []
     for p in images:
         try:
-            pil.append(Image.open(p).convert("RGB"))
+            pil.append(open_reference(p).convert("RGB"))
         except (OSError, ValueError, Image.DecompressionBombError) as e:
             raise UserError(f"cannot read image {p}: {e}. Pass a PNG or JPEG file.") from None
     unknown = set(cfg.devices) - set(COMPONENTS)
@@ -91,7 +91,7 @@ def predict(cfg, model: str, images: list[Path], prompt: str, out: Path, lora: s
     if model_variant(model) == "qwen-image-2.1":  # the stock 2.1 pipeline; references keep their alpha
         from models.qwen21_predict import edit_21, load_pipeline_21
 
-        pil = [Image.open(p) for p in images]
+        pil = [open_reference(p) for p in images]
         pil = [im.convert("RGBA") if "A" in im.getbands() or "transparency" in im.info else im.convert("RGB")
                for im in pil]
         pipe = load_pipeline_21(model, precision.dtype, devices, lora, lora_scale, quantize=cfg.quantize_base)
