@@ -34,7 +34,11 @@ def open_reference(path) -> Image.Image:
     reads files. Mode as stored (the caller converts: RGB, or RGBA kept for 2.1)."""
     from PIL import ImageOps
 
-    return ImageOps.exif_transpose(Image.open(path))
+    image = Image.open(path)
+    try:
+        return ImageOps.exif_transpose(image)
+    except Exception:  # noqa: BLE001 - an unreadable EXIF block: the pixels as stored, as resize-bucket keeps them
+        return image
 
 
 @dataclass
