@@ -71,11 +71,18 @@ def predict(cfg, model: str, images: list[Path], prompt: str, out: Path, lora: s
     if out_format == "JPEG" and model_variant(model) == "qwen-image-2.1":
         raise UserError(f"--out {out}: Qwen-Image-2.1 edits are RGBA (alpha kept) and JPEG has no alpha; name it "
                         ".png or .webp")
+    from schemas.config import ResizeConfig
+    from stages.resize.imaging import ImageRejected, decode_image
+
     pil = []
     for p in images:
+        # decoded as resize-bucket decodes the training images (EXIF orientation, alpha over white, CMYK via its
+        # ICC profile, 16-bit scaled): a cutout with a transparent background is shown as training showed them
         try:
-            pil.append(open_reference(p).convert("RGB"))
-        except (OSError, ValueError, Image.DecompressionBombError) as e:
+            pil.append(decode_image(Path(p).read_bytes(), ResizeConfig().max_image_pixels).image)
+        except ImageRejected as e:
+            raise UserError(f"cannot read image {p}: {e}") from None
+        except OSError as e:
             raise UserError(f"cannot read image {p}: {e}. Pass a PNG or JPEG file.") from None
     unknown = set(cfg.devices) - set(COMPONENTS)
     if unknown:

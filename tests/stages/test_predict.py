@@ -91,6 +91,28 @@ def test_predict_applies_the_exif_orientation_of_a_control(tiny_edit_model, tmp_
 
 
 
+
+def test_predict_shows_a_transparent_control_as_training_did(tiny_edit_model, tmp_path):
+    """A cutout (RGBA, transparent background stored as black): resize-bucket composites training images over
+    white; predict dropped the alpha (`convert("RGB")`), so the model saw a black background it never trained on.
+    Reference: the control as resize-bucket decodes it."""
+    from stages.resize.imaging import decode_image
+
+    rgba = np.zeros((48, 64, 4), dtype=np.uint8)
+    rgba[12:36, 16:48] = (200, 30, 30, 255)  # an opaque object; the rest transparent (0, 0, 0, 0)
+    cutout = tmp_path / "cutout.png"
+    Image.fromarray(rgba, "RGBA").save(cutout)
+    decoded = decode_image(cutout.read_bytes(), 64 * 1024 * 1024).image
+    assert np.asarray(decoded)[0, 0].tolist() == [255, 255, 255]  # over white, as in the training data
+    decoded.save(tmp_path / "as-trained.png")
+    outs = []
+    for control in (cutout, tmp_path / "as-trained.png"):
+        outs.append(tmp_path / f"out-{control.stem}.png")
+        _cli("predict", "--model", tiny_edit_model, "--image", control, "--prompt", PROMPT, "--steps", 2,
+             "--seed", 1, "--out", outs[-1])
+    np.testing.assert_array_equal(np.asarray(Image.open(outs[0])), np.asarray(Image.open(outs[1])))
+
+
 def test_evaluate_extra_prompts_apply_the_exif_orientation(tiny_edit_model, tmp_path):
     """evaluate.extra_prompts read their control and target files the same way (predict's reader)."""
     from diffusers.utils import load_image
