@@ -330,8 +330,14 @@ def attach_lora(transformer, lora: str | Path, scale: float = 1.0, adapter_name:
     """Build an adapter from the LoRA file's own config (rank, alpha, targets), load its weights, activate it at
     `scale`. A file without the config (written elsewhere) gets rank and targets from its shapes, alpha = rank
     (what diffusers assumes too)."""
+    from peft.utils.error import NoMatchingPeftModuleError
+
     state, config = read_lora(lora)
-    transformer.add_adapter(_peft_config(state, config), adapter_name=adapter_name)
+    try:
+        transformer.add_adapter(_peft_config(state, config), adapter_name=adapter_name)
+    except NoMatchingPeftModuleError as e:  # e.g. a LoRA of another model family: one line, not peft's traceback
+        raise UserError(f"LoRA {lora} adapts modules this model does not have ({e}): it was made for another "
+                        "model; pass a LoRA trained on this --model") from None
     if not transformer.training:  # peft builds the new layers (their lora/module dropout too) in training mode:
         transformer.eval()  # a model loaded for inference would draw dropout masks from the global RNG
     # peft builds adapter weights in the layers' dtype: load the saved values into exactly those.

@@ -32,6 +32,16 @@ def config_root(model: str) -> Path:
     return resolve_model(model)
 
 
+def plan_family(model: str) -> str:
+    """The pipeline family (`models.loading.pipeline_family`: edit, edit-plus, qwen-image-2.1) that decides a
+    sample's sequence; the shipped published configs have no model_index, their names say it."""
+    if model in PUBLISHED and not Path(model).expanduser().is_dir():
+        return "edit" if model == "Qwen/Qwen-Image-Edit" else "edit-plus"
+    from models.loading import model_variant, pipeline_family
+
+    return pipeline_family(model_variant(model))
+
+
 def is_qwen21(model: str) -> bool:
     """A Qwen-Image-2.1 folder (its model_index names QwenImage21Pipeline, as models.loading.model_variant
     reads it); the shipped published configs are all Edit models and have no model_index."""

@@ -31,24 +31,41 @@ def command(
         return "bfloat16" if device.startswith("cuda") or mixed == "bf16" else "float32"
 
     rc, tc = cfg.resize, cfg.train
-    image_tokens = rc.target_area // 256 + rc.max_controls * (rc.control_vae_area // 256)
-    seq = tokens or image_tokens + text_tokens
-    vl_tokens = text_tokens + rc.max_controls * (rc.control_vl_area // (28 * 28))
     with user_errors():
-        qwen21 = mp.is_qwen21(model_id)
-    if qwen21:  # the VLM reads the VAE's reference pixels; Qwen3-VL: 32 x 32 px per token
-        vl_tokens = text_tokens + rc.max_controls * (rc.control_vae_area // (32 * 32))
+        family = mp.plan_family(model_id)
+    controls = min(rc.max_controls, 1) if family == "edit" else rc.max_controls  # Edit (v1) keeps one control
+    image_tokens = rc.target_area // 256 + controls * (rc.control_vae_area // 256)
+    if family == "qwen-image-2.1":
+        # the VLM reads the VAE's reference pixels (Qwen3-VL: 32 x 32 px per slot); in the transformer's
+        # sequence each slot's place is taken by the reference's latent tokens, counted in image_tokens
+        vl_tokens = text_tokens + controls * (rc.control_vae_area // (32 * 32))
+        sample_tokens = image_tokens + text_tokens
+    else:
+        # Qwen2.5-VL (28 x 28 px per token) sees each control at the VAE view (Edit: control_{i}.png) or at
+        # control_vl_area (Plus); its image tokens stay in the prompt embeddings the transformer reads
+        vl_area = rc.control_vae_area if family == "edit" else rc.control_vl_area
+        vl_tokens = text_tokens + controls * (vl_area // (28 * 28))
+        sample_tokens = image_tokens + vl_tokens
+    seq = tokens or sample_tokens
+    # token-budget batches (train.max_tokens_per_batch) compute up to the budget's tokens per micro-batch
+    # (batch size x longest sequence), whatever train.batch_size says: plan the budget, not batch_size x seq
+    budget = tc.max_tokens_per_batch
+    train_batch, train_seq = (1, budget) if budget else (tc.batch_size, seq)
     with user_errors():
         plans = [
             mp.encode_plan(model_id, "text_encoder", dtype(cfg.encode_text.dtype), cfg.encode_text.batch_size, vl_tokens),
             mp.encode_plan(model_id, "vae", dtype(cfg.encode_vae.dtype), cfg.encode_vae.batch_size, rc.target_area // 256),
-            mp.train_plan(model_id, dtype(tc.dtype, tc.mixed_precision), tc.quantize_base, tc.batch_size, seq,
+            mp.train_plan(model_id, dtype(tc.dtype, tc.mixed_precision), tc.quantize_base, train_batch, train_seq,
                           tc.gradient_checkpointing, tc.lora.rank, tc.offload, tc.offload_blocks_on_device,
                           len(tc.lora.target_modules)),
             mp.inference_plan(model_id, dtype(cfg.evaluate.dtype), cfg.evaluate.quantize_base, seq),
         ]
+    batching = f"token budget {budget} per batch" if budget else f"batch {tc.batch_size}"
     echo(f"model {model_id}: transformer {mp.transformer_counts(model_id).params / 1e9:.2f} B params; "
-         f"{seq} tokens per training sample, batch {tc.batch_size}, planned for {device}")
+         f"{seq} tokens per training sample, {batching}, planned for {device}")
+    if budget and budget < seq:
+        echo(f"  note: train.max_tokens_per_batch {budget} is below a sample's {seq} tokens: train refuses a budget "
+             "smaller than the longest sample")
     fails = 0
     for p in plans:
         detail = ", ".join(f"{k} {mp.gib(v)}" for k, v in p.parts.items())
@@ -60,5 +77,5 @@ def command(
         echo(f"  {p.stage:32s} {mp.gib(p.total):>11s}{verdict}   ({detail})")
     if fails:
         echo("options: train.quantize_base int8|fp8|nf4, train.offload blocks, train.gradient_checkpointing true, "
-             "a smaller train.batch_size / resize.target_area")
+             f"a smaller {'train.max_tokens_per_batch' if budget else 'train.batch_size'} / resize.target_area")
         raise typer.Exit(1)

@@ -56,16 +56,33 @@ def predict(cfg, model: str, images: list[Path], prompt: str, out: Path, lora: s
     """Read the control images, load the pipeline (each component on its device), edit, write OUT (PNG)."""
     from PIL import Image
 
-    from models.edit import COMPONENTS, edit, load_pipeline
+    from models.edit import COMPONENTS, edit, load_pipeline, open_reference
     from schemas.errors import UserError
 
     if not images:
         raise UserError("predict needs at least one --image")
+    from models.loading import model_variant
+
+    # Checked before minutes of loading and denoising: PIL picks the format from the name when it saves.
+    out_format = Image.registered_extensions().get(Path(out).suffix.lower())
+    if out_format is None:
+        raise UserError(f"--out {out}: {Path(out).suffix or 'no extension'} is not an image type; name it .png "
+                        "(or .webp, .jpg)")
+    if out_format == "JPEG" and model_variant(model) == "qwen-image-2.1":
+        raise UserError(f"--out {out}: Qwen-Image-2.1 edits are RGBA (alpha kept) and JPEG has no alpha; name it "
+                        ".png or .webp")
+    from schemas.config import ResizeConfig
+    from stages.resize.imaging import ImageRejected, decode_image
+
     pil = []
     for p in images:
+        # decoded as resize-bucket decodes the training images (EXIF orientation, alpha over white, CMYK via its
+        # ICC profile, 16-bit scaled): a cutout with a transparent background is shown as training showed them
         try:
-            pil.append(Image.open(p).convert("RGB"))
-        except (OSError, ValueError, Image.DecompressionBombError) as e:
+            pil.append(decode_image(Path(p).read_bytes(), ResizeConfig().max_image_pixels).image)
+        except ImageRejected as e:
+            raise UserError(f"cannot read image {p}: {e}") from None
+        except OSError as e:
             raise UserError(f"cannot read image {p}: {e}. Pass a PNG or JPEG file.") from None
     unknown = set(cfg.devices) - set(COMPONENTS)
     if unknown:
@@ -78,12 +95,10 @@ def predict(cfg, model: str, images: list[Path], prompt: str, out: Path, lora: s
     precision = resolve_precision(cfg.dtype, devices["transformer"])  # auto: decided by where the big model runs
     tqdm.write(precision.describe("predict", devices["transformer"])
                + (f", quantize_base {cfg.quantize_base}" if cfg.quantize_base != "none" else ""))
-    from models.loading import model_variant
-
     if model_variant(model) == "qwen-image-2.1":  # the stock 2.1 pipeline; references keep their alpha
         from models.qwen21_predict import edit_21, load_pipeline_21
 
-        pil = [Image.open(p) for p in images]
+        pil = [open_reference(p) for p in images]
         pil = [im.convert("RGBA") if "A" in im.getbands() or "transparency" in im.info else im.convert("RGB")
                for im in pil]
         pipe = load_pipeline_21(model, precision.dtype, devices, lora, lora_scale, quantize=cfg.quantize_base)

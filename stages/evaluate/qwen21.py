@@ -45,8 +45,8 @@ def extra_inputs_21(model: str, transformer, vae, cfg):
     transformer and VAE, the text encoder and processor loaded once. References keep their alpha (the pipeline
     composites them over white for the VLM); the report's images and scores are RGB."""
     from diffusers import QwenImage21Pipeline
-    from PIL import Image
 
+    from models.edit import open_reference
     from models.loading import load_component, parse_dtype
     from models.qwen21_predict import edit_21
     from schemas.errors import UserError
@@ -57,9 +57,9 @@ def extra_inputs_21(model: str, transformer, vae, cfg):
         transformer=transformer)
     for i, extra in enumerate(cfg.extra_prompts):
         try:
-            refs = [Image.open(p) for p in extra.images]
+            refs = [open_reference(p) for p in extra.images]  # EXIF orientation applied, as predict does
             refs = [im.convert("RGBA" if "A" in im.getbands() else "RGB") for im in refs]
-            target = Image.open(extra.target).convert("RGB") if extra.target else None
+            target = open_reference(extra.target).convert("RGB") if extra.target else None
         except OSError as e:
             raise UserError(f"evaluate.extra_prompts[{i}]: cannot read an image ({e}); fix the path in the config")
 

@@ -223,14 +223,14 @@ def val_rows(transformer, vae, scheduler_config: dict, samples: list[TrainSample
 def extra_prompt_inputs(model: str, transformer, vae, cfg: EvaluateConfig):
     """Each configured extra prompt through predict's stock-equivalent path (text encoder loaded once):
     (title, prompt, controls, target, conditioning, height, width, scheduler config)."""
-    from models.edit import load_pipeline, prepare
+    from models.edit import load_pipeline, open_reference, prepare
 
     pipe = load_pipeline(model, parse_dtype(cfg.dtype, cfg.device), {"text_encoder": cfg.device},
                          transformer=transformer, vae=vae)
     for i, extra in enumerate(cfg.extra_prompts):
         try:
-            controls = [Image.open(p).convert("RGB") for p in extra.images]
-            target = Image.open(extra.target).convert("RGB") if extra.target else None
+            controls = [open_reference(p).convert("RGB") for p in extra.images]  # EXIF orientation applied
+            target = open_reference(extra.target).convert("RGB") if extra.target else None
         except OSError as e:
             raise UserError(f"evaluate.extra_prompts[{i}]: cannot read an image ({e}); fix the path in the config")
         cond, height, width = prepare(pipe, controls, extra.prompt, cfg.negative_prompt, cfg.true_cfg_scale,

@@ -57,6 +57,14 @@ def resume_point(r: Run, resume: bool, cfg: PipelineConfig) -> tuple[Path | None
         raise UserError(f"{r.run_dir} already holds checkpoints ({latest.name}); pass --resume to continue it, "
                         f"--new-run to keep it as {previous.previous_root(r.run_dir)}/N-TIME and train afresh, "
                         "or use a new --out")
+    if latest is None and (r.run_dir / "lora").is_dir():
+        # A finished run whose checkpoints are gone (deleted to save disk, or only lora/ copied): nothing to
+        # continue from, and a start at step 0 would replace its LoRA at the end. Kept (--new-run) or refused.
+        why = f"{r.run_dir} holds a final LoRA but no checkpoints to continue it from"
+        if r.new_run:
+            return keep_previous(r, why)
+        raise UserError(f"{why}; a new run there would replace {r.run_dir / 'lora'}: use a new --out, or --new-run "
+                        f"to keep it as {previous.previous_root(r.run_dir)}/N-TIME and train afresh")
     if not resume or latest is None:
         return None, None
     record = ResumeRecord.read(latest / train_state.RESUME_JSON)

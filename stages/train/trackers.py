@@ -16,10 +16,11 @@ from __future__ import annotations
 import os
 import resource
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
 from schemas.errors import UserError
 
@@ -73,23 +74,35 @@ class Trackers:
                 t.store_init_configuration(_flat(config))
             self.trackers.append(t)
 
+    def _each(self, what: str, call: Callable[[Any], None]) -> None:
+        """`call` on every tracker; one that fails (its server gone, a full disk under RUN/logs) is named in one
+        line and dropped: metrics must not end a run that trains fine (only its checkpoints and LoRA do)."""
+        for t in list(self.trackers):
+            try:
+                call(t)
+            except Exception as e:
+                self.trackers.remove(t)
+                tqdm.write(f"warning: train.log_with {t.name} failed {what} ({type(e).__name__}: {e}); training "
+                           "goes on without it")
+
     def log(self, values: dict[str, float], step: int) -> None:
-        for t in self.trackers:
-            t.log(values, step=step)
+        self._each(f"at step {step}", lambda t: t.log(values, step=step))
 
     def add_scalar(self, name: str, value: float, step: int) -> None:
         self.log({name: value}, step)
 
     def add_image(self, name: str, image: np.ndarray, step: int, dataformats: str = "HWC") -> None:
-        for t in self.trackers:
+        def add(t) -> None:
             if t.name == "tensorboard":
                 t.writer.add_image(name, image, step, dataformats=dataformats)
             elif hasattr(t, "log_images"):
                 t.log_images({name: [image]}, step=step)
 
+        self._each(f"at step {step}", add)
+
     def close(self) -> None:
-        for t in self.trackers:
-            t.finish()
+        self._each("when closing", lambda t: t.finish())
+        self.trackers = []  # closed: a second close (cleanup after finish) does nothing
 
 
 def peak_memory_gb(device: torch.device) -> float:

@@ -43,3 +43,46 @@ def test_a_local_folder_wins_over_the_shipped_configs(tmp_path, monkeypatch):
     (tmp_path / "Qwen" / "Qwen-Image-Edit" / "model_index.json").write_text("{}")
     monkeypatch.chdir(tmp_path)
     assert config_root("Qwen/Qwen-Image-Edit") == (tmp_path / "Qwen" / "Qwen-Image-Edit").resolve()
+
+
+def test_plan_uses_the_token_budget_when_set(tmp_path):
+    """train.max_tokens_per_batch: a micro-batch computes up to the budget's tokens whatever batch_size says, so
+    plan's train peak is that of the budget (it planned batch_size x seq: 68,992 tokens for a 98,304 budget,
+    0.70x the activations)."""
+    from typer.testing import CliRunner
+
+    from models import memory_plan as mp
+    from pipeline.cli import app
+
+    config = tmp_path / "budget.yaml"
+    config.write_text("train:\n  max_tokens_per_batch: 98304\n  gradient_checkpointing: true\n")
+    result = CliRunner().invoke(app, ["plan", "--model", "Qwen/Qwen-Image-Edit-2509", "--config", str(config)])
+    assert result.exit_code == 0, result.output
+    budget = mp.train_plan("Qwen/Qwen-Image-Edit-2509", "bfloat16", "none", 1, 98304, True, 16)
+    fixed = mp.train_plan("Qwen/Qwen-Image-Edit-2509", "bfloat16", "none", 4, 17248, True, 16)
+    train_line = next(line for line in result.output.splitlines() if line.strip().startswith("train "))
+    assert mp.gib(budget.total) in train_line and mp.gib(fixed.total) not in train_line, result.output
+    assert "token budget 98304 per batch" in result.output
+
+
+@pytest.mark.parametrize("hub_id", ["Qwen/Qwen-Image-Edit", "Qwen/Qwen-Image-Edit-2509"])
+def test_plan_counts_the_vl_image_tokens_of_the_prompt(hub_id):
+    """The transformer's text sequence is the prompt embeddings, which hold the VLM's image tokens of every
+    control (Qwen2.5-VL: patch 14 x merge 2 = 28 px per token): Plus at diffusers' CONDITION_IMAGE_SIZE, Edit
+    (one control) at the VAE view. plan left them out (2509: 16684 tokens for 17248) and planned Edit with
+    max_controls' 3 controls (16684 for 9829)."""
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import CONDITION_IMAGE_SIZE, VAE_IMAGE_SIZE
+    from typer.testing import CliRunner
+
+    from pipeline.cli import app
+
+    vision = json.loads((config_root(hub_id) / "text_encoder" / "config.json").read_text())["vision_config"]
+    px = vision["patch_size"] * vision["spatial_merge_size"]
+    text, target = 300, 1024 * 1024 // 256  # plan's default caption tokens; the default 1024² target
+    if hub_id.endswith("2509"):
+        expected = target + 3 * VAE_IMAGE_SIZE // 256 + text + 3 * (CONDITION_IMAGE_SIZE // px**2)
+    else:  # Edit (v1): one control, which the VLM sees as the VAE does (its 1024² view)
+        expected = target + VAE_IMAGE_SIZE // 256 + text + VAE_IMAGE_SIZE // px**2
+    result = CliRunner().invoke(app, ["plan", "--model", hub_id])
+    assert result.exit_code == 0, result.output
+    assert f"{expected} tokens per training sample" in result.output, result.output

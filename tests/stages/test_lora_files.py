@@ -159,6 +159,26 @@ def test_a_lora_of_another_base_model_warns_or_is_refused(trained, tiny_edit_mod
     assert "warning" not in out
 
 
+
+def test_a_lora_of_another_model_family_is_one_line(tiny_edit_model, tmp_path):
+    """A LoRA for modules this model does not have (here a Flux-style `single_transformer_blocks` file): predict
+    and lora merge stop with one line naming it, not peft's NoMatchingPeftModuleError traceback."""
+    from PIL import Image
+
+    img = tmp_path / "in.png"
+    Image.new("RGB", (64, 48), (200, 10, 10)).save(img)
+    lora = tmp_path / "flux.safetensors"
+    save_file({"transformer.single_transformer_blocks.0.attn.to_q.lora_A.weight": torch.zeros(4, 32),
+               "transformer.single_transformer_blocks.0.attn.to_q.lora_B.weight": torch.zeros(32, 4)}, lora)
+    for args in (["predict", "--model", tiny_edit_model, "--image", img, "--prompt", "x", "--steps", "2",
+                  "--lora", lora, "--out", tmp_path / "a.png"],
+                 ["lora", "merge", "--model", tiny_edit_model, "--lora", lora, "--out", tmp_path / "m"]):
+        out = _cli(*args, code=1)
+        assert f"error: LoRA {lora} adapts modules this model does not have" in out, out
+        assert "made for another model" in out
+    assert not (tmp_path / "a.png").exists() and not (tmp_path / "m").exists()
+
+
 def test_init_lora_summary_and_a_refusal_that_prints_the_list_to_paste(trained, tiny_edit_model, tmp_path):
     lora = trained / "run" / "lora"
     base = ["run", "train", "--store", trained / "store", "--model", tiny_edit_model, "--max-steps", 1,

@@ -50,6 +50,91 @@ def test_predict_rejects_unknown_device_component(tiny_edit_model, tmp_path):
     assert result.exit_code == 1 and "unet" in result.output
 
 
+
+def test_predict_refuses_an_output_name_it_cannot_write_before_any_work(tiny_edit_model, tiny_21_model, tmp_path):
+    """`--out edited` (no extension) or `.jpg` for a 2.1 model (RGBA edits): PIL refused the name only when
+    saving, a traceback after the models were loaded and every denoising step had run, and the image was lost.
+    Now one line before anything is loaded."""
+    from models.loading import LOAD_LOG
+
+    control = _control(tmp_path / "control.png")
+    for model, out, why in ((tiny_edit_model, tmp_path / "edited", "no extension is not an image type"),
+                            (tiny_21_model, tmp_path / "edited.jpg", "JPEG has no alpha")):
+        LOAD_LOG.clear()
+        result = CliRunner().invoke(app, ["predict", "--model", model, "--image", str(control), "--prompt", PROMPT,
+                                          "--steps", "2", "--height", "64", "--width", "64", "--out", str(out)])
+        assert result.exit_code == 1 and why in result.output, (result.output, result.exception)
+        assert isinstance(result.exception, SystemExit) and not out.exists() and LOAD_LOG == []
+
+
+
+def test_predict_applies_the_exif_orientation_of_a_control(tiny_edit_model, tmp_path):
+    """A phone photo stores its pixels sideways with an EXIF rotation tag. Training images get it applied
+    (resize-bucket) and so do files read by diffusers' `load_image`; predict read the raw pixels, so the model
+    was shown the photo on its side (another output size, too). Reference: the control as `load_image` reads it."""
+    from diffusers.utils import load_image
+
+    raw = np.asarray(Image.open(_control(tmp_path / "raw.png", w=64, h=48)))
+    tagged = tmp_path / "phone.png"
+    exif = Image.Exif()
+    exif[0x0112] = 6  # "rotate 90° clockwise to display"
+    Image.fromarray(raw).save(tagged, exif=exif)
+    upright = tmp_path / "upright.png"
+    load_image(str(tagged)).save(upright)  # diffusers' reading of the file, saved without the tag
+    assert Image.open(upright).size == (48, 64)
+    outs = []
+    for control in (tagged, upright):
+        outs.append(tmp_path / f"out-{control.stem}.png")
+        _cli("predict", "--model", tiny_edit_model, "--image", control, "--prompt", PROMPT, "--steps", 2,
+             "--seed", 1, "--out", outs[-1])
+    np.testing.assert_array_equal(np.asarray(Image.open(outs[0])), np.asarray(Image.open(outs[1])))
+
+
+
+
+def test_predict_shows_a_transparent_control_as_training_did(tiny_edit_model, tmp_path):
+    """A cutout (RGBA, transparent background stored as black): resize-bucket composites training images over
+    white; predict dropped the alpha (`convert("RGB")`), so the model saw a black background it never trained on.
+    Reference: the control as resize-bucket decodes it."""
+    from stages.resize.imaging import decode_image
+
+    rgba = np.zeros((48, 64, 4), dtype=np.uint8)
+    rgba[12:36, 16:48] = (200, 30, 30, 255)  # an opaque object; the rest transparent (0, 0, 0, 0)
+    cutout = tmp_path / "cutout.png"
+    Image.fromarray(rgba, "RGBA").save(cutout)
+    decoded = decode_image(cutout.read_bytes(), 64 * 1024 * 1024).image
+    assert np.asarray(decoded)[0, 0].tolist() == [255, 255, 255]  # over white, as in the training data
+    decoded.save(tmp_path / "as-trained.png")
+    outs = []
+    for control in (cutout, tmp_path / "as-trained.png"):
+        outs.append(tmp_path / f"out-{control.stem}.png")
+        _cli("predict", "--model", tiny_edit_model, "--image", control, "--prompt", PROMPT, "--steps", 2,
+             "--seed", 1, "--out", outs[-1])
+    np.testing.assert_array_equal(np.asarray(Image.open(outs[0])), np.asarray(Image.open(outs[1])))
+
+
+def test_evaluate_extra_prompts_apply_the_exif_orientation(tiny_edit_model, tmp_path):
+    """evaluate.extra_prompts read their control and target files the same way (predict's reader)."""
+    from diffusers.utils import load_image
+
+    from models.loading import load_component
+    from pipeline.config import load_config
+    from stages.evaluate.stage import extra_prompt_inputs
+
+    tagged = tmp_path / "phone.png"
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    Image.open(_control(tmp_path / "raw.png", w=64, h=48)).save(tagged, exif=exif)
+    cfg = load_config(None, {"evaluate.extra_prompts": [{"prompt": PROMPT, "images": [str(tagged)],
+                                                          "target": str(tagged)}]}).evaluate
+    transformer = load_component(tiny_edit_model, "transformer", dtype=torch.float32, device="cpu")
+    vae = load_component(tiny_edit_model, "vae", dtype=torch.float32, device="cpu")
+    _, _, controls, target, *_ = next(extra_prompt_inputs(tiny_edit_model, transformer, vae, cfg))
+    upright = np.asarray(load_image(str(tagged)))
+    np.testing.assert_array_equal(np.asarray(controls[0]), upright)
+    np.testing.assert_array_equal(np.asarray(target), upright)
+
+
 def _make_lora(model: str, out_dir) -> None:
     """A LoRA with alpha != rank and non-zero B (peft's gaussian init leaves B = 0), saved the diffusers way."""
     from diffusers import QwenImageEditPipeline, QwenImageTransformer2DModel

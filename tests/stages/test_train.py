@@ -206,6 +206,27 @@ def test_resume_with_changed_config_or_store_fails_loudly(store_dir, tiny_edit_m
         run(cfg_of(max_steps=1), store_dir, tiny_edit_model, tmp_path / "run2", resume=True)
 
 
+
+def test_a_finished_run_without_checkpoints_is_not_replaced(store_dir, tiny_edit_model, tmp_path):
+    """RUN/lora of a finished run whose checkpoints were deleted (they hold the optimizer state: the usual thing
+    to remove to save disk): a new train into RUN, with or without --resume, used to start at step 0 and replace
+    that LoRA at the end. Now refused in one line; --new-run keeps it aside (what `run all` does)."""
+    out = tmp_path / "run"
+    run(cfg_of(max_steps=2, checkpoint_every=2), store_dir, tiny_edit_model, out)
+    finished = lora_of(out)
+    import shutil
+
+    shutil.rmtree(out / "checkpoints")
+    for resume in (False, True):
+        with pytest.raises(UserError, match="holds a final LoRA but no checkpoints.*--new-run"):
+            run(cfg_of(max_steps=3, learning_rate=0.05), store_dir, tiny_edit_model, out, resume=resume)
+        assert_same_lora(lora_of(out), finished)
+        assert not (out / "checkpoints").exists()
+    result = run(cfg_of(max_steps=1), store_dir, tiny_edit_model, out, resume=True, new_run=True)
+    assert result.kept_previous is not None and result.start_step == 0 and result.steps == 1
+    assert_same_lora(lora_of(result.kept_previous), finished)
+
+
 _KILLED_WRITER = """
 import sys, time
 from pathlib import Path

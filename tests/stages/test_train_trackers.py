@@ -57,3 +57,36 @@ def test_unknown_or_missing_tracker_is_one_error_before_training(tiny_edit_model
     with pytest.raises(UserError, match=message):
         run(load_config(None, {**SETS, "train.log_with": [name]}), store, tiny_edit_model, tmp_path / "run")
     assert not (tmp_path / "run").exists()
+
+
+def test_a_tracker_failing_mid_run_is_one_line_and_training_goes_on(tiny_edit_model, tmp_path, monkeypatch, capsys):
+    """A metrics backend that fails while training (a tracking server gone, a full disk under RUN/logs) used to
+    end the run with its traceback at that step; now it is named in one line, dropped, and the run trains the
+    same LoRA as one whose tracker never failed."""
+    from accelerate.tracking import TensorBoardTracker
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from models.lora import read_lora
+
+    store = tmp_path / "store"
+    make_train_store(store, tiny_edit_model, mixed_specs(6))
+    run(load_config(None, SETS), store, tiny_edit_model, tmp_path / "ref")
+    real = TensorBoardTracker.log
+
+    def failing(self, values, step=None, **kwargs):
+        if step == 2:
+            raise OSError(28, "No space left on device")
+        return real(self, values, step=step, **kwargs)
+
+    monkeypatch.setattr(TensorBoardTracker, "log", failing)
+    capsys.readouterr()
+    result = run(load_config(None, SETS), store, tiny_edit_model, tmp_path / "run")
+    assert result.steps == 3
+    printed = capsys.readouterr()
+    lines = [x for x in (printed.out + printed.err).splitlines() if "train.log_with" in x]
+    assert len(lines) == 1 and "tensorboard failed at step 2" in lines[0] and "No space left" in lines[0], lines
+    ref, got = read_lora(tmp_path / "ref" / "lora")[0], read_lora(tmp_path / "run" / "lora")[0]
+    assert ref.keys() == got.keys() and all((ref[k] == got[k]).all() for k in ref)
+    ea = EventAccumulator(str(tmp_path / "run" / "logs"))
+    ea.Reload()
+    assert [e.step for e in ea.Scalars("train/loss")] == [1]  # written before it failed, nothing after
