@@ -13,11 +13,8 @@ import hashlib
 import io
 import time
 from collections import Counter
-from concurrent.futures import ProcessPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
-from multiprocessing import get_context
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
@@ -30,9 +27,9 @@ from schemas.errors import Rejected
 from schemas.lineage import code_version
 from schemas.img_shapes import PIXELS_PER_PATCH, img_shapes_from_pixels
 from schemas.resize_sizes import sizes_in_force
-from models.ordered_map import ordered_map
 from stages.resize.bucketing import BucketRule, bucket_size, crop_box_for_aspect
 from stages.resize.imaging import ImageRejected, decode_image, decode_mask
+from stages.resize.render_pool import rendered_in_order
 from stages.resize.content import content_listing_hash
 from stages.resize.sources import SourceSample, detect_format, iter_source
 
@@ -241,11 +238,12 @@ def _render_source(source: str | Path, fmt: str, rc: ResizeConfig, writer: Any, 
                 yield rec, key, caption
 
     render_one = partial(_render_item, rc=rc, rules=_rules(rc))
-    with _render_pool(rc.workers) as pool, tqdm(iter_source(source, rc.max_file_bytes, rc.columns), desc=f"{STAGE} ({fmt})",
-                                                 unit="sample", total=count_samples(source, fmt),
-                                                 dynamic_ncols=True) as bar:
-        # at most 2 x workers samples in flight: memory stays bounded whatever the dataset size
-        for (rec, key, _), out in ordered_map(render_one, to_render(bar), pool, ahead=2 * rc.workers):
+    with tqdm(iter_source(source, rc.max_file_bytes, rc.columns), desc=f"{STAGE} ({fmt})", unit="sample",
+              total=count_samples(source, fmt), dynamic_ncols=True) as bar:
+        # at most 2 x workers samples in flight: memory stays bounded whatever the dataset size; a worker that
+        # dies (out of memory, a crash in an image library) costs its sample, not the run (render_pool.py)
+        for (rec, key, _), out in rendered_in_order(render_one, to_render(bar), rc.workers, ahead=2 * rc.workers,
+                                                    on_crash=_worker_died):
             intake.store(writer, rec, key, out)
         if bar.total != bar.n:  # orphans / unreadable entries counted differently: end at 100 %
             bar.total = bar.n
@@ -253,17 +251,11 @@ def _render_source(source: str | Path, fmt: str, rc: ResizeConfig, writer: Any, 
     return carry
 
 
-@contextmanager
-def _render_pool(workers: int) -> Iterator[ProcessPoolExecutor | None]:
-    """`workers` spawned processes (fork would copy a parent holding torch), none for 0 (render inline)."""
-    if workers <= 0:
-        yield None
-        return
-    pool = ProcessPoolExecutor(workers, mp_context=get_context("spawn"))
-    try:
-        yield pool
-    finally:
-        pool.shutdown(cancel_futures=True)
+def _worker_died(item: tuple[SourceSample, str, str]) -> Rejected:
+    rec, key, _ = item
+    return Rejected("worker-died", f"the worker process rendering this sample ended (killed, e.g. out of memory: "
+                    f"lower resize.workers or resize.max_image_pixels; or a crash in an image library), also when "
+                    f"it rendered this sample alone; files: {', '.join(rec.files) or rec.source}", key=key)
 
 
 def _render_item(item: tuple[SourceSample, str, str], rc: ResizeConfig,

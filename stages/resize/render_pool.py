@@ -1,0 +1,94 @@
+"""resize-bucket's worker processes, with a worker that dies contained to the sample it was rendering.
+
+A worker process can end without an exception: the kernel's out-of-memory killer (several large images decoded
+at once), or a crash inside an image library on a hostile file. `concurrent.futures` then breaks the whole pool
+(`BrokenProcessPool`, no file named), and a rerun meets the same file again. Here the samples that were in flight
+are rendered again one at a time in a single-worker pool: the ones that render are kept (the output is the same
+in any process), and a sample whose worker dies even alone is handed to `on_crash` (the stage quarantines it,
+naming its files); then a fresh pool takes the rest. Written here because no executor in the standard library or
+a well-kept package retries per item after a worker death and keeps the results in order with a bounded window.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from multiprocessing import get_context
+from typing import Callable, Iterable, Iterator, TypeVar
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+def _pool(workers: int) -> ProcessPoolExecutor:
+    return ProcessPoolExecutor(workers, mp_context=get_context("spawn"))  # fork would copy a parent holding torch
+
+
+def rendered_in_order(fn: Callable[[T], R], items: Iterable[T], workers: int, ahead: int,
+                      on_crash: Callable[[T], R]) -> Iterator[tuple[T, R]]:
+    """(item, fn(item)) in input order, `fn` run in `workers` spawned processes with at most `ahead` items
+    submitted beyond the one handed out (`items` consumed lazily); `workers` 0: inline (nothing to contain)."""
+    if workers <= 0:
+        for item in items:
+            yield item, fn(item)
+        return
+    source = iter(items)
+    window: deque[tuple[T, Future | None]] = deque()
+    pool = _pool(workers)
+    try:
+        while True:
+            broken = False
+            while len(window) <= ahead and not broken:
+                item = next(source, _END)
+                if item is _END:
+                    break
+                try:
+                    window.append((item, pool.submit(fn, item)))
+                except BrokenProcessPool:  # a worker died while this one was being submitted
+                    window.append((item, None))
+                    broken = True
+            if not window:
+                return
+            if not broken:
+                item, fut = window[0]
+                try:
+                    result = fut.result()  # type: ignore[union-attr]
+                except BrokenProcessPool:
+                    broken = True
+                else:
+                    window.popleft()
+                    yield item, result
+                    continue
+            pool.shutdown(cancel_futures=True)
+            yield from _one_at_a_time(fn, list(window), on_crash)
+            window.clear()
+            pool = _pool(workers)
+    finally:
+        pool.shutdown(cancel_futures=True)
+
+
+_END = object()
+
+
+def _one_at_a_time(fn: Callable[[T], R], entries: list[tuple[T, Future | None]],
+                   on_crash: Callable[[T], R]) -> Iterator[tuple[T, R]]:
+    """The items that were in flight when a worker died: a result that was finished before is kept, every other
+    item is rendered alone; a worker that dies then died of that item."""
+    solo: ProcessPoolExecutor | None = None
+    try:
+        for item, fut in entries:
+            if fut is not None and fut.done() and not fut.cancelled() and fut.exception() is None:
+                yield item, fut.result()
+                continue
+            solo = solo or _pool(1)
+            try:
+                result = solo.submit(fn, item).result()
+            except BrokenProcessPool:
+                solo.shutdown(cancel_futures=True)
+                solo = None
+                result = on_crash(item)
+            yield item, result
+    finally:
+        if solo is not None:
+            solo.shutdown(cancel_futures=True)
