@@ -181,10 +181,14 @@ def read_source_file(path: Path, root: Path | None, max_bytes: int, what: str = 
 def _control_dirs(root: Path) -> dict[int, Path]:
     """control/ is index 0, control_<i>/ is index i."""
     out: dict[int, Path] = {}
-    for d in root.iterdir():
+    for d in sorted(root.iterdir()):
         m = _CONTROL_DIR.match(d.name)
         if d.is_dir() and m:
-            out[int(m.group(1) or 0)] = d
+            i = int(m.group(1) or 0)
+            if i in out:  # e.g. control/ + control_0/, control_1/ + control_01/: one would vanish unread
+                raise UserError(f"source {root}: folders {out[i].name}/ and {d.name}/ both hold control {i} "
+                                "(control/ is control 0, control_<i>/ is control i); merge or rename one")
+            out[i] = d
     return out
 
 

@@ -122,3 +122,28 @@ def test_a_tar_member_twice_is_quarantined_and_a_large_member_unread(tmp_path):
     assert "appears twice" in q[f"{src / 'a.tar'}:dup"][1]
     assert "resize.max_file_bytes" in q[f"{src / 'a.tar'}:big"][1]
     assert _stored_captions(tmp_path / "store") == ["fine"]
+
+
+def test_two_control_folders_for_one_index_are_refused_naming_both(tmp_path):
+    """control/ and control_0/ (or control_1/ and control_01/) are both one control index: before, one of the two
+    folders was dropped unread (whichever the directory listing gave last), silently giving samples the other
+    folder's control image."""
+    src = tmp_path / "src"
+    for d in ("target", "control", "control_0", "control_1", "control_01"):
+        (src / d).mkdir(parents=True)
+    (src / "target" / "a.png").write_bytes(_png((1, 1, 1)))
+    (src / "target" / "a.txt").write_text("make it red")
+    for i, d in enumerate(("control", "control_0", "control_1", "control_01")):
+        (src / d / "a.png").write_bytes(_png((40 * i, 0, 0)))
+    result = _resize(src, tmp_path / "store", "resize.max_controls=3")
+    assert result.exit_code == 1, result.output
+    assert "folders control/ and control_0/ both hold control 0" in result.output, result.output
+    assert not (tmp_path / "store" / "images").exists()
+    for d in ("control_0", "control_01"):
+        (src / d / "a.png").unlink()
+        (src / d).rmdir()
+    result = _resize(src, tmp_path / "store", "resize.max_controls=3")
+    assert result.exit_code == 0, result.output
+    r = Store(tmp_path / "store", create=False).reader("images")
+    assert [r.meta(k)["num_controls"] for k in r.keys()] == [2]
+    r.close()
