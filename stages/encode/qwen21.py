@@ -165,6 +165,9 @@ def run_text(cfg: PipelineConfig, store: str | Path, model: str, device: str | N
                 job.summary.encoded += 1
                 bar.encoded(1)
         return job.finish()
+    except BaseException as e:  # as encode-text/-vae: the other ranks stop with this line, not at the commit
+        job.failed(e)
+        raise
     finally:
         job.close()
 

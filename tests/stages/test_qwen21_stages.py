@@ -462,3 +462,22 @@ def test_21_evaluate_extra_prompts_are_the_stock_pipeline_base_and_lora(tiny_21_
     np.testing.assert_array_equal(np.asarray(ck.outputs["base"]), np.asarray(base.convert("RGB")))
     np.testing.assert_array_equal(np.asarray(ck.outputs[f"best (step {best['step']})"]),
                                   np.asarray(stock().convert("RGB")))
+
+
+def test_a_failure_in_the_21_text_loop_is_shared_with_the_other_ranks(tiny_21_model, store21, monkeypatch):
+    """The 2.1 encode-text loop hands its error to `job.failed` (the launcher's store tells the other ranks at
+    once, models/collective.py), as encode-text and encode-vae do. Before: it did not, so the other ranks never
+    got its line; started without a launcher that tears the group down (tests/stages/two_ranks.py) they encoded
+    their whole share and then waited for the failed rank at the commit."""
+    import models.qwen21_text
+    from stages.encode import commit
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    shared = []
+    monkeypatch.setattr(models.qwen21_text, "encode_prompt", out_of_memory)
+    monkeypatch.setattr(commit, "failed", lambda job, error: shared.append((job.summary.stage, error)))
+    with pytest.raises(torch.OutOfMemoryError):
+        encode_text.run(load_config(None, F32), store21, tiny_21_model)
+    assert [(stage, type(e)) for stage, e in shared] == [("encode-text", torch.OutOfMemoryError)]
