@@ -445,11 +445,19 @@ def _jsonl_objects(path: Path) -> Iterator[tuple[int, object, str | None]]:
                 yield no, None, f"line is not valid JSON: {e.msg}"
 
 
+def _jsonl_controls(obj: dict) -> list:
+    """`controls` (a list, or one path), else `control`. null is no controls: pandas' and HF datasets' `to_json`
+    write a missing value as null (a text-to-image row of an edit dataset), not as an absent field."""
+    ctrls = obj.get("controls")
+    if ctrls is None:
+        ctrls = obj.get("control")
+    if ctrls is None:
+        return []
+    return ctrls if isinstance(ctrls, list) else [ctrls]
+
+
 def _jsonl_paths(obj: dict) -> list[str]:
-    paths = [obj.get("target")]
-    ctrls = obj.get("controls", obj.get("control", []))
-    paths += ctrls if isinstance(ctrls, list) else [ctrls]
-    paths.append(obj.get("mask"))
+    paths = [obj.get("target"), *_jsonl_controls(obj), obj.get("mask")]
     return [p for p in paths if isinstance(p, str)]
 
 
@@ -475,8 +483,7 @@ def iter_jsonl(root: Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES) -> Iter
 
         try:
             s.target = _read_ref(base, obj.get("target"), "target")
-            ctrls = obj.get("controls", obj.get("control", []))
-            ctrls = ctrls if isinstance(ctrls, list) else [ctrls]
+            ctrls = _jsonl_controls(obj)
             s.files.append(str(_resolve(base, obj["target"])))
             for i, c in enumerate(ctrls):
                 s.controls.append(_read_ref(base, c, f"controls[{i}]"))
@@ -489,7 +496,7 @@ def iter_jsonl(root: Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES) -> Iter
             yield s
             continue
         s.source = f"{manifest}:{no} ({obj['target']})"
-        text = obj.get("caption", obj.get("prompt"))
+        text = obj.get("caption") if obj.get("caption") is not None else obj.get("prompt")  # null: as absent
         if text is not None and not isinstance(text, str):
             s.problem = f"caption/prompt is not a string (got {type(text).__name__})"
         s.caption = text.encode("utf-8") if isinstance(text, str) else None

@@ -147,3 +147,23 @@ def test_two_control_folders_for_one_index_are_refused_naming_both(tmp_path):
     r = Store(tmp_path / "store", create=False).reader("images")
     assert [r.meta(k)["num_controls"] for k in r.keys()] == [2]
     r.close()
+
+
+def test_jsonl_null_fields_are_absent_fields(tmp_path):
+    """pandas' and HF datasets' `to_json` write a missing value as null: `"controls": null` (or `"control": null`)
+    is a row without controls and `"caption": null` falls back to `"prompt"`, as absent fields do. Before: the row
+    was quarantined ("field 'controls[0]' is missing or not a path string", "missing-caption")."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.png").write_bytes(_png((10, 20, 30)))
+    (src / "b.png").write_bytes(_png((30, 20, 10)))
+    rows = [{"target": "a.png", "controls": None, "caption": "a red square"},
+            {"target": "b.png", "control": None, "caption": None, "prompt": "a blue square", "mask": None},
+            {"target": "a.png", "controls": ["b.png"], "caption": "make it blue"},
+            {"target": "b.png", "controls": [None], "caption": "a null inside the list is still a broken entry"}]
+    (src / "m.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    result = _resize(src / "m.jsonl", tmp_path / "store")
+    assert result.exit_code == 0, result.output
+    assert _stored_captions(tmp_path / "store") == ["a blue square", "a red square", "make it blue"]
+    assert [(reason, detail) for reason, detail in _quarantine(tmp_path / "store").values()] == [
+        ("bad-source", "field 'controls[0]' is missing or not a path string")]
