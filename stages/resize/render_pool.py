@@ -11,6 +11,9 @@ a well-kept package retries per item after a worker death and keeps the results 
 
 from __future__ import annotations
 
+import os
+import threading
+import time
 from collections import deque
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -22,7 +25,25 @@ R = TypeVar("R")
 
 
 def _pool(workers: int) -> ProcessPoolExecutor:
-    return ProcessPoolExecutor(workers, mp_context=get_context("spawn"))  # fork would copy a parent holding torch
+    # spawn: fork would copy a parent holding torch
+    return ProcessPoolExecutor(workers, mp_context=get_context("spawn"), initializer=_end_with_parent,
+                               initargs=(os.getpid(),))
+
+
+PARENT_POLL_SECONDS = 1.0
+
+
+def _end_with_parent(parent: int) -> None:
+    """In each worker: end when the stage's process is gone. A SIGKILLed stage (`kill -9`, the out-of-memory
+    killer) otherwise leaves its workers waiting for work forever (re-parented, each holding its memory: seen
+    with `concurrent.futures` on Python 3.11). Polled (the parent id changes when the worker is
+    re-parented) rather than Linux's PR_SET_PDEATHSIG, which follows the thread that started the worker."""
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_POLL_SECONDS)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="end-with-parent", daemon=True).start()
 
 
 def rendered_in_order(fn: Callable[[T], R], items: Iterable[T], workers: int, ahead: int,

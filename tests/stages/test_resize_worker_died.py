@@ -1,15 +1,24 @@
 """resize-bucket with worker processes: a worker that dies (the out-of-memory killer, a crash in an image
-library) costs its own sample, quarantined as `worker-died` naming its file, never the run. Before: the whole
-stage stopped with `BrokenProcessPool` (a traceback naming no file), and a rerun met the same file again."""
+library) costs its own sample, quarantined as `worker-died` naming its file, never the run (before: the whole
+stage stopped with `BrokenProcessPool`, a traceback naming no file, and a rerun met the same file again); and a
+SIGKILLed stage leaves no worker process behind."""
 
 from __future__ import annotations
 
 import io
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
 
 from PIL import Image
 
 import crashing_render
 from pipeline.config import load_config
+from pipeline.demo_data import make_demo_data
 from stages.resize import stage
 from stages.resize.stage import run, sample_key
 from store import Store
@@ -46,3 +55,37 @@ def test_a_worker_killed_by_one_sample_quarantines_that_sample_and_the_run_goes_
     r = Store(tmp_path / "store").reader("images")
     assert set(r.keys()) == expected
     assert verify_store(tmp_path / "store", progress=False) == []
+
+
+def _processes_with(marker: str) -> list[int]:
+    """Processes whose environment holds `marker` (a spawned worker inherits its parent's environment)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and marker.encode() in (proc / "environ").read_bytes():
+                found.append(int(proc.name))
+        except OSError:  # gone meanwhile, or not ours
+            pass
+    return found
+
+
+def test_a_sigkilled_stage_leaves_no_worker_process_behind(tmp_path):
+    """Before: the stage's spawned workers outlived a SIGKILL of the stage (re-parented, waiting for work
+    forever, each holding its memory); every kill and rerun left `resize.workers` more processes."""
+    make_demo_data(tmp_path / "src", n=24, fmt="folder", max_controls=2, seed=2)
+    marker = f"R1_WORKER_TEST={uuid.uuid4().hex}"
+    code = ("import sys; from pipeline.config import load_config; from stages.resize.stage import run;"
+            f"cfg = load_config(None, {{**{SMALL!r}, 'resize.workers': 2, 'resize.shard_size_mb': 0.01}});"
+            "run(cfg, sys.argv[1], sys.argv[2])")
+    env = {**os.environ, "STORE_CRASH_AT": "after_shard_commit", marker.split("=")[0]: marker.split("=")[1]}
+    with open(tmp_path / "stderr", "w") as err:  # not a pipe: a worker left behind would hold it open
+        killed = subprocess.run([sys.executable, "-c", code, str(tmp_path / "src"), str(tmp_path / "store")],
+                                env=env, stdout=subprocess.DEVNULL, stderr=err, timeout=300)
+    assert killed.returncode == -9, (tmp_path / "stderr").read_text()  # killed at its first committed shard
+    deadline = time.monotonic() + 120  # a generous bound for a loaded machine; they end within ~1 s
+    while _processes_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    left = _processes_with(marker)
+    for pid in left:  # do not leave them to the rest of the test session either
+        os.kill(pid, signal.SIGKILL)
+    assert left == []
