@@ -11,7 +11,7 @@ from stages.resize.imaging import _ALPHA, Decoded, _open_oriented, decode_image
 
 def decode_keeping_alpha(data: bytes, max_pixels: int) -> Decoded:
     """Bytes -> RGBA when the image has an alpha channel or a transparent palette entry, else `decode_image`."""
-    im, notes = _open_oriented(data, max_pixels)
+    im, notes, orientation = _open_oriented(data, max_pixels)
     if im.mode in _ALPHA or (im.mode == "P" and "transparency" in im.info):
-        return Decoded(im.convert("RGBA"), notes + [f"{im.mode} kept with its alpha (RGBA)"])
+        return Decoded(im.convert("RGBA"), notes + [f"{im.mode} kept with its alpha (RGBA)"], orientation)
     return decode_image(data, max_pixels)

@@ -28,7 +28,7 @@ from schemas.lineage import code_version
 from schemas.img_shapes import PIXELS_PER_PATCH, img_shapes_from_pixels
 from schemas.resize_sizes import sizes_in_force
 from stages.resize.bucketing import BucketRule, bucket_size, crop_box_for_aspect
-from stages.resize.imaging import ImageRejected, decode_image, decode_mask
+from stages.resize.imaging import Decoded, ImageRejected, decode_image, decode_mask, oriented_as
 from stages.resize.render_pool import rendered_in_order
 from stages.resize.content import content_listing_hash
 from stages.resize.sources import SourceSample, detect_format, iter_source
@@ -426,13 +426,14 @@ def render(rec: SourceSample, key: str, caption: str, rc: ResizeConfig, rules: d
 def _render(rec: SourceSample, key: str, caption: str, rc: ResizeConfig, rules: dict[str, BucketRule]) -> Rendered:
     assert rec.target is not None
     notes: list[str] = []
-    target = _decode(rec.target, "target", rec, key, 0, rc, notes)
+    decoded = _decode(rec.target, "target", rec, key, 0, rc, notes)
+    target = decoded.image
     tw, th = target.size
     bh, bw = bucket_size(tw, th, rules["target"])
     files = {"target.png": _png(_fit(target, bh, bw, rc.max_aspect, Image.Resampling.LANCZOS))}
     vae_sizes, vl_sizes = [], []
     for i, data in enumerate(rec.controls):
-        ctrl = _decode(data, f"control {i}", rec, key, 1 + i, rc, notes)
+        ctrl = _decode(data, f"control {i}", rec, key, 1 + i, rc, notes).image
         cw, ch = ctrl.size
         for view, sizes, name in (("vae", vae_sizes, f"control_{i}.png"), ("vl", vl_sizes, f"control_{i}_vl.png")):
             h, w = bucket_size(cw, ch, rules[view])
@@ -444,6 +445,9 @@ def _render(rec: SourceSample, key: str, caption: str, rc: ResizeConfig, rules: 
         except ImageRejected as e:
             raise Rejected("bad-mask", f"mask{_where(rec, 1 + len(rec.controls))}: {e}", key=key) from None
         mask = dm.image
+        if _drawn_on_stored_pixels(mask, dm.orientation, target, decoded.orientation):
+            mask = oriented_as(mask, decoded.orientation)
+            notes.append(f"mask turned as its target (EXIF orientation {decoded.orientation})")
         if mask.size != target.size:  # resized with its target: first onto the target's pixel grid
             mask = mask.resize(target.size, Image.Resampling.BILINEAR)
             notes.append("mask resized to its target")
@@ -467,13 +471,22 @@ def _render(rec: SourceSample, key: str, caption: str, rc: ResizeConfig, rules: 
     return Rendered(files, meta, notes)
 
 
+def _drawn_on_stored_pixels(mask: Image.Image, mask_orientation: int, target: Image.Image,
+                            target_orientation: int) -> bool:
+    """A mask without an orientation of its own, the size of its target as stored (before its EXIF rotation) and
+    not as shown: made from the stored pixels (e.g. by a tool that read the image with PIL, which ignores EXIF),
+    so it turns with its target; resizing it instead would stretch it across the other axis."""
+    return (mask_orientation == 1 and target_orientation in (5, 6, 7, 8) and target.width != target.height
+            and mask.size == (target.height, target.width))
+
+
 def _where(rec: SourceSample, file_index: int) -> str:
     return f" ({rec.files[file_index]})" if file_index < len(rec.files) else ""
 
 
 def _decode(
     data: bytes, what: str, rec: SourceSample, key: str, file_index: int, rc: ResizeConfig, notes: list[str]
-) -> Image.Image:
+) -> Decoded:
     try:
         if rc.keep_alpha:  # Qwen-Image-2.1: RGBA kept for its VAE (stages/resize/alpha.py)
             from stages.resize.alpha import decode_keeping_alpha
@@ -484,7 +497,7 @@ def _decode(
     except ImageRejected as e:
         raise Rejected(e.kind, f"{what}{_where(rec, file_index)}: {e}", key=key) from None
     notes.extend(d.notes)
-    return d.image
+    return d
 
 
 def _fit(im: Image.Image, h: int, w: int, max_aspect: float, resample: Image.Resampling) -> Image.Image:
