@@ -5,7 +5,8 @@ at once), or a crash inside an image library on a hostile file. `concurrent.futu
 (`BrokenProcessPool`, no file named), and a rerun meets the same file again. Here the samples that were in flight
 are rendered again one at a time in a single-worker pool: the ones that render are kept (the output is the same
 in any process), and a sample whose worker dies even alone is handed to `on_crash` (the stage quarantines it,
-naming its files); then a fresh pool takes the rest. Written here because no executor in the standard library or
+naming its files); then a fresh pool takes the rest. Workers that die on several samples in a row, each alone,
+stop the run instead (the machine or the environment, not the samples). Written here because no executor in the standard library or
 a well-kept package retries per item after a worker death and keeps the results in order with a bounded window.
 """
 
@@ -19,6 +20,8 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from multiprocessing import get_context
 from typing import Callable, Iterable, Iterator, TypeVar
+
+from schemas.errors import UserError
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -56,6 +59,7 @@ def rendered_in_order(fn: Callable[[T], R], items: Iterable[T], workers: int, ah
         return
     source = iter(items)
     window: deque[tuple[T, Future | None]] = deque()
+    deaths_in_a_row = 0
     pool = _pool(workers)
     try:
         while True:
@@ -82,25 +86,35 @@ def rendered_in_order(fn: Callable[[T], R], items: Iterable[T], workers: int, ah
                     yield item, result
                     continue
             pool.shutdown(cancel_futures=True)
-            yield from _one_at_a_time(fn, list(window), on_crash)
+            for item, result, died in _one_at_a_time(fn, list(window)):
+                deaths_in_a_row = deaths_in_a_row + 1 if died else 0
+                if deaths_in_a_row >= DEATHS_IN_A_ROW:
+                    raise UserError(
+                        f"resize-bucket: a worker process died on {deaths_in_a_row} samples in a row, each rendered "
+                        f"alone (the last: {on_crash(item)}): that is the machine or the environment, not the "
+                        "samples; check free memory (lower resize.workers or resize.max_image_pixels), or run with "
+                        "resize.workers: 0 to see the error")
+                yield item, on_crash(item) if died else result  # type: ignore[misc]
             window.clear()
             pool = _pool(workers)
     finally:
         pool.shutdown(cancel_futures=True)
 
 
+# Samples whose worker dies even alone, one after the other: then the workers cannot work at all (no memory
+# left, an environment the spawned process cannot import), and quarantining every sample would hide that.
+DEATHS_IN_A_ROW = 3
 _END = object()
 
 
-def _one_at_a_time(fn: Callable[[T], R], entries: list[tuple[T, Future | None]],
-                   on_crash: Callable[[T], R]) -> Iterator[tuple[T, R]]:
-    """The items that were in flight when a worker died: a result that was finished before is kept, every other
-    item is rendered alone; a worker that dies then died of that item."""
+def _one_at_a_time(fn: Callable[[T], R], entries: list[tuple[T, Future | None]]) -> Iterator[tuple[T, R | None, bool]]:
+    """The items that were in flight when a worker died, as (item, result, died): a result that was finished
+    before is kept, every other item is rendered alone; a worker that dies then died of that item."""
     solo: ProcessPoolExecutor | None = None
     try:
         for item, fut in entries:
             if fut is not None and fut.done() and not fut.cancelled() and fut.exception() is None:
-                yield item, fut.result()
+                yield item, fut.result(), False
                 continue
             solo = solo or _pool(1)
             try:
@@ -108,8 +122,9 @@ def _one_at_a_time(fn: Callable[[T], R], entries: list[tuple[T, Future | None]],
             except BrokenProcessPool:
                 solo.shutdown(cancel_futures=True)
                 solo = None
-                result = on_crash(item)
-            yield item, result
+                yield item, None, True
+            else:
+                yield item, result, False
     finally:
         if solo is not None:
             solo.shutdown(cancel_futures=True)

@@ -14,6 +14,7 @@ import time
 import uuid
 from pathlib import Path
 
+import pytest
 from PIL import Image
 
 import crashing_render
@@ -89,3 +90,21 @@ def test_a_sigkilled_stage_leaves_no_worker_process_behind(tmp_path):
     for pid in left:  # do not leave them to the rest of the test session either
         os.kill(pid, signal.SIGKILL)
     assert left == []
+
+
+def test_workers_dying_on_every_sample_stop_the_run_instead_of_quarantining_all(tmp_path, monkeypatch):
+    """No memory left, or an environment the spawned workers cannot run in: then every sample's worker dies, and
+    quarantining them all would hide the cause. The run stops with one line after three in a row, nothing
+    quarantined, no table."""
+    from schemas.errors import UserError
+
+    src = tmp_path / "src"
+    (src / "target").mkdir(parents=True)
+    for i in range(5):
+        (src / "target" / f"s{i}.png").write_bytes(_png((30 * i, 10, 10)))
+        (src / "target" / f"s{i}.txt").write_text("crash the worker")
+    monkeypatch.setattr(stage, "_render_item", crashing_render.render_item)
+    with pytest.raises(UserError, match="a worker process died on 3 samples in a row, each rendered alone"):
+        run(load_config(None, {**SMALL, "resize.workers": 2}), src, tmp_path / "store")
+    st = Store(tmp_path / "store")
+    assert st.quarantine().num_rows == 0 and "images" not in st.tables()
