@@ -83,6 +83,7 @@ def rendered_in_order(fn: Callable[[T], R], items: Iterable[T], workers: int, ah
                     broken = True
                 else:
                     window.popleft()
+                    deaths_in_a_row = 0
                     yield item, result
                     continue
             pool.shutdown(cancel_futures=True)

@@ -16,3 +16,10 @@ def render_item(item, rc, rules):
     if caption == "crash the worker":
         os.kill(os.getpid(), signal.SIGKILL)
     return stage.render(rec, key, caption, rc, rules)
+
+
+def echo_or_die(item: str) -> str:
+    """`item` upper-cased, or the end of this process for "kill"."""
+    if item == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    return item.upper()

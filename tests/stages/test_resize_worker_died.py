@@ -108,3 +108,13 @@ def test_workers_dying_on_every_sample_stop_the_run_instead_of_quarantining_all(
         run(load_config(None, {**SMALL, "resize.workers": 2}), src, tmp_path / "store")
     st = Store(tmp_path / "store")
     assert st.quarantine().num_rows == 0 and "images" not in st.tables()
+
+
+def test_deaths_apart_from_each_other_are_each_the_sample_s_own():
+    """Three samples that end their worker, each among good ones: each is quarantined, the run goes on (only
+    deaths in a row, each alone, mean the workers cannot work at all)."""
+    from stages.resize.render_pool import rendered_in_order
+
+    items = ["kill" if i in (0, 9, 19, 29) else f"ok {i}" for i in range(30)]
+    out = list(rendered_in_order(crashing_render.echo_or_die, items, workers=1, ahead=0, on_crash=lambda i: "died"))
+    assert out == [(i, "died" if i == "kill" else i.upper()) for i in items]
