@@ -438,7 +438,8 @@ def _jsonl_objects(path: Path) -> Iterator[tuple[int, object, str | None]]:
             if not raw.strip():
                 continue
             try:
-                yield no, json.loads(raw.decode("utf-8")), None
+                # a UTF-8 BOM before the first line (Windows editors, PowerShell 5's utf8) is not part of the JSON
+                yield no, json.loads(raw.decode("utf-8-sig" if no == 1 else "utf-8")), None
             except UnicodeDecodeError:
                 yield no, None, "line is not valid UTF-8"
             except json.JSONDecodeError as e:

@@ -167,3 +167,17 @@ def test_jsonl_null_fields_are_absent_fields(tmp_path):
     assert _stored_captions(tmp_path / "store") == ["a blue square", "a red square", "make it blue"]
     assert [(reason, detail) for reason, detail in _quarantine(tmp_path / "store").values()] == [
         ("bad-source", "field 'controls[0]' is missing or not a path string")]
+
+
+def test_a_jsonl_manifest_saved_with_a_bom_reads_its_first_line(tmp_path):
+    """A UTF-8 byte order mark before the first line (Notepad, PowerShell 5's `-Encoding utf8`): before, the
+    first row was quarantined as "line is not valid JSON: Unexpected UTF-8 BOM"."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.png").write_bytes(_png((10, 20, 30)))
+    rows = [{"target": "a.png", "caption": "a red square"}, {"target": "a.png", "caption": "a blue square"}]
+    (src / "m.jsonl").write_bytes(b"\xef\xbb\xbf" + "".join(json.dumps(r) + "\n" for r in rows).encode())
+    result = _resize(src / "m.jsonl", tmp_path / "store")
+    assert result.exit_code == 0, result.output
+    assert _stored_captions(tmp_path / "store") == ["a blue square", "a red square"]
+    assert _quarantine(tmp_path / "store") == {}
