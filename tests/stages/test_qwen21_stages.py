@@ -481,3 +481,20 @@ def test_a_failure_in_the_21_text_loop_is_shared_with_the_other_ranks(tiny_21_mo
     with pytest.raises(torch.OutOfMemoryError):
         encode_text.run(load_config(None, F32), store21, tiny_21_model)
     assert [(stage, type(e)) for stage, e in shared] == [("encode-text", torch.OutOfMemoryError)]
+
+
+def test_a_caption_past_the_21_rope_table_is_quarantined_not_encoded(tiny_21_model, tmp_path):
+    """A prompt whose joint sequence runs past QwenImage21Rope's frame positions (8192 in diffusers' table) is
+    quarantined as "caption too long" before it reaches the encoder. Before: it was encoded, and train's stock
+    RoPE read negative positions for the overflow (silently wrong), then failed with an index error."""
+    from stages.encode.qwen21 import caption_length_rejection_21, frame_positions
+
+    assert frame_positions() == 8192
+    assert caption_length_rejection_21("k", 8192 - 8, [[1, 4, 8]]) is None  # exactly the table
+    assert caption_length_rejection_21("k", 8192 - 7, [[1, 4, 8]]).reason == "caption too long"
+    long_caption = "paint " * 9000
+    store = write_store21(tmp_path / "s", samples=[SAMPLES[1], (long_caption, (64, 64, "RGB"), [(64, 64, "RGB")])])
+    t = encode_text.run(load_config(None, F32), store, tiny_21_model)
+    assert (t.encoded, t.quarantined) == (1, 1)
+    [row] = Store(store).quarantine().to_pylist()
+    assert row["reason"] == "caption too long" and "8192 frame positions" in row["detail"], row
