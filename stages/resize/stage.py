@@ -57,6 +57,7 @@ class ResizeSummary:
     conversions: Counter = field(default_factory=Counter)  # what sanitising did -> count
     splits: Counter = field(default_factory=Counter)
     buckets: Counter = field(default_factory=Counter)  # (h, w) of targets
+    controls: Counter = field(default_factory=Counter)  # control images per sample -> samples (written, reused)
     quarantine_file: str = ""
     duplicates: list[tuple[str, str]] = field(default_factory=list)  # (kept source, dropped source)
     sizes: str = ""  # the sizes in force (schemas.resize_sizes)
@@ -99,6 +100,10 @@ class ResizeSummary:
         if len(self.duplicates) > shown:
             lines.append(f"duplicate: {len(self.duplicates) - shown} more pairs (reason 'duplicate' in {self.quarantine_file}; "
                          "the detail names the kept file)")
+        if self.controls:  # a control file missing from an edit pair makes a 0-control sample: shown, not silent
+            lines.append("controls per sample: " + ", ".join(f"{n}: {c}" for n, c in sorted(self.controls.items()))
+                         + ("; samples without a control train text-to-image (resize.min_controls: 1 quarantines "
+                            "them)" if 0 in self.controls and len(self.controls) > 1 else ""))
         if self.conversions:
             lines.append("converted: " + ", ".join(f"{c}x {n}" for n, c in sorted(self.conversions.items())))
         if self.sizes:
@@ -181,6 +186,7 @@ class _Intake:
         s.written += 1
         s.splits[out.meta["split"]] += 1
         s.buckets[tuple(out.meta["bucket"])] += 1
+        s.controls[out.meta["num_controls"]] += 1
         s.conversions.update(out.notes)
 
 
@@ -275,6 +281,7 @@ def _carry_forward(st: Store, writer: Any, schema: TableSchema, carry: dict[str,
         views = {"source": {k: carry[k][0] for k in keys}, "split": {k: carry[k][1] for k in keys}}
         summary.reused += carry_forward(writer, version, rows, views)
         summary.splits.update(views["split"].values())
+        summary.controls.update(rows.column("num_controls").to_pylist())
 
 
 def _commit(st: Store, writer: Any, source: str | Path, intake: _Intake) -> None:

@@ -181,3 +181,23 @@ def test_a_jsonl_manifest_saved_with_a_bom_reads_its_first_line(tmp_path):
     assert result.exit_code == 0, result.output
     assert _stored_captions(tmp_path / "store") == ["a blue square", "a red square"]
     assert _quarantine(tmp_path / "store") == {}
+
+
+def test_edit_pairs_missing_their_control_are_counted_in_the_summary(tmp_path):
+    """A control file missing from an edit pair makes a sample with 0 controls (a text-to-image sample, valid
+    by default): the summary now counts the samples per number of controls and says how to refuse them; before,
+    nothing in the output showed it."""
+    src = tmp_path / "src"
+    for d in ("target", "control"):
+        (src / d).mkdir(parents=True)
+    for i in range(3):
+        (src / "target" / f"s{i}.png").write_bytes(_png((60 * i, 0, 0)))
+        (src / "target" / f"s{i}.txt").write_text(f"make picture {i} blue")
+        if i:  # s0's control went missing
+            (src / "control" / f"s{i}.png").write_bytes(_png((0, 60 * i, 0)))
+    result = _resize(src, tmp_path / "store")
+    assert result.exit_code == 0, result.output
+    assert ("controls per sample: 0: 1, 1: 2; samples without a control train text-to-image "
+            "(resize.min_controls: 1 quarantines them)") in result.output, result.output
+    again = _resize(src, tmp_path / "store2", "resize.min_controls=1")
+    assert "controls per sample: 1: 2\n" in again.output and "control-count 1" in again.output, again.output
