@@ -1,5 +1,6 @@
-"""The one bounded, ordered parallel map: resize renders samples in worker processes, the encoders decode and
-preprocess inputs in threads, both through `ordered_map` on a `concurrent.futures` executor.
+"""The one bounded, ordered parallel map: the encoders decode and preprocess inputs in threads through
+`ordered_map` on a `concurrent.futures` executor (resize's worker processes: stages/resize/render_pool.py, which
+also contains a worker that dies).
 
 Written here because `Executor.map` submits every item at once (before Python 3.14's `buffersize`): over a
 million-sample source that holds every sample's bytes in memory. Here at most `ahead` items wait beyond the one

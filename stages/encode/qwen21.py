@@ -18,6 +18,7 @@ the VAE grid is quarantined with its reason.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,31 @@ def _side_rejection(key: str, name: str, im) -> Rejected | None:
         return Rejected(f"{name} size is not a multiple of {PIXELS_PER_SIDE}",
                         f"{im.width}x{im.height}; rerun resize-bucket with resize.multiple: 32", key=key)
     return None
+
+
+@lru_cache(maxsize=1)
+def frame_positions() -> int:
+    """How many frame-axis positions diffusers' `QwenImage21Rope` has: read from an instance (its leading rows
+    equal to the frequencies of 0, 1, 2, ...; the rows after them are its negative positions)."""
+    from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21Rope
+
+    rope = QwenImage21Rope(theta=10000, axes_dim=[2, 2, 2])
+    table = rope.freqs[0][:, 0]
+    counting = rope.rope_params(torch.arange(len(table)), 2, 10000)[:, 0]
+    return int((table != counting).nonzero()[0]) if bool((table != counting).any()) else len(table)
+
+
+def caption_length_rejection_21(key: str, text_tokens: int, img_shapes) -> Rejected | None:
+    """Quarantine a prompt whose joint sequence runs past the transformer's frame positions: each text token
+    takes one and each image block (references, then the target) max(h, w); past the table the stock RoPE
+    reads its negative positions (silently wrong) and then fails. Not truncated, as for the Edit models."""
+    used = text_tokens + sum(max(h, w) for _, h, w in img_shapes or ())
+    limit = frame_positions()
+    if used <= limit:
+        return None
+    return Rejected("caption too long", f"the prompt is {text_tokens} text tokens; with this sample's images it needs "
+                    f"{used} of the transformer's {limit} frame positions (its RoPE table); shorten the caption",
+                    key=key)
 
 
 @dataclass
@@ -141,6 +167,13 @@ def run_text(cfg: PipelineConfig, store: str | Path, model: str, device: str | N
                              workers=section.num_workers)
         with job.progress(len(todo)) as bar:
             for item in job.accepted(samples, bar):
+                shapes = job.images.meta(item.key).get("img_shapes")
+                # the caption's own tokens are a lower bound: a hopeless one never reaches the encoder
+                caption_tokens = len(processor.tokenizer(item.caption)["input_ids"])
+                if (too_long := caption_length_rejection_21(item.key, caption_tokens, shapes)) is not None:
+                    job.quarantine(item.key, too_long.reason, too_long.detail)
+                    bar.skipped()
+                    continue
                 # One sample per forward: the stock encoder takes one reference set per call.
                 with job.timed_forward(3 if nocontrol else 2):
                     prompt, slots = encode_prompt(encoder, item.caption, item.references)
@@ -149,6 +182,10 @@ def run_text(cfg: PipelineConfig, store: str | Path, model: str, device: str | N
                 problem = grid_mismatch(slots, [(im.height, im.width) for im in item.references])
                 if problem is not None:
                     job.quarantine(item.key, "VLM grid differs from the VAE grid", problem)
+                    bar.skipped()
+                    continue
+                if (too_long := caption_length_rejection_21(item.key, int((~slots).sum()), shapes)) is not None:
+                    job.quarantine(item.key, too_long.reason, too_long.detail)
                     bar.skipped()
                     continue
                 meta = job.images.meta(item.key)
@@ -165,6 +202,9 @@ def run_text(cfg: PipelineConfig, store: str | Path, model: str, device: str | N
                 job.summary.encoded += 1
                 bar.encoded(1)
         return job.finish()
+    except BaseException as e:  # as encode-text/-vae: the other ranks stop with this line, not at the commit
+        job.failed(e)
+        raise
     finally:
         job.close()
 

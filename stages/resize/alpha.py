@@ -6,12 +6,14 @@ VLM sees (encode-text does the same from the stored RGBA). Every other image dec
 
 from __future__ import annotations
 
-from stages.resize.imaging import _ALPHA, Decoded, _open_oriented, decode_image
+from stages.resize.imaging import _ALPHA, Decoded, _open_oriented, _to_rgb
 
 
 def decode_keeping_alpha(data: bytes, max_pixels: int) -> Decoded:
-    """Bytes -> RGBA when the image has an alpha channel or a transparent palette entry, else `decode_image`."""
-    im, notes = _open_oriented(data, max_pixels)
+    """Bytes -> RGBA when the image has an alpha channel or a transparent palette entry, else what `decode_image`
+    gives, from the one decode (a second `decode_image` decoded every opaque image twice)."""
+    im, notes, orientation = _open_oriented(data, max_pixels)
     if im.mode in _ALPHA or (im.mode == "P" and "transparency" in im.info):
-        return Decoded(im.convert("RGBA"), notes + [f"{im.mode} kept with its alpha (RGBA)"])
-    return decode_image(data, max_pixels)
+        return Decoded(im.convert("RGBA"), notes + [f"{im.mode} kept with its alpha (RGBA)"], orientation)
+    rgb, note = _to_rgb(im, background=(255, 255, 255))
+    return Decoded(rgb, notes + ([note] if note else []), orientation)

@@ -41,27 +41,35 @@ class ImageRejected(Exception):
 class Decoded:
     image: Image.Image
     notes: list[str] = field(default_factory=list)  # conversions applied, counted in the stage summary
+    orientation: int = 1  # the EXIF orientation applied (1: none)
 
 
 def decode_image(data: bytes, max_pixels: int) -> Decoded:
     """Bytes -> 8-bit RGB image with EXIF orientation applied; raises ImageRejected."""
-    im, notes = _open_oriented(data, max_pixels)
+    im, notes, orientation = _open_oriented(data, max_pixels)
     rgb, note = _to_rgb(im, background=(255, 255, 255))
-    return Decoded(rgb, notes + ([note] if note else []))
+    return Decoded(rgb, notes + ([note] if note else []), orientation)
 
 
 def decode_mask(data: bytes, max_pixels: int) -> Decoded:
     """Bytes -> 8-bit L mask (white = edited) with EXIF orientation applied; raises ImageRejected."""
-    im, notes = _open_oriented(data, max_pixels)
+    im, notes, orientation = _open_oriented(data, max_pixels)
     if im.mode in ("1", "L"):
-        return Decoded(im.convert("L"), notes)
+        return Decoded(im.convert("L"), notes, orientation)
     if im.mode in _SIXTEEN_BIT:
-        return Decoded(_sixteen_to_l(im), notes + ["16-bit mask scaled to 8 bits"])
+        return Decoded(_sixteen_to_l(im), notes + ["16-bit mask scaled to 8 bits"], orientation)
     rgb, _ = _to_rgb(im, background=(0, 0, 0))
-    return Decoded(rgb.convert("L"), notes + [f"{im.mode} mask converted to grayscale"])
+    return Decoded(rgb.convert("L"), notes + [f"{im.mode} mask converted to grayscale"], orientation)
 
 
-def _open_oriented(data: bytes, max_pixels: int) -> tuple[Image.Image, list[str]]:
+def oriented_as(image: Image.Image, orientation: int) -> Image.Image:
+    """`image` rotated/flipped as EXIF `orientation` says (Pillow's own table, via `exif_transpose`)."""
+    im = image.copy()
+    im.getexif()[0x0112] = orientation  # exif_transpose reads the tag from this (cached) Exif object
+    return ImageOps.exif_transpose(im)
+
+
+def _open_oriented(data: bytes, max_pixels: int) -> tuple[Image.Image, list[str], int]:
     if not data:
         raise ImageRejected("empty-image", "empty file (0 bytes)")
     notes: list[str] = []
@@ -93,14 +101,16 @@ def _open_oriented(data: bytes, max_pixels: int) -> tuple[Image.Image, list[str]
             raise ImageRejected("corrupt-image", f"truncated or corrupt image data: {e}") from None
     if frames > 1:
         notes.append(f"first frame of {frames} used")
+    applied = 1
     try:
         orientation = im.getexif().get(0x0112, 1)
         if orientation not in (None, 1):
             im = ImageOps.exif_transpose(im)
             notes.append(f"EXIF orientation {orientation} applied")
+            applied = orientation if orientation in range(2, 9) else 1
     except Exception:  # noqa: BLE001 - a corrupt EXIF block: keep the pixels as stored, say so
         notes.append("EXIF unreadable, orientation ignored")
-    return im, notes
+    return im, notes, applied
 
 
 def _check_png_chunks(data: bytes, im: Image.Image) -> None:

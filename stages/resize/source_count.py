@@ -9,6 +9,8 @@ from __future__ import annotations
 import tarfile
 from pathlib import Path
 
+from tqdm import tqdm
+
 from stages.resize import sources
 
 
@@ -26,7 +28,8 @@ def count_samples(source: str | Path, fmt: str) -> int | None:
             if any(sources.is_url(t) for t in tars):
                 return None
             total = 0
-            for tar in tars:
+            # a header walk per shard: minutes over a million samples, so it has its own bar
+            for tar in tqdm(tars, desc="counting samples", unit="shard", leave=False):
                 with tarfile.open(tar, mode="r:") as tf:  # uncompressed tar: seeks header to header
                     total += len({sources._split_member(m.name)[0] for m in tf.getmembers() if m.isfile()})
             return total

@@ -181,10 +181,14 @@ def read_source_file(path: Path, root: Path | None, max_bytes: int, what: str = 
 def _control_dirs(root: Path) -> dict[int, Path]:
     """control/ is index 0, control_<i>/ is index i."""
     out: dict[int, Path] = {}
-    for d in root.iterdir():
+    for d in sorted(root.iterdir()):
         m = _CONTROL_DIR.match(d.name)
         if d.is_dir() and m:
-            out[int(m.group(1) or 0)] = d
+            i = int(m.group(1) or 0)
+            if i in out:  # e.g. control/ + control_0/, control_1/ + control_01/: one would vanish unread
+                raise UserError(f"source {root}: folders {out[i].name}/ and {d.name}/ both hold control {i} "
+                                "(control/ is control 0, control_<i>/ is control i); merge or rename one")
+            out[i] = d
     return out
 
 
@@ -434,18 +438,27 @@ def _jsonl_objects(path: Path) -> Iterator[tuple[int, object, str | None]]:
             if not raw.strip():
                 continue
             try:
-                yield no, json.loads(raw.decode("utf-8")), None
+                # a UTF-8 BOM before the first line (Windows editors, PowerShell 5's utf8) is not part of the JSON
+                yield no, json.loads(raw.decode("utf-8-sig" if no == 1 else "utf-8")), None
             except UnicodeDecodeError:
                 yield no, None, "line is not valid UTF-8"
             except json.JSONDecodeError as e:
                 yield no, None, f"line is not valid JSON: {e.msg}"
 
 
+def _jsonl_controls(obj: dict) -> list:
+    """`controls` (a list, or one path), else `control`. null is no controls: pandas' and HF datasets' `to_json`
+    write a missing value as null (a text-to-image row of an edit dataset), not as an absent field."""
+    ctrls = obj.get("controls")
+    if ctrls is None:
+        ctrls = obj.get("control")
+    if ctrls is None:
+        return []
+    return ctrls if isinstance(ctrls, list) else [ctrls]
+
+
 def _jsonl_paths(obj: dict) -> list[str]:
-    paths = [obj.get("target")]
-    ctrls = obj.get("controls", obj.get("control", []))
-    paths += ctrls if isinstance(ctrls, list) else [ctrls]
-    paths.append(obj.get("mask"))
+    paths = [obj.get("target"), *_jsonl_controls(obj), obj.get("mask")]
     return [p for p in paths if isinstance(p, str)]
 
 
@@ -471,8 +484,7 @@ def iter_jsonl(root: Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES) -> Iter
 
         try:
             s.target = _read_ref(base, obj.get("target"), "target")
-            ctrls = obj.get("controls", obj.get("control", []))
-            ctrls = ctrls if isinstance(ctrls, list) else [ctrls]
+            ctrls = _jsonl_controls(obj)
             s.files.append(str(_resolve(base, obj["target"])))
             for i, c in enumerate(ctrls):
                 s.controls.append(_read_ref(base, c, f"controls[{i}]"))
@@ -485,7 +497,7 @@ def iter_jsonl(root: Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES) -> Iter
             yield s
             continue
         s.source = f"{manifest}:{no} ({obj['target']})"
-        text = obj.get("caption", obj.get("prompt"))
+        text = obj.get("caption") if obj.get("caption") is not None else obj.get("prompt")  # null: as absent
         if text is not None and not isinstance(text, str):
             s.problem = f"caption/prompt is not a string (got {type(text).__name__})"
         s.caption = text.encode("utf-8") if isinstance(text, str) else None

@@ -13,11 +13,8 @@ import hashlib
 import io
 import time
 from collections import Counter
-from concurrent.futures import ProcessPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
-from multiprocessing import get_context
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
@@ -30,9 +27,9 @@ from schemas.errors import Rejected
 from schemas.lineage import code_version
 from schemas.img_shapes import PIXELS_PER_PATCH, img_shapes_from_pixels
 from schemas.resize_sizes import sizes_in_force
-from models.ordered_map import ordered_map
 from stages.resize.bucketing import BucketRule, bucket_size, crop_box_for_aspect
-from stages.resize.imaging import ImageRejected, decode_image, decode_mask
+from stages.resize.imaging import Decoded, ImageRejected, decode_image, decode_mask, oriented_as
+from stages.resize.render_pool import rendered_in_order
 from stages.resize.content import content_listing_hash
 from stages.resize.sources import SourceSample, detect_format, iter_source
 
@@ -60,6 +57,7 @@ class ResizeSummary:
     conversions: Counter = field(default_factory=Counter)  # what sanitising did -> count
     splits: Counter = field(default_factory=Counter)
     buckets: Counter = field(default_factory=Counter)  # (h, w) of targets
+    controls: Counter = field(default_factory=Counter)  # control images per sample -> samples (written, reused)
     quarantine_file: str = ""
     duplicates: list[tuple[str, str]] = field(default_factory=list)  # (kept source, dropped source)
     sizes: str = ""  # the sizes in force (schemas.resize_sizes)
@@ -102,6 +100,10 @@ class ResizeSummary:
         if len(self.duplicates) > shown:
             lines.append(f"duplicate: {len(self.duplicates) - shown} more pairs (reason 'duplicate' in {self.quarantine_file}; "
                          "the detail names the kept file)")
+        if self.controls:  # a control file missing from an edit pair makes a 0-control sample: shown, not silent
+            lines.append("controls per sample: " + ", ".join(f"{n}: {c}" for n, c in sorted(self.controls.items()))
+                         + ("; samples without a control train text-to-image (resize.min_controls: 1 quarantines "
+                            "them)" if 0 in self.controls and len(self.controls) > 1 else ""))
         if self.conversions:
             lines.append("converted: " + ", ".join(f"{c}x {n}" for n, c in sorted(self.conversions.items())))
         if self.sizes:
@@ -184,6 +186,7 @@ class _Intake:
         s.written += 1
         s.splits[out.meta["split"]] += 1
         s.buckets[tuple(out.meta["bucket"])] += 1
+        s.controls[out.meta["num_controls"]] += 1
         s.conversions.update(out.notes)
 
 
@@ -241,11 +244,12 @@ def _render_source(source: str | Path, fmt: str, rc: ResizeConfig, writer: Any, 
                 yield rec, key, caption
 
     render_one = partial(_render_item, rc=rc, rules=_rules(rc))
-    with _render_pool(rc.workers) as pool, tqdm(iter_source(source, rc.max_file_bytes, rc.columns), desc=f"{STAGE} ({fmt})",
-                                                 unit="sample", total=count_samples(source, fmt),
-                                                 dynamic_ncols=True) as bar:
-        # at most 2 x workers samples in flight: memory stays bounded whatever the dataset size
-        for (rec, key, _), out in ordered_map(render_one, to_render(bar), pool, ahead=2 * rc.workers):
+    with tqdm(iter_source(source, rc.max_file_bytes, rc.columns), desc=f"{STAGE} ({fmt})", unit="sample",
+              total=count_samples(source, fmt), dynamic_ncols=True) as bar:
+        # at most 2 x workers samples in flight: memory stays bounded whatever the dataset size; a worker that
+        # dies (out of memory, a crash in an image library) costs its sample, not the run (render_pool.py)
+        for (rec, key, _), out in rendered_in_order(render_one, to_render(bar), rc.workers, ahead=2 * rc.workers,
+                                                    on_crash=_worker_died):
             intake.store(writer, rec, key, out)
         if bar.total != bar.n:  # orphans / unreadable entries counted differently: end at 100 %
             bar.total = bar.n
@@ -253,17 +257,11 @@ def _render_source(source: str | Path, fmt: str, rc: ResizeConfig, writer: Any, 
     return carry
 
 
-@contextmanager
-def _render_pool(workers: int) -> Iterator[ProcessPoolExecutor | None]:
-    """`workers` spawned processes (fork would copy a parent holding torch), none for 0 (render inline)."""
-    if workers <= 0:
-        yield None
-        return
-    pool = ProcessPoolExecutor(workers, mp_context=get_context("spawn"))
-    try:
-        yield pool
-    finally:
-        pool.shutdown(cancel_futures=True)
+def _worker_died(item: tuple[SourceSample, str, str]) -> Rejected:
+    rec, key, _ = item
+    return Rejected("worker-died", f"the worker process rendering this sample ended (killed, e.g. out of memory: "
+                    f"lower resize.workers or resize.max_image_pixels; or a crash in an image library), also when "
+                    f"it rendered this sample alone; files: {', '.join(rec.files) or rec.source}", key=key)
 
 
 def _render_item(item: tuple[SourceSample, str, str], rc: ResizeConfig,
@@ -283,6 +281,7 @@ def _carry_forward(st: Store, writer: Any, schema: TableSchema, carry: dict[str,
         views = {"source": {k: carry[k][0] for k in keys}, "split": {k: carry[k][1] for k in keys}}
         summary.reused += carry_forward(writer, version, rows, views)
         summary.splits.update(views["split"].values())
+        summary.controls.update(rows.column("num_controls").to_pylist())
 
 
 def _commit(st: Store, writer: Any, source: str | Path, intake: _Intake) -> None:
@@ -434,13 +433,14 @@ def render(rec: SourceSample, key: str, caption: str, rc: ResizeConfig, rules: d
 def _render(rec: SourceSample, key: str, caption: str, rc: ResizeConfig, rules: dict[str, BucketRule]) -> Rendered:
     assert rec.target is not None
     notes: list[str] = []
-    target = _decode(rec.target, "target", rec, key, 0, rc, notes)
+    decoded = _decode(rec.target, "target", rec, key, 0, rc, notes)
+    target = decoded.image
     tw, th = target.size
     bh, bw = bucket_size(tw, th, rules["target"])
     files = {"target.png": _png(_fit(target, bh, bw, rc.max_aspect, Image.Resampling.LANCZOS))}
     vae_sizes, vl_sizes = [], []
     for i, data in enumerate(rec.controls):
-        ctrl = _decode(data, f"control {i}", rec, key, 1 + i, rc, notes)
+        ctrl = _decode(data, f"control {i}", rec, key, 1 + i, rc, notes).image
         cw, ch = ctrl.size
         for view, sizes, name in (("vae", vae_sizes, f"control_{i}.png"), ("vl", vl_sizes, f"control_{i}_vl.png")):
             h, w = bucket_size(cw, ch, rules[view])
@@ -452,6 +452,9 @@ def _render(rec: SourceSample, key: str, caption: str, rc: ResizeConfig, rules: 
         except ImageRejected as e:
             raise Rejected("bad-mask", f"mask{_where(rec, 1 + len(rec.controls))}: {e}", key=key) from None
         mask = dm.image
+        if _drawn_on_stored_pixels(mask, dm.orientation, target, decoded.orientation):
+            mask = oriented_as(mask, decoded.orientation)
+            notes.append(f"mask turned as its target (EXIF orientation {decoded.orientation})")
         if mask.size != target.size:  # resized with its target: first onto the target's pixel grid
             mask = mask.resize(target.size, Image.Resampling.BILINEAR)
             notes.append("mask resized to its target")
@@ -475,13 +478,22 @@ def _render(rec: SourceSample, key: str, caption: str, rc: ResizeConfig, rules: 
     return Rendered(files, meta, notes)
 
 
+def _drawn_on_stored_pixels(mask: Image.Image, mask_orientation: int, target: Image.Image,
+                            target_orientation: int) -> bool:
+    """A mask without an orientation of its own, the size of its target as stored (before its EXIF rotation) and
+    not as shown: made from the stored pixels (e.g. by a tool that read the image with PIL, which ignores EXIF),
+    so it turns with its target; resizing it instead would stretch it across the other axis."""
+    return (mask_orientation == 1 and target_orientation in (5, 6, 7, 8) and target.width != target.height
+            and mask.size == (target.height, target.width))
+
+
 def _where(rec: SourceSample, file_index: int) -> str:
     return f" ({rec.files[file_index]})" if file_index < len(rec.files) else ""
 
 
 def _decode(
     data: bytes, what: str, rec: SourceSample, key: str, file_index: int, rc: ResizeConfig, notes: list[str]
-) -> Image.Image:
+) -> Decoded:
     try:
         if rc.keep_alpha:  # Qwen-Image-2.1: RGBA kept for its VAE (stages/resize/alpha.py)
             from stages.resize.alpha import decode_keeping_alpha
@@ -492,7 +504,7 @@ def _decode(
     except ImageRejected as e:
         raise Rejected(e.kind, f"{what}{_where(rec, file_index)}: {e}", key=key) from None
     notes.extend(d.notes)
-    return d.image
+    return d
 
 
 def _fit(im: Image.Image, h: int, w: int, max_aspect: float, resample: Image.Resampling) -> Image.Image:

@@ -122,3 +122,82 @@ def test_a_tar_member_twice_is_quarantined_and_a_large_member_unread(tmp_path):
     assert "appears twice" in q[f"{src / 'a.tar'}:dup"][1]
     assert "resize.max_file_bytes" in q[f"{src / 'a.tar'}:big"][1]
     assert _stored_captions(tmp_path / "store") == ["fine"]
+
+
+def test_two_control_folders_for_one_index_are_refused_naming_both(tmp_path):
+    """control/ and control_0/ (or control_1/ and control_01/) are both one control index: before, one of the two
+    folders was dropped unread (whichever the directory listing gave last), silently giving samples the other
+    folder's control image."""
+    src = tmp_path / "src"
+    for d in ("target", "control", "control_0", "control_1", "control_01"):
+        (src / d).mkdir(parents=True)
+    (src / "target" / "a.png").write_bytes(_png((1, 1, 1)))
+    (src / "target" / "a.txt").write_text("make it red")
+    for i, d in enumerate(("control", "control_0", "control_1", "control_01")):
+        (src / d / "a.png").write_bytes(_png((40 * i, 0, 0)))
+    result = _resize(src, tmp_path / "store", "resize.max_controls=3")
+    assert result.exit_code == 1, result.output
+    assert "folders control/ and control_0/ both hold control 0" in result.output, result.output
+    assert not (tmp_path / "store" / "images").exists()
+    for d in ("control_0", "control_01"):
+        (src / d / "a.png").unlink()
+        (src / d).rmdir()
+    result = _resize(src, tmp_path / "store", "resize.max_controls=3")
+    assert result.exit_code == 0, result.output
+    r = Store(tmp_path / "store", create=False).reader("images")
+    assert [r.meta(k)["num_controls"] for k in r.keys()] == [2]
+    r.close()
+
+
+def test_jsonl_null_fields_are_absent_fields(tmp_path):
+    """pandas' and HF datasets' `to_json` write a missing value as null: `"controls": null` (or `"control": null`)
+    is a row without controls and `"caption": null` falls back to `"prompt"`, as absent fields do. Before: the row
+    was quarantined ("field 'controls[0]' is missing or not a path string", "missing-caption")."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.png").write_bytes(_png((10, 20, 30)))
+    (src / "b.png").write_bytes(_png((30, 20, 10)))
+    rows = [{"target": "a.png", "controls": None, "caption": "a red square"},
+            {"target": "b.png", "control": None, "caption": None, "prompt": "a blue square", "mask": None},
+            {"target": "a.png", "controls": ["b.png"], "caption": "make it blue"},
+            {"target": "b.png", "controls": [None], "caption": "a null inside the list is still a broken entry"}]
+    (src / "m.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    result = _resize(src / "m.jsonl", tmp_path / "store")
+    assert result.exit_code == 0, result.output
+    assert _stored_captions(tmp_path / "store") == ["a blue square", "a red square", "make it blue"]
+    assert [(reason, detail) for reason, detail in _quarantine(tmp_path / "store").values()] == [
+        ("bad-source", "field 'controls[0]' is missing or not a path string")]
+
+
+def test_a_jsonl_manifest_saved_with_a_bom_reads_its_first_line(tmp_path):
+    """A UTF-8 byte order mark before the first line (Notepad, PowerShell 5's `-Encoding utf8`): before, the
+    first row was quarantined as "line is not valid JSON: Unexpected UTF-8 BOM"."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.png").write_bytes(_png((10, 20, 30)))
+    rows = [{"target": "a.png", "caption": "a red square"}, {"target": "a.png", "caption": "a blue square"}]
+    (src / "m.jsonl").write_bytes(b"\xef\xbb\xbf" + "".join(json.dumps(r) + "\n" for r in rows).encode())
+    result = _resize(src / "m.jsonl", tmp_path / "store")
+    assert result.exit_code == 0, result.output
+    assert _stored_captions(tmp_path / "store") == ["a blue square", "a red square"]
+    assert _quarantine(tmp_path / "store") == {}
+
+
+def test_edit_pairs_missing_their_control_are_counted_in_the_summary(tmp_path):
+    """A control file missing from an edit pair makes a sample with 0 controls (a text-to-image sample, valid
+    by default): the summary now counts the samples per number of controls and says how to refuse them; before,
+    nothing in the output showed it."""
+    src = tmp_path / "src"
+    for d in ("target", "control"):
+        (src / d).mkdir(parents=True)
+    for i in range(3):
+        (src / "target" / f"s{i}.png").write_bytes(_png((60 * i, 0, 0)))
+        (src / "target" / f"s{i}.txt").write_text(f"make picture {i} blue")
+        if i:  # s0's control went missing
+            (src / "control" / f"s{i}.png").write_bytes(_png((0, 60 * i, 0)))
+    result = _resize(src, tmp_path / "store")
+    assert result.exit_code == 0, result.output
+    assert ("controls per sample: 0: 1, 1: 2; samples without a control train text-to-image "
+            "(resize.min_controls: 1 quarantines them)") in result.output, result.output
+    again = _resize(src, tmp_path / "store2", "resize.min_controls=1")
+    assert "controls per sample: 1: 2\n" in again.output and "control-count 1" in again.output, again.output

@@ -62,3 +62,20 @@ def test_resize_bar_total_counts_every_source_format(tmp_path):
         assert count_samples(root, found) == sum(1 for _ in iter_source(root)) == 7, fmt
     braces = f"{tmp_path / 'webdataset'}/demo-{{000000..000000}}.tar"  # a brace list of local shards: counted too
     assert count_samples(braces, detect_format(braces)) == 7
+
+
+def test_counting_a_webdataset_source_has_its_own_bar(tmp_path, capsys):
+    """The count behind the resize bar's total walks every shard's tar headers: over a million samples that is
+    minutes (2.5 s measured for 20,000 samples), which passed without a bar before the resize bar appeared."""
+    import shutil
+
+    from stages.resize.source_count import count_samples
+
+    make_demo_data(tmp_path / "one", n=4, fmt="webdataset", max_controls=1, seed=1)
+    [tar] = (tmp_path / "one").glob("*.tar")
+    (tmp_path / "src").mkdir()
+    for i in range(3):
+        shutil.copy(tar, tmp_path / "src" / f"part-{i}.tar")
+    capsys.readouterr()
+    assert count_samples(tmp_path / "src", "webdataset") == 12
+    assert "counting samples:   0%|          | 0/3 [" in capsys.readouterr().err

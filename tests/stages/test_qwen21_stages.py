@@ -462,3 +462,39 @@ def test_21_evaluate_extra_prompts_are_the_stock_pipeline_base_and_lora(tiny_21_
     np.testing.assert_array_equal(np.asarray(ck.outputs["base"]), np.asarray(base.convert("RGB")))
     np.testing.assert_array_equal(np.asarray(ck.outputs[f"best (step {best['step']})"]),
                                   np.asarray(stock().convert("RGB")))
+
+
+def test_a_failure_in_the_21_text_loop_is_shared_with_the_other_ranks(tiny_21_model, store21, monkeypatch):
+    """The 2.1 encode-text loop hands its error to `job.failed` (the launcher's store tells the other ranks at
+    once, models/collective.py), as encode-text and encode-vae do. Before: it did not, so the other ranks never
+    got its line; started without a launcher that tears the group down (tests/stages/two_ranks.py) they encoded
+    their whole share and then waited for the failed rank at the commit."""
+    import models.qwen21_text
+    from stages.encode import commit
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    shared = []
+    monkeypatch.setattr(models.qwen21_text, "encode_prompt", out_of_memory)
+    monkeypatch.setattr(commit, "failed", lambda job, error: shared.append((job.summary.stage, error)))
+    with pytest.raises(torch.OutOfMemoryError):
+        encode_text.run(load_config(None, F32), store21, tiny_21_model)
+    assert [(stage, type(e)) for stage, e in shared] == [("encode-text", torch.OutOfMemoryError)]
+
+
+def test_a_caption_past_the_21_rope_table_is_quarantined_not_encoded(tiny_21_model, tmp_path):
+    """A prompt whose joint sequence runs past QwenImage21Rope's frame positions (8192 in diffusers' table) is
+    quarantined as "caption too long" before it reaches the encoder. Before: it was encoded, and train's stock
+    RoPE read negative positions for the overflow (silently wrong), then failed with an index error."""
+    from stages.encode.qwen21 import caption_length_rejection_21, frame_positions
+
+    assert frame_positions() == 8192
+    assert caption_length_rejection_21("k", 8192 - 8, [[1, 4, 8]]) is None  # exactly the table
+    assert caption_length_rejection_21("k", 8192 - 7, [[1, 4, 8]]).reason == "caption too long"
+    long_caption = "paint " * 9000
+    store = write_store21(tmp_path / "s", samples=[SAMPLES[1], (long_caption, (64, 64, "RGB"), [(64, 64, "RGB")])])
+    t = encode_text.run(load_config(None, F32), store, tiny_21_model)
+    assert (t.encoded, t.quarantined) == (1, 1)
+    [row] = Store(store).quarantine().to_pylist()
+    assert row["reason"] == "caption too long" and "8192 frame positions" in row["detail"], row

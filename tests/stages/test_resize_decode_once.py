@@ -74,3 +74,16 @@ def test_a_damaged_chunk_after_the_pixels_is_still_refused(damage, opens):
         imaging.decode_image(data, 1 << 20)
     assert e.value.kind == "corrupt-image"
     assert len(opens) == 1
+
+
+def test_keep_alpha_decodes_an_opaque_image_once_to_what_decode_image_gives(opens):
+    """resize.keep_alpha (Qwen-Image-2.1): an image without transparency, most of a dataset, was decoded twice
+    (once to look for alpha, then again by `decode_image`)."""
+    from stages.resize.alpha import decode_keeping_alpha
+
+    data = with_text_chunk_after_pixels(png(noise(48, 40, seed=3)), crc_ok=True)
+    kept = decode_keeping_alpha(data, 1 << 20)
+    assert len(opens) == 1
+    plain = imaging.decode_image(data, 1 << 20)
+    assert kept.image.mode == "RGB" and np.array_equal(np.asarray(kept.image), np.asarray(plain.image))
+    assert kept.notes == plain.notes

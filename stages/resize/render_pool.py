@@ -1,0 +1,131 @@
+"""resize-bucket's worker processes, with a worker that dies contained to the sample it was rendering.
+
+A worker process can end without an exception: the kernel's out-of-memory killer (several large images decoded
+at once), or a crash inside an image library on a hostile file. `concurrent.futures` then breaks the whole pool
+(`BrokenProcessPool`, no file named), and a rerun meets the same file again. Here the samples that were in flight
+are rendered again one at a time in a single-worker pool: the ones that render are kept (the output is the same
+in any process), and a sample whose worker dies even alone is handed to `on_crash` (the stage quarantines it,
+naming its files); then a fresh pool takes the rest. Workers that die on several samples in a row, each alone,
+stop the run instead (the machine or the environment, not the samples). Written here because no executor in the standard library or
+a well-kept package retries per item after a worker death and keeps the results in order with a bounded window.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from multiprocessing import get_context
+from typing import Callable, Iterable, Iterator, TypeVar
+
+from schemas.errors import UserError
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+def _pool(workers: int) -> ProcessPoolExecutor:
+    # spawn: fork would copy a parent holding torch
+    return ProcessPoolExecutor(workers, mp_context=get_context("spawn"), initializer=_end_with_parent,
+                               initargs=(os.getpid(),))
+
+
+PARENT_POLL_SECONDS = 1.0
+
+
+def _end_with_parent(parent: int) -> None:
+    """In each worker: end when the stage's process is gone. A SIGKILLed stage (`kill -9`, the out-of-memory
+    killer) otherwise leaves its workers waiting for work forever (re-parented, each holding its memory: seen
+    with `concurrent.futures` on Python 3.11). Polled (the parent id changes when the worker is
+    re-parented) rather than Linux's PR_SET_PDEATHSIG, which follows the thread that started the worker."""
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_POLL_SECONDS)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="end-with-parent", daemon=True).start()
+
+
+def rendered_in_order(fn: Callable[[T], R], items: Iterable[T], workers: int, ahead: int,
+                      on_crash: Callable[[T], R]) -> Iterator[tuple[T, R]]:
+    """(item, fn(item)) in input order, `fn` run in `workers` spawned processes with at most `ahead` items
+    submitted beyond the one handed out (`items` consumed lazily); `workers` 0: inline (nothing to contain)."""
+    if workers <= 0:
+        for item in items:
+            yield item, fn(item)
+        return
+    source = iter(items)
+    window: deque[tuple[T, Future | None]] = deque()
+    deaths_in_a_row = 0
+    pool = _pool(workers)
+    try:
+        while True:
+            broken = False
+            while len(window) <= ahead and not broken:
+                item = next(source, _END)
+                if item is _END:
+                    break
+                try:
+                    window.append((item, pool.submit(fn, item)))
+                except BrokenProcessPool:  # a worker died while this one was being submitted
+                    window.append((item, None))
+                    broken = True
+            if not window:
+                return
+            if not broken:
+                item, fut = window[0]
+                try:
+                    result = fut.result()  # type: ignore[union-attr]
+                except BrokenProcessPool:
+                    broken = True
+                else:
+                    window.popleft()
+                    deaths_in_a_row = 0
+                    yield item, result
+                    continue
+            pool.shutdown(cancel_futures=True)
+            for item, result, died in _one_at_a_time(fn, list(window)):
+                deaths_in_a_row = deaths_in_a_row + 1 if died else 0
+                if deaths_in_a_row >= DEATHS_IN_A_ROW:
+                    raise UserError(
+                        f"resize-bucket: a worker process died on {deaths_in_a_row} samples in a row, each rendered "
+                        f"alone (the last: {on_crash(item)}): that is the machine or the environment, not the "
+                        "samples; check free memory (lower resize.workers or resize.max_image_pixels), or run with "
+                        "resize.workers: 0 to see the error")
+                yield item, on_crash(item) if died else result  # type: ignore[misc]
+            window.clear()
+            pool = _pool(workers)
+    finally:
+        pool.shutdown(cancel_futures=True)
+
+
+# Samples whose worker dies even alone, one after the other: then the workers cannot work at all (no memory
+# left, an environment the spawned process cannot import), and quarantining every sample would hide that.
+DEATHS_IN_A_ROW = 3
+_END = object()
+
+
+def _one_at_a_time(fn: Callable[[T], R], entries: list[tuple[T, Future | None]]) -> Iterator[tuple[T, R | None, bool]]:
+    """The items that were in flight when a worker died, as (item, result, died): a result that was finished
+    before is kept, every other item is rendered alone; a worker that dies then died of that item."""
+    solo: ProcessPoolExecutor | None = None
+    try:
+        for item, fut in entries:
+            if fut is not None and fut.done() and not fut.cancelled() and fut.exception() is None:
+                yield item, fut.result(), False
+                continue
+            solo = solo or _pool(1)
+            try:
+                result = solo.submit(fn, item).result()
+            except BrokenProcessPool:
+                solo.shutdown(cancel_futures=True)
+                solo = None
+                yield item, None, True
+            else:
+                yield item, result, False
+    finally:
+        if solo is not None:
+            solo.shutdown(cancel_futures=True)

@@ -1,0 +1,50 @@
+"""`store.reuse.carry_forward` over many shards: every shard linked once with exactly its rows in their order, and
+a progress bar counting shards (a million samples in tens of thousands of shards took minutes with no bar; the
+per-shard filter was O(shards x rows): 109 s measured for 20,000 shards of 1M rows, 0.5 s grouped by one sort)."""
+
+from __future__ import annotations
+
+from schemas import FieldSpec, Lineage, TableSchema
+from store import Store
+from store.reuse import FEATURE_LINEAGE_ATTR, carry_forward, reusable
+
+
+def _schema(tag: str) -> TableSchema:
+    return TableSchema(name="t", lineage=Lineage("s", config_hash=tag, upstream={}, code_version="x"),
+                       fields=[FieldSpec("a", "bytes", kind="file"), FieldSpec("split", "string", kind="column"),
+                               FieldSpec("img_shapes", "json", kind="column")],
+                       attrs={FEATURE_LINEAGE_ATTR: "features"})
+
+
+def test_carry_forward_links_each_shard_with_its_rows_and_shows_a_bar(tmp_path, capsys):
+    st = Store(tmp_path / "store")
+    w = st.writer("t", _schema("one"), shard_size_mb=0.0005)
+    keys = [f"{i:032x}" for i in range(40)]
+    for i, k in enumerate(keys):
+        w.add(k, files={"a": bytes([i]) * 300}, meta={"split": "train", "img_shapes": [[1, 2, 2]]})
+    w.commit()
+    before = st.reader("t", 1)
+    shards = before.manifest.column("shard").to_pylist()
+    assert len(set(shards)) > 5
+    capsys.readouterr()
+
+    w = st.writer("t", _schema("two"), shard_size_mb=0.0005)
+    [(version, rows)] = reusable(st, "t", "features", keys[::-1]).items()
+    assert carry_forward(w, version, rows, {"split": {k: "val" for k in keys}}) == 40
+    w.commit()
+
+    n = len(set(shards))
+    assert f"carry forward 't':   0%|          | 0/{n} [" in capsys.readouterr().err  # a total: % and an ETA
+    after = st.reader("t", 2)
+    assert sorted(after.keys()) == keys and len(set(after.manifest.column("shard").to_pylist())) == len(set(shards))
+    for i, k in enumerate(keys):
+        assert after.files(k)["a"] == bytes([i]) * 300 and after.meta(k)["split"] == "val"
+    by_shard: dict[str, list[str]] = {}
+    for s, k in zip(shards, before.manifest.column("key").to_pylist()):
+        by_shard.setdefault(s, []).append(k)
+    carried = {}
+    for s, k in zip(after.manifest.column("shard").to_pylist(), after.manifest.column("key").to_pylist()):
+        carried.setdefault(s, []).append(k)
+    assert sorted(carried.values()) == sorted(by_shard.values())  # each shard whole, its rows in their order
+    before.close()
+    after.close()
