@@ -4,11 +4,13 @@ flag overrides, validated into `schemas.config.PipelineConfig` (the section type
 
 from __future__ import annotations
 
+import difflib
+import typing
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from schemas.config import PipelineConfig
 
@@ -17,12 +19,58 @@ class ConfigError(ValueError):
     """A config file or override that does not validate; the message names every offending key."""
 
 
+def _section_model(annotation: Any) -> type[BaseModel] | None:
+    """The config section type inside a field's annotation (`Annotated[...]`, `X | None`, `list[X]`), if any."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        if (found := _section_model(arg)) is not None:
+            return found
+    return None
+
+
+def _key_names(model: type[BaseModel]) -> list[str]:
+    # resize.area is a valid key that its section consumes on load (schemas/config.py), so it is no field
+    return list(model.model_fields) + (["area"] if "control_vae_area" in model.model_fields else [])
+
+
+def _every_key(model: type[BaseModel], prefix: str = "") -> list[str]:
+    keys = []
+    for name in _key_names(model):
+        keys.append(prefix + name)
+        field = model.model_fields.get(name)
+        if field is not None and (sub := _section_model(field.annotation)) is not None:
+            keys += _every_key(sub, f"{prefix}{name}.")
+    return keys
+
+
+def _did_you_mean(loc: tuple) -> str:
+    """A typo'd key's likely meaning: a close spelling in its own section, else the same name in another place
+    (`train.rank` -> `train.lora.rank`); otherwise where the valid keys are listed."""
+    model: type[BaseModel] | None = PipelineConfig
+    for part in loc[:-1]:  # list indices (evaluate.extra_prompts.0) stay on the list's item type
+        if isinstance(part, str) and model is not None:
+            field = model.model_fields.get(part)
+            model = _section_model(field.annotation) if field is not None else None
+    name, parent = str(loc[-1]), "".join(f"{p}." for p in loc[:-1])
+    if model is not None and (close := difflib.get_close_matches(name, _key_names(model), n=1, cutoff=0.6)):
+        return f" (did you mean '{parent}{close[0]}'?)"
+    every = _every_key(PipelineConfig)
+    elsewhere = [k for k in every if k.rsplit(".", 1)[-1] == name]
+    if not elsewhere:  # misspelt and misplaced: `lerning_rate` at the top
+        close = difflib.get_close_matches(name, {k.rsplit(".", 1)[-1] for k in every}, n=1, cutoff=0.8)
+        elsewhere = [k for k in every if k.rsplit(".", 1)[-1] in close]
+    if elsewhere:
+        return f" (did you mean {' or '.join(repr(k) for k in elsewhere[:3])}?)"
+    return " (`pipeline config show` prints every valid key)"
+
+
 def _format_errors(err: ValidationError, origin: str) -> str:
     lines = [f"invalid config ({origin}):"]
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"])
         if e["type"] == "extra_forbidden":
-            lines.append(f"  unknown key '{key}'")
+            lines.append(f"  unknown key '{key}'{_did_you_mean(e['loc'])}")
         else:
             lines.append(f"  '{key}': {e['msg']} (got {e.get('input')!r})")
     return "\n".join(lines)

@@ -104,3 +104,25 @@ def test_set_values_are_yaml_and_flags_win_over_them(tmp_path):
     cfg = config_from(None, {"train.max_steps": 7}, ["train.max_steps=3", "train.seed=5"])
     assert (cfg.train.max_steps, cfg.train.seed) == (7, 5)
     assert runner.invoke(app, ["config", "show", "--set", "no-equals-sign"]).exit_code == 2
+
+
+@pytest.mark.parametrize("key, value, meant", [
+    ("train.lora.rnak", 8, "train.lora.rank"),  # a typo: the close spelling in the same section
+    ("train.batchsize", 8, "train.batch_size"),
+    ("trian", {}, "train"),
+    ("resize.aera", 8, "resize.area"),  # consumed on load, not a field, still a valid key
+    ("train.rank", 8, "train.lora.rank"),  # the right name in the wrong place
+    ("lerning_rate", 0.1, "train.learning_rate"),  # misspelt and misplaced
+    ("evaluate.extra_prompts", [{"prompt": "p", "images": ["a.png"], "hieght": 8}],
+     "evaluate.extra_prompts.0.height"),  # inside a list of sections
+])
+def test_unknown_key_suggests_the_key_meant(key, value, meant):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, {key: value})
+    reported = meant.rsplit(".", 1)[0] + ".hieght" if "extra_prompts" in key else key
+    assert f"unknown key '{reported}' (did you mean '{meant}'?)" in str(e.value)
+
+
+def test_unknown_key_without_a_near_one_points_at_config_show():
+    r = CliRunner().invoke(app, ["config", "show", "--set", "paths.out=x"])
+    assert r.exit_code == 2 and "unknown key 'paths.out' (`pipeline config show` prints every valid key)" in r.output
