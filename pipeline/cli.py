@@ -49,7 +49,9 @@ app.add_typer(store_cmd.migrate_app, name="migrate", help="Upgrade a store's sch
 run_app.command("resize-bucket", help="Source dataset -> `images` table (resize, bucket, quarantine).")(
     resize_bucket.command
 )
-run_app.command("encode-text", help="`images` -> `text` table (Qwen2.5-VL prompt embeds).")(encode.text_command)
+run_app.command("encode-text", help="`images` -> `text` table (Qwen2.5-VL / Qwen3-VL prompt embeds).")(
+    encode.text_command
+)
 run_app.command("encode-vae", help="`images` -> `vae` table (target and control latents).")(encode.vae_command)
 run_app.command("train", help="`text` + `vae` tables -> LoRA run directory.")(train.command)
 run_app.command("evaluate", help="Held-out loss and samples, base vs LoRA -> report directory.")(evaluate.command)

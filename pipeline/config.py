@@ -34,13 +34,14 @@ def _key_names(model: type[BaseModel]) -> list[str]:
     return list(model.model_fields) + (["area"] if "control_vae_area" in model.model_fields else [])
 
 
-def _every_key(model: type[BaseModel], prefix: str = "") -> list[str]:
+def config_keys(model: type[BaseModel] = PipelineConfig, prefix: str = "") -> list[str]:
+    """Every valid dotted key (`train.lora.rank`), sections included."""
     keys = []
     for name in _key_names(model):
         keys.append(prefix + name)
         field = model.model_fields.get(name)
         if field is not None and (sub := _section_model(field.annotation)) is not None:
-            keys += _every_key(sub, f"{prefix}{name}.")
+            keys += config_keys(sub, f"{prefix}{name}.")
     return keys
 
 
@@ -55,7 +56,7 @@ def _did_you_mean(loc: tuple) -> str:
     name, parent = str(loc[-1]), "".join(f"{p}." for p in loc[:-1])
     if model is not None and (close := difflib.get_close_matches(name, _key_names(model), n=1, cutoff=0.6)):
         return f" (did you mean '{parent}{close[0]}'?)"
-    every = _every_key(PipelineConfig)
+    every = config_keys()
     elsewhere = [k for k in every if k.rsplit(".", 1)[-1] == name]
     if not elsewhere:  # misspelt and misplaced: `lerning_rate` at the top
         close = difflib.get_close_matches(name, {k.rsplit(".", 1)[-1] for k in every}, n=1, cutoff=0.8)
