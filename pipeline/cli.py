@@ -33,7 +33,7 @@ app = typer.Typer(
 run_app = typer.Typer(help="Run one pipeline stage (or all of them).", no_args_is_help=True)
 config_app = typer.Typer(help="Inspect the effective configuration.", no_args_is_help=True)
 
-app.command("make-tiny-model", help="Build a tiny random-init Qwen-Image-Edit(-Plus) model folder offline.")(
+app.command("make-tiny-model", help="Build a tiny random-init model folder offline (--variant: Edit, Edit-Plus, Edit-2511, Qwen-Image-2.1).")(
     tools.make_tiny_model
 )
 app.command("make-demo-data", help="Write a synthetic mixed-resolution paired-edit dataset.")(tools.make_demo_data)

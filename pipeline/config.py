@@ -66,14 +66,18 @@ def _did_you_mean(loc: tuple) -> str:
     return " (`pipeline config show` prints every valid key)"
 
 
-def _format_errors(err: ValidationError, origin: str) -> str:
-    lines = [f"invalid config ({origin}):"]
+def _format_errors(err: ValidationError, path: Path | None, overridden: set[str]) -> str:
+    """One line per offending key, saying where it came from: the file, or `--set` / a flag (which the file's
+    name alone would hide: the user would search the file for a key they typed)."""
+    sources = [f"{path}" if path is not None else "", "--set / flags" if overridden else ""]
+    lines = [f"invalid config ({' + '.join(s for s in sources if s) or 'defaults'}):"]
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"])
+        typed = " [--set / flag]" if any(key == k or key.startswith(k + ".") for k in overridden) else ""
         if e["type"] == "extra_forbidden":
-            lines.append(f"  unknown key '{key}'{_did_you_mean(e['loc'])}")
+            lines.append(f"  unknown key '{key}'{_did_you_mean(e['loc'])}{typed}")
         else:
-            lines.append(f"  '{key}': {e['msg']} (got {e.get('input')!r})")
+            lines.append(f"  '{key}': {e['msg']} (got {e.get('input')!r}){typed}")
     return "\n".join(lines)
 
 
@@ -92,7 +96,6 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     Overrides whose value is None are ignored, so CLI options can pass their defaults straight through.
     """
     data: dict[str, Any] = {}
-    origin = "defaults"
     if path is not None:
         p = Path(path)
         if not p.is_file():
@@ -108,11 +111,10 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {p} must hold a mapping of sections, got {type(loaded).__name__}")
         data = loaded
-        origin = str(p)
-    for k, v in (overrides or {}).items():
-        if v is not None:
-            _set_dotted(data, k, v)
+    overridden = {k for k, v in (overrides or {}).items() if v is not None}
+    for k in overridden:
+        _set_dotted(data, k, overrides[k])
     try:
         return PipelineConfig.model_validate(data)
     except ValidationError as e:
-        raise ConfigError(_format_errors(e, origin)) from None
+        raise ConfigError(_format_errors(e, None if path is None else Path(path), overridden)) from None

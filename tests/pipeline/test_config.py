@@ -126,3 +126,17 @@ def test_unknown_key_suggests_the_key_meant(key, value, meant):
 def test_unknown_key_without_a_near_one_points_at_config_show():
     r = CliRunner().invoke(app, ["config", "show", "--set", "paths.out=x"])
     assert r.exit_code == 2 and "unknown key 'paths.out' (`pipeline config show` prints every valid key)" in r.output
+
+
+def test_an_error_says_whether_the_file_or_the_command_line_set_the_key(tmp_path):
+    """A key typed with --set (or a flag's value) is marked as such: the header names the file too, and the user
+    would otherwise search it for a key that is not there."""
+    f = tmp_path / "c.yaml"
+    f.write_text("train:\n  lerning_rate: 0.1\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(f, {"train.max_step": 3, "train.batch_size": 0, "train.seed": None})
+    lines = str(e.value).splitlines()
+    assert lines[0] == f"invalid config ({f} + --set / flags):"
+    assert "  unknown key 'train.lerning_rate' (did you mean 'train.learning_rate'?)" in lines
+    assert "  unknown key 'train.max_step' (did you mean 'train.max_steps'?) [--set / flag]" in lines
+    assert any(line.startswith("  'train.batch_size': ") and line.endswith("[--set / flag]") for line in lines)
