@@ -53,10 +53,10 @@ def command(
     dst = require(cfg.paths.store, "--store", "paths.store")
     from stages.resize.stage import run
 
-    from pipeline.store_url import StoreAccess
+    from pipeline.store_url import StoreAccess, named_by_url
 
     with user_errors(dst), json_mode(as_json):
         log = (lambda m: typer.echo(m, err=True)) if as_json else echo  # --json: stdout holds the JSON alone
         with StoreAccess(dst, cache_dir, cache_gb).for_stage("resize-bucket", log) as local:  # a URL: pushed after
-            summary = run(cfg, src, local)
+            summary = named_by_url(run(cfg, src, local), dst)
     emit(summary, as_json)
