@@ -9,7 +9,7 @@ import typer
 
 from typing import Optional
 
-from pipeline.commands.common import ConfigOpt, config_from, echo, user_errors
+from pipeline.commands.common import ConfigOpt, SetOpt, config_from, echo, user_errors
 from pipeline.commands.store_remote import CacheDirOpt, CacheGbOpt
 
 store_app = typer.Typer(no_args_is_help=True)
@@ -95,6 +95,7 @@ def repair(
     source: Optional[str] = typer.Option(None, "--source", help="Source of the images table (default: the one "
                                          "recorded in its schema)."),
     config: Optional[Path] = ConfigOpt,
+    set_: list[str] = SetOpt,
     cache_dir: Optional[Path] = CacheDirOpt,
 ) -> None:
     from features.tables import TABLE_ORDER
@@ -102,7 +103,7 @@ def repair(
     from store.remote import is_url
 
     url = store if is_url(store) else None
-    cfg = config_from(config, {"paths.model": model, "paths.source": source})
+    cfg = config_from(config, {"paths.model": model, "paths.source": source}, set_)
     with user_errors():
         if url is not None:  # repaired in a working copy, then pushed back (store/remote_work.py)
             from store.remote_work import publish, replaced_here, work_copy
