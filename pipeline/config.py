@@ -73,7 +73,9 @@ def _format_errors(err: ValidationError, path: Path | None, overridden: set[str]
     lines = [f"invalid config ({' + '.join(s for s in sources if s) or 'defaults'}):"]
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"])
-        typed = " [--set / flag]" if any(key == k or key.startswith(k + ".") for k in overridden) else ""
+        # the override set this key, a section above it, or (a typo'd section: `--set encode-text.x=1`) one below
+        typed = " [--set / flag]" if any(k == key or key.startswith(k + ".") or k.startswith(key + ".")
+                                          for k in overridden) else ""
         if e["type"] == "extra_forbidden":
             lines.append(f"  unknown key '{key}'{_did_you_mean(e['loc'])}{typed}")
         else:

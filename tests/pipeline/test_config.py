@@ -134,9 +134,10 @@ def test_an_error_says_whether_the_file_or_the_command_line_set_the_key(tmp_path
     f = tmp_path / "c.yaml"
     f.write_text("train:\n  lerning_rate: 0.1\n")
     with pytest.raises(ConfigError) as e:
-        load_config(f, {"train.max_step": 3, "train.batch_size": 0, "train.seed": None})
+        load_config(f, {"train.max_step": 3, "train.batch_size": 0, "train.seed": None, "encode-text.batch_size": 2})
     lines = str(e.value).splitlines()
     assert lines[0] == f"invalid config ({f} + --set / flags):"
     assert "  unknown key 'train.lerning_rate' (did you mean 'train.learning_rate'?)" in lines
     assert "  unknown key 'train.max_step' (did you mean 'train.max_steps'?) [--set / flag]" in lines
+    assert "  unknown key 'encode-text' (did you mean 'encode_text'?) [--set / flag]" in lines  # a typo'd section
     assert any(line.startswith("  'train.batch_size': ") and line.endswith("[--set / flag]") for line in lines)
