@@ -31,7 +31,7 @@ def _command(section: str, stage_module: str, component: str, batch_help: str, o
         as_json: bool = JsonOpt,
         cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="With --store s3://...: the local cache "
                                                  "(default ~/.cache/qwen-edit-pipeline/stores)."),
-        cache_gb: Optional[float] = typer.Option(None, "--cache-gb", help="Size limit of --cache-dir (LRU eviction)."),
+        cache_gb: Optional[float] = typer.Option(None, "--cache-gb", help="Size limit of --cache-dir in GB (least recently used shards evicted)."),
     ) -> None:
         cfg = config_from(config, sets=set_, overrides={
             "paths.store": store, "paths.model": model, f"{section}.device": device, f"{section}.batch_size": batch_size,
