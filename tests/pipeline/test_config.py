@@ -141,3 +141,12 @@ def test_an_error_says_whether_the_file_or_the_command_line_set_the_key(tmp_path
     assert "  unknown key 'train.max_step' (did you mean 'train.max_steps'?) [--set / flag]" in lines
     assert "  unknown key 'encode-text' (did you mean 'encode_text'?) [--set / flag]" in lines  # a typo'd section
     assert any(line.startswith("  'train.batch_size': ") and line.endswith("[--set / flag]") for line in lines)
+
+
+def test_a_misspelt_predict_device_component_is_refused_with_the_name_meant():
+    """predict.devices is a dict, which extra="forbid" does not check: `transfomer: cuda` was accepted and the
+    transformer then ran on the CPU (read as absent) or predict failed later without a suggestion."""
+    with pytest.raises(ConfigError) as e:
+        load_config(None, {"predict.devices.transfomer": "cuda"})
+    assert "unknown component 'transfomer' (did you mean 'transformer'?)" in str(e.value)
+    assert load_config(None, {"predict.devices.vae": "cuda:1"}).predict.devices == {"vae": "cuda:1"}
