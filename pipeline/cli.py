@@ -43,7 +43,7 @@ store_cmd.store_app.command("push", help="Copy a local store's committed version
                              "only what the remote lacks, manifests last, resumable.")(store_remote.push)
 store_cmd.store_app.command("pull", help="Copy a remote store's committed versions into a local folder, every "
                              "file checked against its checksum before the version becomes visible.")(store_remote.pull)
-app.add_typer(store_cmd.store_app, name="store", help="Inspect and verify a feature store.")
+app.add_typer(store_cmd.store_app, name="store", help="Inspect, verify, repair, gc and push / pull a feature store.")
 app.add_typer(store_cmd.migrate_app, name="migrate", help="Upgrade a store's schemas.")
 
 run_app.command("resize-bucket", help="Source dataset -> `images` table (resize, bucket, quarantine).")(
@@ -67,7 +67,7 @@ app.command("compare", help="Several runs' held-out loss curves and best checkpo
 )
 app.command("predict", help="Edit an image with the model (+ optional LoRA).")(predict.command)
 app.command("plan", help="Predicted peak memory per stage for a config; fits --gpu-memory?")(plan.command)
-app.add_typer(lora.lora_app, name="lora", help="LoRA utilities.")
+app.add_typer(lora.lora_app, name="lora", help="Fuse a LoRA into the model (merge) or write it for ComfyUI (export).")
 app.command("demo", help="Tiny model + synthetic data + every stage end to end, then a report.")(demo.command)
 
 
