@@ -66,7 +66,7 @@ def _did_you_mean(loc: tuple) -> str:
     return " (`pipeline config show` prints every valid key)"
 
 
-def _format_errors(err: ValidationError, path: Path | None, overridden: set[str]) -> str:
+def _format_errors(err: ValidationError, path: Path | None, overridden: dict[str, Any]) -> str:
     """One line per offending key, saying where it came from: the file, or `--set` / a flag (which the file's
     name alone would hide: the user would search the file for a key they typed)."""
     sources = [f"{path}" if path is not None else "", "--set / flags" if overridden else ""]
@@ -113,9 +113,9 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {p} must hold a mapping of sections, got {type(loaded).__name__}")
         data = loaded
-    overridden = {k for k, v in (overrides or {}).items() if v is not None}
-    for k in overridden:
-        _set_dotted(data, k, overrides[k])
+    overridden = {k: v for k, v in (overrides or {}).items() if v is not None}  # in order: a section, then its key
+    for k, v in overridden.items():
+        _set_dotted(data, k, v)
     try:
         return PipelineConfig.model_validate(data)
     except ValidationError as e:

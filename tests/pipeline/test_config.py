@@ -150,3 +150,9 @@ def test_a_misspelt_predict_device_component_is_refused_with_the_name_meant():
         load_config(None, {"predict.devices.transfomer": "cuda"})
     assert "unknown component 'transfomer' (did you mean 'transformer'?)" in str(e.value)
     assert load_config(None, {"predict.devices.vae": "cuda:1"}).predict.devices == {"vae": "cuda:1"}
+
+
+def test_overrides_apply_in_the_order_given():
+    """A section set whole, then one of its keys: the key is kept (set iteration order would lose it at random)."""
+    cfg = load_config(None, {"train.lora": {"rank": 4}, "train.lora.alpha": 8.0, "train.lora.dropout": 0.1})
+    assert (cfg.train.lora.rank, cfg.train.lora.alpha, cfg.train.lora.dropout) == (4, 8.0, 0.1)
