@@ -310,6 +310,12 @@ PREDICT_COMPONENTS = ("transformer", "text_encoder", "vae")
 
 class PredictConfig(Section):
     devices: Annotated[dict[str, str], THROUGHPUT] = {"transformer": "cpu", "text_encoder": "cpu", "vae": "cpu"}
+    dtype: Annotated[DType, FEATURES] = Field("auto", description=_DTYPE_HELP + " (decided by the transformer's device)")
+    quantize_base: Annotated[Quantize, FEATURES] = Field("none", description=_QUANTIZE_HELP)
+    steps: Annotated[int, FEATURES] = Field(20, ge=2, description="1 step divides 0/0 in the scheduler's terminal stretch")
+    true_cfg_scale: Annotated[float, FEATURES] = 4.0
+    negative_prompt: Annotated[str, FEATURES] = " "
+    seed: Annotated[int, FEATURES] = 0
 
     @field_validator("devices")
     @classmethod
@@ -321,12 +327,6 @@ class PredictConfig(Section):
                 raise ValueError(f"unknown component {name!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
                                  + f"; the components are {', '.join(PREDICT_COMPONENTS)}")
         return devices
-    dtype: Annotated[DType, FEATURES] = Field("auto", description=_DTYPE_HELP + " (decided by the transformer's device)")
-    quantize_base: Annotated[Quantize, FEATURES] = Field("none", description=_QUANTIZE_HELP)
-    steps: Annotated[int, FEATURES] = Field(20, ge=2, description="1 step divides 0/0 in the scheduler's terminal stretch")
-    true_cfg_scale: Annotated[float, FEATURES] = 4.0
-    negative_prompt: Annotated[str, FEATURES] = " "
-    seed: Annotated[int, FEATURES] = 0
 
 
 class PipelineConfig(Section):
