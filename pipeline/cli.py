@@ -33,7 +33,7 @@ app = typer.Typer(
 run_app = typer.Typer(help="Run one pipeline stage (or all of them).", no_args_is_help=True)
 config_app = typer.Typer(help="Inspect the effective configuration.", no_args_is_help=True)
 
-app.command("make-tiny-model", help="Build a tiny random-init Qwen-Image-Edit(-Plus) model folder offline.")(
+app.command("make-tiny-model", help="Build a tiny random-init model folder offline (--variant: Edit, Edit-Plus, Edit-2511, Qwen-Image-2.1).")(
     tools.make_tiny_model
 )
 app.command("make-demo-data", help="Write a synthetic mixed-resolution paired-edit dataset.")(tools.make_demo_data)
@@ -43,13 +43,15 @@ store_cmd.store_app.command("push", help="Copy a local store's committed version
                              "only what the remote lacks, manifests last, resumable.")(store_remote.push)
 store_cmd.store_app.command("pull", help="Copy a remote store's committed versions into a local folder, every "
                              "file checked against its checksum before the version becomes visible.")(store_remote.pull)
-app.add_typer(store_cmd.store_app, name="store", help="Inspect and verify a feature store.")
+app.add_typer(store_cmd.store_app, name="store", help="Inspect, verify, repair, gc and push / pull a feature store.")
 app.add_typer(store_cmd.migrate_app, name="migrate", help="Upgrade a store's schemas.")
 
 run_app.command("resize-bucket", help="Source dataset -> `images` table (resize, bucket, quarantine).")(
     resize_bucket.command
 )
-run_app.command("encode-text", help="`images` -> `text` table (Qwen2.5-VL prompt embeds).")(encode.text_command)
+run_app.command("encode-text", help="`images` -> `text` table (Qwen2.5-VL / Qwen3-VL prompt embeds).")(
+    encode.text_command
+)
 run_app.command("encode-vae", help="`images` -> `vae` table (target and control latents).")(encode.vae_command)
 run_app.command("train", help="`text` + `vae` tables -> LoRA run directory.")(train.command)
 run_app.command("evaluate", help="Held-out loss and samples, base vs LoRA -> report directory.")(evaluate.command)
@@ -65,7 +67,7 @@ app.command("compare", help="Several runs' held-out loss curves and best checkpo
 )
 app.command("predict", help="Edit an image with the model (+ optional LoRA).")(predict.command)
 app.command("plan", help="Predicted peak memory per stage for a config; fits --gpu-memory?")(plan.command)
-app.add_typer(lora.lora_app, name="lora", help="LoRA utilities.")
+app.add_typer(lora.lora_app, name="lora", help="Fuse a LoRA into the model (merge) or write it for ComfyUI (export).")
 app.command("demo", help="Tiny model + synthetic data + every stage end to end, then a report.")(demo.command)
 
 

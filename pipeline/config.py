@@ -4,11 +4,13 @@ flag overrides, validated into `schemas.config.PipelineConfig` (the section type
 
 from __future__ import annotations
 
+import difflib
+import typing
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from schemas.config import PipelineConfig
 
@@ -17,14 +19,67 @@ class ConfigError(ValueError):
     """A config file or override that does not validate; the message names every offending key."""
 
 
-def _format_errors(err: ValidationError, origin: str) -> str:
-    lines = [f"invalid config ({origin}):"]
+def _section_model(annotation: Any) -> type[BaseModel] | None:
+    """The config section type inside a field's annotation (`Annotated[...]`, `X | None`, `list[X]`), if any."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        if (found := _section_model(arg)) is not None:
+            return found
+    return None
+
+
+def _key_names(model: type[BaseModel]) -> list[str]:
+    # resize.area is a valid key that its section consumes on load (schemas/config.py), so it is no field
+    return list(model.model_fields) + (["area"] if "control_vae_area" in model.model_fields else [])
+
+
+def config_keys(model: type[BaseModel] = PipelineConfig, prefix: str = "") -> list[str]:
+    """Every valid dotted key (`train.lora.rank`), sections included."""
+    keys = []
+    for name in _key_names(model):
+        keys.append(prefix + name)
+        field = model.model_fields.get(name)
+        if field is not None and (sub := _section_model(field.annotation)) is not None:
+            keys += config_keys(sub, f"{prefix}{name}.")
+    return keys
+
+
+def _did_you_mean(loc: tuple) -> str:
+    """A typo'd key's likely meaning: a close spelling in its own section, else the same name in another place
+    (`train.rank` -> `train.lora.rank`); otherwise where the valid keys are listed."""
+    model: type[BaseModel] | None = PipelineConfig
+    for part in loc[:-1]:  # list indices (evaluate.extra_prompts.0) stay on the list's item type
+        if isinstance(part, str) and model is not None:
+            field = model.model_fields.get(part)
+            model = _section_model(field.annotation) if field is not None else None
+    name, parent = str(loc[-1]), "".join(f"{p}." for p in loc[:-1])
+    if model is not None and (close := difflib.get_close_matches(name, _key_names(model), n=1, cutoff=0.6)):
+        return f" (did you mean '{parent}{close[0]}'?)"
+    every = config_keys()
+    elsewhere = [k for k in every if k.rsplit(".", 1)[-1] == name]
+    if not elsewhere:  # misspelt and misplaced: `lerning_rate` at the top
+        close = difflib.get_close_matches(name, {k.rsplit(".", 1)[-1] for k in every}, n=1, cutoff=0.8)
+        elsewhere = [k for k in every if k.rsplit(".", 1)[-1] in close]
+    if elsewhere:
+        return f" (did you mean {' or '.join(repr(k) for k in elsewhere[:3])}?)"
+    return " (`pipeline config show` prints every valid key)"
+
+
+def _format_errors(err: ValidationError, path: Path | None, overridden: dict[str, Any]) -> str:
+    """One line per offending key, saying where it came from: the file, or `--set` / a flag (which the file's
+    name alone would hide: the user would search the file for a key they typed)."""
+    sources = [f"{path}" if path is not None else "", "--set / flags" if overridden else ""]
+    lines = [f"invalid config ({' + '.join(s for s in sources if s) or 'defaults'}):"]
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"])
+        # the override set this key, a section above it, or (a typo'd section: `--set encode-text.x=1`) one below
+        typed = " [--set / flag]" if any(k == key or key.startswith(k + ".") or k.startswith(key + ".")
+                                          for k in overridden) else ""
         if e["type"] == "extra_forbidden":
-            lines.append(f"  unknown key '{key}'")
+            lines.append(f"  unknown key '{key}'{_did_you_mean(e['loc'])}{typed}")
         else:
-            lines.append(f"  '{key}': {e['msg']} (got {e.get('input')!r})")
+            lines.append(f"  '{key}': {e['msg']} (got {e.get('input')!r}){typed}")
     return "\n".join(lines)
 
 
@@ -43,7 +98,6 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     Overrides whose value is None are ignored, so CLI options can pass their defaults straight through.
     """
     data: dict[str, Any] = {}
-    origin = "defaults"
     if path is not None:
         p = Path(path)
         if not p.is_file():
@@ -59,11 +113,10 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {p} must hold a mapping of sections, got {type(loaded).__name__}")
         data = loaded
-        origin = str(p)
-    for k, v in (overrides or {}).items():
-        if v is not None:
-            _set_dotted(data, k, v)
+    overridden = {k: v for k, v in (overrides or {}).items() if v is not None}  # in order: a section, then its key
+    for k, v in overridden.items():
+        _set_dotted(data, k, v)
     try:
         return PipelineConfig.model_validate(data)
     except ValidationError as e:
-        raise ConfigError(_format_errors(e, origin)) from None
+        raise ConfigError(_format_errors(e, None if path is None else Path(path), overridden)) from None

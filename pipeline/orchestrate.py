@@ -137,7 +137,7 @@ def run_all(cfg: PipelineConfig, log: Callable[[str], None] = print, cache_dir: 
     through its local cache in `cache_dir` (pipeline/store_url.py)."""
     from dataclasses import replace
 
-    from pipeline.store_url import StoreAccess
+    from pipeline.store_url import StoreAccess, named_by_url
 
     paths = required_paths(cfg)
     access = StoreAccess(paths.store, cache_dir, cache_gb)
@@ -146,7 +146,7 @@ def run_all(cfg: PipelineConfig, log: Callable[[str], None] = print, cache_dir: 
         log(f"== {name}")
         t0 = time.perf_counter()
         with access.for_stage(name, log) as local:
-            summary = call(cfg, replace(paths, store=local))
+            summary = named_by_url(call(cfg, replace(paths, store=local)), paths.store)
         outcome = StageOutcome(name, summary.up_to_date, str(summary), time.perf_counter() - t0, summary)
         result.outcomes.append(outcome)
         log(f"{outcome.summary}  [{'skipped, up to date' if outcome.skipped else f'{outcome.seconds:.1f} s'}]")

@@ -59,3 +59,13 @@ class StoreAccess:
         from store.remote_cache import local_store
 
         return local_store(self.store, tables, self.cache_dir, self.cache_gb)
+
+
+def named_by_url(summary, store: str):
+    """A stage summary's `store` (its up-to-date line says `pipeline store verify STORE` checks the bytes) is the
+    folder the stage worked on, for a URL its cached copy: name the URL the user passed instead."""
+    from store.remote import is_url
+
+    if is_url(store) and hasattr(summary, "store"):
+        summary.store = store
+    return summary

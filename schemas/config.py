@@ -8,10 +8,11 @@ lineage, per-sample feature lineage, the train run fingerprint, evaluate's input
 
 from __future__ import annotations
 
+import difflib
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from schemas.lineage import FEATURES, IDENTITY, THROUGHPUT, Role, added_later, section_fingerprint
 
@@ -304,6 +305,9 @@ class EvaluateConfig(Section):
                                                         "(as train.max_open_shards)")
 
 
+PREDICT_COMPONENTS = ("transformer", "text_encoder", "vae")
+
+
 class PredictConfig(Section):
     devices: Annotated[dict[str, str], THROUGHPUT] = {"transformer": "cpu", "text_encoder": "cpu", "vae": "cpu"}
     dtype: Annotated[DType, FEATURES] = Field("auto", description=_DTYPE_HELP + " (decided by the transformer's device)")
@@ -312,6 +316,17 @@ class PredictConfig(Section):
     true_cfg_scale: Annotated[float, FEATURES] = 4.0
     negative_prompt: Annotated[str, FEATURES] = " "
     seed: Annotated[int, FEATURES] = 0
+
+    @field_validator("devices")
+    @classmethod
+    def _known_components(cls, devices: dict[str, str]) -> dict[str, str]:
+        # a dict, so extra="forbid" does not reach its keys: a misspelt component would be read as absent (cpu)
+        for name in devices:
+            if name not in PREDICT_COMPONENTS:
+                close = difflib.get_close_matches(name, PREDICT_COMPONENTS, n=1)
+                raise ValueError(f"unknown component {name!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
+                                 + f"; the components are {', '.join(PREDICT_COMPONENTS)}")
+        return devices
 
 
 class PipelineConfig(Section):

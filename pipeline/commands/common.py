@@ -13,7 +13,9 @@ from schemas.config import PipelineConfig
 
 from pipeline.config import ConfigError, load_config
 
-ConfigOpt = typer.Option(None, "--config", "-c", help="YAML config file (sections per stage).", exists=False)
+# flags left unset take the config's value: `config show` prints every key with its default (help shows none)
+ConfigOpt = typer.Option(None, "--config", "-c", help="YAML config file (sections per stage); unset flags take its "
+                         "values, else the defaults: `pipeline config show` prints them all.", exists=False)
 SetOpt = typer.Option(
     [], "--set", "-s", help="Set any config key: --set train.lora.rank=32 (value parsed as YAML; repeatable).",
 )

@@ -31,7 +31,7 @@ def _command(section: str, stage_module: str, component: str, batch_help: str, o
         as_json: bool = JsonOpt,
         cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="With --store s3://...: the local cache "
                                                  "(default ~/.cache/qwen-edit-pipeline/stores)."),
-        cache_gb: Optional[float] = typer.Option(None, "--cache-gb", help="Size limit of --cache-dir (LRU eviction)."),
+        cache_gb: Optional[float] = typer.Option(None, "--cache-gb", help="Size limit of --cache-dir in GB (least recently used shards evicted)."),
     ) -> None:
         cfg = config_from(config, sets=set_, overrides={
             "paths.store": store, "paths.model": model, f"{section}.device": device, f"{section}.batch_size": batch_size,
@@ -44,11 +44,12 @@ def _command(section: str, stage_module: str, component: str, batch_help: str, o
         with user_errors(dst), json_mode(as_json):
             import os
 
+            from pipeline.store_url import named_by_url
             from store.remote_cache import local_store, push_back
 
             # a URL: encode into a local cached copy (its images, and the output table for reuse), then push it back
             local = local_store(dst, ["images", out_table], cache_dir, cache_gb, optional=(out_table,))
-            summary = run(cfg, local, mdl)
+            summary = named_by_url(run(cfg, local, mdl), dst)
             if summary.committed_to:  # several nodes' caches: each rank uploaded its part, rank 0 committed there
                 if summary.rank == 0:
                     echo(f"committed table '{summary.table}' v{summary.version} at {summary.committed_to}")

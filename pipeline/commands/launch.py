@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import typer
 
+EXAMPLE = "`pipeline launch --nproc-per-node 2 run train --store S --model M --out RUN`"
 LAUNCH_SETTINGS = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}
 
 
@@ -18,9 +19,15 @@ def command(ctx: typer.Context) -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
+    words = list(ctx.args)
+    if not words or words[0] in ("-h", "--help"):  # torchrun's help and usage call the command `training_script`
+        typer.echo(f"pipeline launch [TORCHRUN OPTIONS] COMMAND ...: {EXAMPLE} runs `pipeline run train ...` in 2 "
+                   "processes; the options are torchrun's (below), its `training_script ...` is the pipeline COMMAND.")
     try:
-        args = parse_args(list(ctx.args))
+        args = parse_args(words)
     except SystemExit as e:  # argparse printed what was wrong (or the help)
+        if e.code:
+            typer.echo(f"pipeline launch: torchrun's options, then the pipeline command: {EXAMPLE}", err=True)
         raise typer.Exit(e.code if isinstance(e.code, int) else 2) from None
     # torchrun read the command's first word as its script: the script is this CLI, run as a module
     args.training_script_args = [args.training_script, *args.training_script_args]

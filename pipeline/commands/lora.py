@@ -60,7 +60,7 @@ def merge_lora(model: str, lora: Path, out: Path, scale: float = 1.0, dtype: str
 @lora_app.command("export", help="Write a LoRA in another runtime's format (comfyui: diffusion_model.* keys + alphas).")
 def export(
     lora: Path = typer.Argument(..., help="LoRA folder (RUN/lora) or .safetensors file."),
-    format: str = typer.Option("comfyui", "--format", help="comfyui"),
+    format: str = typer.Option("comfyui", "--format", help="Target format: comfyui (the only one so far)."),
     out: Path = typer.Option(..., "--out", help="Output .safetensors file."),
 ) -> None:
     from models.lora_export import export_lora

@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from pipeline.commands.common import ConfigOpt, config_from, echo, require, user_errors
+from pipeline.commands.common import ConfigOpt, SetOpt, config_from, echo, require, user_errors
 
 
 def command(
@@ -20,8 +20,9 @@ def command(
                                          help="Transformer sequence length per sample (default: from resize.*)."),
     text_tokens: int = typer.Option(300, "--text-tokens", help="Caption tokens per sample (longest expected)."),
     device: str = typer.Option("cuda", "--device", help="Device type planned for: cuda (auto = bf16) or cpu (auto = float32)."),
+    set_: list[str] = SetOpt,
 ) -> None:
-    cfg = config_from(config, {"paths.model": model})
+    cfg = config_from(config, {"paths.model": model}, set_)
     model_id = require(cfg.paths.model, "--model", "paths.model")
     from models import memory_plan as mp
 
@@ -76,6 +77,7 @@ def command(
             verdict = "  fits" if ok else f"  DOES NOT FIT in {gpu_memory:g} GiB"
         echo(f"  {p.stage:32s} {mp.gib(p.total):>11s}{verdict}   ({detail})")
     if fails:
-        echo("options: train.quantize_base int8|fp8|nf4, train.offload blocks, train.gradient_checkpointing true, "
+        echo("options (try one with --set KEY=VALUE): train.quantize_base int8|fp8|nf4, train.offload blocks, "
+             "train.gradient_checkpointing true, "
              f"a smaller {'train.max_tokens_per_batch' if budget else 'train.batch_size'} / resize.target_area")
         raise typer.Exit(1)

@@ -18,17 +18,17 @@ def command(
     store: Optional[str] = typer.Option(None, "--store", help="Store folder to write the `images` table to (paths.store), or its URL (s3://bucket/prefix: written in a local cache, then pushed; one node)."),
     config: Optional[Path] = ConfigOpt,
     set_: list[str] = SetOpt,
-    val_fraction: Optional[float] = typer.Option(None, "--val-fraction", help="Share of samples (by key) in val."),
+    val_fraction: Optional[float] = typer.Option(None, "--val-fraction", help="Share of samples (by key) in val (resize.val_fraction)."),
     area: Optional[int] = typer.Option(
         None, "--area", help="Target AND control VAE-view area in pixels, scaled together (resize.area).", min=1),
-    target_area: Optional[int] = typer.Option(None, "--target-area", help="Target bucket area in pixels (controls keep theirs)."),
-    multiple: Optional[int] = typer.Option(None, "--multiple", help="Bucket sides are multiples of this (16k)."),
-    control_vl_area: Optional[int] = typer.Option(None, "--control-vl-area", help="Area of each control's VL view."),
-    control_vae_area: Optional[int] = typer.Option(None, "--control-vae-area", help="Area of each control's VAE view."),
-    min_controls: Optional[int] = typer.Option(None, "--min-controls", help="Fewer controls -> quarantined."),
-    max_controls: Optional[int] = typer.Option(None, "--max-controls", help="More controls -> quarantined."),
-    max_image_pixels: Optional[int] = typer.Option(None, "--max-image-pixels", help="Larger images -> quarantined."),
-    workers: Optional[int] = typer.Option(None, "--workers", help="Processes resizing in parallel (0 = inline)."),
+    target_area: Optional[int] = typer.Option(None, "--target-area", help="Target bucket area in pixels; controls keep theirs (resize.target_area)."),
+    multiple: Optional[int] = typer.Option(None, "--multiple", help="Bucket sides are multiples of this, itself a multiple of 16 (resize.multiple)."),
+    control_vl_area: Optional[int] = typer.Option(None, "--control-vl-area", help="Area of each control's VL view in pixels (resize.control_vl_area)."),
+    control_vae_area: Optional[int] = typer.Option(None, "--control-vae-area", help="Area of each control's VAE view in pixels (resize.control_vae_area)."),
+    min_controls: Optional[int] = typer.Option(None, "--min-controls", help="Fewer controls -> quarantined (resize.min_controls)."),
+    max_controls: Optional[int] = typer.Option(None, "--max-controls", help="More controls -> quarantined (resize.max_controls)."),
+    max_image_pixels: Optional[int] = typer.Option(None, "--max-image-pixels", help="Larger images (pixels) -> quarantined (resize.max_image_pixels)."),
+    workers: Optional[int] = typer.Option(None, "--workers", help="Processes resizing in parallel, 0 = inline (resize.workers)."),
     as_json: bool = JsonOpt,
     cache_dir: Optional[Path] = CacheDirOpt,
     cache_gb: Optional[float] = CacheGbOpt,
@@ -53,10 +53,10 @@ def command(
     dst = require(cfg.paths.store, "--store", "paths.store")
     from stages.resize.stage import run
 
-    from pipeline.store_url import StoreAccess
+    from pipeline.store_url import StoreAccess, named_by_url
 
     with user_errors(dst), json_mode(as_json):
         log = (lambda m: typer.echo(m, err=True)) if as_json else echo  # --json: stdout holds the JSON alone
         with StoreAccess(dst, cache_dir, cache_gb).for_stage("resize-bucket", log) as local:  # a URL: pushed after
-            summary = run(cfg, src, local)
+            summary = named_by_url(run(cfg, src, local), dst)
     emit(summary, as_json)

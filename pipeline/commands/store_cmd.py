@@ -9,7 +9,7 @@ import typer
 
 from typing import Optional
 
-from pipeline.commands.common import ConfigOpt, config_from, echo, user_errors
+from pipeline.commands.common import ConfigOpt, SetOpt, config_from, echo, user_errors
 from pipeline.commands.store_remote import CacheDirOpt, CacheGbOpt
 
 store_app = typer.Typer(no_args_is_help=True)
@@ -58,8 +58,31 @@ def verify(store: str = StoreOrUrlArg, cache_dir: Optional[Path] = CacheDirOpt,
     for p in problems:
         echo(p)
     if problems:
+        echo(_verify_advice(store, root, problems))
         raise typer.Exit(1)
     echo(f"ok: {store} verified")
+
+
+def _verify_advice(store: str, root: Path, problems: list[str]) -> str:
+    """What to do about verify's problems: repair recomputes current versions only, so problems in versions
+    no longer current (an old version sharing a repaired shard by hard link) stay until gc removes them."""
+    import re
+
+    try:
+        tables = json.loads((root / "store.json").read_text()).get("tables", {})
+        current = {t: int(e["current"]) for t, e in tables.items()}
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):  # a damaged store.json: repair rebuilds it
+        current = {}
+    found = [re.match(r"([A-Za-z0-9_]+)/v(\d+)/", p) for p in problems]
+    old = sorted({f"{m[1]}/v{m[2]}" for m in found if m and current.get(m[1]) != int(m[2])})
+    advice = []
+    if any(m is None or current.get(m[1]) == int(m[2]) for m in found):  # current versions, store.json, litter
+        advice.append(f"`pipeline store repair {store}` recomputes what is damaged (with the --model / --config "
+                      "the store was built with)")
+    if old:
+        advice.append(f"{', '.join(old)} {'is' if len(old) == 1 else 'are'} not current: `pipeline store gc "
+                      f"{store}` removes versions nothing current or running reads")
+    return f"{len(problems)} problem(s): " + "; ".join(advice)
 
 
 @store_app.command("gc", help="Remove table versions nothing current references and no running reader (train, "
@@ -95,6 +118,7 @@ def repair(
     source: Optional[str] = typer.Option(None, "--source", help="Source of the images table (default: the one "
                                          "recorded in its schema)."),
     config: Optional[Path] = ConfigOpt,
+    set_: list[str] = SetOpt,
     cache_dir: Optional[Path] = CacheDirOpt,
 ) -> None:
     from features.tables import TABLE_ORDER
@@ -102,7 +126,7 @@ def repair(
     from store.remote import is_url
 
     url = store if is_url(store) else None
-    cfg = config_from(config, {"paths.model": model, "paths.source": source})
+    cfg = config_from(config, {"paths.model": model, "paths.source": source}, set_)
     with user_errors():
         if url is not None:  # repaired in a working copy, then pushed back (store/remote_work.py)
             from store.remote_work import publish, replaced_here, work_copy

@@ -51,7 +51,7 @@ def make_demo_data(
     n: int = typer.Option(48, "--n", help="Number of samples."),
     format: str = typer.Option("folder", "--format", help="folder | webdataset | jsonl | parquet"),
     max_controls: int = typer.Option(3, "--max-controls", help="Controls per sample vary in 0..max."),
-    seed: int = typer.Option(0, "--seed"),
+    seed: int = typer.Option(0, "--seed", help="Same seed, same dataset."),
     with_masks: bool = typer.Option(False, "--with-masks", help="Also write edit-region masks."),
 ) -> None:
     from pipeline.demo_data import make_demo_data as build

@@ -32,7 +32,7 @@ def command(
     cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="With --store s3://...: the local cache the "
                                              "store's text and vae versions are pulled into (default "
                                              "~/.cache/qwen-edit-pipeline/stores)."),
-    cache_gb: Optional[float] = typer.Option(None, "--cache-gb", help="Size limit of --cache-dir; least recently "
+    cache_gb: Optional[float] = typer.Option(None, "--cache-gb", help="Size limit of --cache-dir in GB; least recently "
                                              "used versions beyond it are evicted (default: no limit)."),
 ) -> None:
     cfg = config_from(config, sets=set_, overrides=

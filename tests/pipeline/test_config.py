@@ -104,3 +104,55 @@ def test_set_values_are_yaml_and_flags_win_over_them(tmp_path):
     cfg = config_from(None, {"train.max_steps": 7}, ["train.max_steps=3", "train.seed=5"])
     assert (cfg.train.max_steps, cfg.train.seed) == (7, 5)
     assert runner.invoke(app, ["config", "show", "--set", "no-equals-sign"]).exit_code == 2
+
+
+@pytest.mark.parametrize("key, value, meant", [
+    ("train.lora.rnak", 8, "train.lora.rank"),  # a typo: the close spelling in the same section
+    ("train.batchsize", 8, "train.batch_size"),
+    ("trian", {}, "train"),
+    ("resize.aera", 8, "resize.area"),  # consumed on load, not a field, still a valid key
+    ("train.rank", 8, "train.lora.rank"),  # the right name in the wrong place
+    ("lerning_rate", 0.1, "train.learning_rate"),  # misspelt and misplaced
+    ("evaluate.extra_prompts", [{"prompt": "p", "images": ["a.png"], "hieght": 8}],
+     "evaluate.extra_prompts.0.height"),  # inside a list of sections
+])
+def test_unknown_key_suggests_the_key_meant(key, value, meant):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, {key: value})
+    reported = meant.rsplit(".", 1)[0] + ".hieght" if "extra_prompts" in key else key
+    assert f"unknown key '{reported}' (did you mean '{meant}'?)" in str(e.value)
+
+
+def test_unknown_key_without_a_near_one_points_at_config_show():
+    r = CliRunner().invoke(app, ["config", "show", "--set", "paths.out=x"])
+    assert r.exit_code == 2 and "unknown key 'paths.out' (`pipeline config show` prints every valid key)" in r.output
+
+
+def test_an_error_says_whether_the_file_or_the_command_line_set_the_key(tmp_path):
+    """A key typed with --set (or a flag's value) is marked as such: the header names the file too, and the user
+    would otherwise search it for a key that is not there."""
+    f = tmp_path / "c.yaml"
+    f.write_text("train:\n  lerning_rate: 0.1\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(f, {"train.max_step": 3, "train.batch_size": 0, "train.seed": None, "encode-text.batch_size": 2})
+    lines = str(e.value).splitlines()
+    assert lines[0] == f"invalid config ({f} + --set / flags):"
+    assert "  unknown key 'train.lerning_rate' (did you mean 'train.learning_rate'?)" in lines
+    assert "  unknown key 'train.max_step' (did you mean 'train.max_steps'?) [--set / flag]" in lines
+    assert "  unknown key 'encode-text' (did you mean 'encode_text'?) [--set / flag]" in lines  # a typo'd section
+    assert any(line.startswith("  'train.batch_size': ") and line.endswith("[--set / flag]") for line in lines)
+
+
+def test_a_misspelt_predict_device_component_is_refused_with_the_name_meant():
+    """predict.devices is a dict, which extra="forbid" does not check: `transfomer: cuda` was accepted and the
+    transformer then ran on the CPU (read as absent) or predict failed later without a suggestion."""
+    with pytest.raises(ConfigError) as e:
+        load_config(None, {"predict.devices.transfomer": "cuda"})
+    assert "unknown component 'transfomer' (did you mean 'transformer'?)" in str(e.value)
+    assert load_config(None, {"predict.devices.vae": "cuda:1"}).predict.devices == {"vae": "cuda:1"}
+
+
+def test_overrides_apply_in_the_order_given():
+    """A section set whole, then one of its keys: the key is kept (set iteration order would lose it at random)."""
+    cfg = load_config(None, {"train.lora": {"rank": 4}, "train.lora.alpha": 8.0, "train.lora.dropout": 0.1})
+    assert (cfg.train.lora.rank, cfg.train.lora.alpha, cfg.train.lora.dropout) == (4, 8.0, 0.1)

@@ -47,7 +47,8 @@ def test_predict_rejects_unknown_device_component(tiny_edit_model, tmp_path):
     cfg.write_text("predict:\n  devices: {unet: cpu}\n")
     result = CliRunner().invoke(app, ["predict", "--model", tiny_edit_model, "--image", str(_control(tmp_path / "c.png")),
                                       "--prompt", PROMPT, "--out", str(tmp_path / "o.png"), "--config", str(cfg)])
-    assert result.exit_code == 1 and "unet" in result.output
+    # refused while the config loads (exit 2, as every config error), before the model is read
+    assert result.exit_code == 2 and "unknown component 'unet'" in result.output
 
 
 

@@ -55,3 +55,25 @@ def test_a_store_json_temp_file_left_by_a_kill_is_reported_and_removed(store: St
     r = _cli("store", "repair", store.root)
     assert r.exit_code == 0 and not litter.exists(), r.output
     assert _cli("store", "verify", store.root).exit_code == 0
+
+
+def test_verify_ends_with_what_to_do_for_current_and_for_old_versions(store: Store) -> None:
+    """repair recomputes current versions only: damage in a version no longer current (an old version sharing a
+    repaired shard by hard link) stays, and verify then fails after a successful repair. Its last line says
+    which command deals with what."""
+    fill(store, 2)
+    fill(store, 2, tag="b")  # v2 current, v1 old
+    for version in ("v1", "v2"):
+        with open(sorted((store.root / "vae" / version).glob("*.tar"))[0], "ab") as f:
+            f.write(os.urandom(700))
+    r = _cli("store", "verify", store.root)
+    last = r.output.strip().splitlines()[-1]
+    assert r.exit_code == 1 and last.split(": ", 1)[0].endswith(" problem(s)"), last
+    assert f"`pipeline store repair {store.root}` recomputes what is damaged" in last
+    assert f"vae/v1 is not current: `pipeline store gc {store.root}` removes" in last
+    assert _cli("store", "repair", store.root).exit_code == 0
+    r = _cli("store", "verify", store.root)
+    last = r.output.strip().splitlines()[-1]
+    assert r.exit_code == 1 and "pipeline store repair" not in last and "vae/v1 is not current" in last, last
+    assert _cli("store", "gc", store.root).exit_code == 0
+    assert _cli("store", "verify", store.root).exit_code == 0
