@@ -18,8 +18,17 @@ def open_png(data: bytes, mode: str = "RGB") -> Image.Image:
         im.load()
         if im.mode == mode:
             return im.copy()
-        if im.mode == "RGBA" and mode == "RGB":
-            flat = Image.new("RGBA", im.size, (255, 255, 255, 255))
-            flat.alpha_composite(im)
-            return flat.convert("RGB")
-        return im.convert(mode)
+        return rgb_over_white(im) if mode == "RGB" else im.convert(mode)
+
+
+def rgb_over_white(im: Image.Image) -> Image.Image:
+    """`im` as RGB, a transparent one (alpha band, or a palette / grey transparency key) composited over white as
+    resize-bucket composites the training pictures (Pillow's convert("RGB") drops the alpha: transparent pixels
+    show the colour they store, often black)."""
+    if im.mode == "RGB":
+        return im
+    if "A" not in im.getbands() and "transparency" not in im.info:
+        return im.convert("RGB")
+    flat = Image.new("RGBA", im.size, (255, 255, 255, 255))
+    flat.alpha_composite(im.convert("RGBA"))
+    return flat.convert("RGB")

@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 
 from features.damaged import read_intact
 from features.open import open_configured
-from features.pictures import open_png
+from features.pictures import open_png, rgb_over_white
 from models.flow import flow_loss
 from models.loading import load_component, parse_dtype
 from models.lora import attach_lora, lora_weight_file
@@ -229,8 +229,9 @@ def extra_prompt_inputs(model: str, transformer, vae, cfg: EvaluateConfig):
                          transformer=transformer, vae=vae)
     for i, extra in enumerate(cfg.extra_prompts):
         try:
-            controls = [open_reference(p).convert("RGB") for p in extra.images]  # EXIF orientation applied
-            target = open_reference(extra.target).convert("RGB") if extra.target else None
+            # EXIF orientation applied, transparency over white: as the training pictures were prepared
+            controls = [rgb_over_white(open_reference(p)) for p in extra.images]
+            target = rgb_over_white(open_reference(extra.target)) if extra.target else None
         except OSError as e:
             raise UserError(f"evaluate.extra_prompts[{i}]: cannot read an image ({e}); fix the path in the config")
         cond, height, width = prepare(pipe, controls, extra.prompt, cfg.negative_prompt, cfg.true_cfg_scale,

@@ -136,6 +136,28 @@ def test_evaluate_extra_prompts_apply_the_exif_orientation(tiny_edit_model, tmp_
     np.testing.assert_array_equal(np.asarray(target), upright)
 
 
+def test_evaluate_extra_prompts_show_a_transparent_control_as_training_did(tiny_edit_model, tmp_path):
+    """A cutout given to evaluate.extra_prompts (Edit / Edit-Plus) is composited over white, as resize-bucket
+    decodes the training images (before: its transparent pixels reached the model as the black they store)."""
+    from models.loading import load_component
+    from pipeline.config import load_config
+    from stages.evaluate.stage import extra_prompt_inputs
+    from stages.resize.imaging import decode_image
+
+    rgba = np.zeros((48, 64, 4), dtype=np.uint8)
+    rgba[12:36, 16:48] = (200, 30, 30, 255)
+    cutout = tmp_path / "cutout.png"
+    Image.fromarray(rgba, "RGBA").save(cutout)
+    cfg = load_config(None, {"evaluate.extra_prompts": [{"prompt": PROMPT, "images": [str(cutout)],
+                                                          "target": str(cutout)}]}).evaluate
+    transformer = load_component(tiny_edit_model, "transformer", dtype=torch.float32, device="cpu")
+    vae = load_component(tiny_edit_model, "vae", dtype=torch.float32, device="cpu")
+    _, _, controls, target, *_ = next(extra_prompt_inputs(tiny_edit_model, transformer, vae, cfg))
+    as_trained = np.asarray(decode_image(cutout.read_bytes(), 64 * 1024 * 1024).image)
+    np.testing.assert_array_equal(np.asarray(controls[0]), as_trained)
+    np.testing.assert_array_equal(np.asarray(target), as_trained)
+
+
 def _make_lora(model: str, out_dir) -> None:
     """A LoRA with alpha != rank and non-zero B (peft's gaussian init leaves B = 0), saved the diffusers way."""
     from diffusers import QwenImageEditPipeline, QwenImageTransformer2DModel
