@@ -35,7 +35,11 @@ def content_listing_hash(source: str | Path) -> str:
     h = hashlib.sha256()
     with FileHashes() as hashes:
         for f in tqdm(source_files(s), desc="source content hashes", unit="file", leave=False):
-            h.update(f"{os.path.relpath(f, base)}\0{hashes.sha256(f)}\n".encode())
+            try:
+                digest = hashes.sha256(f)
+            except OSError as e:  # unreadable (permissions) or gone since the listing: its sample is quarantined
+                digest = f"unreadable {e.errno}"  # when read; once readable the hash changes, and it is rendered
+            h.update(f"{os.path.relpath(f, base)}\0{digest}\n".encode())
     if is_url(s):
         for line in remote_listing([u for u in remote_source_files(s) if is_url(u)]):
             h.update(f"{line}\n".encode())

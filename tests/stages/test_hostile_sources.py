@@ -201,3 +201,28 @@ def test_edit_pairs_missing_their_control_are_counted_in_the_summary(tmp_path):
             "(resize.min_controls: 1 quarantines them)") in result.output, result.output
     again = _resize(src, tmp_path / "store2", "resize.min_controls=1")
     assert "controls per sample: 1: 2\n" in again.output and "control-count 1" in again.output, again.output
+
+
+def test_a_file_gone_between_the_listing_and_its_hash_costs_its_sample_not_the_run(tmp_path, monkeypatch):
+    """A source file deleted (or made unreadable) after the listing, before its content hash: the stage goes on,
+    that sample is quarantined naming its files, the others are written (before: an OSError traceback)."""
+    from stages.resize import content
+
+    src = tmp_path / "src"
+    (src / "target").mkdir(parents=True)
+    for name, colour in (("a", (200, 40, 40)), ("b", (40, 200, 40)), ("c", (40, 40, 200))):
+        (src / "target" / f"{name}.png").write_bytes(_png(colour))
+        (src / "target" / f"{name}.txt").write_text(f"caption {name}")
+    doomed = src / "target" / "b.png"
+    real = content.FileHashes.sha256
+
+    def vanishing(self, f):
+        if Path(f) == doomed:
+            doomed.unlink(missing_ok=True)
+        return real(self, f)
+
+    monkeypatch.setattr(content.FileHashes, "sha256", vanishing)
+    result = _resize(src, tmp_path / "store")
+    assert result.exit_code == 0, result.output
+    assert _stored_captions(tmp_path / "store") == ["caption a", "caption c"]
+    assert [Path(source).stem for source in _quarantine(tmp_path / "store")] == ["b"]  # its caption: an orphan now
