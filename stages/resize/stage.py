@@ -116,10 +116,10 @@ def run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> R
 
     rc = cfg.resize
     _validate(rc)
-    st = store if isinstance(store, Store) else Store(store)
     source = _named_source(source)
     started = time.perf_counter()
-    fmt = detect_format(source)
+    fmt = detect_format(source)  # a source that is not there is refused before a store folder is made for it
+    st = store if isinstance(store, Store) else Store(store)
     schema = images_schema(rc, content_listing_hash(source), source=str(source), source_format=fmt)
     found = _up_to_date_version(st, schema)
     if found is not None:

@@ -226,3 +226,11 @@ def test_a_file_gone_between_the_listing_and_its_hash_costs_its_sample_not_the_r
     assert result.exit_code == 0, result.output
     assert _stored_captions(tmp_path / "store") == ["caption a", "caption c"]
     assert [Path(source).stem for source in _quarantine(tmp_path / "store")] == ["b"]  # its caption: an orphan now
+
+
+def test_a_source_that_is_not_there_leaves_no_store_behind(tmp_path):
+    """A typo in --source is one line, and the --store folder it named is not created (before: an empty store
+    with a store.json, which the next command then took for the user's store)."""
+    result = _resize(tmp_path / "no-such-source", tmp_path / "store")
+    assert result.exit_code != 0 and "does not exist" in result.output, result.output
+    assert not (tmp_path / "store").exists()
