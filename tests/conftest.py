@@ -13,6 +13,19 @@ import pytest  # noqa: E402
 from s3_server import s3_env, s3_server  # noqa: E402,F401  (the S3 test server's fixtures)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _subprocess_temp_files(tmp_path_factory):
+    """The subprocesses the tests start keep their temp files in the session's folder (removed with it after a
+    green run): torchrun's agent makes a /tmp/torchelastic_* folder per launch and never removes it."""
+    old = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = str(tmp_path_factory.mktemp("subprocess-tmp"))
+    yield
+    if old is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = old
+
+
 @pytest.fixture(scope="session")
 def tiny_edit_model(tmp_path_factory) -> str:
     from models.tiny import make_tiny_model
