@@ -24,10 +24,14 @@ import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch import nn
 
+from models.quantize import is_nf4, nf4_map, plain_tensors_nf4
+
 
 def pinned(t: torch.Tensor, pin=lambda x: x.pin_memory()) -> torch.Tensor:
     """A page-locked copy of a host tensor. A tensor subclass (torchao's int8 / fp8 weights) implements no pin
     op of its own: its inner tensors (codes, scales) are pinned and the subclass rebuilt around them."""
+    if is_nf4(t):  # bitsandbytes' Params4bit: codes and statistics pinned, its own QuantState
+        return nf4_map(t, pin)
     flatten = getattr(t, "__tensor_flatten__", None)
     if type(t) in (torch.Tensor, nn.Parameter) or flatten is None:
         return pin(t)
@@ -76,10 +80,11 @@ class BlockOffloader:
                     if p.requires_grad:  # LoRA: trained on the device
                         p.data = p.data.to(self.device)
                         continue
-                    host = p.detach().to("cpu")
+                    # (an NF4 weight's p.detach() would be its bare codes, without the statistics)
+                    host = nf4_map(p, lambda t: t.detach().to("cpu")) if is_nf4(p) else p.detach().to("cpu")
                     if self.cuda:
                         host = pinned(host)  # async host->device copies need page-locked memory
-                    hp = nn.Parameter(host, requires_grad=False)
+                    hp = _as_parameter(host)
                     module._parameters[name] = hp
                     slots.append((module, name, hp))
             entry = _Block(i, slots)
@@ -91,9 +96,12 @@ class BlockOffloader:
 
     def _copy(self, i: int) -> list[torch.Tensor]:
         out = []
+
+        def move(t):
+            return t.to(self.device, non_blocking=True, copy=self.always_copy)
+
         for _, _, host in self.blocks[i].slots:
-            t = host.detach()
-            out.append(t.to(self.device, non_blocking=True, copy=self.always_copy))
+            out.append(nf4_map(host, move) if is_nf4(host) else move(host.detach()))
         return out
 
     def _prefetch(self, i: int) -> None:
@@ -118,7 +126,7 @@ class BlockOffloader:
                     for plain in _plain_tensors(t):
                         plain.record_stream(torch.cuda.current_stream(self.device))
             for (mod, name, _), t in zip(self.blocks[i].slots, tensors):
-                mod._parameters[name] = nn.Parameter(t, requires_grad=False)
+                mod._parameters[name] = _as_parameter(t)
             self.onloads += 1
             backward = _in_backward()
             if backward is None:  # no way to ask autograd: guess from the last block onloaded
@@ -145,12 +153,19 @@ class BlockOffloader:
 def _plain_tensors(t: torch.Tensor):
     """The plain tensors holding `t`'s memory: torchao's quantised weights are wrapper subclasses whose
     dispatch has no record_stream (measured on the H200: NotImplementedError), their inner tensors do."""
-    if is_traceable_wrapper_subclass(t):
+    if is_nf4(t):
+        yield from plain_tensors_nf4(t)
+    elif is_traceable_wrapper_subclass(t):
         names, _ = t.__tensor_flatten__()
         for name in names:
             yield from _plain_tensors(getattr(t, name))
     else:
         yield t
+
+
+def _as_parameter(t: torch.Tensor) -> nn.Parameter:
+    """A frozen Parameter around `t`; an NF4 Params4bit is one already (re-wrapping drops its QuantState)."""
+    return t if is_nf4(t) else nn.Parameter(t, requires_grad=False)
 
 
 def offload_blocks(transformer, device: torch.device | str, keep: int, always_copy: bool | None = None) -> BlockOffloader:

@@ -127,6 +127,29 @@ def is_nf4(weight) -> bool:
     return type(weight).__name__ == "Params4bit" and type(weight).__module__.startswith("bitsandbytes")
 
 
+def nf4_map(weight, fn):
+    """A new `Params4bit` whose packed codes and absmax / code table are `fn` of the weight's (a device copy, a
+    pinned copy), with its own QuantState: bitsandbytes' `Params4bit.to` moves the QuantState it shares with the
+    original in place (a device copy would take the host weight's statistics along), and wrapping a Params4bit
+    in a plain `nn.Parameter` drops the QuantState altogether."""
+    from bitsandbytes.functional import QuantState
+    from bitsandbytes.nn import Params4bit
+
+    s = weight.quant_state
+    if s.nested:
+        raise ValueError("nf4_map: a double-quantised (nested) QuantState is not produced here")
+    state = QuantState(absmax=fn(s.absmax), shape=s.shape, code=fn(s.code), blocksize=s.blocksize,
+                       quant_type=s.quant_type, dtype=s.dtype)
+    data = fn(weight.data)  # the packed codes as a plain tensor
+    return Params4bit(data, requires_grad=False, quant_state=state, blocksize=s.blocksize, compress_statistics=False,
+                      quant_type=s.quant_type, quant_storage=data.dtype, bnb_quantized=True)
+
+
+def plain_tensors_nf4(weight) -> list:
+    """The plain tensors holding an NF4 weight's memory (codes, absmax, code table)."""
+    return [weight.data, weight.quant_state.absmax, weight.quant_state.code]
+
+
 def compute_dtype(weight):
     """The dense dtype a quantised weight dequantises to (the load dtype)."""
     return weight.quant_state.dtype if is_nf4(weight) else weight.dtype

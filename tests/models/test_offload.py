@@ -5,6 +5,7 @@ nothing, before: the block after it was then copied on the compute stream, unhid
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from models.offload import offload_blocks
@@ -88,3 +89,58 @@ def test_quantized_weights_are_pinned_through_their_inner_tensors():
         assert torch.equal(dequantize(p), dequantize(q))
     seen.clear()
     assert torch.equal(pinned(w, pin=fake_pin), w) and seen == [torch.Tensor]
+
+
+def test_nf4_base_offloaded_equals_resident(tiny_edit_model):
+    """train.quantize_base nf4 + train.offload blocks: the offloaded NF4 weights keep their statistics (a plain
+    Parameter around `p.detach()` kept only the packed codes: every forward raised AttributeError) and give the
+    resident model's output and gradients bit for bit (CPU: every onload a real copy)."""
+    from models.loading import load_component
+    from models.multires import install_multires, multires_forward
+    from models.quantize import install_frozen_linear_backward, is_nf4
+
+    pytest.importorskip("bitsandbytes")
+
+    def build(offload: bool):
+        model = load_component(tiny_edit_model, "transformer", dtype=torch.float32, device="cpu", quantize="nf4")
+        install_multires(model)
+        model.requires_grad_(False)
+        install_frozen_linear_backward(model)
+        model.img_in.weight.requires_grad_(True)  # a gradient through every block
+        model.enable_gradient_checkpointing()
+        model.train()
+        if offload:
+            offload_blocks(model, "cpu", keep=1)
+        return model
+
+    batch = batch_of(make_samples(MIXED))
+    results = []
+    for offload in (False, True):
+        model = build(offload)
+        out = multires_forward(model, batch, SIGMAS)
+        out.square().mean().backward()
+        results.append((out.detach(), model.img_in.weight.grad))
+        weights = [m.weight for m in model.transformer_blocks[1].modules() if isinstance(m, torch.nn.Linear)]
+        assert weights and all(is_nf4(w) for w in weights)  # the host weights put back after the step
+    assert torch.equal(results[0][0], results[1][0])
+    assert torch.equal(results[0][1], results[1][1])
+
+
+def test_nf4_weights_are_pinned_with_their_statistics():
+    """A pinned NF4 weight is a new Params4bit with its own pinned codes, absmax and code table: the host
+    weight's QuantState is not shared (bitsandbytes' own `.to` moves a shared QuantState in place)."""
+    pytest.importorskip("bitsandbytes")
+    from models.offload import pinned
+    from models.quantize import dequantize, is_nf4, quantize_rows_nf4
+
+    q = quantize_rows_nf4(torch.randn(64, 96, dtype=torch.bfloat16))
+    seen = []
+
+    def fake_pin(x):
+        seen.append(type(x))
+        return x.clone()
+
+    p = pinned(q, pin=fake_pin)
+    assert is_nf4(p) and len(seen) == 3 and all(t is torch.Tensor for t in seen)
+    assert p.quant_state is not q.quant_state and p.quant_state.absmax is not q.quant_state.absmax
+    assert torch.equal(dequantize(p), dequantize(q))
