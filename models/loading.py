@@ -202,19 +202,52 @@ def load_component(
         # Stream the weights straight onto the accelerator: N ranks on one host must not each hold a full copy
         # of a 40 GB transformer in host RAM first. (Unverified on a GPU in this project's CI: none is lent.)
         kwargs["device_map"] = {"": torch.device(device)}
-    if quantize not in ("none", None):
-        if component != "transformer":
-            raise ValueError(f"quantize is for the transformer, not the {component}")
-        from models.quantize import load_quantized_transformer
+    if quantize not in ("none", None) and component != "transformer":
+        raise ValueError(f"quantize is for the transformer, not the {component}")
+    try:
+        if quantize not in ("none", None):
+            from models.quantize import load_quantized_transformer
 
-        # Quantised tensor by tensor as the shards are read, straight on the device (models/quantize.py).
-        return load_quantized_transformer(sub, dtype or torch.bfloat16, torch.device(device or "cpu"), quantize)
-    obj = cls.from_pretrained(sub, **kwargs)
+            # Quantised tensor by tensor as the shards are read, straight on the device (models/quantize.py).
+            return load_quantized_transformer(sub, dtype or torch.bfloat16, torch.device(device or "cpu"), quantize)
+        obj = cls.from_pretrained(sub, **kwargs)
+    except Exception:
+        # A weight file cut short (an interrupted download or copy) surfaces as safetensors' header error
+        # inside the loader's traceback, naming no fix: name the file and what to do instead.
+        problem = _damaged_weight_file(sub)
+        if problem is None:
+            raise
+        raise ModelNotFoundError(f"model folder {root} is damaged: {problem}; restore it from the original download "
+                                 "(an interrupted download or copy leaves a file short)") from None
     if device is not None and "device_map" not in kwargs and component in ("transformer", "vae", "text_encoder"):
         obj = obj.to(device)  # the CPU: from_pretrained already put it there, this is a no-op
     if hasattr(obj, "eval"):
         obj.eval()
     return obj
+
+
+def _damaged_weight_file(folder: Path) -> str | None:
+    """The first weight file of a component folder that its index names but that is missing, or that is not a
+    whole safetensors file (safetensors checks the header and that the file covers every tensor it lists), as
+    `path (why)`; None when every file is whole. Only headers are read."""
+    from safetensors import safe_open
+
+    names = {f.name for f in folder.glob("*.safetensors")}
+    for index in sorted(folder.glob("*.safetensors.index.json")):
+        try:
+            names |= set(json.loads(index.read_text())["weight_map"].values())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            return f"{index.relative_to(folder.parent)} is not a weight index ({type(e).__name__}: {e})"
+    for name in sorted(names):
+        path = folder / name
+        if not path.is_file():
+            return f"{path.relative_to(folder.parent)} is missing"
+        try:
+            with safe_open(str(path), framework="pt"):
+                pass
+        except Exception as e:  # SafetensorError (not an OSError subclass), OSError
+            return f"{path.relative_to(folder.parent)} is not a whole safetensors file ({type(e).__name__}: {e})"
+    return None
 
 
 def parse_dtype(name: str, device: str | torch.device = "cpu") -> torch.dtype:

@@ -1,0 +1,69 @@
+"""A model weight file cut short (an interrupted download or copy) or missing from its shard index: every load
+names the file and what to do (a UserError, one line in the CLI), not safetensors' header error deep in a
+loader's traceback."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from models.loading import load_component
+from schemas.errors import UserError
+
+
+def _copy(model: str, tmp_path):
+    out = tmp_path / "model"
+    shutil.copytree(model, out)
+    return out
+
+
+def _truncate(path) -> None:
+    os.truncate(path, path.stat().st_size // 2)
+
+
+@pytest.mark.parametrize("quantize", ["none", "int8"])
+def test_a_transformer_file_cut_short_is_named(tiny_edit_model, tmp_path, quantize):
+    model = _copy(tiny_edit_model, tmp_path)
+    _truncate(model / "transformer" / "diffusion_pytorch_model.safetensors")
+    with pytest.raises(UserError, match=r"model folder .* is damaged: transformer/diffusion_pytorch_model\.safetensors "
+                                        r"is not a whole safetensors file .*restore it from the original download"):
+        load_component(str(model), "transformer", dtype=torch.float32, device="cpu", quantize=quantize)
+
+
+def test_a_text_encoder_file_cut_short_and_a_shard_missing_from_the_index_are_named(tiny_edit_model, tmp_path):
+    model = _copy(tiny_edit_model, tmp_path)
+    (weights,) = (model / "text_encoder").glob("*.safetensors")
+    _truncate(weights)
+    with pytest.raises(UserError, match=rf"is damaged: text_encoder/{weights.name} is not a whole safetensors file"):
+        load_component(str(model), "text_encoder", dtype=torch.float32, device="cpu")
+
+    # a sharded transformer whose index names a shard that is not there
+    sub = model / "transformer"
+    shard = "diffusion_pytorch_model-00001-of-00001.safetensors"
+    (sub / "diffusion_pytorch_model.safetensors").rename(sub / shard)
+    from safetensors import safe_open
+
+    with safe_open(str(sub / shard), framework="pt") as f:
+        keys = list(f.keys())
+    (sub / "diffusion_pytorch_model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {k: (shard if i else "diffusion_pytorch_model-00002-of-00002.safetensors")
+                                        for i, k in enumerate(keys)}}))
+    with pytest.raises(UserError, match=r"transformer/diffusion_pytorch_model-00002-of-00002\.safetensors is missing"):
+        load_component(str(model), "transformer", dtype=torch.float32, device="cpu")
+
+
+def test_an_intact_model_loads_and_other_errors_are_not_renamed(tiny_edit_model, monkeypatch):
+    """Only a damaged file is reported as one: any other loading error keeps its own type and text."""
+    assert load_component(tiny_edit_model, "transformer", dtype=torch.float32, device="cpu") is not None
+    from diffusers import QwenImageTransformer2DModel
+
+    def fail(*a, **k):
+        raise RuntimeError("something else")
+
+    monkeypatch.setattr(QwenImageTransformer2DModel, "from_pretrained", fail)
+    with pytest.raises(RuntimeError, match="something else"):
+        load_component(tiny_edit_model, "transformer", dtype=torch.float32, device="cpu")
