@@ -4,7 +4,8 @@ A mixed batch carries a boolean key mask over the joint [text | image] sequence,
 between a sample's valid text and its image tokens. What each backend needs:
 
 - diffusers' mask-taking backends (`native` SDPA, `_native_math`, `_native_efficient`, `_native_cudnn`,
-  `flex`, `xformers`) take the mask as it is;
+  `flex`) take the mask as it is; `xformers` takes it as [B, S] (its 4-D form would be read as an additive 1/0
+  bias there, not as a mask);
 - diffusers' varlen backends (`flash_varlen`, `_flash_varlen_3`, `sage_varlen`) read the mask as a per-sample
   key *count* and take the first that many keys, so keys and values are first reordered per sample, valid
   ones first (`keys_first`; attention does not depend on key order, and RoPE is already applied);
@@ -139,6 +140,10 @@ def attend(query: Tensor, key: Tensor, value: Tensor, mask: "JointLayout | Tenso
     if backend in PREFIX_MASK_BACKENDS and mask is not None:
         key, value, mask = keys_first(key, value, mask[:, 0, 0, :])
         mask = mask[:, None, None, :]
+    elif backend == "xformers" and mask is not None:
+        # diffusers' xformers backend turns a 2-D bool key mask into an additive one (-inf on padding) but
+        # casts a 4-D bool mask as it is (True -> 1.0, False -> 0.0, added to the scores): padding attended
+        mask = mask[:, 0, 0, :]
     return dispatch_attention_fn(query, key, value, attn_mask=mask, dropout_p=0.0, is_causal=False,
                                  backend=backend, parallel_config=parallel_config)
 

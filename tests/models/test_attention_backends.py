@@ -55,6 +55,31 @@ def test_flex_forward_equals_native(native_and_batch):
     assert rel_err(out, ref) <= 1e-5
 
 
+def test_xformers_masks_the_padding(native_and_batch, monkeypatch):
+    """diffusers' xformers backend, run over a stand-in for `xformers.ops.memory_efficient_attention` with
+    xformers' documented semantics (BMHK tensors, `attn_bias` added to the scaled scores): the padded batch
+    gives native SDPA's result. The 4-D bool mask went in as an additive 1/0 bias: padding attended (rel err
+    0.078 on this batch)."""
+    import types
+
+    from diffusers.models import attention_dispatch
+
+    def memory_efficient_attention(q, k, v, attn_bias=None, p=0.0, scale=None):
+        assert attn_bias is None or attn_bias.is_floating_point()
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=attn_bias, dropout_p=p, scale=scale)
+        return out.transpose(1, 2)
+
+    monkeypatch.setattr(attention_dispatch, "xops", types.SimpleNamespace(
+        memory_efficient_attention=memory_efficient_attention, LowerTriangularMask=None), raising=False)
+    base, batch, ref, _ = native_and_batch
+    model = copy.deepcopy(base)
+    set_backend(model, "xformers")
+    with torch.no_grad():
+        out = multires_forward(model, batch, SIGMAS)
+    assert rel_err(out, ref) <= 1e-5
+
+
 def _mask_with_holes(b=3, s=40):
     mask = torch.ones(b, s, dtype=torch.bool)
     mask[0, 5:12] = False  # text padding in the middle of the joint sequence
