@@ -182,6 +182,9 @@ def train_plan(model: str, dtype: str, quantize: str, batch_size: int, tokens_pe
     """Peak device bytes of training; `host=True`: peak host RSS of a CPU run instead (everything resident,
     and the loading peak counts when it is the higher one). `counts`: of a model built in memory (bench)."""
     c = counts or transformer_counts(model)
+    # the trainer turns checkpointing on with offload (stages/train/build.py): without it autograd would keep
+    # every block's device copy; planned as off, the activations came out ~21x (60 blocks) too high
+    gradient_checkpointing = gradient_checkpointing or offload == "blocks"
     if host:
         offload = "none"  # storage and compute are the same memory
     act_elem = DTYPE_BYTES[dtype]

@@ -4,6 +4,7 @@ models/published/ (HF_HUB_OFFLINE is set for the whole suite: before them the hu
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from accelerate import init_empty_weights
@@ -86,3 +87,30 @@ def test_plan_counts_the_vl_image_tokens_of_the_prompt(hub_id):
     result = CliRunner().invoke(app, ["plan", "--model", hub_id])
     assert result.exit_code == 0, result.output
     assert f"{expected} tokens per training sample" in result.output, result.output
+
+
+def test_plan_with_offload_counts_the_checkpointing_the_trainer_turns_on(tiny_edit_model):
+    """`train.offload: blocks` turns gradient checkpointing on in the trainer (whatever
+    train.gradient_checkpointing says): the plan's activations are the checkpointed ones (it planned every
+    block's saved tensors: 283 GiB at 1 MP batch 4 where the run keeps ~15 GiB, and said to offload does not fit)."""
+    from typer.testing import CliRunner
+
+    from models import memory_plan as mp
+    from pipeline.cli import app
+    from pipeline.config import load_config
+    import torch
+
+    from stages.train.build import setup_transformer
+
+    cfg = load_config(None, {"train.offload": "blocks", "train.lora.rank": 4})
+    assert not cfg.train.gradient_checkpointing
+    assert setup_transformer(tiny_edit_model, cfg.train, torch.device("cpu")).is_gradient_checkpointing
+    hub = "Qwen/Qwen-Image-Edit-2509"
+    result = CliRunner().invoke(app, ["plan", "--model", hub, "--set", "train.offload=blocks"])
+    tokens = int(re.search(r"(\d+) tokens per training sample", result.output).group(1))
+    off = mp.train_plan(hub, "bfloat16", "none", 4, tokens, False, 16, offload="blocks")
+    ckpt = mp.train_plan(hub, "bfloat16", "none", 4, tokens, True, 16, offload="blocks")
+    assert off.parts == ckpt.parts
+    assert off.parts["activations"] < mp.train_plan(hub, "bfloat16", "none", 4, tokens, False, 16).parts["activations"] / 10
+    train_line = next(line for line in result.output.splitlines() if line.strip().startswith("train "))
+    assert f"activations {mp.gib(ckpt.parts['activations'])}" in train_line, result.output
