@@ -142,7 +142,8 @@ def _folded(transformer, state: dict[str, torch.Tensor], config: dict) -> tuple[
     left = [k for k in state if k.endswith(".lora_B.weight") and k not in done]
     if left:
         raise RuntimeError(f"no peft scaling found for {left[:3]}")  # a peft change: fail loud, never mis-scale
-    config = {**config, "lora_alpha": config["r"], "alpha_pattern": dict(config.get("rank_pattern") or {})}
+    config = {**config, "lora_alpha": config["r"], "alpha_pattern": dict(config.get("rank_pattern") or {}),
+              "use_rslora": False}  # each module's scale is in lora_B now: alpha / r = 1
     return state, config
 
 
@@ -302,11 +303,29 @@ def init_from_lora(transformer, lora: str | Path, adapter_name: str = ADAPTER) -
                         f"{len(mine)} (e.g. only in the file: {sorted(set(ranks) - mine)[:3]}, only in the config: "
                         f"{sorted(mine - set(ranks))[:3]}); set the file's modules: --set "
                         f"'train.lora.target_modules={_target_list(transformer, set(ranks))}'")
-    file_alpha = (config or {}).get("lora_alpha", peft_cfg.r)
-    factor = float(file_alpha) / float(peft_cfg.lora_alpha)
-    if factor != 1.0:
-        state = {k: v * factor if k.endswith(".lora_B.weight") else v for k, v in state.items()}
+    # per module: the file's scale (its alpha_pattern, use_rslora) over the adapter's own (peft's `scaling`)
+    factors = {m: module_scale(m, r, config) / float(transformer.get_submodule(m).scaling[adapter_name])
+               for m, r in ranks.items()}
+    state = {k: v * factors[k[: -len(".lora_B.weight")]] if k.endswith(".lora_B.weight") else v
+             for k, v in state.items()}
     load_lora(transformer, lora, adapter_name, state={k: v.float() for k, v in state.items()})
+
+
+def module_scale(module: str, rank: int, config: dict | None) -> float:
+    """The scale peft applies to one module of a saved adapter (what diffusers' loader rebuilds from the file's
+    config): alpha (its `alpha_pattern` matched by peft's own rule, else `lora_alpha`) / rank, or / sqrt(rank)
+    with `use_rslora`. A file without a config (converted, alpha baked into the weights): 1."""
+    import math
+
+    if not config:
+        return 1.0
+    from peft.utils.other import get_pattern_key
+
+    alpha = float(config.get("lora_alpha", rank))
+    patterns = config.get("alpha_pattern") or {}
+    if patterns:
+        alpha = float(patterns.get(get_pattern_key(list(patterns), module), alpha))
+    return alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
 
 
 def _target_list(transformer, modules: set[str]) -> str:

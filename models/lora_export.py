@@ -20,13 +20,12 @@ how the export is tested. Only plain LoRA exports: DoRA / LoHa / LoKr have no su
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
-from models.lora import read_lora
+from models.lora import module_scale, read_lora
 from schemas.errors import UserError
 
 COMFY_PREFIX = "diffusion_model."
@@ -36,14 +35,9 @@ FORMATS = ("comfyui",)
 
 
 def _alpha(module: str, rank: int, config: dict | None) -> float:
-    """The module's alpha as peft resolves it: alpha_pattern (regex / suffix match), else lora_alpha; a file
-    without a config (converted, alpha baked in) has alpha = rank."""
-    if not config:
-        return float(rank)
-    for pattern, value in (config.get("alpha_pattern") or {}).items():
-        if re.fullmatch(f".*\\.{pattern}$", module) or module == pattern:
-            return float(value)
-    return float(config.get("lora_alpha", rank))
+    """The `.alpha` that makes ComfyUI's alpha / rank the scale peft applies to the module (`module_scale`:
+    alpha_pattern, use_rslora); a file without a config (converted, alpha baked in) has alpha = rank."""
+    return module_scale(module, rank, config) * rank
 
 
 def comfyui_state_dict(lora: str | Path) -> dict[str, torch.Tensor]:

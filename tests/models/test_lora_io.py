@@ -91,3 +91,51 @@ def test_saved_adapter_config_reads_back_and_attach_rebuilds_the_same_adapter(ti
     q_src, q_dst = src.transformer_blocks[0].attn.to_q, dst.transformer_blocks[0].attn.to_q
     x = torch.randn(2, q_src.in_features)
     assert torch.equal(q_src(x), q_dst(x))
+
+
+def test_rslora_and_alpha_pattern_files_export_and_init_with_the_scale_diffusers_reads(tiny_edit_model, tmp_path):
+    """A diffusers LoRA written by another trainer with `use_rslora` (scale alpha / sqrt(r)) and an
+    `alpha_pattern`: diffusers' own loader applies peft's per-module scale; the ComfyUI export (alpha / rank in
+    ComfyUI) and `train.init_lora` now start from the same deltas (both took alpha / r of `lora_alpha`: 0.5x
+    or 2x the delta on every module here)."""
+    import warnings
+
+    from diffusers import QwenImageEditPipeline
+    from peft import LoraConfig as PeftLoraConfig
+
+    from models.lora import init_from_lora
+    from models.lora_export import export_lora
+
+    def deltas(model, adapter):
+        return {n: m.get_delta_weight(adapter) for n, m in model.named_modules() if hasattr(m, "get_delta_weight")}
+
+    src = load_component(tiny_edit_model, "transformer", dtype=torch.float32)
+    src.add_adapter(PeftLoraConfig(r=4, lora_alpha=8, use_rslora=True, alpha_pattern={"to_k": 2.0},
+                                   target_modules=["to_q", "to_k", "to_v", "to_out.0"]), adapter_name="default")
+    g = torch.Generator().manual_seed(0)
+    for n, p in src.named_parameters():
+        if "lora_" in n:
+            p.data = torch.randn(p.shape, generator=g) * 0.1
+    save_lora(src, tmp_path / "lora")
+    ref = deltas(src, "default")
+
+    pipe = QwenImageEditPipeline.from_pretrained(tiny_edit_model)
+    pipe.load_lora_weights(tmp_path / "lora", adapter_name="ref")  # the reference reader of the file
+    theirs = deltas(pipe.transformer, "ref")
+    assert theirs.keys() == ref.keys()
+    for n in ref:
+        torch.testing.assert_close(theirs[n], ref[n], rtol=1e-6, atol=1e-7)
+
+    comfy = load_file(export_lora(tmp_path / "lora", "comfyui", tmp_path / "comfy.safetensors"))
+    for n in ref:  # ComfyUI: up @ down * alpha / rank
+        up, down = comfy[f"diffusion_model.{n}.lora_up.weight"], comfy[f"diffusion_model.{n}.lora_down.weight"]
+        torch.testing.assert_close(up @ down * (float(comfy[f"diffusion_model.{n}.alpha"]) / down.shape[0]), ref[n],
+                                   rtol=1e-5, atol=1e-6)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mine = _lora_transformer(tiny_edit_model, LoraConfig(rank=4, alpha=4))
+    init_from_lora(mine, tmp_path / "lora")
+    started = deltas(mine, "default")
+    for n in ref:
+        torch.testing.assert_close(started[n], ref[n], rtol=1e-5, atol=1e-6)
