@@ -182,10 +182,14 @@ def test_lora_from_a_quantized_base_loads_on_the_plain_base(quantize, store_dir,
         assert torch.equal(loaded[name].detach(), value), key
 
 
-@pytest.mark.parametrize("quantize", ["none", "int8"])
+@pytest.mark.parametrize("quantize", ["none", "int8", "nf4"])
 def test_offloaded_blocks_train_the_same_lora(quantize, store_dir, tiny_edit_model, tmp_path):
-    """offload=blocks (storage and compute on the CPU, every onload a real copy) = no offload, bit for bit."""
+    """offload=blocks (storage and compute on the CPU, every onload a real copy) = no offload, bit for bit.
+    (nf4: the offloaded weights lost their NF4 statistics and the first forward failed.)"""
     from models.offload import BlockOffloader
+
+    if quantize == "nf4":
+        pytest.importorskip("bitsandbytes")
 
     base = {"train.device": "cpu", "train.max_steps": 2, "train.batch_size": 2, "train.learning_rate": 2e-3,
             "train.lora.rank": 4, "train.gradient_checkpointing": True, "train.quantize_base": quantize}
