@@ -39,3 +39,20 @@ def test_out_of_memory_in_one_ranks_backward_stops_every_rank(tiny_edit_model, t
 def test_one_rank_failing_to_open_encode_inputs_stops_every_rank(tiny_edit_model, edit_store) -> None:
     line = _same_line_everywhere(_launch("encode-open", str(edit_store), tiny_edit_model))
     assert "rank 1 cannot hold a read lease" in line, line
+
+
+def test_a_run_folder_another_train_is_writing_stops_every_rank(tiny_edit_model, tmp_path) -> None:
+    """Only rank 0 takes the run folder's lock: refused there, it must not leave rank 1 waiting for it at the
+    opening of the store (before: rank 1 died of gloo's "connection closed", or waited for NCCL's timeout)."""
+    from store import format as fmt
+    from stages.train.guard import lock_run_dir
+
+    store = tmp_path / "store"
+    make_train_store(store, tiny_edit_model, mixed_specs(8))
+    held = lock_run_dir(tmp_path / "run")  # another `train` into the same --out
+    try:
+        line = _same_line_everywhere(_launch("train-locked", str(store), tiny_edit_model, str(tmp_path / "run")))
+    finally:
+        held.release()
+    assert "is being written by" in line and str(tmp_path / "run") in line, line
+    assert not (tmp_path / "run" / "checkpoints").exists()
