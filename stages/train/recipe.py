@@ -202,10 +202,13 @@ def setup(cfg: PipelineConfig, store: str | Path, model: str, out: str | Path, r
             prepare_run_dir(r, cfg)
 
     r.transformer = setup_transformer(model, tc, r.device)
-    if r.main:  # which attention kernel this run uses and why (a failed packed probe's error included)
-        from models.attention import attention_record
+    # which attention kernel this run uses and why (a failed packed probe's error included); rank 0 writes it,
+    # every rank learns whether it could (the others would otherwise wait for it in DDP's first broadcast)
+    with together(r.world, "attention.json"), guard.one_line_errors("attention.json", r.run_dir):
+        if r.main:
+            from models.attention import attention_record
 
-        atomic_write_json(r.run_dir / "attention.json", attention_record(r.transformer))
+            atomic_write_json(r.run_dir / "attention.json", attention_record(r.transformer))
     check_shapes(tables, r.transformer)
     build_training(r, store, model, latest, resumed)
     r.bar = tqdm(total=tc.max_steps, initial=r.step, desc="train", unit="step", disable=not r.main, dynamic_ncols=True)

@@ -57,6 +57,8 @@ def main() -> None:
          lambda: recipe.run(load_config(None, {**train, "train.checkpoint_every": 100}), train_store, model, out / "b"))
     case("run folder", train_start, "atomic_write_bytes", lambda real: enospc,
          lambda: recipe.run(load_config(None, train), train_store, model, out / "c"))
+    case("attention record", recipe, "atomic_write_json", lambda real: enospc,
+         lambda: recipe.run(load_config(None, train), train_store, model, out / "d"))
     case("commit", writer_commit, "write_version_checksums", lambda real: enospc,
          lambda: encode_vae.run(load_config(None, {"encode_vae.device": "cpu"}), encode_store, model))
 
