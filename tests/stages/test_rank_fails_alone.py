@@ -56,3 +56,11 @@ def test_a_run_folder_another_train_is_writing_stops_every_rank(tiny_edit_model,
         held.release()
     assert "is being written by" in line and str(tmp_path / "run") in line, line
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_a_device_list_shorter_than_the_processes_stops_every_rank(tiny_edit_model, edit_store) -> None:
+    """`encode_vae.device=[cpu]` for two processes: local rank 1 has no device. Every rank of the node knows the
+    list is short (LOCAL_WORLD_SIZE), so all stop with the same line; before, only rank 1 was refused and rank 0
+    waited for it at the opening of the inputs (gloo: "connection closed"; NCCL: until the timeout)."""
+    line = _same_line_everywhere(_launch("encode-devices", str(edit_store), tiny_edit_model))
+    assert "encode_vae.device: 1 device(s) listed" in line and "2 processes" in line, line
