@@ -9,6 +9,7 @@ are the test's):
                                                     collective)
     rank_fails_alone.py encode-devices STORE MODEL  one device listed for two processes: only local rank 1 has
                                                     none (before any collective)
+    rank_fails_alone.py encode-skip STORE MODEL F   encode-vae with on_damaged=skip, max_damaged_fraction F
     rank_fails_alone.py train-locked STORE MODEL OUT train into a run folder another process is writing: only
                                                     rank 0 takes the run folder's lock, so only rank 0 is refused
 """
@@ -50,6 +51,9 @@ def main() -> None:
     elif case == "encode-devices":
         sys.argv = ["pipeline", "run", "encode-vae", "--store", store, "--model", model,
                     "--set", "encode_vae.device=[cpu]"]
+    elif case == "encode-skip":  # sys.argv[4]: encode_vae.max_damaged_fraction
+        sys.argv = ["pipeline", "run", "encode-vae", "--store", store, "--model", model, "--device", "cpu",
+                    "--set", "encode_vae.on_damaged=skip", "--set", f"encode_vae.max_damaged_fraction={sys.argv[4]}"]
     elif case == "train-locked":
         sys.argv = ["pipeline", "run", "train", "--store", store, "--model", model, "--out", sys.argv[4],
                     "--device", "cpu", "--max-steps", "2", "--batch-size", "2", "--set", "train.lora.rank=4"]
