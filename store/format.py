@@ -6,6 +6,7 @@ The format name and version are defined here once and checked on every open.
 from __future__ import annotations
 
 import fcntl
+import glob
 import io
 import json
 import os
@@ -119,7 +120,7 @@ def atomic_dir(final: Path, tmp: Path | None = None) -> Iterator[Path]:
     final = Path(final)
     tmp = Path(tmp) if tmp is not None else final.with_name(f".{final.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    for left in final.parent.glob(f".{final.name}.deleting-*"):  # an old folder a killed swap did not finish removing
+    for left in final.parent.glob(f".{glob.escape(final.name)}.deleting-*"):  # an old folder a killed swap did not finish removing
         shutil.rmtree(left, ignore_errors=True)
     tmp.mkdir(parents=True)
     old = None
