@@ -57,19 +57,23 @@ def test_a_launch_stopped_by_sigterm_ends_in_one_line(tiny_edit_model, tmp_path)
     make_train_store(store, tiny_edit_model, mixed_specs(8))
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     env.pop("WORLD_SIZE", None)
-    p = subprocess.Popen(
-        [sys.executable, "-m", "pipeline.cli", "launch", "--nproc-per-node", "2", "run", "train", "--store", str(store),
-         "--model", tiny_edit_model, "--out", str(run), "--device", "cpu", "--max-steps", "100000", "--batch-size", "2",
-         "--set", "train.lora.rank=4", "--set", "train.checkpoint_every=1"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log = tmp_path / "launch.log"  # a file, not a pipe nobody reads while waiting (a full pipe blocks the ranks)
+    with open(log, "w") as stderr:
+        p = subprocess.Popen(
+            # --standalone: a free port (torchrun's default 29500 may be another test's on a shared machine)
+            [sys.executable, "-m", "pipeline.cli", "launch", "--standalone", "--nproc-per-node", "2", "run", "train",
+             "--store", str(store), "--model", tiny_edit_model, "--out", str(run), "--device", "cpu", "--max-steps", "100000",
+             "--batch-size", "2", "--set", "train.lora.rank=4", "--set", "train.checkpoint_every=1"],
+            env=env, stdout=subprocess.DEVNULL, stderr=stderr, text=True)
     try:
-        deadline = time.monotonic() + 240  # a bound for a launch that never gets going, not a timing assertion
+        deadline = time.monotonic() + 400  # a bound for a launch that never gets going, not a timing assertion
         while not (run / "checkpoints" / "step-1").is_dir() and p.poll() is None and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert p.poll() is None and (run / "checkpoints" / "step-1").is_dir()
+        assert p.poll() is None and (run / "checkpoints" / "step-1").is_dir(), log.read_text()[-3000:]
         p.send_signal(signal.SIGTERM)
-        out, err = p.communicate(timeout=240)
+        p.wait(timeout=240)
     finally:
         p.kill()
+    err = log.read_text()
     assert p.returncode == 128 + signal.SIGTERM, err[-3000:]
     assert "SignalException" not in err and "error: pipeline.cli stopped by SIGTERM" in err, err[-3000:]
