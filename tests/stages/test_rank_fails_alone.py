@@ -44,7 +44,6 @@ def test_one_rank_failing_to_open_encode_inputs_stops_every_rank(tiny_edit_model
 def test_a_run_folder_another_train_is_writing_stops_every_rank(tiny_edit_model, tmp_path) -> None:
     """Only rank 0 takes the run folder's lock: refused there, it must not leave rank 1 waiting for it at the
     opening of the store (before: rank 1 died of gloo's "connection closed", or waited for NCCL's timeout)."""
-    from store import format as fmt
     from stages.train.guard import lock_run_dir
 
     store = tmp_path / "store"
