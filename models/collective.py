@@ -126,6 +126,17 @@ def all_max(world: int, values: list[int]) -> list[int]:
     return [int(v) for v in t.tolist()]
 
 
+def all_sum(world: int, values: list[int]) -> list[int]:
+    """Each value's sum over every rank (integers only); one process: `values`."""
+    if world <= 1:
+        return list(values)
+    import torch.distributed as dist
+
+    t = torch.tensor(values, dtype=torch.int64, device=_device())
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return [int(v) for v in t.tolist()]
+
+
 def share_failure(world: int, error: BaseException | None, what: str = "") -> None:
     """The failure path of a rank that left the steps it shares with the others (an error in its own part of
     the work): publish it through the launcher's store, so the other ranks stop at once with this message

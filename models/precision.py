@@ -74,9 +74,12 @@ def device_for_rank(spec: DeviceSpec, rank: int | None = None, world_size: int |
     if isinstance(spec, (list, tuple)):
         if not spec:
             raise UserError(f"{what}: an empty device list; give one device per rank, e.g. [cuda:0, cuda:1]")
-        if rank >= len(spec):
-            raise UserError(f"{what}: {len(spec)} device(s) listed ({list(spec)}) but this is local rank {rank}: "
-                            "list one device per process")
+        # Judged by the node's process count (the launcher's LOCAL_WORLD_SIZE), not by this rank's index: then
+        # every rank refuses alike, before any collective, instead of one rank leaving the others waiting for it.
+        local_world = max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), rank + 1)
+        if local_world > len(spec):
+            raise UserError(f"{what}: {len(spec)} device(s) listed ({list(spec)}) for {local_world} processes on "
+                            "this node: list one device per process")
         return str(spec[rank])
     if spec == "cuda" and world_size > 1:
         return f"cuda:{rank}"

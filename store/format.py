@@ -6,6 +6,7 @@ The format name and version are defined here once and checked on every open.
 from __future__ import annotations
 
 import fcntl
+import glob
 import io
 import json
 import os
@@ -109,15 +110,20 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
 @contextmanager
 def atomic_dir(final: Path, tmp: Path | None = None) -> Iterator[Path]:
     """Yield a fresh temp folder beside `final`; when the block ends without error, fsync everything in it and
-    rename it to `final` (an existing `final` is renamed aside and removed first), so a reader sees the old
-    folder or the complete new one, never a half-written one. On error the temp folder is removed.
+    rename it to `final` (an existing `final` is renamed aside, the new one renamed in, then the old one removed:
+    a kill during that removal leaves the new folder in place, and the next swap of `final` removes the rest), so a
+    reader sees the old folder or the complete new one, never a half-written one. On error the temp folder is
+    removed.
 
     The one folder-level commit of the project: checkpoints, the final LoRA, merged models, demo data. `tmp`
     names the temp folder when other processes must find it (checkpoint RNG files of every rank)."""
     final = Path(final)
     tmp = Path(tmp) if tmp is not None else final.with_name(f".{final.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
+    for left in final.parent.glob(f".{glob.escape(final.name)}.deleting-*"):  # an old folder a killed swap did not finish removing
+        shutil.rmtree(left, ignore_errors=True)
     tmp.mkdir(parents=True)
+    old = None
     try:
         yield tmp
         for p in sorted(tmp.rglob("*")):
@@ -127,12 +133,16 @@ def atomic_dir(final: Path, tmp: Path | None = None) -> Iterator[Path]:
         if final.exists():
             old = final.with_name(f".{final.name}.deleting-{os.getpid()}")
             os.rename(final, old)
-            shutil.rmtree(old)
-        os.rename(tmp, final)
+        os.rename(tmp, final)  # the new folder in place before the old one's (maybe long) removal
         fsync_dir(final.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None and not final.exists():  # failed between the two renames: the old folder back
+            os.rename(old, final)
         raise
+    if old is not None:
+        crash_point("atomic_dir_removing_old")
+        shutil.rmtree(old)
 
 
 def link_or_copy(src: Path, dst: Path) -> None:

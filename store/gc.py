@@ -2,7 +2,9 @@
 
 Kept: each table's current version (store.json) and, transitively, the versions named in a kept version's
 lineage `upstream` (evaluate reads the `images` version its `vae` table was built from). Removed: every other
-complete version, and incomplete versions whose table has no live writer (a writer holds `.write-rNN.lock`).
+complete version, and incomplete versions whose table has no live writer (a writer holds `.write-rNN.lock`);
+while a table has a live writer, its versions past the current one are kept, complete or not (a commit writes
+the manifest, then switches store.json: in between, the version is complete and not yet current).
 Carried-forward samples live in hard links inside the version that uses them, so removing an older version
 never takes bytes a kept version needs. Kept as well: every version a live read lease names (a training or an
 encode stage still reading a version that is no longer current, `store/lease.py`), with its upstream; the files
@@ -89,9 +91,13 @@ def plan(root: Path) -> GcPlan:
     for table_dir in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
         out.leftovers += sorted(p for p in table_dir.iterdir() if p.name.endswith(DELETING_SUFFIX))
         active = _writer_active(table_dir)
+        newest_current = current.get(table_dir.name, 0)
         for v in fmt.list_versions(root, table_dir.name):
             vdir = fmt.version_dir(root, table_dir.name, v)
-            if (table_dir.name, v) in keep or (active and not fmt.is_complete(vdir)):
+            # A live writer's version: still being filled, or complete (its manifest written) and about to become
+            # current (store.json is switched next, store/writer_commit.py). Writers only ever create versions
+            # past the newest, so with a writer live every version past the current one is kept.
+            if (table_dir.name, v) in keep or (active and (not fmt.is_complete(vdir) or v > newest_current)):
                 continue
             out.remove.append(vdir)
     out.nbytes = sum(_freed(p) for p in out.remove + out.leftovers)

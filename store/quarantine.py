@@ -7,6 +7,7 @@ store (a URL and its caches, several nodes) merge their rows by the same rule (`
 from __future__ import annotations
 
 import json
+import os
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterable
@@ -51,7 +52,7 @@ def merge_into(root: Path, rows: pa.Table) -> int:
     how many were new."""
     path = root / fmt.QUARANTINE
     with fmt.flock(root / fmt.STORE_LOCK):
-        old = pq.read_table(path) if path.is_file() else None
+        old = _read(path) if path.is_file() else None
         merged, added = merged_rows(old, rows)
         if added:
             fmt.atomic_write_parquet(path, merged)
@@ -92,4 +93,42 @@ def read(root: Path) -> pa.Table:
     path = root / fmt.QUARANTINE
     if not path.is_file():
         return pa.table({c: pa.array([], pa.string()) for c in BASE_COLUMNS})
-    return pq.read_table(path)
+    return _read(path)
+
+
+def _read(path: Path) -> pa.Table:
+    """The file's rows; a damaged file is one line naming the fix (every append would otherwise end in pyarrow's
+    traceback: an encode that rejected a sample could never commit)."""
+    table, why = _load(path)
+    if table is None:
+        raise UserError(f"{path} is damaged ({why}); run `pipeline store repair {path.parent}` (it sets the file "
+                        "aside), then rerun")
+    return table
+
+
+def _load(path: Path) -> tuple[pa.Table | None, str]:
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowException, OSError, ValueError) as e:
+        return None, " ".join(str(e).splitlines()) or type(e).__name__
+    missing = sorted({"key", *REQUIRED} - set(table.column_names))
+    return (table, "") if not missing else (None, f"missing columns {missing}")
+
+
+def problem(root: Path) -> str | None:
+    """What is wrong with STORE/quarantine.parquet (unreadable, required columns missing), or None."""
+    path = root / fmt.QUARANTINE
+    return None if not path.is_file() else _load(path)[1] or None
+
+
+def set_aside(root: Path) -> Path:
+    """Move a damaged quarantine.parquet out of the way (kept for inspection as `quarantine.parquet.damaged[-N]`):
+    the stages append to a fresh one. Under the store lock, as every append."""
+    with fmt.flock(root / fmt.STORE_LOCK):
+        n, aside = 1, root / f"{fmt.QUARANTINE}.damaged"
+        while aside.exists():
+            n += 1
+            aside = root / f"{fmt.QUARANTINE}.damaged-{n}"
+        os.replace(root / fmt.QUARANTINE, aside)
+        fmt.fsync_dir(root)
+    return aside

@@ -29,7 +29,7 @@ import pyarrow.compute as pc
 from schemas.errors import UserError
 from schemas.table import TableSchema
 from store import format as fmt
-from store import integrity
+from store import integrity, quarantine
 from store.checksum import file_crc
 from store.manifest import merge_indexes
 from store.manifest_view import read_schema
@@ -68,6 +68,7 @@ class RepairPlan:
     current: dict[str, int] = field(default_factory=dict)
     litter: list[Path] = field(default_factory=list)
     tables: list[TablePlan] = field(default_factory=list)
+    quarantine: str | None = None  # what is wrong with quarantine.parquet (then set aside)
 
 
 # ---------------------------------------------------------------- scanning
@@ -198,6 +199,7 @@ def scan(root: Path, progress: bool = True, order: Sequence[str] = ()) -> Repair
     plan.current, plan.store_json = _current_versions(root)
     # temp files of a killed atomic write of store.json (`.store.json.tmp-<pid>`) whose writer is gone
     plan.litter += [p for p in sorted(root.iterdir()) if p.is_file() and fmt.is_litter(p.name) and not _pid_alive(p.name)]
+    plan.quarantine = quarantine.problem(root)
     rank = {t: i for i, t in enumerate(order)}
     for table in sorted(plan.current, key=lambda t: (rank.get(t, len(rank)), t)):
         for v in fmt.list_versions(root, table):
@@ -228,6 +230,9 @@ def describe(plan: RepairPlan) -> list[str]:
                      + ", ".join(f"{t} v{v}" for t, v in sorted(plan.current.items())) + " (newest intact versions)")
     for p in plan.litter:
         lines.append(f"remove leftover temp file {p}")
+    if plan.quarantine:
+        lines.append(f"{fmt.QUARANTINE}: {plan.quarantine} -> set aside as {fmt.QUARANTINE}.damaged (the rejected "
+                     "inputs it listed are no longer listed; the stages record new rejections in a fresh file)")
     for t in plan.tables:
         name = f"{t.table} v{t.version}"
         if t.unrepairable:
@@ -267,6 +272,8 @@ def apply(plan: RepairPlan, recompute: Recompute | None, echo: Callable[[str], N
         echo("store.json rebuilt")
     for p in plan.litter:
         p.unlink(missing_ok=True)
+    if plan.quarantine:
+        echo(f"{fmt.QUARANTINE} set aside as {quarantine.set_aside(root).name}")
     st = Store(root, create=False)
     for t in plan.tables:
         if t.unrepairable:

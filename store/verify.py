@@ -65,14 +65,8 @@ def verify_store(root: Path, progress: bool = True) -> list[str]:
                 if damage:
                     integrity.record_damage(vdir, problems=damage)
     problems += [f"{p.name}: {LITTER_NOTE}" for p in sorted(root.iterdir()) if p.is_file() and fmt.is_litter(p.name)]
-    if (root / fmt.QUARANTINE).is_file():
-        try:
-            cols = set(quarantine.read(root).column_names)
-            missing = sorted({"key", "source", "stage", "reason"} - cols)
-            if missing:
-                problems.append(f"{fmt.QUARANTINE}: missing columns {missing}")
-        except Exception as e:  # noqa: BLE001 - any unreadable parquet is one reported problem
-            problems.append(f"{fmt.QUARANTINE}: unreadable ({e})")
+    if (bad := quarantine.problem(root)) is not None:
+        problems.append(f"{fmt.QUARANTINE}: {bad} (`store repair` sets it aside)")
     return problems
 
 

@@ -54,6 +54,7 @@ def commit_local(writer: TableWriter, allow_empty: bool) -> int:
         write_version_checksums(vdir, manifest, manifest_bytes)
         fmt.atomic_write_bytes(vdir / fmt.MANIFEST, manifest_bytes)  # version complete from here on
     fmt.crash_point("after_manifest")
+    fmt.pause_point("commit_after_manifest")
     writer.store.set_current(table, version)
     writer.close()
     return version

@@ -4,10 +4,13 @@ The same as `torchrun [TORCHRUN OPTIONS] -m pipeline.cli COMMAND ...` (torchrun'
 its first non-option argument starts the command), except when a rank fails: every rank has
 already printed the same `error: ...` line (models/collective.py), and torchrun would then end in its own
 `ChildFailedError` traceback and summary box, which says nothing more. Here the launcher's failure is one line
-(which ranks exited how) and exit status 1.
+(which ranks exited how) and exit status 1; stopped by a signal (a scheduler's SIGTERM, Ctrl-C), it is one line
+too and exit status 128 + the signal, torchrun having stopped every rank (its agent raised SignalException).
 """
 
 from __future__ import annotations
+
+import signal
 
 import typer
 
@@ -16,6 +19,7 @@ LAUNCH_SETTINGS = {"allow_extra_args": True, "ignore_unknown_options": True, "he
 
 
 def command(ctx: typer.Context) -> None:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
@@ -39,3 +43,9 @@ def command(ctx: typer.Context) -> None:
         typer.secho(f"error: {e.name} stopped: {failed} (the ranks' own error is the line above)",
                     fg=typer.colors.RED, err=True)
         raise typer.Exit(1) from None
+    except SignalException as e:  # SIGTERM (a scheduler's preemption) or Ctrl-C: torchrun's agent has stopped the ranks
+        name = signal.Signals(e.sigval).name
+        typer.secho(f"error: {args.training_script} stopped by {name}: every rank was sent {name} and has "
+                    "ended (what they committed stays: rerun with --resume to continue from the last checkpoint)",
+                    fg=typer.colors.RED, err=True)
+        raise typer.Exit(128 + int(e.sigval)) from None

@@ -142,7 +142,7 @@ def repair(
                             "rebuild it from; pass the store folder (the one `pipeline run` wrote)")
         for line in rp.describe(plan):
             echo(line)
-        todo = plan.store_json or plan.litter or any(t.needs_repair or t.unrepairable for t in plan.tables)
+        todo = plan.store_json or plan.litter or plan.quarantine or any(t.needs_repair or t.unrepairable for t in plan.tables)
         if not todo or dry_run:
             if url is not None and not dry_run and (done := replaced_here(store)):  # what a killed repair finished
                 echo(f"{url}: publishing the repair of {', '.join(f'{t} v{v}' for t, v in done)} an earlier, "

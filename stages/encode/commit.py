@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from stages.encode.intake import flush_quarantine
+from stages.encode.intake import check_damaged_total, flush_quarantine
 from stages.encode.output import rank_shard_sizes
 from stages.encode.summary import Summary
 
@@ -33,6 +33,7 @@ def finish(job: EncodeJob) -> Summary:
             size - job.shard_sizes_before.get(name, 0) for name, size in rank_shard_sizes(job).items()
         )
         job.images.stop_check_ahead()
+    check_damaged_total(job)  # every rank past the barrier above: the same sums, the same verdict
     with together(world, f"{stage}: the commit of table '{job.summary.table}'"):
         if job.ranks.rank == 0:
             job.summary.version = job.writer.commit(allow_empty=False)

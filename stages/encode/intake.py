@@ -62,13 +62,32 @@ def accepted(job: EncodeJob, prepared: Iterable[T | Rejected], bar: "SampleProgr
 
 
 def _damaged_input(job: EncodeJob, key: str, problem: str) -> None:
+    """The limit is the table's (`max_damaged_fraction` of every sample), as for one process: a rank stops early
+    only when its own count alone is over it; the sum over the ranks is judged by all of them at the end
+    (`check_damaged_total`). Judged against a rank's share, damage that sits in one shard (a share is whole
+    shards) stopped an encode with more ranks that one process finishes."""
     job.summary.damaged[key] = problem
-    n, total = len(job.summary.damaged), max(job.total, 1)
+    n, total = len(job.summary.damaged), max(len(job.images), job.total, 1)
     if n > job.max_damaged_fraction * total:
-        section = job.summary.stage.replace("-", "_")
-        raise UserError(
-            f"{n} of {total} samples of table 'images' v{job.images.version} in {job.store.root} are damaged, "
-            f"more than {section}.max_damaged_fraction {job.max_damaged_fraction} (e.g. {problem})")
+        raise _over_limit(job, n, total, f" (e.g. {problem})")
+
+
+def check_damaged_total(job: EncodeJob) -> None:
+    """Every rank, after its last shard: the damaged inputs summed over the ranks against the table's limit;
+    every rank reaches the same verdict from the same sums (models/collective.py: only integers travel)."""
+    from models.collective import RankFailed, all_sum
+
+    if job.ranks.world_size <= 1:
+        return  # judged as each sample came (`_damaged_input`)
+    n, total = all_sum(job.ranks.world_size, [len(job.summary.damaged), 0 if job.ranks.rank else len(job.images)])
+    if n > job.max_damaged_fraction * max(total, 1):  # known to every rank alike: nothing to publish
+        raise RankFailed(str(_over_limit(job, n, total, f" (listed in {job.store.root / 'quarantine.parquet'})")))
+
+
+def _over_limit(job: EncodeJob, n: int, total: int, example: str) -> UserError:
+    section = job.summary.stage.replace("-", "_")
+    return UserError(f"{n} of {total} samples of table 'images' v{job.images.version} in {job.store.root} are "
+                     f"damaged, more than {section}.max_damaged_fraction {job.max_damaged_fraction}{example}")
 
 
 def flush_quarantine(job: EncodeJob) -> None:

@@ -46,7 +46,7 @@ from typing import Any, Callable
 import torch
 from tqdm.auto import tqdm
 
-from models.collective import fails_alone
+from models.collective import fails_alone, together
 from models.flow import FlowBatch, flow_loss_of
 from schemas.config import PipelineConfig, TrainConfig
 from stages.train import guard, parallel
@@ -153,9 +153,12 @@ def run(
 
     tracker_classes(cfg.train.log_with)  # every rank, before any work: an unknown or missing tracker stops all alike
     accelerator = make_accelerator(cfg.train)
-    # One writer per run folder: a second `train` into the same OUT is refused, naming the holder.
-    run_lock = guard.lock_run_dir(Path(out)) if accelerator.is_main_process else None
-    locks = [run_lock]
+    # One writer per run folder: a second `train` into the same OUT is refused, naming the holder. Only rank 0
+    # locks, so every rank learns of its refusal here (models/collective.py), instead of waiting for it at the
+    # first collective while it exits.
+    locks: list = []
+    with together(accelerator.num_processes, "the run folder's lock"):
+        locks.append(guard.lock_run_dir(Path(out)) if accelerator.is_main_process else None)
     r = None
     try:
         r = setup(cfg, store, model, out, resume, accelerator, new_run=new_run, before_keep=before_keep, locks=locks)
@@ -193,15 +196,19 @@ def setup(cfg: PipelineConfig, store: str | Path, model: str, out: str | Path, r
     finally:
         if locks is not None:
             locks.append(r.run_lock)
-    if r.main:
-        prepare_run_dir(r, cfg)
-    accelerator.wait_for_everyone()
+    # rank 0 writes (a full disk there stops every rank with its one line); also the barrier
+    with together(r.world, "the run folder"), guard.one_line_errors("the run folder", r.run_dir):
+        if r.main:
+            prepare_run_dir(r, cfg)
 
     r.transformer = setup_transformer(model, tc, r.device)
-    if r.main:  # which attention kernel this run uses and why (a failed packed probe's error included)
-        from models.attention import attention_record
+    # which attention kernel this run uses and why (a failed packed probe's error included); rank 0 writes it,
+    # every rank learns whether it could (the others would otherwise wait for it in DDP's first broadcast)
+    with together(r.world, "attention.json"), guard.one_line_errors("attention.json", r.run_dir):
+        if r.main:
+            from models.attention import attention_record
 
-        atomic_write_json(r.run_dir / "attention.json", attention_record(r.transformer))
+            atomic_write_json(r.run_dir / "attention.json", attention_record(r.transformer))
     check_shapes(tables, r.transformer)
     build_training(r, store, model, latest, resumed)
     r.bar = tqdm(total=tc.max_steps, initial=r.step, desc="train", unit="step", disable=not r.main, dynamic_ncols=True)

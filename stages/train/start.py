@@ -91,14 +91,14 @@ def keep_previous(r: Run, why: str) -> tuple[None, None]:
     """Every rank has decided alike (from the same files); once all are past reading the old run, the main
     process moves it aside in one rename and locks the fresh folder."""
     r.accelerator.wait_for_everyone()
-    if r.main:
-        if r.before_keep is not None:
-            r.before_keep(r.run_dir)
-        r.kept_previous = previous.keep(r.run_dir)
-        r.run_lock = guard.lock_run_dir(r.run_dir)
-        tqdm.write(f"kept the previous run of {r.run_dir} (its LoRA and checkpoints) in {r.kept_previous}; "
-                   f"training afresh into {r.run_dir} ({why})")
-    r.accelerator.wait_for_everyone()
+    with together(r.world, "keeping the previous run"):  # rank 0 moves it (a failure there stops every rank)
+        if r.main:
+            if r.before_keep is not None:
+                r.before_keep(r.run_dir)
+            r.kept_previous = previous.keep(r.run_dir)
+            r.run_lock = guard.lock_run_dir(r.run_dir)
+            tqdm.write(f"kept the previous run of {r.run_dir} (its LoRA and checkpoints) in {r.kept_previous}; "
+                       f"training afresh into {r.run_dir} ({why})")
     return None, None
 
 

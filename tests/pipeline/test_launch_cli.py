@@ -40,3 +40,40 @@ def test_launch_help_and_a_missing_command_say_what_goes_where() -> None:
     r = CliRunner().invoke(app, ["launch", "--help"])
     assert r.exit_code == 0 and r.output.startswith("pipeline launch [TORCHRUN OPTIONS] COMMAND ...") \
         and "--nproc-per-node" in r.output
+
+
+def test_a_launch_stopped_by_sigterm_ends_in_one_line(tiny_edit_model, tmp_path) -> None:
+    """A scheduler's SIGTERM (preemption) to `pipeline launch`: torchrun's agent stops every rank and raised its
+    `SignalException`, a traceback from the launcher (exit 1). Now one line and 128 + SIGTERM; the ranks'
+    committed checkpoints resume. Sent once the first checkpoint is committed (the ranks are running), to a
+    training of 10^5 steps (still running then)."""
+    import signal
+    import time
+
+    sys.path.insert(0, str(REPO / "tests" / "stages"))
+    from train_store import make_train_store, mixed_specs
+
+    store, run = tmp_path / "store", tmp_path / "run"
+    make_train_store(store, tiny_edit_model, mixed_specs(8))
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    env.pop("WORLD_SIZE", None)
+    log = tmp_path / "launch.log"  # a file, not a pipe nobody reads while waiting (a full pipe blocks the ranks)
+    with open(log, "w") as stderr:
+        p = subprocess.Popen(
+            # --standalone: a free port (torchrun's default 29500 may be another test's on a shared machine)
+            [sys.executable, "-m", "pipeline.cli", "launch", "--standalone", "--nproc-per-node", "2", "run", "train",
+             "--store", str(store), "--model", tiny_edit_model, "--out", str(run), "--device", "cpu", "--max-steps", "100000",
+             "--batch-size", "2", "--set", "train.lora.rank=4", "--set", "train.checkpoint_every=1"],
+            env=env, stdout=subprocess.DEVNULL, stderr=stderr, text=True)
+    try:
+        deadline = time.monotonic() + 400  # a bound for a launch that never gets going, not a timing assertion
+        while not (run / "checkpoints" / "step-1").is_dir() and p.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert p.poll() is None and (run / "checkpoints" / "step-1").is_dir(), log.read_text()[-3000:]
+        p.send_signal(signal.SIGTERM)
+        p.wait(timeout=240)
+    finally:
+        p.kill()
+    err = log.read_text()
+    assert p.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert "SignalException" not in err and "error: pipeline.cli stopped by SIGTERM" in err, err[-3000:]

@@ -7,6 +7,11 @@ are the test's):
                                                     completes); rank 0 also serves the launch's store
     rank_fails_alone.py encode-open STORE MODEL     rank 1 cannot open encode-vae's inputs (before any
                                                     collective)
+    rank_fails_alone.py encode-devices STORE MODEL  one device listed for two processes: only local rank 1 has
+                                                    none (before any collective)
+    rank_fails_alone.py encode-skip STORE MODEL F   encode-vae with on_damaged=skip, max_damaged_fraction F
+    rank_fails_alone.py train-locked STORE MODEL OUT train into a run folder another process is writing: only
+                                                    rank 0 takes the run folder's lock, so only rank 0 is refused
 """
 
 from __future__ import annotations
@@ -41,6 +46,15 @@ def main() -> None:
         real = recipe.flow_loss_of
         if RANK == int(sys.argv[5]):
             recipe.flow_loss_of = lambda *a, **k: _OutOfMemoryInBackward.apply(real(*a, **k))
+        sys.argv = ["pipeline", "run", "train", "--store", store, "--model", model, "--out", sys.argv[4],
+                    "--device", "cpu", "--max-steps", "2", "--batch-size", "2", "--set", "train.lora.rank=4"]
+    elif case == "encode-devices":
+        sys.argv = ["pipeline", "run", "encode-vae", "--store", store, "--model", model,
+                    "--set", "encode_vae.device=[cpu]"]
+    elif case == "encode-skip":  # sys.argv[4]: encode_vae.max_damaged_fraction
+        sys.argv = ["pipeline", "run", "encode-vae", "--store", store, "--model", model, "--device", "cpu",
+                    "--set", "encode_vae.on_damaged=skip", "--set", f"encode_vae.max_damaged_fraction={sys.argv[4]}"]
+    elif case == "train-locked":
         sys.argv = ["pipeline", "run", "train", "--store", store, "--model", model, "--out", sys.argv[4],
                     "--device", "cpu", "--max-steps", "2", "--batch-size", "2", "--set", "train.lora.rank=4"]
     else:

@@ -1,6 +1,6 @@
 """Run by each of two gloo processes (tests/stages/test_rank_failures.py, not a test module itself): one rank
 fails where only it works, and both must stop with the same one line. Rank 0's writes fail with ENOSPC in
-turn in a train checkpoint, in train's final LoRA and in an encode commit (each in this process, the error
+turn in a train checkpoint, in train's final LoRA, in the run folder's first files and in an encode commit (each in this process, the error
 printed as `RESULT <case>: <line>`); then `pipeline run encode-vae` meets a damaged `images` sample in rank
 1's share only, through the CLI (its exit status and output are the test's).
 
@@ -41,7 +41,7 @@ def case(name: str, module, attr: str, failing, call) -> None:
 def main() -> None:
     train_store, model, out, encode_store, damaged_store = map(Path, sys.argv[1:6])
     from stages.encode import vae as encode_vae
-    from stages.train import recipe, saving as train_saving
+    from stages.train import recipe, saving as train_saving, start as train_start
     from stages.train import state as train_state
     from store import writer_commit
 
@@ -55,6 +55,10 @@ def main() -> None:
 
     case("final", train_saving, "save_lora", final_only,
          lambda: recipe.run(load_config(None, {**train, "train.checkpoint_every": 100}), train_store, model, out / "b"))
+    case("run folder", train_start, "atomic_write_bytes", lambda real: enospc,
+         lambda: recipe.run(load_config(None, train), train_store, model, out / "c"))
+    case("attention record", recipe, "atomic_write_json", lambda real: enospc,
+         lambda: recipe.run(load_config(None, train), train_store, model, out / "d"))
     case("commit", writer_commit, "write_version_checksums", lambda real: enospc,
          lambda: encode_vae.run(load_config(None, {"encode_vae.device": "cpu"}), encode_store, model))
 

@@ -39,3 +39,69 @@ def test_out_of_memory_in_one_ranks_backward_stops_every_rank(tiny_edit_model, t
 def test_one_rank_failing_to_open_encode_inputs_stops_every_rank(tiny_edit_model, edit_store) -> None:
     line = _same_line_everywhere(_launch("encode-open", str(edit_store), tiny_edit_model))
     assert "rank 1 cannot hold a read lease" in line, line
+
+
+def test_a_run_folder_another_train_is_writing_stops_every_rank(tiny_edit_model, tmp_path) -> None:
+    """Only rank 0 takes the run folder's lock: refused there, it must not leave rank 1 waiting for it at the
+    opening of the store (before: rank 1 died of gloo's "connection closed", or waited for NCCL's timeout)."""
+    from stages.train.guard import lock_run_dir
+
+    store = tmp_path / "store"
+    make_train_store(store, tiny_edit_model, mixed_specs(8))
+    held = lock_run_dir(tmp_path / "run")  # another `train` into the same --out
+    try:
+        line = _same_line_everywhere(_launch("train-locked", str(store), tiny_edit_model, str(tmp_path / "run")))
+    finally:
+        held.release()
+    assert "is being written by" in line and str(tmp_path / "run") in line, line
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_a_device_list_shorter_than_the_processes_stops_every_rank(tiny_edit_model, edit_store) -> None:
+    """`encode_vae.device=[cpu]` for two processes: local rank 1 has no device. Every rank of the node knows the
+    list is short (LOCAL_WORLD_SIZE), so all stop with the same line; before, only rank 1 was refused and rank 0
+    waited for it at the opening of the inputs (gloo: "connection closed"; NCCL: until the timeout)."""
+    line = _same_line_everywhere(_launch("encode-devices", str(edit_store), tiny_edit_model))
+    assert "encode_vae.device: 1 device(s) listed" in line and "2 processes" in line, line
+
+
+def test_the_damaged_input_limit_of_an_encode_is_judged_over_every_rank(tiny_edit_model, edit_store) -> None:
+    """encode on_damaged=skip with one damaged sample, in rank 1's share. Over the limit for the table: both
+    ranks stop with the same line. Then `max_damaged_fraction` between 1 / samples and 1 / (rank 1's share):
+    within the limit for the table (as one process finds), over it for rank 1's share alone. Before: rank 1
+    judged alone against its share and stopped both ranks (damage sits in shards and a rank's share is whole
+    shards: with more ranks, an encode that one process finishes failed)."""
+    from damage import flip_bit, sample_byte
+    from store import Store
+
+    with Store(edit_store).reader("images") as images:
+        keys, theirs = images.keys(), images.iter_keys(rank=1, world_size=2)
+    assert 1 < len(theirs) < len(keys)
+    flip_bit(*sample_byte(edit_store, "images", theirs[0]), 2)
+    line = _same_line_everywhere(_launch("encode-skip", str(edit_store), tiny_edit_model, str(0.5 / len(keys))))
+    assert "max_damaged_fraction" in line, line
+
+    fraction = 1 / (len(keys) - 0.5)  # 1 > fraction x share, 1 <= fraction x samples
+    (rc0, out0, err0), (rc1, out1, err1) = _launch("encode-skip", str(edit_store), tiny_edit_model, str(fraction))
+    assert rc0 == rc1 == 0, (err0[-2000:], err1[-2000:])
+    st = Store(edit_store)
+    with st.reader("vae") as vae:
+        assert sorted(vae.keys()) == sorted(k for k in keys if k != theirs[0])
+    assert theirs[0] in st.quarantine().column("key").to_pylist()
+
+
+def test_damaged_inputs_of_several_ranks_add_up_to_the_encode_limit(tiny_edit_model, edit_store) -> None:
+    """One damaged sample in each rank's share, `max_damaged_fraction` between 1 / samples and 2 / samples:
+    each rank alone is within the table's limit, the two together are over it (as one process finds): every
+    rank stops with the same line, nothing is committed."""
+    from damage import flip_bit, sample_byte
+    from store import Store
+
+    with Store(edit_store).reader("images") as images:
+        keys = images.keys()
+        shares = [images.iter_keys(rank=r, world_size=2) for r in (0, 1)]
+    for share in shares:
+        flip_bit(*sample_byte(edit_store, "images", share[0]), 2)
+    line = _same_line_everywhere(_launch("encode-skip", str(edit_store), tiny_edit_model, str(1.5 / len(keys))))
+    assert f"2 of {len(keys)} samples" in line and "max_damaged_fraction" in line, line
+    assert "vae" not in Store(edit_store).tables()

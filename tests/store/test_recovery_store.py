@@ -77,3 +77,31 @@ def test_verify_ends_with_what_to_do_for_current_and_for_old_versions(store: Sto
     assert r.exit_code == 1 and "pipeline store repair" not in last and "vae/v1 is not current" in last, last
     assert _cli("store", "gc", store.root).exit_code == 0
     assert _cli("store", "verify", store.root).exit_code == 0
+
+
+def test_a_damaged_quarantine_file_is_set_aside_by_repair(store: Store) -> None:
+    """Before: verify said "run store repair", repair said "nothing to repair: intact", and every later append of
+    a rejected input (an encode's finish) ended in pyarrow's traceback, so an encode that rejected a sample could
+    never commit."""
+    import pytest
+
+    from schemas.errors import UserError
+
+    fill(store, 2)
+    row = {"key": "k1", "source": "a.png", "stage": "encode-vae", "reason": "unreadable"}
+    store.add_quarantine([row])
+    path = store.root / "quarantine.parquet"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # a flipped byte in the middle of the parquet footer / pages
+    data[-12] ^= 0xFF
+    path.write_bytes(bytes(data))
+    r = _cli("store", "verify", store.root)
+    assert r.exit_code == 1 and "quarantine.parquet" in r.output, r.output
+    with pytest.raises(UserError, match="quarantine.parquet is damaged.*store repair"):
+        store.add_quarantine([{**row, "key": "k2"}])
+    r = _cli("store", "repair", store.root)
+    assert r.exit_code == 0 and "set aside" in r.output and "nothing to repair" not in r.output, r.output
+    assert (store.root / "quarantine.parquet.damaged").read_bytes() == bytes(data)  # kept for inspection
+    assert _cli("store", "verify", store.root).exit_code == 0
+    assert store.add_quarantine([{**row, "key": "k2"}]) == 1
+    assert store.quarantine().column("key").to_pylist() == ["k2"]

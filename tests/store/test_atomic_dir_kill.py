@@ -1,0 +1,37 @@
+"""`store.format.atomic_dir` replacing an existing folder (a resumed run's final LoRA, a merged model written
+again) killed while it removes the old one: before, the old folder was renamed aside and removed *before* the
+new one was renamed in, so a kill there (a preemption during the removal of a large merged model) left neither
+folder. A real SIGKILL at that step (STORE_CRASH_AT), then the next swap of the same folder."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+from store import format as fmt
+
+SWAP = """
+import sys
+from pathlib import Path
+from store.format import atomic_dir
+final = Path(sys.argv[1])
+with atomic_dir(final) as tmp:
+    (tmp / "weights.bin").write_bytes(b"new" * 1000)
+"""
+
+
+def test_a_kill_while_the_old_folder_is_removed_leaves_the_new_one(tmp_path) -> None:
+    final = tmp_path / "lora"
+    final.mkdir()
+    (final / "weights.bin").write_bytes(b"old" * 1000)
+    env = {**os.environ, fmt.CRASH_ENV: "atomic_dir_removing_old", "PYTHONPATH": os.pathsep.join(sys.path)}
+    p = subprocess.run([sys.executable, "-c", SWAP, str(final)], env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == -signal.SIGKILL, p.stderr[-2000:]
+    assert (final / "weights.bin").read_bytes() == b"new" * 1000
+    assert [q.name for q in tmp_path.iterdir() if q.name.startswith(".lora.deleting-")]  # the old one, left
+    with fmt.atomic_dir(final) as tmp:  # the next swap finishes the removal
+        (tmp / "weights.bin").write_bytes(b"newer")
+    assert sorted(q.name for q in tmp_path.iterdir()) == ["lora"]
+    assert (final / "weights.bin").read_bytes() == b"newer"
