@@ -16,8 +16,9 @@ def test_a_failed_launch_ends_in_one_line_per_rank_and_one_for_the_launcher(tmp_
     env.pop("WORLD_SIZE", None)
     missing = tmp_path / "no-model"
     p = subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", "launch", "--nproc-per-node", "2", "run", "train", "--store",
-         str(tmp_path / "store"), "--model", str(missing), "--out", str(tmp_path / "run"), "--device", "cpu"],
+        # --standalone: a free port (torchrun's default 29500 may be another test's on a shared machine)
+        [sys.executable, "-m", "pipeline.cli", "launch", "--standalone", "--nproc-per-node", "2", "run", "train",
+         "--store", str(tmp_path / "store"), "--model", str(missing), "--out", str(tmp_path / "run"), "--device", "cpu"],
         env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 1, p.stderr[-3000:]
     assert "Traceback" not in p.stderr + p.stdout and "ChildFailedError" not in p.stderr, p.stderr[-3000:]
