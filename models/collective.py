@@ -117,23 +117,21 @@ def together(world: int, what: str = "") -> Iterator[None]:
 
 def all_max(world: int, values: list[int]) -> list[int]:
     """Each value's maximum over every rank (integers only, like everything here); one process: `values`."""
-    if world <= 1:
-        return list(values)
-    import torch.distributed as dist
-
-    t = torch.tensor(values, dtype=torch.int64, device=_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return [int(v) for v in t.tolist()]
+    return _all_reduce(world, values, "MAX")
 
 
 def all_sum(world: int, values: list[int]) -> list[int]:
     """Each value's sum over every rank (integers only); one process: `values`."""
+    return _all_reduce(world, values, "SUM")
+
+
+def _all_reduce(world: int, values: list[int], op: str) -> list[int]:
     if world <= 1:
         return list(values)
     import torch.distributed as dist
 
     t = torch.tensor(values, dtype=torch.int64, device=_device())
-    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    dist.all_reduce(t, op=getattr(dist.ReduceOp, op))
     return [int(v) for v in t.tolist()]
 
 
