@@ -116,10 +116,13 @@ def run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> R
 
     rc = cfg.resize
     _validate(rc)
+    # an existing --store path is checked first (a file is refused by Store); a missing one is created only once
+    # the source is known to be there (a typo in --source left an empty store behind)
+    st = store if isinstance(store, Store) else Store(store) if Path(store).exists() else None
     source = _named_source(source)
     started = time.perf_counter()
-    fmt = detect_format(source)  # a source that is not there is refused before a store folder is made for it
-    st = store if isinstance(store, Store) else Store(store)
+    fmt = detect_format(source)
+    st = st if st is not None else Store(store)
     schema = images_schema(rc, content_listing_hash(source), source=str(source), source_format=fmt)
     found = _up_to_date_version(st, schema)
     if found is not None:
