@@ -29,6 +29,12 @@ def rgb_over_white(im: Image.Image) -> Image.Image:
         return im
     if "A" not in im.getbands() and "transparency" not in im.info:
         return im.convert("RGB")
-    flat = Image.new("RGBA", im.size, (255, 255, 255, 255))
+    return flattened(im, (255, 255, 255))
+
+
+def flattened(im: Image.Image, background: tuple[int, int, int]) -> Image.Image:
+    """A transparent picture composited over an opaque `background`, as RGB (the one alpha composite: the
+    encoders, evaluate and resize-bucket's decoder)."""
+    flat = Image.new("RGBA", im.size, (*background, 255))
     flat.alpha_composite(im.convert("RGBA"))
     return flat.convert("RGB")

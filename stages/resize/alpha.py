@@ -6,7 +6,7 @@ VLM sees (encode-text does the same from the stored RGBA). Every other image dec
 
 from __future__ import annotations
 
-from stages.resize.imaging import _ALPHA, Decoded, _open_oriented, _to_rgb
+from stages.resize.imaging import _ALPHA, Decoded, _open_oriented, as_rgb
 
 
 def decode_keeping_alpha(data: bytes, max_pixels: int) -> Decoded:
@@ -15,5 +15,4 @@ def decode_keeping_alpha(data: bytes, max_pixels: int) -> Decoded:
     im, notes, orientation = _open_oriented(data, max_pixels)
     if im.mode in _ALPHA or (im.mode == "P" and "transparency" in im.info):
         return Decoded(im.convert("RGBA"), notes + [f"{im.mode} kept with its alpha (RGBA)"], orientation)
-    rgb, note = _to_rgb(im, background=(255, 255, 255))
-    return Decoded(rgb, notes + ([note] if note else []), orientation)
+    return as_rgb(im, notes, orientation)

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 import numpy as np
 from PIL import Image, ImageCms, ImageOps, PngImagePlugin, UnidentifiedImageError
 
+from features.pictures import flattened
+
 ALLOWED_FORMATS = ("PNG", "JPEG", "WEBP", "TIFF", "BMP", "GIF")
 _SIXTEEN_BIT = ("I;16", "I;16L", "I;16B", "I;16N", "I")
 _ALPHA = ("RGBA", "LA", "La", "RGBa", "PA")
@@ -46,7 +48,11 @@ class Decoded:
 
 def decode_image(data: bytes, max_pixels: int) -> Decoded:
     """Bytes -> 8-bit RGB image with EXIF orientation applied; raises ImageRejected."""
-    im, notes, orientation = _open_oriented(data, max_pixels)
+    return as_rgb(*_open_oriented(data, max_pixels))
+
+
+def as_rgb(im: Image.Image, notes: list[str], orientation: int) -> Decoded:
+    """An opened, oriented picture as 8-bit RGB, transparency over white (decode_image's last step)."""
     rgb, note = _to_rgb(im, background=(255, 255, 255))
     return Decoded(rgb, notes + ([note] if note else []), orientation)
 
@@ -134,10 +140,7 @@ def _to_rgb(im: Image.Image, background: tuple[int, int, int]) -> tuple[Image.Im
     if mode == "P" and "transparency" not in im.info:
         return im.convert("RGB"), "palette converted to RGB"
     if mode in _ALPHA or mode == "P":
-        rgba = im.convert("RGBA")
-        flat = Image.new("RGBA", rgba.size, (*background, 255))
-        flat.alpha_composite(rgba)
-        return flat.convert("RGB"), f"{mode} alpha composited over {'white' if background[0] else 'black'}"
+        return flattened(im, background), f"{mode} alpha composited over {'white' if background[0] else 'black'}"
     if mode == "CMYK":
         icc = im.info.get("icc_profile")
         if icc:
