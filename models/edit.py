@@ -28,19 +28,6 @@ VAE_AREA = 1024 * 1024
 COMPONENTS = ("transformer", "text_encoder", "vae")
 
 
-def open_reference(path) -> Image.Image:
-    """A control / reference image file as it is shown: EXIF orientation applied (a phone photo stores its
-    pixels sideways with a rotation tag), as resize-bucket prepares training images and diffusers' `load_image`
-    reads files. Mode as stored (the caller converts: RGB, or RGBA kept for 2.1)."""
-    from PIL import ImageOps
-
-    image = Image.open(path)
-    try:
-        return ImageOps.exif_transpose(image)
-    except Exception:  # noqa: BLE001 - an unreadable EXIF block: the pixels as stored, as resize-bucket keeps them
-        return image
-
-
 @dataclass
 class PreparedControls:
     vl_images: list[Image.Image]  # what the text encoder sees with the prompt

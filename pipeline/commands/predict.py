@@ -56,7 +56,7 @@ def predict(cfg, model: str, images: list[Path], prompt: str, out: Path, lora: s
     """Read the control images, load the pipeline (each component on its device), edit, write OUT (PNG)."""
     from PIL import Image
 
-    from models.edit import COMPONENTS, edit, load_pipeline, open_reference
+    from models.edit import COMPONENTS, edit, load_pipeline
     from schemas.errors import UserError
 
     if not images:
@@ -71,19 +71,13 @@ def predict(cfg, model: str, images: list[Path], prompt: str, out: Path, lora: s
     if out_format == "JPEG" and model_variant(model) == "qwen-image-2.1":
         raise UserError(f"--out {out}: Qwen-Image-2.1 edits are RGBA (alpha kept) and JPEG has no alpha; name it "
                         ".png or .webp")
-    from schemas.config import ResizeConfig
-    from stages.resize.imaging import ImageRejected, decode_image
+    from features.decode import read_image_file
 
-    pil = []
-    for p in images:
-        # decoded as resize-bucket decodes the training images (EXIF orientation, alpha over white, CMYK via its
-        # ICC profile, 16-bit scaled): a cutout with a transparent background is shown as training showed them
-        try:
-            pil.append(decode_image(Path(p).read_bytes(), ResizeConfig().max_image_pixels).image)
-        except ImageRejected as e:
-            raise UserError(f"cannot read image {p}: {e}") from None
-        except OSError as e:
-            raise UserError(f"cannot read image {p}: {e}. Pass a PNG or JPEG file.") from None
+    # Decoded as resize-bucket decodes the training images (EXIF orientation, CMYK via its ICC profile, 16-bit
+    # scaled, transparency over white; 2.1 keeps it, the stock 2.1 pipeline's own handling): a phone photo is not
+    # shown on its side, a transparent cutout not on the black its transparent pixels store.
+    keep_alpha = model_variant(model) == "qwen-image-2.1"
+    pil = [read_image_file(p, keep_alpha, what="--image") for p in images]
     unknown = set(cfg.devices) - set(COMPONENTS)
     if unknown:
         raise UserError(f"predict.devices: unknown component(s) {sorted(unknown)}; use {list(COMPONENTS)}")
@@ -98,9 +92,6 @@ def predict(cfg, model: str, images: list[Path], prompt: str, out: Path, lora: s
     if model_variant(model) == "qwen-image-2.1":  # the stock 2.1 pipeline; references keep their alpha
         from models.qwen21_predict import edit_21, load_pipeline_21
 
-        pil = [open_reference(p) for p in images]
-        pil = [im.convert("RGBA") if "A" in im.getbands() or "transparency" in im.info else im.convert("RGB")
-               for im in pil]
         pipe = load_pipeline_21(model, precision.dtype, devices, lora, lora_scale, quantize=cfg.quantize_base)
         result = edit_21(pipe, pil, prompt, cfg.negative_prompt, cfg.steps, cfg.true_cfg_scale, cfg.seed, height,
                          width)

@@ -46,28 +46,27 @@ def extra_inputs_21(model: str, transformer, vae, cfg):
     composites them over white for the VLM); the report's images and scores are RGB."""
     from diffusers import QwenImage21Pipeline
 
-    from models.edit import open_reference
+    from features.decode import read_image_file
+    from features.pictures import rgb_over_white
     from models.loading import load_component, parse_dtype
     from models.qwen21_predict import edit_21
-    from schemas.errors import UserError
 
     pipe = QwenImage21Pipeline(
         scheduler=load_component(model, "scheduler"), vae=vae, processor=load_component(model, "processor"),
         text_encoder=load_component(model, "text_encoder", dtype=parse_dtype(cfg.dtype), device=cfg.device),
         transformer=transformer)
     for i, extra in enumerate(cfg.extra_prompts):
-        try:
-            refs = [open_reference(p) for p in extra.images]  # EXIF orientation applied, as predict does
-            refs = [im.convert("RGBA" if "A" in im.getbands() else "RGB") for im in refs]
-            target = open_reference(extra.target).convert("RGB") if extra.target else None
-        except OSError as e:
-            raise UserError(f"evaluate.extra_prompts[{i}]: cannot read an image ({e}); fix the path in the config")
+        # decoded as predict decodes them (features.decode: EXIF, CMYK, 16-bit; alpha kept for the 2.1 VAE)
+        refs = [read_image_file(p, keep_alpha=True, what=f"evaluate.extra_prompts[{i}] image")
+                for p in extra.images]
+        target = (read_image_file(extra.target, what=f"evaluate.extra_prompts[{i}] target")
+                  if extra.target else None)
 
         def cond(refs=refs, extra=extra):
             return edit_21(pipe, refs, extra.prompt, cfg.negative_prompt, cfg.num_inference_steps,
                            cfg.true_cfg_scale, cfg.seed, extra.height, extra.width).convert("RGB")
 
-        yield (f"extra {i + 1}", extra.prompt, [r.convert("RGB") for r in refs], target, cond, extra.height,
+        yield (f"extra {i + 1}", extra.prompt, [rgb_over_white(r) for r in refs], target, cond, extra.height,
                extra.width, dict(pipe.scheduler.config))
 
 

@@ -28,8 +28,9 @@ from PIL import Image
 from tqdm.auto import tqdm
 
 from features.damaged import read_intact
+from features.decode import read_image_file
 from features.open import open_configured
-from features.pictures import open_png, rgb_over_white
+from features.pictures import open_png
 from models.flow import flow_loss
 from models.loading import load_component, parse_dtype
 from models.lora import attach_lora, lora_weight_file
@@ -223,17 +224,15 @@ def val_rows(transformer, vae, scheduler_config: dict, samples: list[TrainSample
 def extra_prompt_inputs(model: str, transformer, vae, cfg: EvaluateConfig):
     """Each configured extra prompt through predict's stock-equivalent path (text encoder loaded once):
     (title, prompt, controls, target, conditioning, height, width, scheduler config)."""
-    from models.edit import load_pipeline, open_reference, prepare
+    from models.edit import load_pipeline, prepare
 
     pipe = load_pipeline(model, parse_dtype(cfg.dtype, cfg.device), {"text_encoder": cfg.device},
                          transformer=transformer, vae=vae)
     for i, extra in enumerate(cfg.extra_prompts):
-        try:
-            # EXIF orientation applied, transparency over white: as the training pictures were prepared
-            controls = [rgb_over_white(open_reference(p)) for p in extra.images]
-            target = rgb_over_white(open_reference(extra.target)) if extra.target else None
-        except OSError as e:
-            raise UserError(f"evaluate.extra_prompts[{i}]: cannot read an image ({e}); fix the path in the config")
+        # decoded as resize-bucket decodes the training pictures (EXIF, alpha over white, CMYK, 16-bit)
+        controls = [read_image_file(p, what=f"evaluate.extra_prompts[{i}] image") for p in extra.images]
+        target = (read_image_file(extra.target, what=f"evaluate.extra_prompts[{i}] target")
+                  if extra.target else None)
         cond, height, width = prepare(pipe, controls, extra.prompt, cfg.negative_prompt, cfg.true_cfg_scale,
                                       extra.height, extra.width)
         yield f"extra {i + 1}", extra.prompt, controls, target, cond, height, width, dict(pipe.scheduler.config)

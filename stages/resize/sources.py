@@ -42,7 +42,7 @@ from typing import Any
 from schemas.errors import UserError
 from stages.resize.shards import is_shard_list, is_url, open_shard, shard_urls
 
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".tif", ".tiff", ".bmp", ".gif")  # = imaging.ALLOWED_FORMATS
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".tif", ".tiff", ".bmp", ".gif")  # = features.decode.ALLOWED_FORMATS
 _CONTROL_DIR = re.compile(r"^control(?:_(\d+))?$")
 DEFAULT_MAX_FILE_BYTES = 1 << 30  # = ResizeConfig.max_file_bytes' default
 

@@ -28,7 +28,7 @@ from schemas.lineage import code_version
 from schemas.img_shapes import PIXELS_PER_PATCH, img_shapes_from_pixels
 from schemas.resize_sizes import sizes_in_force
 from stages.resize.bucketing import BucketRule, bucket_size, crop_box_for_aspect
-from stages.resize.imaging import Decoded, ImageRejected, decode_image, decode_mask, oriented_as
+from features.decode import Decoded, ImageRejected, decode_image, decode_keeping_alpha, decode_mask, oriented_as
 from stages.resize.render_pool import rendered_in_order
 from stages.resize.content import content_listing_hash
 from stages.resize.sources import SourceSample, detect_format, iter_source
@@ -498,12 +498,8 @@ def _decode(
     data: bytes, what: str, rec: SourceSample, key: str, file_index: int, rc: ResizeConfig, notes: list[str]
 ) -> Decoded:
     try:
-        if rc.keep_alpha:  # Qwen-Image-2.1: RGBA kept for its VAE (stages/resize/alpha.py)
-            from stages.resize.alpha import decode_keeping_alpha
-
-            d = decode_keeping_alpha(data, rc.max_image_pixels)
-        else:
-            d = decode_image(data, rc.max_image_pixels)
+        # Qwen-Image-2.1 (keep_alpha): RGBA kept for its VAE
+        d = (decode_keeping_alpha if rc.keep_alpha else decode_image)(data, rc.max_image_pixels)
     except ImageRejected as e:
         raise Rejected(e.kind, f"{what}{_where(rec, file_index)}: {e}", key=key) from None
     notes.extend(d.notes)

@@ -97,7 +97,7 @@ def test_predict_shows_a_transparent_control_as_training_did(tiny_edit_model, tm
     """A cutout (RGBA, transparent background stored as black): resize-bucket composites training images over
     white; predict dropped the alpha (`convert("RGB")`), so the model saw a black background it never trained on.
     Reference: the control as resize-bucket decodes it."""
-    from stages.resize.imaging import decode_image
+    from features.decode import decode_image
 
     rgba = np.zeros((48, 64, 4), dtype=np.uint8)
     rgba[12:36, 16:48] = (200, 30, 30, 255)  # an opaque object; the rest transparent (0, 0, 0, 0)
@@ -142,7 +142,7 @@ def test_evaluate_extra_prompts_show_a_transparent_control_as_training_did(tiny_
     from models.loading import load_component
     from pipeline.config import load_config
     from stages.evaluate.stage import extra_prompt_inputs
-    from stages.resize.imaging import decode_image
+    from features.decode import decode_image
 
     rgba = np.zeros((48, 64, 4), dtype=np.uint8)
     rgba[12:36, 16:48] = (200, 30, 30, 255)
@@ -222,3 +222,85 @@ def test_lora_merge_refuses_non_empty_out(tiny_edit_model, tmp_path):
     result = CliRunner().invoke(app, ["lora", "merge", "--model", tiny_edit_model, "--lora", str(lora),
                                       "--out", str(tmp_path / "busy")])
     assert result.exit_code == 1 and "not empty" in result.output
+
+
+def test_evaluate_extra_prompts_scale_a_16_bit_control_as_training_does(tiny_edit_model, tmp_path):
+    """A 16-bit grayscale PNG (a scan, a depth-like map) as an extra prompt's control and target. resize-bucket
+    scales it 65535 -> 255; evaluate read it with Pillow's own convert, which clips: everything above 255 came out
+    white. Both now use one decoder (features/decode.py)."""
+    from models.loading import load_component
+    from pipeline.config import load_config
+    from stages.evaluate.stage import extra_prompt_inputs
+    from features.decode import decode_image
+
+    ramp = (np.linspace(0, 65535, 48 * 64).reshape(48, 64)).astype(np.uint16)
+    scan = tmp_path / "scan16.png"
+    Image.fromarray(ramp).save(scan)  # mode I;16
+    cfg = load_config(None, {"evaluate.extra_prompts": [{"prompt": PROMPT, "images": [str(scan)],
+                                                          "target": str(scan)}]}).evaluate
+    transformer = load_component(tiny_edit_model, "transformer", dtype=torch.float32, device="cpu")
+    vae = load_component(tiny_edit_model, "vae", dtype=torch.float32, device="cpu")
+    _, _, controls, target, *_ = next(extra_prompt_inputs(tiny_edit_model, transformer, vae, cfg))
+    as_trained = np.asarray(decode_image(scan.read_bytes(), 64 * 1024 * 1024).image)
+    assert as_trained.min() == 0 and as_trained.max() == 255 and len(np.unique(as_trained)) > 200  # a real ramp
+    np.testing.assert_array_equal(np.asarray(controls[0]), as_trained)
+    np.testing.assert_array_equal(np.asarray(target), as_trained)
+
+
+def test_21_extra_prompts_keep_a_palette_cutouts_alpha_and_show_targets_over_white(tiny_21_model, tmp_path):
+    """Qwen-Image-2.1 extra prompts: a palette PNG with a transparent entry reached the 2.1 pipeline as RGB (the
+    transparent pixels as the colour they store), and a transparent target was shown in the report on black.
+    Now: the reference stays RGBA, as resize.keep_alpha stores training pictures, and the target is over white."""
+    from models.loading import load_component
+    from pipeline.config import load_config
+    from stages.evaluate.qwen21 import extra_inputs_21
+    from features.decode import decode_image, decode_keeping_alpha
+
+    pal = np.zeros((48, 64), dtype=np.uint8)
+    pal[12:36, 16:48] = 1
+    cutout = Image.fromarray(pal, "P")
+    cutout.putpalette([0, 0, 0, 200, 30, 30] + [0] * 762)
+    cutout.info["transparency"] = 0
+    ref_path = tmp_path / "palette-cutout.png"
+    cutout.save(ref_path, transparency=0)
+    rgba = np.zeros((48, 64, 4), dtype=np.uint8)
+    rgba[12:36, 16:48] = (30, 200, 30, 255)
+    target_path = tmp_path / "target.png"
+    Image.fromarray(rgba, "RGBA").save(target_path)
+    cfg = load_config(None, {"evaluate.extra_prompts": [{"prompt": PROMPT, "images": [str(ref_path)],
+                                                          "target": str(target_path)}]}).evaluate
+    transformer = load_component(tiny_21_model, "transformer", dtype=torch.float32, device="cpu")
+    vae = load_component(tiny_21_model, "vae", dtype=torch.float32, device="cpu")
+    captured = {}
+    import models.qwen21_predict as qp
+
+    def fake_edit_21(pipe, refs, *a, **k):  # what the stock pipeline is given; the generation itself is tested
+        captured["refs"] = refs
+        return Image.new("RGBA", (64, 48))
+
+    orig, qp.edit_21 = qp.edit_21, fake_edit_21
+    try:
+        _, _, shown, target, cond, *_ = next(extra_inputs_21(tiny_21_model, transformer, vae, cfg))
+        cond()
+    finally:
+        qp.edit_21 = orig
+    given = captured["refs"][0]
+    assert given.mode == "RGBA"
+    np.testing.assert_array_equal(np.asarray(given), np.asarray(decode_keeping_alpha(ref_path.read_bytes(), 1 << 22).image))
+    np.testing.assert_array_equal(np.asarray(target), np.asarray(decode_image(target_path.read_bytes(), 1 << 22).image))
+    assert np.asarray(target)[0, 0].tolist() == [255, 255, 255]  # transparent corner: white, as training shows it
+    assert np.asarray(shown[0])[0, 0].tolist() == [255, 255, 255]
+
+
+def test_predict_names_a_control_it_cannot_use(tiny_edit_model, tmp_path):
+    """A control that is not a picture, or missing: one line naming it, before any model loads."""
+    from models.loading import LOAD_LOG
+
+    junk = tmp_path / "notes.png"
+    junk.write_text("not an image")
+    for bad, why in ((junk, "cannot use --image"), (tmp_path / "missing.png", "cannot read --image")):
+        LOAD_LOG.clear()
+        result = CliRunner().invoke(app, ["predict", "--model", tiny_edit_model, "--image", str(bad), "--prompt",
+                                          PROMPT, "--out", str(tmp_path / "o.png")])
+        assert result.exit_code == 1 and why in result.output and str(bad) in result.output, result.output
+        assert LOAD_LOG == []

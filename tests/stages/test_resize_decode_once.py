@@ -1,5 +1,5 @@
 """Resize decodes each source PNG once: one open of the image, its chunks' CRCs checked over the bytes in memory
-(stages/resize/imaging.py), and a damaged chunk is still refused."""
+(features/decode.py), and a damaged chunk is still refused."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from PIL import Image
 
 from schemas.config import ResizeConfig
 from schemas.errors import Rejected
-from stages.resize import imaging
+from features import decode as imaging
 from stages.resize.sources import SourceSample
 from stages.resize.stage import _rules, render
 
@@ -79,7 +79,7 @@ def test_a_damaged_chunk_after_the_pixels_is_still_refused(damage, opens):
 def test_keep_alpha_decodes_an_opaque_image_once_to_what_decode_image_gives(opens):
     """resize.keep_alpha (Qwen-Image-2.1): an image without transparency, most of a dataset, was decoded twice
     (once to look for alpha, then again by `decode_image`)."""
-    from stages.resize.alpha import decode_keeping_alpha
+    from features.decode import decode_keeping_alpha
 
     data = with_text_chunk_after_pixels(png(noise(48, 40, seed=3)), crc_ok=True)
     kept = decode_keeping_alpha(data, 1 << 20)

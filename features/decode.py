@@ -1,4 +1,6 @@
-"""Decode and sanitise one source image: bytes in, an 8-bit RGB (or L for masks) PIL image out, or a rejection.
+"""Decode and sanitise one image: bytes in, an 8-bit RGB (RGBA kept for Qwen-Image-2.1, L for masks) PIL image
+out, or a rejection. The one decoder of users' image files: resize-bucket's sources, predict's controls and
+evaluate's extra prompts (so a picture is shown to a trained LoRA as training showed its pictures).
 
 What is done (see docs/resize-bucket.md for the table):
 - only PNG, JPEG, WebP, TIFF, BMP and GIF are opened (no plugin that shells out, e.g. EPS);
@@ -11,6 +13,8 @@ What is done (see docs/resize-bucket.md for the table):
   white; CMYK through its embedded ICC profile to sRGB when it has one, else Pillow's plain conversion;
   YCbCr/LAB/HSV by Pillow; 16-bit grayscale (I;16*, and I with values in 0..65535) scaled 65535 -> 255 with
   rounding (Pillow's own convert would clip); 32-bit float (F) and anything else is rejected as unsupported.
+- `resize.keep_alpha` (Qwen-Image-2.1, `decode_keeping_alpha`): a picture with transparency stays RGBA (its VAE
+  reads four channels; its pipeline composites over white only the copy the VLM sees);
 - masks: the same decoding, then to L (white = edited); alpha is composited over black so that transparent
   means "not edited".
 """
@@ -20,11 +24,13 @@ from __future__ import annotations
 import io
 import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageCms, ImageOps, PngImagePlugin, UnidentifiedImageError
 
 from features.pictures import flattened
+from schemas.errors import UserError
 
 ALLOWED_FORMATS = ("PNG", "JPEG", "WEBP", "TIFF", "BMP", "GIF")
 _SIXTEEN_BIT = ("I;16", "I;16L", "I;16B", "I;16N", "I")
@@ -55,6 +61,32 @@ def as_rgb(im: Image.Image, notes: list[str], orientation: int) -> Decoded:
     """An opened, oriented picture as 8-bit RGB, transparency over white (decode_image's last step)."""
     rgb, note = _to_rgb(im, background=(255, 255, 255))
     return Decoded(rgb, notes + ([note] if note else []), orientation)
+
+
+def decode_keeping_alpha(data: bytes, max_pixels: int) -> Decoded:
+    """Bytes -> RGBA when the image has an alpha channel or a transparent palette entry, else what `decode_image`
+    gives, from the one decode (a second `decode_image` decoded every opaque image twice)."""
+    im, notes, orientation = _open_oriented(data, max_pixels)
+    if im.mode in _ALPHA or (im.mode == "P" and "transparency" in im.info):
+        return Decoded(im.convert("RGBA"), notes + [f"{im.mode} kept with its alpha (RGBA)"], orientation)
+    return as_rgb(im, notes, orientation)
+
+
+def read_image_file(path: str | Path, keep_alpha: bool = False, what: str = "image",
+                    max_pixels: int | None = None) -> Image.Image:
+    """A user's image file (predict's controls, evaluate's extra prompts) decoded as resize-bucket decodes the
+    training pictures; one line naming the file when it cannot be used. `max_pixels`: resize-bucket's default."""
+    from schemas.config import ResizeConfig
+
+    max_pixels = max_pixels or ResizeConfig().max_image_pixels
+    try:
+        data = Path(path).read_bytes()
+    except OSError as e:
+        raise UserError(f"cannot read {what} {path}: {e.strerror or e}; check the path") from None
+    try:
+        return (decode_keeping_alpha if keep_alpha else decode_image)(data, max_pixels).image
+    except ImageRejected as e:
+        raise UserError(f"cannot use {what} {path}: {e}; pass a PNG, JPEG or WebP picture") from None
 
 
 def decode_mask(data: bytes, max_pixels: int) -> Decoded:
