@@ -229,21 +229,25 @@ def packed_attention(query: Tensor, key: Tensor, value: Tensor, layout: JointLay
     return full.view(b, s, h, d)
 
 
+PROBE_HEAD_DIM = 128  # attention_head_dim of the published Qwen-Image-Edit models (models/published)
+
+
 def probe_packed(device: torch.device, dtype: torch.dtype) -> dict:
     """A one-off check on the device: packed attention on a small padded batch equals masked native SDPA.
-    Returns {ok, max_rel_err, error}: error is the exception (type and text) when the kernel did not run."""
+    Returns {ok, max_rel_err, error, head_dim}: error is the exception (type and text) when the kernel did not
+    run. At the models' head dim (128: Qwen-Image and 2.1), since a kernel's support can depend on it."""
     try:
         from torch.nn.attention.varlen import varlen_attn  # noqa: F401
 
         g = torch.Generator(device).manual_seed(0)
-        q, k, v = (torch.randn(2, 300, 4, 64, device=device, dtype=dtype, generator=g) for _ in range(3))
+        q, k, v = (torch.randn(2, 300, 4, PROBE_HEAD_DIM, device=device, dtype=dtype, generator=g) for _ in range(3))
         mask = torch.ones(2, 300, dtype=torch.bool, device=device)
         mask[0, 20:40] = False
         mask[1, 250:] = False
         ours = packed_attention(q, k, v, mask)
         ref = dispatch_attention_fn(q, k, v, attn_mask=mask[:, None, None, :], backend="native")
         err = ((ours - ref).float()[mask].abs().max() / ref.float()[mask].abs().max()).item()
-        return {"ok": err <= 2e-2, "max_rel_err": err, "error": None}
+        return {"ok": err <= 2e-2, "max_rel_err": err, "error": None, "head_dim": PROBE_HEAD_DIM}
     except Exception as e:  # no varlen kernel for this GPU / build: native, and the reason is reported
         text = " ".join(str(e).split())  # one line (CUDA errors span several)
-        return {"ok": False, "max_rel_err": None, "error": f"{type(e).__name__}: {text[:300]}"}
+        return {"ok": False, "max_rel_err": None, "error": f"{type(e).__name__}: {text[:300]}", "head_dim": PROBE_HEAD_DIM}
