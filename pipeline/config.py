@@ -45,9 +45,20 @@ def config_keys(model: type[BaseModel] = PipelineConfig, prefix: str = "") -> li
     return keys
 
 
+# A flag's name that is not its key's (`pipeline evaluate --steps` sets evaluate.num_inference_steps): users write
+# the flag's name as a key, and spelling closeness would point elsewhere (evaluate.steps -> evaluate.timesteps).
+_FLAG_NAMES = {
+    "evaluate.steps": "evaluate.num_inference_steps",
+    "evaluate.cfg": "evaluate.true_cfg_scale",
+    "predict.cfg": "predict.true_cfg_scale",
+}
+
+
 def _did_you_mean(loc: tuple) -> str:
-    """A typo'd key's likely meaning: a close spelling in its own section, else the same name in another place
-    (`train.rank` -> `train.lora.rank`); otherwise where the valid keys are listed."""
+    """A typo'd key's likely meaning: a flag's own name (`_FLAG_NAMES`), a close spelling in its own section,
+    else the same name in another place (`train.rank` -> `train.lora.rank`); otherwise where the keys are listed."""
+    if (flag_key := _FLAG_NAMES.get(".".join(map(str, loc)))) is not None:
+        return f" (did you mean '{flag_key}'? the flag --{loc[-1]} sets it)"
     model: type[BaseModel] | None = PipelineConfig
     for part in loc[:-1]:  # list indices (evaluate.extra_prompts.0) stay on the list's item type
         if isinstance(part, str) and model is not None:

@@ -123,6 +123,18 @@ def test_unknown_key_suggests_the_key_meant(key, value, meant):
     assert f"unknown key '{reported}' (did you mean '{meant}'?)" in str(e.value)
 
 
+@pytest.mark.parametrize("key, meant", [("evaluate.steps", "evaluate.num_inference_steps"),
+                                        ("predict.cfg", "predict.true_cfg_scale"),
+                                        ("evaluate.cfg", "evaluate.true_cfg_scale")])
+def test_a_flags_name_written_as_a_key_suggests_the_key_the_flag_sets(key, meant):
+    """`pipeline evaluate --steps 20` sets evaluate.num_inference_steps; `--set evaluate.steps=20` was answered
+    "did you mean 'evaluate.timesteps'" (the held-out loss's timesteps: another setting altogether)."""
+    with pytest.raises(ConfigError) as e:
+        load_config(None, {key: 20})
+    assert f"unknown key '{key}' (did you mean '{meant}'? the flag --{key.split('.')[1]} sets it)" in str(e.value)
+    load_config(None, {meant: 20})  # the key suggested exists
+
+
 def test_unknown_key_without_a_near_one_points_at_config_show():
     r = CliRunner().invoke(app, ["config", "show", "--set", "paths.out=x"])
     assert r.exit_code == 2 and "unknown key 'paths.out' (`pipeline config show` prints every valid key)" in r.output
