@@ -64,8 +64,14 @@ def _completed_meanwhile(job: EncodeJob) -> bool:
     """Another process finished this very table (same lineage) after our up-to-date check, while we loaded
     the model: reuse it ("up to date") instead of writing a duplicate version."""
     assert job.writer is not None
+    from models.collective import all_max
+
     found = job.store.find_version(job.summary.table, job.lineage)
-    if found is None:
+    # Agreed by all ranks: another launch's commit can land between two ranks' looks, and a rank that adopts
+    # while the others encode leaves them waiting at the commit. The newest any rank saw is complete (only
+    # complete versions are found), so every rank adopts it.
+    found = all_max(job.ranks.world_size, [-1 if found is None else found])[0]
+    if found < 0:
         return False
     mine = job.writer.dir
     job.writer.close()

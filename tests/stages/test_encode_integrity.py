@@ -47,3 +47,20 @@ def test_encoder_finding_its_table_completed_meanwhile_reports_up_to_date(tiny_e
     st = Store(edit_store)
     assert st.versions("vae") == [1] and st.tables()["vae"] == 1  # no duplicate version
     assert verify_store(Path(edit_store), progress=False) == []
+
+
+def test_two_ranks_agree_on_a_table_completed_meanwhile(tiny_edit_model, edit_store):
+    """Another launch's commit lands between rank 0's and rank 1's "completed meanwhile?" look: rank 0 adopted
+    it and ended while rank 1 encoded its share and waited for rank 0 at the commit (a hang, or gloo's
+    "connection closed" traceback). Now the ranks agree: both adopt the complete version, nothing is written."""
+    from two_ranks import launch_two, results
+
+    first = encode_vae.run(load_config(None, F32), edit_store, tiny_edit_model)  # "the other launch"
+    assert first.version == 1
+    (rc0, out0, err0), (rc1, out1, err1) = launch_two("completed_meanwhile_ranks.py", str(edit_store),
+                                                      tiny_edit_model, timeout=300)
+    assert rc0 == rc1 == 0, (err0[-3000:], err1[-3000:])
+    assert results(out0) == results(out1) == {"summary": "1 True"}, (out0, out1, err1[-2000:])
+    st = Store(edit_store)
+    assert st.versions("vae") == [1] and st.tables()["vae"] == 1
+    assert verify_store(Path(edit_store), progress=False) == []
