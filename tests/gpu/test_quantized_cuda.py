@@ -3,6 +3,7 @@ accumulation (models/quantize._accumulate) and keeps the dense bf16 error."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 
@@ -28,26 +29,35 @@ def test_quantized_input_gradient_on_cuda_has_the_dense_bf16_error(cuda, monkeyp
     assert rel(x.grad) <= 1.05 * rel(dense_bf16), (rel(x.grad), rel(dense_bf16))
 
 
-def test_offload_of_an_int8_base_streams_and_matches_resident(cuda):
+@pytest.mark.parametrize("kind", ["int8", "nf4"])
+def test_offload_of_a_quantized_base_streams_and_matches_resident(cuda, kind):
     """torchao's quantised weights have no record_stream (the H200 run died on it): offload records the stream
-    on their inner tensors, and the offloaded int8 model computes the resident one's gradients."""
+    on their inner tensors, and the offloaded int8 model computes the resident one's gradients. nf4: the pinned
+    host codes and statistics (each copy its own QuantState) on the side stream, the same gradients."""
+    if kind == "nf4":
+        pytest.importorskip("bitsandbytes", reason="bitsandbytes is not installed (bench/gpu/prepare --bitsandbytes)")
     from bench.gpu.correctness import make_samples
     from models import quantize as qmod
     from models.multires import build_batch, multires_forward
     from models.offload import offload_blocks
     from test_cuda_paths import SMALL, _offload_model
 
-    def int8_model():
+    def quantized(weight):
+        if kind == "nf4":
+            return qmod.quantize_rows_nf4(weight)  # a Params4bit already
+        return torch.nn.Parameter(qmod.quantize_rows(weight, kind), requires_grad=False)
+
+    def quantized_model():
         torch.manual_seed(0)
         model = _offload_model(cuda)
         for block in model.transformer_blocks:
             for m in block.modules():
                 if isinstance(m, torch.nn.Linear) and not m.weight.requires_grad:
-                    m.weight = torch.nn.Parameter(qmod.quantize_rows(m.weight.detach(), "int8"), requires_grad=False)
+                    m.weight = quantized(m.weight.detach())
         qmod.install_frozen_linear_backward(model)
         return model
 
-    resident, off_model = int8_model(), int8_model()
+    resident, off_model = quantized_model(), quantized_model()
     off = offload_blocks(off_model, cuda, keep=0)
     assert off.stream is not None
     samples = make_samples(SMALL, smoke=True)

@@ -1,6 +1,6 @@
-"""CUDA checks added after the CPU reviews of models/ (bench/gpu/README.md lists them): packed attention at the
-real model's head dim (128; the probe ran at 64 before), diffusers' real xformers kernel on a padded batch, an
-NF4 base offloaded on CUDA streams. Skipped without CUDA (conftest.py); xformers / bitsandbytes when absent."""
+"""CUDA attention checks added after the CPU review of models/ (bench/gpu/README.md lists them): packed attention
+at the real model's head dim (128; the probe ran at 64 before), diffusers' real xformers kernel on a padded
+batch. Skipped without CUDA (conftest.py); xformers when it is not installed."""
 
 from __future__ import annotations
 
@@ -68,38 +68,3 @@ def _installed(stock):
     multi = copy.deepcopy(stock).to(torch.bfloat16)
     install_multires(multi)
     return multi
-
-
-def test_nf4_base_offloaded_on_cuda_streams_matches_resident(cuda):
-    """train.quantize_base nf4 + train.offload blocks on CUDA: pinned host codes and statistics copied on the
-    side stream (`record_stream` on each), the same gradients as the resident NF4 model."""
-    pytest.importorskip("bitsandbytes", reason="bitsandbytes is not installed (bench/gpu/prepare --bitsandbytes)")
-    from bench.gpu.correctness import make_samples as samples_of
-    from models import quantize as qmod
-    from models.multires import build_batch, multires_forward
-    from models.offload import offload_blocks
-    from test_cuda_paths import SMALL, _offload_model
-
-    def nf4_model():
-        torch.manual_seed(0)
-        model = _offload_model(cuda)
-        for block in model.transformer_blocks:
-            for m in block.modules():
-                if isinstance(m, torch.nn.Linear) and not m.weight.requires_grad:
-                    m.weight = qmod.quantize_rows_nf4(m.weight.detach())
-        qmod.install_frozen_linear_backward(model)
-        return model
-
-    resident, off_model = nf4_model(), nf4_model()
-    off = offload_blocks(off_model, cuda, keep=0)
-    assert off.stream is not None
-    samples = samples_of(SMALL, smoke=True)
-    batch = build_batch([s["target"] for s in samples], [s["controls"] for s in samples],
-                        [s["prompt"] for s in samples], [s["shapes"] for s in samples]).to(cuda, torch.bfloat16)
-    sig = torch.tensor([0.5, 0.25, 0.75], device=cuda, dtype=torch.bfloat16)
-    for _ in range(2):
-        for m in (resident, off_model):
-            m.img_in.weight.grad = None
-            multires_forward(m, batch, sig).float().square().mean().backward()
-        torch.cuda.synchronize()
-        assert torch.equal(resident.img_in.weight.grad, off_model.img_in.weight.grad)
