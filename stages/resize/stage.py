@@ -165,6 +165,9 @@ def _named_source(source: str | Path) -> str | Path:
 
 
 
+HELD_PER_KEY = 4
+
+
 @dataclass
 class _Intake:
     """What the run learns sample by sample: the summary's counts, the quarantine rows, and the source of each
@@ -173,17 +176,35 @@ class _Intake:
     summary: ResizeSummary
     rejects: list[dict[str, Any]] = field(default_factory=list)
     first_source: dict[str, str] = field(default_factory=dict)
+    first_mask: dict[str, str] = field(default_factory=dict)  # key -> mask hash, for first copies with a mask
+    # Duplicates with another mask than their first copy, while that copy's rendering is not known to succeed:
+    # if it is rejected (a bad mask), the first of these is rendered instead (`revivals`), not lost as a
+    # "duplicate" of a sample the table does not hold. A few per key: bounded whatever the source.
+    held: dict[str, list[tuple[SourceSample, dict[str, Any]]]] = field(default_factory=dict)
+    failed: set[str] = field(default_factory=set)  # keys whose (first) copy was rejected while rendering
 
-    def reject(self, rec: SourceSample, r: Rejected) -> None:
-        self.rejects.append({"key": r.key, "source": rec.source, "stage": STAGE, "reason": r.reason,
-                             "detail": r.detail})
+    def reject(self, rec: SourceSample, r: Rejected) -> dict[str, Any]:
+        row = {"key": r.key, "source": rec.source, "stage": STAGE, "reason": r.reason, "detail": r.detail}
+        self.rejects.append(row)
         self.summary.quarantined[r.reason] += 1
         if r.reason == "duplicate" and r.key in self.first_source:
             self.summary.duplicates.append((self.first_source[r.key], rec.source))
+        return row
+
+    def duplicate(self, rec: SourceSample, r: Rejected, first_kept: bool) -> None:
+        """A duplicate's quarantine row; held for a revival when its mask differs from the first copy's and that
+        copy is not known to be kept (written, resumed or carried forward)."""
+        row = self.reject(rec, r)
+        if not first_kept and self.first_mask.get(r.key, "") != mask_hash(rec.mask):
+            if len(held := self.held.setdefault(r.key, [])) < HELD_PER_KEY:
+                held.append((rec, row))
 
     def store(self, writer: Any, rec: SourceSample, key: str, out: Rendered | Rejected) -> None:
         if isinstance(out, Rejected):
-            return self.reject(rec, out)
+            self.failed.add(key)  # its duplicates judged later are held too: revived in source order at the end
+            self.reject(rec, out)
+            return
+        self.held.pop(key, None)  # kept: its duplicates stay dropped
         writer.add(key, files=out.files, meta=out.meta)
         s = self.summary
         s.written += 1
@@ -191,6 +212,24 @@ class _Intake:
         s.buckets[tuple(out.meta["bucket"])] += 1
         s.controls[out.meta["num_controls"]] += 1
         s.conversions.update(out.notes)
+
+    def revivals(self) -> dict[str, list[tuple[SourceSample, dict[str, Any]]]]:
+        """key -> its held duplicates (source order, each with its quarantine row), for each first copy the
+        rendering rejected."""
+        return {k: self.held.pop(k) for k in [k for k in self.held if k in self.failed]}
+
+    def take_back(self, key: str, rec: SourceSample, row: dict[str, Any]) -> None:
+        """A held duplicate is rendered after all, and judged on its own: its "duplicate" row goes."""
+        del self.rejects[next(i for i, r in enumerate(self.rejects) if r is row)]
+        self.summary.quarantined["duplicate"] -= 1
+        self.summary.duplicates.remove((self.first_source[key], rec.source))
+
+    def kept_instead(self, key: str, kept: SourceSample, later: list[tuple[SourceSample, dict[str, Any]]]) -> None:
+        """The revived copy `kept` is in the table: the later held copies are its duplicates."""
+        for rec, row in later:
+            row["detail"] = f"same content (target, controls, caption) as {kept.source}"
+            self.summary.duplicates.remove((self.first_source[key], rec.source))
+            self.summary.duplicates.append((kept.source, rec.source))
 
 
 def _up_to_date_version(st: Store, schema: TableSchema) -> int | None:
@@ -236,9 +275,15 @@ def _render_source(source: str | Path, fmt: str, rc: ResizeConfig, writer: Any, 
             try:
                 key, caption = _judge(rec, rc, intake.first_source)
             except Rejected as r:
-                intake.reject(rec, r)
+                if r.reason == "duplicate":
+                    intake.duplicate(rec, r, first_kept=r.key in writer.done_keys
+                                     or r.key in writer.carried_keys or r.key in carry)
+                else:
+                    intake.reject(rec, r)
                 bar.set_postfix(quarantined=len(intake.rejects))
                 continue
+            if rec.mask is not None:
+                intake.first_mask[key] = mask_hash(rec.mask)
             if key in writer.done_keys:
                 intake.summary.resumed += 1
             elif rendered_before.get(key, None) == mask_hash(rec.mask):  # same content, same mask
@@ -254,6 +299,26 @@ def _render_source(source: str | Path, fmt: str, rc: ResizeConfig, writer: Any, 
         for (rec, key, _), out in rendered_in_order(render_one, to_render(bar), rc.workers, ahead=2 * rc.workers,
                                                     on_crash=_worker_died):
             intake.store(writer, rec, key, out)
+        # First copies the rendering rejected (a bad mask): their next copy instead, in rounds (the i-th held
+        # copy of every key not yet kept), so the table does not depend on the worker count.
+        pending = intake.revivals()
+        while pending:
+            items = []
+            for key, recs in pending.items():
+                rec, row = recs.pop(0)
+                intake.take_back(key, rec, row)
+                if rendered_before.get(key, None) == mask_hash(rec.mask):
+                    carry[key] = (rec.source, split_for(key, rc.val_fraction))
+                    intake.kept_instead(key, rec, recs)
+                else:
+                    items.append((rec, key, ""))
+            for (rec, key, _), out in rendered_in_order(render_one, items, rc.workers, ahead=2 * rc.workers,
+                                                        on_crash=_worker_died):
+                intake.store(writer, rec, key, out)
+                if not isinstance(out, Rejected):
+                    intake.kept_instead(key, rec, pending[key])
+            pending = {k: recs for k, recs in pending.items()
+                       if recs and k not in carry and k not in writer.carried_keys}
         if bar.total != bar.n:  # orphans / unreadable entries counted differently: end at 100 %
             bar.total = bar.n
             bar.refresh()
