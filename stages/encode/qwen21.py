@@ -74,16 +74,18 @@ def frame_positions() -> int:
 
 
 def caption_length_rejection_21(key: str, text_tokens: int, img_shapes) -> Rejected | None:
-    """Quarantine a prompt whose joint sequence runs past the transformer's frame positions: each text token
-    takes one and each image block (references, then the target) max(h, w); past the table the stock RoPE
+    """Quarantine a prompt whose target block would sit past the transformer's frame positions. The stock RoPE
+    gives each text token one position and freezes each image block at the position reached, then advances it by
+    the block's max(h, w); the target comes last, so its position is the text tokens + the references' max(h, w)
+    each (img_shapes: the images table's, target first), and must be a row of the table. Past it the stock RoPE
     reads its negative positions (silently wrong) and then fails. Not truncated, as for the Edit models."""
-    used = text_tokens + sum(max(h, w) for _, h, w in img_shapes or ())
+    target_at = text_tokens + sum(max(h, w) for _, h, w in list(img_shapes or ())[1:])
     limit = frame_positions()
-    if used <= limit:
+    if target_at < limit:
         return None
-    return Rejected("caption too long", f"the prompt is {text_tokens} text tokens; with this sample's images it needs "
-                    f"{used} of the transformer's {limit} frame positions (its RoPE table); shorten the caption",
-                    key=key)
+    return Rejected("caption too long", f"the prompt is {text_tokens} text tokens; with this sample's references "
+                    f"its target sits at frame position {target_at}, past the transformer's {limit} frame positions "
+                    "(its RoPE table); shorten the caption", key=key)
 
 
 @dataclass

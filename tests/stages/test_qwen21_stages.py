@@ -490,11 +490,44 @@ def test_a_caption_past_the_21_rope_table_is_quarantined_not_encoded(tiny_21_mod
     from stages.encode.qwen21 import caption_length_rejection_21, frame_positions
 
     assert frame_positions() == 8192
-    assert caption_length_rejection_21("k", 8192 - 8, [[1, 4, 8]]) is None  # exactly the table
-    assert caption_length_rejection_21("k", 8192 - 7, [[1, 4, 8]]).reason == "caption too long"
+    assert caption_length_rejection_21("k", 8191, [[1, 4, 8]]) is None  # the target at the table's last row
+    assert caption_length_rejection_21("k", 8192, [[1, 4, 8]]).reason == "caption too long"
     long_caption = "paint " * 9000
     store = write_store21(tmp_path / "s", samples=[SAMPLES[1], (long_caption, (64, 64, "RGB"), [(64, 64, "RGB")])])
     t = encode_text.run(load_config(None, F32), store, tiny_21_model)
     assert (t.encoded, t.quarantined) == (1, 1)
     [row] = Store(store).quarantine().to_pylist()
     assert row["reason"] == "caption too long" and "8192 frame positions" in row["detail"], row
+
+
+def _stock_rope_reads_true_positions(text_tokens: int, target, refs) -> bool:
+    """Whether diffusers' `QwenImage21Rope` gives the joint sequence (text, then each reference, then the target,
+    as the 2.1 pipeline lays it out) the rotations of its true positions: the stock table against the same
+    module with a longer positive table (same negative rows, which the height/width axes index from the end)."""
+    from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21Rope
+
+    shapes = [(1, h, w) for h, w in refs] + [(1, *target)]
+    mask = torch.tensor([False] * text_tokens + [True] * sum(h * w for _, h, w in shapes))
+    stock, longer = QwenImage21Rope(10000, [2, 2, 2]), QwenImage21Rope(10000, [2, 2, 2])
+    neg = torch.arange(1024).flip(0) * -1 - 1
+    longer.freqs = [torch.cat([longer.rope_params(torch.arange(20000), 2), longer.rope_params(neg, 2)])] * 3
+    try:
+        got = stock(shapes, mask, "cpu")
+    except IndexError:
+        return False
+    return torch.equal(got, longer(shapes, mask, "cpu"))
+
+
+@pytest.mark.parametrize("target,refs", [((4, 8), []), ((64, 64), [(48, 80), (2, 2)])])
+def test_the_21_caption_limit_is_exactly_where_the_stock_rope_runs_out(target, refs):
+    """The quarantine boundary is the stock RoPE's: the target block sits at the frame position after all text
+    tokens and the references' max(h, w) each, and that position must be a row of the 8192-row table. Before,
+    the target's own max(h, w) was counted too, quarantining captions the model reads correctly."""
+    from stages.encode.qwen21 import caption_length_rejection_21
+
+    shapes = [[1, *target]] + [[1, h, w] for h, w in refs]  # the images table's order: target first
+    last_ok = 8191 - sum(max(h, w) for h, w in refs)
+    assert caption_length_rejection_21("k", last_ok, shapes) is None
+    assert _stock_rope_reads_true_positions(last_ok, target, refs)
+    assert caption_length_rejection_21("k", last_ok + 1, shapes).reason == "caption too long"
+    assert not _stock_rope_reads_true_positions(last_ok + 1, target, refs)
