@@ -8,6 +8,7 @@ import torch
 
 from models.loading import check_device, load_component
 from models.lora import attach_lora
+from models.qwen21_generate import pipeline_sample_sigmas
 
 COMPONENTS = ("transformer", "text_encoder", "vae")
 
@@ -31,6 +32,7 @@ def load_pipeline_21(model: str, dtype: torch.dtype, devices: dict[str, str], lo
         text_encoder=load_component(model, "text_encoder", dtype=dtype, device=dev("text_encoder")),
         processor=load_component(model, "processor"),
         transformer=load_component(model, "transformer", dtype=dtype, device=dev("transformer"), quantize=quantize),
+        sample_sigmas=pipeline_sample_sigmas(model),  # as from_pretrained reads them from model_index.json
     )
     if lora is not None:
         attach_lora(pipe.transformer, lora, lora_scale)
