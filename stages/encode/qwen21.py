@@ -3,7 +3,7 @@
 The `images` table is the same one the Edit variants read: `control_{i}.png` is each reference, resized once to
 the reference area keeping its aspect (resize-bucket with `multiple: 32`; configs/qwen-image-2.1.yaml). The same
 pixels go to the VLM (composited over white, by the stock pipeline code) and to the VAE (RGBA, 4 channels); the
-`control_{i}_vl.png` views are not read.
+`control_{i}_vl.png` views are not read (with resize.vl_views: false, the 2.1 config's, not written).
 
 text table (per sample, unpadded): `prompt_embeds` [L, D] and `slot_mask` [L] (True at the VLM image slots: the
 layout record the transformer needs, with the references' latent shapes from the vae table), the same for the
