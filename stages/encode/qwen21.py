@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from schemas.config import PipelineConfig
-from schemas.errors import Rejected
+from schemas.errors import Rejected, UserError
 from schemas.table import FieldSpec, TableSchema
 from stages.encode.common import (
     Ranks,
@@ -152,6 +152,12 @@ def run_text(cfg: PipelineConfig, store: str | Path, model: str, device: str | N
     ranks = ranks or current_ranks(section.device)
     target = rank_device(section.device, ranks, "encode_text.device")
     section = resolve_precision(section, target, "encode-text")
+    if section.prompt_template is not None or section.prompt_template_start_idx is not None:
+        raise UserError("encode_text.prompt_template / prompt_template_start_idx are not used by a Qwen-Image-2.1 "
+                        f"model ({model}: the stock QwenImage21Pipeline template, with its image slots, is); unset them")
+    # One sample per forward whatever `batching` says: it changes no feature, so it is hashed as its default
+    # (switching it must not re-encode the table to identical values).
+    section = section.model_copy(update={"batching": "exact"})
     record = prompt_format_record()
     job = open_job(store, "encode-text", "text", config_hash(section, prompt_format=record), model, TEXT_REVISION,
                    ranks, components=("text_encoder", "processor", "tokenizer"),

@@ -531,3 +531,18 @@ def test_the_21_caption_limit_is_exactly_where_the_stock_rope_runs_out(target, r
     assert _stock_rope_reads_true_positions(last_ok, target, refs)
     assert caption_length_rejection_21("k", last_ok + 1, shapes).reason == "caption too long"
     assert not _stock_rope_reads_true_positions(last_ok + 1, target, refs)
+
+
+def test_21_encode_text_ignores_no_setting_silently(tiny_21_model, store21):
+    """2.1 encodes one sample per forward with the stock template: `encode_text.batching` changes nothing, so
+    switching it leaves the table current (before: every sample re-encoded to identical values), and a
+    `prompt_template` it would not use is refused in one line (before: silently ignored, yet hashed)."""
+    from schemas.errors import UserError
+
+    first = encode_text.run(load_config(None, F32), store21, tiny_21_model)
+    assert first.encoded == 3
+    again = encode_text.run(load_config(None, {**F32, "encode_text.batching": "padded"}), store21, tiny_21_model)
+    assert again.up_to_date and again.encoded == 0
+    with pytest.raises(UserError, match="prompt_template"):
+        encode_text.run(load_config(None, {**F32, "encode_text.prompt_template": "<|im_start|>{}<|im_end|>",
+                                           "encode_text.prompt_template_start_idx": 1}), store21, tiny_21_model)
