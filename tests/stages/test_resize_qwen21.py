@@ -99,6 +99,7 @@ def test_the_21_config_writes_no_vl_views_and_edit_plus_refuses_such_a_table(tmp
     assert sorted(with_vl.files(key)) == ["control_0.png", "control_0_vl.png", "control_1.png", "control_1_vl.png",
                                           "target.png"]
     assert without.meta(key)["control_vl_sizes"] == []
+    assert "no VL view (resize.vl_views: false)" in off.sizes and "VL view ~384" in on.sizes  # the summary line
     for name in ("target.png", "control_0.png", "control_1.png"):  # what 2.1 reads: the same pixels
         assert without.files(key)[name] == with_vl.files(key)[name]
 
