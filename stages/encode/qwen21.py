@@ -18,7 +18,6 @@ the VAE grid is quarantined with its reason.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -61,25 +60,13 @@ def _side_rejection(key: str, name: str, im) -> Rejected | None:
     return None
 
 
-@lru_cache(maxsize=1)
-def frame_positions() -> int:
-    """How many frame-axis positions diffusers' `QwenImage21Rope` has: read from an instance (its leading rows
-    equal to the frequencies of 0, 1, 2, ...; the rows after them are its negative positions)."""
-    from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21Rope
-
-    rope = QwenImage21Rope(theta=10000, axes_dim=[2, 2, 2])
-    table = rope.freqs[0][:, 0]
-    counting = rope.rope_params(torch.arange(len(table)), 2, 10000)[:, 0]
-    return int((table != counting).nonzero()[0]) if bool((table != counting).any()) else len(table)
-
-
 def caption_length_rejection_21(key: str, text_tokens: int, img_shapes) -> Rejected | None:
-    """Quarantine a prompt whose target block would sit past the transformer's frame positions. The stock RoPE
-    gives each text token one position and freezes each image block at the position reached, then advances it by
-    the block's max(h, w); the target comes last, so its position is the text tokens + the references' max(h, w)
-    each (img_shapes: the images table's, target first), and must be a row of the table. Past it the stock RoPE
-    reads its negative positions (silently wrong) and then fails. Not truncated, as for the Edit models."""
-    target_at = text_tokens + sum(max(h, w) for _, h, w in list(img_shapes or ())[1:])
+    """Quarantine a prompt whose target block would sit past the transformer's frame positions
+    (`models.qwen21_text.target_frame_position`; img_shapes: the images table's, target first). Past them the
+    stock RoPE reads its negative positions (silently wrong) and then fails. Not truncated, as for the Edit models."""
+    from models.qwen21_text import frame_positions, target_frame_position
+
+    target_at = target_frame_position(text_tokens, [(h, w) for _, h, w in list(img_shapes or ())[1:]])
     limit = frame_positions()
     if target_at < limit:
         return None

@@ -487,7 +487,8 @@ def test_a_caption_past_the_21_rope_table_is_quarantined_not_encoded(tiny_21_mod
     """A prompt whose joint sequence runs past QwenImage21Rope's frame positions (8192 in diffusers' table) is
     quarantined as "caption too long" before it reaches the encoder. Before: it was encoded, and train's stock
     RoPE read negative positions for the overflow (silently wrong), then failed with an index error."""
-    from stages.encode.qwen21 import caption_length_rejection_21, frame_positions
+    from models.qwen21_text import frame_positions
+    from stages.encode.qwen21 import caption_length_rejection_21
 
     assert frame_positions() == 8192
     assert caption_length_rejection_21("k", 8191, [[1, 4, 8]]) is None  # the target at the table's last row
@@ -546,3 +547,43 @@ def test_21_encode_text_ignores_no_setting_silently(tiny_21_model, store21):
     with pytest.raises(UserError, match="prompt_template"):
         encode_text.run(load_config(None, {**F32, "encode_text.prompt_template": "<|im_start|>{}<|im_end|>",
                                            "encode_text.prompt_template_start_idx": 1}), store21, tiny_21_model)
+
+
+def test_21_predict_refuses_a_prompt_past_the_rope_table(tiny_21_model, tmp_path):
+    """predict (and evaluate's extra prompts: the same call) check the prompt as encode-text does: a prompt whose
+    target would sit past the 8192 frame positions is one line, no image. Before: the stock pipeline ran it, its
+    RoPE reading negative positions for the overflow (a silently wrong image; an IndexError past 9216). The
+    boundary is exact: one token less runs."""
+    from models.qwen21_predict import check_prompt_fits, load_pipeline_21
+    from schemas.errors import UserError
+
+    ref = tmp_path / "ref.png"
+    Image.fromarray(np.random.default_rng(3).integers(0, 255, (64, 96, 4), dtype=np.uint8), "RGBA").save(ref)
+    pipe = load_pipeline_21(tiny_21_model, torch.float32, {})
+    refs = [Image.open(ref)]
+    tokenizer = pipe.processor.tokenizer
+    # find the longest prompt that fits: the template's own tokens + the reference's max(h, w) = 6 latent tokens
+    short = check_prompt_fits(pipe, refs, "a", None, 64, 96)  # positions left after a one-token prompt
+    fits = " ".join(["a"] * (short + 1))
+    assert check_prompt_fits(pipe, refs, fits, None, 64, 96) == 0
+    with pytest.raises(UserError, match="frame position 8192"):
+        check_prompt_fits(pipe, refs, fits + " a", None, 64, 96)
+    assert len(tokenizer(fits)["input_ids"]) == short + 1  # one token per word, so the boundary above is exact
+    from models.qwen21_predict import _text_tokens  # the count is the stock embeddings' text tokens
+    from models.qwen21_text import encode_prompt, prompt_encoder
+
+    for prompt, images in (("make it red", refs), ("", refs), ("make it red", [])):
+        _, slots = encode_prompt(prompt_encoder(pipe.text_encoder, pipe.processor), prompt,
+                                 [pipe.image_processor.resize(im, height=64, width=96) for im in images])
+        assert _text_tokens(pipe, prompt, len(images)) == int((~slots).sum())
+
+    out = tmp_path / "out.png"
+    from typer.testing import CliRunner
+
+    from pipeline.cli import app
+
+    result = CliRunner().invoke(app, [str(a) for a in ("predict", "--model", tiny_21_model, "--image", ref, "--prompt",
+                                                       fits + " a", "--steps", 2, "--height", 64, "--width", 96,
+                                                       "--out", out)])
+    assert result.exit_code == 1 and not out.exists(), result.output
+    assert "shorten the prompt" in result.output and "Traceback" not in result.output
