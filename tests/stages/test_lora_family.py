@@ -83,3 +83,31 @@ def test_train_init_lora_of_another_family_is_refused(loras, tiny_plus_model):
     with pytest.raises(UserError, match="another model family"):
         init_from_lora(transformer, loras["21"])
     init_from_lora(transformer, loras["plus"])  # its own family: starts from it
+
+
+def test_a_store_of_one_family_never_trains_the_other(tiny_21_model, tiny_plus_model, plus_store, tmp_path):
+    """A 2.1 store with an Edit-Plus --model, and an Edit-Plus store with a 2.1 --model: train refuses each in
+    one line (the tables record the model that encoded them) and writes no LoRA."""
+    import sys
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    from test_qwen21_stages import MIXED, write_store21
+
+    from pipeline.config import load_config
+    from stages.encode import text as encode_text
+    from stages.encode import vae as encode_vae
+
+    s21 = write_store21(tmp_path / "s21", MIXED[:2])
+    cfg = load_config(None, {"encode_text.dtype": "float32", "encode_vae.dtype": "float32"})
+    encode_text.run(cfg, s21, tiny_21_model)
+    encode_vae.run(cfg, s21, tiny_21_model)
+    encode_text.run(cfg, plus_store, tiny_plus_model)
+    encode_vae.run(cfg, plus_store, tiny_plus_model)
+    for store, model in ((s21, tiny_plus_model), (plus_store, tiny_21_model)):
+        run_dir = tmp_path / f"run-{len(str(model))}-{store.name}"
+        result = _cli("run", "train", "--store", store, "--model", model, "--out", run_dir, "--max-steps", 1,
+                      "--device", "cpu")
+        assert result.exit_code == 1, result.output
+        [line] = [x for x in result.output.splitlines() if x.startswith("error:")]
+        assert "built with a different model" in line and "Traceback" not in result.output
+        assert not (run_dir / "lora").exists()
