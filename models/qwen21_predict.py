@@ -11,6 +11,8 @@ from models.lora import attach_lora
 from models.qwen21_generate import pipeline_sample_sigmas
 
 COMPONENTS = ("transformer", "text_encoder", "vae")
+# QwenImage21Pipeline's default true_cfg_scale: 2.1 "is meant to be sampled without guidance"
+TRUE_CFG_21 = 1.0
 
 
 def load_pipeline_21(model: str, dtype: torch.dtype, devices: dict[str, str], lora: str | None = None,

@@ -587,3 +587,28 @@ def test_21_predict_refuses_a_prompt_past_the_rope_table(tiny_21_model, tmp_path
                                                        "--out", out)])
     assert result.exit_code == 1 and not out.exists(), result.output
     assert "shorten the prompt" in result.output and "Traceback" not in result.output
+
+
+def test_21_predict_and_the_sample_grid_default_to_no_guidance(tiny_21_model, tmp_path):
+    """Qwen-Image-2.1 is sampled without guidance (the stock pipeline's true_cfg_scale 1.0). `pipeline predict`
+    on a 2.1 model without --cfg (or predict.true_cfg_scale) gives the stock default call's image; before it ran
+    true CFG 4.0 with the negative " " (the Edit models' default): twice the forwards and another image. Set
+    explicitly, the scale is honoured."""
+    from diffusers import QwenImage21Pipeline
+
+    ref = tmp_path / "ref.png"
+    Image.fromarray(np.random.default_rng(3).integers(0, 255, (64, 96, 4), dtype=np.uint8), "RGBA").save(ref)
+    args = ("predict", "--model", tiny_21_model, "--image", ref, "--prompt", "make it red", "--steps", 2,
+            "--height", 64, "--width", 96)
+    _cli(*args, "--out", tmp_path / "default.png")
+    _cli(*args, "--cfg", 4.0, "--out", tmp_path / "cfg4.png")
+    pipe = QwenImage21Pipeline.from_pretrained(tiny_21_model)
+
+    def stock(**kw):
+        return np.asarray(pipe(image=[Image.open(ref)], prompt="make it red", num_inference_steps=2, height=64,
+                               width=96, output_resolution=78, generator=torch.Generator().manual_seed(0), **kw)
+                          .images[0])
+
+    np.testing.assert_array_equal(np.asarray(Image.open(tmp_path / "default.png")), stock())
+    np.testing.assert_array_equal(np.asarray(Image.open(tmp_path / "cfg4.png")),
+                                  stock(true_cfg_scale=4.0, negative_prompt=" "))
