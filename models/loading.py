@@ -124,8 +124,9 @@ def _check_complete(folder: Path) -> None:
     index = parsed(folder / "model_index.json")
     if not isinstance(index, dict):
         raise ModelNotFoundError(f"model folder {folder} is damaged: model_index.json is not a JSON object")
+    # a component is [library, class] (strings); other entries are pipeline settings (2.1's sample_sigmas: floats)
     missing = sorted(name for name, spec in index.items() if not name.startswith("_") and isinstance(spec, list)
-                     and spec and spec[0] is not None and not (folder / name).is_dir())
+                     and len(spec) == 2 and isinstance(spec[0], str) and not (folder / name).is_dir())
     if missing:
         raise ModelNotFoundError(f"model folder {folder} is incomplete: component folder(s) {missing} named in "
                                  "model_index.json are missing; restore them from the original download")

@@ -103,6 +103,7 @@ def save_lora(transformer, out_dir: str | Path, fold_alpha: bool = False, base_f
     state = {k: v.detach().to("cpu").contiguous() for k, v in lora_state_dict(transformer).items()}
     config = transformer.peft_config[ADAPTER].to_dict()
     extra = {_BASE_KEY: base_fingerprint} if base_fingerprint else {}
+    extra[_CLASS_KEY] = _transformer_class(transformer)
     if fold_alpha and _is_plain_lora(config) and _has_scaling(transformer):
         state, config = _folded(transformer, state, config)
         extra[_FOLDED_KEY] = "1"
@@ -119,6 +120,23 @@ def save_lora(transformer, out_dir: str | Path, fold_alpha: bool = False, base_f
 
 _BASE_KEY = "base_model_fingerprint"  # our own metadata keys, beside diffusers' (which its loader ignores)
 _FOLDED_KEY = "alpha_folded_into_lora_B"
+# The model family: a LoRA of another transformer class (Qwen-Image-2.1 vs the Edit models) is never right, and
+# the tiny models of both share module names and shapes, so nothing else would tell.
+_CLASS_KEY = "base_model_class"
+
+
+def _transformer_class(transformer) -> str:
+    return type(getattr(transformer, "_orig_mod", transformer)).__name__  # torch.compile wraps it
+
+
+def check_lora_family(transformer, lora: str | Path) -> None:
+    """Refuse (one line) a LoRA whose recorded transformer class is not this transformer's."""
+    with safe_open(lora_weight_file(lora), framework="pt") as f:
+        recorded = (f.metadata() or {}).get(_CLASS_KEY)
+    now = _transformer_class(transformer)
+    if recorded is not None and recorded != now:
+        raise UserError(f"LoRA {lora} was trained on a {recorded} and this model's transformer is a {now}: a LoRA "
+                        "of another model family does not apply; pass a LoRA trained on this --model")
 
 
 def _is_plain_lora(config: dict) -> bool:
@@ -289,6 +307,7 @@ def init_from_lora(transformer, lora: str | Path, adapter_name: str = ADAPTER) -
     """Start the trainer's adapter from an existing LoRA (`train.init_lora`): same targets and rank as the
     config (checked, one-line error naming the setting), and the same weight delta as the file: lora_B is
     rescaled by (file alpha / r) / (config alpha / r) when the alphas differ."""
+    check_lora_family(transformer, lora)
     state, config = read_lora(lora)
     peft_cfg = transformer.peft_config[adapter_name]
     if getattr(peft_cfg, "peft_type", None) != "LORA" or getattr(peft_cfg, "use_dora", False):
@@ -351,6 +370,7 @@ def attach_lora(transformer, lora: str | Path, scale: float = 1.0, adapter_name:
     (what diffusers assumes too)."""
     from peft.utils.error import NoMatchingPeftModuleError
 
+    check_lora_family(transformer, lora)
     state, config = read_lora(lora)
     try:
         transformer.add_adapter(_peft_config(state, config), adapter_name=adapter_name)

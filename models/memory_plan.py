@@ -200,6 +200,9 @@ def train_plan(model: str, dtype: str, quantize: str, batch_size: int, tokens_pe
         "activations": tokens * c.width * saved * act_elem,
         "backward working set": tokens * c.width * ACT_BACKWARD_WORKSET * act_elem,
     }
+    if model and is_qwen21(model):  # (a bench passes "" with counts of a model built in memory)
+        parts["block-causal mask"] = qwen21_mask_bytes(batch_size, tokens_per_sample, act_elem,
+                                                       1 if gradient_checkpointing else c.blocks)
     if host and quantize != "none":
         # loading (models/quantize.py): the quantised weights + one bf16 weight's mapped pages + a row chunk
         load = parts["weights"] + c.largest_linear * DTYPE_BYTES[dtype] + 1024 * c.width * 4 * 4
@@ -207,6 +210,14 @@ def train_plan(model: str, dtype: str, quantize: str, batch_size: int, tokens_pe
         if excess > 0:
             parts["loading peak above training"] = excess
     return StagePlan("train", parts)
+
+
+def qwen21_mask_bytes(batch: int, seq: int, elem: int, blocks_saving: int) -> int:
+    """2.1's dense block-causal mask (models/qwen21_multires.py), S² per sample, in none of the per-token
+    constants: the bool mask, held for the whole step, plus per attention call SDPA's additive copy of it in the
+    compute dtype and its logical_not, the copy saved for backward by each block that keeps its inputs (all
+    without checkpointing, the recomputed one with). An estimate from the kernels' inputs (not measured on a GPU)."""
+    return batch * seq * seq * (2 + elem * blocks_saving)
 
 
 def encode_plan(model: str, component: str, dtype: str, batch_size: int, tokens_per_sample: int) -> StagePlan:

@@ -3,8 +3,8 @@ its prompt encoding and VAE encoding on (which the store already holds) to the d
 
 The stock `__call__` cannot start from precomputed embeddings when there are references (it has no argument
 for their image-slot mask), so the loop is written here to match it step for step: the same start noise
-(`randn_tensor` on (1, 1, C, h, w), flattened), the same sigmas (`sample_sigmas` of the pipeline config, else
-linspace(1, 1/steps)), the same `calculate_shift` mu from the scheduler config, the stock transformer at batch
+(`randn_tensor` on (1, 1, C, h, w), flattened), the same sigmas (the model's `sample_sigmas`, model_index.json,
+which the stock call prefers to `num_inference_steps`; else linspace(1, 1/steps)), the same `calculate_shift` mu from the scheduler config, the stock transformer at batch
 1 with the sample's own layout (no KV cache: the cache changes rounding, see the pipeline's `use_kv_cache`),
 true CFG as the pipeline computes it, the same de-normalisation and VAE decode. Tested against the unmodified
 pipeline (`use_kv_cache=False`).
@@ -19,6 +19,39 @@ from diffusers.pipelines.qwenimage21.pipeline_qwenimage21 import calculate_shift
 from diffusers.utils.torch_utils import randn_tensor
 
 from models.qwen21_multires import TOKENS_PER_SLOT, latent_tokens
+
+# The key under which the model's sampling sigmas travel with the scheduler config (evaluate passes one dict).
+SAMPLE_SIGMAS = "sample_sigmas"
+
+
+def pipeline_sample_sigmas(model: str) -> list[float] | None:
+    """The sampling sigmas the model's author fixed (`QwenImage21Pipeline(sample_sigmas=...)`, saved in its
+    model_index.json), which `from_pretrained` hands the stock pipeline; None when unset."""
+    import json
+
+    from models.loading import resolve_model
+
+    sigmas = json.loads((resolve_model(model) / "model_index.json").read_text()).get(SAMPLE_SIGMAS)
+    return [float(x) for x in sigmas] if sigmas else None
+
+
+def scheduler_config_21(model: str) -> dict:
+    """The model's scheduler config, with its `sample_sigmas` (when set) under SAMPLE_SIGMAS."""
+    from models.loading import load_component
+
+    config = dict(load_component(model, "scheduler").config)
+    if (sigmas := pipeline_sample_sigmas(model)) is not None:
+        config[SAMPLE_SIGMAS] = sigmas
+    return config
+
+
+def scheduler_and_sigmas(config: dict):
+    """(a fresh scheduler, the sample sigmas or None) from `scheduler_config_21`'s dict."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    config = dict(config)
+    sigmas = config.pop(SAMPLE_SIGMAS, None)
+    return FlowMatchEulerDiscreteScheduler.from_config(config), sigmas
 
 
 @torch.no_grad()

@@ -181,14 +181,32 @@ def build_batch(samples: list[Qwen21Sample]) -> Qwen21Batch:
 
 def block_causal_mask(batch: Qwen21Batch) -> Tensor:
     """[B, 1, S, S] bool: per sample `(q >= kv) or same image block`, padded keys excluded; a padded query row
-    sees only itself (never an empty row, never a real token)."""
+    sees only itself (never an empty row, never a real token).
+
+    Written in place into the one [B, S, S] result: the plain expression of it (causal | same block, & valid,
+    | eye) held ~5 such tensors at its peak (measured), 10 GiB per sample at 10 references of 1024² (S ~ 45k)."""
     ids, valid = batch.image_ids, batch.valid_mask
-    S = ids.shape[1]
+    B, S = ids.shape
+    allowed = torch.empty((B, S, S), dtype=torch.bool, device=ids.device)
     pos = torch.arange(S, device=ids.device)
-    causal = pos[:, None] >= pos[None, :]
-    same_block = (ids[:, :, None] == ids[:, None, :]) & (ids[:, :, None] >= 0)
-    allowed = (causal[None] | same_block) & valid[:, None, :] & valid[:, :, None]
-    allowed |= torch.eye(S, dtype=torch.bool, device=ids.device)[None] & ~valid[:, :, None]
+    torch.ge(pos[:, None], pos[None, :], out=allowed[0])  # causal
+    allowed[1:] = allowed[0]
+    for b in range(B):
+        a = allowed[b]
+        for k in ids[b].unique().tolist():  # each image block sees itself whole
+            if k < 0:
+                continue
+            idx = (ids[b] == k).nonzero().squeeze(1)
+            lo, hi = int(idx[0]), int(idx[-1]) + 1
+            if hi - lo == idx.numel():  # a block is one run of positions (build_batch lays them out so)
+                a[lo:hi, lo:hi] = True
+            else:
+                a[idx[:, None], idx[None, :]] = True
+        pad = (~valid[b]).nonzero().squeeze(1)
+        if pad.numel():
+            a[:, pad] = False
+            a[pad] = False
+            a[pad, pad] = True
     return allowed[:, None]
 
 

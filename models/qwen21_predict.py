@@ -8,8 +8,11 @@ import torch
 
 from models.loading import check_device, load_component
 from models.lora import attach_lora
+from models.qwen21_generate import pipeline_sample_sigmas
 
 COMPONENTS = ("transformer", "text_encoder", "vae")
+# QwenImage21Pipeline's default true_cfg_scale: 2.1 "is meant to be sampled without guidance"
+TRUE_CFG_21 = 1.0
 
 
 def load_pipeline_21(model: str, dtype: torch.dtype, devices: dict[str, str], lora: str | None = None,
@@ -31,16 +34,58 @@ def load_pipeline_21(model: str, dtype: torch.dtype, devices: dict[str, str], lo
         text_encoder=load_component(model, "text_encoder", dtype=dtype, device=dev("text_encoder")),
         processor=load_component(model, "processor"),
         transformer=load_component(model, "transformer", dtype=dtype, device=dev("transformer"), quantize=quantize),
+        sample_sigmas=pipeline_sample_sigmas(model),  # as from_pretrained reads them from model_index.json
     )
     if lora is not None:
         attach_lora(pipe.transformer, lora, lora_scale)
     return pipe
 
 
+def _text_tokens(pipe, prompt: str, n_images: int) -> int:
+    """Text tokens of the prompt's embeddings as `_get_qwen_prompt_embeds` builds them (its template, its image
+    slots, its system-token drop), counted with the tokenizer alone: each image is one `<|image_pad|>` here (the
+    processor repeats it, and slots take no text position)."""
+    template = pipe.prompt_template_t2i if n_images == 0 else pipe.prompt_template_ti2i.replace(
+        "<image1><|vision_start|><|image_pad|><|vision_end|>",
+        " ".join(f"<image{i}><|vision_start|><|image_pad|><|vision_end|>" for i in range(1, n_images + 1)))
+    ids = pipe.processor.tokenizer(template.format(prompt or " "))["input_ids"]
+    return len(ids) - ids.count(pipe._img_token_id) - pipe._drop_idx
+
+
+def check_prompt_fits(pipe, images: list, prompt: str, negative_prompt: str | None, height: int | None,
+                      width: int | None) -> int:
+    """Positions left after the target's (>= 0), or a UserError when the target would sit past the transformer's
+    frame positions (as encode-text quarantines such a caption): the stock RoPE would read its negative rows for
+    the overflow (a silently wrong image) and fail past them. References at the size the pipeline gives them."""
+    from diffusers.pipelines.qwenimage21.pipeline_qwenimage21 import calculate_dimensions
+
+    from models.qwen21_text import frame_positions, target_frame_position
+    from schemas.errors import UserError
+
+    area = round((height * width) ** 0.5) ** 2 if height and width else 1024 * 1024  # edit_21's output_resolution
+    refs = []
+    for im in images:
+        w, h, _ = calculate_dimensions(area, im.size[0] / im.size[1])
+        refs.append((h // 16, w // 16))
+    left = frame_positions()
+    for what, text in (("prompt", prompt), ("negative prompt", negative_prompt)):
+        if text is None:
+            continue
+        tokens = _text_tokens(pipe, text, len(images))
+        at = target_frame_position(tokens, refs)
+        if at >= frame_positions():
+            raise UserError(f"the {what} is {tokens} text tokens; with {len(images)} reference(s) the target sits at "
+                            f"frame position {at}, past the transformer's {frame_positions()} frame positions (its "
+                            f"RoPE table); shorten the {what}")
+        left = min(left, frame_positions() - 1 - at)
+    return left
+
+
 @torch.no_grad()
 def edit_21(pipe, images: list, prompt: str, negative_prompt: str | None, steps: int, true_cfg_scale: float,
             seed: int, height: int | None, width: int | None):
     """One image (PIL, RGBA) from 0..10 references and the instruction, by the stock pipeline call."""
+    check_prompt_fits(pipe, images, prompt, negative_prompt if true_cfg_scale > 1 else None, height, width)
     generator = torch.Generator("cpu").manual_seed(seed)
     # The pipeline resizes each reference to output_resolution² (default 1024²): with an output size given,
     # the references get that area, as resize-bucket sizes them with equal target and reference areas.

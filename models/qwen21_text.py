@@ -11,6 +11,8 @@ A sample is encoded alone (batch 1): the stock function takes one image set for 
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 from torch import Tensor
 
@@ -57,3 +59,22 @@ def grid_mismatch(slot_mask: Tensor, sizes: list[tuple[int, int]]) -> str | None
         return (f"the VLM gave {got} image slots for references of {want} (2x2-latent) slots: the processor resized "
                 "an image (check its min/max pixels) or a side is not a multiple of 32")
     return None
+
+
+@lru_cache(maxsize=1)
+def frame_positions() -> int:
+    """How many frame-axis positions diffusers' `QwenImage21Rope` has: read from an instance (its leading rows
+    equal to the frequencies of 0, 1, 2, ...; the rows after them are its negative positions)."""
+    from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21Rope
+
+    rope = QwenImage21Rope(theta=10000, axes_dim=[2, 2, 2])
+    table = rope.freqs[0][:, 0]
+    counting = rope.rope_params(torch.arange(len(table)), 2, 10000)[:, 0]
+    return int((table != counting).nonzero()[0]) if bool((table != counting).any()) else len(table)
+
+
+def target_frame_position(text_tokens: int, reference_latents: list[tuple[int, int]]) -> int:
+    """The frame position the stock RoPE gives the target block: each text token takes one, each reference block
+    is frozen at the position reached and advances it by its max(h, w) (latent tokens), and the target comes
+    last. It must be below `frame_positions()`."""
+    return text_tokens + sum(max(h, w) for h, w in reference_latents)

@@ -86,6 +86,9 @@ class ResizeConfig(Section):
     keep_alpha: Annotated[bool, added_later()] = Field(
         False, description="store images with transparency as RGBA instead of composited over white (Qwen-Image-2.1: "
         "its VAE reads the alpha channel)")
+    vl_views: Annotated[bool, added_later()] = Field(
+        True, description="write each control's VL view control_{i}_vl.png (area control_vl_area), which Edit-Plus "
+        "reads; Qwen-Image-2.1 does not (its VLM reads control_{i}.png): false skips rendering and storing them")
     val_fraction: Annotated[float, IDENTITY] = Field(0.1, ge=0.0, lt=1.0)
     shard_size_mb: Annotated[float, THROUGHPUT] = Field(256, gt=0, description="images table shard size (fractions allowed, e.g. for tests)")
     workers: Annotated[int, THROUGHPUT] = Field(0, ge=0, description="processes decoding/resizing/encoding PNGs (0 = in the main process)")

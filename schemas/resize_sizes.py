@@ -15,8 +15,10 @@ def _side(area: int) -> str:
 def sizes_in_force(resize: dict[str, Any]) -> str:
     """From a resize section (the config, or the `resize` attrs an images table records)."""
     t, vae, vl = resize["target_area"], resize["control_vae_area"], resize["control_vl_area"]
+    vl_view = (f"VL view {_side(vl)} (resize.control_vl_area {vl})" if resize.get("vl_views", True)
+               else "no VL view (resize.vl_views: false)")  # a 2.1 table's
     line = (f"sizes: targets {_side(t)} (resize.target_area {t}); each control: VAE view {_side(vae)} "
-            f"(resize.control_vae_area {vae}), VL view {_side(vl)} (resize.control_vl_area {vl})")
+            f"(resize.control_vae_area {vae}), {vl_view}")
     if vae > t:
         line += "; controls are larger than targets: resize.area sets both"
     return line

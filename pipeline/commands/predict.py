@@ -90,11 +90,12 @@ def predict(cfg, model: str, images: list[Path], prompt: str, out: Path, lora: s
     tqdm.write(precision.describe("predict", devices["transformer"])
                + (f", quantize_base {cfg.quantize_base}" if cfg.quantize_base != "none" else ""))
     if model_variant(model) == "qwen-image-2.1":  # the stock 2.1 pipeline; references keep their alpha
-        from models.qwen21_predict import edit_21, load_pipeline_21
+        from models.qwen21_predict import TRUE_CFG_21, edit_21, load_pipeline_21
 
         pipe = load_pipeline_21(model, precision.dtype, devices, lora, lora_scale, quantize=cfg.quantize_base)
-        result = edit_21(pipe, pil, prompt, cfg.negative_prompt, cfg.steps, cfg.true_cfg_scale, cfg.seed, height,
-                         width)
+        # unset, the 2.1 pipeline's own default (no guidance), not the Edit models' 4.0
+        scale = cfg.true_cfg_scale if "true_cfg_scale" in cfg.model_fields_set else TRUE_CFG_21
+        result = edit_21(pipe, pil, prompt, cfg.negative_prompt, cfg.steps, scale, cfg.seed, height, width)
     else:
         pipe = load_pipeline(model, precision.dtype, devices, lora, lora_scale, quantize=cfg.quantize_base)
         result = edit(pipe, pil, prompt, cfg.negative_prompt, cfg.steps, cfg.true_cfg_scale, cfg.seed, height, width)

@@ -3,7 +3,7 @@
 The `images` table is the same one the Edit variants read: `control_{i}.png` is each reference, resized once to
 the reference area keeping its aspect (resize-bucket with `multiple: 32`; configs/qwen-image-2.1.yaml). The same
 pixels go to the VLM (composited over white, by the stock pipeline code) and to the VAE (RGBA, 4 channels); the
-`control_{i}_vl.png` views are not read.
+`control_{i}_vl.png` views are not read (with resize.vl_views: false, the 2.1 config's, not written).
 
 text table (per sample, unpadded): `prompt_embeds` [L, D] and `slot_mask` [L] (True at the VLM image slots: the
 layout record the transformer needs, with the references' latent shapes from the vae table), the same for the
@@ -18,14 +18,13 @@ the VAE grid is quarantined with its reason.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from schemas.config import PipelineConfig
-from schemas.errors import Rejected
+from schemas.errors import Rejected, UserError
 from schemas.table import FieldSpec, TableSchema
 from stages.encode.common import (
     Ranks,
@@ -61,29 +60,19 @@ def _side_rejection(key: str, name: str, im) -> Rejected | None:
     return None
 
 
-@lru_cache(maxsize=1)
-def frame_positions() -> int:
-    """How many frame-axis positions diffusers' `QwenImage21Rope` has: read from an instance (its leading rows
-    equal to the frequencies of 0, 1, 2, ...; the rows after them are its negative positions)."""
-    from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21Rope
-
-    rope = QwenImage21Rope(theta=10000, axes_dim=[2, 2, 2])
-    table = rope.freqs[0][:, 0]
-    counting = rope.rope_params(torch.arange(len(table)), 2, 10000)[:, 0]
-    return int((table != counting).nonzero()[0]) if bool((table != counting).any()) else len(table)
-
-
 def caption_length_rejection_21(key: str, text_tokens: int, img_shapes) -> Rejected | None:
-    """Quarantine a prompt whose joint sequence runs past the transformer's frame positions: each text token
-    takes one and each image block (references, then the target) max(h, w); past the table the stock RoPE
-    reads its negative positions (silently wrong) and then fails. Not truncated, as for the Edit models."""
-    used = text_tokens + sum(max(h, w) for _, h, w in img_shapes or ())
+    """Quarantine a prompt whose target block would sit past the transformer's frame positions
+    (`models.qwen21_text.target_frame_position`; img_shapes: the images table's, target first). Past them the
+    stock RoPE reads its negative positions (silently wrong) and then fails. Not truncated, as for the Edit models."""
+    from models.qwen21_text import frame_positions, target_frame_position
+
+    target_at = target_frame_position(text_tokens, [(h, w) for _, h, w in list(img_shapes or ())[1:]])
     limit = frame_positions()
-    if used <= limit:
+    if target_at < limit:
         return None
-    return Rejected("caption too long", f"the prompt is {text_tokens} text tokens; with this sample's images it needs "
-                    f"{used} of the transformer's {limit} frame positions (its RoPE table); shorten the caption",
-                    key=key)
+    return Rejected("caption too long", f"the prompt is {text_tokens} text tokens; with this sample's references "
+                    f"its target sits at frame position {target_at}, past the transformer's {limit} frame positions "
+                    "(its RoPE table); shorten the caption", key=key)
 
 
 @dataclass
@@ -150,6 +139,12 @@ def run_text(cfg: PipelineConfig, store: str | Path, model: str, device: str | N
     ranks = ranks or current_ranks(section.device)
     target = rank_device(section.device, ranks, "encode_text.device")
     section = resolve_precision(section, target, "encode-text")
+    if section.prompt_template is not None or section.prompt_template_start_idx is not None:
+        raise UserError("encode_text.prompt_template / prompt_template_start_idx are not used by a Qwen-Image-2.1 "
+                        f"model ({model}: the stock QwenImage21Pipeline template, with its image slots, is); unset them")
+    # One sample per forward whatever `batching` says: it changes no feature, so it is hashed as its default
+    # (switching it must not re-encode the table to identical values).
+    section = section.model_copy(update={"batching": "exact"})
     record = prompt_format_record()
     job = open_job(store, "encode-text", "text", config_hash(section, prompt_format=record), model, TEXT_REVISION,
                    ranks, components=("text_encoder", "processor", "tokenizer"),

@@ -314,6 +314,11 @@ def run(
                    earlier_hashes=earlier_config_hashes(section, prompt_format=fmt.lineage_record()))
     if job.up_to_date:
         return job.summary
+    if fmt.variant != "edit" and not job.images.schema.attrs.get("resize", {}).get("vl_views", True):
+        job.close()  # every rank reads the same table: all stop here, before loading the encoder
+        raise UserError(f"store {store}: its images table was made with resize.vl_views: false (for Qwen-Image-2.1), "
+                        f"so it has no control_{{i}}_vl.png, which {model}'s text encoder reads; rerun resize-bucket "
+                        "with resize.vl_views: true")
 
     # Only what this stage needs: the VL model and its processor (never the transformer or the VAE).
     processor = load_component(model, "processor")

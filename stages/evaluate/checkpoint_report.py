@@ -85,7 +85,9 @@ def _jobs(cfg, model: str, store, tables, transformer, vae, samples, damaged: di
     from stages.evaluate.stage import conditioning, extra_prompt_inputs, images_reader, pick_samples, stored_pictures
     from store import Store
 
-    sched = dict(load_component(model, "scheduler").config)
+    from models.qwen21_generate import scheduler_config_21
+
+    sched = scheduler_config_21(model) if qwen21 else dict(load_component(model, "scheduler").config)
     images = images_reader(Store(store, create=False), tables, cfg.on_damaged, cfg.max_open_shards)
     jobs: list[_Job] = []
     for s in pick_samples(samples, cfg.num_samples):

@@ -26,14 +26,13 @@ def val_rows_21(transformer, vae, scheduler_config: dict, samples, images, cfg, 
 def image_21(transformer, vae, scheduler_config: dict, s, cfg):
     """One val sample's image from its stored features, by the transformer as it is now (LoRA on or off), RGB
     (the report and its scores are RGB)."""
-    from diffusers import FlowMatchEulerDiscreteScheduler
-
-    from models.qwen21_generate import generate_21
+    from models.qwen21_generate import generate_21, scheduler_and_sigmas
 
     _, h, w = s.img_shapes[0]  # latent tokens of 16 px
-    image = generate_21(transformer, vae, FlowMatchEulerDiscreteScheduler.from_config(scheduler_config),
-                        s.prompt_embeds, s.slot_mask, list(s.controls), h * 16, w * 16, cfg.num_inference_steps,
-                        cfg.seed, cfg.true_cfg_scale, (s.empty_embeds, s.empty_slot_mask))
+    scheduler, sigmas = scheduler_and_sigmas(scheduler_config)  # `scheduler_config_21`: the model's sigmas too
+    image = generate_21(transformer, vae, scheduler, s.prompt_embeds, s.slot_mask, list(s.controls), h * 16, w * 16,
+                        cfg.num_inference_steps, cfg.seed, cfg.true_cfg_scale, (s.empty_embeds, s.empty_slot_mask),
+                        sample_sigmas=sigmas)
     return image.convert("RGB")
 
 
@@ -49,12 +48,13 @@ def extra_inputs_21(model: str, transformer, vae, cfg):
     from features.decode import read_image_file
     from features.pictures import rgb_over_white
     from models.loading import load_component, parse_dtype
+    from models.qwen21_generate import pipeline_sample_sigmas
     from models.qwen21_predict import edit_21
 
     pipe = QwenImage21Pipeline(
         scheduler=load_component(model, "scheduler"), vae=vae, processor=load_component(model, "processor"),
         text_encoder=load_component(model, "text_encoder", dtype=parse_dtype(cfg.dtype), device=cfg.device),
-        transformer=transformer)
+        transformer=transformer, sample_sigmas=pipeline_sample_sigmas(model))
     for i, extra in enumerate(cfg.extra_prompts):
         # decoded as predict decodes them (features.decode: EXIF, CMYK, 16-bit; alpha kept for the 2.1 VAE)
         refs = [read_image_file(p, keep_alpha=True, what=f"evaluate.extra_prompts[{i}] image")

@@ -457,7 +457,10 @@ def sample_rows(cfg: EvaluateConfig, store: str | Path, model: str, transformer,
     scheduler_config = dict(load_component(model, "scheduler").config)
     st = Store(store, create=False)
     if is_qwen21(transformer):
+        from models.qwen21_generate import scheduler_config_21
         from stages.evaluate.qwen21 import val_rows_21 as val_rows_of
+
+        scheduler_config = scheduler_config_21(model)  # with the model's sample_sigmas
     else:
         val_rows_of = val_rows
     images = images_reader(st, tables, cfg.on_damaged, cfg.max_open_shards)

@@ -510,7 +510,8 @@ def _render(rec: SourceSample, key: str, caption: str, rc: ResizeConfig, rules: 
     for i, data in enumerate(rec.controls):
         ctrl = _decode(data, f"control {i}", rec, key, 1 + i, rc, notes).image
         cw, ch = ctrl.size
-        for view, sizes, name in (("vae", vae_sizes, f"control_{i}.png"), ("vl", vl_sizes, f"control_{i}_vl.png")):
+        views = (("vae", vae_sizes, f"control_{i}.png"), ("vl", vl_sizes, f"control_{i}_vl.png"))
+        for view, sizes, name in views if rc.vl_views else views[:1]:  # 2.1 reads no VL view
             h, w = bucket_size(cw, ch, rules[view])
             files[name] = _png(_fit(ctrl, h, w, rc.max_aspect, Image.Resampling.LANCZOS))
             sizes.append([h, w])

@@ -130,12 +130,14 @@ class Validator:
     def _sample_21(self, transformer, s: TrainSample, h: int, w: int) -> Image.Image:
         from diffusers import FlowMatchEulerDiscreteScheduler
 
-        from models.qwen21_generate import generate_21
+        from models.qwen21_generate import generate_21, pipeline_sample_sigmas
+        from models.qwen21_predict import TRUE_CFG_21
 
         scheduler = FlowMatchEulerDiscreteScheduler.from_config(self._scheduler)
         return generate_21(transformer, self._vae, scheduler, s.prompt_embeds, s.slot_mask, list(s.controls), h * 16,
-                           w * 16, self.cfg.sample_steps, self.cfg.seed, SAMPLE_CFG,
-                           (s.empty_embeds, s.empty_slot_mask)).convert("RGB")
+                           w * 16, self.cfg.sample_steps, self.cfg.seed, TRUE_CFG_21,  # 2.1: no guidance
+                           (s.empty_embeds, s.empty_slot_mask),
+                           sample_sigmas=pipeline_sample_sigmas(self.model)).convert("RGB")
 
     def __call__(self, r) -> None:
         """At the configured steps: the held-out loss on every rank (logged and appended to RUN/losses.zarr by

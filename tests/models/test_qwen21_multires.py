@@ -208,3 +208,49 @@ def test_layout_errors_are_refused():
 def test_tokens_round_trip():
     lat = torch.randn(C, 1, 4, 6)
     assert torch.equal(tokens_to_latent(latent_tokens(lat), 4, 6), lat)
+
+
+def _plain_mask(ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """The block-causal mask as one expression (what `block_causal_mask` computed before it was written in place)."""
+    S = ids.shape[1]
+    pos = torch.arange(S)
+    same_block = (ids[:, :, None] == ids[:, None, :]) & (ids[:, :, None] >= 0)
+    allowed = ((pos[:, None] >= pos[None, :])[None] | same_block) & valid[:, None, :] & valid[:, :, None]
+    allowed |= torch.eye(S, dtype=torch.bool)[None] & ~valid[:, :, None]
+    return allowed[:, None]
+
+
+def test_block_causal_mask_is_the_plain_expression():
+    from types import SimpleNamespace
+
+    from models.qwen21_multires import block_causal_mask
+
+    g = torch.Generator().manual_seed(0)
+    batch = build_batch([make_sample(spec, g) for spec in MIXED])  # padding, adjacent references, 10 references
+    assert torch.equal(block_causal_mask(batch), _plain_mask(batch.image_ids, batch.valid_mask))
+    # a block whose positions are not one run (not what build_batch writes, still the same mask)
+    ids = torch.tensor([[-1, 0, -1, 0, 1, 1, -1, -1]])
+    valid = torch.tensor([[True] * 6 + [False] * 2])
+    got = block_causal_mask(SimpleNamespace(image_ids=ids, valid_mask=valid))
+    assert torch.equal(got, _plain_mask(ids, valid))
+
+
+def test_block_causal_mask_peaks_at_its_own_size():
+    """The mask is [B, S, S] (S ~ 45k tokens at 10 references of 1024²: 2 GiB per sample); building it holds
+    about that, not ~5x (measured 5.0x before at S = 8192). Peak RSS of a fresh process, not time."""
+    import subprocess
+    import sys
+
+    code = """
+import resource, torch
+from types import SimpleNamespace
+from models.qwen21_multires import block_causal_mask
+S = 8192
+ids = torch.full((1, S), -1, dtype=torch.long); ids[0, 200:3000] = 0; ids[0, 3000:S - 100] = 1
+valid = torch.ones(1, S, dtype=torch.bool); valid[0, S - 100:] = False
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+m = block_causal_mask(SimpleNamespace(image_ids=ids, valid_mask=valid))
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024 / m.numel())
+"""
+    ratio = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+    assert ratio < 2.0, ratio

@@ -157,3 +157,18 @@ def test_plan_reads_the_full_width_21_folder(full_width_21):
     c = counts_from_model(full)
     assert c.params == sum(p.numel() for p in full.parameters()) and c.blocks == 32 and c.width == 4096
     assert 7.0e9 < c.params < 7.5e9  # the issue's "7B"
+
+
+def test_the_21_train_plan_counts_the_block_causal_mask(tiny_21_model, tiny_plus_model):
+    """2.1 trains with a dense [B, 1, S, S] mask (models/qwen21_multires.py): S² bytes per sample that no
+    per-token constant covers (1.9 GiB per sample for the bool mask alone at S ~ 45k, 10 references of 1024²).
+    The plan counts it for 2.1 (the bool mask, its logical_not and SDPA's bf16 copy; the copy once per block
+    that saves its inputs without checkpointing) and not for the Edit models. Before: absent."""
+    from models.memory_plan import train_plan
+
+    S = 45_000
+    ckpt = train_plan(tiny_21_model, "bfloat16", "none", 2, S, True, 16)
+    assert ckpt.parts["block-causal mask"] == 2 * S * S * (1 + 1 + 2)
+    plain = train_plan(tiny_21_model, "bfloat16", "none", 2, S, False, 16)
+    assert plain.parts["block-causal mask"] == 2 * S * S * (2 + 2 * 2)  # the tiny model's 2 blocks
+    assert "block-causal mask" not in train_plan(tiny_plus_model, "bfloat16", "none", 2, S, True, 16).parts

@@ -487,14 +487,128 @@ def test_a_caption_past_the_21_rope_table_is_quarantined_not_encoded(tiny_21_mod
     """A prompt whose joint sequence runs past QwenImage21Rope's frame positions (8192 in diffusers' table) is
     quarantined as "caption too long" before it reaches the encoder. Before: it was encoded, and train's stock
     RoPE read negative positions for the overflow (silently wrong), then failed with an index error."""
-    from stages.encode.qwen21 import caption_length_rejection_21, frame_positions
+    from models.qwen21_text import frame_positions
+    from stages.encode.qwen21 import caption_length_rejection_21
 
     assert frame_positions() == 8192
-    assert caption_length_rejection_21("k", 8192 - 8, [[1, 4, 8]]) is None  # exactly the table
-    assert caption_length_rejection_21("k", 8192 - 7, [[1, 4, 8]]).reason == "caption too long"
+    assert caption_length_rejection_21("k", 8191, [[1, 4, 8]]) is None  # the target at the table's last row
+    assert caption_length_rejection_21("k", 8192, [[1, 4, 8]]).reason == "caption too long"
     long_caption = "paint " * 9000
     store = write_store21(tmp_path / "s", samples=[SAMPLES[1], (long_caption, (64, 64, "RGB"), [(64, 64, "RGB")])])
     t = encode_text.run(load_config(None, F32), store, tiny_21_model)
     assert (t.encoded, t.quarantined) == (1, 1)
     [row] = Store(store).quarantine().to_pylist()
     assert row["reason"] == "caption too long" and "8192 frame positions" in row["detail"], row
+
+
+def _stock_rope_reads_true_positions(text_tokens: int, target, refs) -> bool:
+    """Whether diffusers' `QwenImage21Rope` gives the joint sequence (text, then each reference, then the target,
+    as the 2.1 pipeline lays it out) the rotations of its true positions: the stock table against the same
+    module with a longer positive table (same negative rows, which the height/width axes index from the end)."""
+    from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21Rope
+
+    shapes = [(1, h, w) for h, w in refs] + [(1, *target)]
+    mask = torch.tensor([False] * text_tokens + [True] * sum(h * w for _, h, w in shapes))
+    stock, longer = QwenImage21Rope(10000, [2, 2, 2]), QwenImage21Rope(10000, [2, 2, 2])
+    neg = torch.arange(1024).flip(0) * -1 - 1
+    longer.freqs = [torch.cat([longer.rope_params(torch.arange(20000), 2), longer.rope_params(neg, 2)])] * 3
+    try:
+        got = stock(shapes, mask, "cpu")
+    except IndexError:
+        return False
+    return torch.equal(got, longer(shapes, mask, "cpu"))
+
+
+@pytest.mark.parametrize("target,refs", [((4, 8), []), ((64, 64), [(48, 80), (2, 2)])])
+def test_the_21_caption_limit_is_exactly_where_the_stock_rope_runs_out(target, refs):
+    """The quarantine boundary is the stock RoPE's: the target block sits at the frame position after all text
+    tokens and the references' max(h, w) each, and that position must be a row of the 8192-row table. Before,
+    the target's own max(h, w) was counted too, quarantining captions the model reads correctly."""
+    from stages.encode.qwen21 import caption_length_rejection_21
+
+    shapes = [[1, *target]] + [[1, h, w] for h, w in refs]  # the images table's order: target first
+    last_ok = 8191 - sum(max(h, w) for h, w in refs)
+    assert caption_length_rejection_21("k", last_ok, shapes) is None
+    assert _stock_rope_reads_true_positions(last_ok, target, refs)
+    assert caption_length_rejection_21("k", last_ok + 1, shapes).reason == "caption too long"
+    assert not _stock_rope_reads_true_positions(last_ok + 1, target, refs)
+
+
+def test_21_encode_text_ignores_no_setting_silently(tiny_21_model, store21):
+    """2.1 encodes one sample per forward with the stock template: `encode_text.batching` changes nothing, so
+    switching it leaves the table current (before: every sample re-encoded to identical values), and a
+    `prompt_template` it would not use is refused in one line (before: silently ignored, yet hashed)."""
+    from schemas.errors import UserError
+
+    first = encode_text.run(load_config(None, F32), store21, tiny_21_model)
+    assert first.encoded == 3
+    again = encode_text.run(load_config(None, {**F32, "encode_text.batching": "padded"}), store21, tiny_21_model)
+    assert again.up_to_date and again.encoded == 0
+    with pytest.raises(UserError, match="prompt_template"):
+        encode_text.run(load_config(None, {**F32, "encode_text.prompt_template": "<|im_start|>{}<|im_end|>",
+                                           "encode_text.prompt_template_start_idx": 1}), store21, tiny_21_model)
+
+
+def test_21_predict_refuses_a_prompt_past_the_rope_table(tiny_21_model, tmp_path):
+    """predict (and evaluate's extra prompts: the same call) check the prompt as encode-text does: a prompt whose
+    target would sit past the 8192 frame positions is one line, no image. Before: the stock pipeline ran it, its
+    RoPE reading negative positions for the overflow (a silently wrong image; an IndexError past 9216). The
+    boundary is exact: one token less runs."""
+    from models.qwen21_predict import check_prompt_fits, load_pipeline_21
+    from schemas.errors import UserError
+
+    ref = tmp_path / "ref.png"
+    Image.fromarray(np.random.default_rng(3).integers(0, 255, (64, 96, 4), dtype=np.uint8), "RGBA").save(ref)
+    pipe = load_pipeline_21(tiny_21_model, torch.float32, {})
+    refs = [Image.open(ref)]
+    tokenizer = pipe.processor.tokenizer
+    # find the longest prompt that fits: the template's own tokens + the reference's max(h, w) = 6 latent tokens
+    short = check_prompt_fits(pipe, refs, "a", None, 64, 96)  # positions left after a one-token prompt
+    fits = " ".join(["a"] * (short + 1))
+    assert check_prompt_fits(pipe, refs, fits, None, 64, 96) == 0
+    with pytest.raises(UserError, match="frame position 8192"):
+        check_prompt_fits(pipe, refs, fits + " a", None, 64, 96)
+    assert len(tokenizer(fits)["input_ids"]) == short + 1  # one token per word, so the boundary above is exact
+    from models.qwen21_predict import _text_tokens  # the count is the stock embeddings' text tokens
+    from models.qwen21_text import encode_prompt, prompt_encoder
+
+    for prompt, images in (("make it red", refs), ("", refs), ("make it red", [])):
+        _, slots = encode_prompt(prompt_encoder(pipe.text_encoder, pipe.processor), prompt,
+                                 [pipe.image_processor.resize(im, height=64, width=96) for im in images])
+        assert _text_tokens(pipe, prompt, len(images)) == int((~slots).sum())
+
+    out = tmp_path / "out.png"
+    from typer.testing import CliRunner
+
+    from pipeline.cli import app
+
+    result = CliRunner().invoke(app, [str(a) for a in ("predict", "--model", tiny_21_model, "--image", ref, "--prompt",
+                                                       fits + " a", "--steps", 2, "--height", 64, "--width", 96,
+                                                       "--out", out)])
+    assert result.exit_code == 1 and not out.exists(), result.output
+    assert "shorten the prompt" in result.output and "Traceback" not in result.output
+
+
+def test_21_predict_and_the_sample_grid_default_to_no_guidance(tiny_21_model, tmp_path):
+    """Qwen-Image-2.1 is sampled without guidance (the stock pipeline's true_cfg_scale 1.0). `pipeline predict`
+    on a 2.1 model without --cfg (or predict.true_cfg_scale) gives the stock default call's image; before it ran
+    true CFG 4.0 with the negative " " (the Edit models' default): twice the forwards and another image. Set
+    explicitly, the scale is honoured."""
+    from diffusers import QwenImage21Pipeline
+
+    ref = tmp_path / "ref.png"
+    Image.fromarray(np.random.default_rng(3).integers(0, 255, (64, 96, 4), dtype=np.uint8), "RGBA").save(ref)
+    args = ("predict", "--model", tiny_21_model, "--image", ref, "--prompt", "make it red", "--steps", 2,
+            "--height", 64, "--width", 96)
+    _cli(*args, "--out", tmp_path / "default.png")
+    _cli(*args, "--cfg", 4.0, "--out", tmp_path / "cfg4.png")
+    pipe = QwenImage21Pipeline.from_pretrained(tiny_21_model)
+
+    def stock(**kw):
+        return np.asarray(pipe(image=[Image.open(ref)], prompt="make it red", num_inference_steps=2, height=64,
+                               width=96, output_resolution=78, generator=torch.Generator().manual_seed(0), **kw)
+                          .images[0])
+
+    np.testing.assert_array_equal(np.asarray(Image.open(tmp_path / "default.png")), stock())
+    np.testing.assert_array_equal(np.asarray(Image.open(tmp_path / "cfg4.png")),
+                                  stock(true_cfg_scale=4.0, negative_prompt=" "))

@@ -75,3 +75,34 @@ def test_switch_off_leaves_the_lineage_as_before():
     b = images_schema(load_config(None, {"resize.keep_alpha": True}).resize, "listing")
     assert a.lineage.config_hash != b.lineage.config_hash
     assert "keep_alpha" not in a.attrs["resize"]
+
+
+def test_the_21_config_writes_no_vl_views_and_edit_plus_refuses_such_a_table(tmp_path, tiny_plus_model):
+    """Qwen-Image-2.1 reads control_{i}.png only: with the 2.1 config (resize.vl_views: false) resize renders
+    and stores no control_{i}_vl.png (before: one more Lanczos resize + PNG per reference, ~21% more bytes at
+    1024² references). An Edit-Plus model reads those views: encode-text refuses such a table in one line before
+    loading its encoder. The default (true) leaves earlier tables' lineage as it was."""
+    import pytest
+
+    from schemas.errors import UserError
+    from schemas.lineage import unhashed_names
+    from stages.encode import text as encode_text
+
+    src = tmp_path / "src"
+    _put(src, "a", _png(_rgba(150, 100)), [_png(_rgba(80, 120, 1)), _png(Image.new("RGB", (64, 64), "red"))])
+    on = run(load_config(CONFIG, {"resize.val_fraction": 0.0, "resize.vl_views": True}), src, tmp_path / "on")
+    off = run(load_config(CONFIG, {"resize.val_fraction": 0.0}), src, tmp_path / "off")
+    assert on.written == off.written == 1
+    with_vl, without = Store(tmp_path / "on").reader("images"), Store(tmp_path / "off").reader("images")
+    (key,) = without.keys()
+    assert sorted(without.files(key)) == ["control_0.png", "control_1.png", "target.png"]
+    assert sorted(with_vl.files(key)) == ["control_0.png", "control_0_vl.png", "control_1.png", "control_1_vl.png",
+                                          "target.png"]
+    assert without.meta(key)["control_vl_sizes"] == []
+    assert "no VL view (resize.vl_views: false)" in off.sizes and "VL view ~384" in on.sizes  # the summary line
+    for name in ("target.png", "control_0.png", "control_1.png"):  # what 2.1 reads: the same pixels
+        assert without.files(key)[name] == with_vl.files(key)[name]
+
+    with pytest.raises(UserError, match="resize.vl_views: false"):
+        encode_text.run(load_config(None, {}), tmp_path / "off", tiny_plus_model)
+    assert "vl_views" in unhashed_names(load_config(None, {}).resize)  # default: in no hash, as before it existed
