@@ -186,8 +186,9 @@ def read_order(stream: DataStream, rank: int) -> Iterator[int]:
 
     def walk(epoch: int, batch: int) -> Iterator[int]:
         while True:
-            for step in stream.sampler.global_steps(epoch)[batch:]:
-                yield from step[rank]
+            steps = stream.steps(epoch)
+            for k in range(batch, len(steps)):  # by index: a slice of an elastic plan would split every step
+                yield from steps[k][rank]
             epoch, batch = epoch + 1, 0
 
     return walk(*start)
