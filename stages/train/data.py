@@ -58,6 +58,7 @@ class DataStream:
 
     def __init__(self, sampler: LengthAwareBatchSampler, epoch: int = 0, batch: int = 0):
         self.sampler, self.epoch, self.batch = sampler, epoch, batch
+        self._steps: list[list[list[int]]] | None = None  # the epoch being read
         self._plans: dict[int, list[list[list[int]]]] = {}
         self._lock = threading.Lock()
 
@@ -70,18 +71,20 @@ class DataStream:
         (`stages.train.prefetch.read_order`): at 1M samples a plan is ~55 MB of lists and ~1 s, and each
         table's walker used to plan it again."""
         with self._lock:  # the trainer (or its prefetch thread) and one walker per table ask at once
-            if epoch not in self._plans:
-                self._plans[epoch] = self.sampler.global_steps(epoch)
-                for old in sorted(self._plans)[:-self.KEPT_PLANS]:
-                    del self._plans[old]
-            return self._plans[epoch]
+            plan = self._plans.get(epoch)
+            if plan is None:
+                plan = self._plans[epoch] = self.sampler.global_steps(epoch)
+                for old in sorted(e for e in self._plans if e != epoch)[: len(self._plans) - self.KEPT_PLANS]:
+                    del self._plans[old]  # the oldest; whoever walks it holds its own reference
+            return plan
 
     def next(self) -> tuple[int, list[list[int]], bool]:
         """(epoch, every rank's batch of the next global micro-step, whether it ends the epoch)."""
-        steps = self.steps(self.epoch)
-        epoch, step = self.epoch, steps[self.batch]
+        if self._steps is None:  # held for the epoch: walkers far ahead (tiny epochs) may drop it from `_plans`
+            self._steps = self.steps(self.epoch)
+        epoch, step = self.epoch, self._steps[self.batch]
         self.batch += 1
-        last = self.batch == len(steps)
+        last = self.batch == len(self._steps)
         if last:
-            self.epoch, self.batch = self.epoch + 1, 0
+            self.epoch, self.batch, self._steps = self.epoch + 1, 0, None
         return epoch, step, last

@@ -133,3 +133,14 @@ def test_each_epoch_is_planned_once_per_rank_for_the_stream_and_its_check_ahead_
         t.join()
     assert ahead[0] == ahead[1] == read[:30]
     assert Counter(sampler.planned) == {1: 1, 2: 1, 3: 1}
+
+
+def test_walkers_many_epochs_ahead_never_take_the_plan_being_read():
+    """Tiny epochs: a check-ahead walker of 32 samples runs several epochs ahead of the reader (it dropped the
+    reader's plan from the stream's cache: KeyError in the trainer's first step)."""
+    from stages.train.prefetch import read_order
+
+    stream = DataStream(LengthAwareBatchSampler(random_lengths(8, 0), 2, 0, world_size=2))
+    walker = read_order(stream, 0)
+    ahead = list(itertools.islice(walker, 32))  # 8 epochs of rank 0's 4 samples
+    assert [i for _ in range(16) for i in stream.next()[1][0]] == ahead
