@@ -130,6 +130,7 @@ class StepStats:
     grad_norm: float
     batches: list[list[int]]  # every rank's batch of every micro-step (for the padding figure)
     seconds: float  # compute + data, up to the loss sync
+    data_seconds: float  # of which waiting for this rank's micro-batches (reads + preparation, or an empty queue)
     started: float  # perf_counter / process_time at the step's start: `log` adds its own time to the step's
     cpu_started: float
 
@@ -229,6 +230,7 @@ def step(r: Run) -> StepStats:
     damaged = 0  # train.on_damaged=skip: this rank's planned samples left out as damaged (stages/train/damaged.py)
     with fails_alone(r.world, f"optimizer step {r.step + 1}", OOM_ADVICE):
         micro = [r.batches.next() for _ in range(tc.grad_accum)]
+        data_seconds = time.perf_counter() - t0
         n_step = sum(len(b) for m in micro for b in m.global_batch)
         for k, m in enumerate(micro):
             parts = []
@@ -283,7 +285,7 @@ def step(r: Run) -> StepStats:
     r.step += 1
     loss = total / intact if intact else float("nan")
     batches = [b for m in micro for b in m.global_batch]
-    return StepStats(loss, micro[0].epoch, intact, grad_norm, batches, time.perf_counter() - t0, t0, c0)
+    return StepStats(loss, micro[0].epoch, intact, grad_norm, batches, time.perf_counter() - t0, data_seconds, t0, c0)
 
 
 def log(r: Run, s: StepStats) -> None:
@@ -298,11 +300,13 @@ def log(r: Run, s: StepStats) -> None:
         lin, _ = padding_efficiency(s.batches, r.tables.lengths)
         r.writer.log({"train/loss": s.loss, "train/lr": lr, "train/grad_norm": s.grad_norm,
                       "train/padding_efficiency": lin, "train/samples_per_s": s.samples / s.seconds,
+                      "train/data_wait_share": s.data_seconds / s.seconds,
                       "train/peak_memory_gb": peak_memory_gb(r.device)}, r.step)
     r.bar.set_postfix(loss=f"{s.loss:.4f}", lr=f"{lr:.2e}")
     r.bar.update(1)
     r.result.step_times.append(time.perf_counter() - s.started)  # with logging, without checkpoint writing
     r.result.step_cpu_times.append(time.process_time() - s.cpu_started)
+    r.result.step_data_times.append(s.data_seconds)
 
 
 # ---------------------------------------------------------------------------------------------- step pieces
