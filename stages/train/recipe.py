@@ -5,6 +5,8 @@
         stats = step(run)          grad_accum micro-batches: flow matching on mixed-resolution batches
         log(run, stats)            TensorBoard scalars, progress bar
         checkpoint(run)            every checkpoint_every steps and at the end
+        validate(run)              held-out loss / sample grid when due (after the checkpoint: a failure loses
+                                   no training)
     finish(run)                    the final LoRA
     cleanup(run)                   after a finished run or an error: close whatever setup opened
 
@@ -163,13 +165,16 @@ def run(
     r = None
     try:
         r = setup(cfg, store, model, out, resume, accelerator, new_run=new_run, before_keep=before_keep, locks=locks)
+        if r.validator is not None and r.step > 0:
+            r.validator(r)  # a validation due at the resumed step: a failure there came after its checkpoint
         while r.step < r.cfg.max_steps:
             stats = step(r)
             log(r, stats)
-            if r.validator is not None:
-                r.validator(r)
+            # checkpoint first: a validation that fails (out of memory generating samples) loses no training
             if r.step % r.cfg.checkpoint_every == 0 or r.step == r.cfg.max_steps:
                 checkpoint(r)
+            if r.validator is not None:
+                r.validator(r)
         result = finish(r)
         result.seconds = time.perf_counter() - started
         return result
