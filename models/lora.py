@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Protocol
 
@@ -406,16 +407,22 @@ def _peft_config(state: dict[str, torch.Tensor], saved: dict | None):
 
 
 def saved_dtype(model: str) -> torch.dtype:
-    """Dtype of the model's stored transformer weights (merge writes back what it read)."""
+    """Dtype of the model's stored transformer weights (merge writes back what it read): the floating dtype that
+    holds the most weights, read from the headers. Not the first tensor's: safetensors writes the widest dtype
+    first, so one float32 norm or embedding in a bf16 checkpoint made a 20B merge write float32 (2x the bytes)."""
+    from collections import Counter
+
     from models.loading import resolve_model
 
-    folder = resolve_model(model) / "transformer"
-    for f in sorted(folder.glob("*.safetensors")):
+    names = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+    held: Counter = Counter()
+    for f in sorted((resolve_model(model) / "transformer").glob("*.safetensors")):
         with safe_open(f, framework="pt") as st:
             for key in st.keys():
-                name = st.get_slice(key).get_dtype()
-                return {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}.get(name, torch.float32)
-    return torch.float32
+                tensor = st.get_slice(key)
+                if tensor.get_dtype() in names:
+                    held[names[tensor.get_dtype()]] += math.prod(tensor.get_shape())
+    return held.most_common(1)[0][0] if held else torch.float32
 
 
 def fused_transformer(model: str, lora: str | Path, scale: float = 1.0, dtype: torch.dtype | None = None,

@@ -176,11 +176,50 @@ def lora_params(c: TransformerCounts, rank: int, targets: int = 4) -> int:
     return c.blocks * targets * rank * 2 * c.width
 
 
+def lora_shapes(c: TransformerCounts, rank: int, targets: int = 4) -> list[tuple[tuple[int, ...], bool]]:
+    """(shape, starts at zero) of the adapter's matrices on `targets` D x D projections per block: lora_A
+    (rank x D, random) and lora_B (D x rank, zeros: peft's init, so the adapter starts as the base)."""
+    return [((rank, c.width), False), ((c.width, rank), True)] * (c.blocks * targets)
+
+
+# The fp32 LoRA weight and its gradient (the trainer keeps the adapter in float32 whatever the base's dtype).
+LORA_PARAM_AND_GRAD_BYTES = 8
+# bitsandbytes' 8-bit optimizers quantise their states blockwise: one float32 absmax per block of 256, and two
+# 256-entry float32 code tables shared by every tensor.
+BNB_BLOCK, BNB_QMAPS = 256, 2 * 256 * 4
+
+
+def optimizer_state_bytes(optimizer: str, params: list[tuple[tuple[int, ...], bool]]) -> int:
+    """Bytes of `train.optimizer`'s state (stages/train/optimizers.py) after a step for parameters given as
+    (shape, starts at zero), as each library keeps it (checked against their state dicts in
+    tests/models/test_memory_plan_optimizer.py): AdamW two fp32 moments + a step tensor; AdamW 8-bit two uint8
+    states + one fp32 absmax per block of 256; Adafactor a factored fp32 second moment (rows + cols) + an RMS
+    scalar; Prodigy three fp32 states (exp_avg, exp_avg_sq, s) + p0, a copy of the starting weight (a scalar
+    for one that starts at zero)."""
+    def numel(shape):
+        n = 1
+        for d in shape:
+            n *= d
+        return n
+
+    if optimizer == "adamw":
+        return sum(8 * numel(s) + 4 for s, _ in params)
+    if optimizer == "adamw8bit":
+        return sum(2 * numel(s) + 2 * 4 * -(-numel(s) // BNB_BLOCK) for s, _ in params) + BNB_QMAPS
+    if optimizer == "adafactor":
+        return sum(4 * (numel(s[:-1]) + numel(s[:-2] + s[-1:]) if len(s) >= 2 else numel(s)) + 4 for s, _ in params)
+    if optimizer == "prodigy":
+        return sum(12 * numel(s) + (4 if zero else 4 * numel(s)) for s, zero in params)
+    raise ValueError(f"no memory plan for optimizer {optimizer!r}")
+
+
 def train_plan(model: str, dtype: str, quantize: str, batch_size: int, tokens_per_sample: int,
                gradient_checkpointing: bool, lora_rank: int, offload: str = "none", blocks_on_device: int = 0,
-               lora_targets: int = 4, host: bool = False, counts: TransformerCounts | None = None) -> StagePlan:
+               lora_targets: int = 4, host: bool = False, counts: TransformerCounts | None = None,
+               optimizer: str = "adamw") -> StagePlan:
     """Peak device bytes of training; `host=True`: peak host RSS of a CPU run instead (everything resident,
-    and the loading peak counts when it is the higher one). `counts`: of a model built in memory (bench)."""
+    and the loading peak counts when it is the higher one). `counts`: of a model built in memory (bench).
+    `optimizer`: `train.optimizer`, whose state is planned as that library keeps it."""
     c = counts or transformer_counts(model)
     # the trainer turns checkpointing on with offload (stages/train/build.py): without it autograd would keep
     # every block's device copy; planned as off, the activations came out ~21x (60 blocks) too high
@@ -196,7 +235,8 @@ def train_plan(model: str, dtype: str, quantize: str, batch_size: int, tokens_pe
         saved = ACT_PER_TOKEN_BLOCK * c.blocks
     parts = {
         "weights": transformer_weight_bytes(c, dtype, quantize, resident),
-        "lora+grads+adam": lora_params(c, lora_rank, lora_targets) * 16,  # fp32 param, grad, 2 Adam moments
+        "lora+grads": lora_params(c, lora_rank, lora_targets) * LORA_PARAM_AND_GRAD_BYTES,
+        f"{optimizer} state": optimizer_state_bytes(optimizer, lora_shapes(c, lora_rank, lora_targets)),
         "activations": tokens * c.width * saved * act_elem,
         "backward working set": tokens * c.width * ACT_BACKWARD_WORKSET * act_elem,
     }

@@ -187,6 +187,9 @@ _QUANTIZE_HELP = ("frozen transformer base, quantised while it loads: none | int
 
 # The LR schedule decays towards max_steps: then it changes the weights; under a constant LR a resume may raise it.
 _DECAYING_LR_ONLY = Role("throughput", features_if=lambda train: train.lr_schedule != "constant")
+# Fixed-size batches: batch_size decides every step's samples; under a token budget (max_tokens_per_batch) the
+# sampler and an elastic resume ignore it (held-out rows per forward only): a resume may change it there.
+_FIXED_BATCHES_ONLY = Role("features", features_if=lambda train: train.max_tokens_per_batch is None)
 # Memory settings (the weights are the same) that run fingerprints have always held: kept, so runs stay resumable.
 _HASHED_AS_BEFORE = Role("throughput", hashed_as_before=True)
 
@@ -196,7 +199,7 @@ class TrainConfig(Section):
     dtype: Annotated[DType, FEATURES] = Field("auto", description="frozen base weights; " + _DTYPE_HELP + " (auto: "
                                               "bf16 under mixed_precision bf16; float32 stays float32 under bf16 autocast)")
     seed: Annotated[int, FEATURES] = 0
-    batch_size: Annotated[int, FEATURES] = Field(4, gt=0)
+    batch_size: Annotated[int, _FIXED_BATCHES_ONLY] = Field(4, gt=0)
     grad_accum: Annotated[int, FEATURES] = Field(1, gt=0)
     max_steps: Annotated[int, _DECAYING_LR_ONLY] = Field(100, gt=0)
     learning_rate: Annotated[float, FEATURES] = Field(1e-4, gt=0)

@@ -58,7 +58,7 @@ def command(
             mp.encode_plan(model_id, "vae", dtype(cfg.encode_vae.dtype), cfg.encode_vae.batch_size, rc.target_area // 256),
             mp.train_plan(model_id, dtype(tc.dtype, tc.mixed_precision), tc.quantize_base, train_batch, train_seq,
                           tc.gradient_checkpointing, tc.lora.rank, tc.offload, tc.offload_blocks_on_device,
-                          len(tc.lora.target_modules)),
+                          len(tc.lora.target_modules), optimizer=tc.optimizer),
             mp.inference_plan(model_id, dtype(cfg.evaluate.dtype), cfg.evaluate.quantize_base, seq),
         ]
     batching = f"token budget {budget} per batch" if budget else f"batch {tc.batch_size}"

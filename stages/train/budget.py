@@ -50,13 +50,14 @@ class TokenBudgetBatchSampler:
 
     def _batches(self, order: list[int]) -> list[list[int]]:
         """Greedy fill of each sorted window."""
-        by_length = self.lengths.__getitem__
+        lengths = self.lengths.tolist()  # Python ints for the per-sample loop: numpy scalar reads took half the plan
+        by_length = lengths.__getitem__
         batches: list[list[int]] = []
         for start in range(0, len(order), self.window_samples):
             # Stable sort: equal lengths keep their shuffled order, so ties are mixed too.
             batch: list[int] = []
             for i in sorted(order[start : start + self.window_samples], key=by_length):
-                if batch and (len(batch) + 1) * self.lengths[i] > self.max_tokens:
+                if batch and (len(batch) + 1) * lengths[i] > self.max_tokens:
                     batches.append(batch)
                     batch = []
                 batch.append(i)

@@ -11,7 +11,8 @@ from models.lora import WEIGHT_NAME
 from schemas import up_to_date as current
 from schemas.config import PipelineConfig
 from stages.train import state as train_state
-from stages.train.settings import config_fingerprint, planned_device, resolve_precision
+from stages.train.settings import (config_fingerprint, earlier_config_fingerprints, planned_device,
+                                   resolve_precision)
 from stages.train.state import ResumeRecord
 
 
@@ -26,7 +27,11 @@ def up_to_date(cfg: PipelineConfig, store: str | Path, model: str, out: str | Pa
     if weights.stat().st_mtime < (latest / train_state.RESUME_JSON).stat().st_mtime:
         return False
     record = ResumeRecord.read(latest / train_state.RESUME_JSON)
-    return current.is_current({"step": record.step, **record.inputs()}, run_inputs(cfg, store, model))
+    now = run_inputs(cfg, store, model)
+    recorded = {"step": record.step, **record.inputs()}
+    if recorded["config_fingerprint"] in earlier_config_fingerprints(resolved_train(cfg)):  # an earlier spelling
+        recorded["config_fingerprint"] = now["config_fingerprint"]
+    return current.is_current(recorded, now)
 
 
 def run_inputs(cfg: PipelineConfig, store: str | Path, model: str) -> dict[str, Any]:
@@ -38,7 +43,12 @@ def run_inputs(cfg: PipelineConfig, store: str | Path, model: str) -> dict[str, 
     return {
         "step": cfg.train.max_steps,
         # the run records its resolved precision (dtype auto -> float32 / bfloat16 for its device)
-        "config_fingerprint": config_fingerprint(resolve_precision(cfg.train, planned_device(cfg.train))),
+        "config_fingerprint": config_fingerprint(resolved_train(cfg)),
         "tables": tables.versions(),
         "model_fingerprint": model_fingerprint(model),
     }
+
+
+def resolved_train(cfg: PipelineConfig):
+    """The train section as a run records it: its precision resolved (dtype auto -> float32 / bfloat16)."""
+    return resolve_precision(cfg.train, planned_device(cfg.train))

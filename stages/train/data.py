@@ -7,6 +7,7 @@ dropout are `models.randomness`. What is left here is the trainer's endless (epo
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 from features.open import open_features
@@ -52,18 +53,35 @@ def write_data_report(run_dir: Path, tables: JoinedTables) -> str:
 class DataStream:
     """Endless (epoch, batch) stream over the sampler; `position` is what a checkpoint stores."""
 
+    # Epoch plans kept: the one being read and the next, which the check-ahead walkers reach first.
+    KEPT_PLANS = 2
+
     def __init__(self, sampler: LengthAwareBatchSampler, epoch: int = 0, batch: int = 0):
         self.sampler, self.epoch, self.batch = sampler, epoch, batch
-        self._steps: list[list[list[int]]] | None = None
+        self._steps: list[list[list[int]]] | None = None  # the epoch being read
+        self._plans: dict[int, list[list[list[int]]]] = {}
+        self._lock = threading.Lock()
 
     @property
     def position(self) -> tuple[int, int]:
         return self.epoch, self.batch
 
+    def steps(self, epoch: int) -> list[list[list[int]]]:
+        """Every rank's batches of `epoch`, planned once for the stream and the check-ahead threads walking it
+        (`stages.train.prefetch.read_order`): at 1M samples a plan is ~55 MB of lists and ~1 s, and each
+        table's walker used to plan it again."""
+        with self._lock:  # the trainer (or its prefetch thread) and one walker per table ask at once
+            plan = self._plans.get(epoch)
+            if plan is None:
+                plan = self._plans[epoch] = self.sampler.global_steps(epoch)
+                for old in sorted(e for e in self._plans if e != epoch)[: len(self._plans) - self.KEPT_PLANS]:
+                    del self._plans[old]  # the oldest; whoever walks it holds its own reference
+            return plan
+
     def next(self) -> tuple[int, list[list[int]], bool]:
         """(epoch, every rank's batch of the next global micro-step, whether it ends the epoch)."""
-        if self._steps is None:
-            self._steps = self.sampler.global_steps(self.epoch)
+        if self._steps is None:  # held for the epoch: walkers far ahead (tiny epochs) may drop it from `_plans`
+            self._steps = self.steps(self.epoch)
         epoch, step = self.epoch, self._steps[self.batch]
         self.batch += 1
         last = self.batch == len(self._steps)

@@ -186,8 +186,28 @@ def read_order(stream: DataStream, rank: int) -> Iterator[int]:
 
     def walk(epoch: int, batch: int) -> Iterator[int]:
         while True:
-            for step in stream.sampler.global_steps(epoch)[batch:]:
-                yield from step[rank]
+            steps = stream.steps(epoch)
+            for k in range(batch, len(steps)):  # by index: a slice of an elastic plan would split every step
+                yield from steps[k][rank]
             epoch, batch = epoch + 1, 0
 
     return walk(*start)
+
+
+# The share of step time spent waiting for data above which the end of a run suggests `train.prefetch`.
+DATA_WAIT_HINT_SHARE = 0.2
+
+
+def data_wait_line(data_seconds: list[float], step_seconds: list[float], depth: int) -> str | None:
+    """The line the end of a run prints when its steps waited for their micro-batches for a noticeable share of
+    their time (inline reads and preparation stall the device every step), or None."""
+    total = sum(step_seconds)
+    if not total:
+        return None
+    share = sum(data_seconds) / total
+    if share < DATA_WAIT_HINT_SHARE:
+        return None
+    advice = ("set train.prefetch 2 to prepare them ahead in a thread" if depth == 0 else
+              f"prefetch {depth} did not keep up: reads are the bottleneck (a faster store, or a local cache of a "
+              "remote one)")
+    return f"steps waited for their data {share:.0%} of the time (train/data_wait_share): {advice}"

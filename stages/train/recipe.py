@@ -5,6 +5,8 @@
         stats = step(run)          grad_accum micro-batches: flow matching on mixed-resolution batches
         log(run, stats)            TensorBoard scalars, progress bar
         checkpoint(run)            every checkpoint_every steps and at the end
+        validate(run)              held-out loss / sample grid when due (after the checkpoint: a failure loses
+                                   no training)
     finish(run)                    the final LoRA
     cleanup(run)                   after a finished run or an error: close whatever setup opened
 
@@ -130,6 +132,7 @@ class StepStats:
     grad_norm: float
     batches: list[list[int]]  # every rank's batch of every micro-step (for the padding figure)
     seconds: float  # compute + data, up to the loss sync
+    data_seconds: float  # of which waiting for this rank's micro-batches (reads + preparation, or an empty queue)
     started: float  # perf_counter / process_time at the step's start: `log` adds its own time to the step's
     cpu_started: float
 
@@ -162,13 +165,16 @@ def run(
     r = None
     try:
         r = setup(cfg, store, model, out, resume, accelerator, new_run=new_run, before_keep=before_keep, locks=locks)
+        if r.validator is not None and r.step > 0:
+            r.validator(r)  # a validation due at the resumed step: a failure there came after its checkpoint
         while r.step < r.cfg.max_steps:
             stats = step(r)
             log(r, stats)
-            if r.validator is not None:
-                r.validator(r)
+            # checkpoint first: a validation that fails (out of memory generating samples) loses no training
             if r.step % r.cfg.checkpoint_every == 0 or r.step == r.cfg.max_steps:
                 checkpoint(r)
+            if r.validator is not None:
+                r.validator(r)
         result = finish(r)
         result.seconds = time.perf_counter() - started
         return result
@@ -229,6 +235,7 @@ def step(r: Run) -> StepStats:
     damaged = 0  # train.on_damaged=skip: this rank's planned samples left out as damaged (stages/train/damaged.py)
     with fails_alone(r.world, f"optimizer step {r.step + 1}", OOM_ADVICE):
         micro = [r.batches.next() for _ in range(tc.grad_accum)]
+        data_seconds = time.perf_counter() - t0
         n_step = sum(len(b) for m in micro for b in m.global_batch)
         for k, m in enumerate(micro):
             parts = []
@@ -283,7 +290,7 @@ def step(r: Run) -> StepStats:
     r.step += 1
     loss = total / intact if intact else float("nan")
     batches = [b for m in micro for b in m.global_batch]
-    return StepStats(loss, micro[0].epoch, intact, grad_norm, batches, time.perf_counter() - t0, t0, c0)
+    return StepStats(loss, micro[0].epoch, intact, grad_norm, batches, time.perf_counter() - t0, data_seconds, t0, c0)
 
 
 def log(r: Run, s: StepStats) -> None:
@@ -298,11 +305,13 @@ def log(r: Run, s: StepStats) -> None:
         lin, _ = padding_efficiency(s.batches, r.tables.lengths)
         r.writer.log({"train/loss": s.loss, "train/lr": lr, "train/grad_norm": s.grad_norm,
                       "train/padding_efficiency": lin, "train/samples_per_s": s.samples / s.seconds,
+                      "train/data_wait_share": s.data_seconds / s.seconds,
                       "train/peak_memory_gb": peak_memory_gb(r.device)}, r.step)
     r.bar.set_postfix(loss=f"{s.loss:.4f}", lr=f"{lr:.2e}")
     r.bar.update(1)
     r.result.step_times.append(time.perf_counter() - s.started)  # with logging, without checkpoint writing
     r.result.step_cpu_times.append(time.process_time() - s.cpu_started)
+    r.result.step_data_times.append(s.data_seconds)
 
 
 # ---------------------------------------------------------------------------------------------- step pieces

@@ -18,6 +18,7 @@ class TrainResult:
     step_epochs: list[int] = field(default_factory=list)  # the epoch each of those steps began in
     step_times: list[float] = field(default_factory=list)  # s per optimizer step: data + logging, no checkpoint
     step_cpu_times: list[float] = field(default_factory=list)  # the same in process CPU time (robust to other load)
+    step_data_times: list[float] = field(default_factory=list)  # s of each step spent waiting for micro-batches
     epoch_padding: dict[int, float] = field(default_factory=dict)  # epoch -> valid / computed tokens
     skipped_steps: list[int] = field(default_factory=list)  # train.on_nonfinite=skip_step: steps not applied
     main_process: bool = True

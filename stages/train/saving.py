@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 from models.collective import together
 from models.lora import save_lora
 from stages.train import guard, state as train_state
+from stages.train.prefetch import data_wait_line
 from stages.train.result import TrainResult
 from store.format import atomic_dir, pause_point
 
@@ -70,6 +71,8 @@ def finish(r: Run) -> TrainResult:
                     _save_final_lora(r, tmp)
             r.writer.close()
             tqdm.write(f"LoRA after {r.step} steps: {r.result.lora_dir}")
+            if (waited := data_wait_line(r.result.step_data_times, r.result.step_times, r.cfg.prefetch)) is not None:
+                tqdm.write(waited)
             if r.damage is not None and r.damage.damaged:
                 tqdm.write(f"left out {r.damage.damaged} damaged sample read(s) of {r.damage.read} "
                            f"(train.on_damaged=skip), listed in {r.run_dir / guard.DAMAGED_REPORT}")

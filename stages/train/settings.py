@@ -10,7 +10,7 @@ from tqdm.auto import tqdm
 
 from schemas.config import PipelineConfig, TrainConfig
 from schemas.errors import UserError
-from schemas.lineage import section_fingerprint
+from schemas.lineage import hashed_settings, section_fingerprint, settings_hash
 from stages.train.launch import launched_world_size, use_cpu
 
 
@@ -24,6 +24,19 @@ def validate_config(cfg: TrainConfig) -> None:
 def config_fingerprint(cfg: TrainConfig) -> str:
     """What determines the trained weights, as declared in schemas/config.py (a resume may change the rest)."""
     return section_fingerprint(cfg)
+
+
+def earlier_config_fingerprints(cfg: TrainConfig) -> tuple[str, ...]:
+    """`config_fingerprint` as written before batch_size left it under a token budget: runs made then resume
+    and stay current (only with the batch_size they were made with, as before)."""
+    if cfg.max_tokens_per_batch is None:
+        return ()
+    return (settings_hash({**hashed_settings(cfg), "batch_size": cfg.batch_size}),)
+
+
+def known_fingerprint(record_fingerprint: str, cfg: TrainConfig) -> str:
+    """The record's fingerprint, read as this config's when it is one of its earlier spellings."""
+    return config_fingerprint(cfg) if record_fingerprint in earlier_config_fingerprints(cfg) else record_fingerprint
 
 
 def make_accelerator(cfg: TrainConfig):

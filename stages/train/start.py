@@ -4,6 +4,7 @@ aside (`--new-run`); then the run folder's files, and restoring the checkpoint o
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -18,7 +19,7 @@ from schemas.lineage import unhashed_names
 from stages.train import elastic, guard, previous, state as train_state
 from stages.train.data import DataStream, write_data_report
 from stages.train.resume import changed_settings
-from stages.train.settings import config_fingerprint
+from stages.train.settings import config_fingerprint, known_fingerprint
 from stages.train.state import ResumeRecord
 from store.format import atomic_write_bytes
 from store.join import JoinedTables
@@ -68,6 +69,8 @@ def resume_point(r: Run, resume: bool, cfg: PipelineConfig) -> tuple[Path | None
     if not resume or latest is None:
         return None, None
     record = ResumeRecord.read(latest / train_state.RESUME_JSON)
+    # a run made when batch_size was hashed under a token budget is this run when the rest agrees
+    record = replace(record, config_fingerprint=known_fingerprint(record.config_fingerprint, r.cfg))
     try:
         record.check_matches(r.record, latest)
         if record.step > r.cfg.max_steps:

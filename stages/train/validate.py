@@ -32,6 +32,7 @@ from PIL import Image
 from tqdm.auto import tqdm
 
 from features.open import open_configured
+from models.collective import fails_alone
 from models.generate import Conditioning, generate
 from models.held_out import bucket_of, loss_grid
 from models.sample import TrainSample
@@ -40,8 +41,12 @@ from schemas.errors import UserError
 from schemas.img_shapes import PIXELS_PER_PATCH
 from features.damaged import read_intact
 from stages.train.data import load_at
+from stages.train.guard import one_line_errors
 
 SAMPLE_CFG = 4.0
+# What to change when validation runs out of memory (named in the error every rank prints).
+VALIDATION_OOM_ADVICE = ("lower train.sample_count or train.batch_size (held-out rows per forward), or validate "
+                         "less often (train.sample_every / validate_every)")
 
 
 @contextmanager
@@ -147,7 +152,10 @@ class Validator:
         do_samples = cfg.sample_every is not None and step % cfg.sample_every == 0
         if not (do_loss or do_samples):
             return
-        with untouched(r.transformer):
+        # fails_alone: the sample grid and the writes are the main process's alone, and the other ranks go on to
+        # the next step's all-reduce; a failure on any rank (out of memory, a full disk) stops every rank with
+        # its one line instead of a traceback here and a wait there (models/collective.py)
+        with fails_alone(r.world, f"the validation of step {step}", VALIDATION_OOM_ADVICE), untouched(r.transformer):
             if do_loss:
                 collective = dict(rank=r.rank, world=r.world, accelerator=r.accelerator)
                 if self._base is None:  # once per process: the reference line, the model without its LoRA
@@ -163,7 +171,8 @@ class Validator:
                     with r.ema.swapped_in():
                         ema = self.loss(r.transformer, **collective)
                 if r.main:
-                    self.record(step, grid)
+                    with one_line_errors("the validation losses", self.run_dir / "losses.zarr"):
+                        self.record(step, grid)
                     r.writer.add_scalar("val/loss", loss, step)
                     r.bar.write(f"step {step}: val loss {loss:.4f} ({len(self.samples)} samples)")
                     if ema is not None:
@@ -171,8 +180,9 @@ class Validator:
             if do_samples and r.main:
                 grid = self.samples_grid(r.transformer)
                 out = self.run_dir / "samples"
-                out.mkdir(parents=True, exist_ok=True)
-                grid.save(out / f"step-{step:06d}.png")
+                with one_line_errors("the sample grid", out):
+                    out.mkdir(parents=True, exist_ok=True)
+                    grid.save(out / f"step-{step:06d}.png")
                 r.writer.add_image("samples/grid", np.asarray(grid), step, dataformats="HWC")
 
     def record(self, step: int, grid: np.ndarray) -> None:

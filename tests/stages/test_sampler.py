@@ -103,3 +103,44 @@ def test_rejects_bad_arguments():
     with pytest.raises(ValueError):
         LengthAwareBatchSampler([1, 2], 2, seed=0, world_size=3)
     assert LengthAwareBatchSampler([], 2, seed=0).global_steps(0) == []
+
+
+def test_each_epoch_is_planned_once_per_rank_for_the_stream_and_its_check_ahead_walkers():
+    """The trainer reads the plan (`DataStream.next`) and the check-ahead threads walk it (`read_order`, one walker
+    per table): one plan per epoch between them (at 1M samples / 8 ranks a plan is ~55 MB and ~1 s), and the
+    order walked is the order read."""
+    import threading
+
+    from stages.train.prefetch import read_order
+
+    class Counting(LengthAwareBatchSampler):
+        planned: list[int] = []
+
+        def global_steps(self, epoch):
+            self.planned.append(epoch)
+            return super().global_steps(epoch)
+
+    sampler = Counting(random_lengths(40, 3), 2, 3, window=2, world_size=2)
+    stream = DataStream(sampler, epoch=1, batch=3)
+    walkers = [read_order(stream, 1) for _ in range(2)]  # the text and vae tables' check-ahead threads
+    ahead: list[list[int]] = [[], []]
+    threads = [threading.Thread(target=lambda w=w, out=out: out.extend(itertools.islice(w, 30)))
+               for w, out in zip(walkers, ahead)]
+    for t in threads:
+        t.start()
+    read = [i for _ in range(25) for i in stream.next()[1][1]]  # 10 steps per epoch: into epoch 3
+    for t in threads:
+        t.join()
+    assert ahead[0] == ahead[1] == read[:30]
+    assert Counter(sampler.planned) == {1: 1, 2: 1, 3: 1}
+
+
+def test_walkers_many_epochs_ahead_never_take_the_plan_being_read():
+    """Tiny epochs: a check-ahead walker of 32 samples runs several epochs ahead of the reader (it dropped the
+    reader's plan from the stream's cache: KeyError in the trainer's first step)."""
+    from stages.train.prefetch import read_order
+
+    stream = DataStream(LengthAwareBatchSampler(random_lengths(8, 0), 2, 0, world_size=2))
+    walker = read_order(stream, 0)
+    ahead = list(itertools.islice(walker, 32))  # 8 epochs of rank 0's 4 samples
+    assert [i for _ in range(16) for i in stream.next()[1][0]] == ahead

@@ -90,3 +90,27 @@ def test_a_tracker_failing_mid_run_is_one_line_and_training_goes_on(tiny_edit_mo
     ea = EventAccumulator(str(tmp_path / "run" / "logs"))
     ea.Reload()
     assert [e.step for e in ea.Scalars("train/loss")] == [1]  # written before it failed, nothing after
+
+
+def test_each_step_logs_the_share_it_waited_for_data_and_the_end_says_when_it_is_large(tiny_edit_model, tmp_path):
+    """train/data_wait_share: the part of a step spent waiting for this rank's micro-batches (inline reads and
+    preparation, or a prefetch queue run dry), so a run at scale shows whether the device starves on data."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from stages.train.prefetch import data_wait_line
+
+    store = tmp_path / "store"
+    make_train_store(store, tiny_edit_model, mixed_specs(6))
+    out = tmp_path / "run"
+    result = run(load_config(None, SETS), store, tiny_edit_model, out)
+    ea = EventAccumulator(str(out / "logs"))
+    ea.Reload()
+    events = ea.Scalars("train/data_wait_share")
+    assert [e.step for e in events] == [1, 2, 3] and all(0 < e.value < 1 for e in events)
+    assert len(result.step_data_times) == 3
+    assert all(0 < d < t for d, t in zip(result.step_data_times, result.step_times))
+
+    assert data_wait_line([0.1, 0.1], [1.0, 1.0], 0) is None
+    line = data_wait_line([0.5, 0.3], [1.0, 1.0], 0)
+    assert "40%" in line and "train.prefetch 2" in line
+    assert "prefetch 2 did not keep up" in data_wait_line([0.5, 0.3], [1.0, 1.0], 2)
