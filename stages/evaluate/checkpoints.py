@@ -58,19 +58,39 @@ def lora_sha256(checkpoint: Path) -> str:
     return hashlib.sha256(lora_weight_file(checkpoint).read_bytes()).hexdigest()
 
 
-def check_intact(checkpoints: list[tuple[int, Path]]) -> None:
+def _gone(checkpoint: Path) -> bool:
+    """Was the checkpoint removed since it was listed? A training running beside evaluate prunes its oldest kept
+    checkpoints (train.keep_checkpoints) while the others are evaluated."""
+    from models.lora import WEIGHT_NAME
+
+    return not (Path(checkpoint) / WEIGHT_NAME).is_file() and not Path(checkpoint).is_file()
+
+
+def check_and_hash(checkpoints: list[tuple[int, Path]]) -> tuple[list[tuple[int, Path]], dict[int, str]]:
     """Each checkpoint's LoRA file against the CRC32C its sealed resume.json records (as single-LoRA evaluate
     checks RUN/lora's checksums.json): a flipped bit is refused naming the file, not evaluated as trained
-    weights, nor taken (its hash changed) for another run's checkpoint."""
+    weights, nor taken (its hash changed) for another run's checkpoint. Then its bytes' sha256 (hashed once: the
+    up-to-date check and the appends both compare them). A checkpoint removed meanwhile (pruned by a training
+    running beside evaluate) is left out with a line, not taken for a damaged one. Returns (kept, step -> sha256)."""
     from models.lora import lora_weight_file
     from store.checksum import check_recorded
 
-    for step, path in tqdm(checkpoints, desc="check checkpoint files", leave=False):
+    kept, shas = [], {}
+    for step, path in tqdm(checkpoints, desc="check and hash checkpoints", unit="ckpt"):
         try:
             check_recorded(lora_weight_file(path))
-        except UserError as e:
+            shas[step] = lora_sha256(path)
+        except (UserError, OSError) as e:
+            if _gone(path):
+                tqdm.write(f"checkpoint step {step} was removed while evaluate started ({path}; pruned by a "
+                           "running training?): left out")
+                continue
+            if isinstance(e, OSError):
+                raise UserError(f"checkpoint step {step}: cannot read {path} ({e})") from None
             raise UserError(f"checkpoint step {step}: {e}; or move {Path(path).parent} out of the run's "
                             "checkpoints/ to evaluate the others") from None
+        kept.append((step, path))
+    return kept, shas
 
 
 # ------------------------------------------------------------------------------------------------ the numbers
@@ -187,10 +207,9 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, checkpoints: list[tu
     if not checkpoints:
         raise UserError("no checkpoints to evaluate: the run folder holds no checkpoints/step-N "
                         "(train with train.checkpoint_every set, or evaluate one LoRA without --all-checkpoints)")
-    check_intact(checkpoints)
-    # each checkpoint's bytes hashed once: the up-to-date check and the appends both compare them (GBs for many
-    # large-rank checkpoints)
-    shas = {step: lora_sha256(path) for step, path in tqdm(checkpoints, desc="hash checkpoints", leave=False)}
+    checkpoints, shas = check_and_hash(checkpoints)
+    if not checkpoints:
+        raise UserError("every checkpoint of the run was removed while evaluate started: rerun evaluate")
     requested = cfg.dtype
     cfg = single.resolved_config(cfg)
     fingerprint, settings = loss_fingerprint(cfg, store, model)
@@ -248,16 +267,30 @@ def _append_missing(losses: LossStore, checkpoints: list[tuple[int, Path]], shas
     seeds, sigmas = list(cfg.noise_seeds), [float(t) for t in cfg.timesteps]
     if not losses.has_base():  # before any adapter exists: the plain model
         losses.write_base(loss_grid(transformer, samples, seeds, sigmas, cfg.batch_size, "held-out loss (base)"))
-    attached = False
-    for step, path in tqdm(todo, desc="checkpoints"):
-        if not attached:
-            attach_lora(transformer, path, cfg.lora_scale)
-            attached = True
-        else:  # same adapter, new weights: no new modules per checkpoint
-            load_lora(transformer, path, adapter_name="lora")
+    attached, evaluated = False, 0
+    for step, path in tqdm(todo, desc="checkpoints", unit="ckpt"):
+        try:
+            if not attached:
+                attach_lora(transformer, path, cfg.lora_scale)
+                attached = True
+            else:  # same adapter, new weights: no new modules per checkpoint
+                load_lora(transformer, path, adapter_name="lora")
+            # A training running beside evaluate may prune or rewrite a checkpoint after it was hashed: the numbers
+            # are recorded under the hash only when the loaded bytes are still the hashed ones.
+            changed = lora_sha256(path) != shas[step]
+        except (UserError, OSError):
+            if not _gone(path):
+                raise
+            changed = None
+        if changed is not False:
+            what = "was removed" if changed is None else "was rewritten"
+            tqdm.write(f"checkpoint step {step} {what} while evaluating ({path}; by a running training?): "
+                       "left out; rerun evaluate to evaluate what is there now")
+            continue
         grid = loss_grid(transformer, samples, seeds, sigmas, cfg.batch_size, f"held-out loss (step {step})")
         losses.append(step, str(Path(path).resolve()), shas[step], grid)
-    return len(todo), attached
+        evaluated += 1
+    return evaluated, attached
 
 
 def _other_runs(losses: LossStore, checkpoints: list[tuple[int, Path]]) -> bool:
@@ -293,6 +326,9 @@ def _summary(losses: LossStore, samples, cfg: EvaluateConfig, fingerprint: str,
     per_step = step_summaries(base, grids, [bucket_of(s) for s in samples], [has_two_regions(s) for s in samples])
     overall = [s["overall"] for s in per_step["steps"]]
     alive = [i for i, step in enumerate(steps) if step in present and Path(present[step]).exists()]  # pruned meanwhile
+    if not alive:
+        raise UserError(f"no checkpoint recorded in {losses.path} is still on disk (removed while evaluating?): "
+                        "rerun evaluate")
     best_i = pick_best([steps[i] for i in alive], [overall[i] for i in alive])
     if best_i is None:
         raise UserError(f"no checkpoint in {losses.path} has a finite held-out loss; check the run's training loss")
