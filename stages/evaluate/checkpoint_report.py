@@ -176,7 +176,7 @@ def render_html(metrics: dict, rows: list[OutputsRow], grid: Image.Image) -> str
     sections = [
         "<h2>Which checkpoint</h2>",
         f"<p class='best'>Best checkpoint: <b>step {best['step']}</b>, held-out loss {_fmt(best['loss'])} "
-        f"(base {_fmt(c['base']['overall'])}, last step {last['step']}: {_fmt(last['loss'])})<br>"
+        f"(base {_fmt(c['base']['overall'])}, last step {last['step']}: {_fmt(last['loss'])})<br>{_sureness(best)}"
         f"<code>{html.escape(best['path'])}</code></p>",
         f"<p>{html.escape(metrics['loss']['protocol'])}. {html.escape(c['note'])}. Every number is in "
         f"<code>{html.escape(c['losses'])}</code> (open it with <code>xarray.open_zarr</code>).</p>",
@@ -208,6 +208,19 @@ def render_html(metrics: dict, rows: list[OutputsRow], grid: Image.Image) -> str
     return page("LoRA checkpoints report", sections, metrics, extra_css="""
 .curves svg { margin: 0 16px 16px 0; border: 1px solid #eee; }
 .best { background: #eef7ee; padding: 6px 10px; border-left: 3px solid #2ca02c; }""")
+
+
+def _sureness(best: dict) -> str:
+    """The best's paired differences (vs the base, the next best checkpoint ± standard error) as one line."""
+    if "vs_base" not in best:
+        return ""
+    v = best["vs_base"]
+    text = f"vs base {v['difference']:+.4f} ± {v['standard_error']:.4f}"
+    if "runner_up" in best:
+        r = best["runner_up"]
+        text += f"; next best, step {r['step']}: {r['difference']:+.4f} ± {r['standard_error']:.4f}"
+    return (f"{html.escape(text)} (paired over {v['n']} val samples, ± standard error; within about two standard "
+            "errors the held-out set does not tell them apart)<br>")
 
 
 def write_checkpoint_report(out: str | Path, metrics: dict, rows: list[OutputsRow]) -> Path:

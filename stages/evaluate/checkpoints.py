@@ -28,6 +28,7 @@ from schemas.config import EvaluateConfig
 from schemas.errors import UserError
 from schemas.lineage import hashed_settings
 from schemas.stage import few
+from stages.evaluate.paired import paired, per_sample, signed
 from stages.evaluate.stage import one_evaluate_per_report
 from store import Store
 from store.loss_array import Axes, LossStore, recorded_steps
@@ -154,6 +155,7 @@ class CheckpointsResult:
                               checkpoints=c["steps"], checkpoints_evaluated=self.evaluated,
                               best_checkpoint=self.best["path"], best_step=self.best["step"],
                               loss_best=self.best["loss"], loss_base=c["base"]["overall"],
+                              best_vs_base=self.best.get("vs_base"), runner_up=self.best.get("runner_up"),
                               last_step=c["steps"][-1], damaged_samples=sorted(self.metrics["run"]["damaged_samples"]))
 
     def __str__(self) -> str:
@@ -163,8 +165,14 @@ class CheckpointsResult:
         else:
             head = (f"evaluated {self.evaluated} of {len(c['steps'])} checkpoints "
                     f"({len(c['steps']) - self.evaluated} already in {c['losses']})")
+        sure = ""
+        if b.get("vs_base"):  # paired over val samples (reports written before these numbers have none)
+            sure = f"; vs base {signed(b['vs_base'])}"
+            if b.get("runner_up"):
+                sure += f", next best step {b['runner_up']['step']} {signed(b['runner_up'])}"
+            sure += f" (paired over {b['vs_base']['n']} val samples, ± s.e.)"
         return (f"{head}; best checkpoint step {b['step']}: held-out loss {b['loss']:.4f} (base "
-                f"{c['base']['overall']:.4f}) {b['path']}; report: {self.report}")
+                f"{c['base']['overall']:.4f}{sure}) {b['path']}; report: {self.report}")
 
 
 def _up_to_date(out: Path, fingerprint: str, checkpoints: list[tuple[int, Path]], shas: dict[int, str],
@@ -341,13 +349,24 @@ def _summary(losses: LossStore, samples, cfg: EvaluateConfig, fingerprint: str,
     def point(i: int) -> dict:
         return {"step": steps[i], "path": paths[i], "loss": overall[i]}
 
+    # how sure "best" is: paired over the val samples against the base and the next best checkpoint
+    best = {**point(best_i), "vs_base": paired(per_sample(grids[best_i]), per_sample(base))}
+    loss["lora_minus_base"] = best["vs_base"]
+    others = [i for i in alive if i != best_i and math.isfinite(overall[i])]
+    if others:
+        nxt = min(others, key=lambda i: (overall[i], steps[i]))  # a tie: the earlier step, as for the best
+        best["runner_up"] = {**point(nxt), **paired(per_sample(grids[nxt]), per_sample(grids[best_i]))}
+
     metrics = {
         "loss": loss,
         "checkpoints": {
             "losses": str(losses.path), "fingerprint": fingerprint, "config_fingerprint": cfg.fingerprint(),
             "steps": steps, "paths": paths, "base": per_step["base"], "per_step": per_step["steps"],
-            "best": point(best_i), "last": point(last_i),
-            "note": "best = lowest overall held-out loss among the checkpoints still on disk (ties: earlier step)",
+            "best": best, "last": point(last_i),
+            "note": "best = lowest overall held-out loss among the checkpoints still on disk (ties: earlier step); "
+                    "best.vs_base and best.runner_up: differences paired over the val samples (same noise and σ) "
+                    "± their standard error; within about two standard errors this held-out set does not tell "
+                    "the two apart",
         },
     }
-    return metrics, point(best_i), point(last_i)
+    return metrics, best, point(last_i)

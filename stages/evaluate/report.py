@@ -152,6 +152,11 @@ def render_html(metrics: dict, rows: list[SampleRow], grid: Image.Image) -> str:
         f"<p>{html.escape(metrics['loss']['protocol'])}</p>",
         _table(["bucket (h×w)", "samples", "base", "LoRA", "LoRA − base"], overall + buckets),
     ]
+    diff = loss.get("lora_minus_base")
+    if diff:  # stages/evaluate/paired.py
+        sections.append(f"<p>LoRA − base, paired over the {diff['n']} val samples (same noise and σ): "
+                        f"{diff['difference']:+.4f} ± {diff['standard_error']:.4f} (standard error); within about "
+                        "two standard errors the held-out set does not tell them apart.</p>")
     mask = loss.get("mask")
     if mask:
         sections += [

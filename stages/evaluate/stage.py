@@ -48,6 +48,7 @@ from schemas.img_shapes import PIXELS_PER_PATCH
 from schemas.stage import few
 from models.held_out import bucket_of, loss_grid, loss_summary
 from stages.evaluate.nonfinite import finite_rows
+from stages.evaluate.paired import paired, per_sample, signed
 from stages.evaluate.report import SampleRow, psnr, ssim, write_report
 from store import Store, TableReader
 from store.join import JoinedTables
@@ -120,6 +121,8 @@ def held_out_loss(transformer, samples: list[TrainSample], cfg: EvaluateConfig) 
     result = loss_summary({m: g[kept] for m, g in grids.items()}, [samples[i] for i in kept], list(cfg.noise_seeds),
                           [float(t) for t in cfg.timesteps], protocol(cfg, samples))
     result["nonfinite_samples"] = nonfinite  # left out of every mean (evaluate.on_nonfinite=skip)
+    # did training help: paired over the val samples (same noise and σ for both), ± its standard error
+    result["lora_minus_base"] = paired(per_sample(grids["lora"][kept]), per_sample(grids["base"][kept]))
     return result
 
 
@@ -326,8 +329,10 @@ class EvaluateResult:
         if self.up_to_date:
             return f"report {self.report.parent} is up to date"
         overall = self.metrics["loss"]["overall"]
+        diff = self.metrics["loss"].get("lora_minus_base")
+        sure = f" ({signed(diff)}, paired ± s.e.)" if diff else ""
         line = (f"held-out loss on {overall['n']} val samples: base {overall['base']:.4f} -> LoRA "
-                f"{overall['lora']:.4f}; report: {self.report}")
+                f"{overall['lora']:.4f}{sure}; report: {self.report}")
         nonfinite = self.metrics["loss"].get("nonfinite_samples")
         if nonfinite:
             line += (f"\nleft out {len(nonfinite)} val sample(s) with a non-finite loss (evaluate.on_nonfinite=skip; "
