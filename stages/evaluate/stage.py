@@ -387,6 +387,19 @@ def warn_other_base(loras: list, model: str, steps: list[int] | None = None) -> 
 REPORT_LOCK = ".evaluate.lock"  # in a report folder: held by the evaluate writing it
 
 
+def single_process() -> None:
+    """evaluate runs in one process. Under torchrun / accelerate launch every rank would evaluate everything into
+    one report folder: the first took its lock, the others stopped naming it, and the launcher then ended the
+    first too. Every rank sees the same launcher environment, so every rank refuses alike with this line."""
+    import os
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        raise UserError(f"evaluate runs in one process, but it was launched as {world} (WORLD_SIZE={world}, "
+                        "torchrun / accelerate launch): run `pipeline run evaluate` directly, on the device "
+                        "evaluate.device names")
+
+
 def one_evaluate_per_report(run):
     """Runs `run(cfg, store, model, what, out, ...)` holding `out`'s lock: two evaluates writing one report folder
     (its loss array, index.html, metrics.json) would interleave their files; the second stops at once, naming the
@@ -397,6 +410,7 @@ def one_evaluate_per_report(run):
 
     @functools.wraps(run)
     def locked(cfg, store, model, what, out, *args, **kwargs):
+        single_process()
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
         with flock(out / REPORT_LOCK, blocking=False, holder=f"the report folder {out}"):
