@@ -261,6 +261,7 @@ def _append_missing(losses: LossStore, checkpoints: list[tuple[int, Path]], shas
     """The base's grid (once) and each checkpoint not yet in the array, one append each. Returns (how many
     checkpoints were evaluated now, whether the adapter is attached to `transformer`)."""
     from models.lora import attach_lora, load_lora
+    from stages.evaluate import stage as single
 
     if losses.kept_aside is not None:
         tqdm.write(f"evaluation settings changed: the earlier losses are kept in {losses.kept_aside}")
@@ -273,8 +274,14 @@ def _append_missing(losses: LossStore, checkpoints: list[tuple[int, Path]], shas
         recorded = {}
     todo = [(step, path) for step, path in checkpoints if step not in recorded]
     seeds, sigmas = list(cfg.noise_seeds), [float(t) for t in cfg.timesteps]
-    if not losses.has_base():  # before any adapter exists: the plain model
-        losses.write_base(loss_grid(transformer, samples, seeds, sigmas, cfg.batch_size, "held-out loss (base)"))
+    if losses.has_base():
+        base = losses.base()
+    else:  # before any adapter exists: the plain model
+        base = loss_grid(transformer, samples, seeds, sigmas, cfg.batch_size, "held-out loss (base)")
+        losses.write_base(base)
+    # A non-finite base loss means bad stored features (evaluate.on_nonfinite=stop names them): stop before the
+    # checkpoints are evaluated, not after all of them
+    single.finite_samples(samples, {"base": base}, cfg)
     attached, evaluated = False, 0
     for step, path in tqdm(todo, desc="checkpoints", unit="ckpt"):
         try:
