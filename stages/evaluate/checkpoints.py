@@ -73,13 +73,14 @@ def check_and_hash(checkpoints: list[tuple[int, Path]]) -> tuple[list[tuple[int,
     weights, nor taken (its hash changed) for another run's checkpoint. Then its bytes' sha256 (hashed once: the
     up-to-date check and the appends both compare them). A checkpoint removed meanwhile (pruned by a training
     running beside evaluate) is left out with a line, not taken for a damaged one. Returns (kept, step -> sha256)."""
-    from models.lora import lora_weight_file
+    from models.lora import lora_base_fingerprint, lora_weight_file
     from store.checksum import check_recorded
 
     kept, shas = [], {}
     for step, path in tqdm(checkpoints, desc="check and hash checkpoints", unit="ckpt"):
         try:
             check_recorded(lora_weight_file(path))
+            lora_base_fingerprint(path)  # its header parses: a truncated file unsealed (older runs) is named here
             shas[step] = lora_sha256(path)
         except (UserError, OSError) as e:
             if _gone(path):

@@ -83,3 +83,23 @@ def test_a_checkpoint_rewritten_while_evaluating_is_not_recorded_under_its_old_h
     assert again.evaluated == 1 and again.metrics["checkpoints"]["steps"] == [10, 20, 30]
     per_step = again.metrics["checkpoints"]["per_step"]
     np.testing.assert_allclose(per_step[2]["overall"], per_step[0]["overall"], rtol=1e-6)  # its bytes now: step 10's
+
+
+def test_a_truncated_unsealed_checkpoint_stops_naming_its_step_and_what_to_do(run_and_store, tiny_edit_model,
+                                                                                tmp_path):
+    """A checkpoint whose resume.json seals no checksums (written before them) and whose LoRA file is cut short:
+    one line naming the step and how to evaluate the others, before anything is evaluated (before: the file's
+    parse error with the advice for a final LoRA, 'pass the LoRA written by pipeline run train (RUN/lora)')."""
+    import pytest
+
+    from schemas.errors import UserError
+
+    root = _copy_run(run_and_store, tmp_path)
+    weights = root / "run" / "checkpoints" / "step-20" / "lora" / WEIGHTS
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(UserError) as e:
+        ev.run(EvaluateConfig(**CFG), run_and_store / "store", tiny_edit_model, _ckpts(root), tmp_path / "r")
+    msg = str(e.value)
+    assert msg.startswith("checkpoint step 20: ") and str(weights) in msg and "\n" not in msg
+    assert f"move {weights.parent.parent} out of the run's checkpoints/" in msg
+    assert not (tmp_path / "r" / GROUP).exists()  # nothing evaluated
