@@ -54,9 +54,10 @@ def loss_fingerprint(cfg: EvaluateConfig, store: str | Path, model: str) -> tupl
 
 
 def lora_sha256(checkpoint: Path) -> str:
+    from models.file_hashes import file_sha256
     from models.lora import lora_weight_file
 
-    return hashlib.sha256(lora_weight_file(checkpoint).read_bytes()).hexdigest()
+    return file_sha256(lora_weight_file(checkpoint))  # chunked: a GB-sized LoRA is not copied into memory
 
 
 def _gone(checkpoint: Path) -> bool:
