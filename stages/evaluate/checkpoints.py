@@ -29,7 +29,6 @@ from schemas.errors import UserError
 from schemas.lineage import hashed_settings
 from schemas.stage import few
 from stages.evaluate.paired import paired, per_sample, signed
-from stages.evaluate.stage import one_evaluate_per_report
 from store import Store
 from store.loss_array import Axes, LossStore, recorded_steps
 
@@ -205,42 +204,79 @@ def _up_to_date(out: Path, fingerprint: str, checkpoints: list[tuple[int, Path]]
 # ------------------------------------------------------------------------------------------------ the stage
 
 
-@one_evaluate_per_report
 def run(cfg: EvaluateConfig, store: str | Path, model: str, checkpoints: list[tuple[int, Path]], out: str | Path,
-        skip_if_done: bool = False) -> CheckpointsResult:
-    """Evaluate the base and every (step, LoRA folder) of `checkpoints` into OUT (losses.zarr + the report)."""
+        skip_if_done: bool = False) -> CheckpointsResult | None:
+    """Evaluate the base and every (step, LoRA folder) of `checkpoints` into OUT (losses.zarr + the report).
+    Under a launcher the ranks share the loss passes (`stages.evaluate.ranks`); rank 0 returns the result, the
+    others None."""
+    from contextlib import ExitStack
+
+    from models.collective import together
+    from stages.evaluate.ranks import launched
+    from stages.evaluate.stage import REPORT_LOCK
+    from store.format import flock
+
+    out, ranks = Path(out), launched(cfg)
+    with ExitStack() as held:
+        with together(ranks.world, "evaluate (the report folder)"):
+            if ranks.main:  # one evaluate writes a report folder at a time; the second stops naming the first
+                out.mkdir(parents=True, exist_ok=True)
+                held.enter_context(flock(out / REPORT_LOCK, blocking=False, holder=f"the report folder {out}"))
+        return _run(ranks, cfg, store, model, checkpoints, out, skip_if_done)
+
+
+def _run(ranks, cfg: EvaluateConfig, store: str | Path, model: str, checkpoints: list[tuple[int, Path]], out: Path,
+         skip_if_done: bool) -> CheckpointsResult | None:
+    from models.collective import together
     from models.precision import describe
     from stages.evaluate import stage as single
     from stages.evaluate.checkpoint_report import generated_rows, write_checkpoint_report
 
-    out, started = Path(out), time.perf_counter()
+    started = time.perf_counter()
     if not checkpoints:
         raise UserError("no checkpoints to evaluate: the run folder holds no checkpoints/step-N "
                         "(train with train.checkpoint_every set, or evaluate one LoRA without --all-checkpoints)")
-    checkpoints, shas = check_and_hash(checkpoints)
+    with together(ranks.world, "check the checkpoints"):
+        kept, shas = check_and_hash(checkpoints)
+    # a checkpoint pruned meanwhile is left out on every rank when one rank found it gone
+    gone = ranks.any([int(all(step != s for s, _ in kept)) for step, _ in checkpoints])
+    checkpoints = [c for c, g in zip(checkpoints, gone) if not g]
     if not checkpoints:
         raise UserError("every checkpoint of the run was removed while evaluate started: rerun evaluate")
     requested = cfg.dtype
-    cfg = single.resolved_config(cfg)
-    fingerprint, settings = loss_fingerprint(cfg, store, model)
-    if skip_if_done and (done := _up_to_date(out, fingerprint, checkpoints, shas, cfg)) is not None:
-        return CheckpointsResult(done, out / "index.html", up_to_date=True)
+    with together(ranks.world, "evaluate settings"):
+        cfg = single.resolved_config(cfg)
+        fingerprint, settings = loss_fingerprint(cfg, store, model)
+    done = _up_to_date(out, fingerprint, checkpoints, shas, cfg) if skip_if_done and ranks.main else None
+    if ranks.from_main([int(done is not None)])[0]:
+        return CheckpointsResult(done, out / "index.html", up_to_date=True) if ranks.main else None
     ours = lambda name: name == single.REPORT_LOCK or (  # noqa: E731  (the lock; loss groups, kept or new)
         name.startswith(("losses", ".losses")) and ".zarr" in name)
-    if out.is_dir() and any(not ours(p.name) for p in out.iterdir()) and not (out / "metrics.json").is_file():
-        raise UserError(f"{out} is not empty and holds no earlier report: pass a new or empty --out folder")
-    tqdm.write(describe("evaluate", single.parse_dtype(cfg.dtype), cfg.device, requested))
-    single.warn_other_base([path for _, path in checkpoints], model, [step for step, _ in checkpoints])
+    with together(ranks.world, "the report folder"):
+        if (ranks.main and out.is_dir() and any(not ours(p.name) for p in out.iterdir())
+                and not (out / "metrics.json").is_file()):
+            raise UserError(f"{out} is not empty and holds no earlier report: pass a new or empty --out folder")
+    if ranks.main:
+        tqdm.write(describe("evaluate", single.parse_dtype(cfg.dtype), cfg.device, requested)
+                   + (f", {ranks.world} ranks" if ranks.world > 1 else ""))
+        single.warn_other_base([path for _, path in checkpoints], model, [step for step, _ in checkpoints])
 
-    tables, samples = single.read_val_samples(cfg, store, model)
+    with together(ranks.world, "read the val samples"):
+        tables, samples = single.read_val_samples(cfg, store, model)
     with tables:  # closed on every path: descriptors, check-ahead thread, read lease
         damaged = dict(tables.damaged)
         axes = Axes([s.key for s in samples], [bucket_of(s) for s in samples], list(cfg.noise_seeds),
                     [float(t) for t in cfg.timesteps])
-        out.mkdir(parents=True, exist_ok=True)
-        losses = LossStore(out, fingerprint, axes, settings)
-        transformer = single.load_transformer(cfg, model)
-        evaluated, attached = _append_missing(losses, checkpoints, shas, transformer, samples, cfg)
+        losses = None
+        with together(ranks.world, "open the loss array"):
+            if ranks.main:
+                out.mkdir(parents=True, exist_ok=True)
+                losses = LossStore(out, fingerprint, axes, settings)
+        with together(ranks.world, "load the transformer"):
+            transformer = single.load_transformer(cfg, model)
+        evaluated, attached = _append_missing(ranks, losses, checkpoints, shas, transformer, samples, cfg)
+        if not ranks.main:
+            return None  # rank 0 summarises, generates and writes the report
         metrics, best, last = _summary(losses, samples, cfg, fingerprint, checkpoints)
         rows = []
         if cfg.num_samples > 0 or cfg.extra_prompts:
@@ -251,6 +287,7 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, checkpoints: list[tu
             "store": str(Path(store).resolve()), "tables": tables.versions(), "model": str(model),
             "lora_scale": cfg.lora_scale, "val_samples": len(samples), "val_split": tables.report,
             "damaged_samples": damaged, "config": cfg.model_dump(mode="json"), "settings": settings,
+            "ranks": ranks.world,
         }
         report = write_checkpoint_report(out, metrics, rows)
         if damaged:
@@ -258,13 +295,22 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, checkpoints: list[tu
         return CheckpointsResult(metrics, report, evaluated=evaluated, seconds=time.perf_counter() - started)
 
 
-def _append_missing(losses: LossStore, checkpoints: list[tuple[int, Path]], shas: dict[int, str], transformer,
-                    samples, cfg: EvaluateConfig) -> tuple[int, bool]:
-    """The base's grid (once) and each checkpoint not yet in the array, one append each. Returns (how many
-    checkpoints were evaluated now, whether the adapter is attached to `transformer`)."""
-    from models.lora import attach_lora, load_lora
-    from stages.evaluate import stage as single
+def _grid(ranks, transformer, samples, seeds: list[int], sigmas: list[float], batch_size: int,
+          desc: str) -> np.ndarray:
+    """`loss_grid` of every sample: in one process all of them; under a launcher this rank's share, summed with
+    the others' (a rank failing in its own pass stops every rank: `fails_alone`)."""
+    if ranks.world == 1:
+        return loss_grid(transformer, samples, seeds, sigmas, batch_size, desc)
+    from models.collective import fails_alone
 
+    mine = ranks.share(len(samples))
+    with fails_alone(ranks.world, desc, "lower evaluate.batch_size"):
+        part = loss_grid(transformer, [samples[i] for i in mine], seeds, sigmas, batch_size, desc)
+    return ranks.full_grid(part, mine, len(samples))
+
+
+def _plan(losses: LossStore, checkpoints: list[tuple[int, Path]], shas: dict[int, str]) -> list[int]:
+    """Rank 0's decisions as integers: [base recorded, then per checkpoint whether it is to be evaluated]."""
     if losses.kept_aside is not None:
         tqdm.write(f"evaluation settings changed: the earlier losses are kept in {losses.kept_aside}")
     recorded = losses.steps()
@@ -274,38 +320,65 @@ def _append_missing(losses: LossStore, checkpoints: list[tuple[int, Path]], shas
         losses.start_over()
         tqdm.write(f"the run's checkpoints are not the ones evaluated before: earlier losses kept in {losses.kept_aside}")
         recorded = {}
-    todo = [(step, path) for step, path in checkpoints if step not in recorded]
+    return [int(losses.has_base())] + [int(step not in recorded) for step, _ in checkpoints]
+
+
+def _append_missing(ranks, losses: LossStore | None, checkpoints: list[tuple[int, Path]], shas: dict[int, str],
+                    transformer, samples, cfg: EvaluateConfig) -> tuple[int, bool]:
+    """The base's grid (once) and each checkpoint not yet in the array, one append each (rank 0; `losses` is None
+    on the others). Returns (how many checkpoints were evaluated now, whether the adapter is attached to
+    `transformer`)."""
+    from models.collective import together
+    from models.lora import attach_lora, load_lora
+    from stages.evaluate import stage as single
+
+    plan = [0] * (len(checkpoints) + 1)
+    with together(ranks.world, "the loss array"):
+        if ranks.main:
+            plan = _plan(losses, checkpoints, shas)
+    plan = ranks.from_main(plan)
+    todo = [c for c, flag in zip(checkpoints, plan[1:]) if flag]
     seeds, sigmas = list(cfg.noise_seeds), [float(t) for t in cfg.timesteps]
-    if losses.has_base():
-        base = losses.base()
-    else:  # before any adapter exists: the plain model
-        base = loss_grid(transformer, samples, seeds, sigmas, cfg.batch_size, "held-out loss (base)")
-        losses.write_base(base)
-    # A non-finite base loss means bad stored features (evaluate.on_nonfinite=stop names them): stop before the
-    # checkpoints are evaluated, not after all of them
-    single.finite_samples(samples, {"base": base}, cfg)
+    base = None
+    if not plan[0]:  # before any adapter exists: the plain model
+        base = _grid(ranks, transformer, samples, seeds, sigmas, cfg.batch_size, "held-out loss (base)")
+    with together(ranks.world, "the base losses"):
+        if ranks.main:
+            if base is None:
+                base = losses.base()
+            else:
+                losses.write_base(base)
+            # A non-finite base loss means bad stored features (evaluate.on_nonfinite=stop names them): stop
+            # before the checkpoints are evaluated, not after all of them
+            single.finite_samples(samples, {"base": base}, cfg)
     attached, evaluated = False, 0
-    for step, path in tqdm(todo, desc="checkpoints", unit="ckpt"):
-        try:
-            if not attached:
-                attach_lora(transformer, path, cfg.lora_scale)
-                attached = True
-            else:  # same adapter, new weights: no new modules per checkpoint
-                load_lora(transformer, path, adapter_name="lora")
-            # A training running beside evaluate may prune or rewrite a checkpoint after it was hashed: the numbers
-            # are recorded under the hash only when the loaded bytes are still the hashed ones.
-            changed = lora_sha256(path) != shas[step]
-        except (UserError, OSError):
-            if not _gone(path):
-                raise
-            changed = None
-        if changed is not False:
-            what = "was removed" if changed is None else "was rewritten"
-            tqdm.write(f"checkpoint step {step} {what} while evaluating ({path}; by a running training?): "
-                       "left out; rerun evaluate to evaluate what is there now")
+    for step, path in tqdm(todo, desc="checkpoints", unit="ckpt", disable=not ranks.main):
+        changed = 0
+        with together(ranks.world, f"load checkpoint step {step}"):
+            try:
+                if not attached:
+                    attach_lora(transformer, path, cfg.lora_scale)
+                    attached = True
+                else:  # same adapter, new weights: no new modules per checkpoint
+                    load_lora(transformer, path, adapter_name="lora")
+                # A training running beside evaluate may prune or rewrite a checkpoint after it was hashed: the
+                # numbers are recorded under the hash only when the loaded bytes are still the hashed ones.
+                changed = int(lora_sha256(path) != shas[step])
+            except (UserError, OSError):
+                if not _gone(path):
+                    raise
+                changed = 2
+        changed = ranks.any([changed])[0]  # left out on every rank when any rank saw it change
+        if changed:
+            if ranks.main:
+                what = "was removed" if changed == 2 else "was rewritten"
+                tqdm.write(f"checkpoint step {step} {what} while evaluating ({path}; by a running training?): "
+                           "left out; rerun evaluate to evaluate what is there now")
             continue
-        grid = loss_grid(transformer, samples, seeds, sigmas, cfg.batch_size, f"held-out loss (step {step})")
-        losses.append(step, str(Path(path).resolve()), shas[step], grid)
+        grid = _grid(ranks, transformer, samples, seeds, sigmas, cfg.batch_size, f"held-out loss (step {step})")
+        with together(ranks.world, f"record checkpoint step {step}"):
+            if ranks.main:
+                losses.append(step, str(Path(path).resolve()), shas[step], grid)
         evaluated += 1
     return evaluated, attached
 

@@ -395,9 +395,9 @@ def single_process() -> None:
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
-        raise UserError(f"evaluate runs in one process, but it was launched as {world} (WORLD_SIZE={world}, "
-                        "torchrun / accelerate launch): run `pipeline run evaluate` directly, on the device "
-                        "evaluate.device names")
+        raise UserError(f"evaluate of one LoRA runs in one process, but it was launched as {world} (WORLD_SIZE="
+                        f"{world}, torchrun / accelerate launch): run `pipeline run evaluate` directly, on the "
+                        "device evaluate.device names (only --all-checkpoints shares its work between ranks)")
 
 
 def one_evaluate_per_report(run):
