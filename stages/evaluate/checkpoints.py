@@ -67,7 +67,8 @@ def _gone(checkpoint: Path) -> bool:
     return not (Path(checkpoint) / WEIGHT_NAME).is_file() and not Path(checkpoint).is_file()
 
 
-def check_and_hash(checkpoints: list[tuple[int, Path]]) -> tuple[list[tuple[int, Path]], dict[int, str]]:
+def check_and_hash(checkpoints: list[tuple[int, Path]],
+                   show: bool = True) -> tuple[list[tuple[int, Path]], dict[int, str]]:
     """Each checkpoint's LoRA file against the CRC32C its sealed resume.json records (as single-LoRA evaluate
     checks RUN/lora's checksums.json): a flipped bit is refused naming the file, not evaluated as trained
     weights, nor taken (its hash changed) for another run's checkpoint. Then its bytes' sha256 (hashed once: the
@@ -77,15 +78,16 @@ def check_and_hash(checkpoints: list[tuple[int, Path]]) -> tuple[list[tuple[int,
     from store.checksum import check_recorded
 
     kept, shas = [], {}
-    for step, path in tqdm(checkpoints, desc="check and hash checkpoints", unit="ckpt"):
+    for step, path in tqdm(checkpoints, desc="check and hash checkpoints", unit="ckpt", disable=not show):
         try:
             check_recorded(lora_weight_file(path))
             lora_base_fingerprint(path)  # its header parses: a truncated file unsealed (older runs) is named here
             shas[step] = lora_sha256(path)
         except (UserError, OSError) as e:
             if _gone(path):
-                tqdm.write(f"checkpoint step {step} was removed while evaluate started ({path}; pruned by a "
-                           "running training?): left out")
+                if show:
+                    tqdm.write(f"checkpoint step {step} was removed while evaluate started ({path}; pruned by a "
+                               "running training?): left out")
                 continue
             if isinstance(e, OSError):
                 raise UserError(f"checkpoint step {step}: cannot read {path} ({e})") from None
@@ -237,7 +239,7 @@ def _run(ranks, cfg: EvaluateConfig, store: str | Path, model: str, checkpoints:
         raise UserError("no checkpoints to evaluate: the run folder holds no checkpoints/step-N "
                         "(train with train.checkpoint_every set, or evaluate one LoRA without --all-checkpoints)")
     with together(ranks.world, "check the checkpoints"):
-        kept, shas = check_and_hash(checkpoints)
+        kept, shas = check_and_hash(checkpoints, show=ranks.main)
     # a checkpoint pruned meanwhile is left out on every rank when one rank found it gone
     gone = ranks.any([int(all(step != s for s, _ in kept)) for step, _ in checkpoints])
     checkpoints = [c for c, g in zip(checkpoints, gone) if not g]
