@@ -255,13 +255,12 @@ def _run(ranks, cfg: EvaluateConfig, store: str | Path, model: str, checkpoints:
     ours = lambda name: name == single.REPORT_LOCK or (  # noqa: E731  (the lock; loss groups, kept or new)
         name.startswith(("losses", ".losses")) and ".zarr" in name)
     with together(ranks.world, "the report folder"):
-        if (ranks.main and out.is_dir() and any(not ours(p.name) for p in out.iterdir())
-                and not (out / "metrics.json").is_file()):
-            raise UserError(f"{out} is not empty and holds no earlier report: pass a new or empty --out folder")
-    if ranks.main:
-        tqdm.write(describe("evaluate", single.parse_dtype(cfg.dtype), cfg.device, requested)
-                   + (f", {ranks.world} ranks" if ranks.world > 1 else ""))
-        single.warn_other_base([path for _, path in checkpoints], model, [step for step, _ in checkpoints])
+        if ranks.main:
+            if out.is_dir() and any(not ours(p.name) for p in out.iterdir()) and not (out / "metrics.json").is_file():
+                raise UserError(f"{out} is not empty and holds no earlier report: pass a new or empty --out folder")
+            tqdm.write(describe("evaluate", single.parse_dtype(cfg.dtype), cfg.device, requested)
+                       + (f", {ranks.world} ranks" if ranks.world > 1 else ""))
+            single.warn_other_base([path for _, path in checkpoints], model, [step for step, _ in checkpoints])
 
     with together(ranks.world, "read the val samples"):
         tables, samples = single.read_val_samples(cfg, store, model)

@@ -1,6 +1,7 @@
 """`evaluate --all-checkpoints` over two gloo processes (`pipeline launch`): each rank computes half of the val
 samples' held-out losses and the sums are the one-process numbers; rank 0 alone writes the array and the report
-and prints the summary. A rank failing in its own loss pass stops both ranks with its line (no rank waits in a
+and prints the summary. A rank failing in its own loss pass, or loading a checkpoint, stops both ranks with its
+line (no rank waits in a
 collective), and what was committed before is kept: the rerun evaluates only the rest."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 import xarray as xr
 
 from schemas.config import EvaluateConfig
@@ -23,17 +25,23 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{R
        "OMP_NUM_THREADS": "1"}
 ENV.pop("WORLD_SIZE", None)
 
-# rank 1 fails in its loss pass of step 20 (as an out-of-memory would), inside the CLI's own run
+# rank 1 fails at step 20: in its own loss pass (as an out-of-memory would: `fails_alone`), or loading the
+# checkpoint (a step all ranks take `together`), inside the CLI's own run
 FAILING_RANK = """
 import os, sys
+import models.lora
 from stages.evaluate import checkpoints as ev
 from schemas.errors import UserError
-real = ev.loss_grid
+real_grid, real_load = ev.loss_grid, models.lora.load_lora
 def loss_grid(*a, **k):
-    if os.environ["RANK"] == "1" and "step 20" in a[-1]:
+    if os.environ["RANK"] == "1" and os.environ["FAIL_IN"] == "loss" and "step 20" in a[-1]:
         raise UserError("rank 1 cannot compute step 20 (injected)")
-    return real(*a, **k)
-ev.loss_grid = loss_grid
+    return real_grid(*a, **k)
+def load_lora(transformer, path, *a, **k):
+    if os.environ["RANK"] == "1" and os.environ["FAIL_IN"] == "load" and "step-20" in str(path):
+        raise UserError("rank 1 cannot load step 20 (injected)")
+    return real_load(transformer, path, *a, **k)
+ev.loss_grid, models.lora.load_lora = loss_grid, load_lora
 from pipeline.cli import app
 sys.argv = ["pipeline", *sys.argv[1:]]
 app()
@@ -64,17 +72,19 @@ def test_two_ranks_give_the_one_process_numbers(run_and_store, tiny_edit_model, 
     assert one.best["step"] == 20
 
 
-def test_a_rank_failing_in_its_loss_pass_stops_both_with_its_line_and_the_rerun_resumes(run_and_store,
-                                                                                       tiny_edit_model, tmp_path):
+@pytest.mark.parametrize("fail_in", ["loss", "load"])
+def test_a_failing_rank_stops_both_with_its_line_and_the_rerun_resumes(fail_in, run_and_store, tiny_edit_model,
+                                                                      tmp_path):
     root, out = run_and_store, tmp_path / "report"
     script = tmp_path / "failing_rank.py"
     script.write_text(FAILING_RANK)
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            str(script), *_args(root, tiny_edit_model, out)],
-                          env=ENV, capture_output=True, text=True, timeout=600)
+                          env={**ENV, "FAIL_IN": fail_in}, capture_output=True, text=True, timeout=600)
     assert proc.returncode != 0
     # the failing rank's line, printed by a rank as it stops (torchrun then ends the other and prints its box)
-    assert "error: rank 1 cannot compute step 20 (injected)" in proc.stdout + proc.stderr, proc.stderr[-3000:]
+    what = "compute" if fail_in == "loss" else "load"
+    assert f"error: rank 1 cannot {what} step 20 (injected)" in proc.stdout + proc.stderr, proc.stderr[-3000:]
     assert list(xr.open_zarr(out / GROUP).step.values) == [10]  # committed before the failure: kept
 
     res = ev.run(EvaluateConfig(**CFG), root / "store", tiny_edit_model, _ckpts(root), out)
