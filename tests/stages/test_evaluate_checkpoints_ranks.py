@@ -1,8 +1,8 @@
 """`evaluate --all-checkpoints` over two gloo processes (`pipeline launch`): each rank computes half of the val
 samples' held-out losses and the sums are the one-process numbers; rank 0 alone writes the array and the report
 and prints the summary. A rank failing in its own loss pass, or loading a checkpoint, stops both ranks with its
-line (no rank waits in a
-collective), and what was committed before is kept: the rerun evaluates only the rest."""
+line (no rank waits in a collective), and what was committed before is kept: the rerun evaluates only
+the rest."""
 
 from __future__ import annotations
 
