@@ -296,6 +296,23 @@ def _run(ranks, cfg: EvaluateConfig, store: str | Path, model: str, checkpoints:
         return CheckpointsResult(metrics, report, evaluated=evaluated, seconds=time.perf_counter() - started)
 
 
+def use_checkpoint(transformer, path: Path, scale: float, attached: bool) -> None:
+    """The checkpoint's weights in the one adapter "lora": copied into it when they fit (no new modules per
+    checkpoint); a checkpoint of another rank, alpha or target modules (a run folder holding checkpoints of two
+    trainings) gets the adapter rebuilt from its own saved config, so it is evaluated as saved, not refused."""
+    from models.lora import attach_lora, load_lora
+
+    if attached:
+        try:
+            load_lora(transformer, path, adapter_name="lora")
+            return
+        except UserError:
+            if _gone(path):
+                raise
+            transformer.delete_adapters("lora")
+    attach_lora(transformer, path, scale)
+
+
 def _grid(ranks, transformer, samples, seeds: list[int], sigmas: list[float], batch_size: int,
           desc: str) -> np.ndarray:
     """`loss_grid` of every sample: in one process all of them; under a launcher this rank's share, summed with
@@ -330,7 +347,6 @@ def _append_missing(ranks, losses: LossStore | None, checkpoints: list[tuple[int
     on the others). Returns (how many checkpoints were evaluated now, whether the adapter is attached to
     `transformer`)."""
     from models.collective import together
-    from models.lora import attach_lora, load_lora
     from stages.evaluate import stage as single
 
     plan = [0] * (len(checkpoints) + 1)
@@ -357,11 +373,8 @@ def _append_missing(ranks, losses: LossStore | None, checkpoints: list[tuple[int
         changed = 0
         with together(ranks.world, f"load checkpoint step {step}"):
             try:
-                if not attached:
-                    attach_lora(transformer, path, cfg.lora_scale)
-                    attached = True
-                else:  # same adapter, new weights: no new modules per checkpoint
-                    load_lora(transformer, path, adapter_name="lora")
+                use_checkpoint(transformer, path, cfg.lora_scale, attached)
+                attached = True
                 # A training running beside evaluate may prune or rewrite a checkpoint after it was hashed: the
                 # numbers are recorded under the hash only when the loaded bytes are still the hashed ones.
                 changed = int(lora_sha256(path) != shas[step])

@@ -103,3 +103,42 @@ def test_a_truncated_unsealed_checkpoint_stops_naming_its_step_and_what_to_do(ru
     assert msg.startswith("checkpoint step 20: ") and str(weights) in msg and "\n" not in msg
     assert f"move {weights.parent.parent} out of the run's checkpoints/" in msg
     assert not (tmp_path / "r" / GROUP).exists()  # nothing evaluated
+
+
+def test_a_checkpoint_of_another_lora_rank_is_evaluated_as_saved(run_and_store, tiny_edit_model, tmp_path):
+    """A run folder holding checkpoints of two trainings with other LoRA ranks (8 at step 5, then 4): each
+    checkpoint goes through an adapter built from its own saved config, so its held-out loss is what single-LoRA
+    evaluate gives for it. Before, the rank-4 checkpoints were copied into the rank-8 adapter and refused ('shapes
+    differ'), stopping the whole run. Generation switches ranks too: the best (step 5, rank 8) after the loop
+    left the rank-4 adapter of step 30, then the last (step 30, rank 4)."""
+    import torch
+
+    from models.loading import load_component
+    from models.lora import add_lora, save_lora
+    from schemas.config import LoraConfig
+    from stages.evaluate import stage
+
+    root = _copy_run(run_and_store, tmp_path)
+    t = load_component(tiny_edit_model, "transformer")
+    with torch.random.fork_rng():
+        torch.manual_seed(5)
+        add_lora(t, LoraConfig(rank=8, alpha=8.0))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in t.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 20.0)
+    folder = root / "run" / "checkpoints" / "step-5"
+    save_lora(t, folder / "lora")
+    (folder / "resume.json").write_text("{}")
+    ckpts = [(5, folder / "lora"), *_ckpts(root)]
+
+    res = ev.run(EvaluateConfig(**{**CFG, "num_samples": 1, "num_inference_steps": 2}), run_and_store / "store",
+                 tiny_edit_model, ckpts, tmp_path / "r")
+    c = res.metrics["checkpoints"]
+    assert c["steps"] == [5, 10, 20, 30] and c["last"]["step"] == 30
+    one = stage.run(EvaluateConfig(**CFG), run_and_store / "store", tiny_edit_model, folder / "lora", tmp_path / "one")
+    np.testing.assert_allclose(c["per_step"][0]["overall"], one.metrics["loss"]["overall"]["lora"], rtol=1e-6)
+    # with these seeds the rank-8 LoRA lowers this tiny random model's loss (a random direction can): the best
+    assert res.best["step"] == 5 and c["per_step"][0]["overall"] < c["base"]["overall"]
+    assert (tmp_path / "r" / "index.html").is_file()  # base, best (rank 8) and last (rank 4) generated
