@@ -211,13 +211,14 @@ def render_html(metrics: dict, rows: list[OutputsRow], grid: Image.Image) -> str
 
 def _sureness(best: dict) -> str:
     """The best's paired differences (vs the base, the next best checkpoint ± standard error) as one line."""
+    from stages.evaluate.paired import signed
+
     if "vs_base" not in best:
         return ""
     v = best["vs_base"]
-    text = f"vs base {v['difference']:+.4f} ± {v['standard_error']:.4f}"
+    text = f"vs base {signed(v)}"
     if "runner_up" in best:
-        r = best["runner_up"]
-        text += f"; next best, step {r['step']}: {r['difference']:+.4f} ± {r['standard_error']:.4f}"
+        text += f"; next best, step {best['runner_up']['step']}: {signed(best['runner_up'])}"
     return (f"{html.escape(text)} (paired over {v['n']} val samples, ± standard error; within about two standard "
             "errors the held-out set does not tell them apart)<br>")
 

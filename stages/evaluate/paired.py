@@ -20,13 +20,16 @@ def per_sample(grid: np.ndarray) -> np.ndarray:
 
 
 def paired(a: np.ndarray, b: np.ndarray) -> dict:
-    """a − b per sample: {"difference": mean, "standard_error": s.d. / √n (NaN for fewer than 2 samples), "n"}."""
+    """a − b per sample: {"difference": mean, "standard_error": s.d. / √n, "n"}; with fewer than 2 samples there
+    is no standard error (None: --json stays strict JSON, no NaN)."""
     d = np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64)
     n = int(d.size)
-    se = float(d.std(ddof=1) / math.sqrt(n)) if n > 1 else math.nan
-    return {"difference": float(d.mean()) if n else math.nan, "standard_error": se, "n": n}
+    se = float(d.std(ddof=1) / math.sqrt(n)) if n > 1 else None
+    return {"difference": float(d.mean()) if n else None, "standard_error": se, "n": n}
 
 
 def signed(p: dict) -> str:
-    """"+0.0123 ± 0.0040" for a summary line."""
-    return f"{p['difference']:+.4f} ± {p['standard_error']:.4f}"
+    """"+0.0123 ± 0.0040" for a summary line ("+0.0123" alone without a standard error)."""
+    if p["difference"] is None:
+        return "n/a"
+    return f"{p['difference']:+.4f}" + (f" ± {p['standard_error']:.4f}" if p["standard_error"] is not None else "")

@@ -154,9 +154,11 @@ def render_html(metrics: dict, rows: list[SampleRow], grid: Image.Image) -> str:
     ]
     diff = loss.get("lora_minus_base")
     if diff:  # stages/evaluate/paired.py
+        from stages.evaluate.paired import signed
+
         sections.append(f"<p>LoRA − base, paired over the {diff['n']} val samples (same noise and σ): "
-                        f"{diff['difference']:+.4f} ± {diff['standard_error']:.4f} (standard error); within about "
-                        "two standard errors the held-out set does not tell them apart.</p>")
+                        f"{html.escape(signed(diff))} (± standard error); within about two standard errors the "
+                        "held-out set does not tell them apart.</p>")
     mask = loss.get("mask")
     if mask:
         sections += [

@@ -76,3 +76,14 @@ def test_single_lora_evaluate_states_lora_minus_base_paired(run_and_store, tiny_
                                                   rel=1e-9)
     assert f"{got['difference']:+.4f} ± {got['standard_error']:.4f}" in str(res)
     assert "paired over the 5 val samples" in (tmp_path / "r" / "index.html").read_text()
+
+
+def test_one_val_sample_has_no_standard_error_and_the_json_stays_strict():
+    import json as strict
+
+    from stages.evaluate.paired import paired, signed
+
+    p = paired(np.array([1.25]), np.array([1.0]))
+    assert p == {"difference": 0.25, "standard_error": None, "n": 1} and signed(p) == "+0.2500"
+    strict.dumps(p, allow_nan=False)  # no NaN token in --json
+    assert signed(paired(np.array([1.0, 2.0]), np.array([0.0, 0.0]))) == "+1.5000 ± 0.5000"
