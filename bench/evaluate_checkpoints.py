@@ -88,13 +88,19 @@ def main(n: int = 4) -> None:
             checkpoints.run(cfg, tmp / "store", model, ckpts, tmp / f"all-{k[0]}")
 
         resolved = stage.resolved_config(cfg)
-        _, samples = stage.read_val_samples(resolved, tmp / "store", model, 0.05)
+        _, samples = stage.read_val_samples(resolved, tmp / "store", model)
         tr = stage.load_transformer(resolved, model)
         attach_lora(tr, ckpts[0][1])
         old = timed(lambda: old_loss_pass(tr, samples, resolved))
         new = timed(lambda: stage.held_out_loss(tr, samples, resolved))
         one = timed(single)
         many = timed(all_checkpoints)
+        # a rerun into the last report: nothing new (every step skipped), then one more checkpoint (only it runs)
+        last = tmp / f"all-{k[0]}"
+        rerun = timed(lambda: checkpoints.run(cfg, tmp / "store", model, ckpts, last), repeat=1)
+        shutil.copytree(ckpts[-1][1], tmp / "run" / "step-999" / "lora")
+        one_more = timed(lambda: checkpoints.run(cfg, tmp / "store", model, [*ckpts, (999, tmp / "run" / "step-999" / "lora")],
+                                                 last), repeat=1)
         print(f"{len(samples)} val samples ({sum(s.mask_weight is not None for s in samples)} masked), "
               f"seeds {list(cfg.noise_seeds)} x σ {list(cfg.timesteps)}, N = {n} checkpoints; CPU s (wall s)")
         print(f"loss part, one LoRA, old protocol (3 passes on masked): {old[0]:.2f} ({old[1]:.2f})")
@@ -102,6 +108,8 @@ def main(n: int = 4) -> None:
               f"ratio {new[0] / old[0]:.2f}")
         print(f"single-LoRA evaluate (load + base + LoRA + report):       {one[0]:.2f} ({one[1]:.2f})")
         print(f"--all-checkpoints, N = {n} (load + base + N + report):      {many[0]:.2f} ({many[1]:.2f})")
+        print(f"rerun, nothing new (N skipped, summary + report):        {rerun[0]:.2f} ({rerun[1]:.2f})")
+        print(f"rerun with one more checkpoint (only it evaluated):      {one_more[0]:.2f} ({one_more[1]:.2f})")
         print(f"ratio all / (N x single evaluate): {many[0] / (n * one[0]):.2f}   "
               f"all / (N x old loss part): {many[0] / (n * old[0]):.2f}   target <= 1")
     finally:

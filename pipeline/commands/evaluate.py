@@ -56,7 +56,8 @@ def command(
         with user_errors(), json_mode(as_json):
             result = run_checkpoints(cfg.evaluate, _local(store_dir, cache_dir, cache_gb), model_id,
                                      kept_checkpoints(run_path), report)
-        emit(result, as_json)
+        if result is not None:  # under a launcher rank 0 reports; the other ranks computed their share
+            emit(result, as_json)
         return
     lora_dir = lora or (str(Path(cfg.paths.run) / "lora") if cfg.paths.run else None)
     lora_dir = require(lora_dir, "--lora", "paths.run")

@@ -28,7 +28,7 @@ from schemas.config import EvaluateConfig
 from schemas.errors import UserError
 from schemas.lineage import hashed_settings
 from schemas.stage import few
-from stages.evaluate.stage import one_evaluate_per_report
+from stages.evaluate.paired import paired, per_sample, signed
 from store import Store
 from store.loss_array import Axes, LossStore, recorded_steps
 
@@ -53,24 +53,48 @@ def loss_fingerprint(cfg: EvaluateConfig, store: str | Path, model: str) -> tupl
 
 
 def lora_sha256(checkpoint: Path) -> str:
+    from models.file_hashes import file_sha256
     from models.lora import lora_weight_file
 
-    return hashlib.sha256(lora_weight_file(checkpoint).read_bytes()).hexdigest()
+    return file_sha256(lora_weight_file(checkpoint))  # chunked: a GB-sized LoRA is not copied into memory
 
 
-def check_intact(checkpoints: list[tuple[int, Path]]) -> None:
+def _gone(checkpoint: Path) -> bool:
+    """Was the checkpoint removed since it was listed? A training running beside evaluate prunes its oldest kept
+    checkpoints (train.keep_checkpoints) while the others are evaluated."""
+    from models.lora import WEIGHT_NAME
+
+    return not (Path(checkpoint) / WEIGHT_NAME).is_file() and not Path(checkpoint).is_file()
+
+
+def check_and_hash(checkpoints: list[tuple[int, Path]],
+                   show: bool = True) -> tuple[list[tuple[int, Path]], dict[int, str]]:
     """Each checkpoint's LoRA file against the CRC32C its sealed resume.json records (as single-LoRA evaluate
     checks RUN/lora's checksums.json): a flipped bit is refused naming the file, not evaluated as trained
-    weights, nor taken (its hash changed) for another run's checkpoint."""
-    from models.lora import lora_weight_file
+    weights, nor taken (its hash changed) for another run's checkpoint. Then its bytes' sha256 (hashed once: the
+    up-to-date check and the appends both compare them). A checkpoint removed meanwhile (pruned by a training
+    running beside evaluate) is left out with a line, not taken for a damaged one. Returns (kept, step -> sha256)."""
+    from models.lora import lora_base_fingerprint, lora_weight_file
     from store.checksum import check_recorded
 
-    for step, path in tqdm(checkpoints, desc="check checkpoint files", leave=False):
+    kept, shas = [], {}
+    for step, path in tqdm(checkpoints, desc="check and hash checkpoints", unit="ckpt", disable=not show):
         try:
             check_recorded(lora_weight_file(path))
-        except UserError as e:
+            lora_base_fingerprint(path)  # its header parses: a truncated file unsealed (older runs) is named here
+            shas[step] = lora_sha256(path)
+        except (UserError, OSError) as e:
+            if _gone(path):
+                if show:
+                    tqdm.write(f"checkpoint step {step} was removed while evaluate started ({path}; pruned by a "
+                               "running training?): left out")
+                continue
+            if isinstance(e, OSError):
+                raise UserError(f"checkpoint step {step}: cannot read {path} ({e})") from None
             raise UserError(f"checkpoint step {step}: {e}; or move {Path(path).parent} out of the run's "
                             "checkpoints/ to evaluate the others") from None
+        kept.append((step, path))
+    return kept, shas
 
 
 # ------------------------------------------------------------------------------------------------ the numbers
@@ -134,6 +158,7 @@ class CheckpointsResult:
                               checkpoints=c["steps"], checkpoints_evaluated=self.evaluated,
                               best_checkpoint=self.best["path"], best_step=self.best["step"],
                               loss_best=self.best["loss"], loss_base=c["base"]["overall"],
+                              best_vs_base=self.best.get("vs_base"), runner_up=self.best.get("runner_up"),
                               last_step=c["steps"][-1], damaged_samples=sorted(self.metrics["run"]["damaged_samples"]))
 
     def __str__(self) -> str:
@@ -143,8 +168,14 @@ class CheckpointsResult:
         else:
             head = (f"evaluated {self.evaluated} of {len(c['steps'])} checkpoints "
                     f"({len(c['steps']) - self.evaluated} already in {c['losses']})")
+        sure = ""
+        if b.get("vs_base"):  # paired over val samples (reports written before these numbers have none)
+            sure = f"; vs base {signed(b['vs_base'])}"
+            if b.get("runner_up"):
+                sure += f", next best step {b['runner_up']['step']} {signed(b['runner_up'])}"
+            sure += f" (paired over {b['vs_base']['n']} val samples, ± s.e.)"
         return (f"{head}; best checkpoint step {b['step']}: held-out loss {b['loss']:.4f} (base "
-                f"{c['base']['overall']:.4f}) {b['path']}; report: {self.report}")
+                f"{c['base']['overall']:.4f}{sure}) {b['path']}; report: {self.report}")
 
 
 def _up_to_date(out: Path, fingerprint: str, checkpoints: list[tuple[int, Path]], shas: dict[int, str],
@@ -175,43 +206,78 @@ def _up_to_date(out: Path, fingerprint: str, checkpoints: list[tuple[int, Path]]
 # ------------------------------------------------------------------------------------------------ the stage
 
 
-@one_evaluate_per_report
 def run(cfg: EvaluateConfig, store: str | Path, model: str, checkpoints: list[tuple[int, Path]], out: str | Path,
-        skip_if_done: bool = False) -> CheckpointsResult:
-    """Evaluate the base and every (step, LoRA folder) of `checkpoints` into OUT (losses.zarr + the report)."""
+        skip_if_done: bool = False) -> CheckpointsResult | None:
+    """Evaluate the base and every (step, LoRA folder) of `checkpoints` into OUT (losses.zarr + the report).
+    Under a launcher the ranks share the loss passes (`stages.evaluate.ranks`); rank 0 returns the result, the
+    others None."""
+    from contextlib import ExitStack
+
+    from models.collective import together
+    from stages.evaluate.ranks import launched
+    from stages.evaluate.stage import REPORT_LOCK
+    from store.format import flock
+
+    out, ranks = Path(out), launched(cfg)
+    with ExitStack() as held:
+        with together(ranks.world, "evaluate (the report folder)"):
+            if ranks.main:  # one evaluate writes a report folder at a time; the second stops naming the first
+                out.mkdir(parents=True, exist_ok=True)
+                held.enter_context(flock(out / REPORT_LOCK, blocking=False, holder=f"the report folder {out}"))
+        return _run(ranks, cfg, store, model, checkpoints, out, skip_if_done)
+
+
+def _run(ranks, cfg: EvaluateConfig, store: str | Path, model: str, checkpoints: list[tuple[int, Path]], out: Path,
+         skip_if_done: bool) -> CheckpointsResult | None:
+    from models.collective import together
     from models.precision import describe
     from stages.evaluate import stage as single
     from stages.evaluate.checkpoint_report import generated_rows, write_checkpoint_report
 
-    out, started = Path(out), time.perf_counter()
+    started = time.perf_counter()
     if not checkpoints:
         raise UserError("no checkpoints to evaluate: the run folder holds no checkpoints/step-N "
                         "(train with train.checkpoint_every set, or evaluate one LoRA without --all-checkpoints)")
-    check_intact(checkpoints)
-    # each checkpoint's bytes hashed once: the up-to-date check and the appends both compare them (GBs for many
-    # large-rank checkpoints)
-    shas = {step: lora_sha256(path) for step, path in tqdm(checkpoints, desc="hash checkpoints", leave=False)}
+    with together(ranks.world, "check the checkpoints"):
+        kept, shas = check_and_hash(checkpoints, show=ranks.main)
+    # a checkpoint pruned meanwhile is left out on every rank when one rank found it gone
+    gone = ranks.any([int(all(step != s for s, _ in kept)) for step, _ in checkpoints])
+    checkpoints = [c for c, g in zip(checkpoints, gone) if not g]
+    if not checkpoints:
+        raise UserError("every checkpoint of the run was removed while evaluate started: rerun evaluate")
     requested = cfg.dtype
-    cfg = single.resolved_config(cfg)
-    fingerprint, settings = loss_fingerprint(cfg, store, model)
-    if skip_if_done and (done := _up_to_date(out, fingerprint, checkpoints, shas, cfg)) is not None:
-        return CheckpointsResult(done, out / "index.html", up_to_date=True)
+    with together(ranks.world, "evaluate settings"):
+        cfg = single.resolved_config(cfg)
+        fingerprint, settings = loss_fingerprint(cfg, store, model)
+    done = _up_to_date(out, fingerprint, checkpoints, shas, cfg) if skip_if_done and ranks.main else None
+    if ranks.from_main([int(done is not None)])[0]:
+        return CheckpointsResult(done, out / "index.html", up_to_date=True) if ranks.main else None
     ours = lambda name: name == single.REPORT_LOCK or (  # noqa: E731  (the lock; loss groups, kept or new)
         name.startswith(("losses", ".losses")) and ".zarr" in name)
-    if out.is_dir() and any(not ours(p.name) for p in out.iterdir()) and not (out / "metrics.json").is_file():
-        raise UserError(f"{out} is not empty and holds no earlier report: pass a new or empty --out folder")
-    tqdm.write(describe("evaluate", single.parse_dtype(cfg.dtype), cfg.device, requested))
-    single.warn_other_base([path for _, path in checkpoints], model, [step for step, _ in checkpoints])
+    with together(ranks.world, "the report folder"):
+        if ranks.main:
+            if out.is_dir() and any(not ours(p.name) for p in out.iterdir()) and not (out / "metrics.json").is_file():
+                raise UserError(f"{out} is not empty and holds no earlier report: pass a new or empty --out folder")
+            tqdm.write(describe("evaluate", single.parse_dtype(cfg.dtype), cfg.device, requested)
+                       + (f", {ranks.world} ranks" if ranks.world > 1 else ""))
+            single.warn_other_base([path for _, path in checkpoints], model, [step for step, _ in checkpoints])
 
-    tables, samples = single.read_val_samples(cfg, store, model)
+    with together(ranks.world, "read the val samples"):
+        tables, samples = single.read_val_samples(cfg, store, model)
     with tables:  # closed on every path: descriptors, check-ahead thread, read lease
         damaged = dict(tables.damaged)
         axes = Axes([s.key for s in samples], [bucket_of(s) for s in samples], list(cfg.noise_seeds),
                     [float(t) for t in cfg.timesteps])
-        out.mkdir(parents=True, exist_ok=True)
-        losses = LossStore(out, fingerprint, axes, settings)
-        transformer = single.load_transformer(cfg, model)
-        evaluated, attached = _append_missing(losses, checkpoints, shas, transformer, samples, cfg)
+        losses = None
+        with together(ranks.world, "open the loss array"):
+            if ranks.main:
+                out.mkdir(parents=True, exist_ok=True)
+                losses = LossStore(out, fingerprint, axes, settings)
+        with together(ranks.world, "load the transformer"):
+            transformer = single.load_transformer(cfg, model)
+        evaluated, attached = _append_missing(ranks, losses, checkpoints, shas, transformer, samples, cfg)
+        if not ranks.main:
+            return None  # rank 0 summarises, generates and writes the report
         metrics, best, last = _summary(losses, samples, cfg, fingerprint, checkpoints)
         rows = []
         if cfg.num_samples > 0 or cfg.extra_prompts:
@@ -222,6 +288,7 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, checkpoints: list[tu
             "store": str(Path(store).resolve()), "tables": tables.versions(), "model": str(model),
             "lora_scale": cfg.lora_scale, "val_samples": len(samples), "val_split": tables.report,
             "damaged_samples": damaged, "config": cfg.model_dump(mode="json"), "settings": settings,
+            "ranks": ranks.world,
         }
         report = write_checkpoint_report(out, metrics, rows)
         if damaged:
@@ -229,12 +296,39 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, checkpoints: list[tu
         return CheckpointsResult(metrics, report, evaluated=evaluated, seconds=time.perf_counter() - started)
 
 
-def _append_missing(losses: LossStore, checkpoints: list[tuple[int, Path]], shas: dict[int, str], transformer,
-                    samples, cfg: EvaluateConfig) -> tuple[int, bool]:
-    """The base's grid (once) and each checkpoint not yet in the array, one append each. Returns (how many
-    checkpoints were evaluated now, whether the adapter is attached to `transformer`)."""
+def use_checkpoint(transformer, path: Path, scale: float, attached: bool) -> None:
+    """The checkpoint's weights in the one adapter "lora": copied into it when they fit (no new modules per
+    checkpoint); a checkpoint of another rank, alpha or target modules (a run folder holding checkpoints of two
+    trainings) gets the adapter rebuilt from its own saved config, so it is evaluated as saved, not refused."""
     from models.lora import attach_lora, load_lora
 
+    if attached:
+        try:
+            load_lora(transformer, path, adapter_name="lora")
+            return
+        except UserError:
+            if _gone(path):
+                raise
+            transformer.delete_adapters("lora")
+    attach_lora(transformer, path, scale)
+
+
+def _grid(ranks, transformer, samples, seeds: list[int], sigmas: list[float], batch_size: int,
+          desc: str) -> np.ndarray:
+    """`loss_grid` of every sample: in one process all of them; under a launcher this rank's share, summed with
+    the others' (a rank failing in its own pass stops every rank: `fails_alone`)."""
+    if ranks.world == 1:
+        return loss_grid(transformer, samples, seeds, sigmas, batch_size, desc)
+    from models.collective import fails_alone
+
+    mine = ranks.share(len(samples))
+    with fails_alone(ranks.world, desc, "lower evaluate.batch_size"):
+        part = loss_grid(transformer, [samples[i] for i in mine], seeds, sigmas, batch_size, desc)
+    return ranks.full_grid(part, mine, len(samples))
+
+
+def _plan(losses: LossStore, checkpoints: list[tuple[int, Path]], shas: dict[int, str]) -> list[int]:
+    """Rank 0's decisions as integers: [base recorded, then per checkpoint whether it is to be evaluated]."""
     if losses.kept_aside is not None:
         tqdm.write(f"evaluation settings changed: the earlier losses are kept in {losses.kept_aside}")
     recorded = losses.steps()
@@ -244,20 +338,63 @@ def _append_missing(losses: LossStore, checkpoints: list[tuple[int, Path]], shas
         losses.start_over()
         tqdm.write(f"the run's checkpoints are not the ones evaluated before: earlier losses kept in {losses.kept_aside}")
         recorded = {}
-    todo = [(step, path) for step, path in checkpoints if step not in recorded]
+    return [int(losses.has_base())] + [int(step not in recorded) for step, _ in checkpoints]
+
+
+def _append_missing(ranks, losses: LossStore | None, checkpoints: list[tuple[int, Path]], shas: dict[int, str],
+                    transformer, samples, cfg: EvaluateConfig) -> tuple[int, bool]:
+    """The base's grid (once) and each checkpoint not yet in the array, one append each (rank 0; `losses` is None
+    on the others). Returns (how many checkpoints were evaluated now, whether the adapter is attached to
+    `transformer`)."""
+    from models.collective import together
+    from stages.evaluate import stage as single
+
+    plan = [0] * (len(checkpoints) + 1)
+    with together(ranks.world, "the loss array"):
+        if ranks.main:
+            plan = _plan(losses, checkpoints, shas)
+    plan = ranks.from_main(plan)
+    todo = [c for c, flag in zip(checkpoints, plan[1:]) if flag]
     seeds, sigmas = list(cfg.noise_seeds), [float(t) for t in cfg.timesteps]
-    if not losses.has_base():  # before any adapter exists: the plain model
-        losses.write_base(loss_grid(transformer, samples, seeds, sigmas, cfg.batch_size, "held-out loss (base)"))
-    attached = False
-    for step, path in tqdm(todo, desc="checkpoints"):
-        if not attached:
-            attach_lora(transformer, path, cfg.lora_scale)
-            attached = True
-        else:  # same adapter, new weights: no new modules per checkpoint
-            load_lora(transformer, path, adapter_name="lora")
-        grid = loss_grid(transformer, samples, seeds, sigmas, cfg.batch_size, f"held-out loss (step {step})")
-        losses.append(step, str(Path(path).resolve()), shas[step], grid)
-    return len(todo), attached
+    base = None
+    if not plan[0]:  # before any adapter exists: the plain model
+        base = _grid(ranks, transformer, samples, seeds, sigmas, cfg.batch_size, "held-out loss (base)")
+    with together(ranks.world, "the base losses"):
+        if ranks.main:
+            if base is None:
+                base = losses.base()
+            else:
+                losses.write_base(base)
+            # A non-finite base loss means bad stored features (evaluate.on_nonfinite=stop names them): stop
+            # before the checkpoints are evaluated, not after all of them
+            single.finite_samples(samples, {"base": base}, cfg)
+    attached, evaluated = False, 0
+    for step, path in tqdm(todo, desc="checkpoints", unit="ckpt", disable=not ranks.main):
+        changed = 0
+        with together(ranks.world, f"load checkpoint step {step}"):
+            try:
+                use_checkpoint(transformer, path, cfg.lora_scale, attached)
+                attached = True
+                # A training running beside evaluate may prune or rewrite a checkpoint after it was hashed: the
+                # numbers are recorded under the hash only when the loaded bytes are still the hashed ones.
+                changed = int(lora_sha256(path) != shas[step])
+            except (UserError, OSError):
+                if not _gone(path):
+                    raise
+                changed = 2
+        changed = ranks.any([changed])[0]  # left out on every rank when any rank saw it change
+        if changed:
+            if ranks.main:
+                what = "was removed" if changed == 2 else "was rewritten"
+                tqdm.write(f"checkpoint step {step} {what} while evaluating ({path}; by a running training?): "
+                           "left out; rerun evaluate to evaluate what is there now")
+            continue
+        grid = _grid(ranks, transformer, samples, seeds, sigmas, cfg.batch_size, f"held-out loss (step {step})")
+        with together(ranks.world, f"record checkpoint step {step}"):
+            if ranks.main:
+                losses.append(step, str(Path(path).resolve()), shas[step], grid)
+        evaluated += 1
+    return evaluated, attached
 
 
 def _other_runs(losses: LossStore, checkpoints: list[tuple[int, Path]]) -> bool:
@@ -293,6 +430,9 @@ def _summary(losses: LossStore, samples, cfg: EvaluateConfig, fingerprint: str,
     per_step = step_summaries(base, grids, [bucket_of(s) for s in samples], [has_two_regions(s) for s in samples])
     overall = [s["overall"] for s in per_step["steps"]]
     alive = [i for i, step in enumerate(steps) if step in present and Path(present[step]).exists()]  # pruned meanwhile
+    if not alive:
+        raise UserError(f"no checkpoint recorded in {losses.path} is still on disk (removed while evaluating?): "
+                        "rerun evaluate")
     best_i = pick_best([steps[i] for i in alive], [overall[i] for i in alive])
     if best_i is None:
         raise UserError(f"no checkpoint in {losses.path} has a finite held-out loss; check the run's training loss")
@@ -305,13 +445,24 @@ def _summary(losses: LossStore, samples, cfg: EvaluateConfig, fingerprint: str,
     def point(i: int) -> dict:
         return {"step": steps[i], "path": paths[i], "loss": overall[i]}
 
+    # how sure "best" is: paired over the val samples against the base and the next best checkpoint
+    best = {**point(best_i), "vs_base": paired(per_sample(grids[best_i]), per_sample(base))}
+    loss["lora_minus_base"] = best["vs_base"]
+    others = [i for i in alive if i != best_i and math.isfinite(overall[i])]
+    if others:
+        nxt = min(others, key=lambda i: (overall[i], steps[i]))  # a tie: the earlier step, as for the best
+        best["runner_up"] = {**point(nxt), **paired(per_sample(grids[nxt]), per_sample(grids[best_i]))}
+
     metrics = {
         "loss": loss,
         "checkpoints": {
             "losses": str(losses.path), "fingerprint": fingerprint, "config_fingerprint": cfg.fingerprint(),
             "steps": steps, "paths": paths, "base": per_step["base"], "per_step": per_step["steps"],
-            "best": point(best_i), "last": point(last_i),
-            "note": "best = lowest overall held-out loss among the checkpoints still on disk (ties: earlier step)",
+            "best": best, "last": point(last_i),
+            "note": "best = lowest overall held-out loss among the checkpoints still on disk (ties: earlier step); "
+                    "best.vs_base and best.runner_up: differences paired over the val samples (same noise and σ) "
+                    "± their standard error; within about two standard errors this held-out set does not tell "
+                    "the two apart",
         },
     }
-    return metrics, point(best_i), point(last_i)
+    return metrics, best, point(last_i)

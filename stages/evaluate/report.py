@@ -152,6 +152,13 @@ def render_html(metrics: dict, rows: list[SampleRow], grid: Image.Image) -> str:
         f"<p>{html.escape(metrics['loss']['protocol'])}</p>",
         _table(["bucket (h×w)", "samples", "base", "LoRA", "LoRA − base"], overall + buckets),
     ]
+    diff = loss.get("lora_minus_base")
+    if diff:  # stages/evaluate/paired.py
+        from stages.evaluate.paired import signed
+
+        sections.append(f"<p>LoRA − base, paired over the {diff['n']} val samples (same noise and σ): "
+                        f"{html.escape(signed(diff))} (± standard error); within about two standard errors the "
+                        "held-out set does not tell them apart.</p>")
     mask = loss.get("mask")
     if mask:
         sections += [

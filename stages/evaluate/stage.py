@@ -49,6 +49,7 @@ from schemas.img_shapes import PIXELS_PER_PATCH
 from schemas.stage import few
 from models.held_out import bucket_of, loss_grid, loss_summary
 from stages.evaluate.nonfinite import finite_rows
+from stages.evaluate.paired import paired, per_sample, signed
 from stages.evaluate.report import SampleRow, psnr, ssim, write_report
 from store import Store, TableReader
 from store.join import JoinedTables
@@ -121,6 +122,8 @@ def held_out_loss(transformer, samples: list[TrainSample], cfg: EvaluateConfig) 
     result = loss_summary({m: g[kept] for m, g in grids.items()}, [samples[i] for i in kept], list(cfg.noise_seeds),
                           [float(t) for t in cfg.timesteps], protocol(cfg, samples))
     result["nonfinite_samples"] = nonfinite  # left out of every mean (evaluate.on_nonfinite=skip)
+    # did training help: paired over the val samples (same noise and σ for both), ± its standard error
+    result["lora_minus_base"] = paired(per_sample(grids["lora"][kept]), per_sample(grids["base"][kept]))
     return result
 
 
@@ -325,8 +328,10 @@ class EvaluateResult:
         if self.up_to_date:
             return f"report {self.report.parent} is up to date"
         overall = self.metrics["loss"]["overall"]
+        diff = self.metrics["loss"].get("lora_minus_base")
+        sure = f" ({signed(diff)}, paired ± s.e.)" if diff else ""
         line = (f"held-out loss on {overall['n']} val samples: base {overall['base']:.4f} -> LoRA "
-                f"{overall['lora']:.4f}; report: {self.report}")
+                f"{overall['lora']:.4f}{sure}; report: {self.report}")
         nonfinite = self.metrics["loss"].get("nonfinite_samples")
         if nonfinite:
             line += (f"\nleft out {len(nonfinite)} val sample(s) with a non-finite loss (evaluate.on_nonfinite=skip; "
@@ -381,6 +386,19 @@ def warn_other_base(loras: list, model: str, steps: list[int] | None = None) -> 
 REPORT_LOCK = ".evaluate.lock"  # in a report folder: held by the evaluate writing it
 
 
+def single_process() -> None:
+    """evaluate runs in one process. Under torchrun / accelerate launch every rank would evaluate everything into
+    one report folder: the first took its lock, the others stopped naming it, and the launcher then ended the
+    first too. Every rank sees the same launcher environment, so every rank refuses alike with this line."""
+    import os
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        raise UserError(f"evaluate of one LoRA runs in one process, but it was launched as {world} (WORLD_SIZE="
+                        f"{world}, torchrun / accelerate launch): run `pipeline run evaluate` directly, on the "
+                        "device evaluate.device names (only --all-checkpoints shares its work between ranks)")
+
+
 def one_evaluate_per_report(run):
     """Runs `run(cfg, store, model, what, out, ...)` holding `out`'s lock: two evaluates writing one report folder
     (its loss array, index.html, metrics.json) would interleave their files; the second stops at once, naming the
@@ -391,6 +409,7 @@ def one_evaluate_per_report(run):
 
     @functools.wraps(run)
     def locked(cfg, store, model, what, out, *args, **kwargs):
+        single_process()
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
         with flock(out / REPORT_LOCK, blocking=False, holder=f"the report folder {out}"):

@@ -106,3 +106,29 @@ def test_all_checkpoints_stop_on_bad_features_or_leave_them_out(poisoned, tiny_e
     assert loss["nonfinite_samples"] == [key_of(3)] and loss["overall"]["n"] == 2
     assert math.isfinite(loss["overall"]["base"]) and math.isfinite(loss["overall"]["lora"])
     assert res.best["step"] == 1 and math.isfinite(res.best["loss"])
+
+
+def test_all_checkpoints_stops_on_bad_features_before_evaluating_any_checkpoint(poisoned, tiny_edit_model, tmp_path):
+    """The base's losses say the stored features are bad (NaN with no LoRA at all): --all-checkpoints stops right
+    after the base pass, naming the sample. Before, it evaluated every checkpoint first (hours on a big run) and
+    then stopped with the same line, on every rerun too."""
+    import xarray as xr
+
+    from schemas.config import EvaluateConfig
+    from schemas.errors import UserError
+    from stages.evaluate import checkpoints as ev
+    from store.loss_array import GROUP
+    from test_evaluate_checkpoints import _write_lora
+
+    transformer = load_component(tiny_edit_model, "transformer")
+    add_lora(transformer, LoraConfig(rank=4))
+    ckpts = []
+    for step in (10, 20):
+        _write_lora(transformer, tmp_path / "run" / f"step-{step}", 0.1)
+        ckpts.append((step, tmp_path / "run" / f"step-{step}" / "lora"))
+    cfg = EvaluateConfig(device="cpu", num_samples=0, noise_seeds=[0], timesteps=[0.5])
+    for _ in range(2):  # the rerun (the base already recorded) stops as early
+        with pytest.raises(UserError, match=key_of(3)) as e:
+            ev.run(cfg, poisoned / "store", tiny_edit_model, ckpts, tmp_path / "report")
+        assert "base" in str(e.value) and "\n" not in str(e.value)
+        assert xr.open_zarr(tmp_path / "report" / GROUP).sizes["step"] == 0  # no checkpoint was evaluated

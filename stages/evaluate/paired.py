@@ -1,0 +1,35 @@
+"""How sure a held-out difference is: paired over val samples.
+
+The base and every LoRA / checkpoint are measured on the same val samples with the same noise and σ grid, so two
+of them are compared sample by sample: the mean of the per-sample differences (equal to the difference of their
+overall losses: every sample has the same seeds x σ rows) and its standard error over samples. The samples are
+the independent draws; a sample's seeds x σ rows share its image and are averaged first, as the overall loss does.
+A difference within about two standard errors is one this held-out set does not tell apart from noise.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def per_sample(grid: np.ndarray) -> np.ndarray:
+    """[sample] mean over seeds x σ of a `loss_grid` array's region "all"."""
+    return grid[..., 0].mean(axis=(1, 2))
+
+
+def paired(a: np.ndarray, b: np.ndarray) -> dict:
+    """a − b per sample: {"difference": mean, "standard_error": s.d. / √n, "n"}; with fewer than 2 samples there
+    is no standard error (None: --json stays strict JSON, no NaN)."""
+    d = np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64)
+    n = int(d.size)
+    se = float(d.std(ddof=1) / math.sqrt(n)) if n > 1 else None
+    return {"difference": float(d.mean()) if n else None, "standard_error": se, "n": n}
+
+
+def signed(p: dict) -> str:
+    """"+0.0123 ± 0.0040" for a summary line ("+0.0123" alone without a standard error)."""
+    if p["difference"] is None:
+        return "n/a"
+    return f"{p['difference']:+.4f}" + (f" ± {p['standard_error']:.4f}" if p["standard_error"] is not None else "")

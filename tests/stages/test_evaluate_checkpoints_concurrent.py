@@ -1,0 +1,144 @@
+"""`evaluate --all-checkpoints` beside a training that is still writing the run: its checkpoints can be pruned
+(train.keep_checkpoints) or rewritten while evaluate runs. Such a checkpoint is left out with a line naming it;
+the others are evaluated, and no number is recorded under a hash of bytes other than the ones evaluated."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import xarray as xr
+
+from schemas.config import EvaluateConfig
+from stages.evaluate import checkpoints as ev
+from store.loss_array import GROUP
+from test_evaluate_checkpoints import CFG, _ckpts, run_and_store  # noqa: F401 (the module fixture)
+
+WEIGHTS = "pytorch_lora_weights.safetensors"
+
+
+def _copy_run(run_and_store, tmp_path):
+    root = tmp_path / "root"
+    shutil.copytree(run_and_store / "run", root / "run")
+    return root
+
+
+def _while_step_10_is_evaluated(monkeypatch, action):
+    """Run `action` while the held-out loss of the first checkpoint (step 10) is computed (the base is first)."""
+    real, calls = ev.loss_grid, []
+
+    def loss_grid(*a, **k):
+        calls.append(k.get("desc", a[-1] if len(a) > 5 else ""))
+        if len(calls) == 2:
+            action()
+        return real(*a, **k)
+
+    monkeypatch.setattr(ev, "loss_grid", loss_grid)
+
+
+def test_a_checkpoint_pruned_while_evaluating_is_left_out_and_the_others_are_evaluated(
+        run_and_store, tiny_edit_model, tmp_path, monkeypatch, capsys):
+    root = _copy_run(run_and_store, tmp_path)
+    _while_step_10_is_evaluated(monkeypatch, lambda: shutil.rmtree(root / "run" / "checkpoints" / "step-20"))
+    res = ev.run(EvaluateConfig(**CFG), run_and_store / "store", tiny_edit_model, _ckpts(root), tmp_path / "r")
+    assert res.evaluated == 2
+    assert res.metrics["checkpoints"]["steps"] == [10, 30]
+    assert res.best["step"] == 30  # the zero LoRA (= the base) beats the far one; step 20 is gone
+    err = "".join(capsys.readouterr())
+    assert "checkpoint step 20 was removed while evaluating" in err
+    assert list(xr.open_zarr(tmp_path / "r" / GROUP).step.values) == [10, 30]
+
+
+def test_a_checkpoint_pruned_while_hashing_is_left_out(run_and_store, tiny_edit_model, tmp_path, monkeypatch,
+                                                       capsys):
+    root = _copy_run(run_and_store, tmp_path)
+    real = ev.lora_sha256
+
+    def lora_sha256(path):  # step 10 hashed: the training prunes step 20 meanwhile
+        if "step-10" in str(path):
+            shutil.rmtree(root / "run" / "checkpoints" / "step-20", ignore_errors=True)
+        return real(path)
+
+    monkeypatch.setattr(ev, "lora_sha256", lora_sha256)
+    res = ev.run(EvaluateConfig(**CFG), run_and_store / "store", tiny_edit_model, _ckpts(root), tmp_path / "r")
+    assert res.metrics["checkpoints"]["steps"] == [10, 30]
+    assert "checkpoint step 20 was removed while evaluate started" in "".join(capsys.readouterr())
+
+
+def test_a_checkpoint_rewritten_while_evaluating_is_not_recorded_under_its_old_hash(
+        run_and_store, tiny_edit_model, tmp_path, monkeypatch, capsys):
+    """Step 30 (a zero LoRA when hashed) is rewritten with step 10's far weights before it is loaded (a training
+    restarted into the run folder). Before, its losses were those of the new bytes recorded under the old bytes'
+    hash: the report showed step 30 as bad as step 10, and a rerun found the array 'up to date' for the file."""
+    root = _copy_run(run_and_store, tmp_path)
+    ck = root / "run" / "checkpoints"
+    _while_step_10_is_evaluated(monkeypatch, lambda: shutil.copyfile(ck / "step-10" / "lora" / WEIGHTS,
+                                                                     ck / "step-30" / "lora" / WEIGHTS))
+    out = tmp_path / "r"
+    res = ev.run(EvaluateConfig(**CFG), run_and_store / "store", tiny_edit_model, _ckpts(root), out)
+    assert res.metrics["checkpoints"]["steps"] == [10, 20]
+    assert "checkpoint step 30 was rewritten while evaluating" in "".join(capsys.readouterr())
+    monkeypatch.undo()
+    again = ev.run(EvaluateConfig(**CFG), run_and_store / "store", tiny_edit_model, _ckpts(root), out)
+    assert again.evaluated == 1 and again.metrics["checkpoints"]["steps"] == [10, 20, 30]
+    per_step = again.metrics["checkpoints"]["per_step"]
+    np.testing.assert_allclose(per_step[2]["overall"], per_step[0]["overall"], rtol=1e-6)  # its bytes now: step 10's
+
+
+def test_a_truncated_unsealed_checkpoint_stops_naming_its_step_and_what_to_do(run_and_store, tiny_edit_model,
+                                                                                tmp_path):
+    """A checkpoint whose resume.json seals no checksums (written before them) and whose LoRA file is cut short:
+    one line naming the step and how to evaluate the others, before anything is evaluated (before: the file's
+    parse error with the advice for a final LoRA, 'pass the LoRA written by pipeline run train (RUN/lora)')."""
+    import pytest
+
+    from schemas.errors import UserError
+
+    root = _copy_run(run_and_store, tmp_path)
+    weights = root / "run" / "checkpoints" / "step-20" / "lora" / WEIGHTS
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(UserError) as e:
+        ev.run(EvaluateConfig(**CFG), run_and_store / "store", tiny_edit_model, _ckpts(root), tmp_path / "r")
+    msg = str(e.value)
+    assert msg.startswith("checkpoint step 20: ") and str(weights) in msg and "\n" not in msg
+    assert f"move {weights.parent.parent} out of the run's checkpoints/" in msg
+    assert not (tmp_path / "r" / GROUP).exists()  # nothing evaluated
+
+
+def test_a_checkpoint_of_another_lora_rank_is_evaluated_as_saved(run_and_store, tiny_edit_model, tmp_path):
+    """A run folder holding checkpoints of two trainings with other LoRA ranks (8 at step 5, then 4): each
+    checkpoint goes through an adapter built from its own saved config, so its held-out loss is what single-LoRA
+    evaluate gives for it. Before, the rank-4 checkpoints were copied into the rank-8 adapter and refused ('shapes
+    differ'), stopping the whole run. Generation switches ranks too: the best (step 5, rank 8) after the loop
+    left the rank-4 adapter of step 30, then the last (step 30, rank 4)."""
+    import torch
+
+    from models.loading import load_component
+    from models.lora import add_lora, save_lora
+    from schemas.config import LoraConfig
+    from stages.evaluate import stage
+
+    root = _copy_run(run_and_store, tmp_path)
+    t = load_component(tiny_edit_model, "transformer")
+    with torch.random.fork_rng():
+        torch.manual_seed(5)
+        add_lora(t, LoraConfig(rank=8, alpha=8.0))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in t.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 20.0)
+    folder = root / "run" / "checkpoints" / "step-5"
+    save_lora(t, folder / "lora")
+    (folder / "resume.json").write_text("{}")
+    ckpts = [(5, folder / "lora"), *_ckpts(root)]
+
+    res = ev.run(EvaluateConfig(**{**CFG, "num_samples": 1, "num_inference_steps": 2}), run_and_store / "store",
+                 tiny_edit_model, ckpts, tmp_path / "r")
+    c = res.metrics["checkpoints"]
+    assert c["steps"] == [5, 10, 20, 30] and c["last"]["step"] == 30
+    one = stage.run(EvaluateConfig(**CFG), run_and_store / "store", tiny_edit_model, folder / "lora", tmp_path / "one")
+    np.testing.assert_allclose(c["per_step"][0]["overall"], one.metrics["loss"]["overall"]["lora"], rtol=1e-6)
+    # with these seeds the rank-8 LoRA lowers this tiny random model's loss (a random direction can): the best
+    assert res.best["step"] == 5 and c["per_step"][0]["overall"] < c["base"]["overall"]
+    assert (tmp_path / "r" / "index.html").is_file()  # base, best (rank 8) and last (rank 4) generated

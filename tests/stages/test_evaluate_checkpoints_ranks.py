@@ -1,0 +1,91 @@
+"""`evaluate --all-checkpoints` over two gloo processes (`pipeline launch`): each rank computes half of the val
+samples' held-out losses and the sums are the one-process numbers; rank 0 alone writes the array and the report
+and prints the summary. A rank failing in its own loss pass, or loading a checkpoint, stops both ranks with its
+line (no rank waits in a collective), and what was committed before is kept: the rerun evaluates only
+the rest."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import xarray as xr
+
+from schemas.config import EvaluateConfig
+from stages.evaluate import checkpoints as ev
+from store.loss_array import GROUP
+from test_evaluate_checkpoints import CFG, _ckpts, run_and_store  # noqa: F401 (the module fixture)
+
+REPO = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests' / 'stages'}",
+       "OMP_NUM_THREADS": "1"}
+ENV.pop("WORLD_SIZE", None)
+
+# rank 1 fails at step 20: in its own loss pass (as an out-of-memory would: `fails_alone`), or loading the
+# checkpoint (a step all ranks take `together`), inside the CLI's own run
+FAILING_RANK = """
+import os, sys
+import models.lora
+from stages.evaluate import checkpoints as ev
+from schemas.errors import UserError
+real_grid, real_load = ev.loss_grid, models.lora.load_lora
+def loss_grid(*a, **k):
+    if os.environ["RANK"] == "1" and os.environ["FAIL_IN"] == "loss" and "step 20" in a[-1]:
+        raise UserError("rank 1 cannot compute step 20 (injected)")
+    return real_grid(*a, **k)
+def load_lora(transformer, path, *a, **k):
+    if os.environ["RANK"] == "1" and os.environ["FAIL_IN"] == "load" and "step-20" in str(path):
+        raise UserError("rank 1 cannot load step 20 (injected)")
+    return real_load(transformer, path, *a, **k)
+ev.loss_grid, models.lora.load_lora = loss_grid, load_lora
+from pipeline.cli import app
+sys.argv = ["pipeline", *sys.argv[1:]]
+app()
+"""
+
+
+def _args(root, model, out) -> list[str]:
+    return ["run", "evaluate", "--all-checkpoints", "--set", f"paths.run={root / 'run'}", "--store",
+            str(root / "store"), "--model", model, "--out", str(out), "--num-samples", "0", "--device", "cpu",
+            "--set", "evaluate.noise_seeds=[0, 1]", "--set", "evaluate.timesteps=[0.3, 0.7]",
+            "--set", "evaluate.batch_size=4"]
+
+
+def test_two_ranks_give_the_one_process_numbers(run_and_store, tiny_edit_model, tmp_path):
+    root = run_and_store
+    one = ev.run(EvaluateConfig(**CFG), root / "store", tiny_edit_model, _ckpts(root), tmp_path / "one")
+    proc = subprocess.run([sys.executable, "-m", "pipeline.cli", "launch", "--standalone", "--nproc-per-node", "2",
+                           *_args(root, tiny_edit_model, tmp_path / "two")],
+                          env=ENV, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("best checkpoint step 20") == 1  # rank 0 reports, once
+    a, b = xr.open_zarr(tmp_path / "one" / GROUP), xr.open_zarr(tmp_path / "two" / GROUP)
+    assert list(b.step.values) == [10, 20, 30] and list(b.sample.values) == list(a.sample.values)
+    # other batches (each rank batches its half): float rounding only; NaN (no two-region mask) where it was
+    np.testing.assert_allclose(b.loss.values, a.loss.values, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(b.base_loss.values, a.base_loss.values, rtol=1e-5, atol=1e-7)
+    assert np.array_equal(np.isnan(b.loss.values), np.isnan(a.loss.values))
+    assert one.best["step"] == 20
+
+
+@pytest.mark.parametrize("fail_in", ["loss", "load"])
+def test_a_failing_rank_stops_both_with_its_line_and_the_rerun_resumes(fail_in, run_and_store, tiny_edit_model,
+                                                                      tmp_path):
+    root, out = run_and_store, tmp_path / "report"
+    script = tmp_path / "failing_rank.py"
+    script.write_text(FAILING_RANK)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(script), *_args(root, tiny_edit_model, out)],
+                          env={**ENV, "FAIL_IN": fail_in}, capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0
+    # the failing rank's line, printed by a rank as it stops (torchrun then ends the other and prints its box)
+    what = "compute" if fail_in == "loss" else "load"
+    assert f"error: rank 1 cannot {what} step 20 (injected)" in proc.stdout + proc.stderr, proc.stderr[-3000:]
+    assert list(xr.open_zarr(out / GROUP).step.values) == [10]  # committed before the failure: kept
+
+    res = ev.run(EvaluateConfig(**CFG), root / "store", tiny_edit_model, _ckpts(root), out)
+    assert res.evaluated == 2 and res.metrics["checkpoints"]["steps"] == [10, 20, 30]

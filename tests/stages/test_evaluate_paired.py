@@ -1,0 +1,89 @@
+"""How sure "best" is: the report states the best checkpoint's difference to the base and to the next best
+checkpoint, paired over the val samples (every checkpoint sees the same noise and σ), with its standard error;
+checked against scipy's paired t-test (`scipy.stats.ttest_rel`: t = mean difference / standard error)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import zarr
+from scipy import stats
+
+from schemas.config import EvaluateConfig
+from stages.evaluate import checkpoints as ev
+from store.loss_array import GROUP
+from test_evaluate_checkpoints import CFG, _ckpts, run_and_store  # noqa: F401 (the module fixture)
+
+
+def _per_sample(grid: np.ndarray) -> np.ndarray:
+    return grid[..., 0].mean(axis=(1, 2))
+
+
+def test_best_checkpoint_states_its_paired_difference_to_base_and_runner_up(run_and_store, tiny_edit_model,
+                                                                            tmp_path):
+    root, out = run_and_store, tmp_path / "report"
+    ev.run(EvaluateConfig(**CFG), root / "store", tiny_edit_model, _ckpts(root), out)
+    group = zarr.open_group(out / GROUP, mode="r+", use_consolidated=True)
+    base = np.asarray(group["base_loss"][:], dtype=np.float64)
+    rng = np.random.default_rng(0)
+    # step 10 a little better than the base on average, by a different amount per sample; 20 and 30 = the base
+    better = base * (1 - 0.05 * rng.random((base.shape[0], 1, 1, 1)))
+    group["loss"][0] = better.astype("float32")
+
+    res = ev.run(EvaluateConfig(**CFG), root / "store", tiny_edit_model, _ckpts(root), out)
+    best = res.best
+    assert best["step"] == 10 and best["runner_up"]["step"] == 20  # 20 and 30 tie: the earlier one
+    b10 = _per_sample(np.asarray(group["loss"][0], dtype=np.float64))
+    b20 = _per_sample(np.asarray(group["loss"][1], dtype=np.float64))
+    b0 = _per_sample(np.asarray(group["base_loss"][:], dtype=np.float64))
+    for got, (a, b) in ((best["vs_base"], (b10, b0)), (best["runner_up"], (b20, b10))):
+        t = stats.ttest_rel(a, b).statistic
+        assert got["n"] == 5
+        assert got["difference"] == pytest.approx(np.mean(a - b), rel=1e-9)
+        assert got["standard_error"] == pytest.approx(np.mean(a - b) / t, rel=1e-9)
+    # the difference is that of the overall losses (every sample has the same seeds x σ rows)
+    c = res.metrics["checkpoints"]
+    assert best["vs_base"]["difference"] == pytest.approx(c["per_step"][0]["overall"] - c["base"]["overall"], rel=1e-6)
+    assert best["runner_up"]["difference"] > 0
+
+    line = str(res)
+    assert f"vs base {best['vs_base']['difference']:+.4f} ± {best['vs_base']['standard_error']:.4f}" in line
+    assert "next best step 20" in line
+    j = res.to_json()
+    assert j["runner_up"]["step"] == 20 and j["best_vs_base"] == best["vs_base"]
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["checkpoints"]["best"]["runner_up"]["standard_error"] == pytest.approx(
+        best["runner_up"]["standard_error"])
+    assert metrics["loss"]["lora_minus_base"] == pytest.approx(best["vs_base"])
+    assert "next best, step 20" in (out / "index.html").read_text()
+
+
+def test_single_lora_evaluate_states_lora_minus_base_paired(run_and_store, tiny_edit_model, tmp_path):
+    from stages.evaluate import stage
+
+    lora = _ckpts(run_and_store)[0][1]  # the far LoRA: clearly not the base
+    res = stage.run(EvaluateConfig(**CFG), run_and_store / "store", tiny_edit_model, lora, tmp_path / "r")
+    loss = res.metrics["loss"]
+    keys = list(loss["per_sample"])
+    lora_s = np.array([loss["per_sample"][k]["lora"] for k in keys])
+    base_s = np.array([loss["per_sample"][k]["base"] for k in keys])
+    got = loss["lora_minus_base"]
+    assert got["n"] == len(keys) == 5
+    assert got["difference"] == pytest.approx(loss["overall"]["lora"] - loss["overall"]["base"], rel=1e-9)
+    assert got["standard_error"] == pytest.approx(got["difference"] / stats.ttest_rel(lora_s, base_s).statistic,
+                                                  rel=1e-9)
+    assert f"{got['difference']:+.4f} ± {got['standard_error']:.4f}" in str(res)
+    assert "paired over the 5 val samples" in (tmp_path / "r" / "index.html").read_text()
+
+
+def test_one_val_sample_has_no_standard_error_and_the_json_stays_strict():
+    import json as strict
+
+    from stages.evaluate.paired import paired, signed
+
+    p = paired(np.array([1.25]), np.array([1.0]))
+    assert p == {"difference": 0.25, "standard_error": None, "n": 1} and signed(p) == "+0.2500"
+    strict.dumps(p, allow_nan=False)  # no NaN token in --json
+    assert signed(paired(np.array([1.0, 2.0]), np.array([0.0, 0.0]))) == "+1.5000 ± 0.5000"
