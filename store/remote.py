@@ -249,9 +249,12 @@ class Remote:
         self.fs.pipe_file(self.path(rel), data, **self._meta(crc))
 
     def recorded_crc(self, rel: str) -> str | None:
-        """The CRC32C recorded with the object at upload (S3 user metadata); elsewhere computed from its bytes."""
+        """The CRC32C recorded with the object at upload (S3 user metadata, a file's xattr); else computed from its
+        bytes."""
         if self.is_s3:
             return (self.fs.metadata(self.path(rel)) or {}).get(CRC_META)
+        if self.is_local and (recorded := remote_local.recorded_crc(self.path(rel))) is not None:
+            return recorded
         crc = RunningCrc()
         with self.fs.open(self.path(rel), "rb") as f:
             while chunk := f.read(CHUNK):
@@ -266,7 +269,7 @@ class Remote:
         same version exactly one creates its manifest (the commit). On a local file system `link(2)` decides
         (store/remote_local.py); elsewhere it is a check, then a write."""
         if self.is_local:
-            return remote_local.create(self.root, local, self.path(rel), progress)
+            return remote_local.create(self.root, local, self.path(rel), progress, crc)
         if not self.is_s3:
             if self.fs.exists(self.path(rel)):
                 return False

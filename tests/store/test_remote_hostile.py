@@ -1,0 +1,64 @@
+"""A store at a URL whose objects or server misbehave: a damaged `quarantine.parquet`, listings past one page,
+a server that errors mid-transfer. Against the S3 test server (moto on 127.0.0.1, tests/s3_server.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from pipeline.cli import app
+from schemas.errors import UserError
+from store import Store, quarantine
+from store.remote_sync import pull, push
+from store_samples import fill
+
+runner = CliRunner()
+
+GARBAGE = b"not a parquet file: a torn upload by another tool"
+
+
+def _cli(*args):
+    r = runner.invoke(app, [str(a) for a in args])
+    assert "Traceback" not in r.output, r.output
+    return r
+
+
+def test_a_damaged_remote_quarantine_is_refused_in_one_line_and_repair_sets_it_aside(s3_env, store: Store,
+                                                                                      tmp_path: Path) -> None:
+    """Before: pull, push, verify and `store repair URL` ended in pyarrow's traceback (ArrowInvalid), and inspect
+    named its temporary folder; nothing could fix the remote file. Now each names the URL's file and the fix, and
+    repair of the URL keeps the damaged bytes aside (as locally) and writes a readable file in its place."""
+    fill(store, 5)
+    quarantine.add_rows(store.root, [{"key": None, "source": "a.tar:x.jpg", "stage": "resize-bucket",
+                                      "reason": "unreadable"}])
+    url = s3_env.url()
+    push(store.root, url)
+    s3_env.client().put_object(Bucket=s3_env.bucket, Key="store/quarantine.parquet", Body=GARBAGE)
+    where = f"{url}/quarantine.parquet is damaged"
+
+    with pytest.raises(UserError, match="quarantine.parquet is damaged") as e:
+        pull(url, tmp_path / "pulled")
+    assert where in str(e.value) and f"pipeline store repair {url}" in str(e.value)
+    with pytest.raises(UserError, match="quarantine.parquet is damaged") as e:
+        push(store.root, url)
+    assert where in str(e.value)
+    for args in (["store", "inspect", url], ["store", "verify", url, "--cache-dir", tmp_path / "c1"]):
+        r = _cli(*args)
+        assert r.exit_code == 1 and where in r.output, r.output
+
+    r = _cli("store", "repair", url, "--cache-dir", tmp_path / "c2")
+    assert r.exit_code == 0 and "quarantine.parquet (damaged) set aside as quarantine.parquet.damaged-" in r.output
+    keys = {o["Key"]: o for o in s3_env.client().list_objects_v2(Bucket=s3_env.bucket)["Contents"]}
+    aside = [k for k in keys if k.startswith("store/quarantine.parquet.damaged")]
+    assert len(aside) == 1, keys
+    body = s3_env.client().get_object(Bucket=s3_env.bucket, Key=aside[0])["Body"].read()
+    assert body == GARBAGE  # kept for inspection, as `store repair` keeps a local one
+    pulled = tmp_path / "pulled2"
+    pull(url, pulled)  # readable again: every command works
+    assert quarantine.read(pulled).num_rows == 0
+    assert "copied nothing new" in str(push(store.root, url))  # the local row is merged into the fresh file
+    assert quarantine.read(pulled).num_rows == 0 and pull(url, pulled)
+    assert quarantine.read(pulled).column("source").to_pylist() == ["a.tar:x.jpg"]
+    assert _cli("store", "verify", url, "--cache-dir", tmp_path / "c3").exit_code == 0
