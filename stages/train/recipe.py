@@ -161,6 +161,10 @@ def run(
         locks.append(guard.lock_run_dir(Path(out)) if accelerator.is_main_process else None)
     r = None
     try:
+        from stages.shared_folder import check_shared
+
+        check_shared(Path(out), accelerator.num_processes, accelerator.process_index, "--out",
+                     "rank 0 writes each checkpoint, every rank adds its RNG state and reads it on --resume")
         r = setup(cfg, store, model, out, resume, accelerator, new_run=new_run, before_keep=before_keep, locks=locks)
         while r.step < r.cfg.max_steps:
             stats = step(r)
