@@ -62,3 +62,33 @@ def test_a_damaged_remote_quarantine_is_refused_in_one_line_and_repair_sets_it_a
     assert quarantine.read(pulled).num_rows == 0 and pull(url, pulled)
     assert quarantine.read(pulled).column("source").to_pylist() == ["a.tar:x.jpg"]
     assert _cli("store", "verify", url, "--cache-dir", tmp_path / "c3").exit_code == 0
+
+
+def test_a_url_holding_a_newer_store_format_is_refused_before_anything_is_sent(s3_env, store: Store,
+                                                                              tmp_path: Path) -> None:
+    """Before: push uploaded every version and only then, at store.json, found the format it cannot write; and
+    every message named the URL as a path (`s3:/bucket/...`: one slash lost), not a URL a user can paste."""
+    import json
+
+    from store.checksum import seal
+
+    fill(store, 5)
+    url = s3_env.url()
+    record = seal({"format": "qwen-edit-feature-store", "format_version": 99, "tables": {}})
+    s3_env.client().put_object(Bucket=s3_env.bucket, Key="store/store.json", Body=record)
+    assert json.loads(record)["format_version"] == 99
+    with pytest.raises(UserError, match="found 'qwen-edit-feature-store' version 99") as e:
+        push(store.root, url)
+    assert str(e.value).startswith(f"{url}/store.json: expected store format")
+    keys = [o["Key"] for o in s3_env.client().list_objects_v2(Bucket=s3_env.bucket)["Contents"]]
+    assert [k for k in keys if not k.startswith("store/.leases/")] == ["store/store.json"]  # nothing sent
+    with pytest.raises(UserError, match="version 99") as e:
+        pull(url, tmp_path / "pulled")
+    assert str(e.value).startswith(f"{url}/store.json: ")
+
+    # a damaged record: the repair command it names is the URL's
+    s3_env.client().put_object(Bucket=s3_env.bucket, Key="store/store.json",
+                               Body=seal({"format": "qwen-edit-feature-store", "format_version": 2, "tables": 1}))
+    with pytest.raises(UserError, match="damaged") as e:
+        pull(url, tmp_path / "pulled")
+    assert f"pipeline store repair {url}`" in str(e.value)
