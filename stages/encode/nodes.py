@@ -10,7 +10,7 @@ import socket
 from typing import TYPE_CHECKING
 
 from schemas.table import TableSchema
-from stages.shared_folder import check_shared
+from models.shared_folder import check_shared
 from store import format as fmt
 from store.remote_parts import source_url
 from store.writer import candidate_version

@@ -161,7 +161,7 @@ def run(
         locks.append(guard.lock_run_dir(Path(out)) if accelerator.is_main_process else None)
     r = None
     try:
-        from stages.shared_folder import check_shared
+        from models.shared_folder import check_shared
 
         check_shared(Path(out), accelerator.num_processes, accelerator.process_index, "--out",
                      "rank 0 writes each checkpoint, every rank adds its RNG state and reads it on --resume")

@@ -3,7 +3,7 @@ its RNG file and reads the checkpoint on --resume), as encoders writing a local 
 shards, rank 0 commits them). Two gloo processes, each given its own folder as a node's own disk under the same
 path would be: before, both trained and rank 1 died with a traceback at the first checkpoint (its RNG file's
 folder did not exist there), or on --resume the ranks went on from different steps; now both stop at the start
-with one line naming the rank and its host (stages/shared_folder.py)."""
+with one line naming the rank and its host (models/shared_folder.py)."""
 
 from __future__ import annotations
 
