@@ -104,7 +104,7 @@ def is_url(path: str | Path) -> bool:
 def _hint(url: str, source: bool = False) -> str:
     return ("check AWS_ENDPOINT_URL (an S3-compatible server), the network, and that the server runs; "
             + ("then rerun (samples already written are kept)" if source else
-               f"rerun to continue (what reached {url} is not sent again)"))
+               "rerun to continue (what was already transferred, either way, is not transferred again)"))
 
 
 @contextmanager
@@ -157,11 +157,29 @@ def is_transport_error(e: BaseException) -> bool:
 def _is_transport_error(e: BaseException) -> bool:
     if isinstance(e, (ConnectionError, TimeoutError)):
         return True
-    try:
-        from botocore.exceptions import ConnectionError as BotoConnectionError, HTTPClientError
+    kinds: list[type] = []
+    try:  # a body cut off mid-transfer reaches us as aiohttp's own error once s3fs's retries are spent
+        from aiohttp import ClientConnectionError, ClientPayloadError
+
+        kinds += [ClientConnectionError, ClientPayloadError]
     except ImportError:
-        return False
-    return isinstance(e, (BotoConnectionError, HTTPClientError))
+        pass
+    try:
+        from fsspec.exceptions import FSTimeoutError
+
+        kinds.append(FSTimeoutError)
+    except ImportError:
+        pass
+    try:
+        from botocore.exceptions import ConnectionError as BotoConnectionError, HTTPClientError, IncompleteReadError
+
+        kinds += [BotoConnectionError, HTTPClientError, IncompleteReadError]
+        from botocore.exceptions import ResponseStreamingError
+
+        kinds.append(ResponseStreamingError)
+    except ImportError:
+        pass
+    return isinstance(e, tuple(kinds))
 
 
 @dataclass

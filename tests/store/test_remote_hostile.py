@@ -92,3 +92,56 @@ def test_a_url_holding_a_newer_store_format_is_refused_before_anything_is_sent(s
     with pytest.raises(UserError, match="damaged") as e:
         pull(url, tmp_path / "pulled")
     assert f"pipeline store repair {url}`" in str(e.value)
+
+
+@pytest.fixture
+def faulty(s3_env, monkeypatch):
+    """A FaultProxy in front of the test server, AWS_ENDPOINT_URL pointed at it; `.mode` picks the fault."""
+    from fault_proxy import FaultProxy
+
+    state = {"mode": None, "seen": set()}
+
+    def fault(method: str, path: str):
+        key = path.split("?")[0]
+        if state["mode"] == "slow once":  # throttled once per object, then served: the retries absorb it
+            if key in state["seen"]:
+                return None
+            state["seen"].add(key)
+            return "slow"
+        return state["mode"] if method == "GET" and key.endswith(".tar") else None
+
+    proxy = FaultProxy(s3_env.endpoint, fault)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    proxy.state = state
+    yield proxy
+    proxy.stop()
+
+
+def test_a_server_that_cuts_transfers_off_is_one_line_and_throttling_is_retried(s3_env, store: Store, faulty,
+                                                                               tmp_path: Path, monkeypatch) -> None:
+    """Every shard's body cut off half-way (a reset mid-transfer), s3fs's retries spent: before, aiohttp's
+    ClientPayloadError escaped as a traceback; now one line, nothing torn or half-visible, and a rerun against a
+    healthy server fetches only what is missing. A server that throttles (503 SlowDown) each request once is
+    absorbed by the retries: the pull completes."""
+    from store.verify import verify_store
+
+    fill(store, 12)
+    url = s3_env.url()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_env.endpoint)
+    push(store.root, url)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", faulty.endpoint)
+
+    faulty.state["mode"] = "cut"
+    dst = tmp_path / "pulled"
+    r = _cli("store", "pull", url, dst)
+    assert r.exit_code == 1 and f"pull: lost the connection to {url} (ClientPayloadError" in r.output, r.output
+    assert not (dst / "vae" / "v1").exists()  # nothing visible
+    tars = [p for p in dst.rglob("*") if ".tar" in p.name]
+    assert tars == []  # no torn shard, no .part left behind
+    assert any(how == "cut" for how, *_ in faulty.faults)
+
+    faulty.state["mode"] = "slow once"
+    summary = pull(url, dst)
+    assert summary.copied == ["vae/v1"] and summary.objects_skipped > 0  # the indexes fetched before are kept
+    assert any(how == "slow" for how, *_ in faulty.faults)
+    assert verify_store(dst, progress=False) == []
