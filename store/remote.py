@@ -104,7 +104,7 @@ def is_url(path: str | Path) -> bool:
 def _hint(url: str, source: bool = False) -> str:
     return ("check AWS_ENDPOINT_URL (an S3-compatible server), the network, and that the server runs; "
             + ("then rerun (samples already written are kept)" if source else
-               "rerun to continue (what was already transferred, either way, is not transferred again)"))
+               "rerun to continue (what was transferred already is not transferred again)"))
 
 
 @contextmanager
