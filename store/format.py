@@ -222,7 +222,8 @@ def read_store_record(root: Path) -> dict[str, Any]:
     return rec
 
 
-def check_store_record(rec: Any, path: Path) -> None:
+def check_store_record(rec: Any, path: Path | str) -> None:
+    """`path`: the record's file, or its URL as a string (a Path would merge the `//` of `s3://`)."""
     found = (rec.get("format"), rec.get("format_version")) if isinstance(rec, dict) else (None, None)
     if found[0] != STORE_FORMAT or found[1] not in READABLE_FORMAT_VERSIONS:
         raise UserError(
@@ -234,8 +235,9 @@ def check_store_record(rec: Any, path: Path) -> None:
         not isinstance(t, dict) or not isinstance(t.get("current"), int) or isinstance(t.get("current"), bool)
         for t in tables.values())
     if bad:
+        folder = path.parent if isinstance(path, Path) else path.rsplit("/", 1)[0]
         raise UserError(f"{path}: 'tables' must map each table to {{'current': N}}; the file is damaged: "
-                        f"run `pipeline store repair {path.parent}`")
+                        f"run `pipeline store repair {folder}`")
 
 
 # ---------------------------------------------------------------- locks

@@ -106,7 +106,12 @@ def _read(path: Path) -> pa.Table:
     return table
 
 
-def _load(path: Path) -> tuple[pa.Table | None, str]:
+def parsed(data: bytes) -> tuple[pa.Table | None, str]:
+    """A quarantine.parquet's bytes (a store URL's copy) as a table, or (None, what is wrong): as a local file."""
+    return _load(pa.BufferReader(data))
+
+
+def _load(path: Path | pa.BufferReader) -> tuple[pa.Table | None, str]:
     try:
         table = pq.read_table(path)
     except (pa.ArrowException, OSError, ValueError) as e:

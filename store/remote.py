@@ -104,7 +104,7 @@ def is_url(path: str | Path) -> bool:
 def _hint(url: str, source: bool = False) -> str:
     return ("check AWS_ENDPOINT_URL (an S3-compatible server), the network, and that the server runs; "
             + ("then rerun (samples already written are kept)" if source else
-               f"rerun to continue (what reached {url} is not sent again)"))
+               "rerun to continue (what was transferred already is not transferred again)"))
 
 
 @contextmanager
@@ -157,11 +157,29 @@ def is_transport_error(e: BaseException) -> bool:
 def _is_transport_error(e: BaseException) -> bool:
     if isinstance(e, (ConnectionError, TimeoutError)):
         return True
-    try:
-        from botocore.exceptions import ConnectionError as BotoConnectionError, HTTPClientError
+    kinds: list[type] = []
+    try:  # a body cut off mid-transfer reaches us as aiohttp's own error once s3fs's retries are spent
+        from aiohttp import ClientConnectionError, ClientPayloadError
+
+        kinds += [ClientConnectionError, ClientPayloadError]
     except ImportError:
-        return False
-    return isinstance(e, (BotoConnectionError, HTTPClientError))
+        pass
+    try:
+        from fsspec.exceptions import FSTimeoutError
+
+        kinds.append(FSTimeoutError)
+    except ImportError:
+        pass
+    try:
+        from botocore.exceptions import ConnectionError as BotoConnectionError, HTTPClientError, IncompleteReadError
+
+        kinds += [BotoConnectionError, HTTPClientError, IncompleteReadError]
+        from botocore.exceptions import ResponseStreamingError
+
+        kinds.append(ResponseStreamingError)
+    except ImportError:
+        pass
+    return isinstance(e, tuple(kinds))
 
 
 @dataclass
@@ -249,9 +267,12 @@ class Remote:
         self.fs.pipe_file(self.path(rel), data, **self._meta(crc))
 
     def recorded_crc(self, rel: str) -> str | None:
-        """The CRC32C recorded with the object at upload (S3 user metadata); elsewhere computed from its bytes."""
+        """The CRC32C recorded with the object at upload (S3 user metadata, a file's xattr); else computed from its
+        bytes."""
         if self.is_s3:
             return (self.fs.metadata(self.path(rel)) or {}).get(CRC_META)
+        if self.is_local and (recorded := remote_local.recorded_crc(self.path(rel))) is not None:
+            return recorded
         crc = RunningCrc()
         with self.fs.open(self.path(rel), "rb") as f:
             while chunk := f.read(CHUNK):
@@ -266,7 +287,7 @@ class Remote:
         same version exactly one creates its manifest (the commit). On a local file system `link(2)` decides
         (store/remote_local.py); elsewhere it is a check, then a write."""
         if self.is_local:
-            return remote_local.create(self.root, local, self.path(rel), progress)
+            return remote_local.create(self.root, local, self.path(rel), progress, crc)
         if not self.is_s3:
             if self.fs.exists(self.path(rel)):
                 return False

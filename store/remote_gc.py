@@ -9,6 +9,8 @@ progress), with their upstream. Removed:
   left behind then no longer blocks another store's push of that number;
 - versions `store repair URL` retired (marked damaged, manifest deleted: store/remote_work.py) at once;
 - lease objects judged dead, and the damaged marker (`<table>/v<N>.damaged.json`) of a removed version.
+- on S3, unfinished multipart uploads under the prefix (a push killed mid-shard), older than `grace_s` and not in a
+  version a live lease names: aborted.
 
 Order, per version: the leases and store.json are read again (one listing, one GET) right before its manifest is
 DELETEd, so a lease written or a version made current since the plan still keeps it; the manifest goes first (the
@@ -68,6 +70,7 @@ class RemoteGcPlan:
     dead_leases: list[str] = field(default_factory=list)  # lease object paths
     markers: dict[tuple[str, int], str] = field(default_factory=dict)  # damaged markers by version
     leftovers: list[str] = field(default_factory=list)  # clock probes and temp uploads of killed commands
+    uploads: list[tuple[str, str]] = field(default_factory=list)  # (key, upload id): unfinished multipart uploads
     now: float = 0.0  # the server's clock at the plan
     nbytes: int = 0
 
@@ -132,6 +135,8 @@ def plan(remote: Remote, grace_s: float = GRACE_SECONDS, now: float | None = Non
         for tv in sorted(_closure(remote, list(found.versions()), versions) - keep):
             out.leased.setdefault(tv, []).append(found.describe())
     keep |= set(out.leased)
+    held = {tv for found in remote_lease.leases(remote, listing, now) if found.live for tv in found.versions()}
+    out.uploads = _stale_uploads(remote, now, grace_s, held)
     out.keep = sorted(tv for tv in keep if tv in versions)
     doomed = [v for tv, v in sorted(versions.items()) if tv not in keep]
     out.remove = [v for v in doomed if v.complete]
@@ -141,6 +146,30 @@ def plan(remote: Remote, grace_s: float = GRACE_SECONDS, now: float | None = Non
     out.nbytes = sum(v.nbytes for v in out.remove)
     out.now = now
     return out
+
+
+def _stale_uploads(remote: Remote, now: float, grace_s: float, held: set[tuple[str, int]]) -> list[tuple[str, str]]:
+    """S3 multipart uploads under the prefix started more than `grace_s` ago and not in a version a live lease
+    holds: a push killed mid-shard (s3fs uploads a shard of 100 MB or more in parts) leaves its parts stored, and
+    billed, but in no listing of objects, so nothing else would ever remove them."""
+    if not remote.is_s3:
+        return []
+    bucket, _, prefix = remote.root.partition("/")
+    prefix = f"{prefix}/" if prefix else ""
+    found, marker = [], {}
+    while True:
+        try:
+            page = remote.fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix, **marker)
+        except PermissionError:  # credentials without s3:ListBucketMultipartUploads: nothing gc can do about them
+            return found
+        for u in page.get("Uploads") or []:
+            m = _OBJECT_RE.fullmatch(u["Key"][len(prefix):])
+            started = u["Initiated"].timestamp()
+            if now - started >= grace_s and not (m and (m.group(1), int(m.group(2))) in held):
+                found.append((u["Key"], u["UploadId"]))
+        if not page.get("IsTruncated"):
+            return found
+        marker = {"KeyMarker": page["NextKeyMarker"], "UploadIdMarker": page["NextUploadIdMarker"]}
 
 
 def _still_doomed(remote: Remote, v: Version) -> list[str]:
@@ -190,6 +219,9 @@ def collect(url: str, dry_run: bool = False, grace_s: float = GRACE_SECONDS,
         if p.leftovers:
             echo(f"{would} {len(p.leftovers)} leftover(s) of killed commands ({CLOCK_DIR}/ probes, "
                  f"{UPLOAD_DIR}/ temp files)")
+        if p.uploads:
+            echo(f"{'would abort' if dry_run else 'abort'} {len(p.uploads)} unfinished multipart upload(s) of killed "
+                 "pushes (their parts are stored, and billed, but are no object)")
         if dry_run:
             echo(f"dry run: {len(p.remove)} version(s), {p.nbytes / 1e6:.1f} MB would be freed")
             return p
@@ -208,6 +240,12 @@ def collect(url: str, dry_run: bool = False, grace_s: float = GRACE_SECONDS,
                 remote.delete([p.markers[(v.table, v.version)]])
             removed.append(v)
         remote.delete(p.dead_leases + p.leftovers)
+        bucket = remote.root.partition("/")[0]
+        for key, upload in p.uploads:
+            try:
+                remote.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload)
+            except FileNotFoundError:  # completed or aborted meanwhile
+                pass
         echo(f"gc {url}: {len(removed)} version(s) removed, {sum(v.nbytes for v in removed) / 1e6:.1f} MB freed")
         p.remove = removed
     return p

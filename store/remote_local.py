@@ -22,6 +22,7 @@ from store import format as fmt
 from store.checksum import CHUNK
 
 UPLOAD_DIR = ".uploads"  # temp files of objects being written; a killed writer's are removed by `store gc`
+CRC_XATTR = "user.crc32c"  # an object's CRC32C, recorded when it is created (a file's bytes never change after)
 LOCK_DIR = ".locks"  # one flock per object updated by compare-and-swap (store.json, quarantine.parquet)
 
 
@@ -64,14 +65,17 @@ def write(root: str, path: str, data: bytes) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def create(root: str, local: Path, path: str, progress) -> bool:
+def create(root: str, local: Path, path: str, progress, crc: str | None = None) -> bool:
     """Copy `local` to `path` only if no object `path` exists (False then, nothing written): `link(2)` fails on an
-    existing name, so of two writers exactly one creates it, and the object is whole from its first instant."""
+    existing name, so of two writers exactly one creates it, and the object is whole from its first instant.
+    `crc` (its CRC32C) is recorded with it (`recorded_crc`), as push records it in an S3 object's metadata."""
     if os.path.lexists(path):  # spares the copy; the link below decides
         return False
     tmp = _temp(root)
     try:
         _written(tmp, _file_chunks(local), progress)
+        if crc is not None:
+            _record_crc(tmp, crc)
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         try:
             os.link(tmp, path)
@@ -82,6 +86,26 @@ def create(root: str, local: Path, path: str, progress) -> bool:
         return True
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _record_crc(path: Path, crc: str) -> None:
+    """The CRC32C as an extended attribute of the (not yet linked) object: a resumed push then knows an object is
+    already there from one getxattr, where reading it back cost its whole size (terabytes for a large store). A
+    file system without user xattrs records nothing (then the bytes are read)."""
+    try:
+        os.setxattr(path, CRC_XATTR, crc.encode())
+    except (OSError, AttributeError):  # EOPNOTSUPP (some NFS, tmpfs on old kernels), or no xattrs on this OS
+        pass
+
+
+def recorded_crc(path: str) -> str | None:
+    """The CRC32C `create` recorded with the object, None when none was (then its bytes tell)."""
+    try:
+        return os.getxattr(path, CRC_XATTR).decode()
+    except (OSError, AttributeError, UnicodeDecodeError) as e:
+        if isinstance(e, FileNotFoundError):
+            raise
+        return None
 
 
 @contextmanager

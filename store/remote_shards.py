@@ -298,11 +298,13 @@ def ensure_local(path: Path) -> Path:
 
 
 def open_lazily(url: str, root: Path, storage_options: dict[str, Any] | None, tables: list[str] | None,
-                optional: tuple[str, ...] = (), skip: Callable[[str, int], bool] | None = None) -> set[tuple[str, int]]:
+                optional: tuple[str, ...] = (), skip: Callable[[str, int], bool] | None = None,
+                damaged_ok: bool = False) -> set[tuple[str, int]]:
     """Make `root` a local store holding, lazily, the current versions of `tables` at `url` (`tables=None`: every
     complete version there, but those `skip` names); the (table, version) pairs it holds for the caller. A version cached already is
     checked against the remote's record (one GET of its checksums.json; a different one under the same number is
-    refused); a warm open lists nothing."""
+    refused); a warm open lists nothing. `damaged_ok`: repair's working copy (a damaged quarantine.parquet is
+    copied for repair to set aside, store/remote_sync.pull_quarantine)."""
     from store.remote_sync import _checksums, _conflict, _ordered, _parse_record, pull_quarantine, wanted_versions
     from store.store import Store
 
@@ -332,7 +334,7 @@ def open_lazily(url: str, root: Path, storage_options: dict[str, Any] | None, ta
             _fetch_metadata(remote, root, t, v, files)
             fetched = True
         if fetched:
-            pull_quarantine(remote, root)  # the rows other stages and nodes added there (a merge)
+            pull_quarantine(remote, root, damaged_ok)  # the rows other stages and nodes added there (a merge)
         for t, entry in sorted(rec["tables"].items()):
             if (tables is None or t in tables) and fmt.is_complete(fmt.version_dir(root, t, int(entry["current"]))):
                 store.set_current(t, int(entry["current"]))

@@ -57,6 +57,7 @@ class SyncSummary:
     bytes_sent: int = 0
     damaged: list[str] = field(default_factory=list)  # objects kept although they differ (pull for repair)
     newer: list[str] = field(default_factory=list)  # push: "table/vN" the remote had current, above the pushed one
+    set_aside: list[str] = field(default_factory=list)  # push for repair: a damaged remote file, kept under this name
 
     def sent(self, f: "_File") -> None:
         self.objects_sent += 1
@@ -66,7 +67,8 @@ class SyncSummary:
         what = ", ".join(self.copied) or "nothing new"
         return (f"{self.direction} {self.url}: copied {what}; {len(self.present)} version(s) already there; "
                 f"{self.objects_sent} file(s), {self.bytes_sent / 2**20:.1f} MiB sent, {self.objects_skipped} "
-                "already there" + (f"; kept the remote's newer current {', '.join(self.newer)}" if self.newer else ""))
+                "already there" + (f"; kept the remote's newer current {', '.join(self.newer)}" if self.newer else "")
+                + "".join(f"; {fmt.QUARANTINE} (damaged) set aside as {name}" for name in self.set_aside))
 
 
 @dataclass
@@ -123,10 +125,11 @@ def _conflict(table: str, version: int, url: str, local: Path, remote: Remote | 
 
 
 def push(src: Path, url: str, storage_options: dict[str, Any] | None = None,
-         replacing: dict[str, int] | None = None) -> SyncSummary:
+         replacing: dict[str, int] | None = None, set_aside_quarantine: bool = False) -> SyncSummary:
     """Every complete local version the remote lacks, then store.json. `replacing` ({table: version}, repair and
     migrate on a URL): only those tables' current versions change, and only if the remote's still are those
-    versions (checked inside store.json's compare-and-swap): a writer that advanced one meanwhile is not undone."""
+    versions (checked inside store.json's compare-and-swap): a writer that advanced one meanwhile is not undone.
+    `set_aside_quarantine` (repair): a damaged remote quarantine.parquet is set aside, not refused."""
     src = Path(src)
     if not (src / fmt.STORE_JSON).is_file():
         raise UserError(f"no store at {src} (no {fmt.STORE_JSON}); pass the store folder a stage wrote")
@@ -140,9 +143,10 @@ def push(src: Path, url: str, storage_options: dict[str, Any] | None = None,
         lease = remote_lease.hold(remote, versions, "push", kind="push") if versions else None
         try:
             listing = remote.listing()
+            _remote_record(remote, listing)  # a newer format (or a damaged record) there: refused before any upload
             todo, files_of = _plan_push(remote, src, url, listing, versions, summary)
             _upload(remote, src, url, todo, files_of, summary)
-            push_quarantine(remote, src)
+            push_quarantine(remote, src, set_aside_quarantine, summary.set_aside)
             # store.json last: the remote's current versions become the local ones (those complete there now)
             there = {tuple(name.rsplit("/v", 1)) for name in summary.copied + summary.present}
             current = {t: e for t, e in local_rec["tables"].items() if (t, str(e["current"])) in there}
@@ -178,11 +182,14 @@ def _plan_push(remote: Remote, src: Path, url: str, listing: dict[str, int], ver
             continue
         summary.copied.append(f"{table}/v{version}")
         files_of[manifest.rel] = files
-        for f in files:
-            if _same(remote, listing, f):
-                summary.objects_skipped += 1
-            else:
-                todo.append(f)
+    # A resumed push: each object listed with the right size costs a HEAD (its recorded CRC32C), two per shard
+    # (~40k for a 1M-sample table); one after the other, the latency was the whole cost.
+    candidates = [f for files in files_of.values() for f in files]
+    for f, there in zip(candidates, each_at_once(lambda f: _same(remote, listing, f), candidates)):
+        if there:
+            summary.objects_skipped += 1
+        else:
+            todo.append(f)
     return todo, files_of
 
 
@@ -227,34 +234,57 @@ def _refill(remote: Remote, src: Path, url: str, files: list[_File], bar, summar
             summary.sent(_send(remote, src, url, f, bar))
 
 
-def push_quarantine(remote: Remote, src: Path) -> int:
+def damaged_quarantine(url: str, why: str) -> UserError:
+    return UserError(f"{url}/{fmt.QUARANTINE} is damaged ({why}); run `pipeline store repair {url}` (it sets the "
+                     "file aside), then rerun")
+
+
+def push_quarantine(remote: Remote, src: Path, set_aside: bool = False, aside: list[str] | None = None) -> int:
     """Add the local quarantine rows the remote's `quarantine.parquet` lacks (every stage, every node adds rows: a
-    merge, by compare-and-swap, so no node's rows are lost); how many were new."""
+    merge, by compare-and-swap, so no node's rows are lost); how many were new. A damaged remote file is refused
+    (one line), or with `set_aside` (`store repair URL`) kept as `quarantine.parquet.damaged-<crc>` and replaced
+    by the local rows, as repair sets a local one aside (its name appended to `aside`)."""
     from store import quarantine
 
-    path = src / fmt.QUARANTINE
-    if not path.is_file():
+    if not (src / fmt.QUARANTINE).is_file() and not set_aside:
         return 0
-    mine = quarantine.table_of(path.read_bytes())
+    mine = quarantine.read(src)  # a damaged local file: one line naming it
     added = [0]
 
     def update(old: bytes | None) -> bytes | None:
-        merged, added[0] = quarantine.merged_rows(None if old is None else quarantine.table_of(old), mine)
-        return fmt.parquet_bytes(merged) if added[0] else None  # None: nothing new, nothing written
+        rows, why = (None, "") if old is None else quarantine.parsed(old)
+        if old is not None and rows is None:
+            if not set_aside:
+                raise damaged_quarantine(remote.url, why)
+            name = f"{fmt.QUARANTINE}.damaged-{crc_hex(old)}"  # named by its content: a retry rewrites the same
+            remote.write(name, old)
+            if aside is not None and name not in aside:
+                aside.append(name)
+        merged, added[0] = quarantine.merged_rows(rows, mine)
+        return fmt.parquet_bytes(merged) if added[0] or (old is not None and rows is None) else None
 
     remote.swap(fmt.QUARANTINE, update, attempts=64)  # every node of a job may merge at once
     return added[0]
 
 
-def pull_quarantine(remote: Remote, dst: Path) -> int:
-    """Add the remote's quarantine rows the local copy lacks; how many were new."""
+def pull_quarantine(remote: Remote, dst: Path, damaged_ok: bool = False) -> int:
+    """Add the remote's quarantine rows the local copy lacks; how many were new. A damaged remote file is refused
+    in one line; with `damaged_ok` (repair's working copy) its bytes are copied as they are when the copy has no
+    quarantine file yet, for repair's scan to find and set aside."""
     from store import quarantine
 
     try:
         data = remote.read(fmt.QUARANTINE)
     except FileNotFoundError:
         return 0
-    return quarantine.merge_into(dst, quarantine.table_of(data))
+    rows, why = quarantine.parsed(data)
+    if rows is None:
+        if not damaged_ok:
+            raise damaged_quarantine(remote.url, why)
+        if not (dst / fmt.QUARANTINE).exists():
+            fmt.atomic_write_bytes(dst / fmt.QUARANTINE, data)
+        return 0
+    return quarantine.merge_into(dst, rows)
 
 
 def _merged_record(old: bytes | None, current: dict[str, Any], url: str,
@@ -286,7 +316,7 @@ def _parse_record(data: bytes, url: str) -> dict[str, Any]:
         rec = unseal(data)
     except SealError as e:
         raise UserError(f"{where} is damaged ({e}); push the store again into an empty prefix") from None
-    fmt.check_store_record(rec, Path(where))
+    fmt.check_store_record(rec, where)
     return rec
 
 
@@ -391,7 +421,7 @@ def pull(url: str, dst: Path, storage_options: dict[str, Any] | None = None,
                 _pull_version(remote, dst, table, version, files, bar, summary, damaged_ok)
                 summary.copied.append(f"{table}/v{version}")
         if fmt.QUARANTINE in listing:
-            pull_quarantine(remote, dst)
+            pull_quarantine(remote, dst, damaged_ok)
         for table, entry in sorted(rec["tables"].items()):
             if tables is not None and table not in tables:
                 continue

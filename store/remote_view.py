@@ -18,7 +18,8 @@ from schemas.errors import UserError
 from store import format as fmt
 from store.checksum import crc_hex
 from store.remote import open_remote, remote_errors
-from store.remote_sync import _MANIFEST_RE, _checksums, marker_rel
+from store import quarantine
+from store.remote_sync import _MANIFEST_RE, _checksums, damaged_quarantine, marker_rel
 
 METADATA = (fmt.SCHEMA_JSON, fmt.MANIFEST)
 
@@ -35,7 +36,10 @@ def metadata_copy(url: str, storage_options: dict[str, Any] | None = None) -> It
             raise UserError(f"no store at {url} (no {fmt.STORE_JSON} there); check the URL, or push a store first")
         for name in (fmt.STORE_JSON, fmt.QUARANTINE):
             if name in listing:
-                (root / name).write_bytes(remote.read(name))
+                data = remote.read(name)
+                if name == fmt.QUARANTINE and (why := quarantine.parsed(data)[1]):  # named by its URL, not tmp
+                    raise damaged_quarantine(url, why)
+                (root / name).write_bytes(data)
         for rel in sorted(listing):
             m = _MANIFEST_RE.fullmatch(rel)
             if not m:

@@ -49,7 +49,8 @@ def work_copy(url: str, cache_dir: str | Path | None, damaged_ok: bool = False,
     if tables is not None:
         try:
             # not a version a killed repair replaced here already (it awaits its retirement on the remote)
-            open_lazily(url, root, storage_options, None, skip=lambda t, v: fmt.damaged_marker(root, t, v).exists())
+            open_lazily(url, root, storage_options, None, skip=lambda t, v: fmt.damaged_marker(root, t, v).exists(),
+                        damaged_ok=damaged_ok)
         except UserError:  # (DamagedData too) an older version's metadata damaged (or its manifest pulled damaged)
             pull(url, root, storage_options, damaged_ok=damaged_ok)
     (root / "source-url.txt").write_text(url + "\n")
@@ -86,7 +87,7 @@ def publish(url: str, root: Path, replaced: list[tuple[str, int]], echo: Callabl
     from store.remote_sync import marker_rel, push
 
     url = url.rstrip("/")
-    echo(str(push(root, url, storage_options, replacing=dict(replaced))))
+    echo(str(push(root, url, storage_options, replacing=dict(replaced), set_aside_quarantine=damaged)))
     if not damaged:
         shutil.rmtree(root, ignore_errors=True)
         return

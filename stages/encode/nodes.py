@@ -10,6 +10,7 @@ import socket
 from typing import TYPE_CHECKING
 
 from schemas.table import TableSchema
+from models.shared_folder import check_shared
 from store import format as fmt
 from store.remote_parts import source_url
 from store.writer import candidate_version
@@ -22,12 +23,18 @@ _BITS = 62  # a cache's identity, as an integer every rank can all-reduce
 
 def writer_place(job: EncodeJob, schema: TableSchema) -> tuple[int | None, str | None]:
     """(the agreed version, the store URL) when the ranks write a store URL through more than one cache; (None,
-    None) otherwise: one process, a local store, or one cache for all (the writer opens its version as always)."""
+    None) otherwise: one process, a local store (checked to be one folder for every node), or one cache for all
+    (the writer opens its version as always)."""
     from models.collective import all_max, together
 
     world, table = job.ranks.world_size, job.summary.table
     url = source_url(job.store.root)
-    if world <= 1 or url is None:  # the same answer on every rank: all of them open the same URL, or none
+    if world <= 1:
+        return None, None
+    if url is None:  # the same answer on every rank: all of them open the same URL, or none
+        # a local store: every rank writes its shards into it and rank 0 commits them, so every node must see it
+        check_shared(job.store.root, world, job.ranks.rank, "the store",
+                     "each rank writes its shards there and rank 0 commits them; or use a store URL")
         return None, None
     want = schema.to_dict()
     with together(world, f"{job.summary.stage}: the version of table '{table}'"):

@@ -164,6 +164,10 @@ def run(
         locks.append(guard.lock_run_dir(Path(out)) if accelerator.is_main_process else None)
     r = None
     try:
+        from models.shared_folder import check_shared
+
+        check_shared(Path(out), accelerator.num_processes, accelerator.process_index, "--out",
+                     "rank 0 writes each checkpoint, every rank adds its RNG state and reads it on --resume")
         r = setup(cfg, store, model, out, resume, accelerator, new_run=new_run, before_keep=before_keep, locks=locks)
         if r.validator is not None and r.step > 0:
             r.validator(r)  # a validation due at the resumed step: a failure there came after its checkpoint

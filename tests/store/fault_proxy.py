@@ -1,0 +1,74 @@
+"""An HTTP proxy in front of the S3 test server that misbehaves on purpose: for requests `fault(method, path)`
+selects, it answers 503 SlowDown (throttling) or cuts the body off half-way and closes the connection (a reset
+mid-transfer); every other request is relayed as it is. Point AWS_ENDPOINT_URL at `.endpoint`."""
+
+from __future__ import annotations
+
+import http.client
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Callable
+from urllib.parse import urlsplit
+
+SLOW_DOWN = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
+             b"<Message>Please reduce your request rate.</Message></Error>")
+
+
+class FaultProxy:
+    def __init__(self, upstream: str, fault: Callable[[str, str], str | None]) -> None:
+        """`fault(method, path)`: None (relay), "slow" (503 SlowDown) or "cut" (half the body, then close)."""
+        target = urlsplit(upstream)
+        proxy = self
+        self.faults: list[tuple[str, str, str]] = []
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args) -> None:
+                pass
+
+            def _relay(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                how = fault(self.command, self.path)
+                if how == "slow":
+                    proxy.faults.append((how, self.command, self.path))
+                    self.send_response(503)
+                    self.send_header("Content-Type", "application/xml")
+                    self.send_header("Content-Length", str(len(SLOW_DOWN)))
+                    self.end_headers()
+                    self.wfile.write(SLOW_DOWN)
+                    return
+                conn = http.client.HTTPConnection(target.hostname, target.port, timeout=60)
+                try:
+                    conn.request(self.command, self.path, body=body or None, headers=dict(self.headers))
+                    resp = conn.getresponse()
+                    data = resp.read()
+                finally:
+                    conn.close()
+                self.send_response(resp.status)
+                for k, v in resp.getheaders():
+                    if k.lower() not in ("transfer-encoding", "connection", "content-length"):
+                        self.send_header(k, v)
+                self.send_header("Content-Length", str(len(data)))
+                if how == "cut" and len(data) > 1:
+                    proxy.faults.append((how, self.command, self.path))
+                    self.end_headers()
+                    self.wfile.write(data[: len(data) // 2])
+                    self.wfile.flush()
+                    self.close_connection = True
+                    return
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _relay
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

@@ -1,0 +1,181 @@
+"""A store at a URL whose objects or server misbehave: a damaged `quarantine.parquet`, listings past one page,
+a server that errors mid-transfer. Against the S3 test server (moto on 127.0.0.1, tests/s3_server.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from pipeline.cli import app
+from schemas.errors import UserError
+from store import Store, quarantine
+from store.remote_sync import pull, push
+from store_samples import fill
+
+runner = CliRunner()
+
+GARBAGE = b"not a parquet file: a torn upload by another tool"
+
+
+def _cli(*args):
+    r = runner.invoke(app, [str(a) for a in args])
+    assert "Traceback" not in r.output, r.output
+    return r
+
+
+def test_a_damaged_remote_quarantine_is_refused_in_one_line_and_repair_sets_it_aside(s3_env, store: Store,
+                                                                                      tmp_path: Path) -> None:
+    """Before: pull, push, verify and `store repair URL` ended in pyarrow's traceback (ArrowInvalid), and inspect
+    named its temporary folder; nothing could fix the remote file. Now each names the URL's file and the fix, and
+    repair of the URL keeps the damaged bytes aside (as locally) and writes a readable file in its place."""
+    fill(store, 5)
+    quarantine.add_rows(store.root, [{"key": None, "source": "a.tar:x.jpg", "stage": "resize-bucket",
+                                      "reason": "unreadable"}])
+    url = s3_env.url()
+    push(store.root, url)
+    s3_env.client().put_object(Bucket=s3_env.bucket, Key="store/quarantine.parquet", Body=GARBAGE)
+    where = f"{url}/quarantine.parquet is damaged"
+
+    with pytest.raises(UserError, match="quarantine.parquet is damaged") as e:
+        pull(url, tmp_path / "pulled")
+    assert where in str(e.value) and f"pipeline store repair {url}" in str(e.value)
+    with pytest.raises(UserError, match="quarantine.parquet is damaged") as e:
+        push(store.root, url)
+    assert where in str(e.value)
+    for args in (["store", "inspect", url], ["store", "verify", url, "--cache-dir", tmp_path / "c1"]):
+        r = _cli(*args)
+        assert r.exit_code == 1 and where in r.output, r.output
+
+    r = _cli("store", "repair", url, "--cache-dir", tmp_path / "c2")
+    assert r.exit_code == 0 and "quarantine.parquet (damaged) set aside as quarantine.parquet.damaged-" in r.output
+    keys = {o["Key"]: o for o in s3_env.client().list_objects_v2(Bucket=s3_env.bucket)["Contents"]}
+    aside = [k for k in keys if k.startswith("store/quarantine.parquet.damaged")]
+    assert len(aside) == 1, keys
+    body = s3_env.client().get_object(Bucket=s3_env.bucket, Key=aside[0])["Body"].read()
+    assert body == GARBAGE  # kept for inspection, as `store repair` keeps a local one
+    pulled = tmp_path / "pulled2"
+    pull(url, pulled)  # readable again: every command works
+    assert quarantine.read(pulled).num_rows == 0
+    assert "copied nothing new" in str(push(store.root, url))  # the local row is merged into the fresh file
+    assert quarantine.read(pulled).num_rows == 0 and pull(url, pulled)
+    assert quarantine.read(pulled).column("source").to_pylist() == ["a.tar:x.jpg"]
+    assert _cli("store", "verify", url, "--cache-dir", tmp_path / "c3").exit_code == 0
+
+
+def test_a_url_holding_a_newer_store_format_is_refused_before_anything_is_sent(s3_env, store: Store,
+                                                                              tmp_path: Path) -> None:
+    """Before: push uploaded every version and only then, at store.json, found the format it cannot write; and
+    every message named the URL as a path (`s3:/bucket/...`: one slash lost), not a URL a user can paste."""
+    import json
+
+    from store.checksum import seal
+
+    fill(store, 5)
+    url = s3_env.url()
+    record = seal({"format": "qwen-edit-feature-store", "format_version": 99, "tables": {}})
+    s3_env.client().put_object(Bucket=s3_env.bucket, Key="store/store.json", Body=record)
+    assert json.loads(record)["format_version"] == 99
+    with pytest.raises(UserError, match="found 'qwen-edit-feature-store' version 99") as e:
+        push(store.root, url)
+    assert str(e.value).startswith(f"{url}/store.json: expected store format")
+    keys = [o["Key"] for o in s3_env.client().list_objects_v2(Bucket=s3_env.bucket)["Contents"]]
+    assert [k for k in keys if not k.startswith("store/.leases/")] == ["store/store.json"]  # nothing sent
+    with pytest.raises(UserError, match="version 99") as e:
+        pull(url, tmp_path / "pulled")
+    assert str(e.value).startswith(f"{url}/store.json: ")
+
+    # a damaged record: the repair command it names is the URL's
+    s3_env.client().put_object(Bucket=s3_env.bucket, Key="store/store.json",
+                               Body=seal({"format": "qwen-edit-feature-store", "format_version": 2, "tables": 1}))
+    with pytest.raises(UserError, match="damaged") as e:
+        pull(url, tmp_path / "pulled")
+    assert f"pipeline store repair {url}`" in str(e.value)
+
+
+@pytest.fixture
+def faulty(s3_env, monkeypatch):
+    """A FaultProxy in front of the test server, AWS_ENDPOINT_URL pointed at it; `.mode` picks the fault."""
+    from fault_proxy import FaultProxy
+
+    state = {"mode": None, "seen": set()}
+
+    def fault(method: str, path: str):
+        key = path.split("?")[0]
+        if state["mode"] == "slow once":  # throttled once per object, then served: the retries absorb it
+            if key in state["seen"]:
+                return None
+            state["seen"].add(key)
+            return "slow"
+        return state["mode"] if method == "GET" and key.endswith(".tar") else None
+
+    proxy = FaultProxy(s3_env.endpoint, fault)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    proxy.state = state
+    yield proxy
+    proxy.stop()
+
+
+def test_a_server_that_cuts_transfers_off_is_one_line_and_throttling_is_retried(s3_env, store: Store, faulty,
+                                                                               tmp_path: Path, monkeypatch) -> None:
+    """Every shard's body cut off half-way (a reset mid-transfer), s3fs's retries spent: before, aiohttp's
+    ClientPayloadError escaped as a traceback; now one line, nothing torn or half-visible, and a rerun against a
+    healthy server fetches only what is missing. A server that throttles (503 SlowDown) each request once is
+    absorbed by the retries: the pull completes."""
+    from store.verify import verify_store
+
+    fill(store, 12)
+    url = s3_env.url()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_env.endpoint)
+    push(store.root, url)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", faulty.endpoint)
+
+    faulty.state["mode"] = "cut"
+    dst = tmp_path / "pulled"
+    r = _cli("store", "pull", url, dst)
+    assert r.exit_code == 1 and f"pull: lost the connection to {url} (ClientPayloadError" in r.output, r.output
+    assert not (dst / "vae" / "v1").exists()  # nothing visible
+    tars = [p for p in dst.rglob("*") if ".tar" in p.name]
+    assert tars == []  # no torn shard, no .part left behind
+    assert any(how == "cut" for how, *_ in faulty.faults)
+
+    faulty.state["mode"] = "slow once"
+    summary = pull(url, dst)
+    assert summary.copied == ["vae/v1"] and summary.objects_skipped > 0  # the indexes fetched before are kept
+    assert any(how == "slow" for how, *_ in faulty.faults)
+    assert verify_store(dst, progress=False) == []
+
+
+def test_gc_aborts_the_multipart_uploads_of_killed_pushes(s3_env, store: Store) -> None:
+    """A push killed mid-shard (s3fs sends a shard of 100 MB or more in parts) leaves an unfinished multipart
+    upload: its parts stay stored and billed but appear in no listing of objects, so before, nothing removed
+    them. gc now aborts those under its prefix once older than --incomplete-after, and leaves others alone."""
+    fill(store, 5)
+    url = s3_env.url()
+    push(store.root, url)
+    c = s3_env.client()
+    killed = c.create_multipart_upload(Bucket=s3_env.bucket, Key="store/vae/v2/shard-r00-000000.tar")
+    c.upload_part(Bucket=s3_env.bucket, Key="store/vae/v2/shard-r00-000000.tar", PartNumber=1,
+                  UploadId=killed["UploadId"], Body=b"x" * 1024)
+    c.create_multipart_upload(Bucket=s3_env.bucket, Key="elsewhere/big.bin")  # not the store's
+
+    def unfinished() -> list[str]:
+        return sorted(u["Key"] for u in c.list_multipart_uploads(Bucket=s3_env.bucket).get("Uploads", []))
+
+    r = _cli("store", "gc", url, "--dry-run", "--incomplete-after", "0")
+    assert r.exit_code == 0 and "would abort 1 unfinished multipart upload" in r.output, r.output
+    assert unfinished() == ["elsewhere/big.bin", "store/vae/v2/shard-r00-000000.tar"]
+    # a live push lease on its version keeps it (that push may still be sending it). The age check (older than
+    # --incomplete-after) cannot be shown here: moto reports every upload as started in 2010
+    from store import remote_lease
+    from store.remote import open_remote
+
+    lease = remote_lease.hold(open_remote(url), [("vae", 2)], "push", kind="push")
+    r = _cli("store", "gc", url, "--incomplete-after", "0")
+    assert r.exit_code == 0 and "multipart" not in r.output and len(unfinished()) == 2, r.output
+    lease.release()
+    r = _cli("store", "gc", url, "--incomplete-after", "0")
+    assert r.exit_code == 0 and "abort 1 unfinished multipart upload" in r.output, r.output
+    assert unfinished() == ["elsewhere/big.bin"]
+    assert Store(store.root).tables() == {"vae": 1}

@@ -1,0 +1,83 @@
+"""Round trips a store URL makes once per object - a HEAD per object a resumed push finds there, a GET per index
+at a multi-node commit, a PUT per file of a rank's part - run several at a time, as push and pull's transfers do
+(`store.remote.each_at_once`): at ~20k shards one after the other, the latency was the whole cost (tens of
+minutes at 30-50 ms, every other rank waiting at the commit). Checked without timing: the first calls wait until
+two are running at once (a barrier); calls made one after the other break it."""
+
+from __future__ import annotations
+
+import threading
+
+from store import Store
+from store import remote as remote_mod
+from store.remote_sync import pull, push
+from store.verify import verify_store
+from store_samples import fill, key_of, sample, vae_schema
+
+N = 24
+
+
+def _writer(cache, url: str, rank: int):
+    """Rank `rank` of 2 writing its half of N samples, several shards each (tests/store/test_remote_parts.py)."""
+    w = Store(cache).writer("vae", vae_schema(), rank=rank, world_size=2, shard_size_mb=0.004, version=1,
+                            remote_url=url)
+    for i in range(rank, N, 2):
+        s = sample(i)
+        if s["key"] not in w.done_keys:
+            w.add(s["key"], tensors=s["tensors"], files=s["files"], meta=s["meta"])
+    return w
+
+
+class Overlap:
+    """Wraps `real`: the first `n` calls (of those `only` selects) meet at a barrier before going on; `overlapped`
+    says whether they did."""
+
+    def __init__(self, real, n: int = 2, timeout: float = 60.0, only=lambda *args: True) -> None:
+        self.real, self.n, self.only = real, n, only
+        self.barrier = threading.Barrier(n, timeout=timeout)
+        self.lock, self.calls, self.overlapped = threading.Lock(), 0, True
+
+    def __call__(self, *args, **kwargs):
+        if not self.only(*args):
+            return self.real(*args, **kwargs)
+        with self.lock:
+            i, self.calls = self.calls, self.calls + 1
+        if i < self.n:
+            try:
+                self.barrier.wait()
+            except threading.BrokenBarrierError:  # the calls came one after the other
+                self.overlapped = False
+        return self.real(*args, **kwargs)
+
+
+def test_a_resumed_push_checks_the_objects_there_several_at_a_time(s3_env, store: Store, tmp_path, monkeypatch):
+    fill(store, 12)
+    url = s3_env.url()
+    first = push(store.root, url)
+    s3_env.client().delete_object(Bucket=s3_env.bucket, Key="store/vae/v1/manifest.parquet")  # killed before it
+    gate = Overlap(remote_mod.Remote.recorded_crc)
+    monkeypatch.setattr(remote_mod.Remote, "recorded_crc", lambda self, rel: gate(self, rel))
+    again = push(store.root, url)
+    assert gate.overlapped and gate.calls == first.objects_sent - 1
+    assert again.objects_sent == 1 and again.objects_skipped == first.objects_sent - 1  # the manifest alone
+    pull(url, tmp_path / "pulled")
+    assert verify_store(tmp_path / "pulled", progress=False) == []
+
+
+def test_a_ranks_upload_and_the_commits_index_reads_run_several_at_a_time(s3_env, tmp_path, monkeypatch):
+    url = s3_env.url("parts")
+    uploads = Overlap(remote_mod.Remote.upload)
+    with monkeypatch.context() as m:
+        m.setattr(remote_mod.Remote, "upload", lambda self, *a: uploads(self, *a))
+        _writer(tmp_path / "node1", url, 1).finish_rank()
+    assert uploads.overlapped and uploads.calls > 4
+    reads = Overlap(remote_mod.Remote.read, only=lambda self, rel: rel.endswith(".index.parquet"))
+    monkeypatch.setattr(remote_mod.Remote, "read", lambda self, rel: reads(self, rel))
+    assert _writer(tmp_path / "node0", url, 0).commit() == 1
+    assert reads.overlapped and reads.calls > 2
+    pulled = tmp_path / "pulled"
+    pull(url, pulled)
+    r = Store(pulled).reader("vae")
+    assert r.keys() == sorted(key_of(i) for i in range(N)) and r.manifest.num_rows == N
+    r.close()
+    assert verify_store(pulled, progress=False) == []
