@@ -1,7 +1,8 @@
 """`pipeline launch [TORCHRUN OPTIONS] COMMAND ...`: several processes of `pipeline COMMAND` under torchrun.
 
-The same as `torchrun [TORCHRUN OPTIONS] -m pipeline.cli COMMAND ...` (torchrun's own parser reads the options;
-its first non-option argument starts the command), except when a rank fails: every rank has
+The same as `torchrun [TORCHRUN OPTIONS] -m pipeline.cli COMMAND ...` (torchrun's own parser reads the options
+before the first pipeline command name; from there on, every word is the command's, even one like `--run` that
+torchrun itself would take for an abbreviation of its `--run-path`), except when a rank fails: every rank has
 already printed the same `error: ...` line (models/collective.py), and torchrun would then end in its own
 `ChildFailedError` traceback and summary box, which says nothing more. Here the launcher's failure is one line
 (which ranks exited how) and exit status 1; stopped by a signal (a scheduler's SIGTERM, Ctrl-C), it is one line
@@ -27,14 +28,20 @@ def command(ctx: typer.Context) -> None:
     if not words or words[0] in ("-h", "--help"):  # torchrun's help and usage call the command `training_script`
         typer.echo(f"pipeline launch [TORCHRUN OPTIONS] COMMAND ...: {EXAMPLE} runs `pipeline run train ...` in 2 "
                    "processes; the options are torchrun's (below), its `training_script ...` is the pipeline COMMAND.")
+    split = _command_start(words, set(ctx.parent.command.list_commands(ctx.parent)) if ctx.parent else set())
     try:
-        args = parse_args(words)
+        # torchrun parses its options only: given the command too, argparse refuses a command option that
+        # abbreviates two of its own (`--run` matches `--run-path` and `--run_path`)
+        args = parse_args([*words[:split], "pipeline.cli"] if split is not None else words)
     except SystemExit as e:  # argparse printed what was wrong (or the help)
         if e.code:
             typer.echo(f"pipeline launch: torchrun's options, then the pipeline command: {EXAMPLE}", err=True)
         raise typer.Exit(e.code if isinstance(e.code, int) else 2) from None
-    # torchrun read the command's first word as its script: the script is this CLI, run as a module
-    args.training_script_args = [args.training_script, *args.training_script_args]
+    # the script is this CLI, run as a module, with the pipeline command as its arguments
+    if split is not None:
+        args.training_script_args = words[split:]
+    else:  # no known command word: torchrun read the first non-option as its script (the command's error says)
+        args.training_script_args = [args.training_script, *args.training_script_args]
     args.training_script, args.module = "pipeline.cli", True
     try:
         run(args)
@@ -49,3 +56,24 @@ def command(ctx: typer.Context) -> None:
                     "ended (what they committed stays: rerun with --resume to continue from the last checkpoint)",
                     fg=typer.colors.RED, err=True)
         raise typer.Exit(128 + int(e.sigval)) from None
+
+
+def _command_start(words: list[str], commands: set[str]) -> int | None:
+    """Where the pipeline command starts: the first command name that torchrun's parser, given the words before
+    it, does not take as an option's value (`--rdzv-id run run train`: the second `run`)."""
+    import contextlib
+    import io
+
+    from torch.distributed.run import parse_args
+
+    for i, word in enumerate(words):
+        if word not in commands:
+            continue
+        try:
+            with contextlib.redirect_stderr(io.StringIO()):
+                parsed = parse_args([*words[:i], "pipeline.cli"])
+        except SystemExit:
+            continue
+        if parsed.training_script == "pipeline.cli" and not parsed.training_script_args:
+            return i
+    return None

@@ -78,3 +78,30 @@ def test_a_launch_stopped_by_sigterm_ends_in_one_line(tiny_edit_model, tmp_path)
     err = log.read_text()
     assert p.returncode == 128 + signal.SIGTERM, err[-3000:]
     assert "SignalException" not in err and "error: pipeline.cli stopped by SIGTERM" in err, err[-3000:]
+
+
+def test_the_command_after_torchruns_options_keeps_every_option_of_its_own(monkeypatch) -> None:
+    """`pipeline launch ... run evaluate --all-checkpoints --run RUN` was refused by torchrun's parser
+    ("ambiguous option: --run could match --run-path, --run_path"): it read the command's options as its own.
+    Now torchrun parses only what comes before the command; a command word taken as an option's value
+    (`--rdzv-id run`) is not the command."""
+    import torch.distributed.run as torchrun
+    from typer.testing import CliRunner
+
+    from pipeline.cli import app
+
+    seen = []
+    monkeypatch.setattr(torchrun, "run", seen.append)
+    for words, torch_opts, command in (
+        (["--nproc-per-node", "2", "run", "evaluate", "--all-checkpoints", "--run", "R", "--store", "S"],
+         {"nproc_per_node": "2"}, ["run", "evaluate", "--all-checkpoints", "--run", "R", "--store", "S"]),
+        (["--rdzv-id", "run", "--nnodes", "1", "run", "train", "--out", "O"],
+         {"rdzv_id": "run", "nnodes": "1"}, ["run", "train", "--out", "O"]),
+        (["--standalone", "store", "gc", "--store", "S"], {"standalone": True}, ["store", "gc", "--store", "S"]),
+    ):
+        seen.clear()
+        r = CliRunner().invoke(app, ["launch", *words])
+        assert r.exit_code == 0, r.output
+        [args] = seen
+        assert args.training_script == "pipeline.cli" and args.module and args.training_script_args == command
+        assert all(getattr(args, k) == v for k, v in torch_opts.items()), vars(args)
