@@ -89,7 +89,14 @@ class Validator:
                          "timesteps": list(cfg.validate_timesteps), "batch_size": cfg.batch_size},
         }
         tables.close()  # the samples are in memory now
-        self.fingerprint = hashlib.sha256(json.dumps(self.settings, sort_keys=True, default=str).encode()).hexdigest()
+        self.fingerprint = _fingerprint(self.settings)
+        # (fingerprint, settings) of a curve begun before batch_size left it under a token budget, else None
+        self._earlier: tuple[str, dict] | None = None
+        if cfg.max_tokens_per_batch is not None:  # rows per forward only, and a resume may change it there
+            self._earlier = self.fingerprint, self.settings
+            self.settings = {**self.settings, "validate": {k: v for k, v in self.settings["validate"].items()
+                                                           if k != "batch_size"}}
+            self.fingerprint = _fingerprint(self.settings)
 
     def grid(self, transformer, rank: int = 0, world: int = 1, accelerator=None) -> np.ndarray:
         """[sample, seed, σ, region] losses of every val sample: this rank's share computed here, summed across
@@ -191,6 +198,10 @@ class Validator:
         from store.loss_array import Axes, LossStore
 
         if self._losses is None:
+            from store.loss_array import recorded_steps
+
+            if self._earlier is not None and recorded_steps(self.run_dir, self._earlier[0]) is not None:
+                self.fingerprint, self.settings = self._earlier  # appended to as it is, not set aside
             self._losses = LossStore(self.run_dir, self.fingerprint, Axes(
                 [s.key for s in self.samples], [bucket_of(s) for s in self.samples],
                 list(self.cfg.validate_noise_seeds), [float(t) for t in self.cfg.validate_timesteps]), self.settings)
@@ -198,6 +209,10 @@ class Validator:
             if not self._losses.has_base():
                 self._losses.write_base(self._base)
         self._losses.append(step, f"training step {step}", "", grid)
+
+
+def _fingerprint(settings: dict) -> str:
+    return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def mean_loss(grid: np.ndarray) -> float:

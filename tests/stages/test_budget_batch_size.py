@@ -90,3 +90,45 @@ def test_a_budget_run_recorded_with_batch_size_hashed_resumes_and_stays_current(
     os.utime(weights, ns=((out / "checkpoints" / "step-3" / "resume.json").stat().st_mtime_ns,) * 2)  # saved last
     assert up_to_date(full, store_dir, tiny_edit_model, out)
     assert not up_to_date(cfg_of(max_tokens_per_batch=96, batch_size=2, max_steps=3), store_dir, tiny_edit_model, out)
+
+
+def test_a_budget_resume_with_another_batch_size_keeps_the_validation_curve(tiny_edit_model, tmp_path):
+    """batch_size is validation's rows per forward only (as evaluate.batch_size, a throughput setting): a resume
+    that may now change it under a budget appends to RUN/losses.zarr, not setting the curve aside and starting over
+    (it lost the validations before the last checkpoint from the run's curve)."""
+    import xarray as xr
+
+    store_dir = tmp_path / "store"
+    make_train_store(store_dir, tiny_edit_model, mixed_specs(4, 2))
+    val = {"validate_every": 1, "validate_max_samples": 2, "max_tokens_per_batch": 80}
+    out = tmp_path / "run"
+    run(cfg_of(batch_size=2, max_steps=2, checkpoint_every=2, **val), store_dir, tiny_edit_model, out)
+    run(cfg_of(batch_size=5, max_steps=3, checkpoint_every=3, **val), store_dir, tiny_edit_model, out, resume=True)
+    assert list(xr.open_zarr(out / "losses.zarr").step.values) == [1, 2, 3]
+    assert sorted(p.name for p in out.glob("losses*.zarr")) == ["losses.zarr"]
+
+
+def test_a_budget_curve_begun_with_batch_size_hashed_is_appended_to(tiny_edit_model, tmp_path, monkeypatch):
+    """A run whose losses.zarr was begun when validation hashed batch_size under a budget keeps its curve on
+    resume (same batch_size, as the run's own fingerprint requires)."""
+    import xarray as xr
+
+    from stages.train.validate import Validator
+
+    store_dir = tmp_path / "store"
+    make_train_store(store_dir, tiny_edit_model, mixed_specs(4, 2))
+    val = {"validate_every": 1, "validate_max_samples": 2, "max_tokens_per_batch": 80, "batch_size": 2}
+    real = Validator.__init__
+
+    def as_before(self, *a, **k):  # the earlier code: batch_size in the validation fingerprint
+        real(self, *a, **k)
+        self.fingerprint, self.settings = self._earlier
+        self._earlier = None
+
+    out = tmp_path / "run"
+    monkeypatch.setattr(Validator, "__init__", as_before)
+    run(cfg_of(max_steps=2, checkpoint_every=2, **val), store_dir, tiny_edit_model, out)
+    monkeypatch.setattr(Validator, "__init__", real)
+    run(cfg_of(max_steps=3, checkpoint_every=3, **val), store_dir, tiny_edit_model, out, resume=True)
+    assert list(xr.open_zarr(out / "losses.zarr").step.values) == [1, 2, 3]
+    assert sorted(p.name for p in out.glob("losses*.zarr")) == ["losses.zarr"]
