@@ -151,6 +151,20 @@ class Validator:
                            (s.empty_embeds, s.empty_slot_mask),
                            sample_sigmas=pipeline_sample_sigmas(self.model)).convert("RGB")
 
+    def missing_at(self, step: int) -> bool:
+        """Whether a validation due at `step` has left no record in the run folder (its losses.zarr row or its
+        sample grid): a resume repeats only such a one, e.g. one that failed after its step's checkpoint."""
+        from store.loss_array import recorded_steps
+
+        cfg = self.cfg
+        if cfg.sample_every is not None and step % cfg.sample_every == 0:
+            if not (self.run_dir / "samples" / f"step-{step:06d}.png").is_file():
+                return True
+        if cfg.validate_every is not None and step % cfg.validate_every == 0:
+            fingerprints = [self.fingerprint] + ([self._earlier[0]] if self._earlier is not None else [])
+            return not any(step in (recorded_steps(self.run_dir, fp) or {}) for fp in fingerprints)
+        return False
+
     def __call__(self, r) -> None:
         """At the configured steps: the held-out loss on every rank (logged and appended to RUN/losses.zarr by
         the main process), the sample grid on the main process."""

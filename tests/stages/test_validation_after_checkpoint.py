@@ -45,3 +45,23 @@ def test_a_failed_validation_loses_no_training(tiny_edit_model, tmp_path, monkey
     a = load_file(straight / "lora" / "pytorch_lora_weights.safetensors")
     b = load_file(out / "lora" / "pytorch_lora_weights.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_resume_does_not_repeat_a_validation_that_completed(tiny_edit_model, tmp_path, monkeypatch):
+    """A run stopped after its step's checkpoint and validation both completed (a preempted job) resumes without
+    validating that step again: its losses and sample grid are there (on a large model a grid is minutes of
+    generation, at every resume)."""
+    store = tmp_path / "store"
+    make_train_store(store, tiny_edit_model, mixed_specs(5, 2))
+    out = tmp_path / "run"
+    run(load_config(None, {**SETS, "train.max_steps": 2}), store, tiny_edit_model, out)
+    grids, real = [], Validator.samples_grid
+
+    def counted(self, transformer):
+        grids.append(1)
+        return real(self, transformer)
+
+    monkeypatch.setattr(Validator, "samples_grid", counted)
+    run(load_config(None, {**SETS, "train.max_steps": 4}), store, tiny_edit_model, out, resume=True)
+    assert len(grids) == 1  # step 4's only
+    assert list(xr.open_zarr(out / "losses.zarr").step.values) == [2, 4]
