@@ -27,7 +27,7 @@ def open_writer(job: EncodeJob, schema: TableSchema, shard_size_mb: float) -> li
         job.summary.table, schema, rank=job.ranks.rank, world_size=job.ranks.world_size,
         shard_size_mb=shard_size_mb, version=version, remote_url=remote_url,
     )
-    if _completed_meanwhile(job):
+    if _completed_meanwhile(job, several_caches=remote_url is not None):
         return []
     job.summary.version = job.writer.version
     job.shard_sizes_before = rank_shard_sizes(job)
@@ -60,18 +60,13 @@ def _same_content(job: EncodeJob, rows):
     return rows.filter(pa.array(keep, pa.bool_()))
 
 
-def _completed_meanwhile(job: EncodeJob) -> bool:
+def _completed_meanwhile(job: EncodeJob, several_caches: bool = False) -> bool:
     """Another process finished this very table (same lineage) after our up-to-date check, while we loaded
     the model: reuse it ("up to date") instead of writing a duplicate version."""
     assert job.writer is not None
-    from models.collective import all_max
-
-    found = job.store.find_version(job.summary.table, job.lineage)
-    # Agreed by all ranks: another launch's commit can land between two ranks' looks, and a rank that adopts
-    # while the others encode leaves them waiting at the commit. The newest any rank saw is complete (only
-    # complete versions are found), so every rank adopts it.
-    found = all_max(job.ranks.world_size, [-1 if found is None else found])[0]
-    if found < 0:
+    found = agreed_found(job.store.find_version(job.summary.table, job.lineage), job.ranks.world_size,
+                         several_caches)
+    if found is None:
         return False
     mine = job.writer.dir
     job.writer.close()
@@ -80,6 +75,21 @@ def _completed_meanwhile(job: EncodeJob) -> bool:
         shutil.rmtree(mine, ignore_errors=True)
     adopt(job, found)
     return True
+
+
+def agreed_found(found: int | None, world: int, several_caches: bool) -> int | None:
+    """The version every rank adopts, from what each one's look found (None: encode). Agreed by all ranks:
+    another launch's commit can land between two ranks' looks, and a rank that adopts while the others encode
+    leaves them waiting at the commit. Ranks sharing one store folder adopt the newest any of them saw (only
+    complete versions are found). Ranks on several caches of a store URL adopt only a version every cache
+    holds; otherwise all of them encode (a duplicate version: wasted work, nothing wrong)."""
+    from models.collective import all_max
+
+    seen = -1 if found is None else found
+    newest, neg_oldest = all_max(world, [seen, -seen])
+    if newest < 0 or (several_caches and newest != -neg_oldest):
+        return None
+    return newest
 
 
 def adopt(job: EncodeJob, found: int) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from typer.testing import CliRunner
 
 from damage import flip_bit, key_at, sample_byte
@@ -64,3 +66,22 @@ def test_two_ranks_agree_on_a_table_completed_meanwhile(tiny_edit_model, edit_st
     st = Store(edit_store)
     assert st.versions("vae") == [1] and st.tables()["vae"] == 1
     assert verify_store(Path(edit_store), progress=False) == []
+
+
+@pytest.mark.parametrize("mine, peers, several_caches, adopted", [
+    (1, [None], False, 1),   # one store folder: the peer will read the version this rank saw
+    (None, [1], False, 1),
+    (1, [None], True, None),  # several caches of a store URL: a cache without it cannot adopt it; all encode
+    (1, [1], True, 1),
+    (None, [None], True, None),
+])
+def test_the_version_adopted_is_one_every_rank_can_read(monkeypatch, mine, peers, several_caches, adopted):
+    import models.collective as collective
+    from stages.encode.output import agreed_found
+
+    def all_max(world, values):  # the peers' looks, reduced as the all-reduce does
+        looks = [[-1 if f is None else f, -(-1 if f is None else f)] for f in peers]
+        return [max(v, *(look[i] for look in looks)) for i, v in enumerate(values)]
+
+    monkeypatch.setattr(collective, "all_max", all_max)
+    assert agreed_found(mine, 2, several_caches) == adopted
