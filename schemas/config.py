@@ -292,7 +292,7 @@ class EvaluateConfig(Section):
                                          "forwards per model)")
     num_samples: Annotated[int, FEATURES] = Field(4, ge=0, description="val samples to generate images for")
     num_inference_steps: Annotated[int, FEATURES] = Field(8, ge=2, description="1 step divides 0/0 in the scheduler's terminal stretch")
-    true_cfg_scale: Annotated[float, FEATURES] = 4.0
+    true_cfg_scale: Annotated[float, FEATURES] = Field(4.0, description="true CFG scale (<= 1: none); left unset, 1.0 on Qwen-Image-2.1 (its pipeline's default)")
     negative_prompt: Annotated[str, FEATURES] = Field(" ", description="extra prompts' negative; val samples use the stored empty prompt")
     lora_scale: Annotated[float, FEATURES] = 1.0
     extra_prompts: Annotated[list[ExtraPrompt], FEATURES] = []
@@ -319,7 +319,7 @@ class PredictConfig(Section):
     dtype: Annotated[DType, FEATURES] = Field("auto", description=_DTYPE_HELP + " (decided by the transformer's device)")
     quantize_base: Annotated[Quantize, FEATURES] = Field("none", description=_QUANTIZE_HELP)
     steps: Annotated[int, FEATURES] = Field(20, ge=2, description="1 step divides 0/0 in the scheduler's terminal stretch")
-    true_cfg_scale: Annotated[float, FEATURES] = 4.0
+    true_cfg_scale: Annotated[float, FEATURES] = Field(4.0, description="true CFG scale (<= 1: none); left unset, 1.0 on Qwen-Image-2.1 (its pipeline's default)")
     negative_prompt: Annotated[str, FEATURES] = " "
     seed: Annotated[int, FEATURES] = 0
 

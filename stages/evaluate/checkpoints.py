@@ -235,6 +235,7 @@ def _run(ranks, cfg: EvaluateConfig, store: str | Path, model: str, checkpoints:
     from stages.evaluate.checkpoint_report import generated_rows, write_checkpoint_report
 
     started = time.perf_counter()
+    cfg = single.for_model(cfg, model)
     if not checkpoints:
         raise UserError("no checkpoints to evaluate: the run folder holds no checkpoints/step-N "
                         "(train with train.checkpoint_every set, or evaluate one LoRA without --all-checkpoints)")

@@ -14,7 +14,6 @@ the stock pipeline call of `models.qwen21_predict`, stages/evaluate/qwen21.py).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import time
@@ -278,13 +277,26 @@ def resolved_config(cfg: EvaluateConfig) -> EvaluateConfig:
     return cfg.model_copy(update={"device": device, "dtype": resolve_precision(cfg.dtype, device).weights})
 
 
+def for_model(cfg: EvaluateConfig, model: str) -> EvaluateConfig:
+    """`evaluate.true_cfg_scale` left unset: the model family's own default, as predict and the training sample
+    grid take it (Qwen-Image-2.1: no guidance, its pipeline's default; the Edit models: 4.0). Resolved before
+    anything is fingerprinted, so a report records the scale its images were made with."""
+    from models.loading import model_variant
+    from models.qwen21_predict import TRUE_CFG_21
+
+    if "true_cfg_scale" in cfg.model_fields_set or model_variant(model) != "qwen-image-2.1":
+        return cfg
+    return cfg.model_copy(update={"true_cfg_scale": TRUE_CFG_21})
+
+
 def evaluate_inputs(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path) -> dict:
     """Everything a report depends on; equal inputs = the report is up to date (`pipeline run all` skips it)."""
+    from models.file_hashes import file_sha256
     from models.loading import model_fingerprint
 
     cfg = resolved_config(cfg)
     st = Store(store, create=False)
-    h = hashlib.sha256(lora_weight_file(lora).read_bytes()).hexdigest()
+    h = file_sha256(lora_weight_file(lora))  # chunked: a GB-sized LoRA is not read into memory
     return {
         "store": str(Path(store).resolve()),
         "tables": {t: st.version_id(t, v) for t, v in sorted(st.tables().items()) if t in ("images", "text", "vae")},
@@ -434,6 +446,7 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, ou
     report of the same inputs (`pipeline run all`)."""
     out = Path(out)
     started = time.perf_counter()
+    cfg = for_model(cfg, model)
     if skip_if_done and report_up_to_date(cfg, store, model, lora, out):
         return EvaluateResult(json.loads((out / "metrics.json").read_text()), out / "index.html", up_to_date=True)
     if out.is_dir() and not (out / "metrics.json").is_file() and not _only_report_files(out):

@@ -612,3 +612,21 @@ def test_21_predict_and_the_sample_grid_default_to_no_guidance(tiny_21_model, tm
     np.testing.assert_array_equal(np.asarray(Image.open(tmp_path / "default.png")), stock())
     np.testing.assert_array_equal(np.asarray(Image.open(tmp_path / "cfg4.png")),
                                   stock(true_cfg_scale=4.0, negative_prompt=" "))
+
+
+def test_21_evaluate_defaults_to_no_guidance_as_predict_does(tiny_21_model, tiny_edit_model):
+    """`evaluate.true_cfg_scale` unset on a 2.1 model: 1.0 (no guidance), as predict and the training sample grid
+    take it; it was the Edit models' 4.0 (another image than predict's, twice the forwards). Set, it is kept;
+    the Edit models keep 4.0. Both evaluate entries (one LoRA, --all-checkpoints) resolve it first."""
+    import inspect
+
+    from stages.evaluate import checkpoints, stage
+
+    unset = load_config(None, {}).evaluate
+    assert stage.for_model(unset, tiny_21_model).true_cfg_scale == 1.0
+    assert stage.for_model(unset, tiny_edit_model).true_cfg_scale == 4.0
+    explicit = load_config(None, {"evaluate.true_cfg_scale": 4.0}).evaluate
+    assert stage.for_model(explicit, tiny_21_model).true_cfg_scale == 4.0
+    assert stage.for_model(unset, tiny_21_model).fingerprint() != unset.fingerprint()  # a report made at 4.0 is redone
+    for entry, call in ((stage.run, "cfg = for_model(cfg, model)"), (checkpoints._run, "cfg = single.for_model(cfg, model)")):
+        assert call in inspect.getsource(entry)
