@@ -176,7 +176,9 @@ class _Intake:
     summary: ResizeSummary
     rejects: list[dict[str, Any]] = field(default_factory=list)
     first_source: dict[str, str] = field(default_factory=dict)
-    first_mask: dict[str, str] = field(default_factory=dict)  # key -> mask hash, for first copies with a mask
+    # key -> the first copy's mask, for first copies with one: 64 bits of its hash (36 B, the hex string 113 B per
+    # masked sample; a collision only leaves a duplicate dropped, as before)
+    first_mask: dict[str, int] = field(default_factory=dict)
     # Duplicates with another mask than their first copy, while that copy's rendering is not known to succeed:
     # if it is rejected (a bad mask), the first of these is rendered instead (`revivals`), not lost as a
     # "duplicate" of a sample the table does not hold. A few per key: bounded whatever the source.
@@ -195,7 +197,7 @@ class _Intake:
         """A duplicate's quarantine row; held for a revival when its mask differs from the first copy's and that
         copy is not known to be kept (written, resumed or carried forward)."""
         row = self.reject(rec, r)
-        if not first_kept and self.first_mask.get(r.key, "") != mask_hash(rec.mask):
+        if not first_kept and self.first_mask.get(r.key, 0) != _mask_bits(rec.mask):
             if len(held := self.held.setdefault(r.key, [])) < HELD_PER_KEY:
                 held.append((rec, row))
 
@@ -283,7 +285,7 @@ def _render_source(source: str | Path, fmt: str, rc: ResizeConfig, writer: Any, 
                 bar.set_postfix(quarantined=len(intake.rejects))
                 continue
             if rec.mask is not None:
-                intake.first_mask[key] = mask_hash(rec.mask)
+                intake.first_mask[key] = _mask_bits(rec.mask)
             if key in writer.done_keys:
                 intake.summary.resumed += 1
             elif rendered_before.get(key, None) == mask_hash(rec.mask):  # same content, same mask
@@ -434,6 +436,10 @@ def mask_hash(mask: bytes | None) -> str:
     """The edit mask is not part of the key (DESIGN: key = target + controls + caption), so reuse compares it
     separately: sha256 of its bytes, "" for none."""
     return hashlib.sha256(mask).hexdigest() if mask is not None else ""
+
+
+def _mask_bits(mask: bytes | None) -> int:
+    return int(mask_hash(mask)[:16], 16) if mask is not None else 0
 
 
 def split_for(key: str, val_fraction: float) -> str:
