@@ -103,6 +103,22 @@ def test_a_rerun_of_one_train_config_keeps_the_others(smoke, tmp_path):
     assert again["stages"]["correctness"] == data["stages"]["correctness"]
 
 
+def test_a_rerun_of_one_correctness_part_keeps_the_others(smoke, tmp_path):
+    """`--parts same_lora` after a full correctness call (bench/gpu/README.md, after the H200 session): the
+    equivalence and quantized results stay in the JSON; the rerun part is replaced."""
+    data, _ = smoke
+    out = tmp_path / "proof.json"
+    out.write_text(json.dumps(data))
+    sys.path.insert(0, str(REPO))
+    from bench.gpu.proof import main
+
+    main(["--stage", "correctness", "--smoke", "--parts", "same_lora", "--out", str(out), "--budget-s", "0"])
+    corr = json.loads(out.read_text())["stages"]["correctness"]
+    old = data["stages"]["correctness"]
+    assert corr["equivalence"] == old["equivalence"] and corr["quantized"] == old["quantized"]
+    assert corr["same_lora"] != old["same_lora"] and corr["complete"] is False  # budget 0: nothing new ran
+
+
 def test_the_train_run_records_its_attention_choice(smoke):
     _, work = smoke
     record = json.loads((work / "scratch" / "same-lora" / "run-plain" / "attention.json").read_text())

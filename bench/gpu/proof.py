@@ -15,7 +15,8 @@ Stages (bench/gpu/README.md says which call runs which; docs/gpu.md what each me
 The JSON (`--out`, default proof.json) holds {"env": ..., "stages": {name: entry}}; it is rewritten after every
 unit of work (a backend, a configuration), so a command killed at its limit leaves everything done so far. A
 rerun of a stage replaces that stage's entry, except that `--configs` reruns only the named train
-configurations and keeps the others. `--budget-s`: no new unit of work starts after this many seconds from
+configurations and keeps the others, and `--parts` reruns only the named correctness parts and keeps the
+others. `--budget-s`: no new unit of work starts after this many seconds from
 the start (the unit in flight finishes, the rest are listed under `not_run_budget`): set it ~60 s under the
 call's limit.
 """
@@ -36,6 +37,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 STAGES = ("correctness", "train", "encode")
+CORRECTNESS_PARTS = ("equivalence", "quantized", "same_lora")
 
 
 class StageRecord(dict):
@@ -55,11 +57,13 @@ class Results:
         self.data = json.loads(path.read_text()) if path.is_file() else {}
         self.data.setdefault("stages", {})
 
-    def stage(self, name: str, keep_configs: bool) -> StageRecord:
+    def stage(self, name: str, keep: tuple[str, ...] = ()) -> StageRecord:
+        """A fresh record of the stage, with the earlier record's `keep` entries (what this call does not rerun)."""
         rec = StageRecord(self, name)
-        old = self.data["stages"].get(name)
-        if keep_configs and old and "configs" in old:
-            rec["configs"] = dict(old["configs"])
+        old = self.data["stages"].get(name) or {}
+        for key in keep:
+            if key in old:
+                rec[key] = dict(old[key]) if isinstance(old[key], dict) else old[key]
         self.data["stages"][name] = rec
         return rec
 
@@ -103,7 +107,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--configs", default=None, help="train: comma-separated configuration names (default: all)")
     ap.add_argument("--layers", type=int, default=None, help="train: transformer blocks (default 60; smoke 1)")
     ap.add_argument("--samples", type=int, default=None, help="train / encode: samples (default 8 / 16)")
-    ap.add_argument("--parts", default="equivalence,quantized,same_lora",
+    ap.add_argument("--parts", default=",".join(CORRECTNESS_PARTS),
                     help="correctness: which parts (equivalence, quantized, same_lora)")
     ap.add_argument("--work", type=Path, default=None, help="scratch folder (default: a temp dir)")
     args = ap.parse_args(argv)
@@ -140,8 +144,11 @@ def _run_stages(args, ap, device, results, work: Path, start: float, deadline: f
     unknown = [n for n in names or [] if n not in CONFIGS]
     if unknown:
         ap.error(f"unknown --configs {unknown}; known: {', '.join(CONFIGS)}")
+    bad_parts = [p for p in args.parts.split(",") if p not in CORRECTNESS_PARTS]
+    if bad_parts:  # a typo would otherwise run nothing and still replace nothing: a wasted device call
+        ap.error(f"unknown --parts {bad_parts}; known: {', '.join(CORRECTNESS_PARTS)}")
     for stage in stages:
-        rec = results.stage(stage, keep_configs=stage == "train" and names is not None)
+        rec = results.stage(stage, keep=_kept(stage, names, args.parts))
         rec["started_s"] = time.monotonic() - start
         rec.flush()
         if stage == "correctness":
@@ -168,6 +175,17 @@ def _run_stages(args, ap, device, results, work: Path, start: float, deadline: f
         rec.flush()
         print(summary(stage, rec), flush=True)
     return results.data
+
+
+def _kept(stage: str, names: list[str] | None, parts: str) -> tuple[str, ...]:
+    """What a rerun keeps from the stage's earlier record: train with --configs its other configurations (merged
+    per name), correctness with --parts the parts it does not rerun (an H200 call's equivalence results must not
+    vanish when only same_lora is rerun)."""
+    if stage == "train" and names is not None:
+        return ("configs",)
+    if stage == "correctness":
+        return tuple(p for p in CORRECTNESS_PARTS if p not in parts.split(","))
+    return ()
 
 
 def _budget_cut(rec: dict) -> bool:
