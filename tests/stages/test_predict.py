@@ -24,6 +24,20 @@ def _cli(*args):
     assert result.exit_code == 0, result.output
     return result
 
+def _extra_prompt_pictures(model: str, path):
+    """The control and target evaluate shows for an extra prompt whose image and target are both `path`."""
+    from models.loading import load_component
+    from pipeline.config import load_config
+    from stages.evaluate.stage import extra_prompt_inputs
+
+    cfg = load_config(None, {"evaluate.extra_prompts": [{"prompt": PROMPT, "images": [str(path)],
+                                                          "target": str(path)}]}).evaluate
+    transformer = load_component(model, "transformer", dtype=torch.float32, device="cpu")
+    vae = load_component(model, "vae", dtype=torch.float32, device="cpu")
+    _, _, controls, target, *_ = next(extra_prompt_inputs(model, transformer, vae, cfg))
+    return controls, target
+
+
 
 def test_predict_equals_stock_pipeline(tiny_edit_model, tmp_path):
     """Per-component staging (encode_prompt / VAE encode / own denoise loop / decode) == the stock __call__."""
@@ -122,19 +136,11 @@ def test_evaluate_extra_prompts_apply_the_exif_orientation(tiny_edit_model, tmp_
     """evaluate.extra_prompts read their control and target files the same way (predict's reader)."""
     from diffusers.utils import load_image
 
-    from models.loading import load_component
-    from pipeline.config import load_config
-    from stages.evaluate.stage import extra_prompt_inputs
-
     tagged = tmp_path / "phone.png"
     exif = Image.Exif()
     exif[0x0112] = 6
     Image.open(_control(tmp_path / "raw.png", w=64, h=48)).save(tagged, exif=exif)
-    cfg = load_config(None, {"evaluate.extra_prompts": [{"prompt": PROMPT, "images": [str(tagged)],
-                                                          "target": str(tagged)}]}).evaluate
-    transformer = load_component(tiny_edit_model, "transformer", dtype=torch.float32, device="cpu")
-    vae = load_component(tiny_edit_model, "vae", dtype=torch.float32, device="cpu")
-    _, _, controls, target, *_ = next(extra_prompt_inputs(tiny_edit_model, transformer, vae, cfg))
+    controls, target = _extra_prompt_pictures(tiny_edit_model, tagged)
     upright = np.asarray(load_image(str(tagged)))
     np.testing.assert_array_equal(np.asarray(controls[0]), upright)
     np.testing.assert_array_equal(np.asarray(target), upright)
@@ -143,20 +149,13 @@ def test_evaluate_extra_prompts_apply_the_exif_orientation(tiny_edit_model, tmp_
 def test_evaluate_extra_prompts_show_a_transparent_control_as_training_did(tiny_edit_model, tmp_path):
     """A cutout given to evaluate.extra_prompts (Edit / Edit-Plus) is composited over white, as resize-bucket
     decodes the training images (before: its transparent pixels reached the model as the black they store)."""
-    from models.loading import load_component
-    from pipeline.config import load_config
-    from stages.evaluate.stage import extra_prompt_inputs
     from features.decode import decode_image
 
     rgba = np.zeros((48, 64, 4), dtype=np.uint8)
     rgba[12:36, 16:48] = (200, 30, 30, 255)
     cutout = tmp_path / "cutout.png"
     Image.fromarray(rgba, "RGBA").save(cutout)
-    cfg = load_config(None, {"evaluate.extra_prompts": [{"prompt": PROMPT, "images": [str(cutout)],
-                                                          "target": str(cutout)}]}).evaluate
-    transformer = load_component(tiny_edit_model, "transformer", dtype=torch.float32, device="cpu")
-    vae = load_component(tiny_edit_model, "vae", dtype=torch.float32, device="cpu")
-    _, _, controls, target, *_ = next(extra_prompt_inputs(tiny_edit_model, transformer, vae, cfg))
+    controls, target = _extra_prompt_pictures(tiny_edit_model, cutout)
     as_trained = np.asarray(decode_image(cutout.read_bytes(), 64 * 1024 * 1024).image)
     np.testing.assert_array_equal(np.asarray(controls[0]), as_trained)
     np.testing.assert_array_equal(np.asarray(target), as_trained)
@@ -232,19 +231,12 @@ def test_evaluate_extra_prompts_scale_a_16_bit_control_as_training_does(tiny_edi
     """A 16-bit grayscale PNG (a scan, a depth-like map) as an extra prompt's control and target. resize-bucket
     scales it 65535 -> 255; evaluate read it with Pillow's own convert, which clips: everything above 255 came out
     white. Both now use one decoder (features/decode.py)."""
-    from models.loading import load_component
-    from pipeline.config import load_config
-    from stages.evaluate.stage import extra_prompt_inputs
     from features.decode import decode_image
 
     ramp = (np.linspace(0, 65535, 48 * 64).reshape(48, 64)).astype(np.uint16)
     scan = tmp_path / "scan16.png"
     Image.fromarray(ramp).save(scan)  # mode I;16
-    cfg = load_config(None, {"evaluate.extra_prompts": [{"prompt": PROMPT, "images": [str(scan)],
-                                                          "target": str(scan)}]}).evaluate
-    transformer = load_component(tiny_edit_model, "transformer", dtype=torch.float32, device="cpu")
-    vae = load_component(tiny_edit_model, "vae", dtype=torch.float32, device="cpu")
-    _, _, controls, target, *_ = next(extra_prompt_inputs(tiny_edit_model, transformer, vae, cfg))
+    controls, target = _extra_prompt_pictures(tiny_edit_model, scan)
     as_trained = np.asarray(decode_image(scan.read_bytes(), 64 * 1024 * 1024).image)
     assert as_trained.min() == 0 and as_trained.max() == 255 and len(np.unique(as_trained)) > 200  # a real ramp
     np.testing.assert_array_equal(np.asarray(controls[0]), as_trained)

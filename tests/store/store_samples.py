@@ -67,3 +67,15 @@ def read_only_open(real_open):
         return real_open(path, flags, *a)
 
     return opener
+
+
+def rank_writer(cache, url: str, rank: int, n: int, shard_size_mb: float, tag: str = "a"):
+    """Rank `rank` of 2 writing its half of `n` samples into version 1 of table `vae` of store URL `url` through
+    the node cache `cache` (keys already committed there skipped: a rerun resumes)."""
+    w = Store(cache).writer("vae", vae_schema(tag), rank=rank, world_size=2, shard_size_mb=shard_size_mb, version=1,
+                            remote_url=url)
+    for i in range(rank, n, 2):
+        s = sample(i)
+        if s["key"] not in w.done_keys:
+            w.add(s["key"], tensors=s["tensors"], files=s["files"], meta=s["meta"])
+    return w

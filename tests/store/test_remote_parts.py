@@ -13,19 +13,13 @@ from store import Store
 from store import remote as remote_mod
 from store.remote_sync import pull
 from store.verify import verify_store
-from store_samples import key_of, sample, vae_schema
+from store_samples import key_of, rank_writer, vae_schema
 
 N = 12
 
 
 def _writer(cache: Path, url: str, rank: int, tag: str = "a"):
-    w = Store(cache).writer("vae", vae_schema(tag), rank=rank, world_size=2, shard_size_mb=0.02, version=1,
-                            remote_url=url)
-    for i in range(rank, N, 2):
-        s = sample(i)
-        if s["key"] not in w.done_keys:
-            w.add(s["key"], tensors=s["tensors"], files=s["files"], meta=s["meta"])
-    return w
+    return rank_writer(cache, url, rank, N, shard_size_mb=0.02, tag=tag)
 
 
 def _objects(s3_env, prefix: str) -> list[str]:

@@ -12,20 +12,14 @@ from store import Store
 from store import remote as remote_mod
 from store.remote_sync import pull, push
 from store.verify import verify_store
-from store_samples import fill, key_of, sample, vae_schema
+from store_samples import fill, key_of, rank_writer
 
 N = 24
 
 
 def _writer(cache, url: str, rank: int):
     """Rank `rank` of 2 writing its half of N samples, several shards each (tests/store/test_remote_parts.py)."""
-    w = Store(cache).writer("vae", vae_schema(), rank=rank, world_size=2, shard_size_mb=0.004, version=1,
-                            remote_url=url)
-    for i in range(rank, N, 2):
-        s = sample(i)
-        if s["key"] not in w.done_keys:
-            w.add(s["key"], tensors=s["tensors"], files=s["files"], meta=s["meta"])
-    return w
+    return rank_writer(cache, url, rank, N, shard_size_mb=0.004)
 
 
 class Overlap:
