@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from stages.train.epoch_plan import EpochPlan
 from store.partition import rng_for
 
 
@@ -48,48 +49,59 @@ class TokenBudgetBatchSampler:
         # A window of `window` global steps, in samples: mean batch size estimated from the mean length.
         self.window_samples = window * world_size * max(1, int(max_tokens // mean))
 
-    def _batches(self, order: list[int]) -> list[list[int]]:
-        """Greedy fill of each sorted window."""
-        lengths = self.lengths.tolist()  # Python ints for the per-sample loop: numpy scalar reads took half the plan
-        by_length = lengths.__getitem__
-        batches: list[list[int]] = []
-        for start in range(0, len(order), self.window_samples):
-            # Stable sort: equal lengths keep their shuffled order, so ties are mixed too.
-            batch: list[int] = []
-            for i in sorted(order[start : start + self.window_samples], key=by_length):
-                if batch and (len(batch) + 1) * lengths[i] > self.max_tokens:
-                    batches.append(batch)
-                    batch = []
-                batch.append(i)
-            if batch:
-                batches.append(batch)
-        return batches
+    def _batches(self, order: list[int]) -> tuple[np.ndarray, list[int]]:
+        """Greedy fill of each sorted window: (the windows' samples sorted by length, back to back; each
+        batch's size in that order)."""
+        order = np.asarray(order, dtype=np.int64)
+        # Stable sort within each window: equal lengths keep their shuffled order, so ties are mixed too.
+        window_of = np.arange(len(order)) // self.window_samples
+        flat = order[np.lexsort((self.lengths[order], window_of))]
+        sizes: list[int] = []
+        size = 0
+        # Python ints for the per-sample loop: numpy scalar reads took half the plan
+        for pos, length in enumerate(self.lengths[flat].tolist()):
+            if size and (pos % self.window_samples == 0 or (size + 1) * length > self.max_tokens):
+                sizes.append(size)
+                size = 0
+            size += 1
+        if size:
+            sizes.append(size)
+        return flat, sizes
 
-    def global_steps(self, epoch: int) -> list[list[list[int]]]:
-        """All ranks' batches: steps[k][r] is rank r's k-th batch of the epoch."""
+    def global_steps(self, epoch: int) -> EpochPlan:
+        """All ranks' batches: steps[k][r] is rank r's k-th batch of the epoch (arrays, `EpochPlan`: the nested
+        lists of a 1M-sample plan held ~74 MB in every rank)."""
         rng = rng_for(self.seed, epoch)
         order = list(range(len(self.lengths)))
         rng.shuffle(order)
-        batches = self._batches(order)
+        flat, sizes = self._batches(order)
+        del order
         w = self.world_size
-        n_full = len(batches) // w
-        steps = [batches[k * w : (k + 1) * w] for k in range(n_full)]
-        rng.shuffle(steps)
-        tail = batches[n_full * w :]
-        if not tail:
-            return steps
-        if sum(len(b) for b in tail) >= w:
+        n_full = len(sizes) // w
+        # The steps' order: shuffling a list of step numbers draws what shuffling the steps themselves did.
+        perm = list(range(n_full))
+        rng.shuffle(perm)
+        starts = np.concatenate(([0], np.cumsum(sizes, dtype=np.int64)))
+        tail = [flat[starts[j]:starts[j + 1]].tolist() for j in range(n_full * w, len(sizes))]
+        last: list[list[int]] = []
+        if tail and sum(len(b) for b in tail) < w:  # fewer samples than ranks: one each joins the last full step
+            last = [flat[starts[j]:starts[j + 1]].tolist() for j in range(perm[-1] * w, perm[-1] * w + w)]
+            for j, i in enumerate(i for b in tail for i in b):
+                last[j] = last[j] + [i]
+            perm, tail = perm[:-1], []
+        elif tail:
             while len(tail) < w:  # halve the batch with the most samples (a half of a batch fits the budget)
                 big = max(range(len(tail)), key=lambda j: len(tail[j]))
                 b = tail.pop(big)
                 tail += [b[: len(b) // 2], b[len(b) // 2 :]]
-            steps.append(sorted(tail, key=lambda b: -len(b)))
-        else:  # fewer samples than ranks: one each joins a batch of the last full step
-            last = steps[-1]
-            for j, i in enumerate(i for b in tail for i in b):
-                last[j] = last[j] + [i]
-        return steps
-
+            last = sorted(tail, key=lambda b: -len(b))
+        batch_ids = (np.asarray(perm, dtype=np.int64)[:, None] * w + np.arange(w)).reshape(-1)
+        batch_sizes = np.asarray(sizes, dtype=np.int64)[batch_ids] if len(batch_ids) else np.zeros(0, np.int64)
+        # gather the batches' samples in step order: position p of batch b reads flat[starts[b] + p]
+        before = np.cumsum(batch_sizes) - batch_sizes
+        picks = np.arange(int(batch_sizes.sum())) + np.repeat(starts[batch_ids] - before, batch_sizes)
+        samples = np.concatenate([flat[picks], np.asarray([i for b in last for i in b], dtype=np.int64)])
+        return EpochPlan(samples, np.concatenate([batch_sizes, [len(b) for b in last]]), w)
 
 def computed_fill(steps: list[list[list[int]]], lengths: list[int], max_tokens: int) -> float:
     """Mean computed tokens (batch size x longest) / budget over all batches."""

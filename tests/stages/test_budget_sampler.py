@@ -42,7 +42,7 @@ def test_every_index_once_disjoint_ranks_lockstep_and_within_budget():
         # by at most one sample per batch.
         assert len(over) <= 1
         if over:
-            assert over[0] is steps[-1] and world > 1
+            assert over[0] == steps[-1] and world > 1
             assert all(cost(b[:-1], lengths) <= budget for b in over[0] if len(b) > 1)
             over_budget_steps += 1
         cases += 1
@@ -96,5 +96,21 @@ def test_the_plan_is_the_one_runs_were_trained_with():
     rng = random.Random(7)
     lengths = [rng.choice([64, 144, 256, 576, 1024]) + rng.randint(0, 40) for _ in range(5000)]
     s = TokenBudgetBatchSampler(lengths, 3000, 5, window=4, world_size=3)
-    plan = json.dumps([s.global_steps(e) for e in range(2)]).encode()
+    plan = json.dumps([s.global_steps(e).tolist() for e in range(2)]).encode()
     assert hashlib.sha256(plan).hexdigest()[:16] == "c4c37f3d84218ea7"
+
+
+def test_plans_of_every_tail_case_are_the_ones_runs_were_trained_with():
+    """Sizes and world sizes that reach every tail case (halved leftovers, leftovers joining the last full
+    step, no leftovers): the plans are the nested lists the code computed before it kept them as arrays."""
+    import hashlib
+    import json
+
+    rng = random.Random(7)
+    lengths = [rng.choice([64, 144, 256, 576, 1024]) + rng.randint(0, 40) for _ in range(5000)]
+    plans = []
+    for n, world in itertools.product([5000, 4999, 37, 5, 3], [1, 3, 8]):
+        if n >= world:
+            s = TokenBudgetBatchSampler(lengths[:n], 3000, 5, window=4, world_size=world)
+            plans.append([s.global_steps(e).tolist() for e in range(2)])
+    assert hashlib.sha256(json.dumps(plans).encode()).hexdigest()[:16] == "917abbf498af95c5"

@@ -107,7 +107,7 @@ def test_rejects_bad_arguments():
 
 def test_each_epoch_is_planned_once_per_rank_for_the_stream_and_its_check_ahead_walkers():
     """The trainer reads the plan (`DataStream.next`) and the check-ahead threads walk it (`read_order`, one walker
-    per table): one plan per epoch between them (at 1M samples / 8 ranks a plan is ~55 MB and ~1 s), and the
+    per table): one plan per epoch between them (at 1M samples / 8 ranks a plan takes ~0.2-1 s), and the
     order walked is the order read."""
     import threading
 
@@ -146,3 +146,42 @@ def test_walkers_many_epochs_ahead_never_take_the_plan_being_read():
     walker = read_order(stream, 0)
     ahead = list(itertools.islice(walker, 32))  # 8 epochs of rank 0's 4 samples
     assert [i for _ in range(16) for i in stream.next()[1][0]] == ahead
+
+
+def test_plans_are_the_ones_runs_were_trained_with():
+    """Sizes, batch sizes, world sizes and drop_last reaching every tail case (none, split over the ranks,
+    joining the last full step): the plans are the nested lists the code computed before it kept them as
+    arrays, so a resume continues the order an earlier start planned."""
+    import hashlib
+    import json
+
+    rng = random.Random(7)
+    lengths = [rng.choice([64, 144, 256, 576, 1024]) + rng.randint(0, 40) for _ in range(5000)]
+    plans = []
+    for n, b, w, drop in itertools.product([5000, 4999, 4993, 37, 3], [1, 3, 4], [1, 3, 8], [False, True]):
+        if drop or n >= w:
+            s = LengthAwareBatchSampler(lengths[:n], b, 5, window=4, world_size=w, drop_last=drop)
+            plans.append([s.global_steps(e).tolist() for e in range(2)])
+    assert hashlib.sha256(json.dumps(plans).encode()).hexdigest()[:16] == "ca36f37e60feaefa"
+
+
+@pytest.mark.parametrize("budget", [None, 6000])
+def test_an_epoch_plan_holds_a_few_bytes_per_sample(budget):
+    """Every rank holds its epoch plans (two at a time): as nested lists a 1M-sample plan took ~56 MB (fixed
+    batches) / ~74 MB (token budget) per rank (bench/epoch_plan.py); as arrays ~6."""
+    import tracemalloc
+
+    from stages.train.budget import make_sampler
+
+    n = 100_000
+    sampler = make_sampler(random_lengths(n, 1), 4, budget, seed=0, window=64, world_size=8)
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        plan = sampler.global_steps(0)
+        held = tracemalloc.get_traced_memory()[0] - base
+    finally:
+        tracemalloc.stop()
+    assert sorted(i for step in plan for b in step for i in b) == list(range(n))
+    # int32 indices + an int64 offset per batch; as nested lists ~56-74 bytes per sample
+    assert held < 8 * n, f"{held / n:.1f} bytes per sample"
