@@ -90,6 +90,15 @@ class LossStore:
         self._create(self.fingerprint, self.settings)
         self.group = _zarr().open_group(self.path, mode="r+", use_consolidated=True)
 
+    def refingerprint(self, fingerprint: str, settings: dict) -> None:
+        """Record the group under another spelling of the same setting (a rule that stopped hashing a
+        throughput-only value): later opens find it under the current one. One consolidated-metadata rewrite."""
+        zarr = _zarr()
+        self.group.attrs.update({"fingerprint": fingerprint, "settings": settings})
+        zarr.consolidate_metadata(self.path)
+        self.group = zarr.open_group(self.path, mode="r+", use_consolidated=True)
+        self.fingerprint, self.settings = fingerprint, settings
+
     def _recorded_fingerprint(self) -> str | None:
         try:
             g = _zarr().open_group(self.path, mode="r", use_consolidated=True)
@@ -182,6 +191,21 @@ class LossStore:
             arr[n] = value
         zarr.consolidate_metadata(self.path)  # the commit: before this, readers still see n steps
         self.group = zarr.open_group(self.path, mode="r+", use_consolidated=True)
+
+
+def recorded_setting(folder: str | Path) -> tuple[str, dict] | None:
+    """(fingerprint, settings) of the group at `folder/losses.zarr`; None when there is none or it is unreadable
+    or of another format."""
+    path = Path(folder) / GROUP
+    if not path.exists():
+        return None
+    try:
+        attrs = dict(_zarr().open_group(path, mode="r", use_consolidated=True).attrs)
+    except Exception:  # noqa: BLE001 - unreadable: no setting to adopt, the next open replaces it
+        return None
+    if attrs.get("format") != FORMAT or not isinstance(attrs.get("settings"), dict):
+        return None
+    return attrs.get("fingerprint"), attrs["settings"]
 
 
 def recorded_steps(folder: str | Path, fingerprint: str) -> dict[int, str] | None:

@@ -90,13 +90,28 @@ class Validator:
         }
         tables.close()  # the samples are in memory now
         self.fingerprint = _fingerprint(self.settings)
-        # (fingerprint, settings) of a curve begun before batch_size left it under a token budget, else None
+        # (fingerprint, settings) as hashed before batch_size left them under a token budget, else None
         self._earlier: tuple[str, dict] | None = None
         if cfg.max_tokens_per_batch is not None:  # rows per forward only, and a resume may change it there
             self._earlier = self.fingerprint, self.settings
-            self.settings = {**self.settings, "validate": {k: v for k, v in self.settings["validate"].items()
-                                                           if k != "batch_size"}}
+            self.settings = {**self.settings, "validate": _without_batch_size(self.settings["validate"])}
             self.fingerprint = _fingerprint(self.settings)
+
+    def _curve_fingerprint(self) -> str:
+        """The fingerprint RUN/losses.zarr of this setting is recorded under: today's, or under a token budget
+        the one of a curve begun when batch_size was still hashed (whatever batch_size it recorded), which the
+        first append re-records under today's (`record`), so no later batch_size change sets it aside."""
+        from store.loss_array import recorded_setting
+
+        if self._earlier is not None:
+            recorded = recorded_setting(self.run_dir)
+            if recorded is not None and recorded[0] != self.fingerprint:
+                settings = recorded[1]
+                validate = settings.get("validate")
+                if isinstance(validate, dict) and _fingerprint(
+                        {**settings, "validate": _without_batch_size(validate)}) == self.fingerprint:
+                    return recorded[0]
+        return self.fingerprint
 
     def grid(self, transformer, rank: int = 0, world: int = 1, accelerator=None) -> np.ndarray:
         """[sample, seed, σ, region] losses of every val sample: this rank's share computed here, summed across
@@ -161,8 +176,7 @@ class Validator:
             if not (self.run_dir / "samples" / f"step-{step:06d}.png").is_file():
                 return True
         if cfg.validate_every is not None and step % cfg.validate_every == 0:
-            fingerprints = [self.fingerprint] + ([self._earlier[0]] if self._earlier is not None else [])
-            return not any(step in (recorded_steps(self.run_dir, fp) or {}) for fp in fingerprints)
+            return step not in (recorded_steps(self.run_dir, self._curve_fingerprint()) or {})
         return False
 
     def __call__(self, r) -> None:
@@ -212,13 +226,12 @@ class Validator:
         from store.loss_array import Axes, LossStore
 
         if self._losses is None:
-            from store.loss_array import recorded_steps
-
-            if self._earlier is not None and recorded_steps(self.run_dir, self._earlier[0]) is not None:
-                self.fingerprint, self.settings = self._earlier  # appended to as it is, not set aside
-            self._losses = LossStore(self.run_dir, self.fingerprint, Axes(
-                [s.key for s in self.samples], [bucket_of(s) for s in self.samples],
-                list(self.cfg.validate_noise_seeds), [float(t) for t in self.cfg.validate_timesteps]), self.settings)
+            recorded = self._curve_fingerprint()
+            axes = Axes([s.key for s in self.samples], [bucket_of(s) for s in self.samples],
+                        list(self.cfg.validate_noise_seeds), [float(t) for t in self.cfg.validate_timesteps])
+            self._losses = LossStore(self.run_dir, recorded, axes, self.settings)
+            if recorded != self.fingerprint:  # an earlier spelling: appended to, not set aside, and re-recorded
+                self._losses.refingerprint(self.fingerprint, self.settings)
             self._losses.drop_from(step)
             if not self._losses.has_base():
                 self._losses.write_base(self._base)
@@ -227,6 +240,10 @@ class Validator:
 
 def _fingerprint(settings: dict) -> str:
     return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _without_batch_size(validate: dict) -> dict:
+    return {k: v for k, v in validate.items() if k != "batch_size"}
 
 
 def mean_loss(grid: np.ndarray) -> float:

@@ -132,3 +132,37 @@ def test_a_budget_curve_begun_with_batch_size_hashed_is_appended_to(tiny_edit_mo
     run(cfg_of(max_steps=3, checkpoint_every=3, **val), store_dir, tiny_edit_model, out, resume=True)
     assert list(xr.open_zarr(out / "losses.zarr").step.values) == [1, 2, 3]
     assert sorted(p.name for p in out.glob("losses*.zarr")) == ["losses.zarr"]
+
+
+def test_a_budget_curve_begun_with_batch_size_hashed_survives_a_later_batch_size_change(tiny_edit_model, tmp_path,
+                                                                                        monkeypatch):
+    """The curve an earlier spelling began is re-recorded under today's fingerprint when it is adopted, and one
+    recorded with another batch_size is adopted too: a later batch_size change under the budget appends to it (it
+    kept the earlier fingerprint, so the change set the whole curve aside as `losses.<fp>.zarr`)."""
+    import xarray as xr
+
+    from stages.train.validate import Validator
+    from store.loss_array import recorded_setting
+
+    store_dir = tmp_path / "store"
+    make_train_store(store_dir, tiny_edit_model, mixed_specs(4, 2))
+    val = {"validate_every": 1, "validate_max_samples": 2, "max_tokens_per_batch": 80}
+    real = Validator.__init__
+
+    def as_before(self, *a, **k):  # the earlier code: batch_size in the validation fingerprint
+        real(self, *a, **k)
+        self.fingerprint, self.settings = self._earlier
+        self._earlier = None
+
+    for name, first, later in (("same", 2, 2), ("other", 2, 5)):
+        out = tmp_path / name
+        monkeypatch.setattr(Validator, "__init__", as_before)
+        run(cfg_of(max_steps=1, checkpoint_every=1, batch_size=first, **val), store_dir, tiny_edit_model, out)
+        monkeypatch.setattr(Validator, "__init__", real)
+        run(cfg_of(max_steps=2, checkpoint_every=2, batch_size=later, **val), store_dir, tiny_edit_model, out,
+            resume=True)
+        assert "batch_size" not in recorded_setting(out)[1]["validate"]  # today's spelling
+        run(cfg_of(max_steps=3, checkpoint_every=3, batch_size=later + 1, **val), store_dir, tiny_edit_model, out,
+            resume=True)
+        assert list(xr.open_zarr(out / "losses.zarr").step.values) == [1, 2, 3], name
+        assert sorted(p.name for p in out.glob("losses*.zarr")) == ["losses.zarr"], name
