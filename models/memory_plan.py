@@ -213,13 +213,26 @@ def optimizer_state_bytes(optimizer: str, params: list[tuple[tuple[int, ...], bo
     raise ValueError(f"no memory plan for optimizer {optimizer!r}")
 
 
+# Float32 bytes per trainable (LoRA) parameter of DDP's gradient buckets: with several processes DDP copies every
+# gradient into flat buckets of the parameters' dtype for the all-reduce (torch's default
+# gradient_as_bucket_view=False: the buckets come on top of the .grad tensors; stages/train/parallel.py), and of
+# the EMA's float32 shadow copy of the adapter (stages/train/ema.py, `train.ema_decay`). Checked against the
+# tensors DDP hands its comm hook and the EMA holds (tests/models/test_memory_plan_terms.py).
+DDP_BUCKET_BYTES = 4
+EMA_BYTES = 4
+
+
 def train_plan(model: str, dtype: str, quantize: str, batch_size: int, tokens_per_sample: int,
                gradient_checkpointing: bool, lora_rank: int, offload: str = "none", blocks_on_device: int = 0,
                lora_targets: int = 4, host: bool = False, counts: TransformerCounts | None = None,
-               optimizer: str = "adamw") -> StagePlan:
+               optimizer: str = "adamw", processes: int = 1, sample_vae: bool = False, ema: bool = False,
+               vae_params: int | None = None) -> StagePlan:
     """Peak device bytes of training; `host=True`: peak host RSS of a CPU run instead (everything resident,
     and the loading peak counts when it is the higher one). `counts`: of a model built in memory (bench).
-    `optimizer`: `train.optimizer`, whose state is planned as that library keeps it."""
+    `optimizer`: `train.optimizer`, whose state is planned as that library keeps it. `processes` > 1: DDP's
+    gradient buckets. `sample_vae` (`train.sample_every` set): the float32 VAE the validator loads on the main
+    process's device for its sample grids and keeps for the run (`vae_params`: its count, default from the
+    model's VAE config). `ema` (`train.ema_decay` set): the adapter's float32 shadow."""
     c = counts or transformer_counts(model)
     # the trainer turns checkpointing on with offload (stages/train/build.py): without it autograd would keep
     # every block's device copy; planned as off, the activations came out ~21x (60 blocks) too high
@@ -240,6 +253,13 @@ def train_plan(model: str, dtype: str, quantize: str, batch_size: int, tokens_pe
         "activations": tokens * c.width * saved * act_elem,
         "backward working set": tokens * c.width * ACT_BACKWARD_WORKSET * act_elem,
     }
+    adapter = lora_params(c, lora_rank, lora_targets)
+    if processes > 1:
+        parts["DDP gradient buckets"] = adapter * DDP_BUCKET_BYTES
+    if ema:
+        parts["EMA"] = adapter * EMA_BYTES
+    if sample_vae:
+        parts["validation VAE (float32)"] = 4 * (vae_params if vae_params is not None else component_params(model, "vae"))
     if model and is_qwen21(model):  # (a bench passes "" with counts of a model built in memory)
         parts["block-causal mask"] = qwen21_mask_bytes(batch_size, tokens_per_sample, act_elem,
                                                        1 if gradient_checkpointing else c.blocks)

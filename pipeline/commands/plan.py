@@ -20,6 +20,8 @@ def command(
                                          help="Transformer sequence length per sample (default: from resize.*)."),
     text_tokens: int = typer.Option(300, "--text-tokens", help="Caption tokens per sample (longest expected)."),
     device: str = typer.Option("cuda", "--device", help="Device type planned for: cuda (auto = bf16) or cpu (auto = float32)."),
+    processes: int = typer.Option(1, "--processes", min=1, help="Processes training together (`pipeline launch`: "
+                                  "nodes x --nproc-per-node); from 2 on DDP's gradient buckets count."),
     set_: list[str] = SetOpt,
 ) -> None:
     cfg = config_from(config, {"paths.model": model}, set_)
@@ -58,12 +60,14 @@ def command(
             mp.encode_plan(model_id, "vae", dtype(cfg.encode_vae.dtype), cfg.encode_vae.batch_size, rc.target_area // 256),
             mp.train_plan(model_id, dtype(tc.dtype, tc.mixed_precision), tc.quantize_base, train_batch, train_seq,
                           tc.gradient_checkpointing, tc.lora.rank, tc.offload, tc.offload_blocks_on_device,
-                          len(tc.lora.target_modules), optimizer=tc.optimizer),
+                          len(tc.lora.target_modules), optimizer=tc.optimizer, processes=processes,
+                          sample_vae=tc.sample_every is not None, ema=tc.ema_decay is not None),
             mp.inference_plan(model_id, dtype(cfg.evaluate.dtype), cfg.evaluate.quantize_base, seq),
         ]
     batching = f"token budget {budget} per batch" if budget else f"batch {tc.batch_size}"
     echo(f"model {model_id}: transformer {mp.transformer_counts(model_id).params / 1e9:.2f} B params; "
-         f"{seq} tokens per training sample, {batching}, planned for {device}")
+         f"{seq} tokens per training sample, {batching}, planned for {device}"
+         + (f", {processes} processes" if processes > 1 else ""))
     if budget and budget < seq:
         echo(f"  note: train.max_tokens_per_batch {budget} is below a sample's {seq} tokens: train refuses a budget "
              "smaller than the longest sample")
