@@ -26,13 +26,16 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable, Iterator, TypeVar
 
 import torch
 
 from schemas.errors import UserError
 
 MESSAGE_BYTES = 2048  # the broadcast message's fixed size (a one-line error; longer ones are cut)
+
+
+T = TypeVar("T")
 
 
 class RankFailed(UserError):
@@ -327,3 +330,29 @@ def failure_line(error: BaseException, line: str) -> str:
     import torch.distributed as dist  # watching: a launch of several ranks
 
     return publish_failure(line, dist.get_world_size() if dist.is_initialized() else int(os.environ["WORLD_SIZE"]))
+
+
+def main_alone(world: int, what: str, work: Callable[[], T]) -> T | None:
+    """`work` on rank 0 alone while the other ranks wait for it, however long it takes (resize-bucket over a
+    million samples: hours, where a process-group barrier would time out, and before any process group exists):
+    rank 0 marks it done in the launcher's store, which the others poll. A failure on rank 0 is published
+    (`fails_alone`) and every other rank's watch thread stops its process with the same line. Rank 0's result
+    there, None on the others; one process: `work()`."""
+    if world <= 1:
+        return work()
+    client = _store_client()
+    if client is None:
+        raise UserError(f"{what} runs on rank 0 while the other ranks wait, through the launcher's store, but the "
+                        "launch named none (MASTER_ADDR / MASTER_PORT): launch with `pipeline launch` (torchrun)")
+    key = f"pipeline/done/{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}/" \
+          f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{what}"
+    if int(os.environ.get("RANK", "0")) == 0:
+        with fails_alone(world, what):
+            result = work()
+        client.set(key, "done")
+        return result
+    watch_failures(world)  # rank 0's failure ends this process with its line
+    # no progress bar: these ranks print nothing of their own, rank 0 shows the work's bars
+    while not client.check([key]):
+        time.sleep(POLL_SECONDS)
+    return None

@@ -14,6 +14,12 @@ report evaluated on it moved inside it first as `evaluate-report/`, and trains a
 
 evaluate covers every kept checkpoint (RUN/checkpoints/step-N): held-out losses appended to REPORT/losses.zarr
 (a checkpoint already there is skipped), curves and the best checkpoint in the report.
+
+Under `pipeline launch` (several ranks) each stage runs as it does launched on its own: resize-bucket on rank 0
+while the other ranks wait (`models.collective.main_alone`: a failure there stops every rank with its line), the
+encode stages, train and evaluate distributed over the ranks, each taking its decisions on all ranks together.
+Rank 0 prints the stage lines and reads the report. A store URL is refused there (each rank would pull and push
+the same cache): its stages are launched one by one instead.
 """
 
 from __future__ import annotations
@@ -140,15 +146,45 @@ def run_all(cfg: PipelineConfig, log: Callable[[str], None] = print, cache_dir: 
     from pipeline.store_url import StoreAccess, named_by_url
 
     paths = required_paths(cfg)
+    world, main = launched()
+    if world > 1:
+        _refuse_url_under_launch(paths.store, world)
+        log = log if main else (lambda message: None)  # one console: rank 0's lines
     access = StoreAccess(paths.store, cache_dir, cache_gb)
     result = AllResult(report=paths.report / "index.html")
     for name, call in stages():
         log(f"== {name}")
         t0 = time.perf_counter()
         with access.for_stage(name, log) as local:
-            summary = named_by_url(call(cfg, replace(paths, store=local)), paths.store)
+            if name == "resize-bucket":  # one writer of the images table; the others wait for it
+                from models.collective import main_alone
+
+                summary = main_alone(world, name, lambda: call(cfg, replace(paths, store=local)))
+            else:
+                summary = call(cfg, replace(paths, store=local))
+            summary = named_by_url(summary, paths.store)
+        if summary is None:  # a rank other than 0 under a launcher (resize-bucket, evaluate report rank 0)
+            continue
         outcome = StageOutcome(name, summary.up_to_date, str(summary), time.perf_counter() - t0, summary)
         result.outcomes.append(outcome)
         log(f"{outcome.summary}  [{'skipped, up to date' if outcome.skipped else f'{outcome.seconds:.1f} s'}]")
-    result.metrics = json.loads((paths.report / "metrics.json").read_text())
+    if main:  # rank 0 wrote the report (the others may finish first)
+        result.metrics = json.loads((paths.report / "metrics.json").read_text())
     return result
+
+
+def launched() -> tuple[int, bool]:
+    """(processes the launcher started, whether this is rank 0); a plain run is (1, True)."""
+    import os
+
+    return int(os.environ.get("WORLD_SIZE", "1")), os.environ.get("RANK", "0") == "0"
+
+
+def _refuse_url_under_launch(store: str, world: int) -> None:
+    from store.remote import is_url
+
+    if is_url(store):  # every rank sees the same store and environment: every rank refuses alike
+        raise UserError(
+            f"`pipeline run all` on a store URL ({store}) runs in one process, but it was launched as {world}: run "
+            "`pipeline run all` without the launcher, or the stages one by one (`pipeline run resize-bucket`, then "
+            "`pipeline launch ... run encode-text`, `encode-vae`, `train`, `evaluate --all-checkpoints`)")

@@ -31,11 +31,15 @@ def command(
                              cache_gb=cache_gb)
         from pipeline.commands.common import with_variant
 
+        if not result.metrics:  # a rank other than 0 under a launcher: rank 0 prints the records
+            return
         # every stage record names the variant of paths.model (resize-bucket's table is model-independent)
         echo(json.dumps([with_variant(o.result.to_json(), cfg.paths.model) for o in result.outcomes], sort_keys=True))
         return
     with user_errors():
         result = run_all(cfg, log=echo, cache_dir=cache_dir, cache_gb=cache_gb)
+    if not result.metrics:  # a rank other than 0 under a launcher: rank 0 prints the report's line
+        return
     overall = result.metrics["loss"]["overall"]
     echo(f"held-out loss (val, {overall['n']} samples): base {overall['base']:.4f} -> LoRA {overall['lora']:.4f}")
     echo(f"report: {result.report}")
