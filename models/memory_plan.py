@@ -6,7 +6,8 @@ channel (+ an int8 zero point for int8); nf4: half a byte + a float32 absmax per
 modules stay in the load dtype). Activations are what autograd keeps for the backward per transformer block
 and token (counted from the block's saved tensors, see ACT_* below), plus the
 working set of one block's backward. Offload keeps `blocks_on_device` blocks resident and streams the
-others (two in flight: the one computing and the one prefetched).
+others (two in flight: the one computing and the one prefetched). Training also holds, when configured, DDP's
+gradient buckets (several processes), the validator's float32 VAE (sample grids) and the EMA's shadow.
 """
 
 from __future__ import annotations
