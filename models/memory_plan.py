@@ -260,7 +260,8 @@ def train_plan(model: str, dtype: str, quantize: str, batch_size: int, tokens_pe
     if ema:
         parts["EMA"] = adapter * EMA_BYTES
     if sample_vae:
-        parts["validation VAE (float32)"] = 4 * (vae_params if vae_params is not None else component_params(model, "vae"))
+        vae = vae_params if vae_params is not None else component_params(model, "vae")
+        parts["validation VAE (float32)"] = 4 * vae
     if model and is_qwen21(model):  # (a bench passes "" with counts of a model built in memory)
         parts["block-causal mask"] = qwen21_mask_bytes(batch_size, tokens_per_sample, act_elem,
                                                        1 if gradient_checkpointing else c.blocks)

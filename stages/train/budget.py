@@ -103,6 +103,7 @@ class TokenBudgetBatchSampler:
         samples = np.concatenate([flat[picks], np.asarray([i for b in last for i in b], dtype=np.int64)])
         return EpochPlan(samples, np.concatenate([batch_sizes, [len(b) for b in last]]), w)
 
+
 def computed_fill(steps: list[list[list[int]]], lengths: list[int], max_tokens: int) -> float:
     """Mean computed tokens (batch size x longest) / budget over all batches."""
     batches = [b for step in steps for b in step if b]
