@@ -117,6 +117,8 @@ def held_out_loss(transformer, samples: list[TrainSample], cfg: EvaluateConfig) 
         with lora_enabled(transformer, on):
             grids[name] = loss_grid(transformer, samples, list(cfg.noise_seeds), [float(t) for t in cfg.timesteps],
                                     cfg.batch_size, desc=f"held-out loss ({name})")
+        if name == "base":  # a non-finite base loss = bad stored features (on_nonfinite=stop names them): stop
+            finite_samples(samples, grids, cfg)  # before the LoRA pass, as --all-checkpoints does
     kept, nonfinite = finite_samples(samples, grids, cfg)
     result = loss_summary({m: g[kept] for m, g in grids.items()}, [samples[i] for i in kept], list(cfg.noise_seeds),
                           [float(t) for t in cfg.timesteps], protocol(cfg, samples))
