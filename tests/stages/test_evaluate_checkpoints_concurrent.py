@@ -52,14 +52,14 @@ def test_a_checkpoint_pruned_while_evaluating_is_left_out_and_the_others_are_eva
 def test_a_checkpoint_pruned_while_hashing_is_left_out(run_and_store, tiny_edit_model, tmp_path, monkeypatch,
                                                        capsys):
     root = _copy_run(run_and_store, tmp_path)
-    real = ev.lora_sha256
+    real = ev.lora_digest
 
-    def lora_sha256(path):  # step 10 hashed: the training prunes step 20 meanwhile
+    def lora_digest(path):  # step 10 hashed: the training prunes step 20 meanwhile
         if "step-10" in str(path):
             shutil.rmtree(root / "run" / "checkpoints" / "step-20", ignore_errors=True)
         return real(path)
 
-    monkeypatch.setattr(ev, "lora_sha256", lora_sha256)
+    monkeypatch.setattr(ev, "lora_digest", lora_digest)
     res = ev.run(EvaluateConfig(**CFG), run_and_store / "store", tiny_edit_model, _ckpts(root), tmp_path / "r")
     assert res.metrics["checkpoints"]["steps"] == [10, 30]
     assert "checkpoint step 20 was removed while evaluate started" in "".join(capsys.readouterr())
