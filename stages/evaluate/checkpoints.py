@@ -295,7 +295,7 @@ def _run(ranks, cfg: EvaluateConfig, store: str | Path, model: str, checkpoints:
         rows = []
         if cfg.num_samples > 0 or cfg.extra_prompts:
             rows = generated_rows(cfg, model, store, tables, transformer, samples, best["path"], best["step"],
-                                  last["path"], last["step"], attached, damaged)
+                                  last["path"], last["step"], attached, damaged, shas)
         metrics["generation"] = single.generation_summary(rows, cfg)  # "lora" = the best checkpoint
         metrics["run"] = {
             "store": str(Path(store).resolve()), "tables": tables.versions(), "model": str(model),
@@ -337,6 +337,18 @@ def _load_if_unchanged(transformer, path: Path, sha: str, scale: float, attached
         return False
     use_checkpoint(transformer, path, scale, attached, data)
     return True  # `data` is freed here, before the checkpoint's loss pass
+
+
+def use_recorded(transformer, path: Path, step: int, sha: str | None, scale: float, attached: bool) -> None:
+    """The checkpoint's weights for its pictures, when they are the bytes its losses were recorded under (`sha`;
+    None: not hashed this run); else one line: the images of a rewritten checkpoint (a training restarted into
+    the run beside evaluate) would sit under numbers of other weights."""
+    if sha is None:
+        use_checkpoint(transformer, path, scale, attached)
+    elif not _load_if_unchanged(transformer, path, sha, scale, attached):
+        raise UserError(f"checkpoint step {step} was rewritten after its held-out loss was computed ({path}; by a "
+                        "running training?): its images would not show the weights evaluated; rerun evaluate "
+                        "once the training has stopped writing it")
 
 
 def _grid(ranks, transformer, samples, seeds: list[int], sigmas: list[float], batch_size: int,
