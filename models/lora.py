@@ -146,7 +146,7 @@ def check_lora_family(transformer, lora: str | Path, data: bytes | None = None) 
     bytes, already read."""
     try:
         recorded = _metadata(lora_weight_file(lora), data).get(_CLASS_KEY)
-    except (ValueError, UnicodeDecodeError):  # bytes that are no safetensors header: read_lora names the file
+    except (ValueError, AttributeError):  # bytes that are no safetensors header: read_lora names the file
         return
     now = _transformer_class(transformer)
     if recorded is not None and recorded != now:

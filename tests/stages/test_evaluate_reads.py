@@ -85,3 +85,22 @@ def test_two_ranks_read_each_checkpoint_once_between_them(tmp_path):
         assert got["read"] == {str(files[s]): files[s].stat().st_size for s in mine}
     lines = [results(out)["damaged"] for _, out, _ in outs]
     assert lines[0] == lines[1] and "checkpoint step 2" in lines[0] and "damaged" in lines[0], lines
+
+
+def test_a_lora_parsed_from_its_bytes_is_the_file_and_cut_bytes_are_one_line(run_and_store):
+    """The loader's bytes path (`read_lora(..., data=)`) gives what reading the file gives, metadata included;
+    bytes cut short are refused in one line naming the file, as a file cut short is."""
+    import pytest
+    import torch
+
+    from models.lora import read_lora
+    from schemas.errors import UserError
+
+    lora = run_and_store / "run" / "checkpoints" / "step-10" / "lora"
+    data = (lora / WEIGHTS).read_bytes()
+    (a, ca), (b, cb) = read_lora(lora), read_lora(lora, data)
+    assert ca == cb and ca is not None and a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    for cut in (data[:100], data[:4], b"[1]" + data[3:]):
+        with pytest.raises(UserError, match="not a readable .safetensors file") as e:
+            read_lora(lora, cut)
+        assert "\n" not in str(e.value) and str(lora / WEIGHTS) in str(e.value)
