@@ -20,6 +20,7 @@ from typing import Protocol
 
 import torch
 from safetensors import safe_open
+from safetensors.torch import load as load_bytes
 from safetensors.torch import load_file
 
 from schemas.errors import UserError
@@ -130,10 +131,23 @@ def _transformer_class(transformer) -> str:
     return type(getattr(transformer, "_orig_mod", transformer)).__name__  # torch.compile wraps it
 
 
-def check_lora_family(transformer, lora: str | Path) -> None:
-    """Refuse (one line) a LoRA whose recorded transformer class is not this transformer's."""
-    with safe_open(lora_weight_file(lora), framework="pt") as f:
-        recorded = (f.metadata() or {}).get(_CLASS_KEY)
+def _metadata(path: Path, data: bytes | None) -> dict:
+    """The safetensors metadata of the file, or of its bytes already read (`data`): the format's header is an
+    8-byte little-endian length and that many bytes of JSON, whose `__metadata__` holds it."""
+    if data is None:
+        with safe_open(path, framework="pt") as f:
+            return f.metadata() or {}
+    size = int.from_bytes(data[:8], "little")
+    return json.loads(bytes(data[8 : 8 + size])).get("__metadata__") or {}
+
+
+def check_lora_family(transformer, lora: str | Path, data: bytes | None = None) -> None:
+    """Refuse (one line) a LoRA whose recorded transformer class is not this transformer's. `data`: the file's
+    bytes, already read."""
+    try:
+        recorded = _metadata(lora_weight_file(lora), data).get(_CLASS_KEY)
+    except (ValueError, AttributeError):  # bytes that are no safetensors header: read_lora names the file
+        return
     now = _transformer_class(transformer)
     if recorded is not None and recorded != now:
         raise UserError(f"LoRA {lora} was trained on a {recorded} and this model's transformer is a {now}: a LoRA "
@@ -223,8 +237,9 @@ def lora_weight_file(lora: str | Path) -> Path:
     return path
 
 
-def read_lora(lora: str | Path) -> tuple[dict[str, torch.Tensor], dict | None]:
-    """(peft-named state dict without the `transformer.` prefix, saved adapter config or None).
+def read_lora(lora: str | Path, data: bytes | None = None) -> tuple[dict[str, torch.Tensor], dict | None]:
+    """(peft-named state dict without the `transformer.` prefix, saved adapter config or None). `data`: the
+    file's bytes, already read (evaluate hashes exactly the bytes it loads), parsed instead of reading the file.
 
     Files in the other formats diffusers' Qwen-Image loader reads (kohya `lora_unet_*`, ComfyUI
     `diffusion_model.*`, per-module `.alpha` tensors) go through diffusers' own converter
@@ -232,9 +247,8 @@ def read_lora(lora: str | Path) -> tuple[dict[str, torch.Tensor], dict | None]:
     """
     path = lora_weight_file(lora)
     try:
-        state = load_file(path)
-        with safe_open(path, framework="pt") as f:
-            meta = (f.metadata() or {}).get(_METADATA_KEY)
+        state = load_file(path) if data is None else load_bytes(data)
+        meta = _metadata(path, data).get(_METADATA_KEY)
     except Exception as e:  # safetensors raises its own SafetensorError (and OSError) for a file it cannot parse
         raise UserError(f"{path} is not a readable .safetensors file ({type(e).__name__}: {e}); pass the LoRA "
                         "written by `pipeline run train` (RUN/lora) or an intact copy") from None
@@ -269,17 +283,19 @@ def _converted(path: Path) -> dict[str, torch.Tensor]:
         raise UserError(f"{path}: not a Qwen-Image LoRA diffusers can convert ({e})") from None
 
 
-def load_lora(transformer, lora: str | Path, adapter_name: str = ADAPTER, state: dict | None = None) -> None:
+def load_lora(transformer, lora: str | Path, adapter_name: str = ADAPTER, state: dict | None = None,
+              data: bytes | None = None) -> None:
     """Copy saved adapter weights into the transformer's existing adapter; any key mismatch is an error.
 
     The transformer must already carry an adapter built from the same settings (`add_lora`, `attach_lora`).
-    `state`: already read (and possibly rescaled) weights of `lora`, instead of reading the file.
+    `state`: already read (and possibly rescaled) weights of `lora`, instead of reading the file; `data`: its
+    bytes, already read.
     """
     from peft.utils import set_peft_model_state_dict
 
     config = None
     if state is None:
-        state, config = read_lora(lora)
+        state, config = read_lora(lora, data)
     expected = lora_state_dict(transformer, adapter_name)
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
@@ -365,14 +381,15 @@ def _target_list(transformer, modules: set[str]) -> str:
     return "[" + ", ".join(names if selected == modules else sorted(modules)) + "]"
 
 
-def attach_lora(transformer, lora: str | Path, scale: float = 1.0, adapter_name: str = "lora") -> None:
+def attach_lora(transformer, lora: str | Path, scale: float = 1.0, adapter_name: str = "lora",
+                data: bytes | None = None) -> None:
     """Build an adapter from the LoRA file's own config (rank, alpha, targets), load its weights, activate it at
     `scale`. A file without the config (written elsewhere) gets rank and targets from its shapes, alpha = rank
-    (what diffusers assumes too)."""
+    (what diffusers assumes too). `data`: the file's bytes, already read."""
     from peft.utils.error import NoMatchingPeftModuleError
 
-    check_lora_family(transformer, lora)
-    state, config = read_lora(lora)
+    check_lora_family(transformer, lora, data)
+    state, config = read_lora(lora, data)
     try:
         transformer.add_adapter(_peft_config(state, config), adapter_name=adapter_name)
     except NoMatchingPeftModuleError as e:  # e.g. a LoRA of another model family: one line, not peft's traceback
@@ -380,8 +397,9 @@ def attach_lora(transformer, lora: str | Path, scale: float = 1.0, adapter_name:
                         "model; pass a LoRA trained on this --model") from None
     if not transformer.training:  # peft builds the new layers (their lora/module dropout too) in training mode:
         transformer.eval()  # a model loaded for inference would draw dropout masks from the global RNG
-    # peft builds adapter weights in the layers' dtype: load the saved values into exactly those.
-    load_lora(transformer, lora, adapter_name)
+    # peft builds adapter weights in the layers' dtype: load the saved values into exactly those (the state read
+    # above: the adapter was built from its config, so the alpha check has nothing to compare; no second read)
+    load_lora(transformer, lora, adapter_name, state=state)
     transformer.set_adapters([adapter_name], weights=[scale])
 
 

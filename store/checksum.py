@@ -117,12 +117,14 @@ def folder_checksums(folder: Path, skip: tuple[str, ...] = ()) -> dict[str, dict
     return out
 
 
-def file_mismatch(folder: Path, name: str, entry: dict[str, Any]) -> str | None:
-    """What is wrong with `folder/name` against its recorded entry ("x is missing", "x is damaged (...)"), or None."""
+def file_mismatch(folder: Path, name: str, entry: dict[str, Any],
+                  measured: tuple[str, int] | None = None) -> str | None:
+    """What is wrong with `folder/name` against its recorded entry ("x is missing", "x is damaged (...)"), or None.
+    `measured`: the file's (crc32c, size) from a pass that read it already (not read again)."""
     path = folder / name
-    if not path.is_file():
+    if measured is None and not path.is_file():
         return f"{name} is missing"
-    crc, n = file_crc(path)
+    crc, n = measured or file_crc(path)
     if (n, crc) != (entry.get("nbytes"), entry.get("crc32c")):
         return (f"{name} is damaged ({n} bytes, crc32c {crc}; recorded {entry.get('nbytes')} bytes, "
                 f"crc32c {entry.get('crc32c')})")
@@ -135,10 +137,12 @@ def write_folder_record(folder: Path, extra: dict[str, Any] | None = None) -> No
     (folder / FOLDER_RECORD).write_bytes(seal({**(extra or {}), "files": folder_checksums(folder, (FOLDER_RECORD,))}))
 
 
-def check_recorded(path: Path, records: tuple[str, ...] = (FOLDER_RECORD, "resume.json"), levels: int = 2) -> None:
+def check_recorded(path: Path, records: tuple[str, ...] = (FOLDER_RECORD, "resume.json"), levels: int = 2,
+                   measured: tuple[str, int] | None = None) -> None:
     """Check one file against the sealed record of the folder holding it (its own folder's `checksums.json`, or
     up to `levels` folders up: a checkpoint's `resume.json` covers `lora/<file>`); a UserError when it differs.
-    A file no record names (written elsewhere) passes: there is nothing to check it against."""
+    A file no record names (written elsewhere) passes: there is nothing to check it against. `measured`: its
+    (crc32c, size) taken by the caller's own read (evaluate hashes a LoRA in the same pass), not read again."""
     from schemas.errors import UserError
 
     path = Path(path)
@@ -158,7 +162,7 @@ def check_recorded(path: Path, records: tuple[str, ...] = (FOLDER_RECORD, "resum
                                 "trusted: use an intact copy or rerun the command that wrote it") from None
             rel = path.resolve().relative_to(folder.resolve()).as_posix()
             if rel in files:
-                problem = file_mismatch(folder, rel, files[rel])
+                problem = file_mismatch(folder, rel, files[rel], measured)
                 if problem:
                     raise UserError(f"{folder}: {problem}, checked against {record}; the file changed after it "
                                     "was written: use an intact copy or rerun the command that wrote it")

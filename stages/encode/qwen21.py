@@ -130,10 +130,45 @@ def text_schema(job, hidden_size: int, dtype: str, nocontrol: bool = False) -> T
     )
 
 
+class SampleEncodings:
+    """A sample's prompt, empty prompt and (`nocontrol`) instruction alone, each encoding computed once: the empty
+    prompt without references is the same for every sample that has none (once per run, not per sample: a
+    text-to-image dataset re-encoded it for each of its samples), and a call that repeats one already made for
+    the sample (an empty caption: its empty prompt; no references: its prompt alone) reuses that one. The same
+    call gives the same values (`tests/stages/test_encode_21_empty_once.py`)."""
+
+    def __init__(self, encoder):
+        self.encoder = encoder
+        self.empty_alone: tuple | None = None  # (embeds, slot mask) of "" with no references
+
+    def _encode(self, caption: str, references: list) -> tuple:
+        from models.qwen21_text import encode_prompt
+
+        return encode_prompt(self.encoder, caption, references)
+
+    def _empty_alone(self) -> tuple:
+        if self.empty_alone is None:
+            self.empty_alone = self._encode("", [])
+        return self.empty_alone
+
+    def of(self, item: TextItem, nocontrol: bool) -> tuple:
+        """(prompt, slot mask, empty prompt, its slot mask, instruction alone or None)."""
+        caption, refs = item.caption, item.references
+        prompt, slots = self._empty_alone() if not caption and not refs else self._encode(caption, refs)
+        if not caption:
+            empty, empty_slots = prompt, slots
+        else:
+            empty, empty_slots = self._empty_alone() if not refs else self._encode("", refs)
+        alone = None
+        if nocontrol:  # the instruction without the references
+            alone = prompt if not refs else self._empty_alone()[0] if not caption else self._encode(caption, [])[0]
+        return prompt, slots, empty, empty_slots, alone
+
+
 def run_text(cfg: PipelineConfig, store: str | Path, model: str, device: str | None = None,
              batch_size: int | None = None, ranks: Ranks | None = None) -> Summary:
     from models.loading import load_component, parse_dtype
-    from models.qwen21_text import encode_prompt, grid_mismatch, prompt_encoder
+    from models.qwen21_text import grid_mismatch, prompt_encoder
 
     section = with_overrides(cfg.encode_text, device=device, batch_size=batch_size)
     ranks = ranks or current_ranks(section.device)
@@ -156,6 +191,7 @@ def run_text(cfg: PipelineConfig, store: str | Path, model: str, device: str | N
     encoder = prompt_encoder(text_encoder, processor)
     nocontrol = section.no_control_embeds  # reference dropout: the text-to-image prompt, no references
     schema = text_schema(job, text_encoder.config.text_config.hidden_size, section.dtype, nocontrol)
+    encodings = SampleEncodings(encoder)
     try:
         todo = job.open_writer(schema, section.shard_size_mb)
         samples = prefetched(job.read_inputs(todo), job.unless_rejected(lambda item: prepare_text(*item)),
@@ -171,9 +207,7 @@ def run_text(cfg: PipelineConfig, store: str | Path, model: str, device: str | N
                     continue
                 # One sample per forward: the stock encoder takes one reference set per call.
                 with job.timed_forward(3 if nocontrol else 2):
-                    prompt, slots = encode_prompt(encoder, item.caption, item.references)
-                    empty, empty_slots = encode_prompt(encoder, "", item.references)
-                    alone = encode_prompt(encoder, item.caption, [])[0] if nocontrol else None
+                    prompt, slots, empty, empty_slots, alone = encodings.of(item, nocontrol)
                 problem = grid_mismatch(slots, [(im.height, im.width) for im in item.references])
                 if problem is not None:
                     job.quarantine(item.key, "VLM grid differs from the VAE grid", problem)

@@ -52,11 +52,13 @@ def loss_fingerprint(cfg: EvaluateConfig, store: str | Path, model: str) -> tupl
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest(), settings
 
 
-def lora_sha256(checkpoint: Path) -> str:
-    from models.file_hashes import file_sha256
+def lora_digest(checkpoint: Path):
+    """The checkpoint's LoRA file checked against its sealed record and hashed, in one read
+    (`stages.evaluate.lora_bytes`)."""
     from models.lora import lora_weight_file
+    from stages.evaluate.lora_bytes import checked_digest
 
-    return file_sha256(lora_weight_file(checkpoint))  # chunked: a GB-sized LoRA is not copied into memory
+    return checked_digest(lora_weight_file(checkpoint))
 
 
 def _gone(checkpoint: Path) -> bool:
@@ -67,33 +69,47 @@ def _gone(checkpoint: Path) -> bool:
     return not (Path(checkpoint) / WEIGHT_NAME).is_file() and not Path(checkpoint).is_file()
 
 
-def check_and_hash(checkpoints: list[tuple[int, Path]],
-                   show: bool = True) -> tuple[list[tuple[int, Path]], dict[int, str]]:
+def check_and_hash(checkpoints: list[tuple[int, Path]], ranks=None) -> tuple[list[tuple[int, Path]], dict[int, str]]:
     """Each checkpoint's LoRA file against the CRC32C its sealed resume.json records (as single-LoRA evaluate
     checks RUN/lora's checksums.json): a flipped bit is refused naming the file, not evaluated as trained
-    weights, nor taken (its hash changed) for another run's checkpoint. Then its bytes' sha256 (hashed once: the
-    up-to-date check and the appends both compare them). A checkpoint removed meanwhile (pruned by a training
-    running beside evaluate) is left out with a line, not taken for a damaged one. Returns (kept, step -> sha256)."""
-    from models.lora import lora_base_fingerprint, lora_weight_file
-    from store.checksum import check_recorded
+    weights, nor taken (its hash changed) for another run's checkpoint. The same pass gives its bytes' sha256
+    (the up-to-date check and the appends both compare them). Each file is read once per run: under a launcher
+    checkpoint i by rank i % world, the hashes then shared, every rank deciding alike. A checkpoint removed
+    meanwhile (pruned by a training running beside evaluate) is left out with a line, not taken for a damaged
+    one. Returns (kept, step -> sha256), the same on every rank."""
+    from models.collective import together
+    from models.lora import lora_base_fingerprint
+    from stages.evaluate.ranks import Ranks
 
+    ranks = ranks or Ranks()
+    hashes: list[str | None] = [None] * len(checkpoints)
+    gone = [0] * len(checkpoints)
+    with together(ranks.world, "check the checkpoints"):
+        for i in tqdm(ranks.share(len(checkpoints)), desc="check and hash checkpoints", unit="ckpt",
+                      disable=not ranks.main):
+            step, path = checkpoints[i]
+            try:
+                hashes[i] = lora_digest(path).sha256
+                lora_base_fingerprint(path)  # its header parses: a truncated file unsealed (older runs) is named here
+            except (UserError, OSError) as e:
+                if _gone(path):
+                    gone[i] = 1
+                    continue
+                if isinstance(e, OSError):
+                    raise UserError(f"checkpoint step {step}: cannot read {path} ({e})") from None
+                raise UserError(f"checkpoint step {step}: {e}; or move {Path(path).parent} out of the run's "
+                                "checkpoints/ to evaluate the others") from None
+    gone = ranks.any(gone)  # left out on every rank when the rank that read it found it gone
+    hashes = ranks.from_owners(hashes)
     kept, shas = [], {}
-    for step, path in tqdm(checkpoints, desc="check and hash checkpoints", unit="ckpt", disable=not show):
-        try:
-            check_recorded(lora_weight_file(path))
-            lora_base_fingerprint(path)  # its header parses: a truncated file unsealed (older runs) is named here
-            shas[step] = lora_sha256(path)
-        except (UserError, OSError) as e:
-            if _gone(path):
-                if show:
-                    tqdm.write(f"checkpoint step {step} was removed while evaluate started ({path}; pruned by a "
-                               "running training?): left out")
-                continue
-            if isinstance(e, OSError):
-                raise UserError(f"checkpoint step {step}: cannot read {path} ({e})") from None
-            raise UserError(f"checkpoint step {step}: {e}; or move {Path(path).parent} out of the run's "
-                            "checkpoints/ to evaluate the others") from None
+    for (step, path), g, sha in zip(checkpoints, gone, hashes):
+        if g:
+            if ranks.main:
+                tqdm.write(f"checkpoint step {step} was removed while evaluate started ({path}; pruned by a "
+                           "running training?): left out")
+            continue
         kept.append((step, path))
+        shas[step] = sha
     return kept, shas
 
 
@@ -239,11 +255,7 @@ def _run(ranks, cfg: EvaluateConfig, store: str | Path, model: str, checkpoints:
     if not checkpoints:
         raise UserError("no checkpoints to evaluate: the run folder holds no checkpoints/step-N "
                         "(train with train.checkpoint_every set, or evaluate one LoRA without --all-checkpoints)")
-    with together(ranks.world, "check the checkpoints"):
-        kept, shas = check_and_hash(checkpoints, show=ranks.main)
-    # a checkpoint pruned meanwhile is left out on every rank when one rank found it gone
-    gone = ranks.any([int(all(step != s for s, _ in kept)) for step, _ in checkpoints])
-    checkpoints = [c for c, g in zip(checkpoints, gone) if not g]
+    checkpoints, shas = check_and_hash(checkpoints, ranks)
     if not checkpoints:
         raise UserError("every checkpoint of the run was removed while evaluate started: rerun evaluate")
     requested = cfg.dtype
@@ -283,7 +295,7 @@ def _run(ranks, cfg: EvaluateConfig, store: str | Path, model: str, checkpoints:
         rows = []
         if cfg.num_samples > 0 or cfg.extra_prompts:
             rows = generated_rows(cfg, model, store, tables, transformer, samples, best["path"], best["step"],
-                                  last["path"], last["step"], attached, damaged)
+                                  last["path"], last["step"], attached, damaged, shas)
         metrics["generation"] = single.generation_summary(rows, cfg)  # "lora" = the best checkpoint
         metrics["run"] = {
             "store": str(Path(store).resolve()), "tables": tables.versions(), "model": str(model),
@@ -297,7 +309,7 @@ def _run(ranks, cfg: EvaluateConfig, store: str | Path, model: str, checkpoints:
         return CheckpointsResult(metrics, report, evaluated=evaluated, seconds=time.perf_counter() - started)
 
 
-def use_checkpoint(transformer, path: Path, scale: float, attached: bool) -> None:
+def use_checkpoint(transformer, path: Path, scale: float, attached: bool, data: bytes | None = None) -> None:
     """The checkpoint's weights in the one adapter "lora": copied into it when they fit (no new modules per
     checkpoint); a checkpoint of another rank, alpha or target modules (a run folder holding checkpoints of two
     trainings) gets the adapter rebuilt from its own saved config, so it is evaluated as saved, not refused."""
@@ -305,13 +317,38 @@ def use_checkpoint(transformer, path: Path, scale: float, attached: bool) -> Non
 
     if attached:
         try:
-            load_lora(transformer, path, adapter_name="lora")
+            load_lora(transformer, path, adapter_name="lora", data=data)
             return
         except UserError:
             if _gone(path):
                 raise
             transformer.delete_adapters("lora")
-    attach_lora(transformer, path, scale)
+    attach_lora(transformer, path, scale, data=data)
+
+
+def _load_if_unchanged(transformer, path: Path, sha: str, scale: float, attached: bool) -> bool:
+    """Load the checkpoint when its bytes are still the ones hashed (one read: the loader parses the bytes
+    hashed here); False when they changed (rewritten since by a training running beside evaluate)."""
+    from models.lora import lora_weight_file
+    from stages.evaluate.lora_bytes import read_for_load
+
+    data, now = read_for_load(lora_weight_file(path))
+    if now != sha:
+        return False
+    use_checkpoint(transformer, path, scale, attached, data)
+    return True  # `data` is freed here, before the checkpoint's loss pass
+
+
+def use_recorded(transformer, path: Path, step: int, sha: str | None, scale: float, attached: bool) -> None:
+    """The checkpoint's weights for its pictures, when they are the bytes its losses were recorded under (`sha`;
+    None: not hashed this run); else one line: the images of a rewritten checkpoint (a training restarted into
+    the run beside evaluate) would sit under numbers of other weights."""
+    if sha is None:
+        use_checkpoint(transformer, path, scale, attached)
+    elif not _load_if_unchanged(transformer, path, sha, scale, attached):
+        raise UserError(f"checkpoint step {step} was rewritten after its held-out loss was computed ({path}; by a "
+                        "running training?): its images would not show the weights evaluated; rerun evaluate "
+                        "once the training has stopped writing it")
 
 
 def _grid(ranks, transformer, samples, seeds: list[int], sigmas: list[float], batch_size: int,
@@ -374,11 +411,12 @@ def _append_missing(ranks, losses: LossStore | None, checkpoints: list[tuple[int
         changed = 0
         with together(ranks.world, f"load checkpoint step {step}"):
             try:
-                use_checkpoint(transformer, path, cfg.lora_scale, attached)
-                attached = True
                 # A training running beside evaluate may prune or rewrite a checkpoint after it was hashed: the
                 # numbers are recorded under the hash only when the loaded bytes are still the hashed ones.
-                changed = int(lora_sha256(path) != shas[step])
+                if _load_if_unchanged(transformer, path, shas[step], cfg.lora_scale, attached):
+                    attached = True
+                else:
+                    changed = 1
             except (UserError, OSError):
                 if not _gone(path):
                     raise

@@ -41,6 +41,16 @@ class Ranks:
         """Rank 0's non-negative integers on every rank (the others pass anything of the same length)."""
         return all_max(self.world, values if self.main else [0] * len(values))
 
+    def from_owners(self, hashes: list[str | None]) -> list[str | None]:
+        """sha256 hex digests, each computed by one rank (None on the others), on every rank: as 32-bit words
+        each rank fills for its own and leaves 0 for the others', max-reduced. None where no rank had one."""
+        words = 8  # 64 hex digits
+        flat = [int(h[8 * w : 8 * w + 8], 16) if h else 0 for h in hashes for w in range(words)]
+        owned = self.any([int(h is not None) for h in hashes])
+        flat = self.any(flat)
+        return [None if not have else "".join(f"{v:08x}" for v in flat[i * words : (i + 1) * words])
+                for i, have in enumerate(owned)]
+
     def full_grid(self, part: np.ndarray, mine: list[int], n: int) -> np.ndarray:
         """This rank's [len(mine), ...] losses summed with the others' into the [n, ...] grid (every rank).
         NaN (a region a sample has not) survives the sum: NaN + 0 is NaN."""

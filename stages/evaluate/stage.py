@@ -33,7 +33,7 @@ from features.pictures import open_png
 from models.flow import flow_loss
 from models.loading import load_component, parse_dtype
 from models.lora import attach_lora, lora_weight_file
-from store.checksum import check_recorded
+from stages.evaluate.lora_bytes import checked_digest, read_for_load
 from models.attention import use_attention_backend
 from models.multires import install_multires
 from models.qwen21_flow import is_qwen21
@@ -117,6 +117,8 @@ def held_out_loss(transformer, samples: list[TrainSample], cfg: EvaluateConfig) 
         with lora_enabled(transformer, on):
             grids[name] = loss_grid(transformer, samples, list(cfg.noise_seeds), [float(t) for t in cfg.timesteps],
                                     cfg.batch_size, desc=f"held-out loss ({name})")
+        if name == "base":  # a non-finite base loss = bad stored features (on_nonfinite=stop names them): stop
+            finite_samples(samples, grids, cfg)  # before the LoRA pass, as --all-checkpoints does
     kept, nonfinite = finite_samples(samples, grids, cfg)
     result = loss_summary({m: g[kept] for m, g in grids.items()}, [samples[i] for i in kept], list(cfg.noise_seeds),
                           [float(t) for t in cfg.timesteps], protocol(cfg, samples))
@@ -289,14 +291,16 @@ def for_model(cfg: EvaluateConfig, model: str) -> EvaluateConfig:
     return cfg.model_copy(update={"true_cfg_scale": TRUE_CFG_21})
 
 
-def evaluate_inputs(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path) -> dict:
-    """Everything a report depends on; equal inputs = the report is up to date (`pipeline run all` skips it)."""
+def evaluate_inputs(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path,
+                    lora_sha256: str | None = None) -> dict:
+    """Everything a report depends on; equal inputs = the report is up to date (`pipeline run all` skips it).
+    `lora_sha256`: the LoRA file's hash when the caller has it (`run` hashes it once, with its CRC check)."""
     from models.file_hashes import file_sha256
     from models.loading import model_fingerprint
 
     cfg = resolved_config(cfg)
     st = Store(store, create=False)
-    h = file_sha256(lora_weight_file(lora))  # chunked: a GB-sized LoRA is not read into memory
+    h = lora_sha256 or file_sha256(lora_weight_file(lora))  # chunked: a GB-sized LoRA is not read into memory
     return {
         "store": str(Path(store).resolve()),
         "tables": {t: st.version_id(t, v) for t, v in sorted(st.tables().items()) if t in ("images", "text", "vae")},
@@ -306,7 +310,8 @@ def evaluate_inputs(cfg: EvaluateConfig, store: str | Path, model: str, lora: st
     }
 
 
-def report_up_to_date(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, out: str | Path) -> bool:
+def report_up_to_date(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, out: str | Path,
+                      lora_sha256: str | None = None) -> bool:
     metrics = Path(out) / "metrics.json"
     if not metrics.is_file() or not (Path(out) / "index.html").is_file():
         return False
@@ -315,7 +320,7 @@ def report_up_to_date(cfg: EvaluateConfig, store: str | Path, model: str, lora: 
     except (OSError, json.JSONDecodeError):
         return False
     return current.is_current(recorded if isinstance(recorded, dict) else None,
-                              evaluate_inputs(cfg, store, model, lora))
+                              evaluate_inputs(cfg, store, model, lora, lora_sha256))
 
 
 
@@ -447,7 +452,9 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, ou
     out = Path(out)
     started = time.perf_counter()
     cfg = for_model(cfg, model)
-    if skip_if_done and report_up_to_date(cfg, store, model, lora, out):
+    # the file train sealed, checked and hashed in one read: a flipped bit is refused, not evaluated
+    checked = checked_digest(lora_weight_file(lora))
+    if skip_if_done and report_up_to_date(cfg, store, model, lora, out, checked.sha256):
         return EvaluateResult(json.loads((out / "metrics.json").read_text()), out / "index.html", up_to_date=True)
     if out.is_dir() and not (out / "metrics.json").is_file() and not _only_report_files(out):
         raise UserError(f"{out} is not empty and holds no earlier report: pass a new or empty --out folder")
@@ -455,14 +462,13 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, ou
     cfg = resolved_config(cfg)
     tqdm.write(describe("evaluate", parse_dtype(cfg.dtype), cfg.device, requested)
                + (f", quantize_base {cfg.quantize_base}" if cfg.quantize_base != "none" else ""))
-    check_recorded(lora_weight_file(lora))  # the file train sealed: a flipped bit is refused, not evaluated
     warn_other_base([lora], model)
-    inputs = evaluate_inputs(cfg, store, model, lora)
+    inputs = evaluate_inputs(cfg, store, model, lora, checked.sha256)
     tables, samples = read_val_samples(cfg, store, model)
     damaged = dict(tables.damaged)
 
     transformer = load_transformer(cfg, model)
-    attach_lora(transformer, lora, cfg.lora_scale)
+    attach_checked(transformer, lora, cfg.lora_scale, checked.sha256)
 
     loss = held_out_loss(transformer, samples, cfg)
 
@@ -478,6 +484,16 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, ou
     tables.close()  # readers and read lease: a process that goes on (`run all`) holds nothing of them
     return EvaluateResult(metrics, write_report(out, metrics, rows), seconds=time.perf_counter() - started,
                           damaged=damaged)
+
+
+def attach_checked(transformer, lora: str | Path, scale: float, sha256: str) -> None:
+    """`attach_lora` from the file's bytes read once, refused when they are not the bytes checked and recorded
+    (the LoRA rewritten while evaluate ran): the report's recorded hash is that of the weights evaluated."""
+    data, now = read_for_load(lora_weight_file(lora))
+    if now != sha256:
+        raise UserError(f"{lora_weight_file(lora)} changed while evaluate ran (its bytes are not the ones checked "
+                        "at the start): rerun evaluate once whatever writes it has finished")
+    attach_lora(transformer, lora, scale, data=data)
 
 
 def sample_rows(cfg: EvaluateConfig, store: str | Path, model: str, transformer, tables, samples: list,

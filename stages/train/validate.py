@@ -169,15 +169,33 @@ class Validator:
     def missing_at(self, step: int) -> bool:
         """Whether a validation due at `step` has left no record in the run folder (its losses.zarr row or its
         sample grid): a resume repeats only such a one, e.g. one that failed after its step's checkpoint."""
-        from store.loss_array import recorded_steps
-
         cfg = self.cfg
         if cfg.sample_every is not None and step % cfg.sample_every == 0:
-            if not (self.run_dir / "samples" / f"step-{step:06d}.png").is_file():
+            if not self._grid_recorded(step):
                 return True
         if cfg.validate_every is not None and step % cfg.validate_every == 0:
-            return step not in (recorded_steps(self.run_dir, self._curve_fingerprint()) or {})
+            return not self._loss_recorded(step)
         return False
+
+    def _grid_recorded(self, step: int) -> bool:
+        return (self.run_dir / "samples" / f"step-{step:06d}.png").is_file()
+
+    def _loss_recorded(self, step: int) -> bool:
+        from store.loss_array import recorded_steps
+
+        return step in (recorded_steps(self.run_dir, self._curve_fingerprint()) or {})
+
+    def _unrecorded(self, r, do_loss: bool, do_samples: bool) -> tuple[bool, bool]:
+        """At the resumed step (a validation re-run because part of it left no record): only the parts that did.
+        Its recorded losses were logged too, and the resumed writer purges only later steps: run again, they
+        were a second `val/loss` point at that step. Rank 0 reads the run folder, every rank follows it (the
+        loss pass is collective)."""
+        from models.collective import all_max
+
+        flags = [int(do_loss and not self._loss_recorded(r.step)),
+                 int(do_samples and not self._grid_recorded(r.step))] if r.main else [0, 0]
+        loss, samples = all_max(r.world, flags)
+        return bool(loss), bool(samples)
 
     def __call__(self, r) -> None:
         """At the configured steps: the held-out loss on every rank (logged and appended to RUN/losses.zarr by
@@ -185,6 +203,8 @@ class Validator:
         cfg, step = self.cfg, r.step
         do_loss = cfg.validate_every is not None and step % cfg.validate_every == 0
         do_samples = cfg.sample_every is not None and step % cfg.sample_every == 0
+        if (do_loss or do_samples) and step == getattr(getattr(r, "result", None), "start_step", None):
+            do_loss, do_samples = self._unrecorded(r, do_loss, do_samples)
         if not (do_loss or do_samples):
             return
         # fails_alone: the sample grid and the writes are the main process's alone, and the other ranks go on to

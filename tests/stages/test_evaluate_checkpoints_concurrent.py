@@ -52,14 +52,14 @@ def test_a_checkpoint_pruned_while_evaluating_is_left_out_and_the_others_are_eva
 def test_a_checkpoint_pruned_while_hashing_is_left_out(run_and_store, tiny_edit_model, tmp_path, monkeypatch,
                                                        capsys):
     root = _copy_run(run_and_store, tmp_path)
-    real = ev.lora_sha256
+    real = ev.lora_digest
 
-    def lora_sha256(path):  # step 10 hashed: the training prunes step 20 meanwhile
+    def lora_digest(path):  # step 10 hashed: the training prunes step 20 meanwhile
         if "step-10" in str(path):
             shutil.rmtree(root / "run" / "checkpoints" / "step-20", ignore_errors=True)
         return real(path)
 
-    monkeypatch.setattr(ev, "lora_sha256", lora_sha256)
+    monkeypatch.setattr(ev, "lora_digest", lora_digest)
     res = ev.run(EvaluateConfig(**CFG), run_and_store / "store", tiny_edit_model, _ckpts(root), tmp_path / "r")
     assert res.metrics["checkpoints"]["steps"] == [10, 30]
     assert "checkpoint step 20 was removed while evaluate started" in "".join(capsys.readouterr())
@@ -142,3 +142,29 @@ def test_a_checkpoint_of_another_lora_rank_is_evaluated_as_saved(run_and_store, 
     # with these seeds the rank-8 LoRA lowers this tiny random model's loss (a random direction can): the best
     assert res.best["step"] == 5 and c["per_step"][0]["overall"] < c["base"]["overall"]
     assert (tmp_path / "r" / "index.html").is_file()  # base, best (rank 8) and last (rank 4) generated
+
+
+def test_the_best_checkpoint_rewritten_before_its_images_is_refused_not_pictured(
+        run_and_store, tiny_edit_model, tmp_path, monkeypatch):
+    """Step 20 (best: a zero LoRA) is rewritten with step 10's far weights after the losses were computed and
+    before the base / best / last images are generated. Before, the 'best (step 20)' column silently showed the
+    new weights under the old weights' numbers; now evaluate stops naming the step."""
+    import pytest
+
+    from schemas.errors import UserError
+
+    root = _copy_run(run_and_store, tmp_path)
+    ck = root / "run" / "checkpoints"
+    real = ev._summary
+
+    def summary_then_rewrite(*a, **k):
+        out = real(*a, **k)
+        shutil.copyfile(ck / "step-10" / "lora" / WEIGHTS, ck / "step-20" / "lora" / WEIGHTS)
+        return out
+
+    monkeypatch.setattr(ev, "_summary", summary_then_rewrite)
+    cfg = EvaluateConfig(**{**CFG, "num_samples": 1, "num_inference_steps": 2})
+    with pytest.raises(UserError, match="checkpoint step 20 was rewritten after its held-out loss") as e:
+        ev.run(cfg, run_and_store / "store", tiny_edit_model, _ckpts(root), tmp_path / "r")
+    assert "\n" not in str(e.value)
+    assert list(xr.open_zarr(tmp_path / "r" / GROUP).step.values) == [10, 20, 30]  # the losses are kept

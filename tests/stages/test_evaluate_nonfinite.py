@@ -132,3 +132,25 @@ def test_all_checkpoints_stops_on_bad_features_before_evaluating_any_checkpoint(
             ev.run(cfg, poisoned / "store", tiny_edit_model, ckpts, tmp_path / "report")
         assert "base" in str(e.value) and "\n" not in str(e.value)
         assert xr.open_zarr(tmp_path / "report" / GROUP).sizes["step"] == 0  # no checkpoint was evaluated
+
+
+def test_single_lora_stops_on_bad_features_before_the_lora_pass(poisoned, tiny_edit_model, tmp_path, monkeypatch):
+    """A NaN in the base's held-out losses means bad stored features, whatever the LoRA does: single-LoRA
+    evaluate stops right after the base pass, as --all-checkpoints does. Before, it ran the LoRA pass too (as
+    long as the base pass) and then stopped with the same line."""
+    from schemas.config import EvaluateConfig
+    from schemas.errors import UserError
+    from stages.evaluate import stage
+
+    real, passes = stage.loss_grid, []
+
+    def loss_grid(*a, **k):
+        passes.append(k.get("desc"))
+        return real(*a, **k)
+
+    monkeypatch.setattr(stage, "loss_grid", loss_grid)
+    cfg = EvaluateConfig(device="cpu", num_samples=0, noise_seeds=[0], timesteps=[0.5])
+    with pytest.raises(UserError, match=key_of(3)) as e:
+        stage.run(cfg, poisoned / "store", tiny_edit_model, poisoned / "lora", tmp_path / "report")
+    assert "base" in str(e.value) and "\n" not in str(e.value)
+    assert passes == ["held-out loss (base)"]

@@ -1,0 +1,57 @@
+"""A LoRA file's bytes read once per evaluate, not once per check.
+
+`digest`: one chunked pass gives the file's CRC32C and size (checked against the record train sealed beside it)
+and its sha256 (the identity the report and the loss array record). Before, the CRC check, the sha256 and (per
+evaluated checkpoint) a second sha256 after loading each read the whole file: at 60 checkpoints of 1 GB on a
+network disk, minutes per run, and on every rank of a launched `--all-checkpoints`.
+
+`read_for_load`: the file's bytes in memory with their sha256; the loader parses those very bytes
+(`models.lora.attach_lora(..., data=)`), so the weights evaluated are the bytes hashed. A file rewritten after
+its digest (a training running beside evaluate) is seen by the hash differing, without reading it again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import crc32c
+
+CHUNK = 8 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Digest:
+    sha256: str
+    crc32c: str  # 8 hex digits, as store.checksum records them
+    nbytes: int
+
+
+def digest(path: str | Path) -> Digest:
+    """CRC32C, sha256 and size of the file in one chunked pass (a GB-sized LoRA is not held in memory)."""
+    sha, crc, size = hashlib.sha256(), 0, 0
+    with open(path, "rb", buffering=0) as f:
+        buf = memoryview(bytearray(CHUNK))
+        while n := f.readinto(buf):
+            crc = crc32c.crc32c(buf[:n], crc)
+            sha.update(buf[:n])
+            size += n
+    return Digest(sha.hexdigest(), f"{crc:08x}", size)
+
+
+def checked_digest(path: str | Path) -> Digest:
+    """`digest`, with the file checked against the sealed record beside it (`store.checksum.check_recorded`: a
+    UserError naming the file when it differs) from the same pass."""
+    from store.checksum import check_recorded
+
+    d = digest(path)
+    check_recorded(Path(path), measured=(d.crc32c, d.nbytes))
+    return d
+
+
+def read_for_load(path: str | Path) -> tuple[bytes, str]:
+    """(the file's bytes, their sha256): what the loader parses and what it is compared with."""
+    with open(path, "rb") as f:
+        data = f.read()
+    return data, hashlib.sha256(data).hexdigest()

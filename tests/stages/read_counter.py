@@ -1,0 +1,53 @@
+"""Counts the bytes read from LoRA weight files: through Python's `open` (the checksum, hash and load passes)
+and through safetensors' own mmap reader (`models.lora.load_file`, counted as the whole file per call)."""
+
+from __future__ import annotations
+
+import builtins
+import io
+from collections import Counter
+from pathlib import Path
+
+WEIGHTS = "pytorch_lora_weights.safetensors"
+
+
+class _Counting(io.RawIOBase):
+    def __init__(self, raw, key: str, counts: Counter):
+        self.raw, self.key, self.counts = raw, key, counts
+
+    def readinto(self, b) -> int:
+        n = self.raw.readinto(b)
+        self.counts[self.key] += n or 0
+        return n
+
+    def readable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return self.raw.fileno()
+
+    def close(self) -> None:
+        self.raw.close()
+        super().close()
+
+
+def count_lora_reads(monkeypatch) -> Counter:
+    """{weight file path: bytes read} from now on (monkeypatch undoes it)."""
+    import models.lora
+
+    counts: Counter = Counter()
+    real_open, real_load_file = builtins.open, models.lora.load_file
+
+    def counting_open(file, mode="r", buffering=-1, *a, **k):
+        if isinstance(file, (str, Path)) and Path(file).name == WEIGHTS and "r" in mode and "b" in mode:
+            raw = _Counting(real_open(file, mode, buffering=0), str(Path(file).resolve()), counts)
+            return raw if buffering == 0 else io.BufferedReader(raw)
+        return real_open(file, mode, buffering, *a, **k)
+
+    def counting_load_file(path, *a, **k):
+        counts[str(Path(path).resolve())] += Path(path).stat().st_size
+        return real_load_file(path, *a, **k)
+
+    monkeypatch.setattr(builtins, "open", counting_open)
+    monkeypatch.setattr(models.lora, "load_file", counting_load_file)
+    return counts

@@ -1,0 +1,106 @@
+"""Each LoRA file is read once per evaluate for its checks (CRC32C against the sealed record and sha256 in one
+pass) plus once to load it (the loader parses the bytes it hashed). Before: the CRC check, the sha256, the load
+(twice for the first checkpoint: attach read the file, then load_lora read it again) and a sha256 after the load,
+each a full read: 4-5 reads of every evaluated checkpoint, at 60 checkpoints of 1 GB minutes per run."""
+
+from __future__ import annotations
+
+import shutil
+
+from read_counter import WEIGHTS, count_lora_reads
+from schemas.config import EvaluateConfig
+from stages.evaluate import checkpoints as ev
+from stages.evaluate import stage
+from test_evaluate_checkpoints import CFG, _ckpts, run_and_store  # noqa: F401 (the module fixture)
+
+
+def _sealed_copy(run_and_store, tmp_path):
+    from stages.train.state import file_checksums
+    from store.checksum import seal
+
+    root = tmp_path / "root"
+    shutil.copytree(run_and_store / "run", root / "run")
+    for step in (10, 20, 30):  # what train commits: every file's size and CRC32C, sealed
+        folder = root / "run" / "checkpoints" / f"step-{step}"
+        (folder / "resume.json").write_bytes(seal({"files": file_checksums(folder)}))
+    return root
+
+
+def test_all_checkpoints_reads_each_file_once_to_check_and_once_to_load(run_and_store, tiny_edit_model, tmp_path,
+                                                                        monkeypatch):
+    root = _sealed_copy(run_and_store, tmp_path)
+    ckpts, out = _ckpts(root), tmp_path / "report"
+    sizes = {str((p / WEIGHTS).resolve()): (p / WEIGHTS).stat().st_size for _, p in ckpts}
+    counts = count_lora_reads(monkeypatch)
+    assert ev.run(EvaluateConfig(**CFG), run_and_store / "store", tiny_edit_model, ckpts, out).evaluated == 3
+    assert dict(counts) == {f: 2 * n for f, n in sizes.items()}  # checked and hashed, then loaded
+    counts.clear()
+    again = ev.run(EvaluateConfig(**CFG), run_and_store / "store", tiny_edit_model, ckpts, out, skip_if_done=True)
+    assert again.up_to_date and dict(counts) == sizes  # up to date: checked and hashed only
+
+
+def test_one_lora_is_read_once_to_check_and_once_to_load(run_and_store, tiny_edit_model, tmp_path, monkeypatch):
+    from store.checksum import write_folder_record
+
+    lora = tmp_path / "lora"
+    shutil.copytree(run_and_store / "run" / "checkpoints" / "step-10" / "lora", lora)
+    write_folder_record(lora)  # as train seals RUN/lora
+    weights = str((lora / WEIGHTS).resolve())
+    counts = count_lora_reads(monkeypatch)
+    stage.run(EvaluateConfig(**CFG), run_and_store / "store", tiny_edit_model, lora, tmp_path / "r")
+    assert dict(counts) == {weights: 2 * (lora / WEIGHTS).stat().st_size}
+    counts.clear()
+    again = stage.run(EvaluateConfig(**CFG), run_and_store / "store", tiny_edit_model, lora, tmp_path / "r",
+                      skip_if_done=True)
+    assert again.up_to_date and dict(counts) == {weights: (lora / WEIGHTS).stat().st_size}
+
+
+def test_two_ranks_read_each_checkpoint_once_between_them(tmp_path):
+    """Under a launcher each file is read by one rank (checkpoint i by rank i % 2) and both hold every hash.
+    Before, every rank read every file twice (CRC, then sha256). A damaged file that only rank 1 reads stops
+    both ranks with its one line."""
+    import hashlib
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    from stages.train.state import file_checksums
+    from store.checksum import seal
+    from two_ranks import launch_two, results
+
+    for step in (1, 2, 3, 4, 5):
+        folder = tmp_path / f"step-{step}"
+        (folder / "lora").mkdir(parents=True)
+        save_file({"transformer.a.lora_A.weight": torch.full((64, 8), float(step))}, folder / "lora" / WEIGHTS)
+        (folder / "resume.json").write_bytes(seal({"files": file_checksums(folder)}))
+    files = {step: (tmp_path / f"step-{step}" / "lora" / WEIGHTS).resolve() for step in (1, 2, 3, 4, 5)}
+    want = {str(step): hashlib.sha256(f.read_bytes()).hexdigest() for step, f in files.items()}
+    outs = launch_two("hash_ranks.py", str(tmp_path))
+    assert all(code == 0 for code, _, _ in outs), outs
+    ok = [json.loads(results(out)["ok"]) for _, out, _ in outs]
+    for rank, got in enumerate(ok):
+        assert got["shas"] == want and got["kept"] == [1, 2, 3, 4, 5]
+        mine = [s for i, s in enumerate((1, 2, 3, 4, 5)) if i % 2 == rank]
+        assert got["read"] == {str(files[s]): files[s].stat().st_size for s in mine}
+    lines = [results(out)["damaged"] for _, out, _ in outs]
+    assert lines[0] == lines[1] and "checkpoint step 2" in lines[0] and "damaged" in lines[0], lines
+
+
+def test_a_lora_parsed_from_its_bytes_is_the_file_and_cut_bytes_are_one_line(run_and_store):
+    """The loader's bytes path (`read_lora(..., data=)`) gives what reading the file gives, metadata included;
+    bytes cut short are refused in one line naming the file, as a file cut short is."""
+    import pytest
+    import torch
+
+    from models.lora import read_lora
+    from schemas.errors import UserError
+
+    lora = run_and_store / "run" / "checkpoints" / "step-10" / "lora"
+    data = (lora / WEIGHTS).read_bytes()
+    (a, ca), (b, cb) = read_lora(lora), read_lora(lora, data)
+    assert ca == cb and ca is not None and a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    for cut in (data[:100], data[:4], b"[1]" + data[3:]):
+        with pytest.raises(UserError, match="not a readable .safetensors file") as e:
+            read_lora(lora, cut)
+        assert "\n" not in str(e.value) and str(lora / WEIGHTS) in str(e.value)

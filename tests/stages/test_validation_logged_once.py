@@ -1,0 +1,55 @@
+"""A validation re-run at the resumed step (its sample grid failed after its losses were recorded and logged)
+repeats only what left no record: TensorBoard holds each step's `val/loss` once, as a straight run's does.
+Before, the whole validation ran again and RUN/logs held step 2's val/loss twice (the resumed writer purges only
+the steps after the checkpoint), so TensorBoard's curve doubled back at every such resume."""
+
+from __future__ import annotations
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from pipeline.config import load_config
+from schemas.errors import UserError
+from stages.train.recipe import run
+from stages.train.validate import Validator
+from train_store import make_train_store, mixed_specs
+from test_validation_after_checkpoint import SETS
+
+
+def _val_steps(run_dir) -> list[int]:
+    events = EventAccumulator(str(run_dir / "logs"))  # every event file of the run, purges applied
+    events.Reload()
+    return [e.step for e in events.Scalars("val/loss")]
+
+
+def test_a_validation_rerun_at_the_resumed_step_logs_its_loss_once(tiny_edit_model, tmp_path, monkeypatch):
+    store = tmp_path / "store"
+    make_train_store(store, tiny_edit_model, mixed_specs(5, 2))
+    real, grids = Validator.samples_grid, []
+
+    def out_of_memory(self, transformer):
+        raise UserError("validation ran out of memory (test)")
+
+    out = tmp_path / "run"
+    monkeypatch.setattr(Validator, "samples_grid", out_of_memory)
+    with pytest.raises(UserError, match="out of memory"):
+        run(load_config(None, {**SETS, "train.max_steps": 4}), store, tiny_edit_model, out)
+    assert _val_steps(out) == [2]  # recorded and logged before the grid failed
+
+    def counted(self, transformer):
+        grids.append(1)
+        return real(self, transformer)
+
+    losses = []
+    real_loss_grid = Validator.grid
+
+    def grid(self, *a, **k):
+        losses.append(1)
+        return real_loss_grid(self, *a, **k)
+
+    monkeypatch.setattr(Validator, "samples_grid", counted)
+    monkeypatch.setattr(Validator, "grid", grid)
+    run(load_config(None, {**SETS, "train.max_steps": 4}), store, tiny_edit_model, out, resume=True)
+    assert (out / "samples" / "step-000002.png").is_file() and len(grids) == 2  # step 2's grid redone, then 4's
+    assert _val_steps(out) == [2, 4]
+    assert len(losses) == 2  # step 4's base and LoRA passes only: step 2's recorded losses were not recomputed
