@@ -1,6 +1,6 @@
 """`pipeline store inspect|verify s3://...` against the S3 test server: inspect says what a local inspect of the same
-store says (from the metadata alone: no shard is fetched); verify opens every version in the cache, fetches each shard
-checked, and reports a damaged object on the remote."""
+store says (from the metadata alone: no shard is fetched); verify streams every object of every version once, writes
+nothing to the cache, and names a damaged object (and its damaged sample) on the remote."""
 
 from __future__ import annotations
 
@@ -46,26 +46,48 @@ def test_inspect_of_a_url_matches_the_local_store_and_fetches_no_shard(s3_env, s
     assert text.exit_code == 0 and "vae" in text.output
 
 
-def test_verify_of_a_url_checks_every_version_through_the_cache(s3_env, store: Store, tmp_path: Path) -> None:
+def _flip(s3_env, key: str, at: int | None = None) -> None:
+    client = s3_env.client()
+    data = bytearray(client.get_object(Bucket=s3_env.bucket, Key=key)["Body"].read())
+    data[len(data) // 2 if at is None else at] ^= 0x01
+    client.put_object(Bucket=s3_env.bucket, Key=key, Body=bytes(data))
+
+
+def test_verify_of_a_url_streams_every_object_and_caches_nothing(s3_env, store: Store, tmp_path: Path,
+                                                                   monkeypatch) -> None:
+    from store import remote_cache
+    from store import remote as remote_mod
+
     _two_versions(store)
     push(store.root, s3_env.url())
+    # verify reads where the store lies: no cache, no download to a file (1M samples would be terabytes on disk)
+    monkeypatch.setattr(remote_cache, "local_store", lambda *a, **k: pytest.fail("verify opened the cache"))
+    monkeypatch.setattr(remote_mod.Remote, "download", lambda *a: pytest.fail("verify downloaded a file"))
     cache = tmp_path / "cache"
     res = runner.invoke(app, ["store", "verify", s3_env.url(), "--cache-dir", str(cache)])
     assert res.exit_code == 0, res.output
     assert f"ok: {s3_env.url()} verified" in res.output
-    (cached,) = [p for p in cache.iterdir() if p.is_dir()]
-    assert Store(cached, create=False).versions("vae") == [1, 2]  # both versions opened, not only the current
+    assert not cache.exists()
 
-    # a flipped byte in a shard of v1 on the server: verify (into a fresh cache) names it and exits 1
+    # a flipped byte in a shard of v1 (not current) and in a shard index of v2 on the server: both named, the
+    # shard's damaged sample by its key, exit 1, still nothing written under the cache
     client = s3_env.client()
-    key = next(o["Key"] for o in client.list_objects_v2(Bucket=s3_env.bucket)["Contents"]
-               if o["Key"].startswith("store/vae/v1/") and o["Key"].endswith(".tar"))
-    data = bytearray(client.get_object(Bucket=s3_env.bucket, Key=key)["Body"].read())
-    data[len(data) // 2] ^= 0x01
-    client.put_object(Bucket=s3_env.bucket, Key=key, Body=bytes(data))
-    res = runner.invoke(app, ["store", "verify", s3_env.url(), "--cache-dir", str(tmp_path / "fresh")])
-    assert res.exit_code == 1 and "Traceback" not in res.output
-    assert "damaged" in res.output and key.split("/", 1)[1] in res.output
+    keys = [o["Key"] for o in client.list_objects_v2(Bucket=s3_env.bucket)["Contents"]]
+    shard = next(k for k in keys if k.startswith("store/vae/v1/") and k.endswith(".tar"))
+    index = next(k for k in keys if k.startswith("store/vae/v2/") and k.endswith(".index.parquet"))
+    _flip(s3_env, shard)
+    _flip(s3_env, index)
+    client.put_object(Bucket=s3_env.bucket, Key="store/vae/v2/stray.bin", Body=b"x")
+    res = runner.invoke(app, ["store", "verify", s3_env.url(), "--cache-dir", str(cache)])
+    assert res.exit_code == 1 and "Traceback" not in res.output, res.output
+    lines = [ln for ln in res.output.splitlines() if ln.strip()]
+    rel_shard, rel_index = shard.split("/", 1)[1], index.split("/", 1)[1]
+    assert any(rel_shard in ln and "the file is damaged" in ln for ln in lines), res.output
+    assert any(rel_shard in ln and "key " in ln and "sample bytes are damaged" in ln for ln in lines), res.output
+    assert any(rel_index in ln and "the file is damaged" in ln for ln in lines), res.output
+    assert any("vae/v2/stray.bin: not listed in checksums.json" in ln for ln in lines), res.output
+    assert "store gc" in lines[-1] and "store repair" in lines[-1]  # v1 is old, v2 current
+    assert not cache.exists()
 
 
 def test_inspect_and_verify_of_an_empty_prefix_are_one_line(s3_env, tmp_path: Path) -> None:
