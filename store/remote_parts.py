@@ -261,3 +261,13 @@ def push_node_quarantine(writer: TableWriter) -> None:
     url = str(writer.remote_url)
     with remote_errors(url, f"the quarantine rows of table '{writer.table}' v{writer.version}"):
         push_quarantine(open_remote(url), writer.store.root)
+
+
+def check_node_quarantine(writer: TableWriter) -> None:
+    """Before rank 0's commit (every node, all ranks agreeing): the remote's quarantine.parquet can take this
+    node's rows. A damaged one refused after the commit left the version committed and the rows unmerged."""
+    from store.remote_sync import check_quarantine
+
+    url = str(writer.remote_url)
+    with remote_errors(url, f"the quarantine rows of table '{writer.table}' v{writer.version}"):
+        check_quarantine(open_remote(url), writer.store.root)

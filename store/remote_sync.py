@@ -145,6 +145,8 @@ def push(src: Path, url: str, storage_options: dict[str, Any] | None = None,
             listing = remote.listing()
             _remote_record(remote, listing)  # a newer format (or a damaged record) there: refused before any upload
             todo, files_of = _plan_push(remote, src, url, listing, versions, summary)
+            if not set_aside_quarantine:  # refused before any upload, not after the versions are there
+                check_quarantine(remote, src)
             _upload(remote, src, url, todo, files_of, summary)
             push_quarantine(remote, src, set_aside_quarantine, summary.set_aside)
             # store.json last: the remote's current versions become the local ones (those complete there now)
@@ -237,6 +239,22 @@ def _refill(remote: Remote, src: Path, url: str, files: list[_File], bar, summar
 def damaged_quarantine(url: str, why: str) -> UserError:
     return UserError(f"{url}/{fmt.QUARANTINE} is damaged ({why}); run `pipeline store repair {url}` (it sets the "
                      "file aside), then rerun")
+
+
+def check_quarantine(remote: Remote, src: Path) -> None:
+    """Before a commit that `push_quarantine` follows: a damaged remote `quarantine.parquet` that would refuse
+    `src`'s rows is refused now, in one line, while nothing is committed yet (not after the version is)."""
+    from store import quarantine
+
+    if not (src / fmt.QUARANTINE).is_file():
+        return  # nothing to merge: push_quarantine does not read the remote file
+    try:
+        data = remote.read(fmt.QUARANTINE)
+    except FileNotFoundError:
+        return
+    rows, why = quarantine.parsed(data)
+    if rows is None:
+        raise damaged_quarantine(remote.url, why)
 
 
 def push_quarantine(remote: Remote, src: Path, set_aside: bool = False, aside: list[str] | None = None) -> int:
