@@ -39,7 +39,7 @@ from schemas.errors import UserError
 from store import format as fmt
 from store.checksum import CHUNK, RunningCrc, file_crc
 from store.io_errors import writing
-from store.remote import Remote, SharedBar, each_at_once, open_remote, remote_errors
+from store.remote import READ_PIECE, Remote, SharedBar, each_at_once, open_remote, remote_errors
 
 log = logging.getLogger("store")
 
@@ -270,7 +270,7 @@ def _download(remote: Remote, rel: str, part: Path) -> tuple[int, str]:
     """Stream one object into `part` (created, maybe at its reserved size); (bytes written, their CRC32C)."""
     crc, n = RunningCrc(), 0
     with remote.fs.open(remote.path(rel), "rb", block_size=CHUNK) as src, open(part, "r+b") as dst:
-        while chunk := src.read(CHUNK):
+        while chunk := src.read(min(CHUNK, READ_PIECE)):
             dst.write(chunk)
             crc.update(chunk)
             n += len(chunk)

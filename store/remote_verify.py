@@ -30,14 +30,13 @@ from tqdm import tqdm
 
 from schemas.errors import UserError
 from store import format as fmt
-from store.checksum import RunningCrc
-from store.remote import Remote, SharedBar, each_at_once, is_transport_error, open_remote, remote_errors
+from store.checksum import CHUNK, RunningCrc
+from store.remote import READ_PIECE, Remote, SharedBar, each_at_once, is_transport_error, open_remote, remote_errors
 from store.remote_lease import hold_reading, release_reading
 from store import quarantine
 from store.remote_sync import _MANIFEST_RE, damaged_quarantine, marker_rel
 from store.verify import LITTER_NOTE, REMOTE_METADATA, check_sample, verify_store
 
-PIECE = 2**20  # bytes read from the stream at a time between samples (s3fs fetches 8 MiB blocks beneath)
 
 
 def current_versions(root: Path) -> dict[str, int]:
@@ -163,14 +162,14 @@ class RemoteObjects:
         crc = RunningCrc()
         problems: list[str] = []
         path = self.remote.path(rel)
-        with self.remote.fs.open(path, "rb") as f:
+        with self.remote.fs.open(path, "rb", block_size=CHUNK) as f:  # s3fs's default block: 50 MiB per transfer
             pos = 0
 
             def take(n: int, keep: bool) -> bytes:
                 nonlocal pos
                 out = []
                 while n > 0:
-                    piece = f.read(min(n, PIECE))
+                    piece = f.read(min(n, READ_PIECE))
                     if not piece:
                         raise EOFError(f"{rel} ended at byte {pos} of {size}")
                     crc.update(piece)
