@@ -276,12 +276,13 @@ class Remote:
         return {name[len(prefix):]: int(info["size"]) for name, info in found.items()
                 if name.startswith(prefix) and info.get("type") != "directory"}
 
-    def listing_times(self) -> dict[str, tuple[int, float]]:
-        """{path relative to the store root: (size, last modified, epoch seconds)} of every object (one listing;
-        on S3 the time is the server's LastModified: when the object's last PUT completed)."""
+    def listing_times(self, under: str = "") -> dict[str, tuple[int, float]]:
+        """{path relative to the store root: (size, last modified, epoch seconds)} of every object, or of those
+        under its folder `under` (one listing; on S3 the time is the server's LastModified: when the object's last
+        PUT completed)."""
         self.fs.invalidate_cache()
         try:
-            found = self.fs.find(self.root, detail=True)
+            found = self.fs.find(self.path(under) if under else self.root, detail=True)
         except FileNotFoundError as e:
             if "bucket" in str(e).lower():
                 raise

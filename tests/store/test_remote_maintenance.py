@@ -257,6 +257,22 @@ def test_gc_of_a_url_keeps_current_and_leased_versions(s3_env, store: Store, tmp
     assert not any(k.startswith("store/vae/v1/") for k in keys) and "store/vae/v3/manifest.parquet" in keys
 
 
+def test_gc_of_many_old_versions_lists_the_whole_prefix_once(s3_env, store: Store, monkeypatch) -> None:
+    """Right before each version's DELETE gc looks again for leases naming it: that look lists `.leases/` only.
+    It listed the whole prefix (~40k objects a version at 1M samples) once per removed version."""
+    for i, tag in enumerate("abcd"):  # v1..v3 old, v4 current
+        fill(store, 2, tag=tag, start=10 * i)
+    push(store.root, s3_env.url())
+    listed: list[str] = []
+    real = remote_mod.Remote.listing_times
+    monkeypatch.setattr(remote_mod.Remote, "listing_times",
+                        lambda self, under="": listed.append(under) or real(self, under))
+    r = _cli("store", "gc", s3_env.url())
+    assert r.exit_code == 0 and "3 version(s) removed" in r.output, r.output
+    assert listed.count("") == 1 and listed.count(remote_lease.LEASES_DIR) == 3, listed
+    assert [k for k in objects(s3_env) if k.endswith("manifest.parquet")] == ["store/vae/v4/manifest.parquet"]
+
+
 def _push_killed_after_three_objects(store: Store, s3_env, monkeypatch) -> None:
     """12 samples in `store`, pushed by a push whose connection dies after 3 objects of v1 (exit 1)."""
     fill(store, 12)
