@@ -150,8 +150,8 @@ def plan(remote: Remote, grace_s: float = GRACE_SECONDS, now: float | None = Non
 
 def _stale_uploads(remote: Remote, now: float, grace_s: float, held: set[tuple[str, int]]) -> list[tuple[str, str]]:
     """S3 multipart uploads under the prefix started more than `grace_s` ago and not in a version a live lease
-    holds: a push killed mid-shard (a shard of 32 MiB or more goes in parts: store/remote.PART) leaves its parts stored, and
-    billed, but in no listing of objects, so nothing else would ever remove them."""
+    holds: a push killed mid-shard (a shard of 32 MiB or more goes in parts: store/remote.PART) leaves its parts
+    stored, and billed, but in no listing of objects, so nothing else would ever remove them."""
     if not remote.is_s3:
         return []
     bucket, _, prefix = remote.root.partition("/")
