@@ -35,7 +35,7 @@ from store.remote import READ_PIECE, Remote, SharedBar, each_at_once, is_transpo
 from store.remote_lease import hold_reading, release_reading
 from store import quarantine
 from store.remote_sync import _MANIFEST_RE, damaged_quarantine, marker_rel
-from store.verify import LITTER_NOTE, REMOTE_METADATA, check_sample, verify_store
+from store.verify import LITTER_NOTE, REMOTE_METADATA, ShardPart, check_sample, shard_rows, verify_store
 
 
 
@@ -98,7 +98,7 @@ class RemoteObjects:
         self.lost: BaseException | None = None
 
     def __call__(self, name: str, sums: dict[str, dict[str, Any]] | None,
-                 by_shard: dict[str, list[dict[str, Any]]]) -> list[str]:
+                 by_shard: dict[str, ShardPart]) -> list[str]:
         problems: list[str] = []
         prefix = f"{name}/"
         if sums is not None:  # objects the record does not list (the local verify's unlisted files)
@@ -112,10 +112,14 @@ class RemoteObjects:
         total = sum(self.listing.get(prefix + n, 0) for n in names)
         with tqdm(total=total, desc=f"verify {name}", unit="B", unit_scale=True, disable=not self.progress) as bar:
             shared = SharedBar(bar)
-            for found in each_at_once(lambda n: self._object(name, n, (sums or {}).get(n), sums is None,
-                                                             by_shard.get(n, []), shared), names):
+            for found in each_at_once(lambda n: self._part(name, n, sums, by_shard.get(n), shared), names):
                 problems += found
         return problems
+
+    def _part(self, name: str, fname: str, sums: dict[str, dict[str, Any]] | None, part: ShardPart | None,
+              bar: SharedBar) -> list[str]:
+        rows, bad = shard_rows(part, name) if part is not None else ([], [])
+        return bad + self._object(name, fname, (sums or {}).get(fname), sums is None, rows, bar)
 
     def _object(self, name: str, fname: str, entry: dict[str, Any] | None, no_record: bool,
                 rows: list[dict[str, Any]], bar: SharedBar) -> list[str]:
