@@ -96,3 +96,18 @@ def test_inspect_and_verify_of_an_empty_prefix_are_one_line(s3_env, tmp_path: Pa
         res = runner.invoke(app, ["store", *args])
         assert res.exit_code == 1 and "Traceback" not in res.output
         assert f"no store at {s3_env.url('nothing')}" in res.output
+
+
+def test_verify_of_a_file_url_streams_it_too(store: Store, tmp_path: Path) -> None:
+    """A `file://` URL (a shared file system) goes the same way: each file read once where it lies."""
+    fill(store, 10)
+    url = f"file://{tmp_path / 'remote'}"
+    push(store.root, url)
+    res = runner.invoke(app, ["store", "verify", url])
+    assert res.exit_code == 0 and f"ok: {url} verified" in res.output, res.output
+    shard = sorted((tmp_path / "remote" / "vae" / "v1").glob("*.tar"))[-1]
+    data = bytearray(shard.read_bytes())
+    data[-1024 - 3] ^= 0x10  # inside the last sample's bytes (before the tar's two zero end blocks)
+    shard.write_bytes(bytes(data))
+    res = runner.invoke(app, ["store", "verify", url])
+    assert res.exit_code == 1 and f"vae/v1/{shard.name}: crc32c" in res.output, res.output
