@@ -99,6 +99,8 @@ class RemoteObjects:
 
     def __call__(self, name: str, sums: dict[str, dict[str, Any]] | None,
                  by_shard: dict[str, ShardPart]) -> list[str]:
+        if self.lost is not None:  # the connection is gone: verify_url says so once, no version is checked on
+            raise self.lost
         problems: list[str] = []
         prefix = f"{name}/"
         if sums is not None:  # objects the record does not list (the local verify's unlisted files)

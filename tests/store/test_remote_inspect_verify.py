@@ -111,3 +111,26 @@ def test_verify_of_a_file_url_streams_it_too(store: Store, tmp_path: Path) -> No
     shard.write_bytes(bytes(data))
     res = runner.invoke(app, ["store", "verify", url])
     assert res.exit_code == 1 and f"vae/v1/{shard.name}: crc32c" in res.output, res.output
+
+
+def test_verify_that_loses_the_server_says_so_in_one_line_not_as_damage(s3_env, store: Store, monkeypatch) -> None:
+    """The connection is lost while verify streams the objects: one line naming the URL and what to do (exit 1), not
+    a problem line per object nor advice to repair a store nothing is known to be wrong with."""
+    from store import remote_verify
+
+    fill(store, 12, shard_size_mb=0.02)
+    push(store.root, s3_env.url())
+    real, calls = remote_verify.RemoteObjects._stream, []
+
+    def reset_after_two(self, *args):
+        calls.append(args[0])
+        if len(calls) > 2:  # as botocore reports a reset connection once its retries are spent
+            raise ConnectionResetError("connection reset by peer")
+        return real(self, *args)
+
+    monkeypatch.setattr(remote_verify.RemoteObjects, "_stream", reset_after_two)
+    res = runner.invoke(app, ["store", "verify", s3_env.url()])
+    assert res.exit_code == 1 and "Traceback" not in res.output, res.output
+    lines = [ln for ln in res.output.replace("\r", "\n").splitlines() if ln.strip() and "verify vae" not in ln]
+    assert len(lines) == 1 and f"lost the connection to {s3_env.url()}" in lines[0], res.output
+    assert "store repair" not in res.output
