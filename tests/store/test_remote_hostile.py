@@ -154,7 +154,7 @@ def test_a_server_that_cuts_transfers_off_is_one_line_and_throttling_is_retried(
 
 
 def test_gc_aborts_the_multipart_uploads_of_killed_pushes(s3_env, store: Store) -> None:
-    """A push killed mid-shard (s3fs sends a shard of 100 MB or more in parts) leaves an unfinished multipart
+    """A push killed mid-shard (a push sends a shard of 32 MiB or more in parts) leaves an unfinished multipart
     upload: its parts stay stored and billed but appear in no listing of objects, so before, nothing removed
     them. gc now aborts those under its prefix once older than --incomplete-after, and leaves others alone."""
     fill(store, 5)
