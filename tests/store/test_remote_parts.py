@@ -52,6 +52,9 @@ def test_two_caches_commit_one_version_on_the_remote(s3_env, tmp_path, monkeypat
     r = Store(pulled).reader("vae")
     assert r.keys() == sorted(key_of(i) for i in range(N)) and r.manifest.num_rows == N  # each exactly once
     assert verify_store(pulled, progress=False) == []
+    from store.remote_verify import verify_url
+
+    assert verify_url(url, progress=False)[0] == []  # every object of the parts is listed in checksums.json
 
 
 def test_a_node_that_lost_its_cache_keeps_what_it_uploaded(s3_env, tmp_path, monkeypatch) -> None:
