@@ -49,7 +49,7 @@ def remote_current(env) -> dict[str, int]:
 
 
 def test_repair_of_a_url_gives_a_current_version_that_verify_and_a_reader_use(s3_env, store: Store,
-                                                                              tmp_path: Path) -> None:
+                                                                              tmp_path: Path, monkeypatch) -> None:
     fill(store, 6)
     before = {k: store.reader("vae").get(k)["tensors"] for k in store.reader("vae").keys()}
     push(store.root, s3_env.url())
@@ -59,8 +59,13 @@ def test_repair_of_a_url_gives_a_current_version_that_verify_and_a_reader_use(s3
     client.put_object(Bucket=s3_env.bucket, Key=key, Body=data + os.urandom(700))  # bytes appended on the remote
     assert _cli("store", "verify", s3_env.url(), "--cache-dir", tmp_path / "c0").exit_code == 1
 
+    listed: list[str] = []
+    real_listing_times = remote_mod.Remote.listing_times
+    monkeypatch.setattr(remote_mod.Remote, "listing_times",
+                        lambda self, under="": listed.append(under) or real_listing_times(self, under))
     r = _cli("store", "repair", s3_env.url(), "--cache-dir", tmp_path / "work")
     assert r.exit_code == 0 and "bytes appended" in r.output and "retired" in r.output, r.output
+    assert "" not in listed  # retiring v1 looks at the leases only, not at the whole prefix again
     assert remote_current(s3_env) == {"vae": 2}
     keys = objects(s3_env)
     assert "store/vae/v1/manifest.parquet" not in keys and "store/vae/v1.damaged.json" in keys
