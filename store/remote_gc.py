@@ -128,14 +128,15 @@ def plan(remote: Remote, grace_s: float = GRACE_SECONDS, now: float | None = Non
     current = _current(remote)
     roots = sorted(current.items()) if current is not None else [tv for tv, v in versions.items() if v.complete]
     keep = _closure(remote, roots, versions)
-    for found in remote_lease.leases(remote, listing, now):
+    found_leases = remote_lease.leases(remote, listing, now)  # one GET per lease object (a reader per rank)
+    for found in found_leases:
         if not found.live:
             out.dead_leases.append(str(found.path))
             continue
         for tv in sorted(_closure(remote, list(found.versions()), versions) - keep):
             out.leased.setdefault(tv, []).append(found.describe())
     keep |= set(out.leased)
-    held = {tv for found in remote_lease.leases(remote, listing, now) if found.live for tv in found.versions()}
+    held = {tv for found in found_leases if found.live for tv in found.versions()}
     out.uploads = _stale_uploads(remote, now, grace_s, held)
     out.keep = sorted(tv for tv in keep if tv in versions)
     doomed = [v for tv, v in sorted(versions.items()) if tv not in keep]
