@@ -29,6 +29,16 @@ from store.checksum import CHUNK, RunningCrc
 CRC_META = "crc32c"
 CLOCK_DIR = ".clock"  # `Remote.now`'s probe objects (each removed at once)
 TRANSFERS = 16  # objects moved at once by push, pull and a lazy open
+# What an S3 upload holds in memory: s3fs sends a file under 2 parts in one PUT read whole into memory, and a larger
+# one in parts of 50 MiB, 10 at once (~500 MiB per file), so 16 uploads of 256 MB shards held GBs. Ours: parts of
+# PART, PARTS_AT_ONCE at once per file, and every upload of the process reserves the bytes it will hold from one
+# budget of IN_FLIGHT (small objects - the ~20k shard indexes - still go 16 at a time; big ones wait their turn).
+PART = 16 * 2**20  # S3's minimum part is 5 MiB
+PARTS_AT_ONCE = 4
+# a download reads READ_PIECE at a time from s3fs's read-ahead of CHUNK (8 MiB GETs): reading CHUNK at a time made
+# it hold two blocks and the piece (~36 MiB a transfer measured, bench/store_transfer_memory.py)
+READ_PIECE = 2**20
+IN_FLIGHT = 128 * 2**20  # of file bytes (tracemalloc measures ~2x that held)
 
 
 def each_at_once(fn: Callable[[Any], Any], items: list[Any]) -> Iterator[Any]:
@@ -84,6 +94,37 @@ def each_at_once(fn: Callable[[Any], Any], items: list[Any]) -> Iterator[Any]:
     finally:
         with cond:
             state["stop"] = True
+
+
+class ByteBudget:
+    """Bytes the transfers of this process may hold in memory at once: `holding(n)` waits until n more fit (one
+    transfer alone always may, whatever its size). threading.Semaphore counts units one at a time; this takes n."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.held, self.peak = limit, 0, 0
+        self._cond = threading.Condition()
+
+    @contextmanager
+    def holding(self, n: int) -> Iterator[None]:
+        with self._cond:
+            while self.held and self.held + n > self.limit:
+                self._cond.wait()
+            self.held += n
+            self.peak = max(self.peak, self.held)
+        try:
+            yield
+        finally:
+            with self._cond:
+                self.held -= n
+                self._cond.notify_all()
+
+
+uploads_budget = ByteBudget(IN_FLIGHT)
+
+
+def upload_memory(size: int) -> int:
+    """Bytes s3fs holds while uploading a file of `size` bytes with our part size (see PART)."""
+    return size if size < 2 * PART else min(size, PART * PARTS_AT_ONCE)
 
 
 class SharedBar:
@@ -235,12 +276,13 @@ class Remote:
         return {name[len(prefix):]: int(info["size"]) for name, info in found.items()
                 if name.startswith(prefix) and info.get("type") != "directory"}
 
-    def listing_times(self) -> dict[str, tuple[int, float]]:
-        """{path relative to the store root: (size, last modified, epoch seconds)} of every object (one listing;
-        on S3 the time is the server's LastModified: when the object's last PUT completed)."""
+    def listing_times(self, under: str = "") -> dict[str, tuple[int, float]]:
+        """{path relative to the store root: (size, last modified, epoch seconds)} of every object, or of those
+        under its folder `under` (one listing; on S3 the time is the server's LastModified: when the object's last
+        PUT completed)."""
         self.fs.invalidate_cache()
         try:
-            found = self.fs.find(self.root, detail=True)
+            found = self.fs.find(self.path(under) if under else self.root, detail=True)
         except FileNotFoundError as e:
             if "bucket" in str(e).lower():
                 raise
@@ -294,8 +336,9 @@ class Remote:
             self.fs.put_file(str(local), self.path(rel), callback=_Bytes(progress))
             return True
         try:
-            self.fs.put_file(str(local), self.path(rel), callback=_Bytes(progress), mode="create",
-                             **self._meta(crc))
+            with uploads_budget.holding(upload_memory(local.stat().st_size)):
+                self.fs.put_file(str(local), self.path(rel), callback=_Bytes(progress), mode="create",
+                                 chunksize=PART, max_concurrency=PARTS_AT_ONCE, **self._meta(crc))
         except FileExistsError:
             return False
         except OSError as e:
@@ -323,7 +366,7 @@ class Remote:
         """Fetch one object to `local`; its CRC32C (computed from the bytes written, no re-read)."""
         crc = RunningCrc()
         with self.fs.open(self.path(rel), "rb", block_size=CHUNK) as src, open(local, "wb") as dst:
-            while chunk := src.read(CHUNK):
+            while chunk := src.read(READ_PIECE):
                 dst.write(chunk)
                 crc.update(chunk)
                 progress.update(len(chunk))

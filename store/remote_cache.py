@@ -47,7 +47,7 @@ def local_store(store: str | Path, tables: list[str] | None, cache_dir: str | Pa
                 optional: tuple[str, ...] = (), *, whole: bool = False, lease: bool = True) -> Path:
     """`store` itself when it is a local folder; for a URL, the cached local store holding `tables`' current
     versions (those in `optional` only when the remote has them), lazily: metadata now, shards when read.
-    `tables=None`: every complete version the remote holds (what `store verify` checks). `whole=True`: pull
+    `tables=None`: every complete version the remote holds. `whole=True`: pull
     the versions entirely now (every file checked, as `pipeline store pull`). `lease`: a lease object on the
     remote names the versions read, till this process exits (store/remote_lease.py)."""
     if not is_url(store):

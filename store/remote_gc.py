@@ -128,14 +128,15 @@ def plan(remote: Remote, grace_s: float = GRACE_SECONDS, now: float | None = Non
     current = _current(remote)
     roots = sorted(current.items()) if current is not None else [tv for tv, v in versions.items() if v.complete]
     keep = _closure(remote, roots, versions)
-    for found in remote_lease.leases(remote, listing, now):
+    found_leases = remote_lease.leases(remote, listing, now)  # one GET per lease object (a reader per rank)
+    for found in found_leases:
         if not found.live:
             out.dead_leases.append(str(found.path))
             continue
         for tv in sorted(_closure(remote, list(found.versions()), versions) - keep):
             out.leased.setdefault(tv, []).append(found.describe())
     keep |= set(out.leased)
-    held = {tv for found in remote_lease.leases(remote, listing, now) if found.live for tv in found.versions()}
+    held = {tv for found in found_leases if found.live for tv in found.versions()}
     out.uploads = _stale_uploads(remote, now, grace_s, held)
     out.keep = sorted(tv for tv in keep if tv in versions)
     doomed = [v for tv, v in sorted(versions.items()) if tv not in keep]
@@ -150,8 +151,8 @@ def plan(remote: Remote, grace_s: float = GRACE_SECONDS, now: float | None = Non
 
 def _stale_uploads(remote: Remote, now: float, grace_s: float, held: set[tuple[str, int]]) -> list[tuple[str, str]]:
     """S3 multipart uploads under the prefix started more than `grace_s` ago and not in a version a live lease
-    holds: a push killed mid-shard (s3fs uploads a shard of 100 MB or more in parts) leaves its parts stored, and
-    billed, but in no listing of objects, so nothing else would ever remove them."""
+    holds: a push killed mid-shard (a shard of 32 MiB or more goes in parts: store/remote.PART) leaves its parts
+    stored, and billed, but in no listing of objects, so nothing else would ever remove them."""
     if not remote.is_s3:
         return []
     bucket, _, prefix = remote.root.partition("/")
@@ -177,8 +178,7 @@ def _still_doomed(remote: Remote, v: Version) -> list[str]:
     keepers = []
     if (_current(remote) or {}).get(v.table) == v.version:
         keepers.append("it is current now")
-    leases = {rel: info for rel, info in remote.listing_times().items()
-              if rel.startswith(remote_lease.LEASES_DIR + "/")}
+    leases = remote.listing_times(remote_lease.LEASES_DIR)  # not the whole prefix (~40k objects a version) again
     for found in remote_lease.leases(remote, leases):
         if found.live and (v.table, v.version) in set(found.versions()):
             keepers.append(found.describe())

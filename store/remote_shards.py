@@ -5,7 +5,7 @@
 manifest, shard indexes, rank-done files), each checked against that record as `pipeline store pull` checks it,
 plus a marker (`MARKER`) naming where the version lives. Then the ordinary reader (store/reader.py) opens the
 folder; its shard files (store/shard_io.py) call back here, through `fetcher_for`, when a shard is not there:
-- a scan (or a caller that needs the whole file: verify, a writer hard-linking a shard) fetches the whole shard
+- a scan (or a caller that needs the whole file: a local verify of the copy, a writer hard-linking a shard) fetches the whole shard
   to a temp name in the version folder, its size and CRC32C checked against `checksums.json` while it streams,
   and renames it into place: no torn file is ever visible under a shard name. One process of the node fetches a
   shard at a time (`FETCH_LOCK`); another's random read takes its range meanwhile. A shard that fails the check
@@ -39,7 +39,7 @@ from schemas.errors import UserError
 from store import format as fmt
 from store.checksum import CHUNK, RunningCrc, file_crc
 from store.io_errors import writing
-from store.remote import Remote, SharedBar, each_at_once, open_remote, remote_errors
+from store.remote import READ_PIECE, Remote, SharedBar, each_at_once, open_remote, remote_errors
 
 log = logging.getLogger("store")
 
@@ -270,7 +270,7 @@ def _download(remote: Remote, rel: str, part: Path) -> tuple[int, str]:
     """Stream one object into `part` (created, maybe at its reserved size); (bytes written, their CRC32C)."""
     crc, n = RunningCrc(), 0
     with remote.fs.open(remote.path(rel), "rb", block_size=CHUNK) as src, open(part, "r+b") as dst:
-        while chunk := src.read(CHUNK):
+        while chunk := src.read(min(CHUNK, READ_PIECE)):
             dst.write(chunk)
             crc.update(chunk)
             n += len(chunk)
@@ -314,7 +314,8 @@ def open_lazily(url: str, root: Path, storage_options: dict[str, Any] | None, ta
             rec = _parse_record(remote.read(fmt.STORE_JSON), url)
         except FileNotFoundError:
             rec = None
-        # verify: every complete version not retired by repair; else the tables' current ones (a warm open lists nothing)
+        # tables=None (repair's working copy): every complete version not retired; else the current ones (a warm
+        # open lists nothing)
         listing = remote.listing() if tables is None else None
         rec, tables, wanted = wanted_versions(rec, url, tables, optional, listing)
         store = Store(root)

@@ -138,13 +138,19 @@ def push(src: Path, url: str, storage_options: dict[str, Any] | None = None,
     summary = SyncSummary("push", url)
     with remote_errors(url, "push"):
         versions = _local_versions(src)
+        # lazily cached versions came from this remote (their manifests are there): nothing of them is sent
+        pushing = [(t, v) for t, v in versions if not is_lazy(fmt.version_dir(src, t, v))]
         # The push lease first, naming every version this push may write, before it lists what is there: a gc
         # from then on keeps those versions' objects (the leftovers of a killed push this one resumes included).
-        lease = remote_lease.hold(remote, versions, "push", kind="push") if versions else None
+        lease = remote_lease.hold(remote, pushing, "push", kind="push") if pushing else None
         try:
-            listing = remote.listing()
-            _remote_record(remote, listing)  # a newer format (or a damaged record) there: refused before any upload
+            # the listing only when there is something to send: a stage of `run all` found up to date pushes its
+            # cached copy back, and a whole prefix (~200k objects at 1M samples) was listed for nothing
+            listing = remote.listing() if pushing else {}
+            _remote_record(remote, listing if pushing else None)  # a newer format (or a damaged record): refused
             todo, files_of = _plan_push(remote, src, url, listing, versions, summary)
+            if not set_aside_quarantine:  # refused before any upload, not after the versions are there
+                check_quarantine(remote, src)
             _upload(remote, src, url, todo, files_of, summary)
             push_quarantine(remote, src, set_aside_quarantine, summary.set_aside)
             # store.json last: the remote's current versions become the local ones (those complete there now)
@@ -152,7 +158,8 @@ def push(src: Path, url: str, storage_options: dict[str, Any] | None = None,
             current = {t: e for t, e in local_rec["tables"].items() if (t, str(e["current"])) in there}
             if replacing is not None:
                 current = {t: e for t, e in current.items() if t in replacing}
-            remote.swap(fmt.STORE_JSON, lambda old: _merged_record(old, current, url, replacing, summary.newer))
+            remote.swap(fmt.STORE_JSON, lambda old: _changed(old, _merged_record(old, current, url, replacing,
+                                                                            summary.newer)))
         finally:  # held until the new versions are current: till then gc would count them unreferenced
             if lease is not None:
                 lease.release()
@@ -239,6 +246,22 @@ def damaged_quarantine(url: str, why: str) -> UserError:
                      "file aside), then rerun")
 
 
+def check_quarantine(remote: Remote, src: Path) -> None:
+    """Before a commit that `push_quarantine` follows: a damaged remote `quarantine.parquet` that would refuse
+    `src`'s rows is refused now, in one line, while nothing is committed yet (not after the version is)."""
+    from store import quarantine
+
+    if not (src / fmt.QUARANTINE).is_file():
+        return  # nothing to merge: push_quarantine does not read the remote file
+    try:
+        data = remote.read(fmt.QUARANTINE)
+    except FileNotFoundError:
+        return
+    rows, why = quarantine.parsed(data)
+    if rows is None:
+        raise damaged_quarantine(remote.url, why)
+
+
 def push_quarantine(remote: Remote, src: Path, set_aside: bool = False, aside: list[str] | None = None) -> int:
     """Add the local quarantine rows the remote's `quarantine.parquet` lacks (every stage, every node adds rows: a
     merge, by compare-and-swap, so no node's rows are lost); how many were new. A damaged remote file is refused
@@ -310,6 +333,11 @@ def _merged_record(old: bytes | None, current: dict[str, Any], url: str,
     return seal({**rec, "tables": {**rec["tables"], **current}, "format_version": fmt.STORE_FORMAT_VERSION})
 
 
+def _changed(old: bytes | None, new: bytes) -> bytes | None:
+    """`new`, or None (no write) when it is what is there: a push that changed nothing rewrites nothing."""
+    return None if new == old else new
+
+
 def _parse_record(data: bytes, url: str) -> dict[str, Any]:
     where = f"{url}/{fmt.STORE_JSON}"
     try:
@@ -337,10 +365,14 @@ def _check_local(path: Path, f: _File) -> None:
                         "run `pipeline store repair` on the store, then push again")
 
 
-def _remote_record(remote: Remote, listing: dict[str, int]) -> dict[str, Any] | None:
-    if fmt.STORE_JSON not in listing:
+def _remote_record(remote: Remote, listing: dict[str, int] | None) -> dict[str, Any] | None:
+    """The remote's store.json (None when there is none); `listing` None: not listed, read to find out."""
+    if listing is not None and fmt.STORE_JSON not in listing:
         return None
-    return _parse_record(remote.read(fmt.STORE_JSON), remote.url)
+    try:
+        return _parse_record(remote.read(fmt.STORE_JSON), remote.url)
+    except FileNotFoundError:
+        return None
 
 
 # ---------------------------------------------------------------- pull

@@ -98,8 +98,7 @@ def publish(url: str, root: Path, replaced: list[tuple[str, int]], echo: Callabl
             marker = fmt.damaged_marker(root, table, v)
             if marker.is_file():
                 remote.write(marker_rel(table, v), marker.read_bytes())
-            listing = {rel: info for rel, info in remote.listing_times().items()
-                       if rel.startswith(remote_lease.LEASES_DIR + "/")}
+            listing = remote.listing_times(remote_lease.LEASES_DIR)  # the leases only, not the whole prefix
             readers = [f.describe() for f in remote_lease.leases(remote, listing)
                        if f.live and (table, v) in set(f.versions())]
             if readers:

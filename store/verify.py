@@ -20,7 +20,7 @@ import math
 import struct
 import tarfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from tqdm import tqdm
 
@@ -35,10 +35,17 @@ from store.manifest_view import read_manifest, read_schema
 from store.reader import torch_dtype
 from store.remote_shards import fetch_problem, is_cache_file
 
+#: what a verify of a URL fetches into its temporary folder (with checksums.json); every other file stays remote
+REMOTE_METADATA = (fmt.SCHEMA_JSON, fmt.MANIFEST)
+#: objects(version name, its checksums.json record or None, {shard: its manifest rows}) -> problem lines
+ObjectCheck = Callable[[str, "dict[str, dict[str, Any]] | None", "dict[str, ShardPart]"], list[str]]
+
 LITTER_NOTE = "temp file left by an interrupted write (`pipeline store repair` removes it)"
 
 
-def verify_store(root: Path, progress: bool = True) -> list[str]:
+def verify_store(root: Path, progress: bool = True, objects: ObjectCheck | None = None) -> list[str]:
+    """`objects`: a store at a URL (store/remote_verify.py): `root` holds only its metadata, and `objects` checks
+    every other file each version lists where it lies."""
     problems: list[str] = []
     try:
         rec = fmt.read_store_record(root)
@@ -54,7 +61,7 @@ def verify_store(root: Path, progress: bool = True) -> list[str]:
             vdir = fmt.version_dir(root, table, v)
             if fmt.is_complete(vdir):  # incomplete folders are writes in progress (or killed): not yet data
                 try:
-                    found = verify_version(vdir, f"{table}/v{v}", progress)
+                    found = verify_version(vdir, f"{table}/v{v}", progress, objects)
                 except Exception as e:  # noqa: BLE001 - verify reports, it never crashes
                     found = [f"{table}/v{v}: cannot be checked ({type(e).__name__}: {e})"]
                 found = [_one_line(p) for p in found]
@@ -100,33 +107,82 @@ def _file_problems(vdir: Path, name: str, sums: dict[str, dict[str, Any]]) -> li
     return problems
 
 
-def verify_version(vdir: Path, name: str, progress: bool = True) -> list[str]:
+def verify_version(vdir: Path, name: str, progress: bool = True, objects: ObjectCheck | None = None) -> list[str]:
     problems: list[str] = []
     try:
         sums = integrity.read_version_checksums(vdir)
     except UserError as e:
         problems.append(f"{name}: {e}")
         sums = None
-    if sums is not None:
-        problems += _file_problems(vdir, name, sums)
+    if objects is None:
+        problems += _file_problems(vdir, name, sums) if sums is not None else []
+        found, by_shard = _manifest_problems(vdir, name, sums)
+        problems += found
+        for shard, part in tqdm(sorted(by_shard.items()), desc=f"verify {name}", unit="shard", disable=not progress):
+            srows, bad = shard_rows(part, name)
+            problems += bad
+            try:
+                problems += _check_shard(vdir / shard, f"{name}/{shard}", srows, whole_file_checked=sums is not None)
+            except Exception as e:  # noqa: BLE001 - a manifest with nonsense values is a problem line
+                problems.append(f"{name}/{shard}: cannot be checked ({type(e).__name__}: {e})")
+        return problems
+    local = {n: e for n, e in (sums or {}).items() if n in REMOTE_METADATA}
+    problems += _file_problems(vdir, name, local) if sums is not None else []
+    found, by_shard = _manifest_problems(vdir, name, sums)
+    return problems + found + objects(name, sums, by_shard)
+
+
+class ShardPart:
+    """One shard's manifest rows, as Arrow until they are checked: 1M rows as Python dicts held ~2.7 GB at once
+    (and ~35 s) for a table's verify; one shard's at a time hold a few MB."""
+
+    def __init__(self, manifest: Any, indices: Any, schema_version: int) -> None:
+        self.manifest, self.indices, self.schema_version = manifest, indices, schema_version
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
+def shard_rows(part: ShardPart, name: str) -> tuple[list[dict[str, Any]], list[str]]:
+    """(the shard's manifest rows, the problems of their columns)."""
+    try:
+        rows = part.manifest.take(part.indices).to_pylist()
+    except Exception as e:  # noqa: BLE001
+        return [], [f"{name}/{fmt.MANIFEST}: undecodable ({type(e).__name__}: {e})"]
+    problems: list[str] = []
+    for r in rows:
+        try:
+            problems += _check_columns(r, part.schema_version, name)
+        except Exception as e:  # noqa: BLE001
+            problems.append(f"{name}: key {r.get('key')!r}: columns cannot be checked ({type(e).__name__}: {e})")
+    return rows, problems
+
+
+def _manifest_problems(vdir: Path, name: str, sums: dict[str, dict[str, Any]] | None
+                       ) -> tuple[list[str], dict[str, ShardPart]]:
+    """(problems of the schema, manifest and keys, {shard: its manifest rows}; empty when unreadable)."""
+    import pyarrow.compute as pc
+
+    problems: list[str] = []
     try:
         schema = read_schema(vdir)
     except UserError as e:
-        return problems + [f"{name}: {e}"]
+        return problems + [f"{name}: {e}"], {}
     try:
         manifest = read_manifest(vdir, (vdir / fmt.MANIFEST).read_bytes())
     except UserError as e:
-        return problems + [f"{name}/{fmt.MANIFEST}: unreadable ({e})"]
+        return problems + [f"{name}/{fmt.MANIFEST}: unreadable ({e})"], {}
     missing = sorted(LOCATING_COLUMNS - set(manifest.column_names))
     if missing:
-        return problems + [f"{name}/{fmt.MANIFEST}: missing columns {missing}"]
+        return problems + [f"{name}/{fmt.MANIFEST}: missing columns {missing}"], {}
     if sums is None and CHECKSUM_COLUMNS & set(manifest.column_names) and not (vdir / fmt.CHECKSUMS).exists():
         problems.append(f"{name}: {fmt.CHECKSUMS} is missing (the manifest has checksum columns)")
     try:
-        rows = manifest.to_pylist()
+        keys = manifest.column("key").to_pylist()
+        order = pc.sort_indices(manifest.column("shard"))
+        shards = manifest.column("shard").take(order).to_pylist()
     except Exception as e:  # noqa: BLE001
-        return problems + [f"{name}/{fmt.MANIFEST}: undecodable ({type(e).__name__}: {e})"]
-    keys = [r["key"] for r in rows]
+        return problems + [f"{name}/{fmt.MANIFEST}: undecodable ({type(e).__name__}: {e})"], {}
     seen: set[str] = set()
     for k in keys:
         if k in seen:
@@ -134,20 +190,13 @@ def verify_version(vdir: Path, name: str, progress: bool = True) -> list[str]:
         elif not isinstance(k, str) or not fmt.KEY_RE.fullmatch(k):
             problems.append(f"{name}: invalid key {k!r}")
         seen.add(k)
-    for r in rows:
-        try:
-            problems += _check_columns(r, schema.schema_version, name)
-        except Exception as e:  # noqa: BLE001
-            problems.append(f"{name}: key {r.get('key')!r}: columns cannot be checked ({type(e).__name__}: {e})")
-    by_shard: dict[str, list[dict[str, Any]]] = {}
-    for r in rows:
-        by_shard.setdefault(str(r["shard"]), []).append(r)
-    for shard, srows in tqdm(sorted(by_shard.items()), desc=f"verify {name}", unit="shard", disable=not progress):
-        try:
-            problems += _check_shard(vdir / shard, f"{name}/{shard}", srows, whole_file_checked=sums is not None)
-        except Exception as e:  # noqa: BLE001 - a manifest with nonsense values is a problem line
-            problems.append(f"{name}/{shard}: cannot be checked ({type(e).__name__}: {e})")
-    return problems
+    by_shard: dict[str, ShardPart] = {}
+    start = 0
+    for i in range(1, len(shards) + 1):  # the runs of one shard in the sorted order
+        if i == len(shards) or shards[i] != shards[start]:
+            by_shard[str(shards[start])] = ShardPart(manifest, order[start:i], schema.schema_version)
+            start = i
+    return problems, by_shard
 
 
 def _check_columns(r: dict[str, Any], schema_version: int, name: str) -> list[str]:
@@ -193,7 +242,12 @@ def _check_row(f: Any, size: int, r: dict[str, Any]) -> list[str]:
     if start < 0 or start + n > size:
         return [f"sample bytes [{start}, {start + n}) lie outside the shard"]
     f.seek(start)
-    data = f.read(n)
+    return check_sample(f.read(n), r)
+
+
+def check_sample(data: bytes, r: dict[str, Any]) -> list[str]:
+    """The problems of one manifest row's sample bytes `data` (read at its `sample_offset`)."""
+    start = r["sample_offset"]
     bad = integrity.sample_problem(data, r)
     if bad is not None:
         return [f"sample bytes are damaged ({bad})"]

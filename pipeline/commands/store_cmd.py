@@ -38,41 +38,46 @@ def inspect(store: str = StoreOrUrlArg, as_json: bool = typer.Option(False, "--j
 
 
 @store_app.command("verify", help="Re-check every shard and manifest row; exit 1 with one line per problem. A URL: "
-                   "every version pulled into the cache (each file checked as it arrives), then checked there.")
-def verify(store: str = StoreOrUrlArg, cache_dir: Optional[Path] = CacheDirOpt,
-           cache_gb: Optional[float] = CacheGbOpt) -> None:
-    from store.remote_cache import local_store
+                   "each object streamed once from where it lies and checked on the way (nothing is cached).")
+def verify(store: str = StoreOrUrlArg,
+           cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", hidden=True),  # unused since verify
+           cache_gb: Optional[float] = typer.Option(None, "--cache-gb", hidden=True),  # streams: kept for scripts
+           ) -> None:
+    from schemas.errors import UserError
+    from store.remote import is_url
     from store.verify import verify_store
 
     with user_errors():
-        root = local_store(store, None, cache_dir, cache_gb)  # a URL: its cached copy of every version
-        if not (root / "store.json").is_file():
-            from schemas.errors import UserError
+        if is_url(store):  # streamed where it lies (store/remote_verify.py): a URL's bytes never land in a cache
+            from store.remote_verify import verify_url
 
-            raise UserError(f"no store at {store} (no store.json)")
-        problems = verify_store(root)
-        if store != str(root):  # a URL: verify's read lease goes now, not at exit
-            from store.remote_lease import release_reading
-
-            release_reading(store)
+            problems, current = verify_url(store)
+        else:
+            root = Path(store)
+            if not (root / "store.json").is_file():
+                raise UserError(f"no store at {store} (no store.json)")
+            problems = verify_store(root)
+            current = _current_versions(root)
     for p in problems:
         echo(p)
     if problems:
-        echo(_verify_advice(store, root, problems))
+        echo(_verify_advice(store, current, problems))
         raise typer.Exit(1)
     echo(f"ok: {store} verified")
 
 
-def _verify_advice(store: str, root: Path, problems: list[str]) -> str:
+def _current_versions(root: Path) -> dict[str, int]:
+    """{table: current version} as root's store.json names them; {} when it is damaged (repair rebuilds it)."""
+    from store.remote_verify import current_versions
+
+    return current_versions(root)
+
+
+def _verify_advice(store: str, current: dict[str, int], problems: list[str]) -> str:
     """What to do about verify's problems: repair recomputes current versions only, so problems in versions
     no longer current (an old version sharing a repaired shard by hard link) stay until gc removes them."""
     import re
 
-    try:
-        tables = json.loads((root / "store.json").read_text()).get("tables", {})
-        current = {t: int(e["current"]) for t, e in tables.items()}
-    except (OSError, ValueError, TypeError, KeyError, AttributeError):  # a damaged store.json: repair rebuilds it
-        current = {}
     found = [re.match(r"([A-Za-z0-9_]+)/v(\d+)/", p) for p in problems]
     old = sorted({f"{m[1]}/v{m[2]}" for m in found if m and current.get(m[1]) != int(m[2])})
     advice = []

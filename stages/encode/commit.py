@@ -34,6 +34,12 @@ def finish(job: EncodeJob) -> Summary:
         )
         job.images.stop_check_ahead()
     check_damaged_total(job)  # every rank past the barrier above: the same sums, the same verdict
+    if job.writer.remote_url is not None:  # each node's rows merge after the commit: refused before it, not after
+        from store.remote_parts import check_node_quarantine
+
+        with together(world, f"{stage}: the remote quarantine.parquet"):
+            if job.ranks.local_rank == 0:
+                check_node_quarantine(job.writer)
     with together(world, f"{stage}: the commit of table '{job.summary.table}'"):
         if job.ranks.rank == 0:
             job.summary.version = job.writer.commit(allow_empty=False)

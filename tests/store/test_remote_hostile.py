@@ -41,9 +41,15 @@ def test_a_damaged_remote_quarantine_is_refused_in_one_line_and_repair_sets_it_a
     with pytest.raises(UserError, match="quarantine.parquet is damaged") as e:
         pull(url, tmp_path / "pulled")
     assert where in str(e.value) and f"pipeline store repair {url}" in str(e.value)
+    import shutil
+
+    ahead = Store(shutil.copytree(store.root, tmp_path / "ahead"))
+    fill(ahead, 3, tag="b", start=10)  # a new version: refused before any of its objects is sent
     with pytest.raises(UserError, match="quarantine.parquet is damaged") as e:
-        push(store.root, url)
+        push(ahead.root, url)
     assert where in str(e.value)
+    assert not [o for o in s3_env.client().list_objects_v2(Bucket=s3_env.bucket)["Contents"]
+                if o["Key"].startswith("store/vae/v2/")]
     for args in (["store", "inspect", url], ["store", "verify", url, "--cache-dir", tmp_path / "c1"]):
         r = _cli(*args)
         assert r.exit_code == 1 and where in r.output, r.output
@@ -148,7 +154,7 @@ def test_a_server_that_cuts_transfers_off_is_one_line_and_throttling_is_retried(
 
 
 def test_gc_aborts_the_multipart_uploads_of_killed_pushes(s3_env, store: Store) -> None:
-    """A push killed mid-shard (s3fs sends a shard of 100 MB or more in parts) leaves an unfinished multipart
+    """A push killed mid-shard (a push sends a shard of 32 MiB or more in parts) leaves an unfinished multipart
     upload: its parts stay stored and billed but appear in no listing of objects, so before, nothing removed
     them. gc now aborts those under its prefix once older than --incomplete-after, and leaves others alone."""
     fill(store, 5)

@@ -1,6 +1,6 @@
 """`pipeline store inspect|verify s3://...` against the S3 test server: inspect says what a local inspect of the same
-store says (from the metadata alone: no shard is fetched); verify opens every version in the cache, fetches each shard
-checked, and reports a damaged object on the remote."""
+store says (from the metadata alone: no shard is fetched); verify streams every object of every version once, writes
+nothing to the cache, and names a damaged object (and its damaged sample) on the remote."""
 
 from __future__ import annotations
 
@@ -46,26 +46,48 @@ def test_inspect_of_a_url_matches_the_local_store_and_fetches_no_shard(s3_env, s
     assert text.exit_code == 0 and "vae" in text.output
 
 
-def test_verify_of_a_url_checks_every_version_through_the_cache(s3_env, store: Store, tmp_path: Path) -> None:
+def _flip(s3_env, key: str, at: int | None = None) -> None:
+    client = s3_env.client()
+    data = bytearray(client.get_object(Bucket=s3_env.bucket, Key=key)["Body"].read())
+    data[len(data) // 2 if at is None else at] ^= 0x01
+    client.put_object(Bucket=s3_env.bucket, Key=key, Body=bytes(data))
+
+
+def test_verify_of_a_url_streams_every_object_and_caches_nothing(s3_env, store: Store, tmp_path: Path,
+                                                                   monkeypatch) -> None:
+    from store import remote_cache
+    from store import remote as remote_mod
+
     _two_versions(store)
     push(store.root, s3_env.url())
+    # verify reads where the store lies: no cache, no download to a file (1M samples would be terabytes on disk)
+    monkeypatch.setattr(remote_cache, "local_store", lambda *a, **k: pytest.fail("verify opened the cache"))
+    monkeypatch.setattr(remote_mod.Remote, "download", lambda *a: pytest.fail("verify downloaded a file"))
     cache = tmp_path / "cache"
     res = runner.invoke(app, ["store", "verify", s3_env.url(), "--cache-dir", str(cache)])
     assert res.exit_code == 0, res.output
     assert f"ok: {s3_env.url()} verified" in res.output
-    (cached,) = [p for p in cache.iterdir() if p.is_dir()]
-    assert Store(cached, create=False).versions("vae") == [1, 2]  # both versions opened, not only the current
+    assert not cache.exists()
 
-    # a flipped byte in a shard of v1 on the server: verify (into a fresh cache) names it and exits 1
+    # a flipped byte in a shard of v1 (not current) and in a shard index of v2 on the server: both named, the
+    # shard's damaged sample by its key, exit 1, still nothing written under the cache
     client = s3_env.client()
-    key = next(o["Key"] for o in client.list_objects_v2(Bucket=s3_env.bucket)["Contents"]
-               if o["Key"].startswith("store/vae/v1/") and o["Key"].endswith(".tar"))
-    data = bytearray(client.get_object(Bucket=s3_env.bucket, Key=key)["Body"].read())
-    data[len(data) // 2] ^= 0x01
-    client.put_object(Bucket=s3_env.bucket, Key=key, Body=bytes(data))
-    res = runner.invoke(app, ["store", "verify", s3_env.url(), "--cache-dir", str(tmp_path / "fresh")])
-    assert res.exit_code == 1 and "Traceback" not in res.output
-    assert "damaged" in res.output and key.split("/", 1)[1] in res.output
+    keys = [o["Key"] for o in client.list_objects_v2(Bucket=s3_env.bucket)["Contents"]]
+    shard = next(k for k in keys if k.startswith("store/vae/v1/") and k.endswith(".tar"))
+    index = next(k for k in keys if k.startswith("store/vae/v2/") and k.endswith(".index.parquet"))
+    _flip(s3_env, shard)
+    _flip(s3_env, index)
+    client.put_object(Bucket=s3_env.bucket, Key="store/vae/v2/stray.bin", Body=b"x")
+    res = runner.invoke(app, ["store", "verify", s3_env.url(), "--cache-dir", str(cache)])
+    assert res.exit_code == 1 and "Traceback" not in res.output, res.output
+    lines = [ln for ln in res.output.splitlines() if ln.strip()]
+    rel_shard, rel_index = shard.split("/", 1)[1], index.split("/", 1)[1]
+    assert any(rel_shard in ln and "the file is damaged" in ln for ln in lines), res.output
+    assert any(rel_shard in ln and "key " in ln and "sample bytes are damaged" in ln for ln in lines), res.output
+    assert any(rel_index in ln and "the file is damaged" in ln for ln in lines), res.output
+    assert any("vae/v2/stray.bin: not listed in checksums.json" in ln for ln in lines), res.output
+    assert "store gc" in lines[-1] and "store repair" in lines[-1]  # v1 is old, v2 current
+    assert not cache.exists()
 
 
 def test_inspect_and_verify_of_an_empty_prefix_are_one_line(s3_env, tmp_path: Path) -> None:
@@ -74,3 +96,41 @@ def test_inspect_and_verify_of_an_empty_prefix_are_one_line(s3_env, tmp_path: Pa
         res = runner.invoke(app, ["store", *args])
         assert res.exit_code == 1 and "Traceback" not in res.output
         assert f"no store at {s3_env.url('nothing')}" in res.output
+
+
+def test_verify_of_a_file_url_streams_it_too(store: Store, tmp_path: Path) -> None:
+    """A `file://` URL (a shared file system) goes the same way: each file read once where it lies."""
+    fill(store, 10)
+    url = f"file://{tmp_path / 'remote'}"
+    push(store.root, url)
+    res = runner.invoke(app, ["store", "verify", url])
+    assert res.exit_code == 0 and f"ok: {url} verified" in res.output, res.output
+    shard = sorted((tmp_path / "remote" / "vae" / "v1").glob("*.tar"))[-1]
+    data = bytearray(shard.read_bytes())
+    data[-1024 - 3] ^= 0x10  # inside the last sample's bytes (before the tar's two zero end blocks)
+    shard.write_bytes(bytes(data))
+    res = runner.invoke(app, ["store", "verify", url])
+    assert res.exit_code == 1 and f"vae/v1/{shard.name}: crc32c" in res.output, res.output
+
+
+def test_verify_that_loses_the_server_says_so_in_one_line_not_as_damage(s3_env, store: Store, monkeypatch) -> None:
+    """The connection is lost while verify streams the objects: one line naming the URL and what to do (exit 1), not
+    a problem line per object nor advice to repair a store nothing is known to be wrong with."""
+    from store import remote_verify
+
+    fill(store, 12, shard_size_mb=0.02)
+    push(store.root, s3_env.url())
+    real, calls = remote_verify.RemoteObjects._stream, []
+
+    def reset_after_two(self, *args):
+        calls.append(args[0])
+        if len(calls) > 2:  # as botocore reports a reset connection once its retries are spent
+            raise ConnectionResetError("connection reset by peer")
+        return real(self, *args)
+
+    monkeypatch.setattr(remote_verify.RemoteObjects, "_stream", reset_after_two)
+    res = runner.invoke(app, ["store", "verify", s3_env.url()])
+    assert res.exit_code == 1 and "Traceback" not in res.output, res.output
+    lines = [ln for ln in res.output.replace("\r", "\n").splitlines() if ln.strip() and "verify vae" not in ln]
+    assert len(lines) == 1 and f"lost the connection to {s3_env.url()}" in lines[0], res.output
+    assert "store repair" not in res.output

@@ -49,7 +49,7 @@ def remote_current(env) -> dict[str, int]:
 
 
 def test_repair_of_a_url_gives_a_current_version_that_verify_and_a_reader_use(s3_env, store: Store,
-                                                                              tmp_path: Path) -> None:
+                                                                              tmp_path: Path, monkeypatch) -> None:
     fill(store, 6)
     before = {k: store.reader("vae").get(k)["tensors"] for k in store.reader("vae").keys()}
     push(store.root, s3_env.url())
@@ -59,8 +59,13 @@ def test_repair_of_a_url_gives_a_current_version_that_verify_and_a_reader_use(s3
     client.put_object(Bucket=s3_env.bucket, Key=key, Body=data + os.urandom(700))  # bytes appended on the remote
     assert _cli("store", "verify", s3_env.url(), "--cache-dir", tmp_path / "c0").exit_code == 1
 
+    listed: list[str] = []
+    real_listing_times = remote_mod.Remote.listing_times
+    monkeypatch.setattr(remote_mod.Remote, "listing_times",
+                        lambda self, under="": listed.append(under) or real_listing_times(self, under))
     r = _cli("store", "repair", s3_env.url(), "--cache-dir", tmp_path / "work")
     assert r.exit_code == 0 and "bytes appended" in r.output and "retired" in r.output, r.output
+    assert "" not in listed  # retiring v1 looks at the leases only, not at the whole prefix again
     assert remote_current(s3_env) == {"vae": 2}
     keys = objects(s3_env)
     assert "store/vae/v1/manifest.parquet" not in keys and "store/vae/v1.damaged.json" in keys
@@ -255,6 +260,22 @@ def test_gc_of_a_url_keeps_current_and_leased_versions(s3_env, store: Store, tmp
     assert _cli("store", "gc", s3_env.url()).exit_code == 0
     keys = objects(s3_env)
     assert not any(k.startswith("store/vae/v1/") for k in keys) and "store/vae/v3/manifest.parquet" in keys
+
+
+def test_gc_of_many_old_versions_lists_the_whole_prefix_once(s3_env, store: Store, monkeypatch) -> None:
+    """Right before each version's DELETE gc looks again for leases naming it: that look lists `.leases/` only.
+    It listed the whole prefix (~40k objects a version at 1M samples) once per removed version."""
+    for i, tag in enumerate("abcd"):  # v1..v3 old, v4 current
+        fill(store, 2, tag=tag, start=10 * i)
+    push(store.root, s3_env.url())
+    listed: list[str] = []
+    real = remote_mod.Remote.listing_times
+    monkeypatch.setattr(remote_mod.Remote, "listing_times",
+                        lambda self, under="": listed.append(under) or real(self, under))
+    r = _cli("store", "gc", s3_env.url())
+    assert r.exit_code == 0 and "3 version(s) removed" in r.output, r.output
+    assert listed.count("") == 1 and listed.count(remote_lease.LEASES_DIR) == 3, listed
+    assert [k for k in objects(s3_env) if k.endswith("manifest.parquet")] == ["store/vae/v4/manifest.parquet"]
 
 
 def _push_killed_after_three_objects(store: Store, s3_env, monkeypatch) -> None:

@@ -52,6 +52,9 @@ def test_two_caches_commit_one_version_on_the_remote(s3_env, tmp_path, monkeypat
     r = Store(pulled).reader("vae")
     assert r.keys() == sorted(key_of(i) for i in range(N)) and r.manifest.num_rows == N  # each exactly once
     assert verify_store(pulled, progress=False) == []
+    from store.remote_verify import verify_url
+
+    assert verify_url(url, progress=False)[0] == []  # every object of the parts is listed in checksums.json
 
 
 def test_a_node_that_lost_its_cache_keeps_what_it_uploaded(s3_env, tmp_path, monkeypatch) -> None:
@@ -134,3 +137,50 @@ def test_every_nodes_quarantine_rows_reach_the_remote_merged(s3_env, tmp_path) -
     got = quarantine.read(pulled)
     assert sorted(zip(got.column("key").to_pylist(), got.column("reason").to_pylist())) == [
         (key_of(100), "too_small"), (key_of(101), "damaged_input"), (key_of(102), "too_small")]
+
+
+def _encode_end(writer, monkeypatch):
+    """stages/encode/commit.finish for rank 0 of a multi-node encode whose loop is done (its parts of the job
+    that are not the store's stubbed): this node's rows, then the remote commit."""
+    from types import SimpleNamespace
+
+    from stages.encode import commit
+
+    for name in ("flush_quarantine", "check_damaged_total"):
+        monkeypatch.setattr(commit, name, lambda job: None)
+    monkeypatch.setattr(commit, "rank_shard_sizes", lambda job: {})
+    summary = SimpleNamespace(up_to_date=False, stage="encode-vae", table="vae", version=None)
+    job = SimpleNamespace(summary=summary, writer=writer, ranks=SimpleNamespace(world_size=1, rank=0, local_rank=0),
+                          started=0.0, loop_started=0.0, shard_sizes_before={}, repairing=None, lease=None,
+                          images=SimpleNamespace(stop_check_ahead=lambda: None))
+    return commit.finish(job)
+
+
+def test_a_damaged_remote_quarantine_stops_a_multi_node_encode_before_its_commit(s3_env, tmp_path, monkeypatch):
+    """The node's rejected rows are merged into the remote's quarantine.parquet after the commit; a damaged one
+    is found before it (one line), so no version is committed without its rows, and after `store repair` sets the
+    file aside a rerun commits the version and its rows."""
+    from store import quarantine
+    from store.remote_sync import check_quarantine
+
+    url = s3_env.url("qdamaged")
+    _writer(tmp_path / "node1", url, 1).finish_rank()
+    zero = _writer(tmp_path / "node0", url, 0)
+    quarantine.add_rows(tmp_path / "node0", [{"key": key_of(100), "source": "s", "stage": "encode-vae",
+                                               "reason": "too_small"}])
+    s3_env.client().put_object(Bucket=s3_env.bucket, Key="qdamaged/quarantine.parquet", Body=b"not parquet")
+    with pytest.raises(UserError, match=r"qdamaged/quarantine.parquet is damaged .*pipeline store repair") as e:
+        _encode_end(zero, monkeypatch)
+    assert "\n" not in str(e.value)
+    zero.close()  # as the encoder's error path (stages/encode/commit.close)
+    names = _objects(s3_env, "qdamaged")
+    assert "vae/v1/manifest.parquet" not in names and "store.json" not in names  # nothing committed
+
+    s3_env.client().delete_object(Bucket=s3_env.bucket, Key="qdamaged/quarantine.parquet")  # as repair sets it aside
+    check_quarantine(remote_mod.open_remote(url), tmp_path / "node0")
+    summary = _encode_end(_writer(tmp_path / "node0", url, 0), monkeypatch)  # the rerun resumes and commits
+    assert summary.version == 1 and summary.committed_to == url
+    pulled = tmp_path / "pulled"
+    pull(url, pulled)
+    assert Store(pulled).reader("vae").manifest.num_rows == N
+    assert quarantine.read(pulled).column("key").to_pylist() == [key_of(100)]

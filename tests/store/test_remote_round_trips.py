@@ -75,3 +75,21 @@ def test_a_ranks_upload_and_the_commits_index_reads_run_several_at_a_time(s3_env
     assert r.keys() == sorted(key_of(i) for i in range(N)) and r.manifest.num_rows == N
     r.close()
     assert verify_store(pulled, progress=False) == []
+
+
+def test_a_node_that_lost_its_cache_adopts_its_uploaded_indexes_several_at_a_time(s3_env, tmp_path, monkeypatch):
+    """A replaced node's rank fetches the indexes of the shards it had uploaded (one GET each) several at a time."""
+    import shutil
+
+    from store_samples import vae_schema
+
+    url = s3_env.url("adopt")
+    _writer(tmp_path / "node1", url, 1).finish_rank()
+    shutil.rmtree(tmp_path / "node1")
+    reads = Overlap(remote_mod.Remote.read, only=lambda self, rel: rel.endswith(".index.parquet"))
+    monkeypatch.setattr(remote_mod.Remote, "read", lambda self, rel: reads(self, rel))
+    fresh = Store(tmp_path / "node1-new").writer("vae", vae_schema(), rank=1, world_size=2, shard_size_mb=0.004,
+                                                  version=1, remote_url=url)
+    assert fresh.done_keys == {key_of(i) for i in range(1, N, 2)}
+    fresh.close()
+    assert reads.overlapped and reads.calls > 2

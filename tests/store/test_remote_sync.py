@@ -303,3 +303,39 @@ def test_a_later_stages_quarantine_rows_reach_the_remote(s3_env, store: Store, t
     pulled = tmp_path / "pulled"
     pull(s3_env.url(), pulled)
     assert sorted(quarantine.read(pulled).column("stage").to_pylist()) == ["encode-text", "resize-bucket"]
+
+
+def test_pushing_back_a_cached_copy_that_added_nothing_lists_and_writes_nothing(s3_env, store: Store, tmp_path,
+                                                                                 monkeypatch) -> None:
+    """A stage of `run all` on a URL that found its table up to date pushes its cached copy back: every version
+    there came from the remote. That push listed the whole prefix (~200k objects at 1M samples, per stage) and
+    rewrote store.json; now it sends nothing and lists nothing."""
+    from store.remote_cache import local_store
+
+    fill(store, 6)
+    push(store.root, s3_env.url())
+    cached = local_store(s3_env.url(), ["vae"], tmp_path / "cache")
+    before = {o["Key"]: o["ETag"] for o in s3_env.client().list_objects_v2(Bucket=s3_env.bucket)["Contents"]
+              if "/.leases/" not in o["Key"]}
+    monkeypatch.setattr(remote_mod.Remote, "listing", lambda *a, **k: pytest.fail("listed the prefix"))
+    writes: list[str] = []
+    real_pipe = remote_mod.Remote.write
+    monkeypatch.setattr(remote_mod.Remote, "write", lambda self, rel, *a, **k: writes.append(rel) or
+                        real_pipe(self, rel, *a, **k))
+    swapped: list[tuple[str, bool]] = []  # (object, whether the compare-and-swap wrote it)
+    real_swap = remote_mod.Remote.swap
+
+    def swap(self, rel, update, *a, **k):
+        def recorded(old):
+            new = update(old)
+            swapped.append((rel, new is not None))
+            return new
+        return real_swap(self, rel, recorded, *a, **k)
+
+    monkeypatch.setattr(remote_mod.Remote, "swap", swap)
+    summary = push(cached, s3_env.url())
+    assert summary.present == ["vae/v1"] and not summary.copied and summary.objects_sent == 0
+    after = {o["Key"]: o["ETag"] for o in s3_env.client().list_objects_v2(Bucket=s3_env.bucket)["Contents"]
+             if "/.leases/" not in o["Key"]}
+    assert after == before and not [w for w in writes if not w.startswith((".leases/", ".clock/"))]
+    assert ("store.json", False) in swapped and ("store.json", True) not in swapped

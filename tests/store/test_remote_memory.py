@@ -1,0 +1,76 @@
+"""What parallel uploads hold in memory (store/remote.py): s3fs sent a file under 100 MiB in one PUT read whole, and
+a larger one in 50 MiB parts, 10 at once, so 16 uploads of big shards held GBs. Now every upload reserves the bytes
+it will hold from one budget (big ones wait their turn) and sends big files in small parts, still write-once;
+small objects keep the 16-way parallelism. Against the S3 test server; no timing in any assertion
+(bench/store_transfer_memory.py measures the memory itself)."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import pytest
+
+from store import remote as remote_mod
+from store.checksum import file_crc
+
+
+class _Bar:
+    def update(self, n: int = 1) -> None:
+        pass
+
+
+def _file(path: Path, nbytes: int) -> Path:
+    path.write_bytes(os.urandom(nbytes))
+    return path
+
+
+def test_uploads_hold_at_most_the_budget_and_big_files_go_in_parts_write_once(s3_env, tmp_path, monkeypatch):
+    monkeypatch.setattr(remote_mod, "PART", 5 * 2**20)  # S3's smallest part: a 11 MiB file is 3 parts
+    budget = remote_mod.ByteBudget(12 * 2**20)
+    monkeypatch.setattr(remote_mod, "uploads_budget", budget)
+    remote = remote_mod.open_remote(s3_env.url())
+    held_in_put, lock = [0, 0], threading.Lock()  # (now, most) bytes held by uploads inside s3fs's put_file
+    real_put = remote.fs.put_file
+
+    def put_file(lpath, rpath, **kw):
+        n = remote_mod.upload_memory(os.path.getsize(lpath))
+        with lock:
+            held_in_put[0] += n
+            held_in_put[1] = max(held_in_put[1], held_in_put[0])
+        try:
+            assert kw["chunksize"] == 5 * 2**20 and kw["max_concurrency"] == remote_mod.PARTS_AT_ONCE
+            return real_put(lpath, rpath, **kw)
+        finally:
+            with lock:
+                held_in_put[0] -= n
+
+    monkeypatch.setattr(remote.fs, "put_file", put_file)
+    files = [_file(tmp_path / f"f{i}", 4 * 2**20) for i in range(6)] + [_file(tmp_path / "big", 11 * 2**20)]
+    for _ in remote_mod.each_at_once(lambda p: remote.upload(p, f"x/{p.name}", file_crc(p)[0], _Bar()), files):
+        pass
+    assert held_in_put[1] <= 12 * 2**20 and budget.held == 0  # 16 at once would have held 35 MiB
+    assert remote_mod.upload_memory(11 * 2**20) == 11 * 2**20  # under 4 parts: held whole (in parts)
+    for p in files:
+        assert remote.read(f"x/{p.name}") == p.read_bytes()
+    # the multipart upload is write-once too: a second writer of the big object is refused, nothing overwritten
+    other = _file(tmp_path / "other", 11 * 2**20)
+    assert remote.upload(other, "x/big", file_crc(other)[0], _Bar()) is False
+    assert remote.read("x/big") == files[-1].read_bytes()
+
+
+def test_small_objects_still_go_sixteen_at_once(s3_env, tmp_path, monkeypatch):
+    """A version's ~20k shard indexes are one round trip each: the budget must not serialise them. Every one of 16
+    uploads waits inside put_file until all 16 are there (a barrier: only a serialised upload could fail it)."""
+    remote = remote_mod.open_remote(s3_env.url())
+    barrier = threading.Barrier(remote_mod.TRANSFERS, timeout=120)
+    real_put = remote.fs.put_file
+
+    def put_file(lpath, rpath, **kw):
+        barrier.wait()  # BrokenBarrierError if fewer than 16 are in flight
+        return real_put(lpath, rpath, **kw)
+
+    monkeypatch.setattr(remote.fs, "put_file", put_file)
+    files = [_file(tmp_path / f"i{i}", 4096) for i in range(remote_mod.TRANSFERS)]
+    assert all(remote_mod.each_at_once(lambda p: remote.upload(p, f"y/{p.name}", file_crc(p)[0], _Bar()), files))
