@@ -40,8 +40,9 @@ def inspect(store: str = StoreOrUrlArg, as_json: bool = typer.Option(False, "--j
 @store_app.command("verify", help="Re-check every shard and manifest row; exit 1 with one line per problem. A URL: "
                    "each object streamed once from where it lies and checked on the way (nothing is cached).")
 def verify(store: str = StoreOrUrlArg,
-           cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", hidden=True),  # unused since verify
-           cache_gb: Optional[float] = typer.Option(None, "--cache-gb", hidden=True),  # streams: kept for scripts
+           cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", hidden=True, help="Unused: verify of a "
+                                                    "URL streams every object and caches nothing (kept for scripts)."),
+           cache_gb: Optional[float] = typer.Option(None, "--cache-gb", hidden=True, help="Unused, as --cache-dir."),
            ) -> None:
     from schemas.errors import UserError
     from store.remote import is_url
