@@ -7,6 +7,7 @@ AWS_ACCESS_KEY_ID, ...), with no mock inside the process: requests go over HTTP 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import socket
 from dataclasses import dataclass
@@ -16,10 +17,13 @@ import pytest
 _buckets = itertools.count()
 
 
-def free_port() -> int:
+@contextlib.contextmanager
+def unreachable_endpoint():
+    """An endpoint URL where nothing answers (connections refused): its port is bound, never listened on, and held
+    until the block ends, so no other test's server can take it meanwhile (tests run two files at a time)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        yield f"http://127.0.0.1:{s.getsockname()[1]}"
 
 
 def start_server():
@@ -29,10 +33,12 @@ def start_server():
     from moto.server import ThreadedMotoServer
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one log line per request otherwise
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    # Port 0: the server binds a port of the kernel's choice and keeps it. A port found free beforehand can be
+    # taken meanwhile (tests run two files at a time), and moto's start() then waits forever for a server that
+    # failed to bind.
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
-    return server, f"http://127.0.0.1:{port}"
+    return server, f"http://127.0.0.1:{server.get_host_and_port()[1]}"
 
 
 @dataclass

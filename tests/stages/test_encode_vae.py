@@ -18,7 +18,7 @@ from PIL import Image
 from pipeline.config import load_config
 from stages.encode import vae as encode_vae
 from store import Store
-from two_ranks import free_port
+from launch_ports import run_retrying_port
 
 F32 = {"encode_vae.dtype": "float32"}
 
@@ -235,11 +235,11 @@ def test_two_processes_under_accelerate_match_one_process(tiny_plus_model, tmp_p
     script = tmp_path / "two_stages.py"
     script.write_text(TWO_STAGES)
     launcher = Path(sys.executable).with_name("accelerate")
-    proc = subprocess.run(
-        [str(launcher), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-         "--main_process_port", str(free_port()),  # tests run two at a time (scripts/test.sh)
-         str(script), str(two), tiny_plus_model, str(config)],
-        env=env, capture_output=True, text=True, timeout=300,
+    proc = run_retrying_port(
+        lambda port: [str(launcher), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+                      "--main_process_port", str(port),  # tests run two at a time (scripts/test.sh)
+                      str(script), str(two), tiny_plus_model, str(config)],
+        env=env, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "[rank 1/2]" in proc.stdout  # really two ranks, each encoding its share
