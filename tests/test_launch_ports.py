@@ -70,3 +70,13 @@ def test_a_launcher_whose_agent_found_its_port_taken_runs_again_on_another(monke
         proc = run_retrying_port(command, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert len(tried) == 2 and tried[0] == taken, tried
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_the_suite_keeps_its_caches_out_of_the_users_home(tmp_path_factory):
+    """Every session's S3 buckets have the same names, and the remote stores' cache is keyed by URL: in the user's
+    home, two runs at once (or the next run) shared cached stores of different servers."""
+    from models.file_hashes import FileHashes
+    from store.remote_cache import default_cache_dir
+
+    session = tmp_path_factory.getbasetemp()
+    assert default_cache_dir().is_relative_to(session) and FileHashes().path.is_relative_to(session)
