@@ -113,7 +113,7 @@ def test_cli_writes_the_dataset(tmp_path):
 
 
 def test_generating_the_samples_shows_a_progress_bar(tmp_path, capsys):
-    """Drawing the samples is most of the time (~12 ms each here: 100k samples are 20 minutes)."""
+    """Drawing the samples is most of the time (~1.5 ms each here: 1M samples are ~25 minutes)."""
     from pipeline.demo_data import make_demo_data
 
     make_demo_data(tmp_path / "d", n=5)
