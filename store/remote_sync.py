@@ -167,6 +167,10 @@ def _plan_push(remote: Remote, src: Path, url: str, listing: dict[str, int], ver
     for table, version in versions:
         vdir = fmt.version_dir(src, table, version)
         if is_lazy(vdir):  # a cached copy of a version of this very remote (store/remote_shards.py)
+            if f"{table}/v{version}/{fmt.MANIFEST}" not in listing:  # its shards are not here to send
+                raise UserError(f"{table} v{version} is cached in {src} but is no longer at {url} (the remote lost "
+                                f"it: a deleted prefix, a restarted in-memory server); the cache holds only its "
+                                f"metadata: remove {src} (a cache) and rerun, to rebuild it on the remote")
             summary.present.append(f"{table}/v{version}")
             continue
         if not (vdir / fmt.CHECKSUMS).is_file():
