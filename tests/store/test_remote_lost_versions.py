@@ -32,3 +32,23 @@ def test_a_lazy_cache_of_versions_the_remote_lost_is_refused_not_recorded(s3_env
     if "store/store.json" in keys:  # no record of a version whose objects are not there
         body = client.get_object(Bucket=s3_env.bucket, Key="store/store.json")["Body"].read()
         assert not unseal(body)["tables"], unseal(body)
+
+
+def test_a_cache_of_a_remote_rebuilt_since_names_the_cache_to_remove(s3_env, tmp_path):
+    """`pipeline store verify URL` (the default cache) after the remote was rebuilt with other contents under the
+    same version numbers: the line said "push/pull into an empty prefix or folder instead"; the stale copy is a
+    cache, and removing it is what to do."""
+    url = s3_env.url()
+    first, second = Store(tmp_path / "first"), Store(tmp_path / "second")
+    fill(first, 4)
+    fill(second, 5)
+    push(first.root, url)
+    cached = local_store(url, None, tmp_path / "cache", whole=True)
+    client = s3_env.client()
+    for o in client.list_objects_v2(Bucket=s3_env.bucket).get("Contents", []):
+        client.delete_object(Bucket=s3_env.bucket, Key=o["Key"])
+    push(second.root, url)  # the same table names and version numbers, other samples
+
+    with pytest.raises(UserError, match=r"cached in .* differs from .*; remove .* \(a cache\) and rerun") as e:
+        local_store(url, None, tmp_path / "cache", whole=True)
+    assert str(cached) in str(e.value) and "\n" not in str(e.value)
