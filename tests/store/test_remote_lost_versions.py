@@ -49,6 +49,6 @@ def test_a_cache_of_a_remote_rebuilt_since_names_the_cache_to_remove(s3_env, tmp
         client.delete_object(Bucket=s3_env.bucket, Key=o["Key"])
     push(second.root, url)  # the same table names and version numbers, other samples
 
-    with pytest.raises(UserError, match=r"cached in .* differs from .*; remove .* \(a cache\) and rerun") as e:
+    with pytest.raises(UserError, match=r"vae v1 differs between the cache .* and .*; remove .* \(a cache\) and rerun") as e:
         local_store(url, None, tmp_path / "cache", whole=True)
     assert str(cached) in str(e.value) and "\n" not in str(e.value)
