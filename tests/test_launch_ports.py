@@ -80,3 +80,13 @@ def test_the_suite_keeps_its_caches_out_of_the_users_home(tmp_path_factory):
 
     session = tmp_path_factory.getbasetemp()
     assert default_cache_dir().is_relative_to(session) and FileHashes().path.is_relative_to(session)
+
+
+def test_the_s3_test_server_on_a_taken_port_fails_at_once():
+    """moto's ThreadedMotoServer binds in its own thread: on a taken port its start() waited forever."""
+    import pytest
+
+    from s3_server import start_server
+
+    with _taken() as other, pytest.raises(OSError, match="is taken"):
+        start_server(other.getsockname()[1])
