@@ -70,6 +70,11 @@ def resolve_model(model: str) -> Path:
         return Path(snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.jinja", "*.model"]))
     except Exception as e:  # offline, unknown id, gated repo…
         offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
+        if p.parent.is_dir():  # "owner" is a folder here: most likely a local path to a model not built yet
+            raise ModelNotFoundError(
+                f"no model folder {p} ({p.parent} has no {p.name!r}), and no hub id {model!r} either "
+                f"({type(e).__name__}); build it (`pipeline make-tiny-model {p} --variant ...`) or fix the path"
+            ) from None
         raise ModelNotFoundError(
             f"cannot load model {model!r} from the hub{' (HF_HUB_OFFLINE is set)' if offline else ''}: "
             f"{type(e).__name__}: {e}. With no network, pass a local folder, or build a tiny offline model with "

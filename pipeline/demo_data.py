@@ -96,7 +96,10 @@ def generate_samples(n: int, max_controls: int, seed: int, with_masks: bool) -> 
     # control counts cycle through 0..max so every count occurs; the order is shuffled
     counts = [i % (max_controls + 1) for i in range(n)]
     rng.shuffle(counts)
-    return [_make_sample(rng, f"sample_{i:04d}", counts[i], with_masks) for i in range(n)]
+    from tqdm.auto import tqdm
+
+    return [_make_sample(rng, f"sample_{i:04d}", counts[i], with_masks)
+            for i in tqdm(range(n), desc="demo samples", unit="sample")]
 
 
 def _reduced(w: int, h: int) -> tuple[int, int]:

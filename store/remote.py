@@ -163,6 +163,9 @@ def remote_errors(url: str, action: str, missing: str | None = None) -> Iterator
             raise UserError(f"{action}: {url} does not exist ({_first_line(e)}); {missing}") from None
         _remote_os_error(e, url, action, source=missing is not None)
     except Exception as e:  # noqa: BLE001  connection refused/reset, timeouts: botocore's and aiohttp's own types
+        if _is_credentials_error(e):
+            raise UserError(f"{action}: no credentials for {url} ({type(e).__name__}: {_first_line(e)}); set "
+                            "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE)") from None
         if not _is_transport_error(e):
             raise
         raise UserError(f"{action}: lost the connection to {url} ({type(e).__name__}: {_first_line(e)}); "
@@ -183,6 +186,11 @@ def _remote_os_error(e: OSError, url: str, action: str, source: bool = False) ->
         raise UserError(f"{action}: lost the connection to {url} ({type(e).__name__}: {_first_line(e)}); "
                         + _hint(url, source)) from None
     raise UserError(f"{action}: {url} answered: {_first_line(e)}; rerun, or check the server") from None
+
+
+def _is_credentials_error(e: BaseException) -> bool:
+    # botocore's NoCredentialsError / PartialCredentialsError (by name: botocore is imported only with s3fs)
+    return any(c.__name__ in ("NoCredentialsError", "PartialCredentialsError") for c in type(e).__mro__)
 
 
 def _first_line(e: BaseException) -> str:

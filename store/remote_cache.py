@@ -36,7 +36,8 @@ from store.remote import is_url
 
 
 def default_cache_dir() -> Path:
-    return Path.home() / ".cache" / "qwen-edit-pipeline" / "stores"
+    # beside the file-hash cache (models/file_hashes.py): $XDG_CACHE_HOME when set, as the XDG convention says
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "qwen-edit-pipeline" / "stores"
 
 CACHE_LOCK = ".cache.lock"
 EVICTING = ".evicting"

@@ -117,6 +117,9 @@ def _conflict(table: str, version: int, url: str, local: Path, remote: Remote | 
                          f"{local}'s (objects of a push that was killed before its manifest, from another store); "
                          f"`pipeline store gc {url}` removes it once it is an hour old and no push holds it, then "
                          "push again")
+    if (Path(local) / "source-url.txt").is_file():  # a cache of this URL (store/remote_cache.py): stale
+        return UserError(f"{table} v{version} differs between the cache {local} and {url} (the remote was rebuilt "
+                         f"since: a deleted prefix, a restarted in-memory server); remove {local} (a cache) and rerun")
     return UserError(f"{table} v{version} differs between {local} and {url} (a different manifest under the same "
                      "version number: the stores grew apart); push/pull into an empty prefix or folder instead")
 
@@ -174,6 +177,10 @@ def _plan_push(remote: Remote, src: Path, url: str, listing: dict[str, int], ver
     for table, version in versions:
         vdir = fmt.version_dir(src, table, version)
         if is_lazy(vdir):  # a cached copy of a version of this very remote (store/remote_shards.py)
+            if f"{table}/v{version}/{fmt.MANIFEST}" not in listing:  # its shards are not here to send
+                raise UserError(f"{table} v{version} is cached in {src} but is no longer at {url} (the remote lost "
+                                f"it: a deleted prefix, a restarted in-memory server); the cache holds only its "
+                                f"metadata: remove {src} (a cache) and rerun, to rebuild it on the remote")
             summary.present.append(f"{table}/v{version}")
             continue
         if not (vdir / fmt.CHECKSUMS).is_file():

@@ -14,16 +14,21 @@ from s3_server import s3_env, s3_server  # noqa: E402,F401  (the S3 test server'
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _subprocess_temp_files(tmp_path_factory):
-    """The subprocesses the tests start keep their temp files in the session's folder (removed with it after a
-    green run): torchrun's agent makes a /tmp/torchelastic_* folder per launch and never removes it."""
-    old = os.environ.get("TMPDIR")
-    os.environ["TMPDIR"] = str(tmp_path_factory.mktemp("subprocess-tmp"))
+def _session_temp_and_cache_folders(tmp_path_factory):
+    """The tests and the subprocesses they start keep their temp files and caches in the session's folder (removed
+    with it after a green run): torchrun's agent makes a /tmp/torchelastic_* folder per launch and never removes
+    it, and the caches the user's home would hold (the file-hash database, the remote stores' cache: keyed by URL,
+    and every session's buckets have the same names) would be shared with another run meanwhile and the next."""
+    folders = {"TMPDIR": "subprocess-tmp", "XDG_CACHE_HOME": "cache"}
+    old = {name: os.environ.get(name) for name in folders}
+    for name, folder in folders.items():
+        os.environ[name] = str(tmp_path_factory.mktemp(folder))
     yield
-    if old is None:
-        os.environ.pop("TMPDIR", None)
-    else:
-        os.environ["TMPDIR"] = old
+    for name, value in old.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 @pytest.fixture(scope="session")
@@ -53,7 +58,7 @@ def _no_reader_threads_left():
 
     yield
     names = ("check-ahead-", "train-prefetch")
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 60  # a bound for a loaded 2-core machine: a green run waits for nothing here
     while (left := [t for t in threading.enumerate() if t.name.startswith(names)]) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not left, f"background threads left running: {[t.name for t in left]}"

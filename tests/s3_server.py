@@ -7,6 +7,8 @@ AWS_ACCESS_KEY_ID, ...), with no mock inside the process: requests go over HTTP 
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import itertools
 import socket
 from dataclasses import dataclass
@@ -16,23 +18,50 @@ import pytest
 _buckets = itertools.count()
 
 
-def free_port() -> int:
+@contextlib.contextmanager
+def unreachable_endpoint():
+    """An endpoint URL where nothing answers (connections refused): its port is bound, never listened on, and held
+    until the block ends, so no other test's server can take it meanwhile (tests run two files at a time)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        yield f"http://127.0.0.1:{s.getsockname()[1]}"
 
 
-def start_server():
-    """A started ThreadedMotoServer on 127.0.0.1 and its endpoint URL (stop it with `.stop()`)."""
+class _Server:
+    """moto's S3 app served from a thread. The socket is bound here, in the caller: a taken port is an OSError at
+    once (moto's ThreadedMotoServer binds in its thread, and its start() then waits forever)."""
+
+    def __init__(self, port: int) -> None:
+        import threading
+
+        from moto.moto_server.werkzeug_app import (DomainDispatcherApplication, MotoRequestHandler,
+                                                   create_backend_app)
+        from werkzeug.serving import make_server
+
+        try:
+            self._server = make_server("127.0.0.1", port, DomainDispatcherApplication(create_backend_app),
+                                       threaded=True, request_handler=MotoRequestHandler)
+        except SystemExit:  # werkzeug's answer to a taken port: a message, then sys.exit(1)
+            raise OSError(errno.EADDRINUSE, f"port {port} is taken") from None
+        self.port = self._server.server_address[1]
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()  # the port is free again (a test may start the server there again)
+        self._thread.join()
+
+
+def start_server(port: int = 0):
+    """A started S3 server on 127.0.0.1 and its endpoint URL (stop it with `.stop()`). Port 0: one of the kernel's
+    choice, bound and kept (a port found free beforehand can be taken meanwhile: tests run two files at a time);
+    a port of a server stopped before: that server back at the same address, as a real one comes back."""
     import logging
 
-    from moto.server import ThreadedMotoServer
-
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one log line per request otherwise
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    return server, f"http://127.0.0.1:{port}"
+    server = _Server(port)
+    return server, f"http://127.0.0.1:{server.port}"
 
 
 @dataclass

@@ -30,7 +30,7 @@ def _command(section: str, stage_module: str, component: str, batch_help: str, o
         set_: list[str] = SetOpt,
         as_json: bool = JsonOpt,
         cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="With --store s3://...: the local cache "
-                                                 "(default ~/.cache/qwen-edit-pipeline/stores)."),
+                                                 "(default ~/.cache/qwen-edit-pipeline/stores; $XDG_CACHE_HOME/... when set)."),
         cache_gb: Optional[float] = typer.Option(None, "--cache-gb", help="Size limit of --cache-dir in GB (least recently used shards evicted)."),
     ) -> None:
         cfg = config_from(config, sets=set_, overrides={

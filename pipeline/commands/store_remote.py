@@ -17,7 +17,7 @@ OptionsOpt = typer.Option(
 CacheDirOpt = typer.Option(None, "--cache-dir", help="With a store URL (s3://...): the local cache its versions' "
                            "metadata and the shards read are fetched into, and tables are written in before they are "
                            "pushed (default "
-                           "~/.cache/qwen-edit-pipeline/stores).")
+                           "~/.cache/qwen-edit-pipeline/stores; $XDG_CACHE_HOME/... when set).")
 CacheGbOpt = typer.Option(None, "--cache-gb", help="Size limit of --cache-dir in GB; least recently used shards "
                           "(and versions nobody uses) beyond it are evicted, also during a read (default: no limit).")
 

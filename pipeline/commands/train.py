@@ -31,7 +31,7 @@ def command(
     as_json: bool = JsonOpt,
     cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="With --store s3://...: the local cache the "
                                              "store's text and vae versions are pulled into (default "
-                                             "~/.cache/qwen-edit-pipeline/stores)."),
+                                             "~/.cache/qwen-edit-pipeline/stores; $XDG_CACHE_HOME/... when set)."),
     cache_gb: Optional[float] = typer.Option(None, "--cache-gb", help="Size limit of --cache-dir in GB; least recently "
                                              "used versions beyond it are evicted (default: no limit)."),
 ) -> None:

@@ -93,8 +93,9 @@ from models import file_hashes as fh
 folder, start = Path(sys.argv[1]), float(sys.argv[2])
 lost = 0
 for k in range(int(sys.argv[3])):
-    while time.time() < start + 0.25 * k:  # every process opens round k's new database at the same instant
-        pass
+    time.sleep(max(0.0, start + 0.25 * k - time.time() - 0.02))  # asleep till just before (four spinning
+    while time.time() < start + 0.25 * k:  # processes would hold a 2-core machine); then every process opens
+        pass  # round k's new database at the same instant
     db = fh._open(folder / f"round-{k}.sqlite")
     lost += db is None
     if db is not None:

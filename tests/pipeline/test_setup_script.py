@@ -19,7 +19,7 @@ def _setup(root: Path) -> str:
         (guard / name).write_text("#!/bin/sh\necho 'real python reached' >&2\nexit 99\n")
         (guard / name).chmod(0o755)
     env = {"PATH": f"{guard}:/usr/bin:/bin", "HOME": str(root)}
-    proc = subprocess.run(["bash", str(root / "scripts" / "setup.sh")], capture_output=True, text=True, timeout=60,
+    proc = subprocess.run(["bash", str(root / "scripts" / "setup.sh")], capture_output=True, text=True, timeout=300,
                           env=env)
     assert proc.returncode == 0 and "real python reached" not in proc.stderr, proc.stderr
     return proc.stdout

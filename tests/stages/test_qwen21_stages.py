@@ -325,12 +325,11 @@ def test_21_two_processes_train_the_same_lora_as_one(tiny_21_model, tmp_path):
     """DDP on 2.1 goes through the `Qwen21Batched` wrapper, so the ranks' gradients are all-reduced: two gloo
     processes at batch 1 train the LoRA one process trains at batch 2 (slow: two fresh interpreters)."""
     import os
-    import socket
-    import subprocess
     import sys
 
     import yaml
 
+    from launch_ports import run_retrying_port
     from models.lora import read_lora
     from stages.train.recipe import run
 
@@ -344,15 +343,13 @@ def test_21_two_processes_train_the_same_lora_as_one(tiny_21_model, tmp_path):
     cfg_file.write_text(yaml.safe_dump({"train": train}))
     run(load_config(cfg_file, {"train.batch_size": 2, "train.device": "cpu"}), store, tiny_21_model,
         tmp_path / "one")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(port),
-           "-m", "pipeline.cli", "run", "train", "--store", str(store), "--model", tiny_21_model,
-           "--out", str(tmp_path / "two"), "--config", str(cfg_file), "--batch-size", "1"]
+    cmd = lambda port: [  # noqa: E731
+        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(port),
+        "-m", "pipeline.cli", "run", "train", "--store", str(store), "--model", tiny_21_model,
+        "--out", str(tmp_path / "two"), "--config", str(cfg_file), "--batch-size", "1"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    proc = run_retrying_port(cmd, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     one, two = read_lora(tmp_path / "one" / "lora")[0], read_lora(tmp_path / "two" / "lora")[0]
     diff = torch.cat([(one[k] - two[k]).abs().flatten() for k in one])

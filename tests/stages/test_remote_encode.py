@@ -32,8 +32,9 @@ def test_encode_text_on_a_store_url(s3_env, edit_store: Path, tiny_edit_model, t
         assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
     a.close(), b.close()
 
-    again = CliRunner().invoke(app, [*args, "--store", url, "--json"], env={"HOME": str(tmp_path / "home")})
-    # (default cache: under HOME)
+    # (default cache: under HOME, when XDG_CACHE_HOME is unset: the suite sets it, tests/conftest.py)
+    again = CliRunner().invoke(app, [*args, "--store", url, "--json"],
+                               env={"HOME": str(tmp_path / "home"), "XDG_CACHE_HOME": None})
     assert (tmp_path / "home" / ".cache" / "qwen-edit-pipeline" / "stores").is_dir()
     assert again.exit_code == 0, again.output
     assert '"encoded": 0' in again.output and "nothing new" in again.output

@@ -26,8 +26,11 @@ def test_a_signal_releases_the_read_lease(tiny_edit_model, tmp_path, sig):
     )
     leases = store / LEASES_DIR
     try:
-        # wait for training to have taken its lease (a condition, not a duration: no timing assert)
+        # wait for training to have taken its lease (a condition, not a duration: no timing assert; the bound
+        # only keeps a regression from training 100000 steps)
+        deadline = time.monotonic() + 600
         while proc.poll() is None and not (leases.is_dir() and any(leases.glob("*.json"))):
+            assert time.monotonic() < deadline, "training never took its read lease"
             time.sleep(0.2)
         assert proc.poll() is None, proc.stdout.read().decode()
         proc.send_signal(sig)

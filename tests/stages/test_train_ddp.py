@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import os
 import re
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import yaml
 
+from launch_ports import run_retrying_port
 from models.lora import read_lora
 from pipeline.config import load_config
 from stages.train import state as train_state
@@ -26,12 +25,6 @@ from train_store import assert_close_lora, make_train_store, mixed_specs
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = {"learning_rate": 2e-3, "sigma": {"sampling": "dynamic_shift"}, "lora": {"rank": 4},
          "caption_dropout": 0.3, "max_steps": 3, "checkpoint_every": 3}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _losses(stdout: str) -> str:
@@ -54,16 +47,16 @@ def test_one_then_two_then_one_process_train_the_straight_runs_lora(tiny_edit_mo
     straight = run(config(7), store, tiny_edit_model, tmp_path / "straight")
     run(config(3), store, tiny_edit_model, tmp_path / "elastic")  # epoch 0 on one process
 
-    cmd = [
+    cmd = lambda port: [  # noqa: E731
         sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
         "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-        "--main_process_port", str(_free_port()),
+        "--main_process_port", str(port),
         "-m", "pipeline.cli", "run", "train", "--store", str(store), "--model", tiny_edit_model,
         "--out", str(tmp_path / "elastic"), "--config", str(cfg_file), "--batch-size", "4", "--max-steps", "6",
         "--resume",
     ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    proc = run_retrying_port(cmd, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (proc.stdout + proc.stderr).count("processes train on the CPU (gloo)") == 1, proc.stdout
     assert proc.stdout.count("world size changed 1 -> 2 processes") == 1, proc.stdout

@@ -6,32 +6,34 @@ on a second node."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
-from test_train_ddp import _free_port
+from launch_ports import Logged, start_host_first
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def start_nodes(cli_args: list[str], node_env: tuple[dict, dict] = ({}, {}),
-                node_args: tuple[list[str], list[str]] = ([], [])) -> list[subprocess.Popen]:
+                node_args: tuple[list[str], list[str]] = ([], [])) -> list[Logged]:
     """`torchrun --nnodes 2 --node-rank K --nproc-per-node 1 -m pipeline.cli ARGS` for K = 0, 1: two "nodes" on
-    this machine, a static rendezvous hosted by node 0 on 127.0.0.1 (a free port). Each in its own session, so a
-    test can kill a whole node (its torchrun agent and worker). `node_env` / `node_args`: each node's own
-    environment and extra arguments (e.g. its --cache-dir)."""
-    port = _free_port()
+    this machine, a static rendezvous hosted by node 0 on 127.0.0.1 (a free port: node 1 starts once node 0
+    listens there, tests/launch_ports.py). Each in its own session, so a test can kill a whole node (its torchrun
+    agent and worker). `node_env` / `node_args`: each node's own environment and extra arguments (e.g. its
+    --cache-dir). Their output goes to files: `communicate()` returns it."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    return [subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
-         "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
-         "-m", "pipeline.cli", *cli_args, *node_args[node]],
-        env={**env, **node_env[node]}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True) for node in (0, 1)]
+
+    def start(node: int, port: int) -> Logged:
+        return Logged(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+             "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
+             "-m", "pipeline.cli", *cli_args, *node_args[node]],
+            env={**env, **node_env[node]}, start_new_session=True)
+
+    return start_host_first(start, 2)
 
 
-def kill_node(node: subprocess.Popen) -> None:
+def kill_node(node: Logged) -> None:
     """SIGKILL a whole "node": its torchrun agent's process group and its workers, which torchrun starts in
     sessions of their own (a worker left alive would hold the node's output pipes open)."""
     import signal

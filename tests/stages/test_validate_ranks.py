@@ -5,7 +5,6 @@ write them into RUN/losses.zarr (the layout of evaluate --all-checkpoints) as th
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,12 +13,12 @@ import torch
 import xarray as xr
 import yaml
 
+from launch_ports import run_retrying_port
 from models.loading import load_component
 from models.lora import add_lora, save_lora
 from pipeline.config import load_config
 from schemas.config import LoraConfig
 from stages.train.recipe import run
-from test_train_ddp import _free_port
 from train_store import make_train_store, mixed_specs
 
 REPO = Path(__file__).resolve().parents[2]
@@ -45,15 +44,15 @@ def test_two_ranks_validate_halves_and_match_one_process(tiny_edit_model, tmp_pa
     cfg_file.write_text(yaml.safe_dump({"train": train}))
 
     run(load_config(cfg_file, {"train.batch_size": 4, "train.device": "cpu"}), store, tiny_edit_model, tmp_path / "one")
-    cmd = [
+    cmd = lambda port: [  # noqa: E731
         sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
         "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-        "--main_process_port", str(_free_port()),
+        "--main_process_port", str(port),
         "-m", "pipeline.cli", "run", "train", "--store", str(store), "--model", tiny_edit_model,
         "--out", str(tmp_path / "two"), "--config", str(cfg_file), "--batch-size", "2",
     ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    proc = run_retrying_port(cmd, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("step 2: val loss") == 1  # logged once, by the main process
 

@@ -4,33 +4,27 @@ one way the rank tests launch a script on ranks 0 and 1 and collect (exit status
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
+
+from launch_ports import Logged, start_host_first
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch_two(script: str, *args: str, timeout: float = 420) -> list[tuple[int, str, str]]:
     """Run tests/stages/`script` with `args` as ranks 0 and 1 of one gloo world. A rank left waiting in a
-    collective hangs: the timeout then fails the test (no timing assert: a bound, generous under load)."""
-    port = free_port()
-    procs = []
-    for rank in (0, 1):
+    collective hangs: the timeout then fails the test (no timing assert: a bound, generous under load). Rank 0
+    hosts the store (a plain env:// launch): rank 1 starts once it listens (tests/launch_ports.py)."""
+    def start(rank: int, port: int) -> Logged:
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
                "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
                "PYTHONPATH": os.pathsep.join([str(REPO), str(HERE), str(HERE.parent)])}
-        procs.append(subprocess.Popen([sys.executable, str(HERE / script), *args], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        return Logged([sys.executable, str(HERE / script), *args], env=env)
+
+    procs = start_host_first(start, 2)
     outs = []
     try:
         for p in procs:

@@ -22,7 +22,7 @@ def _threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith("check-ahead")]
 
 
-def _wait(pred, timeout: float = 20.0) -> None:
+def _wait(pred, timeout: float = 120.0) -> None:  # a bound for a loaded machine, not a timing assertion
     end = time.monotonic() + timeout
     while not pred():
         assert time.monotonic() < end, "check-ahead thread made no progress"

@@ -101,12 +101,13 @@ def test_the_version_number_skips_what_the_remote_holds_for_other_runs(s3_env, t
 
 
 def test_an_unreachable_remote_is_one_line(s3_env, tmp_path, monkeypatch) -> None:
-    from s3_server import aws_env, free_port
+    from s3_server import aws_env, unreachable_endpoint
 
     w = _writer(tmp_path / "node1", s3_env.url("gone"), 1)
-    aws_env(monkeypatch, f"http://127.0.0.1:{free_port()}")  # the server is gone before the upload
-    with pytest.raises(UserError, match=r"upload of rank 1's part of table 'vae' v1: lost the connection") as e:
-        w.finish_rank()
+    with unreachable_endpoint() as gone:
+        aws_env(monkeypatch, gone)  # the server is gone before the upload
+        with pytest.raises(UserError, match=r"upload of rank 1's part of table 'vae' v1: lost the connection") as e:
+            w.finish_rank()
     assert "\n" not in str(e.value)
     w.close()
 

@@ -1,0 +1,22 @@
+"""A store URL with no AWS credentials set (a newcomer's first try of the S3 demo without the `export AWS_...`
+line): one line naming the variables to set, not botocore's NoCredentialsError traceback."""
+
+from __future__ import annotations
+
+from typer.testing import CliRunner
+
+from pipeline.cli import app
+
+
+def test_no_credentials_is_one_line_naming_the_variables(s3_env, tmp_path, monkeypatch):
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))  # not the user's ~/.aws
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # no instance-metadata probe
+    for args in (["store", "inspect", s3_env.url()], ["store", "verify", s3_env.url(), "--cache-dir",
+                                                     str(tmp_path / "cache")]):
+        res = CliRunner().invoke(app, args)
+        out = res.output.strip()
+        assert res.exit_code == 1 and len(out.splitlines()) == 1, out[-3000:]
+        assert f"no credentials for {s3_env.url()}" in out and "AWS_ACCESS_KEY_ID" in out
