@@ -355,6 +355,11 @@ class Remote:
             return False
         return True
 
+    def exists(self, rel: str) -> bool:
+        """Is object `rel` there (one request, no listing)?"""
+        self.fs.invalidate_cache()
+        return bool(self.fs.exists(self.path(rel)))
+
     def has(self, rel: str, nbytes: int, crc: str, listing: dict[str, int] | None = None) -> bool:
         """Is object `rel` there with this size and CRC32C? (`listing`: sizes already listed, saves a request)"""
         if listing is not None:

@@ -151,7 +151,7 @@ def push(src: Path, url: str, storage_options: dict[str, Any] | None = None,
             # cached copy back, and a whole prefix (~200k objects at 1M samples) was listed for nothing
             listing = remote.listing() if pushing else {}
             _remote_record(remote, listing if pushing else None)  # a newer format (or a damaged record): refused
-            todo, files_of = _plan_push(remote, src, url, listing, versions, summary)
+            todo, files_of = _plan_push(remote, src, url, listing if pushing else None, versions, summary)
             if not set_aside_quarantine:  # refused before any upload, not after the versions are there
                 check_quarantine(remote, src)
             _upload(remote, src, url, todo, files_of, summary)
@@ -169,15 +169,18 @@ def push(src: Path, url: str, storage_options: dict[str, Any] | None = None,
     return summary
 
 
-def _plan_push(remote: Remote, src: Path, url: str, listing: dict[str, int], versions: list[tuple[str, int]],
-               summary: SyncSummary) -> tuple[list[_File], dict[str, list[_File]]]:
-    """What to send (objects not there with the same size and CRC32C), and each copied version's files."""
+def _plan_push(remote: Remote, src: Path, url: str, listing: dict[str, int] | None,
+               versions: list[tuple[str, int]], summary: SyncSummary) -> tuple[list[_File], dict[str, list[_File]]]:
+    """What to send (objects not there with the same size and CRC32C), and each copied version's files.
+    `listing` None: nothing to send (every version lazily cached), the prefix was not listed."""
     todo: list[_File] = []
     files_of: dict[str, list[_File]] = {}
     for table, version in versions:
         vdir = fmt.version_dir(src, table, version)
         if is_lazy(vdir):  # a cached copy of a version of this very remote (store/remote_shards.py)
-            if f"{table}/v{version}/{fmt.MANIFEST}" not in listing:  # its shards are not here to send
+            manifest_rel = f"{table}/v{version}/{fmt.MANIFEST}"
+            if not (manifest_rel in listing if listing is not None else remote.exists(manifest_rel)):
+                # its shards are not here to send
                 raise UserError(f"{table} v{version} is cached in {src} but is no longer at {url} (the remote lost "
                                 f"it: a deleted prefix, a restarted in-memory server); the cache holds only its "
                                 f"metadata: remove {src} (a cache) and rerun, to rebuild it on the remote")
