@@ -254,7 +254,7 @@ def read_lora(lora: str | Path, data: bytes | None = None) -> tuple[dict[str, to
                         "written by `pipeline run train` (RUN/lora) or an intact copy") from None
     _check_finite(path, state)
     if any(not k.startswith(_PREFIX) or k.endswith(".alpha") for k in state):
-        state, meta = _converted(path), None
+        state, meta = _converted(path, state), None  # the tensors read above: `data`'s, not the file again
     bad = [k for k in state if not k.startswith(_PREFIX)]
     if bad:
         raise UserError(f"{path}: keys without the '{_PREFIX}' prefix (not a diffusers transformer LoRA): {bad[:5]}")
@@ -274,11 +274,12 @@ def _check_finite(path: Path, state: dict[str, torch.Tensor]) -> None:
                         "earlier checkpoint's LoRA (RUN/checkpoints/step-N/lora)")
 
 
-def _converted(path: Path) -> dict[str, torch.Tensor]:
+def _converted(path: Path, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """diffusers' conversion of the tensors read from `path` (it takes a state dict as well as a file)."""
     from diffusers import QwenImagePipeline
 
     try:
-        return QwenImagePipeline.lora_state_dict(str(path))
+        return QwenImagePipeline.lora_state_dict(dict(state))
     except (ValueError, KeyError) as e:
         raise UserError(f"{path}: not a Qwen-Image LoRA diffusers can convert ({e})") from None
 
