@@ -32,7 +32,7 @@ from typing import Any
 
 from schemas.errors import UserError
 from store import format as fmt
-from store import remote_lease
+from store import remote_checked, remote_lease
 from store.checksum import SealError, crc_hex, file_crc, seal, unseal
 from store.remote import Remote, SharedBar, each_at_once, open_remote, remote_errors
 from store.remote_shards import is_lazy
@@ -494,8 +494,10 @@ def _all_cached(remote: Remote, dst: Path, tables: list[str], summary: SyncSumma
 def fetch_checked(remote: Remote, f: _File, path: Path, bar, damaged_ok: bool = False) -> str:
     """One object into `path`, its size and CRC32C checked while it streams to `.part` (renamed into place: never a
     partial file under the name): 'skipped' when `path` holds it already (an earlier run), 'sent', or - a
-    difference with `damaged_ok` (pull for repair) - 'damaged', kept; any other difference raises."""
-    if path.is_file() and file_crc(path) == (f.crc, f.nbytes):  # fetched and checked by an earlier run
+    difference with `damaged_ok` (pull for repair) - 'damaged', kept; any other difference raises. A file an
+    earlier run fetched is trusted unread while its size and mtime are those recorded when it was checked
+    (store/remote_checked.py), else read again."""
+    if path.is_file() and _fetched_before(path, f):
         bar.update(f.nbytes)
         return "skipped"
     part = path.with_name(path.name + ".part")
@@ -508,8 +510,21 @@ def fetch_checked(remote: Remote, f: _File, path: Path, bar, damaged_ok: bool = 
     if (size, crc) != (f.nbytes, f.crc) and not damaged_ok:
         part.unlink()
         raise damaged_object(remote.url, f, size, crc)
+    if (size, crc) == (f.nbytes, f.crc):
+        remote_checked.record(part, crc)  # before the rename: a name never carries a record of other bytes
     os.replace(part, path)
     return "sent" if (size, crc) == (f.nbytes, f.crc) else "damaged"
+
+
+def _fetched_before(path: Path, f: _File) -> bool:
+    """Does `path` hold `f` already (an earlier run fetched and checked it)? Its record says so without a read;
+    a file without one (or changed since) is read, and recorded when intact."""
+    if remote_checked.still_checked(path, f.crc, f.nbytes):
+        return True
+    if file_crc(path) != (f.crc, f.nbytes):
+        return False  # fetched again, replacing it
+    remote_checked.record(path, f.crc)
+    return True
 
 
 def _pull_version(remote: Remote, dst: Path, table: str, version: int, files: list[_File], bar,
