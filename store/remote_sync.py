@@ -442,7 +442,7 @@ def pull(url: str, dst: Path, storage_options: dict[str, Any] | None = None,
                              record)
             vdir = fmt.version_dir(dst, table, version)
             if vdir.exists():
-                if not fmt.is_complete(vdir) or file_crc(vdir / fmt.MANIFEST)[0] != files[-1].crc:
+                if not fmt.is_complete(vdir) or remote_checked.known_crc(vdir / fmt.MANIFEST)[0] != files[-1].crc:
                     raise _conflict(table, version, url, dst)
                 summary.present.append(f"{table}/v{version}")
                 continue
@@ -482,7 +482,7 @@ def _all_cached(remote: Remote, dst: Path, tables: list[str], summary: SyncSumma
     for t, v in wanted:
         where = f"{remote.url}/{t}/v{v}/{fmt.CHECKSUMS}"
         manifest = _checksums(remote.read(f"{t}/v{v}/{fmt.CHECKSUMS}"), where)[fmt.MANIFEST]
-        if file_crc(fmt.version_dir(dst, t, v) / fmt.MANIFEST)[0] != manifest["crc32c"]:
+        if remote_checked.known_crc(fmt.version_dir(dst, t, v) / fmt.MANIFEST)[0] != manifest["crc32c"]:
             raise _conflict(t, v, remote.url, dst)
         summary.present.append(f"{t}/v{v}")
     store = Store(dst)
@@ -497,7 +497,7 @@ def fetch_checked(remote: Remote, f: _File, path: Path, bar, damaged_ok: bool = 
     difference with `damaged_ok` (pull for repair) - 'damaged', kept; any other difference raises. A file an
     earlier run fetched is trusted unread while its size and mtime are those recorded when it was checked
     (store/remote_checked.py), else read again."""
-    if path.is_file() and _fetched_before(path, f):
+    if path.is_file() and remote_checked.known_crc(path) == (f.crc, f.nbytes):
         bar.update(f.nbytes)
         return "skipped"
     part = path.with_name(path.name + ".part")
@@ -514,17 +514,6 @@ def fetch_checked(remote: Remote, f: _File, path: Path, bar, damaged_ok: bool = 
         remote_checked.record(part, crc)  # before the rename: a name never carries a record of other bytes
     os.replace(part, path)
     return "sent" if (size, crc) == (f.nbytes, f.crc) else "damaged"
-
-
-def _fetched_before(path: Path, f: _File) -> bool:
-    """Does `path` hold `f` already (an earlier run fetched and checked it)? Its record says so without a read;
-    a file without one (or changed since) is read, and recorded when intact."""
-    if remote_checked.still_checked(path, f.crc, f.nbytes):
-        return True
-    if file_crc(path) != (f.crc, f.nbytes):
-        return False  # fetched again, replacing it
-    remote_checked.record(path, f.crc)
-    return True
 
 
 def _pull_version(remote: Remote, dst: Path, table: str, version: int, files: list[_File], bar,

@@ -12,7 +12,7 @@ import pytest
 from schemas.errors import UserError
 from store import Store
 from store import remote as remote_mod
-from store import remote_sync
+from store import remote_checked
 from store.remote_checked import CHECKED_XATTR
 from store.remote_sync import pull, push
 from store.verify import verify_store
@@ -53,7 +53,7 @@ def _counted_rerun(url: str, dst: Path, monkeypatch) -> tuple[dict[str, int], li
     """The rerun, counting the bytes it reads back from local files ({name: bytes}) and the objects it fetches."""
     read: dict[str, int] = {}
     fetched: list[str] = []
-    real_crc, real_download = remote_sync.file_crc, remote_mod.Remote.download
+    real_crc, real_download = remote_checked.file_crc, remote_mod.Remote.download
 
     def counting_crc(path):
         crc, n = real_crc(path)
@@ -65,7 +65,7 @@ def _counted_rerun(url: str, dst: Path, monkeypatch) -> tuple[dict[str, int], li
         return real_download(self, rel, local, progress)
 
     with monkeypatch.context() as m:
-        m.setattr(remote_sync, "file_crc", counting_crc)
+        m.setattr(remote_checked, "file_crc", counting_crc)
         m.setattr(remote_mod.Remote, "download", counting_download)
         summary = pull(url, dst)
     assert summary.copied == ["vae/v1"]
@@ -122,3 +122,41 @@ def test_a_resumed_pull_rereads_and_refetches_a_truncated_or_rewritten_file(stor
     assert set(fetched) & set(kept) == {truncated.name, rewritten.name}
     problems = verify_store(dst)
     assert len(problems) == 1 and flipped.name in problems[0] and "crc32c" in problems[0], problems
+
+
+def test_a_warm_open_or_pull_reads_no_cached_manifest_back(store: Store, tmp_path: Path, monkeypatch) -> None:
+    """Every open of a cached version compares its manifest with the remote's record (a different version under the
+    same number is refused): it read the whole manifest each time (~190 bytes a sample: ~190 MB per table at 1M
+    samples, on every rank's open). Now the CRC32C recorded with it answers; a manifest changed since is read and
+    still refused."""
+    from store.remote_cache import local_store
+
+    if not _xattrs_work(tmp_path):
+        pytest.skip("no user xattrs on this file system: the manifest is read (documented)")
+    fill(store, 12)
+    url = f"file://{tmp_path / 'remote'}"
+    push(str(store.root), url)
+    cache, pulled = tmp_path / "cache", tmp_path / "pulled"
+    root = local_store(url, ["vae"], cache, lease=False)
+    pull(url, pulled)
+    read: list[str] = []
+    real_crc = remote_checked.file_crc
+
+    def counting_crc(path):
+        read.append(Path(path).name)
+        return real_crc(path)
+
+    monkeypatch.setattr(remote_checked, "file_crc", counting_crc)
+    assert local_store(url, ["vae"], cache, lease=False) == root
+    assert pull(url, pulled, tables=["vae"]).present == ["vae/v1"]  # a reader's warm pull
+    assert pull(url, pulled).present == ["vae/v1"]  # the full way
+    assert read == []
+
+    manifest = root / "vae" / "v1" / "manifest.parquet"
+    st = manifest.stat()
+    data = manifest.read_bytes()
+    manifest.write_bytes(data[:-9] + bytes([data[-9] ^ 1]) + data[-8:])
+    os.utime(manifest, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    with pytest.raises(UserError, match="differs"):
+        local_store(url, ["vae"], cache, lease=False)
+    assert read == ["manifest.parquet"]
