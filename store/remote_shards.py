@@ -37,7 +37,7 @@ import numpy as np
 
 from schemas.errors import UserError
 from store import format as fmt
-from store.checksum import CHUNK, RunningCrc, file_crc
+from store.checksum import CHUNK, RunningCrc
 from store.io_errors import writing
 from store.remote import READ_PIECE, Remote, SharedBar, each_at_once, open_remote, remote_errors
 
@@ -305,6 +305,7 @@ def open_lazily(url: str, root: Path, storage_options: dict[str, Any] | None, ta
     checked against the remote's record (one GET of its checksums.json; a different one under the same number is
     refused); a warm open lists nothing. `damaged_ok`: repair's working copy (a damaged quarantine.parquet is
     copied for repair to set aside, store/remote_sync.pull_quarantine)."""
+    from store.remote_checked import known_crc
     from store.remote_sync import _checksums, _conflict, _ordered, _parse_record, pull_quarantine, wanted_versions
     from store.store import Store
 
@@ -329,7 +330,7 @@ def open_lazily(url: str, root: Path, storage_options: dict[str, Any] | None, ta
             if vdir.exists() and not fmt.is_complete(vdir):
                 _set_aside_if_dead(root, t, vdir)  # a dead writer's folder, its number committed on the remote since
             if vdir.exists():
-                if not fmt.is_complete(vdir) or file_crc(vdir / fmt.MANIFEST)[0] != files[-1].crc:
+                if not fmt.is_complete(vdir) or known_crc(vdir / fmt.MANIFEST)[0] != files[-1].crc:
                     raise _conflict(t, v, url, root)
                 continue
             _fetch_metadata(remote, root, t, v, files)

@@ -32,7 +32,7 @@ from typing import Any
 
 from schemas.errors import UserError
 from store import format as fmt
-from store import remote_lease
+from store import remote_checked, remote_lease
 from store.checksum import SealError, crc_hex, file_crc, seal, unseal
 from store.remote import Remote, SharedBar, each_at_once, open_remote, remote_errors
 from store.remote_shards import is_lazy
@@ -452,7 +452,7 @@ def pull(url: str, dst: Path, storage_options: dict[str, Any] | None = None,
                              record)
             vdir = fmt.version_dir(dst, table, version)
             if vdir.exists():
-                if not fmt.is_complete(vdir) or file_crc(vdir / fmt.MANIFEST)[0] != files[-1].crc:
+                if not fmt.is_complete(vdir) or remote_checked.known_crc(vdir / fmt.MANIFEST)[0] != files[-1].crc:
                     raise _conflict(table, version, url, dst)
                 summary.present.append(f"{table}/v{version}")
                 continue
@@ -492,7 +492,7 @@ def _all_cached(remote: Remote, dst: Path, tables: list[str], summary: SyncSumma
     for t, v in wanted:
         where = f"{remote.url}/{t}/v{v}/{fmt.CHECKSUMS}"
         manifest = _checksums(remote.read(f"{t}/v{v}/{fmt.CHECKSUMS}"), where)[fmt.MANIFEST]
-        if file_crc(fmt.version_dir(dst, t, v) / fmt.MANIFEST)[0] != manifest["crc32c"]:
+        if remote_checked.known_crc(fmt.version_dir(dst, t, v) / fmt.MANIFEST)[0] != manifest["crc32c"]:
             raise _conflict(t, v, remote.url, dst)
         summary.present.append(f"{t}/v{v}")
     store = Store(dst)
@@ -504,8 +504,10 @@ def _all_cached(remote: Remote, dst: Path, tables: list[str], summary: SyncSumma
 def fetch_checked(remote: Remote, f: _File, path: Path, bar, damaged_ok: bool = False) -> str:
     """One object into `path`, its size and CRC32C checked while it streams to `.part` (renamed into place: never a
     partial file under the name): 'skipped' when `path` holds it already (an earlier run), 'sent', or - a
-    difference with `damaged_ok` (pull for repair) - 'damaged', kept; any other difference raises."""
-    if path.is_file() and file_crc(path) == (f.crc, f.nbytes):  # fetched and checked by an earlier run
+    difference with `damaged_ok` (pull for repair) - 'damaged', kept; any other difference raises. A file an
+    earlier run fetched is trusted unread while its size and mtime are those recorded when it was checked
+    (store/remote_checked.py), else read again."""
+    if path.is_file() and remote_checked.known_crc(path) == (f.crc, f.nbytes):
         bar.update(f.nbytes)
         return "skipped"
     part = path.with_name(path.name + ".part")
@@ -518,6 +520,8 @@ def fetch_checked(remote: Remote, f: _File, path: Path, bar, damaged_ok: bool = 
     if (size, crc) != (f.nbytes, f.crc) and not damaged_ok:
         part.unlink()
         raise damaged_object(remote.url, f, size, crc)
+    if (size, crc) == (f.nbytes, f.crc):
+        remote_checked.record(part, crc)  # before the rename: a name never carries a record of other bytes
     os.replace(part, path)
     return "sent" if (size, crc) == (f.nbytes, f.crc) else "damaged"
 
