@@ -5,8 +5,9 @@ checkpoints), while regenerating the base costs as much as either column.
 The key (`base_key`) holds everything the base images are made from: every file of the model (text encoder,
 processor and scheduler too), the store and its text / vae table versions (the stored features), the picked val
 samples, every hashed evaluate setting (seed, steps, true CFG, negative prompt, dtype, attention backend,
-quantisation, extra prompts with their sizes) and the bytes of each extra prompt's image files, the device, and
-the versions of the libraries that compute them. Any change: regenerated. The PNGs are checked against their
+quantisation, extra prompts with their sizes) and the bytes of each extra prompt's image files, the device (and
+the GPU's name), the versions of the libraries that compute them and the source of this project's modules that
+do (`SOURCES`). Any change: regenerated. The PNGs are checked against their
 recorded sha256 on reuse (a damaged or missing one: regenerated)."""
 
 from __future__ import annotations
@@ -19,6 +20,11 @@ from PIL import Image
 
 FOLDER = "base-images"
 INDEX = "index.json"
+#: this project's modules that turn those inputs into the base images (their source enters the key: an upgrade
+#: changing how they generate regenerates them)
+SOURCES = ("models.generate", "models.edit", "models.loading", "models.qwen21_generate", "models.qwen21_predict",
+           "models.qwen21_multires", "features.decode", "features.pictures", "stages.evaluate.qwen21",
+           "stages.evaluate.stage", "stages.evaluate.checkpoint_report")
 
 
 def base_key(cfg, features: dict, sample_keys: list[str]) -> str:
@@ -36,11 +42,30 @@ def base_key(cfg, features: dict, sample_keys: list[str]) -> str:
         "features": features,
         "samples": list(sample_keys),
         "settings": hashed_settings(cfg),
-        "device": str(cfg.device),
+        "device": [str(cfg.device), _device_names(cfg.device)],
         "extra_image_bytes": extras,
         "libraries": {m.__name__: m.__version__ for m in (torch, diffusers, transformers, peft)},
+        "sources": {name: _source_digest(name) for name in SOURCES},
     }
     return hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _source_digest(module: str) -> str:
+    import importlib.util
+
+    spec = importlib.util.find_spec(module)
+    return hashlib.sha256(Path(spec.origin).read_bytes()).hexdigest() if spec and spec.origin else "absent"
+
+
+def _device_names(device) -> list[str]:
+    """The accelerators' names (another GPU model rounds otherwise); "" for the CPU."""
+    import torch
+
+    names = []
+    for d in device if isinstance(device, list) else [device]:
+        d = torch.device(d)
+        names.append(torch.cuda.get_device_name(d) if d.type == "cuda" and torch.cuda.is_available() else "")
+    return names
 
 
 def read(folder: Path, key: str, n: int) -> list[Image.Image] | None:

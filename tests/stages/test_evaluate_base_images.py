@@ -106,4 +106,13 @@ def test_every_input_of_the_base_images_is_in_their_key(tmp_path, monkeypatch):
     img.write_bytes(b"one picture")
     monkeypatch.setattr(diffusers, "__version__", "0.0.0")
     keys["diffusers version"] = base_images.base_key(cfg, features, samples)
+    monkeypatch.undo()
+    source = tmp_path / "fake_generate.py"
+    source.write_text("x = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(base_images, "SOURCES", ("fake_generate",))
+    before = base_images.base_key(cfg, features, samples)
+    source.write_text("x = 2\n")  # this project's generating code changed
+    keys["project source"] = base_images.base_key(cfg, features, samples)
+    assert keys["project source"] != before
     assert key not in keys.values() and len(set(keys.values())) == len(keys), keys
