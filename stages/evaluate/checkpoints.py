@@ -28,6 +28,7 @@ from schemas.config import EvaluateConfig
 from schemas.errors import UserError
 from schemas.lineage import hashed_settings
 from schemas.stage import few
+from stages.evaluate.base_images import FOLDER as BASE_IMAGES
 from stages.evaluate.paired import paired, per_sample, signed
 from store import Store
 from store.loss_array import Axes, LossStore, recorded_steps
@@ -265,8 +266,8 @@ def _run(ranks, cfg: EvaluateConfig, store: str | Path, model: str, checkpoints:
     done = _up_to_date(out, fingerprint, checkpoints, shas, cfg) if skip_if_done and ranks.main else None
     if ranks.from_main([int(done is not None)])[0]:
         return CheckpointsResult(done, out / "index.html", up_to_date=True) if ranks.main else None
-    ours = lambda name: name == single.REPORT_LOCK or (  # noqa: E731  (the lock; loss groups, kept or new)
-        name.startswith(("losses", ".losses")) and ".zarr" in name)
+    ours = lambda name: name in (single.REPORT_LOCK, BASE_IMAGES) or (  # noqa: E731  (the lock; base images;
+        name.startswith(("losses", ".losses")) and ".zarr" in name)  # loss groups, kept or new)
     with together(ranks.world, "the report folder"):
         if ranks.main:
             if out.is_dir() and any(not ours(p.name) for p in out.iterdir()) and not (out / "metrics.json").is_file():
@@ -295,7 +296,8 @@ def _run(ranks, cfg: EvaluateConfig, store: str | Path, model: str, checkpoints:
         rows = []
         if cfg.num_samples > 0 or cfg.extra_prompts:
             rows = generated_rows(cfg, model, store, tables, transformer, samples, best["path"], best["step"],
-                                  last["path"], last["step"], attached, damaged, shas)
+                                  last["path"], last["step"], attached, damaged, shas,
+                                  base_cache=(out / BASE_IMAGES, settings))
         metrics["generation"] = single.generation_summary(rows, cfg)  # "lora" = the best checkpoint
         metrics["run"] = {
             "store": str(Path(store).resolve()), "tables": tables.versions(), "model": str(model),

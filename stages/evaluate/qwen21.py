@@ -4,6 +4,7 @@ prompt (same references) as the true-CFG negative when `evaluate.true_cfg_scale`
 
 from __future__ import annotations
 
+from diffusers import QwenImage21Pipeline
 from tqdm.auto import tqdm
 
 
@@ -41,33 +42,72 @@ def extra_inputs_21(model: str, transformer, vae, cfg):
     """`evaluate.extra_prompts` on a 2.1 model, as `stage.extra_prompt_inputs` yields them for the others, with
     `cond` a function giving the image of the transformer as it is when called (LoRA on, off, or another
     checkpoint): the stock `QwenImage21Pipeline` call predict makes (`models.qwen21_predict.edit_21`) over this
-    transformer and VAE, the text encoder and processor loaded once. References keep their alpha (the pipeline
-    composites them over white for the VLM); the report's images and scores are RGB."""
-    from diffusers import QwenImage21Pipeline
-
+    transformer and VAE. Every prompt (and the negative under true CFG) is encoded once, by the stock
+    `encode_prompt`, before the first image; the text encoder is then dropped (as the Edit path drops its
+    pipeline), so it does not sit on the device through the base / LoRA / best / last generations, and no column
+    encodes a prompt again. References keep their alpha (the pipeline composites them over white for the VLM);
+    the report's images and scores are RGB."""
     from features.decode import read_image_file
     from features.pictures import rgb_over_white
     from models.loading import load_component, parse_dtype
     from models.qwen21_generate import pipeline_sample_sigmas
-    from models.qwen21_predict import edit_21
+    from models.qwen21_predict import check_prompt_fits, edit_21
 
-    pipe = QwenImage21Pipeline(
-        scheduler=load_component(model, "scheduler"), vae=vae, processor=load_component(model, "processor"),
-        text_encoder=load_component(model, "text_encoder", dtype=parse_dtype(cfg.dtype), device=cfg.device),
-        transformer=transformer, sample_sigmas=pipeline_sample_sigmas(model))
-    for i, extra in enumerate(cfg.extra_prompts):
+    parts = dict(scheduler=load_component(model, "scheduler"), vae=vae, processor=load_component(model, "processor"),
+                 transformer=transformer, sample_sigmas=pipeline_sample_sigmas(model))
+    negative = cfg.negative_prompt if cfg.true_cfg_scale > 1 else None  # edit_21 passes it only then
+    encoder = QwenImage21Pipeline(
+        text_encoder=load_component(model, "text_encoder", dtype=parse_dtype(cfg.dtype), device=cfg.device), **parts)
+    inputs = []
+    for i, extra in enumerate(tqdm(cfg.extra_prompts, desc="encode extra prompts")):
         # decoded as predict decodes them (features.decode: EXIF, CMYK, 16-bit; alpha kept for the 2.1 VAE)
         refs = [read_image_file(p, keep_alpha=True, what=f"evaluate.extra_prompts[{i}] image")
                 for p in extra.images]
         target = (read_image_file(extra.target, what=f"evaluate.extra_prompts[{i}] target")
                   if extra.target else None)
-
-        def cond(refs=refs, extra=extra):
+        check_prompt_fits(encoder, refs, extra.prompt, negative, extra.height, extra.width)  # before encoding it
+        inputs.append((i, extra, refs, target, prompt_encodings(encoder, refs, [extra.prompt, negative],
+                                                                extra.height, extra.width)))
+    del encoder  # the text encoder with it: nothing below holds it
+    pipe = _PreEncoded(text_encoder=None, **parts)
+    for i, extra, refs, target, encodings in inputs:
+        def cond(refs=refs, extra=extra, encodings=encodings):
+            pipe.encodings = encodings
             return edit_21(pipe, refs, extra.prompt, cfg.negative_prompt, cfg.num_inference_steps,
                            cfg.true_cfg_scale, cfg.seed, extra.height, extra.width).convert("RGB")
 
         yield (f"extra {i + 1}", extra.prompt, [rgb_over_white(r) for r in refs], target, cond, extra.height,
                extra.width, dict(pipe.scheduler.config))
+
+
+def prompt_encodings(pipe, refs: list, prompts: list, height: int | None, width: int | None) -> dict:
+    """prompt -> the stock `encode_prompt`'s (embeds, mask, image-pad mask) with the references as the stock
+    `__call__` hands them to it under `edit_21` (RGBA, each resized to output_resolution² at its own aspect
+    ratio, output_resolution being edit_21's); None prompts are skipped."""
+    from diffusers.pipelines.qwenimage21.pipeline_qwenimage21 import calculate_dimensions
+
+    side = round((height * width) ** 0.5) if height and width else 1024  # edit_21's output_resolution
+    images = None
+    if refs:
+        images = []
+        for img in refs:
+            img = img if img.mode == "RGBA" else img.convert("RGBA")
+            w, h, _ = calculate_dimensions(side * side, img.size[0] / img.size[1])
+            images.append(pipe.image_processor.resize(img, width=w, height=h))
+    return {p: pipe.encode_prompt(p, image=images, device=pipe._execution_device) for p in prompts if p is not None}
+
+
+class _PreEncoded(QwenImage21Pipeline):
+    """The stock pipeline without a text encoder, answering `encode_prompt` from `encodings` (`prompt_encodings`,
+    set before each call). Why not pass `prompt_embeds`: the stock `__call__` has no argument for their image-pad
+    mask, and refuses precomputed embeddings when there are references. Everything else is the stock call."""
+
+    encodings: dict = {}
+
+    def encode_prompt(self, prompt, image=None, device=None, num_images_per_prompt: int = 1, prompt_embeds=None,
+                      prompt_embeds_mask=None, image_pad_mask=None):
+        assert num_images_per_prompt == 1 and prompt_embeds is None, "edit_21 makes one image from a prompt"
+        return self.encodings[prompt]
 
 
 def extra_rows_21(model: str, transformer, vae, cfg) -> list:

@@ -243,11 +243,12 @@ def extra_prompt_inputs(model: str, transformer, vae, cfg: EvaluateConfig):
 
 
 def extra_rows(model: str, transformer, vae, cfg: EvaluateConfig) -> list[SampleRow]:
-    """The configured extra prompts, base and LoRA."""
+    """The configured extra prompts, base and LoRA. All of them are encoded before the first image: the
+    generator's pipeline (and with it the text encoder) is gone then, not on the device beside the transformer."""
+    inputs = list(tqdm(extra_prompt_inputs(model, transformer, vae, cfg), total=len(cfg.extra_prompts),
+                       desc="encode extra prompts"))
     rows = []
-    for title, prompt, controls, target, cond, height, width, sched in tqdm(
-            extra_prompt_inputs(model, transformer, vae, cfg), total=len(cfg.extra_prompts),
-            desc="generate extra prompts"):
+    for title, prompt, controls, target, cond, height, width, sched in tqdm(inputs, desc="generate extra prompts"):
         base, lora = generate_pair(transformer, vae, sched, cond, height, width, cfg)
         rows.append(SampleRow(title, prompt, controls, target, base, lora, _scores(target, base, lora)))
     return rows

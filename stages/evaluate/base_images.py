@@ -1,0 +1,117 @@
+"""`evaluate --all-checkpoints`: the base column's images (LoRA off) kept in OUT/base-images/ and reused by a
+rerun whose every input of them is unchanged. Only best and last can change between reruns (a training adding
+checkpoints), while regenerating the base costs as much as either column.
+
+The key (`base_key`) holds everything the base images are made from: every file of the model (text encoder,
+processor and scheduler too), the store and its text / vae table versions (the stored features), the picked val
+samples, every hashed evaluate setting (seed, steps, true CFG, negative prompt, dtype, attention backend,
+quantisation, extra prompts with their sizes) and the bytes of each extra prompt's image files, the device (and
+the GPU's name), the versions of the libraries that compute them and the source of this project's modules that
+do (`SOURCES`). Any change: regenerated. The PNGs are checked against their
+recorded sha256 on reuse (a damaged or missing one: regenerated)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from PIL import Image
+
+FOLDER = "base-images"
+INDEX = "index.json"
+#: this project's modules that turn those inputs into the base images (their source enters the key: an upgrade
+#: changing how they generate regenerates them)
+SOURCES = ("models.generate", "models.edit", "models.loading", "models.qwen21_generate", "models.qwen21_predict",
+           "models.qwen21_multires", "features.decode", "features.pictures", "stages.evaluate.qwen21",
+           "stages.evaluate.stage", "stages.evaluate.checkpoint_report")
+
+
+def base_key(cfg, features: dict, sample_keys: list[str]) -> str:
+    """Hash of every input of the base images. features: `checkpoints.loss_fingerprint`'s settings (store, its
+    text / vae versions, the model's fingerprint); sample_keys: the val samples pictured, in order."""
+    import diffusers
+    import peft
+    import torch
+    import transformers
+
+    from schemas.lineage import hashed_settings
+
+    extras = [[hashlib.sha256(Path(p).read_bytes()).hexdigest() for p in e.images] for e in cfg.extra_prompts]
+    inputs = {
+        "features": features,
+        "samples": list(sample_keys),
+        "settings": hashed_settings(cfg),
+        "device": [str(cfg.device), _device_names(cfg.device)],
+        "extra_image_bytes": extras,
+        "libraries": {m.__name__: m.__version__ for m in (torch, diffusers, transformers, peft)},
+        "sources": {name: _source_digest(name) for name in SOURCES},
+    }
+    return hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _source_digest(module: str) -> str:
+    import importlib.util
+
+    spec = importlib.util.find_spec(module)
+    return hashlib.sha256(Path(spec.origin).read_bytes()).hexdigest() if spec and spec.origin else "absent"
+
+
+def _device_names(device) -> list[str]:
+    """The accelerators' names (another GPU model rounds otherwise); "" for the CPU."""
+    import torch
+
+    names = []
+    for d in device if isinstance(device, list) else [device]:
+        d = torch.device(d)
+        names.append(torch.cuda.get_device_name(d) if d.type == "cuda" and torch.cuda.is_available() else "")
+    return names
+
+
+def read(folder: Path, key: str, n: int) -> list[Image.Image] | None:
+    """The n base images recorded under `key`, or None (none recorded, another key, a file missing or damaged)."""
+    try:
+        index = json.loads((folder / INDEX).read_text())
+        if index.get("key") != key or len(index.get("files", [])) != n:
+            return None
+        images = []
+        for name, sha in index["files"]:
+            data = (folder / name).read_bytes()
+            if hashlib.sha256(data).hexdigest() != sha:
+                return None
+            images.append(_png(data))
+        return images
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def write(folder: Path, key: str, images: list[Image.Image]) -> None:
+    """The images as PNGs (lossless: the reused image is the generated one), then the index naming them and
+    their sha256 (written last: a killed write leaves no index of the new key)."""
+    import io
+
+    from store.format import atomic_write_bytes
+    from store.io_errors import writing
+
+    with writing("the base images of the evaluate report", folder):  # full disk / read-only: one line
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / INDEX).unlink(missing_ok=True)
+        files = []
+        for i, img in enumerate(images):
+            buf = io.BytesIO()
+            img.save(buf, format="PNG")
+            name = f"{i:05d}.png"
+            atomic_write_bytes(folder / name, buf.getvalue())
+            files.append((name, hashlib.sha256(buf.getvalue()).hexdigest()))
+        for old in folder.glob("*.png"):  # a longer earlier list
+            if old.name not in {name for name, _ in files}:
+                old.unlink(missing_ok=True)
+        atomic_write_bytes(folder / INDEX, json.dumps({"key": key, "files": files}, indent=1).encode())
+
+
+def _png(data: bytes) -> Image.Image:
+    import io
+
+    img = Image.open(io.BytesIO(data))
+    img.load()
+    return img

@@ -1,0 +1,118 @@
+"""`evaluate --all-checkpoints` reruns: the base images (LoRA off) are reused from REPORT/base-images/ when every
+input of them is unchanged, regenerated when any is (stages/evaluate/base_images.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from test_evaluate_checkpoints import CFG, _ckpts, run_and_store  # noqa: F401  (the module's fixture)
+
+from schemas.config import EvaluateConfig
+from stages.evaluate import base_images
+from stages.evaluate import checkpoints as ev
+
+
+def _runner(monkeypatch):
+    """ev.run with the number of images generated and the report's rows of each run."""
+    import models.generate
+    from stages.evaluate import checkpoint_report
+
+    calls, rows = [], []
+    generate, write = models.generate.generate, checkpoint_report.write_checkpoint_report
+    monkeypatch.setattr(models.generate, "generate", lambda *a, **k: (calls.append(1), generate(*a, **k))[1])
+    monkeypatch.setattr(checkpoint_report, "write_checkpoint_report",
+                        lambda out, metrics, r: (rows.append(r), write(out, metrics, r))[1])
+
+    def run(cfg, root, model, out) -> tuple[int, list]:
+        calls.clear()
+        ev.run(cfg, root / "store", model, _ckpts(root), out)
+        return len(calls), rows[-1]
+
+    return run
+
+
+def test_a_rerun_reuses_the_base_images_and_a_changed_input_regenerates_them(run_and_store, tiny_edit_model,
+                                                                              tmp_path, monkeypatch):
+    """Before: every rerun generated the base column again (2 samples x 3 columns = 6 images, 6 again). Now the
+    rerun generates best and last only (4), with the same base pixels; another seed, or a damaged kept PNG,
+    regenerates them."""
+    root, out = run_and_store, tmp_path / "report"
+    run = _runner(monkeypatch)
+    cfg = EvaluateConfig(**{**CFG, "num_samples": 2, "num_inference_steps": 2})
+    n, first = run(cfg, root, tiny_edit_model, out)
+    assert n == 6
+    n, again = run(cfg, root, tiny_edit_model, out)
+    assert n == 4
+    for a, b in zip(first, again):
+        for label in a.outputs:
+            np.testing.assert_array_equal(np.asarray(a.outputs[label]), np.asarray(b.outputs[label]))
+        assert a.scores == b.scores
+
+    n, other_seed = run(cfg.model_copy(update={"seed": cfg.seed + 1}), root, tiny_edit_model, out)
+    assert n == 6
+    assert not np.array_equal(np.asarray(other_seed[0].outputs["base"]), np.asarray(first[0].outputs["base"]))
+
+    png = out / base_images.FOLDER / "00000.png"
+    data = bytearray(png.read_bytes())
+    data[-20] ^= 0xFF
+    png.write_bytes(bytes(data))
+    n, _ = run(cfg.model_copy(update={"seed": cfg.seed + 1}), root, tiny_edit_model, out)
+    assert n == 6  # damaged: regenerated, not shown
+
+
+def test_a_killed_run_leaving_only_base_images_does_not_block_the_report_folder(run_and_store, tiny_edit_model,
+                                                                                tmp_path, monkeypatch):
+    """The base images are written before the best / last ones: a run killed then leaves base-images/ without a
+    metrics.json, and the rerun takes the folder as its own (not "not empty and holds no earlier report")."""
+    root, out = run_and_store, tmp_path / "report"
+    run = _runner(monkeypatch)
+    cfg = EvaluateConfig(**{**CFG, "num_samples": 1, "num_inference_steps": 2})
+    run(cfg, root, tiny_edit_model, out)
+    for f in ("metrics.json", "index.html", "grid.png"):
+        (out / f).unlink()
+    n, _ = run(cfg, root, tiny_edit_model, out)
+    assert n == 2 and (out / "metrics.json").is_file()
+
+
+def test_every_input_of_the_base_images_is_in_their_key(tmp_path, monkeypatch):
+    """Each input changed alone gives another key (so another set of images); the same inputs, the same key."""
+    import diffusers
+
+    from schemas.config import ExtraPrompt
+
+    img = tmp_path / "ref.png"
+    img.write_bytes(b"one picture")
+    cfg = EvaluateConfig(device="cpu", dtype="float32", extra_prompts=[ExtraPrompt(prompt="p", images=[str(img)])])
+    features = {"store": "/s", "tables": {"text": "t1", "vae": "v1"}, "model_fingerprint": "m1"}
+    samples = ["k1", "k2"]
+    key = base_images.base_key(cfg, features, samples)
+    assert base_images.base_key(cfg, dict(features), list(samples)) == key
+
+    changed = {
+        "store": (cfg, {**features, "store": "/other"}, samples),
+        "text table": (cfg, {**features, "tables": {"text": "t2", "vae": "v1"}}, samples),
+        "vae table": (cfg, {**features, "tables": {"text": "t1", "vae": "v2"}}, samples),
+        "model files": (cfg, {**features, "model_fingerprint": "m2"}, samples),
+        "picked samples": (cfg, features, ["k1", "k3"]),
+    }
+    for name, value in [("seed", 7), ("num_inference_steps", 3), ("true_cfg_scale", 2.5), ("negative_prompt", "x"),
+                        ("dtype", "bfloat16"), ("device", "meta"), ("attention_backend", "flash"), ("quantize_base", "int8"), ("num_samples", 9),
+                        ("extra_prompts", [ExtraPrompt(prompt="q", images=[str(img)])]),
+                        ("extra_prompts", [ExtraPrompt(prompt="p", images=[str(img)], height=64, width=64)])]:
+        changed[f"{name}={value}"] = (cfg.model_copy(update={name: value}), features, samples)
+    keys = {name: base_images.base_key(*args) for name, args in changed.items()}
+    img.write_bytes(b"another picture")  # same path, other bytes
+    keys["extra image bytes"] = base_images.base_key(cfg, features, samples)
+    img.write_bytes(b"one picture")
+    monkeypatch.setattr(diffusers, "__version__", "0.0.0")
+    keys["diffusers version"] = base_images.base_key(cfg, features, samples)
+    monkeypatch.undo()
+    source = tmp_path / "fake_generate.py"
+    source.write_text("x = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(base_images, "SOURCES", ("fake_generate",))
+    before = base_images.base_key(cfg, features, samples)
+    source.write_text("x = 2\n")  # this project's generating code changed
+    keys["project source"] = base_images.base_key(cfg, features, samples)
+    assert keys["project source"] != before
+    assert key not in keys.values() and len(set(keys.values())) == len(keys), keys

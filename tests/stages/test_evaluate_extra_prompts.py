@@ -1,0 +1,124 @@
+"""evaluate's extra prompts (stages/evaluate/qwen21.py, stage.py): each prompt encoded once, the text
+encoder gone before the first image, the images those of the stock pipeline call predict makes."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import numpy as np
+import torch
+from PIL import Image
+
+from pipeline.config import load_config
+
+
+def test_21_extra_prompts_encode_once_and_generate_without_the_text_encoder(tiny_21_model, tmp_path, monkeypatch):
+    """Before: every column (base, LoRA; base, best, last) re-ran the text encoder through the stock call, and
+    the encoder stayed on the device through all of them. Now: one stock `encode_prompt` per prompt (and per
+    negative: true CFG here), no text encoder alive while the transformer runs, and the images bit-for-bit
+    those of today's path (`edit_21` on the stock pipeline, text encoder loaded). Two extras share a prompt with
+    other references: the encodings are per extra, not per prompt text."""
+    from diffusers import QwenImage21Pipeline
+
+    import models.loading
+    from models.loading import load_component
+    from models.qwen21_predict import edit_21
+    from stages.evaluate.qwen21 import extra_inputs_21
+
+    rng = np.random.default_rng(5)
+    refs = []
+    for i, (h, w, mode) in enumerate([(64, 96, "RGBA"), (96, 64, "RGB"), (64, 64, "RGBA")]):
+        refs.append(tmp_path / f"ref{i}.png")
+        Image.fromarray(rng.integers(0, 255, (h, w, len(mode)), dtype=np.uint8), mode).save(refs[-1])
+    extras = [{"prompt": "make it red", "images": [str(refs[0])], "height": 64, "width": 96},
+              {"prompt": "make it red", "images": [str(refs[1]), str(refs[2])], "height": 96, "width": 64}]
+    cfg = load_config(None, {"evaluate.dtype": "float32", "evaluate.num_inference_steps": 2,
+                             "evaluate.true_cfg_scale": 2.0, "evaluate.negative_prompt": "blurry",
+                             "evaluate.extra_prompts": extras}).evaluate
+
+    stock = QwenImage21Pipeline.from_pretrained(tiny_21_model)
+    expected = [edit_21(stock, [Image.open(p) for p in e["images"]], e["prompt"], cfg.negative_prompt,
+                        cfg.num_inference_steps, cfg.true_cfg_scale, cfg.seed, e["height"], e["width"]).convert("RGB")
+                for e in extras]
+    del stock
+
+    encodes = []
+    stock_encode = QwenImage21Pipeline._get_qwen_prompt_embeds
+    monkeypatch.setattr(QwenImage21Pipeline, "_get_qwen_prompt_embeds",
+                        lambda self, prompt, *a, **k: (encodes.append(prompt), stock_encode(self, prompt, *a, **k))[1])
+    encoder = []
+    load = models.loading.load_component
+
+    def loading(model, component, *a, **k):
+        out = load(model, component, *a, **k)
+        if component == "text_encoder":
+            encoder.append(weakref.ref(out))
+        return out
+
+    monkeypatch.setattr(models.loading, "load_component", loading)
+    transformer = load_component(tiny_21_model, "transformer", dtype=torch.float32)
+    vae = load_component(tiny_21_model, "vae", dtype=torch.float32)
+    encoder_alive = []
+    transformer.register_forward_pre_hook(lambda module, args: encoder_alive.append(encoder[0]() is not None))
+
+    jobs = list(extra_inputs_21(tiny_21_model, transformer, vae, cfg))
+    gc.collect()
+    for _ in range(3):  # base, best, last
+        for (*_, cond, _h, _w, _s), want in zip(jobs, expected):
+            np.testing.assert_array_equal(np.asarray(cond()), np.asarray(want))
+
+    assert len(encoder) == 1 and encoder_alive and not any(encoder_alive)
+    assert sorted(map(tuple, encodes)) == sorted([("make it red",), ("blurry",)] * 2)  # once per extra and prompt
+
+
+def test_edit_extra_prompts_generate_without_the_text_encoder(tiny_edit_model, tmp_path, monkeypatch):
+    """Single-LoRA evaluate on an Edit model: before, `extra_rows` generated each extra while the generator's
+    pipeline (text encoder included) was still alive; now every extra is encoded first and the text encoder is
+    unreferenced whenever the transformer runs. The images are those of the prepared conditioning, base and LoRA."""
+    from peft import LoraConfig
+
+    import models.edit
+    from models.generate import generate
+    from models.loading import load_component
+    from stages.evaluate.stage import extra_prompt_inputs, extra_rows, lora_enabled
+
+    ref = tmp_path / "ref.png"
+    Image.fromarray(np.random.default_rng(3).integers(0, 255, (48, 64, 3), dtype=np.uint8)).save(ref)
+    cfg = load_config(None, {"evaluate.dtype": "float32", "evaluate.num_inference_steps": 2,
+                             "evaluate.extra_prompts": [{"prompt": "make it red", "images": [str(ref)],
+                                                         "height": 48, "width": 64}]}).evaluate
+    encoder = []
+    load = models.edit.load_component
+
+    def loading(model, component, *a, **k):
+        out = load(model, component, *a, **k)
+        if component == "text_encoder":
+            encoder.append(weakref.ref(out))
+        return out
+
+    monkeypatch.setattr(models.edit, "load_component", loading)
+    transformer = load_component(tiny_edit_model, "transformer", dtype=torch.float32)
+    torch.manual_seed(0)
+    transformer.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=["to_q", "to_v"], init_lora_weights="gaussian"))
+    with torch.no_grad():
+        for name, p in transformer.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    vae = load_component(tiny_edit_model, "vae", dtype=torch.float32)
+
+    _, _, _, _, cond, h, w, sched = next(extra_prompt_inputs(tiny_edit_model, transformer, vae, cfg))
+    want = []
+    for on in (False, True):
+        with lora_enabled(transformer, on):
+            want.append(generate(transformer, vae, sched, cond, h, w, cfg.num_inference_steps, cfg.true_cfg_scale,
+                                 cfg.seed))
+    gc.collect()
+    encoder.clear()
+    encoder_alive = []
+    transformer.register_forward_pre_hook(lambda module, args: encoder_alive.append(encoder[0]() is not None))
+    (row,) = extra_rows(tiny_edit_model, transformer, vae, cfg)
+    assert encoder_alive and not any(encoder_alive)
+    assert not np.array_equal(np.asarray(want[0]), np.asarray(want[1]))
+    np.testing.assert_array_equal(np.asarray(row.base), np.asarray(want[0]))
+    np.testing.assert_array_equal(np.asarray(row.lora), np.asarray(want[1]))
