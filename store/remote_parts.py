@@ -146,8 +146,13 @@ def adopt_uploaded(writer: TableWriter) -> None:
                 fmt.atomic_write_bytes(writer.dir / name, data)
 
         # one GET per index (a rank's share of ~20k at 1M samples): several at a time, as every transfer
-        for _ in each_at_once(adopt, sorted(r for r in listing if r.startswith(prefix) and r.endswith(INDEX_SUFFIX))):
-            pass
+        from tqdm import tqdm
+
+        indexes = sorted(r for r in listing if r.startswith(prefix) and r.endswith(INDEX_SUFFIX))
+        with tqdm(total=len(indexes), desc=f"rank {writer.rank}: its uploaded indexes from {url}", unit="file",
+                  dynamic_ncols=True) as bar:
+            for _ in each_at_once(adopt, indexes):
+                bar.update()
 
 
 def commit_remote(writer: TableWriter, allow_empty: bool) -> int:

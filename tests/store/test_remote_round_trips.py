@@ -77,8 +77,10 @@ def test_a_ranks_upload_and_the_commits_index_reads_run_several_at_a_time(s3_env
     assert verify_store(pulled, progress=False) == []
 
 
-def test_a_node_that_lost_its_cache_adopts_its_uploaded_indexes_several_at_a_time(s3_env, tmp_path, monkeypatch):
-    """A replaced node's rank fetches the indexes of the shards it had uploaded (one GET each) several at a time."""
+def test_a_node_that_lost_its_cache_adopts_its_uploaded_indexes_several_at_a_time(s3_env, tmp_path, monkeypatch,
+                                                                                    capfd):
+    """A replaced node's rank fetches the indexes of the shards it had uploaded (one GET each) several at a time,
+    under a progress bar (~2.5k per rank at 1M samples)."""
     import shutil
 
     from store_samples import vae_schema
@@ -93,3 +95,4 @@ def test_a_node_that_lost_its_cache_adopts_its_uploaded_indexes_several_at_a_tim
     assert fresh.done_keys == {key_of(i) for i in range(1, N, 2)}
     fresh.close()
     assert reads.overlapped and reads.calls > 2
+    assert f"rank 1: its uploaded indexes from {url}" in capfd.readouterr().err
