@@ -118,8 +118,9 @@ def _conflict(table: str, version: int, url: str, local: Path, remote: Remote | 
                          f"`pipeline store gc {url}` removes it once it is an hour old and no push holds it, then "
                          "push again")
     if (Path(local) / "source-url.txt").is_file():  # a cache of this URL (store/remote_cache.py): stale
-        return UserError(f"{table} v{version} differs between the cache {local} and {url} (the remote was rebuilt "
-                         f"since: a deleted prefix, a restarted in-memory server); remove {local} (a cache) and rerun")
+        return UserError(f"{table} v{version} differs between the cache {local} and {url} (another writer committed "
+                         f"v{version} there first, or the remote was rebuilt since: a deleted prefix, a restarted "
+                         f"in-memory server); remove {local} (a cache) and rerun")
     return UserError(f"{table} v{version} differs between {local} and {url} (a different manifest under the same "
                      "version number: the stores grew apart); push/pull into an empty prefix or folder instead")
 

@@ -3,6 +3,8 @@ input of them is unchanged, regenerated when any is (stages/evaluate/base_images
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from test_evaluate_checkpoints import CFG, _ckpts, run_and_store  # noqa: F401  (the module's fixture)
@@ -107,12 +109,30 @@ def test_every_input_of_the_base_images_is_in_their_key(tmp_path, monkeypatch):
     monkeypatch.setattr(diffusers, "__version__", "0.0.0")
     keys["diffusers version"] = base_images.base_key(cfg, features, samples)
     monkeypatch.undo()
-    source = tmp_path / "fake_generate.py"
-    source.write_text("x = 1\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(base_images, "SOURCES", ("fake_generate",))
-    before = base_images.base_key(cfg, features, samples)
-    source.write_text("x = 2\n")  # this project's generating code changed
-    keys["project source"] = base_images.base_key(cfg, features, samples)
-    assert keys["project source"] != before
     assert key not in keys.values() and len(set(keys.values())) == len(keys), keys
+
+
+def test_the_key_takes_the_source_of_every_module_generation_runs_through(tmp_path, monkeypatch):
+    """This project's code changed by an upgrade regenerates the base images. Before, the key took a hand-kept list
+    of 11 modules, which missed models/multires.py (the Edit transformer's multi-resolution forward, the latents'
+    packing), models/attention.py (the attention backend), models/quantize.py, models/sample.py (the stored
+    features' decoding) and schemas/img_shapes.py (the patch size): a change to any of them reused images the new
+    code would not make. Each file below, changed alone (in a copy of the packages), gives another key."""
+    import shutil
+
+    project, root = Path(base_images.__file__).resolve().parents[2], tmp_path / "src"
+    for package in ("models", "features", "schemas", "stages/evaluate"):
+        shutil.copytree(project / package, root / package,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(base_images, "SOURCE_ROOT", root, raising=False)  # (before: no such setting, real files)
+    cfg = EvaluateConfig(device="cpu", dtype="float32")
+    features = {"store": "/s", "tables": {"text": "t1", "vae": "v1"}, "model_fingerprint": "m1"}
+    before = base_images.base_key(cfg, features, ["k1"])
+    for module in ("models/multires.py", "models/attention.py", "models/quantize.py", "models/sample.py",
+                   "schemas/img_shapes.py", "models/generate.py", "stages/evaluate/qwen21.py"):
+        source = root / module
+        original = source.read_text()
+        source.write_text(original + "\n# an upgrade's change\n")
+        assert base_images.base_key(cfg, features, ["k1"]) != before, module
+        source.write_text(original)
+    assert base_images.base_key(cfg, features, ["k1"]) == before

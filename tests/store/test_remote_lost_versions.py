@@ -52,3 +52,22 @@ def test_a_cache_of_a_remote_rebuilt_since_names_the_cache_to_remove(s3_env, tmp
     with pytest.raises(UserError, match=r"vae v1 differs between the cache .* and .*; remove .* \(a cache\) and rerun") as e:
         local_store(url, None, tmp_path / "cache", whole=True)
     assert str(cached) in str(e.value) and "\n" not in str(e.value)
+
+
+def test_two_caches_that_wrote_the_same_version_number_the_second_push_says_so(store: Store, tmp_path):
+    """Two nodes' encoders wrote the next version of a table into their own caches at once: the first push made it
+    the remote's; the second met another manifest under that number and said the remote "was rebuilt since (a
+    deleted prefix, a restarted in-memory server)", which sends the user looking for a loss that did not happen.
+    The line names both causes, and what to do is the same: remove the cache, rerun (the remote's version is read)."""
+    from store.remote_cache import push_back
+
+    fill(store, 4)
+    url = f"file://{tmp_path / 'remote'}"
+    push(store.root, url)
+    first, second = (local_store(url, None, tmp_path / name, lease=False) for name in ("a", "b"))
+    fill(Store(first), 3, start=10)  # vae v2 in each cache, other samples
+    fill(Store(second), 5, start=20)
+    assert push_back(url, first).copied == ["vae/v2"]
+    with pytest.raises(UserError, match=r"vae v2 differs between the cache .*; remove .* \(a cache\) and rerun") as e:
+        push_back(url, second)
+    assert "another writer committed v2 there first" in str(e.value) and "\n" not in str(e.value)
