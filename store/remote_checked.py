@@ -33,6 +33,14 @@ def _state(st: os.stat_result) -> str:
 
 def _set(path: Path, value: str) -> None:
     try:
+        # the bytes on disk before the record: after an OS crash (not a kill) a file system may show the full
+        # size with blocks never written, and a record set first would vouch for them (cheap where pull's commit
+        # fsyncs the file anyway)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.setxattr(path, CHECKED_XATTR, value.encode())
     except (OSError, AttributeError):  # EOPNOTSUPP (some NFS, old tmpfs), or no xattrs on this OS: nothing kept
         pass
