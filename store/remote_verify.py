@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -31,10 +30,11 @@ from tqdm import tqdm
 from schemas.errors import UserError
 from store import format as fmt
 from store.checksum import CHUNK, RunningCrc
-from store.remote import READ_PIECE, Remote, SharedBar, each_at_once, is_transport_error, open_remote, remote_errors
+from store.remote import READ_PIECE, Remote, SharedBar, each_at_once, is_transport_error
 from store.remote_lease import hold_reading, release_reading
 from store import quarantine
 from store.remote_sync import _MANIFEST_RE, damaged_quarantine, marker_rel
+from store.remote_view import listed_store
 from store.verify import LITTER_NOTE, REMOTE_METADATA, ShardPart, check_sample, shard_rows, verify_store
 
 
@@ -53,12 +53,7 @@ def verify_url(url: str, storage_options: dict[str, Any] | None = None, progress
     """(every problem of the store at `url` as one line, as `store.verify.verify_store`; its current versions);
     UserError when there is no store there or the connection is lost."""
     url = url.rstrip("/")
-    remote = open_remote(url, storage_options)
-    with tempfile.TemporaryDirectory(prefix="store-verify-") as tmp, remote_errors(url, "verify"):
-        root = Path(tmp)
-        listing = remote.listing()
-        if fmt.STORE_JSON not in listing:
-            raise UserError(f"no store at {url} (no {fmt.STORE_JSON} there); check the URL, or push a store first")
+    with listed_store(url, storage_options, "verify") as (remote, root, listing):
         (root / fmt.STORE_JSON).write_bytes(remote.read(fmt.STORE_JSON))  # as it is: verify checks it
         damaged: list[str] = []
         if fmt.QUARANTINE in listing:  # damaged: named by its URL (as pull, push say it), versions still checked
@@ -87,7 +82,7 @@ def verify_url(url: str, storage_options: dict[str, Any] | None = None, progress
         if objects.lost is not None:  # verify_store made it a problem line: it is the connection, not the data
             raise objects.lost
         current = current_versions(root)
-    return damaged + [p.replace(tmp, url) for p in problems], current
+    return damaged + [p.replace(str(root), url) for p in problems], current
 
 
 class RemoteObjects:

@@ -17,7 +17,7 @@ from typing import Any, Iterator
 from schemas.errors import UserError
 from store import format as fmt
 from store.checksum import crc_hex
-from store.remote import open_remote, remote_errors
+from store.remote import Remote, open_remote, remote_errors
 from store import quarantine
 from store.remote_sync import _MANIFEST_RE, _checksums, damaged_quarantine, marker_rel
 
@@ -25,15 +25,24 @@ METADATA = (fmt.SCHEMA_JSON, fmt.MANIFEST)
 
 
 @contextmanager
-def metadata_copy(url: str, storage_options: dict[str, Any] | None = None) -> Iterator[Path]:
-    """A temporary local store folder holding the metadata of every complete version at `url`."""
+def listed_store(url: str, storage_options: dict[str, Any] | None, what: str
+                 ) -> Iterator[tuple[Remote, Path, dict[str, int]]]:
+    """(the store at `url`, an empty temporary folder for its metadata, its listing), `what` naming the command in
+    a lost connection's line; a URL holding no store is refused in one line."""
     url = url.rstrip("/")
     remote = open_remote(url, storage_options)
-    with tempfile.TemporaryDirectory(prefix="store-inspect-") as tmp, remote_errors(url, "inspect"):
-        root = Path(tmp)
+    with tempfile.TemporaryDirectory(prefix=f"store-{what}-") as tmp, remote_errors(url, what):
         listing = remote.listing()
         if fmt.STORE_JSON not in listing:
             raise UserError(f"no store at {url} (no {fmt.STORE_JSON} there); check the URL, or push a store first")
+        yield remote, Path(tmp), listing
+
+
+@contextmanager
+def metadata_copy(url: str, storage_options: dict[str, Any] | None = None) -> Iterator[Path]:
+    """A temporary local store folder holding the metadata of every complete version at `url`."""
+    url = url.rstrip("/")
+    with listed_store(url, storage_options, "inspect") as (remote, root, listing):
         for name in (fmt.STORE_JSON, fmt.QUARANTINE):
             if name in listing:
                 data = remote.read(name)

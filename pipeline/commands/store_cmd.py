@@ -10,7 +10,7 @@ import typer
 from typing import Optional
 
 from pipeline.commands.common import ConfigOpt, SetOpt, config_from, echo, user_errors
-from pipeline.commands.store_remote import CacheDirOpt, CacheGbOpt
+from pipeline.commands.store_remote import CacheDirOpt
 
 store_app = typer.Typer(no_args_is_help=True)
 migrate_app = typer.Typer(no_args_is_help=True)

@@ -6,7 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import pytest
 from test_evaluate_checkpoints import CFG, _ckpts, run_and_store  # noqa: F401  (the module's fixture)
 
 from schemas.config import EvaluateConfig

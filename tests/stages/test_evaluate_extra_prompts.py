@@ -47,16 +47,7 @@ def test_21_extra_prompts_encode_once_and_generate_without_the_text_encoder(tiny
     stock_encode = QwenImage21Pipeline._get_qwen_prompt_embeds
     monkeypatch.setattr(QwenImage21Pipeline, "_get_qwen_prompt_embeds",
                         lambda self, prompt, *a, **k: (encodes.append(prompt), stock_encode(self, prompt, *a, **k))[1])
-    encoder = []
-    load = models.loading.load_component
-
-    def loading(model, component, *a, **k):
-        out = load(model, component, *a, **k)
-        if component == "text_encoder":
-            encoder.append(weakref.ref(out))
-        return out
-
-    monkeypatch.setattr(models.loading, "load_component", loading)
+    encoder = _text_encoders_loaded(monkeypatch, models.loading)
     transformer = load_component(tiny_21_model, "transformer", dtype=torch.float32)
     vae = load_component(tiny_21_model, "vae", dtype=torch.float32)
     encoder_alive = []
@@ -88,16 +79,7 @@ def test_edit_extra_prompts_generate_without_the_text_encoder(tiny_edit_model, t
     cfg = load_config(None, {"evaluate.dtype": "float32", "evaluate.num_inference_steps": 2,
                              "evaluate.extra_prompts": [{"prompt": "make it red", "images": [str(ref)],
                                                          "height": 48, "width": 64}]}).evaluate
-    encoder = []
-    load = models.edit.load_component
-
-    def loading(model, component, *a, **k):
-        out = load(model, component, *a, **k)
-        if component == "text_encoder":
-            encoder.append(weakref.ref(out))
-        return out
-
-    monkeypatch.setattr(models.edit, "load_component", loading)
+    encoder = _text_encoders_loaded(monkeypatch, models.edit)
     transformer = load_component(tiny_edit_model, "transformer", dtype=torch.float32)
     torch.manual_seed(0)
     transformer.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=["to_q", "to_v"], init_lora_weights="gaussian"))
@@ -122,3 +104,18 @@ def test_edit_extra_prompts_generate_without_the_text_encoder(tiny_edit_model, t
     assert not np.array_equal(np.asarray(want[0]), np.asarray(want[1]))
     np.testing.assert_array_equal(np.asarray(row.base), np.asarray(want[0]))
     np.testing.assert_array_equal(np.asarray(row.lora), np.asarray(want[1]))
+
+
+def _text_encoders_loaded(monkeypatch, module) -> list:
+    """A weak reference to each text encoder `module.load_component` loads from now on (alive or freed)."""
+    encoder = []
+    load = module.load_component
+
+    def loading(model, component, *a, **k):
+        out = load(model, component, *a, **k)
+        if component == "text_encoder":
+            encoder.append(weakref.ref(out))
+        return out
+
+    monkeypatch.setattr(module, "load_component", loading)
+    return encoder

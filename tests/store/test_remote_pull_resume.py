@@ -72,14 +72,19 @@ def _counted_rerun(url: str, dst: Path, monkeypatch) -> tuple[dict[str, int], li
     return read, fetched
 
 
-def test_a_resumed_pull_reads_back_none_of_the_files_it_fetched(store: Store, tmp_path: Path, monkeypatch) -> None:
+def _pushed_then_pulled_till_killed(store: Store, tmp_path: Path, monkeypatch) -> tuple[str, Path, dict[str, Path]]:
+    """A store pushed to a file:// URL, then a pull of it killed after `KEPT` objects: (url, pull folder, kept)."""
     if not _xattrs_work(tmp_path):
         pytest.skip("no user xattrs on this file system: a resumed pull reads its files back (documented)")
     fill(store, 12)
     url = f"file://{tmp_path / 'remote'}"
     push(str(store.root), url)
     dst = tmp_path / "pulled"
-    kept = _killed_pull(url, dst, monkeypatch)
+    return url, dst, _killed_pull(url, dst, monkeypatch)
+
+
+def test_a_resumed_pull_reads_back_none_of_the_files_it_fetched(store: Store, tmp_path: Path, monkeypatch) -> None:
+    url, dst, kept = _pushed_then_pulled_till_killed(store, tmp_path, monkeypatch)
 
     read, fetched = _counted_rerun(url, dst, monkeypatch)
     assert read == {}  # before: every kept file read back in full
@@ -94,13 +99,7 @@ def test_a_resumed_pull_rereads_and_refetches_a_truncated_or_rewritten_file(stor
     rewrite within the same clock tick would keep it: the test must not depend on timing). Both are read again,
     found to differ and fetched again; the others are not read. A byte flipped with the mtime set back is the
     documented limit: trusted by the resume, and named by `store verify` (as by every reader's sample check)."""
-    if not _xattrs_work(tmp_path):
-        pytest.skip("no user xattrs on this file system: a resumed pull reads its files back (documented)")
-    fill(store, 12)
-    url = f"file://{tmp_path / 'remote'}"
-    push(str(store.root), url)
-    dst = tmp_path / "pulled"
-    kept = _killed_pull(url, dst, monkeypatch)
+    url, dst, kept = _pushed_then_pulled_till_killed(store, tmp_path, monkeypatch)
     victims = sorted((p for p in kept.values() if p.stat().st_size > 64), key=lambda p: p.name)
     assert len(victims) >= 3, sorted(kept)
     truncated, rewritten, flipped = victims[:3]
