@@ -39,7 +39,7 @@ def base_key(cfg, features: dict, sample_keys: list[str]) -> str:
 
     from schemas.lineage import hashed_settings
 
-    extras = [[hashlib.sha256(Path(p).read_bytes()).hexdigest() for p in e.images] for e in cfg.extra_prompts]
+    extras = [[_file_sha256(p) for p in e.images] for e in cfg.extra_prompts]
     inputs = {
         "features": features,
         "samples": list(sample_keys),
@@ -50,6 +50,14 @@ def base_key(cfg, features: dict, sample_keys: list[str]) -> str:
         "sources": _sources_digest(),
     }
     return hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _file_sha256(path) -> str | None:
+    """None for a file that cannot be read: its generation then stops with the decoder's one line naming it."""
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except OSError:
+        return None
 
 
 def _sources_digest() -> str:
