@@ -21,6 +21,16 @@ SETS = {"train.device": "cpu", "train.batch_size": 2, "train.learning_rate": 5e-
         "train.sample_count": 1, "train.validate_max_samples": 2}
 
 
+def run_till_the_grid_fails(store, model: str, out, monkeypatch) -> None:
+    """A 4-step training into `out` whose first sample grid (step 2, after its checkpoint) runs out of memory."""
+    def out_of_memory(self, transformer):
+        raise UserError("validation ran out of memory (test)")
+
+    monkeypatch.setattr(Validator, "samples_grid", out_of_memory)
+    with pytest.raises(UserError, match="out of memory"):
+        run(load_config(None, {**SETS, "train.max_steps": 4}), store, model, out)
+
+
 def test_a_failed_validation_loses_no_training(tiny_edit_model, tmp_path, monkeypatch):
     store = tmp_path / "store"
     make_train_store(store, tiny_edit_model, mixed_specs(5, 2))
@@ -28,14 +38,8 @@ def test_a_failed_validation_loses_no_training(tiny_edit_model, tmp_path, monkey
     run(load_config(None, {**SETS, "train.max_steps": 4}), store, tiny_edit_model, straight)
 
     real = Validator.samples_grid
-
-    def out_of_memory(self, transformer):
-        raise UserError("validation ran out of memory (test)")
-
     out = tmp_path / "run"
-    monkeypatch.setattr(Validator, "samples_grid", out_of_memory)
-    with pytest.raises(UserError, match="out of memory"):
-        run(load_config(None, {**SETS, "train.max_steps": 4}), store, tiny_edit_model, out)
+    run_till_the_grid_fails(store, tiny_edit_model, out, monkeypatch)
     assert (out / "checkpoints" / "step-2").is_dir()  # the step's training was kept
     monkeypatch.setattr(Validator, "samples_grid", real)
     result = run(load_config(None, {**SETS, "train.max_steps": 4}), store, tiny_edit_model, out, resume=True)

@@ -5,15 +5,13 @@ the steps after the checkpoint), so TensorBoard's curve doubled back at every su
 
 from __future__ import annotations
 
-import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from pipeline.config import load_config
-from schemas.errors import UserError
 from stages.train.recipe import run
 from stages.train.validate import Validator
 from train_store import make_train_store, mixed_specs
-from test_validation_after_checkpoint import SETS
+from test_validation_after_checkpoint import SETS, run_till_the_grid_fails
 
 
 def _val_steps(run_dir) -> list[int]:
@@ -26,14 +24,8 @@ def test_a_validation_rerun_at_the_resumed_step_logs_its_loss_once(tiny_edit_mod
     store = tmp_path / "store"
     make_train_store(store, tiny_edit_model, mixed_specs(5, 2))
     real, grids = Validator.samples_grid, []
-
-    def out_of_memory(self, transformer):
-        raise UserError("validation ran out of memory (test)")
-
     out = tmp_path / "run"
-    monkeypatch.setattr(Validator, "samples_grid", out_of_memory)
-    with pytest.raises(UserError, match="out of memory"):
-        run(load_config(None, {**SETS, "train.max_steps": 4}), store, tiny_edit_model, out)
+    run_till_the_grid_fails(store, tiny_edit_model, out, monkeypatch)
     assert _val_steps(out) == [2]  # recorded and logged before the grid failed
 
     def counted(self, transformer):
