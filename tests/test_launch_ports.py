@@ -35,11 +35,18 @@ def test_a_port_taken_after_it_was_found_free_fails_the_store_host():
     assert host.returncode != 0 and launch_ports.address_in_use(err), err[-2000:]
 
 
-def test_the_launch_starts_again_on_another_port_and_the_second_rank_never_meets_the_taken_one(monkeypatch):
+def _first_free_port_taken(monkeypatch):
+    """(a socket holding a port, that port): the next `free_port` answers it, as if taken after it was found free;
+    the ones after are really free."""
     other = _taken()
     taken = other.getsockname()[1]
     ports = iter([taken])
     monkeypatch.setattr(launch_ports, "free_port", lambda: next(ports, None) or free_port())
+    return other, taken
+
+
+def test_the_launch_starts_again_on_another_port_and_the_second_rank_never_meets_the_taken_one(monkeypatch):
+    other, taken = _first_free_port_taken(monkeypatch)
     started = []
 
     def start(rank: int, port: int) -> Logged:
@@ -55,10 +62,7 @@ def test_the_launch_starts_again_on_another_port_and_the_second_rank_never_meets
 
 
 def test_a_launcher_whose_agent_found_its_port_taken_runs_again_on_another(monkeypatch):
-    other = _taken()
-    taken = other.getsockname()[1]
-    ports = iter([taken])
-    monkeypatch.setattr(launch_ports, "free_port", lambda: next(ports, None) or free_port())
+    other, taken = _first_free_port_taken(monkeypatch)
     tried = []
 
     def command(port: int) -> list[str]:
