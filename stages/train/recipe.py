@@ -48,7 +48,7 @@ from typing import Any, Callable
 import torch
 from tqdm.auto import tqdm
 
-from models.collective import all_max, fails_alone, together
+from models.collective import fails_alone, together
 from models.flow import FlowBatch, flow_loss_of
 from schemas.config import PipelineConfig, TrainConfig
 from stages.train import guard, parallel
@@ -169,8 +169,8 @@ def run(
         check_shared(Path(out), accelerator.num_processes, accelerator.process_index, "--out",
                      "rank 0 writes each checkpoint, every rank adds its RNG state and reads it on --resume")
         r = setup(cfg, store, model, out, resume, accelerator, new_run=new_run, before_keep=before_keep, locks=locks)
-        if r.validator is not None and r.step > 0 and _validation_missing(r):
-            r.validator(r)  # a validation due at the resumed step: a failure there came after its checkpoint
+        if r.validator is not None and r.step > 0:  # a validation due at the resumed step (a failure there came
+            r.validator(r)  # after its checkpoint): the validator runs only what it left unrecorded
         while r.step < r.cfg.max_steps:
             stats = step(r)
             log(r, stats)
@@ -223,14 +223,6 @@ def setup(cfg: PipelineConfig, store: str | Path, model: str, out: str | Path, r
     build_training(r, store, model, latest, resumed)
     r.bar = tqdm(total=tc.max_steps, initial=r.step, desc="train", unit="step", disable=not r.main, dynamic_ncols=True)
     return r
-
-
-def _validation_missing(r: Run) -> bool:
-    """Whether the validation due at the resumed step left no record (it failed, or the run was stopped before
-    it ended); one that completed is not repeated. Rank 0 reads the run folder and every rank follows it: the
-    validation is collective."""
-    missing = r.validator.missing_at(r.step) if r.main else False
-    return bool(all_max(r.world, [int(missing)])[0])
 
 
 def step(r: Run) -> StepStats:

@@ -166,17 +166,6 @@ class Validator:
                            (s.empty_embeds, s.empty_slot_mask),
                            sample_sigmas=pipeline_sample_sigmas(self.model)).convert("RGB")
 
-    def missing_at(self, step: int) -> bool:
-        """Whether a validation due at `step` has left no record in the run folder (its losses.zarr row or its
-        sample grid): a resume repeats only such a one, e.g. one that failed after its step's checkpoint."""
-        cfg = self.cfg
-        if cfg.sample_every is not None and step % cfg.sample_every == 0:
-            if not self._grid_recorded(step):
-                return True
-        if cfg.validate_every is not None and step % cfg.validate_every == 0:
-            return not self._loss_recorded(step)
-        return False
-
     def _grid_recorded(self, step: int) -> bool:
         return (self.run_dir / "samples" / f"step-{step:06d}.png").is_file()
 
@@ -186,10 +175,11 @@ class Validator:
         return step in (recorded_steps(self.run_dir, self._curve_fingerprint()) or {})
 
     def _unrecorded(self, r, do_loss: bool, do_samples: bool) -> tuple[bool, bool]:
-        """At the resumed step (a validation re-run because part of it left no record): only the parts that did.
-        Its recorded losses were logged too, and the resumed writer purges only later steps: run again, they
-        were a second `val/loss` point at that step. Rank 0 reads the run folder, every rank follows it (the
-        loss pass is collective)."""
+        """At the resumed step: only the parts of the validation due there that left no record in the run folder
+        (its losses.zarr row, its sample grid; e.g. the grid failed after the step's checkpoint). One that completed
+        is not repeated, and recorded losses were logged too: run again, the resumed writer (it purges only later
+        steps) held a second `val/loss` point at that step. Rank 0 reads the run folder, every rank follows it
+        (the loss pass is collective)."""
         from models.collective import all_max
 
         flags = [int(do_loss and not self._loss_recorded(r.step)),
