@@ -150,9 +150,9 @@ def push(src: Path, url: str, storage_options: dict[str, Any] | None = None,
         try:
             # the listing only when there is something to send: a stage of `run all` found up to date pushes its
             # cached copy back, and a whole prefix (~200k objects at 1M samples) was listed for nothing
-            listing = remote.listing() if pushing else {}
-            _remote_record(remote, listing if pushing else None)  # a newer format (or a damaged record): refused
-            todo, files_of = _plan_push(remote, src, url, listing if pushing else None, versions, summary)
+            listing = remote.listing() if pushing else None
+            _remote_record(remote, listing)  # a newer format (or a damaged record): refused
+            todo, files_of = _plan_push(remote, src, url, listing, versions, summary)
             if not set_aside_quarantine:  # refused before any upload, not after the versions are there
                 check_quarantine(remote, src)
             _upload(remote, src, url, todo, files_of, summary)
