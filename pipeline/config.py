@@ -94,6 +94,14 @@ def _format_errors(err: ValidationError, path: Path | None, overridden: dict[str
     return "\n".join(lines)
 
 
+def _yaml_problem(err: Exception) -> str:
+    """`line L, column C: <problem>` of a PyYAML error (1-based, as editors count), on one line."""
+    mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
+    problem = getattr(err, "problem", None) or getattr(err, "context", None) or str(err)
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    return where + " ".join(str(problem).split())
+
+
 def _set_dotted(d: dict, dotted: str, value: Any) -> None:
     parts = dotted.split(".")
     for p in parts[:-1]:
@@ -119,8 +127,8 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
             raise ConfigError(f"config file {p} is not UTF-8 text (byte {e.start}): pass a YAML file") from None
         except OSError as e:
             raise ConfigError(f"config file {p} cannot be read: {e.strerror or e}") from None
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {p} is not valid YAML: {e}") from None
+        except yaml.YAMLError as e:  # PyYAML's message is several lines (a caret drawing): the place and problem
+            raise ConfigError(f"config file {p} is not valid YAML: {_yaml_problem(e)}; fix the file there") from None
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {p} must hold a mapping of sections, got {type(loaded).__name__}")
         data = loaded

@@ -73,8 +73,8 @@ def config_from(path: Path | None, overrides: dict[str, Any], sets: list[str] = 
     """The config file, then `--set` items, then the command's own flags (those that were given)."""
     try:
         return load_config(path, {**parse_sets(list(sets)), **{k: v for k, v in overrides.items() if v is not None}})
-    except ConfigError as e:
-        typer.secho(str(e), fg=typer.colors.RED, err=True)
+    except ConfigError as e:  # a usage error, like a missing flag (`require`): exit 2; a stage's failure is 1
+        typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from None
 
 

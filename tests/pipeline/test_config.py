@@ -168,3 +168,28 @@ def test_overrides_apply_in_the_order_given():
     """A section set whole, then one of its keys: the key is kept (set iteration order would lose it at random)."""
     cfg = load_config(None, {"train.lora": {"rank": 4}, "train.lora.alpha": 8.0, "train.lora.dropout": 0.1})
     assert (cfg.train.lora.rank, cfg.train.lora.alpha, cfg.train.lora.dropout) == (4, 8.0, 0.1)
+
+
+CONFIG_MISTAKES = {  # what the user wrote -> the start of the one line that must name it
+    "bad YAML": ("train: {lr: [}\n", [], "error: config file {f} is not valid YAML: line 1, column 14: "),
+    "unknown key": ("train:\n  batch_sise: 2\n", [], "error: invalid config ({f}"),
+    "wrong type": ("train:\n  batch_size: two\n", [], "error: invalid config ({f}"),
+    "--set naming nothing": ("{}\n", ["--set", "x=y"], "error: invalid config ({f} + --set / flags):"),
+}
+
+
+@pytest.mark.parametrize("mistake", CONFIG_MISTAKES, ids=str)
+@pytest.mark.parametrize("args", [*COMMANDS_READING_CONFIG, ["run", "all"], ["plan", "--model", "M"], ["demo"],
+                                  ["store", "repair", "ST"]], ids=lambda a: " ".join(a[:2]))
+def test_a_config_mistake_is_an_error_line_and_exit_2_from_every_command(args, mistake, tmp_path):
+    """Config mistakes printed without the `error: ` every other user error starts with (a multi-line PyYAML
+    caret drawing for bad YAML): one `error: ` line naming the file (and the line, column of a YAML mistake),
+    exit 2 as for a missing flag, nothing else on the way."""
+    text, extra, first = CONFIG_MISTAKES[mistake]
+    f = tmp_path / "c.yaml"
+    f.write_text(text)
+    r = CliRunner().invoke(app, [*args, "--config", str(f), *extra])
+    assert r.exit_code == 2, r.output
+    assert r.output.startswith(first.format(f=f)), r.output
+    if mistake == "bad YAML":
+        assert r.output.count("\n") == 1 and "fix the file there" in r.output, r.output
