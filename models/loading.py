@@ -69,16 +69,25 @@ def resolve_model(model: str) -> Path:
 
         return Path(snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.jinja", "*.model"]))
     except Exception as e:  # offline, unknown id, gated repo…
+        from huggingface_hub.errors import GatedRepoError, HFValidationError, RepositoryNotFoundError
+
         offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
-        if p.parent.is_dir():  # "owner" is a folder here: most likely a local path to a model not built yet
-            raise ModelNotFoundError(
-                f"no model folder {p} ({p.parent} has no {p.name!r}), and no hub id {model!r} either "
-                f"({type(e).__name__}); build it (`pipeline make-tiny-model {p} --variant ...`) or fix the path"
-            ) from None
+        not_built = f"{p.parent} has no {p.name!r}: build it (`pipeline make-tiny-model {p} --variant ...`) or fix the path"
+        # As diffusers' from_pretrained: a name that is no folder is a hub id. Only the hub's own "no such repo"
+        # (or a name it cannot hold) makes it a local path not built yet; when the hub could not be asked (offline,
+        # no network), `./Qwen` existing says nothing about `Qwen/Qwen-Image-Edit-2509`: both are named.
+        if p.parent.is_dir() and (isinstance(e, HFValidationError)
+                                  or isinstance(e, RepositoryNotFoundError) and not isinstance(e, GatedRepoError)):
+            raise ModelNotFoundError(f"no model folder {p} ({not_built}), and no hub id {model!r} either "
+                                     f"({type(e).__name__})") from None
+        from huggingface_hub.errors import LocalEntryNotFoundError
+
+        why = (f"it is not in the Hugging Face cache{' and HF_HUB_OFFLINE is set' if offline else ' (no network?)'}"
+               if isinstance(e, LocalEntryNotFoundError) else f"{type(e).__name__}: {' '.join(str(e).split())}")
+        local = f"; if you meant a local folder: {not_built}" if p.parent.is_dir() else ""
         raise ModelNotFoundError(
-            f"cannot load model {model!r} from the hub{' (HF_HUB_OFFLINE is set)' if offline else ''}: "
-            f"{type(e).__name__}: {e}. With no network, pass a local folder, or build a tiny offline model with "
-            "`pipeline make-tiny-model DIR` and pass DIR."
+            f"cannot load model {model!r} from the hub: {why}. Download it once online, or pass a local folder "
+            f"(`pipeline make-tiny-model DIR` builds a tiny offline one){local}"
         ) from None
 
 

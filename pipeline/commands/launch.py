@@ -22,17 +22,17 @@ LAUNCH_SETTINGS = {"allow_extra_args": True, "ignore_unknown_options": True, "he
 def command(ctx: typer.Context) -> None:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
+    from torch.distributed.run import run
 
     words = list(ctx.args)
-    if not words or words[0] in ("-h", "--help"):  # torchrun's help and usage call the command `training_script`
-        typer.echo(f"pipeline launch [TORCHRUN OPTIONS] COMMAND ...: {EXAMPLE} runs `pipeline run train ...` in 2 "
-                   "processes; the options are torchrun's (below), its `training_script ...` is the pipeline COMMAND.")
+    if words and words[0] in ("-h", "--help"):
+        typer.echo(_parser().format_help().rstrip())
+        return
     split = _command_start(words, set(ctx.parent.command.list_commands(ctx.parent)) if ctx.parent else set())
     try:
         # torchrun parses its options only: given the command too, argparse refuses a command option that
         # abbreviates two of its own (`--run` matches `--run-path` and `--run_path`)
-        args = parse_args([*words[:split], "pipeline.cli"] if split is not None else words)
+        args = _parser().parse_args([*words[:split], "pipeline.cli"] if split is not None else words)
     except SystemExit as e:  # argparse printed what was wrong (or the help)
         if e.code:
             typer.echo(f"pipeline launch: torchrun's options, then the pipeline command: {EXAMPLE}", err=True)
@@ -58,20 +58,55 @@ def command(ctx: typer.Context) -> None:
         raise typer.Exit(128 + int(e.sigval)) from None
 
 
+USAGE = "pipeline launch [TORCHRUN OPTIONS] COMMAND [ARGS]..."
+DESCRIPTION = """\
+Run `pipeline COMMAND [ARGS]...` in several processes under torchrun (one per GPU; on a machine without GPUs,
+CPU processes over gloo). COMMAND is a pipeline command that splits its work by rank: `run train`, `run
+encode-text`, `run encode-vae`, `run evaluate --all-checkpoints`, `run all`. The options before it are torchrun's
+(below). A failed rank ends the launch in one line (which ranks exited how), exit status 1; SIGTERM stops every
+rank, exit status 143."""
+EPILOG = """\
+examples:
+  pipeline launch --nproc-per-node 2 run train --store S --model M --out RUN
+  pipeline launch --nproc-per-node 8 run all --config F
+  pipeline launch --nnodes 2 --node-rank K --nproc-per-node 8 --master-addr HOST --master-port 29500 \\
+      run train --store S --model M --out RUN --resume      (on each node K = 0, 1; docs/train.md)"""
+# torchrun options that choose what is launched: here it is always `python -m pipeline.cli COMMAND`
+_NOT_OURS = ("training_script", "training_script_args", "module", "no_python", "run_path", "print_completion")
+
+
+def _parser():
+    """torchrun's own argument parser (its options, defaults and help), presented as `pipeline launch`: its
+    usage would name `training_script`, a positional that here is the pipeline COMMAND."""
+    import argparse
+
+    from torch.distributed.run import get_args_parser
+
+    parser = get_args_parser()
+    parser.prog, parser.usage, parser.description, parser.epilog = "pipeline launch", USAGE, DESCRIPTION, EPILOG
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    for action in parser._actions:  # argparse has no public way to hide an option it already holds
+        if action.dest in _NOT_OURS:
+            action.help = argparse.SUPPRESS
+        if action.dest == "training_script":  # named so in "the following arguments are required: ..."
+            action.metavar = "COMMAND"
+        elif action.dest == "training_script_args":
+            action.metavar = "ARGS"
+    return parser
+
+
 def _command_start(words: list[str], commands: set[str]) -> int | None:
     """Where the pipeline command starts: the first command name that torchrun's parser, given the words before
     it, does not take as an option's value (`--rdzv-id run run train`: the second `run`)."""
     import contextlib
     import io
 
-    from torch.distributed.run import parse_args
-
     for i, word in enumerate(words):
         if word not in commands:
             continue
         try:
             with contextlib.redirect_stderr(io.StringIO()):
-                parsed = parse_args([*words[:i], "pipeline.cli"])
+                parsed = _parser().parse_args([*words[:i], "pipeline.cli"])
         except SystemExit:
             continue
         if parsed.training_script == "pipeline.cli" and not parsed.training_script_args:

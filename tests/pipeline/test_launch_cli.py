@@ -38,9 +38,16 @@ def test_launch_help_and_a_missing_command_say_what_goes_where() -> None:
     for args in (["launch"], ["launch", "--nproc-per-node", "2"]):
         r = CliRunner().invoke(app, args)
         assert r.exit_code == 2 and "then the pipeline command: `pipeline launch --nproc-per-node 2 run train" in r.output
-    r = CliRunner().invoke(app, ["launch", "--help"])
-    assert r.exit_code == 0 and r.output.startswith("pipeline launch [TORCHRUN OPTIONS] COMMAND ...") \
-        and "--nproc-per-node" in r.output
+    # torchrun's usage line (`usage: pipeline [-h] ... training_script ...`) came after a one-line preface; now
+    # the launcher's own: what it launches, the options that matter here, examples, wherever --help stands
+    for args in (["launch", "--help"], ["launch", "--nproc-per-node", "2", "-h"]):
+        r = CliRunner().invoke(app, args)
+        assert r.exit_code == 0 and r.output.startswith("usage: pipeline launch [TORCHRUN OPTIONS] COMMAND [ARGS]...")
+        assert "--nproc-per-node" in r.output and "--master-addr" in r.output, r.output
+        assert "training_script" not in r.output and "--no-python" not in r.output and "--run-path" not in r.output
+        assert "  pipeline launch --nproc-per-node 2 run train --store S --model M --out RUN\n" in r.output
+    r = CliRunner().invoke(app, ["launch", "--nproc-per-node", "2"])
+    assert "required: COMMAND, ARGS" in r.output and "training_script" not in r.output, r.output
 
 
 def test_a_launch_stopped_by_sigterm_ends_in_one_line(tiny_edit_model, tmp_path) -> None:
