@@ -18,7 +18,8 @@ evaluate covers every kept checkpoint (RUN/checkpoints/step-N): held-out losses 
 Under `pipeline launch` (several ranks) each stage runs as it does launched on its own: resize-bucket on rank 0
 while the other ranks wait (`models.collective.main_alone`: a failure there stops every rank with its line), the
 encode stages, train and evaluate distributed over the ranks, each taking its decisions on all ranks together.
-Rank 0 prints the stage lines and reads the report. A store URL is refused there (each rank would pull and push
+Rank 0 prints the stage lines (the other ranks' stdout goes nowhere; their errors still show) and reads
+the report. A store URL is refused there (each rank would pull and push
 the same cache): its stages are launched one by one instead.
 """
 
@@ -26,9 +27,10 @@ from __future__ import annotations
 
 import json
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from schemas.config import PipelineConfig
 from schemas.errors import UserError
@@ -141,9 +143,7 @@ def run_all(cfg: PipelineConfig, log: Callable[[str], None] = print, cache_dir: 
             cache_gb: float | None = None) -> AllResult:
     """Every stage in order; `log` gets a header per stage and its one-line summary. A store URL is worked on
     through its local cache in `cache_dir` (pipeline/store_url.py)."""
-    from dataclasses import replace
-
-    from pipeline.store_url import StoreAccess, named_by_url
+    from pipeline.store_url import StoreAccess
 
     paths = required_paths(cfg)
     world, main = launched()
@@ -152,6 +152,34 @@ def run_all(cfg: PipelineConfig, log: Callable[[str], None] = print, cache_dir: 
         log = log if main else (lambda message: None)  # one console: rank 0's lines
     access = StoreAccess(paths.store, cache_dir, cache_gb)
     result = AllResult(report=paths.report / "index.html")
+    with _stdout_of_rank_0(main):
+        _run_stages(cfg, paths, access, world, log, result)
+    if main:  # rank 0 wrote the report (the others may finish first)
+        result.metrics = json.loads((paths.report / "metrics.json").read_text())
+    return result
+
+
+@contextmanager
+def _stdout_of_rank_0(main: bool) -> Iterator[None]:
+    """The stages' own lines (`encode-text: float32 on cpu`, train's epoch lines) are printed by every rank: 8
+    ranks, 8 copies of each. The other ranks' stdout goes nowhere; their stderr stays, for errors and warnings
+    (a failed rank's `error:` line, a traceback)."""
+    if main:
+        yield
+        return
+    import os
+    from contextlib import redirect_stdout
+
+    with open(os.devnull, "w") as nowhere, redirect_stdout(nowhere):
+        yield
+
+
+def _run_stages(cfg: PipelineConfig, paths: Paths, access, world: int, log: Callable[[str], None],
+                result: AllResult) -> None:
+    from dataclasses import replace
+
+    from pipeline.store_url import named_by_url
+
     for name, call in stages():
         log(f"== {name}")
         t0 = time.perf_counter()
@@ -168,9 +196,6 @@ def run_all(cfg: PipelineConfig, log: Callable[[str], None] = print, cache_dir: 
         outcome = StageOutcome(name, summary.up_to_date, str(summary), time.perf_counter() - t0, summary)
         result.outcomes.append(outcome)
         log(f"{outcome.summary}  [{'skipped, up to date' if outcome.skipped else f'{outcome.seconds:.1f} s'}]")
-    if main:  # rank 0 wrote the report (the others may finish first)
-        result.metrics = json.loads((paths.report / "metrics.json").read_text())
-    return result
 
 
 def launched() -> tuple[int, bool]:

@@ -50,6 +50,10 @@ def test_run_all_under_a_launcher_runs_every_stage_on_two_ranks(tiny_plus_model,
     code, out = _launch(_config(tmp_path, tiny_plus_model, tmp_path / "data"), tmp_path / "launch.log")
     assert code == 0, out[-4000:]
     assert out.count("== resize-bucket") == 1 and out.count("== evaluate") == 1, out[-4000:]  # rank 0's lines
+    # the stages' own lines too (each rank printed its `encode-text: float32 on cpu (set)`: 8 ranks, 8 copies)
+    lines = out.splitlines()
+    for stage in ("encode-text", "encode-vae"):
+        assert sum(line.startswith(f"{stage}: float32 on cpu") for line in lines) == 1, out[-4000:]
     assert "is being written by pid" not in out and "Traceback" not in out, out[-4000:]
     assert Store(tmp_path / "store").versions("images") == [1]
     for step in (2, 4):  # trained by both ranks
