@@ -202,3 +202,16 @@ def test_readme_cli_overview_lists_every_command():
     missing = [c for c in COMMANDS if not any(c.split()[0] in line and c.split()[-1] in line
                                               for line in overview.splitlines() if line.startswith("pipeline"))]
     assert not missing, f"README's CLI overview does not show: {missing}"
+
+
+def test_every_option_of_every_command_is_documented():
+    """The other direction: a flag in --help that no page names (make-demo-data --n, plan --text-tokens, run
+    evaluate --num-samples, store push / pull --option were only in --help)."""
+    text = "\n".join(doc.read_text() for doc in DOCS)
+    missing = []
+    for cmd, (_, command) in sorted(COMMANDS.items()):
+        for param in command.params:
+            flags = [o for o in param.opts + param.secondary_opts if o.startswith("--") and o != "--help"]
+            if flags and not any(re.search(re.escape(f) + r"(?![\w-])", text) for f in flags):
+                missing.append(f"pipeline {cmd} {flags[0]}")
+    assert not missing, "options no page documents:\n" + "\n".join(missing)
