@@ -191,11 +191,54 @@ def _run_stages(cfg: PipelineConfig, paths: Paths, access, world: int, log: Call
             else:
                 summary = call(cfg, replace(paths, store=local))
             summary = named_by_url(summary, paths.store)
+        if world > 1 and summary is not None:
+            summary = summed_over_ranks(summary, world)
         if summary is None:  # a rank other than 0 under a launcher (resize-bucket, evaluate report rank 0)
             continue
         outcome = StageOutcome(name, summary.up_to_date, str(summary), time.perf_counter() - t0, summary)
         result.outcomes.append(outcome)
         log(f"{outcome.summary}  [{'skipped, up to date' if outcome.skipped else f'{outcome.seconds:.1f} s'}]")
+
+
+COUNTS = ("encoded", "reused", "skipped", "quarantined", "bytes_written")
+
+
+@dataclass
+class SummedOverRanks:
+    """An encode stage's summary with its counts summed over the launched ranks. Each rank encodes its own
+    share, and rank 0 printed its share alone (`encode-text [rank 0/8]: ... encoded 3` of 24 samples encoded)."""
+
+    summary: StageSummary  # rank 0's own, its counts replaced by the totals
+    world: int
+
+    @property
+    def stage(self) -> str:
+        return self.summary.stage
+
+    @property
+    def up_to_date(self) -> bool:
+        return self.summary.up_to_date
+
+    def __str__(self) -> str:
+        return str(self.summary).replace(f" [rank 0/{self.world}]", f" [{self.world} ranks]", 1)
+
+    def to_json(self) -> dict:
+        record = self.summary.to_json()
+        record.pop("rank", None)  # the counts are every rank's
+        return record
+
+
+def summed_over_ranks(summary: StageSummary, world: int) -> StageSummary:
+    """A per-rank summary (the encoders': `world_size` > 1) with every rank's counts added up: an all-reduce that
+    every rank reaches (each returned its summary). Up to date, every rank counted the whole table: as it is."""
+    from dataclasses import replace
+
+    from models.collective import all_sum
+
+    if getattr(summary, "world_size", 1) <= 1 or summary.up_to_date:
+        return summary
+    totals = all_sum(world, [int(getattr(summary, name)) for name in COUNTS])
+    return SummedOverRanks(replace(summary, **dict(zip(COUNTS, totals))), world)  # type: ignore[type-var]
 
 
 def launched() -> tuple[int, bool]:

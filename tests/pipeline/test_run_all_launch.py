@@ -56,6 +56,10 @@ def test_run_all_under_a_launcher_runs_every_stage_on_two_ranks(tiny_plus_model,
         assert sum(line.startswith(f"{stage}: float32 on cpu") for line in lines) == 1, out[-4000:]
     assert "is being written by pid" not in out and "Traceback" not in out, out[-4000:]
     assert Store(tmp_path / "store").versions("images") == [1]
+    with Store(tmp_path / "store").reader("images") as images:
+        samples = len(images)
+    for stage, table in (("encode-text", "text"), ("encode-vae", "vae")):  # every rank's share, not rank 0's
+        assert f"{stage} [2 ranks]: table '{table}' v1: encoded {samples}, " in out, out[-4000:]
     for step in (2, 4):  # trained by both ranks
         record = json.loads((tmp_path / "run" / "checkpoints" / f"step-{step}" / "resume.json").read_text())
         assert record["world_size"] == 2, record
