@@ -20,11 +20,14 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 . .venv/bin/activate
-python -m pip install -q --upgrade pip 2>&1 | grep -v '^WARNING: Location' || true
+# pip without its harmless 'WARNING: Location' lines; a failed install stops here (pipefail), no stamp written
+# (`grep ... || true` alone made the whole line succeed, and a later run skipped pip on a broken .venv)
+pip_quiet() { python -m pip "$@" 2>&1 | { grep -v '^WARNING: Location' || true; }; }
+pip_quiet install -q --upgrade pip
 if [ -z "${PIPELINE_SKIP_TORCH_PIN:-}" ]; then
-  python -m pip install -q torch==2.14.1 torchvision==0.29.1 2>&1 | grep -v '^WARNING: Location' || true
+  pip_quiet install -q torch==2.14.1 torchvision==0.29.1
 fi
-python -m pip install -q -e '.[test]' 2>&1 | grep -v '^WARNING: Location' || true
+pip_quiet install -q -e '.[test]'
 python -c "import torch, diffusers, transformers, peft, accelerate, webdataset; print('installed: torch', torch.__version__, '| diffusers', diffusers.__version__, '| transformers', transformers.__version__)"
 echo "$KEY" > "$STAMP"
 echo "setup: done. In a new shell, run \`. .venv/bin/activate\` (from $(pwd)) to get the \`pipeline\` command."

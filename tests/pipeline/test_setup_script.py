@@ -51,3 +51,26 @@ def test_setup_skips_pip_when_nothing_changed(tmp_path):
         f.write("\n# a changed dependency list\n")
     _setup(tmp_path)
     assert "pip install -q -e .[test]" in log.read_text()
+
+
+def test_a_failed_pip_install_stops_setup_and_writes_no_stamp(tmp_path):
+    """`pip install ... | grep -v ... || true` made a failed install succeed: setup went on, wrote its stamp, and
+    every later run skipped pip on a .venv missing the package."""
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(REPO / "scripts" / "setup.sh", tmp_path / "scripts" / "setup.sh")
+    shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
+    bin_ = tmp_path / ".venv" / "bin"
+    bin_.mkdir(parents=True)
+    # pip fails on the package install (no network, a conflict), as pip does: a message on stderr, exit 1
+    (bin_ / "python").write_text('#!/usr/bin/env bash\ncase "$*" in *"-e .[test]"*) '
+                                 'echo "ERROR: No matching distribution found for diffusers" >&2; exit 1;; esac\n')
+    (bin_ / "python").chmod(0o755)
+    (bin_ / "activate").write_text(f'export PATH="{bin_}:$PATH"\n')
+    guard = tmp_path / "guard-bin"
+    guard.mkdir()
+    env = {"PATH": f"{guard}:/usr/bin:/bin", "HOME": str(tmp_path)}
+    proc = subprocess.run(["bash", str(tmp_path / "scripts" / "setup.sh")], capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert proc.returncode == 1, (proc.stdout, proc.stderr)
+    assert "No matching distribution found for diffusers" in proc.stdout + proc.stderr
+    assert not (tmp_path / ".venv" / ".pipeline-setup-stamp").exists() and "setup: done" not in proc.stdout
