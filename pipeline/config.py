@@ -119,6 +119,10 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     data: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
+        if p.is_dir():  # "not found" would be wrong: it is there, and the YAML file in it is what was meant
+            inside = sorted(f.name for f in p.glob("*.y*ml"))
+            raise ConfigError(f"config file {p} is a folder: pass its YAML file"
+                              + (f" (e.g. {p / inside[0]})" if inside else ""))
         if not p.is_file():
             raise ConfigError(f"config file not found: {p}")
         try:

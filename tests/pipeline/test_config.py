@@ -193,3 +193,11 @@ def test_a_config_mistake_is_an_error_line_and_exit_2_from_every_command(args, m
     assert r.output.startswith(first.format(f=f)), r.output
     if mistake == "bad YAML":
         assert r.output.count("\n") == 1 and "fix the file there" in r.output, r.output
+
+
+def test_a_folder_passed_as_the_config_is_named_as_a_folder_with_its_yaml(tmp_path):
+    """`--config demo-workdir` said "config file not found: demo-workdir" about a folder that is there."""
+    (tmp_path / "config.yaml").write_text("train:\n  max_steps: 3\n")
+    r = CliRunner().invoke(app, ["config", "show", "--config", str(tmp_path)])
+    assert r.exit_code == 2, r.output
+    assert r.output == f"error: config file {tmp_path} is a folder: pass its YAML file (e.g. {tmp_path / 'config.yaml'})\n"
