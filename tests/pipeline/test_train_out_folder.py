@@ -1,0 +1,32 @@
+"""`pipeline run train --out DIR` into a non-empty folder that holds no run (a dataset, a report folder): train
+wrote its lora/, checkpoints/ and logs/ in among the user's files. Now refused before anything is loaded or
+written; a new, empty or earlier run folder is taken as before."""
+
+from __future__ import annotations
+
+from typer.testing import CliRunner
+
+from pipeline.cli import app
+from pipeline.commands.train import refuse_a_folder_of_other_files
+
+
+def test_a_folder_of_other_files_is_refused_untouched(tmp_path):
+    out = tmp_path / "report"
+    out.mkdir()
+    for name in ("index.html", "metrics.json", "losses.zarr"):  # an evaluate report passed as --out by mistake
+        (out / name).write_text("{}")
+    r = CliRunner().invoke(app, ["run", "train", "--store", str(tmp_path / "store"), "--model", "m", "--out", str(out)])
+    assert r.exit_code == 1, r.output
+    assert r.output.startswith(f"error: --out {out} holds other files (index.html, losses.zarr, metrics.json) and "
+                               "no training run"), r.output
+    assert sorted(f.name for f in out.iterdir()) == ["index.html", "losses.zarr", "metrics.json"]
+
+
+def test_new_empty_and_run_folders_pass(tmp_path):
+    refuse_a_folder_of_other_files(tmp_path / "new")
+    (tmp_path / "empty").mkdir()
+    refuse_a_folder_of_other_files(tmp_path / "empty")
+    killed = tmp_path / "killed"  # a run killed right after it started: its lock file only
+    killed.mkdir()
+    (killed / ".train.lock").write_text("")
+    refuse_a_folder_of_other_files(killed)
