@@ -51,6 +51,8 @@ def command(
     from stages.train.recipe import run
 
     with user_errors(run_dir), json_mode(as_json):
+        from pipeline.run_folder import refuse_a_folder_of_other_files
+
         refuse_a_folder_of_other_files(Path(run_dir))
         if resume:
             from schemas.errors import UserError
@@ -65,20 +67,3 @@ def command(
     if result.main_process:
         emit(result, as_json, model_id)
 
-
-# What a run folder holds from its start on (the lock is its first file): a folder with none of them is not one.
-RUN_MARKERS = (".train.lock", "train_config.yaml", "checkpoints", "lora", "logs")
-
-
-def refuse_a_folder_of_other_files(out: Path) -> None:
-    """--out naming a non-empty folder that is no run (a dataset, a report, a home directory): train wrote its
-    lora/, checkpoints/ and logs/ in among those files (and --new-run would move them all to OUT.previous/)."""
-    from schemas.errors import UserError
-
-    if not out.is_dir() or any((out / name).exists() for name in RUN_MARKERS):
-        return
-    others = sorted(f.name for f in out.iterdir())
-    if others:
-        shown = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")
-        raise UserError(f"--out {out} holds other files ({shown}) and no training run: train writes lora/, "
-                        "checkpoints/ and logs/ there; pass a new or empty folder, or the folder of an earlier run")

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typer.testing import CliRunner
 
 from pipeline.cli import app
-from pipeline.commands.train import refuse_a_folder_of_other_files
+from pipeline.run_folder import refuse_a_folder_of_other_files
 
 
 def test_a_folder_of_other_files_is_refused_untouched(tmp_path):
@@ -30,3 +30,17 @@ def test_new_empty_and_run_folders_pass(tmp_path):
     killed.mkdir()
     (killed / ".train.lock").write_text("")
     refuse_a_folder_of_other_files(killed)
+
+
+def test_run_all_refuses_such_a_paths_run_before_its_first_stage(tmp_path):
+    import yaml
+
+    data = tmp_path / "mydata"
+    data.mkdir()
+    (data / "notes.txt").write_text("mine")
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({"paths": {"source": str(tmp_path / "src"), "store": str(tmp_path / "store"),
+                                                "model": "m", "run": str(data), "report": str(tmp_path / "rep")}}))
+    r = CliRunner().invoke(app, ["run", "all", "--config", str(config)])
+    assert r.exit_code == 1 and r.output.startswith(f"error: paths.run {data} holds other files (notes.txt)"), r.output
+    assert not (tmp_path / "store").exists()
