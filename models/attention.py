@@ -88,9 +88,14 @@ def announce(choice: Choice, key: str) -> None:
     if (key, choice.backend, choice.reason) in _announced:
         return
     _announced.add((key, choice.backend, choice.reason))
+    import os
+
     from tqdm.auto import tqdm
 
-    tqdm.write(f"{key}: {choice.backend} ({choice.reason})", file=sys.stderr)
+    rank = os.environ.get("RANK", "0")  # a launcher's (torchrun, accelerate)
+    if rank != "0" and (choice.probe or {}).get("ok", True):  # alike devices decide alike: 8 ranks printed 8 copies;
+        return  # a rank whose probe failed still says so (its GPU may be the odd one)
+    tqdm.write(f"{'' if rank == '0' else f'rank {rank}: '}{key}: {choice.backend} ({choice.reason})", file=sys.stderr)
 
 
 def attention_record(transformer) -> dict | None:

@@ -153,3 +153,21 @@ def test_default_choice_is_reported_with_the_probe_error_never_silent(capsys):
     err = capsys.readouterr().err
     assert err.count("train.attention_backend: native (packed probe failed") == 1 and error in err
 
+
+
+def test_under_a_launcher_only_rank_0_announces_unless_its_probe_failed(capsys, monkeypatch):
+    """`pipeline launch --nproc-per-node 8 run all`: every rank printed `train.attention_backend: native (...)`,
+    8 copies of one decision. Rank 0 says it; another rank only when its own probe failed (an odd GPU), named."""
+    from models import attention
+
+    monkeypatch.setattr(attention, "_announced", set())
+    default = attention.Choice("native", "default on cpu: native SDPA with the padding mask")
+    failed = attention.Choice("native", "packed probe failed, falling back to native SDPA: boom", {"ok": False})
+    monkeypatch.setenv("RANK", "1")
+    attention.announce(default, "train.attention_backend")
+    attention.announce(failed, "train.attention_backend")
+    monkeypatch.setenv("RANK", "0")
+    attention.announce(default, "evaluate.attention_backend")
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["rank 1: train.attention_backend: native (packed probe failed, falling back to native SDPA: boom)",
+                   "evaluate.attention_backend: native (default on cpu: native SDPA with the padding mask)"], err
