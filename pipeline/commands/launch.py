@@ -70,7 +70,8 @@ examples:
   pipeline launch --nproc-per-node 2 run train --store S --model M --out RUN
   pipeline launch --nproc-per-node 8 run all --config F
   pipeline launch --nnodes 2 --node-rank K --nproc-per-node 8 --master-addr HOST --master-port 29500 \\
-      run train --store S --model M --out RUN --resume      (on each node K = 0, 1; docs/train.md)"""
+      run train --store S --model M --out RUN      (on each node, K = 0 and 1; docs/train.md)
+  (a stopped run: the same command with --resume continues from its last checkpoint)"""
 # torchrun options that choose what is launched: here it is always `python -m pipeline.cli COMMAND`
 _NOT_OURS = ("training_script", "training_script_args", "module", "no_python", "run_path", "print_completion")
 
