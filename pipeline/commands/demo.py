@@ -37,7 +37,8 @@ def prepare_inputs(model: Path, data: Path, max_controls: int) -> None:
     if not (data / "target").is_dir():
         echo("== make-demo-data")
         echo(make_demo_data(data, n=DEMO_SAMPLES, fmt="folder", max_controls=max_controls, seed=0, with_masks=True))
-        _add_broken_sample(data)
+    if not (data / "target" / f"{BROKEN_STEM}.txt").is_file():  # its own check: a kill right after the data
+        _add_broken_sample(data)  # left a rerun without it (no quarantine shown, the summary differing)
 
 
 def summary_lines(cfg, result, store: Path, effective: Path, rerun_flags: str = "") -> list[str]:

@@ -44,3 +44,22 @@ def test_new_empty_and_previous_demo_workdirs_are_accepted(tmp_path):
     (other / "config.yaml").write_text("paths:\n  store: /somewhere/else\n")
     with pytest.raises(UserError, match="not a previous demo workdir"):
         claim_workdir(other)
+
+
+def test_a_demo_killed_right_after_its_data_gets_its_broken_sample_on_the_rerun(tmp_path, monkeypatch):
+    """The corrupt file was added only together with the data: a kill between the two left a dataset without it,
+    and the rerun (data there: not rebuilt) showed no quarantine."""
+    from pipeline.commands import demo
+    from pipeline.demo_data import make_demo_data
+
+    monkeypatch.setattr(demo, "DEMO_SAMPLES", 3)
+    data = tmp_path / "data"
+    make_demo_data(data, n=3, fmt="folder", max_controls=1, seed=0, with_masks=True)  # ... then killed
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "model_index.json").write_text("{}")  # built earlier
+    demo.prepare_inputs(tmp_path / "model", data, max_controls=1)
+    broken = data / "target" / f"{demo.BROKEN_STEM}.png"
+    assert broken.is_file() and (data / "target" / f"{demo.BROKEN_STEM}.txt").is_file()
+    before = sorted(p.name for p in (data / "target").iterdir())
+    demo.prepare_inputs(tmp_path / "model", data, max_controls=1)  # a rerun adds nothing
+    assert sorted(p.name for p in (data / "target").iterdir()) == before
