@@ -94,6 +94,28 @@ def _format_errors(err: ValidationError, path: Path | None, overridden: dict[str
     return "\n".join(lines)
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key given twice in one mapping: it keeps the last silently, so a second
+    `train:` section (or `lora:` key) dropped every setting of the first one."""
+
+    def construct_mapping(self, node, deep=False):
+        first_line: dict = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`: keys given here may override those
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                seen = key in first_line
+            except TypeError:  # an unhashable key: PyYAML's own error names it
+                break
+            if seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"{key!r} is given twice (first on line {first_line[key] + 1}): keep one",
+                    key_node.start_mark)
+            first_line[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep)
+
+
 def _yaml_problem(err: Exception) -> str:
     """`line L, column C: <problem>` of a PyYAML error (1-based, as editors count), on one line."""
     mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
@@ -126,7 +148,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         if not p.is_file():
             raise ConfigError(f"config file not found: {p}")
         try:
-            loaded = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+            loaded = yaml.load(p.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader) or {}
         except UnicodeDecodeError as e:
             raise ConfigError(f"config file {p} is not UTF-8 text (byte {e.start}): pass a YAML file") from None
         except OSError as e:

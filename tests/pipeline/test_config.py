@@ -201,3 +201,20 @@ def test_a_folder_passed_as_the_config_is_named_as_a_folder_with_its_yaml(tmp_pa
     r = CliRunner().invoke(app, ["config", "show", "--config", str(tmp_path)])
     assert r.exit_code == 2, r.output
     assert r.output == f"error: config file {tmp_path} is a folder: pass its YAML file (e.g. {tmp_path / 'config.yaml'})\n"
+
+
+def test_a_key_given_twice_in_the_file_is_refused_with_both_lines(tmp_path):
+    """PyYAML keeps the last of two equal keys silently: a second `train:` section dropped the first one's
+    settings (here lora.rank 64 trained as the default)."""
+    f = tmp_path / "c.yaml"
+    f.write_text("train:\n  lora:\n    rank: 64\nresize:\n  target_area: 9216\ntrain:\n  max_steps: 5\n")
+    r = CliRunner().invoke(app, ["config", "show", "--config", str(f)])
+    assert r.exit_code == 2, r.output
+    assert r.output == (f"error: config file {f} is not valid YAML: line 6, column 1: 'train' is given twice (first "
+                        "on line 1): keep one; fix the file there\n"), r.output
+    f.write_text("train:\n  max_steps: 5\n  lora: {rank: 4, alpha: 4, rank: 8}\n")
+    with pytest.raises(ConfigError, match="line 3, column 29: 'rank' is given twice"):
+        load_config(f)
+    f.write_text("base: &b {rank: 4}\ntrain:\n  lora:\n    <<: *b\n    rank: 2\n")  # overriding a merged key: no repeat
+    with pytest.raises(ConfigError, match="unknown key 'base'"):
+        load_config(f)
