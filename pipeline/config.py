@@ -133,10 +133,14 @@ def _set_dotted(d: dict, dotted: str, value: Any) -> None:
     d[parts[-1]] = value
 
 
-def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> PipelineConfig:
-    """Read YAML (or nothing), apply dotted-key overrides (`{"train.batch_size": 8}`), validate.
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None,
+                sets: dict[str, Any] | None = None) -> PipelineConfig:
+    """Read YAML (or nothing), apply `sets` (`--set`), then dotted-key overrides (`{"train.batch_size": 8}`),
+    validate.
 
-    Overrides whose value is None are ignored, so CLI options can pass their defaults straight through.
+    Overrides whose value is None are ignored, so CLI options can pass their defaults straight through; a `--set`
+    value of null is applied (`--set train.attention_backend=null` resets a file's value; `--set train.nope=null`
+    is an unknown key, not nothing).
     """
     data: dict[str, Any] = {}
     if path is not None:
@@ -158,7 +162,8 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {p} must hold a mapping of sections, got {type(loaded).__name__}")
         data = loaded
-    overridden = {k: v for k, v in (overrides or {}).items() if v is not None}  # in order: a section, then its key
+    # in order: a section, then its key
+    overridden = {**(sets or {}), **{k: v for k, v in (overrides or {}).items() if v is not None}}
     for k, v in overridden.items():
         _set_dotted(data, k, v)
     try:

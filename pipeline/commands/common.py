@@ -17,7 +17,8 @@ from pipeline.config import ConfigError, load_config
 ConfigOpt = typer.Option(None, "--config", "-c", help="YAML config file (sections per stage); unset flags take its "
                          "values, else the defaults: `pipeline config show` prints them all.", exists=False)
 SetOpt = typer.Option(
-    [], "--set", "-s", help="Set any config key: --set train.lora.rank=32 (value parsed as YAML; repeatable).",
+    [], "--set", "-s", help="Set any config key: --set train.lora.rank=32 (value parsed as YAML, null included; "
+    "repeatable).",
 )
 
 
@@ -72,7 +73,7 @@ def parse_sets(items: list[str]) -> dict[str, Any]:
 def config_from(path: Path | None, overrides: dict[str, Any], sets: list[str] = ()) -> PipelineConfig:
     """The config file, then `--set` items, then the command's own flags (those that were given)."""
     try:
-        return load_config(path, {**parse_sets(list(sets)), **{k: v for k, v in overrides.items() if v is not None}})
+        return load_config(path, overrides, sets=parse_sets(list(sets)))
     except ConfigError as e:  # a usage error, like a missing flag (`require`): exit 2; a stage's failure is 1
         typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from None

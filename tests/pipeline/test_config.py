@@ -218,3 +218,21 @@ def test_a_key_given_twice_in_the_file_is_refused_with_both_lines(tmp_path):
     f.write_text("base: &b {rank: 4}\ntrain:\n  lora:\n    <<: *b\n    rank: 2\n")  # overriding a merged key: no repeat
     with pytest.raises(ConfigError, match="unknown key 'base'"):
         load_config(f)
+
+
+def test_a_set_to_null_is_applied_not_dropped(tmp_path):
+    """`--set k=null` was dropped as if not given (None meant "flag unset"): a file's value could not be reset,
+    and `--set train.nope=null` named nothing without a word."""
+    f = tmp_path / "c.yaml"
+    f.write_text("train:\n  attention_backend: sdpa\n")
+    runner = CliRunner()
+    r = runner.invoke(app, ["config", "show", "--config", str(f), "--set", "train.attention_backend=null"])
+    assert r.exit_code == 0 and "attention_backend: sdpa" not in r.output, r.output
+    r = runner.invoke(app, ["config", "show", "--set", "train.nope=null"])
+    assert r.exit_code == 2 and "unknown key 'train.nope'" in r.output, r.output
+    r = runner.invoke(app, ["config", "show", "--set", "train.max_steps="])  # an empty value is YAML's null
+    assert r.exit_code == 2 and "'train.max_steps': Input should be a valid integer (got None)" in r.output, r.output
+    from pipeline.commands.common import config_from
+
+    cfg = config_from(f, {"train.attention_backend": None, "train.max_steps": 9}, ["train.max_steps=3"])
+    assert (cfg.train.attention_backend, cfg.train.max_steps) == ("sdpa", 9)  # an unset flag changes nothing
