@@ -238,8 +238,8 @@ def summed_over_ranks(summary: StageSummary, world: int) -> StageSummary:
 
     from models.collective import all_sum
 
-    if getattr(summary, "world_size", 1) <= 1 or summary.up_to_date:
-        return summary
+    if getattr(summary, "world_size", 1) <= 1 or summary.up_to_date or not all(hasattr(summary, n) for n in COUNTS):
+        return summary  # the same answer on every rank (the same stage, the same table state): all or none reduce
     totals = all_sum(world, [int(getattr(summary, name)) for name in COUNTS])
     return SummedOverRanks(replace(summary, **dict(zip(COUNTS, totals))), world)  # type: ignore[type-var]
 
