@@ -1,0 +1,175 @@
+"""resize-bucket on hostile files, each a real file built here: what each one becomes (rendered, converted, or one
+quarantine row with its reason) is deliberate and documented (docs/resize-bucket.md, 'Sanitising' and 'Bad
+input'); one bad sample never stops the run; and a rerun after the user fixes the file picks it up."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image, ImageOps
+
+from pipeline.config import load_config
+from stages.resize.stage import run
+from store import Store
+
+SMALL = {"resize.target_area": 64 * 64, "resize.control_vae_area": 64 * 64, "resize.control_vl_area": 32 * 32,
+         "resize.multiple": 16, "resize.min_side": 16, "resize.max_controls": 2}
+
+
+def cfg(**over):
+    return load_config(None, {**SMALL, **{f"resize.{k}": v for k, v in over.items()}})
+
+
+def encoded(im: Image.Image, fmt: str = "PNG", **kw) -> bytes:
+    b = io.BytesIO()
+    im.save(b, format=fmt, **kw)
+    return b.getvalue()
+
+
+def quadrants(w: int = 96, h: int = 64) -> Image.Image:
+    """Four flat colours, one per quadrant: every flip and rotation gives another picture."""
+    a = np.zeros((h, w, 3), np.uint8)
+    a[: h // 2, : w // 2] = (250, 0, 0)
+    a[: h // 2, w // 2:] = (0, 250, 0)
+    a[h // 2:, : w // 2] = (0, 0, 250)
+    a[h // 2:, w // 2:] = (250, 250, 0)
+    return Image.fromarray(a)
+
+
+def put(root: Path, name: str, target: bytes, caption: bytes | None = b"make it blue", controls=(), mask=None):
+    """`name` is the target's file name (stem + suffix); controls and mask are PNGs of the same stem."""
+    stem = Path(name).stem
+    (root / "target").mkdir(parents=True, exist_ok=True)
+    (root / "target" / name).write_bytes(target)
+    if caption is not None:
+        (root / "target" / f"{stem}.txt").write_bytes(caption)
+    for i, c in enumerate(controls):
+        d = root / ("control" if i == 0 else f"control_{i}")
+        d.mkdir(exist_ok=True)
+        (d / f"{stem}.png").write_bytes(c)
+    if mask is not None:
+        (root / "mask").mkdir(exist_ok=True)
+        (root / "mask" / f"{stem}.png").write_bytes(mask)
+
+
+def quarantined(store: Path) -> dict[str, dict]:
+    """File name of the target -> its quarantine row."""
+    return {Path(r["source"]).name: r for r in Store(store).quarantine().to_pylist()}
+
+
+def table(store: Path) -> dict[str, tuple[dict, dict[str, bytes]]]:
+    """Target file name -> (manifest row, stored files) of the current images version."""
+    r = Store(store).reader("images")
+    return {Path(m["source"]).name: (m, r.files(m["key"])) for m in r.manifest.to_pylist()}
+
+
+def pixels(data: bytes) -> np.ndarray:
+    return np.asarray(Image.open(io.BytesIO(data)))
+
+
+def test_hostile_image_files_each_end_deliberately(tmp_path):
+    root, store = tmp_path / "src", tmp_path / "store"
+    photo = encoded(Image.fromarray(np.random.default_rng(0).integers(0, 256, (96, 96, 3), np.uint8)), "JPEG")
+    put(root, "good.png", encoded(quadrants()))
+    put(root, "cutjpeg.jpg", photo[: len(photo) // 2])  # a download cut off mid-scan
+    put(root, "zerojpeg.jpg", b"")
+    put(root, "textjpeg.jpg", b"<html>404 Not Found</html>")  # an error page saved under the image's name
+    pal = Image.new("P", (64, 64), 1)
+    pal.putpalette([0, 0, 0, 200, 30, 30] + [0] * 762)
+    pal.paste(0, (0, 0, 32, 64))  # left half: palette entry 0, declared transparent (tRNS)
+    put(root, "palette_trns.png", encoded(pal, transparency=0))
+    put(root, "la.png", encoded(Image.new("LA", (64, 64), (100, 0))))  # fully transparent grey
+    put(root, "i16.png", encoded(Image.fromarray(np.full((64, 64), 65535, np.uint16))))
+    put(root, "rgb16.png", _rgb16_png(64, 48))
+    frames = [Image.new("RGB", (64, 64), c) for c in ((250, 0, 0), (0, 0, 250))]
+    put(root, "animgif.gif", encoded(frames[0], "GIF", save_all=True, append_images=frames[1:], duration=50))
+    put(root, "animwebp.webp", encoded(frames[0], "WEBP", save_all=True, append_images=frames[1:], lossless=True))
+    put(root, "onepixel.png", encoded(Image.new("RGB", (1, 1), (10, 20, 30))))
+    put(root, "sliver.png", encoded(Image.new("RGB", (100000, 10), (10, 200, 30))))
+    s = run(cfg(), root, store)
+
+    q = quarantined(store)
+    assert {n: r["reason"] for n, r in q.items()} == {
+        "cutjpeg.jpg": "corrupt-image", "zerojpeg.jpg": "empty-image", "textjpeg.jpg": "unreadable-image"}
+    assert all("\n" not in r["detail"] and str(root.resolve() / "target") in r["detail"] for r in q.values())
+    assert s.quarantined == {"corrupt-image": 1, "empty-image": 1, "unreadable-image": 1}
+    t = table(store)
+    assert len(t) == s.written == 9
+    p = pixels(t["palette_trns.png"][1]["target.png"])
+    assert p[32, 4].tolist() == [255, 255, 255] and p[32, -4].tolist() == [200, 30, 30]  # transparent -> white
+    assert "P alpha composited over white" in t["palette_trns.png"][0]["conversions"]
+    assert pixels(t["la.png"][1]["target.png"])[8, 8].tolist() == [255, 255, 255]
+    assert pixels(t["i16.png"][1]["target.png"])[8, 8].tolist() == [255, 255, 255]  # 65535 -> 255
+    assert pixels(t["rgb16.png"][1]["target.png"])[8, 8].tolist() == [128, 64, 255]  # 16-bit RGB: high bytes
+    for anim in ("animgif.gif", "animwebp.webp"):  # the first frame, said so
+        assert pixels(t[anim][1]["target.png"])[8, 8].tolist() == [250, 0, 0]
+        assert "first frame of 2 used" in t[anim][0]["conversions"]
+    # tiny images are accepted and stretched up to their bucket; an extreme aspect is centre-cropped to 4:1 first
+    one = t["onepixel.png"][0]
+    assert one["source_size"] == [1, 1] and one["bucket"] == [64, 64]
+    assert pixels(t["onepixel.png"][1]["target.png"])[30, 30].tolist() == [10, 20, 30]
+    sliver = t["sliver.png"][0]
+    assert sliver["source_size"] == [10, 100000] and sliver["bucket"] == [32, 128]
+
+
+def _rgb16_png(w: int, h: int) -> bytes:
+    """A 16-bit-per-channel RGB PNG (Pillow writes none): each channel's high byte 0x80, 0x40, 0xff."""
+    import struct
+    import zlib
+
+    px = np.empty((h, w, 3), ">u2")
+    px[...] = (0x80FF, 0x4001, 0xFFFF)
+    raw = b"".join(b"\0" + px[y].tobytes() for y in range(h))
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 16, 2, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b""))
+
+
+def test_exif_orientations_2_to_8_on_targets_controls_and_masks(tmp_path):
+    """Every orientation is shown as a viewer shows it (Pillow's `ImageOps.exif_transpose` as the reference), on
+    the target, the control and the mask alike."""
+    root, store = tmp_path / "src", tmp_path / "store"
+    base = quadrants()
+    mask_base = Image.new("L", base.size, 0)
+    mask_base.paste(255, (0, 0, 48, 32))  # the red quadrant is the edit
+    for o in range(1, 9):
+        ex = Image.Exif()
+        ex[0x0112] = o
+        control = ImageOps.mirror(base)
+        put(root, f"o{o}.png", encoded(base, exif=ex.tobytes()), caption=f"orientation {o}".encode(),
+            controls=[encoded(control, exif=ex.tobytes())], mask=encoded(mask_base, exif=ex.tobytes()))
+    run(cfg(), root, store)
+    t = table(store)
+    assert len(t) == 8 and not Store(store).quarantine().num_rows
+    for o in range(1, 9):
+        meta, files = t[f"o{o}.png"]
+        shown = ImageOps.exif_transpose(Image.open(io.BytesIO(encoded(base, exif=_exif(o)))))
+        h, w = meta["bucket"]
+        assert (h > w) == (shown.height > shown.width) and meta["source_size"] == [shown.height, shown.width]
+        expect = np.asarray(shown.convert("RGB").resize((w, h), Image.Resampling.LANCZOS))
+        assert np.array_equal(pixels(files["target.png"]), expect), o
+        ch, cw = meta["control_sizes"][0]
+        shown_c = ImageOps.exif_transpose(Image.open(io.BytesIO(encoded(ImageOps.mirror(base), exif=_exif(o)))))
+        expect_c = np.asarray(shown_c.convert("RGB").resize((cw, ch), Image.Resampling.LANCZOS))
+        assert np.array_equal(pixels(files["control_0.png"]), expect_c), o
+        # the mask turns with its own EXIF tag: still exactly over the (turned) red quadrant
+        m, tgt = pixels(files["mask.png"]), pixels(files["target.png"]).astype(int)
+        red = (tgt[..., 0] > 200) & (tgt[..., 1] < 50) & (tgt[..., 2] < 50)
+        assert m[red].mean() > 240 and m[~red].mean() < 30, o
+        if o > 1:
+            assert f"EXIF orientation {o} applied" in meta["conversions"]
+
+
+def _exif(o: int) -> bytes:
+    ex = Image.Exif()
+    ex[0x0112] = o
+    return ex.tobytes()
