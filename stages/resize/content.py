@@ -19,10 +19,10 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from models.file_hashes import FileHashes
+from models.file_hashes import FileHashes, file_sha256
 
 from stages.resize.shards import is_shard_list, is_url, remote_listing, remote_source_files
-from stages.resize.sources import source_files
+from stages.resize.sources import printable, source_files
 
 
 def content_listing_hash(source: str | Path) -> str:
@@ -35,11 +35,13 @@ def content_listing_hash(source: str | Path) -> str:
     h = hashlib.sha256()
     with FileHashes() as hashes:
         for f in tqdm(source_files(s), desc="source content hashes", unit="file", leave=False):
+            name = os.path.relpath(f, base)
             try:
-                digest = hashes.sha256(f)
+                # a name that is not UTF-8 (lone surrogates from the OS) cannot be a cache row: hashed uncached
+                digest = hashes.sha256(f) if printable(str(f)) == str(f) else file_sha256(f)
             except OSError as e:  # unreadable (permissions) or gone since the listing: its sample is quarantined
                 digest = f"unreadable {e.errno}"  # when read; once readable the hash changes, and it is rendered
-            h.update(f"{os.path.relpath(f, base)}\0{digest}\n".encode())
+            h.update(f"{name}\0{digest}\n".encode("utf-8", "surrogateescape"))
     if is_url(s):
         for line in remote_listing([u for u in remote_source_files(s) if is_url(u)]):
             h.update(f"{line}\n".encode())

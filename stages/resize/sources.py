@@ -98,12 +98,37 @@ def iter_source(source: str | Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
     """The samples of a source; `columns` is `resize.columns` (a parquet source's column mapping)."""
     fmt = detect_format(source)
     if fmt == "webdataset":
-        return iter_webdataset(source, max_file_bytes)
-    if fmt == "parquet":
+        samples = iter_webdataset(source, max_file_bytes)
+    elif fmt == "parquet":
         from stages.resize.parquet_source import iter_parquet
 
-        return iter_parquet(source if is_url(source) else Path(source), columns, max_file_bytes)
-    return {"folder": iter_folder, "jsonl": iter_jsonl}[fmt](Path(source), max_file_bytes)
+        samples = iter_parquet(source if is_url(source) else Path(source), columns, max_file_bytes)
+    else:
+        samples = {"folder": iter_folder, "jsonl": iter_jsonl}[fmt](Path(source), max_file_bytes)
+    return map(_printable_names, samples)
+
+
+def printable(text: str) -> str:
+    """`text` as valid UTF-8: a file name that is not UTF-8 (a Latin-1 name from an old archive or share) comes
+    from the OS with its bytes as lone surrogates, which no parquet column, sqlite row or UTF-8 file can hold;
+    those bytes are shown as `\\xNN` instead (the file is still read by its real name)."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        pass
+    try:
+        return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:  # a lone surrogate that is no escaped byte (a JSON "\\ud800")
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _printable_names(s: SourceSample) -> SourceSample:
+    """The names a sample is recorded under (manifest, quarantine, messages), as valid UTF-8."""
+    s.name, s.source, s.files = printable(s.name), printable(s.source), [printable(f) for f in s.files]
+    if s.problem is not None:
+        s.problem = printable(s.problem)
+    return s
 
 
 def source_files(source: str | Path) -> list[Path]:
@@ -500,7 +525,8 @@ def iter_jsonl(root: Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES) -> Iter
         text = obj.get("caption") if obj.get("caption") is not None else obj.get("prompt")  # null: as absent
         if text is not None and not isinstance(text, str):
             s.problem = f"caption/prompt is not a string (got {type(text).__name__})"
-        s.caption = text.encode("utf-8") if isinstance(text, str) else None
+        # a JSON "\\udce9" (a lone surrogate) decodes to a str that is no text: its bytes fail the UTF-8 check
+        s.caption = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else None
         yield s
 
 

@@ -173,3 +173,125 @@ def _exif(o: int) -> bytes:
     ex = Image.Exif()
     ex[0x0112] = o
     return ex.tobytes()
+
+
+def test_odd_names_are_read_and_recorded_as_valid_utf8(tmp_path):
+    """Spaces, tabs, newlines, unicode, '..' and 240-character stems are ordinary names. A name whose bytes are
+    not UTF-8 (a Latin-1 name from an old archive) is read by its real name and recorded with `\\xNN` escapes:
+    it stopped the run with a traceback (no sqlite row, parquet cell or summary line can hold it)."""
+    import tarfile
+
+    root = tmp_path / "src"
+    stems = ["with space", "ünïcödé", "a..b", "x" * 240, "tab\tname", "new\nline"]
+    for i, stem in enumerate(stems):
+        put(root, f"{stem}.png", encoded(Image.new("RGB", (64, 48), (i * 30, 0, 0))))
+    latin1 = os.fsencode(root / "target") + b"/caf\xe9"
+    Path(os.fsdecode(latin1 + b".png")).write_bytes(encoded(Image.new("RGB", (64, 48), (0, 200, 0))))
+    Path(os.fsdecode(latin1 + b".txt")).write_bytes(b"make it green")
+    s = run(cfg(), root, tmp_path / "store")
+    assert s.written == 7 and not s.quarantined
+    names = {Path(m["source"]).name for m, _ in table(tmp_path / "store").values()} | set(table(tmp_path / "store"))
+    assert {f"{stem}.png" for stem in stems} | {"caf\\xe9.png"} <= names
+
+    tars = tmp_path / "tars"  # a tar member named in Latin-1
+    tars.mkdir()
+    with tarfile.open(tars / "s.tar", "w", format=tarfile.GNU_FORMAT, encoding="latin-1") as tf:
+        for name, data in (("caf\xe9.png", encoded(Image.new("RGB", (64, 48)))), ("caf\xe9.txt", b"a caption")):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    assert run(cfg(), tars, tmp_path / "store-tar").written == 1
+    [row] = Store(tmp_path / "store-tar").reader("images").manifest.to_pylist()
+    assert row["source"] == f"{(tars / 's.tar').resolve()}:caf\\xe9"
+
+    j = tmp_path / "jsonl"  # JSON's "\udce9" is a lone surrogate: a caption that is no text
+    j.mkdir()
+    (j / "a.png").write_bytes(encoded(Image.new("RGB", (64, 48))))
+    (j / "b.png").write_bytes(encoded(Image.new("RGB", (48, 64))))
+    (j / "m.jsonl").write_text('{"target": "a.png", "caption": "ok"}\n{"target": "b.png", "caption": "\\udce9x"}\n')
+    s = run(cfg(), j, tmp_path / "store-jsonl")
+    assert s.written == 1 and s.quarantined == {"caption-not-utf8": 1}
+
+
+def test_same_webdataset_key_in_two_shards_is_two_samples_same_content_a_duplicate(tmp_path):
+    """Keys are content hashes: a member key reused in another shard (every shard counting from 000000) is another
+    sample; the same content again is a duplicate naming the copy kept."""
+    import tarfile
+
+    def shard(path: Path, members: dict[str, bytes]) -> None:
+        with tarfile.open(path, "w") as tf:
+            for name, data in members.items():
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                tf.addfile(info, io.BytesIO(data))
+
+    red, blue = encoded(Image.new("RGB", (64, 48), (250, 0, 0))), encoded(Image.new("RGB", (64, 48), (0, 0, 250)))
+    src = tmp_path / "tars"
+    src.mkdir()
+    shard(src / "a.tar", {"000000.png": red, "000000.txt": b"red"})
+    shard(src / "b.tar", {"000000.png": blue, "000000.txt": b"blue", "000001.png": red, "000001.txt": b"red"})
+    s = run(cfg(), src, tmp_path / "store")
+    assert s.written == 2 and s.quarantined == {"duplicate": 1}
+    [q] = Store(tmp_path / "store").quarantine().to_pylist()
+    assert q["source"].endswith("b.tar:000001") and q["detail"].endswith("a.tar:000000")
+
+
+def test_a_fixed_file_is_picked_up_by_the_rerun(tmp_path):
+    """Quarantined files, each then fixed by the user (replaced, re-saved as UTF-8, its control added): the rerun
+    makes a new version holding them (the rejection is not remembered); an unchanged source is then up to date."""
+    root, store = tmp_path / "src", tmp_path / "store"
+    good = encoded(quadrants())
+    put(root, "keep.png", good)
+    (root / "control").mkdir(parents=True)
+    put(root, "cut.png", good[: len(good) // 2])
+    put(root, "zero.png", b"")
+    put(root, "latin1.png", encoded(quadrants(64, 64)), caption="café".encode("latin-1"))
+    put(root, "bomb.png", encoded(Image.new("RGB", (300, 300))))  # over max_image_pixels below
+    put(root, "nocontrol.png", encoded(quadrants(80, 48)))  # min_controls 1 below
+    for stem in ("keep", "cut", "zero", "latin1", "bomb"):  # a control each, as min_controls asks
+        (root / "control" / f"{stem}.png").write_bytes(encoded(Image.new("RGB", (64, 64), (1, 2, len(stem)))))
+    c = cfg(max_image_pixels=256 * 256, min_controls=1)
+    first = run(c, root, store)
+    reasons = {"corrupt-image": 1, "empty-image": 1, "caption-not-utf8": 1, "image-too-large": 1, "control-count": 1}
+    assert first.written == 1 and first.quarantined == reasons
+
+    (root / "target" / "cut.png").write_bytes(good)  # the complete download
+    (root / "target" / "zero.png").write_bytes(encoded(quadrants(48, 96)))
+    (root / "target" / "latin1.txt").write_text("café", encoding="utf-8")
+    (root / "target" / "bomb.png").write_bytes(encoded(Image.new("RGB", (200, 200))))
+    (root / "control" / "nocontrol.png").write_bytes(encoded(Image.new("RGB", (64, 64), (9, 9, 9))))
+    second = run(c, root, store)
+    assert second.version == first.version + 1 and not second.quarantined
+    assert second.written + second.reused == 6
+    assert set(table(store)) == {"keep.png", "cut.png", "zero.png", "latin1.png", "bomb.png", "nocontrol.png"}
+    assert Store(store).quarantine().num_rows == 5  # the history stays; nothing was added
+    assert run(c, root, store).up_to_date
+
+
+def test_an_unreadable_file_costs_its_sample_and_is_read_once_permitted(tmp_path):
+    """A file without read permission: its sample is quarantined naming the file, the run goes on; after `chmod`
+    the rerun renders it. As root (which reads any file) the first run is made without the capability to
+    override file permissions (setpriv), as a user's run would be."""
+    import shutil
+
+    root, store = tmp_path / "src", tmp_path / "store"
+    put(root, "open.png", encoded(quadrants()))
+    put(root, "locked.png", encoded(quadrants(64, 96)))
+    (root / "target" / "locked.png").chmod(0)
+    code = (f"from tests.stages.test_resize_hostile_files import cfg; from stages.resize.stage import run; "
+            f"print(run(cfg(), {str(root)!r}, {str(store)!r}))")
+    cmd = [sys.executable, "-c", code]
+    if os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            pytest.skip("running as root without setpriv: every file is readable")
+        cmd = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", *cmd]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=Path(__file__).parents[2])
+    assert out.returncode == 0, out.stderr
+    assert "1 samples written" in out.stdout and "quarantined 1: bad-source 1" in out.stdout
+    [q] = Store(store).quarantine().to_pylist()
+    assert q["source"].endswith("locked.png") and "Permission denied" in q["detail"]
+
+    (root / "target" / "locked.png").chmod(0o644)
+    s = run(cfg(), root, store)
+    assert s.version == 2 and set(table(store)) == {"open.png", "locked.png"}
