@@ -31,6 +31,7 @@ from stages.resize.bucketing import BucketRule, bucket_size, crop_box_for_aspect
 from features.decode import Decoded, ImageRejected, decode_image, decode_keeping_alpha, decode_mask, oriented_as
 from stages.resize.render_pool import rendered_in_order
 from stages.resize.content import content_listing_hash
+from stages.resize.folder_listing import remembered
 from stages.resize.sources import SourceSample, detect_format, iter_source
 
 if TYPE_CHECKING:
@@ -112,6 +113,12 @@ class ResizeSummary:
 
 
 def run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> ResizeSummary:
+    # a folder source is listed once for the listing hash, the bar's total and the reader (folder_listing.py)
+    with remembered():
+        return _run(cfg, source, store)
+
+
+def _run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> ResizeSummary:
     from store import Store  # here, not at the top: render workers import this module and need no torch
 
     rc = cfg.resize
