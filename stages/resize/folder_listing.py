@@ -44,17 +44,21 @@ def stem_suffix(name: str) -> tuple[str, str]:
 
 
 _remembered: dict[str, Scan] | None = None
+_real_folders: dict[str, str] | None = None  # folder -> its realpath, within remembered()
 
 
 @contextmanager
 def remembered() -> Iterator[None]:
-    """Scans made in this block are reused in it (one resize-bucket run: listing hash, count, reader)."""
-    global _remembered
-    outer, _remembered = _remembered, {} if _remembered is None else _remembered
+    """Scans and folders' real paths found in this block are reused in it (one resize-bucket run: listing hash,
+    count, reader)."""
+    global _remembered, _real_folders
+    outer = _remembered, _real_folders
+    if _remembered is None:
+        _remembered, _real_folders = {}, {}
     try:
         yield
     finally:
-        _remembered = outer
+        _remembered, _real_folders = outer
 
 
 def scan(folder: Path, root: Path) -> Scan:
@@ -83,5 +87,23 @@ def scan(folder: Path, root: Path) -> Scan:
 
 def _inside(path: Path, root: Path) -> bool:
     """Does `path`, symlinks and `..` resolved, lie within `root` (itself resolved)?"""
-    real, base = os.path.realpath(path), os.path.realpath(root)
+    real, base = _realpath(path), _real_folder(Path(root))
     return real == base or real.startswith(base.rstrip(os.sep) + os.sep)
+
+
+def _realpath(path: Path) -> str:
+    """`os.path.realpath`, from the folder's remembered real path when `path` is no link (one lstat instead of
+    one per path component: ~30 us per file, ten minutes over a million-line JSONL's three million files)."""
+    path = Path(path)
+    if _real_folders is None or path.name in ("", ".", "..") or os.path.islink(path):
+        return os.path.realpath(path)
+    return os.path.join(_real_folder(path.parent), path.name)
+
+
+def _real_folder(folder: Path) -> str:
+    if _real_folders is None:
+        return os.path.realpath(folder)
+    key = str(folder)
+    if key not in _real_folders:
+        _real_folders[key] = os.path.realpath(folder)
+    return _real_folders[key]

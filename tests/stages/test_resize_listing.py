@@ -79,3 +79,41 @@ def test_a_run_lists_each_folder_once_with_a_bar(tmp_path, monkeypatch, capsys):
     assert "listing target/" in capsys.readouterr().err
     assert list(iter_folder(tmp_path / "src"))  # outside a run nothing is remembered: scanned afresh
     assert scanned.count("target") == 2
+
+
+def _jsonl_source(root: Path) -> Path:
+    """A manifest naming files through a subfolder, '..', a symlink inside and one outside, names that sort
+    differently as strings and as paths ('a-b' / 'a/b'), a missing file (no absolute path: the manifest's bytes,
+    hashed too, would depend on where the test runs)."""
+    src = root / "j"
+    (src / "a").mkdir(parents=True)
+    (src / "a" / "b.png").write_bytes(b"ab")
+    (src / "a-b.png").write_bytes(b"a-b")
+    (src / "z.png").write_bytes(b"z")
+    (root / "outside.png").write_bytes(b"outside")
+    (src / "out.png").symlink_to(root / "outside.png")
+    (src / "in.png").symlink_to(src / "z.png")
+    lines = [
+        {"target": "a/b.png", "controls": ["a-b.png", "a/../z.png"], "caption": "x"},
+        {"target": "in.png", "control": "out.png", "caption": "y"},
+        {"target": "missing.png", "caption": "gone"},
+    ]
+    import json
+
+    (src / "m.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return src
+
+
+def test_the_jsonl_listing_hash_is_unchanged(tmp_path, monkeypatch):
+    """Real paths from the folder's remembered real path and the sort in C give the hash the Path sort and a
+    realpath per file gave (value computed with that code)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    src = _jsonl_source(tmp_path)
+    from stages.resize.folder_listing import remembered
+
+    with remembered():
+        inside = content_listing_hash(src)
+    assert inside == content_listing_hash(src) == PINNED_JSONL_LISTING
+
+
+PINNED_JSONL_LISTING = "50b0a7cdc04bd995"  # content_listing_hash of _jsonl_source before this change
