@@ -519,6 +519,7 @@ def _render(rec: SourceSample, key: str, caption: str, rc: ResizeConfig, rules: 
     tw, th = target.size
     bh, bw = bucket_size(tw, th, rules["target"])
     files = {"target.png": _png(_fit(target, bh, bw, rc.max_aspect, Image.Resampling.LANCZOS))}
+    _note_upscale(notes, "target", target, bh, bw, rc.max_aspect)
     vae_sizes, vl_sizes = [], []
     for i, data in enumerate(rec.controls):
         ctrl = _decode(data, f"control {i}", rec, key, 1 + i, rc, notes).image
@@ -528,6 +529,8 @@ def _render(rec: SourceSample, key: str, caption: str, rc: ResizeConfig, rules: 
             h, w = bucket_size(cw, ch, rules[view])
             files[name] = _png(_fit(ctrl, h, w, rc.max_aspect, Image.Resampling.LANCZOS))
             sizes.append([h, w])
+            if view == "vae":
+                _note_upscale(notes, "control", ctrl, h, w, rc.max_aspect)
     if rec.mask is not None:
         try:
             dm = decode_mask(rec.mask, rc.max_image_pixels)
@@ -558,6 +561,17 @@ def _render(rec: SourceSample, key: str, caption: str, rc: ResizeConfig, rules: 
         "conversions": sorted(set(notes)),
     }
     return Rendered(files, meta, notes)
+
+
+UPSCALE_NOTED = 4  # per side: a thumbnail or icon stretched this much carries little detail; the summary says so
+
+
+def _note_upscale(notes: list[str], what: str, im: Image.Image, h: int, w: int, max_aspect: float) -> None:
+    """Tiny pictures are used (deliberately: a dataset's small images are still pairs), but a stretch of more
+    than UPSCALE_NOTED x per side is counted in the summary's `converted:` line and the sample's conversions."""
+    left, top, right, bottom = crop_box_for_aspect(im.width, im.height, max_aspect)
+    if (h * w / ((right - left) * (bottom - top))) ** 0.5 > UPSCALE_NOTED:
+        notes.append(f"{what} upscaled more than {UPSCALE_NOTED}x per side (a small source image)")
 
 
 def _drawn_on_stored_pixels(mask: Image.Image, mask_orientation: int, target: Image.Image,

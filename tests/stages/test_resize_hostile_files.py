@@ -114,6 +114,9 @@ def test_hostile_image_files_each_end_deliberately(tmp_path):
     one = t["onepixel.png"][0]
     assert one["source_size"] == [1, 1] and one["bucket"] == [64, 64]
     assert pixels(t["onepixel.png"][1]["target.png"])[30, 30].tolist() == [10, 20, 30]
+    assert "target upscaled more than 4x per side (a small source image)" in one["conversions"]
+    assert "target upscaled more than 4x per side (a small source image)" not in t["good.png"][0]["conversions"]
+    assert s.conversions["target upscaled more than 4x per side (a small source image)"] == 1  # 1x1 only
     sliver = t["sliver.png"][0]
     assert sliver["source_size"] == [10, 100000] and sliver["bucket"] == [32, 128]
 
