@@ -126,9 +126,10 @@ def atomic_dir(final: Path, tmp: Path | None = None) -> Iterator[Path]:
     old = None
     try:
         yield tmp
-        for p in sorted(tmp.rglob("*")):
-            if p.is_file():
-                fsync_dir(p)  # os.fsync works on a file descriptor of a file or a folder alike
+        for folder, _, names in os.walk(tmp):  # walked, not listed whole: a million files are no list in memory
+            for f in (Path(folder, name) for name in names):
+                if f.is_file():
+                    fsync_dir(f)  # os.fsync works on a file descriptor of a file or a folder alike
         fsync_dir(tmp)
         if final.exists():
             old = final.with_name(f".{final.name}.deleting-{os.getpid()}")

@@ -18,7 +18,7 @@ def count_samples(source: str | Path, fmt: str) -> int | None:
     """Expected samples, or None when counting fails (the bar then runs without a total)."""
     try:
         if fmt == "folder":
-            return len(sources._images_by_stem(Path(source) / "target", {}, also=(".txt",)))
+            return len(sources._images_by_stem(sources.scan(Path(source) / "target", Path(source)), {}, also=(".txt",)))
         if fmt == "parquet":
             from stages.resize.parquet_source import count_rows
 

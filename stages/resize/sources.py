@@ -40,6 +40,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from schemas.errors import UserError
+from stages.resize.folder_listing import Scan, _inside, scan, stem_suffix
 from stages.resize.shards import is_shard_list, is_url, open_shard, shard_urls
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".tif", ".tiff", ".bmp", ".gif")  # = features.decode.ALLOWED_FORMATS
@@ -98,12 +99,37 @@ def iter_source(source: str | Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
     """The samples of a source; `columns` is `resize.columns` (a parquet source's column mapping)."""
     fmt = detect_format(source)
     if fmt == "webdataset":
-        return iter_webdataset(source, max_file_bytes)
-    if fmt == "parquet":
+        samples = iter_webdataset(source, max_file_bytes)
+    elif fmt == "parquet":
         from stages.resize.parquet_source import iter_parquet
 
-        return iter_parquet(source if is_url(source) else Path(source), columns, max_file_bytes)
-    return {"folder": iter_folder, "jsonl": iter_jsonl}[fmt](Path(source), max_file_bytes)
+        samples = iter_parquet(source if is_url(source) else Path(source), columns, max_file_bytes)
+    else:
+        samples = {"folder": iter_folder, "jsonl": iter_jsonl}[fmt](Path(source), max_file_bytes)
+    return map(_printable_names, samples)
+
+
+def printable(text: str) -> str:
+    """`text` as valid UTF-8: a file name that is not UTF-8 (a Latin-1 name from an old archive or share) comes
+    from the OS with its bytes as lone surrogates, which no parquet column, sqlite row or UTF-8 file can hold;
+    those bytes are shown as `\\xNN` instead (the file is still read by its real name)."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        pass
+    try:
+        return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:  # a lone surrogate that is no escaped byte (a JSON "\\ud800")
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _printable_names(s: SourceSample) -> SourceSample:
+    """The names a sample is recorded under (manifest, quarantine, messages), as valid UTF-8."""
+    s.name, s.source, s.files = printable(s.name), printable(s.source), [printable(f) for f in s.files]
+    if s.problem is not None:
+        s.problem = printable(s.problem)
+    return s
 
 
 def source_files(source: str | Path) -> list[Path]:
@@ -118,7 +144,11 @@ def source_files(source: str | Path) -> list[Path]:
 
         return [] if is_url(source) else parquet_files(p)  # at a URL: content.py hashes their metadata
     if fmt == "folder":  # only what the reader reads: a store or OS litter inside the source changes nothing
-        return sorted(f for d in _layout_dirs(p) for f in _layout_entries(d) if f.is_file() and _inside(f, p))
+        files = []  # in Path order: by folder name, then file name (each scan is sorted)
+        for d in sorted(_layout_dirs(p), key=lambda d: d.name):
+            sc = scan(d, p)
+            files += [d / n for n in sc.names if sc.is_file(n) and sc.inside_root(n, p)]
+        return files
     manifest = _jsonl_path(p)
     files = {manifest}
     for _, obj, _ in _jsonl_objects(manifest):
@@ -128,7 +158,7 @@ def source_files(source: str | Path) -> list[Path]:
                 # what the reader would refuse is not hashed either (it is quarantined, never read)
                 if f.is_file() and (Path(rel).is_absolute() or _inside(f, manifest.parent)):
                     files.add(f)
-    return sorted(files)
+    return sorted(files, key=lambda f: f.parts)  # Path order, compared in C (Path.__lt__ is Python: minutes)
 
 
 # ---------------------------------------------------------------- the one way a source file is read
@@ -138,12 +168,6 @@ class _Problem(Exception):
     def __init__(self, message: str, kind: str = "bad-source") -> None:
         super().__init__(message)
         self.kind = kind
-
-
-def _inside(path: Path, root: Path) -> bool:
-    """Does `path`, symlinks and `..` resolved, lie within `root` (itself resolved)?"""
-    real, base = os.path.realpath(path), os.path.realpath(root)
-    return real == base or real.startswith(base.rstrip(os.sep) + os.sep)
 
 
 def read_source_file(path: Path, root: Path | None, max_bytes: int, what: str = "file") -> bytes:
@@ -165,7 +189,11 @@ def read_source_file(path: Path, root: Path | None, max_bytes: int, what: str = 
             raise _Problem(f"{what} {path} is {st.st_size} bytes, over resize.max_file_bytes ({max_bytes})",
                            "file-too-large")
         with os.fdopen(os.dup(fd), "rb") as f:
-            data = f.read(max_bytes + 1)
+            # the size read, not the limit: read(n) allocates n bytes up front (1 GiB of address space per file,
+            # refused where memory is not overcommitted); more only when the file grew since the fstat
+            data = f.read(st.st_size + 1)
+            if len(data) > st.st_size:
+                data += f.read(max_bytes + 1 - len(data))
         if len(data) > max_bytes:  # grew while read
             raise _Problem(f"{what} {path} is over resize.max_file_bytes ({max_bytes})", "file-too-large")
         return data
@@ -196,19 +224,17 @@ def _layout_dirs(root: Path) -> list[Path]:
     return [root / "target", *(d for _, d in sorted(_control_dirs(root).items())), root / "mask"]
 
 
-def _layout_entries(folder: Path) -> list[Path]:
-    """Entries of one layout folder, minus dotfiles (OS litter such as .DS_Store or AppleDouble ._x)."""
-    return sorted(f for f in folder.iterdir() if not f.name.startswith(".")) if folder.is_dir() else []
-
-
-def _images_by_stem(folder: Path, unsupported: dict[str, list[Path]], also: tuple[str, ...] = ()) -> dict[str, list[Path]]:
-    """Image files by stem; every other entry (not an image, nor a suffix in `also`) goes to `unsupported`."""
-    out: dict[str, list[Path]] = {}
-    for f in _layout_entries(folder):
-        if f.is_file() and f.suffix.lower() in IMAGE_SUFFIXES:
-            out.setdefault(f.stem, []).append(f)
-        elif not (f.is_file() and f.suffix in also):
-            unsupported.setdefault(f.stem, []).append(f)
+def _images_by_stem(sc: Scan, unsupported: dict[str, list[Path]], also: tuple[str, ...] = ()) -> dict[str, list[str]]:
+    """Image file names by stem; every other entry (not an image, nor a suffix in `also`) goes to `unsupported`.
+    Names, not Paths: a million Path objects were ~1 GB."""
+    out: dict[str, list[str]] = {}
+    for name in sc.names:
+        stem, suffix = stem_suffix(name)
+        is_file = sc.is_file(name)
+        if is_file and suffix.lower() in IMAGE_SUFFIXES:
+            out.setdefault(stem, []).append(name)
+        elif not (is_file and suffix in also):
+            unsupported.setdefault(stem, []).append(sc.folder / name)
     return out
 
 
@@ -219,14 +245,15 @@ def _unsupported_message(root: Path, files: list[Path]) -> str:
 
 def iter_folder(root: Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES) -> Iterator[SourceSample]:
     unsupported: dict[str, list[Path]] = {}  # stem -> files the layout cannot use; they must not vanish
-    targets = _images_by_stem(root / "target", unsupported, also=(".txt",))
+    listed = scan(root / "target", root)
+    targets = _images_by_stem(listed, unsupported, also=(".txt",))
     control_dirs = _control_dirs(root)
-    controls = {i: _images_by_stem(d, unsupported) for i, d in control_dirs.items()}
-    masks = _images_by_stem(root / "mask", unsupported)
+    controls = {i: _images_by_stem(scan(d, root), unsupported) for i, d in control_dirs.items()}
+    masks = _images_by_stem(scan(root / "mask", root), unsupported)
 
     for stem in sorted(targets):
         s = SourceSample(name=stem, source=str(root / "target" / stem))
-        found = targets[stem]
+        found = [root / "target" / name for name in targets[stem]]
         if stem in unsupported:
             s.source = str(found[0])
             s.problem, s.problem_kind = _unsupported_message(root, unsupported[stem]), "unsupported-file"
@@ -249,7 +276,7 @@ def iter_folder(root: Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES) -> Ite
             s.target = read(found[0], "target")
             s.files.append(str(found[0]))
             for i in present:
-                cands = controls[i][stem]
+                cands = [control_dirs[i] / name for name in controls[i][stem]]
                 if len(cands) > 1:
                     raise _Problem(f"several control files in {control_dirs[i].name}/: {', '.join(f.name for f in cands)}")
                 s.controls.append(read(cands[0], f"control {i}"))
@@ -257,19 +284,19 @@ def iter_folder(root: Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES) -> Ite
             cap = root / "target" / f"{stem}.txt"
             s.caption = read(cap, "caption") if cap.is_file() else None
             if stem in masks:
-                s.mask = read(masks[stem][0], "mask")
-                s.files.append(str(masks[stem][0]))
+                mask = root / "mask" / masks[stem][0]
+                s.mask = read(mask, "mask")
+                s.files.append(str(mask))
         except _Problem as e:
             s.problem, s.problem_kind = str(e), e.kind
         yield s
 
     # files that belong to no target would otherwise vanish silently
-    orphans: list[Path] = [
-        t for t in _layout_entries(root / "target") if t.suffix == ".txt" and t.is_file() and t.stem not in targets
-    ]
+    orphans: list[Path] = [root / "target" / n for n in listed.names
+                           if stem_suffix(n)[1] == ".txt" and listed.is_file(n) and stem_suffix(n)[0] not in targets]
     for i in sorted(controls):
-        orphans += [f for stem, fs in controls[i].items() if stem not in targets for f in fs]
-    orphans += [f for stem, fs in masks.items() if stem not in targets for f in fs]
+        orphans += [control_dirs[i] / f for stem, fs in controls[i].items() if stem not in targets for f in fs]
+    orphans += [root / "mask" / f for stem, fs in masks.items() if stem not in targets for f in fs]
     for f in orphans:
         yield SourceSample(
             name=f.stem, source=str(f), problem="file has no matching target image in target/", problem_kind="orphan-file"
@@ -500,7 +527,8 @@ def iter_jsonl(root: Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES) -> Iter
         text = obj.get("caption") if obj.get("caption") is not None else obj.get("prompt")  # null: as absent
         if text is not None and not isinstance(text, str):
             s.problem = f"caption/prompt is not a string (got {type(text).__name__})"
-        s.caption = text.encode("utf-8") if isinstance(text, str) else None
+        # a JSON "\\udce9" (a lone surrogate) decodes to a str that is no text: its bytes fail the UTF-8 check
+        s.caption = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else None
         yield s
 
 

@@ -31,6 +31,7 @@ from stages.resize.bucketing import BucketRule, bucket_size, crop_box_for_aspect
 from features.decode import Decoded, ImageRejected, decode_image, decode_keeping_alpha, decode_mask, oriented_as
 from stages.resize.render_pool import rendered_in_order
 from stages.resize.content import content_listing_hash
+from stages.resize.folder_listing import remembered
 from stages.resize.sources import SourceSample, detect_format, iter_source
 
 if TYPE_CHECKING:
@@ -112,6 +113,12 @@ class ResizeSummary:
 
 
 def run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> ResizeSummary:
+    # a folder source is listed once for the listing hash, the bar's total and the reader (folder_listing.py)
+    with remembered():
+        return _run(cfg, source, store)
+
+
+def _run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> ResizeSummary:
     from store import Store  # here, not at the top: render workers import this module and need no torch
 
     rc = cfg.resize
@@ -512,6 +519,7 @@ def _render(rec: SourceSample, key: str, caption: str, rc: ResizeConfig, rules: 
     tw, th = target.size
     bh, bw = bucket_size(tw, th, rules["target"])
     files = {"target.png": _png(_fit(target, bh, bw, rc.max_aspect, Image.Resampling.LANCZOS))}
+    _note_upscale(notes, "target", target, bh, bw, rc.max_aspect)
     vae_sizes, vl_sizes = [], []
     for i, data in enumerate(rec.controls):
         ctrl = _decode(data, f"control {i}", rec, key, 1 + i, rc, notes).image
@@ -521,6 +529,8 @@ def _render(rec: SourceSample, key: str, caption: str, rc: ResizeConfig, rules: 
             h, w = bucket_size(cw, ch, rules[view])
             files[name] = _png(_fit(ctrl, h, w, rc.max_aspect, Image.Resampling.LANCZOS))
             sizes.append([h, w])
+            if view == "vae":
+                _note_upscale(notes, "control", ctrl, h, w, rc.max_aspect)
     if rec.mask is not None:
         try:
             dm = decode_mask(rec.mask, rc.max_image_pixels)
@@ -551,6 +561,17 @@ def _render(rec: SourceSample, key: str, caption: str, rc: ResizeConfig, rules: 
         "conversions": sorted(set(notes)),
     }
     return Rendered(files, meta, notes)
+
+
+UPSCALE_NOTED = 4  # per side: a thumbnail or icon stretched this much carries little detail; the summary says so
+
+
+def _note_upscale(notes: list[str], what: str, im: Image.Image, h: int, w: int, max_aspect: float) -> None:
+    """Tiny pictures are used (deliberately: a dataset's small images are still pairs), but a stretch of more
+    than UPSCALE_NOTED x per side is counted in the summary's `converted:` line and the sample's conversions."""
+    left, top, right, bottom = crop_box_for_aspect(im.width, im.height, max_aspect)
+    if (h * w / ((right - left) * (bottom - top))) ** 0.5 > UPSCALE_NOTED:
+        notes.append(f"{what} upscaled more than {UPSCALE_NOTED}x per side (a small source image)")
 
 
 def _drawn_on_stored_pixels(mask: Image.Image, mask_orientation: int, target: Image.Image,

@@ -40,7 +40,7 @@ def _img(data: bytes | None, name: str) -> dict | None:
 def samples(tmp_path_factory) -> dict:
     """Demo samples as a folder source and that folder's table."""
     base = tmp_path_factory.mktemp("pq")
-    ss = generate_samples(n=N, max_controls=2, seed=11, with_masks=True)
+    ss = list(generate_samples(n=N, max_controls=2, seed=11, with_masks=True))  # a generator: used twice here
     write_folder(base / "folder", ss)
     s = run(cfg(), base / "folder", base / "store-folder")
     assert s.written == N and not s.quarantined

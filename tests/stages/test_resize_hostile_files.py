@@ -1,0 +1,300 @@
+"""resize-bucket on hostile files, each a real file built here: what each one becomes (rendered, converted, or one
+quarantine row with its reason) is deliberate and documented (docs/resize-bucket.md, 'Sanitising' and 'Bad
+input'); one bad sample never stops the run; and a rerun after the user fixes the file picks it up."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image, ImageOps
+
+from pipeline.config import load_config
+from stages.resize.stage import run
+from store import Store
+
+SMALL = {"resize.target_area": 64 * 64, "resize.control_vae_area": 64 * 64, "resize.control_vl_area": 32 * 32,
+         "resize.multiple": 16, "resize.min_side": 16, "resize.max_controls": 2}
+
+
+def cfg(**over):
+    return load_config(None, {**SMALL, **{f"resize.{k}": v for k, v in over.items()}})
+
+
+def encoded(im: Image.Image, fmt: str = "PNG", **kw) -> bytes:
+    b = io.BytesIO()
+    im.save(b, format=fmt, **kw)
+    return b.getvalue()
+
+
+def quadrants(w: int = 96, h: int = 64) -> Image.Image:
+    """Four flat colours, one per quadrant: every flip and rotation gives another picture."""
+    a = np.zeros((h, w, 3), np.uint8)
+    a[: h // 2, : w // 2] = (250, 0, 0)
+    a[: h // 2, w // 2:] = (0, 250, 0)
+    a[h // 2:, : w // 2] = (0, 0, 250)
+    a[h // 2:, w // 2:] = (250, 250, 0)
+    return Image.fromarray(a)
+
+
+def put(root: Path, name: str, target: bytes, caption: bytes | None = b"make it blue", controls=(), mask=None):
+    """`name` is the target's file name (stem + suffix); controls and mask are PNGs of the same stem."""
+    stem = Path(name).stem
+    (root / "target").mkdir(parents=True, exist_ok=True)
+    (root / "target" / name).write_bytes(target)
+    if caption is not None:
+        (root / "target" / f"{stem}.txt").write_bytes(caption)
+    for i, c in enumerate(controls):
+        d = root / ("control" if i == 0 else f"control_{i}")
+        d.mkdir(exist_ok=True)
+        (d / f"{stem}.png").write_bytes(c)
+    if mask is not None:
+        (root / "mask").mkdir(exist_ok=True)
+        (root / "mask" / f"{stem}.png").write_bytes(mask)
+
+
+def quarantined(store: Path) -> dict[str, dict]:
+    """File name of the target -> its quarantine row."""
+    return {Path(r["source"]).name: r for r in Store(store).quarantine().to_pylist()}
+
+
+def table(store: Path) -> dict[str, tuple[dict, dict[str, bytes]]]:
+    """Target file name -> (manifest row, stored files) of the current images version."""
+    r = Store(store).reader("images")
+    return {Path(m["source"]).name: (m, r.files(m["key"])) for m in r.manifest.to_pylist()}
+
+
+def pixels(data: bytes) -> np.ndarray:
+    return np.asarray(Image.open(io.BytesIO(data)))
+
+
+def test_hostile_image_files_each_end_deliberately(tmp_path):
+    root, store = tmp_path / "src", tmp_path / "store"
+    photo = encoded(Image.fromarray(np.random.default_rng(0).integers(0, 256, (96, 96, 3), np.uint8)), "JPEG")
+    put(root, "good.png", encoded(quadrants()))
+    put(root, "cutjpeg.jpg", photo[: len(photo) // 2])  # a download cut off mid-scan
+    put(root, "zerojpeg.jpg", b"")
+    put(root, "textjpeg.jpg", b"<html>404 Not Found</html>")  # an error page saved under the image's name
+    pal = Image.new("P", (64, 64), 1)
+    pal.putpalette([0, 0, 0, 200, 30, 30] + [0] * 762)
+    pal.paste(0, (0, 0, 32, 64))  # left half: palette entry 0, declared transparent (tRNS)
+    put(root, "palette_trns.png", encoded(pal, transparency=0))
+    put(root, "la.png", encoded(Image.new("LA", (64, 64), (100, 0))))  # fully transparent grey
+    put(root, "i16.png", encoded(Image.fromarray(np.full((64, 64), 65535, np.uint16))))
+    put(root, "rgb16.png", _rgb16_png(64, 48))
+    frames = [Image.new("RGB", (64, 64), c) for c in ((250, 0, 0), (0, 0, 250))]
+    put(root, "animgif.gif", encoded(frames[0], "GIF", save_all=True, append_images=frames[1:], duration=50))
+    put(root, "animwebp.webp", encoded(frames[0], "WEBP", save_all=True, append_images=frames[1:], lossless=True))
+    put(root, "onepixel.png", encoded(Image.new("RGB", (1, 1), (10, 20, 30))))
+    put(root, "sliver.png", encoded(Image.new("RGB", (100000, 10), (10, 200, 30))))
+    s = run(cfg(), root, store)
+
+    q = quarantined(store)
+    assert {n: r["reason"] for n, r in q.items()} == {
+        "cutjpeg.jpg": "corrupt-image", "zerojpeg.jpg": "empty-image", "textjpeg.jpg": "unreadable-image"}
+    assert all("\n" not in r["detail"] and str(root.resolve() / "target") in r["detail"] for r in q.values())
+    assert s.quarantined == {"corrupt-image": 1, "empty-image": 1, "unreadable-image": 1}
+    t = table(store)
+    assert len(t) == s.written == 9
+    p = pixels(t["palette_trns.png"][1]["target.png"])
+    assert p[32, 4].tolist() == [255, 255, 255] and p[32, -4].tolist() == [200, 30, 30]  # transparent -> white
+    assert "P alpha composited over white" in t["palette_trns.png"][0]["conversions"]
+    assert pixels(t["la.png"][1]["target.png"])[8, 8].tolist() == [255, 255, 255]
+    assert pixels(t["i16.png"][1]["target.png"])[8, 8].tolist() == [255, 255, 255]  # 65535 -> 255
+    assert pixels(t["rgb16.png"][1]["target.png"])[8, 8].tolist() == [128, 64, 255]  # 16-bit RGB: high bytes
+    for anim in ("animgif.gif", "animwebp.webp"):  # the first frame, said so
+        assert pixels(t[anim][1]["target.png"])[8, 8].tolist() == [250, 0, 0]
+        assert "first frame of 2 used" in t[anim][0]["conversions"]
+    # tiny images are accepted and stretched up to their bucket; an extreme aspect is centre-cropped to 4:1 first
+    one = t["onepixel.png"][0]
+    assert one["source_size"] == [1, 1] and one["bucket"] == [64, 64]
+    assert pixels(t["onepixel.png"][1]["target.png"])[30, 30].tolist() == [10, 20, 30]
+    assert "target upscaled more than 4x per side (a small source image)" in one["conversions"]
+    assert "target upscaled more than 4x per side (a small source image)" not in t["good.png"][0]["conversions"]
+    assert s.conversions["target upscaled more than 4x per side (a small source image)"] == 1  # 1x1 only
+    sliver = t["sliver.png"][0]
+    assert sliver["source_size"] == [10, 100000] and sliver["bucket"] == [32, 128]
+
+
+def _rgb16_png(w: int, h: int) -> bytes:
+    """A 16-bit-per-channel RGB PNG (Pillow writes none): each channel's high byte 0x80, 0x40, 0xff."""
+    import struct
+    import zlib
+
+    px = np.empty((h, w, 3), ">u2")
+    px[...] = (0x80FF, 0x4001, 0xFFFF)
+    raw = b"".join(b"\0" + px[y].tobytes() for y in range(h))
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 16, 2, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b""))
+
+
+def test_exif_orientations_2_to_8_on_targets_controls_and_masks(tmp_path):
+    """Every orientation is shown as a viewer shows it (Pillow's `ImageOps.exif_transpose` as the reference), on
+    the target, the control and the mask alike."""
+    root, store = tmp_path / "src", tmp_path / "store"
+    base = quadrants()
+    mask_base = Image.new("L", base.size, 0)
+    mask_base.paste(255, (0, 0, 48, 32))  # the red quadrant is the edit
+    for o in range(1, 9):
+        ex = Image.Exif()
+        ex[0x0112] = o
+        control = ImageOps.mirror(base)
+        put(root, f"o{o}.png", encoded(base, exif=ex.tobytes()), caption=f"orientation {o}".encode(),
+            controls=[encoded(control, exif=ex.tobytes())], mask=encoded(mask_base, exif=ex.tobytes()))
+    run(cfg(), root, store)
+    t = table(store)
+    assert len(t) == 8 and not Store(store).quarantine().num_rows
+    for o in range(1, 9):
+        meta, files = t[f"o{o}.png"]
+        shown = ImageOps.exif_transpose(Image.open(io.BytesIO(encoded(base, exif=_exif(o)))))
+        h, w = meta["bucket"]
+        assert (h > w) == (shown.height > shown.width) and meta["source_size"] == [shown.height, shown.width]
+        expect = np.asarray(shown.convert("RGB").resize((w, h), Image.Resampling.LANCZOS))
+        assert np.array_equal(pixels(files["target.png"]), expect), o
+        ch, cw = meta["control_sizes"][0]
+        shown_c = ImageOps.exif_transpose(Image.open(io.BytesIO(encoded(ImageOps.mirror(base), exif=_exif(o)))))
+        expect_c = np.asarray(shown_c.convert("RGB").resize((cw, ch), Image.Resampling.LANCZOS))
+        assert np.array_equal(pixels(files["control_0.png"]), expect_c), o
+        # the mask turns with its own EXIF tag: still exactly over the (turned) red quadrant
+        m, tgt = pixels(files["mask.png"]), pixels(files["target.png"]).astype(int)
+        red = (tgt[..., 0] > 200) & (tgt[..., 1] < 50) & (tgt[..., 2] < 50)
+        assert m[red].mean() > 240 and m[~red].mean() < 30, o
+        if o > 1:
+            assert f"EXIF orientation {o} applied" in meta["conversions"]
+
+
+def _exif(o: int) -> bytes:
+    ex = Image.Exif()
+    ex[0x0112] = o
+    return ex.tobytes()
+
+
+def test_odd_names_are_read_and_recorded_as_valid_utf8(tmp_path):
+    """Spaces, tabs, newlines, unicode, '..' and 240-character stems are ordinary names. A name whose bytes are
+    not UTF-8 (a Latin-1 name from an old archive) is read by its real name and recorded with `\\xNN` escapes:
+    it stopped the run with a traceback (no sqlite row, parquet cell or summary line can hold it)."""
+    import tarfile
+
+    root = tmp_path / "src"
+    stems = ["with space", "ünïcödé", "a..b", "x" * 240, "tab\tname", "new\nline"]
+    for i, stem in enumerate(stems):
+        put(root, f"{stem}.png", encoded(Image.new("RGB", (64, 48), (i * 30, 0, 0))))
+    latin1 = os.fsencode(root / "target") + b"/caf\xe9"
+    Path(os.fsdecode(latin1 + b".png")).write_bytes(encoded(Image.new("RGB", (64, 48), (0, 200, 0))))
+    Path(os.fsdecode(latin1 + b".txt")).write_bytes(b"make it green")
+    s = run(cfg(), root, tmp_path / "store")
+    assert s.written == 7 and not s.quarantined
+    names = {Path(m["source"]).name for m, _ in table(tmp_path / "store").values()} | set(table(tmp_path / "store"))
+    assert {f"{stem}.png" for stem in stems} | {"caf\\xe9.png"} <= names
+
+    tars = tmp_path / "tars"  # a tar member named in Latin-1
+    tars.mkdir()
+    with tarfile.open(tars / "s.tar", "w", format=tarfile.GNU_FORMAT, encoding="latin-1") as tf:
+        for name, data in (("caf\xe9.png", encoded(Image.new("RGB", (64, 48)))), ("caf\xe9.txt", b"a caption")):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    assert run(cfg(), tars, tmp_path / "store-tar").written == 1
+    [row] = Store(tmp_path / "store-tar").reader("images").manifest.to_pylist()
+    assert row["source"] == f"{(tars / 's.tar').resolve()}:caf\\xe9"
+
+    j = tmp_path / "jsonl"  # JSON's "\udce9" is a lone surrogate: a caption that is no text
+    j.mkdir()
+    (j / "a.png").write_bytes(encoded(Image.new("RGB", (64, 48))))
+    (j / "b.png").write_bytes(encoded(Image.new("RGB", (48, 64))))
+    (j / "m.jsonl").write_text('{"target": "a.png", "caption": "ok"}\n{"target": "b.png", "caption": "\\udce9x"}\n')
+    s = run(cfg(), j, tmp_path / "store-jsonl")
+    assert s.written == 1 and s.quarantined == {"caption-not-utf8": 1}
+
+
+def test_same_webdataset_key_in_two_shards_is_two_samples_same_content_a_duplicate(tmp_path):
+    """Keys are content hashes: a member key reused in another shard (every shard counting from 000000) is another
+    sample; the same content again is a duplicate naming the copy kept."""
+    import tarfile
+
+    def shard(path: Path, members: dict[str, bytes]) -> None:
+        with tarfile.open(path, "w") as tf:
+            for name, data in members.items():
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                tf.addfile(info, io.BytesIO(data))
+
+    red, blue = encoded(Image.new("RGB", (64, 48), (250, 0, 0))), encoded(Image.new("RGB", (64, 48), (0, 0, 250)))
+    src = tmp_path / "tars"
+    src.mkdir()
+    shard(src / "a.tar", {"000000.png": red, "000000.txt": b"red"})
+    shard(src / "b.tar", {"000000.png": blue, "000000.txt": b"blue", "000001.png": red, "000001.txt": b"red"})
+    s = run(cfg(), src, tmp_path / "store")
+    assert s.written == 2 and s.quarantined == {"duplicate": 1}
+    [q] = Store(tmp_path / "store").quarantine().to_pylist()
+    assert q["source"].endswith("b.tar:000001") and q["detail"].endswith("a.tar:000000")
+
+
+def test_a_fixed_file_is_picked_up_by_the_rerun(tmp_path):
+    """Quarantined files, each then fixed by the user (replaced, re-saved as UTF-8, its control added): the rerun
+    makes a new version holding them (the rejection is not remembered); an unchanged source is then up to date."""
+    root, store = tmp_path / "src", tmp_path / "store"
+    good = encoded(quadrants())
+    put(root, "keep.png", good)
+    (root / "control").mkdir(parents=True)
+    put(root, "cut.png", good[: len(good) // 2])
+    put(root, "zero.png", b"")
+    put(root, "latin1.png", encoded(quadrants(64, 64)), caption="café".encode("latin-1"))
+    put(root, "bomb.png", encoded(Image.new("RGB", (300, 300))))  # over max_image_pixels below
+    put(root, "nocontrol.png", encoded(quadrants(80, 48)))  # min_controls 1 below
+    for stem in ("keep", "cut", "zero", "latin1", "bomb"):  # a control each, as min_controls asks
+        (root / "control" / f"{stem}.png").write_bytes(encoded(Image.new("RGB", (64, 64), (1, 2, len(stem)))))
+    c = cfg(max_image_pixels=256 * 256, min_controls=1)
+    first = run(c, root, store)
+    reasons = {"corrupt-image": 1, "empty-image": 1, "caption-not-utf8": 1, "image-too-large": 1, "control-count": 1}
+    assert first.written == 1 and first.quarantined == reasons
+
+    (root / "target" / "cut.png").write_bytes(good)  # the complete download
+    (root / "target" / "zero.png").write_bytes(encoded(quadrants(48, 96)))
+    (root / "target" / "latin1.txt").write_text("café", encoding="utf-8")
+    (root / "target" / "bomb.png").write_bytes(encoded(Image.new("RGB", (200, 200))))
+    (root / "control" / "nocontrol.png").write_bytes(encoded(Image.new("RGB", (64, 64), (9, 9, 9))))
+    second = run(c, root, store)
+    assert second.version == first.version + 1 and not second.quarantined
+    assert second.written + second.reused == 6
+    assert set(table(store)) == {"keep.png", "cut.png", "zero.png", "latin1.png", "bomb.png", "nocontrol.png"}
+    assert Store(store).quarantine().num_rows == 5  # the history stays; nothing was added
+    assert run(c, root, store).up_to_date
+
+
+def test_an_unreadable_file_costs_its_sample_and_is_read_once_permitted(tmp_path):
+    """A file without read permission: its sample is quarantined naming the file, the run goes on; after `chmod`
+    the rerun renders it. As root (which reads any file) the first run is made without the capability to
+    override file permissions (setpriv), as a user's run would be."""
+    import shutil
+
+    root, store = tmp_path / "src", tmp_path / "store"
+    put(root, "open.png", encoded(quadrants()))
+    put(root, "locked.png", encoded(quadrants(64, 96)))
+    (root / "target" / "locked.png").chmod(0)
+    code = (f"from tests.stages.test_resize_hostile_files import cfg; from stages.resize.stage import run; "
+            f"print(run(cfg(), {str(root)!r}, {str(store)!r}))")
+    cmd = [sys.executable, "-c", code]
+    if os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            pytest.skip("running as root without setpriv: every file is readable")
+        cmd = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", *cmd]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=Path(__file__).parents[2])
+    assert out.returncode == 0, out.stderr
+    assert "1 samples written" in out.stdout and "quarantined 1: bad-source 1" in out.stdout
+    [q] = Store(store).quarantine().to_pylist()
+    assert q["source"].endswith("locked.png") and "Permission denied" in q["detail"]
+
+    (root / "target" / "locked.png").chmod(0o644)
+    s = run(cfg(), root, store)
+    assert s.version == 2 and set(table(store)) == {"open.png", "locked.png"}

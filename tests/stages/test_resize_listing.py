@@ -1,0 +1,119 @@
+"""A folder source's listing: one scan per folder per run (os.scandir: no stat or realpath per plain file), with
+the same listing hash as before (a changed hash would make every store's images version look stale), and a
+progress bar while a large folder is listed."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from stages.resize.content import content_listing_hash
+from stages.resize.source_count import count_samples
+from stages.resize.sources import iter_folder, source_files
+
+
+def _odd_folder(root: Path) -> Path:
+    """Every kind of entry the folder layout meets: images, captions, controls, masks, a dotfile, a subfolder, a
+    symlink inside the source, one pointing outside, a name that is not UTF-8, a non-image."""
+    (root / "src" / "target" / "sub").mkdir(parents=True)
+    for d in ("control", "control_1", "mask"):
+        (root / "src" / d).mkdir()
+    t = root / "src" / "target"
+    for stem, data in (("b", b"bee"), ("a", b"ay"), ("a.b", b"dots"), ("Z", b"upper"), ("x.", b"dot end")):
+        (t / f"{stem}.png").write_bytes(data)
+        (t / f"{stem}.txt").write_bytes(b"caption " + data)
+    (t / ".DS_Store").write_bytes(b"litter")
+    (t / "notes.md").write_bytes(b"not an image")
+    (t / "sub" / "deep.png").write_bytes(b"not read")
+    Path(os.fsdecode(os.fsencode(t) + b"/caf\xe9.png")).write_bytes(b"latin1")
+    (root / "outside.png").write_bytes(b"outside")
+    (t / "out.png").symlink_to(root / "outside.png")
+    (t / "in.png").symlink_to(t / "a.png")
+    (root / "src" / "control" / "a.png").write_bytes(b"c0")
+    (root / "src" / "control" / "b.jpg").write_bytes(b"c0b")
+    (root / "src" / "control_1" / "a.png").write_bytes(b"c1")
+    (root / "src" / "mask" / "b.png").write_bytes(b"m")
+    (root / "src" / "mask" / "orphan.png").write_bytes(b"o")
+    return root / "src"
+
+
+# content_listing_hash of _odd_folder as computed before the scandir listing (Path.iterdir + realpath per file)
+PINNED_LISTING = "da32385673079d84"
+
+
+def test_the_listing_hash_is_unchanged_by_the_faster_listing(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    src = _odd_folder(tmp_path)
+    assert content_listing_hash(src) == PINNED_LISTING
+    names = [os.path.relpath(f, src) for f in source_files(src)]
+    assert names == sorted(names, key=lambda n: Path(n).parts) and "target/out.png" not in names
+    assert "target/in.png" in names and "target/sub/deep.png" not in names and "target/.DS_Store" not in names
+    assert count_samples(src, "folder") == 8
+
+
+def test_a_run_lists_each_folder_once_with_a_bar(tmp_path, monkeypatch, capsys):
+    """The listing hash, the bar's total and the reader share one scan per layout folder (they listed target/
+    three times, with a stat and two realpath calls per file); the scan has its own bar (a million entries
+    take a while on a network file system)."""
+    import stages.resize.folder_listing as fl
+    from pipeline.config import load_config
+    from pipeline.demo_data import make_demo_data
+    from stages.resize.stage import run
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    make_demo_data(tmp_path / "src", n=6, max_controls=2, seed=3, with_masks=True)
+    scanned: list[str] = []
+    real_scandir = os.scandir
+
+    def counting(path="."):
+        if Path(path).parent == tmp_path / "src":  # os.scandir is the os module's: the store uses it too
+            scanned.append(Path(path).name)
+        return real_scandir(path)
+
+    monkeypatch.setattr(fl.os, "scandir", counting)
+    small = {"resize.target_area": 64 * 64, "resize.control_vae_area": 64 * 64, "resize.control_vl_area": 32 * 32,
+             "resize.multiple": 16, "resize.min_side": 16}
+    s = run(load_config(None, small), tmp_path / "src", tmp_path / "store")
+    assert s.written == 6
+    assert sorted(scanned) == ["control", "control_1", "mask", "target"]
+    assert "listing target/" in capsys.readouterr().err
+    assert list(iter_folder(tmp_path / "src"))  # outside a run nothing is remembered: scanned afresh
+    assert scanned.count("target") == 2
+
+
+def _jsonl_source(root: Path) -> Path:
+    """A manifest naming files through a subfolder, '..', a symlink inside and one outside, names that sort
+    differently as strings and as paths ('a-b' / 'a/b'), a missing file (no absolute path: the manifest's bytes,
+    hashed too, would depend on where the test runs)."""
+    src = root / "j"
+    (src / "a").mkdir(parents=True)
+    (src / "a" / "b.png").write_bytes(b"ab")
+    (src / "a-b.png").write_bytes(b"a-b")
+    (src / "z.png").write_bytes(b"z")
+    (root / "outside.png").write_bytes(b"outside")
+    (src / "out.png").symlink_to(root / "outside.png")
+    (src / "in.png").symlink_to(src / "z.png")
+    lines = [
+        {"target": "a/b.png", "controls": ["a-b.png", "a/../z.png"], "caption": "x"},
+        {"target": "in.png", "control": "out.png", "caption": "y"},
+        {"target": "missing.png", "caption": "gone"},
+    ]
+    import json
+
+    (src / "m.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return src
+
+
+def test_the_jsonl_listing_hash_is_unchanged(tmp_path, monkeypatch):
+    """Real paths from the folder's remembered real path and the sort in C give the hash the Path sort and a
+    realpath per file gave (value computed with that code)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    src = _jsonl_source(tmp_path)
+    from stages.resize.folder_listing import remembered
+
+    with remembered():
+        inside = content_listing_hash(src)
+    assert inside == content_listing_hash(src) == PINNED_JSONL_LISTING
+
+
+PINNED_JSONL_LISTING = "50b0a7cdc04bd995"  # content_listing_hash of _jsonl_source before this change
