@@ -234,7 +234,7 @@ def step(r: Run) -> StepStats:
     `fails_alone`: the others may be in DDP's all-reduce, so a failure here (a damaged sample, out of memory)
     is published to every rank instead of agreed on (models/collective.py)."""
     tc, t0, c0 = r.cfg, time.perf_counter(), time.process_time()
-    step_losses: list[tuple[list[str], torch.Tensor]] = []  # this rank's, named in a non-finite error
+    step_losses: list[tuple[list[int], torch.Tensor]] = []  # this rank's rows and losses, for a non-finite step
     loss_sum = torch.zeros((), device=r.device)
     damaged = 0  # train.on_damaged=skip: this rank's planned samples left out as damaged (stages/train/damaged.py)
     with fails_alone(r.world, f"optimizer step {r.step + 1}", OOM_ADVICE):
@@ -249,7 +249,7 @@ def step(r: Run) -> StepStats:
             losses = torch.cat(parts) if len(parts) > 1 else parts[0]
             loss_sum += losses.sum()
             share = [i for i in m.global_batch[r.rank] if i not in m.damaged]
-            step_losses.append(([r.tables.keys[i] for i in share], losses))
+            step_losses.append((share, losses))
             _count_epoch_tokens(r, m.epoch, m.global_batch, m.ends_epoch)
             r.position = m.position
             if m.damaged:
@@ -278,13 +278,14 @@ def step(r: Run) -> StepStats:
         ok, grad_norm = False, float("nan")
     elif ok:
         r.optimizer.step()
-    else:
-        per_sample = {k: v for keys, losses in step_losses for k, v in zip(keys, losses.tolist())}
+    else:  # every rank is here (the finite check is of all-reduced figures) and names the same samples
+        per_sample = step_sample_losses(r, micro, step_losses)
         message = guard.nonfinite_message(r.step + 1, per_sample, r.tables.store_root)
         if tc.on_nonfinite == "stop":
             raise guard.NonFiniteError(message)
         # skip_step: no update; the step still counts, so the schedule and the data order go on
-        r.bar.write("skipped " + message.split(";")[0])
+        if r.main:
+            r.bar.write("skipped " + message.split(";")[0])
         r.result.skipped_steps.append(r.step + 1)
         grad_norm = float("nan")
     r.scheduler.step()
@@ -347,6 +348,26 @@ def _count_epoch_tokens(r: Run, epoch: int, global_batch: list[list[int]], ends_
         r.writer.add_scalar("epoch/padding_efficiency", eff, r.step + 1)
         r.bar.write(f"epoch {epoch}: padding efficiency {eff:.3f} (valid / computed tokens)")
     r.epoch_tokens = [0, 0]
+
+
+def step_sample_losses(r: Run, micro: list, mine: list[tuple[list[int], torch.Tensor]]) -> dict[str, float]:
+    """Every sample's loss of the step by key, the same on every rank (only for a non-finite step): each rank
+    fills in its own samples' slots of the step's plan (every rank knows every rank's batch), one all-reduce sums
+    them. A rank's own losses alone would name its own samples, on the rank that holds none of the bad ones its
+    innocent ones, and each rank a different line."""
+    slots = [i for m in micro for share in m.global_batch for i in share]
+    table = torch.zeros(2, len(slots), dtype=torch.float64)  # loss, trained (a damaged sample left out: 0)
+    offset, own = 0, iter(mine)
+    for m in micro:
+        for q, share in enumerate(m.global_batch):
+            if q == r.rank:
+                rows, losses = next(own)
+                at = {i: offset + j for j, i in enumerate(share)}
+                for i, loss in zip(rows, losses.double().cpu().tolist()):
+                    table[:, at[i]] = torch.tensor([loss, 1.0], dtype=torch.float64)
+            offset += len(share)
+    table = parallel.sum_over_ranks(table.to(r.device), r.world).cpu()
+    return {r.tables.keys[i]: loss for i, (loss, trained) in zip(slots, table.T.tolist()) if trained}
 
 
 def _rescale(params: list[torch.nn.Parameter], factor: torch.Tensor) -> None:
