@@ -63,6 +63,7 @@ from stages.train.saving import checkpoint, cleanup, finish
 from stages.train.settings import make_accelerator, resolved_config, train_device, validate_config
 from stages.train.start import open_tables, prepare_run_dir, resume_point, start_record
 from stages.train.state import ResumeRecord
+from stages.train.stop import StopOnSignal
 from store.format import atomic_write_json
 from store.join import JoinedTables
 
@@ -102,6 +103,7 @@ class Run:
     kept_previous: Path | None = None
     run_lock: Any = None  # the lock of the fresh RUN after a keep (the first one moved with the kept run)
     damage: DamageTally | None = None  # train.on_damaged=skip: samples left out, the agreed limit
+    stop: StopOnSignal | None = None  # a SIGTERM seen by this rank, agreed at the next step (stages/train/stop.py)
 
     @property
     def device(self) -> torch.device:
@@ -135,6 +137,7 @@ class StepStats:
     data_seconds: float  # of which waiting for this rank's micro-batches (reads + preparation, or an empty queue)
     started: float  # perf_counter / process_time at the step's start: `log` adds its own time to the step's
     cpu_started: float
+    stop: bool = False  # a rank was sent SIGTERM: checkpoint this step and stop (every rank alike)
 
 # ---------------------------------------------------------------------------------------------- the recipe
 
@@ -171,14 +174,20 @@ def run(
         r = setup(cfg, store, model, out, resume, accelerator, new_run=new_run, before_keep=before_keep, locks=locks)
         if r.validator is not None and r.step > 0:  # a validation due at the resumed step (a failure there came
             r.validator(r)  # after its checkpoint): the validator runs only what it left unrecorded
-        while r.step < r.cfg.max_steps:
-            stats = step(r)
-            log(r, stats)
-            # checkpoint first: a validation that fails (out of memory generating samples) loses no training
-            if r.step % r.cfg.checkpoint_every == 0 or r.step == r.cfg.max_steps:
-                checkpoint(r)
-            if r.validator is not None:
-                r.validator(r)
+        with StopOnSignal() as r.stop:
+            while r.step < r.cfg.max_steps:
+                stats = step(r)
+                log(r, stats)
+                # checkpoint first: a validation that fails (out of memory generating samples) loses no training
+                if r.step % r.cfg.checkpoint_every == 0 or r.step == r.cfg.max_steps or stats.stop:
+                    checkpoint(r)
+                if stats.stop and r.step < r.cfg.max_steps:  # every rank: the flag came with the step's loss
+                    if r.main:
+                        r.bar.write(f"stopped by a signal after optimizer step {r.step}: its checkpoint "
+                                    f"{r.checkpoints / f'step-{r.step}'} is written; continue with --resume")
+                    r.stop.stop_now()
+                if r.validator is not None:
+                    r.validator(r)
         result = finish(r)
         result.seconds = time.perf_counter() - started
         return result
@@ -255,20 +264,19 @@ def step(r: Run) -> StepStats:
             if m.damaged:
                 damaged += len(m.damaged)
                 r.damage.record(r.tables, m.damaged, r.step + 1)
-    if r.damage is None:
-        loss_sum = parallel.sum_over_ranks(loss_sum, r.world)
-        left_out = torch.zeros((), device=loss_sum.device)
-    else:  # the damaged count rides on the loss all-reduce; DDP averaged with the planned count: rescaled
-        summed = parallel.sum_over_ranks(torch.stack([loss_sum, torch.tensor(float(damaged), device=r.device)]),
-                                         r.world)
-        loss_sum, left_out = summed[0], summed[1]
+    # the damaged count and a stop request (SIGTERM on any rank) ride on the loss all-reduce
+    stop_requested = r.stop.requested() if r.stop is not None else 0.0
+    summed = parallel.sum_over_ranks(torch.stack([loss_sum, torch.tensor(float(damaged), device=r.device),
+                                                  torch.tensor(stop_requested, device=r.device)]), r.world)
+    loss_sum, left_out, stop = summed[0], summed[1], summed[2]
+    if r.damage is not None:  # DDP averaged with the planned count: rescaled
         _rescale(r.params, n_step / (n_step - left_out).clamp(min=1))  # exactly 1.0 when none was left out
     # gradients all-reduced by DDP, the loss here: every rank decides alike. Clipping a non-finite step's
     # gradients does no harm: they are dropped below.
     finite = guard.finite(loss_sum, r.params)
     norm = _clip(r.params, tc.max_grad_norm)
-    figures = [t.float().to(loss_sum.device) for t in (loss_sum, finite, norm, left_out)]
-    total, ok, grad_norm, left_out = torch.stack(figures).tolist()  # the step's one host sync
+    figures = [t.float().to(loss_sum.device) for t in (loss_sum, finite, norm, left_out, stop)]
+    total, ok, grad_norm, left_out, stop = torch.stack(figures).tolist()  # the step's one host sync
     intact = n_step - int(left_out)
     if r.damage is not None:
         r.damage.add(r.tables, int(left_out), n_step)  # over the limit: the same error on every rank, now
@@ -295,7 +303,8 @@ def step(r: Run) -> StepStats:
     r.step += 1
     loss = total / intact if intact else float("nan")
     batches = [b for m in micro for b in m.global_batch]
-    return StepStats(loss, micro[0].epoch, intact, grad_norm, batches, time.perf_counter() - t0, data_seconds, t0, c0)
+    return StepStats(loss, micro[0].epoch, intact, grad_norm, batches, time.perf_counter() - t0, data_seconds, t0, c0,
+                     stop=stop > 0)
 
 
 def log(r: Run, s: StepStats) -> None:
