@@ -56,3 +56,35 @@ def test_sigterm_checkpoints_the_step_under_way_and_resume_loses_nothing(tiny_ed
     run(cfg, store, tiny_edit_model, tmp_path / "straight")
     a, b = read_lora(out / "lora")[0], read_lora(tmp_path / "straight" / "lora")[0]
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_sigterm_on_one_rank_checkpoints_the_same_step_on_every_rank(tiny_edit_model, tmp_path) -> None:
+    """Two gloo processes; only rank 1 is sent SIGTERM (a scheduler that signals ranks one by one, or one node
+    first): both finish step 4, write its checkpoint together (every rank's RNG state in it) and stop with 143."""
+    from two_ranks import start_two
+
+    store, out = tmp_path / "store", tmp_path / "run"
+    make_train_store(store, tiny_edit_model, mixed_specs(8))
+    sets = [a for k, v in SETS.items() for a in ("--set", f"{k}={v}")]
+    procs = start_two("rank_cli.py", "run", "train", "--store", str(store), "--model", tiny_edit_model, "--out",
+                      str(out), "--max-steps", "1000", *sets, env={"STORE_PAUSE_AT": "train_after_checkpoint"})
+    try:
+        deadline = time.monotonic() + 600  # a bound for a regression, not a timing assert
+        while not all(psutil.Process(p.pid).status() == psutil.STATUS_STOPPED for p in procs):
+            assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, [p.output() for p in procs]
+            time.sleep(0.1)
+        procs[1].send_signal(signal.SIGTERM)  # pending until it continues, right after the step-3 checkpoint
+        for p in procs:
+            p.send_signal(signal.SIGCONT)
+        outs = [p.communicate(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, (stdout, stderr) in zip(procs, outs):
+        assert p.returncode == 128 + signal.SIGTERM, (p.returncode, stderr[-3000:])
+        assert "Traceback" not in stdout + stderr, stderr[-3000:]
+    assert "stopped by a signal after optimizer step 4" in outs[0][0], outs[0]
+    assert [s for s, _ in train_state.complete_checkpoints(out / "checkpoints")] == [3, 4]
+    step4 = out / "checkpoints" / "step-4"
+    assert {p.name for p in step4.glob("rng-rank*")} == {"rng-rank00.safetensors", "rng-rank01.safetensors"}
+    assert train_state.ResumeRecord.read(step4 / "resume.json").step == 4
