@@ -31,10 +31,14 @@ class StopOnSignal:
             self._installed = True
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, kind=None, error=None, tb=None) -> None:
         if self._installed:
             signal.signal(signal.SIGTERM, self._previous)
             self._installed = False
+        if self.signum is not None and isinstance(error, Exception):
+            # the step under way failed after the signal came (torchrun stops the other ranks when one dies: the
+            # dead one's connections close under this one's collective): stop as the signal would have at once
+            self._stop(self.signum, None)
 
     def _record(self, signum: int, frame) -> None:
         if self.signum is not None:  # asked twice: stop now

@@ -88,3 +88,38 @@ def test_a_sigterm_on_one_rank_checkpoints_the_same_step_on_every_rank(tiny_edit
     step4 = out / "checkpoints" / "step-4"
     assert {p.name for p in step4.glob("rng-rank*")} == {"rng-rank00.safetensors", "rng-rank01.safetensors"}
     assert train_state.ResumeRecord.read(step4 / "resume.json").step == 4
+
+
+def test_the_signal_is_held_once_and_a_failing_step_after_it_stops_as_the_signal_would() -> None:
+    """In-process: the handler the block replaced gets the signal when the stop is acted on; a second SIGTERM, or
+    an error in the step under way (a peer that torchrun stopped first closed its connections), stops at once with
+    the signal's status instead of that error's traceback."""
+    import pytest
+
+    from stages.train.stop import StopOnSignal
+
+    got: list[int] = []
+
+    def previous(signum, frame):
+        got.append(signum)
+
+    before = signal.signal(signal.SIGTERM, previous)
+    try:
+        with StopOnSignal() as stop:
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert stop.requested() == 1.0 and got == []  # held
+            with pytest.raises(SystemExit) as second:
+                os.kill(os.getpid(), signal.SIGTERM)
+        assert second.value.code == 128 + signal.SIGTERM and got == [signal.SIGTERM]
+        assert signal.getsignal(signal.SIGTERM) is previous  # put back
+
+        with pytest.raises(SystemExit) as failed:
+            with StopOnSignal():
+                os.kill(os.getpid(), signal.SIGTERM)
+                raise RuntimeError("Connection closed by peer")
+        assert failed.value.code == 128 + signal.SIGTERM and got == [signal.SIGTERM] * 2
+        with pytest.raises(RuntimeError):  # no signal: the error is the error
+            with StopOnSignal():
+                raise RuntimeError("a real error")
+    finally:
+        signal.signal(signal.SIGTERM, before)
