@@ -14,7 +14,8 @@ Each is a small function over `Run`, the recipe's state; the phases other than t
 their own: `settings.py` (config checks, fingerprint, precision, devices), `start.py` (the inputs, where this
 start begins: fresh, resumed or the previous run kept), `build.py` (transformer, adapter, optimizer, sampler,
 data stream), `schedule.py` (optimizer + LR schedule), `saving.py` (checkpoint, final LoRA, cleanup),
-`result.py` (`TrainResult`) and `current.py` (the up-to-date check of `skip_if_done`). Only the transformer is
+`result.py` (`TrainResult`), `current.py` (the up-to-date check of `skip_if_done`) and `stop.py` (a SIGTERM
+finishes and checkpoints the step under way, on every rank alike). Only the transformer is
 loaded, never the text encoder or the VAE: the store already holds their outputs.
 
 RUN/
