@@ -265,10 +265,11 @@ def step(r: Run) -> StepStats:
             if m.damaged:
                 damaged += len(m.damaged)
                 r.damage.record(r.tables, m.damaged, r.step + 1)
-    # the damaged count and a stop request (SIGTERM on any rank) ride on the loss all-reduce
+    # the damaged count and a stop request (SIGTERM on any rank) ride on the loss all-reduce; filled on the
+    # device (`new_full`: a kernel, where a host tensor's copy from pageable memory would wait for the backward)
     stop_requested = r.stop.requested() if r.stop is not None else 0.0
-    summed = parallel.sum_over_ranks(torch.stack([loss_sum, torch.tensor(float(damaged), device=r.device),
-                                                  torch.tensor(stop_requested, device=r.device)]), r.world)
+    summed = parallel.sum_over_ranks(torch.stack([loss_sum, loss_sum.new_full((), float(damaged)),
+                                                  loss_sum.new_full((), stop_requested)]), r.world)
     loss_sum, left_out, stop = summed[0], summed[1], summed[2]
     if r.damage is not None:  # DDP averaged with the planned count: rescaled
         _rescale(r.params, n_step / (n_step - left_out).clamp(min=1))  # exactly 1.0 when none was left out
