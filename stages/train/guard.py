@@ -75,10 +75,16 @@ def record_skipped(run_dir: Path, damaged: dict[str, str]) -> Path:
     return path
 
 
+# What a failed checkpoint or final LoRA write leaves the user to do (a rerun without it is refused: the run
+# folder holds checkpoints).
+RESUME_ADVICE = "rerun with --resume to continue from the last committed checkpoint"
+
+
 @contextmanager
-def one_line_errors(what: str, where: Path) -> Iterator[None]:
-    """A failed write (full disk, read-only folder, ...) becomes one clear line; `store.format.atomic_dir` inside
-    has removed its temp folder, so the committed checkpoints and LoRA are untouched."""
+def one_line_errors(what: str, where: Path, then: str = "") -> Iterator[None]:
+    """A failed write (full disk, read-only folder, ...) becomes one clear line (`then` added: what to run next);
+    `store.format.atomic_dir` inside has removed its temp folder, so the committed checkpoints and LoRA are
+    untouched."""
     from store.io_errors import describe
 
     try:
@@ -87,4 +93,4 @@ def one_line_errors(what: str, where: Path) -> Iterator[None]:
         err = describe(e, what, where)
         if err is None:
             raise
-        raise err from None
+        raise (type(err)(f"{err}; {then}") if then else err) from None

@@ -14,7 +14,8 @@ Each is a small function over `Run`, the recipe's state; the phases other than t
 their own: `settings.py` (config checks, fingerprint, precision, devices), `start.py` (the inputs, where this
 start begins: fresh, resumed or the previous run kept), `build.py` (transformer, adapter, optimizer, sampler,
 data stream), `schedule.py` (optimizer + LR schedule), `saving.py` (checkpoint, final LoRA, cleanup),
-`result.py` (`TrainResult`) and `current.py` (the up-to-date check of `skip_if_done`). Only the transformer is
+`result.py` (`TrainResult`), `current.py` (the up-to-date check of `skip_if_done`) and `stop.py` (a SIGTERM
+finishes and checkpoints the step under way, on every rank alike). Only the transformer is
 loaded, never the text encoder or the VAE: the store already holds their outputs.
 
 RUN/
@@ -63,6 +64,7 @@ from stages.train.saving import checkpoint, cleanup, finish
 from stages.train.settings import make_accelerator, resolved_config, train_device, validate_config
 from stages.train.start import open_tables, prepare_run_dir, resume_point, start_record
 from stages.train.state import ResumeRecord
+from stages.train.stop import StopOnSignal
 from store.format import atomic_write_json
 from store.join import JoinedTables
 
@@ -102,6 +104,7 @@ class Run:
     kept_previous: Path | None = None
     run_lock: Any = None  # the lock of the fresh RUN after a keep (the first one moved with the kept run)
     damage: DamageTally | None = None  # train.on_damaged=skip: samples left out, the agreed limit
+    stop: StopOnSignal | None = None  # a SIGTERM seen by this rank, agreed at the next step (stages/train/stop.py)
 
     @property
     def device(self) -> torch.device:
@@ -135,6 +138,7 @@ class StepStats:
     data_seconds: float  # of which waiting for this rank's micro-batches (reads + preparation, or an empty queue)
     started: float  # perf_counter / process_time at the step's start: `log` adds its own time to the step's
     cpu_started: float
+    stop: bool = False  # a rank was sent SIGTERM: checkpoint this step and stop (every rank alike)
 
 # ---------------------------------------------------------------------------------------------- the recipe
 
@@ -171,14 +175,20 @@ def run(
         r = setup(cfg, store, model, out, resume, accelerator, new_run=new_run, before_keep=before_keep, locks=locks)
         if r.validator is not None and r.step > 0:  # a validation due at the resumed step (a failure there came
             r.validator(r)  # after its checkpoint): the validator runs only what it left unrecorded
-        while r.step < r.cfg.max_steps:
-            stats = step(r)
-            log(r, stats)
-            # checkpoint first: a validation that fails (out of memory generating samples) loses no training
-            if r.step % r.cfg.checkpoint_every == 0 or r.step == r.cfg.max_steps:
-                checkpoint(r)
-            if r.validator is not None:
-                r.validator(r)
+        with StopOnSignal() as r.stop:
+            while r.step < r.cfg.max_steps:
+                stats = step(r)
+                log(r, stats)
+                # checkpoint first: a validation that fails (out of memory generating samples) loses no training
+                if r.step % r.cfg.checkpoint_every == 0 or r.step == r.cfg.max_steps or stats.stop:
+                    checkpoint(r)
+                if stats.stop and r.step < r.cfg.max_steps:  # every rank: the flag came with the step's loss
+                    if r.main:
+                        r.bar.write(f"stopped by a signal after optimizer step {r.step}: its checkpoint "
+                                    f"{r.checkpoints / f'step-{r.step}'} is written; continue with --resume")
+                    r.stop.stop_now()
+                if r.validator is not None:
+                    r.validator(r)
         result = finish(r)
         result.seconds = time.perf_counter() - started
         return result
@@ -234,7 +244,7 @@ def step(r: Run) -> StepStats:
     `fails_alone`: the others may be in DDP's all-reduce, so a failure here (a damaged sample, out of memory)
     is published to every rank instead of agreed on (models/collective.py)."""
     tc, t0, c0 = r.cfg, time.perf_counter(), time.process_time()
-    step_losses: list[tuple[list[str], torch.Tensor]] = []  # this rank's, named in a non-finite error
+    step_losses: list[tuple[list[int], torch.Tensor]] = []  # this rank's rows and losses, for a non-finite step
     loss_sum = torch.zeros((), device=r.device)
     damaged = 0  # train.on_damaged=skip: this rank's planned samples left out as damaged (stages/train/damaged.py)
     with fails_alone(r.world, f"optimizer step {r.step + 1}", OOM_ADVICE):
@@ -249,26 +259,26 @@ def step(r: Run) -> StepStats:
             losses = torch.cat(parts) if len(parts) > 1 else parts[0]
             loss_sum += losses.sum()
             share = [i for i in m.global_batch[r.rank] if i not in m.damaged]
-            step_losses.append(([r.tables.keys[i] for i in share], losses))
+            step_losses.append((share, losses))
             _count_epoch_tokens(r, m.epoch, m.global_batch, m.ends_epoch)
             r.position = m.position
             if m.damaged:
                 damaged += len(m.damaged)
                 r.damage.record(r.tables, m.damaged, r.step + 1)
-    if r.damage is None:
-        loss_sum = parallel.sum_over_ranks(loss_sum, r.world)
-        left_out = torch.zeros((), device=loss_sum.device)
-    else:  # the damaged count rides on the loss all-reduce; DDP averaged with the planned count: rescaled
-        summed = parallel.sum_over_ranks(torch.stack([loss_sum, torch.tensor(float(damaged), device=r.device)]),
-                                         r.world)
-        loss_sum, left_out = summed[0], summed[1]
+    # the damaged count and a stop request (SIGTERM on any rank) ride on the loss all-reduce; filled on the
+    # device (`new_full`: a kernel, where a host tensor's copy from pageable memory would wait for the backward)
+    stop_requested = r.stop.requested() if r.stop is not None else 0.0
+    summed = parallel.sum_over_ranks(torch.stack([loss_sum, loss_sum.new_full((), float(damaged)),
+                                                  loss_sum.new_full((), stop_requested)]), r.world)
+    loss_sum, left_out, stop = summed[0], summed[1], summed[2]
+    if r.damage is not None:  # DDP averaged with the planned count: rescaled
         _rescale(r.params, n_step / (n_step - left_out).clamp(min=1))  # exactly 1.0 when none was left out
     # gradients all-reduced by DDP, the loss here: every rank decides alike. Clipping a non-finite step's
     # gradients does no harm: they are dropped below.
     finite = guard.finite(loss_sum, r.params)
     norm = _clip(r.params, tc.max_grad_norm)
-    figures = [t.float().to(loss_sum.device) for t in (loss_sum, finite, norm, left_out)]
-    total, ok, grad_norm, left_out = torch.stack(figures).tolist()  # the step's one host sync
+    figures = [t.float().to(loss_sum.device) for t in (loss_sum, finite, norm, left_out, stop)]
+    total, ok, grad_norm, left_out, stop = torch.stack(figures).tolist()  # the step's one host sync
     intact = n_step - int(left_out)
     if r.damage is not None:
         r.damage.add(r.tables, int(left_out), n_step)  # over the limit: the same error on every rank, now
@@ -278,13 +288,14 @@ def step(r: Run) -> StepStats:
         ok, grad_norm = False, float("nan")
     elif ok:
         r.optimizer.step()
-    else:
-        per_sample = {k: v for keys, losses in step_losses for k, v in zip(keys, losses.tolist())}
+    else:  # every rank is here (the finite check is of all-reduced figures) and names the same samples
+        per_sample = step_sample_losses(r, micro, step_losses)
         message = guard.nonfinite_message(r.step + 1, per_sample, r.tables.store_root)
         if tc.on_nonfinite == "stop":
             raise guard.NonFiniteError(message)
         # skip_step: no update; the step still counts, so the schedule and the data order go on
-        r.bar.write("skipped " + message.split(";")[0])
+        if r.main:
+            r.bar.write("skipped " + message.split(";")[0])
         r.result.skipped_steps.append(r.step + 1)
         grad_norm = float("nan")
     r.scheduler.step()
@@ -294,7 +305,8 @@ def step(r: Run) -> StepStats:
     r.step += 1
     loss = total / intact if intact else float("nan")
     batches = [b for m in micro for b in m.global_batch]
-    return StepStats(loss, micro[0].epoch, intact, grad_norm, batches, time.perf_counter() - t0, data_seconds, t0, c0)
+    return StepStats(loss, micro[0].epoch, intact, grad_norm, batches, time.perf_counter() - t0, data_seconds, t0, c0,
+                     stop=stop > 0)
 
 
 def log(r: Run, s: StepStats) -> None:
@@ -347,6 +359,26 @@ def _count_epoch_tokens(r: Run, epoch: int, global_batch: list[list[int]], ends_
         r.writer.add_scalar("epoch/padding_efficiency", eff, r.step + 1)
         r.bar.write(f"epoch {epoch}: padding efficiency {eff:.3f} (valid / computed tokens)")
     r.epoch_tokens = [0, 0]
+
+
+def step_sample_losses(r: Run, micro: list, mine: list[tuple[list[int], torch.Tensor]]) -> dict[str, float]:
+    """Every sample's loss of the step by key, the same on every rank (only for a non-finite step): each rank
+    fills in its own samples' slots of the step's plan (every rank knows every rank's batch), one all-reduce sums
+    them. A rank's own losses alone would name its own samples, on the rank that holds none of the bad ones its
+    innocent ones, and each rank a different line."""
+    slots = [i for m in micro for share in m.global_batch for i in share]
+    table = torch.zeros(2, len(slots), dtype=torch.float64)  # loss, trained (a damaged sample left out: 0)
+    offset, own = 0, iter(mine)
+    for m in micro:
+        for q, share in enumerate(m.global_batch):
+            if q == r.rank:
+                rows, losses = next(own)
+                at = {i: offset + j for j, i in enumerate(share)}
+                for i, loss in zip(rows, losses.double().cpu().tolist()):
+                    table[:, at[i]] = torch.tensor([loss, 1.0], dtype=torch.float64)
+            offset += len(share)
+    table = parallel.sum_over_ranks(table.to(r.device), r.world).cpu()
+    return {r.tables.keys[i]: loss for i, (loss, trained) in zip(slots, table.T.tolist()) if trained}
 
 
 def _rescale(params: list[torch.nn.Parameter], factor: torch.Tensor) -> None:

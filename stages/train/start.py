@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from tqdm.auto import tqdm
 
 from features.open import open_configured
-from models.collective import together
+from models.collective import all_max, together
 from models.lora import load_lora
 from schemas.config import PipelineConfig, TrainConfig, dump_config
 from schemas.errors import UserError
@@ -50,15 +50,15 @@ def start_record(tc: TrainConfig, tables: JoinedTables, model: str, world_size: 
 
 def resume_point(r: Run, resume: bool, cfg: PipelineConfig) -> tuple[Path | None, ResumeRecord | None]:
     """The checkpoint to resume from and its record (checked against this start, files checked once), or
-    (None, None); refuses to overwrite a run."""
-    latest = train_state.latest_checkpoint(r.checkpoints)
-    if not resume and r.new_run and previous.holds_trained_run(r.run_dir):
+    (None, None); refuses to overwrite a run. Decided by every rank alike (`seen_run`, the record read together)."""
+    latest, final = seen_run(r)
+    if not resume and r.new_run and (latest is not None or final):  # previous.holds_trained_run, as agreed
         return keep_previous(r, "--new-run")
     if latest is not None and not resume:
         raise UserError(f"{r.run_dir} already holds checkpoints ({latest.name}); pass --resume to continue it, "
                         f"--new-run to keep it as {previous.previous_root(r.run_dir)}/N-TIME and train afresh, "
                         "or use a new --out")
-    if latest is None and (r.run_dir / "lora").is_dir():
+    if latest is None and final:
         # A finished run whose checkpoints are gone (deleted to save disk, or only lora/ copied): nothing to
         # continue from, and a start at step 0 would replace its LoRA at the end. Kept (--new-run) or refused.
         why = f"{r.run_dir} holds a final LoRA but no checkpoints to continue it from"
@@ -68,7 +68,8 @@ def resume_point(r: Run, resume: bool, cfg: PipelineConfig) -> tuple[Path | None
                         f"to keep it as {previous.previous_root(r.run_dir)}/N-TIME and train afresh")
     if not resume or latest is None:
         return None, None
-    record = ResumeRecord.read(latest / train_state.RESUME_JSON)
+    with together(r.world, f"reading {latest}"):  # a read that fails on one rank stops every rank with its line
+        record = ResumeRecord.read(latest / train_state.RESUME_JSON)
     # a run made when batch_size was hashed under a token budget is this run when the rest agrees
     record = replace(record, config_fingerprint=known_fingerprint(record.config_fingerprint, r.cfg))
     try:
@@ -88,6 +89,24 @@ def resume_point(r: Run, resume: bool, cfg: PipelineConfig) -> tuple[Path | None
             f"{why}\nTo keep this run (moved to {previous.previous_root(r.run_dir)}/N-TIME) and train afresh into "
             f"{r.run_dir}, add --new-run (what `pipeline run all` does)", reason=e.reason) from None
     return latest, record
+
+
+def seen_run(r: Run) -> tuple[Path | None, bool]:
+    """The run folder's newest committed checkpoint and whether it holds a final LoRA, as every rank sees them,
+    checked to be the same on all (two integers each, one all-reduce). Each rank reads the folder itself; a shared
+    filesystem whose directory caches lag on some nodes (a restart seconds after the last checkpoint) would
+    otherwise have ranks resume from different steps, or some keep the old run (collectives the others never
+    join) while the rest resume it: one line on every rank instead."""
+    latest = train_state.latest_checkpoint(r.checkpoints)
+    final = (r.run_dir / "lora").is_dir()
+    step = train_state.step_of(latest) if latest is not None else -1
+    most = all_max(r.world, [step, -step, int(final), -int(final)])
+    if most[0] == -most[1] and most[2] == -most[3]:
+        return latest, final
+    seen = (f"newest checkpoint step-{most[0]} on some, {'none' if most[1] == 1 else f'step-{-most[1]}'} on "
+            "others" if most[0] != -most[1] else "a final LoRA on some, none on others")
+    raise UserError(f"the ranks do not see the same run folder {r.run_dir} ({seen}): --out must be one folder "
+                    "every rank sees alike; on a shared filesystem that has not caught up yet, rerun in a minute")
 
 
 def keep_previous(r: Run, why: str) -> tuple[None, None]:

@@ -53,7 +53,7 @@ def _intact(folder: Path) -> bool:
 
 def damaged_message(folder: Path, what: str) -> str:
     """Names the damaged file and offers the newest intact earlier checkpoint (kept checkpoints exist for this)."""
-    earlier = [p for step, p in complete_checkpoints(folder.parent) if p != folder and step < _step_of(folder)]
+    earlier = [p for step, p in complete_checkpoints(folder.parent) if p != folder and step < step_of(folder)]
     intact = next((p for p in reversed(earlier) if _intact(p)), None)
     offer = (f"the previous checkpoint {intact.name} is intact: move {folder} out of {folder.parent} and rerun with "
              f"--resume to continue from it" if intact is not None else
@@ -61,7 +61,8 @@ def damaged_message(folder: Path, what: str) -> str:
     return f"checkpoint {folder}: {what}; {offer}"
 
 
-def _step_of(folder: Path) -> int:
+def step_of(folder: Path) -> int:
+    """The optimizer step a checkpoint folder `step-N` holds."""
     tail = folder.name[len(_PREFIX):]
     return int(tail) if tail.isdigit() else 1 << 62
 

@@ -227,6 +227,8 @@ def test_full_disk_during_checkpoint_and_final_lora_is_one_line_and_rerun_comple
     res = runner.invoke(app, args)
     assert res.exit_code == 1 and "Traceback" not in res.output
     assert "disk full while writing checkpoint step-2" in res.output and "MB free" in res.output
+    # what to run next: a plain rerun would be refused (the folder holds checkpoints)
+    assert "rerun with --resume to continue from the last committed checkpoint" in res.output, res.output
     assert not list((out / "checkpoints").iterdir())  # the temp checkpoint folder was removed
     monkeypatch.setattr(train_state, "save_optimizer", real)
 
@@ -249,6 +251,7 @@ def test_full_disk_during_checkpoint_and_final_lora_is_one_line_and_rerun_comple
     monkeypatch.setattr(train_saving, "save_lora", final_lora_full)
     res = runner.invoke(app, args)
     assert res.exit_code == 1 and "disk full while writing the final LoRA" in res.output, res.output
+    assert "rerun with --resume" in res.output, res.output
     assert not (out / ".lora.tmp").exists() and not (out / "lora").exists()
     assert train_state.latest_checkpoint(out / "checkpoints").name == "step-2"  # the committed checkpoint is kept
     monkeypatch.undo()

@@ -13,18 +13,23 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 
 
-def launch_two(script: str, *args: str, timeout: float = 420) -> list[tuple[int, str, str]]:
-    """Run tests/stages/`script` with `args` as ranks 0 and 1 of one gloo world. A rank left waiting in a
-    collective hangs: the timeout then fails the test (no timing assert: a bound, generous under load). Rank 0
+def start_two(script: str, *args: str, env: dict[str, str] | None = None) -> list[Logged]:
+    """Start tests/stages/`script` with `args` as ranks 0 and 1 of one gloo world (`env` added to both). Rank 0
     hosts the store (a plain env:// launch): rank 1 starts once it listens (tests/launch_ports.py)."""
     def start(rank: int, port: int) -> Logged:
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
-               "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
-               "PYTHONPATH": os.pathsep.join([str(REPO), str(HERE), str(HERE.parent)])}
-        return Logged([sys.executable, str(HERE / script), *args], env=env)
+        full = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+                "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+                "PYTHONPATH": os.pathsep.join([str(REPO), str(HERE), str(HERE.parent)]), **(env or {})}
+        return Logged([sys.executable, str(HERE / script), *args], env=full)
 
-    procs = start_host_first(start, 2)
+    return start_host_first(start, 2)
+
+
+def launch_two(script: str, *args: str, timeout: float = 420) -> list[tuple[int, str, str]]:
+    """Run tests/stages/`script` with `args` as ranks 0 and 1 of one gloo world (`start_two`). A rank left waiting
+    in a collective hangs: the timeout then fails the test (no timing assert: a bound, generous under load)."""
+    procs = start_two(script, *args)
     outs = []
     try:
         for p in procs:

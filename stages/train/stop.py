@@ -1,0 +1,60 @@
+"""A scheduler's SIGTERM (preemption, `scancel`, torchrun stopping its workers) ends training after the optimizer
+step under way, with a checkpoint of that step, instead of at once: the steps since the last checkpoint
+(`train.checkpoint_every`, 50 by default) are kept, and `--resume` goes on from there.
+
+The signal only sets a flag here; the step's loss all-reduce carries it (one more number, no extra collective), so
+every rank learns of a signal that reached any of them at the same step, writes the same checkpoint together and
+then stops as the signal would have stopped it (the handler it replaced: the CLI's one-line exit, status 143).
+A second SIGTERM stops at once, as before. Schedulers send SIGKILL after a grace period (SLURM's KillWait, 30 s by
+default; torchrun's agent: 30 s): a step plus a LoRA checkpoint fits in it; where it does not, nothing is worse
+than the immediate stop (the last committed checkpoint stays the resume point).
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from typing import Any
+
+
+class StopOnSignal:
+    """Within the `with` block (the training loop, main thread only): SIGTERM recorded, not acted on."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: Any = None
+        self._installed = False
+
+    def __enter__(self) -> "StopOnSignal":
+        if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread
+            self._previous = signal.signal(signal.SIGTERM, self._record)
+            self._installed = True
+        return self
+
+    def __exit__(self, kind=None, error=None, tb=None) -> None:
+        if self._installed:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._installed = False
+        if self.signum is not None and isinstance(error, Exception):
+            # the step under way failed after the signal came (torchrun stops the other ranks when one dies: the
+            # dead one's connections close under this one's collective): stop as the signal would have at once
+            self._stop(self.signum, None)
+
+    def _record(self, signum: int, frame) -> None:
+        if self.signum is not None:  # asked twice: stop now
+            self._stop(signum, frame)
+        self.signum = signum
+
+    def requested(self) -> float:
+        """1.0 once a signal came (a number for the step's all-reduce), else 0.0."""
+        return 0.0 if self.signum is None else 1.0
+
+    def stop_now(self, signum: int | None = None) -> None:
+        """End the process as the replaced handler would have for the signal (all ranks: the agreed stop)."""
+        self.__exit__()
+        self._stop(signum or self.signum or signal.SIGTERM, None)
+
+    def _stop(self, signum: int, frame) -> None:
+        if callable(self._previous):
+            self._previous(signum, frame)  # the CLI's handler raises SystemExit(128 + signum)
+        raise SystemExit(128 + signum)

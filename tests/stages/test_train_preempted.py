@@ -1,0 +1,125 @@
+"""A SIGTERM (a scheduler's preemption) while training: the step under way is finished and checkpointed, then the
+process stops with the signal's status and one line; `--resume` continues from that step and trains the LoRA a
+straight run trains. Before: the process stopped at once and lost every step since the last checkpoint
+(`train.checkpoint_every`, 50 by default). The signal is sent while the trainer has stopped itself right after its
+step-3 checkpoint (`STORE_PAUSE_AT`), so it lands at the same point whatever the machine's load."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import torch
+
+from models.lora import read_lora
+from pipeline.config import load_config
+from stages.train import state as train_state
+from stages.train.recipe import run
+from train_store import make_train_store, mixed_specs
+
+SETS = {"train.device": "cpu", "train.batch_size": 2, "train.learning_rate": 2e-3, "train.lora.rank": 4,
+        "train.checkpoint_every": 3}
+
+
+def test_sigterm_checkpoints_the_step_under_way_and_resume_loses_nothing(tiny_edit_model, tmp_path) -> None:
+    store, out = tmp_path / "store", tmp_path / "run"
+    make_train_store(store, tiny_edit_model, mixed_specs(8))
+    sets = [a for k, v in SETS.items() for a in ("--set", f"{k}={v}")]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pipeline.cli", "run", "train", "--store", str(store), "--model", tiny_edit_model,
+         "--out", str(out), "--max-steps", "1000", *sets],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "STORE_PAUSE_AT": "train_after_checkpoint"})
+    try:
+        deadline = time.monotonic() + 600  # a bound for a regression, not a timing assert
+        while psutil.Process(proc.pid).status() != psutil.STATUS_STOPPED:
+            assert proc.poll() is None and time.monotonic() < deadline, "the trainer never reached its checkpoint"
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)  # pending until it continues, right after the step-3 checkpoint
+        proc.send_signal(signal.SIGCONT)
+        output = proc.communicate(timeout=300)[0].decode()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    assert f"stopped by a signal after optimizer step 4: its checkpoint {out / 'checkpoints' / 'step-4'}" in output
+    assert [s for s, _ in train_state.complete_checkpoints(out / "checkpoints")] == [3, 4]  # step 4: not due
+
+    cfg = load_config(None, {**SETS, "train.max_steps": 6})
+    resumed = run(cfg, store, tiny_edit_model, out, resume=True)
+    assert resumed.start_step == 4
+    run(cfg, store, tiny_edit_model, tmp_path / "straight")
+    a, b = read_lora(out / "lora")[0], read_lora(tmp_path / "straight" / "lora")[0]
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_sigterm_on_one_rank_checkpoints_the_same_step_on_every_rank(tiny_edit_model, tmp_path) -> None:
+    """Two gloo processes; only rank 1 is sent SIGTERM (a scheduler that signals ranks one by one, or one node
+    first): both finish step 4, write its checkpoint together (every rank's RNG state in it) and stop with 143."""
+    from two_ranks import start_two
+
+    store, out = tmp_path / "store", tmp_path / "run"
+    make_train_store(store, tiny_edit_model, mixed_specs(8))
+    sets = [a for k, v in SETS.items() for a in ("--set", f"{k}={v}")]
+    procs = start_two("rank_cli.py", "run", "train", "--store", str(store), "--model", tiny_edit_model, "--out",
+                      str(out), "--max-steps", "1000", *sets, env={"STORE_PAUSE_AT": "train_after_checkpoint"})
+    try:
+        deadline = time.monotonic() + 600  # a bound for a regression, not a timing assert
+        while not all(psutil.Process(p.pid).status() == psutil.STATUS_STOPPED for p in procs):
+            assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, [p.output() for p in procs]
+            time.sleep(0.1)
+        procs[1].send_signal(signal.SIGTERM)  # pending until it continues, right after the step-3 checkpoint
+        for p in procs:
+            p.send_signal(signal.SIGCONT)
+        outs = [p.communicate(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, (stdout, stderr) in zip(procs, outs):
+        assert p.returncode == 128 + signal.SIGTERM, (p.returncode, stderr[-3000:])
+        assert "Traceback" not in stdout + stderr, stderr[-3000:]
+    assert "stopped by a signal after optimizer step 4" in outs[0][0], outs[0]
+    assert [s for s, _ in train_state.complete_checkpoints(out / "checkpoints")] == [3, 4]
+    step4 = out / "checkpoints" / "step-4"
+    assert {p.name for p in step4.glob("rng-rank*")} == {"rng-rank00.safetensors", "rng-rank01.safetensors"}
+    assert train_state.ResumeRecord.read(step4 / "resume.json").step == 4
+
+
+def test_the_signal_is_held_once_and_a_failing_step_after_it_stops_as_the_signal_would() -> None:
+    """In-process: the handler the block replaced gets the signal when the stop is acted on; a second SIGTERM, or
+    an error in the step under way (a peer that torchrun stopped first closed its connections), stops at once with
+    the signal's status instead of that error's traceback."""
+    import pytest
+
+    from stages.train.stop import StopOnSignal
+
+    got: list[int] = []
+
+    def previous(signum, frame):
+        got.append(signum)
+
+    before = signal.signal(signal.SIGTERM, previous)
+    try:
+        with StopOnSignal() as stop:
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert stop.requested() == 1.0 and got == []  # held
+            with pytest.raises(SystemExit) as second:
+                os.kill(os.getpid(), signal.SIGTERM)
+        assert second.value.code == 128 + signal.SIGTERM and got == [signal.SIGTERM]
+        assert signal.getsignal(signal.SIGTERM) is previous  # put back
+
+        with pytest.raises(SystemExit) as failed:
+            with StopOnSignal():
+                os.kill(os.getpid(), signal.SIGTERM)
+                raise RuntimeError("Connection closed by peer")
+        assert failed.value.code == 128 + signal.SIGTERM and got == [signal.SIGTERM] * 2
+        with pytest.raises(RuntimeError):  # no signal: the error is the error
+            with StopOnSignal():
+                raise RuntimeError("a real error")
+    finally:
+        signal.signal(signal.SIGTERM, before)
