@@ -41,6 +41,18 @@ def load_pipeline_21(model: str, dtype: torch.dtype, devices: dict[str, str], lo
     return pipe
 
 
+def check_reference_count(n: int, model: str, what: str, advice: str) -> None:
+    """More than the model's 10 references refused in one line before anything is loaded: the stock pipeline
+    takes any number and gives the transformer a layout it was never trained on (encode quarantines such samples,
+    `control-count`)."""
+    from models.qwen21_multires import MAX_REFERENCES
+    from schemas.errors import UserError
+
+    if n > MAX_REFERENCES:
+        raise UserError(f"{what}: {n} reference images, but Qwen-Image-2.1 ({model}) takes at most {MAX_REFERENCES}; "
+                        f"{advice}")
+
+
 def _text_tokens(pipe, prompt: str, n_images: int) -> int:
     """Text tokens of the prompt's embeddings as `_get_qwen_prompt_embeds` builds them (its template, its image
     slots, its system-token drop), counted with the tokenizer alone: each image is one `<|image_pad|>` here (the

@@ -71,6 +71,10 @@ def predict(cfg, model: str, images: list[Path], prompt: str, out: Path, lora: s
     if out_format == "JPEG" and model_variant(model) == "qwen-image-2.1":
         raise UserError(f"--out {out}: Qwen-Image-2.1 edits are RGBA (alpha kept) and JPEG has no alpha; name it "
                         ".png or .webp")
+    if model_variant(model) == "qwen-image-2.1":
+        from models.qwen21_predict import check_reference_count
+
+        check_reference_count(len(images), model, "--image", "pass at most 10 --image")
     from features.decode import read_image_file
 
     # Decoded as resize-bucket decodes the training images (EXIF orientation, CMYK via its ICC profile, 16-bit

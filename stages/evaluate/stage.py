@@ -285,8 +285,12 @@ def for_model(cfg: EvaluateConfig, model: str) -> EvaluateConfig:
     grid take it (Qwen-Image-2.1: no guidance, its pipeline's default; the Edit models: 4.0). Resolved before
     anything is fingerprinted, so a report records the scale its images were made with."""
     from models.loading import model_variant
-    from models.qwen21_predict import TRUE_CFG_21
+    from models.qwen21_predict import TRUE_CFG_21, check_reference_count
 
+    if model_variant(model) == "qwen-image-2.1":  # refused before anything is read or loaded
+        for i, extra in enumerate(cfg.extra_prompts):
+            check_reference_count(len(extra.images), model, f"evaluate.extra_prompts[{i}].images",
+                                  "list at most 10 images in that extra prompt")
     if "true_cfg_scale" in cfg.model_fields_set or model_variant(model) != "qwen-image-2.1":
         return cfg
     return cfg.model_copy(update={"true_cfg_scale": TRUE_CFG_21})

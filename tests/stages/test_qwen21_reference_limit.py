@@ -1,0 +1,56 @@
+"""Qwen-Image-2.1 takes 0..10 reference images (encode quarantines a sample with more, `control-count`). predict
+and evaluate's extra prompts took any number: the stock pipeline ran 11 references through the transformer, a
+layout the model never saw, after minutes of loading. Now one line (what, which model, what to do) before
+anything is loaded."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from PIL import Image
+from typer.testing import CliRunner
+
+from pipeline.cli import app
+
+
+def _refs(tmp_path, n: int) -> list:
+    ref = tmp_path / "ref.png"
+    Image.fromarray(np.random.default_rng(3).integers(0, 255, (32, 32, 3), dtype=np.uint8)).save(ref)
+    return [ref] * n
+
+
+def test_21_predict_refuses_11_references_before_loading_anything(tiny_21_model, tmp_path):
+    from models.loading import LOAD_LOG
+
+    out = tmp_path / "out.png"
+    args = ["predict", "--model", tiny_21_model, "--prompt", "p", "--steps", "2", "--height", "32", "--width", "32",
+            "--out", str(out)]
+    LOAD_LOG.clear()
+    result = CliRunner().invoke(app, args + [a for r in _refs(tmp_path, 11) for a in ("--image", str(r))])
+    assert result.exit_code == 1, result.output
+    assert "--image: 11 reference images" in result.output and "at most 10" in result.output
+    assert "Traceback" not in result.output and not out.exists() and LOAD_LOG == []
+
+
+def test_21_predict_takes_10_references(tiny_21_model, tmp_path):
+    """The limit is the model's: 10 still run (the stock pipeline call)."""
+    out = tmp_path / "out.png"
+    result = CliRunner().invoke(app, ["predict", "--model", tiny_21_model, "--prompt", "p", "--steps", "2",
+                                      "--height", "32", "--width", "32", "--out", str(out)]
+                                + [a for r in _refs(tmp_path, 10) for a in ("--image", str(r))])
+    assert result.exit_code == 0, result.output
+    assert out.is_file()
+
+
+def test_21_evaluate_refuses_an_extra_prompt_with_11_references(tiny_21_model, tiny_edit_model, tmp_path):
+    """Both evaluate entries resolve the config through `for_model` before reading or loading anything."""
+    from pipeline.config import load_config
+    from schemas.errors import UserError
+    from stages.evaluate.stage import for_model
+
+    images = [str(r) for r in _refs(tmp_path, 11)]
+    cfg = load_config(None, {"evaluate.extra_prompts": [{"prompt": "p", "images": images[:1]},
+                                                         {"prompt": "q", "images": images}]}).evaluate
+    with pytest.raises(UserError, match=r"evaluate.extra_prompts\[1\].images: 11 reference images.*at most 10"):
+        for_model(cfg, tiny_21_model)
+    for_model(cfg.model_copy(update={"extra_prompts": cfg.extra_prompts[:1]}), tiny_21_model)  # 1 reference: fine
