@@ -14,6 +14,7 @@ decode (sample grids, evaluate, predict) is traced on fake tensors from the VAE'
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -163,32 +164,42 @@ def vae_class(model: str):
     return AutoencoderKLQwenImage, 8
 
 
-@lru_cache(maxsize=32)
 def vae_decode_bytes(model: str, dtype: str, height: int, width: int) -> int:
-    """Peak bytes one VAE decode of a height x width image allocates beyond the VAE's weights (the decoder's
-    feature maps, its causal convolutions' frame caches, the output): the decode traced on fake tensors
-    (`FakeTensorMode`: shapes only, nothing allocated, no weight read) under torch's own `MemTracker`, built from
-    the model's VAE config. Traced rather than a formula: the peak sits in the decoder's full-resolution stage,
-    whose caches and up-sampling copies a hand count missed (tests/models/test_memory_plan_decode.py checks it
-    against the live tensors of a real decode)."""
+    """Peak bytes one VAE decode of a height x width image allocates beyond the VAE's weights (`vae_pass_bytes`)."""
+    return vae_pass_bytes(model, dtype, height, width)
+
+
+@lru_cache(maxsize=32)
+def vae_pass_bytes(model: str, dtype: str, height: int, width: int, encode: bool = False, batch: int = 1) -> int:
+    """Peak bytes one VAE decode of a height x width image (or `encode` of `batch` such images) allocates beyond
+    the VAE's weights (its input, the feature maps, the causal convolutions' frame caches, the output): traced on
+    fake tensors (`FakeTensorMode`: shapes only, nothing allocated, no weight read) under torch's own
+    `MemTracker`, built from the model's VAE config. Traced rather than a formula: the peak sits in the
+    full-resolution stage, whose caches and up-sampling copies a hand count missed (the encode's "handful of
+    feature maps" was 1.7x under it; tests/models/test_memory_plan_decode.py checks both against the live
+    tensors of a real pass)."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
 
     cls, scale = vae_class(model)
     cfg = json.loads((config_root(model) / "vae" / "config.json").read_text())
-    default = torch.get_default_dtype()
+    default, elem = torch.get_default_dtype(), getattr(torch, dtype)
     with FakeTensorMode():
-        torch.set_default_dtype(getattr(torch, dtype))  # built in the dtype: a fake module cannot be cast
+        torch.set_default_dtype(elem)  # built in the dtype: a fake module cannot be cast
         try:
             vae = cls.from_config(cfg).eval()
         finally:
             torch.set_default_dtype(default)
-        latents = torch.zeros(1, vae.config.z_dim, 1, height // scale, width // scale, dtype=getattr(torch, dtype))
         tracker = MemTracker()
         tracker.track_external(vae)
-        with tracker, torch.no_grad():
-            vae.decode(latents, return_dict=False)
+        with tracker, torch.no_grad():  # the input counted too: it is on the device through the pass
+            if encode:
+                channels = getattr(vae.config, "input_channels", None) or vae.config.in_channels  # Edit 3, 2.1: 4
+                vae.encode(torch.zeros(batch, channels, 1, height, width, dtype=elem))
+            else:
+                vae.decode(torch.zeros(batch, vae.config.z_dim, 1, height // scale, width // scale, dtype=elem),
+                           return_dict=False)
     peak = tracker.get_tracker_snapshot("peak")
     return sum(v["Total"] for v in peak.values()) - sum(p.numel() * p.element_size() for p in vae.parameters())
 
@@ -337,8 +348,9 @@ def encode_plan(model: str, component: str, dtype: str, batch_size: int, tokens_
         cfg = json.loads((config_root(model) / component / "config.json").read_text())
         text = cfg.get("text_config", cfg)
         live = batch_size * tokens_per_sample * (4 * text["hidden_size"] + 2 * text["intermediate_size"]) * elem
-    else:  # VAE: a handful of full-resolution feature maps of the first (widest-resolution) stage
-        live = batch_size * tokens_per_sample * 256 * 96 * 6 * elem  # tokens = 16x16 px patches, 96 channels
+    else:  # VAE: a batch of images of the sample's area (16 x 16 px per token), traced
+        side = max(64, math.isqrt(tokens_per_sample * 256) // 64 * 64)
+        live = vae_pass_bytes(model, dtype, side, side, encode=True, batch=batch_size)
     return StagePlan(f"encode-{'text' if component == 'text_encoder' else 'vae'}", {"weights": n * elem, "activations": live})
 
 

@@ -1,8 +1,9 @@
-"""`pipeline plan`'s VAE decode term (the training sample grid's float32 decode, evaluate's and predict's):
-none was planned, and at 1024² the decode's feature maps (3.4 GiB in bf16, 6.8 GiB in float32 for the Edit VAE)
-can exceed a checkpointed step's activations. The term is the decode traced on fake tensors from the VAE config
-(`models.memory_plan.vae_decode_bytes`); here it is checked against the storages a real decode of the tiny
-models allocates, counted while they are alive (a dispatch mode independent of the tracer the plan uses)."""
+"""`pipeline plan`'s VAE terms. The decode (the training sample grid's float32 decode, evaluate's and predict's)
+was not planned, and at 1024² its feature maps (3.4 GiB in bf16, 6.8 GiB in float32 for the Edit VAE) can exceed
+a checkpointed step's activations; encode-vae's activations were "a handful of feature maps", 9.0 GiB for a
+batch of 8 at 1024² where the pass holds 15.1 GiB. Both are now the pass traced on fake tensors from the VAE
+config (`models.memory_plan.vae_pass_bytes`), checked here against the storages a real pass of the tiny models
+allocates, counted while they are alive (a dispatch mode independent of the tracer the plan uses)."""
 
 from __future__ import annotations
 
@@ -56,8 +57,9 @@ def test_planned_decode_is_the_live_tensors_of_a_real_decode(fixture, request):
     _, scale = mp.vae_class(model)
     measured = {}
     for h, w in ((64, 48), (128, 96)):
-        latents = torch.randn(1, vae.config.z_dim, 1, h // scale, w // scale, generator=torch.Generator().manual_seed(0))
-        with torch.no_grad(), LiveBytes() as live:
+        with torch.no_grad(), LiveBytes() as live:  # the latents counted: on the device through the decode
+            latents = torch.randn(1, vae.config.z_dim, 1, h // scale, w // scale,
+                                  generator=torch.Generator().manual_seed(0))
             vae.decode(latents, return_dict=False)
         planned = mp.vae_decode_bytes(model, "float32", h, w)
         assert abs(planned - live.peak) <= 0.005 * live.peak, (h, w, planned, live.peak)
@@ -99,3 +101,19 @@ def test_plan_command_shows_the_decode_of_a_1024_sample_grid():
     assert "sample-grid VAE decode above the activations" in train
     evaluate = next(line for line in result.output.splitlines() if line.strip().startswith("evaluate"))
     assert "VAE decode above the activations" in evaluate
+
+
+@pytest.mark.parametrize("fixture", ["tiny_edit_model", "tiny_21_model"])
+def test_planned_vae_encode_is_the_live_tensors_of_a_real_batch_encode(fixture, request):
+    """encode-vae's activations: a batch of 2 images encoded as the encode stage does (`vae.encode`), measured."""
+    from models.loading import load_component
+
+    model = request.getfixturevalue(fixture)
+    vae = load_component(model, "vae", dtype=torch.float32)
+    channels = getattr(vae.config, "input_channels", None) or vae.config.in_channels
+    with torch.no_grad(), LiveBytes() as live:  # the pixels counted: on the device through the encode
+        pixels = torch.rand(2, channels, 1, 64, 64, generator=torch.Generator().manual_seed(0)).mul_(2).sub_(1)
+        vae.encode(pixels)
+    planned = mp.vae_pass_bytes(model, "float32", 64, 64, encode=True, batch=2)
+    assert abs(planned - live.peak) <= 0.005 * live.peak, (planned, live.peak)
+    assert mp.encode_plan(model, "vae", "float32", 2, 64 * 64 // 256).parts["activations"] == planned
