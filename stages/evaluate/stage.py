@@ -261,10 +261,13 @@ def for_model(cfg: EvaluateConfig, model: str) -> EvaluateConfig:
     from models.loading import model_variant
     from models.qwen21_predict import TRUE_CFG_21, check_reference_count
 
-    if model_variant(model) == "qwen-image-2.1":  # refused before anything is read or loaded
-        for i, extra in enumerate(cfg.extra_prompts):
+    for i, extra in enumerate(cfg.extra_prompts):  # refused before anything is read or loaded
+        if model_variant(model) == "qwen-image-2.1":
             check_reference_count(len(extra.images), model, f"evaluate.extra_prompts[{i}].images",
                                   "list at most 10 images in that extra prompt")
+        elif model_variant(model) == "edit" and len(extra.images) != 1:
+            raise UserError(f"evaluate.extra_prompts[{i}].images: {len(extra.images)} control images, but "
+                            f"Qwen-Image-Edit ({model}) takes exactly one; list one image in that extra prompt")
     if "true_cfg_scale" in cfg.model_fields_set or model_variant(model) != "qwen-image-2.1":
         return cfg
     return cfg.model_copy(update={"true_cfg_scale": TRUE_CFG_21})

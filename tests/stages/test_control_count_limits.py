@@ -1,7 +1,8 @@
-"""Qwen-Image-2.1 takes 0..10 reference images (encode quarantines a sample with more, `control-count`). predict
-and evaluate's extra prompts took any number: the stock pipeline ran 11 references through the transformer, a
-layout the model never saw, after minutes of loading. Now one line (what, which model, what to do) before
-anything is loaded."""
+"""Control-image counts a model cannot take, refused in one line (what, which model, what to do) before it loads.
+Qwen-Image-2.1 takes 0..10 reference images (encode quarantines a sample with more, `control-count`): predict
+and evaluate's extra prompts took any number, the stock pipeline running 11 references through the transformer,
+a layout the model never saw, after minutes of loading. Qwen-Image-Edit takes one control: two were refused only
+after every component had loaded."""
 
 from __future__ import annotations
 
@@ -54,3 +55,29 @@ def test_21_evaluate_refuses_an_extra_prompt_with_11_references(tiny_21_model, t
     with pytest.raises(UserError, match=r"evaluate.extra_prompts\[1\].images: 11 reference images.*at most 10"):
         for_model(cfg, tiny_21_model)
     for_model(cfg.model_copy(update={"extra_prompts": cfg.extra_prompts[:1]}), tiny_21_model)  # 1 reference: fine
+
+
+def test_edit_predict_refuses_two_controls_before_loading_anything(tiny_edit_model, tmp_path):
+    """Qwen-Image-Edit takes one control: two were refused by `models.edit.prepare`, after the transformer, the
+    text encoder and the VAE had loaded (minutes for the 20B model). Now one line before any load."""
+    from models.loading import LOAD_LOG
+
+    out = tmp_path / "out.png"
+    LOAD_LOG.clear()
+    result = CliRunner().invoke(app, ["predict", "--model", tiny_edit_model, "--prompt", "p", "--steps", "2",
+                                      "--out", str(out)] + [a for r in _refs(tmp_path, 2) for a in ("--image", str(r))])
+    assert result.exit_code == 1, result.output
+    assert "--image: 2 control images" in result.output and "takes exactly one" in result.output
+    assert "Traceback" not in result.output and not out.exists() and LOAD_LOG == []
+
+
+def test_edit_evaluate_refuses_an_extra_prompt_with_two_controls(tiny_edit_model, tiny_plus_model, tmp_path):
+    from pipeline.config import load_config
+    from schemas.errors import UserError
+    from stages.evaluate.stage import for_model
+
+    images = [str(r) for r in _refs(tmp_path, 2)]
+    cfg = load_config(None, {"evaluate.extra_prompts": [{"prompt": "q", "images": images}]}).evaluate
+    with pytest.raises(UserError, match=r"evaluate.extra_prompts\[0\].images: 2 control images.*exactly one"):
+        for_model(cfg, tiny_edit_model)
+    for_model(cfg, tiny_plus_model)  # Edit-Plus takes several
