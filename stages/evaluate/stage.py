@@ -108,14 +108,24 @@ def finite_samples(samples: list[TrainSample], grids: dict, cfg: EvaluateConfig)
     return sorted({i // per_k for i in kept_rows}), nonfinite
 
 
-def held_out_loss(transformer, samples: list[TrainSample], cfg: EvaluateConfig) -> dict:
+def held_out_loss(transformer, samples: list[TrainSample], cfg: EvaluateConfig,
+                  base_cache: tuple[Path, str] | None = None) -> dict:
     """Base vs LoRA loss: per sample the mean over noise seeds x σ grid; then overall, per bucket, per σ, mask.
-    One forward per row and LoRA state, weighted all / inside / outside the mask (`loss_grid`)."""
+    One forward per row and LoRA state, weighted all / inside / outside the mask (`loss_grid`). `base_cache`:
+    (report folder, key of every input of the base losses): the base grid reused from there when recorded under
+    the key (`stages.evaluate.base_losses`)."""
+    from stages.evaluate import base_losses
+
     grids = {}
     for name, on in (("base", False), ("lora", True)):
-        with lora_enabled(transformer, on):
-            grids[name] = loss_grid(transformer, samples, list(cfg.noise_seeds), [float(t) for t in cfg.timesteps],
-                                    cfg.batch_size, desc=f"held-out loss ({name})")
+        def compute(on=on, name=name):
+            with lora_enabled(transformer, on):
+                return loss_grid(transformer, samples, list(cfg.noise_seeds), [float(t) for t in cfg.timesteps],
+                                 cfg.batch_size, desc=f"held-out loss ({name})")
+
+        shape = (len(samples), len(cfg.noise_seeds), len(cfg.timesteps), 3)
+        grids[name] = (base_losses.cached(*base_cache, shape, compute) if name == "base" and base_cache
+                       else compute())
         if name == "base":  # a non-finite base loss = bad stored features (on_nonfinite=stop names them): stop
             finite_samples(samples, grids, cfg)  # before the LoRA pass, as --all-checkpoints does
     kept, nonfinite = finite_samples(samples, grids, cfg)
@@ -228,11 +238,24 @@ def paired_rows(jobs: list, transformer, vae, cfg: EvaluateConfig, qwen21: bool,
             for j, b, l in zip(jobs, base, lora)]
 
 
-def generation_summary(rows: list[SampleRow], cfg: EvaluateConfig) -> dict:
+def steps_made(cfg: EvaluateConfig, model: str | None) -> str:
+    """The denoising steps the images were made with: a Qwen-Image-2.1 folder that fixes its sampling sigmas
+    (model_index.json `sample_sigmas`) is sampled at those, whatever `num_inference_steps` says (as the stock
+    pipeline does), and the report says so rather than the unused setting."""
+    from models.loading import model_variant
+    from models.qwen21_generate import pipeline_sample_sigmas
+
+    if model is not None and model_variant(model) == "qwen-image-2.1" and (sigmas := pipeline_sample_sigmas(model)):
+        return (f"{len(sigmas)} Euler steps at the model's own sample_sigmas {sigmas} (its model_index.json; "
+                f"evaluate.num_inference_steps = {cfg.num_inference_steps} unused, as in the stock pipeline)")
+    return f"{cfg.num_inference_steps} Euler steps (dynamic shift)"
+
+
+def generation_summary(rows: list[SampleRow], cfg: EvaluateConfig, model: str | None = None) -> dict:
     scored = [r for r in rows if r.scores]
     return {
         "settings": (
-            f"{cfg.num_inference_steps} Euler steps (dynamic shift), true CFG {cfg.true_cfg_scale} (negative: the "
+            f"{steps_made(cfg, model)}, true CFG {cfg.true_cfg_scale} (negative: the "
             f"stored empty prompt; extra prompts: {cfg.negative_prompt!r}), seed {cfg.seed} for every sample, "
             f"base and LoRA alike; LoRA scale {cfg.lora_scale}"
         ),
@@ -424,7 +447,10 @@ def _only_report_files(out: Path) -> bool:
 
     from stages.evaluate.base_images import FOLDER as BASE_IMAGES
 
-    return all(p.name in ("grid.png", "index.html", REPORT_LOCK, BASE_IMAGES) or (p.is_file() and is_litter(p.name))
+    from stages.evaluate.base_losses import FILE as BASE_LOSSES
+
+    return all(p.name in ("grid.png", "index.html", REPORT_LOCK, BASE_IMAGES, BASE_LOSSES)
+               or (p.is_file() and is_litter(p.name))
                for p in out.iterdir())
 
 
@@ -454,7 +480,7 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, ou
     transformer = load_transformer(cfg, model)
     attach_checked(transformer, lora, cfg.lora_scale, checked.sha256)
 
-    loss = held_out_loss(transformer, samples, cfg)
+    loss = held_out_loss(transformer, samples, cfg, (out, base_inputs_key(cfg, store, model, samples)))
 
     rows: list[SampleRow] = []
     if cfg.num_samples > 0 or cfg.extra_prompts:
@@ -462,12 +488,21 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, ou
 
     metrics = {
         "loss": loss,
-        "generation": generation_summary(rows, cfg),
+        "generation": generation_summary(rows, cfg, model),
         "run": _run_record(cfg, store, model, lora, tables, len(samples), damaged, inputs),
     }
     tables.close()  # readers and read lease: a process that goes on (`run all`) holds nothing of them
     return EvaluateResult(metrics, write_report(out, metrics, rows), seconds=time.perf_counter() - started,
                           damaged=damaged)
+
+
+def base_inputs_key(cfg: EvaluateConfig, store: str | Path, model: str, samples: list[TrainSample]) -> str:
+    """The key of every input of the base's losses over `samples` (the base images' key, `base_images.base_key`,
+    over all of them: store tables, model files, settings, device, libraries, this project's sources)."""
+    from stages.evaluate.base_images import base_key
+    from stages.evaluate.checkpoints import loss_fingerprint
+
+    return base_key(cfg, loss_fingerprint(cfg, store, model)[1], [s.key for s in samples])
 
 
 def attach_checked(transformer, lora: str | Path, scale: float, sha256: str) -> None:

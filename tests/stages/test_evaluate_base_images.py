@@ -170,3 +170,36 @@ def test_single_lora_evaluate_reuses_its_base_images_through_the_same_cache(run_
     assert run(cfg.model_copy(update={"seed": cfg.seed + 1}), ckpts[10]) == 4  # an input of the base: regenerated
     assert not np.array_equal(np.asarray(rows[-1][0].base), np.asarray(first[0].base))
     assert sorted(p.name for p in (out / base_images.FOLDER).iterdir()) == ["00000.png", "00001.png", "index.json"]
+
+
+def test_single_lora_evaluate_reuses_its_base_losses(run_and_store, tiny_edit_model, tmp_path, monkeypatch):
+    """The base's held-out loss pass (LoRA off) cost as much as the LoRA's and was run again by every rerun.
+    Now it is kept in OUT/base-losses.safetensors under the base images' key over all val samples: another LoRA
+    runs one loss pass (the base numbers equal to the bit); another noise seed, or a damaged file, runs both."""
+    from stages.evaluate import base_losses, stage
+
+    passes = []
+    grid = stage.loss_grid
+    monkeypatch.setattr(stage, "loss_grid", lambda *a, **k: (passes.append(k.get("desc")), grid(*a, **k))[1])
+    root, out = run_and_store, tmp_path / "report"
+    ckpts = dict(_ckpts(root))
+    cfg = EvaluateConfig(**CFG)
+
+    def run(cfg, lora) -> tuple[dict, list]:
+        passes.clear()
+        return stage.run(cfg, root / "store", tiny_edit_model, lora, out).metrics["loss"], list(passes)
+
+    first, n = run(cfg, ckpts[20])
+    assert len(n) == 2
+    again, n = run(cfg, ckpts[10])
+    assert n == ["held-out loss (lora)"]  # the base pass reused
+    assert again["overall"]["base"] == first["overall"]["base"]
+    assert again["per_sample"].keys() == first["per_sample"].keys()
+    assert again["overall"]["lora"] != first["overall"]["lora"]  # a far LoRA: its own numbers
+    _, n = run(cfg.model_copy(update={"noise_seeds": [0, 2]}), ckpts[10])
+    assert len(n) == 2  # an input of the base losses: recomputed
+    (out / base_losses.FILE).write_bytes((out / base_losses.FILE).read_bytes()[:-8])  # truncated
+    _, n = run(cfg.model_copy(update={"noise_seeds": [0, 2]}), ckpts[10])
+    assert len(n) == 2
+    _, n = run(cfg.model_copy(update={"noise_seeds": [0, 2]}), ckpts[10])
+    assert len(n) == 1
