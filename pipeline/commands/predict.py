@@ -102,6 +102,11 @@ def predict(cfg, model: str, images: list[Path], prompt: str, out: Path, lora: s
         pipe = load_pipeline_21(model, precision.dtype, devices, lora, lora_scale, quantize=cfg.quantize_base)
         # unset, the 2.1 pipeline's own default (no guidance), not the Edit models' 4.0
         scale = cfg.true_cfg_scale if "true_cfg_scale" in cfg.model_fields_set else TRUE_CFG_21
+        from models.qwen21_generate import pipeline_sample_sigmas
+
+        if (sigmas := pipeline_sample_sigmas(model)) and "steps" in cfg.model_fields_set:
+            tqdm.write(f"note: {model} fixes its sampling sigmas ({len(sigmas)} steps, model_index.json "
+                       f"sample_sigmas), which the stock pipeline uses: --steps / predict.steps {cfg.steps} is unused")
         result = edit_21(pipe, pil, prompt, cfg.negative_prompt, cfg.steps, scale, cfg.seed, height, width)
     else:
         pipe = load_pipeline(model, precision.dtype, devices, lora, lora_scale, quantize=cfg.quantize_base)

@@ -306,7 +306,7 @@ def _run(ranks, cfg: EvaluateConfig, store: str | Path, model: str, checkpoints:
             rows = generated_rows(cfg, model, store, tables, transformer, samples, best["path"], best["step"],
                                   last["path"], last["step"], attached, damaged, shas,
                                   base_cache=(out / BASE_IMAGES, settings))
-        metrics["generation"] = single.generation_summary(rows, cfg)  # "lora" = the best checkpoint
+        metrics["generation"] = single.generation_summary(rows, cfg, model)  # "lora" = the best checkpoint
         metrics["run"] = {
             "store": str(Path(store).resolve()), "tables": tables.versions(), "model": str(model),
             "lora_scale": cfg.lora_scale, "val_samples": len(samples), "val_split": tables.report,
