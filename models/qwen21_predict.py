@@ -53,6 +53,19 @@ def check_reference_count(n: int, model: str, what: str, advice: str) -> None:
                         f"{advice}")
 
 
+def check_prompt_before_loading(model: str, images: list, prompt: str, negative_prompt: str | None,
+                                height: int | None, width: int | None) -> None:
+    """`check_prompt_fits` with the processor alone (the tokenizer it needs), before the transformer, text
+    encoder and VAE load: a prompt past the RoPE table was refused only after minutes of loading them."""
+    from diffusers import QwenImage21Pipeline
+
+    from models.loading import load_component
+
+    tokenizer_only = QwenImage21Pipeline(scheduler=None, vae=None, text_encoder=None, transformer=None,
+                                         processor=load_component(model, "processor"))
+    check_prompt_fits(tokenizer_only, images, prompt, negative_prompt, height, width)
+
+
 def _text_tokens(pipe, prompt: str, n_images: int) -> int:
     """Text tokens of the prompt's embeddings as `_get_qwen_prompt_embeds` builds them (its template, its image
     slots, its system-token drop), counted with the tokenizer alone: each image is one `<|image_pad|>` here (the

@@ -97,11 +97,12 @@ def predict(cfg, model: str, images: list[Path], prompt: str, out: Path, lora: s
     tqdm.write(precision.describe("predict", devices["transformer"])
                + (f", quantize_base {cfg.quantize_base}" if cfg.quantize_base != "none" else ""))
     if model_variant(model) == "qwen-image-2.1":  # the stock 2.1 pipeline; references keep their alpha
-        from models.qwen21_predict import TRUE_CFG_21, edit_21, load_pipeline_21
+        from models.qwen21_predict import TRUE_CFG_21, check_prompt_before_loading, edit_21, load_pipeline_21
 
-        pipe = load_pipeline_21(model, precision.dtype, devices, lora, lora_scale, quantize=cfg.quantize_base)
         # unset, the 2.1 pipeline's own default (no guidance), not the Edit models' 4.0
         scale = cfg.true_cfg_scale if "true_cfg_scale" in cfg.model_fields_set else TRUE_CFG_21
+        check_prompt_before_loading(model, pil, prompt, cfg.negative_prompt if scale > 1 else None, height, width)
+        pipe = load_pipeline_21(model, precision.dtype, devices, lora, lora_scale, quantize=cfg.quantize_base)
         from models.qwen21_generate import pipeline_sample_sigmas
 
         if (sigmas := pipeline_sample_sigmas(model)) and "steps" in cfg.model_fields_set:

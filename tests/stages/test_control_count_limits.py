@@ -81,3 +81,19 @@ def test_edit_evaluate_refuses_an_extra_prompt_with_two_controls(tiny_edit_model
     with pytest.raises(UserError, match=r"evaluate.extra_prompts\[0\].images: 2 control images.*exactly one"):
         for_model(cfg, tiny_edit_model)
     for_model(cfg, tiny_plus_model)  # Edit-Plus takes several
+
+
+def test_21_predict_refuses_a_prompt_past_the_rope_table_before_loading_the_model(tiny_21_model, tmp_path):
+    """The RoPE-table check (`check_prompt_fits`, tested at its exact boundary in test_qwen21_stages.py) needs the
+    tokenizer only: it ran inside `edit_21`, after the transformer, text encoder and VAE had loaded. Now only the
+    processor is read before the line."""
+    from models.loading import LOAD_LOG
+
+    out = tmp_path / "out.png"
+    LOAD_LOG.clear()
+    result = CliRunner().invoke(app, ["predict", "--model", tiny_21_model, "--image", str(_refs(tmp_path, 1)[0]),
+                                      "--prompt", " ".join(["a"] * 9000), "--steps", "2", "--height", "32",
+                                      "--width", "32", "--out", str(out)])
+    assert result.exit_code == 1 and "shorten the prompt" in result.output, result.output
+    assert "Traceback" not in result.output and not out.exists()
+    assert [component for _, component in LOAD_LOG] == ["processor"]
