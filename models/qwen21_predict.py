@@ -57,13 +57,17 @@ def check_prompt_before_loading(model: str, images: list, prompt: str, negative_
                                 height: int | None, width: int | None) -> None:
     """`check_prompt_fits` with the processor alone (the tokenizer it needs), before the transformer, text
     encoder and VAE load: a prompt past the RoPE table was refused only after minutes of loading them."""
+    check_prompt_fits(tokenizer_only(model), images, prompt, negative_prompt, height, width)
+
+
+def tokenizer_only(model: str):
+    """The stock pipeline holding the processor alone: what `check_prompt_fits` reads (its templates, tokenizer)."""
     from diffusers import QwenImage21Pipeline
 
     from models.loading import load_component
 
-    tokenizer_only = QwenImage21Pipeline(scheduler=None, vae=None, text_encoder=None, transformer=None,
-                                         processor=load_component(model, "processor"))
-    check_prompt_fits(tokenizer_only, images, prompt, negative_prompt, height, width)
+    return QwenImage21Pipeline(scheduler=None, vae=None, text_encoder=None, transformer=None,
+                               processor=load_component(model, "processor"))
 
 
 def _text_tokens(pipe, prompt: str, n_images: int) -> int:

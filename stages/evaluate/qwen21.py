@@ -22,6 +22,24 @@ def image_21(transformer, vae, scheduler_config: dict, s, cfg):
 
 
 
+def check_extra_prompts_21(cfg, model: str) -> None:
+    """Each extra prompt against the transformer's RoPE table (`check_prompt_fits`, as `extra_inputs_21` checks it)
+    with the processor alone, before anything loads: it was met only when the images were made, after the
+    held-out loss passes (hours on a large val set)."""
+    from features.decode import read_image_file
+    from models.qwen21_predict import check_prompt_fits, tokenizer_only
+    from schemas.errors import UserError
+
+    pipe = tokenizer_only(model)
+    negative = cfg.negative_prompt if cfg.true_cfg_scale > 1 else None
+    for i, extra in enumerate(cfg.extra_prompts):
+        refs = [read_image_file(p, keep_alpha=True, what=f"evaluate.extra_prompts[{i}] image") for p in extra.images]
+        try:
+            check_prompt_fits(pipe, refs, extra.prompt, negative, extra.height, extra.width)
+        except UserError as e:
+            raise UserError(f"evaluate.extra_prompts[{i}]: {e}") from None
+
+
 def extra_inputs_21(model: str, transformer, vae, cfg):
     """`evaluate.extra_prompts` on a 2.1 model, as `stage.extra_prompt_inputs` yields them for the others, with
     `cond` a function giving the image of the transformer as it is when called (LoRA on, off, or another

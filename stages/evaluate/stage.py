@@ -291,9 +291,15 @@ def for_model(cfg: EvaluateConfig, model: str) -> EvaluateConfig:
         elif model_variant(model) == "edit" and len(extra.images) != 1:
             raise UserError(f"evaluate.extra_prompts[{i}].images: {len(extra.images)} control images, but "
                             f"Qwen-Image-Edit ({model}) takes exactly one; list one image in that extra prompt")
-    if "true_cfg_scale" in cfg.model_fields_set or model_variant(model) != "qwen-image-2.1":
+    if model_variant(model) != "qwen-image-2.1":
         return cfg
-    return cfg.model_copy(update={"true_cfg_scale": TRUE_CFG_21})
+    if "true_cfg_scale" not in cfg.model_fields_set:
+        cfg = cfg.model_copy(update={"true_cfg_scale": TRUE_CFG_21})
+    if cfg.extra_prompts:
+        from stages.evaluate.qwen21 import check_extra_prompts_21
+
+        check_extra_prompts_21(cfg, model)  # the tokenizer only, before the transformer loads
+    return cfg
 
 
 def evaluate_inputs(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path,

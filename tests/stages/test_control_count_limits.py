@@ -97,3 +97,21 @@ def test_21_predict_refuses_a_prompt_past_the_rope_table_before_loading_the_mode
     assert result.exit_code == 1 and "shorten the prompt" in result.output, result.output
     assert "Traceback" not in result.output and not out.exists()
     assert [component for _, component in LOAD_LOG] == ["processor"]
+
+
+def test_21_evaluate_refuses_an_extra_prompt_past_the_rope_table_before_loading(tiny_21_model, tmp_path):
+    """evaluate's 2.1 extra prompts met the same check only when their images were made: after the transformer
+    had loaded and every held-out loss pass had run. Now at the start, naming the extra prompt."""
+    from models.loading import LOAD_LOG
+    from pipeline.config import load_config
+    from schemas.errors import UserError
+    from stages.evaluate.stage import for_model
+
+    ref = str(_refs(tmp_path, 1)[0])
+    cfg = load_config(None, {"evaluate.extra_prompts": [{"prompt": "fine", "images": [ref]},
+                                                         {"prompt": " ".join(["a"] * 9000), "images": [ref]}]}).evaluate
+    LOAD_LOG.clear()
+    with pytest.raises(UserError, match=r"evaluate.extra_prompts\[1\]: the prompt is \d+ text tokens.*shorten"):
+        for_model(cfg, tiny_21_model)
+    assert [component for _, component in LOAD_LOG] == ["processor"]
+    for_model(cfg.model_copy(update={"extra_prompts": cfg.extra_prompts[:1]}), tiny_21_model)
