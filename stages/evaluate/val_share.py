@@ -111,22 +111,28 @@ def _outline(tables, row: int) -> TrainSample:
                        img_shapes=shapes)
 
 
-def _share_masks(samples: list[TrainSample], mine: list[int], ranks) -> None:
+def _share_masks(samples: list[TrainSample], mine: list[int], ranks, chunk: int = 256) -> None:
     """Each read edit mask ([target tokens] float32) onto the outlines of the other ranks: summed as float64
-    (exact), one all-reduce of [samples, most target tokens]; none when no sample has a mask."""
+    (exact), one all-reduce of [chunk samples, most target tokens] per `chunk` samples (a bounded buffer whatever
+    max_loss_samples is); none when no sample has a mask."""
     n, owned = len(samples), set(mine)
     has = ranks.any([int(i in owned and samples[i].mask_weight is not None) for i in range(n)])
     if not any(has):
         return
     width = max(samples[i].target_tokens for i in range(n) if has[i])
-    part = np.zeros((len(mine), width))
-    for j, i in enumerate(mine):
-        if has[i]:
-            part[j, : samples[i].mask_weight.numel()] = samples[i].mask_weight.double().numpy()
-    full = ranks.full_grid(part, mine, n)
-    for i, s in enumerate(samples):
-        if has[i] and i not in owned:
-            s.mask_weight = torch.from_numpy(full[i, : s.target_tokens]).float()
+    for start in range(0, n, chunk):
+        span = range(start, min(n, start + chunk))
+        if not any(has[i] for i in span):  # the same on every rank: all skip it together
+            continue
+        ours = [i for i in span if i in owned]
+        part = np.zeros((len(ours), width))
+        for j, i in enumerate(ours):
+            if has[i]:
+                part[j, : samples[i].mask_weight.numel()] = samples[i].mask_weight.double().numpy()
+        full = ranks.full_grid(part, [i - start for i in ours], len(span))
+        for i in span:
+            if has[i] and i not in owned:
+                samples[i].mask_weight = torch.from_numpy(full[i - start, : samples[i].target_tokens]).float()
 
 
 def complete(tables, share: Share, wanted: list[TrainSample]) -> list[TrainSample]:

@@ -26,6 +26,9 @@ def main() -> None:
         return features_at(self, i)
 
     JoinedTables.features_at = counted
+    from stages.evaluate import val_share
+
+    val_share._share_masks.__defaults__ = (2,)  # masks sent 2 samples at a time: chunk boundaries exercised
     ckpts = [(s, Path(run) / "checkpoints" / f"step-{s}" / "lora") for s in (10, 20, 30)]
     ev.run(EvaluateConfig(**json.loads(settings)), store, model, ckpts, out)
     print(f"RESULT rows: {json.dumps(read)}", flush=True)
