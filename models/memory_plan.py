@@ -7,12 +7,14 @@ modules stay in the load dtype). Activations are what autograd keeps for the bac
 and token (counted from the block's saved tensors, see ACT_* below), plus the
 working set of one block's backward. Offload keeps `blocks_on_device` blocks resident and streams the
 others (two in flight: the one computing and the one prefetched). Training also holds, when configured, DDP's
-gradient buckets (several processes), the validator's float32 VAE (sample grids) and the EMA's shadow.
+gradient buckets (several processes), the validator's float32 VAE (sample grids) and the EMA's shadow. A VAE
+decode (sample grids, evaluate, predict) is traced on fake tensors from the VAE's config (`vae_decode_bytes`).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -151,6 +153,57 @@ def component_params(model: str, component: str) -> int:
     return sum(p.numel() for p in m.parameters())
 
 
+def vae_class(model: str):
+    """The VAE class of the model's family (2.1: RGBA, 64 channels, 16 px per latent; the others 8 px)."""
+    if is_qwen21(model):
+        from diffusers import AutoencoderKLQwenImage21
+
+        return AutoencoderKLQwenImage21, 16
+    from diffusers import AutoencoderKLQwenImage
+
+    return AutoencoderKLQwenImage, 8
+
+
+def vae_decode_bytes(model: str, dtype: str, height: int, width: int) -> int:
+    """Peak bytes one VAE decode of a height x width image allocates beyond the VAE's weights (`vae_pass_bytes`)."""
+    return vae_pass_bytes(model, dtype, height, width)
+
+
+@lru_cache(maxsize=32)
+def vae_pass_bytes(model: str, dtype: str, height: int, width: int, encode: bool = False, batch: int = 1) -> int:
+    """Peak bytes one VAE decode of a height x width image (or `encode` of `batch` such images) allocates beyond
+    the VAE's weights (its input, the feature maps, the causal convolutions' frame caches, the output): traced on
+    fake tensors (`FakeTensorMode`: shapes only, nothing allocated, no weight read) under torch's own
+    `MemTracker`, built from the model's VAE config. Traced rather than a formula: the peak sits in the
+    full-resolution stage, whose caches and up-sampling copies a hand count missed (the encode's "handful of
+    feature maps" was 1.7x under it; tests/models/test_memory_plan_decode.py checks both against the live
+    tensors of a real pass)."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    cls, scale = vae_class(model)
+    cfg = json.loads((config_root(model) / "vae" / "config.json").read_text())
+    default, elem = torch.get_default_dtype(), getattr(torch, dtype)
+    with FakeTensorMode():
+        torch.set_default_dtype(elem)  # built in the dtype: a fake module cannot be cast
+        try:
+            vae = cls.from_config(cfg).eval()
+        finally:
+            torch.set_default_dtype(default)
+        tracker = MemTracker()
+        tracker.track_external(vae)
+        with tracker, torch.no_grad():  # the input counted too: it is on the device through the pass
+            if encode:
+                channels = getattr(vae.config, "input_channels", None) or vae.config.in_channels  # Edit 3, 2.1: 4
+                vae.encode(torch.zeros(batch, channels, 1, height, width, dtype=elem))
+            else:
+                vae.decode(torch.zeros(batch, vae.config.z_dim, 1, height // scale, width // scale, dtype=elem),
+                           return_dict=False)
+    peak = tracker.get_tracker_snapshot("peak")
+    return sum(v["Total"] for v in peak.values()) - sum(p.numel() * p.element_size() for p in vae.parameters())
+
+
 @dataclass
 class StagePlan:
     stage: str
@@ -227,13 +280,15 @@ def train_plan(model: str, dtype: str, quantize: str, batch_size: int, tokens_pe
                gradient_checkpointing: bool, lora_rank: int, offload: str = "none", blocks_on_device: int = 0,
                lora_targets: int = 4, host: bool = False, counts: TransformerCounts | None = None,
                optimizer: str = "adamw", processes: int = 1, sample_vae: bool = False, ema: bool = False,
-               vae_params: int | None = None) -> StagePlan:
+               vae_params: int | None = None, sample_size: tuple[int, int] | None = None) -> StagePlan:
     """Peak device bytes of training; `host=True`: peak host RSS of a CPU run instead (everything resident,
     and the loading peak counts when it is the higher one). `counts`: of a model built in memory (bench).
     `optimizer`: `train.optimizer`, whose state is planned as that library keeps it. `processes` > 1: DDP's
     gradient buckets. `sample_vae` (`train.sample_every` set): the float32 VAE the validator loads on the main
     process's device for its sample grids and keeps for the run (`vae_params`: its count, default from the
-    model's VAE config). `ema` (`train.ema_decay` set): the adapter's float32 shadow."""
+    model's VAE config); with `sample_size` (height, width of the val images) also its decode's feature maps, as
+    far as they exceed the step's activations (a sample grid runs between steps, when those are freed).
+    `ema` (`train.ema_decay` set): the adapter's float32 shadow."""
     c = counts or transformer_counts(model)
     # the trainer turns checkpointing on with offload (stages/train/build.py): without it autograd would keep
     # every block's device copy; planned as off, the activations came out ~21x (60 blocks) too high
@@ -262,6 +317,9 @@ def train_plan(model: str, dtype: str, quantize: str, batch_size: int, tokens_pe
     if sample_vae:
         vae = vae_params if vae_params is not None else component_params(model, "vae")
         parts["validation VAE (float32)"] = 4 * vae
+        if sample_size is not None:
+            _decode_above(parts, vae_decode_bytes(model, "float32", *sample_size),
+                          parts["activations"] + parts["backward working set"], "sample-grid VAE decode")
     if model and is_qwen21(model):  # (a bench passes "" with counts of a model built in memory)
         parts["block-causal mask"] = qwen21_mask_bytes(batch_size, tokens_per_sample, act_elem,
                                                        1 if gradient_checkpointing else c.blocks)
@@ -290,19 +348,33 @@ def encode_plan(model: str, component: str, dtype: str, batch_size: int, tokens_
         cfg = json.loads((config_root(model) / component / "config.json").read_text())
         text = cfg.get("text_config", cfg)
         live = batch_size * tokens_per_sample * (4 * text["hidden_size"] + 2 * text["intermediate_size"]) * elem
-    else:  # VAE: a handful of full-resolution feature maps of the first (widest-resolution) stage
-        live = batch_size * tokens_per_sample * 256 * 96 * 6 * elem  # tokens = 16x16 px patches, 96 channels
+    else:  # VAE: a batch of images of the sample's area (16 x 16 px per token), traced
+        side = max(64, math.isqrt(tokens_per_sample * 256) // 64 * 64)
+        live = vae_pass_bytes(model, dtype, side, side, encode=True, batch=batch_size)
     return StagePlan(f"encode-{'text' if component == 'text_encoder' else 'vae'}", {"weights": n * elem, "activations": live})
 
 
-def inference_plan(model: str, dtype: str, quantize: str, tokens_per_sample: int, cfg_batch: int = 2) -> StagePlan:
-    """evaluate / predict: the transformer's forward (true CFG doubles the batch), no saved activations."""
+def inference_plan(model: str, dtype: str, quantize: str, tokens_per_sample: int, cfg_batch: int = 2,
+                   image_size: tuple[int, int] | None = None) -> StagePlan:
+    """evaluate / predict: the transformer's forward (true CFG doubles the batch), no saved activations. With
+    `image_size` (height, width of the images made) also the VAE evaluate loads beside the transformer and its
+    decode's feature maps, as far as they exceed the forward's (the decode runs after the last denoising step)."""
     c = transformer_counts(model)
     elem = DTYPE_BYTES[dtype]
-    return StagePlan("evaluate/predict (transformer)", {
+    parts = {
         "weights": transformer_weight_bytes(c, dtype, quantize),
         "activations": cfg_batch * tokens_per_sample * c.width * 8 * elem,
-    })
+    }
+    if image_size is not None:
+        parts["VAE"] = component_params(model, "vae") * elem
+        _decode_above(parts, vae_decode_bytes(model, dtype, *image_size), parts["activations"], "VAE decode")
+    return StagePlan("evaluate/predict (transformer)", parts)
+
+
+def _decode_above(parts: dict[str, int], decode: int, activations: int, name: str) -> None:
+    """The decode's peak where it exceeds the activations it replaces (never live at the same time)."""
+    if decode > activations:
+        parts[f"{name} above the activations"] = decode - activations
 
 
 def gib(n: int | float) -> str:

@@ -41,6 +41,35 @@ def load_pipeline_21(model: str, dtype: torch.dtype, devices: dict[str, str], lo
     return pipe
 
 
+def check_reference_count(n: int, model: str, what: str, advice: str) -> None:
+    """More than the model's 10 references refused in one line before anything is loaded: the stock pipeline
+    takes any number and gives the transformer a layout it was never trained on (encode quarantines such samples,
+    `control-count`)."""
+    from models.qwen21_multires import MAX_REFERENCES
+    from schemas.errors import UserError
+
+    if n > MAX_REFERENCES:
+        raise UserError(f"{what}: {n} reference images, but Qwen-Image-2.1 ({model}) takes at most {MAX_REFERENCES}; "
+                        f"{advice}")
+
+
+def check_prompt_before_loading(model: str, images: list, prompt: str, negative_prompt: str | None,
+                                height: int | None, width: int | None) -> None:
+    """`check_prompt_fits` with the processor alone (the tokenizer it needs), before the transformer, text
+    encoder and VAE load: a prompt past the RoPE table was refused only after minutes of loading them."""
+    check_prompt_fits(tokenizer_only(model), images, prompt, negative_prompt, height, width)
+
+
+def tokenizer_only(model: str):
+    """The stock pipeline holding the processor alone: what `check_prompt_fits` reads (its templates, tokenizer)."""
+    from diffusers import QwenImage21Pipeline
+
+    from models.loading import load_component
+
+    return QwenImage21Pipeline(scheduler=None, vae=None, text_encoder=None, transformer=None,
+                               processor=load_component(model, "processor"))
+
+
 def _text_tokens(pipe, prompt: str, n_images: int) -> int:
     """Text tokens of the prompt's embeddings as `_get_qwen_prompt_embeds` builds them (its template, its image
     slots, its system-token drop), counted with the tokenizer alone: each image is one `<|image_pad|>` here (the

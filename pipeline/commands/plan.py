@@ -3,6 +3,7 @@ quantisation, offload and batch (models/memory_plan.py), and whether it fits --g
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Optional
 
@@ -54,6 +55,7 @@ def command(
     # (batch size x longest sequence), whatever train.batch_size says: plan the budget, not batch_size x seq
     budget = tc.max_tokens_per_batch
     train_batch, train_seq = (1, budget) if budget else (tc.batch_size, seq)
+    side = max(64, math.isqrt(rc.target_area) // 64 * 64)  # the images a sample grid / evaluate decodes (~target_area)
     with user_errors():
         plans = [
             mp.encode_plan(model_id, "text_encoder", dtype(cfg.encode_text.dtype), cfg.encode_text.batch_size, vl_tokens),
@@ -61,8 +63,10 @@ def command(
             mp.train_plan(model_id, dtype(tc.dtype, tc.mixed_precision), tc.quantize_base, train_batch, train_seq,
                           tc.gradient_checkpointing, tc.lora.rank, tc.offload, tc.offload_blocks_on_device,
                           len(tc.lora.target_modules), optimizer=tc.optimizer, processes=processes,
-                          sample_vae=tc.sample_every is not None, ema=tc.ema_decay is not None),
-            mp.inference_plan(model_id, dtype(cfg.evaluate.dtype), cfg.evaluate.quantize_base, seq),
+                          sample_vae=tc.sample_every is not None, ema=tc.ema_decay is not None,
+                          sample_size=(side, side)),
+            mp.inference_plan(model_id, dtype(cfg.evaluate.dtype), cfg.evaluate.quantize_base, seq,
+                              image_size=(side, side)),
         ]
     batching = f"token budget {budget} per batch" if budget else f"batch {tc.batch_size}"
     echo(f"model {model_id}: transformer {mp.transformer_counts(model_id).params / 1e9:.2f} B params; "

@@ -71,6 +71,13 @@ def predict(cfg, model: str, images: list[Path], prompt: str, out: Path, lora: s
     if out_format == "JPEG" and model_variant(model) == "qwen-image-2.1":
         raise UserError(f"--out {out}: Qwen-Image-2.1 edits are RGBA (alpha kept) and JPEG has no alpha; name it "
                         ".png or .webp")
+    if model_variant(model) == "qwen-image-2.1":
+        from models.qwen21_predict import check_reference_count
+
+        check_reference_count(len(images), model, "--image", "pass at most 10 --image")
+    elif model_variant(model) == "edit" and len(images) != 1:  # refused before loading, not by the pipeline after
+        raise UserError(f"--image: {len(images)} control images, but Qwen-Image-Edit ({model}) takes exactly one; "
+                        "pass one --image, or use an Edit-Plus model (Qwen-Image-Edit-2509 / -2511)")
     from features.decode import read_image_file
 
     # Decoded as resize-bucket decodes the training images (EXIF orientation, CMYK via its ICC profile, 16-bit
@@ -90,11 +97,17 @@ def predict(cfg, model: str, images: list[Path], prompt: str, out: Path, lora: s
     tqdm.write(precision.describe("predict", devices["transformer"])
                + (f", quantize_base {cfg.quantize_base}" if cfg.quantize_base != "none" else ""))
     if model_variant(model) == "qwen-image-2.1":  # the stock 2.1 pipeline; references keep their alpha
-        from models.qwen21_predict import TRUE_CFG_21, edit_21, load_pipeline_21
+        from models.qwen21_predict import TRUE_CFG_21, check_prompt_before_loading, edit_21, load_pipeline_21
 
-        pipe = load_pipeline_21(model, precision.dtype, devices, lora, lora_scale, quantize=cfg.quantize_base)
         # unset, the 2.1 pipeline's own default (no guidance), not the Edit models' 4.0
         scale = cfg.true_cfg_scale if "true_cfg_scale" in cfg.model_fields_set else TRUE_CFG_21
+        check_prompt_before_loading(model, pil, prompt, cfg.negative_prompt if scale > 1 else None, height, width)
+        pipe = load_pipeline_21(model, precision.dtype, devices, lora, lora_scale, quantize=cfg.quantize_base)
+        from models.qwen21_generate import pipeline_sample_sigmas
+
+        if (sigmas := pipeline_sample_sigmas(model)) and "steps" in cfg.model_fields_set:
+            tqdm.write(f"note: {model} fixes its sampling sigmas ({len(sigmas)} steps, model_index.json "
+                       f"sample_sigmas), which the stock pipeline uses: --steps / predict.steps {cfg.steps} is unused")
         result = edit_21(pipe, pil, prompt, cfg.negative_prompt, cfg.steps, scale, cfg.seed, height, width)
     else:
         pipe = load_pipeline(model, precision.dtype, devices, lora, lora_scale, quantize=cfg.quantize_base)

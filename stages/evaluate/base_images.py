@@ -1,11 +1,11 @@
-"""`evaluate --all-checkpoints`: the base column's images (LoRA off) kept in OUT/base-images/ and reused by a
-rerun whose every input of them is unchanged. Only best and last can change between reruns (a training adding
-checkpoints), while regenerating the base costs as much as either column.
+"""evaluate (one LoRA and --all-checkpoints): the base column's images (LoRA off) kept in OUT/base-images/ and
+reused by a rerun whose every input of them is unchanged. Only the LoRA (or best and last) can change between
+reruns (a retrained LoRA, a training adding checkpoints), while regenerating the base costs as much as a column.
 
 The key (`base_key`) holds everything the base images are made from: every file of the model (text encoder,
 processor and scheduler too), the store and its text / vae table versions (the stored features), the picked val
 samples, every hashed evaluate setting (seed, steps, true CFG, negative prompt, dtype, attention backend,
-quantisation, extra prompts with their sizes) and the bytes of each extra prompt's image files, the device (and
+quantisation, extra prompts with their sizes; not the LoRA's scale) and the bytes of each extra prompt's image files, the device (and
 the GPU's name), the versions of the libraries that compute them and the source of this project's packages
 that do (`SOURCE_PACKAGES`). Any change: regenerated. The PNGs are checked against their
 recorded sha256 on reuse (a damaged or missing one: regenerated)."""
@@ -40,10 +40,12 @@ def base_key(cfg, features: dict, sample_keys: list[str]) -> str:
     from schemas.lineage import hashed_settings
 
     extras = [[_file_sha256(p) for p in e.images] for e in cfg.extra_prompts]
+    # the LoRA's scale is no input of the base images (LoRA off): another scale reuses them
+    features = {**features, "evaluate": {k: v for k, v in features.get("evaluate", {}).items() if k != "lora_scale"}}
     inputs = {
         "features": features,
         "samples": list(sample_keys),
-        "settings": hashed_settings(cfg),
+        "settings": {k: v for k, v in hashed_settings(cfg).items() if k != "lora_scale"},
         "device": [str(cfg.device), _device_names(cfg.device)],
         "extra_image_bytes": extras,
         "libraries": {m.__name__: m.__version__ for m in (torch, diffusers, transformers, peft)},

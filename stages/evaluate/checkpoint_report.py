@@ -52,34 +52,18 @@ def generated_rows(cfg, model: str, store, tables, transformer, samples, best_pa
     sha256 its losses were recorded under (a checkpoint whose bytes changed since is refused, not pictured).
     `base_cache`: (folder, the loss fingerprint's settings): the base images are reused from there when every
     input of them is unchanged (`stages.evaluate.base_images`), else generated and kept there."""
-    from stages.evaluate import base_images
-    from stages.evaluate.stage import pick_samples
     from models.loading import load_component, parse_dtype
     from models.qwen21_flow import is_qwen21
     from stages.evaluate.checkpoints import use_recorded
-    from stages.evaluate.stage import lora_enabled
 
     qwen21 = is_qwen21(transformer)
     vae = load_component(model, "vae", dtype=parse_dtype(cfg.dtype), device=cfg.device)
     jobs = _jobs(cfg, model, store, tables, transformer, vae, samples, damaged, qwen21)
 
     def outputs(label: str) -> list[Image.Image]:
-        return [_output(j, transformer, vae, cfg, qwen21) for j in tqdm(jobs, desc=f"generate ({label})", leave=False)]
+        return column(jobs, transformer, vae, cfg, qwen21, label)
 
-    key = base = None
-    if base_cache is not None:
-        key = base_images.base_key(cfg, base_cache[1], [s.key for s in pick_samples(samples, cfg.num_samples)])
-        base = base_images.read(base_cache[0], key, len(jobs))
-        if base is not None:
-            tqdm.write(f"base images: unchanged inputs, reused from {base_cache[0]}")
-    if base is None:
-        if attached:
-            with lora_enabled(transformer, False):
-                base = outputs("base")
-        else:
-            base = outputs("base")
-        if base_cache is not None:
-            base_images.write(base_cache[0], key, base)
+    base = base_column(jobs, transformer, vae, cfg, qwen21, samples, base_cache, lora_off=attached)
     shas = shas or {}
     use_recorded(transformer, best_path, best_step, shas.get(best_step), cfg.lora_scale, attached)
     columns = {"base": base, f"best (step {best_step})": outputs("best")}
@@ -91,13 +75,42 @@ def generated_rows(cfg, model: str, store, tables, transformer, samples, best_pa
     return _scored_rows(jobs, columns, names)
 
 
+def column(jobs: list[_Job], transformer, vae, cfg, qwen21: bool, label: str) -> list[Image.Image]:
+    """Every row's image from the model as it is now (base, a LoRA, a checkpoint)."""
+    return [_output(j, transformer, vae, cfg, qwen21) for j in tqdm(jobs, desc=f"generate ({label})", leave=False)]
+
+
+def base_column(jobs: list[_Job], transformer, vae, cfg, qwen21: bool, samples,
+                base_cache: tuple[Path, dict] | None, lora_off: bool) -> list[Image.Image]:
+    """The base column (LoRA bypassed when `lora_off`): reused from `base_cache` = (folder, the loss fingerprint's
+    settings) when every input of it is unchanged (`stages.evaluate.base_images`), else generated and kept there.
+    Both evaluate entries (one LoRA, --all-checkpoints) take it from here."""
+    from stages.evaluate import base_images
+    from stages.evaluate.stage import lora_enabled, pick_samples
+
+    key = None
+    if base_cache is not None:
+        key = base_images.base_key(cfg, base_cache[1], [s.key for s in pick_samples(samples, cfg.num_samples)])
+        base = base_images.read(base_cache[0], key, len(jobs))
+        if base is not None:
+            tqdm.write(f"base images: unchanged inputs, reused from {base_cache[0]}")
+            return base
+    if lora_off:
+        with lora_enabled(transformer, False):
+            base = column(jobs, transformer, vae, cfg, qwen21, "base")
+    else:
+        base = column(jobs, transformer, vae, cfg, qwen21, "base")
+    if base_cache is not None:
+        base_images.write(base_cache[0], key, base)
+    return base
+
+
 def _jobs(cfg, model: str, store, tables, transformer, vae, samples, damaged: dict, qwen21: bool) -> list[_Job]:
     """Each picked val sample's stored pictures and conditioning, then the extra prompts' (the PNGs decoded once,
     here, and the images reader closed)."""
     from models.loading import load_component
     from schemas.img_shapes import PIXELS_PER_PATCH
-    from stages.evaluate.qwen21 import extra_inputs_21
-    from stages.evaluate.stage import conditioning, extra_prompt_inputs, images_reader, pick_samples, stored_pictures
+    from stages.evaluate.stage import conditioning, images_reader, pick_samples, stored_pictures
     from store import Store
 
     from models.qwen21_generate import scheduler_config_21
@@ -113,10 +126,20 @@ def _jobs(cfg, model: str, store, tables, transformer, vae, samples, damaged: di
                          w * PIXELS_PER_PATCH, sched))
     if images is not None:
         images.close()  # the PNGs are decoded now
-    if cfg.extra_prompts:
-        extra_inputs = extra_inputs_21 if qwen21 else extra_prompt_inputs
-        jobs += [_Job(*inputs) for inputs in extra_inputs(model, transformer, vae, cfg)]
-    return jobs
+    return jobs + extra_jobs(cfg, model, transformer, vae, qwen21)
+
+
+def extra_jobs(cfg, model: str, transformer, vae, qwen21: bool) -> list[_Job]:
+    """The extra prompts' jobs: every prompt encoded before the first image (the text encoder gone by then)."""
+    from stages.evaluate.qwen21 import extra_inputs_21
+    from stages.evaluate.stage import extra_prompt_inputs
+
+    if not cfg.extra_prompts:
+        return []
+    if qwen21:  # its own bar
+        return [_Job(*inputs) for inputs in extra_inputs_21(model, transformer, vae, cfg)]
+    return [_Job(*inputs) for inputs in tqdm(extra_prompt_inputs(model, transformer, vae, cfg),
+                                             total=len(cfg.extra_prompts), desc="encode extra prompts", leave=False)]
 
 
 def _output(j: _Job, transformer, vae, cfg, qwen21: bool) -> Image.Image:

@@ -250,6 +250,7 @@ def _run(ranks, cfg: EvaluateConfig, store: str | Path, model: str, checkpoints:
     from models.precision import describe
     from stages.evaluate import stage as single
     from stages.evaluate.checkpoint_report import generated_rows, write_checkpoint_report
+    from stages.evaluate.val_share import complete, read_share
 
     started = time.perf_counter()
     cfg = single.for_model(cfg, model)
@@ -276,8 +277,13 @@ def _run(ranks, cfg: EvaluateConfig, store: str | Path, model: str, checkpoints:
                        + (f", {ranks.world} ranks" if ranks.world > 1 else ""))
             single.warn_other_base([path for _, path in checkpoints], model, [step for step, _ in checkpoints])
 
-    with together(ranks.world, "read the val samples"):
+    share = None
+    if ranks.world > 1:  # each rank reads only the samples it computes (stages/evaluate/val_share.py)
+        tables, share = read_share(cfg, store, model, ranks)
+        samples, mine = share.samples, share.mine
+    else:
         tables, samples = single.read_val_samples(cfg, store, model)
+        mine = list(range(len(samples)))
     with tables:  # closed on every path: descriptors, check-ahead thread, read lease
         damaged = dict(tables.damaged)
         axes = Axes([s.key for s in samples], [bucket_of(s) for s in samples], list(cfg.noise_seeds),
@@ -289,16 +295,18 @@ def _run(ranks, cfg: EvaluateConfig, store: str | Path, model: str, checkpoints:
                 losses = LossStore(out, fingerprint, axes, settings)
         with together(ranks.world, "load the transformer"):
             transformer = single.load_transformer(cfg, model)
-        evaluated, attached = _append_missing(ranks, losses, checkpoints, shas, transformer, samples, cfg)
+        evaluated, attached = _append_missing(ranks, losses, checkpoints, shas, transformer, samples, mine, cfg)
         if not ranks.main:
             return None  # rank 0 summarises, generates and writes the report
         metrics, best, last = _summary(losses, samples, cfg, fingerprint, checkpoints)
         rows = []
+        if share is not None:  # the val samples pictured, read in full where another rank read them
+            samples = complete(tables, share, single.pick_samples(samples, cfg.num_samples))
         if cfg.num_samples > 0 or cfg.extra_prompts:
             rows = generated_rows(cfg, model, store, tables, transformer, samples, best["path"], best["step"],
                                   last["path"], last["step"], attached, damaged, shas,
                                   base_cache=(out / BASE_IMAGES, settings))
-        metrics["generation"] = single.generation_summary(rows, cfg)  # "lora" = the best checkpoint
+        metrics["generation"] = single.generation_summary(rows, cfg, model)  # "lora" = the best checkpoint
         metrics["run"] = {
             "store": str(Path(store).resolve()), "tables": tables.versions(), "model": str(model),
             "lora_scale": cfg.lora_scale, "val_samples": len(samples), "val_split": tables.report,
@@ -353,15 +361,15 @@ def use_recorded(transformer, path: Path, step: int, sha: str | None, scale: flo
                         "once the training has stopped writing it")
 
 
-def _grid(ranks, transformer, samples, seeds: list[int], sigmas: list[float], batch_size: int,
+def _grid(ranks, transformer, samples, mine: list[int], seeds: list[int], sigmas: list[float], batch_size: int,
           desc: str) -> np.ndarray:
-    """`loss_grid` of every sample: in one process all of them; under a launcher this rank's share, summed with
-    the others' (a rank failing in its own pass stops every rank: `fails_alone`)."""
+    """`loss_grid` of every sample: in one process all of them; under a launcher this rank's share (`mine`: the
+    positions it read, `stages.evaluate.val_share`), summed with the others' (a rank failing in its own pass
+    stops every rank: `fails_alone`)."""
     if ranks.world == 1:
         return loss_grid(transformer, samples, seeds, sigmas, batch_size, desc)
     from models.collective import fails_alone
 
-    mine = ranks.share(len(samples))
     with fails_alone(ranks.world, desc, "lower evaluate.batch_size"):
         part = loss_grid(transformer, [samples[i] for i in mine], seeds, sigmas, batch_size, desc)
     return ranks.full_grid(part, mine, len(samples))
@@ -382,7 +390,7 @@ def _plan(losses: LossStore, checkpoints: list[tuple[int, Path]], shas: dict[int
 
 
 def _append_missing(ranks, losses: LossStore | None, checkpoints: list[tuple[int, Path]], shas: dict[int, str],
-                    transformer, samples, cfg: EvaluateConfig) -> tuple[int, bool]:
+                    transformer, samples, mine: list[int], cfg: EvaluateConfig) -> tuple[int, bool]:
     """The base's grid (once) and each checkpoint not yet in the array, one append each (rank 0; `losses` is None
     on the others). Returns (how many checkpoints were evaluated now, whether the adapter is attached to
     `transformer`)."""
@@ -398,7 +406,7 @@ def _append_missing(ranks, losses: LossStore | None, checkpoints: list[tuple[int
     seeds, sigmas = list(cfg.noise_seeds), [float(t) for t in cfg.timesteps]
     base = None
     if not plan[0]:  # before any adapter exists: the plain model
-        base = _grid(ranks, transformer, samples, seeds, sigmas, cfg.batch_size, "held-out loss (base)")
+        base = _grid(ranks, transformer, samples, mine, seeds, sigmas, cfg.batch_size, "held-out loss (base)")
     with together(ranks.world, "the base losses"):
         if ranks.main:
             if base is None:
@@ -430,7 +438,8 @@ def _append_missing(ranks, losses: LossStore | None, checkpoints: list[tuple[int
                 tqdm.write(f"checkpoint step {step} {what} while evaluating ({path}; by a running training?): "
                            "left out; rerun evaluate to evaluate what is there now")
             continue
-        grid = _grid(ranks, transformer, samples, seeds, sigmas, cfg.batch_size, f"held-out loss (step {step})")
+        grid = _grid(ranks, transformer, samples, mine, seeds, sigmas, cfg.batch_size,
+                     f"held-out loss (step {step})")
         with together(ranks.world, f"record checkpoint step {step}"):
             if ranks.main:
                 losses.append(step, str(Path(path).resolve()), shas[step], grid)

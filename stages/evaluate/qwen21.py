@@ -8,22 +8,6 @@ from diffusers import QwenImage21Pipeline
 from tqdm.auto import tqdm
 
 
-def val_rows_21(transformer, vae, scheduler_config: dict, samples, images, cfg, damaged=None) -> list:
-    from stages.evaluate.report import SampleRow
-    from stages.evaluate.stage import _scores, lora_enabled, stored_pictures
-
-    rows = []
-    for s in tqdm(samples, desc="generate val samples"):
-        pair = []
-        for on in (False, True):
-            with lora_enabled(transformer, on):
-                pair.append(image_21(transformer, vae, scheduler_config, s, cfg))
-        caption, controls, target = stored_pictures(images, s, cfg.on_damaged, damaged)
-        rows.append(SampleRow(s.key[:12], caption, controls, target, pair[0], pair[1],
-                              _scores(target, pair[0], pair[1])))
-    return rows
-
-
 def image_21(transformer, vae, scheduler_config: dict, s, cfg):
     """One val sample's image from its stored features, by the transformer as it is now (LoRA on or off), RGB
     (the report and its scores are RGB)."""
@@ -36,6 +20,24 @@ def image_21(transformer, vae, scheduler_config: dict, s, cfg):
                         sample_sigmas=sigmas)
     return image.convert("RGB")
 
+
+
+def check_extra_prompts_21(cfg, model: str) -> None:
+    """Each extra prompt against the transformer's RoPE table (`check_prompt_fits`, as `extra_inputs_21` checks it)
+    with the processor alone, before anything loads: it was met only when the images were made, after the
+    held-out loss passes (hours on a large val set)."""
+    from features.decode import read_image_file
+    from models.qwen21_predict import check_prompt_fits, tokenizer_only
+    from schemas.errors import UserError
+
+    pipe = tokenizer_only(model)
+    negative = cfg.negative_prompt if cfg.true_cfg_scale > 1 else None
+    for i, extra in enumerate(cfg.extra_prompts):
+        refs = [read_image_file(p, keep_alpha=True, what=f"evaluate.extra_prompts[{i}] image") for p in extra.images]
+        try:
+            check_prompt_fits(pipe, refs, extra.prompt, negative, extra.height, extra.width)
+        except UserError as e:
+            raise UserError(f"evaluate.extra_prompts[{i}]: {e}") from None
 
 
 def extra_inputs_21(model: str, transformer, vae, cfg):
@@ -108,19 +110,3 @@ class _PreEncoded(QwenImage21Pipeline):
                       prompt_embeds_mask=None, image_pad_mask=None):
         assert num_images_per_prompt == 1 and prompt_embeds is None, "edit_21 makes one image from a prompt"
         return self.encodings[prompt]
-
-
-def extra_rows_21(model: str, transformer, vae, cfg) -> list:
-    """The extra prompts' rows, base (LoRA bypassed) and LoRA, same seed."""
-    from stages.evaluate.report import SampleRow
-    from stages.evaluate.stage import _scores, lora_enabled
-
-    rows = []
-    for title, prompt, refs, target, cond, *_ in tqdm(extra_inputs_21(model, transformer, vae, cfg),
-                                                      total=len(cfg.extra_prompts), desc="generate extra prompts"):
-        pair = []
-        for on in (False, True):
-            with lora_enabled(transformer, on):
-                pair.append(cond())
-        rows.append(SampleRow(title, prompt, refs, target, pair[0], pair[1], _scores(target, pair[0], pair[1])))
-    return rows

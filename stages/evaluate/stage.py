@@ -43,8 +43,7 @@ from models.sample import TrainSample, from_features
 from schemas import up_to_date as current
 from schemas.config import EvaluateConfig
 from schemas.errors import UserError
-from models.generate import Conditioning, generate
-from schemas.img_shapes import PIXELS_PER_PATCH
+from models.generate import Conditioning
 from schemas.stage import few
 from models.held_out import bucket_of, loss_grid, loss_summary
 from stages.evaluate.nonfinite import finite_rows
@@ -109,14 +108,24 @@ def finite_samples(samples: list[TrainSample], grids: dict, cfg: EvaluateConfig)
     return sorted({i // per_k for i in kept_rows}), nonfinite
 
 
-def held_out_loss(transformer, samples: list[TrainSample], cfg: EvaluateConfig) -> dict:
+def held_out_loss(transformer, samples: list[TrainSample], cfg: EvaluateConfig,
+                  base_cache: tuple[Path, str] | None = None) -> dict:
     """Base vs LoRA loss: per sample the mean over noise seeds x σ grid; then overall, per bucket, per σ, mask.
-    One forward per row and LoRA state, weighted all / inside / outside the mask (`loss_grid`)."""
+    One forward per row and LoRA state, weighted all / inside / outside the mask (`loss_grid`). `base_cache`:
+    (report folder, key of every input of the base losses): the base grid reused from there when recorded under
+    the key (`stages.evaluate.base_losses`)."""
+    from stages.evaluate import base_losses
+
     grids = {}
     for name, on in (("base", False), ("lora", True)):
-        with lora_enabled(transformer, on):
-            grids[name] = loss_grid(transformer, samples, list(cfg.noise_seeds), [float(t) for t in cfg.timesteps],
-                                    cfg.batch_size, desc=f"held-out loss ({name})")
+        def compute(on=on, name=name):
+            with lora_enabled(transformer, on):
+                return loss_grid(transformer, samples, list(cfg.noise_seeds), [float(t) for t in cfg.timesteps],
+                                 cfg.batch_size, desc=f"held-out loss ({name})")
+
+        shape = (len(samples), len(cfg.noise_seeds), len(cfg.timesteps), 3)
+        grids[name] = (base_losses.cached(*base_cache, shape, compute) if name == "base" and base_cache
+                       else compute())
         if name == "base":  # a non-finite base loss = bad stored features (on_nonfinite=stop names them): stop
             finite_samples(samples, grids, cfg)  # before the LoRA pass, as --all-checkpoints does
     kept, nonfinite = finite_samples(samples, grids, cfg)
@@ -165,17 +174,6 @@ def conditioning(sample: TrainSample, device, dtype: torch.dtype) -> Conditionin
     )
 
 
-def generate_pair(transformer, vae, scheduler_config: dict, cond: Conditioning, height: int, width: int,
-                  cfg: EvaluateConfig) -> tuple[Image.Image, Image.Image]:
-    """(base output, LoRA output) with the same seed and settings."""
-    outs = []
-    for on in (False, True):
-        with lora_enabled(transformer, on):
-            outs.append(generate(transformer, vae, scheduler_config, cond, height, width,
-                                 cfg.num_inference_steps, cfg.true_cfg_scale, cfg.seed))
-    return outs[0], outs[1]
-
-
 def _scores(target: Image.Image | None, base: Image.Image, lora: Image.Image) -> dict[str, float]:
     if target is None:
         return {}
@@ -210,21 +208,6 @@ def stored_pictures(images, s: TrainSample, on_damaged: str, damaged: dict | Non
     return str(meta.get("caption", "")), controls, target
 
 
-def val_rows(transformer, vae, scheduler_config: dict, samples: list[TrainSample], images: TableReader | None,
-             cfg: EvaluateConfig, damaged: dict[str, str] | None = None) -> list[SampleRow]:
-    """With evaluate.on_damaged=skip a damaged `images` sample shows no pictures and is added to `damaged`."""
-    rows = []
-    for s in tqdm(samples, desc="generate val samples"):
-        _, h, w = s.img_shapes[0]
-        cond = conditioning(s, transformer.device, transformer.dtype)
-        base, lora = generate_pair(transformer, vae, scheduler_config, cond, h * PIXELS_PER_PATCH,
-                                   w * PIXELS_PER_PATCH, cfg)
-        caption, controls, target = stored_pictures(images, s, cfg.on_damaged, damaged)
-        rows.append(SampleRow(s.key[:12], caption, controls, target, base, lora,
-                              _scores(target, base, lora)))
-    return rows
-
-
 def extra_prompt_inputs(model: str, transformer, vae, cfg: EvaluateConfig):
     """Each configured extra prompt through predict's stock-equivalent path (text encoder loaded once):
     (title, prompt, controls, target, conditioning, height, width, scheduler config)."""
@@ -242,23 +225,37 @@ def extra_prompt_inputs(model: str, transformer, vae, cfg: EvaluateConfig):
         yield f"extra {i + 1}", extra.prompt, controls, target, cond, height, width, dict(pipe.scheduler.config)
 
 
-def extra_rows(model: str, transformer, vae, cfg: EvaluateConfig) -> list[SampleRow]:
-    """The configured extra prompts, base and LoRA. All of them are encoded before the first image: the
-    generator's pipeline (and with it the text encoder) is gone then, not on the device beside the transformer."""
-    inputs = list(tqdm(extra_prompt_inputs(model, transformer, vae, cfg), total=len(cfg.extra_prompts),
-                       desc="encode extra prompts"))
-    rows = []
-    for title, prompt, controls, target, cond, height, width, sched in tqdm(inputs, desc="generate extra prompts"):
-        base, lora = generate_pair(transformer, vae, sched, cond, height, width, cfg)
-        rows.append(SampleRow(title, prompt, controls, target, base, lora, _scores(target, base, lora)))
-    return rows
+def paired_rows(jobs: list, transformer, vae, cfg: EvaluateConfig, qwen21: bool, samples: list | None = None,
+                base_cache: tuple[Path, dict] | None = None) -> list[SampleRow]:
+    """Each job's base image (LoRA bypassed; reused from `base_cache` when every input of it is unchanged: the
+    mechanism --all-checkpoints uses, `checkpoint_report.base_column`) and LoRA image, same seed, scored against
+    its target. `samples`: the val samples the jobs were picked from (the cache key names them)."""
+    from stages.evaluate.checkpoint_report import base_column, column
+
+    base = base_column(jobs, transformer, vae, cfg, qwen21, samples or [], base_cache, lora_off=True)
+    lora = column(jobs, transformer, vae, cfg, qwen21, "lora")
+    return [SampleRow(j.title, j.caption, j.controls, j.target, b, l, _scores(j.target, b, l))
+            for j, b, l in zip(jobs, base, lora)]
 
 
-def generation_summary(rows: list[SampleRow], cfg: EvaluateConfig) -> dict:
+def steps_made(cfg: EvaluateConfig, model: str | None) -> str:
+    """The denoising steps the images were made with: a Qwen-Image-2.1 folder that fixes its sampling sigmas
+    (model_index.json `sample_sigmas`) is sampled at those, whatever `num_inference_steps` says (as the stock
+    pipeline does), and the report says so rather than the unused setting."""
+    from models.loading import model_variant
+    from models.qwen21_generate import pipeline_sample_sigmas
+
+    if model is not None and model_variant(model) == "qwen-image-2.1" and (sigmas := pipeline_sample_sigmas(model)):
+        return (f"{len(sigmas)} Euler steps at the model's own sample_sigmas {sigmas} (its model_index.json; "
+                f"evaluate.num_inference_steps = {cfg.num_inference_steps} unused, as in the stock pipeline)")
+    return f"{cfg.num_inference_steps} Euler steps (dynamic shift)"
+
+
+def generation_summary(rows: list[SampleRow], cfg: EvaluateConfig, model: str | None = None) -> dict:
     scored = [r for r in rows if r.scores]
     return {
         "settings": (
-            f"{cfg.num_inference_steps} Euler steps (dynamic shift), true CFG {cfg.true_cfg_scale} (negative: the "
+            f"{steps_made(cfg, model)}, true CFG {cfg.true_cfg_scale} (negative: the "
             f"stored empty prompt; extra prompts: {cfg.negative_prompt!r}), seed {cfg.seed} for every sample, "
             f"base and LoRA alike; LoRA scale {cfg.lora_scale}"
         ),
@@ -285,11 +282,24 @@ def for_model(cfg: EvaluateConfig, model: str) -> EvaluateConfig:
     grid take it (Qwen-Image-2.1: no guidance, its pipeline's default; the Edit models: 4.0). Resolved before
     anything is fingerprinted, so a report records the scale its images were made with."""
     from models.loading import model_variant
-    from models.qwen21_predict import TRUE_CFG_21
+    from models.qwen21_predict import TRUE_CFG_21, check_reference_count
 
-    if "true_cfg_scale" in cfg.model_fields_set or model_variant(model) != "qwen-image-2.1":
+    for i, extra in enumerate(cfg.extra_prompts):  # refused before anything is read or loaded
+        if model_variant(model) == "qwen-image-2.1":
+            check_reference_count(len(extra.images), model, f"evaluate.extra_prompts[{i}].images",
+                                  "list at most 10 images in that extra prompt")
+        elif model_variant(model) == "edit" and len(extra.images) != 1:
+            raise UserError(f"evaluate.extra_prompts[{i}].images: {len(extra.images)} control images, but "
+                            f"Qwen-Image-Edit ({model}) takes exactly one; list one image in that extra prompt")
+    if model_variant(model) != "qwen-image-2.1":
         return cfg
-    return cfg.model_copy(update={"true_cfg_scale": TRUE_CFG_21})
+    if "true_cfg_scale" not in cfg.model_fields_set:
+        cfg = cfg.model_copy(update={"true_cfg_scale": TRUE_CFG_21})
+    if cfg.extra_prompts:
+        from stages.evaluate.qwen21 import check_extra_prompts_21
+
+        check_extra_prompts_21(cfg, model)  # the tokenizer only, before the transformer loads
+    return cfg
 
 
 def evaluate_inputs(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path,
@@ -441,7 +451,12 @@ def _only_report_files(out: Path) -> bool:
     before metrics.json, written last)? Then the rerun may write over it; anything else is someone's folder."""
     from store.format import is_litter
 
-    return all(p.name in ("grid.png", "index.html", REPORT_LOCK) or (p.is_file() and is_litter(p.name))
+    from stages.evaluate.base_images import FOLDER as BASE_IMAGES
+
+    from stages.evaluate.base_losses import FILE as BASE_LOSSES
+
+    return all(p.name in ("grid.png", "index.html", REPORT_LOCK, BASE_IMAGES, BASE_LOSSES)
+               or (p.is_file() and is_litter(p.name))
                for p in out.iterdir())
 
 
@@ -471,20 +486,29 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, ou
     transformer = load_transformer(cfg, model)
     attach_checked(transformer, lora, cfg.lora_scale, checked.sha256)
 
-    loss = held_out_loss(transformer, samples, cfg)
+    loss = held_out_loss(transformer, samples, cfg, (out, base_inputs_key(cfg, store, model, samples)))
 
     rows: list[SampleRow] = []
     if cfg.num_samples > 0 or cfg.extra_prompts:
-        rows = sample_rows(cfg, store, model, transformer, tables, samples, damaged)
+        rows = sample_rows(cfg, store, model, transformer, tables, samples, damaged, out)
 
     metrics = {
         "loss": loss,
-        "generation": generation_summary(rows, cfg),
+        "generation": generation_summary(rows, cfg, model),
         "run": _run_record(cfg, store, model, lora, tables, len(samples), damaged, inputs),
     }
     tables.close()  # readers and read lease: a process that goes on (`run all`) holds nothing of them
     return EvaluateResult(metrics, write_report(out, metrics, rows), seconds=time.perf_counter() - started,
                           damaged=damaged)
+
+
+def base_inputs_key(cfg: EvaluateConfig, store: str | Path, model: str, samples: list[TrainSample]) -> str:
+    """The key of every input of the base's losses over `samples` (the base images' key, `base_images.base_key`,
+    over all of them: store tables, model files, settings, device, libraries, this project's sources)."""
+    from stages.evaluate.base_images import base_key
+    from stages.evaluate.checkpoints import loss_fingerprint
+
+    return base_key(cfg, loss_fingerprint(cfg, store, model)[1], [s.key for s in samples])
 
 
 def attach_checked(transformer, lora: str | Path, scale: float, sha256: str) -> None:
@@ -498,32 +522,20 @@ def attach_checked(transformer, lora: str | Path, scale: float, sha256: str) -> 
 
 
 def sample_rows(cfg: EvaluateConfig, store: str | Path, model: str, transformer, tables, samples: list,
-                damaged: dict) -> list[SampleRow]:
+                damaged: dict, out: Path | None = None) -> list[SampleRow]:
     """Base and LoRA images of `num_samples` val samples (with their stored target and controls) and of the
-    extra prompts: the VAE and the scheduler are loaded only here."""
+    extra prompts: the VAE and the scheduler are loaded only here. The base column is kept in OUT/base-images/
+    and reused by a rerun whose every input of it is unchanged (`stages.evaluate.base_images`)."""
+    from stages.evaluate.base_images import FOLDER
+    from stages.evaluate.checkpoint_report import _jobs
+    from stages.evaluate.checkpoints import loss_fingerprint
+
     vae = load_component(model, "vae", dtype=parse_dtype(cfg.dtype), device=cfg.device)
     check_loaded_dtype(vae, cfg.dtype, "evaluate.dtype")
-    scheduler_config = dict(load_component(model, "scheduler").config)
-    st = Store(store, create=False)
-    if is_qwen21(transformer):
-        from models.qwen21_generate import scheduler_config_21
-        from stages.evaluate.qwen21 import val_rows_21 as val_rows_of
-
-        scheduler_config = scheduler_config_21(model)  # with the model's sample_sigmas
-    else:
-        val_rows_of = val_rows
-    images = images_reader(st, tables, cfg.on_damaged, cfg.max_open_shards)
-    rows = val_rows_of(transformer, vae, scheduler_config, pick_samples(samples, cfg.num_samples),
-                       images, cfg, damaged)
-    if images is not None:
-        images.close()
-    if cfg.extra_prompts and is_qwen21(transformer):
-        from stages.evaluate.qwen21 import extra_rows_21
-
-        rows += extra_rows_21(model, transformer, vae, cfg)
-    elif cfg.extra_prompts:
-        rows += extra_rows(model, transformer, vae, cfg)
-    return rows
+    qwen21 = is_qwen21(transformer)
+    jobs = _jobs(cfg, model, store, tables, transformer, vae, samples, damaged, qwen21)
+    cache = (Path(out) / FOLDER, loss_fingerprint(cfg, store, model)[1]) if out is not None else None
+    return paired_rows(jobs, transformer, vae, cfg, qwen21, samples, cache)
 
 
 def _run_record(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, tables, val_samples: int,

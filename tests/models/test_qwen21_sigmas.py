@@ -112,3 +112,27 @@ def test_a_model_folder_with_sample_sigmas_is_complete(model_with_sigmas, tmp_pa
     shutil.copytree(model_with_sigmas, broken, ignore=shutil.ignore_patterns("vae"))
     with pytest.raises(ModelNotFoundError, match=r"\['vae'\]"):
         resolve_model(str(broken))
+
+
+def test_the_report_and_predict_name_the_steps_the_images_were_made_with(model_with_sigmas, tiny_21_model, tmp_path):
+    """The images above take the model's 3 sigmas whatever `num_inference_steps` says; the report's settings line
+    said "2 Euler steps" (a number that was not what ran) and predict took `--steps 2` silently. Now the report
+    names the model's sigmas and predict says its --steps is unused; a model without them keeps its steps."""
+    from typer.testing import CliRunner
+
+    from pipeline.cli import app
+    from pipeline.config import load_config
+    from stages.evaluate.stage import generation_summary
+
+    cfg = load_config(None, {"evaluate.num_inference_steps": 2}).evaluate
+    settings = generation_summary([], cfg, model_with_sigmas)["settings"]
+    assert settings.startswith("3 Euler steps at the model's own sample_sigmas [1.0, 0.7, 0.35]"), settings
+    assert "num_inference_steps = 2 unused" in settings
+    assert generation_summary([], cfg, tiny_21_model)["settings"].startswith("2 Euler steps (dynamic shift)")
+
+    ref = tmp_path / "ref.png"
+    _ref().save(ref)
+    result = CliRunner().invoke(app, ["predict", "--model", model_with_sigmas, "--image", str(ref), "--prompt", "p",
+                                      "--steps", "2", "--height", "64", "--width", "96", "--out", str(tmp_path / "o.png")])
+    assert result.exit_code == 0, result.output
+    assert "--steps / predict.steps 2 is unused" in result.output

@@ -15,7 +15,8 @@ from models.loading import load_component
 from models.lora import add_lora, save_lora
 from models.multires import install_multires
 from schemas.config import EvaluateConfig, LoraConfig
-from stages.evaluate.stage import conditioning, generate_pair
+from stages.evaluate.checkpoint_report import _Job
+from stages.evaluate.stage import conditioning, paired_rows
 from models.lora import attach_lora
 from models.sample import TrainSample
 
@@ -62,7 +63,9 @@ def test_generation_from_stored_features_equals_stock_pipeline(tiny_edit_model, 
     attach_lora(transformer, tiny_lora, scale=1.0)
     vae = load_component(tiny_edit_model, "vae")
     sched = dict(load_component(tiny_edit_model, "scheduler").config)
-    base, lora = generate_pair(transformer, vae, sched, conditioning(sample, "cpu", torch.float32), 64, 48, cfg)
+    job = _Job("k", "", [], None, conditioning(sample, "cpu", torch.float32), 64, 48, sched)
+    (row,) = paired_rows([job], transformer, vae, cfg, qwen21=False)  # evaluate's own base / LoRA pair
+    base, lora = row.base, row.lora
 
     pipe = QwenImageEditPipeline.from_pretrained(tiny_edit_model)
     # The one input seam: the stored control latent instead of a VAE encode (instance attribute, class untouched).

@@ -135,3 +135,71 @@ def test_the_key_takes_the_source_of_every_module_generation_runs_through(tmp_pa
         assert base_images.base_key(cfg, features, ["k1"]) != before, module
         source.write_text(original)
     assert base_images.base_key(cfg, features, ["k1"]) == before
+
+
+def test_single_lora_evaluate_reuses_its_base_images_through_the_same_cache(run_and_store, tiny_edit_model, tmp_path,
+                                                                            monkeypatch):
+    """One-LoRA evaluate rerun (not up to date: another LoRA, another scale) generated its base column again:
+    2 samples -> 4 images every run. Now the base images are kept in OUT/base-images/ by the --all-checkpoints
+    mechanism (`base_images`, keyed by every input of them): a retrained LoRA or another LoRA scale generates only
+    the LoRA column (2), with the same base pixels; another seed regenerates both (4)."""
+    import models.generate
+    from stages.evaluate import report as report_mod
+    from stages.evaluate import stage
+
+    calls, rows = [], []
+    generate, write = models.generate.generate, report_mod.write_report
+    monkeypatch.setattr(models.generate, "generate", lambda *a, **k: (calls.append(1), generate(*a, **k))[1])
+    monkeypatch.setattr(stage, "write_report", lambda out, metrics, r: (rows.append(r), write(out, metrics, r))[1])
+    root, out = run_and_store, tmp_path / "report"
+    ckpts = dict(_ckpts(root))
+
+    def run(cfg, lora) -> int:
+        calls.clear()
+        stage.run(cfg, root / "store", tiny_edit_model, lora, out)
+        return len(calls)
+
+    cfg = EvaluateConfig(**{**CFG, "num_samples": 2, "num_inference_steps": 2})
+    assert run(cfg, ckpts[20]) == 4  # a zero LoRA (the base itself)
+    first = rows[-1]
+    assert run(cfg, ckpts[10]) == 2  # another LoRA (far from the base): the base images are reused
+    assert run(cfg.model_copy(update={"lora_scale": 0.5}), ckpts[10]) == 2  # another scale: reused
+    for a, b in zip(first, rows[-1]):
+        np.testing.assert_array_equal(np.asarray(a.base), np.asarray(b.base))
+    assert not np.array_equal(np.asarray(first[0].lora), np.asarray(rows[-1][0].lora))  # the LoRA column is new
+    assert run(cfg.model_copy(update={"seed": cfg.seed + 1}), ckpts[10]) == 4  # an input of the base: regenerated
+    assert not np.array_equal(np.asarray(rows[-1][0].base), np.asarray(first[0].base))
+    assert sorted(p.name for p in (out / base_images.FOLDER).iterdir()) == ["00000.png", "00001.png", "index.json"]
+
+
+def test_single_lora_evaluate_reuses_its_base_losses(run_and_store, tiny_edit_model, tmp_path, monkeypatch):
+    """The base's held-out loss pass (LoRA off) cost as much as the LoRA's and was run again by every rerun.
+    Now it is kept in OUT/base-losses.safetensors under the base images' key over all val samples: another LoRA
+    runs one loss pass (the base numbers equal to the bit); another noise seed, or a damaged file, runs both."""
+    from stages.evaluate import base_losses, stage
+
+    passes = []
+    grid = stage.loss_grid
+    monkeypatch.setattr(stage, "loss_grid", lambda *a, **k: (passes.append(k.get("desc")), grid(*a, **k))[1])
+    root, out = run_and_store, tmp_path / "report"
+    ckpts = dict(_ckpts(root))
+    cfg = EvaluateConfig(**CFG)
+
+    def run(cfg, lora) -> tuple[dict, list]:
+        passes.clear()
+        return stage.run(cfg, root / "store", tiny_edit_model, lora, out).metrics["loss"], list(passes)
+
+    first, n = run(cfg, ckpts[20])
+    assert len(n) == 2
+    again, n = run(cfg, ckpts[10])
+    assert n == ["held-out loss (lora)"]  # the base pass reused
+    assert again["overall"]["base"] == first["overall"]["base"]
+    assert again["per_sample"].keys() == first["per_sample"].keys()
+    assert again["overall"]["lora"] != first["overall"]["lora"]  # a far LoRA: its own numbers
+    _, n = run(cfg.model_copy(update={"noise_seeds": [0, 2]}), ckpts[10])
+    assert len(n) == 2  # an input of the base losses: recomputed
+    (out / base_losses.FILE).write_bytes((out / base_losses.FILE).read_bytes()[:-8])  # truncated
+    _, n = run(cfg.model_copy(update={"noise_seeds": [0, 2]}), ckpts[10])
+    assert len(n) == 2
+    _, n = run(cfg.model_copy(update={"noise_seeds": [0, 2]}), ckpts[10])
+    assert len(n) == 1

@@ -64,7 +64,7 @@ def test_21_extra_prompts_encode_once_and_generate_without_the_text_encoder(tiny
 
 
 def test_edit_extra_prompts_generate_without_the_text_encoder(tiny_edit_model, tmp_path, monkeypatch):
-    """Single-LoRA evaluate on an Edit model: before, `extra_rows` generated each extra while the generator's
+    """Single-LoRA evaluate on an Edit model: before, `extra_rows` (now `extra_jobs` + `paired_rows`) generated each extra while the generator's
     pipeline (text encoder included) was still alive; now every extra is encoded first and the text encoder is
     unreferenced whenever the transformer runs. The images are those of the prepared conditioning, base and LoRA."""
     from peft import LoraConfig
@@ -72,7 +72,8 @@ def test_edit_extra_prompts_generate_without_the_text_encoder(tiny_edit_model, t
     import models.edit
     from models.generate import generate
     from models.loading import load_component
-    from stages.evaluate.stage import extra_prompt_inputs, extra_rows, lora_enabled
+    from stages.evaluate.checkpoint_report import extra_jobs
+    from stages.evaluate.stage import extra_prompt_inputs, lora_enabled, paired_rows
 
     ref = tmp_path / "ref.png"
     Image.fromarray(np.random.default_rng(3).integers(0, 255, (48, 64, 3), dtype=np.uint8)).save(ref)
@@ -99,7 +100,7 @@ def test_edit_extra_prompts_generate_without_the_text_encoder(tiny_edit_model, t
     encoder.clear()
     encoder_alive = []
     transformer.register_forward_pre_hook(lambda module, args: encoder_alive.append(encoder[0]() is not None))
-    (row,) = extra_rows(tiny_edit_model, transformer, vae, cfg)
+    (row,) = paired_rows(extra_jobs(cfg, tiny_edit_model, transformer, vae, False), transformer, vae, cfg, False)
     assert encoder_alive and not any(encoder_alive)
     assert not np.array_equal(np.asarray(want[0]), np.asarray(want[1]))
     np.testing.assert_array_equal(np.asarray(row.base), np.asarray(want[0]))

@@ -1,0 +1,53 @@
+"""Single-LoRA evaluate: the base's held-out loss grid (LoRA off) kept in OUT/base-losses.safetensors and reused
+by a rerun whose every input of it is unchanged, as the base images are (`stages.evaluate.base_images`, whose key
+it takes over all the val samples). A rerun with a retrained LoRA, or another scale, then runs the LoRA's loss
+pass only: the base pass cost as much (one forward per sample x seed x σ). --all-checkpoints keeps its base
+losses in its loss array.
+
+The file is safetensors (numbers only) with the key in its metadata, written atomically; one that cannot be
+read, or holds another key or shape, is recomputed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+FILE = "base-losses.safetensors"
+
+
+def cached(out: Path, key: str, shape: tuple[int, ...], compute: Callable[[], np.ndarray]) -> np.ndarray:
+    """The grid recorded under `key` in OUT, else `compute()` recorded there."""
+    grid = read(Path(out) / FILE, key, shape)
+    if grid is not None:
+        from tqdm.auto import tqdm
+
+        tqdm.write(f"base held-out loss: unchanged inputs, reused from {Path(out) / FILE}")
+        return grid
+    grid = compute()
+    write(Path(out) / FILE, key, grid)
+    return grid
+
+
+def read(path: Path, key: str, shape: tuple[int, ...]) -> np.ndarray | None:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="numpy") as f:
+            if (f.metadata() or {}).get("key") != key:
+                return None
+            grid = f.get_tensor("base")
+    except Exception:  # noqa: BLE001 - missing, truncated or foreign file: recomputed
+        return None
+    return grid if grid.shape == shape and grid.dtype == np.float64 else None
+
+
+def write(path: Path, key: str, grid: np.ndarray) -> None:
+    from safetensors.numpy import save
+
+    from store.format import atomic_write_bytes
+    from store.io_errors import writing
+
+    with writing("the base held-out losses of the evaluate report", path.parent):  # full disk: one line
+        atomic_write_bytes(path, save({"base": np.ascontiguousarray(grid, dtype=np.float64)}, metadata={"key": key}))

@@ -1,0 +1,83 @@
+"""`evaluate --all-checkpoints` on two ranks: each rank reads only the val samples whose losses it computes
+(`stages/evaluate/val_share.py`). Before, each rank read every val sample (up to 256) to compute half of them:
+here 5 samples, 5 reads per rank (10 in all); now 3 + 2, plus on rank 0 the pictured ones of rank 1's half.
+The numbers are the one-process numbers, masks included (the report's mask section needs every sample's mask:
+sent by the rank that read it); a damaged sample met by rank 1 is left out on both ranks, the next row taken,
+as one process does."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import xarray as xr
+from damage import flip_bit, sample_byte
+from test_evaluate_checkpoints import CFG, _ckpts, run_and_store  # noqa: F401 (the module fixture)
+from two_ranks import launch_two, results
+
+from schemas.config import EvaluateConfig
+from stages.evaluate import checkpoints as ev
+from store import Store
+from store.loss_array import GROUP
+
+
+def _two_ranks(root, store, model, out, settings: dict) -> tuple[list[int], list[int]]:
+    outs = launch_two("val_share_ranks.py", str(store), str(root / "run"), str(out), json.dumps(settings), model)
+    (rc0, out0, err0), (rc1, out1, err1) = outs
+    assert rc0 == rc1 == 0, (err0[-3000:], err1[-3000:])
+    return json.loads(results(out0)["rows"]), json.loads(results(out1)["rows"])
+
+
+def _val_keys(store) -> list[str]:
+    """The joined val rows' keys in row order (sorted keys of the val split)."""
+    from store.join import split_keys
+
+    r = Store(store, create=False).reader("vae")
+    keys = split_keys(r, "val")
+    r.close()
+    return keys
+
+
+def test_each_rank_reads_its_share_and_the_numbers_are_one_process(run_and_store, tiny_edit_model, tmp_path):
+    root = run_and_store
+    settings = {**CFG, "num_samples": 2, "num_inference_steps": 2}
+    one = ev.run(EvaluateConfig(**settings), root / "store", tiny_edit_model, _ckpts(root), tmp_path / "one")
+    rows0, rows1 = _two_ranks(root, root / "store", tiny_edit_model, tmp_path / "two", settings)
+    n = len(_val_keys(root / "store"))
+    assert n == 5
+    pictured = {s["title"] for s in one.metrics["generation"]["samples"]}
+    keys = _val_keys(root / "store")
+    extra = sorted(i for i in range(1, n, 2) if keys[i][:12] in pictured)  # rank 1's rows rank 0 pictures
+    assert sorted(rows1) == [1, 3]  # before: [0, 1, 2, 3, 4]
+    assert sorted(rows0) == sorted([0, 2, 4] + extra)
+    a, b = xr.open_zarr(tmp_path / "one" / GROUP), xr.open_zarr(tmp_path / "two" / GROUP)
+    assert list(b.sample.values) == list(a.sample.values)
+    np.testing.assert_allclose(b.loss.values, a.loss.values, rtol=1e-5, atol=1e-7)
+    assert np.array_equal(np.isnan(b.loss.values), np.isnan(a.loss.values))
+    two = json.loads((tmp_path / "two" / "metrics.json").read_text())
+    # every sample's mask, also those rank 1 read: tokens and mask mass to the bit, the regions' losses alike
+    assert two["loss"]["mask"]["per_sample"].keys() == one.metrics["loss"]["mask"]["per_sample"].keys()
+    for key, want in one.metrics["loss"]["mask"]["per_sample"].items():
+        got = two["loss"]["mask"]["per_sample"][key]
+        assert (got["tokens"], got["mask_tokens"]) == (want["tokens"], want["mask_tokens"])
+    assert [s["title"] for s in two["generation"]["samples"]] == [s["title"] for s in one.metrics["generation"]["samples"]]
+    for got, want in zip(two["generation"]["samples"], one.metrics["generation"]["samples"]):
+        assert got.keys() == want.keys()
+
+
+def test_a_sample_damaged_in_rank_1s_share_is_left_out_on_both_as_one_process_does(run_and_store, tiny_edit_model,
+                                                                                  tmp_path):
+    root, store = run_and_store, tmp_path / "store"
+    shutil.copytree(run_and_store / "store", store)
+    keys = _val_keys(store)
+    flip_bit(*sample_byte(store, "vae", keys[1], "target"), 6)  # joined row 1: rank 1 reads it
+    settings = {**CFG, "on_damaged": "skip", "max_damaged_fraction": 0.5, "max_loss_samples": 3}
+    one = ev.run(EvaluateConfig(**settings), store, tiny_edit_model, _ckpts(root), tmp_path / "one")
+    rows0, rows1 = _two_ranks(root, store, tiny_edit_model, tmp_path / "two", settings)
+    assert sorted(rows0) == [0, 2] and sorted(rows1) == [1, 3]  # row 1 damaged: row 3 read instead
+    a, b = xr.open_zarr(tmp_path / "one" / GROUP), xr.open_zarr(tmp_path / "two" / GROUP)
+    assert list(a.sample.values) == list(b.sample.values) == [keys[0], keys[2], keys[3]]
+    np.testing.assert_allclose(b.loss.values, a.loss.values, rtol=1e-5, atol=1e-7)
+    two = json.loads((tmp_path / "two" / "metrics.json").read_text())
+    assert list(two["run"]["damaged_samples"]) == list(one.metrics["run"]["damaged_samples"]) == [keys[1]]
