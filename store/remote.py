@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from schemas.errors import UserError
-from store import remote_local
+from store import remote_local, remote_upload
 from store.checksum import CHUNK, RunningCrc
 
 # user metadata recorded on every object we upload to S3: a rerun can tell an object is already there (same size,
@@ -329,31 +329,27 @@ class Remote:
                 crc.update(chunk)
         return crc.hex()
 
-    def upload(self, local: Path, rel: str, crc: str, progress) -> bool:
+    def upload(self, local: Path, rel: str, crc: str, progress, nbytes: int | None = None) -> bool:
         """Upload `local` as `rel` only if no object `rel` exists; False when one does (nothing written).
 
         Every object of a version is written once: on S3 a conditional PUT (If-None-Match: *) decides on the
         server, so a pusher never overwrites an object another pusher wrote, and of two pushers racing for the
         same version exactly one creates its manifest (the commit). On a local file system `link(2)` decides
-        (store/remote_local.py); elsewhere it is a check, then a write."""
+        (store/remote_local.py); elsewhere it is a check, then a write.
+
+        `nbytes` given: `local` must still be what its record says (`nbytes` bytes, CRC32C `crc`), checked over
+        the very bytes sent (one read of the file on S3 and file://); otherwise `remote_upload.Mismatch` is raised
+        and nothing is visible under `rel` (store/remote_upload.py)."""
+        expect = None if nbytes is None else (nbytes, crc)
         if self.is_local:
-            return remote_local.create(self.root, local, self.path(rel), progress, crc)
-        if not self.is_s3:
-            if self.fs.exists(self.path(rel)):
-                return False
-            self.fs.put_file(str(local), self.path(rel), callback=_Bytes(progress))
-            return True
-        try:
-            with uploads_budget.holding(upload_memory(local.stat().st_size)):
-                self.fs.put_file(str(local), self.path(rel), callback=_Bytes(progress), mode="create",
-                                 chunksize=PART, max_concurrency=PARTS_AT_ONCE, **self._meta(crc))
-        except FileExistsError:
-            return False
-        except OSError as e:
-            if not _precondition_failed(e):
-                raise
-            return False
-        return True
+            return remote_local.create(self.root, local, self.path(rel), progress, crc, expect)
+        size = local.stat().st_size
+        if not self.is_s3:  # the back end's buffered writer holds up to a block of PART, our read a CHUNK
+            with uploads_budget.holding(min(size, PART + CHUNK)):
+                return remote_upload.generic_create(self.fs, self.path(rel), local, progress, expect, PART)
+        with uploads_budget.holding(upload_memory(size)):
+            return remote_upload.s3_create(self.fs, self.path(rel), local, progress, self._meta(crc), expect,
+                                           PART, PARTS_AT_ONCE)
 
     def exists(self, rel: str) -> bool:
         """Is object `rel` there (one request, no listing)?"""
@@ -438,29 +434,6 @@ def _precondition_failed(e: OSError) -> bool:
     """s3fs reports a failed If-Match as a plain OSError; the server's message says which."""
     text = str(e).lower()
     return "precondition" in text.replace("-", "") or "412" in text
-
-
-class _Bytes:
-    """fsspec progress callback -> the one tqdm bar of the whole transfer (fsspec's TqdmCallback makes a bar per
-    file)."""
-
-    def __init__(self, bar) -> None:
-        self.bar = bar
-
-    def set_size(self, size: int) -> None:
-        pass
-
-    def relative_update(self, inc: int = 1) -> None:
-        self.bar.update(inc)
-
-    def absolute_update(self, value: int) -> None:
-        pass
-
-    def branched(self, *args, **kwargs):
-        return None
-
-    def call(self, *args, **kwargs) -> None:
-        pass
 
 
 def open_remote(url: str, storage_options: dict[str, Any] | None = None) -> Remote:

@@ -1,0 +1,142 @@
+"""push reads each local file once (store/remote_upload.py): the CRC32C is computed over the very bytes sent, and a
+file damaged after its version was sealed is refused with nothing visible under its key - a multipart upload is
+aborted before its completion, a small object never PUT. Before, push read every file twice (a check, then s3fs's
+own read for the upload): at 1M samples the whole store twice. Against the S3 test server (moto)."""
+
+from __future__ import annotations
+
+import builtins
+import os
+import shutil
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from schemas.errors import UserError
+from store import Store
+from store import format as fmt
+from store import remote as remote_mod
+from store.remote_sync import pull, push
+from store.verify import verify_store
+from store_samples import sample, vae_schema
+
+BIG = 11 * 2**20  # with 5 MiB parts: three parts of a multipart upload
+
+
+def _store(root: Path) -> Store:
+    """One version: a shard of over 11 MiB (a sample with a big file) and small shards."""
+    store = Store(root)
+    w = store.writer("vae", vae_schema(), shard_size_mb=0.004)
+    for i in range(6):
+        s = sample(i)
+        files = {"target.png": os.urandom(BIG)} if i == 0 else s["files"]
+        w.add(s["key"], tensors=s["tensors"], files=files, meta=s["meta"])
+    w.commit()
+    return store
+
+
+def _shards(root: Path) -> list[Path]:
+    return sorted(fmt.version_dir(root, "vae", 1).glob("shard-*.tar"))
+
+
+def _keys(env) -> set[str]:
+    return {o["Key"] for o in env.client().list_objects_v2(Bucket=env.bucket).get("Contents", [])}
+
+
+def _unfinished(env) -> list[str]:
+    return [u["Key"] for u in env.client().list_multipart_uploads(Bucket=env.bucket).get("Uploads", [])]
+
+
+@pytest.fixture
+def small_parts(monkeypatch):
+    monkeypatch.setattr(remote_mod, "PART", 5 * 2**20)  # S3's smallest part
+
+
+@pytest.fixture
+def opens(monkeypatch) -> Counter:
+    """How many times each local file is opened for reading (s3fs and our code open files with builtins.open)."""
+    counted: Counter = Counter()
+    real = builtins.open
+
+    def counting(file, mode="r", *a, **kw):
+        if isinstance(file, (str, Path)) and "r" in mode and "+" not in mode:
+            counted[Path(file).name] += 1
+        return real(file, mode, *a, **kw)
+
+    monkeypatch.setattr(builtins, "open", counting)
+    return counted
+
+
+def test_push_reads_each_shard_once_and_a_rerun_skips_them_all(s3_env, tmp_path, small_parts, opens) -> None:
+    store = _store(tmp_path / "store")
+    shards = _shards(store.root)
+    assert shards[0].stat().st_size > BIG and len(shards) > 2  # one multipart upload, several single PUTs
+    opens.clear()
+    first = push(store.root, s3_env.url())
+    assert first.copied == ["vae/v1"]
+    assert {s.name: opens[s.name] for s in shards} == {s.name: 1 for s in shards}  # was 2 each
+    # the CRC32C recorded with each object (multipart or not) lets a rerun skip it without reading anything
+    opens.clear()
+    again = push(store.root, s3_env.url())
+    assert again.objects_sent == 0 and again.present == ["vae/v1"]
+    assert not any(opens[s.name] for s in shards)
+    pulled = tmp_path / "pulled"
+    pull(s3_env.url(), pulled)
+    assert verify_store(pulled) == []
+    assert [p.read_bytes() for p in _shards(pulled)] == [p.read_bytes() for p in shards]
+
+
+@pytest.mark.parametrize("which", ["big", "small"])
+def test_a_shard_damaged_after_sealing_is_refused_with_nothing_visible(s3_env, tmp_path, small_parts, opens,
+                                                                       which) -> None:
+    store = _store(tmp_path / "store")
+    shard = _shards(store.root)[0 if which == "big" else -1]
+    data = bytearray(shard.read_bytes())
+    data[len(data) * 2 // 3] ^= 0x01  # same size: only the bytes' CRC32C tells (in the last part when multipart)
+    shard.write_bytes(bytes(data))
+    opens.clear()
+    with pytest.raises(UserError, match="is damaged") as e:
+        push(store.root, s3_env.url())
+    assert str(shard) in str(e.value) and "not sent" in str(e.value)
+    assert opens[shard.name] == 1
+    key = f"store/vae/v1/{shard.name}"
+    assert key not in _keys(s3_env) and "store/vae/v1/manifest.parquet" not in _keys(s3_env)
+    assert _unfinished(s3_env) == []  # the multipart upload was aborted: no parts left stored (and billed)
+
+
+def test_a_push_that_fails_mid_multipart_leaves_nothing_visible_and_a_rerun_finishes(s3_env, tmp_path, small_parts,
+                                                                                   monkeypatch) -> None:
+    store = _store(tmp_path / "store")
+    big = _shards(store.root)[0]
+    real_open_remote, parts = remote_mod.open_remote, []
+
+    def failing_open_remote(*a, **kw):  # the connection goes after the big shard's first part
+        remote = real_open_remote(*a, **kw)
+        real_call = remote.fs._call_s3
+
+        async def call_s3(method, *args, **kwargs):
+            if method == "upload_part" and kwargs["Key"].endswith(big.name):
+                parts.append(kwargs["PartNumber"])
+                if len(parts) > 1:
+                    raise ConnectionResetError("connection reset by peer")
+            return await real_call(method, *args, **kwargs)
+
+        remote.fs._call_s3 = call_s3
+        return remote
+
+    monkeypatch.setattr("store.remote_sync.open_remote", failing_open_remote)
+    with pytest.raises(UserError, match="lost the connection"):
+        push(store.root, s3_env.url())
+    assert parts and f"store/vae/v1/{big.name}" not in _keys(s3_env) and _unfinished(s3_env) == []
+    assert "store/vae/v1/manifest.parquet" not in _keys(s3_env)
+    monkeypatch.setattr("store.remote_sync.open_remote", real_open_remote)
+    summary = push(store.root, s3_env.url())
+    assert summary.copied == ["vae/v1"] and summary.objects_skipped > 0  # what the first run sent is kept
+    pulled = tmp_path / "pulled"
+    pull(s3_env.url(), pulled)
+    assert verify_store(pulled) == []
+    a, b = Store(store.root, create=False).reader("vae"), Store(pulled, create=False).reader("vae")
+    key = sample(0)["key"]
+    assert torch.equal(a.tensors(key)["target"], b.tensors(key)["target"])
