@@ -344,8 +344,8 @@ class Remote:
         if self.is_local:
             return remote_local.create(self.root, local, self.path(rel), progress, crc, expect)
         size = local.stat().st_size
-        if not self.is_s3:  # the back end's buffered writer holds up to a block of PART, our read a CHUNK
-            with uploads_budget.holding(min(size, PART + CHUNK)):
+        if not self.is_s3:  # the back end's buffered writer holds up to a block of PART, our read as much
+            with uploads_budget.holding(min(size, 2 * PART)):
                 return remote_upload.generic_create(self.fs, self.path(rel), local, progress, expect, PART)
         with uploads_budget.holding(upload_memory(size)):
             return remote_upload.s3_create(self.fs, self.path(rel), local, progress, self._meta(crc), expect,

@@ -141,7 +141,7 @@ def generic_create(fs: Any, path: str, local: Path, progress: Any, expect: tuple
         check(n, crc, expect)
     crc, n = RunningCrc(), 0
     with open(local, "rb") as src, fs.open(path, "wb", block_size=part) as dst:
-        while chunk := src.read(CHUNK):
+        while chunk := src.read(min(part, CHUNK)):
             dst.write(chunk)
             crc.update(chunk)
             n += len(chunk)

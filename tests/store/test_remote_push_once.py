@@ -69,21 +69,23 @@ def opens(monkeypatch) -> Counter:
     return counted
 
 
-def test_push_reads_each_shard_once_and_a_rerun_skips_them_all(s3_env, tmp_path, small_parts, opens) -> None:
+@pytest.mark.parametrize("where", ["s3", "file"])
+def test_push_reads_each_shard_once_and_a_rerun_skips_them_all(s3_env, tmp_path, small_parts, opens, where) -> None:
     store = _store(tmp_path / "store")
     shards = _shards(store.root)
     assert shards[0].stat().st_size > BIG and len(shards) > 2  # one multipart upload, several single PUTs
+    url = s3_env.url() if where == "s3" else f"file://{tmp_path}/remote"
     opens.clear()
-    first = push(store.root, s3_env.url())
+    first = push(store.root, url)
     assert first.copied == ["vae/v1"]
     assert {s.name: opens[s.name] for s in shards} == {s.name: 1 for s in shards}  # was 2 each
     # the CRC32C recorded with each object (multipart or not) lets a rerun skip it without reading anything
     opens.clear()
-    again = push(store.root, s3_env.url())
+    again = push(store.root, url)
     assert again.objects_sent == 0 and again.present == ["vae/v1"]
     assert not any(opens[s.name] for s in shards)
     pulled = tmp_path / "pulled"
-    pull(s3_env.url(), pulled)
+    pull(url, pulled)
     assert verify_store(pulled) == []
     assert [p.read_bytes() for p in _shards(pulled)] == [p.read_bytes() for p in shards]
 
@@ -140,3 +142,60 @@ def test_a_push_that_fails_mid_multipart_leaves_nothing_visible_and_a_rerun_fini
     a, b = Store(store.root, create=False).reader("vae"), Store(pulled, create=False).reader("vae")
     key = sample(0)["key"]
     assert torch.equal(a.tensors(key)["target"], b.tensors(key)["target"])
+
+
+def test_a_damaged_shard_is_not_linked_into_a_file_url(tmp_path, opens) -> None:
+    """file:// (store/remote_local.py): the copy's bytes are checked before the link that makes the object exist."""
+    store = _store(tmp_path / "store")
+    shard = _shards(store.root)[-1]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    opens.clear()
+    with pytest.raises(UserError, match="is damaged") as e:
+        push(store.root, f"file://{tmp_path}/remote")
+    assert str(shard) in str(e.value) and opens[shard.name] == 1
+    assert not (tmp_path / "remote" / "vae" / "v1" / shard.name).exists()
+    assert not (tmp_path / "remote" / "vae" / "v1" / "manifest.parquet").exists()
+    assert not any((tmp_path / "remote" / ".uploads").iterdir())  # the temp copy is gone too
+
+
+def test_other_back_ends_stream_in_blocks_under_the_budget_and_refuse_damage(tmp_path, monkeypatch) -> None:
+    """Any other fsspec back end (here fsspec's memory://): s3fs's budget did not cover it (the back end's
+    `put_file`, whatever it holds, 16 at once). Now each upload streams through the back end's buffered writer in
+    blocks of PART, reserving 2 x PART from the one budget; a damaged file is refused, nothing left at its key."""
+    monkeypatch.setattr(remote_mod, "PART", 2**16)
+    budget = remote_mod.ByteBudget(3 * 2**16)
+    monkeypatch.setattr(remote_mod, "uploads_budget", budget)
+    store = _store(tmp_path / "store")
+    url = f"memory://h1-{tmp_path.name}/store"
+    fs = remote_mod.open_remote(url).fs
+    blocks = []
+    real_open = type(fs).open
+
+    def recording_open(self, path, mode="rb", *a, **kw):
+        if "w" in mode and "/vae/v1/shard-" in path:
+            blocks.append(kw.get("block_size"))
+        return real_open(self, path, mode, *a, **kw)
+
+    monkeypatch.setattr(type(fs), "open", recording_open)
+    try:
+        assert push(store.root, url).copied == ["vae/v1"]
+        assert blocks and set(blocks) == {2**16} and 0 < budget.peak <= 3 * 2**16 and budget.held == 0
+        pulled = tmp_path / "pulled"
+        pull(url, pulled)
+        assert verify_store(pulled) == []
+        assert [p.read_bytes() for p in _shards(pulled)] == [p.read_bytes() for p in _shards(store.root)]
+
+        other = _store(tmp_path / "other")
+        shard = _shards(other.root)[0]
+        data = bytearray(shard.read_bytes())
+        data[-1000] ^= 0x01
+        shard.write_bytes(bytes(data))
+        url2 = url + "2"
+        with pytest.raises(UserError, match="is damaged") as e:
+            push(other.root, url2)
+        assert str(shard) in str(e.value)
+        assert not fs.exists(f"{fs._strip_protocol(url2)}/vae/v1/{shard.name}")
+    finally:
+        fs.rm(f"/h1-{tmp_path.name}", recursive=True)
