@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from schemas.errors import UserError
-from store import remote_local, remote_upload
+from store import remote_download, remote_local, remote_upload
 from store.checksum import CHUNK, RunningCrc
 
 # user metadata recorded on every object we upload to S3: a rerun can tell an object is already there (same size,
@@ -35,8 +35,8 @@ TRANSFERS = 16  # objects moved at once by push, pull and a lazy open
 # budget of IN_FLIGHT (small objects - the ~20k shard indexes - still go 16 at a time; big ones wait their turn).
 PART = 16 * 2**20  # S3's minimum part is 5 MiB
 PARTS_AT_ONCE = 4
-# a download reads READ_PIECE at a time from s3fs's read-ahead of CHUNK (8 MiB GETs): reading CHUNK at a time made
-# it hold two blocks and the piece (~36 MiB a transfer measured, bench/store_transfer_memory.py)
+# a download (pull, verify URL) is one streamed GET read READ_PIECE at a time (store/remote_download.py): s3fs's
+# file object held an 8 MiB block, the piece and copies (~15 MiB a transfer, bench/store_transfer_memory.py)
 READ_PIECE = 2**20
 IN_FLIGHT = 128 * 2**20  # of file bytes (tracemalloc measures ~2x that held)
 
@@ -374,8 +374,8 @@ class Remote:
     def download(self, rel: str, local: Path, progress) -> str:
         """Fetch one object to `local`; its CRC32C (computed from the bytes written, no re-read)."""
         crc = RunningCrc()
-        with self.fs.open(self.path(rel), "rb", block_size=CHUNK) as src, open(local, "wb") as dst:
-            while chunk := src.read(READ_PIECE):
+        with open(local, "wb") as dst:  # one streamed GET, a piece at a time (store/remote_download.py)
+            for chunk in remote_download.pieces(self.fs, self.path(rel), READ_PIECE, self.is_s3):
                 dst.write(chunk)
                 crc.update(chunk)
                 progress.update(len(chunk))
