@@ -30,7 +30,8 @@ def pieces(fs: Any, path: str, piece: int, is_s3: bool) -> Iterator[bytes]:
 
     async def open_at(offset: int):
         kw = {"Range": f"bytes={offset}-"} if offset else {}
-        return (await fs._call_s3("get_object", Bucket=bucket, Key=key, **kw))["Body"]
+        resp = await fs._call_s3("get_object", Bucket=bucket, Key=key, **kw)
+        return resp["Body"], offset + int(resp.get("ContentLength") or 0)
 
     async def fill(body) -> bytes:  # one hop into the event loop per piece, not per socket read
         out = bytearray()
@@ -38,17 +39,17 @@ def pieces(fs: Any, path: str, piece: int, is_s3: bool) -> Iterator[bytes]:
             out += got
         return bytes(out)
 
-    body, received, failures = sync(fs.loop, open_at, 0), 0, 0
+    (body, size), received, failures = sync(fs.loop, open_at, 0), 0, 0
     try:
         while True:
             try:
                 chunk = sync(fs.loop, fill, body)
             except S3_RETRYABLE_ERRORS:
                 failures += 1
-                if failures >= max(1, getattr(fs, "retries", 5)):
+                if failures >= max(1, getattr(fs, "retries", 5)) or received >= size:  # nothing left to ask for
                     raise
                 body.close()
-                body = sync(fs.loop, open_at, received)
+                body, _ = sync(fs.loop, open_at, received)
                 continue
             if not chunk:
                 return
