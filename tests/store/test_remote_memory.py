@@ -10,7 +10,6 @@ import os
 import threading
 from pathlib import Path
 
-import pytest
 
 from store import remote as remote_mod
 from store import remote_upload

@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import builtins
 import os
-import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -18,6 +22,7 @@ from schemas.errors import UserError
 from store import Store
 from store import format as fmt
 from store import remote as remote_mod
+from store.remote_gc import collect
 from store.remote_sync import pull, push
 from store.verify import verify_store
 from store_samples import sample, vae_schema
@@ -199,3 +204,55 @@ def test_other_back_ends_stream_in_blocks_under_the_budget_and_refuse_damage(tmp
         assert not fs.exists(f"{fs._strip_protocol(url2)}/vae/v1/{shard.name}")
     finally:
         fs.rm(f"/h1-{tmp_path.name}", recursive=True)
+
+
+# `pipeline store push` in a child process that stalls once every part of the big shard is stored, right before
+# its CompleteMultipartUpload, after saying so in a file: the test SIGKILLs it there, without any timing assumption
+STALLING_PUSH = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    from store import remote, remote_upload
+
+    remote.PART = 5 * 2**20
+    real = remote_upload.check
+
+    def stalling(nbytes, crc, expect):
+        if nbytes >= 2 * remote.PART:
+            Path(sys.argv[3]).write_text("parts sent")
+            time.sleep(3600)
+        return real(nbytes, crc, expect)
+
+    remote_upload.check = stalling
+    from pipeline.cli import app
+    app(["store", "push", sys.argv[1], sys.argv[2]])
+""")
+
+
+def test_a_push_killed_before_completing_a_multipart_upload_shows_nothing_and_gc_aborts_it(s3_env, tmp_path,
+                                                                                         small_parts) -> None:
+    store = _store(tmp_path / "store")
+    big = _shards(store.root)[0]
+    marker = tmp_path / "stalled"
+    child = subprocess.Popen([sys.executable, "-c", STALLING_PUSH, str(store.root), s3_env.url(), str(marker)],
+                             env=dict(os.environ), start_new_session=True,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 300  # a generous bound for a loaded machine, not a timing assertion
+        while not marker.exists():
+            assert child.poll() is None, "the push ended before it stalled"
+            assert time.monotonic() < deadline, "the push never reached the big shard's completion"
+            time.sleep(0.05)
+    finally:
+        os.killpg(child.pid, signal.SIGKILL)
+        child.wait()
+    key = f"store/vae/v1/{big.name}"
+    assert key not in _keys(s3_env) and _unfinished(s3_env) == [key]  # all its parts stored, no object
+    summary = push(store.root, s3_env.url())  # the rerun sends the big shard again, whole
+    assert summary.copied == ["vae/v1"] and key in _keys(s3_env)
+    lines: list[str] = []
+    collect(s3_env.url(), grace_s=0, echo=lines.append)  # the killed push's upload is stale at once here
+    assert any("abort 1 unfinished multipart upload" in ln for ln in lines), lines
+    assert _unfinished(s3_env) == []
+    pulled = tmp_path / "pulled"
+    pull(s3_env.url(), pulled)
+    assert verify_store(pulled) == [] and (pulled / "vae" / "v1" / big.name).read_bytes() == big.read_bytes()
