@@ -10,7 +10,6 @@ import os
 import threading
 from pathlib import Path
 
-
 from store import remote as remote_mod
 from store import remote_upload
 from store.checksum import file_crc
