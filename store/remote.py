@@ -9,6 +9,7 @@ itself, or fsspec storage options passed by the caller.
 
 from __future__ import annotations
 
+import base64
 import errno
 import os
 import secrets
@@ -323,6 +324,8 @@ class Remote:
             return (self.fs.metadata(self.path(rel)) or {}).get(CRC_META)
         if self.is_local and (recorded := remote_local.recorded_crc(self.path(rel))) is not None:
             return recorded
+        if not self.is_local and (native := native_crc32c(self.fs.info(self.path(rel)))) is not None:
+            return native  # the server's own CRC32C of the bytes (GCS): a resumed push reads nothing back
         crc = RunningCrc()
         with self.fs.open(self.path(rel), "rb") as f:
             while chunk := f.read(CHUNK):
@@ -422,6 +425,20 @@ class Remote:
 
     def _meta(self, crc: str | None) -> dict[str, Any]:
         return {"Metadata": {CRC_META: crc}} if self.is_s3 and crc else {}
+
+
+def native_crc32c(info: dict[str, Any]) -> str | None:
+    """The CRC32C a back end computes itself, as fsspec's listing entry carries it: GCS (gcsfs) gives every object's
+    `crc32c`, base64 of its 4 big-endian bytes (the same Castagnoli CRC as ours, composite objects included). None
+    where there is none."""
+    value = info.get("crc32c")
+    if not isinstance(value, str):
+        return None
+    try:
+        raw = base64.b64decode(value, validate=True)
+    except ValueError:
+        return None
+    return f"{int.from_bytes(raw, 'big'):08x}" if len(raw) == 4 else None
 
 
 def _modified(info: dict[str, Any]) -> float:
