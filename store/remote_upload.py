@@ -26,6 +26,8 @@ from typing import Any
 
 from store.checksum import CHUNK, RunningCrc, file_crc
 
+MAX_PARTS = 10_000  # S3's limit on the parts of one multipart upload
+
 
 class Mismatch(Exception):
     """The local file is not what its record says (`nbytes` bytes, CRC32C `crc`; crc None: not read, the size
@@ -71,6 +73,7 @@ def s3_create(fs: Any, path: str, local: Path, progress: Any, meta: dict[str, An
                 return False
             progress.update(len(data))
             return True
+        part = max(part, -(-size // MAX_PARTS))  # S3 takes at most 10,000 parts (a file over ~156 GiB)
         upload = fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key, **meta)["UploadId"]
         try:
             parts = _send_parts(fs, bucket, key, upload, f, progress, part, parts_at_once, expect)
