@@ -91,3 +91,32 @@ def test_a_pull_streams_each_object_in_one_get_and_resumes_a_cut_body(s3_env, tm
     assert max(pieces) <= remote_mod.READ_PIECE and sum(pieces) == shard.stat().st_size
     assert (pulled / "vae" / "v1" / shard.name).read_bytes() == shard.read_bytes()
     assert verify_store(pulled) == []
+
+
+def test_a_body_really_cut_off_once_per_shard_resumes_and_the_pull_completes(s3_env, tmp_path, monkeypatch) -> None:
+    """A real reset mid-body (tests/store/fault_proxy.py sends half of each shard's first GET, then closes the
+    connection): the download resumes from the bytes received, every file checked, nothing refetched whole."""
+    from fault_proxy import FaultProxy
+
+    store = _store(tmp_path / "store")
+    push(store.root, s3_env.url())
+    cut: list[str] = []
+
+    def fault(method: str, path: str):
+        key = path.split("?")[0]
+        if method == "GET" and key.endswith(".tar") and key not in cut:
+            cut.append(key)
+            return "cut"
+        return None
+
+    proxy = FaultProxy(s3_env.endpoint, fault)
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+        pulled = tmp_path / "pulled"
+        summary = pull(s3_env.url(), pulled)
+    finally:
+        proxy.stop()
+    shards = sorted(fmt.version_dir(store.root, "vae", 1).glob("shard-*.tar"))
+    assert summary.copied == ["vae/v1"] and len(cut) == len(shards) == len(proxy.faults)
+    assert verify_store(pulled) == []
+    assert [(pulled / "vae" / "v1" / p.name).read_bytes() for p in shards] == [p.read_bytes() for p in shards]
