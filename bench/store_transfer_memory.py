@@ -6,7 +6,7 @@ MiB each move, 16 at a time.
   up-s3fs  fsspec's put_file as store/remote.py called it before: a file under 100 MiB read whole into one PUT, a
            larger one in 50 MiB parts, 10 at once
   up       Remote.upload: 16 MiB parts, 4 at once, every upload's bytes reserved from one 128 MiB budget
-  down     Remote.download: streamed in 1 MiB pieces from s3fs's 8 MiB blocks
+  down     Remote.download: one streamed GET read in 1 MiB pieces (store/remote_download.py)
   verify   `store verify URL`'s check of one object (store/remote_verify.py): streamed, CRC32C, nothing kept
 
     python bench/store_transfer_memory.py --files 16 --mb 20

@@ -9,6 +9,7 @@ itself, or fsspec storage options passed by the caller.
 
 from __future__ import annotations
 
+import base64
 import errno
 import os
 import secrets
@@ -21,7 +22,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from schemas.errors import UserError
-from store import remote_local
+from store import remote_download, remote_local, remote_upload
 from store.checksum import CHUNK, RunningCrc
 
 # user metadata recorded on every object we upload to S3: a rerun can tell an object is already there (same size,
@@ -35,8 +36,8 @@ TRANSFERS = 16  # objects moved at once by push, pull and a lazy open
 # budget of IN_FLIGHT (small objects - the ~20k shard indexes - still go 16 at a time; big ones wait their turn).
 PART = 16 * 2**20  # S3's minimum part is 5 MiB
 PARTS_AT_ONCE = 4
-# a download reads READ_PIECE at a time from s3fs's read-ahead of CHUNK (8 MiB GETs): reading CHUNK at a time made
-# it hold two blocks and the piece (~36 MiB a transfer measured, bench/store_transfer_memory.py)
+# a download (pull, verify URL) is one streamed GET read READ_PIECE at a time (store/remote_download.py): s3fs's
+# file object held an 8 MiB block, the piece and copies (~15 MiB a transfer, bench/store_transfer_memory.py)
 READ_PIECE = 2**20
 IN_FLIGHT = 128 * 2**20  # of file bytes (tracemalloc measures ~2x that held)
 
@@ -323,37 +324,35 @@ class Remote:
             return (self.fs.metadata(self.path(rel)) or {}).get(CRC_META)
         if self.is_local and (recorded := remote_local.recorded_crc(self.path(rel))) is not None:
             return recorded
+        if not self.is_local and (native := native_crc32c(self.fs.info(self.path(rel)))) is not None:
+            return native  # the server's own CRC32C of the bytes (GCS): a resumed push reads nothing back
         crc = RunningCrc()
         with self.fs.open(self.path(rel), "rb") as f:
             while chunk := f.read(CHUNK):
                 crc.update(chunk)
         return crc.hex()
 
-    def upload(self, local: Path, rel: str, crc: str, progress) -> bool:
+    def upload(self, local: Path, rel: str, crc: str, progress, nbytes: int | None = None) -> bool:
         """Upload `local` as `rel` only if no object `rel` exists; False when one does (nothing written).
 
         Every object of a version is written once: on S3 a conditional PUT (If-None-Match: *) decides on the
         server, so a pusher never overwrites an object another pusher wrote, and of two pushers racing for the
         same version exactly one creates its manifest (the commit). On a local file system `link(2)` decides
-        (store/remote_local.py); elsewhere it is a check, then a write."""
+        (store/remote_local.py); elsewhere it is a check, then a write.
+
+        `nbytes` given: `local` must still be what its record says (`nbytes` bytes, CRC32C `crc`), checked over
+        the very bytes sent (one read of the file on S3 and file://); otherwise `remote_upload.Mismatch` is raised
+        and nothing is visible under `rel` (store/remote_upload.py)."""
+        expect = None if nbytes is None else (nbytes, crc)
         if self.is_local:
-            return remote_local.create(self.root, local, self.path(rel), progress, crc)
-        if not self.is_s3:
-            if self.fs.exists(self.path(rel)):
-                return False
-            self.fs.put_file(str(local), self.path(rel), callback=_Bytes(progress))
-            return True
-        try:
-            with uploads_budget.holding(upload_memory(local.stat().st_size)):
-                self.fs.put_file(str(local), self.path(rel), callback=_Bytes(progress), mode="create",
-                                 chunksize=PART, max_concurrency=PARTS_AT_ONCE, **self._meta(crc))
-        except FileExistsError:
-            return False
-        except OSError as e:
-            if not _precondition_failed(e):
-                raise
-            return False
-        return True
+            return remote_local.create(self.root, local, self.path(rel), progress, crc, expect)
+        size = local.stat().st_size
+        if not self.is_s3:  # the back end's buffered writer holds up to a block of PART, our read as much
+            with uploads_budget.holding(min(size, 2 * PART)):
+                return remote_upload.generic_create(self.fs, self.path(rel), local, progress, expect, PART)
+        with uploads_budget.holding(upload_memory(size)):
+            return remote_upload.s3_create(self.fs, self.path(rel), local, progress, self._meta(crc), expect,
+                                           PART, PARTS_AT_ONCE)
 
     def exists(self, rel: str) -> bool:
         """Is object `rel` there (one request, no listing)?"""
@@ -378,8 +377,8 @@ class Remote:
     def download(self, rel: str, local: Path, progress) -> str:
         """Fetch one object to `local`; its CRC32C (computed from the bytes written, no re-read)."""
         crc = RunningCrc()
-        with self.fs.open(self.path(rel), "rb", block_size=CHUNK) as src, open(local, "wb") as dst:
-            while chunk := src.read(READ_PIECE):
+        with open(local, "wb") as dst:  # one streamed GET, a piece at a time (store/remote_download.py)
+            for chunk in remote_download.pieces(self.fs, self.path(rel), READ_PIECE, self.is_s3):
                 dst.write(chunk)
                 crc.update(chunk)
                 progress.update(len(chunk))
@@ -428,6 +427,20 @@ class Remote:
         return {"Metadata": {CRC_META: crc}} if self.is_s3 and crc else {}
 
 
+def native_crc32c(info: dict[str, Any]) -> str | None:
+    """The CRC32C a back end computes itself, as fsspec's listing entry carries it: GCS (gcsfs) gives every object's
+    `crc32c`, base64 of its 4 big-endian bytes (the same Castagnoli CRC as ours, composite objects included). None
+    where there is none."""
+    value = info.get("crc32c")
+    if not isinstance(value, str):
+        return None
+    try:
+        raw = base64.b64decode(value, validate=True)
+    except ValueError:
+        return None
+    return f"{int.from_bytes(raw, 'big'):08x}" if len(raw) == 4 else None
+
+
 def _modified(info: dict[str, Any]) -> float:
     """An fsspec listing entry's modification time as epoch seconds (S3: LastModified; local: mtime)."""
     when = info.get("LastModified", info.get("mtime", info.get("last_modified", info.get("created", 0.0))))
@@ -438,29 +451,6 @@ def _precondition_failed(e: OSError) -> bool:
     """s3fs reports a failed If-Match as a plain OSError; the server's message says which."""
     text = str(e).lower()
     return "precondition" in text.replace("-", "") or "412" in text
-
-
-class _Bytes:
-    """fsspec progress callback -> the one tqdm bar of the whole transfer (fsspec's TqdmCallback makes a bar per
-    file)."""
-
-    def __init__(self, bar) -> None:
-        self.bar = bar
-
-    def set_size(self, size: int) -> None:
-        pass
-
-    def relative_update(self, inc: int = 1) -> None:
-        self.bar.update(inc)
-
-    def absolute_update(self, value: int) -> None:
-        pass
-
-    def branched(self, *args, **kwargs):
-        return None
-
-    def call(self, *args, **kwargs) -> None:
-        pass
 
 
 def open_remote(url: str, storage_options: dict[str, Any] | None = None) -> Remote:

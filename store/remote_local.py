@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Iterator
 
 from store import format as fmt
-from store.checksum import CHUNK
+from store.checksum import CHUNK, RunningCrc
+from store.remote_upload import check
 
 UPLOAD_DIR = ".uploads"  # temp files of objects being written; a killed writer's are removed by `store gc`
 CRC_XATTR = "user.crc32c"  # an object's CRC32C, recorded when it is created (a file's bytes never change after)
@@ -37,15 +38,20 @@ def _temp(root: str) -> Path:
     return folder / f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(6)}"
 
 
-def _written(tmp: Path, chunks: Iterator[bytes], progress=None) -> None:
+def _written(tmp: Path, chunks: Iterator[bytes], progress=None) -> tuple[int, str]:
+    """(bytes written, their CRC32C)."""
+    crc, n = RunningCrc(), 0
     with open(tmp, "wb") as f:
         for chunk in chunks:
             f.write(chunk)
+            crc.update(chunk)
+            n += len(chunk)
             fmt.crash_point("remote_local_mid_write")
             if progress is not None:
                 progress.update(len(chunk))
         f.flush()
         os.fsync(f.fileno())  # whole on disk before its name says so
+    return n, crc.hex()
 
 
 def _file_chunks(path: Path) -> Iterator[bytes]:
@@ -65,15 +71,17 @@ def write(root: str, path: str, data: bytes) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def create(root: str, local: Path, path: str, progress, crc: str | None = None) -> bool:
+def create(root: str, local: Path, path: str, progress, crc: str | None = None,
+           expect: tuple[int, str] | None = None) -> bool:
     """Copy `local` to `path` only if no object `path` exists (False then, nothing written): `link(2)` fails on an
     existing name, so of two writers exactly one creates it, and the object is whole from its first instant.
-    `crc` (its CRC32C) is recorded with it (`recorded_crc`), as push records it in an S3 object's metadata."""
+    `crc` (its CRC32C) is recorded with it (`recorded_crc`), as push records it in an S3 object's metadata.
+    `expect` (nbytes, crc): the bytes copied must be those (one read of `local`), else `Mismatch`, nothing linked."""
     if os.path.lexists(path):  # spares the copy; the link below decides
         return False
     tmp = _temp(root)
     try:
-        _written(tmp, _file_chunks(local), progress)
+        check(*_written(tmp, _file_chunks(local), progress), expect)
         if crc is not None:
             _record_crc(tmp, crc)
         Path(path).parent.mkdir(parents=True, exist_ok=True)

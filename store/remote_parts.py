@@ -30,6 +30,7 @@ from schemas.errors import UserError
 from store import format as fmt
 from store.checksum import file_crc
 from store.remote import SharedBar, each_at_once, open_remote, remote_errors
+from store.remote_upload import Mismatch
 
 if TYPE_CHECKING:
     from store.writer import TableWriter
@@ -86,11 +87,12 @@ def _upload(remote, path: Path, rel: str, entry: dict[str, Any], listing: dict[s
     if not path.is_file():  # adopted from the remote (adopt_uploaded), where it now differs
         raise UserError(f"{remote.url}/{rel} no longer matches its index and is not in this node's cache; remove the "
                         "incomplete version on the remote (`pipeline store gc`) and rerun")
-    crc, n = file_crc(path)  # never spread damage: the local file still matches what its rank recorded
-    if (n, crc) != (entry["nbytes"], entry["crc32c"]):
-        raise UserError(f"{path} is damaged ({n} bytes, crc32c {crc}; recorded {entry['nbytes']} bytes, crc32c "
-                        f"{entry['crc32c']}); remove it and its index, then rerun to encode those samples again")
-    if not remote.upload(path, rel, entry["crc32c"], bar) and not remote.has(rel, entry["nbytes"], entry["crc32c"]):
+    try:  # never spread damage: the bytes sent must be what its rank recorded (checked as they are read, once)
+        created = remote.upload(path, rel, entry["crc32c"], bar, entry["nbytes"])
+    except Mismatch as e:
+        raise UserError(f"{path} is damaged ({e}; recorded {entry['nbytes']} bytes, crc32c {entry['crc32c']}): "
+                        "not sent; remove it and its index, then rerun to encode those samples again") from None
+    if not created and not remote.has(rel, entry["nbytes"], entry["crc32c"]):
         raise UserError(f"{remote.url}/{rel} exists with other content (a part of another run of this version "
                         "number); remove the incomplete version on the remote (`pipeline store gc`) and rerun")
 

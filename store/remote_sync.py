@@ -33,9 +33,10 @@ from typing import Any
 from schemas.errors import UserError
 from store import format as fmt
 from store import remote_checked, remote_lease
-from store.checksum import SealError, crc_hex, file_crc, seal, unseal
+from store.checksum import SealError, crc_hex, seal, unseal
 from store.remote import Remote, SharedBar, each_at_once, open_remote, remote_errors
 from store.remote_shards import is_lazy
+from store.remote_upload import Mismatch
 
 PULL_SUFFIX = ".pull"
 _MANIFEST_RE = re.compile(r"([^/]+)/v(\d+)/" + re.escape(fmt.MANIFEST))
@@ -233,9 +234,17 @@ def _upload(remote: Remote, src: Path, url: str, todo: list[_File], files_of: di
 
 
 def _send(remote: Remote, src: Path, url: str, f: _File, bar) -> _File:
-    _check_local(src / f.rel, f)
+    path = src / f.rel
+    if not path.is_file():
+        raise UserError(f"{path} is missing (listed in its version's {fmt.CHECKSUMS}); run "
+                        f"`pipeline store verify` / `pipeline store repair` on the store, then push again")
+    try:  # never spread damage: the bytes sent are checked against the record (one read), before they are visible
+        created = remote.upload(path, f.rel, f.crc, bar, f.nbytes)
+    except Mismatch as e:
+        raise UserError(f"{path} is damaged ({e}; recorded {f.nbytes} bytes, crc32c {f.crc}): not sent; run "
+                        "`pipeline store repair` on the store, then push again") from None
     # objects are write-once: one that appeared since the listing must be this very file
-    if not remote.upload(src / f.rel, f.rel, f.crc, bar) and not remote.has(f.rel, f.nbytes, f.crc):
+    if not created and not remote.has(f.rel, f.nbytes, f.crc):
         table, version = f.rel.split("/")[:2]
         raise _conflict(table, int(version[1:]), url, src, remote)
     return f
@@ -362,18 +371,6 @@ def _parse_record(data: bytes, url: str) -> dict[str, Any]:
 def _same(remote: Remote, listing: dict[str, int], f: _File) -> bool:
     """Is the object there already with this file's size and CRC32C?"""
     return remote.has(f.rel, f.nbytes, f.crc, listing)
-
-
-def _check_local(path: Path, f: _File) -> None:
-    """Never spread damage: the local file must still match its checksum record before it is sent."""
-    try:
-        crc, n = file_crc(path)
-    except FileNotFoundError:
-        raise UserError(f"{path} is missing (listed in its version's {fmt.CHECKSUMS}); run "
-                        f"`pipeline store verify` / `pipeline store repair` on the store, then push again") from None
-    if (n, crc) != (f.nbytes, f.crc):
-        raise UserError(f"{path} is damaged ({n} bytes, crc32c {crc}; recorded {f.nbytes} bytes, crc32c {f.crc}); "
-                        "run `pipeline store repair` on the store, then push again")
 
 
 def _remote_record(remote: Remote, listing: dict[str, int] | None) -> dict[str, Any] | None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,8 @@ from tqdm import tqdm
 
 from schemas.errors import UserError
 from store import format as fmt
-from store.checksum import CHUNK, RunningCrc
+from store import remote_download
+from store.checksum import RunningCrc
 from store.remote import READ_PIECE, Remote, SharedBar, each_at_once, is_transport_error
 from store.remote_lease import hold_reading, release_reading
 from store import quarantine
@@ -163,14 +165,22 @@ class RemoteObjects:
         crc = RunningCrc()
         problems: list[str] = []
         path = self.remote.path(rel)
-        with self.remote.fs.open(path, "rb", block_size=CHUNK) as f:  # s3fs's default block: 50 MiB per transfer
-            pos = 0
+        # one streamed GET, a piece at a time (store/remote_download.py): s3fs's file object held 8 MiB blocks
+        with closing(remote_download.pieces(self.remote.fs, path, READ_PIECE, self.remote.is_s3)) as stream:
+            pos, left = 0, memoryview(b"")
+
+            def read(m: int) -> bytes:
+                nonlocal left
+                if not left:
+                    left = memoryview(next(stream, b""))
+                got, left = left[:m], left[m:]
+                return bytes(got)
 
             def take(n: int, keep: bool) -> bytes:
                 nonlocal pos
                 out = []
                 while n > 0:
-                    piece = f.read(min(n, READ_PIECE))
+                    piece = read(min(n, READ_PIECE))
                     if not piece:
                         raise EOFError(f"{rel} ended at byte {pos} of {size}")
                     crc.update(piece)

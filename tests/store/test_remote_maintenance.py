@@ -359,12 +359,12 @@ def test_a_resumed_push_refills_what_a_gc_removed_after_its_listing(s3_env, stor
     gc_ran: list[bool] = []
     real_upload = remote_mod.Remote.upload
 
-    def gc_then_upload(self, local, rel, crc, progress):
+    def gc_then_upload(self, local, rel, crc, progress, *nbytes):
         if not gc_ran:  # the push planned (it skipped them): now a gc removes them, once
             gc_ran.append(True)
             for key in leftovers:
                 s3_env.client().delete_object(Bucket=s3_env.bucket, Key=key)
-        return real_upload(self, local, rel, crc, progress)
+        return real_upload(self, local, rel, crc, progress, *nbytes)
 
     monkeypatch.setattr(remote_mod.Remote, "upload", gc_then_upload)
     summary = push(store.root, s3_env.url())

@@ -10,9 +10,8 @@ import os
 import threading
 from pathlib import Path
 
-import pytest
-
 from store import remote as remote_mod
+from store import remote_upload
 from store.checksum import file_crc
 
 
@@ -31,26 +30,34 @@ def test_uploads_hold_at_most_the_budget_and_big_files_go_in_parts_write_once(s3
     budget = remote_mod.ByteBudget(12 * 2**20)
     monkeypatch.setattr(remote_mod, "uploads_budget", budget)
     remote = remote_mod.open_remote(s3_env.url())
-    held_in_put, lock = [0, 0], threading.Lock()  # (now, most) bytes held by uploads inside s3fs's put_file
-    real_put = remote.fs.put_file
+    held_in_put, lock = [0, 0], threading.Lock()  # (now, most) bytes held by uploads inside the S3 upload
+    real_create, real_call, part_sizes = remote_upload.s3_create, remote.fs._call_s3, []
 
-    def put_file(lpath, rpath, **kw):
-        n = remote_mod.upload_memory(os.path.getsize(lpath))
+    def s3_create(fs, path, local, progress, meta, expect, part, parts_at_once):
+        n = remote_mod.upload_memory(os.path.getsize(local))
         with lock:
             held_in_put[0] += n
             held_in_put[1] = max(held_in_put[1], held_in_put[0])
         try:
-            assert kw["chunksize"] == 5 * 2**20 and kw["max_concurrency"] == remote_mod.PARTS_AT_ONCE
-            return real_put(lpath, rpath, **kw)
+            assert part == 5 * 2**20 and parts_at_once == remote_mod.PARTS_AT_ONCE
+            return real_create(fs, path, local, progress, meta, expect, part, parts_at_once)
         finally:
             with lock:
                 held_in_put[0] -= n
 
-    monkeypatch.setattr(remote.fs, "put_file", put_file)
+    async def call_s3(method, *a, **kw):
+        if method == "upload_part":
+            with lock:
+                part_sizes.append(len(kw["Body"]))
+        return await real_call(method, *a, **kw)
+
+    monkeypatch.setattr(remote_upload, "s3_create", s3_create)
+    monkeypatch.setattr(remote.fs, "_call_s3", call_s3)
     files = [_file(tmp_path / f"f{i}", 4 * 2**20) for i in range(6)] + [_file(tmp_path / "big", 11 * 2**20)]
     for _ in remote_mod.each_at_once(lambda p: remote.upload(p, f"x/{p.name}", file_crc(p)[0], _Bar()), files):
         pass
-    assert held_in_put[1] <= 12 * 2**20 and budget.held == 0  # 16 at once would have held 35 MiB
+    assert held_in_put[1] <= 12 * 2**20 and budget.peak <= 12 * 2**20 and budget.held == 0  # 16 at once: 35 MiB
+    assert sorted(part_sizes) == [2**20, 5 * 2**20, 5 * 2**20]  # only the big file, in parts
     assert remote_mod.upload_memory(11 * 2**20) == 11 * 2**20  # under 4 parts: held whole (in parts)
     for p in files:
         assert remote.read(f"x/{p.name}") == p.read_bytes()
@@ -62,15 +69,15 @@ def test_uploads_hold_at_most_the_budget_and_big_files_go_in_parts_write_once(s3
 
 def test_small_objects_still_go_sixteen_at_once(s3_env, tmp_path, monkeypatch):
     """A version's ~20k shard indexes are one round trip each: the budget must not serialise them. Every one of 16
-    uploads waits inside put_file until all 16 are there (a barrier: only a serialised upload could fail it)."""
+    uploads waits inside the S3 upload until all 16 are there (a barrier: only a serialised upload could fail it)."""
     remote = remote_mod.open_remote(s3_env.url())
     barrier = threading.Barrier(remote_mod.TRANSFERS, timeout=120)
-    real_put = remote.fs.put_file
+    real_create = remote_upload.s3_create
 
-    def put_file(lpath, rpath, **kw):
+    def s3_create(*a):
         barrier.wait()  # BrokenBarrierError if fewer than 16 are in flight
-        return real_put(lpath, rpath, **kw)
+        return real_create(*a)
 
-    monkeypatch.setattr(remote.fs, "put_file", put_file)
+    monkeypatch.setattr(remote_upload, "s3_create", s3_create)
     files = [_file(tmp_path / f"i{i}", 4096) for i in range(remote_mod.TRANSFERS)]
     assert all(remote_mod.each_at_once(lambda p: remote.upload(p, f"y/{p.name}", file_crc(p)[0], _Bar()), files))

@@ -185,3 +185,20 @@ def test_a_damaged_remote_quarantine_stops_a_multi_node_encode_before_its_commit
     pull(url, pulled)
     assert Store(pulled).reader("vae").manifest.num_rows == N
     assert quarantine.read(pulled).column("key").to_pylist() == [key_of(100)]
+
+
+def test_a_rank_shard_damaged_before_its_upload_is_refused_with_nothing_visible(s3_env, tmp_path) -> None:
+    """The bytes a rank uploads are checked against what it recorded as they are read (store/remote_upload.py):
+    a shard damaged on its node's disk after its rank committed it is refused, named, and never appears."""
+    url = s3_env.url("rot")
+    w = _writer(tmp_path / "node1", url, 1)
+    shard = sorted(w.dir.glob("shard-r01-*.tar"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    with pytest.raises(UserError, match="is damaged") as e:
+        w.finish_rank()
+    assert str(shard) in str(e.value) and "not sent" in str(e.value) and "\n" not in str(e.value)
+    assert f"vae/v1/{shard.name}" not in _objects(s3_env, "rot")
+    assert "vae/v1/rank-01.done" not in _objects(s3_env, "rot")
+    w.close()

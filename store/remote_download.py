@@ -1,0 +1,59 @@
+"""An object's bytes as one streamed GET, in pieces: what a pull holds per transfer is one piece, whatever the
+object's size.
+
+s3fs's file object (`fs.open`) fetches in blocks: with its read-ahead cache a transfer held a block of CHUNK (8 MiB)
+plus the piece read from it plus the copies in between (~15 MiB a transfer measured; 16 transfers ~240 MiB,
+bench/store_transfer_memory.py), and a 256 MB shard cost 32 GETs. Here one GET per object, its body read a piece at
+a time (aiohttp pauses the socket while its small buffer is full); a body cut off mid-way (the retryable errors
+s3fs retries itself) is resumed with a Range GET from the bytes already received, up to the file system's retries,
+as s3fs's own `get_file` does. Other back ends: their file object, read a piece at a time.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+from store.checksum import CHUNK
+
+
+def pieces(fs: Any, path: str, piece: int, is_s3: bool) -> Iterator[bytes]:
+    """The bytes of object `path`, `piece` bytes at a time (the last piece shorter)."""
+    if not is_s3:
+        with fs.open(path, "rb", block_size=CHUNK) as f:
+            while chunk := f.read(piece):
+                yield chunk
+        return
+    from fsspec.asyn import sync
+    from s3fs.core import S3_RETRYABLE_ERRORS
+
+    bucket, key, _ = fs.split_path(path)
+
+    async def open_at(offset: int):
+        kw = {"Range": f"bytes={offset}-"} if offset else {}
+        resp = await fs._call_s3("get_object", Bucket=bucket, Key=key, **kw)
+        return resp["Body"], offset + int(resp.get("ContentLength") or 0)
+
+    async def fill(body) -> bytes:  # one hop into the event loop per piece, not per socket read
+        out = bytearray()
+        while len(out) < piece and (got := await body.read(piece - len(out))):
+            out += got
+        return bytes(out)
+
+    (body, size), received, failures = sync(fs.loop, open_at, 0), 0, 0
+    try:
+        while True:
+            try:
+                chunk = sync(fs.loop, fill, body)
+            except S3_RETRYABLE_ERRORS:
+                failures += 1
+                if failures >= max(1, getattr(fs, "retries", 5)) or received >= size:  # nothing left to ask for
+                    raise
+                body.close()
+                body, _ = sync(fs.loop, open_at, received)
+                continue
+            if not chunk:
+                return
+            received += len(chunk)
+            yield chunk
+    finally:
+        body.close()
