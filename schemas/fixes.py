@@ -18,7 +18,7 @@ from typing import Any
 _ROTATED_90 = re.compile(r"EXIF orientation [5-8] applied")
 MASK_RESIZED = "mask resized to its target"
 MASK_TURNED = "mask turned as its target"  # the fixed code's note (prefix; the orientation follows)
-# resize.keep_alpha kept this sample's picture as RGBA (stages/resize/alpha.py's note)
+# resize.keep_alpha kept this sample's picture as RGBA (features/decode.py's note)
 KEPT_ALPHA = "kept with its alpha"
 
 
