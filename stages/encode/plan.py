@@ -108,8 +108,10 @@ def _open_job(store_path: str | Path, stage: str, table: str, feature_hash: str,
     weakref.finalize(job, lease.release)
     found = _identical_version(store, table, lineage, [old for old, _ in hashed_before])
     if found is None and fixes.revision_before not in (None, feature_revision) and not repair_context.active():
-        found = _unchanged_by_fixes(store, table, images, replace(lineage, code_version=code_version(fixes.revision_before)),
-                                    fixes)
+        before = code_version(fixes.revision_before)
+        for old in (lineage, *(old for old, _ in hashed_before)):
+            if (found := _unchanged_by_fixes(store, table, images, replace(old, code_version=before), fixes)) is not None:
+                break
     if found is not None:
         adopt(job, found)
         summary.seconds = time.perf_counter() - job.started
