@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass, field
-from importlib import metadata
 from typing import Any, Callable, Literal
 
 from pydantic import BaseModel
@@ -14,13 +13,15 @@ from pydantic import BaseModel
 from schemas.errors import UserError
 
 
+# The package version every lineage so far has recorded: fixed, not read from the installed package, so that a
+# release recomputes nothing by itself (it re-rendered and re-encoded every table of every store); a change to
+# stored features bumps that stage's feature revision instead (schemas/fixes.py: which samples each recomputes).
+LINEAGE_PACKAGE_VERSION = "0.1.0"
+
+
 def code_version(feature_revision: str) -> str:
-    """Package version + the stage's feature-format revision (bumped when the stored features change)."""
-    try:
-        pkg = metadata.version("qwen-edit-lora-pipeline")
-    except metadata.PackageNotFoundError:
-        pkg = "0+unknown"
-    return f"{pkg}+{feature_revision}"
+    """The stage's feature-format revision (bumped when the stored features change), in the recorded form."""
+    return f"{LINEAGE_PACKAGE_VERSION}+{feature_revision}"
 
 
 @dataclass(frozen=True)
