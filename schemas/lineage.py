@@ -77,17 +77,12 @@ class Role:
     # Added after outputs existed: hashed only when set to something other than its default, so the outputs
     # made before it existed stay current (a default of None / "off" changes nothing).
     hashed_unless_default: bool = False
-    # A throughput setting that fingerprints made before this scheme already held: still hashed so that those
-    # outputs (trained runs) stay current and resumable.
-    hashed_as_before: bool = False
     # features only while this holds for the section (e.g. max_steps under a decaying LR schedule)
     features_if: Callable[[Any], bool] | None = None
 
     def enters(self, scope: str, section: Any) -> bool:
         if self.features_if is not None:
             return self.features_if(section)
-        if self.hashed_as_before:
-            return True
         return self.kind == "features" or (self.kind == "identity" and scope == "output")
 
 
