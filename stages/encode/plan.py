@@ -99,6 +99,13 @@ def _open_job(store_path: str | Path, stage: str, table: str, feature_hash: str,
     # `store repair` of such a table resumes its repair version under its own lineage).
     hashed_before = [(replace(lineage, config_hash=f"{h}-images:{images_id}"), e) for h, e in zip(earlier_hashes, earlier)]
     lineage, fl = next(((old, e) for old, e in hashed_before if repair_context.expected() == old), (lineage, fl))
+    if fixes.revision_before not in (None, feature_revision) and repair_context.active():
+        # `store repair` of a version encoded before this stage's fixes: repaired under its own lineage (the repair
+        # carries its intact samples; the next run recomputes what the fixes change, never trusted in it).
+        before = code_version(fixes.revision_before)
+        pre = [(replace(old, code_version=before), feature_lineage(stage, h, fingerprint, before, upstream))
+               for old, h in ((lineage, feature_hash), *zip([o for o, _ in hashed_before], earlier_hashes))]
+        lineage, fl = next(((old, e) for old, e in pre if repair_context.expected() == old), (lineage, fl))
     repair_context.check(lineage, table)
     changed = _lineages_before_fixes(images, fixes, stage, (feature_hash, *earlier_hashes), fingerprint,
                                      feature_revision, upstream)

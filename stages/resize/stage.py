@@ -127,7 +127,7 @@ def run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> R
     started = time.perf_counter()
     fmt = detect_format(source)
     st = st if st is not None else Store(store)
-    schema = images_schema(rc, content_listing_hash(source), source=str(source), source_format=fmt)
+    schema = _as_repair_expects(images_schema(rc, content_listing_hash(source), source=str(source), source_format=fmt))
     found = _up_to_date_version(st, schema)
     if found is not None:
         return ResizeSummary(version=found, up_to_date=True, seconds=time.perf_counter() - started,
@@ -255,6 +255,19 @@ def _lineage_before_fixes(lineage: Lineage) -> Lineage:
     return replace(lineage, code_version=code_version(f"images.{REVISION_BEFORE_FIXES}"))
 
 
+def _as_repair_expects(schema: TableSchema) -> TableSchema:
+    """`store repair` of a version rendered before this revision's fixes: repaired under its own lineage and exact
+    schema (the repair resumes a writer of it). The next run then re-renders what the fixes change."""
+    from store import repair_context
+    from store.reuse import FEATURE_LINEAGE_ATTR, LINEAGE_BEFORE_FIXES_ATTR
+
+    before = _lineage_before_fixes(schema.lineage)
+    if repair_context.expected() != before or before == schema.lineage:
+        return schema
+    attrs = {k: v for k, v in schema.attrs.items() if k != LINEAGE_BEFORE_FIXES_ATTR}  # not written then
+    return replace(schema, lineage=before, attrs={**attrs, FEATURE_LINEAGE_ATTR: schema.attrs[LINEAGE_BEFORE_FIXES_ATTR]})
+
+
 def _unchanged_by_fixes(st: Store, schema: TableSchema) -> int | None:
     """A complete version made before the fixes of this revision, none of whose samples they change: still
     current (its downstream tables too). One with such a sample is not: a new version re-renders those."""
@@ -289,9 +302,9 @@ def _rendered_before(st: Store, schema: TableSchema) -> dict[str, str]:
     from schemas.fixes import mask_orientation_changes
     from store.reuse import FEATURE_LINEAGE_ATTR, LINEAGE_BEFORE_FIXES_ATTR, reusable_keys
 
-    before = schema.attrs.get(LINEAGE_BEFORE_FIXES_ATTR)
-    before = {} if before is None else reusable_keys(st, TABLE, before, "mask_sha256", changed=mask_orientation_changes)
-    return {**before, **reusable_keys(st, TABLE, schema.attrs[FEATURE_LINEAGE_ATTR], "mask_sha256")}
+    now, before = schema.attrs[FEATURE_LINEAGE_ATTR], schema.attrs.get(LINEAGE_BEFORE_FIXES_ATTR)
+    fixed = {} if before is None else reusable_keys(st, TABLE, before, "mask_sha256", changed=mask_orientation_changes)
+    return fixed if now == before else {**fixed, **reusable_keys(st, TABLE, now, "mask_sha256")}
 
 
 def _render_source(source: str | Path, fmt: str, rc: ResizeConfig, writer: Any, rendered_before: dict[str, str],
