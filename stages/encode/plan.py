@@ -34,13 +34,14 @@ class Fixes:
     samples stored before a fix are carried forward unless it changes them, so a rerun recomputes exactly those."""
 
     revision_before: str | None = None  # the stage's feature revision before its own fixes (None: none)
-    # (images meta, stored row) -> does this stage's own fix change the sample
+    # (images meta, stored row: `ROW_COLUMNS` and the key) -> does this stage's own fix change the sample
     by_revision: Callable[[dict[str, Any], dict[str, Any]], bool] = _never
     # images meta -> does resize-bucket's fix (the images' revision before theirs) change what this stage reads
     by_images: Callable[[dict[str, Any]], bool] = _never
 
 
 NO_FIXES = Fixes()
+ROW_COLUMNS = ("length",)  # what a stored row gives `Fixes.by_revision` (read once per row over a whole version)
 
 
 def open_job(store_path: str | Path, stage: str, table: str, feature_hash: str, model: str,
@@ -158,7 +159,8 @@ def _unchanged_by_fixes(store: Store, table: str, images, before: Lineage, fixes
     if found is None:
         return None
     try:
-        rows = checked_manifest(store.version_dir(table, found)).to_pylist()
+        # the columns a `by_revision` predicate reads from a stored row (the rest comes from the images meta)
+        rows = checked_manifest(store.version_dir(table, found), ["key", *ROW_COLUMNS]).to_pylist()
     except UserError:
         return None
     if any(r["key"] not in images or fixes.by_revision(images.meta(r["key"]), r) for r in rows):

@@ -154,3 +154,16 @@ def test_the_21_caption_fix_drops_exactly_the_prompts_now_too_long(tiny_21_model
     assert (s.encoded, s.reused, s.quarantined) == (0, len(samples) - 1, 1)
     encode_text.run(cfg, tmp_path / "fresh", tiny_21_model)
     _same(_tables(tmp_path / "store", "text"), _tables(tmp_path / "fresh", "text"))
+
+
+def test_a_21_text_table_without_prompts_too_long_stays_current(tiny_21_model, monkeypatch, tmp_path):
+    from tests.stages.test_qwen21_stages import SAMPLES, write_store21
+
+    cfg = load_config(None, F32)
+    write_store21(tmp_path / "store", samples=SAMPLES[:3])
+    with monkeypatch.context() as m:
+        m.setattr(qwen21, "TEXT_REVISION", "text21.1")
+        m.setattr(qwen21, "TEXT_FIXES", NO_FIXES)
+        old = encode_text.run(cfg, tmp_path / "store", tiny_21_model)
+    again = encode_text.run(cfg, tmp_path / "store", tiny_21_model)
+    assert again.up_to_date and again.version == old.version
