@@ -109,7 +109,9 @@ def reusable(store: Store, table: str, lineage_hash: str | Iterable[str], keys: 
         vdir = store.version_dir(table, v)
         if not fmt.is_complete(vdir):
             continue
-        try:
+        try:  # the lineage first, from schema.json alone: another version's manifest and shards are never read
+            if not same_features(read_schema(vdir).attrs, accepted):
+                continue
             reader = TableReader(vdir, table, v, on_damaged="skip")
         except (DamagedData, UserError):  # unreadable: recompute instead of carrying
             continue
