@@ -92,7 +92,7 @@ def main() -> None:
         with FileHashes("bench.sqlite") as h:  # creates the database
             pass
         with sqlite3.connect(h.path) as db:
-            db.executemany("INSERT INTO sha256 VALUES (?, ?, ?, ?)", fake)
+            db.executemany("INSERT INTO sha256 (path, size, mtime_ns, sha256) VALUES (?, ?, ?, ?)", fake)
         json_path = root / "cache.json"
         json_path.write_text(json.dumps({f"{p}|{s}|{m}": d for p, s, m, d in fake}))
         print(f"pre-filled {args.cached:,} entries in {time.perf_counter() - t0:.1f} s; sqlite "

@@ -1,9 +1,11 @@
-"""sha256 of files' bytes, remembered by (real path, size, mtime) in a sqlite database under the user cache
+"""sha256 of files' bytes, remembered by (real path, size, mtime, ctime) in a sqlite database under the user cache
 folder, so unchanged multi-GB model weights or a dataset's images are read once, not on every stage run.
 
 Used by the model fingerprints (`models.loading`) and by the source identity of resize-bucket
 (`stages.resize.content`). The identity is always the bytes: a file whose size or mtime changed (touched,
-rewritten, copied) is read and hashed again, and keeps its identity when its bytes are the same.
+rewritten, copied) is read and hashed again, and keeps its identity when its bytes are the same. The inode change
+time (ctime) counts too: no tool can set it, so weights rewritten in place with the same size and their mtime put
+back (`cp -p`, `rsync -a --inplace`, a download tool restoring the upload time) are not taken for the old ones.
 
 sqlite (stdlib) rather than one JSON file: at a million source files the JSON was ~150 MB read and rewritten
 whole on every run; here each file is one row looked up by its primary key, new hashes are written in batched
@@ -28,9 +30,12 @@ CACHE_NAME = "file-hashes.sqlite"  # one cache for every caller: a file hashed b
 FLUSH_EVERY = 1000  # new hashes per write transaction
 _SHA256 = re.compile(r"[0-9a-f]{64}")  # what a row must hold to be trusted (a damaged row is re-hashed)
 _TABLE = ("CREATE TABLE IF NOT EXISTS sha256 (path TEXT PRIMARY KEY, size INTEGER NOT NULL, "
-          "mtime_ns INTEGER NOT NULL, sha256 TEXT NOT NULL) WITHOUT ROWID")
-_UPSERT = ("INSERT INTO sha256 VALUES (?, ?, ?, ?) ON CONFLICT(path) DO UPDATE SET size = excluded.size, "
-           "mtime_ns = excluded.mtime_ns, sha256 = excluded.sha256")
+          "mtime_ns INTEGER NOT NULL, sha256 TEXT NOT NULL, ctime_ns INTEGER) WITHOUT ROWID")
+# a cache written before ctime counted: the column added, its rows (ctime NULL) re-hashed once
+_ADD_CTIME = "ALTER TABLE sha256 ADD COLUMN ctime_ns INTEGER"
+_UPSERT = ("INSERT INTO sha256 (path, size, mtime_ns, ctime_ns, sha256) VALUES (?, ?, ?, ?, ?) ON CONFLICT(path) "
+           "DO UPDATE SET size = excluded.size, mtime_ns = excluded.mtime_ns, ctime_ns = excluded.ctime_ns, "
+           "sha256 = excluded.sha256")
 
 
 def file_sha256(path: str | Path) -> str:
@@ -52,6 +57,8 @@ def _connect(path: Path) -> sqlite3.Connection:
             db.execute("PRAGMA journal_mode=WAL")  # readers never wait for a writer
             db.execute("PRAGMA synchronous=NORMAL")  # a cache: a power cut may lose the last batch, never corrupt it
             db.execute(_TABLE)
+            if "ctime_ns" not in {row[1] for row in db.execute("PRAGMA table_info(sha256)")}:
+                db.execute(_ADD_CTIME)
             db.commit()
             return db
         except sqlite3.OperationalError as e:
@@ -96,7 +103,7 @@ class FileHashes:
         base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
         self.path = Path(base) / "qwen-edit-pipeline" / cache_name
         self._db: sqlite3.Connection | None = None
-        self._pending: dict[str, tuple[int, int, str]] = {}
+        self._pending: dict[str, tuple[int, int, int, str]] = {}
         self.hashed = 0
 
     def __enter__(self) -> "FileHashes":
@@ -109,13 +116,14 @@ class FileHashes:
             self._db.close()
             self._db = None
 
-    def _known(self, real: str) -> tuple[int, int, str] | None:
+    def _known(self, real: str) -> tuple[int, int, int, str] | None:
         if real in self._pending:
             return self._pending[real]
         if self._db is None:
             return None
         try:
-            return self._db.execute("SELECT size, mtime_ns, sha256 FROM sha256 WHERE path = ?", (real,)).fetchone()
+            return self._db.execute("SELECT size, mtime_ns, ctime_ns, sha256 FROM sha256 WHERE path = ?",
+                                    (real,)).fetchone()
         except sqlite3.Error as e:
             self._give_up(e)
             return None
@@ -141,14 +149,14 @@ class FileHashes:
         real = os.path.realpath(f)
         st = os.stat(real)
         known = self._known(real)
-        if (known is not None and known[0] == st.st_size and known[1] == st.st_mtime_ns
-                and isinstance(known[2], str) and _SHA256.fullmatch(known[2])):
-            return known[2]
+        stamp = (st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        if known is not None and tuple(known[:3]) == stamp and isinstance(known[3], str) and _SHA256.fullmatch(known[3]):
+            return known[3]
         digest = file_sha256(real)
         self.hashed += 1
         after = os.stat(real)
-        if (after.st_size, after.st_mtime_ns) == (st.st_size, st.st_mtime_ns):  # not changed while read
-            self._pending[real] = (st.st_size, st.st_mtime_ns, digest)
+        if (after.st_size, after.st_mtime_ns, after.st_ctime_ns) == stamp:  # not changed while read
+            self._pending[real] = (*stamp, digest)
             if len(self._pending) >= FLUSH_EVERY:
                 self._flush()
         return digest

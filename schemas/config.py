@@ -190,8 +190,6 @@ _DECAYING_LR_ONLY = Role("throughput", features_if=lambda train: train.lr_schedu
 # Fixed-size batches: batch_size decides every step's samples; under a token budget (max_tokens_per_batch) the
 # sampler and an elastic resume ignore it (held-out rows per forward only): a resume may change it there.
 _FIXED_BATCHES_ONLY = Role("features", features_if=lambda train: train.max_tokens_per_batch is None)
-# Memory settings (the weights are the same) that run fingerprints have always held: kept, so runs stay resumable.
-_HASHED_AS_BEFORE = Role("throughput", hashed_as_before=True)
 
 
 class TrainConfig(Section):
@@ -210,11 +208,13 @@ class TrainConfig(Section):
     lr_schedule: Annotated[Literal["constant", "cosine", "linear"], FEATURES] = "constant"
     max_grad_norm: Annotated[float | None, FEATURES] = Field(1.0, gt=0)
     mixed_precision: Annotated[Literal["no", "bf16", "fp16"], FEATURES] = "no"
-    gradient_checkpointing: Annotated[bool, _HASHED_AS_BEFORE] = False
+    # memory settings: the same weights (tests/stages/test_train.py, test_qwen21_stages.py), so a resume may change
+    # them (OOM advice); runs fingerprinted with them resume (stages/train/settings.py `earlier_config_fingerprints`)
+    gradient_checkpointing: Annotated[bool, THROUGHPUT] = False
     quantize_base: Annotated[Quantize, FEATURES] = Field("none", description=_QUANTIZE_HELP)
-    offload: Annotated[Literal["none", "blocks"], _HASHED_AS_BEFORE] = Field(
+    offload: Annotated[Literal["none", "blocks"], THROUGHPUT] = Field(
         "none", description="blocks: frozen transformer blocks live in (pinned) host memory and stream to the device")
-    offload_blocks_on_device: Annotated[int, _HASHED_AS_BEFORE] = Field(0, ge=0, description="offload=blocks: leading blocks kept on the device")
+    offload_blocks_on_device: Annotated[int, THROUGHPUT] = Field(0, ge=0, description="offload=blocks: leading blocks kept on the device")
     caption_dropout: Annotated[float, FEATURES] = Field(0.0, ge=0.0, le=1.0)
     checkpoint_every: Annotated[int, THROUGHPUT] = Field(50, gt=0)
     keep_checkpoints: Annotated[int, THROUGHPUT] = Field(3, gt=0)

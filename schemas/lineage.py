@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass, field
-from importlib import metadata
 from typing import Any, Callable, Literal
 
 from pydantic import BaseModel
@@ -14,13 +13,15 @@ from pydantic import BaseModel
 from schemas.errors import UserError
 
 
+# The package version every lineage so far has recorded: fixed, not read from the installed package, so that a
+# release recomputes nothing by itself (it re-rendered and re-encoded every table of every store); a change to
+# stored features bumps that stage's feature revision instead (schemas/fixes.py: which samples each recomputes).
+LINEAGE_PACKAGE_VERSION = "0.1.0"
+
+
 def code_version(feature_revision: str) -> str:
-    """Package version + the stage's feature-format revision (bumped when the stored features change)."""
-    try:
-        pkg = metadata.version("qwen-edit-lora-pipeline")
-    except metadata.PackageNotFoundError:
-        pkg = "0+unknown"
-    return f"{pkg}+{feature_revision}"
+    """The stage's feature-format revision (bumped when the stored features change), in the recorded form."""
+    return f"{LINEAGE_PACKAGE_VERSION}+{feature_revision}"
 
 
 @dataclass(frozen=True)
@@ -76,17 +77,12 @@ class Role:
     # Added after outputs existed: hashed only when set to something other than its default, so the outputs
     # made before it existed stay current (a default of None / "off" changes nothing).
     hashed_unless_default: bool = False
-    # A throughput setting that fingerprints made before this scheme already held: still hashed so that those
-    # outputs (trained runs) stay current and resumable.
-    hashed_as_before: bool = False
     # features only while this holds for the section (e.g. max_steps under a decaying LR schedule)
     features_if: Callable[[Any], bool] | None = None
 
     def enters(self, scope: str, section: Any) -> bool:
         if self.features_if is not None:
             return self.features_if(section)
-        if self.hashed_as_before:
-            return True
         return self.kind == "features" or (self.kind == "identity" and scope == "output")
 
 

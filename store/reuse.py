@@ -12,7 +12,7 @@ folder holds every shard it references), so readers, `verify` and `gc` need no c
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -27,6 +27,16 @@ if TYPE_CHECKING:
     from store.writer import TableWriter
 
 FEATURE_LINEAGE_ATTR = "feature_lineage"
+# the version's feature lineage as its stage's revision before its latest fixes computed it (schemas/fixes.py)
+LINEAGE_BEFORE_FIXES_ATTR = "feature_lineage_before_fixes"
+
+# feature lineage -> "does a fix made since change this stored row?" (schemas/fixes.py): a version recorded under
+# the lineage before a fix holds the features wanted only for the rows the fix leaves unchanged
+Changed = dict[str, Callable[[dict[str, Any]], bool]]
+
+
+def _unchanged(rows: pa.Table, changed: Callable[[dict[str, Any]], bool]) -> pa.Table:
+    return rows.filter(pa.array([not changed(r) for r in rows.to_pylist()], pa.bool_()))
 
 
 def marked_versions(store: Store, table: str) -> list[int]:
@@ -73,9 +83,12 @@ def same_features(attrs: dict[str, Any], accepted: Iterable[str]) -> bool:
     return any(up_to_date.is_current(recorded, {FEATURE_LINEAGE_ATTR: h}) for h in accepted)
 
 
-def reusable(store: Store, table: str, lineage_hash: str | Iterable[str], keys: Iterable[str]) -> dict[int, pa.Table]:
+def reusable(store: Store, table: str, lineage_hash: str | Iterable[str], keys: Iterable[str],
+             changed: Changed | None = None) -> dict[int, pa.Table]:
     """version -> manifest rows of the wanted keys found there; complete versions with this feature lineage (or
-    any of these: the same features hashed by an earlier scheme), newest first, each key taken once.
+    any of these: the same features hashed by an earlier scheme), newest first, each key taken once. A version
+    whose lineage is in `changed` (one from before a fix) gives only the rows that fix leaves unchanged (the
+    others are looked for in older versions, else recomputed).
 
     Integrity: a version's manifest is read checked against its checksums.json (a damaged one is skipped);
     samples of shards missing or of the wrong size are not carried. When `checking_needed` (store repair runs
@@ -96,13 +109,16 @@ def reusable(store: Store, table: str, lineage_hash: str | Iterable[str], keys: 
         vdir = store.version_dir(table, v)
         if not fmt.is_complete(vdir):
             continue
-        try:
+        try:  # the lineage first, from schema.json alone: another version's manifest and shards are never read
+            if not same_features(read_schema(vdir).attrs, accepted):
+                continue
             reader = TableReader(vdir, table, v, on_damaged="skip")
         except (DamagedData, UserError):  # unreadable: recompute instead of carrying
             continue
         if not same_features(reader.schema.attrs, accepted):
             reader.close()
             continue
+        fix = (changed or {}).get(reader.schema.attrs.get(FEATURE_LINEAGE_ATTR))
         manifest = reader.manifest
         keep = pc.is_in(manifest.column("key"), value_set=wanted)
         reader.close()
@@ -117,15 +133,19 @@ def reusable(store: Store, table: str, lineage_hash: str | Iterable[str], keys: 
             keep = pc.and_(keep, pc.invert(pc.is_in(manifest.column("shard"),
                                                     value_set=pa.array(sorted(reader.bad_shards), pa.string()))))
         rows = manifest.filter(keep)
+        if fix is not None and rows.num_rows:
+            rows = _unchanged(rows, fix)
         if rows.num_rows:
             found[v] = rows
             wanted = wanted.filter(pc.invert(pc.is_in(wanted, value_set=rows.column("key"))))
     return found
 
 
-def reusable_keys(store: Store, table: str, lineage_hash: str, column: str) -> dict[str, Any]:
+def reusable_keys(store: Store, table: str, lineage_hash: str, column: str,
+                  changed: Callable[[dict[str, Any]], bool] | None = None) -> dict[str, Any]:
     """key -> value of `column` (None where a version lacks it) for every key held by a complete version of
-    `table` with this feature lineage (damaged samples left out when `checking_needed`)."""
+    `table` with this feature lineage (damaged samples left out when `checking_needed`; with `changed`, the rows
+    a fix made since changes left out too)."""
     checking = checking_needed(store, table)
     out: dict[str, Any] = {}
     for v in store.versions(table):
@@ -142,9 +162,11 @@ def reusable_keys(store: Store, table: str, lineage_hash: str, column: str) -> d
                 continue
             damaged = plan.damaged
         try:
-            m = checked_manifest(vdir, ["key", column])
+            m = checked_manifest(vdir, None if changed is not None else ["key", column])
         except UserError:  # damaged (DamagedData) or unreadable: recompute instead of carrying, as `reusable`
             continue
+        if changed is not None:
+            m = _unchanged(m, changed)
         values = m.column(column).to_pylist() if column in m.column_names else [None] * m.num_rows
         out.update((k, val) for k, val in zip(m.column("key").to_pylist(), values) if k not in damaged)
     return out

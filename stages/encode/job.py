@@ -39,6 +39,8 @@ class EncodeJob:
     writer: TableWriter | None = None
     feature_lineage: str = ""  # see store.reuse: samples with this lineage in earlier versions are carried
     earlier_lineages: tuple[str, ...] = ()  # the same features hashed as before the declared scheme: carried too
+    # lineage from before a fix (in earlier_lineages) -> "does a fix change this stored row?" (stages/encode/plan.py)
+    changed_by_fixes: dict[str, Any] = field(default_factory=dict)
     match_columns: tuple[str, ...] = ()  # images columns a carried row must still match (vae: mask_sha256)
     lease: Any = None  # the read lease on `images` (store/lease.py); released when the job is done or collected
     on_damaged: str = "stop"  # a damaged `images` sample: stop, or skip (quarantined as DAMAGED_INPUT)

@@ -35,7 +35,8 @@ def open_writer(job: EncodeJob, schema: TableSchema, shard_size_mb: float) -> li
     job.total = len(mine)
     todo = [k for k in mine if k not in job.writer.done_keys]
     job.summary.skipped = len(mine) - len(todo)
-    for version, rows in reusable(job.store, job.summary.table, (job.feature_lineage, *job.earlier_lineages), todo).items():
+    for version, rows in reusable(job.store, job.summary.table, (job.feature_lineage, *job.earlier_lineages), todo,
+                                  changed=job.changed_by_fixes).items():
         rows = _same_content(job, rows)
         split = {k: job.images.meta(k).get("split", "train") for k in rows.column("key").to_pylist()}
         job.summary.reused += carry_forward(job.writer, version, rows, {"split": split})

@@ -6,15 +6,16 @@ from __future__ import annotations
 
 import time
 import weakref
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any, Callable
 
 from schemas.errors import UserError
 from schemas.lineage import Lineage, code_version, feature_lineage
 from store import Store, repair_context
 from store import format as fmt
 from store.lease import hold
-from store.reuse import FEATURE_LINEAGE_ATTR
+from store.reuse import FEATURE_LINEAGE_ATTR, LINEAGE_BEFORE_FIXES_ATTR
 from stages.encode.job import EncodeJob
 from stages.encode.output import adopt
 from stages.encode.ranks import Ranks
@@ -23,9 +24,30 @@ from stages.encode.summary import Summary
 IMAGES_TABLE = "images"
 
 
+def _never(*_: Any) -> bool:
+    return False
+
+
+@dataclass(frozen=True)
+class Fixes:
+    """The fixes made since a stage's tables were stored, and which stored samples each changes (schemas/fixes.py):
+    samples stored before a fix are carried forward unless it changes them, so a rerun recomputes exactly those."""
+
+    revision_before: str | None = None  # the stage's feature revision before its own fixes (None: none)
+    # (images meta, stored row: `ROW_COLUMNS` and the key) -> does this stage's own fix change the sample
+    by_revision: Callable[[dict[str, Any], dict[str, Any]], bool] = _never
+    # images meta -> does resize-bucket's fix (the images' revision before theirs) change what this stage reads
+    by_images: Callable[[dict[str, Any]], bool] = _never
+
+
+NO_FIXES = Fixes()
+ROW_COLUMNS = ("length",)  # what a stored row gives `Fixes.by_revision` (read once per row over a whole version)
+
+
 def open_job(store_path: str | Path, stage: str, table: str, feature_hash: str, model: str,
              feature_revision: str, ranks: Ranks, components: tuple[str, ...] = (), on_damaged: str = "stop",
-             max_damaged_fraction: float = 0.0, earlier_hashes: tuple[str, ...] = ()) -> EncodeJob:
+             max_damaged_fraction: float = 0.0, earlier_hashes: tuple[str, ...] = (),
+             fixes: Fixes = NO_FIXES) -> EncodeJob:
     """`_open_job` on every rank, then agreed on (models/collective.py): a rank that cannot open its inputs
     stops every rank with its line before any model is loaded (the others would wait at the commit)."""
     from models.collective import together
@@ -34,7 +56,7 @@ def open_job(store_path: str | Path, stage: str, table: str, feature_hash: str, 
     try:
         with together(ranks.world_size, f"{stage}: opening the inputs"):
             job = _open_job(store_path, stage, table, feature_hash, model, feature_revision, ranks, components,
-                            on_damaged, max_damaged_fraction, earlier_hashes)
+                            on_damaged, max_damaged_fraction, earlier_hashes, fixes)
     except BaseException:
         if job is not None:  # another rank failed: this one's reader and lease go now
             job.close()
@@ -44,7 +66,8 @@ def open_job(store_path: str | Path, stage: str, table: str, feature_hash: str, 
 
 def _open_job(store_path: str | Path, stage: str, table: str, feature_hash: str, model: str,
               feature_revision: str, ranks: Ranks, components: tuple[str, ...] = (), on_damaged: str = "stop",
-              max_damaged_fraction: float = 0.0, earlier_hashes: tuple[str, ...] = ()) -> EncodeJob:
+              max_damaged_fraction: float = 0.0, earlier_hashes: tuple[str, ...] = (),
+              fixes: Fixes = NO_FIXES) -> EncodeJob:
     """Read the `images` table, build the lineage, and find out whether an identical version already exists.
 
     An identical complete version is made current and reused ("up to date"); anything that differs (model
@@ -77,12 +100,26 @@ def _open_job(store_path: str | Path, stage: str, table: str, feature_hash: str,
     # `store repair` of such a table resumes its repair version under its own lineage).
     hashed_before = [(replace(lineage, config_hash=f"{h}-images:{images_id}"), e) for h, e in zip(earlier_hashes, earlier)]
     lineage, fl = next(((old, e) for old, e in hashed_before if repair_context.expected() == old), (lineage, fl))
+    if fixes.revision_before not in (None, feature_revision) and repair_context.active():
+        # `store repair` of a version encoded before this stage's fixes: repaired under its own lineage (the repair
+        # carries its intact samples; the next run recomputes what the fixes change, never trusted in it).
+        before = code_version(fixes.revision_before)
+        pre = [(replace(old, code_version=before), feature_lineage(stage, h, fingerprint, before, upstream))
+               for old, h in ((lineage, feature_hash), *zip([o for o, _ in hashed_before], earlier_hashes))]
+        lineage, fl = next(((old, e) for old, e in pre if repair_context.expected() == old), (lineage, fl))
     repair_context.check(lineage, table)
+    changed = _lineages_before_fixes(images, fixes, stage, (feature_hash, *earlier_hashes), fingerprint,
+                                     feature_revision, upstream)
     job = EncodeJob(store=store, images=images, lineage=lineage, ranks=ranks, summary=summary, feature_lineage=fl,
-                    earlier_lineages=tuple(earlier), lease=lease, on_damaged=on_damaged,
-                    max_damaged_fraction=max_damaged_fraction)
+                    earlier_lineages=(*earlier, *changed), lease=lease, on_damaged=on_damaged,
+                    max_damaged_fraction=max_damaged_fraction, changed_by_fixes=changed)
     weakref.finalize(job, lease.release)
     found = _identical_version(store, table, lineage, [old for old, _ in hashed_before])
+    if found is None and fixes.revision_before not in (None, feature_revision) and not repair_context.active():
+        before = code_version(fixes.revision_before)
+        for old in (lineage, *(old for old, _ in hashed_before)):
+            if (found := _unchanged_by_fixes(store, table, images, replace(old, code_version=before), fixes)) is not None:
+                break
     if found is not None:
         adopt(job, found)
         summary.seconds = time.perf_counter() - job.started
@@ -90,6 +127,45 @@ def _open_job(store_path: str | Path, stage: str, table: str, feature_hash: str,
         return job
     _note_damaged_current(job, store, stage, table)
     return job
+
+
+def _lineages_before_fixes(images, fixes: Fixes, stage: str, feature_hashes: tuple[str, ...], fingerprint: str,
+                           revision: str, upstream: str) -> dict[str, Callable[[dict[str, Any]], bool]]:
+    """feature lineage the samples were stored under before a fix (this stage's, the images') -> "does a fix
+    change this stored row?": such versions give the rows no fix changes (store/reuse.py)."""
+    upstream_before = images.schema.attrs.get(LINEAGE_BEFORE_FIXES_ATTR)
+    revisions = [(revision, False)] + ([(fixes.revision_before, True)]
+                                       if fixes.revision_before not in (None, revision) else [])
+    upstreams = [(upstream, False)] + ([(upstream_before, True)] if upstream_before not in (None, upstream) else [])
+
+    def changed_by(own: bool, images_fix: bool) -> Callable[[dict[str, Any]], bool]:
+        def changed(row: dict[str, Any]) -> bool:
+            if row["key"] not in images:
+                return True
+            meta = images.meta(row["key"])
+            return (own and fixes.by_revision(meta, row)) or (images_fix and fixes.by_images(meta))
+        return changed
+
+    return {feature_lineage(stage, h, fingerprint, code_version(rev), up): changed_by(own, images_fix)
+            for h in feature_hashes for rev, own in revisions for up, images_fix in upstreams if own or images_fix}
+
+
+def _unchanged_by_fixes(store: Store, table: str, images, before: Lineage, fixes: Fixes) -> int | None:
+    """A complete version of this lineage under the revision before this stage's fixes (the same `images`
+    version), none of whose samples they change: still current, so nothing downstream reruns."""
+    from store.manifest_view import checked_manifest
+
+    found = store.find_version(table, before)
+    if found is None:
+        return None
+    try:
+        # the columns a `by_revision` predicate reads from a stored row (the rest comes from the images meta)
+        rows = checked_manifest(store.version_dir(table, found), ["key", *ROW_COLUMNS]).to_pylist()
+    except UserError:
+        return None
+    if any(r["key"] not in images or fixes.by_revision(images.meta(r["key"]), r) for r in rows):
+        return None
+    return found
 
 
 def _images_feature_lineage(store: Store, images, images_id: str) -> str:

@@ -25,6 +25,7 @@ import torch
 
 from schemas.config import PipelineConfig
 from schemas.errors import Rejected, UserError
+from schemas.fixes import mask_was_turned
 from schemas.table import FieldSpec, TableSchema
 from stages.encode.common import (
     Ranks,
@@ -38,11 +39,25 @@ from stages.encode.common import (
     resolve_precision,
     with_overrides,
 )
+from stages.encode.plan import Fixes
 
 MAX_REFERENCES = 10
 PIXELS_PER_SIDE = 32  # one VLM slot = 32 x 32 pixels = 2 x 2 latent tokens
-TEXT_REVISION = "text21.1"
-VAE_REVISION = "vae21.1"
+TEXT_REVISION = "text21.2"
+# the 2.1 latents have always been hashed as encode-vae's "vae.1" (their model fingerprint tells them apart);
+# the RGBA fix of the Edit encoders (vae.2) does not concern them, the images' EXIF mask fix does
+VAE_REVISION = "vae.1"
+VAE_FIXES = Fixes(by_images=mask_was_turned)
+
+
+def _caption_now_too_long(meta: dict[str, Any], row: dict[str, Any]) -> bool:
+    """A text21.1 sample the caption-length quarantine (dca6a4d, 8f164a3) now rejects, from its stored length."""
+    length = row.get("length")
+    return length is None or caption_length_rejection_21(row["key"], int(length), meta.get("img_shapes")) is not None
+
+
+# text21.1 encoded prompts past the transformer's frame positions (now quarantined): only those are redone
+TEXT_FIXES = Fixes("text21.1", by_revision=_caption_now_too_long)
 
 
 def reference_rejection(key: str, meta: dict[str, Any]) -> Rejected | None:
@@ -183,7 +198,7 @@ def run_text(cfg: PipelineConfig, store: str | Path, model: str, device: str | N
     record = prompt_format_record()
     job = open_job(store, "encode-text", "text", config_hash(section, prompt_format=record), model, TEXT_REVISION,
                    ranks, components=("text_encoder", "processor", "tokenizer"),
-                   on_damaged=section.on_damaged, max_damaged_fraction=section.max_damaged_fraction)
+                   on_damaged=section.on_damaged, max_damaged_fraction=section.max_damaged_fraction, fixes=TEXT_FIXES)
     if job.up_to_date:
         return job.summary
     processor = load_component(model, "processor")

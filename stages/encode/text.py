@@ -47,9 +47,16 @@ from stages.encode.common import (
     with_overrides,
 )
 
+from schemas.fixes import has_alpha_picture
+from stages.encode.plan import Fixes
+
 STAGE = "encode-text"
 TABLE = "text"
-FEATURE_REVISION = "text.1"
+FEATURE_REVISION = "text.2"
+# text.1 read an RGBA picture (resize.keep_alpha) as black where transparent (f6aa89f): its tables stay current,
+# and their samples are carried forward, except those with such a picture (re-encoded over white). The mask
+# (the images' own fix) is not read here.
+FIXES = Fixes("text.1", by_revision=lambda meta, row: has_alpha_picture(meta))
 COMPONENTS = ("text_encoder", "processor", "tokenizer")  # what the features depend on (per-sample reuse)
 # diffusers builds the Edit-Plus image prompt inline in `_get_qwen_prompt_embeds`; mirrored here, and recorded
 # in the lineage so a change of it means a new table version.
@@ -311,7 +318,7 @@ def run(
     job = open_job(store, STAGE, TABLE, config_hash(section, prompt_format=fmt.lineage_record()), model,
                    FEATURE_REVISION, ranks, components=COMPONENTS,
                    on_damaged=section.on_damaged, max_damaged_fraction=section.max_damaged_fraction,
-                   earlier_hashes=earlier_config_hashes(section, prompt_format=fmt.lineage_record()))
+                   earlier_hashes=earlier_config_hashes(section, prompt_format=fmt.lineage_record()), fixes=FIXES)
     if job.up_to_date:
         return job.summary
     if fmt.variant != "edit" and not job.images.schema.attrs.get("resize", {}).get("vl_views", True):

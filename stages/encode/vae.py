@@ -39,9 +39,16 @@ from stages.encode.common import (
     with_overrides,
 )
 
+from schemas.fixes import has_alpha_picture, mask_was_turned
+from stages.encode.plan import Fixes
+
 STAGE = "encode-vae"
 TABLE = "vae"
-FEATURE_REVISION = "vae.1"
+FEATURE_REVISION = "vae.2"
+# vae.1 read an RGBA picture (resize.keep_alpha) as black where transparent (f6aa89f): its tables stay current,
+# and their samples are carried forward, except those with such a picture; and those whose mask the images'
+# revision 2 turned (EXIF mask fix): their mask weights changed. Qwen-Image-2.1 (RGBA read as RGBA) has its own.
+FIXES = Fixes("vae.1", by_revision=lambda meta, row: has_alpha_picture(meta), by_images=mask_was_turned)
 COMPONENTS = ("vae",)  # what the latents depend on: another model with the same VAE files reuses them
 
 
@@ -151,9 +158,16 @@ def run(
     ranks = ranks or current_ranks(section.device)
     target = rank_device(section.device, ranks, "encode_vae.device")
     section = resolve_precision(section, target, STAGE)
-    job = open_job(store, STAGE, TABLE, config_hash(section), model, FEATURE_REVISION, ranks, components=COMPONENTS,
+    variant = model_variant(model)
+    if variant == "qwen-image-2.1":
+        from stages.encode.qwen21 import VAE_FIXES, VAE_REVISION
+
+        revision, fixes = VAE_REVISION, VAE_FIXES
+    else:
+        revision, fixes = FEATURE_REVISION, FIXES
+    job = open_job(store, STAGE, TABLE, config_hash(section), model, revision, ranks, components=COMPONENTS,
                    on_damaged=section.on_damaged, max_damaged_fraction=section.max_damaged_fraction,
-                   earlier_hashes=earlier_config_hashes(section))
+                   earlier_hashes=earlier_config_hashes(section), fixes=fixes)
     job.match_columns = ("mask_sha256",)
     if job.up_to_date:
         return job.summary
@@ -165,7 +179,6 @@ def run(
     latents_mean = torch.tensor(vae.config.latents_mean).view(1, channels, 1, 1, 1)
     latents_std = torch.tensor(vae.config.latents_std).view(1, channels, 1, 1, 1)
     image_processor = VaeImageProcessor(vae_scale_factor=PIXELS_PER_PATCH)  # what the edit pipelines build
-    variant = model_variant(model)
     prep = prepare
     if variant == "qwen-image-2.1":  # RGBA in, 64 channels, 16x (stages/encode/qwen21.py)
         from stages.encode.qwen21 import image_processor_21, prepare_vae

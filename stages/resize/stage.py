@@ -13,7 +13,7 @@ import hashlib
 import io
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
@@ -40,7 +40,11 @@ if TYPE_CHECKING:
 STAGE = "resize-bucket"
 TABLE = "images"
 # Bump when this stage's output changes for identical inputs and settings (new resampling, PNG options...).
-FEATURE_REVISION = 1
+FEATURE_REVISION = 2
+# Revision 1 stretched a mask drawn on an EXIF-rotated target's stored pixels (e532fe5). Its versions stay
+# current, and their samples are carried forward, unless they hold a sample that fix renders differently
+# (schemas/fixes.py `mask_orientation_changes`): only those are re-rendered.
+REVISION_BEFORE_FIXES = 1
 PNG_COMPRESS_LEVEL = 3  # lossless either way; 3 is ~3x faster than the default 6 for a few % more bytes
 
 
@@ -130,7 +134,7 @@ def _run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> 
     started = time.perf_counter()
     fmt = detect_format(source)
     st = st if st is not None else Store(store)
-    schema = images_schema(rc, content_listing_hash(source), source=str(source), source_format=fmt)
+    schema = _as_repair_expects(images_schema(rc, content_listing_hash(source), source=str(source), source_format=fmt))
     found = _up_to_date_version(st, schema)
     if found is not None:
         return ResizeSummary(version=found, up_to_date=True, seconds=time.perf_counter() - started,
@@ -247,9 +251,44 @@ def _up_to_date_version(st: Store, schema: TableSchema) -> int | None:
 
     repair_context.check(schema.lineage, TABLE)
     found = st.find_version(TABLE, schema.lineage)
+    if found is None and not repair_context.active():
+        found = _unchanged_by_fixes(st, schema)
     if found is not None:
         st.set_current(TABLE, found)  # e.g. killed after the manifest, before the store.json switch
     return found
+
+
+def _lineage_before_fixes(lineage: Lineage) -> Lineage:
+    return replace(lineage, code_version=code_version(f"images.{REVISION_BEFORE_FIXES}"))
+
+
+def _as_repair_expects(schema: TableSchema) -> TableSchema:
+    """`store repair` of a version rendered before this revision's fixes: repaired under its own lineage and exact
+    schema (the repair resumes a writer of it). The next run then re-renders what the fixes change."""
+    from store import repair_context
+    from store.reuse import FEATURE_LINEAGE_ATTR, LINEAGE_BEFORE_FIXES_ATTR
+
+    before = _lineage_before_fixes(schema.lineage)
+    if repair_context.expected() != before or before == schema.lineage:
+        return schema
+    attrs = {k: v for k, v in schema.attrs.items() if k != LINEAGE_BEFORE_FIXES_ATTR}  # not written then
+    return replace(schema, lineage=before, attrs={**attrs, FEATURE_LINEAGE_ATTR: schema.attrs[LINEAGE_BEFORE_FIXES_ATTR]})
+
+
+def _unchanged_by_fixes(st: Store, schema: TableSchema) -> int | None:
+    """A complete version made before the fixes of this revision, none of whose samples they change: still
+    current (its downstream tables too). One with such a sample is not: a new version re-renders those."""
+    from schemas.fixes import mask_orientation_changes
+    from store.manifest_view import checked_manifest
+
+    found = st.find_version(TABLE, _lineage_before_fixes(schema.lineage))
+    if found is None:
+        return None
+    try:
+        rows = checked_manifest(st.version_dir(TABLE, found), ["key", "has_mask", "conversions"]).to_pylist()
+    except UserError:
+        return None
+    return None if any(mask_orientation_changes(r) for r in rows) else found
 
 
 def _damaged_current(st: Store) -> int | None:
@@ -265,10 +304,14 @@ def _damaged_current(st: Store) -> int | None:
 
 
 def _rendered_before(st: Store, schema: TableSchema) -> dict[str, str]:
-    """key -> mask hash of every sample an earlier version rendered with the same pixel settings."""
-    from store.reuse import FEATURE_LINEAGE_ATTR, reusable_keys
+    """key -> mask hash of every sample an earlier version rendered with the same pixel settings (or with the
+    revision before this one's fixes, when they leave the sample unchanged)."""
+    from schemas.fixes import mask_orientation_changes
+    from store.reuse import FEATURE_LINEAGE_ATTR, LINEAGE_BEFORE_FIXES_ATTR, reusable_keys
 
-    return reusable_keys(st, TABLE, schema.attrs[FEATURE_LINEAGE_ATTR], "mask_sha256")
+    now, before = schema.attrs[FEATURE_LINEAGE_ATTR], schema.attrs.get(LINEAGE_BEFORE_FIXES_ATTR)
+    fixed = {} if before is None else reusable_keys(st, TABLE, before, "mask_sha256", changed=mask_orientation_changes)
+    return fixed if now == before else {**fixed, **reusable_keys(st, TABLE, now, "mask_sha256")}
 
 
 def _render_source(source: str | Path, fmt: str, rc: ResizeConfig, writer: Any, rendered_before: dict[str, str],
@@ -351,9 +394,12 @@ def _carry_forward(st: Store, writer: Any, schema: TableSchema, carry: dict[str,
                    summary: ResizeSummary) -> None:
     """Link the shards of samples rendered before with the same settings; their source and split are this
     run's (a view of the same pixels)."""
-    from store.reuse import FEATURE_LINEAGE_ATTR, carry_forward, reusable
+    from schemas.fixes import mask_orientation_changes
+    from store.reuse import FEATURE_LINEAGE_ATTR, LINEAGE_BEFORE_FIXES_ATTR, carry_forward, reusable
 
-    for version, rows in reusable(st, TABLE, schema.attrs[FEATURE_LINEAGE_ATTR], carry).items():
+    now, before = schema.attrs[FEATURE_LINEAGE_ATTR], schema.attrs.get(LINEAGE_BEFORE_FIXES_ATTR)
+    for version, rows in reusable(st, TABLE, (now, before or now), carry,
+                                  changed={before: mask_orientation_changes} if before else None).items():
         keys = rows.column("key").to_pylist()
         views = {"source": {k: carry[k][0] for k in keys}, "split": {k: carry[k][1] for k in keys}}
         summary.reused += carry_forward(writer, version, rows, views)
@@ -389,7 +435,7 @@ def _verify_repaired(st: Store, summary: ResizeSummary, repairing: int) -> None:
 
 def images_schema(rc: ResizeConfig, listing: str, source: str = "", source_format: str = "") -> TableSchema:
     from schemas.lineage import feature_lineage, hashed_settings, unhashed_names
-    from store.reuse import FEATURE_LINEAGE_ATTR
+    from store.reuse import FEATURE_LINEAGE_ATTR, LINEAGE_BEFORE_FIXES_ATTR
 
     lineage = Lineage(stage=STAGE, config_hash=f"{rc.fingerprint()}-src{listing}", code_version=code_version(f"images.{FEATURE_REVISION}"))
     render = hashed_settings(rc, "sample")  # the pixels' settings: not the view (which samples, split labels)
@@ -423,6 +469,10 @@ def images_schema(rc: ResizeConfig, listing: str, source: str = "", source_forma
             "source_format": source_format,
             "source_listing": listing,
             FEATURE_LINEAGE_ATTR: feature_lineage(STAGE, render, code_version=lineage.code_version),
+            # what these pixels were hashed as before this revision's fixes: the encoders carry their samples
+            # encoded from such a table forward unless a fix changed the sample (stages/encode/plan.py)
+            LINEAGE_BEFORE_FIXES_ATTR: feature_lineage(STAGE, render,
+                                                       code_version=_lineage_before_fixes(lineage).code_version),
         },
     )
 

@@ -26,12 +26,20 @@ def config_fingerprint(cfg: TrainConfig) -> str:
     return section_fingerprint(cfg)
 
 
+# Memory settings the fingerprint held before they were declared throughput (the same weights): a run made then
+# resumes and stays current whatever they were, as the OOM advice asks a resume to change them.
+_MEMORY_AS_BEFORE = tuple((gc, off) for gc in (False, True) for off in ("none", "blocks"))
+
+
 def earlier_config_fingerprints(cfg: TrainConfig) -> tuple[str, ...]:
-    """`config_fingerprint` as written before batch_size left it under a token budget: runs made then resume
-    and stay current (only with the batch_size they were made with, as before)."""
-    if cfg.max_tokens_per_batch is None:
-        return ()
-    return (settings_hash({**hashed_settings(cfg), "batch_size": cfg.batch_size}),)
+    """`config_fingerprint` as written before the memory settings left it (with any of their values; the blocks
+    kept on the device as configured now, or 0), and before batch_size left it under a token budget (only with
+    the batch_size they were made with, as before): runs made then resume and stay current."""
+    now = hashed_settings(cfg)
+    budget = [{}] if cfg.max_tokens_per_batch is None else [{}, {"batch_size": cfg.batch_size}]
+    spellings = ({**now, **b, "gradient_checkpointing": gc, "offload": off, "offload_blocks_on_device": n}
+                 for b in budget for gc, off in _MEMORY_AS_BEFORE for n in {cfg.offload_blocks_on_device, 0})
+    return tuple(dict.fromkeys(settings_hash(s) for s in spellings))
 
 
 def known_fingerprint(record_fingerprint: str, cfg: TrainConfig) -> str:

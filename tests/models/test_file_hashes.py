@@ -168,3 +168,36 @@ def test_model_and_source_hashes_share_one_cache(tmp_path, cache) -> None:
     assert [p.name for p in (cache / "qwen-edit-pipeline").glob("*.sqlite")] == [CACHE_NAME]
     with FileHashes() as h:
         assert [h.sha256(f) for f in files] == [_sha(f) for f in files] and h.hashed == 0
+
+
+def test_weights_rewritten_in_place_with_their_mtime_put_back_are_hashed_again(tmp_path, cache) -> None:
+    """Same path, same size, mtime restored (`cp -p`, `rsync -a --inplace`): other bytes, so another identity (the
+    model fingerprint follows). Before: the cache keyed on (path, size, mtime) returned the old weights' hash."""
+    f = _files(tmp_path / "model", 1)[0]
+    with FileHashes() as h:
+        old = h.sha256(f)
+    st = f.stat()
+    f.write_bytes(f.read_bytes().replace(b"0", b"7"))
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert (f.stat().st_size, f.stat().st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+    with FileHashes() as h:
+        assert h.sha256(f) == _sha(f) != old and h.hashed == 1
+
+
+def test_a_cache_written_before_ctime_counted_is_upgraded(tmp_path, cache) -> None:
+    """A cache file of the earlier layout (no ctime column) is kept and upgraded: its rows are hashed again once."""
+    import sqlite3
+
+    f = _files(tmp_path / "src", 1)[0]
+    db_path = cache / "qwen-edit-pipeline" / CACHE_NAME
+    db_path.parent.mkdir(parents=True)
+    with sqlite3.connect(db_path) as db:
+        db.execute("CREATE TABLE sha256 (path TEXT PRIMARY KEY, size INTEGER NOT NULL, mtime_ns INTEGER NOT NULL, "
+                   "sha256 TEXT NOT NULL) WITHOUT ROWID")
+        db.execute("INSERT INTO sha256 VALUES (?, ?, ?, ?)", (os.path.realpath(f), f.stat().st_size,
+                                                            f.stat().st_mtime_ns, "0" * 64))
+    db.close()
+    with FileHashes() as h:
+        assert h.sha256(f) == _sha(f) and h.hashed == 1
+    with FileHashes() as h:
+        assert h.sha256(f) == _sha(f) and h.hashed == 0

@@ -67,15 +67,31 @@ def test_an_undeclared_field_is_refused():
 
 # Values computed by the code before the declared scheme (commit 34f7d89): runs and tables made then stay current.
 def test_train_and_resize_fingerprints_equal_their_pre_scheme_values():
+    from stages.train.settings import earlier_config_fingerprints
+
+    def recognised(cfg: C.TrainConfig) -> set[str]:
+        return set(earlier_config_fingerprints(cfg))
+
+    assert "a0d4db39ac12a0bb" in recognised(C.TrainConfig(dtype="float32"))
+    assert "d161a628dea67558" in recognised(C.TrainConfig(dtype="float32", lr_schedule="cosine", max_steps=7))
+    assert "b2616a2dc036b31f" in recognised(C.TrainConfig(dtype="bfloat16", mixed_precision="bf16", optimizer="prodigy",
+                                                          ema_decay=0.9, lora=C.LoraConfig(kind="dora", rank=4)))
+    # a resume may change what is not hashed (device, cadence, failure policy, a constant-LR max_steps, and the
+    # memory settings the OOM advice names: a run made with them off resumes with them on)
+    assert "a0d4db39ac12a0bb" in recognised(C.TrainConfig(dtype="float32", device="cpu:0", max_steps=9, check_ahead=0,
+                                                          on_damaged="skip", validate_every=2,
+                                                          gradient_checkpointing=True, offload="blocks"))
+
+
+def test_memory_settings_leave_the_run_fingerprint_alone():
+    """Gradient checkpointing and block offload train the same weights (tests/stages/test_train.py, the 2.1 offload
+    test): a resume after an out-of-memory may turn them on. Before: hashed, so the resume was refused (or, under
+    `pipeline run all`, the run moved aside and trained again from step 0)."""
     from stages.train.settings import config_fingerprint
 
-    assert config_fingerprint(C.TrainConfig(dtype="float32")) == "a0d4db39ac12a0bb"
-    assert config_fingerprint(C.TrainConfig(dtype="float32", lr_schedule="cosine", max_steps=7)) == "d161a628dea67558"
-    assert config_fingerprint(C.TrainConfig(dtype="bfloat16", mixed_precision="bf16", optimizer="prodigy", ema_decay=0.9,
-                                            lora=C.LoraConfig(kind="dora", rank=4))) == "b2616a2dc036b31f"
-    # a resume may change what is not hashed (device, cadence, failure policy, a constant-LR max_steps)
-    assert config_fingerprint(C.TrainConfig(dtype="float32", device="cpu:0", max_steps=9, check_ahead=0,
-                                            on_damaged="skip", validate_every=2)) == "a0d4db39ac12a0bb"
+    base = C.TrainConfig(dtype="float32")
+    for memory in ({"gradient_checkpointing": True}, {"offload": "blocks", "offload_blocks_on_device": 3}):
+        assert config_fingerprint(base.model_copy(update=memory)) == config_fingerprint(base)
     assert C.ResizeConfig().fingerprint() == "c1b31852610f2c40"
     assert C.ResizeConfig(workers=3, shard_size_mb=1).fingerprint() == "c1b31852610f2c40"
 

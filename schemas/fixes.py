@@ -1,0 +1,49 @@
+"""Corrections made after tables existed, and which stored samples each one changes (decided from the metadata
+stored with the sample, so a rerun recomputes exactly those and carries the rest forward).
+
+A fix bumps its stage's feature revision (`code_version`); the feature lineage under the revision before it is
+still accepted for a sample the fix leaves unchanged (store/reuse.py `reusable(..., changed=...)`). Each
+predicate below answers "does the fix change this stored sample?" and errs towards yes when the metadata cannot
+tell (a sample recomputed needlessly costs time; one reused wrongly is a silently wrong feature).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+# resize-bucket before the EXIF mask fix (e532fe5): a mask drawn on an EXIF-rotated (5..8) target's stored pixels
+# was resized across the other axis instead of turned. Such a sample's old row holds both notes below; a row
+# with both is re-rendered (a superset: the EXIF note may also come from a control or the mask).
+_ROTATED_90 = re.compile(r"EXIF orientation [5-8] applied")
+MASK_RESIZED = "mask resized to its target"
+MASK_TURNED = "mask turned as its target"  # the fixed code's note (prefix; the orientation follows)
+# resize.keep_alpha kept this sample's picture as RGBA (features/decode.py's note)
+KEPT_ALPHA = "kept with its alpha"
+
+
+def _notes(meta: dict[str, Any]) -> list[str] | None:
+    notes = meta.get("conversions")
+    return None if notes is None else [str(n) for n in notes]
+
+
+def mask_orientation_changes(old_images_row: dict[str, Any]) -> bool:
+    """An `images` row rendered before the EXIF mask fix that the fix may render differently."""
+    if not old_images_row.get("has_mask"):
+        return False
+    notes = _notes(old_images_row)
+    if notes is None:  # a table from before the conversions column: cannot tell
+        return True
+    return MASK_RESIZED in notes and any(_ROTATED_90.fullmatch(n) for n in notes)
+
+
+def mask_was_turned(images_row: dict[str, Any]) -> bool:
+    """An `images` row the EXIF mask fix rendered differently (its mask, so its mask weights, changed)."""
+    return any(n.startswith(MASK_TURNED) for n in _notes(images_row) or ())
+
+
+def has_alpha_picture(images_row: dict[str, Any]) -> bool:
+    """An `images` row holding an RGBA picture (resize.keep_alpha): an Edit/Edit-Plus encoder read it as black
+    where transparent before the RGBA fix (f6aa89f), over white since. A row without the conversions column
+    predates keep_alpha, so holds none."""
+    return any(KEPT_ALPHA in n for n in _notes(images_row) or ())

@@ -1,0 +1,81 @@
+"""Model identity (models.loading fingerprints): what the stored features are checked against. A new revision of a
+hub id is another fingerprint, and its weights (hub blobs, named by their sha256) are never read to get it: a 41 GB
+20B model costs no hashing. A local folder whose weights are replaced in place is another fingerprint."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import pytest
+
+import models.file_hashes as fh
+from models import loading
+
+
+def _blob(repo: Path, data: bytes, lfs: bool) -> Path:
+    name = hashlib.sha256(data).hexdigest() if lfs else hashlib.sha1(data).hexdigest()  # as the hub names them
+    p = repo / "blobs" / name
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_bytes(data)
+    return p
+
+
+def _revision(repo: Path, commit: str, weights: bytes) -> None:
+    snap = repo / "snapshots" / commit
+    files = {"model_index.json": (b'{"_class_name": "QwenImageEditPipeline"}', False),
+             "vae/config.json": (b'{"z_dim": 16}', False),
+             "vae/diffusion_pytorch_model.safetensors": (weights, True)}
+    for rel, (data, lfs) in files.items():
+        (snap / rel).parent.mkdir(parents=True, exist_ok=True)
+        os.symlink(os.path.relpath(_blob(repo, data, lfs), (snap / rel).parent), snap / rel)
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / "main").write_text(commit)
+
+
+def _new_process() -> None:
+    """What a later stage run starts with: nothing resolved or fingerprinted yet (both are per-process caches)."""
+    loading.resolve_model.cache_clear()
+    loading.component_fingerprint.cache_clear()
+
+
+@pytest.fixture
+def hub(tmp_path, monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    _new_process()
+    yield tmp_path / "hub" / "models--owner--tiny"
+    _new_process()
+
+
+def test_a_new_hub_revision_is_another_fingerprint_and_its_weights_are_not_read(hub, monkeypatch):
+    read = []
+    real = fh.file_sha256
+    monkeypatch.setattr(fh, "file_sha256", lambda p: read.append(Path(p).name) or real(p))
+    _revision(hub, "a" * 40, b"weights of revision a" * 1000)
+    first = loading.component_fingerprint("owner/tiny", ("vae",))
+    assert loading.model_fingerprint("owner/tiny")
+    _revision(hub, "b" * 40, b"weights of revision b" * 1000)  # refs/main moved on (a download of a newer one)
+    _new_process()
+    assert loading.component_fingerprint("owner/tiny", ("vae",)) != first
+    assert read and all(len(name) == 40 for name in read)  # the small git blobs only, never a weight file
+
+
+def test_weights_replaced_in_place_in_a_local_folder_are_another_fingerprint(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    weights = tmp_path / "m" / "vae" / "diffusion_pytorch_model.safetensors"
+    weights.parent.mkdir(parents=True)
+    (tmp_path / "m" / "vae" / "config.json").write_text("{}")
+    (tmp_path / "m" / "model_index.json").write_text('{"vae": ["diffusers", "AutoencoderKLQwenImage"]}')
+    weights.write_bytes(b"\0" * 4096)
+    _new_process()
+    first = loading.component_fingerprint(str(tmp_path / "m"), ("vae",))
+    st = weights.stat()
+    weights.write_bytes(b"\1" * 4096)  # same size, mtime put back (cp -p / rsync -a --inplace)
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+    _new_process()
+    assert loading.component_fingerprint(str(tmp_path / "m"), ("vae",)) != first
+    _new_process()
