@@ -203,3 +203,22 @@ def test_single_lora_evaluate_reuses_its_base_losses(run_and_store, tiny_edit_mo
     assert len(n) == 2
     _, n = run(cfg.model_copy(update={"noise_seeds": [0, 2]}), ckpts[10])
     assert len(n) == 1
+
+
+def test_a_flipped_bit_in_the_kept_base_losses_is_recomputed_not_reused(tmp_path):
+    """The base losses file holds numbers only: a bit flipped in them (disk, copy) still parses as safetensors
+    with the right key, shape and dtype, and was reused as the base's held-out loss. Now the numbers' sha256 is
+    recorded beside the key (as each base image's is), and a file whose numbers differ from it is recomputed."""
+    from stages.evaluate import base_losses
+
+    grid = np.arange(24, dtype=np.float64).reshape(2, 3, 4) / 7
+    assert base_losses.cached(tmp_path, "k", grid.shape, lambda: grid) is not None
+    path = tmp_path / base_losses.FILE
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x10  # inside the last number
+    path.write_bytes(bytes(data))
+    recomputed = []
+    got = base_losses.cached(tmp_path, "k", grid.shape, lambda: (recomputed.append(1), grid)[1])
+    assert recomputed == [1]
+    np.testing.assert_array_equal(got, grid)
+    assert base_losses.cached(tmp_path, "k", grid.shape, lambda: 1 / 0) is not None  # rewritten intact: reused
