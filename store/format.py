@@ -130,7 +130,7 @@ def atomic_dir(final: Path, tmp: Path | None = None) -> Iterator[Path]:
             for f in (Path(folder, name) for name in names):
                 if f.is_file():
                     fsync_dir(f)  # os.fsync works on a file descriptor of a file or a folder alike
-        fsync_dir(tmp)
+            fsync_dir(Path(folder))  # its entries (a subfolder's files are not durable through the top's fsync)
         if final.exists():
             old = final.with_name(f".{final.name}.deleting-{os.getpid()}")
             os.rename(final, old)

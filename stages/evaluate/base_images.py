@@ -3,7 +3,7 @@ reused by a rerun whose every input of them is unchanged. Only the LoRA (or best
 reruns (a retrained LoRA, a training adding checkpoints), while regenerating the base costs as much as a column.
 
 The key (`base_key`) holds everything the base images are made from: every file of the model (text encoder,
-processor and scheduler too), the store and its text / vae table versions (the stored features), the picked val
+processor and scheduler too), the store and the text / vae table versions read (the stored features), the picked val
 samples, every hashed evaluate setting (seed, steps, true CFG, negative prompt, dtype, attention backend,
 quantisation, extra prompts with their sizes; not the LoRA's scale) and the bytes of each extra prompt's image files, the device (and
 the GPU's name), the versions of the libraries that compute them and the source of this project's packages

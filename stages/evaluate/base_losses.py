@@ -4,11 +4,13 @@ it takes over all the val samples). A rerun with a retrained LoRA, or another sc
 pass only: the base pass cost as much (one forward per sample x seed x σ). --all-checkpoints keeps its base
 losses in its loss array.
 
-The file is safetensors (numbers only) with the key in its metadata, written atomically; one that cannot be
-read, or holds another key or shape, is recomputed."""
+The file is safetensors (numbers only) with the key and the numbers' sha256 in its metadata, written atomically;
+one that cannot be read, holds another key or shape, or numbers that are not the recorded ones (a flipped bit
+still parses) is recomputed."""
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from typing import Callable
 
@@ -35,12 +37,15 @@ def read(path: Path, key: str, shape: tuple[int, ...]) -> np.ndarray | None:
 
     try:
         with safe_open(str(path), framework="numpy") as f:
-            if (f.metadata() or {}).get("key") != key:
+            meta = f.metadata() or {}
+            if meta.get("key") != key:
                 return None
             grid = f.get_tensor("base")
     except Exception:  # noqa: BLE001 - missing, truncated or foreign file: recomputed
         return None
-    return grid if grid.shape == shape and grid.dtype == np.float64 else None
+    if grid.shape != shape or grid.dtype != np.float64 or meta.get("sha256") != _digest(grid):
+        return None
+    return grid
 
 
 def write(path: Path, key: str, grid: np.ndarray) -> None:
@@ -50,4 +55,9 @@ def write(path: Path, key: str, grid: np.ndarray) -> None:
     from store.io_errors import writing
 
     with writing("the base held-out losses of the evaluate report", path.parent):  # full disk: one line
-        atomic_write_bytes(path, save({"base": np.ascontiguousarray(grid, dtype=np.float64)}, metadata={"key": key}))
+        grid = np.ascontiguousarray(grid, dtype=np.float64)
+        atomic_write_bytes(path, save({"base": grid}, metadata={"key": key, "sha256": _digest(grid)}))
+
+
+def _digest(grid: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(grid, dtype=np.float64).tobytes()).hexdigest()

@@ -305,7 +305,7 @@ def _run(ranks, cfg: EvaluateConfig, store: str | Path, model: str, checkpoints:
         if cfg.num_samples > 0 or cfg.extra_prompts:
             rows = generated_rows(cfg, model, store, tables, transformer, samples, best["path"], best["step"],
                                   last["path"], last["step"], attached, damaged, shas,
-                                  base_cache=(out / BASE_IMAGES, settings))
+                                  base_cache=(out / BASE_IMAGES, {**settings, "tables": tables.versions()}))
         metrics["generation"] = single.generation_summary(rows, cfg, model)  # "lora" = the best checkpoint
         metrics["run"] = {
             "store": str(Path(store).resolve()), "tables": tables.versions(), "model": str(model),

@@ -486,7 +486,7 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, ou
     transformer = load_transformer(cfg, model)
     attach_checked(transformer, lora, cfg.lora_scale, checked.sha256)
 
-    loss = held_out_loss(transformer, samples, cfg, (out, base_inputs_key(cfg, store, model, samples)))
+    loss = held_out_loss(transformer, samples, cfg, (out, base_inputs_key(cfg, store, model, samples, tables)))
 
     rows: list[SampleRow] = []
     if cfg.num_samples > 0 or cfg.extra_prompts:
@@ -502,13 +502,21 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, ou
                           damaged=damaged)
 
 
-def base_inputs_key(cfg: EvaluateConfig, store: str | Path, model: str, samples: list[TrainSample]) -> str:
+def base_inputs_key(cfg: EvaluateConfig, store: str | Path, model: str, samples: list[TrainSample], tables) -> str:
     """The key of every input of the base's losses over `samples` (the base images' key, `base_images.base_key`,
     over all of them: store tables, model files, settings, device, libraries, this project's sources)."""
     from stages.evaluate.base_images import base_key
+
+    return base_key(cfg, read_inputs(cfg, store, model, tables), [s.key for s in samples])
+
+
+def read_inputs(cfg: EvaluateConfig, store: str | Path, model: str, tables) -> dict:
+    """`loss_fingerprint`'s settings with the text / vae versions the val samples were read from: the store's
+    current ones may have changed since (an encode beside evaluate), and a cache keyed by those would name
+    numbers the new version never gave."""
     from stages.evaluate.checkpoints import loss_fingerprint
 
-    return base_key(cfg, loss_fingerprint(cfg, store, model)[1], [s.key for s in samples])
+    return {**loss_fingerprint(cfg, store, model)[1], "tables": tables.versions()}
 
 
 def attach_checked(transformer, lora: str | Path, scale: float, sha256: str) -> None:
@@ -528,13 +536,12 @@ def sample_rows(cfg: EvaluateConfig, store: str | Path, model: str, transformer,
     and reused by a rerun whose every input of it is unchanged (`stages.evaluate.base_images`)."""
     from stages.evaluate.base_images import FOLDER
     from stages.evaluate.checkpoint_report import _jobs
-    from stages.evaluate.checkpoints import loss_fingerprint
 
     vae = load_component(model, "vae", dtype=parse_dtype(cfg.dtype), device=cfg.device)
     check_loaded_dtype(vae, cfg.dtype, "evaluate.dtype")
     qwen21 = is_qwen21(transformer)
     jobs = _jobs(cfg, model, store, tables, transformer, vae, samples, damaged, qwen21)
-    cache = (Path(out) / FOLDER, loss_fingerprint(cfg, store, model)[1]) if out is not None else None
+    cache = (Path(out) / FOLDER, read_inputs(cfg, store, model, tables)) if out is not None else None
     return paired_rows(jobs, transformer, vae, cfg, qwen21, samples, cache)
 
 

@@ -203,3 +203,56 @@ def test_single_lora_evaluate_reuses_its_base_losses(run_and_store, tiny_edit_mo
     assert len(n) == 2
     _, n = run(cfg.model_copy(update={"noise_seeds": [0, 2]}), ckpts[10])
     assert len(n) == 1
+
+
+def test_a_flipped_bit_in_the_kept_base_losses_is_recomputed_not_reused(tmp_path):
+    """The base losses file holds numbers only: a bit flipped in them (disk, copy) still parses as safetensors
+    with the right key, shape and dtype, and was reused as the base's held-out loss. Now the numbers' sha256 is
+    recorded beside the key (as each base image's is), and a file whose numbers differ from it is recomputed."""
+    from stages.evaluate import base_losses
+
+    grid = np.arange(24, dtype=np.float64).reshape(2, 3, 4) / 7
+    assert base_losses.cached(tmp_path, "k", grid.shape, lambda: grid) is not None
+    path = tmp_path / base_losses.FILE
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x10  # inside the last number
+    path.write_bytes(bytes(data))
+    recomputed = []
+    got = base_losses.cached(tmp_path, "k", grid.shape, lambda: (recomputed.append(1), grid)[1])
+    assert recomputed == [1]
+    np.testing.assert_array_equal(got, grid)
+    assert base_losses.cached(tmp_path, "k", grid.shape, lambda: 1 / 0) is not None  # rewritten intact: reused
+
+
+def test_the_base_losses_are_kept_under_the_vae_version_they_were_read_from(run_and_store, tiny_edit_model,
+                                                                           tmp_path, monkeypatch):
+    """The key named the store's current text / vae versions at the time it was computed (after the loss pass
+    began), not the versions read: a new vae version made current meanwhile (an encode beside evaluate) got the
+    old version's base losses recorded under its name, and the next run, reading the new version, reused them.
+    Now the key takes the versions the val samples were read from."""
+    import shutil
+
+    from stages.evaluate import stage
+    from store import Store
+
+    store, out = tmp_path / "store", tmp_path / "report"
+    shutil.copytree(run_and_store / "store", store)
+    ckpts = dict(_ckpts(run_and_store))
+    passes = []
+    grid, read = stage.loss_grid, stage.read_val_samples
+    monkeypatch.setattr(stage, "loss_grid", lambda *a, **k: (passes.append(k.get("desc")), grid(*a, **k))[1])
+
+    def read_then_new_version(*a, **k):  # v1 read; then a v2 (a copy: its own identity) becomes current
+        result = read(*a, **k)
+        st = Store(store)
+        v = st.tables()["vae"]
+        shutil.copytree(st.version_dir("vae", v), st.version_dir("vae", v + 1))
+        st.set_current("vae", v + 1)
+        return result
+
+    monkeypatch.setattr(stage, "read_val_samples", read_then_new_version)
+    stage.run(EvaluateConfig(**CFG), store, tiny_edit_model, ckpts[10], out)
+    monkeypatch.setattr(stage, "read_val_samples", read)
+    passes.clear()
+    stage.run(EvaluateConfig(**CFG), store, tiny_edit_model, ckpts[20], out)
+    assert len(passes) == 2  # v2 read: its base pass computed, not v1's numbers reused

@@ -81,3 +81,17 @@ def test_a_sample_damaged_in_rank_1s_share_is_left_out_on_both_as_one_process_do
     np.testing.assert_allclose(b.loss.values, a.loss.values, rtol=1e-5, atol=1e-7)
     two = json.loads((tmp_path / "two" / "metrics.json").read_text())
     assert list(two["run"]["damaged_samples"]) == list(one.metrics["run"]["damaged_samples"]) == [keys[1]]
+
+
+def test_fewer_val_samples_than_ranks_rank_1_reads_none_and_the_numbers_are_one_process(run_and_store,
+                                                                                       tiny_edit_model, tmp_path):
+    """max_loss_samples = 1 on two ranks: rank 1's share is empty (it reads no sample, still reaches every
+    collective: the damaged flags, the masks, the loss sums) and the loss array is the one process's."""
+    root = run_and_store
+    settings = {**CFG, "max_loss_samples": 1, "num_samples": 1, "num_inference_steps": 2}
+    ev.run(EvaluateConfig(**settings), root / "store", tiny_edit_model, _ckpts(root), tmp_path / "one")
+    rows0, rows1 = _two_ranks(root, root / "store", tiny_edit_model, tmp_path / "two", settings)
+    assert rows1 == [] and sorted(set(rows0)) == [0]
+    a, b = xr.open_zarr(tmp_path / "one" / GROUP), xr.open_zarr(tmp_path / "two" / GROUP)
+    assert list(b.sample.values) == list(a.sample.values) == [_val_keys(root / "store")[0]]
+    np.testing.assert_allclose(b.loss.values, a.loss.values, rtol=1e-5, atol=1e-7)

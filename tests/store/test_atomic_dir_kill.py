@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 from store import format as fmt
 
@@ -35,3 +36,18 @@ def test_a_kill_while_the_old_folder_is_removed_leaves_the_new_one(tmp_path) -> 
         (tmp / "weights.bin").write_bytes(b"newer")
     assert sorted(q.name for q in tmp_path.iterdir()) == ["lora"]
     assert (final / "weights.bin").read_bytes() == b"newer"
+
+
+def test_every_folder_inside_is_fsynced_before_the_rename(tmp_path, monkeypatch):
+    """A subfolder's entries (a checkpoint's lora/ files) are durable only once that subfolder is fsynced: the
+    walk fsynced each file and the top folder, never the subfolders, so a power loss after the rename could leave
+    `final/lora/` without its files. Now each walked folder is fsynced too."""
+    synced = []
+    real = fmt.fsync_dir
+    monkeypatch.setattr(fmt, "fsync_dir", lambda p: (synced.append(Path(p).name), real(p))[1])
+    final = tmp_path / "ckpt"
+    with fmt.atomic_dir(final) as tmp:
+        (tmp / "lora" / "deep").mkdir(parents=True)
+        (tmp / "lora" / "w.safetensors").write_bytes(b"w")
+        (tmp / "lora" / "deep" / "x").write_bytes(b"x")
+    assert {"lora", "deep", "w.safetensors", "x"} <= set(synced), synced
