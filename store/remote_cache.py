@@ -6,7 +6,7 @@ checked against the version's sealed checksums.json; a shard is fetched - whole 
 random read - when a reader first needs it), and the reader then opens it as any other. Versions are immutable, so
 a cached version never goes stale; a newer current version on the remote is opened beside it on the next open.
 The cache stays under its size limit by evicting least recently used shard files (`make_room`, before every whole
-fetch, so also during a long read) and, on open, whole versions nobody uses (`evict`). Processes of one node share
+fetch, so also during a long read; it walks the cache only when the node's running total `USAGE` nears the limit) and, on open, whole versions nobody uses (`evict`). Processes of one node share
 the cache: opens, evictions and space reservations run under one lock on the cache folder; a shard unlinked while
 another process has it open stays readable there (POSIX), and its next miss fetches it again; a version a live
 reader holds a read lease on (store/lease.py, written by train's reader inside the cached store) is never evicted
@@ -21,6 +21,7 @@ versions are marked as copies of the remote's (their shards become evictable, re
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import stat
@@ -41,6 +42,15 @@ def default_cache_dir() -> Path:
 
 CACHE_LOCK = ".cache.lock"
 EVICTING = ".evicting"
+# The node's running total of the cache's bytes, `{"bytes": N}`, read and written only under CACHE_LOCK: a walk
+# (every file of every cached version, ~20k at 1M samples) before each whole-shard fetch made a run O(shards^2).
+# A walk sets it exactly; each fetch's reservation adds to it, and only a fetch that would take it near the limit
+# walks (and evicts). A file on the node's disk, not a per-process count: the ranks of a node fill one cache.
+USAGE = ".cache.usage"
+WALK_FREES = 8  # a walk frees 1/8 of the limit beyond the fetch: the next walk comes that many fetched bytes later
+# Files that grow outside fetches are counted by walks only: the range counts (8 bytes a range read, dropped once
+# the shard is fetched whole) and a writer's shards in its cached copy. A walk once the total is within 1/64.
+NEAR = 64
 
 
 def local_store(store: str | Path, tables: list[str] | None, cache_dir: str | Path | None = None,
@@ -234,11 +244,26 @@ def _evict(cache: Path, limit: int, keep: set[tuple[Path, str, int]], whole_vers
     return total, removed
 
 
+def _read_usage(cache: Path) -> int | None:
+    """The running total (under the cache lock); None when there is none or it is unreadable (torn by a killed
+    process): the caller walks."""
+    try:
+        return int(json.loads((cache / USAGE).read_text())["bytes"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _write_usage(cache: Path, total: int) -> None:
+    # in place, no fsync: it is rebuilt by a walk whenever it cannot be read (a crash loses nothing else)
+    (cache / USAGE).write_text(json.dumps({"bytes": int(total)}))
+
+
 def evict(cache: Path, limit: int, keep: set[tuple[Path, str, int]]) -> list[Path]:
     """Remove least recently used shards of lazily cached versions and whole versions not in use until the cache
     holds at most `limit` bytes (call under the cache lock). Kept: the metadata of `keep` and of versions with a
-    live read lease. UserError when that alone exceeds the limit."""
+    live read lease. UserError when that alone exceeds the limit. Sets the running total (an open walks once)."""
     total, removed = _evict(cache, limit, keep, whole_versions=True)
+    _write_usage(cache, total)
     if total > limit:
         raise UserError(f"the store cache {cache} needs {total / 1e9:.2f} GB for the versions in use, over its "
                         f"limit of {limit / 1e9:.2f} GB; raise the limit (--cache-gb) or use a bigger --cache-dir")
@@ -246,10 +271,17 @@ def evict(cache: Path, limit: int, keep: set[tuple[Path, str, int]]) -> list[Pat
 
 
 def make_room(cache: Path, limit: int, incoming: int) -> bool:
-    """Before fetching `incoming` bytes (under the cache lock): evict least recently used shards until they fit
-    under `limit`; False when they cannot (the caller reads by range instead)."""
-    total, _ = _evict(cache, limit - incoming, set(), whole_versions=False)
-    return total + incoming <= limit
+    """Before fetching `incoming` bytes (under the cache lock): count them in the running total; when that would
+    come near `limit`, walk the cache and evict least recently used shards until they fit with 1/`WALK_FREES` of
+    the limit to spare. False when they cannot (the caller reads by range instead)."""
+    used = _read_usage(cache)
+    if used is not None and used + incoming <= limit - limit // NEAR:
+        _write_usage(cache, used + incoming)
+        return True
+    total, _ = _evict(cache, limit - incoming - limit // WALK_FREES, set(), whole_versions=False)
+    fits = total + incoming <= limit
+    _write_usage(cache, total + incoming if fits else total)
+    return fits
 
 
 def push_back(store: str | Path, local: Path, storage_options: dict[str, Any] | None = None):

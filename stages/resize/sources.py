@@ -61,6 +61,7 @@ class SourceSample:
     files: list[str] = field(default_factory=list)  # source file of target, controls, mask (for messages)
     problem: str | None = None  # set when the reader could not assemble the sample
     problem_kind: str = "bad-source"  # quarantine reason category of `problem`
+    done_key: str | None = None  # a resumed run's sample already written (resumed_sources.py): its bytes not read
 
 
 def detect_format(source: str | Path) -> str:
@@ -95,18 +96,25 @@ def detect_format(source: str | Path) -> str:
 
 
 def iter_source(source: str | Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
-                columns: Any = None) -> Iterator[SourceSample]:
-    """The samples of a source; `columns` is `resize.columns` (a parquet source's column mapping)."""
+                columns: Any = None, done: dict[str, str] | None = None) -> Iterator[SourceSample]:
+    """The samples of a source; `columns` is `resize.columns` (a parquet source's column mapping). `done`: {source:
+    key} of the samples a resumed run holds (resumed_sources.py): yielded with `done_key`, their files not read
+    (a parquet row is read with its batch anyway)."""
     fmt = detect_format(source)
+    done = done or {}
     if fmt == "webdataset":
-        samples = iter_webdataset(source, max_file_bytes)
+        samples = iter_webdataset(source, max_file_bytes, done)
     elif fmt == "parquet":
         from stages.resize.parquet_source import iter_parquet
 
         samples = iter_parquet(source if is_url(source) else Path(source), columns, max_file_bytes)
     else:
-        samples = {"folder": iter_folder, "jsonl": iter_jsonl}[fmt](Path(source), max_file_bytes)
+        samples = {"folder": iter_folder, "jsonl": iter_jsonl}[fmt](Path(source), max_file_bytes, done)
     return map(_printable_names, samples)
+
+
+def _done_key(done: dict[str, str], source: str) -> str | None:
+    return done.get(printable(source)) if done else None  # recorded as printable (the manifest holds UTF-8)
 
 
 def printable(text: str) -> str:
@@ -243,7 +251,8 @@ def _unsupported_message(root: Path, files: list[Path]) -> str:
     return f"unsupported file(s) {names}: images must be one of {', '.join(IMAGE_SUFFIXES)} (captions target/<stem>.txt)"
 
 
-def iter_folder(root: Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES) -> Iterator[SourceSample]:
+def iter_folder(root: Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+                done: dict[str, str] | None = None) -> Iterator[SourceSample]:
     unsupported: dict[str, list[Path]] = {}  # stem -> files the layout cannot use; they must not vanish
     listed = scan(root / "target", root)
     targets = _images_by_stem(listed, unsupported, also=(".txt",))
@@ -267,6 +276,10 @@ def iter_folder(root: Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES) -> Ite
         present = [i for i in sorted(controls) if stem in controls[i]]
         if present != list(range(len(present))):
             s.problem = f"control folders for this sample are not contiguous from control/: found indices {present}"
+            yield s
+            continue
+        s.done_key = _done_key(done or {}, s.source)
+        if s.done_key is not None:
             yield s
             continue
         def read(path: Path, what: str) -> bytes:
@@ -328,8 +341,12 @@ def _unsafe_name(name: str) -> bool:
 WDS_METADATA_MEMBERS = frozenset({"json", "cls", "cls2", "id", "meta", "yaml", "yml"})
 
 
-def _sample_from_members(key: str, where: str, members: dict[str, bytes], bad: list[str]) -> SourceSample:
+def _sample_from_members(key: str, where: str, members: dict[str, bytes], bad: list[str],
+                         done: dict[str, str] | None = None) -> SourceSample:
     s = SourceSample(name=key, source=where)
+    s.done_key = _done_key(done or {}, where)
+    if s.done_key is not None:
+        return s
     if bad:
         s.problem = "; ".join(bad)
         s.problem_kind = "unsafe-path" if any(b.startswith("unsafe member path") for b in bad) else "bad-source"
@@ -379,7 +396,8 @@ def _sample_from_members(key: str, where: str, members: dict[str, bytes], bad: l
     return s
 
 
-def iter_webdataset(root: str | Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES) -> Iterator[SourceSample]:
+def iter_webdataset(root: str | Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+                    done: dict[str, str] | None = None) -> Iterator[SourceSample]:
     """Every shard of the source (shards.py: local, http(s), s3, brace lists), streamed once, in order."""
     for tar in shard_urls(root):
         stream = None
@@ -391,10 +409,11 @@ def iter_webdataset(root: str | Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYT
                 _close_shard(tar, stream)  # a failed transfer (e.g. curl's exit status) stops the run instead
             yield SourceSample(name=Path(tar).stem, source=tar, problem=f"cannot open tar: {e}")
             continue
-        yield from _tar_samples(tar, tf, stream, max_file_bytes)
+        yield from _tar_samples(tar, tf, stream, max_file_bytes, done or {})
 
 
-def _tar_samples(tar: str, tf: tarfile.TarFile, stream: Any, max_file_bytes: int) -> Iterator[SourceSample]:
+def _tar_samples(tar: str, tf: tarfile.TarFile, stream: Any, max_file_bytes: int,
+                 done: dict[str, str]) -> Iterator[SourceSample]:
     key: str | None = None
     members: dict[str, bytes] = {}
     bad: list[str] = []
@@ -405,9 +424,11 @@ def _tar_samples(tar: str, tf: tarfile.TarFile, stream: Any, max_file_bytes: int
                     continue
                 k, ext = _split_member(m.name)
                 if key is not None and k != key:
-                    yield _sample_from_members(key, f"{tar}:{key}", members, bad)
+                    yield _sample_from_members(key, f"{tar}:{key}", members, bad, done)
                     members, bad = {}, []
                 key = k
+                if _done_key(done, f"{tar}:{k}") is not None:
+                    continue  # written before: its members not read (a stream passes over them)
                 # never follow names out of the archive, even though we do not extract to disk
                 if _unsafe_name(m.name):
                     bad.append(f"unsafe member path {m.name!r} (absolute or '..')")
@@ -434,7 +455,7 @@ def _tar_samples(tar: str, tf: tarfile.TarFile, stream: Any, max_file_bytes: int
     else:
         _close_shard(tar, stream)
     if key is not None:
-        yield _sample_from_members(key, f"{tar}:{key}", members, bad)
+        yield _sample_from_members(key, f"{tar}:{key}", members, bad, done)
     elif bad:
         yield SourceSample(name=Path(tar).stem, source=tar, problem="; ".join(bad))
 
@@ -494,7 +515,8 @@ def _resolve(base: Path, rel: str) -> Path:
     return p if p.is_absolute() else base / p
 
 
-def iter_jsonl(root: Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES) -> Iterator[SourceSample]:
+def iter_jsonl(root: Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+               done: dict[str, str] | None = None) -> Iterator[SourceSample]:
     manifest = _jsonl_path(root)
     base = manifest.parent
     for no, obj, err in _jsonl_objects(manifest):
@@ -506,6 +528,11 @@ def iter_jsonl(root: Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES) -> Iter
             yield s
             continue
         assert isinstance(obj, dict)
+        if isinstance(obj.get("target"), str) and (
+                key := _done_key(done or {}, f"{manifest}:{no} ({obj['target']})")) is not None:
+            s.source, s.done_key = f"{manifest}:{no} ({obj['target']})", key  # the source name it was written under
+            yield s
+            continue
         def _read_ref(base: Path, rel: object, what: str) -> bytes:
             return _read_jsonl_ref(base, rel, what, max_file_bytes)
 

@@ -318,13 +318,21 @@ def _render_source(source: str | Path, fmt: str, rc: ResizeConfig, writer: Any, 
                    intake: _Intake) -> dict[str, tuple[str, str]]:
     """Judge every source sample, render the new ones in `rc.workers` processes and add them to the writer.
     Returns key -> (source, split) of the samples to carry forward from an earlier version instead."""
+    from stages.resize.resumed_sources import resumed_sources
     from stages.resize.source_count import count_samples
 
     carry: dict[str, tuple[str, str]] = {}
+    done = resumed_sources(writer.dir) if writer.done_keys else {}
 
     def to_render(bar: tqdm) -> Iterator[tuple[SourceSample, str, str]]:
         for rec in bar:
+            if rec.done_key is None and rec.problem is None:  # a reader that read it anyway (a parquet row)
+                rec.done_key = done.get(rec.source)
             try:
+                if rec.done_key is not None:  # written before: same source name, same bytes (the lineage)
+                    _claim(rec.done_key, rec.source, intake.first_source)
+                    intake.summary.resumed += 1
+                    continue
                 key, caption = _judge(rec, rc, intake.first_source)
             except Rejected as r:
                 if r.reason == "duplicate":
@@ -344,7 +352,7 @@ def _render_source(source: str | Path, fmt: str, rc: ResizeConfig, writer: Any, 
                 yield rec, key, caption
 
     render_one = partial(_render_item, rc=rc, rules=_rules(rc))
-    with tqdm(iter_source(source, rc.max_file_bytes, rc.columns), desc=f"{STAGE} ({fmt})", unit="sample",
+    with tqdm(iter_source(source, rc.max_file_bytes, rc.columns, done), desc=f"{STAGE} ({fmt})", unit="sample",
               total=count_samples(source, fmt), dynamic_ncols=True) as bar:
         # at most 2 x workers samples in flight: memory stays bounded whatever the dataset size; a worker that
         # dies (out of memory, a crash in an image library) costs its sample, not the run (render_pool.py)
@@ -540,10 +548,15 @@ def _judge(rec: SourceSample, rc: ResizeConfig, first_source: dict[str, str]) ->
             "control-count", f"{n} control image(s), outside resize.min_controls..max_controls = {rc.min_controls}..{rc.max_controls}"
         )
     key = sample_key(rec.target, rec.controls, caption)
+    _claim(key, rec.source, first_source)
+    return key, caption
+
+
+def _claim(key: str, source: str, first_source: dict[str, str]) -> None:
+    """The first copy of a content key; a later one is a duplicate."""
     if key in first_source:
         raise Rejected("duplicate", f"same content (target, controls, caption) as {first_source[key]}", key=key)
-    first_source[key] = rec.source
-    return key, caption
+    first_source[key] = source
 
 
 @dataclass

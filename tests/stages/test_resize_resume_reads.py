@@ -1,0 +1,74 @@
+"""A resize-bucket killed after committing a shard resumes without reading or hashing the source bytes of the
+samples already in its committed shards (stages/resize/resumed_sources.py): only the unfinished samples are read,
+and the table equals an uninterrupted run's (same rows, same bytes, same quarantine)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tarfile
+from collections import Counter
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.config import load_config
+from pipeline.demo_data import make_demo_data
+from stages.resize import sources, stage
+from store import Store
+
+SMALL = {"resize.target_area": 64 * 64, "resize.control_vae_area": 64 * 64, "resize.control_vl_area": 32 * 32,
+         "resize.multiple": 16, "resize.min_side": 16, "resize.max_controls": 2, "resize.shard_size_mb": 0.01}
+KILLED = ("import sys; from pipeline.config import load_config; from stages.resize.stage import run;"
+          f"run(load_config(None, {SMALL!r}), sys.argv[1], sys.argv[2])")
+
+
+def _rows(st: Store) -> dict[str, tuple]:
+    with st.reader("images") as r:
+        return {k: (r.files(k), r.meta(k)) for k in r.keys()}
+
+
+def _quarantine(st: Store) -> list[tuple]:
+    q = st.quarantine()
+    return sorted(zip(q.column("source").to_pylist(), q.column("reason").to_pylist())) if q is not None else []
+
+
+@pytest.mark.parametrize("fmt", ["folder", "jsonl", "webdataset"])
+def test_a_resumed_run_reads_and_hashes_only_the_unfinished_samples(tmp_path: Path, monkeypatch, fmt: str) -> None:
+    make_demo_data(tmp_path / "src", n=16, fmt=fmt, max_controls=2, seed=2)
+    src, out = tmp_path / "src", tmp_path / "store"
+    killed = subprocess.run([sys.executable, "-c", KILLED, str(src), str(out)], capture_output=True, text=True,
+                            env={**os.environ, "STORE_CRASH_AT": "after_shard_commit"})
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    vdir = out / "images" / "v1"
+    (index,) = vdir.glob("*.index.parquet")
+    finished = pq.read_table(index, columns=["source"]).column("source").to_pylist()
+    assert finished
+
+    hashed: list[int] = []
+    read, members = Counter(), Counter()
+    real_key, real_read, real_extract = stage.sample_key, sources.read_source_file, tarfile.TarFile.extractfile
+    monkeypatch.setattr(stage, "sample_key", lambda t, c, cap: hashed.append(1) or real_key(t, c, cap))
+    monkeypatch.setattr(sources, "read_source_file",  # (path, root, max_bytes, what): the targets read
+                        lambda p, *a: read.update([str(p)] if a[2] == "target" else []) or real_read(p, *a))
+    monkeypatch.setattr(tarfile.TarFile, "extractfile",
+                        lambda self, m: members.update([m.name.split(".", 1)[0]]) or real_extract(self, m))
+    resumed = stage.run(load_config(None, SMALL), src, out)
+    assert resumed.resumed == len(finished) and resumed.written == 16 - len(finished)
+    assert len(hashed) == 16 - len(finished)  # before: all 16 hashed again
+    if fmt == "webdataset":
+        assert not {s.rsplit(":", 1)[1] for s in finished} & set(members)  # their members not read
+        assert len(members) == 16 - len(finished)
+    else:
+        assert sum(read.values()) == len(read) == 16 - len(finished)  # before: 16
+        assert not {s.split(" (", 1)[1].rstrip(")") if fmt == "jsonl" else s for s in finished} & \
+            {p if fmt == "folder" else os.path.relpath(p, src) for p in read}
+    monkeypatch.undo()
+
+    fresh = stage.run(load_config(None, SMALL), src, tmp_path / "fresh")
+    assert fresh.written == 16
+    a, b = Store(out), Store(tmp_path / "fresh")
+    assert _rows(a) == _rows(b)  # same keys, same PNG bytes, same metadata (source, split, bucket ...)
+    assert _quarantine(a) == _quarantine(b)

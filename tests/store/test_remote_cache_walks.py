@@ -1,0 +1,131 @@
+"""The store cache's running total (store/remote_cache.USAGE) against the S3 test server: a read of many shards
+through a cache under `--cache-gb` walks the cache (every file of every cached version) only when the total comes
+near the limit, not before every whole-shard fetch; the limit still holds, also with two processes filling it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import zlib
+from pathlib import Path
+
+import torch
+
+from store import Store
+from store import format as fmt
+from store import remote_cache
+from store.remote_cache import USAGE, local_store
+from store.remote_shards import fetch_stats
+from store.remote_sync import push
+from store_samples import fill
+
+
+def _cache_bytes(cache: Path) -> int:
+    """What the cache limit counts: every file but the lock files, in the cache's stores."""
+    return sum(p.stat().st_size for d in cache.iterdir() if d.is_dir()
+               for p in d.rglob("*") if p.is_file() and not p.name.endswith(".lock"))
+
+
+def _pushed(s3_env, store: Store, n: int) -> str:
+    fill(store, n, shard_size_mb=0.012)  # ~3 samples of ~4 KB per shard: many shards, each read by a scan
+    push(store.root, s3_env.url())
+    return s3_env.url()
+
+
+def _shard_bytes(store: Store) -> int:
+    return max(p.stat().st_size for p in store.root.rglob("*") if fmt.SHARD_RE.fullmatch(p.name))
+
+
+def _digest(t: dict[str, torch.Tensor]) -> int:
+    return zlib.crc32(b"".join(t[n].reshape(-1).view(torch.uint8).numpy().tobytes() for n in sorted(t)))
+
+
+def test_a_long_read_walks_the_cache_only_near_its_limit(s3_env, store: Store, tmp_path: Path, monkeypatch) -> None:
+    url = _pushed(s3_env, store, 96)
+    cache = tmp_path / "cache"
+    local_store(url, ["vae"], cache)
+    limit = _cache_bytes(cache) + 8 * _shard_bytes(store)  # room for a quarter of the shards
+    root = local_store(url, ["vae"], cache, limit_gb=limit / 1e9)
+    walks, seen = [], []
+    real_walk = remote_cache._candidates
+    monkeypatch.setattr(remote_cache, "_candidates", lambda *a, **k: walks.append(1) or real_walk(*a, **k))
+    before = fetch_stats()
+    with store.reader("vae") as local, Store(root, create=False).reader("vae") as cached:
+        local_groups = local.shard_groups()
+        for _ in range(2):
+            for group in local_groups:
+                for k in group:
+                    assert _digest(cached.tensors(k)) == _digest(local.tensors(k))
+                    seen.append(_cache_bytes(cache))
+    fetches = fetch_stats()["shards"] - before["shards"]
+    fetched_bytes = fetch_stats()["shard_bytes"] - before["shard_bytes"]
+    assert fetches >= len(local_groups) + 8  # the second epoch fetched again what the first evicted
+    assert max(seen) <= limit
+    # before: one walk per whole fetch; now (the first, then) one once at least 1/WALK_FREES - 1/NEAR of the
+    # limit has been fetched since the last
+    between = limit // remote_cache.WALK_FREES - limit // remote_cache.NEAR
+    assert 0 < len(walks) <= 1 + fetched_bytes // between + 1 and len(walks) <= fetches // 2
+    assert json.loads((cache / USAGE).read_text())["bytes"] >= _cache_bytes(cache)  # never below the disk's
+
+
+def test_an_unreadable_running_total_is_rebuilt_by_a_walk(s3_env, store: Store, tmp_path: Path) -> None:
+    url = _pushed(s3_env, store, 8)
+    cache = tmp_path / "cache"
+    local_store(url, ["vae"], cache)
+    limit = _cache_bytes(cache) + 4 * _shard_bytes(store)
+    root = local_store(url, ["vae"], cache, limit_gb=limit / 1e9)
+    (cache / USAGE).write_text('{"byt')  # torn by a process killed while writing it
+    with Store(root, create=False).reader("vae") as cached:
+        for group in cached.shard_groups():
+            for k in group:
+                cached.tensors(k)
+    assert json.loads((cache / USAGE).read_text())["bytes"] >= _cache_bytes(cache)
+    assert _cache_bytes(cache) <= limit
+
+
+FILLER = textwrap.dedent("""
+    import random, sys, zlib
+    import torch
+    from store import Store, remote_cache
+    from store.remote_cache import local_store
+    from store.remote_shards import fetch_stats
+    url, cache, limit, seed = sys.argv[1], sys.argv[2], float(sys.argv[3]), int(sys.argv[4])
+    walks = []
+    real = remote_cache._candidates
+    remote_cache._candidates = lambda *a, **k: walks.append(1) or real(*a, **k)
+    root = local_store(url, ["vae"], cache, limit_gb=limit)
+    total = 0
+    with Store(root, create=False).reader("vae") as r:
+        groups = r.shard_groups()
+        for epoch in range(2):
+            for g in random.Random(seed + epoch).sample(groups, len(groups)):  # whole shards, in another order
+                for k in g:
+                    t = r.tensors(k)
+                    total += zlib.crc32(b"".join(t[n].reshape(-1).view(torch.uint8).numpy().tobytes()
+                                                 for n in sorted(t)))
+    print(total, fetch_stats()["shards"], len(walks))
+""")
+
+
+def test_two_processes_filling_one_cache_keep_its_limit(s3_env, store: Store, tmp_path: Path) -> None:
+    url = _pushed(s3_env, store, 96)
+    cache = tmp_path / "cache"
+    local_store(url, ["vae"], cache)
+    limit = _cache_bytes(cache) + 8 * _shard_bytes(store)  # a quarter of the shards
+    procs = [subprocess.Popen([sys.executable, "-c", FILLER, url, str(cache), str(limit / 1e9), str(seed)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ.copy())
+             for seed in (1, 2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-2000:]
+    with store.reader("vae") as local:
+        want = 2 * sum(_digest(local.tensors(k)) for k in local.keys())
+    results = [tuple(int(x) for x in out.strip().splitlines()[-1].split()) for out, _ in outs]
+    assert [r[0] for r in results] == [want, want]  # each read every sample right, twice
+    assert _cache_bytes(cache) <= limit
+    assert json.loads((cache / USAGE).read_text())["bytes"] >= _cache_bytes(cache)
+    fetches, walks = sum(r[1] for r in results), sum(r[2] for r in results)
+    assert fetches >= 32 and walks < fetches  # the processes took room from the shared total, mostly
