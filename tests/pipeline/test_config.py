@@ -236,3 +236,18 @@ def test_a_set_to_null_is_applied_not_dropped(tmp_path):
 
     cfg = config_from(f, {"train.attention_backend": None, "train.max_steps": 9}, ["train.max_steps=3"])
     assert (cfg.train.attention_backend, cfg.train.max_steps) == ("sdpa", 9)  # an unset flag changes nothing
+
+
+def test_an_anchored_mapping_overriding_its_own_merge_is_no_key_given_twice(tmp_path):
+    """An anchored mapping that overrides a key of its own `<<` merge, merged into a later section: PyYAML
+    flattened it (its merged keys prepended) before constructing it, and the check then saw the overriding key
+    twice ('rank' is given twice, naming the merged anchor's line) in a valid file."""
+    f = tmp_path / "c.yaml"
+    f.write_text("defs:\n  root: &root {rank: 4, alpha: 4}\n  lora: &lora\n    <<: *root\n    rank: 8\n"
+                 "train:\n  lora:\n    <<: *lora\n    alpha: 16\n")
+    with pytest.raises(ConfigError, match="unknown key 'defs'"):  # the schema's verdict: the YAML was read
+        load_config(f)
+    f.write_text("defs:\n  root: &root {rank: 4}\n  lora: &lora\n    <<: *root\n    rank: 8\n    rank: 9\n"
+                 "train:\n  lora:\n    <<: *lora\n")
+    with pytest.raises(ConfigError, match="line 6, column 5: 'rank' is given twice \\(first on line 5\\)"):
+        load_config(f)
