@@ -243,11 +243,11 @@ def test_an_anchored_mapping_overriding_its_own_merge_is_no_key_given_twice(tmp_
     flattened it (its merged keys prepended) before constructing it, and the check then saw the overriding key
     twice ('rank' is given twice, naming the merged anchor's line) in a valid file."""
     f = tmp_path / "c.yaml"
-    f.write_text("defs:\n  root: &root {rank: 4, alpha: 4}\n  lora: &lora\n    <<: *root\n    rank: 8\n"
-                 "train:\n  lora:\n    <<: *lora\n    alpha: 16\n")
+    f.write_text("defs:\n  root: &root {max_steps: 4, seed: 1}\n  train: &t\n    <<: *root\n    max_steps: 8\n"
+                 "train:\n  <<: *t\n  seed: 2\n")
     with pytest.raises(ConfigError, match="unknown key 'defs'"):  # the schema's verdict: the YAML was read
         load_config(f)
-    f.write_text("defs:\n  root: &root {rank: 4}\n  lora: &lora\n    <<: *root\n    rank: 8\n    rank: 9\n"
-                 "train:\n  lora:\n    <<: *lora\n")
-    with pytest.raises(ConfigError, match="line 6, column 5: 'rank' is given twice \\(first on line 5\\)"):
+    f.write_text("defs:\n  root: &root {seed: 1}\n  train: &t\n    <<: *root\n    seed: 8\n    seed: 9\n"
+                 "train:\n  <<: *t\n")
+    with pytest.raises(ConfigError, match="line 6, column 5: 'seed' is given twice \\(first on line 5\\)"):
         load_config(f)
