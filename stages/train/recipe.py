@@ -190,10 +190,25 @@ def run(
                 if r.validator is not None:
                     r.validator(r)
         result = finish(r)
+        stopped_late(r)
         result.seconds = time.perf_counter() - started
         return result
     finally:
         cleanup(r, locks)
+
+
+def stopped_late(r: Run) -> None:
+    """A SIGTERM that came during the last step or its checkpoint (no step left to act on it at): once the final
+    LoRA is written, the process stops as the signal asks (held and dropped, `run all` went on into evaluate until
+    the scheduler's SIGKILL). Agreed by every rank (one all-reduce per run): a signal after the last step's loss
+    all-reduce reached this rank alone."""
+    from models.collective import all_max
+
+    if all_max(r.world, [int(r.stop is not None and r.stop.signum is not None)])[0]:
+        if r.main:
+            tqdm.write(f"stopped by a signal after the last optimizer step {r.step}: the run is complete "
+                       f"({r.result.lora_dir})")
+        r.stop.stop_now()
 
 
 def setup(cfg: PipelineConfig, store: str | Path, model: str, out: str | Path, resume: bool = False,

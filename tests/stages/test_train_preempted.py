@@ -123,3 +123,34 @@ def test_the_signal_is_held_once_and_a_failing_step_after_it_stops_as_the_signal
                 raise RuntimeError("a real error")
     finally:
         signal.signal(signal.SIGTERM, before)
+
+
+def test_a_sigterm_during_the_last_step_stops_after_the_final_lora(tiny_edit_model, tmp_path, monkeypatch) -> None:
+    """A SIGTERM that came during the last step (here: while its checkpoint is written) was held and then
+    dropped: the run finished and returned as if never signalled, and `run all` went on into evaluate until the
+    scheduler's SIGKILL. Now the final LoRA is written, then the process stops as the signal asks."""
+    import pytest
+
+    from stages.train import recipe
+
+    store, out = tmp_path / "store", tmp_path / "run"
+    make_train_store(store, tiny_edit_model, mixed_specs(8))
+    real = recipe.checkpoint
+
+    def checkpoint_then_signalled(r) -> None:
+        real(r)
+        os.kill(os.getpid(), signal.SIGTERM)  # the last step's checkpoint (checkpoint_every 3 > max_steps 2)
+
+    def cli_handler(signum, frame):  # pipeline/cli.py's: SystemExit(128 + signum)
+        raise SystemExit(128 + signum)
+
+    monkeypatch.setattr(recipe, "checkpoint", checkpoint_then_signalled)
+    before = signal.signal(signal.SIGTERM, cli_handler)
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            run(load_config(None, {**SETS, "train.max_steps": 2}), store, tiny_edit_model, out)
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert stopped.value.code == 128 + signal.SIGTERM
+    assert read_lora(out / "lora")[0]  # the run is complete: a rerun finds it up to date
+    assert [s for s, _ in train_state.complete_checkpoints(out / "checkpoints")] == [2]
