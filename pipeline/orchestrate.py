@@ -99,7 +99,8 @@ def stages() -> list[tuple[str, Callable[[PipelineConfig, Paths], StageSummary]]
         ("encode-vae", lambda cfg, p: encode_vae.run(cfg, p.store, p.model)),
         # resume=True: a killed `run all` continues its training; new_run=True: a run on other inputs is kept
         ("train", lambda cfg, p: train.run(cfg, p.store, p.model, p.run, resume=True, skip_if_done=True,
-                                           new_run=True, before_keep=lambda run: _report_into(p.report, run))),
+                                           new_run=True, before_keep=lambda run: _report_into(p.report, run),
+                                           rerun="rerun the same command")),  # it has no --resume: resumes itself
         ("evaluate", evaluate_run),
     ]
 
