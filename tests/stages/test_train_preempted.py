@@ -91,8 +91,10 @@ def test_a_sigterm_on_one_rank_checkpoints_the_same_step_on_every_rank(tiny_edit
 
 
 def test_the_signal_is_held_once_and_a_failing_step_after_it_stops_as_the_signal_would() -> None:
-    """In-process: the handler the block replaced gets the signal when the stop is acted on; a second SIGTERM, or
-    an error in the step under way (a peer that torchrun stopped first closed its connections), stops at once with
+    """In-process: the handler the block replaced gets the signal when the stop is acted on; two SIGTERMs at once
+    (SLURM signals every process of the step, torchrun's agent passes its own on: the second one stopped the rank
+    at once, losing the step the first one was held for) are held; one after the request went into a step's
+    all-reduce, or an error in the step under way (a peer that torchrun stopped first closed its connections), stops at once with
     the signal's status instead of that error's traceback."""
     import pytest
 
@@ -107,8 +109,10 @@ def test_the_signal_is_held_once_and_a_failing_step_after_it_stops_as_the_signal
     try:
         with StopOnSignal() as stop:
             os.kill(os.getpid(), signal.SIGTERM)
-            assert stop.requested() == 1.0 and got == []  # held
-            with pytest.raises(SystemExit) as second:
+            os.kill(os.getpid(), signal.SIGTERM)  # SLURM's and torchrun's, at once: both held
+            assert got == []
+            assert stop.requested() == 1.0 and got == []  # into the step's all-reduce
+            with pytest.raises(SystemExit) as second:  # asked again after that: at once
                 os.kill(os.getpid(), signal.SIGTERM)
         assert second.value.code == 128 + signal.SIGTERM and got == [signal.SIGTERM]
         assert signal.getsignal(signal.SIGTERM) is previous  # put back
