@@ -98,12 +98,25 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     """PyYAML's safe loader, refusing a key given twice in one mapping: it keeps the last silently, so a second
     `train:` section (or `lora:` key) dropped every setting of the first one."""
 
-    def construct_mapping(self, node, deep=False):
+    # Checked where PyYAML flattens `<<` merges, before the merged keys join the mapping's own: an anchored mapping
+    # holding a merge can be flattened (merged into another) before it is constructed, and its overriding key
+    # then looked given twice. Each mapping once (a flattened one holds its merged keys).
+    def __init__(self, stream) -> None:
+        super().__init__(stream)
+        self._checked: set[int] = set()  # ids of the mapping nodes checked (alive for the whole load)
+
+    def flatten_mapping(self, node):
+        if id(node) not in self._checked:
+            self._checked.add(id(node))
+            self._refuse_a_key_twice(node)
+        super().flatten_mapping(node)
+
+    def _refuse_a_key_twice(self, node) -> None:
         first_line: dict = {}
         for key_node, _ in node.value:
             if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`: keys given here may override those
                 continue
-            key = self.construct_object(key_node, deep=deep)
+            key = self.construct_object(key_node)
             try:
                 seen = key in first_line
             except TypeError:  # an unhashable key: PyYAML's own error names it
@@ -113,7 +126,6 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                     None, None, f"{key!r} is given twice (first on line {first_line[key] + 1}): keep one",
                     key_node.start_mark)
             first_line[key] = key_node.start_mark.line
-        return super().construct_mapping(node, deep)
 
 
 def _yaml_problem(err: Exception) -> str:

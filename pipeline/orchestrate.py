@@ -99,7 +99,8 @@ def stages() -> list[tuple[str, Callable[[PipelineConfig, Paths], StageSummary]]
         ("encode-vae", lambda cfg, p: encode_vae.run(cfg, p.store, p.model)),
         # resume=True: a killed `run all` continues its training; new_run=True: a run on other inputs is kept
         ("train", lambda cfg, p: train.run(cfg, p.store, p.model, p.run, resume=True, skip_if_done=True,
-                                           new_run=True, before_keep=lambda run: _report_into(p.report, run))),
+                                           new_run=True, before_keep=lambda run: _report_into(p.report, run),
+                                           rerun="rerun the same command")),  # it has no --resume: resumes itself
         ("evaluate", evaluate_run),
     ]
 
@@ -145,9 +146,11 @@ def run_all(cfg: PipelineConfig, log: Callable[[str], None] = print, cache_dir: 
     through its local cache in `cache_dir` (pipeline/store_url.py)."""
     from pipeline.store_url import StoreAccess
 
-    from pipeline.run_folder import refuse_a_folder_of_other_files
+    from pipeline.run_folder import refuse_a_folder_of_other_files, refuse_inputs_inside
 
     paths = required_paths(cfg)
+    refuse_inputs_inside(paths.run, {"paths.store": paths.store, "paths.source": paths.source,
+                                     "paths.model": paths.model})
     refuse_a_folder_of_other_files(paths.run, "paths.run")  # before resize-bucket's minutes, not at train
     world, main = launched()
     if world > 1:

@@ -21,3 +21,22 @@ def refuse_a_folder_of_other_files(out: Path, what: str = "--out") -> None:
         shown = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")
         raise UserError(f"{what} {out} holds other files ({shown}) and no training run: train writes lora/, "
                         "checkpoints/ and logs/ there; pass a new or empty folder, or the folder of an earlier run")
+
+
+def refuse_inputs_inside(run: Path, inputs: dict[str, str | None]) -> None:
+    """`run all` keeps a run on other inputs by renaming paths.run aside (stages/train/previous.py): a store,
+    source or model folder inside it would go along, and the stages after it find nothing. Refused on the first
+    invocation too: before, a store inside paths.run worked until a kill before train (then 'holds other files')
+    or a keep (then the store was gone)."""
+    from stages.train.previous import previous_root
+
+    for what, where in inputs.items():
+        if where is None or "://" in where:  # a store URL, a hub id: not a folder here
+            continue
+        p = Path(where)
+        if what != "paths.store" and not p.exists():  # the model may be a hub id, which names no folder
+            continue
+        if p.resolve().is_relative_to(run.resolve()):
+            raise UserError(f"{what} {p} is inside paths.run {run}: a run on other inputs is kept by renaming "
+                            f"paths.run to {previous_root(run)}/N-TIME, which would take it along; put it beside "
+                            f"paths.run (e.g. {run.parent / p.name})")

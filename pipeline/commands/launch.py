@@ -52,8 +52,10 @@ def command(ctx: typer.Context) -> None:
         raise typer.Exit(1) from None
     except SignalException as e:  # SIGTERM (a scheduler's preemption) or Ctrl-C: torchrun's agent has stopped the ranks
         name = signal.Signals(e.sigval).name
+        # only `run train` takes --resume (and needs it); run all and the encoders continue on a plain rerun
+        rerun = "rerun with --resume" if args.training_script_args[:2] == ["run", "train"] else "rerun the same command"
         typer.secho(f"error: {args.training_script} stopped by {name}: every rank was sent {name} and has "
-                    "ended (what they committed stays: rerun with --resume to continue from the last checkpoint)",
+                    f"ended (what they committed stays: {rerun} to continue from the last checkpoint)",
                     fg=typer.colors.RED, err=True)
         raise typer.Exit(128 + int(e.sigval)) from None
 

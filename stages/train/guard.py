@@ -75,9 +75,11 @@ def record_skipped(run_dir: Path, damaged: dict[str, str]) -> Path:
     return path
 
 
-# What a failed checkpoint or final LoRA write leaves the user to do (a rerun without it is refused: the run
-# folder holds checkpoints).
-RESUME_ADVICE = "rerun with --resume to continue from the last committed checkpoint"
+# What a failed checkpoint or final LoRA write leaves the user to do (`run train`: a rerun without --resume is
+# refused, the run folder holding checkpoints; `run all` resumes by itself and has no --resume: `Run.rerun`).
+def resume_advice(rerun: str = "rerun with --resume") -> str:
+    return f"{rerun} to continue from the last committed checkpoint"
+
 
 
 @contextmanager

@@ -105,6 +105,7 @@ class Run:
     run_lock: Any = None  # the lock of the fresh RUN after a keep (the first one moved with the kept run)
     damage: DamageTally | None = None  # train.on_damaged=skip: samples left out, the agreed limit
     stop: StopOnSignal | None = None  # a SIGTERM seen by this rank, agreed at the next step (stages/train/stop.py)
+    rerun: str = "rerun with --resume"  # how the user continues this run (`run all`: the same command)
 
     @property
     def device(self) -> torch.device:
@@ -146,11 +147,13 @@ class StepStats:
 def run(
     cfg: PipelineConfig, store: str | Path, model: str, out: str | Path, resume: bool = False,
     skip_if_done: bool = False, new_run: bool = False, before_keep: Callable[[Path], None] | None = None,
+    rerun: str = "rerun with --resume",
 ) -> TrainResult:
     """Train (or, with `resume`, continue from OUT's last checkpoint). `skip_if_done`: return at once when OUT
     already holds the final LoRA of a run on the same tables, model and config (`pipeline run all`).
     `new_run`: a run in OUT that cannot be continued (without `resume`: any trained run) is kept as
-    OUT.previous/N-TIME (stages/train/previous.py) and training starts afresh; `before_keep(OUT)` runs first."""
+    OUT.previous/N-TIME (stages/train/previous.py) and training starts afresh; `before_keep(OUT)` runs first.
+    `rerun`: how the user continues after a stop (named in a full disk's line and a SIGTERM's)."""
     started = time.perf_counter()
     if skip_if_done and up_to_date(cfg, store, model, out):
         lora = Path(out) / "lora"
@@ -173,6 +176,7 @@ def run(
         check_shared(Path(out), accelerator.num_processes, accelerator.process_index, "--out",
                      "rank 0 writes each checkpoint, every rank adds its RNG state and reads it on --resume")
         r = setup(cfg, store, model, out, resume, accelerator, new_run=new_run, before_keep=before_keep, locks=locks)
+        r.rerun = rerun
         if r.validator is not None and r.step > 0:  # a validation due at the resumed step (a failure there came
             r.validator(r)  # after its checkpoint): the validator runs only what it left unrecorded
         with StopOnSignal() as r.stop:
@@ -185,15 +189,30 @@ def run(
                 if stats.stop and r.step < r.cfg.max_steps:  # every rank: the flag came with the step's loss
                     if r.main:
                         r.bar.write(f"stopped by a signal after optimizer step {r.step}: its checkpoint "
-                                    f"{r.checkpoints / f'step-{r.step}'} is written; continue with --resume")
+                                    f"{r.checkpoints / f'step-{r.step}'} is written; {r.rerun} to continue from it")
                     r.stop.stop_now()
                 if r.validator is not None:
                     r.validator(r)
         result = finish(r)
+        stopped_late(r)
         result.seconds = time.perf_counter() - started
         return result
     finally:
         cleanup(r, locks)
+
+
+def stopped_late(r: Run) -> None:
+    """A SIGTERM that came during the last step or its checkpoint (no step left to act on it at): once the final
+    LoRA is written, the process stops as the signal asks (held and dropped, `run all` went on into evaluate until
+    the scheduler's SIGKILL). Agreed by every rank (one all-reduce per run): a signal after the last step's loss
+    all-reduce reached this rank alone."""
+    from models.collective import all_max
+
+    if all_max(r.world, [int(r.stop is not None and r.stop.signum is not None)])[0]:
+        if r.main:
+            tqdm.write(f"stopped by a signal after the last optimizer step {r.step}: the run is complete "
+                       f"({r.result.lora_dir})")
+        r.stop.stop_now()
 
 
 def setup(cfg: PipelineConfig, store: str | Path, model: str, out: str | Path, resume: bool = False,

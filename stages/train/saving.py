@@ -35,13 +35,13 @@ def checkpoint(r: Run) -> None:
         return together(r.world, f"{what} ({part})")
 
     with ExitStack() as folder:  # rank 0's temp folder: committed by `folder.close()`, removed on an error
-        with step_of_all("temp folder"), guard.one_line_errors(what, r.checkpoints, guard.RESUME_ADVICE):
+        with step_of_all("temp folder"), guard.one_line_errors(what, r.checkpoints, guard.resume_advice(r.rerun)):
             if r.main:
                 guard.check_lora_finite(r.params, final)
                 folder.enter_context(atomic_dir(final, tmp))
-        with step_of_all("RNG state"), guard.one_line_errors(what, r.checkpoints, guard.RESUME_ADVICE):
+        with step_of_all("RNG state"), guard.one_line_errors(what, r.checkpoints, guard.resume_advice(r.rerun)):
             train_state.save_rng(tmp, acc.process_index)
-        with step_of_all("write"), guard.one_line_errors(what, r.checkpoints, guard.RESUME_ADVICE):
+        with step_of_all("write"), guard.one_line_errors(what, r.checkpoints, guard.resume_advice(r.rerun)):
             if r.main:
                 save_lora(r.transformer, tmp / "lora", base_fingerprint=r.record.model_fingerprint)
                 train_state.save_optimizer(r.optimizer, tmp)
@@ -62,11 +62,11 @@ def finish(r: Run) -> TrainResult:
     with together(r.world, "the final LoRA"):  # rank 0 writes; every rank learns whether it could
         if r.main:
             guard.check_lora_finite(r.params, r.result.lora_dir)
-            with guard.one_line_errors("the final LoRA", r.run_dir, guard.RESUME_ADVICE), \
+            with guard.one_line_errors("the final LoRA", r.run_dir, guard.resume_advice(r.rerun)), \
                     atomic_dir(r.result.lora_dir, r.run_dir / ".lora.tmp") as tmp:
                 _save_final_lora(r, tmp)
             if r.ema is not None:
-                with guard.one_line_errors("the EMA LoRA", r.run_dir, guard.RESUME_ADVICE), \
+                with guard.one_line_errors("the EMA LoRA", r.run_dir, guard.resume_advice(r.rerun)), \
                         atomic_dir(r.run_dir / "lora_ema", r.run_dir / ".lora_ema.tmp") as tmp, r.ema.swapped_in():
                     _save_final_lora(r, tmp)
             r.writer.close()

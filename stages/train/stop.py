@@ -5,9 +5,11 @@ step under way, with a checkpoint of that step, instead of at once: the steps si
 The signal only sets a flag here; the step's loss all-reduce carries it (one more number, no extra collective), so
 every rank learns of a signal that reached any of them at the same step, writes the same checkpoint together and
 then stops as the signal would have stopped it (the handler it replaced: the CLI's one-line exit, status 143).
-A second SIGTERM stops at once, as before. Schedulers send SIGKILL after a grace period (SLURM's KillWait, 30 s by
-default; torchrun's agent: 30 s): a step plus a LoRA checkpoint fits in it; where it does not, nothing is worse
-than the immediate stop (the last committed checkpoint stays the resume point).
+A SIGTERM after the request has gone into a step's all-reduce stops at once, as before. Not simply the second
+one: under SLURM (`scancel`, preemption) every process of the job step is sent SIGTERM, and torchrun's agent
+passes its own on to the ranks, so each rank gets two at once. Schedulers send SIGKILL after a grace period
+(SLURM's KillWait, 30 s by default; torchrun's agent: 30 s): a step plus a LoRA checkpoint fits in it; where it
+does not, nothing is worse than the immediate stop (the last committed checkpoint stays the resume point).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ class StopOnSignal:
 
     def __init__(self) -> None:
         self.signum: int | None = None
+        self._passed_on = False  # the request went into a step's all-reduce: another SIGTERM insists
         self._previous: Any = None
         self._installed = False
 
@@ -41,12 +44,13 @@ class StopOnSignal:
             self._stop(self.signum, None)
 
     def _record(self, signum: int, frame) -> None:
-        if self.signum is not None:  # asked twice: stop now
+        if self._passed_on:  # asked again after the request was acted on: stop now
             self._stop(signum, frame)
         self.signum = signum
 
     def requested(self) -> float:
         """1.0 once a signal came (a number for the step's all-reduce), else 0.0."""
+        self._passed_on = self.signum is not None
         return 0.0 if self.signum is None else 1.0
 
     def stop_now(self, signum: int | None = None) -> None:

@@ -236,3 +236,18 @@ def test_a_set_to_null_is_applied_not_dropped(tmp_path):
 
     cfg = config_from(f, {"train.attention_backend": None, "train.max_steps": 9}, ["train.max_steps=3"])
     assert (cfg.train.attention_backend, cfg.train.max_steps) == ("sdpa", 9)  # an unset flag changes nothing
+
+
+def test_an_anchored_mapping_overriding_its_own_merge_is_no_key_given_twice(tmp_path):
+    """An anchored mapping that overrides a key of its own `<<` merge, merged into a later section: PyYAML
+    flattened it (its merged keys prepended) before constructing it, and the check then saw the overriding key
+    twice ('rank' is given twice, naming the merged anchor's line) in a valid file."""
+    f = tmp_path / "c.yaml"
+    f.write_text("defs:\n  root: &root {max_steps: 4, seed: 1}\n  train: &t\n    <<: *root\n    max_steps: 8\n"
+                 "train:\n  <<: *t\n  seed: 2\n")
+    with pytest.raises(ConfigError, match="unknown key 'defs'"):  # the schema's verdict: the YAML was read
+        load_config(f)
+    f.write_text("defs:\n  root: &root {seed: 1}\n  train: &t\n    <<: *root\n    seed: 8\n    seed: 9\n"
+                 "train:\n  <<: *t\n")
+    with pytest.raises(ConfigError, match="line 6, column 5: 'seed' is given twice \\(first on line 5\\)"):
+        load_config(f)

@@ -112,3 +112,26 @@ def test_the_command_after_torchruns_options_keeps_every_option_of_its_own(monke
         [args] = seen
         assert args.training_script == "pipeline.cli" and args.module and args.training_script_args == command
         assert all(getattr(args, k) == v for k, v in torch_opts.items()), vars(args)
+
+
+def test_a_stopped_launch_names_the_rerun_its_command_takes(monkeypatch) -> None:
+    """The stop line said 'rerun with --resume' for every command: `pipeline run all --resume` and
+    `run encode-text --resume` are refused as unknown options (they continue on a plain rerun)."""
+    import signal
+
+    import torch.distributed.run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from typer.testing import CliRunner
+
+    from pipeline.cli import app
+
+    def stopped(args) -> None:
+        raise SignalException("stopped", signal.SIGTERM)
+
+    monkeypatch.setattr(torchrun, "run", stopped)
+    for command, rerun in ((["run", "all", "--config", "c.yaml"], "rerun the same command"),
+                           (["run", "encode-text", "--store", "S", "--model", "M"], "rerun the same command"),
+                           (["run", "train", "--store", "S", "--model", "M", "--out", "R"], "rerun with --resume")):
+        r = CliRunner().invoke(app, ["launch", "--nproc-per-node", "2", *command])
+        assert r.exit_code == 128 + signal.SIGTERM, r.output
+        assert f"(what they committed stays: {rerun} to continue from the last checkpoint)" in r.output, r.output

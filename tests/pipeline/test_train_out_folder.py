@@ -44,3 +44,34 @@ def test_run_all_refuses_such_a_paths_run_before_its_first_stage(tmp_path):
     r = CliRunner().invoke(app, ["run", "all", "--config", str(config)])
     assert r.exit_code == 1 and r.output.startswith(f"error: paths.run {data} holds other files (notes.txt)"), r.output
     assert not (tmp_path / "store").exists()
+
+
+def test_run_all_refuses_a_store_inside_paths_run_on_its_first_invocation_too(tmp_path):
+    """A store inside paths.run: the first `run all` went on (paths.run absent), one killed before train left
+    paths.run holding the store only, and the rerun was refused as 'holds other files (store) and no training
+    run' (the user's own store); a keep would have moved the store along. Now one line on every invocation."""
+    import yaml
+
+    run, store = tmp_path / "run", tmp_path / "run" / "store"
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({"paths": {"source": str(tmp_path / "src"), "store": str(store), "model": "m",
+                                                "run": str(run), "report": str(run / "report")}}))
+    line = (f"error: paths.store {store} is inside paths.run {run}: a run on other inputs is kept by renaming "
+            f"paths.run to {tmp_path / 'run.previous'}/N-TIME")
+    for killed_before_train in (False, True):
+        if killed_before_train:
+            store.mkdir(parents=True)  # what resize-bucket and the encoders left
+            (store / "store.json").write_text("{}")
+        r = CliRunner().invoke(app, ["run", "all", "--config", str(config)])
+        assert r.exit_code == 1 and r.output.startswith(line), r.output
+    assert sorted(p.name for p in run.iterdir()) == ["store"]
+
+
+def test_a_hub_model_named_like_a_folder_in_paths_run_is_not_inside_it(tmp_path):
+    """A model that is no folder here is a hub id (models/loading.py), whatever paths.run is called; the report
+    is not checked (it may sit inside paths.run: a kept run takes its report along, `orchestrate._report_into`)."""
+    from pipeline.run_folder import refuse_inputs_inside
+
+    run = tmp_path / "Qwen"
+    refuse_inputs_inside(run, {"paths.store": str(tmp_path / "store"), "paths.source": str(tmp_path / "src"),
+                               "paths.model": str(run / "Qwen-Image-Edit-2509")})

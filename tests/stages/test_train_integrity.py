@@ -259,3 +259,19 @@ def test_full_disk_during_checkpoint_and_final_lora_is_one_line_and_rerun_comple
     assert res.exit_code == 0, res.output
     assert (out / "lora" / "pytorch_lora_weights.safetensors").is_file()
     assert not [p for p in out.rglob("*") if ".tmp" in p.name]
+
+
+def test_run_alls_full_disk_line_names_its_own_rerun_not_a_flag_it_lacks(tmp_path, tiny_edit_model, monkeypatch):
+    """`run all` trains with resume on (a rerun continues by itself) and has no --resume: its full disk's line said
+    'rerun with --resume', which `pipeline run all --resume` refuses as an unknown option."""
+    from pipeline.orchestrate import Paths, stages
+
+    root = tmp_path / "store"
+    make_train_store(root, tiny_edit_model, mixed_specs(4))
+    train = dict(stages())["train"]  # run all's own call of the train stage
+    paths = Paths(str(tmp_path / "src"), str(root), tiny_edit_model, tmp_path / "run", tmp_path / "report")
+    cfg = load_config(None, {"train.max_steps": 2, "train.batch_size": 2, "train.device": "cpu"})
+    monkeypatch.setattr(train_state, "save_optimizer", _enospc)
+    with pytest.raises(UserError, match="disk full while writing checkpoint step-2") as full:
+        train(cfg, paths)
+    assert str(full.value).endswith("; rerun the same command to continue from the last committed checkpoint")

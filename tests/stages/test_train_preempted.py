@@ -91,8 +91,10 @@ def test_a_sigterm_on_one_rank_checkpoints_the_same_step_on_every_rank(tiny_edit
 
 
 def test_the_signal_is_held_once_and_a_failing_step_after_it_stops_as_the_signal_would() -> None:
-    """In-process: the handler the block replaced gets the signal when the stop is acted on; a second SIGTERM, or
-    an error in the step under way (a peer that torchrun stopped first closed its connections), stops at once with
+    """In-process: the handler the block replaced gets the signal when the stop is acted on; two SIGTERMs at once
+    (SLURM signals every process of the step, torchrun's agent passes its own on: the second one stopped the rank
+    at once, losing the step the first one was held for) are held; one after the request went into a step's
+    all-reduce, or an error in the step under way (a peer that torchrun stopped first closed its connections), stops at once with
     the signal's status instead of that error's traceback."""
     import pytest
 
@@ -107,8 +109,10 @@ def test_the_signal_is_held_once_and_a_failing_step_after_it_stops_as_the_signal
     try:
         with StopOnSignal() as stop:
             os.kill(os.getpid(), signal.SIGTERM)
-            assert stop.requested() == 1.0 and got == []  # held
-            with pytest.raises(SystemExit) as second:
+            os.kill(os.getpid(), signal.SIGTERM)  # SLURM's and torchrun's, at once: both held
+            assert got == []
+            assert stop.requested() == 1.0 and got == []  # into the step's all-reduce
+            with pytest.raises(SystemExit) as second:  # asked again after that: at once
                 os.kill(os.getpid(), signal.SIGTERM)
         assert second.value.code == 128 + signal.SIGTERM and got == [signal.SIGTERM]
         assert signal.getsignal(signal.SIGTERM) is previous  # put back
@@ -123,3 +127,34 @@ def test_the_signal_is_held_once_and_a_failing_step_after_it_stops_as_the_signal
                 raise RuntimeError("a real error")
     finally:
         signal.signal(signal.SIGTERM, before)
+
+
+def test_a_sigterm_during_the_last_step_stops_after_the_final_lora(tiny_edit_model, tmp_path, monkeypatch) -> None:
+    """A SIGTERM that came during the last step (here: while its checkpoint is written) was held and then
+    dropped: the run finished and returned as if never signalled, and `run all` went on into evaluate until the
+    scheduler's SIGKILL. Now the final LoRA is written, then the process stops as the signal asks."""
+    import pytest
+
+    from stages.train import recipe
+
+    store, out = tmp_path / "store", tmp_path / "run"
+    make_train_store(store, tiny_edit_model, mixed_specs(8))
+    real = recipe.checkpoint
+
+    def checkpoint_then_signalled(r) -> None:
+        real(r)
+        os.kill(os.getpid(), signal.SIGTERM)  # the last step's checkpoint (checkpoint_every 3 > max_steps 2)
+
+    def cli_handler(signum, frame):  # pipeline/cli.py's: SystemExit(128 + signum)
+        raise SystemExit(128 + signum)
+
+    monkeypatch.setattr(recipe, "checkpoint", checkpoint_then_signalled)
+    before = signal.signal(signal.SIGTERM, cli_handler)
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            run(load_config(None, {**SETS, "train.max_steps": 2}), store, tiny_edit_model, out)
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert stopped.value.code == 128 + signal.SIGTERM
+    assert read_lora(out / "lora")[0]  # the run is complete: a rerun finds it up to date
+    assert [s for s, _ in train_state.complete_checkpoints(out / "checkpoints")] == [2]
