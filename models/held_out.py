@@ -46,17 +46,17 @@ def has_two_regions(sample: TrainSample) -> bool:
 
 @torch.no_grad()
 def loss_grid(transformer, samples: list[TrainSample], seeds: list[int], sigmas: list[float], batch_size: int,
-              desc: str = "held-out loss") -> np.ndarray:
+              desc: str = "held-out loss", show: bool = True) -> np.ndarray:
     """float64 [len(samples), len(seeds), len(sigmas), 3]: `flow_loss` of every row, regions all/inside/outside.
 
     Rows go sample-major (sample, seed, σ) in batches of `batch_size` rows: the batches `row_losses` builds,
-    so the "all" region is bit-identical to it.
+    so the "all" region is bit-identical to it. `show`: its progress bar (one rank's of several: off).
     """
     rows = [(i, k, t) for i in range(len(samples)) for k in range(len(seeds)) for t in range(len(sigmas))]
     out = np.full((len(samples), len(seeds), len(sigmas), len(REGIONS)), np.nan)
     two = [has_two_regions(s) for s in samples]
     base = _unwrap(transformer)
-    for start in tqdm(range(0, len(rows), batch_size), desc=desc, leave=False):
+    for start in tqdm(range(0, len(rows), batch_size), desc=desc, leave=False, disable=not show):
         chunk = rows[start : start + batch_size]
         batch_samples = [samples[i] for i, _, _ in chunk]
         fb = prepare_flow_batch(

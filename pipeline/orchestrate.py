@@ -27,14 +27,15 @@ from __future__ import annotations
 
 import json
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 from schemas.config import PipelineConfig
 from schemas.errors import UserError
 from schemas.stage import StageSummary
+
+from pipeline.rank_output import stdout_of_rank_0
 
 
 @dataclass
@@ -158,26 +159,11 @@ def run_all(cfg: PipelineConfig, log: Callable[[str], None] = print, cache_dir: 
         log = log if main else (lambda message: None)  # one console: rank 0's lines
     access = StoreAccess(paths.store, cache_dir, cache_gb)
     result = AllResult(report=paths.report / "index.html")
-    with _stdout_of_rank_0(main):
+    with stdout_of_rank_0(main):  # pipeline/rank_output.py
         _run_stages(cfg, paths, access, world, log, result)
     if main:  # rank 0 wrote the report (the others may finish first)
         result.metrics = json.loads((paths.report / "metrics.json").read_text())
     return result
-
-
-@contextmanager
-def _stdout_of_rank_0(main: bool) -> Iterator[None]:
-    """The stages' own lines (`encode-text: float32 on cpu`, train's epoch lines) are printed by every rank: 8
-    ranks, 8 copies of each. The other ranks' stdout goes nowhere; their stderr stays, for errors and warnings
-    (a failed rank's `error:` line, a traceback)."""
-    if main:
-        yield
-        return
-    import os
-    from contextlib import redirect_stdout
-
-    with open(os.devnull, "w") as nowhere, redirect_stdout(nowhere):
-        yield
 
 
 def _run_stages(cfg: PipelineConfig, paths: Paths, access, world: int, log: Callable[[str], None],
@@ -197,54 +183,11 @@ def _run_stages(cfg: PipelineConfig, paths: Paths, access, world: int, log: Call
             else:
                 summary = call(cfg, replace(paths, store=local))
             summary = named_by_url(summary, paths.store)
-        if world > 1 and summary is not None:
-            summary = summed_over_ranks(summary, world)
         if summary is None:  # a rank other than 0 under a launcher (resize-bucket, evaluate report rank 0)
             continue
         outcome = StageOutcome(name, summary.up_to_date, str(summary), time.perf_counter() - t0, summary)
         result.outcomes.append(outcome)
         log(f"{outcome.summary}  [{'skipped, up to date' if outcome.skipped else f'{outcome.seconds:.1f} s'}]")
-
-
-COUNTS = ("encoded", "reused", "skipped", "quarantined", "bytes_written")
-
-
-@dataclass
-class SummedOverRanks:
-    """An encode stage's summary with its counts summed over the launched ranks. Each rank encodes its own
-    share, and rank 0 printed its share alone (`encode-text [rank 0/8]: ... encoded 3` of 24 samples encoded)."""
-
-    summary: StageSummary  # rank 0's own, its counts replaced by the totals
-    world: int
-
-    @property
-    def stage(self) -> str:
-        return self.summary.stage
-
-    @property
-    def up_to_date(self) -> bool:
-        return self.summary.up_to_date
-
-    def __str__(self) -> str:
-        return str(self.summary).replace(f" [rank 0/{self.world}]", f" [{self.world} ranks]", 1)
-
-    def to_json(self) -> dict:
-        record = self.summary.to_json()
-        record.pop("rank", None)  # the counts are every rank's
-        return record
-
-
-def summed_over_ranks(summary: StageSummary, world: int) -> StageSummary:
-    """A per-rank summary (the encoders': `world_size` > 1) with every rank's counts added up: an all-reduce that
-    every rank reaches (each returned its summary). Up to date, every rank counted the whole table: as it is."""
-    from dataclasses import replace
-
-    from models.collective import all_sum
-
-    if getattr(summary, "world_size", 1) <= 1 or summary.up_to_date or not all(hasattr(summary, n) for n in COUNTS):
-        return summary  # the same answer on every rank (the same stage, the same table state): all or none reduce
-    totals = all_sum(world, [int(getattr(summary, name)) for name in COUNTS])
-    return SummedOverRanks(replace(summary, **dict(zip(COUNTS, totals))), world)  # type: ignore[type-var]
 
 
 def launched() -> tuple[int, bool]:

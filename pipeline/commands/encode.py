@@ -41,21 +41,23 @@ def _command(section: str, stage_module: str, component: str, batch_help: str, o
         mdl = require(cfg.paths.model, "--model", "paths.model")
         run = importlib.import_module(stage_module).run  # the heavy stack loads only when the command runs
 
-        with user_errors(dst), json_mode(as_json):
-            import os
+        from pipeline.rank_output import is_rank_0, stdout_of_rank_0
 
-            from pipeline.store_url import named_by_url
-            from store.remote_cache import local_store, push_back
+        # launched: rank 0's lines only, as under `run all` (the summary counts every rank's share)
+        with stdout_of_rank_0(is_rank_0()):
+            with user_errors(dst), json_mode(as_json):
+                from pipeline.store_url import named_by_url
+                from store.remote_cache import local_store, push_back
 
-            # a URL: encode into a local cached copy (its images, and the output table for reuse), then push it back
-            local = local_store(dst, ["images", out_table], cache_dir, cache_gb, optional=(out_table,))
-            summary = named_by_url(run(cfg, local, mdl), dst)
-            if summary.committed_to:  # several nodes' caches: each rank uploaded its part, rank 0 committed there
-                if summary.rank == 0:
-                    echo(f"committed table '{summary.table}' v{summary.version} at {summary.committed_to}")
-            elif os.environ.get("RANK", "0") == "0" and (pushed := push_back(dst, local)) is not None:
-                echo(str(pushed))  # rank 0 committed the table
-        emit(summary, as_json, mdl)
+                # a URL: encode into a local cached copy (its images, and the output table for reuse), then push it
+                local = local_store(dst, ["images", out_table], cache_dir, cache_gb, optional=(out_table,))
+                summary = named_by_url(run(cfg, local, mdl), dst)
+                if summary.committed_to:  # several nodes' caches: each rank uploaded its part, rank 0 committed
+                    if summary.rank == 0:
+                        echo(f"committed table '{summary.table}' v{summary.version} at {summary.committed_to}")
+                elif is_rank_0() and (pushed := push_back(dst, local)) is not None:
+                    echo(str(pushed))  # rank 0 committed the table
+            emit(summary, as_json, mdl)
 
     return command
 

@@ -56,7 +56,9 @@ def verify(store: str = StoreOrUrlArg,
         else:
             root = Path(store)
             if not (root / "store.json").is_file():
-                raise UserError(f"no store at {store} (no store.json)")
+                # the advice `store inspect` gives (store.Store): a typo, or nothing written there yet
+                raise UserError(f"no store at {store} (no store.json); check the path, or run a stage first "
+                                "(`pipeline run resize-bucket` creates the store)")
             problems = verify_store(root)
             current = _current_versions(root)
     for p in problems:

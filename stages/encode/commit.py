@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from stages.encode.intake import check_damaged_total, flush_quarantine
 from stages.encode.output import rank_shard_sizes
-from stages.encode.summary import Summary
+from stages.encode.summary import Summary, over_ranks
 
 if TYPE_CHECKING:
     from stages.encode.job import EncodeJob
@@ -57,7 +57,7 @@ def finish(job: EncodeJob) -> Summary:
     job.summary.seconds = time.perf_counter() - job.started
     if job.lease is not None:
         job.lease.release()
-    return job.summary
+    return over_ranks(job.summary, world)  # every rank's counts and damaged samples: one line says it all
 
 
 def _verify_repaired(job: EncodeJob) -> None:

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from schemas.stage import few, summary_record
 
 DAMAGED_INPUT = "damaged-input"  # quarantine reason of an `images` sample whose bytes fail their checksum
+COUNTS = ("encoded", "reused", "skipped", "quarantined", "bytes_written")  # summed over the ranks
+NAMED_PER_RANK = 10  # damaged samples each rank names in the summed summary (the count is every one)
+NAMES_BYTES = 4096  # room for those names per rank (JSON, UTF-8) in the integer all-reduce that carries them
 
 
 @dataclass
@@ -32,17 +36,27 @@ class Summary:
     damaged: dict[str, str] = field(default_factory=dict)  # on_damaged=skip: damaged `images` samples, key -> problem
     repaired_from: int | None = None  # the version recorded as damaged whose damaged samples this run recomputed
     committed_to: str = ""  # the store URL rank 0 committed on directly (ranks on several nodes: no push back)
+    summed: bool = False  # the counts are every rank's (`over_ranks`), not this rank's share
+    damaged_total: int | None = None  # summed: damaged samples over every rank (`damaged` names the first of each)
 
     def to_json(self) -> dict[str, Any]:
         # up to date: every sample of the table is reused as it is
         return summary_record(self.stage, self.table, self.version, self.encoded,
                               self.skipped if self.up_to_date else self.reused, self.quarantined, self.bytes_written,
                               self.seconds, self.up_to_date, resumed=0 if self.up_to_date else self.skipped,
-                              rank=self.rank, world_size=self.world_size, damaged_inputs=sorted(self.damaged),
+                              **({} if self.summed else {"rank": self.rank}), world_size=self.world_size,
+                              damaged_inputs=sorted(self.damaged), damaged_input_count=self.damaged_count,
                               repaired_from=self.repaired_from)
 
+    @property
+    def damaged_count(self) -> int:
+        return len(self.damaged) if self.damaged_total is None else self.damaged_total
+
     def __str__(self) -> str:
-        where = f" [rank {self.rank}/{self.world_size}]" if self.world_size > 1 else ""
+        # up to date: every rank counted the whole table, so any rank's line is the table's
+        summed = self.summed or self.up_to_date
+        where = "" if self.world_size <= 1 else (f" [{self.world_size} ranks]" if summed else
+                                                  f" [rank {self.rank}/{self.world_size}]")
         if self.up_to_date:
             return (f"{self.stage}{where}: table '{self.table}' v{self.version} is up to date "
                     f"({self.skipped} samples; no damage recorded, its bytes were not re-read: "
@@ -58,6 +72,36 @@ class Summary:
                      f"carried forward, v{self.version} verified (v{self.repaired_from} moved to "
                      f"v{self.repaired_from}.damaged/)")
         if self.damaged:
-            line += (f"\nskipped {len(self.damaged)} damaged input sample(s) of table 'images' (on_damaged=skip; "
-                     f"quarantined as {DAMAGED_INPUT!r}): {few(self.damaged)}")
+            shown = few(self.damaged)
+            if self.damaged_count > len(self.damaged) and not shown.endswith(" …"):
+                shown += " …"  # each rank named its first NAMED_PER_RANK
+            line += (f"\nskipped {self.damaged_count} damaged input sample(s) of table 'images' (on_damaged=skip; "
+                     f"quarantined as {DAMAGED_INPUT!r}): {shown}")
         return line
+
+
+def over_ranks(summary: Summary, world: int) -> Summary:
+    """This rank's summary with every rank's counts added up and the damaged samples every rank met (the first
+    NAMED_PER_RANK of each, and their count): the same summary on every rank, which every rank must reach (each
+    encodes its share; rank 0 printed its share alone: `encode-text [rank 0/8]: ... encoded 3` of 24). One
+    process, or up to date (every rank counted the whole table): as it is.
+
+    Only integers travel (models/collective.py): each rank writes its names as JSON bytes into its own slot of a
+    zero array, and the sum over ranks is every rank's slot."""
+    from models.collective import all_sum
+
+    if world <= 1 or summary.up_to_date:
+        return summary
+    names = sorted(summary.damaged)[:NAMED_PER_RANK]
+    while len(data := json.dumps({k: summary.damaged[k] for k in names}).encode()) > NAMES_BYTES:
+        names = names[:-1]  # very long keys or problems: fewer names, the count stays whole
+    slots = [0] * (world * NAMES_BYTES)
+    slots[summary.rank * NAMES_BYTES: summary.rank * NAMES_BYTES + len(data)] = list(data)
+    counts = [int(getattr(summary, name)) for name in COUNTS] + [len(summary.damaged)]
+    summed = all_sum(world, counts + slots)
+    damaged: dict[str, str] = {}
+    for r in range(world):
+        slot = bytes(summed[len(counts) + r * NAMES_BYTES: len(counts) + (r + 1) * NAMES_BYTES]).rstrip(b"\0")
+        damaged.update(json.loads(slot) if slot else {})
+    return replace(summary, **dict(zip(COUNTS, summed)), damaged=damaged, damaged_total=summed[len(COUNTS)],
+                   summed=True)

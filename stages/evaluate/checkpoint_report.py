@@ -14,7 +14,9 @@ from PIL import Image, ImageDraw
 from tqdm.auto import tqdm
 
 from stages.evaluate.curves import Chart, Series, svg
-from stages.evaluate.report import LABEL_H, TILE, _fit, _fmt, _img, _table, data_uri, page, write_report_files
+from stages.evaluate.report import (
+    LABEL_H, TILE, _fit, _fmt, _img, _table, data_uri, mean_line, page, write_report_files,
+)
 
 
 @dataclass
@@ -242,6 +244,7 @@ def render_html(metrics: dict, rows: list[OutputsRow], grid: Image.Image) -> str
         sections += [
             "<h2>Samples: base, best and last checkpoint</h2>",
             f"<p>{html.escape(gen.get('settings', ''))}</p>",
+            f"<p class='means'>{html.escape(mean_line(gen))}</p>",  # base / best checkpoint
             f"<table class='samples'><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>",
             "<h2>Grid</h2>", f"<img class='grid' src='{data_uri(grid)}' alt='grid of all samples'>",
         ]

@@ -370,8 +370,11 @@ def _grid(ranks, transformer, samples, mine: list[int], seeds: list[int], sigmas
         return loss_grid(transformer, samples, seeds, sigmas, batch_size, desc)
     from models.collective import fails_alone
 
+    # One bar, rank 0's, said to be its share: every rank's progress would take a collective per batch, and the
+    # ranks' batch counts differ (shares of unequal size), so they could not all reach it
+    shown = f"{desc} [rank 0's share: {len(mine)} of {len(samples)} samples]"
     with fails_alone(ranks.world, desc, "lower evaluate.batch_size"):
-        part = loss_grid(transformer, [samples[i] for i in mine], seeds, sigmas, batch_size, desc)
+        part = loss_grid(transformer, [samples[i] for i in mine], seeds, sigmas, batch_size, shown, show=ranks.main)
     return ranks.full_grid(part, mine, len(samples))
 
 

@@ -49,6 +49,39 @@ def psnr(a: Image.Image, b: Image.Image) -> float:
     return math.inf if mse == 0 else 10.0 * math.log10(255.0**2 / mse)
 
 
+SCORES = ("psnr_base", "psnr_lora", "ssim_base", "ssim_lora")
+
+
+def score_means(rows: list[SampleRow]) -> dict[str, dict[str, Any]]:
+    """{"mean": score -> mean over the finite values, "mean_over": score -> (finite, identical)}. An output
+    identical to its target has an infinite PSNR, which no mean can hold: it is counted apart, not dropped
+    silently (the page and metrics.json say "mean over N finite, M identical")."""
+    scored = [r.scores for r in rows if r.scores]
+    means: dict[str, float] = {}
+    over: dict[str, dict[str, int]] = {}
+    for m in SCORES:
+        values = [s[m] for s in scored if m in s]
+        finite = [v for v in values if math.isfinite(v)]
+        means[m] = sum(finite) / len(finite) if finite else math.nan
+        over[m] = {"finite": len(finite), "identical": sum(v == math.inf for v in values)}
+    return {"mean": means, "mean_over": over}
+
+
+def mean_line(gen: dict) -> str:
+    """The samples' mean scores as the page shows them, with what each mean is over when an output was
+    identical to its target (infinite PSNR, left out of the mean)."""
+    mean, over = gen.get("mean") or {}, gen.get("mean_over") or {}
+    if not mean:
+        return ""
+    parts = []
+    for m in ("psnr", "ssim"):
+        pair = " / ".join(_fmt(mean.get(f"{m}_{w}", math.nan)) for w in ("base", "lora"))
+        parts.append(f"{m.upper()}{' dB' if m == 'psnr' else ''} (base / LoRA) {pair}")
+    notes = [f"{w}: mean over {o['finite']} finite, {o['identical']} identical to the target (infinite PSNR)"
+             for w in ("base", "LoRA") if (o := over.get(f"psnr_{w.lower()}")) and o["identical"]]
+    return "Mean over the scored samples: " + "; ".join(parts) + (f" ({'; '.join(notes)})" if notes else "")
+
+
 def ssim(a: Image.Image, b: Image.Image) -> float:
     """Structural similarity (Wang et al. 2004: 11x11 Gaussian window, sigma 1.5, K1 0.01, K2 0.03, range 255),
     mean over the RGB channels; valid-window region only, as the reference implementation."""
@@ -189,6 +222,7 @@ def render_html(metrics: dict, rows: list[SampleRow], grid: Image.Image) -> str:
             "<h2>Samples</h2>",
             f"<p>{html.escape(gen.get('settings', ''))}</p>",
             f"<p class='note'>{html.escape(gen.get('note', ''))}</p>",
+            f"<p class='means'>{html.escape(mean_line(gen))}</p>",
             f"<table class='samples'><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>",
             "<h2>Grid</h2>",
             f"<img class='grid' src='{data_uri(grid)}' alt='grid of all samples'>",

@@ -48,7 +48,7 @@ from schemas.stage import few
 from models.held_out import bucket_of, loss_grid, loss_summary
 from stages.evaluate.nonfinite import finite_rows
 from stages.evaluate.paired import paired, per_sample, signed
-from stages.evaluate.report import SampleRow, psnr, ssim, write_report
+from stages.evaluate.report import SampleRow, psnr, score_means, ssim, write_report
 from store import Store, TableReader
 from store.join import JoinedTables
 
@@ -92,10 +92,6 @@ def row_losses(transformer, rows: list[LossRow], batch_size: int, mask_weight=(1
         noises = [eval_noise(r.sample, r.seed) for r in chunk]
         out += flow_loss(transformer, [r.sample for r in chunk], sigmas, noises, mask_weight=mask_weight).tolist()
     return out
-
-
-def _mean(values: list[float]) -> float:
-    return sum(values) / len(values) if values else math.nan
 
 
 def finite_samples(samples: list[TrainSample], grids: dict, cfg: EvaluateConfig) -> tuple[list[int], list[str]]:
@@ -261,8 +257,7 @@ def generation_summary(rows: list[SampleRow], cfg: EvaluateConfig, model: str | 
         ),
         "note": PSNR_SSIM_NOTE,
         "samples": [{"title": r.title, "caption": r.caption, **r.scores} for r in rows],
-        "mean": {m: _mean([r.scores[m] for r in scored if math.isfinite(r.scores[m])])
-                 for m in ("psnr_base", "psnr_lora", "ssim_base", "ssim_lora")} if scored else {},
+        **(score_means(rows) if scored else {"mean": {}}),  # "mean_over": finite and identical (infinite PSNR)
     }
 
 

@@ -65,6 +65,30 @@ def test_psnr_ssim_closed_forms():
     assert ssim(noise, a) < 0.1
 
 
+def test_mean_psnr_says_how_many_outputs_were_identical_to_their_target(tmp_path):
+    """An output identical to its target has an infinite PSNR: the mean was over the finite ones and said
+    nothing of it. Now metrics.json and the page both say what each mean is over."""
+    from schemas.config import EvaluateConfig
+    from stages.evaluate.stage import generation_summary
+
+    target, near, far = _img((100, 100, 100)), _img((110, 110, 110)), _img((130, 130, 130))
+    rows = [SampleRow(f"k{i}", "c", [], target, base, lora,
+                      {"psnr_base": psnr(target, base), "psnr_lora": psnr(target, lora),
+                       "ssim_base": ssim(target, base), "ssim_lora": ssim(target, lora)})
+            for i, (base, lora) in enumerate([(near, target), (far, near), (near, far)])]
+    metrics = {**_metrics(), "generation": generation_summary(rows, EvaluateConfig())}
+    write_report(tmp_path / "report", metrics, rows)
+    gen = json.loads((tmp_path / "report" / "metrics.json").read_text())["generation"]
+    assert gen["mean_over"]["psnr_lora"] == {"finite": 2, "identical": 1}
+    assert gen["mean_over"]["psnr_base"] == {"finite": 3, "identical": 0}
+    want_lora = (psnr(target, near) + psnr(target, far)) / 2  # the identical pair left out, and said so
+    assert math.isclose(gen["mean"]["psnr_lora"], want_lora, rel_tol=1e-12)
+    assert math.isclose(gen["mean"]["psnr_base"], (2 * psnr(target, near) + psnr(target, far)) / 3, rel_tol=1e-12)
+    page = (tmp_path / "report" / "index.html").read_text()
+    assert "LoRA: mean over 2 finite, 1 identical to the target (infinite PSNR)" in page
+    assert "base: mean over" not in page  # nothing identical there: nothing to say
+
+
 def test_report_renders_in_chromium_with_every_image_loaded(tmp_path):
     rows = [
         SampleRow("k1", "make it red", [_img("red"), _img("blue", (24, 48))], _img("green"), _img("gray"),

@@ -242,7 +242,13 @@ def test_two_processes_under_accelerate_match_one_process(tiny_plus_model, tmp_p
         env=env, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "[rank 1/2]" in proc.stdout  # really two ranks, each encoding its share
+    # rank 0's lines only, each counting both ranks' shares (stages/encode/summary.py `over_ranks`); the shards
+    # below show that both ranks encoded
+    with Store(one).reader("images") as images:
+        n = len(images)
+    for stage, table in (("encode-text", "text"), ("encode-vae", "vae")):
+        assert proc.stdout.count(f"{stage} [2 ranks]: table '{table}' v1: encoded {n}, ") == 1, proc.stdout
+    assert "[rank " not in proc.stdout, proc.stdout
     for table in ("text", "vae"):
         shards = {p.name for p in (two / table / "v1").glob("shard-*.tar")}
         assert any(s.startswith("shard-r00-") for s in shards) and any(s.startswith("shard-r01-") for s in shards)

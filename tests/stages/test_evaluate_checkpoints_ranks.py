@@ -7,6 +7,7 @@ the rest."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -70,6 +71,11 @@ def test_two_ranks_give_the_one_process_numbers(run_and_store, tiny_edit_model, 
     np.testing.assert_allclose(b.base_loss.values, a.base_loss.values, rtol=1e-5, atol=1e-7)
     assert np.array_equal(np.isnan(b.loss.values), np.isnan(a.loss.values))
     assert one.best["step"] == 20
+    # one held-out loss bar per pass, rank 0's, said to be its share (each rank drew its own, with one label)
+    n = len(a.sample.values)
+    for what in ("base", "step 10", "step 20", "step 30"):
+        drawn = re.findall(rf"held-out loss \({what}\)( \[[^]]*\])?:\s+0%", proc.stderr)  # each bar starts at 0%
+        assert drawn == [f" [rank 0's share: {(n + 1) // 2} of {n} samples]"], (what, drawn, proc.stderr[-3000:])
 
 
 @pytest.mark.parametrize("fail_in", ["loss", "load"])

@@ -99,8 +99,10 @@ def test_an_encoder_on_two_nodes_caches_killed_and_rerun_commits_every_sample_on
     assert list((root / "vae" / "v2").glob("shard-r01-*.tar"))  # node 1 committed a shard in its cache
 
     outs = _finished(start_nodes(args, node_args=_caches(tmp_path)))
-    done = re.search(r"\[rank 1/2\].*skipped \(already done\) (\d+)", outs[1][0] + outs[1][1])
-    assert done and int(done.group(1)) >= 1, outs[1]  # node 1 kept its committed shard, encoded only the rest
+    # rank 0 prints the summary, summed over the ranks (stages/encode/summary.py `over_ranks`): committed shards
+    # kept, only the rest encoded
+    done = re.search(r"\[2 ranks\].*skipped \(already done\) (\d+)", outs[0][0])
+    assert done and int(done.group(1)) >= 1, outs[0]
     assert "committed table 'vae' v2 at " + url in outs[0][0]
     tables, manifests = _remote_tables(s3_env, "enc")
     assert tables["vae"]["current"] == 2 and "enc/vae/v2/manifest.parquet" in manifests

@@ -87,6 +87,14 @@ def test_cli_on_missing_store_is_one_red_line(tmp_path: Path) -> None:
     assert res.exit_code == 1 and "no store at" in res.output
 
 
+def test_verify_of_a_missing_store_says_what_to_do(tmp_path: Path) -> None:
+    """`store verify nostore` named the missing store.json and stopped there; `store inspect` says what to do."""
+    res = verify(tmp_path / "nostore")
+    lines = res.output.strip().splitlines()
+    assert res.exit_code == 1 and len(lines) == 1, res.output
+    assert f"no store at {tmp_path / 'nostore'}" in lines[0] and "check the path, or run a stage first" in lines[0]
+
+
 def test_verify_never_crashes_on_a_flipped_manifest_byte(store: Store) -> None:
     """A deterministic sample of single-bit flips spread over every region of a small manifest.parquet (header,
     column chunks of strings and lists, footer, magic): each is reported as problem lines, never an exception
