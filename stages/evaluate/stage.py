@@ -15,7 +15,6 @@ the stock pipeline call of `models.qwen21_predict`, stages/evaluate/qwen21.py).
 from __future__ import annotations
 
 import json
-import math
 import time
 from collections import defaultdict
 from contextlib import contextmanager
