@@ -230,7 +230,7 @@ def child(spec: dict) -> dict:
         "blocks_on_device": spec.get("blocks_on_device") if spec["offload"] != "none" else None,
         "steps": len(result.step_times),
         "s_per_step": s_per_step,
-        "step_times": result.step_times,
+        "step_times": result.step_times.tolist(),
         "samples_per_s": spec["batch_size"] / s_per_step,
         "tokens_per_s": tokens_per_sample * spec["batch_size"] / s_per_step,
         "mean_tokens_per_sample": tokens_per_sample,
@@ -243,7 +243,7 @@ def child(spec: dict) -> dict:
         "model_flops_per_step": flops,
         "device_matmul_flops_per_s": peak_flops,
         "mfu": flops / s_per_step / peak_flops,
-        "losses": result.losses,
+        "losses": result.losses.tolist(),
     }
 
 

@@ -16,13 +16,16 @@ written, files are hashed without it, and a damaged database file is replaced.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
 import re
 import sqlite3
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 log = logging.getLogger("models")
 
@@ -115,6 +118,31 @@ class FileHashes:
         if self._db is not None:
             self._db.close()
             self._db = None
+
+    @contextmanager
+    def alone(self, key: str) -> Iterator[None]:
+        """Hash inside the block holding a lock named by `key` (a model folder) next to the cache: processes of
+        one node hashing the same files at once (the 8 ranks of a launch, each reading a 41 GB folder) take
+        turns, so the first reads the files and caches them and the others find them cached (one read per node,
+        not per rank). The new hashes are saved before the lock is released. Without a usable cache there is no
+        lock: each process would read the files anyway."""
+        if self._db is None:
+            yield
+            return
+        path = self.path.parent / "locks" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.lock"
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            log.warning("file hash lock %s not usable (%s); hashing without it", path, e)
+            yield
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # released by the kernel if this process dies
+            yield
+            self._flush()
+        finally:
+            os.close(fd)
 
     def _known(self, real: str) -> tuple[int, int, int, str] | None:
         if real in self._pending:

@@ -227,7 +227,7 @@ class TrainConfig(Section):
     sampler_window: Annotated[int, FEATURES] = Field(64, gt=0, description="length-aware sampler: batches per sorting window")
     on_damaged: Annotated[Literal["stop", "skip"], THROUGHPUT] = _on_damaged(
         "store sample", "leave it out of its batch where it is read (no pass before step 0), listed in "
-        "RUN/damaged_samples.json")
+        "RUN/damaged_samples.jsonl (one JSON line per sample)")
     max_damaged_fraction: Annotated[float, THROUGHPUT] = _max_damaged_fraction("the training samples")
     on_nonfinite: Annotated[Literal["stop", "skip_step"], THROUGHPUT] = Field(
         "stop", description="a non-finite loss or gradient: stop naming the step and samples, or skip that "

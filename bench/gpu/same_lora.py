@@ -69,7 +69,7 @@ def run_same_lora(device: torch.device, smoke: bool, work: Path, deadline: float
             cfg = load_config(None, {**base, **extra})
             result = recipe.run(cfg, store, model, work / f"run-{name}")
             loras[name] = load_file(str(lora_weight_file(result.lora_dir)))
-            entry[name] = {"ran": True, "seconds": time.perf_counter() - t0, "losses": result.losses}
+            entry[name] = {"ran": True, "seconds": time.perf_counter() - t0, "losses": result.losses.tolist()}
         except Exception as e:
             entry[name] = {"ran": False, "error": f"{type(e).__name__}: {str(e)[:400]}",
                            "where": traceback.format_exc(limit=-3)[-800:]}

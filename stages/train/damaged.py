@@ -2,7 +2,7 @@
 
 The sampler plans every joined sample, damaged or not (nothing is known before the reads). Each sample is
 CRC-checked on its first read, as always; one found damaged is left out of its batch where it is met
-(`DamagedRows.load`), recorded in the store by the reader and in RUN/damaged_samples.json by the rank that met
+(`DamagedRows.load`), recorded in the store by the reader and in RUN/damaged_samples.jsonl by the rank that met
 it (`record`), and never read again by that rank. A rank whose whole share of a micro-batch is damaged runs a
 zero-weight stand-in (an intact sample: DDP's all-reduce needs every rank's backward).
 
@@ -72,19 +72,21 @@ class DamagedRows:
 
 class DamageTally:
     """The run's counts of this start (summed over the ranks at every step) and what this rank has written to
-    RUN/damaged_samples.json."""
+    RUN/damaged_samples.jsonl."""
 
     def __init__(self, run_dir: Path, rank: int, world: int) -> None:
         self.run_dir, self.rank, self.world = run_dir, rank, world
         self.read = self.damaged = 0
-        self._written: set[int] = set()
+        from stages.train import damaged_log
+
+        self._listed = set(damaged_log.read(run_dir))  # a resume lists again none of the earlier starts' samples
 
     def record(self, tables: JoinedTables, found: dict[int, str], step: int) -> None:
         """This rank's damaged rows of a micro-batch: the new ones into the run's list and named in one line."""
-        new = {tables.keys[i]: p for i, p in found.items() if i not in self._written}
+        new = {k: p for k, p in ((tables.keys[i], p) for i, p in found.items()) if k not in self._listed}
         if not new:
             return
-        self._written |= set(found)
+        self._listed |= set(new)
         path = guard.record_skipped(self.run_dir, new)
         who = f"rank {self.rank}: " if self.world > 1 else ""
         tqdm.write(f"{who}optimizer step {step}: left out damaged sample(s) {', '.join(sorted(new))} "

@@ -14,7 +14,7 @@ from schemas.errors import UserError
 from store import format as fmt
 
 LOCK_NAME = ".train.lock"
-DAMAGED_REPORT = "damaged_samples.json"
+DAMAGED_REPORT = "damaged_samples.jsonl"  # stages.train.damaged_log.NAME
 
 
 class NonFiniteError(UserError):
@@ -59,20 +59,13 @@ def check_lora_finite(params: list[torch.nn.Parameter], what: Path) -> None:
 
 
 def record_skipped(run_dir: Path, damaged: dict[str, str]) -> Path:
-    """Add samples left out as damaged (key -> problem) to RUN/damaged_samples.json: every rank adds what it
-    met, so the read-merge-write runs under a lock of its own (no rank drops another's findings); a resume adds
-    to the list of the earlier starts."""
-    import json
+    """Add samples left out as damaged (key -> problem) to RUN/damaged_samples.jsonl (`damaged_log`: appended
+    under a lock, so no rank drops another's findings; a resume adds to the list of the earlier starts). A full
+    disk is one line naming the file and the space free."""
+    from stages.train import damaged_log
 
-    path = run_dir / DAMAGED_REPORT
-    with fmt.flock(run_dir / ".damaged_samples.lock"):
-        try:
-            known = json.loads(path.read_text()).get("samples", {})
-        except (FileNotFoundError, ValueError, AttributeError):
-            known = {}
-        merged = {**known, **damaged}
-        fmt.atomic_write_json(path, {"skipped": len(merged), "samples": dict(sorted(merged.items()))})
-    return path
+    with one_line_errors(f"the damaged-sample list {damaged_log.NAME}", run_dir, RESUME_ADVICE):
+        return damaged_log.append(run_dir, damaged)
 
 
 # What a failed checkpoint or final LoRA write leaves the user to do (`run train`: a rerun without --resume is

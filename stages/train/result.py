@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,11 +15,14 @@ class TrainResult:
     lora_dir: Path
     start_step: int  # 0, or the checkpoint step it resumed from
     steps: int  # optimizer steps done in all
-    losses: list[float] = field(default_factory=list)  # mean per-sample loss of each step of this start
-    step_epochs: list[int] = field(default_factory=list)  # the epoch each of those steps began in
-    step_times: list[float] = field(default_factory=list)  # s per optimizer step: data + logging, no checkpoint
-    step_cpu_times: list[float] = field(default_factory=list)  # the same in process CPU time (robust to other load)
-    step_data_times: list[float] = field(default_factory=list)  # s of each step spent waiting for micro-batches
+    # Per-step figures of this start as typed arrays (8 bytes a step each, where a list of floats held ~32: the
+    # five were ~137 MB per rank at 1M steps, measured; now ~42 MB). They index, slice and sum as lists do and
+    # compare with each other; `.tolist()` for JSON or a comparison with a list.
+    losses: array = field(default_factory=lambda: array("d"))  # mean per-sample loss of each step of this start
+    step_epochs: array = field(default_factory=lambda: array("q"))  # the epoch each of those steps began in
+    step_times: array = field(default_factory=lambda: array("d"))  # s per step: data + logging, no checkpoint
+    step_cpu_times: array = field(default_factory=lambda: array("d"))  # the same in process CPU time (robust to load)
+    step_data_times: array = field(default_factory=lambda: array("d"))  # s of each step spent waiting for micro-batches
     epoch_padding: dict[int, float] = field(default_factory=dict)  # epoch -> valid / computed tokens
     skipped_steps: list[int] = field(default_factory=list)  # train.on_nonfinite=skip_step: steps not applied
     main_process: bool = True

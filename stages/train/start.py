@@ -31,10 +31,27 @@ if TYPE_CHECKING:
 def open_tables(tc: TrainConfig, store: str | Path, model: str, accelerator) -> JoinedTables:
     """The `text` + `vae` samples this run trains on, opened by every rank together: a rank refused alone
     stops every rank."""
+    fingerprint = agreed_model_fingerprint(accelerator.num_processes, model)
+    with together(accelerator.num_processes, "opening the store"):
+        return open_configured(tc, "train", store, model, fingerprint, "train")
+
+
+def agreed_model_fingerprint(world: int, model: str) -> str:
+    """The base model's fingerprint, the same on every rank. The ranks of a node hash its folder in turn
+    (`FileHashes.alone`): the first reads the files, the others find them cached (one 41 GB read per node, not
+    one per rank). Each node hashes its own copy, and a node whose files differ stops every rank with the same
+    line (decided on the fingerprints' maximum and minimum over the ranks)."""
     from models.loading import model_fingerprint
 
-    with together(accelerator.num_processes, "opening the store"):
-        return open_configured(tc, "train", store, model, model_fingerprint(model), "train")
+    with together(world, f"hashing the model {model}"):
+        fingerprint = model_fingerprint(model)
+    value = int(fingerprint[:15], 16)  # 60 bits: an int64 with its negation
+    high, neg_low = all_max(world, [value, -value])
+    if high != -neg_low:
+        # no rank-local name in the line: every rank raises this same line
+        raise UserError("the base model (--model) is not the same on every rank: the nodes' copies of its files "
+                        "differ (another version, or a copy cut short); copy the same model folder to every node")
+    return fingerprint
 
 
 def start_record(tc: TrainConfig, tables: JoinedTables, model: str, world_size: int) -> ResumeRecord:

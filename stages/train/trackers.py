@@ -132,7 +132,19 @@ class StepProfiler:
         self.left -= 1
         if self.left == 0:
             self.prof.stop()
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_name(f".{self.path.name}.tmp")
-            self.prof.export_chrome_trace(str(tmp))
-            os.replace(tmp, self.path)  # a trace file that exists is whole
+            self._write()
+
+    def _write(self) -> None:
+        """The trace, whole or not at all; a full disk is one line naming the file and the MB free."""
+        from stages.train.guard import RESUME_ADVICE, one_line_errors
+
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        with one_line_errors(f"the profiler trace {self.path.name}", self.path.parent,
+                             f"{RESUME_ADVICE} (or set train.profile=0 to train without a trace)"):
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self.prof.export_chrome_trace(str(tmp))
+                os.replace(tmp, self.path)  # a trace file that exists is whole
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise

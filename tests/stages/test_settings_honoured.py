@@ -122,7 +122,7 @@ def test_train_its_validator_and_its_up_to_date_check_read_as_configured(tiny_ed
     with pytest.raises(UserError, match="truncated"):  # stop: the short shard stops the training
         run(_cfg(**{**skip, "train.on_damaged": "stop"}), store, tiny_edit_model, out)
     done = run(_cfg(**skip), store, tiny_edit_model, tmp_path / "skip")
-    assert done.steps == 2 and (tmp_path / "skip" / "damaged_samples.json").is_file()
+    assert done.steps == 2 and (tmp_path / "skip" / "damaged_samples.jsonl").is_file()
     assert up_to_date(_cfg(**skip), store, tiny_edit_model, tmp_path / "skip")
     with pytest.raises(UserError, match="truncated"):
         up_to_date(_cfg(**{**skip, "train.on_damaged": "stop"}), store, tiny_edit_model, tmp_path / "skip")

@@ -5,11 +5,11 @@ trains on the same global batches, and both stop at the same step with the same 
 
 from __future__ import annotations
 
-import json
 
 from damage import flip_bit, sample_byte
 from models.lora import read_lora
 from pipeline.config import load_config
+from stages.train import damaged_log
 from stages.train.recipe import run
 from train_store import assert_close_lora, key_of, make_train_store, mixed_specs
 from two_ranks import launch_two, results
@@ -29,9 +29,9 @@ def test_two_ranks_skip_a_damaged_sample_together(tiny_edit_model, tmp_path) -> 
     # one rank met it (one epoch: each sample in one rank's share), in both runs
     met = [out for out in (out0, out1) if f"left out damaged sample(s) {key}" in out]
     assert len(met) == 1 and met[0].count(f"left out damaged sample(s) {key}") == 2, (out0, out1)
-    assert "max_damaged_fraction = 0.0" in r0["limit"] and "damaged_samples.json" in r0["limit"], r0
+    assert "max_damaged_fraction = 0.0" in r0["limit"] and "damaged_samples.jsonl" in r0["limit"], r0
     for case in ("ok", "limit"):
-        assert list(json.loads((tmp_path / "out" / case / "damaged_samples.json").read_text())["samples"]) == [key]
+        assert list(damaged_log.read(tmp_path / "out" / case)) == [key]
     assert not (tmp_path / "out" / "limit" / "lora").exists()
 
     # the same global batches on one process (batch 2 x 2 ranks = batch 4): the same LoRA

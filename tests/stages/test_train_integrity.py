@@ -4,7 +4,6 @@ damaged checkpoint on resume, and turns a full disk into one line with nothing l
 from __future__ import annotations
 
 import errno
-import json
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,7 @@ from typer.testing import CliRunner
 from pipeline.cli import app
 from pipeline.config import load_config
 from schemas import UserError
-from stages.train import guard as train_guard, saving as train_saving, state as train_state
+from stages.train import damaged_log, guard as train_guard, saving as train_saving, state as train_state
 from stages.train.recipe import run
 from store import Store
 from store.integrity import DamagedData
@@ -57,14 +56,14 @@ def test_skip_damaged_reports_them_and_threshold_stops(damaged_store, tiny_edit_
     reads every sample); 20% lets the run go on, the sample listed."""
     root, key = damaged_store
     with pytest.raises(UserError, match=r"1 of the \d+ 'train' samples read so far .* are damaged .*more than "
-                                        r"train.max_damaged_fraction = 0.1 of 8 .*damaged_samples.json"):
+                                        r"train.max_damaged_fraction = 0.1 of 8 .*damaged_samples.jsonl"):
         run(cfg_of(max_steps=4, on_damaged="skip", max_damaged_fraction=0.1), root, tiny_edit_model, tmp_path / "a")
-    assert list(json.loads((tmp_path / "a" / train_guard.DAMAGED_REPORT).read_text())["samples"]) == [key]
+    assert list(damaged_log.read(tmp_path / "a")) == [key]
     result = run(cfg_of(max_steps=4, on_damaged="skip", max_damaged_fraction=0.2), root, tiny_edit_model,
                  tmp_path / "b")
     assert result.steps == 4
-    report = json.loads((tmp_path / "b" / train_guard.DAMAGED_REPORT).read_text())
-    assert list(report["samples"]) == [key] and "damaged" in report["samples"][key]
+    report = damaged_log.read(tmp_path / "b")
+    assert list(report) == [key] and "damaged" in report[key]
 
 
 def test_skip_reads_no_sample_before_step_0_and_each_sample_once(damaged_store, tiny_edit_model, tmp_path,
@@ -92,8 +91,7 @@ def test_skip_reads_no_sample_before_step_0_and_each_sample_once(damaged_store, 
         assert result.steps == 4
         assert sorted(checked) == [(t, i) for t in ("text", "vae") for i in range(8)], checked
         assert set(checked.values()) == {1}, checked  # once each: no pre-pass, the damaged one never again
-        assert list(json.loads((tmp_path / f"run{check_ahead}" / train_guard.DAMAGED_REPORT).read_text())
-                    ["samples"]) == [key]
+        assert list(damaged_log.read(tmp_path / f"run{check_ahead}")) == [key]
 
 
 def test_a_skipped_sample_trains_the_lora_of_a_store_without_it(tmp_path, tiny_edit_model):
@@ -113,7 +111,7 @@ def test_a_skipped_sample_trains_the_lora_of_a_store_without_it(tmp_path, tiny_e
     assert [round(x, 5) for x in a.losses] == [round(x, 5) for x in b.losses]
     assert_close_lora(read_lora(tmp_path / "a" / "lora")[0], read_lora(tmp_path / "b" / "lora")[0], lr=2e-3,
                       steps=3)
-    assert list(json.loads((tmp_path / "a" / train_guard.DAMAGED_REPORT).read_text())["samples"]) == [key_of(3)]
+    assert list(damaged_log.read(tmp_path / "a")) == [key_of(3)]
 
 
 def test_a_share_all_damaged_runs_a_zero_weight_stand_in(damaged_store, tiny_edit_model):

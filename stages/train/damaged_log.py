@@ -1,0 +1,85 @@
+"""RUN/damaged_samples.jsonl: the samples a run left out as damaged (train.on_damaged=skip), one JSON line per
+sample ({"sample": key, "problem": text}), appended by every rank that meets one.
+
+Append-only, so recording costs the bytes of the new lines (a read-merge-rewrite of one JSON object was
+quadratic: ~10k rewrites of up to ~1 MB at 1M samples with a 1% limit). Kill-safe: a line is written whole by one
+`write` and fsynced before the step goes on; a kill in the middle of a write leaves at most a torn last line,
+which readers skip and the next writer cuts off before it appends (under the file's lock, so two ranks never
+interleave). A resume reads the list back (`read`) and appends only samples not listed yet."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from store import format as fmt
+
+NAME = "damaged_samples.jsonl"
+_OLD_NAME = "damaged_samples.json"  # one JSON object {"skipped", "samples"}, written by earlier versions
+_LOCK = ".damaged_samples.lock"
+
+
+def path_of(run_dir: Path) -> Path:
+    return run_dir / NAME
+
+
+def read(run_dir: Path) -> dict[str, str]:
+    """Every listed sample key -> its problem (a torn or unreadable line skipped: its sample is listed again
+    when a resume meets it)."""
+    out: dict[str, str] = {}
+    try:  # a run folder written by an earlier version: its list goes on
+        out.update(json.loads((run_dir / _OLD_NAME).read_text()).get("samples", {}))
+    except (FileNotFoundError, ValueError, AttributeError):
+        pass
+    try:
+        data = path_of(run_dir).read_bytes()
+    except FileNotFoundError:
+        return out
+    for line in data.splitlines():
+        try:
+            rec = json.loads(line)
+            out[str(rec["sample"])] = str(rec["problem"])
+        except (ValueError, KeyError, TypeError):
+            continue
+    return out
+
+
+def _cut_torn_tail(fd: int) -> int:
+    """Cut a last line a killed writer left without its newline; returns the file's size after."""
+    size = os.fstat(fd).st_size
+    if size == 0 or os.pread(fd, 1, size - 1) == b"\n":
+        return size
+    end, block = size, 1 << 16
+    while end > 0:  # back to the last newline: only the torn line's bytes are read
+        start = max(0, end - block)
+        nl = os.pread(fd, end - start, start).rfind(b"\n")
+        if nl >= 0:
+            end = start + nl + 1
+            break
+        end = start
+    os.ftruncate(fd, end)
+    return end
+
+
+def append(run_dir: Path, damaged: dict[str, str]) -> Path:
+    """Add these samples (key -> problem) to the run's list; on a failed write (full disk) the file is cut back
+    to what it held, so it never ends in a partial line of ours."""
+    path = path_of(run_dir)
+    data = "".join(json.dumps({"sample": k, "problem": p}, ensure_ascii=False) + "\n"
+                   for k, p in sorted(damaged.items())).encode()
+    with fmt.flock(run_dir / _LOCK):
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            size = _cut_torn_tail(fd)
+            try:
+                written = os.write(fd, data)
+                while written < len(data):  # a short write (rare: signals, quotas) goes on where it stopped
+                    written += os.write(fd, data[written:])
+                os.fsync(fd)
+            except BaseException:
+                os.ftruncate(fd, size)
+                raise
+        finally:
+            os.close(fd)
+    return path

@@ -1,0 +1,36 @@
+"""train.profile: a full disk while writing the trace is one line naming the file, the MB free and what to do;
+no partial trace (nor its temp file) is left."""
+
+from __future__ import annotations
+
+import errno
+import json
+
+import pytest
+import torch
+
+from schemas.errors import UserError
+from stages.train.trackers import StepProfiler
+
+
+def test_a_full_disk_while_writing_the_trace_is_one_line_and_leaves_no_partial_file(tmp_path):
+    prof = StepProfiler(1, tmp_path, 0, torch.device("cpu"))
+    torch.ones(4).sum()
+    real_export = prof.prof.export_chrome_trace
+
+    def half_then_full(path):  # part of the trace lands, then the disk is full
+        with open(path, "w") as f:
+            f.write('{"traceEvents": [')
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    prof.prof.export_chrome_trace = half_then_full
+    with pytest.raises(UserError) as e:
+        prof.step()
+    line = str(e.value)
+    assert "\n" not in line and "disk full" in line and "trace-rank0.json" in line and "MB free" in line
+    assert "train.profile=0" in line and "--resume" in line
+    assert list((tmp_path / "profile").iterdir()) == []
+
+    prof.prof.export_chrome_trace = real_export  # space freed: the trace is written whole, a real JSON file
+    prof._write()
+    assert "traceEvents" in json.loads((tmp_path / "profile" / "trace-rank0.json").read_text())
