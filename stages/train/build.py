@@ -139,7 +139,7 @@ def build_training(r: Run, store: str | Path, model: str, latest: Path | None, r
         r.model = parallel.wrap(r.transformer, r.world, tc.lora.target_modules)
     r.position = r.stream.position
     if tables_skip(r.tables):
-        r.damage = DamageTally(r.run_dir, r.rank, r.world)
+        r.damage = DamageTally(r.run_dir, r.rank, r.world, r.rerun)
     r.batches = MicroBatches(r.stream, r.tables, tc, r.rank, r.step, r.device, r.transformer.dtype, depth=tc.prefetch)
     r.result = TrainResult(r.run_dir, r.run_dir / "lora", start_step=r.step, steps=r.step, main_process=r.main,
                            data=r.tables.report, kept_previous=r.kept_previous,
@@ -153,4 +153,5 @@ def build_training(r: Run, store: str | Path, model: str, latest: Path | None, r
     if tc.profile and tc.max_steps > r.step:
         from stages.train.trackers import StepProfiler
 
-        r.profiler = StepProfiler(min(tc.profile, tc.max_steps - r.step), r.run_dir, r.rank, r.device)
+        r.profiler = StepProfiler(min(tc.profile, tc.max_steps - r.step), r.run_dir, r.rank, r.device,
+                                   r.rerun)

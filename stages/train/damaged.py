@@ -74,8 +74,8 @@ class DamageTally:
     """The run's counts of this start (summed over the ranks at every step) and what this rank has written to
     RUN/damaged_samples.jsonl."""
 
-    def __init__(self, run_dir: Path, rank: int, world: int) -> None:
-        self.run_dir, self.rank, self.world = run_dir, rank, world
+    def __init__(self, run_dir: Path, rank: int, world: int, rerun: str = "rerun with --resume") -> None:
+        self.run_dir, self.rank, self.world, self.rerun = run_dir, rank, world, rerun
         self.read = self.damaged = 0
         from stages.train import damaged_log
 
@@ -87,7 +87,7 @@ class DamageTally:
         if not new:
             return
         self._listed |= set(new)
-        path = guard.record_skipped(self.run_dir, new)
+        path = guard.record_skipped(self.run_dir, new, self.rerun)
         who = f"rank {self.rank}: " if self.world > 1 else ""
         tqdm.write(f"{who}optimizer step {step}: left out damaged sample(s) {', '.join(sorted(new))} "
                    f"(train.on_damaged=skip; listed in {path})")

@@ -58,13 +58,13 @@ def check_lora_finite(params: list[torch.nn.Parameter], what: Path) -> None:
         raise NonFiniteError(f"{bad} of {total} LoRA values are non-finite: not writing {what}")
 
 
-def record_skipped(run_dir: Path, damaged: dict[str, str]) -> Path:
+def record_skipped(run_dir: Path, damaged: dict[str, str], rerun: str = "rerun with --resume") -> Path:
     """Add samples left out as damaged (key -> problem) to RUN/damaged_samples.jsonl (`damaged_log`: appended
     under a lock, so no rank drops another's findings; a resume adds to the list of the earlier starts). A full
     disk is one line naming the file and the space free."""
     from stages.train import damaged_log
 
-    with one_line_errors(f"the damaged-sample list {damaged_log.NAME}", run_dir, RESUME_ADVICE):
+    with one_line_errors(f"the damaged-sample list {damaged_log.NAME}", run_dir, resume_advice(rerun)):
         return damaged_log.append(run_dir, damaged)
 
 
@@ -72,7 +72,6 @@ def record_skipped(run_dir: Path, damaged: dict[str, str]) -> Path:
 # refused, the run folder holding checkpoints; `run all` resumes by itself and has no --resume: `Run.rerun`).
 def resume_advice(rerun: str = "rerun with --resume") -> str:
     return f"{rerun} to continue from the last committed checkpoint"
-
 
 
 @contextmanager

@@ -175,8 +175,8 @@ def run(
 
         check_shared(Path(out), accelerator.num_processes, accelerator.process_index, "--out",
                      "rank 0 writes each checkpoint, every rank adds its RNG state and reads it on --resume")
-        r = setup(cfg, store, model, out, resume, accelerator, new_run=new_run, before_keep=before_keep, locks=locks)
-        r.rerun = rerun
+        r = setup(cfg, store, model, out, resume, accelerator, new_run=new_run, before_keep=before_keep, locks=locks,
+                  rerun=rerun)
         if r.validator is not None and r.step > 0:  # a validation due at the resumed step (a failure there came
             r.validator(r)  # after its checkpoint): the validator runs only what it left unrecorded
         with StopOnSignal() as r.stop:
@@ -217,7 +217,7 @@ def stopped_late(r: Run) -> None:
 
 def setup(cfg: PipelineConfig, store: str | Path, model: str, out: str | Path, resume: bool = False,
           accelerator=None, *, new_run: bool = False, before_keep: Callable[[Path], None] | None = None,
-          locks: list | None = None) -> Run:
+          locks: list | None = None, rerun: str = "rerun with --resume") -> Run:
     """Check the config, open the inputs and the run folder (resume checks before any model is loaded), build
     the model, optimizer and sampler, restore a checkpoint. `locks`: the run folder's lock is appended there
     when a keep (`new_run`) makes a fresh folder."""
@@ -229,7 +229,8 @@ def setup(cfg: PipelineConfig, store: str | Path, model: str, out: str | Path, r
     tc = cfg.train
     tables = open_tables(tc, store, model, accelerator)
     now = start_record(tc, tables, model, accelerator.num_processes)
-    r = Run(tc, accelerator, tables, Path(out), now, train_device=chosen, new_run=new_run, before_keep=before_keep)
+    r = Run(tc, accelerator, tables, Path(out), now, train_device=chosen, new_run=new_run, before_keep=before_keep,
+            rerun=rerun)
     try:
         latest, resumed = resume_point(r, resume, cfg)
     finally:

@@ -15,6 +15,7 @@ does not, nothing is worse than the immediate stop (the last committed checkpoin
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 from typing import Any
 
@@ -40,7 +41,12 @@ class StopOnSignal:
             self._installed = False
         if self.signum is not None and isinstance(error, Exception):
             # the step under way failed after the signal came (torchrun stops the other ranks when one dies: the
-            # dead one's connections close under this one's collective): stop as the signal would have at once
+            # dead one's connections close under this one's collective): stop as the signal would have at once.
+            # A one-line error (a full disk at the stop's checkpoint) is still shown: the exit alone says nothing.
+            from schemas.errors import UserError
+
+            if isinstance(error, UserError):
+                print(f"error: {error}", file=sys.stderr, flush=True)
             self._stop(self.signum, None)
 
     def _record(self, signum: int, frame) -> None:

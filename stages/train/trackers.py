@@ -116,10 +116,11 @@ def peak_memory_gb(device: torch.device) -> float:
 class StepProfiler:
     """`torch.profiler` over the next `steps` optimizer steps (call `step()` after each); writes the trace once."""
 
-    def __init__(self, steps: int, run_dir: Path, rank: int, device: torch.device):
+    def __init__(self, steps: int, run_dir: Path, rank: int, device: torch.device,
+                 rerun: str = "rerun with --resume"):
         from torch.profiler import ProfilerActivity, profile
 
-        self.left = steps
+        self.left, self.rerun = steps, rerun
         self.path = run_dir / TRACE_DIR / f"trace-rank{rank}.json"
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
         self.prof = profile(activities=activities, record_shapes=True, profile_memory=True)
@@ -136,11 +137,11 @@ class StepProfiler:
 
     def _write(self) -> None:
         """The trace, whole or not at all; a full disk is one line naming the file and the MB free."""
-        from stages.train.guard import RESUME_ADVICE, one_line_errors
+        from stages.train.guard import one_line_errors, resume_advice
 
         tmp = self.path.with_name(f".{self.path.name}.tmp")
         with one_line_errors(f"the profiler trace {self.path.name}", self.path.parent,
-                             f"{RESUME_ADVICE} (or set train.profile=0 to train without a trace)"):
+                             f"{resume_advice(self.rerun)} (or set train.profile=0 to train without a trace)"):
             try:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
                 self.prof.export_chrome_trace(str(tmp))

@@ -90,7 +90,7 @@ def test_a_sigterm_on_one_rank_checkpoints_the_same_step_on_every_rank(tiny_edit
     assert train_state.ResumeRecord.read(step4 / "resume.json").step == 4
 
 
-def test_the_signal_is_held_once_and_a_failing_step_after_it_stops_as_the_signal_would() -> None:
+def test_the_signal_is_held_once_and_a_failing_step_after_it_stops_as_the_signal_would(capsys) -> None:
     """In-process: the handler the block replaced gets the signal when the stop is acted on; two SIGTERMs at once
     (SLURM signals every process of the step, torchrun's agent passes its own on: the second one stopped the rank
     at once, losing the step the first one was held for) are held; one after the request went into a step's
@@ -122,6 +122,14 @@ def test_the_signal_is_held_once_and_a_failing_step_after_it_stops_as_the_signal
                 os.kill(os.getpid(), signal.SIGTERM)
                 raise RuntimeError("Connection closed by peer")
         assert failed.value.code == 128 + signal.SIGTERM and got == [signal.SIGTERM] * 2
+        from schemas.errors import UserError
+
+        with pytest.raises(SystemExit) as full:  # a one-line error after the signal (a full disk at the stop's
+            with StopOnSignal():  # checkpoint): the signal's status, and the line still shown
+                os.kill(os.getpid(), signal.SIGTERM)
+                raise UserError("cannot write checkpoint step-3 (no space left)")
+        assert full.value.code == 128 + signal.SIGTERM
+        assert "error: cannot write checkpoint step-3 (no space left)" in capsys.readouterr().err
         with pytest.raises(RuntimeError):  # no signal: the error is the error
             with StopOnSignal():
                 raise RuntimeError("a real error")
