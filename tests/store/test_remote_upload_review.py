@@ -1,0 +1,58 @@
+"""Review of store/remote_upload.py and store/remote_download.py (push reads once, pull streams): what a multipart
+upload holds, and a body resumed by a Range GET after its object changed. Against the S3 test server."""
+
+from __future__ import annotations
+
+import os
+import tracemalloc
+from pathlib import Path
+
+from store import remote as remote_mod
+from store import remote_upload
+from store.checksum import file_crc
+
+
+class _Bar:
+    def update(self, n: int = 1) -> None:
+        pass
+
+
+def test_a_multipart_upload_holds_at_most_the_parts_it_reserved(s3_env, tmp_path, monkeypatch):
+    """The budget reserves `PART x PARTS_AT_ONCE` for a big file: the parts read for one round must be freed before
+    the next round is read (the file bytes alive, allocated by remote_upload.py, are measured at every part sent)."""
+    part = 5 * 2**20  # S3's smallest part
+    monkeypatch.setattr(remote_mod, "PART", part)
+    local = tmp_path / "big"
+    local.write_bytes(os.urandom(3 * remote_mod.PARTS_AT_ONCE * part))  # three rounds of parts
+    remote = remote_mod.open_remote(s3_env.url())
+    held, ours = [], tracemalloc.Filter(True, remote_upload.__file__, all_frames=True)
+
+    def alive() -> None:
+        held.append(sum(s.size for s in tracemalloc.take_snapshot().filter_traces([ours]).statistics("filename")))
+
+    class Measured:  # the file remote_upload reads, measuring what it holds before each read
+        def __init__(self, f) -> None:
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc) -> None:
+            self.f.close()
+
+        def fileno(self) -> int:
+            return self.f.fileno()
+
+        def read(self, n: int = -1) -> bytes:
+            alive()
+            return self.f.read(n)
+
+    monkeypatch.setattr(remote_upload, "open", lambda *a: Measured(open(*a)), raising=False)
+    tracemalloc.start(4)
+    try:
+        assert remote.upload(local, "x/big", file_crc(local)[0], _Bar(), local.stat().st_size)
+    finally:
+        tracemalloc.stop()
+    assert len(held) > 3 * remote_mod.PARTS_AT_ONCE
+    assert max(held) <= remote_mod.upload_memory(local.stat().st_size) + 2**20, [h / 2**20 for h in held]
+    assert remote.read("x/big") == local.read_bytes()
