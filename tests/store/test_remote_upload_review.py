@@ -56,3 +56,53 @@ def test_a_multipart_upload_holds_at_most_the_parts_it_reserved(s3_env, tmp_path
     assert len(held) > 3 * remote_mod.PARTS_AT_ONCE
     assert max(held) <= remote_mod.upload_memory(local.stat().st_size) + 2**20, [h / 2**20 for h in held]
     assert remote.read("x/big") == local.read_bytes()
+
+
+class _CutOnce:
+    """A response body that breaks once, after its first piece (a connection reset mid-body)."""
+
+    def __init__(self, body) -> None:
+        self.body, self.served = body, 0
+
+    async def read(self, n: int) -> bytes:
+        if self.served >= remote_mod.READ_PIECE:
+            from urllib3.exceptions import IncompleteRead
+
+            raise IncompleteRead(self.served, 1)
+        got = await self.body.read(n)
+        self.served += len(got)
+        return got
+
+    def close(self) -> None:
+        self.body.close()
+
+
+def test_a_body_resumed_after_its_object_changed_is_refused_not_spliced(s3_env, tmp_path, monkeypatch):
+    """A Range GET resumes a cut body: if the object was replaced in between (gc removed a dead push's object and
+    another push wrote the same name), the rest would be of other bytes. The resumed GET must be of the same object
+    (If-Match: the first response's ETag) and say so in one line, never return bytes of two objects."""
+    import pytest
+
+    from schemas.errors import UserError
+    from store import remote_download
+
+    first, second = os.urandom(3 * 2**20), os.urandom(3 * 2**20)
+    client = s3_env.client()
+    client.put_object(Bucket=s3_env.bucket, Key="store/x/o", Body=first)
+    remote = remote_mod.open_remote(s3_env.url())
+    real_call = remote.fs._call_s3
+
+    async def call_s3(method, *a, **kw):
+        if method == "get_object" and "Range" in kw:  # the object replaced before the body is resumed
+            client.put_object(Bucket=s3_env.bucket, Key="store/x/o", Body=second)
+        out = await real_call(method, *a, **kw)
+        if method == "get_object" and "Range" not in kw:
+            out["Body"] = _CutOnce(out["Body"])
+        return out
+
+    monkeypatch.setattr(remote.fs, "_call_s3", call_s3)
+    got = bytearray()
+    with pytest.raises(UserError, match=r"s3://.*/x/o changed while it was read.*rerun"):
+        for piece in remote_download.pieces(remote.fs, remote.path("x/o"), remote_mod.READ_PIECE, True):
+            got += piece
+    assert bytes(got) == first[: len(got)]  # what was received is all of the first object
