@@ -5,8 +5,9 @@ s3fs's file object (`fs.open`) fetches in blocks: with its read-ahead cache a tr
 plus the piece read from it plus the copies in between (~15 MiB a transfer measured; 16 transfers ~240 MiB,
 bench/store_transfer_memory.py), and a 256 MB shard cost 32 GETs. Here one GET per object, its body read a piece at
 a time (aiohttp pauses the socket while its small buffer is full); a body cut off mid-way (the retryable errors
-s3fs retries itself) is resumed with a Range GET from the bytes already received (If-Match its ETag: never another object's bytes), up to the file system's retries,
-as s3fs's own `get_file` does. Other back ends: their file object, read a piece at a time.
+s3fs retries itself) is resumed with a Range GET from the bytes already received (If-Match its ETag: never another
+object's bytes), up to the file system's retries, as s3fs's own `get_file` does. Other back ends: their file
+object, read a piece at a time.
 """
 
 from __future__ import annotations
