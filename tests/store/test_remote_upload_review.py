@@ -129,3 +129,47 @@ def test_other_back_ends_remove_an_object_whose_bytes_changed_after_the_check(tm
     finally:
         if remote.fs.exists(f"/rv3-{tmp_path.name}"):
             remote.fs.rm(f"/rv3-{tmp_path.name}", recursive=True)
+
+
+def test_other_back_ends_leave_no_partial_object_when_an_upload_fails_and_a_rerun_sends_it(tmp_path, monkeypatch):
+    """fsspec's buffered writer commits what it holds when its `with` block ends, even on an error: a read error
+    mid-file (or a lost connection) left a partial object under the name, which a rerun's check-then-write took for
+    another push's object ("exists with other content", a gc needed). Now it is removed: the rerun sends the file."""
+    import errno
+
+    import pytest
+
+    monkeypatch.setattr(remote_mod, "PART", 2**16)
+    local = tmp_path / "f"
+    local.write_bytes(os.urandom(5 * 2**16))
+    want = file_crc(local)
+    reads = []
+
+    class FailingOnce:  # the local disk fails once, after the first block was sent
+        def __init__(self, f) -> None:
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc) -> None:
+            self.f.close()
+
+        def read(self, n: int = -1) -> bytes:
+            reads.append(n)
+            if len(reads) == 2:
+                raise OSError(errno.EIO, "Input/output error")
+            return self.f.read(n)
+
+    monkeypatch.setattr(remote_upload, "open", lambda *a: FailingOnce(open(*a)), raising=False)
+    url = f"memory://rv3-{tmp_path.name}/store"
+    remote = remote_mod.open_remote(url)
+    try:
+        with pytest.raises(OSError, match="Input/output"):
+            remote.upload(local, "x/f", want[0], _Bar(), want[1])
+        assert not remote.exists("x/f")
+        assert remote.upload(local, "x/f", want[0], _Bar(), want[1]) is True
+        assert remote.read("x/f") == local.read_bytes()
+    finally:
+        if remote.fs.exists(f"/rv3-{tmp_path.name}"):
+            remote.fs.rm(f"/rv3-{tmp_path.name}", recursive=True)
