@@ -3,12 +3,16 @@ upload holds, and a body resumed by a Range GET after its object changed. Agains
 
 from __future__ import annotations
 
+import errno
 import os
 import tracemalloc
-from pathlib import Path
 
+import pytest
+from urllib3.exceptions import IncompleteRead
+
+from schemas.errors import UserError
 from store import remote as remote_mod
-from store import remote_upload
+from store import remote_download, remote_upload
 from store.checksum import file_crc
 
 
@@ -66,8 +70,6 @@ class _CutOnce:
 
     async def read(self, n: int) -> bytes:
         if self.served >= remote_mod.READ_PIECE:
-            from urllib3.exceptions import IncompleteRead
-
             raise IncompleteRead(self.served, 1)
         got = await self.body.read(n)
         self.served += len(got)
@@ -81,11 +83,6 @@ def test_a_body_resumed_after_its_object_changed_is_refused_not_spliced(s3_env, 
     """A Range GET resumes a cut body: if the object was replaced in between (gc removed a dead push's object and
     another push wrote the same name), the rest would be of other bytes. The resumed GET must be of the same object
     (If-Match: the first response's ETag) and say so in one line, never return bytes of two objects."""
-    import pytest
-
-    from schemas.errors import UserError
-    from store import remote_download
-
     first, second = os.urandom(3 * 2**20), os.urandom(3 * 2**20)
     client = s3_env.client()
     client.put_object(Bucket=s3_env.bucket, Key="store/x/o", Body=first)
@@ -112,8 +109,6 @@ def test_other_back_ends_remove_an_object_whose_bytes_changed_after_the_check(tm
     """memory:// (any back end with neither a conditional write nor a hidden upload): the file is checked, then
     streamed; one that changed between the two reads is written, then removed, and refused. (The push test's damaged
     file is refused by the first read, so it never reached this removal.)"""
-    import pytest
-
     good = os.urandom(3 * 2**16)
     local = tmp_path / "f"
     local.write_bytes(good)
@@ -135,10 +130,6 @@ def test_other_back_ends_leave_no_partial_object_when_an_upload_fails_and_a_reru
     """fsspec's buffered writer commits what it holds when its `with` block ends, even on an error: a read error
     mid-file (or a lost connection) left a partial object under the name, which a rerun's check-then-write took for
     another push's object ("exists with other content", a gc needed). Now it is removed: the rerun sends the file."""
-    import errno
-
-    import pytest
-
     monkeypatch.setattr(remote_mod, "PART", 2**16)
     local = tmp_path / "f"
     local.write_bytes(os.urandom(5 * 2**16))
