@@ -5,14 +5,16 @@ s3fs's file object (`fs.open`) fetches in blocks: with its read-ahead cache a tr
 plus the piece read from it plus the copies in between (~15 MiB a transfer measured; 16 transfers ~240 MiB,
 bench/store_transfer_memory.py), and a 256 MB shard cost 32 GETs. Here one GET per object, its body read a piece at
 a time (aiohttp pauses the socket while its small buffer is full); a body cut off mid-way (the retryable errors
-s3fs retries itself) is resumed with a Range GET from the bytes already received, up to the file system's retries,
-as s3fs's own `get_file` does. Other back ends: their file object, read a piece at a time.
+s3fs retries itself) is resumed with a Range GET from the bytes already received (If-Match its ETag: never another
+object's bytes), up to the file system's retries, as s3fs's own `get_file` does. Other back ends: their file
+object, read a piece at a time.
 """
 
 from __future__ import annotations
 
 from typing import Any, Iterator
 
+from schemas.errors import UserError
 from store.checksum import CHUNK
 
 
@@ -27,10 +29,21 @@ def pieces(fs: Any, path: str, piece: int, is_s3: bool) -> Iterator[bytes]:
     from s3fs.core import S3_RETRYABLE_ERRORS
 
     bucket, key, _ = fs.split_path(path)
+    etag = None
 
     async def open_at(offset: int):
-        kw = {"Range": f"bytes={offset}-"} if offset else {}
-        resp = await fs._call_s3("get_object", Bucket=bucket, Key=key, **kw)
+        nonlocal etag
+        # a resumed body must be of the same object (If-Match: the first response's ETag): one replaced meanwhile
+        # (gc removed a dead push's object, another push wrote the name) would splice the bytes of two objects
+        kw = {"Range": f"bytes={offset}-", **({"IfMatch": etag} if etag else {})} if offset else {}
+        try:
+            resp = await fs._call_s3("get_object", Bucket=bucket, Key=key, **kw)
+        except OSError as e:
+            if not offset or not ("precondition" in str(e).lower().replace("-", "") or "412" in str(e)):
+                raise
+            raise UserError(f"s3://{bucket}/{key} changed while it was read (another object under its name since "
+                            "its first bytes came); rerun to read it again") from None
+        etag = etag or resp.get("ETag")
         return resp["Body"], offset + int(resp.get("ContentLength") or 0)
 
     async def fill(body) -> bytes:  # one hop into the event loop per piece, not per socket read
