@@ -142,7 +142,10 @@ class FileHashes:
             yield
             return
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)  # released by the kernel if this process dies
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)  # released by the kernel if this process dies
+            except OSError as e:  # a file system without locks (NFS mounted `nolock`: ENOLCK): as without a cache
+                log.warning("file hash lock %s not usable (%s); hashing without it", path, e)
             yield
             self._flush()
         finally:

@@ -228,3 +228,19 @@ def test_hashing_alone_is_per_node_not_across_nodes_sharing_a_home(cache, monkey
             with node_b.alone("/models/qwen"):  # a lock of its own (the same one would wait forever here)
                 pass
             assert len(list((cache / "qwen-edit-pipeline" / "locks").glob("*.lock"))) == 2
+
+
+def test_a_file_system_without_locks_hashes_without_the_lock(tmp_path, cache, monkeypatch) -> None:
+    """flock refused (NFS mounted `nolock` answers ENOLCK): the model is hashed all the same, as without a
+    cache, instead of the train start failing on it."""
+    import errno
+    import fcntl
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    files = _files(tmp_path / "model", 3)
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    with FileHashes() as hashes, hashes.alone(str(tmp_path / "model")):
+        got = [hashes.sha256(f) for f in files]
+    assert got == [_sha(f) for f in files]
