@@ -21,6 +21,7 @@ import hashlib
 import logging
 import os
 import re
+import socket
 import sqlite3
 import time
 from contextlib import contextmanager
@@ -129,7 +130,10 @@ class FileHashes:
         if self._db is None:
             yield
             return
-        path = self.path.parent / "locks" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.lock"
+        # the node's name in the lock's: a home folder shared by the nodes (NFS, Lustre) holds one cache, and a
+        # lock every node's ranks took would make each node wait for the others to hash their own copies in turn
+        named = f"{socket.gethostname()}\0{key}"
+        path = self.path.parent / "locks" / f"{hashlib.sha256(named.encode()).hexdigest()[:16]}.lock"
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -138,7 +142,10 @@ class FileHashes:
             yield
             return
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)  # released by the kernel if this process dies
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)  # released by the kernel if this process dies
+            except OSError as e:  # a file system without locks (NFS mounted `nolock`: ENOLCK): as without a cache
+                log.warning("file hash lock %s not usable (%s); hashing without it", path, e)
             yield
             self._flush()
         finally:

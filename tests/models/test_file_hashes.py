@@ -201,3 +201,46 @@ def test_a_cache_written_before_ctime_counted_is_upgraded(tmp_path, cache) -> No
         assert h.sha256(f) == _sha(f) and h.hashed == 1
     with FileHashes() as h:
         assert h.sha256(f) == _sha(f) and h.hashed == 0
+
+
+@pytest.mark.timeout(60)  # without a lock per node, node b's turn waits for node a's forever
+def test_hashing_alone_is_per_node_not_across_nodes_sharing_a_home(cache, monkeypatch) -> None:
+    """The ranks of one node hash a model folder in turn (`FileHashes.alone`); two nodes sharing one home folder
+    (one hash cache on NFS) do not wait for each other: each hashes its own copy of the folder."""
+    import fcntl
+    import socket
+
+    with FileHashes() as node_a, FileHashes() as node_b:
+        monkeypatch.setattr(socket, "gethostname", lambda: "node-a")
+        with node_a.alone("/models/qwen"):
+            monkeypatch.setattr(socket, "gethostname", lambda: "node-b")
+            free = []
+            for lock in sorted((cache / "qwen-edit-pipeline" / "locks").glob("*.lock")):
+                fd = os.open(lock, os.O_RDWR)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # node a's lock is held: refused at once
+                    free.append(lock)
+                except BlockingIOError:
+                    pass
+                finally:
+                    os.close(fd)
+            assert free == []  # the held lock is node a's
+            with node_b.alone("/models/qwen"):  # a lock of its own (the same one would wait forever here)
+                pass
+            assert len(list((cache / "qwen-edit-pipeline" / "locks").glob("*.lock"))) == 2
+
+
+def test_a_file_system_without_locks_hashes_without_the_lock(tmp_path, cache, monkeypatch) -> None:
+    """flock refused (NFS mounted `nolock` answers ENOLCK): the model is hashed all the same, as without a
+    cache, instead of the train start failing on it."""
+    import errno
+    import fcntl
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    files = _files(tmp_path / "model", 3)
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    with FileHashes() as hashes, hashes.alone(str(tmp_path / "model")):
+        got = [hashes.sha256(f) for f in files]
+    assert got == [_sha(f) for f in files]
