@@ -420,6 +420,9 @@ def _commit(st: Store, writer: Any, source: str | Path, intake: _Intake) -> None
     summary = intake.summary
     st.add_quarantine(intake.rejects)
     if summary.written + summary.resumed + summary.reused == 0:
+        if not intake.rejects:  # nothing read at all (e.g. a target/ holding only .DS_Store): no quarantine to see
+            raise UserError(f"no sample found in source {source} (dotfiles such as .DS_Store are ignored); add the "
+                            "samples and rerun (the layouts: docs/resize-bucket.md, 'Sources')")
         raise UserError(
             f"no usable sample in source {source}: {len(intake.rejects)} quarantined "
             f"(see {summary.quarantine_file}); fix the source and rerun"
