@@ -75,6 +75,12 @@ def damaged_marker(root: Path, table: str, version: int) -> Path:
     return root / table / f"v{version}.damaged.json"
 
 
+def unchanged_marker(root: Path, table: str, version: int) -> Path:
+    """Written next to a version (store/reuse.py `unchanged_by_fixes`) once a scan found none of its samples
+    changed by the fixes made since it was stored: a rerun trusts it instead of reading every row again."""
+    return root / table / f"v{version}.unchanged.json"
+
+
 def is_litter(name: str) -> bool:
     """Temp files of interrupted atomic writes (`.<name>.tmp-<pid>`, `<shard>.tar.tmp`): never data."""
     return (name.startswith(".") and ".tmp-" in name) or name.endswith(".tar.tmp")

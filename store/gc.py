@@ -134,8 +134,9 @@ def collect(root: Path, dry_run: bool = False, echo: Callable[[str], None] = pri
                 f.rmdir() if f.is_dir() and not f.is_symlink() else f.unlink()
                 fmt.crash_point("gc_mid_delete")
             d.rmdir()
-        for vdir in p.remove:  # `store repair`'s marker of a removed version names nothing any more
+        for vdir in p.remove:  # `store repair`'s marker (and the fixes' record) of a removed version name nothing now
             fmt.damaged_marker(root, vdir.parent.name, int(vdir.name.lstrip("v"))).unlink(missing_ok=True)
+            fmt.unchanged_marker(root, vdir.parent.name, int(vdir.name.lstrip("v"))).unlink(missing_ok=True)
         for found in p.dead_leases:
             found.path.unlink(missing_ok=True)
         echo(f"gc: removed {len(p.remove)} version(s), freed {p.nbytes / 1e6:.1f} MB; kept "

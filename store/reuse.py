@@ -172,6 +172,30 @@ def reusable_keys(store: Store, table: str, lineage_hash: str, column: str,
     return out
 
 
+def unchanged_by_fixes(store: Store, table: str, version: int, check: str, scan: Callable[[], bool]) -> bool:
+    """Does no sample of this complete version change under the fixes `check` names (an id of what is wanted
+    now: its lineage)? `scan()` answers by reading every row's metadata; a yes is recorded next to the version
+    (`v<N>.unchanged.json`, atomic: a kill leaves the old record or the new) with the manifest's hash, so a rerun
+    of an unchanged store reads no rows. A record of another manifest (a version rebuilt under that number) or
+    without this check is not trusted; a store that cannot be written to scans every time."""
+    path = fmt.unchanged_marker(store.root, table, version)
+    version_id = store.version_id(table, version)
+    try:
+        rec = fmt.read_json(path, "unchanged-by-fixes record") if path.is_file() else {}
+        checks = list(rec.get("checks", [])) if rec.get("version_id") == version_id else []
+    except (UserError, AttributeError, TypeError):  # a damaged or hand-edited record: scanned again
+        checks = []
+    if check in checks:
+        return True
+    if not scan():
+        return False
+    try:
+        fmt.atomic_write_json(path, {"version_id": version_id, "checks": [*checks[-7:], check]})
+    except OSError:  # a read-only store: the answer stands, only not remembered
+        pass
+    return True
+
+
 def with_columns(rows: pa.Table, values: dict[str, dict[str, Any]]) -> pa.Table:
     """`rows` with the given meta columns replaced per key (values: column -> {key: value})."""
     keys = rows.column("key").to_pylist()

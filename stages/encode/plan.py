@@ -118,7 +118,8 @@ def _open_job(store_path: str | Path, stage: str, table: str, feature_hash: str,
     if found is None and fixes.revision_before not in (None, feature_revision) and not repair_context.active():
         before = code_version(fixes.revision_before)
         for old in (lineage, *(old for old, _ in hashed_before)):
-            if (found := _unchanged_by_fixes(store, table, images, replace(old, code_version=before), fixes)) is not None:
+            if (found := _unchanged_by_fixes(store, table, images, old, replace(old, code_version=before),
+                                             fixes)) is not None:
                 break
     if found is not None:
         adopt(job, found)
@@ -150,22 +151,29 @@ def _lineages_before_fixes(images, fixes: Fixes, stage: str, feature_hashes: tup
             for h in feature_hashes for rev, own in revisions for up, images_fix in upstreams if own or images_fix}
 
 
-def _unchanged_by_fixes(store: Store, table: str, images, before: Lineage, fixes: Fixes) -> int | None:
+def _unchanged_by_fixes(store: Store, table: str, images, wanted: Lineage, before: Lineage,
+                        fixes: Fixes) -> int | None:
     """A complete version of this lineage under the revision before this stage's fixes (the same `images`
-    version), none of whose samples they change: still current, so nothing downstream reruns."""
+    version), none of whose samples they change: still current, so nothing downstream reruns. A yes is recorded
+    with the version for `wanted` (its images version and revision: all the predicates read), so a rerun of an
+    unchanged store reads no rows (store/reuse.py `unchanged_by_fixes`)."""
+    from schemas.lineage import settings_hash
     from store.manifest_view import checked_manifest
+    from store.reuse import unchanged_by_fixes
 
     found = store.find_version(table, before)
     if found is None:
         return None
-    try:
-        # the columns a `by_revision` predicate reads from a stored row (the rest comes from the images meta)
-        rows = checked_manifest(store.version_dir(table, found), ["key", *ROW_COLUMNS]).to_pylist()
-    except UserError:
-        return None
-    if any(r["key"] not in images or fixes.by_revision(images.meta(r["key"]), r) for r in rows):
-        return None
-    return found
+
+    def none_changed() -> bool:
+        try:
+            # the columns a `by_revision` predicate reads from a stored row (the rest comes from the images meta)
+            rows = checked_manifest(store.version_dir(table, found), ["key", *ROW_COLUMNS]).to_pylist()
+        except UserError:
+            return False
+        return not any(r["key"] not in images or fixes.by_revision(images.meta(r["key"]), r) for r in rows)
+
+    return found if unchanged_by_fixes(store, table, found, settings_hash(wanted.to_dict()), none_changed) else None
 
 
 def _images_feature_lineage(store: Store, images, images_id: str) -> str:

@@ -37,7 +37,7 @@ import tarfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Any, Protocol
 
 from schemas.errors import UserError
 from stages.resize.folder_listing import Scan, _inside, scan, stem_suffix
@@ -46,6 +46,14 @@ from stages.resize.shards import is_shard_list, is_url, open_shard, shard_urls
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".tif", ".tiff", ".bmp", ".gif")  # = features.decode.ALLOWED_FORMATS
 _CONTROL_DIR = re.compile(r"^control(?:_(\d+))?$")
 DEFAULT_MAX_FILE_BYTES = 1 << 30  # = ResizeConfig.max_file_bytes' default
+
+
+class Done(Protocol):
+    """source -> key of a resumed run's samples (resumed_sources.py `ResumedSources`, or a dict)."""
+
+    def get(self, source: str) -> str | None: ...
+
+    def __len__(self) -> int: ...
 
 
 @dataclass
@@ -96,7 +104,7 @@ def detect_format(source: str | Path) -> str:
 
 
 def iter_source(source: str | Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
-                columns: Any = None, done: dict[str, str] | None = None) -> Iterator[SourceSample]:
+                columns: Any = None, done: Done | None = None) -> Iterator[SourceSample]:
     """The samples of a source; `columns` is `resize.columns` (a parquet source's column mapping). `done`: {source:
     key} of the samples a resumed run holds (resumed_sources.py): yielded with `done_key`, their files not read
     (a parquet row is read with its batch anyway)."""
@@ -113,7 +121,7 @@ def iter_source(source: str | Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
     return map(_printable_names, samples)
 
 
-def _done_key(done: dict[str, str], source: str) -> str | None:
+def _done_key(done: Done, source: str) -> str | None:
     return done.get(printable(source)) if done else None  # recorded as printable (the manifest holds UTF-8)
 
 
@@ -252,7 +260,7 @@ def _unsupported_message(root: Path, files: list[Path]) -> str:
 
 
 def iter_folder(root: Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
-                done: dict[str, str] | None = None) -> Iterator[SourceSample]:
+                done: Done | None = None) -> Iterator[SourceSample]:
     unsupported: dict[str, list[Path]] = {}  # stem -> files the layout cannot use; they must not vanish
     listed = scan(root / "target", root)
     targets = _images_by_stem(listed, unsupported, also=(".txt",))
@@ -342,7 +350,7 @@ WDS_METADATA_MEMBERS = frozenset({"json", "cls", "cls2", "id", "meta", "yaml", "
 
 
 def _sample_from_members(key: str, where: str, members: dict[str, bytes], bad: list[str],
-                         done: dict[str, str] | None = None) -> SourceSample:
+                         done: Done | None = None) -> SourceSample:
     s = SourceSample(name=key, source=where)
     s.done_key = _done_key(done or {}, where)
     if s.done_key is not None:
@@ -397,7 +405,7 @@ def _sample_from_members(key: str, where: str, members: dict[str, bytes], bad: l
 
 
 def iter_webdataset(root: str | Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
-                    done: dict[str, str] | None = None) -> Iterator[SourceSample]:
+                    done: Done | None = None) -> Iterator[SourceSample]:
     """Every shard of the source (shards.py: local, http(s), s3, brace lists), streamed once, in order."""
     for tar in shard_urls(root):
         stream = None
@@ -413,7 +421,7 @@ def iter_webdataset(root: str | Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYT
 
 
 def _tar_samples(tar: str, tf: tarfile.TarFile, stream: Any, max_file_bytes: int,
-                 done: dict[str, str]) -> Iterator[SourceSample]:
+                 done: Done) -> Iterator[SourceSample]:
     key: str | None = None
     members: dict[str, bytes] = {}
     bad: list[str] = []
@@ -516,7 +524,7 @@ def _resolve(base: Path, rel: str) -> Path:
 
 
 def iter_jsonl(root: Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
-               done: dict[str, str] | None = None) -> Iterator[SourceSample]:
+               done: Done | None = None) -> Iterator[SourceSample]:
     manifest = _jsonl_path(root)
     base = manifest.parent
     for no, obj, err in _jsonl_objects(manifest):

@@ -279,16 +279,24 @@ def _unchanged_by_fixes(st: Store, schema: TableSchema) -> int | None:
     """A complete version made before the fixes of this revision, none of whose samples they change: still
     current (its downstream tables too). One with such a sample is not: a new version re-renders those."""
     from schemas.fixes import mask_orientation_changes
+    from schemas.lineage import settings_hash
     from store.manifest_view import checked_manifest
+    from store.reuse import unchanged_by_fixes
 
     found = st.find_version(TABLE, _lineage_before_fixes(schema.lineage))
     if found is None:
         return None
-    try:
-        rows = checked_manifest(st.version_dir(TABLE, found), ["key", "has_mask", "conversions"]).to_pylist()
-    except UserError:
-        return None
-    return None if any(mask_orientation_changes(r) for r in rows) else found
+
+    def none_changed() -> bool:
+        try:
+            rows = checked_manifest(st.version_dir(TABLE, found), ["key", "has_mask", "conversions"]).to_pylist()
+        except UserError:
+            return False
+        return not any(mask_orientation_changes(r) for r in rows)
+
+    # a yes is recorded with the version: a rerun of an unchanged store reads no rows (store/reuse.py)
+    return found if unchanged_by_fixes(st, TABLE, found, settings_hash(schema.lineage.to_dict()), none_changed) \
+        else None
 
 
 def _damaged_current(st: Store) -> int | None:
@@ -420,6 +428,9 @@ def _commit(st: Store, writer: Any, source: str | Path, intake: _Intake) -> None
     summary = intake.summary
     st.add_quarantine(intake.rejects)
     if summary.written + summary.resumed + summary.reused == 0:
+        if not intake.rejects:  # nothing read at all (e.g. a target/ holding only .DS_Store): no quarantine to see
+            raise UserError(f"no sample found in source {source} (dotfiles such as .DS_Store are ignored); add the "
+                            "samples and rerun (the layouts: docs/resize-bucket.md, 'Sources')")
         raise UserError(
             f"no usable sample in source {source}: {len(intake.rejects)} quarantined "
             f"(see {summary.quarantine_file}); fix the source and rerun"

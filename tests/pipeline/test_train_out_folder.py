@@ -4,10 +4,12 @@ written; a new, empty or earlier run folder is taken as before."""
 
 from __future__ import annotations
 
+import pytest
 from typer.testing import CliRunner
 
 from pipeline.cli import app
 from pipeline.run_folder import refuse_a_folder_of_other_files
+from schemas.errors import UserError
 
 
 def test_a_folder_of_other_files_is_refused_untouched(tmp_path):
@@ -30,6 +32,14 @@ def test_new_empty_and_run_folders_pass(tmp_path):
     killed.mkdir()
     (killed / ".train.lock").write_text("")
     refuse_a_folder_of_other_files(killed)
+    shown = tmp_path / "shown"  # a new folder opened in Finder: its litter only (was "holds other files")
+    shown.mkdir()
+    (shown / ".DS_Store").write_bytes(b"\0\0\0\1Bud1")
+    (shown / "._.DS_Store").write_bytes(b"")
+    refuse_a_folder_of_other_files(shown)
+    (shown / "notes.txt").write_text("mine")  # litter beside a user's file: refused, naming the file only
+    with pytest.raises(UserError, match=r"holds other files \(notes\.txt\) and no training run"):
+        refuse_a_folder_of_other_files(shown)
 
 
 def test_run_all_refuses_such_a_paths_run_before_its_first_stage(tmp_path):

@@ -106,6 +106,12 @@ def test_tables_no_fix_changes_stay_current(tiny_plus_model, monkeypatch, tmp_pa
     for stage, before in zip((encode_text, encode_vae), old):
         s = stage.run(cfg, tmp_path / "store", tiny_plus_model, batch_size=1)
         assert s.up_to_date and s.version == before.version, stage.STAGE
+    # that scan's answer is kept with each version (store/reuse.py): the next rerun reads no row's metadata
+    read = []
+    for stage, before in zip((encode_text, encode_vae), old):
+        monkeypatch.setattr(stage, "has_alpha_picture", lambda meta: read.append(meta) or False)
+        s = stage.run(cfg, tmp_path / "store", tiny_plus_model, batch_size=1)
+        assert s.up_to_date and s.version == before.version and read == [], stage.STAGE
 
 
 def test_the_mask_fix_reencodes_exactly_the_latents_of_turned_masks(tiny_plus_model, monkeypatch, tmp_path):

@@ -81,6 +81,7 @@ def test_only_the_samples_the_mask_fix_changes_are_rerendered(monkeypatch, tmp_p
 
     rerun = resize_stage.run(cfg, tmp_path / "src", tmp_path / "store")
     assert not rerun.up_to_date and rerun.version == old.version + 1
+    assert not list((tmp_path / "store" / "images").glob("*.unchanged.json"))  # only a "none changed" is kept
     assert (rerun.written, rerun.reused) == (1, n - 1)  # the stored-layout mask only
 
     resize_stage.run(cfg, tmp_path / "src", tmp_path / "fresh")
@@ -94,3 +95,18 @@ def test_a_table_the_fix_leaves_unchanged_stays_current(monkeypatch, tmp_path):
     old = _build_before_fix(monkeypatch, cfg, tmp_path / "src", tmp_path / "store")
     rerun = resize_stage.run(cfg, tmp_path / "src", tmp_path / "store")
     assert rerun.up_to_date and rerun.version == old.version
+
+    # The scan's answer is kept with the version: a rerun of the unchanged store reads no row's metadata.
+    import json
+
+    import schemas.fixes
+
+    record = tmp_path / "store" / "images" / f"v{old.version}.unchanged.json"
+    scanned = []
+    monkeypatch.setattr(schemas.fixes, "mask_orientation_changes", lambda row: scanned.append(row) or False)
+    again = resize_stage.run(cfg, tmp_path / "src", tmp_path / "store")
+    assert again.up_to_date and again.version == old.version and scanned == []
+    # a record of another manifest (a version rebuilt under this number) is not trusted: scanned again
+    record.write_text(json.dumps({**json.loads(record.read_text()), "version_id": f"v{old.version}-0123456789abcdef"}))
+    assert resize_stage.run(cfg, tmp_path / "src", tmp_path / "store").up_to_date and len(scanned) == old.written
+    assert json.loads(record.read_text())["version_id"] == Store(tmp_path / "store").version_id("images", old.version)

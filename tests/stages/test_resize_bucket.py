@@ -334,6 +334,11 @@ def test_a_source_with_nothing_usable_is_an_error_after_quarantining(tmp_path):
         run(cfg(), tmp_path / "src", tmp_path / "store")
     st = Store(tmp_path / "store")
     assert [r["reason"] for r in st.quarantine().to_pylist()] == ["empty-image"] and "images" not in st.tables()
+    (tmp_path / "litter" / "target").mkdir(parents=True)  # only OS litter: no sample, not "0 quarantined (see ...)"
+    (tmp_path / "litter" / "target" / ".DS_Store").write_bytes(b"\0\0\0\1Bud1")
+    with pytest.raises(UserError, match=r"^no sample found in source .*litter \(dotfiles such as \.DS_Store are "
+                                        r"ignored\); add the samples"):
+        run(cfg(), tmp_path / "litter", tmp_path / "store")
 
 
 def test_unsupported_files_quarantine_their_sample_gif_is_read_dotfiles_ignored(tmp_path):

@@ -72,3 +72,20 @@ def test_a_resumed_run_reads_and_hashes_only_the_unfinished_samples(tmp_path: Pa
     a, b = Store(out), Store(tmp_path / "fresh")
     assert _rows(a) == _rows(b)  # same keys, same PNG bytes, same metadata (source, split, bucket ...)
     assert _quarantine(a) == _quarantine(b)
+
+
+def test_the_resumed_map_answers_as_the_dict_it_replaced() -> None:
+    """`ResumedSources` (sorted digests, not a dict of str): every source found with its key, one not written
+    is not, a source listed in two indexes gives the later key (dict.update did), 0 and 1 entries work."""
+    from stages.resize.resumed_sources import ResumedSources
+
+    parts = [([f"/src/target/{i}.png" for i in range(300)], [f"{i:032x}" for i in range(300)]),
+             (["/src/target/7.png", "d\u00e9j\u00e0 vu.png", "a.tar:x\\xe9"], ["k" * 32, "short", "8" * 32])]
+    want: dict[str, str] = {}
+    for sources_, keys in parts:
+        want.update(zip(sources_, keys))
+    done = ResumedSources(iter(parts))
+    assert len(done) == len(want) == 302 and {s: done.get(s) for s in want} == want
+    assert done.get("/src/target/300.png") is None and done.get("/src/target/7.PNG") is None
+    assert len(ResumedSources([])) == 0 and ResumedSources([]).get("x") is None and not ResumedSources([])
+    assert ResumedSources([(["only"], ["k1"])]).get("only") == "k1"
