@@ -106,6 +106,7 @@ class Run:
     damage: DamageTally | None = None  # train.on_damaged=skip: samples left out, the agreed limit
     stop: StopOnSignal | None = None  # a SIGTERM seen by this rank, agreed at the next step (stages/train/stop.py)
     rerun: str = "rerun with --resume"  # how the user continues this run (`run all`: the same command)
+    resume_bytes: dict[str, bytes] | None = None  # the resumed checkpoint's files, read once by its check (restore)
 
     @property
     def device(self) -> torch.device:
