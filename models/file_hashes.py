@@ -12,6 +12,12 @@ whole on every run; here each file is one row looked up by its primary key, new 
 transactions (a killed run keeps what it flushed), and the WAL journal with a busy timeout lets concurrent
 processes (ranks, stages run side by side) share one cache. It is a cache only: when it cannot be opened or
 written, files are hashed without it, and a damaged database file is replaced.
+
+A cache folder on a network file system (a home folder on NFS, Lustre, GPFS, ...: `network_fs`) holds one
+database per host, in sqlite's rollback journal: WAL keeps its index in memory shared through an mmapped file,
+which only processes of one host share (sqlite: "WAL does not work over a network filesystem"), and sqlite's
+locks across hosts rely on the mount's lock service (absent with `nolock`). Per host, only one host's processes
+open each file; its files are hashed once per host, as each node reads its own copy anyway.
 """
 
 from __future__ import annotations
@@ -51,14 +57,42 @@ def file_sha256(path: str | Path) -> str:
 _OPEN_WAIT_S = 30.0  # as long as the busy timeout a write waits
 
 
-def _connect(path: Path) -> sqlite3.Connection:
+# file systems shared by several hosts (kernel names as in /proc/self/mountinfo)
+NETWORK_FS = {"nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "beegfs", "ceph", "fuse.ceph-fuse",
+              "glusterfs", "fuse.glusterfs", "fuse.sshfs", "9p", "afs", "gfs2", "ocfs2", "panfs", "wekafs",
+              "fuse.juicefs", "orangefs", "virtiofs"}
+
+
+def network_fs(path: Path, mountinfo: str | None = None) -> str | None:
+    """The type of the network file system holding `path` (which may not exist yet), else None.
+    `mountinfo`: the text of /proc/self/mountinfo (read when None; unreadable: None, as a local disk)."""
+    if mountinfo is None:
+        try:
+            mountinfo = Path("/proc/self/mountinfo").read_text()
+        except OSError:
+            return None
+    real = os.path.realpath(path)  # links resolved as far as the path exists
+    best, kind = "", None
+    for line in mountinfo.splitlines():
+        fields, _, rest = line.partition(" - ")
+        parts, tail = fields.split(), rest.split()
+        if len(parts) < 5 or not tail:
+            continue
+        point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), parts[4])  # "\040": a space
+        inside = real == point or real.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best):  # the innermost mount (the last of equal ones: mounted over)
+            best, kind = point, tail[0]
+    return kind if kind in NETWORK_FS else None
+
+
+def _connect(path: Path, journal: str = "WAL") -> sqlite3.Connection:
     path.parent.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + _OPEN_WAIT_S
     pause = 0.01
     while True:
         db = sqlite3.connect(path, timeout=_OPEN_WAIT_S)  # waits for another process's write transaction
         try:
-            db.execute("PRAGMA journal_mode=WAL")  # readers never wait for a writer
+            db.execute(f"PRAGMA journal_mode={journal}")  # WAL: readers never wait for a writer
             db.execute("PRAGMA synchronous=NORMAL")  # a cache: a power cut may lose the last batch, never corrupt it
             db.execute(_TABLE)
             if "ctime_ns" not in {row[1] for row in db.execute("PRAGMA table_info(sha256)")}:
@@ -79,9 +113,9 @@ def _connect(path: Path) -> sqlite3.Connection:
             raise
 
 
-def _open(path: Path) -> sqlite3.Connection | None:
+def _open(path: Path, journal: str = "WAL") -> sqlite3.Connection | None:
     try:
-        return _connect(path)
+        return _connect(path, journal)
     except sqlite3.OperationalError as e:  # locked past the timeout, read-only or full disk: go on without
         log.warning("file hash cache %s not usable (%s); hashing without it", path, e)
         return None
@@ -93,7 +127,7 @@ def _open(path: Path) -> sqlite3.Connection | None:
     try:
         for suffix in ("", "-wal", "-shm"):
             Path(f"{path}{suffix}").unlink(missing_ok=True)
-        return _connect(path)
+        return _connect(path, journal)
     except (sqlite3.Error, OSError) as e:
         log.warning("file hash cache %s not usable (%s); hashing without it", path, e)
         return None
@@ -106,12 +140,18 @@ class FileHashes:
     def __init__(self, cache_name: str = CACHE_NAME) -> None:
         base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
         self.path = Path(base) / "qwen-edit-pipeline" / cache_name
+        self.journal = "WAL"
+        if network_fs(self.path) is not None:  # one database per host, rollback journal (module doc)
+            stem, dot, ext = cache_name.rpartition(".")
+            host = re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname())
+            self.path = self.path.with_name(f"{stem}.{host}.{ext}" if dot else f"{cache_name}.{host}")
+            self.journal = "DELETE"
         self._db: sqlite3.Connection | None = None
         self._pending: dict[str, tuple[int, int, int, str]] = {}
         self.hashed = 0
 
     def __enter__(self) -> "FileHashes":
-        self._db = _open(self.path)
+        self._db = _open(self.path, self.journal)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -180,13 +220,22 @@ class FileHashes:
             self._db.close()
             self._db = None
 
-    def sha256(self, f: str | Path) -> str:
+    def cached(self, f: str | Path) -> str | None:
+        """The file's sha256 when the cache knows its bytes (same size, mtime and ctime), else None (not read)."""
         real = os.path.realpath(f)
         st = os.stat(real)
         known = self._known(real)
         stamp = (st.st_size, st.st_mtime_ns, st.st_ctime_ns)
         if known is not None and tuple(known[:3]) == stamp and isinstance(known[3], str) and _SHA256.fullmatch(known[3]):
             return known[3]
+        return None
+
+    def sha256(self, f: str | Path) -> str:
+        real = os.path.realpath(f)
+        st = os.stat(real)
+        stamp = (st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        if (known := self.cached(real)) is not None:
+            return known
         digest = file_sha256(real)
         self.hashed += 1
         after = os.stat(real)

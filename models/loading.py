@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Literal
 
 import torch
+from tqdm.auto import tqdm
 
 from models.file_hashes import FileHashes
 from schemas.errors import UserError
@@ -113,13 +114,14 @@ def pipeline_family(variant: str) -> Literal["edit", "edit-plus", "qwen-image-2.
     return "edit" if variant == "edit" else "edit-plus"
 
 
-def _file_digest(f: Path, hashes: FileHashes) -> str:
-    """sha256 of a file's bytes. Hub snapshots link to blobs named by that hash (free); other files are read
-    whole once and remembered by (path, size, mtime), so a 40 GB model is hashed once, not per stage run."""
+def _known_digest(f: Path, hashes: FileHashes) -> str | None:
+    """sha256 of a file's bytes when known without reading them: Hub snapshots link to blobs named by that hash;
+    other files are remembered by (path, size, mtime, ctime) once read, so a 40 GB model is hashed once, not per
+    stage run."""
     real = Path(os.path.realpath(f))
     if "blobs" in real.parts and len(real.name) == 64:
         return real.name
-    return hashes.sha256(real)
+    return hashes.cached(real)
 
 
 @lru_cache(maxsize=16)
@@ -168,10 +170,17 @@ def _files_fingerprint(root: Path, components: tuple[str, ...] | None) -> str:
     files = sorted(root.rglob("*")) if components is None else sorted(f for c in components for f in (root / c).rglob("*"))
     h = hashlib.sha256()
     with FileHashes() as hashes, hashes.alone(str(root)):  # the ranks of a node: one reads, the others find it cached
-        for f in files:
-            if f.is_file():
+        known = [(f, _known_digest(f, hashes)) for f in files if f.is_file()]
+        todo = sum(f.stat().st_size for f, digest in known if digest is None)
+        # bytes read and hashed (rate, ETA): shown by the process that reads them, not by one finding them cached
+        with tqdm(total=todo, desc=f"hash {root.name}", unit="B", unit_scale=True, unit_divisor=1024,
+                  disable=todo == 0, dynamic_ncols=True) as bar:
+            for f, digest in known:
+                if digest is None:
+                    digest = hashes.sha256(f)
+                    bar.update(f.stat().st_size)
                 h.update(str(f.relative_to(root)).encode())
-                h.update(_file_digest(f, hashes).encode())
+                h.update(digest.encode())
     return h.hexdigest()[:16]
 
 

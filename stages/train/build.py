@@ -154,4 +154,4 @@ def build_training(r: Run, store: str | Path, model: str, latest: Path | None, r
         from stages.train.trackers import StepProfiler
 
         r.profiler = StepProfiler(min(tc.profile, tc.max_steps - r.step), r.run_dir, r.rank, r.device,
-                                   r.rerun)
+                                   r.rerun, r.world)

@@ -165,7 +165,8 @@ def change_line(before: int, now: int, canonical: int) -> str:
             "per process as at the start), so the LoRA is the one a straight run trains")
 
 
-def restore_rng(folder: Path, rank: int, same_world: bool, seed: int, step: int) -> None:
+def restore_rng(folder: Path, rank: int, same_world: bool, seed: int, step: int,
+                kept: dict[str, bytes] | None = None) -> None:
     """This rank's torch RNG: its own saved state on the same world size; after a change, seeded from
     (seed, step, rank) (the saved states belong to the old ranks)."""
     import torch
@@ -173,6 +174,6 @@ def restore_rng(folder: Path, rank: int, same_world: bool, seed: int, step: int)
     from stages.train import state as train_state
 
     if same_world:
-        train_state.load_rng(folder, rank)
+        train_state.load_rng(folder, rank, kept)
         return
     torch.manual_seed(rng_for(seed, step, rank, 0x5EED).getrandbits(63))  # also seeds every CUDA device

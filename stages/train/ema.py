@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load as load_bytes, save_file
 
 from schemas.errors import UserError
 
@@ -45,11 +45,14 @@ class AdapterEMA:
     def save(self, folder: Path) -> None:
         save_file({str(i): s.contiguous().cpu() for i, s in enumerate(self.shadow)}, folder / EMA_FILE)
 
-    def load(self, folder: Path) -> None:
+    def load(self, folder: Path, kept: dict[str, bytes] | None = None) -> None:
+        """`kept`: the checkpoint's bytes its check read (stages.train.state.kept_bytes)."""
+        from stages.train.state import kept_bytes
+
         path = folder / EMA_FILE
-        if not path.is_file():
+        if not (kept and EMA_FILE in kept) and not path.is_file():
             raise UserError(f"{folder} has no {EMA_FILE}: it was written without train.ema_decay")
-        saved = load_file(path)
+        saved = load_bytes(kept_bytes(folder, EMA_FILE, kept))
         if len(saved) != len(self.shadow):
             raise UserError(f"{path}: EMA of {len(saved)} tensors, the adapter has {len(self.shadow)}")
         self.shadow = [saved[str(i)].to(s.device) for i, s in enumerate(self.shadow)]

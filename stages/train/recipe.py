@@ -106,6 +106,7 @@ class Run:
     damage: DamageTally | None = None  # train.on_damaged=skip: samples left out, the agreed limit
     stop: StopOnSignal | None = None  # a SIGTERM seen by this rank, agreed at the next step (stages/train/stop.py)
     rerun: str = "rerun with --resume"  # how the user continues this run (`run all`: the same command)
+    resume_bytes: dict[str, bytes] | None = None  # the resumed checkpoint's files, read once by its check (restore)
 
     @property
     def device(self) -> torch.device:
@@ -184,9 +185,12 @@ def run(
                 stats = step(r)
                 log(r, stats)
                 # checkpoint first: a validation that fails (out of memory generating samples) loses no training
-                if r.step % r.cfg.checkpoint_every == 0 or r.step == r.cfg.max_steps or stats.stop:
+                saved = r.step % r.cfg.checkpoint_every == 0 or r.step == r.cfg.max_steps or stats.stop
+                if saved:
                     checkpoint(r)
-                if stats.stop and r.step < r.cfg.max_steps:  # every rank: the flag came with the step's loss
+                # every rank: the flag came with the step's loss, or (a signal while the checkpoint was written)
+                # is agreed right after it, so the checkpoint just written is the resume point without one more step
+                if r.step < r.cfg.max_steps and (stats.stop or saved and r.stop.pending(r.world)):
                     if r.main:
                         r.bar.write(f"stopped by a signal after optimizer step {r.step}: its checkpoint "
                                     f"{r.checkpoints / f'step-{r.step}'} is written; {r.rerun} to continue from it")

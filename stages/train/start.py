@@ -12,7 +12,7 @@ from tqdm.auto import tqdm
 
 from features.open import open_configured
 from models.collective import all_max, together
-from models.lora import load_lora
+from models.lora import WEIGHT_NAME, load_lora
 from schemas.config import PipelineConfig, TrainConfig, dump_config
 from schemas.errors import UserError
 from schemas.lineage import unhashed_names
@@ -85,8 +85,11 @@ def resume_point(r: Run, resume: bool, cfg: PipelineConfig) -> tuple[Path | None
                         f"to keep it as {previous.previous_root(r.run_dir)}/N-TIME and train afresh")
     if not resume or latest is None:
         return None, None
-    with together(r.world, f"reading {latest}"):  # a read that fails on one rank stops every rank with its line
-        record = ResumeRecord.read(latest / train_state.RESUME_JSON)
+    # a read that fails on one rank stops every rank with its line; the files' bytes, read once for their check,
+    # are kept for `restore` (a second read of every file per rank doubled the shared filesystem's load)
+    kept: dict[str, bytes] = {}
+    with together(r.world, f"reading {latest}"):
+        record = ResumeRecord.read(latest / train_state.RESUME_JSON, keep=kept)
     # a run made when batch_size was hashed under a token budget is this run when the rest agrees
     record = replace(record, config_fingerprint=known_fingerprint(record.config_fingerprint, r.cfg))
     try:
@@ -105,6 +108,7 @@ def resume_point(r: Run, resume: bool, cfg: PipelineConfig) -> tuple[Path | None
         raise train_state.ResumeMismatch(
             f"{why}\nTo keep this run (moved to {previous.previous_root(r.run_dir)}/N-TIME) and train afresh into "
             f"{r.run_dir}, add --new-run (what `pipeline run all` does)", reason=e.reason) from None
+    r.resume_bytes = kept
     return latest, record
 
 
@@ -151,12 +155,16 @@ def prepare_run_dir(r: Run, cfg: PipelineConfig) -> None:
 
 
 def restore(r: Run, latest: Path, record: ResumeRecord) -> None:
-    load_lora(r.transformer, latest / "lora")
-    train_state.load_optimizer(r.optimizer, latest)
-    train_state.load_scheduler(r.scheduler, latest)
-    elastic.restore_rng(latest, r.rank, record.world_size == r.world, r.cfg.seed, record.step)
+    """The checkpoint's state into the built model, optimizer, scheduler, RNG and EMA, from the bytes its check
+    read (`resume_point`; each file handed over once, then dropped)."""
+    kept, r.resume_bytes = r.resume_bytes or {}, None
+    load_lora(r.transformer, latest / "lora", data=kept.pop(f"lora/{WEIGHT_NAME}", None))
+    train_state.load_optimizer(r.optimizer, latest, kept)
+    train_state.load_scheduler(r.scheduler, latest, kept)
+    elastic.restore_rng(latest, r.rank, record.world_size == r.world, r.cfg.seed, record.step, kept)
     if r.ema is not None:
-        r.ema.load(latest)
+        r.ema.load(latest, kept)
+    kept.clear()  # other ranks' RNG states
     r.step = record.step
     r.stream = DataStream(r.stream.sampler, record.epoch, record.batch_in_epoch)
     if r.main:

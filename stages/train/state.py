@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load as load_bytes, save_file
 
 from schemas import up_to_date
 from schemas.errors import UserError
@@ -73,11 +73,23 @@ def file_checksums(folder: Path) -> dict[str, dict[str, Any]]:
     return folder_checksums(folder, (RESUME_JSON,))
 
 
-def check_files(folder: Path, files: dict[str, dict[str, Any]]) -> None:
-    from store.checksum import file_mismatch
+def check_files(folder: Path, files: dict[str, dict[str, Any]], keep: dict[str, bytes] | None = None) -> None:
+    """Every file against its recorded size and CRC32C. `keep`: filled with each file's bytes, checked as read
+    and kept for the load (a resume then reads each file once, not once to check and again to load)."""
+    from store.checksum import crc_hex, file_mismatch
 
     for name, entry in sorted(files.items()):
-        problem = file_mismatch(folder, name, entry)
+        if keep is None:
+            problem = file_mismatch(folder, name, entry)
+        else:
+            try:
+                data = (folder / name).read_bytes()
+            except FileNotFoundError:
+                data, problem = None, f"{name} is missing"
+            else:
+                problem = file_mismatch(folder, name, entry, (crc_hex(data), len(data)))
+            if data is not None:
+                keep[name] = data
         if problem:
             raise CheckpointDamaged(damaged_message(folder, problem))
 
@@ -109,9 +121,10 @@ class ResumeRecord:
         return self.canonical_world_size or self.world_size
 
     @classmethod
-    def read(cls, path: Path) -> "ResumeRecord":
+    def read(cls, path: Path, keep: dict[str, bytes] | None = None) -> "ResumeRecord":
         """The record of a checkpoint whose every file matches the sizes and CRC32Cs recorded at commit
-        (checkpoints written before checksums carry none and are read as they are)."""
+        (checkpoints written before checksums carry none and are read as they are). `keep`: filled with the
+        checked files' bytes (relative path -> bytes) for the load (`check_files`)."""
         from store.checksum import SealError, is_sealed, unseal
 
         try:
@@ -124,7 +137,7 @@ class ResumeRecord:
         except (OSError, json.JSONDecodeError, UnicodeDecodeError, TypeError, SealError) as e:
             raise CheckpointDamaged(damaged_message(path.parent, f"{path.name} is damaged or unreadable ({e})")) from None
         if files is not None:
-            check_files(path.parent, files)
+            check_files(path.parent, files, keep)
         return record
 
     def inputs(self) -> dict[str, Any]:
@@ -238,9 +251,16 @@ def save_optimizer(optimizer: torch.optim.Optimizer, folder: Path) -> None:
     (folder / "optimizer.json").write_text(json.dumps({"param_groups": groups, "state": layout}, indent=2) + "\n")
 
 
-def load_optimizer(optimizer: torch.optim.Optimizer, folder: Path) -> None:
-    flat = load_file(folder / "optimizer.safetensors")
-    saved = json.loads((folder / "optimizer.json").read_text())
+def kept_bytes(folder: Path, name: str, kept: dict[str, bytes] | None) -> bytes:
+    """A checkpoint file's bytes: those its check read (`ResumeRecord.read(keep=...)`, handed over and dropped
+    here), else read now (a checkpoint written before checksums)."""
+    data = kept.pop(name, None) if kept is not None else None
+    return data if data is not None else (folder / name).read_bytes()
+
+
+def load_optimizer(optimizer: torch.optim.Optimizer, folder: Path, kept: dict[str, bytes] | None = None) -> None:
+    flat = load_bytes(kept_bytes(folder, "optimizer.safetensors", kept))
+    saved = json.loads(kept_bytes(folder, "optimizer.json", kept))
     groups = saved["param_groups"]
     for g, now in zip(groups, optimizer.param_groups):
         for k, v in now.items():  # JSON has no tuples: give back the optimizer's own types (betas, eps, ...)
@@ -258,8 +278,9 @@ def save_scheduler(scheduler: torch.optim.lr_scheduler.LRScheduler, folder: Path
     (folder / "scheduler.json").write_text(json.dumps(sd, indent=2) + "\n")
 
 
-def load_scheduler(scheduler: torch.optim.lr_scheduler.LRScheduler, folder: Path) -> None:
-    sd = json.loads((folder / "scheduler.json").read_text())
+def load_scheduler(scheduler: torch.optim.lr_scheduler.LRScheduler, folder: Path,
+                   kept: dict[str, bytes] | None = None) -> None:
+    sd = json.loads(kept_bytes(folder, "scheduler.json", kept))
     sd["lr_lambdas"] = [None] * len(sd.get("base_lrs", []))  # the lambdas are rebuilt from the config
     scheduler.load_state_dict(sd)
 
@@ -275,11 +296,11 @@ def save_rng(folder: Path, rank: int) -> None:
     save_file(states, _rng_file(folder, rank))
 
 
-def load_rng(folder: Path, rank: int) -> None:
+def load_rng(folder: Path, rank: int, kept: dict[str, bytes] | None = None) -> None:
     path = _rng_file(folder, rank)
-    if not path.is_file():
+    if not (kept and path.name in kept) and not path.is_file():
         raise UserError(f"{folder} has no RNG state for rank {rank}: the checkpoint is incomplete")
-    states = load_file(path)
+    states = load_bytes(kept_bytes(folder, path.name, kept))
     torch.set_rng_state(states["cpu"])
     cuda = [states[f"cuda{i}"] for i in range(sum(k.startswith("cuda") for k in states))]
     if cuda and torch.cuda.is_available():

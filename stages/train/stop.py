@@ -5,6 +5,9 @@ step under way, with a checkpoint of that step, instead of at once: the steps si
 The signal only sets a flag here; the step's loss all-reduce carries it (one more number, no extra collective), so
 every rank learns of a signal that reached any of them at the same step, writes the same checkpoint together and
 then stops as the signal would have stopped it (the handler it replaced: the CLI's one-line exit, status 143).
+A SIGTERM that comes while a checkpoint is written stops right after it, without another step (the checkpoint
+just written is the resume point; one more step would spend the scheduler's grace period on work the resume
+redoes): the ranks agree on it in one all-reduce after each checkpoint (`pending`).
 A SIGTERM after the request has gone into a step's all-reduce stops at once, as before. Not simply the second
 one: under SLURM (`scancel`, preemption) every process of the job step is sent SIGTERM, and torchrun's agent
 passes its own on to the ranks, so each rank gets two at once. Schedulers send SIGKILL after a grace period
@@ -58,6 +61,12 @@ class StopOnSignal:
         """1.0 once a signal came (a number for the step's all-reduce), else 0.0."""
         self._passed_on = self.signum is not None
         return 0.0 if self.signum is None else 1.0
+
+    def pending(self, world: int) -> bool:
+        """Whether a signal reached any rank (after a checkpoint: every rank calls this, one all-reduce)."""
+        from models.collective import all_max
+
+        return bool(all_max(world, [int(self.requested())])[0])
 
     def stop_now(self, signum: int | None = None) -> None:
         """End the process as the replaced handler would have for the signal (all ranks: the agreed stop)."""

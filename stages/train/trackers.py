@@ -8,7 +8,8 @@ its last checkpoint are dropped); the others are optional packages (`pip install
 or missing one is a one-line error before training starts.
 
 `StepProfiler` (`train.profile: N`) records the first N optimizer steps of this start with `torch.profiler` and
-writes RUN/profile/trace-rank{R}.json (Chrome trace format: chrome://tracing, Perfetto, TensorBoard's profiler).
+writes RUN/profile/trace-rank{R}.json (Chrome trace format: chrome://tracing, Perfetto, TensorBoard's profiler);
+the ranks write theirs at the same step and agree on it (a full disk on one stops all with its line).
 """
 
 from __future__ import annotations
@@ -117,10 +118,10 @@ class StepProfiler:
     """`torch.profiler` over the next `steps` optimizer steps (call `step()` after each); writes the trace once."""
 
     def __init__(self, steps: int, run_dir: Path, rank: int, device: torch.device,
-                 rerun: str = "rerun with --resume"):
+                 rerun: str = "rerun with --resume", world: int = 1):
         from torch.profiler import ProfilerActivity, profile
 
-        self.left, self.rerun = steps, rerun
+        self.left, self.rerun, self.world = steps, rerun, world
         self.path = run_dir / TRACE_DIR / f"trace-rank{rank}.json"
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
         self.prof = profile(activities=activities, record_shapes=True, profile_memory=True)
@@ -132,8 +133,13 @@ class StepProfiler:
         self.prof.step()
         self.left -= 1
         if self.left == 0:
-            self.prof.stop()
-            self._write()
+            from models.collective import together
+
+            # every rank writes its trace at the same step: agreed, so a full disk on one rank stops every rank
+            # with its line (not only that one, the others waiting for it in the next gradient all-reduce)
+            with together(self.world, f"the profiler trace {self.path.name}"):
+                self.prof.stop()
+                self._write()
 
     def _write(self) -> None:
         """The trace, whole or not at all; a full disk is one line naming the file and the MB free."""

@@ -244,3 +244,49 @@ def test_a_file_system_without_locks_hashes_without_the_lock(tmp_path, cache, mo
     with FileHashes() as hashes, hashes.alone(str(tmp_path / "model")):
         got = [hashes.sha256(f) for f in files]
     assert got == [_sha(f) for f in files]
+
+
+MOUNTINFO = """22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/sda1 rw
+40 22 0:50 / /home rw,relatime shared:20 - nfs4 filer:/export/home rw,vers=4.2
+41 40 8:2 / /home/u/scratch\\040disk rw,relatime shared:21 - ext4 /dev/sdb1 rw
+"""
+
+
+def test_a_cache_on_a_network_file_system_is_one_rollback_database_per_host(tmp_path, cache, monkeypatch) -> None:
+    """sqlite's WAL needs memory shared by every process of the database, which processes of two hosts never
+    share: a cache folder on NFS (a shared home) holds one database per host, in the rollback journal. Before:
+    one WAL database for every node of the cluster."""
+    import socket
+    import sqlite3
+
+    assert fh.network_fs(Path("/home/u/.cache/x/y"), MOUNTINFO) == "nfs4"  # the innermost mount, parents too
+    assert fh.network_fs(Path("/home/u/scratch disk/c"), MOUNTINFO) is None  # "\040": a space
+    assert fh.network_fs(Path("/var/tmp"), MOUNTINFO) is None
+
+    files = _files(tmp_path / "model", 3)
+    monkeypatch.setattr(fh, "network_fs", lambda path, mountinfo=None: "nfs4")
+    folder = cache / "qwen-edit-pipeline"
+    for node, hashed in (("node-a", 3), ("node-a", 0), ("node-b", 3)):  # node b: its own database
+        monkeypatch.setattr(socket, "gethostname", lambda node=node: node)
+        with FileHashes() as h:
+            assert [h.sha256(f) for f in files] == [_sha(f) for f in files] and h.hashed == hashed
+            assert h.path == folder / f"file-hashes.{node}.sqlite"
+            with sqlite3.connect(h.path) as db:
+                assert db.execute("PRAGMA journal_mode").fetchone()[0] == "delete"
+            db.close()
+    assert sorted(p.name for p in folder.iterdir() if p.is_file()) == ["file-hashes.node-a.sqlite",
+                                                                       "file-hashes.node-b.sqlite"]  # no -wal
+
+
+def test_hashing_a_model_folder_shows_its_bytes_per_second_once(tmp_path, cache, capsys) -> None:
+    """Hashing a model folder (41 GB at train start) shows a progress bar of the bytes read, with their rate; a
+    process that finds the folder cached (the node's other ranks, the next stage) shows none."""
+    from models.loading import _files_fingerprint
+
+    root = tmp_path / "model"
+    _files(root / "transformer", 4)
+    first = _files_fingerprint(root, None)
+    err = capsys.readouterr().err
+    assert "hash model" in err and "B/s" in err and "100%" in err, err
+    assert _files_fingerprint(root, None) == first
+    assert "hash model" not in capsys.readouterr().err

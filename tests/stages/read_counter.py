@@ -51,3 +51,45 @@ def count_lora_reads(monkeypatch) -> Counter:
     monkeypatch.setattr(builtins, "open", counting_open)
     monkeypatch.setattr(models.lora, "load_file", counting_load_file)
     return counts
+
+
+def count_reads_under(monkeypatch, folder: Path, loaders: tuple[str, ...] = ()) -> Counter:
+    """{path relative to `folder`: bytes read} of the files under `folder` from now on: through Python's `open`
+    (`io.open` too: pathlib's reads) and through safetensors' `load_file` where the modules named in `loaders`
+    import it (mmap: counted as the whole file per call)."""
+    import importlib
+
+    counts: Counter = Counter()
+    root = folder.resolve()
+    real_open = builtins.open
+
+    def under(file) -> str | None:
+        if not isinstance(file, (str, Path)):
+            return None
+        p = Path(file).resolve()
+        return p.relative_to(root).as_posix() if p.is_relative_to(root) else None
+
+    def counting_open(file, mode="r", buffering=-1, *a, **k):
+        key = under(file)
+        if key is None or "r" not in mode:
+            return real_open(file, mode, buffering, *a, **k)
+        raw = _Counting(real_open(file, "rb", buffering=0), key, counts)
+        if "b" in mode:
+            return raw if buffering == 0 else io.BufferedReader(raw)
+        return io.TextIOWrapper(io.BufferedReader(raw), *a, **k)
+
+    monkeypatch.setattr(builtins, "open", counting_open)
+    monkeypatch.setattr(io, "open", counting_open)
+    for name in loaders:
+        module = importlib.import_module(name)
+        real_load_file = getattr(module, "load_file", None)
+        if real_load_file is None:
+            continue
+
+        def counting_load_file(path, *a, _real=real_load_file, **k):
+            if (key := under(path)) is not None:
+                counts[key] += Path(path).stat().st_size
+            return _real(path, *a, **k)
+
+        monkeypatch.setattr(module, "load_file", counting_load_file)
+    return counts

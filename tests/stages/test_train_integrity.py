@@ -199,6 +199,27 @@ def test_damaged_checkpoint_is_named_and_the_previous_offered(tmp_path, tiny_edi
         run(cfg_of(max_steps=3, checkpoint_every=1), root, tiny_edit_model, out, resume=True)
 
 
+def test_a_resume_reads_each_checkpoint_file_once(tmp_path, tiny_edit_model, monkeypatch):
+    """The resume's check (sizes and CRC32Cs against resume.json) and its load share one read of each file. Before:
+    every file was read twice per rank (once to check, once to load), doubling a shared filesystem's load when
+    many ranks resume at once."""
+    from read_counter import count_reads_under
+
+    root = tmp_path / "store"
+    make_train_store(root, tiny_edit_model, mixed_specs(4))
+    out = tmp_path / "run"
+    run(cfg_of(max_steps=2, checkpoint_every=2, ema_decay=0.9), root, tiny_edit_model, out)
+    step2 = out / "checkpoints" / "step-2"
+    sizes = {p.relative_to(step2).as_posix(): p.stat().st_size for p in step2.rglob("*") if p.is_file()}
+    assert {"lora/pytorch_lora_weights.safetensors", "optimizer.safetensors", "ema.safetensors",
+            "rng-rank00.safetensors", "scheduler.json", "resume.json"} <= set(sizes)
+    reads = count_reads_under(monkeypatch, step2, ("stages.train.state", "stages.train.ema", "models.lora"))
+    resumed = run(cfg_of(max_steps=3, checkpoint_every=100, ema_decay=0.9), root, tiny_edit_model, out, resume=True)
+    monkeypatch.undo()
+    assert resumed.start_step == 2
+    assert dict(reads) == sizes, (dict(reads), sizes)
+
+
 # ---------------------------------------------------------------------------------------------- full disk
 
 

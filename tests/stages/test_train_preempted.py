@@ -2,7 +2,9 @@
 process stops with the signal's status and one line; `--resume` continues from that step and trains the LoRA a
 straight run trains. Before: the process stopped at once and lost every step since the last checkpoint
 (`train.checkpoint_every`, 50 by default). The signal is sent while the trainer has stopped itself right after its
-step-3 checkpoint (`STORE_PAUSE_AT`), so it lands at the same point whatever the machine's load."""
+step-3 checkpoint (`STORE_PAUSE_AT`), so it lands at the same point whatever the machine's load: a signal that
+came while a checkpoint was written stops at that checkpoint (before: one more step ran, and was checkpointed,
+inside the scheduler's grace period)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import psutil
 import torch
@@ -39,7 +40,7 @@ def test_sigterm_checkpoints_the_step_under_way_and_resume_loses_nothing(tiny_ed
         while psutil.Process(proc.pid).status() != psutil.STATUS_STOPPED:
             assert proc.poll() is None and time.monotonic() < deadline, "the trainer never reached its checkpoint"
             time.sleep(0.1)
-        proc.send_signal(signal.SIGTERM)  # pending until it continues, right after the step-3 checkpoint
+        proc.send_signal(signal.SIGTERM)  # pending until it continues, inside the step-3 checkpoint's writing
         proc.send_signal(signal.SIGCONT)
         output = proc.communicate(timeout=300)[0].decode()
     finally:
@@ -47,12 +48,12 @@ def test_sigterm_checkpoints_the_step_under_way_and_resume_loses_nothing(tiny_ed
             proc.kill()
     assert proc.returncode == 128 + signal.SIGTERM, output[-3000:]
     assert "Traceback" not in output, output[-3000:]
-    assert f"stopped by a signal after optimizer step 4: its checkpoint {out / 'checkpoints' / 'step-4'}" in output
-    assert [s for s, _ in train_state.complete_checkpoints(out / "checkpoints")] == [3, 4]  # step 4: not due
+    assert f"stopped by a signal after optimizer step 3: its checkpoint {out / 'checkpoints' / 'step-3'}" in output
+    assert [s for s, _ in train_state.complete_checkpoints(out / "checkpoints")] == [3]  # no step 4 run
 
     cfg = load_config(None, {**SETS, "train.max_steps": 6})
     resumed = run(cfg, store, tiny_edit_model, out, resume=True)
-    assert resumed.start_step == 4
+    assert resumed.start_step == 3
     run(cfg, store, tiny_edit_model, tmp_path / "straight")
     a, b = read_lora(out / "lora")[0], read_lora(tmp_path / "straight" / "lora")[0]
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -60,7 +61,8 @@ def test_sigterm_checkpoints_the_step_under_way_and_resume_loses_nothing(tiny_ed
 
 def test_a_sigterm_on_one_rank_checkpoints_the_same_step_on_every_rank(tiny_edit_model, tmp_path) -> None:
     """Two gloo processes; only rank 1 is sent SIGTERM (a scheduler that signals ranks one by one, or one node
-    first): both finish step 4, write its checkpoint together (every rank's RNG state in it) and stop with 143."""
+    first) while the step-3 checkpoint is written: both learn of it right after that checkpoint (every rank's RNG
+    state in it) and stop with 143, without a step 4."""
     from two_ranks import start_two
 
     store, out = tmp_path / "store", tmp_path / "run"
@@ -73,7 +75,7 @@ def test_a_sigterm_on_one_rank_checkpoints_the_same_step_on_every_rank(tiny_edit
         while not all(psutil.Process(p.pid).status() == psutil.STATUS_STOPPED for p in procs):
             assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, [p.output() for p in procs]
             time.sleep(0.1)
-        procs[1].send_signal(signal.SIGTERM)  # pending until it continues, right after the step-3 checkpoint
+        procs[1].send_signal(signal.SIGTERM)  # pending until it continues, inside the step-3 checkpoint
         for p in procs:
             p.send_signal(signal.SIGCONT)
         outs = [p.communicate(timeout=300) for p in procs]
@@ -83,11 +85,11 @@ def test_a_sigterm_on_one_rank_checkpoints_the_same_step_on_every_rank(tiny_edit
     for p, (stdout, stderr) in zip(procs, outs):
         assert p.returncode == 128 + signal.SIGTERM, (p.returncode, stderr[-3000:])
         assert "Traceback" not in stdout + stderr, stderr[-3000:]
-    assert "stopped by a signal after optimizer step 4" in outs[0][0], outs[0]
-    assert [s for s, _ in train_state.complete_checkpoints(out / "checkpoints")] == [3, 4]
-    step4 = out / "checkpoints" / "step-4"
-    assert {p.name for p in step4.glob("rng-rank*")} == {"rng-rank00.safetensors", "rng-rank01.safetensors"}
-    assert train_state.ResumeRecord.read(step4 / "resume.json").step == 4
+    assert "stopped by a signal after optimizer step 3" in outs[0][0], outs[0]
+    assert [s for s, _ in train_state.complete_checkpoints(out / "checkpoints")] == [3]
+    step3 = out / "checkpoints" / "step-3"
+    assert {p.name for p in step3.glob("rng-rank*")} == {"rng-rank00.safetensors", "rng-rank01.safetensors"}
+    assert train_state.ResumeRecord.read(step3 / "resume.json").step == 3
 
 
 def test_the_signal_is_held_once_and_a_failing_step_after_it_stops_as_the_signal_would(capsys) -> None:
@@ -166,3 +168,34 @@ def test_a_sigterm_during_the_last_step_stops_after_the_final_lora(tiny_edit_mod
     assert stopped.value.code == 128 + signal.SIGTERM
     assert read_lora(out / "lora")[0]  # the run is complete: a rerun finds it up to date
     assert [s for s, _ in train_state.complete_checkpoints(out / "checkpoints")] == [2]
+
+
+def test_a_sigterm_during_a_step_checkpoints_that_step_and_stops(tiny_edit_model, tmp_path, monkeypatch) -> None:
+    """In-process: a signal that came during step 2's forward (checkpoint_every 3: none due) is carried by that
+    step's loss all-reduce; the step is finished, checkpointed and the process stops with the signal's status."""
+    import pytest
+
+    from stages.train import recipe
+
+    store, out = tmp_path / "store", tmp_path / "run"
+    make_train_store(store, tiny_edit_model, mixed_specs(8))
+    real, calls = recipe.backward_of, []
+
+    def signalled_in_step_2(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:  # batch 2 x grad_accum 1: one call per step
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(*a, **k)
+
+    def cli_handler(signum, frame):  # pipeline/cli.py's: SystemExit(128 + signum)
+        raise SystemExit(128 + signum)
+
+    monkeypatch.setattr(recipe, "backward_of", signalled_in_step_2)
+    before = signal.signal(signal.SIGTERM, cli_handler)
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            run(load_config(None, {**SETS, "train.max_steps": 5}), store, tiny_edit_model, out)
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert stopped.value.code == 128 + signal.SIGTERM
+    assert [s for s, _ in train_state.complete_checkpoints(out / "checkpoints")] == [2] and len(calls) == 2
