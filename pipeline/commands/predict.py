@@ -12,7 +12,7 @@ from pipeline.commands.common import ConfigOpt, SetOpt, StrictBaseOpt, checked_l
 
 def command(
     model: str = typer.Option(..., "--model", help="Model folder or hub id."),
-    image: list[Path] = typer.Option(..., "--image", help="Control image; repeat for Edit-Plus (up to 3) or Qwen-Image-2.1 (up to 10 references)."),
+    image: list[Path] = typer.Option(..., "--image", help="Control image; repeat for Edit-Plus (any number, as its stock pipeline; trained with up to 3) or Qwen-Image-2.1 (up to 10 references)."),
     prompt: str = typer.Option(..., "--prompt", help="Edit instruction."),
     out: Path = typer.Option(..., "--out", help="Output PNG."),
     lora: Optional[Path] = typer.Option(None, "--lora", help="LoRA folder (RUN/lora) or .safetensors file."),

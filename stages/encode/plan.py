@@ -49,26 +49,59 @@ def open_job(store_path: str | Path, stage: str, table: str, feature_hash: str, 
              max_damaged_fraction: float = 0.0, earlier_hashes: tuple[str, ...] = (),
              fixes: Fixes = NO_FIXES) -> EncodeJob:
     """`_open_job` on every rank, then agreed on (models/collective.py): a rank that cannot open its inputs
-    stops every rank with its line before any model is loaded (the others would wait at the commit)."""
+    stops every rank with its line before any model is loaded (the others would wait at the commit). Whether the
+    table is up to date is decided by all ranks together too (`_agreed_plan`)."""
     from models.collective import together
 
     job = None
     try:
         with together(ranks.world_size, f"{stage}: opening the inputs"):
-            job = _open_job(store_path, stage, table, feature_hash, model, feature_revision, ranks, components,
-                            on_damaged, max_damaged_fraction, earlier_hashes, fixes)
+            job, found = _open_job(store_path, stage, table, feature_hash, model, feature_revision, ranks,
+                                   components, on_damaged, max_damaged_fraction, earlier_hashes, fixes)
+        found = _agreed_plan(job, found)
+        if found is not None:
+            with together(ranks.world_size, f"{stage}: reusing table '{table}' v{found}"):
+                adopt(job, found)
+            job.summary.seconds = time.perf_counter() - job.started
+            job.close()  # nothing to read: the stage returns the summary
+            return job
     except BaseException:
         if job is not None:  # another rank failed: this one's reader and lease go now
             job.close()
         raise
+    _note_damaged_current(job, job.store, stage, table)
     return job
+
+
+def _agreed_plan(job: EncodeJob, found: int | None) -> int | None:
+    """The `images` version every rank reads and the version every rank reuses, agreed by all of them (four
+    integers, one all-reduce). Each rank leases the current `images` and looks for an identical version itself;
+    a resize-bucket commit between two ranks' looks, or a shared filesystem whose view lags on one node, would
+    otherwise have ranks encode different inputs, or one rank return "up to date" while the others encode and
+    wait for it at the commit. Different `images`: one line on every rank. A version found by some ranks only
+    (or different ones): every rank encodes (a duplicate version at worst; the check after the model loads,
+    `output.agreed_found`, adopts one a concurrent run committed meanwhile)."""
+    from models.collective import all_max
+
+    world = job.ranks.world_size
+    if world <= 1:
+        return found
+    seen = -1 if found is None else found
+    high, neg_low, newest, neg_oldest = all_max(world, [job.images.version, -job.images.version, seen, -seen])
+    if high != -neg_low:
+        raise UserError(f"{job.summary.stage}: the ranks do not read the same table 'images' of {job.store.root} "
+                        f"(v{high} on some, v{-neg_low} on others: it was rebuilt during this launch, or the store "
+                        "is a shared folder some nodes see late); rerun once `pipeline store inspect` shows it "
+                        "alike from every node")
+    return newest if newest >= 0 and newest == -neg_oldest else None
 
 
 def _open_job(store_path: str | Path, stage: str, table: str, feature_hash: str, model: str,
               feature_revision: str, ranks: Ranks, components: tuple[str, ...] = (), on_damaged: str = "stop",
               max_damaged_fraction: float = 0.0, earlier_hashes: tuple[str, ...] = (),
-              fixes: Fixes = NO_FIXES) -> EncodeJob:
-    """Read the `images` table, build the lineage, and find out whether an identical version already exists.
+              fixes: Fixes = NO_FIXES) -> tuple[EncodeJob, int | None]:
+    """Read the `images` table, build the lineage, and find out whether an identical version already exists
+    (this rank's look: `open_job` agrees on it).
 
     An identical complete version is made current and reused ("up to date"); anything that differs (model
     fingerprint, config, images version, code revision) leads to a new version, never a silent reuse.
@@ -121,13 +154,7 @@ def _open_job(store_path: str | Path, stage: str, table: str, feature_hash: str,
             if (found := _unchanged_by_fixes(store, table, images, old, replace(old, code_version=before),
                                              fixes)) is not None:
                 break
-    if found is not None:
-        adopt(job, found)
-        summary.seconds = time.perf_counter() - job.started
-        job.close()  # nothing to read: the stage returns the summary
-        return job
-    _note_damaged_current(job, store, stage, table)
-    return job
+    return job, found
 
 
 def _lineages_before_fixes(images, fixes: Fixes, stage: str, feature_hashes: tuple[str, ...], fingerprint: str,

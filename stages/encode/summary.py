@@ -9,7 +9,10 @@ from typing import Any
 from schemas.stage import few, summary_record
 
 DAMAGED_INPUT = "damaged-input"  # quarantine reason of an `images` sample whose bytes fail their checksum
-COUNTS = ("encoded", "reused", "skipped", "quarantined", "bytes_written")  # summed over the ranks
+COUNTS = ("encoded", "reused", "skipped", "quarantined", "bytes_written", "forwards", "forward_items")  # summed
+# over the ranks; the ranks run side by side, so the summed line's times are the slowest rank's (its wall time):
+# the rate over ranks is every rank's samples / that time, not rank 0's share / rank 0's time
+SLOWEST = ("seconds", "loop_seconds", "forward_seconds")
 NAMED_PER_RANK = 10  # damaged samples each rank names in the summed summary (the count is every one)
 NAMES_BYTES = 4096  # room for those names per rank (JSON, UTF-8) in the integer all-reduce that carries them
 
@@ -87,8 +90,8 @@ def over_ranks(summary: Summary, world: int) -> Summary:
     process, or up to date (every rank counted the whole table): as it is.
 
     Only integers travel (models/collective.py): each rank writes its names as JSON bytes into its own slot of a
-    zero array, and the sum over ranks is every rank's slot."""
-    from models.collective import all_sum
+    zero array, and the sum over ranks is every rank's slot; the times travel as microseconds."""
+    from models.collective import all_max, all_sum
 
     if world <= 1 or summary.up_to_date:
         return summary
@@ -103,5 +106,6 @@ def over_ranks(summary: Summary, world: int) -> Summary:
     for r in range(world):
         slot = bytes(summed[len(counts) + r * NAMES_BYTES: len(counts) + (r + 1) * NAMES_BYTES]).rstrip(b"\0")
         damaged.update(json.loads(slot) if slot else {})
-    return replace(summary, **dict(zip(COUNTS, summed)), damaged=damaged, damaged_total=summed[len(COUNTS)],
-                   summed=True)
+    slowest = [t / 1e6 for t in all_max(world, [round(getattr(summary, name) * 1e6) for name in SLOWEST])]
+    return replace(summary, **dict(zip(COUNTS, summed)), **dict(zip(SLOWEST, slowest)), damaged=damaged,
+                   damaged_total=summed[len(COUNTS)], summed=True)

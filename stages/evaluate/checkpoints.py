@@ -50,7 +50,20 @@ def loss_fingerprint(cfg: EvaluateConfig, store: str | Path, model: str) -> tupl
         "model_fingerprint": model_fingerprint(model),
         "evaluate": {k: v for k, v in hashed_settings(cfg).items() if k in LOSS_SETTINGS},
     }
-    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest(), settings
+    return _hash(settings), settings
+
+
+def read_fingerprint(settings: dict, tables) -> tuple[str, dict]:
+    """`loss_fingerprint` with the text / vae versions the val samples were read from (`tables`): the store's
+    current ones, looked up before the tables were opened, may have moved since (an encode beside evaluate), and
+    an array keyed by those would hold the new version's losses under the old one's name (reused by the next run
+    that reads the old one). Equal to `loss_fingerprint` when nothing moved (the report stays up to date)."""
+    settings = {**settings, "tables": tables.versions()}
+    return _hash(settings), settings
+
+
+def _hash(settings: dict) -> str:
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
 
 
 def lora_digest(checkpoint: Path):
@@ -285,6 +298,7 @@ def _run(ranks, cfg: EvaluateConfig, store: str | Path, model: str, checkpoints:
         tables, samples = single.read_val_samples(cfg, store, model)
         mine = list(range(len(samples)))
     with tables:  # closed on every path: descriptors, check-ahead thread, read lease
+        fingerprint, settings = read_fingerprint(settings, tables)  # the versions read, not those at key time
         damaged = dict(tables.damaged)
         axes = Axes([s.key for s in samples], [bucket_of(s) for s in samples], list(cfg.noise_seeds),
                     [float(t) for t in cfg.timesteps])
@@ -305,7 +319,7 @@ def _run(ranks, cfg: EvaluateConfig, store: str | Path, model: str, checkpoints:
         if cfg.num_samples > 0 or cfg.extra_prompts:
             rows = generated_rows(cfg, model, store, tables, transformer, samples, best["path"], best["step"],
                                   last["path"], last["step"], attached, damaged, shas,
-                                  base_cache=(out / BASE_IMAGES, {**settings, "tables": tables.versions()}))
+                                  base_cache=(out / BASE_IMAGES, settings))
         metrics["generation"] = single.generation_summary(rows, cfg, model)  # "lora" = the best checkpoint
         metrics["run"] = {
             "store": str(Path(store).resolve()), "tables": tables.versions(), "model": str(model),

@@ -1,8 +1,12 @@
-"""Run by each of two gloo processes (tests/stages/test_rank_stale_view.py, not a test module itself): `pipeline
-run train --resume` where rank 1 does not see the run folder's newest checkpoint yet (a shared filesystem whose
-directory cache lags on its node: its listing ends one checkpoint earlier). Exit status and output are the test's.
+"""Run by each of two gloo processes (tests/stages/test_rank_stale_view.py, not a test module itself): rank 1's
+view of a shared folder lags (a shared filesystem whose directory cache lags on its node). Exit status and output
+are the test's.
 
-    rank_stale_view.py STORE MODEL OUT MAX_STEPS
+    rank_stale_view.py train STORE MODEL OUT MAX_STEPS   `pipeline run train --resume`; rank 1's listing of the
+                                                        run folder ends one checkpoint earlier
+    rank_stale_view.py encode STORE MODEL [V]            `pipeline run encode-text`; rank 1 does not see the
+                                                        table's complete version yet, or (V) reads `images` vV
+                                                        (its view of store.json lags)
 """
 
 from __future__ import annotations
@@ -12,8 +16,22 @@ import sys
 
 
 def main() -> None:
-    store, model, out, steps = sys.argv[1:5]
     from pipeline.cli import main as cli
+
+    if sys.argv[1] == "encode":
+        store, model, *images = sys.argv[2:5]
+        from stages.encode import plan
+        from store import Store
+
+        if os.environ["RANK"] == "1" and images:
+            hold = plan.hold
+            plan.hold = lambda root, tables, what: hold(root, {"images": int(images[0])}, what)
+        elif os.environ["RANK"] == "1":
+            Store.find_version = lambda self, table, lineage: None  # the complete version not listed yet
+        sys.argv = ["pipeline", "run", "encode-text", "--store", store, "--model", model, "--device", "cpu"]
+        cli()
+        return
+    store, model, out, steps = sys.argv[2:6]
     from stages.train import state as train_state
 
     if os.environ["RANK"] == "1":

@@ -10,7 +10,8 @@ from stages.encode.summary import NAMED_PER_RANK, Summary, over_ranks
 
 def _rank(rank: int, damaged: int) -> Summary:
     return Summary("encode-vae", "vae", version=1, encoded=10 + rank, quarantined=damaged, bytes_written=1000,
-                   rank=rank, world_size=3, damaged={f"r{rank}-{i:02d}": f"crc of r{rank}-{i:02d}"
+                   seconds=20.0 + rank, loop_seconds=[4.0, 8.0, 5.0][rank], forward_seconds=[3.0, 6.0, 4.0][rank],
+                   forwards=5, forward_items=10 + rank, rank=rank, world_size=3, damaged={f"r{rank}-{i:02d}": f"crc of r{rank}-{i:02d}"
                                                       for i in range(damaged)})
 
 
@@ -18,18 +19,26 @@ def test_three_ranks_sum_their_counts_and_name_each_ranks_first_damaged(monkeypa
     import models.collective
 
     ranks = [_rank(0, 12), _rank(1, 0), _rank(2, 3)]
-    sent = []
+    sent, times = [], []
     monkeypatch.setattr(models.collective, "all_sum", lambda world, values: sent.append(values) or values)
+    monkeypatch.setattr(models.collective, "all_max", lambda world, values: times.append(values) or values)
     for s in ranks:
         over_ranks(s, 3)
     total = [sum(column) for column in zip(*sent)]
+    slowest = [max(column) for column in zip(*times)]
     monkeypatch.setattr(models.collective, "all_sum", lambda world, values: total)
+    monkeypatch.setattr(models.collective, "all_max", lambda world, values: slowest)
     summed = [over_ranks(s, 3) for s in ranks]
 
     # every rank holds the same summary (each keeps its own `rank`, which neither the line nor the record shows)
     assert all((str(s), s.to_json()) == (str(summed[0]), summed[0].to_json()) for s in summed)
     one = summed[0]
     assert (one.encoded, one.quarantined, one.bytes_written, one.damaged_count) == (33, 15, 3000, 15)
+    # the ranks ran side by side: the times are the slowest rank's, the rate every rank's samples over that time
+    # (33 / 8 s, not rank 0's 4 s), the mean batch every rank's items over every rank's forwards
+    assert (one.seconds, one.loop_seconds, one.forward_seconds) == (22.0, 8.0, 6.0)
+    assert (one.forwards, one.forward_items) == (15, 33)
+    assert "0.00 MB written in 22.0 s (encoding 4.1 samples/s)" in str(one)
     named = sorted(one.damaged)
     assert named == [f"r0-{i:02d}" for i in range(NAMED_PER_RANK)] + ["r2-00", "r2-01", "r2-02"]
     assert one.damaged["r2-01"] == "crc of r2-01"

@@ -256,3 +256,38 @@ def test_the_base_losses_are_kept_under_the_vae_version_they_were_read_from(run_
     passes.clear()
     stage.run(EvaluateConfig(**CFG), store, tiny_edit_model, ckpts[20], out)
     assert len(passes) == 2  # v2 read: its base pass computed, not v1's numbers reused
+
+
+def test_the_loss_array_of_all_checkpoints_is_keyed_by_the_versions_read(run_and_store, tiny_edit_model, tmp_path,
+                                                                         monkeypatch):
+    """`--all-checkpoints` keyed its loss array by the store's current text / vae versions looked up before the
+    val split was opened: a vae version made current in between (an encode beside evaluate) got its losses
+    recorded under the old version's key, and a later run reading the old version reused them. Now the key (and
+    the report's settings) name the versions read."""
+    import json
+    import shutil
+
+    from stages.evaluate import stage
+    from store import Store
+
+    store, out = tmp_path / "store", tmp_path / "report"
+    shutil.copytree(run_and_store / "store", store)
+    st = Store(store)
+    old = st.tables()["vae"]
+    read = stage.read_val_samples
+
+    def new_version_then_read(*a, **k):  # keyed at v1; a v2 (a copy: its own identity) current before the read
+        shutil.copytree(st.version_dir("vae", old), st.version_dir("vae", old + 1))
+        st.set_current("vae", old + 1)
+        return read(*a, **k)
+
+    monkeypatch.setattr(stage, "read_val_samples", new_version_then_read)
+    ev.run(EvaluateConfig(**CFG), store, tiny_edit_model, _ckpts(run_and_store)[:1], out)
+    metrics = json.loads((out / "metrics.json").read_text())
+    read_id = st.version_id("vae", old + 1)
+    assert metrics["run"]["settings"]["tables"]["vae"] == read_id == metrics["run"]["tables"]["vae"]
+
+    monkeypatch.setattr(stage, "read_val_samples", read)
+    st.set_current("vae", old)  # v1 again: its losses were never computed, none may be reused
+    again = ev.run(EvaluateConfig(**CFG), store, tiny_edit_model, _ckpts(run_and_store)[:1], out)
+    assert again.evaluated == 1

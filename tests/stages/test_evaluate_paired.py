@@ -59,6 +59,19 @@ def test_best_checkpoint_states_its_paired_difference_to_base_and_runner_up(run_
     assert metrics["loss"]["lora_minus_base"] == pytest.approx(best["vs_base"])
     assert "next best, step 20" in (out / "index.html").read_text()
 
+    # a report written before these numbers (no vs_base, runner_up, lora_minus_base), still up to date: its summary
+    # and --json say nothing of them rather than failing, and its page renders without them
+    from stages.evaluate.checkpoint_report import make_grid, render_html
+
+    for key in ("vs_base", "runner_up"):
+        del metrics["checkpoints"]["best"][key]
+    del metrics["loss"]["lora_minus_base"]
+    (out / "metrics.json").write_text(json.dumps(metrics))
+    old = ev.run(EvaluateConfig(**CFG), root / "store", tiny_edit_model, _ckpts(root), out, skip_if_done=True)
+    assert old.up_to_date and "vs base" not in str(old) and "best checkpoint step 10: held-out loss" in str(old)
+    assert old.to_json()["best_vs_base"] is None and old.to_json()["runner_up"] is None
+    assert "next best" not in render_html(metrics, [], make_grid([]))
+
 
 def test_single_lora_evaluate_states_lora_minus_base_paired(run_and_store, tiny_edit_model, tmp_path):
     from stages.evaluate import stage

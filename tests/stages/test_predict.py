@@ -56,6 +56,23 @@ def test_predict_equals_stock_pipeline(tiny_edit_model, tmp_path):
     np.testing.assert_array_equal(got, np.asarray(ref))
 
 
+def test_edit_plus_predict_with_four_controls_equals_stock_pipeline(tiny_plus_model, tmp_path):
+    """Edit-Plus takes any number of controls as the stock pipeline does (each one a "Picture N" of the prompt and
+    a latent of its own; the models were trained with up to 3, resize.max_controls admits more): 4 controls, the
+    same image as the stock __call__ makes."""
+    from diffusers import QwenImageEditPlusPipeline
+
+    controls = [_control(tmp_path / f"c{i}.png", w=32 + 8 * i, h=48, seed=i) for i in range(4)]
+    out = tmp_path / "out.png"
+    _cli("predict", "--model", tiny_plus_model, *[a for c in controls for a in ("--image", c)], "--prompt", PROMPT,
+         "--steps", 2, "--seed", 3, "--height", 32, "--width", 32, "--out", out)
+    pipe = QwenImageEditPlusPipeline.from_pretrained(tiny_plus_model)
+    ref = pipe([Image.open(c).convert("RGB") for c in controls], PROMPT, negative_prompt=" ", true_cfg_scale=4.0,
+               num_inference_steps=2,
+               height=32, width=32, generator=torch.Generator().manual_seed(3)).images[0]
+    np.testing.assert_array_equal(np.asarray(Image.open(out)), np.asarray(ref))
+
+
 def test_predict_rejects_unknown_device_component(tiny_edit_model, tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("predict:\n  devices: {unet: cpu}\n")

@@ -1,7 +1,8 @@
 """`--resume` on two ranks that do not see the same run folder (rank 1's listing lags one checkpoint behind, as
 a shared filesystem's directory cache can right after a restart): every rank stops before loading anything, with
 the same one line naming the folder, instead of rank 0 resuming at step 4 and rank 1 at step 2 (different
-optimizer states and data positions, then collectives that no longer pair up: a hang or a gloo error)."""
+optimizer states and data positions, then collectives that no longer pair up: a hang or a gloo error). The same
+for an encode's "up to date?" (tests/stages/rank_stale_view.py)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ def test_ranks_that_see_different_checkpoints_stop_with_one_line(tiny_edit_model
                            "train.checkpoint_every": 2}), store, tiny_edit_model, out)
     assert [s for s, _ in train_state.complete_checkpoints(out / "checkpoints")] == [2, 4]
 
-    (rc0, out0, err0), (rc1, out1, err1) = launch_two("rank_stale_view.py", str(store), tiny_edit_model, str(out), "6",
+    (rc0, out0, err0), (rc1, out1, err1) = launch_two("rank_stale_view.py", "train", str(store), tiny_edit_model, str(out), "6",
                                                       timeout=300)
     assert "Traceback" not in err0 + out0 + err1 + out1, (err0[-3000:], err1[-3000:])
     assert rc0 == rc1 == 1, (rc0, rc1, err0[-2000:], err1[-2000:])
@@ -27,3 +28,38 @@ def test_ranks_that_see_different_checkpoints_stop_with_one_line(tiny_edit_model
     assert last0 == last1, (last0, last1)
     assert f"the ranks do not see the same run folder {out}" in last0 and "step-4 on some, step-2 on others" in last0
     assert [s for s, _ in train_state.complete_checkpoints(out / "checkpoints")] == [2, 4]  # nothing trained on
+
+
+def test_an_encode_whose_ranks_see_the_table_differently_decides_together(tiny_edit_model, edit_store) -> None:
+    """Rank 1 does not see the complete `text` v1 yet: before, rank 0 returned "up to date" at once while rank 1
+    loaded the encoder and waited for it at the commit (a gloo error, NCCL: the collective timeout). Now every
+    rank encodes (the look is agreed) and, the version seen by all after the model load, every rank reuses it."""
+    from stages.encode import text as encode_text
+    from store import Store
+
+    encode_text.run(load_config(None), edit_store, tiny_edit_model, device="cpu")  # as the launched one
+    (rc0, out0, err0), (rc1, out1, err1) = launch_two("rank_stale_view.py", "encode", str(edit_store),
+                                                      tiny_edit_model, timeout=300)
+    assert "Traceback" not in err0 + out0 + err1 + out1, (err0[-3000:], err1[-3000:])
+    assert rc0 == rc1 == 0, (rc0, rc1, err0[-2000:], err1[-2000:])
+    assert "encode-text [2 ranks]: table 'text' v1 is up to date" in out0, out0
+    assert Store(edit_store).tables()["text"] == 1 and not (edit_store / "text" / "v2").exists()
+
+
+def test_an_encode_whose_ranks_read_different_images_versions_stops_with_one_line(tiny_edit_model, edit_store) -> None:
+    """Rank 1 still reads `images` v1 when v2 is current (a resize-bucket commit between the ranks' leases, or a
+    lagging view of store.json): the ranks would encode different inputs into one table; every rank stops."""
+    import shutil
+
+    from store import Store
+
+    st = Store(edit_store)
+    shutil.copytree(st.version_dir("images", 1), st.version_dir("images", 2))
+    st.set_current("images", 2)
+    (rc0, out0, err0), (rc1, out1, err1) = launch_two("rank_stale_view.py", "encode", str(edit_store),
+                                                      tiny_edit_model, "1", timeout=300)
+    assert "Traceback" not in err0 + out0 + err1 + out1, (err0[-3000:], err1[-3000:])
+    assert rc0 == rc1 == 1, (rc0, rc1, err0[-2000:], err1[-2000:])
+    last0, last1 = err0.strip().splitlines()[-1], err1.strip().splitlines()[-1]
+    assert last0 == last1 and "the ranks do not read the same table 'images'" in last0 and "v2 on some, v1 on" in last0
+    assert "text" not in Store(edit_store).tables()
