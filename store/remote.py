@@ -417,8 +417,8 @@ class Remote:
                 return
             except FileExistsError:
                 continue
-            except OSError as e:
-                if not _precondition_failed(e):
+            except OSError as e:  # lost the race (412), or raced it (409 ConditionalRequestConflict): read again
+                if not (_precondition_failed(e) or remote_upload.is_conflict(e)):
                     raise
         raise UserError(f"{self.url}/{rel}: changed by another writer {attempts} times in a row while this one "
                         "tried to update it; rerun")

@@ -168,3 +168,53 @@ def test_other_back_ends_leave_no_partial_object_when_an_upload_fails_and_a_reru
     finally:
         if remote.fs.exists(f"/rv3-{tmp_path.name}"):
             remote.fs.rm(f"/rv3-{tmp_path.name}", recursive=True)
+
+
+def test_a_conditional_write_answered_409_conflict_is_sent_again_and_the_412_decides(s3_env, tmp_path,
+                                                                                    monkeypatch):
+    """S3 answers a conditional write that races another operation on its key with 409 ConditionalRequestConflict
+    (not 412), and AWS says: write again - a multipart upload begun again. Before, the 409 failed the push ("answered:
+    ..."). Now: sent again, and the 412 (or, after a multipart conflict, the name existing) decides whether another
+    writer made it: False, its object untouched; no unfinished upload is left billed. store.json's compare-and-swap
+    reads again. Every conditional write below is answered 409 once, through a proxy in front of the test server."""
+    import moto.s3.models
+    from fault_proxy import FaultProxy
+
+    part = 2**20  # S3's smallest is 5 MiB: the test server is told 1 MiB
+    monkeypatch.setattr(moto.s3.models, "S3_UPLOAD_PART_MIN_SIZE", part)
+    monkeypatch.setattr(remote_mod, "PART", part)
+    client, prefix = s3_env.client(), f"/{s3_env.bucket}/"
+    racers: dict[str, bytes] = {}  # key -> the bytes another writer puts there while ours is answered 409
+    answered: set[str] = set()
+
+    def fault(method: str, path: str) -> str | None:
+        where, _, query = path.partition("?")
+        key = where[len(prefix):]
+        conditional = (method == "PUT" and not query) or (method == "POST" and "uploadId=" in query)
+        if not conditional or key in answered:
+            return None
+        answered.add(key)
+        if key in racers:
+            client.put_object(Bucket=s3_env.bucket, Key=key, Body=racers[key])
+        return "conflict"
+
+    proxy = FaultProxy(s3_env.endpoint, fault)
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+        remote = remote_mod.open_remote(s3_env.url())
+        for name, nbytes in (("small", part), ("big", 3 * part)):  # one PUT; a multipart upload of 3 parts
+            ours, theirs = tmp_path / name, os.urandom(nbytes)
+            ours.write_bytes(os.urandom(nbytes))
+            crc = file_crc(ours)
+            assert remote.upload(ours, f"x/{name}", crc[0], _Bar(), crc[1]) is True  # sent again: created
+            assert remote.read(f"x/{name}") == ours.read_bytes()
+            racers[f"store/x/{name}-raced"] = theirs
+            assert remote.upload(ours, f"x/{name}-raced", crc[0], _Bar(), crc[1]) is False  # the other's
+            assert remote.read(f"x/{name}-raced") == theirs
+        remote.swap("x/record", lambda old: (old or b"") + b"+1")
+        assert remote.read("x/record") == b"+1"
+    finally:
+        proxy.stop()
+    assert sorted(answered) == [f"store/x/{n}" for n in ("big", "big-raced", "record", "small", "small-raced")]
+    assert [how for how, *_ in proxy.faults] == ["conflict"] * 5
+    assert client.list_multipart_uploads(Bucket=s3_env.bucket).get("Uploads", []) == []
