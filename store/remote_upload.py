@@ -25,6 +25,7 @@ Written here rather than s3fs's `put_file` because that reads the file itself, w
 from __future__ import annotations
 
 import asyncio
+import io
 import os
 import random
 import time
@@ -85,13 +86,16 @@ def s3_create(fs: Any, path: str, local: Path, progress: Any, meta: dict[str, An
         if expect is not None and size != expect[0]:
             raise Mismatch(size, None)
         if size < 2 * part:
-            data = f.read()
             crc = RunningCrc()
-            crc.update(data)
-            check(len(data), crc.hex(), expect)
+            data = _read_body(f, size, crc)
+            n = data.getbuffer().nbytes if data is not None else 0
+            check(n, crc.hex(), expect)
             for attempt in range(CONFLICT_ATTEMPTS):
+                if data is not None:
+                    data.seek(0)
                 try:
-                    fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data, IfNoneMatch="*", **meta)
+                    fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data if data is not None else b"",
+                               IfNoneMatch="*", **meta)
                     break
                 except Exception as e:  # noqa: BLE001  the conditional PUT lost: the object exists
                     if _exists(e):
@@ -99,7 +103,7 @@ def s3_create(fs: Any, path: str, local: Path, progress: Any, meta: dict[str, An
                     if not is_conflict(e) or attempt == CONFLICT_ATTEMPTS - 1:
                         raise
                     _backoff(attempt)
-            progress.update(len(data))
+            progress.update(n)
             return True
         sent = _Sent(progress)
         for attempt in range(CONFLICT_ATTEMPTS):
@@ -170,8 +174,7 @@ def _send_parts(fs: Any, bucket: str, key: str, upload: str, f, progress: Any, p
     crc, sent, parts = RunningCrc(), 0, []
     while True:
         chunks = []
-        while len(chunks) < parts_at_once and (chunk := f.read(part)):
-            crc.update(chunk)
+        while len(chunks) < parts_at_once and (chunk := _read_body(f, part, crc)) is not None:
             chunks.append(chunk)
         if not chunks:
             break
@@ -188,13 +191,36 @@ def _send_parts(fs: Any, bucket: str, key: str, upload: str, f, progress: Any, p
             raise failed
         for i, out in enumerate(done):
             parts.append({"PartNumber": len(parts) + 1, "ETag": out["ETag"]})
-            progress.update(len(chunks[i]))
-            sent += len(chunks[i])
+            n = chunks[i].getbuffer().nbytes
+            progress.update(n)
+            sent += n
         # emptied, not just unnamed: `send`'s default still holds this list until the next round has been read,
         # which held ~2 rounds of parts while the budget reserved one (tests/store/test_remote_upload_review.py)
         chunks.clear()
     check(sent, crc.hex(), expect)
     return parts
+
+
+def _read_body(f, n: int, crc: RunningCrc) -> io.BytesIO | None:
+    """Up to `n` bytes of `f` (None at its end), read straight into the buffer the request sends, their CRC32C
+    added to `crc`. Not bytes: botocore wraps a bytes body in a BytesIO that shares it, and aiohttp's
+    `getbuffer()` then unshares it - a copy of every part in flight, which held ~2x the bytes the budget reserved
+    (tests/store/test_remote_upload_review.py). A BytesIO that owns its buffer is sent as it is."""
+    body = io.BytesIO()
+    if n <= 0:
+        return None
+    body.seek(n - 1)
+    body.write(b"\0")  # allocated once at its full size
+    got = 0
+    with body.getbuffer() as view:
+        while got < n and (k := f.readinto(view[got:])):
+            got += k
+        crc.update(view[:got])
+    if not got:
+        return None
+    body.truncate(got)
+    body.seek(0)
+    return body
 
 
 def _abort(fs: Any, bucket: str, key: str, upload: str) -> None:
