@@ -186,10 +186,12 @@ class ShardFetcher:
     def _reserve(self, part: Path, nbytes: int) -> bool:
         """Under the cache lock: evict least recently used shards until `nbytes` more fit under the limit, then
         create `part` at its full size so that other processes count it. False when it cannot fit."""
-        from store.remote_cache import CACHE_LOCK, make_room
+        from store.remote_cache import CACHE_LOCK, add_usage, make_room
 
         limit = _limits.get(str(self.cache))
-        if limit is None:
+        if limit is None:  # no limit here, but a limited process of the node may share the cache: it counts them
+            with fmt.flock(self.cache / CACHE_LOCK):
+                add_usage(self.cache, nbytes)
             part.touch()
             return True
         with fmt.flock(self.cache / CACHE_LOCK):
