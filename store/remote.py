@@ -39,7 +39,7 @@ PARTS_AT_ONCE = 4
 # a download (pull, verify URL) is one streamed GET read READ_PIECE at a time (store/remote_download.py): s3fs's
 # file object held an 8 MiB block, the piece and copies (~15 MiB a transfer, bench/store_transfer_memory.py)
 READ_PIECE = 2**20
-IN_FLIGHT = 128 * 2**20  # of file bytes (tracemalloc measures ~2x that held)
+IN_FLIGHT = 128 * 2**20  # of file bytes (held as reserved: store/remote_upload._read_body)
 
 
 def each_at_once(fn: Callable[[Any], Any], items: list[Any]) -> Iterator[Any]:
@@ -125,7 +125,8 @@ uploads_budget = ByteBudget(IN_FLIGHT)
 
 def upload_memory(size: int) -> int:
     """Bytes s3fs holds while uploading a file of `size` bytes with our part size (see PART)."""
-    return size if size < 2 * PART else min(size, PART * PARTS_AT_ONCE)
+    # the part size of a file over 10,000 parts of PART (~156 GiB) is larger: reserved as sent
+    return size if size < 2 * PART else min(size, remote_upload.part_size(size, PART) * PARTS_AT_ONCE)
 
 
 class SharedBar:
@@ -417,8 +418,8 @@ class Remote:
                 return
             except FileExistsError:
                 continue
-            except OSError as e:
-                if not _precondition_failed(e):
+            except OSError as e:  # lost the race (412), or raced it (409 ConditionalRequestConflict): read again
+                if not (_precondition_failed(e) or remote_upload.is_conflict(e)):
                     raise
         raise UserError(f"{self.url}/{rel}: changed by another writer {attempts} times in a row while this one "
                         "tried to update it; rerun")

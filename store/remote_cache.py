@@ -87,6 +87,8 @@ def local_store(store: str | Path, tables: list[str] | None, cache_dir: str | Pa
             os.utime(fmt.version_dir(root, t, v))  # last use, for LRU
         if limit is not None:
             evict(cache, limit, {(root, t, v) for t, v in needed})
+        else:  # what this open fetched is in no total: a limited process of the node walks before its next fetch
+            (cache / USAGE).unlink(missing_ok=True)
         # which remote this cached store copies: for a human, and store/remote_parts.py finds the URL here
         (root / "source-url.txt").write_text(url + "\n")
     if lease:  # a lease object on the remote naming what this process reads, till it exits (store/remote_lease.py)
@@ -268,6 +270,15 @@ def evict(cache: Path, limit: int, keep: set[tuple[Path, str, int]]) -> list[Pat
         raise UserError(f"the store cache {cache} needs {total / 1e9:.2f} GB for the versions in use, over its "
                         f"limit of {limit / 1e9:.2f} GB; raise the limit (--cache-gb) or use a bigger --cache-dir")
     return removed
+
+
+def add_usage(cache: Path, incoming: int) -> None:
+    """A whole fetch by a process without a limit (under the cache lock): counted in the running total all the
+    same, when there is one; else a limited process sharing the cache took the total for the disk's and believed
+    there was room (the cache grew past its limit by everything the other fetched)."""
+    used = _read_usage(cache)
+    if used is not None:
+        _write_usage(cache, used + incoming)
 
 
 def make_room(cache: Path, limit: int, incoming: int) -> bool:

@@ -37,7 +37,8 @@ import numpy as np
 
 from schemas.errors import UserError
 from store import format as fmt
-from store.checksum import CHUNK, RunningCrc
+from store import remote_download
+from store.checksum import RunningCrc
 from store.io_errors import writing
 from store.remote import READ_PIECE, Remote, SharedBar, each_at_once, open_remote, remote_errors
 
@@ -186,10 +187,12 @@ class ShardFetcher:
     def _reserve(self, part: Path, nbytes: int) -> bool:
         """Under the cache lock: evict least recently used shards until `nbytes` more fit under the limit, then
         create `part` at its full size so that other processes count it. False when it cannot fit."""
-        from store.remote_cache import CACHE_LOCK, make_room
+        from store.remote_cache import CACHE_LOCK, add_usage, make_room
 
         limit = _limits.get(str(self.cache))
-        if limit is None:
+        if limit is None:  # no limit here, but a limited process of the node may share the cache: it counts them
+            with fmt.flock(self.cache / CACHE_LOCK):
+                add_usage(self.cache, nbytes)
             part.touch()
             return True
         with fmt.flock(self.cache / CACHE_LOCK):
@@ -267,10 +270,12 @@ class ShardFetcher:
 
 
 def _download(remote: Remote, rel: str, part: Path) -> tuple[int, str]:
-    """Stream one object into `part` (created, maybe at its reserved size); (bytes written, their CRC32C)."""
+    """Stream one object into `part` (created, maybe at its reserved size); (bytes written, their CRC32C). The one
+    streamed-GET path of pull and verify (store/remote_download.py: one GET, a cut body resumed by a Range GET
+    If-Match its ETag); s3fs's file object cost a GET per 8 MiB block and held the block."""
     crc, n = RunningCrc(), 0
-    with remote.fs.open(remote.path(rel), "rb", block_size=CHUNK) as src, open(part, "r+b") as dst:
-        while chunk := src.read(min(CHUNK, READ_PIECE)):
+    with open(part, "r+b") as dst:
+        for chunk in remote_download.pieces(remote.fs, remote.path(rel), READ_PIECE, remote.is_s3):
             dst.write(chunk)
             crc.update(chunk)
             n += len(chunk)

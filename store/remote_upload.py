@@ -10,6 +10,10 @@ whole store read twice from disk, and a file damaged between the two reads was s
   failure, the upload is aborted: S3 shows a multipart object only once it is completed, so no damaged or partial
   object is ever visible (a killed push leaves an unfinished upload, billed but in no listing, which
   `store gc URL` aborts once it is stale: store/remote_gc.py);
+- a conditional write that races another operation on the same key may get S3's `409 ConditionalRequestConflict`
+  instead of a 412: AWS's answer is to write again (a PUT is sent again; a multipart upload is aborted and, unless
+  the name exists by then - what the 412 would have said -, begun again from the file's first byte), so the 412
+  path decides whether someone else wrote it;
 - `file://`: store/remote_local.create checks the bytes it copies before the link that makes the object exist;
 - any other fsspec back end (gcs, azure, ...): no conditional write nor a hidden upload we can rely on for every
   back end, so the file is checked first (a read), then streamed through the back end's own buffered writer in
@@ -21,13 +25,17 @@ Written here rather than s3fs's `put_file` because that reads the file itself, w
 from __future__ import annotations
 
 import asyncio
+import io
 import os
+import random
+import time
 from pathlib import Path
 from typing import Any
 
 from store.checksum import CHUNK, RunningCrc, file_crc
 
 MAX_PARTS = 10_000  # S3's limit on the parts of one multipart upload
+CONFLICT_ATTEMPTS = 5  # conditional writes answered 409 ConditionalRequestConflict, sent again (AWS's advice)
 
 
 class Mismatch(Exception):
@@ -52,6 +60,22 @@ def _exists(e: BaseException) -> bool:
     return isinstance(e, OSError) and ("precondition" in text.replace("-", "") or "412" in text)
 
 
+def is_conflict(e: BaseException) -> bool:
+    """S3's 409 ConditionalRequestConflict: the conditional write raced another operation on the key (s3fs has no
+    type for it: an OSError carrying botocore's message, which names the code)."""
+    return isinstance(e, OSError) and "conditionalrequestconflict" in str(e).lower()
+
+
+def _backoff(attempt: int) -> None:
+    time.sleep(min(2.0, 0.05 * 2**attempt) * (0.5 + random.random()))  # jittered: two racers do not meet again
+
+
+def part_size(size: int, part: int) -> int:
+    """The part size a file of `size` bytes is sent in: `part`, or larger where `part` would make more than
+    S3's 10,000 parts (a file over ~156 GiB at 16 MiB parts)."""
+    return max(part, -(-size // MAX_PARTS))
+
+
 def s3_create(fs: Any, path: str, local: Path, progress: Any, meta: dict[str, Any], expect: tuple[int, str] | None,
               part: int, parts_at_once: int) -> bool:
     """Create object `path` from `local` unless it exists (False then, nothing written); `expect` (nbytes, crc):
@@ -62,33 +86,82 @@ def s3_create(fs: Any, path: str, local: Path, progress: Any, meta: dict[str, An
         if expect is not None and size != expect[0]:
             raise Mismatch(size, None)
         if size < 2 * part:
-            data = f.read()
             crc = RunningCrc()
-            crc.update(data)
-            check(len(data), crc.hex(), expect)
-            try:
-                fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data, IfNoneMatch="*", **meta)
-            except Exception as e:  # noqa: BLE001  the conditional PUT lost: the object exists
-                if not _exists(e):
-                    raise
-                return False
-            progress.update(len(data))
+            data = _read_body(f, size, crc)
+            n = data.getbuffer().nbytes if data is not None else 0
+            check(n, crc.hex(), expect)
+            for attempt in range(CONFLICT_ATTEMPTS):
+                if data is not None:
+                    data.seek(0)
+                try:
+                    fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data if data is not None else b"",
+                               IfNoneMatch="*", **meta)
+                    break
+                except Exception as e:  # noqa: BLE001  the conditional PUT lost: the object exists
+                    if _exists(e):
+                        return False
+                    if not is_conflict(e) or attempt == CONFLICT_ATTEMPTS - 1:
+                        raise
+                    _backoff(attempt)
+            progress.update(n)
             return True
-        part = max(part, -(-size // MAX_PARTS))  # S3 takes at most 10,000 parts (a file over ~156 GiB)
-        upload = fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key, **meta)["UploadId"]
-        try:
-            parts = _send_parts(fs, bucket, key, upload, f, progress, part, parts_at_once, expect)
-            try:
-                fs.call_s3("complete_multipart_upload", Bucket=bucket, Key=key, UploadId=upload,
-                           MultipartUpload={"Parts": parts}, IfNoneMatch="*")
-            except Exception as e:  # noqa: BLE001
-                if not _exists(e):
-                    raise
-                _abort(fs, bucket, key, upload)
+        sent = _Sent(progress)
+        for attempt in range(CONFLICT_ATTEMPTS):
+            if attempt:
+                f.seek(0)  # begun again: every part sent again
+            created = _multipart(fs, bucket, key, f, sent, meta, part_size(size, part), parts_at_once, expect,
+                                 last=attempt == CONFLICT_ATTEMPTS - 1)
+            if created is not None:
+                return created
+            if _head(fs, bucket, key):  # the racing writer created it: what the 412 would have said
                 return False
-        except BaseException:
+            _backoff(attempt)
+    return True  # not reached: the last attempt raises on a conflict
+
+
+class _Sent:
+    """A progress bar fed by upload attempts: bytes sent again after a conflict are not counted twice."""
+
+    def __init__(self, progress: Any) -> None:
+        self.progress, self.counted, self.now = progress, 0, 0
+
+    def restart(self) -> None:
+        self.now = 0
+
+    def update(self, n: int) -> None:
+        self.now += n
+        if self.now > self.counted:
+            self.progress.update(self.now - self.counted)
+            self.counted = self.now
+
+
+def _head(fs: Any, bucket: str, key: str) -> bool:
+    try:
+        fs.call_s3("head_object", Bucket=bucket, Key=key)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def _multipart(fs: Any, bucket: str, key: str, f, sent: _Sent, meta: dict[str, Any], part: int, parts_at_once: int,
+               expect: tuple[int, str] | None, last: bool) -> bool | None:
+    """One multipart upload of the file from its first byte: True (created), False (the name exists), None (a
+    409 conflict at the completion, the upload aborted; AWS: begin another; `last`: raised instead)."""
+    sent.restart()
+    upload = fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key, **meta)["UploadId"]
+    try:
+        parts = _send_parts(fs, bucket, key, upload, f, sent, part, parts_at_once, expect)
+        try:
+            fs.call_s3("complete_multipart_upload", Bucket=bucket, Key=key, UploadId=upload,
+                       MultipartUpload={"Parts": parts}, IfNoneMatch="*")
+        except Exception as e:  # noqa: BLE001
+            if not _exists(e) and (last or not is_conflict(e)):
+                raise
             _abort(fs, bucket, key, upload)
-            raise
+            return False if _exists(e) else None
+    except BaseException:
+        _abort(fs, bucket, key, upload)
+        raise
     return True
 
 
@@ -101,8 +174,7 @@ def _send_parts(fs: Any, bucket: str, key: str, upload: str, f, progress: Any, p
     crc, sent, parts = RunningCrc(), 0, []
     while True:
         chunks = []
-        while len(chunks) < parts_at_once and (chunk := f.read(part)):
-            crc.update(chunk)
+        while len(chunks) < parts_at_once and (chunk := _read_body(f, part, crc)) is not None:
             chunks.append(chunk)
         if not chunks:
             break
@@ -119,13 +191,36 @@ def _send_parts(fs: Any, bucket: str, key: str, upload: str, f, progress: Any, p
             raise failed
         for i, out in enumerate(done):
             parts.append({"PartNumber": len(parts) + 1, "ETag": out["ETag"]})
-            progress.update(len(chunks[i]))
-            sent += len(chunks[i])
+            n = chunks[i].getbuffer().nbytes
+            progress.update(n)
+            sent += n
         # emptied, not just unnamed: `send`'s default still holds this list until the next round has been read,
         # which held ~2 rounds of parts while the budget reserved one (tests/store/test_remote_upload_review.py)
         chunks.clear()
     check(sent, crc.hex(), expect)
     return parts
+
+
+def _read_body(f, n: int, crc: RunningCrc) -> io.BytesIO | None:
+    """Up to `n` bytes of `f` (None at its end), read straight into the buffer the request sends, their CRC32C
+    added to `crc`. Not bytes: botocore wraps a bytes body in a BytesIO that shares it, and aiohttp's
+    `getbuffer()` then unshares it - a copy of every part in flight, which held ~2x the bytes the budget reserved
+    (tests/store/test_remote_upload_review.py). A BytesIO that owns its buffer is sent as it is."""
+    body = io.BytesIO()
+    if n <= 0:
+        return None
+    body.seek(n - 1)
+    body.write(b"\0")  # allocated once at its full size
+    got = 0
+    with body.getbuffer() as view:
+        while got < n and (k := f.readinto(view[got:])):
+            got += k
+        crc.update(view[:got])
+    if not got:
+        return None
+    body.truncate(got)
+    body.seek(0)
+    return body
 
 
 def _abort(fs: Any, bucket: str, key: str, upload: str) -> None:

@@ -1,5 +1,6 @@
 """An HTTP proxy in front of the S3 test server that misbehaves on purpose: for requests `fault(method, path)`
-selects, it answers 503 SlowDown (throttling) or cuts the body off half-way and closes the connection (a reset
+selects, it answers 503 SlowDown (throttling), 409 ConditionalRequestConflict (a conditional write that raced
+another operation on its key, as AWS answers one) or cuts the body off half-way and closes the connection (a reset
 mid-transfer); every other request is relayed as it is. Point AWS_ENDPOINT_URL at `.endpoint`."""
 
 from __future__ import annotations
@@ -12,11 +13,17 @@ from urllib.parse import urlsplit
 
 SLOW_DOWN = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
              b"<Message>Please reduce your request rate.</Message></Error>")
+CONFLICT = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>ConditionalRequestConflict</Code>'
+            b"<Message>A conflicting operation occurred. If using PutObject you can retry the request. If using "
+            b"multipart upload you should initiate another CreateMultipartUpload request and re-upload each part."
+            b"</Message></Error>")
+ANSWERS = {"slow": (503, SLOW_DOWN), "conflict": (409, CONFLICT)}
 
 
 class FaultProxy:
     def __init__(self, upstream: str, fault: Callable[[str, str], str | None]) -> None:
-        """`fault(method, path)`: None (relay), "slow" (503 SlowDown) or "cut" (half the body, then close)."""
+        """`fault(method, path)`: None (relay), "slow" (503 SlowDown), "conflict" (409 ConditionalRequestConflict)
+        or "cut" (half the body, then close)."""
         target = urlsplit(upstream)
         proxy = self
         self.faults: list[tuple[str, str, str]] = []
@@ -30,13 +37,14 @@ class FaultProxy:
             def _relay(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 how = fault(self.command, self.path)
-                if how == "slow":
+                if how in ANSWERS:
                     proxy.faults.append((how, self.command, self.path))
-                    self.send_response(503)
+                    status, answer = ANSWERS[how]
+                    self.send_response(status)
                     self.send_header("Content-Type", "application/xml")
-                    self.send_header("Content-Length", str(len(SLOW_DOWN)))
+                    self.send_header("Content-Length", str(len(answer)))
                     self.end_headers()
-                    self.wfile.write(SLOW_DOWN)
+                    self.wfile.write(answer)
                     return
                 conn = http.client.HTTPConnection(target.hostname, target.port, timeout=60)
                 try:

@@ -129,3 +129,33 @@ def test_two_processes_filling_one_cache_keep_its_limit(s3_env, store: Store, tm
     assert json.loads((cache / USAGE).read_text())["bytes"] >= _cache_bytes(cache)
     fetches, walks = sum(r[1] for r in results), sum(r[2] for r in results)
     assert fetches >= 32 and walks < fetches  # the processes took room from the shared total, mostly
+
+
+def test_what_a_process_without_a_limit_fetches_counts_in_the_running_total(s3_env, store: Store,
+                                                                           tmp_path: Path) -> None:
+    """A process run without --cache-gb filling the same cache (another stage of the node) must add its fetches to
+    the node's total: before, a limited process then took the total for the disk's, believed there was room, and
+    the cache stayed over its limit by everything the other had fetched. (One process here, its limit set and
+    unset as each of the two would run.)"""
+    from store import remote_shards
+
+    url = _pushed(s3_env, store, 32)
+    cache = tmp_path / "cache"
+    local_store(url, ["vae"], cache)
+    limit = _cache_bytes(cache) + 4 * _shard_bytes(store)  # half the shards
+    root = local_store(url, ["vae"], cache, limit_gb=limit / 1e9)  # the limited process: its walk sets the total
+    remote_shards.set_limit(cache, None)  # the other process, no limit: reads every shard
+    with Store(root, create=False).reader("vae") as cached:
+        groups = cached.shard_groups()
+        for group in groups:
+            for k in group:
+                cached.tensors(k)
+        shards = sorted(p for p in fmt.version_dir(root, "vae", 1).iterdir() if fmt.SHARD_RE.fullmatch(p.name))
+    assert len(shards) == len(groups) >= 6 and _cache_bytes(cache) > limit
+    assert json.loads((cache / USAGE).read_text())["bytes"] >= _cache_bytes(cache)  # counted
+    shards[0].unlink()  # the limited process's next read fetches (as after an eviction)
+    remote_shards.set_limit(cache, limit)
+    with Store(root, create=False).reader("vae") as cached:
+        for k in groups[0]:
+            cached.tensors(k)
+    assert _cache_bytes(cache) <= limit  # its fetch made room: the total said the cache was full

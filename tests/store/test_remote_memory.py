@@ -48,7 +48,7 @@ def test_uploads_hold_at_most_the_budget_and_big_files_go_in_parts_write_once(s3
     async def call_s3(method, *a, **kw):
         if method == "upload_part":
             with lock:
-                part_sizes.append(len(kw["Body"]))
+                part_sizes.append(kw["Body"].getbuffer().nbytes)
         return await real_call(method, *a, **kw)
 
     monkeypatch.setattr(remote_upload, "s3_create", s3_create)
@@ -81,3 +81,15 @@ def test_small_objects_still_go_sixteen_at_once(s3_env, tmp_path, monkeypatch):
     monkeypatch.setattr(remote_upload, "s3_create", s3_create)
     files = [_file(tmp_path / f"i{i}", 4096) for i in range(remote_mod.TRANSFERS)]
     assert all(remote_mod.each_at_once(lambda p: remote.upload(p, f"y/{p.name}", file_crc(p)[0], _Bar()), files))
+
+
+def test_a_file_over_ten_thousand_parts_reserves_the_larger_parts_it_is_sent_in():
+    """S3 takes at most 10,000 parts: a file over ~156 GiB goes in parts larger than PART, and its reservation
+    must count those (it counted PART: a 200 GiB file held 4 x 20.5 MiB while 4 x 16 MiB were reserved). The
+    arithmetic alone, no such file written."""
+    part, at_once = remote_mod.PART, remote_mod.PARTS_AT_ONCE
+    for size in (10_000 * part, 200 * 2**30, 5 * 2**40):
+        sent_in = max(part, -(-size // 10_000))  # the smallest part that makes at most 10,000 of them
+        assert remote_upload.part_size(size, part) == sent_in and -(-size // sent_in) <= 10_000
+        assert remote_mod.upload_memory(size) == at_once * sent_in
+    assert remote_mod.upload_memory(200 * 2**30) > at_once * part
