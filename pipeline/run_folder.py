@@ -16,9 +16,9 @@ def refuse_a_folder_of_other_files(out: Path, what: str = "--out") -> None:
     lora/, checkpoints/ and logs/ in among those files (and --new-run would move them all to OUT.previous/)."""
     if not out.is_dir() or any((out / name).exists() for name in RUN_MARKERS):
         return
-    # dotfiles are OS litter (.DS_Store, AppleDouble ._x: Finder leaves them in a new folder it showed), as in a
-    # source folder (stages/resize/folder_listing.py)
-    others = sorted(f.name for f in out.iterdir() if not f.name.startswith("."))
+    # dot files are OS litter (.DS_Store, AppleDouble ._x: Finder leaves them in a new folder it showed), as in a
+    # source folder (stages/resize/folder_listing.py); a dot folder is a user's (.git, .venv): a keep would move it
+    others = sorted(f.name for f in out.iterdir() if not f.name.startswith(".") or f.is_dir())
     if others:
         shown = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")
         raise UserError(f"{what} {out} holds other files ({shown}) and no training run: train writes lora/, "

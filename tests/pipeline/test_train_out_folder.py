@@ -40,6 +40,11 @@ def test_new_empty_and_run_folders_pass(tmp_path):
     (shown / "notes.txt").write_text("mine")  # litter beside a user's file: refused, naming the file only
     with pytest.raises(UserError, match=r"holds other files \(notes\.txt\) and no training run"):
         refuse_a_folder_of_other_files(shown)
+    repo = tmp_path / "repo"  # a hidden folder is a user's (a git repo, a venv), not litter: a keep would move it
+    (repo / ".git").mkdir(parents=True)
+    (repo / ".DS_Store").write_bytes(b"")
+    with pytest.raises(UserError, match=r"holds other files \(\.git\) and no training run"):
+        refuse_a_folder_of_other_files(repo)
 
 
 def test_run_all_refuses_such_a_paths_run_before_its_first_stage(tmp_path):

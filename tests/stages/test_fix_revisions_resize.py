@@ -8,7 +8,6 @@ from __future__ import annotations
 import io
 
 import numpy as np
-import pytest
 from PIL import Image
 
 from pipeline.config import load_config
@@ -110,3 +109,9 @@ def test_a_table_the_fix_leaves_unchanged_stays_current(monkeypatch, tmp_path):
     record.write_text(json.dumps({**json.loads(record.read_text()), "version_id": f"v{old.version}-0123456789abcdef"}))
     assert resize_stage.run(cfg, tmp_path / "src", tmp_path / "store").up_to_date and len(scanned) == old.written
     assert json.loads(record.read_text())["version_id"] == Store(tmp_path / "store").version_id("images", old.version)
+    # nor is one answered for another lineage: a later fix (revision 3, its predicate saying "changed") scans the
+    # version again and re-renders, never trusting the "none changed" its predecessor's scan recorded
+    monkeypatch.setattr(resize_stage, "FEATURE_REVISION", 3)
+    monkeypatch.setattr(schemas.fixes, "mask_orientation_changes", lambda row: scanned.append(row) or True)
+    later = resize_stage.run(cfg, tmp_path / "src", tmp_path / "store")
+    assert not later.up_to_date and later.version == old.version + 1 and later.written == old.written
