@@ -287,6 +287,8 @@ def test_a_fuse_or_automounted_cache_folder_counts_as_shared(tmp_path, monkeypat
 
     fuse = MOUNTINFO + "50 22 0:60 / /mnt/bucket rw,nosuid shared:30 - fuse.s3fs s3fs rw,user_id=0\n"
     assert fh.network_fs(Path("/mnt/bucket/cache/x"), fuse) == "fuse.s3fs"
+    rootless = "1 0 0:30 / / rw,relatime - fuse.fuse-overlayfs fuse-overlayfs rw,user_id=0\n"  # a local one
+    assert fh.network_fs(Path("/root/.cache/x"), rootless) is None
     table = tmp_path / "mountinfo"
     table.write_text(MOUNTINFO + "60 22 0:70 / /shared rw,relatime shared:40 - autofs systemd-1 rw,fd=5\n")
     real_realpath = os.path.realpath
