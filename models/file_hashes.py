@@ -57,21 +57,29 @@ def file_sha256(path: str | Path) -> str:
 _OPEN_WAIT_S = 30.0  # as long as the busy timeout a write waits
 
 
-# file systems shared by several hosts (kernel names as in /proc/self/mountinfo)
+# file systems shared by several hosts (kernel names as in /proc/self/mountinfo); any FUSE one ("fuse.TYPE":
+# s3fs, gcsfuse, rclone, blobfuse2, ...) counts too but the known local ones (a local one taken for shared only
+# gets a database of its own: a rootless container's root is fuse-overlayfs)
+LOCAL_FUSE = {"fuse.fuse-overlayfs", "fuse.lxcfs", "fuse.gvfsd-fuse", "fuse.portal", "fuse.gocryptfs", "fuse.encfs",
+              "fuse.squashfuse"}
 NETWORK_FS = {"nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "beegfs", "ceph", "fuse.ceph-fuse",
               "glusterfs", "fuse.glusterfs", "fuse.sshfs", "9p", "afs", "gfs2", "ocfs2", "panfs", "wekafs",
               "fuse.juicefs", "orangefs", "virtiofs"}
 
 
+MOUNTINFO = "/proc/self/mountinfo"  # this process's mount table (Linux; elsewhere: none, as a local disk)
+
+
 def network_fs(path: Path, mountinfo: str | None = None) -> str | None:
     """The type of the network file system holding `path` (which may not exist yet), else None.
     `mountinfo`: the text of /proc/self/mountinfo (read when None; unreadable: None, as a local disk)."""
+    # links resolved as far as the path exists; first: walking the path mounts an automounted (autofs) folder
+    real = os.path.realpath(path)
     if mountinfo is None:
         try:
-            mountinfo = Path("/proc/self/mountinfo").read_text()
+            mountinfo = Path(MOUNTINFO).read_text()
         except OSError:
             return None
-    real = os.path.realpath(path)  # links resolved as far as the path exists
     best, kind = "", None
     for line in mountinfo.splitlines():
         fields, _, rest = line.partition(" - ")
@@ -82,7 +90,8 @@ def network_fs(path: Path, mountinfo: str | None = None) -> str | None:
         inside = real == point or real.startswith(point.rstrip("/") + "/")
         if inside and len(point) >= len(best):  # the innermost mount (the last of equal ones: mounted over)
             best, kind = point, tail[0]
-    return kind if kind in NETWORK_FS else None
+    shared = kind in NETWORK_FS or (kind or "").startswith("fuse.") and kind not in LOCAL_FUSE
+    return kind if shared else None
 
 
 def _connect(path: Path, journal: str = "WAL") -> sqlite3.Connection:

@@ -73,13 +73,23 @@ def file_checksums(folder: Path) -> dict[str, dict[str, Any]]:
     return folder_checksums(folder, (RESUME_JSON,))
 
 
+# the most bytes a resume's check keeps for the load, per rank: the kept files are held while the base model
+# loads (every rank of a node at once), and a large LoRA's checkpoint reaches GBs (float32 LoRA + Adam's two
+# states + EMA: rank 128 on the 60 blocks' attention and MLP linears, ~14 GB); the files past it are checked
+# as streamed and read again by the load (the default, rank 16 on to_q/k/v/out: ~380 MB with EMA, fits)
+KEEP_MAX_BYTES = 1 << 30
+
+
 def check_files(folder: Path, files: dict[str, dict[str, Any]], keep: dict[str, bytes] | None = None) -> None:
     """Every file against its recorded size and CRC32C. `keep`: filled with each file's bytes, checked as read
-    and kept for the load (a resume then reads each file once, not once to check and again to load)."""
+    and kept for the load (a resume then reads each file once, not once to check and again to load), up to
+    `KEEP_MAX_BYTES` in all (by the recorded sizes); the others are streamed (not kept)."""
     from store.checksum import crc_hex, file_mismatch
 
+    room = KEEP_MAX_BYTES
     for name, entry in sorted(files.items()):
-        if keep is None:
+        size = entry.get("nbytes")
+        if keep is None or not isinstance(size, int) or size > room:
             problem = file_mismatch(folder, name, entry)
         else:
             try:
@@ -88,8 +98,9 @@ def check_files(folder: Path, files: dict[str, dict[str, Any]], keep: dict[str, 
                 data, problem = None, f"{name} is missing"
             else:
                 problem = file_mismatch(folder, name, entry, (crc_hex(data), len(data)))
-            if data is not None:
+            if data is not None and not problem:
                 keep[name] = data
+                room -= len(data)
         if problem:
             raise CheckpointDamaged(damaged_message(folder, problem))
 

@@ -278,6 +278,31 @@ def test_a_cache_on_a_network_file_system_is_one_rollback_database_per_host(tmp_
                                                                        "file-hashes.node-b.sqlite"]  # no -wal
 
 
+def test_a_fuse_or_automounted_cache_folder_counts_as_shared(tmp_path, monkeypatch) -> None:
+    """Any FUSE file system (s3fs, gcsfuse, rclone: a bucket mounted on every node) is taken as shared, and an
+    automounted (autofs) folder is judged by what walking its path mounts there. Before: a FUSE type outside the
+    list was a local disk (one WAL database for every node), and the mount table was read before the walk that
+    mounts the folder, which then still showed autofs there (a local disk)."""
+    import os
+
+    fuse = MOUNTINFO + "50 22 0:60 / /mnt/bucket rw,nosuid shared:30 - fuse.s3fs s3fs rw,user_id=0\n"
+    assert fh.network_fs(Path("/mnt/bucket/cache/x"), fuse) == "fuse.s3fs"
+    rootless = "1 0 0:30 / / rw,relatime - fuse.fuse-overlayfs fuse-overlayfs rw,user_id=0\n"  # a local one
+    assert fh.network_fs(Path("/root/.cache/x"), rootless) is None
+    table = tmp_path / "mountinfo"
+    table.write_text(MOUNTINFO + "60 22 0:70 / /shared rw,relatime shared:40 - autofs systemd-1 rw,fd=5\n")
+    real_realpath = os.path.realpath
+
+    def walk_mounts(path, *a, **k):  # the kernel mounts /shared/cache as the walk enters it
+        with open(table, "a") as f:
+            f.write("61 60 0:71 / /shared/cache rw,relatime shared:41 - nfs4 filer:/cache rw,vers=4.2\n")
+        return real_realpath(path, *a, **k)
+
+    monkeypatch.setattr(fh, "MOUNTINFO", str(table), raising=False)
+    monkeypatch.setattr(os.path, "realpath", walk_mounts)
+    assert fh.network_fs(Path("/shared/cache/qwen-edit-pipeline/file-hashes.sqlite")) == "nfs4"
+
+
 def test_hashing_a_model_folder_shows_its_bytes_per_second_once(tmp_path, cache, capsys) -> None:
     """Hashing a model folder (41 GB at train start) shows a progress bar of the bytes read, with their rate; a
     process that finds the folder cached (the node's other ranks, the next stage) shows none."""

@@ -220,6 +220,32 @@ def test_a_resume_reads_each_checkpoint_file_once(tmp_path, tiny_edit_model, mon
     assert dict(reads) == sizes, (dict(reads), sizes)
 
 
+def test_a_resume_keeps_no_more_checkpoint_bytes_than_its_budget(tmp_path, tiny_edit_model, monkeypatch):
+    """The bytes the check keeps for the load are held while the base model loads, on every rank of a node: they
+    stay within `KEEP_MAX_BYTES` (a large LoRA's optimizer state and EMA reach GBs). A file past the budget is
+    checked as streamed and read again by the load, which restores it. Before: the whole checkpoint was kept."""
+    from read_counter import count_reads_under
+
+    root = tmp_path / "store"
+    make_train_store(root, tiny_edit_model, mixed_specs(4))
+    out = tmp_path / "run"
+    run(cfg_of(max_steps=2, checkpoint_every=2, ema_decay=0.9), root, tiny_edit_model, out)
+    step2 = out / "checkpoints" / "step-2"
+    sizes = {p.relative_to(step2).as_posix(): p.stat().st_size for p in step2.rglob("*") if p.is_file()}
+    checked = {k: n for k, n in sizes.items() if k != train_state.RESUME_JSON}
+    big = max(checked, key=checked.get)
+    budget = sum(checked.values()) - checked[big]  # room for every file but the largest
+    monkeypatch.setattr(train_state, "KEEP_MAX_BYTES", budget, raising=False)
+    kept: dict[str, bytes] = {}
+    train_state.ResumeRecord.read(step2 / train_state.RESUME_JSON, keep=kept)
+    assert sum(map(len, kept.values())) <= budget and set(kept) == set(checked) - {big}, (big, sorted(kept))
+    reads = count_reads_under(monkeypatch, step2, ("stages.train.state", "stages.train.ema", "models.lora"))
+    resumed = run(cfg_of(max_steps=3, checkpoint_every=100, ema_decay=0.9), root, tiny_edit_model, out, resume=True)
+    monkeypatch.undo()
+    assert resumed.start_step == 2
+    assert dict(reads) == {**sizes, big: 2 * sizes[big]}, (dict(reads), sizes)  # checked, then loaded
+
+
 # ---------------------------------------------------------------------------------------------- full disk
 
 
