@@ -17,7 +17,10 @@ A cache folder on a network file system (a home folder on NFS, Lustre, GPFS, ...
 database per host, in sqlite's rollback journal: WAL keeps its index in memory shared through an mmapped file,
 which only processes of one host share (sqlite: "WAL does not work over a network filesystem"), and sqlite's
 locks across hosts rely on the mount's lock service (absent with `nolock`). Per host, only one host's processes
-open each file; its files are hashed once per host, as each node reads its own copy anyway.
+open each file; its files are hashed once per host, as each node reads its own copy anyway. A host is a running
+kernel (`host_id`: its boot id), not a host name: pods of one node, each with its own (often random) name, share
+the kernel's memory and locks and so one database, reused by the next job there; two nodes given the same fixed
+name (`docker --hostname`) never share one. A reboot starts a new database there (its files hashed once again).
 """
 
 from __future__ import annotations
@@ -67,6 +70,7 @@ NETWORK_FS = {"nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "beegfs"
               "fuse.juicefs", "orangefs", "virtiofs"}
 
 
+BOOT_ID = "/proc/sys/kernel/random/boot_id"  # Linux: the running kernel's id, new at every boot
 MOUNTINFO = "/proc/self/mountinfo"  # this process's mount table (Linux; elsewhere: none, as a local disk)
 
 
@@ -92,6 +96,16 @@ def network_fs(path: Path, mountinfo: str | None = None) -> str | None:
             best, kind = point, tail[0]
     shared = kind in NETWORK_FS or (kind or "").startswith("fuse.") and kind not in LOCAL_FUSE
     return kind if shared else None
+
+
+def host_id() -> str:
+    """What names this host's database and hash locks: the running kernel's boot id, else (no /proc) the host
+    name. The kernel is what shares memory and locks (module doc): its containers share one database and take
+    turns per model folder; two nodes never share one, whatever names they were given."""
+    try:
+        return Path(BOOT_ID).read_text().strip() or socket.gethostname()
+    except OSError:
+        return socket.gethostname()
 
 
 def _connect(path: Path, journal: str = "WAL") -> sqlite3.Connection:
@@ -152,7 +166,7 @@ class FileHashes:
         self.journal = "WAL"
         if network_fs(self.path) is not None:  # one database per host, rollback journal (module doc)
             stem, dot, ext = cache_name.rpartition(".")
-            host = re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname())
+            host = re.sub(r"[^A-Za-z0-9._-]", "_", host_id())
             self.path = self.path.with_name(f"{stem}.{host}.{ext}" if dot else f"{cache_name}.{host}")
             self.journal = "DELETE"
         self._db: sqlite3.Connection | None = None
@@ -179,9 +193,9 @@ class FileHashes:
         if self._db is None:
             yield
             return
-        # the node's name in the lock's: a home folder shared by the nodes (NFS, Lustre) holds one cache, and a
-        # lock every node's ranks took would make each node wait for the others to hash their own copies in turn
-        named = f"{socket.gethostname()}\0{key}"
+        # the node's kernel in the lock's name: a home folder shared by the nodes (NFS, Lustre) holds one cache,
+        # and a lock every node's ranks took would make each node wait for the others to hash their own copies
+        named = f"{host_id()}\0{key}"
         path = self.path.parent / "locks" / f"{hashlib.sha256(named.encode()).hexdigest()[:16]}.lock"
         try:
             path.parent.mkdir(parents=True, exist_ok=True)

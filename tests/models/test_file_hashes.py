@@ -208,12 +208,11 @@ def test_hashing_alone_is_per_node_not_across_nodes_sharing_a_home(cache, monkey
     """The ranks of one node hash a model folder in turn (`FileHashes.alone`); two nodes sharing one home folder
     (one hash cache on NFS) do not wait for each other: each hashes its own copy of the folder."""
     import fcntl
-    import socket
 
     with FileHashes() as node_a, FileHashes() as node_b:
-        monkeypatch.setattr(socket, "gethostname", lambda: "node-a")
+        monkeypatch.setattr(fh, "host_id", lambda: "node-a")
         with node_a.alone("/models/qwen"):
-            monkeypatch.setattr(socket, "gethostname", lambda: "node-b")
+            monkeypatch.setattr(fh, "host_id", lambda: "node-b")
             free = []
             for lock in sorted((cache / "qwen-edit-pipeline" / "locks").glob("*.lock")):
                 fd = os.open(lock, os.O_RDWR)
@@ -266,16 +265,24 @@ def test_a_cache_on_a_network_file_system_is_one_rollback_database_per_host(tmp_
     files = _files(tmp_path / "model", 3)
     monkeypatch.setattr(fh, "network_fs", lambda path, mountinfo=None: "nfs4")
     folder = cache / "qwen-edit-pipeline"
-    for node, hashed in (("node-a", 3), ("node-a", 0), ("node-b", 3)):  # node b: its own database
-        monkeypatch.setattr(socket, "gethostname", lambda node=node: node)
+    boot = tmp_path / "boot_id"
+    monkeypatch.setattr(fh, "BOOT_ID", str(boot))
+    # a host is a running kernel: pods of node a (random host names) share its database, and node b, given the
+    # same host name as a pod of node a (`--hostname`), has its own
+    for kernel, name, hashed in (("node-a", "pod-1", 3), ("node-a", "pod-2", 0), ("node-b", "pod-2", 3)):
+        boot.write_text(kernel + "\n")
+        monkeypatch.setattr(socket, "gethostname", lambda name=name: name)
         with FileHashes() as h:
             assert [h.sha256(f) for f in files] == [_sha(f) for f in files] and h.hashed == hashed
-            assert h.path == folder / f"file-hashes.{node}.sqlite"
+            assert h.path == folder / f"file-hashes.{kernel}.sqlite"
             with sqlite3.connect(h.path) as db:
                 assert db.execute("PRAGMA journal_mode").fetchone()[0] == "delete"
             db.close()
     assert sorted(p.name for p in folder.iterdir() if p.is_file()) == ["file-hashes.node-a.sqlite",
                                                                        "file-hashes.node-b.sqlite"]  # no -wal
+    boot.unlink()  # no /proc (not Linux): the host name
+    with FileHashes() as h:
+        assert h.path == folder / "file-hashes.pod-2.sqlite"
 
 
 def test_a_fuse_or_automounted_cache_folder_counts_as_shared(tmp_path, monkeypatch) -> None:
