@@ -2,17 +2,18 @@
 one `[rank r/N]` summary per rank, each counting its own share, and the damaged samples the summary named were
 rank 0's only. Now both ranks sum their counts and damaged samples (`stages.encode.summary.over_ranks`, the one
 mechanism `run all` uses too) and rank 0 alone prints (`pipeline/rank_output.py`). Two gloo processes on the
-CPU through the CLI's own entry point (tests/stages/rank_cli.py), one damaged sample in each rank's share; both
-stages run in the one launch (each launch costs seconds of imports per rank), each checked on its own output."""
+CPU through the CLI's own entry point (tests/stages/rank_cli.py), one damaged sample in each rank's share."""
 
 from __future__ import annotations
 
+import pytest
+
 from two_ranks import launch_two
 
-STAGES = [("encode-text", "text"), ("encode-vae", "vae")]
 
-
-def test_a_launched_encode_prints_once_with_every_ranks_counts_and_damage(tiny_edit_model, edit_store) -> None:
+@pytest.mark.parametrize("stage,table", [("encode-text", "text"), ("encode-vae", "vae")])
+def test_a_launched_encode_prints_once_with_every_ranks_counts_and_damage(tiny_edit_model, edit_store,
+                                                                          stage, table) -> None:
     from damage import flip_bit, sample_byte
     from store import Store
 
@@ -21,25 +22,19 @@ def test_a_launched_encode_prints_once_with_every_ranks_counts_and_damage(tiny_e
         damaged = [images.iter_keys(rank=r, world_size=2)[0] for r in (0, 1)]  # one in each rank's share
     for key in damaged:
         flip_bit(*sample_byte(edit_store, "images", key), 2)
-    commands = []
-    for stage, _ in STAGES:
-        section = stage.replace("-", "_")
-        commands += ["+", "run", stage, "--store", str(edit_store), "--model", tiny_edit_model, "--device", "cpu",
-                     "--set", f"{section}.on_damaged=skip", "--set", f"{section}.max_damaged_fraction=0.5"]
-    (rc0, out0, err0), (rc1, out1, err1) = launch_two("rank_cli.py", *commands[1:], timeout=300)
+    section = stage.replace("-", "_")
+    (rc0, out0, err0), (rc1, out1, err1) = launch_two(
+        "rank_cli.py", "run", stage, "--store", str(edit_store), "--model", tiny_edit_model, "--device", "cpu",
+        "--set", f"{section}.on_damaged=skip", "--set", f"{section}.max_damaged_fraction=0.5", timeout=300)
     assert rc0 == rc1 == 0, (err0[-3000:], err1[-3000:])
     assert out1 == "", out1  # rank 1's lines go nowhere: rank 0's say it all
-    outputs = out0.split("=== pipeline run ")[1:]  # rank_cli.py's line before each command
-    assert [o.split()[0] for o in outputs] == [stage for stage, _ in STAGES], out0
-    for (stage, table), output in zip(STAGES, outputs):
-        lines = output.splitlines()[1:]
-        assert sum(line.startswith(f"{stage}: float32 on cpu") for line in lines) == 1, output
-        summaries = [line for line in lines if line.startswith(f"{stage} [")]
-        assert summaries == [line for line in lines if line.startswith(f"{stage} [2 ranks]: table '{table}' v1: "
-                                                                       f"encoded {len(keys) - 2}, ")], output
-        assert len(summaries) == 1, output
-        skipped = [line for line in lines if line.startswith("skipped ")]
-        assert len(skipped) == 1, output
-        assert skipped[0].startswith("skipped 2 damaged input sample(s)") and all(k in skipped[0] for k in damaged), output
-        with Store(edit_store).reader(table) as out:
-            assert sorted(out.keys()) == sorted(set(keys) - set(damaged))
+    lines = out0.splitlines()
+    assert sum(line.startswith(f"{stage}: float32 on cpu") for line in lines) == 1, out0
+    summaries = [line for line in lines if line.startswith(f"{stage} [")]
+    assert summaries == [line for line in lines if line.startswith(f"{stage} [2 ranks]: table '{table}' v1: "
+                                                                   f"encoded {len(keys) - 2}, ")], out0
+    assert len(summaries) == 1, out0
+    skipped = next(line for line in lines if line.startswith("skipped "))
+    assert skipped.startswith("skipped 2 damaged input sample(s)") and all(k in skipped for k in damaged), out0
+    with Store(edit_store).reader(table) as out:
+        assert sorted(out.keys()) == sorted(set(keys) - set(damaged))
