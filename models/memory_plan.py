@@ -169,7 +169,6 @@ def vae_decode_bytes(model: str, dtype: str, height: int, width: int) -> int:
     return vae_pass_bytes(model, dtype, height, width)
 
 
-@lru_cache(maxsize=32)
 def vae_pass_bytes(model: str, dtype: str, height: int, width: int, encode: bool = False, batch: int = 1) -> int:
     """Peak bytes one VAE decode of a height x width image (or `encode` of `batch` such images) allocates beyond
     the VAE's weights (its input, the feature maps, the causal convolutions' frame caches, the output): traced on
@@ -177,13 +176,21 @@ def vae_pass_bytes(model: str, dtype: str, height: int, width: int, encode: bool
     `MemTracker`, built from the model's VAE config. Traced rather than a formula: the peak sits in the
     full-resolution stage, whose caches and up-sampling copies a hand count missed (the encode's "handful of
     feature maps" was 1.7x under it; tests/models/test_memory_plan_decode.py checks both against the live
-    tensors of a real pass)."""
+    tensors of a real pass). A trace takes seconds: it is kept per VAE config, not per model name (the published
+    Edit models share one VAE config; a local copy of one and its hub id too)."""
+    cls, scale = vae_class(model)
+    cfg = (config_root(model) / "vae" / "config.json").read_text()
+    return _traced_pass_bytes(cls, scale, cfg, dtype, height, width, encode, batch)
+
+
+@lru_cache(maxsize=32)
+def _traced_pass_bytes(cls, scale: int, config_json: str, dtype: str, height: int, width: int, encode: bool,
+                       batch: int) -> int:
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    cls, scale = vae_class(model)
-    cfg = json.loads((config_root(model) / "vae" / "config.json").read_text())
+    cfg = json.loads(config_json)
     default, elem = torch.get_default_dtype(), getattr(torch, dtype)
     with FakeTensorMode():
         torch.set_default_dtype(elem)  # built in the dtype: a fake module cannot be cast

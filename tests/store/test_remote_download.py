@@ -8,8 +8,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from urllib3.exceptions import IncompleteRead
-
+from remote_fakes import CutBody
 from store import Store
 from store import format as fmt
 from store import remote as remote_mod
@@ -31,24 +30,6 @@ def _store(root: Path) -> Store:
     return store
 
 
-class _CutBody:
-    """A response body that breaks once, after its first piece, as a connection reset mid-body does."""
-
-    def __init__(self, body, cut: list) -> None:
-        self.body, self.cut, self.served = body, cut, 0
-
-    async def read(self, n: int) -> bytes:
-        if self.served >= remote_mod.READ_PIECE and not self.cut:
-            self.cut.append(self.served)
-            raise IncompleteRead(self.served, 1)
-        got = await self.body.read(n)
-        self.served += len(got)
-        return got
-
-    def close(self) -> None:
-        self.body.close()
-
-
 def test_a_pull_streams_each_object_in_one_get_and_resumes_a_cut_body(s3_env, tmp_path, monkeypatch) -> None:
     store = _store(tmp_path / "store")
     shard = sorted(fmt.version_dir(store.root, "vae", 1).glob("shard-*.tar"))[0]
@@ -65,7 +46,7 @@ def test_a_pull_streams_each_object_in_one_get_and_resumes_a_cut_body(s3_env, tm
             out = await real_call(method, *args, **kwargs)
             if method == "get_object" and kwargs["Key"].endswith(shard.name):
                 gets.append(kwargs.get("Range"))
-                out["Body"] = _CutBody(out["Body"], cut)
+                out["Body"] = CutBody(out["Body"], cut)
             return out
 
         remote.fs._call_s3 = call_s3

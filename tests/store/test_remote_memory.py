@@ -10,14 +10,10 @@ import os
 import threading
 from pathlib import Path
 
+from remote_fakes import NoBar
 from store import remote as remote_mod
 from store import remote_upload
 from store.checksum import file_crc
-
-
-class _Bar:
-    def update(self, n: int = 1) -> None:
-        pass
 
 
 def _file(path: Path, nbytes: int) -> Path:
@@ -54,7 +50,7 @@ def test_uploads_hold_at_most_the_budget_and_big_files_go_in_parts_write_once(s3
     monkeypatch.setattr(remote_upload, "s3_create", s3_create)
     monkeypatch.setattr(remote.fs, "_call_s3", call_s3)
     files = [_file(tmp_path / f"f{i}", 4 * 2**20) for i in range(6)] + [_file(tmp_path / "big", 11 * 2**20)]
-    for _ in remote_mod.each_at_once(lambda p: remote.upload(p, f"x/{p.name}", file_crc(p)[0], _Bar()), files):
+    for _ in remote_mod.each_at_once(lambda p: remote.upload(p, f"x/{p.name}", file_crc(p)[0], NoBar()), files):
         pass
     assert held_in_put[1] <= 12 * 2**20 and budget.peak <= 12 * 2**20 and budget.held == 0  # 16 at once: 35 MiB
     assert sorted(part_sizes) == [2**20, 5 * 2**20, 5 * 2**20]  # only the big file, in parts
@@ -63,7 +59,7 @@ def test_uploads_hold_at_most_the_budget_and_big_files_go_in_parts_write_once(s3
         assert remote.read(f"x/{p.name}") == p.read_bytes()
     # the multipart upload is write-once too: a second writer of the big object is refused, nothing overwritten
     other = _file(tmp_path / "other", 11 * 2**20)
-    assert remote.upload(other, "x/big", file_crc(other)[0], _Bar()) is False
+    assert remote.upload(other, "x/big", file_crc(other)[0], NoBar()) is False
     assert remote.read("x/big") == files[-1].read_bytes()
 
 
@@ -80,7 +76,7 @@ def test_small_objects_still_go_sixteen_at_once(s3_env, tmp_path, monkeypatch):
 
     monkeypatch.setattr(remote_upload, "s3_create", s3_create)
     files = [_file(tmp_path / f"i{i}", 4096) for i in range(remote_mod.TRANSFERS)]
-    assert all(remote_mod.each_at_once(lambda p: remote.upload(p, f"y/{p.name}", file_crc(p)[0], _Bar()), files))
+    assert all(remote_mod.each_at_once(lambda p: remote.upload(p, f"y/{p.name}", file_crc(p)[0], NoBar()), files))
 
 
 def test_a_file_over_ten_thousand_parts_reserves_the_larger_parts_it_is_sent_in():

@@ -8,17 +8,12 @@ import os
 import tracemalloc
 
 import pytest
-from urllib3.exceptions import IncompleteRead
+from remote_fakes import CheckedFile, CutBody, NoBar
 
 from schemas.errors import UserError
 from store import remote as remote_mod
 from store import remote_download, remote_upload
 from store.checksum import file_crc
-
-
-class _Bar:
-    def update(self, n: int = 1) -> None:
-        pass
 
 
 def test_a_multipart_upload_holds_at_most_the_parts_it_reserved(s3_env, tmp_path, monkeypatch):
@@ -48,7 +43,7 @@ def test_a_multipart_upload_holds_at_most_the_parts_it_reserved(s3_env, tmp_path
     monkeypatch.setattr(moto.s3.models.S3Backend, "upload_part", upload_part)
     tracemalloc.start(1)  # where each block was allocated: a copy's is in aiohttp, a part read's in remote_upload
     try:
-        assert remote.upload(local, "x/big", file_crc(local)[0], _Bar(), local.stat().st_size)
+        assert remote.upload(local, "x/big", file_crc(local)[0], NoBar(), local.stat().st_size)
     finally:
         tracemalloc.stop()
     assert len(held) == 2 * remote_mod.PARTS_AT_ONCE
@@ -57,23 +52,6 @@ def test_a_multipart_upload_holds_at_most_the_parts_it_reserved(s3_env, tmp_path
     # the operation's model; two copies would be 4 parts more
     assert max(held) <= reserved + part + part // 2, [round(h / 2**20, 2) for h in held]
     assert remote.read("x/big") == local.read_bytes()
-
-
-class _CutOnce:
-    """A response body that breaks once, after its first piece (a connection reset mid-body)."""
-
-    def __init__(self, body) -> None:
-        self.body, self.served = body, 0
-
-    async def read(self, n: int) -> bytes:
-        if self.served >= remote_mod.READ_PIECE:
-            raise IncompleteRead(self.served, 1)
-        got = await self.body.read(n)
-        self.served += len(got)
-        return got
-
-    def close(self) -> None:
-        self.body.close()
 
 
 def test_a_body_resumed_after_its_object_changed_is_refused_not_spliced(s3_env, tmp_path, monkeypatch):
@@ -91,7 +69,7 @@ def test_a_body_resumed_after_its_object_changed_is_refused_not_spliced(s3_env, 
             client.put_object(Bucket=s3_env.bucket, Key="store/x/o", Body=second)
         out = await real_call(method, *a, **kw)
         if method == "get_object" and "Range" not in kw:
-            out["Body"] = _CutOnce(out["Body"])
+            out["Body"] = CutBody(out["Body"])
         return out
 
     monkeypatch.setattr(remote.fs, "_call_s3", call_s3)
@@ -116,7 +94,7 @@ def test_other_back_ends_remove_an_object_whose_bytes_changed_after_the_check(tm
     remote = remote_mod.open_remote(url)
     try:
         with pytest.raises(remote_upload.Mismatch):
-            remote.upload(local, "x/f", want[0], _Bar(), want[1])
+            remote.upload(local, "x/f", want[0], NoBar(), want[1])
         assert not remote.exists("x/f")
     finally:
         if remote.fs.exists(f"/rv3-{tmp_path.name}"):
@@ -133,30 +111,19 @@ def test_other_back_ends_leave_no_partial_object_when_an_upload_fails_and_a_reru
     want = file_crc(local)
     reads = []
 
-    class FailingOnce:  # the local disk fails once, after the first block was sent
-        def __init__(self, f) -> None:
-            self.f = f
+    def failing_once(n: int) -> None:  # the local disk fails once, after the first block was sent
+        reads.append(n)
+        if len(reads) == 2:
+            raise OSError(errno.EIO, "Input/output error")
 
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc) -> None:
-            self.f.close()
-
-        def read(self, n: int = -1) -> bytes:
-            reads.append(n)
-            if len(reads) == 2:
-                raise OSError(errno.EIO, "Input/output error")
-            return self.f.read(n)
-
-    monkeypatch.setattr(remote_upload, "open", lambda *a: FailingOnce(open(*a)), raising=False)
+    monkeypatch.setattr(remote_upload, "open", lambda *a: CheckedFile(open(*a), failing_once), raising=False)
     url = f"memory://rv3-{tmp_path.name}/store"
     remote = remote_mod.open_remote(url)
     try:
         with pytest.raises(OSError, match="Input/output"):
-            remote.upload(local, "x/f", want[0], _Bar(), want[1])
+            remote.upload(local, "x/f", want[0], NoBar(), want[1])
         assert not remote.exists("x/f")
-        assert remote.upload(local, "x/f", want[0], _Bar(), want[1]) is True
+        assert remote.upload(local, "x/f", want[0], NoBar(), want[1]) is True
         assert remote.read("x/f") == local.read_bytes()
     finally:
         if remote.fs.exists(f"/rv3-{tmp_path.name}"):
@@ -199,10 +166,10 @@ def test_a_conditional_write_answered_409_conflict_is_sent_again_and_the_412_dec
             ours, theirs = tmp_path / name, os.urandom(nbytes)
             ours.write_bytes(os.urandom(nbytes))
             crc = file_crc(ours)
-            assert remote.upload(ours, f"x/{name}", crc[0], _Bar(), crc[1]) is True  # sent again: created
+            assert remote.upload(ours, f"x/{name}", crc[0], NoBar(), crc[1]) is True  # sent again: created
             assert remote.read(f"x/{name}") == ours.read_bytes()
             racers[f"store/x/{name}-raced"] = theirs
-            assert remote.upload(ours, f"x/{name}-raced", crc[0], _Bar(), crc[1]) is False  # the other's
+            assert remote.upload(ours, f"x/{name}-raced", crc[0], NoBar(), crc[1]) is False  # the other's
             assert remote.read(f"x/{name}-raced") == theirs
         remote.swap("x/record", lambda old: (old or b"") + b"+1")
         assert remote.read("x/record") == b"+1"
