@@ -24,8 +24,8 @@ class _Bar:
 def test_a_multipart_upload_holds_at_most_the_parts_it_reserved(s3_env, tmp_path, monkeypatch):
     """The budget reserves `PART x PARTS_AT_ONCE` for a big file: what the upload holds must be that, not twice it.
     Measured before every part read and at every part the server receives, over the client's allocations
-    (remote_upload.py, botocore, aiohttp; not the in-process test server's): before, botocore wrapped each part's bytes in a BytesIO sharing
-    them and aiohttp's `getbuffer()` unshared it - a copy of every part in flight, ~2x the reservation (and a
+    (remote_upload.py, botocore, aiohttp; not the in-process test server's): before, botocore wrapped each part's
+    bytes in a BytesIO sharing them and aiohttp's `getbuffer()` unshared it - a copy of every part in flight, ~2x the reservation (and a
     round's parts must be freed before the next round is read: ~2 rounds were held once). Counted: the blocks of at
     least a part (a part read, a copy of one); not the small pieces in flight, whose sum depends on the thread
     scheduling and not on the part size (aiohttp's 64 KiB writes: up to 1 MiB of them alive at once, seen with
