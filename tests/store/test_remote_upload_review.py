@@ -25,11 +25,12 @@ def test_a_multipart_upload_holds_at_most_the_parts_it_reserved(s3_env, tmp_path
     """The budget reserves `PART x PARTS_AT_ONCE` for a big file: what the upload holds must be that, not twice it.
     Measured before every part read and at every part the server receives, over the client's allocations
     (remote_upload.py, botocore, aiohttp; not the in-process test server's): before, botocore wrapped each part's
-    bytes in a BytesIO sharing them and aiohttp's `getbuffer()` unshared it - a copy of every part in flight, ~2x the reservation (and a
-    round's parts must be freed before the next round is read: ~2 rounds were held once). Counted: the blocks of at
-    least a part (a part read, a copy of one); not the small pieces in flight, whose sum depends on the thread
-    scheduling and not on the part size (aiohttp's 64 KiB writes: up to 1 MiB of them alive at once, seen with
-    sys.setswitchinterval(1e-6); botocore's 1 MiB checksum reads besides: over the 1.5 MiB of slack this had)."""
+    bytes in a BytesIO sharing them and aiohttp's `getbuffer()` unshared it - a copy of every part in flight, ~2x
+    the reservation (and a round's parts must be freed before the next round is read: ~2 rounds were held once).
+    Counted: the blocks of at least a part (a part read, a copy of one); not the small pieces in flight, whose sum
+    depends on the thread scheduling and not on the part size (aiohttp's 64 KiB writes: up to 1 MiB of them alive at
+    once, seen with sys.setswitchinterval(1e-6); botocore's 1 MiB checksum reads besides: over the 1.5 MiB of slack
+    this had)."""
     import moto.s3.models
 
     part = 2 * 2**20  # S3's smallest is 5 MiB: the test server is told 2 MiB (over botocore's 1 MiB reads)
