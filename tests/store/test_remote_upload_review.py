@@ -21,6 +21,14 @@ class _Bar:
         pass
 
 
+class _Counted:
+    def __init__(self) -> None:
+        self.n = 0
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+
+
 def test_a_multipart_upload_holds_at_most_the_parts_it_reserved(s3_env, tmp_path, monkeypatch):
     """The budget reserves `PART x PARTS_AT_ONCE` for a big file: what the upload holds must be that, not twice it.
     Measured before every part read and at every part the server receives, over the client's allocations
@@ -212,7 +220,9 @@ def test_a_conditional_write_answered_409_conflict_is_sent_again_and_the_412_dec
             ours, theirs = tmp_path / name, os.urandom(nbytes)
             ours.write_bytes(os.urandom(nbytes))
             crc = file_crc(ours)
-            assert remote.upload(ours, f"x/{name}", crc[0], _Bar(), crc[1]) is True  # sent again: created
+            bar = _Counted()
+            assert remote.upload(ours, f"x/{name}", crc[0], bar, crc[1]) is True  # sent again: created
+            assert bar.n == nbytes  # the bytes sent again after the conflict not counted twice
             assert remote.read(f"x/{name}") == ours.read_bytes()
             racers[f"store/x/{name}-raced"] = theirs
             assert remote.upload(ours, f"x/{name}-raced", crc[0], _Bar(), crc[1]) is False  # the other's
