@@ -186,18 +186,17 @@ class ShardFetcher:
 
     def _reserve(self, part: Path, nbytes: int) -> bool:
         """Under the cache lock: evict least recently used shards until `nbytes` more fit under the limit, then
-        create `part` at its full size so that other processes count it. False when it cannot fit."""
+        create `part` at its full size so that other processes count it. Without a limit: `nbytes` added to the node's
+        running total, `part` created at full size all the same. False when it cannot fit."""
         from store.remote_cache import CACHE_LOCK, add_usage, make_room
 
         limit = _limits.get(str(self.cache))
-        if limit is None:  # no limit here, but a limited process of the node may share the cache: it counts them
-            with fmt.flock(self.cache / CACHE_LOCK):
-                add_usage(self.cache, nbytes)
-            part.touch()
-            return True
         with fmt.flock(self.cache / CACHE_LOCK):
-            if not make_room(self.cache, limit, nbytes):
+            if limit is None:  # no limit here, but a limited process of the node may share the cache: it counts them
+                add_usage(self.cache, nbytes)
+            elif not make_room(self.cache, limit, nbytes):
                 return False
+            # at its full size either way: a walk meanwhile sets the total to what it counts on disk
             with open(part, "wb") as f:
                 f.truncate(nbytes)
         return True

@@ -159,3 +159,27 @@ def test_what_a_process_without_a_limit_fetches_counts_in_the_running_total(s3_e
         for k in groups[0]:
             cached.tensors(k)
     assert _cache_bytes(cache) <= limit  # its fetch made room: the total said the cache was full
+
+
+def test_a_fetch_under_way_without_a_limit_is_counted_at_its_full_size_by_a_walk(s3_env, store: Store,
+                                                                                 tmp_path: Path) -> None:
+    """A limited process's walk sets the node's total to what it counts on disk; a fetch under way in a process
+    without --cache-gb had added its bytes to the total, so its file must already count them (created at its full
+    size, as a limited process's is): created empty, the walk counted the bytes written so far and the total
+    missed the rest for good (the limited process then believed in room the cache no longer had)."""
+    from store import remote_shards
+
+    url = _pushed(s3_env, store, 4)
+    cache = tmp_path / "cache"
+    root = local_store(url, ["vae"], cache, limit_gb=1.0)  # the limited process: metadata
+    remote_cache.evict(cache, 10**9, set())  # its walk sets the total (after the open's lease file)
+    before = json.loads((cache / USAGE).read_text())["bytes"]
+    remote_shards.set_limit(cache, None)  # the other process, no limit, begins a fetch
+    vdir = fmt.version_dir(root, "vae", 1)
+    fetcher = remote_shards.fetcher_for(vdir)
+    shard, entry = next(iter(fetcher.sums.items()))
+    part = vdir / f".{shard}{remote_shards.FETCH_TAG}{os.getpid()}-1"
+    assert fetcher._reserve(part, int(entry["nbytes"]))
+    assert json.loads((cache / USAGE).read_text())["bytes"] == before + int(entry["nbytes"])  # added
+    remote_cache.evict(cache, 10**9, set())  # the limited process walks meanwhile (its fetches came near its limit)
+    assert json.loads((cache / USAGE).read_text())["bytes"] == before + int(entry["nbytes"])  # still counted
