@@ -74,7 +74,12 @@ def _completed_meanwhile(job: EncodeJob, several_caches: bool = False) -> bool:
     job.writer = None
     if job.ranks.rank == 0 and not any(mine.glob("shard-*")):  # the empty folder this run just created
         shutil.rmtree(mine, ignore_errors=True)
-    adopt(job, found)
+    from models.collective import together
+
+    # agreed as at the start (plan.open_job): a rank that cannot make the newest version any rank saw current (its
+    # view of a shared folder lags) stops every rank with its line, not itself alone while the others report it
+    with together(job.ranks.world_size, f"{job.summary.stage}: reusing table '{job.summary.table}' v{found}"):
+        adopt(job, found)
     return True
 
 

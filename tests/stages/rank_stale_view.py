@@ -4,9 +4,10 @@ are the test's.
 
     rank_stale_view.py train STORE MODEL OUT MAX_STEPS   `pipeline run train --resume`; rank 1's listing of the
                                                         run folder ends one checkpoint earlier
-    rank_stale_view.py encode STORE MODEL [V]            `pipeline run encode-text`; rank 1 does not see the
+    rank_stale_view.py encode STORE MODEL [V|unseen]     `pipeline run encode-text`; rank 1 does not see the
                                                         table's complete version yet, or (V) reads `images` vV
-                                                        (its view of store.json lags)
+                                                        (its view of store.json lags), or (unseen) cannot make
+                                                        that version current either
 """
 
 from __future__ import annotations
@@ -23,7 +24,15 @@ def main() -> None:
         from stages.encode import plan
         from store import Store
 
-        if os.environ["RANK"] == "1" and images:
+        if os.environ["RANK"] == "1" and images == ["unseen"]:
+            from schemas.errors import UserError
+
+            def not_complete(self, table, version):  # what set_current says of a version it does not see whole
+                raise UserError(f"table '{table}' v{version} is not complete; cannot make it current")
+
+            Store.find_version = lambda self, table, lineage: None
+            Store.set_current = not_complete
+        elif os.environ["RANK"] == "1" and images:
             hold = plan.hold
             plan.hold = lambda root, tables, what: hold(root, {"images": int(images[0])}, what)
         elif os.environ["RANK"] == "1":

@@ -63,3 +63,19 @@ def test_an_encode_whose_ranks_read_different_images_versions_stops_with_one_lin
     last0, last1 = err0.strip().splitlines()[-1], err1.strip().splitlines()[-1]
     assert last0 == last1 and "the ranks do not read the same table 'images'" in last0 and "v2 on some, v1 on" in last0
     assert "text" not in Store(edit_store).tables()
+
+
+def test_an_encode_whose_rank_cannot_adopt_the_version_found_stops_every_rank(tiny_edit_model, edit_store) -> None:
+    """After the model load the ranks adopt the newest version any of them sees (stages/encode/output.py); rank 1
+    cannot make it current (its view lags further). Before, rank 1 failed alone with its line while rank 0 said
+    "up to date" (the launch half done, half failed); now every rank stops with rank 1's line."""
+    from stages.encode import text as encode_text
+
+    encode_text.run(load_config(None), edit_store, tiny_edit_model, device="cpu")
+    (rc0, out0, err0), (rc1, out1, err1) = launch_two("rank_stale_view.py", "encode", str(edit_store),
+                                                      tiny_edit_model, "unseen", timeout=300)
+    assert "Traceback" not in err0 + out0 + err1 + out1, (err0[-3000:], err1[-3000:])
+    assert rc0 == rc1 == 1, (rc0, rc1, out0[-2000:], err0[-2000:], err1[-2000:])
+    assert "up to date" not in out0, out0
+    last0, last1 = err0.strip().splitlines()[-1], err1.strip().splitlines()[-1]
+    assert last0 == last1 and "table 'text' v1 is not complete; cannot make it current" in last0, (last0, last1)
