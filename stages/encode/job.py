@@ -61,10 +61,6 @@ class EncodeJob:
         lineage holds (hard-linked shards, split relabelled from `images`); return this rank's keys left to do."""
         return output.open_writer(self, schema, shard_size_mb)
 
-    def adopt(self, found: int) -> None:
-        """Reuse the complete version `found` of this lineage (made current; the table reported up to date)."""
-        output.adopt(self, found)
-
     # ------------------------------------------------------------ input (stages/encode/intake.py)
 
     def read_inputs(self, keys: list[str]) -> Iterator[tuple[str, dict[str, Any] | Rejected]]:
