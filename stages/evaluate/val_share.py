@@ -154,13 +154,28 @@ def _share_masks(samples: list[TrainSample], mine: list[int], ranks, chunk: int 
                 samples[i].mask_weight = torch.from_numpy(full[i - start, : samples[i].target_tokens]).float()
 
 
+def outline(sample: TrainSample) -> TrainSample:
+    """What the report needs of a sample read in full: key, img_shapes and edit mask (the features are read
+    again where they are needed: `reader`)."""
+    empty = torch.empty(0)
+    return TrainSample(key=sample.key, target=empty, controls=[], prompt_embeds=empty, empty_embeds=empty,
+                       img_shapes=sample.img_shapes, mask_weight=sample.mask_weight)
+
+
+def reader(tables, share: Share):
+    """Sample i of `share.samples` in full: as held, or read again from its row where it is an outline."""
+    def full(i: int) -> TrainSample:
+        s = share.samples[i]
+        return s if s.target.numel() else from_features(*tables.features_at(share.rows[i]))
+
+    return full
+
+
 def complete(tables, share: Share, wanted: list[TrainSample]) -> list[TrainSample]:
-    """`share.samples` with the `wanted` ones (those pictured) read in full where they are outlines (rank 0,
-    before generating their images)."""
-    at = {s.key: i for i, s in enumerate(share.samples)}
+    """`share.samples` with the `wanted` ones (those pictured) read in full where they are outlines (before
+    generating their images)."""
+    at, full = {s.key: i for i, s in enumerate(share.samples)}, reader(tables, share)
     samples = list(share.samples)
     for s in wanted:
-        i = at[s.key]
-        if samples[i].target.numel() == 0:
-            samples[i] = from_features(*tables.features_at(share.rows[i]))
+        samples[at[s.key]] = full(at[s.key])
     return samples
