@@ -88,7 +88,10 @@ def main(n: int = 4) -> None:
             checkpoints.run(cfg, tmp / "store", model, ckpts, tmp / f"all-{k[0]}")
 
         resolved = stage.resolved_config(cfg)
-        _, samples = stage.read_val_samples(resolved, tmp / "store", model)
+        from stages.evaluate.val_share import reader
+
+        tables, share = stage.read_val_samples(resolved, tmp / "store", model)
+        samples = [reader(tables, share)(i) for i in range(len(share.samples))]  # in full, as the old pass took
         tr = stage.load_transformer(resolved, model)
         attach_lora(tr, ckpts[0][1])
         old = timed(lambda: old_loss_pass(tr, samples, resolved))

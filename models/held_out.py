@@ -46,22 +46,28 @@ def has_two_regions(sample: TrainSample) -> bool:
 
 @torch.no_grad()
 def loss_grid(transformer, samples: list[TrainSample], seeds: list[int], sigmas: list[float], batch_size: int,
-              desc: str = "held-out loss", show: bool = True) -> np.ndarray:
+              desc: str = "held-out loss", show: bool = True, load=None) -> np.ndarray:
     """float64 [len(samples), len(seeds), len(sigmas), 3]: `flow_loss` of every row, regions all/inside/outside.
 
     Rows go sample-major (sample, seed, σ) in batches of `batch_size` rows: the batches `row_losses` builds,
     so the "all" region is bit-identical to it. `show`: its progress bar (one rank's of several: off).
+    `load(i)`: sample i in full when `samples` are outlines (key, img_shapes, mask): only the samples of one
+    batch are held, whatever the count.
     """
+    load = load or samples.__getitem__
     rows = [(i, k, t) for i in range(len(samples)) for k in range(len(seeds)) for t in range(len(sigmas))]
     out = np.full((len(samples), len(seeds), len(sigmas), len(REGIONS)), np.nan)
     two = [has_two_regions(s) for s in samples]
     base = _unwrap(transformer)
+    held: dict = {}
     for start in tqdm(range(0, len(rows), batch_size), desc=desc, leave=False, disable=not show):
         chunk = rows[start : start + batch_size]
-        batch_samples = [samples[i] for i, _, _ in chunk]
+        # this batch's samples; one that continues from the last batch is not read again
+        held = {i: held[i] if i in held else load(i) for i in dict.fromkeys(i for i, _, _ in chunk)}
+        batch_samples = [held[i] for i, _, _ in chunk]
         fb = prepare_flow_batch(
             batch_samples, torch.tensor([float(sigmas[t]) for _, _, t in chunk], dtype=torch.float32),
-            [eval_noise(samples[i], seeds[k]) for i, k, _ in chunk], None, (1.0, 1.0), base.device, base.dtype,
+            [eval_noise(held[i], seeds[k]) for i, k, _ in chunk], None, (1.0, 1.0), base.device, base.dtype,
         )
         preds = target_predictions(transformer, fb)
         values = [per_sample_loss(preds, fb.targets)]

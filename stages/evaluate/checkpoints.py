@@ -263,7 +263,7 @@ def _run(ranks, cfg: EvaluateConfig, store: str | Path, model: str, checkpoints:
     from models.precision import describe
     from stages.evaluate import stage as single
     from stages.evaluate.checkpoint_report import generated_rows, write_checkpoint_report
-    from stages.evaluate.val_share import complete, read_share
+    from stages.evaluate.val_share import complete, read_share, reader
 
     started = time.perf_counter()
     cfg = single.for_model(cfg, model)
@@ -290,13 +290,11 @@ def _run(ranks, cfg: EvaluateConfig, store: str | Path, model: str, checkpoints:
                        + (f", {ranks.world} ranks" if ranks.world > 1 else ""))
             single.warn_other_base([path for _, path in checkpoints], model, [step for step, _ in checkpoints])
 
-    share = None
     if ranks.world > 1:  # each rank reads only the samples it computes (stages/evaluate/val_share.py)
         tables, share = read_share(cfg, store, model, ranks)
-        samples, mine = share.samples, share.mine
-    else:
-        tables, samples = single.read_val_samples(cfg, store, model)
-        mine = list(range(len(samples)))
+    else:  # outlines: the loss passes read the features batch by batch
+        tables, share = single.read_val_samples(cfg, store, model)
+    samples, mine, load = share.samples, share.mine, reader(tables, share)
     with tables:  # closed on every path: descriptors, check-ahead thread, read lease
         fingerprint, settings = read_fingerprint(settings, tables)  # the versions read, not those at key time
         damaged = dict(tables.damaged)
@@ -309,13 +307,12 @@ def _run(ranks, cfg: EvaluateConfig, store: str | Path, model: str, checkpoints:
                 losses = LossStore(out, fingerprint, axes, settings)
         with together(ranks.world, "load the transformer"):
             transformer = single.load_transformer(cfg, model)
-        evaluated, attached = _append_missing(ranks, losses, checkpoints, shas, transformer, samples, mine, cfg)
+        evaluated, attached = _append_missing(ranks, losses, checkpoints, shas, transformer, samples, mine, cfg, load)
         if not ranks.main:
             return None  # rank 0 summarises, generates and writes the report
         metrics, best, last = _summary(losses, samples, cfg, fingerprint, checkpoints)
         rows = []
-        if share is not None:  # the val samples pictured, read in full where another rank read them
-            samples = complete(tables, share, single.pick_samples(samples, cfg.num_samples))
+        samples = complete(tables, share, single.pick_samples(samples, cfg.num_samples))  # pictured: in full
         if cfg.num_samples > 0 or cfg.extra_prompts:
             rows = generated_rows(cfg, model, store, tables, transformer, samples, best["path"], best["step"],
                                   last["path"], last["step"], attached, damaged, shas,
@@ -376,12 +373,12 @@ def use_recorded(transformer, path: Path, step: int, sha: str | None, scale: flo
 
 
 def _grid(ranks, transformer, samples, mine: list[int], seeds: list[int], sigmas: list[float], batch_size: int,
-          desc: str) -> np.ndarray:
+          desc: str, load=None) -> np.ndarray:
     """`loss_grid` of every sample: in one process all of them; under a launcher this rank's share (`mine`: the
     positions it read, `stages.evaluate.val_share`), summed with the others' (a rank failing in its own pass
     stops every rank: `fails_alone`)."""
     if ranks.world == 1:
-        return loss_grid(transformer, samples, seeds, sigmas, batch_size, desc)
+        return loss_grid(transformer, samples, seeds, sigmas, batch_size, desc, load=load)
     from models.collective import fails_alone
 
     # One bar, rank 0's, said to be its share: every rank's progress would take a collective per batch, and the
@@ -407,7 +404,7 @@ def _plan(losses: LossStore, checkpoints: list[tuple[int, Path]], shas: dict[int
 
 
 def _append_missing(ranks, losses: LossStore | None, checkpoints: list[tuple[int, Path]], shas: dict[int, str],
-                    transformer, samples, mine: list[int], cfg: EvaluateConfig) -> tuple[int, bool]:
+                    transformer, samples, mine: list[int], cfg: EvaluateConfig, load=None) -> tuple[int, bool]:
     """The base's grid (once) and each checkpoint not yet in the array, one append each (rank 0; `losses` is None
     on the others). Returns (how many checkpoints were evaluated now, whether the adapter is attached to
     `transformer`)."""
@@ -423,7 +420,7 @@ def _append_missing(ranks, losses: LossStore | None, checkpoints: list[tuple[int
     seeds, sigmas = list(cfg.noise_seeds), [float(t) for t in cfg.timesteps]
     base = None
     if not plan[0]:  # before any adapter exists: the plain model
-        base = _grid(ranks, transformer, samples, mine, seeds, sigmas, cfg.batch_size, "held-out loss (base)")
+        base = _grid(ranks, transformer, samples, mine, seeds, sigmas, cfg.batch_size, "held-out loss (base)", load)
     with together(ranks.world, "the base losses"):
         if ranks.main:
             if base is None:
@@ -456,7 +453,7 @@ def _append_missing(ranks, losses: LossStore | None, checkpoints: list[tuple[int
                            "left out; rerun evaluate to evaluate what is there now")
             continue
         grid = _grid(ranks, transformer, samples, mine, seeds, sigmas, cfg.batch_size,
-                     f"held-out loss (step {step})")
+                     f"held-out loss (step {step})", load)
         with together(ranks.world, f"record checkpoint step {step}"):
             if ranks.main:
                 losses.append(step, str(Path(path).resolve()), shas[step], grid)

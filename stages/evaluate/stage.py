@@ -104,11 +104,12 @@ def finite_samples(samples: list[TrainSample], grids: dict, cfg: EvaluateConfig)
 
 
 def held_out_loss(transformer, samples: list[TrainSample], cfg: EvaluateConfig,
-                  base_cache: tuple[Path, str] | None = None) -> dict:
+                  base_cache: tuple[Path, str] | None = None, load=None) -> dict:
     """Base vs LoRA loss: per sample the mean over noise seeds x σ grid; then overall, per bucket, per σ, mask.
     One forward per row and LoRA state, weighted all / inside / outside the mask (`loss_grid`). `base_cache`:
     (report folder, key of every input of the base losses): the base grid reused from there when recorded under
-    the key (`stages.evaluate.base_losses`)."""
+    the key (`stages.evaluate.base_losses`). `load`: sample i in full where `samples` are outlines
+    (`loss_grid`)."""
     from stages.evaluate import base_losses
 
     grids = {}
@@ -116,7 +117,7 @@ def held_out_loss(transformer, samples: list[TrainSample], cfg: EvaluateConfig,
         def compute(on=on, name=name):
             with lora_enabled(transformer, on):
                 return loss_grid(transformer, samples, list(cfg.noise_seeds), [float(t) for t in cfg.timesteps],
-                                 cfg.batch_size, desc=f"held-out loss ({name})")
+                                 cfg.batch_size, desc=f"held-out loss ({name})", load=load)
 
         shape = (len(samples), len(cfg.noise_seeds), len(cfg.timesteps), 3)
         grids[name] = (base_losses.cached(*base_cache, shape, compute) if name == "base" and base_cache
@@ -364,18 +365,23 @@ class EvaluateResult:
         return line
 
 
-def read_val_samples(cfg: EvaluateConfig, store: str | Path, model: str) -> tuple[JoinedTables, list[TrainSample]]:
-    """The val split's joined tables and its first `max_loss_samples` samples (all when unset)."""
+def read_val_samples(cfg: EvaluateConfig, store: str | Path, model: str):
+    """(the val split's joined tables, `val_share.Share` of its first `max_loss_samples` intact samples, all when
+    unset). Each is read once to find the intact ones and kept as an outline (key, img_shapes, mask): the loss
+    passes read the features again batch by batch (`val_share.reader`), so what is held does not grow with the
+    count (10k val samples x several MB each, held in full before)."""
     from models.loading import model_fingerprint
+    from stages.evaluate.val_share import Share, outline
 
     tables = open_configured(cfg, "evaluate", store, model, model_fingerprint(model), "val")
     n = min(len(tables), cfg.max_loss_samples) if cfg.max_loss_samples else len(tables)
     tables.check_ahead(lambda: iter(range(len(tables))))  # the bytes checked by a thread just ahead of the reads
     try:  # evaluate.on_damaged=skip: a damaged one left out where it is read, the next one read instead
-        samples = read_intact(tables, n, lambda i: from_features(*tables.features_at(i)), "read val samples")
+        read = read_intact(tables, n, lambda i: (i, outline(from_features(*tables.features_at(i)))),
+                           "read val samples")
     finally:
         tables.stop_check_ahead()
-    return tables, samples
+    return tables, Share([s for _, s in read], list(range(len(read))), [i for i, _ in read])
 
 
 def load_transformer(cfg: EvaluateConfig, model: str):
@@ -474,17 +480,21 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, ou
                + (f", quantize_base {cfg.quantize_base}" if cfg.quantize_base != "none" else ""))
     warn_other_base([lora], model)
     inputs = evaluate_inputs(cfg, store, model, lora, checked.sha256)
-    tables, samples = read_val_samples(cfg, store, model)
-    damaged = dict(tables.damaged)
+    from stages.evaluate.val_share import complete, reader
+
+    tables, share = read_val_samples(cfg, store, model)
+    samples, damaged = share.samples, dict(tables.damaged)
 
     transformer = load_transformer(cfg, model)
     attach_checked(transformer, lora, cfg.lora_scale, checked.sha256)
 
-    loss = held_out_loss(transformer, samples, cfg, (out, base_inputs_key(cfg, store, model, samples, tables)))
+    loss = held_out_loss(transformer, samples, cfg, (out, base_inputs_key(cfg, store, model, samples, tables)),
+                         load=reader(tables, share))
 
     rows: list[SampleRow] = []
-    if cfg.num_samples > 0 or cfg.extra_prompts:
-        rows = sample_rows(cfg, store, model, transformer, tables, samples, damaged, out)
+    if cfg.num_samples > 0 or cfg.extra_prompts:  # the pictured samples read in full
+        rows = sample_rows(cfg, store, model, transformer, tables,
+                           complete(tables, share, pick_samples(samples, cfg.num_samples)), damaged, out)
 
     metrics = {
         "loss": loss,

@@ -43,10 +43,29 @@ def read_share(cfg, store: str | Path, model: str, ranks):
     with together(ranks.world, "open the val split"):
         tables = open_configured(cfg, "evaluate", store, model, model_fingerprint(model), "val")
     try:
+        _agree_versions(tables, ranks)
         return tables, _read(tables, cfg, ranks)
     except BaseException:
         tables.close()
         raise
+
+
+def _agree_versions(tables, ranks) -> None:
+    """Every rank reads the same `text` and `vae` versions, or every rank stops with one line (one all-reduce).
+    Each rank leases the current versions itself: a version made current between two ranks' opens, or a shared
+    folder whose view of store.json lags on one node, would put features of two versions into one loss array
+    (keyed by rank 0's) or leave ranks with different sample lists waiting in different collectives."""
+    from models.collective import all_max
+    from schemas.errors import UserError
+
+    mine = [tables.readers[t].version for t in ("text", "vae")]
+    agreed = all_max(ranks.world, [v for version in mine for v in (version, -version)])
+    for t, high, neg_low in zip(("text", "vae"), agreed[0::2], agreed[1::2]):
+        if high != -neg_low:
+            raise UserError(f"evaluate: the ranks do not read the same table '{t}' of {tables.store_root} "
+                            f"(v{high} on some, v{-neg_low} on others: it was rebuilt during this launch, or the "
+                            "store is a shared folder some nodes see late); rerun once `pipeline store inspect` "
+                            "shows it alike from every node")
 
 
 def _read(tables, cfg, ranks) -> Share:
@@ -135,13 +154,28 @@ def _share_masks(samples: list[TrainSample], mine: list[int], ranks, chunk: int 
                 samples[i].mask_weight = torch.from_numpy(full[i - start, : samples[i].target_tokens]).float()
 
 
+def outline(sample: TrainSample) -> TrainSample:
+    """What the report needs of a sample read in full: key, img_shapes and edit mask (the features are read
+    again where they are needed: `reader`)."""
+    empty = torch.empty(0)
+    return TrainSample(key=sample.key, target=empty, controls=[], prompt_embeds=empty, empty_embeds=empty,
+                       img_shapes=sample.img_shapes, mask_weight=sample.mask_weight)
+
+
+def reader(tables, share: Share):
+    """Sample i of `share.samples` in full: as held, or read again from its row where it is an outline."""
+    def full(i: int) -> TrainSample:
+        s = share.samples[i]
+        return s if s.target.numel() else from_features(*tables.features_at(share.rows[i]))
+
+    return full
+
+
 def complete(tables, share: Share, wanted: list[TrainSample]) -> list[TrainSample]:
-    """`share.samples` with the `wanted` ones (those pictured) read in full where they are outlines (rank 0,
-    before generating their images)."""
-    at = {s.key: i for i, s in enumerate(share.samples)}
+    """`share.samples` with the `wanted` ones (those pictured) read in full where they are outlines (before
+    generating their images)."""
+    at, full = {s.key: i for i, s in enumerate(share.samples)}, reader(tables, share)
     samples = list(share.samples)
     for s in wanted:
-        i = at[s.key]
-        if samples[i].target.numel() == 0:
-            samples[i] = from_features(*tables.features_at(share.rows[i]))
+        samples[at[s.key]] = full(at[s.key])
     return samples

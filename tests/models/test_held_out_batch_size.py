@@ -19,3 +19,17 @@ def test_rows_per_forward_change_the_held_out_losses_by_rounding_only(transforme
         other = loss_grid(transformer, val_samples, [0, 1], [0.3, 0.7], rows)
         assert (np.isfinite(other) == finite).all()
         np.testing.assert_allclose(other[finite], one[finite], rtol=1e-6, atol=0)
+
+
+def test_outlines_read_batch_by_batch_give_the_grid_of_the_full_samples(transformer, val_samples):  # noqa: F811
+    """Single-LoRA evaluate keeps outlines (key, img_shapes, mask) and reads each batch's samples through `load`:
+    the grid is the one of the samples held in full, bit for bit, and a sample whose rows span two batches (4
+    rows a sample, 3 rows a forward) is read once per pass."""
+    from stages.evaluate.val_share import outline
+
+    full = loss_grid(transformer, val_samples, [0, 1], [0.3, 0.7], 3)
+    reads = []
+    outlines = [outline(s) for s in val_samples]
+    streamed = loss_grid(transformer, outlines, [0, 1], [0.3, 0.7], 3, load=lambda i: (reads.append(i), val_samples[i])[1])
+    np.testing.assert_array_equal(streamed, full)
+    assert reads == list(range(len(val_samples)))

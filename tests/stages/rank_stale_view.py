@@ -8,6 +8,8 @@ are the test's.
                                                         table's complete version yet, or (V) reads `images` vV
                                                         (its view of store.json lags), or (unseen) cannot make
                                                         that version current either
+    rank_stale_view.py evaluate STORE MODEL RUN OUT V    `pipeline run evaluate --all-checkpoints`; rank 1 reads
+                                                        `text` vV (its view of store.json lags)
 """
 
 from __future__ import annotations
@@ -38,6 +40,17 @@ def main() -> None:
         elif os.environ["RANK"] == "1":
             Store.find_version = lambda self, table, lineage: None  # the complete version not listed yet
         sys.argv = ["pipeline", "run", "encode-text", "--store", store, "--model", model, "--device", "cpu"]
+        cli()
+        return
+    if sys.argv[1] == "evaluate":
+        store, model, run, out, version = sys.argv[2:7]
+        from store import lease
+
+        if os.environ["RANK"] == "1":
+            hold = lease.hold
+            lease.hold = lambda root, tables, what, *a: hold(root, {**tables, "text": int(version)}, what, *a)
+        sys.argv = ["pipeline", "run", "evaluate", "--all-checkpoints", "--set", f"paths.run={run}", "--store",
+                    store, "--model", model, "--out", out, "--num-samples", "0", "--device", "cpu"]
         cli()
         return
     store, model, out, steps = sys.argv[2:6]

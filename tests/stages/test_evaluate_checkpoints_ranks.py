@@ -95,3 +95,26 @@ def test_a_failing_rank_stops_both_with_its_line_and_the_rerun_resumes(fail_in, 
 
     res = ev.run(EvaluateConfig(**CFG), root / "store", tiny_edit_model, _ckpts(root), out)
     assert res.evaluated == 2 and res.metrics["checkpoints"]["steps"] == [10, 20, 30]
+
+
+def test_ranks_that_read_different_text_versions_stop_with_one_line(run_and_store, tiny_edit_model, tmp_path):
+    """Rank 1 still reads `text` v1 when v2 is current (a version made current between the ranks' opens, or a
+    lagging view of store.json): before, rank 0 keyed the loss array by its own versions and the ranks' halves
+    of every grid came from different features; now every rank stops with one line and nothing is written."""
+    import shutil
+
+    from store import Store
+    from two_ranks import launch_two
+
+    root, store, out = run_and_store, tmp_path / "store", tmp_path / "report"
+    shutil.copytree(root / "store", store)
+    st = Store(store)
+    shutil.copytree(st.version_dir("text", 1), st.version_dir("text", 2))
+    st.set_current("text", 2)
+    (rc0, out0, err0), (rc1, out1, err1) = launch_two("rank_stale_view.py", "evaluate", str(store), tiny_edit_model,
+                                                      str(root / "run"), str(out), "1", timeout=300)
+    assert "Traceback" not in err0 + out0 + err1 + out1, (err0[-3000:], err1[-3000:])
+    assert rc0 == rc1 == 1, (rc0, rc1, err0[-2000:], err1[-2000:])
+    last0, last1 = err0.strip().splitlines()[-1], err1.strip().splitlines()[-1]
+    assert last0 == last1 and "the ranks do not read the same table 'text'" in last0 and "v2 on some, v1 on" in last0
+    assert not (out / GROUP).exists()
