@@ -6,6 +6,8 @@ On the tiny random model (models/tiny.py), a store of N val samples of mixed siz
 the bytes of the tensors `stages.evaluate.stage.read_val_samples` hands back (held through both loss passes and
 the report), and the most tensor bytes of full samples one loss pass holds at a time (`loss_grid`'s batch).
 Bytes, not RSS: the tiny samples are KBs, lost in an RSS of hundreds of MB; the growth with N is the point.
+`nbytes` does not see a view keeping its whole buffer alive (a float32 mask read from the store is one:
+`val_share.outline` copies it; tests/models/test_held_out_batch_size.py checks the buffer is freed).
 """
 
 from __future__ import annotations

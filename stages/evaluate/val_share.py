@@ -156,10 +156,12 @@ def _share_masks(samples: list[TrainSample], mine: list[int], ranks, chunk: int 
 
 def outline(sample: TrainSample) -> TrainSample:
     """What the report needs of a sample read in full: key, img_shapes and edit mask (the features are read
-    again where they are needed: `reader`)."""
+    again where they are needed: `reader`). The mask is copied: as read it is a view of the sample's whole
+    buffer (float32 stored, `.float()` copies nothing), which it would keep alive, latents and all."""
     empty = torch.empty(0)
+    mask = None if sample.mask_weight is None else sample.mask_weight.clone()
     return TrainSample(key=sample.key, target=empty, controls=[], prompt_embeds=empty, empty_embeds=empty,
-                       img_shapes=sample.img_shapes, mask_weight=sample.mask_weight)
+                       img_shapes=sample.img_shapes, mask_weight=mask)
 
 
 def reader(tables, share: Share):

@@ -6,6 +6,7 @@ per forward."""
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from models.held_out import loss_grid
 from test_held_out import transformer, val_samples  # noqa: F401 - the module's fixtures
@@ -33,3 +34,27 @@ def test_outlines_read_batch_by_batch_give_the_grid_of_the_full_samples(transfor
     streamed = loss_grid(transformer, outlines, [0, 1], [0.3, 0.7], 3, load=lambda i: (reads.append(i), val_samples[i])[1])
     np.testing.assert_array_equal(streamed, full)
     assert reads == list(range(len(val_samples)))
+
+
+def test_an_outline_does_not_keep_its_samples_buffer_alive():
+    """A sample as the store reader hands it out: every tensor a view of one buffer of its bytes (float32 mask:
+    `from_features`' `.float()` copies nothing). Its outline keeps the mask's values, not the buffer (latents
+    and all): before, a masked val sample's whole vae bytes stayed held through both loss passes."""
+    import gc
+    import weakref
+
+    from models.sample import from_features
+    from stages.evaluate.val_share import outline
+
+    buf = np.arange(4 * 16 * 16 + 64, dtype=np.float32)  # the target latents, then 64 mask tokens
+    vae = {"target": torch.frombuffer(buf, dtype=torch.float32, count=4 * 16 * 16).view(1, 4, 16, 16),
+           "mask_weight": torch.frombuffer(buf, dtype=torch.float32, count=64, offset=4 * 16 * 16 * 4)}
+    text = {"prompt_embeds": torch.zeros(3, 8), "empty_embeds": torch.zeros(2, 8)}
+    sample = from_features("k", text, vae, [(1, 8, 8)])
+    expected = sample.mask_weight.clone()
+    gone = weakref.ref(buf)
+    small = outline(sample)
+    del buf, vae, sample
+    gc.collect()
+    assert gone() is None
+    assert torch.equal(small.mask_weight, expected)
