@@ -12,6 +12,7 @@ Bytes, not RSS: the tiny samples are KBs, lost in an RSS of hundreds of MB; the 
 
 from __future__ import annotations
 
+import argparse
 import inspect
 import shutil
 import sys
@@ -81,4 +82,6 @@ def main(counts: list[int]) -> None:
 
 
 if __name__ == "__main__":
-    main([int(a) for a in sys.argv[1:]] or [16, 64])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("counts", nargs="*", type=int, default=[16, 64], help="val sample counts to measure")
+    main(ap.parse_args().counts)
