@@ -1,6 +1,7 @@
 """`pipeline store repair`: damaged samples of the text and vae tables are recomputed by their stages (only
-those: the rest is carried forward), the store verifies again and trains to the very LoRA of the clean store;
-what cannot be repaired is named; a damaged store.json is rebuilt."""
+those: the rest is carried forward), the store verifies again and trains to the LoRA of the clean store (to
+float32 rounding: a recomputed sample is encoded in another batch); what cannot be repaired is named; a damaged
+store.json is rebuilt."""
 
 from __future__ import annotations
 
@@ -58,19 +59,27 @@ def test_repair_recomputes_only_damaged_samples_and_trains_to_the_clean_lora(tin
     assert st.tables()["text"] == 2 and st.tables()["vae"] == 2
     linked = [p for p in (edit_store / "vae" / "v2").glob("*.tar") if p.stat().st_nlink == 2]
     assert linked  # intact shards carried forward as hard links, not copies
-    for table in ("text", "vae"):
+    for table, recomputed in (("text", bad_text), ("vae", bad_vae)):
         a, b = Store(clean).reader(table), st.reader(table)
         assert a.keys() == b.keys()
         for k in a.keys():
             ta, tb = a.tensors(k), b.tensors(k)
-            assert ta.keys() == tb.keys() and all(torch.equal(ta[n], tb[n]) for n in ta)
+            assert ta.keys() == tb.keys()
+            for n in ta:
+                if k == recomputed:  # encoded alone now, in a batch before: CPU kernels with several threads may
+                    # sum in another order for another batch size (float32; seen: 3.8e-6 on a latent of the tiny VAE)
+                    torch.testing.assert_close(tb[n], ta[n], rtol=1e-5, atol=2e-5)
+                else:  # carried forward: the very bytes
+                    assert torch.equal(ta[n], tb[n]), (table, k, n)
     assert "nothing to repair" in runner.invoke(app, ["store", "repair", str(edit_store)]).output
 
     cfg_t = load_config(None, TRAIN)
     train(cfg_t, clean, tiny_edit_model, tmp_path / "run-clean")
     train(cfg_t, edit_store, tiny_edit_model, tmp_path / "run-repaired")
     la, lb = read_lora(tmp_path / "run-clean" / "lora")[0], read_lora(tmp_path / "run-repaired" / "lora")[0]
-    assert la.keys() == lb.keys() and all(torch.equal(la[k], lb[k]) for k in la)
+    assert la.keys() == lb.keys()
+    for k in la:  # the same LoRA, up to the recomputed samples' float32 rounding
+        torch.testing.assert_close(lb[k], la[k], rtol=1e-4, atol=1e-6)
 
 
 def test_repair_names_what_it_cannot_repair_and_rebuilds_store_json(edit_store, tmp_path):
