@@ -399,7 +399,7 @@ class Remote:
                 if (new := update(old)) is not None:
                     self.write(rel, new)
             return
-        for _ in range(attempts):
+        for attempt in range(attempts):
             self.fs.invalidate_cache()
             try:
                 etag = self.fs.info(self.path(rel)).get("ETag")
@@ -419,7 +419,9 @@ class Remote:
             except FileExistsError:
                 continue
             except OSError as e:  # lost the race (412), or raced it (409 ConditionalRequestConflict): read again
-                if not (_precondition_failed(e) or remote_upload.is_conflict(e)):
+                if remote_upload.is_conflict(e):  # a write still in flight: at once it would meet it again
+                    remote_upload.backoff(attempt)
+                elif not _precondition_failed(e):
                     raise
         raise UserError(f"{self.url}/{rel}: changed by another writer {attempts} times in a row while this one "
                         "tried to update it; rerun")

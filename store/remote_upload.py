@@ -66,7 +66,7 @@ def is_conflict(e: BaseException) -> bool:
     return isinstance(e, OSError) and "conditionalrequestconflict" in str(e).lower()
 
 
-def _backoff(attempt: int) -> None:
+def backoff(attempt: int) -> None:
     time.sleep(min(2.0, 0.05 * 2**attempt) * (0.5 + random.random()))  # jittered: two racers do not meet again
 
 
@@ -102,7 +102,7 @@ def s3_create(fs: Any, path: str, local: Path, progress: Any, meta: dict[str, An
                         return False
                     if not is_conflict(e) or attempt == CONFLICT_ATTEMPTS - 1:
                         raise
-                    _backoff(attempt)
+                    backoff(attempt)
             progress.update(n)
             return True
         sent = _Sent(progress)
@@ -115,7 +115,7 @@ def s3_create(fs: Any, path: str, local: Path, progress: Any, meta: dict[str, An
                 return created
             if _head(fs, bucket, key):  # the racing writer created it: what the 412 would have said
                 return False
-            _backoff(attempt)
+            backoff(attempt)
     return True  # not reached: the last attempt raises on a conflict
 
 

@@ -518,9 +518,9 @@ def read_inputs(cfg: EvaluateConfig, store: str | Path, model: str, tables) -> d
     """`loss_fingerprint`'s settings with the text / vae versions the val samples were read from: the store's
     current ones may have changed since (an encode beside evaluate), and a cache keyed by those would name
     numbers the new version never gave."""
-    from stages.evaluate.checkpoints import loss_fingerprint
+    from stages.evaluate.checkpoints import loss_fingerprint, read_fingerprint
 
-    return {**loss_fingerprint(cfg, store, model)[1], "tables": tables.versions()}
+    return read_fingerprint(loss_fingerprint(cfg, store, model)[1], tables)[1]
 
 
 def attach_checked(transformer, lora: str | Path, scale: float, sha256: str) -> None:

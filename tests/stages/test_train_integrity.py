@@ -199,18 +199,23 @@ def test_damaged_checkpoint_is_named_and_the_previous_offered(tmp_path, tiny_edi
         run(cfg_of(max_steps=3, checkpoint_every=1), root, tiny_edit_model, out, resume=True)
 
 
+def _checkpoint_at_step_2(tmp_path, model):
+    """A run stopped at step 2 with its checkpoint (EMA on): (store, out, checkpoint folder, file -> size)."""
+    root = tmp_path / "store"
+    make_train_store(root, model, mixed_specs(4))
+    out = tmp_path / "run"
+    run(cfg_of(max_steps=2, checkpoint_every=2, ema_decay=0.9), root, model, out)
+    step2 = out / "checkpoints" / "step-2"
+    return root, out, step2, {p.relative_to(step2).as_posix(): p.stat().st_size for p in step2.rglob("*") if p.is_file()}
+
+
 def test_a_resume_reads_each_checkpoint_file_once(tmp_path, tiny_edit_model, monkeypatch):
     """The resume's check (sizes and CRC32Cs against resume.json) and its load share one read of each file. Before:
     every file was read twice per rank (once to check, once to load), doubling a shared filesystem's load when
     many ranks resume at once."""
     from read_counter import count_reads_under
 
-    root = tmp_path / "store"
-    make_train_store(root, tiny_edit_model, mixed_specs(4))
-    out = tmp_path / "run"
-    run(cfg_of(max_steps=2, checkpoint_every=2, ema_decay=0.9), root, tiny_edit_model, out)
-    step2 = out / "checkpoints" / "step-2"
-    sizes = {p.relative_to(step2).as_posix(): p.stat().st_size for p in step2.rglob("*") if p.is_file()}
+    root, out, step2, sizes = _checkpoint_at_step_2(tmp_path, tiny_edit_model)
     assert {"lora/pytorch_lora_weights.safetensors", "optimizer.safetensors", "ema.safetensors",
             "rng-rank00.safetensors", "scheduler.json", "resume.json"} <= set(sizes)
     reads = count_reads_under(monkeypatch, step2, ("stages.train.state", "stages.train.ema", "models.lora"))
@@ -226,12 +231,7 @@ def test_a_resume_keeps_no_more_checkpoint_bytes_than_its_budget(tmp_path, tiny_
     checked as streamed and read again by the load, which restores it. Before: the whole checkpoint was kept."""
     from read_counter import count_reads_under
 
-    root = tmp_path / "store"
-    make_train_store(root, tiny_edit_model, mixed_specs(4))
-    out = tmp_path / "run"
-    run(cfg_of(max_steps=2, checkpoint_every=2, ema_decay=0.9), root, tiny_edit_model, out)
-    step2 = out / "checkpoints" / "step-2"
-    sizes = {p.relative_to(step2).as_posix(): p.stat().st_size for p in step2.rglob("*") if p.is_file()}
+    root, out, step2, sizes = _checkpoint_at_step_2(tmp_path, tiny_edit_model)
     checked = {k: n for k, n in sizes.items() if k != train_state.RESUME_JSON}
     big = max(checked, key=checked.get)
     budget = sum(checked.values()) - checked[big]  # room for every file but the largest

@@ -139,12 +139,27 @@ def test_the_signal_is_held_once_and_a_failing_step_after_it_stops_as_the_signal
         signal.signal(signal.SIGTERM, before)
 
 
+def _stopped_by_sigterm(call) -> bool:
+    """Run `call` with pipeline/cli.py's SIGTERM handler installed (SystemExit(128 + signum)); True when it
+    stopped with that status."""
+    import pytest
+
+    def cli_handler(signum, frame):
+        raise SystemExit(128 + signum)
+
+    before = signal.signal(signal.SIGTERM, cli_handler)
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            call()
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    return stopped.value.code == 128 + signal.SIGTERM
+
+
 def test_a_sigterm_during_the_last_step_stops_after_the_final_lora(tiny_edit_model, tmp_path, monkeypatch) -> None:
     """A SIGTERM that came during the last step (here: while its checkpoint is written) was held and then
     dropped: the run finished and returned as if never signalled, and `run all` went on into evaluate until the
     scheduler's SIGKILL. Now the final LoRA is written, then the process stops as the signal asks."""
-    import pytest
-
     from stages.train import recipe
 
     store, out = tmp_path / "store", tmp_path / "run"
@@ -155,17 +170,9 @@ def test_a_sigterm_during_the_last_step_stops_after_the_final_lora(tiny_edit_mod
         real(r)
         os.kill(os.getpid(), signal.SIGTERM)  # the last step's checkpoint (checkpoint_every 3 > max_steps 2)
 
-    def cli_handler(signum, frame):  # pipeline/cli.py's: SystemExit(128 + signum)
-        raise SystemExit(128 + signum)
-
     monkeypatch.setattr(recipe, "checkpoint", checkpoint_then_signalled)
-    before = signal.signal(signal.SIGTERM, cli_handler)
-    try:
-        with pytest.raises(SystemExit) as stopped:
-            run(load_config(None, {**SETS, "train.max_steps": 2}), store, tiny_edit_model, out)
-    finally:
-        signal.signal(signal.SIGTERM, before)
-    assert stopped.value.code == 128 + signal.SIGTERM
+    assert _stopped_by_sigterm(lambda: run(load_config(None, {**SETS, "train.max_steps": 2}), store,
+                                           tiny_edit_model, out))
     assert read_lora(out / "lora")[0]  # the run is complete: a rerun finds it up to date
     assert [s for s, _ in train_state.complete_checkpoints(out / "checkpoints")] == [2]
 
@@ -173,8 +180,6 @@ def test_a_sigterm_during_the_last_step_stops_after_the_final_lora(tiny_edit_mod
 def test_a_sigterm_during_a_step_checkpoints_that_step_and_stops(tiny_edit_model, tmp_path, monkeypatch) -> None:
     """In-process: a signal that came during step 2's forward (checkpoint_every 3: none due) is carried by that
     step's loss all-reduce; the step is finished, checkpointed and the process stops with the signal's status."""
-    import pytest
-
     from stages.train import recipe
 
     store, out = tmp_path / "store", tmp_path / "run"
@@ -187,15 +192,7 @@ def test_a_sigterm_during_a_step_checkpoints_that_step_and_stops(tiny_edit_model
             os.kill(os.getpid(), signal.SIGTERM)
         return real(*a, **k)
 
-    def cli_handler(signum, frame):  # pipeline/cli.py's: SystemExit(128 + signum)
-        raise SystemExit(128 + signum)
-
     monkeypatch.setattr(recipe, "backward_of", signalled_in_step_2)
-    before = signal.signal(signal.SIGTERM, cli_handler)
-    try:
-        with pytest.raises(SystemExit) as stopped:
-            run(load_config(None, {**SETS, "train.max_steps": 5}), store, tiny_edit_model, out)
-    finally:
-        signal.signal(signal.SIGTERM, before)
-    assert stopped.value.code == 128 + signal.SIGTERM
+    assert _stopped_by_sigterm(lambda: run(load_config(None, {**SETS, "train.max_steps": 5}), store,
+                                           tiny_edit_model, out))
     assert [s for s, _ in train_state.complete_checkpoints(out / "checkpoints")] == [2] and len(calls) == 2

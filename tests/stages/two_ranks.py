@@ -7,21 +7,23 @@ import os
 import sys
 from pathlib import Path
 
-from launch_ports import Logged, start_host_first
+from launch_ports import start_host_first
+from warm_start import WarmProcess
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 
 
-def start_two(script: str, *args: str, env: dict[str, str] | None = None) -> list[Logged]:
-    """Start tests/stages/`script` with `args` as ranks 0 and 1 of one gloo world (`env` added to both). Rank 0
-    hosts the store (a plain env:// launch): rank 1 starts once it listens (tests/launch_ports.py)."""
-    def start(rank: int, port: int) -> Logged:
+def start_two(script: str, *args: str, env: dict[str, str] | None = None) -> list[WarmProcess]:
+    """Start tests/stages/`script` with `args` as ranks 0 and 1 of one gloo world (`env` added to both), each a
+    new process started warm (tests/warm_start.py). Rank 0 hosts the store (a plain env:// launch): rank 1 starts
+    once it listens (tests/launch_ports.py)."""
+    def start(rank: int, port: int) -> WarmProcess:
         full = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
                 "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                 "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
                 "PYTHONPATH": os.pathsep.join([str(REPO), str(HERE), str(HERE.parent)]), **(env or {})}
-        return Logged([sys.executable, str(HERE / script), *args], env=full)
+        return WarmProcess([sys.executable, str(HERE / script), *args], env=full)
 
     return start_host_first(start, 2)
 

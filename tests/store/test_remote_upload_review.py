@@ -157,7 +157,8 @@ def test_a_conditional_write_answered_409_conflict_is_sent_again_and_the_412_dec
     (not 412), and AWS says: write again - a multipart upload begun again. Before, the 409 failed the push ("answered:
     ..."). Now: sent again, and the 412 (or, after a multipart conflict, the name existing) decides whether another
     writer made it: False, its object untouched; no unfinished upload is left billed. store.json's compare-and-swap
-    reads again. Every conditional write below is answered 409 once, through a proxy in front of the test server."""
+    reads again after a jittered wait. Every conditional write below is answered 409 once, through a proxy in front
+    of the test server."""
     import moto.s3.models
     from fault_proxy import FaultProxy
 
@@ -194,8 +195,11 @@ def test_a_conditional_write_answered_409_conflict_is_sent_again_and_the_412_dec
             racers[f"store/x/{name}-raced"] = theirs
             assert remote.upload(ours, f"x/{name}-raced", crc[0], NoBar(), crc[1]) is False  # the other's
             assert remote.read(f"x/{name}-raced") == theirs
+        waits: list[int] = []  # a 409 means a write still in flight: read again at once and it meets it again
+        real_backoff = remote_upload.backoff
+        monkeypatch.setattr(remote_upload, "backoff", lambda attempt: (waits.append(attempt), real_backoff(attempt)))
         remote.swap("x/record", lambda old: (old or b"") + b"+1")
-        assert remote.read("x/record") == b"+1"
+        assert remote.read("x/record") == b"+1" and waits == [0]
     finally:
         proxy.stop()
     assert sorted(answered) == [f"store/x/{n}" for n in ("big", "big-raced", "record", "small", "small-raced")]

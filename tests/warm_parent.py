@@ -1,0 +1,124 @@
+"""The warm parent of tests/warm_start.py (run as a script, not a test module): imports the heavy third-party
+libraries once, then forks one child per request, each child running `python SCRIPT ARGS` as a cold start would.
+
+Requests on stdin, one JSON object a line: {"argv": [SCRIPT, ARGS...], "env": {...}, "cwd": DIR, "out": FILE,
+"err": FILE}. Answers on stdout, one a line: {"pid": N} for each request, in order, and {"exited": N,
+"returncode": R} as each child ends (R as subprocess.Popen gives it: -signal for a child a signal killed).
+Single-threaded on purpose (a fork copies only the thread that calls it): requests and exits are polled in one
+loop. It exits when its stdin closes (the test process ended), leaving its running children to finish alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import sys
+
+PRELOAD = (  # what every rank script imports through the project, ~9 s of CPU on the project's 2-core machine
+    "torch", "torch.distributed", "diffusers.pipelines.qwenimage.pipeline_qwenimage",
+    "diffusers.models.transformers.transformer_qwenimage", "peft", "safetensors.torch", "pyarrow.parquet",
+    "webdataset", "PIL.Image", "typer", "pydantic", "tqdm",
+)
+
+
+def _exit_code(code) -> int:
+    """What the interpreter makes of SystemExit(code) at exit."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    print(code, file=sys.stderr)
+    return 1
+
+
+def _child(request: dict) -> None:
+    """In the forked child: become `python SCRIPT ARGS` with the request's environment, folder and output
+    files; never returns into the parent's loop."""
+    import atexit
+    import random
+    import runpy
+    import tempfile
+    import threading
+
+    code = 1
+    try:
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)  # as Popen's children here: stdin is not the parent's request pipe
+        for fd, path in ((1, request["out"]), (2, request["err"])):
+            os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), fd)
+        os.environ.clear()
+        os.environ.update(request["env"])
+        os.chdir(request["cwd"])
+        tempfile.tempdir = None  # read TMPDIR again, as a new process does
+        random.seed()
+        script = request["argv"][0]
+        sys.argv = list(request["argv"])
+        sys.path[0] = os.path.dirname(os.path.abspath(script))  # `python SCRIPT` puts its folder first
+        code = 0
+        try:
+            runpy.run_path(script, run_name="__main__")
+        except SystemExit as e:
+            code = _exit_code(e.code)
+        except BaseException:
+            sys.excepthook(*sys.exc_info())
+            code = 1
+        threading._shutdown()  # the interpreter's own exit: non-daemon threads are joined, then atexit runs
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001 - a closed stream: nothing left to write
+                pass
+        os._exit(code)
+
+
+def _returncode(status: int) -> int:
+    return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+
+
+def _say(answer: dict) -> None:
+    try:
+        sys.stdout.write(json.dumps(answer) + "\n")
+        sys.stdout.flush()
+    except (BrokenPipeError, ValueError):  # the test process is gone: its children finish alone
+        pass
+
+
+def main() -> None:
+    import importlib
+    import warnings
+
+    warnings.filterwarnings("ignore")  # the libraries' import noise is this process's, not a child's
+    for name in PRELOAD:
+        importlib.import_module(name)
+    warnings.resetwarnings()
+    _say({"ready": os.getpid()})
+    pending, children, open_in = b"", set(), True
+    while open_in or children:
+        readable, _, _ = select.select([0] if open_in else [], [], [], 0.05)
+        if readable:
+            chunk = os.read(0, 65536)
+            open_in = bool(chunk)
+            pending += chunk
+            while b"\n" in pending:
+                line, pending = pending.split(b"\n", 1)
+                request = json.loads(line)
+                sys.stdout.flush()
+                sys.stderr.flush()
+                pid = os.fork()
+                if pid == 0:
+                    _child(request)
+                children.add(pid)
+                _say({"pid": pid})
+        while children:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            children.discard(pid)
+            _say({"exited": pid, "returncode": _returncode(status)})
+
+
+if __name__ == "__main__":
+    main()

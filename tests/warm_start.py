@@ -1,0 +1,149 @@
+"""Rank processes started warm: `python SCRIPT ARGS` forked from a parent that has imported the heavy third-party
+libraries already (tests/warm_parent.py), instead of a cold interpreter each.
+
+Why: a rank script's imports (torch, diffusers, transformers, peft) take ~9 s of CPU on the project's 2-core
+machine, and the suite starts ~80 rank processes: about a third of its CPU time went to importing the same
+modules again. A fork is still a new process with its own pid, environment, argv, folder, output files and exit
+status (its children's gloo world is as real as before); the project's own modules are never imported by the
+parent, so each child imports them itself, after whatever its script patches first, as a cold start does.
+
+One parent per environment (less the per-launch variables in `PER_LAUNCH`, read at run time): a library reads
+some variables once at import (OMP_NUM_THREADS, HF_HUB_OFFLINE, ...), so a child whose environment differs in
+anything else gets a parent started with it. The parents end with the test process (their stdin closes).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+# Variables that differ between launches and that no preloaded library reads at import: set in the child only.
+PER_LAUNCH = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+              "PYTEST_CURRENT_TEST", "STORE_PAUSE_AT")
+READY_SECONDS = 300  # a bound for the parent's imports on a loaded 2-core machine
+
+
+class _Parent:
+    def __init__(self, env: dict[str, str]) -> None:
+        self._err = tempfile.TemporaryFile("w+")
+        self.proc = subprocess.Popen([sys.executable, str(HERE / "warm_parent.py")], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self._err, env=env, text=True, bufsize=1)
+        self._lock = threading.Lock()  # one request at a time: the answers to requests come in their order
+        self._changed = threading.Condition()
+        self._pids: list[int] = []
+        self.exits: dict[int, int] = {}
+        self._ready = threading.Event()
+        threading.Thread(target=self._read, name="warm-parent-answers", daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            answer = json.loads(line)
+            with self._changed:
+                if "ready" in answer:
+                    self._ready.set()
+                elif "pid" in answer:
+                    self._pids.append(answer["pid"])
+                else:
+                    self.exits[answer["exited"]] = answer["returncode"]
+                self._changed.notify_all()
+        with self._changed:
+            self._ready.set()
+            self._changed.notify_all()
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def fork(self, argv: list[str], env: dict[str, str], cwd: str, out: str, err: str) -> int:
+        if not self._ready.wait(READY_SECONDS) or not self.alive():
+            self._err.seek(0)
+            raise AssertionError(f"the warm parent did not start: {self._err.read()[-3000:]}")
+        with self._lock, self._changed:
+            before = len(self._pids)
+            self.proc.stdin.write(json.dumps({"argv": argv, "env": env, "cwd": cwd, "out": out, "err": err}) + "\n")
+            self.proc.stdin.flush()
+            if not self._changed.wait_for(lambda: len(self._pids) > before or not self.alive(), READY_SECONDS):
+                raise AssertionError("the warm parent did not answer a fork request")
+            if len(self._pids) == before:
+                raise AssertionError("the warm parent ended")
+            return self._pids[before]
+
+    def wait_exit(self, pid: int, timeout: float | None) -> int | None:
+        with self._changed:
+            self._changed.wait_for(lambda: pid in self.exits or not self.alive(), timeout)
+            return self.exits.get(pid)
+
+
+_parents: dict[tuple, _Parent] = {}
+
+
+def _parent_for(env: dict[str, str]) -> _Parent:
+    key = tuple(sorted((k, v) for k, v in env.items() if k not in PER_LAUNCH))
+    parent = _parents.get(key)
+    if parent is None or not parent.alive():
+        parent = _parents[key] = _Parent({k: v for k, v in env.items() if k not in PER_LAUNCH})
+    return parent
+
+
+@atexit.register
+def _close() -> None:
+    for parent in _parents.values():
+        parent.proc.stdin.close()  # it exits once its children have
+
+
+class WarmProcess:
+    """`python SCRIPT ARGS` forked by a warm parent; the part of subprocess.Popen the launch tests use (pid, poll,
+    wait, returncode, send_signal, kill) and tests/launch_ports.py's Logged (communicate, output)."""
+
+    def __init__(self, args: list[str], env: dict[str, str]) -> None:
+        assert Path(args[0]).resolve() == Path(sys.executable).resolve() and args[1].endswith(".py"), args
+        self.args = args
+        self._files = [tempfile.NamedTemporaryFile("w+", suffix=suffix) for suffix in (".out", ".err")]
+        self._parent = _parent_for(env)
+        self.pid = self._parent.fork(args[1:], env, os.getcwd(), self._files[0].name, self._files[1].name)
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self._parent.exits.get(self.pid)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.poll() is None:
+            code = self._parent.wait_exit(self.pid, timeout)
+            if code is None:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            self.returncode = code
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:  # ended meanwhile (not yet reaped is still a process: no error)
+                pass
+
+    def kill(self) -> None:
+        import signal
+
+        self.send_signal(signal.SIGKILL)
+
+    def communicate(self, input=None, timeout=None) -> tuple[str, str]:  # noqa: A002 - Popen's own signature
+        assert input is None
+        self.wait(timeout)
+        return self.output()
+
+    def output(self) -> tuple[str, str]:
+        """What the process wrote so far."""
+        texts = []
+        for f in self._files:
+            f.seek(0)
+            texts.append(f.read())
+        return texts[0], texts[1]
+
