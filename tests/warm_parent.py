@@ -1,7 +1,7 @@
 """The warm parent of tests/warm_start.py (run as a script, not a test module): imports the heavy third-party
 libraries once, then forks one child per request, each child running `python SCRIPT ARGS` as a cold start would.
 
-Requests on stdin, one JSON object a line: {"argv": [SCRIPT, ARGS...], "env": {...}, "cwd": DIR, "out": FILE,
+Requests on stdin, one JSON object a line: {"argv": [SCRIPT | -m MODULE | -c CODE, ARGS...], "env": {...}, "cwd": DIR, "out": FILE,
 "err": FILE}. Answers on stdout, one a line: {"pid": N} for each request, in order, and {"exited": N,
 "returncode": R} as each child ends (R as subprocess.Popen gives it: -signal for a child a signal killed).
 Single-threaded on purpose (a fork copies only the thread that calls it): requests and exits are polled in one
@@ -32,12 +32,39 @@ def _exit_code(code) -> int:
     return 1
 
 
+def _python_path(env: dict[str, str]) -> list[str]:
+    return [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+
+
+# sys.path without its first entry and this process's PYTHONPATH: a child's is put before it (set in main)
+BASE_PATH: list[str] = []
+
+
+def _run_as_main(args: list[str]) -> None:
+    """What `python ARGS` runs, for ARGS = SCRIPT ..., -m MODULE ... or -c CODE ...: sys.argv and sys.path[0] as
+    the interpreter sets them."""
+    import runpy
+    import types
+
+    sys.path[:] = ["", *_python_path(os.environ), *BASE_PATH]
+    if args[0] == "-c":
+        sys.argv, sys.path[0] = ["-c", *args[2:]], ""
+        main = types.ModuleType("__main__")
+        sys.modules["__main__"] = main
+        exec(compile(args[1], "<string>", "exec"), main.__dict__)
+    elif args[0] == "-m":
+        sys.argv, sys.path[0] = ["-m", *args[2:]], os.getcwd()
+        runpy._run_module_as_main(args[1], alter_argv=True)  # what `python -m` calls
+    else:
+        sys.argv, sys.path[0] = args, os.path.dirname(os.path.abspath(args[0]))
+        runpy.run_path(args[0], run_name="__main__")
+
+
 def _child(request: dict) -> None:
     """In the forked child: become `python SCRIPT ARGS` with the request's environment, folder and output
     files; never returns into the parent's loop."""
     import atexit
     import random
-    import runpy
     import tempfile
     import threading
 
@@ -52,12 +79,10 @@ def _child(request: dict) -> None:
         os.chdir(request["cwd"])
         tempfile.tempdir = None  # read TMPDIR again, as a new process does
         random.seed()
-        script = request["argv"][0]
-        sys.argv = list(request["argv"])
-        sys.path[0] = os.path.dirname(os.path.abspath(script))  # `python SCRIPT` puts its folder first
+        args = list(request["argv"])
         code = 0
         try:
-            runpy.run_path(script, run_name="__main__")
+            _run_as_main(args)
         except SystemExit as e:
             code = _exit_code(e.code)
         except BaseException:
@@ -90,6 +115,8 @@ def main() -> None:
     import importlib
     import warnings
 
+    own = {q for p in _python_path(os.environ) for q in (p, os.path.abspath(p))}
+    BASE_PATH[:] = [p for p in sys.path[1:] if p not in own]
     warnings.filterwarnings("ignore")  # the libraries' import noise is this process's, not a child's
     for name in PRELOAD:
         importlib.import_module(name)

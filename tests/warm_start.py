@@ -1,4 +1,4 @@
-"""Rank processes started warm: `python SCRIPT ARGS` forked from a parent that has imported the heavy third-party
+"""Test processes started warm: `python SCRIPT | -m MODULE | -c CODE ARGS` forked from a parent that has imported the heavy third-party
 libraries already (tests/warm_parent.py), instead of a cold interpreter each.
 
 Why: a rank script's imports (torch, diffusers, transformers, peft) take ~9 s of CPU on the project's 2-core
@@ -25,8 +25,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 # Variables that differ between launches and that no preloaded library reads at import: set in the child only.
+# PYTHONPATH: the child puts its own before the parent's sys.path (tests/warm_parent.py).
 PER_LAUNCH = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-              "PYTEST_CURRENT_TEST", "STORE_PAUSE_AT")
+              "PYTEST_CURRENT_TEST", "STORE_PAUSE_AT", "STORE_CRASH_AT", "PYTHONPATH")
 READY_SECONDS = 300  # a bound for the parent's imports on a loaded 2-core machine
 
 
@@ -101,10 +102,12 @@ class WarmProcess:
     """`python SCRIPT ARGS` forked by a warm parent; the part of subprocess.Popen the launch tests use (pid, poll,
     wait, returncode, send_signal, kill) and tests/launch_ports.py's Logged (communicate, output)."""
 
-    def __init__(self, args: list[str], env: dict[str, str]) -> None:
-        assert Path(args[0]).resolve() == Path(sys.executable).resolve() and args[1].endswith(".py"), args
+    def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
+        assert Path(args[0]).resolve() == Path(sys.executable).resolve(), args
+        assert args[1] in ("-c", "-m") or (args[1].endswith(".py") and not args[1].startswith("-")), args
         self.args = args
         self._files = [tempfile.NamedTemporaryFile("w+", suffix=suffix) for suffix in (".out", ".err")]
+        env = dict(os.environ if env is None else env)
         self._parent = _parent_for(env)
         self.pid = self._parent.fork(args[1:], env, os.getcwd(), self._files[0].name, self._files[1].name)
         self.returncode: int | None = None
@@ -147,3 +150,14 @@ class WarmProcess:
             texts.append(f.read())
         return texts[0], texts[1]
 
+
+
+def run(args: list[str], env: dict[str, str] | None = None, timeout: float | None = None) -> subprocess.CompletedProcess:
+    """`subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout)` for `python SCRIPT | -m
+    MODULE | -c CODE ...`, started warm."""
+    proc = WarmProcess(args, env)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    finally:
+        proc.kill()
+    return subprocess.CompletedProcess(args, proc.returncode, stdout, stderr)

@@ -18,6 +18,7 @@ import yaml
 from typer.testing import CliRunner
 
 from pipeline.cli import app
+import warm_start
 
 STAGES = ["resize-bucket", "encode-text", "encode-vae", "train", "evaluate"]
 
@@ -215,7 +216,7 @@ def test_run_all_after_adding_a_sample_keeps_the_old_run_and_trains_afresh(tiny_
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     args = [sys.executable, "-m", "pipeline.cli", *train, "--new-run"]
     for point in ("keep_before_rename", "keep_after_rename"):
-        killed = subprocess.run(args, env={**env, "STORE_CRASH_AT": point}, capture_output=True, text=True)
+        killed = warm_start.run(args, env={**env, "STORE_CRASH_AT": point})
         assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     assert not run.exists()
     kept2 = [p for p in (tmp_path / "run.previous").iterdir() if p.name.startswith("2-")]

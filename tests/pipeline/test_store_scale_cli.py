@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 
 from pipeline.cli import app
 from store import Store
+import warm_start
 
 SMALL = ["--set", "resize.target_area=4096", "--set", "resize.control_vae_area=4096",
          "--set", "resize.control_vl_area=3136", "--set", "resize.max_controls=2",
@@ -170,8 +171,7 @@ def test_gc_killed_at_any_step_leaves_a_verifiable_store(tmp_path, point):
     before = Store(store).reader("images")
     want = {k: before.files(k)["target.png"] for k in before.keys()}
     env = {**os.environ, "STORE_CRASH_AT": point, "PYTHONPATH": os.pathsep.join(sys.path)}
-    killed = subprocess.run([sys.executable, "-m", "pipeline.cli", "store", "gc", str(store)], env=env,
-                            capture_output=True, text=True)
+    killed = warm_start.run([sys.executable, "-m", "pipeline.cli", "store", "gc", str(store)], env=env)
     assert killed.returncode == -9, killed.stderr
     verify_clean(store)
     assert Store(store).versions("images")[-1] == 3

@@ -6,7 +6,6 @@ import io
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from pipeline.config import load_config
 from stages.encode import text as encode_text
 from stages.encode.common import batches_by_shape
 from store import Store
+import warm_start
 
 F32 = {"encode_text.dtype": "float32"}
 
@@ -165,8 +165,8 @@ def test_killed_run_resumes_to_a_complete_verified_table(crash_at, tiny_plus_mod
     from store.verify import verify_store
 
     env = {**os.environ, "STORE_CRASH_AT": crash_at, "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, "-c", KILL_SCRIPT, str(plus_store), tiny_plus_model], env=env,
-                          capture_output=True, text=True, timeout=600)  # a bound for a loaded machine
+    proc = warm_start.run([sys.executable, "-c", KILL_SCRIPT, str(plus_store), tiny_plus_model], env=env,
+                          timeout=600)  # a bound for a loaded machine
     assert proc.returncode == -9, proc.stderr[-2000:]  # SIGKILL at the crash point
     images = Store(plus_store).reader("images")
     if crash_at == "after_shard_commit":

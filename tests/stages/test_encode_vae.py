@@ -7,7 +7,6 @@ import io
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from pipeline.config import load_config
 from stages.encode import vae as encode_vae
 from store import Store
 from launch_ports import run_retrying_port
+import warm_start
 
 F32 = {"encode_vae.dtype": "float32"}
 
@@ -171,8 +171,8 @@ def test_killed_run_resumes_to_a_complete_verified_table(tiny_edit_model, edit_s
     from store.verify import verify_store
 
     env = {**os.environ, "STORE_CRASH_AT": "after_shard_commit", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, "-c", KILL_SCRIPT, str(edit_store), tiny_edit_model], env=env,
-                          capture_output=True, text=True, timeout=600)  # a bound for a loaded machine
+    proc = warm_start.run([sys.executable, "-c", KILL_SCRIPT, str(edit_store), tiny_edit_model], env=env,
+                          timeout=600)  # a bound for a loaded machine
     assert proc.returncode == -9, proc.stderr[-2000:]  # SIGKILL right after the first shard was committed
     assert "vae" not in Store(edit_store).tables()
     cfg = load_config(None, {**F32, "encode_vae.shard_size_mb": 0.002})

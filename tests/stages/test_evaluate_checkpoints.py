@@ -20,6 +20,7 @@ from schemas.config import EvaluateConfig, LoraConfig
 from stages.evaluate import checkpoints as ev
 from store.loss_array import GROUP
 from train_store import make_train_store, mixed_specs
+import warm_start
 
 CFG = dict(noise_seeds=[0, 1], timesteps=[0.3, 0.7], batch_size=4, num_samples=0, device="cpu")
 
@@ -128,14 +129,13 @@ def test_killed_append_leaves_a_readable_array_and_the_rerun_completes_it(run_an
     timed kill): the array reads without the partial step, and the rerun evaluates only what is missing."""
     import os
     import signal
-    import subprocess
     import sys
     from pathlib import Path
 
     root, out = run_and_store, tmp_path / "report"
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, "-c", KILLED_APPEND, str(root / "store"), tiny_edit_model, str(out),
-                           repr(CFG)], env=env, capture_output=True, text=True, timeout=300)
+    proc = warm_start.run([sys.executable, "-c", KILLED_APPEND, str(root / "store"), tiny_edit_model, str(out),
+                           repr(CFG)], env=env, timeout=300)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
     assert (out / GROUP / "loss" / "c" / "1").exists()  # step 20's chunk is on disk, beyond the committed shape
     ds = xr.open_zarr(out / GROUP)
