@@ -1,11 +1,12 @@
 """Recovery gaps of issue 22 point 6 on the store: a shard with bytes appended (every sample intact) is repaired,
-`store gc --dry-run` works on a read-only store, and a killed write's `.store.json.tmp-*` in the store root is
-reported by verify and removed by repair."""
+`store gc --dry-run` works on a read-only store, and a killed write's `.store.json.tmp-*` in the store root (and
+a table's `.v<N>.*.json.tmp-*`) is reported by verify and removed by repair."""
 
 from __future__ import annotations
 
 import os
 
+import pytest
 from typer.testing import CliRunner
 
 from pipeline.cli import app
@@ -46,12 +47,16 @@ def test_gc_dry_run_on_a_read_only_store(store: Store, monkeypatch) -> None:
     assert r.exit_code == 0 and "would remove vae/v1" in r.output, r.output
 
 
-def test_a_store_json_temp_file_left_by_a_kill_is_reported_and_removed(store: Store) -> None:
+@pytest.mark.parametrize("name", [".store.json.tmp-999999999", "vae/.v1.unchanged.json.tmp-999999999",
+                                  "vae/.v1.damaged.json.tmp-999999999"])
+def test_a_temp_file_left_by_a_kill_is_reported_and_removed(store: Store, name: str) -> None:
+    """store.json's, and a table's records beside its versions (the fix scan's "unchanged" answer, the damage
+    marker): before, only the store root's were reported and removed."""
     fill(store, 2)
-    litter = store.root / ".store.json.tmp-999999999"  # no such process
+    litter = store.root / name  # no such process
     litter.write_text("{")
     r = _cli("store", "verify", store.root)
-    assert r.exit_code == 1 and litter.name in r.output
+    assert r.exit_code == 1 and f"{name}: temp file left by an interrupted write" in r.output, r.output
     r = _cli("store", "repair", store.root)
     assert r.exit_code == 0 and not litter.exists(), r.output
     assert _cli("store", "verify", store.root).exit_code == 0
