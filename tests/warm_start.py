@@ -102,14 +102,14 @@ class WarmProcess:
     """`python SCRIPT ARGS` forked by a warm parent; the part of subprocess.Popen the launch tests use (pid, poll,
     wait, returncode, send_signal, kill) and tests/launch_ports.py's Logged (communicate, output)."""
 
-    def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
+    def __init__(self, args: list[str], env: dict[str, str] | None = None, cwd: str | Path | None = None) -> None:
         assert Path(args[0]).resolve() == Path(sys.executable).resolve(), args
         assert args[1] in ("-c", "-m") or (args[1].endswith(".py") and not args[1].startswith("-")), args
         self.args = args
         self._files = [tempfile.NamedTemporaryFile("w+", suffix=suffix) for suffix in (".out", ".err")]
         env = dict(os.environ if env is None else env)
         self._parent = _parent_for(env)
-        self.pid = self._parent.fork(args[1:], env, os.getcwd(), self._files[0].name, self._files[1].name)
+        self.pid = self._parent.fork(args[1:], env, str(cwd or os.getcwd()), self._files[0].name, self._files[1].name)
         self.returncode: int | None = None
 
     def poll(self) -> int | None:
@@ -152,10 +152,11 @@ class WarmProcess:
 
 
 
-def run(args: list[str], env: dict[str, str] | None = None, timeout: float | None = None) -> subprocess.CompletedProcess:
-    """`subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout)` for `python SCRIPT | -m
-    MODULE | -c CODE ...`, started warm."""
-    proc = WarmProcess(args, env)
+def run(args: list[str], env: dict[str, str] | None = None, timeout: float | None = None,
+        cwd: str | Path | None = None) -> subprocess.CompletedProcess:
+    """`subprocess.run(args, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)` for `python
+    SCRIPT | -m MODULE | -c CODE ...`, started warm."""
+    proc = WarmProcess(args, env, cwd)
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     finally:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import subprocess
 import sys
 from pathlib import Path
 
@@ -11,8 +10,10 @@ import pytest
 
 from models.loading import ModelNotFoundError, load_component, model_variant, resolve_model
 from models.tiny import make_tiny_model
+import warm_start
 
-# Runs in a fresh interpreter so that nothing from this project is imported.
+# Runs in a new process (started warm: tests/warm_start.py preloads only third-party libraries) so that nothing
+# from this project is imported.
 _LOAD_AND_RUN = r"""
 import sys, numpy as np, torch
 from PIL import Image
@@ -38,9 +39,7 @@ print("OK")
 )
 def test_tiny_model_loads_with_plain_diffusers_and_runs(request, fixture, cls):
     folder = request.getfixturevalue(fixture)
-    proc = subprocess.run(
-        [sys.executable, "-c", _LOAD_AND_RUN, folder, cls], capture_output=True, text=True, cwd="/", timeout=300
-    )
+    proc = warm_start.run([sys.executable, "-c", _LOAD_AND_RUN, folder, cls], cwd="/", timeout=300)
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
 
 

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import shutil
-import subprocess
 import sys
 
 import pytest
 
 from models.loading import load_component, model_variant
+import warm_start
 
-# Runs in a fresh interpreter so that nothing from this project is imported.
+# Runs in a new process (started warm: tests/warm_start.py preloads only third-party libraries) so that nothing
+# from this project is imported.
 _LOAD_AND_RUN_21 = r"""
 import sys, numpy as np, torch
 from PIL import Image
@@ -36,9 +37,7 @@ print("OK")
 
 
 def test_tiny_21_model_loads_with_plain_diffusers_and_runs(tiny_21_model):
-    proc = subprocess.run(
-        [sys.executable, "-c", _LOAD_AND_RUN_21, tiny_21_model], capture_output=True, text=True, cwd="/", timeout=300
-    )
+    proc = warm_start.run([sys.executable, "-c", _LOAD_AND_RUN_21, tiny_21_model], cwd="/", timeout=300)
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
 
 

@@ -20,6 +20,7 @@ from stages.train.recipe import run as train
 from store import Store
 from store import format as fmt
 from store.verify import verify_store
+import warm_start
 
 runner = CliRunner()
 SMALL_SHARDS = {"encode_text.shard_size_mb": 0.005, "encode_vae.shard_size_mb": 0.005}  # not part of the lineage
@@ -169,7 +170,6 @@ def test_repair_killed_after_carrying_a_shard_resumes(tmp_path):
     """`store repair` SIGKILLed right after linking its first intact shard into the new version: the rerun
     carries the rest (not that one twice), re-renders the damaged sample, and the store verifies."""
     import os
-    import subprocess
     import sys
 
     import yaml
@@ -188,8 +188,7 @@ def test_repair_killed_after_carrying_a_shard_resumes(tmp_path):
     _flip(store, "images", 3, where="header")
     args = [sys.executable, "-c", "from pipeline.cli import app; app()", "store", "repair", str(store),
             "--config", str(config)]
-    killed = subprocess.run(args, env={**os.environ, "STORE_CRASH_AT": "after_linked_shard"}, capture_output=True,
-                            text=True)
+    killed = warm_start.run(args, env={**os.environ, "STORE_CRASH_AT": "after_linked_shard"})
     assert killed.returncode == -9, killed.stderr[-2000:]
     assert len(list((store / "images" / "v2").glob("shard-*.index.parquet"))) == 1  # one shard carried, then killed
     res = runner.invoke(app, ["store", "repair", str(store), "--config", str(config)])
