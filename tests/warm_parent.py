@@ -1,9 +1,11 @@
 """The warm parent of tests/warm_start.py (run as a script, not a test module): imports the heavy third-party
 libraries once, then forks one child per request, each child running `python SCRIPT ARGS` as a cold start would.
 
-Requests on stdin, one JSON object a line: {"argv": [SCRIPT | -m MODULE | -c CODE, ARGS...], "env": {...}, "cwd": DIR, "out": FILE,
-"err": FILE}. Answers on stdout, one a line: {"pid": N} for each request, in order, and {"exited": N,
-"returncode": R} as each child ends (R as subprocess.Popen gives it: -signal for a child a signal killed).
+Requests on stdin, one JSON object a line: {"id": I, "argv": [SCRIPT | -m MODULE | -c CODE, ARGS...], "env":
+{...}, "cwd": DIR, "out": FILE, "err": FILE}. Answers on stdout, one a line: {"id": I, "pid": N} for each request,
+and {"exited": I, "returncode": R} as its child ends (R as subprocess.Popen gives it: -signal for a child a signal
+killed). Exits are told by request id, not pid: a pid is reused once its process is reaped (pid_max is 32768
+here), and a test may ask after a child long gone.
 Single-threaded on purpose (a fork copies only the thread that calls it): requests and exits are polled in one
 loop. It exits when its stdin closes (the test process ended), leaving its running children to finish alone.
 """
@@ -70,10 +72,12 @@ def _child(request: dict) -> None:
 
     code = 1
     try:
-        null = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(null, 0)  # as Popen's children here: stdin is not the parent's request pipe
-        for fd, path in ((1, request["out"]), (2, request["err"])):
-            os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), fd)
+        # stdin is not the parent's request pipe, stdout not its answers: /dev/null and the test's files
+        for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, request["out"], os.O_WRONLY | os.O_TRUNC),
+                                (2, request["err"], os.O_WRONLY | os.O_TRUNC)):
+            opened = os.open(path, flags)
+            os.dup2(opened, fd)
+            os.close(opened)
         os.environ.clear()
         os.environ.update(request["env"])
         os.chdir(request["cwd"])
@@ -122,7 +126,7 @@ def main() -> None:
         importlib.import_module(name)
     warnings.resetwarnings()
     _say({"ready": os.getpid()})
-    pending, children, open_in = b"", set(), True
+    pending, children, open_in = b"", {}, True  # children: pid -> request id
     while open_in or children:
         readable, _, _ = select.select([0] if open_in else [], [], [], 0.05)
         if readable:
@@ -137,14 +141,13 @@ def main() -> None:
                 pid = os.fork()
                 if pid == 0:
                     _child(request)
-                children.add(pid)
-                _say({"pid": pid})
+                children[pid] = request["id"]
+                _say({"id": request["id"], "pid": pid})
         while children:
             pid, status = os.waitpid(-1, os.WNOHANG)
             if pid == 0:
                 break
-            children.discard(pid)
-            _say({"exited": pid, "returncode": _returncode(status)})
+            _say({"exited": children.pop(pid), "returncode": _returncode(status)})
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ anything else gets a parent started with it. The parents end with the test proce
 from __future__ import annotations
 
 import atexit
+import itertools
 import json
 import os
 import subprocess
@@ -36,10 +37,10 @@ class _Parent:
         self._err = tempfile.TemporaryFile("w+")
         self.proc = subprocess.Popen([sys.executable, str(HERE / "warm_parent.py")], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self._err, env=env, text=True, bufsize=1)
-        self._lock = threading.Lock()  # one request at a time: the answers to requests come in their order
         self._changed = threading.Condition()
-        self._pids: list[int] = []
-        self.exits: dict[int, int] = {}
+        self._ids = itertools.count()
+        self.pids: dict[int, int] = {}  # request id -> pid
+        self.exits: dict[int, int] = {}  # request id -> return code (ids, not pids: a pid is reused once reaped)
         self._ready = threading.Event()
         threading.Thread(target=self._read, name="warm-parent-answers", daemon=True).start()
 
@@ -50,7 +51,7 @@ class _Parent:
                 if "ready" in answer:
                     self._ready.set()
                 elif "pid" in answer:
-                    self._pids.append(answer["pid"])
+                    self.pids[answer["id"]] = answer["pid"]
                 else:
                     self.exits[answer["exited"]] = answer["returncode"]
                 self._changed.notify_all()
@@ -61,24 +62,26 @@ class _Parent:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def fork(self, argv: list[str], env: dict[str, str], cwd: str, out: str, err: str) -> int:
+    def fork(self, argv: list[str], env: dict[str, str], cwd: str, out: str, err: str) -> tuple[int, int]:
+        """(request id, pid) of a new child."""
         if not self._ready.wait(READY_SECONDS) or not self.alive():
             self._err.seek(0)
             raise AssertionError(f"the warm parent did not start: {self._err.read()[-3000:]}")
-        with self._lock, self._changed:
-            before = len(self._pids)
-            self.proc.stdin.write(json.dumps({"argv": argv, "env": env, "cwd": cwd, "out": out, "err": err}) + "\n")
-            self.proc.stdin.flush()
-            if not self._changed.wait_for(lambda: len(self._pids) > before or not self.alive(), READY_SECONDS):
-                raise AssertionError("the warm parent did not answer a fork request")
-            if len(self._pids) == before:
-                raise AssertionError("the warm parent ended")
-            return self._pids[before]
-
-    def wait_exit(self, pid: int, timeout: float | None) -> int | None:
         with self._changed:
-            self._changed.wait_for(lambda: pid in self.exits or not self.alive(), timeout)
-            return self.exits.get(pid)
+            rid = next(self._ids)
+            self.proc.stdin.write(json.dumps({"id": rid, "argv": argv, "env": env, "cwd": cwd, "out": out,
+                                              "err": err}) + "\n")
+            self.proc.stdin.flush()
+            if not self._changed.wait_for(lambda: rid in self.pids or not self.alive(), READY_SECONDS):
+                raise AssertionError("the warm parent did not answer a fork request")
+            if rid not in self.pids:
+                raise AssertionError("the warm parent ended")
+            return rid, self.pids[rid]
+
+    def wait_exit(self, rid: int, timeout: float | None) -> int | None:
+        with self._changed:
+            self._changed.wait_for(lambda: rid in self.exits or not self.alive(), timeout)
+            return self.exits.get(rid)
 
 
 _parents: dict[tuple, _Parent] = {}
@@ -109,17 +112,18 @@ class WarmProcess:
         self._files = [tempfile.NamedTemporaryFile("w+", suffix=suffix) for suffix in (".out", ".err")]
         env = dict(os.environ if env is None else env)
         self._parent = _parent_for(env)
-        self.pid = self._parent.fork(args[1:], env, str(cwd or os.getcwd()), self._files[0].name, self._files[1].name)
+        self._id, self.pid = self._parent.fork(args[1:], env, str(cwd or os.getcwd()), self._files[0].name,
+                                               self._files[1].name)
         self.returncode: int | None = None
 
     def poll(self) -> int | None:
         if self.returncode is None:
-            self.returncode = self._parent.exits.get(self.pid)
+            self.returncode = self._parent.exits.get(self._id)
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
         if self.poll() is None:
-            code = self._parent.wait_exit(self.pid, timeout)
+            code = self._parent.wait_exit(self._id, timeout)
             if code is None:
                 raise subprocess.TimeoutExpired(self.args, timeout)
             self.returncode = code
