@@ -1,0 +1,50 @@
+"""A process started warm (tests/warm_start.py) is what `python ARGS` started cold is, as far as a test can see:
+the same stdout, stderr, exit status (an exception, sys.exit, a signal), argv, sys.path, folder and environment;
+and none of this project's modules is loaded before its own code runs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import warm_start
+
+SCRIPT = textwrap.dedent("""
+    import json, os, signal, sys
+    what = sys.argv[1]
+    print(json.dumps({"argv": sys.argv, "path0": sys.path[0], "cwd": os.getcwd(), "env": os.environ.get("WARM_TEST_X"),
+                      "project": sorted(m for m in sys.modules if m.split(".")[0] in ("models", "pipeline", "stages",
+                                                                                     "store", "schemas"))}))
+    print("to stderr", file=sys.stderr)
+    if what == "raise":
+        raise ValueError("boom")
+    if what == "exit":
+        sys.exit(3)
+    if what == "message":
+        sys.exit("a message")
+    if what == "kill":
+        sys.stdout.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+""")
+
+
+@pytest.mark.parametrize("what", ["ok", "raise", "exit", "message", "kill"])
+@pytest.mark.parametrize("form", ["script", "-c", "-m"])
+def test_a_warm_process_is_a_cold_one(tmp_path, what, form):
+    (tmp_path / "warm_probe.py").write_text(SCRIPT)
+    run_in = tmp_path / "cwd"
+    run_in.mkdir()
+    head = {"script": [str(tmp_path / "warm_probe.py")], "-c": ["-c", SCRIPT], "-m": ["-m", "warm_probe"]}[form]
+    args = [sys.executable, *head, what, "two"]
+    env = {**os.environ, "WARM_TEST_X": "x", "PYTHONPATH": str(tmp_path)}  # one warm parent serves every case
+    cold = subprocess.run(args, env=env, cwd=run_in, capture_output=True, text=True, timeout=120)
+    warm = warm_start.run(args, env=env, cwd=run_in, timeout=120)
+    assert (warm.returncode, warm.stdout) == (cold.returncode, cold.stdout), (warm, cold)
+    # a traceback names the same lines (the script's own; the interpreter's frames are runpy's in both)
+    assert warm.stderr.splitlines()[-1:] == cold.stderr.splitlines()[-1:], (warm.stderr, cold.stderr)
+    assert ("Traceback" in warm.stderr) == ("Traceback" in cold.stderr)
+    assert '"project": []' in warm.stdout
