@@ -1,5 +1,6 @@
 """A process started warm (tests/warm_start.py) is what `python ARGS` started cold is, as far as a test can see:
-the same stdout, stderr, exit status (an exception, sys.exit, a signal), argv, sys.path, folder and environment;
+the same stdout, stderr, exit status (an exception, sys.exit, a signal), argv, sys.path, folder, environment and
+warning filters;
 and none of this project's modules is loaded before its own code runs."""
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ SCRIPT = textwrap.dedent("""
                       "project": sorted(m for m in sys.modules if m.split(".")[0] in ("models", "pipeline", "stages",
                                                                                      "store", "schemas"))}))
     print("to stderr", file=sys.stderr)
+    import warnings
+    print(json.dumps([f[0] + ":" + f[2].__name__ for f in warnings.filters]))  # the interpreter's defaults
     if what == "raise":
         raise ValueError("boom")
     if what == "exit":

@@ -121,10 +121,10 @@ def main() -> None:
 
     own = {q for p in _python_path(os.environ) for q in (p, os.path.abspath(p))}
     BASE_PATH[:] = [p for p in sys.path[1:] if p not in own]
-    warnings.filterwarnings("ignore")  # the libraries' import noise is this process's, not a child's
-    for name in PRELOAD:
-        importlib.import_module(name)
-    warnings.resetwarnings()
+    with warnings.catch_warnings():  # the libraries' import noise is this process's; a child keeps the defaults
+        warnings.simplefilter("ignore")
+        for name in PRELOAD:
+            importlib.import_module(name)
     _say({"ready": os.getpid()})
     pending, children, open_in = b"", {}, True  # children: pid -> request id
     while open_in or children:
