@@ -81,3 +81,17 @@ def tiny_21_model(tmp_path_factory) -> str:
     out = tmp_path_factory.mktemp("models") / "tiny-qwen-image-2.1"
     make_tiny_model(out, variant="qwen-image-2.1", seed=0)
     return str(out)
+
+
+# Files that take one to three minutes each on the project's 2-core machine (`--durations`, 2026-12-01), run
+# first: with `--dist loadfile` a long file left for the end (the root's test_gpu_proof_smoke.py is collected after
+# every folder) keeps one worker busy while the other has nothing left to do.
+SLOW_FILES_FIRST = ("tests/pipeline/test_rehearsal.py", "tests/test_gpu_proof_smoke.py", "tests/stages/test_predict.py",
+                    "tests/models/test_attention_layout.py", "tests/store/test_remote_maintenance.py",
+                    "tests/stages/test_remote_multinode.py", "tests/stages/test_qwen21_stages.py",
+                    "tests/stages/test_evaluate_checkpoints_ranks.py")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    first = {name: i for i, name in enumerate(SLOW_FILES_FIRST)}
+    items.sort(key=lambda item: first.get(item.nodeid.split("::")[0], len(first)))  # stable: the rest keep their order
