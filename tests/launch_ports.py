@@ -33,12 +33,11 @@ def address_in_use(output: str) -> bool:
     return "address already in use" in output.lower()
 
 
-class Logged(subprocess.Popen):
-    """A process whose stdout and stderr go to temporary files; `communicate` waits and returns both (text)."""
+class OutputFiles:
+    """A process whose stdout and stderr go to two temporary files (`_files`), never pipes: `communicate` waits
+    (the class's `wait`) and returns both (text)."""
 
-    def __init__(self, args, **kwargs):
-        self._files = (tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+"))
-        super().__init__(args, stdout=self._files[0], stderr=self._files[1], text=True, **kwargs)
+    _files: tuple
 
     def communicate(self, input=None, timeout=None) -> tuple[str, str]:  # noqa: A002 - Popen's own signature
         assert input is None
@@ -52,6 +51,12 @@ class Logged(subprocess.Popen):
             f.seek(0)
             texts.append(f.read())
         return texts[0], texts[1]
+
+
+class Logged(OutputFiles, subprocess.Popen):
+    def __init__(self, args, **kwargs):
+        self._files = (tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+"))
+        super().__init__(args, stdout=self._files[0], stderr=self._files[1], text=True, **kwargs)
 
 
 def listens_on(pid: int, port: int) -> bool:

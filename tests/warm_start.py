@@ -18,11 +18,14 @@ import atexit
 import itertools
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
 import threading
 from pathlib import Path
+
+from launch_ports import OutputFiles
 
 HERE = Path(__file__).resolve().parent
 # Variables that differ between launches and that no preloaded library reads at import: set in the child only.
@@ -101,15 +104,15 @@ def _close() -> None:
         parent.proc.stdin.close()  # it exits once its children have
 
 
-class WarmProcess:
+class WarmProcess(OutputFiles):
     """`python SCRIPT ARGS` forked by a warm parent; the part of subprocess.Popen the launch tests use (pid, poll,
-    wait, returncode, send_signal, kill) and tests/launch_ports.py's Logged (communicate, output)."""
+    wait, returncode, send_signal, kill) and, as tests/launch_ports.py's Logged, communicate and output."""
 
     def __init__(self, args: list[str], env: dict[str, str] | None = None, cwd: str | Path | None = None) -> None:
         assert Path(args[0]).resolve() == Path(sys.executable).resolve(), args
         assert args[1] in ("-c", "-m") or (args[1].endswith(".py") and not args[1].startswith("-")), args
         self.args = args
-        self._files = [tempfile.NamedTemporaryFile("w+", suffix=suffix) for suffix in (".out", ".err")]
+        self._files = tuple(tempfile.NamedTemporaryFile("w+", suffix=suffix) for suffix in (".out", ".err"))
         env = dict(os.environ if env is None else env)
         self._parent = _parent_for(env)
         self._id, self.pid = self._parent.fork(args[1:], env, str(cwd or os.getcwd()), self._files[0].name,
@@ -137,23 +140,7 @@ class WarmProcess:
                 pass
 
     def kill(self) -> None:
-        import signal
-
         self.send_signal(signal.SIGKILL)
-
-    def communicate(self, input=None, timeout=None) -> tuple[str, str]:  # noqa: A002 - Popen's own signature
-        assert input is None
-        self.wait(timeout)
-        return self.output()
-
-    def output(self) -> tuple[str, str]:
-        """What the process wrote so far."""
-        texts = []
-        for f in self._files:
-            f.seek(0)
-            texts.append(f.read())
-        return texts[0], texts[1]
-
 
 
 def run(args: list[str], env: dict[str, str] | None = None, timeout: float | None = None,
