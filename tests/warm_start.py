@@ -1,5 +1,5 @@
-"""Test processes started warm: `python SCRIPT | -m MODULE | -c CODE ARGS` forked from a parent that has imported the heavy third-party
-libraries already (tests/warm_parent.py), instead of a cold interpreter each.
+"""Test processes started warm: `python SCRIPT | -m MODULE | -c CODE ARGS` forked from a parent that has imported
+the heavy third-party libraries already (tests/warm_parent.py), instead of a cold interpreter each.
 
 Why: a rank script's imports (torch, diffusers, transformers, peft) take ~9 s of CPU on the project's 2-core
 machine, and the suite starts ~80 rank processes: about a third of its CPU time went to importing the same

@@ -206,7 +206,8 @@ def _checkpoint_at_step_2(tmp_path, model):
     out = tmp_path / "run"
     run(cfg_of(max_steps=2, checkpoint_every=2, ema_decay=0.9), root, model, out)
     step2 = out / "checkpoints" / "step-2"
-    return root, out, step2, {p.relative_to(step2).as_posix(): p.stat().st_size for p in step2.rglob("*") if p.is_file()}
+    sizes = {p.relative_to(step2).as_posix(): p.stat().st_size for p in step2.rglob("*") if p.is_file()}
+    return root, out, step2, sizes
 
 
 def test_a_resume_reads_each_checkpoint_file_once(tmp_path, tiny_edit_model, monkeypatch):
