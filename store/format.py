@@ -86,6 +86,13 @@ def is_litter(name: str) -> bool:
     return (name.startswith(".") and ".tmp-" in name) or name.endswith(".tar.tmp")
 
 
+def store_litter(root: Path, tables) -> list[Path]:
+    """Temp files of interrupted atomic writes beside the versions: in the store (store.json's) and in each of
+    `tables`' folders (`v<N>.damaged.json`'s, `v<N>.unchanged.json`'s)."""
+    return [p for folder in (root, *(root / t for t in sorted(tables))) if folder.is_dir()
+            for p in sorted(folder.iterdir()) if p.is_file() and is_litter(p.name)]
+
+
 # ---------------------------------------------------------------- atomic writes
 
 

@@ -197,12 +197,8 @@ def scan(root: Path, progress: bool = True, order: Sequence[str] = ()) -> Repair
         raise UserError(f"no store at {root} (no store.json)")
     plan = RepairPlan(root)
     plan.current, plan.store_json = _current_versions(root)
-    # temp files of a killed atomic write whose writer is gone: store.json's (`.store.json.tmp-<pid>`) and a
-    # table's records beside its versions (`.v<N>.damaged.json.tmp-<pid>`, `.v<N>.unchanged.json.tmp-<pid>`)
-    for folder in (root, *(root / t for t in sorted(plan.current))):
-        if folder.is_dir():
-            plan.litter += [p for p in sorted(folder.iterdir())
-                            if p.is_file() and fmt.is_litter(p.name) and not _pid_alive(p.name)]
+    # temp files of a killed atomic write whose writer is gone (store.json's, a table's records beside its versions)
+    plan.litter += [p for p in fmt.store_litter(root, plan.current) if not _pid_alive(p.name)]
     plan.quarantine = quarantine.problem(root)
     rank = {t: i for i, t in enumerate(order)}
     for table in sorted(plan.current, key=lambda t: (rank.get(t, len(rank)), t)):

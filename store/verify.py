@@ -71,12 +71,7 @@ def verify_store(root: Path, progress: bool = True, objects: ObjectCheck | None 
                 damage = [p for p in found if not p.endswith(LITTER_NOTE)]
                 if damage:
                     integrity.record_damage(vdir, problems=damage)
-    # the store's own atomic writes (store.json) and its tables' records beside the versions (v<N>.damaged.json,
-    # v<N>.unchanged.json): a killed write leaves `.<name>.tmp-<pid>` in the store or a table folder
-    for folder, prefix in ((root, ""), *((root / t, f"{t}/") for t in tables)):
-        if folder.is_dir():
-            problems += [f"{prefix}{p.name}: {LITTER_NOTE}" for p in sorted(folder.iterdir())
-                         if p.is_file() and fmt.is_litter(p.name)]
+    problems += [f"{p.relative_to(root).as_posix()}: {LITTER_NOTE}" for p in fmt.store_litter(root, tables)]
     if (bad := quarantine.problem(root)) is not None:
         problems.append(f"{fmt.QUARANTINE}: {bad} (`store repair` sets it aside)")
     return problems

@@ -91,10 +91,11 @@ _parents: dict[tuple, _Parent] = {}
 
 
 def _parent_for(env: dict[str, str]) -> _Parent:
-    key = tuple(sorted((k, v) for k, v in env.items() if k not in PER_LAUNCH))
+    base = {k: v for k, v in env.items() if k not in PER_LAUNCH}
+    key = tuple(sorted(base.items()))
     parent = _parents.get(key)
     if parent is None or not parent.alive():
-        parent = _parents[key] = _Parent({k: v for k, v in env.items() if k not in PER_LAUNCH})
+        parent = _parents[key] = _Parent(base)
     return parent
 
 
