@@ -123,6 +123,13 @@ def all_max(world: int, values: list[int]) -> list[int]:
     return _all_reduce(world, values, "MAX")
 
 
+def spread(world: int, values: list[int]) -> list[tuple[int, int]]:
+    """Each value's (highest, lowest) over every rank, from one all-reduce of the values and their negations: a
+    value is the same on every rank where the two are equal. One process: (value, value)."""
+    out = all_max(world, [x for v in values for x in (v, -v)])
+    return [(high, -neg_low) for high, neg_low in zip(out[0::2], out[1::2])]
+
+
 def all_sum(world: int, values: list[int]) -> list[int]:
     """Each value's sum over every rank (integers only); one process: `values`."""
     return _all_reduce(world, values, "SUM")

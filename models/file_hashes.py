@@ -20,7 +20,8 @@ locks across hosts rely on the mount's lock service (absent with `nolock`). Per 
 open each file; its files are hashed once per host, as each node reads its own copy anyway. A host is a running
 kernel (`host_id`: its boot id), not a host name: pods of one node, each with its own (often random) name, share
 the kernel's memory and locks and so one database, reused by the next job there; two nodes given the same fixed
-name (`docker --hostname`) never share one. A reboot starts a new database there (its files hashed once again).
+name (`docker --hostname`) never share one. A reboot starts a new database there (its files hashed once again),
+and a host's database that no process has opened for 30 days is removed by the next open (`drop_stale_hosts`).
 """
 
 from __future__ import annotations
@@ -156,6 +157,37 @@ def _open(path: Path, journal: str = "WAL") -> sqlite3.Connection | None:
         return None
 
 
+STALE_HOST_DAYS = 30  # a host's database no process has opened for this long is removed by the next open
+
+
+def drop_stale_hosts(own: Path, hosts: str, now: float | None = None) -> list[Path]:
+    """On a shared cache folder each host (each boot of each node) gets its own database, up to ~150 MB at a
+    million files, so a cluster's nodes coming, going and rebooting would fill the folder without end. Each open
+    marks its own database as used (its mtime; a read-only open writes nothing else) and removes the databases of
+    other hosts none has opened for `STALE_HOST_DAYS`: their host rebooted or left. A host that comes back later
+    only hashes its files once again (a cache). `hosts`: the glob of every host's database. Returns what was
+    removed."""
+    now = time.time() if now is None else now
+    try:
+        os.utime(own)
+    except OSError:
+        pass
+    removed = []
+    for other in own.parent.glob(hosts):
+        try:
+            if other == own or now - other.stat().st_mtime < STALE_HOST_DAYS * 86400:
+                continue
+            other.unlink()
+            Path(f"{other}-journal").unlink(missing_ok=True)
+            removed.append(other)
+        except OSError as e:  # gone meanwhile (another host's cleanup), or not ours to remove: left
+            log.debug("file hash cache %s not removed (%s)", other, e)
+    if removed:
+        log.info("removed %d file hash cache(s) of hosts unseen for %d days: %s", len(removed), STALE_HOST_DAYS,
+                 ", ".join(p.name for p in removed))
+    return removed
+
+
 class FileHashes:
     """`with FileHashes("name.sqlite") as hashes: hashes.sha256(path)`; new hashes are saved in batches and
     when the block ends. `hashed` counts the files read in this block (cache misses)."""
@@ -169,12 +201,15 @@ class FileHashes:
             host = re.sub(r"[^A-Za-z0-9._-]", "_", host_id())
             self.path = self.path.with_name(f"{stem}.{host}.{ext}" if dot else f"{cache_name}.{host}")
             self.journal = "DELETE"
+            self._hosts = f"{stem}.*.{ext}" if dot else f"{cache_name}.*"
         self._db: sqlite3.Connection | None = None
         self._pending: dict[str, tuple[int, int, int, str]] = {}
         self.hashed = 0
 
     def __enter__(self) -> "FileHashes":
         self._db = _open(self.path, self.journal)
+        if self._db is not None and self.journal == "DELETE":
+            drop_stale_hosts(self.path, self._hosts)
         return self
 
     def __exit__(self, *exc: object) -> None:

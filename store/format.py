@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import fcntl
 import glob
+import hashlib
 import io
 import json
 import os
@@ -56,6 +57,11 @@ def index_name(shard: str) -> str:
 
 def rank_done_name(rank: int) -> str:
     return f"rank-{rank:02d}.done"
+
+
+def version_id(version: int, manifest: bytes | memoryview) -> str:
+    """`v<N>-<sha256 of its manifest>`, the name of one immutable version (`Store.version_id`)."""
+    return f"v{version}-{hashlib.sha256(manifest).hexdigest()[:16]}"
 
 
 def list_versions(root: Path, table: str) -> list[int]:

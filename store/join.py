@@ -145,6 +145,7 @@ class JoinedTables:
         self.on_damaged, self.max_damaged_fraction, self.section = "stop", 0.0, "train"
         self.damaged: dict[str, str] = {}
         self.lease: Any = None  # the opener's read lease on these versions (store/lease.py)
+        self._versions: dict[str, str] | None = None  # `versions()`, once computed
         split_rows = {t: rows_of_split(r, split) for t, r in readers.items()}
         for r in readers.values():
             r.view.forget("split")  # the join's rows replace it
@@ -233,11 +234,11 @@ class JoinedTables:
         return f"'{table}' v{r.version} ({r.dir})"
 
     def versions(self) -> dict[str, str]:
-        """Identities of the joined tables (version + manifest hash; see `Store.version_id`)."""
-        from store.store import Store
-
-        st = Store(self.store_root, create=False)
-        return {t: st.version_id(t, r.version) for t, r in self.readers.items()}
+        """Identities of the joined tables (version + manifest hash; see `Store.version_id`), of the manifests
+        read; computed once (hundreds of MB hashed at 1M samples, and versions are immutable)."""
+        if self._versions is None:
+            self._versions = {t: r.view.version_id() for t, r in self.readers.items()}
+        return dict(self._versions)
 
     def iter_keys(
         self, rank: int = 0, world_size: int = 1, seed: int | None = None, epoch: int = 0, buffer_size: int = 1024,

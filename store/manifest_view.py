@@ -224,6 +224,14 @@ class ManifestView:
         return cls(vdir, table, version, read_schema(vdir), manifest.column_names,
                    integrity.read_version_checksums(vdir), full=manifest)
 
+    def version_id(self) -> str:
+        """`Store.version_id` of the manifest this view checked and reads (its mapped bytes, not a second read of
+        the file: a version deleted and rebuilt since the open would name another content)."""
+        if self._bytes is None:  # a view `over` a given manifest (store repair): the file's
+            return fmt.version_id(self.version, (self.dir / fmt.MANIFEST).read_bytes())
+        with memoryview(self._bytes) as mv:
+            return fmt.version_id(self.version, mv)
+
     # ------------------------------------------------------------ columns
 
     @property

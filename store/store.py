@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 
 from pathlib import Path
 from typing import Any, Iterable
@@ -54,7 +53,7 @@ class Store:
         manifest = self.version_dir(table, version) / fmt.MANIFEST
         if not manifest.is_file():
             raise UserError(f"table '{table}' v{version} is not complete (no {manifest})")
-        return f"v{version}-{hashlib.sha256(manifest.read_bytes()).hexdigest()[:16]}"
+        return fmt.version_id(version, manifest.read_bytes())
 
     def set_current(self, table: str, version: int) -> None:
         """Point store.json at a complete version (atomic rewrite under the store lock); nothing is written (and no

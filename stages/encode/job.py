@@ -31,6 +31,7 @@ R = TypeVar("R")
 class EncodeJob:
     store: Store
     images: TableReader
+    images_id: str  # the `images` version's identity (`Store.version_id`): what every rank must read alike
     lineage: Lineage
     ranks: Ranks
     summary: Summary

@@ -74,26 +74,22 @@ def open_job(store_path: str | Path, stage: str, table: str, feature_hash: str, 
 
 
 def _agreed_plan(job: EncodeJob, found: int | None) -> int | None:
-    """The `images` version every rank reads and the version every rank reuses, agreed by all of them (four
-    integers, one all-reduce). Each rank leases the current `images` and looks for an identical version itself;
+    """The `images` version every rank reads (features/same_versions.py) and the version every rank reuses,
+    agreed by all of them. Each rank leases the current `images` and looks for an identical version itself;
     a resize-bucket commit between two ranks' looks, or a shared filesystem whose view lags on one node, would
     otherwise have ranks encode different inputs, or one rank return "up to date" while the others encode and
     wait for it at the commit. Different `images`: one line on every rank. A version found by some ranks only
     (or different ones): every rank encodes (a duplicate version at worst; the check after the model loads,
     `output.agreed_found`, adopts one a concurrent run committed meanwhile)."""
-    from models.collective import all_max
+    from features.same_versions import check_same_versions
+    from models.collective import spread
 
     world = job.ranks.world_size
     if world <= 1:
         return found
-    seen = -1 if found is None else found
-    high, neg_low, newest, neg_oldest = all_max(world, [job.images.version, -job.images.version, seen, -seen])
-    if high != -neg_low:
-        raise UserError(f"{job.summary.stage}: the ranks do not read the same table 'images' of {job.store.root} "
-                        f"(v{high} on some, v{-neg_low} on others: it was rebuilt during this launch, or the store "
-                        "is a shared folder some nodes see late); rerun once `pipeline store inspect` shows it "
-                        "alike from every node")
-    return newest if newest >= 0 and newest == -neg_oldest else None
+    check_same_versions(world, {IMAGES_TABLE: job.images_id}, job.store.root, job.summary.stage)
+    ((newest, oldest),) = spread(world, [-1 if found is None else found])
+    return newest if newest >= 0 and newest == oldest else None
 
 
 def _open_job(store_path: str | Path, stage: str, table: str, feature_hash: str, model: str,
@@ -117,7 +113,7 @@ def _open_job(store_path: str | Path, stage: str, table: str, feature_hash: str,
     images = store.reader(IMAGES_TABLE, lease.version(IMAGES_TABLE), on_damaged=on_damaged)
     # The images version's identity (not just its number) goes into the hash: a deleted and rebuilt images
     # table restarts at v1 with other contents, and must not match features encoded from the old one.
-    images_id = store.version_id(IMAGES_TABLE, images.version)
+    images_id = images.view.version_id()
     lineage = Lineage(
         stage=stage, config_hash=f"{feature_hash}-images:{images_id}", model_fingerprint=model_fingerprint(model),
         upstream={IMAGES_TABLE: images.version}, code_version=code_version(feature_revision),
@@ -143,7 +139,8 @@ def _open_job(store_path: str | Path, stage: str, table: str, feature_hash: str,
     repair_context.check(lineage, table)
     changed = _lineages_before_fixes(images, fixes, stage, (feature_hash, *earlier_hashes), fingerprint,
                                      feature_revision, upstream)
-    job = EncodeJob(store=store, images=images, lineage=lineage, ranks=ranks, summary=summary, feature_lineage=fl,
+    job = EncodeJob(store=store, images=images, images_id=images_id, lineage=lineage, ranks=ranks, summary=summary,
+                    feature_lineage=fl,
                     earlier_lineages=(*earlier, *changed), lease=lease, on_damaged=on_damaged,
                     max_damaged_fraction=max_damaged_fraction, changed_by_fixes=changed)
     weakref.finalize(job, lease.release)

@@ -36,6 +36,7 @@ def read_share(cfg, store: str | Path, model: str, ranks):
     the limit `max_damaged_fraction` judged as one process judges it. "stop": the reading rank's line stops
     every rank."""
     from features.open import open_configured
+    from features.same_versions import check_same_versions
     from models.loading import model_fingerprint
 
     from models.collective import together
@@ -43,29 +44,11 @@ def read_share(cfg, store: str | Path, model: str, ranks):
     with together(ranks.world, "open the val split"):
         tables = open_configured(cfg, "evaluate", store, model, model_fingerprint(model), "val")
     try:
-        _agree_versions(tables, ranks)
+        check_same_versions(ranks.world, tables.versions(), tables.store_root, "evaluate")
         return tables, _read(tables, cfg, ranks)
     except BaseException:
         tables.close()
         raise
-
-
-def _agree_versions(tables, ranks) -> None:
-    """Every rank reads the same `text` and `vae` versions, or every rank stops with one line (one all-reduce).
-    Each rank leases the current versions itself: a version made current between two ranks' opens, or a shared
-    folder whose view of store.json lags on one node, would put features of two versions into one loss array
-    (keyed by rank 0's) or leave ranks with different sample lists waiting in different collectives."""
-    from models.collective import all_max
-    from schemas.errors import UserError
-
-    mine = [tables.readers[t].version for t in ("text", "vae")]
-    agreed = all_max(ranks.world, [v for version in mine for v in (version, -version)])
-    for t, high, neg_low in zip(("text", "vae"), agreed[0::2], agreed[1::2]):
-        if high != -neg_low:
-            raise UserError(f"evaluate: the ranks do not read the same table '{t}' of {tables.store_root} "
-                            f"(v{high} on some, v{-neg_low} on others: it was rebuilt during this launch, or the "
-                            "store is a shared folder some nodes see late); rerun once `pipeline store inspect` "
-                            "shows it alike from every node")
 
 
 def _read(tables, cfg, ranks) -> Share:

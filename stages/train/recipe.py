@@ -61,6 +61,7 @@ from stages.train.prefetch import MicroBatches
 from stages.train.result import TrainResult
 from stages.train.sampler import padding_efficiency
 from stages.train.saving import checkpoint, cleanup, finish
+from stages.train.launch import launched_world_size
 from stages.train.settings import make_accelerator, resolved_config, train_device, validate_config
 from stages.train.start import open_tables, prepare_run_dir, resume_point, start_record
 from stages.train.state import ResumeRecord
@@ -156,14 +157,16 @@ def run(
     OUT.previous/N-TIME (stages/train/previous.py) and training starts afresh; `before_keep(OUT)` runs first.
     `rerun`: how the user continues after a stop (named in a full disk's line and a SIGTERM's)."""
     started = time.perf_counter()
-    if skip_if_done and up_to_date(cfg, store, model, out):
+    validate_config(cfg.train)
+    world = launched_world_size()
+    accelerator = make_accelerator(cfg.train) if world > 1 else None  # the ranks' process group, to decide together
+    if skip_if_done and finished_here(cfg, store, model, out, world):
         lora = Path(out) / "lora"
         return TrainResult(Path(out), lora, cfg.train.max_steps, cfg.train.max_steps, up_to_date=True)
-    validate_config(cfg.train)
     from stages.train.trackers import tracker_classes
 
     tracker_classes(cfg.train.log_with)  # every rank, before any work: an unknown or missing tracker stops all alike
-    accelerator = make_accelerator(cfg.train)
+    accelerator = accelerator or make_accelerator(cfg.train)
     # One writer per run folder: a second `train` into the same OUT is refused, naming the holder. Only rank 0
     # locks, so every rank learns of its refusal here (models/collective.py), instead of waiting for it at the
     # first collective while it exits.
@@ -203,6 +206,17 @@ def run(
         return result
     finally:
         cleanup(r, locks)
+
+
+def finished_here(cfg: PipelineConfig, store: str | Path, model: str, out: str | Path, world: int) -> bool:
+    """`up_to_date`, decided by every rank together: done only where every rank sees the finished run. Each rank
+    reads OUT and the store itself; one that returned while the others trained would leave them waiting for it
+    in their first collective (a lagging view of OUT on one node)."""
+    from models.collective import all_max
+
+    with together(world, "is the run up to date"):
+        done = up_to_date(cfg, store, model, out)
+    return not all_max(world, [int(not done)])[0]
 
 
 def stopped_late(r: Run) -> None:

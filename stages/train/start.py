@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING
 from tqdm.auto import tqdm
 
 from features.open import open_configured
-from models.collective import all_max, together
+from features.same_versions import check_same_versions
+from models.collective import spread, together
 from models.lora import WEIGHT_NAME, load_lora
 from schemas.config import PipelineConfig, TrainConfig, dump_config
 from schemas.errors import UserError
@@ -30,10 +31,17 @@ if TYPE_CHECKING:
 
 def open_tables(tc: TrainConfig, store: str | Path, model: str, accelerator) -> JoinedTables:
     """The `text` + `vae` samples this run trains on, opened by every rank together: a rank refused alone
-    stops every rank."""
-    fingerprint = agreed_model_fingerprint(accelerator.num_processes, model)
-    with together(accelerator.num_processes, "opening the store"):
-        return open_configured(tc, "train", store, model, fingerprint, "train")
+    stops every rank, and so do ranks that read different versions (features/same_versions.py)."""
+    world = accelerator.num_processes
+    fingerprint = agreed_model_fingerprint(world, model)
+    with together(world, "opening the store"):
+        tables = open_configured(tc, "train", store, model, fingerprint, "train")
+    try:
+        check_same_versions(world, tables.versions(), tables.store_root, "train")
+    except BaseException:
+        tables.close()
+        raise
+    return tables
 
 
 def agreed_model_fingerprint(world: int, model: str) -> str:
@@ -45,9 +53,8 @@ def agreed_model_fingerprint(world: int, model: str) -> str:
 
     with together(world, f"hashing the model {model}"):
         fingerprint = model_fingerprint(model)
-    value = int(fingerprint[:15], 16)  # 60 bits: an int64 with its negation
-    high, neg_low = all_max(world, [value, -value])
-    if high != -neg_low:
+    ((high, low),) = spread(world, [int(fingerprint[:15], 16)])  # 60 bits: an int64 with its negation
+    if high != low:
         # no rank-local name in the line: every rank raises this same line
         raise UserError("the base model (--model) is not the same on every rank: the nodes' copies of its files "
                         "differ (another version, or a copy cut short); copy the same model folder to every node")
@@ -121,11 +128,11 @@ def seen_run(r: Run) -> tuple[Path | None, bool]:
     latest = train_state.latest_checkpoint(r.checkpoints)
     final = (r.run_dir / "lora").is_dir()
     step = train_state.step_of(latest) if latest is not None else -1
-    most = all_max(r.world, [step, -step, int(final), -int(final)])
-    if most[0] == -most[1] and most[2] == -most[3]:
+    (newest, oldest), (lora_high, lora_low) = spread(r.world, [step, int(final)])
+    if newest == oldest and lora_high == lora_low:
         return latest, final
-    seen = (f"newest checkpoint step-{most[0]} on some, {'none' if most[1] == 1 else f'step-{-most[1]}'} on "
-            "others" if most[0] != -most[1] else "a final LoRA on some, none on others")
+    seen = (f"newest checkpoint step-{newest} on some, {'none' if oldest == -1 else f'step-{oldest}'} on "
+            "others" if newest != oldest else "a final LoRA on some, none on others")
     raise UserError(f"the ranks do not see the same run folder {r.run_dir} ({seen}): --out must be one folder "
                     "every rank sees alike; on a shared filesystem that has not caught up yet, rerun in a minute")
 

@@ -63,18 +63,25 @@ def untouched(transformer):
 
 
 class Validator:
-    def __init__(self, cfg: TrainConfig, store, model: str, run_dir: Path):
+    def __init__(self, cfg: TrainConfig, store, model: str, run_dir: Path, world: int = 1):
+        """Every rank reads the same val samples (each computes its share of the grid): opened and read by all
+        ranks together, from the same versions (features/same_versions.py), or every rank stops with one line."""
         self.cfg, self.model, self.run_dir = cfg, model, run_dir
+        from features.same_versions import check_same_versions
+        from models.collective import together
         from models.loading import model_fingerprint
 
-        tables = open_configured(cfg, "train", store, model, model_fingerprint(model), "val")  # as training reads
-        if not len(tables):
-            tables.close()
-            raise UserError(f"train.validate_every / sample_every is set but store {store} has no val samples; "
-                            "set resize.val_fraction > 0 or turn validation off")
-        try:  # the first validate_max_samples (sorted keys); on_damaged=skip: damaged ones left out, the next read
-            self.samples: list[TrainSample] = read_intact(tables, cfg.validate_max_samples,
-                                                          lambda i: load_at(tables, i), "read val samples")
+        with together(world, "open the val split"):  # as training reads
+            tables = open_configured(cfg, "train", store, model, model_fingerprint(model), "val")
+        try:
+            check_same_versions(world, tables.versions(), tables.store_root, "train (validation)")
+            with together(world, "read the val samples"):
+                if not len(tables):
+                    raise UserError(f"train.validate_every / sample_every is set but store {store} has no val "
+                                    "samples; set resize.val_fraction > 0 or turn validation off")
+                # the first validate_max_samples (sorted keys); on_damaged=skip: damaged ones left out, the next read
+                self.samples: list[TrainSample] = read_intact(tables, cfg.validate_max_samples,
+                                                              lambda i: load_at(tables, i), "read val samples")
         except BaseException:
             tables.close()
             raise

@@ -7,6 +7,7 @@ import hashlib
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -322,3 +323,29 @@ def test_hashing_a_model_folder_shows_its_bytes_per_second_once(tmp_path, cache,
     assert "hash model" in err and "B/s" in err and "100%" in err, err
     assert _files_fingerprint(root, None) == first
     assert "hash model" not in capsys.readouterr().err
+
+
+def test_databases_of_hosts_unseen_for_a_month_are_removed(tmp_path, cache, monkeypatch) -> None:
+    """A shared cache folder gains a database per node boot (each up to ~150 MB at a million files); before,
+    none was ever removed. An open marks its own as used and removes those no host opened for 30 days (their
+    rollback journals too); a younger one, a local cache's database and other files stay."""
+    monkeypatch.setattr(fh, "network_fs", lambda path, mountinfo=None: "nfs4")
+    boot = tmp_path / "boot_id"
+    monkeypatch.setattr(fh, "BOOT_ID", str(boot))
+    folder = cache / "qwen-edit-pipeline"
+    files = _files(tmp_path / "model", 2)
+    for kernel in ("old-boot", "recent-boot", "this-boot"):
+        boot.write_text(kernel)
+        with FileHashes() as h:
+            h.sha256(files[0])
+    (folder / "file-hashes.old-boot.sqlite-journal").write_bytes(b"left by a killed write")
+    (folder / fh.CACHE_NAME).write_bytes(b"")  # a local (WAL) cache's database: not a host's
+    day = 86400
+    now = time.time()
+    for kernel, age in (("old-boot", 31), ("recent-boot", 29), ("this-boot", 40)):
+        os.utime(folder / f"file-hashes.{kernel}.sqlite", (now - age * day, now - age * day))
+    with FileHashes() as h:  # this boot's database, unopened for 40 days itself: marked used, not removed
+        assert h.sha256(files[0]) == _sha(files[0]) and h.hashed == 0
+    assert sorted(p.name for p in folder.iterdir() if p.is_file()) == sorted([
+        fh.CACHE_NAME, "file-hashes.recent-boot.sqlite", "file-hashes.this-boot.sqlite"])
+    assert time.time() - (folder / "file-hashes.this-boot.sqlite").stat().st_mtime < day

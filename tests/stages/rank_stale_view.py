@@ -10,6 +10,12 @@ are the test's.
                                                         that version current either
     rank_stale_view.py evaluate STORE MODEL RUN OUT V    `pipeline run evaluate --all-checkpoints`; rank 1 reads
                                                         `text` vV (its view of store.json lags)
+    rank_stale_view.py tables STORE MODEL OUT SPLIT V|STORE1
+                                                        `pipeline run train` with validation; rank 1 reads the
+                                                        SPLIT split's `text` as vV, or the store at STORE1 (its
+                                                        own copy, which differs)
+    rank_stale_view.py done STORE MODEL OUT              train.run(skip_if_done=True, resume=True) as `pipeline
+                                                        run all` calls it; rank 1 does not see OUT's final LoRA
 """
 
 from __future__ import annotations
@@ -52,6 +58,33 @@ def main() -> None:
         sys.argv = ["pipeline", "run", "evaluate", "--all-checkpoints", "--set", f"paths.run={run}", "--store",
                     store, "--model", model, "--out", out, "--num-samples", "0", "--device", "cpu"]
         cli()
+        return
+    if sys.argv[1] == "tables":
+        store, model, out, split, view = sys.argv[2:7]
+        if os.environ["RANK"] == "1" and view.isdigit():
+            from store import lease
+
+            hold = lease.hold
+            lease.hold = lambda root, tables, what, *a: hold(
+                root, {**tables, "text": int(view)} if f"'{split}'" in what else tables, what, *a)
+        elif os.environ["RANK"] == "1":
+            store = view
+        sys.argv = ["pipeline", "run", "train", "--store", store, "--model", model, "--out", out, "--device", "cpu",
+                    "--max-steps", "2", "--batch-size", "2", "--set", "train.lora.rank=4", "--set",
+                    "train.validate_every=2"]
+        cli()
+        return
+    if sys.argv[1] == "done":
+        store, model, out = sys.argv[2:5]
+        from pipeline.config import load_config
+        from stages.train import recipe
+
+        if os.environ["RANK"] == "1":
+            recipe.up_to_date = lambda *a: False  # OUT/lora not listed yet on this node
+        cfg = load_config(None, {"train.device": "cpu", "train.batch_size": 2, "train.lora.rank": 4,
+                                 "train.max_steps": 2, "train.checkpoint_every": 2})
+        result = recipe.run(cfg, store, model, out, resume=True, skip_if_done=True)
+        print(f"RESULT up_to_date: {result.up_to_date}")
         return
     store, model, out, steps = sys.argv[2:6]
     from stages.train import state as train_state

@@ -2,15 +2,20 @@
 a shared filesystem's directory cache can right after a restart): every rank stops before loading anything, with
 the same one line naming the folder, instead of rank 0 resuming at step 4 and rank 1 at step 2 (different
 optimizer states and data positions, then collectives that no longer pair up: a hang or a gloo error). The same
-for an encode's "up to date?" (tests/stages/rank_stale_view.py)."""
+for an encode's "up to date?", for the table versions train reads (its train and val splits; a node's own copy
+of the store that differs) and for `run all`'s "is train done?" (tests/stages/rank_stale_view.py)."""
 
 from __future__ import annotations
 
+import torch
+from safetensors.torch import load_file
+
+from models.lora import WEIGHT_NAME
 from pipeline.config import load_config
 from stages.train import state as train_state
 from stages.train.recipe import run
 from train_store import make_train_store, mixed_specs
-from two_ranks import launch_two
+from two_ranks import launch_two, results
 
 
 def test_ranks_that_see_different_checkpoints_stop_with_one_line(tiny_edit_model, tmp_path) -> None:
@@ -79,3 +84,84 @@ def test_an_encode_whose_rank_cannot_adopt_the_version_found_stops_every_rank(ti
     assert "up to date" not in out0, out0
     last0, last1 = err0.strip().splitlines()[-1], err1.strip().splitlines()[-1]
     assert last0 == last1 and "table 'text' v1 is not complete; cannot make it current" in last0, (last0, last1)
+
+
+def _text_v2_current(store) -> None:
+    """`text` v2 made current: a copy of v1 (the same samples under another number, as a rebuild would be)."""
+    import shutil
+
+    from store import Store
+
+    st = Store(store)
+    shutil.copytree(st.version_dir("text", 1), st.version_dir("text", 2))
+    st.set_current("text", 2)
+
+
+def _stopped_alike(outs) -> str:
+    (rc0, out0, err0), (rc1, out1, err1) = outs
+    assert "Traceback" not in err0 + out0 + err1 + out1, (err0[-3000:], err1[-3000:])
+    assert rc0 == rc1 == 1, (rc0, rc1, err0[-2000:], err1[-2000:])
+    last0, last1 = err0.strip().splitlines()[-1], err1.strip().splitlines()[-1]
+    assert last0 == last1, (last0, last1)
+    return last0
+
+
+def test_training_whose_ranks_read_different_versions_stops_with_one_line(tiny_edit_model, tmp_path) -> None:
+    """Rank 1 reads `text` v1 while v2 is current (a commit between the ranks' opens, or its node's view of
+    store.json lags). Before, each rank trained on its own version: the ranks' samples (and, where the versions
+    differ in size, their step counts) did not match, silently or in a hang. Now every rank stops before
+    training, with one line."""
+    store, out = tmp_path / "store", tmp_path / "run"
+    make_train_store(store, tiny_edit_model, mixed_specs(8, 4))
+    _text_v2_current(store)
+    line = _stopped_alike(launch_two("rank_stale_view.py", "tables", str(store), tiny_edit_model, str(out), "train",
+                                     "1", timeout=300))
+    assert f"train: the ranks do not read the same table 'text' of {store} (v2 on some, v1 on others" in line, line
+    assert not train_state.complete_checkpoints(out / "checkpoints")
+
+
+def test_validation_whose_ranks_read_different_versions_stops_with_one_line(tiny_edit_model, tmp_path) -> None:
+    """The same for the val split the validator opens on every rank after the train split (a commit between
+    the two opens): before, the ranks computed their shares of the grid from different samples."""
+    store, out = tmp_path / "store", tmp_path / "run"
+    make_train_store(store, tiny_edit_model, mixed_specs(8, 4))
+    _text_v2_current(store)
+    line = _stopped_alike(launch_two("rank_stale_view.py", "tables", str(store), tiny_edit_model, str(out), "val",
+                                     "1", timeout=300))
+    assert "train (validation): the ranks do not read the same table 'text'" in line, line
+    assert "(v2 on some, v1 on others" in line, line
+
+
+def test_training_whose_nodes_hold_different_copies_of_the_store_stops(tiny_edit_model, tmp_path) -> None:
+    """--store names a separate copy on each node, and the copies differ (other samples, both `text` v1): the
+    version numbers agree, their identities (number and manifest hash) do not. Before, each rank trained on its
+    own copy's samples. (Here the two copies have two paths, so the two lines differ in the path alone.)"""
+    store, copy, out = tmp_path / "store", tmp_path / "copy", tmp_path / "run"
+    make_train_store(store, tiny_edit_model, mixed_specs(8, 4))
+    make_train_store(copy, tiny_edit_model, mixed_specs(8, 4), seed=1)
+    (rc0, out0, err0), (rc1, out1, err1) = launch_two("rank_stale_view.py", "tables", str(store), tiny_edit_model,
+                                                      str(out), "train", str(copy), timeout=300)
+    assert "Traceback" not in err0 + out0 + err1 + out1, (err0[-3000:], err1[-3000:])
+    assert rc0 == rc1 == 1, (rc0, rc1, err0[-2000:], err1[-2000:])
+    for err in (err0, err1):
+        assert "train: the ranks read different contents as table 'text' v1 of" in err.strip().splitlines()[-1], err
+    assert not train_state.complete_checkpoints(out / "checkpoints")
+
+
+def test_a_finished_run_one_rank_does_not_see_is_decided_together(tiny_edit_model, tmp_path) -> None:
+    """`pipeline run all` under a launcher asks train whether OUT already holds this run's final LoRA; rank 1's
+    view of OUT lags (no lora/ yet). Before, rank 0 returned "up to date" at once while rank 1 went on to train
+    and waited for it in the first collective (a gloo error; NCCL: the collective timeout). Now every rank goes
+    on (the run resumes at its last step and rewrites the same LoRA) and ends normally."""
+    store, out = tmp_path / "store", tmp_path / "run"
+    make_train_store(store, tiny_edit_model, mixed_specs(8))
+    run(load_config(None, {"train.device": "cpu", "train.batch_size": 2, "train.lora.rank": 4,
+                           "train.max_steps": 2, "train.checkpoint_every": 2}), store, tiny_edit_model, out)
+    lora = load_file(out / "lora" / WEIGHT_NAME)
+    (rc0, out0, err0), (rc1, out1, err1) = launch_two("rank_stale_view.py", "done", str(store), tiny_edit_model,
+                                                      str(out), timeout=300)
+    assert "Traceback" not in err0 + out0 + err1 + out1, (err0[-3000:], err1[-3000:])
+    assert rc0 == rc1 == 0, (rc0, rc1, err0[-2000:], err1[-2000:])
+    assert results(out0)["up_to_date"] == "False", out0
+    again = load_file(out / "lora" / WEIGHT_NAME)  # the same weights (its metadata names the 2-rank start)
+    assert again.keys() == lora.keys() and all(torch.equal(again[k], lora[k]) for k in lora)
