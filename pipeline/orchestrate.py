@@ -121,7 +121,9 @@ def evaluate_run(cfg: PipelineConfig, p: Paths) -> StageSummary:
     from stages.evaluate import checkpoints, stage as evaluate
 
     kept = kept_checkpoints(p.run)
-    if kept:
+    # launched: always the checkpoints (one LoRA is evaluated in one process), whose list the ranks agree on: a
+    # rank whose view of RUN lags and lists none would otherwise take its own way and stop the others
+    if kept or launched()[0] > 1:
         return checkpoints.run(cfg.evaluate, p.store, p.model, kept, p.report, skip_if_done=True)
     return evaluate.run(cfg.evaluate, p.store, p.model, p.lora, p.report, skip_if_done=True)
 

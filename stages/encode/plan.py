@@ -74,14 +74,14 @@ def open_job(store_path: str | Path, stage: str, table: str, feature_hash: str, 
 
 
 def _agreed_plan(job: EncodeJob, found: int | None) -> int | None:
-    """The `images` version every rank reads (features/same_versions.py) and the version every rank reuses,
+    """The `images` version every rank reads (models/same_versions.py) and the version every rank reuses,
     agreed by all of them. Each rank leases the current `images` and looks for an identical version itself;
     a resize-bucket commit between two ranks' looks, or a shared filesystem whose view lags on one node, would
     otherwise have ranks encode different inputs, or one rank return "up to date" while the others encode and
     wait for it at the commit. Different `images`: one line on every rank. A version found by some ranks only
     (or different ones): every rank encodes (a duplicate version at worst; the check after the model loads,
     `output.agreed_found`, adopts one a concurrent run committed meanwhile)."""
-    from features.same_versions import check_same_versions
+    from models.same_versions import check_same_versions
     from models.collective import spread
 
     world = job.ranks.world_size

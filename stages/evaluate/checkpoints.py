@@ -83,6 +83,28 @@ def _gone(checkpoint: Path) -> bool:
     return not (Path(checkpoint) / WEIGHT_NAME).is_file() and not Path(checkpoint).is_file()
 
 
+def agreed_checkpoints(checkpoints: list[tuple[int, Path]], ranks) -> list[tuple[int, Path]]:
+    """The checkpoints rank 0 lists, on every rank, less those some rank does not see. Each rank lists the run
+    folder itself, and every later exchange pairs the checkpoints by their place in the list: a training beside
+    evaluate that commits or prunes one between the ranks' listings, or a node whose view of the folder lags
+    (right after train in `run all`), would pair one rank's step 400 with another's step 600, or leave lists of
+    different lengths waiting in different collectives. A step some rank does not see is left out with a line
+    (the next evaluate takes it); one only other ranks list waits for rank 0 to see it."""
+    if ranks.world <= 1:
+        return checkpoints
+    (n,) = ranks.from_main([len(checkpoints)])
+    if n == 0:
+        return []
+    steps = ranks.from_main([step for step, _ in checkpoints] if ranks.main else [0] * n)
+    mine = dict(checkpoints)
+    unseen = ranks.any([int(step not in mine) for step in steps])
+    if ranks.main and any(unseen):
+        left = [str(step) for step, u in zip(steps, unseen) if u]
+        tqdm.write(f"checkpoint step(s) {', '.join(left)} not seen by every rank yet (committed during the start, "
+                   "or a node's view of the run folder lags): left out; the next evaluate takes them")
+    return [(step, mine[step]) for step, u in zip(steps, unseen) if not u]
+
+
 def check_and_hash(checkpoints: list[tuple[int, Path]], ranks=None) -> tuple[list[tuple[int, Path]], dict[int, str]]:
     """Each checkpoint's LoRA file against the CRC32C its sealed resume.json records (as single-LoRA evaluate
     checks RUN/lora's checksums.json): a flipped bit is refused naming the file, not evaluated as trained
@@ -267,6 +289,7 @@ def _run(ranks, cfg: EvaluateConfig, store: str | Path, model: str, checkpoints:
 
     started = time.perf_counter()
     cfg = single.for_model(cfg, model)
+    checkpoints = agreed_checkpoints(checkpoints, ranks)
     if not checkpoints:
         raise UserError("no checkpoints to evaluate: the run folder holds no checkpoints/step-N "
                         "(train with train.checkpoint_every set, or evaluate one LoRA without --all-checkpoints)")

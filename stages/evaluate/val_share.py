@@ -36,7 +36,7 @@ def read_share(cfg, store: str | Path, model: str, ranks):
     the limit `max_damaged_fraction` judged as one process judges it. "stop": the reading rank's line stops
     every rank."""
     from features.open import open_configured
-    from features.same_versions import check_same_versions
+    from models.same_versions import check_same_versions
     from models.loading import model_fingerprint
 
     from models.collective import together

@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING
 from tqdm.auto import tqdm
 
 from features.open import open_configured
-from features.same_versions import check_same_versions
 from models.collective import spread, together
 from models.lora import WEIGHT_NAME, load_lora
+from models.same_versions import check_same_versions
 from schemas.config import PipelineConfig, TrainConfig, dump_config
 from schemas.errors import UserError
 from schemas.lineage import unhashed_names
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 def open_tables(tc: TrainConfig, store: str | Path, model: str, accelerator) -> JoinedTables:
     """The `text` + `vae` samples this run trains on, opened by every rank together: a rank refused alone
-    stops every rank, and so do ranks that read different versions (features/same_versions.py)."""
+    stops every rank, and so do ranks that read different versions (models/same_versions.py)."""
     world = accelerator.num_processes
     fingerprint = agreed_model_fingerprint(world, model)
     with together(world, "opening the store"):

@@ -65,9 +65,9 @@ def untouched(transformer):
 class Validator:
     def __init__(self, cfg: TrainConfig, store, model: str, run_dir: Path, world: int = 1):
         """Every rank reads the same val samples (each computes its share of the grid): opened and read by all
-        ranks together, from the same versions (features/same_versions.py), or every rank stops with one line."""
+        ranks together, from the same versions (models/same_versions.py), or every rank stops with one line."""
         self.cfg, self.model, self.run_dir = cfg, model, run_dir
-        from features.same_versions import check_same_versions
+        from models.same_versions import check_same_versions
         from models.collective import together
         from models.loading import model_fingerprint
 

@@ -8,8 +8,10 @@ are the test's.
                                                         table's complete version yet, or (V) reads `images` vV
                                                         (its view of store.json lags), or (unseen) cannot make
                                                         that version current either
-    rank_stale_view.py evaluate STORE MODEL RUN OUT V    `pipeline run evaluate --all-checkpoints`; rank 1 reads
-                                                        `text` vV (its view of store.json lags)
+    rank_stale_view.py evaluate STORE MODEL RUN OUT V|pruned
+                                                        `pipeline run evaluate --all-checkpoints`; rank 1 reads
+                                                        `text` vV (its view of store.json lags), or does not
+                                                        list RUN's oldest checkpoint (pruned in its view)
     rank_stale_view.py tables STORE MODEL OUT SPLIT V|STORE1
                                                         `pipeline run train` with validation; rank 1 reads the
                                                         SPLIT split's `text` as vV, or the store at STORE1 (its
@@ -52,7 +54,12 @@ def main() -> None:
         store, model, run, out, version = sys.argv[2:7]
         from store import lease
 
-        if os.environ["RANK"] == "1":
+        if os.environ["RANK"] == "1" and version == "pruned":
+            from stages.train import state as train_state
+
+            real = train_state.complete_checkpoints
+            train_state.complete_checkpoints = lambda root: real(root)[1:]  # the oldest gone in its view
+        elif os.environ["RANK"] == "1":
             hold = lease.hold
             lease.hold = lambda root, tables, what, *a: hold(root, {**tables, "text": int(version)}, what, *a)
         sys.argv = ["pipeline", "run", "evaluate", "--all-checkpoints", "--set", f"paths.run={run}", "--store",

@@ -6,6 +6,7 @@ the rest."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -118,3 +119,21 @@ def test_ranks_that_read_different_text_versions_stop_with_one_line(run_and_stor
     last0, last1 = err0.strip().splitlines()[-1], err1.strip().splitlines()[-1]
     assert last0 == last1 and "the ranks do not read the same table 'text'" in last0 and "v2 on some, v1 on" in last0
     assert not (out / GROUP).exists()
+
+
+def test_ranks_that_list_different_checkpoints_evaluate_the_ones_all_see(run_and_store, tiny_edit_model, tmp_path):
+    """Rank 1 does not list step 10 (a training beside evaluate pruned it between the ranks' listings, or its
+    node's view of the run folder differs). Every exchange pairs the checkpoints by their place in the list:
+    before, the ranks all-reduced lists of different lengths (a gloo error; NCCL: a hang) or paired one rank's
+    step with another's. Now the ranks take rank 0's list less what some rank does not see, with a line."""
+    from two_ranks import launch_two
+
+    root, out = run_and_store, tmp_path / "report"
+    (rc0, out0, err0), (rc1, out1, err1) = launch_two("rank_stale_view.py", "evaluate", str(root / "store"),
+                                                      tiny_edit_model, str(root / "run"), str(out), "pruned",
+                                                      timeout=300)
+    assert "Traceback" not in err0 + out0 + err1 + out1, (err0[-3000:], err1[-3000:])
+    assert rc0 == rc1 == 0, (rc0, rc1, err0[-2000:], err1[-2000:])
+    assert "checkpoint step(s) 10 not seen by every rank yet" in out0 + err0, (out0, err0)
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["checkpoints"]["steps"] == [20, 30]
