@@ -237,6 +237,16 @@ def lora_weight_file(lora: str | Path) -> Path:
     return path
 
 
+def lora_sha256(lora: str | Path) -> str:
+    """sha256 of the LoRA's weight file, remembered by `models.file_hashes` (an unchanged file is read once); the
+    ranks of a node take turns, so one reads it and the others find it cached."""
+    from models.file_hashes import FileHashes
+
+    path = lora_weight_file(lora)
+    with FileHashes() as hashes, hashes.alone(str(path.resolve())):
+        return hashes.sha256(path)
+
+
 def read_lora(lora: str | Path, data: bytes | None = None) -> tuple[dict[str, torch.Tensor], dict | None]:
     """(peft-named state dict without the `transformer.` prefix, saved adapter config or None). `data`: the
     file's bytes, already read (evaluate hashes exactly the bytes it loads), parsed instead of reading the file.

@@ -54,6 +54,13 @@ def base_key(cfg, features: dict, sample_keys: list[str]) -> str:
     return hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()
 
 
+def extra_prompt_bytes(cfg) -> list[dict]:
+    """sha256 of each extra prompt's control images and target (None: none set, or unreadable): what a report's
+    up-to-date check compares, as the config holds only their paths (a file replaced there is another report)."""
+    return [{"images": [_file_sha256(p) for p in e.images], "target": e.target and _file_sha256(e.target)}
+            for e in cfg.extra_prompts]
+
+
 def _file_sha256(path) -> str | None:
     """None for a file that cannot be read: its generation then stops with the decoder's one line naming it."""
     try:

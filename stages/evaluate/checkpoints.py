@@ -28,7 +28,7 @@ from schemas.config import EvaluateConfig
 from schemas.errors import UserError
 from schemas.lineage import hashed_settings
 from schemas.stage import few
-from stages.evaluate.base_images import FOLDER as BASE_IMAGES
+from stages.evaluate.base_images import FOLDER as BASE_IMAGES, extra_prompt_bytes
 from stages.evaluate.paired import paired, per_sample, signed
 from store import Store
 from store.loss_array import Axes, LossStore, recorded_steps
@@ -234,7 +234,7 @@ def _up_to_date(out: Path, fingerprint: str, checkpoints: list[tuple[int, Path]]
                 cfg: EvaluateConfig) -> dict | None:
     """The report's metrics when it is current (`schemas.up_to_date`): the same loss array (`fingerprint`),
     every checkpoint recorded with its present bytes (`shas`) and path (a moved run: the report names the new
-    paths), the same evaluate settings."""
+    paths), the same evaluate settings and extra prompts' image bytes (pictures only: the array is kept)."""
     metrics_file = out / "metrics.json"
     recorded = recorded_steps(out, fingerprint)
     if recorded is None or not metrics_file.is_file() or not (out / "index.html").is_file():
@@ -247,9 +247,11 @@ def _up_to_date(out: Path, fingerprint: str, checkpoints: list[tuple[int, Path]]
     recorded_paths = dict(zip(c.get("steps") or [], c.get("paths") or []))
     recorded_inputs = {"fingerprint": c.get("fingerprint"), "steps": c.get("steps"),
                        "config_fingerprint": c.get("config_fingerprint"),
+                       "extra_prompts_sha256": c.get("extra_prompts_sha256"),
                        "loras": {str(step): recorded.get(step) for step, _ in checkpoints},
                        "paths": {str(step): recorded_paths.get(step) for step, _ in checkpoints}}
     present = {"fingerprint": fingerprint, "steps": sorted(recorded), "config_fingerprint": cfg.fingerprint(),
+               "extra_prompts_sha256": extra_prompt_bytes(cfg) or None,
                "loras": {str(step): shas[step] for step, _ in checkpoints},
                "paths": {str(step): str(Path(path).resolve()) for step, path in checkpoints}}
     return metrics if current.is_current(recorded_inputs, present) else None
@@ -544,6 +546,8 @@ def _summary(losses: LossStore, samples, cfg: EvaluateConfig, fingerprint: str,
         "loss": loss,
         "checkpoints": {
             "losses": str(losses.path), "fingerprint": fingerprint, "config_fingerprint": cfg.fingerprint(),
+            # None without extra prompts: a report made before they were hashed stays current
+            "extra_prompts_sha256": extra_prompt_bytes(cfg) or None,
             "steps": steps, "paths": paths, "base": per_step["base"], "per_step": per_step["steps"],
             "best": best, "last": point(last_i),
             "note": "best = lowest overall held-out loss among the checkpoints still on disk (ties: earlier step); "

@@ -303,17 +303,21 @@ def evaluate_inputs(cfg: EvaluateConfig, store: str | Path, model: str, lora: st
     `lora_sha256`: the LoRA file's hash when the caller has it (`run` hashes it once, with its CRC check)."""
     from models.file_hashes import file_sha256
     from models.loading import model_fingerprint
+    from stages.evaluate.base_images import extra_prompt_bytes
 
     cfg = resolved_config(cfg)
     st = Store(store, create=False)
     h = lora_sha256 or file_sha256(lora_weight_file(lora))  # chunked: a GB-sized LoRA is not read into memory
-    return {
+    inputs = {
         "store": str(Path(store).resolve()),
         "tables": {t: st.version_id(t, v) for t, v in sorted(st.tables().items()) if t in ("images", "text", "vae")},
         "model_fingerprint": model_fingerprint(model),
         "lora_sha256": h,
         "config_fingerprint": cfg.fingerprint(),
     }
+    if cfg.extra_prompts:  # only then: a report without extra prompts keeps the inputs it recorded before
+        inputs["extra_prompts_sha256"] = extra_prompt_bytes(cfg)
+    return inputs
 
 
 def report_up_to_date(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, out: str | Path,

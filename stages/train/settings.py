@@ -47,6 +47,14 @@ def known_fingerprint(record_fingerprint: str, cfg: TrainConfig) -> str:
     return config_fingerprint(cfg) if record_fingerprint in earlier_config_fingerprints(cfg) else record_fingerprint
 
 
+def init_lora_sha256(cfg: TrainConfig) -> str | None:
+    """sha256 of train.init_lora's weight file (None without one): the run's starting weights, which its path in
+    the config fingerprint does not name (a file rewritten there makes another run)."""
+    from models.lora import lora_sha256
+
+    return lora_sha256(cfg.init_lora) if cfg.init_lora else None
+
+
 def make_accelerator(cfg: TrainConfig):
     from accelerate import Accelerator
 

@@ -20,7 +20,7 @@ from schemas.lineage import unhashed_names
 from stages.train import elastic, guard, previous, state as train_state
 from stages.train.data import DataStream, write_data_report
 from stages.train.resume import changed_settings
-from stages.train.settings import config_fingerprint, known_fingerprint
+from stages.train.settings import config_fingerprint, init_lora_sha256, known_fingerprint
 from stages.train.state import ResumeRecord
 from store.format import atomic_write_bytes
 from store.join import JoinedTables
@@ -68,7 +68,7 @@ def start_record(tc: TrainConfig, tables: JoinedTables, model: str, world_size: 
     return ResumeRecord(
         step=0, epoch=0, batch_in_epoch=0, config_fingerprint=config_fingerprint(tc),
         tables=tables.versions(), store=str(Path(tables.store_root).resolve()),
-        model_fingerprint=model_fingerprint(model), world_size=world_size,
+        model_fingerprint=model_fingerprint(model), world_size=world_size, init_lora_sha256=init_lora_sha256(tc),
     )
 
 
@@ -97,8 +97,10 @@ def resume_point(r: Run, resume: bool, cfg: PipelineConfig) -> tuple[Path | None
     kept: dict[str, bytes] = {}
     with together(r.world, f"reading {latest}"):
         record = ResumeRecord.read(latest / train_state.RESUME_JSON, keep=kept)
-    # a run made when batch_size was hashed under a token budget is this run when the rest agrees
-    record = replace(record, config_fingerprint=known_fingerprint(record.config_fingerprint, r.cfg))
+    # a run made when batch_size was hashed under a token budget is this run when the rest agrees; one made
+    # before init LoRAs were hashed is taken as made from the present file (`known_init_lora`)
+    record = replace(record, config_fingerprint=known_fingerprint(record.config_fingerprint, r.cfg),
+                     init_lora_sha256=train_state.known_init_lora(record.init_lora_sha256, r.record.init_lora_sha256))
     try:
         record.check_matches(r.record, latest)
         if record.step > r.cfg.max_steps:

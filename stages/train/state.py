@@ -106,7 +106,7 @@ def check_files(folder: Path, files: dict[str, dict[str, Any]], keep: dict[str, 
 
 
 _INPUT_LABEL = {"config_fingerprint": "train config fingerprint", "tables": "store tables",
-                "model_fingerprint": "model fingerprint"}
+                "model_fingerprint": "model fingerprint", "init_lora_sha256": "train.init_lora weights (sha256)"}
 
 
 @dataclass(frozen=True)
@@ -126,6 +126,11 @@ class ResumeRecord:
     # processes the sample order is planned for: the run's first world size (None: checkpoints written before
     # elastic resume, whose order was planned for their `world_size`)
     canonical_world_size: int | None = None
+    # sha256 of train.init_lora's weight file (None: no init_lora, or a record written before it was recorded,
+    # `known_init_lora`): the config fingerprint holds only its path, and a file rewritten there with other
+    # weights makes another run (its step 0 is other weights), so a resume or the up-to-date check compares it.
+    # A field of its own, not in the fingerprint: runs without init_lora keep their fingerprints.
+    init_lora_sha256: str | None = None
 
     @property
     def canonical(self) -> int:
@@ -154,11 +159,12 @@ class ResumeRecord:
     def inputs(self) -> dict[str, Any]:
         """What the weights were trained from (`schemas.up_to_date`: a resume and the up-to-date check compare it)."""
         return {"config_fingerprint": self.config_fingerprint, "tables": self.tables,
-                "model_fingerprint": self.model_fingerprint}
+                "model_fingerprint": self.model_fingerprint, "init_lora_sha256": self.init_lora_sha256}
 
     def check_matches(self, now: "ResumeRecord", where: Path) -> None:
-        """Fail loudly when the config, the store tables or the model changed (the process count may change:
-        the sample order is planned for the record's canonical world size, stages/train/elastic.py)."""
+        """Fail loudly when the config, the store tables, the model or the init LoRA's bytes changed (the process
+        count may change: the sample order is planned for the record's canonical world size,
+        stages/train/elastic.py)."""
         before, after = self.inputs(), now.inputs()
         problems = [f"{_INPUT_LABEL[k]} {before[k]} -> {after[k]}" for k in up_to_date.stale_inputs(before, after)]
         if problems:
@@ -166,6 +172,14 @@ class ResumeRecord:
                 f"cannot resume from {where}: {'; '.join(problems)}. Resume with the same config and store, "
                 "or start a new run with a different --out", reason="; ".join(problems)
             )
+
+
+def known_init_lora(recorded: str | None, now: str | None) -> str | None:
+    """The record's init LoRA hash, read as `now` when it has none: a checkpoint written before the hash was
+    recorded, with train.init_lora set (its config fingerprint, which holds the path, equals this start's, else
+    that differs). Its bytes were never recorded; it is taken as made from the present file, as before (refused,
+    every such run would be trained again)."""
+    return recorded if recorded is not None else now
 
 
 # ---------------------------------------------------------------------------------------------- locating

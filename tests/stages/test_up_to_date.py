@@ -94,3 +94,82 @@ def test_table_versions_go_through_the_rule(trained, monkeypatch):
     assert st.find_version("text", lineage) == version
     monkeypatch.setattr(up_to_date, "is_current", lambda recorded, present: False)
     assert st.find_version("text", lineage) is None
+
+
+def test_a_rewritten_init_lora_is_another_run(trained, tiny_edit_model, tmp_path):
+    """train.init_lora entered the fingerprint as its path only: weights rewritten at that path kept the run up to
+    date and let --resume continue it. Now its bytes are recorded: the same bytes stay current (put back too),
+    other ones are stale and a resume is refused naming the init LoRA."""
+    import shutil
+
+    from schemas.errors import UserError
+    from stages.train.recipe import run, up_to_date as train_up_to_date
+
+    init, out = tmp_path / "init.safetensors", tmp_path / "run"
+    first = (trained / "run" / "lora" / "pytorch_lora_weights.safetensors").read_bytes()
+    init.write_bytes(first)
+    cfg = load_config(None, {**TRAIN, "train.init_lora": str(init)})
+    run(cfg, trained / "store", tiny_edit_model, out)
+    assert train_up_to_date(cfg, trained / "store", tiny_edit_model, out)
+
+    shutil.copyfile(out / "lora" / "pytorch_lora_weights.safetensors", init)  # other weights, same path and format
+    assert init.read_bytes() != first
+    assert not train_up_to_date(cfg, trained / "store", tiny_edit_model, out)
+    with pytest.raises(UserError, match=r"train\.init_lora") as refused:
+        run(cfg, trained / "store", tiny_edit_model, out, resume=True)
+    assert "--new-run" in str(refused.value)
+
+    init.write_bytes(first)
+    assert train_up_to_date(cfg, trained / "store", tiny_edit_model, out)
+
+    # a checkpoint written before the bytes were recorded (no init_lora_sha256) is taken as made from the file there
+    import os
+
+    from store.checksum import seal, unseal
+
+    record = out / "checkpoints" / "step-2" / "resume.json"
+    stamp = record.stat()
+    old = {k: v for k, v in unseal(record.read_bytes()).items() if k != "init_lora_sha256"}
+    record.write_bytes(seal(old))
+    os.utime(record, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))  # still older than the final LoRA
+    shutil.copyfile(out / "lora" / "pytorch_lora_weights.safetensors", init)
+    assert train_up_to_date(cfg, trained / "store", tiny_edit_model, out)
+
+
+def _extra_prompt(tmp_path, seed: int):
+    """An extra prompt whose control image (a small random picture) is written at the same path for any seed."""
+    import numpy as np
+    from PIL import Image
+
+    img = tmp_path / "probe" / "cat.png"
+    img.parent.mkdir(exist_ok=True)
+    Image.fromarray(np.random.default_rng(seed).integers(0, 255, (32, 32, 3), dtype=np.uint8)).save(img)
+    return {"prompt": "make it red", "images": [str(img)], "height": 32, "width": 32}
+
+
+def test_evaluate_report_is_stale_when_an_extra_prompt_image_is_replaced(trained, tiny_edit_model, tmp_path):
+    """Before: the report recorded the extra prompts' paths only, so a picture replaced at probe/cat.png kept a
+    report of the old one up to date."""
+    from stages.evaluate.stage import report_up_to_date, run
+
+    store, lora, out = trained / "store", trained / "run" / "lora", tmp_path / "report"
+    cfg = EvaluateConfig(**EVAL, num_inference_steps=2, extra_prompts=[_extra_prompt(tmp_path, 0)])
+    run(cfg, store, tiny_edit_model, lora, out)
+    assert report_up_to_date(cfg, store, tiny_edit_model, lora, out)
+    _extra_prompt(tmp_path, 1)
+    assert not report_up_to_date(cfg, store, tiny_edit_model, lora, out)
+
+
+def test_checkpoint_report_is_stale_when_an_extra_prompt_image_is_replaced(trained, tiny_edit_model, tmp_path):
+    """--all-checkpoints: the pictures are made again, the held-out losses are kept (extra prompts change none)."""
+    from stages.evaluate import checkpoints as ev
+
+    store, out = trained / "store", tmp_path / "report"
+    ckpts = [(2, trained / "run" / "checkpoints" / "step-2" / "lora")]
+    cfg = EvaluateConfig(**EVAL, num_inference_steps=2, extra_prompts=[_extra_prompt(tmp_path, 0)])
+    assert ev.run(cfg, store, tiny_edit_model, ckpts, out).evaluated == 1
+    assert ev.run(cfg, store, tiny_edit_model, ckpts, out, skip_if_done=True).up_to_date
+    _extra_prompt(tmp_path, 1)
+    again = ev.run(cfg, store, tiny_edit_model, ckpts, out, skip_if_done=True)
+    assert not again.up_to_date and again.evaluated == 0  # the same loss array: no checkpoint evaluated again
+    assert ev.run(cfg, store, tiny_edit_model, ckpts, out, skip_if_done=True).up_to_date
