@@ -130,6 +130,12 @@ def spread(world: int, values: list[int]) -> list[tuple[int, int]]:
     return [(high, -neg_low) for high, neg_low in zip(out[0::2], out[1::2])]
 
 
+def differing(world: int, digests: list[str]) -> list[bool]:
+    """Whether each hex digest (a fingerprint, a sha256) differs between the ranks: its first 60 bits compared
+    (an int64 with its negation), one all-reduce for all. One process: none differs."""
+    return [high != low for high, low in spread(world, [int(d[:15], 16) for d in digests])]
+
+
 def all_sum(world: int, values: list[int]) -> list[int]:
     """Each value's sum over every rank (integers only); one process: `values`."""
     return _all_reduce(world, values, "SUM")

@@ -81,13 +81,22 @@ def _agreed_plan(job: EncodeJob, found: int | None) -> int | None:
     wait for it at the commit. Different `images`: one line on every rank. A version found by some ranks only
     (or different ones): every rank encodes (a duplicate version at worst; the check after the model loads,
     `output.agreed_found`, adopts one a concurrent run committed meanwhile)."""
+    from models.collective import differing, spread
     from models.same_versions import check_same_versions
-    from models.collective import spread
+    from schemas.lineage import settings_hash
 
     world = job.ranks.world_size
     if world <= 1:
         return found
     check_same_versions(world, {IMAGES_TABLE: job.images_id}, job.store.root, job.summary.stage)
+    # what the table is written under: each rank hashes its own copy of the model and reads the config itself
+    model, lineage = differing(world, [job.lineage.model_fingerprint, settings_hash(job.lineage.to_dict())])
+    if model or lineage:
+        raise UserError(f"{job.summary.stage}: " + (
+            "the model (--model) is not the same on every rank: the nodes' copies of its files differ (another "
+            "version, or a copy cut short); copy the same model folder to every node" if model else
+            "the ranks do not encode with the same settings (each node reads --config and --set itself, and "
+            "resolves dtype: auto for its own device); use one config, and set the dtype on a mixed cluster"))
     ((newest, oldest),) = spread(world, [-1 if found is None else found])
     return newest if newest >= 0 and newest == oldest else None
 

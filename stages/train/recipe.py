@@ -63,7 +63,7 @@ from stages.train.sampler import padding_efficiency
 from stages.train.saving import checkpoint, cleanup, finish
 from stages.train.launch import launched_world_size
 from stages.train.settings import make_accelerator, resolved_config, train_device, validate_config
-from stages.train.start import open_tables, prepare_run_dir, resume_point, start_record
+from stages.train.start import check_same_start, open_tables, prepare_run_dir, resume_point, start_record
 from stages.train.state import ResumeRecord
 from stages.train.stop import StopOnSignal
 from store.format import atomic_write_json
@@ -247,6 +247,11 @@ def setup(cfg: PipelineConfig, store: str | Path, model: str, out: str | Path, r
     tc = cfg.train
     tables = open_tables(tc, store, model, accelerator)
     now = start_record(tc, tables, model, accelerator.num_processes)
+    try:
+        check_same_start(accelerator.num_processes, now)
+    except BaseException:
+        tables.close()
+        raise
     r = Run(tc, accelerator, tables, Path(out), now, train_device=chosen, new_run=new_run, before_keep=before_keep,
             rerun=rerun)
     try:

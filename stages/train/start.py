@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from tqdm.auto import tqdm
 
 from features.open import open_configured
-from models.collective import spread, together
+from models.collective import differing, spread, together
 from models.lora import WEIGHT_NAME, load_lora
 from models.same_versions import check_same_versions
 from schemas.config import PipelineConfig, TrainConfig, dump_config
@@ -53,8 +53,7 @@ def agreed_model_fingerprint(world: int, model: str) -> str:
 
     with together(world, f"hashing the model {model}"):
         fingerprint = model_fingerprint(model)
-    ((high, low),) = spread(world, [int(fingerprint[:15], 16)])  # 60 bits: an int64 with its negation
-    if high != low:
+    if differing(world, [fingerprint])[0]:
         # no rank-local name in the line: every rank raises this same line
         raise UserError("the base model (--model) is not the same on every rank: the nodes' copies of its files "
                         "differ (another version, or a copy cut short); copy the same model folder to every node")
@@ -70,6 +69,22 @@ def start_record(tc: TrainConfig, tables: JoinedTables, model: str, world_size: 
         tables=tables.versions(), store=str(Path(tables.store_root).resolve()),
         model_fingerprint=model_fingerprint(model), world_size=world_size, init_lora_sha256=init_lora_sha256(tc),
     )
+
+
+def check_same_start(world: int, record: ResumeRecord) -> None:
+    """The train config (as resolved on this rank's device) and the init LoRA's bytes are the same on every rank,
+    or every rank stops with one line. Each rank reads --config / --set and the init LoRA itself: per-node copies
+    that differ would have ranks with other step counts, checkpoint or validation steps wait in different
+    collectives, or with another learning rate drift apart silently (rank 0's weights alone are saved)."""
+    config, init = differing(world, [record.config_fingerprint, record.init_lora_sha256 or "0"])
+    if config:
+        raise UserError("the ranks do not train with the same settings (their train config fingerprints differ): "
+                        "each node reads --config and --set itself, so copies of the config file that differ, or "
+                        "ranks resolving train.dtype: auto to different precisions, differ here; use one config "
+                        "and set train.dtype on a mixed cluster")
+    if init:
+        raise UserError("train.init_lora is not the same file on every rank (its bytes differ between the nodes' "
+                        "copies); copy the same LoRA to every node")
 
 
 def resume_point(r: Run, resume: bool, cfg: PipelineConfig) -> tuple[Path | None, ResumeRecord | None]:

@@ -4,18 +4,21 @@ are the test's.
 
     rank_stale_view.py train STORE MODEL OUT MAX_STEPS   `pipeline run train --resume`; rank 1's listing of the
                                                         run folder ends one checkpoint earlier
-    rank_stale_view.py encode STORE MODEL [V|unseen]     `pipeline run encode-text`; rank 1 does not see the
+    rank_stale_view.py encode STORE MODEL [V|unseen|settings]
+                                                        `pipeline run encode-text`; rank 1 does not see the
                                                         table's complete version yet, or (V) reads `images` vV
                                                         (its view of store.json lags), or (unseen) cannot make
-                                                        that version current either
+                                                        that version current either, or (settings) is given
+                                                        another hashed setting
     rank_stale_view.py evaluate STORE MODEL RUN OUT V|pruned
                                                         `pipeline run evaluate --all-checkpoints`; rank 1 reads
                                                         `text` vV (its view of store.json lags), or does not
                                                         list RUN's oldest checkpoint (pruned in its view)
-    rank_stale_view.py tables STORE MODEL OUT SPLIT V|STORE1
+    rank_stale_view.py tables STORE MODEL OUT SPLIT V|STORE1|settings
                                                         `pipeline run train` with validation; rank 1 reads the
                                                         SPLIT split's `text` as vV, or the store at STORE1 (its
-                                                        own copy, which differs)
+                                                        own copy, which differs), or is given another learning
+                                                        rate
     rank_stale_view.py done STORE MODEL OUT              train.run(skip_if_done=True, resume=True) as `pipeline
                                                         run all` calls it; rank 1 does not see OUT's final LoRA
 """
@@ -34,7 +37,10 @@ def main() -> None:
         from stages.encode import plan
         from store import Store
 
-        if os.environ["RANK"] == "1" and images == ["unseen"]:
+        extra = []
+        if os.environ["RANK"] == "1" and images == ["settings"]:
+            extra = ["--set", "encode_text.batching=padded"]  # its own copy of the config differs
+        elif os.environ["RANK"] == "1" and images == ["unseen"]:
             from schemas.errors import UserError
 
             def not_complete(self, table, version):  # what set_current says of a version it does not see whole
@@ -47,7 +53,7 @@ def main() -> None:
             plan.hold = lambda root, tables, what: hold(root, {"images": int(images[0])}, what)
         elif os.environ["RANK"] == "1":
             Store.find_version = lambda self, table, lineage: None  # the complete version not listed yet
-        sys.argv = ["pipeline", "run", "encode-text", "--store", store, "--model", model, "--device", "cpu"]
+        sys.argv = ["pipeline", "run", "encode-text", "--store", store, "--model", model, "--device", "cpu", *extra]
         cli()
         return
     if sys.argv[1] == "evaluate":
@@ -74,11 +80,12 @@ def main() -> None:
             hold = lease.hold
             lease.hold = lambda root, tables, what, *a: hold(
                 root, {**tables, "text": int(view)} if f"'{split}'" in what else tables, what, *a)
-        elif os.environ["RANK"] == "1":
+        elif os.environ["RANK"] == "1" and view != "settings":
             store = view
+        extra = ["--set", "train.learning_rate=0.0002"] if os.environ["RANK"] == "1" and view == "settings" else []
         sys.argv = ["pipeline", "run", "train", "--store", store, "--model", model, "--out", out, "--device", "cpu",
                     "--max-steps", "2", "--batch-size", "2", "--set", "train.lora.rank=4", "--set",
-                    "train.validate_every=2"]
+                    "train.validate_every=2", *extra]
         cli()
         return
     if sys.argv[1] == "done":

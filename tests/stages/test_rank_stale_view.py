@@ -165,3 +165,20 @@ def test_a_finished_run_one_rank_does_not_see_is_decided_together(tiny_edit_mode
     assert results(out0)["up_to_date"] == "False", out0
     again = load_file(out / "lora" / WEIGHT_NAME)  # the same weights (its metadata names the 2-rank start)
     assert again.keys() == lora.keys() and all(torch.equal(again[k], lora[k]) for k in lora)
+
+
+def test_ranks_given_different_settings_stop_before_training_or_encoding(tiny_edit_model, tmp_path, edit_store):
+    """Each rank reads --config and --set itself (a node's own copy of the config file that differs): rank 1
+    trains at another learning rate, or encodes with another hashed setting. Before, the training ranks drifted
+    apart silently (rank 0's weights alone saved), and the encode ranks each wrote its own version, then stopped
+    at the commit with "ranks [1] have not finished". Now every rank stops at the start with one line."""
+    store, out = tmp_path / "store", tmp_path / "run"
+    make_train_store(store, tiny_edit_model, mixed_specs(8, 4))
+    line = _stopped_alike(launch_two("rank_stale_view.py", "tables", str(store), tiny_edit_model, str(out), "train",
+                                     "settings", timeout=300))
+    assert "the ranks do not train with the same settings" in line, line
+    assert not train_state.complete_checkpoints(out / "checkpoints")
+
+    line = _stopped_alike(launch_two("rank_stale_view.py", "encode", str(edit_store), tiny_edit_model, "settings",
+                                     timeout=300))
+    assert "encode-text: the ranks do not encode with the same settings" in line, line
