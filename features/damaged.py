@@ -2,12 +2,12 @@
 on its first read (store/sample_check.py, as every read), and one found damaged is left out where it is met.
 The limit `max_damaged_fraction` is judged on what was read so far (`over_limit`); train applies it at every
 optimizer step on counts summed over the ranks (stages/train/damaged.py), evaluate and the validator here
-(`read_intact`: every rank reads the same samples, so all decide alike)."""
+(`read_intact`: the validator's ranks each read the same samples and agree on the damaged ones)."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import Callable, ContextManager, Protocol, TypeVar
 
 from schemas.errors import UserError
 from store.integrity import DamagedData
@@ -33,33 +33,58 @@ def limit_message(damaged: int, read: int, total: int, fraction: float, section:
             f"{section}.max_damaged_fraction to use the rest")
 
 
-def read_intact(tables: JoinedTables, n: int, load: Callable[[int], T], desc: str = "read samples") -> list[T]:
+class Agreement(Protocol):
+    """How the ranks that each read the same samples agree on the damaged ones (stages pass their collectives)."""
+
+    def reading(self) -> ContextManager[None]: ...  # one round's reads: an error on one rank stops every rank
+    def any(self, flags: list[int]) -> list[int]: ...  # each flag's maximum over the ranks
+
+
+def read_intact(tables: JoinedTables, n: int, load: Callable[[int], T], desc: str = "read samples",
+                agreement: Agreement | None = None) -> list[T]:
     """The first `n` intact samples of the join in row order (`load(row)` each). With the tables opened
     on_damaged=skip, a damaged one is left out, recorded in `tables.damaged` (key -> problem), and the next row
     read instead (so the n are those a split without the damaged samples would give); then `over_limit`
-    -> UserError. With "stop" the first damaged sample raises `DamagedData`."""
+    -> UserError. With "stop" the first damaged sample raises `DamagedData`.
+
+    `agreement`: ranks that each read all n and combine what they compute (the train validator's grid). A sample
+    one rank finds damaged (its node's copy of a shard) is left out on every rank, round by round, so every rank
+    holds the same list; before, that rank read the next row instead and the summed grid mixed two samples'
+    losses under one key."""
+    from contextlib import nullcontext
+
     from tqdm.auto import tqdm
 
-    out: list[T] = []
-    read = 0
-    rows = iter(range(len(tables)))
+    loaded: dict[int, T] = {}
+    kept: list[int] = []
+    tried = 0
     with tqdm(total=n, desc=desc, leave=False) as bar:
-        for i in rows:
-            if len(out) >= n:
-                break
-            read += 1
-            try:
-                out.append(load(i))
-            except DamagedData as e:
-                if tables.on_damaged != "skip":
-                    raise
-                tables.damaged[tables.keys[i]] = " ".join(str(e).splitlines())
-                continue
-            bar.update(1)
+        while len(kept) < n and tried < len(tables):
+            candidates = range(tried, min(len(tables), tried + n - len(kept)))
+            bad = [0] * len(candidates)
+            with agreement.reading() if agreement is not None else nullcontext():
+                for j, i in enumerate(candidates):
+                    try:
+                        loaded[i] = load(i)
+                    except DamagedData as e:
+                        if tables.on_damaged != "skip":
+                            raise
+                        tables.damaged[tables.keys[i]] = " ".join(str(e).splitlines())
+                        bad[j] = 1
+            if agreement is not None:
+                bad = agreement.any(bad)
+            for i, b in zip(candidates, bad):
+                if b:
+                    loaded.pop(i, None)
+                    tables.damaged.setdefault(tables.keys[i], "damaged on another rank (its output names the problem)")
+                else:
+                    kept.append(i)
+            bar.update(len(candidates) - sum(bad))
+            tried = candidates[-1] + 1
     damaged = len(tables.damaged)
-    if damaged and over_limit(damaged, read, len(tables), tables.max_damaged_fraction):
+    if damaged and over_limit(damaged, tried, len(tables), tables.max_damaged_fraction):
         keys = sorted(tables.damaged)
         listed = ", ".join(keys[:5]) + (f" ... ({damaged} in all)" if damaged > 5 else "")
-        raise UserError(limit_message(damaged, read, len(tables), tables.max_damaged_fraction, tables.section,
+        raise UserError(limit_message(damaged, tried, len(tables), tables.max_damaged_fraction, tables.section,
                                       tables.split, tables.store_root, listed))
-    return out
+    return [loaded[i] for i in kept]

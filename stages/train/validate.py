@@ -62,6 +62,23 @@ def untouched(transformer):
         transformer.train(was_training)
 
 
+class _Agreement:
+    """The validator's ranks agreeing on damaged val samples (`features.damaged.read_intact`)."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+
+    def reading(self):
+        from models.collective import together
+
+        return together(self.world, "read the val samples")
+
+    def any(self, flags: list[int]) -> list[int]:
+        from models.collective import all_max
+
+        return all_max(self.world, flags)
+
+
 class Validator:
     def __init__(self, cfg: TrainConfig, store, model: str, run_dir: Path, world: int = 1):
         """Every rank reads the same val samples (each computes its share of the grid): opened and read by all
@@ -75,13 +92,15 @@ class Validator:
             tables = open_configured(cfg, "train", store, model, model_fingerprint(model), "val")
         try:
             check_same_versions(world, tables.versions(), tables.store_root, "train (validation)")
+            if not len(tables):  # the same versions on every rank: all alike
+                raise UserError(f"train.validate_every / sample_every is set but store {store} has no val "
+                                "samples; set resize.val_fraction > 0 or turn validation off")
+            # the first validate_max_samples (sorted keys); on_damaged=skip: damaged ones (on any rank) left out,
+            # the next read; a limit reached stops every rank alike (the same counts on all)
             with together(world, "read the val samples"):
-                if not len(tables):
-                    raise UserError(f"train.validate_every / sample_every is set but store {store} has no val "
-                                    "samples; set resize.val_fraction > 0 or turn validation off")
-                # the first validate_max_samples (sorted keys); on_damaged=skip: damaged ones left out, the next read
                 self.samples: list[TrainSample] = read_intact(tables, cfg.validate_max_samples,
-                                                              lambda i: load_at(tables, i), "read val samples")
+                                                              lambda i: load_at(tables, i), "read val samples",
+                                                              _Agreement(world) if world > 1 else None)
         except BaseException:
             tables.close()
             raise

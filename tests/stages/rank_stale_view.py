@@ -19,6 +19,8 @@ are the test's.
                                                         SPLIT split's `text` as vV, or the store at STORE1 (its
                                                         own copy, which differs), or is given another learning
                                                         rate
+    rank_stale_view.py val-damaged STORE MODEL OUT       the train validator (on_damaged=skip) on two ranks;
+                                                        rank 1 finds val row 0 damaged (its node's copy)
     rank_stale_view.py done STORE MODEL OUT              train.run(skip_if_done=True, resume=True) as `pipeline
                                                         run all` calls it; rank 1 does not see OUT's final LoRA
 """
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 
 def main() -> None:
@@ -87,6 +90,30 @@ def main() -> None:
                     "--max-steps", "2", "--batch-size", "2", "--set", "train.lora.rank=4", "--set",
                     "train.validate_every=2", *extra]
         cli()
+        return
+    if sys.argv[1] == "val-damaged":
+        store, model, out = sys.argv[2:5]
+        from accelerate import PartialState
+
+        from pipeline.config import load_config
+        from stages.train import validate
+        from store.integrity import DamagedData
+
+        PartialState(cpu=True)
+        if os.environ["RANK"] == "1":
+            real = validate.load_at
+
+            def load_at(tables, i):
+                if i == 0:
+                    raise DamagedData("val sample 0 is damaged in this node's copy (injected)")
+                return real(tables, i)
+
+            validate.load_at = load_at
+        cfg = load_config(None, {"train.device": "cpu", "train.on_damaged": "skip", "train.max_damaged_fraction": 0.5,
+                                 "train.validate_max_samples": 2})
+        v = validate.Validator(cfg.train, store, model, Path(out), 2)
+        print(f"RESULT keys: {','.join(s.key for s in v.samples)}")
+        print(f"RESULT damaged: {','.join(sorted(v.damaged))}")
         return
     if sys.argv[1] == "done":
         store, model, out = sys.argv[2:5]

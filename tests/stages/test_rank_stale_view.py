@@ -182,3 +182,19 @@ def test_ranks_given_different_settings_stop_before_training_or_encoding(tiny_ed
     line = _stopped_alike(launch_two("rank_stale_view.py", "encode", str(edit_store), tiny_edit_model, "settings",
                                      timeout=300))
     assert "encode-text: the ranks do not encode with the same settings" in line, line
+
+
+def test_a_val_sample_damaged_on_one_rank_is_left_out_on_every_rank(tiny_edit_model, tmp_path) -> None:
+    """train.on_damaged=skip and rank 1 finds the first val sample damaged (its node's copy of the shard): every
+    rank reads all the validator's samples and sums its share of the grid, so they must hold the same list.
+    Before, rank 1 read the next row instead and the summed grid mixed two samples' losses under rank 0's keys;
+    now the sample is left out on every rank (named on the others too)."""
+    store = tmp_path / "store"
+    make_train_store(store, tiny_edit_model, mixed_specs(8, 4))
+    (rc0, out0, err0), (rc1, out1, err1) = launch_two("rank_stale_view.py", "val-damaged", str(store),
+                                                      tiny_edit_model, str(tmp_path / "run"), timeout=300)
+    assert rc0 == rc1 == 0, (rc0, rc1, err0[-2000:], err1[-2000:])
+    keys0, keys1 = results(out0)["keys"].split(","), results(out1)["keys"].split(",")
+    assert keys0 == keys1 and len(keys0) == 2, (keys0, keys1)
+    damaged = results(out0)["damaged"]
+    assert damaged == results(out1)["damaged"] and damaged and damaged not in keys0
