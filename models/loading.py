@@ -151,7 +151,8 @@ def _check_complete(folder: Path) -> None:
 
 
 def model_fingerprint(model: str) -> str:
-    """Hash of every file of the model folder (names + full contents): any changed weight is a new model."""
+    """Hash of every file of the model folder (names + full contents; not hidden ones): any changed weight is a
+    new model."""
     return _files_fingerprint(resolve_model(model), None)
 
 
@@ -167,7 +168,11 @@ def component_fingerprint(model: str, components: tuple[str, ...]) -> str:
 
 
 def _files_fingerprint(root: Path, components: tuple[str, ...] | None) -> str:
+    """Hidden files and folders are no part of the model: `hf download --local-dir` keeps its bookkeeping in
+    ROOT/.cache/huggingface/ and rewrites it (a fresh timestamp) on every rerun, which changed the fingerprint of
+    unchanged weights (every table re-encoded, every run retrained); `.git` likewise."""
     files = sorted(root.rglob("*")) if components is None else sorted(f for c in components for f in (root / c).rglob("*"))
+    files = [f for f in files if not any(part.startswith(".") for part in f.relative_to(root).parts)]
     h = hashlib.sha256()
     with FileHashes() as hashes, hashes.alone(str(root)):  # the ranks of a node: one reads, the others find it cached
         known = [(f, _known_digest(f, hashes)) for f in files if f.is_file()]

@@ -79,3 +79,28 @@ def test_weights_replaced_in_place_in_a_local_folder_are_another_fingerprint(tmp
     _new_process()
     assert loading.component_fingerprint(str(tmp_path / "m"), ("vae",)) != first
     _new_process()
+
+
+def test_a_rerun_download_s_bookkeeping_is_no_new_model(tmp_path, monkeypatch):
+    """`hf download --local-dir M` keeps its bookkeeping in M/.cache/huggingface/ and rewrites it (a fresh
+    timestamp) on every rerun, unchanged weights or not. Before, that changed the model's fingerprint: every table
+    re-encoded, every run retrained. Hidden files (and .git) are no part of the model; its files are."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    root = tmp_path / "m"
+    (root / "vae").mkdir(parents=True)
+    (root / "vae" / "config.json").write_text("{}")
+    (root / "model_index.json").write_text('{"vae": ["diffusers", "AutoencoderKLQwenImage"]}')
+    (root / "vae" / "diffusion_pytorch_model.safetensors").write_bytes(b"\0" * 4096)
+    meta = root / ".cache" / "huggingface" / "download" / "vae" / "diffusion_pytorch_model.safetensors.metadata"
+    meta.parent.mkdir(parents=True)
+    meta.write_text("0123abcd\netag\n1764000000.0\n")
+    _new_process()
+    first = loading.model_fingerprint(str(root)), loading.component_fingerprint(str(root), ("vae",))
+    meta.write_text("0123abcd\netag\n1764999999.0\n")  # the rerun's timestamp
+    (root / ".git").mkdir()
+    (root / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    _new_process()
+    assert (loading.model_fingerprint(str(root)), loading.component_fingerprint(str(root), ("vae",))) == first
+    (root / "vae" / "config.json").write_text('{"z_dim": 16}')  # a file of the model: another model
+    _new_process()
+    assert loading.model_fingerprint(str(root)) != first[0]
