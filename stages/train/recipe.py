@@ -57,11 +57,11 @@ from stages.train.build import build_training, check_shapes, setup_transformer
 from stages.train.current import up_to_date
 from stages.train.damaged import DamageTally
 from stages.train.data import DataStream
+from stages.train.launch import launched_world_size
 from stages.train.prefetch import MicroBatches
 from stages.train.result import TrainResult
 from stages.train.sampler import padding_efficiency
 from stages.train.saving import checkpoint, cleanup, finish
-from stages.train.launch import launched_world_size
 from stages.train.settings import make_accelerator, resolved_config, train_device, validate_config
 from stages.train.start import check_same_start, open_tables, prepare_run_dir, resume_point, start_record
 from stages.train.state import ResumeRecord
