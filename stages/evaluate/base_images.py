@@ -29,9 +29,12 @@ SOURCE_PACKAGES = ("models", "features", "schemas", "stages/evaluate")
 SOURCE_ROOT = Path(__file__).resolve().parents[2]
 
 
-def base_key(cfg, features: dict, sample_keys: list[str]) -> str:
+def base_key(cfg, features: dict, sample_keys: list[str], losses_only: bool = False) -> str:
     """Hash of every input of the base images. features: `checkpoints.loss_fingerprint`'s settings (store, its
-    text / vae versions, the model's fingerprint); sample_keys: the val samples pictured, in order."""
+    text / vae versions, the model's fingerprint); sample_keys: the val samples pictured, in order.
+    `losses_only`: of the base's held-out losses instead (single-LoRA evaluate's cache, `base_losses`): only the
+    settings their numbers depend on (`checkpoints.LOSS_SETTINGS`), none that change only the pictures (seed,
+    num_samples, steps, guidance, the extra prompts), which made a rerun with more pictures recompute them."""
     import diffusers
     import peft
     import torch
@@ -39,13 +42,18 @@ def base_key(cfg, features: dict, sample_keys: list[str]) -> str:
 
     from schemas.lineage import hashed_settings
 
-    extras = [[_file_sha256(p) for p in e.images] for e in cfg.extra_prompts]
+    from stages.evaluate.checkpoints import LOSS_SETTINGS
+
+    extras = [] if losses_only else [[_file_sha256(p) for p in e.images] for e in cfg.extra_prompts]
+    settings = {k: v for k, v in hashed_settings(cfg).items() if k != "lora_scale"}
+    if losses_only:
+        settings = {k: v for k, v in settings.items() if k in LOSS_SETTINGS}
     # the LoRA's scale is no input of the base images (LoRA off): another scale reuses them
     features = {**features, "evaluate": {k: v for k, v in features.get("evaluate", {}).items() if k != "lora_scale"}}
     inputs = {
         "features": features,
         "samples": list(sample_keys),
-        "settings": {k: v for k, v in hashed_settings(cfg).items() if k != "lora_scale"},
+        "settings": settings,
         "device": [str(cfg.device), _device_names(cfg.device)],
         "extra_image_bytes": extras,
         "libraries": {m.__name__: m.__version__ for m in (torch, diffusers, transformers, peft)},

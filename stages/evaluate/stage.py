@@ -511,11 +511,11 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, ou
 
 
 def base_inputs_key(cfg: EvaluateConfig, store: str | Path, model: str, samples: list[TrainSample], tables) -> str:
-    """The key of every input of the base's losses over `samples` (the base images' key, `base_images.base_key`,
-    over all of them: store tables, model files, settings, device, libraries, this project's sources)."""
+    """The key of every input of the base's losses over `samples` (`base_images.base_key` over all of them, of
+    the losses: store tables, model files, loss settings, device, libraries, this project's sources)."""
     from stages.evaluate.base_images import base_key
 
-    return base_key(cfg, read_inputs(cfg, store, model, tables), [s.key for s in samples])
+    return base_key(cfg, read_inputs(cfg, store, model, tables), [s.key for s in samples], losses_only=True)
 
 
 def read_inputs(cfg: EvaluateConfig, store: str | Path, model: str, tables) -> dict:

@@ -196,6 +196,9 @@ def test_single_lora_evaluate_reuses_its_base_losses(run_and_store, tiny_edit_mo
     assert again["overall"]["base"] == first["overall"]["base"]
     assert again["per_sample"].keys() == first["per_sample"].keys()
     assert again["overall"]["lora"] != first["overall"]["lora"]  # a far LoRA: its own numbers
+    # settings of the pictures alone (before, inputs of the base losses' key too: the pass ran again)
+    _, n = run(cfg.model_copy(update={"seed": cfg.seed + 1, "num_inference_steps": 3, "num_samples": 1}), ckpts[10])
+    assert n == ["held-out loss (lora)"]
     _, n = run(cfg.model_copy(update={"noise_seeds": [0, 2]}), ckpts[10])
     assert len(n) == 2  # an input of the base losses: recomputed
     (out / base_losses.FILE).write_bytes((out / base_losses.FILE).read_bytes()[:-8])  # truncated
