@@ -31,7 +31,7 @@ from schemas.stage import few
 from stages.evaluate.base_images import FOLDER as BASE_IMAGES, extra_prompt_bytes
 from stages.evaluate.paired import paired, per_sample, signed
 from store import Store
-from store.loss_array import Axes, LossStore, recorded_steps
+from store.loss_array import Axes, LossStore, recorded_setting, recorded_steps
 
 #: hashed evaluate settings (schemas/config.py declares which) that change the numbers in the array (the others
 #: only change the pictures); device and batch size are throughput: a change keeps the array
@@ -40,17 +40,29 @@ LOSS_SETTINGS = ("noise_seeds", "timesteps", "max_loss_samples", "lora_scale", "
 
 
 def loss_fingerprint(cfg: EvaluateConfig, store: str | Path, model: str) -> tuple[str, dict]:
-    """(hash, settings) of everything the held-out losses depend on besides the LoRA: equal = same array."""
+    """(hash, settings) of everything the held-out losses depend on besides the LoRA: equal = same array. The
+    store's path is not one of them: the tables' identities (number and manifest hash) name the data, and a store
+    moved, or a store URL's cache in another folder, gives the same numbers (`known_fingerprint`)."""
     from models.loading import model_fingerprint
 
     st = Store(store, create=False)
     settings = {
-        "store": str(Path(store).resolve()),
         "tables": {t: st.version_id(t, v) for t, v in sorted(st.tables().items()) if t in ("text", "vae")},
         "model_fingerprint": model_fingerprint(model),
         "evaluate": {k: v for k, v in hashed_settings(cfg).items() if k in LOSS_SETTINGS},
     }
     return _hash(settings), settings
+
+
+def known_fingerprint(out: Path, fingerprint: str, settings: dict) -> str:
+    """The fingerprint OUT's loss array is recorded under when it is this one's earlier spelling (its settings held
+    the store's path, which is no longer hashed), else `fingerprint`: such an array stays this setting's, its
+    losses kept, and is recorded under the present spelling at its next write (`LossStore.refingerprint`)."""
+    recorded = recorded_setting(out)
+    if recorded is not None and recorded[0] != fingerprint and "store" in recorded[1] and \
+            {k: v for k, v in recorded[1].items() if k != "store"} == settings:
+        return recorded[0]
+    return fingerprint
 
 
 def read_fingerprint(settings: dict, tables) -> tuple[str, dict]:
@@ -302,7 +314,8 @@ def _run(ranks, cfg: EvaluateConfig, store: str | Path, model: str, checkpoints:
     with together(ranks.world, "evaluate settings"):
         cfg = single.resolved_config(cfg)
         fingerprint, settings = loss_fingerprint(cfg, store, model)
-    done = _up_to_date(out, fingerprint, checkpoints, shas, cfg) if skip_if_done and ranks.main else None
+    done = (_up_to_date(out, known_fingerprint(out, fingerprint, settings), checkpoints, shas, cfg)
+            if skip_if_done and ranks.main else None)
     if ranks.from_main([int(done is not None)])[0]:
         return CheckpointsResult(done, out / "index.html", up_to_date=True) if ranks.main else None
     ours = lambda name: name in (single.REPORT_LOCK, BASE_IMAGES) or (  # noqa: E731  (the lock; base images;
@@ -329,7 +342,10 @@ def _run(ranks, cfg: EvaluateConfig, store: str | Path, model: str, checkpoints:
         with together(ranks.world, "open the loss array"):
             if ranks.main:
                 out.mkdir(parents=True, exist_ok=True)
-                losses = LossStore(out, fingerprint, axes, settings)
+                earlier = known_fingerprint(out, fingerprint, settings)
+                losses = LossStore(out, earlier, axes, settings)
+                if earlier != fingerprint:
+                    losses.refingerprint(fingerprint, settings)
         with together(ranks.world, "load the transformer"):
             transformer = single.load_transformer(cfg, model)
         evaluated, attached = _append_missing(ranks, losses, checkpoints, shas, transformer, samples, mine, cfg, load)

@@ -308,8 +308,7 @@ def evaluate_inputs(cfg: EvaluateConfig, store: str | Path, model: str, lora: st
     cfg = resolved_config(cfg)
     st = Store(store, create=False)
     h = lora_sha256 or file_sha256(lora_weight_file(lora))  # chunked: a GB-sized LoRA is not read into memory
-    inputs = {
-        "store": str(Path(store).resolve()),
+    inputs = {  # not the store's path: the tables' identities name the data (a moved store is the same report)
         "tables": {t: st.version_id(t, v) for t, v in sorted(st.tables().items()) if t in ("images", "text", "vae")},
         "model_fingerprint": model_fingerprint(model),
         "lora_sha256": h,
@@ -329,6 +328,8 @@ def report_up_to_date(cfg: EvaluateConfig, store: str | Path, model: str, lora: 
         recorded = json.loads(metrics.read_text()).get("run", {}).get("inputs")
     except (OSError, json.JSONDecodeError):
         return False
+    if isinstance(recorded, dict):
+        recorded = {k: v for k, v in recorded.items() if k != "store"}  # recorded before the path left the inputs
     return current.is_current(recorded if isinstance(recorded, dict) else None,
                               evaluate_inputs(cfg, store, model, lora, lora_sha256))
 

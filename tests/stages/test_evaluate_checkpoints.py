@@ -476,3 +476,60 @@ def test_a_run_folder_that_does_not_exist_is_named(tmp_path: Path) -> None:
 
     with pytest.raises(UserError, match=f"run folder {tmp_path / 'rnu'} does not exist"):
         kept_checkpoints(tmp_path / "rnu")
+
+
+def test_a_moved_store_keeps_the_losses_and_the_report(run_and_store, tiny_edit_model, tmp_path):
+    """The store moved (or a store URL's cache is in another folder): its tables' identities (number and manifest
+    hash) are the same, so are the numbers. Before, the store's path was part of the loss array's fingerprint:
+    a new array began and every checkpoint was evaluated again. An array recorded under that earlier spelling is
+    this setting's too: its losses are kept and it is recorded under the present one at its next write."""
+    import json
+    import shutil
+
+    import zarr
+
+    store, out = tmp_path / "store", tmp_path / "report"
+    shutil.copytree(run_and_store / "store", store)
+    first = ev.run(EvaluateConfig(**CFG), store, tiny_edit_model, _ckpts(run_and_store), out)
+    assert first.evaluated == 3
+    moved = tmp_path / "moved-store"
+    store.rename(moved)
+    res = ev.run(EvaluateConfig(**CFG), moved, tiny_edit_model, _ckpts(run_and_store), out, skip_if_done=True)
+    assert res.up_to_date
+
+    # the array and report as the earlier release wrote them: the store's path in the settings and fingerprint
+    group = zarr.open_group(out / GROUP, mode="r+", use_consolidated=True)
+    settings = {**group.attrs["settings"], "store": str(store.resolve())}
+    old = ev._hash(settings)
+    group.attrs.update({"fingerprint": old, "settings": settings})
+    zarr.consolidate_metadata(out / GROUP)
+    metrics = json.loads((out / "metrics.json").read_text())
+    metrics["checkpoints"]["fingerprint"] = old
+    (out / "metrics.json").write_text(json.dumps(metrics))
+    res = ev.run(EvaluateConfig(**CFG), moved, tiny_edit_model, _ckpts(run_and_store), out, skip_if_done=True)
+    assert res.up_to_date
+    res = ev.run(EvaluateConfig(**CFG), moved, tiny_edit_model, _ckpts(run_and_store), out)  # a forced rerun
+    assert res.evaluated == 0 and res.best["loss"] == first.best["loss"]
+    assert zarr.open_group(out / GROUP, mode="r", use_consolidated=True).attrs["fingerprint"] != old
+    assert not list(out.glob("losses.*.zarr"))  # nothing set aside
+
+
+def test_a_moved_store_keeps_a_single_lora_report_current(run_and_store, tiny_edit_model, tmp_path):
+    """The same for one LoRA's report: its recorded inputs held the store's path (a report recorded so stays
+    current too: the path is left out of the comparison)."""
+    import json
+    import shutil
+
+    from stages.evaluate import stage
+
+    store, out = tmp_path / "store", tmp_path / "report"
+    shutil.copytree(run_and_store / "store", store)
+    lora = _ckpts(run_and_store)[0][1]
+    stage.run(EvaluateConfig(**CFG), store, tiny_edit_model, lora, out)
+    moved = tmp_path / "moved-store"
+    store.rename(moved)
+    assert stage.run(EvaluateConfig(**CFG), moved, tiny_edit_model, lora, out, skip_if_done=True).up_to_date
+    metrics = json.loads((out / "metrics.json").read_text())
+    metrics["run"]["inputs"]["store"] = str(store.resolve())  # as the earlier release recorded them
+    (out / "metrics.json").write_text(json.dumps(metrics))
+    assert stage.run(EvaluateConfig(**CFG), moved, tiny_edit_model, lora, out, skip_if_done=True).up_to_date
