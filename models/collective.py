@@ -345,12 +345,12 @@ def failure_line(error: BaseException, line: str) -> str:
     return publish_failure(line, dist.get_world_size() if dist.is_initialized() else int(os.environ["WORLD_SIZE"]))
 
 
-def main_alone(world: int, what: str, work: Callable[[], T]) -> T | None:
+def main_alone(world: int, what: str, work: Callable[[], T], oom_advice: str = "") -> T | None:
     """`work` on rank 0 alone while the other ranks wait for it, however long it takes (resize-bucket over a
     million samples: hours, where a process-group barrier would time out, and before any process group exists):
     rank 0 marks it done in the launcher's store, which the others poll. A failure on rank 0 is published
-    (`fails_alone`) and every other rank's watch thread stops its process with the same line. Rank 0's result
-    there, None on the others; one process: `work()`."""
+    (`fails_alone`, out of memory named with `oom_advice`) and every other rank's watch thread stops its process
+    with the same line. Rank 0's result there, None on the others; one process: `work()`."""
     if world <= 1:
         return work()
     client = _store_client()
@@ -360,7 +360,7 @@ def main_alone(world: int, what: str, work: Callable[[], T]) -> T | None:
     key = f"pipeline/done/{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}/" \
           f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{what}"
     if int(os.environ.get("RANK", "0")) == 0:
-        with fails_alone(world, what):
+        with fails_alone(world, what, oom_advice):
             result = work()
         client.set(key, "done")
         return result

@@ -32,7 +32,7 @@ from PIL import Image
 from tqdm.auto import tqdm
 
 from features.open import open_configured
-from models.collective import fails_alone
+from models.collective import fails_alone, main_alone
 from models.generate import Conditioning, generate
 from models.held_out import bucket_of, loss_grid
 from models.sample import TrainSample
@@ -248,13 +248,20 @@ class Validator:
                     r.bar.write(f"step {step}: val loss {loss:.4f} ({len(self.samples)} samples)")
                     if ema is not None:
                         r.writer.add_scalar("val/loss_ema", ema, step)
-            if do_samples and r.main:
-                grid = self.samples_grid(r.transformer)
-                out = self.run_dir / "samples"
-                with one_line_errors("the sample grid", out):
-                    out.mkdir(parents=True, exist_ok=True)
-                    grid.save(out / f"step-{step:06d}.png")
-                r.writer.add_image("samples/grid", np.asarray(grid), step, dataformats="HWC")
+            if do_samples:
+                # the main process generates while the others wait for it through the launcher's store, not in
+                # the next step's gradient all-reduce: minutes of generation (a 20B model, many steps, true CFG)
+                # passed NCCL's 10-minute collective timeout there and killed the run
+                main_alone(r.world, f"the validation of step {step}", lambda: self._write_samples(r, step),
+                           VALIDATION_OOM_ADVICE)
+
+    def _write_samples(self, r, step: int) -> None:
+        grid = self.samples_grid(r.transformer)
+        out = self.run_dir / "samples"
+        with one_line_errors("the sample grid", out):
+            out.mkdir(parents=True, exist_ok=True)
+            grid.save(out / f"step-{step:06d}.png")
+        r.writer.add_image("samples/grid", np.asarray(grid), step, dataformats="HWC")
 
     def record(self, step: int, grid: np.ndarray) -> None:
         """Append this validation to RUN/losses.zarr (main process). The first append of this process drops

@@ -32,3 +32,17 @@ def test_rank_0_failing_in_validation_stops_every_rank_with_one_line(case, expec
     assert last0 == last1 and last0.startswith("error: "), (last0, last1)
     assert all(e in last0 for e in expected), last0
     assert (tmp_path / "run" / "checkpoints" / "step-1").is_dir()  # what was committed stays
+
+
+def test_the_other_ranks_wait_for_the_sample_grid_outside_any_collective(store, tiny_edit_model, tmp_path):
+    """Rank 0 alone generates the sample grid. Before, the other ranks went on into the next step and waited for
+    it in the gradient all-reduce: minutes of generation (a 20B model, many steps, true CFG) passed NCCL's
+    10-minute collective timeout and killed the run. Now they wait through the launcher's store
+    (`models.collective.main_alone`), with no timeout, and the run completes."""
+    from two_ranks import results
+
+    (rc0, out0, err0), (rc1, out1, err1) = launch_two("rank_validation_fails.py", "samples-wait", str(store),
+                                                      tiny_edit_model, str(tmp_path / "run"), timeout=300)
+    assert rc0 == rc1 == 0, (rc0, rc1, err0[-2000:], err1[-2000:])
+    assert results(out0)["went_on"] == "False", out0
+    assert (tmp_path / "run" / "samples" / "step-000002.png").is_file()
