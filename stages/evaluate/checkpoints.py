@@ -257,10 +257,14 @@ def _up_to_date(out: Path, fingerprint: str, checkpoints: list[tuple[int, Path]]
         return None
     c = metrics.get("checkpoints", {})
     recorded_paths = dict(zip(c.get("steps") or [], c.get("paths") or []))
+    # the LoRA bytes the report's numbers are of, as it records them: the array's may be newer (checkpoints
+    # retrained under the same steps and paths, their losses appended, evaluate killed before this report was
+    # rewritten: the old report then passed for theirs). Reports from before it recorded them: the array's.
+    reported = dict(zip(c.get("steps") or [], c["lora_sha256"])) if "lora_sha256" in c else recorded
     recorded_inputs = {"fingerprint": c.get("fingerprint"), "steps": c.get("steps"),
                        "config_fingerprint": c.get("config_fingerprint"),
                        "extra_prompts_sha256": c.get("extra_prompts_sha256"),
-                       "loras": {str(step): recorded.get(step) for step, _ in checkpoints},
+                       "loras": {str(step): reported.get(step) for step, _ in checkpoints},
                        "paths": {str(step): recorded_paths.get(step) for step, _ in checkpoints}}
     present = {"fingerprint": fingerprint, "steps": sorted(recorded), "config_fingerprint": cfg.fingerprint(),
                "extra_prompts_sha256": extra_prompt_bytes(cfg) or None,
@@ -564,7 +568,9 @@ def _summary(losses: LossStore, samples, cfg: EvaluateConfig, fingerprint: str,
             "losses": str(losses.path), "fingerprint": fingerprint, "config_fingerprint": cfg.fingerprint(),
             # None without extra prompts: a report made before they were hashed stays current
             "extra_prompts_sha256": extra_prompt_bytes(cfg) or None,
-            "steps": steps, "paths": paths, "base": per_step["base"], "per_step": per_step["steps"],
+            # the bytes each step's numbers are of: what the up-to-date check compares (`_up_to_date`)
+            "steps": steps, "paths": paths, "lora_sha256": [losses.steps()[step] for step in steps],
+            "base": per_step["base"], "per_step": per_step["steps"],
             "best": best, "last": point(last_i),
             "note": "best = lowest overall held-out loss among the checkpoints still on disk (ties: earlier step); "
                     "best.vs_base and best.runner_up: differences paired over the val samples (same noise and σ) "

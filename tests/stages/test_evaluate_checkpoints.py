@@ -533,3 +533,34 @@ def test_a_moved_store_keeps_a_single_lora_report_current(run_and_store, tiny_ed
     metrics["run"]["inputs"]["store"] = str(store.resolve())  # as the earlier release recorded them
     (out / "metrics.json").write_text(json.dumps(metrics))
     assert stage.run(EvaluateConfig(**CFG), moved, tiny_edit_model, lora, out, skip_if_done=True).up_to_date
+
+
+def test_a_report_killed_before_its_rewrite_is_not_taken_for_retrained_checkpoints(run_and_store, tiny_edit_model,
+                                                                                     tmp_path, monkeypatch):
+    """The run was trained again into the same folder (same steps and paths, other weights). Evaluate appends the
+    new weights' losses, then is killed before it rewrites the report (out of memory generating the pictures, a
+    SIGTERM). Before, the up-to-date check took the LoRA hashes from the loss array (the new ones) and the old
+    report's steps and paths matched: `run all` returned the previous weights' report as current. Now the report
+    records the hashes its numbers are of."""
+    import shutil
+
+    from stages.evaluate import checkpoint_report
+
+    root, out = tmp_path / "root", tmp_path / "report"
+    shutil.copytree(run_and_store / "run", root / "run")
+    first = ev.run(EvaluateConfig(**CFG), run_and_store / "store", tiny_edit_model, _ckpts(root), out)
+    assert first.best["step"] == 20
+    step10 = root / "run" / "checkpoints" / "step-10" / "lora"
+    shutil.rmtree(step10)
+    shutil.copytree(root / "run" / "checkpoints" / "step-30" / "lora", step10)  # retrained: the base now
+
+    def killed(*a, **k):
+        raise KeyboardInterrupt("killed before the report was written (test)")
+
+    monkeypatch.setattr(checkpoint_report, "write_checkpoint_report", killed)
+    with pytest.raises(KeyboardInterrupt):
+        ev.run(EvaluateConfig(**CFG), run_and_store / "store", tiny_edit_model, _ckpts(root), out)
+    monkeypatch.undo()
+    res = ev.run(EvaluateConfig(**CFG), run_and_store / "store", tiny_edit_model, _ckpts(root), out, skip_if_done=True)
+    assert not res.up_to_date and res.evaluated == 0  # the new weights' losses were kept
+    assert res.best["step"] == 10  # its numbers are the retrained weights' (the base: a tie, the earlier wins)
