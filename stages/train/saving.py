@@ -62,13 +62,15 @@ def finish(r: Run) -> TrainResult:
     with together(r.world, "the final LoRA"):  # rank 0 writes; every rank learns whether it could
         if r.main:
             guard.check_lora_finite(r.params, r.result.lora_dir)
-            with guard.one_line_errors("the final LoRA", r.run_dir, guard.resume_advice(r.rerun)), \
-                    atomic_dir(r.result.lora_dir, r.run_dir / ".lora.tmp") as tmp:
-                _save_final_lora(r, tmp)
+            # the EMA LoRA first: `lora/`, committed last, vouches for both (a kill between the two left `lora/`
+            # alone, which `run all`'s up-to-date check took for the finished run, its lora_ema/ missing or stale)
             if r.ema is not None:
                 with guard.one_line_errors("the EMA LoRA", r.run_dir, guard.resume_advice(r.rerun)), \
                         atomic_dir(r.run_dir / "lora_ema", r.run_dir / ".lora_ema.tmp") as tmp, r.ema.swapped_in():
                     _save_final_lora(r, tmp)
+            with guard.one_line_errors("the final LoRA", r.run_dir, guard.resume_advice(r.rerun)), \
+                    atomic_dir(r.result.lora_dir, r.run_dir / ".lora.tmp") as tmp:
+                _save_final_lora(r, tmp)
             r.writer.close()
             tqdm.write(f"LoRA after {r.step} steps: {r.result.lora_dir}")
             if (waited := data_wait_line(r.result.step_data_times, r.result.step_times, r.cfg.prefetch)) is not None:

@@ -321,3 +321,31 @@ def test_run_alls_full_disk_line_names_its_own_rerun_not_a_flag_it_lacks(tmp_pat
     with pytest.raises(UserError, match="disk full while writing checkpoint step-2") as full:
         train(cfg, paths)
     assert str(full.value).endswith("; rerun the same command to continue from the last committed checkpoint")
+
+
+def test_a_kill_between_the_final_loras_never_leaves_a_run_that_passes_for_finished(tmp_path, tiny_edit_model,
+                                                                                    monkeypatch):
+    """With EMA on, the final LoRA and the EMA LoRA are two commits. Before, `lora/` came first: a kill between the
+    two left it alone, newer than the last checkpoint, and `run all`'s up-to-date check took the run for finished
+    (its lora_ema/ missing). Now lora_ema/ comes first and `lora/`, committed last, vouches for both."""
+    from stages.train.current import up_to_date
+
+    root = tmp_path / "store"
+    make_train_store(root, tiny_edit_model, mixed_specs(4))
+    out, cfg = tmp_path / "run", cfg_of(max_steps=2, checkpoint_every=2, ema_decay=0.9)
+    saved, real = [], train_saving._save_final_lora
+
+    def killed_after_the_first(r, folder):
+        if saved:
+            raise KeyboardInterrupt("killed between the two final LoRAs (test)")
+        saved.append(folder)
+        return real(r, folder)
+
+    monkeypatch.setattr(train_saving, "_save_final_lora", killed_after_the_first)
+    with pytest.raises(KeyboardInterrupt):
+        run(cfg, root, tiny_edit_model, out)
+    monkeypatch.undo()
+    assert not up_to_date(cfg, root, tiny_edit_model, out)
+    run(cfg, root, tiny_edit_model, out, resume=True, skip_if_done=True)
+    assert (out / "lora").is_dir() and (out / "lora_ema").is_dir()
+    assert up_to_date(cfg, root, tiny_edit_model, out)
