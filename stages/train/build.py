@@ -147,9 +147,10 @@ def build_training(r: Run, store: str | Path, model: str, latest: Path | None, r
     if r.main:
         from stages.train.trackers import Trackers
 
-        # purge_step drops events a killed run logged after its last checkpoint, so curves do not double back.
+        # purge_step drops events a killed run logged after its last checkpoint, so curves do not double back
+        # (at step 0 too: a run killed before its first checkpoint starts again into the same folder)
         r.writer = Trackers(tc.log_with, r.run_dir, {"train": tc.model_dump(mode="json")},
-                            purge_step=r.step + 1 if r.step else None)
+                            purge_step=r.step + 1)
     if tc.profile and tc.max_steps > r.step:
         from stages.train.trackers import StepProfiler
 

@@ -45,3 +45,31 @@ def test_a_validation_rerun_at_the_resumed_step_logs_its_loss_once(tiny_edit_mod
     assert (out / "samples" / "step-000002.png").is_file() and len(grids) == 2  # step 2's grid redone, then 4's
     assert _val_steps(out) == [2, 4]
     assert len(losses) == 2  # step 4's base and LoRA passes only: step 2's recorded losses were not recomputed
+
+
+def test_a_run_killed_before_its_first_checkpoint_restarts_with_one_curve(tiny_edit_model, tmp_path, monkeypatch):
+    """Killed after two steps, before its first checkpoint: the rerun starts again at step 0 in the same folder.
+    Before, its writer purged nothing at step 0 and TensorBoard's curve held steps 1, 2 twice (doubling back)."""
+    from stages.train import recipe
+
+    store, out = tmp_path / "store", tmp_path / "run"
+    make_train_store(store, tiny_edit_model, mixed_specs(4))
+    cfg = load_config(None, {"train.device": "cpu", "train.batch_size": 2, "train.lora.rank": 4,
+                             "train.max_steps": 3, "train.checkpoint_every": 100})
+    real_log = recipe.log
+
+    def killed_after_step_2(r, stats):
+        real_log(r, stats)
+        if r.step == 2:
+            raise KeyboardInterrupt("killed before the first checkpoint (test)")
+
+    monkeypatch.setattr(recipe, "log", killed_after_step_2)
+    try:
+        run(cfg, store, tiny_edit_model, out)
+    except KeyboardInterrupt:
+        pass
+    monkeypatch.undo()
+    run(cfg, store, tiny_edit_model, out)
+    events = EventAccumulator(str(out / "logs"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3]
