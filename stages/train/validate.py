@@ -256,11 +256,18 @@ class Validator:
                            VALIDATION_OOM_ADVICE)
 
     def _write_samples(self, r, step: int) -> None:
+        import io
+
+        from store.format import atomic_write_bytes
+
         grid = self.samples_grid(r.transformer)
         out = self.run_dir / "samples"
         with one_line_errors("the sample grid", out):
             out.mkdir(parents=True, exist_ok=True)
-            grid.save(out / f"step-{step:06d}.png")
+            png = io.BytesIO()
+            grid.save(png, format="PNG")
+            # whole or absent: a resume takes the file's presence for "this step's grid is done" (`_grid_recorded`)
+            atomic_write_bytes(out / f"step-{step:06d}.png", png.getvalue())
         r.writer.add_image("samples/grid", np.asarray(grid), step, dataformats="HWC")
 
     def record(self, step: int, grid: np.ndarray) -> None:

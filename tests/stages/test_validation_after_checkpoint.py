@@ -5,6 +5,8 @@ previous checkpoint (up to checkpoint_every)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import xarray as xr
@@ -69,3 +71,30 @@ def test_a_resume_does_not_repeat_a_validation_that_completed(tiny_edit_model, t
     run(load_config(None, {**SETS, "train.max_steps": 4}), store, tiny_edit_model, out, resume=True)
     assert len(grids) == 1  # step 4's only
     assert list(xr.open_zarr(out / "losses.zarr").step.values) == [2, 4]
+
+
+def test_a_sample_grid_cut_short_by_a_full_disk_is_written_again_on_resume(tiny_edit_model, tmp_path, monkeypatch):
+    """The grid's PNG is written whole or not at all. Before, it was written in place: a full disk (or a kill)
+    mid-write left a truncated step-000002.png, which the resume took for "this step's grid is done" and kept."""
+    import errno
+
+    from PIL import Image
+
+    store, out = tmp_path / "store", tmp_path / "run"
+    make_train_store(store, tiny_edit_model, mixed_specs(5, 2))
+    real_save = Image.Image.save
+
+    def disk_full(self, fp, *a, **k):
+        target = open(fp, "wb") if isinstance(fp, (str, Path)) else fp
+        target.write(b"\x89PNG\r\n\x1a\n cut short")
+        if target is not fp:
+            target.close()
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Image.Image, "save", disk_full)
+    with pytest.raises(UserError, match="disk full"):
+        run(load_config(None, {**SETS, "train.max_steps": 4}), store, tiny_edit_model, out)
+    monkeypatch.setattr(Image.Image, "save", real_save)
+    assert not (out / "samples" / "step-000002.png").exists()
+    run(load_config(None, {**SETS, "train.max_steps": 4}), store, tiny_edit_model, out, resume=True)
+    Image.open(out / "samples" / "step-000002.png").load()  # whole: written again at the resumed step
