@@ -68,8 +68,10 @@ def read_manifest(vdir: Path, data: bytes | pa.Buffer, columns: list[str] | None
 def checked_manifest(vdir: Path, columns: list[str] | None = None) -> pa.Table:
     """A complete version's manifest (the named columns it has, or all), its bytes checked against
     checksums.json first: a damaged manifest is a `DamagedData`, never rows read from damaged bytes. For the
-    one-off readers (reuse, migrate, inspect) that need the rows but no `TableReader`."""
-    data = integrity.read_checked(vdir, fmt.MANIFEST, integrity.read_version_checksums(vdir))
+    one-off readers (reuse, migrate, inspect, train's dropped report) that need the rows but no `TableReader`.
+    Memory-mapped, as a reader's: every rank opening training reads the `images` manifest (hundreds of MB at 1M
+    samples), one copy in the page cache rather than a private one each."""
+    data = mapped_checked(vdir, fmt.MANIFEST, integrity.read_version_checksums(vdir))
     if columns is not None:
         try:
             names = set(pq.ParquetFile(pa.BufferReader(data)).schema_arrow.names)

@@ -12,7 +12,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterable
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from schemas.errors import UserError
@@ -65,21 +67,36 @@ def merged_rows(old: pa.Table | None, rows: pa.Table) -> tuple[pa.Table, int]:
     if old is None or not old.num_rows:
         old = None
     identity = [c for c in rows.column_names if c != "time"]  # the incoming rows' columns, as an append compares
-
-    def idents(t: pa.Table) -> list[tuple[str | None, ...]]:
-        have = {c: t.column(c).to_pylist() if c in t.column_names else [None] * t.num_rows for c in identity}
-        return list(zip(*(have[c] for c in identity))) if identity else [()] * t.num_rows
-
-    seen = set(idents(old)) if old is not None else set()
-    keep = []
-    for i, ident in enumerate(idents(rows)):
-        if ident not in seen:
-            seen.add(ident)
-            keep.append(i)
-    if not keep:
+    if not identity:  # every row is equal: the first is new only to an empty file
+        keep = np.arange(min(rows.num_rows, 1 if old is None else 0))
+    else:
+        keep = _first_unseen(old, rows, identity)
+    if not len(keep):
         return (old if old is not None else rows.slice(0, 0)), 0
     fresh = rows.take(pa.array(keep, pa.int64()))
     return (fresh if old is None else pa.concat_tables([old, fresh], promote_options="permissive")), len(keep)
+
+
+def _first_unseen(old: pa.Table | None, rows: pa.Table, identity: list[str]) -> np.ndarray:
+    """Row numbers of `rows` equal (on `identity`; a column `old` lacks is null there, and null equals null) to no
+    row of `old` and to no earlier row of `rows`. Vectorised: the file holds every version's rejects (~1M rows),
+    and per-row Python tuples of it cost seconds on every append, each rank's in turn under the store lock."""
+    n = rows.num_rows
+
+    def col(t: pa.Table, c: str) -> pa.Array:  # every column is text (add_rows); a lacking one is null
+        a = t.column(c).combine_chunks() if c in t.column_names else pa.nulls(t.num_rows)
+        return a.cast(pa.string())
+
+    if old is not None:  # only old rows sharing the first identity value can match (is_in: null matches null)
+        first = col(rows, identity[0])
+        old = old.filter(pc.is_in(col(old, identity[0]), value_set=first.unique()))
+    m = 0 if old is None else old.num_rows
+    both = {f"c{i}": pa.concat_arrays(([col(old, c)] if m else []) + [col(rows, c)]) for i, c in enumerate(identity)}
+    both["row"] = pa.array(np.arange(m + n))
+    # the first row of each group of equal rows (group_by: null is a value like any other), the old ones first
+    firsts = pa.table(both).group_by(list(both)[:-1], use_threads=False).aggregate([("row", "min")])
+    firsts = firsts.column("row_min").to_numpy()
+    return np.sort(firsts[firsts >= m]) - m
 
 
 def table_of(data: bytes) -> pa.Table:

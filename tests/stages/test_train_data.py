@@ -100,6 +100,35 @@ def test_mismatched_keys_train_on_the_intersection_or_fail_above_the_threshold(t
     assert t.report["only_in"] == {"text": 1, "vae": 1}
 
 
+def test_the_dropped_report_reads_the_images_manifest_not_its_shards(tmp_path):
+    """The report counts the split's samples from the `images` manifest (key, split) alone: a missing images
+    shard (no stage after encode reads one) gives the same report. Before: a full images reader opened on every
+    rank, stat'ing each shard; the missing one refused training (DamagedData) and was recorded as damage."""
+    from features.open import open_features
+    from schemas import FieldSpec, Lineage, TableSchema
+    from store import format as fmt
+
+    fp = "0123456789abcdef"
+    st = make_train_store(tmp_path / "s", "m", mixed_specs(4, 2), fingerprint=fp, skip_vae={1})
+    fields = [FieldSpec("target.png", "png", kind="file"), FieldSpec("split", "string", kind="column")]
+    schema = TableSchema("images", fields, Lineage("resize-bucket", config_hash="t", upstream={}, code_version="t"))
+    w = st.writer("images", schema, shard_size_mb=0.0001)  # a shard per sample
+    for i in range(8):  # 6: in the train split, never encoded; 7: val
+        w.add(key_of(i), files={"target.png": b"png"},
+              meta={"split": "train" if i in (0, 1, 2, 3, 6) else "val", "img_shapes": [[1, 2, 2]]})
+    assert w.commit() == 1
+    st.add_quarantine([{"key": key_of(1), "source": "s", "stage": "encode-vae", "reason": "damaged-input"}])
+    want = {"split": "train", "samples": 5, "joined": 3, "dropped": 2, "dropped_fraction": 0.4,
+            "reasons": {"encode-vae": {"damaged-input": 1}, "encode-text/encode-vae": {"not encoded": 1}},
+            "only_in": {"text": 1, "vae": 0}, "quarantine_file": str(st.root / fmt.QUARANTINE)}
+    assert open_features(st.root, "m", fp, "train", 0.5).report == want
+    shard = st.version_dir("images", 1) / st.reader("images").manifest.column("shard")[0].as_py()
+    shard.unlink()
+    assert open_features(st.root, "m", fp, "train", 0.5).report == want
+    assert open_features(st.root, "m", fp, "val", 0.5).report["samples"] == 3
+    assert not fmt.damaged_marker(st.root, "images", 1).exists()
+
+
 def test_v1_tables_read_via_derived_img_shapes(tmp_path, tiny_edit_model):
     specs = [Spec((8, 12), [(12, 8)], 7), Spec((4, 8), [], 5), Spec((6, 6), [(4, 4)], 9)]
     make_train_store(tmp_path / "v1", tiny_edit_model, specs, schema_version=1)
