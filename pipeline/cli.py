@@ -78,6 +78,9 @@ def _terminate(signum, frame) -> None:
     # SIGTERM's default kills the process at once: no finally block, no atexit (read leases, locks, temp files
     # stay behind). As SystemExit in the main thread, everything unwinds as on Ctrl-C.
     _signalled.append(signum)
+    stop = sys.modules.get("stages.train.stop")  # the training loop acts on it if this exit is lost
+    if stop is not None:
+        stop.EARLIER.append(signum)
     collective = sys.modules.get("models.collective")  # never imported here (a signal may come mid-import)
     if collective is not None and (line := collective.peer_failure()) is not None:
         # torchrun stops the other ranks once one exits: they print its line too (models/collective.py)

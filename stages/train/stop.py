@@ -23,6 +23,13 @@ import threading
 from typing import Any
 
 
+# SIGTERMs the CLI's handler turned into SystemExit before the training loop (pipeline/cli.py records them here
+# once this module is loaded). Python ignores an exception raised inside a finalizer (`__del__`, a weakref
+# callback, run whenever the garbage collector does): a signal that lands while one runs is lost with it, and the
+# process went on into 100000 steps. The loop then acts on it as on one it recorded itself.
+EARLIER: list[int] = []
+
+
 class StopOnSignal:
     """Within the `with` block (the training loop, main thread only): SIGTERM recorded, not acted on."""
 
@@ -36,6 +43,9 @@ class StopOnSignal:
         if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread
             self._previous = signal.signal(signal.SIGTERM, self._record)
             self._installed = True
+        if EARLIER:  # one that stopped nothing (see EARLIER): the first step's checkpoint, then the stop
+            self.signum = EARLIER[0]
+            EARLIER.clear()
         return self
 
     def __exit__(self, kind=None, error=None, tb=None) -> None:
