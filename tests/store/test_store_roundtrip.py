@@ -115,25 +115,11 @@ def test_quarantine_appends_rows(store: Store) -> None:
 
 
 def _merged_rows_before(old, rows):
-    """The de-duplication rule as it was (every row a Python tuple): the reference for the vectorised one."""
-    import pyarrow as pa
+    """The de-duplication rule as it was (every row a Python tuple): the reference for the vectorised one, kept
+    once, as the baseline of bench/quarantine_append.py."""
+    from bench.quarantine_append import old_merged_rows
 
-    old = old if old is not None and old.num_rows else None
-    identity = [c for c in rows.column_names if c != "time"]
-
-    def idents(t):
-        have = {c: t.column(c).to_pylist() if c in t.column_names else [None] * t.num_rows for c in identity}
-        return list(zip(*(have[c] for c in identity))) if identity else [()] * t.num_rows
-
-    seen, keep = set(idents(old)) if old is not None else set(), []
-    for i, ident in enumerate(idents(rows)):
-        if ident not in seen:
-            seen.add(ident)
-            keep.append(i)
-    if not keep:
-        return (old if old is not None else rows.slice(0, 0)), 0
-    fresh = rows.take(pa.array(keep, pa.int64()))
-    return (fresh if old is None else pa.concat_tables([old, fresh], promote_options="permissive")), len(keep)
+    return old_merged_rows(old, rows)
 
 
 def test_quarantine_merge_drops_rows_held_already_and_keeps_the_rest_in_order() -> None:
