@@ -30,7 +30,7 @@ SOURCE_ROOT = Path(__file__).resolve().parents[2]
 
 
 def base_key(cfg, features: dict, sample_keys: list[str], losses_only: bool = False) -> str:
-    """Hash of every input of the base images. features: `checkpoints.loss_fingerprint`'s settings (store, its
+    """Hash of every input of the base images. features: `checkpoints.loss_fingerprint`'s settings (the store's
     text / vae versions, the model's fingerprint); sample_keys: the val samples pictured, in order.
     `losses_only`: of the base's held-out losses instead (single-LoRA evaluate's cache, `base_losses`): only the
     settings their numbers depend on (`checkpoints.LOSS_SETTINGS`), none that change only the pictures (seed,

@@ -531,6 +531,7 @@ def _summary(losses: LossStore, samples, cfg: EvaluateConfig, fingerprint: str,
     from stages.evaluate import stage as single
 
     steps, paths, grids = losses.losses()
+    shas = losses.steps()  # step -> the LoRA bytes its numbers are of
     present = {step: str(Path(path).resolve()) for step, path in checkpoints}
     paths = [present.get(step, p) for step, p in zip(steps, paths)]
     base = losses.base()
@@ -569,7 +570,7 @@ def _summary(losses: LossStore, samples, cfg: EvaluateConfig, fingerprint: str,
             # None without extra prompts: a report made before they were hashed stays current
             "extra_prompts_sha256": extra_prompt_bytes(cfg) or None,
             # the bytes each step's numbers are of: what the up-to-date check compares (`_up_to_date`)
-            "steps": steps, "paths": paths, "lora_sha256": [losses.steps()[step] for step in steps],
+            "steps": steps, "paths": paths, "lora_sha256": [shas[step] for step in steps],
             "base": per_step["base"], "per_step": per_step["steps"],
             "best": best, "last": point(last_i),
             "note": "best = lowest overall held-out loss among the checkpoints still on disk (ties: earlier step); "

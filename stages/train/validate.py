@@ -84,9 +84,9 @@ class Validator:
         """Every rank reads the same val samples (each computes its share of the grid): opened and read by all
         ranks together, from the same versions (models/same_versions.py), or every rank stops with one line."""
         self.cfg, self.model, self.run_dir = cfg, model, run_dir
-        from models.same_versions import check_same_versions
         from models.collective import together
         from models.loading import model_fingerprint
+        from models.same_versions import check_same_versions
 
         with together(world, "open the val split"):  # as training reads
             tables = open_configured(cfg, "train", store, model, model_fingerprint(model), "val")
