@@ -164,10 +164,14 @@ class LossStore:
             return
         if steps[:keep] != sorted(steps)[:keep] or any(s < step for s in steps[keep:]):
             raise ValueError(f"{self.path}: steps {steps} are not in order")
+        from zarr.core.sync import sync
+
         for name in ("loss", "step", "checkpoint", "lora_sha256"):
             arr = self.group[name]
-            arr.resize((keep, *arr.shape[1:]))
-        zarr.consolidate_metadata(self.path)
+            # the chunks past the new end stay until appends overwrite them: zarr's resize deletes them before
+            # the commit below, and a kill between left the recorded rows reading as NaN / step 0 for good
+            sync(arr.async_array.resize((keep, *arr.shape[1:]), delete_outside_chunks=False))
+        zarr.consolidate_metadata(self.path)  # the commit
         self.group = zarr.open_group(self.path, mode="r+", use_consolidated=True)
 
     def write_base(self, grid: np.ndarray) -> None:

@@ -46,3 +46,32 @@ def test_other_samples_or_fingerprint_start_a_new_group_and_keep_the_old(tmp_pat
     u = LossStore(tmp_path, "fp2", fewer, {})
     assert u.kept_aside is not None and u.kept_aside != t.kept_aside
     assert len(list(tmp_path.glob("losses.*.zarr"))) == 2 and xr.open_zarr(tmp_path / GROUP).sizes["sample"] == 2
+
+
+def test_a_drop_killed_before_its_commit_leaves_every_recorded_row_readable(tmp_path, monkeypatch):
+    """`drop_from` shrinks each array, then commits (the consolidated metadata). zarr's resize deleted the chunks
+    past the new end at once: a kill before the commit left the recorded rows reading as NaN losses and step 0,
+    which the next drop took for earlier steps and kept for good. Now the rows stay whole until the commit, and
+    the rerun's drop does the same again."""
+    import zarr
+
+    s = LossStore(tmp_path, "fp", AXES, {"what": "test"})
+    s.write_base(_grid(2.0))
+    for step in (10, 20, 30):
+        s.append(step, f"ckpt-{step}", f"sha{step}", _grid(step / 10))
+
+    def killed(*a, **k):
+        raise KeyboardInterrupt("killed before the drop's commit (test)")
+
+    monkeypatch.setattr(zarr, "consolidate_metadata", killed)
+    try:
+        s.drop_from(20)
+    except KeyboardInterrupt:
+        pass
+    monkeypatch.undo()
+    again = LossStore(tmp_path, "fp", AXES, {})
+    assert again.steps() == {10: "sha10", 20: "sha20", 30: "sha30"}
+    steps, _, losses = again.losses()
+    np.testing.assert_array_equal(losses[2], _grid(3.0).astype("float32"))
+    again.drop_from(20)
+    assert LossStore(tmp_path, "fp", AXES, {}).steps() == {10: "sha10"}
