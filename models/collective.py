@@ -215,6 +215,7 @@ def watch_failures(world: int) -> None:
         watcher.join(timeout=15)
 
     atexit.register(_stop_watching)
+    _state["stop_watching"] = _stop_watching
 
 
 def _watch(client, key: str, stop: threading.Event) -> None:
@@ -338,6 +339,10 @@ def failure_line(error: BaseException, line: str) -> str:
     """The line a process prints at its top level for `error` (one-line text `line`). With several ranks, an error
     the others do not know of yet is published first (they stop with it), and a line published before (another
     rank's failure, of which this error may be a consequence) wins, so every rank prints the same."""
+    if agreed(error) and _state.get("stop_watching") is not None:
+        # every rank knows and is about to exit: nothing left to watch for, and a poll of a store whose host
+        # (rank 0) exited first logged a C++ stack after this line (its last line was no longer the error)
+        _state["stop_watching"]()
     if not _state["watching"] or agreed(error):
         return line
     import torch.distributed as dist  # watching: a launch of several ranks
