@@ -18,7 +18,7 @@ from schemas.errors import UserError
 from store import format as fmt
 from store import integrity
 from store.integrity import DamagedData
-from store.join import JoinedTables, sequence_lengths_of
+from store.join import JoinedTables, sequence_lengths_of, split_rows
 from store.manifest_view import checked_manifest
 from store.reader import DEFAULT_MAX_OPEN_SHARDS, TableReader
 
@@ -167,11 +167,11 @@ def _split_keys(vdir: Path, version: int, split: str | None) -> pa.Array:
     except DamagedData as e:  # recorded, as a reader's open does: resize-bucket's rerun must not call it up to date
         integrity.record_damage(vdir, problems=[str(e)])
         raise
+    keys = m.column("key").combine_chunks()
     if split is None:
-        return m.column("key").combine_chunks()
-    if "split" not in m.column_names:
-        raise UserError(f"table 'images' v{version} ({vdir}) has no split column; rebuild it with the current code")
-    return m.column("key").filter(pc.equal(m.column("split"), split)).combine_chunks()
+        return keys
+    column = m.column("split") if "split" in m.column_names else None
+    return keys.take(split_rows(column, split, f"table 'images' v{version} ({vdir})"))
 
 
 def _reasons_text(rep: dict[str, Any]) -> str:

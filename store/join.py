@@ -66,10 +66,16 @@ def rows_of_split(r: TableReader, split: str | None) -> np.ndarray:
     """Row numbers of one split (all rows for None)."""
     if split is None:
         return np.arange(len(r), dtype=np.int64)
-    if not r.has_column("split"):
-        raise UserError(f"table '{r.table}' v{r.version} ({r.dir}) has no split column; rebuild it with the current code")
-    mask = pc.equal(r.column("split"), split).to_numpy(zero_copy_only=False)
-    return np.flatnonzero(mask)
+    return split_rows(r.column("split") if r.has_column("split") else None, split,
+                      f"table '{r.table}' v{r.version} ({r.dir})")
+
+
+def split_rows(column: pa.Array | pa.ChunkedArray | None, split: str, table: str) -> np.ndarray:
+    """Row numbers of one split from a table's `split` column (None: the table has none, `table` names it), for a
+    reader and for a bare manifest alike."""
+    if column is None:
+        raise UserError(f"{table} has no split column; rebuild it with the current code")
+    return np.flatnonzero(pc.equal(column, split).to_numpy(zero_copy_only=False))
 
 
 def _member(sorted_values: np.ndarray, probe: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

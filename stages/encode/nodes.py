@@ -25,7 +25,7 @@ def writer_place(job: EncodeJob, schema: TableSchema) -> tuple[int | None, str |
     """(the agreed version, the store URL) when the ranks write a store URL through more than one cache; (None,
     None) otherwise: one process, a local store (checked to be one folder for every node), or one cache for all
     (the writer opens its version as always)."""
-    from models.collective import all_max, together
+    from models.collective import all_max, spread, together
 
     world, table = job.ranks.world_size, job.summary.table
     url = source_url(job.store.root)
@@ -43,8 +43,8 @@ def writer_place(job: EncodeJob, schema: TableSchema) -> tuple[int | None, str |
         with fmt.flock(job.store.root / fmt.STORE_LOCK):
             mine = candidate_version(job.store.root, table, want)
         taken = _taken_on_remote(url, table, want) if job.ranks.rank == 0 else set()
-    high, neg_low, agreed = all_max(world, [cache, -cache, mine])
-    if high == -neg_low:
+    (high, low), (agreed, _) = spread(world, [cache, mine])
+    if high == low:
         return None, None
     while agreed in taken:  # rank 0 alone knows the remote: the others send 0
         agreed += 1

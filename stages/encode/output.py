@@ -89,11 +89,10 @@ def agreed_found(found: int | None, world: int, several_caches: bool) -> int | N
     leaves them waiting at the commit. Ranks sharing one store folder adopt the newest any of them saw (only
     complete versions are found). Ranks on several caches of a store URL adopt only a version every cache
     holds; otherwise all of them encode (a duplicate version: wasted work, nothing wrong)."""
-    from models.collective import all_max
+    from models.collective import spread
 
-    seen = -1 if found is None else found
-    newest, neg_oldest = all_max(world, [seen, -seen])
-    if newest < 0 or (several_caches and newest != -neg_oldest):
+    ((newest, oldest),) = spread(world, [-1 if found is None else found])
+    if newest < 0 or (several_caches and newest != oldest):
         return None
     return newest
 
