@@ -19,7 +19,7 @@ from store import format as fmt
 from store import integrity
 from store.integrity import DamagedData
 from store.join import JoinedTables, sequence_lengths_of, split_rows
-from store.manifest_view import checked_manifest
+from store.manifest_files import checked_manifest
 from store.reader import DEFAULT_MAX_OPEN_SHARDS, TableReader
 
 log = logging.getLogger("store")

@@ -27,7 +27,7 @@ from typing import Callable
 
 from store import format as fmt
 from store import lease as leases
-from store.manifest_view import read_schema
+from store.manifest_files import read_schema
 
 DELETING_SUFFIX = ".gc-deleting"
 

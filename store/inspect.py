@@ -10,7 +10,7 @@ from schemas.resize_sizes import sizes_in_force
 from store import format as fmt
 from store import quarantine
 from store.integrity import DamagedData
-from store.manifest_view import checked_manifest, read_schema
+from store.manifest_files import checked_manifest, read_schema
 from store.store import Store
 
 

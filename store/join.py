@@ -18,9 +18,9 @@ import pyarrow.compute as pc
 
 from schemas.errors import UserError
 from store.partition import epoch_order
-from store.manifest_view import fixed_width_view as _fixed_width
-from store.manifest_view import release_memory
-from store.manifest_view import strictly_increasing as _strictly_increasing
+from store.arrow_columns import fixed_width_view as _fixed_width
+from store.arrow_columns import release_memory
+from store.arrow_columns import strictly_increasing as _strictly_increasing
 from store.reader import TableReader
 
 log = logging.getLogger("store")

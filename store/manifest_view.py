@@ -2,16 +2,13 @@
 first use and kept as Arrow arrays, lookups by key and by row, each sample's location and checksum.
 
 Part of the reader (store/reader.py), with the shard I/O (store/shard_io.py) and the sample check
-(store/sample_check.py); it does no file I/O after opening.
+(store/sample_check.py); it does no file I/O after opening. Reading and checking the files: store/manifest_files.py;
+the column helpers: store/arrow_columns.py.
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import json
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
@@ -22,138 +19,17 @@ import pyarrow.parquet as pq
 
 from schemas.errors import UserError
 from schemas.img_shapes import ImgShape, img_shapes_from_v1
-from schemas.table import KNOWN_SCHEMA_VERSIONS, SCHEMA_V1, TableSchema
+from schemas.table import SCHEMA_V1, TableSchema
 from store import format as fmt
 from store import integrity
+from store.arrow_columns import NARROWER, fixed_width_view, narrowed, release_memory, strictly_increasing
 from store.integrity import DamagedData
 from store.manifest import CHECKSUM_COLUMNS, LOCATING_COLUMNS, RESERVED_COLUMNS
+from store.manifest_files import mapped_checked, read_manifest, read_schema, unreadable
 
 log = logging.getLogger("store")
 
 V1_PIXEL_COLUMNS = ("height", "width")
-
-
-def read_schema(vdir: Path, data: bytes | None = None) -> TableSchema:
-    if data is None:
-        raw = fmt.read_json(vdir / fmt.SCHEMA_JSON, "schema.json")
-    else:
-        try:
-            raw = json.loads(data)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise UserError(f"{vdir / fmt.SCHEMA_JSON} is not valid JSON ({e})") from None
-    found = raw.get("schema_version") if isinstance(raw, dict) else None
-    if found not in KNOWN_SCHEMA_VERSIONS:
-        raise UserError(f"{vdir / fmt.SCHEMA_JSON}: expected schema version one of {KNOWN_SCHEMA_VERSIONS}, "
-                        f"found {found!r}; use a pipeline release that reads it")
-    try:
-        return TableSchema.from_dict(raw)
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise UserError(f"{vdir / fmt.SCHEMA_JSON}: not a valid table schema ({type(e).__name__}: {e})") from None
-
-
-def _unreadable(vdir: Path, e: Exception) -> DamagedData:
-    return DamagedData(f"{vdir / fmt.MANIFEST} is unreadable ({type(e).__name__}: {e}); "
-                       f"{integrity.repair_hint(vdir)}")
-
-
-def read_manifest(vdir: Path, data: bytes | pa.Buffer, columns: list[str] | None = None,
-                  read_dictionary: list[str] | None = None) -> pa.Table:
-    """Parse (some columns of) checked manifest bytes; undecodable parquet is one clear error, not a traceback."""
-    try:
-        return pq.read_table(pa.BufferReader(data), columns=columns, read_dictionary=read_dictionary)
-    except Exception as e:  # noqa: BLE001
-        raise _unreadable(vdir, e) from None
-
-
-def checked_manifest(vdir: Path, columns: list[str] | None = None) -> pa.Table:
-    """A complete version's manifest (the named columns it has, or all), its bytes checked against
-    checksums.json first: a damaged manifest is a `DamagedData`, never rows read from damaged bytes. For the
-    one-off readers (reuse, migrate, inspect, train's dropped report) that need the rows but no `TableReader`.
-    Memory-mapped, as a reader's: every rank opening training reads the `images` manifest (hundreds of MB at 1M
-    samples), one copy in the page cache rather than a private one each."""
-    data = mapped_checked(vdir, fmt.MANIFEST, integrity.read_version_checksums(vdir))
-    if columns is not None:
-        try:
-            names = set(pq.ParquetFile(pa.BufferReader(data)).schema_arrow.names)
-        except Exception as e:  # noqa: BLE001
-            raise _unreadable(vdir, e) from None
-        columns = [c for c in columns if c in names]
-    return read_manifest(vdir, data, columns)
-
-
-def fixed_width_view(arr: pa.Array) -> np.ndarray | None:
-    """A string array whose values all have one byte length, as a zero-copy numpy `S<width>` view (None when
-    they do not, or when there are nulls). Bytewise order = Arrow's string order."""
-    if len(arr) == 0 or arr.null_count or not pa.types.is_string(arr.type):
-        return None
-    offsets = np.frombuffer(arr.buffers()[1], dtype=np.int32)[arr.offset : arr.offset + len(arr) + 1]
-    width = int(offsets[1] - offsets[0])
-    if width == 0 or not np.all(np.diff(offsets) == width):
-        return None
-    return np.frombuffer(arr.buffers()[2], dtype=np.uint8)[offsets[0] : offsets[-1]].view(f"S{width}")
-
-
-def mapped_checked(vdir: Path, name: str, sums: dict[str, dict[str, Any]] | None) -> pa.Buffer:
-    """A file of the version memory-mapped read-only, checked against checksums.json when the version has one."""
-    try:
-        mapped = pa.memory_map(os.path.join(str(vdir), name))
-    except FileNotFoundError:
-        raise DamagedData(f"{integrity.where(vdir)}: {name} is missing; {integrity.repair_hint(vdir, name)}") from None
-    data = mapped.read_buffer()  # holds the map open for as long as the buffer (or a column sliced from it) lives
-    mapped.close()  # the descriptor: the buffer keeps the map itself
-    if sums is not None:
-        with memoryview(data) as mv:
-            integrity.check_bytes(vdir, name, mv, sums)
-    return data
-
-
-# Columns every rank keeps parsed, stored in the narrowest of these types their values fit (tried in order; the
-# values read back - `cell`, `locate`, `image_tokens` - are the same ints): [frames, h, w] of latent patches fit
-# int16 (~35 -> ~23 MB at 1M samples), a sample's offset in its shard and its size fit uint32 (shards are far
-# below 4 GiB: 8 -> 4 MB each, per table).
-NARROWER = {
-    "img_shapes": (pa.list_(pa.list_(pa.int16())), pa.list_(pa.list_(pa.int32()))),
-    "sample_offset": (pa.uint32(),),
-    "sample_nbytes": (pa.uint32(),),
-}
-
-
-def _narrowed(col: pa.Array, types: tuple[pa.DataType, ...]) -> pa.Array:
-    for t in types:
-        if col.type == t:
-            return col
-        try:
-            return col.cast(t)  # safe cast: a value that does not fit raises, and the next type is tried
-        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
-            continue
-    return col
-
-
-def _libc_trim():
-    """glibc's malloc_trim, or None (another libc). No library exposes it; it is one call."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return libc.malloc_trim
-    except (OSError, AttributeError):
-        return None
-
-
-_MALLOC_TRIM = _libc_trim()
-
-
-def release_memory() -> None:
-    """Give freed scratch memory back to the system: Arrow's pool and glibc's heap keep what a parse or a
-    million-row compute freed (~85 MB at 1M samples, in every rank) unless asked to return it."""
-    pa.default_memory_pool().release_unused()
-    if _MALLOC_TRIM is not None:
-        _MALLOC_TRIM(0)
-
-
-def strictly_increasing(keys: pa.Array) -> bool:
-    """Manifests are sorted by key: strictly increasing keys are unique (a vectorised check, no hash set)."""
-    if len(keys) < 2:
-        return True
-    return bool(pc.all(pc.less(keys.slice(0, len(keys) - 1), keys.slice(1))).as_py())
 
 
 class ManifestView:
@@ -202,7 +78,7 @@ class ManifestView:
         try:
             names = pq.ParquetFile(pa.BufferReader(manifest_bytes)).schema_arrow.names
         except Exception as e:  # noqa: BLE001
-            raise _unreadable(vdir, e) from None
+            raise unreadable(vdir, e) from None
         missing = sorted(LOCATING_COLUMNS - set(names))
         if missing:
             raise UserError(f"{path}: missing columns {missing} (see docs/store-format.md)")
@@ -255,7 +131,7 @@ class ManifestView:
                                     read_dictionary=["shard"] if name == "shard" else None).column(name)
             col = col.combine_chunks()
             if self._full is None and name in NARROWER:
-                col = _narrowed(col, NARROWER[name])
+                col = narrowed(col, NARROWER[name])
             self._arrays[name] = col
             del col
             # the parse's scratch memory goes back to the system (the allocator keeps it otherwise: ~180 MB

@@ -22,7 +22,7 @@ from schemas.errors import UserError
 from schemas.img_shapes import img_shapes_from_v1
 from schemas.table import SCHEMA_V1, SCHEMA_V2, FieldSpec
 from store import format as fmt
-from store.manifest_view import checked_manifest, read_schema
+from store.manifest_files import checked_manifest, read_schema
 from store.integrity import write_version_checksums
 from store.store import Store
 from store.verify import verify_version

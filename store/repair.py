@@ -32,7 +32,7 @@ from store import format as fmt
 from store import integrity, quarantine
 from store.checksum import file_crc
 from store.manifest import merge_indexes
-from store.manifest_view import read_schema
+from store.manifest_files import read_schema
 from store.reader import TableReader
 from store.verify import verify_version
 
@@ -101,7 +101,7 @@ def _current_versions(root: Path) -> tuple[dict[str, int], str | None]:
 def _manifest(vdir: Path, sums: dict | None, plan: TablePlan) -> pa.Table | None:
     """The version's manifest; a damaged one is rebuilt from the per-shard indexes when they are intact."""
     try:
-        from store.manifest_view import read_manifest
+        from store.manifest_files import read_manifest
 
         return read_manifest(vdir, integrity.read_checked(vdir, fmt.MANIFEST, sums))
     except UserError as e:

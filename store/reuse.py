@@ -20,7 +20,7 @@ import pyarrow.compute as pc
 from schemas import up_to_date
 from schemas.errors import UserError
 from store import format as fmt
-from store.manifest_view import checked_manifest, read_schema
+from store.manifest_files import checked_manifest, read_schema
 
 if TYPE_CHECKING:
     from store.store import Store

@@ -15,7 +15,7 @@ from schemas.table import TableSchema
 from store import format as fmt
 from store import quarantine
 from store.join import JoinedTables
-from store.manifest_view import read_schema
+from store.manifest_files import read_schema
 from store.reader import DEFAULT_MAX_OPEN_SHARDS, TableReader
 from store.writer import TableWriter
 

@@ -31,7 +31,7 @@ from store import format as fmt
 from store import integrity, quarantine
 from store.checksum import file_crc
 from store.manifest import CHECKSUM_COLUMNS, LOCATING_COLUMNS
-from store.manifest_view import read_manifest, read_schema
+from store.manifest_files import read_manifest, read_schema
 from store.reader import torch_dtype
 from store.remote_shards import fetch_problem, is_cache_file
 

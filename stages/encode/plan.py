@@ -191,7 +191,7 @@ def _unchanged_by_fixes(store: Store, table: str, images, wanted: Lineage, befor
     with the version for `wanted` (its images version and revision: all the predicates read), so a rerun of an
     unchanged store reads no rows (store/reuse.py `unchanged_by_fixes`)."""
     from schemas.lineage import settings_hash
-    from store.manifest_view import checked_manifest
+    from store.manifest_files import checked_manifest
     from store.reuse import unchanged_by_fixes
 
     found = store.find_version(table, before)

@@ -280,7 +280,7 @@ def _unchanged_by_fixes(st: Store, schema: TableSchema) -> int | None:
     current (its downstream tables too). One with such a sample is not: a new version re-renders those."""
     from schemas.fixes import mask_orientation_changes
     from schemas.lineage import settings_hash
-    from store.manifest_view import checked_manifest
+    from store.manifest_files import checked_manifest
     from store.reuse import unchanged_by_fixes
 
     found = st.find_version(TABLE, _lineage_before_fixes(schema.lineage))

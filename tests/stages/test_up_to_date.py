@@ -86,7 +86,7 @@ def test_checkpoint_report_keeps_its_array_on_a_device_or_batch_change(trained, 
 def test_table_versions_go_through_the_rule(trained, monkeypatch):
     """resize and the encoders reuse a table version only through `Store.find_version`, which asks the rule."""
     from store import Store
-    from store.manifest_view import read_schema
+    from store.manifest_files import read_schema
 
     st = Store(trained / "store", create=False)
     version = st.tables()["text"]

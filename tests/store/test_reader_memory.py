@@ -13,7 +13,7 @@ from damage import flip_bit, sample_byte
 from store import Store
 from store.integrity import DamagedData
 from store.join import JoinedTables
-from store.manifest_view import read_manifest
+from store.manifest_files import read_manifest
 from store_samples import sample, vae_schema
 
 
@@ -81,7 +81,7 @@ def test_locating_columns_kept_narrow_read_the_recorded_values(store: Store) -> 
     """Offsets and sizes as uint32, img_shapes as int16 (half and a quarter of int64 per rank): the same values."""
     import pyarrow as pa
 
-    from store.manifest_view import NARROWER, _narrowed
+    from store.arrow_columns import NARROWER, narrowed
 
     _tables(store, {"vae": range(8)})
     r = store.reader("vae")
@@ -94,10 +94,10 @@ def test_locating_columns_kept_narrow_read_the_recorded_values(store: Store) -> 
     r.close()
     # values that do not fit keep a wider type, never a wrapped value
     wide = pa.array([[[1, 40000, 2]]], pa.list_(pa.list_(pa.int64())))
-    assert _narrowed(wide, NARROWER["img_shapes"]).to_pylist() == [[[1, 40000, 2]]]
-    assert _narrowed(wide, NARROWER["img_shapes"]).type == pa.list_(pa.list_(pa.int32()))
+    assert narrowed(wide, NARROWER["img_shapes"]).to_pylist() == [[[1, 40000, 2]]]
+    assert narrowed(wide, NARROWER["img_shapes"]).type == pa.list_(pa.list_(pa.int32()))
     far = pa.array([5 << 32], pa.int64())
-    assert _narrowed(far, NARROWER["sample_offset"]).to_pylist() == [5 << 32]
+    assert narrowed(far, NARROWER["sample_offset"]).to_pylist() == [5 << 32]
 
 
 def test_one_sample_s_meta_turns_no_column_into_python_objects(store: Store) -> None:

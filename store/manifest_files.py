@@ -1,0 +1,81 @@
+"""A table version's schema.json and manifest.parquet, read and checked against its checksums.json: a damaged
+file is a `DamagedData` (recorded), an unparsable one a clear error, never values read from damaged bytes. Used by
+`ManifestView` (store/manifest_view.py) and by the one-off readers that need a manifest's rows but no reader."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from schemas.errors import UserError
+from schemas.table import KNOWN_SCHEMA_VERSIONS, TableSchema
+from store import format as fmt
+from store import integrity
+from store.integrity import DamagedData
+
+
+def read_schema(vdir: Path, data: bytes | None = None) -> TableSchema:
+    if data is None:
+        raw = fmt.read_json(vdir / fmt.SCHEMA_JSON, "schema.json")
+    else:
+        try:
+            raw = json.loads(data)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise UserError(f"{vdir / fmt.SCHEMA_JSON} is not valid JSON ({e})") from None
+    found = raw.get("schema_version") if isinstance(raw, dict) else None
+    if found not in KNOWN_SCHEMA_VERSIONS:
+        raise UserError(f"{vdir / fmt.SCHEMA_JSON}: expected schema version one of {KNOWN_SCHEMA_VERSIONS}, "
+                        f"found {found!r}; use a pipeline release that reads it")
+    try:
+        return TableSchema.from_dict(raw)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise UserError(f"{vdir / fmt.SCHEMA_JSON}: not a valid table schema ({type(e).__name__}: {e})") from None
+
+
+def unreadable(vdir: Path, e: Exception) -> DamagedData:
+    return DamagedData(f"{vdir / fmt.MANIFEST} is unreadable ({type(e).__name__}: {e}); "
+                       f"{integrity.repair_hint(vdir)}")
+
+
+def read_manifest(vdir: Path, data: bytes | pa.Buffer, columns: list[str] | None = None,
+                  read_dictionary: list[str] | None = None) -> pa.Table:
+    """Parse (some columns of) checked manifest bytes; undecodable parquet is one clear error, not a traceback."""
+    try:
+        return pq.read_table(pa.BufferReader(data), columns=columns, read_dictionary=read_dictionary)
+    except Exception as e:  # noqa: BLE001
+        raise unreadable(vdir, e) from None
+
+
+def checked_manifest(vdir: Path, columns: list[str] | None = None) -> pa.Table:
+    """A complete version's manifest (the named columns it has, or all), its bytes checked against
+    checksums.json first: a damaged manifest is a `DamagedData`, never rows read from damaged bytes. For the
+    one-off readers (reuse, migrate, inspect, train's dropped report) that need the rows but no `TableReader`.
+    Memory-mapped, as a reader's: every rank opening training reads the `images` manifest (hundreds of MB at 1M
+    samples), one copy in the page cache rather than a private one each."""
+    data = mapped_checked(vdir, fmt.MANIFEST, integrity.read_version_checksums(vdir))
+    if columns is not None:
+        try:
+            names = set(pq.ParquetFile(pa.BufferReader(data)).schema_arrow.names)
+        except Exception as e:  # noqa: BLE001
+            raise unreadable(vdir, e) from None
+        columns = [c for c in columns if c in names]
+    return read_manifest(vdir, data, columns)
+
+
+def mapped_checked(vdir: Path, name: str, sums: dict[str, dict[str, Any]] | None) -> pa.Buffer:
+    """A file of the version memory-mapped read-only, checked against checksums.json when the version has one."""
+    try:
+        mapped = pa.memory_map(os.path.join(str(vdir), name))
+    except FileNotFoundError:
+        raise DamagedData(f"{integrity.where(vdir)}: {name} is missing; {integrity.repair_hint(vdir, name)}") from None
+    data = mapped.read_buffer()  # holds the map open for as long as the buffer (or a column sliced from it) lives
+    mapped.close()  # the descriptor: the buffer keeps the map itself
+    if sums is not None:
+        with memoryview(data) as mv:
+            integrity.check_bytes(vdir, name, mv, sums)
+    return data
