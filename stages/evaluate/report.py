@@ -18,6 +18,8 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageDraw
 
+from features.pictures import rgb_over_white
+
 TILE = 160  # grid cell side in pixels (images are fitted inside, aspect kept)
 THUMB = 128  # side of the images in the page's sample table
 LABEL_H = 16
@@ -102,7 +104,9 @@ def ssim(a: Image.Image, b: Image.Image) -> float:
 def _pair(a: Image.Image, b: Image.Image) -> tuple[np.ndarray, np.ndarray]:
     if b.size != a.size:
         b = b.resize(a.size, Image.BICUBIC)
-    return np.asarray(a.convert("RGB"), dtype=np.float64), np.asarray(b.convert("RGB"), dtype=np.float64)
+    # over white, as the targets are: Pillow's convert("RGB") would score an RGBA output (Qwen-Image-2.1 decodes
+    # four channels) by the colours its transparent pixels store
+    return np.asarray(rgb_over_white(a), dtype=np.float64), np.asarray(rgb_over_white(b), dtype=np.float64)
 
 
 def _gauss(img: np.ndarray, size: int = 11, sigma: float = 1.5) -> np.ndarray:
@@ -119,7 +123,7 @@ def _gauss(img: np.ndarray, size: int = 11, sigma: float = 1.5) -> np.ndarray:
 
 
 def _fit(img: Image.Image, side: int) -> Image.Image:
-    img = img.convert("RGB")
+    img = rgb_over_white(img)
     scale = side / max(img.size)
     # Nearest for upscaling: tiny demo images stay crisp instead of blurred.
     resample = Image.NEAREST if scale > 1 else Image.BICUBIC

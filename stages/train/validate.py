@@ -183,14 +183,16 @@ class Validator:
     def _sample_21(self, transformer, s: TrainSample, h: int, w: int) -> Image.Image:
         from diffusers import FlowMatchEulerDiscreteScheduler
 
+        from features.pictures import rgb_over_white
         from models.qwen21_generate import generate_21, pipeline_sample_sigmas
         from models.qwen21_predict import TRUE_CFG_21
 
         scheduler = FlowMatchEulerDiscreteScheduler.from_config(self._scheduler)
-        return generate_21(transformer, self._vae, scheduler, s.prompt_embeds, s.slot_mask, list(s.controls), h * 16,
-                           w * 16, self.cfg.sample_steps, self.cfg.seed, TRUE_CFG_21,  # 2.1: no guidance
-                           (s.empty_embeds, s.empty_slot_mask),
-                           sample_sigmas=pipeline_sample_sigmas(self.model)).convert("RGB")
+        # 2.1 decodes RGBA: over white, as its targets are (convert("RGB") shows transparent pixels' stored colour)
+        return rgb_over_white(generate_21(
+            transformer, self._vae, scheduler, s.prompt_embeds, s.slot_mask, list(s.controls), h * 16, w * 16,
+            self.cfg.sample_steps, self.cfg.seed, TRUE_CFG_21,  # 2.1: no guidance
+            (s.empty_embeds, s.empty_slot_mask), sample_sigmas=pipeline_sample_sigmas(self.model)))
 
     def _grid_recorded(self, step: int) -> bool:
         return (self.run_dir / "samples" / f"step-{step:06d}.png").is_file()

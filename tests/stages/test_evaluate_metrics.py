@@ -66,3 +66,37 @@ def test_psnr_and_ssim_match_scikit_image(name, a, b) -> None:
 def test_identical_images() -> None:
     im = _photo_like(np.random.default_rng(1), 40, 40)
     assert psnr(im, im) == float("inf") and ssim(im, im) == pytest.approx(1.0)
+
+
+def test_an_rgba_output_is_scored_over_white_as_its_target_is():
+    """Qwen-Image-2.1 decodes RGBA; its targets are composited over white (features.pictures). An output equal
+    to its target, transparent where the target is, scores a perfect PSNR / SSIM: Pillow's convert("RGB") scored
+    the colour the transparent pixels store (here red: PSNR 3.0 dB)."""
+    from features.pictures import rgb_over_white
+
+    px = np.zeros((32, 32, 4), np.uint8)
+    px[..., 0] = 255  # red everywhere, stored under the transparency too
+    px[8:24, 8:24] = (20, 120, 200, 255)  # an opaque square
+    output = Image.fromarray(px, "RGBA")
+    target = rgb_over_white(output)
+    assert np.asarray(target)[0, 0].tolist() == [255, 255, 255]
+    assert psnr(output, target) == float("inf")
+    assert ssim(output, target) == pytest.approx(1.0)
+
+
+def test_a_qwen21_val_image_is_composited_over_white(monkeypatch):
+    """evaluate's 2.1 val image (stages/evaluate/qwen21.py) is RGB over white, not the RGBA's stored colours."""
+    import types
+
+    import models.qwen21_generate as gen
+    from stages.evaluate.qwen21 import image_21
+
+    px = np.zeros((16, 16, 4), np.uint8)
+    px[..., 0] = 255  # transparent red
+    monkeypatch.setattr(gen, "generate_21", lambda *a, **k: Image.fromarray(px, "RGBA"))
+    monkeypatch.setattr(gen, "scheduler_and_sigmas", lambda config: (None, None))
+    s = types.SimpleNamespace(img_shapes=[(1, 1, 1)], prompt_embeds=None, slot_mask=None, controls=[],
+                              empty_embeds=None, empty_slot_mask=None)
+    cfg = types.SimpleNamespace(num_inference_steps=1, seed=0, true_cfg_scale=1.0)
+    image = image_21(None, None, {}, s, cfg)
+    assert image.mode == "RGB" and np.asarray(image)[0, 0].tolist() == [255, 255, 255]
