@@ -124,9 +124,17 @@ def set_backend(transformer, name: str) -> None:
 
 def use_attention_backend(transformer, name: str | None, key: str, device: torch.device, dtype: torch.dtype) -> str:
     """Check the configured name, resolve the default, set it on the model; returns the backend in use."""
+    from models.qwen21_flow import is_qwen21
+
     check_name(name, key)
-    choice = choose(name, torch.device(device), dtype, key)
-    set_backend(transformer, choice.backend)
+    if is_qwen21(transformer):  # its processor (models/qwen21_multires.py) takes no backend: never record one it ignores
+        if name not in (None, "native"):
+            raise UserError(f"{key} {name!r}: Qwen-Image-2.1's padded batches run one dense block-causal mask through "
+                            f"native SDPA, the only kernel they take; set {key}: null (or native)")
+        choice = Choice("native", "Qwen-Image-2.1: its dense block-causal mask through native SDPA")
+    else:
+        choice = choose(name, torch.device(device), dtype, key)
+        set_backend(transformer, choice.backend)
     transformer._attention_choice = choice
     announce(choice, key)
     return choice.backend

@@ -254,3 +254,19 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024 / m.n
 """
     ratio = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
     assert ratio < 2.0, ratio
+
+
+def test_the_attention_backend_recorded_for_qwen21_is_the_one_it_runs():
+    """2.1's processor runs its dense block-causal mask through native SDPA whatever backend is set: the record
+    says native, and a configured kernel it would ignore is refused in one line (it was recorded as running)."""
+    from models.attention import attention_record, use_attention_backend
+    from schemas.errors import UserError
+
+    model = make_transformer("3x16_axes4-6-6_plain")
+    install_qwen21(model)
+    assert use_attention_backend(model, None, "train.attention_backend", torch.device("cpu"), torch.float32) == "native"
+    assert attention_record(model)["backend"] == "native"
+    assert "Qwen-Image-2.1" in attention_record(model)["reason"]
+    for name in ("packed", "flex", "_native_math"):
+        with pytest.raises(UserError, match=rf"train.attention_backend '{name}': Qwen-Image-2.1"):
+            use_attention_backend(model, name, "train.attention_backend", torch.device("cpu"), torch.float32)
