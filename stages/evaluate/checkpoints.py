@@ -29,6 +29,7 @@ from schemas.errors import UserError
 from schemas.lineage import hashed_settings
 from schemas.stage import few
 from stages.evaluate.base_images import FOLDER as BASE_IMAGES, extra_prompt_bytes
+from stages.evaluate.curves import pick_best
 from stages.evaluate.paired import paired, per_sample, signed
 from store import Store
 from store.loss_array import Axes, LossStore, recorded_setting, recorded_steps
@@ -186,15 +187,6 @@ def step_summaries(base: np.ndarray, grids: np.ndarray, samples_meta: list[str],
         }
 
     return {"base": numbers(base), "steps": [numbers(g) for g in grids]}
-
-
-def pick_best(steps: list[int], overall: list[float]) -> int | None:
-    """Index of the lowest finite held-out loss; a tie goes to the earlier step."""
-    best = None
-    for i in sorted(range(len(steps)), key=lambda i: steps[i]):
-        if math.isfinite(overall[i]) and (best is None or overall[i] < overall[best]):
-            best = i
-    return best
 
 
 # ------------------------------------------------------------------------------------------------ the result

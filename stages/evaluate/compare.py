@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from schemas.errors import UserError
-from stages.evaluate.curves import Chart, Series, svg
+from stages.evaluate.curves import Chart, Series, pick_best, svg
 from store.loss_array import GROUP, open_dataset
 
 KEPT_REPORT = "evaluate-report"  # where `run all` moves a kept run's report (pipeline/orchestrate.py)
@@ -37,14 +37,16 @@ class RunCurves:
     outside: list[float]
     base: dict[str, float]  # region -> base loss
     held_out: dict  # what makes two held-out sets the same
+    on_disk: list[bool | None]  # whether each step's checkpoint is still there (None: a validation step, no file)
 
     @property
     def best(self) -> int | None:
-        best = None
-        for i in sorted(range(len(self.steps)), key=lambda i: self.steps[i]):
-            if math.isfinite(self.overall[i]) and (best is None or self.overall[i] < self.overall[best]):
-                best = i
-        return best
+        """The report's rule (stages/evaluate/checkpoints.py `_summary`): the lowest finite loss among the
+        checkpoints still on disk; a pruned one keeps its point on the curve but is never named. A report looked
+        at away from its run (copied, none of its checkpoints here) names its curve's minimum."""
+        rows = [i for i, here in enumerate(self.on_disk) if here is not False] or list(range(len(self.steps)))
+        best = pick_best([self.steps[i] for i in rows], [self.overall[i] for i in rows])
+        return None if best is None else rows[best]
 
 
 def find_group(path: str | Path) -> Path:
@@ -81,9 +83,11 @@ def read_curves(path: str | Path, label: str) -> RunCurves:
     kept = _kept(base[..., r["all"]]) if "base_loss" in ds else np.ones(loss.shape[1], dtype=bool)
     two = kept & (_kept(base[..., r["inside"]]) if "base_loss" in ds else np.isfinite(loss[..., r["inside"]]).any(
         axis=tuple(i for i in range(loss.ndim - 1) if i != 1)))
+    checkpoints = [str(c) for c in ds.checkpoint.values]
     return RunCurves(
-        label=label, group=group, steps=[int(s) for s in ds.step.values],
-        checkpoints=[str(c) for c in ds.checkpoint.values],
+        label=label, group=group, steps=[int(s) for s in ds.step.values], checkpoints=checkpoints,
+        # evaluate records each checkpoint's folder; validation while training a label ("training step N")
+        on_disk=[Path(c).exists() if Path(c).is_absolute() else None for c in checkpoints],
         overall=[_mean(g[kept, ..., r["all"]]) for g in loss], inside=[_mean(g[two, ..., r["inside"]]) for g in loss],
         outside=[_mean(g[two, ..., r["outside"]]) for g in loss],
         base={"all": _mean(base[kept, ..., r["all"]]), "inside": _mean(base[two, ..., r["inside"]]),
@@ -139,12 +143,13 @@ def write_compare(paths: list[str], out: str | Path) -> "CompareResult":
     runs = [read_curves(p, label) for p, label in zip(paths, labels_for(paths))]
     check_same_held_out(runs)
     out = Path(out)
-    rows = [["run", "step", "checkpoint", "loss", "loss_inside", "loss_outside", "best"]]
+    rows = [["run", "step", "checkpoint", "loss", "loss_inside", "loss_outside", "best", "on_disk"]]
+    yes_no = {True: "yes", False: "no", None: ""}
     for r in runs:
-        rows.append([r.label, "base", "", r.base["all"], r.base["inside"], r.base["outside"], ""])
+        rows.append([r.label, "base", "", r.base["all"], r.base["inside"], r.base["outside"], "", ""])
         for i, s in enumerate(r.steps):
             rows.append([r.label, s, r.checkpoints[i], r.overall[i], r.inside[i], r.outside[i],
-                         "best" if i == r.best else ""])
+                         "best" if i == r.best else "", yes_no[r.on_disk[i]]])
     buf = io.StringIO()
     csv.writer(buf, lineterminator="\n").writerows(rows)
     page = render(runs)
@@ -166,7 +171,8 @@ def render(runs: list[RunCurves]) -> str:
     best_rows = "".join(
         f"<tr><td>{html.escape(r.label)}</td><td>{r.steps[r.best] if r.best is not None else '–'}</td>"
         f"<td>{r.overall[r.best]:.5g}</td><td>{r.base['all']:.5g}</td>"
-        f"<td><code>{html.escape(r.checkpoints[r.best])}</code></td></tr>" if r.best is not None else ""
+        f"<td><code>{html.escape(r.checkpoints[r.best])}</code>{' (not on disk)' if r.on_disk[r.best] is False else ''}"
+        "</td></tr>" if r.best is not None else ""
         for r in runs)
     held = runs[0].held_out
     return f"""<!doctype html>

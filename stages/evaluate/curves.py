@@ -1,4 +1,5 @@
-"""Loss-vs-step charts as inline SVG: lines per series, dashed reference lines (the base), a marked best point.
+"""Loss-vs-step charts as inline SVG: lines per series, dashed reference lines (the base), a marked best point;
+and the one rule that picks the best point (the report's and `pipeline compare`'s).
 
 Written by hand because the page must stay one self-contained file with no script and no plotting dependency:
 an SVG of a few polylines is ~80 lines, opens anywhere, and its text (axis values, legend) is searchable.
@@ -93,3 +94,12 @@ def svg(chart: Chart) -> str:
         parts.append(f"<text x='{W - RIGHT + 10}' y='{ly}' font-size='10' fill='#555'>ring: best checkpoint</text>")
     return (f"<svg class='curve' xmlns='http://www.w3.org/2000/svg' width='{W}' height='{H}' "
             f"font-family='system-ui, sans-serif'>{''.join(parts)}</svg>")
+
+
+def pick_best(steps: list[int], overall: list[float]) -> int | None:
+    """Index of the lowest finite held-out loss; a tie goes to the earlier step."""
+    best = None
+    for i in sorted(range(len(steps)), key=lambda i: steps[i]):
+        if math.isfinite(overall[i]) and (best is None or overall[i] < overall[best]):
+            best = i
+    return best

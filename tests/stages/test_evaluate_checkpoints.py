@@ -564,3 +564,30 @@ def test_a_report_killed_before_its_rewrite_is_not_taken_for_retrained_checkpoin
     res = ev.run(EvaluateConfig(**CFG), run_and_store / "store", tiny_edit_model, _ckpts(root), out, skip_if_done=True)
     assert not res.up_to_date and res.evaluated == 0  # the new weights' losses were kept
     assert res.best["step"] == 10  # its numbers are the retrained weights' (the base: a tie, the earlier wins)
+
+
+def test_compare_names_the_best_checkpoint_still_on_disk_as_the_report_does(run_and_store, tiny_edit_model, tmp_path):
+    """keep_checkpoints pruned the lowest-loss step after evaluate recorded it: the report names the best of the
+    checkpoints still there, and so does `pipeline compare` (it named the pruned step, a path that is gone); the
+    pruned step keeps its point on the curve, marked in the CSV."""
+    import csv
+    import shutil
+
+    root = run_and_store
+    copies = []
+    for step, path in _ckpts(root):  # a run of its own, so pruning one leaves the shared run as it is
+        shutil.copytree(path.parent, tmp_path / "run" / "checkpoints" / f"step-{step}")
+        copies.append((step, (tmp_path / "run" / "checkpoints" / f"step-{step}" / "lora").resolve()))
+    out = tmp_path / "report"
+    assert ev.run(EvaluateConfig(**CFG), root / "store", tiny_edit_model, copies, out).best["step"] == 20
+    shutil.copytree(out, tmp_path / "other")
+    shutil.rmtree(copies[1][1].parent)  # step 20 pruned
+    res = ev.run(EvaluateConfig(**CFG), root / "store", tiny_edit_model, [copies[0], copies[2]], out)
+    report_best = res.best["step"]
+    assert report_best != 20
+    cmp = CliRunner().invoke(app, ["compare", str(out), str(tmp_path / "other"), "--out", str(tmp_path / "cmp"),
+                                   "--json"])
+    assert cmp.exit_code == 0, cmp.output
+    assert [r["best_step"] for r in json.loads(cmp.stdout)["runs"]] == [report_best, report_best]
+    rows = {r["step"]: r for r in csv.DictReader((tmp_path / "cmp" / "curves.csv").open()) if r["run"] == "report"}
+    assert rows["20"]["on_disk"] == "no" and rows["20"]["best"] == "" and rows["10"]["on_disk"] == "yes"
