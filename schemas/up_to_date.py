@@ -6,11 +6,21 @@ inputs) and a checkpoint report (evaluate --all-checkpoints).
 What goes into the inputs is the stage's business, derived from the declared lineage scheme
 (`schemas.lineage`): a setting that enters no hash (device, batch size, workers) is in no record, so changing it
 keeps every output current; a hashed one differs, so every path recomputes.
+
+The code counts too where the settings cannot tell: train and evaluate record a revision of what they compute
+(`stages/train/settings.py` `TRAINING_REVISION`, `stages/evaluate/checkpoints.py` `EVALUATION_REVISION`; the
+encode stages' is their feature revision, `schemas.lineage.code_version`), so a release that fixes their math
+recomputes their outputs.
 """
 
 from __future__ import annotations
 
 from typing import Any, Mapping
+
+
+# The revision of an output recorded before its stage recorded one: the code that made it computed what each
+# stage's first revision names (read as 1, an upgrade recomputes nothing; a later bump recomputes it too).
+UNRECORDED_REVISION = 1
 
 
 def stale_inputs(recorded: Mapping[str, Any] | None, present: Mapping[str, Any]) -> list[str]:

@@ -28,6 +28,7 @@ from schemas.config import EvaluateConfig
 from schemas.errors import UserError
 from schemas.lineage import hashed_settings
 from schemas.stage import few
+from schemas.up_to_date import UNRECORDED_REVISION
 from stages.evaluate.base_images import FOLDER as BASE_IMAGES, extra_prompt_bytes
 from stages.evaluate.curves import pick_best
 from stages.evaluate.paired import paired, per_sample, signed
@@ -40,10 +41,20 @@ LOSS_SETTINGS = ("noise_seeds", "timesteps", "max_loss_samples", "lora_scale", "
                  "attention_backend", "quantize_base", "on_damaged")
 
 
+# What evaluate computes from its inputs (store tables, model, LoRA bytes, hashed settings): bump it with a release
+# that changes a report's numbers or pictures for those same inputs (the held-out loss or its use of the noise
+# seeds and σ grid, generation, PSNR / SSIM, the summaries and their pairing) - not for speed, layout or wording.
+# Recorded in the loss array's setting (`loss_fingerprint`, so also the base images' and base losses' keys) and
+# in a single-LoRA report's inputs: a report of another revision is recomputed, its loss array kept aside.
+# Reports from before it was recorded: `schemas.up_to_date.UNRECORDED_REVISION`.
+EVALUATION_REVISION = 1
+
+
 def loss_fingerprint(cfg: EvaluateConfig, store: str | Path, model: str) -> tuple[str, dict]:
-    """(hash, settings) of everything the held-out losses depend on besides the LoRA: equal = same array. The
-    store's path is not one of them: the tables' identities (number and manifest hash) name the data, and a store
-    moved, or a store URL's cache in another folder, gives the same numbers (`known_fingerprint`)."""
+    """(hash, settings) of everything the held-out losses depend on besides the LoRA, the code's evaluation
+    revision included: equal = same array. The store's path is not one of them: the tables' identities (number
+    and manifest hash) name the data, and a store moved, or a store URL's cache in another folder, gives the same
+    numbers (`known_fingerprint`)."""
     from models.loading import model_fingerprint
 
     st = Store(store, create=False)
@@ -51,17 +62,20 @@ def loss_fingerprint(cfg: EvaluateConfig, store: str | Path, model: str) -> tupl
         "tables": {t: st.version_id(t, v) for t, v in sorted(st.tables().items()) if t in ("text", "vae")},
         "model_fingerprint": model_fingerprint(model),
         "evaluate": {k: v for k, v in hashed_settings(cfg).items() if k in LOSS_SETTINGS},
+        "evaluation_revision": EVALUATION_REVISION,
     }
     return _hash(settings), settings
 
 
 def known_fingerprint(out: Path, fingerprint: str, settings: dict) -> str:
     """The fingerprint OUT's loss array is recorded under when it is this one's earlier spelling (its settings held
-    the store's path, which is no longer hashed), else `fingerprint`: such an array stays this setting's, its
-    losses kept, and is recorded under the present spelling at its next write (`LossStore.refingerprint`)."""
+    the store's path, which is no longer hashed, or no evaluation revision: `UNRECORDED_REVISION`'s), else
+    `fingerprint`: such an array stays this setting's, its losses kept, and is recorded under the present
+    spelling at its next write (`LossStore.refingerprint`)."""
     recorded = recorded_setting(out)
-    if recorded is not None and recorded[0] != fingerprint and "store" in recorded[1] and \
-            {k: v for k, v in recorded[1].items() if k != "store"} == settings:
+    if recorded is not None and recorded[0] != fingerprint and \
+            {"evaluation_revision": UNRECORDED_REVISION, **{k: v for k, v in recorded[1].items() if k != "store"}} \
+            == settings:
         return recorded[0]
     return fingerprint
 

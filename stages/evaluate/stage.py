@@ -304,6 +304,7 @@ def evaluate_inputs(cfg: EvaluateConfig, store: str | Path, model: str, lora: st
     from models.file_hashes import file_sha256
     from models.loading import model_fingerprint
     from stages.evaluate.base_images import extra_prompt_bytes
+    from stages.evaluate.checkpoints import EVALUATION_REVISION
 
     cfg = resolved_config(cfg)
     st = Store(store, create=False)
@@ -313,6 +314,7 @@ def evaluate_inputs(cfg: EvaluateConfig, store: str | Path, model: str, lora: st
         "model_fingerprint": model_fingerprint(model),
         "lora_sha256": h,
         "config_fingerprint": cfg.fingerprint(),
+        "evaluation_revision": EVALUATION_REVISION,
     }
     if cfg.extra_prompts:  # only then: a report without extra prompts keeps the inputs it recorded before
         inputs["extra_prompts_sha256"] = extra_prompt_bytes(cfg)
@@ -329,7 +331,9 @@ def report_up_to_date(cfg: EvaluateConfig, store: str | Path, model: str, lora: 
     except (OSError, json.JSONDecodeError):
         return False
     if isinstance(recorded, dict):
-        recorded = {k: v for k, v in recorded.items() if k != "store"}  # recorded before the path left the inputs
+        # recorded before the path left the inputs, or before the evaluation revision was recorded
+        recorded = {"evaluation_revision": current.UNRECORDED_REVISION,
+                    **{k: v for k, v in recorded.items() if k != "store"}}
     return current.is_current(recorded if isinstance(recorded, dict) else None,
                               evaluate_inputs(cfg, store, model, lora, lora_sha256))
 

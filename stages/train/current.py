@@ -11,14 +11,15 @@ from models.lora import WEIGHT_NAME
 from schemas import up_to_date as current
 from schemas.config import PipelineConfig
 from stages.train import state as train_state
-from stages.train.settings import (config_fingerprint, earlier_config_fingerprints, init_lora_sha256,
-                                   planned_device, resolve_precision)
+from stages.train.settings import (TRAINING_REVISION, config_fingerprint, earlier_config_fingerprints,
+                                   init_lora_sha256, planned_device, resolve_precision)
 from stages.train.state import ResumeRecord
 
 
 def up_to_date(cfg: PipelineConfig, store: str | Path, model: str, out: str | Path) -> bool:
     """OUT/lora is the final LoRA of a run on the same tables, model, train config and init LoRA bytes, trained to
-    max_steps (`schemas.up_to_date`: the last checkpoint's record against `run_inputs`)."""
+    max_steps under this code's training revision (`schemas.up_to_date`: the last checkpoint's record against
+    `run_inputs`)."""
     weights = Path(out) / "lora" / WEIGHT_NAME
     latest = train_state.latest_checkpoint(Path(out) / "checkpoints")
     if not weights.is_file() or latest is None:
@@ -36,8 +37,8 @@ def up_to_date(cfg: PipelineConfig, store: str | Path, model: str, out: str | Pa
 
 
 def run_inputs(cfg: PipelineConfig, store: str | Path, model: str) -> dict[str, Any]:
-    """What a finished run of `cfg` records: its last step, config fingerprint, table versions, model and the
-    init LoRA's bytes."""
+    """What a finished run of `cfg` records: its last step, config fingerprint, table versions, model, the
+    init LoRA's bytes and the training revision."""
     from models.loading import model_fingerprint
 
     tables = open_configured(cfg.train, "train", store, model, model_fingerprint(model), "train")  # as training does
@@ -49,6 +50,7 @@ def run_inputs(cfg: PipelineConfig, store: str | Path, model: str) -> dict[str, 
         "tables": tables.versions(),
         "model_fingerprint": model_fingerprint(model),
         "init_lora_sha256": init_lora_sha256(cfg.train),
+        "training_revision": TRAINING_REVISION,
     }
 
 

@@ -14,6 +14,15 @@ from schemas.lineage import hashed_settings, section_fingerprint, settings_hash
 from stages.train.launch import launched_world_size, use_cpu
 
 
+# What this code computes for a run's config, tables, model and init LoRA: bump it with a release that changes the
+# trained weights for those same inputs (the loss or its weighting, σ / noise sampling, the LoRA's init, the
+# optimizer's or the schedule's math, the data order) - not for speed, memory, logging or file layout. Recorded
+# in every checkpoint's resume record: a finished run of another revision is trained again (`run all`), and a
+# resume of one is refused like a changed config (`--new-run` keeps it and trains afresh). Records from before
+# it was recorded: `schemas.up_to_date.UNRECORDED_REVISION`.
+TRAINING_REVISION = 1
+
+
 def validate_config(cfg: TrainConfig) -> None:
     if cfg.mixed_precision == "fp16":
         raise UserError("train.mixed_precision 'fp16' is not supported (no loss scaling here); use 'bf16' or 'no'")

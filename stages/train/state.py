@@ -106,7 +106,8 @@ def check_files(folder: Path, files: dict[str, dict[str, Any]], keep: dict[str, 
 
 
 _INPUT_LABEL = {"config_fingerprint": "train config fingerprint", "tables": "store tables",
-                "model_fingerprint": "model fingerprint", "init_lora_sha256": "train.init_lora weights (sha256)"}
+                "model_fingerprint": "model fingerprint", "init_lora_sha256": "train.init_lora weights (sha256)",
+                "training_revision": "training revision"}
 
 
 @dataclass(frozen=True)
@@ -131,6 +132,9 @@ class ResumeRecord:
     # weights makes another run (its step 0 is other weights), so a resume or the up-to-date check compares it.
     # A field of its own, not in the fingerprint: runs without init_lora keep their fingerprints.
     init_lora_sha256: str | None = None
+    # the code's `settings.TRAINING_REVISION` the weights were trained under (a record written before it was
+    # recorded: the revision that code computed, `UNRECORDED_REVISION`)
+    training_revision: int = up_to_date.UNRECORDED_REVISION
 
     @property
     def canonical(self) -> int:
@@ -159,19 +163,29 @@ class ResumeRecord:
     def inputs(self) -> dict[str, Any]:
         """What the weights were trained from (`schemas.up_to_date`: a resume and the up-to-date check compare it)."""
         return {"config_fingerprint": self.config_fingerprint, "tables": self.tables,
-                "model_fingerprint": self.model_fingerprint, "init_lora_sha256": self.init_lora_sha256}
+                "model_fingerprint": self.model_fingerprint, "init_lora_sha256": self.init_lora_sha256,
+                "training_revision": self.training_revision}
 
     def check_matches(self, now: "ResumeRecord", where: Path) -> None:
-        """Fail loudly when the config, the store tables, the model or the init LoRA's bytes changed (the process
-        count may change: the sample order is planned for the record's canonical world size,
-        stages/train/elastic.py)."""
+        """Fail loudly when the config, the store tables, the model, the init LoRA's bytes or the code's training
+        revision changed (the process count may change: the sample order is planned for the record's canonical
+        world size, stages/train/elastic.py)."""
         before, after = self.inputs(), now.inputs()
-        problems = [f"{_INPUT_LABEL[k]} {before[k]} -> {after[k]}" for k in up_to_date.stale_inputs(before, after)]
-        if problems:
-            raise ResumeMismatch(
-                f"cannot resume from {where}: {'; '.join(problems)}. Resume with the same config and store, "
-                "or start a new run with a different --out", reason="; ".join(problems)
-            )
+        stale = up_to_date.stale_inputs(before, after)
+        problems = [f"{_INPUT_LABEL[k]} {before[k]} -> {after[k]}" for k in stale]
+        if not problems:
+            return
+        advice = "Resume with the same config and store, or start a new run with a different --out"
+        if "training_revision" in stale:
+            # no setting of the user's to put back: the release that made the checkpoints is what differs, and
+            # steps of both in one LoRA would be neither run
+            problems[stale.index("training_revision")] += (
+                " (this release trains differently from the one that wrote these checkpoints)")
+            same = " and the same config and store" if len(stale) > 1 else ""
+            advice = (f"Finish this run with the release that started it (training revision "
+                      f"{before['training_revision']}){same}, or train it afresh under this one: a new --out")
+        raise ResumeMismatch(f"cannot resume from {where}: {'; '.join(problems)}. {advice}",
+                             reason="; ".join(problems))
 
 
 def known_init_lora(recorded: str | None, now: str | None) -> str | None:

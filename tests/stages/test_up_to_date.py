@@ -173,3 +173,123 @@ def test_checkpoint_report_is_stale_when_an_extra_prompt_image_is_replaced(train
     again = ev.run(cfg, store, tiny_edit_model, ckpts, out, skip_if_done=True)
     assert not again.up_to_date and again.evaluated == 0  # the same loss array: no checkpoint evaluated again
     assert ev.run(cfg, store, tiny_edit_model, ckpts, out, skip_if_done=True).up_to_date
+
+
+def _rewrite_record(run, **change):
+    """The last checkpoint's resume record as another release wrote it (`None`: the field left out), sealed again
+    with its old mtime (still older than the final LoRA)."""
+    import os
+
+    from store.checksum import seal, unseal
+
+    record = run / "checkpoints" / "step-2" / "resume.json"
+    stamp = record.stat()
+    d = unseal(record.read_bytes())
+    for k, v in change.items():
+        if v is None:
+            d.pop(k, None)
+        else:
+            d[k] = v
+    record.write_bytes(seal(d))
+    os.utime(record, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
+
+
+def test_a_run_trained_under_another_training_revision_is_trained_again(trained, tiny_edit_model, tmp_path):
+    """The up-to-date check compared the config, tables, model and init LoRA, not the code: a release that fixed
+    the training math (TRAINING_REVISION bumped) left `run all` calling the old LoRA current. Now the revision is
+    recorded: another one is not up to date, a record from before it was recorded counts as revision 1, a resume
+    is refused naming the revision (the rule of a changed config), and `run all` (--new-run) keeps the old run
+    and trains afresh."""
+    import shutil
+
+    from schemas.errors import UserError
+    from stages.train.recipe import run, up_to_date as train_up_to_date
+    from stages.train.settings import TRAINING_REVISION
+
+    cfg, store, out = load_config(None, TRAIN), trained / "store", tmp_path / "run"
+    shutil.copytree(trained / "run", out)  # mtimes kept
+    assert train_up_to_date(cfg, store, tiny_edit_model, out)
+
+    _rewrite_record(out, training_revision=None)  # written before the revision was recorded: revision 1's
+    assert train_up_to_date(cfg, store, tiny_edit_model, out) == (TRAINING_REVISION == up_to_date.UNRECORDED_REVISION)
+
+    other = TRAINING_REVISION + 1
+    _rewrite_record(out, training_revision=other)
+    assert not train_up_to_date(cfg, store, tiny_edit_model, out)
+
+    shutil.rmtree(out / "lora")  # killed before its final save: a resume would continue step-2
+    with pytest.raises(UserError, match=f"training revision {other} -> {TRAINING_REVISION}") as refused:
+        run(cfg, store, tiny_edit_model, out, resume=True)
+    assert "release that started it" in str(refused.value) and "--new-run" in str(refused.value)
+    assert (out / "checkpoints" / "step-2").is_dir()  # nothing touched
+
+    again = run(cfg, store, tiny_edit_model, out, resume=True, skip_if_done=True, new_run=True)  # as `run all`
+    assert not again.up_to_date and again.start_step == 0 and again.kept_previous is not None
+    assert train_up_to_date(cfg, store, tiny_edit_model, out)
+
+
+def test_an_evaluate_report_of_another_evaluation_revision_is_recomputed(trained, tiny_edit_model, tmp_path,
+                                                                         monkeypatch):
+    """A single-LoRA report records the evaluation revision in its inputs: another one recomputes it (its base
+    losses too); a report recorded before the revision was counts as revision 1."""
+    import json
+
+    from stages.evaluate import checkpoints as ev
+    from stages.evaluate.stage import report_up_to_date, run
+
+    store, lora, out = trained / "store", trained / "run" / "lora", tmp_path / "report"
+    cfg = EvaluateConfig(**EVAL)
+    run(cfg, store, tiny_edit_model, lora, out)
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["run"]["inputs"]["evaluation_revision"] == ev.EVALUATION_REVISION
+    del metrics["run"]["inputs"]["evaluation_revision"]  # as written before the revision was recorded
+    (out / "metrics.json").write_text(json.dumps(metrics))
+    assert report_up_to_date(cfg, store, tiny_edit_model, lora, out) == (
+        ev.EVALUATION_REVISION == up_to_date.UNRECORDED_REVISION)  # revision 1's
+
+    monkeypatch.setattr(ev, "EVALUATION_REVISION", ev.EVALUATION_REVISION + 1)
+    assert not report_up_to_date(cfg, store, tiny_edit_model, lora, out)
+    base_losses = (out / "base-losses.safetensors").read_bytes()
+    again = run(cfg, store, tiny_edit_model, lora, out, skip_if_done=True)
+    assert not again.up_to_date
+    assert again.metrics["run"]["inputs"]["evaluation_revision"] == ev.EVALUATION_REVISION
+    assert (out / "base-losses.safetensors").read_bytes() != base_losses  # recomputed under the new key
+    assert report_up_to_date(cfg, store, tiny_edit_model, lora, out)
+
+
+def test_a_checkpoint_report_of_another_evaluation_revision_evaluates_every_checkpoint_again(
+        trained, tiny_edit_model, tmp_path, monkeypatch):
+    """--all-checkpoints reuses each checkpoint's losses by its bytes: the evaluation revision is in the loss
+    array's setting, so another revision keeps the old array aside and evaluates every checkpoint again. An
+    array recorded before the revision was (no revision in its setting) is revision 1's: kept, nothing evaluated."""
+    import json
+
+    import zarr
+
+    from stages.evaluate import checkpoints as ev
+    from store.loss_array import GROUP
+
+    store, out = trained / "store", tmp_path / "report"
+    ckpts = [(2, trained / "run" / "checkpoints" / "step-2" / "lora")]
+    cfg = EvaluateConfig(**EVAL)
+    first = ev.run(cfg, store, tiny_edit_model, ckpts, out)
+    assert first.evaluated == 1
+
+    # the array and report as written before the revision was recorded
+    group = zarr.open_group(out / GROUP, mode="r+", use_consolidated=True)
+    settings = {k: v for k, v in group.attrs["settings"].items() if k != "evaluation_revision"}
+    old = ev._hash(settings)
+    group.attrs.update({"fingerprint": old, "settings": settings})
+    zarr.consolidate_metadata(out / GROUP)
+    metrics = json.loads((out / "metrics.json").read_text())
+    metrics["checkpoints"]["fingerprint"] = old
+    (out / "metrics.json").write_text(json.dumps(metrics))
+    assert ev.run(cfg, store, tiny_edit_model, ckpts, out, skip_if_done=True).up_to_date
+    assert ev.run(cfg, store, tiny_edit_model, ckpts, out).evaluated == 0  # forced: the losses are kept
+    assert not list(out.glob("losses.*.zarr"))
+
+    monkeypatch.setattr(ev, "EVALUATION_REVISION", ev.EVALUATION_REVISION + 1)
+    again = ev.run(cfg, store, tiny_edit_model, ckpts, out, skip_if_done=True)
+    assert not again.up_to_date and again.evaluated == 1
+    assert list(out.glob("losses.*.zarr"))  # the earlier revision's losses kept aside
+    assert ev.run(cfg, store, tiny_edit_model, ckpts, out, skip_if_done=True).up_to_date
