@@ -73,11 +73,15 @@ def start_record(tc: TrainConfig, tables: JoinedTables, model: str, world_size: 
 
 
 def check_same_start(world: int, record: ResumeRecord) -> None:
-    """The train config (as resolved on this rank's device) and the init LoRA's bytes are the same on every rank,
-    or every rank stops with one line. Each rank reads --config / --set and the init LoRA itself: per-node copies
+    """The train config (as resolved on this rank's device), the init LoRA's bytes and the training revision are
+    the same on every rank, or every rank stops with one line. Each rank reads --config / --set and the init LoRA itself: per-node copies
     that differ would have ranks with other step counts, checkpoint or validation steps wait in different
     collectives, or with another learning rate drift apart silently (rank 0's weights alone are saved)."""
-    config, init = differing(world, [record.config_fingerprint, record.init_lora_sha256 or "0"])
+    config, init, code = differing(world, [record.config_fingerprint, record.init_lora_sha256 or "0",
+                                           f"{record.training_revision:x}"])
+    if code:  # nodes with different installs: their steps would be different maths in one LoRA
+        raise UserError("the ranks do not run the same training code (training revisions differ between the "
+                        "nodes' installs of the pipeline); install the same release on every node")
     if config:
         raise UserError("the ranks do not train with the same settings (their train config fingerprints differ): "
                         "each node reads --config and --set itself, so copies of the config file that differ, or "

@@ -14,11 +14,11 @@ are the test's.
                                                         `pipeline run evaluate --all-checkpoints`; rank 1 reads
                                                         `text` vV (its view of store.json lags), or does not
                                                         list RUN's oldest checkpoint (pruned in its view)
-    rank_stale_view.py tables STORE MODEL OUT SPLIT V|STORE1|settings
+    rank_stale_view.py tables STORE MODEL OUT SPLIT V|STORE1|settings|revision
                                                         `pipeline run train` with validation; rank 1 reads the
                                                         SPLIT split's `text` as vV, or the store at STORE1 (its
                                                         own copy, which differs), or is given another learning
-                                                        rate
+                                                        rate, or runs another training revision
     rank_stale_view.py val-damaged STORE MODEL OUT       the train validator (on_damaged=skip) on two ranks;
                                                         rank 1 finds val row 0 damaged (its node's copy)
     rank_stale_view.py done STORE MODEL OUT              train.run(skip_if_done=True, resume=True) as `pipeline
@@ -83,6 +83,10 @@ def main() -> None:
             hold = lease.hold
             lease.hold = lambda root, tables, what, *a: hold(
                 root, {**tables, "text": int(view)} if f"'{split}'" in what else tables, what, *a)
+        elif os.environ["RANK"] == "1" and view == "revision":
+            from stages.train import start
+
+            start.TRAINING_REVISION += 1  # its node runs another release of the training code
         elif os.environ["RANK"] == "1" and view != "settings":
             store = view
         extra = ["--set", "train.learning_rate=0.0002"] if os.environ["RANK"] == "1" and view == "settings" else []

@@ -178,6 +178,11 @@ def test_ranks_given_different_settings_stop_before_training_or_encoding(tiny_ed
                                      "settings", timeout=300))
     assert "the ranks do not train with the same settings" in line, line
     assert not train_state.complete_checkpoints(out / "checkpoints")
+    # a node running another release of the training code (its TRAINING_REVISION differs)
+    line = _stopped_alike(launch_two("rank_stale_view.py", "tables", str(store), tiny_edit_model, str(out), "train",
+                                     "revision", timeout=300))
+    assert "the ranks do not run the same training code (training revisions differ" in line, line
+    assert not train_state.complete_checkpoints(out / "checkpoints")
 
     line = _stopped_alike(launch_two("rank_stale_view.py", "encode", str(edit_store), tiny_edit_model, "settings",
                                      timeout=300))
