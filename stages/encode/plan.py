@@ -47,7 +47,7 @@ ROW_COLUMNS = ("length",)  # what a stored row gives `Fixes.by_revision` (read o
 def open_job(store_path: str | Path, stage: str, table: str, feature_hash: str, model: str,
              feature_revision: str, ranks: Ranks, components: tuple[str, ...] = (), on_damaged: str = "stop",
              max_damaged_fraction: float = 0.0, earlier_hashes: tuple[str, ...] = (),
-             fixes: Fixes = NO_FIXES) -> EncodeJob:
+             fixes: Fixes = NO_FIXES, unread: tuple[str, ...] = ()) -> EncodeJob:
     """`_open_job` on every rank, then agreed on (models/collective.py): a rank that cannot open its inputs
     stops every rank with its line before any model is loaded (the others would wait at the commit). Whether the
     table is up to date is decided by all ranks together too (`_agreed_plan`)."""
@@ -57,7 +57,7 @@ def open_job(store_path: str | Path, stage: str, table: str, feature_hash: str, 
     try:
         with together(ranks.world_size, f"{stage}: opening the inputs"):
             job, found = _open_job(store_path, stage, table, feature_hash, model, feature_revision, ranks,
-                                   components, on_damaged, max_damaged_fraction, earlier_hashes, fixes)
+                                   components, on_damaged, max_damaged_fraction, earlier_hashes, fixes, unread)
         found = _agreed_plan(job, found)
         if found is not None:
             with together(ranks.world_size, f"{stage}: reusing table '{table}' v{found}"):
@@ -104,9 +104,10 @@ def _agreed_plan(job: EncodeJob, found: int | None) -> int | None:
 def _open_job(store_path: str | Path, stage: str, table: str, feature_hash: str, model: str,
               feature_revision: str, ranks: Ranks, components: tuple[str, ...] = (), on_damaged: str = "stop",
               max_damaged_fraction: float = 0.0, earlier_hashes: tuple[str, ...] = (),
-              fixes: Fixes = NO_FIXES) -> tuple[EncodeJob, int | None]:
+              fixes: Fixes = NO_FIXES, unread: tuple[str, ...] = ()) -> tuple[EncodeJob, int | None]:
     """Read the `images` table, build the lineage, and find out whether an identical version already exists
-    (this rank's look: `open_job` agrees on it).
+    (this rank's look: `open_job` agrees on it). `unread`: render settings this stage does not read
+    (schemas/pictures_lineage.py): its samples' lineage leaves them out.
 
     An identical complete version is made current and reused ("up to date"); anything that differs (model
     fingerprint, config, images version, code revision) leads to a new version, never a silent reuse.
@@ -130,10 +131,16 @@ def _open_job(store_path: str | Path, stage: str, table: str, feature_hash: str,
     summary = Summary(stage=stage, table=table, rank=ranks.rank, world_size=ranks.world_size, store=str(path))
     # Per-sample reuse: the features depend on these settings, the components loaded and the images' own
     # feature lineage (render settings), not on the images version (a relabelled split is the same pixels).
-    upstream = _images_feature_lineage(store, images, images_id)
+    whole = _images_feature_lineage(store, images, images_id)
+    reads = _read_lineage(images.schema, unread)
+    upstream = reads or whole
     fingerprint = component_fingerprint(model, components) if components else model_fingerprint(model)
     fl, *earlier = (feature_lineage(stage, h, fingerprint, code_version(feature_revision), upstream)
                     for h in (feature_hash, *earlier_hashes))
+    # samples encoded from pictures whose read part was the same (stored under their whole lineage, as every
+    # sample was before `unread`): carried forward too
+    same_reads = [feature_lineage(stage, h, fingerprint, code_version(feature_revision), w)
+                  for w in _same_read_lineages(store, reads, unread) for h in (feature_hash, *earlier_hashes)]
     # The same features as hashed before the declared lineage scheme (tables encoded then stay current, and
     # `store repair` of such a table resumes its repair version under its own lineage).
     hashed_before = [(replace(lineage, config_hash=f"{h}-images:{images_id}"), e) for h, e in zip(earlier_hashes, earlier)]
@@ -146,11 +153,16 @@ def _open_job(store_path: str | Path, stage: str, table: str, feature_hash: str,
                for old, h in ((lineage, feature_hash), *zip([o for o, _ in hashed_before], earlier_hashes))]
         lineage, fl = next(((old, e) for old, e in pre if repair_context.expected() == old), (lineage, fl))
     repair_context.check(lineage, table)
-    changed = _lineages_before_fixes(images, fixes, stage, (feature_hash, *earlier_hashes), fingerprint,
-                                     feature_revision, upstream)
+    changed = {}
+    whole_before = images.schema.attrs.get(LINEAGE_BEFORE_FIXES_ATTR)
+    for up, before in {(upstream, _read_lineage(images.schema, unread, before_fixes=True) or whole_before),
+                       (whole, whole_before)}:  # rows stored before a fix: under either scheme
+        changed.update(_lineages_before_fixes(images, fixes, stage, (feature_hash, *earlier_hashes), fingerprint,
+                                              feature_revision, up, before))
     job = EncodeJob(store=store, images=images, images_id=images_id, lineage=lineage, ranks=ranks, summary=summary,
                     feature_lineage=fl,
-                    earlier_lineages=(*earlier, *changed), lease=lease, on_damaged=on_damaged,
+                    earlier_lineages=tuple(dict.fromkeys((*earlier, *same_reads, *changed))), lease=lease,
+                    on_damaged=on_damaged,
                     max_damaged_fraction=max_damaged_fraction, changed_by_fixes=changed)
     weakref.finalize(job, lease.release)
     found = _identical_version(store, table, lineage, [old for old, _ in hashed_before])
@@ -164,10 +176,11 @@ def _open_job(store_path: str | Path, stage: str, table: str, feature_hash: str,
 
 
 def _lineages_before_fixes(images, fixes: Fixes, stage: str, feature_hashes: tuple[str, ...], fingerprint: str,
-                           revision: str, upstream: str) -> dict[str, Callable[[dict[str, Any]], bool]]:
-    """feature lineage the samples were stored under before a fix (this stage's, the images') -> "does a fix
-    change this stored row?": such versions give the rows no fix changes (store/reuse.py)."""
-    upstream_before = images.schema.attrs.get(LINEAGE_BEFORE_FIXES_ATTR)
+                           revision: str, upstream: str, upstream_before: str | None
+                           ) -> dict[str, Callable[[dict[str, Any]], bool]]:
+    """feature lineage the samples were stored under before a fix (this stage's, the images': `upstream_before`,
+    None when the images record none) -> "does a fix change this stored row?": such versions give the rows no
+    fix changes (store/reuse.py)."""
     revisions = [(revision, False)] + ([(fixes.revision_before, True)]
                                        if fixes.revision_before not in (None, revision) else [])
     upstreams = [(upstream, False)] + ([(upstream_before, True)] if upstream_before not in (None, upstream) else [])
@@ -218,6 +231,42 @@ def _images_feature_lineage(store: Store, images, images_id: str) -> str:
             (store.version_dir(IMAGES_TABLE, int(origin)) / "manifest.parquet").is_file():
         upstream = store.version_id(IMAGES_TABLE, int(origin))
     return upstream
+
+
+def _read_lineage(schema, unread: tuple[str, ...], before_fixes: bool = False) -> str | None:
+    """The lineage of the pictures of an `images` version this stage reads (`before_fixes`: of those pictures
+    as rendered before the images' fixes). None: it reads them all, or the version's record cannot tell (made
+    by an earlier release): the whole one is used."""
+    from schemas.pictures_lineage import CODE_BEFORE_FIXES_ATTR, read_lineage
+
+    if not unread:
+        return None
+    if before_fixes:
+        return read_lineage(schema.attrs.get("resize"), schema.attrs.get(LINEAGE_BEFORE_FIXES_ATTR),
+                            schema.attrs.get(CODE_BEFORE_FIXES_ATTR), unread)
+    return read_lineage(schema.attrs.get("resize"), schema.attrs.get(FEATURE_LINEAGE_ATTR),
+                        schema.lineage.code_version, unread)
+
+
+def _same_read_lineages(store: Store, reads: str | None, unread: tuple[str, ...]) -> list[str]:
+    """The whole feature lineages of the complete `images` versions whose read part is `reads` (schema.json of
+    each: a few versions, read once per run)."""
+    from store.manifest_files import read_schema
+
+    if reads is None:
+        return []
+    found = []
+    for v in fmt.list_versions(store.root, IMAGES_TABLE):
+        vdir = store.version_dir(IMAGES_TABLE, v)
+        if not fmt.is_complete(vdir):
+            continue
+        try:
+            schema = read_schema(vdir)
+        except UserError:  # an unreadable old version: its samples are not carried, nothing else
+            continue
+        if _read_lineage(schema, unread) == reads:
+            found.append(schema.attrs[FEATURE_LINEAGE_ATTR])
+    return found
 
 
 def _identical_version(store: Store, table: str, lineage: Lineage, hashed_before: list[Lineage]) -> int | None:

@@ -20,6 +20,7 @@ import torch
 
 from schemas.config import PipelineConfig
 from schemas.img_shapes import PIXELS_PER_PATCH
+from schemas.pictures_lineage import VAE_UNREAD
 from schemas.table import FieldSpec, TableSchema
 from schemas.errors import Rejected
 from stages.encode.common import (
@@ -167,7 +168,7 @@ def run(
         revision, fixes = FEATURE_REVISION, FIXES
     job = open_job(store, STAGE, TABLE, config_hash(section), model, revision, ranks, components=COMPONENTS,
                    on_damaged=section.on_damaged, max_damaged_fraction=section.max_damaged_fraction,
-                   earlier_hashes=earlier_config_hashes(section), fixes=fixes)
+                   earlier_hashes=earlier_config_hashes(section), fixes=fixes, unread=VAE_UNREAD)
     job.match_columns = ("mask_sha256",)
     if job.up_to_date:
         return job.summary

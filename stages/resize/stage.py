@@ -265,13 +265,15 @@ def _lineage_before_fixes(lineage: Lineage) -> Lineage:
 def _as_repair_expects(schema: TableSchema) -> TableSchema:
     """`store repair` of a version rendered before this revision's fixes: repaired under its own lineage and exact
     schema (the repair resumes a writer of it). The next run then re-renders what the fixes change."""
+    from schemas.pictures_lineage import CODE_BEFORE_FIXES_ATTR
     from store import repair_context
     from store.reuse import FEATURE_LINEAGE_ATTR, LINEAGE_BEFORE_FIXES_ATTR
 
     before = _lineage_before_fixes(schema.lineage)
     if repair_context.expected() != before or before == schema.lineage:
         return schema
-    attrs = {k: v for k, v in schema.attrs.items() if k != LINEAGE_BEFORE_FIXES_ATTR}  # not written then
+    attrs = {k: v for k, v in schema.attrs.items()
+             if k not in (LINEAGE_BEFORE_FIXES_ATTR, CODE_BEFORE_FIXES_ATTR)}  # not written then
     return replace(schema, lineage=before, attrs={**attrs, FEATURE_LINEAGE_ATTR: schema.attrs[LINEAGE_BEFORE_FIXES_ATTR]})
 
 
@@ -453,11 +455,11 @@ def _verify_repaired(st: Store, summary: ResizeSummary, repairing: int) -> None:
 
 
 def images_schema(rc: ResizeConfig, listing: str, source: str = "", source_format: str = "") -> TableSchema:
-    from schemas.lineage import feature_lineage, hashed_settings, unhashed_names
+    from schemas.lineage import unhashed_names
+    from schemas.pictures_lineage import CODE_BEFORE_FIXES_ATTR, pictures_lineage
     from store.reuse import FEATURE_LINEAGE_ATTR, LINEAGE_BEFORE_FIXES_ATTR
 
     lineage = Lineage(stage=STAGE, config_hash=f"{rc.fingerprint()}-src{listing}", code_version=code_version(f"images.{FEATURE_REVISION}"))
-    render = hashed_settings(rc, "sample")  # the pixels' settings: not the view (which samples, split labels)
     png, col = "png", "column"
     return TableSchema(
         name=TABLE,
@@ -487,11 +489,12 @@ def images_schema(rc: ResizeConfig, listing: str, source: str = "", source_forma
             "source": source,
             "source_format": source_format,
             "source_listing": listing,
-            FEATURE_LINEAGE_ATTR: feature_lineage(STAGE, render, code_version=lineage.code_version),
+            # the pixels' settings, not the view (which samples, split labels)
+            FEATURE_LINEAGE_ATTR: pictures_lineage(rc, lineage.code_version),
             # what these pixels were hashed as before this revision's fixes: the encoders carry their samples
             # encoded from such a table forward unless a fix changed the sample (stages/encode/plan.py)
-            LINEAGE_BEFORE_FIXES_ATTR: feature_lineage(STAGE, render,
-                                                       code_version=_lineage_before_fixes(lineage).code_version),
+            LINEAGE_BEFORE_FIXES_ATTR: pictures_lineage(rc, _lineage_before_fixes(lineage).code_version),
+            CODE_BEFORE_FIXES_ATTR: _lineage_before_fixes(lineage).code_version,
         },
     )
 

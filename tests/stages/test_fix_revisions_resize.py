@@ -60,7 +60,8 @@ def _build_before_fix(monkeypatch, cfg, src, store):
 
         def old_schema(*a, **k):
             schema = real_schema(*a, **k)
-            attrs = {n: v for n, v in schema.attrs.items() if n != "feature_lineage_before_fixes"}
+            attrs = {n: v for n, v in schema.attrs.items()
+                     if n not in ("feature_lineage_before_fixes", "code_version_before_fixes")}
             return type(schema)(name=schema.name, lineage=schema.lineage, fields=schema.fields, attrs=attrs)
 
         m.setattr(resize_stage, "images_schema", old_schema)

@@ -1,0 +1,45 @@
+"""The `images` table's per-sample feature lineage: the render settings of its pictures (resize-bucket), whole, or
+as one encoder reads them.
+
+An encoder reads only some of the pictures: the VAE reads target.png, control_{i}.png and mask.png, never the VL
+views. A change to a setting it does not read (`control_vl_area`) re-renders the table, but leaves the bytes it
+reads as they were, so its features are carried forward rather than encoded again (hours at 1M samples)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from schemas.config import ResizeConfig
+from schemas.lineage import feature_lineage, hashed_settings
+
+IMAGES_STAGE = "resize-bucket"
+# an `images` schema attr: the code version its pictures' lineage before this revision's fixes was hashed with
+# (so an encoder can derive the part it read of those pictures too)
+CODE_BEFORE_FIXES_ATTR = "code_version_before_fixes"
+
+# render settings the VAE encoder does not read: they size or skip the VL views alone (stages/resize/stage.py
+# `_render`: target, control VAE views and mask are sized by target_area / control_vae_area and the bucket rules)
+VAE_UNREAD = ("control_vl_area", "vl_views")
+
+
+def pictures_lineage(rc: ResizeConfig, code_version: str, unread: tuple[str, ...] = ()) -> str:
+    """The feature lineage of the pictures resize-bucket renders under `rc` (all of them; or those an encoder
+    reads, without the settings in `unread`)."""
+    render = {k: v for k, v in hashed_settings(rc, "sample").items() if k not in unread}
+    return feature_lineage(IMAGES_STAGE, render, code_version=code_version)
+
+
+def read_lineage(resize: Any, recorded: str | None, code_version: str | None, unread: tuple[str, ...]) -> str | None:
+    """The lineage of what an encoder reads of an `images` version, from its recorded settings (schema attrs:
+    `resize`, the feature lineage `recorded`, its lineage's code version); None where it cannot be derived (no
+    settings recorded, or a feature lineage recorded under another scheme than `pictures_lineage`): the whole
+    lineage is used there, as before."""
+    if not isinstance(resize, dict) or recorded is None or code_version is None:
+        return None
+    try:
+        rc = ResizeConfig.model_validate(resize)
+    except ValueError:  # pydantic's ValidationError: settings of another release
+        return None
+    if pictures_lineage(rc, code_version) != recorded:
+        return None
+    return pictures_lineage(rc, code_version, unread)
