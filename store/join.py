@@ -7,6 +7,8 @@ per-row Python objects). Which tables a stage joins, and what it checks on them,
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 from math import prod
 from pathlib import Path
@@ -24,6 +26,13 @@ from store.arrow_columns import strictly_increasing as _strictly_increasing
 from store.reader import TableReader
 
 log = logging.getLogger("store")
+
+# What a joined table gives its reader besides the keys: each sample's bytes (named by their checksums) and what the
+# manifest adds to them (img_shapes: the model's image grid; length: with img_shapes, the joint sequence length that
+# orders and batches the samples). `JoinedTables.content_ids` hashes them.
+CONTENT_COLUMNS = ("sample_sha256", "sample_crc32c", "img_shapes", "length")
+CONTENT_FORMAT = b"joined-content-1"  # bump when what is hashed changes: ids recorded under another never match
+_CHUNK = 1 << 16  # rows hashed at a time: the taken copy stays a few MB at 1M samples
 
 class KeyList(Sequence[str]):
     """The joined keys (sorted): `keys[i]` is a str, a slice a list; no per-key Python objects unless asked for.
@@ -152,6 +161,7 @@ class JoinedTables:
         self.damaged: dict[str, str] = {}
         self.lease: Any = None  # the opener's read lease on these versions (store/lease.py)
         self._versions: dict[str, str] | None = None  # `versions()`, once computed
+        self._contents: dict[str, str] | None | bool = False  # `content_ids()` (False: not computed yet)
         split_rows = {t: rows_of_split(r, split) for t, r in readers.items()}
         for r in readers.values():
             r.view.forget("split")  # the join's rows replace it
@@ -246,6 +256,15 @@ class JoinedTables:
             self._versions = {t: r.view.version_id() for t, r in self.readers.items()}
         return dict(self._versions)
 
+    def content_ids(self) -> dict[str, str] | None:
+        """Content identities of the joined tables as read through this join (`_content_ids`): equal ids, the
+        same samples (keys, bytes, img_shapes, lengths) of the same split, whatever the versions are numbered
+        (encode carrying every sample of an earlier version forward into a new one, e.g. after an `images`
+        rerun that changed no sample). None when a table has none (compare `versions()` then). Computed once."""
+        if self._contents is False:
+            self._contents = _content_ids(self)
+        return dict(self._contents) if self._contents else None
+
     def iter_keys(
         self, rank: int = 0, world_size: int = 1, seed: int | None = None, epoch: int = 0, buffer_size: int = 1024,
     ) -> list[str]:
@@ -256,6 +275,85 @@ class JoinedTables:
 
     def _shapes_reader(self) -> TableReader:
         return self.readers.get("vae") or next(iter(self.readers.values()))
+
+
+class _NotHashed(Exception):
+    """A column whose type `_feed` has no canonical bytes for."""
+
+
+def _feed(h: "hashlib._Hash", a: pa.Array) -> None:
+    """Canonical bytes of an Arrow array into `h`: validity, then values (integers as int64 whatever their stored
+    width; strings as lengths + bytes; lists as lengths + their flattened values), so equal values give equal
+    bytes however the array is laid out (offsets, slices, a narrowed type)."""
+    t = a.type
+    h.update(str(len(a)).encode() + b"\0")
+    h.update(a.is_valid().to_numpy(zero_copy_only=False).astype(np.uint8).tobytes())
+    if pa.types.is_integer(t):
+        h.update(b"i" + a.fill_null(0).to_numpy(zero_copy_only=False).astype("<i8").tobytes())
+    elif pa.types.is_string(t) or pa.types.is_large_string(t):
+        a = a.cast(pa.large_string()).fill_null("")  # int64 offsets; nulls hold no bytes
+        offsets = np.frombuffer(a.buffers()[1], dtype="<i8")[a.offset : a.offset + len(a) + 1]
+        h.update(b"s" + np.diff(offsets).tobytes())
+        data = a.buffers()[2]
+        h.update(memoryview(data)[int(offsets[0]) : int(offsets[-1])] if data is not None else b"")
+    elif pa.types.is_list(t) or pa.types.is_large_list(t):
+        h.update(b"l" + pc.list_value_length(a).fill_null(0).to_numpy(zero_copy_only=False).astype("<i8").tobytes())
+        _feed(h, pc.list_flatten(a))  # null lists hold no values
+    else:
+        raise _NotHashed(str(t))
+
+
+def _feed_rows(h: "hashlib._Hash", column: pa.Array, rows: np.ndarray | None) -> None:
+    """`_feed` of `column`'s rows (all for None), a chunk at a time."""
+    n = len(column) if rows is None else len(rows)
+    for a in range(0, max(n, 1), _CHUNK):
+        b = min(a + _CHUNK, n)
+        _feed(h, column.slice(a, b - a) if rows is None else column.take(pa.array(rows[a:b])))
+
+
+def _content_ids(j: JoinedTables) -> dict[str, str] | None:
+    """table -> sha256 of what a reader of the join gets from it: the joined keys (sorted: a sample's index) and
+    their joint sequence lengths, the split, and per joined row the table's `CONTENT_COLUMNS` (the checksums of
+    the sample's bytes, its img_shapes and text length). Train's sampler orders samples by index and length alone
+    (stages/train/sampler.py), never by shard: a version whose shards group the samples otherwise is the same.
+
+    None for a table no encode stage wrote (no feature lineage in its schema: a sample whose first member is not
+    its safetensors file is read by the manifest's `tensors` layout, which is not hashed) or of schema v1 (its
+    img_shapes come from other columns): such a join is named by its version ids alone."""
+    from store.reuse import FEATURE_LINEAGE_ATTR
+
+    if any(r.view.is_v1 or not r.schema.attrs.get(FEATURE_LINEAGE_ATTR) for r in j.readers.values()):
+        return None
+    common = hashlib.sha256(CONTENT_FORMAT + b"\0" + json.dumps({"split": j.split}).encode())
+    try:
+        _feed_rows(common, j.keys.source, j.keys.rows)
+        _feed(common, pa.array(np.asarray(j.lengths, dtype=np.int64)))
+        out = {}
+        for t, r in j.readers.items():
+            h = common.copy()
+            h.update(b"\0table\0" + t.encode())
+            rows = np.asarray(j.rows[t])
+            for name in CONTENT_COLUMNS:
+                h.update(b"\0column\0" + name.encode())
+                if not r.view.has_column(name):
+                    h.update(b"\0absent")
+                    continue
+                crcs = r.view.sample_crcs() if name == "sample_crc32c" else None
+                if crcs is not None:  # the numbers a reader checks against (kept by the view for its checks)
+                    h.update(b"u32" + crcs[rows].astype("<u4").tobytes())
+                    continue
+                parsed = name in r.view.parsed
+                _feed_rows(h, r.view.column(name), rows)
+                if not parsed:  # parsed for this hash alone (sample_sha256: ~70 MB at 1M samples)
+                    r.view.forget(name)
+            out[t] = h.hexdigest()
+    except _NotHashed as e:
+        log.warning("join of %s: a content column of type %s is not hashed; the tables are named by their "
+                    "version ids", list(j.readers), e)
+        return None
+    finally:
+        release_memory()
+    return out
 
 
 def split_keys(r: TableReader, split: str | None) -> list[str]:

@@ -14,6 +14,7 @@ from stages.train import state as train_state
 from stages.train.settings import (TRAINING_REVISION, config_fingerprint, earlier_config_fingerprints,
                                    init_lora_sha256, planned_device, resolve_precision)
 from stages.train.state import ResumeRecord
+from store.join import JoinedTables
 
 
 def up_to_date(cfg: PipelineConfig, store: str | Path, model: str, out: str | Path) -> bool:
@@ -28,8 +29,11 @@ def up_to_date(cfg: PipelineConfig, store: str | Path, model: str, out: str | Pa
     if weights.stat().st_mtime < (latest / train_state.RESUME_JSON).stat().st_mtime:
         return False
     record = ResumeRecord.read(latest / train_state.RESUME_JSON)
-    now = run_inputs(cfg, store, model)
+    now, tables = _inputs(cfg, store, model)
     recorded = {"step": record.step, **record.inputs()}
+    # the same samples under other version numbers (an `images` rerun that changed none) are the same run
+    recorded["tables"], now["tables"] = train_state.compared_tables(record.tables, record.table_contents,
+                                                                    now["tables"], tables.content_ids)
     if recorded["config_fingerprint"] in earlier_config_fingerprints(resolved_train(cfg)):  # an earlier spelling
         recorded["config_fingerprint"] = now["config_fingerprint"]
     recorded["init_lora_sha256"] = train_state.known_init_lora(record.init_lora_sha256, now["init_lora_sha256"])
@@ -39,10 +43,15 @@ def up_to_date(cfg: PipelineConfig, store: str | Path, model: str, out: str | Pa
 def run_inputs(cfg: PipelineConfig, store: str | Path, model: str) -> dict[str, Any]:
     """What a finished run of `cfg` records: its last step, config fingerprint, table versions, model, the
     init LoRA's bytes and the training revision."""
+    return _inputs(cfg, store, model)[0]
+
+
+def _inputs(cfg: PipelineConfig, store: str | Path, model: str) -> tuple[dict[str, Any], JoinedTables]:
+    """`run_inputs`, and the joined tables (closed) for their content identities."""
     from models.loading import model_fingerprint
 
     tables = open_configured(cfg.train, "train", store, model, model_fingerprint(model), "train")  # as training does
-    tables.close()  # only its versions are compared
+    tables.close()  # only its versions (or contents: from the manifests it holds) are compared
     return {
         "step": cfg.train.max_steps,
         # the run records its resolved precision (dtype auto -> float32 / bfloat16 for its device)
@@ -51,7 +60,7 @@ def run_inputs(cfg: PipelineConfig, store: str | Path, model: str) -> dict[str, 
         "model_fingerprint": model_fingerprint(model),
         "init_lora_sha256": init_lora_sha256(cfg.train),
         "training_revision": TRAINING_REVISION,
-    }
+    }, tables
 
 
 def resolved_train(cfg: PipelineConfig):

@@ -263,6 +263,9 @@ def setup(cfg: PipelineConfig, store: str | Path, model: str, out: str | Path, r
     with together(r.world, "the run folder"), guard.one_line_errors("the run folder", r.run_dir):
         if r.main:
             prepare_run_dir(r, cfg)
+    with together(r.world, "hashing what the run reads"):
+        if r.main:  # for the checkpoints' records; now, before any reader thread shares the tables' views
+            tables.content_ids()
 
     r.transformer = setup_transformer(model, tc, r.device)
     # which attention kernel this run uses and why (a failed packed probe's error included); rank 0 writes it,

@@ -48,7 +48,9 @@ def checkpoint(r: Run) -> None:
                 train_state.save_scheduler(r.scheduler, tmp)
                 if r.ema is not None:
                     r.ema.save(tmp)
-                train_state.write_record(tmp, record)
+                # what the run reads, by content (hashed at setup): a resume from tables carried forward whole
+                # into new versions continues this run (`state.compared_tables`)
+                train_state.write_record(tmp, replace(record, table_contents=r.tables.content_ids()))
                 folder.close()  # fsync + rename: the checkpoint is committed
                 train_state.prune(r.checkpoints, r.cfg.keep_checkpoints)
     pause_point("train_after_checkpoint")

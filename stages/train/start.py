@@ -122,7 +122,7 @@ def resume_point(r: Run, resume: bool, cfg: PipelineConfig) -> tuple[Path | None
     record = replace(record, config_fingerprint=known_fingerprint(record.config_fingerprint, r.cfg),
                      init_lora_sha256=train_state.known_init_lora(record.init_lora_sha256, r.record.init_lora_sha256))
     try:
-        record.check_matches(r.record, latest)
+        record.check_matches(r.record, latest, contents=r.tables.content_ids)
         if record.step > r.cfg.max_steps:
             raise train_state.ResumeMismatch(
                 f"{latest} is already past train.max_steps ({record.step} > {r.cfg.max_steps}): raise max_steps "

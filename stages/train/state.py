@@ -18,7 +18,7 @@ import os
 import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from safetensors.torch import load as load_bytes, save_file
@@ -135,6 +135,11 @@ class ResumeRecord:
     # the code's `settings.TRAINING_REVISION` the weights were trained under (a record written before it was
     # recorded: the revision that code computed, `UNRECORDED_REVISION`)
     training_revision: int = up_to_date.UNRECORDED_REVISION
+    # table -> content identity of what the run reads from it (`JoinedTables.content_ids`; None: a record written
+    # before they were recorded, or tables that have none). A version carried forward whole into a new number (an
+    # `images` rerun that changed no sample) has other `tables` ids but the same content: the same run
+    # (`compared_tables`). A field of its own: records without it compare `tables` as before.
+    table_contents: dict[str, str] | None = None
 
     @property
     def canonical(self) -> int:
@@ -166,13 +171,18 @@ class ResumeRecord:
                 "model_fingerprint": self.model_fingerprint, "init_lora_sha256": self.init_lora_sha256,
                 "training_revision": self.training_revision}
 
-    def check_matches(self, now: "ResumeRecord", where: Path) -> None:
-        """Fail loudly when the config, the store tables, the model, the init LoRA's bytes or the code's training
-        revision changed (the process count may change: the sample order is planned for the record's canonical
-        world size, stages/train/elastic.py)."""
+    def check_matches(self, now: "ResumeRecord", where: Path,
+                      contents: Callable[[], dict[str, str] | None] | None = None) -> None:
+        """Fail loudly when the config, the store tables (their contents where both sides have them,
+        `compared_tables`), the model, the init LoRA's bytes or the code's training revision changed (the process
+        count may change: the sample order is planned for the record's canonical world size,
+        stages/train/elastic.py). `contents`: this start's `JoinedTables.content_ids`, called only when the
+        version ids differ (`now` has none)."""
         before, after = self.inputs(), now.inputs()
-        stale = up_to_date.stale_inputs(before, after)
-        problems = [f"{_INPUT_LABEL[k]} {before[k]} -> {after[k]}" for k in stale]
+        compared = compared_tables(self.tables, self.table_contents, now.tables,
+                                   (lambda: now.table_contents) if now.table_contents else contents)
+        stale = up_to_date.stale_inputs({**before, "tables": compared[0]}, {**after, "tables": compared[1]})
+        problems = [f"{_INPUT_LABEL[k]} {before[k]} -> {after[k]}" for k in stale]  # named by their version ids
         if not problems:
             return
         advice = "Resume with the same config and store, or start a new run with a different --out"
@@ -186,6 +196,20 @@ class ResumeRecord:
                       f"{before['training_revision']}){same}, or train it afresh under this one: a new --out")
         raise ResumeMismatch(f"cannot resume from {where}: {'; '.join(problems)}. {advice}",
                              reason="; ".join(problems))
+
+
+def compared_tables(recorded: dict[str, str], recorded_contents: dict[str, str] | None, now: dict[str, str],
+                    contents: Callable[[], dict[str, str] | None] | None) -> tuple[Any, Any]:
+    """The (recorded, present) values a resume or the up-to-date check compares as the run's tables: their
+    content identities when the version ids differ and both sides have them for the same tables, else the
+    version ids (a record written before contents were recorded compares as it did). `contents()` gives the
+    present ones: computed only when the ids differ (a hash of the joined manifests' checksum columns)."""
+    if recorded == now or not recorded_contents or contents is None:
+        return recorded, now
+    present = contents()
+    if not present or set(present) != set(recorded_contents) or set(recorded) != set(now):
+        return recorded, now
+    return recorded_contents, present
 
 
 def known_init_lora(recorded: str | None, now: str | None) -> str | None:

@@ -51,9 +51,10 @@ def _lineage(stage: str, model: str | None, fingerprint: str | None) -> Lineage:
 def make_train_store(
     root: Path, model: str, specs: list[Spec], seed: int = 0, schema_version: int = 2,
     fingerprint: str | None = None, tag: str = "", skip_text: set[int] = frozenset(), skip_vae: set[int] = frozenset(),
-    poison: dict[int, float] | None = None, shard_size_mb: float = 256,
+    poison: dict[int, float] | None = None, shard_size_mb: float = 256, attrs: dict | None = None,
 ) -> Store:
-    """poison: sample index -> a value written (checksummed, so not "damaged") into its target latent."""
+    """poison: sample index -> a value written (checksummed, so not "damaged") into its target latent.
+    attrs: added to both tables' schema attrs (e.g. the feature lineage an encode stage records)."""
     st = Store(root)
     g = torch.Generator().manual_seed(seed)
     text_schema = TableSchema(
@@ -62,6 +63,7 @@ def make_train_store(
                 FieldSpec("split", "string", kind="column"), FieldSpec("length", "int64", kind="column")],
         lineage=_lineage("encode-text", model, fingerprint),
         schema_version=schema_version,
+        attrs=dict(attrs or {}),
     )
     vae_schema = TableSchema(
         name="vae",
@@ -69,7 +71,7 @@ def make_train_store(
                 FieldSpec("mask_weight", "float32", 1, optional=True), FieldSpec("split", "string", kind="column")],
         lineage=_lineage("encode-vae", model, fingerprint),
         schema_version=schema_version,
-        attrs={"latents_mean": [0.0] * C, "latents_std": [1.0] * C},
+        attrs={"latents_mean": [0.0] * C, "latents_std": [1.0] * C, **(attrs or {})},
     )
     tw, vw = st.writer("text", text_schema, shard_size_mb=shard_size_mb), st.writer("vae", vae_schema, shard_size_mb=shard_size_mb)
     empty = torch.randn(3, D, generator=g).bfloat16()

@@ -1,0 +1,178 @@
+"""A trained run is named by what it read, not by the version numbers it was read under. An `images` rerun that
+changes no sample (resize.max_controls raised above the data's maximum: an identity setting) gives new `text` /
+`vae` versions that carry every sample forward (hard-linked shards); the finished LoRA stays up to date (`run
+all` trains nothing) and a killed run resumes. Before: the new version ids retrained the LoRA from scratch and
+refused the resume. Other pixels under the same keys, a sample moved to another split or other bytes still make
+another run; a record written before contents were recorded compares version ids as it did."""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import asdict
+
+import pytest
+
+from pipeline.config import load_config
+from stages.encode import text as encode_text
+from stages.encode import vae as encode_vae
+from stages.resize import stage as resize_stage
+from stages.train import state as train_state
+from store import Store
+from store.checksum import seal
+from train_store import Spec, make_train_store, mixed_specs
+
+SETTINGS = {"resize.target_area": 64 * 64, "resize.control_vae_area": 64 * 64, "resize.control_vl_area": 64 * 64,
+            "resize.multiple": 16, "resize.min_side": 16, "resize.val_fraction": 0.25, "resize.max_controls": 2,
+            "encode_text.dtype": "float32", "encode_vae.dtype": "float32",
+            "train.device": "cpu", "train.batch_size": 2, "train.lora.rank": 4, "train.sigma.sampling": "uniform",
+            "train.max_steps": 2, "train.checkpoint_every": 1, "train.keep_checkpoints": 3}
+LORA = "lora/pytorch_lora_weights.safetensors"
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_plus_model, tmp_path_factory):
+    """A store built by the stages (resize-bucket, both encoders) and a finished 2-step run on it."""
+    from pipeline.demo_data import make_demo_data
+    from stages.train.recipe import run as train
+
+    root = tmp_path_factory.mktemp("same-content")
+    make_demo_data(root / "src", n=8, fmt="folder", max_controls=1, seed=3)
+    cfg = load_config(None, SETTINGS)
+    resize_stage.run(cfg, root / "src", root / "store")
+    encode_text.run(cfg, root / "store", tiny_plus_model)
+    encode_vae.run(cfg, root / "store", tiny_plus_model)
+    assert train(cfg, root / "store", tiny_plus_model, root / "run").steps == 2
+    return root
+
+
+def _copy(trained, tmp_path):
+    for name in ("src", "store", "run"):
+        shutil.copytree(trained / name, tmp_path / name, symlinks=True)
+    return tmp_path / "store", tmp_path / "run"
+
+
+def _rebuild(cfg, src, store, model):
+    """resize-bucket, then both encoders: their summaries."""
+    return resize_stage.run(cfg, src, store), encode_text.run(cfg, store, model), encode_vae.run(cfg, store, model)
+
+
+def test_an_images_rerun_that_changes_no_sample_keeps_the_run_and_its_resume(trained, tiny_plus_model, tmp_path):
+    from stages.train.recipe import run as train, up_to_date
+
+    store, run = _copy(trained, tmp_path)
+    lora = (run / LORA).read_bytes()
+    cfg = load_config(None, {**SETTINGS, "resize.max_controls": 3})  # above every sample's 1 control
+    images, text, vae = _rebuild(cfg, tmp_path / "src", store, tiny_plus_model)
+    assert not images.up_to_date and images.written == 0 and images.reused == 8
+    assert (text.version, text.reused, vae.version, vae.reused) == (2, 8, 2, 8)  # new versions, nothing encoded
+
+    assert up_to_date(cfg, store, tiny_plus_model, run)
+    again = train(cfg, store, tiny_plus_model, run, skip_if_done=True, new_run=True)  # `pipeline run all`
+    assert again.up_to_date and again.kept_previous is None and (run / LORA).read_bytes() == lora
+    assert not (tmp_path / "run.previous").exists()
+
+    # a run to more steps continues from the last checkpoint, read under the old versions
+    resumed = train(load_config(None, {**SETTINGS, "resize.max_controls": 3, "train.max_steps": 3}), store,
+                    tiny_plus_model, run, resume=True)
+    assert (resumed.start_step, resumed.steps) == (2, 3)
+    record = train_state.ResumeRecord.read(run / "checkpoints" / "step-3" / train_state.RESUME_JSON)
+    assert record.tables["text"].startswith("v2-") and record.table_contents is not None
+
+
+def test_other_pixels_under_the_same_keys_retrain_and_refuse_a_resume(trained, tiny_plus_model, tmp_path):
+    from stages.train.recipe import run as train, up_to_date
+
+    store, run = _copy(trained, tmp_path)
+    cfg = load_config(None, {**SETTINGS, "resize.target_area": 48 * 48})  # other renders of the same sources
+    images, text, vae = _rebuild(cfg, tmp_path / "src", store, tiny_plus_model)
+    assert images.written == 8 and text.reused == vae.reused == 0
+    st = Store(store, create=False)
+    with st.reader("vae", 1) as old, st.reader("vae", 2) as new:
+        assert old.keys() == new.keys()  # the same keys: only the contents tell them apart
+
+    assert not up_to_date(cfg, store, tiny_plus_model, run)
+    with pytest.raises(train_state.ResumeMismatch, match="store tables"):
+        train(load_config(None, {**SETTINGS, "resize.target_area": 48 * 48, "train.max_steps": 3}), store,
+              tiny_plus_model, run, resume=True)
+
+
+# ------------------------------------------------------------------- the identity itself, on written tables
+
+ENCODED = {"feature_lineage": "encoded-by-a-stage"}
+
+
+def _contents(root, model, **kw):
+    from stages.train.data import open_inputs
+
+    make_train_store(root, model, kw.pop("specs", mixed_specs(6, 2)), attrs=kw.pop("attrs", ENCODED), **kw)
+    with open_inputs(root, model) as tables:
+        return tables.content_ids(), tables.versions()
+
+
+def test_content_ids_name_the_samples_read_not_their_shards(tiny_edit_model, tmp_path):
+    one, one_ids = _contents(tmp_path / "one-shard", tiny_edit_model)
+    many, many_ids = _contents(tmp_path / "many-shards", tiny_edit_model, shard_size_mb=1e-6)  # a shard a sample
+    assert one_ids != many_ids and one == many  # other manifests, the same samples
+
+    poisoned, _ = _contents(tmp_path / "poisoned", tiny_edit_model, poison={1: 3.0})  # one latent value
+    assert poisoned["vae"] != one["vae"] and poisoned["text"] == one["text"]
+    specs = mixed_specs(6, 2)
+    specs[2] = Spec(specs[2].target, specs[2].controls, specs[2].text_len, "val")  # one sample leaves the split
+    moved, _ = _contents(tmp_path / "moved", tiny_edit_model, specs=specs)
+    assert moved["text"] != one["text"] and moved["vae"] != one["vae"]
+    # the same bytes with other sequence lengths (what orders and batches them) are another run
+    from stages.train.data import open_inputs
+
+    with open_inputs(tmp_path / "one-shard", tiny_edit_model) as tables:
+        tables.lengths = tables.lengths[::-1].copy()
+        assert tables.content_ids()["text"] != one["text"]
+    # tables no encode stage wrote (no feature lineage: a hand-written layout) are named by their versions alone
+    assert _contents(tmp_path / "by-hand", tiny_edit_model, attrs={})[0] is None
+
+
+def test_the_shards_a_sample_lies_in_do_not_change_the_trained_weights(tiny_edit_model, tmp_path):
+    """Why the content ids leave the shard grouping out: train orders samples by index and length alone."""
+    from safetensors.torch import load_file
+
+    from stages.train.recipe import run as train
+
+    cfg = load_config(None, {k: v for k, v in SETTINGS.items() if k.startswith("train.")})
+    for name, size in (("one", 256), ("many", 1e-6)):
+        make_train_store(tmp_path / name, tiny_edit_model, mixed_specs(6, 2), attrs=ENCODED, shard_size_mb=size)
+        train(cfg, tmp_path / name, tiny_edit_model, tmp_path / f"run-{name}")
+    one, many = (load_file(tmp_path / f"run-{name}" / LORA) for name in ("one", "many"))
+    assert one.keys() == many.keys() and all(one[k].equal(many[k]) for k in one)  # bit for bit
+
+
+def _record(**kw) -> train_state.ResumeRecord:
+    base = dict(step=2, epoch=0, batch_in_epoch=2, config_fingerprint="c", tables={"text": "v1-a", "vae": "v1-b"},
+                store="/s", model_fingerprint="m", world_size=1)
+    return train_state.ResumeRecord(**{**base, **kw})
+
+
+def test_a_record_without_contents_compares_version_ids_as_before(tmp_path):
+    moved = {"text": "v2-a", "vae": "v2-b"}
+    same = {"text": "c1", "vae": "c2"}
+    calls = []
+
+    def contents():
+        calls.append(1)
+        return same
+
+    # written before contents were recorded: other ids are other tables (refused), whatever the contents now
+    old = _record()
+    with pytest.raises(train_state.ResumeMismatch, match="store tables"):
+        old.check_matches(_record(tables=moved), tmp_path, contents=contents)
+    old.check_matches(_record(), tmp_path, contents=contents)
+    assert not calls  # nothing hashed when the ids say it all
+    # with contents: the same samples under other ids continue; other contents do not
+    new = _record(table_contents=same)
+    new.check_matches(_record(tables=moved), tmp_path, contents=contents)
+    with pytest.raises(train_state.ResumeMismatch, match="store tables"):
+        new.check_matches(_record(tables=moved), tmp_path, contents=lambda: {**same, "vae": "c3"})
+    with pytest.raises(train_state.ResumeMismatch):  # tables without contents now: the ids decide
+        new.check_matches(_record(tables=moved), tmp_path, contents=lambda: None)
+    # a resume.json written before the field existed still reads
+    fields = {k: v for k, v in asdict(old).items() if k != "table_contents"}
+    (tmp_path / train_state.RESUME_JSON).write_bytes(seal({**fields, "files": {}}))
+    assert train_state.ResumeRecord.read(tmp_path / train_state.RESUME_JSON) == old
