@@ -192,7 +192,12 @@ def record_damage(vdir: Path, samples: dict[str, str] | None = None, shards: dic
     damage lock (`DAMAGE_LOCK`, its own: a reader may find damage while its process holds the store lock):
     two readers never drop each other's findings. A failure to record (a read-only store, a full disk) is
     reported as one warning line, never silently: reading goes on, but a rerun of the stage that wrote the
-    version may then call it up to date."""
+    version may then call it up to date.
+
+    A sample or shard already recorded keeps its first problem, and a finding that adds nothing returns after
+    one stat of the marker (no lock, no read, no write): every rank of a validation meets the same damaged
+    samples, and a resumed or next-epoch read meets them again; each such repeat used to take the lock and
+    re-read and compare the whole marker. Callers that find many at once pass them in one call (one write)."""
     try:
         version = int(vdir.name.lstrip("v"))
     except ValueError:
@@ -200,34 +205,78 @@ def record_damage(vdir: Path, samples: dict[str, str] | None = None, shards: dic
     root = store_root(vdir)
     path = fmt.damaged_marker(root, vdir.parent.name, version)
     try:
+        if _merged(_recorded(path), version, samples, shards, problems) is None:
+            return
         with fmt.flock(root / DAMAGE_LOCK):
-            _merge_damage(path, version, samples, shards, problems)
+            rec = _merged(_recorded(path, fresh=True), version, samples, shards, problems)
+            if rec is not None:
+                fmt.atomic_write_json(path, rec)
+                _remember(path, rec)
     except OSError as e:
         log.warning("%s: could not record the damage found in %s (%s: %s); a rerun of the stage that wrote it "
                     "may call it up to date: run `pipeline store verify %s` where the store is writable",
                     where(vdir), path, type(e).__name__, e.strerror or e, root)
 
 
-def _merge_damage(path: Path, version: int, samples: dict[str, str] | None, shards: dict[str, str] | None,
-                  problems: list[str] | None) -> None:
+# marker -> (its stat stamp when read, its record): a repeat finding is judged by one stat. Every write of a
+# marker is an atomic replace (a new inode), and records only grow, so a record cached under the current stamp
+# never claims a finding the file lacks.
+_RECORDED: dict[Path, tuple[tuple[int, ...], dict[str, Any]]] = {}
+
+
+def _stamp(st: os.stat_result) -> tuple[int, ...]:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def _remember(path: Path, rec: dict[str, Any]) -> None:
     try:
-        rec = json.loads(path.read_text())
-        if not isinstance(rec, dict):
-            rec = {}
+        _RECORDED[path] = (_stamp(os.stat(path)), rec)
+    except OSError:
+        _RECORDED.pop(path, None)
+
+
+def _recorded(path: Path, fresh: bool = False) -> dict[str, Any]:
+    """The marker's record ({} when there is none, or it is damaged itself: then rewritten from what is found
+    now). `fresh`: read the file even when a record is cached (under the lock: the merge never trusts a stamp)."""
+    cached = _RECORDED.get(path)
+    if cached is not None and not fresh:
+        try:
+            if _stamp(os.stat(path)) == cached[0]:
+                return cached[1]
+        except FileNotFoundError:
+            return {}
+    try:
+        with open(path, "rb") as f:  # stamp and bytes of one inode: a replace meanwhile cannot pair them wrong
+            stamp, data = _stamp(os.fstat(f.fileno())), f.read()
     except FileNotFoundError:
-        rec = {}
-    except ValueError:  # a marker damaged itself: rewritten from what is found now
-        rec = {}
-    before = json.dumps(rec, sort_keys=True)
-    rec["version"] = version
+        return {}
+    try:
+        rec = json.loads(data)
+    except ValueError:
+        rec = None
+    rec = rec if isinstance(rec, dict) else {}
+    _RECORDED[path] = (stamp, rec)
+    return rec
+
+
+def _merged(rec: dict[str, Any], version: int, samples: dict[str, str] | None, shards: dict[str, str] | None,
+            problems: list[str] | None) -> dict[str, Any] | None:
+    """`rec` with these findings added (a new dict); None when it already holds every one of them."""
+    out = dict(rec)
+    changed = out.get("version") != version
+    out["version"] = version
     for name, new in (("damaged", samples), ("shards", shards)):
-        if new:
-            rec[name] = {**(rec.get(name) if isinstance(rec.get(name), dict) else {}), **new}
+        known = rec.get(name) if isinstance(rec.get(name), dict) else {}
+        if new and any(k not in known for k in new):
+            out[name] = {**new, **known}  # the first problem recorded for a key stays
+            changed = True
     if problems:
-        known = rec.get("problems") if isinstance(rec.get("problems"), list) else []
-        rec["problems"] = sorted(set(map(str, known)) | set(problems))[:50]
-    if json.dumps(rec, sort_keys=True) != before:
-        fmt.atomic_write_json(path, rec)
+        known_problems = rec.get("problems") if isinstance(rec.get("problems"), list) else []
+        merged = sorted(set(map(str, known_problems)) | set(problems))[:50]
+        if merged != known_problems:
+            out["problems"] = merged
+            changed = True
+    return out if changed else None
 
 
 def damaged_sample_message(vdir: Path, shard: str, key: str, what: str) -> str:

@@ -19,6 +19,13 @@ temporary file + rename). Readers (xarray, and `open` here) take the shapes from
 a process killed mid-append leaves the group as it was before: the partial step lies beyond the recorded
 shape, unseen, and the next append overwrites it.
 
+Durable too (a power loss, a node crash): zarr never fsyncs, and a file system may persist the renamed root
+zarr.json before the new chunk files' bytes, so a step recorded as committed (a resumed training does not
+validate it again, evaluate does not evaluate it again) could read as NaN / step 0 / an error. Every write
+here therefore fsyncs the files it wrote and their folders before the commit, then the root zarr.json and the
+group's folder (`_commit`); a new group is written whole in a temp folder, fsynced and renamed in
+(`store.format.atomic_dir`). A few fsyncs per validation or checkpoint evaluated, none per sample.
+
 A group is for one evaluation setting (`fingerprint`: store tables, model, noise seeds, σ grid, LoRA scale,
 dtype, ...). Opening with another fingerprint keeps the old group as `losses.<old fingerprint>.zarr` beside it
 and starts a new one, so numbers of different protocols never share an array.
@@ -32,6 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from store import format as fmt
 
 
 REGIONS = ("all", "inside", "outside")  # models.held_out computes them in this order
@@ -93,10 +102,8 @@ class LossStore:
     def refingerprint(self, fingerprint: str, settings: dict) -> None:
         """Record the group under another spelling of the same setting (a rule that stopped hashing a
         throughput-only value): later opens find it under the current one. One consolidated-metadata rewrite."""
-        zarr = _zarr()
         self.group.attrs.update({"fingerprint": fingerprint, "settings": settings})
-        zarr.consolidate_metadata(self.path)
-        self.group = zarr.open_group(self.path, mode="r+", use_consolidated=True)
+        self._commit([])  # the attrs live in the root zarr.json, which the commit rewrites and fsyncs
         self.fingerprint, self.settings = fingerprint, settings
 
     def _recorded_fingerprint(self) -> str | None:
@@ -108,8 +115,11 @@ class LossStore:
         return attrs.get("fingerprint") if attrs.get("format") == FORMAT else None
 
     def _create(self, fingerprint: str, settings: dict) -> None:
+        with fmt.atomic_dir(self.path) as tmp:  # the group appears whole (and fsynced) or not at all
+            self._create_in(tmp, fingerprint, settings)
+
+    def _create_in(self, tmp: Path, fingerprint: str, settings: dict) -> None:
         zarr = _zarr()
-        tmp = self.path.with_name(f".{GROUP}.tmp-{os.getpid()}")
         g = zarr.open_group(tmp, mode="w", zarr_format=3)
         a, full = self.axes, self.axes.shape
         g.attrs.update({"format": FORMAT, "fingerprint": fingerprint, "settings": settings})
@@ -125,7 +135,16 @@ class LossStore:
             g.create_array(name, shape=(0,), chunks=(1,), dimension_names=["step"], **_STR)
         g["loss"].attrs["coordinates"] = "bucket checkpoint lora_sha256"  # xarray: these are coordinates
         zarr.consolidate_metadata(tmp)
-        os.rename(tmp, self.path)  # the group appears whole or not at all
+
+    def _commit(self, written: list[str]) -> None:
+        """Make `written` (files of the group, relative to it) durable, then commit: the consolidated metadata
+        rewritten last and fsynced with the group's folder, so no commit on disk counts a row whose bytes are
+        not."""
+        zarr = _zarr()
+        _fsync(self.path, written)
+        zarr.consolidate_metadata(self.path)
+        _fsync(self.path, ["zarr.json"])
+        self.group = zarr.open_group(self.path, mode="r+", use_consolidated=True)
 
     # ------------------------------------------------------------------------------------------------ reads
 
@@ -157,7 +176,6 @@ class LossStore:
 
     def drop_from(self, step: int) -> None:
         """Forget the steps >= `step` (recorded by a run killed after its last checkpoint, about to be redone)."""
-        zarr = _zarr()
         steps = [int(s) for s in self.group["step"][:]] if self.group["step"].shape[0] else []
         keep = sum(1 for s in steps if s < step)
         if keep == len(steps):
@@ -171,18 +189,17 @@ class LossStore:
             # the chunks past the new end stay until appends overwrite them: zarr's resize deletes them before
             # the commit below, and a kill between left the recorded rows reading as NaN / step 0 for good
             sync(arr.async_array.resize((keep, *arr.shape[1:]), delete_outside_chunks=False))
-        zarr.consolidate_metadata(self.path)  # the commit
-        self.group = zarr.open_group(self.path, mode="r+", use_consolidated=True)
+        self._commit([f"{name}/zarr.json" for name in _PER_STEP])
 
     def write_base(self, grid: np.ndarray) -> None:
-        zarr = _zarr()
         self.group.create_array("base_loss", data=grid.astype("float32"), fill_value=np.nan,
                                 dimension_names=["sample", "seed", "sigma", "region"], overwrite=True)
-        zarr.consolidate_metadata(self.path)
+        base = self.path / "base_loss"
+        self._commit([(Path(folder) / f).relative_to(self.path).as_posix()
+                      for folder, _, files in os.walk(base) for f in files])
 
     def append(self, step: int, checkpoint: str, lora_sha256: str, grid: np.ndarray) -> None:
         """One checkpoint's losses: its chunk and coordinates first, the consolidated metadata (commit) last."""
-        zarr = _zarr()
         if grid.shape != self.axes.shape:
             raise ValueError(f"losses shaped {grid.shape}, the group holds {self.axes.shape}")
         n = self.group["step"].shape[0]
@@ -193,8 +210,30 @@ class LossStore:
             arr = self.group[name]
             arr.resize((n + 1,))
             arr[n] = value
-        zarr.consolidate_metadata(self.path)  # the commit: before this, readers still see n steps
-        self.group = zarr.open_group(self.path, mode="r+", use_consolidated=True)
+        written = []
+        for name in _PER_STEP:  # each array's metadata (its new shape) and its chunk of row n
+            meta = self.group[name].metadata
+            written += [f"{name}/zarr.json", f"{name}/{meta.encode_chunk_key((n,) + (0,) * (len(meta.shape) - 1))}"]
+        self._commit(written)  # before this, readers still see n steps
+
+
+_PER_STEP = ("loss", "step", "checkpoint", "lora_sha256")  # the arrays with one chunk per step
+
+
+def _fsync(group: Path, written: list[str]) -> None:
+    """fsync these files of the group and every folder from theirs up to the group's (deepest first): a new
+    file's or folder's entry, and a removal, are durable only through their folder. A file not there is
+    skipped: zarr writes no chunk that holds only the fill value (step 0, an empty sha) and removes one that
+    did (an append over a dropped step), which the folder's fsync makes durable."""
+    folders: set[Path] = set()
+    for rel in written:
+        path = group / rel
+        if path.is_file():
+            fmt.fsync_dir(path)  # os.fsync works on a file's descriptor as on a folder's
+        folders.update(group / p for p in Path(rel).parents)
+    for folder in sorted(folders, key=lambda f: len(f.parts), reverse=True):
+        if folder.is_dir():
+            fmt.fsync_dir(folder)
 
 
 def recorded_setting(folder: str | Path) -> tuple[str, dict] | None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import numpy as np
 import pyarrow as pa
@@ -229,6 +229,15 @@ class ManifestView:
             self._shard_idx = col.indices.to_numpy(zero_copy_only=False)
             self._shard_names = col.dictionary.to_pylist()
         return self._shard_names[self._shard_idx[i]]
+
+    def rows_in(self, shards: Iterable[str]) -> np.ndarray:
+        """The rows whose samples lie in these shards, in row order."""
+        if not len(self):
+            return np.zeros(0, np.int64)
+        self.shard_of(0)  # the dictionary indices, built once
+        wanted = set(shards)
+        numbers = [j for j, name in enumerate(self._shard_names) if name in wanted]
+        return np.flatnonzero(np.isin(self._shard_idx, numbers))
 
     def locate(self, i: int) -> tuple[str, int, int]:
         """(shard, offset, nbytes) of sample i's bytes; the numeric columns are read as numpy views of Arrow."""

@@ -86,7 +86,7 @@ class TableReader:
         self.checks = SampleCheck(self.view, bad_shards, records_damage)
         self._ahead: CheckAhead | None = None
         if bad_shards and records_damage:
-            integrity.record_damage(vdir, shards=bad_shards)
+            integrity.record_damage(vdir, self.checks.shard_damage(), shards=bad_shards)
         if bad_shards and on_damaged == "stop":
             raise DamagedData(f"{integrity.where(vdir)}: {next(iter(bad_shards.values()))}"
                               + (f" (and {len(bad_shards) - 1} more shards)" if len(bad_shards) > 1 else "")

@@ -47,6 +47,20 @@ class SampleCheck:
             return self.bad_shards[shard]
         return None
 
+    def shard_damage(self) -> dict[str, str]:
+        """key -> problem of every sample the open-time check makes unreadable (`shard_problem`, the text `refuse`
+        records for it): recorded on open with the shards in one write, so meeting these samples later adds
+        nothing to the marker; one by one, a lost shard of thousands of samples cost one locked, fsync'd rewrite
+        of the whole marker per sample."""
+        if not self.bad_shards:
+            return {}
+        out: dict[str, str] = {}
+        for i in self.view.rows_in(self.bad_shards).tolist():
+            problem = self.shard_problem(*self.view.locate(i))
+            if problem is not None:
+                out[self.view.key_array[i].as_py()] = problem
+        return out
+
     def bytes_problem(self, i: int, buf: Any, at: int, n: int) -> str | None:
         """What is wrong with sample i's n bytes at `at` in `buf` (None: they match their checksum)."""
         with memoryview(buf) as mv:

@@ -373,6 +373,80 @@ def test_damage_records_from_concurrent_readers_are_all_kept(store: Store) -> No
     assert len(marker["damaged"]) == 6 * 25
 
 
+def test_damage_records_from_concurrent_processes_are_all_kept(store: Store) -> None:
+    """Ranks are processes, each with its own cache of the marker (`integrity._recorded`): recording at once, each
+    its own samples and the same shared ones, none drops another's (the merge under the lock reads the file)."""
+    import os
+    import subprocess
+    import sys
+
+    fill(store, 4)
+    vdir = store.version_dir("vae", 1)
+    code = ("import sys; from pathlib import Path; from store import integrity\n"
+            "vdir, t = Path(sys.argv[1]), sys.argv[2]\n"
+            "for i in range(20):\n"
+            "    integrity.record_damage(vdir, {f'k{t}-{i}': 'crc32c mismatch', f'shared-{i}': 'crc32c mismatch'})\n")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(vdir), str(t)], env=env) for t in range(4)]
+    assert [p.wait(timeout=300) for p in procs] == [0] * 4
+    marker = json.loads(fmt.damaged_marker(store.root, "vae", 1).read_text())
+    assert set(marker["damaged"]) == {f"k{t}-{i}" for t in range(4) for i in range(20)} | {f"shared-{i}" for i in range(20)}
+
+
+def test_a_repeat_finding_takes_no_lock_and_rewrites_nothing(store: Store, monkeypatch, caplog) -> None:
+    """Every rank of a validation meets the same damaged samples, a resumed or next-epoch read meets them again:
+    a finding already recorded (another rank's wording of it too) leaves the marker as it is and takes no lock,
+    so a store mounted read-only after the damage was recorded warns only for what is new (each repeat took the
+    lock: a warning line per damaged sample read there, and one locked re-read of the whole marker each)."""
+    import errno
+
+    from store import integrity
+
+    fill(store, 4)
+    vdir = store.version_dir("vae", 1)
+    integrity.record_damage(vdir, {"k1": "crc32c mismatch", "k2": "crc32c mismatch"}, {"s.tar": "shard s.tar is missing"},
+                            ["manifest.parquet is damaged"])
+    marker = fmt.damaged_marker(store.root, "vae", 1)
+    stamp = (marker.stat().st_ino, marker.stat().st_mtime_ns, marker.read_bytes())
+
+    def read_only(*a, **k):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(fmt, "flock", read_only)
+    with caplog.at_level("WARNING", logger="store"):
+        integrity.record_damage(vdir, {"k1": "crc32c mismatch"})
+        integrity.record_damage(vdir, {"k2": "the shard ends before it (another rank's node)"})
+        integrity.record_damage(vdir, shards={"s.tar": "shard s.tar is missing"}, problems=["manifest.parquet is damaged"])
+    assert caplog.text == ""
+    assert (marker.stat().st_ino, marker.stat().st_mtime_ns, marker.read_bytes()) == stamp
+    with caplog.at_level("WARNING", logger="store"):
+        integrity.record_damage(vdir, {"k1": "crc32c mismatch", "k3": "crc32c mismatch"})  # k3 is new
+    assert "could not record the damage found in" in caplog.text and "Read-only file system" in caplog.text
+
+
+def test_a_lost_shard_is_recorded_with_all_its_samples_in_one_write_on_open(store: Store, monkeypatch) -> None:
+    """The reader that finds a shard missing on open records its samples with it (one write), so reading them
+    later adds nothing: one at a time, a lost shard of thousands of samples cost one locked, fsync'd rewrite of
+    the whole marker per sample (quadratic bytes; bench/damage_record.py)."""
+    fill(store, 8, shard_size_mb=0.002)
+    vdir = store.root / "vae" / "v1"
+    lost_shard = sorted(vdir.glob("*.tar"))[0]
+    lost_shard.unlink()
+    rows = pq.read_table(vdir / fmt.MANIFEST).to_pylist()
+    lost = {x["key"] for x in rows if x["shard"] == lost_shard.name}
+    writes: list[Path] = []
+    real = fmt.atomic_write_json
+    monkeypatch.setattr(fmt, "atomic_write_json", lambda path, obj: (writes.append(path), real(path, obj)))
+    r = store.reader("vae", on_damaged="skip")
+    marker = json.loads(fmt.damaged_marker(store.root, "vae", 1).read_text())
+    assert set(marker["damaged"]) == lost and set(marker["shards"]) == {lost_shard.name}
+    assert len(writes) == 1
+    for key in sorted(lost):
+        with pytest.raises(DamagedData, match=f"sample {key} in {lost_shard.name} is damaged"):
+            r.tensors(key)
+    assert len(writes) == 1 and json.loads(fmt.damaged_marker(store.root, "vae", 1).read_text()) == marker
+
+
 def test_a_damage_record_that_cannot_be_written_is_reported(store: Store, monkeypatch, caplog) -> None:
     import errno
 
