@@ -80,6 +80,7 @@ class RemoteLease:
 
     def release(self) -> None:
         self._stop.set()
+        _live.pop(id(self), None)
         with self._lock:
             if self.rel and self._pid == os.getpid():  # never a forked child's copy
                 try:
@@ -113,10 +114,12 @@ def hold(remote: Remote, versions: Iterable[tuple[str, int]], what: str, kind: s
         lease.rel = ""
         raise
     threading.Thread(target=lease._heartbeat, name="store-remote-lease", daemon=True).start()
+    _live[id(lease)] = lease
     return lease
 
 
-_held: dict[str, RemoteLease] = {}
+_held: dict[str, RemoteLease] = {}  # the read lease of each URL
+_live: dict[int, RemoteLease] = {}  # every lease `hold` wrote and nothing released yet (`release_all`)
 
 
 def _what() -> str:
@@ -186,6 +189,9 @@ def release_reading(url: str) -> None:
 
 
 def release_all() -> None:
-    """Every read lease this process holds (a process that runs several commands in turn, e.g. the tests)."""
+    """Every lease this process holds (a process that runs several commands in turn, e.g. the tests): the read
+    leases, and push leases of writers left open (store/remote_parts.hold_parts)."""
     for url in list(_held):
         release_reading(url)
+    for lease in list(_live.values()):
+        lease.release()

@@ -31,6 +31,7 @@ from store import format as fmt
 from store.checksum import file_crc
 from store.remote import SharedBar, each_at_once, open_remote, remote_errors
 from store.remote_upload import Mismatch
+from store.writer_open import WORLD_JSON
 
 if TYPE_CHECKING:
     from store.writer import TableWriter
@@ -65,6 +66,8 @@ def rank_files(vdir: Path, rank: int) -> dict[str, dict[str, Any]]:
         files[shard.name] = {"nbytes": nbytes, "crc32c": crc}
         files[index.name] = _entry(index)
     files[fmt.SCHEMA_JSON] = _entry(vdir / fmt.SCHEMA_JSON)
+    if (vdir / WORLD_JSON).is_file():  # written at open (store/writer_open.record_world)
+        files[WORLD_JSON] = _entry(vdir / WORLD_JSON)
     return files
 
 
@@ -113,8 +116,12 @@ def upload_rank(writer: TableWriter, files: dict[str, dict[str, Any]]) -> None:
     done = fmt.rank_done_name(writer.rank)
     with remote_errors(url, f"upload of rank {writer.rank}'s part of table '{writer.table}' v{writer.version}"):
         listing = _listing(remote, writer.table, writer.version)
-        # shards before their indexes (an index there means its shard is: adopt_uploaded), the rank-done file last
-        groups = [sorted((n, e) for n, e in files.items() if not n.endswith(INDEX_SUFFIX)),
+        # who wrote the parts first (a rerun resumes them only with this schema and number of ranks:
+        # taken_on_remote), shards before their indexes (an index there means its shard is: adopt_uploaded), the
+        # rank-done file last
+        head = (fmt.SCHEMA_JSON, WORLD_JSON)
+        groups = [sorted((n, e) for n, e in files.items() if n in head),
+                  sorted((n, e) for n, e in files.items() if n not in head and not n.endswith(INDEX_SUFFIX)),
                   sorted((n, e) for n, e in files.items() if n.endswith(INDEX_SUFFIX)),
                   [(done, _entry(writer.dir / done))]]
         total = sum(e["nbytes"] for group in groups for _, e in group)
@@ -171,11 +178,15 @@ def commit_remote(writer: TableWriter, allow_empty: bool) -> int:
     try:
         with remote_errors(url, f"commit of table '{table}' v{version}"):
             listing = _listing(remote, table, version)
-            recorded = _gather(writer, remote, listing, staging)
-            manifest_bytes = _manifest(writer, staging, recorded, allow_empty)
+            recorded, dones = _gather(writer, remote, listing, staging)
+            manifest_bytes = _manifest(writer, staging, recorded, dones, allow_empty)
             with _progress(len(manifest_bytes), f"commit {url}") as bar:
-                for name in (fmt.CHECKSUMS, fmt.MANIFEST):  # the manifest last: the version is complete from here on
-                    _upload(remote, staging / name, f"{base}/{name}", _entry(staging / name), listing, bar)
+                _upload(remote, staging / fmt.CHECKSUMS, f"{base}/{fmt.CHECKSUMS}", _entry(staging / fmt.CHECKSUMS),
+                        listing, bar)
+                _still_there(writer, remote, staging)
+                # the manifest last: the version is complete from here on
+                _upload(remote, staging / fmt.MANIFEST, f"{base}/{fmt.MANIFEST}", _entry(staging / fmt.MANIFEST),
+                        listing, bar)
             fmt.crash_point("after_manifest")
             remote.swap(fmt.STORE_JSON, lambda old: _merged_record(old, {table: {"current": version}}, url))
     finally:  # the small files fetched for the commit: a rerun fetches them again
@@ -184,12 +195,15 @@ def commit_remote(writer: TableWriter, allow_empty: bool) -> int:
     return version
 
 
-def _gather(writer: TableWriter, remote, listing: dict[str, int], staging: Path) -> dict[str, dict[str, Any]]:
-    """Every rank's rank-done file, shard indexes and schema.json into `staging` (small files; rank 0's own from its
-    folder, the others' from the remote), each checked against its rank's record; returns every rank's record of
-    its files. Every file a rank recorded must be on the remote with its size."""
+def _gather(writer: TableWriter, remote, listing: dict[str, int],
+            staging: Path) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
+    """Every rank's rank-done file, shard indexes, schema.json and world-size record into `staging` (small files;
+    rank 0's own from its folder, the others' from the remote), each checked against its rank's record; returns
+    every rank's record of its files, and the rank-done records. Every file a rank recorded must be on the remote
+    with its size."""
     url, base = remote.url, f"{writer.table}/v{writer.version}"
     recorded: dict[str, dict[str, Any]] = {}
+    dones: list[dict[str, Any]] = []
     missing = []
     for r in range(writer.world_size):
         done = fmt.rank_done_name(r)
@@ -198,7 +212,8 @@ def _gather(writer: TableWriter, remote, listing: dict[str, int], staging: Path)
             continue
         data = (writer.dir / done).read_bytes() if r == writer.rank else remote.read(f"{base}/{done}")
         (staging / done).write_bytes(data)
-        recorded.update(json.loads(data).get("files") or {})
+        dones.append(json.loads(data))
+        recorded.update(dones[-1].get("files") or {})
     if missing:
         raise UserError(f"table '{writer.table}' v{writer.version}: ranks {missing} have not uploaded their part to "
                         f"{url}; rerun every node")
@@ -209,7 +224,7 @@ def _gather(writer: TableWriter, remote, listing: dict[str, int], staging: Path)
     for name, entry in sorted(recorded.items()):
         if listing.get(f"{base}/{name}") != entry["nbytes"]:
             raise UserError(f"{url}/{base}/{name} is missing or incomplete on the remote; rerun every node")
-        if name.endswith(".index.parquet") or name == fmt.SCHEMA_JSON:  # small: fetched, checked
+        if name.endswith(".index.parquet") or name in (fmt.SCHEMA_JSON, WORLD_JSON):  # small: fetched, checked
             small.append((name, entry))
 
     def fetch(item: tuple[str, dict[str, Any]]) -> None:
@@ -227,20 +242,24 @@ def _gather(writer: TableWriter, remote, listing: dict[str, int], staging: Path)
               dynamic_ncols=True) as bar:
         for _ in each_at_once(fetch, small):
             bar.update()
-    return recorded
+    return recorded, dones
 
 
-def _manifest(writer: TableWriter, staging: Path, recorded: dict[str, dict[str, Any]], allow_empty: bool) -> bytes:
+def _manifest(writer: TableWriter, staging: Path, recorded: dict[str, dict[str, Any]], dones: list[dict[str, Any]],
+              allow_empty: bool) -> bytes:
     """manifest.parquet and checksums.json in `staging` (as a writer on one disk writes them: the shards' sizes and
-    CRC32Cs from the manifest, the small files' from their bytes); the manifest's bytes."""
+    CRC32Cs from the manifest, the small files' from their bytes); the manifest's bytes. Refused unless its rows
+    plus the rejected samples are the keys the ranks were given."""
     from store.integrity import write_version_checksums
     from store.manifest import merge_indexes
+    from store.writer_commit import check_rows
 
     table, version = writer.table, writer.version
     manifest = merge_indexes(sorted(staging.glob("shard-r*-*.index.parquet")))
     if manifest.num_rows == 0 and not allow_empty:
         raise UserError(f"table '{table}' v{version} would be empty: every input was rejected (reasons in each "
                         "node's cached quarantine.parquet); fix the inputs or the settings")
+    check_rows(table, version, dones, manifest.num_rows, required=True)
     manifest_bytes = fmt.parquet_bytes(manifest)
     write_version_checksums(staging, manifest, manifest_bytes)
     fmt.atomic_write_bytes(staging / fmt.MANIFEST, manifest_bytes)
@@ -250,6 +269,67 @@ def _manifest(writer: TableWriter, staging: Path, recorded: dict[str, dict[str, 
     if differs:
         raise UserError(f"table '{table}' v{version}: {differs[0]} differs from its index; rerun every node")
     return manifest_bytes
+
+
+def _still_there(writer: TableWriter, remote, staging: Path) -> None:
+    """Right before the manifest, one listing of the version: every object checksums.json lists (but the manifest)
+    is there with its size. The ranks' push leases keep the parts from `store gc`, but a gc that checked the
+    leases just before one was written deletes a moment later; the manifest then would commit a version whose
+    data is gone."""
+    url, base = remote.url, f"{writer.table}/v{writer.version}"
+    listed = json.loads((staging / fmt.CHECKSUMS).read_bytes())["files"]
+    there = _listing(remote, writer.table, writer.version)
+    gone = sorted(n for n, e in {**listed, fmt.CHECKSUMS: _entry(staging / fmt.CHECKSUMS)}.items()
+                  if n != fmt.MANIFEST and there.get(f"{base}/{n}") != e["nbytes"])
+    if gone:
+        raise UserError(f"{url}/{base}/{gone[0]}{f' and {len(gone) - 1} more' if len(gone) > 1 else ''} disappeared "
+                        "from the remote before the commit (a `store gc`?); nothing committed; rerun every node")
+
+
+def hold_parts(writer: TableWriter):
+    """A push lease on the version the writer opened (store/remote_lease.py): `store gc` keeps its parts, which have
+    no manifest yet, for as long as the writer is open (rank 0's: until store.json names the version)."""
+    from store.remote_lease import hold
+
+    url = str(writer.remote_url)
+    with remote_errors(url, f"the push lease of table '{writer.table}' v{writer.version}"):
+        return hold(open_remote(url), [(writer.table, writer.version)],
+                    f"rank {writer.rank} writing {writer.table} v{writer.version}", kind="push")
+
+
+def taken_on_remote(url: str, table: str, want: dict, world: int) -> set[int]:
+    """Version numbers of `table` the remote holds that `world` ranks with schema `want` cannot write: complete
+    ones, and parts of another run (its schema.json differs or is missing, or they were written by another
+    number of ranks, or that number is not recorded); parts of this very run are resumed."""
+    from store.remote import Remote
+
+    remote = open_remote(url)
+    with remote_errors(url, f"listing table '{table}'"):
+        names = Remote(url, remote.fs, remote.path(table)).listing()
+        versions: dict[int, set[str]] = {}
+        for rel in names:
+            head, _, name = rel.partition("/")
+            if (m := fmt.VERSION_RE.fullmatch(head)) and name:
+                versions.setdefault(int(m.group(1)), set()).add(name)
+        taken = set()
+        for v, files in versions.items():
+            if fmt.MANIFEST in files or fmt.SCHEMA_JSON not in files or WORLD_JSON not in files or \
+                    _json_of(remote.read(f"{table}/v{v}/{fmt.SCHEMA_JSON}")) != want or \
+                    _world_of(remote.read(f"{table}/v{v}/{WORLD_JSON}")) != world:
+                taken.add(v)
+    return taken
+
+
+def _json_of(data: bytes):
+    try:
+        return json.loads(data)
+    except ValueError:
+        return None
+
+
+def _world_of(data: bytes) -> int | None:
+    record = _json_of(data)
+    return record.get("world_size") if isinstance(record, dict) else None
 
 
 def drop_local_version(writer: TableWriter) -> None:

@@ -23,7 +23,7 @@ from store import format as fmt
 from store.io_errors import writing
 from store.writer_commit import commit_local, mark_rank_done
 from store.writer_open import candidate_version, clean_uncommitted, committed_keys, lock_rank, next_shard_index, \
-    open_version
+    open_version, record_world
 from store.writer_shards import RankShards, validate_sample
 
 if TYPE_CHECKING:
@@ -49,20 +49,31 @@ class TableWriter:
         # `store` is a node's cached copy of this URL and the ranks write through several caches: each rank
         # uploads its own part, rank 0 commits on the remote (store/remote_parts.py)
         self.remote_url = remote_url
+        # how many keys the caller gave this rank (set once it knows them): its rank-done file records it with the
+        # samples it rejected, and the commit refuses a table whose rows plus rejections fall short of the sum
+        self.given: int | None = None
         self.shard_bytes = max(1, int(shard_size_mb * MB))
         self._lock = lock_rank(store.root, table, rank)
+        self._lease = None
         try:
             with writing(f"table '{table}'", store.root / table):
                 self.version, self.dir = open_version(store.root, table, schema.to_dict(), version)
+                record_world(self.dir, world_size, several_caches=remote_url is not None)
                 clean_uncommitted(self.dir, rank)
-            if remote_url is not None:  # a node that lost its cache: its part already uploaded counts as committed
-                from store.remote_parts import adopt_uploaded
+            if remote_url is not None:
+                from store.remote_parts import adopt_uploaded, hold_parts
 
-                adopt_uploaded(self)
-            self.done_keys: set[str] = committed_keys(self.dir)
+                # a push lease on the version before anything of it on the remote is relied on, held to the commit
+                self._lease = hold_parts(self)
+                adopt_uploaded(self)  # a node that lost its cache: its part already uploaded counts as committed
+            # several caches: a rank counts as done only what it uploads itself (its own shards), as rank 0 merges
+            # only what each rank uploaded
+            self.done_keys: set[str] = committed_keys(self.dir, rank if remote_url is not None else None)
             self._shards = RankShards(self.dir, rank, next_shard_index(self.dir, rank, remote_url is not None),
                                       self.shard_bytes, f"table '{table}' v{self.version}")
         except BaseException:  # the lock goes with a writer that failed to open (a long-lived process retries)
+            if self._lease is not None:
+                self._lease.release()
             self._lock.release()
             raise
         self._finished = False
@@ -111,12 +122,13 @@ class TableWriter:
 
     # ------------------------------------------------------------ finishing
 
-    def finish_rank(self) -> None:
-        """Commit the open shard and mark this rank done (multi-rank: every rank calls this, then a barrier)."""
+    def finish_rank(self, rejected: int = 0) -> None:
+        """Commit the open shard and mark this rank done (multi-rank: every rank calls this, then a barrier).
+        `rejected`: how many of the `given` keys the caller left out (quarantined)."""
         if self._finished:
             return
         self._shards.commit()
-        mark_rank_done(self)
+        mark_rank_done(self, rejected)
         self._finished = True
 
     def commit(self, allow_empty: bool = True) -> int:
@@ -144,6 +156,8 @@ class TableWriter:
             return
         self._closed = True
         self._shards.drop()
+        if self._lease is not None:
+            self._lease.release()
         self._lock.release()
 
     def __enter__(self) -> "TableWriter":

@@ -17,10 +17,16 @@ if TYPE_CHECKING:
     from store.writer import TableWriter
 
 
-def mark_rank_done(writer: TableWriter) -> None:
-    """Write this rank's `rank-XX.done` (its shards all committed); a rank of a URL's version uploads its part."""
+def mark_rank_done(writer: TableWriter, rejected: int = 0) -> None:
+    """Write this rank's `rank-XX.done` (its shards all committed; the keys it was given and rejected, for the
+    commit's `check_rows`); a rank of a URL's version uploads its part."""
     done: dict[str, Any] = {"rank": writer.rank, "world_size": writer.world_size}
+    if writer.given is not None:
+        done.update(given=int(writer.given), rejected=int(rejected))
     if writer.remote_url is not None:  # what rank 0 will list in checksums.json without reading the files
+        if writer.given is None:  # rank 0 could not tell a part short of samples: a caller's error
+            raise ValueError(f"rank {writer.rank} of table '{writer.table}' writes through its node's cache: set "
+                             "writer.given (the keys it was given) before finish_rank")
         from store.remote_parts import rank_files
 
         done["files"] = rank_files(writer.dir, writer.rank)
@@ -45,6 +51,8 @@ def commit_local(writer: TableWriter, allow_empty: bool) -> int:
         writer.close()
         raise UserError(f"table '{table}' v{version} would be empty: every input was rejected "
                         f"(reasons in {writer.store.root / 'quarantine.parquet'}); fix the inputs or the settings")
+    check_rows(table, version, [fmt.read_json(vdir / fmt.rank_done_name(r), "a rank-done file")
+                                for r in range(writer.world_size)], manifest.num_rows)
     for p in vdir.iterdir():  # temp files of killed writes: never part of a committed version
         if fmt.is_litter(p.name):
             p.unlink(missing_ok=True)
@@ -58,3 +66,22 @@ def commit_local(writer: TableWriter, allow_empty: bool) -> int:
     writer.store.set_current(table, version)
     writer.close()
     return version
+
+
+def check_rows(table: str, version: int, dones: list[dict[str, Any]], rows: int, required: bool = False) -> None:
+    """The last check before a manifest: the rows it commits plus the samples the ranks rejected must be the keys
+    the ranks were given (summed over the ranks, as their rank-done files record them), or a table with samples
+    missing would become current. Ranks whose writers were not told their keys (`writer.given`: writers other
+    than the encoders, rank-done files of older code) are not judged, unless `required` (ranks writing through
+    several caches always tell)."""
+    if not dones or any("given" not in d for d in dones):
+        if required:
+            raise UserError(f"table '{table}' v{version}: a rank-done file does not record the keys its rank was "
+                            "given (a part of another run?); nothing committed; rerun every node")
+        return
+    given, rejected = sum(int(d["given"]) for d in dones), sum(int(d.get("rejected", 0)) for d in dones)
+    if rows + rejected != given:
+        raise UserError(f"table '{table}' v{version}: {rows} rows plus {rejected} rejected samples, but the ranks were "
+                        f"given {given} keys: samples {'missing' if rows + rejected < given else 'counted twice'}; "
+                        "nothing committed. Rerun; if it recurs, remove the incomplete version (every node's cached "
+                        f"{table}/v{version}, and `pipeline store gc` on a URL) and rerun")

@@ -14,6 +14,11 @@ from schemas.errors import UserError
 from store import format as fmt
 from store.io_errors import writing
 
+# A version that ranks on several nodes write through their own caches of a store URL (store/remote_parts.py):
+# how many ranks wrote its parts. Rank r's share of the keys depends on that number, and such a rank counts as done,
+# uploads and adopts only its own shards: parts written by another number of ranks are another run.
+WORLD_JSON = "world-size.json"
+
 
 def lock_rank(root: Path, table: str, rank: int) -> fmt.HeldLock:
     """The lock of this table's writer of `rank` (the table folder created when absent)."""
@@ -23,13 +28,16 @@ def lock_rank(root: Path, table: str, rank: int) -> fmt.HeldLock:
         return fmt.HeldLock(root / table / f".write-r{rank:02d}.lock", holder=f"table '{table}' (rank {rank})")
 
 
-def candidate_version(root: Path, table: str, want: dict[str, Any]) -> int:
+def candidate_version(root: Path, table: str, want: dict[str, Any], world: int | None = None) -> int:
     """The version a writer with schema `want` opens: the newest in-progress one with that exact schema (resume),
-    else one past the newest (call under the store lock; reads only)."""
+    else one past the newest (call under the store lock; reads only). `world`: the ranks write through several
+    caches, and only parts written by that many ranks are resumed (`parts_resumable`)."""
     versions = fmt.list_versions(root, table)
     for v in reversed(versions):
         vdir = fmt.version_dir(root, table, v)
         if fmt.is_complete(vdir) or not (vdir / fmt.SCHEMA_JSON).is_file():
+            continue
+        if world is not None and not parts_resumable(vdir, world):
             continue
         if fmt.read_json(vdir / fmt.SCHEMA_JSON, "schema.json") == want:
             return v
@@ -60,6 +68,42 @@ def open_version(root: Path, table: str, want: dict[str, Any], version: int | No
         return v, vdir
 
 
+def parts_world(vdir: Path) -> int | None:
+    """The number of ranks that wrote the parts in `vdir` (`WORLD_JSON`); None when none is recorded."""
+    if not (vdir / WORLD_JSON).is_file():
+        return None
+    try:
+        return int(fmt.read_json(vdir / WORLD_JSON, WORLD_JSON)["world_size"])
+    except (UserError, KeyError, TypeError, ValueError):  # damaged: whose parts they are is unknown
+        return -1
+
+
+def parts_resumable(vdir: Path, world: int) -> bool:
+    """Ranks of `world` writing through several caches may resume `vdir`: its parts were written by that many
+    ranks, or it holds none yet. Shards without a record (a version one cache shared by every rank wrote, or one
+    written before the record existed) may hold any rank's share of any world size: another run."""
+    recorded = parts_world(vdir)
+    return recorded == world if recorded is not None else not any(vdir.glob("shard-r*"))
+
+
+def record_world(vdir: Path, world: int, several_caches: bool) -> None:
+    """Under the store lock, once the version is open. Several caches: refused unless `vdir`'s parts are this
+    world's (`parts_resumable`), then recorded. One folder for every rank (a rank skips every rank's keys, rank 0
+    merges every index): any world size resumes it, but a record of another one no longer holds."""
+    with fmt.flock(vdir.parent.parent / fmt.STORE_LOCK):
+        if not several_caches:
+            if parts_world(vdir) not in (None, world):
+                (vdir / WORLD_JSON).unlink(missing_ok=True)
+            return
+        if not parts_resumable(vdir, world):
+            recorded = parts_world(vdir)
+            by = "an unrecorded number of ranks" if recorded is None else f"{recorded} ranks"
+            raise UserError(f"{vdir} holds parts written by {by}, not these {world}: another run, whose shards "
+                            f"hold other ranks' shares; remove that folder and rerun")
+        if parts_world(vdir) is None:
+            fmt.atomic_write_json(vdir / WORLD_JSON, {"world_size": world})
+
+
 def clean_uncommitted(vdir: Path, rank: int) -> None:
     """Drop this rank's half-written shards: temp files and tars whose index never got written."""
     prefix = f"shard-r{rank:02d}-"
@@ -73,14 +117,15 @@ def clean_uncommitted(vdir: Path, rank: int) -> None:
     (vdir / fmt.rank_done_name(rank)).unlink(missing_ok=True)
 
 
-def index_paths(vdir: Path) -> list[Path]:
-    """Every rank's shard indexes (an index present = its shard committed)."""
-    return sorted(vdir.glob("shard-r*-*.index.parquet"))
+def index_paths(vdir: Path, rank: int | None = None) -> list[Path]:
+    """Every rank's shard indexes (an index present = its shard committed); `rank`: that rank's only."""
+    return sorted(vdir.glob("shard-r*-*.index.parquet" if rank is None else f"shard-r{rank:02d}-*.index.parquet"))
 
 
-def committed_keys(vdir: Path) -> set[str]:
+def committed_keys(vdir: Path, rank: int | None = None) -> set[str]:
+    """The keys of the committed shards (`rank`: of that rank's only)."""
     keys: set[str] = set()
-    for p in index_paths(vdir):
+    for p in index_paths(vdir, rank):
         try:
             keys.update(pq.read_table(p, columns=["key"]).column("key").to_pylist())
         except (pa.ArrowException, OSError, ValueError, KeyError) as e:  # a damaged disk, or a hand edit

@@ -27,7 +27,7 @@ def finish(job: EncodeJob) -> Summary:
     world, stage = job.ranks.world_size, job.summary.stage
     with together(world, f"{stage}: this rank's last shard"):
         flush_quarantine(job)
-        job.writer.finish_rank()
+        job.writer.finish_rank(rejected=job.summary.quarantined)
         job.summary.loop_seconds = time.perf_counter() - job.loop_started
         job.summary.bytes_written = sum(
             size - job.shard_sizes_before.get(name, 0) for name, size in rank_shard_sizes(job).items()

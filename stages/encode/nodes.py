@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from schemas.table import TableSchema
 from models.shared_folder import check_shared
 from store import format as fmt
-from store.remote_parts import source_url
+from store.remote_parts import source_url, taken_on_remote
 from store.writer import candidate_version
 
 if TYPE_CHECKING:
@@ -41,8 +41,9 @@ def writer_place(job: EncodeJob, schema: TableSchema) -> tuple[int | None, str |
         here = f"{socket.gethostname()}:{job.store.root.resolve()}"
         cache = int.from_bytes(hashlib.sha256(here.encode()).digest()[:8], "big") >> (64 - _BITS)
         with fmt.flock(job.store.root / fmt.STORE_LOCK):
-            mine = candidate_version(job.store.root, table, want)
-        taken = _taken_on_remote(url, table, want) if job.ranks.rank == 0 else set()
+            # only parts this number of ranks wrote: each rank's share of the keys depends on it
+            mine = candidate_version(job.store.root, table, want, world)
+        taken = taken_on_remote(url, table, want, world) if job.ranks.rank == 0 else set()
     (high, low), (agreed, _) = spread(world, [cache, mine])
     if high == low:
         return None, None
@@ -50,33 +51,3 @@ def writer_place(job: EncodeJob, schema: TableSchema) -> tuple[int | None, str |
         agreed += 1
     (agreed,) = all_max(world, [agreed if job.ranks.rank == 0 else 0])
     return agreed, url
-
-
-def _taken_on_remote(url: str, table: str, want: dict) -> set[int]:
-    """Version numbers of `table` the remote holds that this run cannot write: complete ones, and parts of
-    another run (its schema.json differs or is missing); parts with this very schema are resumed."""
-    from store.remote import Remote, open_remote, remote_errors
-
-    remote = open_remote(url)
-    with remote_errors(url, f"listing table '{table}'"):
-        names = Remote(url, remote.fs, remote.path(table)).listing()
-        versions: dict[int, set[str]] = {}
-        for rel in names:
-            head, _, name = rel.partition("/")
-            if (m := fmt.VERSION_RE.fullmatch(head)) and name:
-                versions.setdefault(int(m.group(1)), set()).add(name)
-        taken = set()
-        for v, files in versions.items():
-            if fmt.MANIFEST in files or fmt.SCHEMA_JSON not in files or \
-                    _json_of(remote.read(f"{table}/v{v}/{fmt.SCHEMA_JSON}")) != want:
-                taken.add(v)
-    return taken
-
-
-def _json_of(data: bytes):
-    import json
-
-    try:
-        return json.loads(data)
-    except ValueError:
-        return None

@@ -32,7 +32,7 @@ def open_writer(job: EncodeJob, schema: TableSchema, shard_size_mb: float) -> li
     job.summary.version = job.writer.version
     job.shard_sizes_before = rank_shard_sizes(job)
     mine = job.images.iter_keys(rank=job.ranks.rank, world_size=job.ranks.world_size)
-    job.total = len(mine)
+    job.total = job.writer.given = len(mine)  # the commit refuses rows plus rejections short of the keys given
     todo = [k for k in mine if k not in job.writer.done_keys]
     job.summary.skipped = len(mine) - len(todo)
     for version, rows in reusable(job.store, job.summary.table, (job.feature_lineage, *job.earlier_lineages), todo,

@@ -71,6 +71,7 @@ def test_a_node_that_lost_its_cache_keeps_what_it_uploaded(s3_env, tmp_path, mon
                                                   version=1, remote_url=url)
     assert fresh.done_keys == {key_of(i) for i in range(1, N, 2)}  # nothing to encode again
     assert not list(fresh.dir.glob("*.tar"))  # only the indexes came (the shards stay on the remote)
+    fresh.given = N // 2
     fresh.finish_rank()
     assert sent == []  # its part was there already
     fresh.close()
@@ -92,12 +93,13 @@ def test_a_part_of_another_run_is_refused_in_one_line(s3_env, tmp_path) -> None:
 
 
 def test_the_version_number_skips_what_the_remote_holds_for_other_runs(s3_env, tmp_path) -> None:
-    from stages.encode.nodes import _taken_on_remote
+    from store.remote_parts import taken_on_remote
 
     url = s3_env.url("taken")
     _writer(tmp_path / "a", url, 1, tag="other").finish_rank()  # v1: parts of another run
-    assert _taken_on_remote(url, "vae", vae_schema("a").to_dict()) == {1}
-    assert _taken_on_remote(url, "vae", vae_schema("other").to_dict()) == set()  # its own parts: resumed
+    assert taken_on_remote(url, "vae", vae_schema("a").to_dict(), 2) == {1}
+    assert taken_on_remote(url, "vae", vae_schema("other").to_dict(), 2) == set()  # its own parts: resumed
+    assert taken_on_remote(url, "vae", vae_schema("other").to_dict(), 3) == {1}  # written by 2 ranks, not 3
 
 
 def test_an_unreachable_remote_is_one_line(s3_env, tmp_path, monkeypatch) -> None:
@@ -150,7 +152,7 @@ def _encode_end(writer, monkeypatch):
     for name in ("flush_quarantine", "check_damaged_total"):
         monkeypatch.setattr(commit, name, lambda job: None)
     monkeypatch.setattr(commit, "rank_shard_sizes", lambda job: {})
-    summary = SimpleNamespace(up_to_date=False, stage="encode-vae", table="vae", version=None)
+    summary = SimpleNamespace(up_to_date=False, stage="encode-vae", table="vae", version=None, quarantined=0)
     job = SimpleNamespace(summary=summary, writer=writer, ranks=SimpleNamespace(world_size=1, rank=0, local_rank=0),
                           started=0.0, loop_started=0.0, shard_sizes_before={}, repairing=None, lease=None,
                           images=SimpleNamespace(stop_check_ahead=lambda: None))

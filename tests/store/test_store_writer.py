@@ -137,3 +137,23 @@ def test_commit_waits_for_every_rank_and_rejects_cross_rank_duplicates(store: St
     with pytest.raises(UserError, match="duplicate keys across shards"):
         w0.commit()
     assert store.tables() == {}
+
+
+def test_a_commit_short_of_the_keys_its_ranks_were_given_is_refused(store: Store) -> None:
+    """The rows plus the rejected samples must be the keys the ranks were given (each rank's rank-done file records
+    both): a rank that lost a sample without rejecting it stops the commit in one line, nothing current."""
+    w0 = store.writer("vae", vae_schema(), rank=0, world_size=2, shard_size_mb=0.004)
+    w1 = store.writer("vae", vae_schema(), rank=1, world_size=2, shard_size_mb=0.004)
+    for w, idx, given in ((w0, [0, 1], 3), (w1, [2, 3], 2)):  # rank 0 was given 3 keys: one neither written
+        w.given = given                                        # nor rejected
+        for i in idx:
+            s = sample(i)
+            w.add(s["key"], tensors=s["tensors"], files=s["files"], meta=s["meta"])
+    w1.finish_rank()
+    with pytest.raises(UserError, match=r"4 rows plus 0 rejected samples, but the ranks were given 5 keys") as e:
+        w0.commit()
+    assert "\n" not in str(e.value) and store.tables() == {}
+    w0 = store.writer("vae", vae_schema(), rank=0, world_size=2)  # the rerun: the lost key rejected this time
+    w0.given = 3
+    w0.finish_rank(rejected=1)
+    assert w0.commit() == 1 and len(store.reader("vae")) == 4
