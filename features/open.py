@@ -18,9 +18,9 @@ from schemas.errors import UserError
 from store import format as fmt
 from store import integrity
 from store.integrity import DamagedData
-from store.join import JoinedTables, sequence_lengths_of, split_rows
+from store.join import JoinedTables, sequence_lengths_of
 from store.manifest_files import checked_manifest
-from store.reader import DEFAULT_MAX_OPEN_SHARDS, TableReader
+from store.reader import DEFAULT_MAX_OPEN_SHARDS, TableReader, split_rows
 
 log = logging.getLogger("store")
 

@@ -23,6 +23,7 @@
     w = st.writer(table, schema, rank=0, world_size=1, shard_size_mb=256)   # UserError if another writer holds
         # the (table, rank) lock; same schema+lineage as an incomplete version -> resumes it
     w.version; w.done_keys: set[str]                   # keys in committed shards: skip them
+    st.writer(..., share=keys, agree=fn)               # done_keys of that rank's share only (encode; writer_open.py)
     w.add(key, tensors={name: Tensor}, files={name: bytes}, meta={column: json-able})  # duplicate key -> UserError
     w.finish_rank()                                    # every rank; then barrier; then on rank 0:
     w.commit() -> int                                  # manifest (sorted by key), then store.json switch

@@ -19,7 +19,6 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from schemas.errors import UserError
-from store.partition import epoch_order
 from store.arrow_columns import fixed_width_view as _fixed_width
 from store.arrow_columns import release_memory
 from store.arrow_columns import strictly_increasing as _strictly_increasing
@@ -69,22 +68,6 @@ class KeyList(Sequence[str]):
 
     def __repr__(self) -> str:
         return f"KeyList({len(self)} keys)"
-
-
-def rows_of_split(r: TableReader, split: str | None) -> np.ndarray:
-    """Row numbers of one split (all rows for None)."""
-    if split is None:
-        return np.arange(len(r), dtype=np.int64)
-    return split_rows(r.column("split") if r.has_column("split") else None, split,
-                      f"table '{r.table}' v{r.version} ({r.dir})")
-
-
-def split_rows(column: pa.Array | pa.ChunkedArray | None, split: str, table: str) -> np.ndarray:
-    """Row numbers of one split from a table's `split` column (None: the table has none, `table` names it), for a
-    reader and for a bare manifest alike."""
-    if column is None:
-        raise UserError(f"{table} has no split column; rebuild it with the current code")
-    return np.flatnonzero(pc.equal(column, split).to_numpy(zero_copy_only=False))
 
 
 def _member(sorted_values: np.ndarray, probe: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -162,7 +145,7 @@ class JoinedTables:
         self.lease: Any = None  # the opener's read lease on these versions (store/lease.py)
         self._versions: dict[str, str] | None = None  # `versions()`, once computed
         self._contents: dict[str, str] | None | bool = False  # `content_ids()` (False: not computed yet)
-        split_rows = {t: rows_of_split(r, split) for t, r in readers.items()}
+        split_rows = {t: r.rows_of(split) for t, r in readers.items()}
         for r in readers.values():
             r.view.forget("split")  # the join's rows replace it
         if _join_sorted_fixed(self, readers, split_rows):
@@ -269,9 +252,8 @@ class JoinedTables:
         self, rank: int = 0, world_size: int = 1, seed: int | None = None, epoch: int = 0, buffer_size: int = 1024,
     ) -> list[str]:
         """Same ordering rules as one table (`TableReader.iter_keys`), grouped by the first table's shards."""
-        keep = set(self.keys)
-        groups = [[k for k in g if k in keep] for g in next(iter(self.readers.values())).shard_groups(self.split)]
-        return epoch_order([g for g in groups if g], rank, world_size, seed, epoch, buffer_size)
+        first = next(iter(self.readers))
+        return self.readers[first].epoch_keys(self.rows[first], rank, world_size, seed, epoch, buffer_size)
 
     def _shapes_reader(self) -> TableReader:
         return self.readers.get("vae") or next(iter(self.readers.values()))
@@ -359,7 +341,7 @@ def _content_ids(j: JoinedTables) -> dict[str, str] | None:
 def split_keys(r: TableReader, split: str | None) -> list[str]:
     if split is None:
         return r.keys()
-    return sorted(r.key_array.take(pa.array(rows_of_split(r, split))).to_pylist())
+    return sorted(r.key_array.take(pa.array(r.rows_of(split))).to_pylist())
 
 
 def _name_keys(keys: set[str], limit: int = 5) -> str:

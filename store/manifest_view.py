@@ -159,8 +159,8 @@ class ManifestView:
 
     @property
     def as_python(self) -> set[str]:
-        """The columns kept as whole lists of Python objects (`values`: for whole-table walks only)."""
-        return set(self._cols)
+        """The columns kept as whole lists of Python objects (`values`, `key_list`: for whole-table walks only)."""
+        return set(self._cols) | ({"key"} if self._key_list is not None else set())
 
     def has_column(self, name: str) -> bool:
         return name in self.names
@@ -220,15 +220,21 @@ class ManifestView:
 
     # ------------------------------------------------------------ samples
 
-    def shard_of(self, i: int) -> str:
-        """Sample i's shard file name, from the dictionary-encoded column's indices (numpy, no per-row str)."""
+    def shard_numbers(self) -> tuple[np.ndarray, list[str]]:
+        """(each row's shard number, the shard names by number): the dictionary-encoded column's indices (numpy,
+        no per-row str). A name may have more than one number (dictionaries of several row groups)."""
         if self._shard_idx is None:
             col = self.column("shard")
             if not pa.types.is_dictionary(col.type):
                 col = col.dictionary_encode()
             self._shard_idx = col.indices.to_numpy(zero_copy_only=False)
             self._shard_names = col.dictionary.to_pylist()
-        return self._shard_names[self._shard_idx[i]]
+        return self._shard_idx, self._shard_names
+
+    def shard_of(self, i: int) -> str:
+        """Sample i's shard file name."""
+        idx, names = self.shard_numbers()
+        return names[idx[i]]
 
     def rows_in(self, shards: Iterable[str]) -> np.ndarray:
         """The rows whose samples lie in these shards, in row order."""

@@ -11,6 +11,8 @@ import hashlib
 import random
 from typing import Sequence, TypeVar
 
+import numpy as np
+
 T = TypeVar("T")
 
 
@@ -25,13 +27,6 @@ def rng_for(*parts: int) -> random.Random:
     """A generator determined only by the integers given (same on every process and Python run)."""
     digest = hashlib.sha256("/".join(str(p) for p in parts).encode()).digest()
     return random.Random(int.from_bytes(digest[:8], "little"))
-
-
-def shuffle_groups(groups: Sequence[Sequence[T]], seed: int, epoch: int) -> list[T]:
-    """Permute whole groups (shards), keep each group's inner order, flatten."""
-    order = list(range(len(groups)))
-    rng_for(seed, epoch).shuffle(order)
-    return [item for g in order for item in groups[g]]
 
 
 def buffer_shuffle(items: Sequence[T], buffer_size: int, rng: random.Random) -> list[T]:
@@ -49,14 +44,32 @@ def buffer_shuffle(items: Sequence[T], buffer_size: int, rng: random.Random) -> 
     return out
 
 
+def epoch_positions(
+    sizes: Sequence[int] | np.ndarray, rank: int = 0, world_size: int = 1,
+    seed: int | None = None, epoch: int = 0, buffer_size: int = 1024,
+) -> np.ndarray:
+    """This rank's items for one epoch as positions in the stored (unshuffled) flattening of groups of `sizes`.
+    Integers only: a caller turns just its own share into keys, not every rank's (1M str per rank at scale)."""
+    sizes = np.asarray(sizes, dtype=np.int64)
+    total = int(sizes.sum())
+    start, stop = rank_slice(total, rank, world_size)
+    if seed is None:
+        return np.arange(start, stop, dtype=np.int64)
+    order = list(range(len(sizes)))
+    rng_for(seed, epoch).shuffle(order)  # whole groups (shards) permuted, each group's inner order kept
+    perm = np.asarray(order, dtype=np.int64)
+    firsts = (np.cumsum(sizes) - sizes)[perm]  # where each permuted group starts in the stored order
+    lens = sizes[perm]
+    flat = np.repeat(firsts - (np.cumsum(lens) - lens), lens) + np.arange(total, dtype=np.int64)
+    mine = flat[start:stop].tolist()
+    return np.asarray(buffer_shuffle(mine, buffer_size, rng_for(seed, epoch, rank)), dtype=np.int64)
+
+
 def epoch_order(
     groups: Sequence[Sequence[T]], rank: int = 0, world_size: int = 1,
     seed: int | None = None, epoch: int = 0, buffer_size: int = 1024,
 ) -> list[T]:
     """This rank's items for one epoch. seed=None: the stored order, split contiguously."""
-    flat = [x for g in groups for x in g] if seed is None else shuffle_groups(groups, seed, epoch)
-    start, stop = rank_slice(len(flat), rank, world_size)
-    mine = flat[start:stop]
-    if seed is None:
-        return mine
-    return buffer_shuffle(mine, buffer_size, rng_for(seed, epoch, rank))
+    flat = [x for g in groups for x in g]
+    return [flat[i] for i in epoch_positions([len(g) for g in groups], rank, world_size, seed, epoch,
+                                             buffer_size).tolist()]

@@ -14,7 +14,9 @@ import json
 from pathlib import Path
 from typing import Any, Iterable
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import torch
 
 from schemas.errors import UserError
@@ -23,7 +25,7 @@ from store import integrity
 from store.check_ahead import DEFAULT_WINDOW, CheckAhead
 from store.integrity import DamagedData
 from store.manifest_view import ManifestView
-from store.partition import epoch_order
+from store.partition import epoch_positions
 from store.remote_shards import ensure_local
 from store.sample_check import SampleCheck
 from store.shard import SAFETENSORS_DTYPES
@@ -260,25 +262,56 @@ class TableReader:
 
     # ------------------------------------------------------------ iteration
 
+    def rows_of(self, split: str | None) -> np.ndarray:
+        """Row numbers of one split (every row for None)."""
+        if split is None:
+            return np.arange(len(self), dtype=np.int64)
+        return split_rows(self.column("split") if self.has_column("split") else None, split,
+                          f"table '{self.table}' v{self.version} ({self.dir})")
+
+    def by_shard(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """`rows` grouped by shard - shards in name order, rows in row order within one - and each group's size
+        (no empty groups): the stored order of `iter_keys`, as numbers."""
+        idx, names = self.view.shard_numbers()
+        rank_of = {name: i for i, name in enumerate(sorted(set(names)))}
+        group = np.asarray([rank_of[n] for n in names], dtype=np.int64)[idx[rows]] if len(rows) else \
+            np.zeros(0, np.int64)
+        order = np.lexsort((rows, group))
+        sizes = np.bincount(group, minlength=len(rank_of))
+        return rows[order], sizes[sizes > 0]
+
     def shard_groups(self, split: str | None = None) -> list[list[str]]:
         """Keys grouped by shard (in shard order, then key order), optionally only one split."""
-        view = self.view
-        splits = view.values("split") if split is not None and view.has_column("split") else None
-        if split is not None and splits is None:
-            raise UserError(f"table '{self.table}' v{self.version} has no split column")
-        groups: dict[str, list[str]] = {}
-        for i, (k, s) in enumerate(zip(view.key_list(), view.values("shard"))):
-            if splits is None or splits[i] == split:
-                groups.setdefault(s, []).append(k)
-        return [groups[s] for s in sorted(groups)]
+        rows, sizes = self.by_shard(self.rows_of(split))
+        keys = self.key_array.take(pa.array(rows)).to_pylist()
+        ends = np.cumsum(sizes).tolist()
+        return [keys[a:b] for a, b in zip([0, *ends[:-1]], ends)]
 
     def iter_keys(
         self, split: str | None = None, rank: int = 0, world_size: int = 1,
         seed: int | None = None, epoch: int = 0, buffer_size: int = 1024,
     ) -> list[str]:
         """This rank's keys for one epoch (see store.partition): disjoint across ranks, nothing lost."""
-        return epoch_order(self.shard_groups(split), rank, world_size, seed, epoch, buffer_size)
+        return self.epoch_keys(self.rows_of(split), rank, world_size, seed, epoch, buffer_size)
+
+    def epoch_keys(
+        self, rows: np.ndarray, rank: int = 0, world_size: int = 1,
+        seed: int | None = None, epoch: int = 0, buffer_size: int = 1024,
+    ) -> list[str]:
+        """`iter_keys` of the given rows: the order is worked out on row numbers and only this rank's share
+        becomes str keys (every rank's would be ~1M str and lists of them per rank at 1M samples)."""
+        rows, sizes = self.by_shard(np.asarray(rows, dtype=np.int64))
+        mine = rows[epoch_positions(sizes, rank, world_size, seed, epoch, buffer_size)]
+        return self.key_array.take(pa.array(mine)).to_pylist()
 
     def close(self) -> None:
         self.stop_check_ahead()
         self.shards.close()
+
+
+def split_rows(column: pa.Array | pa.ChunkedArray | None, split: str, table: str) -> np.ndarray:
+    """Row numbers of one split from a table's `split` column (None: the table has none, `table` names it), for a
+    reader and for a bare manifest alike."""
+    if column is None:
+        raise UserError(f"{table} has no split column; rebuild it with the current code")
+    return np.flatnonzero(pc.fill_null(pc.equal(column, split), False).to_numpy(zero_copy_only=False))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 import pyarrow as pa
 
@@ -101,10 +101,11 @@ class Store:
 
     def writer(
         self, table: str, schema: TableSchema, rank: int = 0, world_size: int = 1, shard_size_mb: float = 256,
-        version: int | None = None, remote_url: str | None = None,
+        version: int | None = None, remote_url: str | None = None, share: Sequence[str] | None = None,
+        agree: Callable[[bool], bool] = lambda alone: alone,
     ) -> TableWriter:
         return TableWriter(self, table, schema, rank=rank, world_size=world_size, shard_size_mb=shard_size_mb,
-                           version=version, remote_url=remote_url)
+                           version=version, remote_url=remote_url, share=share, agree=agree)
 
     # ------------------------------------------------------------ quarantine
 

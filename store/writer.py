@@ -12,7 +12,7 @@ filling and committing shards, carrying shards forward), store/writer_commit.py 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import pyarrow as pa
 import torch
@@ -22,8 +22,8 @@ from schemas.table import TableSchema
 from store import format as fmt
 from store.io_errors import writing
 from store.writer_commit import commit_local, mark_rank_done
-from store.writer_open import candidate_version, clean_uncommitted, committed_keys, lock_rank, next_shard_index, \
-    open_version, record_world
+from store.writer_open import candidate_version, clean_uncommitted, committed_in_share, committed_keys, index_paths, \
+    lock_rank, next_shard_index, open_version, record_world
 from store.writer_shards import RankShards, validate_sample
 
 if TYPE_CHECKING:
@@ -39,7 +39,13 @@ class TableWriter:
         self, store: Store, table: str, schema: TableSchema,
         rank: int = 0, world_size: int = 1, shard_size_mb: float = 256,
         version: int | None = None, remote_url: str | None = None,
+        share: Sequence[str] | None = None, agree: Callable[[bool], bool] = lambda alone: alone,
     ) -> None:
+        """`share`: the keys this rank will add, disjoint from every other rank's (encode's slice of `images`):
+        `done_keys` then holds only those of them in committed shards, and each rank reads its own shards' indexes
+        alone when the previous run had the same shares (store/writer_open.py `committed_in_share`). With several
+        ranks every rank then opens its writer together: `agree` makes this rank's verdict every rank's (True only
+        if True on all); the default is one process's."""
         if schema.name != table:
             raise UserError(f"schema is for table {schema.name!r}, not {table!r}")
         if not 0 <= rank < world_size:
@@ -66,9 +72,14 @@ class TableWriter:
                 # a push lease on the version before anything of it on the remote is relied on, held to the commit
                 self._lease = hold_parts(self)
                 adopt_uploaded(self)  # a node that lost its cache: its part already uploaded counts as committed
-            # several caches: a rank counts as done only what it uploads itself (its own shards), as rank 0 merges
-            # only what each rank uploaded
-            self.done_keys: set[str] = committed_keys(self.dir, rank if remote_url is not None else None)
+            if remote_url is not None:
+                # several caches: a rank counts as done only what it uploads itself (its own shards: parts of
+                # another world size were refused above, so they are its share's), as rank 0 merges only those
+                self.done_keys: set[str] = committed_keys(index_paths(self.dir, rank))
+            else:
+                indexes = index_paths(self.dir)  # the committed shards of a resumed version
+                self.done_keys = committed_keys(indexes) if share is None else committed_in_share(
+                    indexes, rank, world_size, pa.array(list(share), pa.string()), agree)
             self._shards = RankShards(self.dir, rank, next_shard_index(self.dir, rank, remote_url is not None),
                                       self.shard_bytes, f"table '{table}' v{self.version}")
         except BaseException:  # the lock goes with a writer that failed to open (a long-lived process retries)

@@ -23,15 +23,18 @@ def open_writer(job: EncodeJob, schema: TableSchema, shard_size_mb: float) -> li
 
     schema = replace(schema, attrs={**schema.attrs, FEATURE_LINEAGE_ATTR: job.feature_lineage})
     version, remote_url = writer_place(job, schema)  # several nodes' caches of a store URL: agreed by all ranks
+    mine = job.images.iter_keys(rank=job.ranks.rank, world_size=job.ranks.world_size)
+    # a resume: each rank learns which keys of its share are committed (its own indexes only, unless the shares
+    # moved: every rank agrees on that)
     job.writer = job.store.writer(
         job.summary.table, schema, rank=job.ranks.rank, world_size=job.ranks.world_size,
         shard_size_mb=shard_size_mb, version=version, remote_url=remote_url,
+        share=mine, agree=lambda alone: _all_agree(job.ranks.world_size, alone),
     )
     if _completed_meanwhile(job, several_caches=remote_url is not None):
         return []
     job.summary.version = job.writer.version
     job.shard_sizes_before = rank_shard_sizes(job)
-    mine = job.images.iter_keys(rank=job.ranks.rank, world_size=job.ranks.world_size)
     job.total = job.writer.given = len(mine)  # the commit refuses rows plus rejections short of the keys given
     todo = [k for k in mine if k not in job.writer.done_keys]
     job.summary.skipped = len(mine) - len(todo)
@@ -44,6 +47,14 @@ def open_writer(job: EncodeJob, schema: TableSchema, shard_size_mb: float) -> li
         todo = [k for k in todo if k not in job.writer.carried_keys]
     job.loop_started = time.perf_counter()
     return todo
+
+
+def _all_agree(world: int, yes: bool) -> bool:
+    """True when every rank says yes."""
+    from models.collective import all_max
+
+    (no,) = all_max(world, [0 if yes else 1])
+    return no == 0
 
 
 def _same_content(job: EncodeJob, rows):
