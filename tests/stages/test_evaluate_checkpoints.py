@@ -478,12 +478,28 @@ def test_a_run_folder_that_does_not_exist_is_named(tmp_path: Path) -> None:
         kept_checkpoints(tmp_path / "rnu")
 
 
+def respell_report(out, settings: dict) -> str:
+    """OUT's loss array and metrics.json as an earlier release recorded them: these settings, and their hash as the
+    fingerprint (returned)."""
+    import json
+
+    import zarr
+
+    group = zarr.open_group(out / GROUP, mode="r+", use_consolidated=True)
+    old = ev._hash(settings)
+    group.attrs.update({"fingerprint": old, "settings": settings})
+    zarr.consolidate_metadata(out / GROUP)
+    metrics = json.loads((out / "metrics.json").read_text())
+    metrics["checkpoints"]["fingerprint"] = old
+    (out / "metrics.json").write_text(json.dumps(metrics))
+    return old
+
+
 def test_a_moved_store_keeps_the_losses_and_the_report(run_and_store, tiny_edit_model, tmp_path):
     """The store moved (or a store URL's cache is in another folder): its tables' identities (number and manifest
     hash) are the same, so are the numbers. Before, the store's path was part of the loss array's fingerprint:
     a new array began and every checkpoint was evaluated again. An array recorded under that earlier spelling is
     this setting's too: its losses are kept and it is recorded under the present one at its next write."""
-    import json
     import shutil
 
     import zarr
@@ -498,14 +514,8 @@ def test_a_moved_store_keeps_the_losses_and_the_report(run_and_store, tiny_edit_
     assert res.up_to_date
 
     # the array and report as the earlier release wrote them: the store's path in the settings and fingerprint
-    group = zarr.open_group(out / GROUP, mode="r+", use_consolidated=True)
-    settings = {**group.attrs["settings"], "store": str(store.resolve())}
-    old = ev._hash(settings)
-    group.attrs.update({"fingerprint": old, "settings": settings})
-    zarr.consolidate_metadata(out / GROUP)
-    metrics = json.loads((out / "metrics.json").read_text())
-    metrics["checkpoints"]["fingerprint"] = old
-    (out / "metrics.json").write_text(json.dumps(metrics))
+    group = zarr.open_group(out / GROUP, mode="r", use_consolidated=True)
+    old = respell_report(out, {**group.attrs["settings"], "store": str(store.resolve())})
     res = ev.run(EvaluateConfig(**CFG), moved, tiny_edit_model, _ckpts(run_and_store), out, skip_if_done=True)
     assert res.up_to_date
     res = ev.run(EvaluateConfig(**CFG), moved, tiny_edit_model, _ckpts(run_and_store), out)  # a forced rerun
