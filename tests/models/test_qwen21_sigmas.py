@@ -14,6 +14,8 @@ import pytest
 import torch
 from PIL import Image
 
+from features.pictures import rgb_over_white
+
 SIGMAS = [1.0, 0.7, 0.35]  # three steps; every call below asks for 2
 
 
@@ -62,7 +64,7 @@ def test_evaluate_extra_prompts_use_the_models_sample_sigmas(model_with_sigmas, 
     transformer = load_component(model_with_sigmas, "transformer")
     vae = load_component(model_with_sigmas, "vae")
     [(_, _, _, _, cond, *_)] = extra_inputs_21(model_with_sigmas, transformer, vae, cfg)
-    np.testing.assert_array_equal(np.asarray(cond()), np.asarray(_stock(model_with_sigmas).convert("RGB")))
+    np.testing.assert_array_equal(np.asarray(cond()), np.asarray(rgb_over_white(_stock(model_with_sigmas))))
 
 
 def _stored_sample(pipe):
@@ -92,14 +94,14 @@ def test_evaluate_val_images_and_the_train_sample_grid_use_the_models_sample_sig
     cfg = SimpleNamespace(num_inference_steps=2, seed=0, true_cfg_scale=1.0)
     got = image_21(pipe.transformer, pipe.vae, scheduler_config_21(model_with_sigmas), s, cfg)
     want = _stock(model_with_sigmas, use_kv_cache=False)  # the loop from stored features has no KV cache
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want.convert("RGB")))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(rgb_over_white(want)))
 
     validator = Validator.__new__(Validator)  # the sample grid's 2.1 image, without a store around it
     validator.model, validator.cfg = model_with_sigmas, SimpleNamespace(sample_steps=2, seed=0)
     validator._vae, validator._scheduler = pipe.vae, dict(pipe.scheduler.config)
     got = validator._sample_21(pipe.transformer, s, 4, 6)
     want = _stock(model_with_sigmas, use_kv_cache=False)  # the grid samples 2.1 without guidance, as the pipeline
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want.convert("RGB")))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(rgb_over_white(want)))
 
 
 def test_a_model_folder_with_sample_sigmas_is_complete(model_with_sigmas, tmp_path):

@@ -10,6 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
+from features.pictures import rgb_over_white
 from pipeline.config import load_config
 from schemas import FieldSpec, Lineage, TableSchema
 from stages.encode import text as encode_text
@@ -440,8 +441,8 @@ def test_21_evaluate_extra_prompts_are_the_stock_pipeline_base_and_lora(tiny_21_
     pipe.load_lora_weights(tmp_path / "run" / "lora")
     lora = stock()
     assert not np.array_equal(np.asarray(base), np.asarray(lora))
-    np.testing.assert_array_equal(np.asarray(row.base), np.asarray(base.convert("RGB")))
-    np.testing.assert_array_equal(np.asarray(row.lora), np.asarray(lora.convert("RGB")))
+    np.testing.assert_array_equal(np.asarray(row.base), np.asarray(rgb_over_white(base)))
+    np.testing.assert_array_equal(np.asarray(row.lora), np.asarray(rgb_over_white(lora)))
 
     # --all-checkpoints: the same extra row from the base and the best checkpoint
     from stages.evaluate import checkpoint_report, checkpoints
@@ -456,9 +457,9 @@ def test_21_evaluate_extra_prompts_are_the_stock_pipeline_base_and_lora(tiny_21_
     best = res.metrics["checkpoints"]["best"]
     pipe.unload_lora_weights()
     pipe.load_lora_weights(best["path"])
-    np.testing.assert_array_equal(np.asarray(ck.outputs["base"]), np.asarray(base.convert("RGB")))
+    np.testing.assert_array_equal(np.asarray(ck.outputs["base"]), np.asarray(rgb_over_white(base)))
     np.testing.assert_array_equal(np.asarray(ck.outputs[f"best (step {best['step']})"]),
-                                  np.asarray(stock().convert("RGB")))
+                                  np.asarray(rgb_over_white(stock())))
 
 
 def test_a_failure_in_the_21_text_loop_is_shared_with_the_other_ranks(tiny_21_model, store21, monkeypatch):
