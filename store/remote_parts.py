@@ -160,8 +160,6 @@ def adopt_uploaded(writer: TableWriter) -> None:
 def commit_remote(writer: TableWriter, allow_empty: bool) -> int:
     """Rank 0, after every rank's `finish_rank` (a barrier): the manifest from every rank's index, then the remote
     commit in push's order. Returns the version."""
-    from store.remote_sync import _merged_record
-
     url, table, version = str(writer.remote_url), writer.table, writer.version
     remote = open_remote(url)
     base = f"{table}/v{version}"
@@ -177,11 +175,20 @@ def commit_remote(writer: TableWriter, allow_empty: bool) -> int:
                 for name in (fmt.CHECKSUMS, fmt.MANIFEST):  # the manifest last: the version is complete from here on
                     _upload(remote, staging / name, f"{base}/{name}", _entry(staging / name), listing, bar)
             fmt.crash_point("after_manifest")
-            remote.swap(fmt.STORE_JSON, lambda old: _merged_record(old, {table: {"current": version}}, url))
+            make_current(remote, table, version)
     finally:  # the small files fetched for the commit: a rerun fetches them again
         shutil.rmtree(staging, ignore_errors=True)
     writer.close()
     return version
+
+
+def make_current(remote, table: str, version: int) -> None:
+    """The last step of a commit on the remote: store.json by compare-and-swap (never over a higher version another
+    writer committed since). Also all a rerun does when that step failed (stages/encode/nodes.py: the complete
+    version is adopted, nothing encoded again)."""
+    from store.remote_sync import _merged_record
+
+    remote.swap(fmt.STORE_JSON, lambda old: _merged_record(old, {table: {"current": version}}, remote.url))
 
 
 def _gather(writer: TableWriter, remote, listing: dict[str, int], staging: Path) -> dict[str, dict[str, Any]]:
@@ -253,26 +260,37 @@ def _manifest(writer: TableWriter, staging: Path, recorded: dict[str, dict[str, 
 
 
 def drop_local_version(writer: TableWriter) -> None:
-    """After the remote commit: this node's cached folder of the version goes (it holds only this node's shards);
-    renamed first, so an opening reader never sees it half-deleted."""
-    vdir = writer.dir
-    with fmt.flock(writer.store.root / fmt.STORE_LOCK):
+    """After the remote commit: this node's cached folder of the version goes (it holds only this node's shards)."""
+    drop_part(writer.store.root, writer.table, writer.version)
+
+
+def drop_part(root: Path, table: str, version: int, schema: dict[str, Any] | None = None) -> None:
+    """This node's in-progress folder of a version the remote holds complete; renamed first, so an opening reader
+    never sees it half-deleted. `schema`: only a folder of that schema (another run's part is not this one to
+    drop; the next open that finds its number complete on the remote sets it aside)."""
+    vdir = fmt.version_dir(root, table, version)
+    with fmt.flock(root / fmt.STORE_LOCK):
         if not vdir.is_dir():
             return  # another rank of this node dropped it
+        if schema is not None and (fmt.is_complete(vdir) or not (vdir / fmt.SCHEMA_JSON).is_file()
+                                   or fmt.read_json(vdir / fmt.SCHEMA_JSON, "schema.json") != schema):
+            return
         doomed = vdir.with_name(f".{vdir.name}.dropped")
         shutil.rmtree(doomed, ignore_errors=True)
-        vdir.rename(doomed)
+        try:
+            vdir.rename(doomed)
+        except FileNotFoundError:  # set aside meanwhile by an open (store/remote_shards.py, under the cache lock)
+            return
     shutil.rmtree(doomed, ignore_errors=True)
 
 
-def push_node_quarantine(writer: TableWriter) -> None:
-    """This node's quarantine rows (its cache's `quarantine.parquet`: what its ranks rejected) merged into the
-    remote's, as push merges them (store/remote_sync.push_quarantine)."""
+def push_node_quarantine(root: Path, url: str, table: str) -> None:
+    """This node's quarantine rows (its cache `root`'s `quarantine.parquet`: what its ranks rejected) merged into
+    the remote's, as push merges them (store/remote_sync.push_quarantine)."""
     from store.remote_sync import push_quarantine
 
-    url = str(writer.remote_url)
-    with remote_errors(url, f"the quarantine rows of table '{writer.table}' v{writer.version}"):
-        push_quarantine(open_remote(url), writer.store.root)
+    with remote_errors(url, f"this node's quarantine rows of table '{table}'"):
+        push_quarantine(open_remote(url), root)
 
 
 def check_node_quarantine(writer: TableWriter) -> None:

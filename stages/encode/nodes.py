@@ -6,9 +6,9 @@ number do they all write (their caches may hold different in-progress versions)?
 from __future__ import annotations
 
 import hashlib
-import socket
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
+from schemas.host import host_id
 from schemas.table import TableSchema
 from models.shared_folder import check_shared
 from store import format as fmt
@@ -16,46 +16,81 @@ from store.remote_parts import source_url
 from store.writer import candidate_version
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from stages.encode.job import EncodeJob
 
 _BITS = 62  # a cache's identity, as an integer every rank can all-reduce
 
 
-def writer_place(job: EncodeJob, schema: TableSchema) -> tuple[int | None, str | None]:
-    """(the agreed version, the store URL) when the ranks write a store URL through more than one cache; (None,
-    None) otherwise: one process, a local store (checked to be one folder for every node), or one cache for all
-    (the writer opens its version as always)."""
+class Place(NamedTuple):
+    """Where the ranks write. `version`, `url`: the agreed version and the store URL when they write a URL through
+    more than one cache; None, None otherwise (the writer opens its version as always). `committed`: a complete
+    version of this very schema that the remote holds but whose store.json swap was lost: adopted, not written."""
+
+    version: int | None = None
+    url: str | None = None
+    committed: int | None = None
+    rows: int = 0  # the committed version's samples
+
+
+class OnRemote(NamedTuple):
+    taken: set[int]  # version numbers this run cannot write
+    committed: int = 0  # the newest complete version of this schema above the current one (0: none)
+    rows: int = 0
+
+
+def writer_place(job: EncodeJob, schema: TableSchema) -> Place:
+    """Where the ranks write `schema`'s version (decided by every rank together): see `Place`. A local store is
+    checked to be one folder for every node."""
     from models.collective import all_max, spread, together
 
     world, table = job.ranks.world_size, job.summary.table
     url = source_url(job.store.root)
-    if world <= 1:
-        return None, None
     if url is None:  # the same answer on every rank: all of them open the same URL, or none
-        # a local store: every rank writes its shards into it and rank 0 commits them, so every node must see it
-        check_shared(job.store.root, world, job.ranks.rank, "the store",
-                     "each rank writes its shards there and rank 0 commits them; or use a store URL")
-        return None, None
+        if world > 1:  # every rank writes its shards into the store and rank 0 commits them: every node must see it
+            check_shared(job.store.root, world, job.ranks.rank, "the store",
+                         "each rank writes its shards there and rank 0 commits them; or use a store URL")
+        return Place()
     want = schema.to_dict()
     with together(world, f"{job.summary.stage}: the version of table '{table}'"):
-        here = f"{socket.gethostname()}:{job.store.root.resolve()}"
-        cache = int.from_bytes(hashlib.sha256(here.encode()).digest()[:8], "big") >> (64 - _BITS)
+        cache = cache_identity(job.store.root)
         with fmt.flock(job.store.root / fmt.STORE_LOCK):
             mine = candidate_version(job.store.root, table, want)
-        taken = _taken_on_remote(url, table, want) if job.ranks.rank == 0 else set()
+        remote = _on_remote(url, table, want) if job.ranks.rank == 0 else OnRemote(set())
+    # rank 0 alone knows the remote: the others send 0
+    committed, rows = all_max(world, [remote.committed, remote.rows])
+    if committed:
+        return Place(url=url, committed=committed, rows=rows)
+    if world <= 1:
+        return Place()
     (high, low), (agreed, _) = spread(world, [cache, mine])
     if high == low:
-        return None, None
-    while agreed in taken:  # rank 0 alone knows the remote: the others send 0
+        return Place()
+    while agreed in remote.taken:
         agreed += 1
     (agreed,) = all_max(world, [agreed if job.ranks.rank == 0 else 0])
-    return agreed, url
+    return Place(agreed, url)
 
 
-def _taken_on_remote(url: str, table: str, want: dict) -> set[int]:
-    """Version numbers of `table` the remote holds that this run cannot write: complete ones, and parts of
-    another run (its schema.json differs or is missing); parts with this very schema are resumed."""
+def cache_identity(root: Path) -> int:
+    """One integer per cache folder: equal on two ranks only when they write the same folder. The host is its
+    kernel's boot id (schemas/host.py): host names repeat across nodes (`docker --hostname`, cloned VMs), and two
+    nodes then taken as one cache had rank 0 commit locally and fail at the end ("ranks [...] have not finished").
+    The folder is its device and inode too: containers of one kernel see different folders under one path."""
+    st = root.stat()
+    here = f"{host_id()}:{st.st_dev}:{st.st_ino}:{root.resolve()}"
+    return int.from_bytes(hashlib.sha256(here.encode()).digest()[:8], "big") >> (64 - _BITS)
+
+
+def _on_remote(url: str, table: str, want: dict) -> OnRemote:
+    """What the remote holds of `table`: version numbers this run cannot write - complete ones, and parts of
+    another run (its schema.json differs or is missing); parts with this very schema are resumed - and the newest
+    complete version of this very schema above the current one: a commit whose manifest was written and whose
+    store.json swap failed (a lost connection, a kill). Its rerun adopts it (only the swap is redone) instead of
+    encoding everything again into the next number."""
     from store.remote import Remote, open_remote, remote_errors
+    from store.remote_sync import _parse_record, marker_rel
 
     remote = open_remote(url)
     with remote_errors(url, f"listing table '{table}'"):
@@ -70,7 +105,26 @@ def _taken_on_remote(url: str, table: str, want: dict) -> set[int]:
             if fmt.MANIFEST in files or fmt.SCHEMA_JSON not in files or \
                     _json_of(remote.read(f"{table}/v{v}/{fmt.SCHEMA_JSON}")) != want:
                 taken.add(v)
-    return taken
+        try:
+            entry = _parse_record(remote.read(fmt.STORE_JSON), url)["tables"].get(table)
+        except FileNotFoundError:  # the first commit of the store lost its swap
+            entry = None
+        current = 0 if entry is None else int(entry["current"])
+        for v in sorted((v for v, files in versions.items() if v > current and fmt.MANIFEST in files
+                         and fmt.SCHEMA_JSON in files  # and not retired by `store repair` (its marker)
+                         and marker_rel(table, v).split("/", 1)[1] not in names),
+                        reverse=True):
+            if _json_of(remote.read(f"{table}/v{v}/{fmt.SCHEMA_JSON}")) == want:
+                return OnRemote(taken, v, _rows(remote, f"{table}/v{v}/{fmt.MANIFEST}"))
+    return OnRemote(taken)
+
+
+def _rows(remote, rel: str) -> int:
+    """A manifest's row count, from its footer (a few range reads, not the whole manifest)."""
+    import pyarrow.parquet as pq
+
+    with remote.fs.open(remote.path(rel), "rb") as f:
+        return pq.ParquetFile(f).metadata.num_rows
 
 
 def _json_of(data: bytes):
