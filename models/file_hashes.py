@@ -18,10 +18,11 @@ database per host, in sqlite's rollback journal: WAL keeps its index in memory s
 which only processes of one host share (sqlite: "WAL does not work over a network filesystem"), and sqlite's
 locks across hosts rely on the mount's lock service (absent with `nolock`). Per host, only one host's processes
 open each file; its files are hashed once per host, as each node reads its own copy anyway. A host is a running
-kernel (`host_id`: its boot id), not a host name: pods of one node, each with its own (often random) name, share
-the kernel's memory and locks and so one database, reused by the next job there; two nodes given the same fixed
-name (`docker --hostname`) never share one. A reboot starts a new database there (its files hashed once again),
-and a host's database that no process has opened for 30 days is removed by the next open (`drop_stale_hosts`).
+kernel (`schemas.host.host_id`: its boot id), not a host name: pods of one node, each with its own (often random)
+name, share the kernel's memory and locks and so one database, reused by the next job there; two nodes given the
+same fixed name (`docker --hostname`) never share one. A reboot starts a new database there (its files hashed once
+again), and a host's database that no process has opened for 30 days is removed by the next open
+(`drop_stale_hosts`).
 """
 
 from __future__ import annotations
@@ -31,12 +32,13 @@ import hashlib
 import logging
 import os
 import re
-import socket
 import sqlite3
 import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
+
+from schemas.host import host_id
 
 log = logging.getLogger("models")
 
@@ -71,7 +73,6 @@ NETWORK_FS = {"nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "beegfs"
               "fuse.juicefs", "orangefs", "virtiofs"}
 
 
-BOOT_ID = "/proc/sys/kernel/random/boot_id"  # Linux: the running kernel's id, new at every boot
 MOUNTINFO = "/proc/self/mountinfo"  # this process's mount table (Linux; elsewhere: none, as a local disk)
 
 
@@ -97,16 +98,6 @@ def network_fs(path: Path, mountinfo: str | None = None) -> str | None:
             best, kind = point, tail[0]
     shared = kind in NETWORK_FS or (kind or "").startswith("fuse.") and kind not in LOCAL_FUSE
     return kind if shared else None
-
-
-def host_id() -> str:
-    """What names this host's database and hash locks: the running kernel's boot id, else (no /proc) the host
-    name. The kernel is what shares memory and locks (module doc): its containers share one database and take
-    turns per model folder; two nodes never share one, whatever names they were given."""
-    try:
-        return Path(BOOT_ID).read_text().strip() or socket.gethostname()
-    except OSError:
-        return socket.gethostname()
 
 
 def _connect(path: Path, journal: str = "WAL") -> sqlite3.Connection:

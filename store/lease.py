@@ -9,11 +9,13 @@ written after gc is done (and then names versions that exist, which `hold` check
 is done or garbage collected, and at interpreter exit, on error too.
 
 A kill -9 leaves the file behind; it must not block gc for ever. Liveness:
-- same host and pid namespace: the pid is running and started when the lease says (a reused pid is not the
-  reader); decided at once, whatever the file's age;
-- another host (a store on a shared file system): the reader cannot be asked, so its lease is refreshed (file
-  mtime) every `REFRESH_SECONDS` by a daemon thread, and counts as live until `STALE_SECONDS` after its last
-  refresh (15 min: a margin of several missed refreshes and of clock skew between hosts).
+- same host (the running kernel's boot id, `schemas.host.host_id`: never the host name, which nodes given one
+  name share, and the init pid namespace's id is the same on every host) and pid namespace: the pid is running
+  and started when the lease says (a reused pid is not the reader); decided at once, whatever the file's age;
+- another host (a store on a shared file system), or a lease without a boot id (written before it was recorded):
+  the reader cannot be asked, so its lease is refreshed (file mtime) every `REFRESH_SECONDS` by a daemon thread,
+  and counts as live until `STALE_SECONDS` after its last refresh (15 min: a margin of several missed refreshes
+  and of clock skew between hosts).
 gc removes the files of dead leases.
 """
 
@@ -33,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
+from schemas.host import host_id
 from store import format as fmt
 
 log = logging.getLogger("store")
@@ -56,6 +59,14 @@ def _pid_namespace() -> str | None:
         return os.readlink("/proc/self/ns/pid")
     except OSError:
         return None
+
+
+def process_identity() -> dict[str, Any]:
+    """Who holds a lease (local files and the lease objects of a URL, store/remote_lease.py): what `judge` reads.
+    The host name is for people; the boot id says whether the pid is this host's to ask."""
+    pid = os.getpid()
+    return {"host": socket.gethostname(), "boot_id": host_id(), "pid": pid, "pid_start": _proc_start(pid),
+            "pid_namespace": _pid_namespace()}
 
 
 def _pid_running(pid: int, started: int | None) -> bool:
@@ -87,9 +98,7 @@ class Lease:
         return named[0] if named else None
 
     def record(self) -> dict[str, Any]:
-        return {"host": socket.gethostname(), "pid": os.getpid(), "pid_start": _proc_start(os.getpid()),
-                "pid_namespace": _pid_namespace(), "what": self.what, "versions": self.versions,
-                "argv": sys.argv[:6],
+        return {**process_identity(), "what": self.what, "versions": self.versions, "argv": sys.argv[:6],
                 "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
     def add(self, table: str, version: int) -> bool:
@@ -180,7 +189,7 @@ class Found:
 def judge(path: Path, record: dict[str, Any], mtime: float, now: float | None = None) -> Found:
     now = time.time() if now is None else now
     host, pid = record.get("host"), record.get("pid")
-    if host == socket.gethostname() and record.get("pid_namespace") == _pid_namespace() and isinstance(pid, int):
+    if record.get("boot_id") == host_id() and record.get("pid_namespace") == _pid_namespace() and isinstance(pid, int):
         if _pid_running(pid, record.get("pid_start")):
             return Found(path, record, True, f"pid {pid} on {host}, running")
         return Found(path, record, False, f"pid {pid} on {host} is gone")

@@ -6,7 +6,9 @@ checked against the version's sealed checksums.json; a shard is fetched - whole 
 random read - when a reader first needs it), and the reader then opens it as any other. Versions are immutable, so
 a cached version never goes stale; a newer current version on the remote is opened beside it on the next open.
 The cache stays under its size limit by evicting least recently used shard files (`make_room`, before every whole
-fetch, so also during a long read; it walks the cache only when the node's running total `USAGE` nears the limit) and, on open, whole versions nobody uses (`evict`). Processes of one node share
+fetch, so also during a long read; it walks the cache only when the node's running total `USAGE` nears the limit)
+and, on open, whole versions nobody uses (`evict`): only copies of the remote's, never a version a writer committed
+here and has not pushed (the only copy of that work until its rerun pushes it). Processes of one node share
 the cache: opens, evictions and space reservations run under one lock on the cache folder; a shard unlinked while
 another process has it open stays readable there (POSIX), and its next miss fetches it again; a version a live
 reader holds a read lease on (store/lease.py, written by train's reader inside the cached store) is never evicted
@@ -15,13 +17,15 @@ whole, and the metadata of the versions in use never at all.
 A writer (the encoders) works on the cached copy and then pushes it back (`push_back`): the remote commit keeps
 push's guarantees (write-once objects, manifest last, store.json by compare-and-swap), so a killed encoder leaves
 nothing visible on the remote and a rerun resumes from the cached copy's committed shards. Once pushed, its
-versions are marked as copies of the remote's (their shards become evictable, refetched on need).
+versions are marked as copies of the remote's (their shards, and the versions whole, become evictable, refetched
+on need).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import stat
@@ -34,6 +38,7 @@ from store import lease as leases
 from store.io_errors import writing
 from store.remote import is_url
 
+log = logging.getLogger("store")
 
 
 def default_cache_dir() -> Path:
@@ -86,6 +91,7 @@ def local_store(store: str | Path, tables: list[str] | None, cache_dir: str | Pa
         for t, v in needed:
             os.utime(fmt.version_dir(root, t, v))  # last use, for LRU
         if limit is not None:
+            remote_shards.mark_copies(url, root, storage_options)  # evictable whole; never a version not pushed
             evict(cache, limit, {(root, t, v) for t, v in needed})
         else:  # what this open fetched is in no total: a limited process of the node walks before its next fetch
             (cache / USAGE).unlink(missing_ok=True)
@@ -172,13 +178,16 @@ def _size(folder: Path) -> int:
     return sum(st.st_size for p in folder.rglob("*") if (st := _counted(p)) is not None)
 
 
-def _candidates(cache: Path, keep: set[tuple[Path, str, int]], whole_versions: bool) -> tuple[int, list]:
-    """(bytes the cache holds, what may go: [(last use, bytes, path, is a whole version)]). A version in `keep`
-    or under a live read lease keeps its folder and metadata; a lazily cached version's shards may always go
-    (refetched on need)."""
+def _candidates(cache: Path, keep: set[tuple[Path, str, int]],
+                whole_versions: bool) -> tuple[int, list, list[tuple[Path, int]]]:
+    """(bytes the cache holds, what may go: [(last use, bytes, path, is a whole version)], the complete versions
+    committed only here: [(folder, bytes)]). A version in `keep` or under a live read lease keeps its folder and
+    metadata; a lazily cached version's shards may always go (refetched on need). Only a copy of the remote's
+    (lazily opened, or pushed: `is_lazy`) goes whole: a version a writer committed here and did not push (a failed
+    or killed push_back) is the only copy of that work until the rerun pushes it."""
     from store.remote_shards import is_lazy, is_shard
 
-    total, out = 0, []
+    total, out, unpushed = 0, [], []
     for root in sorted(p for p in cache.iterdir() if p.is_dir()):
         if not (root / fmt.STORE_JSON).is_file():
             total += _size(root)
@@ -202,13 +211,16 @@ def _candidates(cache: Path, keep: set[tuple[Path, str, int]], whole_versions: b
                 n = metadata + sum(size for _, size, _ in files)
                 total += n
                 pinned = (root, table_dir.name, v) in keep or (table_dir.name, v) in leased
-                if whole_versions and not pinned and fmt.is_complete(vdir):  # never a writer's version in progress
+                if not lazy:
+                    if fmt.is_complete(vdir):  # never a writer's version in progress, never one not pushed
+                        unpushed.append((vdir, n))
+                elif whole_versions and not pinned and fmt.is_complete(vdir):
                     out.append((vdir.stat().st_mtime, n, vdir, True))  # renamed only under the lock
-                elif lazy:
+                else:
                     out += [(used, size, vdir / name, False) for name, size, used in files if is_shard(name)]
                 # the temp file of a fetch whose process was killed: first to go
                 out += [(0.0, size, vdir / name, False) for name, size, _ in files if _orphan_fetch(name)]
-    return total, out
+    return total, out, unpushed
 
 
 def _orphan_fetch(name: str) -> bool:
@@ -228,8 +240,9 @@ def _orphan_fetch(name: str) -> bool:
     return False
 
 
-def _evict(cache: Path, limit: int, keep: set[tuple[Path, str, int]], whole_versions: bool) -> tuple[int, list]:
-    total, candidates = _candidates(cache, keep, whole_versions)
+def _evict(cache: Path, limit: int, keep: set[tuple[Path, str, int]],
+           whole_versions: bool) -> tuple[int, list, list[tuple[Path, int]]]:
+    total, candidates, unpushed = _candidates(cache, keep, whole_versions)
     removed = []
     for _, n, path, is_version in sorted(candidates, key=lambda x: x[0]):
         if total <= limit:
@@ -243,7 +256,7 @@ def _evict(cache: Path, limit: int, keep: set[tuple[Path, str, int]], whole_vers
             path.unlink(missing_ok=True)  # a process that has it open keeps reading it (POSIX)
         total -= n
         removed.append(path)
-    return total, removed
+    return total, removed, unpushed
 
 
 def _read_usage(cache: Path) -> int | None:
@@ -261,14 +274,21 @@ def _write_usage(cache: Path, total: int) -> None:
 
 
 def evict(cache: Path, limit: int, keep: set[tuple[Path, str, int]]) -> list[Path]:
-    """Remove least recently used shards of lazily cached versions and whole versions not in use until the cache
-    holds at most `limit` bytes (call under the cache lock). Kept: the metadata of `keep` and of versions with a
-    live read lease. UserError when that alone exceeds the limit. Sets the running total (an open walks once)."""
-    total, removed = _evict(cache, limit, keep, whole_versions=True)
+    """Remove least recently used shards of lazily cached versions and whole such versions not in use until the
+    cache holds at most `limit` bytes (call under the cache lock). Kept: the metadata of `keep` and of versions with
+    a live read lease, and versions committed here and not pushed (over the limit, with a warning: the rerun of
+    their writer pushes them, and an open that refused them would stop it). UserError when the rest alone exceeds
+    the limit. Sets the running total (an open walks once)."""
+    total, removed, unpushed = _evict(cache, limit, keep, whole_versions=True)
     _write_usage(cache, total)
-    if total > limit:
-        raise UserError(f"the store cache {cache} needs {total / 1e9:.2f} GB for the versions in use, over its "
-                        f"limit of {limit / 1e9:.2f} GB; raise the limit (--cache-gb) or use a bigger --cache-dir")
+    owed = sum(n for _, n in unpushed)
+    if total > limit and total - owed <= limit:
+        log.warning("the store cache %s holds %.2f GB over its limit of %.2f GB: versions committed only there, never "
+                    "pushed to their URL (%s); kept until the rerun of their stage pushes them",
+                    cache, (total - limit) / 1e9, limit / 1e9, ", ".join(str(p) for p, _ in unpushed))
+    elif total > limit:
+        raise UserError(f"the store cache {cache} needs {(total - owed) / 1e9:.2f} GB for the versions in use, over "
+                        f"its limit of {limit / 1e9:.2f} GB; raise the limit (--cache-gb) or use a bigger --cache-dir")
     return removed
 
 
@@ -289,7 +309,7 @@ def make_room(cache: Path, limit: int, incoming: int) -> bool:
     if used is not None and used + incoming <= limit - limit // NEAR:
         _write_usage(cache, used + incoming)
         return True
-    total, _ = _evict(cache, limit - incoming - limit // WALK_FREES, set(), whole_versions=False)
+    total, _, _ = _evict(cache, limit - incoming - limit // WALK_FREES, set(), whole_versions=False)
     fits = total + incoming <= limit
     _write_usage(cache, total + incoming if fits else total)
     return fits
@@ -305,7 +325,9 @@ def push_back(store: str | Path, local: Path, storage_options: dict[str, Any] | 
 
     url = str(store).rstrip("/")
     summary = push(local, url, storage_options)
-    for name in summary.copied:  # on the remote now: the cached shards are copies, evictable and refetched
+    # on the remote now: the cached shards are copies, evictable and refetched (`present`: a version an earlier
+    # push sent and was killed before marking, or sent by a version of this code that did not mark it)
+    for name in summary.copied + summary.present:
         table, version = name.rsplit("/v", 1)
         vdir = fmt.version_dir(local, table, int(version))
         if not remote_shards.is_lazy(vdir):

@@ -1,14 +1,14 @@
 """Read (and push) leases on a store at a URL: lease OBJECTS, the object-store form of store/lease.py's files.
 
-`<prefix>/.leases/<host>-<pid>-<random>.json` holds the same record as a local lease (host, pid, its start time
-and pid namespace, what it is, `versions` {table: [N, ...]}) plus `kind` ("read" or "push"). A process that
+`<prefix>/.leases/<host>-<pid>-<random>.json` holds the same record as a local lease (host, boot id, pid, its start
+time and pid namespace, what it is, `versions` {table: [N, ...]}) plus `kind` ("read" or "push"). A process that
 reads versions of a URL store (train, evaluate, the encoders reading `images`, verify: whatever opens it through
 store/remote_cache.local_store) or pushes versions into it (store/remote_sync.push) writes one, rewrites it every
 `REFRESH_SECONDS` from a daemon thread (the heartbeat: the object's LastModified is its refresh time, set by the
 server), and deletes it when done and at interpreter exit. `pipeline store gc URL` (store/remote_gc.py) keeps
-every version a live lease names. Liveness is store/lease.judge's: a lease of this host and pid namespace is live
-while its process runs; any other is live until `STALE_SECONDS` (15 min) after its last refresh, so a reader
-killed with -9 blocks gc for at most that long.
+every version a live lease names. Liveness is store/lease.judge's: a lease of this host (its boot id) and pid
+namespace is live while its process runs; any other is live until `STALE_SECONDS` (15 min) after its last refresh,
+so a reader killed with -9 blocks gc for at most that long.
 
 The race with gc (docs/store-format.md, "On an object store"): a reader learns its version from store.json, THEN
 writes its lease, THEN checks that the version's manifest still exists (`hold` retries with the new current
@@ -60,8 +60,7 @@ class RemoteLease:
 
     def record(self) -> dict[str, Any]:
         """store/lease.py's record (what `judge` reads), plus the kind and the time of this write."""
-        return {"host": socket.gethostname(), "pid": os.getpid(), "pid_start": local_lease._proc_start(os.getpid()),
-                "pid_namespace": local_lease._pid_namespace(), "what": self.what, "kind": self.kind,
+        return {**local_lease.process_identity(), "what": self.what, "kind": self.kind,
                 "versions": self.versions, "argv": sys.argv[:6],
                 "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 

@@ -22,7 +22,7 @@ import io
 import json
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import pyarrow.parquet as pq
 
@@ -167,8 +167,6 @@ def adopt_uploaded(writer: TableWriter) -> None:
 def commit_remote(writer: TableWriter, allow_empty: bool) -> int:
     """Rank 0, after every rank's `finish_rank` (a barrier): the manifest from every rank's index, then the remote
     commit in push's order. Returns the version."""
-    from store.remote_sync import _merged_record
-
     url, table, version = str(writer.remote_url), writer.table, writer.version
     remote = open_remote(url)
     base = f"{table}/v{version}"
@@ -188,11 +186,20 @@ def commit_remote(writer: TableWriter, allow_empty: bool) -> int:
                 _upload(remote, staging / fmt.MANIFEST, f"{base}/{fmt.MANIFEST}", _entry(staging / fmt.MANIFEST),
                         listing, bar)
             fmt.crash_point("after_manifest")
-            remote.swap(fmt.STORE_JSON, lambda old: _merged_record(old, {table: {"current": version}}, url))
+            make_current(remote, table, version)
     finally:  # the small files fetched for the commit: a rerun fetches them again
         shutil.rmtree(staging, ignore_errors=True)
     writer.close()
     return version
+
+
+def make_current(remote, table: str, version: int) -> None:
+    """The last step of a commit on the remote: store.json by compare-and-swap (never over a higher version another
+    writer committed since). Also all a rerun does when that step failed (stages/encode/nodes.py: the complete
+    version is adopted, nothing encoded again)."""
+    from store.remote_sync import _merged_record
+
+    remote.swap(fmt.STORE_JSON, lambda old: _merged_record(old, {table: {"current": version}}, remote.url))
 
 
 def _gather(writer: TableWriter, remote, listing: dict[str, int],
@@ -297,11 +304,21 @@ def hold_parts(writer: TableWriter):
                     f"rank {writer.rank} writing {writer.table} v{writer.version}", kind="push")
 
 
-def taken_on_remote(url: str, table: str, want: dict, world: int) -> set[int]:
-    """Version numbers of `table` the remote holds that `world` ranks with schema `want` cannot write: complete
-    ones, and parts of another run (its schema.json differs or is missing, or they were written by another
-    number of ranks, or that number is not recorded); parts of this very run are resumed."""
+class OnRemote(NamedTuple):
+    taken: set[int]  # version numbers this run cannot write
+    committed: int = 0  # the newest complete version of this schema above the current one (0: none)
+    rows: int = 0  # its samples
+
+
+def on_remote(url: str, table: str, want: dict, world: int) -> OnRemote:
+    """What the remote holds of `table`, from one listing: the version numbers `world` ranks with schema `want`
+    cannot write - complete ones, and parts of another run (its schema.json differs or is missing, or they were
+    written by another number of ranks, or that number is not recorded); parts of this very run are resumed - and
+    the newest complete version of this very schema above the current one: a commit whose manifest was written and
+    whose store.json swap failed (a lost connection, a kill). Its rerun adopts it (only the swap is redone,
+    `make_current`) instead of encoding everything again into the next number."""
     from store.remote import Remote
+    from store.remote_sync import _parse_record, marker_rel
 
     remote = open_remote(url)
     with remote_errors(url, f"listing table '{table}'"):
@@ -311,13 +328,30 @@ def taken_on_remote(url: str, table: str, want: dict, world: int) -> set[int]:
             head, _, name = rel.partition("/")
             if (m := fmt.VERSION_RE.fullmatch(head)) and name:
                 versions.setdefault(int(m.group(1)), set()).add(name)
+        schemas = {v: _json_of(remote.read(f"{table}/v{v}/{fmt.SCHEMA_JSON}"))
+                   for v, files in versions.items() if fmt.SCHEMA_JSON in files}
         taken = set()
         for v, files in versions.items():
-            if fmt.MANIFEST in files or fmt.SCHEMA_JSON not in files or WORLD_JSON not in files or \
-                    _json_of(remote.read(f"{table}/v{v}/{fmt.SCHEMA_JSON}")) != want or \
+            if fmt.MANIFEST in files or schemas.get(v) != want or WORLD_JSON not in files or \
                     _world_of(remote.read(f"{table}/v{v}/{WORLD_JSON}")) != world:
                 taken.add(v)
-    return taken
+        try:
+            entry = _parse_record(remote.read(fmt.STORE_JSON), url)["tables"].get(table)
+        except FileNotFoundError:  # the first commit of the store lost its swap
+            entry = None
+        current = 0 if entry is None else int(entry["current"])
+        for v in sorted((v for v, files in versions.items() if v > current and fmt.MANIFEST in files
+                         and schemas.get(v) == want  # and not retired by `store repair` (its marker)
+                         and marker_rel(table, v).split("/", 1)[1] not in names),
+                        reverse=True):
+            return OnRemote(taken, v, _rows(remote, f"{table}/v{v}/{fmt.MANIFEST}"))
+    return OnRemote(taken)
+
+
+def _rows(remote, rel: str) -> int:
+    """A manifest's row count, from its footer (a few range reads, not the whole manifest)."""
+    with remote.fs.open(remote.path(rel), "rb") as f:
+        return pq.ParquetFile(f).metadata.num_rows
 
 
 def _json_of(data: bytes):
@@ -333,26 +367,37 @@ def _world_of(data: bytes) -> int | None:
 
 
 def drop_local_version(writer: TableWriter) -> None:
-    """After the remote commit: this node's cached folder of the version goes (it holds only this node's shards);
-    renamed first, so an opening reader never sees it half-deleted."""
-    vdir = writer.dir
-    with fmt.flock(writer.store.root / fmt.STORE_LOCK):
+    """After the remote commit: this node's cached folder of the version goes (it holds only this node's shards)."""
+    drop_part(writer.store.root, writer.table, writer.version)
+
+
+def drop_part(root: Path, table: str, version: int, schema: dict[str, Any] | None = None) -> None:
+    """This node's in-progress folder of a version the remote holds complete; renamed first, so an opening reader
+    never sees it half-deleted. `schema`: only a folder of that schema (another run's part is not this one to
+    drop; the next open that finds its number complete on the remote sets it aside)."""
+    vdir = fmt.version_dir(root, table, version)
+    with fmt.flock(root / fmt.STORE_LOCK):
         if not vdir.is_dir():
             return  # another rank of this node dropped it
+        if schema is not None and (fmt.is_complete(vdir) or not (vdir / fmt.SCHEMA_JSON).is_file()
+                                   or fmt.read_json(vdir / fmt.SCHEMA_JSON, "schema.json") != schema):
+            return
         doomed = vdir.with_name(f".{vdir.name}.dropped")
         shutil.rmtree(doomed, ignore_errors=True)
-        vdir.rename(doomed)
+        try:
+            vdir.rename(doomed)
+        except FileNotFoundError:  # set aside meanwhile by an open (store/remote_shards.py, under the cache lock)
+            return
     shutil.rmtree(doomed, ignore_errors=True)
 
 
-def push_node_quarantine(writer: TableWriter) -> None:
-    """This node's quarantine rows (its cache's `quarantine.parquet`: what its ranks rejected) merged into the
-    remote's, as push merges them (store/remote_sync.push_quarantine)."""
+def push_node_quarantine(root: Path, url: str, table: str) -> None:
+    """This node's quarantine rows (its cache `root`'s `quarantine.parquet`: what its ranks rejected) merged into
+    the remote's, as push merges them (store/remote_sync.push_quarantine)."""
     from store.remote_sync import push_quarantine
 
-    url = str(writer.remote_url)
-    with remote_errors(url, f"the quarantine rows of table '{writer.table}' v{writer.version}"):
-        push_quarantine(open_remote(url), writer.store.root)
+    with remote_errors(url, f"this node's quarantine rows of table '{table}'"):
+        push_quarantine(open_remote(url), root)
 
 
 def check_node_quarantine(writer: TableWriter) -> None:

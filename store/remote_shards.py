@@ -339,6 +339,14 @@ def open_lazily(url: str, root: Path, storage_options: dict[str, Any] | None, ta
                 continue
             _fetch_metadata(remote, root, t, v, files)
             fetched = True
+        # older parts left in this cache whose numbers the remote holds complete (e.g. of a commit whose store.json
+        # swap was lost, which a rerun with other settings did not adopt): one request per in-progress folder there
+        for t in sorted({t for t, _ in wanted}):
+            newest = max(v for table, v in wanted if table == t)
+            for old in fmt.list_versions(root, t):
+                vdir = fmt.version_dir(root, t, old)
+                if old < newest and not fmt.is_complete(vdir) and remote.exists(f"{t}/v{old}/{fmt.MANIFEST}"):
+                    _set_aside_if_dead(root, t, vdir)
         if fetched:
             pull_quarantine(remote, root, damaged_ok)  # the rows other stages and nodes added there (a merge)
         for t, entry in sorted(rec["tables"].items()):
@@ -350,7 +358,8 @@ def open_lazily(url: str, root: Path, storage_options: dict[str, Any] | None, ta
 def _set_aside_if_dead(root: Path, table: str, vdir: Path) -> None:
     """A version folder without a manifest in the cache, whose number the remote holds complete: the part of a
     multi-node encode killed between the remote commit and dropping it (all of it is on the remote:
-    store/remote_parts.py), or a killed writer whose number another writer took since. Unless a live writer of this
+    store/remote_parts.py), or a killed writer whose number another writer took since (it can never be committed,
+    and the cache limit counts it, never evicting a writer's version in progress). Unless a live writer of this
     node holds one of the table's writer locks (then the caller reports the conflict), it is renamed out of the
     version names (as eviction does) and removed, with every writer lock held, and the remote's version is opened
     in its place."""
@@ -387,6 +396,33 @@ def _fetch_metadata(remote: Remote, root: Path, table: str, version: int, files)
             pass
     mark(tmp, remote.url, table, version)
     os.rename(tmp, final)
+
+
+def mark_copies(url: str, root: Path, storage_options: dict[str, Any] | None = None) -> None:
+    """Mark the complete, unmarked versions of the cached store `root` that `url` holds identical (its manifest
+    there, with the same CRC32C) as copies of the remote's, so that eviction may take them: versions pulled whole
+    into a cache by earlier versions of this code, or pushed by a push_back killed before it marked them. A version
+    a writer committed here and never pushed stays unmarked (store/remote_cache.py never evicts it). Two requests
+    per unmarked version, while there are any."""
+    from store.remote_checked import known_crc
+    from store.remote_sync import _checksums
+
+    unmarked = [(t.name, v) for t in sorted(root.iterdir()) if t.is_dir() and not t.name.startswith(".")
+                for v in fmt.list_versions(root, t.name)
+                if fmt.is_complete(fmt.version_dir(root, t.name, v)) and not is_lazy(fmt.version_dir(root, t.name, v))]
+    if not unmarked:
+        return
+    remote = open_remote(url, storage_options)
+    with remote_errors(url, "open"):
+        for t, v in unmarked:
+            vdir = fmt.version_dir(root, t, v)
+            try:
+                there = _checksums(remote.read(f"{t}/v{v}/{fmt.CHECKSUMS}"), f"{url}/{t}/v{v}/{fmt.CHECKSUMS}")
+            except (FileNotFoundError, UserError):  # not pushed; or damaged there: not a copy to refetch from
+                continue
+            if there[fmt.MANIFEST]["crc32c"] == known_crc(vdir / fmt.MANIFEST)[0] and \
+                    remote.exists(f"{t}/v{v}/{fmt.MANIFEST}"):  # checksums.json goes first: complete only with it
+                mark(vdir, url, t, v)
 
 
 def mark(vdir: Path, url: str, table: str, version: int) -> None:

@@ -20,7 +20,8 @@ def finish(job: EncodeJob) -> Summary:
     damaged-input threshold, in `failed` for a failure in its loop) stops every rank with its one line."""
     from models.collective import together
 
-    if job.summary.up_to_date:  # completed by another process meanwhile (see open_writer)
+    if job.summary.up_to_date:  # completed by another process meanwhile, or its lost swap redone (open_writer)
+        push_node_rows(job)
         job.summary.seconds = time.perf_counter() - job.started
         return job.summary
     assert job.writer is not None
@@ -48,16 +49,32 @@ def finish(job: EncodeJob) -> Summary:
         else:
             job.writer.close()
     if job.writer.remote_url is not None:  # committed on the remote by rank 0 (store/remote_parts.py)
-        from store.remote_parts import drop_local_version, push_node_quarantine
+        from store.remote_parts import drop_local_version
 
         drop_local_version(job.writer)
         job.summary.committed_to = job.writer.remote_url
-        if job.ranks.local_rank == 0:  # this node's rejected samples (its ranks share its cache's quarantine)
-            push_node_quarantine(job.writer)
+        push_node_rows(job, job.writer.remote_url)
     job.summary.seconds = time.perf_counter() - job.started
     if job.lease is not None:
         job.lease.release()
     return over_ranks(job.summary, world)  # every rank's counts and damaged samples: one line says it all
+
+
+def push_node_rows(job: EncodeJob, url: str | None = None) -> None:
+    """A store URL: each node's rejected samples (its cache's quarantine.parquet, shared by its ranks) merged into
+    the remote's by its local rank 0, all ranks agreeing (a failed merge is every rank's one line). After a commit
+    on several caches (no push back), and whenever the table is up to date: a merge that failed after the commit
+    left that node's rows only in its cache, and the rerun, finding the table up to date, pushed rank 0's cache
+    alone. A merge that adds nothing writes nothing. `url`: the writer's (else the one the cache copies)."""
+    from models.collective import together
+    from store.remote_parts import push_node_quarantine, source_url
+
+    url = url or source_url(job.store.root)
+    if url is None:
+        return
+    with together(job.ranks.world_size, f"{job.summary.stage}: this node's quarantine rows to {url}"):
+        if job.ranks.local_rank == 0:
+            push_node_quarantine(job.store.root, url, job.summary.table)
 
 
 def _verify_repaired(job: EncodeJob) -> None:

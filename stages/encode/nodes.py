@@ -6,48 +6,73 @@ number do they all write (their caches may hold different in-progress versions)?
 from __future__ import annotations
 
 import hashlib
-import socket
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
+from schemas.host import host_id
 from schemas.table import TableSchema
 from models.shared_folder import check_shared
 from store import format as fmt
-from store.remote_parts import source_url, taken_on_remote
+from store.remote_parts import OnRemote, on_remote, source_url
 from store.writer import candidate_version
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from stages.encode.job import EncodeJob
 
 _BITS = 62  # a cache's identity, as an integer every rank can all-reduce
 
 
-def writer_place(job: EncodeJob, schema: TableSchema) -> tuple[int | None, str | None]:
-    """(the agreed version, the store URL) when the ranks write a store URL through more than one cache; (None,
-    None) otherwise: one process, a local store (checked to be one folder for every node), or one cache for all
-    (the writer opens its version as always)."""
+class Place(NamedTuple):
+    """Where the ranks write. `version`, `url`: the agreed version and the store URL when they write a URL through
+    more than one cache; None, None otherwise (the writer opens its version as always). `committed`: a complete
+    version of this very schema that the remote holds but whose store.json swap was lost: adopted, not written."""
+
+    version: int | None = None
+    url: str | None = None
+    committed: int | None = None
+    rows: int = 0  # the committed version's samples
+
+
+def writer_place(job: EncodeJob, schema: TableSchema) -> Place:
+    """Where the ranks write `schema`'s version (decided by every rank together): see `Place`. A local store is
+    checked to be one folder for every node."""
     from models.collective import all_max, spread, together
 
     world, table = job.ranks.world_size, job.summary.table
     url = source_url(job.store.root)
-    if world <= 1:
-        return None, None
     if url is None:  # the same answer on every rank: all of them open the same URL, or none
-        # a local store: every rank writes its shards into it and rank 0 commits them, so every node must see it
-        check_shared(job.store.root, world, job.ranks.rank, "the store",
-                     "each rank writes its shards there and rank 0 commits them; or use a store URL")
-        return None, None
+        if world > 1:  # every rank writes its shards into the store and rank 0 commits them: every node must see it
+            check_shared(job.store.root, world, job.ranks.rank, "the store",
+                         "each rank writes its shards there and rank 0 commits them; or use a store URL")
+        return Place()
     want = schema.to_dict()
     with together(world, f"{job.summary.stage}: the version of table '{table}'"):
-        here = f"{socket.gethostname()}:{job.store.root.resolve()}"
-        cache = int.from_bytes(hashlib.sha256(here.encode()).digest()[:8], "big") >> (64 - _BITS)
+        cache = cache_identity(job.store.root)
         with fmt.flock(job.store.root / fmt.STORE_LOCK):
             # only parts this number of ranks wrote: each rank's share of the keys depends on it
             mine = candidate_version(job.store.root, table, want, world)
-        taken = taken_on_remote(url, table, want, world) if job.ranks.rank == 0 else set()
+        remote = on_remote(url, table, want, world) if job.ranks.rank == 0 else OnRemote(set())
+    # rank 0 alone knows the remote: the others send 0
+    committed, rows = all_max(world, [remote.committed, remote.rows])
+    if committed:
+        return Place(url=url, committed=committed, rows=rows)
+    if world <= 1:
+        return Place()
     (high, low), (agreed, _) = spread(world, [cache, mine])
     if high == low:
-        return None, None
-    while agreed in taken:  # rank 0 alone knows the remote: the others send 0
+        return Place()
+    while agreed in remote.taken:
         agreed += 1
     (agreed,) = all_max(world, [agreed if job.ranks.rank == 0 else 0])
-    return agreed, url
+    return Place(agreed, url)
+
+
+def cache_identity(root: Path) -> int:
+    """One integer per cache folder: equal on two ranks only when they write the same folder. The host is its
+    kernel's boot id (schemas/host.py): host names repeat across nodes (`docker --hostname`, cloned VMs), and two
+    nodes then taken as one cache had rank 0 commit locally and fail at the end ("ranks [...] have not finished").
+    The folder is its device and inode too: containers of one kernel see different folders under one path."""
+    st = root.stat()
+    here = f"{host_id()}:{st.st_dev}:{st.st_ino}:{root.resolve()}"
+    return int.from_bytes(hashlib.sha256(here.encode()).digest()[:8], "big") >> (64 - _BITS)

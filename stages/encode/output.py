@@ -22,16 +22,19 @@ def open_writer(job: EncodeJob, schema: TableSchema, shard_size_mb: float) -> li
     from stages.encode.nodes import writer_place
 
     schema = replace(schema, attrs={**schema.attrs, FEATURE_LINEAGE_ATTR: job.feature_lineage})
-    version, remote_url = writer_place(job, schema)  # several nodes' caches of a store URL: agreed by all ranks
+    place = writer_place(job, schema)  # several nodes' caches of a store URL: agreed by all ranks
+    if place.committed is not None:
+        _adopt_committed(job, place.url, place.committed, place.rows, schema)
+        return []
     mine = job.images.iter_keys(rank=job.ranks.rank, world_size=job.ranks.world_size)
     # a resume: each rank learns which keys of its share are committed (its own indexes only, unless the shares
     # moved: every rank agrees on that)
     job.writer = job.store.writer(
         job.summary.table, schema, rank=job.ranks.rank, world_size=job.ranks.world_size,
-        shard_size_mb=shard_size_mb, version=version, remote_url=remote_url,
+        shard_size_mb=shard_size_mb, version=place.version, remote_url=place.url,
         share=mine, agree=lambda alone: _all_agree(job.ranks.world_size, alone),
     )
-    if _completed_meanwhile(job, several_caches=remote_url is not None):
+    if _completed_meanwhile(job, several_caches=place.url is not None):
         return []
     job.summary.version = job.writer.version
     job.shard_sizes_before = rank_shard_sizes(job)
@@ -92,6 +95,24 @@ def _completed_meanwhile(job: EncodeJob, several_caches: bool = False) -> bool:
     with together(job.ranks.world_size, f"{job.summary.stage}: reusing table '{job.summary.table}' v{found}"):
         adopt(job, found)
     return True
+
+
+def _adopt_committed(job: EncodeJob, url: str, version: int, rows: int, schema: TableSchema) -> None:
+    """The remote holds `version` of this very schema complete, but its commit's store.json swap was lost (a lost
+    connection, a kill right after the manifest): rank 0 redoes only the swap ("up to date"; encoding it all again
+    into the next number took hours at 1M samples), and each node drops its part of it from its cache."""
+    from models.collective import together
+    from store.remote import open_remote, remote_errors
+    from store.remote_parts import drop_part, make_current
+
+    table = job.summary.table
+    with together(job.ranks.world_size, f"{job.summary.stage}: making table '{table}' v{version} current at {url}"):
+        if job.ranks.rank == 0:
+            with remote_errors(url, f"making table '{table}' v{version} current"):
+                make_current(open_remote(url), table, version)
+        drop_part(job.store.root, table, version, schema.to_dict())
+    job.summary.version, job.summary.up_to_date, job.summary.skipped = version, True, rows
+    job.summary.committed_to = url
 
 
 def agreed_found(found: int | None, world: int, several_caches: bool) -> int | None:

@@ -60,8 +60,11 @@ def open_job(store_path: str | Path, stage: str, table: str, feature_hash: str, 
                                    components, on_damaged, max_damaged_fraction, earlier_hashes, fixes, unread)
         found = _agreed_plan(job, found)
         if found is not None:
+            from stages.encode.commit import push_node_rows
+
             with together(ranks.world_size, f"{stage}: reusing table '{table}' v{found}"):
                 adopt(job, found)
+            push_node_rows(job)  # a merge of this node's rows that failed after the commit is redone
             job.summary.seconds = time.perf_counter() - job.started
             job.close()  # nothing to read: the stage returns the summary
             return job

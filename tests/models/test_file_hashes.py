@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import models.file_hashes as fh
+from schemas import host
 from models.file_hashes import CACHE_NAME, FileHashes
 from stages.resize.content import content_listing_hash
 
@@ -267,7 +268,7 @@ def test_a_cache_on_a_network_file_system_is_one_rollback_database_per_host(tmp_
     monkeypatch.setattr(fh, "network_fs", lambda path, mountinfo=None: "nfs4")
     folder = cache / "qwen-edit-pipeline"
     boot = tmp_path / "boot_id"
-    monkeypatch.setattr(fh, "BOOT_ID", str(boot))
+    monkeypatch.setattr(host, "BOOT_ID", str(boot))
     # a host is a running kernel: pods of node a (random host names) share its database, and node b, given the
     # same host name as a pod of node a (`--hostname`), has its own
     for kernel, name, hashed in (("node-a", "pod-1", 3), ("node-a", "pod-2", 0), ("node-b", "pod-2", 3)):
@@ -331,7 +332,7 @@ def test_databases_of_hosts_unseen_for_a_month_are_removed(tmp_path, cache, monk
     rollback journals too); a younger one, a local cache's database and other files stay."""
     monkeypatch.setattr(fh, "network_fs", lambda path, mountinfo=None: "nfs4")
     boot = tmp_path / "boot_id"
-    monkeypatch.setattr(fh, "BOOT_ID", str(boot))
+    monkeypatch.setattr(host, "BOOT_ID", str(boot))
     folder = cache / "qwen-edit-pipeline"
     files = _files(tmp_path / "model", 2)
     for kernel in ("old-boot", "recent-boot", "this-boot"):

@@ -120,3 +120,58 @@ def test_an_encoder_on_two_nodes_caches_killed_and_rerun_commits_every_sample_on
     for key in one.keys():
         a, b = one.tensors(key), two.tensors(key)
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), key
+
+
+def _remote_rejects(s3_env, prefix: str) -> set[str]:
+    from store import quarantine
+
+    body = s3_env.client().get_object(Bucket=s3_env.bucket, Key=f"{prefix}/quarantine.parquet")["Body"].read()
+    rows, why = quarantine.parsed(body)
+    assert rows is not None, why
+    return set(rows.column("key").to_pylist())
+
+
+def test_a_commit_on_two_caches_that_lost_its_store_json_swap_is_adopted_and_every_nodes_rows_merged(
+        s3_env, tiny_edit_model, edit_store, tmp_path):
+    """Rank 0 of an encoder on two nodes' caches is killed right after the manifest, before store.json's swap: v1
+    is complete on the remote, not current. The rerun counted v1 as taken, found nothing identical in its cache,
+    and encoded everything again into v2 (hours at 1M samples); now it only redoes the swap. Each node's rejected
+    samples (its cache's quarantine.parquet) reach the remote then, and also on a rerun that finds the table up
+    to date: before, only global rank 0's cache was pushed there, so a node whose merge failed after the commit
+    never had its rows on the remote."""
+    from store import quarantine
+
+    url = s3_env.url("swap")
+    push(edit_store, url)
+    cfg_file = tmp_path / "encode.yaml"
+    cfg_file.write_text(yaml.safe_dump({"encode_vae": {"shard_size_mb": 0.002, "batch_size": 1, "dtype": "float32",
+                                                       "device": "cpu"}}))
+    args = ["run", "encode-vae", "--store", url, "--model", tiny_edit_model, "--config", str(cfg_file)]
+    node0, node1 = start_nodes(args, ({"STORE_CRASH_AT": "after_manifest"}, {}), _caches(tmp_path))
+    node0.communicate(timeout=300)
+    assert node0.returncode != 0
+    kill_node(node1)  # waiting for rank 0 at the commit
+    node1.communicate(timeout=60)
+    tables, manifests = _remote_tables(s3_env, "swap")
+    assert "vae" not in tables and [m for m in manifests if "/vae/" in m] == ["swap/vae/v1/manifest.parquet"]
+
+    def reject(key: str) -> None:  # a sample node 1 rejected, in its cache only
+        root = local_store(url, ["images"], tmp_path / "cache-node1", lease=False)
+        quarantine.add_rows(root, [{"key": key, "source": "s", "stage": "encode-vae", "reason": "too_small"}])
+
+    reject("rejected-by-node-1")
+    outs = _finished(start_nodes(args, node_args=_caches(tmp_path)))
+    assert "is up to date" in outs[0][0] and f"committed table 'vae' v1 at {url}" in outs[0][0], outs[0]
+    tables, manifests = _remote_tables(s3_env, "swap")
+    assert tables["vae"]["current"] == 1 and not [m for m in manifests if "/vae/v2/" in m]  # nothing encoded again
+    for node in (0, 1):  # each node's part of v1 left its cache
+        assert not [p for p in (tmp_path / f"cache-node{node}").rglob("v1") if p.parent.name == "vae"]
+    assert "rejected-by-node-1" in _remote_rejects(s3_env, "swap")
+
+    reject("rejected-by-node-1-later")  # as if its merge after a commit had failed
+    outs = _finished(start_nodes(args, node_args=_caches(tmp_path)))
+    assert "v1 is up to date" in outs[0][0], outs[0]
+    assert "rejected-by-node-1-later" in _remote_rejects(s3_env, "swap")
+    pulled = tmp_path / "pulled"
+    pull(url, pulled)
+    assert sorted(Store(pulled).reader("vae").keys()) == sorted(Store(edit_store).reader("images").keys())

@@ -86,11 +86,26 @@ def test_a_reused_pid_and_remote_leases_judged_by_start_time_and_refresh_age(tmp
     assert lease.judge(tmp_path / "a.json", mine, time.time()).live
     reused = {**mine, "pid_start": (mine["pid_start"] or 0) + 1}  # our pid, but another process's start time
     assert not lease.judge(tmp_path / "a.json", reused, time.time()).live
-    remote = {**mine, "host": "another-host"}
+    remote = {**mine, "host": "another-host", "boot_id": "another-kernel"}
     now = time.time()
     assert lease.judge(tmp_path / "a.json", remote, now - 60, now).live
     old = lease.judge(tmp_path / "a.json", remote, now - lease.STALE_SECONDS - 1, now)
     assert not old.live and "not refreshed for 15 min" in old.why
+
+
+def test_a_lease_of_another_node_with_this_host_name_is_judged_by_its_refresh_not_by_a_pid_here(tmp_path):
+    """Bare-metal nodes installed from one image (or given one name: `docker --hostname`, cloned VMs) have the same
+    host name, and the init pid namespace's id is the same on every host: a live reader's lease on the other node,
+    judged by whether its pid runs HERE, was dead at once, and gc deleted the versions it was reading. A host is its
+    kernel's boot id; a lease written before it was recorded is judged by its refresh age (never by a pid)."""
+    mine = lease.Lease(tmp_path, "me").record()
+    dead_here = 2**22 + 12345  # above pid_max: no process of this host has it
+    now = time.time()
+    for other in ({**mine, "boot_id": "another-node-s-kernel", "pid": dead_here},  # the same host name and namespace
+                  {k: v for k, v in {**mine, "pid": dead_here}.items() if k != "boot_id"}):  # an older record
+        assert lease.judge(tmp_path / "a.json", other, now - 60, now).live
+        assert not lease.judge(tmp_path / "a.json", other, now - lease.STALE_SECONDS - 1, now).live
+    assert not lease.judge(tmp_path / "a.json", {**mine, "pid": dead_here}, now, now).live  # this host's: asked
 
 
 def test_a_remote_lease_is_refreshed_while_held(store, monkeypatch):

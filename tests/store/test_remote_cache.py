@@ -42,3 +42,78 @@ def test_a_warm_open_lists_nothing_and_refuses_a_changed_version(s3_env, store: 
     push(other.root, s3_env.url())
     with pytest.raises(UserError, match="vae v1 differs"):
         local_store(s3_env.url(), ["vae"], cache)
+
+
+def test_a_version_committed_only_in_the_cache_is_never_evicted_before_its_push(s3_env, tmp_path: Path,
+                                                                                caplog) -> None:
+    """An encoder committed v2 into the cache and its push failed (or was killed): until the rerun pushes it, that
+    version is the only copy of the work. An open with a size limit it does not fit (the rerun itself, or train on
+    that node) evicted it whole; it keeps it now (over the limit, with a warning), the rerun pushes it, and then it is
+    a copy of the remote's like any other."""
+    from store import format as fmt
+    from store.remote_cache import push_back
+
+    url = s3_env.url("unpushed")
+    src = Store(tmp_path / "src")
+    fill(src, 8, tag="a")
+    push_back(url, src.root)  # the remote: vae v1
+    cache = tmp_path / "cache"
+    root = local_store(url, ["vae"], cache, lease=False)
+    v = fill(Store(root), 40, tag="b", start=100)  # committed in the cache; push_back never ran
+    vdir = fmt.version_dir(root, "vae", v)
+    size = sum(p.stat().st_size for p in vdir.iterdir())
+
+    with caplog.at_level("WARNING", logger="store"):
+        local_store(url, ["vae"], cache, limit_gb=size / 2 / 1e9, lease=False)  # the rerun's open
+    assert fmt.is_complete(vdir) and "never pushed" in caplog.text
+    with Store(root, create=False).reader("vae", v) as r:
+        assert len(r.keys()) == 40
+
+    Store(root).set_current("vae", v)  # the rerun's stage finds it up to date (stages/encode/output.adopt)...
+    assert push_back(url, root).copied == [f"vae/v{v}"]  # ...and pushes it
+    assert local_store(url, ["vae"], cache, limit_gb=size / 2 / 1e9, lease=False) == root
+    assert Store(root).tables()["vae"] == v and not list(vdir.glob("*.tar"))  # a copy now: its shards evictable
+
+
+def test_a_part_left_in_the_cache_under_a_number_the_remote_holds_complete_is_removed(s3_env, tmp_path: Path) -> None:
+    """A node's part of v1 (a commit on several caches whose store.json swap was lost; the rerun, with other
+    settings, committed v2): the remote holds v1 complete, so the part can never be committed, and the cache limit
+    counted it for ever (a writer's version in progress is never evicted). An open sets it aside; a part above the
+    current version (a writer's, perhaps live) stays."""
+    import json
+
+    from store import format as fmt
+
+    url = s3_env.url("left")
+    src = Store(tmp_path / "src")
+    fill(src, 4, tag="a")
+    fill(src, 4, tag="b")
+    push(src.root, url)  # v1 and v2 complete there, v2 current
+    root = local_store(url, ["vae"], tmp_path / "cache", lease=False)
+    for v in (1, 3):
+        part = fmt.version_dir(root, "vae", v)
+        part.mkdir()
+        (part / fmt.SCHEMA_JSON).write_text(json.dumps({"name": "vae", "a": "part"}))
+        (part / "shard-r01-000000.tar").write_bytes(b"x" * 1000)
+    local_store(url, ["vae"], tmp_path / "cache", lease=False)
+    assert fmt.list_versions(root, "vae") == [2, 3] and fmt.is_complete(fmt.version_dir(root, "vae", 2))
+
+
+def test_a_version_an_older_cache_pulled_whole_is_still_evicted(s3_env, tmp_path: Path, caplog) -> None:
+    """Caches of earlier versions of this code pulled whole versions without marking them as the remote's; the
+    versions never pushed are kept now, but those, found identical on the remote, are marked and evicted as before."""
+    from store import format as fmt
+
+    url = s3_env.url("older")
+    src = Store(tmp_path / "src")
+    fill(src, 40, tag="a")
+    push(src.root, url)
+    cache = tmp_path / "cache"
+    root = local_store(url, ["vae"], cache, whole=True, lease=False)  # v1 whole, unmarked
+    old = fmt.version_dir(root, "vae", 1)
+    size = sum(p.stat().st_size for p in old.iterdir())
+    fill(src, 4, tag="b", start=50)
+    push(src.root, url)  # v2 current
+    with caplog.at_level("WARNING", logger="store"):
+        local_store(url, ["vae"], cache, limit_gb=size / 2 / 1e9, lease=False)
+    assert not old.exists() and "never pushed" not in caplog.text

@@ -383,6 +383,6 @@ def test_the_cache_walk_counts_what_is_on_disk(s3_env, store: Store, tmp_path: P
         for k in local.shard_groups()[0] + _one_key_per_shard(local)[1:]:  # one shard scanned, others by range
             assert _same(cached.tensors(k), local.tensors(k))
     assert 1 <= len(_shard_files(root)) < 4 and list(root.rglob(f"*{RANGED}"))
-    total, candidates = _candidates(cache, set(), whole_versions=False)
+    total, candidates, _ = _candidates(cache, set(), whole_versions=False)
     assert total == _cache_bytes(cache)
     assert [p.name for _, _, p, _ in candidates] == [p.name for p in _shard_files(root)]  # only shards may go

@@ -21,6 +21,7 @@ from store import Store
 from store import remote as remote_mod
 from store import remote_lease
 from store.integrity import write_version_checksums
+from schemas.host import host_id
 from store.lease import _pid_namespace
 from store.remote import open_remote
 from store.remote_cache import local_store
@@ -225,7 +226,8 @@ def test_migrate_of_a_url_makes_a_v2_version_current(s3_env, tmp_path: Path) -> 
 def _stale_lease(s3_env, versions: dict[str, list[int]]) -> str:
     """A lease object of a process of this host that is gone (no such pid): dead at once."""
     rel = f"store/.leases/{socket.gethostname()}-999999999-dead.json"
-    record = {"host": socket.gethostname(), "pid": 999999999, "pid_start": 1, "pid_namespace": _pid_namespace(),
+    record = {"host": socket.gethostname(), "boot_id": host_id(), "pid": 999999999, "pid_start": 1,
+              "pid_namespace": _pid_namespace(),
               "what": "pipeline train", "versions": versions, "kind": "read"}
     s3_env.client().put_object(Bucket=s3_env.bucket, Key=rel, Body=json.dumps(record).encode())
     return rel

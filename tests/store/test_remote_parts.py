@@ -92,14 +92,69 @@ def test_a_part_of_another_run_is_refused_in_one_line(s3_env, tmp_path) -> None:
     w.close()
 
 
+def test_a_complete_version_whose_swap_was_lost_is_found_for_its_own_schema_only(s3_env, tmp_path,
+                                                                                 monkeypatch) -> None:
+    """Rank 0's commit wrote the manifest and lost the store.json swap (a lost connection): v1 is complete, not
+    current. `on_remote` offers it for adoption to a run of the same schema (its rerun), never to another."""
+    from store.remote_parts import make_current, on_remote
+
+    url = s3_env.url("lost-swap")
+    _writer(tmp_path / "node1", url, 1).finish_rank()
+    real = remote_mod.Remote.swap
+
+    def lost(self, rel, *a, **k):
+        if rel == "store.json":
+            raise ConnectionError("connection reset by peer")
+        return real(self, rel, *a, **k)
+
+    monkeypatch.setattr(remote_mod.Remote, "swap", lost)
+    with pytest.raises(UserError, match="lost the connection"):
+        _writer(tmp_path / "node0", url, 0).commit()
+    monkeypatch.setattr(remote_mod.Remote, "swap", real)
+    names = _objects(s3_env, "lost-swap")
+    assert "vae/v1/manifest.parquet" in names and "store.json" not in names
+    found = on_remote(url, "vae", vae_schema("a").to_dict(), 2)
+    assert (found.committed, found.rows, found.taken) == (1, N, {1})
+    assert on_remote(url, "vae", vae_schema("b").to_dict(), 2).committed == 0  # another run's: taken, not adopted
+    make_current(remote_mod.open_remote(url), "vae", 1)
+    assert on_remote(url, "vae", vae_schema("a").to_dict(), 2).committed == 0  # current now: nothing to adopt
+    assert pull(url, tmp_path / "pulled").copied == ["vae/v1"]  # current: what a reader opens
+
+
 def test_the_version_number_skips_what_the_remote_holds_for_other_runs(s3_env, tmp_path) -> None:
-    from store.remote_parts import taken_on_remote
+    from store.remote_parts import on_remote
 
     url = s3_env.url("taken")
     _writer(tmp_path / "a", url, 1, tag="other").finish_rank()  # v1: parts of another run
-    assert taken_on_remote(url, "vae", vae_schema("a").to_dict(), 2) == {1}
-    assert taken_on_remote(url, "vae", vae_schema("other").to_dict(), 2) == set()  # its own parts: resumed
-    assert taken_on_remote(url, "vae", vae_schema("other").to_dict(), 3) == {1}  # written by 2 ranks, not 3
+    assert on_remote(url, "vae", vae_schema("a").to_dict(), 2).taken == {1}
+    assert on_remote(url, "vae", vae_schema("other").to_dict(), 2).taken == set()  # its own parts: resumed
+    assert on_remote(url, "vae", vae_schema("other").to_dict(), 3).taken == {1}  # written by 2 ranks, not 3
+
+
+def test_one_cache_or_several_is_decided_by_the_kernel_and_the_folder_not_the_host_name(tmp_path,
+                                                                                        monkeypatch) -> None:
+    """Two nodes with one host name (`docker --hostname`, cloned VMs) and one cache path were taken for one cache:
+    rank 0 then committed in its own cache and failed at the end ("ranks [...] have not finished"). A host is its
+    kernel's boot id; and two folders under one path (containers of one kernel) are told apart by their inode."""
+    import socket
+
+    from schemas import host
+    from stages.encode import nodes
+
+    monkeypatch.setattr(socket, "gethostname", lambda: "node")  # every node's name
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    boot = tmp_path / "boot_id"
+    monkeypatch.setattr(host, "BOOT_ID", str(boot))
+    seen = {}
+    for kernel in ("kernel-a", "kernel-b"):
+        boot.write_text(kernel)
+        seen[kernel] = nodes.cache_identity(cache)
+    assert seen["kernel-a"] != seen["kernel-b"]
+    assert nodes.cache_identity(cache) == seen["kernel-b"]  # the ranks of one node: one cache
+    cache.rename(tmp_path / "elsewhere")
+    cache.mkdir()  # another folder under the same path
+    assert nodes.cache_identity(cache) != seen["kernel-b"]
 
 
 def test_an_unreachable_remote_is_one_line(s3_env, tmp_path, monkeypatch) -> None:
@@ -132,7 +187,7 @@ def test_every_nodes_quarantine_rows_reach_the_remote_merged(s3_env, tmp_path) -
     writers[1].finish_rank()
     writers[0].commit()
     for rank in (0, 1, 1):  # node 1 twice: a rerun adds nothing
-        push_node_quarantine(writers[rank])
+        push_node_quarantine(writers[rank].store.root, url, "vae")
 
     pulled = tmp_path / "pulled"
     quarantine.add_rows(Store(pulled).root, rows[0])  # a copy that has node 0's row already
@@ -153,7 +208,8 @@ def _encode_end(writer, monkeypatch):
         monkeypatch.setattr(commit, name, lambda job: None)
     monkeypatch.setattr(commit, "rank_shard_sizes", lambda job: {})
     summary = SimpleNamespace(up_to_date=False, stage="encode-vae", table="vae", version=None, quarantined=0)
-    job = SimpleNamespace(summary=summary, writer=writer, ranks=SimpleNamespace(world_size=1, rank=0, local_rank=0),
+    job = SimpleNamespace(summary=summary, writer=writer, store=writer.store,
+                          ranks=SimpleNamespace(world_size=1, rank=0, local_rank=0),
                           started=0.0, loop_started=0.0, shard_sizes_before={}, repairing=None, lease=None,
                           images=SimpleNamespace(stop_check_ahead=lambda: None))
     return commit.finish(job)

@@ -163,8 +163,8 @@ def test_a_rerun_without_a_dead_node_encodes_a_new_version_with_every_sample(
     assert _run(url, [a, a, b, b], ranks_as_threads, n) == 2
     assert _committed(url, tmp_path) == sorted(key_of(i) for i in range(n))
     want = vae_schema().to_dict()
-    assert remote_parts.taken_on_remote(url, "vae", want, 4) == {1, 2}  # v1: parts of 6 ranks; v2: complete
-    assert remote_parts.taken_on_remote(url, "vae", want, 6) == {2}
+    assert remote_parts.on_remote(url, "vae", want, 4).taken == {1, 2}  # v1: parts of 6 ranks; v2: complete
+    assert remote_parts.on_remote(url, "vae", want, 6).taken == {2}
 
 
 def test_a_part_short_of_its_keys_is_never_committed(s3_env, tmp_path) -> None:
