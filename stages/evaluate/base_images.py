@@ -98,11 +98,13 @@ def _device_names(device) -> list[str]:
     return names
 
 
-def read(folder: Path, key: str, n: int) -> list[Image.Image] | None:
-    """The n base images recorded under `key`, or None (none recorded, another key, a file missing or damaged)."""
+def read(folder: Path, key: str, n: int, earlier: list[str] = ()) -> list[Image.Image] | None:
+    """The n base images recorded under `key`, or None (none recorded, another key, a file missing or damaged).
+    `earlier`: the same inputs' keys as spelled before (the tables named by version ids, not content): images
+    recorded under one are these, and their index is recorded under `key` (the next rerun finds them so)."""
     try:
         index = json.loads((folder / INDEX).read_text())
-        if index.get("key") != key or len(index.get("files", [])) != n:
+        if index.get("key") not in (key, *earlier) or len(index.get("files", [])) != n:
             return None
         images = []
         for name, sha in index["files"]:
@@ -110,6 +112,10 @@ def read(folder: Path, key: str, n: int) -> list[Image.Image] | None:
             if hashlib.sha256(data).hexdigest() != sha:
                 return None
             images.append(_png(data))
+        if index["key"] != key:
+            from store.format import atomic_write_bytes
+
+            atomic_write_bytes(folder / INDEX, json.dumps({**index, "key": key}, indent=1).encode())
         return images
     except (OSError, ValueError, KeyError, TypeError):
         return None
