@@ -384,9 +384,10 @@ def _run(ranks, cfg: EvaluateConfig, store: str | Path, model: str, checkpoints:
             if ranks.main:
                 out.mkdir(parents=True, exist_ok=True)
                 recorded = known_fingerprint(out, fingerprint, settings, earlier)
-                losses = LossStore(out, recorded, axes, settings)
+                losses = LossStore(out, recorded, axes, settings, tables.versions())
                 if recorded != fingerprint:
                     losses.refingerprint(fingerprint, settings)
+                losses.note_versions(tables.versions())  # `pipeline compare` against arrays named by versions
         with together(ranks.world, "load the transformer"):
             transformer = single.load_transformer(cfg, model)
         evaluated, attached = _append_missing(ranks, losses, checkpoints, shas, transformer, samples, mine, cfg, load)

@@ -307,3 +307,29 @@ def test_reports_and_arrays_recorded_under_version_ids_stay_current(trained, tin
     _rebuild(load_config(None, {**SETTINGS, "resize.max_controls": 3}), tmp_path / "src", store, tiny_plus_model)
     one, every_, passes = _reevaluate(store, run, single, every, tiny_plus_model, monkeypatch)
     assert one.up_to_date and every_.up_to_date and passes == 0
+
+
+def test_compare_matches_an_array_named_by_content_with_one_named_by_versions(trained, tiny_plus_model, tmp_path,
+                                                                               monkeypatch):
+    """`pipeline compare` of a report written now (tables named by content) with one named by the version ids read
+    (validation while training, an earlier release) on the same tables: one held-out set, as before; after an
+    `images` rerun the new report reads other versions, and the two are refused as before (versions alone say
+    nothing of the contents of the older one)."""
+    from schemas.config import EvaluateConfig
+    from schemas.errors import UserError
+    from stages.evaluate import checkpoints as ev
+    from stages.evaluate.compare import check_same_held_out, read_curves
+
+    store, run = _copy(trained, tmp_path)
+    with monkeypatch.context() as old_release:
+        old_release.setattr(ev, "read_tables", lambda tables: tables.versions())
+        ev.run(EvaluateConfig(**EVAL, max_loss_samples=1), store, tiny_plus_model, _steps(run), tmp_path / "old")
+    ev.run(EvaluateConfig(**EVAL, max_loss_samples=1), store, tiny_plus_model, _steps(run), tmp_path / "new")
+    old, new = read_curves(tmp_path / "old", "old"), read_curves(tmp_path / "new", "new")
+    assert old.held_out["store tables"] != new.held_out["store tables"]
+    check_same_held_out([old, new])
+
+    _rebuild(load_config(None, {**SETTINGS, "resize.max_controls": 3}), tmp_path / "src", store, tiny_plus_model)
+    ev.run(EvaluateConfig(**EVAL, max_loss_samples=1), store, tiny_plus_model, _steps(run), tmp_path / "new")
+    with pytest.raises(UserError, match="store tables"):
+        check_same_held_out([old, read_curves(tmp_path / "new", "new")])
