@@ -281,6 +281,12 @@ def _feed(h: "hashlib._Hash", a: pa.Array) -> None:
     elif pa.types.is_list(t) or pa.types.is_large_list(t):
         h.update(b"l" + pc.list_value_length(a).fill_null(0).to_numpy(zero_copy_only=False).astype("<i8").tobytes())
         _feed(h, pc.list_flatten(a))  # null lists hold no values
+    elif pa.types.is_null(t):  # a column no row has a value in (an optional meta column): its validity says it
+        h.update(b"n")
+    elif pa.types.is_boolean(t):
+        h.update(b"b" + a.fill_null(False).to_numpy(zero_copy_only=False).astype(np.uint8).tobytes())
+    elif pa.types.is_floating(t):
+        h.update(b"f" + a.cast(pa.float64()).fill_null(0.0).to_numpy(zero_copy_only=False).astype("<f8").tobytes())
     else:
         raise _NotHashed(str(t))
 
@@ -380,3 +386,33 @@ def sequence_lengths_of(joined: JoinedTables) -> np.ndarray:
     text.view.forget("length")  # read once, here
     release_memory()  # the million-row temporaries' pages
     return out
+
+
+ROWS_FORMAT = b"rows-content-1"  # bump when what `rows_content_id` hashes changes
+
+
+def rows_content_id(r: TableReader, keys: pa.Array, columns: Iterable[str]) -> str | None:
+    """sha256 of what a reader of `r` gets for `keys` (in their order): per key whether the table holds it, its
+    sample checksums (the bytes, tar headers with the member names included) and the values of `columns` (e.g.
+    the caption of an `images` row), a chunk at a time in Arrow. Equal ids: the same rows, whatever version they
+    are numbered under. None when the table has no sample checksums (schema v1), or a column holds values
+    `_feed` has no canonical bytes for: the caller names the table by its version id then."""
+    if r.view.is_v1 or not r.view.has_column("sample_sha256"):
+        return None
+    keys = pa.array(keys, pa.string()) if not isinstance(keys, pa.Array) else keys
+    rows = pc.index_in(keys, value_set=r.key_array)  # null: the key is not in the table
+    h = hashlib.sha256(ROWS_FORMAT + b"\0")
+    try:
+        _feed_rows(h, keys, None)
+        for name in ("sample_sha256", "sample_crc32c", *sorted(set(columns))):
+            h.update(b"\0column\0" + name.encode())
+            if not r.view.has_column(name):
+                h.update(b"\0absent")
+                continue
+            column = r.view.column(name)
+            for a in range(0, max(len(rows), 1), _CHUNK):
+                _feed(h, column.take(rows.slice(a, _CHUNK)))
+    except _NotHashed as e:
+        log.warning("'%s': a column of type %s is not hashed; the table is named by its version id", r.dir, e)
+        return None
+    return h.hexdigest()

@@ -75,9 +75,11 @@ class Axes:
 class LossStore:
     """Open (or start) the group at `folder/losses.zarr` for `fingerprint`; see the module doc."""
 
-    def __init__(self, folder: str | Path, fingerprint: str, axes: Axes, settings: dict):
+    def __init__(self, folder: str | Path, fingerprint: str, axes: Axes, settings: dict,
+                 versions: dict | None = None):
         self.path = Path(folder) / GROUP
         self.axes, self.fingerprint, self.settings = axes, fingerprint, settings
+        self.versions = versions  # `note_versions`: recorded with a new group (no commit of their own)
         self.kept_aside: Path | None = None
         if self.path.exists() and self._recorded_fingerprint() != fingerprint:
             self.start_over()
@@ -98,6 +100,15 @@ class LossStore:
         self.kept_aside = aside
         self._create(self.fingerprint, self.settings)
         self.group = _zarr().open_group(self.path, mode="r+", use_consolidated=True)
+
+    def note_versions(self, versions: dict) -> None:
+        """Record the table version ids the losses were read from beside the settings (`table_versions`, not hashed:
+        settings that name the tables by content keep the array across versions of the same samples), for readers
+        comparing it with an array that names them by version ids (`pipeline compare`). A commit only when they
+        changed."""
+        if self.group.attrs.get("table_versions") != versions:
+            self.group.attrs.update({"table_versions": versions})
+            self._commit([])
 
     def refingerprint(self, fingerprint: str, settings: dict) -> None:
         """Record the group under another spelling of the same setting (a rule that stopped hashing a
@@ -122,7 +133,8 @@ class LossStore:
         zarr = _zarr()
         g = zarr.open_group(tmp, mode="w", zarr_format=3)
         a, full = self.axes, self.axes.shape
-        g.attrs.update({"format": FORMAT, "fingerprint": fingerprint, "settings": settings})
+        g.attrs.update({"format": FORMAT, "fingerprint": fingerprint, "settings": settings,
+                        **({"table_versions": self.versions} if self.versions is not None else {})})
         g.create_array("sample", shape=(len(a.keys),), dimension_names=["sample"], **_STR)[:] = np.array(a.keys, dtype=object)
         g.create_array("bucket", shape=(len(a.keys),), dimension_names=["sample"], **_STR)[:] = np.array(a.buckets, dtype=object)
         g.create_array("seed", data=np.asarray(a.seeds, dtype="int64"), dimension_names=["seed"])

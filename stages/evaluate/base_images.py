@@ -3,7 +3,7 @@ reused by a rerun whose every input of them is unchanged. Only the LoRA (or best
 reruns (a retrained LoRA, a training adding checkpoints), while regenerating the base costs as much as a column.
 
 The key (`base_key`) holds everything the base images are made from: every file of the model (text encoder,
-processor and scheduler too), the store and the text / vae table versions read (the stored features), the picked val
+processor and scheduler too), the text / vae tables read, by content (the stored features; `checkpoints.read_tables`), the picked val
 samples, every hashed evaluate setting (seed, steps, true CFG, negative prompt, dtype, attention backend,
 quantisation, extra prompts with their sizes; not the LoRA's scale) and the bytes of each extra prompt's image files, the device (and
 the GPU's name), the versions of the libraries that compute them and the source of this project's packages
@@ -31,7 +31,7 @@ SOURCE_ROOT = Path(__file__).resolve().parents[2]
 
 def base_key(cfg, features: dict, sample_keys: list[str], losses_only: bool = False) -> str:
     """Hash of every input of the base images. features: `checkpoints.loss_fingerprint`'s settings (the store's
-    text / vae versions, the model's fingerprint); sample_keys: the val samples pictured, in order.
+    text / vae tables read, the model's fingerprint); sample_keys: the val samples pictured, in order.
     `losses_only`: of the base's held-out losses instead (single-LoRA evaluate's cache, `base_losses`): only the
     settings their numbers depend on (`checkpoints.LOSS_SETTINGS`), none that change only the pictures (seed,
     num_samples, steps, guidance, the extra prompts), which made a rerun with more pictures recompute them."""
@@ -98,11 +98,13 @@ def _device_names(device) -> list[str]:
     return names
 
 
-def read(folder: Path, key: str, n: int) -> list[Image.Image] | None:
-    """The n base images recorded under `key`, or None (none recorded, another key, a file missing or damaged)."""
+def read(folder: Path, key: str, n: int, earlier: list[str] = ()) -> list[Image.Image] | None:
+    """The n base images recorded under `key`, or None (none recorded, another key, a file missing or damaged).
+    `earlier`: the same inputs' keys as spelled before (the tables named by version ids, not content): images
+    recorded under one are these, and their index is recorded under `key` (the next rerun finds them so)."""
     try:
         index = json.loads((folder / INDEX).read_text())
-        if index.get("key") != key or len(index.get("files", [])) != n:
+        if index.get("key") not in (key, *earlier) or len(index.get("files", [])) != n:
             return None
         images = []
         for name, sha in index["files"]:
@@ -110,6 +112,10 @@ def read(folder: Path, key: str, n: int) -> list[Image.Image] | None:
             if hashlib.sha256(data).hexdigest() != sha:
                 return None
             images.append(_png(data))
+        if index["key"] != key:
+            from store.format import atomic_write_bytes
+
+            atomic_write_bytes(folder / INDEX, json.dumps({**index, "key": key}, indent=1).encode())
         return images
     except (OSError, ValueError, KeyError, TypeError):
         return None

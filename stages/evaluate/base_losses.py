@@ -19,14 +19,20 @@ import numpy as np
 FILE = "base-losses.safetensors"
 
 
-def cached(out: Path, key: str, shape: tuple[int, ...], compute: Callable[[], np.ndarray]) -> np.ndarray:
-    """The grid recorded under `key` in OUT, else `compute()` recorded there."""
-    grid = read(Path(out) / FILE, key, shape)
-    if grid is not None:
-        from tqdm.auto import tqdm
+def cached(out: Path, key: str, shape: tuple[int, ...], compute: Callable[[], np.ndarray],
+           *earlier: str) -> np.ndarray:
+    """The grid recorded under `key` in OUT, else `compute()` recorded there. `earlier`: the same inputs' keys as
+    spelled before (the tables named by version ids, not content): a grid recorded under one is this one's,
+    recorded again under `key`."""
+    for k in (key, *earlier):
+        grid = read(Path(out) / FILE, k, shape)
+        if grid is not None:
+            from tqdm.auto import tqdm
 
-        tqdm.write(f"base held-out loss: unchanged inputs, reused from {Path(out) / FILE}")
-        return grid
+            tqdm.write(f"base held-out loss: unchanged inputs, reused from {Path(out) / FILE}")
+            if k != key:
+                write(Path(out) / FILE, key, grid)
+            return grid
     grid = compute()
     write(Path(out) / FILE, key, grid)
     return grid

@@ -67,26 +67,54 @@ def loss_fingerprint(cfg: EvaluateConfig, store: str | Path, model: str) -> tupl
     return _hash(settings), settings
 
 
-def known_fingerprint(out: Path, fingerprint: str, settings: dict) -> str:
+def known_fingerprint(out: Path, fingerprint: str, settings: dict, earlier: list[dict] = ()) -> str:
     """The fingerprint OUT's loss array is recorded under when it is this one's earlier spelling (its settings held
-    the store's path, which is no longer hashed, or no evaluation revision: `UNRECORDED_REVISION`'s), else
+    the store's path, which is no longer hashed, or no evaluation revision: `UNRECORDED_REVISION`'s; or named
+    the tables by the version ids read, `earlier`, before they were named by content: `read_tables`), else
     `fingerprint`: such an array stays this setting's, its losses kept, and is recorded under the present
     spelling at its next write (`LossStore.refingerprint`)."""
     recorded = recorded_setting(out)
     if recorded is not None and recorded[0] != fingerprint and \
             {"evaluation_revision": UNRECORDED_REVISION, **{k: v for k, v in recorded[1].items() if k != "store"}} \
-            == settings:
+            in [settings, *earlier]:
         return recorded[0]
     return fingerprint
 
 
+def read_tables(tables) -> dict:
+    """The text / vae tables the val samples were read from (`tables`, the val split's join), named by what
+    evaluate reads from them: their content ids (`JoinedTables.content_ids`: the split's keys, sample checksums,
+    img_shapes, lengths), so an `images` rerun that changed no sample (encode carries every sample forward into
+    new versions) keeps the losses; the version ids read where a table has none."""
+    contents = tables.content_ids()
+    return {t: f"content:{c}" for t, c in sorted(contents.items())} if contents else tables.versions()
+
+
 def read_fingerprint(settings: dict, tables) -> tuple[str, dict]:
-    """`loss_fingerprint` with the text / vae versions the val samples were read from (`tables`): the store's
-    current ones, looked up before the tables were opened, may have moved since (an encode beside evaluate), and
-    an array keyed by those would hold the new version's losses under the old one's name (reused by the next run
-    that reads the old one). Equal to `loss_fingerprint` when nothing moved (the report stays up to date)."""
-    settings = {**settings, "tables": tables.versions()}
+    """`loss_fingerprint` with the text / vae tables the val samples were read from (`tables`, `read_tables`): the
+    store's current versions, looked up before the tables were opened, may have moved since (an encode beside
+    evaluate), and an array keyed by those would hold the new version's losses under the old one's name (reused
+    by the next run that reads the old one)."""
+    settings = {**settings, "tables": read_tables(tables)}
     return _hash(settings), settings
+
+
+def earlier_settings(settings: dict, tables) -> list[dict]:
+    """`read_fingerprint`'s settings as spelled before the tables were named by content (the version ids read;
+    none when that is the present spelling): an array, a cache or a report recorded so is still current."""
+    earlier = {**settings, "tables": tables.versions()}
+    return [earlier] if earlier != settings else []
+
+
+def content_fingerprint(cfg: EvaluateConfig, store: str | Path, model: str, settings: dict) -> tuple[str, dict, list]:
+    """`read_fingerprint` of the val split as evaluate would read it now (opened and closed here: the up-to-date
+    check before anything is loaded) and its `earlier_settings`."""
+    from features.open import open_configured
+    from models.loading import model_fingerprint
+
+    with open_configured(cfg, "evaluate", store, model, model_fingerprint(model), "val") as tables:
+        fingerprint, settings = read_fingerprint(settings, tables)
+        return fingerprint, settings, earlier_settings(settings, tables)
 
 
 def _hash(settings: dict) -> str:
@@ -324,8 +352,10 @@ def _run(ranks, cfg: EvaluateConfig, store: str | Path, model: str, checkpoints:
     with together(ranks.world, "evaluate settings"):
         cfg = single.resolved_config(cfg)
         fingerprint, settings = loss_fingerprint(cfg, store, model)
-    done = (_up_to_date(out, known_fingerprint(out, fingerprint, settings), checkpoints, shas, cfg)
-            if skip_if_done and ranks.main else None)
+    done = None
+    if skip_if_done and ranks.main:  # the val split named by content, as the array records it (`read_tables`)
+        now, now_settings, earlier = content_fingerprint(cfg, store, model, settings)
+        done = _up_to_date(out, known_fingerprint(out, now, now_settings, earlier), checkpoints, shas, cfg)
     if ranks.from_main([int(done is not None)])[0]:
         return CheckpointsResult(done, out / "index.html", up_to_date=True) if ranks.main else None
     ours = lambda name: name in (single.REPORT_LOCK, BASE_IMAGES) or (  # noqa: E731  (the lock; base images;
@@ -344,7 +374,8 @@ def _run(ranks, cfg: EvaluateConfig, store: str | Path, model: str, checkpoints:
         tables, share = single.read_val_samples(cfg, store, model)
     samples, mine, load = share.samples, share.mine, reader(tables, share)
     with tables:  # closed on every path: descriptors, check-ahead thread, read lease
-        fingerprint, settings = read_fingerprint(settings, tables)  # the versions read, not those at key time
+        fingerprint, settings = read_fingerprint(settings, tables)  # the tables read, not those at key time
+        earlier = earlier_settings(settings, tables)
         damaged = dict(tables.damaged)
         axes = Axes([s.key for s in samples], [bucket_of(s) for s in samples], list(cfg.noise_seeds),
                     [float(t) for t in cfg.timesteps])
@@ -352,10 +383,11 @@ def _run(ranks, cfg: EvaluateConfig, store: str | Path, model: str, checkpoints:
         with together(ranks.world, "open the loss array"):
             if ranks.main:
                 out.mkdir(parents=True, exist_ok=True)
-                earlier = known_fingerprint(out, fingerprint, settings)
-                losses = LossStore(out, earlier, axes, settings)
-                if earlier != fingerprint:
+                recorded = known_fingerprint(out, fingerprint, settings, earlier)
+                losses = LossStore(out, recorded, axes, settings, tables.versions())
+                if recorded != fingerprint:
                     losses.refingerprint(fingerprint, settings)
+                losses.note_versions(tables.versions())  # `pipeline compare` against arrays named by versions
         with together(ranks.world, "load the transformer"):
             transformer = single.load_transformer(cfg, model)
         evaluated, attached = _append_missing(ranks, losses, checkpoints, shas, transformer, samples, mine, cfg, load)
@@ -367,7 +399,7 @@ def _run(ranks, cfg: EvaluateConfig, store: str | Path, model: str, checkpoints:
         if cfg.num_samples > 0 or cfg.extra_prompts:
             rows = generated_rows(cfg, model, store, tables, transformer, samples, best["path"], best["step"],
                                   last["path"], last["step"], attached, damaged, shas,
-                                  base_cache=(out / BASE_IMAGES, settings))
+                                  base_cache=(out / BASE_IMAGES, settings, *earlier))
         metrics["generation"] = single.generation_summary(rows, cfg, model)  # "lora" = the best checkpoint
         metrics["run"] = {
             "store": str(Path(store).resolve()), "tables": tables.versions(), "model": str(model),

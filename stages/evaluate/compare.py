@@ -38,6 +38,10 @@ class RunCurves:
     base: dict[str, float]  # region -> base loss
     held_out: dict  # what makes two held-out sets the same
     on_disk: list[bool | None]  # whether each step's checkpoint is still there (None: a validation step, no file)
+    # the table version ids the losses were read from (None: unknown): compared when the "store tables" of two
+    # arrays are spelled differently (one by content, `checkpoints.read_tables`; one by version ids, as
+    # validation while training and earlier releases record them)
+    table_versions: dict | None = None
 
     @property
     def best(self) -> int | None:
@@ -101,7 +105,19 @@ def read_curves(path: str | Path, label: str) -> RunCurves:
             "base model": settings.get("model_fingerprint"),
             "evaluate settings": settings.get("evaluate"),
         },
+        table_versions=_table_versions(settings, dict(ds.attrs)),
     )
+
+
+def _table_versions(settings: dict, attrs: dict) -> dict | None:
+    """The version ids an array's losses were read from: recorded beside settings that name the tables by content
+    (`LossStore.note_versions`), else the settings' own tables when they name them by version ids."""
+    if isinstance(attrs.get("table_versions"), dict):
+        return attrs["table_versions"]
+    tables = settings.get("tables")
+    if isinstance(tables, dict) and not any(str(v).startswith("content:") for v in tables.values()):
+        return tables
+    return None
 
 
 def check_same_held_out(runs: list[RunCurves]) -> None:
@@ -112,6 +128,9 @@ def check_same_held_out(runs: list[RunCurves]) -> None:
             theirs = other.held_out[what]
             if what == "evaluate settings" and (value is None or theirs is None):
                 continue  # validation while training records none (RUN/losses.zarr): comparable as before
+            if what == "store tables" and theirs != value and first.table_versions is not None and \
+                    first.table_versions == other.table_versions:
+                continue  # one names the tables by content, the other by version ids: the same versions read
             if theirs != value:
                 detail = ""
                 if what == "val samples":

@@ -104,11 +104,11 @@ def finite_samples(samples: list[TrainSample], grids: dict, cfg: EvaluateConfig)
 
 
 def held_out_loss(transformer, samples: list[TrainSample], cfg: EvaluateConfig,
-                  base_cache: tuple[Path, str] | None = None, load=None) -> dict:
+                  base_cache: tuple | None = None, load=None) -> dict:
     """Base vs LoRA loss: per sample the mean over noise seeds x σ grid; then overall, per bucket, per σ, mask.
     One forward per row and LoRA state, weighted all / inside / outside the mask (`loss_grid`). `base_cache`:
-    (report folder, key of every input of the base losses): the base grid reused from there when recorded under
-    the key (`stages.evaluate.base_losses`). `load`: sample i in full where `samples` are outlines
+    (report folder, key of every input of the base losses, its earlier spellings...): the base grid reused from
+    there when recorded under the key (`stages.evaluate.base_losses`). `load`: sample i in full where `samples` are outlines
     (`loss_grid`)."""
     from stages.evaluate import base_losses
 
@@ -120,8 +120,8 @@ def held_out_loss(transformer, samples: list[TrainSample], cfg: EvaluateConfig,
                                  cfg.batch_size, desc=f"held-out loss ({name})", load=load)
 
         shape = (len(samples), len(cfg.noise_seeds), len(cfg.timesteps), 3)
-        grids[name] = (base_losses.cached(*base_cache, shape, compute) if name == "base" and base_cache
-                       else compute())
+        grids[name] = (base_losses.cached(base_cache[0], base_cache[1], shape, compute, *base_cache[2:])
+                       if name == "base" and base_cache else compute())
         if name == "base":  # a non-finite base loss = bad stored features (on_nonfinite=stop names them): stop
             finite_samples(samples, grids, cfg)  # before the LoRA pass, as --all-checkpoints does
     kept, nonfinite = finite_samples(samples, grids, cfg)
@@ -186,6 +186,11 @@ def images_reader(st: Store, tables: JoinedTables, on_damaged: str = "stop",
     return st.reader("images", version, on_damaged=on_damaged, max_open_shards=max_open_shards)
 
 
+#: the `images` meta columns `stored_pictures` reads (with the sample's bytes: the pictures): what names those rows
+#: in a report's inputs (`images_rows_id`; not `source`, a path that moves with the source folder)
+PICTURE_COLUMNS = ("caption",)
+
+
 def stored_pictures(images, s: TrainSample, on_damaged: str, damaged: dict | None):
     """The val sample's caption, control pictures and target from the `images` table (empty when the table or
     the sample is absent; a damaged sample under on_damaged=skip loses only its pictures, recorded in `damaged`)."""
@@ -222,7 +227,7 @@ def extra_prompt_inputs(model: str, transformer, vae, cfg: EvaluateConfig):
 
 
 def paired_rows(jobs: list, transformer, vae, cfg: EvaluateConfig, qwen21: bool, samples: list | None = None,
-                base_cache: tuple[Path, dict] | None = None) -> list[SampleRow]:
+                base_cache: tuple | None = None) -> list[SampleRow]:
     """Each job's base image (LoRA bypassed; reused from `base_cache` when every input of it is unchanged: the
     mechanism --all-checkpoints uses, `checkpoint_report.base_column`) and LoRA image, same seed, scored against
     its target. `samples`: the val samples the jobs were picked from (the cache key names them)."""
@@ -298,19 +303,21 @@ def for_model(cfg: EvaluateConfig, model: str) -> EvaluateConfig:
 
 
 def evaluate_inputs(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path,
-                    lora_sha256: str | None = None) -> dict:
+                    lora_sha256: str | None = None, tables: JoinedTables | None = None,
+                    table_ids: dict | None = None) -> dict:
     """Everything a report depends on; equal inputs = the report is up to date (`pipeline run all` skips it).
-    `lora_sha256`: the LoRA file's hash when the caller has it (`run` hashes it once, with its CRC check)."""
+    `lora_sha256`: the LoRA file's hash when the caller has it (`run` hashes it once, with its CRC check).
+    The tables are named by what evaluate reads from them (`read_table_ids`; `tables`: the val split's join when
+    open, else opened here), or `table_ids` when the caller has them."""
     from models.file_hashes import file_sha256
     from models.loading import model_fingerprint
     from stages.evaluate.base_images import extra_prompt_bytes
     from stages.evaluate.checkpoints import EVALUATION_REVISION
 
     cfg = resolved_config(cfg)
-    st = Store(store, create=False)
     h = lora_sha256 or file_sha256(lora_weight_file(lora))  # chunked: a GB-sized LoRA is not read into memory
     inputs = {  # not the store's path: the tables' identities name the data (a moved store is the same report)
-        "tables": {t: st.version_id(t, v) for t, v in sorted(st.tables().items()) if t in ("images", "text", "vae")},
+        "tables": table_ids if table_ids is not None else read_table_ids(cfg, store, model, tables),
         "model_fingerprint": model_fingerprint(model),
         "lora_sha256": h,
         "config_fingerprint": cfg.fingerprint(),
@@ -319,6 +326,46 @@ def evaluate_inputs(cfg: EvaluateConfig, store: str | Path, model: str, lora: st
     if cfg.extra_prompts:  # only then: a report without extra prompts keeps the inputs it recorded before
         inputs["extra_prompts_sha256"] = extra_prompt_bytes(cfg)
     return inputs
+
+
+def version_table_ids(store: str | Path) -> dict:
+    """The store's current images / text / vae version ids: how a report named its tables before they were named
+    by content (`read_table_ids`), and what they fall back to."""
+    st = Store(store, create=False)
+    return {t: st.version_id(t, v) for t, v in sorted(st.tables().items()) if t in ("images", "text", "vae")}
+
+
+def read_table_ids(cfg: EvaluateConfig, store: str | Path, model: str, tables: JoinedTables | None = None) -> dict:
+    """The tables a report reads, named by content where they have one: text / vae by the val split's content
+    ids (`checkpoints.read_tables`), `images` by the rows the pictures and captions come from (`images_rows_id`),
+    so an `images` rerun that changed no sample keeps the report. A table without one: its version id."""
+    from models.loading import model_fingerprint
+    from stages.evaluate.checkpoints import read_tables
+
+    if tables is None:
+        with open_configured(cfg, "evaluate", store, model, model_fingerprint(model), "val") as opened:
+            return read_table_ids(cfg, store, model, opened)
+    ids = read_tables(tables)
+    st = Store(store, create=False)
+    if "images" in st.tables():
+        rows = images_rows_id(st, tables)
+        ids["images"] = f"content:{rows}" if rows else st.version_id("images", st.tables()["images"])
+    return dict(sorted(ids.items()))
+
+
+def images_rows_id(st: Store, tables: JoinedTables) -> str | None:
+    """`store.join.rows_content_id` of the `images` rows evaluate shows (`images_reader`: the version the vae table
+    was built from) for every val key: their bytes (pictures) and `PICTURE_COLUMNS`. None: no such id."""
+    from store.join import rows_content_id
+
+    try:
+        images = images_reader(st, tables)
+    except UserError:  # that version is gone (collected): named by the current version id, as before
+        return None
+    if images is None:
+        return None
+    with images:
+        return rows_content_id(images, tables.keys.array, PICTURE_COLUMNS)
 
 
 def report_up_to_date(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, out: str | Path,
@@ -330,13 +377,16 @@ def report_up_to_date(cfg: EvaluateConfig, store: str | Path, model: str, lora: 
         recorded = json.loads(metrics.read_text()).get("run", {}).get("inputs")
     except (OSError, json.JSONDecodeError):
         return False
-    if isinstance(recorded, dict):
-        # recorded before the path left the inputs, or before the evaluation revision was recorded
-        recorded = {"evaluation_revision": current.UNRECORDED_REVISION,
-                    **{k: v for k, v in recorded.items() if k != "store"}}
-    return current.is_current(recorded if isinstance(recorded, dict) else None,
-                              evaluate_inputs(cfg, store, model, lora, lora_sha256))
-
+    if not isinstance(recorded, dict):
+        return False
+    # recorded before the path left the inputs, or before the evaluation revision was recorded
+    recorded = {"evaluation_revision": current.UNRECORDED_REVISION,
+                **{k: v for k, v in recorded.items() if k != "store"}}
+    # recorded before the tables were named by content: the store's version ids then, compared as they were (the
+    # val split is not opened); else the present content ids (`read_table_ids`, the val split opened to hash it)
+    versions = version_table_ids(store)
+    table_ids = versions if recorded.get("tables") == versions else None
+    return current.is_current(recorded, evaluate_inputs(cfg, store, model, lora, lora_sha256, table_ids=table_ids))
 
 
 @dataclass
@@ -488,16 +538,16 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, ou
     tqdm.write(describe("evaluate", parse_dtype(cfg.dtype), cfg.device, requested)
                + (f", quantize_base {cfg.quantize_base}" if cfg.quantize_base != "none" else ""))
     warn_other_base([lora], model)
-    inputs = evaluate_inputs(cfg, store, model, lora, checked.sha256)
     from stages.evaluate.val_share import complete, reader
 
     tables, share = read_val_samples(cfg, store, model)
+    inputs = evaluate_inputs(cfg, store, model, lora, checked.sha256, tables)  # of the tables read
     samples, damaged = share.samples, dict(tables.damaged)
 
     transformer = load_transformer(cfg, model)
     attach_checked(transformer, lora, cfg.lora_scale, checked.sha256)
 
-    loss = held_out_loss(transformer, samples, cfg, (out, base_inputs_key(cfg, store, model, samples, tables)),
+    loss = held_out_loss(transformer, samples, cfg, (out, *base_inputs_key(cfg, store, model, samples, tables)),
                          load=reader(tables, share))
 
     rows: list[SampleRow] = []
@@ -515,21 +565,26 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, ou
                           damaged=damaged)
 
 
-def base_inputs_key(cfg: EvaluateConfig, store: str | Path, model: str, samples: list[TrainSample], tables) -> str:
+def base_inputs_key(cfg: EvaluateConfig, store: str | Path, model: str, samples: list[TrainSample],
+                    tables) -> list[str]:
     """The key of every input of the base's losses over `samples` (`base_images.base_key` over all of them, of
-    the losses: store tables, model files, loss settings, device, libraries, this project's sources)."""
+    the losses: store tables, model files, loss settings, device, libraries, this project's sources), then its
+    earlier spellings (`read_inputs`)."""
     from stages.evaluate.base_images import base_key
 
-    return base_key(cfg, read_inputs(cfg, store, model, tables), [s.key for s in samples], losses_only=True)
+    return [base_key(cfg, f, [s.key for s in samples], losses_only=True)
+            for f in read_inputs(cfg, store, model, tables)]
 
 
-def read_inputs(cfg: EvaluateConfig, store: str | Path, model: str, tables) -> dict:
-    """`loss_fingerprint`'s settings with the text / vae versions the val samples were read from: the store's
-    current ones may have changed since (an encode beside evaluate), and a cache keyed by those would name
-    numbers the new version never gave."""
-    from stages.evaluate.checkpoints import loss_fingerprint, read_fingerprint
+def read_inputs(cfg: EvaluateConfig, store: str | Path, model: str, tables) -> list[dict]:
+    """`loss_fingerprint`'s settings with the text / vae tables the val samples were read from, named by content
+    (`checkpoints.read_fingerprint`): the store's current ones may have changed since (an encode beside evaluate),
+    and a cache keyed by those would name numbers the new version never gave. Then the same settings' earlier
+    spellings (the version ids read: a cache recorded so is still this one's)."""
+    from stages.evaluate.checkpoints import earlier_settings, loss_fingerprint, read_fingerprint
 
-    return read_fingerprint(loss_fingerprint(cfg, store, model)[1], tables)[1]
+    settings = read_fingerprint(loss_fingerprint(cfg, store, model)[1], tables)[1]
+    return [settings, *earlier_settings(settings, tables)]
 
 
 def attach_checked(transformer, lora: str | Path, scale: float, sha256: str) -> None:
@@ -554,7 +609,7 @@ def sample_rows(cfg: EvaluateConfig, store: str | Path, model: str, transformer,
     check_loaded_dtype(vae, cfg.dtype, "evaluate.dtype")
     qwen21 = is_qwen21(transformer)
     jobs = _jobs(cfg, model, store, tables, transformer, vae, samples, damaged, qwen21)
-    cache = (Path(out) / FOLDER, read_inputs(cfg, store, model, tables)) if out is not None else None
+    cache = (Path(out) / FOLDER, *read_inputs(cfg, store, model, tables)) if out is not None else None
     return paired_rows(jobs, transformer, vae, cfg, qwen21, samples, cache)
 
 

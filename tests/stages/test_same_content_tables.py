@@ -176,3 +176,160 @@ def test_a_record_without_contents_compares_version_ids_as_before(tmp_path):
     fields = {k: v for k, v in asdict(old).items() if k != "table_contents"}
     (tmp_path / train_state.RESUME_JSON).write_bytes(seal({**fields, "files": {}}))
     assert train_state.ResumeRecord.read(tmp_path / train_state.RESUME_JSON) == old
+
+
+# ------------------------------------------------------------------- evaluate: its report, loss array and caches
+
+EVAL = dict(noise_seeds=[0], timesteps=[0.5], batch_size=4, num_samples=1, num_inference_steps=2, device="cpu")
+
+
+def _steps(run):
+    return [(s, run / "checkpoints" / f"step-{s}" / "lora") for s in (1, 2)]
+
+
+def _evaluated(trained, tiny_plus_model, tmp_path):
+    """The copied store and run, a single-LoRA report and an --all-checkpoints report of it."""
+    from schemas.config import EvaluateConfig
+    from stages.evaluate import checkpoints as ev
+    from stages.evaluate import stage
+
+    store, run = _copy(trained, tmp_path)
+    single, every = tmp_path / "report", tmp_path / "checkpoints"
+    stage.run(EvaluateConfig(**EVAL), store, tiny_plus_model, run / "lora", single)
+    assert ev.run(EvaluateConfig(**EVAL), store, tiny_plus_model, _steps(run), every).evaluated == 2
+    return store, run, single, every
+
+
+def _reevaluate(store, run, single, every, model, monkeypatch):
+    """Both reports again as `pipeline run all` does (skip_if_done), counting the loss passes."""
+    from models import held_out
+    from schemas.config import EvaluateConfig
+    from stages.evaluate import checkpoints as ev
+    from stages.evaluate import stage
+
+    passes = []
+    grid = held_out.loss_grid
+    monkeypatch.setattr(held_out, "loss_grid", lambda *a, **k: passes.append(1) or grid(*a, **k))
+    monkeypatch.setattr(stage, "loss_grid", held_out.loss_grid)
+    monkeypatch.setattr(ev, "loss_grid", held_out.loss_grid)
+    one = stage.run(EvaluateConfig(**EVAL), store, model, run / "lora", single, skip_if_done=True)
+    every_ = ev.run(EvaluateConfig(**EVAL), store, model, _steps(run), every, skip_if_done=True)
+    return one, every_, len(passes)
+
+
+def test_an_images_rerun_that_changes_no_sample_keeps_the_evaluate_reports(trained, tiny_plus_model, tmp_path,
+                                                                          monkeypatch):
+    """Before: both reports named the tables by version ids, so the new versions re-ran every held-out loss pass
+    (hours at scale) for the same numbers."""
+    store, run, single, every = _evaluated(trained, tiny_plus_model, tmp_path)
+    cfg = load_config(None, {**SETTINGS, "resize.max_controls": 3})
+    _, text, vae = _rebuild(cfg, tmp_path / "src", store, tiny_plus_model)
+    assert (text.version, text.reused, vae.version, vae.reused) == (2, 8, 2, 8)
+
+    one, every_, passes = _reevaluate(store, run, single, every, tiny_plus_model, monkeypatch)
+    assert one.up_to_date and every_.up_to_date and passes == 0
+    # forced: the loss array and the base caches are still this evaluation's
+    from schemas.config import EvaluateConfig
+    from stages.evaluate import checkpoints as ev
+
+    assert ev.run(EvaluateConfig(**EVAL), store, tiny_plus_model, _steps(run), every).evaluated == 0
+    assert not list(every.glob("losses.*.zarr"))  # nothing set aside
+
+
+def test_another_sample_under_the_same_keys_is_evaluated_again(trained, tiny_plus_model, tmp_path, monkeypatch):
+    store, run, single, every = _evaluated(trained, tiny_plus_model, tmp_path)
+    cfg = load_config(None, {**SETTINGS, "resize.target_area": 48 * 48})  # other renders of the same sources
+    _rebuild(cfg, tmp_path / "src", store, tiny_plus_model)
+    one, every_, passes = _reevaluate(store, run, single, every, tiny_plus_model, monkeypatch)
+    assert not one.up_to_date and not every_.up_to_date and every_.evaluated == 2
+    assert passes == 2 + 3  # single: base + LoRA (its base cache not reused); all: base + 2 checkpoints
+
+
+def test_a_changed_caption_is_another_report(trained, tiny_plus_model, tmp_path):
+    """The pictures' rows are named too: a caption (shown in the report) changed under the same features."""
+    from stages.evaluate.stage import PICTURE_COLUMNS, read_table_ids
+
+    from schemas.config import EvaluateConfig
+
+    store, _ = _copy(trained, tmp_path)
+    before = read_table_ids(EvaluateConfig(**EVAL), store, tiny_plus_model)
+    assert all(v.startswith("content:") for v in before.values()) and set(before) == {"images", "text", "vae"}
+    st = Store(store, create=False)
+    images = st.tables()["images"]
+    import pyarrow as pa
+
+    from store.join import rows_content_id
+
+    with st.reader("images", images) as r:
+        keys = pa.array(sorted(r.keys()))
+        same = rows_content_id(r, keys, PICTURE_COLUMNS)
+        assert rows_content_id(r, keys, PICTURE_COLUMNS) == same
+        cap = r.column("caption")
+        r.view._arrays["caption"] = pa.array(["another caption"] + cap.to_pylist()[1:], cap.type)
+        assert rows_content_id(r, keys, PICTURE_COLUMNS) != same
+        assert rows_content_id(r, keys[1:], PICTURE_COLUMNS) != same  # other keys
+
+
+def test_reports_and_arrays_recorded_under_version_ids_stay_current(trained, tiny_plus_model, tmp_path,
+                                                                    monkeypatch):
+    """A report, loss array and base caches as the earlier release recorded them (the tables named by the version
+    ids read) are current while nothing changed, and are recorded under content at their next write: an `images`
+    rerun that changes no sample then keeps them too."""
+    import zarr
+
+    from schemas.config import EvaluateConfig
+    from stages.evaluate import checkpoints as ev
+    from stages.evaluate import stage
+
+    with monkeypatch.context() as old_release:  # every table named by its version id, as before
+        old_release.setattr(ev, "read_tables", lambda tables: tables.versions())
+        old_release.setattr(stage, "images_rows_id", lambda st, tables: None)
+        store, run, single, every = _evaluated(trained, tiny_plus_model, tmp_path)
+    import json
+
+    assert json.loads((single / "metrics.json").read_text())["run"]["inputs"]["tables"] == \
+        stage.version_table_ids(store)  # the earlier release's spelling, exactly
+    old = zarr.open_group(every / "losses.zarr", mode="r", use_consolidated=True).attrs["fingerprint"]
+
+    with monkeypatch.context() as m:
+        one, every_, passes = _reevaluate(store, run, single, every, tiny_plus_model, m)
+    assert one.up_to_date and every_.up_to_date and passes == 0
+    with monkeypatch.context() as m:  # forced: recorded again, under content; the base caches' numbers kept
+        passes = []
+        grid = stage.loss_grid
+        m.setattr(stage, "loss_grid", lambda *a, **k: passes.append(1) or grid(*a, **k))
+        stage.run(EvaluateConfig(**EVAL), store, tiny_plus_model, run / "lora", single)
+        assert passes == [1]  # the LoRA's pass; the base's reused from its cache recorded under version ids
+    assert ev.run(EvaluateConfig(**EVAL), store, tiny_plus_model, _steps(run), every).evaluated == 0
+    assert zarr.open_group(every / "losses.zarr", mode="r", use_consolidated=True).attrs["fingerprint"] != old
+    assert not list(every.glob("losses.*.zarr"))
+
+    _rebuild(load_config(None, {**SETTINGS, "resize.max_controls": 3}), tmp_path / "src", store, tiny_plus_model)
+    one, every_, passes = _reevaluate(store, run, single, every, tiny_plus_model, monkeypatch)
+    assert one.up_to_date and every_.up_to_date and passes == 0
+
+
+def test_compare_matches_an_array_named_by_content_with_one_named_by_versions(trained, tiny_plus_model, tmp_path,
+                                                                               monkeypatch):
+    """`pipeline compare` of a report written now (tables named by content) with one named by the version ids read
+    (validation while training, an earlier release) on the same tables: one held-out set, as before; after an
+    `images` rerun the new report reads other versions, and the two are refused as before (versions alone say
+    nothing of the contents of the older one)."""
+    from schemas.config import EvaluateConfig
+    from schemas.errors import UserError
+    from stages.evaluate import checkpoints as ev
+    from stages.evaluate.compare import check_same_held_out, read_curves
+
+    store, run = _copy(trained, tmp_path)
+    with monkeypatch.context() as old_release:
+        old_release.setattr(ev, "read_tables", lambda tables: tables.versions())
+        ev.run(EvaluateConfig(**EVAL, max_loss_samples=1), store, tiny_plus_model, _steps(run), tmp_path / "old")
+    ev.run(EvaluateConfig(**EVAL, max_loss_samples=1), store, tiny_plus_model, _steps(run), tmp_path / "new")
+    old, new = read_curves(tmp_path / "old", "old"), read_curves(tmp_path / "new", "new")
+    assert old.held_out["store tables"] != new.held_out["store tables"]
+    check_same_held_out([old, new])
+
+    _rebuild(load_config(None, {**SETTINGS, "resize.max_controls": 3}), tmp_path / "src", store, tiny_plus_model)
+    ev.run(EvaluateConfig(**EVAL, max_loss_samples=1), store, tiny_plus_model, _steps(run), tmp_path / "new")
+    with pytest.raises(UserError, match="store tables"):
+        check_same_held_out([old, read_curves(tmp_path / "new", "new")])
