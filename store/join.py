@@ -248,6 +248,13 @@ class JoinedTables:
             self._contents = _content_ids(self)
         return dict(self._contents) if self._contents else None
 
+    def content_names(self) -> dict[str, str]:
+        """The joined tables as a record of what was read from them names them: `content:<id>` (`content_ids`),
+        so an `images` rerun that changed no sample keeps the record (evaluate's loss arrays, reports and caches;
+        train's validation curve); the version ids (`versions()`) where a table has no content id."""
+        contents = self.content_ids()
+        return {t: f"content:{c}" for t, c in sorted(contents.items())} if contents else self.versions()
+
     def iter_keys(
         self, rank: int = 0, world_size: int = 1, seed: int | None = None, epoch: int = 0, buffer_size: int = 1024,
     ) -> list[str]:

@@ -85,9 +85,9 @@ def read_tables(tables) -> dict:
     """The text / vae tables the val samples were read from (`tables`, the val split's join), named by what
     evaluate reads from them: their content ids (`JoinedTables.content_ids`: the split's keys, sample checksums,
     img_shapes, lengths), so an `images` rerun that changed no sample (encode carries every sample forward into
-    new versions) keeps the losses; the version ids read where a table has none."""
-    contents = tables.content_ids()
-    return {t: f"content:{c}" for t, c in sorted(contents.items())} if contents else tables.versions()
+    new versions) keeps the losses; the version ids read where a table has none (`JoinedTables.content_names`,
+    as train's validation curve names them)."""
+    return tables.content_names()
 
 
 def read_fingerprint(settings: dict, tables) -> tuple[str, dict]:

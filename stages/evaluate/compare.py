@@ -39,8 +39,8 @@ class RunCurves:
     held_out: dict  # what makes two held-out sets the same
     on_disk: list[bool | None]  # whether each step's checkpoint is still there (None: a validation step, no file)
     # the table version ids the losses were read from (None: unknown): compared when the "store tables" of two
-    # arrays are spelled differently (one by content, `checkpoints.read_tables`; one by version ids, as
-    # validation while training and earlier releases record them)
+    # arrays are spelled differently (one by content, `JoinedTables.content_names`; one by version ids, as
+    # earlier releases' reports and validation curves record them)
     table_versions: dict | None = None
 
     @property

@@ -17,6 +17,12 @@ holds the same numbers as one process computing them all (tested with two gloo p
 appends each validation's grid to RUN/losses.zarr (`store.loss_array`, the layout evaluate --all-checkpoints
 writes; the base model's losses once, as its reference), readable with `xarray.open_zarr` while training runs.
 Sample images stay on the main process.
+
+The curve's setting names the val split's tables by content (`JoinedTables.content_names`, as evaluate's loss
+arrays do): an `images` rerun that changed no sample gives new version numbers that a resume accepts (train's
+`ResumeRecord.table_contents`), and the curve goes on in the same array instead of being set aside. The version
+ids read are kept beside it (`LossStore.note_versions`, for `pipeline compare`); a curve recorded under them (the
+earlier spelling) is continued and re-recorded under content.
 """
 
 from __future__ import annotations
@@ -80,9 +86,11 @@ class _Agreement:
 
 
 class Validator:
-    def __init__(self, cfg: TrainConfig, store, model: str, run_dir: Path, world: int = 1):
+    def __init__(self, cfg: TrainConfig, store, model: str, run_dir: Path, world: int = 1, main: bool = True):
         """Every rank reads the same val samples (each computes its share of the grid): opened and read by all
-        ranks together, from the same versions (models/same_versions.py), or every rank stops with one line."""
+        ranks together, from the same versions (models/same_versions.py), or every rank stops with one line.
+        `main`: the process that reads and writes RUN/losses.zarr, the only one that hashes the val split's
+        content for its setting (a pass over the manifests' checksum columns)."""
         self.cfg, self.model, self.run_dir = cfg, model, run_dir
         from models.collective import together
         from models.loading import model_fingerprint
@@ -109,34 +117,41 @@ class Validator:
         self._vae = self._scheduler = None
         self._base: np.ndarray | None = None  # the base model's grid, computed at the first validation
         self._losses = None  # RUN/losses.zarr, opened by the main process at its first validation
-        self.settings = {
-            "tables": tables.versions(), "model_fingerprint": model_fingerprint(model),
-            "validate": {"keys": keys, "noise_seeds": list(cfg.validate_noise_seeds),
-                         "timesteps": list(cfg.validate_timesteps), "batch_size": cfg.batch_size},
-        }
-        tables.close()  # the samples are in memory now
-        self.fingerprint = _fingerprint(self.settings)
-        # (fingerprint, settings) as hashed before batch_size left them under a token budget, else None
-        self._earlier: tuple[str, dict] | None = None
+        self.versions = tables.versions()  # the version ids read
+        try:  # the other ranks never read the setting (`_unrecorded` and `record` are the main process's)
+            named = tables.content_names() if main else self.versions
+        finally:
+            tables.close()  # the samples are in memory now
+        validate = {"keys": keys, "noise_seeds": list(cfg.validate_noise_seeds),
+                    "timesteps": list(cfg.validate_timesteps), "batch_size": cfg.batch_size}
         if cfg.max_tokens_per_batch is not None:  # rows per forward only, and a resume may change it there
-            self._earlier = self.fingerprint, self.settings
-            self.settings = {**self.settings, "validate": _without_batch_size(self.settings["validate"])}
-            self.fingerprint = _fingerprint(self.settings)
+            validate = _without_batch_size(validate)
+        self.settings = {"tables": named, "model_fingerprint": model_fingerprint(model), "validate": validate}
+        self.fingerprint = _fingerprint(self.settings)
+
+    def _respelled(self, settings: dict) -> dict:
+        """A recorded setting spelled as today's where it was an earlier spelling of it: the tables named by the
+        version ids read now (before the curve named them by content), and under a token budget without
+        batch_size (hashed before, whatever value it recorded: validation's rows per forward only)."""
+        out = dict(settings)
+        if out.get("tables") == self.versions:
+            out["tables"] = self.settings["tables"]
+        validate = out.get("validate")
+        if self.cfg.max_tokens_per_batch is not None and isinstance(validate, dict):
+            out["validate"] = _without_batch_size(validate)
+        return out
 
     def _curve_fingerprint(self) -> str:
-        """The fingerprint RUN/losses.zarr of this setting is recorded under: today's, or under a token budget
-        the one of a curve begun when batch_size was still hashed (whatever batch_size it recorded), which the
-        first append re-records under today's (`record`), so no later batch_size change sets it aside."""
+        """The fingerprint RUN/losses.zarr of this setting is recorded under: today's, or that of a curve recorded
+        under an earlier spelling of it (`_respelled`: the tables by version ids; under a token budget, batch_size
+        still hashed), which the first append re-records under today's (`record`), so neither a later `images`
+        rerun that changes no sample nor a batch_size change sets it aside."""
         from store.loss_array import recorded_setting
 
-        if self._earlier is not None:
-            recorded = recorded_setting(self.run_dir)
-            if recorded is not None and recorded[0] != self.fingerprint:
-                settings = recorded[1]
-                validate = settings.get("validate")
-                if isinstance(validate, dict) and _fingerprint(
-                        {**settings, "validate": _without_batch_size(validate)}) == self.fingerprint:
-                    return recorded[0]
+        recorded = recorded_setting(self.run_dir)
+        if recorded is not None and recorded[0] != self.fingerprint and \
+                _fingerprint(self._respelled(recorded[1])) == self.fingerprint:
+            return recorded[0]
         return self.fingerprint
 
     def grid(self, transformer, rank: int = 0, world: int = 1, accelerator=None) -> np.ndarray:
@@ -281,9 +296,10 @@ class Validator:
             recorded = self._curve_fingerprint()
             axes = Axes([s.key for s in self.samples], [bucket_of(s) for s in self.samples],
                         list(self.cfg.validate_noise_seeds), [float(t) for t in self.cfg.validate_timesteps])
-            self._losses = LossStore(self.run_dir, recorded, axes, self.settings)
+            self._losses = LossStore(self.run_dir, recorded, axes, self.settings, self.versions)
             if recorded != self.fingerprint:  # an earlier spelling: appended to, not set aside, and re-recorded
                 self._losses.refingerprint(self.fingerprint, self.settings)
+            self._losses.note_versions(self.versions)  # `pipeline compare` against arrays named by version ids
             self._losses.drop_from(step)
             if not self._losses.has_base():
                 self._losses.write_base(self._base)

@@ -114,6 +114,16 @@ def test_a_budget_resume_with_another_batch_size_keeps_the_validation_curve(tiny
     assert sorted(p.name for p in out.glob("losses*.zarr")) == ["losses.zarr"]
 
 
+def as_earlier_release(validator) -> None:
+    """The validation setting as the earlier code spelled it: batch_size hashed under a budget too, and the val
+    split's tables named by the version ids read (before the curve named them by content)."""
+    from stages.train.validate import _fingerprint
+
+    validator.settings = {**validator.settings, "tables": validator.versions,
+                          "validate": {**validator.settings["validate"], "batch_size": validator.cfg.batch_size}}
+    validator.fingerprint = _fingerprint(validator.settings)
+
+
 def test_a_budget_curve_begun_with_batch_size_hashed_is_appended_to(tiny_edit_model, tmp_path, monkeypatch):
     """A run whose losses.zarr was begun when validation hashed batch_size under a budget keeps its curve on
     resume (same batch_size, as the run's own fingerprint requires)."""
@@ -128,8 +138,7 @@ def test_a_budget_curve_begun_with_batch_size_hashed_is_appended_to(tiny_edit_mo
 
     def as_before(self, *a, **k):  # the earlier code: batch_size in the validation fingerprint
         real(self, *a, **k)
-        self.fingerprint, self.settings = self._earlier
-        self._earlier = None
+        as_earlier_release(self)
 
     out = tmp_path / "run"
     monkeypatch.setattr(Validator, "__init__", as_before)
@@ -157,8 +166,7 @@ def test_a_budget_curve_begun_with_batch_size_hashed_survives_a_later_batch_size
 
     def as_before(self, *a, **k):  # the earlier code: batch_size in the validation fingerprint
         real(self, *a, **k)
-        self.fingerprint, self.settings = self._earlier
-        self._earlier = None
+        as_earlier_release(self)
 
     for name, first, later in (("same", 2, 2), ("other", 2, 5)):
         out = tmp_path / name

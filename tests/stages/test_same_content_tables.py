@@ -333,3 +333,85 @@ def test_compare_matches_an_array_named_by_content_with_one_named_by_versions(tr
     ev.run(EvaluateConfig(**EVAL, max_loss_samples=1), store, tiny_plus_model, _steps(run), tmp_path / "new")
     with pytest.raises(UserError, match="store tables"):
         check_same_held_out([old, read_curves(tmp_path / "new", "new")])
+
+
+# ------------------------------------------------------------------- train: the validation curve (RUN/losses.zarr)
+
+VAL = {**SETTINGS, "train.validate_every": 1, "train.validate_max_samples": 2}
+
+
+def _curve(run):
+    """(steps, fingerprint) of RUN/losses.zarr, and the names of every losses*.zarr in RUN (set-aside ones too)."""
+    import xarray as xr
+
+    from store.loss_array import recorded_setting
+
+    steps = [int(s) for s in xr.open_zarr(run / "losses.zarr").step.values]
+    return steps, recorded_setting(run)[0], sorted(p.name for p in run.glob("losses*.zarr"))
+
+
+def _resume(store, model, run, steps, **settings):
+    from stages.train.recipe import run as train
+
+    cfg = load_config(None, {**VAL, "train.max_steps": steps, **settings})
+    return train(cfg, store, model, run, resume=True)
+
+
+def test_an_images_rerun_that_changes_no_sample_continues_the_validation_curve(trained, tiny_plus_model, tmp_path):
+    """The resume the same samples allow continues the run's curve too. Before: the validator named the val split's
+    tables by version ids, so the resumed run began a new curve in RUN/losses.zarr and set steps 1-2 aside
+    (`losses.<fp>.zarr`): one run, two curves, and `pipeline compare` / a report showed only the later one."""
+    from stages.evaluate.compare import read_curves
+    from stages.train.recipe import run as train
+
+    store, _ = _copy(trained, tmp_path)
+    run = tmp_path / "val-run"
+    train(load_config(None, VAL), store, tiny_plus_model, run)
+    steps, fingerprint, _ = _curve(run)
+    assert steps == [1, 2]
+    _, text, vae = _rebuild(load_config(None, {**VAL, "resize.max_controls": 3}), tmp_path / "src", store,
+                            tiny_plus_model)
+    assert (text.version, text.reused, vae.version, vae.reused) == (2, 8, 2, 8)
+
+    resumed = _resume(store, tiny_plus_model, run, 3, **{"resize.max_controls": 3})
+    assert (resumed.start_step, resumed.steps) == (2, 3)
+    assert _curve(run) == ([1, 2, 3], fingerprint, ["losses.zarr"])  # one curve, one setting
+    curves = read_curves(run, "run")  # what `pipeline compare` reads: the versions read last kept beside
+    assert curves.steps == [1, 2, 3] and curves.table_versions["text"].startswith("v2-")
+
+
+def _as_earlier_release(run, store) -> None:
+    """RUN/losses.zarr as the earlier release recorded it: the val split's tables named by the version ids read
+    (the settings and their hash), no `table_versions` beside them."""
+    import zarr
+
+    from stages.train.validate import _fingerprint
+
+    st = Store(store, create=False)
+    group = zarr.open_group(run / "losses.zarr", mode="r+", use_consolidated=True)
+    settings = {**group.attrs["settings"], "tables": {t: st.version_id(t, st.tables()[t]) for t in ("text", "vae")}}
+    group.attrs.update({"fingerprint": _fingerprint(settings), "settings": settings})
+    group.attrs.pop("table_versions", None)
+    zarr.consolidate_metadata(run / "losses.zarr")
+
+
+def test_a_validation_curve_recorded_under_version_ids_is_continued(trained, tiny_plus_model, tmp_path):
+    """A run whose curve the earlier release began (tables by version ids) resumes into the same array: continued,
+    re-recorded under content, so a later `images` rerun that changes no sample keeps it too."""
+    from stages.evaluate.compare import read_curves
+    from stages.train.recipe import run as train
+
+    store, _ = _copy(trained, tmp_path)
+    run = tmp_path / "val-run"
+    train(load_config(None, VAL), store, tiny_plus_model, run)
+    now = _curve(run)[1]
+    _as_earlier_release(run, store)
+    assert read_curves(run, "run").table_versions["text"].startswith("v1-")  # read from the settings
+
+    _resume(store, tiny_plus_model, run, 3)
+    assert _curve(run) == ([1, 2, 3], now, ["losses.zarr"])  # continued, and recorded under today's spelling
+    assert read_curves(run, "run").table_versions["text"].startswith("v1-")  # noted again for `pipeline compare`
+
+    _rebuild(load_config(None, {**VAL, "resize.max_controls": 3}), tmp_path / "src", store, tiny_plus_model)
+    _resume(store, tiny_plus_model, run, 4, **{"resize.max_controls": 3})
+    assert _curve(run) == ([1, 2, 3, 4], now, ["losses.zarr"])
