@@ -299,6 +299,11 @@ class Validator:
             self._losses = LossStore(self.run_dir, recorded, axes, self.settings, self.versions)
             if recorded != self.fingerprint:  # an earlier spelling: appended to, not set aside, and re-recorded
                 self._losses.refingerprint(self.fingerprint, self.settings)
+            if self._losses.kept_aside is not None:  # e.g. the val samples changed under an accepted resume
+                from tqdm.auto import tqdm
+
+                tqdm.write(f"validation settings or val samples changed: the earlier validation curve is kept in "
+                           f"{self._losses.kept_aside}, a new one begins")
             self._losses.note_versions(self.versions)  # `pipeline compare` against arrays named by version ids
             self._losses.drop_from(step)
             if not self._losses.has_base():

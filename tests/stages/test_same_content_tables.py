@@ -415,3 +415,22 @@ def test_a_validation_curve_recorded_under_version_ids_is_continued(trained, tin
     _rebuild(load_config(None, {**VAL, "resize.max_controls": 3}), tmp_path / "src", store, tiny_plus_model)
     _resume(store, tiny_plus_model, run, 4, **{"resize.max_controls": 3})
     assert _curve(run) == ([1, 2, 3, 4], now, ["losses.zarr"])
+
+
+def test_a_resume_under_other_validation_settings_keeps_the_curve_aside_and_says_so(trained, tiny_plus_model,
+                                                                                     tmp_path, capsys):
+    """Other noise seeds make other numbers: the curve begun under the old ones is kept aside, not appended to, and
+    the run says where it went (before: set aside without a word)."""
+    from stages.train.recipe import run as train
+
+    store, _ = _copy(trained, tmp_path)
+    run = tmp_path / "val-run"
+    train(load_config(None, VAL), store, tiny_plus_model, run)
+    _, fingerprint, _ = _curve(run)
+    capsys.readouterr()
+    _resume(store, tiny_plus_model, run, 3, **{"train.validate_noise_seeds": [7]})
+    steps, now, names = _curve(run)
+    # step 2 is validated again under the new seeds (its checkpoint is where the resume starts)
+    assert steps == [2, 3] and now != fingerprint and names == sorted(["losses.zarr", f"losses.{fingerprint[:12]}.zarr"])
+    out = capsys.readouterr()
+    assert f"earlier validation curve is kept in {run / f'losses.{fingerprint[:12]}.zarr'}" in out.out + out.err
