@@ -46,8 +46,14 @@ def version_dir(root: Path, table: str, version: int) -> Path:
     return root / table / f"v{version}"
 
 
+def shard_prefix(rank: int) -> str:
+    """How every shard (and shard index) name of `rank` starts: the dash ends the number, so rank 1's is not a
+    prefix of rank 10's (`shard-r10-`), nor rank 10's of rank 100's."""
+    return f"shard-r{rank:02d}-"
+
+
 def shard_name(rank: int, index: int) -> str:
-    return f"shard-r{rank:02d}-{index:06d}.tar"
+    return f"{shard_prefix(rank)}{index:06d}.tar"
 
 
 def index_name(shard: str) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import errno
+import inspect
 import os
 import secrets
 import socket
@@ -272,34 +273,41 @@ class Remote:
         protocol = self.fs.protocol
         return bool({"s3", "s3a"} & set(protocol if isinstance(protocol, (tuple, list)) else [protocol]))
 
-    def listing(self, under: str = "") -> dict[str, int]:
+    def listing(self, under: str = "", prefix: str = "") -> dict[str, int]:
         """{path relative to the store root: size} of every object under it, or under its folder `under` (one
-        listing, never cached)."""
-        self.fs.invalidate_cache()
-        try:
-            found = self.fs.find(self.path(under) if under else self.root, detail=True)
-        except FileNotFoundError as e:
-            if "bucket" in str(e).lower():
-                raise
-            return {}
-        prefix = self.root.rstrip("/") + "/"
-        return {name[len(prefix):]: int(info["size"]) for name, info in found.items()
-                if name.startswith(prefix) and info.get("type") != "directory"}
+        listing, never cached); `prefix`: only those whose path below that folder starts with it."""
+        return {rel: int(info["size"]) for rel, info in self._found(under, prefix).items()}
 
     def listing_times(self, under: str = "") -> dict[str, tuple[int, float]]:
         """{path relative to the store root: (size, last modified, epoch seconds)} of every object, or of those
         under its folder `under` (one listing; on S3 the time is the server's LastModified: when the object's last
         PUT completed)."""
+        return {rel: (int(info["size"]), _modified(info)) for rel, info in self._found(under).items()}
+
+    def _found(self, under: str = "", prefix: str = "") -> dict[str, dict[str, Any]]:
+        """{path relative to the store root: fsspec's entry} of the objects under `under` starting with `prefix`.
+        A prefix is listed by the server where the back end can (s3fs, gcsfs: a version's ~40k objects at 1M
+        samples are ~40 listing requests, a rank's own few hundred one); a local folder's names are read and only
+        the matching ones stat'ed; elsewhere the folder is listed and filtered here."""
         self.fs.invalidate_cache()
+        folder = self.path(under) if under else self.root
         try:
-            found = self.fs.find(self.path(under) if under else self.root, detail=True)
+            if not prefix:
+                found = self.fs.find(folder, detail=True)
+            elif "prefix" in inspect.signature(self.fs.find).parameters:
+                found = self.fs.find(folder, detail=True, prefix=prefix)
+            elif self.is_local:
+                found = remote_local.find(folder, prefix)
+            else:
+                found = self.fs.find(folder, detail=True)
         except FileNotFoundError as e:
             if "bucket" in str(e).lower():
                 raise
             return {}
-        prefix = self.root.rstrip("/") + "/"
-        return {name[len(prefix):]: (int(info["size"]), _modified(info)) for name, info in found.items()
-                if name.startswith(prefix) and info.get("type") != "directory"}
+        root = self.root.rstrip("/") + "/"
+        start = folder.rstrip("/") + "/" + prefix if prefix else root  # what any back end returned is held to it
+        return {name[len(root):]: info for name, info in found.items()
+                if name.startswith(start) and info.get("type") != "directory"}
 
     def delete(self, rels: list[str]) -> None:
         """Remove these objects (one batched request on S3); one already gone is not an error."""

@@ -116,6 +116,34 @@ def recorded_crc(path: str) -> str | None:
         return None
 
 
+def find(folder: str, prefix: str) -> dict[str, dict]:
+    """fsspec's `find(folder, detail=True)` of the files whose path below `folder` starts with `prefix`: the
+    folder's names are read and only the matching ones stat'ed (LocalFileSystem's find stats every entry, and a
+    version's folder holds ~40k at 1M samples, on a shared file system a round trip each)."""
+    sub, _, start = prefix.rpartition("/")
+    top = os.path.join(folder, sub) if sub else folder
+    found: dict[str, dict] = {}
+
+    def add(path: str) -> None:
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:  # removed meanwhile
+            return
+        found[path] = {"name": path, "size": st.st_size, "type": "file", "mtime": st.st_mtime}
+
+    with os.scandir(top) as entries:  # FileNotFoundError: nothing there (the caller's)
+        for entry in entries:
+            if not entry.name.startswith(start):
+                continue
+            if entry.is_dir(follow_symlinks=False):
+                for base, _, names in os.walk(entry.path):
+                    for name in names:
+                        add(os.path.join(base, name))
+            else:
+                add(entry.path)
+    return found
+
+
 @contextmanager
 def exclusive(root: str, rel: str) -> Iterator[None]:
     """Held around a read-modify-write of the object `rel`, so that two writers never drop each other's update."""

@@ -54,7 +54,7 @@ def rank_files(vdir: Path, rank: int) -> dict[str, dict[str, Any]]:
     """{name: {nbytes, crc32c}} of this rank's part of the version: schema.json, its committed shards (their
     size and CRC32C as recorded in their index at commit, not read again) and their indexes."""
     files: dict[str, dict[str, Any]] = {}
-    for index in sorted(vdir.glob(f"shard-r{rank:02d}-*{INDEX_SUFFIX}")):  # committed shards (tars without: not)
+    for index in sorted(vdir.glob(f"{fmt.shard_prefix(rank)}*{INDEX_SUFFIX}")):  # committed shards (tars without: not)
         shard = vdir / (index.name[: -len(INDEX_SUFFIX)] + ".tar")  # absent when adopted from the remote
         rows = pq.read_table(index, columns=[c for c in ("shard_nbytes", "shard_crc32c")
                                               if c in pq.read_schema(index).names])
@@ -82,8 +82,9 @@ def _progress(total: int, desc: str):
     return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, dynamic_ncols=True)
 
 
-def _upload(remote, path: Path, rel: str, entry: dict[str, Any], listing: dict[str, int], bar) -> None:
-    """Write-once: an object already there must be this very file (a rerun), never overwritten."""
+def _upload(remote, path: Path, rel: str, entry: dict[str, Any], listing: dict[str, int] | None, bar) -> None:
+    """Write-once: an object already there must be this very file (a rerun), never overwritten. `listing`: the
+    sizes listed where `rel` would be (None: it is looked up alone)."""
     if remote.has(rel, entry["nbytes"], entry["crc32c"], listing):
         bar.update(entry["nbytes"])
         return
@@ -102,20 +103,26 @@ def _upload(remote, path: Path, rel: str, entry: dict[str, Any], listing: dict[s
 
 def _listing(remote, table: str, version: int) -> dict[str, int]:
     """Objects under `<table>/v<N>/` only (not the whole store), keyed as `remote.has` expects."""
-    from store.remote import Remote
+    return remote.listing(f"{table}/v{version}")
 
-    base = f"{table}/v{version}"
-    return {f"{base}/{rel}": n for rel, n in Remote(remote.url, remote.fs, remote.path(base)).listing().items()}
+
+def _rank_listing(remote, table: str, version: int, rank: int) -> dict[str, int]:
+    """Rank `rank`'s shards and indexes under `<table>/v<N>/`, keyed as `remote.has` expects: a listing of their
+    prefix, not of the version (~40k objects at 1M samples, listed by each of 64 ranks, where a rank's are ~600)."""
+    return remote.listing(f"{table}/v{version}", prefix=fmt.shard_prefix(rank))
 
 
 def upload_rank(writer: TableWriter, files: dict[str, dict[str, Any]]) -> None:
-    """This rank's files of the version to the remote (write-once), its rank-done file last."""
+    """This rank's files of the version to the remote (write-once), its rank-done file last. Only its own shards'
+    prefix is listed; the few other files (schema.json, world-size.json, its rank-done file) are each looked up
+    alone."""
     url = str(writer.remote_url)
     remote = open_remote(url)
     base = f"{writer.table}/v{writer.version}"
     done = fmt.rank_done_name(writer.rank)
     with remote_errors(url, f"upload of rank {writer.rank}'s part of table '{writer.table}' v{writer.version}"):
-        listing = _listing(remote, writer.table, writer.version)
+        mine = fmt.shard_prefix(writer.rank)  # what the listing holds; the others: one request each
+        listing = _rank_listing(remote, writer.table, writer.version, writer.rank)
         # who wrote the parts first (a rerun resumes them only with this schema and number of ranks:
         # taken_on_remote), shards before their indexes (an index there means its shard is: adopt_uploaded), the
         # rank-done file last
@@ -128,8 +135,8 @@ def upload_rank(writer: TableWriter, files: dict[str, dict[str, Any]]) -> None:
         with _progress(total, f"upload r{writer.rank} {url}") as progress:
             bar = SharedBar(progress)
             for group in groups:  # several at a time within a group: a group ends before the next starts
-                for _ in each_at_once(lambda f: _upload(remote, writer.dir / f[0], f"{base}/{f[0]}", f[1], listing,
-                                                        bar), group):
+                for _ in each_at_once(lambda f: _upload(remote, writer.dir / f[0], f"{base}/{f[0]}", f[1],
+                                                        listing if f[0].startswith(mine) else None, bar), group):
                     pass
 
 
@@ -140,9 +147,8 @@ def adopt_uploaded(writer: TableWriter) -> None:
     with the size the index records."""
     url, base = str(writer.remote_url), f"{writer.table}/v{writer.version}"
     remote = open_remote(url)
-    prefix = f"{base}/shard-r{writer.rank:02d}-"
     with remote_errors(url, f"reading rank {writer.rank}'s part of table '{writer.table}' v{writer.version}"):
-        listing = _listing(remote, writer.table, writer.version)
+        listing = _rank_listing(remote, writer.table, writer.version, writer.rank)
 
         def adopt(rel: str) -> None:
             name = rel[len(base) + 1:]
@@ -157,7 +163,7 @@ def adopt_uploaded(writer: TableWriter) -> None:
         # one GET per index (a rank's share of ~20k at 1M samples): several at a time, as every transfer
         from tqdm import tqdm
 
-        indexes = sorted(r for r in listing if r.startswith(prefix) and r.endswith(INDEX_SUFFIX))
+        indexes = sorted(r for r in listing if r.endswith(INDEX_SUFFIX))
         with tqdm(total=len(indexes), desc=f"rank {writer.rank}: its uploaded indexes from {url}", unit="file",
                   dynamic_ncols=True) as bar:
             for _ in each_at_once(adopt, indexes):
@@ -166,7 +172,8 @@ def adopt_uploaded(writer: TableWriter) -> None:
 
 def commit_remote(writer: TableWriter, allow_empty: bool) -> int:
     """Rank 0, after every rank's `finish_rank` (a barrier): the manifest from every rank's index, then the remote
-    commit in push's order. Returns the version."""
+    commit in push's order. Returns the version (`writer.newer_current`: the higher one another writer made
+    current meanwhile, which stays current; None when ours is)."""
     url, table, version = str(writer.remote_url), writer.table, writer.version
     remote = open_remote(url)
     base = f"{table}/v{version}"
@@ -186,20 +193,25 @@ def commit_remote(writer: TableWriter, allow_empty: bool) -> int:
                 _upload(remote, staging / fmt.MANIFEST, f"{base}/{fmt.MANIFEST}", _entry(staging / fmt.MANIFEST),
                         listing, bar)
             fmt.crash_point("after_manifest")
-            make_current(remote, table, version)
+            current = make_current(remote, table, version)
+            writer.newer_current = current if current != version else None
     finally:  # the small files fetched for the commit: a rerun fetches them again
         shutil.rmtree(staging, ignore_errors=True)
     writer.close()
     return version
 
 
-def make_current(remote, table: str, version: int) -> None:
-    """The last step of a commit on the remote: store.json by compare-and-swap (never over a higher version another
-    writer committed since). Also all a rerun does when that step failed (stages/encode/nodes.py: the complete
-    version is adopted, nothing encoded again)."""
-    from store.remote_sync import _merged_record
+def make_current(remote, table: str, version: int) -> int:
+    """The last step of a commit on the remote: store.json by compare-and-swap, as push's (never over a higher
+    version another writer committed since: the remote is never rolled back). Also all a rerun does when that step
+    failed (stages/encode/nodes.py: the complete version is adopted, nothing encoded again). Returns the version
+    current after it: `version`, or that higher one, which stays current (the caller must say so)."""
+    from store.remote_sync import _changed, _merged_record
 
-    remote.swap(fmt.STORE_JSON, lambda old: _merged_record(old, {table: {"current": version}}, remote.url))
+    newer: list[str] = []  # "table/vN", filled by the swap's last attempt
+    remote.swap(fmt.STORE_JSON, lambda old: _changed(old, _merged_record(old, {table: {"current": version}},
+                                                                         remote.url, newer=newer)))
+    return int(newer[0].rsplit("/v", 1)[1]) if newer else version
 
 
 def _gather(writer: TableWriter, remote, listing: dict[str, int],
@@ -226,7 +238,7 @@ def _gather(writer: TableWriter, remote, listing: dict[str, int],
                         f"{url}; rerun every node")
     from tqdm import tqdm
 
-    mine = f"shard-r{writer.rank:02d}-"
+    mine = fmt.shard_prefix(writer.rank)
     small = []
     for name, entry in sorted(recorded.items()):
         if listing.get(f"{base}/{name}") != entry["nbytes"]:

@@ -60,6 +60,14 @@ class SyncSummary:
     newer: list[str] = field(default_factory=list)  # push: "table/vN" the remote had current, above the pushed one
     set_aside: list[str] = field(default_factory=list)  # push for repair: a damaged remote file, kept under this name
 
+    def newer_current(self, table: str) -> int | None:
+        """The remote's current version of `table` that this push kept over the pushed one (None: none)."""
+        for name in self.newer:
+            t, v = name.rsplit("/v", 1)
+            if t == table:
+                return int(v)
+        return None
+
     def sent(self, f: "_File") -> None:
         self.objects_sent += 1
         self.bytes_sent += f.nbytes

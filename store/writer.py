@@ -58,6 +58,9 @@ class TableWriter:
         # how many keys the caller gave this rank (set once it knows them): its rank-done file records it with the
         # samples it rejected, and the commit refuses a table whose rows plus rejections fall short of the sum
         self.given: int | None = None
+        # after a commit on a store URL: the higher version another writer made current there meanwhile, which
+        # stays current (the remote is never rolled back, store/remote_parts.make_current); None: ours is current
+        self.newer_current: int | None = None
         self.shard_bytes = max(1, int(shard_size_mb * MB))
         self._lock = lock_rank(store.root, table, rank)
         self._lease = None

@@ -54,9 +54,10 @@ def _command(section: str, stage_module: str, component: str, batch_help: str, o
                 summary = named_by_url(run(cfg, local, mdl), dst)
                 if summary.committed_to:  # several nodes' caches: each rank uploaded its part, rank 0 committed
                     if summary.rank == 0:
-                        echo(f"committed table '{summary.table}' v{summary.version} at {summary.committed_to}")
+                        echo(summary.committed_line())
                 elif is_rank_0() and (pushed := push_back(dst, local)) is not None:
-                    echo(str(pushed))  # rank 0 committed the table
+                    echo(str(pushed))  # rank 0 committed the table; the push says when a newer one stays current
+                    summary.newer_current = pushed.newer_current(summary.table)  # --json says it too
             emit(summary, as_json, mdl)
 
     return command

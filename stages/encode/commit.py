@@ -44,6 +44,7 @@ def finish(job: EncodeJob) -> Summary:
     with together(world, f"{stage}: the commit of table '{job.summary.table}'"):
         if job.ranks.rank == 0:
             job.summary.version = job.writer.commit(allow_empty=False)
+            job.summary.newer_current = job.writer.newer_current  # a store URL: another writer's stays current
             if job.repairing is not None:
                 _verify_repaired(job)
         else:

@@ -109,7 +109,8 @@ def _adopt_committed(job: EncodeJob, url: str, version: int, rows: int, schema: 
     with together(job.ranks.world_size, f"{job.summary.stage}: making table '{table}' v{version} current at {url}"):
         if job.ranks.rank == 0:
             with remote_errors(url, f"making table '{table}' v{version} current"):
-                make_current(open_remote(url), table, version)
+                current = make_current(open_remote(url), table, version)
+            job.summary.newer_current = current if current != version else None  # another writer's stays current
         drop_part(job.store.root, table, version, schema.to_dict())
     job.summary.version, job.summary.up_to_date, job.summary.skipped = version, True, rows
     job.summary.committed_to = url

@@ -39,6 +39,9 @@ class Summary:
     damaged: dict[str, str] = field(default_factory=dict)  # on_damaged=skip: damaged `images` samples, key -> problem
     repaired_from: int | None = None  # the version recorded as damaged whose damaged samples this run recomputed
     committed_to: str = ""  # the store URL rank 0 committed on directly (ranks on several nodes: no push back)
+    # a store URL: the higher version of the table another writer made current meanwhile, which stays current over
+    # `version` (complete, not current); None: `version` is current
+    newer_current: int | None = None
     summed: bool = False  # the counts are every rank's (`over_ranks`), not this rank's share
     damaged_total: int | None = None  # summed: damaged samples over every rank (`damaged` names the first of each)
 
@@ -49,7 +52,15 @@ class Summary:
                               self.seconds, self.up_to_date, resumed=0 if self.up_to_date else self.skipped,
                               **({} if self.summed else {"rank": self.rank}), world_size=self.world_size,
                               damaged_inputs=sorted(self.damaged), damaged_input_count=self.damaged_count,
-                              repaired_from=self.repaired_from)
+                              repaired_from=self.repaired_from, newer_current=self.newer_current)
+
+    def committed_line(self) -> str:
+        """Rank 0's line after a commit on a store URL (`committed_to`): which version is current there now."""
+        line = f"committed table '{self.table}' v{self.version} at {self.committed_to}"
+        if self.newer_current is not None:
+            line += (f"; v{self.newer_current}, committed by another writer meanwhile, stays current (v{self.version}"
+                     " is complete, not current)")
+        return line
 
     @property
     def damaged_count(self) -> int:

@@ -4,6 +4,7 @@ before that, a rerun sends nothing twice, a part of another run is refused in on
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
@@ -203,11 +204,12 @@ def _encode_end(writer, monkeypatch):
     from types import SimpleNamespace
 
     from stages.encode import commit
+    from stages.encode.summary import Summary
 
     for name in ("flush_quarantine", "check_damaged_total"):
         monkeypatch.setattr(commit, name, lambda job: None)
     monkeypatch.setattr(commit, "rank_shard_sizes", lambda job: {})
-    summary = SimpleNamespace(up_to_date=False, stage="encode-vae", table="vae", version=None, quarantined=0)
+    summary = Summary(stage="encode-vae", table="vae")
     job = SimpleNamespace(summary=summary, writer=writer, store=writer.store,
                           ranks=SimpleNamespace(world_size=1, rank=0, local_rank=0),
                           started=0.0, loop_started=0.0, shard_sizes_before={}, repairing=None, lease=None,
@@ -239,6 +241,7 @@ def test_a_damaged_remote_quarantine_stops_a_multi_node_encode_before_its_commit
     check_quarantine(remote_mod.open_remote(url), tmp_path / "node0")
     summary = _encode_end(_writer(tmp_path / "node0", url, 0), monkeypatch)  # the rerun resumes and commits
     assert summary.version == 1 and summary.committed_to == url
+    assert summary.committed_line() == f"committed table 'vae' v1 at {url}"  # current: nothing more to say
     pulled = tmp_path / "pulled"
     pull(url, pulled)
     assert Store(pulled).reader("vae").manifest.num_rows == N
@@ -260,3 +263,121 @@ def test_a_rank_shard_damaged_before_its_upload_is_refused_with_nothing_visible(
     assert f"vae/v1/{shard.name}" not in _objects(s3_env, "rot")
     assert "vae/v1/rank-01.done" not in _objects(s3_env, "rot")
     w.close()
+
+
+def _rank_of(cache: Path, url: str, rank: int, world: int, n: int):
+    """Rank `rank` of `world` writing its share of `n` samples into v1 (as `rank_writer`, for any world size)."""
+    from store_samples import sample
+
+    w = Store(cache).writer("vae", vae_schema(), rank=rank, world_size=world, shard_size_mb=0.005, version=1,
+                            remote_url=url)
+    w.given = len(range(rank, n, world))
+    for i in range(rank, n, world):
+        s = sample(i)
+        if s["key"] not in w.done_keys:
+            w.add(s["key"], tensors=s["tensors"], files=s["files"], meta=s["meta"])
+    return w
+
+
+@pytest.mark.parametrize("scheme", ["s3", "file"])
+def test_a_rank_lists_only_its_own_objects_of_the_version(scheme, tmp_path, monkeypatch, request) -> None:
+    """Each rank's open (adopting what it uploaded) and upload listed the whole `<table>/v<N>/` (~40k objects at 1M
+    samples, by each of 64 ranks, twice). Now only its own shards' prefix - `shard-r01-`, never rank 10's
+    `shard-r10-` - plus one lookup per other file it sends; a rerun still finds everything there and sends
+    nothing, and a node that lost its cache still adopts its uploaded part. On S3 the server lists the prefix."""
+    import shutil
+
+    from store import remote_parts
+
+    url = request.getfixturevalue("s3_env").url("own") if scheme == "s3" else f"file://{tmp_path / 'remote'}"
+    world, n = 11, 44
+    _rank_of(tmp_path / "node10", url, 10, world, n).finish_rank()  # rank 10's part: on the remote first
+    listed, served = [], []
+    real_listing, real_open = remote_mod.Remote.listing, remote_parts.open_remote
+
+    def listing(self, *a, **k):
+        got = real_listing(self, *a, **k)
+        listed.extend(got)
+        return got
+
+    def open_remote(*a, **k):  # what the back end itself returned (S3: the server's listing)
+        remote = real_open(*a, **k)
+        find = remote.fs.find
+
+        @functools.wraps(find)
+        def counted(*fa, **fk):
+            got = find(*fa, **fk)
+            served.extend(got)
+            return got
+
+        remote.fs.find = counted
+        return remote
+
+    monkeypatch.setattr(remote_mod.Remote, "listing", listing)
+    monkeypatch.setattr(remote_parts, "open_remote", open_remote)
+    sent = []
+    real_upload = remote_mod.Remote.upload
+    monkeypatch.setattr(remote_mod.Remote, "upload",
+                        lambda self, path, rel, *a: sent.append(rel) or real_upload(self, path, rel, *a))
+
+    one = _rank_of(tmp_path / "node1", url, 1, world, n)
+    one.finish_rank()
+    one.close()
+    mine = {rel for rel in sent if rel.startswith("vae/v1/shard-r01-")}
+    # schema.json and world-size.json: rank 10 sent the same, each found by its own lookup
+    assert len(mine) > 2 and set(sent) == mine | {"vae/v1/rank-01.done"}
+    shutil.rmtree(tmp_path / "node1")  # its node replaced: the rerun adopts its part, sends nothing
+    sent.clear()
+    again = _rank_of(tmp_path / "node1-new", url, 1, world, n)
+    assert again.done_keys == {key_of(i) for i in range(1, n, world)}
+    again.finish_rank()
+    again.close()
+    assert sent == []
+    # rank 10's shards, its rank-done file, schema.json: never listed. The first run's listings found nothing of
+    # rank 1 yet; the rerun's open and its upload each listed its shards and indexes, nothing else
+    assert sorted(listed) == sorted([*mine, *mine]), sorted(listed)
+    if scheme == "s3":
+        assert served and all("/vae/v1/shard-r01-" in name for name in served), sorted(served)
+
+
+def test_a_commit_overtaken_by_another_writers_newer_version_says_which_stays_current(s3_env, tmp_path,
+                                                                                    monkeypatch) -> None:
+    """Another writer commits v2 while rank 0 commits v1: store.json's compare-and-swap keeps v2 current (the
+    remote is never rolled back), and the encode said "committed v1" as if v1 were current. Now the commit, and
+    a rerun's adoption of a complete version whose swap was lost, say in one line that v2 stays current, and
+    `--json` records it (`newer_current`)."""
+    from types import SimpleNamespace
+
+    from stages.encode.output import _adopt_committed
+    from stages.encode.summary import Summary
+    from store.checksum import unseal
+    from store.remote_parts import make_current
+
+    url = s3_env.url("overtaken")
+    _writer(tmp_path / "node1", url, 1).finish_rank()
+    real = remote_mod.Remote.swap
+    raced = []
+
+    def swap(self, rel, update, *a, **k):  # v2 of another writer becomes current right before our swap
+        if rel == "store.json" and not raced:
+            raced.append(rel)
+            make_current(self, "vae", 2)
+        return real(self, rel, update, *a, **k)
+
+    monkeypatch.setattr(remote_mod.Remote, "swap", swap)
+    summary = _encode_end(_writer(tmp_path / "node0", url, 0), monkeypatch)
+    assert raced and (summary.version, summary.newer_current) == (1, 2)
+    assert summary.committed_line() == (f"committed table 'vae' v1 at {url}; v2, committed by another writer "
+                                        "meanwhile, stays current (v1 is complete, not current)")
+    assert summary.to_json()["newer_current"] == 2
+    record = unseal(s3_env.client().get_object(Bucket=s3_env.bucket, Key="overtaken/store.json")["Body"].read())
+    assert record["tables"]["vae"]["current"] == 2 and "vae/v1/manifest.parquet" in _objects(s3_env, "overtaken")
+
+    # a rerun that adopts v1 (complete, its swap lost as far as it knows) tells the same
+    job = SimpleNamespace(summary=Summary(stage="encode-vae", table="vae"), store=Store(tmp_path / "node0"),
+                          ranks=SimpleNamespace(world_size=1, rank=0, local_rank=0))
+    _adopt_committed(job, url, 1, N, vae_schema())
+    assert (job.summary.version, job.summary.up_to_date, job.summary.newer_current) == (1, True, 2)
+    assert job.summary.committed_line().endswith("; v2, committed by another writer meanwhile, stays current "
+                                                 "(v1 is complete, not current)")
+    assert make_current(remote_mod.open_remote(url), "vae", 3) == 3  # a higher one moves it on
