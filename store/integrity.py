@@ -185,7 +185,7 @@ def sample_problem(data: memoryview | bytes, row: dict[str, Any]) -> str | None:
 
 
 def record_damage(vdir: Path, samples: dict[str, str] | None = None, shards: dict[str, str] | None = None,
-                  problems: list[str] | None = None) -> None:
+                  problems: list[str] | None = None, *, required: bool = False) -> None:
     """Record damage found in a version in its `v<N>.damaged.json` marker (merged with what is recorded), so
     the rerun of the stage that wrote it no longer calls it "up to date" but recomputes the damaged samples
     (store/reuse.py). Readers on every rank and process record, so the read-merge-write runs under the store's
@@ -197,7 +197,11 @@ def record_damage(vdir: Path, samples: dict[str, str] | None = None, shards: dic
     A sample or shard already recorded keeps its first problem, and a finding that adds nothing returns after
     one stat of the marker (no lock, no read, no write): every rank of a validation meets the same damaged
     samples, and a resumed or next-epoch read meets them again; each such repeat used to take the lock and
-    re-read and compare the whole marker. Callers that find many at once pass them in one call (one write)."""
+    re-read and compare the whole marker. Callers that find many at once pass them in one call (one write).
+
+    `store repair` marks the version it replaces here too (one writer mechanism: its own unlocked overwrite lost
+    findings a reader recorded meanwhile, and a reader's merge could drop repair's), with `required`: a marker
+    that cannot be written raises there, as the marker is what keeps `find_version` off that version."""
     try:
         version = int(vdir.name.lstrip("v"))
     except ValueError:
@@ -213,6 +217,8 @@ def record_damage(vdir: Path, samples: dict[str, str] | None = None, shards: dic
                 fmt.atomic_write_json(path, rec)
                 _remember(path, rec)
     except OSError as e:
+        if required:
+            raise
         log.warning("%s: could not record the damage found in %s (%s: %s); a rerun of the stage that wrote it "
                     "may call it up to date: run `pipeline store verify %s` where the store is writable",
                     where(vdir), path, type(e).__name__, e.strerror or e, root)

@@ -345,8 +345,7 @@ def _repair_table(st, t: TablePlan, recompute: Recompute | None, echo: Callable[
     if t.damaged and recompute is None:
         raise UserError(f"{len(t.damaged)} damaged sample(s) need the stage that wrote them "
                         f"({schema.lineage.stage}): pass --model (and the --config it was built with)")
-    fmt.atomic_write_json(fmt.damaged_marker(st.root, t.table, t.version),
-                          {"version": t.version, "damaged": t.damaged})
+    integrity.record_damage(vdir, t.damaged, required=True)  # under the damage lock, merged: readers record too
     sums = integrity.read_version_checksums(vdir)
     manifest = _manifest(vdir, sums, TablePlan(t.table, t.version))
     assert manifest is not None

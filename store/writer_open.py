@@ -106,16 +106,25 @@ def record_world(vdir: Path, world: int, several_caches: bool) -> None:
 
 
 def clean_uncommitted(vdir: Path, rank: int) -> None:
-    """Drop this rank's half-written shards: temp files and tars whose index never got written."""
+    """Drop this rank's half-written shards from the version it resumes: temp files (never part of a committed
+    version, and only this rank's writer, whose lock is held, makes them), and tars whose index never got
+    written - only with evidence that the version is not complete. A manifest not seen is none: a shared
+    filesystem's view can lag on one node and list a complete version's schema.json and shards without its
+    manifest or an index. This rank's `rank-RR.done` is: a rank writes it after committing every shard, and a
+    session that writes again drops it before its first new shard (`RankShards.drop_done`), so beside it a tar
+    without an index is one whose index is not seen yet, and no commit can have happened without it. The done
+    file itself is never deleted here (it was, at every open: a lagging view then lost a complete version's
+    rank-RR.done, which its checksums.json lists); `finish_rank` replaces it."""
     prefix = f"shard-r{rank:02d}-"
     for p in vdir.glob(prefix + "*.tar.tmp"):
-        p.unlink()
+        p.unlink(missing_ok=True)
     for p in vdir.glob(f".{prefix}*.tmp-*"):  # an index write killed mid-way
         p.unlink(missing_ok=True)
+    if (vdir / fmt.rank_done_name(rank)).is_file():
+        return
     for p in vdir.glob(prefix + "*.tar"):
         if not (vdir / fmt.index_name(p.name)).is_file():
             p.unlink()
-    (vdir / fmt.rank_done_name(rank)).unlink(missing_ok=True)
 
 
 def index_paths(vdir: Path, rank: int | None = None) -> list[Path]:

@@ -58,6 +58,7 @@ class RankShards:
         self.shard_bytes, self.label = shard_bytes, label
         self.added: set[str] = set()
         self.linked: set[str] = set()  # shard names carried forward (hard-linked) in this session
+        self._done_dropped = False
         self._builder: ShardBuilder | None = None
         self._metas: list[dict[str, Any]] = []
 
@@ -77,6 +78,15 @@ class RankShards:
         if self._builder.nbytes >= self.shard_bytes:
             self.commit()
 
+    def drop_done(self) -> None:
+        """Before this session's first new shard lands: the rank's `rank-RR.done` of an earlier session no longer
+        says every shard of the rank is committed (`writer_open.clean_uncommitted` relies on it, and a commit must
+        not count the rank finished). `finish_rank` writes it again."""
+        if not self._done_dropped:
+            with writing(f"{fmt.rank_done_name(self.rank)} of {self.label}", self.dir):
+                (self.dir / fmt.rank_done_name(self.rank)).unlink(missing_ok=True)
+            self._done_dropped = True
+
     def drop(self) -> None:
         """Abandon the open shard (its temp file removed, its keys no longer added)."""
         if self._builder is not None:
@@ -93,6 +103,7 @@ class RankShards:
         if not b.records:
             self.drop()
             return
+        self.drop_done()
         try:
             with writing(f"shard {b.final_path.name} of {self.label}", self.dir):
                 sha = b.commit()
@@ -113,6 +124,7 @@ class RankShards:
         as its index: the commit, as for a written shard. Returns the new shard name."""
         keys = rows.column("key").to_pylist()
         self.commit()  # an open shard keeps its reserved name; the linked one takes the next
+        self.drop_done()
         name = fmt.shard_name(self.rank, self.next_index)
         dst = self.dir / name
         col = rows.schema.get_field_index("shard")

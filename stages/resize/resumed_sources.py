@@ -10,6 +10,9 @@ Held as sorted arrays, not a dict of str: a source name is looked up by a 128-bi
 width of the sample keys themselves, which the store already trusts to be collision-free), so a sample costs
 16 B + its key's bytes + a bucket start (~52 B) instead of ~206 B (bench/resumed_sources.py: 1M samples held
 206 MB, now 50 MB; a lookup costs a digest, ~10 us under load, the dict's was ~0.1 us).
+
+Also key -> recorded mask (`resumed_masks`), read only when a copy of a key the version holds is met under
+another source name: a first copy whose key the interrupted run kept under a later copy (a revival, stage.py).
 """
 
 from __future__ import annotations
@@ -80,3 +83,47 @@ def _index_columns(vdir: Path) -> Iterator[tuple[list[str], list[str]]]:
     for p in index_paths(vdir):
         t = pq.read_table(p, columns=["key", "source"])
         yield t.column("source").to_pylist(), t.column("key").to_pylist()
+
+
+class ResumedMasks:
+    """key -> the first 64 bits of the recorded mask_sha256 of each sample the resumed version holds (0: no mask;
+    None: not recorded, or a key it does not hold), for telling the copy the table holds from another copy of
+    the same key (same target, controls and caption, another mask). Sorted key and bit arrays (40 B a sample),
+    built only when a resumed run meets such a copy."""
+
+    def __init__(self, parts: Iterable[tuple[list[str], list[str | None]]]):
+        keys, bits, known = [], [], []
+        for k, masks in parts:
+            keys.append(np.array(k, dtype=np.bytes_) if k else np.zeros(0, dtype="S1"))
+            bits.append(np.array([_bits(m) for m in masks], dtype=np.uint64))
+            known.append(np.array([m is not None for m in masks], dtype=bool))
+        held = np.concatenate(keys) if keys else np.zeros(0, dtype="S1")
+        order = np.argsort(held, kind="stable")
+        self._keys = held[order]
+        self._bits = (np.concatenate(bits) if bits else np.zeros(0, dtype=np.uint64))[order]
+        self._known = (np.concatenate(known) if known else np.zeros(0, dtype=bool))[order]
+
+    def get(self, key: str) -> int | None:
+        k = key.encode("ascii")
+        i = int(np.searchsorted(self._keys, k))
+        if i < len(self._keys) and self._keys[i] == k and self._known[i]:
+            return int(self._bits[i])
+        return None
+
+
+def _bits(mask_sha256: str | None) -> int:
+    """As stage._mask_bits of the mask's bytes: 64 bits of its hash, 0 for none ("")."""
+    return int(mask_sha256[:16], 16) if mask_sha256 else 0
+
+
+def resumed_masks(vdir: Path) -> ResumedMasks:
+    """key -> recorded mask bits of the committed shards in `vdir` (an index of an older version without the
+    column: not recorded)."""
+    def parts() -> Iterator[tuple[list[str], list[str | None]]]:
+        for p in index_paths(vdir):
+            recorded = "mask_sha256" in pq.read_schema(p).names
+            t = pq.read_table(p, columns=["key", "mask_sha256"] if recorded else ["key"])
+            masks = t.column("mask_sha256").to_pylist() if recorded else [None] * t.num_rows
+            yield t.column("key").to_pylist(), masks
+
+    return ResumedMasks(parts())

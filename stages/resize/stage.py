@@ -195,6 +195,13 @@ class _Intake:
     # "duplicate" of a sample the table does not hold. A few per key: bounded whatever the source.
     held: dict[str, list[tuple[SourceSample, dict[str, Any]]]] = field(default_factory=dict)
     failed: set[str] = field(default_factory=set)  # keys whose (first) copy was rejected while rendering
+    # A resumed run's keys that the interrupted run kept under a later copy than their first (the first's
+    # rendering failed there, a copy held for it was revived): judged as then, up to that copy (`holds`)
+    revived_before: set[str] = field(default_factory=set)
+    # key -> copies rendered now that failed in the interrupted run (a worker that died): their key is held by
+    # the copy it revived instead, which their rows name once it is met
+    superseded: dict[str, list[tuple[SourceSample, dict[str, Any]]]] = field(default_factory=dict)
+    masks: Any = None  # resumed_sources.ResumedMasks of the resumed version, read when first needed
 
     def reject(self, rec: SourceSample, r: Rejected) -> dict[str, Any]:
         row = {"key": r.key, "source": rec.source, "stage": STAGE, "reason": r.reason, "detail": r.detail}
@@ -204,19 +211,47 @@ class _Intake:
             self.summary.duplicates.append((self.first_source[r.key], rec.source))
         return row
 
-    def duplicate(self, rec: SourceSample, r: Rejected, first_kept: bool) -> None:
+    def first_kept(self, writer: Any, key: str, carry: dict[str, Any]) -> bool:
+        """The first copy of `key` is in the table: written, carried forward, or resumed (unless the resumed
+        version holds a later copy)."""
+        return (key in writer.done_keys and key not in self.revived_before) or key in writer.carried_keys \
+            or key in carry
+
+    def holds(self, writer: Any, key: str, rec: SourceSample) -> bool:
+        """`rec` is the copy of `key` the resumed version holds: the one written under its source name, or, where
+        its source name is not found there (a source folder moved since), a copy with the recorded mask."""
+        if rec.done_key is not None:
+            return rec.done_key == key
+        if key not in writer.done_keys:
+            return False
+        if self.masks is None:
+            from stages.resize.resumed_sources import resumed_masks
+
+            self.masks = resumed_masks(writer.dir)
+        recorded = self.masks.get(key)
+        return recorded is None or recorded == _mask_bits(rec.mask)
+
+    def duplicate(self, rec: SourceSample, r: Rejected, first_kept: bool, holder: bool = False) -> None:
         """A duplicate's quarantine row; held for a revival when its mask differs from the first copy's and that
-        copy is not known to be kept (written, resumed or carried forward)."""
+        copy is not known to be kept (written, resumed or carried forward). `holder`: the copy a resumed version
+        holds instead of its first (`revived_before`), held always: its revival finds it in the table."""
         row = self.reject(rec, r)
-        if not first_kept and self.first_mask.get(r.key, 0) != _mask_bits(rec.mask):
-            if len(held := self.held.setdefault(r.key, [])) < HELD_PER_KEY:
+        if holder or (not first_kept and self.first_mask.get(r.key, 0) != _mask_bits(rec.mask)):
+            if len(held := self.held.setdefault(r.key, [])) < HELD_PER_KEY or holder:
                 held.append((rec, row))
 
-    def store(self, writer: Any, rec: SourceSample, key: str, out: Rendered | Rejected) -> None:
+    def store(self, writer: Any, rec: SourceSample, key: str, out: Rendered | Rejected) -> bool:
+        """Add the rendered sample to the table, or record why not; whether it is in the table now."""
         if isinstance(out, Rejected):
             self.failed.add(key)  # its duplicates judged later are held too: revived in source order at the end
             self.reject(rec, out)
-            return
+            return False
+        if key in writer.done_keys:  # a later copy holds it since the interrupted run: it stays, this is its duplicate
+            self.failed.add(key)
+            dup = Rejected("duplicate", "same content (target, controls, caption) as the copy the interrupted run kept "
+                           "(this copy's rendering failed there)", key=key)
+            self.superseded.setdefault(key, []).append((rec, self.reject(rec, dup)))
+            return False
         self.held.pop(key, None)  # kept: its duplicates stay dropped
         writer.add(key, files=out.files, meta=out.meta)
         s = self.summary
@@ -225,6 +260,7 @@ class _Intake:
         s.buckets[tuple(out.meta["bucket"])] += 1
         s.controls[out.meta["num_controls"]] += 1
         s.conversions.update(out.notes)
+        return True
 
     def revivals(self) -> dict[str, list[tuple[SourceSample, dict[str, Any]]]]:
         """key -> its held duplicates (source order, each with its quarantine row), for each first copy the
@@ -346,16 +382,19 @@ def _render_source(source: str | Path, fmt: str, rc: ResizeConfig, writer: Any, 
                 key, caption = _judge(rec, rc, intake.first_source)
             except Rejected as r:
                 if r.reason == "duplicate":
-                    intake.duplicate(rec, r, first_kept=r.key in writer.done_keys
-                                     or r.key in writer.carried_keys or r.key in carry)
+                    intake.duplicate(rec, r, first_kept=intake.first_kept(writer, r.key, carry),
+                                     holder=r.key in intake.revived_before and intake.holds(writer, r.key, rec))
                 else:
                     intake.reject(rec, r)
                 bar.set_postfix(quarantined=len(intake.rejects))
                 continue
             if rec.mask is not None:
                 intake.first_mask[key] = _mask_bits(rec.mask)
-            if key in writer.done_keys:
+            if key in writer.done_keys and intake.holds(writer, key, rec):
                 intake.summary.resumed += 1
+            elif key in writer.done_keys:  # a later copy holds it: this first copy's rendering failed before
+                intake.revived_before.add(key)  # rendered again for its row; its copies judged as then
+                yield rec, key, caption
             elif rendered_before.get(key, None) == mask_hash(rec.mask):  # same content, same mask
                 carry[key] = (rec.source, split_for(key, rc.val_fraction))
             else:
@@ -377,15 +416,18 @@ def _render_source(source: str | Path, fmt: str, rc: ResizeConfig, writer: Any, 
             for key, recs in pending.items():
                 rec, row = recs.pop(0)
                 intake.take_back(key, rec, row)
-                if rendered_before.get(key, None) == mask_hash(rec.mask):
+                if intake.holds(writer, key, rec):  # the copy the interrupted run revived: in the table already
+                    intake.summary.resumed += 1
+                    intake.kept_instead(key, rec, recs + intake.superseded.pop(key, []))
+                    recs.clear()
+                elif rendered_before.get(key, None) == mask_hash(rec.mask):
                     carry[key] = (rec.source, split_for(key, rc.val_fraction))
                     intake.kept_instead(key, rec, recs)
                 else:
                     items.append((rec, key, ""))
             for (rec, key, _), out in rendered_in_order(render_one, items, rc.workers, ahead=2 * rc.workers,
                                                         on_crash=_worker_died):
-                intake.store(writer, rec, key, out)
-                if not isinstance(out, Rejected):
+                if intake.store(writer, rec, key, out):
                     intake.kept_instead(key, rec, pending[key])
             pending = {k: recs for k, recs in pending.items()
                        if recs and k not in carry and k not in writer.carried_keys}

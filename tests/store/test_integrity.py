@@ -461,3 +461,46 @@ def test_a_damage_record_that_cannot_be_written_is_reported(store: Store, monkey
     with caplog.at_level("WARNING", logger="store"):
         integrity.record_damage(store.version_dir("vae", 1), {"k": "crc32c mismatch"})
     assert "could not record the damage found in" in caplog.text and "No space left on device" in caplog.text
+
+
+def test_repair_records_its_damage_under_the_lock_readers_take(store: Store, monkeypatch) -> None:
+    """`store repair` marks the version it replaces while a training on the same store may record damage in the
+    same marker: repair waits for the damage lock and merges, so neither drops the other's findings (it used to
+    overwrite the marker unlocked: a reader's earlier record was lost, and a reader mid-merge then wrote its own
+    stale merge over repair's). The reader here holds the lock mid-merge when repair comes to record."""
+    import threading
+
+    from damage import sample_byte
+    from store import integrity, repair
+
+    fill(store, 4)
+    vdir = store.version_dir("vae", 1)
+    flip_bit(*sample_byte(store.root, "vae", key_of(2)), 0)
+    integrity.record_damage(vdir, problems=["found earlier by a reader"])
+    plan = repair.scan(store.root, progress=False)
+    assert set(plan.tables[0].damaged) == {key_of(2)}
+
+    at_lock = threading.Event()
+    real_flock = fmt.flock
+
+    def flock(path, *a, **k):
+        if Path(path).name == integrity.DAMAGE_LOCK and threading.current_thread() is not threading.main_thread():
+            at_lock.set()  # repair is about to wait for the reader's lock
+        return real_flock(path, *a, **k)
+
+    monkeypatch.setattr(fmt, "flock", flock)
+    marker = fmt.damaged_marker(store.root, "vae", 1)
+    failed: list[str] = []
+    with real_flock(store.root / integrity.DAMAGE_LOCK):  # the reader's read-merge-write, as record_damage does it
+        seen = integrity._recorded(marker, fresh=True)
+        # the recompute does nothing here: the marker is what this test is about
+        worker = threading.Thread(target=lambda: failed.extend(repair.apply(plan, lambda t, s: None, echo=lambda m: None)))
+        worker.start()
+        while not at_lock.is_set() and worker.is_alive():
+            at_lock.wait(0.05)
+        fmt.atomic_write_json(marker, integrity._merged(seen, 1, None, {"s.tar": "shard s.tar is missing"}, None))
+    worker.join()
+    rec = json.loads(marker.read_text())
+    assert set(rec["damaged"]) == {key_of(2)}  # repair's
+    assert rec["shards"] == {"s.tar": "shard s.tar is missing"} and rec["problems"] == ["found earlier by a reader"]
+    assert failed and "did not complete" in failed[0]

@@ -157,3 +157,66 @@ def test_a_commit_short_of_the_keys_its_ranks_were_given_is_refused(store: Store
     w0.given = 3
     w0.finish_rank(rejected=1)
     assert w0.commit() == 1 and len(store.reader("vae")) == 4
+
+
+def _complete_two_rank_version(store: Store) -> Path:
+    w0 = store.writer("vae", vae_schema(), rank=0, world_size=2, shard_size_mb=0.004)
+    w1 = store.writer("vae", vae_schema(), rank=1, world_size=2, shard_size_mb=0.004)
+    for i in range(8):
+        s = sample(i)
+        (w0, w1)[i % 2].add(s["key"], tensors=s["tensors"], files=s["files"], meta=s["meta"])
+    w1.finish_rank()
+    assert w0.commit() == 1
+    return store.version_dir("vae", 1)
+
+
+def test_a_lagging_view_of_a_complete_version_loses_none_of_its_files(store: Store, tmp_path: Path) -> None:
+    """Rank 1's view of a shared store lags: it lists the complete v1's schema.json, its own rank-01.done and
+    shards, but neither the manifest nor checksums.json written at the commit, nor its last shard's index (a
+    cached lookup). Its writer opens v1 as in progress (an encoder then adopts v1 and closes it): opening used to
+    delete rank-01.done and the "uncommitted" tar - files of a complete version, which then failed verify. A
+    rank-done file is evidence that every shard of the rank was committed before it: nothing of the rank goes."""
+    vdir = _complete_two_rank_version(store)
+    hidden = tmp_path / "hidden"
+    hidden.mkdir()
+    last = sorted(vdir.glob("shard-r01-*.index.parquet"))[-1]
+    for p in (vdir / "manifest.parquet", vdir / "checksums.json", last):
+        p.rename(hidden / p.name)  # what the lagging view does not show
+    w1 = store.writer("vae", vae_schema(), rank=1, world_size=2, shard_size_mb=0.004)
+    assert w1.version == 1  # in progress, as far as this view tells
+    w1.close()
+    for p in hidden.iterdir():
+        p.rename(vdir / p.name)  # the view caught up
+    assert (vdir / "rank-01.done").is_file() and (vdir / last.name.replace(".index.parquet", ".tar")).is_file()
+    assert verify_store(store.root, progress=False) == []
+    assert_exact(store, 8)
+
+
+def test_a_rank_that_writes_again_after_its_done_file_is_cleaned_after_a_kill(store: Store) -> None:
+    """The done file is kept at open, so it must not outlive new writing: a resumed rank that commits a new shard
+    drops its done file first. Killed between a new tar and its index, the next writer finds no done file and
+    removes that tar; the rerun then commits every sample once."""
+    w = store.writer("vae", vae_schema(), shard_size_mb=0.004)
+    for i in range(4):
+        s = sample(i)
+        w.add(s["key"], tensors=s["tensors"], files=s["files"], meta=s["meta"])
+    w.finish_rank()  # killed before the commit
+    w.close()
+    vdir = store.version_dir("vae", 1)
+    assert (vdir / "rank-00.done").is_file()
+    w = store.writer("vae", vae_schema(), shard_size_mb=0.0001)  # a shard per sample
+    assert len(w.done_keys) == 4
+    s = sample(4)  # a sample rejected in the first run, accepted now
+    w.add(s["key"], tensors=s["tensors"], files=s["files"], meta=s["meta"])  # a shard of its own: committed
+    assert not (vdir / "rank-00.done").exists()
+    w.close()
+    newest = sorted(vdir.glob("shard-r00-*.index.parquet"))[-1]
+    newest.unlink()  # the kill between the tar and its index
+    tar = vdir / newest.name.replace(".index.parquet", ".tar")
+    w = store.writer("vae", vae_schema(), shard_size_mb=0.004)
+    assert not tar.exists() and len(w.done_keys) == 4
+    s = sample(4)
+    w.add(s["key"], tensors=s["tensors"], files=s["files"], meta=s["meta"])
+    assert w.commit() == 1
+    assert_exact(store, 5)
+    assert verify_store(store.root, progress=False) == []
