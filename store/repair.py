@@ -31,6 +31,7 @@ from schemas.table import TableSchema
 from store import format as fmt
 from store import integrity, quarantine
 from store.checksum import file_crc
+from store.io_errors import writing
 from store.manifest import merge_indexes
 from store.manifest_files import read_schema
 from store.reader import TableReader
@@ -345,7 +346,8 @@ def _repair_table(st, t: TablePlan, recompute: Recompute | None, echo: Callable[
     if t.damaged and recompute is None:
         raise UserError(f"{len(t.damaged)} damaged sample(s) need the stage that wrote them "
                         f"({schema.lineage.stage}): pass --model (and the --config it was built with)")
-    integrity.record_damage(vdir, t.damaged, required=True)  # under the damage lock, merged: readers record too
+    with writing(f"the damage marker of table '{t.table}' v{t.version}", vdir):  # a full disk: one line
+        integrity.record_damage(vdir, t.damaged, required=True)  # under the damage lock, merged: readers record too
     sums = integrity.read_version_checksums(vdir)
     manifest = _manifest(vdir, sums, TablePlan(t.table, t.version))
     assert manifest is not None

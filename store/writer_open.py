@@ -115,7 +115,7 @@ def clean_uncommitted(vdir: Path, rank: int) -> None:
     without an index is one whose index is not seen yet, and no commit can have happened without it. The done
     file itself is never deleted here (it was, at every open: a lagging view then lost a complete version's
     rank-RR.done, which its checksums.json lists); `finish_rank` replaces it."""
-    prefix = f"shard-r{rank:02d}-"
+    prefix = fmt.shard_prefix(rank)
     for p in vdir.glob(prefix + "*.tar.tmp"):
         p.unlink(missing_ok=True)
     for p in vdir.glob(f".{prefix}*.tmp-*"):  # an index write killed mid-way
@@ -129,7 +129,8 @@ def clean_uncommitted(vdir: Path, rank: int) -> None:
 
 def index_paths(vdir: Path, rank: int | None = None) -> list[Path]:
     """Every rank's shard indexes (an index present = its shard committed); `rank`: that rank's only."""
-    return sorted(vdir.glob("shard-r*-*.index.parquet" if rank is None else f"shard-r{rank:02d}-*.index.parquet"))
+    pattern = "shard-r*-" if rank is None else fmt.shard_prefix(rank)
+    return sorted(vdir.glob(f"{pattern}*.index.parquet"))
 
 
 BATCH = 1024  # index files filtered at once: one hash table of `among` per batch (per file: 15x slower, 1M keys)
@@ -186,8 +187,9 @@ def committed_in_share(indexes: list[Path], rank: int, world_size: int, share: p
 
 
 def next_shard_index(vdir: Path, rank: int, remote: bool) -> int:
-    names = [p.name for p in vdir.glob(f"shard-r{rank:02d}-*.tar")]
+    prefix = fmt.shard_prefix(rank)
+    names = [p.name for p in vdir.glob(f"{prefix}*.tar")]
     if remote:  # adopted indexes of shards that are only on the remote
-        names += [p.name.replace(".index.parquet", ".tar") for p in vdir.glob(f"shard-r{rank:02d}-*.index.parquet")]
+        names += [p.name.replace(".index.parquet", ".tar") for p in vdir.glob(f"{prefix}*.index.parquet")]
     idx = [int(m.group(2)) for name in names if (m := fmt.SHARD_RE.fullmatch(name))]
     return max(idx) + 1 if idx else 0

@@ -141,5 +141,7 @@ def adopt(job: EncodeJob, found: int) -> None:
 
 def rank_shard_sizes(job: EncodeJob) -> dict[str, int]:
     assert job.writer is not None
-    return {p.name: p.stat().st_size for p in Path(job.writer.dir).glob(f"shard-r{job.ranks.rank:02d}-*.tar")
+    from store.format import shard_prefix
+
+    return {p.name: p.stat().st_size for p in Path(job.writer.dir).glob(f"{shard_prefix(job.ranks.rank)}*.tar")
             if p.name not in job.writer.linked_shards}  # carried shards are not written bytes

@@ -504,3 +504,25 @@ def test_repair_records_its_damage_under_the_lock_readers_take(store: Store, mon
     assert set(rec["damaged"]) == {key_of(2)}  # repair's
     assert rec["shards"] == {"s.tar": "shard s.tar is missing"} and rec["problems"] == ["found earlier by a reader"]
     assert failed and "did not complete" in failed[0]
+
+
+def test_repair_that_cannot_write_the_damage_marker_says_so_in_one_line(store: Store, monkeypatch) -> None:
+    """The marker is what keeps the damaged version from being reused: repair stops when it cannot be written, with
+    the line every full-disk write gives (not an OSError traceback), and the version is left as it was."""
+    import errno
+
+    from damage import sample_byte
+    from store import integrity, repair
+
+    fill(store, 4)
+    flip_bit(*sample_byte(store.root, "vae", key_of(2)), 0)
+    plan = repair.scan(store.root, progress=False)
+
+    def full(path, *a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(integrity.fmt, "atomic_write_json", full)
+    failed = repair.apply(plan, lambda t, s: None, echo=lambda m: None)  # before: an OSError traceback
+    assert len(failed) == 1 and re.match(r"vae v1: disk full while writing the damage marker of table 'vae' v1",
+                                         failed[0])
+    assert not fmt.damaged_marker(store.root, "vae", 1).exists()
