@@ -67,7 +67,7 @@ def joined(data: dict[str, bytes]) -> JoinedTables:
     first = next(iter(readers.values())).view
     rows = np.flatnonzero(np.asarray(first.column("split").to_numpy(zero_copy_only=False)) == "train")
     j.rows = {t: rows.astype(np.int32) for t in readers}
-    j.keys = KeyList(first.key_array, j.rows["text"])
+    j.keys = KeyList(first.keys.array, j.rows["text"])
     j.lengths = np.random.default_rng(0).integers(100, 5000, len(rows))
     return j
 

@@ -58,7 +58,7 @@ def old_shard_groups(r: TableReader, split=None) -> list[list[str]]:
     if split is not None and splits is None:
         raise UserError(f"table '{r.table}' v{r.version} has no split column")
     groups: dict[str, list[str]] = {}
-    for i, (k, s) in enumerate(zip(view.key_list(), view.values("shard"))):
+    for i, (k, s) in enumerate(zip(view.keys.as_list(), view.values("shard"))):
         if splits is None or splits[i] == split:
             groups.setdefault(s, []).append(k)
     return [groups[s] for s in sorted(groups)]

@@ -101,7 +101,7 @@ def _join_sorted_fixed(j: "JoinedTables", readers: dict[str, TableReader], split
         owner = next(iter(readers.values())).view
         for r, f in zip(readers.values(), fixed.values()):
             if r.view is not owner and len(f) == len(whole) and np.array_equal(f, whole):
-                r.view.adopt_keys(owner)  # one parsed key column for every table that holds the same keys
+                r.view.keys.adopt(owner.keys)  # one parsed key column for every table that holds the same keys
         j.only = {t: set() for t in readers}
         first_table = next(iter(readers))
         j.keys = KeyList(readers[first_table].key_array, j.rows[first_table])
@@ -333,7 +333,7 @@ def _content_ids(j: JoinedTables) -> dict[str, str] | None:
                 if not r.view.has_column(name):
                     h.update(b"\0absent")
                     continue
-                crcs = r.view.sample_crcs() if name == "sample_crc32c" else None
+                crcs = r.view.samples.crcs() if name == "sample_crc32c" else None
                 if crcs is not None:  # the numbers a reader checks against (kept by the view for its checks)
                     h.update(b"u32" + crcs[rows].astype("<u4").tobytes())
                     continue

@@ -2,10 +2,11 @@
 reader scans a shard (no copy), else from one pread of the sample's bytes into a buffer of its own -, random
 access by key, meta, img_shapes (derived on the fly for schema v1), rank/epoch iteration order.
 
-`TableReader` composes three parts, each with a public interface: the manifest (store/manifest_view.py), the
-shard files (store/shard_io.py) and the sample check (store/sample_check.py); the check-ahead thread
-(store/check_ahead.py) uses the same sample check through a shard reader of its own. A reader is a context
-manager: `close()` ends its check-ahead thread and closes its descriptors.
+`TableReader` composes three parts, each with a public interface: the manifest (store/manifest_view.py: its
+`keys`, store/key_index.py, and `samples`, store/sample_locator.py), the shard files (store/shard_io.py) and the
+sample check (store/sample_check.py); the check-ahead thread (store/check_ahead.py) uses the same sample check
+through a shard reader of its own. A reader is a context manager: `close()` ends its check-ahead thread and closes
+its descriptors.
 """
 
 from __future__ import annotations
@@ -111,8 +112,8 @@ class TableReader:
 
     schema = property(lambda self: self.view.schema)
     checksummed = property(lambda self: self.view.checksummed)
-    key_array = property(lambda self: self.view.key_array)
-    keys_sorted = property(lambda self: self.view.keys_sorted)
+    key_array = property(lambda self: self.view.keys.array)
+    keys_sorted = property(lambda self: self.view.keys.sorted)
     is_v1 = property(lambda self: self.view.is_v1)
     manifest = property(lambda self: self.view.manifest)
     bad_shards = property(lambda self: self.checks.bad_shards)
@@ -128,22 +129,22 @@ class TableReader:
         return len(self.view)
 
     def __contains__(self, key: str) -> bool:
-        return self.view.row_of(key) is not None
+        return self.view.keys.row_of(key) is not None
 
     def row_of(self, key: str) -> int | None:
-        return self.view.row_of(key)
+        return self.view.keys.row_of(key)
 
     def keys(self) -> list[str]:
-        return list(self.view.key_list())
+        return list(self.view.keys.as_list())
 
     def meta_columns(self) -> list[str]:
         return self.view.meta_columns()
 
     def meta(self, key: str) -> dict[str, Any]:
-        return self.view.meta_at(self.view.index(key))
+        return self.view.meta_at(self.view.keys.index(key))
 
     def img_shapes(self, key: str) -> list[ImgShape]:
-        return self.view.img_shapes_at(self.view.index(key))
+        return self.view.img_shapes_at(self.view.keys.index(key))
 
     def img_shapes_at(self, i: int) -> list[ImgShape]:
         return self.view.img_shapes_at(i)
@@ -158,13 +159,13 @@ class TableReader:
         return self.shards.map(shard)
 
     def prepare_checks(self) -> None:
-        self.view.prepare_checks()
+        self.view.samples.prepare_checks()
 
     def _checked_bytes(self, i: int) -> tuple[Any, int]:
         """Sample i's bytes as (buffer, where shard offset 0 lies in it), checked against their checksum on the
         reader's first read of the sample (the store is immutable, and the private map never sees a consumer's
         writes to a tensor view). Raises `DamagedData` naming the sample and the repair command."""
-        shard, start, n = self.view.locate(i)
+        shard, start, n = self.view.samples.locate(i)
         check = self.checks
         problem = check.shard_problem(shard, start, n)
         if problem is None and not check.is_checked(i) and self._ahead is not None:
@@ -186,14 +187,14 @@ class TableReader:
     def _intact_bytes(self, i: int) -> tuple[Any, int]:
         """Checked bytes of a sample in a shard that is whole (a bad shard's samples are not served)."""
         got = self._checked_bytes(i)
-        shard = self.view.shard_of(i)
+        shard = self.view.samples.shard_of(i)
         if shard in self.checks.bad_shards:
             raise self.checks.refuse_shard(shard)
         return got
 
     def check(self, key: str) -> None:
         """Raise `DamagedData` unless the sample's bytes match their checksum (checked once per reader)."""
-        self.check_at(self.view.index(key))
+        self.check_at(self.view.keys.index(key))
 
     def check_at(self, i: int) -> None:
         if not self.checks.is_checked(i):
@@ -204,7 +205,7 @@ class TableReader:
         `window` rows ahead of the consumer (store/check_ahead.py); `check_at` then only waits for a row's result.
         Replaces a running check-ahead; `stop_check_ahead` or `close` ends it."""
         self.stop_check_ahead()
-        self.view.prepare_checks()  # columns parsed here, in the consumer's thread; the thread only reads them
+        self.view.samples.prepare_checks()  # columns parsed here, in the consumer's thread; the thread only reads them
         self._ahead = CheckAhead(self.checks, self.shards.dir, order, window, name=self.table)
         return self._ahead
 
@@ -215,7 +216,7 @@ class TableReader:
 
     def damaged(self, key: str) -> str | None:
         """None if the sample reads back intact, else what is wrong (does not raise)."""
-        return self.damaged_at(self.view.index(key))
+        return self.damaged_at(self.view.keys.index(key))
 
     def damaged_at(self, i: int) -> str | None:
         try:
@@ -225,12 +226,12 @@ class TableReader:
         return None
 
     def tensors(self, key: str) -> dict[str, torch.Tensor]:
-        return self.tensors_at(self.view.index(key))
+        return self.tensors_at(self.view.keys.index(key))
 
     def tensors_at(self, i: int) -> dict[str, torch.Tensor]:
         """The sample's tensors: views of the shard map during a scan, else of the sample's own buffer."""
         buf, base = self._intact_bytes(i)
-        _, start, _ = self.view.locate(i)
+        _, start, _ = self.view.samples.locate(i)
         found = member_tensors(buf, start + base)
         if found is not None:
             return found
@@ -245,7 +246,7 @@ class TableReader:
         return out
 
     def files(self, key: str) -> dict[str, bytes]:
-        i = self.view.index(key)
+        i = self.view.keys.index(key)
         buf, base = self._intact_bytes(i)
         with memoryview(buf) as mv:
             return {f["name"]: bytes(mv[f["offset"] + base : f["offset"] + base + f["nbytes"]])
@@ -272,7 +273,7 @@ class TableReader:
     def by_shard(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """`rows` grouped by shard - shards in name order, rows in row order within one - and each group's size
         (no empty groups): the stored order of `iter_keys`, as numbers."""
-        idx, names = self.view.shard_numbers()
+        idx, names = self.view.samples.shard_numbers()
         rank_of = {name: i for i, name in enumerate(sorted(set(names)))}
         group = np.asarray([rank_of[n] for n in names], dtype=np.int64)[idx[rows]] if len(rows) else \
             np.zeros(0, np.int64)

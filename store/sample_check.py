@@ -55,10 +55,10 @@ class SampleCheck:
         if not self.bad_shards:
             return {}
         out: dict[str, str] = {}
-        for i in self.view.rows_in(self.bad_shards).tolist():
-            problem = self.shard_problem(*self.view.locate(i))
+        for i in self.view.samples.rows_in(self.bad_shards).tolist():
+            problem = self.shard_problem(*self.view.samples.locate(i))
             if problem is not None:
-                out[self.view.key_array[i].as_py()] = problem
+                out[self.view.keys.array[i].as_py()] = problem
         return out
 
     def bytes_problem(self, i: int, buf: Any, at: int, n: int) -> str | None:
@@ -66,14 +66,14 @@ class SampleCheck:
         with memoryview(buf) as mv:
             part = mv[at : at + n]
             try:
-                return integrity.sample_problem(part, self.view.checksum_row(i))
+                return integrity.sample_problem(part, self.view.samples.checksum_row(i))
             finally:
                 part.release()
 
     def problem(self, i: int, files: ShardFiles) -> str | None:
         """Sample i checked from scratch, its bytes read by pread through `files` (never a map: a shard cut short
         under the reader is then a problem string, not SIGBUS)."""
-        shard, start, n = self.view.locate(i)
+        shard, start, n = self.view.samples.locate(i)
         problem = self.shard_problem(shard, start, n)
         if problem is not None:
             return problem
@@ -83,7 +83,7 @@ class SampleCheck:
     def refuse(self, i: int, shard: str, problem: str) -> DamagedData:
         """The error for damaged sample i (recorded in the store, so the stage that wrote the version does not
         call it up to date)."""
-        key = self.view.key_array[i].as_py()
+        key = self.view.keys.array[i].as_py()
         if self.records_damage:
             integrity.record_damage(self.view.dir, {key: problem})
         return DamagedData(integrity.damaged_sample_message(self.view.dir, shard, key, problem))

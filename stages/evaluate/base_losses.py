@@ -24,34 +24,37 @@ def cached(out: Path, key: str, shape: tuple[int, ...], compute: Callable[[], np
     """The grid recorded under `key` in OUT, else `compute()` recorded there. `earlier`: the same inputs' keys as
     spelled before (the tables named by version ids, not content): a grid recorded under one is this one's,
     recorded again under `key`."""
-    for k in (key, *earlier):
-        grid = read(Path(out) / FILE, k, shape)
-        if grid is not None:
-            from tqdm.auto import tqdm
+    found = read(Path(out) / FILE, (key, *earlier), shape)  # one read of the file for every spelling
+    if found is not None:
+        from tqdm.auto import tqdm
 
-            tqdm.write(f"base held-out loss: unchanged inputs, reused from {Path(out) / FILE}")
-            if k != key:
-                write(Path(out) / FILE, key, grid)
-            return grid
+        grid, recorded = found
+        tqdm.write(f"base held-out loss: unchanged inputs, reused from {Path(out) / FILE}")
+        if recorded != key:
+            write(Path(out) / FILE, key, grid)
+        return grid
     grid = compute()
     write(Path(out) / FILE, key, grid)
     return grid
 
 
-def read(path: Path, key: str, shape: tuple[int, ...]) -> np.ndarray | None:
+def read(path: Path, keys: tuple[str, ...], shape: tuple[int, ...]) -> tuple[np.ndarray, str] | None:
+    """(the grid, the key it is recorded under) when that is one of `keys`, its shape and dtype are these and its
+    numbers are the recorded ones; else None."""
     from safetensors import safe_open
 
     try:
         with safe_open(str(path), framework="numpy") as f:
             meta = f.metadata() or {}
-            if meta.get("key") != key:
+            recorded = meta.get("key")
+            if recorded not in keys:
                 return None
             grid = f.get_tensor("base")
     except Exception:  # noqa: BLE001 - missing, truncated or foreign file: recomputed
         return None
     if grid.shape != shape or grid.dtype != np.float64 or meta.get("sha256") != _digest(grid):
         return None
-    return grid
+    return grid, recorded
 
 
 def write(path: Path, key: str, grid: np.ndarray) -> None:

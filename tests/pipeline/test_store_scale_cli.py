@@ -88,7 +88,7 @@ def test_added_touched_and_relabelled_samples_reuse_features(tmp_path, tiny_plus
     k = old.keys()[0]
     assert (old.tensors(k)["prompt_embeds"] == new.tensors(k)["prompt_embeds"]).all()
     assert os.path.samefile(old.dir / old.manifest.column("shard")[0].as_py(),
-                            new.dir / new.view.shard_of(new.row_of(k)))  # one file, two links
+                            new.dir / new.view.samples.shard_of(new.row_of(k)))  # one file, two links
     verify_clean(store)
 
     # touching every source file (same bytes): nothing is new

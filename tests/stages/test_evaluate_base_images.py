@@ -227,6 +227,35 @@ def test_a_flipped_bit_in_the_kept_base_losses_is_recomputed_not_reused(tmp_path
     assert base_losses.cached(tmp_path, "k", grid.shape, lambda: 1 / 0) is not None  # rewritten intact: reused
 
 
+def test_the_base_losses_file_is_opened_once_for_every_spelling_of_the_key(tmp_path, monkeypatch):
+    """`cached` opened and read OUT/base-losses.safetensors once per key spelling it tried (the present key, then
+    each earlier version-id key): a miss read the same file twice or more. Now one open checks the recorded key
+    against every spelling; a grid found under an earlier one is still recorded again under the present key."""
+    import safetensors
+
+    from stages.evaluate import base_losses
+
+    grid = np.arange(6, dtype=np.float64).reshape(2, 3) / 7
+    base_losses.write(tmp_path / base_losses.FILE, "other", grid)
+    opens = []
+    real = safetensors.safe_open
+    monkeypatch.setattr(safetensors, "safe_open", lambda *a, **k: (opens.append(1), real(*a, **k))[1])
+
+    recomputed = []
+    got = base_losses.cached(tmp_path, "k", grid.shape, lambda: (recomputed.append(1), grid + 1)[1], "k-before")
+    assert opens == [1] and recomputed == [1]  # a miss: one open, then computed
+    np.testing.assert_array_equal(got, grid + 1)
+
+    base_losses.write(tmp_path / base_losses.FILE, "k-before", grid)
+    opens.clear()
+    got = base_losses.cached(tmp_path, "k", grid.shape, lambda: 1 / 0, "k-older", "k-before")
+    assert opens == [1]  # found under an earlier spelling by the one open
+    np.testing.assert_array_equal(got, grid)
+    opens.clear()
+    assert base_losses.cached(tmp_path, "k", grid.shape, lambda: 1 / 0) is not None  # recorded under "k" now
+    assert opens == [1]
+
+
 def test_the_base_losses_are_kept_under_the_vae_version_they_were_read_from(run_and_store, tiny_edit_model,
                                                                            tmp_path, monkeypatch):
     """The key named the store's current text / vae versions at the time it was computed (after the loss pass

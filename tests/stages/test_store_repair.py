@@ -156,7 +156,7 @@ print("read", sum(1 for k in r.keys() if k != {bad!r} and r.tensors(k)), flush=T
     from store.integrity import DamagedData
 
     r = Store(edit_store).reader("vae")
-    shard = r.view.shard_of(0)
+    shard = r.view.samples.shard_of(0)
     (r.dir / shard).unlink()
     try:
         r.tensors_at(0)

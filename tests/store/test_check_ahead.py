@@ -165,13 +165,13 @@ import os, time
 from store import Store
 from store.integrity import DamagedData
 r = Store({str(store.root)!r}).reader("vae")
-shard = r.view.shard_of(0)
-rows = [i for i in range(len(r)) if r.view.shard_of(i) == shard]
+shard = r.view.samples.shard_of(0)
+rows = [i for i in range(len(r)) if r.view.samples.shard_of(i) == shard]
 assert len(rows) >= 3, rows
 checker = r.check_ahead(rows, window=1)
 while checker.checked < 1:  # the thread has read the shard's first row and waits at the window
     time.sleep(0.01)
-os.truncate(r.dir / shard, r.view.locate(rows[1])[1] + 1)
+os.truncate(r.dir / shard, r.view.samples.locate(rows[1])[1] + 1)
 try:
     for i in rows:
         r.tensors_at(i)

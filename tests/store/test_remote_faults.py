@@ -111,7 +111,7 @@ def test_a_connection_lost_mid_file_leaves_nothing_half_written_in_the_cache(s3_
             with pytest.raises(UserError, match=f"lost the connection to {s3_env.url()}"):
                 r.tensors(first[0])
         assert sum(how == "cut" for how, *_ in proxy.faults) > 1  # the first GET and its Range resumes
-        shard = r.view.shard_of(r.row_of(first[0]))
+        shard = r.view.samples.shard_of(r.row_of(first[0]))
         vdir = fmt.version_dir(root, "vae", 1)
         assert not (vdir / shard).exists()  # nothing half-written under the shard's name
         assert not [p for p in root.rglob("*") if p.suffix == ".part"

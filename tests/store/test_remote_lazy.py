@@ -58,7 +58,7 @@ def test_open_fetches_metadata_and_a_random_read_only_byte_ranges(s3_env, store:
         assert len(keys) == 4
         for k in keys:
             assert _same(cached.tensors(k), local.tensors(k))
-        read = sum(local.view.locate(local.row_of(k))[2] for k in keys)
+        read = sum(local.view.samples.locate(local.row_of(k))[2] for k in keys)
     after = fetch_stats()
     assert _shard_files(root) == []  # byte ranges only: no shard file appeared in the cache
     assert after["shards"] == before["shards"]
@@ -115,7 +115,7 @@ def test_an_object_damaged_on_the_server_is_refused_on_first_read_and_not_cached
     with store.reader("vae") as local:
         group = local.shard_groups()[1]
         bad = group[len(group) // 2]
-        shard, start, n = local.view.locate(local.row_of(bad))
+        shard, start, n = local.view.samples.locate(local.row_of(bad))
         _damage_on_server(s3_env, shard, start + n - 3)  # inside the sample's tensor bytes
         root = local_store(url, ["vae"], tmp_path / "cache")
         with Store(root, create=False).reader("vae") as cached:

@@ -237,7 +237,7 @@ def test_lookup_by_key_without_a_key_dict(store: Store) -> None:
     r = store.reader("vae")
     keys = r.keys()
     assert [r.row_of(k) for k in keys] == list(range(24))
-    assert not r.view.key_dict_built  # found by binary search on the sorted fixed-width key column
+    assert not r.view.keys.dict_built  # found by binary search on the sorted fixed-width key column
     k = keys[5]
     for absent in (k[:-1], k + "0", k[:-1] + ("0" if k[-1] != "0" else "1"), "", keys[-1] + "f"):
         assert absent not in r and r.row_of(absent) is None
@@ -259,7 +259,7 @@ def test_tensors_come_from_the_samples_own_header_not_the_parsed_manifest(store:
     for i, k in enumerate(r.keys()):
         assert [t["name"] for t in layout[i]] == list(got[k])
         assert [t["shape"] for t in layout[i]] == [list(t.shape) for t in got[k].values()]
-        shard, start, n = r.view.locate(i)
+        shard, start, n = r.view.samples.locate(i)
         raw = (r.dir / shard).read_bytes()[start + 512 : start + n]
         ref = load(raw[: 8 + int.from_bytes(raw[:8], "little") + sum(t["nbytes"] for t in layout[i])])
         assert all(torch.equal(ref[name], got[k][name]) for name in ref)

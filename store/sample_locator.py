@@ -1,0 +1,103 @@
+"""Where each sample of a manifest lies and what it is checked against: its shard (the dictionary-encoded column's
+indices, numpy), offset and size, and its checksum (`sample_crc32c` kept as uint32 numbers where it can be). Part
+of the manifest view (store/manifest_view.py), whose parsed columns it reads; the check itself:
+store/sample_check.py.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any, Iterable
+
+import numpy as np
+import pyarrow as pa
+
+from store.arrow_columns import fixed_width_view, release_memory
+
+if TYPE_CHECKING:
+    from store.manifest_view import ManifestView
+
+
+class SampleLocator:
+    """Sample locations and checksums over a view's columns; the shard numbers and the crc numbers are built on
+    first use."""
+
+    def __init__(self, view: "ManifestView") -> None:
+        # a proxy, not a reference: view -> locator -> view would be a cycle, and the view's parsed columns
+        # (hundreds of MB at 1M samples) would then wait for the cyclic collector instead of going with the view
+        self._view = weakref.proxy(view)
+        self._shard_idx: np.ndarray | None = None  # row -> shard number (dictionary index), numpy
+        self._shard_names: list[str] = []
+        self._crc_u32: np.ndarray | None | bool = False  # sample_crc32c as numbers (False: not looked at yet)
+
+    def shard_numbers(self) -> tuple[np.ndarray, list[str]]:
+        """(each row's shard number, the shard names by number): the dictionary-encoded column's indices (numpy,
+        no per-row str). A name may have more than one number (dictionaries of several row groups)."""
+        if self._shard_idx is None:
+            col = self._view.column("shard")
+            if not pa.types.is_dictionary(col.type):
+                col = col.dictionary_encode()
+            self._shard_idx = col.indices.to_numpy(zero_copy_only=False)
+            self._shard_names = col.dictionary.to_pylist()
+        return self._shard_idx, self._shard_names
+
+    def shard_of(self, i: int) -> str:
+        """Sample i's shard file name."""
+        idx, names = self.shard_numbers()
+        return names[idx[i]]
+
+    def rows_in(self, shards: Iterable[str]) -> np.ndarray:
+        """The rows whose samples lie in these shards, in row order."""
+        if not len(self._view):
+            return np.zeros(0, np.int64)
+        idx, names = self.shard_numbers()
+        wanted = set(shards)
+        numbers = [j for j, name in enumerate(names) if name in wanted]
+        return np.flatnonzero(np.isin(idx, numbers))
+
+    def locate(self, i: int) -> tuple[str, int, int]:
+        """(shard, offset, nbytes) of sample i's bytes; the numeric columns are read as numpy views of Arrow."""
+        offs = self._view.column("sample_offset").to_numpy()
+        sizes = self._view.column("sample_nbytes").to_numpy()
+        return self.shard_of(i), int(offs[i]), int(sizes[i])
+
+    def crcs(self) -> np.ndarray | None:
+        """The `sample_crc32c` column as uint32 numbers (4 bytes a row, not a 12-byte string: ~8 MB less at 1M
+        samples) when every value is 8 lowercase hex digits, as the writer writes them; else None (the strings
+        are read as they are)."""
+        if self._crc_u32 is False:
+            self._crc_u32 = None
+            raw = fixed_width_view(self._view.column("sample_crc32c"))
+            if raw is not None and raw.dtype.itemsize == 8:
+                digits = raw.view(np.uint8)
+                if np.all(((digits >= 48) & (digits <= 57)) | ((digits >= 97) & (digits <= 102))):  # 0-9 a-f
+                    self._crc_u32 = np.frombuffer(bytes.fromhex(digits.tobytes().decode()), dtype=">u4").astype(
+                        np.uint32)
+                    del raw, digits
+                    self._view.drop_replaced("sample_crc32c")  # the strings go: the numbers say the same
+                    release_memory()
+        return self._crc_u32
+
+    def checksum_row(self, i: int) -> dict[str, Any]:
+        """What sample i's bytes are checked against (store/integrity.py `sample_problem`)."""
+        view = self._view
+        if "sample_crc32c" in view.names:  # format 2: the sha256 column (64 MB at 1M samples) is never parsed
+            crcs = self.crcs()
+            crc = f"{int(crcs[i]):08x}" if crcs is not None else view.cell("sample_crc32c", i)
+            if crc:
+                return {"sample_crc32c": crc}
+        return {"sample_sha256": view.cell("sample_sha256", i), "sample_crc32c": None}
+
+    def prepare_checks(self) -> None:
+        """Parse the columns a sample check reads (before another thread checks: it then only reads them)."""
+        view = self._view
+        names = ["shard", "sample_offset", "sample_nbytes"]
+        if "sample_crc32c" not in view.names:
+            names.append("sample_sha256")
+        for name in names:
+            if name in view.names:
+                view.column(name)
+        if "sample_crc32c" in view.names and self.crcs() is None:
+            view.column("sample_crc32c")
+        if len(view):
+            self.shard_numbers()
