@@ -107,3 +107,18 @@ def test_encode_hashes_written_before_the_scheme_are_still_recognised():
     assert "4b1831adcaed648a" in earlier_config_hashes(text.model_copy(update={"no_control_embeds": True}),
                                                        prompt_format={"a": 1})
     assert config_hash(vae) not in earlier_config_hashes(vae)  # the new hash holds no device
+
+
+def test_init_lora_enters_the_run_fingerprint_as_set_not_by_its_path():
+    """Its bytes are the resume record's init_lora_sha256: the same file at another path is the same run (before,
+    the path was hashed: a moved or re-mounted init LoRA refused the resume and `run all` trained again from
+    step 0). A run fingerprinted with the path (72f64b7ff221fcd8, commit 88cb75f) stays current at that path."""
+    from stages.train.settings import config_fingerprint, earlier_config_fingerprints
+
+    at_a = C.TrainConfig(dtype="float32", init_lora="/data/init/a.safetensors")
+    at_b = at_a.model_copy(update={"init_lora": "/mnt/elsewhere/a.safetensors"})
+    assert config_fingerprint(at_a) == config_fingerprint(at_b)
+    assert config_fingerprint(at_a) != config_fingerprint(C.TrainConfig(dtype="float32"))  # set or not: another run
+    assert "13bf5ee6244deeb0" == config_fingerprint(C.TrainConfig(dtype="float32"))  # runs without one: unchanged
+    assert "72f64b7ff221fcd8" in earlier_config_fingerprints(at_a)
+    assert "72f64b7ff221fcd8" not in earlier_config_fingerprints(at_b)  # its bytes were not recorded with the path
