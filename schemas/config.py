@@ -192,6 +192,12 @@ _DECAYING_LR_ONLY = Role("throughput", features_if=lambda train: train.lr_schedu
 _FIXED_BATCHES_ONLY = Role("features", features_if=lambda train: train.max_tokens_per_batch is None)
 
 
+# train.init_lora: whether one is set, not where: its weight file's bytes are the resume record's init_lora_sha256
+# (stages/train/state.py), so the same file moved or mounted elsewhere is the same run (runs fingerprinted with its
+# path: `earlier_config_fingerprints`)
+_BYTES_RECORDED = Role("features", hashed_unless_default=True, hashed_as=lambda path: "weights: init_lora_sha256")
+
+
 class TrainConfig(Section):
     device: Annotated[str | list[str] | None, THROUGHPUT] = Field(None, description="None = accelerate's choice; else " + _DEVICE_HELP)
     dtype: Annotated[DType, FEATURES] = Field("auto", description="frozen base weights; " + _DTYPE_HELP + " (auto: "
@@ -240,7 +246,7 @@ class TrainConfig(Section):
                                         "missing from either (reasons in STORE/quarantine.parquet)")
     max_open_shards: Annotated[int, THROUGHPUT] = Field(256, gt=0, description="shard files kept open per table (LRU; descriptors for "
                                  "random reads, maps for scans)")
-    init_lora: Annotated[str | None, added_later()] = Field(None, description="start from this LoRA (diffusers, kohya lora_unet_*, ComfyUI "
+    init_lora: Annotated[str | None, _BYTES_RECORDED] = Field(None, description="start from this LoRA (diffusers, kohya lora_unet_*, ComfyUI "
                                   "diffusion_model.*); rank and targets must match train.lora")
     optimizer: Annotated[Literal["adamw", "adamw8bit", "adafactor", "prodigy"], added_later()] = Field(
         "adamw", description="adamw (torch) | adamw8bit (bitsandbytes) | adafactor (transformers) | prodigy "

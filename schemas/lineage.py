@@ -79,6 +79,9 @@ class Role:
     hashed_unless_default: bool = False
     # features only while this holds for the section (e.g. max_steps under a decaying LR schedule)
     features_if: Callable[[Any], bool] | None = None
+    # the value as it enters a hash, where part of it is recorded elsewhere (e.g. a file's path, whose bytes a
+    # record of their own compares): a change to that part alone keeps outputs current
+    hashed_as: Callable[[Any], Any] | None = None
 
     def enters(self, scope: str, section: Any) -> bool:
         if self.features_if is not None:
@@ -117,7 +120,8 @@ def hashed_settings(section: BaseModel, scope: Scope = "output") -> dict[str, An
         value = getattr(section, name)
         if role.hashed_unless_default and value == info.default:
             continue
-        out[name] = hashed_settings(value, scope) if isinstance(value, BaseModel) else dumped[name]
+        out[name] = hashed_settings(value, scope) if isinstance(value, BaseModel) else \
+            role.hashed_as(value) if role.hashed_as is not None else dumped[name]
     return out
 
 

@@ -42,12 +42,16 @@ _MEMORY_AS_BEFORE = tuple((gc, off) for gc in (False, True) for off in ("none", 
 
 def earlier_config_fingerprints(cfg: TrainConfig) -> tuple[str, ...]:
     """`config_fingerprint` as written before the memory settings left it (with any of their values; the blocks
-    kept on the device as configured now, or 0), and before batch_size left it under a token budget (only with
-    the batch_size they were made with, as before): runs made then resume and stay current."""
+    kept on the device as configured now, or 0), before batch_size left it under a token budget (only with
+    the batch_size they were made with, as before), and before init_lora's path left it (only with the path
+    configured now: its bytes were recorded beside it, or taken as the file there): runs made then resume and stay
+    current."""
     now = hashed_settings(cfg)
     budget = [{}] if cfg.max_tokens_per_batch is None else [{}, {"batch_size": cfg.batch_size}]
-    spellings = ({**now, **b, "gradient_checkpointing": gc, "offload": off, "offload_blocks_on_device": n}
-                 for b in budget for gc, off in _MEMORY_AS_BEFORE for n in {cfg.offload_blocks_on_device, 0})
+    path = {} if cfg.init_lora is None else {"init_lora": cfg.init_lora}  # hashed in every earlier spelling
+    memory = ({"gradient_checkpointing": gc, "offload": off, "offload_blocks_on_device": n}
+              for gc, off in _MEMORY_AS_BEFORE for n in {cfg.offload_blocks_on_device, 0})
+    spellings = ({**now, **b, **path, **m} for m in [{}, *memory] for b in budget)
     return tuple(dict.fromkeys(settings_hash(s) for s in spellings))
 
 

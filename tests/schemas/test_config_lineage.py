@@ -107,3 +107,65 @@ def test_encode_hashes_written_before_the_scheme_are_still_recognised():
     assert "4b1831adcaed648a" in earlier_config_hashes(text.model_copy(update={"no_control_embeds": True}),
                                                        prompt_format={"a": 1})
     assert config_hash(vae) not in earlier_config_hashes(vae)  # the new hash holds no device
+
+
+def test_init_lora_enters_the_run_fingerprint_as_set_not_by_its_path():
+    """Its bytes are the resume record's init_lora_sha256: the same file at another path is the same run (before,
+    the path was hashed: a moved or re-mounted init LoRA refused the resume and `run all` trained again from
+    step 0). A run fingerprinted with the path (72f64b7ff221fcd8, commit 88cb75f) stays current at that path."""
+    from stages.train.settings import config_fingerprint, earlier_config_fingerprints
+
+    at_a = C.TrainConfig(dtype="float32", init_lora="/data/init/a.safetensors")
+    at_b = at_a.model_copy(update={"init_lora": "/mnt/elsewhere/a.safetensors"})
+    assert config_fingerprint(at_a) == config_fingerprint(at_b)
+    assert config_fingerprint(at_a) != config_fingerprint(C.TrainConfig(dtype="float32"))  # set or not: another run
+    assert "13bf5ee6244deeb0" == config_fingerprint(C.TrainConfig(dtype="float32"))  # runs without one: unchanged
+    assert "72f64b7ff221fcd8" in earlier_config_fingerprints(at_a)
+    assert "72f64b7ff221fcd8" not in earlier_config_fingerprints(at_b)  # its bytes were not recorded with the path
+
+
+def _another_value(model: type[BaseModel], name: str, value):
+    """A valid value of the field other than `value` (None where none of the candidates validates)."""
+    from typing import Literal, get_args, get_origin
+
+    choices = [a for t in _types(model.model_fields[name].annotation) if get_origin(t) is Literal for a in get_args(t)]
+    candidates = [*choices, *([not value] if isinstance(value, bool) else []),
+                  *([value + 1, value - 1] if isinstance(value, int) and not isinstance(value, bool) else []),
+                  *([value / 2, min(value * 1.5, 0.99)] if isinstance(value, float) else []),
+                  *([value[:1] + value[:1]] if isinstance(value, (list, tuple)) and value else []),
+                  "cuda:1", "x", 1, 0.5, [0.5], None]
+    for c in candidates:
+        if c == value:
+            continue
+        try:
+            return getattr(model.model_validate({**model().model_dump(), name: c}), name)
+        except Exception:  # noqa: BLE001 - not a valid value of this field: the next candidate
+            continue
+    return None
+
+
+def test_every_stage_record_follows_the_declared_roles_in_both_directions():
+    """What each stage compares (resize's version fingerprint, the encoders' features hash, the train run
+    fingerprint, evaluate's report fingerprint) changes exactly when a hashed setting changes: a field whose role
+    enters no hash never recomputes, one that enters always does. A new field is refused until it declares a role
+    (`test_every_config_field_declares_its_lineage_role`); this keeps the declaration and the records one."""
+    from stages.encode.settings import config_hash
+    from stages.train.settings import config_fingerprint
+
+    records = {C.ResizeConfig: lambda s: s.fingerprint(), C.EncodeTextConfig: config_hash,
+               C.EncodeVaeConfig: config_hash, C.TrainConfig: config_fingerprint,
+               C.EvaluateConfig: lambda s: s.fingerprint()}
+    untried = []
+    for model, record in records.items():
+        base = model()
+        for name in model.model_fields:
+            other = _another_value(model, name, getattr(base, name))
+            if other is None:
+                untried.append(f"{model.__name__}.{name}")
+                continue
+            changed = base.model_copy(update={name: other})
+            hashed = name in hashed_settings(base) or name in hashed_settings(changed)
+            assert (record(changed) != record(base)) == hashed, f"{model.__name__}.{name}"
+    # fields whose change needs more than one candidate value (a nested section, a list of sections)
+    assert set(untried) <= {"ResizeConfig.columns", "TrainConfig.lora", "TrainConfig.sigma", "TrainConfig.loss",
+                            "EvaluateConfig.extra_prompts"}, untried

@@ -136,6 +136,28 @@ def test_a_rewritten_init_lora_is_another_run(trained, tiny_edit_model, tmp_path
     assert train_up_to_date(cfg, trained / "store", tiny_edit_model, out)
 
 
+def test_the_same_init_lora_at_another_path_is_the_same_run(trained, tiny_edit_model, tmp_path):
+    """train.init_lora's path entered the run fingerprint: the same weight file moved (another mount, a tidied
+    folder) made the finished run stale (`run all` trained it again from step 0) and refused a resume. Its bytes
+    are recorded (init_lora_sha256), so only they count."""
+    import shutil
+
+    from stages.train.recipe import run, up_to_date as train_up_to_date
+
+    init, out = tmp_path / "a" / "init.safetensors", tmp_path / "run"
+    init.parent.mkdir()
+    shutil.copyfile(trained / "run" / "lora" / "pytorch_lora_weights.safetensors", init)
+    run(load_config(None, {**TRAIN, "train.init_lora": str(init)}), trained / "store", tiny_edit_model, out)
+    moved = tmp_path / "b" / "init.safetensors"
+    moved.parent.mkdir()
+    init.rename(moved)
+    cfg = load_config(None, {**TRAIN, "train.init_lora": str(moved)})
+    assert train_up_to_date(cfg, trained / "store", tiny_edit_model, out)
+    longer = load_config(None, {**TRAIN, "train.init_lora": str(moved), "train.max_steps": 3})
+    resumed = run(longer, trained / "store", tiny_edit_model, out, resume=True)  # not refused
+    assert (resumed.start_step, resumed.steps) == (2, 3)
+
+
 def _extra_prompt(tmp_path, seed: int):
     """An extra prompt whose control image (a small random picture) is written at the same path for any seed."""
     import numpy as np
