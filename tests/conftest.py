@@ -7,6 +7,11 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One torch (OpenMP) thread per test process, and per process a test starts (they inherit it): the suite runs two
+# test processes on two cores, each starting ranks of its own, and OpenMP's spinning threads oversubscribed the
+# cores; the tiny models gain nothing from a second thread. Two test files side by side (test_train.py beside
+# test_evaluate_base_images.py): 102 s with torch's default of 2 threads, 36 s with 1 (2026-12-02).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 
