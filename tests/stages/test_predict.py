@@ -56,11 +56,20 @@ def test_predict_equals_stock_pipeline(tiny_edit_model, tmp_path):
     np.testing.assert_array_equal(got, np.asarray(ref))
 
 
-def test_edit_plus_predict_with_four_controls_equals_stock_pipeline(tiny_plus_model, tmp_path):
+def test_edit_plus_predict_with_four_controls_equals_stock_pipeline(tiny_plus_model, tmp_path, monkeypatch):
     """Edit-Plus takes any number of controls as the stock pipeline does (each one a "Picture N" of the prompt and
     a latent of its own; the models were trained with up to 3, resize.max_controls admits more): 4 controls, the
-    same image as the stock __call__ makes."""
+    same image as the stock __call__ makes. Both encode each control's VAE view at 256² here, not the stock 1024²
+    (four 1 MP controls through the tiny VAE's full-resolution attention took ~40 s of CPU); the real area is
+    test_edit_2511.py's."""
     from diffusers import QwenImageEditPlusPipeline
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as stock
+
+    from models import edit
+
+    assert stock.VAE_IMAGE_SIZE == edit.VAE_AREA  # the constant both read, patched alike
+    monkeypatch.setattr(stock, "VAE_IMAGE_SIZE", 256 * 256)
+    monkeypatch.setattr(edit, "VAE_AREA", 256 * 256)
 
     controls = [_control(tmp_path / f"c{i}.png", w=32 + 8 * i, h=48, seed=i) for i in range(4)]
     out = tmp_path / "out.png"
