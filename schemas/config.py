@@ -198,6 +198,16 @@ _FIXED_BATCHES_ONLY = Role("features", features_if=lambda train: train.max_token
 _BYTES_RECORDED = Role("features", hashed_unless_default=True, hashed_as=lambda path: "weights: init_lora_sha256")
 
 
+# evaluate.on_damaged changes no number unless a sample is damaged, and then the samples read differ: their keys
+# are the loss array's sample axis and in the base caches' keys, and a report that left one out is current under
+# "skip" only (stages/evaluate). Hashed as its default, "stop" (what every record of it held), so switching it
+# recomputes nothing; records made with "skip" are accepted as set (`hashed_settings(..., as_set=True)`).
+_SAMPLES_RECORDED = Role("identity", hashed_as=lambda value: "stop")
+# evaluate.negative_prompt: read only for the extra prompts, under true CFG (models/edit.py `prepare`,
+# stages/evaluate/qwen21.py); else hashed as its default (the val samples use the stored empty prompt)
+_EXTRA_PROMPTS_ONLY = Role("features", read_if=lambda ev: bool(ev.extra_prompts) and ev.true_cfg_scale > 1)
+
+
 class TrainConfig(Section):
     device: Annotated[str | list[str] | None, THROUGHPUT] = Field(None, description="None = accelerate's choice; else " + _DEVICE_HELP)
     dtype: Annotated[DType, FEATURES] = Field("auto", description="frozen base weights; " + _DTYPE_HELP + " (auto: "
@@ -299,12 +309,12 @@ class EvaluateConfig(Section):
     num_samples: Annotated[int, FEATURES] = Field(4, ge=0, description="val samples to generate images for")
     num_inference_steps: Annotated[int, FEATURES] = Field(8, ge=2, description="1 step divides 0/0 in the scheduler's terminal stretch")
     true_cfg_scale: Annotated[float, FEATURES] = Field(4.0, description="true CFG scale (<= 1: none); left unset, 1.0 on Qwen-Image-2.1 (its pipeline's default)")
-    negative_prompt: Annotated[str, FEATURES] = Field(" ", description="extra prompts' negative; val samples use the stored empty prompt")
+    negative_prompt: Annotated[str, _EXTRA_PROMPTS_ONLY] = Field(" ", description="extra prompts' negative; val samples use the stored empty prompt")
     lora_scale: Annotated[float, FEATURES] = 1.0
     extra_prompts: Annotated[list[ExtraPrompt], FEATURES] = []
     attention_backend: Annotated[str | None, FEATURES] = Field(
         None, description="attention backend of the held-out loss's padded batches (see train.attention_backend)")
-    on_damaged: Annotated[Literal["stop", "skip"], IDENTITY] = _on_damaged(
+    on_damaged: Annotated[Literal["stop", "skip"], _SAMPLES_RECORDED] = _on_damaged(
         "val sample in text/vae", "leave it out (named in the summary and metrics.json)")
     max_damaged_fraction: Annotated[float, THROUGHPUT] = _max_damaged_fraction("the val samples")
     on_nonfinite: Annotated[Literal["stop", "skip"], added_later("identity")] = Field(

@@ -82,6 +82,10 @@ class Role:
     # the value as it enters a hash, where part of it is recorded elsewhere (e.g. a file's path, whose bytes a
     # record of their own compares): a change to that part alone keeps outputs current
     hashed_as: Callable[[Any], Any] | None = None
+    # read only while this holds for the section (e.g. evaluate's negative prompt, only with extra prompts):
+    # otherwise it enters a hash as its default, so a change while unread recomputes nothing and outputs made
+    # with the default stay current
+    read_if: Callable[[Any], bool] | None = None
 
     def enters(self, scope: str, section: Any) -> bool:
         if self.features_if is not None:
@@ -106,9 +110,11 @@ def role_of(model: type[BaseModel], name: str) -> Role | None:
 Scope = Literal["sample", "output"]
 
 
-def hashed_settings(section: BaseModel, scope: Scope = "output") -> dict[str, Any]:
+def hashed_settings(section: BaseModel, scope: Scope = "output", as_set: bool = False) -> dict[str, Any]:
     """The section's settings (JSON values) that enter a hash of `scope`: "sample" = per-sample feature
-    lineage (features), "output" = a table version's or a run's fingerprint (features + identity)."""
+    lineage (features), "output" = a table version's or a run's fingerprint (features + identity). `as_set`:
+    every value as set, `hashed_as` and `read_if` ignored: the spelling of records made before a field declared
+    them (a stage that accepts those records compares it too)."""
     dumped = section.model_dump(mode="json")
     out: dict[str, Any] = {}
     for name, info in type(section).model_fields.items():
@@ -120,8 +126,13 @@ def hashed_settings(section: BaseModel, scope: Scope = "output") -> dict[str, An
         value = getattr(section, name)
         if role.hashed_unless_default and value == info.default:
             continue
-        out[name] = hashed_settings(value, scope) if isinstance(value, BaseModel) else \
-            role.hashed_as(value) if role.hashed_as is not None else dumped[name]
+        if as_set:
+            out[name] = hashed_settings(value, scope, as_set) if isinstance(value, BaseModel) else dumped[name]
+        elif role.read_if is not None and not role.read_if(section):
+            out[name] = section.model_copy(update={name: info.default}).model_dump(mode="json", include={name})[name]
+        else:
+            out[name] = hashed_settings(value, scope) if isinstance(value, BaseModel) else \
+                role.hashed_as(value) if role.hashed_as is not None else dumped[name]
     return out
 
 

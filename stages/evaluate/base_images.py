@@ -4,8 +4,9 @@ reruns (a retrained LoRA, a training adding checkpoints), while regenerating the
 
 The key (`base_key`) holds everything the base images are made from: every file of the model (text encoder,
 processor and scheduler too), the text / vae tables read, by content (the stored features; `checkpoints.read_tables`), the picked val
-samples, every hashed evaluate setting (seed, steps, true CFG, negative prompt, dtype, attention backend,
-quantisation, extra prompts with their sizes; not the LoRA's scale) and the bytes of each extra prompt's image files, the device (and
+samples, every hashed evaluate setting (seed, steps, true CFG, negative prompt when extra prompts read it, dtype,
+attention backend, quantisation, extra prompts with their sizes; not the LoRA's scale, nor on_damaged: a damaged
+sample skipped changes the samples read, which are in the key) and the bytes of each extra prompt's image files, the device (and
 the GPU's name), the versions of the libraries that compute them and the source of this project's packages
 that do (`SOURCE_PACKAGES`). Any change: regenerated. The PNGs are checked against their
 recorded sha256 on reuse (a damaged or missing one: regenerated)."""
@@ -29,12 +30,14 @@ SOURCE_PACKAGES = ("models", "features", "schemas", "stages/evaluate")
 SOURCE_ROOT = Path(__file__).resolve().parents[2]
 
 
-def base_key(cfg, features: dict, sample_keys: list[str], losses_only: bool = False) -> str:
+def base_key(cfg, features: dict, sample_keys: list[str], losses_only: bool = False, as_set: bool = False) -> str:
     """Hash of every input of the base images. features: `checkpoints.loss_fingerprint`'s settings (the store's
     text / vae tables read, the model's fingerprint); sample_keys: the val samples pictured, in order.
     `losses_only`: of the base's held-out losses instead (single-LoRA evaluate's cache, `base_losses`): only the
     settings their numbers depend on (`checkpoints.LOSS_SETTINGS`), none that change only the pictures (seed,
-    num_samples, steps, guidance, the extra prompts), which made a rerun with more pictures recompute them."""
+    num_samples, steps, guidance, the extra prompts), which made a rerun with more pictures recompute them.
+    `as_set`: the evaluate settings as set (`schemas.lineage.hashed_settings`): the key of caches recorded before
+    on_damaged and an unread negative prompt were hashed as their defaults (`spellings`)."""
     import diffusers
     import peft
     import torch
@@ -45,7 +48,7 @@ def base_key(cfg, features: dict, sample_keys: list[str], losses_only: bool = Fa
     from stages.evaluate.checkpoints import LOSS_SETTINGS
 
     extras = [] if losses_only else [[_file_sha256(p) for p in e.images] for e in cfg.extra_prompts]
-    settings = {k: v for k, v in hashed_settings(cfg).items() if k != "lora_scale"}
+    settings = {k: v for k, v in hashed_settings(cfg, as_set=as_set).items() if k != "lora_scale"}
     if losses_only:
         settings = {k: v for k, v in settings.items() if k in LOSS_SETTINGS}
     # the LoRA's scale is no input of the base images (LoRA off): another scale reuses them
@@ -60,6 +63,14 @@ def base_key(cfg, features: dict, sample_keys: list[str], losses_only: bool = Fa
         "sources": _sources_digest(),
     }
     return hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def spellings(cfg, features: list[dict], sample_keys: list[str], losses_only: bool = False) -> list[str]:
+    """`base_key` of `features` (the present spelling first, then its earlier ones: `checkpoints.earlier_settings`),
+    each with the evaluate settings as hashed now and as set, once each: the present key, then those a cache
+    recorded before may be under."""
+    keys = (base_key(cfg, f, sample_keys, losses_only, as_set) for as_set in (False, True) for f in features)
+    return list(dict.fromkeys(keys))
 
 
 def extra_prompt_bytes(cfg) -> list[dict]:

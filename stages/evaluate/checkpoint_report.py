@@ -93,8 +93,8 @@ def base_column(jobs: list[_Job], transformer, vae, cfg, qwen21: bool, samples,
     key = None
     if base_cache is not None:
         picked = [s.key for s in pick_samples(samples, cfg.num_samples)]
-        # base_cache[2:]: the same settings' earlier spellings (`checkpoints.earlier_settings`)
-        key, *earlier = (base_images.base_key(cfg, f, picked) for f in base_cache[1:])
+        # base_cache[2:]: the same settings' earlier spellings (`checkpoints.earlier_settings`), then as set
+        key, *earlier = base_images.spellings(cfg, list(base_cache[1:]), picked)
         base = base_images.read(base_cache[0], key, len(jobs), earlier)
         if base is not None:
             tqdm.write(f"base images: unchanged inputs, reused from {base_cache[0]}")

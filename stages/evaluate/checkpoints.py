@@ -26,7 +26,7 @@ from models.held_out import bucket_of, has_two_regions, loss_grid, loss_summary
 from schemas import up_to_date as current
 from schemas.config import EvaluateConfig
 from schemas.errors import UserError
-from schemas.lineage import hashed_settings
+from schemas.lineage import hashed_settings, settings_hash
 from schemas.stage import few
 from schemas.up_to_date import UNRECORDED_REVISION
 from stages.evaluate.base_images import FOLDER as BASE_IMAGES, extra_prompt_bytes
@@ -36,7 +36,9 @@ from store import Store
 from store.loss_array import Axes, LossStore, recorded_setting, recorded_steps
 
 #: hashed evaluate settings (schemas/config.py declares which) that change the numbers in the array (the others
-#: only change the pictures); device and batch size are throughput: a change keeps the array
+#: only change the pictures); device and batch size are throughput: a change keeps the array. on_damaged changes
+#: them only through the samples read (the array's sample axis, the base caches' keys): it is hashed as its
+#: default, and listed so that the arrays and caches recorded with it stay current (as set: `earlier_settings`).
 LOSS_SETTINGS = ("noise_seeds", "timesteps", "max_loss_samples", "lora_scale", "dtype",
                  "attention_backend", "quantize_base", "on_damaged")
 
@@ -61,10 +63,28 @@ def loss_fingerprint(cfg: EvaluateConfig, store: str | Path, model: str) -> tupl
     settings = {
         "tables": {t: st.version_id(t, v) for t, v in sorted(st.tables().items()) if t in ("text", "vae")},
         "model_fingerprint": model_fingerprint(model),
-        "evaluate": {k: v for k, v in hashed_settings(cfg).items() if k in LOSS_SETTINGS},
+        "evaluate": _loss_settings(cfg),
         "evaluation_revision": EVALUATION_REVISION,
     }
     return _hash(settings), settings
+
+
+def _loss_settings(cfg: EvaluateConfig, as_set: bool = False) -> dict:
+    return {k: v for k, v in hashed_settings(cfg, as_set=as_set).items() if k in LOSS_SETTINGS}
+
+
+def earlier_config_fingerprints(cfg: EvaluateConfig) -> list[str]:
+    """A report's `config_fingerprint` as recorded before on_damaged and an unread negative_prompt were hashed as
+    their defaults (the settings as set; none when that is the present spelling): such a report is current."""
+    earlier = settings_hash(hashed_settings(cfg, as_set=True))
+    return [earlier] if earlier != cfg.fingerprint() else []
+
+
+def damaged_current(metrics: dict, cfg: EvaluateConfig) -> bool:
+    """A report that left damaged samples out (or their pictures: `run.damaged_samples`) is current under
+    on_damaged=skip only: under "stop" they stop evaluate (or, repaired, are evaluated), where the report would
+    pass for one of every sample. on_damaged is hashed as its default: this is where it still counts."""
+    return cfg.on_damaged == "skip" or not (metrics.get("run") or {}).get("damaged_samples")
 
 
 def known_fingerprint(out: Path, fingerprint: str, settings: dict, earlier: list[dict] = ()) -> str:
@@ -99,11 +119,13 @@ def read_fingerprint(settings: dict, tables) -> tuple[str, dict]:
     return _hash(settings), settings
 
 
-def earlier_settings(settings: dict, tables) -> list[dict]:
-    """`read_fingerprint`'s settings as spelled before the tables were named by content (the version ids read;
-    none when that is the present spelling): an array, a cache or a report recorded so is still current."""
-    earlier = {**settings, "tables": tables.versions()}
-    return [earlier] if earlier != settings else []
+def earlier_settings(settings: dict, tables, cfg: EvaluateConfig) -> list[dict]:
+    """`read_fingerprint`'s settings as spelled before: the tables named by the version ids read (before they
+    were named by content), the evaluate settings as set (`cfg`'s; before on_damaged was hashed as its default),
+    and both; none that is the present spelling: an array, a cache or a report recorded so is still current."""
+    spellings = [{**settings, "tables": t, "evaluate": e} for e in (settings["evaluate"], _loss_settings(cfg, True))
+                 for t in (settings["tables"], tables.versions())]
+    return [s for i, s in enumerate(spellings) if s != settings and s not in spellings[:i]]
 
 
 def content_fingerprint(cfg: EvaluateConfig, store: str | Path, model: str, settings: dict) -> tuple[str, dict, list]:
@@ -114,7 +136,7 @@ def content_fingerprint(cfg: EvaluateConfig, store: str | Path, model: str, sett
 
     with open_configured(cfg, "evaluate", store, model, model_fingerprint(model), "val") as tables:
         fingerprint, settings = read_fingerprint(settings, tables)
-        return fingerprint, settings, earlier_settings(settings, tables)
+        return fingerprint, settings, earlier_settings(settings, tables, cfg)
 
 
 def _hash(settings: dict) -> str:
@@ -304,7 +326,9 @@ def _up_to_date(out: Path, fingerprint: str, checkpoints: list[tuple[int, Path]]
                "extra_prompts_sha256": extra_prompt_bytes(cfg) or None,
                "loras": {str(step): shas[step] for step, _ in checkpoints},
                "paths": {str(step): str(Path(path).resolve()) for step, path in checkpoints}}
-    return metrics if current.is_current(recorded_inputs, present) else None
+    if recorded_inputs["config_fingerprint"] in earlier_config_fingerprints(cfg):
+        present["config_fingerprint"] = recorded_inputs["config_fingerprint"]  # recorded as set: the same settings
+    return metrics if current.is_current(recorded_inputs, present) and damaged_current(metrics, cfg) else None
 
 
 # ------------------------------------------------------------------------------------------------ the stage
@@ -375,7 +399,7 @@ def _run(ranks, cfg: EvaluateConfig, store: str | Path, model: str, checkpoints:
     samples, mine, load = share.samples, share.mine, reader(tables, share)
     with tables:  # closed on every path: descriptors, check-ahead thread, read lease
         fingerprint, settings = read_fingerprint(settings, tables)  # the tables read, not those at key time
-        earlier = earlier_settings(settings, tables)
+        earlier = earlier_settings(settings, tables, cfg)
         damaged = dict(tables.damaged)
         axes = Axes([s.key for s in samples], [bucket_of(s) for s in samples], list(cfg.noise_seeds),
                     [float(t) for t in cfg.timesteps])

@@ -103,7 +103,9 @@ def read_curves(path: str | Path, label: str) -> RunCurves:
             "σ grid": [float(s) for s in ds.sigma.values],
             # the same samples through another base model, dtype, LoRA scale or quantised base are not one scale
             "base model": settings.get("model_fingerprint"),
-            "evaluate settings": settings.get("evaluate"),
+            # not on_damaged: a damaged sample skipped shows in the val samples (arrays recorded it as set)
+            "evaluate settings": settings.get("evaluate") and {k: v for k, v in settings["evaluate"].items()
+                                                                if k != "on_damaged"},
         },
         table_versions=_table_versions(settings, dict(ds.attrs)),
     )

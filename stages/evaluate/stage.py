@@ -370,12 +370,15 @@ def images_rows_id(st: Store, tables: JoinedTables) -> str | None:
 
 def report_up_to_date(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, out: str | Path,
                       lora_sha256: str | None = None) -> bool:
+    from stages.evaluate.checkpoints import damaged_current, earlier_config_fingerprints
+
     metrics = Path(out) / "metrics.json"
     if not metrics.is_file() or not (Path(out) / "index.html").is_file():
         return False
     try:
-        recorded = json.loads(metrics.read_text()).get("run", {}).get("inputs")
-    except (OSError, json.JSONDecodeError):
+        metrics_of = json.loads(metrics.read_text())
+        recorded = metrics_of.get("run", {}).get("inputs")
+    except (OSError, json.JSONDecodeError, AttributeError):
         return False
     if not isinstance(recorded, dict):
         return False
@@ -386,7 +389,10 @@ def report_up_to_date(cfg: EvaluateConfig, store: str | Path, model: str, lora: 
     # val split is not opened); else the present content ids (`read_table_ids`, the val split opened to hash it)
     versions = version_table_ids(store)
     table_ids = versions if recorded.get("tables") == versions else None
-    return current.is_current(recorded, evaluate_inputs(cfg, store, model, lora, lora_sha256, table_ids=table_ids))
+    present = evaluate_inputs(cfg, store, model, lora, lora_sha256, table_ids=table_ids)
+    if recorded.get("config_fingerprint") in earlier_config_fingerprints(resolved_config(cfg)):
+        present["config_fingerprint"] = recorded["config_fingerprint"]  # recorded as set: the same settings
+    return current.is_current(recorded, present) and damaged_current(metrics_of, cfg)
 
 
 @dataclass
@@ -569,11 +575,10 @@ def base_inputs_key(cfg: EvaluateConfig, store: str | Path, model: str, samples:
                     tables) -> list[str]:
     """The key of every input of the base's losses over `samples` (`base_images.base_key` over all of them, of
     the losses: store tables, model files, loss settings, device, libraries, this project's sources), then its
-    earlier spellings (`read_inputs`)."""
-    from stages.evaluate.base_images import base_key
+    earlier spellings (`read_inputs`, and the settings as set: `base_images.spellings`)."""
+    from stages.evaluate.base_images import spellings
 
-    return [base_key(cfg, f, [s.key for s in samples], losses_only=True)
-            for f in read_inputs(cfg, store, model, tables)]
+    return spellings(cfg, read_inputs(cfg, store, model, tables), [s.key for s in samples], losses_only=True)
 
 
 def read_inputs(cfg: EvaluateConfig, store: str | Path, model: str, tables) -> list[dict]:
@@ -584,7 +589,7 @@ def read_inputs(cfg: EvaluateConfig, store: str | Path, model: str, tables) -> l
     from stages.evaluate.checkpoints import earlier_settings, loss_fingerprint, read_fingerprint
 
     settings = read_fingerprint(loss_fingerprint(cfg, store, model)[1], tables)[1]
-    return [settings, *earlier_settings(settings, tables)]
+    return [settings, *earlier_settings(settings, tables, cfg)]
 
 
 def attach_checked(transformer, lora: str | Path, scale: float, sha256: str) -> None:

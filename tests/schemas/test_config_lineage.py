@@ -164,8 +164,32 @@ def test_every_stage_record_follows_the_declared_roles_in_both_directions():
                 untried.append(f"{model.__name__}.{name}")
                 continue
             changed = base.model_copy(update={name: other})
-            hashed = name in hashed_settings(base) or name in hashed_settings(changed)
+            # as it enters the hash (a value hashed as something else, or as its default while unread, is not)
+            hashed = hashed_settings(base).get(name, ...) != hashed_settings(changed).get(name, ...)
             assert (record(changed) != record(base)) == hashed, f"{model.__name__}.{name}"
     # fields whose change needs more than one candidate value (a nested section, a list of sections)
     assert set(untried) <= {"ResizeConfig.columns", "TrainConfig.lora", "TrainConfig.sigma", "TrainConfig.loss",
                             "EvaluateConfig.extra_prompts"}, untried
+
+
+def test_evaluate_settings_that_change_no_number_keep_the_report_and_its_earlier_records():
+    """evaluate.on_damaged (it changes only which samples are read, recorded on their own) and a negative prompt
+    no extra prompt reads enter the report's fingerprint as their defaults. Before: either changed it, so `run
+    all` recomputed every held-out loss pass and base image for the same numbers. Reports recorded with them as
+    set (the hashes below, from the release before) are still current."""
+    from stages.evaluate.checkpoints import earlier_config_fingerprints
+
+    base = C.EvaluateConfig()
+    assert C.EvaluateConfig(on_damaged="skip").fingerprint() == base.fingerprint()
+    assert C.EvaluateConfig(negative_prompt="blurry").fingerprint() == base.fingerprint()
+    assert C.EvaluateConfig(on_damaged="skip", negative_prompt="blurry").fingerprint() == base.fingerprint()
+    extra = C.EvaluateConfig(extra_prompts=[C.ExtraPrompt(prompt="p", images=["a.png"])])
+    assert extra.model_copy(update={"negative_prompt": "blurry"}).fingerprint() != extra.fingerprint()  # read
+    no_cfg = extra.model_copy(update={"true_cfg_scale": 1.0})  # no true CFG: the negative is not encoded
+    assert no_cfg.model_copy(update={"negative_prompt": "blurry"}).fingerprint() == no_cfg.fingerprint()
+
+    assert earlier_config_fingerprints(base) == []  # the default: its records were spelled so already
+    assert earlier_config_fingerprints(C.EvaluateConfig(on_damaged="skip")) == ["01df48a8de4c7126"]
+    assert earlier_config_fingerprints(C.EvaluateConfig(negative_prompt="blurry")) == ["ad6126bc5d0cf3a2"]
+    assert earlier_config_fingerprints(C.EvaluateConfig(on_damaged="skip", negative_prompt="blurry")) == \
+        ["917ed41fb397a1b9"]
