@@ -201,16 +201,27 @@ def commit_remote(writer: TableWriter, allow_empty: bool) -> int:
     return version
 
 
-def make_current(remote, table: str, version: int) -> int:
+def make_current(remote, table: str, version: int, over: int | None = None) -> int:
     """The last step of a commit on the remote: store.json by compare-and-swap, as push's (never over a higher
     version another writer committed since: the remote is never rolled back). Also all a rerun does when that step
-    failed (stages/encode/nodes.py: the complete version is adopted, nothing encoded again). Returns the version
-    current after it: `version`, or that higher one, which stays current (the caller must say so)."""
-    from store.remote_sync import _changed, _merged_record
+    failed (stages/encode/nodes.py: the complete version is adopted, nothing encoded again). `over`: the current
+    version the caller saw when it chose `version` (a rerun adopting a complete version of its settings, as a local
+    store's rerun makes it current: store/store.py `find_version`): replaced even when higher, but only if it is
+    still current. Returns the version current after it: `version`, or that higher one, which stays current (the
+    caller must say so)."""
+    from store.remote_sync import _changed, _merged_record, _parse_record
 
     newer: list[str] = []  # "table/vN", filled by the swap's last attempt
-    remote.swap(fmt.STORE_JSON, lambda old: _changed(old, _merged_record(old, {table: {"current": version}},
-                                                                         remote.url, newer=newer)))
+
+    def update(old: bytes | None) -> bytes | None:
+        newer.clear()  # called again on every compare-and-swap attempt
+        now = None if old is None else (_parse_record(old, remote.url)["tables"].get(table) or {}).get("current")
+        wanted = {table: {"current": version}}
+        if over is not None and now is not None and int(now) == over:  # what the caller chose to replace
+            return _changed(old, _merged_record(old, wanted, remote.url, replacing={table: over}))
+        return _changed(old, _merged_record(old, wanted, remote.url, newer=newer))
+
+    remote.swap(fmt.STORE_JSON, update)
     return int(newer[0].rsplit("/v", 1)[1]) if newer else version
 
 
@@ -318,17 +329,21 @@ def hold_parts(writer: TableWriter):
 
 class OnRemote(NamedTuple):
     taken: set[int]  # version numbers this run cannot write
-    committed: int = 0  # the newest complete version of this schema above the current one (0: none)
+    committed: int = 0  # the newest complete version of this schema but the current one (0: none)
     rows: int = 0  # its samples
+    current: int = 0  # the remote's current version of the table when listed (0: none)
 
 
 def on_remote(url: str, table: str, want: dict, world: int) -> OnRemote:
     """What the remote holds of `table`, from one listing: the version numbers `world` ranks with schema `want`
     cannot write - complete ones, and parts of another run (its schema.json differs or is missing, or they were
     written by another number of ranks, or that number is not recorded); parts of this very run are resumed - and
-    the newest complete version of this very schema above the current one: a commit whose manifest was written and
-    whose store.json swap failed (a lost connection, a kill). Its rerun adopts it (only the swap is redone,
-    `make_current`) instead of encoding everything again into the next number."""
+    the newest complete version of this very schema other than the current one (which the rerun's own look at its
+    cache finds): a commit whose manifest was written and whose store.json swap failed (a lost connection, a
+    kill), or one that lost the swap to another writer's newer version, or simply an older one another run's
+    settings replaced. Its rerun adopts it (only the swap is redone, `make_current` over the current one, as a
+    local store's rerun makes the version of its lineage current: store/store.py `find_version`) instead of
+    encoding everything again into the next number; its nodes' caches dropped their parts after the commit."""
     from store.remote import Remote
     from store.remote_sync import _parse_record, marker_rel
 
@@ -352,12 +367,12 @@ def on_remote(url: str, table: str, want: dict, world: int) -> OnRemote:
         except FileNotFoundError:  # the first commit of the store lost its swap
             entry = None
         current = 0 if entry is None else int(entry["current"])
-        for v in sorted((v for v, files in versions.items() if v > current and fmt.MANIFEST in files
+        for v in sorted((v for v, files in versions.items() if v != current and fmt.MANIFEST in files
                          and schemas.get(v) == want  # and not retired by `store repair` (its marker)
                          and marker_rel(table, v).split("/", 1)[1] not in names),
                         reverse=True):
-            return OnRemote(taken, v, _rows(remote, f"{table}/v{v}/{fmt.MANIFEST}"))
-    return OnRemote(taken)
+            return OnRemote(taken, v, _rows(remote, f"{table}/v{v}/{fmt.MANIFEST}"), current)
+    return OnRemote(taken, current=current)
 
 
 def _rows(remote, rel: str) -> int:

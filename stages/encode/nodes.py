@@ -26,12 +26,14 @@ _BITS = 62  # a cache's identity, as an integer every rank can all-reduce
 class Place(NamedTuple):
     """Where the ranks write. `version`, `url`: the agreed version and the store URL when they write a URL through
     more than one cache; None, None otherwise (the writer opens its version as always). `committed`: a complete
-    version of this very schema that the remote holds but whose store.json swap was lost: adopted, not written."""
+    version of this very schema that the remote holds but not as current (its store.json swap lost, or another
+    writer's version made current since): adopted, not written."""
 
     version: int | None = None
     url: str | None = None
     committed: int | None = None
     rows: int = 0  # the committed version's samples
+    current: int = 0  # the remote's current version that rank 0 saw (0: none): the one adopting `committed` replaces
 
 
 def writer_place(job: EncodeJob, schema: TableSchema) -> Place:
@@ -54,9 +56,9 @@ def writer_place(job: EncodeJob, schema: TableSchema) -> Place:
             mine = candidate_version(job.store.root, table, want, world)
         remote = on_remote(url, table, want, world) if job.ranks.rank == 0 else OnRemote(set())
     # rank 0 alone knows the remote: the others send 0
-    committed, rows = all_max(world, [remote.committed, remote.rows])
+    committed, rows, current = all_max(world, [remote.committed, remote.rows, remote.current])
     if committed:
-        return Place(url=url, committed=committed, rows=rows)
+        return Place(url=url, committed=committed, rows=rows, current=current)
     if world <= 1:
         return Place()
     (high, low), (agreed, _) = spread(world, [cache, mine])

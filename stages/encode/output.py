@@ -24,7 +24,7 @@ def open_writer(job: EncodeJob, schema: TableSchema, shard_size_mb: float) -> li
     schema = replace(schema, attrs={**schema.attrs, FEATURE_LINEAGE_ATTR: job.feature_lineage})
     place = writer_place(job, schema)  # several nodes' caches of a store URL: agreed by all ranks
     if place.committed is not None:
-        _adopt_committed(job, place.url, place.committed, place.rows, schema)
+        _adopt_committed(job, place.url, place.committed, place.rows, schema, place.current or None)
         return []
     mine = job.images.iter_keys(rank=job.ranks.rank, world_size=job.ranks.world_size)
     # a resume: each rank learns which keys of its share are committed (its own indexes only, unless the shares
@@ -97,10 +97,13 @@ def _completed_meanwhile(job: EncodeJob, several_caches: bool = False) -> bool:
     return True
 
 
-def _adopt_committed(job: EncodeJob, url: str, version: int, rows: int, schema: TableSchema) -> None:
-    """The remote holds `version` of this very schema complete, but its commit's store.json swap was lost (a lost
-    connection, a kill right after the manifest): rank 0 redoes only the swap ("up to date"; encoding it all again
-    into the next number took hours at 1M samples), and each node drops its part of it from its cache."""
+def _adopt_committed(job: EncodeJob, url: str, version: int, rows: int, schema: TableSchema,
+                     over: int | None = None) -> None:
+    """The remote holds `version` of this very schema complete, not current: its commit's store.json swap was lost
+    (a lost connection, a kill right after the manifest) or went to another writer's version, or another run's
+    settings replaced it since. Rank 0 redoes only the swap, over `over` (the current version it saw: a local
+    store's rerun makes the version of its settings current too, `adopt`), "up to date" (encoding it all again into
+    the next number took hours at 1M samples), and each node drops its part of it from its cache."""
     from models.collective import together
     from store.remote import open_remote, remote_errors
     from store.remote_parts import drop_part, make_current
@@ -109,7 +112,7 @@ def _adopt_committed(job: EncodeJob, url: str, version: int, rows: int, schema: 
     with together(job.ranks.world_size, f"{job.summary.stage}: making table '{table}' v{version} current at {url}"):
         if job.ranks.rank == 0:
             with remote_errors(url, f"making table '{table}' v{version} current"):
-                current = make_current(open_remote(url), table, version)
+                current = make_current(open_remote(url), table, version, over)
             job.summary.newer_current = current if current != version else None  # another writer's stays current
         drop_part(job.store.root, table, version, schema.to_dict())
     job.summary.version, job.summary.up_to_date, job.summary.skipped = version, True, rows
@@ -132,8 +135,24 @@ def agreed_found(found: int | None, world: int, several_caches: bool) -> int | N
 
 def adopt(job: EncodeJob, found: int) -> None:
     """Reuse the complete version `found` of this lineage: make it current (a run killed after its manifest,
-    before the store.json switch, left it not current) and report the table up to date."""
-    job.store.set_current(job.summary.table, found)
+    before the store.json switch, left it not current, or another run's settings replaced it since) and report the
+    table up to date. In a store URL's cache, a copy of the remote's version is made current there too, over the
+    current one the cache was opened with (the push after it never moves the remote's current back)."""
+    table = job.summary.table
+    before = job.store.tables().get(table)
+    job.store.set_current(table, found)
+    if found != before and job.ranks.rank == 0:
+        from store.remote_parts import source_url
+        from store.remote_shards import is_lazy
+
+        url = source_url(job.store.root)
+        if url is not None and is_lazy(job.store.version_dir(table, found)):  # complete on the remote
+            from store.remote import open_remote, remote_errors
+            from store.remote_parts import make_current
+
+            with remote_errors(url, f"making table '{table}' v{found} current"):
+                current = make_current(open_remote(url), table, found, before)
+            job.summary.newer_current = current if current != found else None  # another writer's stays current
     job.summary.version, job.summary.up_to_date = found, True
     with job.store.reader(job.summary.table, found) as done:
         job.summary.skipped = len(done)

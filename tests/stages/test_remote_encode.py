@@ -38,3 +38,47 @@ def test_encode_text_on_a_store_url(s3_env, edit_store: Path, tiny_edit_model, t
     assert (tmp_path / "home" / ".cache" / "qwen-edit-pipeline" / "stores").is_dir()
     assert again.exit_code == 0, again.output
     assert '"encoded": 0' in again.output and "nothing new" in again.output
+
+
+def test_a_rerun_whose_settings_match_an_older_complete_version_adopts_it_as_a_local_store_does(
+        s3_env, edit_store: Path, tiny_edit_model, tmp_path: Path) -> None:
+    """Our `text` v1 is complete on the remote; another writer's v2 (other settings) is current (we lost the
+    race, or simply came second). Rerunning our settings must reuse v1 as a local store does (`find_version`: the
+    newest complete version of the lineage; `adopt` makes it current), not encode every sample again into v3
+    (hours at 1M samples): from a fresh cache (several nodes' caches drop their parts after the commit, a
+    replaced node) and from the cache that wrote v1 (whose push used to keep v2 current)."""
+    import json
+
+    from store.checksum import unseal
+
+    url = s3_env.url("race")
+    push(edit_store, url)
+    base = ["run", "encode-text", "--model", tiny_edit_model, "--device", "cpu", "--json"]
+    ours, theirs = [], ["--set", "encode_text.batching=padded"]  # another lineage
+
+    def run(store, settings, cache: str | None = None) -> dict:
+        res = CliRunner().invoke(app, [*base, *settings, "--store", str(store),
+                                       *(["--cache-dir", str(tmp_path / cache)] if cache else [])])
+        assert res.exit_code == 0, res.output
+        return json.JSONDecoder().raw_decode(res.output[res.output.index("{"):])[0]
+
+    def current() -> int:
+        body = s3_env.client().get_object(Bucket=s3_env.bucket, Key="race/store.json")["Body"].read()
+        return unseal(body)["tables"]["text"]["current"]
+
+    # the local twin: v1 ours, v2 theirs, our rerun makes v1 current again, encoding nothing
+    assert run(edit_store, ours)["version"] == 1 and run(edit_store, theirs)["version"] == 2
+    again = run(edit_store, ours)
+    assert (again["version"], again["encoded"], Store(edit_store).tables()["text"]) == (1, 0, 1)
+
+    assert run(url, ours, "node-a")["version"] == 1 and run(url, theirs, "node-b")["version"] == 2
+    assert current() == 2
+    fresh = run(url, ours, "node-c")  # no copy of v1 in this cache: the remote's is found
+    assert (fresh["version"], fresh["encoded"], fresh["up_to_date"]) == (1, 0, True)
+    assert current() == 1 == Store(edit_store).tables()["text"]
+    assert not [o for o in s3_env.client().list_objects_v2(Bucket=s3_env.bucket, Prefix="race/text/v3/")
+                .get("Contents", [])]
+    back = run(url, theirs, "node-b")  # their cache holds v2: adopted there, made current here as well
+    assert (back["version"], back["encoded"], current()) == (2, 0, 2)
+    cached = run(url, ours, "node-a")  # our cache holds v1
+    assert (cached["version"], cached["encoded"], current()) == (1, 0, 1)

@@ -381,3 +381,45 @@ def test_a_commit_overtaken_by_another_writers_newer_version_says_which_stays_cu
     assert job.summary.committed_line().endswith("; v2, committed by another writer meanwhile, stays current "
                                                  "(v1 is complete, not current)")
     assert make_current(remote_mod.open_remote(url), "vae", 3) == 3  # a higher one moves it on
+
+
+def test_a_rerun_adopts_its_complete_version_over_the_current_one_it_saw_never_over_a_newer_one(
+        s3_env, tmp_path, monkeypatch) -> None:
+    """Our v1 is complete on the remote; another writer's v2 (another schema) is current. `on_remote` offered only
+    versions above the current one, so the rerun of our settings encoded everything again into v3 (hours at 1M
+    samples). Now it offers v1 with the current one it saw, and `make_current` over that one makes v1 current, as a
+    local store's rerun does (`find_version` + `set_current`); a version made current meanwhile still stays."""
+    from store.remote_parts import make_current, on_remote
+    from store_samples import sample
+
+    url = s3_env.url("rerun")
+    for version, tag in ((1, "a"), (2, "b")):  # two nodes' caches each, committed in turn
+        writers = []
+        for rank in (1, 0):
+            w = Store(tmp_path / f"v{version}-node{rank}").writer(
+                "vae", vae_schema(tag), rank=rank, world_size=2, shard_size_mb=0.02, version=version, remote_url=url)
+            w.given = len(range(rank, N, 2))
+            for i in range(rank, N, 2):
+                s = sample(i)
+                w.add(s["key"], tensors=s["tensors"], files=s["files"], meta=s["meta"])
+            writers.append(w)
+        writers[0].finish_rank()
+        writers[0].close()
+        assert writers[1].commit() == version
+    remote = remote_mod.open_remote(url)
+    found = on_remote(url, "vae", vae_schema("a").to_dict(), 2)
+    assert (found.committed, found.rows, found.current) == (1, N, 2)
+    assert on_remote(url, "vae", vae_schema("b").to_dict(), 2).committed == 0  # its version is current
+    assert make_current(remote, "vae", 1) == 2  # not chosen over v2: never rolled back
+    assert make_current(remote, "vae", 1, over=2) == 1
+    assert on_remote(url, "vae", vae_schema("b").to_dict(), 2)[1:] == (2, N, 1)  # their rerun takes v2 back
+    real = remote_mod.Remote.swap
+
+    def swap(self, rel, update, *a, **k):  # a third writer makes v3 current right before the swap
+        if rel == "store.json":
+            monkeypatch.setattr(remote_mod.Remote, "swap", real)
+            make_current(self, "vae", 3)
+        return real(self, rel, update, *a, **k)
+
+    monkeypatch.setattr(remote_mod.Remote, "swap", swap)
+    assert make_current(remote, "vae", 2, over=1) == 3  # v1, which it chose to replace, is no longer current
