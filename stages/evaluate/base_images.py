@@ -2,14 +2,19 @@
 reused by a rerun whose every input of them is unchanged. Only the LoRA (or best and last) can change between
 reruns (a retrained LoRA, a training adding checkpoints), while regenerating the base costs as much as a column.
 
-The key (`base_key`) holds everything the base images are made from: every file of the model (text encoder,
-processor and scheduler too), the text / vae tables read, by content (the stored features; `checkpoints.read_tables`), the picked val
-samples, every hashed evaluate setting (seed, steps, true CFG, negative prompt when extra prompts read it, dtype,
-attention backend, quantisation, extra prompts with their sizes; not the LoRA's scale, nor on_damaged: a damaged
-sample skipped changes the samples read, which are in the key) and the bytes of each extra prompt's image files, the device (and
-the GPU's name), the versions of the libraries that compute them and the source of this project's packages
-that do (`SOURCE_PACKAGES`). Any change: regenerated. The PNGs are checked against their
-recorded sha256 on reuse (a damaged or missing one: regenerated)."""
+Each image is kept under its own inputs: the group key (`group_spellings`) holds everything the base images are
+made from but which samples are pictured: every file of the model (text encoder, processor and scheduler too), the
+text / vae tables read, by content (the stored features; `checkpoints.read_tables`), every hashed evaluate
+setting but `num_samples` (seed, steps, true CFG, negative prompt when extra prompts read it, dtype, attention
+backend, quantisation, extra prompts with their sizes; not the LoRA's scale, nor on_damaged: a damaged sample
+skipped changes the samples read, which the tables' content and the sample keys name) and the bytes of each extra
+prompt's image files, the device (and the GPU's name), the versions of the libraries that compute them and the
+source of this project's packages that do (`SOURCE_PACKAGES`); within a group an image is named by its item
+(`item_ids`: the val sample's key, or the extra prompt's place). A sample's picture depends on no other sample (the
+same seed for every one, one denoising run each), so more or fewer `num_samples` generate only the images not kept
+yet. Any other change: another group, regenerated. The PNGs are checked against their recorded sha256 on reuse (a
+damaged or missing one: regenerated). An index recorded before (one key over the set of samples pictured,
+`base_key`) is read and recorded again per item, its images reused."""
 
 from __future__ import annotations
 
@@ -31,13 +36,39 @@ SOURCE_ROOT = Path(__file__).resolve().parents[2]
 
 
 def base_key(cfg, features: dict, sample_keys: list[str], losses_only: bool = False, as_set: bool = False) -> str:
-    """Hash of every input of the base images. features: `checkpoints.loss_fingerprint`'s settings (the store's
-    text / vae tables read, the model's fingerprint); sample_keys: the val samples pictured, in order.
-    `losses_only`: of the base's held-out losses instead (single-LoRA evaluate's cache, `base_losses`): only the
-    settings their numbers depend on (`checkpoints.LOSS_SETTINGS`), none that change only the pictures (seed,
-    num_samples, steps, guidance, the extra prompts), which made a rerun with more pictures recompute them.
-    `as_set`: the evaluate settings as set (`schemas.lineage.hashed_settings`): the key of caches recorded before
-    on_damaged and an unread negative prompt were hashed as their defaults (`spellings`)."""
+    """Hash of every input of the base's held-out losses over `sample_keys` (`losses_only`: single-LoRA evaluate's
+    cache, `base_losses`), or of a set of base images as an index recorded before per-item keys named them.
+    features: `checkpoints.loss_fingerprint`'s settings (the store's text / vae tables read, the model's
+    fingerprint); sample_keys: the val samples, in order. `losses_only`: only the settings the losses depend on
+    (`checkpoints.LOSS_SETTINGS`), none that change only the pictures (seed, num_samples, steps, guidance, the
+    extra prompts), which made a rerun with more pictures recompute them. `as_set`: the evaluate settings as set
+    (`schemas.lineage.hashed_settings`): the key of caches recorded before on_damaged and an unread negative prompt
+    were hashed as their defaults (`spellings`)."""
+    return _digest({**_inputs(cfg, features, losses_only, as_set), "samples": list(sample_keys)})
+
+
+def group_key(cfg, features: dict, as_set: bool = False) -> str:
+    """Hash of every input of the base images but which val samples are pictured (`num_samples`): each image is
+    kept under it and its item (`item_ids`). As `base_key` of the images, the sample list and `num_samples` out."""
+    inputs = _inputs(cfg, features, False, as_set)
+    inputs["settings"].pop("num_samples", None)
+    return _digest({**inputs, "per_item": 1})  # never equal to a whole-set key
+
+
+def group_spellings(cfg, features: list[dict]) -> list[str]:
+    """`group_key` of `features` (the present spelling first, then its earlier ones: `checkpoints.earlier_settings`),
+    with the evaluate settings as hashed now and as set, once each."""
+    keys = (group_key(cfg, f, as_set) for as_set in (False, True) for f in features)
+    return list(dict.fromkeys(keys))
+
+
+def item_ids(sample_keys: list[str], n_extra: int) -> list[str]:
+    """The name of each base image within its group: the pictured val samples' keys, then the extra prompts'
+    places (the group key holds every extra prompt and its images' bytes)."""
+    return [f"sample:{k}" for k in sample_keys] + [f"extra:{i}" for i in range(n_extra)]
+
+
+def _inputs(cfg, features: dict, losses_only: bool, as_set: bool) -> dict:
     import diffusers
     import peft
     import torch
@@ -53,15 +84,17 @@ def base_key(cfg, features: dict, sample_keys: list[str], losses_only: bool = Fa
         settings = {k: v for k, v in settings.items() if k in LOSS_SETTINGS}
     # the LoRA's scale is no input of the base images (LoRA off): another scale reuses them
     features = {**features, "evaluate": {k: v for k, v in features.get("evaluate", {}).items() if k != "lora_scale"}}
-    inputs = {
+    return {
         "features": features,
-        "samples": list(sample_keys),
         "settings": settings,
         "device": [str(cfg.device), _device_names(cfg.device)],
         "extra_image_bytes": extras,
         "libraries": {m.__name__: m.__version__ for m in (torch, diffusers, transformers, peft)},
         "sources": _sources_digest(),
     }
+
+
+def _digest(inputs: dict) -> str:
     return hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()
 
 
@@ -109,32 +142,59 @@ def _device_names(device) -> list[str]:
     return names
 
 
-def read(folder: Path, key: str, n: int, earlier: list[str] = ()) -> list[Image.Image] | None:
-    """The n base images recorded under `key`, or None (none recorded, another key, a file missing or damaged).
-    `earlier`: the same inputs' keys as spelled before (the tables named by version ids, not content): images
-    recorded under one are these, and their index is recorded under `key` (the next rerun finds them so)."""
+def read(folder: Path, groups: list[str], ids: list[str], legacy=None) -> list[Image.Image | None]:
+    """Each item's image (`item_ids`) recorded under the group key `groups[0]` or one of its earlier spellings
+    (`groups[1:]`), None for one not recorded there or whose file is missing or damaged (regenerated alone).
+    `legacy(n_files)`: the whole-set keys (`base_key`) an index recorded before per-item keys may hold, as
+    (its spellings, the item ids of its files in order) pairs. An index found under an earlier spelling or key is
+    recorded again per item under `groups[0]` (the next rerun finds it so; nothing regenerated on an upgrade)."""
     try:
         index = json.loads((folder / INDEX).read_text())
-        if index.get("key") not in (key, *earlier) or len(index.get("files", [])) != n:
-            return None
-        images = []
-        for name, sha in index["files"]:
+        entries = _entries(index, groups, legacy)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return [None] * len(ids)
+    if entries is None:
+        return [None] * len(ids)
+    images: list[Image.Image | None] = []
+    for item in ids:
+        images.append(None)
+        try:
+            name, sha = entries[item]
             data = (folder / name).read_bytes()
-            if hashlib.sha256(data).hexdigest() != sha:
-                return None
-            images.append(_png(data))
-        if index["key"] != key:
-            from store.format import atomic_write_bytes
+            if hashlib.sha256(data).hexdigest() == sha:
+                images[-1] = _png(data)
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+    if index.get("group") != groups[0]:
+        from store.format import atomic_write_bytes
 
-            atomic_write_bytes(folder / INDEX, json.dumps({**index, "key": key}, indent=1).encode())
-        return images
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+        try:
+            atomic_write_bytes(folder / INDEX, _index(groups[0], entries))
+        except OSError:
+            pass  # read-only: served now, recognised again next time
+    return images
 
 
-def write(folder: Path, key: str, images: list[Image.Image]) -> None:
-    """The images as PNGs (lossless: the reused image is the generated one), then the index naming them and
-    their sha256 (written last: a killed write leaves no index of the new key)."""
+def _entries(index: dict, groups: list[str], legacy) -> dict | None:
+    """The index's item -> [file, sha256] when it is of these inputs, else None."""
+    if "group" in index:
+        return {k: list(v) for k, v in index["items"].items()} if index["group"] in groups else None
+    files = index["files"]  # an index recorded before per-item keys: one key over the samples pictured
+    for keys, items in (legacy(len(files)) if legacy else ()):
+        if index["key"] in keys and len(items) == len(files):
+            return {item: list(f) for item, f in zip(items, files)}
+    return None
+
+
+def _index(group: str, entries: dict) -> bytes:
+    return json.dumps({"group": group, "items": entries}, indent=1, sort_keys=True).encode()
+
+
+def write(folder: Path, group: str, images: dict[str, Image.Image]) -> None:
+    """The images (item -> image) as PNGs named by their sha256 (lossless: the reused image is the generated one),
+    then the index naming them, kept beside the group's other items (a later rerun picturing fewer or more samples
+    finds them), then the PNGs no item names any more. Index written last and atomically: a kill leaves the
+    earlier index whole (its files untouched), a new PNG named by none is removed by the next write."""
     import io
 
     from store.format import atomic_write_bytes
@@ -142,18 +202,22 @@ def write(folder: Path, key: str, images: list[Image.Image]) -> None:
 
     with writing("the base images of the evaluate report", folder):  # full disk / read-only: one line
         folder.mkdir(parents=True, exist_ok=True)
-        (folder / INDEX).unlink(missing_ok=True)
-        files = []
-        for i, img in enumerate(images):
+        try:
+            index = json.loads((folder / INDEX).read_text())
+            entries = {k: list(v) for k, v in index["items"].items()} if index.get("group") == group else {}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            entries = {}  # none, another group's, an earlier format's or damaged: this group starts afresh
+        for item, img in images.items():
             buf = io.BytesIO()
             img.save(buf, format="PNG")
-            name = f"{i:05d}.png"
-            atomic_write_bytes(folder / name, buf.getvalue())
-            files.append((name, hashlib.sha256(buf.getvalue()).hexdigest()))
-        for old in folder.glob("*.png"):  # a longer earlier list
-            if old.name not in {name for name, _ in files}:
+            sha = hashlib.sha256(buf.getvalue()).hexdigest()
+            atomic_write_bytes(folder / f"{sha}.png", buf.getvalue())
+            entries[item] = [f"{sha}.png", sha]
+        atomic_write_bytes(folder / INDEX, _index(group, entries))
+        named = {name for name, _ in entries.values()}
+        for old in folder.glob("*.png"):  # another group's, or an earlier index's
+            if old.name not in named:
                 old.unlink(missing_ok=True)
-        atomic_write_bytes(folder / INDEX, json.dumps({"key": key, "files": files}, indent=1).encode())
 
 
 def _png(data: bytes) -> Image.Image:

@@ -84,29 +84,54 @@ def column(jobs: list[_Job], transformer, vae, cfg, qwen21: bool, label: str) ->
 
 def base_column(jobs: list[_Job], transformer, vae, cfg, qwen21: bool, samples,
                 base_cache: tuple | None, lora_off: bool) -> list[Image.Image]:
-    """The base column (LoRA bypassed when `lora_off`): reused from `base_cache` = (folder, the loss fingerprint's
-    settings, its earlier spellings...) when every input of it is unchanged (`stages.evaluate.base_images`), else generated and kept there.
-    Both evaluate entries (one LoRA, --all-checkpoints) take it from here."""
+    """The base column (LoRA bypassed when `lora_off`): each image reused from `base_cache` = (folder, the loss
+    fingerprint's settings, its earlier spellings...) when every input of it is unchanged
+    (`stages.evaluate.base_images`), the others generated and kept there: more `num_samples` generate only the
+    samples not pictured yet. Both evaluate entries (one LoRA, --all-checkpoints) take it from here."""
     from stages.evaluate import base_images
     from stages.evaluate.stage import lora_enabled, pick_samples
 
-    key = None
+    base: list[Image.Image | None] = [None] * len(jobs)
     if base_cache is not None:
+        folder, features = base_cache[0], list(base_cache[1:])
         picked = [s.key for s in pick_samples(samples, cfg.num_samples)]
+        n_extra = len(jobs) - len(picked)
         # base_cache[2:]: the same settings' earlier spellings (`checkpoints.earlier_settings`), then as set
-        key, *earlier = base_images.spellings(cfg, list(base_cache[1:]), picked)
-        base = base_images.read(base_cache[0], key, len(jobs), earlier)
-        if base is not None:
-            tqdm.write(f"base images: unchanged inputs, reused from {base_cache[0]}")
+        groups, ids = base_images.group_spellings(cfg, features), base_images.item_ids(picked, n_extra)
+        base = base_images.read(folder, groups, ids,
+                                lambda n: _whole_set_keys(cfg, features, picked, n_extra, n - n_extra))
+        kept = sum(b is not None for b in base)
+        if kept == len(jobs):
+            tqdm.write(f"base images: unchanged inputs, reused from {folder}")
             return base
+        if kept:
+            tqdm.write(f"base images: {kept} of {len(jobs)} reused from {folder}, {len(jobs) - kept} generated")
+    missing = [i for i, b in enumerate(base) if b is None]
+    todo = [jobs[i] for i in missing]
     if lora_off:
         with lora_enabled(transformer, False):
-            base = column(jobs, transformer, vae, cfg, qwen21, "base")
+            made = column(todo, transformer, vae, cfg, qwen21, "base")
     else:
-        base = column(jobs, transformer, vae, cfg, qwen21, "base")
+        made = column(todo, transformer, vae, cfg, qwen21, "base")
+    for i, img in zip(missing, made):
+        base[i] = img
     if base_cache is not None:
-        base_images.write(base_cache[0], key, base)
+        base_images.write(folder, groups[0], {ids[i]: img for i, img in zip(missing, made)})
     return base
+
+
+def _whole_set_keys(cfg, features: list[dict], picked: list[str], n_extra: int,
+                    n: int) -> list[tuple[list[str], list[str]]]:
+    """The keys an index recorded before per-item keys holds when it pictured the first `n` of `picked` (the same
+    first samples when `num_samples` is raised: `pick_samples` is a prefix of the longer pick), as
+    `base_images.read`'s `legacy` pairs: `num_samples` was n (or, every val sample pictured, the present one)."""
+    from stages.evaluate import base_images
+
+    if not 0 <= n <= len(picked):
+        return []
+    ids = base_images.item_ids(picked[:n], n_extra)
+    return [(base_images.spellings(cfg.model_copy(update={"num_samples": num}), features, picked[:n]), ids)
+            for num in dict.fromkeys((n, cfg.num_samples))]
 
 
 def _jobs(cfg, model: str, store, tables, transformer, vae, samples, damaged: dict, qwen21: bool) -> list[_Job]:

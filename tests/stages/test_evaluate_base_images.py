@@ -35,8 +35,8 @@ def _runner(monkeypatch):
 def test_a_rerun_reuses_the_base_images_and_a_changed_input_regenerates_them(run_and_store, tiny_edit_model,
                                                                               tmp_path, monkeypatch):
     """Before: every rerun generated the base column again (2 samples x 3 columns = 6 images, 6 again). Now the
-    rerun generates best and last only (4), with the same base pixels; another seed, or a damaged kept PNG,
-    regenerates them."""
+    rerun generates best and last only (4), with the same base pixels; another seed regenerates them, a damaged
+    kept PNG that one image."""
     root, out = run_and_store, tmp_path / "report"
     run = _runner(monkeypatch)
     cfg = EvaluateConfig(**{**CFG, "num_samples": 2, "num_inference_steps": 2})
@@ -53,12 +53,22 @@ def test_a_rerun_reuses_the_base_images_and_a_changed_input_regenerates_them(run
     assert n == 6
     assert not np.array_equal(np.asarray(other_seed[0].outputs["base"]), np.asarray(first[0].outputs["base"]))
 
-    png = out / base_images.FOLDER / "00000.png"
+    png = _files(out)[0]
     data = bytearray(png.read_bytes())
     data[-20] ^= 0xFF
     png.write_bytes(bytes(data))
-    n, _ = run(cfg.model_copy(update={"seed": cfg.seed + 1}), root, tiny_edit_model, out)
-    assert n == 6  # damaged: regenerated, not shown
+    n, again = run(cfg.model_copy(update={"seed": cfg.seed + 1}), root, tiny_edit_model, out)
+    assert n == 5  # the damaged one regenerated, not shown (the other reused: each is checked alone)
+    for a, b in zip(other_seed, again):
+        np.testing.assert_array_equal(np.asarray(a.outputs["base"]), np.asarray(b.outputs["base"]))
+
+
+def _files(out: Path) -> list[Path]:
+    """The kept base images' files, in the order of the index's items (named by their sha256 now)."""
+    import json
+
+    index = json.loads((out / base_images.FOLDER / base_images.INDEX).read_text())
+    return [out / base_images.FOLDER / name for name, _ in index["items"].values()]
 
 
 def test_a_killed_run_leaving_only_base_images_does_not_block_the_report_folder(run_and_store, tiny_edit_model,
@@ -109,6 +119,17 @@ def test_every_input_of_the_base_images_is_in_their_key(tmp_path, monkeypatch):
     keys["diffusers version"] = base_images.base_key(cfg, features, samples)
     monkeypatch.undo()
     assert key not in keys.values() and len(set(keys.values())) == len(keys), keys
+
+    # each image's group key (`group_key`, the item beside it): the same inputs but which samples are pictured
+    group = base_images.group_key(cfg, features)
+    groups = {name: base_images.group_key(c, f) for name, (c, f, _) in changed.items()
+              if name not in ("picked samples", "num_samples=9")}
+    img.write_bytes(b"another picture")
+    groups["extra image bytes"] = base_images.group_key(cfg, features)
+    img.write_bytes(b"one picture")
+    assert group not in groups.values() and len(set(groups.values())) == len(groups), groups
+    assert base_images.group_key(cfg.model_copy(update={"num_samples": 9}), features) == group
+    assert group not in keys.values() and group != key
 
 
 def test_the_key_takes_the_source_of_every_module_generation_runs_through(tmp_path, monkeypatch):
@@ -169,7 +190,10 @@ def test_single_lora_evaluate_reuses_its_base_images_through_the_same_cache(run_
     assert not np.array_equal(np.asarray(first[0].lora), np.asarray(rows[-1][0].lora))  # the LoRA column is new
     assert run(cfg.model_copy(update={"seed": cfg.seed + 1}), ckpts[10]) == 4  # an input of the base: regenerated
     assert not np.array_equal(np.asarray(rows[-1][0].base), np.asarray(first[0].base))
-    assert sorted(p.name for p in (out / base_images.FOLDER).iterdir()) == ["00000.png", "00001.png", "index.json"]
+    # the other seed's images alone: the earlier group's files are removed
+    folder = out / base_images.FOLDER
+    assert sorted(folder.iterdir()) == sorted([*_files(out), folder / base_images.INDEX])
+    assert len(_files(out)) == 2
 
 
 def test_single_lora_evaluate_reuses_its_base_losses(run_and_store, tiny_edit_model, tmp_path, monkeypatch):
@@ -323,3 +347,108 @@ def test_the_loss_array_of_all_checkpoints_is_keyed_by_the_versions_read(run_and
     st.set_current("vae", old)  # v1 again: its losses were never computed, none may be reused
     again = ev.run(EvaluateConfig(**CFG), store, tiny_edit_model, _ckpts(run_and_store)[:1], out)
     assert again.evaluated == 1
+
+
+def _counting_base(monkeypatch):
+    """count(f): f's result and the number of base images it generated (checkpoint_report.column, "base")."""
+    from stages.evaluate import checkpoint_report
+
+    made, column = [], checkpoint_report.column
+    monkeypatch.setattr(checkpoint_report, "column", lambda jobs, *a: (made.append(len(jobs)) if a[-1] == "base"
+                                                                       else None, column(jobs, *a))[1])
+
+    def count(f, *args, **kwargs):
+        made.clear()
+        return f(*args, **kwargs), sum(made)
+
+    return count
+
+
+def test_more_pictured_samples_generate_only_the_base_images_not_kept(run_and_store, tiny_edit_model, tmp_path,
+                                                                      monkeypatch):
+    """The base images were kept under one key over the set of samples pictured: num_samples 1 -> 2 generated both
+    base images again (1, then 2; each a full denoising run, twice with true CFG). Now each is kept under its own
+    inputs: 1, then the one not kept yet, the first sample's pixels reused; fewer again: none. The report of the
+    other num_samples is not up to date (`skip_if_done`: its rows are other ones) but reuses them (single LoRA and
+    --all-checkpoints alike)."""
+    from stages.evaluate import stage
+
+    root = run_and_store
+    count = _counting_base(monkeypatch)
+    cfg = EvaluateConfig(**{**CFG, "num_samples": 1, "num_inference_steps": 2})
+    lora = dict(_ckpts(root))[10]
+
+    def one(n: int):
+        return count(stage.run, cfg.model_copy(update={"num_samples": n}), root / "store", tiny_edit_model, lora,
+                     tmp_path / "one", skip_if_done=True)
+
+    (first, n1), (second, n2) = one(1), one(2)
+    assert (n1, n2) == (1, 1) and not second.up_to_date
+    assert len(second.metrics["generation"]["samples"]) == 2
+    assert second.metrics["generation"]["samples"][0] == first.metrics["generation"]["samples"][0]  # same pixels
+    fewer, n = one(1)
+    assert not fewer.up_to_date and n == 0
+    assert fewer.metrics["generation"]["samples"] == first.metrics["generation"]["samples"]
+    assert one(1)[0].up_to_date
+
+    made = [count(ev.run, cfg.model_copy(update={"num_samples": n}), root / "store", tiny_edit_model, _ckpts(root),
+                  tmp_path / "all", skip_if_done=True)[1] for n in (1, 2, 1)]
+    assert made == [1, 1, 0]
+
+
+def _as_earlier_index(folder: Path, cfg, features: dict, picked: list[str]) -> None:
+    """The kept images as the release before recorded them: 00000.png... in the pictured order, under one key over
+    the samples pictured (`base_key`, its present spelling)."""
+    import json
+
+    index = json.loads((folder / base_images.INDEX).read_text())
+    if "key" in index:
+        return  # recorded so already (the code before per-sample keys)
+    files = []
+    for i, item in enumerate(base_images.item_ids(picked, 0)):
+        name, sha = index["items"][item]
+        (folder / name).rename(folder / f"{i:05d}.png")
+        files.append([f"{i:05d}.png", sha])
+    key = base_images.base_key(cfg, features, picked)
+    (folder / base_images.INDEX).write_text(json.dumps({"key": key, "files": files}, indent=1))
+
+
+def test_an_index_recorded_under_the_whole_set_key_still_serves_its_images(run_and_store, tiny_edit_model,
+                                                                           tmp_path, monkeypatch):
+    """A report folder of the release before: base-images/ with one key over the samples pictured. It is read and
+    recorded again per sample: the same num_samples generates no base image, a raised one only the new samples'
+    (the kept pixels reused); a changed setting still regenerates."""
+    import json
+    import shutil
+
+    from stages.evaluate import checkpoint_report, stage
+    from stages.evaluate.stage import pick_samples
+
+    root, out = run_and_store, tmp_path / "report"
+    count = _counting_base(monkeypatch)
+    seen = {}
+    base_column = checkpoint_report.base_column
+
+    def seeing(jobs, transformer, vae, cfg, qwen21, samples, base_cache, lora_off):
+        seen.update(cfg=cfg, features=base_cache[1], picked=[s.key for s in pick_samples(samples, cfg.num_samples)])
+        return base_column(jobs, transformer, vae, cfg, qwen21, samples, base_cache, lora_off)
+
+    monkeypatch.setattr(checkpoint_report, "base_column", seeing)
+    lora = dict(_ckpts(root))[10]
+
+    def run(n: int, **update) -> tuple[list, int]:
+        cfg = EvaluateConfig(**{**CFG, "num_samples": n, "num_inference_steps": 2, **update})
+        result, made = count(stage.run, cfg, root / "store", tiny_edit_model, lora, out)
+        return result.metrics["generation"]["samples"], made
+
+    for n_before, n_after, generated in ((1, 2, 1), (2, 2, 0)):
+        shutil.rmtree(out, ignore_errors=True)
+        seen.clear()
+        before, _ = run(n_before)
+        _as_earlier_index(out / base_images.FOLDER, seen["cfg"], seen["features"], seen["picked"])
+        after, made = run(n_after)
+        assert made == generated, (n_before, n_after)
+        assert after[:n_before] == before  # the kept pixels (scores against the targets, base and LoRA)
+        assert "group" in json.loads((out / base_images.FOLDER / base_images.INDEX).read_text())  # recorded again
+        assert run(n_after)[1] == 0
+    assert run(2, seed=EvaluateConfig(**CFG).seed + 1)[1] == 2  # another input of the images: regenerated
