@@ -10,7 +10,8 @@ fi
 . .venv/bin/activate
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 # Two test files at a time (pytest-xdist; a file's tests stay in one process, with its module fixtures), the
-# longest files first (tests/conftest.py): 18.6 min on this project's 2-core machine (2026-12-01; three at a
-# time, before that ordering: 19.0 min against 20.0 for two, not worth the load). Tests that launch ranks take
-# free ports and start them warm (tests/warm_start.py); every test writes under its own tmp_path.
+# longest files first, one torch thread per process (tests/conftest.py: two processes with torch's default threads
+# oversubscribed the 2 cores). Three at a time, measured before that ordering: 19.0 min against 20.0 for two, not
+# worth the load. Tests that launch ranks take free ports and start them warm (tests/warm_start.py); every test
+# writes under its own tmp_path.
 python -m pytest tests -n 2 --dist loadfile "$@"
