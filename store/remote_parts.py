@@ -34,6 +34,7 @@ from store.remote_upload import Mismatch
 from store.writer_open import WORLD_JSON
 
 if TYPE_CHECKING:
+    from store.store import Store
     from store.writer import TableWriter
 
 #: which remote a cached store copies (written by store/remote_cache.local_store into the cache's store folder)
@@ -373,6 +374,25 @@ def on_remote(url: str, table: str, want: dict, world: int) -> OnRemote:
                         reverse=True):
             return OnRemote(taken, v, _rows(remote, f"{table}/v{v}/{fmt.MANIFEST}"), current)
     return OnRemote(taken, current=current)
+
+
+def adopt_version(store: "Store", table: str, version: int, on_remote: bool = True) -> int | None:
+    """A rerun reusing `version`, the complete version of its settings: make it current, as a local store's rerun
+    does (a run killed after its manifest, before the store.json switch, left it not current, or another run's
+    settings replaced it since). In a store URL's cache, a copy of the remote's version (`is_lazy`) is made current
+    on the remote too (`on_remote`: on the one rank that may), over the current one the cache was opened with: the
+    push after it never moves the remote's current back, so the run said `version` while the remote kept the other.
+    Returns the higher version another writer made current meanwhile, which stays current (None: `version` is)."""
+    from store.remote_shards import is_lazy
+
+    before = store.tables().get(table)
+    store.set_current(table, version)
+    url = source_url(store.root)
+    if not on_remote or version == before or url is None or not is_lazy(store.version_dir(table, version)):
+        return None  # one this cache wrote and never pushed: the push after it sends it (current by push's rule)
+    with remote_errors(url, f"making table '{table}' v{version} current"):
+        current = make_current(open_remote(url), table, version, before)
+    return current if current != version else None
 
 
 def _rows(remote, rel: str) -> int:

@@ -138,21 +138,10 @@ def adopt(job: EncodeJob, found: int) -> None:
     before the store.json switch, left it not current, or another run's settings replaced it since) and report the
     table up to date. In a store URL's cache, a copy of the remote's version is made current there too, over the
     current one the cache was opened with (the push after it never moves the remote's current back)."""
-    table = job.summary.table
-    before = job.store.tables().get(table)
-    job.store.set_current(table, found)
-    if found != before and job.ranks.rank == 0:
-        from store.remote_parts import source_url
-        from store.remote_shards import is_lazy
+    from store.remote_parts import adopt_version
 
-        url = source_url(job.store.root)
-        if url is not None and is_lazy(job.store.version_dir(table, found)):  # complete on the remote
-            from store.remote import open_remote, remote_errors
-            from store.remote_parts import make_current
-
-            with remote_errors(url, f"making table '{table}' v{found} current"):
-                current = make_current(open_remote(url), table, found, before)
-            job.summary.newer_current = current if current != found else None  # another writer's stays current
+    # rank 0 alone swaps the remote's store.json; another writer's newer current stays, and the summary says so
+    job.summary.newer_current = adopt_version(job.store, job.summary.table, found, on_remote=job.ranks.rank == 0)
     job.summary.version, job.summary.up_to_date = found, True
     with job.store.reader(job.summary.table, found) as done:
         job.summary.skipped = len(done)

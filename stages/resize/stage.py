@@ -68,6 +68,8 @@ class ResizeSummary:
     sizes: str = ""  # the sizes in force (schemas.resize_sizes)
     store: str = ""
     repaired_from: int | None = None  # the version recorded as damaged whose damaged samples this run re-rendered
+    # a store URL: the higher version another writer made current meanwhile, which stays current over `version`
+    newer_current: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         from schemas.stage import summary_record
@@ -75,13 +77,16 @@ class ResizeSummary:
         return summary_record(self.stage, TABLE, self.version, self.written, self.reused,
                               sum(self.quarantined.values()), self.bytes_written, self.seconds, self.up_to_date,
                               resumed=self.resumed, splits=dict(self.splits),
-                              quarantined_by_reason=dict(self.quarantined), repaired_from=self.repaired_from)
+                              quarantined_by_reason=dict(self.quarantined), repaired_from=self.repaired_from,
+                              newer_current=self.newer_current)
 
     def __str__(self) -> str:
         if self.up_to_date:
             return (f"images v{self.version} is up to date (same source listing and resize settings; no damage "
                     f"recorded, its bytes were not re-read: `pipeline store verify {self.store}` checks them); "
                     "nothing to do"
+                    + (f"; v{self.newer_current}, committed by another writer meanwhile, stays current"
+                       if self.newer_current is not None else "")
                     + (f"\n{self.sizes}" if self.sizes else ""))
         lines = [
             f"images v{self.version}: {self.written} samples written"
@@ -135,10 +140,10 @@ def _run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> 
     fmt = detect_format(source)
     st = st if st is not None else Store(store)
     schema = _as_repair_expects(images_schema(rc, content_listing_hash(source), source=str(source), source_format=fmt))
-    found = _up_to_date_version(st, schema)
+    found, newer = _up_to_date_version(st, schema)
     if found is not None:
         return ResizeSummary(version=found, up_to_date=True, seconds=time.perf_counter() - started,
-                             sizes=sizes_in_force(rc.model_dump()), store=str(st.root))
+                             sizes=sizes_in_force(rc.model_dump()), store=str(st.root), newer_current=newer)
     repairing = _damaged_current(st)
     writer = st.writer(TABLE, schema, shard_size_mb=rc.shard_size_mb)
     intake = _Intake(ResizeSummary(version=writer.version, quarantine_file=str(st.root / "quarantine.parquet"),
@@ -281,17 +286,20 @@ class _Intake:
             self.summary.duplicates.append((kept.source, rec.source))
 
 
-def _up_to_date_version(st: Store, schema: TableSchema) -> int | None:
-    """A complete version with this lineage (same source listing and settings), made current again."""
+def _up_to_date_version(st: Store, schema: TableSchema) -> tuple[int | None, int | None]:
+    """A complete version with this lineage (same source listing and settings), made current again - on the store
+    URL too when `st` is its cache - and the higher version another writer made current there meanwhile (None: none),
+    which stays current."""
     from store import repair_context
+    from store.remote_parts import adopt_version
 
     repair_context.check(schema.lineage, TABLE)
     found = st.find_version(TABLE, schema.lineage)
     if found is None and not repair_context.active():
         found = _unchanged_by_fixes(st, schema)
-    if found is not None:
-        st.set_current(TABLE, found)  # e.g. killed after the manifest, before the store.json switch
-    return found
+    if found is None:
+        return None, None
+    return found, adopt_version(st, TABLE, found)  # e.g. killed after the manifest, before the store.json switch
 
 
 def _lineage_before_fixes(lineage: Lineage) -> Lineage:
