@@ -2,19 +2,21 @@
 reused by a rerun whose every input of them is unchanged. Only the LoRA (or best and last) can change between
 reruns (a retrained LoRA, a training adding checkpoints), while regenerating the base costs as much as a column.
 
-Each image is kept under its own inputs: the group key (`group_spellings`) holds everything the base images are
-made from but which samples are pictured: every file of the model (text encoder, processor and scheduler too), the
-text / vae tables read, by content (the stored features; `checkpoints.read_tables`), every hashed evaluate
-setting but `num_samples` (seed, steps, true CFG, negative prompt when extra prompts read it, dtype, attention
-backend, quantisation, extra prompts with their sizes; not the LoRA's scale, nor on_damaged: a damaged sample
-skipped changes the samples read, which the tables' content and the sample keys name) and the bytes of each extra
-prompt's image files, the device (and the GPU's name), the versions of the libraries that compute them and the
-source of this project's packages that do (`SOURCE_PACKAGES`); within a group an image is named by its item
-(`item_ids`: the val sample's key, or the extra prompt's place). A sample's picture depends on no other sample (the
-same seed for every one, one denoising run each), so more or fewer `num_samples` generate only the images not kept
-yet. Any other change: another group, regenerated. The PNGs are checked against their recorded sha256 on reuse (a
-damaged or missing one: regenerated). An index recorded before (one key over the set of samples pictured,
-`base_key`) is read and recorded again per item, its images reused."""
+Each image is kept under its own inputs: the group key (`group_key`) holds everything the base images are made
+from but which samples are pictured and the extra prompts: every file of the model (text encoder, processor and
+scheduler too), the text / vae tables read, by content (the stored features; `checkpoints.read_tables`), every
+hashed evaluate setting but `num_samples` and the extra prompts' own (seed, steps, true CFG, dtype, attention
+backend, quantisation; not the LoRA's scale, nor on_damaged: a damaged sample skipped changes the samples read,
+which the tables' content and the sample keys name), the device (and the GPU's name), the versions of the libraries
+that compute them and the source of this project's packages that do (`SOURCE_PACKAGES`); within a group an image
+is named by its item (`item_ids`): the val sample's key, or a hash of the extra prompt's own inputs (its settings,
+its control images' bytes, the negative prompt as read). A sample's picture depends on no other sample (the same
+seed for every one, one denoising run each) nor on the extra prompts or the negative prompt (the stored empty
+prompt is its negative), and an extra prompt's on no other row: more or fewer `num_samples`, or another extra
+prompt added, changed or moved, generate only the images not kept yet. Any other change: another group,
+regenerated. The PNGs are checked against their recorded sha256 on reuse (a damaged or missing one: regenerated).
+An index recorded before (one group over every extra prompt, `group_spellings`; one key over the set of samples
+pictured, `base_key`) is read and recorded again per item, its images reused."""
 
 from __future__ import annotations
 
@@ -47,28 +49,60 @@ def base_key(cfg, features: dict, sample_keys: list[str], losses_only: bool = Fa
     return _digest({**_inputs(cfg, features, losses_only, as_set), "samples": list(sample_keys)})
 
 
+#: the settings only the extra prompts' images are made from (`schemas.config`: the val samples' negative is their
+#: stored empty prompt): in each extra prompt's item (`item_ids`), not the group, so adding or changing one extra
+#: prompt (or the negative) regenerates that prompt's image alone, no val sample's nor another prompt's
+EXTRA_SETTINGS = ("extra_prompts", "negative_prompt")
+
+
 def group_key(cfg, features: dict, as_set: bool = False) -> str:
-    """Hash of every input of the base images but which val samples are pictured (`num_samples`): each image is
-    kept under it and its item (`item_ids`). As `base_key` of the images, the sample list and `num_samples` out."""
+    """Hash of every input of the base images but which val samples are pictured (`num_samples`) and the extra
+    prompts' own (`EXTRA_SETTINGS`, their images' bytes): each image is kept under it and its item (`item_ids`).
+    As `base_key` of the images, the sample list, `num_samples` and those out."""
+    inputs = _inputs(cfg, features, False, as_set, extras=False)
+    for name in ("num_samples", *EXTRA_SETTINGS):
+        inputs["settings"].pop(name, None)
+    return _digest({**inputs, "per_item": 2})  # never equal to a whole-set key nor an earlier group's
+
+
+def _whole_extras_group_key(cfg, features: dict, as_set: bool) -> str:
+    """The group key of the release before: every extra prompt (and its images' bytes) and the negative prompt in
+    it, its extra prompts' items named by their place (`extra:<i>`). Kept as it was: an index recorded under it
+    is still recognised (`group_spellings`)."""
     inputs = _inputs(cfg, features, False, as_set)
     inputs["settings"].pop("num_samples", None)
-    return _digest({**inputs, "per_item": 1})  # never equal to a whole-set key
+    return _digest({**inputs, "per_item": 1})
 
 
 def group_spellings(cfg, features: list[dict]) -> list[str]:
     """`group_key` of `features` (the present spelling first, then its earlier ones: `checkpoints.earlier_settings`),
+    then the group keys an index recorded by the release before may be under (`_whole_extras_group_key`), each
     with the evaluate settings as hashed now and as set, once each."""
-    keys = (group_key(cfg, f, as_set) for as_set in (False, True) for f in features)
+    keys = (key(cfg, f, as_set) for key in (group_key, _whole_extras_group_key) for as_set in (False, True)
+            for f in features)
     return list(dict.fromkeys(keys))
 
 
-def item_ids(sample_keys: list[str], n_extra: int) -> list[str]:
-    """The name of each base image within its group: the pictured val samples' keys, then the extra prompts'
-    places (the group key holds every extra prompt and its images' bytes)."""
-    return [f"sample:{k}" for k in sample_keys] + [f"extra:{i}" for i in range(n_extra)]
+def item_ids(cfg, sample_keys: list[str]) -> list[str]:
+    """The name of each base image within its group: the pictured val samples' keys, then each extra prompt's
+    inputs' hash (`extra_id`)."""
+    return [f"sample:{k}" for k in sample_keys] + [extra_id(cfg, e) for e in cfg.extra_prompts]
 
 
-def _inputs(cfg, features: dict, losses_only: bool, as_set: bool) -> dict:
+def extra_id(cfg, extra) -> str:
+    """An extra prompt's item: a hash of what its image is made from beside the group's inputs: its hashed settings
+    (prompt, size; any added later too) but the image paths and the target (no input of the image: PSNR/SSIM are
+    scored afresh), its control images' bytes, and the negative prompt as read (`hashed_settings`: its default
+    without true CFG). Not its place nor the other prompts: one added, removed or moved regenerates no other."""
+    from schemas.lineage import hashed_settings
+
+    own = {k: v for k, v in hashed_settings(extra).items() if k not in ("images", "target")}
+    inputs = {"extra": own, "image_bytes": [_file_sha256(p) for p in extra.images],
+              "negative_prompt": hashed_settings(cfg)["negative_prompt"]}
+    return "extra:" + _digest(inputs)
+
+
+def _inputs(cfg, features: dict, losses_only: bool, as_set: bool, extras: bool = True) -> dict:
     import diffusers
     import peft
     import torch
@@ -78,7 +112,7 @@ def _inputs(cfg, features: dict, losses_only: bool, as_set: bool) -> dict:
 
     from stages.evaluate.checkpoints import LOSS_SETTINGS
 
-    extras = [] if losses_only else [[_file_sha256(p) for p in e.images] for e in cfg.extra_prompts]
+    extras = [[_file_sha256(p) for p in e.images] for e in cfg.extra_prompts] if extras and not losses_only else []
     settings = {k: v for k, v in hashed_settings(cfg, as_set=as_set).items() if k != "lora_scale"}
     if losses_only:
         settings = {k: v for k, v in settings.items() if k in LOSS_SETTINGS}
@@ -143,14 +177,15 @@ def _device_names(device) -> list[str]:
 
 
 def read(folder: Path, groups: list[str], ids: list[str], legacy=None) -> list[Image.Image | None]:
-    """Each item's image (`item_ids`) recorded under the group key `groups[0]` or one of its earlier spellings
-    (`groups[1:]`), None for one not recorded there or whose file is missing or damaged (regenerated alone).
-    `legacy(n_files)`: the whole-set keys (`base_key`) an index recorded before per-item keys may hold, as
-    (its spellings, the item ids of its files in order) pairs. An index found under an earlier spelling or key is
-    recorded again per item under `groups[0]` (the next rerun finds it so; nothing regenerated on an upgrade)."""
+    """Each item's image (`item_ids`) recorded under the group key `groups[0]` or one the release before recorded
+    (`groups[1:]`: `group_spellings`), None for one not recorded there or whose file is missing or damaged
+    (regenerated alone). `legacy(n_files)`: the whole-set keys (`base_key`) an index recorded before per-item keys
+    may hold, as (its spellings, the item ids of its files in order) pairs. An index found under an earlier group
+    or key is recorded again per item under `groups[0]` (the next rerun finds it so; nothing regenerated on an
+    upgrade)."""
     try:
         index = json.loads((folder / INDEX).read_text())
-        entries = _entries(index, groups, legacy)
+        entries = _entries(index, groups, ids, legacy)
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return [None] * len(ids)
     if entries is None:
@@ -175,10 +210,15 @@ def read(folder: Path, groups: list[str], ids: list[str], legacy=None) -> list[I
     return images
 
 
-def _entries(index: dict, groups: list[str], legacy) -> dict | None:
-    """The index's item -> [file, sha256] when it is of these inputs, else None."""
+def _entries(index: dict, groups: list[str], ids: list[str], legacy) -> dict | None:
+    """The index's item -> [file, sha256] when it is of these inputs, else None; the extra prompts of a group
+    recorded by the release before (named by their place, `extra:<i>`: its group held every extra prompt, so
+    these are the present ones in their order) by their present item (`extra_id`: a hash, never a place)."""
     if "group" in index:
-        return {k: list(v) for k, v in index["items"].items()} if index["group"] in groups else None
+        if index["group"] not in groups:
+            return None
+        place = {f"extra:{n}": item for n, item in enumerate(i for i in ids if i.startswith("extra:"))}
+        return {place.get(k, k): list(v) for k, v in index["items"].items()}
     files = index["files"]  # an index recorded before per-item keys: one key over the samples pictured
     for keys, items in (legacy(len(files)) if legacy else ()):
         if index["key"] in keys and len(items) == len(files):

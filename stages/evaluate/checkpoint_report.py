@@ -95,11 +95,11 @@ def base_column(jobs: list[_Job], transformer, vae, cfg, qwen21: bool, samples,
     if base_cache is not None:
         folder, features = base_cache[0], list(base_cache[1:])
         picked = [s.key for s in pick_samples(samples, cfg.num_samples)]
-        n_extra = len(jobs) - len(picked)
+        n_extra = len(cfg.extra_prompts)
         # base_cache[2:]: the same settings' earlier spellings (`checkpoints.earlier_settings`), then as set
-        groups, ids = base_images.group_spellings(cfg, features), base_images.item_ids(picked, n_extra)
+        groups, ids = base_images.group_spellings(cfg, features), base_images.item_ids(cfg, picked)
         base = base_images.read(folder, groups, ids,
-                                lambda n: _whole_set_keys(cfg, features, picked, n_extra, n - n_extra))
+                                lambda n: _whole_set_keys(cfg, features, picked, n - n_extra))
         kept = sum(b is not None for b in base)
         if kept == len(jobs):
             tqdm.write(f"base images: unchanged inputs, reused from {folder}")
@@ -120,8 +120,7 @@ def base_column(jobs: list[_Job], transformer, vae, cfg, qwen21: bool, samples,
     return base
 
 
-def _whole_set_keys(cfg, features: list[dict], picked: list[str], n_extra: int,
-                    n: int) -> list[tuple[list[str], list[str]]]:
+def _whole_set_keys(cfg, features: list[dict], picked: list[str], n: int) -> list[tuple[list[str], list[str]]]:
     """The keys an index recorded before per-item keys holds when it pictured the first `n` of `picked` (the same
     first samples when `num_samples` is raised: `pick_samples` is a prefix of the longer pick), as
     `base_images.read`'s `legacy` pairs: `num_samples` was n (or, every val sample pictured, the present one)."""
@@ -129,7 +128,7 @@ def _whole_set_keys(cfg, features: list[dict], picked: list[str], n_extra: int,
 
     if not 0 <= n <= len(picked):
         return []
-    ids = base_images.item_ids(picked[:n], n_extra)
+    ids = base_images.item_ids(cfg, picked[:n])
     return [(base_images.spellings(cfg.model_copy(update={"num_samples": num}), features, picked[:n]), ids)
             for num in dict.fromkeys((n, cfg.num_samples))]
 

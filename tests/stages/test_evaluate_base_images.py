@@ -120,15 +120,25 @@ def test_every_input_of_the_base_images_is_in_their_key(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert key not in keys.values() and len(set(keys.values())) == len(keys), keys
 
-    # each image's group key (`group_key`, the item beside it): the same inputs but which samples are pictured
+    # each image's group key (`group_key`, the item beside it): the same inputs but which samples are pictured and
+    # the extra prompts' own (in each extra prompt's item, `extra_id`)
+    own = ("picked samples", "num_samples=9", "negative_prompt=x", *(n for n in changed if n.startswith("extra")))
     group = base_images.group_key(cfg, features)
-    groups = {name: base_images.group_key(c, f) for name, (c, f, _) in changed.items()
-              if name not in ("picked samples", "num_samples=9")}
-    img.write_bytes(b"another picture")
-    groups["extra image bytes"] = base_images.group_key(cfg, features)
-    img.write_bytes(b"one picture")
+    groups = {name: base_images.group_key(c, f) for name, (c, f, _) in changed.items() if name not in own}
     assert group not in groups.values() and len(set(groups.values())) == len(groups), groups
-    assert base_images.group_key(cfg.model_copy(update={"num_samples": 9}), features) == group
+    for name in own:
+        assert base_images.group_key(changed[name][0], features) == group, name
+    extra = base_images.extra_id(cfg, cfg.extra_prompts[0])
+    extras = {name: base_images.extra_id(c, c.extra_prompts[0]) for name, (c, _, _) in changed.items()
+              if name.startswith("extra") or name == "negative_prompt=x"}
+    img.write_bytes(b"another picture")
+    extras["extra image bytes"] = base_images.extra_id(cfg, cfg.extra_prompts[0])
+    img.write_bytes(b"one picture")
+    assert extra not in extras.values() and len(set(extras.values())) == len(extras), extras
+    # no true CFG: the negative prompt is not read, nor in the item
+    no_cfg = cfg.model_copy(update={"true_cfg_scale": 1.0})
+    assert base_images.extra_id(no_cfg.model_copy(update={"negative_prompt": "x"}), cfg.extra_prompts[0]) == \
+        base_images.extra_id(no_cfg, cfg.extra_prompts[0])
     assert group not in keys.values() and group != key
 
 
@@ -405,7 +415,7 @@ def _as_earlier_index(folder: Path, cfg, features: dict, picked: list[str]) -> N
     if "key" in index:
         return  # recorded so already (the code before per-sample keys)
     files = []
-    for i, item in enumerate(base_images.item_ids(picked, 0)):
+    for i, item in enumerate(base_images.item_ids(cfg, picked)):
         name, sha = index["items"][item]
         (folder / name).rename(folder / f"{i:05d}.png")
         files.append([f"{i:05d}.png", sha])
@@ -452,3 +462,92 @@ def test_an_index_recorded_under_the_whole_set_key_still_serves_its_images(run_a
         assert "group" in json.loads((out / base_images.FOLDER / base_images.INDEX).read_text())  # recorded again
         assert run(n_after)[1] == 0
     assert run(2, seed=EvaluateConfig(**CFG).seed + 1)[1] == 2  # another input of the images: regenerated
+
+
+def _extra_prompt(tmp_path: Path, i: int) -> dict:
+    """An extra prompt with its own control picture (the tiny model's size)."""
+    from PIL import Image
+
+    ref = tmp_path / f"ref{i}.png"
+    Image.fromarray(np.random.default_rng(i).integers(0, 255, (32, 32, 3), dtype=np.uint8)).save(ref)
+    return {"prompt": f"make it colour {i}", "images": [str(ref)], "height": 32, "width": 32}
+
+
+def test_another_extra_prompt_generates_only_its_own_base_image(run_and_store, tiny_edit_model, tmp_path,
+                                                                monkeypatch):
+    """The group key held every extra prompt (and its images' bytes) and the negative prompt (read with extra
+    prompts): a second extra prompt added regenerated every base image, 1 val sample + 2 extra prompts = 3 (each a
+    full denoising run with true CFG). Now a val sample's image is kept under inputs without the extra prompts
+    (its negative is its stored empty prompt) and each extra prompt's under its own: 1 generated, the others'
+    pixels reused; a changed negative prompt regenerates the extra prompts' images alone."""
+    from stages.evaluate import stage
+
+    root = run_and_store
+    count = _counting_base(monkeypatch)
+    lora = dict(_ckpts(root))[10]
+    cfg = EvaluateConfig(**{**CFG, "num_samples": 1, "num_inference_steps": 2, "dtype": "float32",
+                            "true_cfg_scale": 2.0, "extra_prompts": [_extra_prompt(tmp_path, 1)]})
+
+    def run(c):
+        result, made = count(stage.run, c, root / "store", tiny_edit_model, lora, tmp_path / "one")
+        return result.metrics["generation"]["samples"], made
+
+    first, n = run(cfg)
+    assert n == 2
+    two = cfg.model_copy(update={"extra_prompts": [*cfg.extra_prompts,
+                                                   EvaluateConfig(extra_prompts=[_extra_prompt(tmp_path, 2)])
+                                                   .extra_prompts[0]]})
+    second, n = run(two)
+    assert n == 1
+    assert second[:2] == first  # the val sample's and the first extra prompt's rows: the kept pixels
+    moved = two.model_copy(update={"extra_prompts": two.extra_prompts[::-1]})
+    assert run(moved)[1] == 0  # its place is no input of an extra prompt's image
+    assert run(two.model_copy(update={"negative_prompt": "blurry"}))[1] == 2  # the extra prompts' own
+    assert run(two.model_copy(update={"negative_prompt": "blurry", "extra_prompts": []}))[1] == 0
+
+
+def test_an_index_recorded_with_every_extra_prompt_in_its_group_still_serves_its_images(
+        run_and_store, tiny_edit_model, tmp_path, monkeypatch):
+    """A report folder of the release before: one group key over every extra prompt, its extra prompts' images
+    named by their place (`extra:<i>`). It is recognised and recorded again under the present group: the same
+    settings generate no base image, and then a second extra prompt generates its own alone."""
+    import json
+
+    from stages.evaluate import checkpoint_report, stage
+    from stages.evaluate.stage import pick_samples
+
+    root, out = run_and_store, tmp_path / "report"
+    count = _counting_base(monkeypatch)
+    seen = {}
+    base_column = checkpoint_report.base_column
+
+    def seeing(jobs, transformer, vae, cfg, qwen21, samples, base_cache, lora_off):
+        seen.update(features=base_cache[1], picked=[s.key for s in pick_samples(samples, cfg.num_samples)])
+        return base_column(jobs, transformer, vae, cfg, qwen21, samples, base_cache, lora_off)
+
+    monkeypatch.setattr(checkpoint_report, "base_column", seeing)
+    lora = dict(_ckpts(root))[10]
+    cfg = EvaluateConfig(**{**CFG, "num_samples": 1, "num_inference_steps": 2, "dtype": "float32",
+                            "true_cfg_scale": 2.0, "extra_prompts": [_extra_prompt(tmp_path, 1)]})
+
+    def run(c):
+        result, made = count(stage.run, c, root / "store", tiny_edit_model, lora, out)
+        return result.metrics["generation"]["samples"], made
+
+    before, n = run(cfg)
+    assert n == 2
+    folder = out / base_images.FOLDER
+    index = json.loads((folder / base_images.INDEX).read_text())
+    ids = base_images.item_ids(cfg, seen["picked"])
+    assert sorted(index["items"]) == sorted(ids)
+    earlier = {"group": base_images._whole_extras_group_key(cfg, seen["features"], False),
+               "items": {f"sample:{seen['picked'][0]}": index["items"][ids[0]], "extra:0": index["items"][ids[1]]}}
+    (folder / base_images.INDEX).write_text(json.dumps(earlier))
+
+    after, n = run(cfg)
+    assert n == 0 and after == before
+    assert json.loads((folder / base_images.INDEX).read_text())["group"] == base_images.group_key(cfg,
+                                                                                                  seen["features"])
+    two = cfg.model_copy(update={"extra_prompts": [*cfg.extra_prompts, EvaluateConfig(
+        extra_prompts=[_extra_prompt(tmp_path, 2)]).extra_prompts[0]]})
+    assert run(two)[1] == 1
