@@ -67,9 +67,11 @@ def test_repair_recomputes_only_damaged_samples_and_trains_to_the_clean_lora(tin
             ta, tb = a.tensors(k), b.tensors(k)
             assert ta.keys() == tb.keys()
             for n in ta:
-                if k == recomputed:  # encoded alone now, in a batch before: CPU kernels with several threads may
-                    # sum in another order for another batch size (float32; seen: 3.8e-6 on a latent of the tiny VAE)
-                    torch.testing.assert_close(tb[n], ta[n], rtol=1e-5, atol=2e-5)
+                if k == recomputed:  # encoded alone now, in a batch before: CPU kernels sum in another order for
+                    # another batch size (float32). Bounded against the tensor's scale, not per element: a latent
+                    # element near 0 was seen 6.1e-5 off (0.65% of itself) in a loaded run of the suite
+                    scale = ta[n].abs().max().clamp(min=1.0)
+                    assert (tb[n] - ta[n]).abs().max() <= 1e-4 * scale, (table, k, n)
                 else:  # carried forward: the very bytes
                     assert torch.equal(ta[n], tb[n]), (table, k, n)
     assert "nothing to repair" in runner.invoke(app, ["store", "repair", str(edit_store)]).output
@@ -79,8 +81,9 @@ def test_repair_recomputes_only_damaged_samples_and_trains_to_the_clean_lora(tin
     train(cfg_t, edit_store, tiny_edit_model, tmp_path / "run-repaired")
     la, lb = read_lora(tmp_path / "run-clean" / "lora")[0], read_lora(tmp_path / "run-repaired" / "lora")[0]
     assert la.keys() == lb.keys()
-    for k in la:  # the same LoRA, up to the recomputed samples' float32 rounding
-        torch.testing.assert_close(lb[k], la[k], rtol=1e-4, atol=1e-6)
+    for k in la:  # the same LoRA, up to the recomputed samples' float32 rounding (against each tensor's scale: an
+        # element near 0 is no measure of it)
+        assert (lb[k] - la[k]).abs().max() <= 1e-4 * la[k].abs().max(), k
 
 
 def test_repair_names_what_it_cannot_repair_and_rebuilds_store_json(edit_store, tmp_path):
