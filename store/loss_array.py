@@ -110,10 +110,12 @@ class LossStore:
             self.group.attrs.update({"table_versions": versions})
             self._commit([])
 
-    def refingerprint(self, fingerprint: str, settings: dict) -> None:
+    def refingerprint(self, fingerprint: str, settings: dict, versions: dict | None = None) -> None:
         """Record the group under another spelling of the same setting (a rule that stopped hashing a
-        throughput-only value): later opens find it under the current one. One consolidated-metadata rewrite."""
-        self.group.attrs.update({"fingerprint": fingerprint, "settings": settings})
+        throughput-only value): later opens find it under the current one. `versions`: `note_versions`' in the
+        same write. One consolidated-metadata rewrite."""
+        self.group.attrs.update({"fingerprint": fingerprint, "settings": settings,
+                                 **({"table_versions": versions} if versions is not None else {})})
         self._commit([])  # the attrs live in the root zarr.json, which the commit rewrites and fsyncs
         self.fingerprint, self.settings = fingerprint, settings
 

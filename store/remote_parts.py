@@ -210,7 +210,7 @@ def make_current(remote, table: str, version: int, over: int | None = None) -> i
     store's rerun makes it current: store/store.py `find_version`): replaced even when higher, but only if it is
     still current. Returns the version current after it: `version`, or that higher one, which stays current (the
     caller must say so)."""
-    from store.remote_sync import _changed, _merged_record, _parse_record
+    from store.remote_sync import _changed, _merged_record, _parse_record, newer_version
 
     newer: list[str] = []  # "table/vN", filled by the swap's last attempt
 
@@ -223,7 +223,7 @@ def make_current(remote, table: str, version: int, over: int | None = None) -> i
         return _changed(old, _merged_record(old, wanted, remote.url, newer=newer))
 
     remote.swap(fmt.STORE_JSON, update)
-    return int(newer[0].rsplit("/v", 1)[1]) if newer else version
+    return newer_version(newer, table) or version
 
 
 def _gather(writer: TableWriter, remote, listing: dict[str, int],

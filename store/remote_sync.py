@@ -47,6 +47,16 @@ def marker_rel(table: str, version: int) -> str:
     return fmt.damaged_marker(Path("."), table, version).as_posix()
 
 
+def newer_version(newer: list[str], table: str) -> int | None:
+    """`table`'s version in a list of "table/vN" names kept current over a pushed or adopted one (None: not there):
+    what `_merged_record(newer=)` fills."""
+    for name in newer:
+        t, v = name.rsplit("/v", 1)
+        if t == table:
+            return int(v)
+    return None
+
+
 @dataclass
 class SyncSummary:
     direction: str  # "push" | "pull"
@@ -62,11 +72,7 @@ class SyncSummary:
 
     def newer_current(self, table: str) -> int | None:
         """The remote's current version of `table` that this push kept over the pushed one (None: none)."""
-        for name in self.newer:
-            t, v = name.rsplit("/v", 1)
-            if t == table:
-                return int(v)
-        return None
+        return newer_version(self.newer, table)
 
     def sent(self, f: "_File") -> None:
         self.objects_sent += 1

@@ -298,7 +298,7 @@ class Validator:
                         list(self.cfg.validate_noise_seeds), [float(t) for t in self.cfg.validate_timesteps])
             self._losses = LossStore(self.run_dir, recorded, axes, self.settings, self.versions)
             if recorded != self.fingerprint:  # an earlier spelling: appended to, not set aside, and re-recorded
-                self._losses.refingerprint(self.fingerprint, self.settings)
+                self._losses.refingerprint(self.fingerprint, self.settings, self.versions)  # note_versions: no-op
             if self._losses.kept_aside is not None:  # e.g. the val samples changed under an accepted resume
                 from tqdm.auto import tqdm
 
