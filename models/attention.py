@@ -22,12 +22,18 @@ Default (`resolve(None, ...)`): on CUDA `packed` for bf16/fp16 models when `varl
 check on the device matches native SDPA, else `native`; on the CPU `native`. The choice and its reason (the
 probe's error and its exception text when it failed) are printed once per process and kept on the model
 (`attention_record`), so a run records which kernel it used and why: never a silent fallback.
+
+Under a launcher (several ranks of one run) every rank probes its own device, then all ranks take one decision
+together (`agree`): the most preferred backend every rank can run (`PREFERENCE`), so one DDP model never runs
+different kernels (different numerics) on different ranks, nor fails later on one rank alone. The record then
+also holds each rank's own probe and pick (`ranks`), and the reason names the ranks that held the choice down.
 """
 
 from __future__ import annotations
 
+import json
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 from diffusers.models.attention_dispatch import dispatch_attention_fn
@@ -54,6 +60,7 @@ class Choice:
     backend: str
     reason: str
     probe: dict | None = None  # the packed probe's result on this device: ok, max_rel_err, error
+    ranks: list[dict] | None = None  # several ranks: each rank's own {rank, backend, reason, probe} (`agree`)
 
 
 _probes: dict[tuple, dict] = {}  # (device, dtype) -> probe result: one probe per process and device
@@ -83,6 +90,47 @@ def resolve(name: str | None, device: torch.device, dtype: torch.dtype) -> str:
     return choose(name, device, dtype).backend
 
 
+# The default's backends, most preferred first. A rank's own pick is the first it can run, and it can run every
+# later one (native is the processor's own path, which runs anywhere): so the least preferred of the ranks' picks
+# is the best backend every rank can run.
+PREFERENCE = (PACKED, "native")
+RECORD_BYTES = 4096  # one rank's choice as JSON (a reason and a probe error, each cut at a few hundred characters)
+
+
+def agree(choice: Choice, world: int, key: str) -> Choice:
+    """All ranks' one decision from every rank's own `choice` (a collective: every rank calls it). The same
+    backend everywhere: kept, rank 0's reason. Different picks of the default: the least preferred of them, with
+    the reason naming the ranks that picked it and why. Different backends outside the default's (configured
+    differently per rank): the same `UserError` on every rank. One process: `choice` as it is."""
+    if world <= 1:
+        return choice
+    from models.collective import gather_texts
+
+    mine = json.dumps({"backend": choice.backend, "reason": choice.reason, "probe": choice.probe})
+    ranks = [{"rank": i, **json.loads(text)} for i, text in enumerate(gather_texts(world, mine, RECORD_BYTES))]
+    picks = [r["backend"] for r in ranks]
+    if len(set(picks)) == 1:
+        return replace(choice, reason=f"{ranks[0]['reason']}; the same on all {world} ranks", ranks=ranks)
+    if not set(picks) <= set(PREFERENCE):
+        raise UserError(f"{key}: the ranks resolved different attention backends ("
+                        + ", ".join(f"rank {r['rank']}: {r['backend']}" for r in ranks)
+                        + "): give every rank the same configuration")
+    agreed = max(picks, key=PREFERENCE.index)
+    held = [r for r in ranks if r["backend"] == agreed]
+    better = sorted({p for p in picks if p != agreed}, key=PREFERENCE.index)
+    others = [r["rank"] for r in ranks if r["backend"] != agreed]
+    why = "; ".join(f"rank {r['rank']}: {r['reason']}" for r in held[:3])
+    if len(held) > 3:
+        why += f"; and {len(held) - 3} more rank(s)"
+    reason = (f"all {world} ranks run {agreed}, the best backend every rank can run ({'/'.join(better)} on "
+              f"rank(s) {_few(others)} only): {why}")
+    return replace(choice, backend=agreed, reason=reason, ranks=ranks)
+
+
+def _few(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks[:8])) + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
+
+
 def announce(choice: Choice, key: str) -> None:
     """Print the choice once per process (per key and choice): the user sees which kernel runs and why."""
     if (key, choice.backend, choice.reason) in _announced:
@@ -93,15 +141,23 @@ def announce(choice: Choice, key: str) -> None:
     from tqdm.auto import tqdm
 
     rank = os.environ.get("RANK", "0")  # a launcher's (torchrun, accelerate)
-    if rank != "0" and (choice.probe or {}).get("ok", True):  # alike devices decide alike: 8 ranks printed 8 copies;
-        return  # a rank whose probe failed still says so (its GPU may be the odd one)
+    if rank != "0" and (choice.ranks is not None or (choice.probe or {}).get("ok", True)):
+        # alike devices decide alike: 8 ranks printed 8 copies; an agreed choice's reason on rank 0 names the odd
+        # rank(s); a choice not agreed on, whose probe failed, is still said by its rank (its GPU may be the odd one)
+        return
     tqdm.write(f"{'' if rank == '0' else f'rank {rank}: '}{key}: {choice.backend} ({choice.reason})", file=sys.stderr)
 
 
 def attention_record(transformer) -> dict | None:
-    """The backend `use_attention_backend` set on this model and why (for run records)."""
+    """The backend `use_attention_backend` set on this model and why (for run records); with several ranks, each
+    rank's own probe and pick under `ranks`."""
     choice = getattr(transformer, "_attention_choice", None)
-    return None if choice is None else asdict(choice)
+    if choice is None:
+        return None
+    record = asdict(choice)
+    if record["ranks"] is None:  # one process: the record as before
+        del record["ranks"]
+    return record
 
 
 def report_choice(device: torch.device, dtype: torch.dtype) -> dict:
@@ -122,8 +178,10 @@ def set_backend(transformer, name: str) -> None:
             proc._attention_backend = None if multires in (None, PACKED) else multires
 
 
-def use_attention_backend(transformer, name: str | None, key: str, device: torch.device, dtype: torch.dtype) -> str:
-    """Check the configured name, resolve the default, set it on the model; returns the backend in use."""
+def use_attention_backend(transformer, name: str | None, key: str, device: torch.device, dtype: torch.dtype,
+                          world: int = 1) -> str:
+    """Check the configured name, resolve the default, set it on the model; returns the backend in use. With
+    several ranks (`world`), a collective: every rank calls it, and all take the same backend (`agree`)."""
     from models.qwen21_flow import is_qwen21
 
     check_name(name, key)
@@ -131,9 +189,9 @@ def use_attention_backend(transformer, name: str | None, key: str, device: torch
         if name not in (None, "native"):
             raise UserError(f"{key} {name!r}: Qwen-Image-2.1's padded batches run one dense block-causal mask through "
                             f"native SDPA, the only kernel they take; set {key}: null (or native)")
-        choice = Choice("native", "Qwen-Image-2.1: its dense block-causal mask through native SDPA")
+        choice = agree(Choice("native", "Qwen-Image-2.1: its dense block-causal mask through native SDPA"), world, key)
     else:
-        choice = choose(name, torch.device(device), dtype, key)
+        choice = agree(choose(name, torch.device(device), dtype, key), world, key)
         set_backend(transformer, choice.backend)
     transformer._attention_choice = choice
     announce(choice, key)

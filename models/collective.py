@@ -136,6 +136,23 @@ def differing(world: int, digests: list[str]) -> list[bool]:
     return [high != low for high, low in spread(world, [int(d[:15], 16) for d in digests])]
 
 
+def gather_texts(world: int, text: str, size: int = MESSAGE_BYTES) -> list[str]:
+    """Every rank's `text` (UTF-8, cut at `size` bytes), in rank order, on every rank: one all-gather of fixed-size
+    byte buffers, so every rank can take the same decision from the same data. One process: [text]."""
+    if world <= 1:
+        return [text]
+    import torch.distributed as dist
+
+    dev = _device()
+    data = text.encode("utf-8", "replace")[:size]
+    buf = torch.zeros(size, dtype=torch.uint8, device=dev)
+    if data:
+        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev)
+    bufs = [torch.empty_like(buf) for _ in range(world)]
+    dist.all_gather(bufs, buf)
+    return [bytes(b.cpu().numpy()).rstrip(b"\0").decode("utf-8", "replace") for b in bufs]
+
+
 def all_sum(world: int, values: list[int]) -> list[int]:
     """Each value's sum over every rank (integers only); one process: `values`."""
     return _all_reduce(world, values, "SUM")

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
+from models.attention import attention_record
 from models.held_out import bucket_of, has_two_regions, loss_grid, loss_summary
 from schemas import up_to_date as current
 from schemas.config import EvaluateConfig
@@ -412,8 +413,7 @@ def _run(ranks, cfg: EvaluateConfig, store: str | Path, model: str, checkpoints:
                 if recorded != fingerprint:
                     losses.refingerprint(fingerprint, settings)
                 losses.note_versions(tables.versions())  # `pipeline compare` against arrays named by versions
-        with together(ranks.world, "load the transformer"):
-            transformer = single.load_transformer(cfg, model)
+        transformer = single.load_transformer(cfg, model, ranks.world)  # the ranks' one attention backend
         evaluated, attached = _append_missing(ranks, losses, checkpoints, shas, transformer, samples, mine, cfg, load)
         if not ranks.main:
             return None  # rank 0 summarises, generates and writes the report
@@ -429,7 +429,7 @@ def _run(ranks, cfg: EvaluateConfig, store: str | Path, model: str, checkpoints:
             "store": str(Path(store).resolve()), "tables": tables.versions(), "model": str(model),
             "lora_scale": cfg.lora_scale, "val_samples": len(samples), "val_split": tables.report,
             "damaged_samples": damaged, "config": cfg.model_dump(mode="json"), "settings": settings,
-            "ranks": ranks.world,
+            "ranks": ranks.world, "attention": attention_record(transformer),
         }
         report = write_checkpoint_report(out, metrics, rows)
         if damaged:

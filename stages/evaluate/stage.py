@@ -34,6 +34,7 @@ from models.loading import load_component, parse_dtype
 from models.lora import attach_lora, lora_weight_file
 from stages.evaluate.lora_bytes import checked_digest, read_for_load
 from models.attention import use_attention_backend
+from models.collective import together
 from models.multires import install_multires
 from models.qwen21_flow import is_qwen21
 from models.precision import check_loaded_dtype, describe
@@ -449,14 +450,18 @@ def read_val_samples(cfg: EvaluateConfig, store: str | Path, model: str):
     return tables, Share([s for _, s in read], list(range(len(read))), [i for i, _ in read])
 
 
-def load_transformer(cfg: EvaluateConfig, model: str):
-    """The transformer in the resolved dtype and device, multi-resolution installed, no adapter yet."""
+def load_transformer(cfg: EvaluateConfig, model: str, world: int = 1):
+    """The transformer in the resolved dtype and device, multi-resolution installed, no adapter yet. With several
+    ranks (`world`) every rank calls it: the load is agreed on, the attention backend one decision of all ranks."""
     dtype = parse_dtype(cfg.dtype)
-    transformer = load_component(model, "transformer", dtype=dtype, device=cfg.device, quantize=cfg.quantize_base)
-    check_loaded_dtype(transformer, cfg.dtype, "evaluate.dtype")
-    if not is_qwen21(transformer):  # 2.1: its own mixed-layout forward (models/qwen21_multires.py), images by stages/evaluate/qwen21.py
-        install_multires(transformer)
-    use_attention_backend(transformer, cfg.attention_backend, "evaluate.attention_backend", torch.device(cfg.device), dtype)
+    # agreed on: a rank that fails to load stops every rank here, not one left in the backend's agreement below
+    with together(world, "load the transformer"):
+        transformer = load_component(model, "transformer", dtype=dtype, device=cfg.device, quantize=cfg.quantize_base)
+        check_loaded_dtype(transformer, cfg.dtype, "evaluate.dtype")
+        if not is_qwen21(transformer):  # 2.1: its own mixed-layout forward (models/qwen21_multires.py), images by stages/evaluate/qwen21.py
+            install_multires(transformer)
+    use_attention_backend(transformer, cfg.attention_backend, "evaluate.attention_backend", torch.device(cfg.device),
+                          dtype, world)
     return transformer
 
 

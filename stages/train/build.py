@@ -13,6 +13,7 @@ import torch
 from tqdm.auto import tqdm
 
 from models.attention import use_attention_backend
+from models.collective import together
 from models.lora import add_lora, lora_parameters
 from models.multires import install_multires
 from schemas.config import TrainConfig
@@ -35,9 +36,10 @@ if TYPE_CHECKING:
 COMPILE_OPTIONS: dict[str, Any] = {}
 
 
-def setup_transformer(model: str, cfg: TrainConfig, device: torch.device):
+def setup_transformer(model: str, cfg: TrainConfig, device: torch.device, world: int = 1):
     """Frozen base (optionally quantised while loading, optionally offloaded), multires attention, one trainable
-    LoRA adapter."""
+    LoRA adapter. With several ranks (`world`) every rank calls it: the attention backend is one decision of all
+    ranks (models/attention.py `agree`)."""
     from models.loading import load_component
     from models.precision import check_loaded_dtype, dtype_name, resolve_dtype
 
@@ -46,17 +48,19 @@ def setup_transformer(model: str, cfg: TrainConfig, device: torch.device):
     # in memory when quantize_base is set. With offload the blocks load into host memory and only what stays
     # resident moves to the device.
     load_on = torch.device("cpu") if cfg.offload == "blocks" else device
-    transformer = load_component(model, "transformer", dtype=base_dtype, device=load_on, quantize=cfg.quantize_base)
-    check_loaded_dtype(transformer, dtype_name(base_dtype), "train.dtype")
-    from models.qwen21_flow import is_qwen21
+    # agreed on: a rank that fails to load stops every rank here, not one left in the backend's agreement below
+    with together(world, "load the transformer"):
+        transformer = load_component(model, "transformer", dtype=base_dtype, device=load_on, quantize=cfg.quantize_base)
+        check_loaded_dtype(transformer, dtype_name(base_dtype), "train.dtype")
+        from models.qwen21_flow import is_qwen21
 
-    if is_qwen21(transformer):  # 2.1 mixes layouts with its own forward (models/qwen21_multires.py)
-        from models.qwen21_multires import install_qwen21
+        if is_qwen21(transformer):  # 2.1 mixes layouts with its own forward (models/qwen21_multires.py)
+            from models.qwen21_multires import install_qwen21
 
-        install_qwen21(transformer)
-    else:
-        install_multires(transformer)
-    use_attention_backend(transformer, cfg.attention_backend, "train.attention_backend", device, base_dtype)
+            install_qwen21(transformer)
+        else:
+            install_multires(transformer)
+    use_attention_backend(transformer, cfg.attention_backend, "train.attention_backend", device, base_dtype, world)
     transformer.requires_grad_(False)
     if cfg.quantize_base != "none":
         from models.quantize import install_frozen_linear_backward

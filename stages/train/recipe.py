@@ -267,7 +267,7 @@ def setup(cfg: PipelineConfig, store: str | Path, model: str, out: str | Path, r
         if r.main:  # for the checkpoints' records; now, before any reader thread shares the tables' views
             tables.content_ids()
 
-    r.transformer = setup_transformer(model, tc, r.device)
+    r.transformer = setup_transformer(model, tc, r.device, r.world)
     # which attention kernel this run uses and why (a failed packed probe's error included); rank 0 writes it,
     # every rank learns whether it could (the others would otherwise wait for it in DDP's first broadcast)
     with together(r.world, "attention.json"), guard.one_line_errors("attention.json", r.run_dir):

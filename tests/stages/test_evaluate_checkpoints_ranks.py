@@ -72,6 +72,10 @@ def test_two_ranks_give_the_one_process_numbers(run_and_store, tiny_edit_model, 
     np.testing.assert_allclose(b.base_loss.values, a.base_loss.values, rtol=1e-5, atol=1e-7)
     assert np.array_equal(np.isnan(b.loss.values), np.isnan(a.loss.values))
     assert one.best["step"] == 20
+    # the attention backend: one decision of both ranks (models/attention.py `agree`), each rank's pick recorded
+    attention = json.loads((tmp_path / "two" / "metrics.json").read_text())["run"]["attention"]
+    assert attention["backend"] == "native" and attention["reason"].endswith("; the same on all 2 ranks"), attention
+    assert [(r["rank"], r["backend"]) for r in attention["ranks"]] == [(0, "native"), (1, "native")], attention
     # one held-out loss bar per pass, rank 0's, said to be its share (each rank drew its own, with one label)
     n = len(a.sample.values)
     for what in ("base", "step 10", "step 20", "step 30"):
