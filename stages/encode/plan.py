@@ -177,7 +177,7 @@ def _open_job(store_path: str | Path, stage: str, table: str, feature_hash: str,
                     feature_lineage=fl,
                     earlier_lineages=tuple(dict.fromkeys((*earlier, *same_reads, *changed))), lease=lease,
                     on_damaged=on_damaged,
-                    max_damaged_fraction=max_damaged_fraction, changed_by_fixes=changed)
+                    max_damaged_fraction=max_damaged_fraction, changed_by_fixes=changed, serving=tuple(serving))
     weakref.finalize(job, lease.release)
     found = _identical_version(store, table, lineage, [old for old, _ in hashed_before], serving)
     if found is None and fixes.revision_before not in (None, feature_revision) and not repair_context.active():

@@ -78,3 +78,38 @@ def test_a_21_table_with_reference_dropout_embeds_serves_a_run_without(tiny_21_m
     first = encode_text.run(load_config(None, F32), other, tiny_21_model)
     turned_on = encode_text.run(load_config(None, ON), other, tiny_21_model)
     assert not turned_on.up_to_date and turned_on.encoded == first.encoded and turned_on.version == 2
+
+
+def test_on_a_store_url_a_version_encoded_with_it_on_serves_from_the_cache_and_from_the_remote(
+        s3_env, edit_store: Path, tiny_edit_model, tmp_path: Path) -> None:
+    """The remote's current version is in every cache (found as locally); one another setting's version replaced
+    as current is found by the remote listing (`on_remote`), made current there, nothing encoded."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from pipeline.cli import app
+    from store.checksum import unseal
+    from store.remote_sync import push
+
+    url = s3_env.url("nocontrol")
+    push(edit_store, url)
+
+    def run(cache: str, *settings: str) -> dict:
+        res = CliRunner().invoke(app, ["run", "encode-text", "--model", tiny_edit_model, "--device", "cpu", "--json",
+                                       *settings, "--store", url, "--cache-dir", str(tmp_path / cache)])
+        assert res.exit_code == 0, res.output
+        return json.JSONDecoder().raw_decode(res.output[res.output.index("{"):])[0]
+
+    def current() -> int:
+        body = s3_env.client().get_object(Bucket=s3_env.bucket, Key="nocontrol/store.json")["Body"].read()
+        return unseal(body)["tables"]["text"]["current"]
+
+    on = run("node-a", "--set", "encode_text.no_control_embeds=true")
+    assert (on["version"], on["up_to_date"], current()) == (1, False, 1)
+    off = run("node-b")  # a fresh cache: it holds the remote's current version
+    assert (off["version"], off["encoded"], off["up_to_date"], current()) == (1, 0, True, 1)
+    assert run("node-a", "--set", "encode_text.batching=padded")["version"] == 2 and current() == 2
+    fresh = run("node-c")  # v1 is neither current nor in this cache: the remote's listing finds it
+    assert (fresh["version"], fresh["encoded"], fresh["up_to_date"], current()) == (1, 0, True, 1)
+    assert not s3_env.client().list_objects_v2(Bucket=s3_env.bucket, Prefix="nocontrol/text/v3/").get("Contents")
