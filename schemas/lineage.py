@@ -87,8 +87,8 @@ class Role:
     # otherwise it enters a hash as its default, so a change while unread recomputes nothing and outputs made
     # with the default stay current
     read_if: Callable[[Any], bool] | None = None
-    # a bool whose True only stores more (extra columns; what False stores stays the same, bit for bit): an output
-    # made with it True serves a run that sets it False (`serving_variants`), while False -> True recomputes
+    # a bool whose True only stores more (extra columns; what False stores stays the same): an output made with it
+    # True serves a run that sets it False (`serving_variants`), while False -> True recomputes
     adds_only: bool = False
 
     def enters(self, scope: str, section: Any) -> bool:
