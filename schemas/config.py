@@ -127,9 +127,9 @@ class EncodeTextConfig(Section):
     shard_size_mb: Annotated[float, THROUGHPUT] = Field(256, gt=0, description="shard file size target (fractions allowed)")
     num_workers: Annotated[int, THROUGHPUT] = Field(2, ge=0, description="threads decoding + preprocessing ahead of the forward (0 = inline)")
     # true only adds `nocontrol_embeds`: a table encoded with it serves a run with it false (nothing re-encoded).
-    # The other embeddings are bit for bit the same under `exact` batching (the extra requests, with no images,
-    # never share a batch with them); under `padded` they may share one, which moves them by float32 rounding
-    # only, as a batch size change does (not hashed either)
+    # The other embeddings are bit for bit the same under `exact` batching (a request's result does not depend on
+    # what else its batch holds); under `padded` the extra requests change the batches, which moves them by
+    # float32 rounding only, as a batch size change does (not hashed either)
     no_control_embeds: Annotated[bool, adds_columns()] = Field(False, description="also store the instruction encoded without its control "
                                     "images (`nocontrol_embeds`, for train.control_dropout); a table encoded with "
                                     "it stays up to date when it is turned off")
