@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
-from schemas.lineage import FEATURES, IDENTITY, THROUGHPUT, Role, added_later, section_fingerprint
+from schemas.lineage import FEATURES, IDENTITY, THROUGHPUT, Role, added_later, adds_columns, section_fingerprint
 
 
 class Section(BaseModel):
@@ -126,8 +126,13 @@ class EncodeTextConfig(Section):
         "padded: any requests per batch, text right-padded (float32 within ~1e-6 of exact; full batches, use on GPUs)")
     shard_size_mb: Annotated[float, THROUGHPUT] = Field(256, gt=0, description="shard file size target (fractions allowed)")
     num_workers: Annotated[int, THROUGHPUT] = Field(2, ge=0, description="threads decoding + preprocessing ahead of the forward (0 = inline)")
-    no_control_embeds: Annotated[bool, added_later()] = Field(False, description="also store the instruction encoded without its control "
-                                    "images (`nocontrol_embeds`, for train.control_dropout)")
+    # true only adds `nocontrol_embeds`: a table encoded with it serves a run with it false (nothing re-encoded).
+    # The other embeddings are bit for bit the same under `exact` batching (a request's result does not depend on
+    # what else its batch holds); under `padded` the extra requests change the batches, which moves them by
+    # float32 rounding only, as a batch size change does (not hashed either)
+    no_control_embeds: Annotated[bool, adds_columns()] = Field(False, description="also store the instruction encoded without its control "
+                                    "images (`nocontrol_embeds`, for train.control_dropout); a table encoded with "
+                                    "it stays up to date when it is turned off")
     on_damaged: Annotated[Literal["stop", "skip"], THROUGHPUT] = _on_damaged(
         "`images` sample", "skip it (quarantined as damaged-input, named in the summary)")
     max_damaged_fraction: Annotated[float, THROUGHPUT] = _max_damaged_fraction("the samples")

@@ -4,6 +4,7 @@ one declared scheme every settings hash is derived from (`Role`, `hashed_setting
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Literal
@@ -86,6 +87,9 @@ class Role:
     # otherwise it enters a hash as its default, so a change while unread recomputes nothing and outputs made
     # with the default stay current
     read_if: Callable[[Any], bool] | None = None
+    # a bool whose True only stores more (extra columns; what False stores stays the same): an output made with it
+    # True serves a run that sets it False (`serving_variants`), while False -> True recomputes
+    adds_only: bool = False
 
     def enters(self, scope: str, section: Any) -> bool:
         if self.features_if is not None:
@@ -100,6 +104,11 @@ THROUGHPUT = Role("throughput")
 
 def added_later(kind: RoleKind = "features") -> Role:
     return Role(kind, hashed_unless_default=True)
+
+
+def adds_columns() -> Role:
+    """A bool setting added later whose True only adds columns to the output (see `Role.adds_only`)."""
+    return Role("features", hashed_unless_default=True, adds_only=True)
 
 
 def role_of(model: type[BaseModel], name: str) -> Role | None:
@@ -134,6 +143,23 @@ def hashed_settings(section: BaseModel, scope: Scope = "output", as_set: bool = 
             out[name] = hashed_settings(value, scope) if isinstance(value, BaseModel) else \
                 role.hashed_as(value) if role.hashed_as is not None else dumped[name]
     return out
+
+
+def serving_variants(section: BaseModel) -> list[BaseModel]:
+    """The settings, besides `section` itself, whose outputs serve a run of it: each combination of its `adds_only`
+    settings that are off here turned on (such an output holds everything this run's would, plus columns it does
+    not read). Top-level fields of the section only; empty when it has no such setting off."""
+    off = []
+    for name, info in type(section).model_fields.items():
+        role = role_of(type(section), name)
+        if role is None or not role.adds_only:
+            continue
+        if info.annotation is not bool or info.default is not False:
+            raise TypeError(f"{type(section).__name__}.{name}: an adds-only setting must be a bool defaulting to False")
+        if getattr(section, name) is False:
+            off.append(name)
+    return [section.model_copy(update=dict.fromkeys(names, True))
+            for n in range(1, len(off) + 1) for names in itertools.combinations(off, n)]
 
 
 def unhashed_names(section: BaseModel, scope: Scope = "output") -> set[str]:

@@ -6,7 +6,8 @@
     st = Store(path, create=True)                      # opens STORE/, writes store.json when absent
     st.tables() -> dict[str, int]                      # table -> current version
     st.versions(table) -> list[int]
-    st.find_version(table, lineage: Lineage) -> int | None   # complete version with identical lineage
+    st.find_version(table, lineage: Lineage, serving=()) -> int | None   # complete version with identical lineage
+                                                       # (or one of `serving`: versions that hold more)
     st.set_current(table, version)                     # after reusing a found version (no-op when current)
     st.version_id(table, version) -> str               # "v<N>-<manifest sha256[:16]>": identity for lineage/resume
         # a stage: `v = st.find_version(t, lin); if v is not None: st.set_current(t, v); return` (up to date),

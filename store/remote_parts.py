@@ -335,7 +335,7 @@ class OnRemote(NamedTuple):
     current: int = 0  # the remote's current version of the table when listed (0: none)
 
 
-def on_remote(url: str, table: str, want: dict, world: int) -> OnRemote:
+def on_remote(url: str, table: str, want: dict, world: int, serving: list[dict] = ()) -> OnRemote:
     """What the remote holds of `table`, from one listing: the version numbers `world` ranks with schema `want`
     cannot write - complete ones, and parts of another run (its schema.json differs or is missing, or they were
     written by another number of ranks, or that number is not recorded); parts of this very run are resumed - and
@@ -344,7 +344,9 @@ def on_remote(url: str, table: str, want: dict, world: int) -> OnRemote:
     kill), or one that lost the swap to another writer's newer version, or simply an older one another run's
     settings replaced. Its rerun adopts it (only the swap is redone, `make_current` over the current one, as a
     local store's rerun makes the version of its lineage current: store/store.py `find_version`) instead of
-    encoding everything again into the next number; its nodes' caches dropped their parts after the commit."""
+    encoding everything again into the next number; its nodes' caches dropped their parts after the commit.
+    `serving`: lineages (`Lineage.to_dict`) whose complete versions serve too (settings that only add columns, as
+    `Store.find_version`'s); never resumed as parts (those are this very schema's only)."""
     from store.remote import Remote
     from store.remote_sync import _parse_record, marker_rel
 
@@ -368,8 +370,11 @@ def on_remote(url: str, table: str, want: dict, world: int) -> OnRemote:
         except FileNotFoundError:  # the first commit of the store lost its swap
             entry = None
         current = 0 if entry is None else int(entry["current"])
+        def serves(schema: dict | None) -> bool:
+            return schema == want or (isinstance(schema, dict) and schema.get("lineage") in serving)
+
         for v in sorted((v for v, files in versions.items() if v != current and fmt.MANIFEST in files
-                         and schemas.get(v) == want  # and not retired by `store repair` (its marker)
+                         and serves(schemas.get(v))  # and not retired by `store repair` (its marker)
                          and marker_rel(table, v).split("/", 1)[1] not in names),
                         reverse=True):
             return OnRemote(taken, v, _rows(remote, f"{table}/v{v}/{fmt.MANIFEST}"), current)

@@ -69,13 +69,19 @@ class Store:
             rec["tables"][table] = {"current": version}
             fmt.write_store_record(self.root, rec)
 
-    def find_version(self, table: str, lineage: Lineage) -> int | None:
-        """A complete version built with exactly this lineage (the current one when it qualifies, else the newest)."""
+    def find_version(self, table: str, lineage: Lineage, serving: Iterable[Lineage] = ()) -> int | None:
+        """A complete version built with exactly this lineage, or with one of `serving` (lineages whose versions
+        hold all this one's would, e.g. settings that only add columns): the current one when it qualifies, else
+        the newest."""
+        wanted = [lineage.to_dict(), *(s.to_dict() for s in serving)]
+
+        def serves(v: int) -> bool:
+            recorded = read_schema(self.version_dir(table, v)).lineage.to_dict()
+            return any(up_to_date.is_current(recorded, w) for w in wanted)
+
         matches = [v for v in self.versions(table)
                    if fmt.is_complete(self.version_dir(table, v))
-                   and not fmt.damaged_marker(self.root, table, v).exists()
-                   and up_to_date.is_current(read_schema(self.version_dir(table, v)).lineage.to_dict(),
-                                             lineage.to_dict())]
+                   and not fmt.damaged_marker(self.root, table, v).exists() and serves(v)]
         if not matches:
             return None
         current = self.tables().get(table)

@@ -40,6 +40,7 @@ class EncodeJob:
     writer: TableWriter | None = None
     feature_lineage: str = ""  # see store.reuse: samples with this lineage in earlier versions are carried
     earlier_lineages: tuple[str, ...] = ()  # the same features hashed as before the declared scheme: carried too
+    serving: tuple[Lineage, ...] = ()  # lineages of settings that only add columns: their complete versions serve
     # lineage from before a fix (in earlier_lineages) -> "does a fix change this stored row?" (stages/encode/plan.py)
     changed_by_fixes: dict[str, Any] = field(default_factory=dict)
     match_columns: tuple[str, ...] = ()  # images columns a carried row must still match (vae: mask_sha256)

@@ -54,7 +54,8 @@ def writer_place(job: EncodeJob, schema: TableSchema) -> Place:
         with fmt.flock(job.store.root / fmt.STORE_LOCK):
             # only parts this number of ranks wrote: each rank's share of the keys depends on it
             mine = candidate_version(job.store.root, table, want, world)
-        remote = on_remote(url, table, want, world) if job.ranks.rank == 0 else OnRemote(set())
+        remote = on_remote(url, table, want, world, [s.to_dict() for s in job.serving]) if job.ranks.rank == 0 \
+            else OnRemote(set())
     # rank 0 alone knows the remote: the others send 0
     committed, rows, current = all_max(world, [remote.committed, remote.rows, remote.current])
     if committed:

@@ -79,7 +79,7 @@ def _completed_meanwhile(job: EncodeJob, several_caches: bool = False) -> bool:
     """Another process finished this very table (same lineage) after our up-to-date check, while we loaded
     the model: reuse it ("up to date") instead of writing a duplicate version."""
     assert job.writer is not None
-    found = agreed_found(job.store.find_version(job.summary.table, job.lineage), job.ranks.world_size,
+    found = agreed_found(job.store.find_version(job.summary.table, job.lineage, job.serving), job.ranks.world_size,
                          several_caches)
     if found is None:
         return False

@@ -8,7 +8,7 @@ import time
 import weakref
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from schemas.errors import UserError
 from schemas.lineage import Lineage, code_version, feature_lineage
@@ -47,17 +47,21 @@ ROW_COLUMNS = ("length",)  # what a stored row gives `Fixes.by_revision` (read o
 def open_job(store_path: str | Path, stage: str, table: str, feature_hash: str, model: str,
              feature_revision: str, ranks: Ranks, components: tuple[str, ...] = (), on_damaged: str = "stop",
              max_damaged_fraction: float = 0.0, earlier_hashes: tuple[str, ...] = (),
-             fixes: Fixes = NO_FIXES, unread: tuple[str, ...] = ()) -> EncodeJob:
+             fixes: Fixes = NO_FIXES, unread: tuple[str, ...] = (),
+             serving_hashes: tuple[str, ...] = ()) -> EncodeJob:
     """`_open_job` on every rank, then agreed on (models/collective.py): a rank that cannot open its inputs
     stops every rank with its line before any model is loaded (the others would wait at the commit). Whether the
-    table is up to date is decided by all ranks together too (`_agreed_plan`)."""
+    table is up to date is decided by all ranks together too (`_agreed_plan`). `serving_hashes`: feature hashes of
+    settings whose tables hold all this run's would and more (`settings.serving_config_hashes`): a complete
+    version of one is up to date as well."""
     from models.collective import together
 
     job = None
     try:
         with together(ranks.world_size, f"{stage}: opening the inputs"):
             job, found = _open_job(store_path, stage, table, feature_hash, model, feature_revision, ranks,
-                                   components, on_damaged, max_damaged_fraction, earlier_hashes, fixes, unread)
+                                   components, on_damaged, max_damaged_fraction, earlier_hashes, fixes, unread,
+                                   serving_hashes)
         found = _agreed_plan(job, found)
         if found is not None:
             from stages.encode.commit import push_node_rows
@@ -107,13 +111,16 @@ def _agreed_plan(job: EncodeJob, found: int | None) -> int | None:
 def _open_job(store_path: str | Path, stage: str, table: str, feature_hash: str, model: str,
               feature_revision: str, ranks: Ranks, components: tuple[str, ...] = (), on_damaged: str = "stop",
               max_damaged_fraction: float = 0.0, earlier_hashes: tuple[str, ...] = (),
-              fixes: Fixes = NO_FIXES, unread: tuple[str, ...] = ()) -> tuple[EncodeJob, int | None]:
+              fixes: Fixes = NO_FIXES, unread: tuple[str, ...] = (),
+              serving_hashes: tuple[str, ...] = ()) -> tuple[EncodeJob, int | None]:
     """Read the `images` table, build the lineage, and find out whether an identical version already exists
     (this rank's look: `open_job` agrees on it). `unread`: render settings this stage does not read
     (schemas/pictures_lineage.py): its samples' lineage leaves them out.
 
-    An identical complete version is made current and reused ("up to date"); anything that differs (model
-    fingerprint, config, images version, code revision) leads to a new version, never a silent reuse.
+    An identical complete version is made current and reused ("up to date"), as is one of settings that only add
+    columns (`serving_hashes`); anything else that differs (model fingerprint, config, images version, code
+    revision) leads to a new version, never a silent reuse. An incomplete version of such settings is not resumed
+    (a writer resumes only its own schema, and finishing it would encode the columns this run was not asked for).
     """
     from models.loading import component_fingerprint, model_fingerprint
 
@@ -147,6 +154,10 @@ def _open_job(store_path: str | Path, stage: str, table: str, feature_hash: str,
     # The same features as hashed before the declared lineage scheme (tables encoded then stay current, and
     # `store repair` of such a table resumes its repair version under its own lineage).
     hashed_before = [(replace(lineage, config_hash=f"{h}-images:{images_id}"), e) for h, e in zip(earlier_hashes, earlier)]
+    # Versions of settings that store more (extra columns): they serve this run too, but not a repair, which
+    # completes the version it repairs under that version's own lineage.
+    serving = [] if repair_context.active() else \
+        [replace(lineage, config_hash=f"{h}-images:{images_id}") for h in serving_hashes]
     lineage, fl = next(((old, e) for old, e in hashed_before if repair_context.expected() == old), (lineage, fl))
     if fixes.revision_before not in (None, feature_revision) and repair_context.active():
         # `store repair` of a version encoded before this stage's fixes: repaired under its own lineage (the repair
@@ -166,12 +177,12 @@ def _open_job(store_path: str | Path, stage: str, table: str, feature_hash: str,
                     feature_lineage=fl,
                     earlier_lineages=tuple(dict.fromkeys((*earlier, *same_reads, *changed))), lease=lease,
                     on_damaged=on_damaged,
-                    max_damaged_fraction=max_damaged_fraction, changed_by_fixes=changed)
+                    max_damaged_fraction=max_damaged_fraction, changed_by_fixes=changed, serving=tuple(serving))
     weakref.finalize(job, lease.release)
-    found = _identical_version(store, table, lineage, [old for old, _ in hashed_before])
+    found = _identical_version(store, table, lineage, [old for old, _ in hashed_before], serving)
     if found is None and fixes.revision_before not in (None, feature_revision) and not repair_context.active():
         before = code_version(fixes.revision_before)
-        for old in (lineage, *(old for old, _ in hashed_before)):
+        for old in (lineage, *(old for old, _ in hashed_before), *serving):
             if (found := _unchanged_by_fixes(store, table, images, old, replace(old, code_version=before),
                                              fixes)) is not None:
                 break
@@ -272,10 +283,12 @@ def _same_read_lineages(store: Store, reads: str | None, unread: tuple[str, ...]
     return found
 
 
-def _identical_version(store: Store, table: str, lineage: Lineage, hashed_before: list[Lineage]) -> int | None:
-    """A complete version of `table` with this lineage, or with one of the lineages hashed before the declared
-    scheme; never a version recorded as damaged."""
-    found = store.find_version(table, lineage)
+def _identical_version(store: Store, table: str, lineage: Lineage, hashed_before: list[Lineage],
+                       serving: Sequence[Lineage] = ()) -> int | None:
+    """A complete version of `table` with this lineage or a `serving` one (the current one first: a switch to
+    settings it serves moves nothing downstream), or with one of the lineages hashed before the declared scheme;
+    never a version recorded as damaged."""
+    found = store.find_version(table, lineage, serving)
     for old in hashed_before if found is None else ():
         found = store.find_version(table, old)
         if found is not None:

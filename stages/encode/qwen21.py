@@ -37,6 +37,7 @@ from stages.encode.common import (
     prefetched,
     rank_device,
     resolve_precision,
+    serving_config_hashes,
     with_overrides,
 )
 from stages.encode.plan import Fixes
@@ -198,7 +199,8 @@ def run_text(cfg: PipelineConfig, store: str | Path, model: str, device: str | N
     record = prompt_format_record()
     job = open_job(store, "encode-text", "text", config_hash(section, prompt_format=record), model, TEXT_REVISION,
                    ranks, components=("text_encoder", "processor", "tokenizer"),
-                   on_damaged=section.on_damaged, max_damaged_fraction=section.max_damaged_fraction, fixes=TEXT_FIXES)
+                   on_damaged=section.on_damaged, max_damaged_fraction=section.max_damaged_fraction, fixes=TEXT_FIXES,
+                   serving_hashes=serving_config_hashes(section, prompt_format=record))
     if job.up_to_date:
         return job.summary
     processor = load_component(model, "processor")

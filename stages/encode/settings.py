@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any, TypeVar
 
 from schemas.config import Section
-from schemas.lineage import hashed_settings, settings_hash
+from schemas.lineage import hashed_settings, serving_variants, settings_hash
 
 S = TypeVar("S", bound=Section)
 
@@ -40,6 +40,15 @@ def earlier_config_hashes(section: Section, **extra: Any) -> tuple[str, ...]:
     settings = hashed_settings(section)
     devices = [section.model_dump(mode="json")["device"], *_EARLIER_DEVICES]
     hashes = (settings_hash({"section": {**settings, "device": d}, **extra}) for d in devices)
+    return tuple(dict.fromkeys(hashes))
+
+
+def serving_config_hashes(section: Section, earlier: bool = False, **extra: Any) -> tuple[str, ...]:
+    """`config_hash` of each setting whose tables serve this section's run (`schemas.lineage.serving_variants`:
+    they only add columns, e.g. encode_text.no_control_embeds true for a run with it false), and with `earlier`
+    their `earlier_config_hashes` too: a complete version of one of them is up to date."""
+    hashes = [h for s in serving_variants(section)
+              for h in (config_hash(s, **extra), *(earlier_config_hashes(s, **extra) if earlier else ()))]
     return tuple(dict.fromkeys(hashes))
 
 

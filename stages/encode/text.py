@@ -44,6 +44,7 @@ from stages.encode.common import (
     prefetched,
     rank_device,
     resolve_precision,
+    serving_config_hashes,
     with_overrides,
 )
 
@@ -318,7 +319,8 @@ def run(
     job = open_job(store, STAGE, TABLE, config_hash(section, prompt_format=fmt.lineage_record()), model,
                    FEATURE_REVISION, ranks, components=COMPONENTS,
                    on_damaged=section.on_damaged, max_damaged_fraction=section.max_damaged_fraction,
-                   earlier_hashes=earlier_config_hashes(section, prompt_format=fmt.lineage_record()), fixes=FIXES)
+                   earlier_hashes=earlier_config_hashes(section, prompt_format=fmt.lineage_record()), fixes=FIXES,
+                   serving_hashes=serving_config_hashes(section, earlier=True, prompt_format=fmt.lineage_record()))
     if job.up_to_date:
         return job.summary
     if fmt.variant != "edit" and not job.images.schema.attrs.get("resize", {}).get("vl_views", True):

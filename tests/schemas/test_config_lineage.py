@@ -9,7 +9,7 @@ import pytest
 from pydantic import BaseModel
 
 from schemas import config as C
-from schemas.lineage import Role, hashed_settings, role_of, section_fingerprint
+from schemas.lineage import Role, adds_columns, hashed_settings, role_of, section_fingerprint, serving_variants
 
 
 def _sections(model: type[BaseModel], seen: set) -> list[type[BaseModel]]:
@@ -63,6 +63,34 @@ def test_an_undeclared_field_is_refused():
 
     with pytest.raises(TypeError, match="Bare.x declares no lineage Role"):
         hashed_settings(Bare())
+
+
+def test_a_setting_that_only_adds_columns_is_served_by_outputs_made_with_it_on():
+    """Only on -> off is served (the output made with it on holds more); off -> on, or any other setting, is not."""
+    from typing import Annotated
+
+    from stages.encode.settings import config_hash, earlier_config_hashes, serving_config_hashes
+
+    text = C.EncodeTextConfig(dtype="float32")
+    on = text.model_copy(update={"no_control_embeds": True})
+    assert serving_variants(text) == [on] and serving_variants(on) == []
+    assert serving_config_hashes(text, a=1) == (config_hash(on, a=1),)
+    # a table encoded with it on before the declared scheme (hashed with its device) serves too
+    assert set(earlier_config_hashes(on, a=1)) < set(serving_config_hashes(text, earlier=True, a=1))
+    assert serving_variants(C.EncodeVaeConfig()) == []
+
+    class Two(C.Section):
+        a: Annotated[bool, adds_columns()] = False
+        b: Annotated[bool, adds_columns()] = False
+
+    assert [(v.a, v.b) for v in serving_variants(Two())] == [(True, False), (False, True), (True, True)]
+    assert [(v.a, v.b) for v in serving_variants(Two(a=True))] == [(True, True)]
+
+    class Wrong(C.Section):
+        n: Annotated[int, adds_columns()] = 0
+
+    with pytest.raises(TypeError, match="Wrong.n: an adds-only setting must be a bool"):
+        serving_variants(Wrong())
 
 
 # Values computed by the code before the declared scheme (commit 34f7d89): runs and tables made then stay current.
