@@ -104,6 +104,24 @@ def local_store(store: str | Path, tables: list[str] | None, cache_dir: str | Pa
     return root
 
 
+def open_beside(root: Path, table: str, version: int) -> None:
+    """A complete version of the remote besides the current ones the cached store `root` was opened with (a rerun
+    adopting an older version of its settings: store/remote_parts.open_committed), lazily, under the cache lock as
+    `local_store` opens. This process's read lease names it first: a `store gc` keeps it until it is made current,
+    and one that removed it since the caller listed it is reported."""
+    from store import remote_shards
+    from store.remote_lease import hold_reading
+    from store.remote_parts import source_url
+
+    url, cache = source_url(root), root.parent
+    assert url is not None, f"{root} is no store URL's cache"
+    hold_reading(url, [(table, version)])
+    with fmt.flock(cache / CACHE_LOCK), writing("the store cache", cache):
+        remote_shards.open_version(url, root, table, version)
+        os.utime(fmt.version_dir(root, table, version))  # last use, for LRU
+        (cache / USAGE).unlink(missing_ok=True)  # its metadata is in no running total: the next fetch walks
+
+
 def _stat(p: Path) -> os.stat_result | None:
     """None for a file gone since it was listed (another process renames its fetched shards into place and
     unlinks its temp files without the cache lock)."""

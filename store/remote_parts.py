@@ -22,7 +22,7 @@ import io
 import json
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 import pyarrow.parquet as pq
 
@@ -335,7 +335,8 @@ class OnRemote(NamedTuple):
     current: int = 0  # the remote's current version of the table when listed (0: none)
 
 
-def on_remote(url: str, table: str, want: dict, world: int, serving: list[dict] = ()) -> OnRemote:
+def on_remote(url: str, table: str, want: dict, world: int,
+              same: Callable[[Any], bool] | None = None) -> OnRemote:
     """What the remote holds of `table`, from one listing: the version numbers `world` ranks with schema `want`
     cannot write - complete ones, and parts of another run (its schema.json differs or is missing, or they were
     written by another number of ranks, or that number is not recorded); parts of this very run are resumed - and
@@ -345,11 +346,13 @@ def on_remote(url: str, table: str, want: dict, world: int, serving: list[dict] 
     settings replaced. Its rerun adopts it (only the swap is redone, `make_current` over the current one, as a
     local store's rerun makes the version of its lineage current: store/store.py `find_version`) instead of
     encoding everything again into the next number; its nodes' caches dropped their parts after the commit.
-    `serving`: lineages (`Lineage.to_dict`) whose complete versions serve too (settings that only add columns, as
-    `Store.find_version`'s); never resumed as parts (those are this very schema's only)."""
+    `same`: which complete version's schema.json (parsed JSON, None when unreadable) serves this run; default
+    equal to `want` (resize-bucket compares lineages only, as its cache's `find_version` does; encode accepts
+    settings that only add columns too, `serving_schemas`). Parts are resumed only of `want` itself."""
     from store.remote import Remote
     from store.remote_sync import _parse_record, marker_rel
 
+    same = same or (lambda found: found == want)
     remote = open_remote(url)
     with remote_errors(url, f"listing table '{table}'"):
         names = Remote(url, remote.fs, remote.path(table)).listing()
@@ -370,11 +373,8 @@ def on_remote(url: str, table: str, want: dict, world: int, serving: list[dict] 
         except FileNotFoundError:  # the first commit of the store lost its swap
             entry = None
         current = 0 if entry is None else int(entry["current"])
-        def serves(schema: dict | None) -> bool:
-            return schema == want or (isinstance(schema, dict) and schema.get("lineage") in serving)
-
         for v in sorted((v for v, files in versions.items() if v != current and fmt.MANIFEST in files
-                         and serves(schemas.get(v))  # and not retired by `store repair` (its marker)
+                         and same(schemas.get(v))  # and not retired by `store repair` (its marker)
                          and marker_rel(table, v).split("/", 1)[1] not in names),
                         reverse=True):
             return OnRemote(taken, v, _rows(remote, f"{table}/v{v}/{fmt.MANIFEST}"), current)
@@ -398,6 +398,31 @@ def adopt_version(store: "Store", table: str, version: int, on_remote: bool = Tr
     with remote_errors(url, f"making table '{table}' v{version} current"):
         current = make_current(open_remote(url), table, version, before)
     return current if current != version else None
+
+
+def serving_schemas(want: dict, serving: list[dict]) -> Callable[[Any], bool]:
+    """`on_remote`'s `same` for a schema `want` also served by versions of the lineages `serving` (`Lineage.to_dict`:
+    settings that only add columns, as `Store.find_version`'s)."""
+    return lambda schema: schema == want or (isinstance(schema, dict) and schema.get("lineage") in serving)
+
+
+def open_committed(root: Path, table: str, same: Callable[[Any], bool]) -> int | None:
+    """In a store URL's cache `root`, which opens only the remote's current versions (a new machine, an emptied
+    cache): the newest complete version of `table` on the remote, other than its current one, whose schema.json
+    `same` accepts and that `store repair` did not retire (`on_remote`: one listing), opened in the cache lazily
+    (its metadata) for the caller's own look (`Store.find_version`) to find it, and `adopt_version` to make it
+    current, on the remote too. Its number; None when there is none or `root` is no cache."""
+    from store.remote_cache import open_beside
+
+    url = source_url(root)
+    if url is None:
+        return None
+    # `want` and `world` choose only the version numbers this schema could write (`taken`), not asked here
+    found = on_remote(url, table, {}, 1, same=same).committed
+    if not found:
+        return None
+    open_beside(root, table, found)
+    return found
 
 
 def _rows(remote, rel: str) -> int:

@@ -309,8 +309,7 @@ def open_lazily(url: str, root: Path, storage_options: dict[str, Any] | None, ta
     checked against the remote's record (one GET of its checksums.json; a different one under the same number is
     refused); a warm open lists nothing. `damaged_ok`: repair's working copy (a damaged quarantine.parquet is
     copied for repair to set aside, store/remote_sync.pull_quarantine)."""
-    from store.remote_checked import known_crc
-    from store.remote_sync import _checksums, _conflict, _ordered, _parse_record, pull_quarantine, wanted_versions
+    from store.remote_sync import _parse_record, pull_quarantine, wanted_versions
     from store.store import Store
 
     remote = open_remote(url, storage_options)
@@ -327,18 +326,7 @@ def open_lazily(url: str, root: Path, storage_options: dict[str, Any] | None, ta
         fetched = False
         wanted = {(t, v) for t, v in wanted if skip is None or not skip(t, v)}
         for t, v in sorted(wanted):
-            where = f"{url}/{t}/v{v}/{fmt.CHECKSUMS}"
-            record = remote.read(f"{t}/v{v}/{fmt.CHECKSUMS}")
-            files = _ordered(t, v, _checksums(record, where), record)
-            vdir = fmt.version_dir(root, t, v)
-            if vdir.exists() and not fmt.is_complete(vdir):
-                _set_aside_if_dead(root, t, vdir)  # a dead writer's folder, its number committed on the remote since
-            if vdir.exists():
-                if not fmt.is_complete(vdir) or known_crc(vdir / fmt.MANIFEST)[0] != files[-1].crc:
-                    raise _conflict(t, v, url, root)
-                continue
-            _fetch_metadata(remote, root, t, v, files)
-            fetched = True
+            fetched = _open_version(remote, root, t, v) or fetched
         # older parts left in this cache whose numbers the remote holds complete (e.g. of a commit whose store.json
         # swap was lost, which a rerun with other settings did not adopt): one request per in-progress folder there
         for t in sorted({t for t, _ in wanted}):
@@ -353,6 +341,36 @@ def open_lazily(url: str, root: Path, storage_options: dict[str, Any] | None, ta
             if (tables is None or t in tables) and fmt.is_complete(fmt.version_dir(root, t, int(entry["current"]))):
                 store.set_current(t, int(entry["current"]))
     return wanted
+
+
+def open_version(url: str, root: Path, table: str, version: int,
+                 storage_options: dict[str, Any] | None = None) -> None:
+    """One complete version of `url` into its cached store `root`, lazily, as `open_lazily` opens the current ones
+    (call under the cache lock); not made current: a rerun adopting an older version of its settings does that
+    (stages/resize/stage.py)."""
+    remote = open_remote(url, storage_options)
+    with remote_errors(url, "open"):
+        _open_version(remote, root, table, version)
+
+
+def _open_version(remote: Remote, root: Path, table: str, version: int) -> bool:
+    """The version's metadata fetched and checked into `root` unless cached already (then checked to be the
+    remote's: one GET of its checksums.json); whether it was fetched."""
+    from store.remote_checked import known_crc
+    from store.remote_sync import _checksums, _conflict, _ordered
+
+    where = f"{remote.url}/{table}/v{version}/{fmt.CHECKSUMS}"
+    record = remote.read(f"{table}/v{version}/{fmt.CHECKSUMS}")
+    files = _ordered(table, version, _checksums(record, where), record)
+    vdir = fmt.version_dir(root, table, version)
+    if vdir.exists() and not fmt.is_complete(vdir):
+        _set_aside_if_dead(root, table, vdir)  # a dead writer's folder, its number committed on the remote since
+    if vdir.exists():
+        if not fmt.is_complete(vdir) or known_crc(vdir / fmt.MANIFEST)[0] != files[-1].crc:
+            raise _conflict(table, version, remote.url, root)
+        return False
+    _fetch_metadata(remote, root, table, version, files)
+    return True
 
 
 def _set_aside_if_dead(root: Path, table: str, vdir: Path) -> None:

@@ -12,7 +12,7 @@ from schemas.host import host_id
 from schemas.table import TableSchema
 from models.shared_folder import check_shared
 from store import format as fmt
-from store.remote_parts import OnRemote, on_remote, source_url
+from store.remote_parts import OnRemote, on_remote, serving_schemas, source_url
 from store.writer import candidate_version
 
 if TYPE_CHECKING:
@@ -54,8 +54,8 @@ def writer_place(job: EncodeJob, schema: TableSchema) -> Place:
         with fmt.flock(job.store.root / fmt.STORE_LOCK):
             # only parts this number of ranks wrote: each rank's share of the keys depends on it
             mine = candidate_version(job.store.root, table, want, world)
-        remote = on_remote(url, table, want, world, [s.to_dict() for s in job.serving]) if job.ranks.rank == 0 \
-            else OnRemote(set())
+        remote = on_remote(url, table, want, world, serving_schemas(want, [s.to_dict() for s in job.serving])) \
+            if job.ranks.rank == 0 else OnRemote(set())
     # rank 0 alone knows the remote: the others send 0
     committed, rows, current = all_max(world, [remote.committed, remote.rows, remote.current])
     if committed:

@@ -25,6 +25,7 @@ from schemas.config import PipelineConfig, ResizeConfig
 from schemas import FieldSpec, Lineage, TableSchema, UserError
 from schemas.errors import Rejected
 from schemas.lineage import code_version
+from schemas.up_to_date import is_current
 from schemas.img_shapes import PIXELS_PER_PATCH, img_shapes_from_pixels
 from schemas.resize_sizes import sizes_in_force
 from stages.resize.bucketing import BucketRule, bucket_size, crop_box_for_aspect
@@ -294,12 +295,45 @@ def _up_to_date_version(st: Store, schema: TableSchema) -> tuple[int | None, int
     from store.remote_parts import adopt_version
 
     repair_context.check(schema.lineage, TABLE)
-    found = st.find_version(TABLE, schema.lineage)
-    if found is None and not repair_context.active():
-        found = _unchanged_by_fixes(st, schema)
+    found = _complete_version(st, schema)
+    if found is None and _opened_from_remote(st, schema):
+        found = _complete_version(st, schema)
     if found is None:
         return None, None
     return found, adopt_version(st, TABLE, found)  # e.g. killed after the manifest, before the store.json switch
+
+
+def _complete_version(st: Store, schema: TableSchema) -> int | None:
+    from store import repair_context
+
+    found = st.find_version(TABLE, schema.lineage)
+    if found is None and not repair_context.active():
+        found = _unchanged_by_fixes(st, schema)
+    return found
+
+
+def _opened_from_remote(st: Store, schema: TableSchema) -> bool:
+    """A store URL's cache holds the remote's current version only (a new machine, an emptied cache): an older
+    complete version of these settings on the remote (settings A -> v1, B -> v2, then A again) is opened in it
+    lazily, for `_complete_version` to judge as it judges a local one; before, every image was rendered again
+    into v3 (hours at 1M images). Its lineage is this run's, or the one before this revision's fixes. Not under
+    `store repair`: its working copy holds every version it may reuse, and one it replaced awaits its retirement
+    on the remote. One process decides (resize-bucket runs on rank 0 alone under a launcher: `main_alone`)."""
+    from store import repair_context
+    from store.remote_parts import open_committed
+
+    if repair_context.active():
+        return False
+    wanted = [schema.lineage.to_dict(), _lineage_before_fixes(schema.lineage).to_dict()]
+
+    def same(recorded: Any) -> bool:  # compared as `Store.find_version` compares a local version's schema.json
+        try:
+            lineage = TableSchema.from_dict(recorded).lineage.to_dict()
+        except (UserError, KeyError, TypeError, AttributeError):
+            return False
+        return any(is_current(lineage, w) for w in wanted)
+
+    return open_committed(st.root, TABLE, same) is not None
 
 
 def _lineage_before_fixes(lineage: Lineage) -> Lineage:
