@@ -15,8 +15,11 @@ seed for every one, one denoising run each) nor on the extra prompts or the nega
 prompt is its negative), and an extra prompt's on no other row: more or fewer `num_samples`, or another extra
 prompt added, changed or moved, generate only the images not kept yet. Any other change: another group,
 regenerated. The PNGs are checked against their recorded sha256 on reuse (a damaged or missing one: regenerated).
-An index recorded before (one group over every extra prompt, `group_spellings`; one key over the set of samples
-pictured, `base_key`) is read and recorded again per item, its images reused."""
+
+Any change to the source of models/, features/, schemas/ or stages/evaluate/ (`SOURCE_PACKAGES`), or to the
+libraries' versions, regenerates the base images (and the base losses, `base_losses`, keyed the same way). There
+is no fallback for an index recorded by another release: every release edits those packages, so its keys hold
+another source digest, and no earlier spelling of them could ever match."""
 
 from __future__ import annotations
 
@@ -37,16 +40,15 @@ SOURCE_PACKAGES = ("models", "features", "schemas", "stages/evaluate")
 SOURCE_ROOT = Path(__file__).resolve().parents[2]
 
 
-def base_key(cfg, features: dict, sample_keys: list[str], losses_only: bool = False, as_set: bool = False) -> str:
-    """Hash of every input of the base's held-out losses over `sample_keys` (`losses_only`: single-LoRA evaluate's
-    cache, `base_losses`), or of a set of base images as an index recorded before per-item keys named them.
-    features: `checkpoints.loss_fingerprint`'s settings (the store's text / vae tables read, the model's
-    fingerprint); sample_keys: the val samples, in order. `losses_only`: only the settings the losses depend on
-    (`checkpoints.LOSS_SETTINGS`), none that change only the pictures (seed, num_samples, steps, guidance, the
-    extra prompts), which made a rerun with more pictures recompute them. `as_set`: the evaluate settings as set
-    (`schemas.lineage.hashed_settings`): the key of caches recorded before on_damaged and an unread negative prompt
-    were hashed as their defaults (`spellings`)."""
-    return _digest({**_inputs(cfg, features, losses_only, as_set), "samples": list(sample_keys)})
+def losses_key(cfg, features: dict, sample_keys: list[str]) -> str:
+    """Hash of every input of the base's held-out losses over `sample_keys` (single-LoRA evaluate's cache,
+    `base_losses`). features: `checkpoints.loss_fingerprint`'s settings (the store's text / vae tables read, the
+    model's fingerprint); sample_keys: the val samples, in order. Of the evaluate settings, only those the losses
+    depend on (`checkpoints.LOSS_SETTINGS`), none that change only the pictures (seed, num_samples, steps,
+    guidance, the extra prompts), which made a rerun with more pictures recompute them."""
+    from stages.evaluate.checkpoints import LOSS_SETTINGS
+
+    return _digest({**_inputs(cfg, features, lambda k: k in LOSS_SETTINGS), "samples": list(sample_keys)})
 
 
 #: the settings only the extra prompts' images are made from (`schemas.config`: the val samples' negative is their
@@ -55,32 +57,10 @@ def base_key(cfg, features: dict, sample_keys: list[str], losses_only: bool = Fa
 EXTRA_SETTINGS = ("extra_prompts", "negative_prompt")
 
 
-def group_key(cfg, features: dict, as_set: bool = False) -> str:
+def group_key(cfg, features: dict) -> str:
     """Hash of every input of the base images but which val samples are pictured (`num_samples`) and the extra
-    prompts' own (`EXTRA_SETTINGS`, their images' bytes): each image is kept under it and its item (`item_ids`).
-    As `base_key` of the images, the sample list, `num_samples` and those out."""
-    inputs = _inputs(cfg, features, False, as_set, extras=False)
-    for name in ("num_samples", *EXTRA_SETTINGS):
-        inputs["settings"].pop(name, None)
-    return _digest({**inputs, "per_item": 2})  # never equal to a whole-set key nor an earlier group's
-
-
-def _whole_extras_group_key(cfg, features: dict, as_set: bool) -> str:
-    """The group key of the release before: every extra prompt (and its images' bytes) and the negative prompt in
-    it, its extra prompts' items named by their place (`extra:<i>`). Kept as it was: an index recorded under it
-    is still recognised (`group_spellings`)."""
-    inputs = _inputs(cfg, features, False, as_set)
-    inputs["settings"].pop("num_samples", None)
-    return _digest({**inputs, "per_item": 1})
-
-
-def group_spellings(cfg, features: list[dict]) -> list[str]:
-    """`group_key` of `features` (the present spelling first, then its earlier ones: `checkpoints.earlier_settings`),
-    then the group keys an index recorded by the release before may be under (`_whole_extras_group_key`), each
-    with the evaluate settings as hashed now and as set, once each."""
-    keys = (key(cfg, f, as_set) for key in (group_key, _whole_extras_group_key) for as_set in (False, True)
-            for f in features)
-    return list(dict.fromkeys(keys))
+    prompts' own (`EXTRA_SETTINGS`, their images' bytes): each image is kept under it and its item (`item_ids`)."""
+    return _digest(_inputs(cfg, features, lambda k: k not in ("num_samples", *EXTRA_SETTINGS)))
 
 
 def item_ids(cfg, sample_keys: list[str]) -> list[str]:
@@ -102,7 +82,9 @@ def extra_id(cfg, extra) -> str:
     return "extra:" + _digest(inputs)
 
 
-def _inputs(cfg, features: dict, losses_only: bool, as_set: bool, extras: bool = True) -> dict:
+def _inputs(cfg, features: dict, hashed) -> dict:
+    """What both keys hold: the features read, the hashed evaluate settings named by `hashed` (never the LoRA's
+    scale), the device, the libraries' versions and this project's source."""
     import diffusers
     import peft
     import torch
@@ -110,19 +92,13 @@ def _inputs(cfg, features: dict, losses_only: bool, as_set: bool, extras: bool =
 
     from schemas.lineage import hashed_settings
 
-    from stages.evaluate.checkpoints import LOSS_SETTINGS
-
-    extras = [[_file_sha256(p) for p in e.images] for e in cfg.extra_prompts] if extras and not losses_only else []
-    settings = {k: v for k, v in hashed_settings(cfg, as_set=as_set).items() if k != "lora_scale"}
-    if losses_only:
-        settings = {k: v for k, v in settings.items() if k in LOSS_SETTINGS}
-    # the LoRA's scale is no input of the base images (LoRA off): another scale reuses them
+    # the LoRA's scale is no input of the base images nor losses (LoRA off): another scale reuses them
+    settings = {k: v for k, v in hashed_settings(cfg).items() if k != "lora_scale" and hashed(k)}
     features = {**features, "evaluate": {k: v for k, v in features.get("evaluate", {}).items() if k != "lora_scale"}}
     return {
         "features": features,
         "settings": settings,
         "device": [str(cfg.device), _device_names(cfg.device)],
-        "extra_image_bytes": extras,
         "libraries": {m.__name__: m.__version__ for m in (torch, diffusers, transformers, peft)},
         "sources": _sources_digest(),
     }
@@ -130,14 +106,6 @@ def _inputs(cfg, features: dict, losses_only: bool, as_set: bool, extras: bool =
 
 def _digest(inputs: dict) -> str:
     return hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()
-
-
-def spellings(cfg, features: list[dict], sample_keys: list[str], losses_only: bool = False) -> list[str]:
-    """`base_key` of `features` (the present spelling first, then its earlier ones: `checkpoints.earlier_settings`),
-    each with the evaluate settings as hashed now and as set, once each: the present key, then those a cache
-    recorded before may be under."""
-    keys = (base_key(cfg, f, sample_keys, losses_only, as_set) for as_set in (False, True) for f in features)
-    return list(dict.fromkeys(keys))
 
 
 def extra_prompt_bytes(cfg) -> list[dict]:
@@ -176,19 +144,16 @@ def _device_names(device) -> list[str]:
     return names
 
 
-def read(folder: Path, groups: list[str], ids: list[str], legacy=None) -> list[Image.Image | None]:
-    """Each item's image (`item_ids`) recorded under the group key `groups[0]` or one the release before recorded
-    (`groups[1:]`: `group_spellings`), None for one not recorded there or whose file is missing or damaged
-    (regenerated alone). `legacy(n_files)`: the whole-set keys (`base_key`) an index recorded before per-item keys
-    may hold, as (its spellings, the item ids of its files in order) pairs. An index found under an earlier group
-    or key is recorded again per item under `groups[0]` (the next rerun finds it so; nothing regenerated on an
-    upgrade)."""
+def read(folder: Path, group: str, ids: list[str]) -> list[Image.Image | None]:
+    """Each item's image (`item_ids`) recorded under the group key `group`, None for one not recorded there or
+    whose file is missing or damaged (regenerated alone). An index of another group (another input, or recorded
+    by another release: another source digest) serves nothing."""
     try:
         index = json.loads((folder / INDEX).read_text())
-        entries = _entries(index, groups, ids, legacy)
+        if index.get("group") != group:
+            return [None] * len(ids)
+        entries = dict(index["items"])
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return [None] * len(ids)
-    if entries is None:
         return [None] * len(ids)
     images: list[Image.Image | None] = []
     for item in ids:
@@ -200,30 +165,7 @@ def read(folder: Path, groups: list[str], ids: list[str], legacy=None) -> list[I
                 images[-1] = _png(data)
         except (OSError, ValueError, KeyError, TypeError):
             pass
-    if index.get("group") != groups[0]:
-        from store.format import atomic_write_bytes
-
-        try:
-            atomic_write_bytes(folder / INDEX, _index(groups[0], entries))
-        except OSError:
-            pass  # read-only: served now, recognised again next time
     return images
-
-
-def _entries(index: dict, groups: list[str], ids: list[str], legacy) -> dict | None:
-    """The index's item -> [file, sha256] when it is of these inputs, else None; the extra prompts of a group
-    recorded by the release before (named by their place, `extra:<i>`: its group held every extra prompt, so
-    these are the present ones in their order) by their present item (`extra_id`: a hash, never a place)."""
-    if "group" in index:
-        if index["group"] not in groups:
-            return None
-        place = {f"extra:{n}": item for n, item in enumerate(i for i in ids if i.startswith("extra:"))}
-        return {place.get(k, k): list(v) for k, v in index["items"].items()}
-    files = index["files"]  # an index recorded before per-item keys: one key over the samples pictured
-    for keys, items in (legacy(len(files)) if legacy else ()):
-        if index["key"] in keys and len(items) == len(files):
-            return {item: list(f) for item, f in zip(items, files)}
-    return None
 
 
 def _index(group: str, entries: dict) -> bytes:
@@ -246,7 +188,7 @@ def write(folder: Path, group: str, images: dict[str, Image.Image]) -> None:
             index = json.loads((folder / INDEX).read_text())
             entries = {k: list(v) for k, v in index["items"].items()} if index.get("group") == group else {}
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            entries = {}  # none, another group's, an earlier format's or damaged: this group starts afresh
+            entries = {}  # none, another group's (another release's too) or damaged: this group starts afresh
         for item, img in images.items():
             buf = io.BytesIO()
             img.save(buf, format="PNG")

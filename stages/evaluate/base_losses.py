@@ -1,8 +1,8 @@
 """Single-LoRA evaluate: the base's held-out loss grid (LoRA off) kept in OUT/base-losses.safetensors and reused
-by a rerun whose every input of it is unchanged, as the base images are (`stages.evaluate.base_images`, whose key
-it takes over all the val samples). A rerun with a retrained LoRA, or another scale, then runs the LoRA's loss
-pass only: the base pass cost as much (one forward per sample x seed x σ). --all-checkpoints keeps its base
-losses in its loss array.
+by a rerun whose every input of it is unchanged (`stages.evaluate.base_images.losses_key` over all the val
+samples: another release's source digest is another key, recomputed). A rerun with a retrained LoRA, or another
+scale, then runs the LoRA's loss pass only: the base pass cost as much (one forward per sample x seed x σ).
+--all-checkpoints keeps its base losses in its loss array.
 
 The file is safetensors (numbers only) with the key and the numbers' sha256 in its metadata, written atomically;
 one that cannot be read, holds another key or shape, or numbers that are not the recorded ones (a flipped bit
@@ -19,42 +19,35 @@ import numpy as np
 FILE = "base-losses.safetensors"
 
 
-def cached(out: Path, key: str, shape: tuple[int, ...], compute: Callable[[], np.ndarray],
-           *earlier: str) -> np.ndarray:
-    """The grid recorded under `key` in OUT, else `compute()` recorded there. `earlier`: the same inputs' keys as
-    spelled before (the tables named by version ids, not content): a grid recorded under one is this one's,
-    recorded again under `key`."""
-    found = read(Path(out) / FILE, (key, *earlier), shape)  # one read of the file for every spelling
-    if found is not None:
+def cached(out: Path, key: str, shape: tuple[int, ...], compute: Callable[[], np.ndarray]) -> np.ndarray:
+    """The grid recorded under `key` in OUT, else `compute()` recorded there."""
+    grid = read(Path(out) / FILE, key, shape)
+    if grid is not None:
         from tqdm.auto import tqdm
 
-        grid, recorded = found
         tqdm.write(f"base held-out loss: unchanged inputs, reused from {Path(out) / FILE}")
-        if recorded != key:
-            write(Path(out) / FILE, key, grid)
         return grid
     grid = compute()
     write(Path(out) / FILE, key, grid)
     return grid
 
 
-def read(path: Path, keys: tuple[str, ...], shape: tuple[int, ...]) -> tuple[np.ndarray, str] | None:
-    """(the grid, the key it is recorded under) when that is one of `keys`, its shape and dtype are these and its
-    numbers are the recorded ones; else None."""
+def read(path: Path, key: str, shape: tuple[int, ...]) -> np.ndarray | None:
+    """The grid when it is recorded under `key`, its shape and dtype are these and its numbers are the recorded
+    ones; else None."""
     from safetensors import safe_open
 
     try:
         with safe_open(str(path), framework="numpy") as f:
             meta = f.metadata() or {}
-            recorded = meta.get("key")
-            if recorded not in keys:
+            if meta.get("key") != key:
                 return None
             grid = f.get_tensor("base")
     except Exception:  # noqa: BLE001 - missing, truncated or foreign file: recomputed
         return None
     if grid.shape != shape or grid.dtype != np.float64 or meta.get("sha256") != _digest(grid):
         return None
-    return grid, recorded
+    return grid
 
 
 def write(path: Path, key: str, grid: np.ndarray) -> None:

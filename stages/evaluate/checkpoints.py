@@ -39,7 +39,7 @@ from store.loss_array import Axes, LossStore, recorded_setting, recorded_steps
 #: hashed evaluate settings (schemas/config.py declares which) that change the numbers in the array (the others
 #: only change the pictures); device and batch size are throughput: a change keeps the array. on_damaged changes
 #: them only through the samples read (the array's sample axis, the base caches' keys): it is hashed as its
-#: default, and listed so that the arrays and caches recorded with it stay current (as set: `earlier_settings`).
+#: default, and listed so that the arrays recorded with it stay current (as set: `earlier_settings`).
 LOSS_SETTINGS = ("noise_seeds", "timesteps", "max_loss_samples", "lora_scale", "dtype",
                  "attention_backend", "quantize_base", "on_damaged")
 
@@ -123,7 +123,8 @@ def read_fingerprint(settings: dict, tables) -> tuple[str, dict]:
 def earlier_settings(settings: dict, tables, cfg: EvaluateConfig) -> list[dict]:
     """`read_fingerprint`'s settings as spelled before: the tables named by the version ids read (before they
     were named by content), the evaluate settings as set (`cfg`'s; before on_damaged was hashed as its default),
-    and both; none that is the present spelling: an array, a cache or a report recorded so is still current."""
+    and both; none that is the present spelling: an array or a report recorded so is still current. Not the base
+    caches (`base_images`): their keys hold the source digest, which the release that spelled them so had another of."""
     spellings = [{**settings, "tables": t, "evaluate": e} for e in (settings["evaluate"], _loss_settings(cfg, True))
                  for t in (settings["tables"], tables.versions())]
     return [s for i, s in enumerate(spellings) if s != settings and s not in spellings[:i]]
@@ -423,7 +424,7 @@ def _run(ranks, cfg: EvaluateConfig, store: str | Path, model: str, checkpoints:
         if cfg.num_samples > 0 or cfg.extra_prompts:
             rows = generated_rows(cfg, model, store, tables, transformer, samples, best["path"], best["step"],
                                   last["path"], last["step"], attached, damaged, shas,
-                                  base_cache=(out / BASE_IMAGES, settings, *earlier))
+                                  base_cache=(out / BASE_IMAGES, settings))
         metrics["generation"] = single.generation_summary(rows, cfg, model)  # "lora" = the best checkpoint
         metrics["run"] = {
             "store": str(Path(store).resolve()), "tables": tables.versions(), "model": str(model),

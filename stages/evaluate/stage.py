@@ -108,8 +108,8 @@ def held_out_loss(transformer, samples: list[TrainSample], cfg: EvaluateConfig,
                   base_cache: tuple | None = None, load=None) -> dict:
     """Base vs LoRA loss: per sample the mean over noise seeds x σ grid; then overall, per bucket, per σ, mask.
     One forward per row and LoRA state, weighted all / inside / outside the mask (`loss_grid`). `base_cache`:
-    (report folder, key of every input of the base losses, its earlier spellings...): the base grid reused from
-    there when recorded under the key (`stages.evaluate.base_losses`). `load`: sample i in full where `samples` are outlines
+    (report folder, key of every input of the base losses): the base grid reused from there when recorded under
+    the key (`stages.evaluate.base_losses`). `load`: sample i in full where `samples` are outlines
     (`loss_grid`)."""
     from stages.evaluate import base_losses
 
@@ -121,7 +121,7 @@ def held_out_loss(transformer, samples: list[TrainSample], cfg: EvaluateConfig,
                                  cfg.batch_size, desc=f"held-out loss ({name})", load=load)
 
         shape = (len(samples), len(cfg.noise_seeds), len(cfg.timesteps), 3)
-        grids[name] = (base_losses.cached(base_cache[0], base_cache[1], shape, compute, *base_cache[2:])
+        grids[name] = (base_losses.cached(*base_cache, shape, compute)
                        if name == "base" and base_cache else compute())
         if name == "base":  # a non-finite base loss = bad stored features (on_nonfinite=stop names them): stop
             finite_samples(samples, grids, cfg)  # before the LoRA pass, as --all-checkpoints does
@@ -558,7 +558,7 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, ou
     transformer = load_transformer(cfg, model)
     attach_checked(transformer, lora, cfg.lora_scale, checked.sha256)
 
-    loss = held_out_loss(transformer, samples, cfg, (out, *base_inputs_key(cfg, store, model, samples, tables)),
+    loss = held_out_loss(transformer, samples, cfg, (out, base_inputs_key(cfg, store, model, samples, tables)),
                          load=reader(tables, share))
 
     rows: list[SampleRow] = []
@@ -577,24 +577,21 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, ou
 
 
 def base_inputs_key(cfg: EvaluateConfig, store: str | Path, model: str, samples: list[TrainSample],
-                    tables) -> list[str]:
-    """The key of every input of the base's losses over `samples` (`base_images.base_key` over all of them, of
-    the losses: store tables, model files, loss settings, device, libraries, this project's sources), then its
-    earlier spellings (`read_inputs`, and the settings as set: `base_images.spellings`)."""
-    from stages.evaluate.base_images import spellings
+                    tables) -> str:
+    """The key of every input of the base's losses over `samples` (`base_images.losses_key` over all of them: store
+    tables, model files, loss settings, device, libraries, this project's sources)."""
+    from stages.evaluate.base_images import losses_key
 
-    return spellings(cfg, read_inputs(cfg, store, model, tables), [s.key for s in samples], losses_only=True)
+    return losses_key(cfg, read_inputs(cfg, store, model, tables), [s.key for s in samples])
 
 
-def read_inputs(cfg: EvaluateConfig, store: str | Path, model: str, tables) -> list[dict]:
+def read_inputs(cfg: EvaluateConfig, store: str | Path, model: str, tables) -> dict:
     """`loss_fingerprint`'s settings with the text / vae tables the val samples were read from, named by content
     (`checkpoints.read_fingerprint`): the store's current ones may have changed since (an encode beside evaluate),
-    and a cache keyed by those would name numbers the new version never gave. Then the same settings' earlier
-    spellings (the version ids read: a cache recorded so is still this one's)."""
-    from stages.evaluate.checkpoints import earlier_settings, loss_fingerprint, read_fingerprint
+    and a cache keyed by those would name numbers the new version never gave."""
+    from stages.evaluate.checkpoints import loss_fingerprint, read_fingerprint
 
-    settings = read_fingerprint(loss_fingerprint(cfg, store, model)[1], tables)[1]
-    return [settings, *earlier_settings(settings, tables, cfg)]
+    return read_fingerprint(loss_fingerprint(cfg, store, model)[1], tables)[1]
 
 
 def attach_checked(transformer, lora: str | Path, scale: float, sha256: str) -> None:
@@ -619,7 +616,7 @@ def sample_rows(cfg: EvaluateConfig, store: str | Path, model: str, transformer,
     check_loaded_dtype(vae, cfg.dtype, "evaluate.dtype")
     qwen21 = is_qwen21(transformer)
     jobs = _jobs(cfg, model, store, tables, transformer, vae, samples, damaged, qwen21)
-    cache = (Path(out) / FOLDER, *read_inputs(cfg, store, model, tables)) if out is not None else None
+    cache = (Path(out) / FOLDER, read_inputs(cfg, store, model, tables)) if out is not None else None
     return paired_rows(jobs, transformer, vae, cfg, qwen21, samples, cache)
 
 

@@ -86,7 +86,9 @@ def test_a_killed_run_leaving_only_base_images_does_not_block_the_report_folder(
 
 
 def test_every_input_of_the_base_images_is_in_their_key(tmp_path, monkeypatch):
-    """Each input changed alone gives another key (so another set of images); the same inputs, the same key."""
+    """Each input changed alone gives another key (its group, `group_key`, or its items, `item_ids`: so other
+    images); the same inputs, the same key. The group holds none of the inputs an image's item holds: which samples
+    are pictured and the extra prompts' own."""
     import diffusers
 
     from schemas.config import ExtraPrompt
@@ -96,8 +98,12 @@ def test_every_input_of_the_base_images_is_in_their_key(tmp_path, monkeypatch):
     cfg = EvaluateConfig(device="cpu", dtype="float32", extra_prompts=[ExtraPrompt(prompt="p", images=[str(img)])])
     features = {"store": "/s", "tables": {"text": "t1", "vae": "v1"}, "model_fingerprint": "m1"}
     samples = ["k1", "k2"]
-    key = base_images.base_key(cfg, features, samples)
-    assert base_images.base_key(cfg, dict(features), list(samples)) == key
+
+    def key(c, f, s):
+        return base_images.group_key(c, f), tuple(base_images.item_ids(c, s))
+
+    first = key(cfg, features, samples)
+    assert key(cfg, dict(features), list(samples)) == first
 
     changed = {
         "store": (cfg, {**features, "store": "/other"}, samples),
@@ -107,39 +113,30 @@ def test_every_input_of_the_base_images_is_in_their_key(tmp_path, monkeypatch):
         "picked samples": (cfg, features, ["k1", "k3"]),
     }
     for name, value in [("seed", 7), ("num_inference_steps", 3), ("true_cfg_scale", 2.5), ("negative_prompt", "x"),
-                        ("dtype", "bfloat16"), ("device", "meta"), ("attention_backend", "flash"), ("quantize_base", "int8"), ("num_samples", 9),
+                        ("dtype", "bfloat16"), ("device", "meta"), ("attention_backend", "flash"),
+                        ("quantize_base", "int8"),
                         ("extra_prompts", [ExtraPrompt(prompt="q", images=[str(img)])]),
                         ("extra_prompts", [ExtraPrompt(prompt="p", images=[str(img)], height=64, width=64)])]:
         changed[f"{name}={value}"] = (cfg.model_copy(update={name: value}), features, samples)
-    keys = {name: base_images.base_key(*args) for name, args in changed.items()}
+    keys = {name: key(*args) for name, args in changed.items()}
     img.write_bytes(b"another picture")  # same path, other bytes
-    keys["extra image bytes"] = base_images.base_key(cfg, features, samples)
+    keys["extra image bytes"] = key(cfg, features, samples)
     img.write_bytes(b"one picture")
     monkeypatch.setattr(diffusers, "__version__", "0.0.0")
-    keys["diffusers version"] = base_images.base_key(cfg, features, samples)
+    keys["diffusers version"] = key(cfg, features, samples)
     monkeypatch.undo()
-    assert key not in keys.values() and len(set(keys.values())) == len(keys), keys
+    assert first not in keys.values() and len(set(keys.values())) == len(keys), keys
 
-    # each image's group key (`group_key`, the item beside it): the same inputs but which samples are pictured and
-    # the extra prompts' own (in each extra prompt's item, `extra_id`)
-    own = ("picked samples", "num_samples=9", "negative_prompt=x", *(n for n in changed if n.startswith("extra")))
-    group = base_images.group_key(cfg, features)
-    groups = {name: base_images.group_key(c, f) for name, (c, f, _) in changed.items() if name not in own}
-    assert group not in groups.values() and len(set(groups.values())) == len(groups), groups
+    # the group: the same but for which samples are pictured (num_samples only picks them) and the extra prompts'
+    # own, each in its own item: another of those regenerates no other image
+    own = ("picked samples", "negative_prompt=x", "extra image bytes", *(n for n in changed if n.startswith("extra")))
     for name in own:
-        assert base_images.group_key(changed[name][0], features) == group, name
-    extra = base_images.extra_id(cfg, cfg.extra_prompts[0])
-    extras = {name: base_images.extra_id(c, c.extra_prompts[0]) for name, (c, _, _) in changed.items()
-              if name.startswith("extra") or name == "negative_prompt=x"}
-    img.write_bytes(b"another picture")
-    extras["extra image bytes"] = base_images.extra_id(cfg, cfg.extra_prompts[0])
-    img.write_bytes(b"one picture")
-    assert extra not in extras.values() and len(set(extras.values())) == len(extras), extras
+        assert keys[name][0] == first[0], name
+    assert base_images.group_key(cfg.model_copy(update={"num_samples": 9}), features) == first[0]
     # no true CFG: the negative prompt is not read, nor in the item
     no_cfg = cfg.model_copy(update={"true_cfg_scale": 1.0})
     assert base_images.extra_id(no_cfg.model_copy(update={"negative_prompt": "x"}), cfg.extra_prompts[0]) == \
         base_images.extra_id(no_cfg, cfg.extra_prompts[0])
-    assert group not in keys.values() and group != key
 
 
 def test_the_key_takes_the_source_of_every_module_generation_runs_through(tmp_path, monkeypatch):
@@ -157,15 +154,15 @@ def test_the_key_takes_the_source_of_every_module_generation_runs_through(tmp_pa
     monkeypatch.setattr(base_images, "SOURCE_ROOT", root, raising=False)  # (before: no such setting, real files)
     cfg = EvaluateConfig(device="cpu", dtype="float32")
     features = {"store": "/s", "tables": {"text": "t1", "vae": "v1"}, "model_fingerprint": "m1"}
-    before = base_images.base_key(cfg, features, ["k1"])
+    before = base_images.group_key(cfg, features)
     for module in ("models/multires.py", "models/attention.py", "models/quantize.py", "models/sample.py",
                    "schemas/img_shapes.py", "models/generate.py", "stages/evaluate/qwen21.py"):
         source = root / module
         original = source.read_text()
         source.write_text(original + "\n# an upgrade's change\n")
-        assert base_images.base_key(cfg, features, ["k1"]) != before, module
+        assert base_images.group_key(cfg, features) != before, module
         source.write_text(original)
-    assert base_images.base_key(cfg, features, ["k1"]) == before
+    assert base_images.group_key(cfg, features) == before
 
 
 def test_single_lora_evaluate_reuses_its_base_images_through_the_same_cache(run_and_store, tiny_edit_model, tmp_path,
@@ -259,35 +256,6 @@ def test_a_flipped_bit_in_the_kept_base_losses_is_recomputed_not_reused(tmp_path
     assert recomputed == [1]
     np.testing.assert_array_equal(got, grid)
     assert base_losses.cached(tmp_path, "k", grid.shape, lambda: 1 / 0) is not None  # rewritten intact: reused
-
-
-def test_the_base_losses_file_is_opened_once_for_every_spelling_of_the_key(tmp_path, monkeypatch):
-    """`cached` opened and read OUT/base-losses.safetensors once per key spelling it tried (the present key, then
-    each earlier version-id key): a miss read the same file twice or more. Now one open checks the recorded key
-    against every spelling; a grid found under an earlier one is still recorded again under the present key."""
-    import safetensors
-
-    from stages.evaluate import base_losses
-
-    grid = np.arange(6, dtype=np.float64).reshape(2, 3) / 7
-    base_losses.write(tmp_path / base_losses.FILE, "other", grid)
-    opens = []
-    real = safetensors.safe_open
-    monkeypatch.setattr(safetensors, "safe_open", lambda *a, **k: (opens.append(1), real(*a, **k))[1])
-
-    recomputed = []
-    got = base_losses.cached(tmp_path, "k", grid.shape, lambda: (recomputed.append(1), grid + 1)[1], "k-before")
-    assert opens == [1] and recomputed == [1]  # a miss: one open, then computed
-    np.testing.assert_array_equal(got, grid + 1)
-
-    base_losses.write(tmp_path / base_losses.FILE, "k-before", grid)
-    opens.clear()
-    got = base_losses.cached(tmp_path, "k", grid.shape, lambda: 1 / 0, "k-older", "k-before")
-    assert opens == [1]  # found under an earlier spelling by the one open
-    np.testing.assert_array_equal(got, grid)
-    opens.clear()
-    assert base_losses.cached(tmp_path, "k", grid.shape, lambda: 1 / 0) is not None  # recorded under "k" now
-    assert opens == [1]
 
 
 def test_the_base_losses_are_kept_under_the_vae_version_they_were_read_from(run_and_store, tiny_edit_model,
@@ -406,64 +374,6 @@ def test_more_pictured_samples_generate_only_the_base_images_not_kept(run_and_st
     assert made == [1, 1, 0]
 
 
-def _as_earlier_index(folder: Path, cfg, features: dict, picked: list[str]) -> None:
-    """The kept images as the release before recorded them: 00000.png... in the pictured order, under one key over
-    the samples pictured (`base_key`, its present spelling)."""
-    import json
-
-    index = json.loads((folder / base_images.INDEX).read_text())
-    if "key" in index:
-        return  # recorded so already (the code before per-sample keys)
-    files = []
-    for i, item in enumerate(base_images.item_ids(cfg, picked)):
-        name, sha = index["items"][item]
-        (folder / name).rename(folder / f"{i:05d}.png")
-        files.append([f"{i:05d}.png", sha])
-    key = base_images.base_key(cfg, features, picked)
-    (folder / base_images.INDEX).write_text(json.dumps({"key": key, "files": files}, indent=1))
-
-
-def test_an_index_recorded_under_the_whole_set_key_still_serves_its_images(run_and_store, tiny_edit_model,
-                                                                           tmp_path, monkeypatch):
-    """A report folder of the release before: base-images/ with one key over the samples pictured. It is read and
-    recorded again per sample: the same num_samples generates no base image, a raised one only the new samples'
-    (the kept pixels reused); a changed setting still regenerates."""
-    import json
-    import shutil
-
-    from stages.evaluate import checkpoint_report, stage
-    from stages.evaluate.stage import pick_samples
-
-    root, out = run_and_store, tmp_path / "report"
-    count = _counting_base(monkeypatch)
-    seen = {}
-    base_column = checkpoint_report.base_column
-
-    def seeing(jobs, transformer, vae, cfg, qwen21, samples, base_cache, lora_off):
-        seen.update(cfg=cfg, features=base_cache[1], picked=[s.key for s in pick_samples(samples, cfg.num_samples)])
-        return base_column(jobs, transformer, vae, cfg, qwen21, samples, base_cache, lora_off)
-
-    monkeypatch.setattr(checkpoint_report, "base_column", seeing)
-    lora = dict(_ckpts(root))[10]
-
-    def run(n: int, **update) -> tuple[list, int]:
-        cfg = EvaluateConfig(**{**CFG, "num_samples": n, "num_inference_steps": 2, **update})
-        result, made = count(stage.run, cfg, root / "store", tiny_edit_model, lora, out)
-        return result.metrics["generation"]["samples"], made
-
-    for n_before, n_after, generated in ((1, 2, 1), (2, 2, 0)):
-        shutil.rmtree(out, ignore_errors=True)
-        seen.clear()
-        before, _ = run(n_before)
-        _as_earlier_index(out / base_images.FOLDER, seen["cfg"], seen["features"], seen["picked"])
-        after, made = run(n_after)
-        assert made == generated, (n_before, n_after)
-        assert after[:n_before] == before  # the kept pixels (scores against the targets, base and LoRA)
-        assert "group" in json.loads((out / base_images.FOLDER / base_images.INDEX).read_text())  # recorded again
-        assert run(n_after)[1] == 0
-    assert run(2, seed=EvaluateConfig(**CFG).seed + 1)[1] == 2  # another input of the images: regenerated
-
-
 def _extra_prompt(tmp_path: Path, i: int) -> dict:
     """An extra prompt with its own control picture (the tiny model's size)."""
     from PIL import Image
@@ -504,50 +414,3 @@ def test_another_extra_prompt_generates_only_its_own_base_image(run_and_store, t
     assert run(moved)[1] == 0  # its place is no input of an extra prompt's image
     assert run(two.model_copy(update={"negative_prompt": "blurry"}))[1] == 2  # the extra prompts' own
     assert run(two.model_copy(update={"negative_prompt": "blurry", "extra_prompts": []}))[1] == 0
-
-
-def test_an_index_recorded_with_every_extra_prompt_in_its_group_still_serves_its_images(
-        run_and_store, tiny_edit_model, tmp_path, monkeypatch):
-    """A report folder of the release before: one group key over every extra prompt, its extra prompts' images
-    named by their place (`extra:<i>`). It is recognised and recorded again under the present group: the same
-    settings generate no base image, and then a second extra prompt generates its own alone."""
-    import json
-
-    from stages.evaluate import checkpoint_report, stage
-    from stages.evaluate.stage import pick_samples
-
-    root, out = run_and_store, tmp_path / "report"
-    count = _counting_base(monkeypatch)
-    seen = {}
-    base_column = checkpoint_report.base_column
-
-    def seeing(jobs, transformer, vae, cfg, qwen21, samples, base_cache, lora_off):
-        seen.update(features=base_cache[1], picked=[s.key for s in pick_samples(samples, cfg.num_samples)])
-        return base_column(jobs, transformer, vae, cfg, qwen21, samples, base_cache, lora_off)
-
-    monkeypatch.setattr(checkpoint_report, "base_column", seeing)
-    lora = dict(_ckpts(root))[10]
-    cfg = EvaluateConfig(**{**CFG, "num_samples": 1, "num_inference_steps": 2, "dtype": "float32",
-                            "true_cfg_scale": 2.0, "extra_prompts": [_extra_prompt(tmp_path, 1)]})
-
-    def run(c):
-        result, made = count(stage.run, c, root / "store", tiny_edit_model, lora, out)
-        return result.metrics["generation"]["samples"], made
-
-    before, n = run(cfg)
-    assert n == 2
-    folder = out / base_images.FOLDER
-    index = json.loads((folder / base_images.INDEX).read_text())
-    ids = base_images.item_ids(cfg, seen["picked"])
-    assert sorted(index["items"]) == sorted(ids)
-    earlier = {"group": base_images._whole_extras_group_key(cfg, seen["features"], False),
-               "items": {f"sample:{seen['picked'][0]}": index["items"][ids[0]], "extra:0": index["items"][ids[1]]}}
-    (folder / base_images.INDEX).write_text(json.dumps(earlier))
-
-    after, n = run(cfg)
-    assert n == 0 and after == before
-    assert json.loads((folder / base_images.INDEX).read_text())["group"] == base_images.group_key(cfg,
-                                                                                                  seen["features"])
-    two = cfg.model_copy(update={"extra_prompts": [*cfg.extra_prompts, EvaluateConfig(
-        extra_prompts=[_extra_prompt(tmp_path, 2)]).extra_prompts[0]]})
-    assert run(two)[1] == 1

@@ -272,9 +272,10 @@ def test_a_changed_caption_is_another_report(trained, tiny_plus_model, tmp_path)
 
 def test_reports_and_arrays_recorded_under_version_ids_stay_current(trained, tiny_plus_model, tmp_path,
                                                                     monkeypatch):
-    """A report, loss array and base caches as the earlier release recorded them (the tables named by the version
-    ids read) are current while nothing changed, and are recorded under content at their next write: an `images`
-    rerun that changes no sample then keeps them too."""
+    """A report and loss array as the earlier release recorded them (the tables named by the version ids read) are
+    current while nothing changed, and are recorded under content at their next write: an `images` rerun that
+    changes no sample then keeps them too. (The base caches are made again: their keys hold the source digest,
+    which that release had another of.)"""
     import zarr
 
     from schemas.config import EvaluateConfig
@@ -294,12 +295,12 @@ def test_reports_and_arrays_recorded_under_version_ids_stay_current(trained, tin
     with monkeypatch.context() as m:
         one, every_, passes = _reevaluate(store, run, single, every, tiny_plus_model, m)
     assert one.up_to_date and every_.up_to_date and passes == 0
-    with monkeypatch.context() as m:  # forced: recorded again, under content; the base caches' numbers kept
+    with monkeypatch.context() as m:  # forced: recorded again, under content
         passes = []
         grid = stage.loss_grid
         m.setattr(stage, "loss_grid", lambda *a, **k: passes.append(1) or grid(*a, **k))
         stage.run(EvaluateConfig(**EVAL), store, tiny_plus_model, run / "lora", single)
-        assert passes == [1]  # the LoRA's pass; the base's reused from its cache recorded under version ids
+        assert passes == [1, 1]  # the base's too: no fallback to a base cache keyed by version ids
     assert ev.run(EvaluateConfig(**EVAL), store, tiny_plus_model, _steps(run), every).evaluated == 0
     assert zarr.open_group(every / "losses.zarr", mode="r", use_consolidated=True).attrs["fingerprint"] != old
     assert not list(every.glob("losses.*.zarr"))
