@@ -18,8 +18,8 @@ regenerated. The PNGs are checked against their recorded sha256 on reuse (a dama
 
 Any change to the source of models/, features/, schemas/ or stages/evaluate/ (`SOURCE_PACKAGES`), or to the
 libraries' versions, regenerates the base images (and the base losses, `base_losses`, keyed the same way). There
-is no fallback for an index recorded by another release: every release edits those packages, so its keys hold
-another source digest, and no earlier spelling of them could ever match."""
+is no fallback for an index whose keys were spelled otherwise: a change to their spelling is itself a change to
+that source, so an index recorded before it holds another source digest and no earlier spelling could match."""
 
 from __future__ import annotations
 
