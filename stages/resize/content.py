@@ -29,9 +29,7 @@ def content_listing_hash(source: str | Path) -> str:
     """Hash of (relative path, sha256 of the bytes) of every local source file (`sources.source_files`), and of
     (URL, size, content tag) of every shard at a URL."""
     s = str(source)
-    root = Path(s)
-    # relative to the folder the files are named from: a brace list and its folder of shards hash the same
-    base = root.parent if is_shard_list(s) or not root.is_dir() else root
+    base = listing_base(s)
     h = hashlib.sha256()
     prefix = os.path.join(os.path.abspath(base), "")
     with FileHashes() as hashes:
@@ -47,6 +45,14 @@ def content_listing_hash(source: str | Path) -> str:
         for line in remote_listing([u for u in remote_source_files(s) if is_url(u)]):
             h.update(f"{line}\n".encode())
     return h.hexdigest()[:16]
+
+
+def listing_base(source: str | Path) -> Path:
+    """The folder a source's files are named relative to, in the listing hash and (as its prefix) in the rows'
+    `source` names: a folder source itself; the folder of a file source or of a brace list (so a brace list and its
+    folder of shards hash the same)."""
+    root = Path(source)
+    return root.parent if is_shard_list(source) or not root.is_dir() else root
 
 
 def _relative(path: str, prefix: str, base: Path) -> str:
