@@ -1,6 +1,7 @@
 """Source identity by content: the listing hash of a source is built from each file's relative path and the
 sha256 of its bytes, so touching a file or copying the dataset elsewhere changes nothing. Hashes are cached by
-(real path, size, mtime) so a rerun over an unchanged source reads no image bytes at all.
+(real path, size, mtime, ctime), and on local file systems by inode too, so a rerun over an unchanged source, also
+one moved or renamed since, reads no image bytes at all.
 
 Per format: a folder, JSONL or parquet source, and local tar shards (a folder of them or a brace list), by their
 files (`sources.source_files`; parquet: the parquet files); tar shards at URLs by URL, size and the server's

@@ -17,6 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
+import models.file_hashes as file_hashes
 from damage import HEADER, flip_bit, key_at, sample_byte
 from pipeline.cli import app
 from pipeline.config import load_config
@@ -55,12 +56,17 @@ def _schema(st: Store) -> dict:
     return json.loads((st.version_dir("images", st.tables()["images"]) / "schema.json").read_text())
 
 
-def test_a_moved_source_is_up_to_date_and_changed_content_there_renders(tmp_path: Path) -> None:
+def test_a_moved_source_is_up_to_date_and_changed_content_there_renders(tmp_path: Path, monkeypatch) -> None:
     make_demo_data(tmp_path / "a", n=6, fmt="folder", max_controls=2, seed=1)
     st = Store(tmp_path / "store")
     first = stage.run(_cfg(), tmp_path / "a", st)
     (tmp_path / "a").rename(tmp_path / "b")
+    read: list[int] = []
+    real_sha = file_hashes.file_sha256
+    monkeypatch.setattr(file_hashes, "file_sha256", lambda p: read.append(1) or real_sha(p))
     again = stage.run(_cfg(), tmp_path / "b", st)
+    monkeypatch.undo()
+    assert read == []  # the moved files known by their inodes: not read again for the listing hash
     assert again.up_to_date and again.version == 1 and again.written == 0 and st.versions("images") == [1]
     moved = [line for line in str(again).splitlines() if line.startswith("source:")]
     assert len(moved) == 1 and str(tmp_path / "a") in moved[0] and str(tmp_path / "b") in moved[0]
