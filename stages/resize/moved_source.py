@@ -99,8 +99,8 @@ MOVED = ".moved"  # suffix of an index's renamed copy, put in place in the secon
 
 def adopt_in_progress(st: Store, moved: Moved, schema: TableSchema) -> int | None:
     """Make `moved.version` the in-progress version of `schema` (its source now where `schema` says): its rows'
-    source names moved, then its schema.json rewritten. Returns how many committed samples it holds (None when a
-    writer finished or adopted it meanwhile: nothing done).
+    source names moved, then its schema.json rewritten. Returns how many committed samples it holds (None, nothing
+    done: a writer finished or adopted it meanwhile, or its rows are not named under the old path).
 
     In two phases, so that a kill anywhere leaves every name either as read or moved, never moved twice: each
     index's renamed copy beside it, then the `MOVING` mark; then each copy over its index and the schema, and the
