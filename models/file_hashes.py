@@ -7,6 +7,12 @@ rewritten, copied) is read and hashed again, and keeps its identity when its byt
 time (ctime) counts too: no tool can set it, so weights rewritten in place with the same size and their mtime put
 back (`cp -p`, `rsync -a --inplace`, a download tool restoring the upload time) are not taken for the old ones.
 
+A file found under another path (its folder moved or renamed, or mounted elsewhere: a bind mount) is known by its
+inode: the same device, inode, size, mtime and ctime as a row hashed under its old path (a rename changes none of
+these for the files inside a folder, and any write changes the ctime), so a moved million-file dataset is not read
+again. Only on local file systems whose inode numbers are the file's own (`STABLE_INODES`); elsewhere (network
+and FUSE file systems, FAT) a moved file is hashed again.
+
 sqlite (stdlib) rather than one JSON file: at a million source files the JSON was ~150 MB read and rewritten
 whole on every run; here each file is one row looked up by its primary key, new hashes are written in batched
 transactions (a killed run keeps what it flushed), and the WAL journal with a busy timeout lets concurrent
@@ -46,12 +52,23 @@ CACHE_NAME = "file-hashes.sqlite"  # one cache for every caller: a file hashed b
 FLUSH_EVERY = 1000  # new hashes per write transaction
 _SHA256 = re.compile(r"[0-9a-f]{64}")  # what a row must hold to be trusted (a damaged row is re-hashed)
 _TABLE = ("CREATE TABLE IF NOT EXISTS sha256 (path TEXT PRIMARY KEY, size INTEGER NOT NULL, "
-          "mtime_ns INTEGER NOT NULL, sha256 TEXT NOT NULL, ctime_ns INTEGER) WITHOUT ROWID")
+          "mtime_ns INTEGER NOT NULL, sha256 TEXT NOT NULL, ctime_ns INTEGER, dev INTEGER, ino INTEGER) WITHOUT ROWID")
 # a cache written before ctime counted: the column added, its rows (ctime NULL) re-hashed once
 _ADD_CTIME = "ALTER TABLE sha256 ADD COLUMN ctime_ns INTEGER"
-_UPSERT = ("INSERT INTO sha256 (path, size, mtime_ns, ctime_ns, sha256) VALUES (?, ?, ?, ?, ?) ON CONFLICT(path) "
-           "DO UPDATE SET size = excluded.size, mtime_ns = excluded.mtime_ns, ctime_ns = excluded.ctime_ns, "
-           "sha256 = excluded.sha256")
+# ... before inodes were recorded: its rows are found by path only (NULL dev, ino)
+_ADD_INODE = ("ALTER TABLE sha256 ADD COLUMN dev INTEGER", "ALTER TABLE sha256 ADD COLUMN ino INTEGER")
+_INODE_INDEX = "CREATE INDEX IF NOT EXISTS sha256_inode ON sha256 (dev, ino)"
+_UPSERT = ("INSERT INTO sha256 (path, size, mtime_ns, ctime_ns, sha256, dev, ino) VALUES (?, ?, ?, ?, ?, ?, ?) "
+           "ON CONFLICT(path) DO UPDATE SET size = excluded.size, mtime_ns = excluded.mtime_ns, "
+           "ctime_ns = excluded.ctime_ns, sha256 = excluded.sha256, dev = excluded.dev, ino = excluded.ino")
+_BY_INODE = ("SELECT sha256 FROM sha256 WHERE dev = ? AND ino = ? AND size = ? AND mtime_ns = ? AND ctime_ns = ? "
+             "LIMIT 1")
+# local file systems whose inode numbers belong to the file for its life and whose ctime has ns resolution: a
+# row's (dev, ino, size, mtime, ctime) is that file, unchanged. Not FAT/exFAT (inode numbers made up from the
+# directory slot, reused by the next file there, 2 s times), not network or FUSE file systems (numbers made up by
+# the client or another host's)
+STABLE_INODES = {"ext2", "ext3", "ext4", "xfs", "btrfs", "zfs", "f2fs", "tmpfs", "overlay", "bcachefs"}
+_INT64 = 1 << 63  # sqlite's INTEGER: a larger inode number is not recorded
 
 
 def file_sha256(path: str | Path) -> str:
@@ -79,6 +96,13 @@ MOUNTINFO = "/proc/self/mountinfo"  # this process's mount table (Linux; elsewhe
 def network_fs(path: Path, mountinfo: str | None = None) -> str | None:
     """The type of the network file system holding `path` (which may not exist yet), else None.
     `mountinfo`: the text of /proc/self/mountinfo (read when None; unreadable: None, as a local disk)."""
+    kind = mount_type(path, mountinfo)
+    shared = kind in NETWORK_FS or (kind or "").startswith("fuse.") and kind not in LOCAL_FUSE
+    return kind if shared else None
+
+
+def mount_type(path: Path | str, mountinfo: str | None = None) -> str | None:
+    """The type of the file system holding `path` (its innermost mount); None when the mount table is unreadable."""
     # links resolved as far as the path exists; first: walking the path mounts an automounted (autofs) folder
     real = os.path.realpath(path)
     if mountinfo is None:
@@ -96,8 +120,7 @@ def network_fs(path: Path, mountinfo: str | None = None) -> str | None:
         inside = real == point or real.startswith(point.rstrip("/") + "/")
         if inside and len(point) >= len(best):  # the innermost mount (the last of equal ones: mounted over)
             best, kind = point, tail[0]
-    shared = kind in NETWORK_FS or (kind or "").startswith("fuse.") and kind not in LOCAL_FUSE
-    return kind if shared else None
+    return kind
 
 
 def _connect(path: Path, journal: str = "WAL") -> sqlite3.Connection:
@@ -110,8 +133,13 @@ def _connect(path: Path, journal: str = "WAL") -> sqlite3.Connection:
             db.execute(f"PRAGMA journal_mode={journal}")  # WAL: readers never wait for a writer
             db.execute("PRAGMA synchronous=NORMAL")  # a cache: a power cut may lose the last batch, never corrupt it
             db.execute(_TABLE)
-            if "ctime_ns" not in {row[1] for row in db.execute("PRAGMA table_info(sha256)")}:
+            columns = {row[1] for row in db.execute("PRAGMA table_info(sha256)")}
+            if "ctime_ns" not in columns:
                 db.execute(_ADD_CTIME)
+            if "ino" not in columns:
+                for add in _ADD_INODE:
+                    db.execute(add)
+            db.execute(_INODE_INDEX)
             db.commit()
             return db
         except sqlite3.OperationalError as e:
@@ -194,7 +222,9 @@ class FileHashes:
             self.journal = "DELETE"
             self._hosts = f"{stem}.*.{ext}" if dot else f"{cache_name}.*"
         self._db: sqlite3.Connection | None = None
-        self._pending: dict[str, tuple[int, int, int, str]] = {}
+        # path -> size, mtime, ctime, sha256, dev, ino (dev and ino None: not recorded)
+        self._pending: dict[str, tuple[int, int, int, str, int | None, int | None]] = {}
+        self._stable: dict[int, bool] = {}  # st_dev -> its file system is in STABLE_INODES
         self.hashed = 0
 
     def __enter__(self) -> "FileHashes":
@@ -240,7 +270,7 @@ class FileHashes:
         finally:
             os.close(fd)
 
-    def _known(self, real: str) -> tuple[int, int, int, str] | None:
+    def _known(self, real: str) -> tuple[int, int, int, str, int | None, int | None] | None:
         if real in self._pending:
             return self._pending[real]
         if self._db is None:
@@ -270,14 +300,44 @@ class FileHashes:
             self._db = None
 
     def cached(self, f: str | Path) -> str | None:
-        """The file's sha256 when the cache knows its bytes (same size, mtime and ctime), else None (not read)."""
+        """The file's sha256 when the cache knows its bytes (same size, mtime and ctime; under another path: same
+        inode too), else None (not read)."""
         real = os.path.realpath(f)
         st = os.stat(real)
         known = self._known(real)
         stamp = (st.st_size, st.st_mtime_ns, st.st_ctime_ns)
         if known is not None and tuple(known[:3]) == stamp and isinstance(known[3], str) and _SHA256.fullmatch(known[3]):
             return known[3]
-        return None
+        moved = self._by_inode(real, st)
+        if moved is not None:  # recorded under this path too: found by it next time
+            self._remember(real, st, moved)
+        return moved
+
+    def _inode(self, real: str, st: os.stat_result) -> tuple[int, int] | None:
+        """(dev, ino) of a file on a `STABLE_INODES` file system, else None."""
+        if st.st_dev not in self._stable:
+            self._stable[st.st_dev] = mount_type(real) in STABLE_INODES
+        if not self._stable[st.st_dev] or not (0 <= st.st_dev < _INT64 and 0 <= st.st_ino < _INT64):
+            return None
+        return st.st_dev, st.st_ino
+
+    def _by_inode(self, real: str, st: os.stat_result) -> str | None:
+        """The sha256 recorded for this very file (same inode, size, mtime, ctime) under another path."""
+        inode = self._inode(real, st) if self._db is not None else None
+        if inode is None or self._db is None:
+            return None
+        try:
+            row = self._db.execute(_BY_INODE, (*inode, st.st_size, st.st_mtime_ns, st.st_ctime_ns)).fetchone()
+        except sqlite3.Error as e:
+            self._give_up(e)
+            return None
+        return row[0] if row is not None and isinstance(row[0], str) and _SHA256.fullmatch(row[0]) else None
+
+    def _remember(self, real: str, st: os.stat_result, digest: str) -> None:
+        dev, ino = self._inode(real, st) or (None, None)
+        self._pending[real] = (st.st_size, st.st_mtime_ns, st.st_ctime_ns, digest, dev, ino)
+        if len(self._pending) >= FLUSH_EVERY:
+            self._flush()
 
     def sha256(self, f: str | Path) -> str:
         real = os.path.realpath(f)
@@ -288,8 +348,6 @@ class FileHashes:
         digest = file_sha256(real)
         self.hashed += 1
         after = os.stat(real)
-        if (after.st_size, after.st_mtime_ns, after.st_ctime_ns) == stamp:  # not changed while read
-            self._pending[real] = (*stamp, digest)
-            if len(self._pending) >= FLUSH_EVERY:
-                self._flush()
+        if (after.st_size, after.st_mtime_ns, after.st_ctime_ns) == stamp and after.st_ino == st.st_ino:
+            self._remember(real, after, digest)  # not changed while read
         return digest

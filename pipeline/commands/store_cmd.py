@@ -197,11 +197,25 @@ def _recompute(cfg, store: Path):
                 src = cfg.paths.source or schema.attrs.get("source")
                 if not src:
                     raise UserError(f"table '{table}': pass --source (the dataset it was built from)")
+                if not cfg.paths.source and _gone(src):
+                    raise UserError(f"table '{table}' was built from {src}, which is not there any more (moved, "
+                                    "renamed, another mount?): pass --source where the same dataset is now (its "
+                                    "content must be the same: only the damaged samples are re-rendered)")
                 resize_run(cfg, src, store)
             else:
                 raise UserError(f"no stage of this pipeline writes '{stage}' tables: cannot recompute")
 
     return run
+
+
+def _gone(source: str) -> bool:
+    """A local source recorded in a schema that no longer exists (a URL is not checked here: the stage says)."""
+    from stages.resize.shards import is_shard_list, is_url
+
+    if is_url(source) or "::" in source:
+        return False
+    p = Path(source)
+    return not (p.parent.is_dir() if is_shard_list(source) else p.exists())
 
 
 @migrate_app.command("v1-to-v2", help="Upgrade every schema-v1 table to a new v2 version (img_shapes derived).")

@@ -1,6 +1,7 @@
 """Source identity by content: the listing hash of a source is built from each file's relative path and the
 sha256 of its bytes, so touching a file or copying the dataset elsewhere changes nothing. Hashes are cached by
-(real path, size, mtime) so a rerun over an unchanged source reads no image bytes at all.
+(real path, size, mtime, ctime), and on local file systems by inode too, so a rerun over an unchanged source, also
+one moved or renamed since, reads no image bytes at all.
 
 Per format: a folder, JSONL or parquet source, and local tar shards (a folder of them or a brace list), by their
 files (`sources.source_files`; parquet: the parquet files); tar shards at URLs by URL, size and the server's
@@ -29,9 +30,7 @@ def content_listing_hash(source: str | Path) -> str:
     """Hash of (relative path, sha256 of the bytes) of every local source file (`sources.source_files`), and of
     (URL, size, content tag) of every shard at a URL."""
     s = str(source)
-    root = Path(s)
-    # relative to the folder the files are named from: a brace list and its folder of shards hash the same
-    base = root.parent if is_shard_list(s) or not root.is_dir() else root
+    base = listing_base(s)
     h = hashlib.sha256()
     prefix = os.path.join(os.path.abspath(base), "")
     with FileHashes() as hashes:
@@ -47,6 +46,14 @@ def content_listing_hash(source: str | Path) -> str:
         for line in remote_listing([u for u in remote_source_files(s) if is_url(u)]):
             h.update(f"{line}\n".encode())
     return h.hexdigest()[:16]
+
+
+def listing_base(source: str | Path) -> Path:
+    """The folder a source's files are named relative to, in the listing hash and (as its prefix) in the rows'
+    `source` names: a folder source itself; the folder of a file source or of a brace list (so a brace list and its
+    folder of shards hash the same)."""
+    root = Path(source)
+    return root.parent if is_shard_list(source) or not root.is_dir() else root
 
 
 def _relative(path: str, prefix: str, base: Path) -> str:

@@ -33,6 +33,7 @@ from features.decode import Decoded, ImageRejected, decode_image, decode_keeping
 from stages.resize.render_pool import rendered_in_order
 from stages.resize.content import content_listing_hash
 from stages.resize.folder_listing import remembered
+from stages.resize.moved_source import Moved, recorded_source
 from stages.resize.sources import SourceSample, detect_format, iter_source
 
 if TYPE_CHECKING:
@@ -71,6 +72,9 @@ class ResizeSummary:
     repaired_from: int | None = None  # the version recorded as damaged whose damaged samples this run re-rendered
     # a store URL: the higher version another writer made current meanwhile, which stays current over `version`
     newer_current: int | None = None
+    source: str = ""  # where the source was read now
+    # where the version reused or resumed was read from, when the same content lay elsewhere then (moved_source.py)
+    source_before: str = ""
 
     def to_json(self) -> dict[str, Any]:
         from schemas.stage import summary_record
@@ -79,7 +83,7 @@ class ResizeSummary:
                               sum(self.quarantined.values()), self.bytes_written, self.seconds, self.up_to_date,
                               resumed=self.resumed, splits=dict(self.splits),
                               quarantined_by_reason=dict(self.quarantined), repaired_from=self.repaired_from,
-                              newer_current=self.newer_current)
+                              newer_current=self.newer_current, source_before=self.source_before or None)
 
     def __str__(self) -> str:
         if self.up_to_date:
@@ -88,6 +92,9 @@ class ResizeSummary:
                     "nothing to do"
                     + (f"; v{self.newer_current}, committed by another writer meanwhile, stays current"
                        if self.newer_current is not None else "")
+                    + (f"\nsource: images v{self.version} was read from {self.source_before}, the same files and "
+                       f"bytes are now at {self.source}: nothing re-rendered (v{self.version}, complete, is not "
+                       f"rewritten: it names {self.source_before})" if self.source_before else "")
                     + (f"\n{self.sizes}" if self.sizes else ""))
         lines = [
             f"images v{self.version}: {self.written} samples written"
@@ -95,6 +102,9 @@ class ResizeSummary:
             + (f", {self.resumed} kept from an interrupted run" if self.resumed else "")
             + f" (train {self.splits['train']}, val {self.splits['val']}), {len(self.buckets)} target buckets",
         ]
+        if self.source_before:
+            lines.append(f"source: v{self.version} was begun from {self.source_before} and resumed from {self.source} "
+                         f"(the same files and bytes); its samples committed before now name {self.source}")
         if self.repaired_from is not None:
             lines.append(f"v{self.repaired_from} was recorded as damaged: its damaged samples re-rendered from the "
                          f"source, the rest carried forward, v{self.version} verified (v{self.repaired_from} moved to "
@@ -143,12 +153,16 @@ def _run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> 
     schema = _as_repair_expects(images_schema(rc, content_listing_hash(source), source=str(source), source_format=fmt))
     found, newer = _up_to_date_version(st, schema)
     if found is not None:
+        before = recorded_source(st, found)
         return ResizeSummary(version=found, up_to_date=True, seconds=time.perf_counter() - started,
-                             sizes=sizes_in_force(rc.model_dump()), store=str(st.root), newer_current=newer)
+                             sizes=sizes_in_force(rc.model_dump()), store=str(st.root), newer_current=newer,
+                             source=str(source), source_before=before if before not in ("", str(source)) else "")
     repairing = _damaged_current(st)
+    moved = _adopted(st, schema)
     writer = st.writer(TABLE, schema, shard_size_mb=rc.shard_size_mb)
     intake = _Intake(ResizeSummary(version=writer.version, quarantine_file=str(st.root / "quarantine.parquet"),
-                                   sizes=sizes_in_force(rc.model_dump())))
+                                   sizes=sizes_in_force(rc.model_dump()), source=str(source),
+                                   source_before=moved.before if moved and moved.version == writer.version else ""))
     try:
         carry = _render_source(source, fmt, rc, writer, _rendered_before(st, schema), intake)
         _carry_forward(st, writer, schema, carry, intake.summary)
@@ -285,6 +299,16 @@ class _Intake:
             row["detail"] = f"same content (target, controls, caption) as {kept.source}"
             self.summary.duplicates.remove((self.first_source[key], rec.source))
             self.summary.duplicates.append((kept.source, rec.source))
+
+
+def _adopted(st: Store, schema: TableSchema) -> Moved | None:
+    """The in-progress version a killed run began from the same content at another path, adopted: the writer
+    resumes it (moved_source.py). An adoption killed half-way is finished first, whatever the path now."""
+    from stages.resize.moved_source import adopt_in_progress, finish_moves, in_progress_elsewhere
+
+    finish_moves(st)
+    moved = in_progress_elsewhere(st, schema)
+    return moved if moved is not None and adopt_in_progress(st, moved, schema) is not None else None
 
 
 def _up_to_date_version(st: Store, schema: TableSchema) -> tuple[int | None, int | None]:

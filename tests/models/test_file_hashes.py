@@ -205,6 +205,50 @@ def test_a_cache_written_before_ctime_counted_is_upgraded(tmp_path, cache) -> No
         assert h.sha256(f) == _sha(f) and h.hashed == 0
 
 
+def test_a_moved_folder_is_known_by_its_inodes_not_read_again(tmp_path, cache, monkeypatch) -> None:
+    """A folder renamed (or its files reached by another path: a bind mount): same device, inode, size, mtime and
+    ctime, so the same bytes: not read again, and recorded under the new path. A file rewritten there (its mtime
+    put back) is read; on a file system whose inode numbers are made up (FAT, network, FUSE) everything is."""
+    files = _files(tmp_path / "a", 5)
+    with FileHashes() as h:
+        digests = [h.sha256(f) for f in files]
+    assert h.hashed == 5
+    (tmp_path / "a").rename(tmp_path / "b")
+    moved = [tmp_path / "b" / f.name for f in files]
+    with FileHashes() as h:
+        assert [h.sha256(f) for f in moved] == digests and h.hashed == 0  # before: 5
+    with FileHashes() as h:  # found by the new path now
+        assert h._known(os.path.realpath(moved[0])) is not None and h.sha256(moved[0]) == digests[0]
+    st = moved[1].stat()
+    moved[1].write_bytes(moved[1].read_bytes().replace(b"1", b"7"))
+    os.utime(moved[1], ns=(st.st_atime_ns, st.st_mtime_ns))
+    with FileHashes() as h:
+        assert h.sha256(moved[1]) == _sha(moved[1]) != digests[1] and h.hashed == 1
+    monkeypatch.setattr(fh, "mount_type", lambda path, mountinfo=None: "vfat")
+    (tmp_path / "b").rename(tmp_path / "c")
+    with FileHashes() as h:
+        assert [h.sha256(tmp_path / "c" / f.name) for f in files[2:]] == digests[2:] and h.hashed == 3
+
+
+def test_a_cache_written_before_inodes_were_recorded_is_upgraded(tmp_path, cache) -> None:
+    """The earlier layout (no dev/ino columns): kept, its rows still found by path, the columns added."""
+    import sqlite3
+
+    f = _files(tmp_path / "src", 1)[0]
+    db_path = cache / "qwen-edit-pipeline" / CACHE_NAME
+    db_path.parent.mkdir(parents=True)
+    st = f.stat()
+    with sqlite3.connect(db_path) as db:
+        db.execute("CREATE TABLE sha256 (path TEXT PRIMARY KEY, size INTEGER NOT NULL, mtime_ns INTEGER NOT NULL, "
+                   "sha256 TEXT NOT NULL, ctime_ns INTEGER) WITHOUT ROWID")
+        db.execute("INSERT INTO sha256 VALUES (?, ?, ?, ?, ?)", (os.path.realpath(f), st.st_size, st.st_mtime_ns,
+                                                               _sha(f), st.st_ctime_ns))
+    db.close()
+    with FileHashes() as h:
+        assert h.sha256(f) == _sha(f) and h.hashed == 0
+        assert {"dev", "ino"} <= {row[1] for row in h._db.execute("PRAGMA table_info(sha256)")}
+
+
 @pytest.mark.timeout(60)  # without a lock per node, node b's turn waits for node a's forever
 def test_hashing_alone_is_per_node_not_across_nodes_sharing_a_home(cache, monkeypatch) -> None:
     """The ranks of one node hash a model folder in turn (`FileHashes.alone`); two nodes sharing one home folder
