@@ -14,6 +14,7 @@ import hashlib
 import json
 import logging
 import os
+from collections.abc import Container
 from pathlib import Path
 from typing import Any
 
@@ -102,7 +103,7 @@ def write_version_checksums(vdir: Path, manifest: pa.Table, manifest_bytes: byte
     fmt.atomic_write_bytes(vdir / fmt.CHECKSUMS, seal(record))
 
 
-def unreferenced_shard_file(name: str, shards) -> str | None:
+def unreferenced_shard_file(name: str, shards: Container[str]) -> str | None:
     """`name` when it is a shard file (a tar, or an index) of no shard in `shards` (the manifest's), else None:
     not data of the version - a tar whose writer was killed before its index, which a resumed writer leaves in
     place (store/writer_open.py `clean_temp_files`). checksums.json does not list it (so a push does not ship it),

@@ -86,7 +86,8 @@ def _one_line(problem: str) -> str:
 def _file_problems(vdir: Path, name: str, sums: dict[str, dict[str, Any]], shards: set[str]) -> list[str]:
     """`shards`: those the manifest names (each must be listed); a shard file of none of them is no file of the
     version (`integrity.unreferenced_shard_file`: `store gc` removes it)."""
-    problems = [f"{name}/{s}: named by the manifest, not listed in {fmt.CHECKSUMS}" for s in sorted(shards - sums.keys())]
+    problems = [f"{name}/{s}: named by the manifest, not listed in {fmt.CHECKSUMS}"
+                for s in sorted(shards - sums.keys())]
     for fname, entry in sorted(sums.items()):
         path = vdir / fname
         if (problem := fetch_problem(path)) is not None:

@@ -152,9 +152,10 @@ class RankShards:
         self.commit()  # the open shard is named first
         self.drop_done()
         col = rows.schema.get_field_index("shard")
+        field = rows.schema.field(col)
 
         def index_of(name: str) -> pa.Table:
-            return rows.set_column(col, rows.schema.field(col), pa.array([name] * rows.num_rows, rows.schema.field(col).type))
+            return rows.set_column(col, field, pa.array([name] * rows.num_rows, field.type))
 
         tmp = self._temp()
         with writing(f"a shard of {self.label}", self.dir):  # e.g. a full disk, named

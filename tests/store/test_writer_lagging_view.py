@@ -114,3 +114,24 @@ def test_a_tar_killed_before_its_index_is_not_committed_shipped_or_damage_and_gc
     assert verify_store(root, progress=False) == []
     assert_exact(Store(root), 30)
 
+
+
+def test_without_hard_links_a_shard_still_never_replaces_a_file_of_its_name(store: Store, monkeypatch) -> None:
+    """Where the file system makes no hard links, a shard is renamed into place - but not over a file this view
+    shows under its name (here a tar whose index was lost: the name is skipped, the tar kept)."""
+    vdir = _finished_rank(store, 2)
+    stray = vdir / fmt.shard_name(0, 2)
+    stray.write_bytes(b"a tar no index names")
+
+    def no_links(src, dst):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", no_links)
+    monkeypatch.setattr("store.writer.next_shard_index", lambda *a: 2)  # a view that missed it
+    w = store.writer("vae", vae_schema(), shard_size_mb=0.0001)
+    _add(w, 2)
+    assert w.commit() == 1
+    assert stray.read_bytes() == b"a tar no index names"
+    assert (vdir / fmt.index_name(fmt.shard_name(0, 3))).is_file()
+    assert verify_store(store.root, progress=False) == []
+    assert_exact(Store(store.root), 3)
