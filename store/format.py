@@ -5,6 +5,7 @@ The format name and version are defined here once and checked on every open.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import glob
 import hashlib
@@ -59,6 +60,13 @@ def shard_name(rank: int, index: int) -> str:
 def index_name(shard: str) -> str:
     """Per-shard index sidecar; its presence means the shard is committed."""
     return shard[: -len(".tar")] + ".index.parquet"
+
+
+def shard_of(name: str) -> str | None:
+    """The shard a file of a version belongs to: a shard's own name, or the shard an index describes; None for
+    every other file."""
+    tar = name[: -len(".index.parquet")] + ".tar" if name.endswith(".index.parquet") else name
+    return tar if SHARD_RE.fullmatch(tar) else None
 
 
 def rank_done_name(rank: int) -> str:
@@ -116,20 +124,37 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
+def atomic_write_bytes(path: Path, data: bytes, replace: bool = True) -> None:
     """Temp file in the same folder, fsync, rename, fsync the folder: readers see the old or the new file.
-    A failed write (full disk, ...) removes its temp file and re-raises."""
+    A failed write (full disk, ...) removes its temp file and re-raises. `replace=False`: a file already named
+    `path` is never replaced (`rename_new`: FileExistsError)."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        os.replace(tmp, path) if replace else rename_new(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+def rename_new(src: Path, dst: Path) -> None:
+    """Rename `src` to `dst` in the same folder unless a file is named `dst` there: FileExistsError then, even
+    where this node's cached view of a shared folder does not show that file yet - the name is taken by a hard
+    link, which the file server refuses for a name it holds (NFS LINK), where a rename would replace the file."""
+    try:
+        os.link(src, dst)
+    except FileExistsError:
+        raise
+    except OSError:  # no hard links on this file system: by this node's view, the best it can do
+        if os.path.lexists(dst):
+            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(dst)) from None
+        os.rename(src, dst)
+        return
+    os.unlink(src)
 
 
 @contextmanager
@@ -197,8 +222,8 @@ def parquet_bytes(table: pa.Table) -> bytes:
     return buf.getvalue()
 
 
-def atomic_write_parquet(path: Path, table: pa.Table) -> None:
-    atomic_write_bytes(path, parquet_bytes(table))
+def atomic_write_parquet(path: Path, table: pa.Table, replace: bool = True) -> None:
+    atomic_write_bytes(path, parquet_bytes(table), replace)
 
 
 def read_json(path: Path, what: str) -> Any:

@@ -10,6 +10,11 @@ never takes bytes a kept version needs. Kept as well: every version a live read 
 encode stage still reading a version that is no longer current, `store/lease.py`), with its upstream; the files
 of dead leases (their process is gone) are removed.
 
+Removed as well: the shard files of a kept complete version that its checksums.json does not list - tars a
+killed writer named but never indexed, which a resumed writer leaves in place (it cannot tell them from shards
+whose index its view of a shared folder does not show yet: store/writer_open.py `clean_temp_files`). A complete
+version never changes, so a file it does not list is none of its data.
+
 Kill-safe: under the store lock (no version can become current meanwhile) each doomed folder is first renamed
 to `.<name>.gc-deleting` (atomic; not a version name, so readers, `verify` and `inspect` no longer see it),
 then deleted. A kill leaves either the version intact or a dot-folder that the next `gc` finishes removing.
@@ -25,7 +30,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from schemas.errors import UserError
 from store import format as fmt
+from store import integrity
 from store import lease as leases
 from store.manifest_files import read_schema
 
@@ -37,6 +44,7 @@ class GcPlan:
     keep: list[tuple[str, int]] = field(default_factory=list)
     remove: list[Path] = field(default_factory=list)  # version folders, then leftovers of a killed gc
     leftovers: list[Path] = field(default_factory=list)
+    unreferenced: list[Path] = field(default_factory=list)  # shard files no complete version lists (kept versions')
     nbytes: int = 0  # bytes freed (files whose last link goes)
     leased: dict[tuple[str, int], list[str]] = field(default_factory=dict)  # kept only for live leases: by whom
     dead_leases: list[leases.Found] = field(default_factory=list)  # lease files of gone processes (removed)
@@ -72,7 +80,23 @@ def _writer_active(table_dir: Path) -> bool:
 
 
 def _freed(folder: Path) -> int:
-    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file() and p.stat().st_nlink == 1)
+    return sum(_freed_file(p) for p in folder.rglob("*"))
+
+
+def _freed_file(p: Path) -> int:
+    return p.stat().st_size if p.is_file() and p.stat().st_nlink == 1 else 0
+
+
+def _unreferenced(vdir: Path) -> list[Path]:
+    """The shard files (tars, indexes) of complete `vdir` that its checksums.json does not list; none where the
+    record is missing (format 1) or damaged (`store repair`'s business: what it lists is then unknown)."""
+    try:
+        sums = integrity.read_version_checksums(vdir)
+    except UserError:
+        return []
+    if sums is None:
+        return []
+    return sorted(p for p in vdir.iterdir() if fmt.shard_of(p.name) is not None and p.name not in sums and p.is_file())
 
 
 def plan(root: Path) -> GcPlan:
@@ -98,9 +122,11 @@ def plan(root: Path) -> GcPlan:
             # current (store.json is switched next, store/writer_commit.py). Writers only ever create versions
             # past the newest, so with a writer live every version past the current one is kept.
             if (table_dir.name, v) in keep or (active and (not fmt.is_complete(vdir) or v > newest_current)):
+                if fmt.is_complete(vdir):
+                    out.unreferenced += _unreferenced(vdir)
                 continue
             out.remove.append(vdir)
-    out.nbytes = sum(_freed(p) for p in out.remove + out.leftovers)
+    out.nbytes = sum(_freed(p) for p in out.remove + out.leftovers) + sum(_freed_file(p) for p in out.unreferenced)
     return out
 
 
@@ -113,12 +139,15 @@ def collect(root: Path, dry_run: bool = False, echo: Callable[[str], None] = pri
             echo(f"{'would remove' if dry_run else 'remove'} {vdir.relative_to(root)}")
         for d in p.leftovers:
             echo(f"{'would finish removing' if dry_run else 'finish removing'} {d.relative_to(root)} (an interrupted gc)")
+        for f in p.unreferenced:
+            echo(f"{'would remove' if dry_run else 'remove'} {f.relative_to(root)} (no file of its version: "
+                 "a shard its writer was killed before indexing)")
         for (table, v), by in sorted(p.leased.items()):
             echo(f"keep {table}/v{v}: not current, but read by " + "; ".join(by))
         for found in p.dead_leases:
             echo(f"{'would remove' if dry_run else 'remove'} the lease of a gone reader: {found.describe()}")
         if dry_run:
-            echo(f"dry run: {len(p.remove)} version(s), {p.nbytes / 1e6:.1f} MB would be freed")
+            echo(f"dry run: {len(p.remove)} version(s){_files_note(p)}, {p.nbytes / 1e6:.1f} MB would be freed")
             return p
         doomed = list(p.leftovers)
         for vdir in p.remove:
@@ -134,11 +163,17 @@ def collect(root: Path, dry_run: bool = False, echo: Callable[[str], None] = pri
                 f.rmdir() if f.is_dir() and not f.is_symlink() else f.unlink()
                 fmt.crash_point("gc_mid_delete")
             d.rmdir()
+        for f in p.unreferenced:
+            f.unlink(missing_ok=True)
         for vdir in p.remove:  # `store repair`'s marker (and the fixes' record) of a removed version name nothing now
             fmt.damaged_marker(root, vdir.parent.name, int(vdir.name.lstrip("v"))).unlink(missing_ok=True)
             fmt.unchanged_marker(root, vdir.parent.name, int(vdir.name.lstrip("v"))).unlink(missing_ok=True)
         for found in p.dead_leases:
             found.path.unlink(missing_ok=True)
-        echo(f"gc: removed {len(p.remove)} version(s), freed {p.nbytes / 1e6:.1f} MB; kept "
+        echo(f"gc: removed {len(p.remove)} version(s){_files_note(p)}, freed {p.nbytes / 1e6:.1f} MB; kept "
              + ", ".join(f"{t} v{v}" for t, v in p.keep))
     return p
+
+
+def _files_note(p: GcPlan) -> str:
+    return f" and {len(p.unreferenced)} unreferenced shard file(s)" if p.unreferenced else ""

@@ -14,6 +14,7 @@ import hashlib
 import json
 import logging
 import os
+from collections.abc import Container
 from pathlib import Path
 from typing import Any
 
@@ -90,7 +91,8 @@ def write_version_checksums(vdir: Path, manifest: pa.Table, manifest_bytes: byte
             crc, n = file_crc(vdir / name)
         files[name] = {"nbytes": n, "crc32c": crc}
     for p in sorted(vdir.iterdir()):
-        if p.is_file() and p.name not in files and p.name not in (fmt.CHECKSUMS, fmt.MANIFEST) and not fmt.is_litter(p.name):
+        if p.is_file() and p.name not in files and p.name not in (fmt.CHECKSUMS, fmt.MANIFEST) and \
+                not fmt.is_litter(p.name) and unreferenced_shard_file(p.name, shards) is None:
             crc, n = file_crc(p)
             files[p.name] = {"nbytes": n, "crc32c": crc}
     record: dict[str, Any] = {"format": CHECKSUMS_FORMAT, "files": files}
@@ -99,6 +101,15 @@ def write_version_checksums(vdir: Path, manifest: pa.Table, manifest_bytes: byte
     except (OSError, ValueError, KeyError, TypeError):
         pass
     fmt.atomic_write_bytes(vdir / fmt.CHECKSUMS, seal(record))
+
+
+def unreferenced_shard_file(name: str, shards: Container[str]) -> str | None:
+    """`name` when it is a shard file (a tar, or an index) of no shard in `shards` (the manifest's), else None:
+    not data of the version - a tar whose writer was killed before its index, which a resumed writer leaves in
+    place (store/writer_open.py `clean_temp_files`). checksums.json does not list it (so a push does not ship it),
+    verify does not count it, `store gc` removes it."""
+    shard = fmt.shard_of(name)
+    return name if shard is not None and shard not in shards else None
 
 
 def read_version_checksums(vdir: Path) -> dict[str, dict[str, Any]] | None:

@@ -19,7 +19,6 @@ from typing import Any
 import torch
 
 from store.checksum import RunningCrc
-from store.format import fsync_dir
 
 
 class _HashingFile:
@@ -107,15 +106,15 @@ def encode_tensors(tensors: dict[str, torch.Tensor]) -> tuple[list[memoryview | 
 
 
 class ShardBuilder:
-    """Appends samples to `<final>.tmp`; `commit()` ends the archive, fsyncs and renames it to its final name.
+    """Appends samples to a temp file; `seal()` ends the archive and fsyncs it, and the caller names it (the name
+    it gets is chosen only then: store/writer_shards.py never replaces a file of that name).
 
     Tar is written by hand with `tarfile`'s own header encoder (USTAR: one 512-byte header per member, keys are
     short), so the data offset of each member is simply known, and no pax records appear.
     """
 
-    def __init__(self, final_path: Path) -> None:
-        self.final_path = final_path
-        self.tmp_path = final_path.with_name(final_path.name + ".tmp")
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp_path = tmp_path
         self._f = _HashingFile(self.tmp_path)
         self.records: list[SampleRecord] = []
 
@@ -157,18 +156,16 @@ class ShardBuilder:
         self.records.append(rec)
         return rec
 
-    def commit(self) -> str:
-        """End the archive (two zero blocks, padded to a tar record), fsync, rename; returns the shard's sha256."""
+    def seal(self) -> str:
+        """End the archive (two zero blocks, padded to a tar record) and fsync it; returns the shard's sha256."""
         end = self._f.pos + 2 * tarfile.BLOCKSIZE
         self._f.write(b"\0" * (2 * tarfile.BLOCKSIZE + (-end % tarfile.RECORDSIZE)))
         self._f.close_synced()
-        os.replace(self.tmp_path, self.final_path)
-        fsync_dir(self.final_path.parent)
         return self._f.sha.hexdigest()
 
     @property
     def crc32c(self) -> str:
-        """The whole shard file's CRC32C (valid after `commit`)."""
+        """The whole shard file's CRC32C (valid after `seal`)."""
         return self._f.crc.hex()
 
     def abandon(self) -> None:

@@ -3,7 +3,8 @@ whatever cannot be read or decoded is itself a problem line.
 
 Checks: store.json (its own checksum, format, each table's current version exists and is complete); for every
 complete version: `checksums.json` (sealed) and every file it lists (size + CRC32C: schema.json, manifest.parquet,
-every shard and index), files it does not list, temp files left by killed writes; schema valid, manifest columns
+every shard and index), files it does not list (but shard files of no shard the manifest names: tars a writer
+was killed before indexing, which `store gc` removes), temp files left by killed writes; schema valid, manifest columns
 present, keys valid and unique, and each manifest row against its bytes (sample checksum, tar members named
 after the key, safetensors header agreeing with the recorded dtype/shape/offset of every tensor, file members at
 their recorded offsets). Format-1 versions (no checksums.json) get the sha256 checks they always had.
@@ -82,8 +83,11 @@ def _one_line(problem: str) -> str:
     return " ".join(problem.split())
 
 
-def _file_problems(vdir: Path, name: str, sums: dict[str, dict[str, Any]]) -> list[str]:
-    problems = []
+def _file_problems(vdir: Path, name: str, sums: dict[str, dict[str, Any]], shards: set[str]) -> list[str]:
+    """`shards`: those the manifest names (each must be listed); a shard file of none of them is no file of the
+    version (`integrity.unreferenced_shard_file`: `store gc` removes it)."""
+    problems = [f"{name}/{s}: named by the manifest, not listed in {fmt.CHECKSUMS}"
+                for s in sorted(shards - sums.keys())]
     for fname, entry in sorted(sums.items()):
         path = vdir / fname
         if (problem := fetch_problem(path)) is not None:
@@ -98,7 +102,8 @@ def _file_problems(vdir: Path, name: str, sums: dict[str, dict[str, Any]]) -> li
         elif crc != entry["crc32c"]:
             problems.append(f"{name}/{fname}: crc32c {crc}, {fmt.CHECKSUMS} records {entry['crc32c']}: the file is damaged")
     for p in sorted(vdir.iterdir()):
-        if p.name in sums or p.name == fmt.CHECKSUMS or is_cache_file(p.name):
+        if p.name in sums or p.name == fmt.CHECKSUMS or is_cache_file(p.name) or \
+                integrity.unreferenced_shard_file(p.name, shards) is not None:
             continue
         if fmt.is_litter(p.name):
             problems.append(f"{name}/{p.name}: {LITTER_NOTE}")
@@ -115,8 +120,8 @@ def verify_version(vdir: Path, name: str, progress: bool = True, objects: Object
         problems.append(f"{name}: {e}")
         sums = None
     if objects is None:
-        problems += _file_problems(vdir, name, sums) if sums is not None else []
         found, by_shard = _manifest_problems(vdir, name, sums)
+        problems += _file_problems(vdir, name, sums, set(by_shard)) if sums is not None else []
         problems += found
         for shard, part in tqdm(sorted(by_shard.items()), desc=f"verify {name}", unit="shard", disable=not progress):
             srows, bad = shard_rows(part, name)
@@ -127,8 +132,8 @@ def verify_version(vdir: Path, name: str, progress: bool = True, objects: Object
                 problems.append(f"{name}/{shard}: cannot be checked ({type(e).__name__}: {e})")
         return problems
     local = {n: e for n, e in (sums or {}).items() if n in REMOTE_METADATA}
-    problems += _file_problems(vdir, name, local) if sums is not None else []
     found, by_shard = _manifest_problems(vdir, name, sums)
+    problems += _file_problems(vdir, name, local, set()) if sums is not None else []
     return problems + found + objects(name, sums, by_shard)
 
 

@@ -22,7 +22,7 @@ from schemas.table import TableSchema
 from store import format as fmt
 from store.io_errors import writing
 from store.writer_commit import commit_local, mark_rank_done
-from store.writer_open import candidate_version, clean_uncommitted, committed_in_share, committed_keys, index_paths, \
+from store.writer_open import candidate_version, clean_temp_files, committed_in_share, committed_keys, index_paths, \
     lock_rank, next_shard_index, open_version, record_world
 from store.writer_shards import RankShards, validate_sample
 
@@ -68,7 +68,7 @@ class TableWriter:
             with writing(f"table '{table}'", store.root / table):
                 self.version, self.dir = open_version(store.root, table, schema.to_dict(), version)
                 record_world(self.dir, world_size, several_caches=remote_url is not None)
-                clean_uncommitted(self.dir, rank)
+                clean_temp_files(self.dir, rank)
             if remote_url is not None:
                 from store.remote_parts import adopt_uploaded, hold_parts
 
@@ -83,7 +83,7 @@ class TableWriter:
                 indexes = index_paths(self.dir)  # the committed shards of a resumed version
                 self.done_keys = committed_keys(indexes) if share is None else committed_in_share(
                     indexes, rank, world_size, pa.array(list(share), pa.string()), agree)
-            self._shards = RankShards(self.dir, rank, next_shard_index(self.dir, rank, remote_url is not None),
+            self._shards = RankShards(self.dir, rank, next_shard_index(self.dir, rank),
                                       self.shard_bytes, f"table '{table}' v{self.version}")
         except BaseException:  # the lock goes with a writer that failed to open (a long-lived process retries)
             if self._lease is not None:

@@ -105,26 +105,20 @@ def record_world(vdir: Path, world: int, several_caches: bool) -> None:
             fmt.atomic_write_json(vdir / WORLD_JSON, {"world_size": world})
 
 
-def clean_uncommitted(vdir: Path, rank: int) -> None:
-    """Drop this rank's half-written shards from the version it resumes: temp files (never part of a committed
-    version, and only this rank's writer, whose lock is held, makes them), and tars whose index never got
-    written - only with evidence that the version is not complete. A manifest not seen is none: a shared
-    filesystem's view can lag on one node and list a complete version's schema.json and shards without its
-    manifest or an index. This rank's `rank-RR.done` is: a rank writes it after committing every shard, and a
-    session that writes again drops it before its first new shard (`RankShards.drop_done`), so beside it a tar
-    without an index is one whose index is not seen yet, and no commit can have happened without it. The done
-    file itself is never deleted here (it was, at every open: a lagging view then lost a complete version's
-    rank-RR.done, which its checksums.json lists); `finish_rank` replaces it."""
+def clean_temp_files(vdir: Path, rank: int) -> None:
+    """Drop this rank's temp files from the version it resumes: never part of a committed shard, and only this
+    rank's writer, whose lock is held, makes them.
+
+    A tar without an index is left where it is: it may be a committed shard whose index this node does not see yet
+    (a shared filesystem's view can lag on one node, hiding an index and the rank's done file alike - deleting such
+    a tar lost a shard its index names). New shards take names past every shard and index of the rank
+    (`next_shard_index`), and never a name taken (store/writer_shards.py), so a tar that really is uncommitted is
+    only an unreferenced file: the commit neither lists nor ships it, and `store gc` removes it."""
     prefix = fmt.shard_prefix(rank)
     for p in vdir.glob(prefix + "*.tar.tmp"):
         p.unlink(missing_ok=True)
     for p in vdir.glob(f".{prefix}*.tmp-*"):  # an index write killed mid-way
         p.unlink(missing_ok=True)
-    if (vdir / fmt.rank_done_name(rank)).is_file():
-        return
-    for p in vdir.glob(prefix + "*.tar"):
-        if not (vdir / fmt.index_name(p.name)).is_file():
-            p.unlink()
 
 
 def index_paths(vdir: Path, rank: int | None = None) -> list[Path]:
@@ -186,10 +180,9 @@ def committed_in_share(indexes: list[Path], rank: int, world_size: int, share: p
     return keys
 
 
-def next_shard_index(vdir: Path, rank: int, remote: bool) -> int:
-    prefix = fmt.shard_prefix(rank)
-    names = [p.name for p in vdir.glob(f"{prefix}*.tar")]
-    if remote:  # adopted indexes of shards that are only on the remote
-        names += [p.name.replace(".index.parquet", ".tar") for p in vdir.glob(f"{prefix}*.index.parquet")]
-    idx = [int(m.group(2)) for name in names if (m := fmt.SHARD_RE.fullmatch(name))]
+def next_shard_index(vdir: Path, rank: int) -> int:
+    """One past every shard and shard index of this rank that this view lists: an index without its tar is a shard
+    adopted from a store URL, a tar without its index a shard whose index is not seen yet (or an uncommitted one)."""
+    idx = [int(m.group(2)) for p in vdir.glob(f"{fmt.shard_prefix(rank)}*")
+           if (shard := fmt.shard_of(p.name)) is not None and (m := fmt.SHARD_RE.fullmatch(shard))]
     return max(idx) + 1 if idx else 0

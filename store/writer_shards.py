@@ -4,8 +4,9 @@ committed shards of another version carried forward by hard link."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pyarrow as pa
 import torch
@@ -51,7 +52,11 @@ def validate_sample(schema: TableSchema, key: str, tensors: dict[str, torch.Tens
 
 class RankShards:
     """One rank's shards of this writing session: the open shard, the keys added (written or carried
-    forward) and the next shard index of the rank. `label` names the version in errors ("table 'vae' v3")."""
+    forward) and the next shard index of the rank. `label` names the version in errors ("table 'vae' v3").
+
+    A shard is named only when it is committed, by the first free name from `next_index` on: a name taken - by a
+    shard this node's view of a shared folder does not list yet, whose index it may not list either - is never
+    replaced (`fmt.rename_new`), so no committed shard is lost to a lagging view."""
 
     def __init__(self, vdir: Path, rank: int, next_index: int, shard_bytes: int, label: str) -> None:
         self.dir, self.rank, self.next_index = vdir, rank, next_index
@@ -62,11 +67,14 @@ class RankShards:
         self._builder: ShardBuilder | None = None
         self._metas: list[dict[str, Any]] = []
 
+    def _temp(self) -> Path:
+        """A temp name of this rank (`<shard>.tar.tmp`: litter, which only this rank's writer makes and removes)."""
+        return self.dir / (fmt.shard_name(self.rank, self.next_index) + ".tmp")
+
     def add(self, key: str, tensors: dict[str, torch.Tensor], files: dict[str, bytes], meta: dict[str, Any]) -> None:
-        """Buffer a checked sample into the open shard (opened at the rank's next index); commit that shard once
-        it reaches `shard_bytes`."""
+        """Buffer a checked sample into the open shard; commit that shard once it reaches `shard_bytes`."""
         if self._builder is None:
-            self._builder = ShardBuilder(self.dir / fmt.shard_name(self.rank, self.next_index))
+            self._builder = ShardBuilder(self._temp())
         try:
             with writing(f"a shard of {self.label}", self.dir):
                 self._builder.add(key, tensors, files, meta)
@@ -80,8 +88,8 @@ class RankShards:
 
     def drop_done(self) -> None:
         """Before this session's first new shard lands: the rank's `rank-RR.done` of an earlier session no longer
-        says every shard of the rank is committed (`writer_open.clean_uncommitted` relies on it, and a commit must
-        not count the rank finished). `finish_rank` writes it again."""
+        says every shard of the rank is committed (a commit must not count the rank finished). `finish_rank`
+        writes it again."""
         if not self._done_dropped:
             with writing(f"{fmt.rank_done_name(self.rank)} of {self.label}", self.dir):
                 (self.dir / fmt.rank_done_name(self.rank)).unlink(missing_ok=True)
@@ -96,7 +104,7 @@ class RankShards:
         self._metas = []
 
     def commit(self) -> None:
-        """Commit the open shard, if any: the tar renamed into place, then its index (presence = committed)."""
+        """Commit the open shard, if any: the tar named, then its index (presence = committed)."""
         b = self._builder
         if b is None:
             return
@@ -105,36 +113,60 @@ class RankShards:
             return
         self.drop_done()
         try:
-            with writing(f"shard {b.final_path.name} of {self.label}", self.dir):
-                sha = b.commit()
-                nbytes = b.final_path.stat().st_size
-                index = rows_to_table(b.records, self._metas, b.final_path.name, sha, nbytes, b.crc32c)
-                fmt.atomic_write_parquet(self.dir / fmt.index_name(b.final_path.name), index)  # shard now committed
+            with writing(f"a shard of {self.label}", self.dir):
+                sha = b.seal()
+                nbytes = b.tmp_path.stat().st_size
+                self._publish(b.tmp_path, lambda name: rows_to_table(b.records, self._metas, name, sha, nbytes,
+                                                                     b.crc32c))
         except BaseException:  # full disk etc.: no uncommitted shard left behind; a rerun writes it again
             self.drop()
-            b.final_path.unlink(missing_ok=True)
             raise
         self._builder = None
         self._metas = []
-        self.next_index += 1
         fmt.crash_point("after_shard_commit")
 
+    def _publish(self, tmp: Path, index_of: Callable[[str], pa.Table]) -> str:
+        """Name the finished shard file `tmp` with the first free shard name of the rank from `next_index` on, then
+        write its index (`index_of(name)`): the commit. Returns the name; `next_index` is past it."""
+        while True:
+            name = fmt.shard_name(self.rank, self.next_index)
+            self.next_index += 1
+            try:
+                fmt.rename_new(tmp, self.dir / name)
+            except FileExistsError:  # a shard this view does not list (or whose index it does not): kept, skipped
+                continue
+            fmt.crash_point("shard_before_index")
+            try:
+                fmt.atomic_write_parquet(self.dir / fmt.index_name(name), index_of(name), replace=False)
+                return name
+            except FileExistsError:  # another shard's index, its tar not here (adopted from a store URL): skipped
+                os.rename(self.dir / name, tmp)  # the tar named a moment ago is this one
+            except BaseException:
+                (self.dir / name).unlink(missing_ok=True)  # this one, not committed: no index
+                raise
+
     def link(self, src: Path, rows: pa.Table) -> str:
-        """Hard-link the committed shard `src` under the rank's next shard name, with `rows` (keys already checked)
-        as its index: the commit, as for a written shard. Returns the new shard name."""
+        """Hard-link the committed shard `src` under the rank's next free shard name, with `rows` (keys already
+        checked) as its index: the commit, as for a written shard. Returns the new shard name."""
         keys = rows.column("key").to_pylist()
-        self.commit()  # an open shard keeps its reserved name; the linked one takes the next
+        self.commit()  # the open shard is named first
         self.drop_done()
-        name = fmt.shard_name(self.rank, self.next_index)
-        dst = self.dir / name
         col = rows.schema.get_field_index("shard")
-        rows = rows.set_column(col, rows.schema.field(col), pa.array([name] * rows.num_rows, rows.schema.field(col).type))
-        with writing(f"shard {name} of {self.label}", self.dir):  # e.g. a full disk, named
-            dst.unlink(missing_ok=True)
-            fmt.link_or_copy(ensure_local(Path(src)), dst)  # a lazily cached source shard: fetched first
-            fmt.atomic_write_parquet(self.dir / fmt.index_name(name), rows)  # carried samples now committed
+        field = rows.schema.field(col)
+
+        def index_of(name: str) -> pa.Table:
+            return rows.set_column(col, field, pa.array([name] * rows.num_rows, field.type))
+
+        tmp = self._temp()
+        with writing(f"a shard of {self.label}", self.dir):  # e.g. a full disk, named
+            tmp.unlink(missing_ok=True)
+            try:
+                fmt.link_or_copy(ensure_local(Path(src)), tmp)  # a lazily cached source shard: fetched first
+                name = self._publish(tmp, index_of)  # carried samples now committed
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
         self.linked.add(name)
         self.added.update(keys)
-        self.next_index += 1
         fmt.crash_point("after_linked_shard")
         return name

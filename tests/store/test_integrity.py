@@ -245,7 +245,7 @@ def test_full_disk_writing_the_manifest_leaves_no_temp_file_and_rerun_commits(st
 
     real = fmt.atomic_write_bytes
 
-    def full_for_manifest(path, data):
+    def full_for_manifest(path, data, *args):
         if path.name == fmt.MANIFEST:
             tmp = path.with_name(f".{path.name}.tmp-{__import__('os').getpid()}")
             tmp.write_bytes(data[: len(data) // 2])
@@ -253,7 +253,7 @@ def test_full_disk_writing_the_manifest_leaves_no_temp_file_and_rerun_commits(st
                 raise OSError(errno.ENOSPC, "No space left on device")
             finally:
                 tmp.unlink()  # what atomic_write_bytes does on a failed write
-        real(path, data)
+        real(path, data, *args)
 
     monkeypatch.setattr(fmt, "atomic_write_bytes", full_for_manifest)
     with pytest.raises(DiskFullError, match="disk full while writing the manifest of table 'vae' v1"):

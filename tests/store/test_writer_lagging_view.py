@@ -1,0 +1,137 @@
+"""A resumed writer never deletes or replaces a tar it cannot prove uncommitted: a shared filesystem's view can lag
+on one node and hide a committed shard's index and the rank's done file (or the shard itself). A tar no index
+names is only an unreferenced file: the commit neither lists nor ships it, verify ignores it, `store gc` removes it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import pyarrow.parquet as pq
+import pytest
+
+from store import Store
+from store import format as fmt
+from store.checksum import unseal
+from store.gc import collect
+from store.remote_sync import pull, push
+from store.verify import verify_store
+from store_samples import sample, vae_schema
+from test_store_writer import assert_exact, run_writer
+
+
+def _add(w, i: int) -> None:
+    s = sample(i)
+    w.add(s["key"], tensors=s["tensors"], files=s["files"], meta=s["meta"])
+
+
+@contextmanager
+def _lagging_view(monkeypatch: pytest.MonkeyPatch, vdir: Path, hidden: set[str]) -> Iterator[None]:
+    """This process's view of `vdir` lists none of `hidden` and finds none of them by name, though they are there
+    (an NFS client's cached listing and lookups); a hard link to a hidden name still meets the file."""
+    def shown(p: Path) -> bool:
+        return not (p.parent == vdir and p.name in hidden)
+
+    glob, iterdir, is_file, exists = Path.glob, Path.iterdir, Path.is_file, Path.exists
+    with monkeypatch.context() as m:
+        m.setattr(Path, "glob", lambda self, pattern: (p for p in glob(self, pattern) if shown(p)))
+        m.setattr(Path, "iterdir", lambda self: (p for p in iterdir(self) if shown(p)))
+        m.setattr(Path, "is_file", lambda self: shown(self) and is_file(self))
+        m.setattr(Path, "exists", lambda self: shown(self) and exists(self))
+        yield
+
+
+def _finished_rank(store: Store, n: int) -> Path:
+    """Rank 0 wrote samples 0..n-1 (one shard each) and its done file, then was stopped before the commit."""
+    w = store.writer("vae", vae_schema(), shard_size_mb=0.0001)
+    for i in range(n):
+        _add(w, i)
+    w.finish_rank()
+    w.close()
+    return store.version_dir("vae", 1)
+
+
+def _shard_names(vdir: Path) -> set[str]:
+    return {p.name for p in vdir.glob("shard-r00-*.tar")}
+
+
+@pytest.mark.parametrize("tar_hidden", [False, True], ids=["index-and-done-hidden", "shard-too-hidden"])
+def test_a_resume_through_a_lagging_view_keeps_every_committed_shard(store: Store, monkeypatch, tar_hidden) -> None:
+    """The resumed writer sees neither the last shard's index nor rank-00.done (and, in the second case, not the
+    shard itself). It used to delete that tar (no index, no done file: "uncommitted"), or to write its next
+    shard under that very name; the shard's index, seen once the view catches up, then named lost bytes."""
+    vdir = _finished_rank(store, 4)
+    last = sorted(vdir.glob("shard-r00-*.tar"))[-1]
+    kept = last.read_bytes()
+    hidden = {fmt.index_name(last.name), "rank-00.done"} | ({last.name} if tar_hidden else set())
+    before = _shard_names(vdir)
+    with _lagging_view(monkeypatch, vdir, hidden):
+        w = store.writer("vae", vae_schema(), shard_size_mb=0.0001)
+        assert len(w.done_keys) == 3  # the hidden shard's sample is not known to be done
+        for i in (4, 5):  # the samples of this session (a real one would redo sample 3: a duplicate the commit refuses)
+            _add(w, i)
+    assert last.read_bytes() == kept  # neither deleted nor replaced
+    new = _shard_names(vdir) - before
+    assert len(new) == 2 and all(n > last.name for n in new)  # numbered past it: no name reused
+    assert w.commit() == 1  # the view caught up: every index seen
+    assert verify_store(store.root, progress=False) == []
+    assert last.name in pq.read_table(vdir / "manifest.parquet").column("shard").to_pylist()
+    assert_exact(Store(store.root), 6)  # a fresh reader: every sample once, the kept shard's too
+
+
+def test_a_tar_killed_before_its_index_is_not_committed_shipped_or_damage_and_gc_removes_it(tmp_path: Path) -> None:
+    """A real kill between a shard's tar and its index: the resumed writer leaves the tar (it cannot tell it from a
+    shard whose index its view hides) and writes those samples again under new names. The commit's manifest and
+    checksums.json do not name it, verify does not count it, a push does not ship it, and `store gc` removes it."""
+    root = tmp_path / "s"
+    Store(root)
+    killed = run_writer(root, 30, kill_after=-1, env={"STORE_CRASH_AT": "shard_before_index"})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    vdir = root / "vae" / "v1"
+    orphan, = (p for p in vdir.glob("*.tar") if not (vdir / fmt.index_name(p.name)).exists())
+    assert run_writer(root, 30, kill_after=-1).returncode == 0
+    st = Store(root)
+    assert_exact(st, 30)
+    assert orphan.is_file()  # left to gc: the commit does not delete what its own view may not see whole
+    assert orphan.name not in pq.read_table(vdir / "manifest.parquet").column("shard").to_pylist()
+    assert orphan.name not in unseal((vdir / "checksums.json").read_bytes())["files"]
+    assert verify_store(root, progress=False) == []
+    url = f"file://{tmp_path / 'remote'}"
+    push(str(root), url)
+    assert not (tmp_path / "remote" / "vae" / "v1" / orphan.name).exists()
+    pull(url, tmp_path / "pulled")
+    assert verify_store(tmp_path / "pulled", progress=False) == []
+    files = sorted(os.listdir(vdir))
+    said: list[str] = []
+    plan = collect(root, echo=said.append)
+    assert plan.unreferenced == [orphan] and not plan.remove
+    assert sorted(os.listdir(vdir)) == [f for f in files if f != orphan.name]  # the version's own files all stay
+    assert any(f"remove vae/v1/{orphan.name}" in line for line in said)
+    assert verify_store(root, progress=False) == []
+    assert_exact(Store(root), 30)
+
+
+
+def test_without_hard_links_a_shard_still_never_replaces_a_file_of_its_name(store: Store, monkeypatch) -> None:
+    """Where the file system makes no hard links, a shard is renamed into place - but not over a file this view
+    shows under its name (here a tar whose index was lost: the name is skipped, the tar kept)."""
+    vdir = _finished_rank(store, 2)
+    stray = vdir / fmt.shard_name(0, 2)
+    stray.write_bytes(b"a tar no index names")
+
+    def no_links(src, dst):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", no_links)
+    monkeypatch.setattr("store.writer.next_shard_index", lambda *a: 2)  # a view that missed it
+    w = store.writer("vae", vae_schema(), shard_size_mb=0.0001)
+    _add(w, 2)
+    assert w.commit() == 1
+    assert stray.read_bytes() == b"a tar no index names"
+    assert (vdir / fmt.index_name(fmt.shard_name(0, 3))).is_file()
+    assert verify_store(store.root, progress=False) == []
+    assert_exact(Store(store.root), 3)
