@@ -16,7 +16,7 @@ evaluate covers every kept checkpoint (RUN/checkpoints/step-N): held-out losses 
 (a checkpoint already there is skipped), curves and the best checkpoint in the report.
 
 Under `pipeline launch` (several ranks) each stage runs as it does launched on its own: resize-bucket on rank 0
-while the other ranks wait (`models.collective.main_alone`: a failure there stops every rank with its line), the
+while the other ranks wait (`pipeline.launched.rank_0_alone`: a failure there stops every rank with its line), the
 encode stages, train and evaluate distributed over the ranks, each taking its decisions on all ranks together.
 Rank 0 prints the stage lines (the other ranks' stdout goes nowhere; their errors still show) and reads
 the report. A store URL is refused there (each rank would pull and push
@@ -35,6 +35,7 @@ from schemas.config import PipelineConfig
 from schemas.errors import UserError
 from schemas.stage import StageSummary
 
+from pipeline.launched import launched, rank_0_alone
 from pipeline.rank_output import stdout_of_rank_0
 
 
@@ -162,13 +163,13 @@ def run_all(cfg: PipelineConfig, log: Callable[[str], None] = print, cache_dir: 
     access = StoreAccess(paths.store, cache_dir, cache_gb)
     result = AllResult(report=paths.report / "index.html")
     with stdout_of_rank_0(main):  # pipeline/rank_output.py
-        _run_stages(cfg, paths, access, world, log, result)
+        _run_stages(cfg, paths, access, log, result)
     if main:  # rank 0 wrote the report (the others may finish first)
         result.metrics = json.loads((paths.report / "metrics.json").read_text())
     return result
 
 
-def _run_stages(cfg: PipelineConfig, paths: Paths, access, world: int, log: Callable[[str], None],
+def _run_stages(cfg: PipelineConfig, paths: Paths, access, log: Callable[[str], None],
                 result: AllResult) -> None:
     from dataclasses import replace
 
@@ -179,9 +180,7 @@ def _run_stages(cfg: PipelineConfig, paths: Paths, access, world: int, log: Call
         t0 = time.perf_counter()
         with access.for_stage(name, log) as local:
             if name == "resize-bucket":  # one writer of the images table; the others wait for it
-                from models.collective import main_alone
-
-                summary = main_alone(world, name, lambda: call(cfg, replace(paths, store=local)))
+                summary = rank_0_alone(name, lambda: call(cfg, replace(paths, store=local)))
             else:
                 summary = call(cfg, replace(paths, store=local))
             summary = named_by_url(summary, paths.store)
@@ -190,13 +189,6 @@ def _run_stages(cfg: PipelineConfig, paths: Paths, access, world: int, log: Call
         outcome = StageOutcome(name, summary.up_to_date, str(summary), time.perf_counter() - t0, summary)
         result.outcomes.append(outcome)
         log(f"{outcome.summary}  [{'skipped, up to date' if outcome.skipped else f'{outcome.seconds:.1f} s'}]")
-
-
-def launched() -> tuple[int, bool]:
-    """(processes the launcher started, whether this is rank 0); a plain run is (1, True)."""
-    import os
-
-    return int(os.environ.get("WORLD_SIZE", "1")), os.environ.get("RANK", "0") == "0"
 
 
 def _refuse_url_under_launch(store: str, world: int) -> None:

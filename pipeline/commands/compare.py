@@ -8,6 +8,7 @@ from pathlib import Path
 import typer
 
 from pipeline.commands.common import JsonOpt, emit, json_mode, user_errors
+from pipeline.launched import one_process
 
 
 def command(
@@ -15,6 +16,7 @@ def command(
     out: Path = typer.Option(..., "--out", help="Folder for index.html and curves.csv."),
     as_json: bool = JsonOpt,
 ) -> None:
+    one_process("compare")  # every rank would write the same page and table
     from stages.evaluate.compare import write_compare
 
     with user_errors(), json_mode(as_json):

@@ -15,6 +15,7 @@ import typer
 
 from pipeline.commands.common import SetOpt, echo, user_errors
 from pipeline.commands.store_remote import CacheGbOpt
+from pipeline.launched import one_process
 
 DEMO_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo.yaml"
 DEMO_SAMPLES = 24
@@ -93,12 +94,16 @@ def command(
                                              "(default WORKDIR/store-cache)."),
     cache_gb: Optional[float] = CacheGbOpt,
 ) -> None:
+    t0 = time.perf_counter()
+    workdir = workdir.resolve()
+    effective = workdir / "config.yaml"  # what ran, so the user can rerun or edit it
+    # every rank would build the same model and data into the workdir; its `run all` is the part that launches
+    one_process("demo", f"; then `pipeline launch --nproc-per-node N run all --config {effective}` runs its stages "
+                "on N ranks")
     from pipeline.commands.common import config_from
     from schemas.config import dump_config
     from pipeline.orchestrate import run_all
 
-    t0 = time.perf_counter()
-    workdir = workdir.resolve()
     paths = {"source": workdir / "data", "store": store or workdir / "store", "model": workdir / "tiny-model",
              "run": workdir / "run", "report": workdir / "report"}
     cfg = config_from(config, {f"paths.{k}": str(v) for k, v in paths.items()}, set_)
@@ -106,7 +111,6 @@ def command(
 
     with user_errors():
         claim_workdir(workdir)
-    effective = workdir / "config.yaml"  # what ran, so the user can rerun or edit it
     effective.write_text(dump_config(cfg))
 
     with user_errors():

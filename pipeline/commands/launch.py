@@ -62,11 +62,12 @@ def command(ctx: typer.Context) -> None:
 
 USAGE = "pipeline launch [TORCHRUN OPTIONS] COMMAND [ARGS]..."
 DESCRIPTION = """\
-Run `pipeline COMMAND [ARGS]...` in several processes under torchrun (one per GPU; on a machine without GPUs,
-CPU processes over gloo). COMMAND is a pipeline command that splits its work by rank: `run train`, `run
-encode-text`, `run encode-vae`, `run evaluate --all-checkpoints`, `run all`. The options before it are torchrun's
-(below). A failed rank ends the launch in one line (which ranks exited how), exit status 1; SIGTERM stops every
-rank, exit status 143."""
+Run `pipeline COMMAND [ARGS]...` in several processes under torchrun (one per GPU; on a machine without GPUs, CPU
+processes over gloo). COMMAND is a pipeline command that splits its work by rank: `run train`, `run encode-text`,
+`run encode-vae`, `run evaluate --all-checkpoints`, `run all`; `run resize-bucket` runs on rank 0 while the others
+wait, and a command that runs in one process (`store gc`, `predict`, ...) is refused. The options before it are
+torchrun's (below). A failed rank ends the launch in one line (which ranks exited how), exit status 1; SIGTERM
+stops every rank, exit status 143."""
 EPILOG = """\
 examples:
   pipeline launch --nproc-per-node 2 run train --store S --model M --out RUN

@@ -8,6 +8,7 @@ from typing import Optional
 import typer
 
 from pipeline.commands.common import StrictBaseOpt, checked_lora, echo, user_errors
+from pipeline.launched import one_process
 
 lora_app = typer.Typer(no_args_is_help=True)
 
@@ -22,6 +23,7 @@ def merge(
     device: str = typer.Option("cpu", "--device", help="Device the transformer loads onto for the fuse (cpu, cuda:N)."),
     strict_base: bool = StrictBaseOpt,
 ) -> None:
+    one_process("lora merge")  # every rank would fuse the same model into the same --out
     with user_errors(out):
         checked_lora(lora, model, strict_base)
         path = merge_lora(model, lora, out, scale=scale, dtype=dtype, device=device)
@@ -90,6 +92,7 @@ def export(
     format: str = typer.Option("comfyui", "--format", help="Target format: comfyui (the only one so far)."),
     out: Path = typer.Option(..., "--out", help="Output .safetensors file."),
 ) -> None:
+    one_process("lora export")  # every rank would write the same --out
     from models.lora_export import export_lora
 
     with user_errors(out):

@@ -8,6 +8,7 @@ from typing import Optional
 import typer
 
 from pipeline.commands.common import ConfigOpt, SetOpt, StrictBaseOpt, checked_lora, config_from, echo, user_errors
+from pipeline.launched import one_process
 
 
 def command(
@@ -31,6 +32,7 @@ def command(
     config: Optional[Path] = ConfigOpt,
     set_: list[str] = SetOpt,
 ) -> None:
+    one_process("predict")  # every rank would load the model and write the same --out
     cfg = config_from(config, sets=set_, overrides=
         {
             "predict.negative_prompt": negative_prompt,

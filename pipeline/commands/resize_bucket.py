@@ -1,4 +1,6 @@
-"""`pipeline run resize-bucket`: source dataset -> `images` table. Flags override the config file's values."""
+"""`pipeline run resize-bucket`: source dataset -> `images` table. Flags override the config file's values.
+
+Launched on several ranks it runs on rank 0 while the others wait (pipeline/launched.py), as in `run all`."""
 
 from __future__ import annotations
 
@@ -51,12 +53,22 @@ def command(
     )
     src = require(cfg.paths.source, "--source", "paths.source")
     dst = require(cfg.paths.store, "--store", "paths.store")
+    from functools import partial
+
+    from pipeline.launched import rank_0_alone
+
+    with user_errors(dst), json_mode(as_json):
+        log = (lambda m: typer.echo(m, err=True)) if as_json else echo  # --json: stdout holds the JSON alone
+        # launched on several ranks: one writer of the images table (and of a URL's cache), as in `run all`
+        summary = rank_0_alone("resize-bucket", partial(_resize, cfg, src, dst, cache_dir, cache_gb, log))
+    if summary is not None:  # None: a rank that waited for rank 0, which prints the summary
+        emit(summary, as_json)
+
+
+def _resize(cfg, src: str, dst: str, cache_dir: Optional[Path], cache_gb: Optional[float], log):
     from stages.resize.stage import run
 
     from pipeline.store_url import StoreAccess, named_by_url
 
-    with user_errors(dst), json_mode(as_json):
-        log = (lambda m: typer.echo(m, err=True)) if as_json else echo  # --json: stdout holds the JSON alone
-        with StoreAccess(dst, cache_dir, cache_gb).for_stage("resize-bucket", log) as local:  # a URL: pushed after
-            summary = named_by_url(run(cfg, src, local), dst)
-    emit(summary, as_json)
+    with StoreAccess(dst, cache_dir, cache_gb).for_stage("resize-bucket", log) as local:  # a URL: pushed after
+        return named_by_url(run(cfg, src, local), dst)

@@ -11,6 +11,7 @@ from typing import Optional
 
 from pipeline.commands.common import ConfigOpt, SetOpt, config_from, echo, user_errors
 from pipeline.commands.store_remote import CacheDirOpt
+from pipeline.launched import one_process
 
 store_app = typer.Typer(no_args_is_help=True)
 migrate_app = typer.Typer(no_args_is_help=True)
@@ -44,6 +45,7 @@ def verify(store: str = StoreOrUrlArg,
                                                     "URL streams every object and caches nothing (kept for scripts)."),
            cache_gb: Optional[float] = typer.Option(None, "--cache-gb", hidden=True, help="Unused, as --cache-dir."),
            ) -> None:
+    one_process("store verify")  # every rank would read the whole store
     from schemas.errors import UserError
     from store.remote import is_url
     from store.verify import verify_store
@@ -102,6 +104,7 @@ def gc(
                                            "object that an incomplete version (no manifest, no live push lease) "
                                            "is taken for a killed push's leftovers and removed."),
 ) -> None:
+    one_process("store gc")  # every rank would remove the same versions
     from store.remote import is_url
 
     with user_errors():
@@ -129,6 +132,7 @@ def repair(
     set_: list[str] = SetOpt,
     cache_dir: Optional[Path] = CacheDirOpt,
 ) -> None:
+    one_process("store repair")  # every rank would recompute the same samples into the same repair version
     from features.tables import TABLE_ORDER
     from store import repair as rp
     from store.remote import is_url
@@ -223,6 +227,7 @@ def v1_to_v2(
     store: str = StoreOrUrlArg, dry_run: bool = typer.Option(False, "--dry-run", help="Only say what would change."),
     cache_dir: Optional[Path] = CacheDirOpt,
 ) -> None:
+    one_process("migrate v1-to-v2")  # every rank would write the same new versions
     from store.migrate import migrate_v1_to_v2
     from store.remote import is_url
 

@@ -8,6 +8,7 @@ from typing import Optional
 import typer
 
 from pipeline.commands.common import echo, user_errors
+from pipeline.launched import one_process
 
 UrlArg = typer.Argument(..., help="Remote store folder: s3://bucket/prefix (or another fsspec URL).")
 OptionsOpt = typer.Option(
@@ -33,6 +34,7 @@ def push(
     url: str = UrlArg,
     option: list[str] = OptionsOpt,
 ) -> None:
+    one_process("store push")  # every rank would upload the same versions
     from store.remote_sync import push as do_push
 
     with user_errors():
@@ -44,6 +46,7 @@ def pull(
     store: Path = typer.Argument(..., help="Local store folder (created if missing)."),
     option: list[str] = OptionsOpt,
 ) -> None:
+    one_process("store pull")  # every rank would download the same versions into one folder
     from store.remote_sync import pull as do_pull
 
     with user_errors(store):

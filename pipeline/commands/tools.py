@@ -8,6 +8,7 @@ from typing import Optional
 import typer
 
 from pipeline.commands.common import ConfigOpt, SetOpt, config_from, echo, user_errors
+from pipeline.launched import one_process
 
 
 def make_tiny_model(
@@ -17,6 +18,7 @@ def make_tiny_model(
     full_width: bool = typer.Option(False, "--full-width", help="Real component widths (rehearsal; GBs on disk)."),
     layers: Optional[int] = typer.Option(None, "--layers", help="--full-width: layers per stack (default: the real counts)."),
 ) -> None:
+    one_process("make-tiny-model")  # every rank would build the same model into OUT
     if variant not in ("edit", "edit-plus", "edit-2511", "qwen-image-2.1"):
         raise typer.BadParameter("use 'edit', 'edit-plus', 'edit-2511' or 'qwen-image-2.1'", param_hint="--variant")
     if layers is not None and not full_width:
@@ -54,6 +56,7 @@ def make_demo_data(
     seed: int = typer.Option(0, "--seed", help="Same seed, same dataset."),
     with_masks: bool = typer.Option(False, "--with-masks", help="Also write edit-region masks."),
 ) -> None:
+    one_process("make-demo-data")  # every rank would write the same dataset into OUT
     from pipeline.demo_data import make_demo_data as build
 
     with user_errors():

@@ -1,0 +1,60 @@
+"""What a `pipeline` command does when a launcher starts it on several ranks (`pipeline launch`, torchrun,
+accelerate launch: WORLD_SIZE > 1 in every rank's environment). Each command does one of four things:
+
+- shares its work between the ranks, which take their decisions together (models/collective.py): `run
+  encode-text`, `run encode-vae`, `run train`, `run evaluate --all-checkpoints`, `run all`;
+- runs on rank 0 alone while the other ranks wait for it (`rank_0_alone`, as `run all` runs it): `run
+  resize-bucket`, the one writer of the `images` table, so a job script can launch every stage alike;
+- is refused on every rank with one line (`one_process`; `run evaluate` of one LoRA by its stage): a command
+  that does its whole work in one process, where every rank would do all of it, racing into the same files
+  (store gc / repair / push / pull, migrate, predict, lora, compare, the demo and its builders) or reading a
+  whole store once per rank (store verify);
+- is left as it is: commands that read a little and print (`config show`, `store inspect`, `plan`: every rank
+  prints the same), and `launch`, which starts ranks (a platform may set WORLD_SIZE for the launchers it starts
+  on each node, as Kubeflow's PyTorchJob does).
+
+tests/pipeline/test_launched_commands.py holds every command's entry and checks that none is missing.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Callable, TypeVar
+
+T = TypeVar("T")
+
+
+def launched() -> tuple[int, bool]:
+    """(processes the launcher started, whether this is rank 0); a plain run is (1, True)."""
+    return int(os.environ.get("WORLD_SIZE", "1")), os.environ.get("RANK", "0") == "0"
+
+
+def rank_0_alone(what: str, work: Callable[[], T]) -> T | None:
+    """`work()` on rank 0 alone while the other ranks wait for it (`models.collective.main_alone`: however long
+    it takes; a failure on rank 0 stops every rank with its one line). Rank 0 gets the result, the others None
+    after saying on stderr that they waited (their stdout would repeat rank 0's summary). One process: `work()`."""
+    world, main = launched()
+    if world <= 1:
+        return work()
+    from models.collective import main_alone
+
+    result = main_alone(world, what, work)
+    if not main:
+        print(f"rank {os.environ.get('RANK')}: {what} ran on rank 0 alone; this rank waited for it", file=sys.stderr)
+    return result
+
+
+def one_process(command: str, instead: str = "") -> None:
+    """Refuse a launch of several ranks for `pipeline COMMAND`, which does its whole work in one process: one
+    red line naming what to run instead, exit 1 (as `run evaluate` of one LoRA refuses). Every rank sees the
+    same launcher environment and refuses alike, before any work, so no rank waits for another."""
+    world, _ = launched()
+    if world <= 1:
+        return
+    import typer
+
+    typer.secho(f"error: `pipeline {command}` runs in one process (it shares no work between ranks), but it was "
+                f"launched as {world} (WORLD_SIZE={world}: pipeline launch / torchrun / accelerate launch): run it "
+                f"without the launcher{instead}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(1)
