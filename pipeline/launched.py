@@ -56,5 +56,6 @@ def one_process(command: str, instead: str = "") -> None:
 
     typer.secho(f"error: `pipeline {command}` runs in one process (it shares no work between ranks), but it was "
                 f"launched as {world} (WORLD_SIZE={world}: pipeline launch / torchrun / accelerate launch): run it "
-                f"without the launcher{instead}", fg=typer.colors.RED, err=True)
+                f"without the launcher{instead} (no launcher: a platform set WORLD_SIZE for the job; unset it for this "
+                f"command)", fg=typer.colors.RED, err=True)
     raise typer.Exit(1)
