@@ -37,7 +37,7 @@ from models.attention import use_attention_backend
 from models.collective import together
 from models.multires import install_multires
 from models.qwen21_flow import is_qwen21
-from models.precision import check_loaded_dtype, describe
+from models.precision import Precision, check_loaded_dtype, describe
 from models.randomness import eval_noise
 from models.sample import TrainSample, from_features
 from schemas import up_to_date as current
@@ -275,7 +275,7 @@ def resolved_config(cfg: EvaluateConfig) -> EvaluateConfig:
     return agreed_config(cfg)[0]
 
 
-def agreed_config(cfg: EvaluateConfig, world: int = 1):
+def agreed_config(cfg: EvaluateConfig, world: int = 1) -> tuple[EvaluateConfig, Precision]:
     """(`resolved_config`, the precision with its reason). With several ranks (`world`, --all-checkpoints) the
     dtype is one decision of all (`models.precision.agreed_precision`, a collective: every rank calls it): their
     rows of one loss grid are computed in one precision, the one recorded. A rank without its device stops every

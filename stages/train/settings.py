@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tqdm.auto import tqdm
@@ -12,6 +12,9 @@ from schemas.config import PipelineConfig, TrainConfig
 from schemas.errors import UserError
 from schemas.lineage import hashed_settings, section_fingerprint, settings_hash
 from stages.train.launch import launched_world_size, use_cpu
+
+if TYPE_CHECKING:
+    from models.precision import Precision
 
 
 # What this code computes for a run's config, tables, model and init LoRA: bump it with a release that changes the
@@ -114,7 +117,7 @@ def planned_device(cfg: TrainConfig) -> torch.device:
     return torch.device(device_for_rank(spec, what="train.device"))
 
 
-def train_precision(cfg: TrainConfig, device: torch.device, world: int = 1):
+def train_precision(cfg: TrainConfig, device: torch.device, world: int = 1) -> Precision:
     """The precision `models.precision.resolve_precision` decides for `device`; with several ranks (`world`) one
     decision of all (`agreed_precision`, a collective: every rank calls it): the widest every rank can run."""
     from models.precision import agreed_precision, resolve_precision as resolve
@@ -127,7 +130,8 @@ def train_precision(cfg: TrainConfig, device: torch.device, world: int = 1):
     return agreed_precision(own, world, "train.dtype")
 
 
-def resolve_precision(cfg: TrainConfig, device: torch.device, world: int = 1, precision=None) -> TrainConfig:
+def resolve_precision(cfg: TrainConfig, device: torch.device, world: int = 1,
+                      precision: Precision | None = None) -> TrainConfig:
     """The config with its precision (`train_precision`, or `precision` when decided already): `train.dtype`
     is the frozen base's dtype (what loads and is recorded), `mixed_precision` the autocast around it."""
     precision = precision or train_precision(cfg, device, world)
@@ -140,7 +144,8 @@ def resolve_precision(cfg: TrainConfig, device: torch.device, world: int = 1, pr
     return cfg.model_copy(update=update)
 
 
-def resolved_config(cfg: PipelineConfig, device: torch.device, main: bool, world: int = 1):
+def resolved_config(cfg: PipelineConfig, device: torch.device, main: bool,
+                    world: int = 1) -> tuple[PipelineConfig, Precision]:
     """(the config with the train section's precision resolved for `device`, agreed by all `world` ranks; the
     precision with its reason). train_config.yaml records the resolved dtype; the main process prints what loads
     and how (and, where the ranks resolved differently, what all of them run and why)."""
