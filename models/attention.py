@@ -31,7 +31,6 @@ also holds each rank's own probe and pick (`ranks`), and the reason names the ra
 
 from __future__ import annotations
 
-import json
 import sys
 from dataclasses import asdict, dataclass, replace
 
@@ -98,37 +97,18 @@ RECORD_BYTES = 4096  # one rank's choice as JSON (a reason and a probe error, ea
 
 
 def agree(choice: Choice, world: int, key: str) -> Choice:
-    """All ranks' one decision from every rank's own `choice` (a collective: every rank calls it). The same
-    backend everywhere: kept, rank 0's reason. Different picks of the default: the least preferred of them, with
-    the reason naming the ranks that picked it and why. Different backends outside the default's (configured
-    differently per rank): the same `UserError` on every rank. One process: `choice` as it is."""
+    """All ranks' one decision from every rank's own `choice` (a collective: every rank calls it;
+    models/agreement.py). The same backend everywhere: kept, rank 0's reason. Different picks of the default: the
+    least preferred of them, with the reason naming the ranks that picked it and why. Different backends outside
+    the default's (configured differently per rank): the same `UserError` on every rank. One process: `choice` as
+    it is."""
     if world <= 1:
         return choice
-    from models.collective import gather_texts
+    from models.agreement import agree_on
 
-    mine = json.dumps({"backend": choice.backend, "reason": choice.reason, "probe": choice.probe})
-    ranks = [{"rank": i, **json.loads(text)} for i, text in enumerate(gather_texts(world, mine, RECORD_BYTES))]
-    picks = [r["backend"] for r in ranks]
-    if len(set(picks)) == 1:
-        return replace(choice, reason=f"{ranks[0]['reason']}; the same on all {world} ranks", ranks=ranks)
-    if not set(picks) <= set(PREFERENCE):
-        raise UserError(f"{key}: the ranks resolved different attention backends ("
-                        + ", ".join(f"rank {r['rank']}: {r['backend']}" for r in ranks)
-                        + "): give every rank the same configuration")
-    agreed = max(picks, key=PREFERENCE.index)
-    held = [r for r in ranks if r["backend"] == agreed]
-    better = sorted({p for p in picks if p != agreed}, key=PREFERENCE.index)
-    others = [r["rank"] for r in ranks if r["backend"] != agreed]
-    why = "; ".join(f"rank {r['rank']}: {r['reason']}" for r in held[:3])
-    if len(held) > 3:
-        why += f"; and {len(held) - 3} more rank(s)"
-    reason = (f"all {world} ranks run {agreed}, the best backend every rank can run ({'/'.join(better)} on "
-              f"rank(s) {_few(others)} only): {why}")
-    return replace(choice, backend=agreed, reason=reason, ranks=ranks)
-
-
-def _few(ranks: list[int]) -> str:
-    return ", ".join(map(str, ranks[:8])) + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
+    mine = {"backend": choice.backend, "reason": choice.reason, "probe": choice.probe}
+    agreed, reason, ranks = agree_on(world, mine, "backend", PREFERENCE, key, "backend", RECORD_BYTES)
+    return replace(choice, backend=agreed["backend"], reason=reason, ranks=ranks)
 
 
 def announce(choice: Choice, key: str) -> None:

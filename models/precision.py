@@ -6,6 +6,12 @@ bf16), and on a GPU bf16 halves the memory of a 20B-parameter transformer. Stage
 what they picked and record the concrete name (lineage config, run records), so a table or run says which
 precision produced it.
 
+Under a launcher each rank resolves `auto` for its own device, then all ranks take one decision together
+(`agreed_precision`, models/agreement.py): the widest precision every rank can run (float32 where one rank's GPU
+has no native bf16), so one DDP model, or one loss grid summed over ranks, never mixes precisions silently. A
+rank that cannot run an explicit setting stops every rank with one line naming it. The reason (each rank's own
+resolution when they differed) is printed with the precision line and kept in the run's records.
+
 `device` settings may be one name (`cpu`, `cuda`, `cuda:1`) or a per-rank list (`[cuda:0, cuda:1]`); `cuda`
 under a multi-process launch means this rank's own GPU (`cuda:LOCAL_RANK`).
 """
@@ -13,8 +19,8 @@ under a multi-process launch means this rank's own GPU (`cuda:LOCAL_RANK`).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-from typing import Literal, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from typing import Callable, Literal, Sequence
 
 import torch
 
@@ -101,20 +107,36 @@ def first_device(spec: DeviceSpec | None) -> str | None:
 @dataclass(frozen=True)
 class Precision:
     """A stage's precision, resolved once: the dtype its frozen weights load in (the name it records) and
-    whether it computes under bf16 autocast (train's `mixed_precision: bf16`; the LoRA weights stay float32)."""
+    whether it computes under bf16 autocast (train's `mixed_precision: bf16`; the LoRA weights stay float32).
+    `reason` and `ranks` say why (the record; not compared)."""
 
     weights: str  # float32 | bfloat16 | float16: loaded, recorded, and checked after loading
     autocast_bf16: bool = False
     requested: str = "auto"
+    reason: str = field(default="", compare=False)
+    ranks: list[dict] | None = field(default=None, compare=False)  # several ranks: each one's {rank, dtype, reason}
 
     @property
     def dtype(self) -> torch.dtype:
         return _DTYPES[self.weights]
 
-    def describe(self, stage: str, device: str | torch.device) -> str:
+    @property
+    def name(self) -> str:
+        """What a rank resolved, as one word to compare: the weights, and train's autocast of a float32 base."""
+        return self.weights + (" + bf16 autocast" if self.autocast_bf16 and self.weights != "bfloat16" else "")
+
+    def describe(self, stage: str, device: str | torch.device, more: str = "") -> str:
+        """The stage's precision line (`more`: the stage's own additions, before the ranks' agreement)."""
         how = "auto" if self.requested == "auto" else "set"
         return f"{stage}: {self.weights} on {device} ({how})" + (", bf16 autocast" if self.autocast_bf16 and
-                                                                self.weights != "bfloat16" else "")
+                                                                self.weights != "bfloat16" else "") + more + self.agreement
+
+    @property
+    def agreement(self) -> str:
+        """'; <why>' when the ranks resolved differently (what every rank runs instead, and why), else ''."""
+        from models.agreement import differed
+
+        return f"; {self.reason}" if differed(self.ranks, "dtype") else ""
 
 
 def resolve_precision(requested: str, device: str | torch.device, mixed_precision: str | None = None,
@@ -128,20 +150,72 @@ def resolve_precision(requested: str, device: str | torch.device, mixed_precisio
     computes under bf16 autocast (its float32 LoRA needs it). bf16 where it cannot run falls back to float32
     with a line saying so (mixed precision) or is refused (an explicit bfloat16)."""
     if mixed_precision is None:
-        return Precision(dtype_name(resolve_dtype(requested, device)), requested=requested)
+        return Precision(dtype_name(resolve_dtype(requested, device)), requested=requested,
+                         reason=_why(requested, device, what))
     autocast = mixed_precision == "bf16"
     if autocast and not bf16_usable(device):
         from tqdm.auto import tqdm
 
         tqdm.write(f"bf16 is not supported on {device}: training in float32")
-        return Precision("float32", requested=requested)
+        return Precision("float32", requested=requested,
+                         reason=f"mixed_precision bf16, but {device} has no bf16 support: float32")
     if requested == "auto":
         name = "bfloat16" if autocast else resolved_name("auto", device)
     else:
         name = dtype_name(resolve_dtype(requested, device))
     if name == "bfloat16" and not bf16_usable(device):
         raise UserError(f"{what} bfloat16: {device} has no bf16 support; use float32 or auto")
-    return Precision(name, autocast_bf16=autocast or name == "bfloat16", requested=requested)
+    why = "auto under mixed_precision bf16: bfloat16" if requested == "auto" and autocast else _why(requested, device, what)
+    return Precision(name, autocast_bf16=autocast or name == "bfloat16", requested=requested, reason=why)
+
+
+def _why(requested: str, device: str | torch.device, what: str) -> str:
+    """Why `requested` resolved as it did on `device` (a rank's own reason in the record)."""
+    if requested != "auto":
+        return f"set ({what} {requested})"
+    if bf16_supported(device):
+        return f"auto: bfloat16, native on {device}"
+    return f"auto: float32, {device} has no native bf16" + (" (emulated on a CPU)" if torch.device(device).type
+                                                           == "cpu" else "")
+
+
+# `agreed_precision`'s choices, widest last: a rank that can run one can run every later one (float32 runs
+# wherever bf16 does, with or without autocast), so the last of the ranks' picks is what every rank can run.
+PREFERENCE = ("bfloat16", "float32 + bf16 autocast", "float32")
+RECORD_BYTES = 2048  # one rank's resolution as JSON
+
+
+def agreed_precision(resolve: Callable[[], Precision], world: int, key: str) -> Precision:
+    """`resolve()` (this rank's own precision) on every rank, then one decision of all ranks (a collective: every
+    rank calls it; models/agreement.py): the widest precision every rank can run, the reason naming the ranks
+    that held it down, each rank's own under `ranks`. A rank whose `resolve` fails (an explicit bfloat16 its GPU
+    lacks) stops every rank with its line, naming the ranks. One process: `resolve()` as it is."""
+    if world <= 1:
+        return resolve()
+    from models.agreement import agree_on
+
+    error = None
+    try:
+        own = resolve()
+        mine = {"dtype": own.name, "reason": own.reason, "weights": own.weights, "autocast_bf16": own.autocast_bf16}
+    except Exception as e:  # noqa: BLE001 - told to every rank first: none is left waiting in the agreement
+        error = e
+        text = str(e) if isinstance(e, UserError) else f"{key}: {type(e).__name__}: {e}"
+        mine = {"error": " ".join(text.splitlines())}
+    try:
+        agreed, reason, ranks = agree_on(world, mine, "dtype", PREFERENCE, key, "precision", RECORD_BYTES)
+    except UserError:
+        if error is not None and not isinstance(error, UserError):
+            raise error  # a bug: its traceback on the rank where it happened (the others raise its line)
+        raise
+    return replace(own, weights=agreed["weights"], autocast_bf16=agreed["autocast_bf16"], reason=reason,
+                   ranks=[{k: r[k] for k in ("rank", "dtype", "reason")} for r in ranks])
+
+
+def precision_record(precision: Precision) -> dict:
+    """The precision as a run records it (train's RUN/precision.json, evaluate --all-checkpoints' run.precision):
+    what loads and computes, as requested, why, and under several ranks each rank's own resolution."""
+    return asdict(precision)
 
 
 def check_loaded_dtype(module: torch.nn.Module, recorded: str, what: str) -> None:

@@ -102,8 +102,8 @@ def _agreed_plan(job: EncodeJob, found: int | None) -> int | None:
         raise UserError(f"{job.summary.stage}: " + (
             "the model (--model) is not the same on every rank: the nodes' copies of its files differ (another "
             "version, or a copy cut short); copy the same model folder to every node" if model else
-            "the ranks do not encode with the same settings (each node reads --config and --set itself, and "
-            "resolves dtype: auto for its own device); use one config, and set the dtype on a mixed cluster"))
+            "the ranks do not encode with the same settings (each node reads --config and --set itself); use one "
+            "config"))  # (dtype: auto is agreed on before: `settings.resolve_precision`)
     ((newest, oldest),) = spread(world, [-1 if found is None else found])
     return newest if newest >= 0 and newest == oldest else None
 

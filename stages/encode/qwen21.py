@@ -189,7 +189,7 @@ def run_text(cfg: PipelineConfig, store: str | Path, model: str, device: str | N
     section = with_overrides(cfg.encode_text, device=device, batch_size=batch_size)
     ranks = ranks or current_ranks(section.device)
     target = rank_device(section.device, ranks, "encode_text.device")
-    section = resolve_precision(section, target, "encode-text")
+    section = resolve_precision(section, target, "encode-text", ranks.world_size)
     if section.prompt_template is not None or section.prompt_template_start_idx is not None:
         raise UserError("encode_text.prompt_template / prompt_template_start_idx are not used by a Qwen-Image-2.1 "
                         f"model ({model}: the stock QwenImage21Pipeline template, with its image slots, is); unset them")

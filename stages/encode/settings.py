@@ -15,14 +15,17 @@ S = TypeVar("S", bound=Section)
 _EARLIER_DEVICES = ("cpu", "cuda", "mps", *(f"cuda:{i}" for i in range(8)))
 
 
-def resolve_precision(section: S, device: str, stage: str) -> S:
+def resolve_precision(section: S, device: str, stage: str, world: int = 1) -> S:
     """The section with `dtype: auto` replaced by what it means on `device` (printed): the lineage hash and
-    the table's recorded config then name the precision that produced the features."""
+    the table's recorded config then name the precision that produced the features. With several ranks
+    (`world`) one decision of all (`models.precision.agreed_precision`, a collective: every rank calls it): one
+    table's rows from one precision, the one its lineage records (the line says why where the ranks differed)."""
     from tqdm.auto import tqdm
 
-    from models.precision import resolve_precision as resolve
+    from models.precision import agreed_precision, resolve_precision as resolve
 
-    precision = resolve(section.dtype, device)
+    key = f"{stage.replace('-', '_')}.dtype"
+    precision = agreed_precision(lambda: resolve(section.dtype, device, what=key), world, key)
     tqdm.write(precision.describe(stage, device))
     return with_overrides(section, dtype=precision.weights)
 

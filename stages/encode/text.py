@@ -315,7 +315,7 @@ def run(
     fmt = prompt_format(pipeline_family(model_variant(model)), section.prompt_template, section.prompt_template_start_idx)
     ranks = ranks or current_ranks(section.device)
     target = rank_device(section.device, ranks, "encode_text.device")
-    section = resolve_precision(section, target, STAGE)
+    section = resolve_precision(section, target, STAGE, ranks.world_size)
     job = open_job(store, STAGE, TABLE, config_hash(section, prompt_format=fmt.lineage_record()), model,
                    FEATURE_REVISION, ranks, components=COMPONENTS,
                    on_damaged=section.on_damaged, max_damaged_fraction=section.max_damaged_fraction,

@@ -158,7 +158,7 @@ def run(
     section = with_overrides(cfg.encode_vae, device=device, batch_size=batch_size)
     ranks = ranks or current_ranks(section.device)
     target = rank_device(section.device, ranks, "encode_vae.device")
-    section = resolve_precision(section, target, STAGE)
+    section = resolve_precision(section, target, STAGE, ranks.world_size)
     variant = model_variant(model)
     if variant == "qwen-image-2.1":
         from stages.encode.qwen21 import VAE_FIXES, VAE_REVISION

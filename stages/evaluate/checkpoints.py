@@ -360,7 +360,7 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, checkpoints: list[tu
 def _run(ranks, cfg: EvaluateConfig, store: str | Path, model: str, checkpoints: list[tuple[int, Path]], out: Path,
          skip_if_done: bool) -> CheckpointsResult | None:
     from models.collective import together
-    from models.precision import describe
+    from models.precision import precision_record
     from stages.evaluate import stage as single
     from stages.evaluate.checkpoint_report import generated_rows, write_checkpoint_report
     from stages.evaluate.val_share import complete, read_share, reader
@@ -374,9 +374,10 @@ def _run(ranks, cfg: EvaluateConfig, store: str | Path, model: str, checkpoints:
     checkpoints, shas = check_and_hash(checkpoints, ranks)
     if not checkpoints:
         raise UserError("every checkpoint of the run was removed while evaluate started: rerun evaluate")
-    requested = cfg.dtype
+    # the device and precision every rank computes its share in: one decision of all (a collective, outside
+    # `together`): rows of one loss grid in two precisions would be recorded as the one dtype
+    cfg, precision = single.agreed_config(cfg, ranks.world)
     with together(ranks.world, "evaluate settings"):
-        cfg = single.resolved_config(cfg)
         fingerprint, settings = loss_fingerprint(cfg, store, model)
     done = None
     if skip_if_done and ranks.main:  # the val split named by content, as the array records it (`read_tables`)
@@ -390,8 +391,7 @@ def _run(ranks, cfg: EvaluateConfig, store: str | Path, model: str, checkpoints:
         if ranks.main:
             if out.is_dir() and any(not ours(p.name) for p in out.iterdir()) and not (out / "metrics.json").is_file():
                 raise UserError(f"{out} is not empty and holds no earlier report: pass a new or empty --out folder")
-            tqdm.write(describe("evaluate", single.parse_dtype(cfg.dtype), cfg.device, requested)
-                       + (f", {ranks.world} ranks" if ranks.world > 1 else ""))
+            tqdm.write(precision.describe("evaluate", cfg.device, f", {ranks.world} ranks" if ranks.world > 1 else ""))
             single.warn_other_base([path for _, path in checkpoints], model, [step for step, _ in checkpoints])
 
     if ranks.world > 1:  # each rank reads only the samples it computes (stages/evaluate/val_share.py)
@@ -431,6 +431,7 @@ def _run(ranks, cfg: EvaluateConfig, store: str | Path, model: str, checkpoints:
             "lora_scale": cfg.lora_scale, "val_samples": len(samples), "val_split": tables.report,
             "damaged_samples": damaged, "config": cfg.model_dump(mode="json"), "settings": settings,
             "ranks": ranks.world, "attention": attention_record(transformer),
+            **({"precision": precision_record(precision)} if ranks.world > 1 else {}),  # one process: run.config
         }
         report = write_checkpoint_report(out, metrics, rows)
         if damaged:

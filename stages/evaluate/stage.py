@@ -37,7 +37,7 @@ from models.attention import use_attention_backend
 from models.collective import together
 from models.multires import install_multires
 from models.qwen21_flow import is_qwen21
-from models.precision import check_loaded_dtype, describe
+from models.precision import Precision, check_loaded_dtype, describe
 from models.randomness import eval_noise
 from models.sample import TrainSample, from_features
 from schemas import up_to_date as current
@@ -272,10 +272,25 @@ def generation_summary(rows: list[SampleRow], cfg: EvaluateConfig, model: str | 
 
 def resolved_config(cfg: EvaluateConfig) -> EvaluateConfig:
     """This rank's device and the concrete dtype (`auto` decided by the device): what runs and is recorded."""
-    from models.precision import device_for_rank, resolve_precision
+    return agreed_config(cfg)[0]
 
-    device = device_for_rank(cfg.device, what="evaluate.device")
-    return cfg.model_copy(update={"device": device, "dtype": resolve_precision(cfg.dtype, device).weights})
+
+def agreed_config(cfg: EvaluateConfig, world: int = 1) -> tuple[EvaluateConfig, Precision]:
+    """(`resolved_config`, the precision with its reason). With several ranks (`world`, --all-checkpoints) the
+    dtype is one decision of all (`models.precision.agreed_precision`, a collective: every rank calls it): their
+    rows of one loss grid are computed in one precision, the one recorded. A rank without its device stops every
+    rank with its line there."""
+    from models.precision import agreed_precision, device_for_rank, resolve_precision
+
+    device = ""
+
+    def own():
+        nonlocal device
+        device = device_for_rank(cfg.device, what="evaluate.device")
+        return resolve_precision(cfg.dtype, device, what="evaluate.dtype")
+
+    precision = agreed_precision(own, world, "evaluate.dtype")
+    return cfg.model_copy(update={"device": device, "dtype": precision.weights}), precision
 
 
 def for_model(cfg: EvaluateConfig, model: str) -> EvaluateConfig:

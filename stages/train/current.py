@@ -9,7 +9,7 @@ from typing import Any
 from features.open import open_configured
 from models.lora import WEIGHT_NAME
 from schemas import up_to_date as current
-from schemas.config import PipelineConfig
+from schemas.config import PipelineConfig, TrainConfig
 from stages.train import state as train_state
 from stages.train.settings import (TRAINING_REVISION, config_fingerprint, earlier_config_fingerprints,
                                    init_lora_sha256, planned_device, resolve_precision)
@@ -17,10 +17,11 @@ from stages.train.state import ResumeRecord
 from store.join import JoinedTables
 
 
-def up_to_date(cfg: PipelineConfig, store: str | Path, model: str, out: str | Path) -> bool:
+def up_to_date(cfg: PipelineConfig, store: str | Path, model: str, out: str | Path,
+               train: TrainConfig | None = None) -> bool:
     """OUT/lora is the final LoRA of a run on the same tables, model, train config and init LoRA bytes, trained to
     max_steps under this code's training revision (`schemas.up_to_date`: the last checkpoint's record against
-    `run_inputs`)."""
+    `run_inputs`). `train`: the train section as resolved already (`resolved_train`; several ranks: agreed)."""
     weights = Path(out) / "lora" / WEIGHT_NAME
     latest = train_state.latest_checkpoint(Path(out) / "checkpoints")
     if not weights.is_file() or latest is None:
@@ -29,12 +30,13 @@ def up_to_date(cfg: PipelineConfig, store: str | Path, model: str, out: str | Pa
     if weights.stat().st_mtime < (latest / train_state.RESUME_JSON).stat().st_mtime:
         return False
     record = ResumeRecord.read(latest / train_state.RESUME_JSON)
-    now, tables = _inputs(cfg, store, model)
+    train = train or resolved_train(cfg)
+    now, tables = _inputs(cfg, store, model, train)
     recorded = {"step": record.step, **record.inputs()}
     # the same samples under other version numbers (an `images` rerun that changed none) are the same run
     recorded["tables"], now["tables"] = train_state.compared_tables(record.tables, record.table_contents,
                                                                     now["tables"], tables.content_ids)
-    if recorded["config_fingerprint"] in earlier_config_fingerprints(resolved_train(cfg)):  # an earlier spelling
+    if recorded["config_fingerprint"] in earlier_config_fingerprints(train):  # an earlier spelling
         recorded["config_fingerprint"] = now["config_fingerprint"]
     recorded["init_lora_sha256"] = train_state.known_init_lora(record.init_lora_sha256, now["init_lora_sha256"])
     return current.is_current(recorded, now)
@@ -43,10 +45,11 @@ def up_to_date(cfg: PipelineConfig, store: str | Path, model: str, out: str | Pa
 def run_inputs(cfg: PipelineConfig, store: str | Path, model: str) -> dict[str, Any]:
     """What a finished run of `cfg` records: its last step, config fingerprint, table versions, model, the
     init LoRA's bytes and the training revision."""
-    return _inputs(cfg, store, model)[0]
+    return _inputs(cfg, store, model, resolved_train(cfg))[0]
 
 
-def _inputs(cfg: PipelineConfig, store: str | Path, model: str) -> tuple[dict[str, Any], JoinedTables]:
+def _inputs(cfg: PipelineConfig, store: str | Path, model: str,
+            train: TrainConfig) -> tuple[dict[str, Any], JoinedTables]:
     """`run_inputs`, and the joined tables (closed) for their content identities."""
     from models.loading import model_fingerprint
 
@@ -55,7 +58,7 @@ def _inputs(cfg: PipelineConfig, store: str | Path, model: str) -> tuple[dict[st
     return {
         "step": cfg.train.max_steps,
         # the run records its resolved precision (dtype auto -> float32 / bfloat16 for its device)
-        "config_fingerprint": config_fingerprint(resolved_train(cfg)),
+        "config_fingerprint": config_fingerprint(train),
         "tables": tables.versions(),
         "model_fingerprint": model_fingerprint(model),
         "init_lora_sha256": init_lora_sha256(cfg.train),
@@ -63,6 +66,7 @@ def _inputs(cfg: PipelineConfig, store: str | Path, model: str) -> tuple[dict[st
     }, tables
 
 
-def resolved_train(cfg: PipelineConfig):
-    """The train section as a run records it: its precision resolved (dtype auto -> float32 / bfloat16)."""
-    return resolve_precision(cfg.train, planned_device(cfg.train))
+def resolved_train(cfg: PipelineConfig, world: int = 1) -> TrainConfig:
+    """The train section as a run records it: its precision resolved (dtype auto -> float32 / bfloat16), with
+    several ranks (`world`) by all of them together (a collective: every rank calls it)."""
+    return resolve_precision(cfg.train, planned_device(cfg.train), world)

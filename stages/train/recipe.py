@@ -54,7 +54,7 @@ from models.flow import FlowBatch, flow_loss_of
 from schemas.config import PipelineConfig, TrainConfig
 from stages.train import guard, parallel
 from stages.train.build import build_training, check_shapes, setup_transformer
-from stages.train.current import up_to_date
+from stages.train.current import resolved_train, up_to_date
 from stages.train.damaged import DamageTally
 from stages.train.data import DataStream
 from stages.train.launch import launched_world_size
@@ -108,6 +108,7 @@ class Run:
     stop: StopOnSignal | None = None  # a SIGTERM seen by this rank, agreed at the next step (stages/train/stop.py)
     rerun: str = "rerun with --resume"  # how the user continues this run (`run all`: the same command)
     resume_bytes: dict[str, bytes] | None = None  # the resumed checkpoint's files, read once by its check (restore)
+    precision: Any = None  # models.precision.Precision: what the base loads and computes in, and why (agreed)
 
     @property
     def device(self) -> torch.device:
@@ -214,8 +215,10 @@ def finished_here(cfg: PipelineConfig, store: str | Path, model: str, out: str |
     in their first collective (a lagging view of OUT on one node)."""
     from models.collective import all_max
 
+    # the precision the ranks would train in: agreed (a collective) outside `together`; one process: as before
+    train = resolved_train(cfg, world) if world > 1 else None
     with together(world, "is the run up to date"):
-        done = up_to_date(cfg, store, model, out)
+        done = up_to_date(cfg, store, model, out, train)
     return not all_max(world, [int(not done)])[0]
 
 
@@ -243,7 +246,9 @@ def setup(cfg: PipelineConfig, store: str | Path, model: str, out: str | Path, r
         validate_config(cfg.train)
         accelerator = make_accelerator(cfg.train)
     chosen = train_device(cfg.train, accelerator.local_process_index, accelerator.num_processes)
-    cfg = resolved_config(cfg, chosen or accelerator.device, accelerator.is_main_process)
+    # the precision every rank trains in (decided by all: one DDP model in one dtype), before anything is hashed
+    cfg, precision = resolved_config(cfg, chosen or accelerator.device, accelerator.is_main_process,
+                                     accelerator.num_processes)
     tc = cfg.train
     tables = open_tables(tc, store, model, accelerator)
     now = start_record(tc, tables, model, accelerator.num_processes)
@@ -253,7 +258,7 @@ def setup(cfg: PipelineConfig, store: str | Path, model: str, out: str | Path, r
         tables.close()
         raise
     r = Run(tc, accelerator, tables, Path(out), now, train_device=chosen, new_run=new_run, before_keep=before_keep,
-            rerun=rerun)
+            rerun=rerun, precision=precision)
     try:
         latest, resumed = resume_point(r, resume, cfg)
     finally:

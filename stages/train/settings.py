@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tqdm.auto import tqdm
@@ -12,6 +12,9 @@ from schemas.config import PipelineConfig, TrainConfig
 from schemas.errors import UserError
 from schemas.lineage import hashed_settings, section_fingerprint, settings_hash
 from stages.train.launch import launched_world_size, use_cpu
+
+if TYPE_CHECKING:
+    from models.precision import Precision
 
 
 # What this code computes for a run's config, tables, model and init LoRA: bump it with a release that changes the
@@ -106,22 +109,32 @@ def train_device(cfg: TrainConfig, local_rank: int, world_size: int) -> torch.de
 
 
 def planned_device(cfg: TrainConfig) -> torch.device:
-    """The device a single-process run of `cfg` would use, without starting accelerate (for up-to-date checks)."""
+    """The device this rank would train on, without starting accelerate (for up-to-date checks): train.device
+    for this rank, else this rank's GPU (cuda:LOCAL_RANK under a launcher) or the CPU."""
     from models.precision import device_for_rank
 
-    if cfg.device is not None:
-        return torch.device(device_for_rank(cfg.device, what="train.device"))
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    spec = cfg.device if cfg.device is not None else "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(device_for_rank(spec, what="train.device"))
 
 
-def resolve_precision(cfg: TrainConfig, device: torch.device) -> TrainConfig:
-    """The config with the precision `models.precision.resolve_precision` decides for `device`: `train.dtype`
+def train_precision(cfg: TrainConfig, device: torch.device, world: int = 1) -> Precision:
+    """The precision `models.precision.resolve_precision` decides for `device`; with several ranks (`world`) one
+    decision of all (`agreed_precision`, a collective: every rank calls it): the widest every rank can run."""
+    from models.precision import agreed_precision, resolve_precision as resolve
+
+    def own():
+        if cfg.dtype == "float16":
+            raise UserError("train.dtype float16 is not supported (no loss scaling here); use bfloat16, float32 or auto")
+        return resolve(cfg.dtype, device, cfg.mixed_precision, what="train.dtype")
+
+    return agreed_precision(own, world, "train.dtype")
+
+
+def resolve_precision(cfg: TrainConfig, device: torch.device, world: int = 1,
+                      precision: Precision | None = None) -> TrainConfig:
+    """The config with its precision (`train_precision`, or `precision` when decided already): `train.dtype`
     is the frozen base's dtype (what loads and is recorded), `mixed_precision` the autocast around it."""
-    from models.precision import resolve_precision as resolve
-
-    if cfg.dtype == "float16":
-        raise UserError("train.dtype float16 is not supported (no loss scaling here); use bfloat16, float32 or auto")
-    precision = resolve(cfg.dtype, device, cfg.mixed_precision, what="train.dtype")
+    precision = precision or train_precision(cfg, device, world)
     update: dict[str, Any] = {"dtype": precision.weights, "mixed_precision": "bf16" if precision.autocast_bf16 else "no"}
     if cfg.offload == "blocks" and not cfg.gradient_checkpointing:
         # Offloaded weights are fetched again for the backward's recompute; without checkpointing autograd
@@ -131,15 +144,14 @@ def resolve_precision(cfg: TrainConfig, device: torch.device) -> TrainConfig:
     return cfg.model_copy(update=update)
 
 
-def resolved_config(cfg: PipelineConfig, device: torch.device, main: bool) -> PipelineConfig:
-    """The config with the train section's precision resolved for `device` (train_config.yaml records the
-    resolved dtype); the main process prints what loads and how."""
-    from models.precision import describe, resolve_dtype
-
-    requested = cfg.train.dtype
-    tc = resolve_precision(cfg.train, device)
+def resolved_config(cfg: PipelineConfig, device: torch.device, main: bool,
+                    world: int = 1) -> tuple[PipelineConfig, Precision]:
+    """(the config with the train section's precision resolved for `device`, agreed by all `world` ranks; the
+    precision with its reason). train_config.yaml records the resolved dtype; the main process prints what loads
+    and how (and, where the ranks resolved differently, what all of them run and why)."""
+    precision = train_precision(cfg.train, device, world)
+    tc = resolve_precision(cfg.train, device, precision=precision)
     if main:
-        tqdm.write(describe("train (frozen base)", resolve_dtype(tc.dtype, device), device, requested)
-                   + (", bf16 autocast" if tc.mixed_precision == "bf16" and tc.dtype != "bfloat16" else "")
-                   + (f", quantize_base {tc.quantize_base}" if tc.quantize_base != "none" else ""))
-    return cfg.model_copy(update={"train": tc})
+        tqdm.write(precision.describe("train (frozen base)", device,
+                                      f", quantize_base {tc.quantize_base}" if tc.quantize_base != "none" else ""))
+    return cfg.model_copy(update={"train": tc}), precision

@@ -22,7 +22,7 @@ from stages.train.data import DataStream, write_data_report
 from stages.train.resume import changed_settings
 from stages.train.settings import TRAINING_REVISION, config_fingerprint, init_lora_sha256, known_fingerprint
 from stages.train.state import ResumeRecord
-from store.format import atomic_write_bytes
+from store.format import atomic_write_bytes, atomic_write_json
 from store.join import JoinedTables
 
 if TYPE_CHECKING:
@@ -73,7 +73,7 @@ def start_record(tc: TrainConfig, tables: JoinedTables, model: str, world_size: 
 
 
 def check_same_start(world: int, record: ResumeRecord) -> None:
-    """The train config (as resolved on this rank's device), the init LoRA's bytes and the training revision are
+    """The train config (its precision as all ranks agreed on it), the init LoRA's bytes and the training revision are
     the same on every rank, or every rank stops with one line. Each rank reads --config / --set and the init LoRA itself: per-node copies
     that differ would have ranks with other step counts, checkpoint or validation steps wait in different
     collectives, or with another learning rate drift apart silently (rank 0's weights alone are saved)."""
@@ -83,10 +83,10 @@ def check_same_start(world: int, record: ResumeRecord) -> None:
         raise UserError("the ranks do not run the same training code (training revisions differ between the "
                         "nodes' installs of the pipeline); install the same release on every node")
     if config:
+        # (not train.dtype: auto, which all ranks decided together: `settings.train_precision`)
         raise UserError("the ranks do not train with the same settings (their train config fingerprints differ): "
-                        "each node reads --config and --set itself, so copies of the config file that differ, or "
-                        "ranks resolving train.dtype: auto to different precisions, differ here; use one config "
-                        "and set train.dtype on a mixed cluster")
+                        "each node reads --config and --set itself, and the nodes' copies of the config differ; "
+                        "use one config")
     if init:
         raise UserError("train.init_lora is not the same file on every rank (its bytes differ between the nodes' "
                         "copies); copy the same LoRA to every node")
@@ -174,12 +174,22 @@ def keep_previous(r: Run, why: str) -> tuple[None, None]:
     return None, None
 
 
+PRECISION_JSON = "precision.json"
+
+
 def prepare_run_dir(r: Run, cfg: PipelineConfig) -> None:
-    """Main process: the checkpoints folder without stale temp folders, this start's effective config and the
-    data report."""
+    """Main process: the checkpoints folder without stale temp folders, this start's effective config, the data
+    report and, under several ranks, the precision they agreed on with each rank's own (`precision.json`; one
+    process: none, train_config.yaml says it, and an earlier start's is removed)."""
     r.checkpoints.mkdir(parents=True, exist_ok=True)
     train_state.remove_stale(r.checkpoints)
     atomic_write_bytes(r.run_dir / "train_config.yaml", dump_config(cfg).encode())
+    if r.precision is not None and r.precision.ranks is not None:
+        from models.precision import precision_record
+
+        atomic_write_json(r.run_dir / PRECISION_JSON, precision_record(r.precision))
+    else:
+        (r.run_dir / PRECISION_JSON).unlink(missing_ok=True)
     tqdm.write(write_data_report(r.run_dir, r.tables))
 
 
