@@ -49,13 +49,13 @@ def main() -> None:
             def not_complete(self, table, version):  # what set_current says of a version it does not see whole
                 raise UserError(f"table '{table}' v{version} is not complete; cannot make it current")
 
-            Store.find_version = lambda self, table, lineage: None
+            Store.find_version = lambda self, table, lineage, serving=(): None
             Store.set_current = not_complete
         elif os.environ["RANK"] == "1" and images:
             hold = plan.hold
             plan.hold = lambda root, tables, what: hold(root, {"images": int(images[0])}, what)
         elif os.environ["RANK"] == "1":
-            Store.find_version = lambda self, table, lineage: None  # the complete version not listed yet
+            Store.find_version = lambda self, table, lineage, serving=(): None  # the complete version not listed yet
         sys.argv = ["pipeline", "run", "encode-text", "--store", store, "--model", model, "--device", "cpu", *extra]
         cli()
         return

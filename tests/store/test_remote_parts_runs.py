@@ -56,7 +56,8 @@ def ranks_as_threads(monkeypatch):
         def rank(r: int) -> None:
             state.local.rank = r
             job = SimpleNamespace(ranks=SimpleNamespace(rank=r, world_size=world),
-                                  summary=SimpleNamespace(table="vae", stage="encode-vae"), store=Store(caches[r]))
+                                  summary=SimpleNamespace(table="vae", stage="encode-vae"), store=Store(caches[r]),
+                                  serving=())
             try:
                 agreed[r] = writer_place(job, vae_schema())
             except BaseException as e:  # noqa: BLE001  raised in the test's thread below
