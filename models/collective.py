@@ -136,6 +136,25 @@ def differing(world: int, digests: list[str]) -> list[bool]:
     return [high != low for high, low in spread(world, [int(d[:15], 16) for d in digests])]
 
 
+def differing_ranks(world: int, digests: list[str]) -> list[list[int]]:
+    """For each hex digest (a fingerprint, a sha256), the ranks whose digest is not rank 0's ([]: the same on every
+    rank), the same lists on every rank, so a refusal can name the ranks: one all-gather of every rank's digests
+    (`gather_texts`). One process: none differs."""
+    if world <= 1:
+        return [[] for _ in digests]
+    text = " ".join(digests)
+    if len(text) > MESSAGE_BYTES:  # a bug of the caller, not a configuration to refuse
+        raise ValueError(f"{len(digests)} digests of {len(text)} characters in all: at most {MESSAGE_BYTES}")
+    ranks = [t.split(" ") for t in gather_texts(world, text)]
+    return [[r for r in range(1, world) if ranks[r][i:i + 1] != ranks[0][i:i + 1]] for i in range(len(digests))]
+
+
+def ranks_differ(ranks: list[int]) -> str:
+    """`differing_ranks`' ranks for a line: "rank 1 differs from rank 0", "ranks 1, 3 differ from rank 0"."""
+    shown = ", ".join(map(str, ranks[:8])) + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
+    return f"rank {shown} differs from rank 0" if len(ranks) == 1 else f"ranks {shown} differ from rank 0"
+
+
 def gather_texts(world: int, text: str, size: int = MESSAGE_BYTES) -> list[str]:
     """Every rank's `text` (UTF-8, cut at `size` bytes), in rank order, on every rank: one all-gather of fixed-size
     byte buffers, so every rank can take the same decision from the same data. One process: [text]."""

@@ -118,6 +118,12 @@ class TableWriter:
         """Shard names carried forward (hard-linked) in this session."""
         return self._shards.linked
 
+    @property
+    def written_bytes(self) -> int:
+        """Bytes of the shards this session wrote and committed (an earlier session's, carried forward ones and
+        unreferenced tars a killed session left are not this session's writing)."""
+        return self._shards.written_bytes
+
     def add_linked_shard(self, src: Path, rows: "pa.Table") -> str:
         """Carry samples forward from a committed, intact shard of another version (reuse, and repair's intact
         shards): the shard file is hard-linked (bytes shared, `fmt.link_or_copy`) under this rank's next shard

@@ -63,6 +63,7 @@ class RankShards:
         self.shard_bytes, self.label = shard_bytes, label
         self.added: set[str] = set()
         self.linked: set[str] = set()  # shard names carried forward (hard-linked) in this session
+        self.written_bytes = 0  # bytes of the shards this session wrote and committed itself (not linked ones)
         self._done_dropped = False
         self._builder: ShardBuilder | None = None
         self._metas: list[dict[str, Any]] = []
@@ -118,6 +119,7 @@ class RankShards:
                 nbytes = b.tmp_path.stat().st_size
                 self._publish(b.tmp_path, lambda name: rows_to_table(b.records, self._metas, name, sha, nbytes,
                                                                      b.crc32c))
+                self.written_bytes += nbytes
         except BaseException:  # full disk etc.: no uncommitted shard left behind; a rerun writes it again
             self.drop()
             raise

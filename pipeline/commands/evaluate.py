@@ -35,6 +35,10 @@ def command(
     cache_dir: Optional[Path] = CacheDirOpt,
     cache_gb: Optional[float] = CacheGbOpt,
 ) -> None:
+    if not all_checkpoints:  # refused before anything is read: every rank would pull a store URL's cache first
+        from pipeline.launched import one_process
+
+        one_process("run evaluate", "; only --all-checkpoints (a run's checkpoints) shares its work between ranks")
     cfg = config_from(config, sets=set_, overrides=
         {
             "paths.store": store,

@@ -162,6 +162,20 @@ def _gone(checkpoint: Path) -> bool:
     return not (Path(checkpoint) / WEIGHT_NAME).is_file() and not Path(checkpoint).is_file()
 
 
+def check_same_settings(world: int, cfg: EvaluateConfig) -> None:
+    """The hashed evaluate settings (`cfg.fingerprint()`, with the precision all ranks agreed on) are the same on
+    every rank, or every rank stops with one line naming the ranks that differ. Each rank reads --config / --set
+    itself: per-node copies that differ (other noise seeds, σ grid, max_loss_samples, lora_scale) would sum rows
+    computed under different settings into one loss grid, recorded as rank 0's (as train's `check_same_start`)."""
+    from models.collective import differing_ranks, ranks_differ
+
+    (ranks,) = differing_ranks(world, [cfg.fingerprint()])
+    if ranks:
+        raise UserError(f"evaluate: the ranks do not evaluate with the same settings (their evaluate config "
+                        f"fingerprints differ: {ranks_differ(ranks)}): each node reads --config and --set itself, "
+                        "and the nodes' copies of the config differ; use one config")
+
+
 def agreed_checkpoints(checkpoints: list[tuple[int, Path]], ranks) -> list[tuple[int, Path]]:
     """The checkpoints rank 0 lists, on every rank, less those some rank does not see. Each rank lists the run
     folder itself, and every later exchange pairs the checkpoints by their place in the list: a training beside
@@ -377,6 +391,7 @@ def _run(ranks, cfg: EvaluateConfig, store: str | Path, model: str, checkpoints:
     # the device and precision every rank computes its share in: one decision of all (a collective, outside
     # `together`): rows of one loss grid in two precisions would be recorded as the one dtype
     cfg, precision = single.agreed_config(cfg, ranks.world)
+    check_same_settings(ranks.world, cfg)
     with together(ranks.world, "evaluate settings"):
         fingerprint, settings = loss_fingerprint(cfg, store, model)
     done = None

@@ -545,9 +545,10 @@ def _commit(st: Store, writer: Any, source: str | Path, intake: _Intake) -> None
             f"no usable sample in source {source}: {len(intake.rejects)} quarantined "
             f"(see {summary.quarantine_file}); fix the source and rerun"
         )
-    summary.bytes_written = sum(p.stat().st_size for p in writer.dir.glob("shard-*.tar")
-                                if p.name not in writer.linked_shards)
-    summary.version = writer.commit()
+    summary.version = writer.commit()  # its last shard committed first
+    # this run's shards only, as `written` counts this run's samples: the version folder also holds an earlier
+    # session's shards (`resumed`), carried forward ones (`reused`) and tars a killed session left unindexed
+    summary.bytes_written = writer.written_bytes
 
 
 def _verify_repaired(st: Store, summary: ResizeSummary, repairing: int) -> None:

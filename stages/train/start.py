@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from tqdm.auto import tqdm
 
 from features.open import open_configured
-from models.collective import differing, spread, together
+from models.collective import differing, differing_ranks, ranks_differ, spread, together
 from models.lora import WEIGHT_NAME, load_lora
 from models.same_versions import check_same_versions
 from schemas.config import PipelineConfig, TrainConfig, dump_config
@@ -77,19 +77,20 @@ def check_same_start(world: int, record: ResumeRecord) -> None:
     the same on every rank, or every rank stops with one line. Each rank reads --config / --set and the init LoRA itself: per-node copies
     that differ would have ranks with other step counts, checkpoint or validation steps wait in different
     collectives, or with another learning rate drift apart silently (rank 0's weights alone are saved)."""
-    config, init, code = differing(world, [record.config_fingerprint, record.init_lora_sha256 or "0",
-                                           f"{record.training_revision:x}"])
+    config, init, code = differing_ranks(world, [record.config_fingerprint, record.init_lora_sha256 or "0",
+                                                 f"{record.training_revision:x}"])
     if code:  # nodes with different installs: their steps would be different maths in one LoRA
-        raise UserError("the ranks do not run the same training code (training revisions differ between the "
-                        "nodes' installs of the pipeline); install the same release on every node")
+        raise UserError(f"the ranks do not run the same training code (training revisions differ between the "
+                        f"nodes' installs of the pipeline: {ranks_differ(code)}); install the same release on every "
+                        "node")
     if config:
         # (not train.dtype: auto, which all ranks decided together: `settings.train_precision`)
-        raise UserError("the ranks do not train with the same settings (their train config fingerprints differ): "
-                        "each node reads --config and --set itself, and the nodes' copies of the config differ; "
-                        "use one config")
+        raise UserError(f"the ranks do not train with the same settings (their train config fingerprints differ: "
+                        f"{ranks_differ(config)}): each node reads --config and --set itself, and the nodes' copies "
+                        "of the config differ; use one config")
     if init:
-        raise UserError("train.init_lora is not the same file on every rank (its bytes differ between the nodes' "
-                        "copies); copy the same LoRA to every node")
+        raise UserError(f"train.init_lora is not the same file on every rank (its bytes differ between the nodes' "
+                        f"copies: {ranks_differ(init)}); copy the same LoRA to every node")
 
 
 def resume_point(r: Run, resume: bool, cfg: PipelineConfig) -> tuple[Path | None, ResumeRecord | None]:

@@ -41,7 +41,7 @@ def test_resize_bucket_under_a_launcher_runs_on_rank_0_while_rank_1_waits(tmp_pa
 
 # What each command does launched on several ranks (pipeline/launched.py); a new command must be added here.
 SHARES = {"run encode-text", "run encode-vae", "run train", "run all",
-          "run evaluate"}  # --all-checkpoints shares; one LoRA is refused by its stage (tests/stages/test_evaluate_launch.py)
+          "run evaluate"}  # --all-checkpoints shares; one LoRA is refused (the test below)
 RANK_0_ALONE = {"run resize-bucket"}  # the test above
 READS_AND_PRINTS = {"config show", "store inspect", "plan"}  # every rank prints the same; nothing written
 STARTS_RANKS = {"launch"}
@@ -96,3 +96,28 @@ def test_a_command_that_runs_in_one_process_is_refused_on_every_rank(command, tm
         assert lines[0].startswith(f"error: `pipeline {command}` runs in one process") and "launched as 2" in lines[0]
         assert "without the launcher" in lines[0], lines[0]
         assert not any(tmp_path.iterdir()), list(tmp_path.iterdir())  # before any work: nothing written
+
+
+def test_evaluate_of_one_lora_is_refused_on_every_rank_before_a_store_url_is_pulled(tmp_path, monkeypatch):
+    """`run evaluate` of one LoRA was refused by its stage, after the command had pulled the store URL's tables
+    into the cache on every rank (a whole `vae` table per rank). Now the command refuses first."""
+    from typer.testing import CliRunner
+
+    import store.remote_cache
+    from pipeline.cli import app
+
+    pulled = []
+    monkeypatch.setattr(store.remote_cache, "local_store", lambda *a, **k: pulled.append(a) or str(tmp_path / "x"))
+    monkeypatch.chdir(tmp_path)
+    for rank in ("0", "1"):
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        monkeypatch.setenv("RANK", rank)
+        r = CliRunner().invoke(app, ["run", "evaluate", "--store", "s3://bucket/store", "--cache-dir",
+                                     str(tmp_path / "cache"), "--model", str(tmp_path / "model"), "--lora",
+                                     str(tmp_path / "lora"), "--out", str(tmp_path / "report")])
+        assert pulled == [], pulled  # refused before the store URL's tables were pulled into the cache
+        lines = [ln for ln in r.output.splitlines() if ln.strip()]
+        assert r.exit_code == 1 and len(lines) == 1, r.output
+        assert lines[0].startswith("error: `pipeline run evaluate` runs in one process") and "launched as 2" in lines[0]
+        assert "only --all-checkpoints" in lines[0], lines[0]
+    assert not any(tmp_path.iterdir()), list(tmp_path.iterdir())  # nothing written: no cache, no report folder

@@ -10,10 +10,11 @@ are the test's.
                                                         (its view of store.json lags), or (unseen) cannot make
                                                         that version current either, or (settings) is given
                                                         another hashed setting
-    rank_stale_view.py evaluate STORE MODEL RUN OUT V|pruned
+    rank_stale_view.py evaluate STORE MODEL RUN OUT V|pruned|settings
                                                         `pipeline run evaluate --all-checkpoints`; rank 1 reads
                                                         `text` vV (its view of store.json lags), or does not
-                                                        list RUN's oldest checkpoint (pruned in its view)
+                                                        list RUN's oldest checkpoint (pruned in its view), or
+                                                        is given another σ grid (as many σ, other values)
     rank_stale_view.py tables STORE MODEL OUT SPLIT V|STORE1|settings|revision
                                                         `pipeline run train` with validation; rank 1 reads the
                                                         SPLIT split's `text` as vV, or the store at STORE1 (its
@@ -63,7 +64,10 @@ def main() -> None:
         store, model, run, out, version = sys.argv[2:7]
         from store import lease
 
-        if os.environ["RANK"] == "1" and version == "pruned":
+        extra = []
+        if os.environ["RANK"] == "1" and version == "settings":
+            extra = ["--set", "evaluate.timesteps=[0.1, 0.3, 0.5, 0.7, 0.8]"]  # its own copy of the config differs
+        elif os.environ["RANK"] == "1" and version == "pruned":
             from stages.train import state as train_state
 
             real = train_state.complete_checkpoints
@@ -72,7 +76,7 @@ def main() -> None:
             hold = lease.hold
             lease.hold = lambda root, tables, what, *a: hold(root, {**tables, "text": int(version)}, what, *a)
         sys.argv = ["pipeline", "run", "evaluate", "--all-checkpoints", "--set", f"paths.run={run}", "--store",
-                    store, "--model", model, "--out", out, "--num-samples", "0", "--device", "cpu"]
+                    store, "--model", model, "--out", out, "--num-samples", "0", "--device", "cpu", *extra]
         cli()
         return
     if sys.argv[1] == "tables":

@@ -141,3 +141,22 @@ def test_ranks_that_list_different_checkpoints_evaluate_the_ones_all_see(run_and
     assert "checkpoint step(s) 10 not seen by every rank yet" in out0 + err0, (out0, err0)
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["checkpoints"]["steps"] == [20, 30]
+
+
+def test_ranks_given_different_settings_stop_with_one_line(run_and_store, tiny_edit_model, tmp_path):
+    """Rank 1 is given another σ grid (its node's copy of the config differs; as many σ, so the grids' shapes
+    agree). Before, each rank computed its half of every grid at its own σ and rank 0 recorded the sum under its
+    own settings: exit 0, numbers of two settings mixed. Now every rank stops with one line naming rank 1, and
+    nothing is written."""
+    from two_ranks import launch_two
+
+    root, out = run_and_store, tmp_path / "report"
+    (rc0, out0, err0), (rc1, out1, err1) = launch_two("rank_stale_view.py", "evaluate", str(root / "store"),
+                                                      tiny_edit_model, str(root / "run"), str(out), "settings",
+                                                      timeout=300)
+    assert "Traceback" not in err0 + out0 + err1 + out1, (err0[-3000:], err1[-3000:])
+    assert rc0 == rc1 == 1, (rc0, rc1, err0[-2000:], err1[-2000:])
+    last0, last1 = err0.strip().splitlines()[-1], err1.strip().splitlines()[-1]
+    assert last0 == last1, (last0, last1)
+    assert "the ranks do not evaluate with the same settings" in last0 and "rank 1 differs from rank 0" in last0
+    assert not (out / GROUP).exists()

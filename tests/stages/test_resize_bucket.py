@@ -306,6 +306,33 @@ def test_resume_after_sigkill_mid_run(tmp_path):
     assert all(f.files(k) == r.files(k) and f.meta(k) == r.meta(k) for k in f.keys())
 
 
+def test_bytes_written_after_kills_are_this_runs_shards_only(tmp_path):
+    """Killed once after a shard's commit, then once between a shard's tar and its index (a tar no index names,
+    which the resumed writer leaves where it is: `store gc` removes it). bytes_written summed every tar in the
+    version folder (the first session's shard and the unindexed tar included, though neither is this run's
+    writing and the second is no part of the version) and missed this run's last shard, still open then. Now it
+    is the bytes of the shards this run wrote: those the manifest names that were not there before it."""
+    make_demo_data(tmp_path / "src", n=16, fmt="webdataset", max_controls=2, seed=2)
+    code = (
+        "import json, sys; from pipeline.config import load_config; from stages.resize.stage import run;"
+        f"cfg = load_config(None, {{**{SMALL!r}, 'resize.shard_size_mb': 0.01}});"
+        "print(json.dumps(run(cfg, sys.argv[1], sys.argv[2]).to_json()))"
+    )
+    args = [sys.executable, "-c", code, str(tmp_path / "src"), str(tmp_path / "store")]
+    vdir = tmp_path / "store" / "images" / "v1"
+    for crash in ("after_shard_commit", "shard_before_index"):
+        killed = subprocess.run(args, env={**os.environ, "STORE_CRASH_AT": crash}, capture_output=True, text=True)
+        assert killed.returncode == -9, killed.stderr
+    before = {p.name for p in vdir.glob("*.tar")}
+    done = subprocess.run(args, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    named = set(Store(tmp_path / "store").reader("images").manifest.column("shard").to_pylist())
+    assert before - named, (before, named)  # the unindexed tar is there, and no part of the version
+    assert before & named  # and the first session's shard is
+    assert summary["bytes_written"] == sum((vdir / name).stat().st_size for name in named - before) > 0, summary
+
+
 def test_cli_flags_override_config(tmp_path):
     from typer.testing import CliRunner
 
