@@ -118,6 +118,11 @@ class TableWriter:
         """Shard names carried forward (hard-linked) in this session."""
         return self._shards.linked
 
+    @property
+    def session_indexes(self) -> set[str]:
+        """Index names of the shards committed in this session (written or carried forward)."""
+        return self._shards.indexes
+
     def add_linked_shard(self, src: Path, rows: "pa.Table") -> str:
         """Carry samples forward from a committed, intact shard of another version (reuse, and repair's intact
         shards): the shard file is hard-linked (bytes shared, `fmt.link_or_copy`) under this rank's next shard
