@@ -22,6 +22,18 @@ from test_store_writer import assert_exact
 from test_writer_lagging_view import _add, _finished_rank, _lagging_view
 
 
+class _Clock:
+    """Stands in for the commit's `time`: each wait recorded (and `on_wait` called), none slept."""
+
+    def __init__(self, on_wait=lambda: None) -> None:
+        self.waits: list[float] = []
+        self.on_wait = on_wait
+
+    def sleep(self, s: float) -> None:
+        self.waits.append(s)
+        self.on_wait()
+
+
 def _two_ranks_finished(store: Store) -> tuple[object, Path]:
     """Ranks 0 and 1 wrote samples 0..7 (even ones rank 0's, one shard each) and finished; rank 0's writer is
     returned before its commit."""
@@ -46,13 +58,13 @@ def test_a_commit_whose_view_hides_an_index_a_done_file_names_is_refused(store: 
     without that shard's rows - 7 of 8 samples, silently, for a writer that does not count its keys."""
     w0, vdir = _two_ranks_finished(store)
     hidden = sorted(p.name for p in vdir.glob("shard-r01-*.index.parquet"))[1]
-    waits: list[float] = []
-    monkeypatch.setattr(writer_commit.time, "sleep", waits.append)
+    clock = _Clock()
+    monkeypatch.setattr(writer_commit, "time", clock, raising=False)
     with _lagging_view(monkeypatch, vdir, {hidden}):
         with pytest.raises(UserError, match=rf"1 committed shard\(s\).*\['{hidden}'\].*Rerun") as e:
             w0.commit()
     assert "\n" not in str(e.value)
-    assert waits == list(writer_commit.RELIST_WAITS_S)  # listed again before refusing
+    assert clock.waits == list(writer_commit.RELIST_WAITS_S)  # listed again before refusing
     assert not (vdir / "manifest.parquet").exists() and store.tables() == {}
     w0 = store.writer("vae", vae_schema(), rank=0, world_size=2)  # the rerun, the view caught up
     assert w0.commit() == 1
@@ -62,9 +74,11 @@ def test_a_commit_whose_view_hides_an_index_a_done_file_names_is_refused(store: 
 def test_a_view_that_catches_up_while_listed_again_commits_every_row(store: Store, monkeypatch) -> None:
     w0, vdir = _two_ranks_finished(store)
     hidden = {sorted(p.name for p in vdir.glob("shard-r01-*.index.parquet"))[0]}
-    monkeypatch.setattr(writer_commit.time, "sleep", lambda s: hidden.clear())  # caught up after the first wait
+    clock = _Clock(on_wait=hidden.clear)  # caught up after the first wait
+    monkeypatch.setattr(writer_commit, "time", clock, raising=False)
     with _lagging_view(monkeypatch, vdir, hidden):
         assert w0.commit() == 1
+    assert len(clock.waits) == 1
     assert verify_store(store.root, progress=False) == []
     assert_exact(store, 8)
 
@@ -73,10 +87,11 @@ def test_done_files_of_older_code_without_the_record_commit_as_before(store: Sto
     w0, vdir = _two_ranks_finished(store)
     done = vdir / "rank-01.done"
     record = json.loads(done.read_text())
-    del record["indexes"]
+    record.pop("indexes", None)
     fmt.atomic_write_json(done, record)
-    monkeypatch.setattr(writer_commit.time, "sleep", lambda s: pytest.fail("nothing named: no wait"))
-    assert w0.commit() == 1
+    clock = _Clock()
+    monkeypatch.setattr(writer_commit, "time", clock, raising=False)
+    assert w0.commit() == 1 and clock.waits == []
     assert_exact(store, 8)
 
 
