@@ -71,15 +71,39 @@ def empty_manifest() -> pa.Table:
     return pa.schema(LOCATING_FIELDS + CHECKSUM_FIELDS).empty_table()
 
 
+# Columns that say where a sample's bytes are, not what they are: a sample written twice differs only in these
+WHERE_COLUMNS = frozenset({"shard", "shard_sha256", "shard_nbytes", "shard_crc32c", "sample_offset", "tensors", "files"})
+
+
 def merge_indexes(paths: Iterable[Path]) -> pa.Table:
-    """Concatenate per-shard indexes into one manifest sorted by key; duplicate keys are an error."""
+    """Concatenate per-shard indexes into one manifest sorted by key.
+
+    A key in two shards of one rank with the same content (every column but `WHERE_COLUMNS`: the sample's bytes,
+    whose sha256 covers its meta, and the meta columns) keeps the earlier shard's row: a resumed writer whose view
+    of a shared folder hid the first shard's index wrote the sample again, and the later shard's other rows stay.
+    Any other duplicate key (two ranks, or other content) is an error naming both shards."""
     parts = [pq.read_table(p) for p in paths]
     if not parts:
         return empty_manifest()
     table = pa.concat_tables(parts, promote_options="permissive")
-    table = table.sort_by("key")
+    table = table.sort_by([("key", "ascending"), ("shard", "ascending")])  # a rank's shards: by number (zero-padded)
     keys = table.column("key").to_pylist()
-    dups = sorted({a for a, b in zip(keys, keys[1:]) if a == b})
-    if dups:
-        raise UserError(f"duplicate keys across shards ({len(dups)}), e.g. {dups[:3]}: each sample must be written once")
-    return table
+    again = [i for i in range(1, len(keys)) if keys[i] == keys[i - 1]]
+    if not again:
+        return table
+    content = [c for c in table.column_names if c not in WHERE_COLUMNS]
+    later = table.take(again).to_pylist()
+    earlier = table.take([i - 1 for i in again]).to_pylist()
+    for a, b in zip(earlier, later):
+        if _rank(a["shard"]) != _rank(b["shard"]) or any(a[c] != b[c] for c in content):
+            raise UserError(
+                f"duplicate keys across shards: {a['key']} in {a['shard']} and {b['shard']}"
+                f"{' (other content)' if _rank(a['shard']) == _rank(b['shard']) else ''}: each sample must be "
+                "written once; nothing committed. Delete the later shard's .tar and .index.parquet, then rerun: "
+                "its samples are written again")
+    drop = set(again)
+    return table.filter(pa.array([i not in drop for i in range(len(keys))], pa.bool_()))
+
+
+def _rank(shard: str) -> str:
+    return shard.split("-")[1]  # shard-rRR-NNNNNN.tar

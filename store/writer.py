@@ -124,6 +124,11 @@ class TableWriter:
         unreferenced tars a killed session left are not this session's writing)."""
         return self._shards.written_bytes
 
+    @property
+    def session_indexes(self) -> set[str]:
+        """Index names of the shards committed in this session (written or carried forward)."""
+        return self._shards.indexes
+
     def add_linked_shard(self, src: Path, rows: "pa.Table") -> str:
         """Carry samples forward from a committed, intact shard of another version (reuse, and repair's intact
         shards): the shard file is hard-linked (bytes shared, `fmt.link_or_copy`) under this rank's next shard

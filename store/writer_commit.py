@@ -4,6 +4,8 @@ version on this disk - litter removed, checksums.json, manifest.parquet (presenc
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from schemas.errors import UserError
@@ -17,12 +19,24 @@ if TYPE_CHECKING:
     from store.writer import TableWriter
 
 
+# A shard index a rank-done file names but rank 0 does not list: listed again after each of these waits (seconds),
+# as a node's cached view of a shared folder catches up within a few seconds (NFS: up to acdirmax, 60 s by default)
+RELIST_WAITS_S = (1, 2, 4, 8)
+
+
 def mark_rank_done(writer: TableWriter, rejected: int = 0) -> None:
     """Write this rank's `rank-XX.done` (its shards all committed; the keys it was given and rejected, for the
-    commit's `check_rows`); a rank of a URL's version uploads its part."""
+    commit's `check_rows`); a rank of a URL's version uploads its part.
+
+    On one shared folder it also records its committed shards' index names (those this node lists and those this
+    session wrote): rank 0's view may lag and not list some of them, and a manifest built without them would lack
+    their rows silently (`listed_indexes`). A rank of a URL's version records its files instead (`files`)."""
     done: dict[str, Any] = {"rank": writer.rank, "world_size": writer.world_size}
     if writer.given is not None:
         done.update(given=int(writer.given), rejected=int(rejected))
+    if writer.remote_url is None:
+        seen = {p.name for p in index_paths(writer.dir, writer.rank)}
+        done["indexes"] = sorted(seen | writer.session_indexes)
     if writer.remote_url is not None:  # what rank 0 will list in checksums.json without reading the files
         if writer.given is None:  # rank 0 could not tell a part short of samples: a caller's error
             raise ValueError(f"rank {writer.rank} of table '{writer.table}' writes through its node's cache: set "
@@ -46,13 +60,13 @@ def commit_local(writer: TableWriter, allow_empty: bool) -> int:
     if missing:
         raise UserError(f"table '{table}' v{version}: ranks {missing} have not finished; "
                         "call commit() on rank 0 after a barrier")
-    manifest = merge_indexes(index_paths(vdir))
+    dones = [fmt.read_json(vdir / fmt.rank_done_name(r), "a rank-done file") for r in range(writer.world_size)]
+    manifest = merge_indexes(listed_indexes(vdir, dones, f"table '{table}' v{version}"))
     if manifest.num_rows == 0 and not allow_empty:
         writer.close()
         raise UserError(f"table '{table}' v{version} would be empty: every input was rejected "
                         f"(reasons in {writer.store.root / 'quarantine.parquet'}); fix the inputs or the settings")
-    check_rows(table, version, [fmt.read_json(vdir / fmt.rank_done_name(r), "a rank-done file")
-                                for r in range(writer.world_size)], manifest.num_rows)
+    check_rows(table, version, dones, manifest.num_rows)
     for p in vdir.iterdir():  # temp files of killed writes: never part of a committed version
         if fmt.is_litter(p.name):
             p.unlink(missing_ok=True)
@@ -66,6 +80,23 @@ def commit_local(writer: TableWriter, allow_empty: bool) -> int:
     writer.store.set_current(table, version)
     writer.close()
     return version
+
+
+def listed_indexes(vdir: Path, dones: list[dict[str, Any]], label: str) -> list[Path]:
+    """Every shard index of the version that this node lists, once it lists each one the ranks' done files name
+    (`indexes`; done files of older code name none, and are taken as they are): a lagging view is listed again a
+    few times (`RELIST_WAITS_S`), then the commit is refused rather than a manifest without those shards' rows."""
+    named = {n for d in dones for n in d.get("indexes") or ()}
+    for wait in (*RELIST_WAITS_S, None):
+        paths = index_paths(vdir)
+        missing = sorted(named - {p.name for p in paths})
+        if not missing:
+            return paths
+        if wait is not None:
+            time.sleep(wait)
+    raise UserError(f"{label}: {len(missing)} committed shard(s) that the ranks' done files name are not listed in "
+                    f"{vdir}, e.g. {missing[:3]} (this node's view of the shared folder lags, or they were removed); "
+                    "nothing committed. Rerun: the version resumes from its committed shards")
 
 
 def check_rows(table: str, version: int, dones: list[dict[str, Any]], rows: int, required: bool = False) -> None:

@@ -64,6 +64,7 @@ class RankShards:
         self.added: set[str] = set()
         self.linked: set[str] = set()  # shard names carried forward (hard-linked) in this session
         self.written_bytes = 0  # bytes of the shards this session wrote and committed itself (not linked ones)
+        self.indexes: set[str] = set()  # index names of the shards committed in this session (written or linked)
         self._done_dropped = False
         self._builder: ShardBuilder | None = None
         self._metas: list[dict[str, Any]] = []
@@ -140,6 +141,7 @@ class RankShards:
             fmt.crash_point("shard_before_index")
             try:
                 fmt.atomic_write_parquet(self.dir / fmt.index_name(name), index_of(name), replace=False)
+                self.indexes.add(fmt.index_name(name))
                 return name
             except FileExistsError:  # another shard's index, its tar not here (adopted from a store URL): skipped
                 os.rename(self.dir / name, tmp)  # the tar named a moment ago is this one

@@ -72,7 +72,7 @@ def test_a_resume_through_a_lagging_view_keeps_every_committed_shard(store: Stor
     with _lagging_view(monkeypatch, vdir, hidden):
         w = store.writer("vae", vae_schema(), shard_size_mb=0.0001)
         assert len(w.done_keys) == 3  # the hidden shard's sample is not known to be done
-        for i in (4, 5):  # the samples of this session (a real one would redo sample 3: a duplicate the commit refuses)
+        for i in (4, 5):  # the samples of this session (a real one would redo sample 3: test_writer_done_record.py)
             _add(w, i)
     assert last.read_bytes() == kept  # neither deleted nor replaced
     new = _shard_names(vdir) - before

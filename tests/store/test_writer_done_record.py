@@ -1,0 +1,142 @@
+"""Rank 0's commit through a lagging view of a shared folder (NFS: a node's cached listing). Each rank's
+`rank-RR.done` names its committed shards' indexes: rank 0 lists again while one is missing, then refuses, rather
+than commit a manifest without that shard's rows. A rank whose view hid one of its own indexes wrote those samples
+again: the same rank's identical rows keep the earlier shard's, so the rerun commits instead of failing forever."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from schemas.errors import UserError
+from store import Store
+from store import format as fmt
+from store import writer_commit
+from store.manifest import merge_indexes
+from store.verify import verify_store
+from store_samples import key_of, sample, vae_schema
+from test_store_writer import assert_exact
+from test_writer_lagging_view import _add, _finished_rank, _lagging_view
+
+
+class _Clock:
+    """Stands in for the commit's `time`: each wait recorded (and `on_wait` called), none slept."""
+
+    def __init__(self, on_wait=lambda: None) -> None:
+        self.waits: list[float] = []
+        self.on_wait = on_wait
+
+    def sleep(self, s: float) -> None:
+        self.waits.append(s)
+        self.on_wait()
+
+
+def _two_ranks_finished(store: Store) -> tuple[object, Path]:
+    """Ranks 0 and 1 wrote samples 0..7 (even ones rank 0's, one shard each) and finished; rank 0's writer is
+    returned before its commit."""
+    w0 = store.writer("vae", vae_schema(), rank=0, world_size=2, shard_size_mb=0.0001)
+    w1 = store.writer("vae", vae_schema(), rank=1, world_size=2, shard_size_mb=0.0001)
+    for i in range(8):
+        _add((w0, w1)[i % 2], i)
+    w1.finish_rank()
+    w1.close()
+    return w0, store.version_dir("vae", 1)
+
+
+def test_the_done_file_names_the_committed_indexes_it_sees_and_wrote(store: Store) -> None:
+    w0, vdir = _two_ranks_finished(store)
+    done = json.loads((vdir / "rank-01.done").read_text())
+    assert done["indexes"] == sorted(p.name for p in vdir.glob("shard-r01-*.index.parquet")) and len(done["indexes"]) == 4
+    w0.close()
+
+
+def test_a_commit_whose_view_hides_an_index_a_done_file_names_is_refused(store: Store, monkeypatch) -> None:
+    """Rank 0 does not list one of rank 1's indexes (and keeps not listing it): the commit used to write a manifest
+    without that shard's rows - 7 of 8 samples, silently, for a writer that does not count its keys."""
+    w0, vdir = _two_ranks_finished(store)
+    hidden = sorted(p.name for p in vdir.glob("shard-r01-*.index.parquet"))[1]
+    clock = _Clock()
+    monkeypatch.setattr(writer_commit, "time", clock, raising=False)
+    with _lagging_view(monkeypatch, vdir, {hidden}):
+        with pytest.raises(UserError, match=rf"1 committed shard\(s\).*\['{hidden}'\].*Rerun") as e:
+            w0.commit()
+    assert "\n" not in str(e.value)
+    assert clock.waits == list(writer_commit.RELIST_WAITS_S)  # listed again before refusing
+    assert not (vdir / "manifest.parquet").exists() and store.tables() == {}
+    w0 = store.writer("vae", vae_schema(), rank=0, world_size=2)  # the rerun, the view caught up
+    assert w0.commit() == 1
+    assert_exact(store, 8)
+
+
+def test_a_view_that_catches_up_while_listed_again_commits_every_row(store: Store, monkeypatch) -> None:
+    w0, vdir = _two_ranks_finished(store)
+    hidden = {sorted(p.name for p in vdir.glob("shard-r01-*.index.parquet"))[0]}
+    clock = _Clock(on_wait=hidden.clear)  # caught up after the first wait
+    monkeypatch.setattr(writer_commit, "time", clock, raising=False)
+    with _lagging_view(monkeypatch, vdir, hidden):
+        assert w0.commit() == 1
+    assert len(clock.waits) == 1
+    assert verify_store(store.root, progress=False) == []
+    assert_exact(store, 8)
+
+
+def test_done_files_of_older_code_without_the_record_commit_as_before(store: Store, monkeypatch) -> None:
+    w0, vdir = _two_ranks_finished(store)
+    done = vdir / "rank-01.done"
+    record = json.loads(done.read_text())
+    record.pop("indexes", None)
+    fmt.atomic_write_json(done, record)
+    clock = _Clock()
+    monkeypatch.setattr(writer_commit, "time", clock, raising=False)
+    assert w0.commit() == 1 and clock.waits == []
+    assert_exact(store, 8)
+
+
+def test_a_sample_written_again_because_the_view_hid_its_index_commits_once(store: Store, monkeypatch) -> None:
+    """The resumed rank does not see its last shard's index (nor its done file), so it writes that shard's sample
+    again, in a new shard with another. The commit used to fail on "duplicate keys across shards" at every rerun;
+    the row of the earlier shard is kept (same content), the later shard's other row stays."""
+    vdir = _finished_rank(store, 4)
+    last = sorted(vdir.glob("shard-r00-*.tar"))[-1]
+    with _lagging_view(monkeypatch, vdir, {fmt.index_name(last.name), "rank-00.done"}):
+        w = store.writer("vae", vae_schema(), shard_size_mb=1)
+        assert key_of(3) not in w.done_keys
+        for i in (3, 4):
+            _add(w, i)
+    assert w.commit() == 1  # the view caught up: both shards' indexes listed
+    manifest = pq.read_table(vdir / "manifest.parquet")
+    rows = [r for r in manifest.select(["key", "shard"]).to_pylist() if r["key"] == key_of(3)]
+    assert [r["shard"] for r in rows] == [last.name]
+    assert verify_store(store.root, progress=False) == []
+    assert_exact(Store(store.root), 5)
+
+
+def _index(vdir: Path, name: str, i: int, **meta) -> Path:
+    """A committed shard `name` holding sample i (with `meta` over its own)."""
+    s = sample(i)
+    w = Store(vdir.parent.parent.parent / f"scratch-{name}").writer("vae", vae_schema())
+    w.add(s["key"], tensors=s["tensors"], files=s["files"], meta={**s["meta"], **meta})
+    w.finish_rank()
+    src = w.dir
+    w.close()
+    rows = pq.read_table(src / "shard-r00-000000.index.parquet")
+    path = vdir / fmt.index_name(name)
+    vdir.mkdir(parents=True, exist_ok=True)
+    pq.write_table(rows.set_column(rows.schema.get_field_index("shard"), "shard", [[name]]), path)
+    return path
+
+
+def test_duplicates_of_other_content_or_across_ranks_are_still_refused(store: Store) -> None:
+    vdir = store.root / "vae" / "v9"
+    a = _index(vdir, fmt.shard_name(0, 0), 1)
+    same = _index(vdir, fmt.shard_name(0, 4), 1)
+    other = _index(vdir, fmt.shard_name(0, 5), 1, split="val")
+    other_rank = _index(vdir, fmt.shard_name(1, 0), 1)
+    assert merge_indexes([same, a]).column("shard").to_pylist() == [fmt.shard_name(0, 0)]
+    with pytest.raises(UserError, match=r"in shard-r00-000000.tar and shard-r00-000005.tar \(other content\).*rerun"):
+        merge_indexes([a, other])
+    with pytest.raises(UserError, match=r"in shard-r00-000000.tar and shard-r01-000000.tar: each sample"):
+        merge_indexes([a, other_rank])
