@@ -130,12 +130,6 @@ def spread(world: int, values: list[int]) -> list[tuple[int, int]]:
     return [(high, -neg_low) for high, neg_low in zip(out[0::2], out[1::2])]
 
 
-def differing(world: int, digests: list[str]) -> list[bool]:
-    """Whether each hex digest (a fingerprint, a sha256) differs between the ranks: its first 60 bits compared
-    (an int64 with its negation), one all-reduce for all. One process: none differs."""
-    return [high != low for high, low in spread(world, [int(d[:15], 16) for d in digests])]
-
-
 def differing_ranks(world: int, digests: list[str]) -> list[list[int]]:
     """For each hex digest (a fingerprint, a sha256), the ranks whose digest is not rank 0's ([]: the same on every
     rank), the same lists on every rank, so a refusal can name the ranks: one all-gather of every rank's digests

@@ -88,7 +88,7 @@ def _agreed_plan(job: EncodeJob, found: int | None) -> int | None:
     wait for it at the commit. Different `images`: one line on every rank. A version found by some ranks only
     (or different ones): every rank encodes (a duplicate version at worst; the check after the model loads,
     `output.agreed_found`, adopts one a concurrent run committed meanwhile)."""
-    from models.collective import differing, spread
+    from models.collective import differing_ranks, ranks_differ, spread
     from models.same_versions import check_same_versions
     from schemas.lineage import settings_hash
 
@@ -97,13 +97,13 @@ def _agreed_plan(job: EncodeJob, found: int | None) -> int | None:
         return found
     check_same_versions(world, {IMAGES_TABLE: job.images_id}, job.store.root, job.summary.stage)
     # what the table is written under: each rank hashes its own copy of the model and reads the config itself
-    model, lineage = differing(world, [job.lineage.model_fingerprint, settings_hash(job.lineage.to_dict())])
+    model, lineage = differing_ranks(world, [job.lineage.model_fingerprint, settings_hash(job.lineage.to_dict())])
     if model or lineage:
         raise UserError(f"{job.summary.stage}: " + (
-            "the model (--model) is not the same on every rank: the nodes' copies of its files differ (another "
-            "version, or a copy cut short); copy the same model folder to every node" if model else
-            "the ranks do not encode with the same settings (each node reads --config and --set itself); use one "
-            "config"))  # (dtype: auto is agreed on before: `settings.resolve_precision`)
+            f"the model (--model) is not the same on every rank ({ranks_differ(model)}): the nodes' copies of its "
+            "files differ (another version, or a copy cut short); copy the same model folder to every node" if model
+            else f"the ranks do not encode with the same settings ({ranks_differ(lineage)}; each node reads --config "
+            "and --set itself); use one config"))  # (dtype: auto is agreed on before: `settings.resolve_precision`)
     ((newest, oldest),) = spread(world, [-1 if found is None else found])
     return newest if newest >= 0 and newest == oldest else None
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from tqdm.auto import tqdm
 
 from features.open import open_configured
-from models.collective import differing, differing_ranks, ranks_differ, spread, together
+from models.collective import differing_ranks, ranks_differ, spread, together
 from models.lora import WEIGHT_NAME, load_lora
 from models.same_versions import check_same_versions
 from schemas.config import PipelineConfig, TrainConfig, dump_config
@@ -53,10 +53,12 @@ def agreed_model_fingerprint(world: int, model: str) -> str:
 
     with together(world, f"hashing the model {model}"):
         fingerprint = model_fingerprint(model)
-    if differing(world, [fingerprint])[0]:
+    (odd,) = differing_ranks(world, [fingerprint])
+    if odd:
         # no rank-local name in the line: every rank raises this same line
-        raise UserError("the base model (--model) is not the same on every rank: the nodes' copies of its files "
-                        "differ (another version, or a copy cut short); copy the same model folder to every node")
+        raise UserError(f"the base model (--model) is not the same on every rank ({ranks_differ(odd)}): the nodes' "
+                        "copies of its files differ (another version, or a copy cut short); copy the same model "
+                        "folder to every node")
     return fingerprint
 
 
