@@ -72,20 +72,22 @@ class Store:
     def find_version(self, table: str, lineage: Lineage, serving: Iterable[Lineage] = ()) -> int | None:
         """A complete version built with exactly this lineage, or with one of `serving` (lineages whose versions
         hold all this one's would, e.g. settings that only add columns): the current one when it qualifies, else
-        the newest."""
+        the newest of exactly this lineage, else the newest of `serving`."""
         wanted = [lineage.to_dict(), *(s.to_dict() for s in serving)]
 
-        def serves(v: int) -> bool:
+        def serves(v: int) -> int | None:
+            """The first of `wanted` that version v is of (0: exactly this lineage), None for none."""
             recorded = read_schema(self.version_dir(table, v)).lineage.to_dict()
-            return any(up_to_date.is_current(recorded, w) for w in wanted)
+            return next((i for i, w in enumerate(wanted) if up_to_date.is_current(recorded, w)), None)
 
-        matches = [v for v in self.versions(table)
+        matches = {v: rank for v in self.versions(table)
                    if fmt.is_complete(self.version_dir(table, v))
-                   and not fmt.damaged_marker(self.root, table, v).exists() and serves(v)]
+                   and not fmt.damaged_marker(self.root, table, v).exists() and (rank := serves(v)) is not None}
         if not matches:
             return None
         current = self.tables().get(table)
-        return current if current in matches else matches[-1]
+        exact = [v for v, rank in matches.items() if rank == 0]
+        return current if current in matches else (exact or sorted(matches))[-1]
 
     # ------------------------------------------------------------ reading and writing
 

@@ -146,7 +146,8 @@ class RankShards:
             except FileExistsError:  # another shard's index, its tar not here (adopted from a store URL): skipped
                 os.rename(self.dir / name, tmp)  # the tar named a moment ago is this one
             except BaseException:
-                (self.dir / name).unlink(missing_ok=True)  # this one, not committed: no index
+                if not (self.dir / fmt.index_name(name)).exists():  # not committed (its index may be in place,
+                    (self.dir / name).unlink(missing_ok=True)  # the folder's fsync failing after it: then kept)
                 raise
 
     def link(self, src: Path, rows: pa.Table) -> str:

@@ -94,7 +94,10 @@ def _before(vdir: Path, want: dict[str, Any]) -> str | None:
 
 
 MOVING = ".source-moved.json"  # an adoption's second phase is due: {"to": the path its schema will record}
-MOVED = ".moved"  # suffix of an index's renamed copy, put in place in the second phase
+# suffix of an index's renamed copy, put in place in the second phase. A temp file's name (`fmt.is_litter`): the
+# copies of a first phase cut short, and not redone (the source moved back), are removed as litter by the writer
+# that resumes the version and by its commit, never listed in its checksums.json
+MOVED = ".tmp-moved"
 
 
 def adopt_in_progress(st: Store, moved: Moved, schema: TableSchema) -> int | None:

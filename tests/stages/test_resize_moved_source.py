@@ -138,11 +138,11 @@ def test_an_adoption_killed_half_way_is_finished_wherever_the_source_is_then(tmp
     (tmp_path / "a").rename(tmp_path / "b")
     _killed(tmp_path / "b", out, at="moved_source_marked")
     vdir = out / "images" / "v1"
-    assert (vdir / ".source-moved.json").is_file() and list(vdir.glob(".*.moved"))
+    assert (vdir / ".source-moved.json").is_file() and list(vdir.glob(".*.tmp-moved"))
     (tmp_path / "b").rename(tmp_path / "a")
     resumed = stage.run(_cfg(), tmp_path / "a", out)
     assert resumed.version == 1 and resumed.resumed > 0 and resumed.resumed + resumed.written == 16
-    assert not (vdir / ".source-moved.json").exists() and not list(vdir.glob(".*.moved"))
+    assert not (vdir / ".source-moved.json").exists() and not list(vdir.glob(".*.tmp-moved"))
     stage.run(_cfg(), tmp_path / "a", tmp_path / "fresh")
     assert _rows(Store(out)) == _rows(Store(tmp_path / "fresh"))
     assert _schema(Store(out)) == _schema(Store(tmp_path / "fresh"))

@@ -73,6 +73,19 @@ def test_find_version_and_new_version_on_lineage_change(store: Store) -> None:
     assert len(store.reader("vae", version=1)) == 4
 
 
+def test_a_version_of_exactly_the_lineage_wins_over_a_newer_serving_one(store: Store) -> None:
+    """`serving`: versions of settings that hold more (e.g. encode_text.no_control_embeds true for a run with it
+    false) serve a run too, but a non-current exact one is preferred to a newer serving one (its numbers are the
+    run's own; a serving one may differ by float32 rounding), and the current one, of either, to both."""
+    assert fill(store, 4, tag="exact") == 1
+    assert fill(store, 4, tag="more") == 2
+    assert fill(store, 4, tag="other") == 3
+    assert store.find_version("vae", lineage("exact"), [lineage("more")]) == 1
+    store.set_current("vae", 2)
+    assert store.find_version("vae", lineage("exact"), [lineage("more")]) == 2  # current: nothing downstream moves
+    assert store.find_version("vae", lineage("none"), [lineage("more")]) == 2
+
+
 def test_missing_table_and_bad_adds_are_user_errors(store: Store) -> None:
     with pytest.raises(UserError, match="table 'text' not in store"):
         store.reader("text")

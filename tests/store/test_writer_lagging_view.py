@@ -135,3 +135,28 @@ def test_without_hard_links_a_shard_still_never_replaces_a_file_of_its_name(stor
     assert (vdir / fmt.index_name(fmt.shard_name(0, 3))).is_file()
     assert verify_store(store.root, progress=False) == []
     assert_exact(Store(store.root), 3)
+
+
+def test_a_shard_whose_index_is_in_place_is_kept_when_the_folder_fsync_fails(tmp_path, monkeypatch) -> None:
+    """The index renamed into place commits the shard; an error after it (the folder's fsync: EIO on an NFS commit,
+    Ctrl-C) must not take the tar away from its index (before: deleted, and a resumed writer counted its keys as
+    committed, so the complete version lacked a shard)."""
+    import pyarrow as pa
+
+    from store.writer_shards import RankShards
+
+    shards = RankShards(tmp_path, 0, 0, 1 << 30, "table 't' v1")
+    monkeypatch.setattr(shards, "drop_done", lambda: None)
+    tmp = tmp_path / "x.tar.tmp"
+    tmp.write_bytes(b"\0" * 1024)
+    real = fmt.fsync_dir
+
+    def failing(p: Path) -> None:
+        if any(q.name.endswith(".index.parquet") for q in p.iterdir()):
+            raise OSError(5, "Input/output error")
+        real(p)
+
+    monkeypatch.setattr(fmt, "fsync_dir", failing)
+    with pytest.raises(OSError):
+        shards._publish(tmp, lambda name: pa.table({"key": ["a"], "shard": [name]}))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shard-r00-000000.index.parquet", "shard-r00-000000.tar"]
