@@ -69,4 +69,4 @@ def _inputs(cfg: PipelineConfig, store: str | Path, model: str,
 def resolved_train(cfg: PipelineConfig, world: int = 1) -> TrainConfig:
     """The train section as a run records it: its precision resolved (dtype auto -> float32 / bfloat16), with
     several ranks (`world`) by all of them together (a collective: every rank calls it)."""
-    return resolve_precision(cfg.train, planned_device(cfg.train), world)
+    return resolve_precision(cfg.train, lambda: planned_device(cfg.train), world)  # resolved within the agreement

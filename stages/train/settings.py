@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from tqdm.auto import tqdm
@@ -117,20 +117,23 @@ def planned_device(cfg: TrainConfig) -> torch.device:
     return torch.device(device_for_rank(spec, what="train.device"))
 
 
-def train_precision(cfg: TrainConfig, device: torch.device, world: int = 1) -> Precision:
+def train_precision(cfg: TrainConfig, device: torch.device | Callable[[], torch.device],
+                    world: int = 1) -> Precision:
     """The precision `models.precision.resolve_precision` decides for `device`; with several ranks (`world`) one
-    decision of all (`agreed_precision`, a collective: every rank calls it): the widest every rank can run."""
+    decision of all (`agreed_precision`, a collective: every rank calls it): the widest every rank can run.
+    `device` may be a function: resolved inside the agreement, so a rank that cannot (e.g. no such GPU here)
+    stops every rank with its line instead of leaving them in the gather."""
     from models.precision import agreed_precision, resolve_precision as resolve
 
     def own():
         if cfg.dtype == "float16":
             raise UserError("train.dtype float16 is not supported (no loss scaling here); use bfloat16, float32 or auto")
-        return resolve(cfg.dtype, device, cfg.mixed_precision, what="train.dtype")
+        return resolve(cfg.dtype, device() if callable(device) else device, cfg.mixed_precision, what="train.dtype")
 
     return agreed_precision(own, world, "train.dtype")
 
 
-def resolve_precision(cfg: TrainConfig, device: torch.device, world: int = 1,
+def resolve_precision(cfg: TrainConfig, device: torch.device | Callable[[], torch.device], world: int = 1,
                       precision: Precision | None = None) -> TrainConfig:
     """The config with its precision (`train_precision`, or `precision` when decided already): `train.dtype`
     is the frozen base's dtype (what loads and is recorded), `mixed_precision` the autocast around it."""
