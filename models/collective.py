@@ -388,7 +388,13 @@ def main_alone(world: int, what: str, work: Callable[[], T], oom_advice: str = "
     with the same line. Rank 0's result there, None on the others; one process: `work()`."""
     if world <= 1:
         return work()
-    client = _store_client()
+    try:
+        client = _store_client()
+    except Exception as e:  # noqa: BLE001 - e.g. a platform set WORLD_SIZE / MASTER_* for a job no launcher runs
+        raise UserError(f"{what} runs on rank 0 while the other ranks wait, through the launcher's store, but none "
+                        f"answers at {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} "
+                        f"({type(e).__name__}): launch with `pipeline launch` (torchrun); where no launcher started "
+                        "this command (a platform set WORLD_SIZE for the job), unset WORLD_SIZE for it") from None
     if client is None:
         raise UserError(f"{what} runs on rank 0 while the other ranks wait, through the launcher's store, but the "
                         "launch named none (MASTER_ADDR / MASTER_PORT): launch with `pipeline launch` (torchrun)")
