@@ -20,8 +20,9 @@ if TYPE_CHECKING:
 
 
 # A shard index a rank-done file names but rank 0 does not list: listed again after each of these waits (seconds),
-# as a node's cached view of a shared folder catches up within a few seconds (NFS: up to acdirmax, 60 s by default)
-RELIST_WAITS_S = (1, 2, 4, 8)
+# about a minute in all: NFS caches a folder's attributes up to acdirmax (60 s by default), and a refused commit
+# costs a rerun, waiting a minute once costs nothing next to it
+RELIST_WAITS_S = (1, 2, 4, 8, 15, 30)
 
 
 def mark_rank_done(writer: TableWriter, rejected: int = 0) -> None:
