@@ -25,6 +25,7 @@ from pipeline.demo_data import make_demo_data
 from stages.resize import stage
 from store import Store
 from store.verify import verify_store
+from test_resize_resume_reads import _quarantine, _rows
 
 SMALL = {"resize.target_area": 64 * 64, "resize.control_vae_area": 64 * 64, "resize.control_vl_area": 32 * 32,
          "resize.multiple": 16, "resize.min_side": 16, "resize.max_controls": 2, "resize.shard_size_mb": 0.01}
@@ -40,16 +41,6 @@ def _killed(source: Path | str, store: Path, at: str = "after_shard_commit") -> 
     done = subprocess.run([sys.executable, "-c", RUN, str(source), str(store)], capture_output=True, text=True,
                           env={**os.environ, "STORE_CRASH_AT": at})
     assert done.returncode == -9, done.stderr[-2000:]
-
-
-def _rows(st: Store) -> dict[str, tuple]:
-    with st.reader("images") as r:
-        return {k: (r.files(k), r.meta(k)) for k in r.keys()}
-
-
-def _quarantine(st: Store) -> list[tuple]:
-    q = st.quarantine()
-    return sorted(zip(q.column("source").to_pylist(), q.column("reason").to_pylist())) if q is not None else []
 
 
 def _schema(st: Store) -> dict:
