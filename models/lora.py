@@ -15,8 +15,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import warnings
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Protocol
+from typing import Iterator, Protocol
 
 import torch
 from safetensors import safe_open
@@ -60,13 +62,24 @@ def adapter_config(cfg: LoraSettings):
     return cls(r=cfg.rank, alpha=alpha, module_dropout=cfg.dropout, target_modules=list(cfg.target_modules))
 
 
+@contextmanager
+def _no_torchao_merge_warning() -> Iterator[None]:
+    """peft warns, per adapter built on a torchao-quantised base, that such a base cannot merge/unmerge: nothing
+    here merges into a quantised base (training and evaluate keep the adapter apart; `fused_transformer` loads the
+    base unquantised), so the warning would only be noise in every quantised run's output."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="TorchaoLoraLinear was instantiated")
+        yield
+
+
 def add_lora(transformer, cfg: LoraSettings) -> None:
     """Freeze the base and attach one trainable adapter (peft; `cfg.kind`) to `cfg.target_modules`."""
     transformer.requires_grad_(False)
     from peft.tuners.tuners_utils import NoMatchingPeftModuleError
 
     try:
-        transformer.add_adapter(adapter_config(cfg), adapter_name=ADAPTER)
+        with _no_torchao_merge_warning():
+            transformer.add_adapter(adapter_config(cfg), adapter_name=ADAPTER)
     except NoMatchingPeftModuleError:
         names = sorted({n.rsplit(".", 1)[-1] for n, m in transformer.named_modules() if isinstance(m, torch.nn.Linear)})
         raise UserError(f"train.lora.target_modules {list(cfg.target_modules)} matches no layer of the model; its "
@@ -402,7 +415,8 @@ def attach_lora(transformer, lora: str | Path, scale: float = 1.0, adapter_name:
     check_lora_family(transformer, lora, data)
     state, config = read_lora(lora, data)
     try:
-        transformer.add_adapter(_peft_config(state, config), adapter_name=adapter_name)
+        with _no_torchao_merge_warning():
+            transformer.add_adapter(_peft_config(state, config), adapter_name=adapter_name)
     except NoMatchingPeftModuleError as e:  # e.g. a LoRA of another model family: one line, not peft's traceback
         raise UserError(f"LoRA {lora} adapts modules this model does not have ({e}): it was made for another "
                         "model; pass a LoRA trained on this --model") from None

@@ -4,7 +4,6 @@ DDP wrap, micro-batches, trackers and profiler."""
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -67,11 +66,7 @@ def setup_transformer(model: str, cfg: TrainConfig, device: torch.device, world:
 
         install_frozen_linear_backward(transformer)  # saves the quantised, not a dequantised, weight
     torch.manual_seed(cfg.seed)  # LoRA init: the same on every rank
-    with warnings.catch_warnings():
-        # peft warns that a torchao base cannot merge/unmerge; training never merges (`pipeline lora merge`
-        # works on the unquantised base).
-        warnings.filterwarnings("ignore", message="TorchaoLoraLinear was instantiated")
-        add_lora(transformer, cfg.lora)
+    add_lora(transformer, cfg.lora)
     if cfg.gradient_checkpointing or cfg.offload == "blocks":
         transformer.enable_gradient_checkpointing()
     if cfg.compile:  # regional: each block compiled in place (same parameter names); shapes vary per batch

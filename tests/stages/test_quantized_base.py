@@ -241,6 +241,9 @@ def test_quantized_backward_keeps_no_dense_copy(quantize, tiny_edit_model):
     torch.testing.assert_close(x.grad, ref, rtol=0.05, atol=0.05 * ref.abs().max().item())
 
 
+# peft's "TorchaoLoraLinear ... cannot merge" warning was printed by every evaluate on an int8 base (nothing merges
+# into a quantised base: models/lora.py)
+@pytest.mark.filterwarnings("error:TorchaoLoraLinear was instantiated")
 @pytest.mark.parametrize("quantize", ["int8", "nf4"])
 def test_evaluate_loss_on_a_quantized_base(quantize, store_dir, tiny_edit_model, tmp_path):
     """evaluate (and predict: the same loader) with quantize_base: the held-out loss of base and LoRA on the
