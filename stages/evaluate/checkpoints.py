@@ -374,7 +374,6 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, checkpoints: list[tu
 def _run(ranks, cfg: EvaluateConfig, store: str | Path, model: str, checkpoints: list[tuple[int, Path]], out: Path,
          skip_if_done: bool) -> CheckpointsResult | None:
     from models.collective import together
-    from models.precision import precision_record
     from stages.evaluate import stage as single
     from stages.evaluate.checkpoint_report import generated_rows, write_checkpoint_report
     from stages.evaluate.val_share import complete, read_share, reader
@@ -420,15 +419,8 @@ def _run(ranks, cfg: EvaluateConfig, store: str | Path, model: str, checkpoints:
         damaged = dict(tables.damaged)
         axes = Axes([s.key for s in samples], [bucket_of(s) for s in samples], list(cfg.noise_seeds),
                     [float(t) for t in cfg.timesteps])
-        losses = None
         with together(ranks.world, "open the loss array"):
-            if ranks.main:
-                out.mkdir(parents=True, exist_ok=True)
-                recorded = known_fingerprint(out, fingerprint, settings, earlier)
-                losses = LossStore(out, recorded, axes, settings, tables.versions())
-                if recorded != fingerprint:
-                    losses.refingerprint(fingerprint, settings)
-                losses.note_versions(tables.versions())  # `pipeline compare` against arrays named by versions
+            losses = _open_losses(out, fingerprint, settings, earlier, axes, tables.versions()) if ranks.main else None
         transformer = single.load_transformer(cfg, model, ranks.world)  # the ranks' one attention backend
         evaluated, attached = _append_missing(ranks, losses, checkpoints, shas, transformer, samples, mine, cfg, load)
         if not ranks.main:
@@ -441,17 +433,39 @@ def _run(ranks, cfg: EvaluateConfig, store: str | Path, model: str, checkpoints:
                                   last["path"], last["step"], attached, damaged, shas,
                                   base_cache=(out / BASE_IMAGES, settings))
         metrics["generation"] = single.generation_summary(rows, cfg, model)  # "lora" = the best checkpoint
-        metrics["run"] = {
-            "store": str(Path(store).resolve()), "tables": tables.versions(), "model": str(model),
-            "lora_scale": cfg.lora_scale, "val_samples": len(samples), "val_split": tables.report,
-            "damaged_samples": damaged, "config": cfg.model_dump(mode="json"), "settings": settings,
-            "ranks": ranks.world, "attention": attention_record(transformer),
-            **({"precision": precision_record(precision)} if ranks.world > 1 else {}),  # one process: run.config
-        }
+        metrics["run"] = _run_record(cfg, store, model, tables, samples, damaged, settings, ranks.world,
+                                     transformer, precision)
         report = write_checkpoint_report(out, metrics, rows)
         if damaged:
             tqdm.write(f"skipped {len(damaged)} damaged val sample(s): {few(damaged)}")
         return CheckpointsResult(metrics, report, evaluated=evaluated, seconds=time.perf_counter() - started)
+
+
+def _open_losses(out: Path, fingerprint: str, settings: dict, earlier: list[dict], axes: Axes,
+                 versions: dict) -> LossStore:
+    """OUT/losses.zarr for these settings (rank 0): an array recorded under an earlier spelling of them is
+    continued and recorded again under today's, with the table versions read, in one commit."""
+    out.mkdir(parents=True, exist_ok=True)
+    recorded = known_fingerprint(out, fingerprint, settings, earlier)
+    losses = LossStore(out, recorded, axes, settings, versions)
+    if recorded != fingerprint:
+        losses.refingerprint(fingerprint, settings, versions)
+    losses.note_versions(versions)  # `pipeline compare` against arrays named by versions (no-op when just noted)
+    return losses
+
+
+def _run_record(cfg: EvaluateConfig, store: str | Path, model: str, tables, samples, damaged: dict, settings: dict,
+                world: int, transformer, precision) -> dict:
+    """metrics.json's `run`: what the report was computed from and how."""
+    from models.precision import precision_record
+
+    return {
+        "store": str(Path(store).resolve()), "tables": tables.versions(), "model": str(model),
+        "lora_scale": cfg.lora_scale, "val_samples": len(samples), "val_split": tables.report,
+        "damaged_samples": damaged, "config": cfg.model_dump(mode="json"), "settings": settings,
+        "ranks": world, "attention": attention_record(transformer),
+        **({"precision": precision_record(precision)} if world > 1 else {}),  # one process: run.config
+    }
 
 
 def use_checkpoint(transformer, path: Path, scale: float, attached: bool, data: bytes | None = None) -> None:
