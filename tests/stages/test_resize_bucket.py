@@ -282,14 +282,20 @@ def test_rerun_is_up_to_date_changed_setting_or_source_is_a_new_version(tmp_path
     assert len(st.reader("images", 3)) == 6 and verify_store(st.root, progress=False) == []
 
 
+def _resize_process(tmp_path: Path, then: str) -> list[str]:
+    """The command line of a resize of tmp_path/src into tmp_path/store in its own process (small shards: a kill
+    at a crash point leaves several), running `then` with its `summary`."""
+    code = (
+        "import json, sys; from pipeline.config import load_config; from stages.resize.stage import run;"
+        f"cfg = load_config(None, {{**{SMALL!r}, 'resize.shard_size_mb': 0.01}});"
+        f"summary = run(cfg, sys.argv[1], sys.argv[2]); {then}"
+    )
+    return [sys.executable, "-c", code, str(tmp_path / "src"), str(tmp_path / "store")]
+
+
 def test_resume_after_sigkill_mid_run(tmp_path):
     make_demo_data(tmp_path / "src", n=16, fmt="webdataset", max_controls=2, seed=2)
-    code = (
-        "import sys; from pipeline.config import load_config; from stages.resize.stage import run;"
-        f"cfg = load_config(None, {{**{SMALL!r}, 'resize.shard_size_mb': 0.01}});"
-        "print(run(cfg, sys.argv[1], sys.argv[2]))"
-    )
-    args = [sys.executable, "-c", code, str(tmp_path / "src"), str(tmp_path / "store")]
+    args = _resize_process(tmp_path, "print(summary)")
     killed = subprocess.run(args, env={**os.environ, "STORE_CRASH_AT": "after_shard_commit"}, capture_output=True, text=True)
     assert killed.returncode == -9, killed.stderr
     vdir = tmp_path / "store" / "images" / "v1"
@@ -313,12 +319,7 @@ def test_bytes_written_after_kills_are_this_runs_shards_only(tmp_path):
     writing and the second is no part of the version) and missed this run's last shard, still open then. Now it
     is the bytes of the shards this run wrote: those the manifest names that were not there before it."""
     make_demo_data(tmp_path / "src", n=16, fmt="webdataset", max_controls=2, seed=2)
-    code = (
-        "import json, sys; from pipeline.config import load_config; from stages.resize.stage import run;"
-        f"cfg = load_config(None, {{**{SMALL!r}, 'resize.shard_size_mb': 0.01}});"
-        "print(json.dumps(run(cfg, sys.argv[1], sys.argv[2]).to_json()))"
-    )
-    args = [sys.executable, "-c", code, str(tmp_path / "src"), str(tmp_path / "store")]
+    args = _resize_process(tmp_path, "print(json.dumps(summary.to_json()))")
     vdir = tmp_path / "store" / "images" / "v1"
     for crash in ("after_shard_commit", "shard_before_index"):
         killed = subprocess.run(args, env={**os.environ, "STORE_CRASH_AT": crash}, capture_output=True, text=True)
