@@ -248,6 +248,46 @@ def watch_failures(world: int) -> None:
     _state["stop_watching"] = _stop_watching
 
 
+CLOSE_SECONDS = 60.0  # how long an exiting rank waits for its process group to close (a peer stuck mid-collective)
+
+
+def close_at_exit() -> None:
+    """Close this process's process group (`destroy_process_group`) when it exits, once, after a launcher made one.
+    Left to the interpreter's finalization, gloo's worker threads may still hold finished work whose tensors need
+    the GIL to be freed: the process then aborts (SIGABRT) after its last line, a failed rank's exit 1 becoming -6
+    (seen in CI; pytorch/pytorch#179291), and NCCL warns at every exit that the group was never destroyed. Closing
+    waits for the group's pending work; a peer stuck in a collective could hold it for the collective timeout, so
+    after CLOSE_SECONDS the process ends with status 1 and one line."""
+    if _state.get("closing"):
+        return
+    _state["closing"] = True
+    atexit.register(_close_process_group)
+
+
+def _close_process_group() -> None:
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    closed = threading.Event()
+
+    def _deadline() -> None:
+        if not closed.wait(CLOSE_SECONDS):
+            report_once(f"this rank's process group did not close within {CLOSE_SECONDS:.0f} s at exit (another "
+                        "rank is stuck in a collective): ending this process")
+            os._exit(1)
+
+    # a Python thread waiting on an Event (never inside a C++ call), joined below: nothing left at finalization
+    deadline = threading.Thread(target=_deadline, name="process-group-close-deadline", daemon=True)
+    deadline.start()
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - a group whose peers are gone: exiting anyway, its error was reported
+        pass
+    closed.set()
+    deadline.join()
+
+
 def _watch(client, key: str, stop: threading.Event) -> None:
     while not stop.is_set():
         try:

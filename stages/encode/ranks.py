@@ -25,9 +25,11 @@ def current_ranks(device: str | list[str]) -> Ranks:
         return Ranks()
     from accelerate import PartialState
 
+    from models.collective import close_at_exit
     from models.precision import first_device
 
     state = PartialState(cpu=str(first_device(device)).startswith("cpu"))
+    close_at_exit()
     return Ranks(state.process_index, state.num_processes, state.local_process_index, state.wait_for_everyone)
 
 

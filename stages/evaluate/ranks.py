@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from models.collective import all_max
+from models.collective import all_max, close_at_exit
 
 
 @dataclass(frozen=True)
@@ -76,4 +76,5 @@ def launched(cfg) -> Ranks:
     from models.precision import first_device
 
     state = PartialState(cpu=str(first_device(cfg.device)).startswith("cpu"))
+    close_at_exit()
     return Ranks(state.process_index, state.num_processes)

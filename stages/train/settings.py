@@ -75,6 +75,7 @@ def make_accelerator(cfg: TrainConfig):
     from accelerate import Accelerator
 
     from models.loading import check_device
+    from models.collective import close_at_exit
     from models.precision import device_for_rank, first_device
 
     if cfg.device is not None:  # a requested GPU that is not there is an error, not a silent CPU run
@@ -82,6 +83,7 @@ def make_accelerator(cfg: TrainConfig):
     # Mixed precision is applied with torch.autocast below, not by accelerate, so that several runs in one
     # process (tests, notebooks) never fight over accelerate's process-wide state.
     accelerator = Accelerator(cpu=use_cpu(first_device(cfg.device)))
+    close_at_exit()  # its process group, before the interpreter's finalization
     launched = launched_world_size()
     if accelerator.num_processes != launched:  # never N independent single-process runs into one folder
         raise UserError(
