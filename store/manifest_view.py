@@ -142,8 +142,9 @@ class ManifestView:
 
     def forget(self, name: str) -> None:
         """Drop a parsed column that only opening or joining needed (e.g. `split`, `shard_nbytes`: ~8 MB each
-        at 1M samples, private to every rank); a later `column(name)` parses it again."""
-        if self._full is None and name != "key":
+        at 1M samples, private to every rank); a later `column(name)` parses it again. In a view over a given table
+        too: its parsed columns are copies of the table's (`combine_chunks` copies), which the table still holds."""
+        if name != "key":
             self._arrays.pop(name, None)
             self._cols.pop(name, None)
 

@@ -349,18 +349,10 @@ def on_remote(url: str, table: str, want: dict, world: int,
     `same`: which complete version's schema.json (parsed JSON, None when unreadable) serves this run; default
     equal to `want` (resize-bucket compares lineages only, as its cache's `find_version` does; encode accepts
     settings that only add columns too, `serving_schemas`). Parts are resumed only of `want` itself."""
-    from store.remote import Remote
-    from store.remote_sync import _parse_record, marker_rel
-
     same = same or (lambda found: found == want)
     remote = open_remote(url)
     with remote_errors(url, f"listing table '{table}'"):
-        names = Remote(url, remote.fs, remote.path(table)).listing()
-        versions: dict[int, set[str]] = {}
-        for rel in names:
-            head, _, name = rel.partition("/")
-            if (m := fmt.VERSION_RE.fullmatch(head)) and name:
-                versions.setdefault(int(m.group(1)), set()).add(name)
+        names, versions = _table_listing(remote, table)
         schemas = {v: _json_of(remote.read(f"{table}/v{v}/{fmt.SCHEMA_JSON}"))
                    for v, files in versions.items() if fmt.SCHEMA_JSON in files}
         taken = set()
@@ -368,17 +360,58 @@ def on_remote(url: str, table: str, want: dict, world: int,
             if fmt.MANIFEST in files or schemas.get(v) != want or WORLD_JSON not in files or \
                     _world_of(remote.read(f"{table}/v{v}/{WORLD_JSON}")) != world:
                 taken.add(v)
-        try:
-            entry = _parse_record(remote.read(fmt.STORE_JSON), url)["tables"].get(table)
-        except FileNotFoundError:  # the first commit of the store lost its swap
-            entry = None
-        current = 0 if entry is None else int(entry["current"])
-        for v in sorted((v for v, files in versions.items() if v != current and fmt.MANIFEST in files
-                         and same(schemas.get(v))  # and not retired by `store repair` (its marker)
-                         and marker_rel(table, v).split("/", 1)[1] not in names),
-                        reverse=True):
+        current = _current_of(remote, table)
+        if v := _newest_committed(table, names, versions, current, same, schemas.get):
             return OnRemote(taken, v, _rows(remote, f"{table}/v{v}/{fmt.MANIFEST}"), current)
     return OnRemote(taken, current=current)
+
+
+def committed_on_remote(url: str, table: str, same: Callable[[Any], bool]) -> int:
+    """Only `on_remote`'s `committed` (0: none), from one listing: no part judged for a writer (`taken`), no row
+    count read, and schema.json read only of complete versions, newest first, until one serves."""
+    remote = open_remote(url)
+    with remote_errors(url, f"listing table '{table}'"):
+        names, versions = _table_listing(remote, table)
+        return _newest_committed(table, names, versions, _current_of(remote, table), same,
+                                 lambda v: _json_of(remote.read(f"{table}/v{v}/{fmt.SCHEMA_JSON}"))
+                                 if fmt.SCHEMA_JSON in versions[v] else None)
+
+
+def _table_listing(remote, table: str) -> tuple[dict[str, int], dict[int, set[str]]]:
+    """One listing of `table` on the remote: {path below the table's folder: size}, and each version's file names."""
+    from store.remote import Remote
+
+    names = Remote(remote.url, remote.fs, remote.path(table)).listing()
+    versions: dict[int, set[str]] = {}
+    for rel in names:
+        head, _, name = rel.partition("/")
+        if (m := fmt.VERSION_RE.fullmatch(head)) and name:
+            versions.setdefault(int(m.group(1)), set()).add(name)
+    return names, versions
+
+
+def _current_of(remote, table: str) -> int:
+    """The remote's current version of `table` (0: none)."""
+    from store.remote_sync import _parse_record
+
+    try:
+        entry = _parse_record(remote.read(fmt.STORE_JSON), remote.url)["tables"].get(table)
+    except FileNotFoundError:  # the first commit of the store lost its swap
+        entry = None
+    return 0 if entry is None else int(entry["current"])
+
+
+def _newest_committed(table: str, names: dict[str, int], versions: dict[int, set[str]], current: int,
+                      same: Callable[[Any], bool], schema_of: Callable[[int], Any]) -> int:
+    """The newest complete version of `table` but `current` whose schema.json (`schema_of`: parsed, None when
+    missing or unreadable) `same` accepts and that `store repair` did not retire (its marker); 0: none."""
+    from store.remote_sync import marker_rel
+
+    for v in sorted(versions, reverse=True):
+        if v != current and fmt.MANIFEST in versions[v] and marker_rel(table, v).split("/", 1)[1] not in names \
+                and same(schema_of(v)):
+            return v
+    return 0
 
 
 def adopt_version(store: "Store", table: str, version: int, on_remote: bool = True) -> int | None:
@@ -409,16 +442,15 @@ def serving_schemas(want: dict, serving: list[dict]) -> Callable[[Any], bool]:
 def open_committed(root: Path, table: str, same: Callable[[Any], bool]) -> int | None:
     """In a store URL's cache `root`, which opens only the remote's current versions (a new machine, an emptied
     cache): the newest complete version of `table` on the remote, other than its current one, whose schema.json
-    `same` accepts and that `store repair` did not retire (`on_remote`: one listing), opened in the cache lazily
-    (its metadata) for the caller's own look (`Store.find_version`) to find it, and `adopt_version` to make it
-    current, on the remote too. Its number; None when there is none or `root` is no cache."""
+    `same` accepts and that `store repair` did not retire (`committed_on_remote`: one listing), opened in the cache
+    lazily (its metadata) for the caller's own look (`Store.find_version`) to find it, and `adopt_version` to make
+    it current, on the remote too. Its number; None when there is none or `root` is no cache."""
     from store.remote_cache import open_beside
 
     url = source_url(root)
     if url is None:
         return None
-    # `want` and `world` choose only the version numbers this schema could write (`taken`), not asked here
-    found = on_remote(url, table, {}, 1, same=same).committed
+    found = committed_on_remote(url, table, same)
     if not found:
         return None
     open_beside(root, table, found)

@@ -199,6 +199,32 @@ def test_damaged_checkpoint_is_named_and_the_previous_offered(tmp_path, tiny_edi
         run(cfg_of(max_steps=3, checkpoint_every=1), root, tiny_edit_model, out, resume=True)
 
 
+def test_a_resume_record_from_a_newer_release_is_not_called_damaged(tmp_path):
+    """resume.json written by a newer release (a field this code does not know, or a higher format) is intact:
+    the error says to upgrade, not that the checkpoint is damaged (a user would then delete a good run). Before: a
+    new field read as "damaged or unreadable", a higher format named no cause. A flipped bit stays damage."""
+    from dataclasses import asdict
+
+    from store.checksum import seal
+
+    step2 = tmp_path / "checkpoints" / "step-2"
+    step2.mkdir(parents=True)
+    record = train_state.ResumeRecord(step=2, epoch=0, batch_in_epoch=2, config_fingerprint="c",
+                                      tables={"text": "v1"}, store="/s", model_fingerprint="m", world_size=1)
+    path = step2 / train_state.RESUME_JSON
+    for newer, says in [({"loss_scale": 1.0}, r"format 1 with field 'loss_scale' this one does not know"),
+                        ({"format": train_state.RESUME_FORMAT + 1},
+                         rf"format {train_state.RESUME_FORMAT + 1}, this one reads up to {train_state.RESUME_FORMAT}")]:
+        path.write_bytes(seal({**asdict(record), **newer, "files": {}}))
+        with pytest.raises(UserError, match=rf"written by a newer version of pipeline \({says}\): upgrade, "
+                                            "or start a new --out") as e:
+            train_state.ResumeRecord.read(path)
+        assert not isinstance(e.value, train_state.CheckpointDamaged)
+    flip_bit(path, path.stat().st_size // 2, 0)
+    with pytest.raises(train_state.CheckpointDamaged, match="resume.json is damaged"):
+        train_state.ResumeRecord.read(path)
+
+
 def _checkpoint_at_step_2(tmp_path, model):
     """A run stopped at step 2 with its checkpoint (EMA on): (store, out, checkpoint folder, file -> size)."""
     root = tmp_path / "store"

@@ -58,6 +58,22 @@ def test_tables_with_other_rows_outside_the_split_keep_their_own_rows(store: Sto
     joined.close()
 
 
+def test_a_reader_over_a_given_manifest_drops_what_only_opening_read(store: Store) -> None:
+    """`store repair`'s reader over a rebuilt manifest table: its parsed columns are copies of the table's, so the
+    open-time size check's `shard_nbytes` goes as it does from a reader of the version (a later read parses it
+    again). Before: `forget` kept every column of a view over a given table."""
+    from store.reader import TableReader
+
+    _tables(store, {"vae": range(8)})
+    v = store.tables()["vae"]
+    vdir = store.version_dir("vae", v)
+    manifest = read_manifest(vdir, (vdir / "manifest.parquet").read_bytes())
+    r = TableReader.over_manifest(vdir, "vae", v, manifest)
+    assert "shard_nbytes" not in r.view.parsed
+    assert r.view.column("shard_nbytes").to_pylist() == manifest.column("shard_nbytes").to_pylist()
+    r.close()
+
+
 def test_crcs_kept_as_numbers_are_the_recorded_ones_and_still_refuse_damage(store: Store) -> None:
     _tables(store, {"vae": range(8)})
     r = store.reader("vae")
