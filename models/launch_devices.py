@@ -34,12 +34,11 @@ def agreed_cpu(world: int, what: str) -> bool:
         return False
     if all(r["gpus"] == 0 for r in ranks):
         return True
-    hosts = ", ".join(dict.fromkeys(r["host"] for r in without))
     fewer = any(r["gpus"] for r in without)  # a node with fewer GPUs than processes
     one = len(without) == 1
     raise UserError(f"{what} is unset and {_named(without)} (of {world}) {'has' if one else 'have'} no GPU of "
                     f"{'its' if one else 'their'} own while the other ranks do (NCCL and gloo ranks cannot train "
-                    f"together): fix the GPU driver on {hosts} (nvidia-smi)"
+                    "together): fix the GPU driver there (nvidia-smi)"
                     + (" or launch as many processes per node as it has GPUs" if fewer else "")
                     + f", or set {what}=cpu to train every rank on the CPU")
 

@@ -49,11 +49,17 @@ def _wait(procs: list[WarmProcess]) -> list[tuple[int, str, str]]:
     return outs
 
 
-def _two_ranks(gpus: str, *args: str, nodes: int = 2) -> list[tuple[int, str, str]]:
-    """Ranks 0 and 1 of a torchrun-like launch whose store this test serves."""
+def _two_ranks(gpus: str, *args: str, nodes: int = 2, agent_store: bool = True) -> list[tuple[int, str, str]]:
+    """Ranks 0 and 1 of a torchrun-like launch whose store this test serves, or (not `agent_store`) of a plain
+    env:// launch, where rank 0 serves it (started first: tests/launch_ports.py)."""
+    def start(rank: int, port: int) -> WarmProcess:
+        return WarmProcess([sys.executable, str(HERE / "device_ranks.py"), gpus, *args],
+                           env=_env(rank, port, agent_store=agent_store, nodes=nodes))
+
+    if not agent_store:
+        return _wait(start_host_first(start, 2))
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
-    return _wait([WarmProcess([sys.executable, str(HERE / "device_ranks.py"), gpus, *args],
-                              env=_env(rank, store.port, agent_store=True, nodes=nodes)) for rank in (0, 1)])
+    return _wait([start(rank, store.port) for rank in (0, 1)])
 
 
 def _results(outs: list[tuple[int, str, str]], name: str) -> list[str]:
@@ -71,12 +77,13 @@ def _same_line_everywhere(outs: list[tuple[int, str, str]]) -> str:
     return err0.strip()
 
 
-def test_one_rank_seeing_no_gpu_stops_every_rank_with_one_line() -> None:
-    line = _same_line_everywhere(_two_ranks("0,1", "unset"))
+@pytest.mark.parametrize("agent_store", [True, False])  # False: rank 0 serves the store, and waits for rank 1
+def test_one_rank_seeing_no_gpu_stops_every_rank_with_one_line(agent_store: bool) -> None:
+    line = _same_line_everywhere(_two_ranks("0,1", "unset", agent_store=agent_store))
     host = socket.gethostname()
     assert line == (f"error: train.device is unset and rank 0 on {host} (of 2) has no GPU of its own while the "
-                    "other ranks do (NCCL and gloo ranks cannot train together): fix the GPU driver on "
-                    f"{host} (nvidia-smi), or set train.device=cpu to train every rank on the CPU"), line
+                    "other ranks do (NCCL and gloo ranks cannot train together): fix the GPU driver there "
+                    "(nvidia-smi), or set train.device=cpu to train every rank on the CPU"), line
 
 
 def test_a_node_with_fewer_gpus_than_its_processes_stops_every_rank() -> None:
@@ -100,10 +107,7 @@ def test_a_device_setting_missing_on_one_rank_stops_every_rank() -> None:
 def test_without_a_launchers_store_rank_0_serves_it_and_the_group_forms_there() -> None:
     """A plain env:// launch (a platform set WORLD_SIZE, RANK, MASTER_*; no torchrun agent): rank 0 serves the store
     for the decision, and the process group then forms on the same port (its multi-tenant server)."""
-    procs = start_host_first(lambda rank, port: WarmProcess(
-        [sys.executable, str(HERE / "device_ranks.py"), "0,0", "unset", "group"],
-        env=_env(rank, port, agent_store=False)), 2)
-    outs = _wait(procs)
+    outs = _two_ranks("0,0", "unset", "group", agent_store=False)
     assert _results(outs, "cpu") == ["True", "True"] and _results(outs, "sum") == ["3", "3"]
 
 
