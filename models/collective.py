@@ -16,6 +16,10 @@ rank's watch thread (`watch_failures`), which polls that key, prints the same li
 status 1 at once, even from inside a collective. Such a rank ends like a killed process: what it wrote is
 resumable (shards, checkpoints are committed by rename), its read lease names a dead process (gc ignores it)
 and its file locks go with the process. The failing rank itself unwinds normally and prints the line.
+
+What the process group is made of (its backend: NCCL on GPUs, gloo on CPUs) cannot be agreed on through the
+group itself: `gather_before_group` exchanges every rank's text through the same store before any group exists
+(models/launch_devices.py decides the device from it).
 """
 
 from __future__ import annotations
@@ -201,13 +205,17 @@ _state: dict = {"watching": False, "published": False}
 _report_lock = threading.Lock()
 
 
-def _failure_key() -> str:
+def _launch_key(kind: str) -> str:
     # One key per launch attempt: torchrun's agent store outlives a restarted attempt (max_restarts).
     run = os.environ.get("TORCHELASTIC_RUN_ID", "none")
-    return f"pipeline/rank-failed/{run}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    return f"pipeline/{kind}/{run}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
 
-def _store_client():
+def _failure_key() -> str:
+    return _launch_key("rank-failed")
+
+
+def _store_client(timeout: float = 10.0):
     """A connection of our own to the launcher's store (a blocked or busy process-group connection is never
     shared with the watch thread); None when the launch named none (MASTER_ADDR / MASTER_PORT)."""
     from datetime import timedelta
@@ -218,7 +226,8 @@ def _store_client():
     if not host or not port:
         return None
     # a short timeout: every call here answers at once, and a store that is gone must not hold an exit for long
-    return dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False, timeout=timedelta(seconds=10))
+    return dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
+                         timeout=timedelta(seconds=timeout))
 
 
 def watch_failures(world: int) -> None:
@@ -438,8 +447,7 @@ def main_alone(world: int, what: str, work: Callable[[], T], oom_advice: str = "
     if client is None:
         raise UserError(f"{what} runs on rank 0 while the other ranks wait, through the launcher's store, but the "
                         "launch named none (MASTER_ADDR / MASTER_PORT): launch with `pipeline launch` (torchrun)")
-    key = f"pipeline/done/{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}/" \
-          f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{what}"
+    key = f"{_launch_key('done')}/{what}"
     if int(os.environ.get("RANK", "0")) == 0:
         with fails_alone(world, what, oom_advice):
             result = work()
@@ -450,3 +458,76 @@ def main_alone(world: int, what: str, work: Callable[[], T], oom_advice: str = "
     while not client.check([key]):
         time.sleep(POLL_SECONDS)
     return None
+
+
+# ------------------------------------------------------------------------------------------ before the group
+
+# How long a rank waits for the others' texts before the process group exists: as long as torch's own
+# rendezvous would wait for them (its default process-group timeout), so no launch that would have formed a
+# group is refused for its ranks starting far apart (a node still pulling its image).
+BEFORE_GROUP_SECONDS = 1800.0
+_before: dict = {"store": None, "hosted": False, "count": {}}
+
+
+def gather_before_group(world: int, what: str, text: str, timeout: float | None = None) -> list[str]:
+    """Every rank's `text`, in rank order, on every rank, before any process group exists, so that all ranks can
+    decide together what the group is made of (its backend): through the launcher's store, under keys of this
+    launch attempt and of `what` (the decision, e.g. train.device; every rank calls it as often with the same
+    `what`). A rank waits for the others at most `timeout` seconds (BEFORE_GROUP_SECONDS), then refuses naming
+    those that never came.
+    Without a launcher's store (a plain env:// launch: a platform set WORLD_SIZE, RANK, MASTER_*), rank 0 serves
+    the store, and the process group later serves from it too. One process, or a launch that names no store
+    (then no env:// group can form either): [text], this rank's alone."""
+    if world <= 1 or not (os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")):
+        return [text]
+    from datetime import timedelta
+
+    from models.agreement import few
+
+    timeout = BEFORE_GROUP_SECONDS if timeout is None else timeout
+    try:
+        store = _before_group_store(timeout)
+    except Exception as e:  # noqa: BLE001 - the store's own error (a timeout, a refused connection, a taken port)
+        first = (str(e).splitlines() or [""])[0][:300]
+        raise UserError(f"{what}: the ranks decide it together through the launch's store at "
+                        f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}, but none could be reached "
+                        f"({type(e).__name__}: {first}): launch with `pipeline launch` (torchrun)") from None
+    rank = int(os.environ.get("RANK", "0"))
+    count = _before["count"][what] = _before["count"].get(what, 0) + 1
+    key = f"{_launch_key('before-group')}/{what}/{count}"
+    keys = [f"{key}/{r}" for r in range(world)]
+    store.set(keys[rank], text)
+    try:
+        store.wait(keys, timedelta(seconds=timeout))
+    except Exception:  # noqa: BLE001 - timed out (DistStoreError): named below
+        missing = [r for r, k in enumerate(keys) if not store.check([k])]
+        raise UserError(f"{what}: the ranks decide it together before training, but rank(s) {few(missing)} of "
+                        f"{world} did not report within {timeout:.0f} s: see their logs (a rank that failed "
+                        "earlier, or launched with another command)") from None
+    texts = [store.get(k).decode("utf-8", "replace") for k in keys]
+    store.add(f"{key}/read", 1)
+    if _before["hosted"]:  # the store ends with this process (when the decision is a refusal): the others read first
+        deadline = time.monotonic() + HOST_WAIT_SECONDS
+        while store.add(f"{key}/read", 0) < world and time.monotonic() < deadline:
+            time.sleep(POLL_SECONDS / 5)
+    return texts
+
+
+def _before_group_store(timeout: float):
+    """This process's connection to the launch's store, made once: a client of the launcher's (torchrun's agent
+    store), or, on rank 0 of a launch without one, the store itself, kept for the process life. It is made
+    multi-tenant as torch's env:// rendezvous makes rank 0's: the process group then serves from this server
+    instead of binding MASTER_PORT a second time."""
+    if _before["store"] is None:
+        if _hosts_store():
+            from datetime import timedelta
+
+            import torch.distributed as dist
+
+            _before["store"] = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                             is_master=True, multi_tenant=True, wait_for_workers=False,
+                                             timeout=timedelta(seconds=timeout))
+            _before["hosted"] = True
+        else:  # waits for a store that is not up yet (rank 0 still starting) as long as for the other ranks
+            _before["store"] = _store_client(timeout)
+    return _before["store"]

@@ -31,7 +31,7 @@ HERE = Path(__file__).resolve().parent
 # Variables that differ between launches and that no preloaded library reads at import: set in the child only.
 # PYTHONPATH: the child puts its own before the parent's sys.path (tests/warm_parent.py).
 PER_LAUNCH = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-              "PYTEST_CURRENT_TEST", "STORE_PAUSE_AT", "STORE_CRASH_AT", "PYTHONPATH")
+              "TORCHELASTIC_USE_AGENT_STORE", "PYTEST_CURRENT_TEST", "STORE_PAUSE_AT", "STORE_CRASH_AT", "PYTHONPATH")
 READY_SECONDS = 300  # a bound for the parent's imports on a loaded 2-core machine
 
 

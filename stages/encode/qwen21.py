@@ -187,7 +187,7 @@ def run_text(cfg: PipelineConfig, store: str | Path, model: str, device: str | N
     from models.qwen21_text import grid_mismatch, prompt_encoder
 
     section = with_overrides(cfg.encode_text, device=device, batch_size=batch_size)
-    ranks = ranks or current_ranks(section.device)
+    ranks = ranks or current_ranks(section.device, "encode_text.device")
     target = rank_device(section.device, ranks, "encode_text.device")
     section = resolve_precision(section, target, "encode-text", ranks.world_size)
     if section.prompt_template is not None or section.prompt_template_start_idx is not None:

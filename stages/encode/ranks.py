@@ -15,18 +15,23 @@ class Ranks:
     barrier: Callable[[], None] = lambda: None
 
 
-def current_ranks(device: str | list[str]) -> Ranks:
+def current_ranks(device: str | list[str], what: str = "device") -> Ranks:
     """This process's place under `accelerate launch` (or torchrun); a plain run is rank 0 of 1.
 
     Accelerate is only initialised when a launcher set WORLD_SIZE > 1, so a single process never touches
-    torch.distributed. On a CPU device the process group is gloo (DESIGN §7: `Accelerator(cpu=True)`).
+    torch.distributed. On a CPU device the process group is gloo (DESIGN §7: `Accelerator(cpu=True)`). A GPU
+    missing on one rank (`what` names the setting) stops every rank alike before the group exists.
     """
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
         return Ranks()
     from accelerate import PartialState
 
     from models.collective import close_at_exit
+    from models.launch_devices import check_devices
     from models.precision import first_device
+
+    check_devices(device, what, world)
 
     state = PartialState(cpu=str(first_device(device)).startswith("cpu"))
     close_at_exit()

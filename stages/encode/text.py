@@ -313,7 +313,7 @@ def run(
         return run_text(cfg, store, model, device, batch_size, ranks)
     section = with_overrides(cfg.encode_text, device=device, batch_size=batch_size)
     fmt = prompt_format(pipeline_family(model_variant(model)), section.prompt_template, section.prompt_template_start_idx)
-    ranks = ranks or current_ranks(section.device)
+    ranks = ranks or current_ranks(section.device, "encode_text.device")
     target = rank_device(section.device, ranks, "encode_text.device")
     section = resolve_precision(section, target, STAGE, ranks.world_size)
     job = open_job(store, STAGE, TABLE, config_hash(section, prompt_format=fmt.lineage_record()), model,

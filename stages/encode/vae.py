@@ -156,7 +156,7 @@ def run(
     from models.precision import check_loaded_dtype
 
     section = with_overrides(cfg.encode_vae, device=device, batch_size=batch_size)
-    ranks = ranks or current_ranks(section.device)
+    ranks = ranks or current_ranks(section.device, "encode_vae.device")
     target = rank_device(section.device, ranks, "encode_vae.device")
     section = resolve_precision(section, target, STAGE, ranks.world_size)
     variant = model_variant(model)

@@ -68,12 +68,17 @@ class Ranks:
 
 def launched(cfg) -> Ranks:
     """This process's place under a launcher (torchrun / accelerate launch); a plain run is rank 0 of 1 and never
-    touches torch.distributed (nor the config). `cfg.device` on the CPU: gloo, as train and encode do."""
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+    touches torch.distributed (nor the config). `cfg.device` on the CPU: gloo, as train and encode do; a GPU
+    missing on one rank stops every rank alike before the process group exists."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
         return Ranks()
     from accelerate import PartialState
 
+    from models.launch_devices import check_devices
     from models.precision import first_device
+
+    check_devices(cfg.device, "evaluate.device", world)
 
     state = PartialState(cpu=str(first_device(cfg.device)).startswith("cpu"))
     close_at_exit()

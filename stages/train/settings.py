@@ -74,17 +74,17 @@ def init_lora_sha256(cfg: TrainConfig) -> str | None:
 def make_accelerator(cfg: TrainConfig):
     from accelerate import Accelerator
 
-    from models.loading import check_device
     from models.collective import close_at_exit
-    from models.precision import device_for_rank, first_device
+    from models.launch_devices import check_devices
+    from models.precision import first_device
 
-    if cfg.device is not None:  # a requested GPU that is not there is an error, not a silent CPU run
-        check_device(device_for_rank(cfg.device, what="train.device"), "train.device")
+    launched = launched_world_size()
+    if cfg.device is not None:  # a requested GPU that is not there is an error (on every rank), not a CPU run
+        check_devices(cfg.device, "train.device", launched)
     # Mixed precision is applied with torch.autocast below, not by accelerate, so that several runs in one
     # process (tests, notebooks) never fight over accelerate's process-wide state.
     accelerator = Accelerator(cpu=use_cpu(first_device(cfg.device)))
     close_at_exit()  # its process group, before the interpreter's finalization
-    launched = launched_world_size()
     if accelerator.num_processes != launched:  # never N independent single-process runs into one folder
         raise UserError(
             f"launched as {launched} processes but accelerate set up {accelerator.num_processes} "

@@ -28,6 +28,44 @@ def test_a_failed_launch_ends_in_one_line_per_rank_and_one_for_the_launcher(tmp_
     assert 2 <= len(errors) <= 3 and all(e == errors[0] for e in errors[:-1]) and str(missing) in errors[0], errors
 
 
+def test_a_launch_where_one_rank_sees_a_gpu_and_the_other_none_is_refused_by_both(tmp_path) -> None:
+    """train.device unset, rank 1 "sees" two GPUs (a sitecustomize patches torch.cuda there), rank 0 none: as where
+    one node's GPU driver failed. The ranks decide the device together before any process group exists
+    (models/launch_devices.py) and refuse in one line naming rank 0, before opening anything. Before: rank 0 set
+    up gloo on the CPU and rank 1 NCCL, which failed there with a traceback (on real nodes: a launch hung until
+    the collective timeout, or trained mixed)."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    # Told to the device decisions only (this project's and accelerate's): libraries that probe the GPU further
+    # at import (torchao) would fail on a CPU machine told there is one.
+    (hook / "sitecustomize.py").write_text(
+        "import os, sys\n"
+        "if os.environ.get('RANK') == '1':  # a launched rank 1 only (the launcher's own process has no RANK)\n"
+        "    import torch\n"
+        "    def _asked_by_a_device_decision():\n"
+        "        name = sys._getframe(2).f_code.co_filename\n"
+        f"        return name.startswith({str(REPO)!r}) or '/accelerate/' in name\n"
+        "    real_available, real_count = torch.cuda.is_available, torch.cuda.device_count\n"
+        "    torch.cuda.is_available = lambda: _asked_by_a_device_decision() or real_available()\n"
+        "    torch.cuda.device_count = lambda: 2 if _asked_by_a_device_decision() else real_count()\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(hook), str(REPO)]), "HF_HUB_OFFLINE": "1",
+           "OMP_NUM_THREADS": "1"}
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        env.pop(name, None)
+    p = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", "launch", "--standalone", "--nproc-per-node", "2", "run", "train",
+         "--store", str(tmp_path / "store"), "--model", str(tmp_path / "model"), "--out", str(tmp_path / "run")],
+        env=env, capture_output=True, text=True, timeout=300)  # a bound for a hang: the old code's failure mode
+    assert p.returncode == 1, p.stderr[-3000:]
+    assert "Traceback" not in p.stderr + p.stdout and "ChildFailedError" not in p.stderr, p.stderr[-3000:]
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error: ")]
+    # the first rank to refuse exits 1; torchrun may stop the other one before it printed its line (SIGTERM)
+    assert errors[-1].startswith("error: pipeline.cli stopped: rank ") and " exit 1" in errors[-1], errors
+    assert 2 <= len(errors) <= 3 and all(e == errors[0] for e in errors[:-1]), errors
+    assert errors[0].startswith("error: train.device is unset and rank 0 on ") and "train.device=cpu" in errors[0]
+    assert not (tmp_path / "run").exists()
+
+
 def test_launch_help_and_a_missing_command_say_what_goes_where() -> None:
     """torchrun's own usage calls the pipeline command `training_script` and, without it, only says that one is
     required: the launcher says the command comes after torchrun's options, with an example."""

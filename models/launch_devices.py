@@ -1,0 +1,90 @@
+"""The device of every launched rank, decided by all ranks before the process group exists.
+
+Under a launcher (WORLD_SIZE > 1) the process group's backend follows the device: NCCL between GPUs, gloo between
+CPUs, chosen by each rank as it joins. Each rank used to decide alone: a node whose GPU driver failed (no CUDA
+there, CUDA on the others) joined over gloo while the others set up NCCL, and the launch hung until a collective
+timed out, or trained mixed; a device setting naming a GPU missing on one node stopped that rank alone while the
+others waited for it. Now every rank publishes what it sees (its GPU count, its host and, for a device setting,
+whether that device is there) through the launcher's store (`models.collective.gather_before_group`), and every
+rank takes the same decision from the same data, or refuses with the same line. What the ranks agree on once the
+group exists (the precision, the attention backend) is models/agreement.py's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from typing import TYPE_CHECKING
+
+from schemas.errors import UserError
+
+if TYPE_CHECKING:
+    from models.precision import DeviceSpec
+
+
+def agreed_cpu(world: int, what: str) -> bool:
+    """With the device setting `what` unset: whether the `world` launched ranks run on the CPU (gloo). Every rank
+    sees a GPU of its own (cuda:LOCAL_RANK): no (NCCL, as accelerate chooses); no rank sees any GPU: yes; some do
+    and some do not: the same `UserError` on every rank, naming the ranks without one and their hosts. A
+    collective: every launched rank calls it."""
+    ranks = _gather(world, what, _view())
+    without = [r for r in ranks if r["gpus"] <= r["local_rank"]]
+    if not without:
+        return False
+    if all(r["gpus"] == 0 for r in ranks):
+        return True
+    fewer = any(r["gpus"] for r in without)  # a node with fewer GPUs than processes
+    one = len(without) == 1
+    raise UserError(f"{what} is unset and {_named(without)} (of {world}) {'has' if one else 'have'} no GPU of "
+                    f"{'its' if one else 'their'} own while the other ranks do (NCCL and gloo ranks cannot train "
+                    "together): fix the GPU driver there (nvidia-smi)"
+                    + (" or launch as many processes per node as it has GPUs" if fewer else "")
+                    + f", or set {what}=cpu to train every rank on the CPU")
+
+
+def check_devices(spec: DeviceSpec, what: str, world: int) -> None:
+    """The device setting `what` (`spec`: one device, or one per local rank; cuda = cuda:LOCAL_RANK) checked for
+    this rank: a device that is not there raises `UserError`. With several ranks and a GPU in the setting, every
+    rank checks and all refuse together, with the lowest failing rank's line naming the failing ranks and their
+    hosts, instead of that rank stopping alone while the others set up the process group and wait for it. A
+    setting of CPUs only is checked by each rank alone (nothing there differs per node)."""
+    from models.loading import check_device
+    from models.precision import device_for_rank
+
+    def own() -> None:
+        check_device(device_for_rank(spec, what=what), what)
+
+    names = [spec] if isinstance(spec, str) else list(spec)
+    if world <= 1 or not any(str(d).startswith("cuda") for d in names):  # decided from the setting: alike on all
+        own()
+        return
+    try:
+        own()
+        error = None
+    except UserError as e:
+        error = " ".join(str(e).splitlines())
+    failed = [r for r in _gather(world, what, {**_view(), "error": error}) if r["error"]]
+    if failed:
+        raise UserError(f"{failed[0]['error']} (on {_named(failed)}, of {world})")
+
+
+def _view() -> dict:
+    import torch
+
+    return {"rank": int(os.environ.get("RANK", "0")), "local_rank": int(os.environ.get("LOCAL_RANK", "0")),
+            "gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0, "host": socket.gethostname()}
+
+
+def _gather(world: int, what: str, view: dict) -> list[dict]:
+    from models.collective import gather_before_group
+
+    return [json.loads(text) for text in gather_before_group(world, what, json.dumps(view))]
+
+
+def _named(ranks: list[dict]) -> str:
+    """"rank 1 on node-b", "ranks 1, 3 on node-b, node-c": the first 8, then how many more."""
+    from models.agreement import few
+
+    hosts = ", ".join(dict.fromkeys(r["host"] for r in ranks[:8]))
+    return f"rank{'s' if len(ranks) > 1 else ''} {few(r['rank'] for r in ranks)} on {hosts}"

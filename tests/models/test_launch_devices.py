@@ -1,0 +1,124 @@
+"""Launched ranks decide their device together, before the process group exists (models/launch_devices.py, through
+the launcher's store: `models.collective.gather_before_group`). Two real processes on the CPU share a real
+TCPStore; each "sees" the GPUs its argument gives its rank (tests/models/device_ranks.py). Before: each rank decided
+alone, so with train.device unset rank 0 (no GPU) chose the CPU (gloo) and rank 1 its GPU (NCCL): a launch that
+hung until the collective timeout, or trained mixed; a device setting naming a GPU missing on one node stopped
+that rank alone while the other went on to wait for it in the process group."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from launch_ports import start_host_first
+from warm_start import WarmProcess
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+TIMEOUT = 120  # a bound for a rank left waiting (the test then fails), generous under load; not a timing assert
+
+
+def _env(rank: int, port: int, agent_store: bool, nodes: int = 2) -> dict[str, str]:
+    """Rank `rank` of 2, on 2 nodes of one process each (as where one node's driver failed) or on 1 node."""
+    local = rank if nodes == 1 else 0
+    env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(local), "WORLD_SIZE": "2",
+           "LOCAL_WORLD_SIZE": str(3 - nodes),
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
+           "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+    env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    if agent_store:  # as torchrun's workers: the store is the agent's (here: this test's)
+        env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
+    return env
+
+
+def _wait(procs: list[WarmProcess]) -> list[tuple[int, str, str]]:
+    outs = []
+    try:
+        for p in procs:
+            stdout, stderr = p.communicate(timeout=TIMEOUT)
+            outs.append((p.returncode, stdout, stderr))
+    finally:
+        for p in procs:
+            p.kill()
+    return outs
+
+
+def _two_ranks(gpus: str, *args: str, nodes: int = 2, agent_store: bool = True) -> list[tuple[int, str, str]]:
+    """Ranks 0 and 1 of a torchrun-like launch whose store this test serves, or (not `agent_store`) of a plain
+    env:// launch, where rank 0 serves it (started first: tests/launch_ports.py)."""
+    def start(rank: int, port: int) -> WarmProcess:
+        return WarmProcess([sys.executable, str(HERE / "device_ranks.py"), gpus, *args],
+                           env=_env(rank, port, agent_store=agent_store, nodes=nodes))
+
+    if not agent_store:
+        return _wait(start_host_first(start, 2))
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    return _wait([start(rank, store.port) for rank in (0, 1)])
+
+
+def _results(outs: list[tuple[int, str, str]], name: str) -> list[str]:
+    assert [rc for rc, _, _ in outs] == [0, 0], [err[-2000:] for _, _, err in outs]
+    return [dict(line[len("RESULT "):].split(": ", 1) for line in out.splitlines()
+                 if line.startswith("RESULT ")).get(name) for _, out, _ in outs]
+
+
+def _same_line_everywhere(outs: list[tuple[int, str, str]]) -> str:
+    (rc0, out0, err0), (rc1, out1, err1) = outs
+    assert "Traceback" not in err0 + out0 + err1 + out1, (err0[-3000:], err1[-3000:])
+    assert rc0 == rc1 == 1, (rc0, rc1, out0, out1, err0[-2000:], err1[-2000:])
+    assert err0.strip().count("\n") == err1.strip().count("\n") == 0, (err0, err1)  # one line each
+    assert err0 == err1 and err0.startswith("error: "), (err0, err1)
+    return err0.strip()
+
+
+@pytest.mark.parametrize("agent_store", [True, False])  # False: rank 0 serves the store, and waits for rank 1
+def test_one_rank_seeing_no_gpu_stops_every_rank_with_one_line(agent_store: bool) -> None:
+    line = _same_line_everywhere(_two_ranks("0,1", "unset", agent_store=agent_store))
+    host = socket.gethostname()
+    assert line == (f"error: train.device is unset and rank 0 on {host} (of 2) has no GPU of its own while the "
+                    "other ranks do (NCCL and gloo ranks cannot train together): fix the GPU driver there "
+                    "(nvidia-smi), or set train.device=cpu to train every rank on the CPU"), line
+
+
+def test_a_node_with_fewer_gpus_than_its_processes_stops_every_rank() -> None:
+    line = _same_line_everywhere(_two_ranks("2,1", "unset", nodes=1))  # local rank 1: cuda:1 is not there
+    assert "rank 1 on " in line and "launch as many processes per node as it has GPUs" in line, line
+
+
+@pytest.mark.parametrize(("gpus", "cpu"), [("0,0", "True"), ("1,1", "False")])
+def test_ranks_that_see_the_same_train_as_before(gpus: str, cpu: str) -> None:
+    """No rank sees a GPU: every rank on the CPU (gloo); every rank sees its own: NCCL (accelerate's choice)."""
+    assert _results(_two_ranks(gpus, "unset"), "cpu") == [cpu, cpu]
+
+
+def test_a_device_setting_missing_on_one_rank_stops_every_rank() -> None:
+    line = _same_line_everywhere(_two_ranks("1,0", "set", "cuda"))
+    assert line.startswith("error: encode_vae.device: 'cuda:0' requested but this machine has 0 CUDA device(s)"), line
+    assert line.endswith(f"(on rank 1 on {socket.gethostname()}, of 2)"), line
+    assert _results(_two_ranks("1,1", "set", "cuda"), "checked") == ["yes", "yes"]
+
+
+def test_without_a_launchers_store_rank_0_serves_it_and_the_group_forms_there() -> None:
+    """A plain env:// launch (a platform set WORLD_SIZE, RANK, MASTER_*; no torchrun agent): rank 0 serves the store
+    for the decision, and the process group then forms on the same port (its multi-tenant server)."""
+    outs = _two_ranks("0,0", "unset", "group", agent_store=False)
+    assert _results(outs, "cpu") == ["True", "True"] and _results(outs, "sum") == ["3", "3"]
+
+
+def test_a_rank_that_never_reports_is_named_within_the_bound(monkeypatch) -> None:
+    from models import collective
+    from schemas.errors import UserError
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    for name, value in _env(0, store.port, agent_store=True).items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(collective, "_before", {"store": None, "hosted": False, "count": {}})
+    with pytest.raises(UserError, match=r"^train.device: the ranks decide it together before training, but "
+                                        r"rank\(s\) 1 of 2 did not report within 1 s"):
+        collective.gather_before_group(2, "train.device", "{}", timeout=1)
