@@ -44,7 +44,8 @@ def test_a_launch_where_one_rank_sees_a_gpu_and_the_other_none_is_refused_by_bot
         "    import torch\n"
         "    def _asked_by_a_device_decision():\n"
         "        name = sys._getframe(2).f_code.co_filename\n"
-        f"        return name.startswith({str(REPO)!r}) or '/accelerate/' in name\n"
+        # this project's own files (not its .venv, which may lie inside the checkout) and accelerate's
+        f"        return (name.startswith({str(REPO)!r}) and '/site-packages/' not in name) or '/accelerate/' in name\n"
         "    real_available, real_count = torch.cuda.is_available, torch.cuda.device_count\n"
         "    torch.cuda.is_available = lambda: _asked_by_a_device_decision() or real_available()\n"
         "    torch.cuda.device_count = lambda: 2 if _asked_by_a_device_decision() else real_count()\n")
