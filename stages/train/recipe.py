@@ -30,8 +30,8 @@ loss scaled by world_size / (samples in the whole step), and PyTorch DDP (`stage
 on all but the last micro-batch) averages the LoRA gradients during the last backward, which gives every rank
 the gradient of the mean per-sample loss over the whole step. Micro-batches are prepared inline or ahead by a
 thread (`stages/train/prefetch.py`, `train.prefetch`). Per-sample σ, noise and caption
-dropout come from (seed, optimizer step, key), so 1 process and N processes train the same LoRA, and so do
-batch B x grad_accum A and batch B*A when the sampler puts the same samples in the step. The global torch
+dropout come from (seed, optimizer step, key) (and a sample's repeat within the step: models/randomness.py), so
+1 process and N processes train the same LoRA, and so do batch B x grad_accum A and batch B*A when the sampler puts the same samples in the step. The global torch
 RNG (saved per rank in checkpoints) only feeds LoRA dropout, which is therefore not layout-independent.
 The sampler's global steps are planned for the run's first world size, so a resume on another process count
 splits the same steps over its ranks and trains the same LoRA (`stages/train/elastic.py`).
