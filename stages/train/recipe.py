@@ -142,6 +142,7 @@ class StepStats:
     data_seconds: float  # of which waiting for this rank's micro-batches (reads + preparation, or an empty queue)
     started: float  # perf_counter / process_time at the step's start: `log` adds its own time to the step's
     cpu_started: float
+    lr: float = 0.0  # the (first group's) learning rate this step trained with
     stop: bool = False  # a rank was sent SIGTERM: checkpoint this step and stop (every rank alike)
 
 # ---------------------------------------------------------------------------------------------- the recipe
@@ -349,6 +350,7 @@ def step(r: Run) -> StepStats:
             r.bar.write("skipped " + message.split(";")[0])
         r.result.skipped_steps.append(r.step + 1)
         grad_norm = float("nan")
+    lr = r.scheduler.get_last_lr()[0]  # what this step used: after `scheduler.step()` it is the next step's
     r.scheduler.step()
     if r.ema is not None:
         r.ema.update()
@@ -357,13 +359,13 @@ def step(r: Run) -> StepStats:
     loss = total / intact if intact else float("nan")
     batches = [b for m in micro for b in m.global_batch]
     return StepStats(loss, micro[0].epoch, intact, grad_norm, batches, time.perf_counter() - t0, data_seconds, t0, c0,
-                     stop=stop > 0)
+                     lr=lr, stop=stop > 0)
 
 
 def log(r: Run, s: StepStats) -> None:
     r.result.losses.append(s.loss)
     r.result.step_epochs.append(s.epoch)
-    lr = r.scheduler.get_last_lr()[0]
+    lr = s.lr
     if r.profiler is not None:
         r.profiler.step()
     if r.writer is not None and r.step % r.cfg.log_every == 0:
