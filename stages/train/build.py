@@ -121,6 +121,8 @@ def build_training(r: Run, store: str | Path, model: str, latest: Path | None, r
     r.stream = DataStream(elastic.on_world(sampler, r.world))
     if latest is not None:
         restore(r, latest, resumed)
+    elif r.world > 1:  # every rank built the LoRA from train.seed: LoRA dropout would draw the same masks on all
+        elastic.seed_rank_rng(tc.seed, 0, r.rank)
     if tc.validate_every is not None or tc.sample_every is not None:
         from stages.train.validate import Validator
 

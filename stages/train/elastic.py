@@ -22,7 +22,9 @@ zero weight, so DDP stays in lockstep and the step's gradient is still exactly t
 unlike MosaicML's padding by repeated samples, no sample counts twice.
 
 LoRA dropout draws from the global torch RNG, saved per rank: with the same W each rank restores its own; after a
-change every rank seeds it from (seed, step, rank) instead (`restore_rng`), so a resume is still reproducible.
+change every rank seeds it from (seed, step, rank) instead (`restore_rng`), so a resume is still reproducible. A
+fresh start on several ranks seeds it the same way at step 0 (`seed_rank_rng`): the LoRA is built from `seed` on
+every rank, and left at that state every rank drew the same dropout masks.
 LoRA dropout is not layout-independent in the first place (recipe.py), so with `lora.dropout` > 0 the LoRA after
 a change matches no straight run exactly; with dropout 0 (the default) nothing reads that RNG.
 
@@ -169,11 +171,18 @@ def restore_rng(folder: Path, rank: int, same_world: bool, seed: int, step: int,
                 kept: dict[str, bytes] | None = None) -> None:
     """This rank's torch RNG: its own saved state on the same world size; after a change, seeded from
     (seed, step, rank) (the saved states belong to the old ranks)."""
-    import torch
-
     from stages.train import state as train_state
 
     if same_world:
         train_state.load_rng(folder, rank, kept)
         return
+    seed_rank_rng(seed, step, rank)
+
+
+def seed_rank_rng(seed: int, step: int, rank: int) -> None:
+    """The global torch RNG (LoRA dropout's) of this rank from (seed, step, rank): a stream of its own. Also what a
+    fresh start on several ranks begins with (stages/train/build.py), the LoRA having been built from `seed`
+    alone, the same on every rank."""
+    import torch
+
     torch.manual_seed(rng_for(seed, step, rank, 0x5EED).getrandbits(63))  # also seeds every CUDA device

@@ -3,7 +3,9 @@
 A micro-batch is this rank's share of one global batch of the `DataStream`: its samples read from the store,
 their σ / noise / caption-dropout draws for the optimizer step the micro-batch belongs to (micro-batch j of a
 start at step s0 belongs to step s0 + j // grad_accum), and the packed, noised batch (`models.flow.FlowBatch`)
-on the device. The draws depend on (seed, step, key) only, so preparing ahead changes no number.
+on the device. The draws depend on (seed, step, key) only - and, for a sample the step already held in an earlier
+micro-batch (its accumulation ran on into the next epoch), on how many times it did (`models.randomness`: a
+draw of its own, not the first one counted twice) - so preparing ahead changes no number.
 
 With `depth` > 0 a thread prepares up to `depth` micro-batches ahead: on the CPU the same ops as inline (bit-
 identical); on CUDA it builds the batch on the CPU, pins it and copies it on a side stream, and the consumer's
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections import Counter
 from dataclasses import dataclass, field, fields, is_dataclass, replace
 from typing import Any, Callable, Iterator
 
@@ -46,20 +49,24 @@ class MicroBatch:
 
 
 def prepare(tables: JoinedTables, tc: TrainConfig, indices: list[int], step: int, device: torch.device,
-            dtype: torch.dtype, samples: list[TrainSample] | None = None) -> FlowBatch:
+            dtype: torch.dtype, samples: list[TrainSample] | None = None,
+            repeats: dict[str, int] | None = None) -> FlowBatch:
     """Read the samples (or take `samples`, read already), draw their control dropout / σ / noise / caption
-    dropout for `step`, pack and noise them on `device`."""
+    dropout for `step`, pack and noise them on `device`. `repeats`: sample key -> how many times the step's
+    earlier micro-batches held it (absent: none)."""
     samples = [load_at(tables, i) for i in indices] if samples is None else samples
-    samples = with_control_dropout(samples, tc.seed, step, tc.control_dropout)
-    sigmas = torch.stack([draw_sigma(s, tc.seed, step, tc.sigma) for s in samples])
-    noises = [draw_noise(s, tc.seed, step) for s in samples]
-    empty = [draw_caption_dropout(s, tc.seed, step, tc.caption_dropout) for s in samples]
+    rep = [(repeats or {}).get(s.key, 0) for s in samples]
+    samples = with_control_dropout(samples, tc.seed, step, tc.control_dropout, rep)
+    sigmas = torch.stack([draw_sigma(s, tc.seed, step, tc.sigma, n) for s, n in zip(samples, rep)])
+    noises = [draw_noise(s, tc.seed, step, n) for s, n in zip(samples, rep)]
+    empty = [draw_caption_dropout(s, tc.seed, step, tc.caption_dropout, n) for s, n in zip(samples, rep)]
     weights = (tc.loss.mask_weight.foreground, tc.loss.mask_weight.background)
     return prepare_flow_batch(samples, sigmas, noises, empty, weights, device, dtype)
 
 
 def prepare_share(tables: JoinedTables, tc: TrainConfig, indices: list[int], global_batch: list[list[int]],
-                  step: int, device: torch.device, dtype: torch.dtype, rows: DamagedRows | None = None) -> FlowBatch:
+                  step: int, device: torch.device, dtype: torch.dtype, rows: DamagedRows | None = None,
+                  repeats: dict[str, int] | None = None) -> FlowBatch:
     """`prepare` of this rank's share (its intact samples, `rows` with train.on_damaged=skip:
     stages/train/damaged.py); an empty share (a step of fewer samples than processes after an elastic resume,
     stages/train/elastic.py, or a share all damaged) becomes a stand-in of zero weight: the step's first intact
@@ -69,7 +76,7 @@ def prepare_share(tables: JoinedTables, tc: TrainConfig, indices: list[int], glo
     rows = rows if rows is not None else DamagedRows(skip=False)
     samples = rows.load(tables, indices)
     if samples:
-        return prepare(tables, tc, indices, step, device, dtype, samples)
+        return prepare(tables, tc, indices, step, device, dtype, samples, repeats)
     stand_in = rows.stand_in(tables, (i for b in global_batch for i in b))
     flow = prepare(tables, tc, [], step, device, dtype, [stand_in])
     return replace(flow, weights=[torch.zeros(t.shape[0], device=t.device) for t in flow.targets])
@@ -77,7 +84,8 @@ def prepare_share(tables: JoinedTables, tc: TrainConfig, indices: list[int], glo
 
 def prepare_chunks(tables: JoinedTables, tc: TrainConfig, indices: list[int], global_batch: list[list[int]],
                    step: int, device: torch.device, dtype: torch.dtype, rows: DamagedRows | None,
-                   split: Callable[[list[int]], list[list[int]]]) -> list[FlowBatch]:
+                   split: Callable[[list[int]], list[list[int]]],
+                   repeats: dict[str, int] | None = None) -> list[FlowBatch]:
     """`prepare_share` as the micro-batches `split` cuts this rank's intact samples into (each sample's draws
     depend on (seed, step, key) only: the same numbers in any cut)."""
     rows = rows if rows is not None else DamagedRows(skip=False)
@@ -87,7 +95,7 @@ def prepare_chunks(tables: JoinedTables, tc: TrainConfig, indices: list[int], gl
     damaged = rows.damaged_of(indices)
     flows, pos = [], 0
     for group in split([i for i in indices if i not in damaged]):
-        flows.append(prepare(tables, tc, group, step, device, dtype, samples[pos:pos + len(group)]))
+        flows.append(prepare(tables, tc, group, step, device, dtype, samples[pos:pos + len(group)], repeats))
         pos += len(group)
     return flows
 
@@ -112,6 +120,7 @@ class MicroBatches:
         self.device, self.dtype, self.depth = device, dtype, depth
         self._count = 0
         self._start = start_step
+        self._in_step: Counter[int] = Counter()  # the current optimizer step's samples so far (all ranks')
         self._split = micro_split(stream.sampler)
         self._queue: queue.Queue | None = None
         self._stop = threading.Event()
@@ -129,15 +138,19 @@ class MicroBatches:
     def _make(self) -> MicroBatch:
         epoch, global_batch, ends = self.stream.next()
         step = self._start + self._count // self.tc.grad_accum
+        if self._count % self.tc.grad_accum == 0:  # a start begins at a step's first micro-batch
+            self._in_step.clear()
         self._count += 1
         indices = global_batch[self.rank]
+        repeats = {self.tables.keys[i]: self._in_step[i] for i in indices if self._in_step[i]}
+        self._in_step.update(i for b in global_batch for i in b)
         if self._queue is None or self._side is None:  # inline, or a CPU prefetch: the same ops as inline
             flows = prepare_chunks(self.tables, self.tc, indices, global_batch, step, self.device, self.dtype,
-                                   self.rows, self._split)
+                                   self.rows, self._split, repeats)
             return MicroBatch(epoch, global_batch, ends, self.stream.position, step, flows,
                               damaged=self.rows.damaged_of(indices))
         flows = prepare_chunks(self.tables, self.tc, indices, global_batch, step, torch.device("cpu"), self.dtype,
-                               self.rows, self._split)
+                               self.rows, self._split, repeats)
         with torch.cuda.stream(self._side):
             flows = map_tensors(flows, lambda t: t.pin_memory().to(self.device, non_blocking=True))
             ready = torch.cuda.Event()

@@ -30,8 +30,8 @@ loss scaled by world_size / (samples in the whole step), and PyTorch DDP (`stage
 on all but the last micro-batch) averages the LoRA gradients during the last backward, which gives every rank
 the gradient of the mean per-sample loss over the whole step. Micro-batches are prepared inline or ahead by a
 thread (`stages/train/prefetch.py`, `train.prefetch`). Per-sample σ, noise and caption
-dropout come from (seed, optimizer step, key), so 1 process and N processes train the same LoRA, and so do
-batch B x grad_accum A and batch B*A when the sampler puts the same samples in the step. The global torch
+dropout come from (seed, optimizer step, key) (and a sample's repeat within the step: models/randomness.py), so
+1 process and N processes train the same LoRA, and so do batch B x grad_accum A and batch B*A when the sampler puts the same samples in the step. The global torch
 RNG (saved per rank in checkpoints) only feeds LoRA dropout, which is therefore not layout-independent.
 The sampler's global steps are planned for the run's first world size, so a resume on another process count
 splits the same steps over its ranks and trains the same LoRA (`stages/train/elastic.py`).
@@ -142,6 +142,7 @@ class StepStats:
     data_seconds: float  # of which waiting for this rank's micro-batches (reads + preparation, or an empty queue)
     started: float  # perf_counter / process_time at the step's start: `log` adds its own time to the step's
     cpu_started: float
+    lr: float = 0.0  # the (first group's) learning rate this step trained with
     stop: bool = False  # a rank was sent SIGTERM: checkpoint this step and stop (every rank alike)
 
 # ---------------------------------------------------------------------------------------------- the recipe
@@ -349,6 +350,7 @@ def step(r: Run) -> StepStats:
             r.bar.write("skipped " + message.split(";")[0])
         r.result.skipped_steps.append(r.step + 1)
         grad_norm = float("nan")
+    lr = r.scheduler.get_last_lr()[0]  # what this step used: after `scheduler.step()` it is the next step's
     r.scheduler.step()
     if r.ema is not None:
         r.ema.update()
@@ -357,13 +359,13 @@ def step(r: Run) -> StepStats:
     loss = total / intact if intact else float("nan")
     batches = [b for m in micro for b in m.global_batch]
     return StepStats(loss, micro[0].epoch, intact, grad_norm, batches, time.perf_counter() - t0, data_seconds, t0, c0,
-                     stop=stop > 0)
+                     lr=lr, stop=stop > 0)
 
 
 def log(r: Run, s: StepStats) -> None:
     r.result.losses.append(s.loss)
     r.result.step_epochs.append(s.epoch)
-    lr = r.scheduler.get_last_lr()[0]
+    lr = s.lr
     if r.profiler is not None:
         r.profiler.step()
     if r.writer is not None and r.step % r.cfg.log_every == 0:

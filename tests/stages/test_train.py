@@ -112,8 +112,11 @@ def test_tensorboard_scalars_and_epoch_padding_efficiency(trained, store_dir, ti
     for tag in ("train/loss", "train/lr", "train/grad_norm", "train/padding_efficiency", "train/samples_per_s"):
         assert tag in tags and [e.step for e in ea.Scalars(tag)] == [1, 2, 3, 4], tag
     assert [round(e.value, 6) for e in ea.Scalars("train/loss")] == [round(v, 6) for v in result.losses]
+    # train/lr at step k is the LR step k trained with (0-based schedule step k - 1): warm-up 2 of cosine 4 trains
+    # at 0.5, 1, 1, 0.5 x lr (it logged the next step's LR: 1, 1, 0.5, 0, a full LR for the warm-up's first step)
     lrs = [e.value for e in ea.Scalars("train/lr")]
-    assert lrs == pytest.approx([cfg.train.learning_rate * lr_factor(s, cfg.train) for s in range(1, 5)])
+    assert lrs == pytest.approx([cfg.train.learning_rate * f for f in (0.5, 1.0, 1.0, 0.5)])
+    assert lrs == pytest.approx([cfg.train.learning_rate * lr_factor(s, cfg.train) for s in range(4)])
     # Epoch 0 ends at step 3; its efficiency is valid / computed tokens of the sampler's batches.
     tables = open_train_tables(store_dir, tiny_edit_model)
     batches = [s[0] for s in LengthAwareBatchSampler(tables.lengths, 3, seed=0, window=cfg.train.sampler_window).global_steps(0)]

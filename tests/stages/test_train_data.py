@@ -236,3 +236,41 @@ def test_load_sample_rejects_latents_that_contradict_img_shapes(tmp_path, tiny_e
             from_features(t.keys[0], t.text.tensors(t.keys[0]), vae.tensors(t.keys[0]), vae.img_shapes(t.keys[0]))
     finally:
         vae.img_shapes = real
+
+
+def test_a_sample_twice_in_one_step_gets_a_draw_of_its_own_each_time(tables, tiny_edit_model):
+    """An optimizer step's accumulation micro-batches run on into the next epoch (6 samples in batches of 2: 3 per
+    epoch; grad_accum 4), so a step can hold a sample twice. Each occurrence must get its own σ / noise / dropout:
+    draws keyed by (seed, step, key) alone gave both the same, i.e. one draw counted twice in the step's mean.
+    Draws of a sample's first occurrence stay what they were (every step without a repeat is unchanged)."""
+    from pipeline.config import load_config
+    from stages.train.data import DataStream
+    from stages.train.prefetch import MicroBatches, prepare
+    from stages.train.sampler import LengthAwareBatchSampler
+
+    tc = load_config(None, {"train.device": "cpu", "train.batch_size": 2, "train.grad_accum": 4,
+                            "train.sigma.sampling": "uniform", "train.caption_dropout": 0.5}).train
+    cpu = torch.device("cpu")
+    stream = DataStream(LengthAwareBatchSampler(tables.lengths, 2, tc.seed, world_size=1))
+    batches = MicroBatches(stream, tables, tc, 0, 0, cpu, torch.float32)
+    try:
+        micro = [batches.next() for _ in range(tc.grad_accum)]  # optimizer step 0
+    finally:
+        batches.close()
+    assert {m.step for m in micro} == {0} and micro[-1].epoch == 1
+    seen: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    repeats = 0
+    for m in micro:
+        (flow,) = m.flows
+        rows = m.global_batch[0]
+        alone = prepare(tables, tc, rows, 0, cpu, torch.float32)  # the draws the step's first occurrences get
+        for j, i in enumerate(rows):
+            drawn = (flow.sigmas[j], flow.targets[j])
+            if i not in seen:
+                assert torch.equal(drawn[0], alone.sigmas[j]) and torch.equal(drawn[1], alone.targets[j])
+                seen[i] = drawn
+                continue
+            repeats += 1
+            assert not torch.equal(drawn[0], seen[i][0]), "the same σ for a sample's second occurrence in a step"
+            assert not torch.equal(drawn[1], seen[i][1]), "the same noise for a sample's second occurrence in a step"
+    assert repeats == 2  # epoch 1's first batch repeats two samples of epoch 0
