@@ -142,3 +142,25 @@ def test_a_folder_checksum_record_of_a_newer_format_is_not_called_damaged(tmp_pa
     with pytest.raises(UserError, match=newer(2, 1)) as e:
         check_recorded(weights)
     assert "damaged" not in str(e.value) and weights.read_bytes() == before
+
+
+def test_a_newer_version_at_a_url_is_refused_by_verify_pull_and_repair_alike(store: Store, tmp_path: Path) -> None:
+    """The remote's copy of a version whose checksums.json a newer release wrote (before: verify named it damaged
+    and advised `store repair`, which pulled it and called it unrepairable damage). Nothing on the remote changes."""
+    from store.remote_sync import pull, push
+
+    fill(store, 3)
+    remote = tmp_path / "remote"
+    url = f"file://{remote}"
+    push(str(store.root), url)
+    path = remote / "vae" / "v1" / fmt.CHECKSUMS
+    path.write_bytes(seal({**unseal(path.read_bytes()), "format": 2}))
+    before = files(remote)
+    with pytest.raises(UserError, match=f"^{url}/vae/v1/checksums.json {newer(2, 1)}$"):
+        pull(url, tmp_path / "pulled")
+    for command in (["store", "verify", url], ["store", "repair", url, "--cache-dir", str(tmp_path / "cache")]):
+        res = runner.invoke(app, command)
+        assert res.exit_code == 1 and "Traceback" not in res.output, res.output
+        assert f"{url}/vae/v1/checksums.json was written by a newer version" in res.output, res.output
+        assert "damaged" not in res.output, res.output
+    assert files(remote) == before
