@@ -105,6 +105,9 @@ def is_sealed(data: bytes) -> bool:
 # (a checkpoint's resume.json, the final LoRA's checksums.json: the one way a written folder is checked later)
 
 FOLDER_RECORD = "checksums.json"
+# the `files` map `check_recorded` reads, in a folder record and in a checkpoint's resume.json alike: their
+# `format` (absent: 1) above this is a newer release's record (schemas.newer)
+FOLDER_RECORD_FORMAT = 1
 
 
 def folder_checksums(folder: Path, skip: tuple[str, ...] = ()) -> dict[str, dict[str, Any]]:
@@ -144,6 +147,7 @@ def check_recorded(path: Path, records: tuple[str, ...] = (FOLDER_RECORD, "resum
     A file no record names (written elsewhere) passes: there is nothing to check it against. `measured`: its
     (crc32c, size) taken by the caller's own read (evaluate hashes a LoRA in the same pass), not read again."""
     from schemas.errors import UserError
+    from schemas.newer import refuse_newer
 
     path = Path(path)
     folder = path.parent
@@ -156,10 +160,13 @@ def check_recorded(path: Path, records: tuple[str, ...] = (FOLDER_RECORD, "resum
                 data = record.read_bytes()
                 if not is_sealed(data):  # a record from before checksums (plain JSON): nothing to check against
                     continue
-                files = unseal(data).get("files") or {}
+                obj = unseal(data)
             except (OSError, SealError) as e:
                 raise UserError(f"{path}: its checksum record {record} is damaged ({e}); the file cannot be "
                                 "trusted: use an intact copy or rerun the command that wrote it") from None
+            # intact, but its `files` may mean something else now: a newer release's, not a damaged file
+            refuse_newer(str(record), obj, FOLDER_RECORD_FORMAT, intact=True)
+            files = obj.get("files") or {}
             rel = path.resolve().relative_to(folder.resolve()).as_posix()
             if rel in files:
                 problem = file_mismatch(folder, rel, files[rel], measured)

@@ -24,6 +24,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from schemas.errors import UserError
+from schemas.newer import refuse_newer
 
 STORE_FORMAT = "qwen-edit-feature-store"
 # 2: store.json sealed with its own CRC32C, each version's `checksums.json`, per-sample `sample_crc32c` (see
@@ -263,19 +264,21 @@ def read_store_record(root: Path) -> dict[str, Any]:
             rec = unseal(data)
         except SealError as e:
             raise UserError(f"{path} is damaged: {e}; run `pipeline store repair {root}`") from None
-    else:  # format 1 wrote no checksum
+    else:  # format 1 wrote no checksum; every later format seals, so an unsealed record claiming one is damaged
         rec = read_json(path, "store.json")
-        check_store_record(rec, path)
-        if rec.get("format_version") != 1:
+        if isinstance(rec, dict) and rec.get("format") == STORE_FORMAT and rec.get("format_version") != 1:
             raise UserError(f"{path} has no checksum, which only format version 1 lacks; it is damaged: "
                             f"run `pipeline store repair {root}`")
-    check_store_record(rec, path)
+    check_store_record(rec, path, sealed=is_sealed(data))
     return rec
 
 
-def check_store_record(rec: Any, path: Path | str) -> None:
-    """`path`: the record's file, or its URL as a string (a Path would merge the `//` of `s3://`)."""
+def check_store_record(rec: Any, path: Path | str, sealed: bool = True) -> None:
+    """`path`: the record's file, or its URL as a string (a Path would merge the `//` of `s3://`). `sealed`: its
+    seal held (a later format version is then a newer release's store: `WrittenByNewer`, never repaired)."""
     found = (rec.get("format"), rec.get("format_version")) if isinstance(rec, dict) else (None, None)
+    if found[0] == STORE_FORMAT:
+        refuse_newer(str(path), rec, STORE_FORMAT_VERSION, intact=sealed, key="format_version")
     if found[0] != STORE_FORMAT or found[1] not in READABLE_FORMAT_VERSIONS:
         raise UserError(
             f"{path}: expected store format {STORE_FORMAT!r} version {' or '.join(map(str, READABLE_FORMAT_VERSIONS))}, "

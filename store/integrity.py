@@ -22,6 +22,7 @@ import numpy as np
 import pyarrow as pa
 
 from schemas.errors import UserError
+from schemas.newer import refuse_newer
 from store import format as fmt
 from store.checksum import SealError, crc_hex, file_crc, seal, unseal
 
@@ -113,7 +114,8 @@ def unreferenced_shard_file(name: str, shards: Container[str]) -> str | None:
 
 
 def read_version_checksums(vdir: Path) -> dict[str, dict[str, Any]] | None:
-    """file name -> {nbytes, crc32c}; None for a format-1 version (no checksums.json, no sample_crc32c)."""
+    """file name -> {nbytes, crc32c}; None for a format-1 version (no checksums.json, no sample_crc32c).
+    `WrittenByNewer` for a record of a later format (`schemas.newer`), `DamagedData` for one that is damaged."""
     path = vdir / fmt.CHECKSUMS
     try:
         data = path.read_bytes()
@@ -121,6 +123,8 @@ def read_version_checksums(vdir: Path) -> dict[str, dict[str, Any]] | None:
         return None
     try:
         obj = unseal(data)
+        # intact (its seal holds) and of a later format: a newer release's version, never damage to repair
+        refuse_newer(str(path), obj, CHECKSUMS_FORMAT, intact=True)
         files = obj["files"]
         if obj.get("format") != CHECKSUMS_FORMAT or not isinstance(files, dict) or not all(
             isinstance(e, dict) and isinstance(e.get("nbytes"), int) and isinstance(e.get("crc32c"), str)

@@ -13,13 +13,17 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from schemas.errors import UserError
-from schemas.table import KNOWN_SCHEMA_VERSIONS, TableSchema
+from schemas.newer import refuse_newer
+from schemas.table import CURRENT_SCHEMA_VERSION, KNOWN_SCHEMA_VERSIONS, TableSchema
 from store import format as fmt
 from store import integrity
 from store.integrity import DamagedData
 
 
-def read_schema(vdir: Path, data: bytes | None = None) -> TableSchema:
+def read_schema(vdir: Path, data: bytes | None = None, intact: bool = False) -> TableSchema:
+    """The version's schema.json (`data`: its bytes, read already). `intact`: those bytes were checked against the
+    version's checksums.json; a later schema version is then a newer release's (`WrittenByNewer`). Unchecked, it
+    may be a flipped bit (`schemas.newer`): refused as a version this code does not read, damage or not."""
     if data is None:
         raw = fmt.read_json(vdir / fmt.SCHEMA_JSON, "schema.json")
     else:
@@ -28,6 +32,7 @@ def read_schema(vdir: Path, data: bytes | None = None) -> TableSchema:
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise UserError(f"{vdir / fmt.SCHEMA_JSON} is not valid JSON ({e})") from None
     found = raw.get("schema_version") if isinstance(raw, dict) else None
+    refuse_newer(str(vdir / fmt.SCHEMA_JSON), raw, CURRENT_SCHEMA_VERSION, intact=intact, key="schema_version")
     if found not in KNOWN_SCHEMA_VERSIONS:
         raise UserError(f"{vdir / fmt.SCHEMA_JSON}: expected schema version one of {KNOWN_SCHEMA_VERSIONS}, "
                         f"found {found!r}; use a pipeline release that reads it")

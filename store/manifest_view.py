@@ -70,7 +70,7 @@ class ManifestView:
         except DamagedData as e:  # recorded: the stage that wrote the version must not call it up to date
             integrity.record_damage(vdir, problems=[str(e)])
             raise
-        schema = read_schema(vdir, schema_bytes)
+        schema = read_schema(vdir, schema_bytes, intact=sums is not None)
         path = vdir / fmt.MANIFEST
         try:
             names = pq.ParquetFile(pa.BufferReader(manifest_bytes)).schema_arrow.names

@@ -31,8 +31,9 @@ from pathlib import Path
 from typing import Any
 
 from schemas.errors import UserError
+from schemas.newer import refuse_newer
 from store import format as fmt
-from store import remote_checked, remote_lease
+from store import integrity, remote_checked, remote_lease
 from store.checksum import SealError, crc_hex, seal, unseal
 from store.remote import Remote, SharedBar, each_at_once, open_remote, remote_errors
 from store.remote_shards import is_lazy
@@ -104,10 +105,12 @@ def _ordered(table: str, version: int, files: dict[str, dict[str, Any]], record:
 
 def _checksums(record: bytes, where: str) -> dict[str, dict[str, Any]]:
     try:
-        files = unseal(record).get("files") or {}
+        obj = unseal(record)
     except SealError as e:
         raise UserError(f"{where} is damaged ({e}); push it again from an intact store, or run "
                         "`pipeline store verify` on the store it came from") from None
+    refuse_newer(where, obj, integrity.CHECKSUMS_FORMAT, intact=True)  # its files are not this code's to copy
+    files = obj.get("files") or {}
     if fmt.MANIFEST not in files:
         raise UserError(f"{where} does not list {fmt.MANIFEST}; the version cannot be checked")
     return files

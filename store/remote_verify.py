@@ -29,6 +29,7 @@ from typing import Any
 from tqdm import tqdm
 
 from schemas.errors import UserError
+from schemas.newer import WrittenByNewer
 from store import format as fmt
 from store import remote_download
 from store.checksum import RunningCrc
@@ -79,6 +80,8 @@ def verify_url(url: str, storage_options: dict[str, Any] | None = None, progress
         try:
             objects = RemoteObjects(remote, listing, progress)
             problems = verify_store(root, progress, objects)
+        except WrittenByNewer as e:  # named by its URL, not the temporary folder
+            raise WrittenByNewer(str(e).replace(str(root), url)) from None
         finally:
             release_reading(url)
         if objects.lost is not None:  # verify_store made it a problem line: it is the connection, not the data

@@ -12,7 +12,9 @@ Per table (current version v<N>, in the order the caller gives: images, text, va
   5. verify v<M>. What cannot be repaired (schema.json or checksums.json damaged, no stage to recompute with,
      a stage whose settings differ) is named and left as it is.
 Also: a damaged store.json is rebuilt (each table -> its newest intact complete version), and temp files left
-in complete versions by killed writes are removed.
+in complete versions by killed writes are removed. A store.json, or a current version's checksums.json or
+schema.json, that a newer release wrote (`schemas.newer`) is not damage: the scan refuses the store whole
+(`WrittenByNewer`) before anything is changed.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from schemas.errors import UserError
+from schemas.newer import WrittenByNewer
 from schemas.table import TableSchema
 from store import format as fmt
 from store import integrity, quarantine
@@ -81,6 +84,8 @@ def _intact_version(vdir: Path) -> bool:
         integrity.read_checked(vdir, fmt.SCHEMA_JSON, sums)
         integrity.read_checked(vdir, fmt.MANIFEST, sums)
         return True
+    except WrittenByNewer:
+        raise
     except UserError:
         return False
 
@@ -89,6 +94,8 @@ def _current_versions(root: Path) -> tuple[dict[str, int], str | None]:
     try:
         rec = fmt.read_store_record(root)
         return {t: int(v["current"]) for t, v in rec["tables"].items()}, None
+    except WrittenByNewer:  # a newer release's store: rebuilt in this format, its good record would be lost
+        raise
     except UserError as e:
         found = {}
         for d in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
@@ -130,7 +137,9 @@ def scan_table(root: Path, table: str, version: int, progress: bool = True) -> T
         return plan
     try:
         sums = integrity.read_version_checksums(vdir)
-        read_schema(vdir, integrity.read_checked(vdir, fmt.SCHEMA_JSON, sums))
+        read_schema(vdir, integrity.read_checked(vdir, fmt.SCHEMA_JSON, sums), intact=sums is not None)
+    except WrittenByNewer:  # a newer release's version: not this code's to judge, let alone recompute
+        raise
     except UserError as e:
         plan.unrepairable = str(e)  # the advice in it says which stage to rerun (integrity.repair_hint)
         return plan

@@ -19,6 +19,7 @@ import pyarrow.compute as pc
 
 from schemas import up_to_date
 from schemas.errors import UserError
+from schemas.newer import WrittenByNewer
 from store import format as fmt
 from store.manifest_files import checked_manifest, read_schema
 
@@ -60,7 +61,7 @@ def damage_scan(store: Store, table: str, version: int):
     """Every sample and shard of a version checked (`store.repair.scan_table`: a full read), once per process
     and marker state; damage found in a version not yet recorded as damaged is recorded."""
     from store import integrity
-    from store.repair import scan_table
+    from store.repair import TablePlan, scan_table
 
     vdir = store.version_dir(table, version)
     marker = fmt.damaged_marker(store.root, table, version)
@@ -69,7 +70,10 @@ def damage_scan(store: Store, table: str, version: int):
         return str(vdir), marker.stat().st_mtime_ns if marker.exists() else 0
 
     if stamp() not in _SCANS:
-        plan = scan_table(store.root, table, version)
+        try:
+            plan = scan_table(store.root, table, version)
+        except WrittenByNewer as e:  # not this code's to read: nothing carried from it, and no damage recorded
+            plan = TablePlan(table, version, unrepairable=str(e))
         if plan.damaged:
             integrity.record_damage(vdir, plan.damaged)
         _SCANS[stamp()] = plan

@@ -1,5 +1,5 @@
-"""`pipeline store verify`: every problem as one line; an empty list means the store is sound. Never raises:
-whatever cannot be read or decoded is itself a problem line.
+"""`pipeline store verify`: every problem as one line; an empty list means the store is sound. Never raises (but
+for a newer release's store, below): whatever cannot be read or decoded is itself a problem line.
 
 Checks: store.json (its own checksum, format, each table's current version exists and is complete); for every
 complete version: `checksums.json` (sealed) and every file it lists (size + CRC32C: schema.json, manifest.parquet,
@@ -8,6 +8,10 @@ was killed before indexing, which `store gc` removes), temp files left by killed
 present, keys valid and unique, and each manifest row against its bytes (sample checksum, tar members named
 after the key, safetensors header agreeing with the recorded dtype/shape/offset of every tensor, file members at
 their recorded offsets). Format-1 versions (no checksums.json) get the sha256 checks they always had.
+
+A store or version that a newer release wrote (a later format in its intact store.json, checksums.json or
+schema.json: `schemas.newer`) is refused whole with `WrittenByNewer`, the one error verify raises: it is not this
+code's to judge, and nothing is recorded as damaged.
 
 Why a single flipped bit is always reported: store.json and checksums.json carry a CRC32C of their own bytes, every
 other file's exact bytes are covered by a CRC32C in checksums.json, and a CRC detects every single-bit error.
@@ -27,6 +31,7 @@ from tqdm import tqdm
 
 from schemas.errors import UserError
 from schemas.img_shapes import normalize_img_shapes
+from schemas.newer import WrittenByNewer
 from schemas.table import SCHEMA_V1
 from store import format as fmt
 from store import integrity, quarantine
@@ -50,6 +55,8 @@ def verify_store(root: Path, progress: bool = True, objects: ObjectCheck | None 
     problems: list[str] = []
     try:
         rec = fmt.read_store_record(root)
+    except WrittenByNewer:
+        raise
     except UserError as e:
         problems.append(str(e))
         rec = {"tables": {}}
@@ -63,6 +70,8 @@ def verify_store(root: Path, progress: bool = True, objects: ObjectCheck | None 
             if fmt.is_complete(vdir):  # incomplete folders are writes in progress (or killed): not yet data
                 try:
                     found = verify_version(vdir, f"{table}/v{v}", progress, objects)
+                except WrittenByNewer:  # refused whole: no damage recorded, no repair advised
+                    raise
                 except Exception as e:  # noqa: BLE001 - verify reports, it never crashes
                     found = [f"{table}/v{v}: cannot be checked ({type(e).__name__}: {e})"]
                 found = [_one_line(p) for p in found]
@@ -116,6 +125,8 @@ def verify_version(vdir: Path, name: str, progress: bool = True, objects: Object
     problems: list[str] = []
     try:
         sums = integrity.read_version_checksums(vdir)
+    except WrittenByNewer:
+        raise
     except UserError as e:
         problems.append(f"{name}: {e}")
         sums = None
@@ -170,7 +181,9 @@ def _manifest_problems(vdir: Path, name: str, sums: dict[str, dict[str, Any]] | 
 
     problems: list[str] = []
     try:
-        schema = read_schema(vdir)
+        schema = read_schema(vdir, intact=_intact(vdir, fmt.SCHEMA_JSON, sums))
+    except WrittenByNewer:
+        raise
     except UserError as e:
         return problems + [f"{name}: {e}"], {}
     try:
@@ -202,6 +215,15 @@ def _manifest_problems(vdir: Path, name: str, sums: dict[str, dict[str, Any]] | 
             by_shard[str(shards[start])] = ShardPart(manifest, order[start:i], schema.schema_version)
             start = i
     return problems, by_shard
+
+
+def _intact(vdir: Path, name: str, sums: dict[str, dict[str, Any]] | None) -> bool:
+    """Does `name` match its checksums.json entry? (Not when there is none: a later schema version claimed by a
+    damaged or unchecked schema.json is damage, which its own file check names.)"""
+    if sums is None or name not in sums:
+        return False
+    crc, size = file_crc(vdir / name) if (vdir / name).is_file() else (None, None)
+    return (size, crc) == (sums[name]["nbytes"], sums[name]["crc32c"])
 
 
 def _check_columns(r: dict[str, Any], schema_version: int, name: str) -> list[str]:

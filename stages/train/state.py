@@ -25,6 +25,7 @@ from safetensors.torch import load as load_bytes, save_file
 
 from schemas import up_to_date
 from schemas.errors import UserError
+from schemas.newer import refuse_newer
 
 RESUME_JSON = "resume.json"
 RESUME_FORMAT = 1
@@ -158,10 +159,10 @@ class ResumeRecord:
             d = unseal(data) if sealed else json.loads(data)
             if not isinstance(d, dict):
                 raise TypeError(f"a JSON {type(d).__name__}, not an object")
-            if newer := _newer_than_this(d, sealed):
-                # intact, but not this code's to read: a damaged verdict would have the user delete a good run
-                raise UserError(f"{path}: this run was written by a newer version of pipeline ({newer}): upgrade, "
-                                "or start a new --out")
+            # intact, but not this code's to read: a damaged verdict would have the user delete a good run (unknown
+            # fields count too: releases so far added fields with defaults under format 1)
+            refuse_newer(f"{path}: this run", d, RESUME_FORMAT, intact=sealed, then=", or start a new --out",
+                         known={f.name for f in fields(ResumeRecord)} | {"files"})
             if d.get("format") != RESUME_FORMAT:
                 raise UserError(f"{path}: resume format {d.get('format')!r}, this code reads {RESUME_FORMAT}")
             files = d.pop("files", None)
@@ -203,20 +204,6 @@ class ResumeRecord:
                       f"{before['training_revision']}){same}, or train it afresh under this one: a new --out")
         raise ResumeMismatch(f"cannot resume from {where}: {'; '.join(problems)}. {advice}",
                              reason="; ".join(problems))
-
-
-def _newer_than_this(d: dict[str, Any], sealed: bool) -> str | None:
-    """What in a resume record says a newer release wrote it, or None: a higher format, or (format kept, as
-    releases so far have added fields with defaults) fields this code does not know. Unknown fields count only in
-    a sealed record, whose checksum shows them written so; in an unsealed (pre-checksum, older) one they are damage."""
-    fmt = d.get("format")
-    if isinstance(fmt, int) and not isinstance(fmt, bool) and fmt > RESUME_FORMAT:
-        return f"format {fmt}, this one reads up to {RESUME_FORMAT}"
-    unknown = sorted(set(d) - {f.name for f in fields(ResumeRecord)} - {"files"})
-    if sealed and fmt == RESUME_FORMAT and unknown:
-        named = f"field{'s' * (len(unknown) > 1)} {', '.join(map(repr, unknown))}"
-        return f"format {fmt} with {named} this one does not know"
-    return None
 
 
 def compared_tables(recorded: dict[str, str], recorded_contents: dict[str, str] | None, now: dict[str, str],

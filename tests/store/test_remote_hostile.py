@@ -83,14 +83,14 @@ def test_a_url_holding_a_newer_store_format_is_refused_before_anything_is_sent(s
     record = seal({"format": "qwen-edit-feature-store", "format_version": 99, "tables": {}})
     s3_env.client().put_object(Bucket=s3_env.bucket, Key="store/store.json", Body=record)
     assert json.loads(record)["format_version"] == 99
-    with pytest.raises(UserError, match="found 'qwen-edit-feature-store' version 99") as e:
+    with pytest.raises(UserError, match=r"newer version of pipeline \(format 99, this one reads up to 2\)") as e:
         push(store.root, url)
-    assert str(e.value).startswith(f"{url}/store.json: expected store format")
+    assert str(e.value).startswith(f"{url}/store.json was written by a newer version")
     keys = [o["Key"] for o in s3_env.client().list_objects_v2(Bucket=s3_env.bucket)["Contents"]]
     assert [k for k in keys if not k.startswith("store/.leases/")] == ["store/store.json"]  # nothing sent
-    with pytest.raises(UserError, match="version 99") as e:
+    with pytest.raises(UserError, match="format 99") as e:
         pull(url, tmp_path / "pulled")
-    assert str(e.value).startswith(f"{url}/store.json: ")
+    assert str(e.value).startswith(f"{url}/store.json was written by a newer version")
 
     # a damaged record: the repair command it names is the URL's
     s3_env.client().put_object(Bucket=s3_env.bucket, Key="store/store.json",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -106,10 +108,19 @@ def test_missing_table_and_bad_adds_are_user_errors(store: Store) -> None:
 
 
 def test_store_format_is_checked_on_open(tmp_path) -> None:
+    from store.checksum import seal
+
     root = tmp_path / "s"
     Store(root)
-    (root / "store.json").write_text('{"format": "qwen-edit-feature-store", "format_version": 99, "tables": {}}')
-    with pytest.raises(UserError, match="expected store format 'qwen-edit-feature-store' version 1 or 2, found .* 99"):
+    record = {"format": "qwen-edit-feature-store", "format_version": 99, "tables": {}}
+    (root / "store.json").write_bytes(seal(record))
+    with pytest.raises(UserError, match=r"written by a newer version of pipeline \(format 99, this one reads up to 2"):
+        Store(root)
+    (root / "store.json").write_bytes(seal({**record, "format": "another-store"}))
+    with pytest.raises(UserError, match="expected store format 'qwen-edit-feature-store' version 1 or 2, found .*"):
+        Store(root)
+    (root / "store.json").write_text(json.dumps(record))  # unsealed: only format 1 is; a later number is damage
+    with pytest.raises(UserError, match="no checksum, which only format version 1 lacks; it is damaged"):
         Store(root)
     with pytest.raises(UserError, match="no store at"):
         Store(tmp_path / "nowhere", create=False)
