@@ -11,7 +11,7 @@ from models.lora import WEIGHT_NAME
 from schemas import up_to_date as current
 from schemas.config import PipelineConfig, TrainConfig
 from stages.train import state as train_state
-from stages.train.settings import (TRAINING_REVISION, config_fingerprint, earlier_config_fingerprints,
+from stages.train.settings import (config_fingerprint, earlier_config_fingerprints, training_revision,
                                    init_lora_sha256, planned_device, resolve_precision)
 from stages.train.state import ResumeRecord
 from store.join import JoinedTables
@@ -62,7 +62,7 @@ def _inputs(cfg: PipelineConfig, store: str | Path, model: str,
         "tables": tables.versions(),
         "model_fingerprint": model_fingerprint(model),
         "init_lora_sha256": init_lora_sha256(cfg.train),
-        "training_revision": TRAINING_REVISION,
+        "training_revision": training_revision(cfg.train),
     }, tables
 
 

@@ -22,8 +22,22 @@ if TYPE_CHECKING:
 # optimizer's or the schedule's math, the data order) - not for speed, memory, logging or file layout. Recorded
 # in every checkpoint's resume record: a finished run of another revision is trained again (`run all`), and a
 # resume of one is refused like a changed config (`--new-run` keeps it and trains afresh). Records from before
-# it was recorded: `schemas.up_to_date.UNRECORDED_REVISION`.
-TRAINING_REVISION = 1
+# it was recorded: `schemas.up_to_date.UNRECORDED_REVISION`. A run records `training_revision(its config)`: a
+# revision changes the weights of some configs only, and a finished run of another config stays current.
+TRAINING_REVISION = 2
+
+# Each revision after the first: which configs' trained weights it changes (a predicate of the train section).
+REVISION_CHANGES: dict[int, Callable[[TrainConfig], bool]] = {
+    # 2: a sample twice in one optimizer step (its accumulation ran on into the next epoch) draws its own σ, noise
+    # and dropouts, not the first draw counted twice; a fresh start on several ranks seeds each rank's LoRA
+    # dropout RNG of its own (every rank drew the same masks)
+    2: lambda tc: tc.grad_accum > 1 or tc.lora.dropout > 0,
+}
+
+
+def training_revision(tc: TrainConfig) -> int:
+    """The newest revision of the training math that changes what `tc` trains (1: none since the first)."""
+    return max([1] + [rev for rev, changes in REVISION_CHANGES.items() if rev <= TRAINING_REVISION and changes(tc)])
 
 
 def validate_config(cfg: TrainConfig) -> None:

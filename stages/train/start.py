@@ -20,7 +20,7 @@ from schemas.lineage import unhashed_names
 from stages.train import elastic, guard, previous, state as train_state
 from stages.train.data import DataStream, write_data_report
 from stages.train.resume import changed_settings
-from stages.train.settings import TRAINING_REVISION, config_fingerprint, init_lora_sha256, known_fingerprint
+from stages.train.settings import config_fingerprint, init_lora_sha256, known_fingerprint, training_revision
 from stages.train.state import ResumeRecord
 from store.format import atomic_write_bytes, atomic_write_json
 from store.join import JoinedTables
@@ -70,7 +70,7 @@ def start_record(tc: TrainConfig, tables: JoinedTables, model: str, world_size: 
         step=0, epoch=0, batch_in_epoch=0, config_fingerprint=config_fingerprint(tc),
         tables=tables.versions(), store=str(Path(tables.store_root).resolve()),
         model_fingerprint=model_fingerprint(model), world_size=world_size, init_lora_sha256=init_lora_sha256(tc),
-        training_revision=TRAINING_REVISION,
+        training_revision=training_revision(tc),
     )
 
 

@@ -133,7 +133,7 @@ class ResumeRecord:
     # weights makes another run (its step 0 is other weights), so a resume or the up-to-date check compares it.
     # A field of its own, not in the fingerprint: runs without init_lora keep their fingerprints.
     init_lora_sha256: str | None = None
-    # the code's `settings.TRAINING_REVISION` the weights were trained under (a record written before it was
+    # the code's `settings.training_revision(config)` the weights were trained under (a record written before it was
     # recorded: the revision that code computed, `UNRECORDED_REVISION`)
     training_revision: int = up_to_date.UNRECORDED_REVISION
     # table -> content identity of what the run reads from it (`JoinedTables.content_ids`; None: a record written

@@ -90,7 +90,7 @@ def main() -> None:
         elif os.environ["RANK"] == "1" and view == "revision":
             from stages.train import start
 
-            start.TRAINING_REVISION += 1  # its node runs another release of the training code
+            start.training_revision = lambda tc, f=start.training_revision: f(tc) + 1  # another release's code
         elif os.environ["RANK"] == "1" and view != "settings":
             store = view
         extra = ["--set", "train.learning_rate=0.0002"] if os.environ["RANK"] == "1" and view == "settings" else []

@@ -226,9 +226,10 @@ def test_a_run_trained_under_another_training_revision_is_trained_again(trained,
 
     from schemas.errors import UserError
     from stages.train.recipe import run, up_to_date as train_up_to_date
-    from stages.train.settings import TRAINING_REVISION
+    from stages.train.settings import training_revision
 
     cfg, store, out = load_config(None, TRAIN), trained / "store", tmp_path / "run"
+    TRAINING_REVISION = training_revision(cfg.train)  # this config's
     shutil.copytree(trained / "run", out)  # mtimes kept
     assert train_up_to_date(cfg, store, tiny_edit_model, out)
 
@@ -309,3 +310,17 @@ def test_a_checkpoint_report_of_another_evaluation_revision_evaluates_every_chec
     assert not again.up_to_date and again.evaluated == 1
     assert list(out.glob("losses.*.zarr"))  # the earlier revision's losses kept aside
     assert ev.run(cfg, store, tiny_edit_model, ckpts, out, skip_if_done=True).up_to_date
+
+
+def test_a_revision_retrains_only_the_configs_whose_weights_it_changes() -> None:
+    """Revision 2 changed the draws of a sample held twice in one step (grad_accum > 1) and the ranks' LoRA dropout
+    masks (lora.dropout > 0): runs of those configs are trained again, every other finished run stays current
+    (a global bump retrained every run under `run all`)."""
+    from schemas.config import TrainConfig
+    from stages.train.settings import TRAINING_REVISION, training_revision
+
+    assert TRAINING_REVISION == 2
+    assert training_revision(TrainConfig()) == up_to_date.UNRECORDED_REVISION == 1
+    assert training_revision(TrainConfig(grad_accum=2)) == 2
+    assert training_revision(TrainConfig(lora={"dropout": 0.1})) == 2
+    assert training_revision(TrainConfig(caption_dropout=0.5, control_dropout=0.5)) == 1
