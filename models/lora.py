@@ -333,15 +333,39 @@ def load_lora(transformer, lora: str | Path, adapter_name: str = ADAPTER, state:
     wrong_shape = [k for k in state if state[k].shape != expected[k].shape]
     if wrong_shape:
         raise UserError(f"LoRA at {lora}: shapes differ from the adapter for {wrong_shape[:5]} (different rank?)")
-    have = getattr(transformer.peft_config.get(adapter_name), "lora_alpha", None)
-    if config and have is not None and float(config.get("lora_alpha", have)) != float(have):
-        # e.g. a final LoRA (alpha folded in, alpha = r) loaded into a training adapter of alpha != r
-        raise UserError(f"LoRA at {lora} was saved with alpha {config['lora_alpha']}, the adapter has alpha "
-                        f"{have}: loading it as is would scale it wrongly (use train.init_lora to start from it)")
+    differs = _scaling_differs(config, transformer.peft_config.get(adapter_name))
+    if differs:
+        # e.g. a final LoRA (alpha folded in, alpha = r) loaded into a training adapter of alpha != r, or a LoHa /
+        # LoKr checkpoint of another alpha (their config names it `alpha`: it went unchecked, and evaluate
+        # --all-checkpoints scored such a checkpoint at the alpha of the one loaded before it)
+        field, saved, have = differs
+        raise UserError(f"LoRA at {lora} was saved with {field} {saved}, the adapter has {field} {have}: loading "
+                        "it as is would scale it wrongly (use train.init_lora to start from it)")
     result = set_peft_model_state_dict(transformer, state, adapter_name=adapter_name)
     unexpected_after = [k for k in getattr(result, "unexpected_keys", []) if any(t in k for t in _ADAPTER_TAGS)]
     if unexpected_after:
         raise UserError(f"LoRA at {lora}: peft did not place keys {unexpected_after[:5]}")
+
+
+#: the adapter-config fields that set a module's scale (LoRA / DoRA: lora_alpha, LoHa / LoKr: alpha): the same
+#: weights under another value are another delta
+_SCALING_FIELDS = ("lora_alpha", "alpha", "use_rslora", "alpha_pattern", "rank_pattern")
+
+
+def _scaling_differs(saved: dict | None, adapter) -> tuple[str, object, object] | None:
+    """(field, saved value, adapter's value) of the first scaling field the saved config holds otherwise than the
+    adapter; None when they agree (or there is no saved config: a converted file, its alpha baked in)."""
+    if not saved or adapter is None:
+        return None
+    for field in _SCALING_FIELDS:
+        have = getattr(adapter, field, None)
+        if field not in saved or have is None:
+            continue
+        value = saved[field]
+        numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (value, have))
+        if (float(value) != float(have)) if numbers else (value or None) != (have or None):
+            return field, value, have
+    return None
 
 
 def init_from_lora(transformer, lora: str | Path, adapter_name: str = ADAPTER) -> None:

@@ -76,10 +76,11 @@ class LossStore:
     """Open (or start) the group at `folder/losses.zarr` for `fingerprint`; see the module doc."""
 
     def __init__(self, folder: str | Path, fingerprint: str, axes: Axes, settings: dict,
-                 versions: dict | None = None):
+                 versions: dict | None = None, measured: dict | None = None):
         self.path = Path(folder) / GROUP
         self.axes, self.fingerprint, self.settings = axes, fingerprint, settings
-        self.versions = versions  # `note_versions`: recorded with a new group (no commit of their own)
+        # `note`: recorded with a new group (no commit of their own)
+        self.notes = {k: v for k, v in (("table_versions", versions), ("measured", measured)) if v is not None}
         self.kept_aside: Path | None = None
         if self.path.exists() and self._recorded_fingerprint() != fingerprint:
             self.start_over()
@@ -106,8 +107,15 @@ class LossStore:
         settings that name the tables by content keep the array across versions of the same samples), for readers
         comparing it with an array that names them by version ids (`pipeline compare`). A commit only when they
         changed."""
-        if self.group.attrs.get("table_versions") != versions:
-            self.group.attrs.update({"table_versions": versions})
+        self.note(table_versions=versions)
+
+    def note(self, **attrs) -> None:
+        """Record attributes beside the settings that are not hashed (`table_versions`; `measured`: how a
+        validation curve's numbers were computed, its precision etc., which its settings do not hold), in one
+        commit, and only when one changed."""
+        changed = {k: v for k, v in attrs.items() if self.group.attrs.get(k) != v}
+        if changed:
+            self.group.attrs.update(changed)
             self._commit([])
 
     def refingerprint(self, fingerprint: str, settings: dict, versions: dict | None = None) -> None:
@@ -135,8 +143,7 @@ class LossStore:
         zarr = _zarr()
         g = zarr.open_group(tmp, mode="w", zarr_format=3)
         a, full = self.axes, self.axes.shape
-        g.attrs.update({"format": FORMAT, "fingerprint": fingerprint, "settings": settings,
-                        **({"table_versions": self.versions} if self.versions is not None else {})})
+        g.attrs.update({"format": FORMAT, "fingerprint": fingerprint, "settings": settings, **self.notes})
         g.create_array("sample", shape=(len(a.keys),), dimension_names=["sample"], **_STR)[:] = np.array(a.keys, dtype=object)
         g.create_array("bucket", shape=(len(a.keys),), dimension_names=["sample"], **_STR)[:] = np.array(a.buckets, dtype=object)
         g.create_array("seed", data=np.asarray(a.seeds, dtype="int64"), dimension_names=["seed"])

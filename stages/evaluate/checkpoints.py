@@ -295,7 +295,7 @@ class CheckpointsResult:
                               best_checkpoint=self.best["path"], best_step=self.best["step"],
                               loss_best=self.best["loss"], loss_base=c["base"]["overall"],
                               best_vs_base=self.best.get("vs_base"), runner_up=self.best.get("runner_up"),
-                              last_step=c["steps"][-1], damaged_samples=sorted(self.metrics["run"]["damaged_samples"]))
+                              last_step=c["last"]["step"], damaged_samples=sorted(self.metrics["run"]["damaged_samples"]))
 
     def __str__(self) -> str:
         b, c = self.best, self.metrics["checkpoints"]

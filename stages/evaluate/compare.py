@@ -42,6 +42,9 @@ class RunCurves:
     # arrays are spelled differently (one by content, `JoinedTables.content_names`; one by version ids, as
     # earlier releases' reports and validation curves record them)
     table_versions: dict | None = None
+    # how the numbers were computed (`_measured`: precision, quantised base, attention backend, LoRA scale), for an
+    # evaluate array from its settings, for a validation curve from what train recorded beside them; None: unknown
+    measured: dict | None = None
 
     @property
     def best(self) -> int | None:
@@ -108,7 +111,23 @@ def read_curves(path: str | Path, label: str) -> RunCurves:
                                                                 if k != "on_damaged"},
         },
         table_versions=_table_versions(settings, dict(ds.attrs)),
+        measured=_measured(settings, dict(ds.attrs)),
     )
+
+
+def _measured(settings: dict, attrs: dict) -> dict | None:
+    """One spelling of how an array's losses were computed, for evaluate arrays (`settings["evaluate"]`) and
+    validation curves (`attrs["measured"]`, stages/train/validate.py) alike, so a validation curve is compared
+    with a report too; None for a curve recorded before train noted it (comparable as before)."""
+    evaluate, train = settings.get("evaluate"), attrs.get("measured")
+    if isinstance(evaluate, dict):
+        return {"precision": evaluate.get("dtype"), "quantize_base": evaluate.get("quantize_base", "none"),
+                "attention_backend": evaluate.get("attention_backend"), "lora_scale": evaluate.get("lora_scale", 1.0)}
+    if isinstance(train, dict):
+        autocast = " with bf16 autocast" if train.get("mixed_precision") == "bf16" else ""
+        return {"precision": f"{train.get('dtype')}{autocast}", "quantize_base": train.get("quantize_base", "none"),
+                "attention_backend": train.get("attention_backend"), "lora_scale": 1.0}
+    return None
 
 
 def _table_versions(settings: dict, attrs: dict) -> dict | None:
@@ -147,6 +166,17 @@ def check_same_held_out(runs: list[RunCurves]) -> None:
                     f"cannot compare {first.group} and {other.group}: their held-out sets differ in {what}{detail}; "
                     "compare runs evaluated on the same store version and val split with the same evaluate settings"
                 )
+        if first.measured is not None and other.measured is not None and first.measured != other.measured:
+            # a validation curve (train's precision, quantised base, attention backend) against another curve or
+            # a report: not one scale, as two reports of another evaluate.dtype are not
+            a, b = first.measured, other.measured
+            detail = ", ".join(f"{k}: {a.get(k)} vs {b.get(k)}" for k in sorted({*a, *b}) if a.get(k) != b.get(k))
+            raise UserError(
+                f"cannot compare {first.group} and {other.group}: their losses were measured differently ({detail}); "
+                "compare runs validated or evaluated in the same precision, quantisation and attention backend "
+                "(evaluate both runs' checkpoints with the same evaluate settings: `pipeline run evaluate "
+                "--all-checkpoints`)"
+            )
 
 
 def labels_for(paths: list[str]) -> list[str]:

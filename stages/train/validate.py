@@ -21,7 +21,8 @@ Sample images stay on the main process.
 The curve's setting names the val split's tables by content (`JoinedTables.content_names`, as evaluate's loss
 arrays do): an `images` rerun that changed no sample gives new version numbers that a resume accepts (train's
 `ResumeRecord.table_contents`), and the curve goes on in the same array instead of being set aside. The version
-ids read are kept beside it (`LossStore.note_versions`, for `pipeline compare`); a curve recorded under them (the
+ids read are kept beside it, with how the losses were measured (precision, quantised base, attention backend:
+`measured`), for `pipeline compare` (`LossStore.note`); a curve recorded under version ids (the
 earlier spelling) is continued and re-recorded under content.
 """
 
@@ -128,6 +129,7 @@ class Validator:
             validate = _without_batch_size(validate)
         self.settings = {"tables": named, "model_fingerprint": model_fingerprint(model), "validate": validate}
         self.fingerprint = _fingerprint(self.settings)
+        self.measured = measured(cfg)
 
     def _respelled(self, settings: dict) -> dict:
         """A recorded setting spelled as today's where it was an earlier spelling of it: the tables named by the
@@ -296,7 +298,7 @@ class Validator:
             recorded = self._curve_fingerprint()
             axes = Axes([s.key for s in self.samples], [bucket_of(s) for s in self.samples],
                         list(self.cfg.validate_noise_seeds), [float(t) for t in self.cfg.validate_timesteps])
-            self._losses = LossStore(self.run_dir, recorded, axes, self.settings, self.versions)
+            self._losses = LossStore(self.run_dir, recorded, axes, self.settings, self.versions, self.measured)
             if recorded != self.fingerprint:  # an earlier spelling: appended to, not set aside, and re-recorded
                 self._losses.refingerprint(self.fingerprint, self.settings, self.versions)  # note_versions: no-op
             if self._losses.kept_aside is not None:  # e.g. the val samples changed under an accepted resume
@@ -304,7 +306,8 @@ class Validator:
 
                 tqdm.write(f"validation settings or val samples changed: the earlier validation curve is kept in "
                            f"{self._losses.kept_aside}, a new one begins")
-            self._losses.note_versions(self.versions)  # `pipeline compare` against arrays named by version ids
+            # for `pipeline compare`: against arrays named by version ids, and against runs measured otherwise
+            self._losses.note(table_versions=self.versions, measured=self.measured)
             self._losses.drop_from(step)
             if not self._losses.has_base():
                 self._losses.write_base(self._base)
@@ -313,6 +316,17 @@ class Validator:
 
 def _fingerprint(settings: dict) -> str:
     return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def measured(cfg: TrainConfig) -> dict:
+    """How the validation losses are computed besides the setting they are recorded under (`RUN/losses.zarr`'s
+    `measured`, not hashed: the train config fixes it for the run): the resolved precision of the frozen base and
+    its autocast, its quantisation, the attention backend. `pipeline compare` refuses two curves measured
+    otherwise, as it refuses evaluate arrays of another `evaluate.dtype` etc.: on the same val samples a bf16 or
+    quantised base gives other numbers (tiny model, bf16 autocast vs float32: up to 1e-3 on a step's
+    mean loss)."""
+    return {"dtype": cfg.dtype, "mixed_precision": cfg.mixed_precision, "quantize_base": cfg.quantize_base,
+            "attention_backend": cfg.attention_backend}
 
 
 def _without_batch_size(validate: dict) -> dict:

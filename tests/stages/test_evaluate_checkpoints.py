@@ -601,3 +601,21 @@ def test_compare_names_the_best_checkpoint_still_on_disk_as_the_report_does(run_
     assert [r["best_step"] for r in json.loads(cmp.stdout)["runs"]] == [report_best, report_best]
     rows = {r["step"]: r for r in csv.DictReader((tmp_path / "cmp" / "curves.csv").open()) if r["run"] == "report"}
     assert rows["20"]["on_disk"] == "no" and rows["20"]["best"] == "" and rows["10"]["on_disk"] == "yes"
+
+
+def test_json_last_step_is_the_last_checkpoint_still_on_disk(run_and_store, tiny_edit_model, tmp_path):
+    """The last checkpoint (step 30) removed after it was evaluated: the report's `last` (its pictures, its row)
+    is step 20, and --json's `last_step` named step 30, the array's last step, a checkpoint no longer there."""
+    import shutil
+
+    root = run_and_store
+    copies = []
+    for step, path in _ckpts(root):
+        shutil.copytree(path.parent, tmp_path / "run" / "checkpoints" / f"step-{step}")
+        copies.append((step, tmp_path / "run" / "checkpoints" / f"step-{step}" / "lora"))
+    out = tmp_path / "report"
+    ev.run(EvaluateConfig(**CFG), root / "store", tiny_edit_model, copies, out)
+    shutil.rmtree(copies[2][1].parent)
+    res = ev.run(EvaluateConfig(**CFG), root / "store", tiny_edit_model, copies[:2], out)
+    assert res.metrics["checkpoints"]["last"]["step"] == 20
+    assert res.to_json()["last_step"] == 20

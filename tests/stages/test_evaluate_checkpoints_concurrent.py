@@ -7,6 +7,7 @@ from __future__ import annotations
 import shutil
 
 import numpy as np
+import pytest
 import xarray as xr
 
 from schemas.config import EvaluateConfig
@@ -142,6 +143,41 @@ def test_a_checkpoint_of_another_lora_rank_is_evaluated_as_saved(run_and_store, 
     # with these seeds the rank-8 LoRA lowers this tiny random model's loss (a random direction can): the best
     assert res.best["step"] == 5 and c["per_step"][0]["overall"] < c["base"]["overall"]
     assert (tmp_path / "r" / "index.html").is_file()  # base, best (rank 8) and last (rank 4) generated
+
+
+@pytest.mark.parametrize("kind", ["loha", "lokr"])
+def test_a_loha_or_lokr_checkpoint_of_another_alpha_is_scored_at_its_own_alpha(kind, tiny_edit_model, tmp_path):
+    """Two trainings' LoHa / LoKr checkpoints in one run folder, the same weights saved under alpha 4 (step 10)
+    and 16 (step 20). peft names their alpha `alpha`, not `lora_alpha`, so copying step 20 into the adapter built
+    for step 10 went unchecked: step 20 was scored at alpha 4, i.e. as step 10 (its number equal to step 10's,
+    not to its own)."""
+    import torch
+
+    from models.loading import load_component
+    from models.lora import add_lora, save_lora
+    from schemas.config import LoraConfig
+    from train_store import make_train_store, mixed_specs
+
+    make_train_store(tmp_path / "store", tiny_edit_model, mixed_specs(1, 3))
+    ckpts = []
+    for step, alpha in ((10, 4.0), (20, 16.0)):
+        t = load_component(tiny_edit_model, "transformer")
+        add_lora(t, LoraConfig(rank=4, alpha=alpha, kind=kind))
+        g = torch.Generator().manual_seed(1)  # the same factors in both: only alpha differs
+        with torch.no_grad():
+            for name, p in t.named_parameters():
+                if f"{kind}_" in name or "hada_" in name:
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+        folder = tmp_path / "run" / "checkpoints" / f"step-{step}"
+        save_lora(t, folder / "lora")
+        (folder / "resume.json").write_text("{}")
+        ckpts.append((step, folder / "lora"))
+    cfg = EvaluateConfig(**{**CFG, "noise_seeds": [0], "timesteps": [0.5]})
+    both = ev.run(cfg, tmp_path / "store", tiny_edit_model, ckpts, tmp_path / "both")
+    alone = ev.run(cfg, tmp_path / "store", tiny_edit_model, ckpts[1:], tmp_path / "alone")
+    per_step = [p["overall"] for p in both.metrics["checkpoints"]["per_step"]]
+    assert per_step[1] == alone.metrics["checkpoints"]["per_step"][0]["overall"]
+    assert per_step[0] != per_step[1]  # the alpha does change the numbers
 
 
 def test_the_best_checkpoint_rewritten_before_its_images_is_refused_not_pictured(
