@@ -266,7 +266,8 @@ class TrainConfig(Section):
     optimizer: Annotated[Literal["adamw", "adamw8bit", "adafactor", "prodigy"], added_later()] = Field(
         "adamw", description="adamw (torch) | adamw8bit (bitsandbytes) | adafactor (transformers) | prodigy "
         "(prodigyopt; set learning_rate ~1.0)")
-    ema_decay: Annotated[float | None, added_later()] = Field(None, gt=0.0, lt=1.0, description="EMA of the adapter -> RUN/lora_ema (None = off)")
+    ema_decay: Annotated[float | None, added_later()] = Field(None, gt=0.0, lt=1.0, description="EMA of the adapter -> RUN/lora_ema (None = off); "
+                                   "warmed up as diffusers' EMAModel: decay min(d, n / (n + 9)) at step n")
     control_dropout: Annotated[float, added_later()] = Field(0.0, ge=0.0, le=1.0, description="per-sample probability of training on the "
                                    "instruction encoded without its control images (needs encode_text.no_control_embeds)")
     validate_every: Annotated[int | None, THROUGHPUT] = Field(None, gt=0, description="held-out loss on the val split every N steps")

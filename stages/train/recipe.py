@@ -353,7 +353,7 @@ def step(r: Run) -> StepStats:
     lr = r.scheduler.get_last_lr()[0]  # what this step used: after `scheduler.step()` it is the next step's
     r.scheduler.step()
     if r.ema is not None:
-        r.ema.update()
+        r.ema.update(r.step + 1)  # the optimizer step just taken (restored on a resume: the same warm-up)
     r.optimizer.zero_grad(set_to_none=True)
     r.step += 1
     loss = total / intact if intact else float("nan")
