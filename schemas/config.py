@@ -239,7 +239,7 @@ class TrainConfig(Section):
     caption_dropout: Annotated[float, FEATURES] = Field(0.0, ge=0.0, le=1.0)
     checkpoint_every: Annotated[int, THROUGHPUT] = Field(50, gt=0)
     keep_checkpoints: Annotated[int, THROUGHPUT] = Field(3, gt=0)
-    log_every: Annotated[int, THROUGHPUT] = Field(1, gt=0)
+    log_every: Annotated[int, THROUGHPUT] = Field(1, gt=0, description="tracker scalars every N steps (train/loss: the mean of those N steps)")
     log_with: Annotated[list[str], THROUGHPUT] = Field(["tensorboard"], description="metric trackers (accelerate's): tensorboard, wandb, "
                                 "mlflow, comet_ml, aim, clearml, dvclive, swanlab, trackio; all but tensorboard are "
                                 "optional packages")
