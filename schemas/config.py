@@ -239,7 +239,7 @@ class TrainConfig(Section):
     caption_dropout: Annotated[float, FEATURES] = Field(0.0, ge=0.0, le=1.0)
     checkpoint_every: Annotated[int, THROUGHPUT] = Field(50, gt=0)
     keep_checkpoints: Annotated[int, THROUGHPUT] = Field(3, gt=0)
-    log_every: Annotated[int, THROUGHPUT] = Field(1, gt=0)
+    log_every: Annotated[int, THROUGHPUT] = Field(1, gt=0, description="tracker scalars every N steps (train/loss: the mean of those N steps)")
     log_with: Annotated[list[str], THROUGHPUT] = Field(["tensorboard"], description="metric trackers (accelerate's): tensorboard, wandb, "
                                 "mlflow, comet_ml, aim, clearml, dvclive, swanlab, trackio; all but tensorboard are "
                                 "optional packages")
@@ -266,7 +266,8 @@ class TrainConfig(Section):
     optimizer: Annotated[Literal["adamw", "adamw8bit", "adafactor", "prodigy"], added_later()] = Field(
         "adamw", description="adamw (torch) | adamw8bit (bitsandbytes) | adafactor (transformers) | prodigy "
         "(prodigyopt; set learning_rate ~1.0)")
-    ema_decay: Annotated[float | None, added_later()] = Field(None, gt=0.0, lt=1.0, description="EMA of the adapter -> RUN/lora_ema (None = off)")
+    ema_decay: Annotated[float | None, added_later()] = Field(None, gt=0.0, lt=1.0, description="EMA of the adapter -> RUN/lora_ema (None = off); "
+                                   "warmed up as diffusers' EMAModel: decay min(d, n / (n + 9)) at step n")
     control_dropout: Annotated[float, added_later()] = Field(0.0, ge=0.0, le=1.0, description="per-sample probability of training on the "
                                    "instruction encoded without its control images (needs encode_text.no_control_embeds)")
     validate_every: Annotated[int | None, THROUGHPUT] = Field(None, gt=0, description="held-out loss on the val split every N steps")

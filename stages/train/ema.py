@@ -1,4 +1,9 @@
-"""EMA of the adapter (`train.ema_decay`): ema ← decay·ema + (1 − decay)·θ after every optimizer step.
+"""EMA of the adapter (`train.ema_decay`): ema ← d·ema + (1 − d)·θ after every optimizer step n, with a
+warm-up: d = min(ema_decay, n / (n + 9)) from step 2 on, 0 at step 1 (the EMA starts at the first step's adapter).
+
+The warm-up is diffusers' `EMAModel` default (`get_decay` without `use_ema_warmup`): a fixed decay from the
+init LoRA (B = 0, a zero delta) left a run of 1000 steps at 0.999 with 37 % of its EMA the untrained init. The
+step is the optimizer step (`Run.step`, restored on a resume), so a resumed run's EMA is a straight run's bit for bit.
 
 float32 copies of the trainable adapter tensors, in `lora_parameters` order. Saved into each checkpoint
 (`ema.safetensors`, resumed exactly) and, at the end, as a LoRA of its own in the diffusers format
@@ -24,10 +29,16 @@ class AdapterEMA:
         self.params, self.decay = params, decay
         self.shadow = [p.detach().float().clone() for p in params]
 
+    def decay_at(self, step: int) -> float:
+        """The decay of the update after optimizer step `step` (1-based): diffusers' `EMAModel.get_decay`."""
+        return 0.0 if step <= 1 else min(self.decay, step / (9 + step))
+
     @torch.no_grad()
-    def update(self) -> None:
+    def update(self, step: int) -> None:
+        """After optimizer step `step` (1-based)."""
+        weight = 1.0 - self.decay_at(step)
         for s, p in zip(self.shadow, self.params):
-            s.lerp_(p.detach().float(), 1.0 - self.decay)
+            s.lerp_(p.detach().float(), weight)
 
     @contextmanager
     @torch.no_grad()

@@ -40,6 +40,7 @@ Note: after a mid-epoch resume, that epoch's padding efficiency counts from the 
 
 from __future__ import annotations
 
+import math
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -353,7 +354,7 @@ def step(r: Run) -> StepStats:
     lr = r.scheduler.get_last_lr()[0]  # what this step used: after `scheduler.step()` it is the next step's
     r.scheduler.step()
     if r.ema is not None:
-        r.ema.update()
+        r.ema.update(r.step + 1)  # the optimizer step just taken (restored on a resume: the same warm-up)
     r.optimizer.zero_grad(set_to_none=True)
     r.step += 1
     loss = total / intact if intact else float("nan")
@@ -363,24 +364,38 @@ def step(r: Run) -> StepStats:
 
 
 def log(r: Run, s: StepStats) -> None:
+    """The step's figures: the step's own, except train/loss and the bar's loss, the mean since the last log
+    point (as HF Trainer logs it): with `log_every` N one step's loss of every N was a sparse sample of a noisy
+    curve."""
     r.result.losses.append(s.loss)
     r.result.step_epochs.append(s.epoch)
     lr = s.lr
     if r.profiler is not None:
         r.profiler.step()
-    if r.writer is not None and r.step % r.cfg.log_every == 0:
+    every = r.cfg.log_every
+    loss = mean_loss(r.result.losses, r.step - (r.step - 1) // every * every)  # steps since the last log point
+    if r.writer is not None and r.step % every == 0:
         from stages.train.trackers import peak_memory_gb
 
         lin, _ = padding_efficiency(s.batches, r.tables.lengths)
-        r.writer.log({"train/loss": s.loss, "train/lr": lr, "train/grad_norm": s.grad_norm,
+        r.writer.log({"train/loss": loss, "train/lr": lr, "train/grad_norm": s.grad_norm,
                       "train/padding_efficiency": lin, "train/samples_per_s": s.samples / s.seconds,
                       "train/data_wait_share": s.data_seconds / s.seconds,
                       "train/peak_memory_gb": peak_memory_gb(r.device)}, r.step)
-    r.bar.set_postfix(loss=f"{s.loss:.4f}", lr=f"{lr:.2e}")
+    r.bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}")
     r.bar.update(1)
     r.result.step_times.append(time.perf_counter() - s.started)  # with logging, without checkpoint writing
     r.result.step_cpu_times.append(time.process_time() - s.cpu_started)
     r.result.step_data_times.append(s.data_seconds)
+
+
+def mean_loss(losses, n: int) -> float:
+    """Mean of the last `n` step losses of this start (fewer after a resume), the non-finite ones left out (a
+    step with no intact sample is nan, a skipped step's loss non-finite: they are reported as skipped, and one
+    would make the whole window nan); the last step's loss when none is finite."""
+    recent = losses[-n:]
+    finite = [v for v in recent if math.isfinite(v)]
+    return math.fsum(finite) / len(finite) if finite else recent[-1]
 
 
 # ---------------------------------------------------------------------------------------------- step pieces

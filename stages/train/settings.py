@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 # resume of one is refused like a changed config (`--new-run` keeps it and trains afresh). Records from before
 # it was recorded: `schemas.up_to_date.UNRECORDED_REVISION`. A run records `training_revision(its config)`: a
 # revision changes the weights of some configs only, and a finished run of another config stays current.
-TRAINING_REVISION = 2
+TRAINING_REVISION = 3
 
 # Each revision after the first: which configs' trained weights it changes (a predicate of the train section).
 REVISION_CHANGES: dict[int, Callable[[TrainConfig], bool]] = {
@@ -32,6 +32,9 @@ REVISION_CHANGES: dict[int, Callable[[TrainConfig], bool]] = {
     # and dropouts, not the first draw counted twice; a fresh start on several ranks seeds each rank's LoRA
     # dropout RNG of its own (every rank drew the same masks)
     2: lambda tc: tc.grad_accum > 1 or tc.lora.dropout > 0,
+    # 3: the EMA warms up (diffusers' EMAModel decay cap, stages/train/ema.py): RUN/lora_ema and the checkpoints'
+    # EMA change, the trained adapter does not - but a run is current or not as a whole
+    3: lambda tc: tc.ema_decay is not None,
 }
 
 

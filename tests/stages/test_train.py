@@ -127,6 +127,29 @@ def test_tensorboard_scalars_and_epoch_padding_efficiency(trained, store_dir, ti
     assert epoch_event.step == 3 and epoch_event.value == pytest.approx(valid / computed)
 
 
+def test_train_loss_with_log_every_is_the_mean_since_the_last_log_point(store_dir, tiny_edit_model, tmp_path):
+    """With train.log_every N, train/loss at a log point is the mean of the N step losses since the previous one
+    (HF Trainer's), non-finite ones (a step with no intact sample: nan) left out. Before: the one step's loss,
+    a sparse sample of a noisy curve."""
+    from array import array
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from stages.train.recipe import mean_loss
+
+    out = tmp_path / "run"
+    result = run(cfg_of(max_steps=5, log_every=2, checkpoint_every=100), store_dir, tiny_edit_model, out)
+    ea = EventAccumulator(str(out / "logs"))
+    ea.Reload()
+    logged = ea.Scalars("train/loss")
+    losses = result.losses.tolist()
+    assert [e.step for e in logged] == [2, 4]
+    assert [e.value for e in logged] == pytest.approx([sum(losses[0:2]) / 2, sum(losses[2:4]) / 2], rel=1e-6)
+    assert losses[1] != pytest.approx(sum(losses[0:2]) / 2, rel=1e-6)  # the step's own loss would not pass
+    nan = float("nan")
+    assert mean_loss(array("d", [9.0, 1.0, nan, 3.0]), 3) == 2.0  # the window's finite losses
+    assert mean_loss(array("d", [1.0, nan]), 1) != mean_loss(array("d", [1.0, nan]), 1)  # none finite: nan
+
+
 def test_diffusers_pipeline_with_the_lora_reproduces_the_trainer_prediction(trained, store_dir, tiny_edit_model):
     from diffusers import QwenImageEditPipeline
 

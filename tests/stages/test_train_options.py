@@ -101,7 +101,8 @@ def test_ema_is_saved_resumed_and_scored(store_dir, tiny_edit_model, tmp_path):
     straight, resumed = _straight_vs_resumed(store_dir, tiny_edit_model, tmp_path, ema_decay=0.5)
     _same_files(straight / "checkpoints" / "step-4", resumed / "checkpoints" / "step-4", "ema.safetensors")
     _same_files(straight, resumed, "lora_ema/pytorch_lora_weights.safetensors")
-    # The EMA after 4 steps with decay 0.5 is a weighted mean of the adapter's trajectory (init weight 1/16).
+    # The EMA after 4 steps with decay 0.5 is a weighted mean of the adapter's trajectory (warmed up: step 1's
+    # adapter its start, the init none; test_ema_warms_up_as_diffusers_ema_model_across_a_resume has the weights).
     ckpts = {s: load_file(straight / "checkpoints" / f"step-{s}" / "lora" / "pytorch_lora_weights.safetensors")
              for s in (2, 4)}
     ema = load_file(straight / "lora_ema" / "pytorch_lora_weights.safetensors")
@@ -117,3 +118,33 @@ def test_ema_is_saved_resumed_and_scored(store_dir, tiny_edit_model, tmp_path):
                                       "--set", "evaluate.timesteps=[0.5]"])
     assert result.exit_code == 0, result.output
     assert "LoRA" in result.output
+
+
+def test_ema_warms_up_as_diffusers_ema_model_across_a_resume(store_dir, tiny_edit_model, tmp_path):
+    """RUN/lora_ema is what diffusers' `EMAModel` (its default warm-up, the decay capped at (1+k)/(10+k)) makes of
+    the adapter after each optimizer step, computed in float64 here from the checkpoints of steps 1..5, with a
+    resume after step 3 (the warm-up counts optimizer steps, not steps of this start). Before: a fixed decay from
+    the init LoRA, so at 0.999 a 1000-step run's EMA was still 37 % the untrained init."""
+    from diffusers.training_utils import EMAModel
+
+    out, decay = tmp_path / "run", 0.3  # 0.3: the cap binds from step 4 (4/13 > 0.3), the warm-up before it
+    run(cfg_of(max_steps=3, checkpoint_every=1, keep_checkpoints=10, ema_decay=decay), store_dir, tiny_edit_model, out)
+    run(cfg_of(max_steps=5, checkpoint_every=1, keep_checkpoints=10, ema_decay=decay), store_dir, tiny_edit_model, out,
+        resume=True)
+    trajectory = [load_file(out / "checkpoints" / f"step-{s}" / "lora" / "pytorch_lora_weights.safetensors")
+                  for s in range(1, 6)]
+    keys = sorted(trajectory[0])
+    params = [torch.nn.Parameter(torch.zeros_like(trajectory[0][k], dtype=torch.float64)) for k in keys]
+    reference = EMAModel(params, decay=decay)
+    for weights in trajectory:
+        with torch.no_grad():
+            for p, k in zip(params, keys):
+                p.copy_(weights[k].double())
+        reference.step(params)
+    assert reference.cur_decay_value == decay
+    ema = load_file(out / "lora_ema" / "pytorch_lora_weights.safetensors")
+    assert sorted(ema) == keys
+    for k, expected in zip(keys, reference.shadow_params):
+        torch.testing.assert_close(ema[k].double(), expected, rtol=1e-6, atol=1e-9,
+                                   msg=lambda m, k=k: f"{k}: {m}")
+    assert any(not torch.equal(ema[k], trajectory[-1][k]) for k in keys if "lora_B" in k)  # an average, not the last

@@ -315,12 +315,15 @@ def test_a_checkpoint_report_of_another_evaluation_revision_evaluates_every_chec
 def test_a_revision_retrains_only_the_configs_whose_weights_it_changes() -> None:
     """Revision 2 changed the draws of a sample held twice in one step (grad_accum > 1) and the ranks' LoRA dropout
     masks (lora.dropout > 0): runs of those configs are trained again, every other finished run stays current
-    (a global bump retrained every run under `run all`)."""
+    (a global bump retrained every run under `run all`). Revision 3 warmed the EMA up (RUN/lora_ema of runs with
+    ema_decay set)."""
     from schemas.config import TrainConfig
     from stages.train.settings import TRAINING_REVISION, training_revision
 
-    assert TRAINING_REVISION == 2
+    assert TRAINING_REVISION == 3
     assert training_revision(TrainConfig()) == up_to_date.UNRECORDED_REVISION == 1
     assert training_revision(TrainConfig(grad_accum=2)) == 2
     assert training_revision(TrainConfig(lora={"dropout": 0.1})) == 2
     assert training_revision(TrainConfig(caption_dropout=0.5, control_dropout=0.5)) == 1
+    assert training_revision(TrainConfig(ema_decay=0.999)) == 3
+    assert training_revision(TrainConfig(ema_decay=0.999, grad_accum=2)) == 3
