@@ -272,6 +272,22 @@ def recorded_setting(folder: str | Path) -> tuple[str, dict] | None:
     return attrs.get("fingerprint"), attrs["settings"]
 
 
+def recorded_base(folder: str | Path, fingerprint: str, shape: tuple[int, ...]) -> np.ndarray | None:
+    """The base grid committed in `folder/losses.zarr` for this fingerprint, when its leading axes are `shape`
+    ([sample, seed, σ]) and every value was written; None otherwise (no such group, none recorded, unreadable)."""
+    path = Path(folder) / GROUP
+    if not path.exists():
+        return None
+    try:
+        g = _zarr().open_group(path, mode="r", use_consolidated=True)
+        if g.attrs.get("format") != FORMAT or g.attrs.get("fingerprint") != fingerprint or "base_loss" not in g:
+            return None
+        base = np.asarray(g["base_loss"][:], dtype=np.float64)
+    except Exception:  # noqa: BLE001 - unreadable: computed again (and the group replaced where it is opened)
+        return None
+    return base if base.shape[:len(shape)] == tuple(shape) and not np.isnan(base).all() else None
+
+
 def recorded_steps(folder: str | Path, fingerprint: str) -> dict[int, str] | None:
     """step -> LoRA sha256 committed in `folder/losses.zarr` for this fingerprint; None when there is no such group."""
     path = Path(folder) / GROUP

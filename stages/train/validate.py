@@ -116,7 +116,8 @@ class Validator:
         keys = [s.key for s in self.samples]
         self.damaged = dict(tables.damaged)  # named by the recipe (main process)
         self._vae = self._scheduler = None
-        self._base: np.ndarray | None = None  # the base model's grid, computed at the first validation
+        self._base: np.ndarray | None = None  # the base model's grid: recorded in the curve, or computed
+        self._base_known = False  # decided at this process's first validation, by all ranks together
         self._losses = None  # RUN/losses.zarr, opened by the main process at its first validation
         self.versions = tables.versions()  # the version ids read
         try:  # the other ranks never read the setting (`_unrecorded` and `record` are the main process's)
@@ -219,6 +220,20 @@ class Validator:
 
         return step in (recorded_steps(self.run_dir, self._curve_fingerprint()) or {})
 
+    def _base_needed(self, r) -> bool:
+        """Whether the base grid is to be computed: not when the curve this run appends to holds it already (a
+        resumed process recomputed it, a whole loss pass over the val samples, and threw it away: the curve keeps
+        the one it has). Rank 0 reads the run folder (keeping what it read for `record`), every rank follows it
+        (the loss pass is collective)."""
+        from models.collective import all_max
+
+        from store.loss_array import recorded_base
+
+        if r.main:
+            shape = (len(self.samples), len(self.cfg.validate_noise_seeds), len(self.cfg.validate_timesteps))
+            self._base = recorded_base(self.run_dir, self._curve_fingerprint(), shape)
+        return bool(all_max(r.world, [int(r.main and self._base is None)])[0])
+
     def _unrecorded(self, r, do_loss: bool, do_samples: bool) -> tuple[bool, bool]:
         """At the resumed step: only the parts of the validation due there that left no record in the run folder
         (its losses.zarr row, its sample grid; e.g. the grid failed after the step's checkpoint). One that completed
@@ -248,12 +263,14 @@ class Validator:
         with fails_alone(r.world, f"the validation of step {step}", VALIDATION_OOM_ADVICE), untouched(r.transformer):
             if do_loss:
                 collective = dict(rank=r.rank, world=r.world, accelerator=r.accelerator)
-                if self._base is None:  # once per process: the reference line, the model without its LoRA
-                    r.transformer.disable_lora()
-                    try:
-                        self._base = self.grid(r.transformer, **collective)
-                    finally:
-                        r.transformer.enable_lora()
+                if not self._base_known:  # the reference line, the model without its LoRA: once per run
+                    if self._base_needed(r):
+                        r.transformer.disable_lora()
+                        try:
+                            self._base = self.grid(r.transformer, **collective)
+                        finally:
+                            r.transformer.enable_lora()
+                    self._base_known = True
                 grid = self.grid(r.transformer, **collective)
                 loss = mean_loss(grid)
                 ema = None

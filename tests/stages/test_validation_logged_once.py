@@ -5,11 +5,14 @@ the steps after the checkpoint), so TensorBoard's curve doubled back at every su
 
 from __future__ import annotations
 
+import numpy as np
+import xarray as xr
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from pipeline.config import load_config
 from stages.train.recipe import run
 from stages.train.validate import Validator
+from store.loss_array import GROUP
 from train_store import make_train_store, mixed_specs
 from test_validation_after_checkpoint import SETS, run_till_the_grid_fails
 
@@ -27,6 +30,8 @@ def test_a_validation_rerun_at_the_resumed_step_logs_its_loss_once(tiny_edit_mod
     out = tmp_path / "run"
     run_till_the_grid_fails(store, tiny_edit_model, out, monkeypatch)
     assert _val_steps(out) == [2]  # recorded and logged before the grid failed
+    base_before = xr.open_zarr(out / GROUP).base_loss.values
+    assert np.isfinite(base_before[..., 0]).all()  # all samples (the mask regions: nan without a mask)
 
     def counted(self, transformer):
         grids.append(1)
@@ -44,7 +49,10 @@ def test_a_validation_rerun_at_the_resumed_step_logs_its_loss_once(tiny_edit_mod
     run(load_config(None, {**SETS, "train.max_steps": 4}), store, tiny_edit_model, out, resume=True)
     assert (out / "samples" / "step-000002.png").is_file() and len(grids) == 2  # step 2's grid redone, then 4's
     assert _val_steps(out) == [2, 4]
-    assert len(losses) == 2  # step 4's base and LoRA passes only: step 2's recorded losses were not recomputed
+    # step 4's LoRA pass only: step 2's recorded losses were not recomputed, nor the base grid the curve holds (a
+    # resumed process computed it again, a whole pass over the val samples, and threw it away)
+    assert len(losses) == 1
+    assert np.array_equal(xr.open_zarr(out / GROUP).base_loss.values, base_before, equal_nan=True)
 
 
 def test_a_run_killed_before_its_first_checkpoint_restarts_with_one_curve(tiny_edit_model, tmp_path, monkeypatch):
