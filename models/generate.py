@@ -146,7 +146,9 @@ def decode(vae, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
 
 def to_pil(image: torch.Tensor) -> Image.Image:
     """[1, 3, H, W] in [-1, 1] -> PIL, with the pipelines' own post-processing (rounding included)."""
-    return VaeImageProcessor(vae_scale_factor=PIXELS_PER_PATCH).postprocess(image.float().cpu(), output_type="pil")[0]
+    # In the decoded dtype, as the stock call hands it over: postprocess maps to [0, 1] before it casts to float,
+    # and a bf16 VAE's x / 2 + 0.5 rounds in bf16 there (cast first, pixels came out one level off).
+    return VaeImageProcessor(vae_scale_factor=PIXELS_PER_PATCH).postprocess(image, output_type="pil")[0]
 
 
 def generate(

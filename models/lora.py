@@ -464,9 +464,12 @@ def _peft_config(state: dict[str, torch.Tensor], saved: dict | None):
     if not ranks:
         raise UserError("the LoRA file holds no lora_A weights")
     rank = max(set(ranks.values()), key=list(ranks.values()).count)
+    # DoRA and a LoRA bias are told by their keys, as diffusers' loader tells them (`get_peft_kwargs`)
     return PeftLoraConfig(
         r=rank, lora_alpha=rank, target_modules=sorted(ranks),
         rank_pattern={m: r for m, r in ranks.items() if r != rank}, alpha_pattern={m: r for m, r in ranks.items() if r != rank},
+        use_dora=any(k.endswith(".lora_magnitude_vector") for k in state),
+        lora_bias=any(k.endswith(".lora_B.bias") for k in state),
     )
 
 

@@ -139,3 +139,42 @@ def test_rslora_and_alpha_pattern_files_export_and_init_with_the_scale_diffusers
     started = deltas(mine, "default")
     for n in ref:
         torch.testing.assert_close(started[n], ref[n], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["dora", "lora_bias"])
+def test_a_file_without_its_adapter_config_applies_as_diffusers_applies_it(kind, tiny_edit_model, tmp_path):
+    """A LoRA saved without the adapter config (diffusers' `save_lora_weights` without the metadata, as older
+    trainers wrote it): diffusers' `load_lora_weights` reads DoRA from the `lora_magnitude_vector` keys and a
+    LoRA bias from `lora_B.bias`; `attach_lora` (predict, evaluate, merge) built a plain LoRA and refused the
+    file's keys as unexpected. Now both give the stock transformer's output."""
+    from diffusers import QwenImageEditPipeline
+    from peft import LoraConfig as PeftLoraConfig
+
+    from models.lora import attach_lora
+
+    src = load_component(tiny_edit_model, "transformer", dtype=torch.float32)
+    src.add_adapter(PeftLoraConfig(r=4, lora_alpha=4, target_modules=["to_q", "to_k", "to_v", "to_out.0"],
+                                   use_dora=kind == "dora", lora_bias=kind == "lora_bias"), adapter_name="default")
+    g = torch.Generator().manual_seed(0)
+    for n, p in src.named_parameters():
+        if "lora_" in n:
+            p.data = p.data + torch.randn(p.shape, generator=g) * 0.1
+    QwenImageEditPipeline.save_lora_weights(tmp_path / "lora", transformer_lora_layers=lora_state_dict(src))
+    tag = {"dora": "lora_magnitude_vector", "lora_bias": "lora_B.bias"}[kind]
+    assert any(k.endswith(tag) for k in load_file(tmp_path / "lora" / WEIGHT_NAME))
+
+    def out(transformer) -> torch.Tensor:
+        g = torch.Generator().manual_seed(1)
+        hidden, text = torch.randn(1, 20, 16, generator=g), torch.randn(1, 7, 32, generator=g)
+        with torch.no_grad():
+            return transformer(hidden_states=hidden, encoder_hidden_states=text, timestep=torch.tensor([0.6]),
+                               img_shapes=[[(1, 4, 3), (1, 4, 2)]], return_dict=False)[0]
+
+    pipe = QwenImageEditPipeline.from_pretrained(tiny_edit_model)
+    base = out(pipe.transformer)
+    pipe.load_lora_weights(tmp_path / "lora")
+    want = out(pipe.transformer)
+    assert not torch.allclose(want, base)
+    ours = load_component(tiny_edit_model, "transformer", dtype=torch.float32)
+    attach_lora(ours, tmp_path / "lora")
+    torch.testing.assert_close(out(ours), want, rtol=0, atol=0)

@@ -56,6 +56,22 @@ def test_predict_equals_stock_pipeline(tiny_edit_model, tmp_path):
     np.testing.assert_array_equal(got, np.asarray(ref))
 
 
+def test_predict_in_bfloat16_equals_stock_pipeline(tiny_edit_model, tmp_path):
+    """`--dtype bfloat16` (the default on a bf16 GPU) against the stock pipeline loaded in bf16: the decoded image
+    is mapped to [0, 1] in the VAE's dtype, as the stock `postprocess` does, before it becomes float. Mapped in
+    float32 instead, pixels came out one level off wherever bf16 rounds x / 2 + 0.5 (here at 64x48, 2 steps)."""
+    from diffusers import QwenImageEditPipeline
+
+    control = _control(tmp_path / "control.png")
+    out = tmp_path / "out.png"
+    _cli("predict", "--model", tiny_edit_model, "--image", control, "--prompt", PROMPT, "--steps", 2, "--cfg", 4.0,
+         "--seed", 3, "--height", 64, "--width", 48, "--dtype", "bfloat16", "--out", out)
+    pipe = QwenImageEditPipeline.from_pretrained(tiny_edit_model, torch_dtype=torch.bfloat16)
+    ref = pipe(Image.open(control).convert("RGB"), PROMPT, negative_prompt=" ", true_cfg_scale=4.0,
+               num_inference_steps=2, height=64, width=48, generator=torch.Generator().manual_seed(3)).images[0]
+    np.testing.assert_array_equal(np.asarray(Image.open(out)), np.asarray(ref))
+
+
 def test_edit_plus_predict_with_four_controls_equals_stock_pipeline(tiny_plus_model, tmp_path, monkeypatch):
     """Edit-Plus takes any number of controls as the stock pipeline does (each one a "Picture N" of the prompt and
     a latent of its own; the models were trained with up to 3, resize.max_controls admits more): 4 controls, the
