@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from features.pictures import open_png
 from stages.encode.batching import batches_by_shape, prefetched
-from stages.encode.intake import control_count_rejection
+from stages.encode.intake import control_count_rejection, placeholder_rejection
 from stages.encode.job import EncodeJob
 from stages.encode.plan import IMAGES_TABLE, open_job
 from stages.encode.ranks import Ranks, current_ranks, rank_device
@@ -25,5 +25,5 @@ from stages.encode.summary import DAMAGED_INPUT, Summary
 __all__ = [
     "DAMAGED_INPUT", "IMAGES_TABLE", "EncodeJob", "Ranks", "Summary", "batches_by_shape", "config_hash",
     "control_count_rejection", "current_ranks", "earlier_config_hashes", "open_job", "open_png", "prefetched",
-    "rank_device", "resolve_precision", "serving_config_hashes", "with_overrides",
+    "placeholder_rejection", "rank_device", "resolve_precision", "serving_config_hashes", "with_overrides",
 ]

@@ -103,3 +103,17 @@ def control_count_rejection(variant: str, num_controls: int, key: str) -> Reject
         return Rejected("edit model needs exactly one control image",
                         f"sample has {num_controls}; use an Edit-Plus model for 0 or several controls", key=key)
     return None
+
+
+def placeholder_rejection(caption: str, processor, key: str) -> Rejected | None:
+    """A caption holding one of the processor's media placeholder tokens (`<|image_pad|>`, `<|video_pad|>`): the
+    stock pipelines' processor counts them against the pictures / videos passed and refuses the prompt, so there
+    are no stock features to store. Quarantined, as the stock pipeline would fail at inference on that prompt (encoded
+    as text it made features no stock pipeline computes; 2.1's stock call raising stopped the whole run)."""
+    held = [t for t in (getattr(processor, f"{m}_token", None) for m in ("image", "video", "audio"))
+            if isinstance(t, str) and t and t in caption]
+    if not held:
+        return None
+    return Rejected("prompt does not fit the template",
+                    f"the caption holds {', '.join(held)}, a placeholder the model's processor reserves for a "
+                    "picture or video (the stock pipeline refuses such a prompt); remove it from the caption", key=key)

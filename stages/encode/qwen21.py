@@ -34,6 +34,7 @@ from stages.encode.common import (
     current_ranks,
     open_job,
     open_png,
+    placeholder_rejection,
     prefetched,
     rank_device,
     resolve_precision,
@@ -98,9 +99,11 @@ class TextItem:
     references: list  # PIL RGBA, in order
 
 
-def prepare_text(key: str, sample: dict[str, Any]) -> TextItem | Rejected:
+def prepare_text(key: str, sample: dict[str, Any], processor) -> TextItem | Rejected:
     meta, files = sample["meta"], sample["files"]
     if (r := reference_rejection(key, meta)) is not None:
+        return r
+    if (r := placeholder_rejection(str(meta.get("caption") or ""), processor, key)) is not None:
         return r
     try:
         refs = [open_png(files[f"control_{i}.png"], "RGBA") for i in range(int(meta.get("num_controls", 0)))]
@@ -211,7 +214,7 @@ def run_text(cfg: PipelineConfig, store: str | Path, model: str, device: str | N
     encodings = SampleEncodings(encoder)
     try:
         todo = job.open_writer(schema, section.shard_size_mb)
-        samples = prefetched(job.read_inputs(todo), job.unless_rejected(lambda item: prepare_text(*item)),
+        samples = prefetched(job.read_inputs(todo), job.unless_rejected(lambda item: prepare_text(*item, processor)),
                              workers=section.num_workers)
         with job.progress(len(todo)) as bar:
             for item in job.accepted(samples, bar):

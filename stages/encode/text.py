@@ -41,6 +41,7 @@ from stages.encode.common import (
     current_ranks,
     open_job,
     open_png,
+    placeholder_rejection,
     prefetched,
     rank_device,
     resolve_precision,
@@ -164,6 +165,8 @@ def prepare(key: str, sample: dict[str, Any], fmt: PromptFormat, processor,
     meta = sample["meta"]
     n = int(meta.get("num_controls", 0))
     if (rejected := control_count_rejection(fmt.variant, n, key)) is not None:
+        return rejected
+    if (rejected := placeholder_rejection(str(meta.get("caption") or ""), processor, key)) is not None:
         return rejected
     try:
         images = control_images(sample["files"], fmt.variant, n)
