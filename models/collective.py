@@ -485,32 +485,43 @@ def gather_before_group(world: int, what: str, text: str, timeout: float | None 
     from models.agreement import few
 
     timeout = BEFORE_GROUP_SECONDS if timeout is None else timeout
+    where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
     try:
         store = _before_group_store(timeout)
     except Exception as e:  # noqa: BLE001 - the store's own error (a timeout, a refused connection, a taken port)
-        first = (str(e).splitlines() or [""])[0][:300]
-        raise UserError(f"{what}: the ranks decide it together through the launch's store at "
-                        f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}, but none could be reached "
-                        f"({type(e).__name__}: {first}): launch with `pipeline launch` (torchrun)") from None
+        raise UserError(f"{what}: the ranks decide it together through the launch's store at {where}, but none "
+                        f"could be reached ({_first_line(e)}): launch with `pipeline launch` (torchrun)") from None
     rank = int(os.environ.get("RANK", "0"))
     count = _before["count"][what] = _before["count"].get(what, 0) + 1
     key = f"{_launch_key('before-group')}/{what}/{count}"
     keys = [f"{key}/{r}" for r in range(world)]
-    store.set(keys[rank], text)
     try:
+        store.set(keys[rank], text)
         store.wait(keys, timedelta(seconds=timeout))
-    except Exception:  # noqa: BLE001 - timed out (DistStoreError): named below
-        missing = [r for r, k in enumerate(keys) if not store.check([k])]
-        raise UserError(f"{what}: the ranks decide it together before training, but rank(s) {few(missing)} of "
-                        f"{world} did not report within {timeout:.0f} s: see their logs (a rank that failed "
-                        "earlier, or launched with another command)") from None
-    texts = [store.get(k).decode("utf-8", "replace") for k in keys]
-    store.add(f"{key}/read", 1)
+        texts = [store.get(k).decode("utf-8", "replace") for k in keys]
+        store.add(f"{key}/read", 1)
+    except Exception as e:  # noqa: BLE001 - timed out (DistStoreError), or the store went away: named below
+        try:
+            missing = [r for r, k in enumerate(keys) if not store.check([k])]
+        except Exception:  # noqa: BLE001 - the store is gone (its host ended): not the ranks' silence
+            missing = []
+        if missing:
+            raise UserError(f"{what}: the ranks decide it together before training, but rank(s) {few(missing)} of "
+                            f"{world} did not report within {timeout:.0f} s: see their logs (a rank that failed "
+                            "earlier, or launched with another command)") from None
+        # e.g. rank 0 of a plain env:// launch, which serves the store, ended (killed, or failed) meanwhile
+        raise UserError(f"{what}: the ranks decide it together through the launch's store at {where}, which "
+                        f"went away meanwhile ({_first_line(e)}): see rank 0's log (it serves the store when no "
+                        "launcher does) or the launcher's") from None
     if _before["hosted"]:  # the store ends with this process (when the decision is a refusal): the others read first
         deadline = time.monotonic() + HOST_WAIT_SECONDS
         while store.add(f"{key}/read", 0) < world and time.monotonic() < deadline:
             time.sleep(POLL_SECONDS / 5)
     return texts
+
+
+def _first_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
 
 
 def _before_group_store(timeout: float):

@@ -81,15 +81,17 @@ def check_same_start(world: int, record: ResumeRecord) -> None:
     collectives, or with another learning rate drift apart silently (rank 0's weights alone are saved)."""
     config, init, code = differing_ranks(world, [record.config_fingerprint, record.init_lora_sha256 or "0",
                                                  f"{record.training_revision:x}"])
-    if code:  # nodes with different installs: their steps would be different maths in one LoRA
-        raise UserError(f"the ranks do not run the same training code (training revisions differ between the "
-                        f"nodes' installs of the pipeline: {ranks_differ(code)}); install the same release on every "
-                        "node")
     if config:
+        # first: the training revision is one of the config (`training_revision`), so configs that differ in
+        # e.g. grad_accum differ there too, and are no matter of installs
         # (not train.dtype: auto, which all ranks decided together: `settings.train_precision`)
         raise UserError(f"the ranks do not train with the same settings (their train config fingerprints differ: "
                         f"{ranks_differ(config)}): each node reads --config and --set itself, and the nodes' copies "
                         "of the config differ; use one config")
+    if code:  # the same config (above), so different installs: their steps would be different maths in one LoRA
+        raise UserError(f"the ranks do not run the same training code (training revisions differ between the "
+                        f"nodes' installs of the pipeline: {ranks_differ(code)}); install the same release on every "
+                        "node")
     if init:
         raise UserError(f"train.init_lora is not the same file on every rank (its bytes differ between the nodes' "
                         f"copies: {ranks_differ(init)}); copy the same LoRA to every node")

@@ -122,3 +122,39 @@ def test_a_rank_that_never_reports_is_named_within_the_bound(monkeypatch) -> Non
     with pytest.raises(UserError, match=r"^train.device: the ranks decide it together before training, but "
                                         r"rank\(s\) 1 of 2 did not report within 1 s"):
         collective.gather_before_group(2, "train.device", "{}", timeout=1)
+
+
+# Serves the launch's store until rank 1 has reported, then ends (as rank 0 of a plain env:// launch killed then).
+_HOST = """
+import sys
+from datetime import timedelta
+import torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+print(store.port, flush=True)
+store.wait([sys.argv[1]])
+"""
+
+
+def test_a_store_that_goes_away_while_a_rank_waits_is_one_line(monkeypatch, tmp_path) -> None:
+    """Before: the timeout branch asked the gone store which ranks had reported, and that call's own network error
+    left the rank with a traceback instead of a line."""
+    import subprocess
+
+    from models import collective
+    from schemas.errors import UserError
+
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    key = "pipeline/before-group/none/0/train.device/1/1"  # rank 1's key of the first train.device decision
+    host = subprocess.Popen([sys.executable, "-c", _HOST, key], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(host.stdout.readline())
+        for name, value in _env(1, port, agent_store=True).items():
+            monkeypatch.setenv(name, value)
+        monkeypatch.setattr(collective, "_before", {"store": None, "hosted": False, "count": {}})
+        with pytest.raises(UserError, match=r"^train.device: the ranks decide it together through the launch's "
+                                            r"store at 127.0.0.1:\d+, which went away meanwhile"):
+            collective.gather_before_group(2, "train.device", "{}", timeout=TIMEOUT)
+    finally:
+        host.kill()
+        host.wait()
