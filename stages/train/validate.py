@@ -87,7 +87,8 @@ class _Agreement:
 
 
 class Validator:
-    def __init__(self, cfg: TrainConfig, store, model: str, run_dir: Path, world: int = 1, main: bool = True):
+    def __init__(self, cfg: TrainConfig, store, model: str, run_dir: Path, world: int = 1, main: bool = True,
+                 start_step: int = 0):
         """Every rank reads the same val samples (each computes its share of the grid): opened and read by all
         ranks together, from the same versions (models/same_versions.py), or every rank stops with one line.
         `main`: the process that reads and writes RUN/losses.zarr, the only one that hashes the val split's
@@ -118,6 +119,9 @@ class Validator:
         self._vae = self._scheduler = None
         self._base: np.ndarray | None = None  # the base model's grid: recorded in the curve, or computed
         self._base_known = False  # decided at this process's first validation, by all ranks together
+        # the step this start resumes at (0: a fresh start, whose curve begins anew: what a killed earlier start in
+        # this folder recorded before its first checkpoint, base included, was measured for another run)
+        self.start_step = start_step
         self._losses = None  # RUN/losses.zarr, opened by the main process at its first validation
         self.versions = tables.versions()  # the version ids read
         try:  # the other ranks never read the setting (`_unrecorded` and `record` are the main process's)
@@ -229,6 +233,8 @@ class Validator:
 
         from store.loss_array import recorded_base
 
+        if self.start_step == 0:  # a fresh start: its own base (the same on every rank)
+            return True
         if r.main:
             shape = (len(self.samples), len(self.cfg.validate_noise_seeds), len(self.cfg.validate_timesteps))
             self._base = recorded_base(self.run_dir, self._curve_fingerprint(), shape)
@@ -325,8 +331,10 @@ class Validator:
                            f"{self._losses.kept_aside}, a new one begins")
             # for `pipeline compare`: against arrays named by version ids, and against runs measured otherwise
             self._losses.note(table_versions=self.versions, measured=self.measured)
-            self._losses.drop_from(step)
-            if not self._losses.has_base():
+            # what a killed start recorded after the checkpoint this one resumes from (all of it on a fresh start:
+            # validate_every enters no hash, so its rows may lie before this start's first validation step)
+            self._losses.drop_from(self.start_step + 1 if self.start_step else 0)
+            if self.start_step == 0 or not self._losses.has_base():
                 self._losses.write_base(self._base)
         self._losses.append(step, f"training step {step}", "", grid)
 

@@ -81,3 +81,38 @@ def test_a_run_killed_before_its_first_checkpoint_restarts_with_one_curve(tiny_e
     events = EventAccumulator(str(out / "logs"))
     events.Reload()
     assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3]
+
+
+def test_a_fresh_start_over_a_killed_one_begins_its_own_curve(tiny_edit_model, tmp_path, monkeypatch):
+    """Killed after validating steps 1 and 2 (of 4), before its first checkpoint; restarted in the same folder (a fresh
+    start: no checkpoint) validating every 3 steps in bf16 autocast. The curve holds this start's steps only and
+    the base it measured: before, steps 1 and 2 of the killed start stayed in it (`validate_every` enters no hash
+    and only steps >= the first validation were dropped), under the base grid measured in float32."""
+    from stages.train import recipe
+
+    store, out = tmp_path / "store", tmp_path / "run"
+    make_train_store(store, tiny_edit_model, mixed_specs(4, 2))
+    sets = {"train.device": "cpu", "train.batch_size": 2, "train.lora.rank": 4, "train.max_steps": 4,
+            "train.checkpoint_every": 100, "train.validate_max_samples": 2, "train.validate_every": 1}
+    real_log = recipe.log
+
+    def killed_at_step_3(r, stats):  # after step 2's validation
+        if r.step == 3:
+            raise KeyboardInterrupt("killed before the first checkpoint (test)")
+        real_log(r, stats)
+
+    monkeypatch.setattr(recipe, "log", killed_at_step_3)
+    try:
+        run(load_config(None, sets), store, tiny_edit_model, out)
+    except KeyboardInterrupt:
+        pass
+    monkeypatch.undo()
+    killed = xr.open_zarr(out / GROUP)
+    assert list(killed.step.values) == [1, 2]
+    killed_base = killed.base_loss.values
+
+    run(load_config(None, {**sets, "train.validate_every": 3, "train.mixed_precision": "bf16"}), store,
+        tiny_edit_model, out)
+    curve = xr.open_zarr(out / GROUP)
+    assert list(curve.step.values) == [3]
+    assert not np.array_equal(curve.base_loss.values, killed_base, equal_nan=True)  # measured in bf16 now
