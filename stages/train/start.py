@@ -17,7 +17,8 @@ from models.same_versions import check_same_versions
 from schemas.config import PipelineConfig, TrainConfig, dump_config
 from schemas.errors import UserError
 from schemas.lineage import unhashed_names
-from stages.train import elastic, guard, previous, state as train_state
+from stages.train import damaged_log, elastic, guard, previous, state as train_state
+from stages.train.current import damaged_current
 from stages.train.data import DataStream, write_data_report
 from stages.train.resume import changed_settings
 from stages.train.settings import config_fingerprint, init_lora_sha256, known_fingerprint, training_revision
@@ -126,6 +127,13 @@ def resume_point(r: Run, resume: bool, cfg: PipelineConfig) -> tuple[Path | None
                      init_lora_sha256=train_state.known_init_lora(record.init_lora_sha256, r.record.init_lora_sha256))
     try:
         record.check_matches(r.record, latest, contents=r.tables.content_ids)
+        if not damaged_current(r.run_dir, r.cfg):  # as the up-to-date check: on_damaged is in no fingerprint
+            left_out = len(damaged_log.read(r.run_dir))
+            raise train_state.ResumeMismatch(
+                f"cannot resume from {latest}: the run left {left_out} damaged sample(s) out under "
+                f"train.on_damaged skip ({r.run_dir / damaged_log.NAME}), and train.on_damaged is now "
+                f"{r.cfg.on_damaged}. Set train.on_damaged: skip to continue it",
+                reason=f"train.on_damaged skip -> {r.cfg.on_damaged} ({left_out} damaged sample(s) left out)")
         if record.step > r.cfg.max_steps:
             raise train_state.ResumeMismatch(
                 f"{latest} is already past train.max_steps ({record.step} > {r.cfg.max_steps}): raise max_steps "

@@ -375,3 +375,25 @@ def test_a_kill_between_the_final_loras_never_leaves_a_run_that_passes_for_finis
     run(cfg, root, tiny_edit_model, out, resume=True, skip_if_done=True)
     assert (out / "lora").is_dir() and (out / "lora_ema").is_dir()
     assert up_to_date(cfg, root, tiny_edit_model, out)
+
+
+def test_a_run_that_skipped_damaged_samples_is_current_under_skip_only(damaged_store, tiny_edit_model, tmp_path):
+    """on_damaged is in no hash (a resume may switch it), but a finished run that left a damaged sample out was
+    trained on fewer samples: under "stop" `run all` used to reuse it as up to date; now it is stale there (the
+    rerun stops naming the sample), and stays current under "skip"."""
+    from stages.train.current import up_to_date
+
+    root, key = damaged_store
+    out = tmp_path / "run"
+    skip = cfg_of(max_steps=4, checkpoint_every=4, on_damaged="skip", max_damaged_fraction=0.2)
+    run(skip, root, tiny_edit_model, out)
+    assert list(damaged_log.read(out)) == [key]
+    assert up_to_date(skip, root, tiny_edit_model, out)
+    stop = cfg_of(max_steps=4, checkpoint_every=4)
+    assert not up_to_date(stop, root, tiny_edit_model, out)
+    # a resume under "stop" would carry the steps that left it out into a run of "stop": refused, naming why
+    with pytest.raises(train_state.ResumeMismatch, match="train.on_damaged skip"):
+        run(stop, root, tiny_edit_model, out, resume=True)
+    # `run all` keeps the run aside and trains afresh, which stops at the damaged sample
+    with pytest.raises(UserError, match=key):
+        run(stop, root, tiny_edit_model, out, resume=True, skip_if_done=True, new_run=True)
