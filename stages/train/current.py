@@ -31,7 +31,7 @@ def up_to_date(cfg: PipelineConfig, store: str | Path, model: str, out: str | Pa
         return False
     record = ResumeRecord.read(latest / train_state.RESUME_JSON)
     train = train or resolved_train(cfg)
-    if not damaged_current(Path(out), train):
+    if not damaged_current(Path(out), train) or not nonfinite_current(record, train):
         return False
     now, tables = _inputs(cfg, store, model, train)
     recorded = {"step": record.step, **record.inputs()}
@@ -50,6 +50,13 @@ def damaged_current(out: Path, train: TrainConfig) -> bool:
     on_damaged is in no hash (a resume may switch it): this is where it still counts, as evaluate's
     `damaged_current` does for a report."""
     return train.on_damaged == "skip" or not damaged_log.read(out)
+
+
+def nonfinite_current(record: ResumeRecord, train: TrainConfig) -> bool:
+    """A run that skipped optimizer steps for a non-finite loss or gradient is current under
+    on_nonfinite=skip_step only: under "stop" that step stops training, where the LoRA would pass for one that
+    applied every step (on_nonfinite is in no hash either)."""
+    return train.on_nonfinite == "skip_step" or not train_state.nonfinite_skipped(record)
 
 
 def run_inputs(cfg: PipelineConfig, store: str | Path, model: str) -> dict[str, Any]:
