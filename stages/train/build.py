@@ -17,7 +17,7 @@ from models.lora import add_lora, lora_parameters
 from models.multires import install_multires
 from schemas.config import TrainConfig
 from schemas.errors import UserError
-from stages.train import elastic, parallel
+from stages.train import elastic, parallel, state as train_state
 from stages.train.budget import make_sampler
 from stages.train.damaged import DamagedRows, DamageTally, tables_skip
 from stages.train.data import DataStream
@@ -117,6 +117,9 @@ def build_training(r: Run, store: str | Path, model: str, latest: Path | None, r
     # The order is planned for the run's first world size whatever this start's (stages/train/elastic.py).
     canonical = resumed.canonical if resumed is not None else r.world
     r.record = replace(r.record, canonical_world_size=canonical)
+    if resumed is not None and train_state.nonfinite_skipped(resumed):  # the steps before this start skipped
+        r.record = replace(r.record, extra={**r.record.extra,
+                                            train_state.NONFINITE_SKIPPED: train_state.nonfinite_skipped(resumed)})
     sampler = make_sampler(r.tables.lengths, tc.batch_size, tc.max_tokens_per_batch, tc.seed, tc.sampler_window, canonical)
     r.stream = DataStream(elastic.on_world(sampler, r.world))
     if latest is not None:

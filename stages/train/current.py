@@ -10,7 +10,7 @@ from features.open import open_configured
 from models.lora import WEIGHT_NAME
 from schemas import up_to_date as current
 from schemas.config import PipelineConfig, TrainConfig
-from stages.train import state as train_state
+from stages.train import damaged_log, state as train_state
 from stages.train.settings import (config_fingerprint, earlier_config_fingerprints, training_revision,
                                    init_lora_sha256, planned_device, resolve_precision)
 from stages.train.state import ResumeRecord
@@ -31,6 +31,8 @@ def up_to_date(cfg: PipelineConfig, store: str | Path, model: str, out: str | Pa
         return False
     record = ResumeRecord.read(latest / train_state.RESUME_JSON)
     train = train or resolved_train(cfg)
+    if not damaged_current(Path(out), train) or not nonfinite_current(record, train):
+        return False
     now, tables = _inputs(cfg, store, model, train)
     recorded = {"step": record.step, **record.inputs()}
     # the same samples under other version numbers (an `images` rerun that changed none) are the same run
@@ -40,6 +42,21 @@ def up_to_date(cfg: PipelineConfig, store: str | Path, model: str, out: str | Pa
         recorded["config_fingerprint"] = now["config_fingerprint"]
     recorded["init_lora_sha256"] = train_state.known_init_lora(record.init_lora_sha256, now["init_lora_sha256"])
     return current.is_current(recorded, now)
+
+
+def damaged_current(out: Path, train: TrainConfig) -> bool:
+    """A run that left damaged samples out (RUN/damaged_samples.jsonl) is current under on_damaged=skip only: under
+    "stop" they stop training (or, repaired, are trained on), where the LoRA would pass for one of every sample.
+    on_damaged is in no hash (a resume may switch it): this is where it still counts, as evaluate's
+    `damaged_current` does for a report."""
+    return train.on_damaged == "skip" or not damaged_log.read(out)
+
+
+def nonfinite_current(record: ResumeRecord, train: TrainConfig) -> bool:
+    """A run that skipped optimizer steps for a non-finite loss or gradient is current under
+    on_nonfinite=skip_step only: under "stop" that step stops training, where the LoRA would pass for one that
+    applied every step (on_nonfinite is in no hash either)."""
+    return train.on_nonfinite == "skip_step" or not train_state.nonfinite_skipped(record)
 
 
 def run_inputs(cfg: PipelineConfig, store: str | Path, model: str) -> dict[str, Any]:

@@ -43,7 +43,7 @@ from __future__ import annotations
 import math
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -53,7 +53,7 @@ from tqdm.auto import tqdm
 from models.collective import fails_alone, together
 from models.flow import FlowBatch, flow_loss_of
 from schemas.config import PipelineConfig, TrainConfig
-from stages.train import guard, parallel
+from stages.train import guard, parallel, state as train_state
 from stages.train.build import build_training, check_shapes, setup_transformer
 from stages.train.current import resolved_train, up_to_date
 from stages.train.damaged import DamageTally
@@ -350,6 +350,8 @@ def step(r: Run) -> StepStats:
         if r.main:
             r.bar.write("skipped " + message.split(";")[0])
         r.result.skipped_steps.append(r.step + 1)
+        skipped = [*train_state.nonfinite_skipped(replace(r.record, step=r.step)), r.step + 1]
+        r.record = replace(r.record, extra={**r.record.extra, train_state.NONFINITE_SKIPPED: skipped})
         grad_norm = float("nan")
     lr = r.scheduler.get_last_lr()[0]  # what this step used: after `scheduler.step()` it is the next step's
     r.scheduler.step()

@@ -17,7 +17,8 @@ from models.same_versions import check_same_versions
 from schemas.config import PipelineConfig, TrainConfig, dump_config
 from schemas.errors import UserError
 from schemas.lineage import unhashed_names
-from stages.train import elastic, guard, previous, state as train_state
+from stages.train import damaged_log, elastic, guard, previous, state as train_state
+from stages.train.current import damaged_current, nonfinite_current
 from stages.train.data import DataStream, write_data_report
 from stages.train.resume import changed_settings
 from stages.train.settings import config_fingerprint, init_lora_sha256, known_fingerprint, training_revision
@@ -128,6 +129,21 @@ def resume_point(r: Run, resume: bool, cfg: PipelineConfig) -> tuple[Path | None
                      init_lora_sha256=train_state.known_init_lora(record.init_lora_sha256, r.record.init_lora_sha256))
     try:
         record.check_matches(r.record, latest, contents=r.tables.content_ids)
+        if not damaged_current(r.run_dir, r.cfg):  # as the up-to-date check: on_damaged is in no fingerprint
+            left_out = len(damaged_log.read(r.run_dir))
+            raise train_state.ResumeMismatch(
+                f"cannot resume from {latest}: the run left {left_out} damaged sample(s) out under "
+                f"train.on_damaged skip ({r.run_dir / damaged_log.NAME}), and train.on_damaged is now "
+                f"{r.cfg.on_damaged}. Set train.on_damaged: skip to continue it",
+                reason=f"train.on_damaged skip -> {r.cfg.on_damaged} ({left_out} damaged sample(s) left out)")
+        if not nonfinite_current(record, r.cfg):
+            steps = train_state.nonfinite_skipped(record)
+            shown = ", ".join(map(str, steps[:10])) + (" …" if len(steps) > 10 else "")
+            raise train_state.ResumeMismatch(
+                f"cannot resume from {latest}: the run skipped optimizer step(s) {shown} for a non-finite loss "
+                f"or gradient under train.on_nonfinite skip_step, and train.on_nonfinite is now {r.cfg.on_nonfinite}. "
+                "Set train.on_nonfinite: skip_step to continue it",
+                reason=f"train.on_nonfinite skip_step -> {r.cfg.on_nonfinite} ({len(steps)} step(s) skipped)")
         if record.step > r.cfg.max_steps:
             raise train_state.ResumeMismatch(
                 f"{latest} is already past train.max_steps ({record.step} > {r.cfg.max_steps}): raise max_steps "

@@ -29,6 +29,9 @@ from schemas.newer import refuse_newer
 
 RESUME_JSON = "resume.json"
 RESUME_FORMAT = 1
+# ResumeRecord.extra key: the optimizer steps train.on_nonfinite=skip_step left without an update, up to the record's
+# step, every start's (on_nonfinite is in no fingerprint: a run that skipped some is current under skip_step only)
+NONFINITE_SKIPPED = "nonfinite_skipped_steps"
 _PREFIX = "step-"
 
 
@@ -218,6 +221,11 @@ def compared_tables(recorded: dict[str, str], recorded_contents: dict[str, str] 
     if not present or set(present) != set(recorded_contents) or set(recorded) != set(now):
         return recorded, now
     return recorded_contents, present
+
+
+def nonfinite_skipped(record: ResumeRecord) -> list[int]:
+    """The steps the run up to `record` skipped for a non-finite loss or gradient (train.on_nonfinite=skip_step)."""
+    return [int(s) for s in record.extra.get(NONFINITE_SKIPPED, ()) if int(s) <= record.step]
 
 
 def known_init_lora(recorded: str | None, now: str | None) -> str | None:

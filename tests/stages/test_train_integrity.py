@@ -14,6 +14,7 @@ from pipeline.cli import app
 from pipeline.config import load_config
 from schemas import UserError
 from stages.train import damaged_log, guard as train_guard, saving as train_saving, state as train_state
+from stages.train.state import ResumeRecord
 from stages.train.recipe import run
 from store import Store
 from store.integrity import DamagedData
@@ -375,3 +376,50 @@ def test_a_kill_between_the_final_loras_never_leaves_a_run_that_passes_for_finis
     run(cfg, root, tiny_edit_model, out, resume=True, skip_if_done=True)
     assert (out / "lora").is_dir() and (out / "lora_ema").is_dir()
     assert up_to_date(cfg, root, tiny_edit_model, out)
+
+
+def test_a_run_that_skipped_damaged_samples_is_current_under_skip_only(damaged_store, tiny_edit_model, tmp_path):
+    """on_damaged is in no hash (a resume may switch it), but a finished run that left a damaged sample out was
+    trained on fewer samples: under "stop" `run all` used to reuse it as up to date; now it is stale there (the
+    rerun stops naming the sample), and stays current under "skip"."""
+    from stages.train.current import up_to_date
+
+    root, key = damaged_store
+    out = tmp_path / "run"
+    skip = cfg_of(max_steps=4, checkpoint_every=4, on_damaged="skip", max_damaged_fraction=0.2)
+    run(skip, root, tiny_edit_model, out)
+    assert list(damaged_log.read(out)) == [key]
+    assert up_to_date(skip, root, tiny_edit_model, out)
+    stop = cfg_of(max_steps=4, checkpoint_every=4)
+    assert not up_to_date(stop, root, tiny_edit_model, out)
+    # a resume under "stop" would carry the steps that left it out into a run of "stop": refused, naming why
+    with pytest.raises(train_state.ResumeMismatch, match="train.on_damaged skip"):
+        run(stop, root, tiny_edit_model, out, resume=True)
+    # `run all` keeps the run aside and trains afresh, which stops at the damaged sample
+    with pytest.raises(UserError, match=key):
+        run(stop, root, tiny_edit_model, out, resume=True, skip_if_done=True, new_run=True)
+
+
+def test_a_run_that_skipped_nonfinite_steps_is_current_under_skip_step_only(tmp_path, tiny_edit_model):
+    """on_nonfinite is in no hash, but a finished run that skipped a step (no update) is not the run "stop" makes
+    (that stops at the step): `run all` used to reuse it as up to date. Now its checkpoints record the skipped
+    steps, every start's: stale and not resumable under "stop", current under skip_step."""
+    from stages.train.current import up_to_date
+
+    root = tmp_path / "store"
+    make_train_store(root, tiny_edit_model, mixed_specs(4), poison={2: float("inf")})
+    out = tmp_path / "run"
+    skip = cfg_of(max_steps=4, checkpoint_every=2, on_nonfinite="skip_step")
+    run(skip.model_copy(update={"train": skip.train.model_copy(update={"max_steps": 2})}), root, tiny_edit_model, out)
+    first = train_state.nonfinite_skipped(ResumeRecord.read(out / "checkpoints" / "step-2" / train_state.RESUME_JSON))
+    result = run(skip, root, tiny_edit_model, out, resume=True)  # the record carries the first start's steps
+    record = ResumeRecord.read(train_state.latest_checkpoint(out / "checkpoints") / train_state.RESUME_JSON)
+    skipped = train_state.nonfinite_skipped(record)
+    assert skipped and skipped == sorted(set(first) | set(result.skipped_steps))
+    assert up_to_date(skip, root, tiny_edit_model, out)
+    stop = cfg_of(max_steps=4, checkpoint_every=2)
+    assert not up_to_date(stop, root, tiny_edit_model, out)
+    with pytest.raises(train_state.ResumeMismatch, match="train.on_nonfinite skip_step"):
+        run(stop, root, tiny_edit_model, out, resume=True)
+    with pytest.raises(train_guard.NonFiniteError):  # `run all`: kept aside, trained afresh, stopped at the step
+        run(stop, root, tiny_edit_model, out, resume=True, skip_if_done=True, new_run=True)
