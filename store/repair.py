@@ -296,7 +296,8 @@ def apply(plan: RepairPlan, recompute: Recompute | None, echo: Callable[[str], N
         except UserError as e:
             failed.append(f"{t.table} v{t.version}: {e}")
             continue
-        problems = verify_version(st.version_dir(t.table, t.new_version), f"{t.table}/v{t.new_version}", progress=False)
+        # read back in full, as `store verify`: as long as that, so with its bars
+        problems = verify_version(st.version_dir(t.table, t.new_version), f"{t.table}/v{t.new_version}")
         if problems:
             failed.append(f"{t.table} v{t.new_version} does not verify: {problems[0]}")
         else:
@@ -335,7 +336,7 @@ def replace_damaged(st, table: str, new: int, damaged: int, how: str) -> str:
     """The version rebuilt from one recorded as damaged (`how`: "re-rendered", "recomputed") is read back in full
     (as `store verify`) before the damaged one leaves (`set_aside`): the one verify-then-set-aside of the stages.
     Returns what happened, for the user."""
-    problems = verify_version(st.version_dir(table, new), f"{table}/v{new}", progress=False)
+    problems = verify_version(st.version_dir(table, new), f"{table}/v{new}")  # rank 0's alone: with its bars
     if problems:
         raise UserError(f"table '{table}' v{new} ({how} from damaged v{damaged}) does not verify: {problems[0]}; "
                         f"run `pipeline store repair {st.root}`")
