@@ -204,7 +204,8 @@ def scan(root: Path, progress: bool = True, order: Sequence[str] = ()) -> Repair
     """What is damaged, table by table: the tables named in `order` first, in that order (the caller knows which
     stage reads which table: features/tables.py), then the others by name."""
     if not (root / fmt.STORE_JSON).is_file() and not any(root.glob("*/v*")):
-        raise UserError(f"no store at {root} (no store.json)")
+        raise UserError(f"no store at {root} (no store.json); check the path: repair needs the store folder a "
+                        "stage wrote")
     plan = RepairPlan(root)
     plan.current, plan.store_json = _current_versions(root)
     # temp files of a killed atomic write whose writer is gone (store.json's, a table's records beside its versions)
