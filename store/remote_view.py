@@ -1,8 +1,8 @@
 """What `pipeline store inspect` reads of a store at a URL: its metadata only, never a shard.
 
 Inspect describes tables from `store.json`, each version's `schema.json`, `checksums.json` and `manifest.parquet`
-(sample counts, buckets, bytes) and `quarantine.parquet`: a few KB per version, where pulling the versions into the
-cache would move the whole store. So these files alone are fetched into a temporary folder (checked as pull checks
+(sample counts, buckets, bytes) and `quarantine.parquet`: a few KB per version (the manifest tens of MB at a million
+samples, so fetched under a bar), where pulling the versions into the cache would move the whole store. So these files alone are fetched into a temporary folder (checked as pull checks
 them: `checksums.json` by its seal, the others against it) and the local code path describes that folder. Only
 complete versions (those with a manifest on the remote) are described; a push in progress is not yet a version.
 """
@@ -19,7 +19,7 @@ from store import format as fmt
 from store.checksum import crc_hex
 from store.remote import Remote, open_remote, remote_errors
 from store import quarantine
-from store.remote_sync import _MANIFEST_RE, _checksums, damaged_quarantine, marker_rel
+from store.remote_sync import _MANIFEST_RE, _checksums, _progress, damaged_quarantine, marker_rel
 
 METADATA = (fmt.SCHEMA_JSON, fmt.MANIFEST)
 
@@ -49,24 +49,29 @@ def metadata_copy(url: str, storage_options: dict[str, Any] | None = None) -> It
                 if name == fmt.QUARANTINE and (why := quarantine.parsed(data)[1]):  # named by its URL, not tmp
                     raise damaged_quarantine(url, why)
                 (root / name).write_bytes(data)
-        for rel in sorted(listing):
-            m = _MANIFEST_RE.fullmatch(rel)
-            if not m:
-                continue
-            if marker_rel(m.group(1), int(m.group(2))) in listing:  # retired by `store repair URL`
-                continue
-            base = f"{m.group(1)}/v{m.group(2)}"
-            vdir = root / base
-            vdir.mkdir(parents=True)
-            record = remote.read(f"{base}/{fmt.CHECKSUMS}")
-            files = _checksums(record, f"{url}/{base}/{fmt.CHECKSUMS}")
-            (vdir / fmt.CHECKSUMS).write_bytes(record)
-            for name in METADATA:
-                if name not in files:
-                    continue
-                data = remote.read(f"{base}/{name}")
-                if (len(data), crc_hex(data)) != (int(files[name]["nbytes"]), files[name]["crc32c"]):
-                    raise UserError(f"{url}/{base}/{name} is damaged (it does not match its version's "
-                                    f"{fmt.CHECKSUMS}); push that version again from an intact store")
-                (vdir / name).write_bytes(data)
+        bases = [f"{m.group(1)}/v{m.group(2)}" for rel in sorted(listing) if (m := _MANIFEST_RE.fullmatch(rel))
+                 and marker_rel(m.group(1), int(m.group(2))) not in listing]  # not one retired by `store repair URL`
+        # a manifest of a million samples is tens of MB, one per version and table: a bar in bytes
+        total = sum(listing.get(f"{base}/{name}", 0) for base in bases for name in (fmt.CHECKSUMS, *METADATA))
+        with _progress(total, f"inspect {url}: metadata") as bar:
+            for base in bases:
+                _version_metadata(remote, url, base, root / base, bar)
         yield root
+
+
+def _version_metadata(remote: Remote, url: str, base: str, vdir: Path, bar) -> None:
+    """A version's checksums.json (checked by its seal) and METADATA files (against it) into `vdir`."""
+    vdir.mkdir(parents=True)
+    record = remote.read(f"{base}/{fmt.CHECKSUMS}")
+    bar.update(len(record))
+    files = _checksums(record, f"{url}/{base}/{fmt.CHECKSUMS}")
+    (vdir / fmt.CHECKSUMS).write_bytes(record)
+    for name in METADATA:
+        if name not in files:
+            continue
+        data = remote.read(f"{base}/{name}")
+        bar.update(len(data))
+        if (len(data), crc_hex(data)) != (int(files[name]["nbytes"]), files[name]["crc32c"]):
+            raise UserError(f"{url}/{base}/{name} is damaged (it does not match its version's "
+                            f"{fmt.CHECKSUMS}); push that version again from an intact store")
+        (vdir / name).write_bytes(data)

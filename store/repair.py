@@ -204,7 +204,8 @@ def scan(root: Path, progress: bool = True, order: Sequence[str] = ()) -> Repair
     """What is damaged, table by table: the tables named in `order` first, in that order (the caller knows which
     stage reads which table: features/tables.py), then the others by name."""
     if not (root / fmt.STORE_JSON).is_file() and not any(root.glob("*/v*")):
-        raise UserError(f"no store at {root} (no store.json)")
+        raise UserError(f"no store at {root} (no store.json); check the path: repair needs the store folder a "
+                        "stage wrote")
     plan = RepairPlan(root)
     plan.current, plan.store_json = _current_versions(root)
     # temp files of a killed atomic write whose writer is gone (store.json's, a table's records beside its versions)
@@ -296,7 +297,8 @@ def apply(plan: RepairPlan, recompute: Recompute | None, echo: Callable[[str], N
         except UserError as e:
             failed.append(f"{t.table} v{t.version}: {e}")
             continue
-        problems = verify_version(st.version_dir(t.table, t.new_version), f"{t.table}/v{t.new_version}", progress=False)
+        # read back in full, as `store verify`: as long as that, so with its bars
+        problems = verify_version(st.version_dir(t.table, t.new_version), f"{t.table}/v{t.new_version}")
         if problems:
             failed.append(f"{t.table} v{t.new_version} does not verify: {problems[0]}")
         else:
@@ -335,7 +337,7 @@ def replace_damaged(st, table: str, new: int, damaged: int, how: str) -> str:
     """The version rebuilt from one recorded as damaged (`how`: "re-rendered", "recomputed") is read back in full
     (as `store verify`) before the damaged one leaves (`set_aside`): the one verify-then-set-aside of the stages.
     Returns what happened, for the user."""
-    problems = verify_version(st.version_dir(table, new), f"{table}/v{new}", progress=False)
+    problems = verify_version(st.version_dir(table, new), f"{table}/v{new}")  # rank 0's alone: with its bars
     if problems:
         raise UserError(f"table '{table}' v{new} ({how} from damaged v{damaged}) does not verify: {problems[0]}; "
                         f"run `pipeline store repair {st.root}`")

@@ -93,7 +93,8 @@ class Store:
 
     def reader(self, table: str, version: int | None = None, on_damaged: str = "stop",
                max_open_shards: int = DEFAULT_MAX_OPEN_SHARDS) -> TableReader:
-        if version is None:
+        current = version is None
+        if current:
             tables = self.tables()
             if table not in tables:
                 raise UserError(f"table '{table}' not in store {self.root} (tables: {sorted(tables) or 'none'}); "
@@ -101,7 +102,10 @@ class Store:
             version = tables[table]
         vdir = self.version_dir(table, version)
         if not vdir.is_dir():
-            raise UserError(f"table '{table}' has no version v{version} in store {self.root}")
+            # the current one gone (a folder deleted or not copied): nothing to carry forward, the stage writes it
+            advice = (f"store.json names it as current, but its folder is gone: rerun the stage that writes "
+                      f"'{table}'" if current else f"`pipeline store inspect {self.root}` lists the versions there")
+            raise UserError(f"table '{table}' has no version v{version} in store {self.root}; {advice}")
         return TableReader(vdir, table, version, max_open_shards=max_open_shards, on_damaged=on_damaged)
 
     def join(self, *tables: str, split: str | None = None) -> JoinedTables:

@@ -92,24 +92,16 @@ def _one_line(problem: str) -> str:
     return " ".join(problem.split())
 
 
-def _file_problems(vdir: Path, name: str, sums: dict[str, dict[str, Any]], shards: set[str]) -> list[str]:
+def _file_problems(vdir: Path, name: str, sums: dict[str, dict[str, Any]], shards: set[str],
+                   progress: bool = True) -> list[str]:
     """`shards`: those the manifest names (each must be listed); a shard file of none of them is no file of the
     version (`integrity.unreferenced_shard_file`: `store gc` removes it)."""
     problems = [f"{name}/{s}: named by the manifest, not listed in {fmt.CHECKSUMS}"
                 for s in sorted(shards - sums.keys())]
-    for fname, entry in sorted(sums.items()):
-        path = vdir / fname
-        if (problem := fetch_problem(path)) is not None:
-            problems.append(f"{name}/{fname}: {problem}")
-            continue
-        if not path.is_file():
-            problems.append(f"{name}/{fname}: missing")
-            continue
-        crc, size = file_crc(path)
-        if size != entry["nbytes"]:
-            problems.append(f"{name}/{fname}: size {size} bytes, {fmt.CHECKSUMS} records {entry['nbytes']}")
-        elif crc != entry["crc32c"]:
-            problems.append(f"{name}/{fname}: crc32c {crc}, {fmt.CHECKSUMS} records {entry['crc32c']}: the file is damaged")
+    # every byte of the version is read here, as long again as the per-shard pass: its own bar, in bytes
+    with tqdm(total=sum(int(e["nbytes"]) for e in sums.values()), desc=f"checksum {name}", unit="B",
+              unit_scale=True, unit_divisor=1024, disable=not progress, dynamic_ncols=True) as bar:
+        problems += _each_file(vdir, name, sums, bar)
     for p in sorted(vdir.iterdir()):
         if p.name in sums or p.name == fmt.CHECKSUMS or is_cache_file(p.name) or \
                 integrity.unreferenced_shard_file(p.name, shards) is not None:
@@ -119,6 +111,28 @@ def _file_problems(vdir: Path, name: str, sums: dict[str, dict[str, Any]], shard
         else:
             problems.append(f"{name}/{p.name}: not listed in {fmt.CHECKSUMS}")
     return problems
+
+
+def _each_file(vdir: Path, name: str, sums: dict[str, dict[str, Any]], bar: tqdm) -> list[str]:
+    """Each file `sums` lists against its size and CRC32C (the bar advanced by its recorded size)."""
+    problems: list[str] = []
+    for fname, entry in sorted(sums.items()):
+        problems += _file_problem(vdir / fname, f"{name}/{fname}", entry)
+        bar.update(int(entry["nbytes"]))
+    return problems
+
+
+def _file_problem(path: Path, name: str, entry: dict[str, Any]) -> list[str]:
+    if (problem := fetch_problem(path)) is not None:
+        return [f"{name}: {problem}"]
+    if not path.is_file():
+        return [f"{name}: missing"]
+    crc, size = file_crc(path)
+    if size != entry["nbytes"]:
+        return [f"{name}: size {size} bytes, {fmt.CHECKSUMS} records {entry['nbytes']}"]
+    if crc != entry["crc32c"]:
+        return [f"{name}: crc32c {crc}, {fmt.CHECKSUMS} records {entry['crc32c']}: the file is damaged"]
+    return []
 
 
 def verify_version(vdir: Path, name: str, progress: bool = True, objects: ObjectCheck | None = None) -> list[str]:
@@ -132,7 +146,7 @@ def verify_version(vdir: Path, name: str, progress: bool = True, objects: Object
         sums = None
     if objects is None:
         found, by_shard = _manifest_problems(vdir, name, sums)
-        problems += _file_problems(vdir, name, sums, set(by_shard)) if sums is not None else []
+        problems += _file_problems(vdir, name, sums, set(by_shard), progress) if sums is not None else []
         problems += found
         for shard, part in tqdm(sorted(by_shard.items()), desc=f"verify {name}", unit="shard", disable=not progress):
             srows, bad = shard_rows(part, name)
@@ -144,7 +158,7 @@ def verify_version(vdir: Path, name: str, progress: bool = True, objects: Object
         return problems
     local = {n: e for n, e in (sums or {}).items() if n in REMOTE_METADATA}
     found, by_shard = _manifest_problems(vdir, name, sums)
-    problems += _file_problems(vdir, name, local, set()) if sums is not None else []
+    problems += _file_problems(vdir, name, local, set(), progress=False) if sums is not None else []
     return problems + found + objects(name, sums, by_shard)
 
 

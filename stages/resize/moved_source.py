@@ -111,6 +111,7 @@ def adopt_in_progress(st: Store, moved: Moved, schema: TableSchema) -> int | Non
     made again from the untouched indexes."""
     import pyarrow as pa
     import pyarrow.parquet as pq
+    from tqdm import tqdm
 
     from store import format as fmt
     from store.io_errors import writing
@@ -130,7 +131,9 @@ def adopt_in_progress(st: Store, moved: Moved, schema: TableSchema) -> int | Non
             rename = _renamer(moved.before, str(listing_base(want["attrs"]["source"])), indexes)
             if rename is None:
                 return None
-            for p in indexes:
+            # one index per shard, each rewritten and synced: thousands of them for a million samples
+            for p in tqdm(indexes, desc=f"source moved: renaming in the shard indexes of v{moved.version}",
+                          unit="index", leave=False):
                 index = pq.read_table(p)
                 i = index.schema.get_field_index("source")
                 names = index.column(i).to_pylist()

@@ -177,3 +177,17 @@ def test_repair_of_a_moved_source_asks_for_it_then_repairs_from_it(tmp_path: Pat
     assert all(b.meta(k)["source"].startswith(str(tmp_path / "b")) for k in b.keys())
     assert json.loads((store / "images" / "v2" / "schema.json").read_text())["attrs"]["source"] == str(tmp_path / "b")
     assert verify_store(store, progress=False) == []
+
+
+def test_renaming_in_the_indexes_of_an_adopted_version_has_a_bar(tmp_path: Path, capsys) -> None:
+    """Every committed shard's index is rewritten and synced when a killed run's version is adopted at the new
+    path: thousands of them for a million samples, with a bar counting them against their total."""
+    make_demo_data(tmp_path / "a", n=20, fmt="folder", max_controls=2, seed=2)
+    out = tmp_path / "store"
+    _killed(tmp_path / "a", out)
+    indexes = len(list((out / "images" / "v1").glob("*.index.parquet")))
+    (tmp_path / "a").rename(tmp_path / "b")
+    capsys.readouterr()
+    assert stage.run(_cfg(), tmp_path / "b", out).source_before == str(tmp_path / "a")
+    err = capsys.readouterr().err
+    assert f"source moved: renaming in the shard indexes of v1:   0%|          | 0/{indexes} [00:00<?, ?index/s]" in err, err

@@ -29,6 +29,8 @@ def test_a_shard_with_bytes_appended_is_repaired_with_every_sample(store: Store)
     assert _cli("store", "verify", store.root).exit_code == 1
     r = _cli("store", "repair", store.root)
     assert r.exit_code == 0 and "bytes appended" in r.output, r.output
+    # the new version is read back in full, as long as `store verify`: with verify's bars (none before)
+    assert "checksum vae/v2: 100%" in r.output and "verify vae/v2: 100%" in r.output, r.output
     assert _cli("store", "verify", store.root).exit_code == 0
     st = Store(store.root, create=False)
     reader = st.reader("vae")

@@ -37,7 +37,9 @@ def test_inspect_of_a_url_matches_the_local_store_and_fetches_no_shard(s3_env, s
     assert remote.exit_code == 0, remote.output
     local = runner.invoke(app, ["store", "inspect", str(store.root), "--json"])
     assert local.exit_code == 0, local.output
-    a, b = json.loads(remote.output), json.loads(local.output)
+    a, b = json.loads(remote.stdout), json.loads(local.stdout)  # the bar on stderr
+    # the manifests fetched (tens of MB each at a million samples): a bar in bytes, its total the listed sizes
+    assert f"inspect {s3_env.url()}: metadata: 100%" in remote.stderr and "B/s" in remote.stderr, remote.stderr
     assert a.pop("store") == s3_env.url() and b.pop("store") == str(store.root)
     assert a == b and [v["samples"] for v in a["tables"]["vae"]["versions"]] == [10, 6]
     assert read and not any(r.endswith(".tar") for r in read)

@@ -163,7 +163,7 @@ def test_a_damaged_version_a_reader_holds_stays_marked_until_gc(s3_env, store: S
         assert _cli("store", "verify", s3_env.url(), "--cache-dir", tmp_path / "c1").exit_code == 0
         assert pull(s3_env.url(), tmp_path / "pulled").copied == ["vae/v2"]
         r = _cli("store", "inspect", s3_env.url(), "--json")
-        assert [v["version"] for v in json.loads(r.output)["tables"]["vae"]["versions"]] == [2], r.output
+        assert [v["version"] for v in json.loads(r.stdout)["tables"]["vae"]["versions"]] == [2], r.output
         r = _cli("store", "gc", s3_env.url())
         assert r.exit_code == 0 and "keep vae/v1: not current, but held by pipeline train" in r.output, r.output
     finally:

@@ -126,6 +126,24 @@ def test_store_format_is_checked_on_open(tmp_path) -> None:
         Store(tmp_path / "nowhere", create=False)
 
 
+def test_a_missing_version_folder_says_what_to_do(store: Store) -> None:
+    """The current version's folder gone (deleted, or left out of a copy) and a version asked for that is not
+    there: each error ends in what to do, not only what is wrong."""
+    import shutil
+
+    from store.repair import scan
+
+    fill(store, 2)
+    with pytest.raises(UserError, match=r"pipeline store inspect .*lists the versions there"):
+        store.reader("vae", 7)
+    shutil.rmtree(store.root / "vae" / "v1")
+    with pytest.raises(UserError, match="names it as current, but its folder is gone: rerun the stage that writes"):
+        store.reader("vae")
+    (store.root.parent / "a-file").write_text("")
+    with pytest.raises(UserError, match="check the path: repair needs the store folder a stage wrote"):
+        scan(store.root.parent / "a-file")
+
+
 def test_quarantine_appends_rows(store: Store) -> None:
     store.add_quarantine([{"key": "k1", "source": "a/b.png", "stage": "resize-bucket", "reason": "truncated"}])
     store.add_quarantine([{"source": "c.tar/x.jpg", "stage": "resize-bucket", "reason": "too large",

@@ -118,3 +118,24 @@ def test_verify_never_crashes_on_a_flipped_manifest_byte(store: Store) -> None:
     res = verify(store.root)
     assert res.exit_code == 1 and res.exception is None or isinstance(res.exception, SystemExit)
     assert "Traceback" not in res.output and "manifest.parquet" in res.output
+
+
+def test_the_checksum_pass_has_a_bar_in_bytes(store: Store, capsys) -> None:
+    """verify reads every byte of a version twice: once for each file's CRC32C, once per sample. The first pass
+    (minutes for a 100 GB table) had no bar; it has one in bytes, with the version's total (so a rate and an
+    ETA), and none with progress off."""
+    from tqdm import tqdm
+
+    from store import integrity
+    from store.verify import verify_store
+
+    fill(store, 8)
+    total = sum(e["nbytes"] for e in integrity.read_version_checksums(store.root / "vae" / "v1").values())
+    capsys.readouterr()
+    assert verify_store(store.root) == []
+    err = capsys.readouterr().err.replace("\r", "\n")
+    last = [ln for ln in err.splitlines() if ln.startswith("checksum vae/v1: 100%")][-1]
+    size = tqdm.format_sizeof(total, divisor=1024)
+    assert f"{size}/{size}" in last and "B/s" in last, err
+    assert verify_store(store.root, progress=False) == []
+    assert "checksum" not in capsys.readouterr().err
