@@ -154,3 +154,17 @@ def run(args: list[str], env: dict[str, str] | None = None, timeout: float | Non
     finally:
         proc.kill()
     return subprocess.CompletedProcess(args, proc.returncode, stdout, stderr)
+
+
+def outcomes(procs: list, timeout: float | None = None) -> list[tuple[int, str, str]]:
+    """(returncode, stdout, stderr) of each process in order, waiting at most `timeout` for each; every one is
+    killed afterwards (a rank left waiting in a collective fails the caller's test with the timeout, not a hang)."""
+    outs = []
+    try:
+        for p in procs:
+            stdout, stderr = p.communicate(timeout=timeout)
+            outs.append((p.returncode, stdout, stderr))
+    finally:
+        for p in procs:
+            p.kill()
+    return outs

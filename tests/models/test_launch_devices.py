@@ -17,7 +17,7 @@ import pytest
 import torch.distributed as dist
 
 from launch_ports import start_host_first
-from warm_start import WarmProcess
+from warm_start import WarmProcess, outcomes
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -38,15 +38,7 @@ def _env(rank: int, port: int, agent_store: bool, nodes: int = 2) -> dict[str, s
 
 
 def _wait(procs: list[WarmProcess]) -> list[tuple[int, str, str]]:
-    outs = []
-    try:
-        for p in procs:
-            stdout, stderr = p.communicate(timeout=TIMEOUT)
-            outs.append((p.returncode, stdout, stderr))
-    finally:
-        for p in procs:
-            p.kill()
-    return outs
+    return outcomes(procs, TIMEOUT)
 
 
 def _two_ranks(gpus: str, *args: str, nodes: int = 2, agent_store: bool = True) -> list[tuple[int, str, str]]:

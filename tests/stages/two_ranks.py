@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from launch_ports import start_host_first
-from warm_start import WarmProcess
+from warm_start import WarmProcess, outcomes
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -31,16 +31,7 @@ def start_two(script: str, *args: str, env: dict[str, str] | None = None) -> lis
 def launch_two(script: str, *args: str, timeout: float = 420) -> list[tuple[int, str, str]]:
     """Run tests/stages/`script` with `args` as ranks 0 and 1 of one gloo world (`start_two`). A rank left waiting
     in a collective hangs: the timeout then fails the test (no timing assert: a bound, generous under load)."""
-    procs = start_two(script, *args)
-    outs = []
-    try:
-        for p in procs:
-            stdout, stderr = p.communicate(timeout=timeout)
-            outs.append((p.returncode, stdout, stderr))
-    finally:
-        for p in procs:
-            p.kill()
-    return outs
+    return outcomes(start_two(script, *args), timeout)
 
 
 def results(output: str) -> dict[str, str]:
