@@ -45,6 +45,13 @@ def read(run_dir: Path) -> dict[str, str]:
     return out
 
 
+def forget(run_dir: Path) -> None:
+    """A fresh start's list begins empty: what a start killed before its first checkpoint listed was left out of
+    no run that goes on (kept, it made the fresh run stale and unresumable under on_damaged stop)."""
+    for name in (NAME, _OLD_NAME):
+        (run_dir / name).unlink(missing_ok=True)
+
+
 def _cut_torn_tail(fd: int) -> int:
     """Cut a last line a killed writer left without its newline; returns the file's size after."""
     size = os.fstat(fd).st_size

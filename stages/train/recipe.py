@@ -269,7 +269,7 @@ def setup(cfg: PipelineConfig, store: str | Path, model: str, out: str | Path, r
     # rank 0 writes (a full disk there stops every rank with its one line); also the barrier
     with together(r.world, "the run folder"), guard.one_line_errors("the run folder", r.run_dir):
         if r.main:
-            prepare_run_dir(r, cfg)
+            prepare_run_dir(r, cfg, fresh=latest is None)
     with together(r.world, "hashing what the run reads"):
         if r.main:  # for the checkpoints' records; now, before any reader thread shares the tables' views
             tables.content_ids()

@@ -124,8 +124,14 @@ def test_train_its_validator_and_its_up_to_date_check_read_as_configured(tiny_ed
     done = run(_cfg(**skip), store, tiny_edit_model, tmp_path / "skip")
     assert done.steps == 2 and (tmp_path / "skip" / "damaged_samples.jsonl").is_file()
     assert up_to_date(_cfg(**skip), store, tiny_edit_model, tmp_path / "skip")
+    # under stop the run that left a sample out is stale (stages/train/current.py damaged_current) before any read;
+    # without its list, the check opens the tables under stop, and the short shard stops it
+    assert not up_to_date(_cfg(**{**skip, "train.on_damaged": "stop"}), store, tiny_edit_model, tmp_path / "skip")
+    listed = (tmp_path / "skip" / "damaged_samples.jsonl").read_bytes()
+    (tmp_path / "skip" / "damaged_samples.jsonl").unlink()
     with pytest.raises(UserError, match="truncated"):
         up_to_date(_cfg(**{**skip, "train.on_damaged": "stop"}), store, tiny_edit_model, tmp_path / "skip")
+    (tmp_path / "skip" / "damaged_samples.jsonl").write_bytes(listed)
     # the up-to-date check reads no sample (on_damaged=skip has no pass over the split before step 0): the
     # damage limit acts where samples are read, below and in tests/stages/test_train_integrity.py
     assert up_to_date(_cfg(**{**skip, "train.max_damaged_fraction": 0.1}), store, tiny_edit_model, tmp_path / "skip")

@@ -423,3 +423,26 @@ def test_a_run_that_skipped_nonfinite_steps_is_current_under_skip_step_only(tmp_
         run(stop, root, tiny_edit_model, out, resume=True)
     with pytest.raises(train_guard.NonFiniteError):  # `run all`: kept aside, trained afresh, stopped at the step
         run(stop, root, tiny_edit_model, out, resume=True, skip_if_done=True, new_run=True)
+
+
+def test_a_fresh_start_does_not_inherit_a_killed_starts_damaged_list(damaged_store, tiny_edit_model, tmp_path):
+    """A start under on_damaged skip that stopped before its first checkpoint listed a damaged sample; the fresh
+    start into the same folder (under "stop", on an intact store) left nothing out. Its list begins empty, as its
+    validation curve does: before, the killed start's list stayed and made the finished run stale under "stop"
+    (`run all` kept it aside and trained it again) and its resume refused."""
+    from stages.train.current import up_to_date
+
+    root, key = damaged_store
+    out = tmp_path / "run"
+    with pytest.raises(UserError, match="max_damaged_fraction"):  # stopped before any checkpoint
+        run(cfg_of(max_steps=4, checkpoint_every=4, on_damaged="skip", max_damaged_fraction=0.1), root,
+            tiny_edit_model, out)
+    assert list(damaged_log.read(out)) == [key] and not train_state.latest_checkpoint(out / "checkpoints")
+    intact = tmp_path / "intact"
+    make_train_store(intact, tiny_edit_model, mixed_specs(8))
+    stop = cfg_of(max_steps=4, checkpoint_every=2)
+    run(stop.model_copy(update={"train": stop.train.model_copy(update={"max_steps": 2})}), intact, tiny_edit_model,
+        out)
+    assert damaged_log.read(out) == {}
+    assert run(stop, intact, tiny_edit_model, out, resume=True).steps == 4  # not refused
+    assert up_to_date(stop, intact, tiny_edit_model, out)
