@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from tqdm.auto import tqdm
 
 from features.open import open_configured
-from models.collective import differing_ranks, ranks_differ, spread, together
+from models.collective import all_max, differing_ranks, ranks_differ, spread, together
 from models.lora import WEIGHT_NAME, load_lora
 from models.same_versions import check_same_versions
 from schemas.config import PipelineConfig, TrainConfig, dump_config
@@ -127,23 +127,28 @@ def resume_point(r: Run, resume: bool, cfg: PipelineConfig) -> tuple[Path | None
     # before init LoRAs were hashed is taken as made from the present file (`known_init_lora`)
     record = replace(record, config_fingerprint=known_fingerprint(record.config_fingerprint, r.cfg),
                      init_lora_sha256=train_state.known_init_lora(record.init_lora_sha256, r.record.init_lora_sha256))
+    # on_damaged / on_nonfinite are in no fingerprint (`check_same_start` does not compare them) and the damaged
+    # list is read per rank: decided by all ranks together (any rank's refusal is every rank's), so no rank
+    # resumes into a collective the others never reach
+    steps = train_state.nonfinite_skipped(record)
+    left_out, skipped = all_max(r.world, [0 if damaged_current(r.run_dir, r.cfg) else len(damaged_log.read(r.run_dir)),
+                                          0 if nonfinite_current(record, r.cfg) else len(steps)])
     try:
         record.check_matches(r.record, latest, contents=r.tables.content_ids)
-        if not damaged_current(r.run_dir, r.cfg):  # as the up-to-date check: on_damaged is in no fingerprint
-            left_out = len(damaged_log.read(r.run_dir))
+        if left_out:  # as the up-to-date check
             raise train_state.ResumeMismatch(
                 f"cannot resume from {latest}: the run left {left_out} damaged sample(s) out under "
-                f"train.on_damaged skip ({r.run_dir / damaged_log.NAME}), and train.on_damaged is now "
-                f"{r.cfg.on_damaged}. Set train.on_damaged: skip to continue it",
-                reason=f"train.on_damaged skip -> {r.cfg.on_damaged} ({left_out} damaged sample(s) left out)")
-        if not nonfinite_current(record, r.cfg):
-            steps = train_state.nonfinite_skipped(record)
+                f"train.on_damaged skip ({r.run_dir / damaged_log.NAME}), and train.on_damaged is not skip now"
+                f"{'' if r.cfg.on_damaged != 'skip' else ' on every rank'}. Set train.on_damaged: skip to continue it",
+                reason=f"train.on_damaged skip -> stop ({left_out} damaged sample(s) left out)")
+        if skipped:
             shown = ", ".join(map(str, steps[:10])) + (" …" if len(steps) > 10 else "")
             raise train_state.ResumeMismatch(
                 f"cannot resume from {latest}: the run skipped optimizer step(s) {shown} for a non-finite loss "
-                f"or gradient under train.on_nonfinite skip_step, and train.on_nonfinite is now {r.cfg.on_nonfinite}. "
-                "Set train.on_nonfinite: skip_step to continue it",
-                reason=f"train.on_nonfinite skip_step -> {r.cfg.on_nonfinite} ({len(steps)} step(s) skipped)")
+                f"or gradient under train.on_nonfinite skip_step, and train.on_nonfinite is not skip_step now"
+                f"{'' if r.cfg.on_nonfinite != 'skip_step' else ' on every rank'}. Set train.on_nonfinite: skip_step "
+                "to continue it",
+                reason=f"train.on_nonfinite skip_step -> stop ({skipped} step(s) skipped)")
         if record.step > r.cfg.max_steps:
             raise train_state.ResumeMismatch(
                 f"{latest} is already past train.max_steps ({record.step} > {r.cfg.max_steps}): raise max_steps "
