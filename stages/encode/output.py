@@ -79,8 +79,12 @@ def _completed_meanwhile(job: EncodeJob, several_caches: bool = False) -> bool:
     """Another process finished this very table (same lineage) after our up-to-date check, while we loaded
     the model: reuse it ("up to date") instead of writing a duplicate version."""
     assert job.writer is not None
-    found = agreed_found(job.store.find_version(job.summary.table, job.lineage, job.serving), job.ranks.world_size,
-                         several_caches)
+    from stages.encode.current import damaged_current
+
+    found = job.store.find_version(job.summary.table, job.lineage, job.serving)
+    if found is not None and not damaged_current(job.store, job.summary.table, found, job.on_damaged):
+        found = None  # left damaged inputs out, and this run stops on them (plan.open_job): not adopted either
+    found = agreed_found(found, job.ranks.world_size, several_caches)
     if found is None:
         return False
     mine = job.writer.dir

@@ -1,6 +1,7 @@
 """Planning an encode job: read the `images` table under a lease, build the lineage (and the ones hashed before
-the declared scheme), and find out whether an identical version exists (up to date) or the current one is
-recorded as damaged (recompute its damaged samples)."""
+the declared scheme), and find out whether an identical version exists (up to date: under on_damaged=stop not
+one that left damaged inputs out, stages/encode/current.py) or the current one is recorded as damaged (recompute
+its damaged samples)."""
 
 from __future__ import annotations
 
@@ -186,7 +187,28 @@ def _open_job(store_path: str | Path, stage: str, table: str, feature_hash: str,
             if (found := _unchanged_by_fixes(store, table, images, old, replace(old, code_version=before),
                                              fixes)) is not None:
                 break
+    if found is not None and on_damaged != "skip":
+        found = _without_damaged_left_out(store, stage, table, found, ranks.rank)
     return job, found
+
+
+def _without_damaged_left_out(store: Store, stage: str, table: str, found: int, rank: int) -> int | None:
+    """`found`, or None when it left damaged inputs out under on_damaged=skip (stages/encode/current.py): this
+    run, under stop, carries its samples forward into a new version and reads the left-out ones again."""
+    from schemas.stage import few
+    from stages.encode.current import left_out
+
+    keys = left_out(store, table, found)
+    if not keys:
+        return found
+    if rank == 0:
+        from tqdm.auto import tqdm
+
+        section = stage.replace("-", "_")
+        tqdm.write(f"{stage}: table '{table}' v{found} left out {len(keys)} damaged input sample(s) under "
+                   f"{section}.on_damaged=skip ({few(keys)}); {section}.on_damaged is stop now: "
+                   "a new version carries its samples forward and reads those again")
+    return None
 
 
 def _lineages_before_fixes(images, fixes: Fixes, stage: str, feature_hashes: tuple[str, ...], fingerprint: str,

@@ -129,7 +129,9 @@ def test_evaluate_skips_and_reports_damaged_val_samples(tiny_edit_model, tmp_pat
     assert no_check_ahead_threads()
 
 
-def test_images_repair_and_resize_rerun_keep_every_encoded_sample(tiny_plus_model, tmp_path):
+def demo_store(tmp_path: Path) -> tuple[Path, Path]:
+    """(store, config): an `images` table made by resize-bucket from demo data (its rows carry what the vae
+    stage's carry-forward compares, mask_sha256, which the fixture stores' rows lack)."""
     from pipeline.demo_data import make_demo_data
 
     settings = {"resize": {"target_area": 64 * 64, "control_vl_area": 48 * 48, "control_vae_area": 64 * 64,
@@ -140,6 +142,11 @@ def test_images_repair_and_resize_rerun_keep_every_encoded_sample(tiny_plus_mode
     store = tmp_path / "store"
     assert invoke("run", "resize-bucket", "--config", config, "--source", tmp_path / "src", "--store",
                   store).exit_code == 0
+    return store, config
+
+
+def test_images_repair_and_resize_rerun_keep_every_encoded_sample(tiny_plus_model, tmp_path):
+    store, config = demo_store(tmp_path)
     n = len(Store(store).reader("images"))
     for stage in ("encode-text", "encode-vae"):
         assert encode_json(stage, store, tiny_plus_model, "--config", config)["encoded"] == n
@@ -164,3 +171,43 @@ def test_images_repair_and_resize_rerun_keep_every_encoded_sample(tiny_plus_mode
         assert (rec["encoded"], rec["reused"]) == (0, n)
     res = invoke("store", "verify", store)
     assert res.exit_code == 0, res.output
+
+
+
+def test_a_version_that_skipped_damaged_inputs_is_not_up_to_date_under_stop(tiny_plus_model, tmp_path):
+    """on_damaged is in no hash, so a version made under skip (the damaged inputs left out) used to be "up to
+    date" for a rerun under stop: that user trained without those samples, told nothing. Now the rerun stops on
+    them, and once they are repaired encodes exactly them into a new version holding every sample."""
+    store, config = demo_store(tmp_path)
+    key = Store(store).reader("images").keys()[3]
+    shard, pos = sample_byte(store, "images", key, "target.png")
+    clean = flip_bit(shard, pos, 4)
+    n = len(Store(store).reader("images"))
+    stages = (("encode-text", "encode_text", "text"), ("encode-vae", "encode_vae", "vae"))
+    for stage, section, _ in stages:
+        skip = ["--config", config, "--set", f"{section}.on_damaged=skip",
+                "--set", f"{section}.max_damaged_fraction=0.2"]
+        rec = encode_json(stage, store, tiny_plus_model, *skip)
+        assert (rec["encoded"], rec["version"], rec["damaged_inputs"]) == (n - 1, 1, [key])
+        rec = encode_json(stage, store, tiny_plus_model, *skip)
+        assert rec["up_to_date"] and rec["version"] == 1  # under skip it stays current
+
+    for stage, _, table in stages:  # under stop (the default): the left-out sample is read, and stops the run
+        res = invoke("run", stage, "--store", store, "--model", tiny_plus_model, "--device", "cpu", "--config", config,
+                     *SMALL_SHARDS)
+        assert res.exit_code == 1 and "Traceback" not in res.output, res.output
+        assert "left out 1 damaged input sample(s)" in res.output  # said before the model loads
+        line = [ln for ln in res.output.splitlines() if "error:" in ln][0]
+        assert key in line and "table 'images' v" in line
+        assert Store(store).tables()[table] == 1
+
+    shard.write_bytes(clean)  # the input repaired
+    for stage, _, table in stages:
+        rec = encode_json(stage, store, tiny_plus_model, "--config", config)
+        # the stopped run's version resumed: the samples it carried forward are done already
+        assert (rec["up_to_date"], rec["encoded"], rec["reused"] + rec["resumed"], rec["version"]) == \
+            (False, 1, n - 1, 2)
+        r = Store(store).reader(table)
+        assert r.version == 2 and sorted(r.keys()) == sorted(Store(store).reader("images").keys())
+        r.close()
+        assert encode_json(stage, store, tiny_plus_model, "--config", config)["up_to_date"]  # whole: current
