@@ -101,7 +101,17 @@ def lora_state_dict(transformer, adapter_name: str = ADAPTER) -> dict[str, torch
     """
     from peft.utils import get_peft_model_state_dict
 
-    return get_peft_model_state_dict(transformer, adapter_name=adapter_name)
+    # peft warns of 1-D LoRA tensors as ZeRO-3 shards never gathered; a LoRA bias (`lora_B.bias`, a file written
+    # with lora_bias, which `attach_lora` applies as diffusers does) is 1-D by design: that warning alone is dropped
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        state = get_peft_model_state_dict(transformer, adapter_name=adapter_name)
+    biases_only = all(k.endswith(".lora_B.bias") for k, v in state.items()
+                      if (".lora_A" in k or ".lora_B" in k) and (v.dim() < 2 or 0 in v.shape))
+    for w in caught:
+        if not (biases_only and "LoRA tensor(s) have invalid shape" in str(w.message)):
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    return state
 
 
 def save_lora(transformer, out_dir: str | Path, fold_alpha: bool = False, base_fingerprint: str | None = None) -> Path:
