@@ -38,6 +38,9 @@ class CheckAhead:
         self._cond = threading.Condition()
         self._results: dict[int, str | None] = {}  # row -> problem (None: intact), in the order checked
         self._busy: int | None = None  # the row being checked right now
+        # the row the consumer checks itself right now (`take` found no result): the thread leaves it, else both
+        # read and CRC the same bytes (a race under load)
+        self._inline: int | None = None
         # Rows whose check found a problem (or failed): never marked checked, so remembered here; intact rows
         # are marked in the sample check once taken (a second set of every row would cost ~60 MB at 1M).
         self._bad: set[int] = set()
@@ -62,7 +65,7 @@ class CheckAhead:
                         self._cond.wait()
                     if self._stop:
                         return
-                    if self.check.is_checked(i) or i in self._results or i in self._bad:
+                    if self.check.is_checked(i) or i in self._results or i in self._bad or i == self._inline:
                         done_in_a_row += 1
                         if done_in_a_row > rows:
                             return
@@ -100,6 +103,7 @@ class CheckAhead:
             while self._busy == i:
                 self._cond.wait()
             if i not in self._results:
+                self._inline = i
                 return False, None
             # The consumer is at i: results the thread made before i and that were never taken are dropped (a
             # consumer that skipped them checks inline if it reads them later), so the window cannot clog.
@@ -109,6 +113,12 @@ class CheckAhead:
                     break
             self._cond.notify_all()
             return True, problem
+
+    def damaged(self, i: int) -> None:
+        """The consumer found row `i` damaged itself: the thread never checks it again (an endless order repeats
+        it; an intact row is marked checked in the sample check instead)."""
+        with self._cond:
+            self._bad.add(i)
 
     @property
     def running(self) -> bool:

@@ -180,6 +180,8 @@ class TableReader:
             elif not check.is_checked(i):
                 problem = check.bytes_problem(i, got[0], start + got[1], n)
         if problem is not None:
+            if self._ahead is not None:
+                self._ahead.damaged(i)
             raise check.refuse(i, shard, problem)
         check.mark_checked(i)
         return got

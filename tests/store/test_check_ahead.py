@@ -85,6 +85,70 @@ def test_damaged_sample_is_refused_through_check_ahead_with_the_inline_message(s
     r.close()
 
 
+def _counting(r, monkeypatch, during=lambda i: None) -> dict[int, int]:
+    """Row -> how many times its bytes were CRC-checked (thread and consumer alike); `during(i)` runs inside the
+    consumer's own (main thread) checks."""
+    counts: dict[int, int] = {}
+    real = r.checks.bytes_problem
+
+    def counting(i, *a, **k):
+        counts[i] = counts.get(i, 0) + 1
+        if threading.current_thread() is threading.main_thread():
+            during(i)
+        return real(i, *a, **k)
+
+    monkeypatch.setattr(r.checks, "bytes_problem", counting)
+    return counts
+
+
+def test_a_row_the_consumer_checks_itself_is_left_by_the_thread(store: Store, monkeypatch) -> None:
+    """The consumer reaches row 0 before the thread (no result: it checks inline); the thread reaches row 0 while
+    that check runs. Before, both read and CRC'd its bytes (seen under load in CI: a sample checked twice in a
+    training that promises once); now the thread leaves the row the consumer is checking."""
+    fill(store, 4)
+    r = store.reader("vae")
+    go = threading.Event()
+
+    def order():
+        go.wait()  # the thread starts only once the consumer is inside its own check of row 0
+        yield 0
+
+    checker = r.check_ahead(order(), window=4)
+
+    def let_the_thread_reach_row_0(i: int) -> None:
+        go.set()
+        _wait(lambda: not checker.running)  # the order is spent: the thread has decided about row 0
+
+    counts = _counting(r, monkeypatch, let_the_thread_reach_row_0)
+    r.tensors_at(0)
+    assert counts == {0: 1}
+    r.close()
+
+
+def test_a_damaged_row_found_by_the_consumer_is_not_checked_again_by_the_thread(store: Store, monkeypatch) -> None:
+    """Train's order is endless (every epoch): a damaged row the consumer met inline (the thread had not reached
+    it) came round again in the thread's order and was read and CRC'd again; now the consumer tells the thread."""
+    fill(store, 6)
+    _flip_sample(store.root, 2)
+    r = store.reader("vae")
+    go = threading.Event()
+
+    def order():
+        go.wait()  # nothing ahead until the consumer has met row 2 itself
+        yield from itertools.cycle(range(len(r)))
+
+    checker = r.check_ahead(order(), window=2)
+    counts = _counting(r, monkeypatch)
+    with pytest.raises(DamagedData):
+        r.tensors_at(2)
+    go.set()
+    for i in (0, 1, 3, 4, 5):  # the consumer goes on (taking the thread's results: its window moves)
+        r.tensors_at(i)
+    _wait(lambda: not checker.running)  # every row done (checked, or damaged): the endless order ends the thread
+    assert counts[2] == 1, counts
+    r.close()
+
+
 def test_no_thread_left_when_the_consumer_stops_early(store: Store) -> None:
     fill(store, 8)
     r = store.reader("vae")
