@@ -16,7 +16,7 @@ recomputes their outputs.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 
 # The revision of an output recorded before its stage recorded one: the code that made it computed what each
@@ -35,3 +35,11 @@ def stale_inputs(recorded: Mapping[str, Any] | None, present: Mapping[str, Any])
 def is_current(recorded: Mapping[str, Any] | None, present: Mapping[str, Any]) -> bool:
     """The output that recorded `recorded` is what `present` would make now: reuse it."""
     return not stale_inputs(recorded, present)
+
+
+def serves_on_damaged(on_damaged: str, left_out: Callable[[], object]) -> bool:
+    """An output that left damaged inputs out (`left_out()`: its record of them, read under "stop" only) serves a
+    run under on_damaged=skip only: under "stop" those inputs stop the run (or, repaired, are read), where the
+    output would pass for one of every input. on_damaged is in no hash (a rerun or a resume may switch it): this is where it
+    still counts, one rule for every stage's output (a table version, a run's LoRA, a report)."""
+    return on_damaged == "skip" or not left_out()

@@ -17,9 +17,11 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import crc32c
+
+from schemas.record_formats import FOLDER_RECORD, FOLDER_RECORDS
 
 CHUNK = 8 * 1024 * 1024
 CHECKSUM_KEY = "checksum"
@@ -104,10 +106,7 @@ def is_sealed(data: bytes) -> bool:
 # ---------------------------------------------------------------- a folder's files, recorded in sealed JSON
 # (a checkpoint's resume.json, the final LoRA's checksums.json: the one way a written folder is checked later)
 
-FOLDER_RECORD = "checksums.json"
-# the `files` map `check_recorded` reads, in a folder record and in a checkpoint's resume.json alike: their
-# `format` (absent: 1) above this is a newer release's record (schemas.newer)
-FOLDER_RECORD_FORMAT = 1
+# the records `check_recorded` reads, each with its own newest format: schemas/record_formats.py
 
 
 def folder_checksums(folder: Path, skip: tuple[str, ...] = ()) -> dict[str, dict[str, Any]]:
@@ -140,7 +139,7 @@ def write_folder_record(folder: Path, extra: dict[str, Any] | None = None) -> No
     (folder / FOLDER_RECORD).write_bytes(seal({**(extra or {}), "files": folder_checksums(folder, (FOLDER_RECORD,))}))
 
 
-def check_recorded(path: Path, records: tuple[str, ...] = (FOLDER_RECORD, "resume.json"), levels: int = 2,
+def check_recorded(path: Path, records: Mapping[str, int] = FOLDER_RECORDS, levels: int = 2,
                    measured: tuple[str, int] | None = None) -> None:
     """Check one file against the sealed record of the folder holding it (its own folder's `checksums.json`, or
     up to `levels` folders up: a checkpoint's `resume.json` covers `lora/<file>`); a UserError when it differs.
@@ -152,7 +151,7 @@ def check_recorded(path: Path, records: tuple[str, ...] = (FOLDER_RECORD, "resum
     path = Path(path)
     folder = path.parent
     for _ in range(levels):
-        for name in records:
+        for name, reads_up_to in records.items():
             record = folder / name
             if not record.is_file():
                 continue
@@ -165,7 +164,7 @@ def check_recorded(path: Path, records: tuple[str, ...] = (FOLDER_RECORD, "resum
                 raise UserError(f"{path}: its checksum record {record} is damaged ({e}); the file cannot be "
                                 "trusted: use an intact copy or rerun the command that wrote it") from None
             # intact, but its `files` may mean something else now: a newer release's, not a damaged file
-            refuse_newer(str(record), obj, FOLDER_RECORD_FORMAT, intact=True)
+            refuse_newer(str(record), obj, reads_up_to, intact=True)
             files = obj.get("files") or {}
             rel = path.resolve().relative_to(folder.resolve()).as_posix()
             if rel in files:

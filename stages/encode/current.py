@@ -5,15 +5,17 @@ on_damaged is in no hash (a rerun or a resume may switch it). Under "stop" such 
 is: the run writes a new version that carries every sample forward from it (store/reuse.py) and reads only the
 left-out ones, which stop the run if they are still damaged and are encoded if they were repaired. The answer is
 derived from the store alone (its quarantine.parquet and the version's manifest), which every rank reads: the
-ranks then agree on the version found as on any other (plan.open_job, output.agreed_found). As train's and
-evaluate's `damaged_current`."""
+ranks then agree on the version found as on any other (plan.open_job, output.agreed_found). One rule with
+train's and evaluate's: `schemas.up_to_date.serves_on_damaged`."""
 
 from __future__ import annotations
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from schemas import up_to_date as current
 from schemas.errors import UserError
+from schemas.stage import few
 from stages.encode.summary import DAMAGED_INPUT
 from store import Store
 
@@ -40,6 +42,27 @@ def left_out(store: Store, table: str, version: int) -> list[str]:
     return wanted.filter(pc.invert(pc.is_in(wanted, value_set=held))).to_pylist()
 
 
-def damaged_current(store: Store, table: str, version: int, on_damaged: str) -> bool:
-    """Version `version` serves a run under `on_damaged`: "skip", or it left no damaged input out."""
-    return on_damaged == "skip" or not left_out(store, table, version)
+def serving_version(store: Store, stage: str, table: str, found: int | None, on_damaged: str,
+                    say: bool = False) -> int | None:
+    """`found` (a complete version of this run's lineage), or None when it left damaged inputs out and this run is
+    under on_damaged=stop (`schemas.up_to_date.serves_on_damaged`): the run then carries its samples forward into a
+    new version and reads the left-out ones again. `say`: print why (one rank). The one check of both looks for a
+    reusable version, before the model loads (plan.open_job) and after (output: one committed meanwhile)."""
+    if found is None:
+        return None
+    keys: list[str] = []
+
+    def read() -> list[str]:  # kept for the message
+        keys[:] = left_out(store, table, found)
+        return keys
+
+    if current.serves_on_damaged(on_damaged, read):
+        return found
+    if say:
+        from tqdm.auto import tqdm
+
+        section = stage.replace("-", "_")
+        tqdm.write(f"{stage}: table '{table}' v{found} left out {len(keys)} damaged input sample(s) under "
+                   f"{section}.on_damaged=skip ({few(keys)}); {section}.on_damaged is stop now: "
+                   "a new version carries its samples forward and reads those again")
+    return None

@@ -79,11 +79,11 @@ def _completed_meanwhile(job: EncodeJob, several_caches: bool = False) -> bool:
     """Another process finished this very table (same lineage) after our up-to-date check, while we loaded
     the model: reuse it ("up to date") instead of writing a duplicate version."""
     assert job.writer is not None
-    from stages.encode.current import damaged_current
+    from stages.encode.current import serving_version
 
-    found = job.store.find_version(job.summary.table, job.lineage, job.serving)
-    if found is not None and not damaged_current(job.store, job.summary.table, found, job.on_damaged):
-        found = None  # left damaged inputs out, and this run stops on them (plan.open_job): not adopted either
+    # one that left damaged inputs out, and this run stops on them, is not adopted either (as in plan.open_job)
+    found = serving_version(job.store, job.summary.stage, job.summary.table,
+                            job.store.find_version(job.summary.table, job.lineage, job.serving), job.on_damaged)
     found = agreed_found(found, job.ranks.world_size, several_caches)
     if found is None:
         return False

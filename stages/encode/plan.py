@@ -17,6 +17,7 @@ from store import Store, repair_context
 from store import format as fmt
 from store.lease import hold
 from store.reuse import FEATURE_LINEAGE_ATTR, LINEAGE_BEFORE_FIXES_ATTR
+from stages.encode.current import serving_version
 from stages.encode.job import EncodeJob
 from stages.encode.output import adopt
 from stages.encode.ranks import Ranks
@@ -180,35 +181,22 @@ def _open_job(store_path: str | Path, stage: str, table: str, feature_hash: str,
                     on_damaged=on_damaged,
                     max_damaged_fraction=max_damaged_fraction, changed_by_fixes=changed, serving=tuple(serving))
     weakref.finalize(job, lease.release)
-    found = _identical_version(store, table, lineage, [old for old, _ in hashed_before], serving)
+    found = _reusable_version(job, [old for old, _ in hashed_before], fixes, feature_revision)
+    return job, serving_version(store, stage, table, found, on_damaged, say=ranks.rank == 0)
+
+
+def _reusable_version(job: EncodeJob, hashed_before: list[Lineage], fixes: Fixes, feature_revision: str) -> int | None:
+    """A complete version this run would make (`_identical_version`), or, outside a repair, one made before this
+    stage's fixes that no fix changes (`_unchanged_by_fixes`)."""
+    table = job.summary.table
+    found = _identical_version(job.store, table, job.lineage, hashed_before, job.serving)
     if found is None and fixes.revision_before not in (None, feature_revision) and not repair_context.active():
         before = code_version(fixes.revision_before)
-        for old in (lineage, *(old for old, _ in hashed_before), *serving):
-            if (found := _unchanged_by_fixes(store, table, images, old, replace(old, code_version=before),
+        for old in (job.lineage, *hashed_before, *job.serving):
+            if (found := _unchanged_by_fixes(job.store, table, job.images, old, replace(old, code_version=before),
                                              fixes)) is not None:
                 break
-    if found is not None and on_damaged != "skip":
-        found = _without_damaged_left_out(store, stage, table, found, ranks.rank)
-    return job, found
-
-
-def _without_damaged_left_out(store: Store, stage: str, table: str, found: int, rank: int) -> int | None:
-    """`found`, or None when it left damaged inputs out under on_damaged=skip (stages/encode/current.py): this
-    run, under stop, carries its samples forward into a new version and reads the left-out ones again."""
-    from schemas.stage import few
-    from stages.encode.current import left_out
-
-    keys = left_out(store, table, found)
-    if not keys:
-        return found
-    if rank == 0:
-        from tqdm.auto import tqdm
-
-        section = stage.replace("-", "_")
-        tqdm.write(f"{stage}: table '{table}' v{found} left out {len(keys)} damaged input sample(s) under "
-                   f"{section}.on_damaged=skip ({few(keys)}); {section}.on_damaged is stop now: "
-                   "a new version carries its samples forward and reads those again")
-    return None
+    return found
 
 
 def _lineages_before_fixes(images, fixes: Fixes, stage: str, feature_hashes: tuple[str, ...], fingerprint: str,

@@ -84,8 +84,9 @@ def earlier_config_fingerprints(cfg: EvaluateConfig) -> list[str]:
 def damaged_current(metrics: dict, cfg: EvaluateConfig) -> bool:
     """A report that left damaged samples out (or their pictures: `run.damaged_samples`) is current under
     on_damaged=skip only: under "stop" they stop evaluate (or, repaired, are evaluated), where the report would
-    pass for one of every sample. on_damaged is hashed as its default: this is where it still counts."""
-    return cfg.on_damaged == "skip" or not (metrics.get("run") or {}).get("damaged_samples")
+    pass for one of every sample. on_damaged is hashed as its default: this is where it still counts
+    (`schemas.up_to_date.serves_on_damaged`)."""
+    return current.serves_on_damaged(cfg.on_damaged, lambda: (metrics.get("run") or {}).get("damaged_samples"))
 
 
 def known_fingerprint(out: Path, fingerprint: str, settings: dict, earlier: list[dict] = ()) -> str:

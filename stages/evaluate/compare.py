@@ -117,7 +117,7 @@ def read_curves(path: str | Path, label: str) -> RunCurves:
 
 def _measured(settings: dict, attrs: dict) -> dict | None:
     """One spelling of how an array's losses were computed, for evaluate arrays (`settings["evaluate"]`) and
-    validation curves (`attrs["measured"]`, stages/train/validate.py) alike, so a validation curve is compared
+    validation curves (`attrs["measured"]`, stages/train/val_curve.py) alike, so a validation curve is compared
     with a report too; None for a curve recorded before train noted it (comparable as before)."""
     evaluate, train = settings.get("evaluate"), attrs.get("measured")
     if isinstance(evaluate, dict):

@@ -48,8 +48,8 @@ def damaged_current(out: Path, train: TrainConfig) -> bool:
     """A run that left damaged samples out (RUN/damaged_samples.jsonl) is current under on_damaged=skip only: under
     "stop" they stop training (or, repaired, are trained on), where the LoRA would pass for one of every sample.
     on_damaged is in no hash (a resume may switch it): this is where it still counts, as evaluate's
-    `damaged_current` does for a report."""
-    return train.on_damaged == "skip" or not damaged_log.read(out)
+    `damaged_current` does for a report (`schemas.up_to_date.serves_on_damaged`)."""
+    return current.serves_on_damaged(train.on_damaged, lambda: damaged_log.read(out))
 
 
 def nonfinite_current(record: ResumeRecord, train: TrainConfig) -> bool:

@@ -375,7 +375,7 @@ def log(r: Run, s: StepStats) -> None:
     if r.profiler is not None:
         r.profiler.step()
     every = r.cfg.log_every
-    loss = mean_loss(r.result.losses, r.step - (r.step - 1) // every * every)  # steps since the last log point
+    loss = recent_mean_loss(r.result.losses, r.step - (r.step - 1) // every * every)  # steps since the last log point
     if r.writer is not None and r.step % every == 0:
         from stages.train.trackers import peak_memory_gb
 
@@ -391,7 +391,7 @@ def log(r: Run, s: StepStats) -> None:
     r.result.step_data_times.append(s.data_seconds)
 
 
-def mean_loss(losses, n: int) -> float:
+def recent_mean_loss(losses, n: int) -> float:
     """Mean of the last `n` step losses of this start (fewer after a resume), the non-finite ones left out (a
     step with no intact sample is nan, a skipped step's loss non-finite: they are reported as skipped, and one
     would make the whole window nan); the last step's loss when none is finite."""

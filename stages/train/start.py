@@ -207,7 +207,7 @@ def prepare_run_dir(r: Run, cfg: PipelineConfig, fresh: bool) -> None:
     """Main process: the checkpoints folder without stale temp folders, this start's effective config, the data
     report and, under several ranks, the precision they agreed on with each rank's own (`precision.json`; one
     process: none, train_config.yaml says it, and an earlier start's is removed). `fresh`: no checkpoint is
-    resumed, so a killed earlier start's damaged-sample list goes (its curve does too: stages/train/validate.py)."""
+    resumed, so a killed earlier start's damaged-sample list goes (its curve does too: stages/train/val_curve.py)."""
     r.checkpoints.mkdir(parents=True, exist_ok=True)
     train_state.remove_stale(r.checkpoints)
     if fresh:

@@ -26,9 +26,8 @@ from safetensors.torch import load as load_bytes, save_file
 from schemas import up_to_date
 from schemas.errors import UserError
 from schemas.newer import refuse_newer
+from schemas.record_formats import RESUME_FORMAT, RESUME_JSON  # store.checksum reads resume.json too
 
-RESUME_JSON = "resume.json"
-RESUME_FORMAT = 1
 # ResumeRecord.extra key: the optimizer steps train.on_nonfinite=skip_step left without an update, up to the record's
 # step, every start's (on_nonfinite is in no fingerprint: a run that skipped some is current under skip_step only)
 NONFINITE_SKIPPED = "nonfinite_skipped_steps"

@@ -18,18 +18,11 @@ appends each validation's grid to RUN/losses.zarr (`store.loss_array`, the layou
 writes; the base model's losses once, as its reference), readable with `xarray.open_zarr` while training runs.
 Sample images stay on the main process.
 
-The curve's setting names the val split's tables by content (`JoinedTables.content_names`, as evaluate's loss
-arrays do): an `images` rerun that changed no sample gives new version numbers that a resume accepts (train's
-`ResumeRecord.table_contents`), and the curve goes on in the same array instead of being set aside. The version
-ids read are kept beside it, with how the losses were measured (precision, quantised base, attention backend:
-`measured`), for `pipeline compare` (`LossStore.note`); a curve recorded under version ids (the
-earlier spelling) is continued and re-recorded under content.
+The curve itself, its setting and how it was measured: `stages/train/val_curve.py`.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -41,7 +34,7 @@ from tqdm.auto import tqdm
 from features.open import open_configured
 from models.collective import fails_alone, main_alone
 from models.generate import Conditioning, generate
-from models.held_out import bucket_of, loss_grid
+from models.held_out import loss_grid
 from models.sample import TrainSample
 from schemas.config import TrainConfig
 from schemas.errors import UserError
@@ -49,6 +42,7 @@ from schemas.img_shapes import PIXELS_PER_PATCH
 from features.damaged import read_intact
 from stages.train.data import load_at
 from stages.train.guard import one_line_errors
+from stages.train.val_curve import ValidationCurve
 
 SAMPLE_CFG = 4.0
 # What to change when validation runs out of memory (named in the error every rank prints).
@@ -114,52 +108,17 @@ class Validator:
         except BaseException:
             tables.close()
             raise
-        keys = [s.key for s in self.samples]
         self.damaged = dict(tables.damaged)  # named by the recipe (main process)
         self._vae = self._scheduler = None
         self._base: np.ndarray | None = None  # the base model's grid: recorded in the curve, or computed
         self._base_known = False  # decided at this process's first validation, by all ranks together
-        # the step this start resumes at (0: a fresh start, whose curve begins anew: what a killed earlier start in
-        # this folder recorded before its first checkpoint, base included, was measured for another run)
         self.start_step = start_step
-        self._losses = None  # RUN/losses.zarr, opened by the main process at its first validation
-        self.versions = tables.versions()  # the version ids read
         try:  # the other ranks never read the setting (`_unrecorded` and `record` are the main process's)
-            named = tables.content_names() if main else self.versions
+            named = tables.content_names() if main else tables.versions()
+            self.curve = ValidationCurve(cfg, run_dir, self.samples, named, tables.versions(),
+                                         model_fingerprint(model), start_step)
         finally:
             tables.close()  # the samples are in memory now
-        validate = {"keys": keys, "noise_seeds": list(cfg.validate_noise_seeds),
-                    "timesteps": list(cfg.validate_timesteps), "batch_size": cfg.batch_size}
-        if cfg.max_tokens_per_batch is not None:  # rows per forward only, and a resume may change it there
-            validate = _without_batch_size(validate)
-        self.settings = {"tables": named, "model_fingerprint": model_fingerprint(model), "validate": validate}
-        self.fingerprint = _fingerprint(self.settings)
-        self.measured = measured(cfg)
-
-    def _respelled(self, settings: dict) -> dict:
-        """A recorded setting spelled as today's where it was an earlier spelling of it: the tables named by the
-        version ids read now (before the curve named them by content), and under a token budget without
-        batch_size (hashed before, whatever value it recorded: validation's rows per forward only)."""
-        out = dict(settings)
-        if out.get("tables") == self.versions:
-            out["tables"] = self.settings["tables"]
-        validate = out.get("validate")
-        if self.cfg.max_tokens_per_batch is not None and isinstance(validate, dict):
-            out["validate"] = _without_batch_size(validate)
-        return out
-
-    def _curve_fingerprint(self) -> str:
-        """The fingerprint RUN/losses.zarr of this setting is recorded under: today's, or that of a curve recorded
-        under an earlier spelling of it (`_respelled`: the tables by version ids; under a token budget, batch_size
-        still hashed), which the first append re-records under today's (`record`), so neither a later `images`
-        rerun that changes no sample nor a batch_size change sets it aside."""
-        from store.loss_array import recorded_setting
-
-        recorded = recorded_setting(self.run_dir)
-        if recorded is not None and recorded[0] != self.fingerprint and \
-                _fingerprint(self._respelled(recorded[1])) == self.fingerprint:
-            return recorded[0]
-        return self.fingerprint
 
     def grid(self, transformer, rank: int = 0, world: int = 1, accelerator=None) -> np.ndarray:
         """[sample, seed, σ, region] losses of every val sample: this rank's share computed here, summed across
@@ -219,11 +178,6 @@ class Validator:
     def _grid_recorded(self, step: int) -> bool:
         return (self.run_dir / "samples" / f"step-{step:06d}.png").is_file()
 
-    def _loss_recorded(self, step: int) -> bool:
-        from store.loss_array import recorded_steps
-
-        return step in (recorded_steps(self.run_dir, self._curve_fingerprint()) or {})
-
     def _base_needed(self, r) -> bool:
         """Whether the base grid is to be computed: not when the curve this run appends to holds it already (a
         resumed process recomputed it, a whole loss pass over the val samples, and threw it away: the curve keeps
@@ -231,13 +185,10 @@ class Validator:
         (the loss pass is collective)."""
         from models.collective import all_max
 
-        from store.loss_array import recorded_base
-
         if self.start_step == 0:  # a fresh start: its own base (the same on every rank)
             return True
         if r.main:
-            shape = (len(self.samples), len(self.cfg.validate_noise_seeds), len(self.cfg.validate_timesteps))
-            self._base = recorded_base(self.run_dir, self._curve_fingerprint(), shape)
+            self._base = self.curve.recorded_base()
         return bool(all_max(r.world, [int(r.main and self._base is None)])[0])
 
     def _unrecorded(self, r, do_loss: bool, do_samples: bool) -> tuple[bool, bool]:
@@ -248,7 +199,7 @@ class Validator:
         (the loss pass is collective)."""
         from models.collective import all_max
 
-        flags = [int(do_loss and not self._loss_recorded(r.step)),
+        flags = [int(do_loss and not self.curve.has_step(r.step)),
                  int(do_samples and not self._grid_recorded(r.step))] if r.main else [0, 0]
         loss, samples = all_max(r.world, flags)
         return bool(loss), bool(samples)
@@ -313,49 +264,8 @@ class Validator:
         r.writer.add_image("samples/grid", np.asarray(grid), step, dataformats="HWC")
 
     def record(self, step: int, grid: np.ndarray) -> None:
-        """Append this validation to RUN/losses.zarr (main process). The first append of this process drops
-        steps >= `step` that a killed run recorded after its last checkpoint, so the curve never doubles back."""
-        from store.loss_array import Axes, LossStore
-
-        if self._losses is None:
-            recorded = self._curve_fingerprint()
-            axes = Axes([s.key for s in self.samples], [bucket_of(s) for s in self.samples],
-                        list(self.cfg.validate_noise_seeds), [float(t) for t in self.cfg.validate_timesteps])
-            self._losses = LossStore(self.run_dir, recorded, axes, self.settings, self.versions, self.measured)
-            if recorded != self.fingerprint:  # an earlier spelling: appended to, not set aside, and re-recorded
-                self._losses.refingerprint(self.fingerprint, self.settings, self.versions)  # note_versions: no-op
-            if self._losses.kept_aside is not None:  # e.g. the val samples changed under an accepted resume
-                from tqdm.auto import tqdm
-
-                tqdm.write(f"validation settings or val samples changed: the earlier validation curve is kept in "
-                           f"{self._losses.kept_aside}, a new one begins")
-            # for `pipeline compare`: against arrays named by version ids, and against runs measured otherwise
-            self._losses.note(table_versions=self.versions, measured=self.measured)
-            # what a killed start recorded after the checkpoint this one resumes from (all of it on a fresh start:
-            # validate_every enters no hash, so its rows may lie before this start's first validation step)
-            self._losses.drop_from(self.start_step + 1 if self.start_step else 0)
-            if self.start_step == 0 or not self._losses.has_base():
-                self._losses.write_base(self._base)
-        self._losses.append(step, f"training step {step}", "", grid)
-
-
-def _fingerprint(settings: dict) -> str:
-    return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()
-
-
-def measured(cfg: TrainConfig) -> dict:
-    """How the validation losses are computed besides the setting they are recorded under (`RUN/losses.zarr`'s
-    `measured`, not hashed: the train config fixes it for the run): the resolved precision of the frozen base and
-    its autocast, its quantisation, the attention backend. `pipeline compare` refuses two curves measured
-    otherwise, as it refuses evaluate arrays of another `evaluate.dtype` etc.: on the same val samples a bf16 or
-    quantised base gives other numbers (tiny model, bf16 autocast vs float32: up to 1e-3 on a step's
-    mean loss)."""
-    return {"dtype": cfg.dtype, "mixed_precision": cfg.mixed_precision, "quantize_base": cfg.quantize_base,
-            "attention_backend": cfg.attention_backend}
-
-
-def _without_batch_size(validate: dict) -> dict:
-    return {k: v for k, v in validate.items() if k != "batch_size"}
+        """Append this validation to RUN/losses.zarr (main process; `ValidationCurve.record`)."""
+        self.curve.record(step, grid, self._base)
 
 
 def mean_loss(grid: np.ndarray) -> float:

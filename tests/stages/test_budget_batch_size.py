@@ -117,11 +117,12 @@ def test_a_budget_resume_with_another_batch_size_keeps_the_validation_curve(tiny
 def as_earlier_release(validator) -> None:
     """The validation setting as the earlier code spelled it: batch_size hashed under a budget too, and the val
     split's tables named by the version ids read (before the curve named them by content)."""
-    from stages.train.validate import _fingerprint
+    from stages.train.val_curve import _fingerprint
 
-    validator.settings = {**validator.settings, "tables": validator.versions,
-                          "validate": {**validator.settings["validate"], "batch_size": validator.cfg.batch_size}}
-    validator.fingerprint = _fingerprint(validator.settings)
+    curve = validator.curve
+    curve.settings = {**curve.settings, "tables": curve.versions,
+                      "validate": {**curve.settings["validate"], "batch_size": validator.cfg.batch_size}}
+    curve.fingerprint = _fingerprint(curve.settings)
 
 
 def test_a_budget_curve_begun_with_batch_size_hashed_is_appended_to(tiny_edit_model, tmp_path, monkeypatch):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from schemas import FieldSpec, Lineage, TableSchema
-from stages.encode.current import damaged_current, left_out
+from stages.encode.current import left_out, serving_version
 from stages.encode.summary import DAMAGED_INPUT
 from store import Store
 
@@ -38,5 +38,6 @@ def test_only_damaged_inputs_this_version_lacks_are_left_out(tmp_path):
         _rejected("e", "vae/v2"), _rejected("f", "text/v1"),  # other versions, other tables
     ])
     assert left_out(st, "vae", 1) == ["c"]
-    assert not damaged_current(st, "vae", 1, "stop") and damaged_current(st, "vae", 1, "skip")
-    assert _version(st, ["a", "b", "c", "e"]) == 2 and damaged_current(st, "vae", 2, "stop")
+    assert serving_version(st, "encode-vae", "vae", 1, "stop") is None
+    assert serving_version(st, "encode-vae", "vae", 1, "skip") == 1
+    assert _version(st, ["a", "b", "c", "e"]) == 2 and serving_version(st, "encode-vae", "vae", 2, "stop") == 2

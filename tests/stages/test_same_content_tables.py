@@ -386,7 +386,7 @@ def _as_earlier_release(run, store) -> None:
     (the settings and their hash), no `table_versions` beside them."""
     import zarr
 
-    from stages.train.validate import _fingerprint
+    from stages.train.val_curve import _fingerprint
 
     st = Store(store, create=False)
     group = zarr.open_group(run / "losses.zarr", mode="r+", use_consolidated=True)

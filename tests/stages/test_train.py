@@ -134,7 +134,7 @@ def test_train_loss_with_log_every_is_the_mean_since_the_last_log_point(store_di
     from array import array
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from stages.train.recipe import mean_loss
+    from stages.train.recipe import recent_mean_loss
 
     out = tmp_path / "run"
     result = run(cfg_of(max_steps=5, log_every=2, checkpoint_every=100), store_dir, tiny_edit_model, out)
@@ -146,8 +146,9 @@ def test_train_loss_with_log_every_is_the_mean_since_the_last_log_point(store_di
     assert [e.value for e in logged] == pytest.approx([sum(losses[0:2]) / 2, sum(losses[2:4]) / 2], rel=1e-6)
     assert losses[1] != pytest.approx(sum(losses[0:2]) / 2, rel=1e-6)  # the step's own loss would not pass
     nan = float("nan")
-    assert mean_loss(array("d", [9.0, 1.0, nan, 3.0]), 3) == 2.0  # the window's finite losses
-    assert mean_loss(array("d", [1.0, nan]), 1) != mean_loss(array("d", [1.0, nan]), 1)  # none finite: nan
+    assert recent_mean_loss(array("d", [9.0, 1.0, nan, 3.0]), 3) == 2.0  # the window's finite losses
+    none_finite = recent_mean_loss(array("d", [1.0, nan]), 1)
+    assert none_finite != none_finite  # nan
 
 
 def test_diffusers_pipeline_with_the_lora_reproduces_the_trainer_prediction(trained, store_dir, tiny_edit_model):

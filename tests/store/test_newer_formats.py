@@ -144,6 +144,26 @@ def test_a_folder_checksum_record_of_a_newer_format_is_not_called_damaged(tmp_pa
     assert "damaged" not in str(e.value) and weights.read_bytes() == before
 
 
+def test_each_folder_record_is_read_up_to_its_own_format(tmp_path: Path, monkeypatch) -> None:
+    """A checkpoint's resume.json and a LoRA's checksums.json each have their own format: a release that reads
+    resume.json format 2 (and checksums.json format 1) checks a checkpoint's LoRA against its resume.json format 2.
+    Before: both were read against the checksums format, and the LoRA was refused as a newer release's."""
+    from schemas.record_formats import FOLDER_RECORDS, RESUME_JSON
+    from store.checksum import check_recorded, file_crc
+
+    monkeypatch.setitem(FOLDER_RECORDS, RESUME_JSON, 2)
+    weights = tmp_path / "step-000002" / "lora" / "pytorch_lora_weights.safetensors"
+    weights.parent.mkdir(parents=True)
+    weights.write_bytes(b"weights")
+    crc, n = file_crc(weights)
+    (tmp_path / "step-000002" / RESUME_JSON).write_bytes(
+        seal({"format": 2, "files": {"lora/" + weights.name: {"nbytes": n, "crc32c": crc}}}))
+    check_recorded(weights)  # intact, of a format this release reads
+    weights.write_bytes(b"weighTs")
+    with pytest.raises(UserError, match="is damaged"):
+        check_recorded(weights)
+
+
 def test_a_newer_version_at_a_url_is_refused_by_verify_pull_and_repair_alike(store: Store, tmp_path: Path) -> None:
     """The remote's copy of a version whose checksums.json a newer release wrote (before: verify named it damaged
     and advised `store repair`, which pulled it and called it unrepairable damage). Nothing on the remote changes."""
