@@ -107,6 +107,22 @@ def model_variant(model: str) -> Literal["edit", "edit-plus", "edit-2511", "qwen
     return "edit-2511" if zero_cond else "edit-plus"
 
 
+def check_sampling_steps(steps: int, setting: str, model: str) -> None:
+    """Refuse one denoising step where the model's scheduler cannot take it: one that stretches its σs to
+    `shift_terminal` (the Edit models': 0.02) divides 0 by 0 at a single step, and every image is NaN (a flat
+    black PNG). Qwen-Image-2.1's has no stretch and samples in one step; a 2.1 folder that fixes its sample_sigmas
+    samples at those whatever the steps."""
+    if steps >= 2:
+        return
+    root = resolve_model(model)
+    config = root / "scheduler" / "scheduler_config.json"
+    terminal = json.loads(config.read_text()).get("shift_terminal") if config.is_file() else None
+    if not terminal or json.loads((root / "model_index.json").read_text()).get("sample_sigmas"):
+        return
+    raise UserError(f"{setting} = {steps}: the scheduler of {model} stretches its sigmas to shift_terminal "
+                    f"{terminal}, which divides 0 by 0 at one step (every image NaN); set {setting} to 2 or more")
+
+
 def pipeline_family(variant: str) -> Literal["edit", "edit-plus", "qwen-image-2.1"]:
     """The diffusers pipeline a variant runs with: 2511 uses the Edit-Plus pipeline, prompts and controls."""
     if variant == "qwen-image-2.1":

@@ -1,5 +1,5 @@
 """What a `pipeline` command does when a launcher starts it on several ranks (`pipeline launch`, torchrun,
-accelerate launch: WORLD_SIZE > 1 in every rank's environment). Each command does one of four things:
+accelerate launch: WORLD_SIZE > 1 in every rank's environment). Each command does one of five things:
 
 - shares its work between the ranks, which take their decisions together (models/collective.py): `run
   encode-text`, `run encode-vae`, `run train`, `run evaluate --all-checkpoints`, `run all`;
@@ -9,9 +9,11 @@ accelerate launch: WORLD_SIZE > 1 in every rank's environment). Each command doe
   that does its whole work in one process, where every rank would do all of it, racing into the same files
   (store gc / repair / push / pull, migrate, predict, lora, compare, the demo and its builders) or reading a
   whole store once per rank (store verify);
-- is left as it is: commands that read a little and print (`config show`, `store inspect`, `plan`: every rank
-  prints the same), and `launch`, which starts ranks (a platform may set WORLD_SIZE for the launchers it starts
-  on each node, as Kubeflow's PyTorchJob does).
+- reads and prints on rank 0 alone, the other ranks exiting 0 quietly (`rank_0_only`): `store inspect`, whose
+  read of a store URL fetches its manifests (tens of MB each at a million samples) once per rank otherwise;
+- is left as it is: commands that read a little and print (`config show`, `plan`: every rank prints the same),
+  and `launch`, which starts ranks (a platform may set WORLD_SIZE for the launchers it starts on each node, as
+  Kubeflow's PyTorchJob does).
 
 tests/pipeline/test_launched_commands.py holds every command's entry and checks that none is missing.
 """
@@ -43,6 +45,16 @@ def rank_0_alone(what: str, work: Callable[[], T]) -> T | None:
     if not main:
         print(f"rank {os.environ.get('RANK')}: {what} ran on rank 0 alone; this rank waited for it", file=sys.stderr)
     return result
+
+
+def rank_0_only() -> None:
+    """For a command that reads and prints: rank 0 goes on, the other ranks exit 0 at once, printing nothing (no
+    rank waits for another, so none needs the launcher's store). One process: goes on."""
+    world, main = launched()
+    if world > 1 and not main:
+        import typer
+
+        raise typer.Exit(0)
 
 
 def one_process(command: str, instead: str = "") -> None:

@@ -188,6 +188,9 @@ def _quantize_alias(value: Any) -> Any:
 Quantize = Annotated[Literal["none", "int8", "fp8", "nf4"], BeforeValidator(_quantize_alias)]
 _QUANTIZE_HELP = ("frozen transformer base, quantised while it loads: none | int8 | fp8 (torchao weight-only) | nf4 "
                   "(bitsandbytes 4-bit); int8_weight_only is read as int8")
+# The denoising steps' lower bound is the model's: checked where it is known (models.loading.check_sampling_steps).
+ONE_STEP = ("1 samples Qwen-Image-2.1; the Edit models refuse it (their scheduler's shift_terminal stretch divides "
+            "0 by 0 at one step)")
 
 
 # The LR schedule decays towards max_steps: then it changes the weights; under a constant LR a resume may raise it.
@@ -276,7 +279,7 @@ class TrainConfig(Section):
     validate_noise_seeds: Annotated[list[int], THROUGHPUT] = Field([0], min_length=1, description="validation noise seeds")
     sample_every: Annotated[int | None, THROUGHPUT] = Field(None, gt=0, description="generate val samples every N steps -> RUN/samples")
     sample_count: Annotated[int, THROUGHPUT] = Field(2, gt=0, description="val samples per sample grid")
-    sample_steps: Annotated[int, THROUGHPUT] = Field(4, ge=2, description="denoising steps of the sample grid")
+    sample_steps: Annotated[int, THROUGHPUT] = Field(4, ge=1, description="denoising steps of the sample grid; " + ONE_STEP)
     max_tokens_per_batch: Annotated[int | None, FEATURES] = Field(
         None, gt=0, description="None = fixed batch_size batches; else each batch holds as many samples as fit in "
         "this many computed tokens (batch size x longest sequence), see stages/train/budget.py")
@@ -313,7 +316,7 @@ class EvaluateConfig(Section):
                                          "None = all, which for a 5% val split of 1M samples is 50k x seeds x σ "
                                          "forwards per model)")
     num_samples: Annotated[int, FEATURES] = Field(4, ge=0, description="val samples to generate images for")
-    num_inference_steps: Annotated[int, FEATURES] = Field(8, ge=2, description="1 step divides 0/0 in the scheduler's terminal stretch")
+    num_inference_steps: Annotated[int, FEATURES] = Field(8, ge=1, description=ONE_STEP)
     true_cfg_scale: Annotated[float, FEATURES] = Field(4.0, description="true CFG scale (<= 1: none); left unset, 1.0 on Qwen-Image-2.1 (its pipeline's default)")
     negative_prompt: Annotated[str, _EXTRA_PROMPTS_ONLY] = Field(" ", description="extra prompts' negative; val samples use the stored empty prompt")
     lora_scale: Annotated[float, FEATURES] = 1.0
@@ -340,7 +343,7 @@ class PredictConfig(Section):
     devices: Annotated[dict[str, str], THROUGHPUT] = {"transformer": "cpu", "text_encoder": "cpu", "vae": "cpu"}
     dtype: Annotated[DType, FEATURES] = Field("auto", description=_DTYPE_HELP + " (decided by the transformer's device)")
     quantize_base: Annotated[Quantize, FEATURES] = Field("none", description=_QUANTIZE_HELP)
-    steps: Annotated[int, FEATURES] = Field(20, ge=2, description="1 step divides 0/0 in the scheduler's terminal stretch")
+    steps: Annotated[int, FEATURES] = Field(20, ge=1, description=ONE_STEP)
     true_cfg_scale: Annotated[float, FEATURES] = Field(4.0, description="true CFG scale (<= 1: none); left unset, 1.0 on Qwen-Image-2.1 (its pipeline's default)")
     negative_prompt: Annotated[str, FEATURES] = " "
     seed: Annotated[int, FEATURES] = 0

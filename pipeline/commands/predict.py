@@ -80,6 +80,9 @@ def predict(cfg, model: str, images: list[Path], prompt: str, out: Path, lora: s
     elif model_variant(model) == "edit" and len(images) != 1:  # refused before loading, not by the pipeline after
         raise UserError(f"--image: {len(images)} control images, but Qwen-Image-Edit ({model}) takes exactly one; "
                         "pass one --image, or use an Edit-Plus model (Qwen-Image-Edit-2509 / -2511)")
+    from models.loading import check_sampling_steps
+
+    check_sampling_steps(cfg.steps, "predict.steps", model)
     from features.decode import read_image_file
 
     # Decoded as resize-bucket decodes the training images (EXIF orientation, CMYK via its ICC profile, 16-bit

@@ -11,7 +11,7 @@ from typing import Optional
 
 from pipeline.commands.common import ConfigOpt, SetOpt, config_from, echo, user_errors
 from pipeline.commands.store_remote import CacheDirOpt
-from pipeline.launched import one_process
+from pipeline.launched import one_process, rank_0_only
 
 store_app = typer.Typer(no_args_is_help=True)
 migrate_app = typer.Typer(no_args_is_help=True)
@@ -24,6 +24,7 @@ StoreOrUrlArg = typer.Argument(..., help="Store folder (holds store.json), or it
 
 @store_app.command("inspect", help="Tables, versions, sample counts, buckets, bytes, lineage.")
 def inspect(store: str = StoreOrUrlArg, as_json: bool = typer.Option(False, "--json", help="Machine-readable.")) -> None:
+    rank_0_only()  # a URL's metadata fetched, and the report printed, once per launch (not once per rank)
     from store.inspect import describe, render
     from store.remote import is_url
 

@@ -297,9 +297,11 @@ def for_model(cfg: EvaluateConfig, model: str) -> EvaluateConfig:
     """`evaluate.true_cfg_scale` left unset: the model family's own default, as predict and the training sample
     grid take it (Qwen-Image-2.1: no guidance, its pipeline's default; the Edit models: 4.0). Resolved before
     anything is fingerprinted, so a report records the scale its images were made with."""
-    from models.loading import model_variant
+    from models.loading import check_sampling_steps, model_variant
     from models.qwen21_predict import TRUE_CFG_21, check_reference_count
 
+    if cfg.num_samples or cfg.extra_prompts:  # images are made (else the steps are unused)
+        check_sampling_steps(cfg.num_inference_steps, "evaluate.num_inference_steps", model)
     for i, extra in enumerate(cfg.extra_prompts):  # refused before anything is read or loaded
         if model_variant(model) == "qwen-image-2.1":
             check_reference_count(len(extra.images), model, f"evaluate.extra_prompts[{i}].images",

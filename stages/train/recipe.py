@@ -161,6 +161,10 @@ def run(
     `rerun`: how the user continues after a stop (named in a full disk's line and a SIGTERM's)."""
     started = time.perf_counter()
     validate_config(cfg.train)
+    if cfg.train.sample_every is not None:  # every rank alike, before any work
+        from models.loading import check_sampling_steps
+
+        check_sampling_steps(cfg.train.sample_steps, "train.sample_steps", model)
     world = launched_world_size()
     accelerator = make_accelerator(cfg.train) if world > 1 else None  # the ranks' process group, to decide together
     if skip_if_done and finished_here(cfg, store, model, out, world):

@@ -4,7 +4,7 @@
 tensorboard, wandb, mlflow, comet_ml, aim, clearml, dvclive, swanlab, trackio) on the main process, and offers
 the two calls the trainer makes: `log({name: value}, step)` and `add_image(...)` (`add_scalar` for one value).
 TensorBoard, the default, writes RUN/logs as before (with `purge_step` on resume, so a killed run's events after
-its last checkpoint are dropped); the others are optional packages (`pip install wandb` / `mlflow`), an unknown
+its last checkpoint are dropped; a fresh start removes a killed start's event files: `forget_events`); the others are optional packages (`pip install wandb` / `mlflow`), an unknown
 or missing one is a one-line error before training starts.
 
 `StepProfiler` (`train.profile: N`) records the first N optimizer steps of this start with `torch.profiler` and
@@ -26,6 +26,18 @@ from tqdm.auto import tqdm
 from schemas.errors import UserError
 
 TRACE_DIR = "profile"
+LOGS_DIR = "logs"
+
+
+def forget_events(run_dir: Path) -> None:
+    """A fresh start's TensorBoard run begins anew: the event files of a start killed before its first checkpoint
+    go (as its validation curve does). Its writer's purge at step 1 hid them from TensorBoard only, and only
+    while its file sorts after theirs (names begin with the writing host's clock); other readers of RUN/logs got
+    both runs' points. Other trackers keep each start a run of its own."""
+    folder = run_dir / LOGS_DIR
+    if folder.is_dir():
+        for p in folder.glob("events.out.tfevents.*"):
+            p.unlink(missing_ok=True)
 
 
 def _flat(config: dict, prefix: str = "") -> dict[str, Any]:
@@ -65,9 +77,9 @@ class Trackers:
         self.trackers = []
         for cls in tracker_classes(names):
             if cls.name == "tensorboard":  # RUN/logs, as the SummaryWriter wrote it before
-                t = cls("logs", str(run_dir), **({"purge_step": purge_step} if purge_step else {}))
+                t = cls(LOGS_DIR, str(run_dir), **({"purge_step": purge_step} if purge_step else {}))
             elif cls.requires_logging_directory:
-                t = cls(run_dir.name, str(run_dir / "logs"))
+                t = cls(run_dir.name, str(run_dir / LOGS_DIR))
             else:
                 t = cls(run_dir.name)
             t.start()

@@ -48,6 +48,21 @@ SAMPLE_CFG = 4.0
 # What to change when validation runs out of memory (named in the error every rank prints).
 VALIDATION_OOM_ADVICE = ("lower train.sample_count or train.batch_size (held-out rows per forward), or validate "
                          "less often (train.sample_every / validate_every)")
+SAMPLES_DIR = "samples"
+
+
+def grid_path(run_dir: Path, step: int) -> Path:
+    return run_dir / SAMPLES_DIR / f"step-{step:06d}.png"
+
+
+def forget_grids(run_dir: Path) -> None:
+    """A fresh start's grids begin anew: those of a start killed before its first checkpoint were made by another
+    run, and a resume of this one at their step would take one for its own (`Validator._grid_recorded`)."""
+    folder = run_dir / SAMPLES_DIR
+    if folder.is_dir():
+        for p in folder.iterdir():  # grids and the temp files of a write the kill cut short
+            if p.name.startswith(("step-", ".step-")) and p.is_file():
+                p.unlink(missing_ok=True)
 
 
 @contextmanager
@@ -176,7 +191,7 @@ class Validator:
             (s.empty_embeds, s.empty_slot_mask), sample_sigmas=pipeline_sample_sigmas(self.model)))
 
     def _grid_recorded(self, step: int) -> bool:
-        return (self.run_dir / "samples" / f"step-{step:06d}.png").is_file()
+        return grid_path(self.run_dir, step).is_file()
 
     def _base_needed(self, r) -> bool:
         """Whether the base grid is to be computed: not when the curve this run appends to holds it already (a
@@ -254,13 +269,13 @@ class Validator:
         from store.format import atomic_write_bytes
 
         grid = self.samples_grid(r.transformer)
-        out = self.run_dir / "samples"
-        with one_line_errors("the sample grid", out):
-            out.mkdir(parents=True, exist_ok=True)
+        path = grid_path(self.run_dir, step)
+        with one_line_errors("the sample grid", path.parent):
+            path.parent.mkdir(parents=True, exist_ok=True)
             png = io.BytesIO()
             grid.save(png, format="PNG")
             # whole or absent: a resume takes the file's presence for "this step's grid is done" (`_grid_recorded`)
-            atomic_write_bytes(out / f"step-{step:06d}.png", png.getvalue())
+            atomic_write_bytes(path, png.getvalue())
         r.writer.add_image("samples/grid", np.asarray(grid), step, dataformats="HWC")
 
     def record(self, step: int, grid: np.ndarray) -> None:

@@ -1,6 +1,6 @@
 """Every CLI command started on several ranks (`pipeline launch`, torchrun, accelerate: WORLD_SIZE > 1) does
-what `pipeline.launched` says: splits its work, runs on rank 0 alone while the others wait, or is refused on
-every rank with one line. `pipeline launch ... run resize-bucket` ran a whole resize on every rank into the same
+what `pipeline.launched` says: splits its work, runs on rank 0 alone while the others wait, reads and prints on
+rank 0 alone while the others exit quietly, or is refused on every rank with one line. `pipeline launch ... run resize-bucket` ran a whole resize on every rank into the same
 store (one rank then stopped on the other's write lock, or rendered everything a second time)."""
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ def test_resize_bucket_under_a_launcher_runs_on_rank_0_while_rank_1_waits(tmp_pa
 SHARES = {"run encode-text", "run encode-vae", "run train", "run all",
           "run evaluate"}  # --all-checkpoints shares; one LoRA is refused (the test below)
 RANK_0_ALONE = {"run resize-bucket"}  # the test above
-READS_AND_PRINTS = {"config show", "store inspect", "plan"}  # every rank prints the same; nothing written
+READS_AND_PRINTS = {"config show", "plan"}  # every rank prints the same; nothing written
+RANK_0_PRINTS = {"store inspect"}  # rank 0 reads and prints, the others exit 0 quietly (the test below)
 STARTS_RANKS = {"launch"}
 # refused on every rank before any work: the arguments each needs to get past its parser
 REFUSED = {
@@ -76,7 +77,7 @@ def test_every_command_has_its_behaviour_under_a_launcher_decided():
 
     from pipeline.cli import app
 
-    decided = SHARES | RANK_0_ALONE | READS_AND_PRINTS | STARTS_RANKS | set(REFUSED)
+    decided = SHARES | RANK_0_ALONE | READS_AND_PRINTS | RANK_0_PRINTS | STARTS_RANKS | set(REFUSED)
     assert _command_paths(typer.main.get_command(app)) == decided
 
 
@@ -121,3 +122,27 @@ def test_evaluate_of_one_lora_is_refused_on_every_rank_before_a_store_url_is_pul
         assert lines[0].startswith("error: `pipeline run evaluate` runs in one process") and "launched as 2" in lines[0]
         assert "only --all-checkpoints" in lines[0], lines[0]
     assert not any(tmp_path.iterdir()), list(tmp_path.iterdir())  # nothing written: no cache, no report folder
+
+
+def test_store_inspect_of_a_url_under_a_launcher_is_fetched_and_printed_by_rank_0_alone(tmp_path, monkeypatch):
+    """Before, every rank fetched the store URL's metadata (its manifests: tens of MB each at a million samples)
+    and printed the same report."""
+    from typer.testing import CliRunner
+
+    import store.remote_view
+    from pipeline.cli import app
+    from store import Store
+    from store.remote_sync import push
+
+    url = f"file://{tmp_path / 'remote'}"
+    push(Store(tmp_path / "store").root, url)
+    fetched, real = [], store.remote_view.metadata_copy
+    monkeypatch.setattr(store.remote_view, "metadata_copy", lambda u, *a, **k: fetched.append(u) or real(u, *a, **k))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for rank in ("1", "0"):
+        monkeypatch.setenv("RANK", rank)
+        r = CliRunner().invoke(app, ["store", "inspect", url])
+        assert r.exit_code == 0, r.output
+        if rank == "1":
+            assert r.output == "" and fetched == [], r.output  # quiet, and nothing fetched
+    assert fetched == [url] and f"store {url}" in r.stdout, r.output
