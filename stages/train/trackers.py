@@ -4,8 +4,9 @@
 tensorboard, wandb, mlflow, comet_ml, aim, clearml, dvclive, swanlab, trackio) on the main process, and offers
 the two calls the trainer makes: `log({name: value}, step)` and `add_image(...)` (`add_scalar` for one value).
 TensorBoard, the default, writes RUN/logs as before (with `purge_step` on resume, so a killed run's events after
-its last checkpoint are dropped; a fresh start removes a killed start's event files: `forget_events`); the others are optional packages (`pip install wandb` / `mlflow`), an unknown
-or missing one is a one-line error before training starts.
+its last checkpoint are dropped; a fresh start removes a killed start's event files: `forget_events`); the others
+are optional packages (`pip install wandb` / `mlflow`), an unknown or missing one is a one-line error before
+training starts.
 
 `StepProfiler` (`train.profile: N`) records the first N optimizer steps of this start with `torch.profiler` and
 writes RUN/profile/trace-rank{R}.json (Chrome trace format: chrome://tracing, Perfetto, TensorBoard's profiler);
