@@ -106,10 +106,15 @@ def table_of(data: bytes) -> pa.Table:
     return pq.read_table(io.BytesIO(data))
 
 
+def empty() -> pa.Table:
+    """No rows (a store without quarantine.parquet)."""
+    return pa.table({c: pa.array([], pa.string()) for c in BASE_COLUMNS})
+
+
 def read(root: Path) -> pa.Table:
     path = root / fmt.QUARANTINE
     if not path.is_file():
-        return pa.table({c: pa.array([], pa.string()) for c in BASE_COLUMNS})
+        return empty()
     return _read(path)
 
 

@@ -457,6 +457,41 @@ def open_committed(root: Path, table: str, same: Callable[[Any], bool]) -> int |
     return found
 
 
+def manifest_keys(url: str, table: str, version: int):
+    """The key column of the remote's complete version `version` of `table`: its manifest, checked against the
+    version's sealed checksums.json (a damaged one is a UserError, never keys read from damaged bytes)."""
+    import pyarrow as pa
+
+    from store.checksum import crc_hex
+    from store.remote_sync import _checksums
+
+    remote, base = open_remote(url), f"{table}/v{version}"
+    with remote_errors(url, f"reading table '{table}' v{version}'s manifest"):
+        entry = _checksums(remote.read(f"{base}/{fmt.CHECKSUMS}"), f"{url}/{base}/{fmt.CHECKSUMS}")[fmt.MANIFEST]
+        data = remote.read(f"{base}/{fmt.MANIFEST}")
+    if (len(data), crc_hex(data)) != (int(entry["nbytes"]), entry["crc32c"]):
+        raise UserError(f"{url}/{base}/{fmt.MANIFEST} is damaged ({len(data)} bytes, crc32c {crc_hex(data)}; "
+                        f"{fmt.CHECKSUMS} records {entry['nbytes']} bytes, crc32c {entry['crc32c']})")
+    return pq.read_table(pa.BufferReader(data), columns=["key"]).column("key")
+
+
+def remote_quarantine(url: str):
+    """The rows of the remote's quarantine.parquet (none when it has none); a damaged one is refused in one line,
+    as a cache's open refuses it (store/remote_sync.pull_quarantine)."""
+    from store import quarantine
+    from store.remote_sync import damaged_quarantine
+
+    with remote_errors(url, f"reading {fmt.QUARANTINE}"):
+        try:
+            data = open_remote(url).read(fmt.QUARANTINE)
+        except FileNotFoundError:
+            return quarantine.empty()
+    rows, why = quarantine.parsed(data)
+    if rows is None:
+        raise damaged_quarantine(url, why)
+    return rows
+
+
 def _rows(remote, rel: str) -> int:
     """A manifest's row count, from its footer (a few range reads, not the whole manifest)."""
     with remote.fs.open(remote.path(rel), "rb") as f:

@@ -5,10 +5,14 @@ on_damaged is in no hash (a rerun or a resume may switch it). Under "stop" such 
 is: the run writes a new version that carries every sample forward from it (store/reuse.py) and reads only the
 left-out ones, which stop the run if they are still damaged and are encoded if they were repaired. The answer is
 derived from the store alone (its quarantine.parquet and the version's manifest), which every rank reads: the
-ranks then agree on the version found as on any other (plan.open_job, output.agreed_found). One rule with
+ranks then agree on the version found as on any other (plan.open_job, output.agreed_found). A store URL's complete
+version that is not current there, which a cache need not hold (`left_out_on_remote`), is judged from the remote's
+manifest and quarantine rows and each node's cache's rows, the ranks agreeing (nodes.writer_place). One rule with
 train's and evaluate's: `schemas.up_to_date.serves_on_damaged`."""
 
 from __future__ import annotations
+
+from typing import Callable
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -26,34 +30,58 @@ def left_out(store: Store, table: str, version: int) -> list[str]:
     resume that committed) leaves nothing out."""
     from store.manifest_files import checked_manifest
 
-    q = store.quarantine()
+    return _not_held(_damaged_inputs(store.quarantine(), table, version),
+                     lambda: checked_manifest(store.version_dir(table, version), ["key"]).column("key"))
+
+
+def left_out_on_remote(store: Store, url: str, table: str, version: int, remote_rows: bool) -> list[str]:
+    """`left_out` of a complete version the store URL `url` holds but its cache `store` need not (the remote's
+    `committed`, store/remote_parts.on_remote): the rows of the cache's quarantine.parquet (this node's: merged
+    into the remote's after the commit's store.json swap, so a lost swap left them here alone) and, `remote_rows`,
+    the remote's (other caches' runs); the keys of the remote's manifest."""
+    from store.remote_parts import manifest_keys, remote_quarantine
+
+    keys = _damaged_inputs(store.quarantine(), table, version)
+    if remote_rows:
+        keys |= _damaged_inputs(remote_quarantine(url), table, version)
+    return _not_held(keys, lambda: manifest_keys(url, table, version))
+
+
+def _damaged_inputs(q: pa.Table, table: str, version: int) -> set[str]:
+    """The keys quarantine rows `q` record as damaged inputs of version `version` of `table`."""
     if "table_version" not in q.column_names or not q.num_rows:
-        return []
+        return set()
     mine = q.filter(pc.and_(pc.equal(q.column("reason"), DAMAGED_INPUT),
                             pc.equal(q.column("table_version"), f"{table}/v{version}")))
-    keys = sorted(set(mine.column("key").to_pylist()) - {None})
+    return set(mine.column("key").to_pylist()) - {None}
+
+
+def _not_held(keys: set[str], held: Callable[[], pa.ChunkedArray]) -> list[str]:
+    """`keys` the version's manifest (`held()`: its key column) lacks, sorted."""
     if not keys:
         return []  # the common case: the manifest is not read
     try:
-        held = checked_manifest(store.version_dir(table, version), ["key"]).column("key").combine_chunks()
+        there = held().combine_chunks()
     except UserError:  # unreadable: it cannot show it holds them
-        return keys
-    wanted = pa.array(keys, pa.string())
-    return wanted.filter(pc.invert(pc.is_in(wanted, value_set=held))).to_pylist()
+        return sorted(keys)
+    wanted = pa.array(sorted(keys), pa.string())
+    return wanted.filter(pc.invert(pc.is_in(wanted, value_set=there))).to_pylist()
 
 
 def serving_version(store: Store, stage: str, table: str, found: int | None, on_damaged: str,
-                    say: bool = False) -> int | None:
+                    say: bool = False, left: Callable[[], list[str]] | None = None) -> int | None:
     """`found` (a complete version of this run's lineage), or None when it left damaged inputs out and this run is
     under on_damaged=stop (`schemas.up_to_date.serves_on_damaged`): the run then carries its samples forward into a
     new version and reads the left-out ones again. `say`: print why (one rank). The one check of both looks for a
-    reusable version, before the model loads (plan.open_job) and after (output: one committed meanwhile)."""
+    reusable version, before the model loads (plan.open_job) and after (output: one committed meanwhile), and of a
+    store URL's complete version that is not current there (nodes.writer_place). `left`: the version's left-out
+    samples (default: `left_out` in `store`)."""
     if found is None:
         return None
     keys: list[str] = []
 
     def read() -> list[str]:  # kept for the message
-        keys[:] = left_out(store, table, found)
+        keys[:] = left() if left is not None else left_out(store, table, found)
         return keys
 
     if current.serves_on_damaged(on_damaged, read):

@@ -25,9 +25,11 @@ _BITS = 62  # a cache's identity, as an integer every rank can all-reduce
 
 class Place(NamedTuple):
     """Where the ranks write. `version`, `url`: the agreed version and the store URL when they write a URL through
-    more than one cache; None, None otherwise (the writer opens its version as always). `committed`: a complete
-    version of this very schema that the remote holds but not as current (its store.json swap lost, or another
-    writer's version made current since): adopted, not written."""
+    more than one cache; None, None otherwise (the writer opens its version as always), but `version` alone for one
+    cache whose number must be clear of the remote's (a `committed` one refused). `committed`: a complete version
+    of this very schema that the remote holds but not as current (its store.json swap lost, or another writer's
+    version made current since): adopted, not written, unless it left damaged inputs out and this run stops on
+    them (`_serves`)."""
 
     version: int | None = None
     url: str | None = None
@@ -58,17 +60,40 @@ def writer_place(job: EncodeJob, schema: TableSchema) -> Place:
             if job.ranks.rank == 0 else OnRemote(set())
     # rank 0 alone knows the remote: the others send 0
     committed, rows, current = all_max(world, [remote.committed, remote.rows, remote.current])
-    if committed:
+    if committed and _serves(job, url, committed):
         return Place(url=url, committed=committed, rows=rows, current=current)
-    if world <= 1:
+    if world <= 1 and not committed:
         return Place()
     (high, low), (agreed, _) = spread(world, [cache, mine])
-    if high == low:
-        return Place()
+    if high == low:  # one cache: it commits there and pushes back
+        if not committed:
+            return Place()
+        # a committed version refused: the cache may not know its number, which the push must not meet again
+        with fmt.flock(job.store.root / fmt.STORE_LOCK):  # any number of ranks resumes a version of one folder
+            agreed = candidate_version(job.store.root, table, want)
     while agreed in remote.taken:
         agreed += 1
     (agreed,) = all_max(world, [agreed if job.ranks.rank == 0 else 0])
-    return Place(agreed, url)
+    return Place(agreed, url if high != low else None)
+
+
+def _serves(job: EncodeJob, url: str, committed: int) -> bool:
+    """Whether the remote's complete version `committed` serves this run as it is (stages/encode/current.py: under
+    on_damaged=stop, not one that left damaged inputs out), agreed by every rank. Rank 0 reads the remote's
+    quarantine rows, and each node's local rank 0 its cache's (a lost swap left a node's rows there alone)."""
+    from models.collective import all_max, together
+    from stages.encode.current import left_out_on_remote, serving_version
+
+    rank, stage, table = job.ranks.rank, job.summary.stage, job.summary.table
+    looks = rank == 0 or job.ranks.local_rank == 0
+    # a copy complete in this cache was refused by the look before the model loaded (plan.open_job), which said so
+    say = not fmt.is_complete(job.store.version_dir(table, committed))
+    with together(job.ranks.world_size, f"{stage}: whether table '{table}' v{committed} at {url} left inputs out"):
+        serves = not looks or serving_version(
+            job.store, stage, table, committed, job.on_damaged, say=say,
+            left=lambda: left_out_on_remote(job.store, url, table, committed, remote_rows=rank == 0)) is not None
+    (refused,) = all_max(job.ranks.world_size, [0 if serves else 1])
+    return not refused
 
 
 def cache_identity(root: Path) -> int:

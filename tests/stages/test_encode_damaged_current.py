@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from schemas import FieldSpec, Lineage, TableSchema
-from stages.encode.current import left_out, serving_version
+from stages.encode.current import left_out, left_out_on_remote, serving_version
 from stages.encode.summary import DAMAGED_INPUT
 from store import Store
 
@@ -41,3 +41,21 @@ def test_only_damaged_inputs_this_version_lacks_are_left_out(tmp_path):
     assert serving_version(st, "encode-vae", "vae", 1, "stop") is None
     assert serving_version(st, "encode-vae", "vae", 1, "skip") == 1
     assert _version(st, ["a", "b", "c", "e"]) == 2 and serving_version(st, "encode-vae", "vae", 2, "stop") == 2
+
+
+def test_a_remote_versions_left_out_samples_from_the_remotes_rows_and_the_nodes_cache(tmp_path):
+    """A store URL's version the cache need not hold (stages/encode/nodes.writer_place): its keys from the remote's
+    manifest, the rows from the remote's quarantine.parquet and from this node's cache (a lost store.json swap left
+    a node's rows there alone)."""
+    from store.remote_sync import push
+
+    st = Store(tmp_path / "store")
+    assert _version(st, ["a", "b"]) == 1
+    st.add_quarantine([_rejected("c", "vae/v1"), _rejected("b", "vae/v1")])
+    url = f"file://{tmp_path / 'remote'}"
+    push(st.root, url)
+    cache = Store(tmp_path / "cache")  # holds no copy of v1
+    cache.add_quarantine([_rejected("d", "vae/v1"), _rejected("e", "vae/v2")])
+    assert left_out_on_remote(cache, url, "vae", 1, remote_rows=True) == ["c", "d"]
+    assert left_out_on_remote(cache, url, "vae", 1, remote_rows=False) == ["d"]  # another node's rank: its own rows
+    assert left_out_on_remote(Store(tmp_path / "empty"), url, "vae", 1, remote_rows=False) == []
