@@ -463,11 +463,11 @@ def manifest_keys(url: str, table: str, version: int):
     import pyarrow as pa
 
     from store.checksum import crc_hex
-    from store.remote_sync import _checksums
+    from store.remote_sync import version_files
 
     remote, base = open_remote(url), f"{table}/v{version}"
     with remote_errors(url, f"reading table '{table}' v{version}'s manifest"):
-        entry = _checksums(remote.read(f"{base}/{fmt.CHECKSUMS}"), f"{url}/{base}/{fmt.CHECKSUMS}")[fmt.MANIFEST]
+        entry = version_files(remote.read(f"{base}/{fmt.CHECKSUMS}"), f"{url}/{base}/{fmt.CHECKSUMS}")[fmt.MANIFEST]
         data = remote.read(f"{base}/{fmt.MANIFEST}")
     if (len(data), crc_hex(data)) != (int(entry["nbytes"]), entry["crc32c"]):
         raise UserError(f"{url}/{base}/{fmt.MANIFEST} is damaged ({len(data)} bytes, crc32c {crc_hex(data)}; "

@@ -103,7 +103,9 @@ def _ordered(table: str, version: int, files: dict[str, dict[str, Any]], record:
                    _File(base + fmt.MANIFEST, int(manifest["nbytes"]), manifest["crc32c"])]
 
 
-def _checksums(record: bytes, where: str) -> dict[str, dict[str, Any]]:
+def version_files(record: bytes, where: str) -> dict[str, dict[str, Any]]:
+    """The `files` of a version's sealed checksums.json (`record`, read from `where`): damaged, of a newer
+    release, or without the manifest: one line."""
     try:
         obj = unseal(record)
     except SealError as e:
@@ -209,7 +211,7 @@ def _plan_push(remote: Remote, src: Path, url: str, listing: dict[str, int] | No
             raise UserError(f"{vdir} has no {fmt.CHECKSUMS} (store format 1): push copies only versions it "
                             "can verify; rebuild the table with this version of the pipeline")
         record = (vdir / fmt.CHECKSUMS).read_bytes()
-        files = _ordered(table, version, _checksums(record, str(vdir / fmt.CHECKSUMS)), record)
+        files = _ordered(table, version, version_files(record, str(vdir / fmt.CHECKSUMS)), record)
         manifest = files[-1]
         if manifest.rel in listing:
             if not _same(remote, listing, manifest):
@@ -463,7 +465,7 @@ def pull(url: str, dst: Path, storage_options: dict[str, Any] | None = None,
             if damaged_ok and fmt.damaged_marker(dst, table, version).exists():  # replaced here by a killed repair
                 continue
             record = remote.read(f"{table}/v{version}/{fmt.CHECKSUMS}")
-            files = _ordered(table, version, _checksums(record, f"{url}/{table}/v{version}/{fmt.CHECKSUMS}"),
+            files = _ordered(table, version, version_files(record, f"{url}/{table}/v{version}/{fmt.CHECKSUMS}"),
                              record)
             vdir = fmt.version_dir(dst, table, version)
             if vdir.exists():
@@ -506,7 +508,7 @@ def _all_cached(remote: Remote, dst: Path, tables: list[str], summary: SyncSumma
         return False
     for t, v in wanted:
         where = f"{remote.url}/{t}/v{v}/{fmt.CHECKSUMS}"
-        manifest = _checksums(remote.read(f"{t}/v{v}/{fmt.CHECKSUMS}"), where)[fmt.MANIFEST]
+        manifest = version_files(remote.read(f"{t}/v{v}/{fmt.CHECKSUMS}"), where)[fmt.MANIFEST]
         if remote_checked.known_crc(fmt.version_dir(dst, t, v) / fmt.MANIFEST)[0] != manifest["crc32c"]:
             raise _conflict(t, v, remote.url, dst)
         summary.present.append(f"{t}/v{v}")

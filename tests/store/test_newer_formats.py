@@ -94,11 +94,11 @@ def test_a_newer_store_json_at_a_url_says_so() -> None:
 def test_a_remote_versions_checksums_record_of_a_newer_format_is_not_taken_apart() -> None:
     """Push and pull copy a version by its checksums.json: a newer one's files are not this code's to list (before:
     its entries read as format 1's, "does not list manifest.parquet; the version cannot be checked")."""
-    from store.remote_sync import _checksums
+    from store.remote_sync import version_files
 
     record = seal({"format": 2, "objects": {fmt.MANIFEST: {"size": 10, "xxh3": "0"}}})
     with pytest.raises(UserError, match=newer(2, 1)):
-        _checksums(record, "s3://b/p/vae/v1/checksums.json")
+        version_files(record, "s3://b/p/vae/v1/checksums.json")
 
 
 def test_a_newer_schema_json_is_refused_when_its_checksum_holds(store: Store) -> None:
