@@ -357,11 +357,11 @@ def _open_version(remote: Remote, root: Path, table: str, version: int) -> bool:
     """The version's metadata fetched and checked into `root` unless cached already (then checked to be the
     remote's: one GET of its checksums.json); whether it was fetched."""
     from store.remote_checked import known_crc
-    from store.remote_sync import _checksums, _conflict, _ordered
+    from store.remote_sync import version_files, _conflict, _ordered
 
     where = f"{remote.url}/{table}/v{version}/{fmt.CHECKSUMS}"
     record = remote.read(f"{table}/v{version}/{fmt.CHECKSUMS}")
-    files = _ordered(table, version, _checksums(record, where), record)
+    files = _ordered(table, version, version_files(record, where), record)
     vdir = fmt.version_dir(root, table, version)
     if vdir.exists() and not fmt.is_complete(vdir):
         _set_aside_if_dead(root, table, vdir)  # a dead writer's folder, its number committed on the remote since
@@ -423,7 +423,7 @@ def mark_copies(url: str, root: Path, storage_options: dict[str, Any] | None = N
     a writer committed here and never pushed stays unmarked (store/remote_cache.py never evicts it). Two requests
     per unmarked version, while there are any."""
     from store.remote_checked import known_crc
-    from store.remote_sync import _checksums
+    from store.remote_sync import version_files
 
     unmarked = [(t.name, v) for t in sorted(root.iterdir()) if t.is_dir() and not t.name.startswith(".")
                 for v in fmt.list_versions(root, t.name)
@@ -435,7 +435,7 @@ def mark_copies(url: str, root: Path, storage_options: dict[str, Any] | None = N
         for t, v in unmarked:
             vdir = fmt.version_dir(root, t, v)
             try:
-                there = _checksums(remote.read(f"{t}/v{v}/{fmt.CHECKSUMS}"), f"{url}/{t}/v{v}/{fmt.CHECKSUMS}")
+                there = version_files(remote.read(f"{t}/v{v}/{fmt.CHECKSUMS}"), f"{url}/{t}/v{v}/{fmt.CHECKSUMS}")
             except (FileNotFoundError, UserError):  # not pushed; or damaged there: not a copy to refetch from
                 continue
             if there[fmt.MANIFEST]["crc32c"] == known_crc(vdir / fmt.MANIFEST)[0] and \

@@ -19,7 +19,7 @@ from store import format as fmt
 from store.checksum import crc_hex
 from store.remote import Remote, open_remote, remote_errors
 from store import quarantine
-from store.remote_sync import _MANIFEST_RE, _checksums, _progress, damaged_quarantine, marker_rel
+from store.remote_sync import _MANIFEST_RE, version_files, _progress, damaged_quarantine, marker_rel
 
 METADATA = (fmt.SCHEMA_JSON, fmt.MANIFEST)
 
@@ -64,7 +64,7 @@ def _version_metadata(remote: Remote, url: str, base: str, vdir: Path, bar) -> N
     vdir.mkdir(parents=True)
     record = remote.read(f"{base}/{fmt.CHECKSUMS}")
     bar.update(len(record))
-    files = _checksums(record, f"{url}/{base}/{fmt.CHECKSUMS}")
+    files = version_files(record, f"{url}/{base}/{fmt.CHECKSUMS}")
     (vdir / fmt.CHECKSUMS).write_bytes(record)
     for name in METADATA:
         if name not in files:
