@@ -71,6 +71,16 @@ def build(folder: Path, n: int, per_shard: int, seed: int = 0) -> list[Path]:
     if done.is_file():
         return sorted(folder.glob("*.index.parquet"))
     folder.mkdir(parents=True, exist_ok=True)
+    table = index_rows(n, per_shard, seed)
+    names = table.column("shard").unique().to_pylist()
+    for j, name in enumerate(names):
+        pq.write_table(table.slice(j * per_shard, per_shard), folder / name.replace(".tar", ".index.parquet"))
+    done.touch()
+    return sorted(folder.glob("*.index.parquet"))
+
+
+def index_rows(n: int, per_shard: int, seed: int = 0) -> pa.Table:
+    """n manifest rows in random key order, `per_shard` rows a shard in order (8 ranks' shards)."""
     rng = np.random.default_rng(seed)
     raw = binascii.hexlify(rng.bytes(16 * n)).decode()
     keys = pa.array([raw[i * 32:(i + 1) * 32] for i in range(n)], pa.string())
@@ -97,10 +107,7 @@ def build(folder: Path, n: int, per_shard: int, seed: int = 0) -> list[Path]:
                                                 2, axis=0).tolist()), np.full(n, 2)),
         "num_controls": pa.array(np.ones(n, np.int64)), "has_mask": pa.array(np.zeros(n, bool)),
     })
-    for j, name in enumerate(names):
-        pq.write_table(table.slice(j * per_shard, per_shard), folder / name.replace(".tar", ".index.parquet"))
-    done.touch()
-    return sorted(folder.glob("*.index.parquet"))
+    return table
 
 
 def timed(fn, paths, read) -> tuple[float, float]:
