@@ -213,8 +213,8 @@ def _manifest_problems(vdir: Path, name: str, sums: dict[str, dict[str, Any]] | 
     try:
         keys = manifest.column("key").to_pylist()
         # the manifest taken in shard order once, each shard's rows a slice of it: a take per shard from the
-        # manifest as read (one chunk per row group) joined every column's chunks again each time, ~80 ms a shard
-        # at 1M rows (O(shards x rows): ~13 min for 10k shards; bench/verify_shard_rows.py)
+        # manifest as read (one chunk per row group) joined every column's chunks again each time, ~85 ms a shard
+        # at 1M rows (O(shards x rows): ~14 min for 10k shards; bench/rows_by_shard.py)
         by_order = manifest.take(pc.sort_indices(manifest.column("shard")))
         shards = by_order.column("shard").to_pylist()
     except Exception as e:  # noqa: BLE001

@@ -1,22 +1,26 @@
-"""`store verify` at scale (store/verify.py `_manifest_problems`, `shard_rows`; `store verify URL` too): a version's
-manifest rows turned into Python one shard at a time, before each shard's bytes are checked. The manifest as read
-holds one chunk per parquet row group (fmt.parquet_bytes writes a 1M-row manifest as several), and a take from a
-chunked table joins each column's chunks first: a take per shard cost O(rows), the pass O(shards x rows).
-
+"""A manifest's rows shard by shard at scale, the old way and the new in the same run, where a pass did one take or
+filter per shard over the whole manifest (O(shards x rows)); the manifest as read also holds one chunk per parquet
+row group (fmt.parquet_bytes writes a 1M-row manifest as several), and a take from a chunked table joins each
+column's chunks first, every time:
+  verify  `store verify` (and `store verify URL`): store/verify.py `_manifest_problems` + `shard_rows`, each shard's
+          rows turned into Python before its bytes are checked
+          old: the former `shard_rows` (`manifest.take(indices)` of the shard's rows, kept below) of the first
+          --old-shards shards, the pass extrapolated from their mean; new: every shard's `shard_rows` (a zero-copy
+          slice each) + the one take in shard order `_manifest_problems` now makes
+  repair  `store repair` linking each intact shard of a damaged version into the repaired one (store/repair.py
+          `_carry`): old `manifest.filter(shard == name)` per shard (kept below, of the first --old-shards shards,
+          extrapolated); new `store.manifest.rows_by_shard` once, every shard's rows then looked up
 Writes a vae-like manifest of each --samples size (locating and checksum columns, two tensors per sample,
 img_shapes; --per-shard rows a shard) through fmt.parquet_bytes into --dir (reused on reruns), reads it as verify
-does, then measures in the same run:
-  old  the former `shard_rows` (`manifest.take(indices)` of the shard's rows, grouped as before: kept below) of
-       the first --old-shards shards, the pass extrapolated from their mean
-  new  `shard_rows` of every shard (a zero-copy slice each) + the one take in shard order `_manifest_problems`
-       now makes
-checking both give the same rows for the shards both turned. Prints per size: row groups, shards, the old time a
-shard and for the whole pass, the new pass, and old / new. 2-core shared dev machine, 100 rows a shard: 100k rows
-(1 row group), 1,000 shards: old 2.1 s, new 2.1 s (1.0x); 1M rows (8 row groups), 10,000 shards: old 77.6 ms a
-shard, ~13 min for the pass (extrapolated from 100 shards), new 19.3 s (2.7 s of it the take in shard order): 40x.
-At ~30k shards (a 1M-sample text table) the old pass was ~40 min, on every table of every `store verify`.
+and repair do, checks old and new give the same rows for the shards both turned, and prints per size and pass:
+row groups, shards, the old time a shard and for the pass, the new pass, old / new. 2-core shared dev machine,
+100 rows a shard:
+  100k rows (1 row group), 1,000 shards: verify 2.4 s either way (1.0x); repair old 0.9 s, new 0.19 s (4.4x)
+  1M rows (8 row groups), 10,000 shards: verify old 84.9 ms a shard, ~14 min for the pass (extrapolated from 100
+  shards), new 19.6 s (43x); repair old 6.6 ms a shard, ~66 s, new 2.5 s (27x)
+At ~30k shards (a 1M-sample text table) the old verify pass was ~40 min, on every table of every `store verify`.
 
-    python bench/verify_shard_rows.py --samples 100000 1000000
+    python bench/rows_by_shard.py --samples 100000 1000000
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's 
 from commit_indexes import index_rows  # noqa: E402  (bench/: the same synthetic manifest rows)
 from store import format as fmt  # noqa: E402
 from store import verify  # noqa: E402
+from store.manifest import rows_by_shard  # noqa: E402
 from store.manifest_files import read_manifest  # noqa: E402
 
 
@@ -83,9 +88,12 @@ def build(root: Path, n: int, per_shard: int) -> Path:
 def measure(vdir: Path, old_shards: int) -> dict:
     manifest = read_manifest(vdir, (vdir / fmt.MANIFEST).read_bytes())
     parts = old_parts(manifest)
+    n_old = min(old_shards, len(parts))
+    common = {"rows": manifest.num_rows, "row_groups": manifest.column("key").num_chunks, "shards": len(parts),
+              "old_extrapolated": n_old < len(parts)}
     t0 = time.perf_counter()
-    old_rows = [old_shard_rows(manifest, idx, "vae/v1")[0] for _, idx in parts[:old_shards]]
-    t_old = (time.perf_counter() - t0) / min(old_shards, len(parts))
+    old_rows = [old_shard_rows(manifest, idx, "vae/v1")[0] for _, idx in parts[:n_old]]
+    t_old = (time.perf_counter() - t0) / n_old
     t0 = time.perf_counter()
     manifest.take(pc.sort_indices(manifest.column("shard")))  # what `_manifest_problems` adds: one take in order
     t_order = time.perf_counter() - t0
@@ -93,12 +101,21 @@ def measure(vdir: Path, old_shards: int) -> dict:
     t0 = time.perf_counter()
     new_rows = [verify.shard_rows(part, "vae/v1")[0] for _, part in sorted(by_shard.items())]
     t_new = time.perf_counter() - t0 + t_order
-    assert new_rows[:len(old_rows)] == old_rows, "old and new shard rows differ"
-    old_total = t_old * len(parts)
-    return {"rows": manifest.num_rows, "row_groups": manifest.column("key").num_chunks, "shards": len(parts),
-            "old_ms_a_shard": round(1e3 * t_old, 2), "old_s": round(old_total, 1),
-            "old_extrapolated": old_shards < len(parts), "new_s": round(t_new, 2), "new_order_s": round(t_order, 2),
-            "old_over_new": round(old_total / t_new, 1)}
+    assert new_rows[:n_old] == old_rows, "verify: old and new shard rows differ"
+    out = {"verify": {**common, "old_ms_a_shard": round(1e3 * t_old, 2), "old_s": round(t_old * len(parts), 1),
+                      "new_s": round(t_new, 2), "old_over_new": round(t_old * len(parts) / t_new, 1)}}
+    names = [name for name, _ in parts]
+    t0 = time.perf_counter()
+    old_rows = [manifest.filter(pc.equal(manifest.column("shard"), name)) for name in names[:n_old]]
+    t_old = (time.perf_counter() - t0) / n_old
+    t0 = time.perf_counter()
+    grouped = rows_by_shard(manifest)
+    new_rows = [grouped.get(name) for name in names]
+    t_new = time.perf_counter() - t0
+    assert all(a.equals(b) for a, b in zip(old_rows, new_rows)), "repair: old and new shard rows differ"
+    out["repair"] = {**common, "old_ms_a_shard": round(1e3 * t_old, 2), "old_s": round(t_old * len(parts), 1),
+                     "new_s": round(t_new, 2), "old_over_new": round(t_old * len(parts) / t_new, 1)}
+    return out
 
 
 def main() -> None:
@@ -112,7 +129,8 @@ def main() -> None:
         t0 = time.perf_counter()
         vdir = build(a.dir, n, a.per_shard)
         print(f"built/found {n} rows in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-        print(json.dumps(measure(vdir, a.old_shards)))
+        for name, figures in measure(vdir, a.old_shards).items():
+            print(name, json.dumps(figures))
 
 
 if __name__ == "__main__":
