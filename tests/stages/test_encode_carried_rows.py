@@ -17,9 +17,10 @@ from store import Store
 from store.reuse import with_columns
 
 
-def _images(st: Store, name: str, columns: dict[str, list]) -> object:
+def _images(st: Store, name: str, columns: dict[str, list]):
     schema = TableSchema(name=name, lineage=Lineage("resize-bucket", config_hash=name, upstream={}, code_version="x"),
-                         fields=[FieldSpec("target.png", "png", kind="file"), FieldSpec("img_shapes", "json", kind="column"),
+                         fields=[FieldSpec("target.png", "png", kind="file"),
+                                 FieldSpec("img_shapes", "json", kind="column"),
                                  *(FieldSpec(c, "string", kind="column", optional=True) for c in columns)])
     w = st.writer(name, schema, shard_size_mb=0.0005)
     for i, k in enumerate(KEYS):
