@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from schemas.errors import UserError
 from store.arrow_columns import fixed_width_view, strictly_increasing
@@ -60,6 +61,23 @@ class KeyIndex:
             return None
         i = int(np.searchsorted(keys, b))
         return i if i < len(keys) and keys[i] == b else None
+
+    def rows_of_keys(self, keys: pa.Array | pa.ChunkedArray) -> np.ndarray:
+        """Each key's row number (-1: not in the table), for a whole column of keys at once: one binary search over
+        the sorted fixed-width keys (the usual case), else Arrow's hash lookup; no Python str per key."""
+        if isinstance(keys, pa.ChunkedArray):
+            keys = keys.combine_chunks()
+        if not pa.types.is_string(keys.type):
+            keys = keys.cast(pa.string())
+        if self._sorted_fixed is False:
+            self._sorted_fixed = fixed_width_view(self.array) if self.sorted else None
+        table, probe = self._sorted_fixed, fixed_width_view(keys)
+        if table is not None and probe is not None and probe.dtype == table.dtype:
+            # equal widths, keys without NUL bytes (KEY_RE): numpy's `S` comparison is the bytewise one here
+            at = np.minimum(np.searchsorted(table, probe), len(table) - 1)
+            return np.where(table[at] == probe, at, -1).astype(np.int64)
+        found = pc.index_in(keys, value_set=self.array).fill_null(-1)
+        return found.to_numpy(zero_copy_only=False).astype(np.int64)
 
     @property
     def dict_built(self) -> bool:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterable
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from schemas.errors import UserError
@@ -75,6 +78,26 @@ def empty_manifest() -> pa.Table:
 WHERE_COLUMNS = frozenset({"shard", "shard_sha256", "shard_nbytes", "shard_crc32c", "sample_offset", "tensors", "files"})
 
 
+# shard indexes read at a time by a commit: parquet decoding releases the GIL, and on a shared file system each
+# file is a round trip or more
+INDEX_READERS = 8
+
+
+def read_indexes(paths: Iterable[Path]) -> list[pa.Table]:
+    """Each shard index whole, in order, `INDEX_READERS` at a time, through pq.ParquetFile (about half of
+    pq.read_table's cost per file): a commit reads one per shard, ~20-30k at 1M samples (one after the other, ~2 ms
+    each, up to a minute while every rank waits: bench/commit_indexes.py)."""
+    def read(p: Path) -> pa.Table:
+        with pq.ParquetFile(p) as f:
+            return f.read(use_threads=False)
+
+    paths = list(paths)
+    if len(paths) < 2:
+        return [read(p) for p in paths]
+    with ThreadPoolExecutor(min(INDEX_READERS, len(paths))) as pool:
+        return list(pool.map(read, paths))
+
+
 def merge_indexes(paths: Iterable[Path]) -> pa.Table:
     """Concatenate per-shard indexes into one manifest sorted by key.
 
@@ -82,18 +105,20 @@ def merge_indexes(paths: Iterable[Path]) -> pa.Table:
     whose sha256 covers its meta, and the meta columns) keeps the earlier shard's row: a resumed writer whose view
     of a shared folder hid the first shard's index wrote the sample again, and the later shard's other rows stay.
     Any other duplicate key (two ranks, or other content) is an error naming both shards."""
-    parts = [pq.read_table(p) for p in paths]
+    parts = read_indexes(paths)
     if not parts:
         return empty_manifest()
     table = pa.concat_tables(parts, promote_options="permissive")
     table = table.sort_by([("key", "ascending"), ("shard", "ascending")])  # a rank's shards: by number (zero-padded)
-    keys = table.column("key").to_pylist()
-    again = [i for i in range(1, len(keys)) if keys[i] == keys[i - 1]]
-    if not again:
+    keys = table.column("key").combine_chunks()
+    # rows whose key is the one before (sorted): found in Arrow, not as a Python str per row
+    again = np.flatnonzero(pc.equal(keys.slice(1), keys.slice(0, len(keys) - 1)).to_numpy(zero_copy_only=False)) + 1 \
+        if len(keys) > 1 else np.zeros(0, np.int64)
+    if not len(again):
         return table
     content = [c for c in table.column_names if c not in WHERE_COLUMNS]
-    later = table.take(again).to_pylist()
-    earlier = table.take([i - 1 for i in again]).to_pylist()
+    later = table.take(pa.array(again)).to_pylist()
+    earlier = table.take(pa.array(again - 1)).to_pylist()
     for a, b in zip(earlier, later):
         if _rank(a["shard"]) != _rank(b["shard"]) or any(a[c] != b[c] for c in content):
             raise UserError(
@@ -101,8 +126,19 @@ def merge_indexes(paths: Iterable[Path]) -> pa.Table:
                 f"{' (other content)' if _rank(a['shard']) == _rank(b['shard']) else ''}: each sample must be "
                 "written once; nothing committed. Delete the later shard's .tar and .index.parquet, then rerun: "
                 "its samples are written again")
-    drop = set(again)
-    return table.filter(pa.array([i not in drop for i in range(len(keys))], pa.bool_()))
+    keep = np.ones(len(keys), bool)
+    keep[again] = False
+    return table.filter(pa.array(keep))
+
+
+def rows_by_shard(rows: pa.Table) -> dict[str, pa.Table]:
+    """Each shard's rows (in their order: a stable sort), as zero-copy slices of one sorted copy: a filter or a take
+    per shard reads every row each time, O(shards x rows), minutes over a million samples in tens of thousands of
+    shards (and a take from a manifest as read, one chunk per row group, joins its chunks first every time)."""
+    rows = rows.take(pc.sort_indices(rows, sort_keys=[("shard", "ascending")]))
+    names = rows.column("shard").to_pylist()
+    starts = [i for i in range(len(names)) if i == 0 or names[i] != names[i - 1]]
+    return {names[a]: rows.slice(a, b - a) for a, b in zip(starts, [*starts[1:], len(names)])}
 
 
 def _rank(shard: str) -> str:

@@ -134,6 +134,11 @@ class TableReader:
     def row_of(self, key: str) -> int | None:
         return self.view.keys.row_of(key)
 
+    def rows_of_keys(self, keys: pa.Array | pa.ChunkedArray) -> np.ndarray:
+        """Each key's row number, -1 where the table lacks it (store/key_index.py), for whole columns of keys: take
+        another table's rows' values from this one with `column(name).take(...)`, not `meta(key)` row by row."""
+        return self.view.keys.rows_of_keys(keys)
+
     def keys(self) -> list[str]:
         return list(self.view.keys.as_list())
 

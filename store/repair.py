@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from schemas.errors import UserError
 from schemas.newer import WrittenByNewer
@@ -35,7 +34,7 @@ from store import format as fmt
 from store import integrity, quarantine
 from store.checksum import file_crc
 from store.io_errors import writing
-from store.manifest import merge_indexes
+from store.manifest import merge_indexes, rows_by_shard
 from store.manifest_files import read_schema
 from store.reader import TableReader
 from store.verify import verify_version
@@ -344,10 +343,11 @@ def replace_damaged(st, table: str, new: int, damaged: int, how: str) -> str:
     return set_aside(st.version_dir(table, damaged))
 
 
-def _carry(w, src: Path, manifest: pa.Table) -> None:
-    """Link a shard into the repaired version with its rows, unless an earlier, killed repair already did."""
-    rows = manifest.filter(pc.equal(manifest.column("shard"), src.name))
-    if rows.num_rows and not set(rows.column("key").to_pylist()) <= w.done_keys:
+def _carry(w, src: Path, by_shard: dict[str, pa.Table]) -> None:
+    """Link a shard into the repaired version with its rows (`by_shard`: the manifest's, `rows_by_shard`), unless
+    an earlier, killed repair already did."""
+    rows = by_shard.get(src.name)
+    if rows is not None and rows.num_rows and not set(rows.column("key").to_pylist()) <= w.done_keys:
         w.add_linked_shard(src, rows)
 
 
@@ -364,9 +364,11 @@ def _repair_table(st, t: TablePlan, recompute: Recompute | None, echo: Callable[
     assert manifest is not None
     reader = _reader_on(vdir, t.table, t.version, manifest)
     w = st.writer(t.table, schema)
+    # each shard's rows from one sort: a filter of the manifest per shard was O(shards x rows), ~1 min at 1M rows
+    by_shard = rows_by_shard(manifest) if t.intact_shards or t.trimmed else {}
     try:
         for shard in t.intact_shards:
-            _carry(w, vdir / shard, manifest)
+            _carry(w, vdir / shard, by_shard)
         for shard, nbytes in t.trimmed.items():  # the recorded bytes only, as a new file (versions are immutable)
             trim_dir = vdir.parent / f".trim-v{t.version}"
             trim_dir.mkdir(exist_ok=True)
@@ -375,7 +377,7 @@ def _repair_table(st, t: TablePlan, recompute: Recompute | None, echo: Callable[
                 while left and (chunk := src.read(min(left, 8 << 20))):
                     dst.write(chunk)
                     left -= len(chunk)
-            _carry(w, trim_dir / shard, manifest)
+            _carry(w, trim_dir / shard, by_shard)
             shutil.rmtree(trim_dir, ignore_errors=True)
         for key in t.copied:
             if key not in w.done_keys:

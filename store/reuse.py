@@ -221,14 +221,10 @@ def carry_forward(writer: TableWriter, src_version: int, rows: pa.Table,
     from tqdm.auto import tqdm
 
     from store.lease import hold
+    from store.manifest import rows_by_shard
 
     src_dir = fmt.version_dir(writer.store.root, writer.table, src_version)
-    rows = with_columns(rows, views or {})
-    # grouped by one stable sort (rows keep their order within a shard): a filter per shard was O(shards x rows),
-    # minutes over a million samples in tens of thousands of shards
-    rows = rows.take(pc.sort_indices(rows, sort_keys=[("shard", "ascending")]))
-    names = rows.column("shard").to_pylist()
-    starts = [i for i in range(len(names)) if i == 0 or names[i] != names[i - 1]]
+    parts = rows_by_shard(with_columns(rows, views or {}))  # grouped by one sort: a filter per shard was minutes
     n = 0
     # A read lease while linking: a `store gc` meanwhile keeps the source version (store/lease.py).
     lease = hold(writer.store.root, {writer.table: src_version}, f"carry forward into '{writer.table}'")
@@ -238,9 +234,7 @@ def carry_forward(writer: TableWriter, src_version: int, rows: pa.Table,
                             "samples to carry forward from it; rerun the stage (it resumes)")
         plan = damage_scan(writer.store, writer.table, src_version) if checking_needed(writer.store, writer.table) \
             else None
-        for a, b in tqdm(list(zip(starts, [*starts[1:], len(names)])), desc=f"carry forward '{writer.table}'",
-                         unit="shard", leave=False):
-            shard, part = names[a], rows.slice(a, b - a)
+        for shard, part in tqdm(parts.items(), desc=f"carry forward '{writer.table}'", unit="shard", leave=False):
             if plan is None or shard in plan.intact_shards:
                 writer.add_linked_shard(Path(src_dir) / shard, part)
             else:
