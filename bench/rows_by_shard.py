@@ -8,7 +8,7 @@ column's chunks first, every time:
           --old-shards shards, the pass extrapolated from their mean; new: every shard's `shard_rows` (a zero-copy
           slice each) + the one take in shard order `_manifest_problems` now makes
   repair  `store repair` linking each intact shard of a damaged version into the repaired one (store/repair.py
-          `_carry`): old `manifest.filter(shard == name)` per shard (kept below, of the first --old-shards shards,
+          `_carry`): old `manifest.filter(pc.equal(shard, name))` per shard (kept below, of the first --old-shards shards,
           extrapolated); new `store.manifest.rows_by_shard` once, every shard's rows then looked up
 Writes a vae-like manifest of each --samples size (locating and checksum columns, two tensors per sample,
 img_shapes; --per-shard rows a shard) through fmt.parquet_bytes into --dir (reused on reruns), reads it as verify
