@@ -26,7 +26,7 @@ CacheGbOpt = typer.Option(None, "--cache-gb", help="Size limit of --cache-dir in
 def _options(items: list[str]) -> Optional[dict]:
     from pipeline.commands.common import parse_sets
 
-    return parse_sets(items) or None
+    return parse_sets(items, flag="--option", form="KEY=VALUE") or None
 
 
 def push(
