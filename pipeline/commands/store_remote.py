@@ -50,4 +50,7 @@ def pull(
     from store.remote_sync import pull as do_pull
 
     with user_errors(store):
+        from pipeline.run_folder import refuse_a_store_among_other_files
+
+        refuse_a_store_among_other_files(store, "STORE")
         echo(str(do_pull(url, store, _options(option))))
