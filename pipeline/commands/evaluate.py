@@ -59,7 +59,7 @@ def command(
         run_path = Path(require(run_dir or cfg.paths.run, "--run", "paths.run"))
         with user_errors(), json_mode(as_json):
             result = run_checkpoints(cfg.evaluate, _local(store_dir, cache_dir, cache_gb), model_id,
-                                     kept_checkpoints(run_path), report)
+                                     kept_checkpoints(run_path), report, skip_if_done=True)
         if result is not None:  # under a launcher rank 0 reports; the other ranks computed their share
             emit(result, as_json)
         return
@@ -68,5 +68,7 @@ def command(
     from stages.evaluate.stage import run
 
     with user_errors(report), json_mode(as_json):
-        result = run(cfg.evaluate, _local(store_dir, cache_dir, cache_gb), model_id, lora_dir, report)
+        # a report of the same inputs is up to date, as in `run all`
+        result = run(cfg.evaluate, _local(store_dir, cache_dir, cache_gb), model_id, lora_dir, report,
+                     skip_if_done=True)
     emit(result, as_json, model_id)

@@ -63,7 +63,9 @@ def command(
         from store.remote_cache import local_store
 
         store_dir = local_store(store_dir, ["text", "vae"], cache_dir, cache_gb)  # a URL: its cached copy
-        result = run(cfg, store_dir, model_id, run_dir, resume=resume, new_run=new_run)
+        # a rerun of a finished run (same tables, model and config) is up to date, as in `run all`; --new-run asks
+        # for a new training whatever OUT holds
+        result = run(cfg, store_dir, model_id, run_dir, resume=resume, new_run=new_run, skip_if_done=not new_run)
     if result.main_process:
         emit(result, as_json, model_id)
 

@@ -429,13 +429,13 @@ class EvaluateResult:
                               damaged_samples=sorted(self.damaged or {}))
 
     def __str__(self) -> str:
-        if self.up_to_date:
-            return f"report {self.report.parent} is up to date"
         overall = self.metrics["loss"]["overall"]
         diff = self.metrics["loss"].get("lora_minus_base")
         sure = f" ({signed(diff)}, paired ± s.e.)" if diff else ""
-        line = (f"held-out loss on {overall['n']} val samples: base {overall['base']:.4f} -> LoRA "
-                f"{overall['lora']:.4f}{sure}; report: {self.report}")
+        # up to date: its numbers too (a rerun of `pipeline run evaluate` said only that)
+        line = (f"report {self.report.parent} is up to date; " if self.up_to_date else "") + (
+            f"held-out loss on {overall['n']} val samples: base {overall['base']:.4f} -> LoRA {overall['lora']:.4f}"
+            f"{sure}; report: {self.report}")
         nonfinite = self.metrics["loss"].get("nonfinite_samples")
         if nonfinite:
             line += (f"\nleft out {len(nonfinite)} val sample(s) with a non-finite loss (evaluate.on_nonfinite=skip; "
