@@ -112,3 +112,14 @@ def test_lora_merge_refuses_a_non_empty_out_before_reading_the_model(tmp_path, m
     (busy / "x").write_text("x")
     r = _run(["lora", "merge", "--model", "M", "--lora", "L", "--out", str(busy)])
     assert r.exit_code == 1 and r.output == f"error: output folder {busy} exists and is not empty; pass a new folder\n"
+
+
+def test_a_run_or_checkpoint_folder_passed_as_the_lora_names_its_lora_folder(tmp_path):
+    """`--lora RUN` (or RUN/checkpoints/step-N) said only that it holds no weights, though the LoRA is one folder
+    down: the line now names that folder."""
+    for folder in (tmp_path / "run", tmp_path / "run" / "checkpoints" / "step-10"):
+        (folder / "lora").mkdir(parents=True)
+        (folder / "lora" / "pytorch_lora_weights.safetensors").write_bytes(b"")
+        r = _run(["lora", "export", str(folder), "--out", str(tmp_path / "x.safetensors")])
+        assert r.exit_code == 1, r.output
+        assert r.output.endswith(f"{folder} is a run or checkpoint folder; pass its LoRA folder {folder / 'lora'}\n")
