@@ -123,3 +123,14 @@ def test_a_run_or_checkpoint_folder_passed_as_the_lora_names_its_lora_folder(tmp
         r = _run(["lora", "export", str(folder), "--out", str(tmp_path / "x.safetensors")])
         assert r.exit_code == 1, r.output
         assert r.output.endswith(f"{folder} is a run or checkpoint folder; pass its LoRA folder {folder / 'lora'}\n")
+
+
+def test_all_checkpoints_of_a_run_without_any_names_the_run_and_writes_no_report(tmp_path):
+    """The line said "the run folder holds no checkpoints" without naming it, after making the report folder
+    (left behind with its lock file)."""
+    (tmp_path / "run").mkdir()
+    r = _run(["run", "evaluate", "--all-checkpoints", "--run", str(tmp_path / "run"), "--store", str(tmp_path / "s"),
+              "--model", "M", "--out", str(tmp_path / "report")])
+    assert r.exit_code == 1, r.output
+    assert r.output.startswith(f"error: no checkpoints to evaluate: {tmp_path / 'run'} holds no checkpoints/step-N")
+    assert not (tmp_path / "report").exists()
