@@ -86,7 +86,7 @@ def lora_enabled(transformer, enabled: bool):
 def row_losses(transformer, rows: list[LossRow], batch_size: int, mask_weight=(1.0, 1.0), desc: str = "") -> list[float]:
     """`flow_loss` of every row, in mixed-resolution batches of `batch_size` rows."""
     out: list[float] = []
-    for i in tqdm(range(0, len(rows), batch_size), desc=desc, leave=False):
+    for i in tqdm(range(0, len(rows), batch_size), desc=desc, unit="batch", leave=False):
         chunk = rows[i : i + batch_size]
         sigmas = torch.tensor([r.sigma for r in chunk], dtype=torch.float32)
         noises = [eval_noise(r.sample, r.seed) for r in chunk]
