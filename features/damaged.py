@@ -58,7 +58,7 @@ def read_intact(tables: JoinedTables, n: int, load: Callable[[int], T], desc: st
     loaded: dict[int, T] = {}
     kept: list[int] = []
     tried = 0
-    with tqdm(total=n, desc=desc, leave=False) as bar:
+    with tqdm(total=n, desc=desc, unit="sample", leave=False) as bar:
         while len(kept) < n and tried < len(tables):
             candidates = range(tried, min(len(tables), tried + n - len(kept)))
             bad = [0] * len(candidates)

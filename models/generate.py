@@ -119,7 +119,7 @@ def denoise(
     scheduler.set_begin_index(0)
     do_true_cfg = true_cfg_scale > 1 and cond.negative_embeds is not None
 
-    for t in tqdm(scheduler.timesteps, desc="denoise", leave=False, disable=not progress):
+    for t in tqdm(scheduler.timesteps, desc="denoise", unit="step", leave=False, disable=not progress):
         x = latents if controls is None else torch.cat([latents, controls], dim=1)
         timestep = t.expand(latents.shape[0]).to(latents.dtype)
         n = latents.size(1)

@@ -60,7 +60,7 @@ def loss_grid(transformer, samples: list[TrainSample], seeds: list[int], sigmas:
     two = [has_two_regions(s) for s in samples]
     base = _unwrap(transformer)
     held: dict = {}
-    for start in tqdm(range(0, len(rows), batch_size), desc=desc, leave=False, disable=not show):
+    for start in tqdm(range(0, len(rows), batch_size), desc=desc, unit="batch", leave=False, disable=not show):
         chunk = rows[start : start + batch_size]
         # this batch's samples; one that continues from the last batch is not read again
         held = {i: held[i] if i in held else load(i) for i in dict.fromkeys(i for i, _, _ in chunk)}

@@ -250,9 +250,13 @@ def check_base_model(lora: str | Path, model: str, strict: bool) -> str | None:
 
 def lora_weight_file(lora: str | Path) -> Path:
     """RUN/lora (a folder holding WEIGHT_NAME) or the .safetensors file itself; a clear error otherwise."""
-    path = Path(lora)
-    path = path / WEIGHT_NAME if path.is_dir() else path
+    given = Path(lora)
+    path = given / WEIGHT_NAME if given.is_dir() else given
     if not path.is_file() or path.suffix != ".safetensors":
+        inside = given / "lora" / WEIGHT_NAME  # a run folder or a checkpoint folder (RUN/checkpoints/step-N)
+        if given.is_dir() and inside.is_file():
+            raise UserError(f"no LoRA weights at {path}: {given} is a run or checkpoint folder; pass its LoRA "
+                            f"folder {inside.parent}")
         raise UserError(
             f"no LoRA weights at {path}: pass a folder written by `pipeline run train` (RUN/lora) "
             f"holding {WEIGHT_NAME}, or the .safetensors file itself"

@@ -93,6 +93,22 @@ def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt  # Python's own SIGINT behaviour; only recorded first
 
 
+# commands a rerun continues (committed shards, checkpoints, pushed versions kept): what Ctrl-C's line advises
+_RESUMABLE = ("run", "demo", "store repair", "store push", "store pull", "migrate")
+
+
+def interrupted_line(words: list[str]) -> str:
+    """The line a Ctrl-C ends `pipeline WORDS...` with: typer turns it into a silent exit 130, and a user saw the
+    prompt come back without knowing what was kept or how to go on."""
+    command = " ".join(w for w in words if not w.startswith("-"))
+    line = "stopped by SIGINT (Ctrl-C)"
+    if command.startswith("run train"):  # `run all` resumes its training itself; `run train` needs --resume
+        return line + ": the run's checkpoints are kept; rerun with --resume to continue from the last one"
+    if command.startswith(_RESUMABLE):
+        return line + ": what it committed is kept; rerun the same command to continue from there"
+    return line
+
+
 def main() -> None:  # pragma: no cover
     import signal
 
@@ -100,6 +116,13 @@ def main() -> None:  # pragma: no cover
     signal.signal(signal.SIGINT, _interrupt)
     try:
         app()
+    except SystemExit as e:
+        from pipeline.launched import launched
+
+        # launched, the launcher says it once for every rank (pipeline/commands/launch.py)
+        if e.code == 128 + signal.SIGINT and signal.SIGINT in _signalled and launched()[0] <= 1:
+            print(interrupted_line(sys.argv[1:]), file=sys.stderr)
+        raise
     except Exception as e:
         if not _signalled:
             raise

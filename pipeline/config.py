@@ -128,7 +128,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
             first_line[key] = key_node.start_mark.line
 
 
-def _yaml_problem(err: Exception) -> str:
+def yaml_problem(err: Exception) -> str:
     """`line L, column C: <problem>` of a PyYAML error (1-based, as editors count), on one line."""
     mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
     problem = getattr(err, "problem", None) or getattr(err, "context", None) or str(err)
@@ -170,7 +170,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         except OSError as e:
             raise ConfigError(f"config file {p} cannot be read: {e.strerror or e}") from None
         except yaml.YAMLError as e:  # PyYAML's message is several lines (a caret drawing): the place and problem
-            raise ConfigError(f"config file {p} is not valid YAML: {_yaml_problem(e)}; fix the file there") from None
+            raise ConfigError(f"config file {p} is not valid YAML: {yaml_problem(e)}; fix the file there") from None
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {p} must hold a mapping of sections, got {type(loaded).__name__}")
         data = loaded

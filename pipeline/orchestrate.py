@@ -150,12 +150,14 @@ def run_all(cfg: PipelineConfig, log: Callable[[str], None] = print, cache_dir: 
     through its local cache in `cache_dir` (pipeline/store_url.py)."""
     from pipeline.store_url import StoreAccess
 
-    from pipeline.run_folder import refuse_a_folder_of_other_files, refuse_inputs_inside
+    from pipeline.run_folder import (refuse_a_folder_of_other_files, refuse_a_store_among_other_files,
+                                     refuse_inputs_inside)
 
     paths = required_paths(cfg)
     refuse_inputs_inside(paths.run, {"paths.store": paths.store, "paths.source": paths.source,
                                      "paths.model": paths.model})
     refuse_a_folder_of_other_files(paths.run, "paths.run")  # before resize-bucket's minutes, not at train
+    refuse_a_store_among_other_files(paths.store, "paths.store")
     world, main = launched()
     if world > 1:
         _refuse_url_under_launch(paths.store, world)

@@ -1,4 +1,5 @@
-"""Which folders train may write a run into (`pipeline run train --out`, `run all`'s paths.run)."""
+"""Which folders train may write a run into (`pipeline run train --out`, `run all`'s paths.run), and which a new
+store may be made in (`run resize-bucket --store`, `run all`'s paths.store, `store pull`)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,25 @@ def refuse_a_folder_of_other_files(out: Path, what: str = "--out") -> None:
         shown = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")
         raise UserError(f"{what} {out} holds other files ({shown}) and no training run: train writes lora/, "
                         "checkpoints/ and logs/ there; pass a new or empty folder, or the folder of an earlier run")
+
+
+# What a store folder holds from its first open on (the lock is taken before store.json is written)
+STORE_MARKERS = ("store.json", ".store.lock")
+
+
+def refuse_a_store_among_other_files(store: str | Path, what: str = "--store") -> None:
+    """A new store only in a new or empty folder: `--store` naming the dataset, a run or a report folder (a typo,
+    the wrong variable) made a store there, its tables in among those files. A URL is not checked here."""
+    if "://" in str(store):
+        return
+    root = Path(store)
+    if not root.is_dir() or any((root / name).exists() for name in STORE_MARKERS):
+        return
+    others = sorted(f.name for f in root.iterdir() if not f.name.startswith(".") or f.is_dir())  # as above
+    if others:
+        shown = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")
+        raise UserError(f"{what} {root} holds other files ({shown}) and no store (no store.json): a new store's "
+                        "tables would go in among them; pass a new or empty folder, or the folder of an existing store")
 
 
 def refuse_inputs_inside(run: Path, inputs: dict[str, str | None]) -> None:

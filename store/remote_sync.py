@@ -82,7 +82,8 @@ class SyncSummary:
     def __str__(self) -> str:
         what = ", ".join(self.copied) or "nothing new"
         return (f"{self.direction} {self.url}: copied {what}; {len(self.present)} version(s) already there; "
-                f"{self.objects_sent} file(s), {self.bytes_sent / 2**20:.1f} MiB sent, {self.objects_skipped} "
+                f"{self.objects_sent} file(s), {self.bytes_sent / 2**20:.1f} MiB "
+                f"{'sent' if self.direction == 'push' else 'fetched'}, {self.objects_skipped} "
                 "already there" + (f"; kept the remote's newer current {', '.join(self.newer)}" if self.newer else "")
                 + "".join(f"; {fmt.QUARANTINE} (damaged) set aside as {name}" for name in self.set_aside))
 

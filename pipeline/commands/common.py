@@ -54,19 +54,23 @@ def with_variant(record: dict, model: str | None) -> dict:
     return {**record, "variant": model_variant(model)}
 
 
-def parse_sets(items: list[str]) -> dict[str, Any]:
-    """`["train.batch_size=8", ...]` -> `{"train.batch_size": 8}` (values parsed as YAML)."""
+def parse_sets(items: list[str], flag: str = "--set", form: str = "SECTION.KEY=VALUE") -> dict[str, Any]:
+    """`["train.batch_size=8", ...]` -> `{"train.batch_size": 8}` (values parsed as YAML). `flag` / `form`: how
+    the mistake names the option (`store push -o KEY=VALUE` parses its items here too)."""
     import yaml
+
+    from pipeline.config import yaml_problem
 
     out: dict[str, Any] = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
-            raise typer.BadParameter(f"expected SECTION.KEY=VALUE, got {item!r}", param_hint="--set")
+            raise typer.BadParameter(f"expected {form}, got {item!r}", param_hint=flag)
         try:
             out[key.strip()] = yaml.safe_load(value)
-        except yaml.YAMLError as e:
-            raise typer.BadParameter(f"{item!r}: the value is not valid YAML ({e})", param_hint="--set") from None
+        except yaml.YAMLError as e:  # PyYAML's own message is a caret drawing over several lines
+            raise typer.BadParameter(f"{item!r}: the value is not valid YAML ({yaml_problem(e)}); fix it, or "
+                                     "quote a string value", param_hint=flag) from None
     return out
 
 
@@ -127,6 +131,25 @@ def checked_lora(lora: Path | str, model: str | None = None, strict_base: bool =
         warning = check_base_model(lora, model, strict_base)
         if warning:
             typer.secho(f"warning: {warning}", fg=typer.colors.YELLOW, err=True)
+
+
+def finite(above: float | None = None, at_least: float | None = None):
+    """A typer callback refusing a float flag that is NaN / infinite (which click's ranges let through: every
+    comparison with NaN is false), or not above / at least a bound: a LoRA scale of nan wrote a model of NaNs."""
+    import math
+
+    def check(value: float | None) -> float | None:
+        if value is None:
+            return value
+        if not math.isfinite(value):
+            raise typer.BadParameter(f"{value} is not a finite number")
+        if above is not None and not value > above:
+            raise typer.BadParameter(f"{value:g} is not above {above:g}")
+        if at_least is not None and not value >= at_least:
+            raise typer.BadParameter(f"{value:g} is below {at_least:g}")
+        return value
+
+    return check
 
 
 StrictBaseOpt = typer.Option(False, "--strict-base", help="Refuse a LoRA whose recorded base model differs from --model.")

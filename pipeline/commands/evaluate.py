@@ -58,8 +58,15 @@ def command(
 
         run_path = Path(require(run_dir or cfg.paths.run, "--run", "paths.run"))
         with user_errors(), json_mode(as_json):
+            from pipeline.launched import launched
+            from schemas.errors import UserError
+
+            kept = kept_checkpoints(run_path)
+            if not kept and launched()[0] <= 1:  # launched, the ranks decide together (the stage's own check)
+                raise UserError(f"no checkpoints to evaluate: {run_path} holds no checkpoints/step-N (train with "
+                                "train.checkpoint_every set, or evaluate one LoRA without --all-checkpoints)")
             result = run_checkpoints(cfg.evaluate, _local(store_dir, cache_dir, cache_gb), model_id,
-                                     kept_checkpoints(run_path), report)
+                                     kept, report, skip_if_done=True)
         if result is not None:  # under a launcher rank 0 reports; the other ranks computed their share
             emit(result, as_json)
         return
@@ -68,5 +75,7 @@ def command(
     from stages.evaluate.stage import run
 
     with user_errors(report), json_mode(as_json):
-        result = run(cfg.evaluate, _local(store_dir, cache_dir, cache_gb), model_id, lora_dir, report)
+        # a report of the same inputs is up to date, as in `run all`
+        result = run(cfg.evaluate, _local(store_dir, cache_dir, cache_gb), model_id, lora_dir, report,
+                     skip_if_done=True)
     emit(result, as_json, model_id)

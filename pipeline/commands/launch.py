@@ -22,7 +22,7 @@ LAUNCH_SETTINGS = {"allow_extra_args": True, "ignore_unknown_options": True, "he
 def command(ctx: typer.Context) -> None:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import run
+    from torch.distributed.run import parse_min_max_nnodes, run
 
     words = list(ctx.args)
     if words and words[0] in ("-h", "--help"):
@@ -43,6 +43,12 @@ def command(ctx: typer.Context) -> None:
     else:  # no known command word: torchrun read the first non-option as its script (the command's error says)
         args.training_script_args = [args.training_script, *args.training_script_args]
     args.training_script, args.module = "pipeline.cli", True
+    if str(args.nproc_per_node).isdigit() and int(args.nproc_per_node) < 1:  # torchrun: a bare AssertionError
+        _refused(f"--nproc-per-node {args.nproc_per_node}: at least 1 process per node")
+    try:
+        parse_min_max_nnodes(args.nnodes)
+    except ValueError:  # torchrun's own words name no option: "invalid literal for int() with base 10: 'x'"
+        _refused(f"--nnodes {args.nnodes}: a number of nodes or MIN:MAX")
     try:
         run(args)
     except ChildFailedError as e:
@@ -58,6 +64,14 @@ def command(ctx: typer.Context) -> None:
                     f"ended (what they committed stays: {rerun} to continue from the last checkpoint)",
                     fg=typer.colors.RED, err=True)
         raise typer.Exit(128 + int(e.sigval)) from None
+    except (ValueError, AssertionError) as e:  # torchrun's checks of its options, a traceback: `--nnodes x`,
+        _refused(str(e) or type(e).__name__)  # `--nproc-per-node abc` (or gpu without CUDA), `--rdzv-conf bad`
+
+
+def _refused(why: str) -> None:
+    typer.secho(f"error: pipeline launch: torchrun refused the launch: {why.rstrip('.')}; check its options (`pipeline launch "
+                "--help`)", fg=typer.colors.RED, err=True)
+    raise typer.Exit(2)
 
 
 USAGE = "pipeline launch [TORCHRUN OPTIONS] COMMAND [ARGS]..."

@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from pipeline.commands.common import StrictBaseOpt, checked_lora, echo, user_errors
+from pipeline.commands.common import StrictBaseOpt, checked_lora, echo, finite, user_errors
 from pipeline.launched import one_process
 
 lora_app = typer.Typer(no_args_is_help=True)
@@ -18,13 +18,14 @@ def merge(
     model: str = typer.Option(..., "--model", help="Base model folder or hub id."),
     lora: Path = typer.Option(..., "--lora", help="LoRA folder (RUN/lora) or .safetensors file."),
     out: Path = typer.Option(..., "--out", help="New model folder (must not exist or be empty)."),
-    scale: float = typer.Option(1.0, "--scale", help="LoRA strength baked into the weights."),
+    scale: float = typer.Option(1.0, "--scale", callback=finite(), help="LoRA strength baked into the weights."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="auto | float32 | bfloat16 | float16 (default: as stored)."),
     device: str = typer.Option("cpu", "--device", help="Device the transformer loads onto for the fuse (cpu, cuda:N)."),
     strict_base: bool = StrictBaseOpt,
 ) -> None:
     one_process("lora merge")  # every rank would fuse the same model into the same --out
     with user_errors(out):
+        refuse_a_non_empty(out)  # before the LoRA's base check hashes the model (minutes for a 40 GB one)
         checked_lora(lora, model, strict_base)
         path = merge_lora(model, lora, out, scale=scale, dtype=dtype, device=device)
     echo(f"wrote merged model to {path} (loads with diffusers' from_pretrained)")
@@ -40,12 +41,10 @@ def merge_lora(model: str, lora: Path, out: Path, scale: float = 1.0, dtype: str
 
     from models.loading import parse_dtype, resolve_model
     from models.lora import fused_transformer, lora_weight_file
-    from schemas.errors import UserError
     from store.format import atomic_dir, link_or_copy
 
     out = Path(out)
-    if out.exists() and any(out.iterdir()):
-        raise UserError(f"output folder {out} exists and is not empty; pass a new folder")
+    refuse_a_non_empty(out)
     root = resolve_model(model)
     transformer = fused_transformer(model, lora, scale, parse_dtype(dtype, device) if dtype else None, device)
     with atomic_dir(out) as tmp:
@@ -57,6 +56,14 @@ def merge_lora(model: str, lora: Path, out: Path, scale: float = 1.0, dtype: str
             json.dumps({"base": str(model), "lora": str(lora_weight_file(lora)), "scale": scale}, indent=2) + "\n"
         )
     return out
+
+
+def refuse_a_non_empty(out: Path) -> None:
+    from schemas.errors import UserError
+
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):  # a file: NotADirectoryError, named by user_errors
+        raise UserError(f"output folder {out} exists and is not empty; pass a new folder")
 
 
 def save_transformer(transformer, folder: Path, max_shard_size: int | str = "10GB") -> None:

@@ -9,18 +9,27 @@ from typing import Optional
 
 import typer
 
-from pipeline.commands.common import ConfigOpt, SetOpt, config_from, echo, require, user_errors
+from pipeline.commands.common import ConfigOpt, SetOpt, config_from, echo, finite, require, user_errors
+
+
+def _device_type(device: str) -> str:
+    # anything else was planned as a CPU (auto = float32) under the name given: `--device tpu`, `--device gpu`
+    if device.split(":")[0] not in ("cuda", "cpu"):
+        raise typer.BadParameter(f"{device!r}: plan for cuda (cuda:N) or cpu")
+    return device
 
 
 def command(
     config: Optional[Path] = ConfigOpt,
     model: Optional[str] = typer.Option(None, "--model", help="Model folder or hub id (paths.model); the published "
                                         "Qwen/Qwen-Image-Edit(-2509/-2511) ids plan offline from shipped configs."),
-    gpu_memory: Optional[float] = typer.Option(None, "--gpu-memory", help="GiB of the target GPU: says fit / no fit."),
-    tokens: Optional[int] = typer.Option(None, "--tokens-per-sample",
+    gpu_memory: Optional[float] = typer.Option(None, "--gpu-memory", callback=finite(above=0),
+                                               help="GiB of the target GPU: says fit / no fit."),
+    tokens: Optional[int] = typer.Option(None, "--tokens-per-sample", min=1,
                                          help="Transformer sequence length per sample (default: from resize.*)."),
-    text_tokens: int = typer.Option(300, "--text-tokens", help="Caption tokens per sample (longest expected)."),
-    device: str = typer.Option("cuda", "--device", help="Device type planned for: cuda (auto = bf16) or cpu (auto = float32)."),
+    text_tokens: int = typer.Option(300, "--text-tokens", min=0, help="Caption tokens per sample (longest expected)."),
+    device: str = typer.Option("cuda", "--device", callback=_device_type,
+                               help="Device type planned for: cuda (auto = bf16) or cpu (auto = float32)."),
     processes: int = typer.Option(1, "--processes", min=1, help="Processes training together (`pipeline launch`: "
                                   "nodes x --nproc-per-node); from 2 on DDP's gradient buckets count."),
     set_: list[str] = SetOpt,

@@ -7,7 +7,8 @@ from typing import Optional
 
 import typer
 
-from pipeline.commands.common import ConfigOpt, SetOpt, StrictBaseOpt, checked_lora, config_from, echo, user_errors
+from pipeline.commands.common import (ConfigOpt, SetOpt, StrictBaseOpt, checked_lora, config_from, echo, finite,
+                                     user_errors)
 from pipeline.launched import one_process
 
 
@@ -17,7 +18,7 @@ def command(
     prompt: str = typer.Option(..., "--prompt", help="Edit instruction."),
     out: Path = typer.Option(..., "--out", help="Output PNG."),
     lora: Optional[Path] = typer.Option(None, "--lora", help="LoRA folder (RUN/lora) or .safetensors file."),
-    lora_scale: float = typer.Option(1.0, "--lora-scale", help="LoRA strength."),
+    lora_scale: float = typer.Option(1.0, "--lora-scale", callback=finite(), help="LoRA strength."),
     negative_prompt: Optional[str] = typer.Option(None, "--negative-prompt", help="Negative prompt of true CFG (predict.negative_prompt)."),
     steps: Optional[int] = typer.Option(None, "--steps", help="Inference steps (predict.steps)."),
     cfg_scale: Optional[float] = typer.Option(None, "--cfg", help="true_cfg_scale; <= 1 disables CFG (predict.true_cfg_scale)."),

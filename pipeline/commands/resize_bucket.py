@@ -58,6 +58,9 @@ def command(
     from pipeline.launched import rank_0_alone
 
     with user_errors(dst), json_mode(as_json):
+        from pipeline.run_folder import refuse_a_store_among_other_files
+
+        refuse_a_store_among_other_files(dst)
         log = (lambda m: typer.echo(m, err=True)) if as_json else echo  # --json: stdout holds the JSON alone
         # launched on several ranks: one writer of the images table (and of a URL's cache), as in `run all`
         summary = rank_0_alone("resize-bucket", partial(_resize, cfg, src, dst, cache_dir, cache_gb, log))

@@ -9,7 +9,7 @@ import typer
 
 from typing import Optional
 
-from pipeline.commands.common import ConfigOpt, SetOpt, config_from, echo, user_errors
+from pipeline.commands.common import ConfigOpt, SetOpt, config_from, echo, finite, user_errors
 from pipeline.commands.store_remote import CacheDirOpt
 from pipeline.launched import one_process, rank_0_only
 
@@ -101,7 +101,7 @@ def _verify_advice(store: str, current: dict[str, int], problems: list[str]) -> 
                    "incomplete versions of killed pushes, once older than --incomplete-after.")
 def gc(
     store: str = StoreOrUrlArg, dry_run: bool = typer.Option(False, "--dry-run", help="Only say what would be removed (and what leases keep)."),
-    incomplete_after: float = typer.Option(60.0, "--incomplete-after", help="With a URL: minutes after its newest "
+    incomplete_after: float = typer.Option(60.0, "--incomplete-after", callback=finite(at_least=0), help="With a URL: minutes after its newest "
                                            "object that an incomplete version (no manifest, no live push lease) "
                                            "is taken for a killed push's leftovers and removed."),
 ) -> None:

@@ -26,7 +26,7 @@ CacheGbOpt = typer.Option(None, "--cache-gb", help="Size limit of --cache-dir in
 def _options(items: list[str]) -> Optional[dict]:
     from pipeline.commands.common import parse_sets
 
-    return parse_sets(items) or None
+    return parse_sets(items, flag="--option", form="KEY=VALUE") or None
 
 
 def push(
@@ -50,4 +50,7 @@ def pull(
     from store.remote_sync import pull as do_pull
 
     with user_errors(store):
+        from pipeline.run_folder import refuse_a_store_among_other_files
+
+        refuse_a_store_among_other_files(store, "STORE")
         echo(str(do_pull(url, store, _options(option))))

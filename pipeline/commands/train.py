@@ -27,7 +27,7 @@ def command(
                                  "(other tables, model or train config), as `run all` does."),
     max_steps: Optional[int] = typer.Option(None, "--max-steps", help="Optimizer steps in all (train.max_steps)."),
     batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Samples per process per micro-step (train.batch_size; a resume on another process count keeps the global batch)."),
-    device: Optional[str] = typer.Option(None, "--device", help="'cpu' forces the CPU (train.device)."),
+    device: Optional[str] = typer.Option(None, "--device", help="cpu, cuda or cuda:N (train.device; unset: a GPU when there is one, else the CPU)."),
     as_json: bool = JsonOpt,
     cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="With --store s3://...: the local cache the "
                                              "store's text and vae versions are pulled into (default "
@@ -63,7 +63,10 @@ def command(
         from store.remote_cache import local_store
 
         store_dir = local_store(store_dir, ["text", "vae"], cache_dir, cache_gb)  # a URL: its cached copy
-        result = run(cfg, store_dir, model_id, run_dir, resume=resume, new_run=new_run)
+        # a rerun of a finished run (same tables, model and config) is up to date, as in `run all` (--new-run
+        # --resume is what run all does); --new-run alone asks for a new training whatever OUT holds
+        result = run(cfg, store_dir, model_id, run_dir, resume=resume, new_run=new_run,
+                     skip_if_done=resume or not new_run)
     if result.main_process:
         emit(result, as_json, model_id)
 

@@ -79,7 +79,7 @@ def generated_rows(cfg, model: str, store, tables, transformer, samples, best_pa
 
 def column(jobs: list[_Job], transformer, vae, cfg, qwen21: bool, label: str) -> list[Image.Image]:
     """Every row's image from the model as it is now (base, a LoRA, a checkpoint)."""
-    return [_output(j, transformer, vae, cfg, qwen21) for j in tqdm(jobs, desc=f"generate ({label})", leave=False)]
+    return [_output(j, transformer, vae, cfg, qwen21) for j in tqdm(jobs, desc=f"generate ({label})", unit="image", leave=False)]
 
 
 def base_column(jobs: list[_Job], transformer, vae, cfg, qwen21: bool, samples,

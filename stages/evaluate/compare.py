@@ -185,15 +185,35 @@ def labels_for(paths: list[str]) -> list[str]:
     return [n if names.count(n) == 1 else str(Path(p).resolve()) for n, p in zip(names, paths)]
 
 
+COMPARE_FILES = ("index.html", "curves.csv")
+
+
+def refuse_other_files(out: Path) -> None:
+    """OUT new, empty or an earlier comparison's: `--out REPORT` replaced an evaluate report's index.html (and
+    `--out STORE` put pages into a store) without a word."""
+    if not out.is_dir():
+        return
+    other = sorted(p.name for p in out.iterdir() if p.name not in COMPARE_FILES and not p.name.startswith("."))
+    if other:
+        raise UserError(f"--out {out} holds other files ({', '.join(other[:3])}{', ...' if len(other) > 3 else ''}): "
+                        f"compare writes {' and '.join(COMPARE_FILES)} there; pass a new or empty folder, or the "
+                        "folder of an earlier compare")
+
+
 def write_compare(paths: list[str], out: str | Path) -> "CompareResult":
     from store.format import atomic_write_bytes
     from store.io_errors import writing
 
     if len(paths) < 2:
         raise UserError("pipeline compare needs at least two reports or runs")
+    out = Path(out)
+    refuse_other_files(out)
+    groups = [find_group(p).resolve() for p in paths]
+    if twice := sorted({str(paths[i]) for i, g in enumerate(groups) if groups.count(g) > 1}):  # one curve, twice
+        raise UserError(f"{twice[0]} is given twice: pass each run once" if len(twice) == 1 else
+                        f"{' and '.join(twice)} are the same report: pass each run once")
     runs = [read_curves(p, label) for p, label in zip(paths, labels_for(paths))]
     check_same_held_out(runs)
-    out = Path(out)
     rows = [["run", "step", "checkpoint", "loss", "loss_inside", "loss_outside", "best", "on_disk"]]
     yes_no = {True: "yes", False: "no", None: ""}
     for r in runs:

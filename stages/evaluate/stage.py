@@ -86,7 +86,7 @@ def lora_enabled(transformer, enabled: bool):
 def row_losses(transformer, rows: list[LossRow], batch_size: int, mask_weight=(1.0, 1.0), desc: str = "") -> list[float]:
     """`flow_loss` of every row, in mixed-resolution batches of `batch_size` rows."""
     out: list[float] = []
-    for i in tqdm(range(0, len(rows), batch_size), desc=desc, leave=False):
+    for i in tqdm(range(0, len(rows), batch_size), desc=desc, unit="batch", leave=False):
         chunk = rows[i : i + batch_size]
         sigmas = torch.tensor([r.sigma for r in chunk], dtype=torch.float32)
         noises = [eval_noise(r.sample, r.seed) for r in chunk]
@@ -431,13 +431,13 @@ class EvaluateResult:
                               damaged_samples=sorted(self.damaged or {}))
 
     def __str__(self) -> str:
-        if self.up_to_date:
-            return f"report {self.report.parent} is up to date"
         overall = self.metrics["loss"]["overall"]
         diff = self.metrics["loss"].get("lora_minus_base")
         sure = f" ({signed(diff)}, paired ± s.e.)" if diff else ""
-        line = (f"held-out loss on {overall['n']} val samples: base {overall['base']:.4f} -> LoRA "
-                f"{overall['lora']:.4f}{sure}; report: {self.report}")
+        # up to date: its numbers too (a rerun of `pipeline run evaluate` said only that)
+        line = (f"report {self.report.parent} is up to date; " if self.up_to_date else "") + (
+            f"held-out loss on {overall['n']} val samples: base {overall['base']:.4f} -> LoRA {overall['lora']:.4f}"
+            f"{sure}; report: {self.report}")
         nonfinite = self.metrics["loss"].get("nonfinite_samples")
         if nonfinite:
             line += (f"\nleft out {len(nonfinite)} val sample(s) with a non-finite loss (evaluate.on_nonfinite=skip; "

@@ -67,7 +67,8 @@ def _read(tables, cfg, ranks) -> Share:
     loaded: dict[int, TrainSample] = {}
     tried = 0
     try:
-        with tqdm(total=n, desc="read val samples (this rank's share)", leave=False, disable=not ranks.main) as bar:
+        with tqdm(total=n, desc="read val samples (this rank's share)", unit="sample", leave=False,
+                  disable=not ranks.main) as bar:
             while len(rows) < n and tried < len(tables):
                 candidates = list(range(tried, min(len(tables), tried + n - len(rows))))
                 damaged = [0] * len(candidates)

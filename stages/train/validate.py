@@ -158,7 +158,7 @@ class Validator:
             self._vae = load_component(self.model, "vae", dtype=torch.float32, device=transformer.device)
             self._scheduler = dict(load_component(self.model, "scheduler").config)
         images = []
-        for s in tqdm(self.samples[: self.cfg.sample_count], desc="samples", leave=False):
+        for s in tqdm(self.samples[: self.cfg.sample_count], desc="samples", unit="image", leave=False):
             _, h, w = s.img_shapes[0]
             if s.slot_mask is not None:  # Qwen-Image-2.1 (models/qwen21_generate.py), RGB for the grid
                 images.append(self._sample_21(transformer, s, h, w))

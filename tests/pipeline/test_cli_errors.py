@@ -65,3 +65,75 @@ def test_out_of_range_and_non_finite_settings_are_refused_naming_the_key(key, va
 def test_non_finite_yaml_through_the_cli_is_one_line(tmp_path):
     r = _run(["config", "show", "--set", "train.learning_rate=.inf"])
     assert r.exit_code == 2 and "learning_rate" in r.output and "Traceback" not in r.output
+
+
+@pytest.mark.parametrize("args,flag", [
+    (["lora", "merge", "--model", "M", "--lora", "L", "--out", "OUT", "--scale", "nan"], "--scale"),
+    (["predict", "--model", "M", "--image", "I.png", "--prompt", "x", "--out", "OUT.png", "--lora-scale", "inf"],
+     "--lora-scale"),
+    (["plan", "--model", "M", "--gpu-memory", "nan"], "--gpu-memory"),
+    (["plan", "--model", "M", "--gpu-memory", "-5"], "--gpu-memory"),
+    (["plan", "--model", "M", "--tokens-per-sample", "0"], "--tokens-per-sample"),
+    (["plan", "--model", "M", "--text-tokens", "-1"], "--text-tokens"),
+    (["plan", "--model", "M", "--device", "tpu"], "--device"),
+    (["store", "gc", "ST", "--incomplete-after", "-1"], "--incomplete-after"),
+], ids=lambda a: " ".join(a[:2]) if isinstance(a, list) else a)
+def test_a_flag_value_out_of_its_range_is_a_usage_error_before_any_work(args, flag, tmp_path, monkeypatch):
+    """Flags outside their config checks took any float: `lora merge --scale nan` wrote a model of NaNs (exit 0),
+    `plan --gpu-memory -5` said "DOES NOT FIT in -5 GiB", `--tokens-per-sample -4` planned negative memory and
+    `--device tpu` planned a CPU under that name. Now exit 2 naming the flag, nothing read or written."""
+    monkeypatch.chdir(tmp_path)
+    r = _run(args)
+    assert r.exit_code == 2, r.output
+    assert f"'{flag}'" in r.output and "Traceback" not in r.output, r.output
+    assert not (tmp_path / "OUT").exists()
+
+
+def test_a_set_or_option_value_that_is_not_yaml_is_one_message_naming_its_flag():
+    """`--set k=[` showed PyYAML's caret drawing over five lines; `store push -o foo` was refused as a bad
+    `--set` expecting SECTION.KEY=VALUE, a flag the command does not have."""
+    r = _run(["config", "show", "--set", "train.batch_size=["])
+    assert r.exit_code == 2, r.output
+    assert "--set" in r.output and "column 2" in r.output, r.output
+    assert "^" not in r.output and "while parsing" not in r.output, r.output  # PyYAML's drawing and its context
+    r = _run(["store", "push", "ST", "s3://b/p", "-o", "foo"])
+    assert r.exit_code == 2, r.output
+    assert "--option" in r.output and "KEY=VALUE" in r.output and "--set" not in r.output, r.output
+
+
+def test_lora_merge_refuses_a_non_empty_out_before_reading_the_model(tmp_path, monkeypatch):
+    """The refusal of a non-empty --out came after the LoRA's base-model check, which hashes the whole model
+    (minutes for a 40 GB one) only to be told to pick another folder."""
+    import pipeline.commands.lora as lora_cmd
+
+    def read(*a, **k):
+        raise AssertionError("the model was read before the refusal")
+
+    monkeypatch.setattr(lora_cmd, "checked_lora", read)
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "x").write_text("x")
+    r = _run(["lora", "merge", "--model", "M", "--lora", "L", "--out", str(busy)])
+    assert r.exit_code == 1 and r.output == f"error: output folder {busy} exists and is not empty; pass a new folder\n"
+
+
+def test_a_run_or_checkpoint_folder_passed_as_the_lora_names_its_lora_folder(tmp_path):
+    """`--lora RUN` (or RUN/checkpoints/step-N) said only that it holds no weights, though the LoRA is one folder
+    down: the line now names that folder."""
+    for folder in (tmp_path / "run", tmp_path / "run" / "checkpoints" / "step-10"):
+        (folder / "lora").mkdir(parents=True)
+        (folder / "lora" / "pytorch_lora_weights.safetensors").write_bytes(b"")
+        r = _run(["lora", "export", str(folder), "--out", str(tmp_path / "x.safetensors")])
+        assert r.exit_code == 1, r.output
+        assert r.output.endswith(f"{folder} is a run or checkpoint folder; pass its LoRA folder {folder / 'lora'}\n")
+
+
+def test_all_checkpoints_of_a_run_without_any_names_the_run_and_writes_no_report(tmp_path):
+    """The line said "the run folder holds no checkpoints" without naming it, after making the report folder
+    (left behind with its lock file)."""
+    (tmp_path / "run").mkdir()
+    r = _run(["run", "evaluate", "--all-checkpoints", "--run", str(tmp_path / "run"), "--store", str(tmp_path / "s"),
+              "--model", "M", "--out", str(tmp_path / "report")])
+    assert r.exit_code == 1, r.output
+    assert r.output.startswith(f"error: no checkpoints to evaluate: {tmp_path / 'run'} holds no checkpoints/step-N")
+    assert not (tmp_path / "report").exists()

@@ -174,3 +174,21 @@ def test_a_stopped_launch_names_the_rerun_its_command_takes(monkeypatch) -> None
         r = CliRunner().invoke(app, ["launch", "--nproc-per-node", "2", *command])
         assert r.exit_code == 128 + signal.SIGTERM, r.output
         assert f"(what they committed stays: {rerun} to continue from the last checkpoint)" in r.output, r.output
+
+
+def test_torchrun_options_it_refuses_end_in_one_line_naming_them() -> None:
+    """torchrun checks some of its options only when it launches, by raising: `--nproc-per-node abc` (or `gpu` on
+    a machine without CUDA), `--nnodes x`, `--rdzv-conf bad` ended in its traceback, and `--nproc-per-node 0` in a
+    bare AssertionError. Now one line naming the option, exit 2, before any rank starts."""
+    from typer.testing import CliRunner
+
+    from pipeline.cli import app
+
+    for option, named in ((["--nproc-per-node", "abc"], "Unsupported nproc_per_node value: abc"),
+                          (["--nproc-per-node", "0"], "--nproc-per-node 0: at least 1 process per node"),
+                          (["--nnodes", "x"], "--nnodes x: a number of nodes or MIN:MAX"),
+                          (["--rdzv-conf", "bad"], "The rendezvous configuration option 'bad' must have a value")):
+        r = CliRunner().invoke(app, ["launch", *option, "run", "train", "--out", "R"])
+        assert r.exit_code == 2, (option, r.output, r.exception)
+        assert r.output.startswith(f"error: pipeline launch: torchrun refused the launch: {named}"), r.output
+        assert r.output.endswith("; check its options (`pipeline launch --help`)\n"), r.output

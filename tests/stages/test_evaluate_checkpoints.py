@@ -160,7 +160,12 @@ def test_cli_all_checkpoints_json_names_the_best_path(run_and_store, tiny_edit_m
     assert res.exit_code == 0, res.output
     record = json.loads(res.stdout.strip().splitlines()[-1])
     assert record["best_step"] == 20 and record["best_checkpoint"].endswith("step-20/lora")
-    assert record["checkpoints"] == [10, 20, 30]
+    assert record["checkpoints"] == [10, 20, 30] and not record["up_to_date"]
+    # the same command again: up to date, as in `run all` (before: every sample image generated again)
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    again = json.loads(res.stdout.strip().splitlines()[-1])
+    assert again["up_to_date"] and again["best_step"] == 20 and again["checkpoints"] == [10, 20, 30]
 
 
 # After `load`: decoded images, and the curves' drawn size (a polyline with a zero box is not visible).

@@ -53,6 +53,11 @@ def test_skip_leaves_the_sample_out_of_every_mean(poisoned, tiny_edit_model, tmp
     assert loss["nonfinite_samples"] == [key_of(3)] and loss["overall"]["n"] == 2
     assert math.isfinite(loss["overall"]["base"]) and math.isfinite(loss["overall"]["lora"])
     assert key_of(3) not in loss["per_sample"]
+    # the same command again: up to date, its numbers said again (before: evaluated again from scratch)
+    r = _evaluate(poisoned, tiny_edit_model, tmp_path / "report", "evaluate.on_nonfinite=skip")
+    assert r.exit_code == 0, r.output
+    assert r.output.startswith(f"report {tmp_path / 'report'} is up to date; held-out loss on 2 val samples"), r.output
+    assert "left out 1 val sample(s) with a non-finite loss" in r.output
 
 
 def test_a_report_interrupted_before_metrics_json_is_written_over(poisoned, tiny_edit_model, tmp_path):

@@ -79,3 +79,17 @@ def test_counting_a_webdataset_source_has_its_own_bar(tmp_path, capsys):
     capsys.readouterr()
     assert count_samples(tmp_path / "src", "webdataset") == 12
     assert "counting samples:   0%|          | 0/3 [" in capsys.readouterr().err
+
+
+
+def test_the_val_read_bar_counts_samples(capsys):
+    """evaluate's and validation's read of the val samples counted "it" (as did the held-out passes, generation
+    and denoising: batches, images and steps now): its rate and ETA are in samples."""
+    from features.damaged import read_intact
+
+    class Tables(list):  # what read_intact uses of a join: its rows and its damage bookkeeping
+        on_damaged, damaged, max_damaged_fraction = "stop", {}, 0.0
+
+    assert read_intact(Tables(range(3)), 3, lambda i: i * 10, "read val samples") == [0, 10, 20]
+    err = capsys.readouterr().err
+    assert "read val samples:" in err and "sample/s" in err and "it/s" not in err, err

@@ -10,6 +10,7 @@ import sys
 import time
 
 import pytest
+import typer
 
 from store.lease import LEASES_DIR
 from train_store import make_train_store, mixed_specs
@@ -41,6 +42,43 @@ def test_a_signal_releases_the_read_lease(tiny_edit_model, tmp_path, sig):
     assert proc.returncode != 0
     assert "Traceback" not in out, out
     assert not list(leases.glob("*.json")), out
+    if sig == signal.SIGINT:  # Ctrl-C: before, typer's silent exit 130
+        assert proc.returncode == 130
+        assert out.rstrip().endswith("stopped by SIGINT (Ctrl-C): the run's checkpoints are kept; rerun with "
+                                     "--resume to continue from the last one"), out
+
+
+@pytest.mark.parametrize("words,line", [
+    (["run", "train", "--out", "RUN"], "stopped by SIGINT (Ctrl-C): the run's checkpoints are kept; rerun with "
+                                       "--resume to continue from the last one"),
+    (["run", "encode-vae", "--store", "S"], "stopped by SIGINT (Ctrl-C): what it committed is kept; rerun the same "
+                                            "command to continue from there"),
+    (["store", "verify", "S"], "stopped by SIGINT (Ctrl-C)"),
+])
+def test_ctrl_c_ends_in_one_line_saying_what_is_kept(monkeypatch, capsys, words, line):
+    """Ctrl-C came out of typer as a silent exit 130: the prompt came back with no word on what was kept or how
+    to go on. Now one line, with the rerun that continues where there is one."""
+    import pipeline.cli as cli
+
+    fake = typer.Typer()  # one command: it takes every word of the command line
+
+    @fake.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+    def interrupted(ctx: typer.Context) -> None:
+        cli._interrupt(signal.SIGINT, None)  # as the real handler does when Ctrl-C lands mid-stage
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    monkeypatch.setattr(cli, "app", fake)
+    monkeypatch.setattr(cli, "_signalled", [])
+    monkeypatch.setattr(sys, "argv", ["pipeline", *words])
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    try:
+        with pytest.raises(SystemExit) as stop:
+            cli.main()
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+    assert stop.value.code == 130
+    assert capsys.readouterr().err == line + "\n"
 
 
 def test_a_signal_that_a_library_turns_into_another_error_is_one_line(monkeypatch, capsys):

@@ -354,8 +354,17 @@ def test_cli_trains_and_reports_user_errors(store_dir, tiny_edit_model, tmp_path
     res = runner.invoke(app, args)
     assert res.exit_code == 0, res.output
     assert "LoRA:" in res.output and (tmp_path / "run" / "lora" / "pytorch_lora_weights.safetensors").is_file()
-    res = runner.invoke(app, args + ["--resume"])  # nothing left to do: rewrites the same LoRA
-    assert res.exit_code == 0, res.output
+    lora = tmp_path / "run" / "lora"
+    written = (lora / "pytorch_lora_weights.safetensors").stat().st_mtime_ns
+    # the same command again, with or without --resume: up to date, as `run all` says (before: the plain rerun
+    # was refused, "already holds checkpoints; pass --resume to continue it", and --resume rewrote the LoRA)
+    for again in (args, args + ["--resume"]):
+        res = runner.invoke(app, again)
+        assert res.exit_code == 0, res.output
+        assert res.output.endswith(f"LoRA {lora} is up to date (2 steps on the current tables)\n"), res.output
+    assert (lora / "pytorch_lora_weights.safetensors").stat().st_mtime_ns == written
+    res = runner.invoke(app, [*args[:-5], "3", *args[-4:]])  # --max-steps 3: not the finished run's config
+    assert res.exit_code == 1 and "already holds checkpoints (step-2); pass --resume" in res.output, res.output
     res = runner.invoke(app, ["run", "train", "--store", str(tmp_path / "nowhere"), "--model", tiny_edit_model,
                               "--out", str(tmp_path / "r2")])
     assert res.exit_code == 1 and "no store at" in res.output

@@ -339,3 +339,12 @@ def test_pushing_back_a_cached_copy_that_added_nothing_lists_and_writes_nothing(
              if "/.leases/" not in o["Key"]}
     assert after == before and not [w for w in writes if not w.startswith((".leases/", ".clock/"))]
     assert ("store.json", False) in swapped and ("store.json", True) not in swapped
+
+
+def test_the_summary_of_a_pull_says_fetched_not_sent():
+    """A pull's line said "0.5 MiB sent" about what it had downloaded."""
+    from store.remote_sync import SyncSummary
+
+    pull, push = SyncSummary("pull", "s3://b/p"), SyncSummary("push", "s3://b/p")
+    assert "0.0 MiB fetched" in str(pull) and "sent" not in str(pull)
+    assert "0.0 MiB sent" in str(push)
