@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from schemas.errors import UserError
+from store import format as fmt
 
 
 # What a run folder holds from its start on (the lock is its first file): a folder with none of them is not one.
@@ -27,7 +28,7 @@ def refuse_a_folder_of_other_files(out: Path, what: str = "--out") -> None:
 
 
 # What a store folder holds from its first open on (the lock is taken before store.json is written)
-STORE_MARKERS = ("store.json", ".store.lock")
+STORE_MARKERS = (fmt.STORE_JSON, fmt.STORE_LOCK)
 
 
 def refuse_a_store_among_other_files(store: str | Path, what: str = "--store") -> None:
