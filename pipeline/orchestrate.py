@@ -158,6 +158,7 @@ def run_all(cfg: PipelineConfig, log: Callable[[str], None] = print, cache_dir: 
                                      "paths.model": paths.model})
     refuse_a_folder_of_other_files(paths.run, "paths.run")  # before resize-bucket's minutes, not at train
     refuse_a_store_among_other_files(paths.store, "paths.store")
+    _check_sampling(cfg, paths.model)
     world, main = launched()
     if world > 1:
         _refuse_url_under_launch(paths.store, world)
@@ -169,6 +170,16 @@ def run_all(cfg: PipelineConfig, log: Callable[[str], None] = print, cache_dir: 
     if main:  # rank 0 wrote the report (the others may finish first)
         result.metrics = json.loads((paths.report / "metrics.json").read_text())
     return result
+
+
+def _check_sampling(cfg: PipelineConfig, model: str) -> None:
+    """One denoising step where the model's scheduler cannot take it, refused before resize-bucket and the encoders
+    (hours at a million samples), not when train, or evaluate after training, reaches it."""
+    from stages.evaluate.stage import check_sampling as evaluate_steps
+    from stages.train.recipe import check_sampling as train_steps
+
+    train_steps(cfg.train, model)
+    evaluate_steps(cfg.evaluate, model)
 
 
 def _run_stages(cfg: PipelineConfig, paths: Paths, access, log: Callable[[str], None],

@@ -293,15 +293,23 @@ def agreed_config(cfg: EvaluateConfig, world: int = 1) -> tuple[EvaluateConfig, 
     return cfg.model_copy(update={"device": device, "dtype": precision.weights}), precision
 
 
+def check_sampling(cfg: EvaluateConfig, model: str) -> None:
+    """`evaluate.num_inference_steps` against the model's scheduler, where images are made (else the steps are
+    unused; `models.loading.check_sampling_steps`; `pipeline run all` asks before its first stage)."""
+    if cfg.num_samples or cfg.extra_prompts:
+        from models.loading import check_sampling_steps
+
+        check_sampling_steps(cfg.num_inference_steps, "evaluate.num_inference_steps", model)
+
+
 def for_model(cfg: EvaluateConfig, model: str) -> EvaluateConfig:
     """`evaluate.true_cfg_scale` left unset: the model family's own default, as predict and the training sample
     grid take it (Qwen-Image-2.1: no guidance, its pipeline's default; the Edit models: 4.0). Resolved before
     anything is fingerprinted, so a report records the scale its images were made with."""
-    from models.loading import check_sampling_steps, model_variant
+    from models.loading import model_variant
     from models.qwen21_predict import TRUE_CFG_21, check_reference_count
 
-    if cfg.num_samples or cfg.extra_prompts:  # images are made (else the steps are unused)
-        check_sampling_steps(cfg.num_inference_steps, "evaluate.num_inference_steps", model)
+    check_sampling(cfg, model)
     for i, extra in enumerate(cfg.extra_prompts):  # refused before anything is read or loaded
         if model_variant(model) == "qwen-image-2.1":
             check_reference_count(len(extra.images), model, f"evaluate.extra_prompts[{i}].images",

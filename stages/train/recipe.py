@@ -161,10 +161,7 @@ def run(
     `rerun`: how the user continues after a stop (named in a full disk's line and a SIGTERM's)."""
     started = time.perf_counter()
     validate_config(cfg.train)
-    if cfg.train.sample_every is not None:  # every rank alike, before any work
-        from models.loading import check_sampling_steps
-
-        check_sampling_steps(cfg.train.sample_steps, "train.sample_steps", model)
+    check_sampling(cfg.train, model)  # every rank alike, before any work
     world = launched_world_size()
     accelerator = make_accelerator(cfg.train) if world > 1 else None  # the ranks' process group, to decide together
     if skip_if_done and finished_here(cfg, store, model, out, world):
@@ -393,6 +390,15 @@ def log(r: Run, s: StepStats) -> None:
     r.result.step_times.append(time.perf_counter() - s.started)  # with logging, without checkpoint writing
     r.result.step_cpu_times.append(time.process_time() - s.cpu_started)
     r.result.step_data_times.append(s.data_seconds)
+
+
+def check_sampling(tc: TrainConfig, model: str) -> None:
+    """`train.sample_steps` against the model's scheduler, where sample grids are made
+    (`models.loading.check_sampling_steps`; `pipeline run all` asks before its first stage)."""
+    if tc.sample_every is not None:
+        from models.loading import check_sampling_steps
+
+        check_sampling_steps(tc.sample_steps, "train.sample_steps", model)
 
 
 def recent_mean_loss(losses, n: int) -> float:

@@ -81,3 +81,23 @@ def test_evaluate_and_train_take_one_step_on_qwen21(tiny_21_model):
     cfg = load_config(None, {"evaluate.num_inference_steps": 1, "evaluate.num_samples": 1}).evaluate
     assert for_model(cfg, tiny_21_model).num_inference_steps == 1
     check_sampling_steps(1, "train.sample_steps", tiny_21_model)
+
+
+def test_run_all_refuses_one_step_on_an_edit_model_before_its_first_stage(tiny_edit_model, tmp_path):
+    """`pipeline run all` asks before resize-bucket. Before, train refused it when it started, after resize-bucket
+    and both encoders (hours at a million samples), and evaluate's steps only after the whole training."""
+    import yaml
+
+    store = tmp_path / "store"
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({"paths": {"source": str(tmp_path / "src"), "store": str(store),
+                                                "model": tiny_edit_model, "run": str(tmp_path / "run"),
+                                                "report": str(tmp_path / "report")}}))
+    for sets, setting in ((["train.sample_every=1", "train.sample_steps=1"], "train.sample_steps"),
+                          (["evaluate.num_inference_steps=1"], "evaluate.num_inference_steps")):
+        r = CliRunner().invoke(app, ["run", "all", "--config", str(config),
+                                     *(a for s in sets for a in ("--set", s))])
+        lines = [ln for ln in r.output.splitlines() if ln.startswith("error:")]
+        assert r.exit_code == 1 and len(lines) == 1, r.output
+        assert lines[0].startswith(f"error: {setting} = 1: ") and tiny_edit_model in lines[0], lines[0]
+        assert not store.exists() and not (tmp_path / "run").exists()
