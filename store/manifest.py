@@ -88,8 +88,12 @@ def read_indexes(paths: Iterable[Path]) -> list[pa.Table]:
     pq.read_table's cost per file): a commit reads one per shard, ~20-30k at 1M samples (one after the other, ~2 ms
     each, up to a minute while every rank waits: bench/commit_indexes.py)."""
     def read(p: Path) -> pa.Table:
-        with pq.ParquetFile(p) as f:
-            return f.read(use_threads=False)
+        try:
+            with pq.ParquetFile(p) as f:
+                return f.read(use_threads=False)
+        except (OSError, pa.ArrowException) as e:  # ParquetFile's errors do not name the file
+            raise UserError(f"{p}: the shard index is unreadable ({e}); rerun the stage that wrote it (its "
+                            "shard is written again) or `pipeline store repair`") from None
 
     paths = list(paths)
     if len(paths) < 2:

@@ -140,3 +140,18 @@ def test_duplicates_of_other_content_or_across_ranks_are_still_refused(store: St
         merge_indexes([a, other])
     with pytest.raises(UserError, match=r"in shard-r00-000000.tar and shard-r01-000000.tar: each sample"):
         merge_indexes([a, other_rank])
+
+
+def test_a_truncated_shard_index_is_one_line_naming_it(tmp_path: Path) -> None:
+    """The commit reads the shard indexes through pq.ParquetFile, whose errors do not name the file: a truncated
+    index is a UserError naming it (a traceback without the file name before)."""
+    import pyarrow as pa
+
+    paths = []
+    for i in range(2):
+        p = tmp_path / f"shard-r0-{i:06d}.index.parquet"
+        pq.write_table(pa.table({"key": [f"k{i}"], "shard": [f"shard-r0-{i:06d}.tar"]}), p)
+        paths.append(p)
+    paths[1].write_bytes(paths[1].read_bytes()[:20])
+    with pytest.raises(UserError, match="shard-r0-000001.index.parquet: the shard index is unreadable"):
+        merge_indexes(paths)
