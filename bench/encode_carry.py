@@ -23,6 +23,7 @@ import binascii
 import json
 import sys
 import time
+import timeit
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -124,12 +125,8 @@ def stored_rows(images, share: int, rng: np.random.Generator) -> pa.Table:
 
 
 def best(fn, repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+    """The fastest of `repeat` calls (the least disturbed by the shared machine's other load)."""
+    return min(timeit.repeat(fn, number=1, repeat=repeat))
 
 
 def main() -> None:
