@@ -48,6 +48,23 @@ def test_a_signal_releases_the_read_lease(tiny_edit_model, tmp_path, sig):
                                      "--resume to continue from the last one"), out
 
 
+def _main_of(monkeypatch, app) -> int:
+    """`pipeline.cli.main` running `app` in place of the CLI's, the signal handlers it installs restored after:
+    its exit status."""
+    import pipeline.cli as cli
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    monkeypatch.setattr(cli, "app", app)
+    monkeypatch.setattr(cli, "_signalled", [])
+    try:
+        with pytest.raises(SystemExit) as stop:
+            cli.main()
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+    return stop.value.code
+
+
 @pytest.mark.parametrize("words,line", [
     (["run", "train", "--out", "RUN"], "stopped by SIGINT (Ctrl-C): the run's checkpoints are kept; rerun with "
                                        "--resume to continue from the last one"),
@@ -66,18 +83,9 @@ def test_ctrl_c_ends_in_one_line_saying_what_is_kept(monkeypatch, capsys, words,
     def interrupted(ctx: typer.Context) -> None:
         cli._interrupt(signal.SIGINT, None)  # as the real handler does when Ctrl-C lands mid-stage
 
-    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    monkeypatch.setattr(cli, "app", fake)
-    monkeypatch.setattr(cli, "_signalled", [])
     monkeypatch.setattr(sys, "argv", ["pipeline", *words])
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    try:
-        with pytest.raises(SystemExit) as stop:
-            cli.main()
-    finally:
-        for s, handler in before.items():
-            signal.signal(s, handler)
-    assert stop.value.code == 130
+    assert _main_of(monkeypatch, fake) == 130
     assert capsys.readouterr().err == line + "\n"
 
 
@@ -92,26 +100,11 @@ def test_a_signal_that_a_library_turns_into_another_error_is_one_line(monkeypatc
         except KeyboardInterrupt:
             raise OSError("Unable to load weights from checkpoint file") from None
 
-    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    monkeypatch.setattr(cli, "app", loading_when_interrupted)
-    monkeypatch.setattr(cli, "_signalled", [])
-    try:
-        with pytest.raises(SystemExit) as stop:
-            cli.main()
-    finally:
-        for s, handler in before.items():
-            signal.signal(s, handler)
-    assert stop.value.code == 128 + signal.SIGINT
+    assert _main_of(monkeypatch, loading_when_interrupted) == 128 + signal.SIGINT
     assert capsys.readouterr().err.strip() == "stopped by SIGINT (OSError while stopping)"
 
-    monkeypatch.setattr(cli, "app", lambda: (_ for _ in ()).throw(OSError("a real error")))
-    monkeypatch.setattr(cli, "_signalled", [])
-    try:
-        with pytest.raises(OSError, match="a real error"):  # no signal: the error is the error
-            cli.main()
-    finally:
-        for s, handler in before.items():
-            signal.signal(s, handler)
+    with pytest.raises(OSError, match="a real error"):  # no signal: the error is the error
+        _main_of(monkeypatch, lambda: (_ for _ in ()).throw(OSError("a real error")))
 
 
 LOST_IN_A_FINALIZER = """
