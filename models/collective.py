@@ -329,8 +329,10 @@ def report_once(message: str) -> bool:
             stream.flush()
         except (OSError, ValueError):
             pass
-    tq = sys.modules.get("tqdm.std")  # a progress bar still open (this rank's main thread is stuck) ends mid-line
-    mid_line = tq is not None and bool(getattr(tq.tqdm, "_instances", None))
+    # a progress bar may have left stderr mid-line: one still open (this rank's main thread is stuck), or one the
+    # main thread was closing (tqdm drops it from its open bars before it writes its last state and newline: the
+    # clean CI run's one failure, rank 0's line after its bar's text). A blank line at worst.
+    mid_line = "tqdm.std" in sys.modules
     sys.stderr.write(("\n" if mid_line else "") + f"error: {message}\n")
     sys.stderr.flush()
     return True
