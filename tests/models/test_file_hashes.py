@@ -82,8 +82,10 @@ def test_concurrent_processes_share_one_cache(tmp_path, cache) -> None:
     a, b = _files(tmp_path / "a", 1500, "a"), _files(tmp_path / "b", 1500, "b")  # > FLUSH_EVERY: several batches
     procs = [_hash_in_process(a + b[:200], cache), _hash_in_process(b + a[:200], cache)]
     counts = [int(p.communicate()[0]) for p in procs]
-    # each reads its own 1500 files, and the other's 200 unless that process already wrote them (timing)
-    assert all(1500 <= c <= 1700 for c in counts) and all(p.returncode == 0 for p in procs), counts
+    # Every file is read at least once, the 400 shared ones at most twice; who reads a shared one is timing (a
+    # process started late finds its first 200 already written by the other: CI saw [1700, 1300]).
+    assert 3000 <= sum(counts) <= 3400 and all(1300 <= c <= 1700 for c in counts), counts
+    assert all(p.returncode == 0 for p in procs)
     with FileHashes("t.sqlite") as h:
         assert all(h.sha256(f) == _sha(f) for f in a + b) and h.hashed == 0
 
