@@ -235,6 +235,10 @@ class TrainConfig(Section):
     # memory settings: the same weights (tests/stages/test_train.py, test_qwen21_stages.py), so a resume may change
     # them (OOM advice); runs fingerprinted with them resume (stages/train/settings.py `earlier_config_fingerprints`)
     gradient_checkpointing: Annotated[bool, THROUGHPUT] = False
+    uncheckpointed_blocks: Annotated[int, THROUGHPUT] = Field(
+        0, ge=0, description="with gradient checkpointing (or offload): the first N transformer blocks keep their "
+        "activations instead (not run again in the backward: N/blocks less recompute, N blocks' activations more "
+        "memory; `pipeline plan --gpu-memory G` prints the largest N that fits); 0 = every block checkpointed")
     quantize_base: Annotated[Quantize, FEATURES] = Field("none", description=_QUANTIZE_HELP)
     offload: Annotated[Literal["none", "blocks"], THROUGHPUT] = Field(
         "none", description="blocks: frozen transformer blocks live in (pinned) host memory and stream to the device")

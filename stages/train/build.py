@@ -68,7 +68,9 @@ def setup_transformer(model: str, cfg: TrainConfig, device: torch.device, world:
     torch.manual_seed(cfg.seed)  # LoRA init: the same on every rank
     add_lora(transformer, cfg.lora)
     if cfg.gradient_checkpointing or cfg.offload == "blocks":
-        transformer.enable_gradient_checkpointing()
+        from models.checkpointing import enable_checkpointing
+
+        enable_checkpointing(transformer, cfg.uncheckpointed_blocks)
     if cfg.compile:  # regional: each block compiled in place (same parameter names); shapes vary per batch
         transformer.compile_repeated_blocks(dynamic=True, **COMPILE_OPTIONS)
     if cfg.offload == "blocks":

@@ -48,6 +48,22 @@ def validate_config(cfg: TrainConfig) -> None:
         raise UserError("train.mixed_precision 'fp16' is not supported (no loss scaling here); use 'bf16' or 'no'")
     if cfg.warmup_steps > cfg.max_steps:
         raise UserError(f"train.warmup_steps ({cfg.warmup_steps}) exceeds train.max_steps ({cfg.max_steps})")
+    check_checkpointing(cfg)
+
+
+def check_checkpointing(cfg: TrainConfig) -> None:
+    """train.uncheckpointed_blocks only with checkpointing on (offload turns it on), and within the blocks offload
+    keeps on the device: an offloaded block left un-checkpointed would keep its device weight copy until the
+    backward (models/checkpointing.py). Also `pipeline plan`'s check."""
+    n = cfg.uncheckpointed_blocks
+    if n and not cfg.gradient_checkpointing and cfg.offload == "none":
+        raise UserError(f"train.uncheckpointed_blocks ({n}) leaves blocks out of gradient checkpointing, which is "
+                        "off: set train.gradient_checkpointing true, or uncheckpointed_blocks 0")
+    if n > cfg.offload_blocks_on_device and cfg.offload == "blocks":
+        raise UserError(f"train.uncheckpointed_blocks ({n}) exceeds train.offload_blocks_on_device "
+                        f"({cfg.offload_blocks_on_device}): an offloaded block must be checkpointed (else it keeps its "
+                        "device weights until the backward); raise offload_blocks_on_device or lower "
+                        "uncheckpointed_blocks")
 
 
 def config_fingerprint(cfg: TrainConfig) -> str:

@@ -118,7 +118,8 @@ def test_memory_settings_leave_the_run_fingerprint_alone():
     from stages.train.settings import config_fingerprint
 
     base = C.TrainConfig(dtype="float32")
-    for memory in ({"gradient_checkpointing": True}, {"offload": "blocks", "offload_blocks_on_device": 3}):
+    for memory in ({"gradient_checkpointing": True}, {"offload": "blocks", "offload_blocks_on_device": 3},
+                   {"gradient_checkpointing": True, "uncheckpointed_blocks": 7}):
         assert config_fingerprint(base.model_copy(update=memory)) == config_fingerprint(base)
     assert C.ResizeConfig().fingerprint() == "c1b31852610f2c40"
     assert C.ResizeConfig(workers=3, shard_size_mb=1).fingerprint() == "c1b31852610f2c40"

@@ -359,7 +359,8 @@ def test_21_two_processes_train_the_same_lora_as_one(tiny_21_model, tmp_path):
 
 def test_21_offloaded_blocks_train_the_same_lora(tiny_21_model, encoded21, tmp_path):
     """offload=blocks on 2.1 (the stock blocks are called through their module, so the offload hooks fire;
-    storage and compute on the CPU, every onload a real copy) = no offload, bit for bit."""
+    storage and compute on the CPU, every onload a real copy) = no offload, bit for bit; also with the resident
+    block left out of checkpointing."""
     import unittest.mock as um
 
     from models.lora import read_lora
@@ -377,11 +378,16 @@ def test_21_offloaded_blocks_train_the_same_lora(tiny_21_model, encoded21, tmp_p
     with um.patch.object(BlockOffloader, "__init__", spy):
         off = run(_train_cfg(max_steps=2, offload="blocks", offload_blocks_on_device=1), encoded21, tiny_21_model,
                   tmp_path / "off")
-    (offloader,) = seen
+        # block 0 resident and left out of checkpointing (train.uncheckpointed_blocks): the same LoRA too
+        partial = run(_train_cfg(max_steps=2, offload="blocks", offload_blocks_on_device=1, uncheckpointed_blocks=1),
+                      encoded21, tiny_21_model, tmp_path / "partial")
+    offloader = seen[0]
     assert offloader.onloads >= 2 * 2  # forward + recompute of block 1, per step
-    a, b = read_lora(plain.lora_dir)[0], read_lora(off.lora_dir)[0]
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert plain.losses == off.losses
+    a = read_lora(plain.lora_dir)[0]
+    for other in (off, partial):
+        b = read_lora(other.lora_dir)[0]
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+        assert plain.losses == other.losses
 
 
 def test_21_validation_loss_while_training(tiny_21_model, tmp_path):
