@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import Callable
 
 from models.loading import resolve_model
 
@@ -65,6 +66,7 @@ ACT_PER_TOKEN_BLOCK = 21
 # layers), plus the flow loss inputs.
 ACT_BACKWARD_WORKSET = 12
 # With gradient checkpointing only each block's input (D per token) is kept; one block is recomputed at a time.
+# A block left out of it (`train.uncheckpointed_blocks`, the leading ones) keeps ACT_PER_TOKEN_BLOCK.
 ACT_CHECKPOINTED = 1
 
 # Quantised storage: bytes per weight, scale bytes per output channel (int8: float32 scale + int8 zero point),
@@ -287,7 +289,8 @@ def train_plan(model: str, dtype: str, quantize: str, batch_size: int, tokens_pe
                gradient_checkpointing: bool, lora_rank: int, offload: str = "none", blocks_on_device: int = 0,
                lora_targets: int = 4, host: bool = False, counts: TransformerCounts | None = None,
                optimizer: str = "adamw", processes: int = 1, sample_vae: bool = False, ema: bool = False,
-               vae_params: int | None = None, sample_size: tuple[int, int] | None = None) -> StagePlan:
+               vae_params: int | None = None, sample_size: tuple[int, int] | None = None,
+               uncheckpointed_blocks: int = 0) -> StagePlan:
     """Peak device bytes of training; `host=True`: peak host RSS of a CPU run instead (everything resident,
     and the loading peak counts when it is the higher one). `counts`: of a model built in memory (bench).
     `optimizer`: `train.optimizer`, whose state is planned as that library keeps it. `processes` > 1: DDP's
@@ -295,7 +298,8 @@ def train_plan(model: str, dtype: str, quantize: str, batch_size: int, tokens_pe
     process's device for its sample grids and keeps for the run (`vae_params`: its count, default from the
     model's VAE config); with `sample_size` (height, width of the val images) also its decode's feature maps, as
     far as they exceed the step's activations (a sample grid runs between steps, when those are freed).
-    `ema` (`train.ema_decay` set): the adapter's float32 shadow."""
+    `ema` (`train.ema_decay` set): the adapter's float32 shadow. `uncheckpointed_blocks`: with checkpointing, the
+    leading blocks that keep their activations (`train.uncheckpointed_blocks`)."""
     c = counts or transformer_counts(model)
     # the trainer turns checkpointing on with offload (stages/train/build.py): without it autograd would keep
     # every block's device copy; planned as off, the activations came out ~21x (60 blocks) too high
@@ -305,10 +309,11 @@ def train_plan(model: str, dtype: str, quantize: str, batch_size: int, tokens_pe
     act_elem = DTYPE_BYTES[dtype]
     tokens = batch_size * tokens_per_sample
     resident = None if offload == "none" else min(c.blocks, blocks_on_device + 2)
-    if gradient_checkpointing:
-        saved = ACT_CHECKPOINTED * c.blocks + ACT_PER_TOKEN_BLOCK  # block inputs + one recomputed block
-    else:
-        saved = ACT_PER_TOKEN_BLOCK * c.blocks
+    # every block keeps its activations without checkpointing; with it the first `uncheckpointed_blocks` do (held
+    # through the whole backward: they are the last to run it), the others their input, and one is recomputed
+    kept = min(c.blocks, uncheckpointed_blocks) if gradient_checkpointing else c.blocks
+    recomputed = 1 if kept < c.blocks else 0
+    saved = ACT_PER_TOKEN_BLOCK * (kept + recomputed) + ACT_CHECKPOINTED * (c.blocks - kept)
     parts = {
         "weights": transformer_weight_bytes(c, dtype, quantize, resident),
         "lora+grads": lora_params(c, lora_rank, lora_targets) * LORA_PARAM_AND_GRAD_BYTES,
@@ -329,7 +334,7 @@ def train_plan(model: str, dtype: str, quantize: str, batch_size: int, tokens_pe
                           parts["activations"] + parts["backward working set"], "sample-grid VAE decode")
     if model and is_qwen21(model):  # (a bench passes "" with counts of a model built in memory)
         parts["block-causal mask"] = qwen21_mask_bytes(batch_size, tokens_per_sample, act_elem,
-                                                       1 if gradient_checkpointing else c.blocks)
+                                                       kept + recomputed)
     if host and quantize != "none":
         # loading (models/quantize.py): the quantised weights + one bf16 weight's mapped pages + a row chunk
         load = parts["weights"] + c.largest_linear * DTYPE_BYTES[dtype] + 1024 * c.width * 4 * 4
@@ -337,6 +342,13 @@ def train_plan(model: str, dtype: str, quantize: str, batch_size: int, tokens_pe
         if excess > 0:
             parts["loading peak above training"] = excess
     return StagePlan("train", parts)
+
+
+def largest_uncheckpointed(plan_bytes: Callable[[int], int], most: int, limit_bytes: float) -> int | None:
+    """The largest `train.uncheckpointed_blocks` n <= `most` whose planned training peak `plan_bytes(n)` is within
+    `limit_bytes` (None: not even n = 0, every block checkpointed). The plan grows with n."""
+    fits = [n for n in range(most + 1) if plan_bytes(n) <= limit_bytes]
+    return fits[-1] if fits else None
 
 
 def qwen21_mask_bytes(batch: int, seq: int, elem: int, blocks_saving: int) -> int:

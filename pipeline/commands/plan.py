@@ -1,5 +1,6 @@
 """`pipeline plan`: predicted peak device memory of each stage for the configured model, precision,
-quantisation, offload and batch (models/memory_plan.py), and whether it fits --gpu-memory."""
+quantisation, offload and batch (models/memory_plan.py), whether it fits --gpu-memory, and how many leading blocks
+may be left out of gradient checkpointing there (train.uncheckpointed_blocks)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ def command(
     model: Optional[str] = typer.Option(None, "--model", help="Model folder or hub id (paths.model); the published "
                                         "Qwen/Qwen-Image-Edit(-2509/-2511) ids plan offline from shipped configs."),
     gpu_memory: Optional[float] = typer.Option(None, "--gpu-memory", callback=finite(above=0),
-                                               help="GiB of the target GPU: says fit / no fit."),
+                                               help="GiB of the target GPU: says fit / no fit, and the largest "
+                                               "train.uncheckpointed_blocks that fits."),
     tokens: Optional[int] = typer.Option(None, "--tokens-per-sample", min=1,
                                          help="Transformer sequence length per sample (default: from resize.*)."),
     text_tokens: int = typer.Option(300, "--text-tokens", min=0, help="Caption tokens per sample (longest expected)."),
@@ -45,6 +47,9 @@ def command(
 
     rc, tc = cfg.resize, cfg.train
     with user_errors():
+        from stages.train.settings import check_checkpointing
+
+        check_checkpointing(tc)
         family = mp.plan_family(model_id)
     controls = min(rc.max_controls, 1) if family == "edit" else rc.max_controls  # Edit (v1) keeps one control
     image_tokens = rc.target_area // 256 + controls * (rc.control_vae_area // 256)
@@ -65,15 +70,19 @@ def command(
     budget = tc.max_tokens_per_batch
     train_batch, train_seq = (1, budget) if budget else (tc.batch_size, seq)
     side = max(64, math.isqrt(rc.target_area) // 64 * 64)  # the images a sample grid / evaluate decodes (~target_area)
+
+    def train_plan(uncheckpointed: int, checkpointing: bool = tc.gradient_checkpointing):
+        return mp.train_plan(model_id, dtype(tc.dtype, tc.mixed_precision), tc.quantize_base, train_batch, train_seq,
+                             checkpointing, tc.lora.rank, tc.offload, tc.offload_blocks_on_device,
+                             len(tc.lora.target_modules), optimizer=tc.optimizer, processes=processes,
+                             sample_vae=tc.sample_every is not None, ema=tc.ema_decay is not None,
+                             sample_size=(side, side), uncheckpointed_blocks=uncheckpointed)
+
     with user_errors():
         plans = [
             mp.encode_plan(model_id, "text_encoder", dtype(cfg.encode_text.dtype), cfg.encode_text.batch_size, vl_tokens),
             mp.encode_plan(model_id, "vae", dtype(cfg.encode_vae.dtype), cfg.encode_vae.batch_size, rc.target_area // 256),
-            mp.train_plan(model_id, dtype(tc.dtype, tc.mixed_precision), tc.quantize_base, train_batch, train_seq,
-                          tc.gradient_checkpointing, tc.lora.rank, tc.offload, tc.offload_blocks_on_device,
-                          len(tc.lora.target_modules), optimizer=tc.optimizer, processes=processes,
-                          sample_vae=tc.sample_every is not None, ema=tc.ema_decay is not None,
-                          sample_size=(side, side)),
+            train_plan(tc.uncheckpointed_blocks),
             mp.inference_plan(model_id, dtype(cfg.evaluate.dtype), cfg.evaluate.quantize_base, seq,
                               image_size=(side, side)),
         ]
@@ -93,8 +102,30 @@ def command(
             fails += not ok
             verdict = "  fits" if ok else f"  DOES NOT FIT in {gpu_memory:g} GiB"
         echo(f"  {p.stage:32s} {mp.gib(p.total):>11s}{verdict}   ({detail})")
+    if gpu_memory is not None:
+        _uncheckpointed_line(lambda n: train_plan(n, checkpointing=True).total, tc, mp.transformer_counts(model_id).blocks,
+                             gpu_memory)
     if fails:
         echo("options (try one with --set KEY=VALUE): train.quantize_base int8|fp8|nf4, train.offload blocks, "
              "train.gradient_checkpointing true, "
              f"a smaller {'train.max_tokens_per_batch' if budget else 'train.batch_size'} / resize.target_area")
         raise typer.Exit(1)
+
+
+def _uncheckpointed_line(plan_of, tc, blocks: int, gpu_memory: float) -> None:
+    """The largest train.uncheckpointed_blocks whose training plan fits --gpu-memory (each block left out of
+    gradient checkpointing runs once less per step and keeps its activations); offload caps it at the blocks kept
+    on the device. Nothing when not even full checkpointing fits (the train line says so)."""
+    from models import memory_plan as mp
+
+    most = min(blocks, tc.offload_blocks_on_device) if tc.offload == "blocks" else blocks
+    n = mp.largest_uncheckpointed(plan_of, most, gpu_memory * 2**30)
+    if n is None:
+        return
+    if n == blocks:
+        echo(f"  gradient checkpointing not needed in {gpu_memory:g} GiB: every block's activations fit "
+             "(train.gradient_checkpointing false)")
+        return
+    cap = ", at most train.offload_blocks_on_device" if most < blocks else ""
+    echo(f"  largest that fits {gpu_memory:g} GiB: train.gradient_checkpointing true, train.uncheckpointed_blocks {n} "
+         f"({n} of {blocks} blocks keep their activations, not recomputed{cap})")

@@ -110,3 +110,77 @@ def test_plan_command_counts_processes_sample_grids_and_ema():
     vae = mp.component_params("Qwen/Qwen-Image-Edit-2509", "vae")
     assert f"validation VAE (float32) {mp.gib(4 * vae)}" in train_line("--set", "train.sample_every=100")
     assert f"EMA {mp.gib(4 * adapter)}" in train_line("--set", "train.ema_decay=0.999")
+
+
+def _saved_bytes(model, loss_of) -> int:
+    """Bytes of the tensors autograd keeps for the backward of one step's forward (bf16 autocast, as the plan's
+    constants were counted), the frozen weights left out: a checkpointed block's saved inputs included."""
+    weights = {t.data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    saved = {}
+
+    def pack(t):
+        if t.data_ptr() not in weights:
+            saved[(t.data_ptr(), tuple(t.shape))] = t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
+        loss_of(model)
+    return sum(saved.values())
+
+
+def test_planned_uncheckpointed_blocks_keep_what_a_block_saves(tiny_edit_model):
+    """train.uncheckpointed_blocks: each leading block left out of checkpointing adds (ACT_PER_TOKEN_BLOCK -
+    ACT_CHECKPOINTED) x tokens x width to the plan; measured on the tiny Edit model through the trainer's setup,
+    each adds what a block saves beyond its checkpointed input: 18.9 width-elements per token here vs the plan's
+    20 (ACT_PER_TOKEN_BLOCK was counted on a full-width block), and all of them left out keep what no
+    checkpointing keeps. A selection ignored (every block checkpointed) measures nothing added."""
+    from test_partial_checkpointing import _edit_loss, _model
+
+    bf16 = {"train.dtype": "bfloat16", "train.mixed_precision": "bf16"}
+
+    def measured(overrides):
+        return _saved_bytes(_model(tiny_edit_model, {**bf16, **overrides}), _edit_loss)
+
+    none = measured({"train.gradient_checkpointing": False})
+    kept = [measured({"train.gradient_checkpointing": True, "train.uncheckpointed_blocks": n}) for n in (0, 1, 2)]
+    assert kept[2] == none  # both blocks left out: what no checkpointing saves
+
+    counts = mp.counts_from_model(_model(tiny_edit_model, {}))
+    tokens = 4 * 6 + 7  # _edit_loss's image and text tokens
+
+    def planned(n, checkpointing=True):
+        return mp.train_plan("", "bfloat16", "none", 1, tokens, checkpointing, 4, counts=counts,
+                             uncheckpointed_blocks=n).parts["activations"]
+
+    per_block = planned(1) - planned(0)
+    assert per_block == (mp.ACT_PER_TOKEN_BLOCK - mp.ACT_CHECKPOINTED) * tokens * counts.width * 2
+    assert [planned(n) for n in (0, 1, 2)] == [planned(0) + n * per_block for n in (0, 1)] + [planned(2, False)]
+    measured_per_block = (kept[2] - kept[0]) / counts.blocks
+    print(f"planned / measured per kept block: {per_block / measured_per_block:.3f}")
+    assert 0.9 < per_block / measured_per_block < 1.1, (per_block, measured_per_block)
+
+
+def test_plan_command_prints_the_largest_uncheckpointed_count_that_fits():
+    """`pipeline plan --gpu-memory G`: the largest train.uncheckpointed_blocks whose training plan fits G, one
+    line; offload caps it at the blocks kept on the device; a card that holds every block's activations says
+    checkpointing is not needed."""
+    from pipeline.cli import app
+
+    hub = "Qwen/Qwen-Image-Edit-2509"
+
+    def plan(*args):
+        result = CliRunner().invoke(app, ["plan", "--model", hub, "--set", "train.batch_size=1", *args])
+        return result.output
+
+    out = plan("--gpu-memory", "80")
+    line = next(line for line in out.splitlines() if "train.uncheckpointed_blocks" in line)
+    n = int(line.split("train.uncheckpointed_blocks ")[1].split()[0])
+    tokens = int(out.split(" tokens per training sample")[0].split()[-1])
+    total = lambda k: mp.train_plan(hub, "bfloat16", "none", 1, tokens, True, 16, uncheckpointed_blocks=k).total  # noqa: E731
+    assert 0 < n < 60 and total(n) <= 80 * 2**30 < total(n + 1), line
+    assert f"train.gradient_checkpointing true, train.uncheckpointed_blocks {n}" in line
+    offloaded = plan("--gpu-memory", "80", "--set", "train.offload=blocks", "--set", "train.offload_blocks_on_device=5")
+    assert "train.uncheckpointed_blocks 5 (5 of 60 blocks" in offloaded and "at most train.offload_blocks_on_device" in offloaded
+    assert "not needed" in plan("--gpu-memory", "1000")
+    assert "uncheckpointed_blocks" not in plan("--gpu-memory", "20")  # not even every block checkpointed fits
+    assert "uncheckpointed_blocks" not in plan()  # no card given
