@@ -165,12 +165,14 @@ def matmul_flops_per_s(device: str, dtype_name: str = "bfloat16", n: int | None 
 
 
 def model_flops_per_step(linear_params_per_block: int, blocks: int, width: int, lengths: list[int],
-                         checkpointing: bool) -> float:
-    """Forward + input-gradient backward (+ recompute) of the transformer blocks over these sequences."""
-    passes = 3 if checkpointing else 2  # forward, backward (input grads only: the base is frozen), recompute
+                         checkpointing: bool, uncheckpointed: int = 0) -> float:
+    """Forward + input-gradient backward (+ recompute) of the transformer blocks over these sequences; with
+    checkpointing the first `uncheckpointed` blocks are not recomputed (`train.uncheckpointed_blocks`)."""
+    # forward, backward (input grads only: the base is frozen), recompute of the checkpointed blocks
+    block_passes = 2 * blocks + (blocks - min(blocks, uncheckpointed) if checkpointing else 0)
     flops = 0.0
     for t in lengths:
-        flops += passes * blocks * (2 * linear_params_per_block * t + 4 * t * t * width)
+        flops += block_passes * (2 * linear_params_per_block * t + 4 * t * t * width)
     return flops
 
 

@@ -76,6 +76,10 @@ def test_train_fields(smoke):
     assert configs["bf16-packed"]["attention_backend"] == "packed"
     assert configs["bf16-anchors"]["padding_share"] <= configs["bf16-packed"]["padding_share"]
     assert configs["bf16-packed"]["padding_share"] > 1  # mixed sizes at batch 4 pad
+    # partial checkpointing (the smoke's 2 blocks: the first kept, the second checkpointed) trains as full does
+    partial, full = configs["bf16-packed-b1-partial"], configs["bf16-packed-b1"]
+    assert data["stages"]["train"]["layers"] == 2 and partial["config"]["uncheckpointed"] == 1
+    assert partial["losses"] == full["losses"] and partial["plan_bytes"] > full["plan_bytes"]
 
 
 def test_encode_fields(smoke):

@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--smoke", action="store_true", help="every stage on the CPU with tiny dimensions")
     ap.add_argument("--budget-s", type=float, default=540.0, help="start no new unit of work after this many s")
     ap.add_argument("--configs", default=None, help="train: comma-separated configuration names (default: all)")
-    ap.add_argument("--layers", type=int, default=None, help="train: transformer blocks (default 60; smoke 1)")
+    ap.add_argument("--layers", type=int, default=None, help="train: transformer blocks (default 60; smoke 2: a kept and a checkpointed one)")
     ap.add_argument("--samples", type=int, default=None, help="train / encode: samples (default 8 / 16)")
     ap.add_argument("--parts", default=",".join(CORRECTNESS_PARTS),
                     help="correctness: which parts (equivalence, quantized, same_lora)")
@@ -226,6 +226,7 @@ def summary(stage: str, rec: dict) -> str:
                 peak = r.get("peak_allocated")
                 lines.append(f"{name:22s} {r['s_per_step']:7.2f} s/step {r['target_tokens_per_s']:9.0f} tgt tok/s "
                              f"MFU {mfu:.2f} data {r['data_share']:.1%} {pad} "
+                             + (f"uncheckpointed {kept} " if (kept := r.get("config", {}).get("uncheckpointed")) else "")
                              + (f"peak {peak / 2**30:.1f} GiB " if peak else "") + plan)
     else:
         for name in ("encode_text", "encode_vae", "encode_text_padded"):
