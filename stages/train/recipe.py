@@ -176,7 +176,7 @@ def run(
     # first collective while it exits.
     locks: list = []
     with together(accelerator.num_processes, "the run folder's lock"):
-        locks.append(guard.lock_run_dir(Path(out)) if accelerator.is_main_process else None)
+        locks.append(guard.RunDirLock(Path(out)) if accelerator.is_main_process else None)
     r = None
     try:
         from models.shared_folder import check_shared

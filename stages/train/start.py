@@ -194,7 +194,7 @@ def keep_previous(r: Run, why: str) -> tuple[None, None]:
             if r.before_keep is not None:
                 r.before_keep(r.run_dir)
             r.kept_previous = previous.keep(r.run_dir)
-            r.run_lock = guard.lock_run_dir(r.run_dir)
+            r.run_lock = guard.RunDirLock(r.run_dir)
             tqdm.write(f"kept the previous run of {r.run_dir} (its LoRA and checkpoints) in {r.kept_previous}; "
                        f"training afresh into {r.run_dir} ({why})")
     return None, None
