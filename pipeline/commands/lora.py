@@ -14,6 +14,18 @@ from pipeline.launched import one_process
 lora_app = typer.Typer(no_args_is_help=True)
 
 
+def _export_formats() -> tuple[str, ...]:
+    from models.lora_export import FORMATS  # here: the module imports torch, which --help does not need
+
+    return FORMATS
+
+
+def _safetensors_file(out: Path) -> Path:
+    if out is not None and out.suffix != ".safetensors":  # export_lora refuses it too (its callers outside the CLI)
+        raise typer.BadParameter(f"{out}: the export is one .safetensors file; name it *.safetensors")
+    return out
+
+
 @lora_app.command("merge", help="Fuse a LoRA into the model's transformer and write a standalone model folder.")
 def merge(
     model: str = typer.Option(..., "--model", help="Base model folder or hub id."),
@@ -95,22 +107,10 @@ def save_transformer(transformer, folder: Path, max_shard_size: int | str = "10G
             json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
-def _export_formats() -> tuple[str, ...]:
-    from models.lora_export import FORMATS
-
-    return FORMATS
-
-
-def _safetensors_file(out: Path) -> Path:
-    if out is not None and out.suffix != ".safetensors":  # export_lora refuses it too (its callers outside the CLI)
-        raise typer.BadParameter(f"{out}: the export is one .safetensors file; name it *.safetensors")
-    return out
-
-
 @lora_app.command("export", help="Write a LoRA in another runtime's format (comfyui: diffusion_model.* keys + alphas).")
 def export(
     lora: Path = typer.Argument(..., help="LoRA folder (RUN/lora) or .safetensors file."),
-    format: str = typer.Option("comfyui", "--format", callback=one_of(lambda: _export_formats()),
+    format: str = typer.Option("comfyui", "--format", callback=one_of(_export_formats),
                                help="Target format: comfyui (the only one so far)."),
     out: Path = typer.Option(..., "--out", callback=_safetensors_file, help="Output .safetensors file."),
 ) -> None:

@@ -23,9 +23,8 @@ def make_tiny_model(
         raise typer.BadParameter("use 'edit', 'edit-plus', 'edit-2511' or 'qwen-image-2.1'", param_hint="--variant")
     if layers is not None and not full_width:
         raise typer.BadParameter("--layers needs --full-width", param_hint="--layers")
-    if full_width and variant == "edit-2511":  # its widths are Edit-Plus's: models/full_width.py builds no other
-        raise typer.BadParameter("--full-width builds 'edit', 'edit-plus' or 'qwen-image-2.1' (edit-2511 has the "
-                                 "widths of edit-plus)", param_hint="--variant")
+    if full_width and variant == "edit-2511":  # models/full_width.py builds no other (exit 1 there, after parsing)
+        raise typer.BadParameter("--full-width builds 'edit', 'edit-plus' or 'qwen-image-2.1'", param_hint="--variant")
     with user_errors():
         write_tiny_model(out, variant, seed, full_width=full_width, layers=layers)
     echo(f"wrote {'full-width' if full_width else 'tiny'} {variant} model to {out}")
@@ -51,10 +50,16 @@ def write_tiny_model(out: Path, variant: str, seed: int, full_width: bool = Fals
     return out
 
 
+def _demo_formats() -> tuple[str, ...]:
+    from pipeline.demo_data import FORMATS  # here: the module imports PIL, which --help does not need
+
+    return FORMATS
+
+
 def make_demo_data(
     out: Path = typer.Argument(..., help="Folder (or tar folder / .jsonl parent) to write the dataset to."),
     n: int = typer.Option(48, "--n", min=1, help="Number of samples."),
-    format: str = typer.Option("folder", "--format", callback=one_of(lambda: _demo_formats()),
+    format: str = typer.Option("folder", "--format", callback=one_of(_demo_formats),
                                help="folder | webdataset | jsonl | parquet"),
     max_controls: int = typer.Option(3, "--max-controls", min=0, help="Controls per sample vary in 0..max."),
     seed: int = typer.Option(0, "--seed", help="Same seed, same dataset."),
@@ -66,12 +71,6 @@ def make_demo_data(
     with user_errors():
         summary = build(out, n=n, fmt=format, max_controls=max_controls, seed=seed, with_masks=with_masks)
     echo(summary)
-
-
-def _demo_formats() -> tuple[str, ...]:
-    from pipeline.demo_data import FORMATS
-
-    return FORMATS
 
 
 def config_show(
