@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 
 import typer
@@ -93,15 +94,17 @@ def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt  # Python's own SIGINT behaviour; only recorded first
 
 
-# commands a rerun continues (committed shards, checkpoints, pushed versions kept): what Ctrl-C's line advises
+# commands a rerun continues (committed shards, checkpoints, pushed versions kept): what a stop's line advises
 _RESUMABLE = ("run", "demo", "store repair", "store push", "store pull", "migrate")
+_SIGNAL_NAMES = {signal.SIGINT: "SIGINT (Ctrl-C)", signal.SIGTERM: "SIGTERM"}
 
 
-def interrupted_line(words: list[str]) -> str:
-    """The line a Ctrl-C ends `pipeline WORDS...` with: typer turns it into a silent exit 130, and a user saw the
-    prompt come back without knowing what was kept or how to go on."""
+def stopped_line(words: list[str], signum: int = signal.SIGINT) -> str:
+    """The line a Ctrl-C or a SIGTERM (a scheduler's kill, `timeout`) ends `pipeline WORDS...` with: both came out
+    as a silent exit (typer's 130, the handler's 143), and a user saw the prompt come back without knowing what
+    was kept or how to go on."""
     command = " ".join(w for w in words if not w.startswith("-"))
-    line = "stopped by SIGINT (Ctrl-C)"
+    line = f"stopped by {_SIGNAL_NAMES.get(signum, signal.Signals(signum).name)}"
     if command.startswith("run train"):  # `run all` resumes its training itself; `run train` needs --resume
         return line + ": the run's checkpoints are kept; rerun with --resume to continue from the last one"
     if command.startswith(_RESUMABLE):
@@ -109,9 +112,13 @@ def interrupted_line(words: list[str]) -> str:
     return line
 
 
-def main() -> None:  # pragma: no cover
-    import signal
+def _said_by_training() -> bool:
+    """Whether the training loop ended on the signal with a line of its own (the checkpoint it wrote)."""
+    stop = sys.modules.get("stages.train.stop")
+    return stop is not None and bool(stop.ANNOUNCED)
 
+
+def main() -> None:  # pragma: no cover
     signal.signal(signal.SIGTERM, _terminate)
     signal.signal(signal.SIGINT, _interrupt)
     try:
@@ -120,8 +127,8 @@ def main() -> None:  # pragma: no cover
         from pipeline.launched import launched
 
         # launched, the launcher says it once for every rank (pipeline/commands/launch.py)
-        if e.code == 128 + signal.SIGINT and signal.SIGINT in _signalled and launched()[0] <= 1:
-            print(interrupted_line(sys.argv[1:]), file=sys.stderr)
+        if (_signalled and e.code == 128 + _signalled[0] and launched()[0] <= 1 and not _said_by_training()):
+            print(stopped_line(sys.argv[1:], _signalled[0]), file=sys.stderr)
         raise
     except Exception as e:
         if not _signalled:

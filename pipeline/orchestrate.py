@@ -158,7 +158,7 @@ def run_all(cfg: PipelineConfig, log: Callable[[str], None] = print, cache_dir: 
                                      "paths.model": paths.model})
     refuse_a_folder_of_other_files(paths.run, "paths.run")  # before resize-bucket's minutes, not at train
     refuse_a_store_among_other_files(paths.store, "paths.store")
-    _check_sampling(cfg, paths.model)
+    _check_settings(cfg, paths.model)
     world, main = launched()
     if world > 1:
         _refuse_url_under_launch(paths.store, world)
@@ -172,14 +172,19 @@ def run_all(cfg: PipelineConfig, log: Callable[[str], None] = print, cache_dir: 
     return result
 
 
-def _check_sampling(cfg: PipelineConfig, model: str) -> None:
-    """One denoising step where the model's scheduler cannot take it, refused before resize-bucket and the encoders
-    (hours at a million samples), not when train, or evaluate after training, reaches it."""
-    from stages.evaluate.stage import check_sampling as evaluate_steps
+def _check_settings(cfg: PipelineConfig, model: str) -> None:
+    """What the config and the model decide, refused before resize-bucket and the encoders (hours at a million
+    samples), not when train, or evaluate after training, reaches it: one denoising step where the model's
+    scheduler cannot take it, and evaluate's extra prompts (their image counts and files; evaluate's own check at
+    its start, `for_model`)."""
+    from stages.evaluate.stage import check_sampling as evaluate_steps, for_model as evaluate_settings
     from stages.train.recipe import check_sampling as train_steps
 
     train_steps(cfg.train, model)
-    evaluate_steps(cfg.evaluate, model)
+    if cfg.evaluate.extra_prompts:  # they need the model's variant: a hub id is resolved now, not at encode-text
+        evaluate_settings(cfg.evaluate, model)
+    else:
+        evaluate_steps(cfg.evaluate, model)
 
 
 def _run_stages(cfg: PipelineConfig, paths: Paths, access, log: Callable[[str], None],

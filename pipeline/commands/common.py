@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import typer
 
@@ -147,6 +147,19 @@ def finite(above: float | None = None, at_least: float | None = None):
             raise typer.BadParameter(f"{value:g} is not above {above:g}")
         if at_least is not None and not value >= at_least:
             raise typer.BadParameter(f"{value:g} is below {at_least:g}")
+        return value
+
+    return check
+
+
+def one_of(choices: Callable[[], Iterable[str]]):
+    """A typer callback refusing a value not in `choices()` (called when the flag is parsed, so a module with the
+    list is imported only by the command that has the flag): a usage error, exit 2, before any work."""
+
+    def check(value: str | None) -> str | None:
+        allowed = list(choices())
+        if value is not None and value not in allowed:
+            raise typer.BadParameter(f"{value!r} is not one of {', '.join(allowed)}")
         return value
 
     return check

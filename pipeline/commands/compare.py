@@ -17,6 +17,8 @@ def command(
     as_json: bool = JsonOpt,
 ) -> None:
     one_process("compare")  # every rank would write the same page and table
+    if len(inputs) < 2:  # a usage mistake (exit 2), like a missing argument; write_compare refuses it too
+        raise typer.BadParameter("pass at least two reports or runs", param_hint="INPUTS")
     from stages.evaluate.compare import write_compare
 
     with user_errors(), json_mode(as_json):

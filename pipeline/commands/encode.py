@@ -13,7 +13,7 @@ from typing import Callable, Optional
 import typer
 
 from pipeline.commands.common import (
-    ConfigOpt, JsonOpt, SetOpt, config_from, echo, emit, json_mode, require, user_errors,
+    ConfigOpt, JsonOpt, SetOpt, config_from, echo, emit, finite, json_mode, require, user_errors,
 )
 
 
@@ -31,7 +31,7 @@ def _command(section: str, stage_module: str, component: str, batch_help: str, o
         as_json: bool = JsonOpt,
         cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="With --store s3://...: the local cache "
                                                  "(default ~/.cache/qwen-edit-pipeline/stores; $XDG_CACHE_HOME/... when set)."),
-        cache_gb: Optional[float] = typer.Option(None, "--cache-gb", help="Size limit of --cache-dir in GB (least recently used shards evicted)."),
+        cache_gb: Optional[float] = typer.Option(None, "--cache-gb", callback=finite(above=0), help="Size limit of --cache-dir in GB (least recently used shards evicted)."),
     ) -> None:
         cfg = config_from(config, sets=set_, overrides={
             "paths.store": store, "paths.model": model, f"{section}.device": device, f"{section}.batch_size": batch_size,

@@ -3,14 +3,27 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Optional, get_args
 
 import typer
 
-from pipeline.commands.common import StrictBaseOpt, checked_lora, echo, finite, user_errors
+from pipeline.commands.common import StrictBaseOpt, checked_lora, echo, finite, one_of, user_errors
+from schemas.config import DType
 from pipeline.launched import one_process
 
 lora_app = typer.Typer(no_args_is_help=True)
+
+
+def _export_formats() -> tuple[str, ...]:
+    from models.lora_export import FORMATS  # here: the module imports torch, which --help does not need
+
+    return FORMATS
+
+
+def _safetensors_file(out: Path) -> Path:
+    if out is not None and out.suffix != ".safetensors":  # export_lora refuses it too (its callers outside the CLI)
+        raise typer.BadParameter(f"{out}: the export is one .safetensors file; name it *.safetensors")
+    return out
 
 
 @lora_app.command("merge", help="Fuse a LoRA into the model's transformer and write a standalone model folder.")
@@ -19,7 +32,8 @@ def merge(
     lora: Path = typer.Option(..., "--lora", help="LoRA folder (RUN/lora) or .safetensors file."),
     out: Path = typer.Option(..., "--out", help="New model folder (must not exist or be empty)."),
     scale: float = typer.Option(1.0, "--scale", callback=finite(), help="LoRA strength baked into the weights."),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="auto | float32 | bfloat16 | float16 (default: as stored)."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", callback=one_of(lambda: get_args(DType)),
+                                        help="auto | float32 | bfloat16 | float16 (default: as stored)."),
     device: str = typer.Option("cpu", "--device", help="Device the transformer loads onto for the fuse (cpu, cuda:N)."),
     strict_base: bool = StrictBaseOpt,
 ) -> None:
@@ -96,8 +110,9 @@ def save_transformer(transformer, folder: Path, max_shard_size: int | str = "10G
 @lora_app.command("export", help="Write a LoRA in another runtime's format (comfyui: diffusion_model.* keys + alphas).")
 def export(
     lora: Path = typer.Argument(..., help="LoRA folder (RUN/lora) or .safetensors file."),
-    format: str = typer.Option("comfyui", "--format", help="Target format: comfyui (the only one so far)."),
-    out: Path = typer.Option(..., "--out", help="Output .safetensors file."),
+    format: str = typer.Option("comfyui", "--format", callback=one_of(_export_formats),
+                               help="Target format: comfyui (the only one so far)."),
+    out: Path = typer.Option(..., "--out", callback=_safetensors_file, help="Output .safetensors file."),
 ) -> None:
     one_process("lora export")  # every rank would write the same --out
     from models.lora_export import export_lora

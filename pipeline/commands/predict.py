@@ -10,21 +10,47 @@ import typer
 from pipeline.commands.common import (ConfigOpt, SetOpt, StrictBaseOpt, checked_lora, config_from, echo, finite,
                                      user_errors)
 from pipeline.launched import one_process
+from schemas.img_shapes import PIXELS_PER_PATCH
+
+
+def image_format(out: Path) -> str:
+    """The image format PIL writes OUT in (picked from its name when it saves), or a UserError."""
+    from PIL import Image
+
+    from schemas.errors import UserError
+
+    out_format = Image.registered_extensions().get(Path(out).suffix.lower())
+    if out_format is None:
+        raise UserError(f"--out {out}: {Path(out).suffix or 'no extension'} is not an image type; name it .png "
+                        "(or .webp, .jpg)")
+    return out_format
+
+
+def _image_file(out: Path) -> Path:
+    """--out checked when the flag is parsed: a usage error (exit 2) before minutes of loading and denoising."""
+    from schemas.errors import UserError
+
+    try:
+        image_format(out)
+    except UserError as e:
+        raise typer.BadParameter(str(e).removeprefix("--out ")) from None
+    return out
 
 
 def command(
     model: str = typer.Option(..., "--model", help="Model folder or hub id."),
     image: list[Path] = typer.Option(..., "--image", help="Control image; repeat for Edit-Plus (any number, as its stock pipeline; trained with up to 3) or Qwen-Image-2.1 (up to 10 references)."),
     prompt: str = typer.Option(..., "--prompt", help="Edit instruction."),
-    out: Path = typer.Option(..., "--out", help="Output PNG."),
+    out: Path = typer.Option(..., "--out", callback=_image_file, help="Output PNG."),
     lora: Optional[Path] = typer.Option(None, "--lora", help="LoRA folder (RUN/lora) or .safetensors file."),
     lora_scale: float = typer.Option(1.0, "--lora-scale", callback=finite(), help="LoRA strength."),
     negative_prompt: Optional[str] = typer.Option(None, "--negative-prompt", help="Negative prompt of true CFG (predict.negative_prompt)."),
     steps: Optional[int] = typer.Option(None, "--steps", help="Inference steps (predict.steps)."),
     cfg_scale: Optional[float] = typer.Option(None, "--cfg", help="true_cfg_scale; <= 1 disables CFG (predict.true_cfg_scale)."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Generation seed (predict.seed)."),
-    height: Optional[int] = typer.Option(None, "--height", help="Output height (default: the control's ~1024² size)."),
-    width: Optional[int] = typer.Option(None, "--width", help="Output width."),
+    height: Optional[int] = typer.Option(None, "--height", min=PIXELS_PER_PATCH,
+                                         help="Output height (default: the control's ~1024² size)."),
+    width: Optional[int] = typer.Option(None, "--width", min=PIXELS_PER_PATCH, help="Output width."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="auto | float32 | bfloat16 | float16 (predict.dtype; auto = bf16 on a bf16 GPU, float32 on CPU)."),
     transformer_device: Optional[str] = typer.Option(None, "--transformer-device", help="Device of the transformer: cpu, cuda:N (predict.devices.transformer)."),
     text_encoder_device: Optional[str] = typer.Option(None, "--text-encoder-device", help="Device of the text encoder (predict.devices.text_encoder)."),
@@ -57,8 +83,6 @@ def command(
 def predict(cfg, model: str, images: list[Path], prompt: str, out: Path, lora: str | None, lora_scale: float,
             height: int | None, width: int | None) -> Path:
     """Read the control images, load the pipeline (each component on its device), edit, write OUT (PNG)."""
-    from PIL import Image
-
     from models.edit import COMPONENTS, edit, load_pipeline
     from schemas.errors import UserError
 
@@ -66,11 +90,7 @@ def predict(cfg, model: str, images: list[Path], prompt: str, out: Path, lora: s
         raise UserError("predict needs at least one --image")
     from models.loading import model_variant
 
-    # Checked before minutes of loading and denoising: PIL picks the format from the name when it saves.
-    out_format = Image.registered_extensions().get(Path(out).suffix.lower())
-    if out_format is None:
-        raise UserError(f"--out {out}: {Path(out).suffix or 'no extension'} is not an image type; name it .png "
-                        "(or .webp, .jpg)")
+    out_format = image_format(out)  # checked before minutes of loading and denoising (the CLI: when parsed)
     if out_format == "JPEG" and model_variant(model) == "qwen-image-2.1":
         raise UserError(f"--out {out}: Qwen-Image-2.1 edits are RGBA (alpha kept) and JPEG has no alpha; name it "
                         ".png or .webp")

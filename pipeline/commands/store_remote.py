@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from pipeline.commands.common import echo, user_errors
+from pipeline.commands.common import echo, finite, user_errors
 from pipeline.launched import one_process
 
 UrlArg = typer.Argument(..., help="Remote store folder: s3://bucket/prefix (or another fsspec URL).")
@@ -19,7 +19,7 @@ CacheDirOpt = typer.Option(None, "--cache-dir", help="With a store URL (s3://...
                            "metadata and the shards read are fetched into, and tables are written in before they are "
                            "pushed (default "
                            "~/.cache/qwen-edit-pipeline/stores; $XDG_CACHE_HOME/... when set).")
-CacheGbOpt = typer.Option(None, "--cache-gb", help="Size limit of --cache-dir in GB; least recently used shards "
+CacheGbOpt = typer.Option(None, "--cache-gb", callback=finite(above=0), help="Size limit of --cache-dir in GB; least recently used shards "
                           "(and versions nobody uses) beyond it are evicted, also during a read (default: no limit).")
 
 

@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from pipeline.commands.common import ConfigOpt, SetOpt, config_from, echo, user_errors
+from pipeline.commands.common import ConfigOpt, SetOpt, config_from, echo, one_of, user_errors
 from pipeline.launched import one_process
 
 
@@ -16,13 +16,15 @@ def make_tiny_model(
     variant: str = typer.Option("edit", "--variant", help="edit (one control), edit-plus (2509: several controls), edit-2511 (Plus with zero_cond_t) or qwen-image-2.1 (0..10 references)."),
     seed: int = typer.Option(0, "--seed", help="Same seed, same bytes."),
     full_width: bool = typer.Option(False, "--full-width", help="Real component widths (rehearsal; GBs on disk)."),
-    layers: Optional[int] = typer.Option(None, "--layers", help="--full-width: layers per stack (default: the real counts)."),
+    layers: Optional[int] = typer.Option(None, "--layers", min=1, help="--full-width: layers per stack (default: the real counts)."),
 ) -> None:
     one_process("make-tiny-model")  # every rank would build the same model into OUT
     if variant not in ("edit", "edit-plus", "edit-2511", "qwen-image-2.1"):
         raise typer.BadParameter("use 'edit', 'edit-plus', 'edit-2511' or 'qwen-image-2.1'", param_hint="--variant")
     if layers is not None and not full_width:
         raise typer.BadParameter("--layers needs --full-width", param_hint="--layers")
+    if full_width and variant == "edit-2511":  # models/full_width.py builds no other (exit 1 there, after parsing)
+        raise typer.BadParameter("--full-width builds 'edit', 'edit-plus' or 'qwen-image-2.1'", param_hint="--variant")
     with user_errors():
         write_tiny_model(out, variant, seed, full_width=full_width, layers=layers)
     echo(f"wrote {'full-width' if full_width else 'tiny'} {variant} model to {out}")
@@ -48,11 +50,18 @@ def write_tiny_model(out: Path, variant: str, seed: int, full_width: bool = Fals
     return out
 
 
+def _demo_formats() -> tuple[str, ...]:
+    from pipeline.demo_data import FORMATS  # here: the module imports PIL, which --help does not need
+
+    return FORMATS
+
+
 def make_demo_data(
     out: Path = typer.Argument(..., help="Folder (or tar folder / .jsonl parent) to write the dataset to."),
-    n: int = typer.Option(48, "--n", help="Number of samples."),
-    format: str = typer.Option("folder", "--format", help="folder | webdataset | jsonl | parquet"),
-    max_controls: int = typer.Option(3, "--max-controls", help="Controls per sample vary in 0..max."),
+    n: int = typer.Option(48, "--n", min=1, help="Number of samples."),
+    format: str = typer.Option("folder", "--format", callback=one_of(_demo_formats),
+                               help="folder | webdataset | jsonl | parquet"),
+    max_controls: int = typer.Option(3, "--max-controls", min=0, help="Controls per sample vary in 0..max."),
     seed: int = typer.Option(0, "--seed", help="Same seed, same dataset."),
     with_masks: bool = typer.Option(False, "--with-masks", help="Also write edit-region masks."),
 ) -> None:

@@ -11,7 +11,8 @@ from typing import Optional
 
 import typer
 
-from pipeline.commands.common import ConfigOpt, JsonOpt, SetOpt, config_from, emit, json_mode, require, user_errors
+from pipeline.commands.common import (ConfigOpt, JsonOpt, SetOpt, config_from, emit, finite, json_mode, require,
+                                     user_errors)
 
 
 def command(
@@ -32,7 +33,7 @@ def command(
     cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="With --store s3://...: the local cache the "
                                              "store's text and vae versions are pulled into (default "
                                              "~/.cache/qwen-edit-pipeline/stores; $XDG_CACHE_HOME/... when set)."),
-    cache_gb: Optional[float] = typer.Option(None, "--cache-gb", help="Size limit of --cache-dir in GB; least recently "
+    cache_gb: Optional[float] = typer.Option(None, "--cache-gb", callback=finite(above=0), help="Size limit of --cache-dir in GB; least recently "
                                              "used versions beyond it are evicted (default: no limit)."),
 ) -> None:
     cfg = config_from(config, sets=set_, overrides=

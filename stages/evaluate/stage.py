@@ -305,27 +305,47 @@ def check_sampling(cfg: EvaluateConfig, model: str) -> None:
 def for_model(cfg: EvaluateConfig, model: str) -> EvaluateConfig:
     """`evaluate.true_cfg_scale` left unset: the model family's own default, as predict and the training sample
     grid take it (Qwen-Image-2.1: no guidance, its pipeline's default; the Edit models: 4.0). Resolved before
-    anything is fingerprinted, so a report records the scale its images were made with."""
+    anything is fingerprinted, so a report records the scale its images were made with; then every setting
+    checked (`check_settings`)."""
     from models.loading import model_variant
-    from models.qwen21_predict import TRUE_CFG_21, check_reference_count
+    from models.qwen21_predict import TRUE_CFG_21
 
+    if model_variant(model) == "qwen-image-2.1" and "true_cfg_scale" not in cfg.model_fields_set:
+        cfg = cfg.model_copy(update={"true_cfg_scale": TRUE_CFG_21})
+    check_settings(cfg, model)
+    return cfg
+
+
+def check_settings(cfg: EvaluateConfig, model: str) -> None:
+    """Every evaluate setting that the config and the model decide, refused before anything is read or loaded,
+    and by `pipeline run all` before its first stage (not hours later, after training): the denoising steps
+    (`check_sampling`) and each extra prompt: as many images as the model takes, each image and target a file
+    that decodes (before, a missing one stopped evaluate when its picture was made, after the held-out loss
+    passes), and on a 2.1 model the prompt within the RoPE table. `cfg` as `for_model` resolves it (the 2.1
+    guidance decides whether the negative prompt is encoded)."""
     check_sampling(cfg, model)
-    for i, extra in enumerate(cfg.extra_prompts):  # refused before anything is read or loaded
-        if model_variant(model) == "qwen-image-2.1":
+    if not cfg.extra_prompts:
+        return
+    from models.loading import model_variant
+    from models.qwen21_predict import check_reference_count
+
+    qwen21 = model_variant(model) == "qwen-image-2.1"
+    for i, extra in enumerate(cfg.extra_prompts):
+        if qwen21:
             check_reference_count(len(extra.images), model, f"evaluate.extra_prompts[{i}].images",
                                   "list at most 10 images in that extra prompt")
         elif model_variant(model) == "edit" and len(extra.images) != 1:
             raise UserError(f"evaluate.extra_prompts[{i}].images: {len(extra.images)} control images, but "
                             f"Qwen-Image-Edit ({model}) takes exactly one; list one image in that extra prompt")
-    if model_variant(model) != "qwen-image-2.1":
-        return cfg
-    if "true_cfg_scale" not in cfg.model_fields_set:
-        cfg = cfg.model_copy(update={"true_cfg_scale": TRUE_CFG_21})
-    if cfg.extra_prompts:
+        if extra.target:
+            read_image_file(extra.target, what=f"evaluate.extra_prompts[{i}] target")
+        if not qwen21:  # a 2.1 model's are read by check_extra_prompts_21, as its generation reads them
+            for p in extra.images:
+                read_image_file(p, what=f"evaluate.extra_prompts[{i}] image")
+    if qwen21:
         from stages.evaluate.qwen21 import check_extra_prompts_21
 
         check_extra_prompts_21(cfg, model)  # the tokenizer only, before the transformer loads
-    return cfg
 
 
 def evaluate_inputs(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path,

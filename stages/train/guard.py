@@ -21,11 +21,46 @@ class NonFiniteError(UserError):
     """A non-finite loss or gradient (train.on_nonfinite=stop)."""
 
 
-def lock_run_dir(run_dir: Path) -> fmt.HeldLock:
-    """Held for the whole run: a second `train` into the same --out fails at once naming the holder (pid, host).
-    The kernel drops an flock when its process dies, so a killed run never leaves a stale lock."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    return fmt.HeldLock(run_dir / LOCK_NAME, holder=f"run folder {run_dir}")
+class RunDirLock:
+    """The run folder's lock, held for the whole run: a second `train` into the same --out fails at once naming
+    the holder (pid, host). The kernel drops an flock when its process dies, so a killed run never leaves a stale
+    lock.
+
+    A start that fails before writing anything into the folder (a missing table, a bad input) leaves no trace
+    on `release`: the lock file goes if this start made it, and so do the folders it made (--out and any missing
+    parent), when they hold nothing else. Before, the failed start left an empty --out holding its lock, which
+    looked like a run. Whatever was there before this start (a user's empty folder, an earlier run's lock) stays;
+    a SIGKILL cleans nothing up (the folder then holds only the lock, which the rerun takes)."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        self._made = [p for p in (run_dir, *run_dir.parents) if not p.exists()]  # deepest first
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self._path = run_dir / LOCK_NAME
+        made_lock = not self._path.exists()
+        self._lock = fmt.HeldLock(self._path, holder=f"run folder {run_dir}")
+        self._inode = self._path.stat().st_ino if made_lock else None  # held: the file at the path is ours
+
+    def release(self) -> None:
+        if self._lock is None:
+            return
+        try:
+            if self._inode is not None and self._untouched():
+                # unlinked while still held: a second start that opened it before waits for nothing (its
+                # non-blocking lock fails, naming this one); one after creates a new file
+                self._path.unlink()
+                for folder in self._made:
+                    folder.rmdir()  # only an empty folder goes (OSError otherwise: kept)
+        except OSError:
+            pass  # a folder that is not empty any more, or gone: nothing of anyone else's is removed
+        finally:
+            self._lock.release()
+            self._lock = None
+
+    def _untouched(self) -> bool:
+        """The folder holds only this start's lock file (not moved aside by a keep: stages/train/previous.py)."""
+        return ([p.name for p in self.run_dir.iterdir()] == [LOCK_NAME]
+                and self._path.stat().st_ino == self._inode)
 
 
 def finite(loss_sum: torch.Tensor, params: list[torch.nn.Parameter]) -> torch.Tensor:

@@ -176,7 +176,7 @@ def run(
     # first collective while it exits.
     locks: list = []
     with together(accelerator.num_processes, "the run folder's lock"):
-        locks.append(guard.lock_run_dir(Path(out)) if accelerator.is_main_process else None)
+        locks.append(guard.RunDirLock(Path(out)) if accelerator.is_main_process else None)
     r = None
     try:
         from models.shared_folder import check_shared
@@ -198,10 +198,9 @@ def run(
                 # every rank: the flag came with the step's loss, or (a signal while the checkpoint was written)
                 # is agreed right after it, so the checkpoint just written is the resume point without one more step
                 if r.step < r.cfg.max_steps and (stats.stop or saved and r.stop.pending(r.world)):
-                    if r.main:
-                        r.bar.write(f"stopped by a signal after optimizer step {r.step}: its checkpoint "
-                                    f"{r.checkpoints / f'step-{r.step}'} is written; {r.rerun} to continue from it")
-                    r.stop.stop_now()
+                    r.stop.stop_now(f"stopped by a signal after optimizer step {r.step}: its checkpoint "
+                                    f"{r.checkpoints / f'step-{r.step}'} is written; {r.rerun} to continue from it"
+                                    if r.main else None)
                 if r.validator is not None:
                     r.validator(r)
         result = finish(r)
@@ -233,10 +232,8 @@ def stopped_late(r: Run) -> None:
     from models.collective import all_max
 
     if all_max(r.world, [int(r.stop is not None and r.stop.signum is not None)])[0]:
-        if r.main:
-            tqdm.write(f"stopped by a signal after the last optimizer step {r.step}: the run is complete "
-                       f"({r.result.lora_dir})")
-        r.stop.stop_now()
+        r.stop.stop_now(f"stopped by a signal after the last optimizer step {r.step}: the run is complete "
+                        f"({r.result.lora_dir})" if r.main else None)
 
 
 def setup(cfg: PipelineConfig, store: str | Path, model: str, out: str | Path, resume: bool = False,

@@ -194,7 +194,7 @@ def keep_previous(r: Run, why: str) -> tuple[None, None]:
             if r.before_keep is not None:
                 r.before_keep(r.run_dir)
             r.kept_previous = previous.keep(r.run_dir)
-            r.run_lock = guard.lock_run_dir(r.run_dir)
+            r.run_lock = guard.RunDirLock(r.run_dir)
             tqdm.write(f"kept the previous run of {r.run_dir} (its LoRA and checkpoints) in {r.kept_previous}; "
                        f"training afresh into {r.run_dir} ({why})")
     return None, None
@@ -207,17 +207,18 @@ def prepare_run_dir(r: Run, cfg: PipelineConfig, fresh: bool) -> None:
     """Main process: the checkpoints folder without stale temp folders, this start's effective config, the data
     report and, under several ranks, the precision they agreed on with each rank's own (`precision.json`; one
     process: none, train_config.yaml says it, and an earlier start's is removed). `fresh`: no checkpoint is
-    resumed, so a killed earlier start's damaged-sample list, sample grids and TensorBoard events go (its curve does
-    too: stages/train/val_curve.py); the folder holds no checkpoint and no final LoRA then (`resume_point`)."""
+    resumed, so a killed earlier start's damaged-sample list, sample grids, TensorBoard events and profiler
+    traces go (its curve does too: stages/train/val_curve.py); the folder holds no checkpoint and no final LoRA
+    then (`resume_point`)."""
     r.checkpoints.mkdir(parents=True, exist_ok=True)
     train_state.remove_stale(r.checkpoints)
     if fresh:
-        from stages.train.trackers import forget_events
+        from stages.train.trackers import forget_logs
         from stages.train.validate import forget_grids  # here: its module loads the generation code
 
         damaged_log.forget(r.run_dir)
         forget_grids(r.run_dir)
-        forget_events(r.run_dir)
+        forget_logs(r.run_dir)
     atomic_write_bytes(r.run_dir / "train_config.yaml", dump_config(cfg).encode())
     if r.precision is not None and r.precision.ranks is not None:
         from models.precision import precision_record

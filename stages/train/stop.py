@@ -28,6 +28,9 @@ from typing import Any
 # callback, run whenever the garbage collector does): a signal that lands while one runs is lost with it, and the
 # process went on into 100000 steps. The loop then acts on it as on one it recorded itself.
 EARLIER: list[int] = []
+# The signals whose stop the training loop has said in a line of its own (the checkpoint written, how to go on):
+# the CLI's generic line for a stop (pipeline/cli.py) is then left out.
+ANNOUNCED: list[int] = []
 
 
 class StopOnSignal:
@@ -78,10 +81,17 @@ class StopOnSignal:
 
         return bool(all_max(world, [int(self.requested())])[0])
 
-    def stop_now(self, signum: int | None = None) -> None:
-        """End the process as the replaced handler would have for the signal (all ranks: the agreed stop)."""
+    def stop_now(self, line: str | None = None) -> None:
+        """End the process as the replaced handler would have for the signal (all ranks: the agreed stop).
+        `line`: what the main process says of the stop (printed here, in place of the CLI's own line)."""
+        signum = self.signum or signal.SIGTERM
+        if line is not None:
+            from tqdm.auto import tqdm
+
+            tqdm.write(line)
+            ANNOUNCED.append(signum)
         self.__exit__()
-        self._stop(signum or self.signum or signal.SIGTERM, None)
+        self._stop(signum, None)
 
     def _stop(self, signum: int, frame) -> None:
         if callable(self._previous):

@@ -4,9 +4,9 @@
 tensorboard, wandb, mlflow, comet_ml, aim, clearml, dvclive, swanlab, trackio) on the main process, and offers
 the two calls the trainer makes: `log({name: value}, step)` and `add_image(...)` (`add_scalar` for one value).
 TensorBoard, the default, writes RUN/logs as before (with `purge_step` on resume, so a killed run's events after
-its last checkpoint are dropped; a fresh start removes a killed start's event files: `forget_events`); the others
-are optional packages (`pip install wandb` / `mlflow`), an unknown or missing one is a one-line error before
-training starts.
+its last checkpoint are dropped; a fresh start removes a killed start's event files and traces: `forget_logs`);
+the others are optional packages (`pip install wandb` / `mlflow`), an unknown or missing one is a one-line error
+before training starts.
 
 `StepProfiler` (`train.profile: N`) records the first N optimizer steps of this start with `torch.profiler` and
 writes RUN/profile/trace-rank{R}.json (Chrome trace format: chrome://tracing, Perfetto, TensorBoard's profiler);
@@ -30,15 +30,17 @@ TRACE_DIR = "profile"
 LOGS_DIR = "logs"
 
 
-def forget_events(run_dir: Path) -> None:
-    """A fresh start's TensorBoard run begins anew: the event files of a start killed before its first checkpoint
-    go (as its validation curve does). Its writer's purge at step 1 hid them from TensorBoard only, and only
-    while its file sorts after theirs (names begin with the writing host's clock); other readers of RUN/logs got
-    both runs' points. Other trackers keep each start a run of its own."""
-    folder = run_dir / LOGS_DIR
-    if folder.is_dir():
-        for p in folder.glob("events.out.tfevents.*"):
-            p.unlink(missing_ok=True)
+def forget_logs(run_dir: Path) -> None:
+    """A fresh start's logs begin anew: the TensorBoard event files and profiler traces of a start killed before
+    its first checkpoint go (as its validation curve does). Its writer's purge at step 1 hid its events from
+    TensorBoard only, and only while its file sorts after theirs (names begin with the writing host's clock);
+    other readers of RUN/logs got both runs' points. Its traces stayed when this start profiles fewer ranks or
+    none, read as this run's. Other trackers keep each start a run of its own."""
+    for folder, pattern in ((run_dir / LOGS_DIR, "events.out.tfevents.*"), (run_dir / TRACE_DIR, "trace-rank*"),
+                            (run_dir / TRACE_DIR, ".trace-rank*")):  # the last: temp files of a killed write
+        if folder.is_dir():
+            for p in folder.glob(pattern):
+                p.unlink(missing_ok=True)
 
 
 def _flat(config: dict, prefix: str = "") -> dict[str, Any]:

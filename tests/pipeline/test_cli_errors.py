@@ -35,7 +35,7 @@ def test_predict_rejects_a_non_lora_file_a_missing_gpu_and_a_tiny_size(tiny_edit
     r = _run(base + ["--lora", str(not_lora), "--out", str(tmp_path / "a.png")])
     assert r.exit_code == 1 and "no LoRA weights" in r.output
     r = _run(base + ["--height", "8", "--width", "8", "--out", str(tmp_path / "b.png")])
-    assert r.exit_code == 1 and "at least 16" in r.output
+    assert r.exit_code == 2 and "greater than or equal to 16" in r.output  # a usage mistake, before any loading
     r = _run(base + ["--transformer-device", "cuda:7", "--out", str(tmp_path / "c.png")])
     assert r.exit_code == 1 and "predict.devices.transformer" in r.output and "CUDA device" in r.output
     assert not any((tmp_path / n).exists() for n in ("a.png", "b.png", "c.png"))
@@ -77,6 +77,18 @@ def test_non_finite_yaml_through_the_cli_is_one_line(tmp_path):
     (["plan", "--model", "M", "--text-tokens", "-1"], "--text-tokens"),
     (["plan", "--model", "M", "--device", "tpu"], "--device"),
     (["store", "gc", "ST", "--incomplete-after", "-1"], "--incomplete-after"),
+    # checked by hand after parsing, exit 1 (the README's rule: a mistake on the command line is 2)
+    (["make-demo-data", "OUT", "--n", "0"], "--n"),
+    (["make-demo-data", "OUT", "--max-controls", "-1"], "--max-controls"),
+    (["make-demo-data", "OUT", "--format", "zip"], "--format"),
+    (["make-tiny-model", "OUT", "--full-width", "--layers", "0"], "--layers"),
+    (["lora", "export", "L", "--out", "OUT"], "--out"),
+    (["lora", "export", "L", "--format", "kohya", "--out", "OUT.safetensors"], "--format"),
+    (["lora", "merge", "--model", "M", "--lora", "L", "--out", "OUT", "--dtype", "float8"], "--dtype"),
+    (["predict", "--model", "M", "--image", "I.png", "--prompt", "x", "--out", "OUT"], "--out"),
+    (["predict", "--model", "M", "--image", "I.png", "--prompt", "x", "--out", "OUT.png", "--width", "8"], "--width"),
+    (["run", "train", "--store", "s3://b/p", "--model", "M", "--out", "OUT", "--cache-gb", "-5"], "--cache-gb"),
+    (["run", "encode-vae", "--store", "s3://b/p", "--model", "M", "--cache-gb", "nan"], "--cache-gb"),
 ], ids=lambda a: " ".join(a[:2]) if isinstance(a, list) else a)
 def test_a_flag_value_out_of_its_range_is_a_usage_error_before_any_work(args, flag, tmp_path, monkeypatch):
     """Flags outside their config checks took any float: `lora merge --scale nan` wrote a model of NaNs (exit 0),
@@ -87,6 +99,16 @@ def test_a_flag_value_out_of_its_range_is_a_usage_error_before_any_work(args, fl
     assert r.exit_code == 2, r.output
     assert f"'{flag}'" in r.output and "Traceback" not in r.output, r.output
     assert not (tmp_path / "OUT").exists()
+
+
+def test_a_usage_mistake_found_after_parsing_is_exit_2(tmp_path):
+    """`compare` with one run and `make-tiny-model --full-width --variant edit-2511` were refused with exit 1, the
+    status of a failure while running: a mistake on the command line is 2 (README), whoever finds it."""
+    r = _run(["compare", str(tmp_path / "a"), "--out", str(tmp_path / "cmp")])
+    assert r.exit_code == 2 and "INPUTS: pass at least two reports or runs" in r.output, r.output
+    r = _run(["make-tiny-model", str(tmp_path / "m"), "--full-width", "--variant", "edit-2511"])
+    assert r.exit_code == 2 and "--variant" in r.output, r.output
+    assert not (tmp_path / "cmp").exists() and not (tmp_path / "m").exists()
 
 
 def test_a_set_or_option_value_that_is_not_yaml_is_one_message_naming_its_flag():

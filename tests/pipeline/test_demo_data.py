@@ -109,7 +109,7 @@ def test_cli_writes_the_dataset(tmp_path):
     assert "wrote 4 demo samples (jsonl, with masks)" in res.output
     assert len(list(iter_source(tmp_path / "d"))) == 4
     bad = CliRunner().invoke(app, ["make-demo-data", str(tmp_path / "e"), "--format", "zip"])
-    assert bad.exit_code == 1 and "unknown demo data format 'zip'" in bad.output
+    assert bad.exit_code == 2 and "'zip' is not one of folder" in bad.output, bad.output
 
 
 def test_generating_the_samples_shows_a_progress_bar(tmp_path, capsys):

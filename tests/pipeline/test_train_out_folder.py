@@ -90,3 +90,28 @@ def test_a_hub_model_named_like_a_folder_in_paths_run_is_not_inside_it(tmp_path)
     run = tmp_path / "Qwen"
     refuse_inputs_inside(run, {"paths.store": str(tmp_path / "store"), "paths.source": str(tmp_path / "src"),
                                "paths.model": str(run / "Qwen-Image-Edit-2509")})
+
+
+def test_a_start_that_fails_before_writing_leaves_no_run_folder(tmp_path, tiny_edit_model):
+    """A `run train` stopped by a bad input (here: no store) before it wrote anything left --out behind, empty
+    but for its lock: it looked like a run folder. What the failed start made goes (the lock file, --out and the
+    parent it made); what was there before stays (a user's empty folder, an earlier killed start's lock)."""
+    store = tmp_path / "store"
+    store.mkdir()  # no store.json: refused when train opens its tables, after the run folder's lock
+
+    def train(out):
+        r = CliRunner().invoke(app, ["run", "train", "--store", str(store), "--model", tiny_edit_model,
+                                     "--out", str(out), "--device", "cpu"])
+        assert r.exit_code == 1 and "no store at" in r.output, r.output
+
+    train(tmp_path / "runs" / "exp1")
+    assert not (tmp_path / "runs").exists()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    train(empty)
+    assert empty.is_dir() and not list(empty.iterdir())
+    killed = tmp_path / "killed"  # an earlier start killed right after it took the lock
+    killed.mkdir()
+    (killed / ".train.lock").write_text("pid 1 on elsewhere")
+    train(killed)
+    assert [p.name for p in killed.iterdir()] == [".train.lock"]

@@ -115,3 +115,27 @@ def test_21_evaluate_refuses_an_extra_prompt_past_the_rope_table_before_loading(
         for_model(cfg, tiny_21_model)
     assert [component for _, component in LOAD_LOG] == ["processor"]
     for_model(cfg.model_copy(update={"extra_prompts": cfg.extra_prompts[:1]}), tiny_21_model)
+
+
+def test_run_all_refuses_an_extra_prompt_evaluate_cannot_take_before_its_first_stage(tiny_edit_model, tmp_path):
+    """`pipeline run all` checks evaluate's extra prompts before resize-bucket, as it does the one-step setting:
+    before, two control images for Qwen-Image-Edit (or an image file that is not there) stopped evaluate when it
+    started, after resize-bucket, both encoders and the whole training."""
+    import yaml
+
+    store, run = tmp_path / "store", tmp_path / "run"
+    two = [str(r) for r in _refs(tmp_path, 2)]
+    for extra, said in (({"prompt": "q", "images": two}, "error: evaluate.extra_prompts[0].images: 2 control images"),
+                        ({"prompt": "q", "images": [str(tmp_path / "gone.png")]},
+                         f"error: cannot read evaluate.extra_prompts[0] image {tmp_path / 'gone.png'}"),
+                        ({"prompt": "q", "images": two[:1], "target": str(tmp_path / "gone.png")},
+                         f"error: cannot read evaluate.extra_prompts[0] target {tmp_path / 'gone.png'}")):
+        config = tmp_path / "c.yaml"
+        config.write_text(yaml.safe_dump({
+            "paths": {"source": str(tmp_path / "src"), "store": str(store), "model": tiny_edit_model,
+                      "run": str(run), "report": str(tmp_path / "report")},
+            "evaluate": {"extra_prompts": [extra]}}))
+        r = CliRunner().invoke(app, ["run", "all", "--config", str(config)])
+        lines = [ln for ln in r.output.splitlines() if ln.startswith("error:")]
+        assert r.exit_code == 1 and len(lines) == 1 and lines[0].startswith(said), r.output
+        assert "== resize-bucket" not in r.output and not store.exists() and not run.exists(), r.output

@@ -1,8 +1,9 @@
 """A start killed before its first checkpoint, then started afresh (not resumed) in the same folder: the killed
-start's sample grids and TensorBoard events go, as its damaged list and validation curve do. Before, its
+start's sample grids, TensorBoard events and profiler traces go, as its damaged list and validation curve do. Before, its
 RUN/samples/step-N.png stayed, and a resume of the new start at step N took one for "this step's grid is done"
 (`Validator._grid_recorded`): a grid of another run stood in for this one's. Its event files stayed beside the new
-run's too (hidden by TensorBoard's purge, read by any other reader of RUN/logs). A resumed run loses nothing."""
+run's too (hidden by TensorBoard's purge, read by any other reader of RUN/logs), and its RUN/profile traces when
+the new start did not profile (read as this run's). A resumed run loses nothing."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ def _raw_steps(run_dir, tag: str) -> list[int]:
     return [e.step for e in events.Scalars(tag)]
 
 
-def test_a_fresh_start_drops_the_killed_starts_grids_and_events(tiny_edit_model, tmp_path, monkeypatch):
+def test_a_fresh_start_drops_the_killed_starts_grids_events_and_traces(tiny_edit_model, tmp_path, monkeypatch):
     store, out = tmp_path / "store", tmp_path / "run"
     make_train_store(store, tiny_edit_model, mixed_specs(5, 2))
     real_log = recipe.log
@@ -34,19 +35,21 @@ def test_a_fresh_start_drops_the_killed_starts_grids_and_events(tiny_edit_model,
         real_log(r, stats)
 
     monkeypatch.setattr(recipe, "log", killed_at_step_3)
-    try:  # every step sampled, no checkpoint
+    try:  # every step sampled, step 1 profiled, no checkpoint
         run(load_config(None, {**SETS, "train.sample_every": 1, "train.checkpoint_every": 100,
-                               "train.max_steps": 4}), store, tiny_edit_model, out)
+                               "train.max_steps": 4, "train.profile": 1}), store, tiny_edit_model, out)
     except KeyboardInterrupt:
         pass
     monkeypatch.undo()
     assert sorted(p.name for p in (out / "samples").iterdir()) == ["step-000001.png", "step-000002.png"]
+    assert (out / "profile" / "trace-rank0.json").is_file()
 
     # afresh (sample_every 2): step 2's checkpoint is written, its grid fails after it
     run_till_the_grid_fails(store, tiny_edit_model, out, monkeypatch)
     monkeypatch.undo()
     assert not (out / "samples").exists() or not any((out / "samples").iterdir())
     assert _raw_steps(out, "train/loss") == [1, 2]  # this start's points only
+    assert not list((out / "profile").iterdir())  # this start profiled nothing
 
     grids = []
     real_grid = Validator.samples_grid

@@ -44,11 +44,11 @@ def test_one_rank_failing_to_open_encode_inputs_stops_every_rank(tiny_edit_model
 def test_a_run_folder_another_train_is_writing_stops_every_rank(tiny_edit_model, tmp_path) -> None:
     """Only rank 0 takes the run folder's lock: refused there, it must not leave rank 1 waiting for it at the
     opening of the store (before: rank 1 died of gloo's "connection closed", or waited for NCCL's timeout)."""
-    from stages.train.guard import lock_run_dir
+    from stages.train.guard import RunDirLock
 
     store = tmp_path / "store"
     make_train_store(store, tiny_edit_model, mixed_specs(8))
-    held = lock_run_dir(tmp_path / "run")  # another `train` into the same --out
+    held = RunDirLock(tmp_path / "run")  # another `train` into the same --out
     try:
         line = _same_line_everywhere(_launch("train-locked", str(store), tiny_edit_model, str(tmp_path / "run")))
     finally:

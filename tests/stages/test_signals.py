@@ -65,28 +65,68 @@ def _main_of(monkeypatch, app) -> int:
     return stop.value.code
 
 
-@pytest.mark.parametrize("words,line", [
-    (["run", "train", "--out", "RUN"], "stopped by SIGINT (Ctrl-C): the run's checkpoints are kept; rerun with "
-                                       "--resume to continue from the last one"),
-    (["run", "encode-vae", "--store", "S"], "stopped by SIGINT (Ctrl-C): what it committed is kept; rerun the same "
-                                            "command to continue from there"),
-    (["store", "verify", "S"], "stopped by SIGINT (Ctrl-C)"),
+@pytest.mark.parametrize("sig,name", [(signal.SIGINT, "SIGINT (Ctrl-C)"), (signal.SIGTERM, "SIGTERM")])
+@pytest.mark.parametrize("words,kept", [
+    (["run", "train", "--out", "RUN"], ": the run's checkpoints are kept; rerun with --resume to continue from the "
+                                       "last one"),
+    (["run", "encode-vae", "--store", "S"], ": what it committed is kept; rerun the same command to continue from "
+                                            "there"),
+    (["store", "verify", "S"], ""),
 ])
-def test_ctrl_c_ends_in_one_line_saying_what_is_kept(monkeypatch, capsys, words, line):
-    """Ctrl-C came out of typer as a silent exit 130: the prompt came back with no word on what was kept or how
-    to go on. Now one line, with the rerun that continues where there is one."""
+def test_a_stop_ends_in_one_line_saying_what_is_kept(monkeypatch, capsys, words, kept, sig, name):
+    """Ctrl-C came out of typer as a silent exit 130, a SIGTERM (a scheduler's kill, `timeout`) as a silent 143:
+    the prompt came back with no word on what was kept or how to go on. Now one line, with the rerun that
+    continues where there is one."""
     import pipeline.cli as cli
 
     fake = typer.Typer()  # one command: it takes every word of the command line
 
     @fake.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-    def interrupted(ctx: typer.Context) -> None:
-        cli._interrupt(signal.SIGINT, None)  # as the real handler does when Ctrl-C lands mid-stage
+    def stopped(ctx: typer.Context) -> None:
+        # as the real handlers do when the signal lands mid-stage
+        (cli._interrupt if sig == signal.SIGINT else cli._terminate)(sig, None)
 
     monkeypatch.setattr(sys, "argv", ["pipeline", *words])
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    assert _main_of(monkeypatch, fake) == 130
-    assert capsys.readouterr().err == line + "\n"
+    assert _main_of(monkeypatch, fake) == 128 + sig
+    assert capsys.readouterr().err == f"stopped by {name}{kept}\n"
+
+
+def test_a_sigterm_mid_stage_is_one_line_and_keeps_what_was_committed(tmp_path):
+    """A real `run resize-bucket` sent SIGTERM right after its version's manifest (it stops itself there,
+    STORE_PAUSE_AT, so the signal lands at the same point whatever the machine's load): exit 143 with the line
+    (before: nothing), its writer lock released, and a rerun finds the version it committed."""
+    from pipeline.demo_data import make_demo_data
+
+    make_demo_data(tmp_path / "data", n=4, seed=3)
+    words = ["run", "resize-bucket", "--source", str(tmp_path / "data"), "--store", str(tmp_path / "store"),
+             "--area", "4096"]
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", *words], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "STORE_PAUSE_AT": "commit_after_manifest"})
+    try:
+        deadline = time.monotonic() + 600  # a bound for a regression, not a timing assert
+
+        def stopped() -> bool:  # state "T": it stopped itself right after the manifest
+            return open(f"/proc/{proc.pid}/stat").read().rsplit(")", 1)[1].split()[0] == "T"
+
+        while proc.poll() is None and not stopped():
+            assert time.monotonic() < deadline, "resize-bucket never reached its manifest"
+            time.sleep(0.05)
+        assert proc.poll() is None, proc.communicate()
+        proc.send_signal(signal.SIGTERM)  # pending until it continues
+        proc.send_signal(signal.SIGCONT)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert err.splitlines()[-1] == ("stopped by SIGTERM: what it committed is kept; rerun the same command to "
+                                    "continue from there"), err
+    assert "Traceback" not in err
+    again = subprocess.run([sys.executable, "-m", "pipeline.cli", *words], capture_output=True, text=True,
+                           timeout=600, env={**os.environ})
+    assert again.returncode == 0, again.stderr  # no lock left behind, and the version is there
+    assert "images v1" in again.stdout, again.stdout
 
 
 def test_a_signal_that_a_library_turns_into_another_error_is_one_line(monkeypatch, capsys):
@@ -141,5 +181,6 @@ def test_a_sigterm_lost_in_a_finalizer_still_stops_training(tiny_edit_model, tmp
                           capture_output=True, text=True, timeout=600, env={**os.environ})
     assert proc.returncode == 143, (proc.returncode, proc.stderr[-2000:])
     assert "stopped by a signal after optimizer step 1" in proc.stdout + proc.stderr, proc.stderr[-2000:]
+    assert "stopped by SIGTERM" not in proc.stderr, proc.stderr[-2000:]  # the loop's line, not a second one
     assert (out / "checkpoints" / "step-1").is_dir() and not (out / "lora").exists()
     assert not list((store / LEASES_DIR).glob("*.json"))

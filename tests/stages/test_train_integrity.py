@@ -177,7 +177,7 @@ def test_second_train_into_the_same_out_is_refused_naming_the_holder(tmp_path, t
     root = tmp_path / "store"
     make_train_store(root, tiny_edit_model, mixed_specs(4))
     out = tmp_path / "run"
-    held = train_guard.lock_run_dir(out)  # another run holds the folder
+    held = train_guard.RunDirLock(out)  # another run holds the folder
     try:
         with pytest.raises(UserError, match=rf"run folder .* is being written by pid {os.getpid()} on {socket.gethostname()}"):
             run(cfg_of(max_steps=1), root, tiny_edit_model, out)
