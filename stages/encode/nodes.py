@@ -36,6 +36,7 @@ class Place(NamedTuple):
     committed: int | None = None
     rows: int = 0  # the committed version's samples
     current: int = 0  # the remote's current version that rank 0 saw (0: none): the one adopting `committed` replaces
+    refused: int | None = None  # a `committed` one refused, opened in the cache to carry from, never adopted
 
 
 def writer_place(job: EncodeJob, schema: TableSchema) -> Place:
@@ -62,6 +63,8 @@ def writer_place(job: EncodeJob, schema: TableSchema) -> Place:
     committed, rows, current = all_max(world, [remote.committed, remote.rows, remote.current])
     if committed and _serves(job, url, committed):
         return Place(url=url, committed=committed, rows=rows, current=current)
+    if committed:  # refused: its samples are carried forward from it, as a local store's rerun carries them
+        _open_refused(job, url, committed)
     if world <= 1 and not committed:
         return Place()
     (high, low), (agreed, _) = spread(world, [cache, mine])
@@ -74,7 +77,7 @@ def writer_place(job: EncodeJob, schema: TableSchema) -> Place:
     while agreed in remote.taken:
         agreed += 1
     (agreed,) = all_max(world, [agreed if job.ranks.rank == 0 else 0])
-    return Place(agreed, url if high != low else None)
+    return Place(agreed, url if high != low else None, refused=committed or None)
 
 
 def _serves(job: EncodeJob, url: str, committed: int) -> bool:
@@ -94,6 +97,20 @@ def _serves(job: EncodeJob, url: str, committed: int) -> bool:
             left=lambda: left_out_on_remote(job.store, url, table, committed, remote_rows=rank == 0)) is not None
     (refused,) = all_max(job.ranks.world_size, [0 if serves else 1])
     return not refused
+
+
+def _open_refused(job: EncodeJob, url: str, refused: int) -> None:
+    """The remote's complete version `refused` opened in each rank's cache (lazily: its metadata; a carried shard
+    is fetched whole when linked, as from a current version opened at the cache's open), so the writer carries
+    its samples forward (output.open_writer, store/reuse.reusable) and encodes only those it left out. A cache
+    holding no copy (a fresh one, or the node's evicted) encoded every sample again before. Every rank opens
+    (one GET of its checksums.json where the cache holds it already), all agreeing."""
+    from models.collective import together
+    from store.remote_cache import open_beside
+
+    table = job.summary.table
+    with together(job.ranks.world_size, f"{job.summary.stage}: opening table '{table}' v{refused} at {url}"):
+        open_beside(job.store.root, table, refused)
 
 
 def cache_identity(root: Path) -> int:
