@@ -83,20 +83,42 @@ def writer_place(job: EncodeJob, schema: TableSchema) -> Place:
 def _serves(job: EncodeJob, url: str, committed: int) -> bool:
     """Whether the remote's complete version `committed` serves this run as it is (stages/encode/current.py: under
     on_damaged=stop, not one that left damaged inputs out), agreed by every rank. Rank 0 reads the remote's
-    quarantine rows, and each node's local rank 0 its cache's (a lost swap left a node's rows there alone)."""
-    from models.collective import all_max, together
-    from stages.encode.current import left_out_on_remote, serving_version
+    quarantine rows, and each node's local rank 0 its cache's (a lost swap left a node's rows there alone); what
+    each found goes to every rank, and rank 0 alone says why it is refused (each node's look said it: one line
+    per node)."""
+    from models.collective import gather_texts, together
+    from stages.encode.current import left_out_on_remote, say_left_out, serving_version
 
     rank, stage, table = job.ranks.rank, job.summary.stage, job.summary.table
-    looks = rank == 0 or job.ranks.local_rank == 0
-    # a copy complete in this cache was refused by the look before the model loaded (plan.open_job), which said so
-    say = not fmt.is_complete(job.store.version_dir(table, committed))
+    keys: list[str] = []  # left out, as this rank's look found them (read under stop only)
+    refusing: list[str] = []  # those keys when this rank's look refuses the version
+
+    def left() -> list[str]:
+        keys[:] = left_out_on_remote(job.store, url, table, committed, remote_rows=rank == 0)
+        return keys
+
     with together(job.ranks.world_size, f"{stage}: whether table '{table}' v{committed} at {url} left inputs out"):
-        serves = not looks or serving_version(
-            job.store, stage, table, committed, job.on_damaged, say=say,
-            left=lambda: left_out_on_remote(job.store, url, table, committed, remote_rows=rank == 0)) is not None
-    (refused,) = all_max(job.ranks.world_size, [0 if serves else 1])
-    return not refused
+        if (rank == 0 or job.ranks.local_rank == 0) and \
+                serving_version(job.store, stage, table, committed, job.on_damaged, left=left) is None:
+            refusing = keys
+    looks = [t.split("\n") for t in gather_texts(job.ranks.world_size, _look(refusing))]
+    count, shown = max(((int(look[0]), look[1:]) for look in looks), key=lambda found: found[0])  # ties: rank 0's
+    # a copy complete in this cache was refused by the look before the model loaded (plan.open_job), which said so
+    if count and rank == 0 and not fmt.is_complete(job.store.version_dir(table, committed)):
+        say_left_out(stage, table, committed, shown, count)
+    return not count
+
+
+def _look(keys: list[str]) -> str:
+    """A rank's left-out `keys` as one text for `gather_texts`: their count, then the first few that fit."""
+    from models.collective import MESSAGE_BYTES
+
+    text = str(len(keys))
+    for key in keys[:10]:
+        if len(f"{text}\n{key}".encode()) > MESSAGE_BYTES:
+            break
+        text += f"\n{key}"
+    return text
 
 
 def _open_refused(job: EncodeJob, url: str, refused: int) -> None:
