@@ -26,7 +26,7 @@ _BITS = 62  # a cache's identity, as an integer every rank can all-reduce
 class Place(NamedTuple):
     """Where the ranks write. `version`, `url`: the agreed version and the store URL when they write a URL through
     more than one cache; None, None otherwise (the writer opens its version as always), but `version` alone for one
-    cache whose number must be clear of the remote's (a `committed` one refused). `committed`: a complete version
+    cache whose own next number the remote holds (`_own_number`). `committed`: a complete version
     of this very schema that the remote holds but not as current (its store.json swap lost, or another writer's
     version made current since): adopted, not written, unless it left damaged inputs out and this run stops on
     them (`_serves`)."""
@@ -65,19 +65,29 @@ def writer_place(job: EncodeJob, schema: TableSchema) -> Place:
         return Place(url=url, committed=committed, rows=rows, current=current)
     if committed:  # refused: its samples are carried forward from it, as a local store's rerun carries them
         _open_refused(job, url, committed)
-    if world <= 1 and not committed:
-        return Place()
     (high, low), (agreed, _) = spread(world, [cache, mine])
     if high == low:  # one cache: it commits there and pushes back
-        if not committed:
-            return Place()
-        # a committed version refused: the cache may not know its number, which the push must not meet again
-        with fmt.flock(job.store.root / fmt.STORE_LOCK):  # any number of ranks resumes a version of one folder
-            agreed = candidate_version(job.store.root, table, want)
+        (own,) = all_max(world, [_own_number(job, want, remote.taken) if job.ranks.rank == 0 else 0])
+        return Place(own or None, refused=committed or None)
     while agreed in remote.taken:
         agreed += 1
     (agreed,) = all_max(world, [agreed if job.ranks.rank == 0 else 0])
-    return Place(agreed, url if high != low else None, refused=committed or None)
+    return Place(agreed, url, refused=committed or None)
+
+
+def _own_number(job: EncodeJob, want: dict, taken: set[int]) -> int:
+    """For one cache (rank 0, which knows the remote's `taken` numbers): 0 when the number its writer opens as
+    always (`candidate_version`) is free on the remote, else one past every number the cache and the remote hold.
+    The cache opens only the remote's current versions, so its next number could be a complete version of other
+    settings there (replaced as current since) or another run's parts: the encode ran to its end and its push was
+    refused ("differs between the cache and the remote"; a fresh cache met it again), and its quarantine rows
+    named that number, which the remote's version of it would then be judged by (current.left_out_on_remote)."""
+    table = job.summary.table
+    with fmt.flock(job.store.root / fmt.STORE_LOCK):  # any number of ranks resumes a version of one folder
+        own = candidate_version(job.store.root, table, want)
+        if own not in taken:
+            return 0
+        return max([*fmt.list_versions(job.store.root, table), *taken]) + 1
 
 
 def _serves(job: EncodeJob, url: str, committed: int) -> bool:
