@@ -87,10 +87,18 @@ def serving_version(store: Store, stage: str, table: str, found: int | None, on_
     if current.serves_on_damaged(on_damaged, read):
         return found
     if say:
-        from tqdm.auto import tqdm
-
-        section = stage.replace("-", "_")
-        tqdm.write(f"{stage}: table '{table}' v{found} left out {len(keys)} damaged input sample(s) under "
-                   f"{section}.on_damaged=skip ({few(keys)}); {section}.on_damaged is stop now: "
-                   "a new version carries its samples forward and reads those again")
+        say_left_out(stage, table, found, keys)
     return None
+
+
+def say_left_out(stage: str, table: str, found: int, shown: list[str], count: int | None = None) -> None:
+    """Print why version `found` does not serve a run under on_damaged=stop: the samples it left out (`shown`, of
+    `count` in all; default all of them)."""
+    from tqdm.auto import tqdm
+
+    count = len(shown) if count is None else count
+    listed = few(shown) if count == len(shown) else ", ".join(sorted(shown)[:10]) + " …"
+    section = stage.replace("-", "_")
+    tqdm.write(f"{stage}: table '{table}' v{found} left out {count} damaged input sample(s) under "
+               f"{section}.on_damaged=skip ({listed}); {section}.on_damaged is stop now: "
+               "a new version carries its samples forward and reads those again")

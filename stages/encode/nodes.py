@@ -26,7 +26,7 @@ _BITS = 62  # a cache's identity, as an integer every rank can all-reduce
 class Place(NamedTuple):
     """Where the ranks write. `version`, `url`: the agreed version and the store URL when they write a URL through
     more than one cache; None, None otherwise (the writer opens its version as always), but `version` alone for one
-    cache whose number must be clear of the remote's (a `committed` one refused). `committed`: a complete version
+    cache whose own next number the remote holds (`_own_number`). `committed`: a complete version
     of this very schema that the remote holds but not as current (its store.json swap lost, or another writer's
     version made current since): adopted, not written, unless it left damaged inputs out and this run stops on
     them (`_serves`)."""
@@ -36,6 +36,7 @@ class Place(NamedTuple):
     committed: int | None = None
     rows: int = 0  # the committed version's samples
     current: int = 0  # the remote's current version that rank 0 saw (0: none): the one adopting `committed` replaces
+    refused: int | None = None  # a `committed` one refused, opened in the cache to carry from, never adopted
 
 
 def writer_place(job: EncodeJob, schema: TableSchema) -> Place:
@@ -62,38 +63,86 @@ def writer_place(job: EncodeJob, schema: TableSchema) -> Place:
     committed, rows, current = all_max(world, [remote.committed, remote.rows, remote.current])
     if committed and _serves(job, url, committed):
         return Place(url=url, committed=committed, rows=rows, current=current)
-    if world <= 1 and not committed:
-        return Place()
+    if committed:  # refused: its samples are carried forward from it, as a local store's rerun carries them
+        _open_refused(job, url, committed)
     (high, low), (agreed, _) = spread(world, [cache, mine])
     if high == low:  # one cache: it commits there and pushes back
-        if not committed:
-            return Place()
-        # a committed version refused: the cache may not know its number, which the push must not meet again
-        with fmt.flock(job.store.root / fmt.STORE_LOCK):  # any number of ranks resumes a version of one folder
-            agreed = candidate_version(job.store.root, table, want)
+        (own,) = all_max(world, [_own_number(job, want, remote.taken) if job.ranks.rank == 0 else 0])
+        return Place(own or None, refused=committed or None)
     while agreed in remote.taken:
         agreed += 1
     (agreed,) = all_max(world, [agreed if job.ranks.rank == 0 else 0])
-    return Place(agreed, url if high != low else None)
+    return Place(agreed, url, refused=committed or None)
+
+
+def _own_number(job: EncodeJob, want: dict, taken: set[int]) -> int:
+    """For one cache (rank 0, which knows the remote's `taken` numbers): 0 when the number its writer opens as
+    always (`candidate_version`) is free on the remote, else one past every number the cache and the remote hold.
+    The cache opens only the remote's current versions, so its next number could be a complete version of other
+    settings there (replaced as current since) or another run's parts: the encode ran to its end and its push was
+    refused ("differs between the cache and the remote"; a fresh cache met it again), and its quarantine rows
+    named that number, which the remote's version of it would then be judged by (current.left_out_on_remote)."""
+    table = job.summary.table
+    with fmt.flock(job.store.root / fmt.STORE_LOCK):  # any number of ranks resumes a version of one folder
+        own = candidate_version(job.store.root, table, want)
+        if own not in taken:
+            return 0
+        return max([*fmt.list_versions(job.store.root, table), *taken]) + 1
 
 
 def _serves(job: EncodeJob, url: str, committed: int) -> bool:
     """Whether the remote's complete version `committed` serves this run as it is (stages/encode/current.py: under
     on_damaged=stop, not one that left damaged inputs out), agreed by every rank. Rank 0 reads the remote's
-    quarantine rows, and each node's local rank 0 its cache's (a lost swap left a node's rows there alone)."""
-    from models.collective import all_max, together
-    from stages.encode.current import left_out_on_remote, serving_version
+    quarantine rows, and each node's local rank 0 its cache's (a lost swap left a node's rows there alone); what
+    each found goes to every rank, and rank 0 alone says why it is refused (each node's look said it: one line
+    per node)."""
+    from models.collective import gather_texts, together
+    from stages.encode.current import left_out_on_remote, say_left_out, serving_version
 
     rank, stage, table = job.ranks.rank, job.summary.stage, job.summary.table
-    looks = rank == 0 or job.ranks.local_rank == 0
-    # a copy complete in this cache was refused by the look before the model loaded (plan.open_job), which said so
-    say = not fmt.is_complete(job.store.version_dir(table, committed))
+    keys: list[str] = []  # left out, as this rank's look found them (read under stop only)
+    refusing: list[str] = []  # those keys when this rank's look refuses the version
+
+    def left() -> list[str]:
+        keys[:] = left_out_on_remote(job.store, url, table, committed, remote_rows=rank == 0)
+        return keys
+
     with together(job.ranks.world_size, f"{stage}: whether table '{table}' v{committed} at {url} left inputs out"):
-        serves = not looks or serving_version(
-            job.store, stage, table, committed, job.on_damaged, say=say,
-            left=lambda: left_out_on_remote(job.store, url, table, committed, remote_rows=rank == 0)) is not None
-    (refused,) = all_max(job.ranks.world_size, [0 if serves else 1])
-    return not refused
+        if (rank == 0 or job.ranks.local_rank == 0) and \
+                serving_version(job.store, stage, table, committed, job.on_damaged, left=left) is None:
+            refusing = keys
+    looks = [t.split("\n") for t in gather_texts(job.ranks.world_size, _look(refusing))]
+    count, shown = max(((int(look[0]), look[1:]) for look in looks), key=lambda found: found[0])  # ties: rank 0's
+    # a copy complete in this cache was refused by the look before the model loaded (plan.open_job), which said so
+    if count and rank == 0 and not fmt.is_complete(job.store.version_dir(table, committed)):
+        say_left_out(stage, table, committed, shown, count)
+    return not count
+
+
+def _look(keys: list[str]) -> str:
+    """A rank's left-out `keys` as one text for `gather_texts`: their count, then the first few that fit."""
+    from models.collective import MESSAGE_BYTES
+
+    text = str(len(keys))
+    for key in keys[:10]:
+        if len(f"{text}\n{key}".encode()) > MESSAGE_BYTES:
+            break
+        text += f"\n{key}"
+    return text
+
+
+def _open_refused(job: EncodeJob, url: str, refused: int) -> None:
+    """The remote's complete version `refused` opened in each rank's cache (lazily: its metadata; a carried shard
+    is fetched whole when linked, as from a current version opened at the cache's open), so the writer carries
+    its samples forward (output.open_writer, store/reuse.reusable) and encodes only those it left out. A cache
+    holding no copy (a fresh one, or the node's evicted) encoded every sample again before. Every rank opens
+    (one GET of its checksums.json where the cache holds it already), all agreeing."""
+    from models.collective import together
+    from store.remote_cache import open_beside
+
+    table = job.summary.table
+    with together(job.ranks.world_size, f"{job.summary.stage}: opening table '{table}' v{refused} at {url}"):
+        open_beside(job.store.root, table, refused)
 
 
 def cache_identity(root: Path) -> int:

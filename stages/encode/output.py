@@ -38,7 +38,7 @@ def open_writer(job: EncodeJob, schema: TableSchema, shard_size_mb: float) -> li
         shard_size_mb=shard_size_mb, version=place.version, remote_url=place.url,
         share=mine, agree=lambda alone: _all_agree(job.ranks.world_size, alone),
     )
-    if _completed_meanwhile(job, several_caches=place.url is not None):
+    if _completed_meanwhile(job, several_caches=place.url is not None, refused=place.refused):
         return []
     job.summary.version = job.writer.version
     job.shard_sizes_before = rank_shard_sizes(job)
@@ -112,15 +112,18 @@ def _split_now(images, rows: pa.Table, at: np.ndarray) -> pa.Table:
     return rows.set_column(i, field, split.cast(field.type))
 
 
-def _completed_meanwhile(job: EncodeJob, several_caches: bool = False) -> bool:
+def _completed_meanwhile(job: EncodeJob, several_caches: bool = False, refused: int | None = None) -> bool:
     """Another process finished this very table (same lineage) after our up-to-date check, while we loaded
-    the model: reuse it ("up to date") instead of writing a duplicate version."""
+    the model: reuse it ("up to date") instead of writing a duplicate version. `refused`: the store URL's version
+    the ranks refused together (nodes.writer_place), which this cache now holds to carry from: never that one (its
+    rows may be on the remote alone)."""
     assert job.writer is not None
     from stages.encode.current import serving_version
 
+    found = job.store.find_version(job.summary.table, job.lineage, job.serving)
     # one that left damaged inputs out, and this run stops on them, is not adopted either (as in plan.open_job)
-    found = serving_version(job.store, job.summary.stage, job.summary.table,
-                            job.store.find_version(job.summary.table, job.lineage, job.serving), job.on_damaged)
+    found = serving_version(job.store, job.summary.stage, job.summary.table, None if found == refused else found,
+                            job.on_damaged)
     found = agreed_found(found, job.ranks.world_size, several_caches)
     if found is None:
         return False

@@ -82,3 +82,9 @@ def test_a_rerun_whose_settings_match_an_older_complete_version_adopts_it_as_a_l
     assert (back["version"], back["encoded"], current()) == (2, 0, 2)
     cached = run(url, ours, "node-a")  # our cache holds v1
     assert (cached["version"], cached["encoded"], current()) == (1, 0, 1)
+
+    # a third lineage from a fresh cache, which opens only the current v1: its own next number, v2, is theirs on
+    # the remote. It writes v3; before, it encoded every sample into v2 and its push was refused ("differs
+    # between the cache and the remote", again from a fresh cache), its quarantine rows naming that number
+    third = run(url, ["--set", "encode_text.dtype=bfloat16"], "node-d")
+    assert (third["version"], third["encoded"], current()) == (3, len(Store(edit_store).reader("images")), 3)

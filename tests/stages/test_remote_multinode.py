@@ -175,3 +175,49 @@ def test_a_commit_on_two_caches_that_lost_its_store_json_swap_is_adopted_and_eve
     pulled = tmp_path / "pulled"
     pull(url, pulled)
     assert sorted(Store(pulled).reader("vae").keys()) == sorted(Store(edit_store).reader("images").keys())
+
+
+def test_two_nodes_refusing_a_version_that_left_a_damaged_input_out_say_so_once_and_carry_its_samples(
+        s3_env, tiny_edit_model, edit_store, tmp_path):
+    """The remote's text v1 (on_damaged=skip left a sample damaged on the server out; its store.json swap lost),
+    refused by two nodes' fresh caches under stop: rank 0 alone says so, in one line (each node's local rank 0
+    printed it before: the same line once per node), and the run stops on the sample; once it is repaired, the
+    rerun carries v1's samples forward on both nodes (v1 opened in each cache) and encodes only that one."""
+    from damage import sample_byte
+    from store.checksum import seal, unseal
+
+    url, client, bucket = s3_env.url("nodes"), s3_env.client(), s3_env.bucket
+    push(edit_store, url)
+    keys = Store(edit_store).reader("images").keys()
+    key = sorted(keys)[1]
+    shard, pos = sample_byte(edit_store, "images", key, "target.png")
+    rel = f"nodes/images/v1/{shard.name}"
+    clean = client.get_object(Bucket=bucket, Key=rel)["Body"].read()
+    bad = bytearray(clean)
+    bad[pos] ^= 1 << 4
+    client.put_object(Bucket=bucket, Key=rel, Body=bytes(bad))
+    args = ["run", "encode-text", "--model", tiny_edit_model, "--device", "cpu", "--json", "--store", url]
+    one = CliRunner().invoke(app, [*args, "--cache-dir", str(tmp_path / "cache-one"), "--set",
+                                   "encode_text.on_damaged=skip", "--set", "encode_text.max_damaged_fraction=0.5"])
+    assert one.exit_code == 0, one.output
+    record = unseal(client.get_object(Bucket=bucket, Key="nodes/store.json")["Body"].read())
+    del record["tables"]["text"]  # its store.json swap lost
+    client.put_object(Bucket=bucket, Key="nodes/store.json", Body=seal(record))
+
+    nodes = start_nodes(args, node_args=_caches(tmp_path))
+    outs = [p.communicate(timeout=300) for p in nodes]
+    assert all(p.returncode != 0 for p in nodes), outs
+    said = [(out + err).count("left out 1 damaged input sample(s)") for out, err in outs]
+    assert said == [1, 0], outs  # rank 0 alone
+    assert key in outs[0][0] + outs[0][1]
+
+    client.put_object(Bucket=bucket, Key=rel, Body=clean)  # repaired
+    outs = _finished(start_nodes(args, node_args=_caches(tmp_path)))
+    rec = json.JSONDecoder().raw_decode(outs[0][0][outs[0][0].index("{"):])[0]
+    assert (rec["up_to_date"], rec["version"], rec["encoded"]) == (False, 2, 1), rec
+    assert rec["reused"] + rec["resumed"] == len(keys) - 1, rec
+    tables, _ = _remote_tables(s3_env, "nodes")
+    assert tables["text"]["current"] == 2
+    pulled = tmp_path / "pulled"
+    pull(url, pulled)
+    assert sorted(Store(pulled).reader("text").keys()) == sorted(keys)
