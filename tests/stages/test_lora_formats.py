@@ -63,7 +63,7 @@ def test_comfyui_export_loads_in_diffusers_and_reproduces_the_trainer(trained, t
                                             trained / "run" / "checkpoints" / "step-2" / "lora", out)
     assert not torch.equal(theirs, base)
     torch.testing.assert_close(theirs, ours, rtol=1e-6, atol=1e-6)  # alpha/r baked into A and B: fp32 rounding
-    _cli("lora", "export", trained / "run" / "lora", "--format", "a1111", "--out", out, code=1)
+    _cli("lora", "export", trained / "run" / "lora", "--format", "a1111", "--out", out, code=2)
 
 
 def _kohya(comfy: Path, out: Path) -> Path:

@@ -56,6 +56,12 @@ def _main_of(monkeypatch, app) -> int:
     before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     monkeypatch.setattr(cli, "app", app)
     monkeypatch.setattr(cli, "_signalled", [])
+    # the handler records a SIGTERM for a training loop yet to come (stages/train/stop.EARLIER): in a real process
+    # the exit ends it with the process; here it would stop a later test's training in this worker after step 1
+    import stages.train.stop as stop
+
+    monkeypatch.setattr(stop, "EARLIER", [])
+    monkeypatch.setattr(stop, "ANNOUNCED", [])
     try:
         with pytest.raises(SystemExit) as stop:
             cli.main()
