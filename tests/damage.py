@@ -1,8 +1,10 @@
-"""Damage for the integrity tests: one flipped bit in a file, or in a given byte of a stored sample."""
+"""Damage for the integrity tests: one flipped bit in a file, or in a given byte of a stored sample, locally or on
+the S3 test server."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable, NamedTuple
 
 from store import Store
 
@@ -39,3 +41,38 @@ def key_at(root: Path, table: str, index: int) -> str:
     key = sorted(r.keys())[index]
     r.close()
     return key
+
+
+class ServerDamage(NamedTuple):
+    url: str  # the store URL the local store was pushed to
+    keys: list[str]  # its images table's keys
+    key: str  # the sample damaged on the server
+    repair: Callable[[], None]  # puts the shard's clean bytes back
+
+
+def damaged_on_server(s3_env, root: Path, prefix: str) -> ServerDamage:
+    """The store at `root` pushed to `s3_env.url(prefix)`, then one bit of its second sample's target.png flipped in
+    the remote's images shard (read by range there, each range checked)."""
+    from store.remote_sync import push
+
+    url, client, bucket = s3_env.url(prefix), s3_env.client(), s3_env.bucket
+    push(root, url)
+    keys = Store(root).reader("images").keys()
+    key = sorted(keys)[1]
+    shard, pos = sample_byte(root, "images", key, "target.png")
+    rel = f"{prefix}/images/v1/{shard.name}"
+    clean = client.get_object(Bucket=bucket, Key=rel)["Body"].read()
+    bad = bytearray(clean)
+    bad[pos] ^= 1 << 4
+    client.put_object(Bucket=bucket, Key=rel, Body=bytes(bad))
+    return ServerDamage(url, keys, key, lambda: client.put_object(Bucket=bucket, Key=rel, Body=clean))
+
+
+def lose_current(s3_env, prefix: str, table: str) -> None:
+    """The remote's store.json without `table`: its version complete there, not current (a swap lost)."""
+    from store.checksum import seal, unseal
+
+    client, key = s3_env.client(), f"{prefix}/store.json"
+    record = unseal(client.get_object(Bucket=s3_env.bucket, Key=key)["Body"].read())
+    del record["tables"][table]
+    client.put_object(Bucket=s3_env.bucket, Key=key, Body=seal(record))

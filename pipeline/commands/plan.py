@@ -50,20 +50,7 @@ def command(
         from stages.train.settings import check_checkpointing
 
         check_checkpointing(tc)
-        family = mp.plan_family(model_id)
-    controls = min(rc.max_controls, 1) if family == "edit" else rc.max_controls  # Edit (v1) keeps one control
-    image_tokens = rc.target_area // 256 + controls * (rc.control_vae_area // 256)
-    if family == "qwen-image-2.1":
-        # the VLM reads the VAE's reference pixels (Qwen3-VL: 32 x 32 px per slot); in the transformer's
-        # sequence each slot's place is taken by the reference's latent tokens, counted in image_tokens
-        vl_tokens = text_tokens + controls * (rc.control_vae_area // (32 * 32))
-        sample_tokens = image_tokens + text_tokens
-    else:
-        # Qwen2.5-VL (28 x 28 px per token) sees each control at the VAE view (Edit: control_{i}.png) or at
-        # control_vl_area (Plus); its image tokens stay in the prompt embeddings the transformer reads
-        vl_area = rc.control_vae_area if family == "edit" else rc.control_vl_area
-        vl_tokens = text_tokens + controls * (vl_area // (28 * 28))
-        sample_tokens = image_tokens + vl_tokens
+        vl_tokens, sample_tokens = _tokens(rc, mp.plan_family(model_id), text_tokens)
     seq = tokens or sample_tokens
     # token-budget batches (train.max_tokens_per_batch) compute up to the budget's tokens per micro-batch
     # (batch size x longest sequence), whatever train.batch_size says: plan the budget, not batch_size x seq
@@ -110,6 +97,21 @@ def command(
              "train.gradient_checkpointing true, "
              f"a smaller {'train.max_tokens_per_batch' if budget else 'train.batch_size'} / resize.target_area")
         raise typer.Exit(1)
+
+
+def _tokens(rc, family: str, text_tokens: int) -> tuple[int, int]:
+    """(the text encoder's tokens, the transformer's) of the largest sample resize.* makes for this model family."""
+    controls = min(rc.max_controls, 1) if family == "edit" else rc.max_controls  # Edit (v1) keeps one control
+    image_tokens = rc.target_area // 256 + controls * (rc.control_vae_area // 256)
+    if family == "qwen-image-2.1":
+        # the VLM reads the VAE's reference pixels (Qwen3-VL: 32 x 32 px per slot); in the transformer's
+        # sequence each slot's place is taken by the reference's latent tokens, counted in image_tokens
+        return text_tokens + controls * (rc.control_vae_area // (32 * 32)), image_tokens + text_tokens
+    # Qwen2.5-VL (28 x 28 px per token) sees each control at the VAE view (Edit: control_{i}.png) or at
+    # control_vl_area (Plus); its image tokens stay in the prompt embeddings the transformer reads
+    vl_area = rc.control_vae_area if family == "edit" else rc.control_vl_area
+    vl_tokens = text_tokens + controls * (vl_area // (28 * 28))
+    return vl_tokens, image_tokens + vl_tokens
 
 
 def _uncheckpointed_line(plan_of, tc, blocks: int, gpu_memory: float) -> None:

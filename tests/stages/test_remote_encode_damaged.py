@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from damage import sample_byte
+from damage import damaged_on_server, lose_current
 from pipeline.cli import app
 from store import Store, remote_shards, remote_sync
-from store.checksum import seal, unseal
-from store.remote_sync import pull, push
+from store.checksum import unseal
+from store.remote_sync import pull
 from store.verify import verify_store
 
 
@@ -27,35 +27,32 @@ def _objects(s3_env, prefix: str) -> dict[str, str]:
     return {o["Key"]: o["ETag"] for o in listed}
 
 
+SKIP = ("--set", "encode_text.on_damaged=skip", "--set", "encode_text.max_damaged_fraction=0.5")
+
+
+def _encode_text(model: str, url: str, cache: Path, *settings: str) -> tuple[int, str]:
+    res = CliRunner().invoke(app, ["run", "encode-text", "--model", model, "--device", "cpu", "--json", *settings,
+                                   "--store", url, "--cache-dir", str(cache)])
+    return res.exit_code, res.output
+
+
+def _summary(out: str) -> dict:
+    return json.JSONDecoder().raw_decode(out[out.index("{"):])[0]
+
+
 def test_a_version_that_skipped_a_damaged_input_complete_on_the_remote_is_not_adopted_under_stop(
         s3_env, edit_store: Path, tiny_edit_model, tmp_path: Path, monkeypatch) -> None:
-    url, client, bucket = s3_env.url("dmg"), s3_env.client(), s3_env.bucket
-    push(edit_store, url)
-    keys = Store(edit_store).reader("images").keys()
-    key = sorted(keys)[1]
-    shard, pos = sample_byte(edit_store, "images", key, "target.png")
-    rel = f"dmg/images/v1/{shard.name}"
-    clean = client.get_object(Bucket=bucket, Key=rel)["Body"].read()
-    bad = bytearray(clean)
-    bad[pos] ^= 1 << 4
-    client.put_object(Bucket=bucket, Key=rel, Body=bytes(bad))  # damaged on the server: read by range, each checked
+    url, keys, key, repair = damaged_on_server(s3_env, edit_store, "dmg")
+    client, bucket = s3_env.client(), s3_env.bucket
 
     def run(cache: str, *settings: str) -> tuple[int, str]:
-        res = CliRunner().invoke(app, ["run", "encode-text", "--model", tiny_edit_model, "--device", "cpu", "--json",
-                                       *settings, "--store", url, "--cache-dir", str(tmp_path / cache)])
-        return res.exit_code, res.output
+        return _encode_text(tiny_edit_model, url, tmp_path / cache, *settings)
 
-    def summary(out: str) -> dict:
-        return json.JSONDecoder().raw_decode(out[out.index("{"):])[0]
-
-    code, out = run("node-a", "--set", "encode_text.on_damaged=skip", "--set", "encode_text.max_damaged_fraction=0.5")
+    code, out = run("node-a", *SKIP)
     assert code == 0, out
-    rec = summary(out)
+    rec = _summary(out)
     assert (rec["version"], rec["damaged_inputs"]) == (1, [key])
-    # its store.json swap lost: v1 complete on the remote, not current
-    record = unseal(client.get_object(Bucket=bucket, Key="dmg/store.json")["Body"].read())
-    del record["tables"]["text"]
-    client.put_object(Bucket=bucket, Key="dmg/store.json", Body=seal(record))
+    lose_current(s3_env, "dmg", "text")  # its store.json swap lost: v1 complete on the remote, not current
     v1 = _objects(s3_env, "dmg/text/v1/")
     assert "dmg/text/v1/manifest.parquet" in v1
 
@@ -71,11 +68,11 @@ def test_a_version_that_skipped_a_damaged_input_complete_on_the_remote_is_not_ad
     assert sorted(p.name for p in (root / "text").glob("v*")) == ["v1", "v2"]
     assert remote_shards.is_lazy(root / "text" / "v1") and not remote_shards.is_lazy(root / "text" / "v2")
 
-    client.put_object(Bucket=bucket, Key=rel, Body=clean)  # repaired
+    repair()
     monkeypatch.setattr(remote_shards, "_fetchers", {})  # a new process: no range kept from the damaged bytes
     code, out = run("node-a")  # resumes the version its stopped run opened, v1's other samples carried forward
     assert code == 0, out
-    rec = summary(out)
+    rec = _summary(out)
     assert (rec["up_to_date"], rec["version"], rec["encoded"], rec["reused"] + rec["resumed"]) == \
         (False, 2, 1, len(keys) - 1)  # a new number: v1 on the remote is another version
     assert _objects(s3_env, "dmg/text/v1/") == v1  # untouched
@@ -85,7 +82,7 @@ def test_a_version_that_skipped_a_damaged_input_complete_on_the_remote_is_not_ad
     pull(url, pulled)
     assert sorted(Store(pulled).reader("text").keys()) == sorted(keys)
     code, out = run("node-a")
-    assert code == 0 and summary(out)["up_to_date"] and summary(out)["version"] == 2, out
+    assert code == 0 and _summary(out)["up_to_date"] and _summary(out)["version"] == 2, out
 
 
 @pytest.mark.parametrize("rows_cached", [True, False])
@@ -97,37 +94,20 @@ def test_a_fresh_cache_refusing_the_remotes_version_carries_its_samples_forward(
     it carried them forward and every sample was encoded again. Not `rows_cached` (the remote's rows merged there
     after the cache's open pulled them): the copy now in the cache, which its rows do not show refused, is not
     adopted either by the writer's second look (output._completed_meanwhile)."""
-    url, client, bucket = s3_env.url("fresh"), s3_env.client(), s3_env.bucket
-    push(edit_store, url)
-    keys = Store(edit_store).reader("images").keys()
-    key = sorted(keys)[1]
-    shard, pos = sample_byte(edit_store, "images", key, "target.png")
-    rel = f"fresh/images/v1/{shard.name}"
-    clean = client.get_object(Bucket=bucket, Key=rel)["Body"].read()
-    bad = bytearray(clean)
-    bad[pos] ^= 1 << 4
-    client.put_object(Bucket=bucket, Key=rel, Body=bytes(bad))
-
-    def run(cache: str, *settings: str) -> tuple[int, str]:
-        res = CliRunner().invoke(app, ["run", "encode-text", "--model", tiny_edit_model, "--device", "cpu", "--json",
-                                       *settings, "--store", url, "--cache-dir", str(tmp_path / cache)])
-        return res.exit_code, res.output
-
-    code, out = run("node-a", "--set", "encode_text.on_damaged=skip", "--set", "encode_text.max_damaged_fraction=0.5")
+    url, keys, key, repair = damaged_on_server(s3_env, edit_store, "fresh")
+    code, out = _encode_text(tiny_edit_model, url, tmp_path / "node-a", *SKIP)
     assert code == 0, out
-    record = unseal(client.get_object(Bucket=bucket, Key="fresh/store.json")["Body"].read())
-    del record["tables"]["text"]  # its store.json swap lost
-    client.put_object(Bucket=bucket, Key="fresh/store.json", Body=seal(record))
+    lose_current(s3_env, "fresh", "text")  # its store.json swap lost
     v1 = _objects(s3_env, "fresh/text/v1/")
-    client.put_object(Bucket=bucket, Key=rel, Body=clean)  # repaired
+    repair()
     monkeypatch.setattr(remote_shards, "_fetchers", {})  # a new process: no range kept from the damaged bytes
 
     if not rows_cached:
         monkeypatch.setattr(remote_sync, "pull_quarantine", lambda *a, **k: 0)
-    code, out = run("node-b")  # a fresh cache, on_damaged=stop
+    code, out = _encode_text(tiny_edit_model, url, tmp_path / "node-b")  # a fresh cache, on_damaged=stop
     assert code == 0, out
     assert out.count("left out 1 damaged input sample(s)") == 1 and "carries its samples forward" in out, out
-    rec = json.JSONDecoder().raw_decode(out[out.index("{"):])[0]
+    rec = _summary(out)
     assert (rec["up_to_date"], rec["version"], rec["encoded"], rec["reused"]) == (False, 2, 1, len(keys) - 1), rec
     assert _objects(s3_env, "fresh/text/v1/") == v1  # untouched
     pulled = tmp_path / "pulled"

@@ -183,26 +183,14 @@ def test_two_nodes_refusing_a_version_that_left_a_damaged_input_out_say_so_once_
     refused by two nodes' fresh caches under stop: rank 0 alone says so, in one line (each node's local rank 0
     printed it before: the same line once per node), and the run stops on the sample; once it is repaired, the
     rerun carries v1's samples forward on both nodes (v1 opened in each cache) and encodes only that one."""
-    from damage import sample_byte
-    from store.checksum import seal, unseal
+    from damage import damaged_on_server, lose_current
 
-    url, client, bucket = s3_env.url("nodes"), s3_env.client(), s3_env.bucket
-    push(edit_store, url)
-    keys = Store(edit_store).reader("images").keys()
-    key = sorted(keys)[1]
-    shard, pos = sample_byte(edit_store, "images", key, "target.png")
-    rel = f"nodes/images/v1/{shard.name}"
-    clean = client.get_object(Bucket=bucket, Key=rel)["Body"].read()
-    bad = bytearray(clean)
-    bad[pos] ^= 1 << 4
-    client.put_object(Bucket=bucket, Key=rel, Body=bytes(bad))
+    url, keys, key, repair = damaged_on_server(s3_env, edit_store, "nodes")
     args = ["run", "encode-text", "--model", tiny_edit_model, "--device", "cpu", "--json", "--store", url]
     one = CliRunner().invoke(app, [*args, "--cache-dir", str(tmp_path / "cache-one"), "--set",
                                    "encode_text.on_damaged=skip", "--set", "encode_text.max_damaged_fraction=0.5"])
     assert one.exit_code == 0, one.output
-    record = unseal(client.get_object(Bucket=bucket, Key="nodes/store.json")["Body"].read())
-    del record["tables"]["text"]  # its store.json swap lost
-    client.put_object(Bucket=bucket, Key="nodes/store.json", Body=seal(record))
+    lose_current(s3_env, "nodes", "text")  # its store.json swap lost
 
     nodes = start_nodes(args, node_args=_caches(tmp_path))
     outs = [p.communicate(timeout=300) for p in nodes]
@@ -211,7 +199,7 @@ def test_two_nodes_refusing_a_version_that_left_a_damaged_input_out_say_so_once_
     assert said == [1, 0], outs  # rank 0 alone
     assert key in outs[0][0] + outs[0][1]
 
-    client.put_object(Bucket=bucket, Key=rel, Body=clean)  # repaired
+    repair()
     outs = _finished(start_nodes(args, node_args=_caches(tmp_path)))
     rec = json.JSONDecoder().raw_decode(outs[0][0][outs[0][0].index("{"):])[0]
     assert (rec["up_to_date"], rec["version"], rec["encoded"]) == (False, 2, 1), rec
