@@ -299,22 +299,41 @@ def check_store_record(rec: Any, path: Path | str, sealed: bool = True) -> None:
 
 @contextmanager
 def flock(path: Path, *, blocking: bool = True, holder: str = "") -> Iterator[None]:
-    """An advisory lock the kernel drops when the process dies (SIGKILL leaves no stale lock)."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
-    except BlockingIOError:
+    """An advisory lock the kernel drops when the process dies (SIGKILL leaves no stale lock). A holder may unlink
+    its lock file as it lets go (stages/train/guard.RunDirLock): a lock taken on a file no longer at `path`
+    excludes nobody, so the file is opened again."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+        except BlockingIOError:
+            os.close(fd)
+            try:
+                other = Path(path).read_text().strip() or "another process"
+            except FileNotFoundError:  # unlinked by its holder as it lets go: open it again
+                continue
+            raise UserError(
+                f"{holder or path} is being written by {other} (lock {path}); wait for it to finish, or stop it, then rerun"
+            ) from None
+        if _names(path, fd):
+            break
         os.close(fd)
-        other = Path(path).read_text().strip() or "another process"
-        raise UserError(
-            f"{holder or path} is being written by {other} (lock {path}); wait for it to finish, or stop it, then rerun"
-        ) from None
     try:
         os.ftruncate(fd, 0)
         os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode())  # for the message a second writer gets
         yield
     finally:
         os.close(fd)
+
+
+def _names(path: Path, fd: int) -> bool:
+    """Whether `path` is still the file open as `fd`."""
+    try:
+        there = os.stat(path)
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(fd)
+    return (there.st_dev, there.st_ino) == (mine.st_dev, mine.st_ino)
 
 
 class HeldLock:

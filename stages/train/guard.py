@@ -34,11 +34,17 @@ class RunDirLock:
 
     def __init__(self, run_dir: Path) -> None:
         self.run_dir = run_dir
-        self._made = [p for p in (run_dir, *run_dir.parents) if not p.exists()]  # deepest first
-        run_dir.mkdir(parents=True, exist_ok=True)
         self._path = run_dir / LOCK_NAME
-        made_lock = not self._path.exists()
-        self._lock = fmt.HeldLock(self._path, holder=f"run folder {run_dir}")
+        while True:
+            self._made = [p for p in (run_dir, *run_dir.parents) if not p.exists()]  # deepest first
+            run_dir.mkdir(parents=True, exist_ok=True)
+            made_lock = not self._path.exists()
+            try:
+                self._lock = fmt.HeldLock(self._path, holder=f"run folder {run_dir}")
+                break
+            except FileNotFoundError:  # a failed start's release removed the folder just made: make it again
+                if run_dir.is_dir():
+                    raise
         self._inode = self._path.stat().st_ino if made_lock else None  # held: the file at the path is ours
 
     def release(self) -> None:
@@ -46,8 +52,8 @@ class RunDirLock:
             return
         try:
             if self._inode is not None and self._untouched():
-                # unlinked while still held: a second start that opened it before waits for nothing (its
-                # non-blocking lock fails, naming this one); one after creates a new file
+                # unlinked while still held: a second start whose non-blocking lock fails names this one; one that
+                # locks the unlinked file after the release opens the path again (store/format.flock)
                 self._path.unlink()
                 for folder in self._made:
                     folder.rmdir()  # only an empty folder goes (OSError otherwise: kept)

@@ -115,3 +115,56 @@ def test_a_start_that_fails_before_writing_leaves_no_run_folder(tmp_path, tiny_e
     (killed / ".train.lock").write_text("pid 1 on elsewhere")
     train(killed)
     assert [p.name for p in killed.iterdir()] == [".train.lock"]
+
+
+@pytest.mark.parametrize("made", [True, False], ids=["out-made-by-the-failed-start", "users-empty-out"])
+def test_a_start_racing_a_failed_starts_cleanup_still_excludes_a_third(tmp_path, monkeypatch, made):
+    """A failed start's release unlinks its lock file (and an --out it made). A second start that opened that file
+    just before and took the flock just after held a lock on a file no longer there (in a folder removed): a
+    third start then locked a new file, and two trainings wrote one --out."""
+    import fcntl
+
+    from stages.train.guard import RunDirLock
+
+    out = tmp_path / "out"
+    if not made:
+        out.mkdir()
+    failed = RunDirLock(out)  # a start that fails before writing anything
+    real = fcntl.flock
+
+    def lock_after_the_release(fd, op):  # the second start: its file opened, its flock not yet taken
+        monkeypatch.setattr(fcntl, "flock", real)
+        failed.release()
+        return real(fd, op)
+
+    monkeypatch.setattr(fcntl, "flock", lock_after_the_release)
+    second = RunDirLock(out)
+    assert (out / ".train.lock").exists()
+    with pytest.raises(UserError, match="is being written by"):
+        RunDirLock(out)  # a third start into the same --out
+    second.release()
+
+
+def test_a_start_refused_as_the_holder_lets_go_takes_the_folder(tmp_path, monkeypatch):
+    """A second start refused by the flock while the failed start still held it read the holder's name from a
+    lock file that start's release had unlinked just then: a FileNotFoundError traceback, no line."""
+    import fcntl
+
+    from stages.train.guard import RunDirLock
+
+    out = tmp_path / "out"
+    failed = RunDirLock(out)
+    real = fcntl.flock
+
+    def refused_then_released(fd, op):
+        monkeypatch.setattr(fcntl, "flock", real)
+        try:
+            return real(fd, op)
+        finally:
+            failed.release()
+
+    monkeypatch.setattr(fcntl, "flock", refused_then_released)
+    second = RunDirLock(out)  # the folder is free: taken
+    with pytest.raises(UserError, match="is being written by"):
+        RunDirLock(out)
+    second.release()
