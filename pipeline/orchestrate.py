@@ -158,6 +158,9 @@ def run_all(cfg: PipelineConfig, log: Callable[[str], None] = print, cache_dir: 
                                      "paths.model": paths.model})
     refuse_a_folder_of_other_files(paths.run, "paths.run")  # before resize-bucket's minutes, not at train
     refuse_a_store_among_other_files(paths.store, "paths.store")
+    from stages.evaluate.stage import check_report_folder
+
+    check_report_folder(paths.report, "paths.report")  # evaluate's check at its start, here before resize-bucket
     _check_settings(cfg, paths.model)
     world, main = launched()
     if world > 1:
