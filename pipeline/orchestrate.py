@@ -89,6 +89,19 @@ def required_paths(cfg: PipelineConfig) -> Paths:
     return Paths(p.source, p.store, p.model, Path(p.run), Path(p.report))  # type: ignore[arg-type]
 
 
+def check_config(cfg: PipelineConfig) -> Paths:
+    """What the config alone refuses (no file read): the paths `run all` needs, and the resize and train
+    sections' settings, which each stage checks at its start (train's after resize-bucket and both encoders). The
+    command asks right after parsing: a usage mistake, exit 2."""
+    from stages.resize.stage import check_config as check_resize
+    from stages.train.settings import validate_config as check_train
+
+    paths = required_paths(cfg)
+    check_resize(cfg.resize)
+    check_train(cfg.train)
+    return paths
+
+
 def stages() -> list[tuple[str, Callable[[PipelineConfig, Paths], StageSummary]]]:
     """The stages in order, each as (name, call); every call returns a `StageSummary`."""
     from stages.encode import text as encode_text, vae as encode_vae
@@ -153,11 +166,14 @@ def run_all(cfg: PipelineConfig, log: Callable[[str], None] = print, cache_dir: 
     from pipeline.run_folder import (refuse_a_folder_of_other_files, refuse_a_store_among_other_files,
                                      refuse_inputs_inside)
 
-    paths = required_paths(cfg)
+    paths = check_config(cfg)
     refuse_inputs_inside(paths.run, {"paths.store": paths.store, "paths.source": paths.source,
                                      "paths.model": paths.model})
     refuse_a_folder_of_other_files(paths.run, "paths.run")  # before resize-bucket's minutes, not at train
     refuse_a_store_among_other_files(paths.store, "paths.store")
+    from stages.evaluate.stage import check_report_folder
+
+    check_report_folder(paths.report, "paths.report")  # evaluate's check at its start, here before resize-bucket
     _check_settings(cfg, paths.model)
     world, main = launched()
     if world > 1:

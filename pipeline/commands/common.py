@@ -84,6 +84,20 @@ def config_from(path: Path | None, overrides: dict[str, Any], sets: list[str] = 
 
 
 @contextmanager
+def usage_errors() -> Iterator[None]:
+    """Checks of the flags and the config made before any work (a model folder's JSON configs read at most): what
+    they refuse is a usage mistake, one red line and exit 2 as `config_from`'s; what the work finds is 1
+    (`user_errors`). Every rank sees the same flags and files and refuses alike."""
+    from schemas.errors import UserError
+
+    try:
+        yield
+    except UserError as e:
+        typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2) from None
+
+
+@contextmanager
 def user_errors(output: Path | str | None = None) -> Iterator[None]:
     """Turn expected errors (bad input, missing table, ...) into one red line and exit 1, not a traceback.
     `output`: the folder or file the command writes, named when a full disk does not say which file it hit."""

@@ -10,7 +10,8 @@ from typing import Optional
 
 import typer
 
-from pipeline.commands.common import ConfigOpt, SetOpt, config_from, echo, finite, require, user_errors
+from pipeline.commands.common import (ConfigOpt, SetOpt, config_from, echo, finite, require, usage_errors,
+                                     user_errors)
 
 
 def _device_type(device: str) -> str:
@@ -46,10 +47,11 @@ def command(
         return "bfloat16" if device.startswith("cuda") or mixed == "bf16" else "float32"
 
     rc, tc = cfg.resize, cfg.train
-    with user_errors():
-        from stages.train.settings import check_checkpointing
+    from stages.train.settings import check_checkpointing
 
+    with usage_errors():  # a train setting the config alone refuses
         check_checkpointing(tc)
+    with user_errors():
         vl_tokens, sample_tokens = _tokens(rc, mp.plan_family(model_id), text_tokens)
     seq = tokens or sample_tokens
     # token-budget batches (train.max_tokens_per_batch) compute up to the budget's tokens per micro-batch

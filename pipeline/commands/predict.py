@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 
 from pipeline.commands.common import (ConfigOpt, SetOpt, StrictBaseOpt, checked_lora, config_from, echo, finite,
-                                     user_errors)
+                                     usage_errors, user_errors)
 from pipeline.launched import one_process
 from schemas.img_shapes import PIXELS_PER_PATCH
 
@@ -72,12 +72,47 @@ def command(
             "predict.devices.vae": vae_device,
         },
     )
+    _check_local_model(model, len(image), out, cfg.predict.steps)
     with user_errors(out):
         if lora:
             checked_lora(lora, model, strict_base)
         path = predict(cfg.predict, model, list(image), prompt, out, str(lora) if lora else None, lora_scale,
                        height, width)
     echo(f"wrote {path}")
+
+
+def _check_local_model(model: str, n_images: int, out: Path, steps: int) -> None:
+    """`check_for_model` right after parsing when MODEL is a folder here: a usage mistake, exit 2, before the LoRA
+    is hashed and the model loaded. A hub id is checked by `predict` (exit 1), not downloaded just for this."""
+    if not Path(model).expanduser().is_dir():
+        return
+    from models.loading import resolve_model
+
+    with user_errors():  # a folder that is no model, or a damaged one: a failure (exit 1), named as before
+        resolve_model(model)
+    with usage_errors():
+        check_for_model(model, n_images, out, steps)
+
+
+def check_for_model(model: str, n_images: int, out: Path, steps: int) -> None:
+    """What MODEL's configs alone refuse (model_index.json, the scheduler's; no weights read), in one UserError: a
+    JPEG --out for Qwen-Image-2.1's RGBA edits, more control images than the model family takes, and one denoising
+    step where its scheduler cannot take it."""
+    from models.loading import check_sampling_steps, model_variant
+    from schemas.errors import UserError
+
+    variant = model_variant(model)
+    if image_format(out) == "JPEG" and variant == "qwen-image-2.1":
+        raise UserError(f"--out {out}: Qwen-Image-2.1 edits are RGBA (alpha kept) and JPEG has no alpha; name it "
+                        ".png or .webp")
+    if variant == "qwen-image-2.1":
+        from models.qwen21_predict import check_reference_count
+
+        check_reference_count(n_images, model, "--image", "pass at most 10 --image")
+    elif variant == "edit" and n_images != 1:  # refused before loading, not by the pipeline after
+        raise UserError(f"--image: {n_images} control images, but Qwen-Image-Edit ({model}) takes exactly one; "
+                        "pass one --image, or use an Edit-Plus model (Qwen-Image-Edit-2509 / -2511)")
+    check_sampling_steps(steps, "predict.steps", model)
 
 
 def predict(cfg, model: str, images: list[Path], prompt: str, out: Path, lora: str | None, lora_scale: float,
@@ -90,20 +125,8 @@ def predict(cfg, model: str, images: list[Path], prompt: str, out: Path, lora: s
         raise UserError("predict needs at least one --image")
     from models.loading import model_variant
 
-    out_format = image_format(out)  # checked before minutes of loading and denoising (the CLI: when parsed)
-    if out_format == "JPEG" and model_variant(model) == "qwen-image-2.1":
-        raise UserError(f"--out {out}: Qwen-Image-2.1 edits are RGBA (alpha kept) and JPEG has no alpha; name it "
-                        ".png or .webp")
-    if model_variant(model) == "qwen-image-2.1":
-        from models.qwen21_predict import check_reference_count
-
-        check_reference_count(len(images), model, "--image", "pass at most 10 --image")
-    elif model_variant(model) == "edit" and len(images) != 1:  # refused before loading, not by the pipeline after
-        raise UserError(f"--image: {len(images)} control images, but Qwen-Image-Edit ({model}) takes exactly one; "
-                        "pass one --image, or use an Edit-Plus model (Qwen-Image-Edit-2509 / -2511)")
-    from models.loading import check_sampling_steps
-
-    check_sampling_steps(cfg.steps, "predict.steps", model)
+    # before minutes of loading and denoising (the CLI: when parsed, and for a model folder here right after)
+    check_for_model(model, len(images), out, cfg.steps)
     from features.decode import read_image_file
 
     # Decoded as resize-bucket decodes the training images (EXIF orientation, CMYK via its ICC profile, 16-bit

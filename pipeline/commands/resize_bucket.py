@@ -10,7 +10,7 @@ from typing import Optional
 import typer
 
 from pipeline.commands.common import (
-    ConfigOpt, JsonOpt, SetOpt, config_from, echo, emit, json_mode, require, user_errors,
+    ConfigOpt, JsonOpt, SetOpt, config_from, echo, emit, json_mode, require, usage_errors, user_errors,
 )
 from pipeline.commands.store_remote import CacheDirOpt, CacheGbOpt
 
@@ -53,6 +53,10 @@ def command(
     )
     src = require(cfg.paths.source, "--source", "paths.source")
     dst = require(cfg.paths.store, "--store", "paths.store")
+    from stages.resize.stage import check_config
+
+    with usage_errors():  # the stage's own check at its start, here before a store URL is pulled
+        check_config(cfg.resize)
     from functools import partial
 
     from pipeline.launched import rank_0_alone

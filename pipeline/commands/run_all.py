@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from pipeline.commands.common import SetOpt, config_from, echo, json_mode, user_errors
+from pipeline.commands.common import SetOpt, config_from, echo, json_mode, usage_errors, user_errors
 from pipeline.commands.store_remote import CacheDirOpt, CacheGbOpt
 
 
@@ -20,7 +20,10 @@ def command(
     cache_gb: Optional[float] = CacheGbOpt,
 ) -> None:
     cfg = config_from(config, {}, set_)
-    from pipeline.orchestrate import run_all
+    from pipeline.orchestrate import check_config, run_all
+
+    with usage_errors():  # a missing path, a train setting: refused now, not after resize-bucket and the encoders
+        check_config(cfg)
 
     if as_json:
         import json

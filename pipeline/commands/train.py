@@ -12,7 +12,7 @@ from typing import Optional
 import typer
 
 from pipeline.commands.common import (ConfigOpt, JsonOpt, SetOpt, config_from, emit, finite, json_mode, require,
-                                     user_errors)
+                                     usage_errors, user_errors)
 
 
 def command(
@@ -50,6 +50,10 @@ def command(
     model_id = require(cfg.paths.model, "--model", "paths.model")
     run_dir = require(cfg.paths.run, "--out", "paths.run")
     from stages.train.recipe import run
+    from stages.train.settings import validate_config
+
+    with usage_errors():  # train's own check at its start, here before a store URL is pulled
+        validate_config(cfg.train)
 
     with user_errors(run_dir), json_mode(as_json):
         from pipeline.run_folder import refuse_a_folder_of_other_files

@@ -400,12 +400,9 @@ def _run(ranks, cfg: EvaluateConfig, store: str | Path, model: str, checkpoints:
         done = _up_to_date(out, known_fingerprint(out, now, now_settings, earlier), checkpoints, shas, cfg)
     if ranks.from_main([int(done is not None)])[0]:
         return CheckpointsResult(done, out / "index.html", up_to_date=True) if ranks.main else None
-    ours = lambda name: name in (single.REPORT_LOCK, BASE_IMAGES) or (  # noqa: E731  (the lock; base images;
-        name.startswith(("losses", ".losses")) and ".zarr" in name)  # loss groups, kept or new)
     with together(ranks.world, "the report folder"):
         if ranks.main:
-            if out.is_dir() and any(not ours(p.name) for p in out.iterdir()) and not (out / "metrics.json").is_file():
-                raise UserError(f"{out} is not empty and holds no earlier report: pass a new or empty --out folder")
+            single.check_report_folder(out)
             tqdm.write(precision.describe("evaluate", cfg.device, f", {ranks.world} ranks" if ranks.world > 1 else ""))
             single.warn_other_base([path for _, path in checkpoints], model, [step for step, _ in checkpoints])
 

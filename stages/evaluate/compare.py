@@ -200,6 +200,16 @@ def refuse_other_files(out: Path) -> None:
                         "folder of an earlier compare")
 
 
+def given_twice(paths: list[str], keys: list) -> str | None:
+    """What is wrong when two of `paths` have equal `keys` (their resolved folders: the CLI, before any lookup; the
+    loss groups they lead to: `write_compare`), else None: one run drawn against itself, under one label twice."""
+    twice = sorted({str(paths[i]) for i, k in enumerate(keys) if keys.count(k) > 1})
+    if not twice:
+        return None
+    return (f"{twice[0]} is given twice: pass each run once" if len(twice) == 1 else
+            f"{' and '.join(twice)} are the same report: pass each run once")
+
+
 def write_compare(paths: list[str], out: str | Path) -> "CompareResult":
     from store.format import atomic_write_bytes
     from store.io_errors import writing
@@ -208,10 +218,8 @@ def write_compare(paths: list[str], out: str | Path) -> "CompareResult":
         raise UserError("pipeline compare needs at least two reports or runs")
     out = Path(out)
     refuse_other_files(out)
-    groups = [find_group(p).resolve() for p in paths]
-    if twice := sorted({str(paths[i]) for i, g in enumerate(groups) if groups.count(g) > 1}):  # one curve, twice
-        raise UserError(f"{twice[0]} is given twice: pass each run once" if len(twice) == 1 else
-                        f"{' and '.join(twice)} are the same report: pass each run once")
+    if twice := given_twice(paths, [find_group(p).resolve() for p in paths]):  # R and R/losses.zarr: one curve
+        raise UserError(twice)
     runs = [read_curves(p, label) for p, label in zip(paths, labels_for(paths))]
     check_same_held_out(runs)
     rows = [["run", "step", "checkpoint", "loss", "loss_inside", "loss_outside", "best", "on_disk"]]

@@ -562,8 +562,9 @@ def one_evaluate_per_report(run):
 
 
 def _only_report_files(out: Path) -> bool:
-    """Does `out` hold nothing but what the report writer writes (an interrupted report: a full disk or a kill
-    before metrics.json, written last)? Then the rerun may write over it; anything else is someone's folder."""
+    """Does `out` hold nothing but what the report writers write (an interrupted report: a full disk or a kill
+    before metrics.json, written last; --all-checkpoints' loss arrays, kept or new)? Then the rerun may write over
+    it; anything else is someone's folder."""
     from store.format import is_litter
 
     from stages.evaluate.base_images import FOLDER as BASE_IMAGES
@@ -571,8 +572,19 @@ def _only_report_files(out: Path) -> bool:
     from stages.evaluate.base_losses import FILE as BASE_LOSSES
 
     return all(p.name in ("grid.png", "index.html", REPORT_LOCK, BASE_IMAGES, BASE_LOSSES)
+               or (p.name.startswith(("losses", ".losses")) and ".zarr" in p.name)
                or (p.is_file() and is_litter(p.name))
                for p in out.iterdir())
+
+
+def check_report_folder(out: Path, what: str = "--out") -> None:
+    """A report goes into a new or empty folder, over an earlier report (metrics.json, written last) or over what
+    an interrupted one left (`_only_report_files`); anything else is someone's folder. Evaluate's check at its
+    start (of one LoRA or of every checkpoint), and `pipeline run all`'s of paths.report before its first stage
+    (not after resize-bucket, the encoders and the training)."""
+    if out.is_dir() and not (out / "metrics.json").is_file() and not _only_report_files(out):
+        raise UserError(f"{what} {out} is not empty and holds no earlier report (no metrics.json): pass a new or "
+                        "empty folder, or the folder of an earlier report")
 
 
 @one_evaluate_per_report
@@ -587,8 +599,7 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, ou
     checked = checked_digest(lora_weight_file(lora))
     if skip_if_done and report_up_to_date(cfg, store, model, lora, out, checked.sha256):
         return EvaluateResult(json.loads((out / "metrics.json").read_text()), out / "index.html", up_to_date=True)
-    if out.is_dir() and not (out / "metrics.json").is_file() and not _only_report_files(out):
-        raise UserError(f"{out} is not empty and holds no earlier report: pass a new or empty --out folder")
+    check_report_folder(out)
     requested = cfg.dtype
     cfg = resolved_config(cfg)
     tqdm.write(describe("evaluate", parse_dtype(cfg.dtype), cfg.device, requested)

@@ -142,7 +142,7 @@ def _run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> 
     from store import Store  # here, not at the top: render workers import this module and need no torch
 
     rc = cfg.resize
-    _validate(rc)
+    check_config(rc)
     # an existing --store path is checked first (a file is refused by Store); a missing one is created only once
     # the source is known to be there (a typo in --source left an empty store behind)
     st = store if isinstance(store, Store) else Store(store) if Path(store).exists() else None
@@ -638,7 +638,9 @@ def split_for(key: str, val_fraction: float) -> str:
 # ---------------------------------------------------------------- per sample
 
 
-def _validate(rc: ResizeConfig) -> None:
+def check_config(rc: ResizeConfig) -> None:
+    """What the resize section alone refuses: at the stage's start, and by the commands right after parsing
+    (`run resize-bucket`, `run all`: a usage mistake, exit 2)."""
     if rc.multiple % PIXELS_PER_PATCH:
         raise UserError(f"resize.multiple = {rc.multiple} must be a multiple of {PIXELS_PER_PATCH} (VAE 8 x patch 2)")
     if rc.min_controls > rc.max_controls:

@@ -111,6 +111,32 @@ def test_a_usage_mistake_found_after_parsing_is_exit_2(tmp_path):
     assert not (tmp_path / "cmp").exists() and not (tmp_path / "m").exists()
 
 
+@pytest.mark.parametrize("args, said", [
+    (["run", "train", "--store", "ST", "--model", "M", "--out", "OUT", "--set", "train.warmup_steps=10", "--set",
+      "train.max_steps=5"], "error: train.warmup_steps (10) exceeds train.max_steps (5)"),
+    (["run", "resize-bucket", "--source", "SRC", "--store", "ST", "--multiple", "24"],
+     "error: resize.multiple = 24 must be a multiple of 16"),
+    (["run", "all", "--config", "c.yaml", "--set", "paths.report=null"], "error: `pipeline run all` needs paths.report"),
+    (["run", "all", "--config", "c.yaml", "--set", "train.mixed_precision=fp16"],
+     "error: train.mixed_precision 'fp16' is not supported"),
+    (["plan", "--model", "M", "--set", "train.gradient_checkpointing=false", "--set", "train.uncheckpointed_blocks=1"],
+     "error: train.uncheckpointed_blocks (1) leaves blocks out of gradient checkpointing"),
+], ids=lambda a: " ".join(a[:2]) + (f" {a[-1]}" if a[1] == "all" else "") if isinstance(a, list) else None)
+def test_a_config_mistake_a_stage_checks_at_its_start_is_exit_2_before_any_work(args, said, tmp_path, monkeypatch):
+    """The resize and train sections' own checks (and `run all`'s paths) ran inside the stages: exit 1, after a
+    store URL was pulled, and in `run all` after resize-bucket and both encoders (train's). The config alone
+    decides them: exit 2 right after parsing, as any config mistake."""
+    import yaml
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump({"paths": {"source": "SRC", "store": "ST", "model": "M",
+                                                                "run": "OUT", "report": "REPORT"}}))
+    r = _run(args)
+    lines = [ln for ln in r.output.splitlines() if ln.startswith("error:")]
+    assert r.exit_code == 2 and len(lines) == 1 and lines[0].startswith(said), r.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.yaml"]  # nothing read or written
+
+
 def test_a_set_or_option_value_that_is_not_yaml_is_one_message_naming_its_flag():
     """`--set k=[` showed PyYAML's caret drawing over five lines; `store push -o foo` was refused as a bad
     `--set` expecting SECTION.KEY=VALUE, a flag the command does not have."""

@@ -24,13 +24,24 @@ def test_an_out_holding_a_report_or_a_store_is_refused_and_left_as_it_was(tmp_pa
 
 
 def test_the_same_report_given_twice_is_refused(tmp_path):
-    """`compare R R` (or R and R/losses.zarr) drew one run against itself, under one label twice."""
+    """`compare R R/losses.zarr` (one folder and its loss group) drew one run against itself, under one label
+    twice."""
     group = tmp_path / "run" / "losses.zarr"
     group.mkdir(parents=True)
     (group / "zarr.json").write_text("{}")
     r = CliRunner().invoke(app, ["compare", str(group.parent), str(group), "--out", str(tmp_path / "cmp")])
     assert r.exit_code == 1, r.output
     assert r.output == f"error: {group.parent} and {group} are the same report: pass each run once\n"
-    r = CliRunner().invoke(app, ["compare", str(group.parent), str(group.parent), "--out", str(tmp_path / "cmp")])
-    assert r.exit_code == 1 and r.output == f"error: {group.parent} is given twice: pass each run once\n", r.output
+    assert not (tmp_path / "cmp").exists()
+
+
+def test_the_same_folder_given_twice_is_a_usage_mistake(tmp_path, monkeypatch):
+    """`compare R R` (or `R ./R/`) is judged on the paths alone: exit 2 before any report is looked up (it was 1,
+    after the lookup of both loss groups; R need not even exist)."""
+    monkeypatch.chdir(tmp_path)
+    for args, said in ((["run", "run"], "run is given twice: pass each run once"),
+                       (["run", "./run/", "other"], "./run/ and run are the same report: pass each run once")):
+        r = CliRunner().invoke(app, ["compare", *args, "--out", "cmp"])
+        shown = " ".join(r.output.replace("│", " ").split())  # the usage error's box wraps the line
+        assert r.exit_code == 2 and f"Invalid value for INPUTS: {said}" in shown, r.output
     assert not (tmp_path / "cmp").exists()

@@ -61,6 +61,42 @@ def test_run_all_refuses_such_a_paths_run_before_its_first_stage(tmp_path):
     assert not (tmp_path / "store").exists()
 
 
+def test_run_all_refuses_a_paths_report_of_other_files_before_its_first_stage(tmp_path):
+    """evaluate refuses a report folder holding other files (`stages.evaluate.stage.check_report_folder`); `run all`
+    found that only when evaluate started, after resize-bucket, both encoders and the whole training. Now the same
+    check before its first stage."""
+    import yaml
+
+    report = tmp_path / "mydata"
+    report.mkdir()
+    (report / "notes.txt").write_text("mine")
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({"paths": {"source": str(tmp_path / "src"), "store": str(tmp_path / "store"),
+                                                "model": "m", "run": str(tmp_path / "run"), "report": str(report)}}))
+    r = CliRunner().invoke(app, ["run", "all", "--config", str(config)])
+    assert r.exit_code == 1 and r.output.startswith(f"error: paths.report {report} is not empty and holds no "
+                                                    "earlier report"), r.output
+    assert "== resize-bucket" not in r.output and not (tmp_path / "store").exists()
+    assert sorted(p.name for p in report.iterdir()) == ["notes.txt"]
+
+
+def test_a_report_folder_left_by_an_interrupted_report_passes(tmp_path):
+    """What either evaluate leaves when stopped before metrics.json (written last) is written over by the rerun:
+    the one check of both (evaluate --all-checkpoints refused its own grid.png / index.html / temp files)."""
+    from stages.evaluate.stage import check_report_folder
+
+    out = tmp_path / "report"
+    (out / "losses.zarr").mkdir(parents=True)
+    for name in ("grid.png", "index.html", ".index.html.tmp-4242", ".evaluate.lock"):
+        (out / name).write_text("")
+    check_report_folder(out)
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(UserError, match="is not empty and holds no earlier report"):
+        check_report_folder(out)
+    (out / "metrics.json").write_text("{}")  # an earlier report, whatever else it holds
+    check_report_folder(out)
+
+
 def test_run_all_refuses_a_store_inside_paths_run_on_its_first_invocation_too(tmp_path):
     """A store inside paths.run: the first `run all` went on (paths.run absent), one killed before train left
     paths.run holding the store only, and the rerun was refused as 'holds other files (store) and no training

@@ -28,7 +28,7 @@ def test_21_predict_refuses_11_references_before_loading_anything(tiny_21_model,
             "--out", str(out)]
     LOAD_LOG.clear()
     result = CliRunner().invoke(app, args + [a for r in _refs(tmp_path, 11) for a in ("--image", str(r))])
-    assert result.exit_code == 1, result.output
+    assert result.exit_code == 2, result.output  # a usage mistake, judged from the model folder's configs
     assert "--image: 11 reference images" in result.output and "at most 10" in result.output
     assert "Traceback" not in result.output and not out.exists() and LOAD_LOG == []
 
@@ -66,7 +66,7 @@ def test_edit_predict_refuses_two_controls_before_loading_anything(tiny_edit_mod
     LOAD_LOG.clear()
     result = CliRunner().invoke(app, ["predict", "--model", tiny_edit_model, "--prompt", "p", "--steps", "2",
                                       "--out", str(out)] + [a for r in _refs(tmp_path, 2) for a in ("--image", str(r))])
-    assert result.exit_code == 1, result.output
+    assert result.exit_code == 2, result.output
     assert "--image: 2 control images" in result.output and "takes exactly one" in result.output
     assert "Traceback" not in result.output and not out.exists() and LOAD_LOG == []
 

@@ -455,6 +455,18 @@ def test_another_runs_checkpoints_in_the_same_report_folder_start_a_new_array(ru
     assert len(kept) == 1 and list(xr.open_zarr(kept[0]).step.values) == [10, 20, 30]
 
 
+def test_a_report_interrupted_before_metrics_json_is_written_over(run_and_store, tiny_edit_model, tmp_path):
+    """A kill (or a full disk) while the report was written leaves grid.png / index.html / a temp file and no
+    metrics.json (written last): the rerun was refused as 'not empty and holds no earlier report' (one LoRA's
+    evaluate took such a folder); now both take it (`stages.evaluate.stage.check_report_folder`)."""
+    out = tmp_path / "report"
+    out.mkdir()
+    for name in ("grid.png", "index.html", ".metrics.json.tmp-4242"):
+        (out / name).write_bytes(b"half")
+    res = ev.run(EvaluateConfig(**CFG), run_and_store / "store", tiny_edit_model, _ckpts(run_and_store)[:1], out)
+    assert res.evaluated == 1 and json.loads((out / "metrics.json").read_text())["checkpoints"]["steps"] == [10]
+
+
 def test_a_second_evaluate_into_the_same_report_folder_stops_at_once(tmp_path: Path) -> None:
     """Two evaluates writing one report folder would interleave its loss array and pages: the second stops before
     reading anything, naming the folder and the first's pid (held here as the first would hold it)."""

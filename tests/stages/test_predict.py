@@ -115,16 +115,43 @@ def test_predict_refuses_an_output_name_it_cannot_write_before_any_work(tiny_edi
     from models.loading import LOAD_LOG
 
     control = _control(tmp_path / "control.png")
-    # a name that is no image type is a usage mistake (exit 2, at parsing); JPEG is refused for 2.1 once its
-    # model folder is read (exit 1), before any weights load
+    # a name that is no image type is a usage mistake (exit 2, at parsing); JPEG for 2.1 too, judged from its
+    # model folder's model_index.json right after parsing (it was exit 1), before any weights load
     for model, out, why, code in ((tiny_edit_model, tmp_path / "edited", "is not an image type", 2),
-                                  (tiny_21_model, tmp_path / "edited.jpg", "JPEG has no alpha", 1)):
+                                  (tiny_21_model, tmp_path / "edited.jpg", "JPEG has no alpha", 2)):
         LOAD_LOG.clear()
         result = CliRunner().invoke(app, ["predict", "--model", model, "--image", str(control), "--prompt", PROMPT,
                                           "--steps", "2", "--height", "64", "--width", "64", "--out", str(out)])
         assert result.exit_code == code and why in " ".join(result.output.split()), (result.output, result.exception)
         assert isinstance(result.exception, SystemExit) and not out.exists() and LOAD_LOG == []
 
+
+def test_a_model_family_mistake_is_judged_before_the_lora_is_read(tiny_edit_model, tmp_path):
+    """Two controls for Qwen-Image-Edit is a usage mistake (exit 2) judged from the model folder right after
+    parsing: before, the --lora was checked first (its whole file hashed) and a bad one hid the mistake (exit 1)."""
+    not_lora = tmp_path / "not-a-lora"
+    not_lora.mkdir()
+    control = _control(tmp_path / "c.png")
+    result = CliRunner().invoke(app, ["predict", "--model", tiny_edit_model, "--image", str(control), "--image",
+                                      str(control), "--prompt", PROMPT, "--lora", str(not_lora), "--out",
+                                      str(tmp_path / "o.png")])
+    assert result.exit_code == 2 and "error: --image: 2 control images" in result.output, result.output
+
+
+def test_a_hub_id_is_checked_where_it_was_not_fetched_to_check(tiny_21_model, tmp_path, monkeypatch):
+    """A hub id is no folder here: the early check leaves it alone (no download just to check); predict's own
+    check refuses the JPEG before loading, exit 1 as before. The hub is stood in for by the tiny 2.1 folder."""
+    import models.loading
+
+    resolved = []
+    real = models.loading.resolve_model
+    monkeypatch.setattr(models.loading, "resolve_model",
+                        lambda m: resolved.append(m) or real(tiny_21_model if m == "org/hub-model" else m))
+    result = CliRunner().invoke(app, ["predict", "--model", "org/hub-model", "--image",
+                                      str(_control(tmp_path / "c.png")), "--prompt", PROMPT, "--out",
+                                      str(tmp_path / "o.jpg")])
+    assert result.exit_code == 1 and "JPEG has no alpha" in result.output, result.output
+    assert resolved and set(resolved) == {"org/hub-model"}
 
 
 def test_predict_applies_the_exif_orientation_of_a_control(tiny_edit_model, tmp_path):

@@ -349,7 +349,7 @@ def test_cli_flags_override_config(tmp_path):
     res = CliRunner().invoke(app, args + ["--val-fraction", "0.999"])
     assert res.exit_code == 0 and "up to date" in res.output
     bad = CliRunner().invoke(app, args + ["--multiple", "24"])
-    assert bad.exit_code == 1 and "resize.multiple = 24 must be a multiple of 16" in bad.output
+    assert bad.exit_code == 2 and "resize.multiple = 24 must be a multiple of 16" in bad.output  # a usage mistake
     missing = CliRunner().invoke(app, ["run", "resize-bucket", "--store", str(tmp_path / "st")])
     assert missing.exit_code == 2 and "--source is required" in missing.output
 
