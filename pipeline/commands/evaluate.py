@@ -21,7 +21,7 @@ def _local(store: str, cache_dir: Optional[Path], cache_gb: Optional[float]) -> 
 def command(
     store: Optional[str] = typer.Option(None, "--store", help="Store with `text`, `vae` (+ `images`) tables (paths.store), or its URL (s3://bucket/prefix: read through --cache-dir)."),
     model: Optional[str] = typer.Option(None, "--model", help="Model the store was encoded with (paths.model)."),
-    lora: Optional[str] = typer.Option(None, "--lora", help="LoRA folder (default: paths.run + /lora)."),
+    lora: Optional[str] = typer.Option(None, "--lora", help="LoRA folder (default: paths.run + /lora); not with --all-checkpoints."),
     out: Optional[str] = typer.Option(None, "--out", help="Report directory (paths.report)."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="auto | float32 | bfloat16 | float16 (evaluate.dtype; auto = bf16 on a bf16 GPU, float32 on CPU)."),
     config: Optional[Path] = ConfigOpt,
@@ -30,11 +30,14 @@ def command(
     steps: Optional[int] = typer.Option(None, "--steps", help="Inference steps (evaluate.num_inference_steps)."),
     device: Optional[str] = typer.Option(None, "--device", help="Device of the transformer: cpu, cuda, cuda:N (evaluate.device)."),
     all_checkpoints: bool = typer.Option(False, "--all-checkpoints", help="Evaluate the base and every kept checkpoint of the run (RUN/checkpoints/step-N): held-out losses into REPORT/losses.zarr, curves, the best checkpoint."),
-    run_dir: Optional[str] = typer.Option(None, "--run", help="Run folder whose checkpoints --all-checkpoints evaluates (paths.run)."),
+    run_dir: Optional[str] = typer.Option(None, "--run", help="Run folder (paths.run): its checkpoints with --all-checkpoints, else its final LoRA RUN/lora unless --lora."),
     as_json: bool = JsonOpt,
     cache_dir: Optional[Path] = CacheDirOpt,
     cache_gb: Optional[float] = CacheGbOpt,
 ) -> None:
+    if all_checkpoints and lora:  # one of them would be silently ignored
+        raise typer.BadParameter("--all-checkpoints evaluates every checkpoint of the run (--run / paths.run); "
+                                 "--lora evaluates one LoRA: pass one of them", param_hint="--lora")
     if not all_checkpoints:  # refused before anything is read: every rank would pull a store URL's cache first
         from pipeline.launched import one_process
 
@@ -44,6 +47,7 @@ def command(
             "paths.store": store,
             "paths.model": model,
             "paths.report": out,
+            "paths.run": run_dir,
             "evaluate.num_samples": num_samples,
             "evaluate.num_inference_steps": steps,
             "evaluate.device": device, "evaluate.dtype": dtype,
@@ -56,7 +60,7 @@ def command(
         from pipeline.orchestrate import kept_checkpoints
         from stages.evaluate.checkpoints import run as run_checkpoints
 
-        run_path = Path(require(run_dir or cfg.paths.run, "--run", "paths.run"))
+        run_path = Path(require(cfg.paths.run, "--run", "paths.run"))
         with user_errors(), json_mode(as_json):
             from pipeline.launched import launched
             from schemas.errors import UserError
