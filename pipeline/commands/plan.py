@@ -126,6 +126,10 @@ def _uncheckpointed_line(plan_of, tc, blocks: int, gpu_memory: float) -> None:
     n = mp.largest_uncheckpointed(plan_of, most, gpu_memory * 2**30)
     if n is None:
         return
+    if n == blocks and tc.offload == "blocks":  # offload checkpoints its blocks whatever gradient_checkpointing says
+        echo(f"  largest that fits {gpu_memory:g} GiB: train.uncheckpointed_blocks {n} (every block keeps its "
+             "activations; offload needs train.offload_blocks_on_device at least as many)")
+        return
     if n == blocks:
         echo(f"  gradient checkpointing not needed in {gpu_memory:g} GiB: every block's activations fit "
              "(train.gradient_checkpointing false)")

@@ -182,5 +182,8 @@ def test_plan_command_prints_the_largest_uncheckpointed_count_that_fits():
     offloaded = plan("--gpu-memory", "80", "--set", "train.offload=blocks", "--set", "train.offload_blocks_on_device=5")
     assert "train.uncheckpointed_blocks 5 (5 of 60 blocks" in offloaded and "at most train.offload_blocks_on_device" in offloaded
     assert "not needed" in plan("--gpu-memory", "1000")
+    # offload checkpoints its blocks whatever gradient_checkpointing says: "not needed" would change nothing
+    all_kept = plan("--gpu-memory", "1000", "--set", "train.offload=blocks", "--set", "train.offload_blocks_on_device=60")
+    assert "train.uncheckpointed_blocks 60 (every block" in all_kept and "not needed" not in all_kept, all_kept
     assert "uncheckpointed_blocks" not in plan("--gpu-memory", "20")  # not even every block checkpointed fits
     assert "uncheckpointed_blocks" not in plan()  # no card given
