@@ -57,7 +57,8 @@ def damaged_on_server(s3_env, root: Path, prefix: str) -> ServerDamage:
 
     url, client, bucket = s3_env.url(prefix), s3_env.client(), s3_env.bucket
     push(root, url)
-    keys = Store(root).reader("images").keys()
+    with Store(root).reader("images") as r:
+        keys = r.keys()
     key = sorted(keys)[1]
     shard, pos = sample_byte(root, "images", key, "target.png")
     rel = f"{prefix}/images/v1/{shard.name}"
