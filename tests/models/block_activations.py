@@ -34,7 +34,7 @@ class BlockSaved:
 
     @property
     def units(self) -> float:
-        """Per token per block width, in bf16 elements (ACT_PER_TOKEN_BLOCK's unit)."""
+        """Per token per block width, in bf16 elements (the unit of ActivationUnits.per_token_block)."""
         return self.per_token / (self.tokens * self.width * 2)
 
 
