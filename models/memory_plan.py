@@ -4,7 +4,7 @@ Parameter counts come from the model's own configs, instantiated on the meta dev
 Bytes per weight follow the configured dtype / quantisation (int8, fp8: 1 byte + a float32 scale per output
 channel (+ an int8 zero point for int8); nf4: half a byte + a float32 absmax per block of 64; the non-block
 modules stay in the load dtype). Activations are what autograd keeps for the backward per transformer block
-and token (counted from the block's saved tensors, see ACT_* below), plus the
+and token (counted from the block's saved tensors, per family: ActivationUnits below), plus the
 working set of one block's backward. Offload keeps `blocks_on_device` blocks resident and streams the
 others (two in flight: the one computing and the one prefetched). Training also holds, when configured, DDP's
 gradient buckets (several processes), the validator's float32 VAE (sample grids) and the EMA's shadow. A VAE
@@ -54,20 +54,38 @@ def is_qwen21(model: str) -> bool:
     index = config_root(model) / "model_index.json"
     return index.is_file() and json.loads(index.read_text()).get("_class_name") == QWEN21_PIPELINE
 
-# Saved-for-backward elements per token per block, in units of the block width D (each image or text token
-# passes its own stream): LayerNorm in/out, modulated input, q/k/v and their RMS-normed + rotated copies,
-# attention output and its projection input, gated residuals, the MLP (input D, GELU input 4D, GELU output
-# 4D) and LoRA inputs. Compute dtype elements. Counted with torch.autograd.graph.saved_tensors_hooks on a
-# full-width block with LoRA under bf16 autocast: 42.0-44.2 bytes per token per D at 320-1280 tokens = 21.
-ACT_PER_TOKEN_BLOCK = 21
-# Working set of one block's backward on top of the saved tensors: MLP gradients (2 x 4D) and attention
-# gradients (4 x D) per token, in the compute dtype (under bf16 autocast the activation gradients are bf16;
-# counting them as float32 put the plan 12-17 % above every measured CPU peak, the same ~0.09 GiB at 1 and 2
-# layers), plus the flow loss inputs.
-ACT_BACKWARD_WORKSET = 12
-# With gradient checkpointing only each block's input (D per token) is kept; one block is recomputed at a time.
-# A block left out of it (`train.uncheckpointed_blocks`, the leading ones) keeps ACT_PER_TOKEN_BLOCK.
-ACT_CHECKPOINTED = 1
+
+@dataclass(frozen=True)
+class ActivationUnits:
+    """What training keeps per token, in units of the block width D, compute-dtype elements (the block's family
+    decides them: `counts_from_model`)."""
+
+    per_token_block: float  # saved for the backward by one block that keeps its activations
+    backward_workset: float  # one block's backward on top of the saved tensors, plus the flow loss inputs
+    checkpointed: float  # a checkpointed block's input (one block is recomputed at a time)
+
+
+# Edit (dual-stream: each image or text token passes its own stream): LayerNorm inputs, modulated inputs, the
+# q/k RMSNorms' float32 inputs and outputs, rotated q/k/v and the attention output, gated residuals, the MLP's
+# GELU input (4D) and the LoRA inputs. Counted with saved_tensors_hooks on a full-width block with LoRA under bf16
+# autocast: 42.0-44.2 bytes per token per D at 320-1280 tokens = 21. Recounted once per storage on the third of
+# three blocks set up as the trainer does (bench/block_activations.py, an Edit sample's 80 % image / 20 % text
+# tokens): 19.4-19.7, kept at 21 (its plans unchanged: 0.97-0.99 of the H200's measured peaks).
+# The backward working set: MLP gradients (2 x 4D) and attention gradients (4 x D) per token, in the compute
+# dtype (under bf16 autocast the activation gradients are bf16; counting them as float32 put the plan 12-17 %
+# above every measured CPU peak, the same ~0.09 GiB at 1 and 2 layers), plus the flow loss inputs. With
+# gradient checkpointing a block keeps its input (D per token, both streams together).
+EDIT_ACTIVATIONS = ActivationUnits(per_token_block=21, backward_workset=12, checkpointed=1)
+# Qwen-Image-2.1 (single-stream: every token passes the whole block), counted the same way at full width (4096,
+# 32 x 128): 29.2-29.5 per token at 320-1280 tokens, 40 % above Edit's 21 (the tiny model's ~29 was no small-width
+# artefact). Its SwiGLU MLP keeps 3 x 3D per token (gate input, SiLU output, up projection; an Edit block's GELU
+# MLP keeps its 4D GELU input) and every token passes the LoRA'd projections, each keeping its own copy of the
+# input (peft casts it to the float32 adapter, autocast back). The mask copy SDPA saves per block is S², not per
+# token: `qwen21_mask_bytes` (equal to the measured copy). One block's backward peaks at 8.0 D per token above
+# its saved tensors, an Edit block's at 6.4 (8 per token of the image stream, 80 % of the tokens), both at full
+# width: the working set is Edit's 12 + 1.6, rounded up. A checkpointed block keeps one [tokens, D] input.
+QWEN21_ACTIVATIONS = ActivationUnits(per_token_block=29.5, backward_workset=14, checkpointed=1)
+
 
 # Quantised storage: bytes per weight, scale bytes per output channel (int8: float32 scale + int8 zero point),
 # scale bytes per weight (NF4: one float32 absmax per block of 64).
@@ -86,6 +104,7 @@ class TransformerCounts:
     largest_linear: int  # weight elements of the biggest block linear (a modulation linear: 3072 x 18432)
     token_linear_params: int  # per block: linear weights one token passes (its stream's attention + MLP;
     #                           the modulation linears act on the timestep embedding, once per sample)
+    activations: ActivationUnits  # the family's per-token units (EDIT_ACTIVATIONS, QWEN21_ACTIVATIONS)
 
     @property
     def params(self) -> int:
@@ -124,8 +143,11 @@ def counts_from_model(tr) -> TransformerCounts:
     # Edit blocks are dual-stream (image and text tokens each pass one of the two streams' linears); a 2.1
     # block is single-stream (every token passes all its linears; its modulation is one shared module).
     streams = 2 if len(tr.transformer_blocks) and hasattr(tr.transformer_blocks[0], "txt_mlp") else 1
+    from models.qwen21_flow import is_qwen21 as is_qwen21_model
+
+    units = QWEN21_ACTIVATIONS if is_qwen21_model(tr) else EDIT_ACTIVATIONS
     return TransformerCounts(len(tr.transformer_blocks), width, lin, lin_out, other_in_blocks, total - block_total,
-                             largest, per_token // streams)
+                             largest, per_token // streams, units)
 
 
 @lru_cache(maxsize=8)
@@ -313,13 +335,14 @@ def train_plan(model: str, dtype: str, quantize: str, batch_size: int, tokens_pe
     # through the whole backward: they are the last to run it), the others their input, and one is recomputed
     kept = min(c.blocks, uncheckpointed_blocks) if gradient_checkpointing else c.blocks
     recomputed = 1 if kept < c.blocks else 0
-    saved = ACT_PER_TOKEN_BLOCK * (kept + recomputed) + ACT_CHECKPOINTED * (c.blocks - kept)
+    units = c.activations
+    saved = units.per_token_block * (kept + recomputed) + units.checkpointed * (c.blocks - kept)
     parts = {
         "weights": transformer_weight_bytes(c, dtype, quantize, resident),
         "lora+grads": lora_params(c, lora_rank, lora_targets) * LORA_PARAM_AND_GRAD_BYTES,
         f"{optimizer} state": optimizer_state_bytes(optimizer, lora_shapes(c, lora_rank, lora_targets)),
-        "activations": tokens * c.width * saved * act_elem,
-        "backward working set": tokens * c.width * ACT_BACKWARD_WORKSET * act_elem,
+        "activations": int(tokens * c.width * saved * act_elem),
+        "backward working set": int(tokens * c.width * units.backward_workset * act_elem),
     }
     adapter = lora_params(c, lora_rank, lora_targets)
     if processes > 1:

@@ -129,10 +129,10 @@ def _saved_bytes(model, loss_of) -> int:
 
 
 def test_planned_uncheckpointed_blocks_keep_what_a_block_saves(tiny_edit_model):
-    """train.uncheckpointed_blocks: each leading block left out of checkpointing adds (ACT_PER_TOKEN_BLOCK -
-    ACT_CHECKPOINTED) x tokens x width to the plan; measured on the tiny Edit model through the trainer's setup,
+    """train.uncheckpointed_blocks: each leading block left out of checkpointing adds (per_token_block -
+    checkpointed, the family's ActivationUnits) x tokens x width to the plan; measured on the tiny Edit model through the trainer's setup,
     each adds what a block saves beyond its checkpointed input: 18.9 width-elements per token here vs the plan's
-    20 (ACT_PER_TOKEN_BLOCK was counted on a full-width block), and all of them left out keep what no
+    20 (Edit's 21 was counted on a full-width block), and all of them left out keep what no
     checkpointing keeps. A selection ignored (every block checkpointed) measures nothing added."""
     from test_partial_checkpointing import _edit_loss, _model
 
@@ -153,7 +153,8 @@ def test_planned_uncheckpointed_blocks_keep_what_a_block_saves(tiny_edit_model):
                              uncheckpointed_blocks=n).parts["activations"]
 
     per_block = planned(1) - planned(0)
-    assert per_block == (mp.ACT_PER_TOKEN_BLOCK - mp.ACT_CHECKPOINTED) * tokens * counts.width * 2
+    units = counts.activations
+    assert per_block == (units.per_token_block - units.checkpointed) * tokens * counts.width * 2
     assert [planned(n) for n in (0, 1, 2)] == [planned(0) + n * per_block for n in (0, 1)] + [planned(2, False)]
     measured_per_block = (kept[2] - kept[0]) / counts.blocks
     print(f"planned / measured per kept block: {per_block / measured_per_block:.3f}")
