@@ -355,7 +355,7 @@ def train_plan(model: str, dtype: str, quantize: str, batch_size: int, tokens_pe
         if sample_size is not None:
             _decode_above(parts, vae_decode_bytes(model, "float32", *sample_size),
                           parts["activations"] + parts["backward working set"], "sample-grid VAE decode")
-    if model and is_qwen21(model):  # (a bench passes "" with counts of a model built in memory)
+    if units is QWEN21_ACTIVATIONS:  # the counts' family: a bench passes "" with counts of a model built in memory
         parts["block-causal mask"] = qwen21_mask_bytes(batch_size, tokens_per_sample, act_elem,
                                                        kept + recomputed)
     if host and quantize != "none":

@@ -33,8 +33,10 @@ def test_planned_block_activations_are_what_a_block_saves(family, models):
     assert 0.97 < per_block / saved.per_token < 1.10, (per_block, saved.per_token)
     if family == "qwen-image-2.1":  # the S² mask copy each block saves: qwen21_mask_bytes' term, not a per-token one
         assert saved.square == mp.qwen21_mask_bytes(1, saved.tokens, 2, 1) - mp.qwen21_mask_bytes(1, saved.tokens, 2, 0)
+        # planned from the counts alone too (no model name): the family is the counts'
+        assert plan.parts["block-causal mask"] == mp.qwen21_mask_bytes(1, saved.tokens, 2, counts.blocks)
     else:
-        assert saved.square == 0
+        assert saved.square == 0 and "block-causal mask" not in plan.parts
 
 
 def test_the_21_backward_working_set_adds_what_its_block_backward_adds(models):
