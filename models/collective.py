@@ -270,31 +270,36 @@ def close_at_exit() -> None:
     if _state.get("closing"):
         return
     _state["closing"] = True
-    atexit.register(_close_process_group)
+    exiting, closed = threading.Event(), threading.Event()
+    # Started now, idle until the exit: Python 3.12.0-3.12.1 refuse to start a thread in an atexit callback
+    # ("can't create new thread at interpreter shutdown"), which left the group to finalization again. A Python
+    # thread waiting on Events (never inside a C++ call), joined at exit: nothing left at finalization.
+    deadline = threading.Thread(target=_close_deadline, args=(exiting, closed), name="process-group-close-deadline",
+                                daemon=True)
+    deadline.start()
+    atexit.register(_close_process_group, exiting, closed, deadline)
 
 
-def _close_process_group() -> None:
+def _close_deadline(exiting: threading.Event, closed: threading.Event) -> None:
+    exiting.wait()
+    if not closed.wait(CLOSE_SECONDS):
+        report_once(f"this rank's process group did not close within {CLOSE_SECONDS:.0f} s at exit (another "
+                    "rank is stuck in a collective): ending this process")
+        os._exit(1)
+
+
+def _close_process_group(exiting: threading.Event, closed: threading.Event, deadline: threading.Thread) -> None:
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()):
-        return
-    closed = threading.Event()
-
-    def _deadline() -> None:
-        if not closed.wait(CLOSE_SECONDS):
-            report_once(f"this rank's process group did not close within {CLOSE_SECONDS:.0f} s at exit (another "
-                        "rank is stuck in a collective): ending this process")
-            os._exit(1)
-
-    # a Python thread waiting on an Event (never inside a C++ call), joined below: nothing left at finalization
-    deadline = threading.Thread(target=_deadline, name="process-group-close-deadline", daemon=True)
-    deadline.start()
+    exiting.set()
     try:
-        dist.destroy_process_group()
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - a group whose peers are gone: exiting anyway, its error was reported
         pass
-    closed.set()
-    deadline.join()
+    finally:
+        closed.set()
+        deadline.join()
 
 
 def _watch(client, key: str, stop: threading.Event) -> None:

@@ -51,3 +51,21 @@ def test_a_warm_process_is_a_cold_one(tmp_path, what, form):
     assert warm.stderr.splitlines()[-1:] == cold.stderr.splitlines()[-1:], (warm.stderr, cold.stderr)
     assert ("Traceback" in warm.stderr) == ("Traceback" in cold.stderr)
     assert '"project": []' in warm.stdout
+
+
+def test_a_preloaded_library_comes_from_the_suites_pythonpath_as_in_a_cold_start(tmp_path, monkeypatch):
+    """A stack whose libraries are installed with `pip --target` on PYTHONPATH (the GPU machine's; bench/gpu/rehearse)
+    has them nowhere else: the warm parent imports them from there, as a cold start does. Before, the parent was
+    started without PYTHONPATH and stopped with "No module named 'diffusers'" on that stack. Here the suite's
+    PYTHONPATH holds a `typer` of its own (a preloaded library no other preloaded one imports)."""
+    shadow = tmp_path / "site" / "typer"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("FROM_THE_SUITES_PYTHONPATH = True\n")
+    suite_path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(shadow.parent), *suite_path]))
+    env = {**os.environ, "WARM_TEST_SHADOW": "typer"}  # its own parent: no other test's sees this typer
+    args = [sys.executable, "-c", "import typer; print(getattr(typer, 'FROM_THE_SUITES_PYTHONPATH', False))"]
+    cold = subprocess.run(args, env=env, capture_output=True, text=True, timeout=120)
+    warm = warm_start.run(args, env=env, timeout=120)
+    assert cold.stdout == "True\n", cold
+    assert (warm.returncode, warm.stdout) == (0, "True\n"), warm

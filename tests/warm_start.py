@@ -29,17 +29,27 @@ from launch_ports import OutputFiles
 
 HERE = Path(__file__).resolve().parent
 # Variables that differ between launches and that no preloaded library reads at import: set in the child only.
-# PYTHONPATH: the child puts its own before the parent's sys.path (tests/warm_parent.py).
+# PYTHONPATH: the child puts its own before the parent's sys.path (tests/warm_parent.py); the parent's is the
+# test process's (_parent_env).
 PER_LAUNCH = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
               "TORCHELASTIC_USE_AGENT_STORE", "PYTEST_CURRENT_TEST", "STORE_PAUSE_AT", "STORE_CRASH_AT", "PYTHONPATH")
 READY_SECONDS = 300  # a bound for the parent's imports on a loaded 2-core machine
+
+
+def _parent_env(base: dict[str, str]) -> dict[str, str]:
+    """A parent's environment: `base` and this test process's PYTHONPATH. The libraries it preloads are found
+    where the suite's are: a stack that installs them with `pip --target` on PYTHONPATH (the GPU machine's, and
+    bench/gpu/rehearse) has no other copy; a child's own PYTHONPATH still comes first (tests/warm_parent.py)."""
+    suite_path = os.environ.get("PYTHONPATH")
+    return {**base, "PYTHONPATH": suite_path} if suite_path else dict(base)
 
 
 class _Parent:
     def __init__(self, env: dict[str, str]) -> None:
         self._err = tempfile.TemporaryFile("w+")
         self.proc = subprocess.Popen([sys.executable, str(HERE / "warm_parent.py")], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self._err, env=env, text=True, bufsize=1)
+                                     stdout=subprocess.PIPE, stderr=self._err, env=_parent_env(env), text=True,
+                                     bufsize=1)
         self._changed = threading.Condition()
         self._ids = itertools.count()
         self.pids: dict[int, int] = {}  # request id -> pid

@@ -1,5 +1,5 @@
 """The `gpu` tier: what only CUDA can show. Every test here is marked `gpu` and skipped, with that reason, where
-no CUDA device is. On the GPU machine (bench/gpu/README.md): `python3 -m pytest -m gpu tests/gpu -q`."""
+no CUDA device is. On the GPU machine (bench/gpu/README.md): `python3 -m pytest -m gpu tests/gpu`."""
 
 from __future__ import annotations
 

@@ -81,3 +81,35 @@ def test_a_peers_failure_line_starts_a_line_of_its_own_while_a_bar_closes(monkey
     tqdm._decr_instances(bar)  # closing: no longer among the open bars, its last state not yet written
     assert collective.report_once("1 of 6 samples are damaged")
     assert capsys.readouterr().err.strip().splitlines()[-1] == "error: 1 of 6 samples are damaged"
+
+
+# One rank (a group of one) whose interpreter refuses to start a thread in an atexit callback, as Python
+# 3.12.0-3.12.1 do ("can't create new thread at interpreter shutdown"); the first atexit callback registered runs
+# last and says whether the group is still open then.
+REFUSING_SCRIPT = """
+import atexit, sys, threading
+import torch.distributed as dist
+from models import collective
+atexit.register(lambda: print("group open after the exit:", dist.is_initialized(), flush=True))
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+collective.close_at_exit()
+
+def refuse(self):
+    raise RuntimeError("can't create new thread at interpreter shutdown")
+
+atexit.register(setattr, threading.Thread, "start", refuse)
+"""
+
+
+def test_the_group_closes_where_an_atexit_callback_cannot_start_a_thread(tmp_path) -> None:
+    """Before: the close started its deadline thread in the atexit callback; on Python 3.12.0-3.12.1 (the
+    rehearsal of the GPU machine's stack) that raised, the group was left to finalization (the SIGABRT this close
+    exists for) and a traceback was printed. Now the thread waits from close_at_exit on."""
+    script = tmp_path / "one_rank.py"
+    script.write_text(REFUSING_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    p = subprocess.run([sys.executable, str(script), str(tmp_path / "group")], env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "group open after the exit: False" in p.stdout, p.stdout + p.stderr[-3000:]
+    assert "Traceback" not in p.stderr, p.stderr[-3000:]
