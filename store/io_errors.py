@@ -28,7 +28,10 @@ def is_disk_full(e: BaseException) -> bool:
 
 
 def is_not_writable(e: BaseException) -> bool:
-    return isinstance(e, PermissionError) or (isinstance(e, OSError) and e.errno in _READ_ONLY)
+    if isinstance(e, PermissionError) or (isinstance(e, OSError) and e.errno in _READ_ONLY):
+        return True
+    text = str(e)  # safetensors (Rust): SafetensorError("... Permission denied (os error 13) at path ...")
+    return any(f"(os error {n})" in text for n in _READ_ONLY)
 
 
 def _free(where: Path) -> str:
