@@ -307,8 +307,10 @@ def test_21_extra_prompts_keep_a_palette_cutouts_alpha_and_show_targets_over_whi
     rgba[12:36, 16:48] = (30, 200, 30, 255)
     target_path = tmp_path / "target.png"
     Image.fromarray(rgba, "RGBA").save(target_path)
+    # an output size the tiny model's processor keeps the reference at (its default 1024² is past its 512²)
     cfg = load_config(None, {"evaluate.extra_prompts": [{"prompt": PROMPT, "images": [str(ref_path)],
-                                                          "target": str(target_path)}]}).evaluate
+                                                          "target": str(target_path),
+                                                          "height": 48, "width": 64}]}).evaluate
     transformer = load_component(tiny_21_model, "transformer", dtype=torch.float32, device="cpu")
     vae = load_component(tiny_21_model, "vae", dtype=torch.float32, device="cpu")
     captured = {}
