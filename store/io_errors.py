@@ -5,6 +5,7 @@ rerun after freeing space resumes and completes."""
 from __future__ import annotations
 
 import errno
+import os
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
@@ -66,6 +67,23 @@ def writing(what: str, where: Path, need: int | None = None) -> Iterator[None]:
         raise
     except Exception as e:  # anything that is not a full disk / read-only folder is re-raised unchanged
         err = describe(e, what, where, need)
+        if err is None:
+            raise
+        raise err from None
+
+
+def check_writable(folder: Path, what: str) -> None:
+    """Create `folder` and a probe file in it (removed at once) before minutes of work whose result is written
+    there (predict's image, a merged model): a read-only or full folder is one line naming it now, not after the
+    work, its result lost."""
+    folder = Path(folder)
+    probe = folder / f".write-probe-{os.getpid()}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+        os.unlink(probe)
+    except OSError as e:
+        err = describe(OSError(e.errno, e.strerror, str(folder)), what, folder)
         if err is None:
             raise
         raise err from None

@@ -38,8 +38,11 @@ def merge(
     strict_base: bool = StrictBaseOpt,
 ) -> None:
     one_process("lora merge")  # every rank would fuse the same model into the same --out
+    from store.io_errors import check_writable
+
     with user_errors(out):
         refuse_a_non_empty(out)  # before the LoRA's base check hashes the model (minutes for a 40 GB one)
+        check_writable(out.parent, f"--out {out}")  # and the folder the fused model goes to
         checked_lora(lora, model, strict_base)
         path = merge_lora(model, lora, out, scale=scale, dtype=dtype, device=device)
     echo(f"wrote merged model to {path} (loads with diffusers' from_pretrained)")

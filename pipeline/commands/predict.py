@@ -91,6 +91,9 @@ def predict(cfg, model: str, images: list[Path], prompt: str, out: Path, lora: s
     from models.loading import model_variant
 
     out_format = image_format(out)  # checked before minutes of loading and denoising (the CLI: when parsed)
+    from store.io_errors import check_writable
+
+    check_writable(Path(out).parent, f"--out {out}")  # so is the folder it goes to
     if out_format == "JPEG" and model_variant(model) == "qwen-image-2.1":
         raise UserError(f"--out {out}: Qwen-Image-2.1 edits are RGBA (alpha kept) and JPEG has no alpha; name it "
                         ".png or .webp")

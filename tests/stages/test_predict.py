@@ -127,6 +127,37 @@ def test_predict_refuses_an_output_name_it_cannot_write_before_any_work(tiny_edi
 
 
 
+def test_predict_and_merge_refuse_a_read_only_out_folder_before_loading(tiny_edit_model, tmp_path, monkeypatch):
+    """A read-only --out folder was met when the image (or the merged model) was written: after the models were
+    loaded and every denoising step had run (minutes on a real model), the result lost. Now one line naming the
+    folder before anything loads (simulated: the tests run as root, whom file modes do not stop)."""
+    import errno
+    import os
+
+    from models.loading import LOAD_LOG
+
+    control = _control(tmp_path / "control.png")
+    (tmp_path / "ro").mkdir()
+    real_open = os.open
+
+    def read_only_open(path, flags, *a):  # EROFS for writes under ro/, as a read-only mount gives
+        if str(path).startswith(str(tmp_path / "ro")) and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+        return real_open(path, flags, *a)
+
+    monkeypatch.setattr(os, "open", read_only_open)
+    lora = tmp_path / "lora.safetensors"  # never read: the folder is refused first
+    for args in (["predict", "--model", tiny_edit_model, "--image", str(control), "--prompt", PROMPT, "--steps", "2",
+                  "--height", "64", "--width", "64", "--out", str(tmp_path / "ro" / "edited.png")],
+                 ["lora", "merge", "--model", tiny_edit_model, "--lora", str(lora), "--out",
+                  str(tmp_path / "ro" / "merged")]):
+        LOAD_LOG.clear()
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 1 and "not writable" in result.output, (result.output, result.exception)
+        assert str(tmp_path / "ro") in result.output and "Traceback" not in result.output
+        assert LOAD_LOG == []
+
+
 def test_predict_applies_the_exif_orientation_of_a_control(tiny_edit_model, tmp_path):
     """A phone photo stores its pixels sideways with an EXIF rotation tag. Training images get it applied
     (resize-bucket) and so do files read by diffusers' `load_image`; predict read the raw pixels, so the model
