@@ -16,6 +16,7 @@ import re
 import shutil
 import signal
 import socket
+import stat
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -125,6 +126,26 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def umask_file_mode() -> int:
+    """The mode `open` gives a new file under this process's umask (0o644 under 022), read from /proc (Linux)
+    where os.umask would have to set it to read it, racing the threads creating files; 0o644 elsewhere."""
+    try:
+        with open("/proc/self/status") as f:
+            umask = next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError):
+        return 0o644
+    return 0o666 & ~umask
+
+
+def widen_private_file(path: Path) -> None:
+    """safetensors writes its files 0600 (a temp file renamed): give such a file the mode `open` would have, so a
+    LoRA or a merged model's weights are readable as the umask says (the group, another user's ComfyUI). A hard
+    link is left alone: its mode is its source's too (a merged model's linked components)."""
+    st = os.stat(path)
+    if st.st_nlink == 1 and stat.S_IMODE(st.st_mode) == 0o600 and (mode := umask_file_mode()) != 0o600:
+        os.chmod(path, mode)
+
+
 def atomic_write_bytes(path: Path, data: bytes, replace: bool = True) -> None:
     """Temp file in the same folder, fsync, rename, fsync the folder: readers see the old or the new file.
     A failed write (full disk, ...) removes its temp file and re-raises. `replace=False`: a file already named
@@ -180,6 +201,7 @@ def atomic_dir(final: Path, tmp: Path | None = None) -> Iterator[Path]:
         for folder, _, names in os.walk(tmp):  # walked, not listed whole: a million files are no list in memory
             for f in (Path(folder, name) for name in names):
                 if f.is_file():
+                    widen_private_file(f)  # safetensors' 0600 (a LoRA, checkpoint, merged weights)
                     fsync_dir(f)  # os.fsync works on a file descriptor of a file or a folder alike
             fsync_dir(Path(folder))  # its entries (a subfolder's files are not durable through the top's fsync)
         if final.exists():

@@ -119,8 +119,10 @@ def export(
 ) -> None:
     one_process("lora export")  # every rank would write the same --out
     from models.lora_export import export_lora
+    from store.format import widen_private_file
 
     with user_errors(out):
         checked_lora(lora)
         path = export_lora(lora, format, out)
+        widen_private_file(path)  # safetensors writes 0600: readable as the umask says (by ComfyUI's user too)
     echo(f"wrote {format} LoRA to {path}")
