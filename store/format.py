@@ -143,7 +143,10 @@ def widen_private_file(path: Path) -> None:
     link is left alone: its mode is its source's too (a merged model's linked components)."""
     st = os.stat(path)
     if st.st_nlink == 1 and stat.S_IMODE(st.st_mode) == 0o600 and (mode := umask_file_mode()) != 0o600:
-        os.chmod(path, mode)
+        try:
+            os.chmod(path, mode)
+        except OSError:  # a file system without modes (some FUSE / SMB mounts): the file is whole, keep it so
+            pass
 
 
 def atomic_write_bytes(path: Path, data: bytes, replace: bool = True) -> None:
