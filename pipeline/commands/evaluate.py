@@ -30,11 +30,16 @@ def command(
     steps: Optional[int] = typer.Option(None, "--steps", help="Inference steps (evaluate.num_inference_steps)."),
     device: Optional[str] = typer.Option(None, "--device", help="Device of the transformer: cpu, cuda, cuda:N (evaluate.device)."),
     all_checkpoints: bool = typer.Option(False, "--all-checkpoints", help="Evaluate the base and every kept checkpoint of the run (RUN/checkpoints/step-N): held-out losses into REPORT/losses.zarr, curves, the best checkpoint."),
-    run_dir: Optional[str] = typer.Option(None, "--run", help="Run folder whose checkpoints --all-checkpoints evaluates (paths.run)."),
+    run_dir: Optional[str] = typer.Option(None, "--run", help="Run folder (paths.run): --all-checkpoints evaluates its checkpoints, else its LoRA RUN/lora."),
     as_json: bool = JsonOpt,
     cache_dir: Optional[Path] = CacheDirOpt,
     cache_gb: Optional[float] = CacheGbOpt,
 ) -> None:
+    if lora and (all_checkpoints or run_dir):  # one of them would be ignored: the report of another LoRA than named
+        raise typer.BadParameter("--all-checkpoints evaluates every checkpoint of --run (or paths.run), --lora one "
+                                 "LoRA, and --run RUN alone its RUN/lora: pass --lora or --run, not both"
+                                 if not all_checkpoints else "--lora names one LoRA, --all-checkpoints evaluates "
+                                 "every checkpoint of --run (or paths.run): pass one of them", param_hint="--lora")
     if not all_checkpoints:  # refused before anything is read: every rank would pull a store URL's cache first
         from pipeline.launched import one_process
 
@@ -70,8 +75,9 @@ def command(
         if result is not None:  # under a launcher rank 0 reports; the other ranks computed their share
             emit(result, as_json)
         return
-    lora_dir = lora or (str(Path(cfg.paths.run) / "lora") if cfg.paths.run else None)
-    lora_dir = require(lora_dir, "--lora", "paths.run")
+    run_given = run_dir or cfg.paths.run
+    lora_dir = lora or (str(Path(run_given) / "lora") if run_given else None)
+    lora_dir = require(lora_dir, "--lora (or --run)", "paths.run")
     from stages.evaluate.stage import run
 
     with user_errors(report), json_mode(as_json):
