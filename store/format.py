@@ -108,6 +108,21 @@ def is_litter(name: str) -> bool:
     return (name.startswith(".") and ".tmp-" in name) or name.endswith(".tar.tmp")
 
 
+def litter_writer_alive(name: str) -> bool:
+    """Is the writer of the temp file / folder `name` (`.<name>.tmp-<pid>`) a live process of this host? A name
+    without a pid counts as gone (its writer is not known); a pid not ours to signal as alive."""
+    tail = name.rsplit(".tmp-", 1)[-1]
+    if not tail.isdigit():
+        return False
+    try:
+        os.kill(int(tail), 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
 def store_litter(root: Path, tables) -> list[Path]:
     """Temp files of interrupted atomic writes beside the versions: in the store (store.json's) and in each of
     `tables`' folders (`v<N>.damaged.json`'s, `v<N>.unchanged.json`'s)."""
@@ -193,7 +208,12 @@ def atomic_dir(final: Path, tmp: Path | None = None) -> Iterator[Path]:
     The one folder-level commit of the project: checkpoints, the final LoRA, merged models, demo data. `tmp`
     names the temp folder when other processes must find it (checkpoint RNG files of every rank)."""
     final = Path(final)
-    tmp = Path(tmp) if tmp is not None else final.with_name(f".{final.name}.tmp-{os.getpid()}")
+    if tmp is None:  # the pid-named temp folder: a killed writer's (another pid, gone) is removed too
+        tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+        for left in final.parent.glob(f".{glob.escape(final.name)}.tmp-*"):
+            if left != tmp and not litter_writer_alive(left.name):
+                shutil.rmtree(left, ignore_errors=True)
+    tmp = Path(tmp)
     shutil.rmtree(tmp, ignore_errors=True)
     for left in final.parent.glob(f".{glob.escape(final.name)}.deleting-*"):  # an old folder a killed swap did not finish removing
         shutil.rmtree(left, ignore_errors=True)
