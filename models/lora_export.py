@@ -69,6 +69,10 @@ def export_lora(lora: str | Path, fmt: str, out: str | Path) -> Path:
     state = comfyui_state_dict(lora)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp")
-    save_file(state, tmp, metadata={"format": "pt", "exported_by": "qwen-edit-lora-pipeline", "target": "comfyui"})
-    tmp.replace(out)
+    try:
+        save_file(state, tmp, metadata={"format": "pt", "exported_by": "qwen-edit-lora-pipeline", "target": "comfyui"})
+        tmp.replace(out)
+    except BaseException:  # a full disk or a kill mid-write: no partial file left beside --out
+        tmp.unlink(missing_ok=True)
+        raise
     return out

@@ -95,6 +95,7 @@ def check_prompt_fits(pipe, images: list, prompt: str, negative_prompt: str | No
     refs = []
     for im in images:
         w, h, _ = calculate_dimensions(area, im.size[0] / im.size[1])
+        check_reference_grid(pipe.processor.image_processor, h, w, area)
         refs.append((h // 16, w // 16))
     left = frame_positions()
     for what, text in (("prompt", prompt), ("negative prompt", negative_prompt)):
@@ -108,6 +109,34 @@ def check_prompt_fits(pipe, images: list, prompt: str, negative_prompt: str | No
                             f"RoPE table); shorten the {what}")
         left = min(left, frame_positions() - 1 - at)
     return left
+
+
+def check_reference_grid(image_processor, height: int, width: int, area: int) -> None:
+    """A UserError when the processor would resize a reference of height x width (the pipeline's size for it at
+    the reference area `area`) for the VLM: its slots would then not be the VAE's 2x2-latent grid, and the
+    transformer fails with a shape mismatch (encode-text quarantines such a sample: `grid_mismatch`)."""
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
+
+    from schemas.errors import UserError
+
+    size = image_processor.size
+    factor = image_processor.patch_size * image_processor.merge_size
+    min_pixels, max_pixels = size["shortest_edge"], size["longest_edge"]
+
+    def kept(h: int, w: int) -> bool:
+        return smart_resize(h, w, factor, min_pixels, max_pixels) == (h, w)
+
+    if not kept(height, width):
+        from diffusers.pipelines.qwenimage21.pipeline_qwenimage21 import calculate_dimensions
+
+        side = int(max_pixels ** 0.5) // 32 * 32  # the largest square output whose reference the processor keeps
+        while side > 32 and not kept(*calculate_dimensions(side * side, width / height)[1::-1]):
+            side -= 32
+        raise UserError(f"a reference sized {width}x{height} px (output area {area} px) is outside the model's VLM "
+                        f"processor limits ({min_pixels}..{max_pixels} px in its processor/ folder): it "
+                        f"would resize it and its grid would no longer match the VAE's; pass --height / --width "
+                        f"(predict) or height / width (evaluate.extra_prompts) with height x width within them, "
+                        f"e.g. {side} x {side}")
 
 
 @torch.no_grad()

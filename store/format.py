@@ -16,6 +16,7 @@ import re
 import shutil
 import signal
 import socket
+import stat
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -107,6 +108,21 @@ def is_litter(name: str) -> bool:
     return (name.startswith(".") and ".tmp-" in name) or name.endswith(".tar.tmp")
 
 
+def litter_writer_alive(name: str) -> bool:
+    """Is the writer of the temp file / folder `name` (`.<name>.tmp-<pid>`) a live process of this host? A name
+    without a pid counts as gone (its writer is not known); a pid not ours to signal as alive."""
+    tail = name.rsplit(".tmp-", 1)[-1]
+    if not tail.isdigit():
+        return False
+    try:
+        os.kill(int(tail), 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
 def store_litter(root: Path, tables) -> list[Path]:
     """Temp files of interrupted atomic writes beside the versions: in the store (store.json's) and in each of
     `tables`' folders (`v<N>.damaged.json`'s, `v<N>.unchanged.json`'s)."""
@@ -123,6 +139,29 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def umask_file_mode() -> int:
+    """The mode `open` gives a new file under this process's umask (0o644 under 022), read from /proc (Linux)
+    where os.umask would have to set it to read it, racing the threads creating files; 0o644 elsewhere."""
+    try:
+        with open("/proc/self/status") as f:
+            umask = next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError):
+        return 0o644
+    return 0o666 & ~umask
+
+
+def widen_private_file(path: Path) -> None:
+    """safetensors writes its files 0600 (a temp file renamed): give such a file the mode `open` would have, so a
+    LoRA or a merged model's weights are readable as the umask says (the group, another user's ComfyUI). A hard
+    link is left alone: its mode is its source's too (a merged model's linked components)."""
+    st = os.stat(path)
+    if st.st_nlink == 1 and stat.S_IMODE(st.st_mode) == 0o600 and (mode := umask_file_mode()) != 0o600:
+        try:
+            os.chmod(path, mode)
+        except OSError:  # a file system without modes (some FUSE / SMB mounts): the file is whole, keep it so
+            pass
 
 
 def atomic_write_bytes(path: Path, data: bytes, replace: bool = True) -> None:
@@ -169,7 +208,12 @@ def atomic_dir(final: Path, tmp: Path | None = None) -> Iterator[Path]:
     The one folder-level commit of the project: checkpoints, the final LoRA, merged models, demo data. `tmp`
     names the temp folder when other processes must find it (checkpoint RNG files of every rank)."""
     final = Path(final)
-    tmp = Path(tmp) if tmp is not None else final.with_name(f".{final.name}.tmp-{os.getpid()}")
+    if tmp is None:  # the pid-named temp folder: a killed writer's (another pid, gone) is removed too
+        tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+        for left in final.parent.glob(f".{glob.escape(final.name)}.tmp-*"):
+            if left != tmp and not litter_writer_alive(left.name):
+                shutil.rmtree(left, ignore_errors=True)
+    tmp = Path(tmp)
     shutil.rmtree(tmp, ignore_errors=True)
     for left in final.parent.glob(f".{glob.escape(final.name)}.deleting-*"):  # an old folder a killed swap did not finish removing
         shutil.rmtree(left, ignore_errors=True)
@@ -180,6 +224,7 @@ def atomic_dir(final: Path, tmp: Path | None = None) -> Iterator[Path]:
         for folder, _, names in os.walk(tmp):  # walked, not listed whole: a million files are no list in memory
             for f in (Path(folder, name) for name in names):
                 if f.is_file():
+                    widen_private_file(f)  # safetensors' 0600 (a LoRA, checkpoint, merged weights)
                     fsync_dir(f)  # os.fsync works on a file descriptor of a file or a folder alike
             fsync_dir(Path(folder))  # its entries (a subfolder's files are not durable through the top's fsync)
         if final.exists():

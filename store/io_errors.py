@@ -5,6 +5,7 @@ rerun after freeing space resumes and completes."""
 from __future__ import annotations
 
 import errno
+import os
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
@@ -28,7 +29,10 @@ def is_disk_full(e: BaseException) -> bool:
 
 
 def is_not_writable(e: BaseException) -> bool:
-    return isinstance(e, PermissionError) or (isinstance(e, OSError) and e.errno in _READ_ONLY)
+    if isinstance(e, PermissionError) or (isinstance(e, OSError) and e.errno in _READ_ONLY):
+        return True
+    text = str(e)  # safetensors (Rust): SafetensorError("... Permission denied (os error 13) at path ...")
+    return any(f"(os error {n})" in text for n in _READ_ONLY)
 
 
 def _free(where: Path) -> str:
@@ -63,6 +67,23 @@ def writing(what: str, where: Path, need: int | None = None) -> Iterator[None]:
         raise
     except Exception as e:  # anything that is not a full disk / read-only folder is re-raised unchanged
         err = describe(e, what, where, need)
+        if err is None:
+            raise
+        raise err from None
+
+
+def check_writable(folder: Path, what: str) -> None:
+    """Create `folder` and a probe file in it (removed at once) before minutes of work whose result is written
+    there (predict's image, a merged model): a read-only or full folder is one line naming it now, not after the
+    work, its result lost."""
+    folder = Path(folder)
+    probe = folder / f".write-probe-{os.getpid()}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+        os.unlink(probe)
+    except OSError as e:
+        err = describe(OSError(e.errno, e.strerror, str(folder)), what, folder)
         if err is None:
             raise
         raise err from None

@@ -208,7 +208,7 @@ def scan(root: Path, progress: bool = True, order: Sequence[str] = ()) -> Repair
     plan = RepairPlan(root)
     plan.current, plan.store_json = _current_versions(root)
     # temp files of a killed atomic write whose writer is gone (store.json's, a table's records beside its versions)
-    plan.litter += [p for p in fmt.store_litter(root, plan.current) if not _pid_alive(p.name)]
+    plan.litter += [p for p in fmt.store_litter(root, plan.current) if not fmt.litter_writer_alive(p.name)]
     plan.quarantine = quarantine.problem(root)
     rank = {t: i for i, t in enumerate(order)}
     for table in sorted(plan.current, key=lambda t: (rank.get(t, len(rank)), t)):
@@ -218,19 +218,6 @@ def scan(root: Path, progress: bool = True, order: Sequence[str] = ()) -> Repair
                 plan.litter += [p for p in vdir.iterdir() if fmt.is_litter(p.name)]
         plan.tables.append(scan_table(root, table, plan.current[table], progress))
     return plan
-
-
-def _pid_alive(name: str) -> bool:
-    tail = name.rsplit(".tmp-", 1)[-1]
-    if not tail.isdigit():
-        return False
-    try:
-        os.kill(int(tail), 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
 
 
 def describe(plan: RepairPlan) -> list[str]:

@@ -21,7 +21,7 @@ def _local(store: str, cache_dir: Optional[Path], cache_gb: Optional[float]) -> 
 def command(
     store: Optional[str] = typer.Option(None, "--store", help="Store with `text`, `vae` (+ `images`) tables (paths.store), or its URL (s3://bucket/prefix: read through --cache-dir)."),
     model: Optional[str] = typer.Option(None, "--model", help="Model the store was encoded with (paths.model)."),
-    lora: Optional[str] = typer.Option(None, "--lora", help="LoRA folder (default: paths.run + /lora); not with --all-checkpoints."),
+    lora: Optional[str] = typer.Option(None, "--lora", help="LoRA folder (default: paths.run + /lora)."),
     out: Optional[str] = typer.Option(None, "--out", help="Report directory (paths.report)."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="auto | float32 | bfloat16 | float16 (evaluate.dtype; auto = bf16 on a bf16 GPU, float32 on CPU)."),
     config: Optional[Path] = ConfigOpt,
@@ -30,14 +30,16 @@ def command(
     steps: Optional[int] = typer.Option(None, "--steps", help="Inference steps (evaluate.num_inference_steps)."),
     device: Optional[str] = typer.Option(None, "--device", help="Device of the transformer: cpu, cuda, cuda:N (evaluate.device)."),
     all_checkpoints: bool = typer.Option(False, "--all-checkpoints", help="Evaluate the base and every kept checkpoint of the run (RUN/checkpoints/step-N): held-out losses into REPORT/losses.zarr, curves, the best checkpoint."),
-    run_dir: Optional[str] = typer.Option(None, "--run", help="Run folder (paths.run): its checkpoints with --all-checkpoints, else its final LoRA RUN/lora unless --lora."),
+    run_dir: Optional[str] = typer.Option(None, "--run", help="Run folder (paths.run): --all-checkpoints evaluates its checkpoints, else its LoRA RUN/lora."),
     as_json: bool = JsonOpt,
     cache_dir: Optional[Path] = CacheDirOpt,
     cache_gb: Optional[float] = CacheGbOpt,
 ) -> None:
-    if all_checkpoints and lora:  # one of them would be silently ignored
-        raise typer.BadParameter("--all-checkpoints evaluates every checkpoint of the run (--run / paths.run); "
-                                 "--lora evaluates one LoRA: pass one of them", param_hint="--lora")
+    if lora and (all_checkpoints or run_dir):  # one of them would be ignored: the report of another LoRA than named
+        raise typer.BadParameter("--all-checkpoints evaluates every checkpoint of --run (or paths.run), --lora one "
+                                 "LoRA, and --run RUN alone its RUN/lora: pass --lora or --run, not both"
+                                 if not all_checkpoints else "--lora names one LoRA, --all-checkpoints evaluates "
+                                 "every checkpoint of --run (or paths.run): pass one of them", param_hint="--lora")
     if not all_checkpoints:  # refused before anything is read: every rank would pull a store URL's cache first
         from pipeline.launched import one_process
 
@@ -47,7 +49,6 @@ def command(
             "paths.store": store,
             "paths.model": model,
             "paths.report": out,
-            "paths.run": run_dir,
             "evaluate.num_samples": num_samples,
             "evaluate.num_inference_steps": steps,
             "evaluate.device": device, "evaluate.dtype": dtype,
@@ -60,7 +61,7 @@ def command(
         from pipeline.orchestrate import kept_checkpoints
         from stages.evaluate.checkpoints import run as run_checkpoints
 
-        run_path = Path(require(cfg.paths.run, "--run", "paths.run"))
+        run_path = Path(require(run_dir or cfg.paths.run, "--run", "paths.run"))
         with user_errors(), json_mode(as_json):
             from pipeline.launched import launched
             from schemas.errors import UserError
@@ -74,8 +75,9 @@ def command(
         if result is not None:  # under a launcher rank 0 reports; the other ranks computed their share
             emit(result, as_json)
         return
-    lora_dir = lora or (str(Path(cfg.paths.run) / "lora") if cfg.paths.run else None)
-    lora_dir = require(lora_dir, "--lora", "paths.run")
+    run_given = run_dir or cfg.paths.run
+    lora_dir = lora or (str(Path(run_given) / "lora") if run_given else None)
+    lora_dir = require(lora_dir, "--lora (or --run)", "paths.run")
     from stages.evaluate.stage import run
 
     with user_errors(report), json_mode(as_json):

@@ -38,8 +38,11 @@ def merge(
     strict_base: bool = StrictBaseOpt,
 ) -> None:
     one_process("lora merge")  # every rank would fuse the same model into the same --out
+    from store.io_errors import check_writable
+
     with user_errors(out):
         refuse_a_non_empty(out)  # before the LoRA's base check hashes the model (minutes for a 40 GB one)
+        check_writable(out.parent, f"--out {out}")  # and the folder the fused model goes to
         checked_lora(lora, model, strict_base)
         path = merge_lora(model, lora, out, scale=scale, dtype=dtype, device=device)
     echo(f"wrote merged model to {path} (loads with diffusers' from_pretrained)")
@@ -116,8 +119,10 @@ def export(
 ) -> None:
     one_process("lora export")  # every rank would write the same --out
     from models.lora_export import export_lora
+    from store.format import widen_private_file
 
     with user_errors(out):
         checked_lora(lora)
         path = export_lora(lora, format, out)
+        widen_private_file(path)  # safetensors writes 0600: readable as the umask says (by ComfyUI's user too)
     echo(f"wrote {format} LoRA to {path}")

@@ -125,6 +125,9 @@ def predict(cfg, model: str, images: list[Path], prompt: str, out: Path, lora: s
         raise UserError("predict needs at least one --image")
     from models.loading import model_variant
 
+    from store.io_errors import check_writable
+
+    check_writable(Path(out).parent, f"--out {out}")  # so is the folder it goes to (before it was found at the save)
     # before minutes of loading and denoising (the CLI: when parsed, and for a model folder here right after)
     check_for_model(model, len(images), out, cfg.steps)
     from features.decode import read_image_file

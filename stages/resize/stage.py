@@ -173,9 +173,11 @@ def _run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> 
     if repairing is not None:
         _verify_repaired(st, summary, repairing)
     summary.seconds = time.perf_counter() - started
-    if summary.resumed:  # the resumed samples' splits count too
+    if summary.resumed or summary.reused:  # the resumed and carried samples count too: the version, whole
         with st.reader(TABLE, summary.version) as r:
             summary.splits = Counter(r.manifest.column("split").to_pylist())
+            summary.controls = Counter(r.manifest.column("num_controls").to_pylist())
+            summary.buckets = Counter(map(tuple, r.manifest.column("bucket").to_pylist()))
     return summary
 
 
@@ -528,9 +530,7 @@ def _carry_forward(st: Store, writer: Any, schema: TableSchema, carry: dict[str,
                                   changed={before: mask_orientation_changes} if before else None).items():
         keys = rows.column("key").to_pylist()
         views = {"source": {k: carry[k][0] for k in keys}, "split": {k: carry[k][1] for k in keys}}
-        summary.reused += carry_forward(writer, version, rows, views)
-        summary.splits.update(views["split"].values())
-        summary.controls.update(rows.column("num_controls").to_pylist())
+        summary.reused += carry_forward(writer, version, rows, views)  # counted in the summary from the version
 
 
 def _commit(st: Store, writer: Any, source: str | Path, intake: _Intake) -> None:

@@ -186,19 +186,3 @@ def test_all_checkpoints_of_a_run_without_any_names_the_run_and_writes_no_report
     assert r.output.startswith(f"error: no checkpoints to evaluate: {tmp_path / 'run'} holds no checkpoints/step-N")
     assert not (tmp_path / "report").exists()
 
-
-def test_evaluate_takes_run_for_the_default_lora_and_refuses_lora_with_all_checkpoints(tmp_path, monkeypatch):
-    """`run evaluate --run R` without --all-checkpoints ignored R (the LoRA came from paths.run, or was missing),
-    and `--lora L --all-checkpoints` ignored L: --run is paths.run in both, --lora with --all-checkpoints exit 2."""
-    import stages.evaluate.stage as stage
-
-    seen = {}
-    monkeypatch.setattr(stage, "run", lambda cfg, store, model, lora, report, **k: seen.setdefault("lora", lora))
-    monkeypatch.setattr("pipeline.commands.evaluate.emit", lambda *a, **k: None)
-    r = _run(["run", "evaluate", "--run", str(tmp_path / "R"), "--store", str(tmp_path / "S"), "--model", "M",
-              "--out", str(tmp_path / "REP")])
-    assert r.exit_code == 0 and seen == {"lora": str(tmp_path / "R" / "lora")}, r.output
-    r = _run(["run", "evaluate", "--all-checkpoints", "--lora", "L", "--run", str(tmp_path / "R"), "--store", "S",
-              "--model", "M", "--out", str(tmp_path / "REP2")])
-    assert r.exit_code == 2 and "--all-checkpoints evaluates every checkpoint" in r.output, r.output
-    assert not (tmp_path / "REP2").exists()

@@ -50,8 +50,9 @@ def test_21_evaluate_refuses_an_extra_prompt_with_11_references(tiny_21_model, t
     from stages.evaluate.stage import for_model
 
     images = [str(r) for r in _refs(tmp_path, 11)]
-    cfg = load_config(None, {"evaluate.extra_prompts": [{"prompt": "p", "images": images[:1]},
-                                                         {"prompt": "q", "images": images}]}).evaluate
+    size = {"height": 64, "width": 64}  # within the tiny model's processor (its default 1024² is not)
+    cfg = load_config(None, {"evaluate.extra_prompts": [{"prompt": "p", "images": images[:1], **size},
+                                                         {"prompt": "q", "images": images, **size}]}).evaluate
     with pytest.raises(UserError, match=r"evaluate.extra_prompts\[1\].images: 11 reference images.*at most 10"):
         for_model(cfg, tiny_21_model)
     for_model(cfg.model_copy(update={"extra_prompts": cfg.extra_prompts[:1]}), tiny_21_model)  # 1 reference: fine
@@ -108,8 +109,10 @@ def test_21_evaluate_refuses_an_extra_prompt_past_the_rope_table_before_loading(
     from stages.evaluate.stage import for_model
 
     ref = str(_refs(tmp_path, 1)[0])
-    cfg = load_config(None, {"evaluate.extra_prompts": [{"prompt": "fine", "images": [ref]},
-                                                         {"prompt": " ".join(["a"] * 9000), "images": [ref]}]}).evaluate
+    size = {"height": 64, "width": 64}  # within the tiny model's processor (its default 1024² is not)
+    cfg = load_config(None, {"evaluate.extra_prompts": [{"prompt": "fine", "images": [ref], **size},
+                                                         {"prompt": " ".join(["a"] * 9000), "images": [ref],
+                                                          **size}]}).evaluate
     LOAD_LOG.clear()
     with pytest.raises(UserError, match=r"evaluate.extra_prompts\[1\]: the prompt is \d+ text tokens.*shorten"):
         for_model(cfg, tiny_21_model)

@@ -185,3 +185,27 @@ def test_comfyui_export_21_maps_every_module_onto_comfyuis_fused_21_model(tiny_2
                 base = stock.get_submodule(f"transformer_blocks.{b}.{m}")(x)
             assert not torch.allclose(theirs, base)
             torch.testing.assert_close(torch.nn.functional.linear(x, w), theirs, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("oserror, says", [(13, "is not writable"), (28, "disk full")])
+def test_export_that_cannot_write_is_one_line_and_leaves_no_temp_file(tmp_path, monkeypatch, oserror, says):
+    """safetensors' writer fails with its own SafetensorError ("... (os error N) ..."), not an OSError: a read-only
+    --out folder (os error 13/1/30) was a traceback, and a full disk mid-write left `.OUT.tmp` beside it."""
+    import models.lora_export as lora_export
+    from safetensors import SafetensorError
+
+    src = tmp_path / "lora.safetensors"
+    save_file({"transformer.transformer_blocks.0.attn.to_q.lora_A.weight": torch.ones(2, 8),
+               "transformer.transformer_blocks.0.attn.to_q.lora_B.weight": torch.ones(8, 2)}, src)
+    text = {13: "Permission denied", 28: "No space left on device"}[oserror]
+
+    def failing_save(state, path, metadata=None):
+        Path(path).write_bytes(b"partial")  # what a write cut short leaves
+        raise SafetensorError(f"Error while serializing: I/O error: {text} (os error {oserror}) at path {path}")
+
+    monkeypatch.setattr(lora_export, "save_file", failing_save)
+    out = tmp_path / "out" / "comfy.safetensors"
+    result = CliRunner().invoke(app, ["lora", "export", str(src), "--format", "comfyui", "--out", str(out)])
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    assert says in result.output and str(out.parent) in result.output, result.output
+    assert list(out.parent.iterdir()) == []

@@ -154,6 +154,37 @@ def test_a_hub_id_is_checked_where_it_was_not_fetched_to_check(tiny_21_model, tm
     assert resolved and set(resolved) == {"org/hub-model"}
 
 
+def test_predict_and_merge_refuse_a_read_only_out_folder_before_loading(tiny_edit_model, tmp_path, monkeypatch):
+    """A read-only --out folder was met when the image (or the merged model) was written: after the models were
+    loaded and every denoising step had run (minutes on a real model), the result lost. Now one line naming the
+    folder before anything loads (simulated: the tests run as root, whom file modes do not stop)."""
+    import errno
+    import os
+
+    from models.loading import LOAD_LOG
+
+    control = _control(tmp_path / "control.png")
+    (tmp_path / "ro").mkdir()
+    real_open = os.open
+
+    def read_only_open(path, flags, *a):  # EROFS for writes under ro/, as a read-only mount gives
+        if str(path).startswith(str(tmp_path / "ro")) and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+        return real_open(path, flags, *a)
+
+    monkeypatch.setattr(os, "open", read_only_open)
+    lora = tmp_path / "lora.safetensors"  # never read: the folder is refused first
+    for args in (["predict", "--model", tiny_edit_model, "--image", str(control), "--prompt", PROMPT, "--steps", "2",
+                  "--height", "64", "--width", "64", "--out", str(tmp_path / "ro" / "edited.png")],
+                 ["lora", "merge", "--model", tiny_edit_model, "--lora", str(lora), "--out",
+                  str(tmp_path / "ro" / "merged")]):
+        LOAD_LOG.clear()
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 1 and "not writable" in result.output, (result.output, result.exception)
+        assert str(tmp_path / "ro") in result.output and "Traceback" not in result.output
+        assert LOAD_LOG == []
+
+
 def test_predict_applies_the_exif_orientation_of_a_control(tiny_edit_model, tmp_path):
     """A phone photo stores its pixels sideways with an EXIF rotation tag. Training images get it applied
     (resize-bucket) and so do files read by diffusers' `load_image`; predict read the raw pixels, so the model
@@ -334,8 +365,10 @@ def test_21_extra_prompts_keep_a_palette_cutouts_alpha_and_show_targets_over_whi
     rgba[12:36, 16:48] = (30, 200, 30, 255)
     target_path = tmp_path / "target.png"
     Image.fromarray(rgba, "RGBA").save(target_path)
+    # an output size the tiny model's processor keeps the reference at (its default 1024² is past its 512²)
     cfg = load_config(None, {"evaluate.extra_prompts": [{"prompt": PROMPT, "images": [str(ref_path)],
-                                                          "target": str(target_path)}]}).evaluate
+                                                          "target": str(target_path),
+                                                          "height": 48, "width": 64}]}).evaluate
     transformer = load_component(tiny_21_model, "transformer", dtype=torch.float32, device="cpu")
     vae = load_component(tiny_21_model, "vae", dtype=torch.float32, device="cpu")
     captured = {}

@@ -593,6 +593,27 @@ def test_21_predict_refuses_a_prompt_past_the_rope_table(tiny_21_model, tmp_path
     assert "shorten the prompt" in result.output and "Traceback" not in result.output
 
 
+def test_21_predict_refuses_references_the_processor_would_resize(tiny_21_model, tmp_path):
+    """predict without --height / --width gives each reference the stock pipeline's 1024² area; the tiny model's
+    processor (max_pixels 512²) resizes such a reference for its VLM, so the VLM grid differs from the VAE grid.
+    That is one line naming the processor's limit and the output size to pass, before the model loads; before,
+    the transformer failed with a shape-mismatch traceback. At a size the processor keeps, predict runs."""
+    from typer.testing import CliRunner
+
+    from pipeline.cli import app
+
+    ref = tmp_path / "ref.png"
+    Image.fromarray(np.random.default_rng(3).integers(0, 255, (201, 268, 4), dtype=np.uint8), "RGBA").save(ref)
+    out = tmp_path / "out.png"
+    args = ("predict", "--model", tiny_21_model, "--image", ref, "--prompt", "make it red", "--steps", 1)
+    result = CliRunner().invoke(app, [str(a) for a in (*args, "--out", out)])
+    assert result.exit_code == 1 and not out.exists(), result.output
+    assert "Traceback" not in result.output and "processor" in result.output, result.output
+    assert "262144" in result.output and "--height" in result.output, result.output
+    _cli(*args, "--height", 96, "--width", 128, "--out", out)  # 12288 px: within the processor's limit
+    assert Image.open(out).size == (128, 96)
+
+
 def test_21_predict_and_the_sample_grid_default_to_no_guidance(tiny_21_model, tmp_path):
     """Qwen-Image-2.1 is sampled without guidance (the stock pipeline's true_cfg_scale 1.0). `pipeline predict`
     on a 2.1 model without --cfg (or predict.true_cfg_scale) gives the stock default call's image; before it ran

@@ -89,3 +89,29 @@ def test_the_resumed_map_answers_as_the_dict_it_replaced() -> None:
     assert done.get("/src/target/300.png") is None and done.get("/src/target/7.PNG") is None
     assert len(ResumedSources([])) == 0 and ResumedSources([]).get("x") is None and not ResumedSources([])
     assert ResumedSources([(["only"], ["k1"])]).get("only") == "k1"
+
+
+def test_the_summary_counts_the_whole_table_after_a_resume_or_a_carry_forward(tmp_path: Path) -> None:
+    """The summary's "controls per sample" and target buckets describe the version written, as its splits do: a
+    resumed run counted only the samples rendered after the kill (and a carried-forward one left its samples'
+    buckets out), so a table of 16 read "controls per sample: 0: 3, 1: 2" after a resume."""
+    make_demo_data(tmp_path / "src", n=16, fmt="folder", max_controls=2, seed=2)
+    src, out = tmp_path / "src", tmp_path / "store"
+    killed = subprocess.run([sys.executable, "-c", KILLED, str(src), str(out)], capture_output=True, text=True,
+                            env={**os.environ, "STORE_CRASH_AT": "after_shard_commit"})
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    resumed = stage.run(load_config(None, SMALL), src, out)
+    fresh = stage.run(load_config(None, SMALL), src, tmp_path / "fresh")
+    assert resumed.resumed > 0 and fresh.written == 16
+    assert resumed.controls == fresh.controls and sum(fresh.controls.values()) == 16
+    assert resumed.buckets == fresh.buckets and resumed.splits == fresh.splits
+
+    make_demo_data(tmp_path / "more", n=2, fmt="folder", max_controls=2, seed=3)  # two new samples: v2 carries 16
+    for f in (tmp_path / "more").rglob("*.*"):
+        dest = src / f.relative_to(tmp_path / "more")
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        f.rename(dest.with_name("new_" + dest.name))
+    grown = stage.run(load_config(None, SMALL), src, out)
+    again = stage.run(load_config(None, SMALL), src, tmp_path / "fresh2")
+    assert grown.reused == 16 and grown.written == 2 and again.written == 18
+    assert grown.controls == again.controls and grown.buckets == again.buckets

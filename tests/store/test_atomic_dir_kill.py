@@ -51,3 +51,30 @@ def test_every_folder_inside_is_fsynced_before_the_rename(tmp_path, monkeypatch)
         (tmp / "lora" / "w.safetensors").write_bytes(b"w")
         (tmp / "lora" / "deep" / "x").write_bytes(b"x")
     assert {"lora", "deep", "w.safetensors", "x"} <= set(synced), synced
+
+
+FILL = """
+import os, signal, sys
+from pathlib import Path
+from store.format import atomic_dir
+with atomic_dir(Path(sys.argv[1])) as tmp:
+    (tmp / "weights.bin").write_bytes(b"half" * 1000)
+    os.kill(os.getpid(), signal.SIGKILL)  # killed while writing (a preempted `lora merge` of a 40 GB model)
+"""
+
+
+def test_the_temp_folder_of_a_killed_writer_is_removed_by_the_next_write(tmp_path) -> None:
+    """A writer killed while filling its `.NAME.tmp-PID` folder left it beside NAME for good: the next write used
+    its own pid's name and removed only that, so a killed `lora merge` of a 20B model kept ~40 GB hidden there.
+    The next write of NAME removes it (its pid is no live process of this host); a live writer's is kept."""
+    final = tmp_path / "merged"
+    p = subprocess.run([sys.executable, "-c", FILL, str(final)], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert p.returncode == -signal.SIGKILL, p.stderr[-2000:]
+    (left,) = [q for q in tmp_path.iterdir() if q.name.startswith(".merged.tmp-")]
+    live = tmp_path / f".merged.tmp-{os.getppid()}"  # a live process's (another writer, as far as this host knows)
+    live.mkdir()
+    with fmt.atomic_dir(final) as tmp:
+        (tmp / "weights.bin").write_bytes(b"whole")
+    assert not left.exists() and live.exists()
+    assert (final / "weights.bin").read_bytes() == b"whole"
