@@ -323,6 +323,8 @@ def make_room(cache: Path, limit: int, incoming: int) -> bool:
     """Before fetching `incoming` bytes (under the cache lock): count them in the running total; when that would
     come near `limit`, walk the cache and evict least recently used shards until they fit with 1/`WALK_FREES` of
     the limit to spare. False when they cannot (the caller reads by range instead)."""
+    if incoming > limit:  # no eviction makes it fit: evicting would only empty the cache (then refetched, thrashing)
+        return False
     used = _read_usage(cache)
     if used is not None and used + incoming <= limit - limit // NEAR:
         _write_usage(cache, used + incoming)
