@@ -105,7 +105,12 @@ def _verify_advice(store: str, current: dict[str, int], problems: list[str]) -> 
     found = [re.match(r"([A-Za-z0-9_]+)/v(\d+)/", p) for p in problems]
     old = sorted({f"{m[1]}/v{m[2]}" for m in found if m and current.get(m[1]) != int(m[2])})
     advice = []
-    if any(m is None or current.get(m[1]) == int(m[2]) for m in found):  # current versions, store.json, litter
+    from store.remote import is_url
+
+    if is_url(store) and any(p.startswith(f"{store.rstrip('/')}/store.json ") for p in problems):
+        # a remote's store.json: no repair rebuilds it (`store repair URL` opens the store through it first)
+        advice.append("push the store again into an empty prefix (from the local store it was pushed from)")
+    elif any(m is None or current.get(m[1]) == int(m[2]) for m in found):  # current versions, store.json, litter
         advice.append(f"`pipeline store repair {store}` recomputes what is damaged (with the --model / --config "
                       "the store was built with)")
     if old:
