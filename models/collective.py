@@ -389,6 +389,27 @@ def peer_failure() -> str | None:
     return None
 
 
+# what gloo says on this side of a connection whose other process is gone (its TCP pairs are closed by the kernel)
+_LOST_PEER = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
+
+
+def lost_peer_line(error: BaseException) -> str | None:
+    """The one line for a collective that failed because another rank's process is gone without a word - killed
+    (`kill -9`, the out-of-memory killer) or its node lost, so nothing was published (`fails_alone`) - else None.
+    Without it this rank ended in gloo's traceback, naming no rank and no way on."""
+    import torch.distributed as dist
+
+    text = str(error)
+    if not (isinstance(error, dist.DistNetworkError) or
+            (isinstance(error, RuntimeError) and "gloo" in text and any(p in text for p in _LOST_PEER))):
+        return None
+    detail = next((p for p in _LOST_PEER if p in text), (text.splitlines() or [type(error).__name__])[0])
+    return (f"rank {os.environ.get('RANK', '?')} lost its connection to another rank ({detail}): that rank's "
+            "process ended without a word (killed: `kill -9`, the out-of-memory killer - `dmesg` on its node says - "
+            "or its node lost); the launcher's line names it. What the ranks committed is kept: rerun the same "
+            "command to continue (`run train`: with --resume)")
+
+
 def out_of_memory(error: BaseException) -> bool:
     return isinstance(error, (torch.OutOfMemoryError, MemoryError))
 

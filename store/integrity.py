@@ -40,6 +40,15 @@ def store_root(vdir: Path) -> Path:
     return vdir.parent.parent
 
 
+def repair_target(root: Path) -> str:
+    """What `pipeline store repair` takes for damage found in the store `root`: root itself, or for the local cache
+    of a store URL that URL - the damaged bytes are the remote's objects (a cache keeps a shard only after its
+    whole-file check), and a repair of the cache folder would change this node's copy only."""
+    from store.remote_parts import source_url  # lazily: the object-store modules import this one
+
+    return source_url(root) or str(root)
+
+
 def _written_by(vdir: Path) -> str | None:
     """The stage that wrote this table, as its versions record it (their lineage's `stage`; checksums.json keeps
     a copy for when schema.json is the damaged file); None when no record says. Best effort: the record may be
@@ -69,10 +78,13 @@ def repair_hint(vdir: Path, name: str | None = None) -> str:
         how = f"`pipeline run {stage}` with the same store, model and config" if stage else "the stage that wrote it"
         return (f"rerun {how}: it writes a new version of '{vdir.parent.name}' (reusing its intact samples); "
                 "`pipeline store repair` cannot rebuild this file")
-    return f"run `pipeline store repair {store_root(vdir)}`"
+    return f"run `pipeline store repair {repair_target(store_root(vdir))}`"
 
 
 def where(vdir: Path) -> str:
+    """The version named for a user; in a store URL's cache, by its objects' URL (where the bytes came from)."""
+    if (url := repair_target(store_root(vdir))) != str(store_root(vdir)):
+        return f"table '{vdir.parent.name}' {vdir.name} ({url}/{vdir.parent.name}/{vdir.name}, cached in {vdir})"
     return f"table '{vdir.parent.name}' {vdir.name} ({vdir})"
 
 

@@ -17,6 +17,11 @@ _FULL = (errno.ENOSPC, errno.EDQUOT)
 _READ_ONLY = (errno.EROFS, errno.EACCES, errno.EPERM)
 
 
+# a store URL's cache fills its disk again on a rerun unless it is limited (store/remote_cache.py)
+CACHE_FULL = ("or limit the cache below its disk's free space with --cache-gb G: the shards that do not fit are then "
+              "read by byte range")
+
+
 class DiskFullError(UserError):
     """No space left while writing (ENOSPC / EDQUOT)."""
 
@@ -45,12 +50,14 @@ def _free(where: Path) -> str:
         return "free space unknown"
 
 
-def describe(e: BaseException, what: str, where: Path, need: int | None = None) -> UserError | None:
-    """The one-line error for a disk-full / not-writable failure, else None."""
+def describe(e: BaseException, what: str, where: Path, need: int | None = None, instead: str = "") -> UserError | None:
+    """The one-line error for a disk-full / not-writable failure, else None. `instead`: what else helps with a full
+    disk than freeing space (a rerun alone meets the same full disk at the same point)."""
     if is_disk_full(e):
         needed = f", about {need / 1e6:.1f} MB needed" if need else ""
-        return DiskFullError(f"disk full while writing {what} in {where} ({_free(where)}{needed}); free space "
-                             "and rerun: what was already committed is kept, the partial write was removed")
+        return DiskFullError(f"disk full while writing {what} in {where} ({_free(where)}{needed}); free space"
+                             f"{f' ({instead})' if instead else ''} and rerun: what was already committed is kept, "
+                             "the partial write was removed")
     if is_not_writable(e):
         name = getattr(e, "filename", None) or where
         return UserError(f"cannot write {what}: {name} is not writable ({getattr(e, 'strerror', None) or e}); "
@@ -59,14 +66,14 @@ def describe(e: BaseException, what: str, where: Path, need: int | None = None) 
 
 
 @contextmanager
-def writing(what: str, where: Path, need: int | None = None) -> Iterator[None]:
+def writing(what: str, where: Path, need: int | None = None, instead: str = "") -> Iterator[None]:
     """Turn a full disk / read-only folder inside the block into one clear UserError."""
     try:
         yield
     except UserError:
         raise
     except Exception as e:  # anything that is not a full disk / read-only folder is re-raised unchanged
-        err = describe(e, what, where, need)
+        err = describe(e, what, where, need, instead)
         if err is None:
             raise
         raise err from None

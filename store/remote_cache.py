@@ -35,7 +35,7 @@ from typing import Any
 from schemas.errors import UserError
 from store import format as fmt
 from store import lease as leases
-from store.io_errors import writing
+from store.io_errors import CACHE_FULL, writing
 from store.remote import is_url
 
 log = logging.getLogger("store")
@@ -76,7 +76,7 @@ def local_store(store: str | Path, tables: list[str] | None, cache_dir: str | Pa
     root = cache / hashlib.sha256(url.encode()).hexdigest()[:16]
     limit = None if limit_gb is None else int(limit_gb * 1e9)
     remote_shards.set_limit(cache, limit)  # this process's shard fetches keep the cache under it
-    with fmt.flock(cache / CACHE_LOCK), writing("the store cache", cache):
+    with fmt.flock(cache / CACHE_LOCK), writing("the store cache", cache, instead=CACHE_FULL):
         if whole:
             from store.remote_sync import pull
 
@@ -116,7 +116,7 @@ def open_beside(root: Path, table: str, version: int) -> None:
     url, cache = source_url(root), root.parent
     assert url is not None, f"{root} is no store URL's cache"
     hold_reading(url, [(table, version)])
-    with fmt.flock(cache / CACHE_LOCK), writing("the store cache", cache):
+    with fmt.flock(cache / CACHE_LOCK), writing("the store cache", cache, instead=CACHE_FULL):
         remote_shards.open_version(url, root, table, version)
         os.utime(fmt.version_dir(root, table, version))  # last use, for LRU
         (cache / USAGE).unlink(missing_ok=True)  # its metadata is in no running total: the next fetch walks
@@ -323,6 +323,8 @@ def make_room(cache: Path, limit: int, incoming: int) -> bool:
     """Before fetching `incoming` bytes (under the cache lock): count them in the running total; when that would
     come near `limit`, walk the cache and evict least recently used shards until they fit with 1/`WALK_FREES` of
     the limit to spare. False when they cannot (the caller reads by range instead)."""
+    if incoming > limit:  # no eviction makes it fit: evicting would only empty the cache (then refetched, thrashing)
+        return False
     used = _read_usage(cache)
     if used is not None and used + incoming <= limit - limit // NEAR:
         _write_usage(cache, used + incoming)

@@ -39,7 +39,7 @@ from schemas.errors import UserError
 from store import format as fmt
 from store import remote_download
 from store.checksum import RunningCrc
-from store.io_errors import writing
+from store.io_errors import CACHE_FULL, writing
 from store.remote import READ_PIECE, Remote, SharedBar, each_at_once, open_remote, remote_errors
 
 log = logging.getLogger("store")
@@ -167,7 +167,7 @@ class ShardFetcher:
             if not self._reserve(part, int(entry["nbytes"])):
                 return "no room in the store cache"  # not kept: a later read may find room
             try:
-                with writing("the store cache", self.cache), self._connection(f"fetch {self.base}/{shard}"):
+                with writing("the store cache", self.cache, instead=CACHE_FULL), self._connection(f"fetch {self.base}/{shard}"):
                     n, crc = _download(self.remote, f"{self.base}/{shard}", part)
                 if (n, crc) != (int(entry["nbytes"]), entry["crc32c"]):
                     problem = (f"{self.url}/{self.base}/{shard} is damaged ({n} bytes, crc32c {crc}; "

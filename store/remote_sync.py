@@ -134,6 +134,11 @@ def _progress(total: int, desc: str):
 
 def _conflict(table: str, version: int, url: str, local: Path, remote: Remote | None = None) -> UserError:
     if remote is not None and not remote.fs.exists(remote.path(f"{table}/v{version}/{fmt.MANIFEST}")):
+        if pushes := _other_pushes(remote, table, version):
+            return UserError(f"{table} v{version} at {url} is being pushed right now, with other contents than "
+                             f"{local}'s, by {'; '.join(pushes)}: two different stores pushed into one prefix at "
+                             f"once, and that version is the other push's; push {local} into an empty prefix "
+                             "instead")
         return UserError(f"{table} v{version} at {url} is an incomplete version with other contents than "
                          f"{local}'s (objects of a push that was killed before its manifest, from another store); "
                          f"`pipeline store gc {url}` removes it once it is an hour old and no push holds it, then "
@@ -144,6 +149,16 @@ def _conflict(table: str, version: int, url: str, local: Path, remote: Remote | 
                          f"in-memory server); remove {local} (a cache) and rerun")
     return UserError(f"{table} v{version} differs between {local} and {url} (a different manifest under the same "
                      "version number: the stores grew apart); push/pull into an empty prefix or folder instead")
+
+
+def _other_pushes(remote: Remote, table: str, version: int) -> list[str]:
+    """The live push leases of other processes naming `table` v`version` (its objects theirs, in flight)."""
+    import socket
+
+    listing = remote.listing_times(remote_lease.LEASES_DIR)  # the leases only, not the whole prefix
+    return [f.describe() for f in remote_lease.leases(remote, listing)
+            if f.live and f.record.get("kind") == "push" and (table, version) in set(f.versions())
+            and (f.record.get("pid"), f.record.get("host")) != (os.getpid(), socket.gethostname())]
 
 
 # ---------------------------------------------------------------- push

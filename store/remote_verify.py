@@ -36,7 +36,7 @@ from store.checksum import RunningCrc
 from store.remote import READ_PIECE, Remote, SharedBar, each_at_once, is_transport_error
 from store.remote_lease import hold_reading, release_reading
 from store import quarantine
-from store.remote_sync import _MANIFEST_RE, damaged_quarantine, marker_rel
+from store.remote_sync import _MANIFEST_RE, _parse_record, damaged_quarantine, marker_rel
 from store.remote_view import listed_store
 from store.verify import LITTER_NOTE, REMOTE_METADATA, ShardPart, check_sample, shard_rows, verify_store
 
@@ -87,7 +87,18 @@ def verify_url(url: str, storage_options: dict[str, Any] | None = None, progress
         if objects.lost is not None:  # verify_store made it a problem line: it is the connection, not the data
             raise objects.lost
         current = current_versions(root)
+        record = str(root / fmt.STORE_JSON)
+        # a damaged store.json of a URL: what push and the stages say (`store repair URL` cannot rebuild it)
+        problems = [_record_problem(root, url) if p.startswith(record) else p for p in problems]
     return damaged + [p.replace(str(root), url) for p in problems], current
+
+
+def _record_problem(root: Path, url: str) -> str:
+    try:
+        _parse_record((root / fmt.STORE_JSON).read_bytes(), url)
+    except UserError as e:
+        return str(e)
+    return f"{url}/{fmt.STORE_JSON} is unreadable; push the store again into an empty prefix"
 
 
 class RemoteObjects:

@@ -118,10 +118,14 @@ def user_errors(output: Path | str | None = None) -> Iterator[None]:
                     fg=typer.colors.RED, err=True)
         raise typer.Exit(1) from None
     except Exception as e:  # a full disk / read-only folder missed by a closer handler: still one line
-        from models.collective import failure_line, peer_failure, report_once
+        from models.collective import failure_line, lost_peer_line, peer_failure, report_once
+        from pipeline.launched import launched
 
         if (peer := peer_failure()) is not None:  # e.g. gloo's "connection closed" when a failed rank exited
             report_once(peer)
+            raise typer.Exit(1) from None
+        if launched()[0] > 1 and (lost := lost_peer_line(e)) is not None:  # a rank killed, saying nothing
+            report_once(failure_line(e, lost))  # published: the ranks not in touch with it stop too
             raise typer.Exit(1) from None
         err = describe(e, "output", Path(getattr(e, "filename", None) or output or "."))
         if err is None:

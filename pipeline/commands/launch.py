@@ -52,20 +52,50 @@ def command(ctx: typer.Context) -> None:
     try:
         run(args)
     except ChildFailedError as e:
-        failed = ", ".join(f"rank {rank} exit {f.exitcode}" for rank, f in sorted(e.failures.items()))
-        typer.secho(f"error: {e.name} stopped: {failed} (the ranks' own error is the line above)",
-                    fg=typer.colors.RED, err=True)
+        typer.secho(f"error: {e.name} stopped: {failed_line(e.failures, _rerun(args))}", fg=typer.colors.RED,
+                    err=True)
         raise typer.Exit(1) from None
     except SignalException as e:  # SIGTERM (a scheduler's preemption) or Ctrl-C: torchrun's agent has stopped the ranks
         name = signal.Signals(e.sigval).name
-        # only `run train` takes --resume (and needs it); run all and the encoders continue on a plain rerun
-        rerun = "rerun with --resume" if args.training_script_args[:2] == ["run", "train"] else "rerun the same command"
+        rerun = _rerun(args)
         typer.secho(f"error: {args.training_script} stopped by {name}: every rank was sent {name} and has "
                     f"ended (what they committed stays: {rerun} to continue from the last checkpoint)",
                     fg=typer.colors.RED, err=True)
         raise typer.Exit(128 + int(e.sigval)) from None
     except (ValueError, AssertionError) as e:  # torchrun's checks of its options, a traceback: `--nnodes x`,
         _refused(str(e) or type(e).__name__)  # `--nproc-per-node abc` (or gpu without CUDA), `--rdzv-conf bad`
+
+
+def _rerun(args) -> str:
+    # only `run train` takes --resume (and needs it); run all and the encoders continue on a plain rerun
+    return "rerun with --resume" if args.training_script_args[:2] == ["run", "train"] else "rerun the same command"
+
+
+# signals torchrun's agent itself sends the other ranks once one has failed
+_STOPS = (signal.SIGTERM, signal.SIGINT)
+
+
+def failed_line(failures: dict, rerun: str) -> str:
+    """Which ranks exited how (torchrun's `ChildFailedError.failures`: rank -> exit code, negative for a signal).
+    A rank that printed its error exits 1 and the line is above; a rank killed by a signal printed nothing (a
+    `kill -9`, the out-of-memory killer, a crash in native code), so the line says that and what to do."""
+    parts, killed = [], []
+    for rank, f in sorted(failures.items()):
+        sig = -f.exitcode if f.exitcode < 0 else None
+        if sig is None:
+            parts.append(f"rank {rank} exit {f.exitcode}")
+            continue
+        name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else f"signal {sig}"
+        parts.append(f"rank {rank} killed by {name}")
+        if sig not in _STOPS:
+            killed.append((rank, name))
+    if not killed:
+        return f"{', '.join(parts)} (the ranks' own error is the line above)"
+    rank, name = killed[0]
+    why = ("printed nothing: a `kill -9`, or the kernel's out-of-memory killer (`dmesg` on its node says which)"
+           if name == "SIGKILL" else "printed nothing of its own: a crash in native code (a driver, a library)")
+    return (f"{', '.join(parts)}; rank {rank} {why}, and the launcher stopped the others. What they committed "
+            f"stays: {rerun} to continue")
 
 
 def _refused(why: str) -> None:

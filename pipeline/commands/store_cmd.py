@@ -67,9 +67,27 @@ def verify(store: str = StoreOrUrlArg,
     for p in problems:
         echo(p)
     if problems:
+        if not is_url(store):  # a store URL's cache: its damage is the remote's, repaired there
+            from store.integrity import repair_target
+
+            store = repair_target(Path(store))
         echo(_verify_advice(store, current, problems))
         raise typer.Exit(1)
     echo(f"ok: {store} verified")
+
+
+def _not_a_cache(root: Path) -> None:
+    """Refuse to repair a store URL's local cache folder (which a damaged sample's error used to name): the
+    damaged objects are the remote's, the cache holds only what passed its checks, and a repair there would leave
+    the remote as it was (it stopped on a shard the cache never kept, in a traceback)."""
+    from store.integrity import repair_target
+
+    if (url := repair_target(root)) != str(root):
+        from schemas.errors import UserError
+
+        raise UserError(f"{root} is this node's cache of {url}, not a store to repair: run `pipeline store repair "
+                        f"{url}` (the damage is in the remote's objects; add the --model / --config the store was "
+                        "built with)")
 
 
 def _current_versions(root: Path) -> dict[str, int]:
@@ -87,7 +105,12 @@ def _verify_advice(store: str, current: dict[str, int], problems: list[str]) -> 
     found = [re.match(r"([A-Za-z0-9_]+)/v(\d+)/", p) for p in problems]
     old = sorted({f"{m[1]}/v{m[2]}" for m in found if m and current.get(m[1]) != int(m[2])})
     advice = []
-    if any(m is None or current.get(m[1]) == int(m[2]) for m in found):  # current versions, store.json, litter
+    from store.remote import is_url
+
+    if is_url(store) and any(p.startswith(f"{store.rstrip('/')}/store.json ") for p in problems):
+        # a remote's store.json: no repair rebuilds it (`store repair URL` opens the store through it first)
+        advice.append("push the store again into an empty prefix (from the local store it was pushed from)")
+    elif any(m is None or current.get(m[1]) == int(m[2]) for m in found):  # current versions, store.json, litter
         advice.append(f"`pipeline store repair {store}` recomputes what is damaged (with the --model / --config "
                       "the store was built with)")
     if old:
@@ -146,6 +169,8 @@ def repair(
 
             store = work_copy(url, cache_dir, damaged_ok=True)
         store = Path(store)
+        if url is None:
+            _not_a_cache(store)
         plan = rp.scan(store, order=TABLE_ORDER)
         if plan.store_json and not plan.current:
             from schemas.errors import UserError

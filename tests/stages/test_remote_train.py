@@ -95,7 +95,8 @@ def Store_versions(root: Path) -> dict[str, list[int]]:
 
 
 def test_a_full_cache_disk_is_one_line_and_shows_nothing(s3_env, tiny_edit_model, tmp_path: Path, monkeypatch) -> None:
-    """On open (a version's metadata) and on a read (a shard fetched whole): one line, no partial file."""
+    """On open (a version's metadata) and on a read (a shard fetched whole): one line, no partial file, naming
+    --cache-gb (before, only "free space and rerun": without a limit the rerun fills the disk at the same point)."""
     import errno
 
     from schemas.errors import UserError
@@ -123,16 +124,18 @@ def test_a_full_cache_disk_is_one_line_and_shows_nothing(s3_env, tiny_edit_model
     monkeypatch.setattr(Remote, "download", lambda self, rel, part, progress: disk_fills_up(rel, part)
                         or real_download(self, rel, part, progress))
     cache = tmp_path / "cache"
-    with pytest.raises(UserError, match="disk full while writing the store cache in " + str(cache)):
+    with pytest.raises(UserError, match="disk full while writing the store cache in " + str(cache)) as full:
         local_store(s3_env.url("full"), ["text", "vae"], cache)
+    assert "or limit the cache below its disk's free space with --cache-gb G" in str(full.value), full.value
     assert not list(cache.rglob("*.part"))  # no partial file left
     (root,) = [p for p in cache.iterdir() if p.is_dir()]
     assert Store_versions(root) == {"text": [], "vae": []}
     assert Store_versions(local_store(s3_env.url("full"), ["text", "vae"], cache)) == {"text": [1], "vae": [1]}
     with Store(root, create=False).reader("vae") as r, pytest.raises(UserError, match="disk full while writing "
-                                                                                        "the store cache"):
+                                                                                        "the store cache") as full:
         for k in r.keys():  # a scan: the shard is fetched whole
             r.tensors(k)
+    assert "--cache-gb G: the shards that do not fit are then read by byte range" in str(full.value), full.value
     assert not [p for p in root.rglob("*")
                 if remote_shards.FETCH_TAG in p.name and not p.name.endswith(remote_shards.RANGED)]
     assert not [p for p in root.rglob("*.tar")]

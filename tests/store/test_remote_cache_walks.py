@@ -183,3 +183,22 @@ def test_a_fetch_under_way_without_a_limit_is_counted_at_its_full_size_by_a_walk
     assert json.loads((cache / USAGE).read_text())["bytes"] == before + int(entry["nbytes"])  # added
     remote_cache.evict(cache, 10**9, set())  # the limited process walks meanwhile (its fetches came near its limit)
     assert json.loads((cache / USAGE).read_text())["bytes"] == before + int(entry["nbytes"])  # still counted
+
+
+def test_a_shard_larger_than_the_limit_evicts_nothing(s3_env, store: Store, tmp_path: Path) -> None:
+    """A shard that cannot fit under --cache-gb is read by range; before, its every read first evicted every cached
+    shard (the walk's target, limit - shard, below zero), which the next reads fetched again: with a 2 MB limit,
+    a 3 MB disk and a 6 MB `vae` shard, train fetched its `text` shard again and again."""
+    url = _pushed(s3_env, store, 8)
+    cache = tmp_path / "cache"
+    local_store(url, ["vae"], cache)
+    limit = _cache_bytes(cache) + 4 * _shard_bytes(store)
+    root = local_store(url, ["vae"], cache, limit_gb=limit / 1e9)
+    with Store(root, create=False).reader("vae") as cached:
+        for k in cached.shard_groups()[0]:  # a scan: its shard fetched whole
+            cached.tensors(k)
+    kept = [p for p in root.rglob("*") if fmt.SHARD_RE.fullmatch(p.name) and p.suffix == ".tar"]
+    assert kept
+    with fmt.flock(cache / remote_cache.CACHE_LOCK):
+        assert not remote_cache.make_room(cache, limit, limit + 1)
+    assert all(p.exists() for p in kept), kept

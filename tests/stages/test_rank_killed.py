@@ -1,0 +1,90 @@
+"""A rank killed without a word (SIGKILL: `kill -9`, the out-of-memory killer) under `pipeline launch`: every rank
+stops with no traceback, and the launcher's last line names the killed rank, what probably killed it and the rerun
+that continues. Before: the surviving rank died in gloo's "Connection reset by peer" traceback, and the launcher
+said "rank 1 exit -9 (the ranks' own error is the line above)", where no rank had said anything."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import typer
+
+from train_store import make_train_store, mixed_specs
+
+REPO = Path(__file__).resolve().parents[2]
+GLOO_RESET = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:545] Read error "
+              "[127.0.0.1]:48847: Connection reset by peer. This is typically caused by a remote worker hanging or "
+              "bugs in the application.")
+
+
+def test_a_launch_whose_rank_is_killed_ends_in_lines_that_name_it(tiny_edit_model, tmp_path) -> None:
+    store = tmp_path / "store"
+    make_train_store(store, tiny_edit_model, mixed_specs(8))
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    # rank 1 kills itself at its third all-reduce (inside training: after the ranks' first agreements), as the
+    # out-of-memory killer would: no Python unwinding, no line of its own
+    (hook / "sitecustomize.py").write_text(
+        "import os\n"
+        "if os.environ.get('RANK') == '1':\n"
+        "    import signal, torch.distributed as dist\n"
+        "    real, calls = dist.all_reduce, []\n"
+        "    def all_reduce(*a, **k):\n"
+        "        calls.append(1)\n"
+        "        if len(calls) == 3:\n"
+        "            os.kill(os.getpid(), signal.SIGKILL)\n"
+        "        return real(*a, **k)\n"
+        "    dist.all_reduce = all_reduce\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(hook), str(REPO)]), "HF_HUB_OFFLINE": "1",
+           "OMP_NUM_THREADS": "1"}
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        env.pop(name, None)
+    p = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", "launch", "--standalone", "--nproc-per-node", "2", "run", "train",
+         "--store", str(store), "--model", tiny_edit_model, "--out", str(tmp_path / "run"), "--device", "cpu",
+         "--max-steps", "4", "--batch-size", "2"],
+        env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 1, p.stderr[-3000:]
+    assert "Traceback" not in p.stderr + p.stdout, p.stderr[-4000:]
+    last = [line for line in p.stderr.splitlines() if line.startswith("error: ")][-1]
+    assert last.startswith("error: pipeline.cli stopped: ") and "rank 1 killed by SIGKILL" in last, last
+    assert "rank 1 printed nothing: a `kill -9`, or the kernel's out-of-memory killer" in last, last
+    assert last.endswith("rerun with --resume to continue"), last
+
+
+def test_a_rank_that_lost_a_killed_peer_says_so_in_one_line(monkeypatch, capsys) -> None:
+    """The surviving rank's side (whether gloo's error or torchrun's SIGTERM reaches it first is a race, so the
+    launch above may not show it): gloo's connection error becomes one line, exit 1."""
+    from pipeline.commands.common import user_errors
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(typer.Exit) as stopped, user_errors():
+        raise RuntimeError(GLOO_RESET)
+    assert stopped.value.exit_code == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: rank 0 lost its connection to another rank (Connection "
+                                                   "reset by peer): that rank's process ended without a word"), lines
+    with pytest.raises(RuntimeError), user_errors():  # one process: no peer to lose, the error is this one's
+        monkeypatch.setenv("WORLD_SIZE", "1")
+        raise RuntimeError(GLOO_RESET)
+
+
+def test_the_launchers_line_tells_a_rank_that_failed_from_one_that_was_killed() -> None:
+    from pipeline.commands.launch import failed_line
+
+    def fail(code: int) -> SimpleNamespace:
+        return SimpleNamespace(exitcode=code)
+
+    said = failed_line({0: fail(1), 1: fail(143)}, "rerun the same command")
+    assert said == "rank 0 exit 1, rank 1 exit 143 (the ranks' own error is the line above)", said
+    said = failed_line({0: fail(-signal.SIGTERM), 1: fail(-signal.SIGSEGV)}, "rerun the same command")
+    assert said.startswith("rank 0 killed by SIGTERM, rank 1 killed by SIGSEGV; rank 1 printed nothing of its own: "
+                           "a crash in native code"), said
+    assert said.endswith("What they committed stays: rerun the same command to continue"), said
