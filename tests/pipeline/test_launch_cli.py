@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from rank_hook import launch_with_hook
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -34,11 +36,9 @@ def test_a_launch_where_one_rank_sees_a_gpu_and_the_other_none_is_refused_by_bot
     (models/launch_devices.py) and refuse in one line naming rank 0, before opening anything. Before: rank 0 set
     up gloo on the CPU and rank 1 NCCL, which failed there with a traceback (on real nodes: a launch hung until
     the collective timeout, or trained mixed)."""
-    hook = tmp_path / "hook"
-    hook.mkdir()
     # Told to the device decisions only (this project's and accelerate's): libraries that probe the GPU further
     # at import (torchao) would fail on a CPU machine told there is one.
-    (hook / "sitecustomize.py").write_text(
+    p = launch_with_hook(tmp_path, (
         "import os, sys\n"
         "if os.environ.get('RANK') == '1':  # a launched rank 1 only (the launcher's own process has no RANK)\n"
         "    import torch\n"
@@ -48,15 +48,9 @@ def test_a_launch_where_one_rank_sees_a_gpu_and_the_other_none_is_refused_by_bot
         f"        return (name.startswith({str(REPO)!r}) and '/site-packages/' not in name) or '/accelerate/' in name\n"
         "    real_available, real_count = torch.cuda.is_available, torch.cuda.device_count\n"
         "    torch.cuda.is_available = lambda: _asked_by_a_device_decision() or real_available()\n"
-        "    torch.cuda.device_count = lambda: 2 if _asked_by_a_device_decision() else real_count()\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(hook), str(REPO)]), "HF_HUB_OFFLINE": "1",
-           "OMP_NUM_THREADS": "1"}
-    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
-        env.pop(name, None)
-    p = subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", "launch", "--standalone", "--nproc-per-node", "2", "run", "train",
-         "--store", str(tmp_path / "store"), "--model", str(tmp_path / "model"), "--out", str(tmp_path / "run")],
-        env=env, capture_output=True, text=True, timeout=300)  # a bound for a hang: the old code's failure mode
+        "    torch.cuda.device_count = lambda: 2 if _asked_by_a_device_decision() else real_count()\n"),
+        ["run", "train", "--store", str(tmp_path / "store"), "--model", str(tmp_path / "model"), "--out",
+         str(tmp_path / "run")], timeout=300)  # a bound for a hang: the old code's failure mode
     assert p.returncode == 1, p.stderr[-3000:]
     assert "Traceback" not in p.stderr + p.stdout and "ChildFailedError" not in p.stderr, p.stderr[-3000:]
     errors = [line for line in p.stderr.splitlines() if line.startswith("error: ")]

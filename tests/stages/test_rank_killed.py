@@ -5,19 +5,15 @@ said "rank 1 exit -9 (the ranks' own error is the line above)", where no rank ha
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import typer
 
+from rank_hook import launch_with_hook
 from train_store import make_train_store, mixed_specs
 
-REPO = Path(__file__).resolve().parents[2]
 GLOO_RESET = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:545] Read error "
               "[127.0.0.1]:48847: Connection reset by peer. This is typically caused by a remote worker hanging or "
               "bugs in the application.")
@@ -26,11 +22,9 @@ GLOO_RESET = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc
 def test_a_launch_whose_rank_is_killed_ends_in_lines_that_name_it(tiny_edit_model, tmp_path) -> None:
     store = tmp_path / "store"
     make_train_store(store, tiny_edit_model, mixed_specs(8))
-    hook = tmp_path / "hook"
-    hook.mkdir()
     # rank 1 kills itself at its third all-reduce (inside training: after the ranks' first agreements), as the
     # out-of-memory killer would: no Python unwinding, no line of its own
-    (hook / "sitecustomize.py").write_text(
+    p = launch_with_hook(tmp_path, (
         "import os\n"
         "if os.environ.get('RANK') == '1':\n"
         "    import signal, torch.distributed as dist\n"
@@ -40,16 +34,9 @@ def test_a_launch_whose_rank_is_killed_ends_in_lines_that_name_it(tiny_edit_mode
         "        if len(calls) == 3:\n"
         "            os.kill(os.getpid(), signal.SIGKILL)\n"
         "        return real(*a, **k)\n"
-        "    dist.all_reduce = all_reduce\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(hook), str(REPO)]), "HF_HUB_OFFLINE": "1",
-           "OMP_NUM_THREADS": "1"}
-    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
-        env.pop(name, None)
-    p = subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", "launch", "--standalone", "--nproc-per-node", "2", "run", "train",
-         "--store", str(store), "--model", tiny_edit_model, "--out", str(tmp_path / "run"), "--device", "cpu",
-         "--max-steps", "4", "--batch-size", "2"],
-        env=env, capture_output=True, text=True, timeout=600)
+        "    dist.all_reduce = all_reduce\n"),
+        ["run", "train", "--store", str(store), "--model", tiny_edit_model, "--out", str(tmp_path / "run"),
+         "--device", "cpu", "--max-steps", "4", "--batch-size", "2"], timeout=600)
     assert p.returncode == 1, p.stderr[-3000:]
     assert "Traceback" not in p.stderr + p.stdout, p.stderr[-4000:]
     last = [line for line in p.stderr.splitlines() if line.startswith("error: ")][-1]
