@@ -89,6 +89,14 @@ def _terminate(signum, frame) -> None:
     raise SystemExit(128 + signum)
 
 
+def _exiting(signum, frame) -> None:
+    # The command has ended (its line printed, its exit status set): what is left is the exit's own work, atexit's
+    # (the process group's close, bounded by models/collective.CLOSE_SECONDS; lease releases). A SIGTERM now -
+    # torchrun stopping the other ranks once one has exited - raised SystemExit inside an atexit callback: a
+    # traceback after the rank's own line, and the rest of the exit's work skipped. Recorded, not raised.
+    _signalled.append(signum)
+
+
 def _interrupt(signum, frame) -> None:
     _signalled.append(signum)
     raise KeyboardInterrupt  # Python's own SIGINT behaviour; only recorded first
@@ -139,6 +147,8 @@ def main() -> None:  # pragma: no cover
         name = signal.Signals(_signalled[0]).name
         print(f"stopped by {name} ({type(e).__name__} while stopping)", file=sys.stderr)
         raise SystemExit(128 + _signalled[0]) from None
+    finally:
+        signal.signal(signal.SIGTERM, _exiting)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import typer
@@ -190,3 +191,28 @@ def test_a_sigterm_lost_in_a_finalizer_still_stops_training(tiny_edit_model, tmp
     assert "stopped by SIGTERM" not in proc.stderr, proc.stderr[-2000:]  # the loop's line, not a second one
     assert (out / "checkpoints" / "step-1").is_dir() and not (out / "lora").exists()
     assert not list((store / LEASES_DIR).glob("*.json"))
+
+
+def test_a_sigterm_while_the_process_exits_is_no_traceback(tmp_path):
+    """torchrun sends SIGTERM to the other ranks once one has exited; a rank that had printed its line and was
+    running its atexit work (the process group's close) raised SystemExit there from the handler: "Exception
+    ignored in atexit callback" and a traceback after its line (seen in a 2-rank launch whose rank 1 was killed).
+    The command's exit status stays the one it ended with."""
+    script = tmp_path / "exiting.py"
+    script.write_text(
+        "import atexit, os, signal, sys, time\n"
+        "import pipeline.cli as cli\n"
+        "def ended_work():\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    time.sleep(0.2)  # the handler runs between bytecodes of this callback\n"
+        "    print('exit work done', file=sys.stderr)\n"
+        "def app():\n"
+        "    atexit.register(ended_work)\n"
+        "    print('error: the rank\\'s own line', file=sys.stderr)\n"
+        "    raise SystemExit(1)\n"
+        "cli.app = app\n"
+        "cli.main()\n")
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    assert p.returncode == 1, p.stderr
+    assert "Traceback" not in p.stderr and p.stderr.endswith("exit work done\n"), p.stderr
