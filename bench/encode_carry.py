@@ -143,7 +143,7 @@ def main() -> None:
     images = Store(root, create=False).reader("images")
     share = a.samples // a.world_size
     rows = stored_rows(images, share, np.random.default_rng(1))
-    job = SimpleNamespace(images=images, match_columns=("mask_sha256",))  # encode-vae's
+    job = SimpleNamespace(images=images, match_columns=("mask_sha256",), prompt_fits=None)  # encode-vae's
     want, got = old_carried_rows(job, rows), carried_rows(job, rows)
     assert got.equals(want), "the two rules disagree"
     t_old = best(lambda: old_carried_rows(job, rows), a.repeat)

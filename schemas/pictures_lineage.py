@@ -2,8 +2,9 @@
 as one encoder reads them.
 
 An encoder reads only some of the pictures: the VAE reads target.png, control_{i}.png and mask.png, never the VL
-views. A change to a setting it does not read (`control_vl_area`) re-renders the table, but leaves the bytes it
-reads as they were, so its features are carried forward rather than encoded again (hours at 1M samples)."""
+views; the text encoder never reads target.png. A change to a setting it does not read (`control_vl_area`,
+`target_area`) re-renders the table, but leaves the bytes it reads as they were, so its features are carried
+forward rather than encoded again (hours at 1M samples)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,14 @@ CODE_BEFORE_FIXES_ATTR = "code_version_before_fixes"
 # render settings the VAE encoder does not read: they size or skip the VL views alone (stages/resize/stage.py
 # `_render`: target, control VAE views and mask are sized by target_area / control_vae_area and the bucket rules)
 VAE_UNREAD = ("control_vl_area", "vl_views")
+# render settings the text encoder does not read, by pipeline family (`models.loading.pipeline_family`): none reads
+# target.png; Edit reads control_0.png (the VAE view: control_vae_area), Edit-Plus (2509, 2511) each
+# control_{i}_vl.png (control_vl_area), Qwen-Image-2.1 each control_{i}.png (control_vae_area). What the target
+# size still decides of a text row - its img_shapes and whether its prompt fits next to them - is taken from the
+# images when the row is carried forward (`EncodeJob.prompt_fits`, stages/encode/output.py).
+TEXT_UNREAD = {"edit": ("target_area", "control_vl_area", "vl_views"),
+               "edit-plus": ("target_area", "control_vae_area"),
+               "qwen-image-2.1": ("target_area", "control_vl_area", "vl_views")}
 
 
 def pictures_lineage(rc: ResizeConfig, code_version: str, unread: tuple[str, ...] = ()) -> str:

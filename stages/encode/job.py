@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, TypeVar
 
 import torch
 
@@ -44,6 +44,11 @@ class EncodeJob:
     # lineage from before a fix (in earlier_lineages) -> "does a fix change this stored row?" (stages/encode/plan.py)
     changed_by_fixes: dict[str, Any] = field(default_factory=dict)
     match_columns: tuple[str, ...] = ()  # images columns a carried row must still match (vae: mask_sha256)
+    # encode-text: (stored length, img_shapes now) -> does the prompt fit next to the images now? Set, a
+    # carried row takes the images' img_shapes now (its encoder does not read the target: a new target size
+    # carries it), and one whose img_shapes changed is carried only if it still fits (else it is read again and
+    # rejected as a fresh encode rejects it; stages/encode/output.py `_shapes_now`)
+    prompt_fits: Callable[[int, list], bool] | None = None
     lease: Any = None  # the read lease on `images` (store/lease.py); released when the job is done or collected
     on_damaged: str = "stop"  # a damaged `images` sample: stop, or skip (quarantined as DAMAGED_INPUT)
     max_damaged_fraction: float = 0.0  # on_damaged=skip: stop anyway above this share of this rank's samples

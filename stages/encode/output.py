@@ -7,7 +7,7 @@ import shutil
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import pyarrow as pa
@@ -64,11 +64,14 @@ def _all_agree(world: int, yes: bool) -> bool:
 
 def carried_rows(job: EncodeJob, rows: pa.Table) -> pa.Table:
     """The stored rows of an earlier version that this run carries forward: those whose content outside the key
-    is the images' now (`_same_content`), with the split `images` gives now. Looked up for the whole column and
-    compared in Arrow: row by row (each sample's images meta), ~12 s per rank at 1M samples and 8 ranks before the
-    model's first batch (bench/encode_carry.py)."""
+    is the images' now (`_same_content`) and, for encode-text, whose prompt fits next to the images now
+    (`_shapes_now`), with the split (and encode-text's img_shapes) `images` gives now. Looked up for the whole
+    column and compared in Arrow: row by row (each sample's images meta), ~12 s per rank at 1M samples and 8 ranks
+    before the model's first batch (bench/encode_carry.py)."""
     at = job.images.rows_of_keys(rows.column("key"))
     rows, at = _same_content(job, rows, at)
+    if job.prompt_fits is not None:
+        rows, at = _shapes_now(job.images, rows, at, job.prompt_fits)
     return _split_now(job.images, rows, at)
 
 
@@ -98,6 +101,56 @@ def _equal_at(stored: pa.ChunkedArray, now: pa.Array, at: np.ndarray) -> np.ndar
     if same is None:  # e.g. a column no row of one table has a value in (type null): compared as values
         same = np.array([a is not None and a == b for a, b in zip(stored.to_pylist(), now.to_pylist())], bool)
     return same & (at >= 0)
+
+
+def _shapes_now(images, rows: pa.Table, at: np.ndarray,
+                fits: Callable[[int, list], bool]) -> tuple[pa.Table, np.ndarray]:
+    """The carried rows with the img_shapes `images` gives their samples now, as a fresh encode stores them (the
+    text encoder does not read the target, so a new target size carries its rows forward); a row whose shapes
+    changed is kept only if its stored prompt `length` still `fits` next to them (the others are encoded again
+    and rejected as a fresh encode rejects them, e.g. "caption too long"; a row without a length is encoded
+    again). Compared in numpy, `fits` asked once per distinct (length, shapes): not a Python call per row."""
+    if "img_shapes" not in rows.column_names or not rows.num_rows:
+        return rows, at
+    now = images.column("img_shapes").take(pa.array(at)) if images.has_column("img_shapes") else \
+        pa.array([[list(s) for s in images.img_shapes_at(int(i))] for i in at])  # schema v1: derived
+    stored, wanted = _padded_shapes(rows.column("img_shapes")), _padded_shapes(now)
+    width = max(stored.shape[1], wanted.shape[1])
+    stored, wanted = (np.pad(a, ((0, 0), (0, width - a.shape[1]))) for a in (stored, wanted))
+    changed = (stored != wanted).any(axis=1)
+    if changed.any():
+        stored_length = rows.column("length") if "length" in rows.column_names else None
+        lengths = np.full(rows.num_rows, -1, np.int64) if stored_length is None or \
+            not pa.types.is_integer(stored_length.type) else \
+            stored_length.fill_null(-1).to_numpy(zero_copy_only=False).astype(np.int64)
+        distinct, which = np.unique(np.column_stack([lengths[changed], wanted[changed]]), axis=0, return_inverse=True)
+        ok = np.array([n >= 0 and fits(int(n), _shapes_of(row)) for n, *row in distinct.tolist()], bool)
+        keep = ~changed
+        keep[changed] = ok[which.reshape(-1)]
+        if not keep.all():
+            rows, at, now = rows.filter(pa.array(keep)), at[keep], now.filter(pa.array(keep))
+    i = rows.schema.get_field_index("img_shapes")
+    return rows.set_column(i, rows.schema.field(i), now.cast(rows.schema.field(i).type)), at
+
+
+def _padded_shapes(column: pa.Array | pa.ChunkedArray) -> np.ndarray:
+    """Each row's img_shapes as one int64 row: the number of entries, then each [frames, h, w], zeros after."""
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks()
+    counts = pc.list_value_length(column).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
+    values = pc.list_flatten(pc.list_flatten(column)).to_numpy(zero_copy_only=False).astype(np.int64).reshape(-1, 3)
+    out = np.zeros((len(counts), 1 + 3 * int(counts.max(initial=0))), np.int64)
+    out[:, 0] = counts
+    row = np.repeat(np.arange(len(counts)), counts)
+    entry = np.arange(len(values)) - np.repeat(np.cumsum(counts) - counts, counts)
+    for j in range(3):
+        out[row, 1 + 3 * entry + j] = values[:, j]
+    return out
+
+
+def _shapes_of(padded: list[int]) -> list[list[int]]:
+    """The img_shapes of one `_padded_shapes` row."""
+    return [padded[1 + 3 * e : 4 + 3 * e] for e in range(padded[0])]
 
 
 def _split_now(images, rows: pa.Table, at: np.ndarray) -> pa.Table:

@@ -26,6 +26,7 @@ import torch
 from schemas.config import PipelineConfig
 from schemas.errors import Rejected, UserError
 from schemas.fixes import mask_was_turned
+from schemas.pictures_lineage import TEXT_UNREAD
 from schemas.table import FieldSpec, TableSchema
 from stages.encode.common import (
     Ranks,
@@ -203,7 +204,9 @@ def run_text(cfg: PipelineConfig, store: str | Path, model: str, device: str | N
     job = open_job(store, "encode-text", "text", config_hash(section, prompt_format=record), model, TEXT_REVISION,
                    ranks, components=("text_encoder", "processor", "tokenizer"),
                    on_damaged=section.on_damaged, max_damaged_fraction=section.max_damaged_fraction, fixes=TEXT_FIXES,
-                   serving_hashes=serving_config_hashes(section, prompt_format=record))
+                   serving_hashes=serving_config_hashes(section, prompt_format=record),
+                   unread=TEXT_UNREAD["qwen-image-2.1"])
+    job.prompt_fits = lambda tokens, shapes: caption_length_rejection_21("", tokens, shapes) is None
     if job.up_to_date:
         return job.summary
     processor = load_component(model, "processor")

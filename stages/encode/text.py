@@ -50,6 +50,7 @@ from stages.encode.common import (
 )
 
 from schemas.fixes import has_alpha_picture
+from schemas.pictures_lineage import TEXT_UNREAD
 from stages.encode.plan import Fixes
 
 STAGE = "encode-text"
@@ -213,6 +214,12 @@ def caption_length_rejection(key: str, text_tokens: int, meta: dict[str, Any]) -
                     "shorten the caption", key=key)
 
 
+def prompt_fits(text_tokens: int, img_shapes: list) -> bool:
+    """A stored prompt of `text_tokens` (its `length`: the count `prepare` checks) still fits next to these images
+    (`caption_length_rejection`): a row carried to another target size is kept only then."""
+    return caption_length_rejection("", text_tokens, {"img_shapes": img_shapes}) is None
+
+
 def fill_image_slots(text: str, image_token: str, slots: list[str]) -> str:
     """Each image placeholder replaced by that image's run of tokens, as the processor does."""
     parts = text.split(image_token)
@@ -323,7 +330,9 @@ def run(
                    FEATURE_REVISION, ranks, components=COMPONENTS,
                    on_damaged=section.on_damaged, max_damaged_fraction=section.max_damaged_fraction,
                    earlier_hashes=earlier_config_hashes(section, prompt_format=fmt.lineage_record()), fixes=FIXES,
-                   serving_hashes=serving_config_hashes(section, earlier=True, prompt_format=fmt.lineage_record()))
+                   serving_hashes=serving_config_hashes(section, earlier=True, prompt_format=fmt.lineage_record()),
+                   unread=TEXT_UNREAD[fmt.variant])
+    job.prompt_fits = prompt_fits
     if job.up_to_date:
         return job.summary
     if fmt.variant != "edit" and not job.images.schema.attrs.get("resize", {}).get("vl_views", True):

@@ -65,10 +65,11 @@ def test_carried_rows_are_the_row_by_row_rule(tmp_path):
         for match in (("mask_sha256",), ()):
             for case, table in cases.items():
                 want = _row_by_row(reader, table, match)
-                got = carried_rows(SimpleNamespace(images=reader, match_columns=match), table)
+                got = carried_rows(SimpleNamespace(images=reader, match_columns=match, prompt_fits=None), table)
                 assert got.to_pylist() == want.to_pylist(), (name, match, case)
                 assert got.schema == want.schema, (name, match, case)
     # what the rule keeps here: the equal masks (and "" = no mask on both sides), relabelled to the split now
-    got = carried_rows(SimpleNamespace(images=images["masks and splits"], match_columns=("mask_sha256",)), rows)
+    vae_job = SimpleNamespace(images=images["masks and splits"], match_columns=("mask_sha256",), prompt_fits=None)
+    got = carried_rows(vae_job, rows)
     assert [(r["key"], r["split"]) for r in got.to_pylist()] == [(KEYS[6], "train"), (KEYS[0], "train"),
                                                                   (KEYS[2], "val")]
