@@ -147,6 +147,10 @@ def _open_job(store_path: str | Path, stage: str, table: str, feature_hash: str,
     reads = _read_lineage(images.schema, unread)
     upstream = reads or whole
     fingerprint = component_fingerprint(model, components) if components else model_fingerprint(model)
+    if reads is not None and _repairs_whole_lineage(store, table, {
+            feature_lineage(stage, h, fingerprint, code_version(rev), whole)
+            for h in (feature_hash, *earlier_hashes) for rev in (feature_revision, fixes.revision_before) if rev}):
+        upstream = whole  # `store repair` of a version encoded before `unread`: completed under its own lineage
     fl, *earlier = (feature_lineage(stage, h, fingerprint, code_version(feature_revision), upstream)
                     for h in (feature_hash, *earlier_hashes))
     # samples encoded from pictures whose read part was the same (stored under their whole lineage, as every
@@ -255,6 +259,26 @@ def _images_feature_lineage(store: Store, images, images_id: str) -> str:
             (store.version_dir(IMAGES_TABLE, int(origin)) / "manifest.parquet").is_file():
         upstream = store.version_id(IMAGES_TABLE, int(origin))
     return upstream
+
+
+def _repairs_whole_lineage(store: Store, table: str, whole: set[str]) -> bool:
+    """Under `store repair`: is the version repaired one whose samples are recorded under the images' whole
+    lineage (`whole`: this run's feature lineages over it), encoded before its stage left out what it does not
+    read? The repair version holds that version's schema, which the stage's writer resumes only as it is (under
+    the read lineage it made another version, and the repair stopped: "did not complete")."""
+    from store.manifest_files import read_schema
+
+    expected = repair_context.expected()
+    if expected is None:
+        return False
+    for v in fmt.list_versions(store.root, table):
+        try:
+            schema = read_schema(store.version_dir(table, v))
+        except UserError:  # a damaged schema.json: not the version repaired (repair refuses those)
+            continue
+        if schema.lineage == expected and schema.attrs.get(FEATURE_LINEAGE_ATTR) in whole:
+            return True
+    return False
 
 
 def _read_lineage(schema, unread: tuple[str, ...], before_fixes: bool = False) -> str | None:

@@ -144,3 +144,37 @@ def test_text_encoded_before_this_release_is_carried_and_stays_current(tiny_plus
     text = encode_text.run(cfg, store, tiny_plus_model, batch_size=2)
     assert (text.encoded, text.reused) == (0, len(CAPTIONS))
     assert all(r["img_shapes"][0] == [1, 8, 8] for r in _rows(store, "text").values())
+
+
+@pytest.mark.parametrize("stage, unread, before", [
+    (encode_text, "TEXT_UNREAD", {"edit": (), "edit-plus": ()}), (encode_vae, "VAE_UNREAD", ())])
+def test_repair_of_a_table_encoded_before_its_read_lineage(stage, unread, before, tiny_plus_model, monkeypatch,
+                                                           tmp_path):
+    """`store repair` of a table from before its stage left out the render settings it does not read (samples
+    under the images' whole lineage) completes its repair version under that lineage, recomputing only the
+    damaged sample. Before, the stage wrote under the read lineage, a schema the repair version does not hold: it
+    encoded every sample into another version and the repair stopped ("did not complete v2")."""
+    from typer.testing import CliRunner
+
+    from pipeline.cli import app
+    from store.verify import verify_store
+    from tests.damage import HEADER, flip_bit, key_at, sample_byte
+    from tests.stages.test_fix_revisions_repair import _config_file
+
+    settings = {**SMALL, f"{stage.STAGE.replace('-', '_')}.shard_size_mb": 0.001}  # a shard per sample
+    _source(tmp_path / "src")
+    store = tmp_path / "store"
+    resize_stage.run(load_config(None, settings), tmp_path / "src", store)
+    with monkeypatch.context() as m:
+        m.setattr(stage, unread, before)  # what the earlier release hashed
+        stage.run(load_config(None, settings), store, tiny_plus_model, batch_size=2)
+    stored = _tables(store, stage.TABLE)
+    key = key_at(store, stage.TABLE, 1)
+    flip_bit(*sample_byte(store, stage.TABLE, key, HEADER, 3), 5)
+    res = CliRunner().invoke(app, ["store", "repair", str(store), "--model", tiny_plus_model,
+                                   "--config", str(_config_file(tmp_path / "c.yaml", settings))])
+    assert res.exit_code == 0, res.output
+    assert "recomputing 1 damaged sample" in res.output
+    assert verify_store(store, progress=False) == []
+    _same(_tables(store, stage.TABLE), stored)
+    assert stage.run(load_config(None, settings), store, tiny_plus_model, batch_size=2).up_to_date
