@@ -700,6 +700,8 @@ def _summary(losses: LossStore, samples, cfg: EvaluateConfig, fingerprint: str,
             "extra_prompts_sha256": extra_prompt_bytes(cfg) or None,
             # the bytes each step's numbers are of: what the up-to-date check compares (`_up_to_date`)
             "steps": steps, "paths": paths, "lora_sha256": [shas[step] for step in steps],
+            # whether each step's checkpoint was still there (a pruned one keeps its point, but not its file)
+            "on_disk": [i in alive for i in range(len(steps))],
             "base": per_step["base"], "per_step": per_step["steps"],
             "best": best, "last": point(last_i),
             "note": "best = lowest overall held-out loss among the checkpoints still on disk (ties: earlier step); "

@@ -5,6 +5,7 @@ an append killed before its commit, a checkpoint already evaluated skipped, a ch
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -373,6 +374,12 @@ def test_a_moved_run_folder_keeps_its_losses_and_names_the_checkpoints_where_the
     shutil.rmtree(root / "moved" / "checkpoints" / "step-20")
     res = ev.run(EvaluateConfig(**CFG), run_and_store / "store", tiny_edit_model, [moved[0], moved[2]], out)
     assert res.metrics["checkpoints"]["steps"] == [10, 20, 30] and res.best["step"] == 30
+    # and the report's table says its path names no file any more (it listed it as any other; compare's CSV
+    # said on_disk no): a user picking a checkpoint from the table copied a path that is not there
+    assert res.metrics["checkpoints"]["on_disk"] == [True, False, True]
+    page = (out / "index.html").read_text()
+    rows = re.findall(r"<td>step (\d+)[^<]*</td><td>([^<]*)</td>", page)
+    assert [(int(step), "(removed" in path) for step, path in rows] == [(10, False), (20, True), (30, False)]
 
 
 def test_lora_dropout_of_the_training_config_is_off_while_evaluating(tiny_edit_model, tmp_path):
