@@ -257,6 +257,13 @@ def lora_weight_file(lora: str | Path) -> Path:
         if given.is_dir() and inside.is_file():
             raise UserError(f"no LoRA weights at {path}: {given} is a run or checkpoint folder; pass its LoRA "
                             f"folder {inside.parent}")
+        step = given.parent if given.name == "lora" else given  # RUN/checkpoints/step-N[/lora]
+        if not given.exists() and step.parent.name == "checkpoints" and step.parent.is_dir():
+            # a checkpoint the training pruned (train.keep_checkpoints) since a report named it
+            kept = sorted((p.name for p in step.parent.iterdir() if p.name.startswith("step-")),
+                          key=lambda n: int(n[5:]) if n[5:].isdigit() else -1)
+            raise UserError(f"no LoRA weights at {path}: {step} does not exist (pruned by train.keep_checkpoints, "
+                            f"or moved); {step.parent} holds {', '.join(kept) or 'no checkpoint'}")
         raise UserError(
             f"no LoRA weights at {path}: pass a folder written by `pipeline run train` (RUN/lora) "
             f"holding {WEIGHT_NAME}, or the .safetensors file itself"

@@ -5,7 +5,8 @@
       loss        float32 (step, sample, seed, sigma, region)   one chunk per checkpoint step
       step        int64   (step)        checkpoint        str (step)  its folder   lora_sha256 str (step)
       sample      str (sample: keys)    bucket  str (sample)   seed int64   sigma float64   region str
-      zarr.json   group attrs (settings, fingerprint) + consolidated metadata: the commit record
+      zarr.json   group attrs (settings, fingerprint, trainings: step -> what trained it) + consolidated
+                  metadata: the commit record
 
 Read with xarray (dimension names are stored, coordinates are the arrays named like their dimension):
 
@@ -176,6 +177,11 @@ class LossStore:
             return {}
         return dict(zip((int(s) for s in self.group["step"][:]), (str(h) for h in self.group["lora_sha256"][:])))
 
+    def trainings(self) -> dict[int, str]:
+        """step -> what trained its checkpoint (`append`'s `training`), for the steps recorded with one."""
+        steps = self.steps()
+        return {int(k): v for k, v in dict(self.group.attrs.get("trainings") or {}).items() if int(k) in steps}
+
     def has_base(self) -> bool:
         return "base_loss" in self.group
 
@@ -219,10 +225,15 @@ class LossStore:
         self._commit([(Path(folder) / f).relative_to(self.path).as_posix()
                       for folder, _, files in os.walk(base) for f in files])
 
-    def append(self, step: int, checkpoint: str, lora_sha256: str, grid: np.ndarray) -> None:
-        """One checkpoint's losses: its chunk and coordinates first, the consolidated metadata (commit) last."""
+    def append(self, step: int, checkpoint: str, lora_sha256: str, grid: np.ndarray,
+               training: str | None = None) -> None:
+        """One checkpoint's losses: its chunk and coordinates first, the consolidated metadata (commit) last.
+        `training`: what trained the checkpoint (an id of its run's inputs), kept in the attrs (`trainings`): a
+        step no longer on disk is told apart from another run's by it."""
         if grid.shape != self.axes.shape:
             raise ValueError(f"losses shaped {grid.shape}, the group holds {self.axes.shape}")
+        if training is not None:  # the attrs enter the commit below (an entry of an uncommitted step is unread)
+            self.group.attrs.update({"trainings": {**dict(self.group.attrs.get("trainings") or {}), str(step): training}})
         n = self.group["step"].shape[0]
         loss = self.group["loss"]
         loss.resize((n + 1, *self.axes.shape))

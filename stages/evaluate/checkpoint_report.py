@@ -222,9 +222,12 @@ def render_html(metrics: dict, rows: list[OutputsRow], grid: Image.Image) -> str
     c = metrics["checkpoints"]
     best, last = c["best"], c["last"]
     table_rows = [["base (no LoRA)", "–", c["base"]["overall"], c["base"]["inside"], c["base"]["outside"]]]
-    for s, p, per in zip(c["steps"], c["paths"], c["per_step"]):
+    on_disk = c.get("on_disk") or [True] * len(c["steps"])  # reports written before it was recorded
+    for s, p, here, per in zip(c["steps"], c["paths"], on_disk, c["per_step"]):
         mark = " ★ best" if s == best["step"] else ""
-        table_rows.append([f"step {s}{mark}", p, per["overall"], per["inside"], per["outside"]])
+        # a pruned checkpoint keeps its point on the curves; its path names no file any more
+        path = p if here else f"{p} (removed: pruned by the training, or moved away)"
+        table_rows.append([f"step {s}{mark}", path, per["overall"], per["inside"], per["outside"]])
     sections = [
         "<h2>Which checkpoint</h2>",
         f"<p class='best'>Best checkpoint: <b>step {best['step']}</b>, held-out loss {_fmt(best['loss'])} "

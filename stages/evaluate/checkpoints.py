@@ -155,6 +155,29 @@ def lora_digest(checkpoint: Path):
     return checked_digest(lora_weight_file(checkpoint))
 
 
+# What a checkpoint's weights were trained from, in its step folder's resume.json (stages/train/state.py): the
+# checkpoints of one training share these whatever their step, process count or max_steps (schemas.up_to_date)
+_TRAINING_INPUTS = ("config_fingerprint", "model_fingerprint", "init_lora_sha256", "training_revision")
+
+
+def training_of(checkpoint: Path) -> str | None:
+    """An id of the training that wrote the checkpoint (RUN/checkpoints/step-N/lora): its inputs as its resume.json
+    records them, the tables by content where recorded; None when there is no such record to read."""
+    from schemas.record_formats import RESUME_JSON
+    from store.checksum import SealError, is_sealed, unseal
+
+    try:
+        data = (Path(checkpoint).parent / RESUME_JSON).read_bytes()
+        record = unseal(data) if is_sealed(data) else json.loads(data)
+    except (OSError, ValueError, SealError):
+        return None
+    if not isinstance(record, dict) or not record.get("config_fingerprint"):
+        return None
+    inputs = {k: record.get(k) for k in _TRAINING_INPUTS}
+    inputs["tables"] = record.get("table_contents") or record.get("tables")
+    return _hash(inputs)[:16]
+
+
 def _gone(checkpoint: Path) -> bool:
     """Was the checkpoint removed since it was listed? A training running beside evaluate prunes its oldest kept
     checkpoints (train.keep_checkpoints) while the others are evaluated."""
@@ -530,9 +553,11 @@ def _plan(losses: LossStore, checkpoints: list[tuple[int, Path]], shas: dict[int
     if losses.kept_aside is not None:
         tqdm.write(f"evaluation settings changed: the earlier losses are kept in {losses.kept_aside}")
     recorded = losses.steps()
-    if any(recorded.get(step, sha) != sha for step, sha in shas.items()) or _other_runs(losses, checkpoints):
-        # a step recorded with other weights (another run trained into this folder), or checkpoints of another run
-        # folder still on disk (this --out held another run's report): its numbers go aside
+    if (any(recorded.get(step, sha) != sha for step, sha in shas.items()) or _other_runs(losses, checkpoints)
+            or _other_trainings(losses, checkpoints)):
+        # a step recorded with other weights (another run trained into this folder), checkpoints of another run
+        # folder still on disk (this --out held another run's report), or of another training whose folder is
+        # gone (RUN trained afresh, its old checkpoints moved or deleted): its numbers go aside
         losses.start_over()
         tqdm.write(f"the run's checkpoints are not the ones evaluated before: earlier losses kept in {losses.kept_aside}")
         recorded = {}
@@ -592,7 +617,7 @@ def _append_missing(ranks, losses: LossStore | None, checkpoints: list[tuple[int
                      f"held-out loss (step {step})", load)
         with together(ranks.world, f"record checkpoint step {step}"):
             if ranks.main:
-                losses.append(step, str(Path(path).resolve()), shas[step], grid)
+                losses.append(step, str(Path(path).resolve()), shas[step], grid, training_of(path))
         evaluated += 1
     return evaluated, attached
 
@@ -608,6 +633,19 @@ def _other_runs(losses: LossStore, checkpoints: list[tuple[int, Path]]) -> bool:
     runs_now = {run_of(path) for _, path in checkpoints}
     steps, paths, _ = losses.losses()
     return any(step not in steps_now and Path(p).is_dir() and run_of(p) not in runs_now for step, p in zip(steps, paths))
+
+
+def _other_trainings(losses: LossStore, checkpoints: list[tuple[int, Path]]) -> bool:
+    """Was a recorded step trained by another training than every checkpoint on disk now? A step no longer on disk
+    is a checkpoint this run pruned only when the same training wrote it: `pipeline run train --new-run` (or RUN
+    deleted and trained again) with other settings keeps no checkpoint of the old run in RUN, and its steps
+    passed for pruned ones (the new run's curve went on with the old run's numbers). Steps recorded before the
+    training was (older arrays) cannot tell: kept."""
+    recorded = losses.trainings()
+    if not recorded:
+        return False
+    now = {training_of(path) for _, path in checkpoints}
+    return any(training not in now for training in recorded.values())
 
 
 def _summary(losses: LossStore, samples, cfg: EvaluateConfig, fingerprint: str,
@@ -662,6 +700,8 @@ def _summary(losses: LossStore, samples, cfg: EvaluateConfig, fingerprint: str,
             "extra_prompts_sha256": extra_prompt_bytes(cfg) or None,
             # the bytes each step's numbers are of: what the up-to-date check compares (`_up_to_date`)
             "steps": steps, "paths": paths, "lora_sha256": [shas[step] for step in steps],
+            # whether each step's checkpoint was still there (a pruned one keeps its point, but not its file)
+            "on_disk": [i in alive for i in range(len(steps))],
             "base": per_step["base"], "per_step": per_step["steps"],
             "best": best, "last": point(last_i),
             "note": "best = lowest overall held-out loss among the checkpoints still on disk (ties: earlier step); "

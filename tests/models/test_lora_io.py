@@ -183,3 +183,19 @@ def test_a_file_without_its_adapter_config_applies_as_diffusers_applies_it(kind,
         warnings.simplefilter("error", PeftWarning)
         attach_lora(ours, tmp_path / "lora")
     torch.testing.assert_close(out(ours), want, rtol=0, atol=0)
+
+
+def test_a_pruned_checkpoint_is_named_as_missing_with_the_kept_ones(tmp_path):
+    """A report (or an earlier listing) names RUN/checkpoints/step-10/lora; the training has pruned it since
+    (train.keep_checkpoints). predict / lora export / merge said 'pass a folder written by `pipeline run train`',
+    as if the folder were of the wrong kind; now the line says it does not exist and which checkpoints are kept."""
+    from models.lora import lora_weight_file
+
+    ckpts = tmp_path / "run" / "checkpoints"
+    for step in (30, 100, 40):
+        (ckpts / f"step-{step}" / "lora").mkdir(parents=True)
+    for given in (ckpts / "step-10" / "lora", ckpts / "step-10"):
+        with pytest.raises(UserError) as e:
+            lora_weight_file(given)
+        assert f"{ckpts / 'step-10'} does not exist" in str(e.value)
+        assert str(e.value).endswith(f"{ckpts} holds step-30, step-40, step-100")

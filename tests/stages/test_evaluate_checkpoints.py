@@ -5,6 +5,7 @@ an append killed before its commit, a checkpoint already evaluated skipped, a ch
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -373,6 +374,12 @@ def test_a_moved_run_folder_keeps_its_losses_and_names_the_checkpoints_where_the
     shutil.rmtree(root / "moved" / "checkpoints" / "step-20")
     res = ev.run(EvaluateConfig(**CFG), run_and_store / "store", tiny_edit_model, [moved[0], moved[2]], out)
     assert res.metrics["checkpoints"]["steps"] == [10, 20, 30] and res.best["step"] == 30
+    # and the report's table says its path names no file any more (it listed it as any other; compare's CSV
+    # said on_disk no): a user picking a checkpoint from the table copied a path that is not there
+    assert res.metrics["checkpoints"]["on_disk"] == [True, False, True]
+    page = (out / "index.html").read_text()
+    rows = re.findall(r"<td>step (\d+)[^<]*</td><td>([^<]*)</td>", page)
+    assert [(int(step), "(removed" in path) for step, path in rows] == [(10, False), (20, True), (30, False)]
 
 
 def test_lora_dropout_of_the_training_config_is_off_while_evaluating(tiny_edit_model, tmp_path):
@@ -451,6 +458,37 @@ def test_another_runs_checkpoints_in_the_same_report_folder_start_a_new_array(ru
     assert res.metrics["checkpoints"]["steps"] == [40, 50] and res.evaluated == 2
     assert res.best["step"] == 40 and res.best["path"].startswith(str(b.resolve()))
     assert list(xr.open_zarr(out / GROUP).step.values) == [40, 50]
+    kept = [p for p in out.iterdir() if p.name.startswith("losses.") and p.name != GROUP]
+    assert len(kept) == 1 and list(xr.open_zarr(kept[0]).step.values) == [10, 20, 30]
+
+
+def test_a_run_trained_afresh_into_the_same_folder_does_not_inherit_the_old_runs_steps(run_and_store,
+                                                                                     tiny_edit_model, tmp_path):
+    """RUN (steps 10-30, learning rate A) evaluated into REPORT; then `pipeline run train --new-run` (or RUN deleted)
+    trains RUN afresh with learning rate B, and its one checkpoint is step 5. Before, the old steps, no longer on
+    disk, passed for checkpoints the new run had pruned: 'evaluated 1 of 4 checkpoints (3 already in ...)' and
+    the new run's curve went on with the old run's numbers. Now what trained each step is recorded beside it (its
+    resume.json's inputs): the old run's steps go aside. The run's own pruned steps stay (same training)."""
+    import shutil
+
+    def checkpoint(run: Path, step: int, old: int, lr_fingerprint: str) -> tuple[int, Path]:
+        folder = run / "checkpoints" / f"step-{step}"
+        shutil.copytree(run_and_store / "run" / "checkpoints" / f"step-{old}", folder)
+        (folder / "resume.json").write_text(json.dumps({"config_fingerprint": lr_fingerprint, "step": step}))
+        return step, folder / "lora"
+
+    run, out = tmp_path / "run", tmp_path / "report"
+    first = [checkpoint(run, s, s, "lr-a") for s in (10, 20, 30)]
+    ev.run(EvaluateConfig(**CFG), run_and_store / "store", tiny_edit_model, first, out)
+    shutil.rmtree(first[0][1].parent)  # pruned by the run itself: its point stays
+    res = ev.run(EvaluateConfig(**CFG), run_and_store / "store", tiny_edit_model, first[1:], out)
+    assert res.metrics["checkpoints"]["steps"] == [10, 20, 30] and res.evaluated == 0
+
+    shutil.move(run, tmp_path / "run.previous")  # --new-run keeps the old run beside RUN
+    again = [checkpoint(run, 5, 10, "lr-b")]
+    res = ev.run(EvaluateConfig(**CFG), run_and_store / "store", tiny_edit_model, again, out)
+    assert res.metrics["checkpoints"]["steps"] == [5] and res.evaluated == 1
+    assert list(xr.open_zarr(out / GROUP).step.values) == [5]
     kept = [p for p in out.iterdir() if p.name.startswith("losses.") and p.name != GROUP]
     assert len(kept) == 1 and list(xr.open_zarr(kept[0]).step.values) == [10, 20, 30]
 
