@@ -39,9 +39,15 @@ def loss_phrase(losses: list[float], epochs: list[int]) -> str:
         return "no steps trained"
     first, last = per_epoch[0], per_epoch[-1]
     if first.epoch == last.epoch:
+        if first.steps == 1:
+            return f"train loss {first.mean:.4f} (the one step of epoch {first.epoch})"
         return f"train loss {first.mean:.4f} (mean of {first.steps} steps in epoch {first.epoch})"
-    return (f"train loss {first.mean:.4f} (epoch {first.epoch} mean, {first.steps} steps) -> "
-            f"{last.mean:.4f} (epoch {last.epoch} mean, {last.steps} steps)")
+    return (f"train loss {first.mean:.4f} (epoch {first.epoch} mean, {_steps(first.steps)}) -> "
+            f"{last.mean:.4f} (epoch {last.epoch} mean, {_steps(last.steps)})")
+
+
+def _steps(n: int) -> str:
+    return "1 step" if n == 1 else f"{n} steps"
 
 
 def train_line(start_step: int, steps: int, losses: list[float], epochs: list[int], lora_dir,

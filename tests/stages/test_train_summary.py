@@ -19,6 +19,9 @@ def test_epoch_means_not_single_steps():
 
 def test_resumed_mid_epoch_and_single_epoch():
     assert loss_phrase([2.0, 1.0], [4, 4]) == "train loss 1.5000 (mean of 2 steps in epoch 4)"
+    assert loss_phrase([2.0], [4]) == "train loss 2.0000 (the one step of epoch 4)"
+    assert loss_phrase([2.0, 1.0, 3.0], [0, 0, 1]) == \
+        "train loss 1.5000 (epoch 0 mean, 2 steps) -> 3.0000 (epoch 1 mean, 1 step)"
     assert train_line(6, 8, [2.0, 1.0], [4, 4], "RUN/lora") == (
         "trained resumed at step 6 to step 8: train loss 1.5000 (mean of 2 steps in epoch 4); LoRA: RUN/lora")
     assert loss_phrase([], []) == "no steps trained"
