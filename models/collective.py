@@ -548,6 +548,35 @@ def gather_before_group(world: int, what: str, text: str, timeout: float | None 
     return texts
 
 
+@contextmanager
+def together_before_group(world: int, what: str) -> Iterator[None]:
+    """`together` before any process group exists (a check that reads files, at a command's start): the block
+    runs on every rank, then every rank's outcome goes to every rank through the launch's store
+    (`gather_before_group`), and a failure on any rank becomes the same `RankFailed` on every rank: the lowest
+    failing rank's message, named by its rank when some ranks did not fail (a node's own copy of a file). Without
+    it, a rank that failed alone there exited while the others went on to wait for it in their first collective
+    (on another node: until the collective timeout, saying nothing). One process, or a launch naming no store:
+    errors pass through."""
+    if world <= 1 or not (os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")):
+        yield
+        return
+    error: BaseException | None = None
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - reported to every rank below
+        if agreed(e):
+            raise
+        error = e
+    texts = gather_before_group(world, what, "" if error is None else _message(error, what))
+    failed = [r for r, text in enumerate(texts) if text]
+    if not failed:
+        return
+    if error is not None and not isinstance(error, UserError):
+        raise _mark(error)
+    first = texts[failed[0]]
+    raise RankFailed(first if len(failed) == world else f"rank {failed[0]}: {first}") from None
+
+
 def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
 

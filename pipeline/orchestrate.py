@@ -166,16 +166,21 @@ def run_all(cfg: PipelineConfig, log: Callable[[str], None] = print, cache_dir: 
     from pipeline.run_folder import (refuse_a_folder_of_other_files, refuse_a_store_among_other_files,
                                      refuse_inputs_inside)
 
-    paths = check_config(cfg)
-    refuse_inputs_inside(paths.run, {"paths.store": paths.store, "paths.source": paths.source,
-                                     "paths.model": paths.model})
-    refuse_a_folder_of_other_files(paths.run, "paths.run")  # before resize-bucket's minutes, not at train
-    refuse_a_store_among_other_files(paths.store, "paths.store")
+    from models.collective import together_before_group
     from stages.evaluate.stage import check_report_folder
 
-    check_report_folder(paths.report, "paths.report")  # evaluate's check at its start, here before resize-bucket
-    _check_settings(cfg, paths.model)
+    paths = check_config(cfg)
     world, main = launched()
+    # what the folders and files hold, read by each rank (a node may lack one): one outcome for every rank, before
+    # rank 0 goes into resize-bucket and the others wait for it (a rank that stopped alone here left them waiting)
+    with together_before_group(world, "run all: the paths and settings"):
+        refuse_inputs_inside(paths.run, {"paths.store": paths.store, "paths.source": paths.source,
+                                         "paths.model": paths.model})
+        refuse_a_folder_of_other_files(paths.run, "paths.run")  # before resize-bucket's minutes, not at train
+        refuse_a_store_among_other_files(paths.store, "paths.store")
+        check_report_folder(paths.report, "paths.report")  # evaluate's check at its start, here before resize
+        if main:  # the sample grid and evaluate's images are rank 0's: only its node needs the extra prompts' files
+            _check_settings(cfg, paths.model)
     if world > 1:
         _refuse_url_under_launch(paths.store, world)
         log = log if main else (lambda message: None)  # one console: rank 0's lines

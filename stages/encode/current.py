@@ -24,14 +24,22 @@ from stages.encode.summary import DAMAGED_INPUT
 from store import Store
 
 
-def left_out(store: Store, table: str, version: int) -> list[str]:
+def left_out(store: Store, table: str, version: int, remote_rows: bool = False) -> list[str]:
     """The samples version `version` of `table` quarantined as damaged inputs and does not hold (sorted). A row
     of a sample the version holds anyway (quarantined by a run that failed before its commit, retried by the
-    resume that committed) leaves nothing out."""
+    resume that committed) leaves nothing out. `remote_rows` (the one rank that reads them): for a copy of a store
+    URL's version in its cache, the remote's rows too, which a warm open of the cache does not pull: a version
+    refused by them (nodes.writer_place) and opened in the cache to carry from passed for current at the cache's
+    next run, and was made current on the remote."""
     from store.manifest_files import checked_manifest
+    from store.remote_parts import remote_quarantine, source_url
+    from store.remote_shards import is_lazy
 
-    return _not_held(_damaged_inputs(store.quarantine(), table, version),
-                     lambda: checked_manifest(store.version_dir(table, version), ["key"]).column("key"))
+    keys = _damaged_inputs(store.quarantine(), table, version)
+    url = source_url(store.root) if remote_rows else None
+    if url is not None and is_lazy(store.version_dir(table, version)):
+        keys |= _damaged_inputs(remote_quarantine(url), table, version)
+    return _not_held(keys, lambda: checked_manifest(store.version_dir(table, version), ["key"]).column("key"))
 
 
 def left_out_on_remote(store: Store, url: str, table: str, version: int, remote_rows: bool) -> list[str]:
@@ -69,19 +77,20 @@ def _not_held(keys: set[str], held: Callable[[], pa.ChunkedArray]) -> list[str]:
 
 
 def serving_version(store: Store, stage: str, table: str, found: int | None, on_damaged: str,
-                    say: bool = False, left: Callable[[], list[str]] | None = None) -> int | None:
+                    say: bool = False, left: Callable[[], list[str]] | None = None,
+                    remote_rows: bool = False) -> int | None:
     """`found` (a complete version of this run's lineage), or None when it left damaged inputs out and this run is
     under on_damaged=stop (`schemas.up_to_date.serves_on_damaged`): the run then carries its samples forward into a
     new version and reads the left-out ones again. `say`: print why (one rank). The one check of both looks for a
     reusable version, before the model loads (plan.open_job) and after (output: one committed meanwhile), and of a
     store URL's complete version that is not current there (nodes.writer_place). `left`: the version's left-out
-    samples (default: `left_out` in `store`)."""
+    samples (default: `left_out` in `store`, with the remote's rows on the rank that reads them: `remote_rows`)."""
     if found is None:
         return None
     keys: list[str] = []
 
     def read() -> list[str]:  # kept for the message
-        keys[:] = left() if left is not None else left_out(store, table, found)
+        keys[:] = left() if left is not None else left_out(store, table, found, remote_rows)
         return keys
 
     if current.serves_on_damaged(on_damaged, read):

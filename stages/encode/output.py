@@ -176,7 +176,7 @@ def _completed_meanwhile(job: EncodeJob, several_caches: bool = False, refused: 
     found = job.store.find_version(job.summary.table, job.lineage, job.serving)
     # one that left damaged inputs out, and this run stops on them, is not adopted either (as in plan.open_job)
     found = serving_version(job.store, job.summary.stage, job.summary.table, None if found == refused else found,
-                            job.on_damaged)
+                            job.on_damaged, remote_rows=job.ranks.rank == 0)
     found = agreed_found(found, job.ranks.world_size, several_caches)
     if found is None:
         return False

@@ -186,7 +186,8 @@ def _open_job(store_path: str | Path, stage: str, table: str, feature_hash: str,
                     max_damaged_fraction=max_damaged_fraction, changed_by_fixes=changed, serving=tuple(serving))
     weakref.finalize(job, lease.release)
     found = _reusable_version(job, [old for old, _ in hashed_before], fixes, feature_revision)
-    return job, serving_version(store, stage, table, found, on_damaged, say=ranks.rank == 0)
+    return job, serving_version(store, stage, table, found, on_damaged, say=ranks.rank == 0,
+                                remote_rows=ranks.rank == 0)  # the ranks then agree (`_agreed_plan`)
 
 
 def _reusable_version(job: EncodeJob, hashed_before: list[Lineage], fixes: Fixes, feature_revision: str) -> int | None:

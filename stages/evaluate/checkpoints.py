@@ -403,7 +403,8 @@ def _run(ranks, cfg: EvaluateConfig, store: str | Path, model: str, checkpoints:
     from stages.evaluate.val_share import complete, read_share, reader
 
     started = time.perf_counter()
-    cfg = single.for_model(cfg, model)
+    with together(ranks.world, "evaluate settings"):  # rank 0 makes the images: its node's extra prompt files
+        cfg = single.for_model(cfg, model, check=ranks.main)
     checkpoints = agreed_checkpoints(checkpoints, ranks)
     if not checkpoints:
         raise UserError("no checkpoints to evaluate: the run folder holds no checkpoints/step-N "

@@ -302,17 +302,18 @@ def check_sampling(cfg: EvaluateConfig, model: str) -> None:
         check_sampling_steps(cfg.num_inference_steps, "evaluate.num_inference_steps", model)
 
 
-def for_model(cfg: EvaluateConfig, model: str) -> EvaluateConfig:
+def for_model(cfg: EvaluateConfig, model: str, check: bool = True) -> EvaluateConfig:
     """`evaluate.true_cfg_scale` left unset: the model family's own default, as predict and the training sample
     grid take it (Qwen-Image-2.1: no guidance, its pipeline's default; the Edit models: 4.0). Resolved before
     anything is fingerprinted, so a report records the scale its images were made with; then every setting
-    checked (`check_settings`)."""
+    checked (`check_settings`; `check` False: not on this rank, which makes no images)."""
     from models.loading import model_variant
     from models.qwen21_predict import TRUE_CFG_21
 
     if model_variant(model) == "qwen-image-2.1" and "true_cfg_scale" not in cfg.model_fields_set:
         cfg = cfg.model_copy(update={"true_cfg_scale": TRUE_CFG_21})
-    check_settings(cfg, model)
+    if check:
+        check_settings(cfg, model)
     return cfg
 
 

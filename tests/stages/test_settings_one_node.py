@@ -1,0 +1,110 @@
+"""Settings a command reads from files at its start (evaluate's extra prompt images) when one node of a launch
+cannot read them: only rank 0 makes images, so only its node's files matter, and the outcome is one decision of
+every rank. Before: each rank read them; under `run all` on two nodes, rank 0 stopped alone before resize-bucket
+while the other node's rank waited for it, saying nothing, until its collective timeout (a hang); and a node
+without the files stopped `evaluate --all-checkpoints` whose rank 0 had them."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import yaml
+from PIL import Image
+
+from rank_hook import REPO, launch_with_hook
+from test_evaluate_checkpoints import run_and_store  # noqa: F401 (the module fixture)
+from test_train_multinode import kill_node, start_nodes
+
+# the rank named by NO_EXTRA_RANK reads extra.png as a node that lacks it would
+LACKS_EXTRA = """
+import os, pathlib
+if os.environ.get('RANK') == os.environ.get('NO_EXTRA_RANK'):
+    real = pathlib.Path.read_bytes
+    def read_bytes(self):
+        if self.name == 'extra.png':
+            raise FileNotFoundError(2, 'No such file or directory', str(self))
+        return real(self)
+    pathlib.Path.read_bytes = read_bytes
+"""
+
+
+def _extra(tmp_path) -> dict:
+    Image.fromarray(np.full((32, 32, 3), 90, np.uint8)).save(tmp_path / "extra.png")
+    return {"prompt": "make it red", "images": [str(tmp_path / "extra.png")], "height": 32, "width": 32}
+
+
+def _run_all_config(tmp_path, model: str, name: str = "config.yaml", **paths) -> str:
+    from pipeline.demo_data import make_demo_data
+
+    if not (tmp_path / "data").exists():
+        make_demo_data(tmp_path / "data", n=6, fmt="folder", max_controls=1, seed=1)
+    cfg = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())
+    cfg["paths"] = {"source": str(tmp_path / "data"), "store": str(tmp_path / "store"), "model": model,
+                    "run": str(tmp_path / "run"), "report": str(tmp_path / "report"), **paths}
+    cfg["evaluate"].update(num_inference_steps=2, extra_prompts=[_extra(tmp_path)])
+    (tmp_path / name).write_text(yaml.safe_dump(cfg))
+    return str(tmp_path / name)
+
+
+def _two_nodes(tmp_path, node_env=({}, {}), node_args=([], [])) -> list[tuple[int, str]]:
+    """`run all` on two "nodes" (tests/stages/test_train_multinode.py): each node's (exit status, stderr). A node
+    left waiting for the other hangs: the bound fails the test (generous under load, no timing assert)."""
+    nodes = start_nodes(["run", "all"], node_env, node_args)
+    try:
+        outputs = [node.communicate(timeout=300) for node in nodes]
+    finally:
+        for node in nodes:
+            kill_node(node)
+    return [(node.returncode, err) for node, (_, err) in zip(nodes, outputs)]
+
+
+def _one_line_each(ended: list[tuple[int, str]], line: str) -> None:
+    for node in (1, 0):  # node 1 first: before, it ended in another line (or none: it waited)
+        code, err = ended[node]
+        assert code == 1, err[-3000:]
+        ours = err.split("torch/distributed/elastic/")[0]  # then torchrun's own lines (of its launcher process)
+        assert [s for s in ours.splitlines() if s.startswith("error: ")] == [line], err[-3000:]
+        assert "Traceback" not in ours and "frame #" not in ours, err[-3000:]
+
+
+def test_run_all_stops_every_node_when_rank_0_cannot_read_an_extra_prompt(tiny_plus_model, tmp_path):
+    """Before: rank 0 stopped alone; the other node's rank met the store gone and said, after a C++ stack, that
+    a rank was killed without a word."""
+    config = _run_all_config(tmp_path, tiny_plus_model)
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(LACKS_EXTRA)
+    env = {"PYTHONPATH": os.pathsep.join([str(hook), str(REPO)]), "NO_EXTRA_RANK": "0"}
+    ended = _two_nodes(tmp_path, (env, env), (["--config", config], ["--config", config]))
+    _one_line_each(ended, f"error: rank 0: cannot read evaluate.extra_prompts[0] image {tmp_path / 'extra.png'}: No "
+                          "such file or directory; check the path")
+    assert not (tmp_path / "store").exists()  # stopped before resize-bucket
+
+
+def test_run_all_stops_every_node_when_one_nodes_folder_is_refused(tiny_plus_model, tmp_path):
+    """Node 1 sees paths.report as a folder of other files (its own mount there). Before: its rank stopped alone
+    and rank 0 ran resize-bucket, then waited for it in the encoder's first collective (a hang)."""
+    (tmp_path / "theirs").mkdir()
+    (tmp_path / "theirs" / "notes.txt").write_text("someone's")
+    config = _run_all_config(tmp_path, tiny_plus_model)
+    theirs = _run_all_config(tmp_path, tiny_plus_model, "node1.yaml", report=str(tmp_path / "theirs"))
+    ended = _two_nodes(tmp_path, node_args=(["--config", config], ["--config", theirs]))
+    _one_line_each(ended, f"error: rank 1: paths.report {tmp_path / 'theirs'} is not empty and holds no earlier "
+                          "report (no metrics.json): pass a new or empty folder, or the folder of an earlier report")
+    assert not (tmp_path / "store").exists()
+
+
+def test_a_node_without_the_extra_prompt_files_does_not_stop_evaluate(run_and_store, tiny_edit_model,  # noqa: F811
+                                                                       tmp_path):
+    root = run_and_store
+    extra = json.dumps([_extra(tmp_path)])
+    p = launch_with_hook(tmp_path, LACKS_EXTRA.replace("os.environ.get('NO_EXTRA_RANK')", "'1'"), [
+        "run", "evaluate", "--all-checkpoints", "--set", f"paths.run={root / 'run'}", "--store", str(root / "store"),
+        "--model", tiny_edit_model, "--out", str(tmp_path / "report"), "--num-samples", "0", "--device", "cpu",
+        "--set", "evaluate.noise_seeds=[0]", "--set", "evaluate.timesteps=[0.5]",
+        "--set", "evaluate.num_inference_steps=2", "--set", f"evaluate.extra_prompts={extra}"], timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    samples = json.loads((tmp_path / "report" / "metrics.json").read_text())["generation"]["samples"]
+    assert [s["caption"] for s in samples] == ["make it red"], samples  # rank 0 made its images
