@@ -154,7 +154,12 @@ def _run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> 
     found, newer = _up_to_date_version(st, schema)
     if found is not None:
         before = recorded_source(st, found)
-        return ResizeSummary(version=found, up_to_date=True, seconds=time.perf_counter() - started,
+        # every sample of the version is reused as it is (counted so, as the encoders count theirs)
+        from store.manifest_files import checked_manifest
+
+        splits = Counter(checked_manifest(st.version_dir(TABLE, found), ["split"]).column("split").to_pylist())
+        return ResizeSummary(version=found, up_to_date=True, reused=splits.total(), splits=splits,
+                             seconds=time.perf_counter() - started,
                              sizes=sizes_in_force(rc.model_dump()), store=str(st.root), newer_current=newer,
                              source=str(source), source_before=before if before not in ("", str(source)) else "")
     repairing = _damaged_current(st)

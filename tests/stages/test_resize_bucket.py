@@ -282,6 +282,22 @@ def test_rerun_is_up_to_date_changed_setting_or_source_is_a_new_version(tmp_path
     assert len(st.reader("images", 3)) == 6 and verify_store(st.root, progress=False) == []
 
 
+def test_json_of_an_up_to_date_table_counts_every_sample_reused(tmp_path):
+    """`run resize-bucket --json` on an up-to-date table said `reused: 0` and `splits: {}`: it reused every sample
+    (the encoders' summaries count theirs so)."""
+    from typer.testing import CliRunner
+
+    from pipeline.cli import app
+
+    make_demo_data(tmp_path / "src", n=6, fmt="folder", max_controls=2, seed=1)
+    args = ["run", "resize-bucket", "--source", str(tmp_path / "src"), "--store", str(tmp_path / "store"), "--json",
+            *(a for k, v in SMALL.items() for a in ("--set", f"{k}={v}"))]
+    first, again = (json.loads(CliRunner().invoke(app, args).stdout.splitlines()[-1]) for _ in range(2))
+    assert not first["up_to_date"] and first["encoded"] == 6 and first["reused"] == 0
+    assert again["up_to_date"] and again["encoded"] == 0 and again["reused"] == 6, again
+    assert again["splits"] == first["splits"] and sum(again["splits"].values()) == 6
+
+
 def _resize_process(tmp_path: Path, then: str) -> list[str]:
     """The command line of a resize of tmp_path/src into tmp_path/store in its own process (small shards: a kill
     at a crash point leaves several), running `then` with its `summary`."""
