@@ -35,17 +35,19 @@ class ReadingSettings(Protocol):
 
 
 def open_configured(settings: ReadingSettings, section: str, store: str | Path, model: str, model_fingerprint: str,
-                    split: str) -> JoinedTables:
+                    split: str, say_dropped: bool = True) -> JoinedTables:
     """The one way a stage opens its features: `open_features` with the reading keys of its own config section
     (`section` names it in errors) on every path - training, its validator, its up-to-date check, evaluate."""
     return open_features(store, model, model_fingerprint, split, settings.max_dropped_fraction,
                          settings.max_open_shards, on_damaged=settings.on_damaged,
-                         max_damaged_fraction=settings.max_damaged_fraction, section=section)
+                         max_damaged_fraction=settings.max_damaged_fraction, section=section,
+                         say_dropped=say_dropped)
 
 
 def open_features(store: str | Path, model: str, model_fingerprint: str, split: str = "train",
                   max_dropped_fraction: float = 0.05, max_open_shards: int = DEFAULT_MAX_OPEN_SHARDS,
-                  on_damaged: str = "stop", max_damaged_fraction: float = 0.0, section: str = "train") -> JoinedTables:
+                  on_damaged: str = "stop", max_damaged_fraction: float = 0.0, section: str = "train",
+                  say_dropped: bool = True) -> JoinedTables:
     """`text` + `vae` of one split, built with the model whose fingerprint is given: the samples both tables
     hold (the intersection), with each one's joint sequence length in `lengths` and in `report` how many samples
     of the split were dropped (in the `images` table, or in one of the two, but not in both) and why (the
@@ -56,7 +58,8 @@ def open_features(store: str | Path, model: str, model_fingerprint: str, split: 
     "skip": the tables open despite bad shards, and no sample is read here (a check of every sample before
     step 0 was a full read of the split, terabytes at 1M samples): whoever reads leaves a damaged sample out
     where it meets it and applies `max_damaged_fraction` to what it has read (features/damaged.py; train:
-    stages/train/damaged.py). `section`: the config section errors name."""
+    stages/train/damaged.py). `section`: the config section errors name. `say_dropped`: a warning line for
+    dropped samples (once per process and join); False where the caller prints its own (the trainer's line)."""
     from store.lease import hold
     from store.store import Store
 
@@ -67,7 +70,7 @@ def open_features(store: str | Path, model: str, model_fingerprint: str, split: 
     readers: dict[str, TableReader] = {}
     try:
         joined = _open_features(st, lease, readers, model, model_fingerprint, split, max_dropped_fraction,
-                                max_open_shards, on_damaged, max_damaged_fraction, section)
+                                max_open_shards, on_damaged, max_damaged_fraction, section, say_dropped)
     except BaseException:
         for r in readers.values():  # a refused store (wrong model, too many dropped) leaves nothing open
             r.close()
@@ -80,7 +83,7 @@ def open_features(store: str | Path, model: str, model_fingerprint: str, split: 
 
 def _open_features(st, lease, readers: dict[str, TableReader], model: str, model_fingerprint: str, split: str,
                    max_dropped_fraction: float, max_open_shards: int, on_damaged: str,
-                   max_damaged_fraction: float, section: str = "train") -> JoinedTables:
+                   max_damaged_fraction: float, section: str = "train", say_dropped: bool = True) -> JoinedTables:
     """Fills `readers` as it opens them (the caller closes them when this raises)."""
     for t in ("text", "vae"):
         readers[t] = _open_table(st, t, model, max_open_shards, on_damaged, lease.version(t))
@@ -96,10 +99,6 @@ def _open_features(st, lease, readers: dict[str, TableReader], model: str, model
     text, vae = readers["text"], readers["vae"]
     joined.report = dropped_report(st, joined, split)
     rep = joined.report
-    if rep["dropped"]:
-        log.warning("%s split: %d of %d samples are not in both the text and vae tables (%.1f%%): %s; rows in %s",
-                    split, rep["dropped"], rep["samples"], 100 * rep["dropped_fraction"], _reasons_text(rep),
-                    rep["quarantine_file"])
     if rep["dropped_fraction"] > max_dropped_fraction:
         raise UserError(
             f"the '{split}' split of store {st.root}: {rep['dropped']} of {rep['samples']} samples "
@@ -113,9 +112,26 @@ def _open_features(st, lease, readers: dict[str, TableReader], model: str, model
             f"the '{split}' split is empty in store {st.root} (text v{text.version}, vae v{vae.version}); "
             "add training samples (resize-bucket puts val_fraction of them in 'val', the rest in 'train')"
         )
+    if rep["dropped"] and say_dropped:
+        _say_dropped(st.root, split, {t: r.version for t, r in readers.items()}, rep)
     joined.on_damaged, joined.max_damaged_fraction, joined.section = on_damaged, max_damaged_fraction, section
     joined.lengths = sequence_lengths_of(joined)
     return joined
+
+
+# (store, split, table versions) whose dropped samples this process has said: an up-to-date check and the read
+# that follows open the same join (evaluate's val split), and one line is enough
+_SAID_DROPPED: set[tuple[str, str, tuple]] = set()
+
+
+def _say_dropped(root: Path, split: str, versions: dict[str, int], rep: dict[str, Any]) -> None:
+    said = (str(root), split, tuple(sorted(versions.items())))
+    if said in _SAID_DROPPED:
+        return
+    _SAID_DROPPED.add(said)
+    log.warning("%s split: %d of %d samples are not in both the text and vae tables (%.1f%%): %s; rows in %s",
+                split, rep["dropped"], rep["samples"], 100 * rep["dropped_fraction"], _reasons_text(rep),
+                rep["quarantine_file"])
 
 
 def dropped_report(st, joined: JoinedTables, split: str | None) -> dict[str, Any]:

@@ -16,7 +16,10 @@ recomputes their outputs.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Collection, Mapping
+
+if TYPE_CHECKING:
+    from schemas.lineage import Lineage
 
 
 # The revision of an output recorded before its stage recorded one: the code that made it computed what each
@@ -30,6 +33,67 @@ def stale_inputs(recorded: Mapping[str, Any] | None, present: Mapping[str, Any])
     if recorded is None:
         return list(present)
     return [k for k in [*present, *(k for k in recorded if k not in present)] if recorded.get(k) != present.get(k)]
+
+
+def stale_named(recorded: Mapping[str, Any] | None, present: Mapping[str, Any], labels: Mapping[str, str]) -> list[str]:
+    """'LABEL BEFORE -> NOW' for each of `stale_inputs` (`labels`: input name -> what the user reads; a dict value
+    shown by its entries that differ): the one wording of why an output is not current - train's refused resume
+    and kept run, a table's new version, a report recomputed."""
+    recorded = recorded or {}
+
+    def differing(a: Any, b: Any) -> tuple[Any, Any]:
+        if isinstance(a, dict) and isinstance(b, dict):
+            keys = [k for k in dict.fromkeys([*a, *b]) if a.get(k) != b.get(k)]
+            return {k: a[k] for k in keys if k in a}, {k: b[k] for k in keys if k in b}
+        return a, b
+
+    return [f"{labels.get(k, k)} {before} -> {now}"
+            for k in stale_inputs(recorded, present) for before, now in [differing(recorded.get(k), present.get(k))]]
+
+
+def changed_settings(before: Mapping[str, Any], now: Mapping[str, Any], prefix: str,
+                     ignore: Collection[str] = (), missing: str = "(unset)") -> list[str]:
+    """'PREFIX.KEY: BEFORE -> NOW' for each setting (nested sections flattened to dotted keys) whose value differs
+    between two records of a config section; `ignore`: top-level keys left out (those a change of which keeps the
+    output current); `missing`: what a key one record lacks is shown as (a hashed record leaves a setting added
+    later out at its default: "(default)"). What `stale_named`'s settings fingerprint stands for, named."""
+    old, new = _flat(dict(before), prefix, ignore), _flat(dict(now), prefix, ignore)
+    return [f"{k}: {_shown(old[k]) if k in old else missing} -> {_shown(new[k]) if k in new else missing}"
+            for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+
+
+def _flat(d: dict[str, Any], prefix: str, ignore: Collection[str] = ()) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if k in ignore:
+            continue
+        key = f"{prefix}.{k}" if prefix else str(k)
+        out.update(_flat(v, key) if isinstance(v, dict) and v else {key: v})
+    return out
+
+
+def _shown(value: Any, most: int = 80) -> str:
+    """A setting's value as a line shows it (repr; a long one, e.g. a prompt template, cut)."""
+    text = repr(value)
+    return text if len(text) <= most else text[:most - 1] + "…"
+
+
+def lineage_differences(recorded: Lineage, present: Lineage, labels: Mapping[str, str]) -> list[str]:
+    """`stale_named` over two table versions' lineages: their settings fingerprint and data (a config hash is
+    `<settings>-<data>`: the upstream table's identity, a source's listing), model fingerprint and code revision.
+    `labels`: what the stage calls "settings" and "data" (e.g. "encode_vae settings", "input")."""
+    def inputs(lineage: Lineage) -> dict[str, str]:
+        settings, _, data = lineage.config_hash.partition("-")
+        return {"settings": settings, "data": data, "model_fingerprint": lineage.model_fingerprint,
+                "code_version": lineage.code_version}
+
+    return stale_named(inputs(recorded), inputs(present),
+                       {"model_fingerprint": "model fingerprint", "code_version": "code revision", **labels})
+
+
+def new_version_line(stage: str, table: str, version: int, differences: list[str]) -> str:
+    """Why a stage writes a new version of `table` instead of reusing `version` (its newest complete one)."""
+    return f"{stage}: table '{table}' v{version} is not this run's ({'; '.join(differences)}): writing a new version"
 
 
 def is_current(recorded: Mapping[str, Any] | None, present: Mapping[str, Any]) -> bool:

@@ -164,6 +164,25 @@ def widen_private_file(path: Path) -> None:
             pass
 
 
+def named_as_final(e: BaseException, tmp: Path, final: Path) -> BaseException:
+    """`e` with the user's path where it names the temp path of an atomic write (`.NAME.tmp-PID`, or a file in
+    that temp folder: the same path under `final`), the temp path kept as a detail; else `e` itself. The user
+    gave `final` (--out, --store, a folder to write): an error naming a hidden temp path sends them looking for a
+    file that was never theirs, and is gone by the time they read the line."""
+    if not isinstance(e, OSError) or e.filename is None:
+        return e
+    named = Path(os.fsdecode(e.filename))
+    if named != tmp and tmp not in named.parents:
+        return e
+    mapped = final / named.relative_to(tmp)
+    try:
+        new = type(e)(e.errno, f"{e.strerror} (writing it as the temp path {named})", str(mapped),
+                      *((None, e.filename2) if e.filename2 is not None else ()))
+    except TypeError:  # an OSError subclass of another signature: left as it was
+        return e
+    return new
+
+
 def atomic_write_bytes(path: Path, data: bytes, replace: bool = True) -> None:
     """Temp file in the same folder, fsync, rename, fsync the folder: readers see the old or the new file.
     A failed write (full disk, ...) removes its temp file and re-raises. `replace=False`: a file already named
@@ -175,8 +194,10 @@ def atomic_write_bytes(path: Path, data: bytes, replace: bool = True) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path) if replace else rename_new(tmp, path)
-    except BaseException:
+    except BaseException as e:
         tmp.unlink(missing_ok=True)
+        if (named := named_as_final(e, tmp, path)) is not e:
+            raise named from e
         raise
     fsync_dir(path.parent)
 
@@ -217,7 +238,10 @@ def atomic_dir(final: Path, tmp: Path | None = None) -> Iterator[Path]:
     shutil.rmtree(tmp, ignore_errors=True)
     for left in final.parent.glob(f".{glob.escape(final.name)}.deleting-*"):  # an old folder a killed swap did not finish removing
         shutil.rmtree(left, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    try:
+        tmp.mkdir(parents=True)
+    except OSError as e:  # e.g. a file on the path: named as the user's folder (`named_as_final`)
+        raise named_as_final(e, tmp, final) from None
     old = None
     try:
         yield tmp
@@ -232,10 +256,12 @@ def atomic_dir(final: Path, tmp: Path | None = None) -> Iterator[Path]:
             os.rename(final, old)
         os.rename(tmp, final)  # the new folder in place before the old one's (maybe long) removal
         fsync_dir(final.parent)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if old is not None and not final.exists():  # failed between the two renames: the old folder back
             os.rename(old, final)
+        if (named := named_as_final(e, tmp, final)) is not e:
+            raise named from e
         raise
     if old is not None:
         crash_point("atomic_dir_removing_old")

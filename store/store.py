@@ -89,6 +89,19 @@ class Store:
         exact = [v for v, rank in matches.items() if rank == 0]
         return current if current in matches else (exact or sorted(matches))[-1]
 
+    def newest_complete(self, table: str) -> tuple[int, TableSchema] | None:
+        """The newest complete version of `table` whose schema.json reads, with that schema (None: none): what a
+        run that writes a new version compares itself with to say why (`up_to_date.lineage_differences`)."""
+        for v in reversed(self.versions(table)):
+            vdir = self.version_dir(table, v)
+            if not fmt.is_complete(vdir):
+                continue
+            try:
+                return v, read_schema(vdir)
+            except UserError:  # unreadable: the next older one
+                continue
+        return None
+
     # ------------------------------------------------------------ reading and writing
 
     def reader(self, table: str, version: int | None = None, on_damaged: str = "stop",

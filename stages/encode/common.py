@@ -19,11 +19,12 @@ from stages.encode.job import EncodeJob
 from stages.encode.plan import IMAGES_TABLE, open_job
 from stages.encode.ranks import Ranks, current_ranks, rank_device
 from stages.encode.settings import (config_hash, earlier_config_hashes, resolve_precision, serving_config_hashes,
-                                    with_overrides)
+                                    settings_record, with_overrides)
 from stages.encode.summary import DAMAGED_INPUT, Summary
 
 __all__ = [
     "DAMAGED_INPUT", "IMAGES_TABLE", "EncodeJob", "Ranks", "Summary", "batches_by_shape", "config_hash",
     "control_count_rejection", "current_ranks", "earlier_config_hashes", "open_job", "open_png", "prefetched",
-    "placeholder_rejection", "rank_device", "resolve_precision", "serving_config_hashes", "with_overrides",
+    "placeholder_rejection", "rank_device", "resolve_precision", "serving_config_hashes", "settings_record",
+    "with_overrides",
 ]

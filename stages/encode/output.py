@@ -7,12 +7,13 @@ import shutil
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from schemas.errors import UserError
 from schemas.table import TableSchema
 from store.reuse import FEATURE_LINEAGE_ATTR, carry_forward, reusable
 
@@ -25,7 +26,7 @@ def open_writer(job: EncodeJob, schema: TableSchema, shard_size_mb: float) -> li
     lineage holds (hard-linked shards, split relabelled from `images`); return this rank's keys left to do."""
     from stages.encode.nodes import writer_place
 
-    schema = replace(schema, attrs={**schema.attrs, FEATURE_LINEAGE_ATTR: job.feature_lineage})
+    schema = _with_settings(job, replace(schema, attrs={**schema.attrs, FEATURE_LINEAGE_ATTR: job.feature_lineage}))
     place = writer_place(job, schema)  # several nodes' caches of a store URL: agreed by all ranks
     if place.committed is not None:
         _adopt_committed(job, place.url, place.committed, place.rows, schema, place.current or None)
@@ -228,6 +229,32 @@ def agreed_found(found: int | None, world: int, several_caches: bool) -> int | N
     if newest < 0 or (several_caches and newest != oldest):
         return None
     return newest
+
+
+def _with_settings(job: EncodeJob, schema: TableSchema) -> TableSchema:
+    """`schema` with the settings recorded (`attrs.settings`: a later run with others names what differs,
+    `plan._say_why_new`), unless an in-progress version of the table has this schema with another record of them
+    or none - begun by a release that did not record them, or `store repair`'s copy of the version it repairs: the
+    writer resumes only an exact schema, so that version's record (or its absence) is taken and it is resumed."""
+    from stages.encode.settings import SETTINGS_ATTR
+    from store import format as fmt
+
+    def without(d: dict[str, Any]) -> dict[str, Any]:
+        return {**d, "attrs": {k: v for k, v in (d.get("attrs") or {}).items() if k != SETTINGS_ATTR}}
+
+    want = without(schema.to_dict())
+    store, table = job.store, job.summary.table
+    for v in reversed(store.versions(table)):
+        vdir = store.version_dir(table, v)
+        if fmt.is_complete(vdir) or not (vdir / fmt.SCHEMA_JSON).is_file():
+            continue
+        try:
+            begun = fmt.read_json(vdir / fmt.SCHEMA_JSON, "schema.json")
+        except UserError:
+            continue
+        if isinstance(begun, dict) and without(begun) == want:
+            return TableSchema.from_dict(begun)
+    return replace(schema, attrs={**schema.attrs, SETTINGS_ATTR: job.settings})
 
 
 def adopt(job: EncodeJob, found: int) -> None:

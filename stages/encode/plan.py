@@ -46,12 +46,13 @@ NO_FIXES = Fixes()
 ROW_COLUMNS = ("length",)  # what a stored row gives `Fixes.by_revision` (read once per row over a whole version)
 
 
-def open_job(store_path: str | Path, stage: str, table: str, feature_hash: str, model: str,
+def open_job(store_path: str | Path, stage: str, table: str, settings: dict[str, Any], model: str,
              feature_revision: str, ranks: Ranks, components: tuple[str, ...] = (), on_damaged: str = "stop",
              max_damaged_fraction: float = 0.0, earlier_hashes: tuple[str, ...] = (),
              fixes: Fixes = NO_FIXES, unread: tuple[str, ...] = (),
              serving_hashes: tuple[str, ...] = ()) -> EncodeJob:
-    """`_open_job` on every rank, then agreed on (models/collective.py): a rank that cannot open its inputs
+    """`_open_job` on every rank, then agreed on (models/collective.py), for the features of `settings`
+    (`settings.settings_record`: hashed into the lineage, recorded with the version): a rank that cannot open its inputs
     stops every rank with its line before any model is loaded (the others would wait at the commit). Whether the
     table is up to date is decided by all ranks together too (`_agreed_plan`). `serving_hashes`: feature hashes of
     settings whose tables hold all this run's would and more (`settings.serving_config_hashes`): a complete
@@ -61,7 +62,7 @@ def open_job(store_path: str | Path, stage: str, table: str, feature_hash: str, 
     job = None
     try:
         with together(ranks.world_size, f"{stage}: opening the inputs"):
-            job, found = _open_job(store_path, stage, table, feature_hash, model, feature_revision, ranks,
+            job, found = _open_job(store_path, stage, table, settings, model, feature_revision, ranks,
                                    components, on_damaged, max_damaged_fraction, earlier_hashes, fixes, unread,
                                    serving_hashes)
         found = _agreed_plan(job, found)
@@ -110,7 +111,7 @@ def _agreed_plan(job: EncodeJob, found: int | None) -> int | None:
     return newest if newest >= 0 and newest == oldest else None
 
 
-def _open_job(store_path: str | Path, stage: str, table: str, feature_hash: str, model: str,
+def _open_job(store_path: str | Path, stage: str, table: str, settings: dict[str, Any], model: str,
               feature_revision: str, ranks: Ranks, components: tuple[str, ...] = (), on_damaged: str = "stop",
               max_damaged_fraction: float = 0.0, earlier_hashes: tuple[str, ...] = (),
               fixes: Fixes = NO_FIXES, unread: tuple[str, ...] = (),
@@ -125,7 +126,9 @@ def _open_job(store_path: str | Path, stage: str, table: str, feature_hash: str,
     (a writer resumes only its own schema, and finishing it would encode the columns this run was not asked for).
     """
     from models.loading import component_fingerprint, model_fingerprint
+    from schemas.lineage import settings_hash
 
+    feature_hash = settings_hash(settings)
     path = Path(store_path)
     if not (path / "store.json").is_file():
         raise UserError(f"no store at {path} (no store.json); run `pipeline run resize-bucket --store {path}` first")
@@ -182,12 +185,47 @@ def _open_job(store_path: str | Path, stage: str, table: str, feature_hash: str,
     job = EncodeJob(store=store, images=images, images_id=images_id, lineage=lineage, ranks=ranks, summary=summary,
                     feature_lineage=fl,
                     earlier_lineages=tuple(dict.fromkeys((*earlier, *same_reads, *changed))), lease=lease,
-                    on_damaged=on_damaged,
+                    on_damaged=on_damaged, settings=settings,
                     max_damaged_fraction=max_damaged_fraction, changed_by_fixes=changed, serving=tuple(serving))
     weakref.finalize(job, lease.release)
     found = _reusable_version(job, [old for old, _ in hashed_before], fixes, feature_revision)
+    if found is None and ranks.rank == 0 and not repair_context.active():
+        _say_why_new(job)
     return job, serving_version(store, stage, table, found, on_damaged, say=ranks.rank == 0,
                                 remote_rows=ranks.rank == 0)  # the ranks then agree (`_agreed_plan`)
+
+
+def _say_why_new(job: EncodeJob) -> None:
+    """One line: what differs between this run and the table's newest complete version (its settings, named
+    where both record them; the model; the `images` version; the code revision), as train says why it trains
+    afresh (`schemas.up_to_date`). Nothing when there is none, or nothing differs (a version recorded as damaged,
+    whose samples this run recomputes: `_note_damaged_current` says so)."""
+    from tqdm.auto import tqdm
+
+    from schemas import up_to_date
+    from stages.encode.settings import SETTINGS_ATTR
+
+    table, section = job.summary.table, job.summary.stage.replace("-", "_")
+    newest = job.store.newest_complete(table)
+    if newest is None:
+        return
+    version, schema = newest
+    differences = up_to_date.lineage_differences(
+        schema.lineage, job.lineage, {"settings": f"{section} settings", "data": "input"})
+    before = schema.attrs.get(SETTINGS_ATTR)
+    if isinstance(before, dict) and differences:
+        def part(record: dict[str, Any], section_keys: bool) -> dict[str, Any]:
+            return {k: v for k, v in record.items() if k != "section"} if not section_keys else \
+                record.get("section") or {}
+
+        # the section's keys (a setting added later is hashed, and recorded, only away from its default:
+        # `schemas.lineage`); the stage's extras derived from them and the model (the effective prompt format)
+        # only where no key of the section differs
+        differences += up_to_date.changed_settings(part(before, True), part(job.settings, True), section,
+                                                   missing="(default)") or \
+            up_to_date.changed_settings(part(before, False), part(job.settings, False), section)
+    if differences:
+        tqdm.write(up_to_date.new_version_line(job.summary.stage, table, version, differences))
 
 
 def _reusable_version(job: EncodeJob, hashed_before: list[Lineage], fixes: Fixes, feature_revision: str) -> int | None:

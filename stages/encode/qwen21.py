@@ -31,7 +31,7 @@ from schemas.table import FieldSpec, TableSchema
 from stages.encode.common import (
     Ranks,
     Summary,
-    config_hash,
+    settings_record,
     current_ranks,
     open_job,
     open_png,
@@ -201,7 +201,7 @@ def run_text(cfg: PipelineConfig, store: str | Path, model: str, device: str | N
     # (switching it must not re-encode the table to identical values).
     section = section.model_copy(update={"batching": "exact"})
     record = prompt_format_record()
-    job = open_job(store, "encode-text", "text", config_hash(section, prompt_format=record), model, TEXT_REVISION,
+    job = open_job(store, "encode-text", "text", settings_record(section, prompt_format=record), model, TEXT_REVISION,
                    ranks, components=("text_encoder", "processor", "tokenizer"),
                    on_damaged=section.on_damaged, max_damaged_fraction=section.max_damaged_fraction, fixes=TEXT_FIXES,
                    serving_hashes=serving_config_hashes(section, prompt_format=record),

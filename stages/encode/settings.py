@@ -31,10 +31,20 @@ def resolve_precision(section: S, device: str, stage: str, world: int = 1) -> S:
 
 
 
+# schema attr: the settings a version was encoded with (`settings_record`), so that a later run with others can
+# name what differs (`stages.encode.plan`'s new-version line); versions encoded before it was recorded have none
+SETTINGS_ATTR = "settings"
+
+
+def settings_record(section: Section, **extra: Any) -> dict[str, Any]:
+    """The settings that determine features (declared in schemas/config.py, derived by schemas.lineage), plus
+    whatever else the stage passes (e.g. the effective prompt template): what `config_hash` hashes."""
+    return {"section": hashed_settings(section), **extra}
+
+
 def config_hash(section: Section, **extra: Any) -> str:
-    """Fingerprint of the settings that determine features (declared in schemas/config.py, derived by
-    schemas.lineage), plus whatever else the stage passes (e.g. the effective prompt template)."""
-    return settings_hash({"section": hashed_settings(section), **extra})
+    """Fingerprint of `settings_record`."""
+    return settings_hash(settings_record(section, **extra))
 
 
 def earlier_config_hashes(section: Section, **extra: Any) -> tuple[str, ...]:

@@ -35,7 +35,7 @@ from stages.encode.common import (
     Ranks,
     Summary,
     batches_by_shape,
-    config_hash,
+    settings_record,
     earlier_config_hashes,
     control_count_rejection,
     current_ranks,
@@ -326,7 +326,7 @@ def run(
     ranks = ranks or current_ranks(section.device, "encode_text.device")
     target = rank_device(section.device, ranks, "encode_text.device")
     section = resolve_precision(section, target, STAGE, ranks.world_size)
-    job = open_job(store, STAGE, TABLE, config_hash(section, prompt_format=fmt.lineage_record()), model,
+    job = open_job(store, STAGE, TABLE, settings_record(section, prompt_format=fmt.lineage_record()), model,
                    FEATURE_REVISION, ranks, components=COMPONENTS,
                    on_damaged=section.on_damaged, max_damaged_fraction=section.max_damaged_fraction,
                    earlier_hashes=earlier_config_hashes(section, prompt_format=fmt.lineage_record()), fixes=FIXES,

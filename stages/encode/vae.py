@@ -28,7 +28,7 @@ from stages.encode.common import (
     Ranks,
     Summary,
     batches_by_shape,
-    config_hash,
+    settings_record,
     earlier_config_hashes,
     control_count_rejection,
     current_ranks,
@@ -166,7 +166,7 @@ def run(
         revision, fixes = VAE_REVISION, VAE_FIXES
     else:
         revision, fixes = FEATURE_REVISION, FIXES
-    job = open_job(store, STAGE, TABLE, config_hash(section), model, revision, ranks, components=COMPONENTS,
+    job = open_job(store, STAGE, TABLE, settings_record(section), model, revision, ranks, components=COMPONENTS,
                    on_damaged=section.on_damaged, max_damaged_fraction=section.max_damaged_fraction,
                    earlier_hashes=earlier_config_hashes(section), fixes=fixes, unread=VAE_UNREAD)
     job.match_columns = ("mask_sha256",)

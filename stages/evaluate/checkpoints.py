@@ -27,7 +27,7 @@ from models.held_out import bucket_of, has_two_regions, loss_grid, loss_summary
 from schemas import up_to_date as current
 from schemas.config import EvaluateConfig
 from schemas.errors import UserError
-from schemas.lineage import hashed_settings, settings_hash
+from schemas.lineage import hashed_settings, settings_hash, unhashed_names
 from schemas.stage import few
 from schemas.up_to_date import UNRECORDED_REVISION
 from stages.evaluate.base_images import FOLDER as BASE_IMAGES, extra_prompt_bytes
@@ -339,36 +339,72 @@ class CheckpointsResult:
 
 
 def _up_to_date(out: Path, fingerprint: str, checkpoints: list[tuple[int, Path]], shas: dict[int, str],
-                cfg: EvaluateConfig) -> dict | None:
+                cfg: EvaluateConfig, settings: dict | None = None, why: list[str] | None = None) -> dict | None:
     """The report's metrics when it is current (`schemas.up_to_date`): the same loss array (`fingerprint`),
     every checkpoint recorded with its present bytes (`shas`) and path (a moved run: the report names the new
-    paths), the same evaluate settings and extra prompts' image bytes (pictures only: the array is kept)."""
+    paths), the same evaluate settings and extra prompts' image bytes (pictures only: the array is kept). `why`:
+    filled, when OUT holds a report that is not current, with what differs (`differences`; `settings`: the loss
+    array's settings of this run, `loss_fingerprint`)."""
     metrics_file = out / "metrics.json"
-    recorded = recorded_steps(out, fingerprint)
-    if recorded is None or not metrics_file.is_file() or not (out / "index.html").is_file():
+    if not metrics_file.is_file() or not (out / "index.html").is_file():
         return None
     try:
         metrics = json.loads(metrics_file.read_text())
     except (OSError, json.JSONDecodeError):
         return None
+    recorded = recorded_steps(out, fingerprint)  # None: no loss array of these settings
     c = metrics.get("checkpoints", {})
     recorded_paths = dict(zip(c.get("steps") or [], c.get("paths") or []))
     # the LoRA bytes the report's numbers are of, as it records them: the array's may be newer (checkpoints
     # retrained under the same steps and paths, their losses appended, evaluate killed before this report was
     # rewritten: the old report then passed for theirs). Reports from before it recorded them: the array's.
-    reported = dict(zip(c.get("steps") or [], c["lora_sha256"])) if "lora_sha256" in c else recorded
+    reported = dict(zip(c.get("steps") or [], c["lora_sha256"])) if "lora_sha256" in c else (recorded or {})
     recorded_inputs = {"fingerprint": c.get("fingerprint"), "steps": c.get("steps"),
                        "config_fingerprint": c.get("config_fingerprint"),
                        "extra_prompts_sha256": c.get("extra_prompts_sha256"),
                        "loras": {str(step): reported.get(step) for step, _ in checkpoints},
                        "paths": {str(step): recorded_paths.get(step) for step, _ in checkpoints}}
-    present = {"fingerprint": fingerprint, "steps": sorted(recorded), "config_fingerprint": cfg.fingerprint(),
-               "extra_prompts_sha256": extra_prompt_bytes(cfg) or None,
+    present = {"fingerprint": fingerprint, "steps": sorted(recorded) if recorded is not None else c.get("steps"),
+               "config_fingerprint": cfg.fingerprint(), "extra_prompts_sha256": extra_prompt_bytes(cfg) or None,
                "loras": {str(step): shas[step] for step, _ in checkpoints},
                "paths": {str(step): str(Path(path).resolve()) for step, path in checkpoints}}
     if recorded_inputs["config_fingerprint"] in earlier_config_fingerprints(cfg):
         present["config_fingerprint"] = recorded_inputs["config_fingerprint"]  # recorded as set: the same settings
-    return metrics if current.is_current(recorded_inputs, present) and damaged_current(metrics, cfg) else None
+    if recorded is not None and current.is_current(recorded_inputs, present) and damaged_current(metrics, cfg):
+        return metrics
+    if why is not None:
+        why += differences(recorded_inputs, present, metrics, cfg, settings)
+    return None
+
+
+# what a report's recorded inputs are called in the line that says why it is recomputed (`differences`)
+_INPUT_LABELS = {"fingerprint": "held-out loss inputs", "steps": "checkpoints in the loss array",
+                 "config_fingerprint": "evaluate config fingerprint",
+                 "extra_prompts_sha256": "extra prompts' images (sha256)", "loras": "checkpoint weights (sha256)",
+                 "paths": "checkpoint paths", "tables": "store tables", "model_fingerprint": "model fingerprint",
+                 "lora_sha256": "LoRA weights (sha256)", "evaluation_revision": "evaluation revision"}
+
+
+def differences(recorded: dict, present: dict, metrics: dict, cfg: EvaluateConfig, settings: dict | None) -> list[str]:
+    """What differs between a report (its recorded inputs; `metrics`, its metrics.json) and this run, as train
+    says why it trains afresh (`schemas.up_to_date`, one wording): each stale input, then each setting that
+    differs - of the loss array's settings (`settings`, this run's: tables, model, the evaluate loss settings,
+    the evaluation revision) and of the hashed evaluate settings (the report's `run.config`). Empty when only the
+    damaged samples it left out differ (on_damaged, which enters no hash: the stage says so itself)."""
+    run = metrics.get("run") or {}
+    found = current.stale_named(recorded, present, _INPUT_LABELS)
+    if isinstance(run.get("settings"), dict) and settings is not None:
+        found += current.changed_settings(run["settings"], settings, "")
+    if isinstance(run.get("config"), dict):
+        found += current.changed_settings(run["config"], cfg.model_dump(mode="json"), "evaluate",
+                                          ignore=unhashed_names(cfg))
+    return list(dict.fromkeys(found))
+
+
+def say_recomputed(out: Path, why: list[str]) -> None:
+    """One line: why the report in OUT is computed again (`differences`)."""
+    if why:
+        tqdm.write(f"evaluate: the report in {out} is not this run's ({'; '.join(why)}): evaluating again")
 
 
 # ------------------------------------------------------------------------------------------------ the stage
@@ -421,7 +457,11 @@ def _run(ranks, cfg: EvaluateConfig, store: str | Path, model: str, checkpoints:
     done = None
     if skip_if_done and ranks.main:  # the val split named by content, as the array records it (`read_tables`)
         now, now_settings, earlier = content_fingerprint(cfg, store, model, settings)
-        done = _up_to_date(out, known_fingerprint(out, now, now_settings, earlier), checkpoints, shas, cfg)
+        why: list[str] = []
+        done = _up_to_date(out, known_fingerprint(out, now, now_settings, earlier), checkpoints, shas, cfg,
+                           now_settings, why)
+        if done is None:
+            say_recomputed(out, why)
     if ranks.from_main([int(done is not None)])[0]:
         return CheckpointsResult(done, out / "index.html", up_to_date=True) if ranks.main else None
     with together(ranks.world, "the report folder"):

@@ -416,8 +416,10 @@ def images_rows_id(st: Store, tables: JoinedTables) -> str | None:
 
 
 def report_up_to_date(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, out: str | Path,
-                      lora_sha256: str | None = None) -> bool:
-    from stages.evaluate.checkpoints import damaged_current, earlier_config_fingerprints
+                      lora_sha256: str | None = None, why: list[str] | None = None) -> bool:
+    """Is OUT's report this run's (`schemas.up_to_date`)? `why`: filled, when it holds one that is not, with what
+    differs (`checkpoints.differences`)."""
+    from stages.evaluate.checkpoints import damaged_current, differences, earlier_config_fingerprints
 
     metrics = Path(out) / "metrics.json"
     if not metrics.is_file() or not (Path(out) / "index.html").is_file():
@@ -439,7 +441,11 @@ def report_up_to_date(cfg: EvaluateConfig, store: str | Path, model: str, lora: 
     present = evaluate_inputs(cfg, store, model, lora, lora_sha256, table_ids=table_ids)
     if recorded.get("config_fingerprint") in earlier_config_fingerprints(resolved_config(cfg)):
         present["config_fingerprint"] = recorded["config_fingerprint"]  # recorded as set: the same settings
-    return current.is_current(recorded, present) and damaged_current(metrics_of, cfg)
+    if current.is_current(recorded, present) and damaged_current(metrics_of, cfg):
+        return True
+    if why is not None:
+        why += differences(recorded, present, metrics_of, resolved_config(cfg), None)
+    return False
 
 
 @dataclass
@@ -598,8 +604,12 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, ou
     cfg = for_model(cfg, model)
     # the file train sealed, checked and hashed in one read: a flipped bit is refused, not evaluated
     checked = checked_digest(lora_weight_file(lora))
-    if skip_if_done and report_up_to_date(cfg, store, model, lora, out, checked.sha256):
+    why: list[str] = []
+    if skip_if_done and report_up_to_date(cfg, store, model, lora, out, checked.sha256, why):
         return EvaluateResult(json.loads((out / "metrics.json").read_text()), out / "index.html", up_to_date=True)
+    from stages.evaluate.checkpoints import say_recomputed
+
+    say_recomputed(out, why)
     check_report_folder(out)
     requested = cfg.dtype
     cfg = resolved_config(cfg)

@@ -154,10 +154,16 @@ def _run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> 
     found, newer = _up_to_date_version(st, schema)
     if found is not None:
         before = recorded_source(st, found)
-        return ResizeSummary(version=found, up_to_date=True, seconds=time.perf_counter() - started,
+        # every sample of the version is reused as it is (counted so, as the encoders count theirs)
+        from store.manifest_files import checked_manifest
+
+        splits = Counter(checked_manifest(st.version_dir(TABLE, found), ["split"]).column("split").to_pylist())
+        return ResizeSummary(version=found, up_to_date=True, reused=splits.total(), splits=splits,
+                             seconds=time.perf_counter() - started,
                              sizes=sizes_in_force(rc.model_dump()), store=str(st.root), newer_current=newer,
                              source=str(source), source_before=before if before not in ("", str(source)) else "")
     repairing = _damaged_current(st)
+    _say_why_new(st, schema)
     moved = _adopted(st, schema)
     writer = st.writer(TABLE, schema, shard_size_mb=rc.shard_size_mb)
     intake = _Intake(ResizeSummary(version=writer.version, quarantine_file=str(st.root / "quarantine.parquet"),
@@ -403,6 +409,26 @@ def _unchanged_by_fixes(st: Store, schema: TableSchema) -> int | None:
     # a yes is recorded with the version: a rerun of an unchanged store reads no rows (store/reuse.py)
     return found if unchanged_by_fixes(st, TABLE, found, settings_hash(schema.lineage.to_dict()), none_changed) \
         else None
+
+
+def _say_why_new(st: Store, schema: TableSchema) -> None:
+    """One line: what differs between this run and the newest complete `images` version (its resize settings,
+    named; the source's listing; the code revision), as the encoders and train say it (`schemas.up_to_date`).
+    Nothing when there is none or nothing differs (a version recorded as damaged: re-rendered, said below)."""
+    from schemas import up_to_date
+    from store import repair_context
+
+    newest = st.newest_complete(TABLE)
+    if newest is None or repair_context.active():
+        return
+    version, before = newest
+    differences = up_to_date.lineage_differences(before.lineage, schema.lineage, {
+        "settings": "resize settings", "data": "source listing (its files and their bytes)"})
+    if isinstance(before.attrs.get("resize"), dict) and differences:
+        differences += up_to_date.changed_settings(before.attrs["resize"], schema.attrs["resize"], "resize",
+                                                   missing="(default)")
+    if differences:
+        tqdm.write(up_to_date.new_version_line(STAGE, TABLE, version, differences))
 
 
 def _damaged_current(st: Store) -> int | None:

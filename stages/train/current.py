@@ -70,7 +70,8 @@ def _inputs(cfg: PipelineConfig, store: str | Path, model: str,
     """`run_inputs`, and the joined tables (closed) for their content identities."""
     from models.loading import model_fingerprint
 
-    tables = open_configured(cfg.train, "train", store, model, model_fingerprint(model), "train")  # as training does
+    tables = open_configured(cfg.train, "train", store, model, model_fingerprint(model), "train",  # as training does
+                             say_dropped=False)  # the trainer says it (a run that is not current trains)
     tables.close()  # only its versions (or contents: from the manifests it holds) are compared
     return {
         "step": cfg.train.max_steps,

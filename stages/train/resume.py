@@ -8,6 +8,7 @@ from typing import Any
 
 import yaml
 
+from schemas import up_to_date
 from stages.train import state as train_state
 
 CONFIG_FILE = "train_config.yaml"  # the effective config of the run's latest start, written by stages.train
@@ -24,15 +25,6 @@ def nothing_to_resume(run_dir: Path) -> str | None:
             "or leave out --resume to start a new run there")
 
 
-def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
-    if not isinstance(d, dict):
-        return {prefix: d}
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        out.update(_flat(v, f"{prefix}.{k}" if prefix else str(k)))
-    return out
-
-
 def changed_settings(run_dir: Path, now: dict[str, Any], ignore: set[str]) -> list[str]:
     """'train.learning_rate: 0.002 -> 0.001' for each `train.*` key that differs between
     the run folder's train_config.yaml and `now` (a PipelineConfig dump); `ignore` holds train keys a resume may
@@ -42,7 +34,4 @@ def changed_settings(run_dir: Path, now: dict[str, Any], ignore: set[str]) -> li
         before = yaml.safe_load(path.read_text()) or {}
     except (OSError, yaml.YAMLError):
         return []
-    old = {k: v for k, v in _flat({"train": before.get("train", {})}).items() if k.split(".")[1] not in ignore}
-    new = {k: v for k, v in _flat({"train": now.get("train", {})}).items() if k.split(".")[1] not in ignore}
-    return [f"{k}: {old.get(k, '(unset)')!r} -> {new.get(k, '(unset)')!r}"
-            for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+    return up_to_date.changed_settings(before.get("train") or {}, now.get("train") or {}, "train", ignore)

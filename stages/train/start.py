@@ -36,7 +36,8 @@ def open_tables(tc: TrainConfig, store: str | Path, model: str, accelerator) -> 
     world = accelerator.num_processes
     fingerprint = agreed_model_fingerprint(world, model)
     with together(world, "opening the store"):
-        tables = open_configured(tc, "train", store, model, fingerprint, "train")
+        # the trainer prints the join's one line itself (`data.write_data_report`)
+        tables = open_configured(tc, "train", store, model, fingerprint, "train", say_dropped=False)
     try:
         check_same_versions(world, tables.versions(), tables.store_root, "train")
     except BaseException:

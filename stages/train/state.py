@@ -192,7 +192,8 @@ class ResumeRecord:
         compared = compared_tables(self.tables, self.table_contents, now.tables,
                                    (lambda: now.table_contents) if now.table_contents else contents)
         stale = up_to_date.stale_inputs({**before, "tables": compared[0]}, {**after, "tables": compared[1]})
-        problems = [f"{_INPUT_LABEL[k]} {before[k]} -> {after[k]}" for k in stale]  # named by their version ids
+        # named by their version ids (the tables compared by content, `compared_tables`)
+        problems = up_to_date.stale_named({k: before[k] for k in stale}, {k: after[k] for k in stale}, _INPUT_LABEL)
         if not problems:
             return
         advice = "Resume with the same config and store, or start a new run with a different --out"

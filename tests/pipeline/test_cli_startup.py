@@ -108,3 +108,17 @@ def test_bench_scripts_answer_help_without_running():
     for script, (code, out, err) in answers.items():
         assert code in (0, None) and out.startswith("usage:"), (script, err)
         assert "==" not in out, script  # no benchmark section ran
+
+
+def test_python_dash_m_pipeline_is_the_command(tmp_path):
+    """`python -m pipeline` said "'pipeline' is a package and cannot be directly executed"; it is the `pipeline`
+    command now, as `python -m pipeline.cli` is: the same output and exit status (here a user error: 1)."""
+    runs = {module: subprocess.run([sys.executable, "-m", module, "store", "inspect", str(tmp_path / "nowhere")],
+                                   env=ENV, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+            for module in ("pipeline", "pipeline.cli")}
+    for module, proc in runs.items():
+        assert proc.returncode == 1 and proc.stderr.startswith("error: "), (module, proc.stderr[-2000:])
+    assert runs["pipeline"].stderr == runs["pipeline.cli"].stderr
+    helped = subprocess.run([sys.executable, "-m", "pipeline", "--help"], env=ENV, capture_output=True, text=True,
+                            timeout=120, cwd=tmp_path)
+    assert helped.returncode == 0 and "Usage: python -m pipeline" in helped.stdout, helped.stderr[-2000:]

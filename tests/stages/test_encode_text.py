@@ -124,26 +124,48 @@ def _text_versions(store: Path) -> list[int]:
     return Store(store).versions("text")
 
 
-def test_lineage_up_to_date_and_every_change_makes_a_new_version(tiny_edit_model, edit_store, tmp_path, images_fixture):
+def _why_new(out: str) -> str:
+    """The line an encode run prints when it writes a new version instead of reusing the newest complete one."""
+    lines = [line for line in out.splitlines() if "is not this run's" in line]
+    assert len(lines) == 1, out
+    return lines[0]
+
+
+def test_lineage_up_to_date_and_every_change_makes_a_new_version(tiny_edit_model, edit_store, tmp_path, images_fixture,
+                                                                 capsys):
     cfg = load_config(None)
     first = encode_text.run(cfg, edit_store, tiny_edit_model)
     listing = sorted((p, p.stat().st_mtime_ns) for p in (edit_store / "text").rglob("*"))
     again = encode_text.run(cfg, edit_store, tiny_edit_model, batch_size=3)  # batch size: not a feature setting
     assert again.up_to_date and again.version == first.version and again.encoded == 0
     assert sorted((p, p.stat().st_mtime_ns) for p in (edit_store / "text").rglob("*")) == listing  # nothing written
+    assert "is not this run's" not in capsys.readouterr().out  # a first version, then one up to date: no reason
 
+    # Each change says, in one line, what differs from the newest complete version (as train says why it trains
+    # afresh); before, a full re-encode came with no reason.
     # The prompt template.
     tmpl = encode_text.prompt_format("edit", None, None).template.replace("Describe", "List")
     new_template = load_config(None, {"encode_text.prompt_template": tmpl, "encode_text.prompt_template_start_idx": 64})
     changed = encode_text.run(new_template, edit_store, tiny_edit_model)
     assert not changed.up_to_date and changed.version == first.version + 1
+    why = _why_new(capsys.readouterr().out)
+    assert why.startswith("encode-text: table 'text' v1 is not this run's (encode_text settings ") and \
+        why.endswith("): writing a new version"), why
+    assert "encode_text.prompt_template: None -> " in why and "List the key" in why, why
+    assert "encode_text.prompt_template_start_idx: None -> 64" in why and "model" not in why, why
     # The model (any file of it changes the fingerprint).
     other_model = Path(shutil.copytree(tiny_edit_model, tmp_path / "other-model"))
     (other_model / "tiny_model.json").write_text(json.dumps({"variant": "edit", "seed": 0, "note": "changed"}))
     assert encode_text.run(cfg, edit_store, str(other_model)).version == first.version + 2
+    why = _why_new(capsys.readouterr().out)  # against v2: the template back to its default, and the model
+    assert why.startswith("encode-text: table 'text' v2 is not this run's (encode_text settings "), why
+    assert "; model fingerprint " in why and "-> None" in why and "prompt_format" not in why, why
     # A resize setting: a new `images` version upstream.
     images_fixture.write(edit_store, images_fixture.edit_samples(), tag="other-resize-settings")
     assert encode_text.run(cfg, edit_store, tiny_edit_model).version == first.version + 3
+    why = _why_new(capsys.readouterr().out)
+    assert why.startswith("encode-text: table 'text' v3 is not this run's (input images:v1-"), why
+    assert "-> images:v2-" in why and "model fingerprint " in why and "settings" not in why, why
     # Back to the first inputs: that version is found again and made current, nothing re-encoded.
     Store(edit_store).set_current("images", 1)
     back = encode_text.run(cfg, edit_store, tiny_edit_model)

@@ -131,6 +131,20 @@ def test_another_device_spelling_reuses_every_sample(tiny_edit_model, tmp_path, 
         assert (again.up_to_date, again.encoded, again.version) == (True, 0, first.version)
 
 
+def test_a_changed_setting_says_what_differs_from_the_newest_version(tiny_edit_model, tmp_path, images_fixture, capsys):
+    """A new version comes with one line naming what differs from the newest complete one (before: a full
+    re-encode with no reason); an up-to-date run says nothing of the kind."""
+    fx, store = images_fixture, tmp_path / "s"
+    fx.write(store, [fx.Sample("a", (64, 64), [(64, 64)], [(64, 64)])])
+    encode_vae.run(load_config(None, F32), store, tiny_edit_model)
+    assert encode_vae.run(load_config(None, F32), store, tiny_edit_model).up_to_date
+    assert "is not this run's" not in capsys.readouterr().out
+    assert encode_vae.run(load_config(None, {"encode_vae.dtype": "bfloat16"}), store, tiny_edit_model).version == 2
+    why = [line for line in capsys.readouterr().out.splitlines() if "is not this run's" in line]
+    assert len(why) == 1 and why[0].startswith("encode-vae: table 'vae' v1 is not this run's (encode_vae settings "), why
+    assert why[0].endswith("; encode_vae.dtype: 'float32' -> 'bfloat16'): writing a new version"), why
+
+
 def test_a_table_encoded_before_the_declared_lineage_scheme_stays_current(tiny_edit_model, tmp_path, images_fixture,
                                                                           monkeypatch):
     """A table hashed the old way (its config hash held `device`) is up to date for the same settings."""
@@ -144,8 +158,15 @@ def test_a_table_encoded_before_the_declared_lineage_scheme_stays_current(tiny_e
     fx, store = images_fixture, tmp_path / "s"
     fx.write(store, [fx.Sample(c, (64, 64), [(64, 64)], [(64, 64)]) for c in ("a", "b")])
     cfg = load_config(None, {**F32, "encode_vae.device": "cpu", "encode_vae.shard_size_mb": 0.001})
-    with monkeypatch.context() as m:  # how the code before the scheme hashed (pinned in tests/schemas)
-        m.setattr(encode_vae, "config_hash", lambda section: earlier_config_hashes(section)[0])
+    from schemas.lineage import hashed_settings, settings_hash
+
+    def hashed_before(section):  # the settings as hashed before the scheme: `device` among them
+        record = {"section": {**hashed_settings(section), "device": section.model_dump(mode="json")["device"]}}
+        assert settings_hash(record) == earlier_config_hashes(section)[0]  # pinned in tests/schemas
+        return record
+
+    with monkeypatch.context() as m:  # how the code before the scheme hashed
+        m.setattr(encode_vae, "settings_record", hashed_before)
         m.setattr(encode_vae, "earlier_config_hashes", lambda section: ())
         old = encode_vae.run(cfg, store, tiny_edit_model)
     assert old.encoded == 2
@@ -175,9 +196,15 @@ def test_killed_run_resumes_to_a_complete_verified_table(tiny_edit_model, edit_s
                           timeout=600)  # a bound for a loaded machine
     assert proc.returncode == -9, proc.stderr[-2000:]  # SIGKILL right after the first shard was committed
     assert "vae" not in Store(edit_store).tables()
+    # begun as a release before the settings were recorded (`attrs.settings`) began it: still resumed
+    begun = edit_store / "vae" / "v1" / "schema.json"
+    schema = json.loads(begun.read_text())
+    assert schema["attrs"].pop("settings")["section"]["dtype"] == "float32"
+    begun.write_text(json.dumps(schema))
     cfg = load_config(None, {**F32, "encode_vae.shard_size_mb": 0.002})
     summary = encode_vae.run(cfg, edit_store, tiny_edit_model)
     images = Store(edit_store).reader("images")
+    assert summary.version == 1 and Store(edit_store).versions("vae") == [1]
     assert summary.skipped >= 1 and summary.skipped + summary.encoded == len(images)
     vae = Store(edit_store).reader("vae")
     assert sorted(vae.keys()) == sorted(images.keys()) and len(vae.manifest) == len(images)  # each exactly once

@@ -262,7 +262,11 @@ def test_unsafe_tar_members_and_bad_jsonl_lines_are_quarantined(tmp_path):
     assert r.meta(r.keys()[0])["caption"] == "via prompt"
 
 
-def test_rerun_is_up_to_date_changed_setting_or_source_is_a_new_version(tmp_path):
+def _why_new(out: str) -> list[str]:
+    return [line for line in out.splitlines() if "is not this run's" in line]
+
+
+def test_rerun_is_up_to_date_changed_setting_or_source_is_a_new_version(tmp_path, capsys):
     make_demo_data(tmp_path / "src", n=6, fmt="folder", max_controls=2, seed=1)
     (tmp_path / "src" / "target" / "sample_0000.txt").write_bytes(b"")  # one reject, to check no repeats
     st = Store(tmp_path / "store")
@@ -270,16 +274,41 @@ def test_rerun_is_up_to_date_changed_setting_or_source_is_a_new_version(tmp_path
     again = run(cfg(), tmp_path / "src", st)
     assert first.version == 1 and again.up_to_date and again.version == 1 and st.versions("images") == [1]
     assert "up to date" in str(again)
+    assert _why_new(capsys.readouterr().out) == []
     changed = run(cfg(target_area=96 * 96), tmp_path / "src", st)
     assert changed.version == 2 and not changed.up_to_date and st.tables()["images"] == 2
+    # one line says what differs from the newest complete version (before: a full re-render, no reason)
+    (why,) = _why_new(capsys.readouterr().out)
+    assert why.startswith("resize-bucket: table 'images' v1 is not this run's (resize settings ") and \
+        why.endswith("; resize.target_area: 4096 -> 9216): writing a new version"), why
     assert len(st.quarantine()) == 1  # the same reject is not recorded twice
     back = run(cfg(), tmp_path / "src", st)  # the first settings again: v1 reused, made current
     assert back.up_to_date and back.version == 1 and st.tables()["images"] == 1
+    assert _why_new(capsys.readouterr().out) == []
     (tmp_path / "src" / "target" / "sample_0000.txt").write_text("now with a caption")
     grown = run(cfg(), tmp_path / "src", st)
+    (why,) = _why_new(capsys.readouterr().out)  # v2 is the newest complete version
+    assert why.startswith("resize-bucket: table 'images' v2 is not this run's (resize settings "), why
+    assert "; source listing (its files and their bytes) src" in why and "resize.target_area: 9216 -> 4096" in why
     # only the newly captioned sample is rendered; the other 5 are carried forward from v1 (hard-linked shards)
     assert grown.version == 3 and grown.written == 1 and grown.reused == 5
     assert len(st.reader("images", 3)) == 6 and verify_store(st.root, progress=False) == []
+
+
+def test_json_of_an_up_to_date_table_counts_every_sample_reused(tmp_path):
+    """`run resize-bucket --json` on an up-to-date table said `reused: 0` and `splits: {}`: it reused every sample
+    (the encoders' summaries count theirs so)."""
+    from typer.testing import CliRunner
+
+    from pipeline.cli import app
+
+    make_demo_data(tmp_path / "src", n=6, fmt="folder", max_controls=2, seed=1)
+    args = ["run", "resize-bucket", "--source", str(tmp_path / "src"), "--store", str(tmp_path / "store"), "--json",
+            *(a for k, v in SMALL.items() for a in ("--set", f"{k}={v}"))]
+    first, again = (json.loads(CliRunner().invoke(app, args).stdout.splitlines()[-1]) for _ in range(2))
+    assert not first["up_to_date"] and first["encoded"] == 6 and first["reused"] == 0
+    assert again["up_to_date"] and again["encoded"] == 0 and again["reused"] == 6, again
+    assert again["splits"] == first["splits"] and sum(again["splits"].values()) == 6
 
 
 def _resize_process(tmp_path: Path, then: str) -> list[str]:

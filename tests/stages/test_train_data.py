@@ -274,3 +274,22 @@ def test_a_sample_twice_in_one_step_gets_a_draw_of_its_own_each_time(tables, tin
             assert not torch.equal(drawn[0], seen[i][0]), "the same σ for a sample's second occurrence in a step"
             assert not torch.equal(drawn[1], seen[i][1]), "the same noise for a sample's second occurrence in a step"
     assert repeats == 2  # epoch 1's first batch repeats two samples of epoch 0
+
+
+def test_the_dropped_samples_of_the_train_split_are_said_once(tmp_path, tiny_edit_model, caplog):
+    """`run train` / `run all` opened the train split twice (the up-to-date check, then the trainer), each open
+    warned "train split: 1 of 4 samples are not in both ...", and the trainer printed its own line of the same
+    drop: three lines of one fact. Now the trainer's line alone."""
+    from typer.testing import CliRunner
+
+    from pipeline.cli import app
+
+    make_train_store(tmp_path / "s", tiny_edit_model, mixed_specs(4), skip_vae={3})
+    res = CliRunner().invoke(app, ["run", "train", "--store", str(tmp_path / "s"), "--model", tiny_edit_model,
+                                   "--out", str(tmp_path / "run"), "--max-steps", "1", "--batch-size", "1",
+                                   "--device", "cpu", "--set", "train.max_dropped_fraction=0.5"])
+    assert res.exit_code == 0, res.output
+    said = [line for line in [*res.output.splitlines(), *(r.getMessage() for r in caplog.records)]
+            if "split" in line and "not in both the text and vae tables" in line]
+    assert said == ["training on 3 of 4 samples of the 'train' split: 1 not in both the text and vae tables "
+                    f"(encode-vae: not encoded 1; rows in {tmp_path / 's' / 'quarantine.parquet'})"], said

@@ -83,6 +83,37 @@ def test_checkpoint_report_keeps_its_array_on_a_device_or_batch_change(trained, 
                       skip_if_done=True).up_to_date
 
 
+def _recomputed(out: str) -> list[str]:
+    return [line for line in out.splitlines() if "is not this run's" in line]
+
+
+def test_evaluate_says_why_it_evaluates_again(trained, tiny_edit_model, tmp_path, capsys):
+    """A report that is not this run's is computed again after one line naming what differs (as train says why it
+    trains afresh); before, an `evaluate.noise_seeds` change recomputed every checkpoint without a reason."""
+    from stages.evaluate import checkpoints as ev
+    from stages.evaluate import stage
+
+    store, out = trained / "store", tmp_path / "report"
+    ckpts = [(2, trained / "run" / "checkpoints" / "step-2" / "lora")]
+    ev.run(EvaluateConfig(**EVAL), store, tiny_edit_model, ckpts, out, skip_if_done=True)
+    assert ev.run(EvaluateConfig(**{**EVAL, "batch_size": 1}), store, tiny_edit_model, ckpts, out,
+                  skip_if_done=True).up_to_date
+    assert _recomputed(capsys.readouterr().out) == []  # a new report, then one up to date: nothing to explain
+    ev.run(EvaluateConfig(**{**EVAL, "noise_seeds": [0, 1]}), store, tiny_edit_model, ckpts, out, skip_if_done=True)
+    (why,) = _recomputed(capsys.readouterr().out)
+    assert why.startswith(f"evaluate: the report in {out} is not this run's (held-out loss inputs "), why
+    assert "; evaluate config fingerprint " in why and why.count("evaluate.noise_seeds: [0] -> [0, 1]") == 1, why
+    assert "batch_size" not in why and why.endswith("): evaluating again"), why
+
+    single = tmp_path / "single"
+    lora = trained / "run" / "lora"
+    stage.run(EvaluateConfig(**EVAL), store, tiny_edit_model, lora, single, skip_if_done=True)
+    stage.run(EvaluateConfig(**{**EVAL, "timesteps": [0.3]}), store, tiny_edit_model, lora, single, skip_if_done=True)
+    (why,) = _recomputed(capsys.readouterr().out)
+    assert why.startswith(f"evaluate: the report in {single} is not this run's (evaluate config fingerprint "), why
+    assert why.endswith("; evaluate.timesteps: [0.5] -> [0.3]): evaluating again"), why
+
+
 def test_table_versions_go_through_the_rule(trained, monkeypatch):
     """resize and the encoders reuse a table version only through `Store.find_version`, which asks the rule."""
     from store import Store
