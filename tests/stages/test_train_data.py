@@ -293,3 +293,31 @@ def test_the_dropped_samples_of_the_train_split_are_said_once(tmp_path, tiny_edi
             if "split" in line and "not in both the text and vae tables" in line]
     assert said == ["training on 3 of 4 samples of the 'train' split: 1 not in both the text and vae tables "
                     f"(encode-vae: not encoded 1; rows in {tmp_path / 's' / 'quarantine.parquet'})"], said
+
+
+def test_the_dropped_report_counts_the_samples_of_both_tables_images_versions(tmp_path, monkeypatch):
+    """encode-text has run on a newer `images` (2 samples added) and encode-vae not yet: the split's samples are
+    those of both versions (6), 2 of them not in both. Before: counted from vae's `images` version alone - '2 of 4
+    samples (50.0%)', and with more samples added, more dropped than samples ('35 of 16 samples (218.8%)')."""
+    from dataclasses import replace
+
+    import train_store
+    from features.open import open_features
+    from schemas import FieldSpec, Lineage, TableSchema
+
+    fp = "0123456789abcdef"
+    stock = train_store._lineage
+    monkeypatch.setattr(train_store, "_lineage", lambda stage, *a: replace(
+        stock(stage, *a), upstream={"images": 2 if stage == "encode-text" else 1}))
+    st = make_train_store(tmp_path / "s", "m", mixed_specs(6), fingerprint=fp, skip_vae={4, 5})
+    fields = [FieldSpec("target.png", "png", kind="file"), FieldSpec("split", "string", kind="column")]
+    for n in (4, 6):  # images v1: samples 0-3, v2: 0-5
+        schema = TableSchema("images", fields, Lineage("resize-bucket", config_hash=f"t{n}", upstream={},
+                                                       code_version="t"))
+        w = st.writer("images", schema)
+        for i in range(n):
+            w.add(key_of(i), files={"target.png": b"png"}, meta={"split": "train", "img_shapes": [[1, 2, 2]]})
+        w.commit()
+    rep = open_features(st.root, "m", fp, "train", 0.5).report
+    assert (rep["samples"], rep["joined"], rep["dropped"]) == (6, 4, 2)
+    assert rep["dropped_fraction"] == pytest.approx(1 / 3)
