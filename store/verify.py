@@ -321,13 +321,47 @@ def _members(data: bytes, base: int) -> dict[str, tuple[int, int]] | None:
     out = {}
     pos = 0
     while pos < len(data):
-        try:
-            info = tarfile.TarInfo.frombuf(data[pos : pos + tarfile.BLOCKSIZE], "utf-8", "strict")
-        except tarfile.TarError:
-            return None
-        out[info.name] = (base + pos + tarfile.BLOCKSIZE, info.size)
-        pos += tarfile.BLOCKSIZE + info.size + (-info.size % tarfile.BLOCKSIZE)
+        block = data[pos : pos + tarfile.BLOCKSIZE]
+        got = _plain_header(block)
+        if got is None:  # anything but the plain header the writer makes: tarfile's own reading decides
+            try:
+                info = tarfile.TarInfo.frombuf(block, "utf-8", "strict")
+            except tarfile.TarError:
+                return None
+            got = info.name, info.size
+        name, size = got
+        out[name] = (base + pos + tarfile.BLOCKSIZE, size)
+        pos += tarfile.BLOCKSIZE + size + (-size % tarfile.BLOCKSIZE)
     return out if pos == len(data) else None
+
+
+_OCTAL_FIELDS = ((100, 108), (108, 116), (116, 124), (124, 136), (136, 148), (329, 337), (337, 345))
+
+
+def _octal(field: bytes) -> int | None:
+    """A numeric header field as tarfile reads it (up to the first NUL, stripped, octal), when it is plain digits."""
+    digits = field.split(b"\0", 1)[0].strip()
+    return int(digits or b"0", 8) if not digits.translate(None, b"01234567") else None
+
+
+def _plain_header(block: bytes) -> tuple[str, int] | None:
+    """(name, size) of a regular file's header block whose every field is plain (octal digits, the unsigned
+    checksum), read as `tarfile.TarInfo.frombuf` reads it; None for any other block, which frombuf then judges.
+    frombuf decodes every field through Python-level helpers: ~2/3 of a verify's time (bench/verify_members.py)."""
+    if len(block) != tarfile.BLOCKSIZE or block[156:157] not in (b"0", b"\0"):
+        return None
+    numbers = [_octal(block[a:b]) for a, b in _OCTAL_FIELDS]
+    chksum = _octal(block[148:156])
+    if None in numbers or chksum != 256 + sum(block) - sum(block[148:156]):
+        return None
+    try:
+        name, _, _, _, prefix = (block[a:b].split(b"\0", 1)[0].decode("utf-8", "strict")
+                                 for a, b in ((0, 100), (157, 257), (265, 297), (297, 329), (345, 500)))
+    except UnicodeDecodeError:
+        return None
+    if name.endswith("/"):  # a directory in the old V7 way
+        return None
+    return (f"{prefix}/{name}" if prefix else name), numbers[3]
 
 
 def _check_tensors(data: bytes, base: int, member: tuple[int, int], tensors: list[dict[str, Any]]) -> list[str]:
