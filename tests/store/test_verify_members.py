@@ -31,13 +31,16 @@ def _blocks() -> list[bytes]:
     bad_sum[0] ^= 1
     spaced = bytearray(plain)
     spaced[124:136] = b"   5 5     \0"  # not one number
+    devmajor = bytearray(plain)  # a field tarfile refuses, under a checksum that matches
+    devmajor[329:337] = b"zz\0\0\0\0\0\0"
+    devmajor[148:156] = b"%06o\0 " % (256 + sum(devmajor) - sum(devmajor[148:156]))
     return [
         plain, _header("k.target.png", 123456), _header("d/" * 60 + "k.json"),  # a prefix (long path)
         _header("x" * 120, fmt=tarfile.GNU_FORMAT)[:512],  # a GNU long-name header ('L')
         _header("x" * 120, fmt=tarfile.PAX_FORMAT)[:512],  # a pax header
         _header("big", 2**34, fmt=tarfile.GNU_FORMAT),  # base-256 size
         _header("dir/", type=tarfile.AREGTYPE), _header("d", type=tarfile.DIRTYPE),
-        _header("k.json", uname="é"), bytes(bad_sum), bytes(spaced), bytes(512), plain[:300],
+        _header("k.json", uname="é"), bytes(bad_sum), bytes(spaced), bytes(devmajor), bytes(512), plain[:300],
     ]
 
 
@@ -46,6 +49,7 @@ def test_every_header_reads_as_tarfile_reads_it():
         got = _plain_header(block)
         assert got is None or got == _frombuf(block), block[:100]
     assert _plain_header(_blocks()[0]) == ("0123abcd.safetensors", 5)  # the writer's headers take the fast path
+    assert _frombuf(_blocks()[-3]) is None and _plain_header(_blocks()[-3]) is None  # the devmajor block
     assert _plain_header(_blocks()[2]) == ("d/" * 60 + "k.json", 5)
 
 
