@@ -15,7 +15,21 @@ model on the CPU):
   evaluate      `pipeline run evaluate` of that LoRA: held-out loss on 2 samples, 1 image (val selection)
   plan          `pipeline plan` (reads no store: a constant)
 Prints one line per operation and N, and the growth from the smallest N to the largest (time ratio / size ratio:
-1.0 = linear).
+1.0 = linear; most commands are ~5-8 s of imports and model loading, so their growth reads low).
+
+2-core machine shared with other jobs (load 1-4; the figures swing by 2x), stores on ext4 (1M: 16 GB, 23 GB RAM),
+after the verify and inspect fixes:
+  operation      N=100k            N=300k            N=1M
+  open            4.4 s  746 MB     2.2 s  777 MB     3.5 s 1029 MB
+  inspect         3.6 s  824 MB     2.4 s  895 MB     6.5 s 1029 MB   (before: 33 s at 300k, loaded)
+  verify         14.3 s  853 MB    42.1 s 1263 MB   196 s  2572 MB   (before: 62 s at 100k, loaded)
+  gc              2.2 s  688 MB     1.8 s  690 MB     1.8 s  690 MB
+  encode_text    10.9 s 1117 MB     7.6 s 1101 MB     7.9 s 1373 MB
+  encode_vae      6.2 s  934 MB     6.1 s  921 MB     4.3 s 1173 MB
+  train          10.0 s 1179 MB    22.7 s 1177 MB    12.0 s 1526 MB
+  train_resume   12.0 s 1183 MB    22.3 s 1198 MB    13.0 s 1541 MB
+  evaluate       11.9 s 1203 MB    18.7 s 1355 MB    11.7 s 2126 MB
+  plan            8.1 s 1061 MB     9.5 s 1061 MB     7.3 s 1061 MB
 """
 
 from __future__ import annotations

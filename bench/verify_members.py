@@ -5,9 +5,10 @@ per sample with 2 controls) and times, in the same run (best of --repeat, after 
 members):
   old   `tarfile.TarInfo.frombuf` for every header (kept below verbatim as the baseline)
   new   `_members`: the writer's plain headers parsed directly, anything else through frombuf
-A whole verify at 100k samples (images + text + vae) took 62 s before, of which frombuf was about 2/3 under a
-profile. 2-core shared machine, images v1 of bench/scale_store.py --samples 100000 (first 100 shards, ~17k
-samples, ~59k headers): old 2.17 s, new 0.46 s, 4.7x (load ~5).
+Under a profile frombuf was ~2/3 of a verify. 2-core shared machine, images v1 of bench/scale_store.py --samples
+100000 (first 100 shards, 16,958 samples, 65,714 headers): old 1.34-5.13 s, new 0.35-1.40 s, 3.5-3.8x (load 5-7).
+A whole `verify_store` of that store (images + text + vae, 100k samples each), same machine, old and new code
+interleaved: old 28.7 / 19.8 s, new 12.0 / 11.0 s (~2x).
 
     python bench/verify_members.py /tmp/scale/n100000/images/v1 [--shards 100] [--repeat 3]
 """
