@@ -14,6 +14,8 @@ model on the CPU):
   train_resume  the same run to 4 steps: resumes at step 2 (data position restored)
   evaluate      `pipeline run evaluate` of that LoRA: held-out loss on 2 samples, 1 image (val selection)
   plan          `pipeline plan` (reads no store: a constant)
+  relabel       (--ops only; changes the store) images v2 with relabelled splits, carried forward from v1
+  encode_text_carry, encode_vae_carry   the encode reruns after it: every sample carried forward (hard links)
 Prints one line per operation and N, and the growth from the smallest N to the largest (time ratio / size ratio:
 1.0 = linear; most commands are ~5-8 s of imports and model loading, so their growth reads low).
 
@@ -54,6 +56,27 @@ for t in ("images", "text", "vae"):
     r.row_of(r.column("key")[n // 2].as_py())
 """
 
+# images v2: the splits relabelled (every 7th sample's flipped), its shards carried forward from v1 by hard links
+# (store/reuse.carry_forward, as resize-bucket's relabel does); the encode stages then carry every sample forward
+RELABEL = """
+import sys
+from dataclasses import replace
+from schemas.table import TableSchema
+from store import Store
+from store.manifest_files import checked_manifest
+from store.reuse import carry_forward
+st = Store(sys.argv[1], create=False)
+schema = st.reader("images", 1).schema
+schema = replace(schema, lineage=replace(schema.lineage, config_hash=schema.lineage.config_hash + "-relabelled"))
+rows = checked_manifest(st.version_dir("images", 1))
+split = {k: ("val" if s == "train" else "train") if i % 7 == 0 else s
+         for i, (k, s) in enumerate(zip(rows.column("key").to_pylist(), rows.column("split").to_pylist()))}
+w = st.writer("images", schema)
+w.given = rows.num_rows
+carry_forward(w, 1, rows, {"split": split})
+w.commit()
+"""
+
 
 def commands(store: Path, seed: Path, run: Path, report: Path) -> dict[str, list[str]]:
     cli = [PY, "-m", "pipeline.cli"]
@@ -75,6 +98,9 @@ def commands(store: Path, seed: Path, run: Path, report: Path) -> dict[str, list
                      "evaluate.num_inference_steps=2", "--set", "evaluate.noise_seeds=[0]", "--set",
                      "evaluate.timesteps=[0.5]", "--set", "evaluate.max_loss_samples=2"],
         "plan": [*cli, "plan", *cfg],
+        "relabel": [PY, "-c", RELABEL, str(store)],
+        "encode_text_carry": [*cli, "run", "encode-text", *cfg],
+        "encode_vae_carry": [*cli, "run", "encode-vae", *cfg],
     }
 
 
