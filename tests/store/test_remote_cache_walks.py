@@ -18,7 +18,7 @@ from store import Store
 from store import format as fmt
 from store import remote_cache
 from store.remote_cache import USAGE, local_store
-from store.remote_shards import fetch_stats
+from store.remote_shards import fetch_stats, fetcher_for
 from store.remote_sync import push
 from store_samples import fill
 
@@ -91,7 +91,7 @@ FILLER = textwrap.dedent("""
     import torch
     from store import Store, remote_cache
     from store.remote_cache import local_store
-    from store.remote_shards import fetch_stats
+    from store.remote_shards import fetch_stats, fetcher_for
     url, cache, limit, seed = sys.argv[1], sys.argv[2], float(sys.argv[3]), int(sys.argv[4])
     walks = []
     real = remote_cache._candidates
@@ -202,3 +202,41 @@ def test_a_shard_larger_than_the_limit_evicts_nothing(s3_env, store: Store, tmp_
     with fmt.flock(cache / remote_cache.CACHE_LOCK):
         assert not remote_cache.make_room(cache, limit, limit + 1)
     assert all(p.exists() for p in kept), kept
+
+
+def test_a_table_read_beside_a_shard_larger_than_the_limit_is_fetched_once(s3_env, store: Store,
+                                                                          tmp_path: Path) -> None:
+    """Train reads `text` and `vae` in turn. A `vae` shard larger than --cache-gb is read by range, never fetched
+    whole, and the `text` shards that fit stay cached: each is fetched once however many times it is read (before,
+    each scan read of the big shard emptied the cache, and every `text` scan fetched its shard again)."""
+    from dataclasses import replace
+
+    from store_samples import sample, vae_schema
+
+    for table, n, shard_mb in (("text", 9, 0.012), ("vae", 80, 1.0)):  # text: 3 per shard; vae: one shard
+        w = store.writer(table, replace(vae_schema(), name=table), shard_size_mb=shard_mb)
+        for i in range(n):
+            s = sample(i)
+            w.add(s["key"], tensors=s["tensors"], files=s["files"], meta=s["meta"])
+        w.commit()
+    push(store.root, s3_env.url())
+    cache = tmp_path / "cache"
+    local_store(s3_env.url(), ["text", "vae"], cache)
+    big = max(p.stat().st_size for p in (store.root / "vae").rglob("*.tar"))
+    texts = sum(p.stat().st_size for p in (store.root / "text").rglob("*.tar"))
+    limit = _cache_bytes(cache) + texts + 4096  # every text shard fits; the vae shard alone does not
+    assert big > limit
+    root = local_store(s3_env.url(), ["text", "vae"], cache, limit_gb=limit / 1e9)
+    st = Store(root, create=False)
+    with st.reader("text") as text, st.reader("vae") as vae:
+        text_groups, (vae_keys,) = text.shard_groups(), vae.shard_groups()
+        for epoch in range(3):
+            for group in text_groups:
+                for k in group:  # a scan of one text shard: fetched whole (or read from the cache)
+                    text.tensors(k)
+                for k in vae_keys[:4]:  # a run of vae reads: a scan, which would fetch its shard whole
+                    vae.tensors(k)
+    text_fetches, vae_fetches = (fetcher_for(root / t / "v1").stats for t in ("text", "vae"))
+    assert text_fetches["shards"] == len(text_groups)  # each text shard once
+    assert vae_fetches["shards"] == 0 and vae_fetches["ranges"] == 3 * len(text_groups) * 4  # each vae read: a range
+    assert not list((root / "vae").rglob("shard-*.tar"))
