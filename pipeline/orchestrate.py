@@ -167,6 +167,7 @@ def run_all(cfg: PipelineConfig, log: Callable[[str], None] = print, cache_dir: 
                                      refuse_inputs_inside)
 
     from models.collective import together_before_group
+    from models.loading import model_variant
     from stages.evaluate.stage import check_report_folder
 
     paths = check_config(cfg)
@@ -179,6 +180,7 @@ def run_all(cfg: PipelineConfig, log: Callable[[str], None] = print, cache_dir: 
         refuse_a_folder_of_other_files(paths.run, "paths.run")  # before resize-bucket's minutes, not at train
         refuse_a_store_among_other_files(paths.store, "paths.store")
         check_report_folder(paths.report, "paths.report")  # evaluate's check at its start, here before resize
+        model_variant(paths.model)  # every rank encodes, trains and evaluates on this node's model folder
         if main:  # the sample grid and evaluate's images are rank 0's: only its node needs the extra prompts' files
             _check_settings(cfg, paths.model)
     if world > 1:

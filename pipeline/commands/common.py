@@ -74,11 +74,27 @@ def parse_sets(items: list[str], flag: str = "--set", form: str = "SECTION.KEY=V
     return out
 
 
-def config_from(path: Path | None, overrides: dict[str, Any], sets: list[str] = ()) -> PipelineConfig:
-    """The config file, then `--set` items, then the command's own flags (those that were given)."""
+def config_from(path: Path | None, overrides: dict[str, Any], sets: list[str] = (),
+                shared: bool = False) -> PipelineConfig:
+    """The config file, then `--set` items, then the command's own flags (those that were given). `shared`: a
+    command whose launched ranks share their work, each reading the file on its own node: one outcome for every
+    rank (`together_before_group`), so a node without the file (or with a broken copy) stops every rank with its
+    line instead of leaving the others waiting for it at the process group's start."""
+    from schemas.errors import UserError
+
+    sets_ = parse_sets(list(sets))
     try:
-        return load_config(path, overrides, sets=parse_sets(list(sets)))
-    except ConfigError as e:  # a usage error, like a missing flag (`require`): exit 2; a stage's failure is 1
+        if not shared:
+            return load_config(path, overrides, sets=sets_)
+        from models.collective import together_before_group
+        from pipeline.launched import launched
+
+        with together_before_group(launched()[0], "the config"):
+            try:
+                return load_config(path, overrides, sets=sets_)
+            except ConfigError as e:  # agreed on as a user's mistake: its own line, on every rank
+                raise UserError(str(e)) from None
+    except (ConfigError, UserError) as e:  # a usage error, like a missing flag (`require`): exit 2; a stage's is 1
         typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from None
 

@@ -33,7 +33,7 @@ def _command(section: str, stage_module: str, component: str, batch_help: str, o
                                                  "(default ~/.cache/qwen-edit-pipeline/stores; $XDG_CACHE_HOME/... when set)."),
         cache_gb: Optional[float] = typer.Option(None, "--cache-gb", callback=finite(above=0), help="Size limit of --cache-dir in GB (least recently used shards evicted)."),
     ) -> None:
-        cfg = config_from(config, sets=set_, overrides={
+        cfg = config_from(config, shared=True, sets=set_, overrides={
             "paths.store": store, "paths.model": model, f"{section}.device": device, f"{section}.batch_size": batch_size,
             f"{section}.dtype": dtype,
         })
@@ -49,8 +49,18 @@ def _command(section: str, stage_module: str, component: str, batch_help: str, o
                 from pipeline.store_url import named_by_url
                 from store.remote_cache import local_store, push_back
 
-                # a URL: encode into a local cached copy (its images, and the output table for reuse), then push it
-                local = local_store(dst, ["images", out_table], cache_dir, cache_gb, optional=(out_table,))
+                from models.collective import together_before_group
+                from models.loading import model_variant
+                from pipeline.launched import launched
+
+                # what this node holds (its cache of a URL, its model folder or hub download): one outcome for
+                # every rank before the process group forms (a rank that stopped alone here left the others
+                # waiting for it there, on another node until its timeout)
+                with together_before_group(launched()[0], f"{section.replace('_', '-')}: the store and model"):
+                    # a URL: encode into a local cached copy (its images, and the output table for reuse), then
+                    # push it
+                    local = local_store(dst, ["images", out_table], cache_dir, cache_gb, optional=(out_table,))
+                    model_variant(mdl)  # the stage's first read of the model
                 summary = named_by_url(run(cfg, local, mdl), dst)
                 if summary.committed_to:  # several nodes' caches: each rank uploaded its part, rank 0 committed
                     if summary.rank == 0:

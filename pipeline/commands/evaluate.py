@@ -44,7 +44,7 @@ def command(
         from pipeline.launched import one_process
 
         one_process("run evaluate", "; only --all-checkpoints (a run's checkpoints) shares its work between ranks")
-    cfg = config_from(config, sets=set_, overrides=
+    cfg = config_from(config, shared=all_checkpoints, sets=set_, overrides=
         {
             "paths.store": store,
             "paths.model": model,
@@ -63,15 +63,19 @@ def command(
 
         run_path = Path(require(run_dir or cfg.paths.run, "--run", "paths.run"))
         with user_errors(), json_mode(as_json):
+            from models.collective import together_before_group
             from pipeline.launched import launched
             from schemas.errors import UserError
 
-            kept = kept_checkpoints(run_path)
-            if not kept and launched()[0] <= 1:  # launched, the ranks decide together (the stage's own check)
-                raise UserError(f"no checkpoints to evaluate: {run_path} holds no checkpoints/step-N (train with "
-                                "train.checkpoint_every set, or evaluate one LoRA without --all-checkpoints)")
-            result = run_checkpoints(cfg.evaluate, _local(store_dir, cache_dir, cache_gb), model_id,
-                                     kept, report, skip_if_done=True)
+            # what this node holds (the run folder, its cache of a URL): one outcome for every rank before the
+            # process group forms (a rank that stopped alone here left the others waiting for it there)
+            with together_before_group(launched()[0], "evaluate: the run folder and store"):
+                kept = kept_checkpoints(run_path)
+                if not kept and launched()[0] <= 1:  # launched, the ranks decide together (the stage's own check)
+                    raise UserError(f"no checkpoints to evaluate: {run_path} holds no checkpoints/step-N (train "
+                                    "with train.checkpoint_every set, or evaluate one LoRA without --all-checkpoints)")
+                local = _local(store_dir, cache_dir, cache_gb)
+            result = run_checkpoints(cfg.evaluate, local, model_id, kept, report, skip_if_done=True)
         if result is not None:  # under a launcher rank 0 reports; the other ranks computed their share
             emit(result, as_json)
         return

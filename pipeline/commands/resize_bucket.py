@@ -35,7 +35,7 @@ def command(
     cache_dir: Optional[Path] = CacheDirOpt,
     cache_gb: Optional[float] = CacheGbOpt,
 ) -> None:
-    cfg = config_from(config, sets=set_, overrides=
+    cfg = config_from(config, shared=True, sets=set_, overrides=
         {
             "paths.source": source,
             "paths.store": store,
@@ -62,9 +62,14 @@ def command(
     from pipeline.launched import rank_0_alone
 
     with user_errors(dst), json_mode(as_json):
+        from models.collective import together_before_group
+        from pipeline.launched import launched
         from pipeline.run_folder import refuse_a_store_among_other_files
 
-        refuse_a_store_among_other_files(dst)
+        # each node's view of the folder: one outcome for every rank (rank 0 refused alone, and a rank waiting
+        # for it met the launch's store gone, told of a rank killed without a word)
+        with together_before_group(launched()[0], "resize-bucket: the store folder"):
+            refuse_a_store_among_other_files(dst)
         log = (lambda m: typer.echo(m, err=True)) if as_json else echo  # --json: stdout holds the JSON alone
         # launched on several ranks: one writer of the images table (and of a URL's cache), as in `run all`
         summary = rank_0_alone("resize-bucket", partial(_resize, cfg, src, dst, cache_dir, cache_gb, log))

@@ -19,7 +19,7 @@ def command(
     cache_dir: Optional[Path] = CacheDirOpt,
     cache_gb: Optional[float] = CacheGbOpt,
 ) -> None:
-    cfg = config_from(config, {}, set_)
+    cfg = config_from(config, {}, set_, shared=True)
     from pipeline.orchestrate import check_config, run_all
 
     with usage_errors():  # a missing path, a train setting: refused now, not after resize-bucket and the encoders

@@ -36,7 +36,7 @@ def command(
     cache_gb: Optional[float] = typer.Option(None, "--cache-gb", callback=finite(above=0), help="Size limit of --cache-dir in GB; least recently "
                                              "used versions beyond it are evicted (default: no limit)."),
 ) -> None:
-    cfg = config_from(config, sets=set_, overrides=
+    cfg = config_from(config, shared=True, sets=set_, overrides=
         {
             "paths.store": store,
             "paths.model": model,
@@ -56,18 +56,25 @@ def command(
         validate_config(cfg.train)
 
     with user_errors(run_dir), json_mode(as_json):
+        from models.collective import together_before_group
+        from models.loading import model_variant
+        from pipeline.launched import launched
         from pipeline.run_folder import refuse_a_folder_of_other_files
-
-        refuse_a_folder_of_other_files(Path(run_dir))
-        if resume:
-            from schemas.errors import UserError
-            from stages.train.resume import nothing_to_resume
-
-            if (why := nothing_to_resume(Path(run_dir))) is not None:
-                raise UserError(why)
         from store.remote_cache import local_store
 
-        store_dir = local_store(store_dir, ["text", "vae"], cache_dir, cache_gb)  # a URL: its cached copy
+        # what this node holds (the run folder, its cache of a URL, its model folder or hub download): one outcome
+        # for every rank before the process group forms (a rank that stopped alone here left the others waiting
+        # for it there, on another node until its timeout)
+        with together_before_group(launched()[0], "train: the run folder, store and model"):
+            refuse_a_folder_of_other_files(Path(run_dir))
+            if resume:
+                from schemas.errors import UserError
+                from stages.train.resume import nothing_to_resume
+
+                if (why := nothing_to_resume(Path(run_dir))) is not None:
+                    raise UserError(why)
+            store_dir = local_store(store_dir, ["text", "vae"], cache_dir, cache_gb)  # a URL: its cached copy
+            model_variant(model_id)  # the model's first read (train.sample_steps' check, then its loading)
         # a rerun of a finished run (same tables, model and config) is up to date, as in `run all` (--new-run
         # --resume is what run all does); --new-run alone asks for a new training whatever OUT holds
         result = run(cfg, store_dir, model_id, run_dir, resume=resume, new_run=new_run,

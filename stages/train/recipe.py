@@ -169,13 +169,15 @@ def run(
         return TrainResult(Path(out), lora, cfg.train.max_steps, cfg.train.max_steps, up_to_date=True)
     from stages.train.trackers import tracker_classes
 
-    tracker_classes(cfg.train.log_with)  # every rank, before any work: an unknown or missing tracker stops all alike
     accelerator = accelerator or make_accelerator(cfg.train)
     # One writer per run folder: a second `train` into the same OUT is refused, naming the holder. Only rank 0
     # locks, so every rank learns of its refusal here (models/collective.py), instead of waiting for it at the
-    # first collective while it exits.
+    # first collective while it exits. The trackers are rank 0's, checked there in the same agreement (alone, a
+    # node without one stopped, and the others met its closed connection, told of a rank killed without a word).
     locks: list = []
-    with together(accelerator.num_processes, "the run folder's lock"):
+    with together(accelerator.num_processes, "the trackers and the run folder's lock"):
+        if accelerator.is_main_process:
+            tracker_classes(cfg.train.log_with)
         locks.append(guard.RunDirLock(Path(out)) if accelerator.is_main_process else None)
     r = None
     try:
