@@ -177,10 +177,11 @@ class LossStore:
             return {}
         return dict(zip((int(s) for s in self.group["step"][:]), (str(h) for h in self.group["lora_sha256"][:])))
 
-    def trainings(self) -> dict[int, str]:
+    def trainings(self) -> dict[int, dict]:
         """step -> what trained its checkpoint (`append`'s `training`), for the steps recorded with one."""
         steps = self.steps()
-        return {int(k): v for k, v in dict(self.group.attrs.get("trainings") or {}).items() if int(k) in steps}
+        return {int(k): v for k, v in dict(self.group.attrs.get("trainings") or {}).items()
+                if int(k) in steps and isinstance(v, dict)}
 
     def has_base(self) -> bool:
         return "base_loss" in self.group
@@ -226,10 +227,10 @@ class LossStore:
                       for folder, _, files in os.walk(base) for f in files])
 
     def append(self, step: int, checkpoint: str, lora_sha256: str, grid: np.ndarray,
-               training: str | None = None) -> None:
+               training: dict | None = None) -> None:
         """One checkpoint's losses: its chunk and coordinates first, the consolidated metadata (commit) last.
-        `training`: what trained the checkpoint (an id of its run's inputs), kept in the attrs (`trainings`): a
-        step no longer on disk is told apart from another run's by it."""
+        `training`: what trained the checkpoint (its run's inputs, as its resume.json records them), kept in the
+        attrs (`trainings`): a step no longer on disk is told apart from another run's by it."""
         if grid.shape != self.axes.shape:
             raise ValueError(f"losses shaped {grid.shape}, the group holds {self.axes.shape}")
         if training is not None:  # the attrs enter the commit below (an entry of an uncommitted step is unread)

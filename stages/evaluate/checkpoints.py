@@ -157,12 +157,13 @@ def lora_digest(checkpoint: Path):
 
 # What a checkpoint's weights were trained from, in its step folder's resume.json (stages/train/state.py): the
 # checkpoints of one training share these whatever their step, process count or max_steps (schemas.up_to_date)
-_TRAINING_INPUTS = ("config_fingerprint", "model_fingerprint", "init_lora_sha256", "training_revision")
+_TRAINING_INPUTS = ("config_fingerprint", "model_fingerprint", "init_lora_sha256", "training_revision", "tables",
+                    "table_contents")
 
 
-def training_of(checkpoint: Path) -> str | None:
-    """An id of the training that wrote the checkpoint (RUN/checkpoints/step-N/lora): its inputs as its resume.json
-    records them, the tables by content where recorded; None when there is no such record to read."""
+def training_of(checkpoint: Path) -> dict | None:
+    """What trained the checkpoint (RUN/checkpoints/step-N/lora): its inputs as its resume.json records them
+    (compared by `same_training`); None when there is no such record to read."""
     from schemas.record_formats import RESUME_JSON
     from store.checksum import SealError, is_sealed, unseal
 
@@ -173,9 +174,26 @@ def training_of(checkpoint: Path) -> str | None:
         return None
     if not isinstance(record, dict) or not record.get("config_fingerprint"):
         return None
-    inputs = {k: record.get(k) for k in _TRAINING_INPUTS}
-    inputs["tables"] = record.get("table_contents") or record.get("tables")
-    return _hash(inputs)[:16]
+    return {k: record.get(k) for k in _TRAINING_INPUTS}
+
+
+def same_training(a: dict, b: dict) -> bool:
+    """Whether two checkpoints' `training_of` are one training, as a resume from one to the other is (train's
+    `ResumeRecord.check_matches`): the tables by content where both records hold it (`compared_tables`), an init
+    LoRA's bytes where both recorded them (`known_init_lora`). A run begun before a record held those fields and
+    resumed under a release that records them writes both kinds; compared as one hash, its pruned early steps
+    passed for another training's and every earlier point went aside."""
+    from stages.train.state import compared_tables, known_init_lora
+
+    if any(a.get(k) != b.get(k) for k in ("config_fingerprint", "model_fingerprint", "training_revision")):
+        return False
+    init = a.get("init_lora_sha256")
+    if known_init_lora(init, b.get("init_lora_sha256")) != known_init_lora(b.get("init_lora_sha256"), init):
+        return False
+    contents = b.get("table_contents")
+    tables = compared_tables(a.get("tables") or {}, a.get("table_contents"), b.get("tables") or {},
+                             (lambda: contents) if contents else None)
+    return tables[0] == tables[1]
 
 
 def _gone(checkpoint: Path) -> bool:
@@ -685,8 +703,8 @@ def _other_trainings(losses: LossStore, checkpoints: list[tuple[int, Path]]) -> 
     recorded = losses.trainings()
     if not recorded:
         return False
-    now = {training_of(path) for _, path in checkpoints}
-    return any(training not in now for training in recorded.values())
+    now = [t for t in (training_of(path) for _, path in checkpoints) if t is not None]
+    return any(not any(same_training(training, t) for t in now) for training in recorded.values())
 
 
 def _summary(losses: LossStore, samples, cfg: EvaluateConfig, fingerprint: str,

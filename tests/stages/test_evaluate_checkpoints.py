@@ -493,6 +493,42 @@ def test_a_run_trained_afresh_into_the_same_folder_does_not_inherit_the_old_runs
     assert len(kept) == 1 and list(xr.open_zarr(kept[0]).step.values) == [10, 20, 30]
 
 
+def test_a_run_resumed_under_a_later_release_keeps_its_pruned_steps(run_and_store, tiny_edit_model, tmp_path):
+    """A run whose first checkpoints were written before resume.json recorded the tables' contents and the init
+    LoRA's bytes, resumed under this release (`stages/train/start.resume_point` takes it for the same run: the
+    same table versions, `known_init_lora`): its later records carry both. Once the training pruned the old
+    checkpoints, their steps passed for another training's (its id hashed other fields) and every earlier point
+    went aside: 'the run's checkpoints are not the ones evaluated before'."""
+    import shutil
+
+    def checkpoint(step: int, old: int, record: dict) -> tuple[int, Path]:
+        folder = run / "checkpoints" / f"step-{step}"
+        shutil.copytree(run_and_store / "run" / "checkpoints" / f"step-{old}", folder)
+        (folder / "resume.json").write_text(json.dumps({"step": step, **record}))
+        return step, folder / "lora"
+
+    run, out = tmp_path / "run", tmp_path / "report"
+    before = {"config_fingerprint": "cfg", "model_fingerprint": "m", "training_revision": 3,
+              "tables": {"text": "text-v1", "vae": "vae-v1"}}  # an earlier release's record: neither field
+    after = {**before, "init_lora_sha256": "a1b2", "table_contents": {"text": "c-text", "vae": "c-vae"}}
+    first = [checkpoint(10, 10, before), checkpoint(20, 20, before)]
+    ev.run(EvaluateConfig(**CFG), run_and_store / "store", tiny_edit_model, first, out)
+    resumed = checkpoint(30, 30, after)
+    ev.run(EvaluateConfig(**CFG), run_and_store / "store", tiny_edit_model, [first[1], resumed], out)
+    for _, lora in first:
+        shutil.rmtree(lora.parent)  # train.keep_checkpoints pruned them
+    res = ev.run(EvaluateConfig(**CFG), run_and_store / "store", tiny_edit_model, [resumed], out)
+    assert res.metrics["checkpoints"]["steps"] == [10, 20, 30] and res.evaluated == 0
+    assert not [p for p in out.iterdir() if p.name.startswith("losses.") and p.name != GROUP]
+
+    # a training of other tables (by content) is still another training: its steps go aside
+    other = checkpoint(40, 30, {**after, "tables": {"text": "text-v2", "vae": "vae-v1"},
+                                "table_contents": {"text": "c-text-2", "vae": "c-vae"}})
+    shutil.rmtree(resumed[1].parent)
+    res = ev.run(EvaluateConfig(**CFG), run_and_store / "store", tiny_edit_model, [other], out)
+    assert res.metrics["checkpoints"]["steps"] == [40]
+
+
 def test_a_report_interrupted_before_metrics_json_is_written_over(run_and_store, tiny_edit_model, tmp_path):
     """A kill (or a full disk) while the report was written leaves grid.png / index.html / a temp file and no
     metrics.json (written last): the rerun was refused as 'not empty and holds no earlier report' (one LoRA's
