@@ -327,7 +327,7 @@ def _members(data: bytes, base: int) -> dict[str, tuple[int, int]] | None:
         if got is None:  # anything but the plain header the writer makes: tarfile's own reading decides
             try:
                 info = tarfile.TarInfo.frombuf(block, "utf-8", "strict")
-            except tarfile.TarError:
+            except (tarfile.TarError, UnicodeDecodeError):  # a name no writer of ours makes: not whole members
                 return None
             got = info.name, info.size
         name, size = got

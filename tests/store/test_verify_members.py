@@ -81,3 +81,13 @@ def test_members_of_a_sample_as_frombuf_finds_them():
         if fmt == tarfile.USTAR_FORMAT:  # the members tarfile lists (pax / GNU long names: their own headers too)
             with tarfile.open(fileobj=io.BytesIO(data)) as tar:
                 assert {m.name: (1000 + m.offset_data, m.size) for m in tar.getmembers()} == _members(data, 1000)
+
+
+def test_a_member_name_that_is_not_utf8_is_not_whole_members():
+    """A header with a valid checksum whose name is not UTF-8 (no writer of ours makes one): the sample's bytes
+    are refused as not whole members. Before: tarfile's UnicodeDecodeError escaped the walk, a traceback."""
+    info = tarfile.TarInfo("k\xff.png")
+    info.size = 3
+    header = info.tobuf(tarfile.USTAR_FORMAT, "latin-1", "strict")
+    data = header + b"abc" + b"\0" * (tarfile.BLOCKSIZE - 3)
+    assert _members(data, 0) is None
