@@ -653,5 +653,5 @@ def test_21_evaluate_defaults_to_no_guidance_as_predict_does(tiny_21_model, tiny
     explicit = load_config(None, {"evaluate.true_cfg_scale": 4.0}).evaluate
     assert stage.for_model(explicit, tiny_21_model).true_cfg_scale == 4.0
     assert stage.for_model(unset, tiny_21_model).fingerprint() != unset.fingerprint()  # a report made at 4.0 is redone
-    for entry, call in ((stage.run, "cfg = for_model(cfg, model)"), (checkpoints._run, "cfg = single.for_model(cfg, model)")):
+    for entry, call in ((stage.run, "cfg = for_model(cfg, model)"), (checkpoints._run, "cfg = single.for_model(cfg, model, check=ranks.main)")):
         assert call in inspect.getsource(entry)
