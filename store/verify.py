@@ -193,6 +193,7 @@ def shard_rows(part: ShardPart, name: str) -> tuple[list[dict[str, Any]], list[s
 def _manifest_problems(vdir: Path, name: str, sums: dict[str, dict[str, Any]] | None
                        ) -> tuple[list[str], dict[str, ShardPart]]:
     """(problems of the schema, manifest and keys, {shard: its manifest rows}; empty when unreadable)."""
+    import pyarrow as pa
     import pyarrow.compute as pc
 
     problems: list[str] = []
@@ -215,8 +216,15 @@ def _manifest_problems(vdir: Path, name: str, sums: dict[str, dict[str, Any]] | 
         keys = manifest.column("key").to_pylist()
         # the manifest taken in shard order once, each shard's rows a slice of it: a take per shard from the
         # manifest as read (one chunk per row group) joined every column's chunks again each time, ~85 ms a shard
-        # at 1M rows (O(shards x rows): ~14 min for 10k shards; bench/rows_by_shard.py)
-        by_order = manifest.take(pc.sort_indices(manifest.column("shard")))
+        # at 1M rows (O(shards x rows): ~14 min for 10k shards; bench/rows_by_shard.py). A column at a time, each
+        # read column let go once taken: the whole manifest taken at once held it twice (~1.5 GB at 1M samples)
+        order = pc.sort_indices(manifest.column("shard"))
+        arrow_schema, columns = manifest.schema, manifest.columns
+        del manifest
+        for i in range(len(columns)):
+            columns[i] = columns[i].take(order)  # replaces the column as read: its memory goes
+        by_order = pa.Table.from_arrays(columns, schema=arrow_schema)
+        del columns, order
         shards = by_order.column("shard").to_pylist()
     except Exception as e:  # noqa: BLE001
         return problems + [f"{name}/{fmt.MANIFEST}: undecodable ({type(e).__name__}: {e})"], {}
