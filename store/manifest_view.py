@@ -106,7 +106,7 @@ class ManifestView:
         """`Store.version_id` of the manifest this view checked and reads (its mapped bytes, not a second read of
         the file: a version deleted and rebuilt since the open would name another content)."""
         if self._bytes is None:  # a view `over` a given manifest (store repair): the file's
-            return fmt.version_id(self.version, (self.dir / fmt.MANIFEST).read_bytes())
+            return fmt.version_id(self.version, self.dir / fmt.MANIFEST)
         with memoryview(self._bytes) as mv:
             return fmt.version_id(self.version, mv)
 

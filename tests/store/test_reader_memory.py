@@ -188,3 +188,18 @@ def test_a_view_and_its_parsed_columns_go_with_its_last_reference(store: Store) 
         assert gone() is None
     finally:
         gc.enable()
+
+
+def test_a_version_id_hashed_as_the_manifest_is_read_is_the_id_of_its_bytes(store: Store) -> None:
+    """`Store.version_id` (evaluate names the tables with it, each run) read the whole manifest into memory to
+    hash it (~140 MB per table at 1M samples); now it hashes the file as it reads: the same id, the same one a
+    reader's view gives from its mapped bytes."""
+    import hashlib
+
+    from store import format as fmt
+
+    _tables(store, {"vae": range(12)})
+    data = (store.version_dir("vae", 1) / fmt.MANIFEST).read_bytes()
+    assert store.version_id("vae", 1) == f"v1-{hashlib.sha256(data).hexdigest()[:16]}" == fmt.version_id(1, data)
+    with store.reader("vae") as r:
+        assert r.view.version_id() == store.version_id("vae", 1)
