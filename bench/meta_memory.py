@@ -10,7 +10,13 @@ bench/scale_store.py built (its `evaluate` needs bench/scale_ops.py's `train` op
             each into a report folder of its own (removed first: not up to date)
   verify    `pipeline store verify`, old vs new code
 
-2-core machine shared with other jobs (figures in MB; times swing with the load):
+2-core machine shared with other jobs, peak RSS in MB (old = e9b6352; imports and the tiny model are ~1060 MB of
+evaluate's, `plan` in bench/scale_ops.py):
+  N       meta(key) -> meta_of   evaluate old -> new     verify old -> new
+  100k    801 ->  766 (-35)      1214 -> 1155 (-59)      860 ->  796 (-64)
+  300k    864 ->  778 (-86)      1369 -> 1230 (-139)     1262 -> 1098 (-164)
+evaluate's part above the imports at 300k: ~310 -> ~170 MB; new evaluate also hashes the manifests for the version
+ids as it reads them (Store.version_id read each whole), verify no longer holds the manifest twice.
 """
 
 from __future__ import annotations
