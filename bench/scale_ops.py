@@ -104,13 +104,13 @@ def commands(store: Path, seed: Path, run: Path, report: Path) -> dict[str, list
     }
 
 
-def timed(cmd: list[str], log: Path) -> tuple[float, float, int]:
-    """(seconds, peak RSS in MB, exit code) of one command in a fresh process."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+def timed(cmd: list[str], log: Path, root: Path = ROOT) -> tuple[float, float, int]:
+    """(seconds, peak RSS in MB, exit code) of one command in a fresh process, running the code of `root`."""
+    env = {**os.environ, "PYTHONPATH": str(root), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     with tempfile.NamedTemporaryFile("r") as tf, log.open("a") as out:
         out.write(f"\n$ {' '.join(cmd)}\n")
         out.flush()
-        rc = subprocess.run(["/usr/bin/time", "-o", tf.name, "-f", "%e %M", *cmd], env=env, cwd=ROOT, stdout=out,
+        rc = subprocess.run(["/usr/bin/time", "-o", tf.name, "-f", "%e %M", *cmd], env=env, cwd=root, stdout=out,
                             stderr=subprocess.STDOUT).returncode
         secs, kb = tf.read().split()[-2:]
     return float(secs), int(kb) / 1024, rc

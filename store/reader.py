@@ -148,6 +148,14 @@ class TableReader:
     def meta(self, key: str) -> dict[str, Any]:
         return self.view.meta_at(self.view.keys.index(key))
 
+    def meta_of(self, keys: Iterable[str], columns: Iterable[str]) -> dict[str, dict[str, Any]]:
+        """The named meta columns of a few keys (e.g. evaluate's captions), reading only those rows and columns and
+        keeping nothing (`ManifestView.rows_at`); `meta(key)` is for walks over the table: it keeps every meta
+        column parsed. A key the table lacks is a UserError, as in `meta`."""
+        rows = {k: self.view.keys.index(k) for k in keys}
+        got = self.view.rows_at(rows.values(), columns)
+        return {k: got[i] for k, i in rows.items()}
+
     def img_shapes(self, key: str) -> list[ImgShape]:
         return self.view.img_shapes_at(self.view.keys.index(key))
 

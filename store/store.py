@@ -53,7 +53,7 @@ class Store:
         manifest = self.version_dir(table, version) / fmt.MANIFEST
         if not manifest.is_file():
             raise UserError(f"table '{table}' v{version} is not complete (no {manifest})")
-        return fmt.version_id(version, manifest.read_bytes())
+        return fmt.version_id(version, manifest)
 
     def set_current(self, table: str, version: int) -> None:
         """Point store.json at a complete version (atomic rewrite under the store lock); nothing is written (and no

@@ -28,6 +28,7 @@ import tarfile
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 from tqdm import tqdm
 
 from schemas.errors import UserError
@@ -36,6 +37,7 @@ from schemas.newer import WrittenByNewer
 from schemas.table import SCHEMA_V1
 from store import format as fmt
 from store import integrity, quarantine
+from store.arrow_columns import release_memory
 from store.checksum import file_crc
 from store.manifest import CHECKSUM_COLUMNS, LOCATING_COLUMNS
 from store.manifest_files import read_manifest, read_schema
@@ -193,6 +195,7 @@ def shard_rows(part: ShardPart, name: str) -> tuple[list[dict[str, Any]], list[s
 def _manifest_problems(vdir: Path, name: str, sums: dict[str, dict[str, Any]] | None
                        ) -> tuple[list[str], dict[str, ShardPart]]:
     """(problems of the schema, manifest and keys, {shard: its manifest rows}; empty when unreadable)."""
+    import pyarrow as pa
     import pyarrow.compute as pc
 
     problems: list[str] = []
@@ -212,14 +215,36 @@ def _manifest_problems(vdir: Path, name: str, sums: dict[str, dict[str, Any]] | 
     if sums is None and CHECKSUM_COLUMNS & set(manifest.column_names) and not (vdir / fmt.CHECKSUMS).exists():
         problems.append(f"{name}: {fmt.CHECKSUMS} is missing (the manifest has checksum columns)")
     try:
-        keys = manifest.column("key").to_pylist()
+        key_problems = _key_problems(name, manifest.column("key").to_pylist())  # Python strs only while checked
         # the manifest taken in shard order once, each shard's rows a slice of it: a take per shard from the
         # manifest as read (one chunk per row group) joined every column's chunks again each time, ~85 ms a shard
-        # at 1M rows (O(shards x rows): ~14 min for 10k shards; bench/rows_by_shard.py)
-        by_order = manifest.take(pc.sort_indices(manifest.column("shard")))
-        shards = by_order.column("shard").to_pylist()
+        # at 1M rows (O(shards x rows): ~14 min for 10k shards; bench/rows_by_shard.py). A column at a time, each
+        # read column let go once taken, and the runs of one shard found on dictionary codes, not a Python str per
+        # row: the whole manifest taken at once held it twice (~1.5 GB at 1M samples)
+        order = pc.sort_indices(manifest.column("shard"))
+        arrow_schema, columns = manifest.schema, manifest.columns
+        del manifest
+        for i in range(len(columns)):
+            columns[i] = columns[i].take(order)  # replaces the column as read: its memory goes
+        by_order = pa.Table.from_arrays(columns, schema=arrow_schema)
+        del columns, order
+        release_memory()
+        shard = pc.dictionary_encode(by_order.column("shard").combine_chunks())
+        shards, codes = shard.dictionary.to_pylist(), pc.fill_null(shard.indices, -1).to_numpy()
     except Exception as e:  # noqa: BLE001
         return problems + [f"{name}/{fmt.MANIFEST}: undecodable ({type(e).__name__}: {e})"], {}
+    problems += key_problems
+    by_shard: dict[str, ShardPart] = {}
+    starts = [0, *(np.flatnonzero(np.diff(codes)) + 1).tolist()]  # the runs of one shard in the sorted order
+    for a, b in zip(starts, [*starts[1:], len(codes)]):
+        if b > a:
+            named = shards[codes[a]] if codes[a] >= 0 else None
+            by_shard[str(named)] = ShardPart(by_order.slice(a, b - a), schema.schema_version)
+    return problems, by_shard
+
+
+def _key_problems(name: str, keys: list[Any]) -> list[str]:
+    problems: list[str] = []
     seen: set[str] = set()
     for k in keys:
         if k in seen:
@@ -227,13 +252,7 @@ def _manifest_problems(vdir: Path, name: str, sums: dict[str, dict[str, Any]] | 
         elif not isinstance(k, str) or not fmt.KEY_RE.fullmatch(k):
             problems.append(f"{name}: invalid key {k!r}")
         seen.add(k)
-    by_shard: dict[str, ShardPart] = {}
-    start = 0
-    for i in range(1, len(shards) + 1):  # the runs of one shard in the sorted order
-        if i == len(shards) or shards[i] != shards[start]:
-            by_shard[str(shards[start])] = ShardPart(by_order.slice(start, i - start), schema.schema_version)
-            start = i
-    return problems, by_shard
+    return problems
 
 
 def _intact(vdir: Path, name: str, sums: dict[str, dict[str, Any]] | None) -> bool:

@@ -130,8 +130,8 @@ def _jobs(cfg, model: str, store, tables, transformer, vae, samples, damaged: di
     sched = scheduler_config_21(model) if qwen21 else dict(load_component(model, "scheduler").config)
     images = images_reader(Store(store, create=False), tables, cfg.on_damaged, cfg.max_open_shards)
     jobs: list[_Job] = []
-    for s in pick_samples(samples, cfg.num_samples):
-        caption, controls, target = stored_pictures(images, s, cfg.on_damaged, damaged)
+    picked = pick_samples(samples, cfg.num_samples)
+    for s, (caption, controls, target) in zip(picked, stored_pictures(images, picked, cfg.on_damaged, damaged)):
         _, h, w = s.img_shapes[0]
         jobs.append(_Job(s.key[:12], caption, controls, target,
                          s if qwen21 else conditioning(s, transformer.device, transformer.dtype), h * PIXELS_PER_PATCH,

@@ -104,3 +104,27 @@ def test_a_lora_parsed_from_its_bytes_is_the_file_and_cut_bytes_are_one_line(run
         with pytest.raises(UserError, match="not a readable .safetensors file") as e:
             read_lora(lora, cut)
         assert "\n" not in str(e.value) and str(lora / WEIGHTS) in str(e.value)
+
+
+
+def test_the_pictured_samples_captions_are_read_for_their_rows_only(edit_store):
+    """The report's captions and pictures (`stored_pictures`) are the `images` table's: a sample the table lacks
+    has none. The captions are read for the pictured rows only (`meta_of`); before, `meta(key)` parsed every meta
+    column of `images` and kept it while the images were made (~735 MB at 1M samples, on every rank)."""
+    from types import SimpleNamespace
+
+    from store import Store
+
+    with Store(edit_store, create=False).reader("images") as images:
+        keys = images.keys()
+        picked = [SimpleNamespace(key=k, controls=[None]) for k in (keys[3], keys[0])]
+        picked.append(SimpleNamespace(key="0" * 32, controls=[None]))  # not in the table
+        got = stage.stored_pictures(images, picked, "stop", None)
+        assert not set(images.meta_columns()) & images.view.parsed
+        assert [caption for caption, _, _ in got] == [images.meta(keys[3])["caption"], images.meta(keys[0])["caption"],
+                                                     ""]
+        for (_, controls, target), s in zip(got[:2], picked):
+            assert target.size == (images.meta(s.key)["bucket"][1], images.meta(s.key)["bucket"][0])
+            assert len(controls) == 1
+        assert got[2][1:] == ([], None)
+    assert stage.stored_pictures(None, picked, "stop", None) == [("", [], None)] * 3

@@ -128,6 +128,27 @@ def test_one_sample_s_meta_turns_no_column_into_python_objects(store: Store) -> 
         assert r.view.as_python == set()
 
 
+def test_a_few_samples_meta_reads_their_rows_and_keeps_no_column(store: Store, monkeypatch) -> None:
+    """`meta_of` (evaluate's captions of the samples it shows): the values `meta` reads, across batches of rows,
+    with no column parsed and kept - `meta` parsed every meta column of the table and kept it (`images` at 1M
+    samples: ~735 MB in evaluate, on every rank). Columns parsed already are read from their arrays."""
+    from schemas.errors import UserError
+    from store import manifest_view
+
+    monkeypatch.setattr(manifest_view, "_ROWS_PER_BATCH", 3)  # 12 rows: four batches
+    _tables(store, {"vae": range(12)})
+    keys = [sample(i)["key"] for i in (11, 0, 4, 5, 0)]
+    with store.reader("vae") as r:
+        got = r.meta_of(keys, ["caption", "img_shapes", "not-a-column"])
+        assert not set(r.meta_columns()) & r.view.parsed
+        assert got == {k: {"caption": r.meta(k)["caption"], "img_shapes": r.meta(k)["img_shapes"]} for k in keys}
+        assert got[sample(4)["key"]] == {"caption": "caption 4", "img_shapes": sample(4)["meta"]["img_shapes"]}
+        assert r.meta_of([sample(3)["key"]], ["caption"]) == {sample(3)["key"]: {"caption": "caption 3"}}
+        assert r.meta_of([], ["caption"]) == {}
+        with pytest.raises(UserError, match="not in"):
+            r.meta_of([sample(99)["key"]], ["caption"])
+
+
 def test_a_rank_s_epoch_order_turns_no_column_into_python_objects(store: Store) -> None:
     """`iter_keys` (each encode rank's share of `images`) and the join's `iter_keys` turned every key and the
     `shard` / `split` columns into Python lists, kept by the reader (~160 MB per rank at 1M samples, ~220 MB for
@@ -167,3 +188,18 @@ def test_a_view_and_its_parsed_columns_go_with_its_last_reference(store: Store) 
         assert gone() is None
     finally:
         gc.enable()
+
+
+def test_a_version_id_hashed_as_the_manifest_is_read_is_the_id_of_its_bytes(store: Store) -> None:
+    """`Store.version_id` (evaluate names the tables with it, each run) read the whole manifest into memory to
+    hash it (~140 MB per table at 1M samples); now it hashes the file as it reads: the same id, the same one a
+    reader's view gives from its mapped bytes."""
+    import hashlib
+
+    from store import format as fmt
+
+    _tables(store, {"vae": range(12)})
+    data = (store.version_dir("vae", 1) / fmt.MANIFEST).read_bytes()
+    assert store.version_id("vae", 1) == f"v1-{hashlib.sha256(data).hexdigest()[:16]}" == fmt.version_id(1, data)
+    with store.reader("vae") as r:
+        assert r.view.version_id() == store.version_id("vae", 1)

@@ -139,3 +139,37 @@ def test_the_checksum_pass_has_a_bar_in_bytes(store: Store, capsys) -> None:
     assert f"{size}/{size}" in last and "B/s" in last, err
     assert verify_store(store.root, progress=False) == []
     assert "checksum" not in capsys.readouterr().err
+
+
+def test_each_shard_is_checked_against_exactly_its_manifest_rows(store: Store, tmp_path: Path) -> None:
+    """verify's rows per shard (the manifest taken in shard order a column at a time, runs found on dictionary
+    codes: bench/meta_memory.py) are the manifest's rows of that shard, in manifest order, keys checked first:
+    duplicate and invalid keys named, rows of no shard (null) one group, an empty manifest no shard."""
+    import shutil
+
+    import pyarrow as pa
+
+    from store.verify import _manifest_problems
+
+    fill(store, 40, shard_size_mb=0.03)
+    vdir = store.version_dir("vae", 1)
+    m = pq.read_table(vdir / "manifest.parquet")
+    keys, shards = m.column("key").to_pylist(), m.column("shard").to_pylist()
+    assert 3 < len(set(shards)) < 40
+    cases = {"dups": m.set_column(0, "key", pa.array([keys[0]] * 3 + ["a.b"] + keys[4:], pa.string())),
+             "nulls": m.set_column(1, "shard", pa.array([None if i % 7 == 0 else s for i, s in enumerate(shards)])),
+             "empty": m.slice(0, 0)}
+    for name, t in cases.items():
+        d = tmp_path / name
+        shutil.copytree(vdir, d)
+        (d / "checksums.json").unlink()
+        pq.write_table(t, d / "manifest.parquet")
+        problems, by_shard = _manifest_problems(d, "vae/v1", None)
+        rows = t.to_pylist()
+        want: dict[str, list] = {}
+        for r in rows:
+            want.setdefault(str(r["shard"]), []).append(r)
+        assert {s: p.rows.to_pylist() for s, p in by_shard.items()} == want, name
+        named = [p for p in problems if "key" in p]
+        assert named == (["vae/v1: duplicate key " + keys[0]] * 2 + ["vae/v1: invalid key 'a.b'"] if name == "dups"
+                         else []), name

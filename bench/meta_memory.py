@@ -1,0 +1,88 @@
+"""Peak host memory (max RSS) of reading a few samples' meta, of `evaluate` and of `store verify`, the code of an
+earlier commit (--old) against this tree's, each in a fresh process, over a store of N samples that
+bench/scale_store.py built (its `evaluate` needs bench/scale_ops.py's `train` op run first: its LoRA).
+
+    python bench/meta_memory.py --samples 100000 [--dir /tmp/scale] [--old REV] [--ops meta,evaluate,verify]
+
+  meta      this tree: open the `images` reader, 2 samples' captions by `meta(key)` (every meta column parsed
+            and kept: what evaluate did) vs by `meta_of(keys, ["caption"])` (those rows and that column only)
+  evaluate  `pipeline run evaluate` as bench/scale_ops.py runs it (2 loss samples, 1 image), old vs new code,
+            each into a report folder of its own (removed first: not up to date)
+  verify    `pipeline store verify`, old vs new code
+
+2-core machine shared with other jobs, peak RSS in MB (old = e9b6352; imports and the tiny model are ~1060 MB of
+evaluate's, `plan` in bench/scale_ops.py):
+  N       meta(key) -> meta_of   evaluate old -> new     verify old -> new
+  100k    801 ->  766 (-35)      1214 -> 1155 (-59)      860 ->  796 (-64)
+  300k    864 ->  778 (-86)      1369 -> 1230 (-139)     1262 -> 1098 (-164)
+evaluate's part above the imports at 300k: ~310 -> ~170 MB; new evaluate also hashes the manifests for the version
+ids as it reads them (Store.version_id read each whole), verify no longer holds the manifest twice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+from scale_ops import PY, commands, timed  # noqa: E402
+
+META = """
+import sys
+from store import Store
+r = Store(sys.argv[1], create=False).reader("images")
+keys = [r.column("key")[i].as_py() for i in (len(r) // 3, 2 * len(r) // 3)]
+got = {k: r.meta(k)["caption"] for k in keys} if sys.argv[2] == "meta" else r.meta_of(keys, ["caption"])
+print(got)
+"""
+
+
+def old_tree(rev: str, into: Path) -> Path:
+    """The code of commit `rev`, extracted (git archive) under `into`."""
+    out = into / "old"
+    out.mkdir()
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(out)], input=archive, check=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--samples", type=int, default=100_000)
+    ap.add_argument("--dir", type=Path, default=Path("/tmp/scale"))
+    ap.add_argument("--old", default="HEAD~1", help="the commit whose code is 'old'")
+    ap.add_argument("--ops", default="meta,evaluate,verify")
+    args = ap.parse_args()
+    store, seed, run = args.dir / f"n{args.samples}", args.dir / "seed", args.dir / f"run-n{args.samples}"
+    log = args.dir / f"meta-memory-n{args.samples}.log"
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        old = old_tree(args.old, Path(tmp))
+        for op in args.ops.split(","):
+            if op == "meta":
+                runs = [("meta(key)", [PY, "-c", META, str(store), "meta"], ROOT),
+                        ("meta_of", [PY, "-c", META, str(store), "meta_of"], ROOT)]
+            else:
+                runs = []
+                for label, code in ((f"old {args.old}", old), ("new", ROOT)):
+                    report = args.dir / f"meta-memory-report-{len(runs)}"
+                    shutil.rmtree(report, ignore_errors=True)
+                    runs.append((label, commands(store, seed, run, report)[op], code))
+            for label, cmd, code in runs:
+                secs, mb, rc = timed(cmd, log, code)
+                rows.append((op, label, secs, mb))
+                print(f"N={args.samples:,} {op:9s} {label:14s} {secs:7.1f} s {mb:7.0f} MB"
+                      + (f"  exit {rc} (see {log})" if rc else ""), flush=True)
+            first, second = rows[-2][3], rows[-1][3]
+            print(f"N={args.samples:,} {op:9s} peak RSS new / old: {second / first:.2f} ({second - first:+.0f} MB)",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
