@@ -107,3 +107,29 @@ def serves_on_damaged(on_damaged: str, left_out: Callable[[], object]) -> bool:
     output would pass for one of every input. on_damaged is in no hash (a rerun or a resume may switch it): this is where it
     still counts, one rule for every stage's output (a table version, a run's LoRA, a report)."""
     return on_damaged == "skip" or not left_out()
+
+
+# ---------------------------------------------------------------------------------------------- a training's record
+# (train's resume and up-to-date checks, evaluate's "one training" of its checkpoints: one rule for both)
+
+
+def compared_tables(recorded: dict[str, str], recorded_contents: dict[str, str] | None, now: dict[str, str],
+                    contents: Callable[[], dict[str, str] | None] | None) -> tuple[Any, Any]:
+    """The (recorded, present) values a resume or the up-to-date check compares as the run's tables: their
+    content identities when the version ids differ and both sides have them for the same tables, else the
+    version ids (a record written before contents were recorded compares as it did). `contents()` gives the
+    present ones: computed only when the ids differ (a hash of the joined manifests' checksum columns)."""
+    if recorded == now or not recorded_contents or contents is None:
+        return recorded, now
+    present = contents()
+    if not present or set(present) != set(recorded_contents) or set(recorded) != set(now):
+        return recorded, now
+    return recorded_contents, present
+
+
+def known_init_lora(recorded: str | None, now: str | None) -> str | None:
+    """The record's init LoRA hash, read as `now` when it has none: a checkpoint written before the hash was
+    recorded, with train.init_lora set (its config fingerprint, which holds the path, equals this start's, else
+    that differs). Its bytes were never recorded; it is taken as made from the present file, as before (refused,
+    every such run would be trained again)."""
+    return recorded if recorded is not None else now

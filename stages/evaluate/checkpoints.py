@@ -183,7 +183,7 @@ def same_training(a: dict, b: dict) -> bool:
     LoRA's bytes where both recorded them (`known_init_lora`). A run begun before a record held those fields and
     resumed under a release that records them writes both kinds; compared as one hash, its pruned early steps
     passed for another training's and every earlier point went aside."""
-    from stages.train.state import compared_tables, known_init_lora
+    from schemas.up_to_date import compared_tables, known_init_lora
 
     if any(a.get(k) != b.get(k) for k in ("config_fingerprint", "model_fingerprint", "training_revision")):
         return False

@@ -27,6 +27,7 @@ from schemas import up_to_date
 from schemas.errors import UserError
 from schemas.newer import refuse_newer
 from schemas.record_formats import RESUME_FORMAT, RESUME_JSON  # store.checksum reads resume.json too
+from schemas.up_to_date import compared_tables, known_init_lora  # the resume rule (evaluate's "one training" too)
 
 # ResumeRecord.extra key: the optimizer steps train.on_nonfinite=skip_step left without an update, up to the record's
 # step, every start's (on_nonfinite is in no fingerprint: a run that skipped some is current under skip_step only)
@@ -209,31 +210,9 @@ class ResumeRecord:
                              reason="; ".join(problems))
 
 
-def compared_tables(recorded: dict[str, str], recorded_contents: dict[str, str] | None, now: dict[str, str],
-                    contents: Callable[[], dict[str, str] | None] | None) -> tuple[Any, Any]:
-    """The (recorded, present) values a resume or the up-to-date check compares as the run's tables: their
-    content identities when the version ids differ and both sides have them for the same tables, else the
-    version ids (a record written before contents were recorded compares as it did). `contents()` gives the
-    present ones: computed only when the ids differ (a hash of the joined manifests' checksum columns)."""
-    if recorded == now or not recorded_contents or contents is None:
-        return recorded, now
-    present = contents()
-    if not present or set(present) != set(recorded_contents) or set(recorded) != set(now):
-        return recorded, now
-    return recorded_contents, present
-
-
 def nonfinite_skipped(record: ResumeRecord) -> list[int]:
     """The steps the run up to `record` skipped for a non-finite loss or gradient (train.on_nonfinite=skip_step)."""
     return [int(s) for s in record.extra.get(NONFINITE_SKIPPED, ()) if int(s) <= record.step]
-
-
-def known_init_lora(recorded: str | None, now: str | None) -> str | None:
-    """The record's init LoRA hash, read as `now` when it has none: a checkpoint written before the hash was
-    recorded, with train.init_lora set (its config fingerprint, which holds the path, equals this start's, else
-    that differs). Its bytes were never recorded; it is taken as made from the present file, as before (refused,
-    every such run would be trained again)."""
-    return recorded if recorded is not None else now
 
 
 # ---------------------------------------------------------------------------------------------- locating
