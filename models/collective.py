@@ -47,7 +47,7 @@ class RankFailed(UserError):
 
 
 POLL_SECONDS = 0.5  # how often a watch thread asks the store whether a rank failed alone
-HOST_WAIT_SECONDS = 10.0  # how long a failed rank that serves the store waits for the others to read its line
+HOST_WAIT_SECONDS = 10.0  # how long a rank that ends on a published failure waits for every rank to have read it
 
 
 def _device() -> torch.device:
@@ -235,7 +235,7 @@ def watch_failures(world: int) -> None:
     line and end this process with status 1, wherever the main thread is (a collective included)."""
     if world <= 1 or _state["watching"]:
         return
-    _state["watching"] = True
+    _state["watching"], _state["world"] = True, world
     try:
         client = _store_client()
     except Exception:  # noqa: BLE001 - no store reachable: failures are only agreed on (`together`)
@@ -314,11 +314,11 @@ def _watch(client, key: str, stop: threading.Event) -> None:
         return  # the process is exiting normally
     if _state["published"]:  # this rank failed: its main thread reports (and cleans up)
         return
-    message = client.get(key).decode("utf-8", "replace")
     try:
-        client.add(f"{key}/seen", 1)  # a publisher that hosts the store waits for this before it exits
-    except Exception:  # noqa: BLE001
-        pass
+        message = client.get(key).decode("utf-8", "replace")
+    except Exception:  # noqa: BLE001 - the store went away meanwhile: the main thread meets the others' exit
+        return
+    _known_by_all(client, key, _state["world"])  # before the exit: it may end this node's store
     if report_once(message):
         os._exit(1)  # the main thread may be inside a collective that never returns
 
@@ -361,13 +361,34 @@ def _publish(message: str, world: int) -> str | None:
             return None
         key = _failure_key()
         line = client.compare_set(key, "", message).decode("utf-8", "replace")
-        if _hosts_store():  # the store ends with this process: the others read the line first (bounded wait)
-            deadline = time.monotonic() + HOST_WAIT_SECONDS
-            while client.add(f"{key}/seen", 0) < world - 1 and time.monotonic() < deadline:
-                time.sleep(POLL_SECONDS / 5)
+        _known_by_all(client, key, world)
         return line
     except Exception:  # noqa: BLE001 - no store: the others learn it at their next agreement, if ever
         return None
+
+
+_known_lock = threading.Lock()
+
+
+def _known_by_all(client, key: str, world: int) -> None:
+    """Count this process, once, among the ranks that know the published line, then wait, at most
+    HOST_WAIT_SECONDS, until every rank does. Called by each rank that is about to end on it (its publisher, a
+    watch thread, a main thread that met a peer's exit first), because the store ends with a process on its node:
+    rank 0 serves it in a plain env:// launch, and under torchrun the node's agent does, which stops once one of
+    its workers has ended. A rank on another node that had not read the line by then (its watch thread polls
+    every POLL_SECONDS and needs the GIL, which a long call of its main thread may hold) found the store gone and
+    ended on another line (gloo's "connection closed"; NCCL: waited until the collective timeout). Ranks that
+    fail at once each count themselves: no wait. A killed rank never counts: the others wait the bound."""
+    try:
+        with _known_lock:
+            if not _state.get("known"):
+                _state["known"] = True
+                client.add(f"{key}/known", 1)
+        deadline = time.monotonic() + HOST_WAIT_SECONDS
+        while client.add(f"{key}/known", 0) < world and time.monotonic() < deadline:
+            time.sleep(POLL_SECONDS / 5)
+    except Exception:  # noqa: BLE001 - the store is gone (its host ended): nothing left to wait for
+        pass
 
 
 def _hosts_store() -> bool:
@@ -383,7 +404,9 @@ def peer_failure() -> str | None:
     try:
         client = _store_client()
         if client is not None and client.check([_failure_key()]):
-            return client.get(_failure_key()).decode("utf-8", "replace")
+            line = client.get(_failure_key()).decode("utf-8", "replace")
+            _known_by_all(client, _failure_key(), _state["world"])  # this rank ends on it
+            return line
     except Exception:  # noqa: BLE001
         pass
     return None

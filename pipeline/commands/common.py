@@ -79,7 +79,8 @@ def config_from(path: Path | None, overrides: dict[str, Any], sets: list[str] = 
     """The config file, then `--set` items, then the command's own flags (those that were given). `shared`: a
     command whose launched ranks share their work, each reading the file on its own node: one outcome for every
     rank (`together_before_group`), so a node without the file (or with a broken copy) stops every rank with its
-    line instead of leaving the others waiting for it at the process group's start."""
+    line instead of leaving the others waiting for it at the process group's start; and the settings read must be
+    the same on every rank (pipeline/node_settings.py)."""
     from schemas.errors import UserError
 
     sets_ = parse_sets(list(sets))
@@ -88,12 +89,15 @@ def config_from(path: Path | None, overrides: dict[str, Any], sets: list[str] = 
             return load_config(path, overrides, sets=sets_)
         from models.collective import together_before_group
         from pipeline.launched import launched
+        from pipeline.node_settings import refuse_differing_settings
 
         with together_before_group(launched()[0], "the config"):
             try:
-                return load_config(path, overrides, sets=sets_)
+                cfg = load_config(path, overrides, sets=sets_)
             except ConfigError as e:  # agreed on as a user's mistake: its own line, on every rank
                 raise UserError(str(e)) from None
+        refuse_differing_settings(launched()[0], cfg)  # each node read its own copy: the same settings on all
+        return cfg
     except (ConfigError, UserError) as e:  # a usage error, like a missing flag (`require`): exit 2; a stage's is 1
         typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from None
@@ -136,7 +140,6 @@ def user_errors(output: Path | str | None = None) -> Iterator[None]:
     except Exception as e:  # a full disk / read-only folder missed by a closer handler: still one line
         from models.collective import failure_line, lost_peer_line, peer_failure, report_once
         from pipeline.launched import launched
-
         if (peer := peer_failure()) is not None:  # e.g. gloo's "connection closed" when a failed rank exited
             report_once(peer)
             raise typer.Exit(1) from None

@@ -146,8 +146,8 @@ def test_ranks_that_list_different_checkpoints_evaluate_the_ones_all_see(run_and
 def test_ranks_given_different_settings_stop_with_one_line(run_and_store, tiny_edit_model, tmp_path):
     """Rank 1 is given another σ grid (its node's copy of the config differs; as many σ, so the grids' shapes
     agree). Before, each rank computed its half of every grid at its own σ and rank 0 recorded the sum under its
-    own settings: exit 0, numbers of two settings mixed. Now every rank stops with one line naming rank 1, and
-    nothing is written."""
+    own settings: exit 0, numbers of two settings mixed. Now every rank stops at the start (exit 2) with one line
+    naming rank 1 and the key (pipeline/node_settings.py), and nothing is written."""
     from two_ranks import launch_two
 
     root, out = run_and_store, tmp_path / "report"
@@ -155,8 +155,8 @@ def test_ranks_given_different_settings_stop_with_one_line(run_and_store, tiny_e
                                                       tiny_edit_model, str(root / "run"), str(out), "settings",
                                                       timeout=300)
     assert "Traceback" not in err0 + out0 + err1 + out1, (err0[-3000:], err1[-3000:])
-    assert rc0 == rc1 == 1, (rc0, rc1, err0[-2000:], err1[-2000:])
+    assert rc0 == rc1 == 2, (rc0, rc1, err0[-2000:], err1[-2000:])
     last0, last1 = err0.strip().splitlines()[-1], err1.strip().splitlines()[-1]
     assert last0 == last1, (last0, last1)
-    assert "the ranks do not evaluate with the same settings" in last0 and "rank 1 differs from rank 0" in last0
+    assert "rank 1's evaluate.timesteps is [0.1, 0.3, 0.5, 0.7, 0.8], rank 0's [" in last0, last0
     assert not (out / GROUP).exists()

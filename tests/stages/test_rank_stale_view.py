@@ -97,10 +97,10 @@ def _text_v2_current(store) -> None:
     st.set_current("text", 2)
 
 
-def _stopped_alike(outs) -> str:
+def _stopped_alike(outs, code: int = 1) -> str:
     (rc0, out0, err0), (rc1, out1, err1) = outs
     assert "Traceback" not in err0 + out0 + err1 + out1, (err0[-3000:], err1[-3000:])
-    assert rc0 == rc1 == 1, (rc0, rc1, err0[-2000:], err1[-2000:])
+    assert rc0 == rc1 == code, (rc0, rc1, err0[-2000:], err1[-2000:])
     last0, last1 = err0.strip().splitlines()[-1], err1.strip().splitlines()[-1]
     assert last0 == last1, (last0, last1)
     return last0
@@ -171,12 +171,14 @@ def test_ranks_given_different_settings_stop_before_training_or_encoding(tiny_ed
     """Each rank reads --config and --set itself (a node's own copy of the config file that differs): rank 1
     trains at another learning rate, or encodes with another hashed setting. Before, the training ranks drifted
     apart silently (rank 0's weights alone saved), and the encode ranks each wrote its own version, then stopped
-    at the commit with "ranks [1] have not finished". Now every rank stops at the start with one line."""
+    at the commit with "ranks [1] have not finished". Now every rank stops at the start with one line naming the
+    rank and the key, before anything is read (pipeline/node_settings.py), exit 2."""
     store, out = tmp_path / "store", tmp_path / "run"
     make_train_store(store, tiny_edit_model, mixed_specs(8, 4))
     line = _stopped_alike(launch_two("rank_stale_view.py", "tables", str(store), tiny_edit_model, str(out), "train",
-                                     "settings", timeout=300))
-    assert "the ranks do not train with the same settings" in line, line
+                                     "settings", timeout=300), code=2)
+    assert line.startswith("error: the ranks do not run with the same settings: rank 1's train.learning_rate is "
+                           "0.0002, rank 0's 0.0001 "), line
     assert not train_state.complete_checkpoints(out / "checkpoints")
     # a node running another release of the training code (its TRAINING_REVISION differs)
     line = _stopped_alike(launch_two("rank_stale_view.py", "tables", str(store), tiny_edit_model, str(out), "train",
@@ -185,8 +187,8 @@ def test_ranks_given_different_settings_stop_before_training_or_encoding(tiny_ed
     assert not train_state.complete_checkpoints(out / "checkpoints")
 
     line = _stopped_alike(launch_two("rank_stale_view.py", "encode", str(edit_store), tiny_edit_model, "settings",
-                                     timeout=300))
-    assert "encode-text: the ranks do not encode with the same settings" in line, line
+                                     timeout=300), code=2)
+    assert "rank 1's encode_text.batching is \"padded\", rank 0's \"exact\"" in line, line
 
 
 def test_a_val_sample_damaged_on_one_rank_is_left_out_on_every_rank(tiny_edit_model, tmp_path) -> None:

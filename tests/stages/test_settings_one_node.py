@@ -108,3 +108,34 @@ def test_a_node_without_the_extra_prompt_files_does_not_stop_evaluate(run_and_st
     assert p.returncode == 0, p.stderr[-3000:]
     samples = json.loads((tmp_path / "report" / "metrics.json").read_text())["generation"]["samples"]
     assert [s["caption"] for s in samples] == ["make it red"], samples  # rank 0 made its images
+
+
+def test_nodes_whose_copies_of_the_config_differ_stop_before_training(tiny_edit_model, tmp_path):
+    """Each node reads its own copy of the config at the same path; node 1's says train.checkpoint_every: 2, a
+    setting outside train's fingerprint. Its device (a node's own) differs too, and is let through. Before: every
+    read check passed and the ranks trained, rank 0 saving a checkpoint (its agreements) at step 1 where rank 1
+    went on to step 2: the launch hung (this test's bound). Now every node stops at the start, exit 2, with one line naming the rank and the key."""
+    from train_store import make_train_store, mixed_specs
+
+    store = tmp_path / "store"
+    make_train_store(store, tiny_edit_model, mixed_specs(8))
+    configs = []
+    for node, (every, device) in enumerate([(1, "cpu"), (2, "[cpu]")]):
+        (tmp_path / f"node{node}").mkdir()
+        configs.append(tmp_path / f"node{node}" / "train.yaml")
+        configs[node].write_text(f"train: {{checkpoint_every: {every}, device: {device}, lora: {{rank: 4}}}}\n")
+    args = ["--store", str(store), "--model", tiny_edit_model, "--out", str(tmp_path / "run"), "--max-steps", "2",
+            "--batch-size", "2"]
+    nodes = start_nodes(["run", "train"], node_args=([*args, "--config", str(configs[0])],
+                                                     [*args, "--config", str(configs[1])]))
+    try:
+        outputs = [node.communicate(timeout=300) for node in nodes]
+    finally:
+        for node in nodes:
+            kill_node(node)
+    _one_line_each([(node.returncode, err) for node, (_, err) in zip(nodes, outputs)],
+                   "error: the ranks do not run with the same settings: rank 1's train.checkpoint_every is 2, rank "
+                   "0's 1 (each node reads --config and --set itself, and the nodes' copies of the config or their "
+                   "flags differ); use one config and the same flags on every node")
+    assert all("(exitcode: 2)" in err for _, err in outputs)  # each worker's: a usage error (torchrun's own is 1)
+    assert not (tmp_path / "run" / "checkpoints").exists()
