@@ -460,6 +460,8 @@ def fails_alone(world: int, what: str, oom_advice: str = "") -> Iterator[None]:
             text = f"rank {rank} ran out of memory in {what} ({first})" + (f": {oom_advice}" if oom_advice else "")
         elif isinstance(e, UserError):
             text = _message(e, what)
+        elif (lost := lost_peer_line(e)) is not None:  # a peer killed in DDP's backward: not this rank's fault
+            text = lost
         else:
             text = f"rank {rank}: {_message(e, what)}"
         raise RankFailed(publish_failure(" ".join(text.splitlines()), world)) from None

@@ -75,3 +75,17 @@ def test_the_launchers_line_tells_a_rank_that_failed_from_one_that_was_killed() 
     assert said.startswith("rank 0 killed by SIGTERM, rank 1 killed by SIGSEGV; rank 1 printed nothing of its own: "
                            "a crash in native code"), said
     assert said.endswith("What they committed stays: rerun the same command to continue"), said
+
+
+def test_a_peer_lost_inside_a_ranks_own_step_is_the_lost_peer_line(monkeypatch) -> None:
+    """The same gloo error met inside `fails_alone` (the forward and backward, where DDP all-reduces): the lost
+    peer's line, not 'rank 0: optimizer step 1 failed: RuntimeError: [gloo...]' blaming this rank."""
+    from models.collective import RankFailed, fails_alone
+
+    monkeypatch.setenv("RANK", "0")
+    for name in ("MASTER_ADDR", "MASTER_PORT"):  # no launch's store: the line is not published anywhere
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(RankFailed) as failed, fails_alone(2, "optimizer step 1"):
+        raise RuntimeError(GLOO_RESET)
+    assert str(failed.value).startswith("rank 0 lost its connection to another rank (Connection reset by peer)"), \
+        str(failed.value)
