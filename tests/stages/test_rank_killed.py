@@ -80,8 +80,10 @@ def test_the_launchers_line_tells_a_rank_that_failed_from_one_that_was_killed() 
 def test_a_peer_lost_inside_a_ranks_own_step_is_the_lost_peer_line(monkeypatch) -> None:
     """The same gloo error met inside `fails_alone` (the forward and backward, where DDP all-reduces): the lost
     peer's line, not 'rank 0: optimizer step 1 failed: RuntimeError: [gloo...]' blaming this rank."""
+    from models import collective
     from models.collective import RankFailed, fails_alone
 
+    monkeypatch.setattr(collective, "_state", dict(collective._state))  # its watch state stays this test's
     monkeypatch.setenv("RANK", "0")
     for name in ("MASTER_ADDR", "MASTER_PORT"):  # no launch's store: the line is not published anywhere
         monkeypatch.delenv(name, raising=False)
