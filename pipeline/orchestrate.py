@@ -172,6 +172,8 @@ def run_all(cfg: PipelineConfig, log: Callable[[str], None] = print, cache_dir: 
 
     paths = check_config(cfg)
     world, main = launched()
+    if world > 1:  # the config alone decides it, alike on every rank: before any file is read
+        _refuse_url_under_launch(paths.store, world)
     # what the folders and files hold, read by each rank (a node may lack one): one outcome for every rank, before
     # rank 0 goes into resize-bucket and the others wait for it (a rank that stopped alone here left them waiting)
     with together_before_group(world, "run all: the paths and settings"):
@@ -184,7 +186,6 @@ def run_all(cfg: PipelineConfig, log: Callable[[str], None] = print, cache_dir: 
         if main:  # the sample grid and evaluate's images are rank 0's: only its node needs the extra prompts' files
             _check_settings(cfg, paths.model)
     if world > 1:
-        _refuse_url_under_launch(paths.store, world)
         log = log if main else (lambda message: None)  # one console: rank 0's lines
     access = StoreAccess(paths.store, cache_dir, cache_gb)
     result = AllResult(report=paths.report / "index.html")

@@ -30,10 +30,11 @@ def test_a_failed_launch_ends_in_one_line_per_rank_and_one_for_the_launcher(tmp_
     assert 2 <= len(errors) <= 3 and all(e == errors[0] for e in errors[:-1]) and str(missing) in errors[0], errors
 
 
-def test_a_launch_where_one_rank_sees_a_gpu_and_the_other_none_is_refused_by_both(tmp_path) -> None:
+def test_a_launch_where_one_rank_sees_a_gpu_and_the_other_none_is_refused_by_both(tmp_path, tiny_edit_model) -> None:
     """train.device unset, rank 1 "sees" two GPUs (a sitecustomize patches torch.cuda there), rank 0 none: as where
     one node's GPU driver failed. The ranks decide the device together before any process group exists
-    (models/launch_devices.py) and refuse in one line naming rank 0, before opening anything. Before: rank 0 set
+    (models/launch_devices.py) and refuse in one line naming rank 0, before opening the store or loading the model
+    (its folder is checked first, on every rank together). Before: rank 0 set
     up gloo on the CPU and rank 1 NCCL, which failed there with a traceback (on real nodes: a launch hung until
     the collective timeout, or trained mixed)."""
     # Told to the device decisions only (this project's and accelerate's): libraries that probe the GPU further
@@ -49,7 +50,7 @@ def test_a_launch_where_one_rank_sees_a_gpu_and_the_other_none_is_refused_by_bot
         "    real_available, real_count = torch.cuda.is_available, torch.cuda.device_count\n"
         "    torch.cuda.is_available = lambda: _asked_by_a_device_decision() or real_available()\n"
         "    torch.cuda.device_count = lambda: 2 if _asked_by_a_device_decision() else real_count()\n"),
-        ["run", "train", "--store", str(tmp_path / "store"), "--model", str(tmp_path / "model"), "--out",
+        ["run", "train", "--store", str(tmp_path / "store"), "--model", tiny_edit_model, "--out",
          str(tmp_path / "run")], timeout=300)  # a bound for a hang: the old code's failure mode
     assert p.returncode == 1, p.stderr[-3000:]
     assert "Traceback" not in p.stderr + p.stdout and "ChildFailedError" not in p.stderr, p.stderr[-3000:]
