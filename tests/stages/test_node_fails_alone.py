@@ -13,7 +13,7 @@ import os
 from rank_hook import REPO
 from stages.train.recipe import OOM_ADVICE
 from test_settings_one_node import _one_line_each
-from test_train_multinode import kill_node, start_nodes
+from test_train_multinode import nodes_ended
 from train_store import make_train_store, mixed_specs
 
 # Rank 1 announces (a file) that it is about to hold the GIL for HOLD_SECONDS in its first backward; rank 0 waits
@@ -50,15 +50,10 @@ def test_a_rank_failing_alone_on_the_stores_node_ends_every_node_on_its_line(tin
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(HOOK)
     env = {"PYTHONPATH": os.pathsep.join([str(hook), str(REPO)]), "HOLDING_MARKER": str(tmp_path / "holding")}
-    nodes = start_nodes(["run", "train", "--store", str(store), "--model", tiny_edit_model, "--out",
+    ended = nodes_ended(["run", "train", "--store", str(store), "--model", tiny_edit_model, "--out",
                          str(tmp_path / "run"), "--device", "cpu", "--max-steps", "2", "--batch-size", "2",
                          "--set", "train.lora.rank=4"], (env, env))
-    try:
-        outputs = [node.communicate(timeout=300) for node in nodes]
-    finally:
-        for node in nodes:
-            kill_node(node)
-    _one_line_each([(node.returncode, err) for node, (_, err) in zip(nodes, outputs)],
+    _one_line_each(ended,
                    "error: rank 0 ran out of memory in optimizer step 1 (CUDA out of memory. Tried to allocate 2.00 "
                    f"GiB (test)): {OOM_ADVICE}")
     assert not (tmp_path / "run" / "lora").exists()

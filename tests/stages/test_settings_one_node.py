@@ -15,7 +15,7 @@ from PIL import Image
 
 from rank_hook import REPO, launch_with_hook
 from test_evaluate_checkpoints import run_and_store  # noqa: F401 (the module fixture)
-from test_train_multinode import kill_node, start_nodes
+from test_train_multinode import nodes_ended
 
 # the rank named by NO_EXTRA_RANK reads extra.png as a node that lacks it would
 LACKS_EXTRA = """
@@ -49,15 +49,8 @@ def _run_all_config(tmp_path, model: str, name: str = "config.yaml", **paths) ->
 
 
 def _two_nodes(tmp_path, node_env=({}, {}), node_args=([], [])) -> list[tuple[int, str]]:
-    """`run all` on two "nodes" (tests/stages/test_train_multinode.py): each node's (exit status, stderr). A node
-    left waiting for the other hangs: the bound fails the test (generous under load, no timing assert)."""
-    nodes = start_nodes(["run", "all"], node_env, node_args)
-    try:
-        outputs = [node.communicate(timeout=300) for node in nodes]
-    finally:
-        for node in nodes:
-            kill_node(node)
-    return [(node.returncode, err) for node, (_, err) in zip(nodes, outputs)]
+    """`run all` on two "nodes" (tests/stages/test_train_multinode.py): each node's (exit status, stderr)."""
+    return nodes_ended(["run", "all"], node_env, node_args)
 
 
 def _one_line_each(ended: list[tuple[int, str]], line: str) -> None:
@@ -114,7 +107,8 @@ def test_nodes_whose_copies_of_the_config_differ_stop_before_training(tiny_edit_
     """Each node reads its own copy of the config at the same path; node 1's says train.checkpoint_every: 2, a
     setting outside train's fingerprint. Its device (a node's own) differs too, and is let through. Before: every
     read check passed and the ranks trained, rank 0 saving a checkpoint (its agreements) at step 1 where rank 1
-    went on to step 2: the launch hung (this test's bound). Now every node stops at the start, exit 2, with one line naming the rank and the key."""
+    went on to step 2: the launch hung (this test's bound). Now every node stops at the start, exit 2, with one
+    line naming the rank and the key."""
     from train_store import make_train_store, mixed_specs
 
     store = tmp_path / "store"
@@ -126,16 +120,10 @@ def test_nodes_whose_copies_of_the_config_differ_stop_before_training(tiny_edit_
         configs[node].write_text(f"train: {{checkpoint_every: {every}, device: {device}, lora: {{rank: 4}}}}\n")
     args = ["--store", str(store), "--model", tiny_edit_model, "--out", str(tmp_path / "run"), "--max-steps", "2",
             "--batch-size", "2"]
-    nodes = start_nodes(["run", "train"], node_args=([*args, "--config", str(configs[0])],
-                                                     [*args, "--config", str(configs[1])]))
-    try:
-        outputs = [node.communicate(timeout=300) for node in nodes]
-    finally:
-        for node in nodes:
-            kill_node(node)
-    _one_line_each([(node.returncode, err) for node, (_, err) in zip(nodes, outputs)],
-                   "error: the ranks do not run with the same settings: rank 1's train.checkpoint_every is 2, rank "
-                   "0's 1 (each node reads --config and --set itself, and the nodes' copies of the config or their "
-                   "flags differ); use one config and the same flags on every node")
-    assert all("(exitcode: 2)" in err for _, err in outputs)  # each worker's: a usage error (torchrun's own is 1)
+    ended = nodes_ended(["run", "train"], node_args=([*args, "--config", str(configs[0])],
+                                                    [*args, "--config", str(configs[1])]))
+    _one_line_each(ended, "error: the ranks do not run with the same settings: rank 1's train.checkpoint_every is "
+                   "2, rank 0's 1 (each node reads --config and --set itself, and the nodes' copies of the config or "
+                   "their flags differ); use one config and the same flags on every node")
+    assert all("(exitcode: 2)" in err for _, err in ended)  # each worker's: a usage error (torchrun's own is 1)
     assert not (tmp_path / "run" / "checkpoints").exists()

@@ -12,7 +12,7 @@ import pytest
 
 from rank_hook import REPO
 from test_settings_one_node import _one_line_each
-from test_train_multinode import kill_node, start_nodes
+from test_train_multinode import nodes_ended
 
 # rank 1 sees wandb installed (it is not here): only rank 0, which makes the trackers, lacks it
 WANDB_ON_RANK_1 = """
@@ -92,14 +92,7 @@ def _case(name: str, tmp_path, model: str) -> tuple[list[str], tuple[list[str], 
 ])
 def test_a_launched_commands_start_failing_on_one_node_stops_every_node(case, tiny_edit_model, tmp_path):
     command, node_args, hook_env, line = _case(case, tmp_path, tiny_edit_model)
-    nodes = start_nodes(command, (hook_env, hook_env), node_args)
-    try:
-        # a node left waiting for the other hangs: the bound fails the test (generous under load, no timing assert)
-        outputs = [node.communicate(timeout=300) for node in nodes]
-    finally:
-        for node in nodes:
-            kill_node(node)
-    _one_line_each([(node.returncode, err) for node, (_, err) in zip(nodes, outputs)], f"error: {line}")
+    _one_line_each(nodes_ended(command, (hook_env, hook_env), node_args), f"error: {line}")
 
 
 def test_run_all_reads_the_model_on_every_rank_before_its_first_stage(tmp_path):

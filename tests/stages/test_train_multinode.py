@@ -33,6 +33,19 @@ def start_nodes(cli_args: list[str], node_env: tuple[dict, dict] = ({}, {}),
     return start_host_first(start, 2)
 
 
+def nodes_ended(cli_args: list[str], node_env: tuple[dict, dict] = ({}, {}),
+                node_args: tuple[list[str], list[str]] = ([], [])) -> list[tuple[int, str]]:
+    """`start_nodes`, then each node's (exit status, stderr) once both ended. A node left waiting for the other
+    hangs: the bound fails the test (generous under load, no timing assert); both nodes are killed either way."""
+    nodes = start_nodes(cli_args, node_env, node_args)
+    try:
+        outputs = [node.communicate(timeout=300) for node in nodes]
+    finally:
+        for node in nodes:
+            kill_node(node)
+    return [(node.returncode, err) for node, (_, err) in zip(nodes, outputs)]
+
+
 def kill_node(node: Logged) -> None:
     """SIGKILL a whole "node": its torchrun agent's process group and its workers, which torchrun starts in
     sessions of their own (a worker left alive would hold the node's output pipes open)."""
