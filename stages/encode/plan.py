@@ -214,16 +214,13 @@ def _say_why_new(job: EncodeJob) -> None:
         schema.lineage, job.lineage, {"settings": f"{section} settings", "data": "input"})
     before = schema.attrs.get(SETTINGS_ATTR)
     if isinstance(before, dict) and differences:
-        def part(record: dict[str, Any], section_keys: bool) -> dict[str, Any]:
-            return {k: v for k, v in record.items() if k != "section"} if not section_keys else \
-                record.get("section") or {}
-
         # the section's keys (a setting added later is hashed, and recorded, only away from its default:
         # `schemas.lineage`); the stage's extras derived from them and the model (the effective prompt format)
         # only where no key of the section differs
-        differences += up_to_date.changed_settings(part(before, True), part(job.settings, True), section,
-                                                   missing="(default)") or \
-            up_to_date.changed_settings(part(before, False), part(job.settings, False), section)
+        sections = [record.get("section") or {} for record in (before, job.settings)]
+        extras = [{k: v for k, v in record.items() if k != "section"} for record in (before, job.settings)]
+        differences += up_to_date.changed_settings(*sections, section, missing="(default)") or \
+            up_to_date.changed_settings(*extras, section)
     if differences:
         tqdm.write(up_to_date.new_version_line(job.summary.stage, table, version, differences))
 
