@@ -9,7 +9,7 @@ import time
 import weakref
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 from schemas.errors import UserError
 from schemas.lineage import Lineage, code_version, feature_lineage
@@ -116,8 +116,8 @@ def _open_job(store_path: str | Path, stage: str, table: str, settings: dict[str
               max_damaged_fraction: float = 0.0, earlier_hashes: tuple[str, ...] = (),
               fixes: Fixes = NO_FIXES, unread: tuple[str, ...] = (),
               serving_hashes: tuple[str, ...] = ()) -> tuple[EncodeJob, int | None]:
-    """Read the `images` table, build the lineage, and find out whether an identical version already exists
-    (this rank's look: `open_job` agrees on it). `unread`: render settings this stage does not read
+    """Read the `images` table, build the lineages (`_job_lineages`), and find out whether an identical version
+    already exists (this rank's look: `open_job` agrees on it). `unread`: render settings this stage does not read
     (schemas/pictures_lineage.py): its samples' lineage leaves them out.
 
     An identical complete version is made current and reused ("up to date"), as is one of settings that only add
@@ -125,10 +125,8 @@ def _open_job(store_path: str | Path, stage: str, table: str, settings: dict[str
     revision) leads to a new version, never a silent reuse. An incomplete version of such settings is not resumed
     (a writer resumes only its own schema, and finishing it would encode the columns this run was not asked for).
     """
-    from models.loading import component_fingerprint, model_fingerprint
     from schemas.lineage import settings_hash
 
-    feature_hash = settings_hash(settings)
     path = Path(store_path)
     if not (path / "store.json").is_file():
         raise UserError(f"no store at {path} (no store.json); run `pipeline run resize-bucket --store {path}` first")
@@ -139,11 +137,47 @@ def _open_job(store_path: str | Path, stage: str, table: str, settings: dict[str
     # The images version's identity (not just its number) goes into the hash: a deleted and rebuilt images
     # table restarts at v1 with other contents, and must not match features encoded from the old one.
     images_id = images.view.version_id()
+    lineages = _job_lineages(store, images, images_id, stage, table, settings_hash(settings), model, components,
+                             feature_revision, earlier_hashes, fixes, unread, serving_hashes)
+    repair_context.check(lineages.lineage, table)
+    summary = Summary(stage=stage, table=table, rank=ranks.rank, world_size=ranks.world_size, store=str(path))
+    job = EncodeJob(store=store, images=images, images_id=images_id, lineage=lineages.lineage, ranks=ranks,
+                    summary=summary, feature_lineage=lineages.feature, earlier_lineages=lineages.earlier, lease=lease,
+                    on_damaged=on_damaged, settings=settings, max_damaged_fraction=max_damaged_fraction,
+                    changed_by_fixes=lineages.changed_by_fixes, serving=lineages.serving)
+    weakref.finalize(job, lease.release)
+    found = _reusable_version(job, lineages.hashed_before, fixes, feature_revision)
+    if found is None and ranks.rank == 0 and not repair_context.active():
+        _say_why_new(job)
+    return job, serving_version(store, stage, table, found, on_damaged, say=ranks.rank == 0,
+                                remote_rows=ranks.rank == 0)  # the ranks then agree (`_agreed_plan`)
+
+
+class JobLineages(NamedTuple):
+    """What an encode job is written and looked up under (`_job_lineages`)."""
+
+    lineage: Lineage  # the version's (under `store repair`: the repaired version's own, where it is another)
+    feature: str  # its samples' feature lineage (store/reuse.py)
+    earlier: tuple[str, ...]  # feature lineages whose stored samples are carried forward too
+    # those of samples stored before a fix (among `earlier`) -> "does a fix change this stored row?"
+    changed_by_fixes: dict[str, Callable[[dict[str, Any]], bool]]
+    hashed_before: list[Lineage]  # the version's lineage as hashed before the declared scheme
+    serving: tuple[Lineage, ...]  # versions of settings that store more (extra columns): they serve this run too
+
+
+def _job_lineages(store: Store, images, images_id: str, stage: str, table: str, feature_hash: str, model: str,
+                  components: tuple[str, ...], feature_revision: str, earlier_hashes: tuple[str, ...], fixes: Fixes,
+                  unread: tuple[str, ...], serving_hashes: tuple[str, ...]) -> JobLineages:
+    """The lineages of a job encoding `images` (its version's identity: `images_id`) with the settings hashed as
+    `feature_hash` (the other arguments: `open_job`'s): of the version, of its samples (over the part of the
+    pictures the stage reads), and those of earlier samples it carries forward (hashed before the declared scheme,
+    over the whole pictures, stored before a fix). Under `store repair`, those of the version repaired."""
+    from models.loading import component_fingerprint, model_fingerprint
+
     lineage = Lineage(
         stage=stage, config_hash=f"{feature_hash}-images:{images_id}", model_fingerprint=model_fingerprint(model),
         upstream={IMAGES_TABLE: images.version}, code_version=code_version(feature_revision),
     )
-    summary = Summary(stage=stage, table=table, rank=ranks.rank, world_size=ranks.world_size, store=str(path))
     # Per-sample reuse: the features depend on these settings, the components loaded and the images' own
     # feature lineage (render settings), not on the images version (a relabelled split is the same pixels).
     whole = _images_feature_lineage(store, images, images_id)
@@ -175,24 +209,15 @@ def _open_job(store_path: str | Path, stage: str, table: str, settings: dict[str
         pre = [(replace(old, code_version=before), feature_lineage(stage, h, fingerprint, before, upstream))
                for old, h in ((lineage, feature_hash), *zip([o for o, _ in hashed_before], earlier_hashes))]
         lineage, fl = next(((old, e) for old, e in pre if repair_context.expected() == old), (lineage, fl))
-    repair_context.check(lineage, table)
     changed = {}
     whole_before = images.schema.attrs.get(LINEAGE_BEFORE_FIXES_ATTR)
     for up, before in {(upstream, _read_lineage(images.schema, unread, before_fixes=True) or whole_before),
                        (whole, whole_before)}:  # rows stored before a fix: under either scheme
         changed.update(_lineages_before_fixes(images, fixes, stage, (feature_hash, *earlier_hashes), fingerprint,
                                               feature_revision, up, before))
-    job = EncodeJob(store=store, images=images, images_id=images_id, lineage=lineage, ranks=ranks, summary=summary,
-                    feature_lineage=fl,
-                    earlier_lineages=tuple(dict.fromkeys((*earlier, *same_reads, *changed))), lease=lease,
-                    on_damaged=on_damaged, settings=settings,
-                    max_damaged_fraction=max_damaged_fraction, changed_by_fixes=changed, serving=tuple(serving))
-    weakref.finalize(job, lease.release)
-    found = _reusable_version(job, [old for old, _ in hashed_before], fixes, feature_revision)
-    if found is None and ranks.rank == 0 and not repair_context.active():
-        _say_why_new(job)
-    return job, serving_version(store, stage, table, found, on_damaged, say=ranks.rank == 0,
-                                remote_rows=ranks.rank == 0)  # the ranks then agree (`_agreed_plan`)
+    return JobLineages(lineage=lineage, feature=fl, earlier=tuple(dict.fromkeys((*earlier, *same_reads, *changed))),
+                       changed_by_fixes=changed, hashed_before=[old for old, _ in hashed_before],
+                       serving=tuple(serving))
 
 
 def _say_why_new(job: EncodeJob) -> None:
