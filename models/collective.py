@@ -367,33 +367,37 @@ def _publish(message: str, world: int) -> str | None:
         return None
 
 
-_known_lock = threading.Lock()
-
-
 def _known_by_all(client, key: str, world: int) -> None:
     """Count this process, once, among the ranks that know the published line, then wait, at most
-    HOST_WAIT_SECONDS, until every rank does. Called by each rank that is about to end on it (its publisher, a
-    watch thread, a main thread that met a peer's exit first), because the store ends with a process on its node:
-    rank 0 serves it in a plain env:// launch, and under torchrun the node's agent does, which stops once one of
-    its workers has ended. A rank on another node that had not read the line by then (its watch thread polls
-    every POLL_SECONDS and needs the GIL, which a long call of its main thread may hold) found the store gone and
-    ended on another line (gloo's "connection closed"; NCCL: waited until the collective timeout). Ranks that
-    fail at once each count themselves: no wait. A killed rank never counts: the others wait the bound."""
+    HOST_WAIT_SECONDS, until every rank does (`_count_and_wait`). Called by each rank that is about to end on it
+    (its publisher, a watch thread, a main thread that met a peer's exit first), because the store ends with a
+    process on its node: rank 0 serves it in a plain env:// launch, and under torchrun the node's agent does,
+    which stops once one of its workers has ended. A rank on another node that had not read the line by then (its
+    watch thread polls every POLL_SECONDS and needs the GIL, which a long call of its main thread may hold) found
+    the store gone and ended on another line (gloo's "connection closed"; NCCL: waited until the collective
+    timeout). Ranks that fail at once each count themselves: no wait. A killed rank never counts: the others wait
+    the bound."""
+    _count_and_wait(client, f"{key}/known", world)
+
+
+_count_lock = threading.Lock()
+
+
+def _count_and_wait(store, counter: str, world: int, wait: bool = True) -> None:
+    """Add this process to `counter` in the launch's store, once (a watch thread and the main thread may both
+    count it), then, with `wait`, wait at most HOST_WAIT_SECONDS until `world` processes have: a process whose end
+    may end the store lets every rank read what it holds first. A store that is gone (its host ended): nothing
+    left to wait for."""
     try:
-        with _known_lock:
-            if not _state.get("known"):
-                _state["known"] = True
-                client.add(f"{key}/known", 1)
+        with _count_lock:
+            if counter not in _state.get("counted", ()):  # a frozenset, replaced: a copy of `_state` keeps its own
+                _state["counted"] = _state.get("counted", frozenset()) | {counter}
+                store.add(counter, 1)
         deadline = time.monotonic() + HOST_WAIT_SECONDS
-        while client.add(f"{key}/known", 0) < world and time.monotonic() < deadline:
+        while wait and store.add(counter, 0) < world and time.monotonic() < deadline:
             time.sleep(POLL_SECONDS / 5)
     except Exception:  # noqa: BLE001 - the store is gone (its host ended): nothing left to wait for
         pass
-
-
-def _hosts_store() -> bool:
-    """Rank 0 of a plain env:// launch serves the store itself; under torchrun the agent does."""
-    return os.environ.get("RANK") == "0" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true"
 
 
 def peer_failure() -> str | None:
@@ -552,7 +556,6 @@ def gather_before_group(world: int, what: str, text: str, timeout: float | None 
         store.set(keys[rank], text)
         store.wait(keys, timedelta(seconds=timeout))
         texts = [store.get(k).decode("utf-8", "replace") for k in keys]
-        store.add(f"{key}/read", 1)
     except Exception as e:  # noqa: BLE001 - timed out (DistStoreError), or the store went away: named below
         try:
             missing = [r for r, k in enumerate(keys) if not store.check([k])]
@@ -566,10 +569,9 @@ def gather_before_group(world: int, what: str, text: str, timeout: float | None 
         raise UserError(f"{what}: the ranks decide it together through the launch's store at {where}, which "
                         f"went away meanwhile ({_first_line(e)}): see rank 0's log (it serves the store when no "
                         "launcher does) or the launcher's") from None
-    if _before["hosted"]:  # the store ends with this process (when the decision is a refusal): the others read first
-        deadline = time.monotonic() + HOST_WAIT_SECONDS
-        while store.add(f"{key}/read", 0) < world and time.monotonic() < deadline:
-            time.sleep(POLL_SECONDS / 5)
+    # every rank counts itself as having read the texts; the store's host waits for them (the store ends with its
+    # process, when the decision is a refusal: the others read first)
+    _count_and_wait(store, f"{key}/read", world, wait=_before["hosted"])
     return texts
 
 
@@ -612,7 +614,8 @@ def _before_group_store(timeout: float):
     multi-tenant as torch's env:// rendezvous makes rank 0's: the process group then serves from this server
     instead of binding MASTER_PORT a second time."""
     if _before["store"] is None:
-        if _hosts_store():
+        # rank 0 of a plain env:// launch serves the store itself; under torchrun the agent does
+        if os.environ.get("RANK") == "0" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
             from datetime import timedelta
 
             import torch.distributed as dist
