@@ -11,7 +11,8 @@ is done or garbage collected, and at interpreter exit, on error too.
 A kill -9 leaves the file behind; it must not block gc for ever. Liveness:
 - same host (the running kernel's boot id, `schemas.host.host_id`: never the host name, which nodes given one
   name share, and the init pid namespace's id is the same on every host) and pid namespace: the pid is running
-  and started when the lease says (a reused pid is not the reader); decided at once, whatever the file's age;
+  and started when the lease says (a reused pid is not the reader) and has not ended (a zombie: killed, not yet
+  reaped by its parent); decided at once, whatever the file's age;
 - another host (a store on a shared file system), or a lease without a boot id (written before it was recorded):
   the reader cannot be asked, so its lease is refreshed (file mtime) every `REFRESH_SECONDS` by a daemon thread,
   and counts as live until `STALE_SECONDS` after its last refresh (15 min: a margin of several missed refreshes
@@ -45,13 +46,19 @@ REFRESH_SECONDS = 60.0
 STALE_SECONDS = 15 * 60.0
 
 
-def _proc_start(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot (/proc/PID/stat field 22); None where unknown."""
+def _proc_stat(pid: int) -> list[str] | None:
+    """/proc/PID/stat's fields from field 3 (the state) on; None where unknown (no such process, no /proc)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    return int(stat.rsplit(")", 1)[1].split()[19])  # fields after the (command) start at field 3
+    return stat.rsplit(")", 1)[1].split()  # after the (command), which may hold spaces and parentheses
+
+
+def _proc_start(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (/proc/PID/stat field 22); None where unknown."""
+    fields = _proc_stat(pid)
+    return int(fields[19]) if fields else None
 
 
 def _pid_namespace() -> str | None:
@@ -69,15 +76,22 @@ def process_identity() -> dict[str, Any]:
             "pid_namespace": _pid_namespace()}
 
 
-def _pid_running(pid: int, started: int | None) -> bool:
+def _pid_gone(pid: int, started: int | None) -> str | None:
+    """Why this host's process `pid` (started at `started`) is not the lease's reader any more; None while it runs."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
-        return False
+        return "is gone"
     except PermissionError:  # someone else's process: it exists
         pass
-    now = _proc_start(pid)
-    return started is None or now is None or now == started
+    fields = _proc_stat(pid)
+    if fields is None:  # no /proc to ask: kill(0) says it exists
+        return None
+    if fields[0] in ("Z", "X"):  # killed (kill -9), its parent has not wait()ed yet: it reads nothing any more
+        return "has ended (not reaped by its parent yet)"
+    if started is not None and int(fields[19]) != started:
+        return "is gone (the pid is another process's now)"
+    return None
 
 
 @dataclass
@@ -190,9 +204,10 @@ def judge(path: Path, record: dict[str, Any], mtime: float, now: float | None = 
     now = time.time() if now is None else now
     host, pid = record.get("host"), record.get("pid")
     if record.get("boot_id") == host_id() and record.get("pid_namespace") == _pid_namespace() and isinstance(pid, int):
-        if _pid_running(pid, record.get("pid_start")):
+        gone = _pid_gone(pid, record.get("pid_start"))
+        if gone is None:
             return Found(path, record, True, f"pid {pid} on {host}, running")
-        return Found(path, record, False, f"pid {pid} on {host} is gone")
+        return Found(path, record, False, f"pid {pid} on {host} {gone}")
     age = now - mtime
     if age <= STALE_SECONDS:
         return Found(path, record, True, f"pid {pid} on {host}, refreshed {age:.0f} s ago")

@@ -30,6 +30,7 @@ from typing import Any, Callable
 from schemas.errors import UserError
 from store import format as fmt
 from store import remote_lease
+from store.lease import Found
 from store.remote import CLOCK_DIR, Remote, open_remote, remote_errors
 from store.remote_local import UPLOAD_DIR
 
@@ -67,7 +68,7 @@ class RemoteGcPlan:
     remove: list[Version] = field(default_factory=list)  # complete versions, then incomplete ones
     young_incomplete: list[Version] = field(default_factory=list)  # kept: within the grace period
     leased: dict[tuple[str, int], list[str]] = field(default_factory=dict)
-    dead_leases: list[str] = field(default_factory=list)  # lease object paths
+    dead_leases: list[Found] = field(default_factory=list)  # lease objects of gone processes (path: the object)
     markers: dict[tuple[str, int], str] = field(default_factory=dict)  # damaged markers by version
     leftovers: list[str] = field(default_factory=list)  # clock probes and temp uploads of killed commands
     uploads: list[tuple[str, str]] = field(default_factory=list)  # (key, upload id): unfinished multipart uploads
@@ -131,7 +132,7 @@ def plan(remote: Remote, grace_s: float = GRACE_SECONDS, now: float | None = Non
     found_leases = remote_lease.leases(remote, listing, now)  # one GET per lease object (a reader per rank)
     for found in found_leases:
         if not found.live:
-            out.dead_leases.append(str(found.path))
+            out.dead_leases.append(found)
             continue
         for tv in sorted(_closure(remote, list(found.versions()), versions) - keep):
             out.leased.setdefault(tv, []).append(found.describe())
@@ -214,8 +215,8 @@ def collect(url: str, dry_run: bool = False, grace_s: float = GRACE_SECONDS,
         for v in p.young_incomplete:
             echo(f"keep {v.name}: incomplete, its newest object is {(p.now - v.newest) / 60:.0f} min old "
                  f"(a push may still be writing it; removed once {grace_s / 60:.0f} min old)")
-        for rel in p.dead_leases:
-            echo(f"{would} the lease of a gone process: {rel}")
+        for found in p.dead_leases:  # who it was and why it is dead: pid gone here, or not refreshed for long
+            echo(f"{would} the lease of a gone process: {found.describe()}")
         if p.leftovers:
             echo(f"{would} {len(p.leftovers)} leftover(s) of killed commands ({CLOCK_DIR}/ probes, "
                  f"{UPLOAD_DIR}/ temp files)")
@@ -239,7 +240,7 @@ def collect(url: str, dry_run: bool = False, grace_s: float = GRACE_SECONDS,
             if (v.table, v.version) in p.markers:
                 remote.delete([p.markers[(v.table, v.version)]])
             removed.append(v)
-        remote.delete(p.dead_leases + p.leftovers)
+        remote.delete([str(found.path) for found in p.dead_leases] + p.leftovers)
         bucket = remote.root.partition("/")[0]
         for key, upload in p.uploads:
             try:

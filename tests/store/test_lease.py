@@ -160,3 +160,64 @@ def test_a_signal_while_the_lease_is_taken_leaves_no_lease(store):
                          text=True, env=env, timeout=300)
     assert out.stdout.strip() == "interrupted", out.stderr
     assert lease_files(store) == []
+
+
+def _state(pid: int) -> str:
+    """The process's state letter (/proc/PID/stat field 3: R, S, Z, ...); "" once it is reaped."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return ""
+
+
+def test_a_reader_killed_and_not_yet_reaped_by_its_parent_does_not_keep_its_version(store):
+    """kill -9 leaves a zombie until its parent waits for it (a launcher busy elsewhere or stopped): its pid still
+    answers kill(pid, 0) with its own start time, but it reads nothing. It was judged running, and gc kept its
+    version as long as the parent lived; reproduced with a real reader process, killed and not waited for."""
+    two_versions(store)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.Popen([sys.executable, "-c", READER, str(store.root)], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        path = Path(proc.stdout.readline().strip())
+        proc.send_signal(signal.SIGKILL)  # not waited for (yet): a zombie
+        deadline = time.monotonic() + 120  # a bound for a loaded machine: the loop ends once the kill has landed
+        while _state(proc.pid) != "Z" and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert _state(proc.pid) == "Z"
+        messages: list[str] = []
+        p = gc.collect(store.root, echo=messages.append)
+        assert [f.path for f in p.dead_leases] == [path] and not path.exists()
+        assert any("not reaped" in m for m in messages), messages
+        assert store.versions("vae") == [2]
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_lease_of_an_earlier_release_without_boot_id_is_judged_by_its_refresh_not_by_a_reused_pid(store):
+    """An earlier release recorded no boot id. After a reboot its pid may be reused by an unrelated process that
+    runs now: judged by that pid, the lease would block gc for ever. It is judged by its refresh age (the earlier
+    release refreshed it too): kept while fresh, dead once not refreshed for STALE_SECONDS, whatever runs under
+    its pid - reproduced with a real live process holding that pid."""
+    two_versions(store)
+    unrelated = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    try:
+        mine = lease.Lease(store.root, "old").record()
+        old = {k: v for k, v in mine.items() if k != "boot_id"}  # the earlier release's record
+        old.update(pid=unrelated.pid, pid_start=lease._proc_start(unrelated.pid), versions={"vae": [1]},
+                   what="a reader of an earlier release")
+        path = store.root / lease.LEASES_DIR / f"{old['host']}-{unrelated.pid}-0ld0ld0l.json"
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(json.dumps(old))
+        messages: list[str] = []
+        gc.collect(store.root, echo=messages.append)  # refreshed just now: kept (the reader may run on another host)
+        assert store.versions("vae") == [1, 2] and path.exists()
+        assert any("keep vae/v1" in m and "refreshed" in m for m in messages), messages
+        long_ago = time.time() - lease.STALE_SECONDS - 60  # e.g. before the reboot
+        os.utime(path, (long_ago, long_ago))
+        gc.collect(store.root, echo=messages.append)
+        assert store.versions("vae") == [2] and not path.exists()
+        assert any("not refreshed for 16 min" in m for m in messages), messages
+    finally:
+        unrelated.kill()
+        unrelated.wait()

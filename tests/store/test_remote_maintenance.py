@@ -432,3 +432,51 @@ def test_gc_dry_run_with_read_only_credentials_reports_the_plan(s3_env, store: S
     r = _cli("store", "gc", s3_env.url(), "--dry-run")
     assert r.exit_code == 0 and "would remove vae/v1" in r.output and "this machine's clock" in r.output, r.output
     assert objects(s3_env) == before
+
+
+URL_READER = """
+import sys, time
+from pathlib import Path
+from store import lease
+from store.remote_cache import local_store
+root = local_store(sys.argv[1], ["vae"], Path(sys.argv[2]))  # its lease object on the URL names vae v1
+held = lease.hold(root, {"vae": None}, "a reader of the URL")  # as train's reader: a lease file in the cache
+print(held.path, flush=True)
+time.sleep(300)
+"""
+
+
+def test_a_url_reader_killed_with_9_holds_nothing_on_the_url_nor_in_its_cache(s3_env, store: Store,
+                                                                                tmp_path: Path) -> None:
+    """A real reader process of a URL (as train: a lease object on the URL, a lease file in its cache's store),
+    killed with -9, leaves both behind. `store gc URL` and `store gc CACHE_STORE` on this host find its pid gone,
+    remove its version and its leases, and say whose lease it was and why it is dead (the URL's gc named the
+    object only)."""
+    fill(store, 4, tag="a")  # v1
+    push(store.root, s3_env.url())
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    cache = tmp_path / "cache"
+    proc = subprocess.Popen([sys.executable, "-c", URL_READER, s3_env.url(), str(cache)], stdout=subprocess.PIPE,
+                            text=True, env=env)
+    try:
+        cached_lease = Path(proc.stdout.readline().strip())
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert cached_lease.is_file() and len([k for k in objects(s3_env) if "/.leases/" in k]) == 1
+    fill(store, 4, tag="b", start=10)  # v2, current
+    push(store.root, s3_env.url())
+
+    r = _cli("store", "gc", s3_env.url())
+    assert r.exit_code == 0, r.output
+    (said,) = [line for line in r.output.splitlines() if line.startswith("remove the lease of a gone process: ")]
+    assert f"(pid {proc.pid} on {socket.gethostname()} is gone" in said, r.output
+    keys = objects(s3_env)
+    assert not any("/.leases/" in k or k.startswith("store/vae/v1/") for k in keys), keys
+
+    cache_store = cached_lease.parent.parent
+    local_store(s3_env.url(), ["vae"], cache, lease=False)  # v2 into the cache: v1 is no longer current there
+    r = _cli("store", "gc", cache_store)
+    assert r.exit_code == 0, r.output
+    assert f"a reader of the URL (pid {proc.pid} on {socket.gethostname()} is gone" in r.output, r.output
+    assert Store(cache_store).versions("vae") == [2] and not cached_lease.exists()
