@@ -19,7 +19,9 @@ and its file locks go with the process. The failing rank itself unwinds normally
 
 What the process group is made of (its backend: NCCL on GPUs, gloo on CPUs) cannot be agreed on through the
 group itself: `gather_before_group` exchanges every rank's text through the same store before any group exists
-(models/launch_devices.py decides the device from it).
+(models/launch_devices.py decides the device from it). Its first exchange starts the watch thread: a rank that
+fails alone before the group (the CLI publishes an error no handler made a line of: `rank_error_line`) stops
+the ranks waiting for it at their next exchange, instead of after BEFORE_GROUP_SECONDS (30 minutes).
 """
 
 from __future__ import annotations
@@ -232,7 +234,8 @@ def _store_client(timeout: float = 10.0):
 
 def watch_failures(world: int) -> None:
     """Start this process's watch thread (once): when another rank publishes a failure (`fails_alone`), print its
-    line and end this process with status 1, wherever the main thread is (a collective included)."""
+    line and end this process with status 1, wherever the main thread is (a collective included). Started by the
+    first agreement, or before the process group by the first exchange through the store (`gather_before_group`)."""
     if world <= 1 or _state["watching"]:
         return
     _state["watching"], _state["world"] = True, world
@@ -486,6 +489,13 @@ def failure_line(error: BaseException, line: str) -> str:
     return publish_failure(line, dist.get_world_size() if dist.is_initialized() else int(os.environ["WORLD_SIZE"]))
 
 
+def rank_error_line(error: BaseException) -> str:
+    """The line the other ranks print for an error this rank did not expect (a bug, a broken install on its node),
+    which ends this process in its traceback: `rank N: TypeName: message`, so they name the rank to look at."""
+    text = " ".join(f"{type(error).__name__}: {error}".splitlines())
+    return f"rank {os.environ.get('RANK', '?')} failed: {text} (its traceback is in that rank's output)"
+
+
 def main_alone(world: int, what: str, work: Callable[[], T], oom_advice: str = "") -> T | None:
     """`work` on rank 0 alone while the other ranks wait for it, however long it takes (resize-bucket over a
     million samples: hours, where a process-group barrier would time out, and before any process group exists):
@@ -548,6 +558,9 @@ def gather_before_group(world: int, what: str, text: str, timeout: float | None 
     except Exception as e:  # noqa: BLE001 - the store's own error (a timeout, a refused connection, a taken port)
         raise UserError(f"{what}: the ranks decide it together through the launch's store at {where}, but none "
                         f"could be reached ({_first_line(e)}): launch with `pipeline launch` (torchrun)") from None
+    # from the first exchange on, a rank that fails alone before the group (between two of these, or before the
+    # group forms) ends this one with its line, wherever it waits (here: else until `timeout`, 30 minutes)
+    watch_failures(world)
     rank = int(os.environ.get("RANK", "0"))
     count = _before["count"][what] = _before["count"].get(what, 0) + 1
     key = f"{_launch_key('before-group')}/{what}/{count}"

@@ -36,11 +36,13 @@ def agreed_cpu(world: int, what: str) -> bool:
         return True
     fewer = any(r["gpus"] for r in without)  # a node with fewer GPUs than processes
     one = len(without) == 1
-    raise UserError(f"{what} is unset and {_named(without)} (of {world}) {'has' if one else 'have'} no GPU of "
-                    f"{'its' if one else 'their'} own while the other ranks do (NCCL and gloo ranks cannot train "
-                    "together): fix the GPU driver there (nvidia-smi)"
-                    + (" or launch as many processes per node as it has GPUs" if fewer else "")
-                    + f", or set {what}=cpu to train every rank on the CPU")
+    from models.collective import RankFailed  # taken by every rank from the same data: nothing to publish
+
+    raise RankFailed(f"{what} is unset and {_named(without)} (of {world}) {'has' if one else 'have'} no GPU of "
+                     f"{'its' if one else 'their'} own while the other ranks do (NCCL and gloo ranks cannot train "
+                     "together): fix the GPU driver there (nvidia-smi)"
+                     + (" or launch as many processes per node as it has GPUs" if fewer else "")
+                     + f", or set {what}=cpu to train every rank on the CPU")
 
 
 def check_devices(spec: DeviceSpec, what: str, world: int) -> None:
@@ -66,7 +68,9 @@ def check_devices(spec: DeviceSpec, what: str, world: int) -> None:
         error = " ".join(str(e).splitlines())
     failed = [r for r in _gather(world, what, {**_view(), "error": error}) if r["error"]]
     if failed:
-        raise UserError(f"{failed[0]['error']} (on {_named(failed)}, of {world})")
+        from models.collective import RankFailed  # taken by every rank from the same data: nothing to publish
+
+        raise RankFailed(f"{failed[0]['error']} (on {_named(failed)}, of {world})")
 
 
 def _view() -> dict:

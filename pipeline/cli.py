@@ -126,6 +126,16 @@ def _said_by_training() -> bool:
     return stop is not None and bool(stop.ANNOUNCED)
 
 
+def _publish_uncaught(error: Exception) -> None:
+    """An error no handler turned into a line (a bug, a broken install on this node) ends this rank in its
+    traceback; a launched rank first publishes it (models/collective.py), so the others - waiting for this one
+    at an agreement before the process group exists, or inside a collective - stop at once naming it, instead of
+    waiting out their timeout (30 minutes before the group) saying nothing of this rank."""
+    collective = sys.modules.get("models.collective")  # not imported: this rank never met the others
+    if collective is not None:
+        collective.failure_line(error, collective.rank_error_line(error))
+
+
 def main() -> None:  # pragma: no cover
     signal.signal(signal.SIGTERM, _terminate)
     signal.signal(signal.SIGINT, _interrupt)
@@ -140,6 +150,7 @@ def main() -> None:  # pragma: no cover
         raise
     except Exception as e:
         if not _signalled:
+            _publish_uncaught(e)
             raise
         # The stop raised inside a library's native call comes out as whatever that library makes of it (e.g.
         # safetensors' load as a ValueError that diffusers turns into an OSError): the signal is the cause, and

@@ -17,7 +17,6 @@ import json
 from typing import Any
 
 from schemas.config import PipelineConfig
-from schemas.errors import UserError
 
 WHAT = "the settings"
 NODE_OWN_KEYS = ("device", "devices")  # a section's devices: each node names its own
@@ -43,7 +42,7 @@ def shared_settings(cfg: PipelineConfig) -> dict[str, str]:
 def refuse_differing_settings(world: int, cfg: PipelineConfig) -> None:
     """Every rank's `shared_settings` are rank 0's, or every rank raises the same `UserError` naming the first
     rank that differs and its first differing key. Called by every rank of the launch (one process: nothing)."""
-    from models.collective import gather_before_group
+    from models.collective import RankFailed, gather_before_group
 
     if world <= 1:
         return
@@ -56,9 +55,10 @@ def refuse_differing_settings(world: int, cfg: PipelineConfig) -> None:
     rank = next(r for r in range(1, world) if ranks[r] != ranks[0])
     theirs, first = ranks[rank], ranks[0]
     key = next(k for k in [*first, *theirs] if first.get(k) != theirs.get(k))
-    raise UserError(f"the ranks do not run with the same settings: rank {rank}'s {key} is {_shown(theirs.get(key))}, "
-                    f"rank 0's {_shown(first.get(key))} (each node reads --config and --set itself, and the nodes' "
-                    "copies of the config or their flags differ); use one config and the same flags on every node")
+    # taken by every rank from the same data (nothing to publish): ends the ranks' watch for failures too
+    raise RankFailed(f"the ranks do not run with the same settings: rank {rank}'s {key} is {_shown(theirs.get(key))}, "
+                     f"rank 0's {_shown(first.get(key))} (each node reads --config and --set itself, and the nodes' "
+                     "copies of the config or their flags differ); use one config and the same flags on every node")
 
 
 def _shown(value: str | None) -> str:

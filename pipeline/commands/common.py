@@ -99,7 +99,9 @@ def config_from(path: Path | None, overrides: dict[str, Any], sets: list[str] = 
         refuse_differing_settings(launched()[0], cfg)  # each node read its own copy: the same settings on all
         return cfg
     except (ConfigError, UserError) as e:  # a usage error, like a missing flag (`require`): exit 2; a stage's is 1
-        typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
+        collective = sys.modules.get("models.collective")  # launched (shared): a refusal of every rank ends its watch
+        typer.secho(f"error: {e if collective is None else collective.failure_line(e, str(e))}", fg=typer.colors.RED,
+                    err=True)
         raise typer.Exit(2) from None
 
 

@@ -103,14 +103,27 @@ def test_without_a_launchers_store_rank_0_serves_it_and_the_group_forms_there() 
     assert _results(outs, "cpu") == ["True", "True"] and _results(outs, "sum") == ["3", "3"]
 
 
-def test_a_rank_that_never_reports_is_named_within_the_bound(monkeypatch) -> None:
+@pytest.fixture
+def own_collective(monkeypatch):
+    """models.collective's per-process state for this test alone (this process plays a rank): its before-group
+    store and its watch state, whose watch thread (started by the first exchange) is stopped at the end, before
+    the state is restored (a watch state left behind broke later tests of the same worker)."""
     from models import collective
+
+    monkeypatch.setattr(collective, "_before", {"store": None, "hosted": False, "count": {}})
+    monkeypatch.setattr(collective, "_state", {"watching": False, "published": False})
+    yield collective
+    if (stop := collective._state.get("stop_watching")) is not None:
+        stop()
+
+
+def test_a_rank_that_never_reports_is_named_within_the_bound(monkeypatch, own_collective) -> None:
     from schemas.errors import UserError
 
+    collective = own_collective
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     for name, value in _env(0, store.port, agent_store=True).items():
         monkeypatch.setenv(name, value)
-    monkeypatch.setattr(collective, "_before", {"store": None, "hosted": False, "count": {}})
     with pytest.raises(UserError, match=r"^train.device: the ranks decide it together before training, but "
                                         r"rank\(s\) 1 of 2 did not report within 1 s"):
         collective.gather_before_group(2, "train.device", "{}", timeout=1)
@@ -127,13 +140,14 @@ store.wait([sys.argv[1]])
 """
 
 
-def test_a_store_that_goes_away_while_a_rank_waits_is_one_line(monkeypatch, tmp_path) -> None:
+def test_a_store_that_goes_away_while_a_rank_waits_is_one_line(monkeypatch, own_collective) -> None:
     """Before: the timeout branch asked the gone store which ranks had reported, and that call's own network error
     left the rank with a traceback instead of a line."""
     import subprocess
 
-    from models import collective
     from schemas.errors import UserError
+
+    collective = own_collective
 
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
@@ -143,10 +157,41 @@ def test_a_store_that_goes_away_while_a_rank_waits_is_one_line(monkeypatch, tmp_
         port = int(host.stdout.readline())
         for name, value in _env(1, port, agent_store=True).items():
             monkeypatch.setenv(name, value)
-        monkeypatch.setattr(collective, "_before", {"store": None, "hosted": False, "count": {}})
         with pytest.raises(UserError, match=r"^train.device: the ranks decide it together through the launch's "
                                             r"store at 127.0.0.1:\d+, which went away meanwhile"):
             collective.gather_before_group(2, "train.device", "{}", timeout=TIMEOUT)
     finally:
         host.kill()
         host.wait()
+
+
+# Rank 0: two decisions before the process group, as a command's start takes them (the config, then the device).
+_TWO_DECISIONS = """
+from models.collective import gather_before_group
+gather_before_group(2, "the config", "")
+print("first decided", flush=True)
+gather_before_group(2, "train.device", "{}")
+print("second decided", flush=True)
+"""
+
+
+def test_a_rank_failing_between_two_decisions_stops_the_rank_waiting_for_it(monkeypatch, own_collective) -> None:
+    """Rank 1 (this process) fails after the first decision, before the second, on an error no handler made a
+    line of (the CLI then publishes it: pipeline/cli.py); rank 0, waiting for it at the second, ends at once with
+    its line. Before: nothing was published before the process group existed (no rank watched yet), and rank 0
+    waited out the before-group bound (models/collective.py BEFORE_GROUP_SECONDS, 30 minutes: here the test's
+    bound fails it) to say that rank 1 did not report."""
+    collective = own_collective
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    rank0 = WarmProcess([sys.executable, "-c", _TWO_DECISIONS], env=_env(0, store.port, agent_store=True))
+    for name, value in _env(1, store.port, agent_store=True).items():
+        monkeypatch.setenv(name, value)
+    collective.gather_before_group(2, "the config", "")
+    error = RuntimeError("damaged install\n(second line)")
+    line = collective.failure_line(error, collective.rank_error_line(error))
+    assert line == ("rank 1 failed: RuntimeError: damaged install (second line) (its traceback is in that rank's "
+                    "output)")
+    [(code, out, err)] = _wait([rank0])
+    assert (code, out, err.strip()) == (1, "first decided\n", f"error: {line}"), err[-3000:]

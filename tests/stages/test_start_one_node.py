@@ -95,6 +95,39 @@ def test_a_launched_commands_start_failing_on_one_node_stops_every_node(case, ti
     _one_line_each(nodes_ended(command, (hook_env, hook_env), node_args), f"error: {line}")
 
 
+# rank 1 meets a bug (no handler makes a line of it) between two agreements of train's start: after the config's,
+# before the run folder's
+BUG_ON_RANK_1 = """
+import os
+if os.environ.get('RANK') == '1':
+    from stages.train import settings
+    def validate_config(cfg):
+        raise RuntimeError('a bug between two agreements (test)')
+    settings.validate_config = validate_config
+"""
+
+
+def test_a_bug_on_one_node_between_two_agreements_stops_every_node_naming_its_rank(tiny_edit_model, tmp_path):
+    """Rank 1 ends in its traceback before any process group exists; rank 0 (the other node) ends at once with
+    one line naming rank 1 and its error. Before: nothing was published before the group, and torchrun's agent
+    on node 0 watches its own worker only: rank 0 waited at its next agreement for the before-group bound (30
+    minutes; here nodes_ended's bound fails the test), then said only that rank 1 did not report."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(BUG_ON_RANK_1)
+    env = {"PYTHONPATH": os.pathsep.join([str(hook), str(REPO)])}
+    args = ["--store", str(tmp_path / "store"), "--model", tiny_edit_model, "--out", str(tmp_path / "run"),
+            "--device", "cpu"]
+    (code0, err0), (code1, err1) = nodes_ended(["run", "train", *args], (env, env))
+    ours0, ours1 = (err.split("torch/distributed/elastic/")[0] for err in (err0, err1))  # then torchrun's lines
+    assert code0 == 1 and [s for s in ours0.splitlines() if s.startswith("error: ")] == [
+        "error: rank 1 failed: RuntimeError: a bug between two agreements (test) (its traceback is in that rank's "
+        "output)"], err0[-3000:]
+    assert "Traceback" not in ours0 and "frame #" not in ours0, err0[-3000:]
+    assert code1 == 1 and "RuntimeError: a bug between two agreements (test)" in ours1, err1[-3000:]  # its own
+    assert not (tmp_path / "run").exists()
+
+
 def test_run_all_reads_the_model_on_every_rank_before_its_first_stage(tmp_path):
     """`run all`'s start, agreed by every rank (one process here), reads the model each rank encodes, trains and
     evaluates on: a node without it is refused before resize-bucket. Before: resize-bucket ran, then encode-text
