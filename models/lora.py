@@ -124,9 +124,11 @@ def save_lora(transformer, out_dir: str | Path, fold_alpha: bool = False, base_f
     (`models.loading.model_fingerprint`), recorded so predict / merge can tell a LoRA trained on another model."""
     from diffusers import QwenImageEditPipeline
 
+    from models.canonical_safetensors import canonicalize
+
     out_dir = Path(out_dir)
     state = {k: v.detach().to("cpu").contiguous() for k, v in lora_state_dict(transformer).items()}
-    config = transformer.peft_config[ADAPTER].to_dict()
+    config = _sets_sorted(transformer.peft_config[ADAPTER].to_dict())
     extra = {_BASE_KEY: base_fingerprint} if base_fingerprint else {}
     extra[_CLASS_KEY] = _transformer_class(transformer)
     if fold_alpha and _is_plain_lora(config) and _has_scaling(transformer):
@@ -138,9 +140,16 @@ def save_lora(transformer, out_dir: str | Path, fold_alpha: bool = False, base_f
         transformer_lora_adapter_metadata=config,
         weight_name=WEIGHT_NAME,
     )
-    if extra:
-        _add_metadata(out_dir / WEIGHT_NAME, extra)
+    # diffusers' writer takes only its adapter config: our keys are added as the header is made canonical (the
+    # same weights, the same bytes, from any process: what names a checkpoint, `models.canonical_safetensors`)
+    canonicalize(out_dir / WEIGHT_NAME, extra)
     return out_dir / WEIGHT_NAME
+
+
+def _sets_sorted(config: dict) -> dict:
+    """peft's config with its sets (`target_modules`, ...) as sorted lists: diffusers writes `list(a_set)`, in
+    the str hash order of the process (PYTHONHASHSEED), so the same adapter's metadata differed from run to run."""
+    return {k: sorted(v, key=str) if isinstance(v, (set, frozenset)) else v for k, v in config.items()}
 
 
 _BASE_KEY = "base_model_fingerprint"  # our own metadata keys, beside diffusers' (which its loader ignores)
@@ -201,19 +210,6 @@ def _folded(transformer, state: dict[str, torch.Tensor], config: dict) -> tuple[
     config = {**config, "lora_alpha": config["r"], "alpha_pattern": dict(config.get("rank_pattern") or {}),
               "use_rslora": False}  # each module's scale is in lora_B now: alpha / r = 1
     return state, config
-
-
-def _add_metadata(path: Path, extra: dict[str, str]) -> None:
-    """Add keys to the file's safetensors metadata (diffusers' writer takes only its adapter config)."""
-    import os
-
-    from safetensors.torch import save_file
-
-    with safe_open(path, framework="pt") as f:
-        meta = dict(f.metadata() or {})
-    tmp = path.with_name(f".{path.name}.tmp")
-    save_file(load_file(path), tmp, metadata={**meta, **extra})
-    os.replace(tmp, path)
 
 
 def lora_base_fingerprint(lora: str | Path) -> str | None:

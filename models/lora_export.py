@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from models.canonical_safetensors import canonicalize
 from models.lora import module_scale, read_lora
 from schemas.errors import UserError
 
@@ -71,6 +72,7 @@ def export_lora(lora: str | Path, fmt: str, out: str | Path) -> Path:
     tmp = out.with_name(f".{out.name}.tmp")
     try:
         save_file(state, tmp, metadata={"format": "pt", "exported_by": "qwen-edit-lora-pipeline", "target": "comfyui"})
+        canonicalize(tmp)  # the same LoRA exports the same bytes (one sha256 to publish), as `save_lora` writes
         tmp.replace(out)
     except BaseException:  # a full disk or a kill mid-write: no partial file left beside --out
         tmp.unlink(missing_ok=True)

@@ -20,21 +20,11 @@ from pipeline.cli import app
 from schemas.config import EvaluateConfig, LoraConfig
 from stages.evaluate import checkpoints as ev
 from store.loss_array import GROUP
+from lora_writer import add_checkpoint_lora, write_checkpoint as _write_lora, write_in_processes
 from train_store import make_train_store, mixed_specs
 import warm_start
 
 CFG = dict(noise_seeds=[0, 1], timesteps=[0.3, 0.7], batch_size=4, num_samples=0, device="cpu")
-
-
-def _write_lora(transformer, folder, scale: float) -> None:
-    """A LoRA with B = scale x a fixed random matrix (scale 0: exactly the base model)."""
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in transformer.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * scale)
-    save_lora(transformer, folder / "lora")
-    (folder / "resume.json").write_text("{}")  # what marks a committed checkpoint (stages/train/state.py)
 
 
 @pytest.fixture(scope="module")
@@ -42,12 +32,7 @@ def run_and_store(tiny_edit_model, tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpts")
     make_train_store(root / "store", tiny_edit_model, mixed_specs(1, 5, masks=True))
     transformer = load_component(tiny_edit_model, "transformer")
-    # peft draws lora_A from the global RNG: seeded, so the "far" LoRA is the same in any test order (it was
-    # not, and after tests/stages/test_train_ddp.py it lowered this tiny random model's loss: a random direction
-    # can; with this seed it raises it)
-    with torch.random.fork_rng():
-        torch.manual_seed(3)
-        add_lora(transformer, LoraConfig(rank=4, alpha=4.0))
+    add_checkpoint_lora(transformer)
     # step 10: far from the base (worse); steps 20 and 30: zero LoRAs, the base itself -> a tie, the earlier wins
     for step, scale in ((10, 20.0), (20, 0.0), (30, 0.0)):
         _write_lora(transformer, root / "run" / "checkpoints" / f"step-{step}", scale)
@@ -665,6 +650,26 @@ def test_a_report_killed_before_its_rewrite_is_not_taken_for_retrained_checkpoin
     res = ev.run(EvaluateConfig(**CFG), run_and_store / "store", tiny_edit_model, _ckpts(root), out, skip_if_done=True)
     assert not res.up_to_date and res.evaluated == 0  # the new weights' losses were kept
     assert res.best["step"] == 10  # its numbers are the retrained weights' (the base: a tie, the earlier wins)
+
+
+def test_a_step_retrained_to_the_same_weights_is_not_evaluated_again(run_and_store, tiny_edit_model, tmp_path):
+    """A deterministic retrain writes every step's LoRA again, with the same weights, from another process. Before,
+    safetensors wrote the metadata in the order of a HashMap seeded per process (and peft's target_modules set in
+    the str hash order), so the same weights made other bytes, another sha256: 'the run's checkpoints are not the
+    ones evaluated before', every step evaluated again. Now the writer's bytes are canonical
+    (`models.canonical_safetensors`): nothing is recomputed. Other weights are still another checkpoint."""
+    run, out = tmp_path / "run" / "checkpoints", tmp_path / "report"
+    ckpts = [(s, run / f"step-{s}" / "lora") for s in (10, 20)]
+    write_in_processes(tiny_edit_model, {1: [(run / "step-10", 20.0), (run / "step-20", 0.0)]})
+    assert ev.run(EvaluateConfig(**CFG), run_and_store / "store", tiny_edit_model, ckpts, out).evaluated == 2
+    write_in_processes(tiny_edit_model, {2: [(run / "step-10", 20.0), (run / "step-20", 0.0)]})  # the retrain
+    res = ev.run(EvaluateConfig(**CFG), run_and_store / "store", tiny_edit_model, ckpts, out, skip_if_done=True)
+    assert res.up_to_date and res.evaluated == 0
+    assert not [p for p in out.iterdir() if p.name.startswith("losses.") and p.name != GROUP]  # nothing set aside
+
+    write_in_processes(tiny_edit_model, {3: [(run / "step-20", 5.0)]})  # trained otherwise: other weights
+    res = ev.run(EvaluateConfig(**CFG), run_and_store / "store", tiny_edit_model, ckpts, out, skip_if_done=True)
+    assert not res.up_to_date and res.evaluated == 2  # the array went aside: step 20 is not the weights recorded
 
 
 def test_compare_names_the_best_checkpoint_still_on_disk_as_the_report_does(run_and_store, tiny_edit_model, tmp_path):
