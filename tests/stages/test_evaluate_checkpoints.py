@@ -162,6 +162,8 @@ def test_cli_all_checkpoints_json_names_the_best_path(run_and_store, tiny_edit_m
     record = json.loads(res.stdout.strip().splitlines()[-1])
     assert record["best_step"] == 20 and record["best_checkpoint"].endswith("step-20/lora")
     assert record["checkpoints"] == [10, 20, 30] and not record["up_to_date"]
+    # the model's variant, as every stage that runs one records it (README; it was left out here, not in `run all`)
+    assert record["variant"] == "edit"
     # the same command again: up to date, as in `run all` (before: every sample image generated again)
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 0, res.output
