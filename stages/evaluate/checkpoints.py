@@ -622,15 +622,16 @@ def _grid(ranks, transformer, samples, mine: list[int], seeds: list[int], sigmas
 def _plan(losses: LossStore, checkpoints: list[tuple[int, Path]], shas: dict[int, str]) -> list[int]:
     """Rank 0's decisions as integers: [base recorded, then per checkpoint whether it is to be evaluated]."""
     if losses.kept_aside is not None:
-        tqdm.write(f"evaluation settings changed: the earlier losses are kept in {losses.kept_aside}")
+        tqdm.write(f"{losses.aside_reason}: the earlier losses are kept in {losses.kept_aside}; every checkpoint "
+                   "is evaluated again")
     recorded = losses.steps()
     if (any(recorded.get(step, sha) != sha for step, sha in shas.items()) or _other_runs(losses, checkpoints)
             or _other_trainings(losses, checkpoints)):
         # a step recorded with other weights (another run trained into this folder), checkpoints of another run
         # folder still on disk (this --out held another run's report), or of another training whose folder is
         # gone (RUN trained afresh, its old checkpoints moved or deleted): its numbers go aside
-        losses.start_over()
-        tqdm.write(f"the run's checkpoints are not the ones evaluated before: earlier losses kept in {losses.kept_aside}")
+        losses.start_over("the run's checkpoints are not the ones evaluated before")
+        tqdm.write(f"{losses.aside_reason}: earlier losses kept in {losses.kept_aside}")
         recorded = {}
     return [int(losses.has_base())] + [int(step not in recorded) for step, _ in checkpoints]
 
