@@ -98,6 +98,16 @@ def unseal(data: bytes) -> dict[str, Any]:
     return obj
 
 
+def _legacy_json(data: bytes) -> None:
+    """A record without a checksum field parses as a JSON object (one from before checksums); SealError if not."""
+    try:
+        ok = isinstance(json.loads(data), dict)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise SealError(f"no checksum field and no complete JSON object ({e}): cut short or overwritten") from None
+    if not ok:
+        raise SealError("no checksum field and not a JSON object: overwritten")
+
+
 def is_sealed(data: bytes) -> bool:
     """Does the file claim a checksum at all (a legacy file has none; a damaged sealed file still has the key)."""
     return b'"checksum": "' in data or b'"crc32c:' in data
@@ -158,6 +168,9 @@ def check_recorded(path: Path, records: Mapping[str, int] = FOLDER_RECORDS, leve
             try:
                 data = record.read_bytes()
                 if not is_sealed(data):  # a record from before checksums (plain JSON): nothing to check against
+                    # ...but one that is no JSON at all was cut short before its checksum field, not written
+                    # before checksums: it passed as such, and the file it covers went unchecked
+                    _legacy_json(data)
                     continue
                 obj = unseal(data)
             except (OSError, SealError) as e:

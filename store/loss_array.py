@@ -83,17 +83,26 @@ class LossStore:
         # `note`: recorded with a new group (no commit of their own)
         self.notes = {k: v for k, v in (("table_versions", versions), ("measured", measured)) if v is not None}
         self.kept_aside: Path | None = None
-        if self.path.exists() and self._recorded_fingerprint() != fingerprint:
-            self.start_over()
+        # why the group found there was set aside, for the line the caller writes: a damaged group passed for
+        # "evaluation settings changed", which sent the user looking for a setting nobody changed
+        self.aside_reason: str | None = None
+        self._unreadable: str | None = None  # what `_recorded_fingerprint` found wrong with the group
+        if self.path.exists() and (recorded := self._recorded_fingerprint()) != fingerprint:
+            self.start_over("the settings changed" if recorded is not None
+                            else f"{self.path} could not be read ({self._unreadable})")
         else:
             if not self.path.exists():
                 self._create(fingerprint, settings)
             self.group = _zarr().open_group(self.path, mode="r+", use_consolidated=True)
-            if [str(k) for k in self.group["sample"][:]] != list(axes.keys):
-                self.start_over()  # other samples (e.g. one found damaged and skipped): not one array any more
+            keys = [str(k) for k in self.group["sample"][:]]
+            if keys != list(axes.keys):  # other samples (e.g. one found damaged and skipped): not one array any more
+                self.start_over(f"the val samples changed ({len(keys)} recorded, {len(axes.keys)} now"
+                                f"{', other keys' if len(keys) == len(axes.keys) else ''})")
 
-    def start_over(self) -> None:
-        """Keep the current group aside (`losses.<its fingerprint>[.N].zarr`) and begin an empty one."""
+    def start_over(self, reason: str = "the settings changed") -> None:
+        """Keep the current group aside (`losses.<its fingerprint>[.N].zarr`) and begin an empty one; `reason`:
+        why, kept in `aside_reason`."""
+        self.aside_reason = reason
         recorded = (self._recorded_fingerprint() or "unreadable")[:12]
         aside, n = self.path.with_name(f"losses.{recorded}.zarr"), 1
         while aside.exists():
@@ -132,9 +141,13 @@ class LossStore:
         try:
             g = _zarr().open_group(self.path, mode="r", use_consolidated=True)
             attrs = dict(g.attrs)
-        except Exception:  # noqa: BLE001 - any unreadable group is replaced, never appended to
+        except Exception as e:  # noqa: BLE001 - any unreadable group is replaced, never appended to
+            self._unreadable = f"damaged: {type(e).__name__}: {str(e)[:200]}"
             return None
-        return attrs.get("fingerprint") if attrs.get("format") == FORMAT else None
+        if attrs.get("format") != FORMAT:
+            self._unreadable = f"format {attrs.get('format')!r}, this release reads format {FORMAT}"
+            return None
+        return attrs.get("fingerprint")
 
     def _create(self, fingerprint: str, settings: dict) -> None:
         with fmt.atomic_dir(self.path) as tmp:  # the group appears whole (and fsynced) or not at all

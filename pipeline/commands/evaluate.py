@@ -77,7 +77,7 @@ def command(
                 local = _local(store_dir, cache_dir, cache_gb)
             result = run_checkpoints(cfg.evaluate, local, model_id, kept, report, skip_if_done=True)
         if result is not None:  # under a launcher rank 0 reports; the other ranks computed their share
-            emit(result, as_json)
+            emit(result, as_json, model_id)
         return
     run_given = run_dir or cfg.paths.run
     lora_dir = lora or (str(Path(run_given) / "lora") if run_given else None)

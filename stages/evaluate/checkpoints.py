@@ -386,6 +386,11 @@ def _up_to_date(out: Path, fingerprint: str, checkpoints: list[tuple[int, Path]]
                "config_fingerprint": cfg.fingerprint(), "extra_prompts_sha256": extra_prompt_bytes(cfg) or None,
                "loras": {str(step): shas[step] for step, _ in checkpoints},
                "paths": {str(step): str(Path(path).resolve()) for step, path in checkpoints}}
+    # the checkpoints the report names (best, next best, last) are still there: one removed since (pruned, or
+    # deleted by hand) left the report "up to date" naming a path that is gone as the best
+    named = named_steps(c)
+    recorded_inputs["named_on_disk"] = named
+    present["named_on_disk"] = [step for step in named if step in dict(checkpoints)]
     if recorded_inputs["config_fingerprint"] in earlier_config_fingerprints(cfg):
         present["config_fingerprint"] = recorded_inputs["config_fingerprint"]  # recorded as set: the same settings
     if recorded is not None and current.is_current(recorded_inputs, present) and damaged_current(metrics, cfg):
@@ -395,8 +400,15 @@ def _up_to_date(out: Path, fingerprint: str, checkpoints: list[tuple[int, Path]]
     return None
 
 
+def named_steps(c: dict) -> list[int]:
+    """The steps a report's checkpoints section names: its best, next best and last checkpoint."""
+    best = c.get("best") or {}
+    points = [best, best.get("runner_up") or {}, c.get("last") or {}]
+    return sorted({p["step"] for p in points if isinstance(p.get("step"), int)})
+
+
 # what a report's recorded inputs are called in the line that says why it is recomputed (`differences`)
-_INPUT_LABELS = {"fingerprint": "held-out loss inputs", "steps": "checkpoints in the loss array",
+_INPUT_LABELS = {"named_on_disk": "checkpoints the report names (best, next best, last) still on disk", "fingerprint": "held-out loss inputs", "steps": "checkpoints in the loss array",
                  "config_fingerprint": "evaluate config fingerprint",
                  "extra_prompts_sha256": "extra prompts' images (sha256)", "loras": "checkpoint weights (sha256)",
                  "paths": "checkpoint paths", "tables": "store tables", "model_fingerprint": "model fingerprint",
@@ -610,15 +622,16 @@ def _grid(ranks, transformer, samples, mine: list[int], seeds: list[int], sigmas
 def _plan(losses: LossStore, checkpoints: list[tuple[int, Path]], shas: dict[int, str]) -> list[int]:
     """Rank 0's decisions as integers: [base recorded, then per checkpoint whether it is to be evaluated]."""
     if losses.kept_aside is not None:
-        tqdm.write(f"evaluation settings changed: the earlier losses are kept in {losses.kept_aside}")
+        tqdm.write(f"{losses.aside_reason}: the earlier losses are kept in {losses.kept_aside}; every checkpoint "
+                   "is evaluated again")
     recorded = losses.steps()
     if (any(recorded.get(step, sha) != sha for step, sha in shas.items()) or _other_runs(losses, checkpoints)
             or _other_trainings(losses, checkpoints)):
         # a step recorded with other weights (another run trained into this folder), checkpoints of another run
         # folder still on disk (this --out held another run's report), or of another training whose folder is
         # gone (RUN trained afresh, its old checkpoints moved or deleted): its numbers go aside
-        losses.start_over()
-        tqdm.write(f"the run's checkpoints are not the ones evaluated before: earlier losses kept in {losses.kept_aside}")
+        losses.start_over("the run's checkpoints are not the ones evaluated before")
+        tqdm.write(f"{losses.aside_reason}: earlier losses kept in {losses.kept_aside}")
         recorded = {}
     return [int(losses.has_base())] + [int(step not in recorded) for step, _ in checkpoints]
 

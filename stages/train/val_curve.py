@@ -92,7 +92,7 @@ class ValidationCurve:
             if self._losses.kept_aside is not None:  # e.g. the val samples changed under an accepted resume
                 from tqdm.auto import tqdm
 
-                tqdm.write(f"validation settings or val samples changed: the earlier validation curve is kept in "
+                tqdm.write(f"validation curve: {self._losses.aside_reason}: the earlier curve is kept in "
                            f"{self._losses.kept_aside}, a new one begins")
             # for `pipeline compare`: against arrays named by version ids, and against runs measured otherwise
             self._losses.note(table_versions=self.versions, measured=self.measured)

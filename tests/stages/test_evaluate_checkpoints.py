@@ -147,6 +147,8 @@ def test_cli_all_checkpoints_json_names_the_best_path(run_and_store, tiny_edit_m
     record = json.loads(res.stdout.strip().splitlines()[-1])
     assert record["best_step"] == 20 and record["best_checkpoint"].endswith("step-20/lora")
     assert record["checkpoints"] == [10, 20, 30] and not record["up_to_date"]
+    # the model's variant, as every stage that runs one records it (README; it was left out here, not in `run all`)
+    assert record["variant"] == "edit"
     # the same command again: up to date, as in `run all` (before: every sample image generated again)
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 0, res.output
@@ -715,3 +717,27 @@ def test_json_last_step_is_the_last_checkpoint_still_on_disk(run_and_store, tiny
     res = ev.run(EvaluateConfig(**CFG), root / "store", tiny_edit_model, copies[:2], out)
     assert res.metrics["checkpoints"]["last"]["step"] == 20
     assert res.to_json()["last_step"] == 20
+
+
+def test_a_removed_best_checkpoint_makes_the_report_out_of_date(run_and_store, tiny_edit_model, tmp_path):
+    """The best checkpoint deleted after its report was written: the rerun (skip_if_done, as `pipeline run
+    evaluate` and `run all` run it) names the best checkpoint still on disk. It said the report was up to date and
+    named the deleted step's path as the best, a LoRA no longer there; no checkpoint is evaluated again."""
+    import shutil
+
+    root = run_and_store
+    copies = []
+    for step, path in _ckpts(root):
+        shutil.copytree(path.parent, tmp_path / "run" / "checkpoints" / f"step-{step}")
+        copies.append((step, (tmp_path / "run" / "checkpoints" / f"step-{step}" / "lora").resolve()))
+    out = tmp_path / "report"
+    assert ev.run(EvaluateConfig(**CFG), root / "store", tiny_edit_model, copies, out).best["step"] == 20
+    shutil.rmtree(copies[1][1].parent)  # the best, step 20, deleted
+    res = ev.run(EvaluateConfig(**CFG), root / "store", tiny_edit_model, [copies[0], copies[2]], out,
+                 skip_if_done=True)
+    assert not res.up_to_date and res.evaluated == 0
+    assert res.best["step"] == 30 and Path(res.best["path"]).is_dir()
+    assert json.loads((out / "metrics.json").read_text())["checkpoints"]["best"]["step"] == 30
+    # the report rewritten: up to date again
+    assert ev.run(EvaluateConfig(**CFG), root / "store", tiny_edit_model, [copies[0], copies[2]], out,
+                  skip_if_done=True).up_to_date

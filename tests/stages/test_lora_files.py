@@ -206,3 +206,23 @@ def test_a_checkpoint_lora_is_checked_against_its_resume_json(trained, tmp_path)
         check_recorded(weights)
     (ck / "resume.json").write_text(json.dumps({"step": 2}))  # a record from before checksums: not refused
     check_recorded(weights)
+
+
+def test_a_resume_json_cut_short_before_its_checksum_is_damaged_not_a_legacy_record(trained, tmp_path):
+    """A sealed resume.json cut short before its `checksum` field has no checksum, as a record from before
+    checksums has none: it passed as one, so evaluate --all-checkpoints used the checkpoint's LoRA unchecked.
+    No JSON at all is no such record: refused, naming the record."""
+    import shutil
+
+    from schemas.errors import UserError
+    from store.checksum import check_recorded
+
+    ck = tmp_path / "step-2"
+    shutil.copytree(trained / "run" / "checkpoints" / "step-2", ck)
+    weights = ck / "lora" / "pytorch_lora_weights.safetensors"
+    record = ck / "resume.json"
+    cut = record.read_bytes()[: record.read_bytes().index(b'"checksum"')]
+    record.write_bytes(cut)
+    flip_bit(weights, weights.stat().st_size - 3, 1)
+    with pytest.raises(UserError, match="resume.json is damaged"):
+        check_recorded(weights)

@@ -133,3 +133,19 @@ def test_every_write_is_durable_before_its_commit_and_the_commit_before_it_retur
     check(lambda: s.drop_from(20))
     check(lambda: s.append(20, "ckpt-20", "new", _grid(5.0)))
     assert LossStore(tmp_path, "fp", AXES, {}).steps() == {10: "sha10", 20: "new"}
+
+
+def test_a_damaged_group_is_set_aside_saying_so_not_as_changed_settings(tmp_path):
+    """A cut-short root zarr.json: the group is set aside and a new one begun, and the reason names the damage
+    (evaluate said "evaluation settings changed", with every setting as it was); other samples say so too."""
+    s = LossStore(tmp_path, "fp", AXES, {})
+    s.append(10, "c", "h", _grid(1.0))
+    root = tmp_path / GROUP / "zarr.json"
+    root.write_bytes(root.read_bytes()[:100])
+    t = LossStore(tmp_path, "fp", AXES, {})
+    assert t.kept_aside is not None and t.steps() == {}
+    assert "could not be read" in t.aside_reason and "damaged" in t.aside_reason and str(tmp_path / GROUP) in t.aside_reason
+    t.append(10, "c", "h", _grid(1.0))
+    fewer = Axes(AXES.keys[:2], AXES.buckets[:2], AXES.seeds, AXES.sigmas)
+    assert LossStore(tmp_path, "fp", fewer, {}).aside_reason == "the val samples changed (3 recorded, 2 now)"
+    assert LossStore(tmp_path, "fp2", fewer, {}).aside_reason == "the settings changed"
