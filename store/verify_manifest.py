@@ -2,15 +2,16 @@
 with the whole manifest: at 1M samples the manifest parsed whole (every column, then taken in shard order) was
 most of verify's ~2.6 GB peak.
 
-Two kinds of pass over manifest.parquet, a batch of rows at a time (`BATCH_ROWS`):
+Two kinds of pass over manifest.parquet, a column at a time (`column_of`: a manifest of up to 1M rows is one
+parquet row group, which pyarrow decodes whole whatever batch size is asked):
 - one over every column (`read_manifest_pass`): each column decoded, so a damaged page anywhere is still found,
   but only the keys (their checks) and a shard number per row are kept;
 - then one per group of shards (`ShardParts`), shards in name order, each group of at most `ROWS_PER_PASS` rows
   (one whole shard at least): only the columns the checks read (`checked_columns`: not the meta columns a
   caption or a source path fill), only that group's rows kept. A shard's rows are always in one group, so every
   per-shard check sees all of them, in manifest order, as when the manifest was read whole.
-The manifest is sorted by key, and a shard's rows are spread over all of it: a group's pass decodes every batch
-and keeps its rows. Up to `ROWS_PER_PASS` rows (100-200k-sample stores) that is one pass as before; 1M samples
+The manifest is sorted by key, and a shard's rows are spread over all of it: a group's pass decodes each checked
+column whole and keeps its rows. Up to `ROWS_PER_PASS` rows (100-200k-sample stores) that is one pass as before; 1M samples
 take ~5 passes over the checked columns, a few seconds next to verify's minutes of reading samples.
 """
 
@@ -35,8 +36,6 @@ from store.checksum import file_crc
 from store.manifest import CHECKSUM_COLUMNS, LOCATING_COLUMNS
 from store.manifest_files import read_schema, unreadable
 
-#: rows decoded at a time (one record batch)
-BATCH_ROWS = 65_536
 #: the most rows of one group of shards held at once (a shard larger than this is a group alone); two groups may
 #: be held (`ShardParts`): ~2 x 100 MB of checked columns for an encode table
 ROWS_PER_PASS = 200_000
@@ -113,21 +112,23 @@ class ShardParts(Mapping[str, ShardPart]):
     def _read_group(self, group: int) -> dict[str, ShardPart]:
         """One pass over the checked columns, keeping the rows of `group`'s shards, taken in shard order."""
         mine = self._group_of_row == group
-        kept, start = [], 0
+        keep = pa.array(mine)
         with pq.ParquetFile(self.path) as f:
-            schema = f.schema_arrow
-            for batch in f.iter_batches(BATCH_ROWS, columns=self.columns, use_threads=False):
-                inside = mine[start:start + batch.num_rows]
-                start += batch.num_rows
-                if inside.any():
-                    kept.append(batch.filter(pa.array(inside)))
-        rows = pa.Table.from_batches(kept, pa.schema([schema.field(c) for c in self.columns]))
+            rows = pa.table([pc.filter(column_of(f, c), keep) for c in self.columns], names=self.columns)
         codes = self._codes[mine]
         order = np.argsort(codes, kind="stable")  # by shard name, manifest order within one
         rows, codes = rows.take(pa.array(order)), codes[order]
         starts = [0, *(np.flatnonzero(np.diff(codes)) + 1).tolist()]
         return {self.names[codes[a]]: ShardPart(rows.slice(a, b - a), self.schema_version)
                 for a, b in zip(starts, [*starts[1:], len(codes)]) if b > a}
+
+
+def column_of(f: pq.ParquetFile, name: str) -> pa.ChunkedArray:
+    """One column decoded whole, the scratch of the one before given back first: a row group is decoded whole
+    whatever the batch size asked, and a manifest of up to 1M rows is one row group (pyarrow's default), so a
+    column at a time is what bounds a pass's memory (its largest column, not every column at once)."""
+    release_memory()
+    return f.read(columns=[name], use_threads=False).column(name)
 
 
 def read_manifest_pass(vdir: Path, name: str, sums: dict[str, dict[str, Any]] | None
@@ -173,24 +174,28 @@ def read_manifest_pass(vdir: Path, name: str, sums: dict[str, dict[str, Any]] | 
 
 def _keys_and_shards(f: pq.ParquetFile) -> tuple[pa.ChunkedArray, list[str], np.ndarray]:
     """(the key column, the shard names in first-seen order, each row's index into them), from one pass over
-    every column (each decoded: a damaged page anywhere is an error here)."""
-    keys, codes, index = [], [], {}
-    for batch in f.iter_batches(BATCH_ROWS, use_threads=False):
-        keys.append(batch.column("key"))
-        shard = pc.dictionary_encode(batch.column("shard"))
-        local = [index.setdefault(str(s), len(index)) for s in shard.dictionary.to_pylist()]
-        if shard.indices.null_count:  # rows of no shard: one group, named as str(None) names it
-            local.append(index.setdefault(str(None), len(index)))
-        codes.append(np.asarray(local, np.int32)[pc.fill_null(shard.indices, len(local) - 1).to_numpy()]
-                     if len(local) else np.zeros(0, np.int32))
-    key_type = keys[0].type if keys else pa.string()
-    return (pa.chunked_array(keys, key_type), list(index),
-            np.concatenate(codes) if codes else np.zeros(0, np.int32))
+    every column (each decoded: a damaged page anywhere is an error here), a column at a time (`column_of`)."""
+    keys, codes, index = None, [], {}
+    for name in f.schema_arrow.names:
+        column = column_of(f, name)
+        if name == "key":
+            keys = column
+        elif name == "shard":
+            for chunk in column.chunks:
+                shard = pc.dictionary_encode(chunk)
+                local = [index.setdefault(str(s), len(index)) for s in shard.dictionary.to_pylist()]
+                if shard.indices.null_count:  # rows of no shard: one group, named as str(None) names it
+                    local.append(index.setdefault(str(None), len(index)))
+                codes.append(np.asarray(local, np.int32)[pc.fill_null(shard.indices, len(local) - 1).to_numpy()]
+                             if len(local) else np.zeros(0, np.int32))
+        del column
+    assert keys is not None  # LOCATING_COLUMNS were checked present
+    return keys, list(index), np.concatenate(codes) if codes else np.zeros(0, np.int32)
 
 
 def _key_problems(name: str, keys: pa.ChunkedArray) -> list[str]:
     """Each repeat of an earlier key (in manifest order) a duplicate, any other key that is no valid key name
-    invalid: found by a sort, the keys turned into Python strs a batch at a time (a set of 1M strs was ~150 MB)."""
+    invalid: found by a sort, the keys turned into Python strs a row group at a time (a set of 1M strs was ~150 MB)."""
     again = np.zeros(len(keys), bool)
     if len(keys) > 1:
         order = pc.sort_indices(keys).to_numpy()  # stable: a key's first row comes first
@@ -201,7 +206,7 @@ def _key_problems(name: str, keys: pa.ChunkedArray) -> list[str]:
         again[nulls[1:]] = True  # a null key again is a repeat of the first
     problems: list[str] = []
     start = 0
-    for chunk in keys.chunks:
+    for chunk in keys.chunks:  # a row group's keys at a time as Python strs
         for i, k in enumerate(chunk.to_pylist(), start):
             if again[i]:
                 problems.append(f"{name}: duplicate key {k}")
