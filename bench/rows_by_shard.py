@@ -2,8 +2,8 @@
 filter per shard over the whole manifest (O(shards x rows)); the manifest as read also holds one chunk per parquet
 row group (fmt.parquet_bytes writes a 1M-row manifest as several), and a take from a chunked table joins each
 column's chunks first, every time:
-  verify  `store verify` (and `store verify URL`): store/verify_manifest.py `read_manifest_pass` + `shard_rows`, each shard's
-          rows turned into Python before its bytes are checked
+  verify  `store verify` (and `store verify URL`): store/verify_manifest.py `read_manifest_pass` + `shard_rows`,
+          each shard's rows turned into Python before its bytes are checked
           old: the former `shard_rows` (`manifest.take(indices)` of the shard's rows, kept below) of the first
           --old-shards shards, the pass extrapolated from their mean; new: every shard's `shard_rows` (a zero-copy
           slice each) + the one take in shard order `_manifest_problems` now makes

@@ -11,8 +11,9 @@ parquet row group, which pyarrow decodes whole whatever batch size is asked):
   caption or a source path fill), only that group's rows kept. A shard's rows are always in one group, so every
   per-shard check sees all of them, in manifest order, as when the manifest was read whole.
 The manifest is sorted by key, and a shard's rows are spread over all of it: a group's pass decodes each checked
-column whole and keeps its rows. Up to `ROWS_PER_PASS` rows (100-200k-sample stores) that is one pass as before; 1M samples
-take ~5 passes over the checked columns, a few seconds next to verify's minutes of reading samples.
+column whole and keeps its rows. Up to `ROWS_PER_PASS` rows that is one pass; 1M samples take ~5 passes over the
+checked columns, seconds next to verify's minutes of reading samples. Peak RSS of `store verify` at 300k samples
+1102 -> 888 MB (its part above the ~690 MB of imports about halved; bench/meta_memory.py).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from store.manifest import CHECKSUM_COLUMNS, LOCATING_COLUMNS
 from store.manifest_files import read_schema, unreadable
 
 #: the most rows of one group of shards held at once (a shard larger than this is a group alone); two groups may
-#: be held (`ShardParts`): ~2 x 100 MB of checked columns for an encode table
+#: be held (`ShardParts`): ~2 x 80 MB of checked columns of an `images` table
 ROWS_PER_PASS = 200_000
 #: the columns, besides the locating and checksum ones, that verify's row checks read (store/verify.py
 #: `_check_columns`: img_shapes, or a v1 row's pixel sizes)
