@@ -2,10 +2,12 @@
 earlier commit (--old) against this tree's, each in a fresh process, over a store of N samples that
 bench/scale_store.py built (its `evaluate` needs bench/scale_ops.py's `train` op run first: its LoRA).
 
-    python bench/meta_memory.py --samples 100000 [--dir /tmp/scale] [--old REV] [--ops meta,evaluate,verify]
+    python bench/meta_memory.py --samples 100000 [--dir /tmp/scale] [--old REV] [--ops meta,files,evaluate,verify]
 
   meta      this tree: open the `images` reader, 2 samples' captions by `meta(key)` (every meta column parsed
             and kept: what evaluate did) vs by `meta_of(keys, ["caption"])` (those rows and that column only)
+  files     this tree: the same 2 samples' files (evaluate's pictures) by `files(key)` (the whole `files` column
+            parsed and kept) vs by `files_of(keys)` (those rows' cells only)
   evaluate  `pipeline run evaluate` as bench/scale_ops.py runs it (2 loss samples, 1 image), old vs new code,
             each into a report folder of its own (removed first: not up to date)
   verify    `pipeline store verify`, old vs new code
@@ -17,6 +19,15 @@ evaluate's, `plan` in bench/scale_ops.py):
   300k    864 ->  778 (-86)      1369 -> 1230 (-139)     1262 -> 1098 (-164)
 evaluate's part above the imports at 300k: ~310 -> ~170 MB; new evaluate also hashes the manifests for the version
 ids as it reads them (Store.version_id read each whole), verify no longer holds the manifest twice.
+
+Then (old = acdce7b; load 7-13 on the 2 cores, times swing 2x): verify streams the manifest (store/verify_manifest.py:
+a column at a time, then groups of <=200k rows of the checked columns), evaluate's pictures by `files_of`:
+  N       files(key) -> files_of (kept after)   evaluate old -> new     verify old -> new
+  100k    744 ->  761 (+17, noise)               1167 -> 1184 (+17)      790 ->  795 (+4)     30 -> 14 s
+  300k    784 ->  750 (39 -> 19 MB kept)         1253 -> 1218 (-35)      1102 ->  888 (-215)  93 -> 79 s
+verify's part above the ~690 MB of imports (`gc`): ~100 MB either way at 100k (the manifest is small next to a
+column's decode scratch), ~410 -> ~200 MB at 300k; it grew with the whole manifest (2572 MB at 1M, bench/scale_ops.py)
+and now with the largest column plus two groups. The `files` column is ~28 MB at 300k, ~95 MB at 1M.
 """
 
 from __future__ import annotations
@@ -42,6 +53,23 @@ got = {k: r.meta(k)["caption"] for k in keys} if sys.argv[2] == "meta" else r.me
 print(got)
 """
 
+# what matters is what stays held while evaluate's model runs: the resident memory the call leaves ("kept")
+FILES = """
+import sys
+from store import Store
+from store.arrow_columns import release_memory
+def resident():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
+r = Store(sys.argv[1], create=False).reader("images")
+keys = [r.column("key")[i].as_py() for i in (len(r) // 3, 2 * len(r) // 3)]
+release_memory()
+before = resident()
+got = {k: r.files(k) for k in keys} if sys.argv[2] == "files" else r.files_of(keys)
+release_memory()
+print({k: sorted(v) for k, v in got.items()})
+print(f"kept {resident() - before:.0f} MB")
+"""
+
 
 def old_tree(rev: str, into: Path) -> Path:
     """The code of commit `rev`, extracted (git archive) under `into`."""
@@ -57,7 +85,7 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=100_000)
     ap.add_argument("--dir", type=Path, default=Path("/tmp/scale"))
     ap.add_argument("--old", default="HEAD~1", help="the commit whose code is 'old'")
-    ap.add_argument("--ops", default="meta,evaluate,verify")
+    ap.add_argument("--ops", default="meta,files,evaluate,verify")
     args = ap.parse_args()
     store, seed, run = args.dir / f"n{args.samples}", args.dir / "seed", args.dir / f"run-n{args.samples}"
     log = args.dir / f"meta-memory-n{args.samples}.log"
@@ -68,6 +96,9 @@ def main() -> None:
             if op == "meta":
                 runs = [("meta(key)", [PY, "-c", META, str(store), "meta"], ROOT),
                         ("meta_of", [PY, "-c", META, str(store), "meta_of"], ROOT)]
+            elif op == "files":
+                runs = [("files(key)", [PY, "-c", FILES, str(store), "files"], ROOT),
+                        ("files_of", [PY, "-c", FILES, str(store), "files_of"], ROOT)]
             else:
                 runs = []
                 for label, code in ((f"old {args.old}", old), ("new", ROOT)):
@@ -77,7 +108,10 @@ def main() -> None:
             for label, cmd, code in runs:
                 secs, mb, rc = timed(cmd, log, code)
                 rows.append((op, label, secs, mb))
+                kept = [ln for ln in log.read_text().splitlines() if ln.startswith("kept ")][-1:] \
+                    if op == "files" else []
                 print(f"N={args.samples:,} {op:9s} {label:14s} {secs:7.1f} s {mb:7.0f} MB"
+                      + (f" ({kept[0]} after the call)" if kept else "")
                       + (f"  exit {rc} (see {log})" if rc else ""), flush=True)
             first, second = rows[-2][3], rows[-1][3]
             print(f"N={args.samples:,} {op:9s} peak RSS new / old: {second / first:.2f} ({second - first:+.0f} MB)",

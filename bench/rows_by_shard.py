@@ -2,8 +2,8 @@
 filter per shard over the whole manifest (O(shards x rows)); the manifest as read also holds one chunk per parquet
 row group (fmt.parquet_bytes writes a 1M-row manifest as several), and a take from a chunked table joins each
 column's chunks first, every time:
-  verify  `store verify` (and `store verify URL`): store/verify.py `_manifest_problems` + `shard_rows`, each shard's
-          rows turned into Python before its bytes are checked
+  verify  `store verify` (and `store verify URL`): store/verify_manifest.py `read_manifest_pass` + `shard_rows`,
+          each shard's rows turned into Python before its bytes are checked
           old: the former `shard_rows` (`manifest.take(indices)` of the shard's rows, kept below) of the first
           --old-shards shards, the pass extrapolated from their mean; new: every shard's `shard_rows` (a zero-copy
           slice each) + the one take in shard order `_manifest_problems` now makes
@@ -41,6 +41,7 @@ from store import format as fmt  # noqa: E402
 from store import verify  # noqa: E402
 from store.manifest import rows_by_shard  # noqa: E402
 from store.manifest_files import read_manifest  # noqa: E402
+from store.verify_manifest import checked_columns, read_manifest_pass  # noqa: E402
 
 
 def old_parts(manifest: pa.Table) -> list[tuple[str, pa.Array]]:
@@ -97,11 +98,13 @@ def measure(vdir: Path, old_shards: int) -> dict:
     t0 = time.perf_counter()
     manifest.take(pc.sort_indices(manifest.column("shard")))  # what `_manifest_problems` adds: one take in order
     t_order = time.perf_counter() - t0
-    _, by_shard = verify._manifest_problems(vdir, "vae/v1", None)
+    _, by_shard = read_manifest_pass(vdir, "vae/v1", None)
     t0 = time.perf_counter()
-    new_rows = [verify.shard_rows(part, "vae/v1")[0] for _, part in sorted(by_shard.items())]
+    new_rows = [verify.shard_rows(by_shard[shard], "vae/v1")[0] for shard in by_shard]
     t_new = time.perf_counter() - t0 + t_order
-    assert new_rows[:n_old] == old_rows, "verify: old and new shard rows differ"
+    checked = set(checked_columns(manifest.column_names))  # the columns verify's checks read (only those now)
+    assert new_rows[:n_old] == [[{c: v for c, v in r.items() if c in checked} for r in rows] for rows in old_rows], \
+        "verify: old and new shard rows differ"
     out = {"verify": {**common, "old_ms_a_shard": round(1e3 * t_old, 2), "old_s": round(t_old * len(parts), 1),
                       "new_s": round(t_new, 2), "old_over_new": round(t_old * len(parts) / t_new, 1)}}
     names = [name for name, _ in parts]

@@ -35,6 +35,7 @@
     r.get(key) -> {"key", "meta": {...}, "tensors": {name: Tensor (zero-copy mmap view)}, "files": {name: bytes}}
     r.meta(key) -> dict; r.tensors(key); r.files(key)  # meta: every meta column kept parsed (walks over the table)
     r.meta_of(keys, columns) -> {key: {column: value}}  # a few rows' columns read, nothing kept
+    r.files_of(keys, damaged=None) -> {key: {name: bytes}}  # a few rows' files (their `files` cells read only)
     r.img_shapes(key) -> list[tuple[int, int, int]]    # v1: derived from pixel columns + one-line hint
     r.iter_keys(split=None, rank=0, world_size=1, seed=None, epoch=0, buffer_size=1024) -> list[str]
     r.shard_paths() -> list[Path]                      # for webdataset.WebDataset(...)

@@ -261,11 +261,35 @@ class TableReader:
         return out
 
     def files(self, key: str) -> dict[str, bytes]:
+        """The sample's files, located by the `files` column (parsed whole and kept on first use: for walks over
+        the table, as the encoders make; for a few samples, `files_of`)."""
         i = self.view.keys.index(key)
+        return self._files_at(i, self.view.cell("files", i))
+
+    def files_of(self, keys: Iterable[str], damaged: dict[str, str] | None = None) -> dict[str, dict[str, bytes]]:
+        """The files of a few keys (evaluate's pictures), their `files` cells read for those rows only and kept
+        nowhere (`ManifestView.rows_at`): `files(key)` parses and keeps the whole column (~95 MB at 1M samples).
+        A damaged sample raises `DamagedData`, or, given `damaged`, is recorded there (key -> what is wrong) with
+        no files. A key the table lacks is a UserError, as in `files`."""
+        from store.integrity import DamagedData
+
+        rows = {k: self.view.keys.index(k) for k in keys}
+        cells = self.view.rows_at(rows.values(), ["files"])
+        out: dict[str, dict[str, bytes]] = {}
+        for k, i in rows.items():
+            try:
+                out[k] = self._files_at(i, cells[i]["files"])
+            except DamagedData as e:
+                if damaged is None:
+                    raise
+                damaged[k], out[k] = str(e), {}
+        return out
+
+    def _files_at(self, i: int, layout: list[dict[str, Any]]) -> dict[str, bytes]:
+        """Row i's files, `layout` its `files` cell (name, offset in the shard, size)."""
         buf, base = self._intact_bytes(i)
         with memoryview(buf) as mv:
-            return {f["name"]: bytes(mv[f["offset"] + base : f["offset"] + base + f["nbytes"]])
-                    for f in self.view.cell("files", i)}
+            return {f["name"]: bytes(mv[f["offset"] + base : f["offset"] + base + f["nbytes"]]) for f in layout}
 
     def get(self, key: str) -> dict[str, Any]:
         return {"key": key, "meta": self.meta(key), "tensors": self.tensors(key), "files": self.files(key)}

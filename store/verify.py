@@ -26,9 +26,8 @@ import math
 import struct
 import tarfile
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
-import numpy as np
 from tqdm import tqdm
 
 from schemas.errors import UserError
@@ -37,17 +36,15 @@ from schemas.newer import WrittenByNewer
 from schemas.table import SCHEMA_V1
 from store import format as fmt
 from store import integrity, quarantine
-from store.arrow_columns import release_memory
 from store.checksum import file_crc
-from store.manifest import CHECKSUM_COLUMNS, LOCATING_COLUMNS
-from store.manifest_files import read_manifest, read_schema
 from store.reader import torch_dtype
 from store.remote_shards import fetch_problem, is_cache_file
+from store.verify_manifest import ShardPart, read_manifest_pass
 
 #: what a verify of a URL fetches into its temporary folder (with checksums.json); every other file stays remote
 REMOTE_METADATA = (fmt.SCHEMA_JSON, fmt.MANIFEST)
 #: objects(version name, its checksums.json record or None, {shard: its manifest rows}) -> problem lines
-ObjectCheck = Callable[[str, "dict[str, dict[str, Any]] | None", "dict[str, ShardPart]"], list[str]]
+ObjectCheck = Callable[[str, "dict[str, dict[str, Any]] | None", "Mapping[str, ShardPart]"], list[str]]
 
 LITTER_NOTE = "temp file left by an interrupted write (`pipeline store repair` removes it)"
 
@@ -148,33 +145,22 @@ def verify_version(vdir: Path, name: str, progress: bool = True, objects: Object
         problems.append(f"{name}: {e}")
         sums = None
     if objects is None:
-        found, by_shard = _manifest_problems(vdir, name, sums)
+        found, by_shard = read_manifest_pass(vdir, name, sums)
         problems += _file_problems(vdir, name, sums, set(by_shard), progress) if sums is not None else []
         problems += found
-        for shard, part in tqdm(sorted(by_shard.items()), desc=f"verify {name}", unit="shard", disable=not progress):
-            srows, bad = shard_rows(part, name)
-            problems += bad
+        # in name order: `by_shard` reads a group of shards' rows at a time (store/verify_manifest.py)
+        for shard in tqdm(by_shard, desc=f"verify {name}", unit="shard", disable=not progress):
             try:
+                srows, bad = shard_rows(by_shard[shard], name)
+                problems += bad
                 problems += _check_shard(vdir / shard, f"{name}/{shard}", srows, whole_file_checked=sums is not None)
             except Exception as e:  # noqa: BLE001 - a manifest with nonsense values is a problem line
                 problems.append(f"{name}/{shard}: cannot be checked ({type(e).__name__}: {e})")
         return problems
     local = {n: e for n, e in (sums or {}).items() if n in REMOTE_METADATA}
-    found, by_shard = _manifest_problems(vdir, name, sums)
+    found, by_shard = read_manifest_pass(vdir, name, sums)
     problems += _file_problems(vdir, name, local, set(), progress=False) if sums is not None else []
     return problems + found + objects(name, sums, by_shard)
-
-
-class ShardPart:
-    """One shard's manifest rows, as Arrow until they are checked: 1M rows as Python dicts held ~2.7 GB at once
-    (and ~35 s) for a table's verify; one shard's at a time hold a few MB. `rows`: a zero-copy slice of the
-    manifest taken in shard order."""
-
-    def __init__(self, rows: Any, schema_version: int) -> None:
-        self.rows, self.schema_version = rows, schema_version
-
-    def __len__(self) -> int:
-        return self.rows.num_rows
 
 
 def shard_rows(part: ShardPart, name: str) -> tuple[list[dict[str, Any]], list[str]]:
@@ -190,78 +176,6 @@ def shard_rows(part: ShardPart, name: str) -> tuple[list[dict[str, Any]], list[s
         except Exception as e:  # noqa: BLE001
             problems.append(f"{name}: key {r.get('key')!r}: columns cannot be checked ({type(e).__name__}: {e})")
     return rows, problems
-
-
-def _manifest_problems(vdir: Path, name: str, sums: dict[str, dict[str, Any]] | None
-                       ) -> tuple[list[str], dict[str, ShardPart]]:
-    """(problems of the schema, manifest and keys, {shard: its manifest rows}; empty when unreadable)."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
-    problems: list[str] = []
-    try:
-        schema = read_schema(vdir, intact=_intact(vdir, fmt.SCHEMA_JSON, sums))
-    except WrittenByNewer:
-        raise
-    except UserError as e:
-        return problems + [f"{name}: {e}"], {}
-    try:
-        manifest = read_manifest(vdir, (vdir / fmt.MANIFEST).read_bytes())
-    except UserError as e:
-        return problems + [f"{name}/{fmt.MANIFEST}: unreadable ({e})"], {}
-    missing = sorted(LOCATING_COLUMNS - set(manifest.column_names))
-    if missing:
-        return problems + [f"{name}/{fmt.MANIFEST}: missing columns {missing}"], {}
-    if sums is None and CHECKSUM_COLUMNS & set(manifest.column_names) and not (vdir / fmt.CHECKSUMS).exists():
-        problems.append(f"{name}: {fmt.CHECKSUMS} is missing (the manifest has checksum columns)")
-    try:
-        key_problems = _key_problems(name, manifest.column("key").to_pylist())  # Python strs only while checked
-        # the manifest taken in shard order once, each shard's rows a slice of it: a take per shard from the
-        # manifest as read (one chunk per row group) joined every column's chunks again each time, ~85 ms a shard
-        # at 1M rows (O(shards x rows): ~14 min for 10k shards; bench/rows_by_shard.py). A column at a time, each
-        # read column let go once taken, and the runs of one shard found on dictionary codes, not a Python str per
-        # row: the whole manifest taken at once held it twice (~1.5 GB at 1M samples)
-        order = pc.sort_indices(manifest.column("shard"))
-        arrow_schema, columns = manifest.schema, manifest.columns
-        del manifest
-        for i in range(len(columns)):
-            columns[i] = columns[i].take(order)  # replaces the column as read: its memory goes
-        by_order = pa.Table.from_arrays(columns, schema=arrow_schema)
-        del columns, order
-        release_memory()
-        shard = pc.dictionary_encode(by_order.column("shard").combine_chunks())
-        shards, codes = shard.dictionary.to_pylist(), pc.fill_null(shard.indices, -1).to_numpy()
-    except Exception as e:  # noqa: BLE001
-        return problems + [f"{name}/{fmt.MANIFEST}: undecodable ({type(e).__name__}: {e})"], {}
-    problems += key_problems
-    by_shard: dict[str, ShardPart] = {}
-    starts = [0, *(np.flatnonzero(np.diff(codes)) + 1).tolist()]  # the runs of one shard in the sorted order
-    for a, b in zip(starts, [*starts[1:], len(codes)]):
-        if b > a:
-            named = shards[codes[a]] if codes[a] >= 0 else None
-            by_shard[str(named)] = ShardPart(by_order.slice(a, b - a), schema.schema_version)
-    return problems, by_shard
-
-
-def _key_problems(name: str, keys: list[Any]) -> list[str]:
-    problems: list[str] = []
-    seen: set[str] = set()
-    for k in keys:
-        if k in seen:
-            problems.append(f"{name}: duplicate key {k}")
-        elif not isinstance(k, str) or not fmt.KEY_RE.fullmatch(k):
-            problems.append(f"{name}: invalid key {k!r}")
-        seen.add(k)
-    return problems
-
-
-def _intact(vdir: Path, name: str, sums: dict[str, dict[str, Any]] | None) -> bool:
-    """Does `name` match its checksums.json entry? (Not when there is none: a later schema version claimed by a
-    damaged or unchecked schema.json is damage, which its own file check names.)"""
-    if sums is None or name not in sums:
-        return False
-    crc, size = file_crc(vdir / name) if (vdir / name).is_file() else (None, None)
-    return (size, crc) == (sums[name]["nbytes"], sums[name]["crc32c"])
 
 
 def _check_columns(r: dict[str, Any], schema_version: int, name: str) -> list[str]:

@@ -109,8 +109,9 @@ def test_a_lora_parsed_from_its_bytes_is_the_file_and_cut_bytes_are_one_line(run
 
 def test_the_pictured_samples_captions_are_read_for_their_rows_only(edit_store):
     """The report's captions and pictures (`stored_pictures`) are the `images` table's: a sample the table lacks
-    has none. The captions are read for the pictured rows only (`meta_of`); before, `meta(key)` parsed every meta
-    column of `images` and kept it while the images were made (~735 MB at 1M samples, on every rank)."""
+    has none. The captions and the pictures' places are read for the pictured rows only (`meta_of`, `files_of`);
+    before, `meta(key)` parsed every meta column of `images` and kept it while the images were made (~735 MB at 1M
+    samples, on every rank), and `files(key)` the `files` column (~95 MB)."""
     from types import SimpleNamespace
 
     from store import Store
@@ -121,6 +122,7 @@ def test_the_pictured_samples_captions_are_read_for_their_rows_only(edit_store):
         picked.append(SimpleNamespace(key="0" * 32, controls=[None]))  # not in the table
         got = stage.stored_pictures(images, picked, "stop", None)
         assert not set(images.meta_columns()) & images.view.parsed
+        assert "files" not in images.view.parsed  # their places too (`files_of`): `files(key)` kept the column
         assert [caption for caption, _, _ in got] == [images.meta(keys[3])["caption"], images.meta(keys[0])["caption"],
                                                      ""]
         for (_, controls, target), s in zip(got[:2], picked):
@@ -128,3 +130,29 @@ def test_the_pictured_samples_captions_are_read_for_their_rows_only(edit_store):
             assert len(controls) == 1
         assert got[2][1:] == ([], None)
     assert stage.stored_pictures(None, picked, "stop", None) == [("", [], None)] * 3
+
+
+def test_a_damaged_pictured_sample_is_refused_or_skipped_alone(edit_store):
+    """A flipped bit in a pictured sample's target.png: on_damaged=stop refuses (DamagedData naming the repair), skip
+    records it under `images:<key>` and loses only that sample's pictures, the others' are whole."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from damage import flip_bit, sample_byte
+    from store import Store
+    from store.integrity import DamagedData
+
+    with Store(edit_store, create=False).reader("images") as images:
+        keys = images.keys()
+    flip_bit(*sample_byte(edit_store, "images", keys[1], "target.png"), 3)
+    picked = [SimpleNamespace(key=k, controls=[None]) for k in keys[:3]]
+    with Store(edit_store, create=False).reader("images", on_damaged="skip") as images:
+        with pytest.raises(DamagedData, match="store repair"):
+            stage.stored_pictures(images, picked, "stop", None)
+    with Store(edit_store, create=False).reader("images", on_damaged="skip") as images:
+        damaged: dict = {}
+        got = stage.stored_pictures(images, picked, "skip", damaged)
+        assert list(damaged) == [f"images:{keys[1]}"] and "crc32c" in damaged[f"images:{keys[1]}"]
+        assert got[1][1:] == ([], None) and got[1][0] == images.meta(keys[1])["caption"]
+        assert all(target is not None and len(controls) == 1 for _, controls, target in (got[0], got[2]))

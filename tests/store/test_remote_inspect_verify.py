@@ -100,8 +100,14 @@ def test_inspect_and_verify_of_an_empty_prefix_are_one_line(s3_env, tmp_path: Pa
         assert f"no store at {s3_env.url('nothing')}" in res.output
 
 
-def test_verify_of_a_file_url_streams_it_too(store: Store, tmp_path: Path) -> None:
-    """A `file://` URL (a shared file system) goes the same way: each file read once where it lies."""
+@pytest.mark.parametrize("rows_per_pass", [200_000, 3])
+def test_verify_of_a_file_url_streams_it_too(store: Store, tmp_path: Path, monkeypatch, rows_per_pass: int) -> None:
+    """A `file://` URL (a shared file system) goes the same way: each file read once where it lies, each shard's
+    manifest rows checked against its bytes, also when the manifest is read a few shards' rows at a time (its
+    threads asking for shards of two groups at once: store/verify_manifest.py)."""
+    from store import verify_manifest
+
+    monkeypatch.setattr(verify_manifest, "ROWS_PER_PASS", rows_per_pass)
     fill(store, 10)
     url = f"file://{tmp_path / 'remote'}"
     push(store.root, url)
@@ -113,6 +119,9 @@ def test_verify_of_a_file_url_streams_it_too(store: Store, tmp_path: Path) -> No
     shard.write_bytes(bytes(data))
     res = runner.invoke(app, ["store", "verify", url])
     assert res.exit_code == 1 and f"vae/v1/{shard.name}: crc32c" in res.output, res.output
+    shard.write_bytes(bytes(data[:700]) + bytes([data[700] ^ 0x10]) + bytes(data[701:]))  # the first sample's bytes
+    res = runner.invoke(app, ["store", "verify", url])
+    assert res.exit_code == 1 and f"vae/v1/{shard.name}: key " in res.output, res.output
 
 
 def test_verify_that_loses_the_server_says_so_in_one_line_not_as_damage(s3_env, store: Store, monkeypatch) -> None:

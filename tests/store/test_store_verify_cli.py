@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 import pyarrow.parquet as pq
+import pytest
 from typer.testing import CliRunner
 
 from pipeline.cli import app
-from store import Store
+from store import Store, integrity
+from store.verify import verify_store
 from store_samples import fill
 
 runner = CliRunner()
@@ -141,16 +144,21 @@ def test_the_checksum_pass_has_a_bar_in_bytes(store: Store, capsys) -> None:
     assert "checksum" not in capsys.readouterr().err
 
 
-def test_each_shard_is_checked_against_exactly_its_manifest_rows(store: Store, tmp_path: Path) -> None:
-    """verify's rows per shard (the manifest taken in shard order a column at a time, runs found on dictionary
-    codes: bench/meta_memory.py) are the manifest's rows of that shard, in manifest order, keys checked first:
-    duplicate and invalid keys named, rows of no shard (null) one group, an empty manifest no shard."""
+@pytest.mark.parametrize("rows_per_pass", [200_000, 7])
+def test_each_shard_is_checked_against_exactly_its_manifest_rows(store: Store, tmp_path: Path, monkeypatch,
+                                                                 rows_per_pass: int) -> None:
+    """verify's rows per shard (read a group of shards at a time, runs found on codes: store/verify_manifest.py)
+    are the manifest's rows of that shard, in manifest order, the columns its checks read, keys checked first:
+    duplicate and invalid keys named, rows of no shard (null) one group, an empty manifest no shard. Whether the
+    manifest is read in one group or in many (`ROWS_PER_PASS` rows)."""
     import shutil
 
     import pyarrow as pa
 
-    from store.verify import _manifest_problems
+    from store import verify_manifest
+    from store.verify_manifest import checked_columns, read_manifest_pass
 
+    monkeypatch.setattr(verify_manifest, "ROWS_PER_PASS", rows_per_pass)
     fill(store, 40, shard_size_mb=0.03)
     vdir = store.version_dir("vae", 1)
     m = pq.read_table(vdir / "manifest.parquet")
@@ -163,13 +171,50 @@ def test_each_shard_is_checked_against_exactly_its_manifest_rows(store: Store, t
         d = tmp_path / name
         shutil.copytree(vdir, d)
         (d / "checksums.json").unlink()
-        pq.write_table(t, d / "manifest.parquet")
-        problems, by_shard = _manifest_problems(d, "vae/v1", None)
-        rows = t.to_pylist()
+        pq.write_table(t, d / "manifest.parquet", row_group_size=9)  # several batches, as a large manifest
+        problems, by_shard = read_manifest_pass(d, "vae/v1", None)
+        rows = t.select(checked_columns(t.column_names)).to_pylist()
         want: dict[str, list] = {}
         for r in rows:
             want.setdefault(str(r["shard"]), []).append(r)
-        assert {s: p.rows.to_pylist() for s, p in by_shard.items()} == want, name
+        assert {s: by_shard[s].rows.to_pylist() for s in by_shard} == want, name
+        assert list(by_shard) == sorted(want), name
         named = [p for p in problems if "key" in p]
         assert named == (["vae/v1: duplicate key " + keys[0]] * 2 + ["vae/v1: invalid key 'a.b'"] if name == "dups"
                          else []), name
+
+
+def test_verify_holds_a_group_of_shards_rows_at_a_time(store: Store, monkeypatch) -> None:
+    """`store verify` held the whole manifest parsed (every column, then taken in shard order: ~2.6 GB at 1M
+    samples). It now holds the rows of at most two groups of `ROWS_PER_PASS` rows (one shard at least), and only
+    the columns its checks read (no caption or split), and still names damage in every group."""
+    from store import verify_manifest
+    from store.verify_manifest import read_manifest_pass
+
+    monkeypatch.setattr(verify_manifest, "ROWS_PER_PASS", 6)
+    fill(store, 40, shard_size_mb=0.004)
+    vdir = store.version_dir("vae", 1)
+    _, by_shard = read_manifest_pass(vdir, "vae/v1", integrity.read_version_checksums(vdir))
+    m = pq.read_table(vdir / "manifest.parquet")
+    biggest = max(Counter(m.column("shard").to_pylist()).values())
+    assert by_shard.passes >= 3
+    held_most = 0
+    for shard in by_shard:
+        part = by_shard[shard]
+        assert "caption" not in part.rows.column_names and "split" not in part.rows.column_names
+        held_most = max(held_most, sum(len(p) for g in by_shard._held.values() for p in g.values()))
+    assert 0 < held_most <= 2 * max(6, biggest)
+    # damage in the first and the last group is found, one line each
+    first, last = sorted(by_shard)[0], sorted(by_shard)[-1]
+    rows = m.to_pylist()
+    hit = {}
+    for r in rows:
+        if r["shard"] in (first, last) and r["shard"] not in hit:
+            r["tensors"][0]["offset"] += 8
+            hit[r["shard"]] = r["key"]
+    pq.write_table(m.from_pylist(rows, schema=m.schema), vdir / "manifest.parquet")
+    (vdir / "checksums.json").unlink()
+    problems = verify_store(store.root, progress=False)
+    for shard, key in hit.items():
+        assert any(shard in p and key in p and "disagree with the safetensors header" in p for p in problems), \
+            (shard, problems)
