@@ -88,7 +88,8 @@ def test_a_rank_failing_before_its_first_exchange_stops_the_rank_waiting_for_it(
     rank0 = WarmProcess([sys.executable, "-c", _TWO_DECISIONS], env=_env(0, store.port, agent_store=True))
     error = RuntimeError("cannot import its model code (test)")
     line = collective.failure_line(error, collective.rank_error_line(error))
-    assert line == "rank 1 failed: RuntimeError: cannot import its model code (test) (its traceback is in that rank's output)"
+    assert line == ("rank 1 failed: RuntimeError: cannot import its model code (test) (its traceback is in that "
+                    "rank's output)")
     [(code, out, err)] = outcomes([rank0], TIMEOUT)
     assert (code, out, err.strip()) == (1, "", f"error: {line}"), err[-3000:]
 
