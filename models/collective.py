@@ -21,7 +21,8 @@ What the process group is made of (its backend: NCCL on GPUs, gloo on CPUs) cann
 group itself: `gather_before_group` exchanges every rank's text through the same store before any group exists
 (models/launch_devices.py decides the device from it). Its first exchange starts the watch thread: a rank that
 fails alone before the group (the CLI publishes an error no handler made a line of: `rank_error_line`) stops
-the ranks waiting for it at their next exchange, instead of after BEFORE_GROUP_SECONDS (30 minutes).
+the ranks waiting for it at their next exchange, instead of after BEFORE_GROUP_SECONDS (30 minutes); one that
+fails before its own first exchange publishes too, where the store is surely up (`_publish_unwatched`).
 """
 
 from __future__ import annotations
@@ -327,23 +328,52 @@ def _watch(client, key: str, stop: threading.Event) -> None:
 
 
 def report_once(message: str) -> bool:
-    """Print `error: MESSAGE` to stderr unless this process already reported a failure; whether it printed.
-    The lock is kept: the process ends after its report, and a second reporter (watch or main thread) stays
-    silent."""
+    """Print `error: MESSAGE` to stderr (red on a terminal, as the CLI's lines) unless this process already
+    reported a failure; whether it printed. Every failure line of a launched rank comes here - its main thread's
+    (the CLI's handlers: pipeline/commands/common.py `report_error`), its watch thread's, a signal's - because two
+    of them may print at once: where every rank met the same failure, a rank's watch thread read the line another
+    rank published while its main thread printed its own, the same (the user saw it twice). While watching, the
+    lock is kept: the process ends after its report, and a second reporter stays silent. In one process it is
+    released: nothing else reports there, and another command may follow in the same process (tests)."""
     if not _report_lock.acquire(blocking=False):
         return False
-    for stream in (sys.stdout, sys.stderr):
+    try:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        text = ("\n" if _bar_mid_line() else "") + f"error: {message}"
         try:
-            stream.flush()
+            red = sys.stderr.isatty()
         except (OSError, ValueError):
-            pass
-    # a progress bar may have left stderr mid-line: one still open (this rank's main thread is stuck), or one the
-    # main thread was closing (tqdm drops it from its open bars before it writes its last state and newline: the
-    # clean CI run's one failure, rank 0's line after its bar's text). A blank line at worst.
-    mid_line = "tqdm.std" in sys.modules
-    sys.stderr.write(("\n" if mid_line else "") + f"error: {message}\n")
-    sys.stderr.flush()
+            red = False
+        sys.stderr.write((f"\x1b[31m{text}\x1b[0m" if red else text) + "\n")
+        sys.stderr.flush()
+    finally:
+        if not _state["watching"]:
+            _report_lock.release()
     return True
+
+
+def _bar_mid_line() -> bool:
+    """Whether a progress bar may have left stderr mid-line, so a line printed now must start with a newline: a
+    bar still open (this rank's main thread is stuck in its loop), or one another thread is closing (tqdm drops a
+    bar from its open ones before it writes its last state and newline: the clean CI run's one failure, rank 0's
+    line glued to its bar's text). Not merely tqdm imported (every rank imports it with the libraries): a rank
+    that drew no bar printed a blank line before the error."""
+    tq = sys.modules.get("tqdm.std")
+    if tq is None:
+        return False
+    if len(getattr(tq.tqdm, "_instances", ())):  # open bars (tqdm keeps no disabled bar there)
+        return True
+    closing, me = tq.tqdm.close.__code__, threading.get_ident()
+    for ident, frame in sys._current_frames().items():  # the closing bar is on another thread's stack
+        while ident != me and frame is not None:
+            if frame.f_code is closing:
+                return True
+            frame = frame.f_back
+    return False
 
 
 def publish_failure(message: str, world: int) -> str:
@@ -357,9 +387,15 @@ def _publish(message: str, world: int) -> str | None:
     """`publish_failure`, or None when no store could be reached (nothing published)."""
     if not _state["watching"]:
         return None
+    return _write_failure(message, world)
+
+
+def _write_failure(message: str, world: int, timeout: float = 10.0) -> str | None:
+    """Write `message` under the launch's failure key unless a line is there already (that one is returned), then
+    wait for the ranks to read it (`_known_by_all`); None when no store could be reached in `timeout` seconds."""
     _state["published"] = True
     try:
-        client = _store_client()
+        client = _store_client(timeout)
         if client is None:
             return None
         key = _failure_key()
@@ -482,11 +518,32 @@ def failure_line(error: BaseException, line: str) -> str:
         # every rank knows and is about to exit: nothing left to watch for, and a poll of a store whose host
         # (rank 0) exited first logged a C++ stack after this line (its last line was no longer the error)
         _state["stop_watching"]()
-    if not _state["watching"] or agreed(error):
+    if agreed(error):
         return line
+    if not _state["watching"]:
+        return _publish_unwatched(line)
     import torch.distributed as dist  # watching: a launch of several ranks
 
     return publish_failure(line, dist.get_world_size() if dist.is_initialized() else int(os.environ["WORLD_SIZE"]))
+
+
+UNWATCHED_STORE_SECONDS = 5.0  # how long a rank that failed before its first exchange tries to reach the store
+
+
+def _publish_unwatched(line: str) -> str:
+    """`failure_line` for a launched rank that fails before its own first exchange through the store (a node that
+    cannot read its config file, a broken install): it watches nothing yet, but the others may be waiting for it
+    at theirs already (for BEFORE_GROUP_SECONDS), their watch threads running: it publishes too, where a store is
+    up. torchrun's agent serves one from the start; in a plain env:// launch rank 0 serves it from its first
+    exchange on, so rank 0 (no store to reach) does not try, and another rank gives up after
+    UNWATCHED_STORE_SECONDS. One process, or a launch naming no store: `line`, nothing published."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1 or not (os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")):
+        return line
+    if os.environ.get("RANK") == "0" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
+        return line
+    published = _write_failure(line, world, UNWATCHED_STORE_SECONDS)
+    return line if published is None else published
 
 
 def rank_error_line(error: BaseException) -> str:

@@ -130,10 +130,17 @@ def _publish_uncaught(error: Exception) -> None:
     """An error no handler turned into a line (a bug, a broken install on this node) ends this rank in its
     traceback; a launched rank first publishes it (models/collective.py), so the others - waiting for this one
     at an agreement before the process group exists, or inside a collective - stop at once naming it, instead of
-    waiting out their timeout (30 minutes before the group) saying nothing of this rank."""
-    collective = sys.modules.get("models.collective")  # not imported: this rank never met the others
-    if collective is not None:
-        collective.failure_line(error, collective.rank_error_line(error))
+    waiting out their timeout (30 minutes before the group) saying nothing of this rank. Also when this rank failed
+    before it imported the collective: the others may wait for it at their first exchange already."""
+    from pipeline.launched import launched
+
+    if launched()[0] <= 1:
+        return
+    try:
+        from models import collective
+    except Exception:  # noqa: BLE001 - an install that cannot import torch: nothing to publish with
+        return
+    collective.failure_line(error, collective.rank_error_line(error))
 
 
 def main() -> None:  # pragma: no cover

@@ -100,9 +100,20 @@ def config_from(path: Path | None, overrides: dict[str, Any], sets: list[str] = 
         return cfg
     except (ConfigError, UserError) as e:  # a usage error, like a missing flag (`require`): exit 2; a stage's is 1
         collective = sys.modules.get("models.collective")  # launched (shared): a refusal of every rank ends its watch
-        typer.secho(f"error: {e if collective is None else collective.failure_line(e, str(e))}", fg=typer.colors.RED,
-                    err=True)
+        report_error(str(e) if collective is None else collective.failure_line(e, str(e)))
         raise typer.Exit(2) from None
+
+
+def report_error(line: str) -> None:
+    """Print the one red `error: LINE` a command ends with. Once models.collective is imported (a launched rank
+    may watch the others' failures there), through its `report_once`: the rank's watch thread may print a line
+    another rank published at the same moment, the same one where every rank met the failure, and a rank prints
+    one line. Not imported: no watch thread (and a config's mistake is told without importing torch)."""
+    collective = sys.modules.get("models.collective")
+    if collective is None:
+        typer.secho(f"error: {line}", fg=typer.colors.RED, err=True)
+    else:
+        collective.report_once(line)
 
 
 @contextmanager
@@ -115,7 +126,7 @@ def usage_errors() -> Iterator[None]:
     try:
         yield
     except UserError as e:
-        typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
+        report_error(str(e))
         raise typer.Exit(2) from None
 
 
@@ -132,28 +143,26 @@ def user_errors(output: Path | str | None = None) -> Iterator[None]:
     except (UserError, ConfigError) as e:
         from models.collective import failure_line  # several ranks: the others stop with the same line
 
-        typer.secho(f"error: {failure_line(e, str(e))}", fg=typer.colors.RED, err=True)
+        report_error(failure_line(e, str(e)))
         raise typer.Exit(1) from None
     except (FileExistsError, NotADirectoryError) as e:  # e.g. --out / --store naming an existing file
         name = e.filename or output
-        typer.secho(f"error: {name} (or a folder on its path) is a file, not a folder: pass a folder path",
-                    fg=typer.colors.RED, err=True)
+        report_error(f"{name} (or a folder on its path) is a file, not a folder: pass a folder path")
         raise typer.Exit(1) from None
     except Exception as e:  # a full disk / read-only folder missed by a closer handler: still one line
-        from models.collective import failure_line, lost_peer_line, peer_failure, report_once
+        from models.collective import failure_line, lost_peer_line, peer_failure, rank_error_line
         from pipeline.launched import launched
         if (peer := peer_failure()) is not None:  # e.g. gloo's "connection closed" when a failed rank exited
-            report_once(peer)
+            report_error(peer)
             raise typer.Exit(1) from None
         if launched()[0] > 1 and (lost := lost_peer_line(e)) is not None:  # a rank killed, saying nothing
-            report_once(failure_line(e, lost))  # published: the ranks not in touch with it stop too
+            report_error(failure_line(e, lost))  # published: the ranks not in touch with it stop too
             raise typer.Exit(1) from None
         err = describe(e, "output", Path(getattr(e, "filename", None) or output or "."))
         if err is None:
-            failure_line(e, f"{type(e).__name__}: {e}")  # the other ranks stop; the traceback is this rank's
+            failure_line(e, rank_error_line(e))  # the other ranks stop naming this rank; its traceback is its own
             raise
-        err = failure_line(e, err)
-        typer.secho(f"error: {err}", fg=typer.colors.RED, err=True)
+        report_error(failure_line(e, str(err)))
         raise typer.Exit(1) from None
 
 
@@ -209,7 +218,7 @@ StrictBaseOpt = typer.Option(False, "--strict-base", help="Refuse a LoRA whose r
 
 def require(value: Any, flag: str, key: str) -> Any:
     if value is None:
-        typer.secho(f"error: {flag} is required (or set `{key}` in the config file)", fg=typer.colors.RED, err=True)
+        report_error(f"{flag} is required (or set `{key}` in the config file)")
         raise typer.Exit(2)
     return value
 

@@ -63,26 +63,6 @@ def test_a_group_that_cannot_close_ends_the_rank_with_one_line(tmp_path) -> None
     assert "exitcode: 1" in p.stderr or "exitcode  : 1" in p.stderr, p.stderr[-3000:]
 
 
-def test_a_peers_failure_line_starts_a_line_of_its_own_while_a_bar_closes(monkeypatch, capsys) -> None:
-    """The watch thread prints a peer's failure while this rank's main thread may be closing a progress bar: tqdm
-    drops the bar from its open ones before it writes its last state, and the line was glued to the bar's text
-    (the clean CI run's failure in test_rank_fails_alone: rank 0's last line began with its bar)."""
-    import sys
-    import threading
-
-    from tqdm import tqdm
-
-    from models import collective
-
-    monkeypatch.setattr(collective, "_report_lock", threading.Lock())  # this process has reported nothing
-    bar = tqdm(total=3, desc="encode-vae r0", file=sys.stderr, leave=True)
-    bar.update(2)
-    bar.refresh()
-    tqdm._decr_instances(bar)  # closing: no longer among the open bars, its last state not yet written
-    assert collective.report_once("1 of 6 samples are damaged")
-    assert capsys.readouterr().err.strip().splitlines()[-1] == "error: 1 of 6 samples are damaged"
-
-
 # One rank (a group of one) whose interpreter refuses to start a thread in an atexit callback, as Python
 # 3.12.0-3.12.1 do ("can't create new thread at interpreter shutdown"); the first atexit callback registered runs
 # last and says whether the group is still open then.

@@ -17,6 +17,7 @@ import pytest
 import torch.distributed as dist
 
 from launch_ports import start_host_first
+from own_collective import own_collective  # noqa: F401  (the fixture)
 from warm_start import WarmProcess, outcomes
 
 HERE = Path(__file__).resolve().parent
@@ -101,20 +102,6 @@ def test_without_a_launchers_store_rank_0_serves_it_and_the_group_forms_there() 
     for the decision, and the process group then forms on the same port (its multi-tenant server)."""
     outs = _two_ranks("0,0", "unset", "group", agent_store=False)
     assert _results(outs, "cpu") == ["True", "True"] and _results(outs, "sum") == ["3", "3"]
-
-
-@pytest.fixture
-def own_collective(monkeypatch):
-    """models.collective's per-process state for this test alone (this process plays a rank): its before-group
-    store and its watch state, whose watch thread (started by the first exchange) is stopped at the end, before
-    the state is restored (a watch state left behind broke later tests of the same worker)."""
-    from models import collective
-
-    monkeypatch.setattr(collective, "_before", {"store": None, "hosted": False, "count": {}})
-    monkeypatch.setattr(collective, "_state", {"watching": False, "published": False})
-    yield collective
-    if (stop := collective._state.get("stop_watching")) is not None:
-        stop()
 
 
 def test_a_rank_that_never_reports_is_named_within_the_bound(monkeypatch, own_collective) -> None:
