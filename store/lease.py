@@ -213,18 +213,28 @@ class Lease:
 
     def _beat(self, now: float | None = None) -> bool:
         """One refresh (its mtime, never a rewrite: a removed lease stays removed); False once there is nothing
-        more to refresh. A lease removed, or older than its margin (a gc may have judged it dead, and removed what
-        it names), is lost (`lose`). `now`: this host's clock, as a gc elsewhere on the file system judges it."""
+        more to refresh. A lease removed is lost (`lose`): a gc judged it dead. One older than its margin (`now`:
+        this host's clock, as a gc elsewhere on the file system judges it) may have been judged dead by a gc on
+        another host: looked at under the store lock, which gc holds from its plan to its last delete, it is
+        refreshed only if every version it names is still there (a paused process on this host only: no gc here
+        judges it by age), else lost."""
         path = self.path
         if path is None:
             return False
         try:
             age = (time.time() if now is None else now) - path.stat().st_mtime
-            if age > stale_seconds():
-                how = f"was not refreshed for {age / 60:.0f} min"
-            else:
+            if age <= stale_seconds():
                 os.utime(path)
                 return True
+            with fmt.flock(self.root / fmt.STORE_LOCK):
+                gone = [f"{t} v{v}" for t, vs in sorted(self.versions.items()) for v in vs
+                        if not fmt.is_complete(fmt.version_dir(self.root, t, v))]
+                if not gone:
+                    os.utime(path)
+                    log.warning("read lease %s was not refreshed for %.0f min (the process was paused); what it "
+                                "names is still there: refreshed", path, age / 60)
+                    return True
+            how = f"was not refreshed for {age / 60:.0f} min and {', '.join(gone)} is gone"
         except FileNotFoundError:  # removed by a gc that judged it dead
             how = f"was removed ({path.name})"
         except OSError as e:  # a file-system hiccup (NFS): the next beat tries again

@@ -5,10 +5,11 @@ time and pid namespace, what it is, `versions` {table: [N, ...]}) plus `kind` ("
 reads versions of a URL store (train, evaluate, the encoders reading `images`, verify: whatever opens it through
 store/remote_cache.local_store) or pushes versions into it (store/remote_sync.push) writes one, rewrites it every
 `REFRESH_SECONDS` from a daemon thread (the heartbeat: the object's LastModified is its refresh time, set by the
-server), and deletes it when done and at interpreter exit. A heartbeat never writes a lease that is gone, or older
-than its margin by the server's clock (a gc may have judged it dead and removed what it names: the process was
-paused): it marks it lost instead (store/lease.lose), and the process stops at its next read. On S3 the rewrite is
-conditional on the ETag just read, so a gc's DELETE between that look and the PUT is noticed too. `pipeline store gc URL` (store/remote_gc.py) keeps
+server), and deletes it when done and at interpreter exit. A heartbeat never writes a lease that is gone (a gc
+judged it dead: the process was paused past its margin): it marks it lost instead (store/lease.lose), and the
+process stops at its next read; one older than its margin by the server's clock is lost too once a version it
+names has lost its manifest. On S3 the rewrite is conditional on the ETag just read, so a gc's DELETE between that
+look and the PUT is noticed too. `pipeline store gc URL` (store/remote_gc.py) keeps
 every version a live lease names. Liveness is store/lease.judge's: a lease of this host (its boot id) and pid
 namespace is live while its process runs; any other is live until `STALE_SECONDS` (15 min) after its last refresh,
 so a reader killed with -9 blocks gc for at most that long.
@@ -101,8 +102,11 @@ class RemoteLease:
             pass
 
     def _beat(self, now: float | None = None) -> bool:
-        """One refresh; False once there is nothing more to refresh. A lease object gone, or older than its margin
-        on the server's clock (`now`, default `Remote.now()`: what gc judges it by), is lost, never rewritten."""
+        """One refresh; False once there is nothing more to refresh. A lease object gone is lost, never written
+        again (a gc judged it dead). One older than its margin on the server's clock (`now`, default
+        `Remote.now()`: what gc judges it by) may be judged dead by a gc running now: it is refreshed (so gc's
+        look right before each DELETE keeps what it names from now on), then every version it names must still
+        have its manifest (gc deletes that first), else it is lost."""
         with self._lock:
             if not self.rel:
                 return False
@@ -111,16 +115,20 @@ class RemoteLease:
                 self.remote.fs.invalidate_cache()
                 info = self.remote.fs.info(path)
                 age = (self.remote.now() if now is None else now) - _modified(info)
-                if age > local_lease.stale_seconds():
-                    how = f"was not refreshed for {age / 60:.0f} min"
+                etag = info.get("ETag") if self.remote.is_s3 else None
+                if etag:  # only over what was just looked at: a DELETE meanwhile fails it (412 / 404)
+                    self.remote.fs.pipe_file(path, json.dumps(self.record(), sort_keys=True).encode(), IfMatch=etag)
                 else:
-                    etag = info.get("ETag") if self.remote.is_s3 else None
-                    if etag:  # only over what was just looked at: a DELETE meanwhile fails it (412 / 404)
-                        self.remote.fs.pipe_file(path, json.dumps(self.record(), sort_keys=True).encode(),
-                                                 IfMatch=etag)
-                    else:
-                        self._write()
+                    self._write()
+                if age <= local_lease.stale_seconds():
                     return True
+                gone = [f"{t} v{v}" for t, vs in sorted(self.versions.items()) for v in vs
+                        if not self.remote.exists(f"{t}/v{v}/{fmt.MANIFEST}")]
+                if not gone:
+                    log.warning("the lease %s/%s was not refreshed for %.0f min (the process was paused); what it "
+                                "names is still there: refreshed", self.remote.url, self.rel, age / 60)
+                    return True
+                how = f"was not refreshed for {age / 60:.0f} min and {', '.join(gone)} is gone"
             except FileNotFoundError:
                 how = f"was removed ({self.rel})"
             except Exception as e:  # noqa: BLE001
