@@ -164,6 +164,24 @@ def pid_gone(pid: int, started: int | None) -> str | None:
     return None
 
 
+def process_tag() -> str:
+    """`<pid>-<start time>`: this process in a temp file's name (store/remote_shards.py's fetches), for
+    `tag_gone`; `<pid>` alone where the start time is unknown (no /proc)."""
+    pid = os.getpid()
+    start = _proc_start(pid)
+    return str(pid) if start is None else f"{pid}-{start}"
+
+
+def tag_gone(tag: str) -> str | None:
+    """Why the process of `process_tag`'s `tag` (this host's) is no longer running; None while it runs, or when
+    the tag names none. `pid_gone`'s rules: a zombie has ended, a pid with another start time is another process."""
+    pid, _, start = tag.partition("-")
+    try:
+        return pid_gone(int(pid), int(start) if start else None)
+    except ValueError:
+        return None
+
+
 @dataclass
 class Lease:
     """The versions this process reads from one store; `path` is None when the store is read-only (no gc can run
