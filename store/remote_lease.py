@@ -110,6 +110,12 @@ class RemoteLease:
         with self._lock:
             if not self.rel:
                 return False
+            if self.kind != "read":  # a push re-sends, before its manifest, any object a gc removed meanwhile
+                try:
+                    self._write()
+                except Exception as e:  # noqa: BLE001  a lost connection: try again at the next beat
+                    log.warning("could not refresh the lease %s/%s (%s)", self.remote.url, self.rel, e)
+                return True
             path = self.remote.path(self.rel)
             try:
                 self.remote.fs.invalidate_cache()
