@@ -16,8 +16,13 @@ A kill -9 leaves the file behind; it must not block gc for ever. Liveness:
 - another host (a store on a shared file system), or a lease without a boot id (written before it was recorded):
   the reader cannot be asked, so its lease is refreshed (file mtime) every `REFRESH_SECONDS` by a daemon thread,
   and counts as live until `STALE_SECONDS` after its last refresh (15 min: a margin of several missed refreshes
-  and of clock skew between hosts).
+  and of clock skew between hosts; a reader may record a longer one, `stale_s`, from `LEASE_MINUTES_ENV`).
 gc removes the files of dead leases.
+
+A reader paused longer than that (SIGSTOP, a suspended VM, a hung mount) may have had its lease judged dead and
+its versions removed meanwhile: its heartbeat, on waking, finds its lease removed or older than the margin, never
+writes it again, and marks it lost (`lose`); the reader stops at its next read (`check_held`, store/shard_io.py)
+with one line instead of reading on from a version whose files may be gone, or a mix.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
+from schemas.errors import UserError
 from schemas.host import host_id
 from store import format as fmt
 
@@ -44,6 +50,70 @@ log = logging.getLogger("store")
 LEASES_DIR = ".leases"
 REFRESH_SECONDS = 60.0
 STALE_SECONDS = 15 * 60.0
+# A job that gets paused for longer on purpose (a preempted queue, a suspended VM) sets this many minutes: its
+# leases record it (`stale_s`) and every gc judges them by it (never below STALE_SECONDS).
+LEASE_MINUTES_ENV = "PIPELINE_LEASE_MINUTES"
+
+
+def stale_seconds() -> float:
+    """How long this process's leases stay live after their last refresh (recorded in each as `stale_s`)."""
+    raw = os.environ.get(LEASE_MINUTES_ENV, "").strip()
+    if not raw:
+        return STALE_SECONDS
+    try:
+        minutes = float(raw)
+    except ValueError:
+        raise UserError(f"{LEASE_MINUTES_ENV}={raw!r} is not a number of minutes; set it to e.g. 120, or unset it "
+                        f"for the default {STALE_SECONDS / 60:.0f}") from None
+    return max(STALE_SECONDS, minutes * 60)
+
+
+def _stale_after(record: dict[str, Any]) -> float:
+    """The margin a lease record asks for (`stale_s`), never below the default."""
+    asked = record.get("stale_s")
+    return max(STALE_SECONDS, float(asked)) if isinstance(asked, (int, float)) else STALE_SECONDS
+
+
+class LeaseLost(UserError):
+    """This process's read lease was removed, or not refreshed for longer than gc's margin: what it reads may be
+    gone."""
+
+
+_lost: dict[int, str] = {}  # id(lease) -> why it was lost (set by its heartbeat thread, read by the readers)
+_lost_lock = threading.Lock()
+
+
+def lose(lease: object, stopped: threading.Event, where: str, what: str, how: str,
+         versions: dict[str, list[int]]) -> None:
+    """The heartbeat of `lease` found it `how` ("was removed", "was not refreshed for 17 min"): it is never
+    written again, and the process's next read raises (`check_held`) - unless it was released meanwhile
+    (`stopped`; checked under the lock `forget` takes, so a released lease is never marked after)."""
+    named = ", ".join(f"{t} v{v}" for t, vs in sorted(versions.items()) for v in vs) or "its versions"
+    why = (f"the read lease of this {what} on {where} {how}: the process was paused (SIGSTOP, a suspended VM, a "
+           f"hung mount) for longer than a lease outlives its last refresh ({stale_seconds() / 60:.0f} min), so a "
+           f"`store gc` may have removed what it reads ({named}); stopped rather than read on. Rerun (a training "
+           f"resumes from its last checkpoint); if the job gets paused on purpose, raise the lease timeout: "
+           f"{LEASE_MINUTES_ENV}=MINUTES")
+    with _lost_lock:
+        if stopped.is_set():
+            return
+        _lost[id(lease)] = why
+    log.error("%s", why)
+
+
+def forget(lease: object) -> None:
+    """`lease` is released: a process that goes on (`run all`, the tests) reads again without it."""
+    with _lost_lock:
+        _lost.pop(id(lease), None)
+
+
+def check_held(lease: object | None = None) -> None:
+    """Raise `LeaseLost` once a heartbeat found a lease of this process (or `lease`) lost: every read checks (one
+    dict test)."""
+    if _lost:
+        why = next(iter(_lost.values()), None) if lease is None else _lost.get(id(lease))
+        if why is not None:
+            raise LeaseLost(why)
 
 
 def _proc_stat(pid: int) -> list[str] | None:
@@ -76,7 +146,7 @@ def process_identity() -> dict[str, Any]:
             "pid_namespace": _pid_namespace()}
 
 
-def _pid_gone(pid: int, started: int | None) -> str | None:
+def pid_gone(pid: int, started: int | None) -> str | None:
     """Why this host's process `pid` (started at `started`) is not the lease's reader any more; None while it runs."""
     try:
         os.kill(pid, 0)
@@ -92,6 +162,24 @@ def _pid_gone(pid: int, started: int | None) -> str | None:
     if started is not None and int(fields[19]) != started:
         return "is gone (the pid is another process's now)"
     return None
+
+
+def process_tag() -> str:
+    """`<pid>-<start time>`: this process in a temp file's name (store/remote_shards.py's fetches), for
+    `tag_gone`; `<pid>` alone where the start time is unknown (no /proc)."""
+    pid = os.getpid()
+    start = _proc_start(pid)
+    return str(pid) if start is None else f"{pid}-{start}"
+
+
+def tag_gone(tag: str) -> str | None:
+    """Why the process of `process_tag`'s `tag` (this host's) is no longer running; None while it runs, or when
+    the tag names none. `pid_gone`'s rules: a zombie has ended, a pid with another start time is another process."""
+    pid, _, start = tag.partition("-")
+    try:
+        return pid_gone(int(pid), int(start) if start else None)
+    except ValueError:
+        return None
 
 
 @dataclass
@@ -113,10 +201,12 @@ class Lease:
 
     def record(self) -> dict[str, Any]:
         return {**process_identity(), "what": self.what, "versions": self.versions, "argv": sys.argv[:6],
-                "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+                "stale_s": stale_seconds(), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
     def add(self, table: str, version: int) -> bool:
-        """Name one more version (under the store lock); False when it no longer exists (gc took it first)."""
+        """Name one more version (under the store lock); False when it no longer exists (gc took it first).
+        LeaseLost once the lease was lost: it is never written again."""
+        check_held(self)
         if self.path is None:  # read-only store or released: nothing to register
             return fmt.is_complete(fmt.version_dir(self.root, table, version))
         with fmt.flock(self.root / fmt.STORE_LOCK):
@@ -130,22 +220,46 @@ class Lease:
 
     def release(self) -> None:
         self._stop.set()
+        forget(self)
         if self.path is not None and self._pid == os.getpid():  # never a forked child's copy
             self.path.unlink(missing_ok=True)
             self.path = None
 
     def _refresh(self) -> None:
-        while not self._stop.wait(REFRESH_SECONDS):
-            path = self.path
-            if path is None:
-                return
-            try:
+        while not self._stop.wait(REFRESH_SECONDS) and self._beat():
+            pass
+
+    def _beat(self, now: float | None = None) -> bool:
+        """One refresh (its mtime, never a rewrite: a removed lease stays removed); False once there is nothing
+        more to refresh. A lease removed is lost (`lose`): a gc judged it dead. One older than its margin (`now`:
+        this host's clock, as a gc elsewhere on the file system judges it) may have been judged dead by a gc on
+        another host: looked at under the store lock, which gc holds from its plan to its last delete, it is
+        refreshed only if every version it names is still there (a paused process on this host only: no gc here
+        judges it by age), else lost."""
+        path = self.path
+        if path is None:
+            return False
+        try:
+            age = (time.time() if now is None else now) - path.stat().st_mtime
+            if age <= stale_seconds():
                 os.utime(path)
-            except OSError as e:  # removed by a gc that judged it dead (not refreshed for STALE_SECONDS)
-                if not self._stop.is_set():
-                    log.warning("read lease %s is gone (%s): a `store gc` may now remove what this %s reads",
-                                path, e.strerror or e, self.what)
-                return
+                return True
+            with fmt.flock(self.root / fmt.STORE_LOCK):
+                gone = [f"{t} v{v}" for t, vs in sorted(self.versions.items()) for v in vs
+                        if not fmt.is_complete(fmt.version_dir(self.root, t, v))]
+                if not gone:
+                    os.utime(path)
+                    log.warning("read lease %s was not refreshed for %.0f min (the process was paused); what it "
+                                "names is still there: refreshed", path, age / 60)
+                    return True
+            how = f"was not refreshed for {age / 60:.0f} min and {', '.join(gone)} is gone"
+        except FileNotFoundError:  # removed by a gc that judged it dead
+            how = f"was removed ({path.name})"
+        except OSError as e:  # a file-system hiccup (NFS): the next beat tries again
+            log.warning("could not refresh the read lease %s (%s)", path, e.strerror or e)
+            return True
+        lose(self, self._stop, str(self.root), self.what, how, self.versions)
+        return False
 
 
 def hold(root: str | Path, tables: dict[str, int | None], what: str, owner: object | None = None) -> Lease:
@@ -204,12 +318,12 @@ def judge(path: Path, record: dict[str, Any], mtime: float, now: float | None = 
     now = time.time() if now is None else now
     host, pid = record.get("host"), record.get("pid")
     if record.get("boot_id") == host_id() and record.get("pid_namespace") == _pid_namespace() and isinstance(pid, int):
-        gone = _pid_gone(pid, record.get("pid_start"))
+        gone = pid_gone(pid, record.get("pid_start"))
         if gone is None:
             return Found(path, record, True, f"pid {pid} on {host}, running")
         return Found(path, record, False, f"pid {pid} on {host} {gone}")
     age = now - mtime
-    if age <= STALE_SECONDS:
+    if age <= _stale_after(record):
         return Found(path, record, True, f"pid {pid} on {host}, refreshed {age:.0f} s ago")
     return Found(path, record, False, f"pid {pid} on {host}, not refreshed for {age / 60:.0f} min")
 

@@ -12,7 +12,8 @@ here and has not pushed (the only copy of that work until its rerun pushes it). 
 the cache: opens, evictions and space reservations run under one lock on the cache folder; a shard unlinked while
 another process has it open stays readable there (POSIX), and its next miss fetches it again; a version a live
 reader holds a read lease on (store/lease.py, written by train's reader inside the cached store) is never evicted
-whole, and the metadata of the versions in use never at all.
+whole, and the metadata of the versions in use never at all. Eviction removes the lease files of dead readers it
+meets (judged as `store gc` judges them) and, first, the temp files of killed fetches.
 
 A writer (the encoders) works on the cached copy and then pushes it back (`push_back`): the remote commit keeps
 push's guarantees (write-once objects, manifest last, store.json by compare-and-swap), so a killed encoder leaves
@@ -210,7 +211,7 @@ def _candidates(cache: Path, keep: set[tuple[Path, str, int]],
         if not (root / fmt.STORE_JSON).is_file():
             total += _size(root)
             continue
-        leased = {(t, v) for found in leases.leases(root) if found.live for t, v in found.versions()}
+        leased = _live_leases(root)
         total += sum(n for _, n, _ in _files(root)[0])
         for table_dir in sorted(p for p in root.iterdir() if p.is_dir()):
             if table_dir.name.startswith("."):
@@ -241,21 +242,31 @@ def _candidates(cache: Path, keep: set[tuple[Path, str, int]],
     return total, out, unpushed
 
 
+def _live_leases(root: Path) -> set[tuple[str, int]]:
+    """The versions live read leases of the cached store `root` name; the files of dead ones are removed here
+    (judged as `store gc` judges them: one per killed reader piled up until a gc of the cache's store)."""
+    leased = set()
+    for found in leases.leases(root):
+        if found.live:
+            leased |= set(found.versions())
+        else:
+            found.path.unlink(missing_ok=True)
+    return leased
+
+
 def _orphan_fetch(name: str) -> bool:
-    """`.<shard>.fetch-<pid>-<thread>` of a process no longer running (the cache is shared by one node's
+    """`.<shard>.fetch-<pid>-<start>-<thread>` (or an earlier release's `<pid>-<thread>`) of a process no longer
+    running: gone, ended (a zombie), or its pid reused by another process (another start time: after a reboot, or
+    pids wrapped) - store/lease.tag_gone, the rule read leases are judged by (the cache is shared by one node's
     processes, so the pid is this host's)."""
     from store.remote_shards import FETCH_TAG
 
     if FETCH_TAG not in name:
         return False
-    try:
-        pid = int(name.rsplit(FETCH_TAG, 1)[1].split("-", 1)[0])
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except (ValueError, PermissionError):
+    parts = name.rsplit(FETCH_TAG, 1)[1].split("-")
+    if len(parts) not in (2, 3):  # `ranged`: the range counts, no process's
         return False
-    return False
+    return leases.tag_gone("-".join(parts[:-1])) is not None
 
 
 def _evict(cache: Path, limit: int, keep: set[tuple[Path, str, int]],

@@ -5,7 +5,11 @@ time and pid namespace, what it is, `versions` {table: [N, ...]}) plus `kind` ("
 reads versions of a URL store (train, evaluate, the encoders reading `images`, verify: whatever opens it through
 store/remote_cache.local_store) or pushes versions into it (store/remote_sync.push) writes one, rewrites it every
 `REFRESH_SECONDS` from a daemon thread (the heartbeat: the object's LastModified is its refresh time, set by the
-server), and deletes it when done and at interpreter exit. `pipeline store gc URL` (store/remote_gc.py) keeps
+server), and deletes it when done and at interpreter exit. A heartbeat never writes a lease that is gone (a gc
+judged it dead: the process was paused past its margin): it marks it lost instead (store/lease.lose), and the
+process stops at its next read; one older than its margin by the server's clock is lost too once a version it
+names has lost its manifest. On S3 the rewrite is conditional on the ETag just read, so a gc's DELETE between that
+look and the PUT is noticed too. `pipeline store gc URL` (store/remote_gc.py) keeps
 every version a live lease names. Liveness is store/lease.judge's: a lease of this host (its boot id) and pid
 namespace is live while its process runs; any other is live until `STALE_SECONDS` (15 min) after its last refresh,
 so a reader killed with -9 blocks gc for at most that long.
@@ -36,7 +40,7 @@ from typing import Any, Iterable
 
 from store import format as fmt
 from store import lease as local_lease
-from store.remote import Remote
+from store.remote import Remote, _modified, _precondition_failed
 
 log = logging.getLogger("store")
 
@@ -61,13 +65,14 @@ class RemoteLease:
     def record(self) -> dict[str, Any]:
         """store/lease.py's record (what `judge` reads), plus the kind and the time of this write."""
         return {**local_lease.process_identity(), "what": self.what, "kind": self.kind,
-                "versions": self.versions, "argv": sys.argv[:6],
+                "versions": self.versions, "argv": sys.argv[:6], "stale_s": local_lease.stale_seconds(),
                 "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
     def _write(self) -> None:
         self.remote.write(self.rel, json.dumps(self.record(), sort_keys=True).encode())
 
     def add(self, versions: Iterable[tuple[str, int]]) -> None:
+        local_lease.check_held(self)  # a lost lease is never written again
         with self._lock:
             new = False
             for t, v in versions:
@@ -79,25 +84,66 @@ class RemoteLease:
 
     def release(self) -> None:
         self._stop.set()
+        local_lease.forget(self)
         _live.pop(id(self), None)
         with self._lock:
             if self.rel and self._pid == os.getpid():  # never a forked child's copy
                 try:
                     self.remote.fs.rm_file(self.remote.path(self.rel))
+                except FileNotFoundError:  # a gc judged it dead (the process was paused): nothing to remove
+                    pass
                 except Exception as e:  # noqa: BLE001  at exit the server may be gone: gc judges it stale later
                     log.warning("could not remove the lease %s/%s (%s); `store gc` ignores it once stale",
                                 self.remote.url, self.rel, e)
                 self.rel = ""
 
     def _heartbeat(self) -> None:
-        while not self._stop.wait(REFRESH_SECONDS):
-            with self._lock:
-                if not self.rel:
-                    return
+        while not self._stop.wait(REFRESH_SECONDS) and self._beat():
+            pass
+
+    def _beat(self, now: float | None = None) -> bool:
+        """One refresh; False once there is nothing more to refresh. A lease object gone is lost, never written
+        again (a gc judged it dead). One older than its margin on the server's clock (`now`, default
+        `Remote.now()`: what gc judges it by) may be judged dead by a gc running now: it is refreshed (so gc's
+        look right before each DELETE keeps what it names from now on), then every version it names must still
+        have its manifest (gc deletes that first), else it is lost."""
+        with self._lock:
+            if not self.rel:
+                return False
+            if self.kind != "read":  # a push re-sends, before its manifest, any object a gc removed meanwhile
                 try:
                     self._write()
                 except Exception as e:  # noqa: BLE001  a lost connection: try again at the next beat
                     log.warning("could not refresh the lease %s/%s (%s)", self.remote.url, self.rel, e)
+                return True
+            path = self.remote.path(self.rel)
+            try:
+                self.remote.fs.invalidate_cache()
+                info = self.remote.fs.info(path)
+                age = (self.remote.now() if now is None else now) - _modified(info)
+                etag = info.get("ETag") if self.remote.is_s3 else None
+                if etag:  # only over what was just looked at: a DELETE meanwhile fails it (412 / 404)
+                    self.remote.fs.pipe_file(path, json.dumps(self.record(), sort_keys=True).encode(), IfMatch=etag)
+                else:
+                    self._write()
+                if age <= local_lease.stale_seconds():
+                    return True
+                gone = [f"{t} v{v}" for t, vs in sorted(self.versions.items()) for v in vs
+                        if not self.remote.exists(f"{t}/v{v}/{fmt.MANIFEST}")]
+                if not gone:
+                    log.warning("the lease %s/%s was not refreshed for %.0f min (the process was paused); what it "
+                                "names is still there: refreshed", self.remote.url, self.rel, age / 60)
+                    return True
+                how = f"was not refreshed for {age / 60:.0f} min and {', '.join(gone)} is gone"
+            except FileNotFoundError:
+                how = f"was removed ({self.rel})"
+            except Exception as e:  # noqa: BLE001
+                if not (isinstance(e, OSError) and _precondition_failed(e)):  # a lost connection: the next beat
+                    log.warning("could not refresh the lease %s/%s (%s)", self.remote.url, self.rel, e)
+                    return True
+                how = f"was removed ({self.rel})"
+        local_lease.lose(self, self._stop, self.remote.url, self.what, how, self.versions)
+        return False
 
 
 def hold(remote: Remote, versions: Iterable[tuple[str, int]], what: str, kind: str = "read") -> RemoteLease:
@@ -136,6 +182,8 @@ def hold_reading(url: str, versions: Iterable[tuple[str, int]],
     versions = list(versions)
     with remote_errors(url, "read lease"):
         lease = _held.get(url)
+        if lease is not None:
+            local_lease.check_held(lease)  # lost while the process was paused: nothing more is read under it
         if lease is None or not lease.rel:
             remote = open_remote(url, storage_options)
             try:

@@ -40,13 +40,16 @@ from store import format as fmt
 from store import remote_download
 from store.checksum import RunningCrc
 from store.io_errors import CACHE_FULL, writing
+from store.lease import process_tag
 from store.remote import READ_PIECE, Remote, SharedBar, each_at_once, open_remote, remote_errors
 
 log = logging.getLogger("store")
 
 MARKER = ".remote.json"  # in a lazily cached version folder: {"url", "table", "version"} of its remote copy
 LAZY_SUFFIX = ".lazy"  # `.v<N>.lazy`: a version's metadata being fetched (not a version name: readers skip it)
-FETCH_TAG = ".fetch-"  # `.<shard>.fetch-<pid>-<thread>`: a shard being fetched (counted by the cache, never read)
+# `.<shard>.fetch-<pid>-<pid start time>-<thread>` (store/lease.process_tag; `<pid>-<thread>` by earlier releases):
+# a shard being fetched (counted by the cache, never read; a killed fetch's is evicted first)
+FETCH_TAG = ".fetch-"
 RANGED = FETCH_TAG + "ranged"  # `.<shard>.fetch-ranged`: bytes this node's processes read from the shard by range
 FETCH_LOCK = ".fetch.lock"  # `.<shard>.fetch.lock`: held by the one process of the node fetching the shard whole
 WHOLE_AFTER = 0.5  # fraction of a shard read by range after which it is fetched whole
@@ -163,7 +166,7 @@ class ShardFetcher:
                 return f"shard {shard} is being fetched by another process"
             if path.exists():
                 return None
-            part = self.vdir / f".{shard}{FETCH_TAG}{os.getpid()}-{threading.get_ident()}"
+            part = self.vdir / f".{shard}{FETCH_TAG}{process_tag()}-{threading.get_ident()}"
             if not self._reserve(part, int(entry["nbytes"])):
                 return "no room in the store cache"  # not kept: a later read may find room
             try:

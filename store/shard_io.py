@@ -2,7 +2,8 @@
 or from a scan's map. Part of the reader (store/reader.py); one `ShardFiles` per thread (the LRU is not
 thread-safe: the check-ahead thread has its own, pread only). In a lazily cached version of a store at a URL
 (store/remote_shards.py) a shard not there yet is fetched on this miss: whole for a scan, its sample's byte
-range for a random read.
+range for a random read. Every read first checks that no read lease of the process was lost (store/lease.py: a
+process paused past its lease's margin may have had its version removed by a `store gc` meanwhile).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import numpy as np
 
 from store import integrity
 from store.integrity import DamagedData
+from store.lease import check_held
 
 DEFAULT_MAX_OPEN_SHARDS = 256  # shard files kept open per reader (LRU); the kernel allows ~65k maps a process
 SCAN_RUN = 3  # this many reads in a row from one shard make it a scan: the shard is mapped (random reads pread)
@@ -92,6 +94,7 @@ class ShardFiles:
 
     def pread(self, shard: str, start: int, n: int) -> np.ndarray | str:
         """The n bytes at `start` in a fresh buffer of their own, or what is wrong (the file is short)."""
+        check_held()  # a lease lost while the process was paused: its version's files may be gone, or a mix
         if (self._fetcher is not None and shard not in self._open
                 and not os.path.exists(os.path.join(self._dir_str, shard))):
             got = self._fetch(shard, start, n)
@@ -144,6 +147,7 @@ class ShardFiles:
         read is one pread of the sample's bytes into a fresh buffer that only this sample's tensors reference
         (never reused). A random read in a million-sample store hits one shard of ~20k, so a map would be set up
         and torn down for a single sample, and one large read is what a cold disk serves best."""
+        check_held()
         if self.scans and self._scanning(shard) and (
                 self._fetcher is None or self._fetcher.fetch_whole(shard) is None):  # a scan caches whole shards
             try:

@@ -133,24 +133,35 @@ def _open_job(store_path: str | Path, stage: str, table: str, settings: dict[str
     store = Store(path, create=False)
     # A read lease on the images version (store/lease.py): `store gc` keeps it while this stage reads it.
     lease = hold(store.root, {IMAGES_TABLE: None}, stage)
-    images = store.reader(IMAGES_TABLE, lease.version(IMAGES_TABLE), on_damaged=on_damaged)
-    # The images version's identity (not just its number) goes into the hash: a deleted and rebuilt images
-    # table restarts at v1 with other contents, and must not match features encoded from the old one.
-    images_id = images.view.version_id()
-    lineages = _job_lineages(store, images, images_id, stage, table, settings_hash(settings), model, components,
-                             feature_revision, earlier_hashes, fixes, unread, serving_hashes)
-    repair_context.check(lineages.lineage, table)
-    summary = Summary(stage=stage, table=table, rank=ranks.rank, world_size=ranks.world_size, store=str(path))
-    job = EncodeJob(store=store, images=images, images_id=images_id, lineage=lineages.lineage, ranks=ranks,
-                    summary=summary, feature_lineage=lineages.feature, earlier_lineages=lineages.earlier, lease=lease,
-                    on_damaged=on_damaged, settings=settings, max_damaged_fraction=max_damaged_fraction,
-                    changed_by_fixes=lineages.changed_by_fixes, serving=lineages.serving)
-    weakref.finalize(job, lease.release)
-    found = _reusable_version(job, lineages.hashed_before, fixes, feature_revision)
-    if found is None and ranks.rank == 0 and not repair_context.active():
-        _say_why_new(job)
-    return job, serving_version(store, stage, table, found, on_damaged, say=ranks.rank == 0,
-                                remote_rows=ranks.rank == 0)  # the ranks then agree (`_agreed_plan`)
+    images = job = None
+    try:
+        images = store.reader(IMAGES_TABLE, lease.version(IMAGES_TABLE), on_damaged=on_damaged)
+        # The images version's identity (not just its number) goes into the hash: a deleted and rebuilt images
+        # table restarts at v1 with other contents, and must not match features encoded from the old one.
+        images_id = images.view.version_id()
+        lineages = _job_lineages(store, images, images_id, stage, table, settings_hash(settings), model, components,
+                                 feature_revision, earlier_hashes, fixes, unread, serving_hashes)
+        repair_context.check(lineages.lineage, table)
+        summary = Summary(stage=stage, table=table, rank=ranks.rank, world_size=ranks.world_size, store=str(path))
+        job = EncodeJob(store=store, images=images, images_id=images_id, lineage=lineages.lineage, ranks=ranks,
+                        summary=summary, feature_lineage=lineages.feature, earlier_lineages=lineages.earlier,
+                        lease=lease, on_damaged=on_damaged, settings=settings,
+                        max_damaged_fraction=max_damaged_fraction, changed_by_fixes=lineages.changed_by_fixes,
+                        serving=lineages.serving)
+        weakref.finalize(job, lease.release)
+        found = _reusable_version(job, lineages.hashed_before, fixes, feature_revision)
+        if found is None and ranks.rank == 0 and not repair_context.active():
+            _say_why_new(job)
+        return job, serving_version(store, stage, table, found, on_damaged, say=ranks.rank == 0,
+                                    remote_rows=ranks.rank == 0)  # the ranks then agree (`_agreed_plan`)
+    except BaseException:  # (a model fingerprint that fails, a store error): nothing of this job is left open
+        if job is not None:
+            job.close()
+        else:
+            if images is not None:
+                images.close()
+            lease.release()
+        raise
 
 
 class JobLineages(NamedTuple):

@@ -1,0 +1,173 @@
+"""A reader paused past its lease's margin (SIGSTOP, a suspended VM, a hung mount) may have had its lease judged
+dead, and its version removed, by a `store gc` elsewhere. Its heartbeat, on waking, must never write the lease
+again (before: a URL lease was silently recreated) and the reader stops at its next read with one line instead of
+reading on from a version whose files may be gone (store/lease.lose, check_held). Ages come from the `now=` hooks
+and file mtimes, never from waiting."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from store import Store
+from store import lease, remote_lease
+from store import remote as remote_mod
+from store.remote import open_remote
+from store.remote_sync import push
+from store_samples import fill
+
+AGED = lease.STALE_SECONDS + 120  # older than gc's margin
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return ""
+
+
+def _lease_objects(s3_env) -> list[str]:
+    out = s3_env.client().list_objects_v2(Bucket=s3_env.bucket).get("Contents", [])
+    return [o["Key"] for o in out if "/.leases/" in o["Key"]]
+
+
+# A reader of a URL on "another node" (its lease judged by refresh age, as gc on another host judges it), every
+# shard of v1 in its cache: it could read on for ever from there. Its heartbeat beats every 0.2 s.
+PAUSED_READER = """
+import sys, time
+from pathlib import Path
+from schemas.errors import UserError
+from store import Store, lease, remote_lease
+from store.remote_cache import local_store
+
+lease.host_id = lambda: "another-node-s-kernel"
+remote_lease.REFRESH_SECONDS = 0.2
+reader = Store(local_store(sys.argv[1], ["vae"], Path(sys.argv[2]), whole=True), create=False).reader("vae")
+keys = sorted(reader.keys())
+print("reading", flush=True)
+sys.stdin.readline()  # paused (SIGSTOP), collected, resumed meanwhile
+deadline = time.monotonic() + 120  # a bound for a loaded machine: the loop ends at the first read after the beat
+try:
+    while time.monotonic() < deadline:
+        for k in keys:
+            reader.tensors(k)
+        time.sleep(0.05)
+    print("read on", flush=True)
+except UserError as e:
+    print("stopped:", e, flush=True)
+"""
+
+
+def test_a_url_reader_paused_while_gc_took_its_version_stops_and_never_rewrites_its_lease(
+        s3_env, store: Store, tmp_path: Path, monkeypatch) -> None:
+    from store.remote_gc import collect
+
+    fill(store, 6, tag="a")  # v1
+    push(store.root, s3_env.url())
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.Popen([sys.executable, "-c", PAUSED_READER, s3_env.url(), str(tmp_path / "cache")],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert proc.stdout.readline().strip() == "reading"
+        assert len(_lease_objects(s3_env)) == 1
+        proc.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 120  # a bound for a loaded machine: ends once the stop has landed
+        while _state(proc.pid) != "T" and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert _state(proc.pid) == "T"
+        fill(store, 6, tag="b", start=10)  # v2 current
+        push(store.root, s3_env.url())
+        # gc 16 min later by the server's clock: the stopped reader's lease is stale, v1 and the lease go
+        real_now = remote_mod.Remote.now
+        monkeypatch.setattr(remote_mod.Remote, "now", lambda self: real_now(self) + AGED)
+        messages: list[str] = []
+        collect(s3_env.url(), echo=messages.append)
+        monkeypatch.setattr(remote_mod.Remote, "now", real_now)
+        assert any(m.startswith("remove vae/v1") for m in messages), messages
+        assert _lease_objects(s3_env) == []
+        proc.send_signal(signal.SIGCONT)
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        said = proc.stdout.read()
+        proc.wait(timeout=300)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert said.startswith("stopped: the read lease of this"), said
+    assert "was removed" in said and "vae v1" in said and "Rerun" in said and lease.LEASE_MINUTES_ENV in said, said
+    assert _lease_objects(s3_env) == []  # never written again
+
+
+def test_a_url_lease_found_older_than_the_margin_is_lost_once_a_version_it_names_lost_its_manifest(
+        s3_env, store: Store, monkeypatch) -> None:
+    """Stale but still there: a gc may be removing what it names right now. Refreshed (gc's look before each DELETE
+    keeps it from then on) and then checked: intact, the reader goes on (paused on a host where no gc judged it);
+    a manifest gone (what gc deletes first), it is lost and never written again."""
+    fill(store, 4)
+    push(store.root, s3_env.url())
+    held = remote_lease.hold(open_remote(s3_env.url()), [("vae", 1)], "pipeline train")
+    try:
+        assert held._beat() is True  # fresh: refreshed (conditionally, on S3)
+        assert held._beat(now=held.remote.now() + AGED) is True  # stale, v1 intact: refreshed
+        lease.check_held()
+        s3_env.client().delete_object(Bucket=s3_env.bucket, Key="store/vae/v1/manifest.parquet")  # a gc, midway
+        assert held._beat(now=held.remote.now() + AGED) is False
+        with pytest.raises(lease.LeaseLost, match="was not refreshed for 17 min and vae v1 is gone"):
+            lease.check_held()
+        writes: list[str] = []
+        real_pipe = type(held.remote.fs).pipe_file
+        monkeypatch.setattr(type(held.remote.fs), "pipe_file",
+                            lambda fs, path, *a, **k: writes.append(path) or real_pipe(fs, path, *a, **k))
+        with pytest.raises(lease.LeaseLost):
+            held.add([("vae", 2)])
+        assert writes == []  # never written again
+    finally:
+        held.release()
+    lease.check_held()  # released: a process that goes on reads again
+    assert _lease_objects(s3_env) == []
+
+
+def test_a_shared_file_system_lease_removed_is_lost_and_a_stale_one_refreshed_only_while_intact(
+        store: Store) -> None:
+    fill(store, 6)
+    held = lease.hold(store.root, {"vae": None}, "a reader")
+    reader = store.reader("vae")
+    key = sorted(reader.keys())[0]
+    try:
+        assert held._beat() is True
+        long_ago = time.time() - AGED  # paused past the margin; no gc judged it (it is still there)
+        os.utime(held.path, (long_ago, long_ago))
+        assert held._beat() is True and held.path.stat().st_mtime > long_ago  # v1 intact: refreshed
+        assert reader.tensors(key)
+        held.path.unlink()  # a gc on another host judged it dead
+        assert held._beat() is False and not held.path.exists()  # never written again
+        with pytest.raises(lease.LeaseLost, match="a reader on .* was removed .*vae v1.*Rerun"):
+            reader.tensors(key)
+        with pytest.raises(lease.LeaseLost):
+            held.add("vae", 1)
+        assert not held.path.exists()
+    finally:
+        held.release()
+    assert reader.tensors(key)  # released: the process reads on without it
+    reader.close()
+
+
+def test_a_lease_records_a_longer_margin_that_gc_honours(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv(lease.LEASE_MINUTES_ENV, "120")
+    record = {**lease.Lease(tmp_path, "me").record(), "boot_id": "another-node-s-kernel"}
+    assert record["stale_s"] == 7200
+    now = time.time()
+    assert lease.judge(tmp_path / "a.json", record, now - AGED, now).live  # 17 min: live under its 2 h
+    assert not lease.judge(tmp_path / "a.json", record, now - 7300, now).live
+    monkeypatch.setenv(lease.LEASE_MINUTES_ENV, "1")  # never below the default margin
+    assert lease.stale_seconds() == lease.STALE_SECONDS
+    monkeypatch.setenv(lease.LEASE_MINUTES_ENV, "soon")
+    with pytest.raises(lease.UserError, match="PIPELINE_LEASE_MINUTES='soon' is not a number"):
+        lease.stale_seconds()
