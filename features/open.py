@@ -108,6 +108,13 @@ def _open_features(st, lease, readers: dict[str, TableReader], model: str, model
             f"{section}.max_dropped_fraction to use the rest"
         )
     if not len(joined.keys):
+        fraction = _val_fraction(st, vae)
+        if split == "val" and fraction == 0:  # the split's own setting, not a lack of samples
+            raise UserError(
+                f"the 'val' split is empty in store {st.root} (text v{text.version}, vae v{vae.version}): its "
+                f"images were split with resize.val_fraction: 0, which puts every sample in 'train'; rerun "
+                "resize-bucket (and the encoders) with resize.val_fraction > 0, e.g. 0.1 (`pipeline run all` does)"
+            )
         raise UserError(
             f"the '{split}' split is empty in store {st.root} (text v{text.version}, vae v{vae.version}); "
             "add training samples (resize-bucket puts val_fraction of them in 'val', the rest in 'train')"
@@ -117,6 +124,19 @@ def _open_features(st, lease, readers: dict[str, TableReader], model: str, model
     joined.on_damaged, joined.max_damaged_fraction, joined.section = on_damaged, max_damaged_fraction, section
     joined.lengths = sequence_lengths_of(joined)
     return joined
+
+
+def _val_fraction(st, features: TableReader) -> float | None:
+    """resize.val_fraction of the `images` version a feature table was encoded from (its lineage's upstream; the
+    resize settings its schema records); None when it cannot be told."""
+    from store.manifest_files import read_schema
+
+    version = features.schema.lineage.upstream.get("images")
+    try:
+        resize = read_schema(st.version_dir("images", int(version))).attrs.get("resize") if version else None
+    except Exception:  # only the error's wording depends on it: nothing here may hide the empty split
+        return None
+    return resize.get("val_fraction") if isinstance(resize, dict) else None
 
 
 # (store, split, table versions) whose dropped samples this process has said: an up-to-date check and the read

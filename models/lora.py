@@ -177,7 +177,7 @@ def check_lora_family(transformer, lora: str | Path, data: bytes | None = None) 
     """Refuse (one line) a LoRA whose recorded transformer class is not this transformer's. `data`: the file's
     bytes, already read."""
     try:
-        recorded = _metadata(lora_weight_file(lora), data).get(_CLASS_KEY)
+        recorded = _metadata(lora_weight_file(lora) if data is None else weight_file_name(lora), data).get(_CLASS_KEY)
     except (ValueError, AttributeError):  # bytes that are no safetensors header: read_lora names the file
         return
     now = _transformer_class(transformer)
@@ -267,6 +267,14 @@ def lora_weight_file(lora: str | Path) -> Path:
     return path
 
 
+def weight_file_name(lora: str | Path) -> Path:
+    """The weight file `lora` names, not looked up: its bytes are already read (`data=`), and a checkpoint a
+    training pruned after they were read is loaded from them, not refused as missing (evaluate --all-checkpoints
+    beside a training: pruned while loading is not damaged)."""
+    given = Path(lora)
+    return given if given.suffix == ".safetensors" else given / WEIGHT_NAME
+
+
 def lora_sha256(lora: str | Path) -> str:
     """sha256 of the LoRA's weight file, remembered by `models.file_hashes` (an unchanged file is read once); the
     ranks of a node take turns, so one reads it and the others find it cached."""
@@ -285,7 +293,7 @@ def read_lora(lora: str | Path, data: bytes | None = None) -> tuple[dict[str, to
     `diffusion_model.*`, per-module `.alpha` tensors) go through diffusers' own converter
     (`QwenImagePipeline.lora_state_dict`), which bakes each alpha / rank into the weights: config None, alpha = rank.
     """
-    path = lora_weight_file(lora)
+    path = lora_weight_file(lora) if data is None else weight_file_name(lora)
     try:
         state = load_file(path) if data is None else load_bytes(data)
         meta = _metadata(path, data).get(_METADATA_KEY)

@@ -97,6 +97,12 @@ def check_config(cfg: PipelineConfig) -> Paths:
     from stages.train.settings import validate_config as check_train
 
     paths = required_paths(cfg)
+    if cfg.resize.val_fraction == 0:  # refused, not evaluate skipped: the report is what `run all` is run for
+        raise UserError(
+            "`pipeline run all` ends with evaluate, which reads the 'val' split, and resize.val_fraction: 0 puts "
+            "every sample in 'train' (evaluate would fail after the training): set resize.val_fraction > 0 (e.g. "
+            "0.1; evaluate reads at most evaluate.max_loss_samples of them), or run the stages without evaluate "
+            "(`pipeline run resize-bucket`, `encode-text`, `encode-vae`, `train`)")
     check_resize(cfg.resize)
     check_train(cfg.train)
     return paths
@@ -138,7 +144,8 @@ def evaluate_run(cfg: PipelineConfig, p: Paths) -> StageSummary:
     # launched: always the checkpoints (one LoRA is evaluated in one process), whose list the ranks agree on: a
     # rank whose view of RUN lags and lists none would otherwise take its own way and stop the others
     if kept or launched()[0] > 1:
-        return checkpoints.run(cfg.evaluate, p.store, p.model, kept, p.report, skip_if_done=True)
+        return checkpoints.run(cfg.evaluate, p.store, p.model, kept, p.report, skip_if_done=True,
+                               relist=lambda: kept_checkpoints(p.run))
     return evaluate.run(cfg.evaluate, p.store, p.model, p.lora, p.report, skip_if_done=True)
 
 

@@ -3,6 +3,7 @@ that prints `str(summary)` - the stage's one-line summary - and notes whether th
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 
@@ -24,6 +25,12 @@ def summary_record(stage: str, table: str | None = None, version: int | None = N
     return {"stage": stage, "table": table, "version": version, "encoded": int(encoded), "reused": int(reused),
             "quarantined": int(quarantined), "bytes_written": int(bytes_written), "seconds": round(float(seconds), 3),
             "up_to_date": bool(up_to_date), **extra}
+
+
+def absolute(path: str | Path | None) -> str | None:
+    """A path as a `--json` record names it: resolved, whatever the cwd or the config's spelling (a relative
+    --out gave a relative `report` beside an absolute `best_checkpoint`); None stays None."""
+    return None if path is None else str(Path(path).resolve())
 
 
 def few(keys, most: int = 10) -> str:

@@ -75,7 +75,9 @@ def command(
                     raise UserError(f"no checkpoints to evaluate: {run_path} holds no checkpoints/step-N (train "
                                     "with train.checkpoint_every set, or evaluate one LoRA without --all-checkpoints)")
                 local = _local(store_dir, cache_dir, cache_gb)
-            result = run_checkpoints(cfg.evaluate, local, model_id, kept, report, skip_if_done=True)
+            # relisted at the end: a training beside evaluate writes and prunes checkpoints meanwhile
+            result = run_checkpoints(cfg.evaluate, local, model_id, kept, report, skip_if_done=True,
+                                     relist=lambda: kept_checkpoints(run_path))
         if result is not None:  # under a launcher rank 0 reports; the other ranks computed their share
             emit(result, as_json, model_id)
         return

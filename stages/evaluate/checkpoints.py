@@ -16,7 +16,7 @@ import hashlib
 import json
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -34,7 +34,7 @@ from stages.evaluate.base_images import FOLDER as BASE_IMAGES, extra_prompt_byte
 from stages.evaluate.curves import pick_best
 from stages.evaluate.paired import paired, per_sample, signed
 from store import Store
-from store.loss_array import Axes, LossStore, recorded_setting, recorded_steps
+from store.loss_array import GROUP, Axes, LossStore, recorded_setting, recorded_steps
 
 #: hashed evaluate settings (schemas/config.py declares which) that change the numbers in the array (the others
 #: only change the pictures); device and batch size are throughput: a change keeps the array. on_damaged changes
@@ -276,8 +276,8 @@ def check_and_hash(checkpoints: list[tuple[int, Path]], ranks=None) -> tuple[lis
     for (step, path), g, sha in zip(checkpoints, gone, hashes):
         if g:
             if ranks.main:
-                tqdm.write(f"checkpoint step {step} was removed while evaluate started ({path}; pruned by a "
-                           "running training?): left out")
+                tqdm.write(f"checkpoint step {step} was pruned by the training before it was evaluated ({path}): "
+                           "skipped")
             continue
         kept.append((step, path))
         shas[step] = sha
@@ -322,22 +322,28 @@ class CheckpointsResult:
     evaluated: int = 0  # checkpoints whose losses this run computed
     stage: str = "evaluate"
     seconds: float = 0.0
+    pruned: list[int] = field(default_factory=list)  # steps a training beside evaluate pruned before their turn
+    newer: list[int] = field(default_factory=list)  # steps it wrote meanwhile, not evaluated (a rerun takes them)
 
     @property
     def best(self) -> dict:
         return self.metrics["checkpoints"]["best"]
 
     def to_json(self) -> dict:
-        from schemas.stage import summary_record
+        from schemas.stage import absolute, summary_record
 
         c = self.metrics["checkpoints"]
-        return summary_record(self.stage, seconds=self.seconds, up_to_date=self.up_to_date, report=str(self.report),
-                              val_samples=self.metrics["loss"]["overall"]["n"], losses=c["losses"],
+        # the array beside the report, named absolute: an up-to-date report's recorded path was relative to the cwd
+        # of the run that wrote it
+        return summary_record(self.stage, seconds=self.seconds, up_to_date=self.up_to_date,
+                              report=absolute(self.report), val_samples=self.metrics["loss"]["overall"]["n"],
+                              losses=absolute(self.report.parent / GROUP),
                               checkpoints=c["steps"], checkpoints_evaluated=self.evaluated,
                               best_checkpoint=self.best["path"], best_step=self.best["step"],
                               loss_best=self.best["loss"], loss_base=c["base"]["overall"],
                               best_vs_base=self.best.get("vs_base"), runner_up=self.best.get("runner_up"),
-                              last_step=c["last"]["step"], damaged_samples=sorted(self.metrics["run"]["damaged_samples"]))
+                              last_step=c["last"]["step"], damaged_samples=sorted(self.metrics["run"]["damaged_samples"]),
+                              checkpoints_pruned=self.pruned, checkpoints_newer=self.newer)
 
     def __str__(self) -> str:
         b, c = self.best, self.metrics["checkpoints"]
@@ -345,15 +351,22 @@ class CheckpointsResult:
             head = f"report {self.report.parent} is up to date ({len(c['steps'])} checkpoints)"
         else:
             head = (f"evaluated {self.evaluated} of {len(c['steps'])} checkpoints "
-                    f"({len(c['steps']) - self.evaluated} already in {c['losses']})")
+                    f"({len(c['steps']) - self.evaluated} already in {c['losses']}"
+                    + (f"; {len(self.pruned)} pruned by the training meanwhile, skipped" if self.pruned else "")
+                    + ")")
         sure = ""
         if b.get("vs_base"):  # paired over val samples (reports written before these numbers have none)
             sure = f"; vs base {signed(b['vs_base'])}"
             if b.get("runner_up"):
                 sure += f", next best step {b['runner_up']['step']} {signed(b['runner_up'])}"
             sure += f" (paired over {b['vs_base']['n']} val samples, ± s.e.)"
+        newer = ""
+        if self.newer:
+            n = len(self.newer)
+            newer = (f"; {n} newer checkpoint{'s were' if n > 1 else ' was'} written meanwhile (step "
+                     f"{', '.join(map(str, self.newer))}): rerun to include {'them' if n > 1 else 'it'}")
         return (f"{head}; best checkpoint step {b['step']}: held-out loss {b['loss']:.4f} (base "
-                f"{c['base']['overall']:.4f}{sure}) {b['path']}; report: {self.report}")
+                f"{c['base']['overall']:.4f}{sure}) {b['path']}; report: {self.report}{newer}")
 
 
 def _up_to_date(out: Path, fingerprint: str, checkpoints: list[tuple[int, Path]], shas: dict[int, str],
@@ -431,20 +444,36 @@ def differences(recorded: dict, present: dict, metrics: dict, cfg: EvaluateConfi
     return list(dict.fromkeys(found))
 
 
-def say_recomputed(out: Path, why: list[str]) -> None:
-    """One line: why the report in OUT is computed again (`differences`)."""
+def say_recomputed(out: Path, why: list[str], redone: str = "evaluating again") -> None:
+    """One line: why the report in OUT is computed again (`differences`), and what is (`redone`)."""
     if why:
-        tqdm.write(f"evaluate: the report in {out} is not this run's ({'; '.join(why)}): evaluating again")
+        tqdm.write(f"evaluate: the report in {out} is not this run's ({'; '.join(why)}): {redone}")
+
+
+def redone(out: Path, fingerprint: str, checkpoints: list[tuple[int, Path]], shas: dict[int, str]) -> str:
+    """What a report that is not current costs again: the checkpoints whose losses OUT's loss array of these
+    settings (`fingerprint`) lacks; none when only the report's own settings changed (num_samples, extra
+    prompts: its pictures), the line said "evaluating again" while no checkpoint was."""
+    recorded = recorded_steps(out, fingerprint)
+    if recorded is None:
+        return "evaluating every checkpoint again"
+    todo = [step for step, _ in checkpoints if recorded.get(step) != shas[step]]
+    n = len(checkpoints) - len(todo)
+    kept = f"the losses of {n} checkpoint{'s' if n != 1 else ''} in {out / GROUP} kept"
+    if not todo:
+        return f"writing the report again ({kept}: no checkpoint evaluated again)"
+    return f"evaluating {len(todo)} of {len(checkpoints)} checkpoints ({kept})"
 
 
 # ------------------------------------------------------------------------------------------------ the stage
 
 
 def run(cfg: EvaluateConfig, store: str | Path, model: str, checkpoints: list[tuple[int, Path]], out: str | Path,
-        skip_if_done: bool = False) -> CheckpointsResult | None:
+        skip_if_done: bool = False, relist=None) -> CheckpointsResult | None:
     """Evaluate the base and every (step, LoRA folder) of `checkpoints` into OUT (losses.zarr + the report).
-    Under a launcher the ranks share the loss passes (`stages.evaluate.ranks`); rank 0 returns the result, the
-    others None."""
+    `relist`: lists the run's checkpoints again (a training beside evaluate writes and prunes them meanwhile:
+    `_evaluate_while_training`). Under a launcher the ranks share the loss passes (`stages.evaluate.ranks`);
+    rank 0 returns the result, the others None."""
     from contextlib import ExitStack
 
     from models.collective import together
@@ -458,11 +487,11 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, checkpoints: list[tu
             if ranks.main:  # one evaluate writes a report folder at a time; the second stops naming the first
                 out.mkdir(parents=True, exist_ok=True)
                 held.enter_context(flock(out / REPORT_LOCK, blocking=False, holder=f"the report folder {out}"))
-        return _run(ranks, cfg, store, model, checkpoints, out, skip_if_done)
+        return _run(ranks, cfg, store, model, checkpoints, out, skip_if_done, relist)
 
 
 def _run(ranks, cfg: EvaluateConfig, store: str | Path, model: str, checkpoints: list[tuple[int, Path]], out: Path,
-         skip_if_done: bool) -> CheckpointsResult | None:
+         skip_if_done: bool, relist=None) -> CheckpointsResult | None:
     from models.collective import together
     from stages.evaluate import stage as single
     from stages.evaluate.checkpoint_report import generated_rows, write_checkpoint_report
@@ -475,7 +504,11 @@ def _run(ranks, cfg: EvaluateConfig, store: str | Path, model: str, checkpoints:
     if not checkpoints:
         raise UserError("no checkpoints to evaluate: the run folder holds no checkpoints/step-N "
                         "(train with train.checkpoint_every set, or evaluate one LoRA without --all-checkpoints)")
+    listed = [step for step, _ in checkpoints]
     checkpoints, shas = check_and_hash(checkpoints, ranks)
+    pruned = [step for step in listed if step not in shas]
+    if not checkpoints and relist is not None:  # all pruned already: the ones the training keeps now
+        checkpoints, shas = check_and_hash(agreed_checkpoints(relist(), ranks), ranks)
     if not checkpoints:
         raise UserError("every checkpoint of the run was removed while evaluate started: rerun evaluate")
     # the device and precision every rank computes its share in: one decision of all (a collective, outside
@@ -488,10 +521,10 @@ def _run(ranks, cfg: EvaluateConfig, store: str | Path, model: str, checkpoints:
     if skip_if_done and ranks.main:  # the val split named by content, as the array records it (`read_tables`)
         now, now_settings, earlier = content_fingerprint(cfg, store, model, settings)
         why: list[str] = []
-        done = _up_to_date(out, known_fingerprint(out, now, now_settings, earlier), checkpoints, shas, cfg,
-                           now_settings, why)
+        known = known_fingerprint(out, now, now_settings, earlier)
+        done = _up_to_date(out, known, checkpoints, shas, cfg, now_settings, why)
         if done is None:
-            say_recomputed(out, why)
+            say_recomputed(out, why, redone(out, known, checkpoints, shas))
     if ranks.from_main([int(done is not None)])[0]:
         return CheckpointsResult(done, out / "index.html", up_to_date=True) if ranks.main else None
     with together(ranks.world, "the report folder"):
@@ -514,23 +547,83 @@ def _run(ranks, cfg: EvaluateConfig, store: str | Path, model: str, checkpoints:
         with together(ranks.world, "open the loss array"):
             losses = _open_losses(out, fingerprint, settings, earlier, axes, tables.versions()) if ranks.main else None
         transformer = single.load_transformer(cfg, model, ranks.world)  # the ranks' one attention backend
-        evaluated, attached = _append_missing(ranks, losses, checkpoints, shas, transformer, samples, mine, cfg, load)
+        done = _evaluate_while_training(ranks, losses, checkpoints, shas, transformer, samples, mine, cfg, load,
+                                        fingerprint, relist)
         if not ranks.main:
             return None  # rank 0 summarises, generates and writes the report
-        metrics, best, last = _summary(losses, samples, cfg, fingerprint, checkpoints)
+        evaluated, attached, pruned_meanwhile, newer, (metrics, best, last), held = done
+        pruned = sorted(set(pruned + pruned_meanwhile))
         rows = []
         samples = complete(tables, share, single.pick_samples(samples, cfg.num_samples))  # pictured: in full
         if cfg.num_samples > 0 or cfg.extra_prompts:
             rows = generated_rows(cfg, model, store, tables, transformer, samples, best["path"], best["step"],
                                   last["path"], last["step"], attached, damaged, shas,
-                                  base_cache=(out / BASE_IMAGES, settings))
+                                  base_cache=(out / BASE_IMAGES, settings), held=held)
         metrics["generation"] = single.generation_summary(rows, cfg, model)  # "lora" = the best checkpoint
         metrics["run"] = _run_record(cfg, store, model, tables, samples, damaged, settings, ranks.world,
                                      transformer, precision)
         report = write_checkpoint_report(out, metrics, rows)
         if damaged:
             tqdm.write(f"skipped {len(damaged)} damaged val sample(s): {few(damaged)}")
-        return CheckpointsResult(metrics, report, evaluated=evaluated, seconds=time.perf_counter() - started)
+        return CheckpointsResult(metrics, report, evaluated=evaluated, seconds=time.perf_counter() - started,
+                                 pruned=pruned, newer=newer)
+
+
+def _evaluate_while_training(ranks, losses: LossStore | None, checkpoints: list[tuple[int, Path]],
+                             shas: dict[int, str], transformer, samples, mine: list[int], cfg: EvaluateConfig, load,
+                             fingerprint: str, relist):
+    """Evaluate the checkpoints not in the array, then list the run again (`relist`; None: the list given is all
+    there is): a training beside evaluate writes new checkpoints and prunes old ones meanwhile. When a checkpoint
+    evaluated is still on disk, the summary names the best of those and the newer ones are left to a rerun
+    (named); when every one evaluated was pruned meanwhile, the newer ones are evaluated (newest first) until one
+    is still there. Rank 0 returns (evaluated, attached, pruned steps, newer steps, the summary, the pictured
+    checkpoints' bytes: `held_bytes`); the others None. Every rank takes each turn of the loop together."""
+    listed = {step for step, _ in checkpoints}
+    evaluated, attached, pruned, first = 0, False, [], True
+    while True:
+        n, attached, gone = _append_missing(ranks, losses, checkpoints, shas, transformer, samples, mine, cfg,
+                                            load, attached, first)
+        evaluated, pruned, first = evaluated + n, pruned + gone, False
+        now = agreed_checkpoints(relist(), ranks) if relist is not None else None
+        newer = [c for c in now or [] if c[0] not in listed]
+        on_disk = now if now is not None else checkpoints  # no relist: the list given is all there is
+        summary = held = None
+        if ranks.main:
+            summary, held = _summary_held(losses, samples, cfg, fingerprint, on_disk, shas,
+                                          pictured=cfg.num_samples > 0 or bool(cfg.extra_prompts))
+        if not ranks.from_main([int(summary is None and bool(newer))])[0]:
+            break
+        if ranks.main:
+            tqdm.write(f"every checkpoint evaluated was pruned by the training meanwhile: evaluating the "
+                       f"{len(newer)} it wrote since, newest first")
+        listed |= {step for step, _ in newer}
+        checkpoints, new_shas = check_and_hash(newer, ranks)
+        pruned += [step for step, _ in newer if step not in new_shas]
+        shas.update(new_shas)
+    if not ranks.main:
+        return None
+    if summary is None:
+        raise UserError(f"no checkpoint recorded in {losses.path} is still on disk (pruned by the training while "
+                        "evaluating, and none newer written): rerun evaluate")
+    return evaluated, attached, pruned, sorted(step for step, _ in newer), summary, held
+
+
+def _summary_held(losses: LossStore, samples, cfg: EvaluateConfig, fingerprint: str,
+                  on_disk: list[tuple[int, Path]], shas: dict[int, str], pictured: bool):
+    """`_summary` over the checkpoints still on disk, and the bytes of the best and last it names (`held_bytes`;
+    none read when no picture is made: not `pictured`); one of them pruned before it was read: the summary again
+    without it. (None, None): none left."""
+    while True:
+        summary = _summary(losses, samples, cfg, fingerprint, on_disk)
+        if summary is None:
+            return None, None
+        _, best, last = summary
+        if not pictured:
+            return summary, {}
+        held = held_bytes([best, last], shas)
+        if held is not None:
+            return summary, held
+        on_disk = [c for c in on_disk if not _gone(c[1])]
 
 
 def _open_losses(out: Path, fingerprint: str, settings: dict, earlier: list[dict], axes: Axes,
@@ -590,16 +683,48 @@ def _load_if_unchanged(transformer, path: Path, sha: str, scale: float, attached
     return True  # `data` is freed here, before the checkpoint's loss pass
 
 
-def use_recorded(transformer, path: Path, step: int, sha: str | None, scale: float, attached: bool) -> None:
+def use_recorded(transformer, path: Path, step: int, sha: str | None, scale: float, attached: bool,
+                 data: bytes | None = None) -> None:
     """The checkpoint's weights for its pictures, when they are the bytes its losses were recorded under (`sha`;
     None: not hashed this run); else one line: the images of a rewritten checkpoint (a training restarted into
-    the run beside evaluate) would sit under numbers of other weights."""
-    if sha is None:
+    the run beside evaluate) would sit under numbers of other weights. `data`: its bytes, read and compared with
+    `sha` when the summary named it (`held_bytes`): a training pruning it since does not take its pictures."""
+    if data is not None:
+        use_checkpoint(transformer, path, scale, attached, data)
+    elif sha is None:
         use_checkpoint(transformer, path, scale, attached)
     elif not _load_if_unchanged(transformer, path, sha, scale, attached):
-        raise UserError(f"checkpoint step {step} was rewritten after its held-out loss was computed ({path}; by a "
-                        "running training?): its images would not show the weights evaluated; rerun evaluate "
-                        "once the training has stopped writing it")
+        raise _rewritten(step, path)
+
+
+def _rewritten(step: int, path: Path) -> UserError:
+    return UserError(f"checkpoint step {step} was rewritten after its held-out loss was computed ({path}; by a "
+                     "running training?): its images would not show the weights evaluated; rerun evaluate "
+                     "once the training has stopped writing it")
+
+
+def held_bytes(points: list[dict], shas: dict[int, str]) -> dict[int, bytes] | None:
+    """The LoRA bytes of the checkpoints the summary names for pictures (best, last: `points`), read now and
+    held until their images are made: a training beside evaluate that prunes one meanwhile (while the base
+    images are made) does not stop evaluate. None when one is gone already (the summary is taken again without
+    it); a file whose bytes are not the ones evaluated is refused (`_rewritten`)."""
+    from models.lora import lora_weight_file
+    from stages.evaluate.lora_bytes import read_for_load
+
+    held = {}
+    for p in points:
+        if p["step"] in held:
+            continue
+        try:
+            data, sha = read_for_load(lora_weight_file(p["path"]))
+        except (UserError, OSError):
+            if _gone(p["path"]):
+                return None
+            raise
+        if p["step"] in shas and sha != shas[p["step"]]:
+            raise _rewritten(p["step"], p["path"])
+        held[p["step"]] = data
+    return held
 
 
 def _grid(ranks, transformer, samples, mine: list[int], seeds: list[int], sigmas: list[float], batch_size: int,
@@ -619,9 +744,10 @@ def _grid(ranks, transformer, samples, mine: list[int], seeds: list[int], sigmas
     return ranks.full_grid(part, mine, len(samples))
 
 
-def _plan(losses: LossStore, checkpoints: list[tuple[int, Path]], shas: dict[int, str]) -> list[int]:
-    """Rank 0's decisions as integers: [base recorded, then per checkpoint whether it is to be evaluated]."""
-    if losses.kept_aside is not None:
+def _plan(losses: LossStore, checkpoints: list[tuple[int, Path]], shas: dict[int, str], first: bool) -> list[int]:
+    """Rank 0's decisions as integers: [base recorded, then per checkpoint whether it is to be evaluated].
+    `first`: the checkpoints listed at the start (later ones: written by the training meanwhile)."""
+    if losses.kept_aside is not None and first:
         tqdm.write(f"{losses.aside_reason}: the earlier losses are kept in {losses.kept_aside}; every checkpoint "
                    "is evaluated again")
     recorded = losses.steps()
@@ -637,19 +763,22 @@ def _plan(losses: LossStore, checkpoints: list[tuple[int, Path]], shas: dict[int
 
 
 def _append_missing(ranks, losses: LossStore | None, checkpoints: list[tuple[int, Path]], shas: dict[int, str],
-                    transformer, samples, mine: list[int], cfg: EvaluateConfig, load=None) -> tuple[int, bool]:
+                    transformer, samples, mine: list[int], cfg: EvaluateConfig, load=None, attached: bool = False,
+                    first: bool = True) -> tuple[int, bool, list[int]]:
     """The base's grid (once) and each checkpoint not yet in the array, one append each (rank 0; `losses` is None
-    on the others). Returns (how many checkpoints were evaluated now, whether the adapter is attached to
-    `transformer`)."""
+    on the others), the newest first: a training beside evaluate prunes the oldest (train.keep_checkpoints), so
+    the newest are the ones still there when their turn comes (the array's order is no order: every reader sorts
+    by step). Returns (how many checkpoints were evaluated now, whether the adapter is attached to `transformer`,
+    the steps pruned before they could be loaded)."""
     from models.collective import together
     from stages.evaluate import stage as single
 
     plan = [0] * (len(checkpoints) + 1)
     with together(ranks.world, "the loss array"):
         if ranks.main:
-            plan = _plan(losses, checkpoints, shas)
+            plan = _plan(losses, checkpoints, shas, first)
     plan = ranks.from_main(plan)
-    todo = [c for c, flag in zip(checkpoints, plan[1:]) if flag]
+    todo = sorted((c for c, flag in zip(checkpoints, plan[1:]) if flag), key=lambda c: c[0], reverse=True)
     seeds, sigmas = list(cfg.noise_seeds), [float(t) for t in cfg.timesteps]
     base = None
     if not plan[0]:  # before any adapter exists: the plain model
@@ -663,7 +792,7 @@ def _append_missing(ranks, losses: LossStore | None, checkpoints: list[tuple[int
             # A non-finite base loss means bad stored features (evaluate.on_nonfinite=stop names them): stop
             # before the checkpoints are evaluated, not after all of them
             single.finite_samples(samples, {"base": base}, cfg)
-    attached, evaluated = False, 0
+    evaluated, pruned = 0, []
     for step, path in tqdm(todo, desc="checkpoints", unit="ckpt", disable=not ranks.main):
         changed = 0
         with together(ranks.world, f"load checkpoint step {step}"):
@@ -679,10 +808,15 @@ def _append_missing(ranks, losses: LossStore | None, checkpoints: list[tuple[int
                     raise
                 changed = 2
         changed = ranks.any([changed])[0]  # left out on every rank when any rank saw it change
+        if changed == 2:
+            pruned.append(step)
+            if ranks.main:
+                tqdm.write(f"checkpoint step {step} was pruned by the training before it was evaluated ({path}): "
+                           "skipped")
+            continue
         if changed:
             if ranks.main:
-                what = "was removed" if changed == 2 else "was rewritten"
-                tqdm.write(f"checkpoint step {step} {what} while evaluating ({path}; by a running training?): "
+                tqdm.write(f"checkpoint step {step} was rewritten while evaluating ({path}; by a running training?): "
                            "left out; rerun evaluate to evaluate what is there now")
             continue
         grid = _grid(ranks, transformer, samples, mine, seeds, sigmas, cfg.batch_size,
@@ -691,7 +825,7 @@ def _append_missing(ranks, losses: LossStore | None, checkpoints: list[tuple[int
             if ranks.main:
                 losses.append(step, str(Path(path).resolve()), shas[step], grid, training_of(path))
         evaluated += 1
-    return evaluated, attached
+    return evaluated, attached, pruned
 
 
 def _other_runs(losses: LossStore, checkpoints: list[tuple[int, Path]]) -> bool:
@@ -721,8 +855,9 @@ def _other_trainings(losses: LossStore, checkpoints: list[tuple[int, Path]]) -> 
 
 
 def _summary(losses: LossStore, samples, cfg: EvaluateConfig, fingerprint: str,
-             checkpoints: list[tuple[int, Path]]) -> tuple[dict, dict, dict]:
-    """metrics.json's loss and checkpoints sections, the best and the last checkpoint still on disk.
+             checkpoints: list[tuple[int, Path]]) -> tuple[dict, dict, dict] | None:
+    """metrics.json's loss and checkpoints sections, the best and the last checkpoint still on disk; None when no
+    checkpoint recorded is still on disk.
 
     "Still on disk" = among `checkpoints` (the run's kept ones now, named by their present paths): a checkpoint
     pruned since keeps its point on the curves; a run folder moved since keeps its numbers (same bytes).
@@ -741,9 +876,8 @@ def _summary(losses: LossStore, samples, cfg: EvaluateConfig, fingerprint: str,
     per_step = step_summaries(base, grids, [bucket_of(s) for s in samples], [has_two_regions(s) for s in samples])
     overall = [s["overall"] for s in per_step["steps"]]
     alive = [i for i, step in enumerate(steps) if step in present and Path(present[step]).exists()]  # pruned meanwhile
-    if not alive:
-        raise UserError(f"no checkpoint recorded in {losses.path} is still on disk (removed while evaluating?): "
-                        "rerun evaluate")
+    if not alive:  # every one evaluated was pruned meanwhile: the caller evaluates newer ones, or says so
+        return None
     best_i = pick_best([steps[i] for i in alive], [overall[i] for i in alive])
     if best_i is None:
         raise UserError(f"no checkpoint in {losses.path} has a finite held-out loss; check the run's training loss")

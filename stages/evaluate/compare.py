@@ -81,6 +81,8 @@ def _kept(reference: np.ndarray) -> np.ndarray:
 def read_curves(path: str | Path, label: str) -> RunCurves:
     group = find_group(path)
     ds = open_dataset(group)
+    if ds.sizes.get("step"):  # evaluate appends the newest checkpoints first (checkpoints.py `_append_missing`)
+        ds = ds.sortby("step")
     settings = dict(ds.attrs.get("settings", {}))
     loss = ds.loss.values.astype(np.float64)  # [step, sample, seed, sigma, region]
     base = ds.base_loss.values.astype(np.float64) if "base_loss" in ds else np.full(loss.shape[1:], np.nan)
@@ -282,8 +284,10 @@ class CompareResult:
     up_to_date: bool = False
 
     def to_json(self) -> dict:
-        return {"stage": self.stage, "report": str(self.report), "csv": str(self.csv),
-                "runs": [{"label": r.label, "group": str(r.group), "best_step": r.steps[r.best] if r.best is not None
+        from schemas.stage import absolute
+
+        return {"stage": self.stage, "report": absolute(self.report), "csv": absolute(self.csv),
+                "runs": [{"label": r.label, "group": absolute(r.group), "best_step": r.steps[r.best] if r.best is not None
                           else None, "best_checkpoint": r.checkpoints[r.best] if r.best is not None else None,
                           "best_loss": r.overall[r.best] if r.best is not None else None} for r in self.runs]}
 

@@ -462,10 +462,10 @@ class EvaluateResult:
     damaged: dict[str, str] | None = None  # evaluate.on_damaged=skip: samples left out, key -> problem
 
     def to_json(self) -> dict:
-        from schemas.stage import summary_record
+        from schemas.stage import absolute, summary_record
 
         loss = self.metrics.get("loss", {}).get("overall", {})
-        return summary_record(self.stage, seconds=self.seconds, up_to_date=self.up_to_date, report=str(self.report),
+        return summary_record(self.stage, seconds=self.seconds, up_to_date=self.up_to_date, report=absolute(self.report),
                               val_samples=loss.get("n"), loss_base=loss.get("base"), loss_lora=loss.get("lora"),
                               damaged_samples=sorted(self.damaged or {}))
 

@@ -34,13 +34,13 @@ class TrainResult:
     init_lora: str | None = None  # train.init_lora this run started from (not a resume)
 
     def to_json(self) -> dict:
-        from schemas.stage import summary_record
+        from schemas.stage import absolute, summary_record
 
         return summary_record(self.stage, seconds=self.seconds, up_to_date=self.up_to_date, steps=self.steps,
-                              start_step=self.start_step, lora=str(self.lora_dir),
+                              start_step=self.start_step, lora=absolute(self.lora_dir),
                               loss_first=self.losses[0] if self.losses else None,
                               loss_last=self.losses[-1] if self.losses else None, data=self.data,
-                              kept_previous=str(self.kept_previous) if self.kept_previous else None)
+                              kept_previous=absolute(self.kept_previous))
 
     def __str__(self) -> str:
         if self.up_to_date:

@@ -225,3 +225,17 @@ def test_run_all_after_adding_a_sample_keeps_the_old_run_and_trains_afresh(tiny_
     assert out.exit_code == 0, out.output
     rec = json.loads(out.stdout.strip().splitlines()[-1])
     assert rec["kept_previous"] is None and rec["steps"] == 2 and (run / "lora").is_dir()
+
+
+def test_run_all_with_no_val_split_is_refused_before_any_stage(tmp_path):
+    """resize.val_fraction: 0 leaves evaluate (the last stage) no val sample: before, `run all` resized, encoded
+    and trained, then failed at evaluate ('the val split is empty ... add training samples'). Now a usage
+    mistake naming the setting, before anything is read or written."""
+    config = _config(tmp_path, str(tmp_path / "no-model"))
+    cfg = yaml.safe_load(config.read_text())
+    cfg["resize"]["val_fraction"] = 0.0
+    config.write_text(yaml.safe_dump(cfg))
+    result = CliRunner().invoke(app, ["run", "all", "--config", str(config)])
+    assert result.exit_code == 2, result.output
+    assert "resize.val_fraction: 0" in result.output and "Traceback" not in result.output
+    assert not (tmp_path / "store").exists() and not (tmp_path / "run").exists()

@@ -58,7 +58,7 @@ def test_best_checkpoint_known_by_construction_and_zarr_reads_in_xarray(run_and_
     assert "step 20" in str(res) and res.best["path"] in str(res)
     assert res.to_json()["best_checkpoint"] == res.best["path"]
 
-    ds = xr.open_zarr(out / GROUP)
+    ds = xr.open_zarr(out / GROUP).sortby("step")  # appended newest first
     assert ds.loss.dims == ("step", "sample", "seed", "sigma", "region")
     assert ds.base_loss.dims == ("sample", "seed", "sigma", "region")
     assert list(ds.step.values) == [10, 20, 30] and list(ds.region.values) == ["all", "inside", "outside"]
@@ -96,7 +96,7 @@ from stages.evaluate import checkpoints as ev
 
 real, commits = zarr.consolidate_metadata, []
 
-def dies_at_fourth_commit(path, *a, **k):  # group created, base, step 10; then SIGKILL: step 20 written, no commit
+def dies_at_fourth_commit(path, *a, **k):  # group created, base, step 30 (newest first); SIGKILL: step 20 written
     commits.append(path)
     if len(commits) == 4:
         os.kill(os.getpid(), signal.SIGKILL)
@@ -125,14 +125,14 @@ def test_killed_append_leaves_a_readable_array_and_the_rerun_completes_it(run_an
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
     assert (out / GROUP / "loss" / "c" / "1").exists()  # step 20's chunk is on disk, beyond the committed shape
     ds = xr.open_zarr(out / GROUP)
-    assert list(ds.step.values) == [10]  # the partial step 20 is not part of the array
+    assert list(ds.step.values) == [30]  # the partial step 20 is not part of the array
     assert np.isfinite(ds.loss.sel(region="all").values).all()
     first = ds.loss.values.copy()
 
     res = ev.run(EvaluateConfig(**CFG), root / "store", tiny_edit_model, _ckpts(root), out)
     assert res.evaluated == 2 and res.best["step"] == 20
     ds = xr.open_zarr(out / GROUP)
-    assert list(ds.step.values) == [10, 20, 30]
+    assert list(ds.step.values) == [30, 20, 10]  # the rerun appends the missing ones, newest first
     np.testing.assert_array_equal(ds.loss.values[:1], first)
 
 
@@ -272,10 +272,11 @@ def test_a_checkpoint_with_non_finite_losses_on_some_samples_is_never_the_best(r
     root, out = run_and_store, tmp_path / "report"
     ev.run(EvaluateConfig(**CFG), root / "store", tiny_edit_model, _ckpts(root), out)
     group = zarr.open_group(out / GROUP, mode="r+", use_consolidated=True)
-    assert [int(s) for s in group["step"][:]] == [10, 20, 30]
+    steps = [int(s) for s in group["step"][:]]
+    assert sorted(steps) == [10, 20, 30]
     diverged = np.asarray(group["base_loss"][:]) * 0.5  # half the base's loss on every row ...
     diverged[0] = np.inf  # ... but inf on every row of one sample
-    group["loss"][0] = diverged.astype("float32")
+    group["loss"][steps.index(10)] = diverged.astype("float32")
 
     res = ev.run(EvaluateConfig(**CFG), root / "store", tiny_edit_model, _ckpts(root), out)
     assert res.evaluated == 0  # the recorded numbers, summarised again
@@ -330,7 +331,7 @@ def test_a_checkpoint_lora_damaged_after_its_commit_is_refused_naming_it(run_and
             ev.run(EvaluateConfig(**CFG), run_and_store / "store", tiny_edit_model, ckpts, out, **kwargs)
         assert "\n" not in str(e.value) and "checkpoint step 20" in str(e.value)
     assert not [p for p in out.iterdir() if p.name.startswith("losses.") and p.name != GROUP]  # nothing put aside
-    assert list(xr.open_zarr(out / GROUP).step.values) == [10, 20, 30]
+    assert sorted(xr.open_zarr(out / GROUP).step.values) == [10, 20, 30]
 
 
 def test_a_moved_run_folder_keeps_its_losses_and_names_the_checkpoints_where_they_are(run_and_store,
@@ -444,9 +445,9 @@ def test_another_runs_checkpoints_in_the_same_report_folder_start_a_new_array(ru
                  [(s, b / f"step-{s}" / "lora") for s in (40, 50)], out)
     assert res.metrics["checkpoints"]["steps"] == [40, 50] and res.evaluated == 2
     assert res.best["step"] == 40 and res.best["path"].startswith(str(b.resolve()))
-    assert list(xr.open_zarr(out / GROUP).step.values) == [40, 50]
+    assert sorted(xr.open_zarr(out / GROUP).step.values) == [40, 50]
     kept = [p for p in out.iterdir() if p.name.startswith("losses.") and p.name != GROUP]
-    assert len(kept) == 1 and list(xr.open_zarr(kept[0]).step.values) == [10, 20, 30]
+    assert len(kept) == 1 and sorted(xr.open_zarr(kept[0]).step.values) == [10, 20, 30]
 
 
 def test_a_run_trained_afresh_into_the_same_folder_does_not_inherit_the_old_runs_steps(run_and_store,
@@ -477,7 +478,7 @@ def test_a_run_trained_afresh_into_the_same_folder_does_not_inherit_the_old_runs
     assert res.metrics["checkpoints"]["steps"] == [5] and res.evaluated == 1
     assert list(xr.open_zarr(out / GROUP).step.values) == [5]
     kept = [p for p in out.iterdir() if p.name.startswith("losses.") and p.name != GROUP]
-    assert len(kept) == 1 and list(xr.open_zarr(kept[0]).step.values) == [10, 20, 30]
+    assert len(kept) == 1 and sorted(xr.open_zarr(kept[0]).step.values) == [10, 20, 30]
 
 
 def test_a_run_resumed_under_a_later_release_keeps_its_pruned_steps(run_and_store, tiny_edit_model, tmp_path):
@@ -741,3 +742,21 @@ def test_a_removed_best_checkpoint_makes_the_report_out_of_date(run_and_store, t
     # the report rewritten: up to date again
     assert ev.run(EvaluateConfig(**CFG), root / "store", tiny_edit_model, [copies[0], copies[2]], out,
                   skip_if_done=True).up_to_date
+
+
+def test_json_names_every_path_absolute_with_a_relative_out(run_and_store, tiny_edit_model, tmp_path, monkeypatch):
+    """--out given relative: `report` and `losses` (on an up-to-date rerun too, where `losses` came from the
+    recorded metrics.json) were relative while `best_checkpoint` was absolute; every path is absolute now."""
+    root = run_and_store
+    monkeypatch.chdir(tmp_path)
+    args = ["run", "evaluate", "--all-checkpoints", "--run", str(root / "run"), "--store", str(root / "store"),
+            "--model", tiny_edit_model, "--out", "report", "--json", "--num-samples", "0",
+            "--set", "evaluate.noise_seeds=[0]", "--set", "evaluate.timesteps=[0.5]"]
+    for up_to_date in (False, True):
+        res = CliRunner().invoke(app, args)
+        assert res.exit_code == 0, res.output
+        record = json.loads(res.stdout.strip().splitlines()[-1])
+        assert record["up_to_date"] == up_to_date
+        paths = {k: record[k] for k in ("report", "losses", "best_checkpoint")}
+        assert all(Path(p).is_absolute() and Path(p).exists() for p in paths.values()), paths
+        assert paths["report"] == str(tmp_path.resolve() / "report" / "index.html")

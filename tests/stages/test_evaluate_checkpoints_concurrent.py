@@ -4,7 +4,10 @@ the others are evaluated, and no number is recorded under a hash of bytes other 
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,8 +27,9 @@ def _copy_run(run_and_store, tmp_path):
     return root
 
 
-def _while_step_10_is_evaluated(monkeypatch, action):
-    """Run `action` while the held-out loss of the first checkpoint (step 10) is computed (the base is first)."""
+def _while_the_first_is_evaluated(monkeypatch, action):
+    """Run `action` while the held-out loss of the first checkpoint evaluated (the newest, step 30) is computed
+    (the base is first)."""
     real, calls = ev.loss_grid, []
 
     def loss_grid(*a, **k):
@@ -40,14 +44,16 @@ def _while_step_10_is_evaluated(monkeypatch, action):
 def test_a_checkpoint_pruned_while_evaluating_is_left_out_and_the_others_are_evaluated(
         run_and_store, tiny_edit_model, tmp_path, monkeypatch, capsys):
     root = _copy_run(run_and_store, tmp_path)
-    _while_step_10_is_evaluated(monkeypatch, lambda: shutil.rmtree(root / "run" / "checkpoints" / "step-20"))
+    _while_the_first_is_evaluated(monkeypatch, lambda: shutil.rmtree(root / "run" / "checkpoints" / "step-20"))
     res = ev.run(EvaluateConfig(**CFG), run_and_store / "store", tiny_edit_model, _ckpts(root), tmp_path / "r")
     assert res.evaluated == 2
     assert res.metrics["checkpoints"]["steps"] == [10, 30]
     assert res.best["step"] == 30  # the zero LoRA (= the base) beats the far one; step 20 is gone
     err = "".join(capsys.readouterr())
-    assert "checkpoint step 20 was removed while evaluating" in err
-    assert list(xr.open_zarr(tmp_path / "r" / GROUP).step.values) == [10, 30]
+    assert "checkpoint step 20 was pruned by the training before it was evaluated" in err
+    assert res.pruned == [20] and "1 pruned by the training meanwhile, skipped" in str(res)
+    # appended newest first (the ones a training prunes last); sorted, the steps evaluated
+    assert list(xr.open_zarr(tmp_path / "r" / GROUP).sortby("step").step.values) == [10, 30]
 
 
 def test_a_checkpoint_pruned_while_hashing_is_left_out(run_and_store, tiny_edit_model, tmp_path, monkeypatch,
@@ -63,27 +69,27 @@ def test_a_checkpoint_pruned_while_hashing_is_left_out(run_and_store, tiny_edit_
     monkeypatch.setattr(ev, "lora_digest", lora_digest)
     res = ev.run(EvaluateConfig(**CFG), run_and_store / "store", tiny_edit_model, _ckpts(root), tmp_path / "r")
     assert res.metrics["checkpoints"]["steps"] == [10, 30]
-    assert "checkpoint step 20 was removed while evaluate started" in "".join(capsys.readouterr())
+    assert "checkpoint step 20 was pruned by the training before it was evaluated" in "".join(capsys.readouterr())
 
 
 def test_a_checkpoint_rewritten_while_evaluating_is_not_recorded_under_its_old_hash(
         run_and_store, tiny_edit_model, tmp_path, monkeypatch, capsys):
-    """Step 30 (a zero LoRA when hashed) is rewritten with step 10's far weights before it is loaded (a training
+    """Step 10 (a far LoRA when hashed) is rewritten with step 30's zero weights before it is loaded (a training
     restarted into the run folder). Before, its losses were those of the new bytes recorded under the old bytes'
-    hash: the report showed step 30 as bad as step 10, and a rerun found the array 'up to date' for the file."""
+    hash: the report showed step 10 as good as step 30, and a rerun found the array 'up to date' for the file."""
     root = _copy_run(run_and_store, tmp_path)
     ck = root / "run" / "checkpoints"
-    _while_step_10_is_evaluated(monkeypatch, lambda: shutil.copyfile(ck / "step-10" / "lora" / WEIGHTS,
-                                                                     ck / "step-30" / "lora" / WEIGHTS))
+    _while_the_first_is_evaluated(monkeypatch, lambda: shutil.copyfile(ck / "step-30" / "lora" / WEIGHTS,
+                                                                       ck / "step-10" / "lora" / WEIGHTS))
     out = tmp_path / "r"
     res = ev.run(EvaluateConfig(**CFG), run_and_store / "store", tiny_edit_model, _ckpts(root), out)
-    assert res.metrics["checkpoints"]["steps"] == [10, 20]
-    assert "checkpoint step 30 was rewritten while evaluating" in "".join(capsys.readouterr())
+    assert res.metrics["checkpoints"]["steps"] == [20, 30]
+    assert "checkpoint step 10 was rewritten while evaluating" in "".join(capsys.readouterr())
     monkeypatch.undo()
     again = ev.run(EvaluateConfig(**CFG), run_and_store / "store", tiny_edit_model, _ckpts(root), out)
     assert again.evaluated == 1 and again.metrics["checkpoints"]["steps"] == [10, 20, 30]
     per_step = again.metrics["checkpoints"]["per_step"]
-    np.testing.assert_allclose(per_step[2]["overall"], per_step[0]["overall"], rtol=1e-6)  # its bytes now: step 10's
+    np.testing.assert_allclose(per_step[0]["overall"], per_step[2]["overall"], rtol=1e-6)  # its bytes now: step 30's
 
 
 def test_a_truncated_unsealed_checkpoint_stops_naming_its_step_and_what_to_do(run_and_store, tiny_edit_model,
@@ -203,4 +209,108 @@ def test_the_best_checkpoint_rewritten_before_its_images_is_refused_not_pictured
     with pytest.raises(UserError, match="checkpoint step 20 was rewritten after its held-out loss") as e:
         ev.run(cfg, run_and_store / "store", tiny_edit_model, _ckpts(root), tmp_path / "r")
     assert "\n" not in str(e.value)
-    assert list(xr.open_zarr(tmp_path / "r" / GROUP).step.values) == [10, 20, 30]  # the losses are kept
+    assert list(xr.open_zarr(tmp_path / "r" / GROUP).sortby("step").step.values) == [10, 20, 30]  # kept
+
+
+# ---- evaluate beside a fast training (train.checkpoint_every=2, keep_checkpoints small): it prunes the oldest
+# checkpoints and writes new ones while evaluate runs. Pruned ones are skipped with a line, never a failure.
+
+
+def _cli(root, store, model, out, as_json: bool = True):
+    """`pipeline run evaluate --all-checkpoints --run ROOT/run [--json]`, in this process (its hooks apply)."""
+    from typer.testing import CliRunner
+
+    from pipeline.cli import app
+
+    args = ["run", "evaluate", "--all-checkpoints", "--run", str(root / "run"), "--store", str(store), "--model",
+            model, "--out", str(out), "--num-samples", "0", *(["--json"] if as_json else []),
+            *[x for k, v in {"evaluate.noise_seeds": "[0, 1]", "evaluate.timesteps": "[0.3, 0.7]"}.items()
+              for x in ("--set", f"{k}={v}")]]
+    res = CliRunner().invoke(app, args)
+    return res, (json.loads(res.stdout.strip().splitlines()[-1]) if res.exit_code == 0 and as_json else None)
+
+
+def _training_meanwhile(monkeypatch, at_call: int, new_steps: list[int], keep: int, ck):
+    """At the `at_call`-th loss pass (1 = the base), once: the training writes checkpoints `new_steps` (copies of
+    step 20, a zero LoRA, with its sealed resume.json) and prunes to its newest `keep`, as train does."""
+    from stages.train.state import prune
+
+    def training():
+        for step in new_steps:
+            shutil.copytree(ck / "step-20", ck / f"step-{step}")
+        prune(ck, keep)
+
+    real, calls = ev.loss_grid, []
+
+    def loss_grid(*a, **k):
+        calls.append(1)
+        if len(calls) == at_call:
+            training()
+        return real(*a, **k)
+
+    monkeypatch.setattr(ev, "loss_grid", loss_grid)
+
+
+def test_every_checkpoint_evaluated_pruned_meanwhile_evaluates_the_newer_ones(run_and_store, tiny_edit_model,
+                                                                               tmp_path, monkeypatch):
+    """The training prunes every checkpoint evaluate listed (10, 20, 30) while the last is evaluated, and writes
+    steps 40 and 50. Before, evaluate ended rc 1 ('no checkpoint recorded ... is still on disk') after its work;
+    now it lists the run again, evaluates the newer ones (newest first) and names the best still on disk."""
+    root = _copy_run(run_and_store, tmp_path)
+    ck = root / "run" / "checkpoints"
+    _training_meanwhile(monkeypatch, 4, [40, 50], 2, ck)  # base, 30, 20, then 10's pass: 10..30 pruned
+    res, record = _cli(root, run_and_store / "store", tiny_edit_model, tmp_path / "r")
+    assert res.exit_code == 0, res.output
+    assert record["checkpoints"] == [10, 20, 30, 40, 50] and record["checkpoints_evaluated"] == 5
+    assert record["best_step"] in (40, 50) and Path(record["best_checkpoint"]).is_dir()
+    assert record["checkpoints_pruned"] == [] and record["checkpoints_newer"] == []
+    assert "every checkpoint evaluated was pruned by the training meanwhile: evaluating the 2" in res.output
+
+
+@pytest.mark.parametrize("as_json", [True, False])
+def test_a_checkpoint_pruned_before_its_turn_is_skipped_and_newer_ones_are_named(as_json, run_and_store,
+                                                                                 tiny_edit_model, tmp_path,
+                                                                                 monkeypatch):
+    """While the newest (step 30) is evaluated, the training writes step 40 and prunes step 10: step 10 is skipped
+    with a line and counted, the others kept, and step 40 named for a rerun (before: evaluated oldest first, and
+    the newer checkpoint went unsaid)."""
+    root = _copy_run(run_and_store, tmp_path)
+    ck = root / "run" / "checkpoints"
+    _training_meanwhile(monkeypatch, 2, [40], 3, ck)
+    res, record = _cli(root, run_and_store / "store", tiny_edit_model, tmp_path / "r", as_json)
+    assert res.exit_code == 0, res.output
+    assert "checkpoint step 10 was pruned by the training before it was evaluated" in res.output
+    metrics = json.loads((tmp_path / "r" / "metrics.json").read_text())["checkpoints"]
+    assert metrics["steps"] == [20, 30] and metrics["best"]["step"] == 20
+    if as_json:
+        assert record["checkpoints_pruned"] == [10] and record["checkpoints_newer"] == [40]
+    else:
+        assert "(0 already in" in res.output and "; 1 pruned by the training meanwhile, skipped)" in res.output
+        assert "; 1 newer checkpoint was written meanwhile (step 40): rerun to include it" in res.output
+
+
+def test_a_checkpoint_pruned_while_its_bytes_are_loaded_is_evaluated_from_them_not_refused(
+        run_and_store, tiny_edit_model, tmp_path, monkeypatch, capsys):
+    """The training prunes step 30 right after evaluate read its bytes (mid-load): the bytes read whole are the
+    ones hashed, so step 30 is evaluated from them (kept on the curve, no longer on disk: not the best), not
+    refused as damaged nor thrown away. Before, loading looked the file up again and left step 30 out."""
+    from stages.evaluate import lora_bytes
+
+    root = _copy_run(run_and_store, tmp_path)
+    ck = root / "run" / "checkpoints"
+    real = lora_bytes.read_for_load
+
+    def read_then_pruned(path):
+        out = real(path)
+        if "step-30" in str(path) and (ck / "step-30").exists():  # as train prunes: rename away, then remove
+            os.rename(ck / "step-30", ck / ".step-30.deleting")
+            shutil.rmtree(ck / ".step-30.deleting")
+        return out
+
+    monkeypatch.setattr(lora_bytes, "read_for_load", read_then_pruned)
+    res = ev.run(EvaluateConfig(**CFG), run_and_store / "store", tiny_edit_model, _ckpts(root), tmp_path / "r")
+    c = res.metrics["checkpoints"]
+    assert c["steps"] == [10, 20, 30] and c["on_disk"] == [True, True, False] and res.best["step"] == 20
+    assert res.pruned == [] and res.evaluated == 3
+    err = "".join(capsys.readouterr())
+    assert "damaged" not in err and "changed after it was written" not in err

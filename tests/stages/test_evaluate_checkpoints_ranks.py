@@ -66,6 +66,8 @@ def test_two_ranks_give_the_one_process_numbers(run_and_store, tiny_edit_model, 
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("best checkpoint step 20") == 1  # rank 0 reports, once
     a, b = xr.open_zarr(tmp_path / "one" / GROUP), xr.open_zarr(tmp_path / "two" / GROUP)
+    b = b.sortby("step")  # appended newest first, as one process appends them: `a` is sorted the same way
+    a = a.sortby("step")
     assert list(b.step.values) == [10, 20, 30] and list(b.sample.values) == list(a.sample.values)
     # other batches (each rank batches its half): float rounding only; NaN (no two-region mask) where it was
     np.testing.assert_allclose(b.loss.values, a.loss.values, rtol=1e-5, atol=1e-7)
@@ -96,7 +98,8 @@ def test_a_failing_rank_stops_both_with_its_line_and_the_rerun_resumes(fail_in, 
     # the failing rank's line, printed by a rank as it stops (torchrun then ends the other and prints its box)
     what = "compute" if fail_in == "loss" else "load"
     assert f"error: rank 1 cannot {what} step 20 (injected)" in proc.stdout + proc.stderr, proc.stderr[-3000:]
-    assert list(xr.open_zarr(out / GROUP).step.values) == [10]  # committed before the failure: kept
+    # newest first: step 30 committed before the failure at step 20, and kept
+    assert list(xr.open_zarr(out / GROUP).step.values) == [30]
 
     res = ev.run(EvaluateConfig(**CFG), root / "store", tiny_edit_model, _ckpts(root), out)
     assert res.evaluated == 2 and res.metrics["checkpoints"]["steps"] == [10, 20, 30]

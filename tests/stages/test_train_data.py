@@ -321,3 +321,25 @@ def test_the_dropped_report_counts_the_samples_of_both_tables_images_versions(tm
     rep = open_features(st.root, "m", fp, "train", 0.5).report
     assert (rep["samples"], rep["joined"], rep["dropped"]) == (6, 4, 2)
     assert rep["dropped_fraction"] == pytest.approx(1 / 3)
+
+
+def test_an_empty_val_split_names_resize_val_fraction_when_it_is_zero(tiny_edit_model, tmp_path):
+    """Features encoded from images split with resize.val_fraction: 0: the empty 'val' split names that setting
+    (before: 'add training samples', sending the user after samples they have)."""
+    from models.loading import model_fingerprint
+    from schemas.config import EvaluateConfig
+    from schemas.lineage import Lineage
+    from schemas.table import FieldSpec, TableSchema
+    from features.open import open_configured
+
+    st = make_train_store(tmp_path / "store", tiny_edit_model, mixed_specs(3, 0))
+    images = TableSchema(name="images", fields=[FieldSpec("split", "string", kind="column")],
+                         lineage=Lineage(stage="resize-bucket", config_hash="test"),
+                         attrs={"resize": {"val_fraction": 0.0}})
+    w = st.writer("images", images)
+    w.add("0" * 32, meta={"split": "train", "img_shapes": [[1, 4, 4]]})
+    w.commit()
+    with pytest.raises(UserError) as e:
+        open_configured(EvaluateConfig(), "evaluate", tmp_path / "store", tiny_edit_model,
+                        model_fingerprint(tiny_edit_model), "val")
+    assert "'val' split is empty" in str(e.value) and "resize.val_fraction: 0" in str(e.value)

@@ -103,7 +103,14 @@ def test_evaluate_says_why_it_evaluates_again(trained, tiny_edit_model, tmp_path
     (why,) = _recomputed(capsys.readouterr().out)
     assert why.startswith(f"evaluate: the report in {out} is not this run's (held-out loss inputs "), why
     assert "; evaluate config fingerprint " in why and why.count("evaluate.noise_seeds: [0] -> [0, 1]") == 1, why
-    assert "batch_size" not in why and why.endswith("): evaluating again"), why
+    assert "batch_size" not in why and why.endswith("): evaluating every checkpoint again"), why
+    # a setting of the pictures only: the line says the report is written again, not that anything is evaluated
+    res = ev.run(EvaluateConfig(**{**EVAL, "noise_seeds": [0, 1], "num_samples": 1, "num_inference_steps": 2}),
+                 store, tiny_edit_model, ckpts, out, skip_if_done=True)
+    (why,) = _recomputed(capsys.readouterr().out)
+    assert res.evaluated == 0 and "evaluate.num_samples: " in why, why
+    assert why.endswith(f"): writing the report again (the losses of 1 checkpoint in {out / 'losses.zarr'} kept: "
+                        "no checkpoint evaluated again)"), why
 
     single = tmp_path / "single"
     lora = trained / "run" / "lora"
