@@ -329,8 +329,10 @@ def recorded_steps(folder: str | Path, fingerprint: str) -> dict[int, str] | Non
 
 
 def open_dataset(path: str | Path):
-    """The group as an xarray Dataset (what the report and `pipeline compare` read)."""
+    """The group as an xarray Dataset (what the report and `pipeline compare` read), in step order: evaluate
+    appends the newest checkpoints first (stages/evaluate/checkpoints.py), the step axis is in that order."""
     import xarray as xr
 
     _zarr()
-    return xr.open_zarr(path, consolidated=True)
+    ds = xr.open_zarr(path, consolidated=True)
+    return ds.sortby("step") if ds.sizes.get("step") else ds

@@ -80,9 +80,7 @@ def _kept(reference: np.ndarray) -> np.ndarray:
 
 def read_curves(path: str | Path, label: str) -> RunCurves:
     group = find_group(path)
-    ds = open_dataset(group)
-    if ds.sizes.get("step"):  # evaluate appends the newest checkpoints first (checkpoints.py `_append_missing`)
-        ds = ds.sortby("step")
+    ds = open_dataset(group)  # in step order
     settings = dict(ds.attrs.get("settings", {}))
     loss = ds.loss.values.astype(np.float64)  # [step, sample, seed, sigma, region]
     base = ds.base_loss.values.astype(np.float64) if "base_loss" in ds else np.full(loss.shape[1:], np.nan)
