@@ -108,8 +108,8 @@ def test_a_sigterm_mid_stage_is_one_line_and_keeps_what_was_committed(tmp_path):
     make_demo_data(tmp_path / "data", n=4, seed=3)
     words = ["run", "resize-bucket", "--source", str(tmp_path / "data"), "--store", str(tmp_path / "store"),
              "--area", "4096"]
-    proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", *words], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "STORE_PAUSE_AT": "commit_after_manifest"})
+    proc = WarmProcess([sys.executable, "-m", "pipeline.cli", *words],
+                       env={**os.environ, "STORE_PAUSE_AT": "commit_after_manifest"})
     try:
         deadline = time.monotonic() + 600  # a bound for a regression, not a timing assert
 
@@ -130,8 +130,7 @@ def test_a_sigterm_mid_stage_is_one_line_and_keeps_what_was_committed(tmp_path):
     assert err.splitlines()[-1] == ("stopped by SIGTERM: what it committed is kept; rerun the same command to "
                                     "continue from there"), err
     assert "Traceback" not in err
-    again = subprocess.run([sys.executable, "-m", "pipeline.cli", *words], capture_output=True, text=True,
-                           timeout=600, env={**os.environ})
+    again = warm_start.run([sys.executable, "-m", "pipeline.cli", *words], timeout=600, env={**os.environ})
     assert again.returncode == 0, again.stderr  # no lock left behind, and the version is there
     assert "images v1" in again.stdout, again.stdout
 
