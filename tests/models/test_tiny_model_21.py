@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from models.loading import load_component, model_variant
+from rehearse import rehearse
 import warm_start
 
 # Runs in a new process (started warm: tests/warm_start.py preloads only third-party libraries) so that nothing
@@ -75,8 +76,9 @@ def test_cli_make_tiny_model_21_same_seed_same_bytes(tmp_path, tiny_21_model):
 
 @pytest.fixture(scope="module")
 def full_width_21(tmp_path_factory):
-    """`make-tiny-model --variant qwen-image-2.1 --full-width --layers 1` (with the minimal text encoder the Edit
-    rehearsal test uses): 1.3 GB on disk, so built once for this module and removed after it."""
+    """`make-tiny-model --variant qwen-image-2.1 --full-width --layers 1` (with the minimal text encoder the
+    rehearsals use): 1.3 GB on disk, so built once for this module (its widths, plan and the 2.1 rehearsal read
+    it) and removed after it."""
     from models.full_width import make_full_width_model
 
     folder = tmp_path_factory.mktemp("full-width-21")
@@ -156,6 +158,20 @@ def test_plan_reads_the_full_width_21_folder(full_width_21):
     c = counts_from_model(full)
     assert c.params == sum(p.numel() for p in full.parameters()) and c.blocks == 32 and c.width == 4096
     assert 7.0e9 < c.params < 7.5e9  # the issue's "7B"
+
+
+def test_rehearsal_on_the_full_width_21_folder(full_width_21, tmp_path):
+    """`bench/rehearsal.py --model` on the full-width 2.1 folder (this module's: a second build took ~30-70 s of
+    the suite): its store encoded with the 2.1 settings and one int8 training step; plan's int8 weight bytes
+    equal the transformer as the run loaded it."""
+    from models.memory_plan import transformer_counts, transformer_weight_bytes
+
+    (run,) = rehearse(tmp_path, "--model", str(full_width_21))
+    assert run["layers"] == 1 and run["s_per_step"] > 0 and 0 < run["mfu"]
+    assert all(map(lambda x: x == x, run["losses"]))
+    counts = transformer_counts(str(full_width_21))
+    assert (counts.blocks, counts.width) == (1, 4096)
+    assert transformer_weight_bytes(counts, "bfloat16", "int8") == pytest.approx(run["base_weight_bytes"], rel=0.001)
 
 
 def test_the_21_train_plan_counts_the_block_causal_mask(tiny_21_model, tiny_plus_model):

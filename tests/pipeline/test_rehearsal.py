@@ -1,33 +1,21 @@
 """The full-size rehearsal at --layers 1 on the CPU (real transformer widths; a minimal 3584-wide text encoder
 to keep the test short), the full-width model folder it builds, and `pipeline plan`'s weight bytes against
-the real loaded (and quantised) transformer."""
+the real loaded (and quantised) transformer. The 2.1 rehearsal runs in tests/models/test_tiny_model_21.py, on the
+full-width 2.1 folder that module's other tests read (built once)."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from typer.testing import CliRunner
 
-REPO = Path(__file__).resolve().parents[2]
+from rehearse import rehearse
 
 
 def test_rehearsal_layers_1_on_cpu(tmp_path):
-    out = tmp_path / "r.json"
-    # one thread per process: on the shared 2-core machine more threads only spin against other jobs (this
-    # command: 33 s wall at one thread; 58-85 s with the default threads under a load average of ~3-4)
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "rehearsal.py"), "--layers", "1", "--area", "4096", "--samples", "2",
-         "--steps", "1", "--quantize", "int8", "--minimal-text-encoder", "--work", str(tmp_path / "w"),
-         "--out", str(out)], capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    runs = json.loads(out.read_text())
+    runs = rehearse(tmp_path)
     assert [r["quantize"] for r in runs] == ["int8"]
     for r in runs:
         for key in ("quantize", "offload", "gradient_checkpointing", "batch_size", "layers", "device", "s_per_step",
@@ -79,27 +67,3 @@ def test_plan_cli_says_fit_or_not(tiny_edit_model):
     assert ok.exit_code == 0 and "fits" in ok.output and "train" in ok.output
     small = CliRunner().invoke(app, ["plan", "--model", tiny_edit_model, "--gpu-memory", "0.0001"])
     assert small.exit_code == 1 and "DOES NOT FIT" in small.output and "quantize_base" in small.output
-
-
-def test_rehearsal_qwen21_layers_1_on_cpu(tmp_path):
-    """`--variant qwen-image-2.1`: the full-width 2.1 folder, its store encoded with the 2.1 settings and one
-    int8 training step; plan's int8 weight bytes equal the transformer as the run loaded it."""
-    out = tmp_path / "r.json"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "rehearsal.py"), "--variant", "qwen-image-2.1", "--layers", "1",
-         "--area", "4096", "--samples", "2", "--steps", "1", "--quantize", "int8", "--minimal-text-encoder",
-         "--work", str(tmp_path / "w"), "--out", str(out)], capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    (run,) = json.loads(out.read_text())
-    assert run["layers"] == 1 and run["s_per_step"] > 0 and 0 < run["mfu"]
-    assert all(map(lambda x: x == x, run["losses"]))
-
-    from models.loading import model_variant
-    from models.memory_plan import transformer_counts, transformer_weight_bytes
-
-    model = str(tmp_path / "w" / "model")
-    assert model_variant(model) == "qwen-image-2.1"
-    counts = transformer_counts(model)
-    assert (counts.blocks, counts.width) == (1, 4096)
-    assert transformer_weight_bytes(counts, "bfloat16", "int8") == pytest.approx(run["base_weight_bytes"], rel=0.001)

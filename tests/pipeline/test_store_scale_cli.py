@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -309,11 +308,10 @@ def test_gc_during_a_training_keeps_the_versions_it_reads(tmp_path, tiny_plus_mo
     run_json("encode-text", *enc), run_json("encode-vae", *enc)
     assert len(Store(store).reader("text").shard_paths()) > 2
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "STORE_PAUSE_AT": "train_after_checkpoint"}
-    train = subprocess.Popen(
+    train = warm_start.WarmProcess(  # a real process of its own, started warm (tests/warm_start.py): torch imported already
         [sys.executable, "-m", "pipeline.cli", "run", "train", "--store", str(store), "--model", tiny_plus_model,
          "--out", str(run), "--set", "train.max_steps=8", "--set", "train.batch_size=2", "--set", "train.device=cpu",
-         "--set", "train.checkpoint_every=1", "--set", "train.max_open_shards=1", *SMALL],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+         "--set", "train.checkpoint_every=1", "--set", "train.max_open_shards=1", *SMALL], env=env)
     try:
         deadline = time.monotonic() + 240
 
@@ -322,7 +320,7 @@ def test_gc_during_a_training_keeps_the_versions_it_reads(tmp_path, tiny_plus_mo
 
         while train.poll() is None and not stopped() and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert train.poll() is None and stopped(), train.stdout.read()
+        assert train.poll() is None and stopped(), train.output()
         assert (run / "checkpoints" / "step-1").is_dir()
         newer = json.loads(cli("run", "encode-text", *enc, "--set", "encode_text.dtype=bfloat16", "--json"))
         assert newer["version"] == 2 and Store(store).tables()["text"] == 2
@@ -333,7 +331,7 @@ def test_gc_during_a_training_keeps_the_versions_it_reads(tmp_path, tiny_plus_mo
         assert Store(store).versions("text") == [1, 2]
     finally:
         train.send_signal(signal.SIGCONT)
-    output = train.communicate(timeout=300)[0]
+    output = "".join(train.communicate(timeout=300))  # stdout, then stderr
     assert train.returncode == 0, output[-3000:]
     assert "trained from scratch to step 8" in output and (run / "lora").is_dir()
     assert not list((store / ".leases").glob("*.json"))  # released at exit

@@ -6,7 +6,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import subprocess
 import sys
 import tarfile
 import zlib
@@ -22,6 +21,7 @@ from stages.resize.bucketing import BucketRule, bucket_size
 from stages.resize.stage import run, sample_key, split_for
 from store import Store
 from store.verify import verify_store
+import warm_start  # the killed and rerun resizes: real processes, started warm
 
 SMALL = {"resize.target_area": 64 * 64, "resize.control_vae_area": 64 * 64, "resize.control_vl_area": 32 * 32,
          "resize.multiple": 16, "resize.min_side": 16, "resize.max_controls": 2}
@@ -325,11 +325,11 @@ def _resize_process(tmp_path: Path, then: str) -> list[str]:
 def test_resume_after_sigkill_mid_run(tmp_path):
     make_demo_data(tmp_path / "src", n=16, fmt="webdataset", max_controls=2, seed=2)
     args = _resize_process(tmp_path, "print(summary)")
-    killed = subprocess.run(args, env={**os.environ, "STORE_CRASH_AT": "after_shard_commit"}, capture_output=True, text=True)
+    killed = warm_start.run(args, env={**os.environ, "STORE_CRASH_AT": "after_shard_commit"})
     assert killed.returncode == -9, killed.stderr
     vdir = tmp_path / "store" / "images" / "v1"
     assert len(list(vdir.glob("*.index.parquet"))) == 1 and not (vdir / "manifest.parquet").exists()
-    done = subprocess.run(args, capture_output=True, text=True)
+    done = warm_start.run(args)
     assert done.returncode == 0, done.stderr
     assert "kept from an interrupted run" in done.stdout
     r = Store(tmp_path / "store").reader("images")
@@ -351,10 +351,10 @@ def test_bytes_written_after_kills_are_this_runs_shards_only(tmp_path):
     args = _resize_process(tmp_path, "print(json.dumps(summary.to_json()))")
     vdir = tmp_path / "store" / "images" / "v1"
     for crash in ("after_shard_commit", "shard_before_index"):
-        killed = subprocess.run(args, env={**os.environ, "STORE_CRASH_AT": crash}, capture_output=True, text=True)
+        killed = warm_start.run(args, env={**os.environ, "STORE_CRASH_AT": crash})
         assert killed.returncode == -9, killed.stderr
     before = {p.name for p in vdir.glob("*.tar")}
-    done = subprocess.run(args, capture_output=True, text=True)
+    done = warm_start.run(args)
     assert done.returncode == 0, done.stderr
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     named = set(Store(tmp_path / "store").reader("images").manifest.column("shard").to_pylist())

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import io
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -17,6 +16,7 @@ from PIL import Image
 from test_resize_bucket import SMALL, cfg, png, put, rgb
 from stages.resize.stage import run
 from store import Store
+import warm_start  # the killed and rerun resizes: real processes, started warm
 
 
 def _mask(left: int) -> bytes:
@@ -84,8 +84,8 @@ def test_a_revived_copy_kept_before_a_kill_keeps_its_rows_on_resume(tmp_path, ma
     for i, mask in enumerate(masks):
         put(src, f"a{i + 1}", target, controls=[control], mask=mask)
     fresh = run(cfg(shard_size_mb=0.0001), src, tmp_path / "fresh")
-    killed = subprocess.run([sys.executable, "-c", KILLED, str(src), str(tmp_path / "store")], capture_output=True,
-                            text=True, env={**os.environ, "STORE_CRASH_AT": "after_shard_commit"})
+    killed = warm_start.run([sys.executable, "-c", KILLED, str(src), str(tmp_path / "store")],
+                           env={**os.environ, "STORE_CRASH_AT": "after_shard_commit"})
     assert killed.returncode == -9, killed.stderr[-2000:]
     assert not (tmp_path / "store" / "quarantine.parquet").exists()  # killed before the commit wrote the rows
     resumed = run(cfg(shard_size_mb=0.0001), src, tmp_path / "store")
@@ -107,8 +107,8 @@ def test_a_copy_that_renders_on_resume_after_failing_before_the_kill_stays_out(t
     died = ("from stages.resize import stage; real = stage.render\n"
             "stage.render = lambda rec, key, *a: (stage.Rejected('worker-died', 'killed', key=key)\n"
             "    if rec.source.endswith('a1.png') else real(rec, key, *a))\n")
-    killed = subprocess.run([sys.executable, "-c", died + KILLED, str(src), str(tmp_path / "store")],
-                            capture_output=True, text=True, env={**os.environ, "STORE_CRASH_AT": "after_shard_commit"})
+    killed = warm_start.run([sys.executable, "-c", died + KILLED, str(src), str(tmp_path / "store")],
+                           env={**os.environ, "STORE_CRASH_AT": "after_shard_commit"})
     assert killed.returncode == -9, killed.stderr[-2000:]
     resumed = run(cfg(shard_size_mb=0.0001), src, tmp_path / "store")
     rows, q = _record(tmp_path / "store")
@@ -132,8 +132,8 @@ def test_a_resumed_sample_whose_source_name_is_not_found_is_still_resumed(tmp_pa
         put(src, f"a{i + 1}", target, controls=[control], mask=mask)
     put(src, "b1", png(rgb(48, 64, (0, 0, 200))), controls=[control], mask=_mask(8))  # the first shard committed
     fresh = run(cfg(shard_size_mb=0.0001), src, tmp_path / "fresh")
-    killed = subprocess.run([sys.executable, "-c", KILLED, str(src), str(tmp_path / "store")], capture_output=True,
-                            text=True, env={**os.environ, "STORE_CRASH_AT": "after_shard_commit"})
+    killed = warm_start.run([sys.executable, "-c", KILLED, str(src), str(tmp_path / "store")],
+                           env={**os.environ, "STORE_CRASH_AT": "after_shard_commit"})
     assert killed.returncode == -9, killed.stderr[-2000:]
     monkeypatch.setattr(resumed_sources, "resumed_sources", lambda vdir: resumed_sources.ResumedSources([]))
     resumed = run(cfg(shard_size_mb=0.0001), src, tmp_path / "store")

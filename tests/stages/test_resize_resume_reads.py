@@ -5,7 +5,6 @@ and the table equals an uninterrupted run's (same rows, same bytes, same quarant
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import tarfile
 from collections import Counter
@@ -18,6 +17,7 @@ from pipeline.config import load_config
 from pipeline.demo_data import make_demo_data
 from stages.resize import sources, stage
 from store import Store
+import warm_start  # the killed and rerun resizes: real processes, started warm
 
 SMALL = {"resize.target_area": 64 * 64, "resize.control_vae_area": 64 * 64, "resize.control_vl_area": 32 * 32,
          "resize.multiple": 16, "resize.min_side": 16, "resize.max_controls": 2, "resize.shard_size_mb": 0.01}
@@ -39,8 +39,8 @@ def _quarantine(st: Store) -> list[tuple]:
 def test_a_resumed_run_reads_and_hashes_only_the_unfinished_samples(tmp_path: Path, monkeypatch, fmt: str) -> None:
     make_demo_data(tmp_path / "src", n=16, fmt=fmt, max_controls=2, seed=2)
     src, out = tmp_path / "src", tmp_path / "store"
-    killed = subprocess.run([sys.executable, "-c", KILLED, str(src), str(out)], capture_output=True, text=True,
-                            env={**os.environ, "STORE_CRASH_AT": "after_shard_commit"})
+    killed = warm_start.run([sys.executable, "-c", KILLED, str(src), str(out)],
+                           env={**os.environ, "STORE_CRASH_AT": "after_shard_commit"})
     assert killed.returncode == -9, killed.stderr[-2000:]
     vdir = out / "images" / "v1"
     (index,) = vdir.glob("*.index.parquet")
@@ -97,8 +97,8 @@ def test_the_summary_counts_the_whole_table_after_a_resume_or_a_carry_forward(tm
     buckets out), so a table of 16 read "controls per sample: 0: 3, 1: 2" after a resume."""
     make_demo_data(tmp_path / "src", n=16, fmt="folder", max_controls=2, seed=2)
     src, out = tmp_path / "src", tmp_path / "store"
-    killed = subprocess.run([sys.executable, "-c", KILLED, str(src), str(out)], capture_output=True, text=True,
-                            env={**os.environ, "STORE_CRASH_AT": "after_shard_commit"})
+    killed = warm_start.run([sys.executable, "-c", KILLED, str(src), str(out)],
+                           env={**os.environ, "STORE_CRASH_AT": "after_shard_commit"})
     assert killed.returncode == -9, killed.stderr[-2000:]
     resumed = stage.run(load_config(None, SMALL), src, out)
     fresh = stage.run(load_config(None, SMALL), src, tmp_path / "fresh")

@@ -15,17 +15,17 @@ import typer
 
 from store.lease import LEASES_DIR
 from train_store import make_train_store, mixed_specs
+import warm_start
+from warm_start import WarmProcess
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_releases_the_read_lease(tiny_edit_model, tmp_path, sig):
     store = tmp_path / "store"
     make_train_store(store, tiny_edit_model, mixed_specs(4, 0))
-    proc = subprocess.Popen(
+    proc = WarmProcess(  # a real process of its own, started warm (tests/warm_start.py): torch imported already
         [sys.executable, "-m", "pipeline.cli", "run", "train", "--store", str(store), "--model", tiny_edit_model,
-         "--out", str(tmp_path / "run"), "--max-steps", "100000", "--device", "cpu"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ},
-    )
+         "--out", str(tmp_path / "run"), "--max-steps", "100000", "--device", "cpu"], env={**os.environ})
     leases = store / LEASES_DIR
     try:
         # wait for training to have taken its lease (a condition, not a duration: no timing assert; the bound
@@ -34,19 +34,19 @@ def test_a_signal_releases_the_read_lease(tiny_edit_model, tmp_path, sig):
         while proc.poll() is None and not (leases.is_dir() and any(leases.glob("*.json"))):
             assert time.monotonic() < deadline, "training never took its read lease"
             time.sleep(0.2)
-        assert proc.poll() is None, proc.stdout.read().decode()
+        assert proc.poll() is None, proc.output()
         proc.send_signal(sig)
-        out = proc.communicate(timeout=300)[0].decode()
+        out, err = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode != 0
-    assert "Traceback" not in out, out
-    assert not list(leases.glob("*.json")), out
+    assert "Traceback" not in out + err, err
+    assert not list(leases.glob("*.json")), err
     if sig == signal.SIGINT:  # Ctrl-C: before, typer's silent exit 130
         assert proc.returncode == 130
-        assert out.rstrip().endswith("stopped by SIGINT (Ctrl-C): the run's checkpoints are kept; rerun with "
-                                     "--resume to continue from the last one"), out
+        assert err.rstrip().endswith("stopped by SIGINT (Ctrl-C): the run's checkpoints are kept; rerun with "
+                                     "--resume to continue from the last one"), err
 
 
 def _main_of(monkeypatch, app) -> int:
@@ -108,8 +108,8 @@ def test_a_sigterm_mid_stage_is_one_line_and_keeps_what_was_committed(tmp_path):
     make_demo_data(tmp_path / "data", n=4, seed=3)
     words = ["run", "resize-bucket", "--source", str(tmp_path / "data"), "--store", str(tmp_path / "store"),
              "--area", "4096"]
-    proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", *words], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "STORE_PAUSE_AT": "commit_after_manifest"})
+    proc = WarmProcess([sys.executable, "-m", "pipeline.cli", *words],
+                       env={**os.environ, "STORE_PAUSE_AT": "commit_after_manifest"})
     try:
         deadline = time.monotonic() + 600  # a bound for a regression, not a timing assert
 
@@ -130,8 +130,7 @@ def test_a_sigterm_mid_stage_is_one_line_and_keeps_what_was_committed(tmp_path):
     assert err.splitlines()[-1] == ("stopped by SIGTERM: what it committed is kept; rerun the same command to "
                                     "continue from there"), err
     assert "Traceback" not in err
-    again = subprocess.run([sys.executable, "-m", "pipeline.cli", *words], capture_output=True, text=True,
-                           timeout=600, env={**os.environ})
+    again = warm_start.run([sys.executable, "-m", "pipeline.cli", *words], timeout=600, env={**os.environ})
     assert again.returncode == 0, again.stderr  # no lock left behind, and the version is there
     assert "images v1" in again.stdout, again.stdout
 
@@ -183,9 +182,9 @@ def test_a_sigterm_lost_in_a_finalizer_still_stops_training(tiny_edit_model, tmp
     first step's checkpoint, then the stop (status 143), the read lease released."""
     store, out = tmp_path / "store", tmp_path / "run"
     make_train_store(store, tiny_edit_model, mixed_specs(4, 0))
-    proc = subprocess.run([sys.executable, "-c", LOST_IN_A_FINALIZER, "run", "train", "--store", str(store),
+    proc = warm_start.run([sys.executable, "-c", LOST_IN_A_FINALIZER, "run", "train", "--store", str(store),
                            "--model", tiny_edit_model, "--out", str(out), "--max-steps", "20", "--device", "cpu"],
-                          capture_output=True, text=True, timeout=600, env={**os.environ})
+                          timeout=600, env={**os.environ})
     assert proc.returncode == 143, (proc.returncode, proc.stderr[-2000:])
     assert "stopped by a signal after optimizer step 1" in proc.stdout + proc.stderr, proc.stderr[-2000:]
     assert "stopped by SIGTERM" not in proc.stderr, proc.stderr[-2000:]  # the loop's line, not a second one

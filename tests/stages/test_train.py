@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -27,6 +26,7 @@ from models.randomness import draw_noise
 from stages.train.data import load, open_inputs as open_train_tables
 from store import Store
 from train_store import assert_close_lora, make_train_store, mixed_specs
+from warm_start import WarmProcess
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -278,14 +278,13 @@ def test_sigkill_during_checkpoint_write_then_resume(straight, store_dir, tiny_e
     out = tmp_path / "run"
     overrides = {**BASE, "train.max_steps": 6, "train.checkpoint_every": 2, "train.warmup_steps": 2}
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _KILLED_WRITER, str(store_dir), tiny_edit_model, str(out), repr(overrides)],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-    )
+    # a real process of its own, started warm (tests/warm_start.py): torch imported already
+    proc = WarmProcess([sys.executable, "-c", _KILLED_WRITER, str(store_dir), tiny_edit_model, str(out),
+                        repr(overrides)], env=env)
     try:
         deadline = time.monotonic() + 120
         while not (out / "writing-step-4").exists():
-            assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+            assert proc.poll() is None, proc.output()[1][-2000:]
             assert time.monotonic() < deadline
             time.sleep(0.1)
     finally:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 import time
 
@@ -22,6 +21,7 @@ from pipeline.config import load_config
 from stages.train import state as train_state
 from stages.train.recipe import run
 from train_store import make_train_store, mixed_specs
+from warm_start import WarmProcess
 
 SETS = {"train.device": "cpu", "train.batch_size": 2, "train.learning_rate": 2e-3, "train.lora.rank": 4,
         "train.checkpoint_every": 3}
@@ -31,10 +31,9 @@ def test_sigterm_checkpoints_the_step_under_way_and_resume_loses_nothing(tiny_ed
     store, out = tmp_path / "store", tmp_path / "run"
     make_train_store(store, tiny_edit_model, mixed_specs(8))
     sets = [a for k, v in SETS.items() for a in ("--set", f"{k}={v}")]
-    proc = subprocess.Popen(
+    proc = WarmProcess(  # a real process of its own, started warm (tests/warm_start.py): torch imported already
         [sys.executable, "-m", "pipeline.cli", "run", "train", "--store", str(store), "--model", tiny_edit_model,
-         "--out", str(out), "--max-steps", "1000", *sets],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "STORE_PAUSE_AT": "train_after_checkpoint"})
+         "--out", str(out), "--max-steps", "1000", *sets], env={**os.environ, "STORE_PAUSE_AT": "train_after_checkpoint"})
     try:
         deadline = time.monotonic() + 600  # a bound for a regression, not a timing assert
         while psutil.Process(proc.pid).status() != psutil.STATUS_STOPPED:
@@ -42,7 +41,7 @@ def test_sigterm_checkpoints_the_step_under_way_and_resume_loses_nothing(tiny_ed
             time.sleep(0.1)
         proc.send_signal(signal.SIGTERM)  # pending until it continues, inside the step-3 checkpoint's writing
         proc.send_signal(signal.SIGCONT)
-        output = proc.communicate(timeout=300)[0].decode()
+        output = "".join(proc.communicate(timeout=300))  # stdout, then stderr
     finally:
         if proc.poll() is None:
             proc.kill()
