@@ -103,7 +103,7 @@ def _open_features(st, lease, readers: dict[str, TableReader], model: str, model
         raise UserError(
             f"the '{split}' split of store {st.root}: {rep['dropped']} of {rep['samples']} samples "
             f"({100 * rep['dropped_fraction']:.1f}%) are not in both the text and vae tables, above "
-            f"{section}.max_dropped_fraction = {max_dropped_fraction}: {_reasons_text(rep)} (rows in "
+            f"{section}.max_dropped_fraction = {max_dropped_fraction}: {reasons_text(rep)} (rows in "
             f"{rep['quarantine_file']}); fix those inputs, use a model that accepts them, or raise "
             f"{section}.max_dropped_fraction to use the rest"
         )
@@ -150,7 +150,7 @@ def _say_dropped(root: Path, split: str, versions: dict[str, int], rep: dict[str
         return
     _SAID_DROPPED.add(said)
     log.warning("%s split: %d of %d samples are not in both the text and vae tables (%.1f%%): %s; rows in %s",
-                split, rep["dropped"], rep["samples"], 100 * rep["dropped_fraction"], _reasons_text(rep),
+                split, rep["dropped"], rep["samples"], 100 * rep["dropped_fraction"], reasons_text(rep),
                 rep["quarantine_file"])
 
 
@@ -199,19 +199,54 @@ def dropped_report(st, joined: JoinedTables, split: str | None) -> dict[str, Any
 def _split_keys(vdir: Path, version: int, split: str | None) -> pa.Array:
     """The keys of one split of an `images` version, from two columns of its checked manifest: a reader would
     check every shard of the table (a stat each, on every rank, twice per training start) that no one reads here."""
+    keys, column = _keys_and_splits(vdir)
+    if split is None:
+        return keys
+    return keys.take(split_rows(column, split, f"table 'images' v{version} ({vdir})"))
+
+
+def _keys_and_splits(vdir: Path) -> tuple[pa.Array, pa.ChunkedArray | None]:
     try:
         m = checked_manifest(vdir, ["key", "split"])
     except DamagedData as e:  # recorded, as a reader's open does: resize-bucket's rerun must not call it up to date
         integrity.record_damage(vdir, problems=[str(e)])
         raise
-    keys = m.column("key").combine_chunks()
-    if split is None:
-        return keys
-    column = m.column("split") if "split" in m.column_names else None
-    return keys.take(split_rows(column, split, f"table 'images' v{version} ({vdir})"))
+    return m.column("key").combine_chunks(), (m.column("split") if "split" in m.column_names else None)
 
 
-def _reasons_text(rep: dict[str, Any]) -> str:
+def images_in_split(store: str | Path, split: str) -> tuple[int, int, int]:
+    """(samples of `split`, samples in all, version) of the store's current `images` version, from its manifest
+    (`_split_keys`' read): how many samples resize-bucket's hash split put in the split."""
+    from store.store import Store
+
+    st = Store(store, create=False)
+    version = st.tables()["images"]
+    vdir = st.version_dir("images", version)
+    keys, column = _keys_and_splits(vdir)
+    return len(split_rows(column, split, f"table 'images' v{version} ({vdir})")), len(keys), version
+
+
+def split_report(store: str | Path, tables: tuple[str, str], split: str) -> dict[str, Any]:
+    """`dropped_report` of the join of two tables' current versions on one split (e.g. ("images", "text"): the
+    samples encode-text kept of it; ("text", "vae"): those evaluate reads), opened as `open_features` opens them
+    (under a read lease) and closed again: `joined` samples of `samples`, the dropped ones' reasons."""
+    from store.lease import hold
+    from store.store import Store
+
+    st = Store(store, create=False)
+    lease = hold(st.root, {t: None for t in tables}, f"check of the '{split}' split")
+    readers: dict[str, TableReader] = {}
+    try:
+        for t in tables:
+            readers[t] = st.reader(t, lease.version(t))
+        return dropped_report(st, JoinedTables(readers, split, st.root), split)
+    finally:
+        for r in readers.values():
+            r.close()
+        lease.release()
+
+
+def reasons_text(rep: dict[str, Any]) -> str:
     return "; ".join(f"{stage}: " + ", ".join(f"{r} {n}" for r, n in sorted(rs.items()))
                      for stage, rs in sorted(rep["reasons"].items())) or "no reasons recorded"
 

@@ -223,6 +223,7 @@ def _run_stages(cfg: PipelineConfig, paths: Paths, access, log: Callable[[str], 
     from dataclasses import replace
 
     from pipeline.store_url import named_by_url
+    from pipeline.val_split import check_val_split
 
     for name, call in stages():
         log(f"== {name}")
@@ -233,11 +234,11 @@ def _run_stages(cfg: PipelineConfig, paths: Paths, access, log: Callable[[str], 
             else:
                 summary = call(cfg, replace(paths, store=local))
             summary = named_by_url(summary, paths.store)
-        if summary is None:  # a rank other than 0 under a launcher (resize-bucket, evaluate report rank 0)
-            continue
-        outcome = StageOutcome(name, summary.up_to_date, str(summary), time.perf_counter() - t0, summary)
-        result.outcomes.append(outcome)
-        log(f"{outcome.summary}  [{'skipped, up to date' if outcome.skipped else f'{outcome.seconds:.1f} s'}]")
+        if summary is not None:  # None: a rank other than 0 under a launcher (resize-bucket, evaluate report rank 0)
+            outcome = StageOutcome(name, summary.up_to_date, str(summary), time.perf_counter() - t0, summary)
+            result.outcomes.append(outcome)
+            log(f"{outcome.summary}  [{'skipped, up to date' if outcome.skipped else f'{outcome.seconds:.1f} s'}]")
+        check_val_split(name, cfg, local)  # evaluate's val sample, before train's hours (every rank, together)
 
 
 def _refuse_url_under_launch(store: str, world: int) -> None:

@@ -239,3 +239,27 @@ def test_run_all_with_no_val_split_is_refused_before_any_stage(tmp_path):
     assert result.exit_code == 2, result.output
     assert "resize.val_fraction: 0" in result.output and "Traceback" not in result.output
     assert not (tmp_path / "store").exists() and not (tmp_path / "run").exists()
+
+
+def test_run_all_with_a_val_split_left_empty_stops_before_train(tiny_plus_model, tmp_path):
+    """A source of 4 samples whose key hashes all lie above resize.val_fraction 0.2: the hash split puts none in
+    'val'. Before, `run all` encoded and trained, then failed at evaluate ('the val split is empty'); now it
+    stops right after resize-bucket with one line (0 of 4, why, what to do), before the encoders and train."""
+    from pipeline.demo_data import make_demo_data
+
+    make_demo_data(tmp_path / "data", n=4, fmt="folder", max_controls=1, seed=3)  # keys' hash fractions >= 0.27
+    config = _config(tmp_path, tiny_plus_model)
+    cfg = yaml.safe_load(config.read_text())
+    cfg["resize"]["val_fraction"] = 0.2
+    cfg["evaluate"]["extra_prompts"] = []
+    config.write_text(yaml.safe_dump(cfg))
+    result = CliRunner().invoke(app, ["run", "all", "--config", str(config)])
+    assert not (tmp_path / "run").exists() and not (tmp_path / "report").exists(), result.output[-2000:]
+    assert result.exit_code == 1, result.output
+    line = next(ln for ln in result.output.splitlines() if "stopped before training" in ln)
+    assert "0 of 4 samples went to the 'val' split" in line and "resize.val_fraction 0.2" in line, line
+    assert "raise resize.val_fraction or add samples" in line and "`pipeline run train`" in line, line
+    assert "Traceback" not in result.output and "== encode-text" not in result.output, result.output
+    from store import Store
+
+    assert set(Store(tmp_path / "store").tables()) == {"images"}  # stopped before the encoders
