@@ -34,22 +34,19 @@ def _check(stage: str, cfg: PipelineConfig, store: str) -> None:
     in_val, samples, version = images_in_split(store, "val")
     fraction = cfg.resize.val_fraction
     if not in_val:
-        why = (f"the hash split of each sample's key with resize.val_fraction {fraction} put none of the {samples} "
-               f"samples there (store {store}, images v{version})")
-        _refuse(f"0 of {samples} samples went to the 'val' split", why,
-                "raise resize.val_fraction or add samples, then rerun", stage)
+        _refuse(f"0 of {samples} samples went to the 'val' split that evaluate (its last stage) reads: the hash split "
+                f"of each sample's key with resize.val_fraction {fraction} put none of the {samples} there (store "
+                f"{store}, images v{version}); raise resize.val_fraction or add samples", stage)
     if stage == "encode-vae":
         rep = split_report(store, ("text", "vae"), "val")
         if not rep["joined"]:
-            why = (f"all {rep['samples']} were left out by the encoders: {reasons_text(rep)} (rows in "
-                   f"{rep['quarantine_file']})")
-            _refuse(f"{rep['samples']} of {samples} samples went to the 'val' split, and 0 of them are in both the "
-                    "text and vae tables", why, "fix those inputs, add samples or raise resize.val_fraction, then "
-                    "rerun", stage)
+            _refuse(f"{rep['samples']} of {samples} samples went to the 'val' split that evaluate (its last stage) "
+                    f"reads, and the encoders left out all {rep['samples']} (none is in both the text and vae "
+                    f"tables): {reasons_text(rep)} (rows in {rep['quarantine_file']}); fix those inputs, add samples "
+                    "or raise resize.val_fraction", stage)
 
 
-def _refuse(what: str, why: str, fix: str, stage: str) -> None:
+def _refuse(what_why_fix: str, stage: str) -> None:
     rest = ", ".join(f"`pipeline run {s}`" for s in CHECKED_AFTER[stage])
-    raise UserError(
-        f"`pipeline run all` stopped before training: {what}, which evaluate (its last stage) reads: {why}; {fix} "
-        f"(`pipeline run all` continues from the finished stages), or train without evaluating: {rest}")
+    raise UserError(f"`pipeline run all` stopped before training: {what_why_fix}, then rerun (`pipeline run all` "
+                    f"continues from the finished stages); or train without evaluating: {rest}")

@@ -263,3 +263,24 @@ def test_run_all_with_a_val_split_left_empty_stops_before_train(tiny_plus_model,
     from store import Store
 
     assert set(Store(tmp_path / "store").tables()) == {"images"}  # stopped before the encoders
+
+
+def test_run_all_whose_val_samples_the_encoders_all_quarantine_stops_before_train(tiny_edit_model, tmp_path):
+    """The edit model takes exactly one control: of these 5 samples the hash split (val_fraction 0.3) puts two in
+    'val', one with 2 controls, one with none, and both encoders quarantine them. Before, `run all` trained and
+    failed at evaluate; now it stops after encode-vae, naming the encoders' reasons."""
+    from pipeline.demo_data import make_demo_data
+
+    make_demo_data(tmp_path / "data", n=5, fmt="folder", max_controls=2, seed=3)
+    config = _config(tmp_path, tiny_edit_model)
+    cfg = yaml.safe_load(config.read_text())
+    cfg["evaluate"]["extra_prompts"] = []
+    config.write_text(yaml.safe_dump(cfg))
+    result = CliRunner().invoke(app, ["run", "all", "--config", str(config)])
+    assert not (tmp_path / "run").exists() and not (tmp_path / "report").exists(), result.output[-2000:]
+    assert result.exit_code == 1, result.output
+    line = next(ln for ln in result.output.splitlines() if "stopped before training" in ln)
+    assert "2 of 5 samples went to the 'val' split" in line and "the encoders left out all 2" in line, line
+    assert "encode-text: edit model needs exactly one control image 2" in line and "quarantine.parquet" in line, line
+    assert line.endswith("or train without evaluating: `pipeline run train`"), line
+    assert "== encode-vae" in result.output and "== train" not in result.output, result.output
