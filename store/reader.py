@@ -12,13 +12,13 @@ its descriptors.
 from __future__ import annotations
 
 import json
+from functools import cache
 from pathlib import Path
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import torch
 
 from schemas.errors import UserError
 from schemas.img_shapes import ImgShape
@@ -29,18 +29,23 @@ from store.manifest_view import ManifestView
 from store.partition import epoch_positions
 from store.remote_shards import ensure_local
 from store.sample_check import SampleCheck
-from store.shard import SAFETENSORS_DTYPES
+from store.shard import SAFETENSORS_NAMES
 from store.shard_io import DEFAULT_MAX_OPEN_SHARDS, ShardFiles
 
+if TYPE_CHECKING:  # imported where tensors are made: the store's commands that read no tensor start without it
+    import torch
 
+
+@cache  # per tensor of every sample read
 def torch_dtype(name: str) -> torch.dtype:
+    import torch
+
     dt = getattr(torch, name, None)
     if not isinstance(dt, torch.dtype):
         raise UserError(f"unknown tensor dtype {name!r} in manifest")
     return dt
 
 
-_SAFETENSORS_TO_TORCH = {code: dt for dt, code in SAFETENSORS_DTYPES.items()}
 _TAR_BLOCK = 512
 
 
@@ -58,11 +63,13 @@ def member_tensors(buf: Any, at: int) -> dict[str, torch.Tensor] | None:
         n = int.from_bytes(mv[data : data + 8], "little")
         header = json.loads(bytes(mv[data + 8 : data + 8 + n]))
     first = data + 8 + n
+    import torch
+
     out = {}
     for tname, meta in header.items():
         if tname == "__metadata__":
             continue
-        dt = _SAFETENSORS_TO_TORCH[meta["dtype"]]
+        dt = torch_dtype(SAFETENSORS_NAMES[meta["dtype"]])
         begin, end = meta["data_offsets"]
         count = (end - begin) // dt.itemsize
         if count == 0:  # frombuffer rejects count=0; an empty tensor (e.g. no control views) is legal
@@ -250,6 +257,8 @@ class TableReader:
         found = member_tensors(buf, start + base)
         if found is not None:
             return found
+        import torch
+
         out = {}  # no safetensors member first (a hand-written store): the manifest's layout
         for t in self.view.cell("tensors", i):
             dt = torch_dtype(t["dtype"])

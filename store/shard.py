@@ -14,11 +14,12 @@ import struct
 import tarfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from store.checksum import RunningCrc
+
+if TYPE_CHECKING:  # torch is imported where tensors are encoded: the store's commands that read no tensor
+    import torch  # (inspect, gc, push) start without it (bench/cold_start.py)
 
 
 class _HashingFile:
@@ -70,10 +71,15 @@ def tensor_dtype_name(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
 
 
+# torch dtype name (tensor_dtype_name) -> safetensors dtype code
 SAFETENSORS_DTYPES = {
-    torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float64: "F64", torch.int64: "I64",
-    torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+    "bfloat16": "BF16", "float16": "F16", "float32": "F32", "float64": "F64", "int64": "I64",
+    "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
 }
+SAFETENSORS_NAMES = {code: name for name, code in SAFETENSORS_DTYPES.items()}
+# bytes per element of each safetensors dtype code (what `store verify` checks sizes with, no torch needed)
+SAFETENSORS_ITEMSIZES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+                         "BOOL": 1}
 
 
 def encode_tensors(tensors: dict[str, torch.Tensor]) -> tuple[list[memoryview | bytes], list[dict[str, Any]]]:
@@ -83,14 +89,17 @@ def encode_tensors(tensors: dict[str, torch.Tensor]) -> tuple[list[memoryview | 
     Written here rather than with `safetensors.torch.save` so views of a larger batch tensor need no clone and
     nothing is assembled in memory; the result is a standard safetensors file (the tests load it with the library).
     """
+    import torch
+
     cpu = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
     header: dict[str, Any] = {}
     pos = 0
     for name, t in cpu.items():
-        if t.dtype not in SAFETENSORS_DTYPES:
+        if tensor_dtype_name(t) not in SAFETENSORS_DTYPES:
             raise ValueError(f"tensor {name!r}: dtype {t.dtype} cannot be stored")
         n = t.numel() * t.element_size()
-        header[name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [pos, pos + n]}
+        header[name] = {"dtype": SAFETENSORS_DTYPES[tensor_dtype_name(t)], "shape": list(t.shape),
+                        "data_offsets": [pos, pos + n]}
         pos += n
     hbytes = json.dumps(header, separators=(",", ":")).encode()
     hbytes += b" " * (-len(hbytes) % 8)  # tensor data 8-byte aligned, as the safetensors spec asks

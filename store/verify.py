@@ -37,7 +37,7 @@ from schemas.table import SCHEMA_V1
 from store import format as fmt
 from store import integrity, quarantine
 from store.checksum import file_crc
-from store.reader import torch_dtype
+from store.shard import SAFETENSORS_ITEMSIZES, SAFETENSORS_NAMES
 from store.remote_shards import fetch_problem, is_cache_file
 from store.verify_manifest import ShardPart, read_manifest_pass
 
@@ -324,11 +324,9 @@ def _check_tensors(data: bytes, base: int, member: tuple[int, int], tensors: lis
             problems.append(f"tensor {t['name']!r} not in the safetensors header")
             continue
         begin, end = h["data_offsets"]
-        st_dtype = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64", "I64": "int64",
-                    "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}.get(h["dtype"])
-        expect_nbytes = math.prod(t["shape"]) * torch_dtype(t["dtype"]).itemsize
+        st_dtype = SAFETENSORS_NAMES.get(h["dtype"])
         if (data_start + begin, end - begin, st_dtype, list(h["shape"])) != (t["offset"], t["nbytes"], t["dtype"], list(t["shape"])):
             problems.append(f"tensor {t['name']!r}: manifest offset/size/dtype/shape disagree with the safetensors header")
-        elif expect_nbytes != t["nbytes"] or data_start + end > member[0] + msize:
+        elif math.prod(t["shape"]) * SAFETENSORS_ITEMSIZES[h["dtype"]] != t["nbytes"] or data_start + end > member[0] + msize:
             problems.append(f"tensor {t['name']!r}: byte size inconsistent with its shape")
     return problems

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import pyarrow as pa
-import torch
 
 from schemas.errors import UserError
 from schemas.table import TableSchema
@@ -27,6 +26,8 @@ from store.writer_open import candidate_version, clean_temp_files, committed_in_
 from store.writer_shards import RankShards, validate_sample
 
 if TYPE_CHECKING:
+    import torch
+
     from store.store import Store
 
 __all__ = ["TableWriter", "candidate_version"]  # candidate_version: stages/encode/nodes.py imports it from here

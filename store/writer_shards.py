@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import pyarrow as pa
-import torch
 
 from schemas.errors import UserError
 from schemas.img_shapes import normalize_img_shapes
@@ -19,6 +18,9 @@ from store.io_errors import writing
 from store.manifest import RESERVED_COLUMNS, rows_to_table
 from store.remote_shards import ensure_local
 from store.shard import ShardBuilder, tensor_dtype_name
+
+if TYPE_CHECKING:
+    import torch
 
 
 def validate_sample(schema: TableSchema, key: str, tensors: dict[str, torch.Tensor], files: dict[str, bytes],

@@ -1,0 +1,105 @@
+"""Cold start of each `pipeline` command: a fresh process from launch to exit, an old revision vs this checkout.
+
+The old revision is unpacked with `git archive` into a temp folder (nothing in the repository changes); both run
+with the same interpreter, each with its own tree first on PYTHONPATH, from a neutral folder, interleaved old/new
+--repeat times; the medians of wall and CPU (user + sys: steadier than wall on a loaded machine) and old/new
+ratios are printed. The fixtures (a tiny model, 8 demo samples through resize-bucket, encode-text, encode-vae)
+are built once with this checkout, in --work (kept, reused when given again) or a temp folder.
+
+2-core shared machine with a CI run on it (load 4-6), old = ea60028 (before the store imported torch lazily),
+median of 3, wall / CPU: --help 0.41 / 0.45 s (1.0x, already free of the model stack); store inspect 2.95 ->
+0.67 s (4.4x; CPU 3.6x); store verify 2.40 -> 0.73 s (3.3x); store gc --dry-run 1.98 -> 0.45 s (4.4x); plan
+(tiny model) 14.1 / 16.3 s, CPU 8.6 / 8.4 s (1.0x: it builds the model on the meta device, so it imports diffusers,
+and diffusers imports bitsandbytes whenever it is installed - ~0.7 s CPU of the 8.5, see docs/architecture.md).
+
+    python bench/cold_start.py OLD_REV [--repeat 3] [--work /tmp/cold]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def commands(work: Path) -> dict[str, list[str]]:
+    store, model = str(work / "store"), str(work / "model")
+    return {
+        "--help": ["--help"],
+        "store inspect": ["store", "inspect", store],
+        "store verify": ["store", "verify", store],
+        "store gc --dry-run": ["store", "gc", store, "--dry-run"],
+        "plan (tiny model)": ["plan", "--model", model],
+    }
+
+
+def env_for(tree: Path) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(tree), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+
+
+def run(tree: Path, words: list[str], cwd: Path) -> tuple[float, float]:
+    """(wall, CPU) seconds of one `python -m pipeline.cli WORDS` from `tree`."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "pipeline.cli", *words], env=env_for(tree), cwd=cwd,
+                          capture_output=True, text=True)
+    wall = time.perf_counter() - t
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if proc.returncode != 0:
+        raise SystemExit(f"{tree}: pipeline {' '.join(words)} failed:\n{proc.stderr[-2000:]}")
+    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+
+
+def build_fixtures(work: Path) -> None:
+    if (work / "store" / "vae").is_dir():
+        return
+    steps = [["make-tiny-model", str(work / "model"), "--variant", "edit-plus"],
+             ["make-demo-data", str(work / "data"), "--n", "8"],
+             ["run", "resize-bucket", "--source", str(work / "data"), "--store", str(work / "store"), "--area", "65536"],
+             ["run", "encode-text", "--store", str(work / "store"), "--model", str(work / "model")],
+             ["run", "encode-vae", "--store", str(work / "store"), "--model", str(work / "model")]]
+    for words in steps:
+        print("fixture: pipeline", " ".join(words[:2]), flush=True)
+        run(REPO, words, work)
+
+
+def old_tree(rev: str, into: Path) -> Path:
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", rev], capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    return into
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("old", help="git revision to compare with (e.g. main, HEAD~3)")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--work", type=Path, help="fixture folder (kept; reused when it holds them)")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="cold-start-") as tmp:
+        work = args.work or Path(tmp) / "work"
+        work.mkdir(parents=True, exist_ok=True)
+        build_fixtures(work)
+        (Path(tmp) / "old").mkdir()
+        old = old_tree(args.old, Path(tmp) / "old")
+        print(f"== cold start, old {args.old} vs this checkout, median of {args.repeat} (interleaved)")
+        print(f"{'command':22s} {'old wall':>9s} {'new wall':>9s} {'ratio':>6s}   {'old cpu':>8s} {'new cpu':>8s} {'ratio':>6s}")
+        for name, words in commands(work).items():
+            times: dict[str, list[tuple[float, float]]] = {"old": [], "new": []}
+            for _ in range(args.repeat):
+                times["old"].append(run(old, words, work))
+                times["new"].append(run(REPO, words, work))
+            (ow, oc), (nw, nc) = ((statistics.median(t[0] for t in times[k]), statistics.median(t[1] for t in times[k]))
+                                  for k in ("old", "new"))
+            print(f"{name:22s} {ow:8.2f}s {nw:8.2f}s {ow / nw:5.1f}x   {oc:7.2f}s {nc:7.2f}s {oc / nc:5.1f}x", flush=True)
+
+
+if __name__ == "__main__":
+    main()
