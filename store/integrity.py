@@ -14,7 +14,7 @@ import hashlib
 import json
 import logging
 import os
-from collections.abc import Container
+from collections.abc import Container, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -91,7 +91,12 @@ def where(vdir: Path) -> str:
 # ---------------------------------------------------------------- checksums.json
 
 
-def write_version_checksums(vdir: Path, manifest: pa.Table, manifest_bytes: bytes) -> None:
+def write_version_checksums(vdir: Path, manifest: pa.Table, manifest_bytes: bytes,
+                            measured: Mapping[str, tuple[str, int]] | None = None) -> None:
+    """The version's checksums.json. `measured`: file name -> (crc32c, nbytes) of the bytes the caller read already
+    (the commit's shard indexes, `store.manifest.merge_measured`: the very bytes the manifest's rows came from), not
+    read again; every other file is read here."""
+    measured = measured or {}
     files: dict[str, dict[str, Any]] = {fmt.MANIFEST: {"nbytes": len(manifest_bytes), "crc32c": crc_hex(manifest_bytes)}}
     shards: dict[str, tuple[str | None, int]] = {}
     if manifest.num_rows:
@@ -106,7 +111,7 @@ def write_version_checksums(vdir: Path, manifest: pa.Table, manifest_bytes: byte
     for p in sorted(vdir.iterdir()):
         if p.is_file() and p.name not in files and p.name not in (fmt.CHECKSUMS, fmt.MANIFEST) and \
                 not fmt.is_litter(p.name) and unreferenced_shard_file(p.name, shards) is None:
-            crc, n = file_crc(p)
+            crc, n = measured.get(p.name) or file_crc(p)
             files[p.name] = {"nbytes": n, "crc32c": crc}
     record: dict[str, Any] = {"format": CHECKSUMS_FORMAT, "files": files}
     try:  # who wrote the version, for the advice when schema.json is the damaged file (`_written_by`)

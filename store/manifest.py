@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -12,6 +12,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from schemas.errors import UserError
+from store.checksum import crc_hex
 from store.shard import SampleRecord
 
 TENSOR_STRUCT = pa.struct([
@@ -83,14 +84,23 @@ WHERE_COLUMNS = frozenset({"shard", "shard_sha256", "shard_nbytes", "shard_crc32
 INDEX_READERS = 8
 
 
-def read_indexes(paths: Iterable[Path]) -> list[pa.Table]:
-    """Each shard index whole, in order, `INDEX_READERS` at a time, through pq.ParquetFile (about half of
-    pq.read_table's cost per file): a commit reads one per shard, ~20-30k at 1M samples (one after the other, ~2 ms
-    each, up to a minute while every rank waits: bench/commit_indexes.py)."""
-    def read(p: Path) -> pa.Table:
+class IndexRead(NamedTuple):
+    """One shard index as a commit read it: its rows, and the (crc32c, nbytes) of the very bytes they were parsed
+    from, for checksums.json (`store.integrity.write_version_checksums`): each index read once, not again to be
+    checksummed (~6,000 files at 1M samples; on a shared file system, round trips each)."""
+    rows: pa.Table
+    measured: tuple[str, int]
+
+
+def read_indexes(paths: Iterable[Path]) -> list[IndexRead]:
+    """Each shard index whole, in order, `INDEX_READERS` at a time, through pq.ParquetFile over its bytes read in one
+    go (about half of pq.read_table's cost per file): a commit reads one per shard, ~20-30k at 1M samples (one after
+    the other, ~2 ms each, up to a minute while every rank waits: bench/commit_indexes.py)."""
+    def read(p: Path) -> IndexRead:
         try:
-            with pq.ParquetFile(p) as f:
-                return f.read(use_threads=False)
+            data = p.read_bytes()
+            with pq.ParquetFile(pa.py_buffer(data)) as f:
+                return IndexRead(f.read(use_threads=False), (crc_hex(data), len(data)))
         except (OSError, pa.ArrowException) as e:  # ParquetFile's errors do not name the file
             raise UserError(f"{p}: the shard index is unreadable ({e}); rerun the stage that wrote it (its "
                             "shard is written again) or `pipeline store repair`") from None
@@ -103,13 +113,25 @@ def read_indexes(paths: Iterable[Path]) -> list[pa.Table]:
 
 
 def merge_indexes(paths: Iterable[Path]) -> pa.Table:
-    """Concatenate per-shard indexes into one manifest sorted by key.
+    """`merge_measured`'s manifest alone (a rebuild that writes no checksums.json from these reads)."""
+    return merge_measured(paths)[0]
+
+
+def merge_measured(paths: Iterable[Path]) -> tuple[pa.Table, dict[str, tuple[str, int]]]:
+    """Concatenate per-shard indexes into one manifest sorted by key; with it, each index file's name -> (crc32c,
+    nbytes) of the bytes read, for the commit's checksums.json.
 
     A key in two shards of one rank with the same content (every column but `WHERE_COLUMNS`: the sample's bytes,
     whose sha256 covers its meta, and the meta columns) keeps the earlier shard's row: a resumed writer whose view
     of a shared folder hid the first shard's index wrote the sample again, and the later shard's other rows stay.
     Any other duplicate key (two ranks, or other content) is an error naming both shards."""
-    parts = read_indexes(paths)
+    paths = list(paths)
+    reads = read_indexes(paths)
+    measured = {p.name: r.measured for p, r in zip(paths, reads)}
+    return _merged([r.rows for r in reads]), measured
+
+
+def _merged(parts: list[pa.Table]) -> pa.Table:
     if not parts:
         return empty_manifest()
     table = pa.concat_tables(parts, promote_options="permissive")

@@ -28,7 +28,7 @@ import pyarrow.parquet as pq
 
 from schemas.errors import UserError
 from store import format as fmt
-from store.checksum import file_crc
+from store.checksum import crc_hex, file_crc
 from store.remote import SharedBar, each_at_once, open_remote, remote_errors
 from store.remote_upload import Mismatch
 from store.writer_open import WORLD_JSON
@@ -260,11 +260,9 @@ def _gather(writer: TableWriter, remote, listing: dict[str, int],
 
     def fetch(item: tuple[str, dict[str, Any]]) -> None:
         name, entry = item
-        if name.startswith(mine):
-            shutil.copyfile(writer.dir / name, staging / name)
-        else:
-            (staging / name).write_bytes(remote.read(f"{base}/{name}"))
-        if _entry(staging / name) != {"nbytes": entry["nbytes"], "crc32c": entry["crc32c"]}:
+        data = (writer.dir / name).read_bytes() if name.startswith(mine) else remote.read(f"{base}/{name}")
+        (staging / name).write_bytes(data)
+        if (len(data), crc_hex(data)) != (entry["nbytes"], entry["crc32c"]):  # the bytes fetched, not read again
             raise UserError(f"{url}/{base}/{name} does not match its rank's record; rerun every node")
 
     # one index per shard (~20k for a 1M-sample table), one round trip each, while every other rank waits at the
@@ -282,17 +280,19 @@ def _manifest(writer: TableWriter, staging: Path, recorded: dict[str, dict[str, 
     CRC32Cs from the manifest, the small files' from their bytes); the manifest's bytes. Refused unless its rows
     plus the rejected samples are the keys the ranks were given."""
     from store.integrity import write_version_checksums
-    from store.manifest import merge_indexes
+    from store.manifest import merge_measured
     from store.writer_commit import check_rows
 
     table, version = writer.table, writer.version
-    manifest = merge_indexes(sorted(staging.glob("shard-r*-*.index.parquet")))
+    # checksums.json takes each index's CRC32C from the bytes the merge read (each read once); checked below
+    # against its rank's record, as the fetch checked the same file
+    manifest, measured = merge_measured(sorted(staging.glob("shard-r*-*.index.parquet")))
     if manifest.num_rows == 0 and not allow_empty:
         raise UserError(f"table '{table}' v{version} would be empty: every input was rejected (reasons in each "
                         "node's cached quarantine.parquet); fix the inputs or the settings")
     check_rows(table, version, dones, manifest.num_rows, required=True)
     manifest_bytes = fmt.parquet_bytes(manifest)
-    write_version_checksums(staging, manifest, manifest_bytes)
+    write_version_checksums(staging, manifest, manifest_bytes, measured)
     fmt.atomic_write_bytes(staging / fmt.MANIFEST, manifest_bytes)
     listed = json.loads((staging / fmt.CHECKSUMS).read_bytes()).get("files", {})
     differs = [n for n, e in recorded.items()

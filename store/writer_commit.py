@@ -12,7 +12,7 @@ from schemas.errors import UserError
 from store import format as fmt
 from store.integrity import write_version_checksums
 from store.io_errors import writing
-from store.manifest import merge_indexes
+from store.manifest import merge_measured
 from store.writer_open import index_paths
 
 if TYPE_CHECKING:
@@ -62,7 +62,8 @@ def commit_local(writer: TableWriter, allow_empty: bool) -> int:
         raise UserError(f"table '{table}' v{version}: ranks {missing} have not finished; "
                         "call commit() on rank 0 after a barrier")
     dones = [fmt.read_json(vdir / fmt.rank_done_name(r), "a rank-done file") for r in range(writer.world_size)]
-    manifest = merge_indexes(listed_indexes(vdir, dones, f"table '{table}' v{version}"))
+    # each index read once: its rows and, from the same bytes, its CRC32C for checksums.json
+    manifest, measured = merge_measured(listed_indexes(vdir, dones, f"table '{table}' v{version}"))
     if manifest.num_rows == 0 and not allow_empty:
         writer.close()
         raise UserError(f"table '{table}' v{version} would be empty: every input was rejected "
@@ -74,7 +75,7 @@ def commit_local(writer: TableWriter, allow_empty: bool) -> int:
     manifest_bytes = fmt.parquet_bytes(manifest)
     with writing(f"the manifest of table '{table}' v{version}", vdir, need=2 * len(manifest_bytes)):
         # checksums.json before the manifest: a complete version (manifest present) always has its checksums.
-        write_version_checksums(vdir, manifest, manifest_bytes)
+        write_version_checksums(vdir, manifest, manifest_bytes, measured)
         fmt.atomic_write_bytes(vdir / fmt.MANIFEST, manifest_bytes)  # version complete from here on
     fmt.crash_point("after_manifest")
     fmt.pause_point("commit_after_manifest")

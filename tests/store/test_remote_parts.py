@@ -423,3 +423,22 @@ def test_a_rerun_adopts_its_complete_version_over_the_current_one_it_saw_never_o
 
     monkeypatch.setattr(remote_mod.Remote, "swap", swap)
     assert make_current(remote, "vae", 2, over=1) == 3  # v1, which it chose to replace, is no longer current
+
+
+
+def test_an_index_damaged_on_the_remote_is_refused_at_the_commit_with_nothing_committed(tmp_path) -> None:
+    """An index object changed on the remote after its rank uploaded it (a flipped bit, same size): rank 0's commit
+    checks the bytes it fetched against the rank's record (no longer a second read of its staged copy) and refuses
+    before parsing them, in one line naming the object; nothing is committed."""
+    url = f"file://{tmp_path / 'remote'}"
+    _writer(tmp_path / "node1", url, 1).finish_rank()
+    obj = sorted((tmp_path / "remote" / "vae" / "v1").glob("shard-r01-*.index.parquet"))[0]
+    data = bytearray(obj.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    obj.chmod(0o644)
+    obj.write_bytes(bytes(data))
+    zero = _writer(tmp_path / "node0", url, 0)
+    with pytest.raises(UserError, match=rf"vae/v1/{obj.name} does not match its rank's record; rerun every node"):
+        zero.commit()
+    assert not (tmp_path / "remote" / "vae" / "v1" / "manifest.parquet").exists()
+    assert not (tmp_path / "remote" / "vae" / "v1" / "checksums.json").exists()

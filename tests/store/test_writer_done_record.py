@@ -155,3 +155,34 @@ def test_a_truncated_shard_index_is_one_line_naming_it(tmp_path: Path) -> None:
     paths[1].write_bytes(paths[1].read_bytes()[:20])
     with pytest.raises(UserError, match="shard-r0-000001.index.parquet: the shard index is unreadable"):
         merge_indexes(paths)
+
+
+def test_the_commit_reads_each_index_once_and_checksums_the_bytes_it_merged(store: Store, monkeypatch) -> None:
+    """checksums.json used to read every shard index again (~6,000 files at 1M samples) after the merge had read
+    them all: each index's CRC32C is now taken from the bytes its rows were parsed from, and it is the file's."""
+    from store import integrity
+    from store.checksum import file_crc, unseal
+
+    w0, vdir = _two_ranks_finished(store)
+    read_again: list[str] = []
+    monkeypatch.setattr(integrity, "file_crc", lambda p: read_again.append(Path(p).name) or file_crc(p))
+    assert w0.commit() == 1
+    assert not [n for n in read_again if n.endswith(".index.parquet")], read_again
+    files = unseal((vdir / fmt.CHECKSUMS).read_bytes())["files"]
+    indexes = sorted(p.name for p in vdir.glob("shard-r*-*.index.parquet"))
+    assert len(indexes) == 8 and all(n in files for n in indexes)
+    assert all(file_crc(vdir / n) == (files[n]["crc32c"], files[n]["nbytes"]) for n in indexes)
+    assert verify_store(store.root, progress=False) == []
+
+
+def test_an_unreadable_index_at_the_commit_is_refused_with_nothing_committed(store: Store) -> None:
+    """An index damaged between its rank's finish and rank 0's commit (cut short): the commit, which now parses
+    the bytes it read for the checksum, still refuses it in one line naming the file, and commits nothing."""
+    w0, vdir = _two_ranks_finished(store)
+    index = sorted(vdir.glob("shard-r01-*.index.parquet"))[1]
+    index.write_bytes(index.read_bytes()[:40])
+    with pytest.raises(UserError, match="the shard index is unreadable") as e:
+        w0.commit()
+    assert str(index) in str(e.value) and "\n" not in str(e.value)
+    assert not (vdir / "manifest.parquet").exists() and not (vdir / fmt.CHECKSUMS).exists()
+    assert store.tables() == {}
