@@ -99,14 +99,10 @@ def _open_features(st, lease, readers: dict[str, TableReader], model: str, model
     text, vae = readers["text"], readers["vae"]
     joined.report = dropped_report(st, joined, split)
     rep = joined.report
-    if rep["dropped_fraction"] > max_dropped_fraction:
-        raise UserError(
-            f"the '{split}' split of store {st.root}: {rep['dropped']} of {rep['samples']} samples "
-            f"({100 * rep['dropped_fraction']:.1f}%) are not in both the text and vae tables, above "
-            f"{section}.max_dropped_fraction = {max_dropped_fraction}: {reasons_text(rep)} (rows in "
-            f"{rep['quarantine_file']}); fix those inputs, use a model that accepts them, or raise "
-            f"{section}.max_dropped_fraction to use the rest"
-        )
+    too_many = dropped_beyond(rep, max_dropped_fraction, section)
+    if too_many:
+        raise UserError(f"the '{split}' split of store {st.root}: {too_many}; fix those inputs, use a model that "
+                        f"accepts them, or raise {section}.max_dropped_fraction to use the rest")
     if not len(joined.keys):
         fraction = _val_fraction(st, vae)
         if split == "val" and fraction == 0:  # the split's own setting, not a lack of samples
@@ -196,6 +192,18 @@ def dropped_report(st, joined: JoinedTables, split: str | None) -> dict[str, Any
             "quarantine_file": str(st.root / fmt.QUARANTINE)}
 
 
+def dropped_beyond(rep: dict[str, Any], max_dropped_fraction: float, section: str,
+                   held_by: str = "both the text and vae tables") -> str | None:
+    """The one rule for too many dropped samples (`dropped_report`'s `rep`): what and why when more than
+    `max_dropped_fraction` of the split is not held by the tables (`held_by` names them), else None. Train and
+    evaluate refuse to open their split on it; `run all` applies evaluate's to the 'val' split after each encoder."""
+    if rep["dropped_fraction"] <= max_dropped_fraction:
+        return None
+    return (f"{rep['dropped']} of {rep['samples']} samples ({100 * rep['dropped_fraction']:.1f}%) are not in "
+            f"{held_by}, above {section}.max_dropped_fraction = {max_dropped_fraction}: {reasons_text(rep)} "
+            f"(rows in {rep['quarantine_file']})")
+
+
 def _split_keys(vdir: Path, version: int, split: str | None) -> pa.Array:
     """The keys of one split of an `images` version, from two columns of its checked manifest: a reader would
     check every shard of the table (a stat each, on every rank, twice per training start) that no one reads here."""
@@ -226,6 +234,27 @@ def images_in_split(store: str | Path, split: str) -> tuple[int, int, int]:
     return len(split_rows(column, split, f"table 'images' v{version} ({vdir})")), len(keys), version
 
 
+def quarantined_keys(store: str | Path, stage: str) -> tuple[list[str], list[str]]:
+    """(keys, reasons) of the samples `stage` quarantined from the source of the store's current `images` version
+    and that version does not hold (a duplicate's key is its first copy's): samples that never got a split. Rows
+    without a key (unreadable, no caption) cannot be told apart and are left out."""
+    from store.manifest_files import read_schema
+    from store.store import Store
+
+    st = Store(store, create=False)
+    q = st.quarantine()
+    if not q.num_rows:
+        return [], []
+    vdir = st.version_dir("images", st.tables()["images"])
+    source = read_schema(vdir).attrs.get("source")
+    mine = pc.and_(pc.equal(q.column("stage"), stage), pc.is_valid(q.column("key")))
+    if source:  # rows of another source quarantined into the same store earlier are not these samples'
+        mine = pc.and_(mine, pc.starts_with(q.column("source"), pattern=str(source)))
+    q = q.filter(mine)
+    q = q.filter(pc.invert(pc.is_in(q.column("key"), value_set=_keys_and_splits(vdir)[0])))
+    return q.column("key").to_pylist(), q.column("reason").to_pylist()
+
+
 def split_report(store: str | Path, tables: tuple[str, str], split: str) -> dict[str, Any]:
     """`dropped_report` of the join of two tables' current versions on one split (e.g. ("images", "text"): the
     samples encode-text kept of it; ("text", "vae"): those evaluate reads), opened as `open_features` opens them
@@ -239,7 +268,8 @@ def split_report(store: str | Path, tables: tuple[str, str], split: str) -> dict
     try:
         for t in tables:
             readers[t] = st.reader(t, lease.version(t))
-        return dropped_report(st, JoinedTables(readers, split, st.root), split)
+        # quiet join: the caller says the dropped ones with their reasons (its line), not the join's key counts
+        return dropped_report(st, JoinedTables(readers, split, st.root, say_unmatched=False), split)
     finally:
         for r in readers.values():
             r.close()

@@ -83,7 +83,8 @@ def _row_numbers(rows: np.ndarray) -> np.ndarray:
     return rows.astype(np.int32 if len(rows) == 0 or rows.max() < 2**31 else np.int64)
 
 
-def _join_sorted_fixed(j: "JoinedTables", readers: dict[str, TableReader], split_rows: dict[str, np.ndarray]) -> bool:
+def _join_sorted_fixed(j: "JoinedTables", readers: dict[str, TableReader], split_rows: dict[str, np.ndarray],
+                       say_unmatched: bool = True) -> bool:
     """The common case (sorted manifests, 32-hex keys): intersect by binary search on zero-copy byte views.
     Fills j.keys / j.rows / j.only and returns True; False when the keys do not allow it."""
     fixed = {t: _fixed_width(r.key_array) for t, r in readers.items()}
@@ -118,7 +119,7 @@ def _join_sorted_fixed(j: "JoinedTables", readers: dict[str, TableReader], split
     width = widths.pop()
     offsets = pa.py_buffer(np.arange(0, width * len(common) + 1, width, dtype=np.int32).tobytes())
     j.keys = KeyList(pa.Array.from_buffers(pa.string(), len(common), [None, offsets, pa.py_buffer(common.tobytes())]))
-    if any(j.only.values()):
+    if say_unmatched and any(j.only.values()):
         log.warning("join of %s: keys only in one side dropped: %s", list(readers), j.unmatched)
     return True
 
@@ -129,7 +130,10 @@ class JoinedTables:
     `keys` (sorted) and `rows[table]` (each key's row number in that table) are Arrow / numpy arrays, so a join
     of two million-sample tables costs a few hash lookups per key in C, not Python sets and dicts."""
 
-    def __init__(self, readers: dict[str, TableReader], split: str | None = None, store_root: Path | None = None):
+    def __init__(self, readers: dict[str, TableReader], split: str | None = None, store_root: Path | None = None,
+                 say_unmatched: bool = True):
+        """`say_unmatched`: the warning line for keys only in some table; False where the caller counts them and
+        says them its own way (`run all`'s val check: the images table holds every sample, an encoder fewer)."""
         if len(readers) < 2:
             raise UserError("a join needs at least two tables")
         self.readers, self.split = readers, split
@@ -148,7 +152,7 @@ class JoinedTables:
         split_rows = {t: r.rows_of(split) for t, r in readers.items()}
         for r in readers.values():
             r.view.forget("split")  # the join's rows replace it
-        if _join_sorted_fixed(self, readers, split_rows):
+        if _join_sorted_fixed(self, readers, split_rows, say_unmatched):
             release_memory()  # the dropped columns' pages
             return
         split_keys_ = {t: r.key_array.take(pa.array(split_rows[t])) for t, r in readers.items()}
@@ -159,7 +163,7 @@ class JoinedTables:
             common = common.take(pc.sort_indices(common))
         self.only = {t: set(ks.filter(pc.invert(pc.is_in(ks, value_set=common))).to_pylist())
                      for t, ks in split_keys_.items()}  # keys each table holds alone
-        if any(self.only.values()):
+        if say_unmatched and any(self.only.values()):
             log.warning("join of %s: keys only in one side dropped: %s", list(readers), self.unmatched)
         self.keys = KeyList(common)
         self.rows = {t: _row_numbers(pc.index_in(common, value_set=r.key_array).to_numpy(zero_copy_only=False))

@@ -694,11 +694,13 @@ def _judge(rec: SourceSample, rc: ResizeConfig, first_source: dict[str, str]) ->
     if not caption:
         raise Rejected("empty-caption", "caption is empty or whitespace only")
     n = len(rec.controls)
+    key = sample_key(rec.target, rec.controls, caption)  # before the count check: its row names the key, so its
+    # would-be split is known (`run all`'s val check tells a val split emptied by this quarantine from the hash's)
     if not rc.min_controls <= n <= rc.max_controls:
         raise Rejected(
-            "control-count", f"{n} control image(s), outside resize.min_controls..max_controls = {rc.min_controls}..{rc.max_controls}"
+            "control-count", f"{n} control image(s), outside resize.min_controls..max_controls = {rc.min_controls}..{rc.max_controls}",
+            key=key,
         )
-    key = sample_key(rec.target, rec.controls, caption)
     _claim(key, rec.source, first_source)
     return key, caption
 

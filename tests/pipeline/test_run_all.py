@@ -265,22 +265,68 @@ def test_run_all_with_a_val_split_left_empty_stops_before_train(tiny_plus_model,
     assert set(Store(tmp_path / "store").tables()) == {"images"}  # stopped before the encoders
 
 
-def test_run_all_whose_val_samples_the_encoders_all_quarantine_stops_before_train(tiny_edit_model, tmp_path):
-    """The edit model takes exactly one control: of these 5 samples the hash split (val_fraction 0.3) puts two in
-    'val', one with 2 controls, one with none, and both encoders quarantine them. Before, `run all` trained and
-    failed at evaluate; now it stops after encode-vae, naming the encoders' reasons."""
+def _run_all_stopped(tmp_path: Path, model: str, n: int, settings: dict[str, dict]) -> tuple[str, str]:
+    """`run all` on `n` demo samples (seed 3, 0..2 controls, val_fraction 0.3) with `settings` merged into the
+    config's sections; it must stop before training: (its stopping line, the whole output)."""
     from pipeline.demo_data import make_demo_data
 
-    make_demo_data(tmp_path / "data", n=5, fmt="folder", max_controls=2, seed=3)
-    config = _config(tmp_path, tiny_edit_model)
+    make_demo_data(tmp_path / "data", n=n, fmt="folder", max_controls=2, seed=3)
+    config = _config(tmp_path, model)
     cfg = yaml.safe_load(config.read_text())
     cfg["evaluate"]["extra_prompts"] = []
+    for section, values in settings.items():
+        cfg[section].update(values)
     config.write_text(yaml.safe_dump(cfg))
     result = CliRunner().invoke(app, ["run", "all", "--config", str(config)])
     assert not (tmp_path / "run").exists() and not (tmp_path / "report").exists(), result.output[-2000:]
     assert result.exit_code == 1, result.output
-    line = next(ln for ln in result.output.splitlines() if "stopped before training" in ln)
-    assert "2 of 5 samples went to the 'val' split" in line and "the encoders left out all 2" in line, line
+    assert "Traceback" not in result.output and "== train" not in result.output, result.output
+    assert "keys only in one side dropped" not in result.output, result.output  # the check's join says nothing
+    return next(ln for ln in result.output.splitlines() if "stopped before training" in ln), result.output
+
+
+def _tables(store: Path) -> set[str]:
+    from store import Store
+
+    return set(Store(store).tables())
+
+
+def test_run_all_whose_val_samples_encode_text_all_quarantines_stops_before_encode_vae(tiny_edit_model, tmp_path):
+    """The edit model takes exactly one control: of these 5 samples the hash split (val_fraction 0.3) puts two in
+    'val', one with 2 controls, one with none, and encode-text quarantines both. Before, `run all` trained and
+    failed at evaluate (later: stopped after encode-vae, whose VAE pass is hours at 1M samples); now it stops right
+    after encode-text, naming its reasons, with encode-vae not run."""
+    line, output = _run_all_stopped(tmp_path, tiny_edit_model, 5, {})
+    assert "2 of 5 samples went to the 'val' split" in line and "encode-text left out all 2" in line, line
+    assert "(none is in the text table)" in line, line
     assert "encode-text: edit model needs exactly one control image 2" in line and "quarantine.parquet" in line, line
-    assert line.endswith("or train without evaluating: `pipeline run train`"), line
-    assert "== encode-vae" in result.output and "== train" not in result.output, result.output
+    assert line.endswith("or train without evaluating: `pipeline run encode-vae`, `pipeline run train`"), line
+    assert "== encode-text" in output and "== encode-vae" not in output, output
+    assert _tables(tmp_path / "store") == {"images", "text"}
+
+
+def test_run_all_with_more_val_samples_dropped_than_evaluate_accepts_stops_before_encode_vae(tiny_edit_model,
+                                                                                             tmp_path):
+    """Of these 8 samples the hash split puts 3 in 'val': one the edit model accepts (1 control), two encode-text
+    quarantines (2 controls, none): 67% dropped, above evaluate.max_dropped_fraction 0.05 (train's raised so train
+    itself would run). Before, `run all` trained and evaluate refused the split at the end; now it stops after
+    encode-text with evaluate's rule and wording (`features.open.dropped_beyond`), before encode-vae."""
+    line, output = _run_all_stopped(tmp_path, tiny_edit_model, 8, {"train": {"max_dropped_fraction": 0.9}})
+    assert "of the 'val' split that evaluate (its last stage) reads, 2 of 3 samples (66.7%) are not in the text " \
+        "table, above evaluate.max_dropped_fraction = 0.05" in line, line
+    assert "encode-text: edit model needs exactly one control image 2" in line, line
+    assert "raise evaluate.max_dropped_fraction to use the rest, then rerun" in line, line
+    assert "== encode-text" in output and "== encode-vae" not in output, output
+    assert _tables(tmp_path / "store") == {"images", "text"}
+
+
+def test_run_all_whose_val_samples_resize_all_quarantines_says_so(tiny_edit_model, tmp_path):
+    """resize.min_controls = max_controls = 1: resize-bucket quarantines the two samples (2 controls, none) whose
+    keys the hash split puts in 'val', so the split is empty. Before, the line blamed the hash split ('put none of
+    the 2 there: raise resize.val_fraction'); now it names resize-bucket's quarantine and its reasons."""
+    line, output = _run_all_stopped(tmp_path, tiny_edit_model, 5, {"resize": {"min_controls": 1, "max_controls": 1}})
+    assert "0 of 2 samples are in the 'val' split" in line, line
+    assert "put 2 there, and resize-bucket quarantined all 2 (control-count 2; rows in" in line, line
+    assert "fix those inputs, add samples or raise resize.val_fraction" in line, line
+    assert "== encode-text" not in output, output
+    assert _tables(tmp_path / "store") == {"images"}
