@@ -27,6 +27,13 @@ def case(name: str, args: list[str]) -> None:
         import traceback
 
         traceback.print_exception(res.exception)
+    # a launched rank prints one failure line per process (`report_once` keeps its lock while the rank watches the
+    # others); a real process runs one command, this script two: the next case's line is its own
+    import threading
+
+    import models.collective as collective
+
+    collective._report_lock = threading.Lock()
 
 
 case("train", ["run", "train", "--store", store, "--model", model, "--out", (out0, out1)[RANK],

@@ -30,13 +30,14 @@ def test_best_checkpoint_states_its_paired_difference_to_base_and_runner_up(run_
     rng = np.random.default_rng(0)
     # step 10 a little better than the base on average, by a different amount per sample; 20 and 30 = the base
     better = base * (1 - 0.05 * rng.random((base.shape[0], 1, 1, 1)))
-    group["loss"][0] = better.astype("float32")
+    row = {int(s): i for i, s in enumerate(group["step"][:])}  # evaluate appends the newest step first
+    group["loss"][row[10]] = better.astype("float32")
 
     res = ev.run(EvaluateConfig(**CFG), root / "store", tiny_edit_model, _ckpts(root), out)
     best = res.best
     assert best["step"] == 10 and best["runner_up"]["step"] == 20  # 20 and 30 tie: the earlier one
-    b10 = _per_sample(np.asarray(group["loss"][0], dtype=np.float64))
-    b20 = _per_sample(np.asarray(group["loss"][1], dtype=np.float64))
+    b10 = _per_sample(np.asarray(group["loss"][row[10]], dtype=np.float64))
+    b20 = _per_sample(np.asarray(group["loss"][row[20]], dtype=np.float64))
     b0 = _per_sample(np.asarray(group["base_loss"][:], dtype=np.float64))
     for got, (a, b) in ((best["vs_base"], (b10, b0)), (best["runner_up"], (b20, b10))):
         t = stats.ttest_rel(a, b).statistic

@@ -435,4 +435,4 @@ def test_a_resume_under_other_validation_settings_keeps_the_curve_aside_and_says
     # step 2 is validated again under the new seeds (its checkpoint is where the resume starts)
     assert steps == [2, 3] and now != fingerprint and names == sorted(["losses.zarr", f"losses.{fingerprint[:12]}.zarr"])
     out = capsys.readouterr()
-    assert f"earlier validation curve is kept in {run / f'losses.{fingerprint[:12]}.zarr'}" in out.out + out.err
+    assert f"validation curve: the settings changed: the earlier curve is kept in {run / f'losses.{fingerprint[:12]}.zarr'}" in out.out + out.err
