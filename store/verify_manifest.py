@@ -114,19 +114,23 @@ class ShardParts(Mapping[str, ShardPart]):
     def _read_group(self, group: int) -> dict[str, ShardPart]:
         """One pass over the checked columns, keeping the rows of `group`'s shards, taken in shard order."""
         mine = self._group_of_row == group
+        codes = self._codes[mine]
+        order = pa.array(np.argsort(codes, kind="stable"))  # by shard name, manifest order within one
+        codes = codes[order.to_numpy()]
+        taken: list[pa.Array] = []
         with pq.ParquetFile(self.path) as f:
             starts = row_group_starts(f)
             holding = [g for g in range(len(starts) - 1) if mine[starts[g]:starts[g + 1]].any()]
-            kept: dict[str, list[pa.Array]] = {c: [] for c in self.columns}
             for c in self.columns:
+                pieces = []
                 for g, column in row_group_columns(f, c, holding):
-                    kept[c] += pc.filter(column, pa.array(mine[starts[g]:starts[g + 1]])).chunks
+                    pieces += pc.filter(column, pa.array(mine[starts[g]:starts[g + 1]])).chunks
                     del column
-            rows = pa.table([pa.chunked_array(kept[c], f.schema_arrow.field(c).type) for c in self.columns],
-                            names=self.columns)
-        codes = self._codes[mine]
-        order = np.argsort(codes, kind="stable")  # by shard name, manifest order within one
-        rows, codes = rows.take(pa.array(order)), codes[order]
+                # each column joined and taken in shard order alone: a take of the whole chunked table joined
+                # every column's pieces at once first (~+20 MB at 100k samples over whole-column reads)
+                taken.append(pa.chunked_array(pieces, f.schema_arrow.field(c).type).combine_chunks().take(order))
+                del pieces
+        rows = pa.table(taken, names=self.columns)
         starts = [0, *(np.flatnonzero(np.diff(codes)) + 1).tolist()]
         return {self.names[codes[a]]: ShardPart(rows.slice(a, b - a), self.schema_version)
                 for a, b in zip(starts, [*starts[1:], len(codes)]) if b > a}
