@@ -17,6 +17,12 @@ bench/scale_store.py built (its `evaluate` needs bench/scale_ops.py's `train` op
             this tree's on the store, and two more ops compare this tree's reads of the two layouts:
   meta_of   2 samples' captions by `meta_of` (`ManifestView.rows_at`), one group vs row groups
   files_of  their files by `files_of`, one group vs row groups
+Measured so (old = 28e4be3, peak RSS MB; `cold start` work since cut the imports to ~85 MB):
+  N       meta_of 1 group -> groups   files_of (kept after)            verify old 1 group -> new groups
+  100k    183 -> 183                  182 -> 185 (19 -> 5 MB kept)     272 -> 250 (-22)   14.3 -> 10.4 s
+  200k    197 -> 206 (noise)          198 -> 204 (13 -> 8 MB kept)     371 -> 316 (-55)   23.8 -> 19.4 s
+rows_at already streamed within a row group (`iter_batches`), so meta_of / files_of gain no peak memory here: they
+now skip (neither decode nor page in) the groups holding no wanted row. verify decoded each column whole.
 
 2-core machine shared with other jobs, peak RSS in MB (old = e9b6352; imports and the tiny model are ~1060 MB of
 evaluate's, `plan` in bench/scale_ops.py):
