@@ -3,17 +3,19 @@
 The model stack (torch with torch._inductor, which bitsandbytes' import-time `torch.compile` pulls in, diffusers,
 transformers, peft) leaves ~550k objects tracked by the cyclic garbage collector. CPython's finalization
 (Py_FinalizeEx, after atexit) runs a full collection, then two more inside `finalize_modules` (after emptying
-sys.modules, and once more after clearing the modules' dicts): each walks the whole heap, ~0.5 s of CPU apiece on
-the project's machine, ~3 s of wall after a model command's last line on a loaded one.
+sys.modules, and once more after clearing the modules' dicts): each walks the whole heap, ~1.1 s of CPU in all on
+the project's machine, 1.6-3 s of wall after a model command's last line (bench/exit_time.py).
 
-The last atexit callback (registered first) runs that first collection itself - the garbage left at the exit is
-collected and its finalizers run, as before - then `gc.freeze()`s what survives: the finalization's collections skip
-frozen objects, so they cost nothing. Module teardown still clears every module's dict, which frees the objects
-those dicts hold by reference counting; only a cycle that becomes unreachable during that teardown is no longer
-collected - memory the process's end returns anyway, and finalizers the language does not promise at exit
-("It is not guaranteed that __del__() methods are called for objects that still exist when the interpreter
-exits", the data model). No work is skipped: every other atexit callback (lease releases, the process group's
-close in models/collective.py) runs before this one, and the standard streams are flushed after it, as always.
+An atexit callback registered by `pipeline.cli.main` before any command runs (so after all the command's own) runs
+that first collection itself - the garbage left at the exit is collected and its finalizers run, as before - then
+`gc.freeze()`s what survives: the finalization's collections skip frozen objects, so they cost nothing. Module
+teardown still clears every module's dict, which frees the objects those dicts hold by reference counting; only a
+cycle that becomes unreachable during that teardown is no longer collected - memory the process's end returns
+anyway, and finalizers the language does not promise at exit ("It is not guaranteed that __del__() methods are
+called for objects that still exist when the interpreter exits", the data model). No work is skipped: every atexit
+callback the command registers (lease releases, the process group's close in models/collective.py) runs before this
+one, those registered earlier (logging's shutdown) after it, and the standard streams are flushed after it, as
+always.
 """
 
 from __future__ import annotations
