@@ -11,6 +11,18 @@ bench/scale_store.py built (its `evaluate` needs bench/scale_ops.py's `train` op
   evaluate  `pipeline run evaluate` as bench/scale_ops.py runs it (2 loss samples, 1 image), old vs new code,
             each into a report folder of its own (removed first: not up to date)
   verify    `pipeline store verify`, old vs new code
+  --one-group: the old code's manifest layout against the new one. A copy of the store (`n<N>-onegroup`, shards
+            hard-linked) has every manifest rewritten in one parquet row group, as pyarrow's default wrote them
+            before `fmt.ROW_GROUP_ROWS` (checksums.json resealed); `verify` then runs the old code on the copy and
+            this tree's on the store, and two more ops compare this tree's reads of the two layouts:
+  meta_of   2 samples' captions by `meta_of` (`ManifestView.rows_at`), one group vs row groups
+  files_of  their files by `files_of`, one group vs row groups
+Measured so (old = 28e4be3, peak RSS MB; `cold start` work since cut the imports to ~85 MB):
+  N       meta_of 1 group -> groups   files_of (kept after)            verify old 1 group -> new groups
+  100k    183 -> 183                  182 -> 185 (19 -> 5 MB kept)     272 -> 250 (-22)   14.3 -> 10.4 s
+  200k    197 -> 206 (noise)          198 -> 204 (13 -> 8 MB kept)     371 -> 316 (-55)   23.8 -> 19.4 s
+rows_at already streamed within a row group (`iter_batches`), so meta_of / files_of gain no peak memory here: they
+now skip (neither decode nor page in) the groups holding no wanted row. verify decoded each column whole.
 
 2-core machine shared with other jobs, peak RSS in MB (old = e9b6352; imports and the tiny model are ~1060 MB of
 evaluate's, `plan` in bench/scale_ops.py):
@@ -33,6 +45,7 @@ and now with the largest column plus two groups. The `files` column is ~28 MB at
 from __future__ import annotations
 
 import argparse
+import io
 import shutil
 import subprocess
 import sys
@@ -41,6 +54,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT))  # this checkout's store/ (one_group_copy)
 
 from scale_ops import PY, commands, timed  # noqa: E402
 
@@ -71,6 +85,39 @@ print(f"kept {resident() - before:.0f} MB")
 """
 
 
+def one_group_copy(store: Path) -> Path:
+    """`store` as the old code wrote it: every manifest in one row group (pyarrow's default up to 1M rows), the
+    rest hard-linked; made once (`<store>-onegroup`)."""
+    import pyarrow.parquet as pq
+
+    from store import format as fmt
+    from store.checksum import crc_hex, seal, unseal
+
+    out = store.with_name(store.name + "-onegroup")
+    if out.is_dir():
+        return out
+    tmp = store.with_name(store.name + "-onegroup.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    subprocess.run(["cp", "-al", str(store), str(tmp)], check=True)
+    for manifest in sorted(tmp.glob(f"*/v*/{fmt.MANIFEST}")):
+        table = pq.read_table(manifest)
+        manifest.unlink()  # a hard link: the store's own file stays
+        buf = io.BytesIO()
+        pq.write_table(table, buf)  # the old `fmt.parquet_bytes`
+        data = buf.getvalue()
+        manifest.write_bytes(data)
+        sums = manifest.parent / fmt.CHECKSUMS
+        record = unseal(sums.read_bytes())
+        record["files"][fmt.MANIFEST] = {**record["files"][fmt.MANIFEST], "crc32c": crc_hex(data), "nbytes": len(data)}
+        sums.unlink()
+        sums.write_bytes(seal(record))
+        print(f"{manifest.relative_to(tmp)}: {pq.ParquetFile(manifest).metadata.num_row_groups} row group(s), "
+              f"{pq.ParquetFile(store / manifest.relative_to(tmp)).metadata.num_row_groups} in {store.name}",
+              flush=True)
+    tmp.rename(out)
+    return out
+
+
 def old_tree(rev: str, into: Path) -> Path:
     """The code of commit `rev`, extracted (git archive) under `into`."""
     out = into / "old"
@@ -86,14 +133,23 @@ def main() -> None:
     ap.add_argument("--dir", type=Path, default=Path("/tmp/scale"))
     ap.add_argument("--old", default="HEAD~1", help="the commit whose code is 'old'")
     ap.add_argument("--ops", default="meta,files,evaluate,verify")
+    ap.add_argument("--one-group", action="store_true", help="old code / reads on a one-row-group copy of the store")
     args = ap.parse_args()
     store, seed, run = args.dir / f"n{args.samples}", args.dir / "seed", args.dir / f"run-n{args.samples}"
     log = args.dir / f"meta-memory-n{args.samples}.log"
     rows = []
+    grouped = one_group_copy(store) if args.one_group else store  # what the old code reads
     with tempfile.TemporaryDirectory() as tmp:
         old = old_tree(args.old, Path(tmp))
         for op in args.ops.split(","):
-            if op == "meta":
+            if op in ("meta_of", "files_of"):
+                code = META if op == "meta_of" else FILES
+                runs = [("one group", [PY, "-c", code, str(grouped), op], ROOT),
+                        ("row groups", [PY, "-c", code, str(store), op], ROOT)]
+            elif op == "verify" and args.one_group:
+                runs = [(f"old {args.old} 1 group", commands(grouped, seed, run, run)[op], old),
+                        ("new row groups", commands(store, seed, run, run)[op], ROOT)]
+            elif op == "meta":
                 runs = [("meta(key)", [PY, "-c", META, str(store), "meta"], ROOT),
                         ("meta_of", [PY, "-c", META, str(store), "meta_of"], ROOT)]
             elif op == "files":
@@ -109,8 +165,8 @@ def main() -> None:
                 secs, mb, rc = timed(cmd, log, code)
                 rows.append((op, label, secs, mb))
                 kept = [ln for ln in log.read_text().splitlines() if ln.startswith("kept ")][-1:] \
-                    if op == "files" else []
-                print(f"N={args.samples:,} {op:9s} {label:14s} {secs:7.1f} s {mb:7.0f} MB"
+                    if op.startswith("files") else []
+                print(f"N={args.samples:,} {op:9s} {label:22s} {secs:7.1f} s {mb:7.0f} MB"
                       + (f" ({kept[0]} after the call)" if kept else "")
                       + (f"  exit {rc} (see {log})" if rc else ""), flush=True)
             first, second = rows[-2][3], rows[-1][3]

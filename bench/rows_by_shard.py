@@ -1,7 +1,7 @@
 """A manifest's rows shard by shard at scale, the old way and the new in the same run, where a pass did one take or
-filter per shard over the whole manifest (O(shards x rows)); the manifest as read also holds one chunk per parquet
-row group (fmt.parquet_bytes writes a 1M-row manifest as several), and a take from a chunked table joins each
-column's chunks first, every time:
+filter per shard over the whole manifest (O(shards x rows)); the manifest as read is also chunked (one chunk per
+parquet row group, and pyarrow splits a row group into chunks of at most 128k rows: a 1M-row manifest read whole is
+8+ chunks), and a take from a chunked table joins each column's chunks first, every time:
   verify  `store verify` (and `store verify URL`): store/verify_manifest.py `read_manifest_pass` + `shard_rows`,
           each shard's rows turned into Python before its bytes are checked
           old: the former `shard_rows` (`manifest.take(indices)` of the shard's rows, kept below) of the first
@@ -13,11 +13,14 @@ column's chunks first, every time:
 Writes a vae-like manifest of each --samples size (locating and checksum columns, two tensors per sample,
 img_shapes; --per-shard rows a shard) through fmt.parquet_bytes into --dir (reused on reruns), reads it as verify
 and repair do, checks old and new give the same rows for the shards both turned, and prints per size and pass:
-row groups, shards, the old time a shard and for the pass, the new pass, old / new. 2-core shared dev machine,
-100 rows a shard:
-  100k rows (1 row group), 1,000 shards: verify 2.4 s either way (1.0x); repair old 0.9 s, new 0.19 s (4.4x)
-  1M rows (8 row groups), 10,000 shards: verify old 84.9 ms a shard, ~14 min for the pass (extrapolated from 100
-  shards), new 19.6 s (43x); repair old 6.6 ms a shard, ~66 s, new 2.5 s (27x)
+row groups (from the footer), chunks as read, shards, the old time a shard and for the pass, the new pass,
+old / new. 2-core shared dev machine, 100 rows a shard, manifests then written in one row group (pyarrow's default
+up to 1M rows, before `fmt.ROW_GROUP_ROWS`; the "8 row groups" once printed here were the 8 chunks of the read):
+  100k rows (1 row group, 1 chunk), 1,000 shards: verify 2.4 s either way (1.0x); repair old 0.9 s, new 0.19 s (4.4x)
+  1M rows (1 row group, 8 chunks), 10,000 shards: verify old 84.9 ms a shard, ~14 min for the pass (extrapolated
+  from 100 shards), new 19.6 s (43x); repair old 6.6 ms a shard, ~66 s, new 2.5 s (27x)
+Manifests are now written in row groups of `fmt.ROW_GROUP_ROWS` (64k) rows: 2 at 100k rows, 16 at 1M (not
+re-measured here; a rebuilt --dir is needed, the manifests there are reused).
 At ~30k shards (a 1M-sample text table) the old verify pass was ~40 min, on every table of every `store verify`.
 
     python bench/rows_by_shard.py --samples 100000 1000000
@@ -33,6 +36,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's store/, not an installed one
 
@@ -90,7 +94,8 @@ def measure(vdir: Path, old_shards: int) -> dict:
     manifest = read_manifest(vdir, (vdir / fmt.MANIFEST).read_bytes())
     parts = old_parts(manifest)
     n_old = min(old_shards, len(parts))
-    common = {"rows": manifest.num_rows, "row_groups": manifest.column("key").num_chunks, "shards": len(parts),
+    common = {"rows": manifest.num_rows, "row_groups": pq.ParquetFile(vdir / fmt.MANIFEST).metadata.num_row_groups,
+              "chunks": manifest.column("key").num_chunks, "shards": len(parts),
               "old_extrapolated": n_old < len(parts)}
     t0 = time.perf_counter()
     old_rows = [old_shard_rows(manifest, idx, "vae/v1")[0] for _, idx in parts[:n_old]]

@@ -8,6 +8,7 @@ import sys
 import typer
 
 import models.quiet_imports  # noqa: F401  (before any command imports torchao: drops two harmless messages)
+from pipeline import exit_gc
 from pipeline.commands import (
     compare,
     demo,
@@ -144,6 +145,7 @@ def _publish_uncaught(error: Exception) -> None:
 
 
 def main() -> None:  # pragma: no cover
+    exit_gc.collect_once_at_exit()  # first: it must run after the atexit work the command registers
     signal.signal(signal.SIGTERM, _terminate)
     signal.signal(signal.SIGINT, _interrupt)
     try:

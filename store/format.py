@@ -292,9 +292,17 @@ def atomic_write_json(path: Path, obj: Any) -> None:
     atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
 
 
+# Rows per parquet row group of every file the store writes (manifests, shard indexes, quarantine.parquet): a
+# manifest read a few rows or a column at a time (`ManifestView.rows_at`, `store verify`) decodes the row groups
+# holding those rows, never more than one group of a column at once. pyarrow's default writes up to 1M rows as one
+# group (a ~100 MB column decoded whole at 1M samples). Readers take any grouping: a manifest written before, in
+# one group, reads as it did (its bytes, hence its `version_id`, unchanged).
+ROW_GROUP_ROWS = 65_536
+
+
 def parquet_bytes(table: pa.Table) -> bytes:
     buf = io.BytesIO()
-    pq.write_table(table, buf)
+    pq.write_table(table, buf, row_group_size=ROW_GROUP_ROWS)
     return buf.getvalue()
 
 

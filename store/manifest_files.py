@@ -56,6 +56,17 @@ def read_manifest(vdir: Path, data: bytes | pa.Buffer, columns: list[str] | None
         raise unreadable(vdir, e) from None
 
 
+def row_group_starts(f: pq.ParquetFile) -> list[int]:
+    """The first row of each row group of `f`, then its row count: row i lies in group
+    `bisect.bisect_right(starts, i) - 1`. From the footer alone (`fmt.ROW_GROUP_ROWS` rows a group in manifests
+    written now, one group in those written before)."""
+    md = f.metadata
+    starts = [0]
+    for g in range(md.num_row_groups):
+        starts.append(starts[-1] + md.row_group(g).num_rows)
+    return starts
+
+
 def checked_manifest(vdir: Path, columns: list[str] | None = None) -> pa.Table:
     """A complete version's manifest (the named columns it has, or all), its bytes checked against
     checksums.json first: a damaged manifest is a `DamagedData`, never rows read from damaged bytes. For the

@@ -28,7 +28,7 @@ from store.arrow_columns import NARROWER, narrowed, release_memory
 from store.integrity import DamagedData
 from store.key_index import KeyIndex
 from store.manifest import CHECKSUM_COLUMNS, LOCATING_COLUMNS, RESERVED_COLUMNS
-from store.manifest_files import mapped_checked, read_manifest, read_schema, unreadable
+from store.manifest_files import mapped_checked, read_manifest, read_schema, row_group_starts, unreadable
 from store.sample_locator import SampleLocator
 
 log = logging.getLogger("store")
@@ -200,10 +200,10 @@ class ManifestView:
 
     def rows_at(self, rows: Iterable[int], columns: Iterable[str]) -> dict[int, dict[str, Any]]:
         """The named columns (those the table has) of a few rows, e.g. the captions of the samples evaluate shows:
-        read from the manifest bytes a batch of rows at a time, nothing kept. `cell` / `meta_at` parse each whole
-        column and keep it, right for a walk over the table (encode asks every sample) but not for a few rows:
-        every meta column of `images` is ~735 MB at 1M samples, in every rank. Columns parsed already are read
-        from their arrays."""
+        read from the manifest bytes a batch of rows at a time, only the row groups holding them (the others are
+        neither decoded nor paged in), nothing kept. `cell` / `meta_at` parse each whole column and keep it, right
+        for a walk over the table (encode asks every sample) but not for a few rows: every meta column of `images`
+        is ~735 MB at 1M samples, in every rank. Columns parsed already are read from their arrays."""
         wanted = sorted(set(rows))
         out: dict[int, dict[str, Any]] = {i: {} for i in wanted}
         names = [c for c in dict.fromkeys(columns) if c in self.names]
@@ -215,16 +215,20 @@ class ManifestView:
         if not rest or not wanted:
             return out
         try:
-            batches = pq.ParquetFile(pa.BufferReader(self._bytes)).iter_batches(_ROWS_PER_BATCH, columns=rest)
-            start = 0
-            for batch in batches:
-                inside = wanted[bisect.bisect_left(wanted, start):bisect.bisect_left(wanted, start + batch.num_rows)]
-                if inside:
-                    for i, row in zip(inside, batch.take(pa.array([i - start for i in inside])).to_pylist()):
-                        out[i].update(row)
-                start += batch.num_rows
-                if start > wanted[-1]:
-                    break
+            f = pq.ParquetFile(pa.BufferReader(self._bytes))
+            starts = row_group_starts(f)
+            # only the row groups holding wanted rows are read, each a batch at a time up to its last wanted row
+            for g in sorted({bisect.bisect_right(starts, i) - 1 for i in wanted}):
+                start = starts[g]
+                mine = wanted[bisect.bisect_left(wanted, start):bisect.bisect_left(wanted, starts[g + 1])]
+                for batch in f.iter_batches(_ROWS_PER_BATCH, row_groups=[g], columns=rest):
+                    inside = mine[bisect.bisect_left(mine, start):bisect.bisect_left(mine, start + batch.num_rows)]
+                    if inside:
+                        for i, row in zip(inside, batch.take(pa.array([i - start for i in inside])).to_pylist()):
+                            out[i].update(row)
+                    start += batch.num_rows
+                    if start > mine[-1]:
+                        break
         except Exception as e:  # noqa: BLE001
             raise unreadable(self.dir, e) from None
         return out

@@ -2,18 +2,19 @@
 with the whole manifest: at 1M samples the manifest parsed whole (every column, then taken in shard order) was
 most of verify's ~2.6 GB peak.
 
-Two kinds of pass over manifest.parquet, a column at a time (`column_of`: a manifest of up to 1M rows is one
-parquet row group, which pyarrow decodes whole whatever batch size is asked):
-- one over every column (`read_manifest_pass`): each column decoded, so a damaged page anywhere is still found,
-  but only the keys (their checks) and a shard number per row are kept;
+Two kinds of pass over manifest.parquet, a column and a row group at a time (`row_group_columns`: pyarrow decodes
+a row group's column whole; manifests are written in groups of `fmt.ROW_GROUP_ROWS` rows, those of older code in
+one group of up to 1M rows, read the same way at a column's cost):
+- one over every column (`read_manifest_pass`): each row group of each column decoded, so a damaged page anywhere
+  is still found, but only the keys (their checks) and a shard number per row are kept;
 - then one per group of shards (`ShardParts`), shards in name order, each group of at most `ROWS_PER_PASS` rows
   (one whole shard at least): only the columns the checks read (`checked_columns`: not the meta columns a
   caption or a source path fill), only that group's rows kept. A shard's rows are always in one group, so every
   per-shard check sees all of them, in manifest order, as when the manifest was read whole.
 The manifest is sorted by key, and a shard's rows are spread over all of it: a group's pass decodes each checked
-column whole and keeps its rows. Up to `ROWS_PER_PASS` rows that is one pass; 1M samples take ~5 passes over the
-checked columns, seconds next to verify's minutes of reading samples. Peak RSS of `store verify` at 300k samples
-1102 -> 888 MB (its part above the ~690 MB of imports about halved; bench/meta_memory.py).
+column's row groups and keeps its rows. Up to `ROWS_PER_PASS` rows that is one pass; 1M samples take ~5 passes
+over the checked columns, seconds next to verify's minutes of reading samples. Peak RSS of `store verify` at 300k
+samples 1102 -> 888 MB (its part above the ~690 MB of imports about halved; bench/meta_memory.py).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from store import format as fmt
 from store.arrow_columns import release_memory
 from store.checksum import file_crc
 from store.manifest import CHECKSUM_COLUMNS, LOCATING_COLUMNS
-from store.manifest_files import read_schema, unreadable
+from store.manifest_files import read_schema, row_group_starts, unreadable
 
 #: the most rows of one group of shards held at once (a shard larger than this is a group alone); two groups may
 #: be held (`ShardParts`): ~2 x 80 MB of checked columns of an `images` table
@@ -113,23 +114,37 @@ class ShardParts(Mapping[str, ShardPart]):
     def _read_group(self, group: int) -> dict[str, ShardPart]:
         """One pass over the checked columns, keeping the rows of `group`'s shards, taken in shard order."""
         mine = self._group_of_row == group
-        keep = pa.array(mine)
-        with pq.ParquetFile(self.path) as f:
-            rows = pa.table([pc.filter(column_of(f, c), keep) for c in self.columns], names=self.columns)
         codes = self._codes[mine]
-        order = np.argsort(codes, kind="stable")  # by shard name, manifest order within one
-        rows, codes = rows.take(pa.array(order)), codes[order]
+        order = pa.array(np.argsort(codes, kind="stable"))  # by shard name, manifest order within one
+        codes = codes[order.to_numpy()]
+        taken: list[pa.Array] = []
+        with pq.ParquetFile(self.path) as f:
+            starts = row_group_starts(f)
+            holding = [g for g in range(len(starts) - 1) if mine[starts[g]:starts[g + 1]].any()]
+            for c in self.columns:
+                pieces = []
+                for g, column in row_group_columns(f, c, holding):
+                    pieces += pc.filter(column, pa.array(mine[starts[g]:starts[g + 1]])).chunks
+                    del column
+                # each column joined and taken in shard order alone: a take of the whole chunked table joined
+                # every column's pieces at once first (~+20 MB at 100k samples over whole-column reads)
+                taken.append(pa.chunked_array(pieces, f.schema_arrow.field(c).type).combine_chunks().take(order))
+                del pieces
+        rows = pa.table(taken, names=self.columns)
         starts = [0, *(np.flatnonzero(np.diff(codes)) + 1).tolist()]
         return {self.names[codes[a]]: ShardPart(rows.slice(a, b - a), self.schema_version)
                 for a, b in zip(starts, [*starts[1:], len(codes)]) if b > a}
 
 
-def column_of(f: pq.ParquetFile, name: str) -> pa.ChunkedArray:
-    """One column decoded whole, the scratch of the one before given back first: a row group is decoded whole
-    whatever the batch size asked, and a manifest of up to 1M rows is one row group (pyarrow's default), so a
-    column at a time is what bounds a pass's memory (its largest column, not every column at once)."""
-    release_memory()
-    return f.read(columns=[name], use_threads=False).column(name)
+def row_group_columns(f: pq.ParquetFile, name: str, groups: list[int] | None = None
+                      ) -> Iterator[tuple[int, pa.ChunkedArray]]:
+    """(row group, column `name` of its rows) for each of `groups` (all by default), each decoded whole, the
+    scratch of the one before given back first: pyarrow decodes a row group's column whole whatever batch size is
+    asked, so one group of one column at a time is what bounds a pass's memory (a manifest of older code, one group
+    of up to 1M rows, costs its largest column)."""
+    for g in range(f.metadata.num_row_groups) if groups is None else groups:
+        release_memory()
+        yield g, f.read_row_group(g, columns=[name], use_threads=False).column(name)
 
 
 def read_manifest_pass(vdir: Path, name: str, sums: dict[str, dict[str, Any]] | None
@@ -175,22 +190,23 @@ def read_manifest_pass(vdir: Path, name: str, sums: dict[str, dict[str, Any]] | 
 
 def _keys_and_shards(f: pq.ParquetFile) -> tuple[pa.ChunkedArray, list[str], np.ndarray]:
     """(the key column, the shard names in first-seen order, each row's index into them), from one pass over
-    every column (each decoded: a damaged page anywhere is an error here), a column at a time (`column_of`)."""
-    keys, codes, index = None, [], {}
+    every column (each decoded: a damaged page anywhere is an error here), a column of a row group at a time
+    (`row_group_columns`); only the keys are kept whole."""
+    keys, codes, index = [], [], {}
     for name in f.schema_arrow.names:
-        column = column_of(f, name)
-        if name == "key":
-            keys = column
-        elif name == "shard":
-            for chunk in column.chunks:
-                shard = pc.dictionary_encode(chunk)
-                local = [index.setdefault(str(s), len(index)) for s in shard.dictionary.to_pylist()]
-                if shard.indices.null_count:  # rows of no shard: one group, named as str(None) names it
-                    local.append(index.setdefault(str(None), len(index)))
-                codes.append(np.asarray(local, np.int32)[pc.fill_null(shard.indices, len(local) - 1).to_numpy()]
-                             if len(local) else np.zeros(0, np.int32))
-        del column
-    assert keys is not None  # LOCATING_COLUMNS were checked present
+        for _, column in row_group_columns(f, name):
+            if name == "key":
+                keys += column.chunks
+            elif name == "shard":
+                for chunk in column.chunks:
+                    shard = pc.dictionary_encode(chunk)
+                    local = [index.setdefault(str(s), len(index)) for s in shard.dictionary.to_pylist()]
+                    if shard.indices.null_count:  # rows of no shard: one group, named as str(None) names it
+                        local.append(index.setdefault(str(None), len(index)))
+                    codes.append(np.asarray(local, np.int32)[pc.fill_null(shard.indices, len(local) - 1).to_numpy()]
+                                 if len(local) else np.zeros(0, np.int32))
+            del column
+    keys = pa.chunked_array(keys, f.schema_arrow.field("key").type)  # LOCATING_COLUMNS were checked present
     return keys, list(index), np.concatenate(codes) if codes else np.zeros(0, np.int32)
 
 

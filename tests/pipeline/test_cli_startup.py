@@ -122,3 +122,15 @@ def test_python_dash_m_pipeline_is_the_command(tmp_path):
     helped = subprocess.run([sys.executable, "-m", "pipeline", "--help"], env=ENV, capture_output=True, text=True,
                             timeout=120, cwd=tmp_path)
     assert helped.returncode == 0 and "Usage: python -m pipeline" in helped.stdout, helped.stderr[-2000:]
+
+
+def test_the_installed_script_is_the_cli_main():
+    """The `pipeline` script ran `pipeline.cli:app` itself: none of `main`'s work (SIGTERM ending the command with
+    its atexit work and one line, the exit's single garbage collection) reached the command users type."""
+    import tomllib
+
+    import pipeline.cli as cli
+
+    target = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]["pipeline"]
+    module, name = target.split(":")
+    assert module == "pipeline.cli" and getattr(cli, name) is cli.main, target

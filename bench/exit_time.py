@@ -1,0 +1,90 @@
+"""The exit of a `pipeline` command that imports the model stack: an old revision vs this checkout, same run.
+
+"exit" is the wall time from the command's last line of output (PYTHONUNBUFFERED, so a line arrives when printed)
+to the process's end: atexit's callbacks and the interpreter's finalization. Before pipeline/exit_gc.py that was
+three full garbage collections over the ~550k objects torch, torch._inductor, diffusers, transformers and peft
+leave; now one, in the last atexit callback, and the finalization's skip the frozen heap. Also the whole command's
+wall and CPU (user + sys, steadier than wall on a loaded machine). The old revision is unpacked with `git archive`
+(bench/cold_start.py's `old_tree`); both run with the same interpreter from a neutral folder, interleaved old/new
+--repeat times; medians and old/new ratios are printed. The tiny model is built once with this checkout.
+
+2-core shared machine, other helpers' tests running, old = 28e4be3, median of 5, `plan --model TINY`: exit 1.61 ->
+0.51 s (3.1x; load ~1.5), 1.65 -> 0.50 s (3.3x; load ~4); whole command wall 8.2 -> 7.1 s, CPU 8.2 -> 7.1 s (1.2x).
+A script importing only torch, diffusers, transformers and peft (load ~4), from its last statement to the process's
+end: 3.2 s, 0.86 s with exit_gc's collect + freeze, 0.44 s with gc.freeze() alone (no collection at all: not done,
+the exit's garbage would not be finalized); os._exit ~0.1 s.
+
+    python bench/exit_time.py OLD_REV [--repeat 5] [--work /tmp/exit]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from cold_start import old_tree  # bench/ is on sys.path: this script's folder
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def commands(work: Path) -> dict[str, list[str]]:
+    return {"plan (tiny model)": ["plan", "--model", str(work / "model")]}
+
+
+def run(tree: Path, words: list[str], cwd: Path) -> tuple[float, float, float]:
+    """(exit, wall, CPU) seconds of one `python -m pipeline.cli WORDS` from `tree`."""
+    env = {**os.environ, "PYTHONPATH": str(tree), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+           "PYTHONUNBUFFERED": "1"}
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = last = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", *words], env=env, cwd=cwd, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    output = []
+    for line in proc.stdout:
+        last = time.perf_counter()
+        output.append(line)
+    proc.wait()
+    end = time.perf_counter()
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if proc.returncode != 0:
+        raise SystemExit(f"{tree}: pipeline {' '.join(words)} failed:\n{''.join(output)[-2000:]}")
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return end - last, end - start, cpu
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("old", help="git revision to compare with (e.g. main, HEAD~3)")
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--work", type=Path, help="fixture folder (kept; reused when it holds the tiny model)")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="exit-time-") as tmp:
+        work = args.work or Path(tmp) / "work"
+        work.mkdir(parents=True, exist_ok=True)
+        if not (work / "model" / "model_index.json").is_file():
+            run(REPO, ["make-tiny-model", str(work / "model"), "--variant", "edit-plus"], work)
+        (Path(tmp) / "old").mkdir()
+        old = old_tree(args.old, Path(tmp) / "old")
+        print(f"== exit time, old {args.old} vs this checkout, median of {args.repeat} (interleaved)")
+        print(f"{'command':18s} {'old exit':>9s} {'new exit':>9s} {'ratio':>6s}   {'old wall':>9s} {'new wall':>9s}"
+              f"   {'old cpu':>8s} {'new cpu':>8s} {'ratio':>6s}")
+        for name, words in commands(work).items():
+            times: dict[str, list[tuple[float, float, float]]] = {"old": [], "new": []}
+            for _ in range(args.repeat):
+                times["old"].append(run(old, words, work))
+                times["new"].append(run(REPO, words, work))
+            (oe, ow, oc), (ne, nw, nc) = (tuple(statistics.median(t[i] for t in times[k]) for i in range(3))
+                                          for k in ("old", "new"))
+            print(f"{name:18s} {oe:8.2f}s {ne:8.2f}s {oe / ne:5.1f}x   {ow:8.2f}s {nw:8.2f}s   {oc:7.2f}s {nc:7.2f}s "
+                  f"{oc / nc:5.1f}x", flush=True)
+
+
+if __name__ == "__main__":
+    main()

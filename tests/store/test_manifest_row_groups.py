@@ -1,0 +1,129 @@
+"""Manifests are written in row groups of `fmt.ROW_GROUP_ROWS` rows (pyarrow's default put up to 1M rows in one
+group, whose columns every streamed read decoded whole), and the streamed readers read only the groups holding the
+rows they want: `rows_at` (`meta_of`, `files_of`) and verify's passes. A manifest written before, in one group,
+reads the same rows; damage in a later group is still refused."""
+
+from __future__ import annotations
+
+import bisect
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from store import Store
+from store import format as fmt
+from store.checksum import file_crc, seal, unseal
+from store.verify import verify_store
+from store_samples import fill, sample
+
+N = 30
+GROUP = 4  # rows a group in the tests' grouped manifests: 8 groups of 30 rows
+
+
+def _filled(root: Path, monkeypatch, group_rows: int) -> Store:
+    monkeypatch.setattr(fmt, "ROW_GROUP_ROWS", group_rows)
+    store = Store(root)
+    fill(store, N)
+    return store
+
+
+def _groups(vdir: Path) -> list[int]:
+    md = pq.ParquetFile(vdir / fmt.MANIFEST).metadata
+    return [md.row_group(g).num_rows for g in range(md.num_row_groups)]
+
+
+def test_a_commit_writes_the_manifest_in_row_groups_of_bounded_rows(tmp_path: Path, monkeypatch) -> None:
+    store = _filled(tmp_path / "s", monkeypatch, GROUP)
+    assert _groups(store.version_dir("vae", 1)) == [GROUP] * (N // GROUP) + [N % GROUP]
+
+
+def test_rows_at_meta_of_files_of_read_the_same_rows_from_the_groups_holding_them(tmp_path: Path,
+                                                                                    monkeypatch) -> None:
+    """The same keys read through a manifest of many groups and through one of a single group (as written before:
+    pyarrow's default of up to 1M rows a group) give the same values, those `meta` / `files` read; the grouped one
+    reads only the groups holding the wanted rows."""
+    asked: list[list[int] | None] = []
+    real = pq.ParquetFile.iter_batches
+
+    def iter_batches(self, *a, **kw):
+        asked.append(kw.get("row_groups"))
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(pq.ParquetFile, "iter_batches", iter_batches)
+    keys = [sample(i)["key"] for i in (29, 3, 17, 3)]
+    got = {}
+    for group_rows in (1 << 20, GROUP):
+        store = _filled(tmp_path / f"g{group_rows}", monkeypatch, group_rows)
+        assert len(_groups(store.version_dir("vae", 1))) == (1 if group_rows > N else 8)
+        asked.clear()
+        with store.reader("vae") as r:
+            meta = r.meta_of(keys, ["caption", "img_shapes", "split"])
+            files = r.files_of(keys)
+            rows = sorted({r.view.keys.index(k) for k in keys})
+            located = r.view.rows_at(rows, ["shard", "sample_offset", "tensors"])
+            assert meta == {k: {c: r.meta(k)[c] for c in ("caption", "img_shapes", "split")} for k in keys}
+            assert files == {k: r.files(k) for k in keys}
+            assert located == {i: {c: r.view.manifest.column(c)[i].as_py() for c in ("shard", "sample_offset",
+                                                                                    "tensors")} for i in rows}
+        got[group_rows] = (meta, files, {r.view.keys.array[i].as_py(): v for i, v in located.items()})
+        if group_rows == GROUP:
+            holding = sorted({i // GROUP for i in rows})
+            assert len(holding) < 8
+            assert sorted(g for groups in asked for g in groups) == sorted(holding * 3)  # meta_of, files_of, rows_at
+    assert got[1 << 20] == got[GROUP]
+    assert got[GROUP][0][sample(17)["key"]]["caption"] == "caption 17"
+
+
+def _reads(monkeypatch) -> list[int]:
+    """Rows of every table the manifest readers decode from now on."""
+    decoded: list[int] = []
+    for name in ("read", "read_row_group", "read_row_groups"):
+        real = getattr(pq.ParquetFile, name)
+
+        def spy(self, *a, _real=real, **kw):
+            t = _real(self, *a, **kw)
+            decoded.append(t.num_rows)
+            return t
+
+        monkeypatch.setattr(pq.ParquetFile, name, spy)
+    return decoded
+
+
+def test_verify_decodes_a_group_of_a_column_at_a_time_and_refuses_damage_in_a_later_group(
+        tmp_path: Path, monkeypatch) -> None:
+    """verify's passes decode one row group of one column at a time (a column decoded whole before: ~100 MB at 1M
+    samples); every group of every column is still decoded, so a damaged page in a later group is refused."""
+    from store import integrity
+    from store.verify_manifest import read_manifest_pass
+
+    store = _filled(tmp_path / "s", monkeypatch, GROUP)
+    vdir = store.version_dir("vae", 1)
+    decoded = _reads(monkeypatch)
+    problems, by_shard = read_manifest_pass(vdir, "vae/v1", integrity.read_version_checksums(vdir))
+    assert problems == []
+    walked = {s: by_shard[s].rows.to_pylist() for s in by_shard}
+    assert decoded and max(decoded) <= GROUP
+    assert sum(len(rows) for rows in walked.values()) == N
+    assert verify_store(store.root, progress=False) == []
+
+    md = pq.ParquetFile(vdir / fmt.MANIFEST).metadata
+    caption = pq.ParquetFile(vdir / fmt.MANIFEST).schema_arrow.names.index("caption")
+    chunk = md.row_group(md.num_row_groups - 2).column(caption)
+    page = chunk.dictionary_page_offset or chunk.data_page_offset
+    data = bytearray((vdir / fmt.MANIFEST).read_bytes())
+    data[page:page + 8] = b"\xff" * 8  # the page header of a caption page in the 7th of 8 groups
+    (vdir / fmt.MANIFEST).write_bytes(bytes(data))
+    # the damaged bytes' CRC recorded, as a writer that damaged them before checksumming would: only decoding
+    # every group finds it
+    record = unseal((vdir / fmt.CHECKSUMS).read_bytes())
+    record["files"][fmt.MANIFEST]["crc32c"] = file_crc(vdir / fmt.MANIFEST)[0]
+    (vdir / fmt.CHECKSUMS).write_bytes(seal(record))
+    problems = verify_store(store.root, progress=False)
+    assert any("vae/v1/manifest.parquet: undecodable" in p for p in problems), problems
+
+
+@pytest.mark.parametrize("group_rows", [1 << 20, GROUP])
+def test_verify_reads_a_manifest_of_one_group_or_many(tmp_path: Path, monkeypatch, group_rows: int) -> None:
+    store = _filled(tmp_path / "s", monkeypatch, group_rows)
+    assert verify_store(store.root, progress=False) == []
