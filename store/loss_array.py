@@ -11,7 +11,7 @@
 Read with xarray (dimension names are stored, coordinates are the arrays named like their dimension):
 
     import xarray as xr
-    ds = xr.open_zarr("REPORT/losses.zarr")
+    ds = xr.open_zarr("REPORT/losses.zarr").sortby("step")  # evaluate appends the newest step first
     ds.loss.sel(region="all").mean(["sample", "seed", "sigma"])  # held-out loss per checkpoint step
 
 Commit order (why the append is kill-safe): an append resizes the arrays and writes the new step's chunks,

@@ -238,7 +238,8 @@ def render_html(metrics: dict, rows: list[OutputsRow], grid: Image.Image) -> str
         f"(base {_fmt(c['base']['overall'])}, last step {last['step']}: {_fmt(last['loss'])})<br>{_sureness(best)}"
         f"<code>{html.escape(best['path'])}</code></p>",
         f"<p>{html.escape(metrics['loss']['protocol'])}. {html.escape(c['note'])}. Every number is in "
-        f"<code>{html.escape(c['losses'])}</code> (open it with <code>xarray.open_zarr</code>).</p>",
+        f"<code>{html.escape(c['losses'])}</code> (open it with <code>xarray.open_zarr(...).sortby(\"step\")</code>: "
+        "the newest steps are appended first).</p>",
         "<div class='curves'>" + "".join(svg(ch) for ch in charts(metrics)) + "</div>",
         _table(["checkpoint", "path", "held-out loss", "inside mask", "outside mask"], table_rows),
     ]
