@@ -88,7 +88,8 @@ def _message(error: BaseException, what: str) -> str:
 
 
 def agreed(error: BaseException | None) -> bool:
-    """Whether every rank already knows of this error (it came out of `together` or `share_failure`)."""
+    """Whether every rank already knows of this error (it came out of `together` or `share_failure`, or
+    `failure_line` published it)."""
     return isinstance(error, RankFailed) or getattr(error, "agreed_by_all_ranks", False)
 
 
@@ -521,10 +522,40 @@ def failure_line(error: BaseException, line: str) -> str:
     if agreed(error):
         return line
     if not _state["watching"]:
-        return _publish_unwatched(line)
-    import torch.distributed as dist  # watching: a launch of several ranks
+        line = _publish_unwatched(line)
+    else:
+        import torch.distributed as dist  # watching: a launch of several ranks
 
-    return publish_failure(line, dist.get_world_size() if dist.is_initialized() else int(os.environ["WORLD_SIZE"]))
+        line = publish_failure(line, dist.get_world_size() if dist.is_initialized() else int(os.environ["WORLD_SIZE"]))
+    # once: a second handler of the same error (the CLI's top level after `user_errors`) publishes nothing more,
+    # where a second try cost another store connection and another wait for a rank that never counts
+    _mark(error)
+    return line
+
+
+def peer_line(error: BaseException) -> str | None:
+    """The line for an error that is another rank's failure seen from here, not this rank's own: the line a peer
+    published (gloo's "connection closed" once a failed rank exited), or, launched, a peer's process gone without
+    a word (`lost_peer_line`, published: the ranks not in touch with it stop too); None for this rank's own error.
+    The one choice of every top-level handler (pipeline/commands/common.py `user_errors`, the CLI's `main`)."""
+    if (peer := peer_failure()) is not None:
+        _mark(error)  # every rank knows the peer's line: nothing of this rank's to publish
+        return peer
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and (lost := lost_peer_line(error)) is not None:
+        return failure_line(error, lost)
+    return None
+
+
+def publish_uncaught(error: BaseException) -> str | None:
+    """For an error no handler turned into a line, unless already published (`user_errors` publishes what it
+    re-raises): a peer's line (`peer_line`) for the process to end with instead of a traceback, else None after
+    publishing `rank_error_line` (its traceback is this rank's)."""
+    if agreed(error):
+        return None
+    if (line := peer_line(error)) is not None:
+        return line
+    failure_line(error, rank_error_line(error))
+    return None
 
 
 UNWATCHED_STORE_SECONDS = 5.0  # how long a rank that failed before its first exchange tries to reach the store

@@ -127,21 +127,23 @@ def _said_by_training() -> bool:
     return stop is not None and bool(stop.ANNOUNCED)
 
 
-def _publish_uncaught(error: Exception) -> None:
+def _publish_uncaught(error: Exception) -> str | None:
     """An error no handler turned into a line (a bug, a broken install on this node) ends this rank in its
     traceback; a launched rank first publishes it (models/collective.py), so the others - waiting for this one
     at an agreement before the process group exists, or inside a collective - stop at once naming it, instead of
     waiting out their timeout (30 minutes before the group) saying nothing of this rank. Also when this rank failed
-    before it imported the collective: the others may wait for it at their first exchange already."""
+    before it imported the collective: the others may wait for it at their first exchange already. Once: one
+    `user_errors` re-raised is published already. Another rank's failure seen here (its published line, a rank
+    killed) is that rank's line, returned: the process ends with it, as `user_errors` ends it."""
     from pipeline.launched import launched
 
     if launched()[0] <= 1:
-        return
+        return None
     try:
         from models import collective
     except Exception:  # noqa: BLE001 - an install that cannot import torch: nothing to publish with
-        return
-    collective.failure_line(error, collective.rank_error_line(error))
+        return None
+    return collective.publish_uncaught(error)
 
 
 def main() -> None:  # pragma: no cover
@@ -159,8 +161,12 @@ def main() -> None:  # pragma: no cover
         raise
     except Exception as e:
         if not _signalled:
-            _publish_uncaught(e)
-            raise
+            if (line := _publish_uncaught(e)) is None:
+                raise
+            from pipeline.commands.common import report_error
+
+            report_error(line)
+            raise SystemExit(1) from None
         # The stop raised inside a library's native call comes out as whatever that library makes of it (e.g.
         # safetensors' load as a ValueError that diffusers turns into an OSError): the signal is the cause, and
         # everything has unwound (leases, locks released) - one line, no traceback.

@@ -150,13 +150,9 @@ def user_errors(output: Path | str | None = None) -> Iterator[None]:
         report_error(f"{name} (or a folder on its path) is a file, not a folder: pass a folder path")
         raise typer.Exit(1) from None
     except Exception as e:  # a full disk / read-only folder missed by a closer handler: still one line
-        from models.collective import failure_line, lost_peer_line, peer_failure, rank_error_line
-        from pipeline.launched import launched
-        if (peer := peer_failure()) is not None:  # e.g. gloo's "connection closed" when a failed rank exited
+        from models.collective import failure_line, peer_line, rank_error_line
+        if (peer := peer_line(e)) is not None:  # another rank's failure (published, or a rank killed) seen here
             report_error(peer)
-            raise typer.Exit(1) from None
-        if launched()[0] > 1 and (lost := lost_peer_line(e)) is not None:  # a rank killed, saying nothing
-            report_error(failure_line(e, lost))  # published: the ranks not in touch with it stop too
             raise typer.Exit(1) from None
         err = describe(e, "output", Path(getattr(e, "filename", None) or output or "."))
         if err is None:

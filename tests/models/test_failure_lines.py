@@ -78,6 +78,61 @@ def test_an_error_no_handler_made_a_line_of_is_published_naming_its_rank(monkeyp
                                        "is in that rank's output)")
 
 
+@pytest.mark.parametrize("watching", [True, False])
+def test_an_error_both_top_level_handlers_meet_is_published_once(monkeypatch, own_collective, watching) -> None:
+    """`user_errors` publishes the error it has no line for and re-raises it; the CLI's `main` (`_publish_uncaught`)
+    then meets the same error. Before: it published again - a second store connection and a second wait for the
+    ranks to read it (up to HOST_WAIT_SECONDS for a rank that never counts), or, before the first exchange, a
+    second try to reach the store (UNWATCHED_STORE_SECONDS)."""
+    from pipeline.cli import _publish_uncaught
+    from pipeline.commands.common import user_errors
+
+    collective = own_collective
+    store = _as_rank_1(monkeypatch)
+    key = collective._failure_key()
+    if watching:
+        collective.watch_failures(2)
+    store.add(f"{key}/known", 1)  # rank 0 reads it
+    writes: list[str] = []
+    write = collective._write_failure
+    monkeypatch.setattr(collective, "_write_failure", lambda line, *a: writes.append(line) or write(line, *a))
+    with pytest.raises(RuntimeError):
+        try:
+            with user_errors():
+                raise RuntimeError("a bug")
+        except RuntimeError as e:
+            assert _publish_uncaught(e) is None  # this rank's own error: its traceback follows
+            raise
+    assert writes == ["rank 1 failed: RuntimeError: a bug (its traceback is in that rank's output)"]
+    assert store.get(key).decode() == writes[0]
+
+
+_GLOO_CLOSED = "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:41234"
+
+
+@pytest.mark.parametrize("published", [True, False])
+def test_the_cli_top_level_names_the_peer_a_collective_error_came_from(monkeypatch, own_collective,
+                                                                       published) -> None:
+    """An error outside `user_errors` that is another rank's failure seen here: the line that rank published, or,
+    when a rank was killed without a word, the lost-peer line (published) - as `user_errors` chooses. Before: the
+    CLI's top level published `rank 1 failed: RuntimeError: ... Connection closed ...`, naming this rank, and
+    ended in gloo's traceback."""
+    from pipeline.cli import _publish_uncaught
+
+    collective = own_collective
+    store = _as_rank_1(monkeypatch)
+    key = collective._failure_key()
+    collective.watch_failures(2)
+    store.add(f"{key}/known", 1)  # rank 0 reads it (or the launcher counted for it)
+    peer = "rank 0: 1 of 6 samples of the images table are damaged"
+    if published:
+        collective._state["published"] = True  # this rank's watch thread leaves the line to the main thread
+        store.compare_set(key, "", peer)
+    line = _publish_uncaught(RuntimeError(_GLOO_CLOSED))
+    expected = peer if published else collective.lost_peer_line(RuntimeError(_GLOO_CLOSED))
+    assert line == expected and store.get(key).decode() == expected
+
+
 def test_a_rank_failing_before_its_first_exchange_stops_the_rank_waiting_for_it(monkeypatch, own_collective) -> None:
     """Rank 1 (this process) fails before it ever exchanged through the store (no watch thread yet); rank 0 waits
     for it at the first decision and ends at once with its line. Before: only a watching rank published, and rank
