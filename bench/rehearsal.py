@@ -259,6 +259,12 @@ def child(spec: dict) -> dict:
 # ------------------------------------------------------------------------------------------------ driver
 
 
+def _child_path() -> str:
+    """The repo, then this process's PYTHONPATH: a stack installed with `pip --target` (the GPU machine's,
+    bench/gpu/rehearse) has its libraries only there."""
+    return os.pathsep.join([str(REPO), *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]])
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=None, help="layers per stack (default: the real counts)")
@@ -310,7 +316,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         shutil.rmtree(spec["run_dir"], ignore_errors=True)  # a fresh run, never a resume of an earlier one
         print(f"run {i}: quantize={q} offload={off} gradient_checkpointing={gc} batch_size={bs}", flush=True)
         proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True,
-                              text=True, env={**CHILD_ENV, **os.environ, "PYTHONPATH": str(REPO)})
+                              text=True, env={**CHILD_ENV, **os.environ, "PYTHONPATH": _child_path()})
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("REHEARSAL-RESULT ")]
         if proc.returncode != 0 or not lines:
             sys.stderr.write(proc.stderr[-4000:])

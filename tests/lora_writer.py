@@ -50,7 +50,9 @@ def write_in_processes(model: str, jobs: dict[int, list[tuple[Path, float]]]) ->
     """One cold process per PYTHONHASHSEED of `jobs` (all at once), each writing its (folder, scale) checkpoints
     (`write_checkpoint` from `add_checkpoint_lora`'s adapter): the same weights saved by other processes. The
     seed is set so the str hash order differs as it does between two runs."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE)])}
+    # the suite's PYTHONPATH after ours: a `pip --target` stack (bench/gpu/rehearse) has its libraries only there
+    suite = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE), *suite])}
     procs = [subprocess.Popen([sys.executable, __file__, model, *(f"{folder}={scale}" for folder, scale in todo)],
                               env={**env, "PYTHONHASHSEED": str(seed)}, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for seed, todo in jobs.items()]

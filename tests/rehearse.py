@@ -21,7 +21,10 @@ def rehearse(work: Path, *args: str) -> list[dict]:
     out = work / "r.json"
     # one thread per process: on the shared 2-core machine more threads only spin against other jobs (this
     # command: 33 s wall at one thread; 58-85 s with the default threads under a load average of ~3-4)
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    # the suite's own PYTHONPATH after the repo: a stack installed with `pip --target` (the GPU machine's,
+    # bench/gpu/rehearse) has its libraries only there, and the bench's runs are fresh processes
+    paths = [str(REPO), *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "OMP_NUM_THREADS": "1"}
     proc = warm_start.run(
         [sys.executable, str(REPO / "bench" / "rehearsal.py"), "--layers", "1", "--area", "4096", "--samples", "2",
          "--steps", "1", "--quantize", "int8", "--minimal-text-encoder", "--work", str(work / "w"),
