@@ -205,17 +205,23 @@ class Lease:
 
     def add(self, table: str, version: int) -> bool:
         """Name one more version (under the store lock); False when it no longer exists (gc took it first).
-        LeaseLost once the lease was lost: it is never written again."""
+        LeaseLost once the lease was lost, or is found lost here (`_lost_how`, the heartbeat's look: a paused
+        process may add before its heartbeat wakes): it is never written again."""
         check_held(self)
-        if self.path is None:  # read-only store or released: nothing to register
+        path = self.path  # None once released (another thread may release it meanwhile)
+        if path is None:  # read-only store or released: nothing to register
             return fmt.is_complete(fmt.version_dir(self.root, table, version))
         with fmt.flock(self.root / fmt.STORE_LOCK):
+            how = self._lost_how(path)
+            if how is not None:
+                self._lose(how)
+                check_held(self)
+                return False  # released meanwhile (by another thread): nothing to add to
             if not fmt.is_complete(fmt.version_dir(self.root, table, version)):
                 return False
             if version not in self.versions.setdefault(table, []):
                 self.versions[table].append(version)
-                if self.path is not None:
-                    fmt.atomic_write_json(self.path, self.record())
+                fmt.atomic_write_json(path, self.record())
         return True
 
     def release(self) -> None:
@@ -231,35 +237,50 @@ class Lease:
 
     def _beat(self, now: float | None = None) -> bool:
         """One refresh (its mtime, never a rewrite: a removed lease stays removed); False once there is nothing
-        more to refresh. A lease removed is lost (`lose`): a gc judged it dead. One older than its margin (`now`:
-        this host's clock, as a gc elsewhere on the file system judges it) may have been judged dead by a gc on
-        another host: looked at under the store lock, which gc holds from its plan to its last delete, it is
-        refreshed only if every version it names is still there (a paused process on this host only: no gc here
-        judges it by age), else lost."""
+        more to refresh. A fresh lease is refreshed at once; any other is looked at under the store lock
+        (`_lost_how`) and refreshed only while it stands, else lost (`lose`)."""
         path = self.path
         if path is None:
             return False
         try:
-            age = (time.time() if now is None else now) - path.stat().st_mtime
-            if age <= stale_seconds():
+            if (time.time() if now is None else now) - path.stat().st_mtime <= stale_seconds():
                 os.utime(path)
                 return True
             with fmt.flock(self.root / fmt.STORE_LOCK):
-                gone = [f"{t} v{v}" for t, vs in sorted(self.versions.items()) for v in vs
-                        if not fmt.is_complete(fmt.version_dir(self.root, t, v))]
-                if not gone:
+                how = self._lost_how(path, now)
+                if how is None:
                     os.utime(path)
-                    log.warning("read lease %s was not refreshed for %.0f min (the process was paused); what it "
-                                "names is still there: refreshed", path, age / 60)
                     return True
-            how = f"was not refreshed for {age / 60:.0f} min and {', '.join(gone)} is gone"
         except FileNotFoundError:  # removed by a gc that judged it dead
             how = f"was removed ({path.name})"
         except OSError as e:  # a file-system hiccup (NFS): the next beat tries again
             log.warning("could not refresh the read lease %s (%s)", path, e.strerror or e)
             return True
-        lose(self, self._stop, str(self.root), self.what, how, self.versions)
+        self._lose(how)
         return False
+
+    def _lost_how(self, path: Path, now: float | None = None) -> str | None:
+        """How this lease was lost, None while it stands; looked at under the store lock, which gc holds from its
+        plan to its last delete (by the heartbeat and by `add`). Lost: its file removed (a gc judged it dead), or
+        older than its margin (`now`: this host's clock, as a gc elsewhere on the file system judges it) with a
+        version it names gone (a gc on another host judged it dead). Older but intact it stands (a paused process
+        on this host only: no gc here judges it by age); the caller refreshes it."""
+        try:
+            age = (time.time() if now is None else now) - path.stat().st_mtime
+        except FileNotFoundError:
+            return f"was removed ({path.name})"
+        if age <= stale_seconds():
+            return None
+        gone = [f"{t} v{v}" for t, vs in sorted(self.versions.items()) for v in vs
+                if not fmt.is_complete(fmt.version_dir(self.root, t, v))]
+        if gone:
+            return f"was not refreshed for {age / 60:.0f} min and {', '.join(gone)} is gone"
+        log.warning("read lease %s was not refreshed for %.0f min (the process was paused); what it names is still "
+                    "there: refreshed", path, age / 60)
+        return None
+
+    def _lose(self, how: str) -> None:
+        lose(self, self._stop, str(self.root), self.what, how, self.versions)
 
 
 def hold(root: str | Path, tables: dict[str, int | None], what: str, owner: object | None = None) -> Lease:

@@ -9,7 +9,8 @@ server), and deletes it when done and at interpreter exit. A heartbeat never wri
 judged it dead: the process was paused past its margin): it marks it lost instead (store/lease.lose), and the
 process stops at its next read; one older than its margin by the server's clock is lost too once a version it
 names has lost its manifest. On S3 the rewrite is conditional on the ETag just read, so a gc's DELETE between that
-look and the PUT is noticed too. `pipeline store gc URL` (store/remote_gc.py) keeps
+look and the PUT is noticed too (a server without If-Match support gets a plain PUT after the look). `add` (more
+versions) rewrites it by the same look. `pipeline store gc URL` (store/remote_gc.py) keeps
 every version a live lease names. Liveness is store/lease.judge's: a lease of this host (its boot id) and pid
 namespace is live while its process runs; any other is live until `STALE_SECONDS` (15 min) after its last refresh,
 so a reader killed with -9 blocks gc for at most that long.
@@ -61,6 +62,7 @@ class RemoteLease:
     _stop: threading.Event = field(default_factory=threading.Event)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _pid: int = field(default_factory=os.getpid)
+    _warned_unconditional: bool = False  # the server refused a conditional PUT (`_write_over`)
 
     def record(self) -> dict[str, Any]:
         """store/lease.py's record (what `judge` reads), plus the kind and the time of this write."""
@@ -72,15 +74,25 @@ class RemoteLease:
         self.remote.write(self.rel, json.dumps(self.record(), sort_keys=True).encode())
 
     def add(self, versions: Iterable[tuple[str, int]]) -> None:
+        """Name more versions: a read lease is rewritten only where it still is (`_rewrite`, the heartbeat's look: a
+        paused process may add before its heartbeat wakes), else lost (LeaseLost), never written again."""
         local_lease.check_held(self)  # a lost lease is never written again
         with self._lock:
-            new = False
+            held = {t: list(vs) for t, vs in self.versions.items()}
             for t, v in versions:
                 if v not in self.versions.setdefault(t, []):
                     self.versions[t].append(v)
-                    new = True
-            if new and self.rel:
+            if self.versions == held or not self.rel:
+                return
+            if self.kind != "read":  # a push re-sends any object a gc removed meanwhile (`_beat`)
                 self._write()
+                return
+            how = self._rewrite()
+            if how is None:
+                return
+            self.versions = held  # what it read under the lost lease, for its message
+        local_lease.lose(self, self._stop, self.remote.url, self.what, how, self.versions)
+        local_lease.check_held(self)
 
     def release(self) -> None:
         self._stop.set()
@@ -102,11 +114,8 @@ class RemoteLease:
             pass
 
     def _beat(self, now: float | None = None) -> bool:
-        """One refresh; False once there is nothing more to refresh. A lease object gone is lost, never written
-        again (a gc judged it dead). One older than its margin on the server's clock (`now`, default
-        `Remote.now()`: what gc judges it by) may be judged dead by a gc running now: it is refreshed (so gc's
-        look right before each DELETE keeps what it names from now on), then every version it names must still
-        have its manifest (gc deletes that first), else it is lost."""
+        """One refresh; False once there is nothing more to refresh. A read lease is rewritten only where it still
+        is (`_rewrite`), else lost, never written again."""
         with self._lock:
             if not self.rel:
                 return False
@@ -116,34 +125,65 @@ class RemoteLease:
                 except Exception as e:  # noqa: BLE001  a lost connection: try again at the next beat
                     log.warning("could not refresh the lease %s/%s (%s)", self.remote.url, self.rel, e)
                 return True
-            path = self.remote.path(self.rel)
             try:
-                self.remote.fs.invalidate_cache()
-                info = self.remote.fs.info(path)
-                age = (self.remote.now() if now is None else now) - _modified(info)
-                etag = info.get("ETag") if self.remote.is_s3 else None
-                if etag:  # only over what was just looked at: a DELETE meanwhile fails it (412 / 404)
-                    self.remote.fs.pipe_file(path, json.dumps(self.record(), sort_keys=True).encode(), IfMatch=etag)
-                else:
-                    self._write()
-                if age <= local_lease.stale_seconds():
-                    return True
-                gone = [f"{t} v{v}" for t, vs in sorted(self.versions.items()) for v in vs
-                        if not self.remote.exists(f"{t}/v{v}/{fmt.MANIFEST}")]
-                if not gone:
-                    log.warning("the lease %s/%s was not refreshed for %.0f min (the process was paused); what it "
-                                "names is still there: refreshed", self.remote.url, self.rel, age / 60)
-                    return True
-                how = f"was not refreshed for {age / 60:.0f} min and {', '.join(gone)} is gone"
-            except FileNotFoundError:
-                how = f"was removed ({self.rel})"
-            except Exception as e:  # noqa: BLE001
-                if not (isinstance(e, OSError) and _precondition_failed(e)):  # a lost connection: the next beat
-                    log.warning("could not refresh the lease %s/%s (%s)", self.remote.url, self.rel, e)
-                    return True
-                how = f"was removed ({self.rel})"
+                how = self._rewrite(now)
+            except Exception as e:  # noqa: BLE001  a lost connection: the next beat tries again
+                log.warning("could not refresh the lease %s/%s (%s)", self.remote.url, self.rel, e)
+                return True
+            if how is None:
+                return True
         local_lease.lose(self, self._stop, self.remote.url, self.what, how, self.versions)
         return False
+
+    def _rewrite(self, now: float | None = None) -> str | None:
+        """Rewrite the read lease object (its refresh, and the versions it names) only where it still is: None when
+        done, else how it was lost (by the heartbeat and by `add`, under `_lock`; other errors, a lost connection,
+        are raised). An object gone is lost (a gc judged it dead). One older than its margin on the server's clock
+        (`now`, default `Remote.now()`: what gc judges it by) may be judged dead by a gc running now: it is
+        rewritten (so gc's look right before each DELETE keeps what it names from now on), then every version it
+        names must still have its manifest (gc deletes that first), else it is lost. On S3 the PUT is conditional
+        on the ETag just read, so a gc's DELETE between the look and the PUT is noticed too."""
+        path = self.remote.path(self.rel)
+        try:
+            self.remote.fs.invalidate_cache()
+            info = self.remote.fs.info(path)
+            age = (self.remote.now() if now is None else now) - _modified(info)
+            self._write_over(path, info.get("ETag") if self.remote.is_s3 else None)
+            if age <= local_lease.stale_seconds():
+                return None
+            gone = [f"{t} v{v}" for t, vs in sorted(self.versions.items()) for v in vs
+                    if not self.remote.exists(f"{t}/v{v}/{fmt.MANIFEST}")]
+            if not gone:
+                log.warning("the lease %s/%s was not refreshed for %.0f min (the process was paused); what it "
+                            "names is still there: refreshed", self.remote.url, self.rel, age / 60)
+                return None
+            return f"was not refreshed for {age / 60:.0f} min and {', '.join(gone)} is gone"
+        except FileNotFoundError:
+            return f"was removed ({self.rel})"
+        except OSError as e:
+            if _precondition_failed(e):
+                return f"was removed ({self.rel})"
+            raise
+
+    def _write_over(self, path: str, etag: str | None) -> None:
+        """The lease's PUT over the object just looked at: If-Match on its ETag where there is one (a DELETE
+        meanwhile fails it: 412 / 404). A server that refuses a conditional PUT for any other reason (one without
+        If-Match support) gets a plain PUT, warned once: else the lease would never be refreshed again and a gc
+        elsewhere would remove, 15 min later, versions this live reader uses; only the one-request window between
+        the look and the PUT goes unwatched then."""
+        if etag:
+            try:
+                self.remote.fs.pipe_file(path, json.dumps(self.record(), sort_keys=True).encode(), IfMatch=etag)
+                return
+            except Exception as e:  # noqa: BLE001
+                if isinstance(e, FileNotFoundError) or (isinstance(e, OSError) and _precondition_failed(e)):
+                    raise
+                if not self._warned_unconditional:
+                    self._warned_unconditional = True
+                    log.warning("%s refused the conditional rewrite of the lease %s (%s); it is rewritten with a "
+                                "plain PUT whenever refused (a gc's DELETE in the instant between the look and the "
+                                "write then goes unnoticed)", self.remote.url, self.rel, e)
+        self._write()
 
 
 def hold(remote: Remote, versions: Iterable[tuple[str, int]], what: str, kind: str = "read") -> RemoteLease:

@@ -122,9 +122,9 @@ def test_a_url_lease_found_older_than_the_margin_is_lost_once_a_version_it_names
         with pytest.raises(lease.LeaseLost, match="was not refreshed for 17 min and vae v1 is gone"):
             lease.check_held()
         writes: list[str] = []
-        real_pipe = type(held.remote.fs).pipe_file
-        monkeypatch.setattr(type(held.remote.fs), "pipe_file",
-                            lambda fs, path, *a, **k: writes.append(path) or real_pipe(fs, path, *a, **k))
+        real_pipe = held.remote.fs.pipe_file  # fsspec sets its sync methods on the instance
+        monkeypatch.setattr(held.remote.fs, "pipe_file",
+                            lambda path, *a, **k: writes.append(path) or real_pipe(path, *a, **k))
         with pytest.raises(lease.LeaseLost):
             held.add([("vae", 2)])
         assert writes == []  # never written again
@@ -157,6 +157,73 @@ def test_a_shared_file_system_lease_removed_is_lost_and_a_stale_one_refreshed_on
         held.release()
     assert reader.tensors(key)  # released: the process reads on without it
     reader.close()
+
+
+def test_a_lease_removed_while_paused_is_lost_when_its_reader_adds_a_version_before_the_heartbeat_wakes(
+        store: Store) -> None:
+    """The main thread may add a version right after waking, before the heartbeat looks: the add looks as the
+    heartbeat does (before: it wrote the removed lease back, fresh, and the heartbeat never marked it lost)."""
+    fill(store, 4, tag="a")  # v1
+    fill(store, 4, tag="b", start=10)  # v2
+    held = lease.hold(store.root, {"vae": 1}, "a reader")
+    try:
+        held.path.unlink()  # a gc on another host judged it dead
+        with pytest.raises(lease.LeaseLost, match="a reader on .* was removed .*vae v1\\).*Rerun"):
+            held.add("vae", 2)
+        assert not held.path.exists()  # never written again
+        assert held.versions == {"vae": [1]}
+        assert held._beat() is False
+    finally:
+        held.release()
+    lease.check_held()
+
+
+def test_a_url_lease_removed_while_paused_is_lost_when_its_reader_adds_a_version(s3_env, store: Store) -> None:
+    fill(store, 4, tag="a")
+    fill(store, 4, tag="b", start=10)
+    push(store.root, s3_env.url())
+    held = remote_lease.hold(open_remote(s3_env.url()), [("vae", 1)], "pipeline train")
+    try:
+        s3_env.client().delete_object(Bucket=s3_env.bucket, Key=_lease_objects(s3_env)[0])  # a gc judged it dead
+        with pytest.raises(lease.LeaseLost, match="pipeline train on .* was removed .*vae v1\\).*Rerun"):
+            held.add([("vae", 2)])
+        assert _lease_objects(s3_env) == []  # never written again
+        assert held._beat() is False
+    finally:
+        held.release()
+    lease.check_held()
+
+
+def test_a_server_refusing_conditional_puts_still_gets_its_url_leases_refreshed(
+        s3_env, store: Store, monkeypatch, caplog) -> None:
+    """A server without If-Match on PUT (an error other than 412 / 404): before, the lease was never refreshed
+    again, and 15 min later a gc elsewhere removed what this live reader reads."""
+    fill(store, 4)
+    push(store.root, s3_env.url())
+    held = remote_lease.hold(open_remote(s3_env.url()), [("vae", 1)], "pipeline train")
+    plain: list[str] = []
+    real_pipe = held.remote.fs.pipe_file  # fsspec sets its sync methods on the instance
+
+    def no_if_match(path, *a, **k):
+        if "IfMatch" in k:
+            raise OSError("An error occurred (NotImplemented) when calling the PutObject operation: "
+                          "A header you provided implies functionality that is not implemented")
+        plain.append(path)
+        return real_pipe(path, *a, **k)
+
+    monkeypatch.setattr(held.remote.fs, "pipe_file", no_if_match)
+    try:
+        with caplog.at_level("WARNING", logger="store"):
+            assert held._beat() is True and held._beat() is True
+        assert [w for w in plain if "/.leases/" in w] == [held.remote.path(held.rel)] * 2  # refreshed, each beat
+        assert sum("refused the conditional rewrite" in r.getMessage() for r in caplog.records) == 1, caplog.text
+        s3_env.client().delete_object(Bucket=s3_env.bucket, Key=_lease_objects(s3_env)[0])
+        assert held._beat() is False  # the look before the plain PUT still finds it removed
+        assert _lease_objects(s3_env) == []
+        with pytest.raises(lease.LeaseLost, match="was removed"):
+            lease.check_held()
+    finally:
+        held.release()
 
 
 def test_a_lease_records_a_longer_margin_that_gc_honours(tmp_path: Path, monkeypatch) -> None:
