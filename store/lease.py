@@ -79,15 +79,19 @@ class LeaseLost(UserError):
     gone."""
 
 
-_lost: dict[int, str] = {}  # id(lease) -> why it was lost (set by its heartbeat thread, read by the readers)
+# id(lease) -> (the folder its readers read below, "" for any; why it was lost): set by its heartbeat thread, read
+# by the readers
+_lost: dict[int, tuple[str, str]] = {}
 _lost_lock = threading.Lock()
 
 
 def lose(lease: object, stopped: threading.Event, where: str, what: str, how: str,
-         versions: dict[str, list[int]]) -> None:
+         versions: dict[str, list[int]], scope: str = "") -> None:
     """The heartbeat of `lease` found it `how` ("was removed", "was not refreshed for 17 min"): it is never
-    written again, and the process's next read raises (`check_held`) - unless it was released meanwhile
-    (`stopped`; checked under the lock `forget` takes, so a released lease is never marked after)."""
+    written again, and the process's next read below `scope` (a store's folder; "": any) raises (`check_held`) -
+    unless it was released meanwhile (`stopped`; checked under the lock `forget` takes, so a released lease is
+    never marked after). Scoped: a lease a process left unreleased (a failed command whose traceback a caller
+    keeps, in-process) must not stop the reads of another store."""
     named = ", ".join(f"{t} v{v}" for t, vs in sorted(versions.items()) for v in vs) or "its versions"
     why = (f"the read lease of this {what} on {where} {how}: the process was paused (SIGSTOP, a suspended VM, a "
            f"hung mount) for longer than a lease outlives its last refresh ({stale_seconds() / 60:.0f} min), so a "
@@ -97,7 +101,7 @@ def lose(lease: object, stopped: threading.Event, where: str, what: str, how: st
     with _lost_lock:
         if stopped.is_set():
             return
-        _lost[id(lease)] = why
+        _lost[id(lease)] = (os.path.join(os.path.realpath(scope), "") if scope else "", why)
     log.error("%s", why)
 
 
@@ -107,11 +111,17 @@ def forget(lease: object) -> None:
         _lost.pop(id(lease), None)
 
 
-def check_held(lease: object | None = None) -> None:
-    """Raise `LeaseLost` once a heartbeat found a lease of this process (or `lease`) lost: every read checks (one
-    dict test)."""
+def check_held(lease: object | None = None, path: str | None = None) -> None:
+    """Raise `LeaseLost` once a heartbeat found `lease` lost, or (no lease) a lease of this process whose scope
+    holds `path` (a version's folder, as `os.path.realpath` spells it; None: any): every read checks (one dict
+    test)."""
     if _lost:
-        why = next(iter(_lost.values()), None) if lease is None else _lost.get(id(lease))
+        if lease is not None:
+            found = _lost.get(id(lease))
+            why = found[1] if found else None
+        else:
+            why = next((w for scope, w in list(_lost.values())
+                        if not scope or path is None or os.path.join(path, "").startswith(scope)), None)
         if why is not None:
             raise LeaseLost(why)
 
@@ -280,7 +290,7 @@ class Lease:
         return None
 
     def _lose(self, how: str) -> None:
-        lose(self, self._stop, str(self.root), self.what, how, self.versions)
+        lose(self, self._stop, str(self.root), self.what, how, self.versions, scope=str(self.root))
 
 
 def hold(root: str | Path, tables: dict[str, int | None], what: str, owner: object | None = None) -> Lease:

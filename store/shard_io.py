@@ -42,6 +42,7 @@ class ShardFiles:
 
     def __init__(self, vdir: Path, max_open: int = DEFAULT_MAX_OPEN_SHARDS, scans: bool = True) -> None:
         self.dir, self._dir_str = vdir, str(vdir)
+        self._real = os.path.realpath(vdir)  # which lost read lease stops these reads (`check_held`)
         self.max_open, self.scans = max(1, int(max_open)), scans
         self._open: OrderedDict[str, int | mmap.mmap] = OrderedDict()  # shard -> descriptor, or map when scanned
         self._run: tuple[str | None, int] = (None, 0)  # (shard of the last reads, how many in a row)
@@ -94,7 +95,7 @@ class ShardFiles:
 
     def pread(self, shard: str, start: int, n: int) -> np.ndarray | str:
         """The n bytes at `start` in a fresh buffer of their own, or what is wrong (the file is short)."""
-        check_held()  # a lease lost while the process was paused: its version's files may be gone, or a mix
+        check_held(path=self._real)  # a lease lost while the process was paused: its files may be gone, or a mix
         if (self._fetcher is not None and shard not in self._open
                 and not os.path.exists(os.path.join(self._dir_str, shard))):
             got = self._fetch(shard, start, n)
@@ -147,7 +148,7 @@ class ShardFiles:
         read is one pread of the sample's bytes into a fresh buffer that only this sample's tensors reference
         (never reused). A random read in a million-sample store hits one shard of ~20k, so a map would be set up
         and torn down for a single sample, and one large read is what a cold disk serves best."""
-        check_held()
+        check_held(path=self._real)
         if self.scans and self._scanning(shard) and (
                 self._fetcher is None or self._fetcher.fetch_whole(shard) is None):  # a scan caches whole shards
             try:

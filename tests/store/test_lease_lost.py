@@ -159,6 +159,27 @@ def test_a_shared_file_system_lease_removed_is_lost_and_a_stale_one_refreshed_on
     reader.close()
 
 
+def test_a_lease_lost_on_one_store_stops_the_reads_of_that_store_only(store: Store, tmp_path: Path) -> None:
+    """A lease the process left unreleased (a failed command whose traceback a caller keeps, in-process: run all,
+    the tests) and lost since stopped every later read of the process, of any store (before: a CI worker's
+    later tests of other stores all failed on it)."""
+    fill(store, 4)
+    other = Store(tmp_path / "other")
+    fill(other, 4)
+    held = lease.hold(store.root, {"vae": None}, "a reader")
+    mine, theirs = store.reader("vae"), other.reader("vae")
+    try:
+        held.path.unlink()
+        assert held._beat() is False
+        with pytest.raises(lease.LeaseLost, match="a reader on .* was removed"):
+            mine.tensors(sorted(mine.keys())[0])
+        assert theirs.tensors(sorted(theirs.keys())[0])  # another store: read on
+    finally:
+        held.release()
+        mine.close()
+        theirs.close()
+
+
 def test_a_lease_removed_while_paused_is_lost_when_its_reader_adds_a_version_before_the_heartbeat_wakes(
         store: Store) -> None:
     """The main thread may add a version right after waking, before the heartbeat looks: the add looks as the
