@@ -20,14 +20,13 @@ from __future__ import annotations
 import argparse
 import os
 import resource
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from old_vs_new import REPO, interleaved_medians, old_tree  # bench/ is on sys.path: this script's folder
 
 
 def commands(work: Path) -> dict[str, list[str]]:
@@ -71,12 +70,6 @@ def build_fixtures(work: Path) -> None:
         run(REPO, words, work)
 
 
-def old_tree(rev: str, into: Path) -> Path:
-    archive = subprocess.run(["git", "-C", str(REPO), "archive", rev], capture_output=True, check=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
-    return into
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("old", help="git revision to compare with (e.g. main, HEAD~3)")
@@ -87,17 +80,12 @@ def main() -> None:
         work = args.work or Path(tmp) / "work"
         work.mkdir(parents=True, exist_ok=True)
         build_fixtures(work)
-        (Path(tmp) / "old").mkdir()
-        old = old_tree(args.old, Path(tmp) / "old")
+        old = old_tree(args.old, Path(tmp))
         print(f"== cold start, old {args.old} vs this checkout, median of {args.repeat} (interleaved)")
         print(f"{'command':22s} {'old wall':>9s} {'new wall':>9s} {'ratio':>6s}   {'old cpu':>8s} {'new cpu':>8s} {'ratio':>6s}")
         for name, words in commands(work).items():
-            times: dict[str, list[tuple[float, float]]] = {"old": [], "new": []}
-            for _ in range(args.repeat):
-                times["old"].append(run(old, words, work))
-                times["new"].append(run(REPO, words, work))
-            (ow, oc), (nw, nc) = ((statistics.median(t[0] for t in times[k]), statistics.median(t[1] for t in times[k]))
-                                  for k in ("old", "new"))
+            (ow, oc), (nw, nc) = interleaved_medians(args.repeat, lambda: run(old, words, work),
+                                                     lambda: run(REPO, words, work))
             print(f"{name:22s} {ow:8.2f}s {nw:8.2f}s {ow / nw:5.1f}x   {oc:7.2f}s {nc:7.2f}s {oc / nc:5.1f}x", flush=True)
 
 

@@ -5,7 +5,7 @@ to the process's end: atexit's callbacks and the interpreter's finalization. Bef
 three full garbage collections over the ~550k objects torch, torch._inductor, diffusers, transformers and peft
 leave; now one, in the last atexit callback, and the finalization's skip the frozen heap. Also the whole command's
 wall and CPU (user + sys, steadier than wall on a loaded machine). The old revision is unpacked with `git archive`
-(bench/cold_start.py's `old_tree`); both run with the same interpreter from a neutral folder, interleaved old/new
+(bench/old_vs_new.py); both run with the same interpreter from a neutral folder, interleaved old/new
 --repeat times; medians and old/new ratios are printed. The tiny model is built once with this checkout.
 
 2-core shared machine, other helpers' tests running, old = 28e4be3, median of 5, `plan --model TINY`: exit 1.61 ->
@@ -22,16 +22,13 @@ from __future__ import annotations
 import argparse
 import os
 import resource
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from cold_start import old_tree  # bench/ is on sys.path: this script's folder
-
-REPO = Path(__file__).resolve().parents[1]
+from old_vs_new import REPO, interleaved_medians, old_tree  # bench/ is on sys.path: this script's folder
 
 
 def commands(work: Path) -> dict[str, list[str]]:
@@ -70,18 +67,13 @@ def main() -> None:
         work.mkdir(parents=True, exist_ok=True)
         if not (work / "model" / "model_index.json").is_file():
             run(REPO, ["make-tiny-model", str(work / "model"), "--variant", "edit-plus"], work)
-        (Path(tmp) / "old").mkdir()
-        old = old_tree(args.old, Path(tmp) / "old")
+        old = old_tree(args.old, Path(tmp))
         print(f"== exit time, old {args.old} vs this checkout, median of {args.repeat} (interleaved)")
         print(f"{'command':18s} {'old exit':>9s} {'new exit':>9s} {'ratio':>6s}   {'old wall':>9s} {'new wall':>9s}"
               f"   {'old cpu':>8s} {'new cpu':>8s} {'ratio':>6s}")
         for name, words in commands(work).items():
-            times: dict[str, list[tuple[float, float, float]]] = {"old": [], "new": []}
-            for _ in range(args.repeat):
-                times["old"].append(run(old, words, work))
-                times["new"].append(run(REPO, words, work))
-            (oe, ow, oc), (ne, nw, nc) = (tuple(statistics.median(t[i] for t in times[k]) for i in range(3))
-                                          for k in ("old", "new"))
+            (oe, ow, oc), (ne, nw, nc) = interleaved_medians(args.repeat, lambda: run(old, words, work),
+                                                             lambda: run(REPO, words, work))
             print(f"{name:18s} {oe:8.2f}s {ne:8.2f}s {oe / ne:5.1f}x   {ow:8.2f}s {nw:8.2f}s   {oc:7.2f}s {nc:7.2f}s "
                   f"{oc / nc:5.1f}x", flush=True)
 

@@ -56,6 +56,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))  # this checkout's store/ (one_group_copy)
 
+from old_vs_new import old_tree  # noqa: E402
 from scale_ops import PY, commands, timed  # noqa: E402
 
 META = """
@@ -115,15 +116,6 @@ def one_group_copy(store: Path) -> Path:
               f"{pq.ParquetFile(store / manifest.relative_to(tmp)).metadata.num_row_groups} in {store.name}",
               flush=True)
     tmp.rename(out)
-    return out
-
-
-def old_tree(rev: str, into: Path) -> Path:
-    """The code of commit `rev`, extracted (git archive) under `into`."""
-    out = into / "old"
-    out.mkdir()
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev], check=True, capture_output=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(out)], input=archive, check=True)
     return out
 
 

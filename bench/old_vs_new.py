@@ -1,0 +1,31 @@
+"""What the old-revision-vs-this-checkout bench scripts share: the old code unpacked beside the repository, and
+runs interleaved old/new so that a machine's load drifting during the bench hits both sides alike."""
+
+from __future__ import annotations
+
+import statistics
+import subprocess
+from pathlib import Path
+from typing import Callable, Sequence
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def old_tree(rev: str, into: Path) -> Path:
+    """The code of commit `rev`, extracted with `git archive` into `into`/old (nothing in the repository changes)."""
+    out = into / "old"
+    out.mkdir()
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", rev], capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(out)], input=archive, check=True)
+    return out
+
+
+def interleaved_medians(repeat: int, old: Callable[[], Sequence[float]],
+                        new: Callable[[], Sequence[float]]) -> tuple[list[float], list[float]]:
+    """Run `old` then `new` `repeat` times; the median of each figure they return, old's and new's."""
+    runs: dict[str, list[Sequence[float]]] = {"old": [], "new": []}
+    for _ in range(repeat):
+        runs["old"].append(old())
+        runs["new"].append(new())
+    return tuple([statistics.median(r[i] for r in runs[k]) for i in range(len(runs[k][0]))]  # type: ignore[return-value]
+                 for k in ("old", "new"))
