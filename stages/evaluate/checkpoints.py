@@ -577,7 +577,11 @@ def _evaluate_while_training(ranks, losses: LossStore | None, checkpoints: list[
     evaluated is still on disk, the summary names the best of those and the newer ones are left to a rerun
     (named); when every one evaluated was pruned meanwhile, the newer ones are evaluated (newest first) until one
     is still there. Rank 0 returns (evaluated, attached, pruned steps, newer steps, the summary, the pictured
-    checkpoints' bytes: `held_bytes`); the others None. Every rank takes each turn of the loop together."""
+    checkpoints' bytes: `held_bytes`); the others None. Every rank takes each turn of the loop together, and
+    rank 0's summary is one decision of all (`together`): its refusals (none left on disk, no finite loss, a
+    rewritten checkpoint) stop every rank with its line, where the others had left evaluate with status 0."""
+    from models.collective import together
+
     listed = {step for step, _ in checkpoints}
     evaluated, attached, pruned, first = 0, False, [], True
     while True:
@@ -588,10 +592,14 @@ def _evaluate_while_training(ranks, losses: LossStore | None, checkpoints: list[
         newer = [c for c in now or [] if c[0] not in listed]
         on_disk = now if now is not None else checkpoints  # no relist: the list given is all there is
         summary = held = None
-        if ranks.main:
-            summary, held = _summary_held(losses, samples, cfg, fingerprint, on_disk, shas,
-                                          pictured=cfg.num_samples > 0 or bool(cfg.extra_prompts))
-        if not ranks.from_main([int(summary is None and bool(newer))])[0]:
+        with together(ranks.world, "the checkpoints' summary"):
+            if ranks.main:
+                summary, held = _summary_held(losses, samples, cfg, fingerprint, on_disk, shas,
+                                              pictured=cfg.num_samples > 0 or bool(cfg.extra_prompts))
+                if summary is None and not newer:  # `newer`: the same on every rank (`agreed_checkpoints`)
+                    raise UserError(f"no checkpoint recorded in {losses.path} is still on disk (pruned by the "
+                                    "training while evaluating, and none newer written): rerun evaluate")
+        if not ranks.from_main([int(summary is None)])[0]:  # none left: the newer ones are evaluated
             break
         if ranks.main:
             tqdm.write(f"every checkpoint evaluated was pruned by the training meanwhile: evaluating the "
@@ -602,9 +610,6 @@ def _evaluate_while_training(ranks, losses: LossStore | None, checkpoints: list[
         shas.update(new_shas)
     if not ranks.main:
         return None
-    if summary is None:
-        raise UserError(f"no checkpoint recorded in {losses.path} is still on disk (pruned by the training while "
-                        "evaluating, and none newer written): rerun evaluate")
     return evaluated, attached, pruned, sorted(step for step, _ in newer), summary, held
 
 
