@@ -34,6 +34,7 @@ from stages.evaluate.base_images import FOLDER as BASE_IMAGES, extra_prompt_byte
 from stages.evaluate.curves import pick_best
 from stages.evaluate.paired import paired, per_sample, signed
 from store import Store
+from store.io_errors import writing
 from store.loss_array import GROUP, Axes, LossStore, recorded_setting, recorded_steps
 
 #: hashed evaluate settings (schemas/config.py declares which) that change the numbers in the array (the others
@@ -549,24 +550,45 @@ def _run(ranks, cfg: EvaluateConfig, store: str | Path, model: str, checkpoints:
         transformer = single.load_transformer(cfg, model, ranks.world)  # the ranks' one attention backend
         done = _evaluate_while_training(ranks, losses, checkpoints, shas, transformer, samples, mine, cfg, load,
                                         fingerprint, relist)
-        if not ranks.main:
-            return None  # rank 0 summarises, generates and writes the report
-        evaluated, attached, pruned_meanwhile, newer, (metrics, best, last), held = done
-        pruned = sorted(set(pruned + pruned_meanwhile))
-        rows = []
-        samples = complete(tables, share, single.pick_samples(samples, cfg.num_samples))  # pictured: in full
-        if cfg.num_samples > 0 or cfg.extra_prompts:
-            rows = generated_rows(cfg, model, store, tables, transformer, samples, best["path"], best["step"],
-                                  last["path"], last["step"], attached, damaged, shas,
-                                  base_cache=(out / BASE_IMAGES, settings), held=held)
-        metrics["generation"] = single.generation_summary(rows, cfg, model)  # "lora" = the best checkpoint
-        metrics["run"] = _run_record(cfg, store, model, tables, samples, damaged, settings, ranks.world,
-                                     transformer, precision)
-        report = write_checkpoint_report(out, metrics, rows)
-        if damaged:
-            tqdm.write(f"skipped {len(damaged)} damaged val sample(s): {few(damaged)}")
-        return CheckpointsResult(metrics, report, evaluated=evaluated, seconds=time.perf_counter() - started,
-                                 pruned=pruned, newer=newer)
+        if ranks.main:  # rank 0 summarises, generates and writes the report
+            def report() -> CheckpointsResult:
+                evaluated, attached, pruned_meanwhile, newer, (metrics, best, last), held = done
+                with writing("the report", out):  # a full disk: its line, not "rank 0: ... OSError" (`fails_alone`)
+                    rows, pictured = [], complete(tables, share, single.pick_samples(samples, cfg.num_samples))
+                    if cfg.num_samples > 0 or cfg.extra_prompts:
+                        rows = generated_rows(cfg, model, store, tables, transformer, pictured, best["path"],
+                                              best["step"], last["path"], last["step"], attached, damaged, shas,
+                                              base_cache=(out / BASE_IMAGES, settings), held=held)
+                    metrics["generation"] = single.generation_summary(rows, cfg, model)  # "lora" = the best one
+                    metrics["run"] = _run_record(cfg, store, model, tables, pictured, damaged, settings,
+                                                 ranks.world, transformer, precision)
+                    written = write_checkpoint_report(out, metrics, rows)
+                    if damaged:
+                        tqdm.write(f"skipped {len(damaged)} damaged val sample(s): {few(damaged)}")
+                    return CheckpointsResult(metrics, written, evaluated=evaluated,
+                                             seconds=time.perf_counter() - started,
+                                             pruned=sorted(set(pruned + pruned_meanwhile)), newer=newer)
+
+            return _rank_0_alone(ranks, report)
+        del transformer  # this rank's share is done: its memory goes before it waits for rank 0's report
+    _rank_0_alone(ranks, lambda: None)
+    return None
+
+
+REPORT_WORK = "evaluate: the images and the report"
+
+
+def _rank_0_alone(ranks, work):
+    """Rank 0's images and report (`work`) while the other ranks wait for them through the launcher's store
+    (`main_alone`: minutes of generation would pass a collective's timeout), then end together. Before, they
+    ended with status 0 as soon as their share was computed, and a failure of rank 0's there (out of memory
+    generating, a full disk) was its alone: now it stops them with its line. One process: `work()`."""
+    from models.collective import main_alone
+
+    result = main_alone(ranks.world, REPORT_WORK, work, "rank 0 alone makes the images: evaluate.num_samples 0 and no "
+                        "extra prompts make none")
+    ranks.any([0])  # no rank ends before all are past it: in a plain env:// launch rank 0 serves that store
+    return result
 
 
 def _evaluate_while_training(ranks, losses: LossStore | None, checkpoints: list[tuple[int, Path]],

@@ -5,10 +5,13 @@ Exit status and output are the test's.
     rank_evaluate_decisions.py gone STORE MODEL RUN OUT   after the loss passes, every rank's relisting of RUN
                                                          finds no checkpoint (all removed meanwhile, none newer
                                                          written): rank 0 finds none it recorded still on disk
+    rank_evaluate_decisions.py report STORE MODEL RUN OUT  rank 0 cannot write the report (after every loss pass,
+                                                         its images and report are its own work)
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 
@@ -26,6 +29,14 @@ def main() -> None:
             return real(root) if len(calls) == 1 else []
 
         train_state.complete_checkpoints = listed
+    elif what == "report" and os.environ["RANK"] == "0":
+        from schemas.errors import UserError
+        from stages.evaluate import checkpoint_report
+
+        def cannot(out, *a, **k):
+            raise UserError(f"cannot write the report into {out} (injected)")
+
+        checkpoint_report.write_checkpoint_report = cannot
     sys.argv = ["pipeline", "run", "evaluate", "--all-checkpoints", "--set", f"paths.run={run}", "--store", store,
                 "--model", model, "--out", out, "--num-samples", "0", "--device", "cpu",
                 "--set", "evaluate.noise_seeds=[0]", "--set", "evaluate.timesteps=[0.5]"]
