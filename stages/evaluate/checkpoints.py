@@ -601,7 +601,8 @@ def _evaluate_while_training(ranks, losses: LossStore | None, checkpoints: list[
     is still there. Rank 0 returns (evaluated, attached, pruned steps, newer steps, the summary, the pictured
     checkpoints' bytes: `held_bytes`); the others None. Every rank takes each turn of the loop together, and
     rank 0's summary is one decision of all (`together`): its refusals (none left on disk, no finite loss, a
-    rewritten checkpoint) stop every rank with its line, where the others had left evaluate with status 0."""
+    rewritten checkpoint) stop every rank with its line (none left on disk was rank 0's alone: the others ended
+    with status 0)."""
     from models.collective import together
 
     listed = {step for step, _ in checkpoints}
