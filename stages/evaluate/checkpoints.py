@@ -34,6 +34,7 @@ from stages.evaluate.base_images import FOLDER as BASE_IMAGES, extra_prompt_byte
 from stages.evaluate.curves import pick_best
 from stages.evaluate.paired import paired, per_sample, signed
 from store import Store
+from store.io_errors import writing
 from store.loss_array import GROUP, Axes, LossStore, recorded_setting, recorded_steps
 
 #: hashed evaluate settings (schemas/config.py declares which) that change the numbers in the array (the others
@@ -549,24 +550,45 @@ def _run(ranks, cfg: EvaluateConfig, store: str | Path, model: str, checkpoints:
         transformer = single.load_transformer(cfg, model, ranks.world)  # the ranks' one attention backend
         done = _evaluate_while_training(ranks, losses, checkpoints, shas, transformer, samples, mine, cfg, load,
                                         fingerprint, relist)
-        if not ranks.main:
-            return None  # rank 0 summarises, generates and writes the report
-        evaluated, attached, pruned_meanwhile, newer, (metrics, best, last), held = done
-        pruned = sorted(set(pruned + pruned_meanwhile))
-        rows = []
-        samples = complete(tables, share, single.pick_samples(samples, cfg.num_samples))  # pictured: in full
-        if cfg.num_samples > 0 or cfg.extra_prompts:
-            rows = generated_rows(cfg, model, store, tables, transformer, samples, best["path"], best["step"],
-                                  last["path"], last["step"], attached, damaged, shas,
-                                  base_cache=(out / BASE_IMAGES, settings), held=held)
-        metrics["generation"] = single.generation_summary(rows, cfg, model)  # "lora" = the best checkpoint
-        metrics["run"] = _run_record(cfg, store, model, tables, samples, damaged, settings, ranks.world,
-                                     transformer, precision)
-        report = write_checkpoint_report(out, metrics, rows)
-        if damaged:
-            tqdm.write(f"skipped {len(damaged)} damaged val sample(s): {few(damaged)}")
-        return CheckpointsResult(metrics, report, evaluated=evaluated, seconds=time.perf_counter() - started,
-                                 pruned=pruned, newer=newer)
+        if ranks.main:  # rank 0 summarises, generates and writes the report
+            def report() -> CheckpointsResult:
+                evaluated, attached, pruned_meanwhile, newer, (metrics, best, last), held = done
+                with writing("the report", out):  # a full disk: its line, not "rank 0: ... OSError" (`fails_alone`)
+                    rows, pictured = [], complete(tables, share, single.pick_samples(samples, cfg.num_samples))
+                    if cfg.num_samples > 0 or cfg.extra_prompts:
+                        rows = generated_rows(cfg, model, store, tables, transformer, pictured, best["path"],
+                                              best["step"], last["path"], last["step"], attached, damaged, shas,
+                                              base_cache=(out / BASE_IMAGES, settings), held=held)
+                    metrics["generation"] = single.generation_summary(rows, cfg, model)  # "lora" = the best one
+                    metrics["run"] = _run_record(cfg, store, model, tables, pictured, damaged, settings,
+                                                 ranks.world, transformer, precision)
+                    written = write_checkpoint_report(out, metrics, rows)
+                    if damaged:
+                        tqdm.write(f"skipped {len(damaged)} damaged val sample(s): {few(damaged)}")
+                    return CheckpointsResult(metrics, written, evaluated=evaluated,
+                                             seconds=time.perf_counter() - started,
+                                             pruned=sorted(set(pruned + pruned_meanwhile)), newer=newer)
+
+            return _rank_0_alone(ranks, report)
+        del transformer  # this rank's share is done: its memory goes before it waits for rank 0's report
+    _rank_0_alone(ranks, lambda: None)
+    return None
+
+
+REPORT_WORK = "evaluate: the images and the report"
+
+
+def _rank_0_alone(ranks, work):
+    """Rank 0's images and report (`work`) while the other ranks wait for them through the launcher's store
+    (`main_alone`: minutes of generation would pass a collective's timeout), then end together. Before, they
+    ended with status 0 as soon as their share was computed, and a failure of rank 0's there (out of memory
+    generating, a full disk) was its alone: now it stops them with its line. One process: `work()`."""
+    from models.collective import main_alone
+
+    result = main_alone(ranks.world, REPORT_WORK, work, "rank 0 alone makes the images: evaluate.num_samples 0 and no "
+                        "extra prompts make none")
+    ranks.any([0])  # no rank ends before all are past it: in a plain env:// launch rank 0 serves that store
+    return result
 
 
 def _evaluate_while_training(ranks, losses: LossStore | None, checkpoints: list[tuple[int, Path]],
@@ -577,7 +599,12 @@ def _evaluate_while_training(ranks, losses: LossStore | None, checkpoints: list[
     evaluated is still on disk, the summary names the best of those and the newer ones are left to a rerun
     (named); when every one evaluated was pruned meanwhile, the newer ones are evaluated (newest first) until one
     is still there. Rank 0 returns (evaluated, attached, pruned steps, newer steps, the summary, the pictured
-    checkpoints' bytes: `held_bytes`); the others None. Every rank takes each turn of the loop together."""
+    checkpoints' bytes: `held_bytes`); the others None. Every rank takes each turn of the loop together, and
+    rank 0's summary is one decision of all (`together`): its refusals (none left on disk, no finite loss, a
+    rewritten checkpoint) stop every rank with its line (none left on disk was rank 0's alone: the others ended
+    with status 0)."""
+    from models.collective import together
+
     listed = {step for step, _ in checkpoints}
     evaluated, attached, pruned, first = 0, False, [], True
     while True:
@@ -588,10 +615,14 @@ def _evaluate_while_training(ranks, losses: LossStore | None, checkpoints: list[
         newer = [c for c in now or [] if c[0] not in listed]
         on_disk = now if now is not None else checkpoints  # no relist: the list given is all there is
         summary = held = None
-        if ranks.main:
-            summary, held = _summary_held(losses, samples, cfg, fingerprint, on_disk, shas,
-                                          pictured=cfg.num_samples > 0 or bool(cfg.extra_prompts))
-        if not ranks.from_main([int(summary is None and bool(newer))])[0]:
+        with together(ranks.world, "the checkpoints' summary"):
+            if ranks.main:
+                summary, held = _summary_held(losses, samples, cfg, fingerprint, on_disk, shas,
+                                              pictured=cfg.num_samples > 0 or bool(cfg.extra_prompts))
+                if summary is None and not newer:  # `newer`: the same on every rank (`agreed_checkpoints`)
+                    raise UserError(f"no checkpoint recorded in {losses.path} is still on disk (pruned by the "
+                                    "training while evaluating, and none newer written): rerun evaluate")
+        if not ranks.from_main([int(summary is None)])[0]:  # none left: the newer ones are evaluated
             break
         if ranks.main:
             tqdm.write(f"every checkpoint evaluated was pruned by the training meanwhile: evaluating the "
@@ -602,9 +633,6 @@ def _evaluate_while_training(ranks, losses: LossStore | None, checkpoints: list[
         shas.update(new_shas)
     if not ranks.main:
         return None
-    if summary is None:
-        raise UserError(f"no checkpoint recorded in {losses.path} is still on disk (pruned by the training while "
-                        "evaluating, and none newer written): rerun evaluate")
     return evaluated, attached, pruned, sorted(step for step, _ in newer), summary, held
 
 

@@ -163,3 +163,38 @@ def test_ranks_given_different_settings_stop_with_one_line(run_and_store, tiny_e
     assert last0 == last1, (last0, last1)
     assert "rank 1's evaluate.timesteps is [0.1, 0.3, 0.5, 0.7, 0.8], rank 0's [" in last0, last0
     assert not (out / GROUP).exists()
+
+
+def test_no_recorded_checkpoint_left_stops_every_rank_with_one_line(run_and_store, tiny_edit_model, tmp_path):
+    """After the loss passes the run folder, listed again, holds none of the checkpoints evaluated and none newer
+    (removed meanwhile). Rank 0 alone found it and refused: rank 1 had already left evaluate and ended with
+    status 0 (under `run all`: went on to what follows), so the launch read as half a success. Now both ranks
+    decide it together: each ends with status 1 and the same line (a rank left waiting fails on the timeout)."""
+    from two_ranks import launch_two
+
+    root, out = run_and_store, tmp_path / "report"
+    (rc0, out0, err0), (rc1, out1, err1) = launch_two("rank_evaluate_decisions.py", "gone", str(root / "store"),
+                                                      tiny_edit_model, str(root / "run"), str(out), timeout=300)
+    assert "Traceback" not in err0 + out0 + err1 + out1, (err0[-3000:], err1[-3000:])
+    assert rc0 == rc1 == 1, (rc0, rc1, err0[-2000:], err1[-2000:])
+    last0, last1 = err0.strip().splitlines()[-1], err1.strip().splitlines()[-1]
+    assert last0 == last1, (last0, last1)
+    assert last0.startswith("error: no checkpoint recorded in ") and "is still on disk" in last0, last0
+    assert list(xr.open_zarr(out / GROUP).step.values) == [30, 20, 10]  # the losses computed are kept
+
+
+def test_rank_0_failing_in_its_report_stops_every_rank_with_its_line(run_and_store, tiny_edit_model, tmp_path):
+    """After the loss passes rank 0 alone makes the images and writes the report. Before, the other ranks had
+    left evaluate then and ended with status 0 while rank 0 failed there (a full disk, out of memory generating):
+    a node's launch read as a success. Now they wait for rank 0 (`main_alone`: through the launcher's store, not
+    in a collective a long generation would time out) and end with its line and status 1."""
+    from two_ranks import launch_two
+
+    root, out = run_and_store, tmp_path / "report"
+    (rc0, out0, err0), (rc1, out1, err1) = launch_two("rank_evaluate_decisions.py", "report", str(root / "store"),
+                                                      tiny_edit_model, str(root / "run"), str(out), timeout=300)
+    assert "Traceback" not in err0 + out0 + err1 + out1, (err0[-3000:], err1[-3000:])
+    assert rc0 == rc1 == 1, (rc0, rc1, err0[-2000:], err1[-2000:])
+    last0, last1 = err0.strip().splitlines()[-1], err1.strip().splitlines()[-1]
+    assert last0 == last1 == f"error: cannot write the report into {out} (injected)", (last0, last1)
+    assert list(xr.open_zarr(out / GROUP).step.values) == [30, 20, 10]  # the losses computed are kept
