@@ -16,7 +16,8 @@ A kill -9 leaves the file behind; it must not block gc for ever. Liveness:
 - another host (a store on a shared file system), or a lease without a boot id (written before it was recorded):
   the reader cannot be asked, so its lease is refreshed (file mtime) every `REFRESH_SECONDS` by a daemon thread,
   and counts as live until `STALE_SECONDS` after its last refresh (15 min: a margin of several missed refreshes
-  and of clock skew between hosts; a reader may record a longer one, `stale_s`, from `LEASE_MINUTES_ENV`).
+  and of clock skew between hosts; a reader may record a longer one, `stale_s`, from `LEASE_MINUTES_ENV`: read
+  once, when the lease is held, and kept for its life - an environment changed later moves no live lease's margin).
 gc removes the files of dead leases.
 
 A reader paused longer than that (SIGSTOP, a suspended VM, a hung mount) may have had its lease judged dead and
@@ -56,7 +57,8 @@ LEASE_MINUTES_ENV = "PIPELINE_LEASE_MINUTES"
 
 
 def stale_seconds() -> float:
-    """How long this process's leases stay live after their last refresh (recorded in each as `stale_s`)."""
+    """How long a lease held now stays live after its last refresh: read once per lease, at `hold` (its `stale_s`,
+    recorded and used for its life; a bad value is refused there, never in a heartbeat thread)."""
     raw = os.environ.get(LEASE_MINUTES_ENV, "").strip()
     if not raw:
         return STALE_SECONDS
@@ -79,29 +81,30 @@ class LeaseLost(UserError):
     gone."""
 
 
-# id(lease) -> (the folder its readers read below, "" for any; why it was lost): set by its heartbeat thread, read
+# id(lease) -> (the folders its readers read below, "" for any; why it was lost): set by its heartbeat thread, read
 # by the readers
-_lost: dict[int, tuple[str, str]] = {}
+_lost: dict[int, tuple[tuple[str, ...], str]] = {}
 _lost_lock = threading.Lock()
 
 
 def lose(lease: object, stopped: threading.Event, where: str, what: str, how: str,
-         versions: dict[str, list[int]], scope: str = "") -> None:
+         versions: dict[str, list[int]], stale_s: float, scopes: Iterable[str] = ("",)) -> None:
     """The heartbeat of `lease` found it `how` ("was removed", "was not refreshed for 17 min"): it is never
-    written again, and the process's next read below `scope` (a store's folder; "": any) raises (`check_held`) -
-    unless it was released meanwhile (`stopped`; checked under the lock `forget` takes, so a released lease is
-    never marked after). Scoped: a lease a process left unreleased (a failed command whose traceback a caller
-    keeps, in-process) must not stop the reads of another store."""
+    written again, and the process's next read below one of `scopes` (store folders: a local store, the cached copy
+    of a URL's; "": any) raises (`check_held`) - unless it was released meanwhile (`stopped`; checked under the lock
+    `forget` takes, so a released lease is never marked after). Scoped: a lease a process left unreleased (a failed
+    command whose traceback a caller keeps, in-process) must not stop the reads of another store. `stale_s`: the
+    lease's margin, for the message."""
     named = ", ".join(f"{t} v{v}" for t, vs in sorted(versions.items()) for v in vs) or "its versions"
     why = (f"the read lease of this {what} on {where} {how}: the process was paused (SIGSTOP, a suspended VM, a "
-           f"hung mount) for longer than a lease outlives its last refresh ({stale_seconds() / 60:.0f} min), so a "
+           f"hung mount) for longer than a lease outlives its last refresh ({stale_s / 60:.0f} min), so a "
            f"`store gc` may have removed what it reads ({named}); stopped rather than read on. Rerun (a training "
            f"resumes from its last checkpoint); if the job gets paused on purpose, raise the lease timeout: "
            f"{LEASE_MINUTES_ENV}=MINUTES")
     with _lost_lock:
         if stopped.is_set():
             return
-        _lost[id(lease)] = (os.path.join(os.path.realpath(scope), "") if scope else "", why)
+        _lost[id(lease)] = (tuple(os.path.join(os.path.realpath(s), "") if s else "" for s in scopes), why)
     log.error("%s", why)
 
 
@@ -112,16 +115,16 @@ def forget(lease: object) -> None:
 
 
 def check_held(lease: object | None = None, path: str | None = None) -> None:
-    """Raise `LeaseLost` once a heartbeat found `lease` lost, or (no lease) a lease of this process whose scope
-    holds `path` (a version's folder, as `os.path.realpath` spells it; None: any): every read checks (one dict
+    """Raise `LeaseLost` once a heartbeat found `lease` lost, or (no lease) a lease of this process whose scopes
+    hold `path` (a version's folder, as `os.path.realpath` spells it; None: any): every read checks (one dict
     test)."""
     if _lost:
         if lease is not None:
             found = _lost.get(id(lease))
             why = found[1] if found else None
         else:
-            why = next((w for scope, w in list(_lost.values())
-                        if not scope or path is None or os.path.join(path, "").startswith(scope)), None)
+            why = next((w for scopes, w in list(_lost.values()) if path is None
+                        or any(not s or os.path.join(path, "").startswith(s) for s in scopes)), None)
         if why is not None:
             raise LeaseLost(why)
 
@@ -195,12 +198,14 @@ def tag_gone(tag: str) -> str | None:
 @dataclass
 class Lease:
     """The versions this process reads from one store; `path` is None when the store is read-only (no gc can run
-    there from here either) and the lease is then a no-op."""
+    there from here either) and the lease is then a no-op. `stale_s`: its margin, decided when it is made (`hold`)
+    and used by every look and heartbeat after."""
 
     root: Path
     what: str
     versions: dict[str, list[int]] = field(default_factory=dict)
     path: Path | None = None
+    stale_s: float = field(default_factory=stale_seconds)
     _stop: threading.Event = field(default_factory=threading.Event)
     _pid: int = field(default_factory=os.getpid)
 
@@ -211,7 +216,7 @@ class Lease:
 
     def record(self) -> dict[str, Any]:
         return {**process_identity(), "what": self.what, "versions": self.versions, "argv": sys.argv[:6],
-                "stale_s": stale_seconds(), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+                "stale_s": self.stale_s, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
     def add(self, table: str, version: int) -> bool:
         """Name one more version (under the store lock); False when it no longer exists (gc took it first).
@@ -253,7 +258,7 @@ class Lease:
         if path is None:
             return False
         try:
-            if (time.time() if now is None else now) - path.stat().st_mtime <= stale_seconds():
+            if (time.time() if now is None else now) - path.stat().st_mtime <= self.stale_s:
                 os.utime(path)
                 return True
             with fmt.flock(self.root / fmt.STORE_LOCK):
@@ -279,7 +284,7 @@ class Lease:
             age = (time.time() if now is None else now) - path.stat().st_mtime
         except FileNotFoundError:
             return f"was removed ({path.name})"
-        if age <= stale_seconds():
+        if age <= self.stale_s:
             return None
         gone = [f"{t} v{v}" for t, vs in sorted(self.versions.items()) for v in vs
                 if not fmt.is_complete(fmt.version_dir(self.root, t, v))]
@@ -290,7 +295,7 @@ class Lease:
         return None
 
     def _lose(self, how: str) -> None:
-        lose(self, self._stop, str(self.root), self.what, how, self.versions, scope=str(self.root))
+        lose(self, self._stop, str(self.root), self.what, how, self.versions, self.stale_s, scopes=[str(self.root)])
 
 
 def hold(root: str | Path, tables: dict[str, int | None], what: str, owner: object | None = None) -> Lease:

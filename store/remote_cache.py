@@ -101,7 +101,7 @@ def local_store(store: str | Path, tables: list[str] | None, cache_dir: str | Pa
     if lease:  # a lease object on the remote naming what this process reads, till it exits (store/remote_lease.py)
         from store.remote_lease import hold_reading
 
-        hold_reading(url, sorted(needed), storage_options)
+        hold_reading(url, sorted(needed), storage_options, root=root)
     return root
 
 
@@ -116,7 +116,7 @@ def open_beside(root: Path, table: str, version: int) -> None:
 
     url, cache = source_url(root), root.parent
     assert url is not None, f"{root} is no store URL's cache"
-    hold_reading(url, [(table, version)])
+    hold_reading(url, [(table, version)], root=root)
     with fmt.flock(cache / CACHE_LOCK), writing("the store cache", cache, instead=CACHE_FULL):
         remote_shards.open_version(url, root, table, version)
         os.utime(fmt.version_dir(root, table, version))  # last use, for LRU

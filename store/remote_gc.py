@@ -8,7 +8,8 @@ progress), with their upstream. Removed:
   lease names and whose newest object is older than `grace_s` (default 1 hour): a version number a killed push
   left behind then no longer blocks another store's push of that number;
 - versions `store repair URL` retired (marked damaged, manifest deleted: store/remote_work.py) at once;
-- lease objects judged dead, and the damaged marker (`<table>/v<N>.damaged.json`) of a removed version.
+- lease objects judged dead, judged again right before their DELETE (`_still_dead`: a reader that woke since the
+  plan and refreshed its lease keeps it), and the damaged marker (`<table>/v<N>.damaged.json`) of a removed version.
 - on S3, unfinished multipart uploads under the prefix (a push killed mid-shard), older than `grace_s` and not in a
   version a live lease names: aborted.
 
@@ -69,6 +70,7 @@ class RemoteGcPlan:
     young_incomplete: list[Version] = field(default_factory=list)  # kept: within the grace period
     leased: dict[tuple[str, int], list[str]] = field(default_factory=dict)
     dead_leases: list[Found] = field(default_factory=list)  # lease objects of gone processes (path: the object)
+    lease_times: dict[str, float] = field(default_factory=dict)  # rel: LastModified of each dead lease at the plan
     markers: dict[tuple[str, int], str] = field(default_factory=dict)  # damaged markers by version
     leftovers: list[str] = field(default_factory=list)  # clock probes and temp uploads of killed commands
     uploads: list[tuple[str, str]] = field(default_factory=list)  # (key, upload id): unfinished multipart uploads
@@ -133,6 +135,7 @@ def plan(remote: Remote, grace_s: float = GRACE_SECONDS, now: float | None = Non
     for found in found_leases:
         if not found.live:
             out.dead_leases.append(found)
+            out.lease_times[str(found.path)] = listing[str(found.path)][1]
             continue
         for tv in sorted(_closure(remote, list(found.versions()), versions) - keep):
             out.leased.setdefault(tv, []).append(found.describe())
@@ -184,6 +187,23 @@ def _still_doomed(remote: Remote, v: Version) -> list[str]:
         if found.live and (v.table, v.version) in set(found.versions()):
             keepers.append(found.describe())
     return keepers
+
+
+def _still_dead(remote: Remote, p: RemoteGcPlan) -> tuple[list[str], list[Found]]:
+    """Right before their DELETE: (the plan's dead leases still there and still dead, those kept). A lease
+    refreshed since the plan (its LastModified moved: a paused reader woke, found what it names intact, rewrote it)
+    or live now is kept: deleting it would stop that reader, whose versions this gc keeps. One listing of
+    `.leases/`, one GET per dead lease; the window left is that look to the DELETE (one request)."""
+    if not p.lease_times:
+        return [], []
+    now_listed = remote.listing_times(remote_lease.LEASES_DIR)
+    planned = {rel: now_listed[rel] for rel in p.lease_times if rel in now_listed}  # gone: released meanwhile
+    doomed, kept = [], []
+    for found in remote_lease.leases(remote, planned):
+        rel = str(found.path)
+        refreshed = planned[rel][1] != p.lease_times[rel]
+        (kept if found.live or refreshed else doomed).append(found)
+    return [str(f.path) for f in doomed], kept
 
 
 def _dry_run_clock(remote: Remote, echo: Callable[[str], None]) -> float:
@@ -240,7 +260,10 @@ def collect(url: str, dry_run: bool = False, grace_s: float = GRACE_SECONDS,
             if (v.table, v.version) in p.markers:
                 remote.delete([p.markers[(v.table, v.version)]])
             removed.append(v)
-        remote.delete([str(found.path) for found in p.dead_leases] + p.leftovers)
+        dead, refreshed = _still_dead(remote, p)
+        for found in refreshed:
+            echo(f"keep the lease of {found.record.get('what', '?')} ({found.path.name}): refreshed since the plan")
+        remote.delete(dead + p.leftovers)
         bucket = remote.root.partition("/")[0]
         for key, upload in p.uploads:
             try:

@@ -7,13 +7,15 @@ store/remote_cache.local_store) or pushes versions into it (store/remote_sync.pu
 `REFRESH_SECONDS` from a daemon thread (the heartbeat: the object's LastModified is its refresh time, set by the
 server), and deletes it when done and at interpreter exit. A heartbeat never writes a lease that is gone (a gc
 judged it dead: the process was paused past its margin): it marks it lost instead (store/lease.lose), and the
-process stops at its next read; one older than its margin by the server's clock is lost too once a version it
+process stops at its next read of the URL's cached store (the folder store/remote_cache.local_store made: reads of
+other stores go on); one older than its margin by the server's clock is lost too once a version it
 names has lost its manifest. On S3 the rewrite is conditional on the ETag just read, so a gc's DELETE between that
 look and the PUT is noticed too (a server without If-Match support gets a plain PUT after the look). `add` (more
 versions) rewrites it by the same look. `pipeline store gc URL` (store/remote_gc.py) keeps
 every version a live lease names. Liveness is store/lease.judge's: a lease of this host (its boot id) and pid
-namespace is live while its process runs; any other is live until `STALE_SECONDS` (15 min) after its last refresh,
-so a reader killed with -9 blocks gc for at most that long.
+namespace is live while its process runs; any other is live until `STALE_SECONDS` (15 min; `stale_s`, decided
+when the lease is held, where PIPELINE_LEASE_MINUTES asks more) after its last refresh, so a reader killed with -9
+blocks gc for at most that long.
 
 The race with gc (docs/store-format.md, "On an object store"): a reader learns its version from store.json, THEN
 writes its lease, THEN checks that the version's manifest still exists (`hold` retries with the new current
@@ -36,7 +38,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 from typing import Any, Iterable
 
 from store import format as fmt
@@ -52,13 +54,17 @@ STALE_SECONDS = local_lease.STALE_SECONDS
 
 @dataclass
 class RemoteLease:
-    """One process's lease object on one remote store; `versions` grows as it opens more (`add`)."""
+    """One process's lease object on one remote store; `versions` grows as it opens more (`add`). `stale_s`: its
+    margin, decided when it is made and used by every beat after; `scopes`: the local folders whose reads stop once
+    it is lost (the URL's cached stores; "": every read)."""
 
     remote: Remote
     kind: str  # "read" | "push"
     what: str
     rel: str = ""
     versions: dict[str, list[int]] = field(default_factory=dict)
+    stale_s: float = field(default_factory=local_lease.stale_seconds)
+    scopes: list[str] = field(default_factory=lambda: [""])
     _stop: threading.Event = field(default_factory=threading.Event)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _pid: int = field(default_factory=os.getpid)
@@ -67,7 +73,7 @@ class RemoteLease:
     def record(self) -> dict[str, Any]:
         """store/lease.py's record (what `judge` reads), plus the kind and the time of this write."""
         return {**local_lease.process_identity(), "what": self.what, "kind": self.kind,
-                "versions": self.versions, "argv": sys.argv[:6], "stale_s": local_lease.stale_seconds(),
+                "versions": self.versions, "argv": sys.argv[:6], "stale_s": self.stale_s,
                 "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
     def _write(self) -> None:
@@ -91,7 +97,7 @@ class RemoteLease:
             if how is None:
                 return
             self.versions = held  # what it read under the lost lease, for its message
-        local_lease.lose(self, self._stop, self.remote.url, self.what, how, self.versions)
+        self._lose(how)
         local_lease.check_held(self)
 
     def release(self) -> None:
@@ -132,7 +138,7 @@ class RemoteLease:
                 return True
             if how is None:
                 return True
-        local_lease.lose(self, self._stop, self.remote.url, self.what, how, self.versions)
+        self._lose(how)
         return False
 
     def _rewrite(self, now: float | None = None) -> str | None:
@@ -149,7 +155,7 @@ class RemoteLease:
             info = self.remote.fs.info(path)
             age = (self.remote.now() if now is None else now) - _modified(info)
             self._write_over(path, info.get("ETag") if self.remote.is_s3 else None)
-            if age <= local_lease.stale_seconds():
+            if age <= self.stale_s:
                 return None
             gone = [f"{t} v{v}" for t, vs in sorted(self.versions.items()) for v in vs
                     if not self.remote.exists(f"{t}/v{v}/{fmt.MANIFEST}")]
@@ -164,6 +170,10 @@ class RemoteLease:
             if _precondition_failed(e):
                 return f"was removed ({self.rel})"
             raise
+
+    def _lose(self, how: str) -> None:
+        local_lease.lose(self, self._stop, self.remote.url, self.what, how, self.versions, self.stale_s,
+                         scopes=list(self.scopes))
 
     def _write_over(self, path: str, etag: str | None) -> None:
         """The lease's PUT over the object just looked at: If-Match on its ETag where there is one (a DELETE
@@ -186,9 +196,11 @@ class RemoteLease:
         self._write()
 
 
-def hold(remote: Remote, versions: Iterable[tuple[str, int]], what: str, kind: str = "read") -> RemoteLease:
-    """Write a lease object naming `versions` and start its heartbeat; released at interpreter exit."""
-    lease = RemoteLease(remote, kind, what)
+def hold(remote: Remote, versions: Iterable[tuple[str, int]], what: str, kind: str = "read",
+         scope: str = "") -> RemoteLease:
+    """Write a lease object naming `versions` and start its heartbeat; released at interpreter exit. `scope`: the
+    local folder its readers read (store/lease.lose; "": any)."""
+    lease = RemoteLease(remote, kind, what, scopes=[scope])
     for t, v in versions:
         lease.versions.setdefault(t, []).append(int(v))
     atexit.register(lease.release)  # registered first: a signal landing after the PUT must not leave it behind
@@ -212,14 +224,17 @@ def _what() -> str:
     return " ".join([os.path.basename(sys.argv[0]) if sys.argv else "python", *sys.argv[1:3]])
 
 
-def hold_reading(url: str, versions: Iterable[tuple[str, int]],
-                 storage_options: dict[str, Any] | None = None) -> RemoteLease | None:
+def hold_reading(url: str, versions: Iterable[tuple[str, int]], storage_options: dict[str, Any] | None = None,
+                 root: str | Path | None = None) -> RemoteLease | None:
     """The process's one read lease on this URL (created on first use, then extended; released at exit), then a
-    check that every named version still has its manifest: one gc removed before it saw the lease is reported."""
+    check that every named version still has its manifest: one gc removed before it saw the lease is reported.
+    `root`: the local folder the versions are read from (the URL's cached store), whose reads stop once the lease is
+    lost; None: every read of the process."""
     from schemas.errors import UserError
     from store.remote import open_remote, remote_errors
 
     versions = list(versions)
+    scope = "" if root is None else str(root)
     with remote_errors(url, "read lease"):
         lease = _held.get(url)
         if lease is not None:
@@ -227,13 +242,15 @@ def hold_reading(url: str, versions: Iterable[tuple[str, int]],
         if lease is None or not lease.rel:
             remote = open_remote(url, storage_options)
             try:
-                lease = _held[url] = hold(remote, versions, _what())
+                lease = _held[url] = hold(remote, versions, _what(), scope=scope)
             except PermissionError as e:  # read-only credentials: reading goes on without a lease
                 log.warning("%s: no read lease (%s); a `store gc` meanwhile could remove versions this process "
                             "reads", url, e)
                 return None
         else:  # a fresh client, as every open (store/remote.open_remote): the server may have restarted since
             lease.remote = open_remote(url, storage_options)
+            if scope not in lease.scopes:  # another cache folder reads the URL too
+                lease.scopes.append(scope)
             lease.add(versions)
         remote = lease.remote
         remote.fs.invalidate_cache()

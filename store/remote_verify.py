@@ -76,7 +76,7 @@ def verify_url(url: str, storage_options: dict[str, Any] | None = None, progress
                     (root / base / name).write_bytes(remote.read(f"{base}/{name}"))
         # a read lease, as every reader: a `store gc` meanwhile must not remove (and verify call missing) a version
         versions = sorted((p.parent.name, int(p.name[1:])) for p in root.glob("*/v*"))
-        hold_reading(url, versions, storage_options)
+        hold_reading(url, versions, storage_options, root=root)
         try:
             objects = RemoteObjects(remote, listing, progress)
             problems = verify_store(root, progress, objects)

@@ -259,3 +259,94 @@ def test_a_lease_records_a_longer_margin_that_gc_honours(tmp_path: Path, monkeyp
     monkeypatch.setenv(lease.LEASE_MINUTES_ENV, "soon")
     with pytest.raises(lease.UserError, match="PIPELINE_LEASE_MINUTES='soon' is not a number"):
         lease.stale_seconds()
+
+
+def test_a_lease_keeps_the_margin_it_was_held_with_whatever_the_environment_says_later(
+        s3_env, store: Store, monkeypatch, caplog) -> None:
+    """The margin (`stale_s`) is decided when a lease is held. Before, every beat and look read
+    PIPELINE_LEASE_MINUTES again: lowered later, a lease was rewritten recording 15 min (gc then judged it by that)
+    and lost at 17 min although held for 120; set to a bad value, the heartbeat raised in its thread."""
+    fill(store, 4, tag="a")  # v1
+    fill(store, 4, tag="b", start=10)  # v2
+    push(store.root, s3_env.url())
+    monkeypatch.setenv(lease.LEASE_MINUTES_ENV, "120")
+    local = lease.hold(store.root, {"vae": 1}, "a reader")
+    url = remote_lease.hold(open_remote(s3_env.url()), [("vae", 1)], "pipeline train")
+    try:
+        monkeypatch.setenv(lease.LEASE_MINUTES_ENV, "1")  # lowered mid-run (to the 15 min floor)
+        assert local.add("vae", 2)  # rewritten: still its own margin
+        assert json.loads(local.path.read_text())["stale_s"] == 7200 == local.record()["stale_s"]
+        assert url._beat(now=url.remote.now() + AGED) is True  # 17 min: within its 120
+        assert json.loads(url.remote.read(url.rel))["stale_s"] == 7200
+        monkeypatch.setenv(lease.LEASE_MINUTES_ENV, "soon")  # a bad value set later
+        long_ago = time.time() - AGED
+        os.utime(local.path, (long_ago, long_ago))
+        with caplog.at_level("WARNING", logger="store"):
+            assert local._beat() is True and local.path.stat().st_mtime > long_ago  # refreshed, no UserError
+            s3_env.client().delete_object(Bucket=s3_env.bucket, Key="store/vae/v1/manifest.parquet")
+            assert url._beat(now=url.remote.now() + AGED) is True  # 17 min, a version gone: still within 120
+        assert "could not refresh" not in caplog.text, caplog.text
+        lease.check_held()
+        s3_env.client().delete_object(Bucket=s3_env.bucket, Key=_lease_objects(s3_env)[0])
+        assert url._beat() is False
+        with pytest.raises(lease.LeaseLost, match=r"outlives its last refresh \(120 min\)"):
+            lease.check_held(url)
+    finally:
+        local.release()
+        url.release()
+
+
+def test_a_url_lease_lost_stops_the_reads_of_its_cached_store_only(s3_env, store: Store, tmp_path: Path) -> None:
+    """Before, a lost URL lease stopped every read of the process, of any store (a local lease stops only its
+    store's: test_a_lease_lost_on_one_store_stops_the_reads_of_that_store_only)."""
+    from store.remote_cache import local_store
+
+    fill(store, 4)
+    push(store.root, s3_env.url())
+    cached = Store(local_store(s3_env.url(), ["vae"], tmp_path / "cache", whole=True), create=False)
+    mine, theirs = cached.reader("vae"), store.reader("vae")
+    held = remote_lease._held[s3_env.url()]
+    try:
+        s3_env.client().delete_object(Bucket=s3_env.bucket, Key=_lease_objects(s3_env)[0])  # a gc judged it dead
+        assert held._beat() is False
+        with pytest.raises(lease.LeaseLost, match="was removed .*vae v1.*Rerun"):
+            mine.tensors(sorted(mine.keys())[0])
+        assert theirs.tensors(sorted(theirs.keys())[0])  # another store: read on
+    finally:
+        remote_lease.release_reading(s3_env.url())
+        mine.close()
+        theirs.close()
+    lease.check_held()
+
+
+def test_gc_keeps_a_dead_lease_its_reader_refreshed_after_the_plan(s3_env, store: Store, monkeypatch) -> None:
+    """A reader paused past its margin (its lease judged dead in gc's plan) wakes before gc deletes the dead leases
+    and refreshes its lease (what it names is current, kept). Before, gc deleted it anyway: the reader's next beat
+    found it removed and stopped it."""
+    from store import remote_gc
+
+    fill(store, 4)
+    push(store.root, s3_env.url())
+    real_identity = lease.process_identity  # as on another node: judged by its refresh age
+    monkeypatch.setattr(lease, "process_identity", lambda: {**real_identity(), "boot_id": "another-node-s-kernel"})
+    held = remote_lease.hold(open_remote(s3_env.url()), [("vae", 1)], "pipeline train")
+    real_now, real_plan = remote_mod.Remote.now, remote_gc.plan
+
+    def paused_then_woken(remote, *a, **k):
+        monkeypatch.setattr(remote_mod.Remote, "now", lambda self: real_now(self) + AGED)  # paused past its margin
+        p = real_plan(remote, *a, **k)
+        monkeypatch.setattr(remote_mod.Remote, "now", real_now)
+        assert [f.record.get("what") for f in p.dead_leases] == ["pipeline train"]
+        assert held._beat() is True  # it wakes: v1 is intact, its lease refreshed
+        return p
+
+    monkeypatch.setattr(remote_gc, "plan", paused_then_woken)
+    messages: list[str] = []
+    try:
+        remote_gc.collect(s3_env.url(), echo=messages.append)
+        assert [k.split("/", 1)[1] for k in _lease_objects(s3_env)] == [held.rel]
+        assert any(m.startswith("keep the lease of pipeline train") for m in messages), messages
+        assert held._beat() is True
+        lease.check_held()
+    finally:
+        held.release()

@@ -182,13 +182,13 @@ def test_a_reader_whose_version_gc_removed_before_its_lease_is_told(s3_env, stor
     push(store.root, s3_env.url())
     real_hold = remote_lease.hold
 
-    def gc_first(remote, versions, what, kind="read"):
+    def gc_first(remote, versions, what, kind="read", **how):
         if kind == "push":  # the push below
-            return real_hold(remote, versions, what, kind)
+            return real_hold(remote, versions, what, kind, **how)
         fill(store, 4, tag="b", start=10)
         push(store.root, s3_env.url())
         collect(s3_env.url(), echo=lambda line: None)
-        return real_hold(remote, versions, what, kind)
+        return real_hold(remote, versions, what, kind, **how)
 
     monkeypatch.setattr(remote_lease, "hold", gc_first)
     import pytest
