@@ -130,8 +130,10 @@ def _open_oriented(data: bytes, max_pixels: int) -> tuple[Image.Image, list[str]
                 "image-too-large",
                 f"image is {w}x{h} = {w * h} pixels, over resize.max_image_pixels = {max_pixels} (decompression bomb guard)"
             )
-        frames = getattr(im, "n_frames", 1)
         try:
+            # counting frames walks every frame's header: a file cut in its second frame fails here (IndexError,
+            # TypeError...), not in load(), which reads the first frame only
+            frames = getattr(im, "n_frames", 1)
             if im.format == "PNG":
                 _check_png_chunks(data, im)
             im.load()

@@ -77,12 +77,21 @@ def scan(folder: Path, root: Path) -> Scan:
                 out.names.append(e.name)
                 if e.is_symlink():
                     out.links.add(e.name)
-                if not e.is_file():  # follows a symlink, as Path.is_file (a stat only for links)
+                if not _is_file(e):
                     out.not_files.add(e.name)
         out.names.sort()
     if _remembered is not None:
         _remembered[key] = out
     return out
+
+
+def _is_file(e: os.DirEntry) -> bool:
+    """Follows a symlink, as Path.is_file (a stat only for links); a link loop is no file (DirEntry.is_file raises
+    ELOOP where Path.is_file says False: a `ln -s a.png a.png` stopped the run with a traceback)."""
+    try:
+        return e.is_file()
+    except OSError:
+        return False
 
 
 def _inside(path: Path, root: Path) -> bool:

@@ -31,7 +31,8 @@ def count_samples(source: str | Path, fmt: str) -> int | None:
             # a header walk per shard: minutes over a million samples, so it has its own bar
             for tar in tqdm(tars, desc="counting samples", unit="shard", leave=False):
                 with tarfile.open(tar, mode="r:") as tf:  # uncompressed tar: seeks header to header
-                    total += len({sources._split_member(m.name)[0] for m in tf.getmembers() if m.isfile()})
+                    total += len({sources._split_member(m.name)[0] for m in tf.getmembers()
+                                  if m.isfile() and not sources.dot_member(m.name)})
             return total
         with open(sources._jsonl_path(Path(source)), "rb") as f:
             return sum(1 for line in f if line.strip())

@@ -29,6 +29,7 @@ paths are read where they point, as documented). Each refusal quarantines the sa
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -81,18 +82,19 @@ def detect_format(source: str | Path) -> str:
     p = Path(source)
     if p.is_file():
         if p.suffix in (".jsonl", ".tar", ".parquet"):
-            return {".jsonl": "jsonl", ".tar": "webdataset", ".parquet": "parquet"}[p.suffix]
+            return _utf8_manifest(p) if p.suffix == ".jsonl" else {".tar": "webdataset", ".parquet": "parquet"}[p.suffix]
         raise UserError(f"source {p} is a file but neither a .jsonl manifest, a .tar shard nor a .parquet file")
     if not p.is_dir():
         raise UserError(f"source {p} does not exist; pass a folder, a .tar shard (or folder, brace list or URL of "
                         "them), a .jsonl file or a .parquet file (or folder of them)")
     if (p / "target").is_dir():
+        _control_dirs(p)  # its layout refusals (a misnamed or doubled control/mask folder) before a store is made
         return "folder"
     if any(p.glob("*.tar")):
         return "webdataset"
     jsonls = sorted(p.glob("*.jsonl"))
     if len(jsonls) == 1:
-        return "jsonl"
+        return _utf8_manifest(jsonls[0])
     if len(jsonls) > 1:
         raise UserError(f"source {p} holds several .jsonl files ({', '.join(j.name for j in jsonls)}); pass one")
     from stages.resize.parquet_source import parquet_files
@@ -101,6 +103,17 @@ def detect_format(source: str | Path) -> str:
         return "parquet"
     raise UserError(f"source {p} has no target/ folder, no .tar shards, no .jsonl manifest and no .parquet files "
                     "(the layouts: docs/resize-bucket.md, 'Sources')")
+
+
+def _utf8_manifest(path: Path) -> str:
+    """'jsonl', or one line when the manifest is UTF-16/32 (PowerShell 5's `>` and Out-File default): read as
+    UTF-8, each of its lines was quarantined as 'not valid UTF-8', a million rows that never named the encoding."""
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if head.startswith((b"\xff\xfe", b"\xfe\xff", b"\0\0\xfe\xff")):
+        raise UserError(f"manifest {path} is UTF-16/UTF-32 (its byte order mark); save it as UTF-8 (PowerShell: "
+                        "Out-File -Encoding utf8; Python: open(..., 'w', encoding='utf-8'))")
+    return "jsonl"
 
 
 def iter_source(source: str | Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
@@ -189,6 +202,8 @@ class _Problem(Exception):
 def read_source_file(path: Path, root: Path | None, max_bytes: int, what: str = "file") -> bytes:
     """The bytes of a regular file of at most `max_bytes`, within `root` (None: anywhere, for an absolute JSONL
     path); `_Problem` naming the reason otherwise."""
+    if "\0" in str(path):  # a JSON "\u0000" in a path: no OS call takes it (ValueError, the run's traceback)
+        raise _Problem(f"{what} path {str(path)!r} holds a NUL character: no file has such a name; fix the path")
     if root is not None and not _inside(path, root):
         raise _Problem(f"{what} {path} resolves to {os.path.realpath(path)}, outside the source {root} (symlink or "
                        "'..'): not read; copy the file into the source", "outside-source")
@@ -200,7 +215,7 @@ def read_source_file(path: Path, root: Path | None, max_bytes: int, what: str = 
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise _Problem(f"{what} {path} is not a regular file (a device, FIFO or socket): not read", "not-a-file")
+            raise _Problem(f"{what} {path} is not a regular file ({_file_kind(st.st_mode)}): not read", "not-a-file")
         if st.st_size > max_bytes:
             raise _Problem(f"{what} {path} is {st.st_size} bytes, over resize.max_file_bytes ({max_bytes})",
                            "file-too-large")
@@ -222,11 +237,28 @@ def read_source_file(path: Path, root: Path | None, max_bytes: int, what: str = 
 # ---------------------------------------------------------------- folder
 
 
+# Folders a user meant as control/ or mask/ but named otherwise (masks/, controls/, Control/, control1/,
+# control-2/): never read, so an edit dataset trained text-to-image, or without its masks, with no word about it.
+_NEAR_LAYOUT_DIR = re.compile(r"^(control|mask)s?(?:[-_ ]?(\d+))?$", re.IGNORECASE)
+
+
+def _near_miss(d: Path) -> str | None:
+    """The layout folder `d` was surely meant to be (`mask`, `control`, `control_2`), when it is not one itself."""
+    m = _NEAR_LAYOUT_DIR.match(d.name)
+    if not m or d.name == "mask" or _CONTROL_DIR.match(d.name):
+        return None
+    kind, index = m.group(1).lower(), int(m.group(2) or 0)
+    return kind if kind == "mask" or index == 0 else f"control_{index}"
+
+
 def _control_dirs(root: Path) -> dict[int, Path]:
-    """control/ is index 0, control_<i>/ is index i."""
+    """control/ is index 0, control_<i>/ is index i. A folder named near these or mask/ is refused (_near_miss)."""
     out: dict[int, Path] = {}
     for d in sorted(root.iterdir()):
         m = _CONTROL_DIR.match(d.name)
+        if d.is_dir() and (meant := _near_miss(d)):
+            raise UserError(f"source {root}: folder {d.name}/ is not read (the layout reads target/, control/, "
+                            f"control_1/, ..., mask/); rename it to {meant}/, or move it out of the source")
         if d.is_dir() and m:
             i = int(m.group(1) or 0)
             if i in out:  # e.g. control/ + control_0/, control_1/ + control_01/: one would vanish unread
@@ -254,8 +286,27 @@ def _images_by_stem(sc: Scan, unsupported: dict[str, list[Path]], also: tuple[st
     return out
 
 
+def _file_kind(mode: int) -> str:
+    return ("a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "a socket"
+            if stat.S_ISSOCK(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a file")
+
+
+def _not_regular(path: Path) -> str | None:
+    """What a folder entry is when it is no regular file (a broken link, a link loop, a folder, a FIFO), else None."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as e:  # a link: ENOENT when it points nowhere, ELOOP when it points at itself
+        return "a symlink loop" if e.errno == errno.ELOOP else "a broken symlink" if os.path.islink(path) else e.strerror
+    return None if stat.S_ISREG(mode) else _file_kind(mode)
+
+
 def _unsupported_message(root: Path, files: list[Path]) -> str:
-    names = ", ".join(os.path.relpath(f, root) + ("/" if f.is_dir() else "") for f in files)
+    """The entries a sample cannot use: each no-file said as what it is (a `x.png` that is a broken link is not a
+    wrong image type), the others with the types that are read."""
+    odd = {f: kind for f in files if (kind := _not_regular(f))}
+    names = ", ".join(os.path.relpath(f, root) + (f" ({odd[f]})" if f in odd else "") for f in files)
+    if len(odd) == len(files):
+        return f"{names}: not a regular file, not read; replace it with the file or remove it"
     return f"unsupported file(s) {names}: images must be one of {', '.join(IMAGE_SUFFIXES)} (captions target/<stem>.txt)"
 
 
@@ -337,6 +388,13 @@ def _split_member(name: str) -> tuple[str, str]:
     d, _, base = name.rpartition("/")
     stem, dot, ext = base.partition(".")
     return (f"{d}/{stem}" if d else stem), (ext.lower() if dot else "")
+
+
+def dot_member(name: str) -> bool:
+    """A tar member whose base name starts with a dot: OS litter, ignored as a folder source's dotfiles (macOS tar
+    writes an AppleDouble `._x.png` before every file with extended attributes, e.g. a downloaded one, which split
+    each sample's run in two: a whole shard quarantined). webdataset's own key rule skips them too."""
+    return name.rpartition("/")[2].startswith(".")
 
 
 def _unsafe_name(name: str) -> bool:
@@ -428,7 +486,7 @@ def _tar_samples(tar: str, tf: tarfile.TarFile, stream: Any, max_file_bytes: int
     try:
         with tf:
             for m in tf:
-                if m.isdir():
+                if m.isdir() or dot_member(m.name):
                     continue
                 k, ext = _split_member(m.name)
                 if key is not None and k != key:
@@ -500,6 +558,10 @@ def _jsonl_objects(path: Path) -> Iterator[tuple[int, object, str | None]]:
                 yield no, None, "line is not valid UTF-8"
             except json.JSONDecodeError as e:
                 yield no, None, f"line is not valid JSON: {e.msg}"
+            except RecursionError:  # arrays nested 100k deep: one bad line, not the run's traceback
+                yield no, None, "line is not valid JSON: nested too deeply to read"
+            except ValueError:  # a number of over 4300 digits (Python's int limit)
+                yield no, None, "line is not valid JSON: holds a number with too many digits to read"
 
 
 def _jsonl_controls(obj: dict) -> list:

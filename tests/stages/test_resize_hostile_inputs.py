@@ -1,0 +1,170 @@
+"""More hostile inputs through `pipeline run resize-bucket`, each found to stop the run with a traceback or to drop
+or ignore data silently before: a file cut in its second frame, a symlink loop, misnamed control/mask folders, JSONL
+lines Python's json cannot read, and the macOS litter members of a tar made on a Mac."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+from typer.testing import CliRunner
+
+from pipeline.cli import app
+from stages.resize.source_count import count_samples
+from store import Store
+
+
+def _image(fmt: str = "PNG", frames: int = 1, seed: int = 0) -> bytes:
+    """Noise (so that each frame's data is large and a cut lands inside it), `frames` frames."""
+    rng = np.random.default_rng(seed)
+    ims = [Image.fromarray(rng.integers(0, 256, (64, 64, 3), np.uint8)) for _ in range(frames)]
+    buf = io.BytesIO()
+    ims[0].save(buf, format=fmt, **({"save_all": True, "append_images": ims[1:]} if frames > 1 else {}))
+    return buf.getvalue()
+
+
+def _resize(source: Path, store: Path):
+    result = CliRunner().invoke(app, ["run", "resize-bucket", "--source", str(source), "--store", str(store),
+                                      "--set", "resize.target_area=4096", "--set", "resize.multiple=16"])
+    assert "Traceback" not in result.output, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
+    return result
+
+
+def _quarantine(store: Path) -> dict[str, tuple[str, str]]:
+    """source -> (reason, detail)."""
+    return {r["source"]: (r["reason"], r["detail"]) for r in Store(store, create=False).quarantine().to_pylist()}
+
+
+def _captions(store: Path) -> list[str]:
+    return sorted(r["caption"] for r in Store(store, create=False).reader("images").manifest.to_pylist())
+
+
+def _sample(root: Path, stem: str, data: bytes, ext: str = "png", caption: str = "make it blue") -> None:
+    (root / "target").mkdir(parents=True, exist_ok=True)
+    (root / "target" / f"{stem}.{ext}").write_bytes(data)
+    (root / "target" / f"{stem}.txt").write_text(caption)
+
+
+def test_a_file_cut_in_its_second_frame_is_a_corrupt_image_not_a_traceback(tmp_path):
+    """Pillow counts frames by walking each frame's header: a GIF or TIFF cut there raised IndexError/TypeError
+    outside the decoder's checks, which ended the whole run (workers: 0) with a traceback."""
+    src = tmp_path / "src"
+    _sample(src, "good", _image(), caption="good")
+    gif, tif = _image("GIF", 4), _image("TIFF", 4)
+    _sample(src, "cutgif", gif[: len(gif) // 2], "gif")
+    _sample(src, "cuttif", tif[: len(tif) // 3], "tif")
+    result = _resize(src, tmp_path / "store")
+    assert result.exit_code == 0, result.output
+    q = _quarantine(tmp_path / "store")
+    assert {Path(s).name: r for s, (r, _) in q.items()} == {"cutgif.gif": "corrupt-image", "cuttif.tif": "corrupt-image"}
+    assert all("truncated or corrupt image data" in d for _, d in q.values())
+    assert _captions(tmp_path / "store") == ["good"]
+
+
+def test_a_symlink_loop_and_other_non_files_are_quarantined_as_what_they_are(tmp_path):
+    """`ln -s a.png a.png` in target/ stopped the run with 'Too many levels of symbolic links' (os.DirEntry.is_file
+    raises where Path.is_file says False); and every non-file `x.png` was detailed as a wrong image type."""
+    src = tmp_path / "src"
+    _sample(src, "good", _image(), caption="good")
+    t = src / "target"
+    os.symlink("loop.png", t / "loop.png")
+    os.symlink("nowhere.png", t / "broken.png")
+    (t / "folder.png").mkdir()
+    os.mkfifo(t / "fifo.png")
+    result = _resize(src, tmp_path / "store")
+    assert result.exit_code == 0, result.output
+    q = {Path(s).name: v for s, v in _quarantine(tmp_path / "store").items()}
+    for name, kind in {"loop.png": "a symlink loop", "broken.png": "a broken symlink", "folder.png": "a folder",
+                       "fifo.png": "a FIFO"}.items():
+        reason, detail = q[name]
+        assert reason == "unsupported-file" and f"target/{name} ({kind}): not a regular file" in detail, (name, detail)
+    assert _captions(tmp_path / "store") == ["good"]
+
+
+@pytest.mark.parametrize("folder, meant", [("masks", "mask"), ("Mask", "mask"), ("controls", "control"),
+                                           ("control1", "control_1"), ("Control-2", "control_2")])
+def test_a_misnamed_control_or_mask_folder_is_refused_before_a_store_is_made(tmp_path, folder, meant):
+    """masks/ or controls/ next to target/ were never read: an edit dataset was trained text-to-image, or without
+    its masks, and nothing said so (no quarantine row, no summary line for masks)."""
+    src = tmp_path / "src"
+    _sample(src, "a", _image())
+    (src / folder).mkdir()
+    (src / folder / "a.png").write_bytes(_image(seed=1))
+    result = _resize(src, tmp_path / "store")
+    assert result.exit_code != 0
+    assert f"folder {folder}/ is not read" in result.output and f"rename it to {meant}/" in result.output, result.output
+    assert len(result.output.strip().splitlines()) == 1
+    assert not (tmp_path / "store").exists()
+
+
+def test_jsonl_lines_json_cannot_take_cost_their_line_only(tmp_path):
+    """A 5000-digit number (Python's int limit), arrays nested 100k deep (RecursionError) and a path holding
+    '\\u0000' (ValueError from the OS call) each ended the run with a traceback."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.png").write_bytes(_image())
+    lines = [json.dumps({"target": "a.png", "caption": "fine"}),
+             '{"target": "a.png", "caption": "long number", "id": ' + "7" * 5000 + "}",
+             "[" * 100_000 + "]" * 100_000,
+             json.dumps({"target": "a\u0000.png", "caption": "nul"})]
+    (src / "data.jsonl").write_text("\n".join(lines) + "\n")
+    result = _resize(src, tmp_path / "store")
+    assert result.exit_code == 0, result.output
+    q = {s.split(":")[1]: v for s, v in _quarantine(tmp_path / "store").items()}
+    assert q == {"2": ("bad-source", "line is not valid JSON: holds a number with too many digits to read"),
+                 "3": ("bad-source", "line is not valid JSON: nested too deeply to read"),
+                 "4": ("bad-source", f"target path {str(src / 'a') + chr(0) + '.png'!r} holds a NUL character: no "
+                                     "file has such a name; fix the path")}
+    assert _captions(tmp_path / "store") == ["fine"]
+
+
+def test_a_tar_made_on_a_mac_reads_as_the_same_tar_without_its_litter(tmp_path):
+    """macOS tar writes an AppleDouble `._x` member before every file with extended attributes (a downloaded
+    one), and `.DS_Store`: they split each sample's run of members in two, so the whole shard was quarantined
+    (target without caption, caption without target). They are ignored as a folder source's dotfiles are."""
+    members = []
+    for i in range(3):
+        members += [(f"d/s{i}.png", _image(seed=i)), (f"d/s{i}.txt", f"caption {i}".encode()),
+                    (f"d/s{i}.control.png", _image(seed=10 + i))]
+
+    def shard(folder: Path, litter: bool) -> None:
+        folder.mkdir()
+        with tarfile.open(folder / "a.tar", "w") as tf:
+            for name, data in ([("d/.DS_Store", b"\0\0\0\1Bud1")] if litter else []) + members:
+                d, _, base = name.rpartition("/")
+                for n, b in ([(f"{d}/._{base}", b"\0\5\26\7" + b"\0" * 60)] if litter else []) + [(name, data)]:
+                    info = tarfile.TarInfo(n)
+                    info.size = len(b)
+                    tf.addfile(info, io.BytesIO(b))
+
+    shard(tmp_path / "clean", litter=False)
+    shard(tmp_path / "mac", litter=True)
+    assert count_samples(tmp_path / "mac", "webdataset") == 3  # the bar's total
+    for name in ("clean", "mac"):
+        result = _resize(tmp_path / name, tmp_path / f"store-{name}")
+        assert result.exit_code == 0, result.output
+        assert _quarantine(tmp_path / f"store-{name}") == {}
+        assert _captions(tmp_path / f"store-{name}") == ["caption 0", "caption 1", "caption 2"]
+    keys = [sorted(r["key"] for r in Store(tmp_path / f"store-{n}", create=False).reader("images").manifest.to_pylist())
+            for n in ("clean", "mac")]
+    assert keys[0] == keys[1]
+
+
+def test_a_utf16_manifest_is_one_line_naming_its_encoding(tmp_path):
+    """PowerShell 5 writes `>` and Out-File as UTF-16: each line was quarantined as 'not valid UTF-8' (a row per
+    line, a million for a million samples), then 'no usable sample', never naming the encoding."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.png").write_bytes(_image())
+    (src / "data.jsonl").write_bytes((json.dumps({"target": "a.png", "caption": "fine"}) + "\r\n").encode("utf-16"))
+    result = _resize(src, tmp_path / "store")
+    assert result.exit_code != 0
+    assert f"manifest {src / 'data.jsonl'} is UTF-16/UTF-32 (its byte order mark); save it as UTF-8" in result.output
+    assert len(result.output.strip().splitlines()) == 1 and not (tmp_path / "store").exists()
