@@ -177,20 +177,44 @@ def pid_gone(pid: int, started: int | None) -> str | None:
     return None
 
 
-def process_tag() -> str:
-    """`<pid>-<start time>`: this process in a temp file's name (store/remote_shards.py's fetches), for
-    `tag_gone`; `<pid>` alone where the start time is unknown (no /proc)."""
-    pid = os.getpid()
-    start = _proc_start(pid)
-    return str(pid) if start is None else f"{pid}-{start}"
-
-
-def tag_gone(tag: str) -> str | None:
-    """Why the process of `process_tag`'s `tag` (this host's) is no longer running; None while it runs, or when
-    the tag names none. `pid_gone`'s rules: a zombie has ended, a pid with another start time is another process."""
-    pid, _, start = tag.partition("-")
+def _pid_namespace_id() -> int | None:
+    """The inode of this process's pid namespace (the number in `_pid_namespace`'s `pid:[N]`); None where
+    unreadable (no /proc)."""
     try:
-        return pid_gone(int(pid), int(start) if start else None)
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return None
+
+
+def process_tag() -> str:
+    """`<pid>-<start time>-n<pid namespace>`: this process in a temp file's name (store/remote_shards.py's
+    fetches), for `tag_gone`; a part left out where unknown (no /proc: `<pid>` alone). The namespace: containers
+    sharing one cache folder (pods mounting one node-local volume) number their processes apart, so pid 123 of
+    another container is not this one's pid 123."""
+    pid = os.getpid()
+    start, ns = _proc_start(pid), _pid_namespace_id()
+    return "-".join([str(pid), *([str(start)] if start is not None else []), *([f"n{ns}"] if ns is not None else [])])
+
+
+def tag_gone(tag: str, mtime: float | None = None, now: float | None = None) -> str | None:
+    """Why the process of `process_tag`'s `tag` is no longer running; None while it runs, or when the tag names
+    none. This pid namespace's (or a tag without one, as earlier releases wrote): `pid_gone`'s rules, a zombie has
+    ended, a pid with another start time is another process. Another namespace's (another container on the node;
+    or this one's unknown): its pid cannot be asked here, so its file (`mtime`: written to as the fetch streams)
+    is gone once older than `STALE_SECONDS`, the read leases' margin; without `mtime`, None."""
+    pid, *rest = tag.split("-")
+    spaces = [r[1:] for r in rest if r.startswith("n")]
+    starts = [r for r in rest if not r.startswith("n")]
+    try:
+        if len(spaces) > 1 or len(starts) > 1 or not all(s.isdigit() for s in spaces):
+            return None
+        if spaces and int(spaces[0]) != _pid_namespace_id():
+            if mtime is None:
+                return None
+            age = (time.time() if now is None else now) - mtime
+            return (f"is of another pid namespace (n{spaces[0]}) and not written for {age / 60:.0f} min"
+                    if age > STALE_SECONDS else None)
+        return pid_gone(int(pid), int(starts[0]) if starts else None)
     except ValueError:
         return None
 

@@ -13,7 +13,9 @@ the cache: opens, evictions and space reservations run under one lock on the cac
 another process has it open stays readable there (POSIX), and its next miss fetches it again; a version a live
 reader holds a read lease on (store/lease.py, written by train's reader inside the cached store) is never evicted
 whole, and the metadata of the versions in use never at all. Eviction removes the lease files of dead readers it
-meets (judged as `store gc` judges them) and, first, the temp files of killed fetches.
+meets (judged as `store gc` judges them; an open without a limit, which evicts nothing, those of the store it
+opens) and, first, the temp files of killed fetches (named by pid, start time and pid namespace: containers
+sharing the cache folder have their own pids, so another namespace's is judged by its age, store/lease.tag_gone).
 
 A writer (the encoders) works on the cached copy and then pushes it back (`push_back`): the remote commit keeps
 push's guarantees (write-once objects, manifest last, store.json by compare-and-swap), so a killed encoder leaves
@@ -96,6 +98,9 @@ def local_store(store: str | Path, tables: list[str] | None, cache_dir: str | Pa
             evict(cache, limit, {(root, t, v) for t, v in needed})
         else:  # what this open fetched is in no total: a limited process of the node walks before its next fetch
             (cache / USAGE).unlink(missing_ok=True)
+            # no eviction walk removes the lease files of this store's killed readers (one per kill -9, thousands
+            # at scale): judged here as eviction judges them, one folder, the opened store's
+            _live_leases(root)
         # which remote this cached store copies: for a human, and store/remote_parts.py finds the URL here
         (root / "source-url.txt").write_text(url + "\n")
     if lease:  # a lease object on the remote naming what this process reads, till it exits (store/remote_lease.py)
@@ -238,7 +243,7 @@ def _candidates(cache: Path, keep: set[tuple[Path, str, int]],
                 else:
                     out += [(used, size, vdir / name, False) for name, size, used in files if is_shard(name)]
                 # the temp file of a fetch whose process was killed: first to go
-                out += [(0.0, size, vdir / name, False) for name, size, _ in files if _orphan_fetch(name)]
+                out += [(0.0, size, vdir / name, False) for name, size, used in files if _orphan_fetch(name, used)]
     return total, out, unpushed
 
 
@@ -254,19 +259,20 @@ def _live_leases(root: Path) -> set[tuple[str, int]]:
     return leased
 
 
-def _orphan_fetch(name: str) -> bool:
-    """`.<shard>.fetch-<pid>-<start>-<thread>` (or an earlier release's `<pid>-<thread>`) of a process no longer
-    running: gone, ended (a zombie), or its pid reused by another process (another start time: after a reboot, or
-    pids wrapped) - store/lease.tag_gone, the rule read leases are judged by (the cache is shared by one node's
-    processes, so the pid is this host's)."""
+def _orphan_fetch(name: str, mtime: float) -> bool:
+    """`.<shard>.fetch-<pid>-<start>-n<pid namespace>-<thread>` (or an earlier release's `<pid>-<start>-<thread>`
+    or `<pid>-<thread>`) of a process no longer running, store/lease.tag_gone, the rule read leases are judged by:
+    of this pid namespace (or not named), gone, ended (a zombie), or its pid reused by another process (another
+    start time: after a reboot, or pids wrapped); of another namespace (a container sharing the cache folder, whose
+    pids are not this one's), not written to (`mtime`) for the leases' margin."""
     from store.remote_shards import FETCH_TAG
 
     if FETCH_TAG not in name:
         return False
     parts = name.rsplit(FETCH_TAG, 1)[1].split("-")
-    if len(parts) not in (2, 3):  # `ranged`: the range counts, no process's
+    if not 2 <= len(parts) <= 4:  # `ranged`: the range counts, no process's
         return False
-    return leases.tag_gone("-".join(parts[:-1])) is not None
+    return leases.tag_gone("-".join(parts[:-1]), mtime) is not None
 
 
 def _evict(cache: Path, limit: int, keep: set[tuple[Path, str, int]],

@@ -47,8 +47,9 @@ log = logging.getLogger("store")
 
 MARKER = ".remote.json"  # in a lazily cached version folder: {"url", "table", "version"} of its remote copy
 LAZY_SUFFIX = ".lazy"  # `.v<N>.lazy`: a version's metadata being fetched (not a version name: readers skip it)
-# `.<shard>.fetch-<pid>-<pid start time>-<thread>` (store/lease.process_tag; `<pid>-<thread>` by earlier releases):
-# a shard being fetched (counted by the cache, never read; a killed fetch's is evicted first)
+# `.<shard>.fetch-<pid>-<pid start time>-n<pid namespace>-<thread>` (store/lease.process_tag; `<pid>-<start>-<thread>`
+# and `<pid>-<thread>` by earlier releases): a shard being fetched (counted by the cache, never read; a killed
+# fetch's is evicted first)
 FETCH_TAG = ".fetch-"
 RANGED = FETCH_TAG + "ranged"  # `.<shard>.fetch-ranged`: bytes this node's processes read from the shard by range
 FETCH_LOCK = ".fetch.lock"  # `.<shard>.fetch.lock`: held by the one process of the node fetching the shard whole
@@ -178,7 +179,10 @@ class ShardFetcher:
                     self._uncacheable[shard] = problem
                     log.warning("%s: not cached, its samples are read by range (each checked)", problem)
                     return problem
-                os.replace(part, path)  # atomic: readers see the whole checked file or none
+                try:
+                    os.replace(part, path)  # atomic: readers see the whole checked file or none
+                except FileNotFoundError:  # evicted as a killed fetch's (paused past the margin): read by range
+                    return f"shard {shard}'s fetch was taken for a killed one's and its temp file removed"
                 Path(self.vdir / f".{shard}{RANGED}").unlink(missing_ok=True)  # cached whole: no count needed
             finally:
                 if part.exists():

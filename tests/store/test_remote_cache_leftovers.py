@@ -1,7 +1,9 @@
 """What dead processes leave in a URL's cache, removed by its eviction, judged by store/lease.py's one rule (a pid
 gone, ended - a zombie - or reused by another process): the temp files of killed fetches (before, `kill(pid, 0)`
 alone kept a zombie's or a reused pid's for ever) and the lease files of killed readers in the cached store
-(before, only an explicit `store gc` of the cache's store removed them: one per killed run piled up)."""
+(before, only an explicit `store gc` of the cache's store removed them: one per killed run piled up), also by an
+open without a limit (which evicts nothing). A temp file of another pid namespace (a container sharing the cache
+folder) is judged by its age, never by a pid that is not this namespace's."""
 
 from __future__ import annotations
 
@@ -12,10 +14,12 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from store import Store
 from store import format as fmt
 from store import lease
-from store.remote_cache import local_store
+from store.remote_cache import USAGE, local_store
 from store.remote_shards import FETCH_TAG
 from store.remote_sync import push
 from store_samples import fill
@@ -73,7 +77,7 @@ CACHED_READER = """
 import sys
 from pathlib import Path
 from store import lease
-from store.remote_cache import local_store
+from store.remote_cache import USAGE, local_store
 root = local_store(sys.argv[1], ["vae"], Path(sys.argv[2]), lease=False)
 held = lease.hold(root, {"vae": None}, "a reader of the URL")  # as train's reader: a lease file in the cache
 print(held.path, flush=True)
@@ -86,15 +90,15 @@ def test_eviction_removes_the_lease_files_of_killed_readers_in_the_cache(s3_env,
     fill(store, 6)
     push(store.root, s3_env.url())
     cache = tmp_path / "cache"
-    killed = []
-    for _ in range(2):  # two runs killed with -9: each leaves its lease file in the cached store
-        proc = subprocess.Popen([sys.executable, "-c", CACHED_READER, s3_env.url(), str(cache)],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=_env())
-        try:
-            killed.append(Path(proc.stdout.readline().strip()))
-        finally:
-            proc.send_signal(signal.SIGKILL)
-            proc.wait()
+    # a run killed with -9 leaves its lease file in the cached store (one run only: an open without a limit, as
+    # this reader's, removes the lease files of killed readers too)
+    proc = subprocess.Popen([sys.executable, "-c", CACHED_READER, s3_env.url(), str(cache)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=_env())
+    try:
+        killed = [Path(proc.stdout.readline().strip())]
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
     assert all(p.is_file() for p in killed)
     root = killed[0].parent.parent
     live = lease.hold(root, {"vae": None}, "this reader")
@@ -103,3 +107,126 @@ def test_eviction_removes_the_lease_files_of_killed_readers_in_the_cache(s3_env,
         assert [p for p in killed if p.exists()] == [] and live.path.is_file()
     finally:
         live.release()
+
+
+def _gone_pid() -> int:
+    """The pid of a process that has exited and been reaped (a pid nothing answers to here)."""
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def _a_byte_less(cache: Path) -> float:
+    """A limit (GB) a byte under what the cache's versions hold (the running total, outside them, left out)."""
+    (cache / USAGE).unlink(missing_ok=True)
+    return (_cache_bytes(cache) - 1) / 1e9
+
+
+def _shards(vdir: Path) -> list[Path]:
+    return sorted(p for p in vdir.iterdir() if fmt.SHARD_RE.fullmatch(p.name))
+
+
+def test_a_fetch_temp_file_of_another_pid_namespace_is_kept_while_fresh_and_evicted_once_old(
+        s3_env, store: Store, tmp_path: Path) -> None:
+    """Containers sharing one cache folder number their processes apart: another namespace's pid 123 may be a live
+    fetch while pid 123 here is gone or another process. Before, such a live fetch's temp file was deleted."""
+    assert f"-n{os.stat('/proc/self/ns/pid').st_ino}" in lease.process_tag()  # this process's fetches say whose
+    fill(store, 24, shard_size_mb=0.02)
+    push(store.root, s3_env.url())
+    cache = tmp_path / "cache"
+    vdir = fmt.version_dir(local_store(s3_env.url(), ["vae"], cache, whole=True, lease=False), "vae", 1)
+    shards = _shards(vdir)
+    assert len(shards) > 2
+    other = os.stat("/proc/self/ns/pid").st_ino + 1
+    foreign = vdir / f".{shards[0].name}{FETCH_TAG}{_gone_pid()}-12345-n{other}-1"
+    foreign.write_bytes(b"x" * 50_000)
+    # over the limit by a byte: a killed fetch's temp file would go first (its last use counts as 0)
+    local_store(s3_env.url(), ["vae"], cache, limit_gb=_a_byte_less(cache), lease=False)
+    assert foreign.exists(), "a fresh temp file of another pid namespace was judged dead by a pid of this one"
+    assert len(_shards(vdir)) == len(shards) - 1  # a shard went instead
+    old = time.time() - lease.STALE_SECONDS - 60  # not written to for longer than the leases' margin
+    os.utime(foreign, (old, old))
+    local_store(s3_env.url(), ["vae"], cache, limit_gb=_a_byte_less(cache), lease=False)
+    assert not foreign.exists() and len(_shards(vdir)) == len(shards) - 1  # the stale one went, first
+
+
+NAMESPACED_FETCHER = "from store.lease import process_tag; print(process_tag(), flush=True); input()"
+
+
+def test_a_live_fetcher_in_its_own_pid_namespace_keeps_its_temp_file(s3_env, store: Store, tmp_path: Path) -> None:
+    """The same with a real pid namespace (unshare, where user namespaces are allowed): the fetcher is pid 1 there,
+    and pid 1 here is another process (another start time). Before, its temp file was evicted."""
+    fill(store, 24, shard_size_mb=0.02)
+    push(store.root, s3_env.url())
+    cache = tmp_path / "cache"
+    vdir = fmt.version_dir(local_store(s3_env.url(), ["vae"], cache, whole=True, lease=False), "vae", 1)
+    try:
+        proc = subprocess.Popen(["unshare", "-Urpf", "--mount-proc", sys.executable, "-c", NAMESPACED_FETCHER],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=_env())
+    except FileNotFoundError:
+        pytest.skip("no unshare here")
+    try:
+        tag = proc.stdout.readline().strip()
+        if not tag:
+            pytest.skip(f"no pid namespace of its own here: {proc.stderr.read().strip()[:200]}")
+        assert tag.startswith("1-") and "-n" in tag
+        live = vdir / f".{_shards(vdir)[0].name}{FETCH_TAG}{tag}-1"
+        live.write_bytes(b"x" * 50_000)
+        local_store(s3_env.url(), ["vae"], cache, limit_gb=_a_byte_less(cache), lease=False)
+        assert live.exists()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_an_open_without_a_limit_removes_the_lease_files_of_killed_readers(s3_env, store: Store,
+                                                                           tmp_path: Path) -> None:
+    """Without --cache-gb nothing evicts, and the lease files of killed readers piled up in the cached store's
+    `.leases/` for ever (one per kill -9). An open removes them now, judged as eviction judges them."""
+    fill(store, 6)
+    push(store.root, s3_env.url())
+    cache = tmp_path / "cache"
+    proc = subprocess.Popen([sys.executable, "-c", CACHED_READER, s3_env.url(), str(cache)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=_env())
+    try:
+        killed = Path(proc.stdout.readline().strip())
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert killed.is_file()
+    live = lease.hold(killed.parent.parent, {"vae": None}, "this reader")
+    try:
+        local_store(s3_env.url(), ["vae"], cache, lease=False)  # no limit
+        assert not killed.exists() and live.path.is_file()
+    finally:
+        live.release()
+
+
+def test_a_fetch_whose_temp_file_was_evicted_meanwhile_reads_by_range(s3_env, store: Store, tmp_path: Path,
+                                                                     monkeypatch) -> None:
+    """A fetch paused past the margin (SIGSTOP) has its temp file taken for a killed one's by another container's
+    eviction: its samples are read by range, no error (before, the rename raised FileNotFoundError mid-read)."""
+    import torch
+
+    from store import remote_shards
+
+    fill(store, 24, shard_size_mb=0.02)
+    push(store.root, s3_env.url())
+    real = remote_shards._download
+
+    def then_evicted(remote, rel, part):
+        got = real(remote, rel, part)
+        part.unlink()
+        return got
+
+    monkeypatch.setattr(remote_shards, "_download", then_evicted)
+    root = local_store(s3_env.url(), ["vae"], tmp_path / "cache", lease=False)
+    with store.reader("vae") as local, Store(root, create=False).reader("vae") as cached:
+        for group in local.shard_groups():  # a scan: each shard fetched whole
+            for k in group:
+                a, b = cached.tensors(k), local.tensors(k)
+                assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+    vdir = fmt.version_dir(root, "vae", 1)
+    assert not [p for p in vdir.iterdir() if fmt.SHARD_RE.fullmatch(p.name) or FETCH_TAG in p.name
+                and not p.name.endswith("ranged")]  # nothing cached, nothing left behind

@@ -475,7 +475,10 @@ def test_a_url_reader_killed_with_9_holds_nothing_on_the_url_nor_in_its_cache(s3
     assert not any("/.leases/" in k or k.startswith("store/vae/v1/") for k in keys), keys
 
     cache_store = cached_lease.parent.parent
+    record = cached_lease.read_bytes()
     local_store(s3_env.url(), ["vae"], cache, lease=False)  # v2 into the cache: v1 is no longer current there
+    assert not cached_lease.exists()  # the open removed the dead reader's lease file (store/remote_cache.py)
+    cached_lease.write_bytes(record)  # as a reader killed after that open leaves it: gc says whose it was
     r = _cli("store", "gc", cache_store)
     assert r.exit_code == 0, r.output
     assert f"a reader of the URL (pid {proc.pid} on {socket.gethostname()} is gone" in r.output, r.output
