@@ -20,7 +20,8 @@ from store import integrity
 from store.integrity import DamagedData
 from store.join import JoinedTables, sequence_lengths_of
 from store.manifest_files import checked_manifest
-from store.reader import DEFAULT_MAX_OPEN_SHARDS, TableReader, split_rows
+from store.reader import DEFAULT_MAX_OPEN_SHARDS, TableReader
+from store.reader_manifest import split_rows
 
 log = logging.getLogger("store")
 

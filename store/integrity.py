@@ -154,11 +154,17 @@ def read_version_checksums(vdir: Path) -> dict[str, dict[str, Any]] | None:
 
 
 def check_bytes(vdir: Path, name: str, data: bytes, sums: dict[str, dict[str, Any]]) -> None:
+    check_measured(vdir, name, (crc_hex(data), len(data)), sums)
+
+
+def check_measured(vdir: Path, name: str, measured: tuple[str, int], sums: dict[str, dict[str, Any]]) -> None:
+    """`check_bytes` of bytes whose (crc32c, nbytes) the caller measured as it read them (`store.manifest.read_indexes`)."""
+    crc, nbytes = measured
     entry = sums.get(name)
     if entry is None:
         raise DamagedData(f"{where(vdir)}: {name} is not listed in {fmt.CHECKSUMS}; {repair_hint(vdir, fmt.CHECKSUMS)}")
-    if len(data) != entry["nbytes"] or crc_hex(data) != entry["crc32c"]:
-        raise DamagedData(f"{where(vdir)}: {name} is damaged ({len(data)} bytes, crc32c {crc_hex(data)}; "
+    if nbytes != entry["nbytes"] or crc != entry["crc32c"]:
+        raise DamagedData(f"{where(vdir)}: {name} is damaged ({nbytes} bytes, crc32c {crc}; "
                           f"recorded {entry['nbytes']} bytes, crc32c {entry['crc32c']}); {repair_hint(vdir, name)}")
 
 

@@ -23,6 +23,7 @@ from store.arrow_columns import fixed_width_view as _fixed_width
 from store.arrow_columns import release_memory
 from store.arrow_columns import strictly_increasing as _strictly_increasing
 from store.reader import TableReader
+from store.reader_manifest import ReaderManifest
 
 log = logging.getLogger("store")
 
@@ -355,7 +356,7 @@ def _content_ids(j: JoinedTables) -> dict[str, str] | None:
     return out
 
 
-def split_keys(r: TableReader, split: str | None) -> list[str]:
+def split_keys(r: ReaderManifest, split: str | None) -> list[str]:
     if split is None:
         return r.keys()
     return sorted(r.key_array.take(pa.array(r.rows_of(split))).to_pylist())
@@ -366,7 +367,7 @@ def _name_keys(keys: set[str], limit: int = 5) -> str:
     return ", ".join(shown) + (f" … ({len(keys)} in all)" if len(keys) > limit else "")
 
 
-def text_lengths(text: TableReader) -> np.ndarray:
+def text_lengths(text: ReaderManifest) -> np.ndarray:
     """Prompt token count per row of the text table (the `length` column, else the prompt_embeds shape)."""
     if text.has_column("length"):
         return text.column("length").to_numpy(zero_copy_only=False).astype(np.int64)
@@ -374,7 +375,7 @@ def text_lengths(text: TableReader) -> np.ndarray:
     return np.array([next(t["shape"][0] for t in r if t["name"] == "prompt_embeds") for r in rows], np.int64)
 
 
-def image_tokens(vae: TableReader) -> np.ndarray:
+def image_tokens(vae: ReaderManifest) -> np.ndarray:
     """Image token count per row of the vae table: the sum over its img_shapes of frames x h x w, computed on
     the Arrow buffers (list<list<int64>>) without Python objects; schema v1 tables per row."""
     if vae.is_v1 or not vae.has_column("img_shapes"):
@@ -402,7 +403,7 @@ def sequence_lengths_of(joined: JoinedTables) -> np.ndarray:
 ROWS_FORMAT = b"rows-content-1"  # bump when what `rows_content_id` hashes changes
 
 
-def rows_content_id(r: TableReader, keys: pa.Array, columns: Iterable[str]) -> str | None:
+def rows_content_id(r: ReaderManifest, keys: pa.Array, columns: Iterable[str]) -> str | None:
     """sha256 of what a reader of `r` gets for `keys` (in their order): per key whether the table holds it, its
     sample checksums (the bytes, tar headers with the member names included) and the values of `columns` (e.g.
     the caption of an `images` row), a chunk at a time in Arrow. Equal ids: the same rows, whatever version they

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Iterable, NamedTuple
+from typing import Any, Callable, Iterable, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -92,15 +92,24 @@ class IndexRead(NamedTuple):
     measured: tuple[str, int]
 
 
-def read_indexes(paths: Iterable[Path]) -> list[IndexRead]:
-    """Each shard index whole, in order, `INDEX_READERS` at a time, through pq.ParquetFile over its bytes read in one
-    go (about half of pq.read_table's cost per file): a commit reads one per shard, ~20-30k at 1M samples (one after
-    the other, ~2 ms each, up to a minute while every rank waits: bench/commit_indexes.py)."""
+def read_indexes(paths: Iterable[Path], columns: Iterable[str] | None = None,
+                 check: Callable[[Path, tuple[str, int]], None] | None = None) -> list[IndexRead]:
+    """Each shard index whole (or the named `columns` it has), in order, `INDEX_READERS` at a time, through
+    pq.ParquetFile over its bytes read in one go (about half of pq.read_table's cost per file): a commit reads one
+    per shard, ~20-30k at 1M samples (one after the other, ~2 ms each, up to a minute while every rank waits:
+    bench/commit_indexes.py). `check(path, (crc32c, nbytes))` judges those bytes before they are parsed (repair:
+    against checksums.json), so that no caller reads an index once to check it and again to use it."""
+    wanted = None if columns is None else list(columns)
+
     def read(p: Path) -> IndexRead:
         try:
             data = p.read_bytes()
+            measured = (crc_hex(data), len(data))
+            if check is not None:  # damaged bytes are named as damage, never parsed
+                check(p, measured)
             with pq.ParquetFile(pa.py_buffer(data)) as f:
-                return IndexRead(f.read(use_threads=False), (crc_hex(data), len(data)))
+                cols = None if wanted is None else [c for c in wanted if c in f.schema_arrow.names]
+                return IndexRead(f.read(columns=cols, use_threads=False), measured)
         except (OSError, pa.ArrowException) as e:  # ParquetFile's errors do not name the file
             raise UserError(f"{p}: the shard index is unreadable ({e}); rerun the stage that wrote it (its "
                             "shard is written again) or `pipeline store repair`") from None
@@ -113,20 +122,22 @@ def read_indexes(paths: Iterable[Path]) -> list[IndexRead]:
 
 
 def merge_indexes(paths: Iterable[Path]) -> pa.Table:
-    """`merge_measured`'s manifest alone (a rebuild that writes no checksums.json from these reads)."""
+    """`merge_measured`'s manifest alone."""
     return merge_measured(paths)[0]
 
 
-def merge_measured(paths: Iterable[Path]) -> tuple[pa.Table, dict[str, tuple[str, int]]]:
+def merge_measured(paths: Iterable[Path], check: Callable[[Path, tuple[str, int]], None] | None = None,
+                   ) -> tuple[pa.Table, dict[str, tuple[str, int]]]:
     """Concatenate per-shard indexes into one manifest sorted by key; with it, each index file's name -> (crc32c,
     nbytes) of the bytes read, for the commit's checksums.json.
 
     A key in two shards of one rank with the same content (every column but `WHERE_COLUMNS`: the sample's bytes,
     whose sha256 covers its meta, and the meta columns) keeps the earlier shard's row: a resumed writer whose view
     of a shared folder hid the first shard's index wrote the sample again, and the later shard's other rows stay.
-    Any other duplicate key (two ranks, or other content) is an error naming both shards."""
+    Any other duplicate key (two ranks, or other content) is an error naming both shards. `check`: as in
+    `read_indexes`."""
     paths = list(paths)
-    reads = read_indexes(paths)
+    reads = read_indexes(paths, check=check)
     measured = {p.name: r.measured for p, r in zip(paths, reads)}
     return _merged([r.rows for r in reads]), measured
 

@@ -3,8 +3,8 @@ first use and kept as Arrow arrays, meta and img_shapes by row. It composes the 
 store/key_index.py, which holds the key column) and each sample's location and checksum (`samples`:
 store/sample_locator.py).
 
-Part of the reader (store/reader.py), with the shard I/O (store/shard_io.py) and the sample check
-(store/sample_check.py); it does no file I/O after opening. Reading and checking the files: store/manifest_files.py;
+Under the reader's manifest side (store/reader_manifest.py); the reader (store/reader.py) adds the shard I/O
+(store/shard_io.py) and the sample check (store/sample_check.py). It does no file I/O after opening. Reading and checking the files: store/manifest_files.py;
 the column helpers: store/arrow_columns.py.
 """
 

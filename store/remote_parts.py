@@ -29,6 +29,7 @@ import pyarrow.parquet as pq
 from schemas.errors import UserError
 from store import format as fmt
 from store.checksum import crc_hex, file_crc
+from store.manifest import read_indexes
 from store.remote import SharedBar, each_at_once, open_remote, remote_errors
 from store.remote_upload import Mismatch
 from store.writer_open import WORLD_JSON
@@ -55,17 +56,18 @@ def rank_files(vdir: Path, rank: int) -> dict[str, dict[str, Any]]:
     """{name: {nbytes, crc32c}} of this rank's part of the version: schema.json, its committed shards (their
     size and CRC32C as recorded in their index at commit, not read again) and their indexes."""
     files: dict[str, dict[str, Any]] = {}
-    for index in sorted(vdir.glob(f"{fmt.shard_prefix(rank)}*{INDEX_SUFFIX}")):  # committed shards (tars without: not)
+    indexes = sorted(vdir.glob(f"{fmt.shard_prefix(rank)}*{INDEX_SUFFIX}"))  # committed shards (tars without: not)
+    # each index read once: its two columns and its own size and CRC32C from the same bytes
+    for index, read in zip(indexes, read_indexes(indexes, columns=("shard_nbytes", "shard_crc32c"))):
         shard = vdir / (index.name[: -len(INDEX_SUFFIX)] + ".tar")  # absent when adopted from the remote
-        rows = pq.read_table(index, columns=[c for c in ("shard_nbytes", "shard_crc32c")
-                                              if c in pq.read_schema(index).names])
+        rows = read.rows
         crc = rows.column("shard_crc32c")[0].as_py() if "shard_crc32c" in rows.column_names and rows.num_rows else None
         if crc is None:  # a shard carried from a format-1 version: read it once
             crc, nbytes = file_crc(shard)
         else:
             nbytes = int(rows.column("shard_nbytes")[0].as_py())
         files[shard.name] = {"nbytes": nbytes, "crc32c": crc}
-        files[index.name] = _entry(index)
+        files[index.name] = {"nbytes": read.measured[1], "crc32c": read.measured[0]}
     files[fmt.SCHEMA_JSON] = _entry(vdir / fmt.SCHEMA_JSON)
     if (vdir / WORLD_JSON).is_file():  # written at open (store/writer_open.record_world)
         files[WORLD_JSON] = _entry(vdir / WORLD_JSON)

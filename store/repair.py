@@ -34,7 +34,7 @@ from store import format as fmt
 from store import integrity, quarantine
 from store.checksum import file_crc
 from store.io_errors import writing
-from store.manifest import merge_indexes, rows_by_shard
+from store.manifest import merge_measured, rows_by_shard
 from store.manifest_files import read_schema
 from store.reader import TableReader
 from store.verify import verify_version
@@ -105,25 +105,26 @@ def _current_versions(root: Path) -> tuple[dict[str, int], str | None]:
         return found, str(e)
 
 
-def _manifest(vdir: Path, sums: dict | None, plan: TablePlan) -> pa.Table | None:
-    """The version's manifest; a damaged one is rebuilt from the per-shard indexes when they are intact."""
+def _manifest(vdir: Path, sums: dict | None, plan: TablePlan) -> tuple[pa.Table | None, dict[str, tuple[str, int]]]:
+    """The version's manifest; a damaged one is rebuilt from the per-shard indexes when they are intact. With it,
+    the (crc32c, nbytes) of each index a rebuild read (file name ->), for the scan's later checks: no index is read
+    twice (on a shared file system each read is an open and round trips, ~20-30k indexes at 1M samples)."""
     try:
         from store.manifest_files import read_manifest
 
-        return read_manifest(vdir, integrity.read_checked(vdir, fmt.MANIFEST, sums))
+        return read_manifest(vdir, integrity.read_checked(vdir, fmt.MANIFEST, sums)), {}
     except UserError as e:
         indexes = sorted(vdir.glob("shard-r*-*.index.parquet"))
         try:
-            for p in indexes:
-                if sums is not None:
-                    integrity.check_bytes(vdir, p.name, p.read_bytes(), sums)
             if not indexes:
                 raise UserError("no shard indexes")
             plan.manifest_rebuilt = True
-            return merge_indexes(indexes)
+            # checked against checksums.json from the very bytes the merge then parses
+            return merge_measured(indexes, check=None if sums is None else
+                                  lambda p, measured: integrity.check_measured(vdir, p.name, measured, sums))
         except UserError as e2:
             plan.unrepairable = f"manifest damaged ({e}) and cannot be rebuilt from the shard indexes ({e2})"
-            return None
+            return None, {}
 
 
 def scan_table(root: Path, table: str, version: int, progress: bool = True) -> TablePlan:
@@ -142,7 +143,7 @@ def scan_table(root: Path, table: str, version: int, progress: bool = True) -> T
     except UserError as e:
         plan.unrepairable = str(e)  # the advice in it says which stage to rerun (integrity.repair_hint)
         return plan
-    manifest = _manifest(vdir, sums, plan)
+    manifest, measured = _manifest(vdir, sums, plan)
     if manifest is None:
         return plan
     if sums is None and {"sample_crc32c", "shard_crc32c"} & set(manifest.column_names):
@@ -172,7 +173,7 @@ def scan_table(root: Path, table: str, version: int, progress: bool = True) -> T
     if sums is not None:  # without this, verify fails on such a file forever while repair finds nothing to do
         derived = {n: e for n, e in sums.items() if n not in (fmt.MANIFEST, fmt.SCHEMA_JSON) and n not in set(shard_col)}
         plan.derived_damaged = sorted(n for n, e in derived.items() if not (vdir / n).is_file()
-                                      or file_crc(vdir / n) != (e["crc32c"], e["nbytes"]))
+                                      or (measured.get(n) or file_crc(vdir / n)) != (e["crc32c"], e["nbytes"]))
     plan.intact_shards = sorted(set(shard_col) - shards_with_damage - set(plan.trimmed))
     reader.close()
     return plan
@@ -347,7 +348,7 @@ def _repair_table(st, t: TablePlan, recompute: Recompute | None, echo: Callable[
     with writing(f"the damage marker of table '{t.table}' v{t.version}", vdir):  # a full disk: one line
         integrity.record_damage(vdir, t.damaged, required=True)  # under the damage lock, merged: readers record too
     sums = integrity.read_version_checksums(vdir)
-    manifest = _manifest(vdir, sums, TablePlan(t.table, t.version))
+    manifest, _ = _manifest(vdir, sums, TablePlan(t.table, t.version))  # read again: the scan kept no manifest
     assert manifest is not None
     reader = _reader_on(vdir, t.table, t.version, manifest)
     w = st.writer(t.table, schema)
