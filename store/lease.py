@@ -20,10 +20,15 @@ A kill -9 leaves the file behind; it must not block gc for ever. Liveness:
   once, when the lease is held, and kept for its life - an environment changed later moves no live lease's margin).
 gc removes the files of dead leases.
 
-A reader paused longer than that (SIGSTOP, a suspended VM, a hung mount) may have had its lease judged dead and
-its versions removed meanwhile: its heartbeat, on waking, finds its lease removed or older than the margin, never
-writes it again, and marks it lost (`lose`); the reader stops at its next read (`check_held`, store/shard_io.py)
-with one line instead of reading on from a version whose files may be gone, or a mix.
+A reader paused longer than that (SIGSTOP, a suspended VM, a hung mount) may have had its lease judged dead by a
+gc on another host, its file removed, and its versions removed with it. On waking, its heartbeat (and `add`) looks
+under the store lock (`_lost_how`) with ONE rule: the lease is lost iff a version it names is gone (or incomplete);
+then it is never written again, it is marked lost (`lose`) and the reader stops at its next read (`check_held`,
+store/shard_io.py) with one line instead of reading on from a version whose files may be gone, or a mix. Removed
+or old with every version intact (gc kept them: the current version, one another lease holds), it is written again
+or refreshed, with a warning, and the reader goes on. Safe because gc holds that lock from its plan to its last
+delete: under it, no gc is midway, and what is complete now stays until the lease is seen again by the next plan.
+(A URL's lease objects, store/remote_lease.py, have no such lock: there a removed lease is always lost.)
 """
 
 from __future__ import annotations
@@ -77,8 +82,8 @@ def _stale_after(record: dict[str, Any]) -> float:
 
 
 class LeaseLost(UserError):
-    """This process's read lease was removed, or not refreshed for longer than gc's margin: what it reads may be
-    gone."""
+    """This process's read lease was removed, or not refreshed for longer than gc's margin, and (a local lease) a
+    version it names is gone: what it reads may be gone."""
 
 
 # id(lease) -> (the folders its readers read below, "" for any; why it was lost): set by its heartbeat thread, read
@@ -89,7 +94,8 @@ _lost_lock = threading.Lock()
 
 def lose(lease: object, stopped: threading.Event, where: str, what: str, how: str,
          versions: dict[str, list[int]], stale_s: float, scopes: Iterable[str] = ("",)) -> None:
-    """The heartbeat of `lease` found it `how` ("was removed", "was not refreshed for 17 min"): it is never
+    """The heartbeat of `lease` found it `how` ("was removed (F) and vae v1 is gone", "was not refreshed for 17 min
+    and ...", a URL lease's "was removed (F)"): it is never
     written again, and the process's next read below one of `scopes` (store folders: a local store, the cached copy
     of a URL's; "": any) raises (`check_held`) - unless it was released meanwhile (`stopped`; checked under the lock
     `forget` takes, so a released lease is never marked after). Scoped: a lease a process left unreleased (a failed
@@ -245,7 +251,8 @@ class Lease:
     def add(self, table: str, version: int) -> bool:
         """Name one more version (under the store lock); False when it no longer exists (gc took it first).
         LeaseLost once the lease was lost, or is found lost here (`_lost_how`, the heartbeat's look: a paused
-        process may add before its heartbeat wakes): it is never written again."""
+        process may add before its heartbeat wakes): it is never written again. Found removed with what it names
+        intact, it is written again there (and then with `version`)."""
         check_held(self)
         path = self.path  # None once released (another thread may release it meanwhile)
         if path is None:  # read-only store or released: nothing to register
@@ -260,8 +267,16 @@ class Lease:
                 return False
             if version not in self.versions.setdefault(table, []):
                 self.versions[table].append(version)
-                fmt.atomic_write_json(path, self.record())
+                self._write(path)
         return True
+
+    def _write(self, path: Path) -> None:
+        """Write the lease file (under the store lock); removed again when the lease was released meanwhile (by
+        another thread: `release` sets `_stop` before its unlink, so one of the two removes what this wrote)."""
+        path.parent.mkdir(exist_ok=True)  # `.leases/` removed by hand: the lease must still be written
+        fmt.atomic_write_json(path, self.record())
+        if self._stop.is_set():
+            path.unlink(missing_ok=True)
 
     def release(self) -> None:
         self._stop.set()
@@ -275,47 +290,63 @@ class Lease:
             pass
 
     def _beat(self, now: float | None = None) -> bool:
-        """One refresh (its mtime, never a rewrite: a removed lease stays removed); False once there is nothing
-        more to refresh. A fresh lease is refreshed at once; any other is looked at under the store lock
-        (`_lost_how`) and refreshed only while it stands, else lost (`lose`)."""
+        """One refresh (its mtime); False once there is nothing more to refresh. A fresh lease is refreshed at
+        once; a removed or old one is looked at under the store lock (`_lost_how`: written again or refreshed while
+        every version it names is intact, else lost, `lose`)."""
         path = self.path
         if path is None:
             return False
+        now = time.time() if now is None else now
         try:
-            if (time.time() if now is None else now) - path.stat().st_mtime <= self.stale_s:
-                os.utime(path)
-                return True
+            try:
+                if now - path.stat().st_mtime <= self.stale_s:
+                    os.utime(path)
+                    return True
+            except FileNotFoundError:  # a gc judged it dead: looked at under the lock, as an old one
+                pass
             with fmt.flock(self.root / fmt.STORE_LOCK):
+                if self._stop.is_set():  # released meanwhile (its file removed by `release`)
+                    return False
                 how = self._lost_how(path, now)
                 if how is None:
                     os.utime(path)
                     return True
-        except FileNotFoundError:  # removed by a gc that judged it dead
-            how = f"was removed ({path.name})"
-        except OSError as e:  # a file-system hiccup (NFS): the next beat tries again
-            log.warning("could not refresh the read lease %s (%s)", path, e.strerror or e)
+        except OSError as e:
+            if self._stop.is_set():  # released meanwhile: nothing more to refresh
+                return False
+            log.warning("could not refresh the read lease %s (%s)", path, e.strerror or e)  # NFS: next beat retries
             return True
         self._lose(how)
         return False
 
     def _lost_how(self, path: Path, now: float | None = None) -> str | None:
-        """How this lease was lost, None while it stands; looked at under the store lock, which gc holds from its
-        plan to its last delete (by the heartbeat and by `add`). Lost: its file removed (a gc judged it dead), or
-        older than its margin (`now`: this host's clock, as a gc elsewhere on the file system judges it) with a
-        version it names gone (a gc on another host judged it dead). Older but intact it stands (a paused process
-        on this host only: no gc here judges it by age); the caller refreshes it."""
+        """How this lease was lost, None while it stands; looked at under the store lock (by the heartbeat and by
+        `add`), which every local gc holds from its plan to its last delete. One rule: lost iff a version it names
+        is gone (or incomplete). A lease removed (a gc judged it dead: paused past its margin) or older than its
+        margin (`now`: this host's clock, as a gc elsewhere judges it) whose versions are all intact stands: gc kept
+        them (the current version, one another lease holds), and no gc is midway while we hold the lock, so a
+        removed one is written again here (the caller refreshes an old one). Not so on a URL (store/remote_lease.py):
+        no lock there, so a gc may be between its look and its DELETE; a removed lease object stays lost."""
         try:
-            age = (time.time() if now is None else now) - path.stat().st_mtime
+            age: float | None = (time.time() if now is None else now) - path.stat().st_mtime
         except FileNotFoundError:
-            return f"was removed ({path.name})"
-        if age <= self.stale_s:
+            age = None
+        if age is not None and age <= self.stale_s:
             return None
         gone = [f"{t} v{v}" for t, vs in sorted(self.versions.items()) for v in vs
                 if not fmt.is_complete(fmt.version_dir(self.root, t, v))]
+        found = f"was removed ({path.name})" if age is None else f"was not refreshed for {age / 60:.0f} min"
         if gone:
-            return f"was not refreshed for {age / 60:.0f} min and {', '.join(gone)} is gone"
-        log.warning("read lease %s was not refreshed for %.0f min (the process was paused); what it names is still "
-                    "there: refreshed", path, age / 60)
+            return f"{found} and {', '.join(gone)} is gone"
+        named = ", ".join(f"{t} v{v}" for t, vs in sorted(self.versions.items()) for v in vs) or "nothing yet"
+        if age is None:
+            log.warning("read lease %s was removed by a `store gc` that judged it dead (this process was paused, e.g. "
+                        "SIGSTOP or a suspended VM, for longer than its margin of %.0f min), but gc kept every version "
+                        "it names (%s): written again, reading on", path, self.stale_s / 60, named)
+            self._write(path)
+        else:
+            log.warning("read lease %s was not refreshed for %.0f min (the process was paused); what it names is still "
+                        "there (%s): refreshed", path, age / 60, named)
         return None
 
     def _lose(self, how: str) -> None:

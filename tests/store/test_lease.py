@@ -112,7 +112,7 @@ def test_a_remote_lease_is_refreshed_while_held(store, monkeypatch):
     two_versions(store)
     monkeypatch.setattr(lease, "REFRESH_SECONDS", 0.05)
     held = lease.hold(store.root, {"vae": 1}, "reader")
-    two_min_ago = time.time() - 120  # as if last refreshed a while ago (older than the margin: lost, test_lease_lost)
+    two_min_ago = time.time() - 120  # as if last refreshed a while ago (past the margin: test_lease_lost)
     os.utime(held.path, (two_min_ago, two_min_ago))
     deadline = time.monotonic() + 120  # a bound for a loaded machine: the loop ends at the first refresh
     while held.path.stat().st_mtime < time.time() - 60 and time.monotonic() < deadline:

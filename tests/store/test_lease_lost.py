@@ -1,13 +1,16 @@
 """A reader paused past its lease's margin (SIGSTOP, a suspended VM, a hung mount) may have had its lease judged
-dead, and its version removed, by a `store gc` elsewhere. Its heartbeat, on waking, must never write the lease
-again (before: a URL lease was silently recreated) and the reader stops at its next read with one line instead of
-reading on from a version whose files may be gone (store/lease.lose, check_held). Ages come from the `now=` hooks
-and file mtimes, never from waiting."""
+dead, and its version removed, by a `store gc` elsewhere. A local lease (looked at under the store lock, which gc
+holds throughout) is lost iff a version it names is gone: then it is never written again and the reader stops at
+its next read with one line instead of reading on from a version whose files may be gone (store/lease.lose,
+check_held); removed with every version kept, it is written again and the reader goes on. A URL lease (no lock)
+removed is always lost (before: it was silently recreated). Ages come from the `now=` hooks and file mtimes, never
+from waiting."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,7 +20,8 @@ from pathlib import Path
 import pytest
 
 from store import Store
-from store import lease, remote_lease
+from store import format as fmt
+from store import gc, lease, remote_lease
 from store import remote as remote_mod
 from store.remote import open_remote
 from store.remote_sync import push
@@ -31,6 +35,29 @@ def _state(pid: int) -> str:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except OSError:
         return ""
+
+
+def _paused_past_the_margin(held: lease.Lease) -> None:
+    long_ago = time.time() - AGED  # its refreshes stopped this long ago
+    os.utime(held.path, (long_ago, long_ago))
+
+
+def _gc_on_another_host(store: Store, monkeypatch) -> list[str]:
+    """A real `store gc` run from another host of a shared file system: it judges this process's leases by their
+    refresh age (it cannot ask our pid), removes the dead ones' files and every version no live lease names."""
+    messages: list[str] = []
+    with monkeypatch.context() as m:
+        m.setattr(lease, "host_id", lambda: "another-node-s-kernel")
+        gc.collect(store.root, echo=messages.append)
+    return messages
+
+
+def _taken_by_gc(store: Store, version: int) -> None:
+    """What gc does to a version no live lease names (gc.collect: renamed out of the versions, then deleted)."""
+    vdir = fmt.version_dir(store.root, "vae", version)
+    gone = vdir.with_name(f".{vdir.name}.gc-deleting")
+    os.rename(vdir, gone)
+    shutil.rmtree(gone)
 
 
 def _lease_objects(s3_env) -> list[str]:
@@ -134,42 +161,107 @@ def test_a_url_lease_found_older_than_the_margin_is_lost_once_a_version_it_names
     assert _lease_objects(s3_env) == []
 
 
-def test_a_shared_file_system_lease_removed_is_lost_and_a_stale_one_refreshed_only_while_intact(
+def test_a_shared_file_system_lease_removed_with_its_version_is_lost_and_a_stale_one_refreshed_only_while_intact(
         store: Store) -> None:
-    fill(store, 6)
-    held = lease.hold(store.root, {"vae": None}, "a reader")
-    reader = store.reader("vae")
+    fill(store, 4, tag="a")  # v1
+    fill(store, 4, tag="b", start=10)  # v2 current: v1 is what a gc may take
+    held = lease.hold(store.root, {"vae": 1}, "a reader")
+    reader = store.reader("vae", 1)
     key = sorted(reader.keys())[0]
     try:
         assert held._beat() is True
-        long_ago = time.time() - AGED  # paused past the margin; no gc judged it (it is still there)
-        os.utime(held.path, (long_ago, long_ago))
+        _paused_past_the_margin(held)  # no gc judged it (it is still there)
+        long_ago = held.path.stat().st_mtime
         assert held._beat() is True and held.path.stat().st_mtime > long_ago  # v1 intact: refreshed
         assert reader.tensors(key)
         held.path.unlink()  # a gc on another host judged it dead
+        _taken_by_gc(store, 1)  # and took v1
         assert held._beat() is False and not held.path.exists()  # never written again
-        with pytest.raises(lease.LeaseLost, match="a reader on .* was removed .*vae v1.*Rerun"):
+        with pytest.raises(lease.LeaseLost, match="a reader on .* was removed .* and vae v1 is gone.*vae v1.*Rerun"):
             reader.tensors(key)
         with pytest.raises(lease.LeaseLost):
-            held.add("vae", 1)
+            held.add("vae", 2)
         assert not held.path.exists()
     finally:
         held.release()
-    assert reader.tensors(key)  # released: the process reads on without it
     reader.close()
+    lease.check_held()  # released: the process reads on without it
+
+
+def test_a_lease_gc_removed_while_paused_is_written_again_when_gc_kept_every_version_it_names(
+        store: Store, monkeypatch, caplog) -> None:
+    """Paused past its margin, the reader's lease was judged dead by a gc on another host and its file removed, but
+    that gc kept what it names: v2 is current, v1 another reader's live lease holds. Before, waking always stopped
+    the reader ("was removed"); under the store lock no gc is midway, so the lease is written again and it reads
+    on - and the next gc keeps v1 for it."""
+    fill(store, 4, tag="a")  # v1
+    fill(store, 4, tag="b", start=10)  # v2 current
+    held = lease.hold(store.root, {"vae": None}, "a reader")
+    assert held.add("vae", 1)
+    other = lease.hold(store.root, {"vae": 1}, "another reader")  # refreshed lately: live for any gc
+    old, new = store.reader("vae", 1), store.reader("vae")
+    try:
+        _paused_past_the_margin(held)
+        messages = _gc_on_another_host(store, monkeypatch)
+        assert any(m.startswith("remove the lease of a gone reader: a reader (") for m in messages), messages
+        assert not held.path.exists()
+        assert fmt.is_complete(fmt.version_dir(store.root, "vae", 1))
+        with caplog.at_level("WARNING", logger="store"):
+            assert held._beat() is True
+        assert json.loads(held.path.read_text())["versions"] == {"vae": [2, 1]}  # written again
+        assert held.path.stat().st_mtime > time.time() - 60
+        warned = [r.getMessage() for r in caplog.records if "was removed by a `store gc`" in r.getMessage()]
+        assert len(warned) == 1 and "paused" in warned[0] and "vae v2, vae v1" in warned[0], caplog.text
+        assert old.tensors(sorted(old.keys())[0]) and new.tensors(sorted(new.keys())[0])  # no LeaseLost
+        lease.check_held()
+        other.release()
+        messages = _gc_on_another_host(store, monkeypatch)  # its lease is live again: v1 kept for it alone
+        assert any(m.startswith("keep vae/v1: not current, but read by a reader (") for m in messages), messages
+        assert held.path.exists() and held._beat() is True
+    finally:
+        held.release()
+        other.release()
+        old.close()
+        new.close()
+    lease.check_held()
+
+
+def test_a_lease_gc_removed_while_paused_with_a_version_it_names_is_lost_and_never_written_again(
+        store: Store, monkeypatch) -> None:
+    fill(store, 4, tag="a")  # v1
+    fill(store, 4, tag="b", start=10)  # v2 current
+    held = lease.hold(store.root, {"vae": 1}, "a reader")
+    reader = store.reader("vae", 1)
+    key = sorted(reader.keys())[0]
+    try:
+        _paused_past_the_margin(held)
+        messages = _gc_on_another_host(store, monkeypatch)
+        assert "remove vae/v1" in messages and not held.path.exists(), messages
+        assert held._beat() is False and not held.path.exists()  # never written again
+        with pytest.raises(lease.LeaseLost, match=r"a reader on .* was removed \(.*\) and vae v1 is gone.*Rerun"):
+            reader.tensors(key)
+        with pytest.raises(lease.LeaseLost):
+            held.add("vae", 2)
+        assert not held.path.exists()
+    finally:
+        held.release()
+        reader.close()
+    lease.check_held()
 
 
 def test_a_lease_lost_on_one_store_stops_the_reads_of_that_store_only(store: Store, tmp_path: Path) -> None:
     """A lease the process left unreleased (a failed command whose traceback a caller keeps, in-process: run all,
     the tests) and lost since stopped every later read of the process, of any store (before: a CI worker's
     later tests of other stores all failed on it)."""
-    fill(store, 4)
+    fill(store, 4, tag="a")  # v1
+    fill(store, 4, tag="b", start=10)  # v2 current
     other = Store(tmp_path / "other")
     fill(other, 4)
-    held = lease.hold(store.root, {"vae": None}, "a reader")
-    mine, theirs = store.reader("vae"), other.reader("vae")
+    held = lease.hold(store.root, {"vae": 1}, "a reader")
+    mine, theirs = store.reader("vae", 1), other.reader("vae")
     try:
         held.path.unlink()
+        _taken_by_gc(store, 1)
         assert held._beat() is False
         with pytest.raises(lease.LeaseLost, match="a reader on .* was removed"):
             mine.tensors(sorted(mine.keys())[0])
@@ -183,13 +275,15 @@ def test_a_lease_lost_on_one_store_stops_the_reads_of_that_store_only(store: Sto
 def test_a_lease_removed_while_paused_is_lost_when_its_reader_adds_a_version_before_the_heartbeat_wakes(
         store: Store) -> None:
     """The main thread may add a version right after waking, before the heartbeat looks: the add looks as the
-    heartbeat does (before: it wrote the removed lease back, fresh, and the heartbeat never marked it lost)."""
+    heartbeat does (before: it wrote the removed lease back, fresh, naming a version gc had taken, and the
+    heartbeat never marked it lost)."""
     fill(store, 4, tag="a")  # v1
     fill(store, 4, tag="b", start=10)  # v2
     held = lease.hold(store.root, {"vae": 1}, "a reader")
     try:
         held.path.unlink()  # a gc on another host judged it dead
-        with pytest.raises(lease.LeaseLost, match="a reader on .* was removed .*vae v1\\).*Rerun"):
+        _taken_by_gc(store, 1)
+        with pytest.raises(lease.LeaseLost, match="a reader on .* was removed .* and vae v1 is gone.*Rerun"):
             held.add("vae", 2)
         assert not held.path.exists()  # never written again
         assert held.versions == {"vae": [1]}
@@ -197,6 +291,21 @@ def test_a_lease_removed_while_paused_is_lost_when_its_reader_adds_a_version_bef
     finally:
         held.release()
     lease.check_held()
+
+
+def test_a_lease_removed_while_paused_with_its_versions_kept_is_written_again_by_an_add(store: Store) -> None:
+    fill(store, 4, tag="a")  # v1
+    fill(store, 4, tag="b", start=10)  # v2
+    held = lease.hold(store.root, {"vae": 1}, "a reader")
+    try:
+        held.path.unlink()  # a gc on another host judged it dead, but kept v1
+        assert held.add("vae", 2) is True
+        assert json.loads(held.path.read_text())["versions"] == {"vae": [1, 2]}
+        assert held._beat() is True
+        lease.check_held()
+    finally:
+        held.release()
+    assert list((store.root / lease.LEASES_DIR).glob("*.json")) == []  # released: removed
 
 
 def test_a_url_lease_removed_while_paused_is_lost_when_its_reader_adds_a_version(s3_env, store: Store) -> None:
