@@ -587,7 +587,8 @@ def rank_error_line(error: BaseException) -> str:
 def main_alone(world: int, what: str, work: Callable[[], T], oom_advice: str = "") -> T | None:
     """`work` on rank 0 alone while the other ranks wait for it, however long it takes (resize-bucket over a
     million samples: hours, where a process-group barrier would time out, and before any process group exists):
-    rank 0 marks it done in the launcher's store, which the others poll. A failure on rank 0 is published
+    rank 0 marks it done in the launcher's store, which the others poll, and waits (at most HOST_WAIT_SECONDS) until
+    every rank has seen the mark, as the store may end with it (`_count_and_wait`). A failure on rank 0 is published
     (`fails_alone`, out of memory named with `oom_advice`) and every other rank's watch thread stops its process
     with the same line. Rank 0's result there, None on the others; one process: `work()`."""
     if world <= 1:
@@ -607,11 +608,16 @@ def main_alone(world: int, what: str, work: Callable[[], T], oom_advice: str = "
         with fails_alone(world, what, oom_advice):
             result = work()
         client.set(key, "done")
+        # the command may end right after (`run resize-bucket`), and in a plain env:// launch this process serves
+        # the store: a rank still sleeping in its poll then found it gone and ended on a lost-peer line, exit 1,
+        # though the work had succeeded. Every rank counts itself once it has seen the mark; this one waits for it
+        _count_and_wait(client, f"{key}/seen", world)
         return result
     watch_failures(world)  # rank 0's failure ends this process with its line
     # no progress bar: these ranks print nothing of their own, rank 0 shows the work's bars
     while not client.check([key]):
         time.sleep(POLL_SECONDS)
+    _count_and_wait(client, f"{key}/seen", world, wait=False)
     return None
 
 
