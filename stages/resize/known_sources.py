@@ -1,11 +1,12 @@
 """Samples of the newest complete `images` version whose source files are unchanged: a rerun (a view setting such as
 val_fraction or the control limits changed, a few samples added) carries them forward without reading their image
-bytes or hashing their key again (a folder source: sources.iter_folder asks `KnownSources.get` before reading).
+bytes or hashing their key again (a folder or JSONL source: its reader in sources.py asks `KnownSources.get`
+before reading a sample).
 
 A sample's key (stage.sample_key: sha256 of target + controls + caption) needs every byte of it. A row records its
 source name, the sha256 of each target/control file (`source_hashes`), of its mask (`mask_sha256`) and its caption.
 A sample found now under the same source name whose files' sha256, as the file-hash cache knows them, are the
-recorded ones, and whose caption (its .txt, small, read) is the recorded one, has the recorded bytes: the recorded
+recorded ones, and whose caption (a folder's .txt, small, read; a JSONL's, in its line) is the recorded one, has the recorded bytes: the recorded
 key. Only rows whose key and mask an earlier version holds with the same render settings (stage._rendered_before)
 are offered: the others must be rendered, so read, anyway.
 
@@ -15,7 +16,8 @@ path, or the same inode on a local file system). rsync and make trust size + mti
 user-space call sets it: a file rewritten in place with the same size, even with its mtime put back (`touch -r`,
 `cp -p`), has a new ctime, so it is read and hashed again. Read as before (so judged and quarantined as before): a
 file with no or a stale cache row, one unreadable now, outside the source, not a regular file or over
-resize.max_file_bytes, a sample whose name is not UTF-8, and every sample of another format.
+resize.max_file_bytes, a sample whose name is not UTF-8, and every sample of a webdataset or parquet source (their
+bytes come with the stream or batch anyway).
 
 Held as resumed_sources.ResumedSources (a 128-bit digest of the source name -> key + 128-bit identity: ~90 B a
 sample).
@@ -70,14 +72,15 @@ class KnownSources:
     def recorded(self, source: str) -> bool:
         return len(self._recorded) > 0 and self._recorded.get(source) is not None
 
-    def get(self, source: str, images: list[Path], mask: Path | None, caption: bytes, root: Path) -> Known | None:
-        """The recorded sample when `images` (target, controls), `mask` and the caption bytes are those recorded
-        under `source`; None: read it."""
+    def get(self, source: str, images: list[tuple[Path, Path | None]], mask: tuple[Path, Path | None] | None,
+            caption: bytes) -> Known | None:
+        """The recorded sample when `images` (target, controls), `mask` (each a path and the folder the reader keeps
+        it within, None: anywhere) and the caption bytes are those recorded under `source`; None: read it."""
         value = self._recorded.get(source) if len(self._recorded) else None
         if value is None:
             return None
-        digests = [self._cached(p, root) for p in images]
-        mask_digest = "" if mask is None else self._cached(mask, root)
+        digests = [self._cached(*p) for p in images]
+        mask_digest = "" if mask is None else self._cached(*mask)
         if mask_digest is None or any(d is None for d in digests):
             return None
         try:
@@ -88,13 +91,13 @@ class KnownSources:
             return None
         return Known(value[:32], mask_digest, len(images) - 1)
 
-    def _cached(self, path: Path, root: Path) -> str | None:
+    def _cached(self, path: Path, root: Path | None) -> str | None:
         """The file's sha256 by the cache's rule, without reading it; None where the reader would refuse the file
         or the cache does not know its current bytes."""
         name = str(path)
         try:
             name.encode("utf-8")  # a non-UTF-8 name has no cache row (content.py hashes it uncached)
-            if not _inside(path, root) or not os.access(path, os.R_OK):
+            if root is not None and not _inside(path, root) or not os.access(path, os.R_OK):
                 return None
             st = os.stat(path)
             if not stat.S_ISREG(st.st_mode) or st.st_size > self._max:

@@ -111,7 +111,7 @@ def iter_source(source: str | Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
                 columns: Any = None, done: Done | None = None, known: Any = None) -> Iterator[SourceSample]:
     """The samples of a source; `columns` is `resize.columns` (a parquet source's column mapping). `done`: {source:
     key} of the samples a resumed run holds (resumed_sources.py): yielded with `done_key`, their files not read
-    (a parquet row is read with its batch anyway). `known` (known_sources.KnownSources, a folder source): samples
+    (a parquet row is read with its batch anyway). `known` (known_sources.KnownSources; a folder or JSONL source): samples
     an earlier version holds with unchanged files, yielded with `known`, their images not read."""
     fmt = detect_format(source)
     done = done or {}
@@ -123,7 +123,7 @@ def iter_source(source: str | Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
         samples = iter_parquet(source if is_url(source) else Path(source), columns, max_file_bytes)
     else:
         samples = iter_folder(Path(source), max_file_bytes, done, known) if fmt == "folder" else \
-            iter_jsonl(Path(source), max_file_bytes, done)
+            iter_jsonl(Path(source), max_file_bytes, done, known)
     return map(_printable_names, samples)
 
 
@@ -362,7 +362,8 @@ def _known_folder_sample(s: SourceSample, f: _FolderFiles, known: Any, max_file_
     except _Problem:
         return False
     images = [f.target, *(c[0] for c in f.controls)]
-    hit = known.get(printable(s.source), images, f.mask, caption, f.root)
+    hit = known.get(printable(s.source), [(p, f.root) for p in images], None if f.mask is None else (f.mask, f.root),
+                    caption)
     if hit is None:
         return False
     s.known, s.caption = hit, caption
@@ -570,7 +571,7 @@ def _resolve(base: Path, rel: str) -> Path:
 
 
 def iter_jsonl(root: Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
-               done: Done | None = None) -> Iterator[SourceSample]:
+               done: Done | None = None, known: Any = None) -> Iterator[SourceSample]:
     manifest = _jsonl_path(root)
     base = manifest.parent
     for no, obj, err in _jsonl_objects(manifest):
@@ -587,30 +588,70 @@ def iter_jsonl(root: Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
             s.source, s.done_key = f"{manifest}:{no} ({obj['target']})", key  # the source name it was written under
             yield s
             continue
-        def _read_ref(base: Path, rel: object, what: str) -> bytes:
-            return _read_jsonl_ref(base, rel, what, max_file_bytes)
-
-        try:
-            s.target = _read_ref(base, obj.get("target"), "target")
-            ctrls = _jsonl_controls(obj)
-            s.files.append(str(_resolve(base, obj["target"])))
-            for i, c in enumerate(ctrls):
-                s.controls.append(_read_ref(base, c, f"controls[{i}]"))
-                s.files.append(str(_resolve(base, c)))
-            if obj.get("mask") is not None:
-                s.mask = _read_ref(base, obj["mask"], "mask")
-                s.files.append(str(_resolve(base, obj["mask"])))
-        except _Problem as e:
-            s.problem, s.problem_kind = str(e), e.kind
+        if known and _known_jsonl_sample(s, obj, f"{manifest}:{no}", base, known, max_file_bytes):
             yield s
             continue
-        s.source = f"{manifest}:{no} ({obj['target']})"
-        text = obj.get("caption") if obj.get("caption") is not None else obj.get("prompt")  # null: as absent
-        if text is not None and not isinstance(text, str):
-            s.problem = f"caption/prompt is not a string (got {type(text).__name__})"
-        # a JSON "\\udce9" (a lone surrogate) decodes to a str that is no text: its bytes fail the UTF-8 check
-        s.caption = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else None
-        yield s
+        yield _read_jsonl_sample(s, obj, f"{manifest}:{no}", base, max_file_bytes)
+
+
+def _jsonl_caption(obj: dict) -> object:
+    return obj.get("caption") if obj.get("caption") is not None else obj.get("prompt")  # null: as absent
+
+
+def _read_jsonl_sample(s: SourceSample, obj: dict, line: str, base: Path, max_file_bytes: int) -> SourceSample:
+    def _read_ref(base: Path, rel: object, what: str) -> bytes:
+        return _read_jsonl_ref(base, rel, what, max_file_bytes)
+
+    try:
+        s.target = _read_ref(base, obj.get("target"), "target")
+        ctrls = _jsonl_controls(obj)
+        s.files.append(str(_resolve(base, obj["target"])))
+        for i, c in enumerate(ctrls):
+            s.controls.append(_read_ref(base, c, f"controls[{i}]"))
+            s.files.append(str(_resolve(base, c)))
+        if obj.get("mask") is not None:
+            s.mask = _read_ref(base, obj["mask"], "mask")
+            s.files.append(str(_resolve(base, obj["mask"])))
+    except _Problem as e:
+        s.problem, s.problem_kind = str(e), e.kind
+        return s
+    s.source = f"{line} ({obj['target']})"
+    text = _jsonl_caption(obj)
+    if text is not None and not isinstance(text, str):
+        s.problem = f"caption/prompt is not a string (got {type(text).__name__})"
+    # a JSON "\\udce9" (a lone surrogate) decodes to a str that is no text: its bytes fail the UTF-8 check
+    s.caption = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else None
+    return s
+
+
+def _known_jsonl_sample(s: SourceSample, obj: dict, line: str, base: Path, known: Any, max_file_bytes: int) -> bool:
+    """Fill `s` as a sample an earlier version holds, its files unchanged (known_sources.py), reading none of its
+    files (the caption is in the line); False: read it whole."""
+    rels = [obj.get("target"), *_jsonl_controls(obj)]
+    mask = obj.get("mask")
+    text = _jsonl_caption(obj)
+    if not all(isinstance(r, str) and r for r in rels) or not (mask is None or isinstance(mask, str) and mask) \
+            or not isinstance(text, str):
+        return False
+    source = f"{line} ({rels[0]})"
+    if not known.recorded(printable(source)):
+        return False
+
+    def located(rel: str) -> tuple[Path, Path | None]:  # a relative path stays within the JSONL file's folder
+        return _resolve(base, rel), None if Path(rel).is_absolute() else base
+
+    caption = text.encode("utf-8", "surrogatepass")
+    hit = known.get(printable(source), [located(r) for r in rels], None if mask is None else located(mask), caption)
+    if hit is None:
+        return False
+    s.source, s.known, s.caption = source, hit, caption
+    s.files = [str(_resolve(base, r)) for r in (*rels, *([mask] if mask is not None else []))]
+    s.reread = partial(_reread_jsonl, s.name, s.source, obj, line, base, max_file_bytes)
+    return True
+
+
+def _reread_jsonl(name: str, source: str, obj: dict, line: str, base: Path, max_file_bytes: int) -> SourceSample:
+    return _printable_names(_read_jsonl_sample(SourceSample(name=name, source=line), obj, line, base, max_file_bytes))
 
 
 def _read_jsonl_ref(base: Path, rel: object, what: str, max_file_bytes: int) -> bytes:

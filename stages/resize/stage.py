@@ -463,8 +463,8 @@ def _render_source(source: str | Path, fmt: str, rc: ResizeConfig, writer: Any, 
     from stages.resize.known_sources import known_sources
 
     with FileHashes() as hashes:
-        # a folder source's samples the newest version holds, their files unchanged: carried, their images not read
-        known = known_sources(st, rendered_before, hashes, rc.max_file_bytes) if fmt == "folder" else None
+        # samples of a folder or JSONL source the newest version holds, their files unchanged: carried, not read
+        known = known_sources(st, rendered_before, hashes, rc.max_file_bytes) if fmt in ("folder", "jsonl") else None
         return _render_samples(source, fmt, rc, writer, rendered_before, intake, known)
 
 

@@ -154,3 +154,34 @@ def test_a_rerun_with_fewer_controls_allowed_quarantines_unread_samples_as_a_fre
     assert {p.split("/")[1].split(".")[0] for p in reads.images} == {"sample_bad", "sample_0000_dup"}
     monkeypatch.undo()
     _same_as_fresh(tmp_path, out, src, {"resize.max_controls": 1})  # the same rows, the same control-count keys
+
+
+def test_a_jsonl_source_rerun_reads_only_a_file_rewritten_in_place(tmp_path: Path, monkeypatch) -> None:
+    """JSONL: the caption is in the line, so an unchanged sample's files are not opened at all; a target rewritten
+    in place (same size, mtime put back) is read again and gets its new key."""
+    import json
+
+    src, out = tmp_path / "src", tmp_path / "store"
+    make_demo_data(src, n=12, fmt="jsonl", max_controls=2, seed=4, with_masks=True)
+    (manifest,) = src.glob("*.jsonl")
+    target = src / json.loads(manifest.read_text().splitlines()[2])["target"]
+    Image.new("RGB", (96, 64), (10, 200, 30)).save(target, compress_level=0)
+    stage.run(load_config(None, SMALL), src, out)
+
+    reads = Reads(monkeypatch)
+    again = stage.run(load_config(None, {**SMALL, "resize.val_fraction": 0.5}), src, out)
+    assert (again.written, again.reused) == (0, 12)
+    assert not reads.images and reads.keys == 0 and reads.hashed == []  # before: 12 samples' files, 12 keys
+    monkeypatch.undo()
+    _same_as_fresh(tmp_path, out, src, {"resize.val_fraction": 0.5})
+
+    st = os.stat(target)
+    with open(target, "r+b") as f:
+        Image.new("RGB", (96, 64), (200, 10, 30)).save(f, compress_level=0)
+    os.utime(target, ns=(st.st_atime_ns, st.st_mtime_ns))
+    reads = Reads(monkeypatch)
+    third = stage.run(load_config(None, {**SMALL, "resize.val_fraction": 0.3}), src, out)
+    assert third.written == 1 and third.reused == 11
+    assert os.path.relpath(target, target.parents[1]) in reads.images and reads.keys == 1
+    monkeypatch.undo()
+    _same_as_fresh(tmp_path, out, src, {"resize.val_fraction": 0.3})
