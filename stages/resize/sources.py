@@ -37,6 +37,7 @@ import stat
 import tarfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path, PurePosixPath
 from typing import Any, Protocol
 
@@ -71,6 +72,9 @@ class SourceSample:
     problem: str | None = None  # set when the reader could not assemble the sample
     problem_kind: str = "bad-source"  # quarantine reason category of `problem`
     done_key: str | None = None  # a resumed run's sample already written (resumed_sources.py): its bytes not read
+    # a sample an earlier version holds, its files unchanged (known_sources.py): only its caption read, no image
+    known: Any = None  # known_sources.Known
+    reread: Any = None  # with `known`: a callable giving the sample with its bytes read, for the stage's rare needs
 
 
 def detect_format(source: str | Path) -> str:
@@ -117,10 +121,11 @@ def _utf8_manifest(path: Path) -> str:
 
 
 def iter_source(source: str | Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
-                columns: Any = None, done: Done | None = None) -> Iterator[SourceSample]:
+                columns: Any = None, done: Done | None = None, known: Any = None) -> Iterator[SourceSample]:
     """The samples of a source; `columns` is `resize.columns` (a parquet source's column mapping). `done`: {source:
     key} of the samples a resumed run holds (resumed_sources.py): yielded with `done_key`, their files not read
-    (a parquet row is read with its batch anyway)."""
+    (a parquet row is read with its batch anyway). `known` (known_sources.KnownSources; a folder or JSONL source): samples
+    an earlier version holds with unchanged files, yielded with `known`, their images not read."""
     fmt = detect_format(source)
     done = done or {}
     if fmt == "webdataset":
@@ -130,7 +135,8 @@ def iter_source(source: str | Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
 
         samples = iter_parquet(source if is_url(source) else Path(source), columns, max_file_bytes)
     else:
-        samples = {"folder": iter_folder, "jsonl": iter_jsonl}[fmt](Path(source), max_file_bytes, done)
+        samples = iter_folder(Path(source), max_file_bytes, done, known) if fmt == "folder" else \
+            iter_jsonl(Path(source), max_file_bytes, done, known)
     return map(_printable_names, samples)
 
 
@@ -311,7 +317,7 @@ def _unsupported_message(root: Path, files: list[Path]) -> str:
 
 
 def iter_folder(root: Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
-                done: Done | None = None) -> Iterator[SourceSample]:
+                done: Done | None = None, known: Any = None) -> Iterator[SourceSample]:
     unsupported: dict[str, list[Path]] = {}  # stem -> files the layout cannot use; they must not vanish
     listed = scan(root / "target", root)
     targets = _images_by_stem(listed, unsupported, also=(".txt",))
@@ -341,27 +347,12 @@ def iter_folder(root: Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
         if s.done_key is not None:
             yield s
             continue
-        def read(path: Path, what: str) -> bytes:
-            return read_source_file(path, root, max_file_bytes, what)
-
-        try:
-            s.target = read(found[0], "target")
-            s.files.append(str(found[0]))
-            for i in present:
-                cands = [control_dirs[i] / name for name in controls[i][stem]]
-                if len(cands) > 1:
-                    raise _Problem(f"several control files in {control_dirs[i].name}/: {', '.join(f.name for f in cands)}")
-                s.controls.append(read(cands[0], f"control {i}"))
-                s.files.append(str(cands[0]))
-            cap = root / "target" / f"{stem}.txt"
-            s.caption = read(cap, "caption") if cap.is_file() else None
-            if stem in masks:
-                mask = root / "mask" / masks[stem][0]
-                s.mask = read(mask, "mask")
-                s.files.append(str(mask))
-        except _Problem as e:
-            s.problem, s.problem_kind = str(e), e.kind
-        yield s
+        files = _FolderFiles(root, found[0], [[control_dirs[i] / name for name in controls[i][stem]] for i in present],
+                             root / "target" / f"{stem}.txt", root / "mask" / masks[stem][0] if stem in masks else None)
+        if known and _known_folder_sample(s, files, known, max_file_bytes):
+            yield s
+            continue
+        yield _read_folder_sample(s, files, max_file_bytes)
 
     # files that belong to no target would otherwise vanish silently
     orphans: list[Path] = [root / "target" / n for n in listed.names
@@ -378,6 +369,62 @@ def iter_folder(root: Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
             for f in fs:
                 yield SourceSample(name=stem, source=str(f), problem=_unsupported_message(root, [f]) +
                                    " (and no matching target image in target/)", problem_kind="unsupported-file")
+
+
+@dataclass(frozen=True)
+class _FolderFiles:
+    """The files of one folder sample, as listed (nothing read): controls in order, each its candidates."""
+
+    root: Path
+    target: Path
+    controls: list[list[Path]]
+    caption: Path
+    mask: Path | None
+
+
+def _read_folder_sample(s: SourceSample, f: _FolderFiles, max_file_bytes: int) -> SourceSample:
+    def read(path: Path, what: str) -> bytes:
+        return read_source_file(path, f.root, max_file_bytes, what)
+
+    try:
+        s.target = read(f.target, "target")
+        s.files.append(str(f.target))
+        for cands in f.controls:
+            if len(cands) > 1:
+                raise _Problem(f"several control files in {cands[0].parent.name}/: {', '.join(c.name for c in cands)}")
+            s.controls.append(read(cands[0], f"control {len(s.controls)}"))  # contiguous from 0: the folder's index
+            s.files.append(str(cands[0]))
+        s.caption = read(f.caption, "caption") if f.caption.is_file() else None
+        if f.mask is not None:
+            s.mask = read(f.mask, "mask")
+            s.files.append(str(f.mask))
+    except _Problem as e:
+        s.problem, s.problem_kind = str(e), e.kind
+    return s
+
+
+def _known_folder_sample(s: SourceSample, f: _FolderFiles, known: Any, max_file_bytes: int) -> bool:
+    """Fill `s` as a sample an earlier version holds, its files unchanged (known_sources.py), reading only its
+    caption; False (nothing read but perhaps the caption): read it whole."""
+    if any(len(c) != 1 for c in f.controls) or not known.recorded(printable(s.source)) or not f.caption.is_file():
+        return False
+    try:
+        caption = read_source_file(f.caption, f.root, max_file_bytes, "caption")
+    except _Problem:
+        return False
+    images = [f.target, *(c[0] for c in f.controls)]
+    hit = known.get(printable(s.source), [(p, f.root) for p in images], None if f.mask is None else (f.mask, f.root),
+                    caption)
+    if hit is None:
+        return False
+    s.known, s.caption = hit, caption
+    s.files = [str(p) for p in (*images, *([f.mask] if f.mask is not None else []))]
+    s.reread = partial(_reread_folder, s.name, s.source, f, max_file_bytes)
+    return True
+
+
+def _reread_folder(name: str, source: str, f: _FolderFiles, max_file_bytes: int) -> SourceSample:
+    return _printable_names(_read_folder_sample(SourceSample(name=name, source=source), f, max_file_bytes))
 
 
 # ---------------------------------------------------------------- webdataset
@@ -586,7 +633,7 @@ def _resolve(base: Path, rel: str) -> Path:
 
 
 def iter_jsonl(root: Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
-               done: Done | None = None) -> Iterator[SourceSample]:
+               done: Done | None = None, known: Any = None) -> Iterator[SourceSample]:
     manifest = _jsonl_path(root)
     base = manifest.parent
     for no, obj, err in _jsonl_objects(manifest):
@@ -603,30 +650,70 @@ def iter_jsonl(root: Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
             s.source, s.done_key = f"{manifest}:{no} ({obj['target']})", key  # the source name it was written under
             yield s
             continue
-        def _read_ref(base: Path, rel: object, what: str) -> bytes:
-            return _read_jsonl_ref(base, rel, what, max_file_bytes)
-
-        try:
-            s.target = _read_ref(base, obj.get("target"), "target")
-            ctrls = _jsonl_controls(obj)
-            s.files.append(str(_resolve(base, obj["target"])))
-            for i, c in enumerate(ctrls):
-                s.controls.append(_read_ref(base, c, f"controls[{i}]"))
-                s.files.append(str(_resolve(base, c)))
-            if obj.get("mask") is not None:
-                s.mask = _read_ref(base, obj["mask"], "mask")
-                s.files.append(str(_resolve(base, obj["mask"])))
-        except _Problem as e:
-            s.problem, s.problem_kind = str(e), e.kind
+        if known and _known_jsonl_sample(s, obj, f"{manifest}:{no}", base, known, max_file_bytes):
             yield s
             continue
-        s.source = f"{manifest}:{no} ({obj['target']})"
-        text = obj.get("caption") if obj.get("caption") is not None else obj.get("prompt")  # null: as absent
-        if text is not None and not isinstance(text, str):
-            s.problem = f"caption/prompt is not a string (got {type(text).__name__})"
-        # a JSON "\\udce9" (a lone surrogate) decodes to a str that is no text: its bytes fail the UTF-8 check
-        s.caption = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else None
-        yield s
+        yield _read_jsonl_sample(s, obj, f"{manifest}:{no}", base, max_file_bytes)
+
+
+def _jsonl_caption(obj: dict) -> object:
+    return obj.get("caption") if obj.get("caption") is not None else obj.get("prompt")  # null: as absent
+
+
+def _read_jsonl_sample(s: SourceSample, obj: dict, line: str, base: Path, max_file_bytes: int) -> SourceSample:
+    def _read_ref(base: Path, rel: object, what: str) -> bytes:
+        return _read_jsonl_ref(base, rel, what, max_file_bytes)
+
+    try:
+        s.target = _read_ref(base, obj.get("target"), "target")
+        ctrls = _jsonl_controls(obj)
+        s.files.append(str(_resolve(base, obj["target"])))
+        for i, c in enumerate(ctrls):
+            s.controls.append(_read_ref(base, c, f"controls[{i}]"))
+            s.files.append(str(_resolve(base, c)))
+        if obj.get("mask") is not None:
+            s.mask = _read_ref(base, obj["mask"], "mask")
+            s.files.append(str(_resolve(base, obj["mask"])))
+    except _Problem as e:
+        s.problem, s.problem_kind = str(e), e.kind
+        return s
+    s.source = f"{line} ({obj['target']})"
+    text = _jsonl_caption(obj)
+    if text is not None and not isinstance(text, str):
+        s.problem = f"caption/prompt is not a string (got {type(text).__name__})"
+    # a JSON "\\udce9" (a lone surrogate) decodes to a str that is no text: its bytes fail the UTF-8 check
+    s.caption = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else None
+    return s
+
+
+def _known_jsonl_sample(s: SourceSample, obj: dict, line: str, base: Path, known: Any, max_file_bytes: int) -> bool:
+    """Fill `s` as a sample an earlier version holds, its files unchanged (known_sources.py), reading none of its
+    files (the caption is in the line); False: read it whole."""
+    rels = [obj.get("target"), *_jsonl_controls(obj)]
+    mask = obj.get("mask")
+    text = _jsonl_caption(obj)
+    if not all(isinstance(r, str) and r for r in rels) or not (mask is None or isinstance(mask, str) and mask) \
+            or not isinstance(text, str):
+        return False
+    source = f"{line} ({rels[0]})"
+    if not known.recorded(printable(source)):
+        return False
+
+    def located(rel: str) -> tuple[Path, Path | None]:  # a relative path stays within the JSONL file's folder
+        return _resolve(base, rel), None if Path(rel).is_absolute() else base
+
+    caption = text.encode("utf-8", "surrogatepass")
+    hit = known.get(printable(source), [located(r) for r in rels], None if mask is None else located(mask), caption)
+    if hit is None:
+        return False
+    s.source, s.known, s.caption = source, hit, caption
+    s.files = [str(_resolve(base, r)) for r in (*rels, *([mask] if mask is not None else []))]
+    s.reread = partial(_reread_jsonl, s.name, s.source, obj, line, base, max_file_bytes)
+    return True
+
+
+def _reread_jsonl(name: str, source: str, obj: dict, line: str, base: Path, max_file_bytes: int) -> SourceSample:
+    return _printable_names(_read_jsonl_sample(SourceSample(name=name, source=line), obj, line, base, max_file_bytes))
 
 
 def _read_jsonl_ref(base: Path, rel: object, what: str, max_file_bytes: int) -> bytes:

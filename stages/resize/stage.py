@@ -32,6 +32,7 @@ from stages.resize.bucketing import BucketRule, bucket_size, crop_box_for_aspect
 from features.decode import Decoded, ImageRejected, decode_image, decode_keeping_alpha, decode_mask, oriented_as
 from stages.resize.render_pool import rendered_in_order
 from stages.resize.content import content_listing_hash
+from stages.resize.known_sources import clean_caption
 from stages.resize.folder_listing import remembered
 from stages.resize.moved_source import Moved, recorded_source
 from stages.resize.sources import SourceSample, detect_format, iter_source
@@ -170,7 +171,7 @@ def _run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> 
                                    sizes=sizes_in_force(rc.model_dump()), source=str(source),
                                    source_before=moved.before if moved and moved.version == writer.version else ""))
     try:
-        carry = _render_source(source, fmt, rc, writer, _rendered_before(st, schema), intake)
+        carry = _render_source(source, fmt, rc, writer, _rendered_before(st, schema), intake, st)
         _carry_forward(st, writer, schema, carry, intake.summary)
         _commit(st, writer, source, intake)
     finally:
@@ -455,9 +456,20 @@ def _rendered_before(st: Store, schema: TableSchema) -> dict[str, str]:
 
 
 def _render_source(source: str | Path, fmt: str, rc: ResizeConfig, writer: Any, rendered_before: dict[str, str],
-                   intake: _Intake) -> dict[str, tuple[str, str]]:
+                   intake: _Intake, st: Store) -> dict[str, tuple[str, str]]:
     """Judge every source sample, render the new ones in `rc.workers` processes and add them to the writer.
     Returns key -> (source, split) of the samples to carry forward from an earlier version instead."""
+    from models.file_hashes import FileHashes
+    from stages.resize.known_sources import known_sources
+
+    with FileHashes() as hashes:
+        # samples of a folder or JSONL source the newest version holds, their files unchanged: carried, not read
+        known = known_sources(st, rendered_before, hashes, rc.max_file_bytes) if fmt in ("folder", "jsonl") else None
+        return _render_samples(source, fmt, rc, writer, rendered_before, intake, known)
+
+
+def _render_samples(source: str | Path, fmt: str, rc: ResizeConfig, writer: Any, rendered_before: dict[str, str],
+                    intake: _Intake, known: Any) -> dict[str, tuple[str, str]]:
     from stages.resize.resumed_sources import resumed_sources
     from stages.resize.source_count import count_samples
 
@@ -468,10 +480,19 @@ def _render_source(source: str | Path, fmt: str, rc: ResizeConfig, writer: Any, 
         for rec in bar:
             if rec.done_key is None and rec.problem is None:  # a reader that read it anyway (a parquet row)
                 rec.done_key = done.get(rec.source)
+            if rec.known is not None and rec.done_key is None and not _carried_unread(rec, writer, rendered_before,
+                                                                                      intake):
+                rec = rec.reread()  # a copy of a key met before, or one a resumed run holds: judged from its bytes
             try:
                 if rec.done_key is not None:  # written before: same source name, same bytes (the lineage)
                     _claim(rec.done_key, rec.source, intake.first_source)
                     intake.summary.resumed += 1
+                    continue
+                if rec.known is not None:
+                    key = _judge_known(rec, rc, intake.first_source)
+                    if rec.known.mask_sha256:
+                        intake.first_mask[key] = int(rec.known.mask_sha256[:16], 16)  # as _mask_bits of its bytes
+                    carry[key] = (rec.source, split_for(key, rc.val_fraction))
                     continue
                 key, caption = _judge(rec, rc, intake.first_source)
             except Rejected as r:
@@ -495,7 +516,7 @@ def _render_source(source: str | Path, fmt: str, rc: ResizeConfig, writer: Any, 
                 yield rec, key, caption
 
     render_one = partial(_render_item, rc=rc, rules=_rules(rc))
-    with tqdm(iter_source(source, rc.max_file_bytes, rc.columns, done), desc=f"{STAGE} ({fmt})", unit="sample",
+    with tqdm(iter_source(source, rc.max_file_bytes, rc.columns, done, known), desc=f"{STAGE} ({fmt})", unit="sample",
               total=count_samples(source, fmt), dynamic_ncols=True) as bar:
         # at most 2 x workers samples in flight: memory stays bounded whatever the dataset size; a worker that
         # dies (out of memory, a crash in an image library) costs its sample, not the run (render_pool.py)
@@ -529,6 +550,15 @@ def _render_source(source: str | Path, fmt: str, rc: ResizeConfig, writer: Any, 
             bar.total = bar.n
             bar.refresh()
     return carry
+
+
+def _carried_unread(rec: SourceSample, writer: Any, rendered_before: dict[str, str], intake: _Intake) -> bool:
+    """Can a sample found with its recorded key (known_sources.py) take the carry-forward branch below as read
+    samples do, without its bytes? Not a copy of a key met before (a duplicate may be held for a revival, which
+    renders it) nor a key the resumed version holds (judged by its mask)."""
+    key = rec.known.key
+    return key not in intake.first_source and key not in writer.done_keys \
+        and rendered_before.get(key) == rec.known.mask_sha256
 
 
 def _worker_died(item: tuple[SourceSample, str, str]) -> Rejected:
@@ -688,7 +718,7 @@ def _judge(rec: SourceSample, rc: ResizeConfig, first_source: dict[str, str]) ->
     if rec.caption is None:
         raise Rejected("missing-caption", "no caption (.txt / caption field) for this sample")
     try:
-        caption = rec.caption.decode("utf-8").lstrip("\ufeff").strip()
+        caption = clean_caption(rec.caption)
     except UnicodeDecodeError as e:
         raise Rejected("caption-not-utf8", f"caption is not valid UTF-8 (byte {e.start}); re-save it as UTF-8") from None
     if not caption:
@@ -696,13 +726,24 @@ def _judge(rec: SourceSample, rc: ResizeConfig, first_source: dict[str, str]) ->
     n = len(rec.controls)
     key = sample_key(rec.target, rec.controls, caption)  # before the count check: its row names the key, so its
     # would-be split is known (`run all`'s val check tells a val split emptied by this quarantine from the hash's)
+    _check_count(n, rc, key)
+    _claim(key, rec.source, first_source)
+    return key, caption
+
+
+def _judge_known(rec: SourceSample, rc: ResizeConfig, first_source: dict[str, str]) -> str:
+    """`_judge` of a sample found with its recorded key (its caption checked against the recorded one)."""
+    _check_count(rec.known.controls, rc, rec.known.key)
+    _claim(rec.known.key, rec.source, first_source)
+    return rec.known.key
+
+
+def _check_count(n: int, rc: ResizeConfig, key: str) -> None:
     if not rc.min_controls <= n <= rc.max_controls:
         raise Rejected(
             "control-count", f"{n} control image(s), outside resize.min_controls..max_controls = {rc.min_controls}..{rc.max_controls}",
             key=key,
         )
-    _claim(key, rec.source, first_source)
-    return key, caption
 
 
 def _claim(key: str, source: str, first_source: dict[str, str]) -> None:
