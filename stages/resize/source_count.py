@@ -12,6 +12,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from stages.resize import sources
+from stages.resize.jsonl_text import manifest_lines
 
 
 def count_samples(source: str | Path, fmt: str) -> int | None:
@@ -34,7 +35,6 @@ def count_samples(source: str | Path, fmt: str) -> int | None:
                     total += len({sources._split_member(m.name)[0] for m in tf.getmembers()
                                   if m.isfile() and not sources.dot_member(m.name)})
             return total
-        with open(sources._jsonl_path(Path(source)), "rb") as f:
-            return sum(1 for line in f if line.strip())
+        return sum(1 for _, line in manifest_lines(sources._jsonl_path(Path(source))) if line.strip())
     except (OSError, tarfile.TarError, ValueError):  # pyarrow's ArrowInvalid is a ValueError
         return None

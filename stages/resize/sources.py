@@ -19,6 +19,7 @@ Layouts:
   sharing the key (member path up to the first dot of its base name).
 - JSONL: one object per line: `target` (path), `controls` (list of paths; `control` alone also accepted),
   `caption` or `prompt` (text), optional `mask` (path). Relative paths are relative to the JSONL file's folder.
+  The file as text (encoding, line endings, a JSON array saved as .jsonl) is checked in jsonl_text.py.
 - parquet: image bytes in columns, mapped by `resize.columns` (parquet_source.py).
 
 What is read (every format): only regular files (a device, FIFO or socket is never opened for reading: /dev/zero
@@ -43,6 +44,7 @@ from typing import Any, Protocol
 
 from schemas.errors import UserError
 from stages.resize.folder_listing import Scan, _inside, scan, stem_suffix
+from stages.resize.jsonl_text import checked_manifest, foreign_path_hint, manifest_lines
 from stages.resize.shards import is_shard_list, is_url, open_shard, shard_urls
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".tif", ".tiff", ".bmp", ".gif")  # = features.decode.ALLOWED_FORMATS
@@ -86,7 +88,7 @@ def detect_format(source: str | Path) -> str:
     p = Path(source)
     if p.is_file():
         if p.suffix in (".jsonl", ".tar", ".parquet"):
-            return _utf8_manifest(p) if p.suffix == ".jsonl" else {".tar": "webdataset", ".parquet": "parquet"}[p.suffix]
+            return checked_manifest(p) if p.suffix == ".jsonl" else {".tar": "webdataset", ".parquet": "parquet"}[p.suffix]
         raise UserError(f"source {p} is a file but neither a .jsonl manifest, a .tar shard nor a .parquet file")
     if not p.is_dir():
         raise UserError(f"source {p} does not exist; pass a folder, a .tar shard (or folder, brace list or URL of "
@@ -98,7 +100,7 @@ def detect_format(source: str | Path) -> str:
         return "webdataset"
     jsonls = sorted(p.glob("*.jsonl"))
     if len(jsonls) == 1:
-        return _utf8_manifest(jsonls[0])
+        return checked_manifest(jsonls[0])
     if len(jsonls) > 1:
         raise UserError(f"source {p} holds several .jsonl files ({', '.join(j.name for j in jsonls)}); pass one")
     from stages.resize.parquet_source import parquet_files
@@ -107,17 +109,6 @@ def detect_format(source: str | Path) -> str:
         return "parquet"
     raise UserError(f"source {p} has no target/ folder, no .tar shards, no .jsonl manifest and no .parquet files "
                     "(the layouts: docs/resize-bucket.md, 'Sources')")
-
-
-def _utf8_manifest(path: Path) -> str:
-    """'jsonl', or one line when the manifest is UTF-16/32 (PowerShell 5's `>` and Out-File default): read as
-    UTF-8, each of its lines was quarantined as 'not valid UTF-8', a million rows that never named the encoding."""
-    with open(path, "rb") as f:
-        head = f.read(4)
-    if head.startswith((b"\xff\xfe", b"\xfe\xff", b"\0\0\xfe\xff")):
-        raise UserError(f"manifest {path} is UTF-16/UTF-32 (its byte order mark); save it as UTF-8 (PowerShell: "
-                        "Out-File -Encoding utf8; Python: open(..., 'w', encoding='utf-8'))")
-    return "jsonl"
 
 
 def iter_source(source: str | Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
@@ -280,14 +271,15 @@ def _layout_dirs(root: Path) -> list[Path]:
 
 def _images_by_stem(sc: Scan, unsupported: dict[str, list[Path]], also: tuple[str, ...] = ()) -> dict[str, list[str]]:
     """Image file names by stem; every other entry (not an image, nor a suffix in `also`) goes to `unsupported`.
-    Names, not Paths: a million Path objects were ~1 GB."""
+    Suffixes match in any case (`x.PNG`, `x.TXT`: cameras and Windows tools write them). Names, not Paths: a million
+    Path objects were ~1 GB."""
     out: dict[str, list[str]] = {}
     for name in sc.names:
         stem, suffix = stem_suffix(name)
         is_file = sc.is_file(name)
         if is_file and suffix.lower() in IMAGE_SUFFIXES:
             out.setdefault(stem, []).append(name)
-        elif not (is_file and suffix in also):
+        elif not (is_file and suffix.lower() in also):
             unsupported.setdefault(stem, []).append(sc.folder / name)
     return out
 
@@ -321,6 +313,10 @@ def iter_folder(root: Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
     unsupported: dict[str, list[Path]] = {}  # stem -> files the layout cannot use; they must not vanish
     listed = scan(root / "target", root)
     targets = _images_by_stem(listed, unsupported, also=(".txt",))
+    captions: dict[str, list[str]] = {}  # stem -> its caption file names (`x.txt`, `x.TXT`: either, not both)
+    for name in listed.names:
+        if listed.is_file(name) and (split := stem_suffix(name))[1].lower() == ".txt":
+            captions.setdefault(split[0], []).append(name)
     control_dirs = _control_dirs(root)
     controls = {i: _images_by_stem(scan(d, root), unsupported) for i, d in control_dirs.items()}
     masks = _images_by_stem(scan(root / "mask", root), unsupported)
@@ -348,15 +344,15 @@ def iter_folder(root: Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
             yield s
             continue
         files = _FolderFiles(root, found[0], [[control_dirs[i] / name for name in controls[i][stem]] for i in present],
-                             root / "target" / f"{stem}.txt", root / "mask" / masks[stem][0] if stem in masks else None)
+                             [root / "target" / name for name in captions.get(stem, ())],
+                             root / "mask" / masks[stem][0] if stem in masks else None)
         if known and _known_folder_sample(s, files, known, max_file_bytes):
             yield s
             continue
         yield _read_folder_sample(s, files, max_file_bytes)
 
     # files that belong to no target would otherwise vanish silently
-    orphans: list[Path] = [root / "target" / n for n in listed.names
-                           if stem_suffix(n)[1] == ".txt" and listed.is_file(n) and stem_suffix(n)[0] not in targets]
+    orphans: list[Path] = [root / "target" / n for stem, ns in captions.items() if stem not in targets for n in ns]
     for i in sorted(controls):
         orphans += [control_dirs[i] / f for stem, fs in controls[i].items() if stem not in targets for f in fs]
     orphans += [root / "mask" / f for stem, fs in masks.items() if stem not in targets for f in fs]
@@ -378,7 +374,7 @@ class _FolderFiles:
     root: Path
     target: Path
     controls: list[list[Path]]
-    caption: Path
+    captions: list[Path]  # its caption files as listed (`x.txt`, `x.TXT`): none, one, or several (refused)
     mask: Path | None
 
 
@@ -394,7 +390,9 @@ def _read_folder_sample(s: SourceSample, f: _FolderFiles, max_file_bytes: int) -
                 raise _Problem(f"several control files in {cands[0].parent.name}/: {', '.join(c.name for c in cands)}")
             s.controls.append(read(cands[0], f"control {len(s.controls)}"))  # contiguous from 0: the folder's index
             s.files.append(str(cands[0]))
-        s.caption = read(f.caption, "caption") if f.caption.is_file() else None
+        if len(f.captions) > 1:
+            raise _Problem(f"several caption files: {', '.join(c.name for c in f.captions)}; keep one")
+        s.caption = read(f.captions[0], "caption") if f.captions else None
         if f.mask is not None:
             s.mask = read(f.mask, "mask")
             s.files.append(str(f.mask))
@@ -406,10 +404,10 @@ def _read_folder_sample(s: SourceSample, f: _FolderFiles, max_file_bytes: int) -
 def _known_folder_sample(s: SourceSample, f: _FolderFiles, known: Any, max_file_bytes: int) -> bool:
     """Fill `s` as a sample an earlier version holds, its files unchanged (known_sources.py), reading only its
     caption; False (nothing read but perhaps the caption): read it whole."""
-    if any(len(c) != 1 for c in f.controls) or not known.recorded(printable(s.source)) or not f.caption.is_file():
+    if any(len(c) != 1 for c in f.controls) or not known.recorded(printable(s.source)) or len(f.captions) != 1:
         return False
     try:
-        caption = read_source_file(f.caption, f.root, max_file_bytes, "caption")
+        caption = read_source_file(f.captions[0], f.root, max_file_bytes, "caption")
     except _Problem:
         return False
     images = [f.target, *(c[0] for c in f.controls)]
@@ -594,21 +592,20 @@ def _jsonl_path(p: Path) -> Path:
 
 def _jsonl_objects(path: Path) -> Iterator[tuple[int, object, str | None]]:
     """(line number, parsed object or None, error) per non-blank line."""
-    with open(path, "rb") as f:
-        for no, raw in enumerate(f, start=1):
-            if not raw.strip():
-                continue
-            try:
-                # a UTF-8 BOM before the first line (Windows editors, PowerShell 5's utf8) is not part of the JSON
-                yield no, json.loads(raw.decode("utf-8-sig" if no == 1 else "utf-8")), None
-            except UnicodeDecodeError:
-                yield no, None, "line is not valid UTF-8"
-            except json.JSONDecodeError as e:
-                yield no, None, f"line is not valid JSON: {e.msg}"
-            except RecursionError:  # arrays nested 100k deep: one bad line, not the run's traceback
-                yield no, None, "line is not valid JSON: nested too deeply to read"
-            except ValueError:  # a number of over 4300 digits (Python's int limit)
-                yield no, None, "line is not valid JSON: holds a number with too many digits to read"
+    for no, raw in manifest_lines(path):
+        if not raw.strip():
+            continue
+        try:
+            # a UTF-8 BOM before the first line (Windows editors, PowerShell 5's utf8) is not part of the JSON
+            yield no, json.loads(raw.decode("utf-8-sig" if no == 1 else "utf-8")), None
+        except UnicodeDecodeError:
+            yield no, None, "line is not valid UTF-8"
+        except json.JSONDecodeError as e:
+            yield no, None, f"line is not valid JSON: {e.msg}"
+        except RecursionError:  # arrays nested 100k deep: one bad line, not the run's traceback
+            yield no, None, "line is not valid JSON: nested too deeply to read"
+        except ValueError:  # a number of over 4300 digits (Python's int limit)
+            yield no, None, "line is not valid JSON: holds a number with too many digits to read"
 
 
 def _jsonl_controls(obj: dict) -> list:
@@ -720,4 +717,11 @@ def _read_jsonl_ref(base: Path, rel: object, what: str, max_file_bytes: int) -> 
     if not isinstance(rel, str) or not rel:
         raise _Problem(f"field {what!r} is missing or not a path string")
     # a relative path stays within the JSONL file's folder; an absolute one is read where it points
-    return read_source_file(_resolve(base, rel), None if Path(rel).is_absolute() else base, max_file_bytes, what)
+    try:
+        return read_source_file(_resolve(base, rel), None if Path(rel).is_absolute() else base, max_file_bytes, what)
+    except _Problem as e:
+        hint = foreign_path_hint(rel)
+        if hint and not os.path.lexists(_resolve(base, rel)):
+            raise _Problem(f"{e}; {rel!r} {hint}", e.kind) from None
+        raise
+

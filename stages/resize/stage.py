@@ -122,10 +122,12 @@ class ResizeSummary:
         if len(self.duplicates) > shown:
             lines.append(f"duplicate: {len(self.duplicates) - shown} more pairs (reason 'duplicate' in {self.quarantine_file}; "
                          "the detail names the kept file)")
-        if self.controls:  # a control file missing from an edit pair makes a 0-control sample: shown, not silent
+        # a control file missing from an edit pair makes a 0-control sample, a control folder left behind makes
+        # every sample one: shown, not silent
+        if self.controls:
             lines.append("controls per sample: " + ", ".join(f"{n}: {c}" for n, c in sorted(self.controls.items()))
                          + ("; samples without a control train text-to-image (resize.min_controls: 1 quarantines "
-                            "them)" if 0 in self.controls and len(self.controls) > 1 else ""))
+                            "them)" if 0 in self.controls else ""))
         if self.conversions:
             lines.append("converted: " + ", ".join(f"{c}x {n}" for n, c in sorted(self.conversions.items())))
         if self.sizes:

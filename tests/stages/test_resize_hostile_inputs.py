@@ -1,6 +1,8 @@
 """More hostile inputs through `pipeline run resize-bucket`, each found to stop the run with a traceback or to drop
 or ignore data silently before: a file cut in its second frame, a symlink loop, misnamed control/mask folders, JSONL
-lines Python's json cannot read, and the macOS litter members of a tar made on a Mac."""
+lines Python's json cannot read, the macOS litter members of a tar made on a Mac; and, each read as bad lines or
+files with no word of the cause: a UTF-16 manifest, a JSON array saved as .jsonl, CR line endings, URL and Windows
+paths, upper-case caption extensions, and a dataset without any control."""
 
 from __future__ import annotations
 
@@ -16,7 +18,9 @@ from PIL import Image
 from typer.testing import CliRunner
 
 from pipeline.cli import app
+from schemas.errors import UserError
 from stages.resize.source_count import count_samples
+from stages.resize.sources import detect_format
 from store import Store
 
 
@@ -168,3 +172,112 @@ def test_a_utf16_manifest_is_one_line_naming_its_encoding(tmp_path):
     assert result.exit_code != 0
     assert f"manifest {src / 'data.jsonl'} is UTF-16/UTF-32 (its byte order mark); save it as UTF-8" in result.output
     assert len(result.output.strip().splitlines()) == 1 and not (tmp_path / "store").exists()
+
+
+@pytest.mark.parametrize("layout", ["pretty array", "one-line array", "pretty object"])
+def test_a_json_array_saved_as_jsonl_is_one_line_saying_how_to_convert(tmp_path, layout):
+    """`json.dump(rows, f, indent=2)` (or one object spread over lines) saved as .jsonl: each of its lines was
+    quarantined as not valid JSON (a row per line), then 'no usable sample', never saying the file is no JSON Lines."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.png").write_bytes(_image())
+    rows = [{"target": "a.png", "caption": "one"}, {"target": "a.png", "caption": "two"}]
+    text = {"pretty array": json.dumps(rows, indent=2), "one-line array": json.dumps(rows),
+            "pretty object": json.dumps(rows[0], indent=4)}[layout]
+    (src / "data.jsonl").write_text(text + "\n")
+    result = _resize(src, tmp_path / "store")
+    assert result.exit_code != 0
+    what = "a JSON object spread over several lines" if layout == "pretty object" else "a JSON array"
+    assert f"manifest {src / 'data.jsonl'} is {what}, not JSON Lines (one object per line)" in result.output, result.output
+    assert "jq -c" in result.output
+    assert len(result.output.strip().splitlines()) == 1 and not (tmp_path / "store").exists()
+
+
+@pytest.mark.parametrize("text, refused", [
+    (json.dumps({"target": "a.png", "caption": "x" * 100_000}) + "\n{}\n", False),  # a first row over the 64 KiB looked at
+    ("[1, 2]\n" + json.dumps({"target": "a.png"}) + "\n", False),  # a bad first row: its own quarantine row
+    (json.dumps({"target": "a.png", "caption": "\u00e9" * 9}, ensure_ascii=False) + "\n", False),
+    (json.dumps([{"target": "a.png", "caption": "x" * 100}] * 2000), True),  # one line over 64 KiB
+    ("\ufeff\n\n  " + json.dumps([{"target": "a.png"}], indent=2).replace("\n", "\r\n"), True),
+], ids=["long first row", "bad first row", "non-ascii row", "long one-line array", "bom, blank lines, crlf"])
+def test_only_a_manifest_that_is_one_json_value_is_refused(tmp_path, text, refused):
+    path = tmp_path / "data.jsonl"
+    path.write_text(text, encoding="utf-8", newline="")
+    if refused:
+        with pytest.raises(UserError, match="is a JSON array, not JSON Lines"):
+            detect_format(path)
+    else:
+        assert detect_format(path) == "jsonl"
+
+
+def test_a_manifest_with_classic_mac_line_endings_reads_line_by_line(tmp_path):
+    """CR-only line endings (classic Mac OS, some spreadsheet exports) read as one line holding every row: one
+    'not valid JSON' row and 'no usable sample'. JSON strings hold no raw CR, so CR ends a line as LF does."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.png").write_bytes(_image())
+    (src / "b.png").write_bytes(_image(seed=1))
+    rows = [{"target": "a.png", "caption": "first\rline"}, {"target": "b.png", "caption": "second"}, {"target": "c.png"}]
+    (src / "data.jsonl").write_bytes(("\r".join(json.dumps(r) for r in rows) + "\r").encode())
+    assert count_samples(src / "data.jsonl", "jsonl") == 3
+    result = _resize(src, tmp_path / "store")
+    assert result.exit_code == 0, result.output
+    assert _captions(tmp_path / "store") == ["first\rline", "second"]  # the escaped CR kept in its caption
+    q = _quarantine(tmp_path / "store")
+    assert list(q) == [f"{src / 'data.jsonl'}:3"] and "c.png cannot be read" in q[f"{src / 'data.jsonl'}:3"][1], q
+
+
+def test_url_and_windows_paths_in_a_manifest_say_what_to_do(tmp_path):
+    """A manifest written for another machine (URLs, `C:\\data\\a.png`, `imgs\\a.png`) got 'No such file or
+    directory' on a mangled path (`/src/https:/host/a.png`), with no word that the reader reads local files only."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.png").write_bytes(_image())
+    paths = ["a.png", "https://example.com/a.png", "s3://bucket/a.png", "C:\\data\\a.png", "imgs\\a.png"]
+    lines = [json.dumps({"target": p, "caption": "x"}) for p in paths]
+    lines.append(json.dumps({"target": "a.png", "controls": ["http://example.com/c.png"], "caption": "y"}))
+    (src / "data.jsonl").write_text("\n".join(lines) + "\n")
+    result = _resize(src, tmp_path / "store")
+    assert result.exit_code == 0, result.output
+    q = {s.split(":")[-1]: d for s, (_, d) in _quarantine(tmp_path / "store").items()}
+    url = "is a URL; manifest paths are local files: download the files and list their paths"
+    win = "is a Windows path; write it as a path on this machine, with forward slashes"
+    assert url in q["2"] and "https://example.com/a.png" in q["2"], q
+    assert url in q["3"] and url in q["6"] and "controls[0]" in q["6"], q
+    assert win in q["4"] and win in q["5"], q
+    assert sorted(q) == ["2", "3", "4", "5", "6"] and _captions(tmp_path / "store") == ["x"]
+
+
+def test_caption_extensions_match_as_image_extensions_do_regardless_of_case(tmp_path):
+    """`x.PNG` is an image but `x.TXT` was an 'unsupported file' that quarantined its sample (and an orphan `z.TXT`
+    was no orphan): a caption's extension is matched without case too."""
+    src = tmp_path / "src"
+    (src / "target").mkdir(parents=True)
+    t = src / "target"
+    (t / "x.PNG").write_bytes(_image())
+    (t / "x.TXT").write_text("upper")
+    (t / "y.png").write_bytes(_image(seed=1))
+    (t / "y.Txt").write_text("mixed")
+    (t / "w.png").write_bytes(_image(seed=2))
+    (t / "w.txt").write_text("lower")
+    (t / "w.TXT").write_text("twice")
+    (t / "z.TXT").write_text("no picture")
+    assert count_samples(src, "folder") == 3
+    result = _resize(src, tmp_path / "store")
+    assert result.exit_code == 0, result.output
+    assert _captions(tmp_path / "store") == ["mixed", "upper"]
+    q = {Path(s).name: v for s, v in _quarantine(tmp_path / "store").items()}
+    assert q["w.png"][0] == "bad-source" and "several caption files: w.TXT, w.txt" in q["w.png"][1], q
+    assert q["z.TXT"][0] == "orphan-file" and len(q) == 2, q
+
+
+def test_a_dataset_without_any_control_gets_the_text_to_image_note(tmp_path):
+    """The note that 0-control samples train text-to-image was printed only when counts were mixed: an edit
+    dataset whose control/ folder was left behind said just 'controls per sample: 0: 2'."""
+    src = tmp_path / "src"
+    _sample(src, "a", _image())
+    _sample(src, "b", _image(seed=1))
+    result = _resize(src, tmp_path / "store")
+    assert result.exit_code == 0, result.output
+    assert ("controls per sample: 0: 2; samples without a control train text-to-image (resize.min_controls: 1 "
+            "quarantines them)") in result.output, result.output
