@@ -22,7 +22,9 @@ gc removes the files of dead leases.
 
 A reader paused longer than that (SIGSTOP, a suspended VM, a hung mount) may have had its lease judged dead by a
 gc on another host, its file removed, and its versions removed with it. On waking, its heartbeat (and `add`) looks
-under the store lock (`_lost_how`) with ONE rule: the lease is lost iff a version it names is gone (or incomplete);
+under the store lock (`_lost_how`) with ONE rule: the lease is lost iff a version it names is gone (or incomplete,
+or another version now has its number: a writer numbers a new version one past the newest folder left, so a gc
+that took v2 lets the next write be another v2; told apart by its manifest's inode, mtime and size, `Lease.ids`);
 then it is never written again, it is marked lost (`lose`) and the reader stops at its next read (`check_held`,
 store/shard_io.py) with one line instead of reading on from a version whose files may be gone, or a mix. Removed
 or old with every version intact (gc kept them: the current version, one another lease holds), it is written again
@@ -45,6 +47,7 @@ import time
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
+from stat import S_ISREG
 from typing import Any, Iterable
 
 from schemas.errors import UserError
@@ -235,6 +238,9 @@ class Lease:
     what: str
     versions: dict[str, list[int]] = field(default_factory=dict)
     path: Path | None = None
+    # (table, version) -> `_identity` of its manifest when named (`hold`, `add`): a version named without one (a
+    # Lease made otherwise) is judged by completeness alone
+    ids: dict[tuple[str, int], tuple[int, int, int]] = field(default_factory=dict)
     stale_s: float = field(default_factory=stale_seconds)
     _stop: threading.Event = field(default_factory=threading.Event)
     _pid: int = field(default_factory=os.getpid)
@@ -263,10 +269,12 @@ class Lease:
                 self._lose(how)
                 check_held(self)
                 return False  # released meanwhile (by another thread): nothing to add to
-            if not fmt.is_complete(fmt.version_dir(self.root, table, version)):
+            ident = _identity(self.root, table, version)
+            if ident is None:
                 return False
             if version not in self.versions.setdefault(table, []):
                 self.versions[table].append(version)
+                self.ids[(table, version)] = ident
                 self._write(path)
         return True
 
@@ -322,19 +330,21 @@ class Lease:
     def _lost_how(self, path: Path, now: float | None = None) -> str | None:
         """How this lease was lost, None while it stands; looked at under the store lock (by the heartbeat and by
         `add`), which every local gc holds from its plan to its last delete. One rule: lost iff a version it names
-        is gone (or incomplete). A lease removed (a gc judged it dead: paused past its margin) or older than its
-        margin (`now`: this host's clock, as a gc elsewhere judges it) whose versions are all intact stands: gc kept
-        them (the current version, one another lease holds), and no gc is midway while we hold the lock, so a
-        removed one is written again here (the caller refreshes an old one). Not so on a URL (store/remote_lease.py):
-        no lock there, so a gc may be between its look and its DELETE; a removed lease object stays lost."""
+        is gone (or incomplete, or another version of that number: its manifest is not the one named, `ids`). A
+        lease removed (a gc judged it dead: paused past its margin) or older than its margin (`now`: this host's
+        clock, as a gc elsewhere judges it) whose versions are all intact stands: gc kept them (the current version,
+        one another lease holds), and no gc is midway while we hold the lock, so a removed one is written again here
+        (the caller refreshes an old one). Not so on a URL (store/remote_lease.py): no lock there, so a gc may be
+        between its look and its DELETE; a removed lease object stays lost."""
         try:
             age: float | None = (time.time() if now is None else now) - path.stat().st_mtime
         except FileNotFoundError:
             age = None
         if age is not None and age <= self.stale_s:
             return None
-        gone = [f"{t} v{v}" for t, vs in sorted(self.versions.items()) for v in vs
-                if not fmt.is_complete(fmt.version_dir(self.root, t, v))]
+        gone = [f"{t} v{v}" + ("" if ident is None else " (a new version of that number since)")
+                for t, vs in sorted(self.versions.items()) for v in vs
+                if (ident := _identity(self.root, t, v)) is None or self.ids.get((t, v), ident) != ident]
         found = f"was removed ({path.name})" if age is None else f"was not refreshed for {age / 60:.0f} min"
         if gone:
             return f"{found} and {', '.join(gone)} is gone"
@@ -351,6 +361,17 @@ class Lease:
 
     def _lose(self, how: str) -> None:
         lose(self, self._stop, str(self.root), self.what, how, self.versions, self.stale_s, scopes=[str(self.root)])
+
+
+def _identity(root: Path, table: str, version: int) -> tuple[int, int, int] | None:
+    """Which version `table` v`version` is: its manifest's (inode, mtime ns, size), None while it is not complete.
+    A stat, not a hash (a manifest is ~140 MB at 1M samples): a version is immutable, and a new one of the same
+    number is written as a new file (`atomic_write_bytes`), so a reused inode would need the same mtime and size."""
+    try:
+        st = os.stat(fmt.version_dir(root, table, version) / fmt.MANIFEST)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    return (st.st_ino, st.st_mtime_ns, st.st_size) if S_ISREG(st.st_mode) else None
 
 
 def hold(root: str | Path, tables: dict[str, int | None], what: str, owner: object | None = None) -> Lease:
@@ -370,8 +391,10 @@ def hold(root: str | Path, tables: dict[str, int | None], what: str, owner: obje
             current = {t: int(v["current"]) for t, v in fmt.read_store_record(root)["tables"].items()}
             for table, v in tables.items():
                 v = current.get(table) if v is None else v
-                if v is not None and fmt.is_complete(fmt.version_dir(root, table, v)):
+                ident = None if v is None else _identity(root, table, v)
+                if ident is not None:
                     lease.versions[table] = [v]
+                    lease.ids[(table, v)] = ident
             lease.path = root / LEASES_DIR / f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}.json"
             fmt.atomic_write_json(lease.path, lease.record())
     except OSError as e:  # a read-only store: reading goes on without a lease

@@ -249,6 +249,39 @@ def test_a_lease_gc_removed_while_paused_with_a_version_it_names_is_lost_and_nev
     lease.check_held()
 
 
+def test_a_lease_whose_version_gc_took_and_a_writer_numbered_again_is_lost_not_written_again(
+        store: Store, monkeypatch) -> None:
+    """A writer numbers a new version one past the newest folder left (store/writer_open.candidate_version), so
+    once gc took v2 the next write is another v2. Settings A give v1, B v2 (read by a training on another host,
+    paused past its margin), A again makes v1 current; gc takes v2 and the lease; settings C commit a new v2.
+    Before, the woken reader found "vae v2" complete, wrote its lease again and read on from the new v2's files
+    under the old manifest's offsets."""
+    fill(store, 4, tag="a")  # v1
+    fill(store, 4, tag="b", start=10)  # v2 current
+    held = lease.hold(store.root, {"vae": None}, "a training")
+    reader = store.reader("vae")
+    key = sorted(reader.keys())[0]
+    try:
+        assert held.versions == {"vae": [2]}
+        store.set_current("vae", 1)  # settings A again: v1 reused
+        _paused_past_the_margin(held)
+        messages = _gc_on_another_host(store, monkeypatch)
+        assert "remove vae/v2" in messages and not held.path.exists(), messages
+        assert fill(store, 6, tag="c", start=20) == 2  # a different v2, by a real writer
+        assert fmt.is_complete(fmt.version_dir(store.root, "vae", 2))
+        assert held._beat() is False and not held.path.exists()  # never written again
+        with pytest.raises(lease.LeaseLost, match=r"a training on .* was removed \(.*\) and vae v2 \(a new version "
+                                                  r"of that number since\) is gone.*Rerun"):
+            reader.tensors(key)
+        with pytest.raises(lease.LeaseLost):
+            held.add("vae", 1)
+        assert not held.path.exists()
+    finally:
+        held.release()
+        reader.close()
+    lease.check_held()
+
+
 def test_a_lease_lost_on_one_store_stops_the_reads_of_that_store_only(store: Store, tmp_path: Path) -> None:
     """A lease the process left unreleased (a failed command whose traceback a caller keeps, in-process: run all,
     the tests) and lost since stopped every later read of the process, of any store (before: a CI worker's
