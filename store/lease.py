@@ -4,9 +4,18 @@ version a live lease names (docs/store-format.md, "Read leases").
 `STORE/.leases/<host>-<pid>-<random>.json` (a dot folder: no table, so verify / inspect / repair ignore it) holds
 host, pid, the process's start time, its pid namespace, what it is (train, evaluate, encode-text, ...) and
 `versions` ({table: [N, ...]}). It is written with `store.format.atomic_write_json` under the store lock, the lock
-`gc` holds from its plan to its last delete: so a lease either exists before gc plans (its versions are kept) or is
-written after gc is done (and then names versions that exist, which `hold` checks). It is removed when the reader
-is done or garbage collected, and at interpreter exit, on error too.
+`store gc` (store/gc.py) holds from its plan to its last delete: so a lease either exists before gc plans (its
+versions are kept) or is written after gc is done (and then names versions that exist, which `hold` checks). It is
+removed when the reader is done or garbage collected, and at interpreter exit, on error too.
+
+The other remover, the URL cache's eviction (store/remote_cache.py: dead lease files of its cached stores, and at
+open whole versions no live lease names), judges leases under the cache lock only, never the store lock (taking it
+there would risk a lock-order inversion, or a process blocking on its own flock, wherever a fetch, and so an
+eviction, runs while its process holds a store lock). A lease of this boot and pid namespace it judges by its pid
+(a paused reader still runs: never dead); any other (a container sharing the cache folder) by its age - so a reader
+of another container paused past its margin and woken mid-eviction (its lease removed, its version not yet renamed
+away) writes its lease again, reads on, and then may fail on a missing file instead of stopping with the lease
+line.
 
 A kill -9 leaves the file behind; it must not block gc for ever. Liveness:
 - same host (the running kernel's boot id, `schemas.host.host_id`: never the host name, which nodes given one
@@ -28,8 +37,9 @@ that took v2 lets the next write be another v2; told apart by its manifest's ino
 then it is never written again, it is marked lost (`lose`) and the reader stops at its next read (`check_held`,
 store/shard_io.py) with one line instead of reading on from a version whose files may be gone, or a mix. Removed
 or old with every version intact (gc kept them: the current version, one another lease holds), it is written again
-or refreshed, with a warning, and the reader goes on. Safe because gc holds that lock from its plan to its last
-delete: under it, no gc is midway, and what is complete now stays until the lease is seen again by the next plan.
+or refreshed, with a warning, and the reader goes on. Safe against `store gc`, which holds that lock from its plan
+to its last delete: under it, no gc is midway, and what is complete now stays until the lease is seen again by the
+next plan (not against the cache's eviction, above).
 (A URL's lease objects, store/remote_lease.py, have no such lock: there a removed lease is always lost.)
 """
 
@@ -329,13 +339,14 @@ class Lease:
 
     def _lost_how(self, path: Path, now: float | None = None) -> str | None:
         """How this lease was lost, None while it stands; looked at under the store lock (by the heartbeat and by
-        `add`), which every local gc holds from its plan to its last delete. One rule: lost iff a version it names
-        is gone (or incomplete, or another version of that number: its manifest is not the one named, `ids`). A
-        lease removed (a gc judged it dead: paused past its margin) or older than its margin (`now`: this host's
-        clock, as a gc elsewhere judges it) whose versions are all intact stands: gc kept them (the current version,
-        one another lease holds), and no gc is midway while we hold the lock, so a removed one is written again here
-        (the caller refreshes an old one). Not so on a URL (store/remote_lease.py): no lock there, so a gc may be
-        between its look and its DELETE; a removed lease object stays lost."""
+        `add`), which every local `store gc` holds from its plan to its last delete (the URL cache's eviction does
+        not: the module's docstring). One rule: lost iff a version it names is gone (or incomplete, or another version
+        of that number: its manifest is not the one named, `ids`). A lease removed (a gc judged it dead: paused past
+        its margin) or older than its margin (`now`: this host's clock, as a gc elsewhere judges it) whose versions
+        are all intact stands: gc kept them (the current version, one another lease holds), and no gc is midway while
+        we hold the lock, so a removed one is written again here (the caller refreshes an old one). Not so on a URL
+        (store/remote_lease.py): no lock there, so a gc may be between its look and its DELETE; a removed lease
+        object stays lost."""
         try:
             age: float | None = (time.time() if now is None else now) - path.stat().st_mtime
         except FileNotFoundError:

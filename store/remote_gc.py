@@ -8,8 +8,9 @@ progress), with their upstream. Removed:
   lease names and whose newest object is older than `grace_s` (default 1 hour): a version number a killed push
   left behind then no longer blocks another store's push of that number;
 - versions `store repair URL` retired (marked damaged, manifest deleted: store/remote_work.py) at once;
-- lease objects judged dead, judged again right before their DELETE (`_still_dead`: a reader that woke since the
-  plan and refreshed its lease keeps it), and the damaged marker (`<table>/v<N>.damaged.json`) of a removed version.
+- lease objects judged dead, judged again right before their DELETE (`_still_dead`: one live again - a reader woke
+  since the plan and refreshed it - is kept, unless it names a version this run removed: its reader must stop, not
+  read on from a deleted version), and the damaged marker (`<table>/v<N>.damaged.json`) of a removed version.
 - on S3, unfinished multipart uploads under the prefix (a push killed mid-shard), older than `grace_s` and not in a
   version a live lease names: aborted.
 
@@ -70,7 +71,6 @@ class RemoteGcPlan:
     young_incomplete: list[Version] = field(default_factory=list)  # kept: within the grace period
     leased: dict[tuple[str, int], list[str]] = field(default_factory=dict)
     dead_leases: list[Found] = field(default_factory=list)  # lease objects of gone processes (path: the object)
-    lease_times: dict[str, float] = field(default_factory=dict)  # rel: LastModified of each dead lease at the plan
     markers: dict[tuple[str, int], str] = field(default_factory=dict)  # damaged markers by version
     leftovers: list[str] = field(default_factory=list)  # clock probes and temp uploads of killed commands
     uploads: list[tuple[str, str]] = field(default_factory=list)  # (key, upload id): unfinished multipart uploads
@@ -135,7 +135,6 @@ def plan(remote: Remote, grace_s: float = GRACE_SECONDS, now: float | None = Non
     for found in found_leases:
         if not found.live:
             out.dead_leases.append(found)
-            out.lease_times[str(found.path)] = listing[str(found.path)][1]
             continue
         for tv in sorted(_closure(remote, list(found.versions()), versions) - keep):
             out.leased.setdefault(tv, []).append(found.describe())
@@ -189,21 +188,22 @@ def _still_doomed(remote: Remote, v: Version) -> list[str]:
     return keepers
 
 
-def _still_dead(remote: Remote, p: RemoteGcPlan) -> tuple[list[str], list[Found]]:
-    """Right before their DELETE: (the plan's dead leases still there and still dead, those kept). A lease
-    refreshed since the plan (its LastModified moved: a paused reader woke, found what it names intact, rewrote it)
-    or live now is kept: deleting it would stop that reader, whose versions this gc keeps. One listing of
-    `.leases/`, one GET per dead lease; the window left is that look to the DELETE (one request)."""
-    if not p.lease_times:
+def _still_dead(remote: Remote, p: RemoteGcPlan, removed: set[tuple[str, int]]) -> tuple[list[Found], list[Found]]:
+    """Right before their DELETE: (the plan's dead leases to delete, those kept). One rule: deleted iff still
+    dead now OR naming a version this run removed (`removed`). A paused reader that woke since the plan rewrote its
+    lease (young now: live) and is kept - unless it woke between `_still_doomed`'s look and the manifest DELETE: it
+    found its version intact and reads on, and kept (young) its beats would never look at that version again;
+    deleted, its next beat stops it (LeaseLost: a removed lease object is never written again). One listing of
+    `.leases/`, one GET per dead lease; a refresh between this look and the DELETE (one request) is lost: that
+    reader stops, whatever was kept."""
+    if not p.dead_leases:
         return [], []
     now_listed = remote.listing_times(remote_lease.LEASES_DIR)
-    planned = {rel: now_listed[rel] for rel in p.lease_times if rel in now_listed}  # gone: released meanwhile
+    planned = {rel: now_listed[rel] for f in p.dead_leases if (rel := str(f.path)) in now_listed}  # gone: released
     doomed, kept = [], []
     for found in remote_lease.leases(remote, planned):
-        rel = str(found.path)
-        refreshed = planned[rel][1] != p.lease_times[rel]
-        (kept if found.live or refreshed else doomed).append(found)
-    return [str(f.path) for f in doomed], kept
+        (doomed if not found.live or removed & set(found.versions()) else kept).append(found)
+    return doomed, kept
 
 
 def _dry_run_clock(remote: Remote, echo: Callable[[str], None]) -> float:
@@ -260,10 +260,16 @@ def collect(url: str, dry_run: bool = False, grace_s: float = GRACE_SECONDS,
             if (v.table, v.version) in p.markers:
                 remote.delete([p.markers[(v.table, v.version)]])
             removed.append(v)
-        dead, refreshed = _still_dead(remote, p)
+        gone = {(v.table, v.version) for v in removed}
+        dead, refreshed = _still_dead(remote, p, gone)
         for found in refreshed:
             echo(f"keep the lease of {found.record.get('what', '?')} ({found.path.name}): refreshed since the plan")
-        remote.delete(dead + p.leftovers)
+        for found in dead:
+            if found.live:  # refreshed too late: it names what this run removed
+                names = ", ".join(f"{t}/v{v}" for t, v in sorted(gone & set(found.versions())))
+                echo(f"remove the lease of {found.record.get('what', '?')} ({found.path.name}): refreshed since the "
+                     f"plan, but {names} is removed now (its process stops at its next refresh)")
+        remote.delete([str(f.path) for f in dead] + p.leftovers)
         bucket = remote.root.partition("/")[0]
         for key, upload in p.uploads:
             try:

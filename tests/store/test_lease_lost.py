@@ -492,3 +492,47 @@ def test_gc_keeps_a_dead_lease_its_reader_refreshed_after_the_plan(s3_env, store
         lease.check_held()
     finally:
         held.release()
+
+
+def test_gc_removes_a_refreshed_lease_that_names_a_version_it_removed_and_its_reader_stops(
+        s3_env, store: Store, monkeypatch) -> None:
+    """The reader woke after gc's look right before v1's manifest DELETE (`_still_doomed`): it found v1 intact,
+    rewrote its lease and read on. Before, gc then deleted v1 and kept the lease as refreshed: young, its beats never
+    looked at v1 again, so the reader read on from cached shards of a deleted version and failed on the first
+    uncached one with a fetch error. Now the lease goes with v1 and the reader's next beat stops it in one line."""
+    from store import remote_gc
+
+    fill(store, 4, tag="a")  # v1
+    fill(store, 4, tag="b", start=10)  # v2 current
+    push(store.root, s3_env.url())
+    real_identity = lease.process_identity  # as on another node: judged by its refresh age
+    monkeypatch.setattr(lease, "process_identity", lambda: {**real_identity(), "boot_id": "another-node-s-kernel"})
+    held = remote_lease.hold(open_remote(s3_env.url()), [("vae", 1)], "pipeline train")
+    real_now, real_doomed = remote_mod.Remote.now, remote_gc._still_doomed
+    monkeypatch.setattr(remote_mod.Remote, "now", lambda self: real_now(self) + AGED)  # paused past its margin
+    woke: list[bool] = []
+
+    def woken_after_the_look(remote, v):
+        keepers = real_doomed(remote, v)  # the lease still looks dead: v1 is doomed
+        monkeypatch.setattr(remote_mod.Remote, "now", real_now)
+        woke.append(held._beat(now=real_now(held.remote) + AGED))  # old, v1's manifest there: rewritten, reads on
+        lease.check_held(held)
+        return keepers
+
+    monkeypatch.setattr(remote_gc, "_still_doomed", woken_after_the_look)
+    messages: list[str] = []
+    try:
+        remote_gc.collect(s3_env.url(), echo=messages.append)
+        assert woke == [True]
+        assert "remove vae/v1" in messages, messages
+        assert s3_env.client().list_objects_v2(Bucket=s3_env.bucket, Prefix="store/vae/v1/").get("KeyCount") == 0
+        assert _lease_objects(s3_env) == []  # refreshed, but it names v1: removed with it
+        assert any(m.startswith("remove the lease of pipeline train") and "vae/v1 is removed" in m
+                   for m in messages), messages
+        assert held._beat() is False  # the next beat: removed, never written again
+        assert _lease_objects(s3_env) == []
+        with pytest.raises(lease.LeaseLost, match=r"pipeline train on .* was removed .*vae v1.*Rerun"):
+            lease.check_held(held)
+    finally:
+        held.release()
+    lease.check_held()
