@@ -15,11 +15,14 @@ from pathlib import Path
 from launch_ports import Logged, start_host_first
 
 REPO = Path(__file__).resolve().parents[2]
-SETTLE_SECONDS = 5  # how long rank 0 must stay up after its work before rank 1 polls again (it exited within 1 s)
+BOUND_SECONDS = 240  # the hook's waits for the other rank: past it the hook ends its rank loudly (exit 97)
 
-# Rank 1's first sleep between two polls lasts until rank 0's process has ended, or until rank 0 has outlived its
-# work by SETTLE_SECONDS (it waits for rank 1 to have seen the mark); rank 0's work starts only once rank 1 sleeps
-# there (so rank 1 surely polls again after rank 0's mark), and rank 0 waits for rank 1 longer than rank 1 holds.
+# Rank 1's first sleep between two polls lasts until rank 0's process has ended, or until rank 0 has entered its
+# wait for every rank to have seen the done mark (a mark of the hook on `_count_and_wait`, after the work): by
+# order, not time, so before the fix rank 1 surely polls again only once rank 0 is gone, however slow its exit.
+# Rank 0's work starts only once rank 1 sleeps there (so rank 1 surely polls again after rank 0's mark), and rank 0
+# waits for rank 1 longer than rank 1 can take. A hook wait that outlives BOUND_SECONDS fails the test, never
+# lets it pass.
 HOOK = """\
 import os, sys, time, types
 from pathlib import Path
@@ -27,21 +30,29 @@ if os.environ.get("RANK") in ("0", "1"):
     import psutil
     from models import collective
     marks = Path(os.environ["TEST_MARKS"])
-    def wait_for(done, bound=120):
-        deadline = time.monotonic() + bound
-        while not done() and time.monotonic() < deadline:
+    def wait_for(done, what):
+        deadline = time.monotonic() + BOUND_SECONDS
+        while not done():
+            if time.monotonic() > deadline:
+                print(f"HOOK rank {os.environ['RANK']} gave up waiting for {what}", file=sys.stderr, flush=True)
+                os._exit(97)
             time.sleep(0.05)
     if os.environ["RANK"] == "0":
-        collective.HOST_WAIT_SECONDS = 120
-        real_main_alone = collective.main_alone
+        collective.HOST_WAIT_SECONDS = BOUND_SECONDS
+        real_main_alone, real_count_and_wait = collective.main_alone, collective._count_and_wait
+        worked = []
         def main_alone(world, what, work, *args, **kwargs):
             def held():
-                wait_for((marks / "rank-1-sleeps").exists)
+                wait_for((marks / "rank-1-sleeps").exists, "rank 1 to sleep in its poll")
                 result = work()
-                (marks / "rank-0-worked").write_text(str(time.time()))
+                worked.append(1)
                 return result
             return real_main_alone(world, what, held, *args, **kwargs)
-        collective.main_alone = main_alone
+        def count_and_wait(*args, **kwargs):
+            if worked:  # after the work: rank 0's wait for the others to have seen its done mark
+                (marks / "rank-0-waits").touch()
+            return real_count_and_wait(*args, **kwargs)
+        collective.main_alone, collective._count_and_wait = main_alone, count_and_wait
     else:
         host = int(os.environ["TEST_RANK_0_PID"])
         def rank_0_gone():
@@ -49,16 +60,15 @@ if os.environ.get("RANK") in ("0", "1"):
                 return psutil.Process(host).status() == psutil.STATUS_ZOMBIE
             except psutil.NoSuchProcess:
                 return True
-        def rank_0_settled():
-            done = marks / "rank-0-worked"
-            return done.exists() and time.time() - float(done.read_text() or "inf") > SETTLE_SECONDS
+        def rank_0_waits():
+            return (marks / "rank-0-waits").exists()
         held = []
         def sleep(seconds):
             if not held:
                 held.append(1)
                 (marks / "rank-1-sleeps").touch()
-                wait_for(lambda: rank_0_gone() or rank_0_settled())
-                print(f"HOOK rank 1 polls again, rank 0 {'gone' if rank_0_gone() else 'up'}", file=sys.stderr,
+                wait_for(lambda: rank_0_gone() or rank_0_waits(), "rank 0 to end or to wait for this rank")
+                print(f"HOOK rank 1 polls again, rank 0 {'waits' if rank_0_waits() else 'gone'}", file=sys.stderr,
                       flush=True)
             time.sleep(seconds)
         clock = types.SimpleNamespace(**{name: getattr(time, name) for name in dir(time) if not name.startswith("_")})
@@ -74,7 +84,7 @@ def test_resize_bucket_on_a_plain_launch_ends_0_on_every_rank_when_rank_0_finish
     make_demo_data(tmp_path / "data", n=2, fmt="folder", max_controls=2, seed=1)
     hook, marks = tmp_path / "hook", tmp_path / "marks"
     hook.mkdir()
-    (hook / "sitecustomize.py").write_text(HOOK.replace("SETTLE_SECONDS", str(SETTLE_SECONDS)))
+    (hook / "sitecustomize.py").write_text(HOOK.replace("BOUND_SECONDS", str(BOUND_SECONDS)))
     base = {**os.environ, "PYTHONPATH": os.pathsep.join([str(hook), str(REPO)]), "HF_HUB_OFFLINE": "1",
             "OMP_NUM_THREADS": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}
     for name in ("TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT"):
@@ -105,5 +115,6 @@ def test_resize_bucket_on_a_plain_launch_ends_0_on_every_rank_when_rank_0_finish
     assert "images v1: 2 samples written" in out_0, out_0[-2000:]
     assert "HOOK rank 1 polls again" in err_1, err_1[-3000:]  # it slept in its poll while rank 0 finished
     assert (code_0, code_1) == (0, 0), f"rank 0:\n{err_0[-2000:]}\nrank 1:\n{err_1[-3000:]}"
+    assert "HOOK rank 1 polls again, rank 0 waits" in err_1, err_1[-3000:]  # rank 0 outlived rank 1's next poll
     assert "rank 1: resize-bucket ran on rank 0 alone; this rank waited for it" in err_1, err_1[-3000:]
     assert "error:" not in err_0 + err_1, err_1[-3000:]
