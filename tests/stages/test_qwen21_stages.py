@@ -343,7 +343,8 @@ def test_21_two_processes_train_the_same_lora_as_one(tiny_21_model, tmp_path):
     run(load_config(cfg_file, {"train.batch_size": 2, "train.device": "cpu"}), store, tiny_21_model,
         tmp_path / "one")
     (rc0, _, err0), (rc1, _, err1) = launch_two(
-        "rank_cli.py", "run", "train", "--store", str(store), "--model", tiny_21_model, "--out", str(tmp_path / "two"),
+        "rank_cli.py", "run", "train", "--store", str(store), "--model", tiny_21_model,
+        "--out", str(tmp_path / "two"),
         "--config", str(cfg_file), "--batch-size", "1", timeout=300)
     assert rc0 == rc1 == 0, (rc0, rc1, err0[-3000:], err1[-3000:])
     one, two = read_lora(tmp_path / "one" / "lora")[0], read_lora(tmp_path / "two" / "lora")[0]

@@ -40,7 +40,8 @@ def test_two_ranks_validate_halves_and_match_one_process(tiny_edit_model, tmp_pa
 
     run(load_config(cfg_file, {"train.batch_size": 4, "train.device": "cpu"}), store, tiny_edit_model, tmp_path / "one")
     (rc0, out0, err0), (rc1, out1, err1) = launch_two(
-        "rank_cli.py", "run", "train", "--store", str(store), "--model", tiny_edit_model, "--out", str(tmp_path / "two"),
+        "rank_cli.py", "run", "train", "--store", str(store), "--model", tiny_edit_model,
+        "--out", str(tmp_path / "two"),
         "--config", str(cfg_file), "--batch-size", "2", timeout=600)
     assert rc0 == rc1 == 0, (rc0, rc1, err0[-3000:], err1[-3000:])
     assert (out0 + out1).count("step 2: val loss") == 1  # logged once, by the main process
