@@ -13,8 +13,5 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_
 # longest files first, one torch thread per process (tests/conftest.py: two processes with torch's default threads
 # oversubscribed the 2 cores). Three at a time, measured before that ordering: 19.0 min against 20.0 for two, not
 # worth the load. Tests that launch ranks take free ports and start them warm (tests/warm_start.py); every test
-# writes under its own tmp_path. --no-loadscope-reorder: pytest-xdist (>= 3.6) hands out files by their number of
-# tests unless told not to, which put the launch-heavy files of one test each (test_train_ddp.py,
-# test_validate_ranks.py, ...) last and the longest files (tests/conftest.py SLOW_FILES_FIRST) midway: a long last
-# file keeps one worker busy while the other has nothing left to do.
-python -m pytest tests -n 2 --dist loadfile --no-loadscope-reorder "$@"
+# writes under its own tmp_path.
+python -m pytest tests -n 2 --dist loadfile "$@"

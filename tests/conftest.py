@@ -92,8 +92,7 @@ def tiny_21_model(tmp_path_factory) -> str:
 # first: with `--dist loadfile` a long file left for the end (tests/store/ and the root's files are collected
 # last) keeps one worker busy while the other has nothing left to do. 2026-12-03: the 2.1 rehearsal moved from
 # test_rehearsal.py to test_tiny_model_21.py (one rehearsal each now); test_signals.py's processes start warm
-# (about a third of its time), so it left the list. The workers get files in this order only with xdist's
-# --no-loadscope-reorder (scripts/test.sh): by default xdist hands them out by their number of tests.
+# (about a third of its time), so it left the list.
 SLOW_FILES_FIRST = ("tests/stages/test_remote_multinode.py", "tests/stages/test_evaluate_checkpoints_ranks.py",
                     "tests/stages/test_rank_stale_view.py", "tests/pipeline/test_rehearsal.py",
                     "tests/models/test_tiny_model_21.py", "tests/store/test_remote_maintenance.py",
