@@ -69,3 +69,15 @@ def test_a_preloaded_library_comes_from_the_suites_pythonpath_as_in_a_cold_start
     warm = warm_start.run(args, env=env, timeout=120)
     assert cold.stdout == "True\n", cold
     assert (warm.returncode, warm.stdout) == (0, "True\n"), warm
+
+
+@pytest.mark.parametrize("new_session", [False, True])
+def test_a_warm_process_starts_a_session_of_its_own_as_a_cold_one_does(new_session):
+    """start_new_session (a launch test's "node": its torchrun agent and workers killed as one process group) makes
+    the child the leader of a new session and process group, warm as cold; without it, it leads neither."""
+    args = [sys.executable, "-c", "import os; print(os.getsid(0) == os.getpid(), os.getpgid(0) == os.getpid())"]
+    cold = subprocess.run(args, capture_output=True, text=True, timeout=120, start_new_session=new_session)
+    warm = warm_start.WarmProcess(args, start_new_session=new_session)
+    stdout, _ = warm.communicate(timeout=120)
+    assert cold.stdout == f"{new_session} {new_session}\n", cold
+    assert (warm.returncode, stdout) == (0, cold.stdout)

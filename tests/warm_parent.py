@@ -2,7 +2,8 @@
 libraries once, then forks one child per request, each child running `python SCRIPT ARGS` as a cold start would.
 
 Requests on stdin, one JSON object a line: {"id": I, "argv": [SCRIPT | -m MODULE | -c CODE, ARGS...], "env":
-{...}, "cwd": DIR, "out": FILE, "err": FILE}. Answers on stdout, one a line: {"id": I, "pid": N} for each request,
+{...}, "cwd": DIR, "out": FILE, "err": FILE, "session": BOOL} ("session": the child starts a session of its own,
+as subprocess.Popen's start_new_session). Answers on stdout, one a line: {"id": I, "pid": N} for each request,
 and {"exited": I, "returncode": R} as its child ends (R as subprocess.Popen gives it: -signal for a child a signal
 killed). Exits are told by request id, not pid: a pid is reused once its process is reaped (pid_max is 32768
 here), and a test may ask after a child long gone.
@@ -73,6 +74,8 @@ def _child(request: dict) -> None:
 
     code = 1
     try:
+        if request.get("session"):
+            os.setsid()
         # stdin is not the parent's request pipe, stdout not its answers: /dev/null and the test's files
         for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, request["out"], os.O_WRONLY | os.O_TRUNC),
                                 (2, request["err"], os.O_WRONLY | os.O_TRUNC)):

@@ -75,15 +75,16 @@ class _Parent:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def fork(self, argv: list[str], env: dict[str, str], cwd: str, out: str, err: str) -> tuple[int, int]:
-        """(request id, pid) of a new child."""
+    def fork(self, argv: list[str], env: dict[str, str], cwd: str, out: str, err: str,
+             session: bool = False) -> tuple[int, int]:
+        """(request id, pid) of a new child (`session`: in a session of its own)."""
         if not self._ready.wait(READY_SECONDS) or not self.alive():
             self._err.seek(0)
             raise AssertionError(f"the warm parent did not start: {self._err.read()[-3000:]}")
         with self._changed:
             rid = next(self._ids)
             self.proc.stdin.write(json.dumps({"id": rid, "argv": argv, "env": env, "cwd": cwd, "out": out,
-                                              "err": err}) + "\n")
+                                              "err": err, "session": session}) + "\n")
             self.proc.stdin.flush()
             if not self._changed.wait_for(lambda: rid in self.pids or not self.alive(), READY_SECONDS):
                 raise AssertionError("the warm parent did not answer a fork request")
@@ -117,9 +118,11 @@ def _close() -> None:
 
 class WarmProcess(OutputFiles):
     """`python SCRIPT ARGS` forked by a warm parent; the part of subprocess.Popen the launch tests use (pid, poll,
-    wait, returncode, send_signal, kill) and, as tests/launch_ports.py's Logged, communicate and output."""
+    wait, returncode, send_signal, kill, start_new_session) and, as tests/launch_ports.py's Logged, communicate
+    and output."""
 
-    def __init__(self, args: list[str], env: dict[str, str] | None = None, cwd: str | Path | None = None) -> None:
+    def __init__(self, args: list[str], env: dict[str, str] | None = None, cwd: str | Path | None = None,
+                 start_new_session: bool = False) -> None:
         assert Path(args[0]).resolve() == Path(sys.executable).resolve(), args
         assert args[1] in ("-c", "-m") or (args[1].endswith(".py") and not args[1].startswith("-")), args
         self.args = args
@@ -127,7 +130,7 @@ class WarmProcess(OutputFiles):
         env = dict(os.environ if env is None else env)
         self._parent = _parent_for(env)
         self._id, self.pid = self._parent.fork(args[1:], env, str(cwd or os.getcwd()), self._files[0].name,
-                                               self._files[1].name)
+                                               self._files[1].name, start_new_session)
         self.returncode: int | None = None
 
     def poll(self) -> int | None:

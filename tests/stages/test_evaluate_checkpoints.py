@@ -670,7 +670,11 @@ def test_a_step_retrained_to_the_same_weights_is_not_evaluated_again(run_and_sto
     assert res.up_to_date and res.evaluated == 0
     assert not [p for p in out.iterdir() if p.name.startswith("losses.") and p.name != GROUP]  # nothing set aside
 
-    write_in_processes(tiny_edit_model, {3: [(run / "step-20", 5.0)]})  # trained otherwise: other weights
+    # trained otherwise: other weights (written here: other bytes need no process of their own, and a cold one
+    # costs seconds of imports)
+    transformer = load_component(tiny_edit_model, "transformer")
+    add_checkpoint_lora(transformer)
+    _write_lora(transformer, run / "step-20", 5.0)
     res = ev.run(EvaluateConfig(**CFG), run_and_store / "store", tiny_edit_model, ckpts, out, skip_if_done=True)
     assert not res.up_to_date and res.evaluated == 2  # the array went aside: step 20 is not the weights recorded
 

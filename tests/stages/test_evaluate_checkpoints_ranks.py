@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import xarray as xr
 from schemas.config import EvaluateConfig
 from stages.evaluate import checkpoints as ev
 from store.loss_array import GROUP
+import warm_start
 from test_evaluate_checkpoints import CFG, _ckpts, run_and_store  # noqa: F401 (the module fixture)
 
 REPO = Path(__file__).resolve().parents[2]
@@ -31,16 +31,17 @@ ENV.pop("WORLD_SIZE", None)
 # checkpoint (a step all ranks take `together`), inside the CLI's own run
 FAILING_RANK = """
 import os, sys
+FAIL_IN = sys.argv.pop(1)  # an argument, not a variable: the ranks' environment is every rank test's (one warm parent)
 import models.lora
 from stages.evaluate import checkpoints as ev
 from schemas.errors import UserError
 real_grid, real_load = ev.loss_grid, models.lora.load_lora
 def loss_grid(*a, **k):
-    if os.environ["RANK"] == "1" and os.environ["FAIL_IN"] == "loss" and "step 20" in a[-1]:
+    if os.environ["RANK"] == "1" and FAIL_IN == "loss" and "step 20" in a[-1]:
         raise UserError("rank 1 cannot compute step 20 (injected)")
     return real_grid(*a, **k)
 def load_lora(transformer, path, *a, **k):
-    if os.environ["RANK"] == "1" and os.environ["FAIL_IN"] == "load" and "step-20" in str(path):
+    if os.environ["RANK"] == "1" and FAIL_IN == "load" and "step-20" in str(path):
         raise UserError("rank 1 cannot load step 20 (injected)")
     return real_load(transformer, path, *a, **k)
 ev.loss_grid, models.lora.load_lora = loss_grid, load_lora
@@ -60,9 +61,9 @@ def _args(root, model, out) -> list[str]:
 def test_two_ranks_give_the_one_process_numbers(run_and_store, tiny_edit_model, tmp_path):
     root = run_and_store
     one = ev.run(EvaluateConfig(**CFG), root / "store", tiny_edit_model, _ckpts(root), tmp_path / "one")
-    proc = subprocess.run([sys.executable, "-m", "pipeline.cli", "launch", "--standalone", "--nproc-per-node", "2",
-                           *_args(root, tiny_edit_model, tmp_path / "two")],
-                          env=ENV, capture_output=True, text=True, timeout=600)
+    # the launcher started warm (tests/warm_start.py: torch imported already); its two ranks are torchrun's own
+    proc = warm_start.run([sys.executable, "-m", "pipeline.cli", "launch", "--standalone", "--nproc-per-node", "2",
+                           *_args(root, tiny_edit_model, tmp_path / "two")], env=ENV, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("best checkpoint step 20") == 1  # rank 0 reports, once
     a, b = xr.open_zarr(tmp_path / "one" / GROUP), xr.open_zarr(tmp_path / "two" / GROUP)
@@ -88,16 +89,19 @@ def test_two_ranks_give_the_one_process_numbers(run_and_store, tiny_edit_model, 
 @pytest.mark.parametrize("fail_in", ["loss", "load"])
 def test_a_failing_rank_stops_both_with_its_line_and_the_rerun_resumes(fail_in, run_and_store, tiny_edit_model,
                                                                       tmp_path):
+    from two_ranks import launch_two
+
     root, out = run_and_store, tmp_path / "report"
     script = tmp_path / "failing_rank.py"
     script.write_text(FAILING_RANK)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(script), *_args(root, tiny_edit_model, out)],
-                          env={**ENV, "FAIL_IN": fail_in}, capture_output=True, text=True, timeout=600)
-    assert proc.returncode != 0
-    # the failing rank's line, printed by a rank as it stops (torchrun then ends the other and prints its box)
+    # ranks 0 and 1 started warm, as the other rank tests here (tests/stages/two_ranks.py), not under torchrun
+    # (its agent and two cold ranks: ~18 s of imports): no launcher ends the rank left running, it stops itself
+    (rc0, out0, err0), (rc1, out1, err1) = launch_two(str(script), fail_in, *_args(root, tiny_edit_model, out),
+                                                      timeout=300)
+    assert rc0 != 0 and rc1 != 0, (rc0, rc1, err0[-2000:], err1[-2000:])
+    # the failing rank's line, printed by a rank as it stops
     what = "compute" if fail_in == "loss" else "load"
-    assert f"error: rank 1 cannot {what} step 20 (injected)" in proc.stdout + proc.stderr, proc.stderr[-3000:]
+    assert f"error: rank 1 cannot {what} step 20 (injected)" in out0 + err0 + out1 + err1, (err0[-3000:], err1[-3000:])
     # newest first: step 30 committed before the failure at step 20, and kept
     assert list(xr.open_zarr(out / GROUP).step.values) == [30]
 

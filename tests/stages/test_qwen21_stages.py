@@ -324,15 +324,13 @@ def test_21_lora_merge_gives_a_folder_the_stock_pipeline_loads_with_the_lora_fus
 
 def test_21_two_processes_train_the_same_lora_as_one(tiny_21_model, tmp_path):
     """DDP on 2.1 goes through the `Qwen21Batched` wrapper, so the ranks' gradients are all-reduced: two gloo
-    processes at batch 1 train the LoRA one process trains at batch 2 (slow: two fresh interpreters)."""
-    import os
-    import sys
-
+    processes at batch 1 train the LoRA one process trains at batch 2 (two processes of their own, started warm
+    through the CLI's entry point: tests/stages/two_ranks.py)."""
     import yaml
 
-    from launch_ports import run_retrying_port
     from models.lora import read_lora
     from stages.train.recipe import run
+    from two_ranks import launch_two
 
     # 4 samples: global batch 2 gives the same two steps (same pairs) at 1 x 2 and 2 x 1
     store = write_store21(tmp_path / "s", MIXED[:4])
@@ -344,14 +342,11 @@ def test_21_two_processes_train_the_same_lora_as_one(tiny_21_model, tmp_path):
     cfg_file.write_text(yaml.safe_dump({"train": train}))
     run(load_config(cfg_file, {"train.batch_size": 2, "train.device": "cpu"}), store, tiny_21_model,
         tmp_path / "one")
-    cmd = lambda port: [  # noqa: E731
-        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(port),
-        "-m", "pipeline.cli", "run", "train", "--store", str(store), "--model", tiny_21_model,
-        "--out", str(tmp_path / "two"), "--config", str(cfg_file), "--batch-size", "1"]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    proc = run_retrying_port(cmd, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    (rc0, _, err0), (rc1, _, err1) = launch_two(
+        "rank_cli.py", "run", "train", "--store", str(store), "--model", tiny_21_model,
+        "--out", str(tmp_path / "two"),
+        "--config", str(cfg_file), "--batch-size", "1", timeout=300)
+    assert rc0 == rc1 == 0, (rc0, rc1, err0[-3000:], err1[-3000:])
     one, two = read_lora(tmp_path / "one" / "lora")[0], read_lora(tmp_path / "two" / "lora")[0]
     diff = torch.cat([(one[k] - two[k]).abs().flatten() for k in one])
     assert one.keys() == two.keys() and diff.max() <= 1e-4 * 0.01 * 2, diff.max()  # float reassociation only

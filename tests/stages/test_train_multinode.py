@@ -10,25 +10,31 @@ import sys
 from pathlib import Path
 
 from launch_ports import Logged, start_host_first
+from warm_start import PER_LAUNCH, WarmProcess
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def start_nodes(cli_args: list[str], node_env: tuple[dict, dict] = ({}, {}),
-                node_args: tuple[list[str], list[str]] = ([], [])) -> list[Logged]:
+                node_args: tuple[list[str], list[str]] = ([], [])) -> list[Logged | WarmProcess]:
     """`torchrun --nnodes 2 --node-rank K --nproc-per-node 1 -m pipeline.cli ARGS` for K = 0, 1: two "nodes" on
     this machine, a static rendezvous hosted by node 0 on 127.0.0.1 (a free port: node 1 starts once node 0
     listens there, tests/launch_ports.py). Each in its own session, so a test can kill a whole node (its torchrun
     agent and worker). `node_env` / `node_args`: each node's own environment and extra arguments (e.g. its
-    --cache-dir). Their output goes to files: `communicate()` returns it."""
+    --cache-dir). Their output goes to files: `communicate()` returns it.
+    The agents start warm (tests/warm_start.py: torch imported already, ~2 s of CPU less each; their workers are
+    torchrun's own cold processes) where the nodes' environments add only per-launch variables: another variable
+    would take a warm parent of its own, which costs more than the agents' imports."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    warm = all(name in PER_LAUNCH for extra in node_env for name in extra)
 
-    def start(node: int, port: int) -> Logged:
-        return Logged(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
-             "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
-             "-m", "pipeline.cli", *cli_args, *node_args[node]],
-            env={**env, **node_env[node]}, start_new_session=True)
+    def start(node: int, port: int) -> Logged | WarmProcess:
+        args = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+                "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
+                "-m", "pipeline.cli", *cli_args, *node_args[node]]
+        if warm:
+            return WarmProcess(args, env={**env, **node_env[node]}, start_new_session=True)
+        return Logged(args, env={**env, **node_env[node]}, start_new_session=True)
 
     return start_host_first(start, 2)
 
@@ -46,7 +52,7 @@ def nodes_ended(cli_args: list[str], node_env: tuple[dict, dict] = ({}, {}),
     return [(node.returncode, err) for node, (_, err) in zip(nodes, outputs)]
 
 
-def kill_node(node: Logged) -> None:
+def kill_node(node: Logged | WarmProcess) -> None:
     """SIGKILL a whole "node": its torchrun agent's process group and its workers, which torchrun starts in
     sessions of their own (a worker left alive would hold the node's output pipes open)."""
     import signal

@@ -1,27 +1,22 @@
-"""Validation on every rank: two gloo processes (`accelerate launch`, one launch) each compute half of the val
-split and sum the per-row losses; the held-out numbers equal one process computing them all, and both runs
-write them into RUN/losses.zarr (the layout of evaluate --all-checkpoints) as the validation steps happen."""
+"""Validation on every rank: two gloo processes (the CLI's entry point, started warm: tests/stages/two_ranks.py)
+each compute half of the val split and sum the per-row losses; the held-out numbers equal one process computing
+them all, and both runs write them into RUN/losses.zarr (the layout of evaluate --all-checkpoints) as the
+validation steps happen."""
 
 from __future__ import annotations
-
-import os
-import sys
-from pathlib import Path
 
 import numpy as np
 import torch
 import xarray as xr
 import yaml
 
-from launch_ports import run_retrying_port
 from models.loading import load_component
 from models.lora import add_lora, save_lora
 from pipeline.config import load_config
 from schemas.config import LoraConfig
 from stages.train.recipe import run
 from train_store import make_train_store, mixed_specs
-
-REPO = Path(__file__).resolve().parents[2]
+from two_ranks import launch_two
 
 
 def test_two_ranks_validate_halves_and_match_one_process(tiny_edit_model, tmp_path):
@@ -44,17 +39,12 @@ def test_two_ranks_validate_halves_and_match_one_process(tiny_edit_model, tmp_pa
     cfg_file.write_text(yaml.safe_dump({"train": train}))
 
     run(load_config(cfg_file, {"train.batch_size": 4, "train.device": "cpu"}), store, tiny_edit_model, tmp_path / "one")
-    cmd = lambda port: [  # noqa: E731
-        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-        "--main_process_port", str(port),
-        "-m", "pipeline.cli", "run", "train", "--store", str(store), "--model", tiny_edit_model,
-        "--out", str(tmp_path / "two"), "--config", str(cfg_file), "--batch-size", "2",
-    ]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = run_retrying_port(cmd, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("step 2: val loss") == 1  # logged once, by the main process
+    (rc0, out0, err0), (rc1, out1, err1) = launch_two(
+        "rank_cli.py", "run", "train", "--store", str(store), "--model", tiny_edit_model,
+        "--out", str(tmp_path / "two"),
+        "--config", str(cfg_file), "--batch-size", "2", timeout=600)
+    assert rc0 == rc1 == 0, (rc0, rc1, err0[-3000:], err1[-3000:])
+    assert (out0 + out1).count("step 2: val loss") == 1  # logged once, by the main process
 
     one, two = xr.open_zarr(tmp_path / "one" / "losses.zarr"), xr.open_zarr(tmp_path / "two" / "losses.zarr")
     assert list(one.step.values) == list(two.step.values) == [1, 2]
