@@ -4,7 +4,9 @@ stored with the sample, so a rerun recomputes exactly those and carries the rest
 A fix bumps its stage's feature revision (`code_version`); the feature lineage under the revision before it is
 still accepted for a sample the fix leaves unchanged (store/reuse.py `reusable(..., changed=...)`). Each
 predicate below answers "does the fix change this stored sample?" and errs towards yes when the metadata cannot
-tell (a sample recomputed needlessly costs time; one reused wrongly is a silently wrong feature).
+tell (a sample recomputed needlessly costs time; one reused wrongly is a silently wrong feature). A predicate
+is asked once per distinct value of the columns declared with it (stages/encode/plan.py `Fixes.reads`,
+stages/resize/stage.py `MASK_FIX`; store/row_rule.py), never per row: it reads those columns only (not the key).
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -22,6 +23,7 @@ from schemas.errors import UserError
 from schemas.newer import WrittenByNewer
 from store import format as fmt
 from store.manifest_files import checked_manifest, read_schema
+from store.row_rule import RowRule
 
 if TYPE_CHECKING:
     from store.store import Store
@@ -31,13 +33,14 @@ FEATURE_LINEAGE_ATTR = "feature_lineage"
 # the version's feature lineage as its stage's revision before its latest fixes computed it (schemas/fixes.py)
 LINEAGE_BEFORE_FIXES_ATTR = "feature_lineage_before_fixes"
 
-# feature lineage -> "does a fix made since change this stored row?" (schemas/fixes.py): a version recorded under
-# the lineage before a fix holds the features wanted only for the rows the fix leaves unchanged
-Changed = dict[str, Callable[[dict[str, Any]], bool]]
+# feature lineage -> stored rows -> "does a fix made since change each?" (schemas/fixes.py, for whole columns:
+# store/row_rule.py): a version recorded under the lineage before a fix holds the features wanted only for the
+# rows the fix leaves unchanged
+Changed = dict[str, Callable[[pa.Table], np.ndarray]]
 
 
-def _unchanged(rows: pa.Table, changed: Callable[[dict[str, Any]], bool]) -> pa.Table:
-    return rows.filter(pa.array([not changed(r) for r in rows.to_pylist()], pa.bool_()))
+def _unchanged(rows: pa.Table, changed: Callable[[pa.Table], np.ndarray]) -> pa.Table:
+    return rows.filter(pa.array(~changed(rows), pa.bool_()))
 
 
 def marked_versions(store: Store, table: str) -> list[int]:
@@ -146,12 +149,12 @@ def reusable(store: Store, table: str, lineage_hash: str | Iterable[str], keys: 
 
 
 def reusable_keys(store: Store, table: str, lineage_hash: str, column: str,
-                  changed: Callable[[dict[str, Any]], bool] | None = None) -> dict[str, Any]:
+                  changed: RowRule | None = None) -> dict[str, object]:
     """key -> value of `column` (None where a version lacks it) for every key held by a complete version of
     `table` with this feature lineage (damaged samples left out when `checking_needed`; with `changed`, the rows
     a fix made since changes left out too)."""
     checking = checking_needed(store, table)
-    out: dict[str, Any] = {}
+    out: dict[str, object] = {}
     for v in store.versions(table):
         vdir = store.version_dir(table, v)
         try:
@@ -166,7 +169,7 @@ def reusable_keys(store: Store, table: str, lineage_hash: str, column: str,
                 continue
             damaged = plan.damaged
         try:
-            m = checked_manifest(vdir, None if changed is not None else ["key", column])
+            m = checked_manifest(vdir, list(dict.fromkeys(["key", column, *(changed.columns if changed else ())])))
         except UserError:  # damaged (DamagedData) or unreadable: recompute instead of carrying, as `reusable`
             continue
         if changed is not None:

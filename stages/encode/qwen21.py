@@ -50,17 +50,17 @@ TEXT_REVISION = "text21.2"
 # the 2.1 latents have always been hashed as encode-vae's "vae.1" (their model fingerprint tells them apart);
 # the RGBA fix of the Edit encoders (vae.2) does not concern them, the images' EXIF mask fix does
 VAE_REVISION = "vae.1"
-VAE_FIXES = Fixes(by_images=mask_was_turned)
+VAE_FIXES = Fixes(by_images=mask_was_turned, reads=("conversions",))
 
 
 def _caption_now_too_long(meta: dict[str, Any], row: dict[str, Any]) -> bool:
     """A text21.1 sample the caption-length quarantine (dca6a4d, 8f164a3) now rejects, from its stored length."""
-    length = row.get("length")
-    return length is None or caption_length_rejection_21(row["key"], int(length), meta.get("img_shapes")) is not None
+    length = row.get("length")  # (no key: the rule is asked once per distinct length and shapes, Fixes.reads)
+    return length is None or caption_length_rejection_21("", int(length), meta.get("img_shapes")) is not None
 
 
 # text21.1 encoded prompts past the transformer's frame positions (now quarantined): only those are redone
-TEXT_FIXES = Fixes("text21.1", by_revision=_caption_now_too_long)
+TEXT_FIXES = Fixes("text21.1", by_revision=_caption_now_too_long, reads=("img_shapes",))
 
 
 def reference_rejection(key: str, meta: dict[str, Any]) -> Rejected | None:

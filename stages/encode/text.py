@@ -59,7 +59,7 @@ FEATURE_REVISION = "text.2"
 # text.1 read an RGBA picture (resize.keep_alpha) as black where transparent (f6aa89f): its tables stay current,
 # and their samples are carried forward, except those with such a picture (re-encoded over white). The mask
 # (the images' own fix) is not read here.
-FIXES = Fixes("text.1", by_revision=lambda meta, row: has_alpha_picture(meta))
+FIXES = Fixes("text.1", by_revision=lambda meta, row: has_alpha_picture(meta), reads=("conversions",))
 COMPONENTS = ("text_encoder", "processor", "tokenizer")  # what the features depend on (per-sample reuse)
 # diffusers builds the Edit-Plus image prompt inline in `_get_qwen_prompt_embeds`; mirrored here, and recorded
 # in the lineage so a change of it means a new table version.

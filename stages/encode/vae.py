@@ -49,7 +49,8 @@ FEATURE_REVISION = "vae.2"
 # vae.1 read an RGBA picture (resize.keep_alpha) as black where transparent (f6aa89f): its tables stay current,
 # and their samples are carried forward, except those with such a picture; and those whose mask the images'
 # revision 2 turned (EXIF mask fix): their mask weights changed. Qwen-Image-2.1 (RGBA read as RGBA) has its own.
-FIXES = Fixes("vae.1", by_revision=lambda meta, row: has_alpha_picture(meta), by_images=mask_was_turned)
+FIXES = Fixes("vae.1", by_revision=lambda meta, row: has_alpha_picture(meta), by_images=mask_was_turned,
+              reads=("conversions",))
 COMPONENTS = ("vae",)  # what the latents depend on: another model with the same VAE files reuses them
 
 

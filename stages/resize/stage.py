@@ -24,6 +24,7 @@ from tqdm import tqdm
 from schemas.config import PipelineConfig, ResizeConfig
 from schemas import FieldSpec, Lineage, TableSchema, UserError
 from schemas.errors import Rejected
+from schemas.fixes import mask_orientation_changes
 from schemas.lineage import code_version
 from schemas.up_to_date import is_current
 from schemas.img_shapes import PIXELS_PER_PATCH, img_shapes_from_pixels
@@ -36,6 +37,7 @@ from stages.resize.known_sources import clean_caption
 from stages.resize.folder_listing import remembered
 from stages.resize.moved_source import Moved, recorded_source
 from stages.resize.sources import SourceSample, detect_format, iter_source
+from store.row_rule import RowRule
 
 if TYPE_CHECKING:
     from store import Store
@@ -48,6 +50,9 @@ FEATURE_REVISION = 2
 # current, and their samples are carried forward, unless they hold a sample that fix renders differently
 # (schemas/fixes.py `mask_orientation_changes`): only those are re-rendered.
 REVISION_BEFORE_FIXES = 1
+# a sample rendered before the EXIF mask fix that it renders differently: asked once per distinct value of the
+# columns it reads over a whole version (store/row_rule.py)
+MASK_FIX = RowRule(mask_orientation_changes, ("has_mask", "conversions"))
 PNG_COMPRESS_LEVEL = 3  # lossless either way; 3 is ~3x faster than the default 6 for a few % more bytes
 
 
@@ -393,7 +398,6 @@ def _as_repair_expects(schema: TableSchema) -> TableSchema:
 def _unchanged_by_fixes(st: Store, schema: TableSchema) -> int | None:
     """A complete version made before the fixes of this revision, none of whose samples they change: still
     current (its downstream tables too). One with such a sample is not: a new version re-renders those."""
-    from schemas.fixes import mask_orientation_changes
     from schemas.lineage import settings_hash
     from store.manifest_files import checked_manifest
     from store.reuse import unchanged_by_fixes
@@ -404,10 +408,10 @@ def _unchanged_by_fixes(st: Store, schema: TableSchema) -> int | None:
 
     def none_changed() -> bool:
         try:
-            rows = checked_manifest(st.version_dir(TABLE, found), ["key", "has_mask", "conversions"]).to_pylist()
+            rows = checked_manifest(st.version_dir(TABLE, found), list(MASK_FIX.columns))
         except UserError:
             return False
-        return not any(mask_orientation_changes(r) for r in rows)
+        return not MASK_FIX(rows).any()
 
     # a yes is recorded with the version: a rerun of an unchanged store reads no rows (store/reuse.py)
     return found if unchanged_by_fixes(st, TABLE, found, settings_hash(schema.lineage.to_dict()), none_changed) \
@@ -449,11 +453,10 @@ def _damaged_current(st: Store) -> int | None:
 def _rendered_before(st: Store, schema: TableSchema) -> dict[str, str]:
     """key -> mask hash of every sample an earlier version rendered with the same pixel settings (or with the
     revision before this one's fixes, when they leave the sample unchanged)."""
-    from schemas.fixes import mask_orientation_changes
     from store.reuse import FEATURE_LINEAGE_ATTR, LINEAGE_BEFORE_FIXES_ATTR, reusable_keys
 
     now, before = schema.attrs[FEATURE_LINEAGE_ATTR], schema.attrs.get(LINEAGE_BEFORE_FIXES_ATTR)
-    fixed = {} if before is None else reusable_keys(st, TABLE, before, "mask_sha256", changed=mask_orientation_changes)
+    fixed = {} if before is None else reusable_keys(st, TABLE, before, "mask_sha256", changed=MASK_FIX)
     return fixed if now == before else {**fixed, **reusable_keys(st, TABLE, now, "mask_sha256")}
 
 
@@ -580,12 +583,11 @@ def _carry_forward(st: Store, writer: Any, schema: TableSchema, carry: dict[str,
                    summary: ResizeSummary) -> None:
     """Link the shards of samples rendered before with the same settings; their source and split are this
     run's (a view of the same pixels)."""
-    from schemas.fixes import mask_orientation_changes
     from store.reuse import FEATURE_LINEAGE_ATTR, LINEAGE_BEFORE_FIXES_ATTR, carry_forward, reusable
 
     now, before = schema.attrs[FEATURE_LINEAGE_ATTR], schema.attrs.get(LINEAGE_BEFORE_FIXES_ATTR)
     for version, rows in reusable(st, TABLE, (now, before or now), carry,
-                                  changed={before: mask_orientation_changes} if before else None).items():
+                                  changed={before: MASK_FIX} if before else None).items():
         keys = rows.column("key").to_pylist()
         views = {"source": {k: carry[k][0] for k in keys}, "split": {k: carry[k][1] for k in keys}}
         summary.reused += carry_forward(writer, version, rows, views)  # counted in the summary from the version

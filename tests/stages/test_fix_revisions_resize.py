@@ -99,20 +99,21 @@ def test_a_table_the_fix_leaves_unchanged_stays_current(monkeypatch, tmp_path):
     # The scan's answer is kept with the version: a rerun of the unchanged store reads no row's metadata.
     import json
 
-    import schemas.fixes
+    from store.row_rule import RowRule
 
     record = tmp_path / "store" / "images" / f"v{old.version}.unchanged.json"
     scanned = []
-    monkeypatch.setattr(schemas.fixes, "mask_orientation_changes", lambda row: scanned.append(row) or False)
+    columns = resize_stage.MASK_FIX.columns  # (the rule is asked once per distinct value of these: store/row_rule.py)
+    monkeypatch.setattr(resize_stage, "MASK_FIX", RowRule(lambda row: scanned.append(row) or False, columns))
     again = resize_stage.run(cfg, tmp_path / "src", tmp_path / "store")
     assert again.up_to_date and again.version == old.version and scanned == []
     # a record of another manifest (a version rebuilt under this number) is not trusted: scanned again
     record.write_text(json.dumps({**json.loads(record.read_text()), "version_id": f"v{old.version}-0123456789abcdef"}))
-    assert resize_stage.run(cfg, tmp_path / "src", tmp_path / "store").up_to_date and len(scanned) == old.written
+    assert resize_stage.run(cfg, tmp_path / "src", tmp_path / "store").up_to_date and scanned
     assert json.loads(record.read_text())["version_id"] == Store(tmp_path / "store").version_id("images", old.version)
     # nor is one answered for another lineage: a later fix (revision 3, its predicate saying "changed") scans the
     # version again and re-renders, never trusting the "none changed" its predecessor's scan recorded
     monkeypatch.setattr(resize_stage, "FEATURE_REVISION", 3)
-    monkeypatch.setattr(schemas.fixes, "mask_orientation_changes", lambda row: scanned.append(row) or True)
+    monkeypatch.setattr(resize_stage, "MASK_FIX", RowRule(lambda row: scanned.append(row) or True, columns))
     later = resize_stage.run(cfg, tmp_path / "src", tmp_path / "store")
     assert not later.up_to_date and later.version == old.version + 1 and later.written == old.written
