@@ -78,6 +78,8 @@ class KnownTars:
 
 def known_tars(st: Store, rendered_before: dict[str, str], hashes: FileHashes) -> KnownTars:
     """The tars recorded with the newest complete `images` version and unchanged now, with their offered rows."""
+    import pyarrow.compute as pc
+
     from schemas import UserError
     from store.integrity import DamagedData
     from store.manifest_files import checked_manifest
@@ -99,20 +101,22 @@ def known_tars(st: Store, rendered_before: dict[str, str], hashes: FileHashes) -
         return empty
     if not {"source", "source_hashes", "mask_sha256"} <= set(rows.column_names):
         return empty
+    # a source name twice (a key's members in two runs of one tar): which row is which sample is not known
+    counts = pc.value_counts(rows.column("source"))
+    twice = {_tar_of(s, unchanged) for s in pc.filter(counts.field("values"), pc.greater(counts.field("counts"), 1))
+             .to_pylist() if isinstance(s, str)}
     by_tar: dict[str, list[int]] = {}
-    names: dict[str, set[str]] = {}
     i = 0
     for batch in rows.to_batches(max_chunksize=65536):
-        for key, source, hashes_, mask in zip(*(batch.column(c).to_pylist() for c in (
-                "key", "source", "source_hashes", "mask_sha256"))):
+        n_hashes = pc.fill_null(pc.list_value_length(batch.column("source_hashes")), 0).to_pylist()
+        for key, source, n, mask in zip(batch.column("key").to_pylist(), batch.column("source").to_pylist(),
+                                        n_hashes, batch.column("mask_sha256").to_pylist()):
             tar = _tar_of(source, unchanged) if isinstance(source, str) else None
-            if tar is not None and hashes_ and mask is not None and rendered_before.get(key) == mask:
+            if tar is not None and n and mask is not None and rendered_before.get(key) == mask:
                 by_tar.setdefault(tar, []).append(i)
-                names.setdefault(tar, set()).add(source)
             i += 1
-    # a source name twice (a key's members in two runs of one tar): which row is which sample is not known
-    by_tar = {t: idx for t, idx in by_tar.items() if len(names[t]) == len(idx)}
-    return KnownTars(hashes, {t: recorded[t] for t in unchanged}, rows, by_tar)
+    return KnownTars(hashes, {t: recorded[t] for t in unchanged}, rows,
+                     {t: idx for t, idx in by_tar.items() if t not in twice})
 
 
 def _valid(value: object) -> dict[str, tuple[str, int]]:
