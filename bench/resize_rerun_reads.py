@@ -97,7 +97,7 @@ def tar_run(src: Path, store: Path, before: bool, val_fraction: float) -> tuple[
     sources.open_shard = lambda url: _Counted(real[0](url), streamed)
     tarfile.open, file_hashes.file_sha256, content.file_sha256 = tar_open, sha, sha
     if before:  # no record read: every tar streamed, as before
-        known_tars.known_tars = lambda st, rb, h: known_tars.KnownTars(h, {}, None, {})
+        known_tars.known_tars = lambda st, rb, h, mb: known_tars.KnownTars(h, {}, None, {})
     try:
         t = time.perf_counter()
         stage.run(load_config(None, {**SETTINGS, "resize.val_fraction": val_fraction}), src, store)

@@ -7,7 +7,7 @@ mtime_ns and ctime_ns are those it was hashed at), the one the listing hash (con
 every local tar there already (one pass, cached), so recording it costs no read. Each run records, beside the
 version it commits (store/version_notes.py, note `source-tars`), each local tar it read whole or carried: its
 sha256 before and after it was streamed (unchanged meanwhile) and how many samples the reader yielded from it,
-problem samples included.
+problem samples included, and the resize.max_file_bytes it read them under.
 
 A rerun carries a tar unread only when its sha256 is the recorded one and every one of its samples has a row in
 that version, offered as known_sources offers rows (rendered with the settings in force): as many rows under
@@ -15,7 +15,8 @@ that version, offered as known_sources offers rows (rendered with the settings i
 as a duplicate (no row) is read again, and gives its quarantine rows as a fresh run does. Its samples are yielded
 with `known` (the stage judges them by their recorded key, control count and mask) in the version's row order,
 not the tar's: within one such tar every key is distinct (rows of one table), so only the tars' order matters,
-which is kept. A sample the stage must judge from its bytes after all (a copy of a key met in an earlier tar)
+which is kept. Nothing is carried under a lower resize.max_file_bytes than recorded (a member now over it is
+refused by the reader). A sample the stage must judge from its bytes after all (a copy of a key met in an earlier tar)
 is read from its tar alone (`reread`, sources.py). Not carried: tars at URLs (no file-hash cache row), a tar
 whose name is not UTF-8, one unreadable now or not a regular file.
 """
@@ -76,7 +77,7 @@ class KnownTars:
         self.seen[tar] = [sha256, samples]
 
 
-def known_tars(st: Store, rendered_before: dict[str, str], hashes: FileHashes) -> KnownTars:
+def known_tars(st: Store, rendered_before: dict[str, str], hashes: FileHashes, max_file_bytes: int) -> KnownTars:
     """The tars recorded with the newest complete `images` version and unchanged now, with their offered rows."""
     import pyarrow.compute as pc
 
@@ -90,7 +91,7 @@ def known_tars(st: Store, rendered_before: dict[str, str], hashes: FileHashes) -
     if newest is None or not rendered_before:
         return empty
     value = read_note(st, TABLE, newest[0], NOTE)
-    recorded = _valid(value)
+    recorded = _valid(value, max_file_bytes)
     now = KnownTars(hashes, recorded, None, {})
     unchanged = {t for t, (sha, _) in recorded.items() if now.identity(t) == sha}
     if not unchanged:
@@ -119,10 +120,17 @@ def known_tars(st: Store, rendered_before: dict[str, str], hashes: FileHashes) -
                      {t: idx for t, idx in by_tar.items() if t not in twice})
 
 
-def _valid(value: object) -> dict[str, tuple[str, int]]:
-    """The note's tars, each a [sha256, count]; anything else in a hand-edited note is left out."""
+def note_value(known: KnownTars, max_file_bytes: int) -> dict:
+    """What a run records beside the version it commits."""
+    return {"tars": known.seen, "max_file_bytes": max_file_bytes}
+
+
+def _valid(value: object, max_file_bytes: int) -> dict[str, tuple[str, int]]:
+    """The note's tars, each a [sha256, count], when read under a resize.max_file_bytes no higher than now's;
+    anything else in a hand-edited note is left out."""
     tars = value.get("tars") if isinstance(value, dict) else None
-    if not isinstance(tars, dict):
+    limit = value.get("max_file_bytes") if isinstance(value, dict) else None
+    if not isinstance(tars, dict) or not isinstance(limit, int) or limit > max_file_bytes:
         return {}
     return {t: (v[0], v[1]) for t, v in tars.items() if isinstance(v, list) and len(v) == 2
             and isinstance(v[0], str) and len(v[0]) == 64 and isinstance(v[1], int) and v[1] >= 0}

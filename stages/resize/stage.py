@@ -234,6 +234,7 @@ class _Intake:
     superseded: dict[str, list[tuple[SourceSample, dict[str, Any]]]] = field(default_factory=dict)
     masks: Any = None  # resumed_sources.ResumedMasks of the resumed version, read when first needed
     tars: Any = None  # known_tars.KnownTars of a webdataset source: its tars' record, written with the version
+    max_file_bytes: int = 0  # resize.max_file_bytes the tars were read under (recorded with them)
 
     def reject(self, rec: SourceSample, r: Rejected) -> dict[str, Any]:
         row = {"key": r.key, "source": rec.source, "stage": STAGE, "reason": r.reason, "detail": r.detail}
@@ -470,8 +471,8 @@ def _render_source(source: str | Path, fmt: str, rc: ResizeConfig, writer: Any, 
         # samples of a folder or JSONL source the newest version holds, their files unchanged: carried, not read;
         # of a webdataset source, whole tars (known_tars.py)
         known = known_sources(st, rendered_before, hashes, rc.max_file_bytes) if fmt in ("folder", "jsonl") else \
-            known_tars(st, rendered_before, hashes) if fmt == "webdataset" else None
-        intake.tars = known if fmt == "webdataset" else None
+            known_tars(st, rendered_before, hashes, rc.max_file_bytes) if fmt == "webdataset" else None
+        intake.tars, intake.max_file_bytes = (known if fmt == "webdataset" else None), rc.max_file_bytes
         return _render_samples(source, fmt, rc, writer, rendered_before, intake, known)
 
 
@@ -610,10 +611,10 @@ def _commit(st: Store, writer: Any, source: str | Path, intake: _Intake) -> None
         )
     summary.version = writer.commit()  # its last shard committed first
     if intake.tars is not None and intake.tars.seen:  # after the commit: a kill before it leaves no record (read)
-        from stages.resize.known_tars import NOTE
+        from stages.resize.known_tars import NOTE, note_value
         from store.version_notes import write_note
 
-        write_note(st, TABLE, summary.version, NOTE, {"tars": intake.tars.seen})
+        write_note(st, TABLE, summary.version, NOTE, note_value(intake.tars, intake.max_file_bytes))
     # this run's shards only, as `written` counts this run's samples: the version folder also holds an earlier
     # session's shards (`resumed`), carried forward ones (`reused`) and tars a killed session left unindexed
     summary.bytes_written = writer.written_bytes

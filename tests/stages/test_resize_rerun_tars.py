@@ -154,3 +154,18 @@ def test_a_carried_tar_sample_met_after_its_copy_is_read_from_its_tar(tmp_path: 
     assert opened.tars["demo-000000.tar"] == 0 and opened.tars["demo-000002.tar"] == 0 and opened.tars[t1.name] == 1
     monkeypatch.undo()
     _same_as_fresh(tmp_path, out, src, {"resize.val_fraction": 0.2})
+
+
+def test_a_lower_max_file_bytes_reads_the_tars_again(tmp_path: Path, monkeypatch) -> None:
+    """resize.max_file_bytes is a view setting: lowered, a member now over it quarantines its sample, as in a
+    fresh run; the tars read under a higher limit are not carried (their members' sizes are not recorded)."""
+    src, out = _source(tmp_path), tmp_path / "store"
+    stage.run(load_config(None, SMALL), src, out)
+    sizes = sorted(len(d) for t in src.glob("*.tar") for n, d in _members(t) if n.endswith(".png"))
+    limit = sizes[len(sizes) // 2]
+
+    opened = Opened(monkeypatch)
+    again = stage.run(load_config(None, {**SMALL, "resize.max_file_bytes": limit}), src, out)
+    assert again.quarantined["bad-source"] > 0 and len(opened.tars) == 3
+    monkeypatch.undo()
+    _same_as_fresh(tmp_path, out, src, {"resize.max_file_bytes": limit})
