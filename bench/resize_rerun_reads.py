@@ -136,7 +136,8 @@ def tar_main(samples: int, side: int) -> None:
         for name in ("before", "now"):
             (root / "cache").exists() and shutil.rmtree(root / "cache")
             first[name] = tar_run(root / "src", root / f"store-{name}", name == "before", 0.1)
-        again = {name: tar_run(root / "src", root / f"store-{name}", name == "before", 0.3) for name in ("before", "now")}
+        again = {name: tar_run(root / "src", root / f"store-{name}", name == "before", 0.3)
+                 for name in ("before", "now")}
         n_tars = len(list((root / "src").glob("*.tar")))
     mib = 2 ** 20
     print(f"{samples} samples in {n_tars} tars, {total / mib:.1f} MiB (webdataset)")
