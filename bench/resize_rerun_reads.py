@@ -4,9 +4,14 @@ samples the newest version holds with unchanged files carried by their recorded 
 measured in the same run on copies of the same store. "before" is this code with the known-sample lookup off.
 
     python bench/resize_rerun_reads.py --samples 300 --side 512
+    python bench/resize_rerun_reads.py --format webdataset --samples 320 --side 512
 
 `--side N`: each target replaced by an N x N noise PNG (the demo's own images are ~1 KB; a real dataset's ~MB),
 rendered small (the render is not what is measured). Files are in the page cache: a cold disk widens the gap.
+
+`--format webdataset` (stages/resize/known_tars.py): bytes hashed (the listing hash's file_sha256) and streamed from
+the tars, and tars header-walked for the bar's total, in the first run and in the rerun, before (no tar record:
+this code with known_tars off) and now.
 """
 
 from __future__ import annotations
@@ -55,11 +60,106 @@ def rerun(src: Path, store: Path, before: bool) -> tuple[int, int, float]:
         sources.read_source_file, stage.sample_key, known_sources.known_sources = real_read, real_key, real_known
 
 
+class _Counted:
+    """A shard stream that counts the bytes read from it."""
+
+    def __init__(self, f, n: list[int]) -> None:
+        self._f, self._n = f, n
+
+    def read(self, size: int = -1) -> bytes:
+        data = self._f.read(size)
+        self._n[0] += len(data)
+        return data
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def tar_run(src: Path, store: Path, before: bool, val_fraction: float) -> tuple[int, int, int, float]:
+    """(bytes hashed, bytes streamed from tars, tars header-walked, seconds) of one run over a webdataset source."""
+    import tarfile
+
+    from models import file_hashes
+    from pipeline.config import load_config
+    from stages.resize import content, known_tars, sources, stage
+
+    hashed, streamed, walked = [0], [0], [0]
+    real = (sources.open_shard, tarfile.open, file_hashes.file_sha256, content.file_sha256, known_tars.known_tars)
+
+    def sha(p):
+        hashed[0] += Path(p).stat().st_size
+        return real[2](p)
+
+    def tar_open(name=None, *a, **kw):
+        walked[0] += name is not None
+        return real[1](name, *a, **kw)
+
+    sources.open_shard = lambda url: _Counted(real[0](url), streamed)
+    tarfile.open, file_hashes.file_sha256, content.file_sha256 = tar_open, sha, sha
+    if before:  # no record read: every tar streamed, as before
+        known_tars.known_tars = lambda st, rb, h, mb: known_tars.KnownTars(h, {}, None, {})
+    try:
+        t = time.perf_counter()
+        stage.run(load_config(None, {**SETTINGS, "resize.val_fraction": val_fraction}), src, store)
+        return hashed[0], streamed[0], walked[0], time.perf_counter() - t
+    finally:
+        (sources.open_shard, tarfile.open, file_hashes.file_sha256, content.file_sha256,
+         known_tars.known_tars) = real
+
+
+def tar_main(samples: int, side: int) -> None:
+    import io
+    import os
+    import tarfile
+
+    from pipeline.demo_data import make_demo_data
+
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        os.environ["XDG_CACHE_HOME"] = str(root / "cache")  # a cold file-hash cache: the first run hashes
+        make_demo_data(root / "src", n=samples, fmt="webdataset", max_controls=2, seed=0, with_masks=True)
+        rng = np.random.default_rng(0)
+        for tar in sorted((root / "src").glob("*.tar")):
+            with tarfile.open(tar) as tf:
+                members = [(m, tf.extractfile(m).read()) for m in tf.getmembers()]
+            with tarfile.open(tar, "w", format=tarfile.USTAR_FORMAT) as tf:
+                for m, data in members:
+                    if m.name.count(".") == 1 and m.name.endswith(".png"):  # the target: noise, side x side
+                        buf = io.BytesIO()
+                        Image.fromarray(rng.integers(0, 256, (side, side, 3), dtype=np.uint8)).save(buf, "PNG",
+                                                                                                 compress_level=1)
+                        data = buf.getvalue()
+                        m.size = len(data)
+                    tf.addfile(m, io.BytesIO(data))
+        total = sum(t.stat().st_size for t in (root / "src").glob("*.tar"))
+        first = {}
+        for name in ("before", "now"):
+            (root / "cache").exists() and shutil.rmtree(root / "cache")
+            first[name] = tar_run(root / "src", root / f"store-{name}", name == "before", 0.1)
+        again = {name: tar_run(root / "src", root / f"store-{name}", name == "before", 0.3)
+                 for name in ("before", "now")}
+        n_tars = len(list((root / "src").glob("*.tar")))
+    mib = 2 ** 20
+    print(f"{samples} samples in {n_tars} tars, {total / mib:.1f} MiB (webdataset)")
+    for what, runs in (("first run (cold hash cache)", first), ("rerun, val_fraction 0.1 -> 0.3", again)):
+        print(what + ":")
+        for name, (h, s, w, sec) in runs.items():
+            print(f"  {name:6s} hashed {h / mib:7.2f} MiB, streamed {s / mib:7.2f} MiB, {w:3d} tars header-walked, "
+                  f"{sec:6.2f} s")
+    b, n = again["before"], again["now"]
+    print(f"  rerun bytes read: {(b[0] + b[1]) / mib:.2f} MiB before, {(n[0] + n[1]) / mib:.2f} MiB now; "
+          f"time {b[3] / n[3]:.2f}x")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--samples", type=int, default=300)
     ap.add_argument("--side", type=int, default=512)
+    ap.add_argument("--format", choices=("folder", "webdataset"), default="folder")
     args = ap.parse_args()
+    if args.format == "webdataset":
+        tar_main(args.samples, args.side)
+        return
     from pipeline.config import load_config
     from pipeline.demo_data import make_demo_data
     from stages.resize import stage

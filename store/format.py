@@ -129,7 +129,7 @@ def litter_writer_alive(name: str) -> bool:
 
 def store_litter(root: Path, tables) -> list[Path]:
     """Temp files of interrupted atomic writes beside the versions: in the store (store.json's) and in each of
-    `tables`' folders (`v<N>.damaged.json`'s, `v<N>.unchanged.json`'s)."""
+    `tables`' folders (`v<N>.damaged.json`'s, `v<N>.unchanged.json`'s, `v<N>.note-*.json`'s)."""
     return [p for folder in (root, *(root / t for t in sorted(tables))) if folder.is_dir()
             for p in sorted(folder.iterdir()) if p.is_file() and is_litter(p.name)]
 

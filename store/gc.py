@@ -35,6 +35,7 @@ from store import format as fmt
 from store import integrity
 from store import lease as leases
 from store.manifest_files import read_schema
+from store.version_notes import notes_of
 
 DELETING_SUFFIX = ".gc-deleting"
 
@@ -168,6 +169,8 @@ def collect(root: Path, dry_run: bool = False, echo: Callable[[str], None] = pri
         for vdir in p.remove:  # `store repair`'s marker (and the fixes' record) of a removed version name nothing now
             fmt.damaged_marker(root, vdir.parent.name, int(vdir.name.lstrip("v"))).unlink(missing_ok=True)
             fmt.unchanged_marker(root, vdir.parent.name, int(vdir.name.lstrip("v"))).unlink(missing_ok=True)
+            for note in notes_of(root, vdir.parent.name, int(vdir.name.lstrip("v"))):
+                note.unlink(missing_ok=True)
         for found in p.dead_leases:
             found.path.unlink(missing_ok=True)
         echo(f"gc: removed {len(p.remove)} version(s){_files_note(p)}, freed {p.nbytes / 1e6:.1f} MB; kept "

@@ -16,8 +16,8 @@ path, or the same inode on a local file system). rsync and make trust size + mti
 user-space call sets it: a file rewritten in place with the same size, even with its mtime put back (`touch -r`,
 `cp -p`), has a new ctime, so it is read and hashed again. Read as before (so judged and quarantined as before): a
 file with no or a stale cache row, one unreadable now, outside the source, not a regular file or over
-resize.max_file_bytes, a sample whose name is not UTF-8, and every sample of a webdataset or parquet source (their
-bytes come with the stream or batch anyway).
+resize.max_file_bytes, a sample whose name is not UTF-8, and every sample of a parquet source (its bytes come with
+the batch anyway). A webdataset source is judged per tar by the same cache rule (known_tars.py).
 
 Held as resumed_sources.ResumedSources (a 128-bit digest of the source name -> key + 128-bit identity: ~90 B a
 sample).

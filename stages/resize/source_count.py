@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import tarfile
 from pathlib import Path
+from typing import Any
 
 from tqdm import tqdm
 
@@ -15,8 +16,9 @@ from stages.resize import sources
 from stages.resize.jsonl_text import manifest_lines
 
 
-def count_samples(source: str | Path, fmt: str) -> int | None:
-    """Expected samples, or None when counting fails (the bar then runs without a total)."""
+def count_samples(source: str | Path, fmt: str, known: Any = None) -> int | None:
+    """Expected samples, or None when counting fails (the bar then runs without a total). `known`
+    (known_tars.KnownTars): a tar carried unread is counted by its record, not opened."""
     try:
         if fmt == "folder":
             return len(sources._images_by_stem(sources.scan(Path(source) / "target", Path(source)), {}, also=(".txt",)))
@@ -31,6 +33,9 @@ def count_samples(source: str | Path, fmt: str) -> int | None:
             total = 0
             # a header walk per shard: minutes over a million samples, so it has its own bar
             for tar in tqdm(tars, desc="counting samples", unit="shard", leave=False):
+                if known is not None and (n := known.count(tar)) is not None:
+                    total += n
+                    continue
                 with tarfile.open(tar, mode="r:") as tf:  # uncompressed tar: seeks header to header
                     total += len({sources._split_member(m.name)[0] for m in tf.getmembers()
                                   if m.isfile() and not sources.dot_member(m.name)})

@@ -116,11 +116,12 @@ def iter_source(source: str | Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
     """The samples of a source; `columns` is `resize.columns` (a parquet source's column mapping). `done`: {source:
     key} of the samples a resumed run holds (resumed_sources.py): yielded with `done_key`, their files not read
     (a parquet row is read with its batch anyway). `known` (known_sources.KnownSources; a folder or JSONL source): samples
-    an earlier version holds with unchanged files, yielded with `known`, their images not read."""
+    an earlier version holds with unchanged files, yielded with `known`, their images not read; a webdataset
+    source's: known_tars.KnownTars (unchanged tars not opened)."""
     fmt = detect_format(source)
     done = done or {}
     if fmt == "webdataset":
-        samples = iter_webdataset(source, max_file_bytes, done)
+        samples = iter_webdataset(source, max_file_bytes, done, known)
     elif fmt == "parquet":
         from stages.resize.parquet_source import iter_parquet
 
@@ -508,19 +509,52 @@ def _sample_from_members(key: str, where: str, members: dict[str, bytes], bad: l
 
 
 def iter_webdataset(root: str | Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
-                    done: Done | None = None) -> Iterator[SourceSample]:
-    """Every shard of the source (shards.py: local, http(s), s3, brace lists), streamed once, in order."""
+                    done: Done | None = None, known: Any = None) -> Iterator[SourceSample]:
+    """Every shard of the source (shards.py: local, http(s), s3, brace lists), streamed once, in order. `known`
+    (known_tars.KnownTars): a tar unchanged since the newest version, every sample of it there, is not opened: its
+    samples are yielded with `known`; each tar read whole is recorded in it (its hash, its sample count)."""
     for tar in shard_urls(root):
-        stream = None
-        try:
-            stream = open_shard(tar)
-            tf = tarfile.open(fileobj=stream, mode="r|*")  # streaming: one pass, like webdataset
-        except (tarfile.TarError, OSError) as e:
-            if stream is not None:
-                _close_shard(tar, stream)  # a failed transfer (e.g. curl's exit status) stops the run instead
-            yield SourceSample(name=Path(tar).stem, source=tar, problem=f"cannot open tar: {e}")
+        carried = known.unchanged(tar) if known is not None else None
+        if carried is not None:
+            sha, samples = carried
+            for source, hit in samples:
+                yield SourceSample(name=source[len(tar) + 1:], source=source, known=hit,
+                                   reread=partial(_reread_tar, tar, source, max_file_bytes))
+            known.note(tar, sha, len(samples))
             continue
-        yield from _tar_samples(tar, tf, stream, max_file_bytes, done or {})
+        before = known.identity(tar) if known is not None else None
+        count = 0
+        for s in _shard_samples(tar, max_file_bytes, done or {}):
+            count += 1
+            yield s
+        if before is not None and known.identity(tar) == before:  # not changed while it was streamed
+            known.note(tar, before, count)
+
+
+def _shard_samples(tar: str, max_file_bytes: int, done: Done) -> Iterator[SourceSample]:
+    stream = None
+    try:
+        stream = open_shard(tar)
+        tf = tarfile.open(fileobj=stream, mode="r|*")  # streaming: one pass, like webdataset
+    except (tarfile.TarError, OSError) as e:
+        if stream is not None:
+            _close_shard(tar, stream)  # a failed transfer (e.g. curl's exit status) stops the run instead
+        yield SourceSample(name=Path(tar).stem, source=tar, problem=f"cannot open tar: {e}")
+        return
+    yield from _tar_samples(tar, tf, stream, max_file_bytes, done)
+
+
+def _reread_tar(tar: str, source: str, max_file_bytes: int) -> SourceSample:
+    """The sample recorded as `source` of a tar carried unread, read from the tar after all (streamed up to it)."""
+    samples = _shard_samples(tar, max_file_bytes, {})
+    try:
+        for s in samples:
+            if printable(s.source) == source:
+                return _printable_names(s)
+    finally:
+        samples.close()
+    return SourceSample(name=source[len(tar) + 1:], source=source, problem=f"sample {source} is no longer in "
+                        f"{tar} (the tar changed while this run read it); rerun")
 
 
 def _tar_samples(tar: str, tf: tarfile.TarFile, stream: Any, max_file_bytes: int,

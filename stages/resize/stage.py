@@ -238,6 +238,8 @@ class _Intake:
     # the copy it revived instead, which their rows name once it is met
     superseded: dict[str, list[tuple[SourceSample, dict[str, Any]]]] = field(default_factory=dict)
     masks: Any = None  # resumed_sources.ResumedMasks of the resumed version, read when first needed
+    tars: Any = None  # known_tars.KnownTars of a webdataset source: its tars' record, written with the version
+    max_file_bytes: int = 0  # resize.max_file_bytes the tars were read under (recorded with them)
 
     def reject(self, rec: SourceSample, r: Rejected) -> dict[str, Any]:
         row = {"key": r.key, "source": rec.source, "stage": STAGE, "reason": r.reason, "detail": r.detail}
@@ -466,10 +468,14 @@ def _render_source(source: str | Path, fmt: str, rc: ResizeConfig, writer: Any, 
     Returns key -> (source, split) of the samples to carry forward from an earlier version instead."""
     from models.file_hashes import FileHashes
     from stages.resize.known_sources import known_sources
+    from stages.resize.known_tars import known_tars
 
     with FileHashes() as hashes:
-        # samples of a folder or JSONL source the newest version holds, their files unchanged: carried, not read
-        known = known_sources(st, rendered_before, hashes, rc.max_file_bytes) if fmt in ("folder", "jsonl") else None
+        # samples of a folder or JSONL source the newest version holds, their files unchanged: carried, not read;
+        # of a webdataset source, whole tars (known_tars.py)
+        known = known_sources(st, rendered_before, hashes, rc.max_file_bytes) if fmt in ("folder", "jsonl") else \
+            known_tars(st, rendered_before, hashes, rc.max_file_bytes) if fmt == "webdataset" else None
+        intake.tars, intake.max_file_bytes = (known if fmt == "webdataset" else None), rc.max_file_bytes
         return _render_samples(source, fmt, rc, writer, rendered_before, intake, known)
 
 
@@ -522,7 +528,7 @@ def _render_samples(source: str | Path, fmt: str, rc: ResizeConfig, writer: Any,
 
     render_one = partial(_render_item, rc=rc, rules=_rules(rc))
     with tqdm(iter_source(source, rc.max_file_bytes, rc.columns, done, known), desc=f"{STAGE} ({fmt})", unit="sample",
-              total=count_samples(source, fmt), dynamic_ncols=True) as bar:
+              total=count_samples(source, fmt, known), dynamic_ncols=True) as bar:
         # at most 2 x workers samples in flight: memory stays bounded whatever the dataset size; a worker that
         # dies (out of memory, a crash in an image library) costs its sample, not the run (render_pool.py)
         for (rec, key, _), out in rendered_in_order(render_one, to_render(bar), rc.workers, ahead=2 * rc.workers,
@@ -606,6 +612,11 @@ def _commit(st: Store, writer: Any, source: str | Path, intake: _Intake) -> None
             f"(see {summary.quarantine_file}); fix the source and rerun"
         )
     summary.version = writer.commit()  # its last shard committed first
+    if intake.tars is not None and intake.tars.seen:  # after the commit: a kill before it leaves no record (read)
+        from stages.resize.known_tars import NOTE, note_value
+        from store.version_notes import write_note
+
+        write_note(st, TABLE, summary.version, NOTE, note_value(intake.tars, intake.max_file_bytes))
     # this run's shards only, as `written` counts this run's samples: the version folder also holds an earlier
     # session's shards (`resumed`), carried forward ones (`reused`) and tars a killed session left unindexed
     summary.bytes_written = writer.written_bytes

@@ -117,3 +117,26 @@ def test_per_sample_reuse_goes_through_the_one_rule(store: Store, monkeypatch) -
     assert sum(t.num_rows for t in reusable(store, "vae", LINEAGE, keys).values()) == 3
     monkeypatch.setattr(up_to_date, "is_current", lambda recorded, present: False)
     assert reusable(store, "vae", LINEAGE, keys) == {}
+
+
+def test_a_version_note_is_read_back_for_its_version_only_and_goes_with_it(store: Store) -> None:
+    """store/version_notes.py: a caller's record beside a version, tied to its manifest bytes: a version rebuilt
+    under the same number (another manifest) does not inherit it; verify ignores it; gc removes it."""
+    from store.version_notes import note_path, read_note, write_note
+
+    _write(store, "a", range(3))
+    write_note(store, "vae", 1, "source-tars", {"tars": {"a.tar": ["0" * 64, 3]}})
+    assert read_note(store, "vae", 1, "source-tars") == {"tars": {"a.tar": ["0" * 64, 3]}}
+    assert read_note(store, "vae", 1, "other") is None
+    assert verify_store(store.root, progress=False) == []
+    note = note_path(store.root, "vae", 1, "source-tars")
+    kept = note.read_bytes()
+    rebuilt = Store(store.root.parent / "rebuilt")
+    _write(rebuilt, "a", range(4))  # v1 again, other rows
+    note_path(rebuilt.root, "vae", 1, "source-tars").write_bytes(kept)
+    assert read_note(rebuilt, "vae", 1, "source-tars") is None
+    note.write_text("{not json")
+    assert read_note(store, "vae", 1, "source-tars") is None
+    _write(store, "b", range(2))
+    collect(store.root, echo=lambda _: None)
+    assert store.versions("vae") == [2] and not note.exists()

@@ -1,0 +1,146 @@
+"""Tars of a webdataset source unchanged since the newest complete `images` version: a rerun (a view setting such
+as val_fraction or the control limits changed, shards added) yields their samples by their recorded rows, the tar
+not opened (known_sources.py does the same per sample for a folder or JSONL source, by the same rule).
+
+A tar's identity is the sha256 the file-hash cache holds for it (models/file_hashes.py: stands while size,
+mtime_ns and ctime_ns are those it was hashed at), the one the listing hash (content.py) has just used; it hashed
+every local tar there already (one pass, cached), so recording it costs no read. Each run records, beside the
+version it commits (store/version_notes.py, note `source-tars`), each local tar it read whole or carried: its
+sha256 before and after it was streamed (unchanged meanwhile) and how many samples the reader yielded from it,
+problem samples included, and the resize.max_file_bytes it read them under.
+
+A rerun carries a tar unread only when its sha256 is the recorded one and every one of its samples has a row in
+that version, offered as known_sources offers rows (rendered with the settings in force): as many rows under
+`<tar>:` source names, none twice, as samples recorded. So a tar one of whose samples was quarantined or dropped
+as a duplicate (no row) is read again, and gives its quarantine rows as a fresh run does. Its samples are yielded
+with `known` (the stage judges them by their recorded key, control count and mask) in the version's row order,
+not the tar's: within one such tar every key is distinct (rows of one table), so only the tars' order matters,
+which is kept. Nothing is carried under a lower resize.max_file_bytes than recorded (a member now over it is
+refused by the reader). A sample the stage must judge from its bytes after all (a copy of a key met in an earlier tar)
+is read from its tar alone (`reread`, sources.py). Not carried: tars at URLs (no file-hash cache row), a tar
+whose name is not UTF-8, one unreadable now or not a regular file.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from typing import TYPE_CHECKING
+
+from models.file_hashes import FileHashes
+from stages.resize.known_sources import TABLE, Known
+from stages.resize.shards import is_url
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+    from store import Store
+
+NOTE = "source-tars"
+
+
+class KnownTars:
+    """tar -> its recorded samples while it is unchanged (`unchanged`); what this run read (`seen`, the note)."""
+
+    def __init__(self, hashes: FileHashes, recorded: dict[str, tuple[str, int]], rows: pa.Table | None,
+                 by_tar: dict[str, list[int]]) -> None:
+        self._hashes, self._recorded, self._rows, self._by_tar = hashes, recorded, rows, by_tar
+        self.seen: dict[str, list] = {}  # tar -> [sha256, samples yielded] of this run
+
+    def identity(self, tar: str) -> str | None:
+        """The tar's sha256 by the cache's rule, not read; None where it is not known or would not be read."""
+        try:
+            if is_url(tar) or not os.access(tar, os.R_OK) or not stat.S_ISREG(os.stat(tar).st_mode):
+                return None
+            tar.encode("utf-8")  # a name that is not UTF-8 has no cache row
+            return self._hashes.cached(tar)
+        except (OSError, UnicodeEncodeError):
+            return None
+
+    def count(self, tar: str) -> int | None:
+        """Its recorded sample count when it would be carried (the progress bar's total), else None."""
+        rec = self._recorded.get(tar)
+        if rec is None or len(self._by_tar.get(tar, ())) != rec[1] or self.identity(tar) != rec[0]:
+            return None
+        return rec[1]
+
+    def unchanged(self, tar: str) -> tuple[str, list[tuple[str, Known]]] | None:
+        """(sha256, (source, known) of each sample) of a tar carried unread; None: read it (also a tar the source
+        lists twice, met again: its samples are duplicates now, judged from their bytes)."""
+        if tar in self.seen or self.count(tar) is None or self._rows is None:
+            return None
+        rows = self._rows.take(self._by_tar[tar]).to_pylist()
+        return self._recorded[tar][0], [(r["source"], Known(r["key"], r["mask_sha256"], len(r["source_hashes"]) - 1))
+                                        for r in rows]
+
+    def note(self, tar: str, sha256: str, samples: int) -> None:
+        self.seen[tar] = [sha256, samples]
+
+
+def known_tars(st: Store, rendered_before: dict[str, str], hashes: FileHashes, max_file_bytes: int) -> KnownTars:
+    """The tars recorded with the newest complete `images` version and unchanged now, with their offered rows."""
+    import pyarrow.compute as pc
+
+    from schemas import UserError
+    from store.integrity import DamagedData
+    from store.manifest_files import checked_manifest
+    from store.version_notes import read_note
+
+    newest = st.newest_complete(TABLE)
+    empty = KnownTars(hashes, {}, None, {})
+    if newest is None or not rendered_before:
+        return empty
+    value = read_note(st, TABLE, newest[0], NOTE)
+    recorded = _valid(value, max_file_bytes)
+    now = KnownTars(hashes, recorded, None, {})
+    unchanged = {t for t, (sha, _) in recorded.items() if now.identity(t) == sha}
+    if not unchanged:
+        return empty
+    try:
+        rows = checked_manifest(st.version_dir(TABLE, newest[0]), ["key", "source", "source_hashes", "mask_sha256"])
+    except (UserError, DamagedData):  # unreadable or damaged: every tar read, as before
+        return empty
+    if not {"source", "source_hashes", "mask_sha256"} <= set(rows.column_names):
+        return empty
+    # a source name twice (a key's members in two runs of one tar): which row is which sample is not known
+    counts = pc.value_counts(rows.column("source"))
+    twice = {_tar_of(s, unchanged) for s in pc.filter(counts.field("values"), pc.greater(counts.field("counts"), 1))
+             .to_pylist() if isinstance(s, str)}
+    by_tar: dict[str, list[int]] = {}
+    i = 0
+    for batch in rows.to_batches(max_chunksize=65536):
+        n_hashes = pc.fill_null(pc.list_value_length(batch.column("source_hashes")), 0).to_pylist()
+        for key, source, n, mask in zip(batch.column("key").to_pylist(), batch.column("source").to_pylist(),
+                                        n_hashes, batch.column("mask_sha256").to_pylist()):
+            tar = _tar_of(source, unchanged) if isinstance(source, str) else None
+            if tar is not None and n and mask is not None and rendered_before.get(key) == mask:
+                by_tar.setdefault(tar, []).append(i)
+            i += 1
+    return KnownTars(hashes, {t: recorded[t] for t in unchanged}, rows,
+                     {t: idx for t, idx in by_tar.items() if t not in twice})
+
+
+def note_value(known: KnownTars, max_file_bytes: int) -> dict:
+    """What a run records beside the version it commits."""
+    return {"tars": known.seen, "max_file_bytes": max_file_bytes}
+
+
+def _valid(value: object, max_file_bytes: int) -> dict[str, tuple[str, int]]:
+    """The note's tars, each a [sha256, count], when read under a resize.max_file_bytes no higher than now's;
+    anything else in a hand-edited note is left out."""
+    tars = value.get("tars") if isinstance(value, dict) else None
+    limit = value.get("max_file_bytes") if isinstance(value, dict) else None
+    if not isinstance(tars, dict) or not isinstance(limit, int) or limit > max_file_bytes:
+        return {}
+    return {t: (v[0], v[1]) for t, v in tars.items() if isinstance(v, list) and len(v) == 2
+            and isinstance(v[0], str) and len(v[0]) == 64 and isinstance(v[1], int) and v[1] >= 0}
+
+
+def _tar_of(source: str, tars: set[str]) -> str | None:
+    """The tar of a `<tar>:<key>` source name among `tars` (a path or key may hold ':' itself)."""
+    at = source.find(":")
+    while at != -1:
+        if source[:at] in tars:
+            return source[:at]
+        at = source.find(":", at + 1)
+    return None
