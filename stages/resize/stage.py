@@ -240,6 +240,7 @@ class _Intake:
     masks: Any = None  # resumed_sources.ResumedMasks of the resumed version, read when first needed
     tars: Any = None  # known_tars.KnownTars of a webdataset source: its tars' record, written with the version
     max_file_bytes: int = 0  # resize.max_file_bytes the tars were read under (recorded with them)
+    max_image_pixels: int = 0  # the limit every row of the version is within (recorded with it: pixel_limit.py)
 
     def reject(self, rec: SourceSample, r: Rejected) -> dict[str, Any]:
         row = {"key": r.key, "source": rec.source, "stage": STAGE, "reason": r.reason, "detail": r.detail}
@@ -469,18 +470,22 @@ def _render_source(source: str | Path, fmt: str, rc: ResizeConfig, writer: Any, 
     from models.file_hashes import FileHashes
     from stages.resize.known_sources import known_sources
     from stages.resize.known_tars import known_tars
+    from stages.resize.pixel_limit import PixelLimit, pixel_limit
 
+    # carried samples are not decoded: those last checked under a higher resize.max_image_pixels are checked here
+    limit = pixel_limit(st, rc.max_image_pixels) if rendered_before else PixelLimit(rc.max_image_pixels)
+    intake.max_image_pixels = rc.max_image_pixels
     with FileHashes() as hashes:
         # samples of a folder or JSONL source the newest version holds, their files unchanged: carried, not read;
         # of a webdataset source, whole tars (known_tars.py)
         known = known_sources(st, rendered_before, hashes, rc.max_file_bytes) if fmt in ("folder", "jsonl") else \
             known_tars(st, rendered_before, hashes, rc.max_file_bytes) if fmt == "webdataset" else None
         intake.tars, intake.max_file_bytes = (known if fmt == "webdataset" else None), rc.max_file_bytes
-        return _render_samples(source, fmt, rc, writer, rendered_before, intake, known)
+        return _render_samples(source, fmt, rc, writer, rendered_before, intake, known, limit)
 
 
 def _render_samples(source: str | Path, fmt: str, rc: ResizeConfig, writer: Any, rendered_before: dict[str, str],
-                    intake: _Intake, known: Any) -> dict[str, tuple[str, str]]:
+                    intake: _Intake, known: Any, limit: Any) -> dict[str, tuple[str, str]]:
     from stages.resize.resumed_sources import resumed_sources
     from stages.resize.source_count import count_samples
 
@@ -492,8 +497,10 @@ def _render_samples(source: str | Path, fmt: str, rc: ResizeConfig, writer: Any,
             if rec.done_key is None and rec.problem is None:  # a reader that read it anyway (a parquet row)
                 rec.done_key = done.get(rec.source)
             if rec.known is not None and rec.done_key is None and not _carried_unread(rec, writer, rendered_before,
-                                                                                      intake):
-                rec = rec.reread()  # a copy of a key met before, or one a resumed run holds: judged from its bytes
+                                                                                      intake, limit):
+                # a copy of a key met before, one a resumed run holds, or one perhaps over a lowered
+                # resize.max_image_pixels: judged from its bytes
+                rec = rec.reread()
             try:
                 if rec.done_key is not None:  # written before: same source name, same bytes (the lineage)
                     _claim(rec.done_key, rec.source, intake.first_source)
@@ -521,7 +528,7 @@ def _render_samples(source: str | Path, fmt: str, rc: ResizeConfig, writer: Any,
             elif key in writer.done_keys:  # a later copy holds it: this first copy's rendering failed before
                 intake.revived_before.add(key)  # rendered again for its row; its copies judged as then
                 yield rec, key, caption
-            elif rendered_before.get(key, None) == mask_hash(rec.mask):  # same content, same mask
+            elif rendered_before.get(key, None) == mask_hash(rec.mask) and limit.fits(key, rec):  # same content, mask
                 carry[key] = (rec.source, split_for(key, rc.val_fraction))
             else:
                 yield rec, key, caption
@@ -546,7 +553,7 @@ def _render_samples(source: str | Path, fmt: str, rc: ResizeConfig, writer: Any,
                     intake.summary.resumed += 1
                     intake.kept_instead(key, rec, recs + intake.superseded.pop(key, []))
                     recs.clear()
-                elif rendered_before.get(key, None) == mask_hash(rec.mask):
+                elif rendered_before.get(key, None) == mask_hash(rec.mask) and limit.fits(key, rec):
                     carry[key] = (rec.source, split_for(key, rc.val_fraction))
                     intake.kept_instead(key, rec, recs)
                 else:
@@ -563,13 +570,15 @@ def _render_samples(source: str | Path, fmt: str, rc: ResizeConfig, writer: Any,
     return carry
 
 
-def _carried_unread(rec: SourceSample, writer: Any, rendered_before: dict[str, str], intake: _Intake) -> bool:
+def _carried_unread(rec: SourceSample, writer: Any, rendered_before: dict[str, str], intake: _Intake,
+                    limit: Any) -> bool:
     """Can a sample found with its recorded key (known_sources.py) take the carry-forward branch below as read
     samples do, without its bytes? Not a copy of a key met before (a duplicate may be held for a revival, which
-    renders it) nor a key the resumed version holds (judged by its mask)."""
+    renders it), a key the resumed version holds (judged by its mask), nor one whose images may be over a
+    resize.max_image_pixels lowered since it was checked (pixel_limit.py)."""
     key = rec.known.key
     return key not in intake.first_source and key not in writer.done_keys \
-        and rendered_before.get(key) == rec.known.mask_sha256
+        and rendered_before.get(key) == rec.known.mask_sha256 and limit.unread_ok(key)
 
 
 def _worker_died(item: tuple[SourceSample, str, str]) -> Rejected:
@@ -617,6 +626,11 @@ def _commit(st: Store, writer: Any, source: str | Path, intake: _Intake) -> None
         from store.version_notes import write_note
 
         write_note(st, TABLE, summary.version, NOTE, note_value(intake.tars, intake.max_file_bytes))
+    if intake.max_image_pixels:  # every row rendered, resumed or carried is within it (pixel_limit.py)
+        from stages.resize.pixel_limit import NOTE as PIXEL_NOTE
+        from store.version_notes import write_note
+
+        write_note(st, TABLE, summary.version, PIXEL_NOTE, intake.max_image_pixels)
     # this run's shards only, as `written` counts this run's samples: the version folder also holds an earlier
     # session's shards (`resumed`), carried forward ones (`reused`) and tars a killed session left unindexed
     summary.bytes_written = writer.written_bytes

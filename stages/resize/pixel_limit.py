@@ -1,0 +1,116 @@
+"""resize.max_image_pixels applied to the samples a rerun carries forward instead of rendering (stage.py).
+
+The limit is checked while decoding; a carried sample is not decoded. A limit lowered since its rows were rendered
+must still quarantine them as a fresh run does, and a limit raised must read nothing. So each version records the
+limit all its rows were checked under (a version note, `NOTE`); a version without one (written before the note, or
+on a store URL) counts as checked under the highest limit any complete version of the table records. A key held by
+a version checked under a limit no higher than now's is within it. Any other is checked: by its target's recorded
+size (`source_size`) when that is its only image, else by the image headers of its bytes (the reader's `reread`).
+One that is over the limit (or whose header cannot be read) is rendered, so rejected exactly as a fresh run
+rejects it: `image-too-large` (`bad-mask` for a mask) naming the first such file.
+"""
+
+from __future__ import annotations
+
+import io
+import warnings
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from PIL import Image
+
+if TYPE_CHECKING:
+    from store import Store
+
+TABLE = "images"
+NOTE = "pixel-limit"
+
+
+@dataclass
+class PixelLimit:
+    limit: int
+    # key -> (target pixels, has controls or a mask) of the keys last checked under a higher limit than `limit`
+    recheck: dict[str, tuple[float, bool]] = field(default_factory=dict)
+
+    def unread_ok(self, key: str) -> bool:
+        """May the sample be carried without reading its bytes?"""
+        got = self.recheck.get(key)
+        return got is None or (got[0] <= self.limit and not got[1])
+
+    def fits(self, key: str, rec: Any) -> bool:
+        """Is every image of the read sample `rec` (target, controls, mask) within the limit?"""
+        if key not in self.recheck:
+            return True
+        images = (rec.target, *rec.controls, *([rec.mask] if rec.mask is not None else []))
+        return all(_pixels(data) <= self.limit for data in images)
+
+
+def pixel_limit(st: Store, limit: int) -> PixelLimit:
+    """What to check of the rows the complete `images` versions hold, under `limit` (module doc)."""
+    from schemas import UserError
+    from schemas.config import ResizeConfig
+    from store import format as fmt
+    from store.manifest_files import checked_manifest, read_schema
+    from store.version_notes import read_note
+
+    recorded: dict[int, int] = {}
+    for v in st.versions(TABLE):
+        vdir = st.version_dir(TABLE, v)
+        try:
+            if fmt.is_complete(vdir):
+                resize = read_schema(vdir).attrs.get("resize")
+                value = resize.get("max_image_pixels") if isinstance(resize, dict) else None
+                recorded[v] = value if isinstance(value, int) else ResizeConfig().max_image_pixels
+        except UserError:  # unreadable: nothing is carried from it (store/reuse.py)
+            continue
+    highest = max(recorded.values(), default=0)
+    checked = {v: _note(read_note(st, TABLE, v, NOTE), highest) for v in recorded}
+    if all(bound <= limit for bound in checked.values()):
+        return PixelLimit(limit)
+    within: set[str] = set()
+    above: list[int] = []
+    for v, bound in checked.items():
+        if bound > limit:
+            above.append(v)
+            continue
+        try:
+            within.update(checked_manifest(st.version_dir(TABLE, v), ["key"]).column("key").to_pylist())
+        except UserError:
+            continue
+    recheck: dict[str, tuple[float, bool]] = {}
+    for v in above:
+        try:
+            rows = checked_manifest(st.version_dir(TABLE, v), ["key", "source_size", "num_controls", "has_mask"])
+        except UserError:
+            continue
+        cols = [rows.column(c).to_pylist() if c in rows.column_names else [None] * rows.num_rows
+                for c in ("key", "source_size", "num_controls", "has_mask")]
+        for key, size, n, mask in zip(*cols):
+            if key not in within:
+                recheck[key] = (_area(size), n != 0 or mask is not False)
+    return PixelLimit(limit, recheck)
+
+
+def _note(value: object, highest: int) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else highest
+
+
+def _area(size: object) -> float:
+    """Pixels of a recorded `source_size` [h, w]; unknown: infinite (read)."""
+    if isinstance(size, list) and len(size) == 2 and all(isinstance(s, int) for s in size):
+        return size[0] * size[1]
+    return float("inf")
+
+
+def _pixels(data: bytes | None) -> float:
+    """width x height from the header alone; infinite where it cannot be read (the render judges it)."""
+    if not data:
+        return float("inf")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        try:
+            with Image.open(io.BytesIO(data)) as im:
+                w, h = im.size
+        except Exception:  # noqa: BLE001 - any header problem: rendered, which says what it is
+            return float("inf")
+    return w * h
