@@ -29,7 +29,9 @@ group's folder (`_commit`); a new group is written whole in a temp folder, fsync
 
 A group is for one evaluation setting (`fingerprint`: store tables, model, noise seeds, σ grid, LoRA scale,
 dtype, ...). Opening with another fingerprint keeps the old group as `losses.<old fingerprint>.zarr` beside it
-and starts a new one, so numbers of different protocols never share an array.
+and starts a new one, so numbers of different protocols never share an array. With `take_back`, a kept group of
+this very fingerprint and samples is renamed back in instead (settings A, B, then A again: A's numbers return, not
+computed again); its steps are then judged as any recorded steps are.
 """
 
 from __future__ import annotations
@@ -77,7 +79,7 @@ class LossStore:
     """Open (or start) the group at `folder/losses.zarr` for `fingerprint`; see the module doc."""
 
     def __init__(self, folder: str | Path, fingerprint: str, axes: Axes, settings: dict,
-                 versions: dict | None = None, measured: dict | None = None):
+                 versions: dict | None = None, measured: dict | None = None, take_back: bool = False):
         self.path = Path(folder) / GROUP
         self.axes, self.fingerprint, self.settings = axes, fingerprint, settings
         # `note`: recorded with a new group (no commit of their own)
@@ -87,7 +89,11 @@ class LossStore:
         # "evaluation settings changed", which sent the user looking for a setting nobody changed
         self.aside_reason: str | None = None
         self._unreadable: str | None = None  # what `_recorded_fingerprint` found wrong with the group
+        self.taken_back: Path | None = None  # the kept group renamed back in (`take_back`)
         if self.path.exists() and (recorded := self._recorded_fingerprint()) != fingerprint:
+            if take_back and (kept := self._kept_of(fingerprint, axes.keys)) is not None:
+                self.start_over("the settings changed", kept)
+                return
             self.start_over("the settings changed" if recorded is not None
                             else f"{self.path} could not be read ({self._unreadable})")
         else:
@@ -99,9 +105,23 @@ class LossStore:
                 self.start_over(f"the val samples changed ({len(keys)} recorded, {len(axes.keys)} now"
                                 f"{', other keys' if len(keys) == len(axes.keys) else ''})")
 
-    def start_over(self, reason: str = "the settings changed") -> None:
-        """Keep the current group aside (`losses.<its fingerprint>[.N].zarr`) and begin an empty one; `reason`:
-        why, kept in `aside_reason`."""
+    def _kept_of(self, fingerprint: str, keys: list[str]) -> Path | None:
+        """A group kept aside (`losses.<fingerprint[:12]>[.N].zarr`) recorded under exactly `fingerprint`, of this
+        format and these samples; None when there is none."""
+        for kept in sorted(self.path.parent.glob(f"losses.{fingerprint[:12]}*.zarr")):
+            try:
+                g = _zarr().open_group(kept, mode="r", use_consolidated=True)
+                if g.attrs.get("format") == FORMAT and g.attrs.get("fingerprint") == fingerprint and \
+                        [str(k) for k in g["sample"][:]] == list(keys):
+                    return kept
+            except Exception:  # noqa: BLE001 - a damaged kept group is left where it is, never taken back
+                continue
+        return None
+
+    def start_over(self, reason: str = "the settings changed", kept: Path | None = None) -> None:
+        """Keep the current group aside (`losses.<its fingerprint>[.N].zarr`) and begin an empty one, or rename
+        `kept` (a group kept aside earlier) back in; `reason`: why, kept in `aside_reason`. A kill between the
+        two renames leaves no group: the next run starts an empty one, the kept ones stay."""
         self.aside_reason = reason
         recorded = (self._recorded_fingerprint() or "unreadable")[:12]
         aside, n = self.path.with_name(f"losses.{recorded}.zarr"), 1
@@ -109,7 +129,12 @@ class LossStore:
             aside, n = self.path.with_name(f"losses.{recorded}.{n}.zarr"), n + 1
         os.rename(self.path, aside)
         self.kept_aside = aside
-        self._create(self.fingerprint, self.settings)
+        if kept is not None:
+            os.rename(kept, self.path)
+            fmt.fsync_dir(self.path.parent)  # both renames durable before any append to the group
+            self.taken_back = kept
+        else:
+            self._create(self.fingerprint, self.settings)
         self.group = _zarr().open_group(self.path, mode="r+", use_consolidated=True)
 
     def note_versions(self, versions: dict) -> None:

@@ -660,7 +660,7 @@ def _open_losses(out: Path, fingerprint: str, settings: dict, earlier: list[dict
     continued and recorded again under today's, with the table versions read, in one commit."""
     out.mkdir(parents=True, exist_ok=True)
     recorded = known_fingerprint(out, fingerprint, settings, earlier)
-    losses = LossStore(out, recorded, axes, settings, versions)
+    losses = LossStore(out, recorded, axes, settings, versions, take_back=True)
     if recorded != fingerprint:
         losses.refingerprint(fingerprint, settings, versions)
     losses.note_versions(versions)  # `pipeline compare` against arrays named by versions (no-op when just noted)
@@ -775,7 +775,10 @@ def _grid(ranks, transformer, samples, mine: list[int], seeds: list[int], sigmas
 def _plan(losses: LossStore, checkpoints: list[tuple[int, Path]], shas: dict[int, str], first: bool) -> list[int]:
     """Rank 0's decisions as integers: [base recorded, then per checkpoint whether it is to be evaluated].
     `first`: the checkpoints listed at the start (later ones: written by the training meanwhile)."""
-    if losses.kept_aside is not None and first:
+    if losses.taken_back is not None and first:
+        tqdm.write(f"{losses.aside_reason}: the earlier losses are kept in {losses.kept_aside}; those of these "
+                   f"settings are taken back from {losses.taken_back} (only checkpoints not in them are evaluated)")
+    elif losses.kept_aside is not None and first:
         tqdm.write(f"{losses.aside_reason}: the earlier losses are kept in {losses.kept_aside}; every checkpoint "
                    "is evaluated again")
     recorded = losses.steps()

@@ -764,3 +764,24 @@ def test_json_names_every_path_absolute_with_a_relative_out(run_and_store, tiny_
         paths = {k: record[k] for k in ("report", "losses", "best_checkpoint")}
         assert all(Path(p).is_absolute() and Path(p).exists() for p in paths.values()), paths
         assert paths["report"] == str(tmp_path.resolve() / "report" / "index.html")
+
+
+def test_going_back_to_earlier_settings_takes_their_kept_losses_back(run_and_store, tiny_edit_model, tmp_path, capsys):
+    """Settings A, then B, then A again: B's run kept A's losses aside as `losses.<A>.zarr`, and the third run
+    evaluated every checkpoint again under A (the encoders make an earlier version current). Now it takes A's
+    array back (B's kept aside in turn): nothing evaluated, the same numbers. The steps are judged as ever (LoRA
+    bytes, trainings), so a checkpoint rewritten meanwhile is still evaluated again."""
+    out, ckpts = tmp_path / "report", _ckpts(run_and_store)
+    a, b = EvaluateConfig(**CFG), EvaluateConfig(**{**CFG, "timesteps": [0.5]})
+    assert ev.run(a, run_and_store / "store", tiny_edit_model, ckpts, out).evaluated == 3
+    before = xr.open_zarr(out / GROUP).loss.sortby("step").values
+    assert ev.run(b, run_and_store / "store", tiny_edit_model, ckpts, out).evaluated == 3
+    capsys.readouterr()
+    again = ev.run(a, run_and_store / "store", tiny_edit_model, ckpts, out, skip_if_done=True)
+    assert again.evaluated == 0
+    np.testing.assert_array_equal(xr.open_zarr(out / GROUP).loss.sortby("step").values, before)
+    said = capsys.readouterr()
+    assert "taken back" in said.out + said.err and "evaluated again" not in said.out + said.err
+    # B's losses kept in turn: going to B again takes them back too
+    assert ev.run(b, run_and_store / "store", tiny_edit_model, ckpts, out, skip_if_done=True).evaluated == 0
+    assert len(list(out.glob("losses.*.zarr"))) == 1  # A's, kept aside once more: no copies pile up
