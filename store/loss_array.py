@@ -35,6 +35,7 @@ and starts a new one, so numbers of different protocols never share an array.
 from __future__ import annotations
 
 import os
+import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,6 +88,7 @@ class LossStore:
         # "evaluation settings changed", which sent the user looking for a setting nobody changed
         self.aside_reason: str | None = None
         self._unreadable: str | None = None  # what `_recorded_fingerprint` found wrong with the group
+        _remove_killed_writes(self.path)
         if self.path.exists() and (recorded := self._recorded_fingerprint()) != fingerprint:
             self.start_over("the settings changed" if recorded is not None
                             else f"{self.path} could not be read ({self._unreadable})")
@@ -264,6 +266,20 @@ class LossStore:
 
 
 _PER_STEP = ("loss", "step", "checkpoint", "lora_sha256")  # the arrays with one chunk per step
+
+
+_ZARR_TEMP = re.compile(r".*\.[0-9a-f]{32}\.partial")  # zarr's LocalStore: NAME.<uuid4 hex>.partial, then renamed
+
+
+def _remove_killed_writes(group: Path) -> None:
+    """zarr writes each file of the group as a temp file it then renames; a writer killed between left that file
+    for good (the next append writes the file itself). Removed when the group is opened to be written, which its
+    one writer does holding its folder's lock (evaluate: the report folder's; training: the run folder's), so no
+    live write's temp file is taken."""
+    if group.is_dir():
+        for path in group.rglob("*.partial"):
+            if _ZARR_TEMP.fullmatch(path.name):
+                path.unlink(missing_ok=True)
 
 
 def _fsync(group: Path, written: list[str]) -> None:
