@@ -80,14 +80,22 @@ def _terminate(signum, frame) -> None:
     # SIGTERM's default kills the process at once: no finally block, no atexit (read leases, locks, temp files
     # stay behind). As SystemExit in the main thread, everything unwinds as on Ctrl-C.
     _signalled.append(signum)
-    stop = sys.modules.get("stages.train.stop")  # the training loop acts on it if this exit is lost
-    if stop is not None:
-        stop.EARLIER.append(signum)
-    collective = sys.modules.get("models.collective")  # never imported here (a signal may come mid-import)
-    if collective is not None and (line := collective.peer_failure()) is not None:
+    earlier = _loaded("stages.train.stop", "EARLIER")  # the training loop acts on it if this exit is lost
+    if earlier is not None:
+        earlier.append(signum)
+    peer_failure = _loaded("models.collective", "peer_failure")  # never imported here (a signal may come mid-import)
+    if peer_failure is not None and (line := peer_failure()) is not None:
         # torchrun stops the other ranks once one exits: they print its line too (models/collective.py)
-        collective.report_once(line)
+        sys.modules["models.collective"].report_once(line)
     raise SystemExit(128 + signum)
+
+
+def _loaded(module: str, name: str):
+    """`module.name` once that module has defined it, else None. A signal that lands while the module is being
+    imported (models.collective imports torch first: a second or more) finds it in sys.modules without its names
+    yet: the handler raised AttributeError instead of SystemExit, a stop line naming that error, and where an
+    import swallows `Exception` (torch's own), no stop at all (the command ran on and exited 0)."""
+    return getattr(sys.modules.get(module), name, None)
 
 
 def _exiting(signum, frame) -> None:
@@ -123,8 +131,7 @@ def stopped_line(words: list[str], signum: int = signal.SIGINT) -> str:
 
 def _said_by_training() -> bool:
     """Whether the training loop ended on the signal with a line of its own (the checkpoint it wrote)."""
-    stop = sys.modules.get("stages.train.stop")
-    return stop is not None and bool(stop.ANNOUNCED)
+    return bool(_loaded("stages.train.stop", "ANNOUNCED"))
 
 
 def _publish_uncaught(error: Exception) -> str | None:

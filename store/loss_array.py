@@ -37,6 +37,7 @@ computed again); its steps are then judged as any recorded steps are.
 from __future__ import annotations
 
 import os
+import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,9 +91,11 @@ class LossStore:
         self.aside_reason: str | None = None
         self._unreadable: str | None = None  # what `_recorded_fingerprint` found wrong with the group
         self.taken_back: Path | None = None  # the kept group renamed back in (`take_back`)
+        _remove_killed_writes(self.path)
         if self.path.exists() and (recorded := self._recorded_fingerprint()) != fingerprint:
             if take_back and (kept := self._kept_of(fingerprint, axes.keys)) is not None:
                 self.start_over("the settings changed", kept)
+                _remove_killed_writes(self.path)  # the group taken back was written (and maybe killed) before
                 return
             self.start_over("the settings changed" if recorded is not None
                             else f"{self.path} could not be read ({self._unreadable})")
@@ -289,6 +292,20 @@ class LossStore:
 
 
 _PER_STEP = ("loss", "step", "checkpoint", "lora_sha256")  # the arrays with one chunk per step
+
+
+_ZARR_TEMP = re.compile(r".*\.[0-9a-f]{32}\.partial")  # zarr's LocalStore: NAME.<uuid4 hex>.partial, then renamed
+
+
+def _remove_killed_writes(group: Path) -> None:
+    """zarr writes each file of the group as a temp file it then renames; a writer killed between left that file
+    for good (the next append writes the file itself). Removed when the group is opened to be written, which its
+    one writer does holding its folder's lock (evaluate: the report folder's; training: the run folder's), so no
+    live write's temp file is taken."""
+    if group.is_dir():
+        for path in group.rglob("*.partial"):
+            if _ZARR_TEMP.fullmatch(path.name):
+                path.unlink(missing_ok=True)
 
 
 def _fsync(group: Path, written: list[str]) -> None:

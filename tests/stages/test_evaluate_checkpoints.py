@@ -136,6 +136,54 @@ def test_killed_append_leaves_a_readable_array_and_the_rerun_completes_it(run_an
     np.testing.assert_array_equal(ds.loss.values[:1], first)
 
 
+KILLED_MID_FILE = """
+import contextlib, os, signal, sys
+from pathlib import Path
+import zarr
+import zarr.storage._local as local
+from schemas.config import EvaluateConfig
+from stages.evaluate import checkpoints as ev
+
+store, model, out, cfg = sys.argv[1], sys.argv[2], sys.argv[3], eval(sys.argv[4])
+real_write = local._atomic_write
+
+@contextlib.contextmanager
+def dies_inside_the_second_steps_loss_chunk(path, *a, **k):  # step 30 committed; step 20's chunk (row 1)
+    with real_write(path, *a, **k) as f:
+        yield f
+        if "/losses.zarr/loss/c/1/" in str(path):
+            f.flush()
+            os.kill(os.getpid(), signal.SIGKILL)  # its temp file written, not yet renamed
+
+local._atomic_write = dies_inside_the_second_steps_loss_chunk
+root = Path(store).parent
+ckpts = [(s, root / "run" / "checkpoints" / f"step-{s}" / "lora") for s in (10, 20, 30)]
+ev.run(EvaluateConfig(**cfg), store, model, ckpts, out)
+"""
+
+
+def test_a_write_killed_inside_a_zarr_file_leaves_no_temp_file_after_the_rerun(run_and_store, tiny_edit_model,
+                                                                               tmp_path):
+    """zarr writes each file of losses.zarr as NAME.<uuid>.partial and renames it; a SIGKILL between (here: inside
+    step 20's first file, a deterministic point) left that file in the group after every later run."""
+    import os
+    import signal
+    import sys
+
+    root, out = run_and_store, tmp_path / "report"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "HF_HUB_OFFLINE": "1"}
+    proc = warm_start.run([sys.executable, "-c", KILLED_MID_FILE, str(root / "store"), tiny_edit_model, str(out),
+                           repr(CFG)], env=env, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    assert list((out / GROUP).rglob("*.partial"))  # the killed write's temp file
+    assert list(xr.open_zarr(out / GROUP).step.values) == [30]
+
+    res = ev.run(EvaluateConfig(**CFG), root / "store", tiny_edit_model, _ckpts(root), out)
+    assert res.evaluated == 2
+    assert list(xr.open_zarr(out / GROUP).step.values) == [30, 20, 10]
+    assert list((out / GROUP).rglob("*.partial")) == []
+
+
 def test_cli_all_checkpoints_json_names_the_best_path(run_and_store, tiny_edit_model, tmp_path):
     root = run_and_store
     args = ["run", "evaluate", "--all-checkpoints", "--run", str(root / "run"), "--store", str(root / "store"),

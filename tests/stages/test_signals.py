@@ -215,3 +215,39 @@ def test_a_sigterm_while_the_process_exits_is_no_traceback(tmp_path):
                        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
     assert p.returncode == 1, p.stderr
     assert "Traceback" not in p.stderr and p.stderr.endswith("exit work done\n"), p.stderr
+
+
+# A SIGTERM sent to this process while `models.collective` is being imported (it imports torch first, a second or
+# more): the moment a finder is asked for torch with that module in sys.modules, without its names yet.
+_SIGTERM_MID_IMPORT = '''
+import os, signal, sys
+class _SigtermMidImport:
+    def find_spec(self, name, path=None, target=None):
+        mod = sys.modules.get("models.collective")
+        if name == "torch" and mod is not None and not hasattr(mod, "peer_failure"):
+            sys.meta_path.remove(self)
+            os.kill(os.getpid(), signal.SIGTERM)  # the handler runs here, inside the import
+        return None
+sys.meta_path.insert(0, _SigtermMidImport())
+'''
+
+
+def test_a_sigterm_while_the_collective_module_is_imported_stops_with_the_line(tmp_path):
+    """The CLI's SIGTERM handler asked the half-imported models.collective for `peer_failure`: an AttributeError
+    instead of SystemExit, so the stop said "stopped by SIGTERM (AttributeError while stopping)", and where an
+    import on the way swallowed `Exception`, the command went on and exited 0 (seen: `run resize-bucket` sent
+    SIGTERM 0.5-1 s after its start ran to the end). A real process, the signal sent at that point (a hook)."""
+    from pipeline.demo_data import make_demo_data
+
+    make_demo_data(tmp_path / "data", n=2, seed=3)
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(_SIGTERM_MID_IMPORT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(hook), str(Path(__file__).resolve().parents[2])])}
+    words = ["run", "resize-bucket", "--source", str(tmp_path / "data"), "--store", str(tmp_path / "store")]
+    p = subprocess.run([sys.executable, "-m", "pipeline.cli", *words], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 128 + signal.SIGTERM, p.stderr[-2000:]
+    assert p.stderr.splitlines()[-1] == ("stopped by SIGTERM: what it committed is kept; rerun the same command "
+                                         "to continue from there"), p.stderr[-2000:]
+    assert not (tmp_path / "store").exists()  # stopped before it wrote anything
