@@ -1,8 +1,14 @@
 """What the old-revision-vs-this-checkout bench scripts share: the old code unpacked beside the repository, and
-runs interleaved old/new so that a machine's load drifting during the bench hits both sides alike."""
+runs interleaved old/new so that a machine's load drifting during the bench hits both sides alike.
+
+A module for bench/cold_start.py, exit_time.py and meta_memory.py; run alone it only unpacks a revision:
+
+    python bench/old_vs_new.py REV INTO
+"""
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import subprocess
 from pathlib import Path
@@ -29,3 +35,11 @@ def interleaved_medians(repeat: int, old: Callable[[], Sequence[float]],
         runs["new"].append(new())
     return tuple([statistics.median(r[i] for r in runs[k]) for i in range(len(runs[k][0]))]  # type: ignore[return-value]
                  for k in ("old", "new"))
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("rev", help="git revision to unpack")
+    ap.add_argument("into", type=Path, help="an existing folder; the code goes to INTO/old")
+    args = ap.parse_args()
+    print(old_tree(args.rev, args.into))
