@@ -18,12 +18,12 @@ by itself, and only small files travel to rank 0:
 
 from __future__ import annotations
 
-import io
 import json
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from schemas.errors import UserError
@@ -159,7 +159,7 @@ def adopt_uploaded(writer: TableWriter) -> None:
             if (writer.dir / name).is_file() or shard not in listing:
                 return
             data = remote.read(rel)
-            sizes = pq.read_table(io.BytesIO(data), columns=["shard_nbytes"]).column("shard_nbytes").to_pylist()
+            sizes = pq.read_table(pa.BufferReader(data), columns=["shard_nbytes"]).column("shard_nbytes").to_pylist()
             if sizes and int(sizes[0]) == listing[shard]:
                 fmt.atomic_write_bytes(writer.dir / name, data)
 
@@ -462,8 +462,6 @@ def open_committed(root: Path, table: str, same: Callable[[Any], bool]) -> int |
 def manifest_keys(url: str, table: str, version: int):
     """The key column of the remote's complete version `version` of `table`: its manifest, checked against the
     version's sealed checksums.json (a damaged one is a UserError, never keys read from damaged bytes)."""
-    import pyarrow as pa
-
     from store.checksum import crc_hex
     from store.remote_sync import version_files
 
