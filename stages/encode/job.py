@@ -44,6 +44,8 @@ class EncodeJob:
     # lineage from before a fix (in earlier_lineages) -> "does a fix change this stored row?" (stages/encode/plan.py)
     changed_by_fixes: dict[str, Any] = field(default_factory=dict)
     match_columns: tuple[str, ...] = ()  # images columns a carried row must still match (vae: mask_sha256)
+    # a key not carried is carried from an earlier row of the same pictures under another key (vae: a recaption)
+    same_inputs_carry: bool = False
     # encode-text: (stored length, img_shapes now) -> does the prompt fit next to the images now? Set, a
     # carried row takes the images' img_shapes now (its encoder does not read the target: a new target size
     # carries it), and one whose img_shapes changed is carried only if it still fits (else it is read again and

@@ -51,6 +51,12 @@ def open_writer(job: EncodeJob, schema: TableSchema, shard_size_mb: float) -> li
         job.summary.reused += carry_forward(job.writer, version, carried_rows(job, rows))
     if job.summary.reused:
         todo = [k for k in todo if k not in job.writer.carried_keys]
+    if job.same_inputs_carry and todo:  # encode-vae: a recaptioned sample's latents (stages/encode/same_inputs.py)
+        from stages.encode.same_inputs import carry_same_inputs
+
+        same = carry_same_inputs(job, todo)
+        job.summary.reused += len(same)
+        todo = [k for k in todo if k not in same]
     job.loop_started = time.perf_counter()
     return todo
 

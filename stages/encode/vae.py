@@ -171,6 +171,7 @@ def run(
                    on_damaged=section.on_damaged, max_damaged_fraction=section.max_damaged_fraction,
                    earlier_hashes=earlier_config_hashes(section), fixes=fixes, unread=VAE_UNREAD)
     job.match_columns = ("mask_sha256",)
+    job.same_inputs_carry = True  # the caption is in the key, never in the latents: a recaption carries them
     if job.up_to_date:
         return job.summary
 

@@ -1,0 +1,154 @@
+"""encode-vae: carry a sample's latents from an earlier vae row whose VAE inputs are the same pictures although
+its key differs (a recaption: the key hashes the caption, which the VAE never reads). Without this a recaptioning
+pass re-encoded every latent (hours of GPU at 1M samples for identical tensors).
+
+Same pictures: an earlier vae row of a feature lineage carried by key (the render settings the VAE reads, the VAE
+files, the code: `store.reuse.reusable`, fixes included), whose key an `images` version gives the same
+`source_hashes` (sha256 of the target and control source bytes: a function of the key) as the sample has now,
+and whose stored `mask_sha256` and `img_shapes` (the rendered sizes) equal the sample's now. Under the same
+render settings the same source bytes render the same pixels; the latents are copied under the new key from
+their checked bytes (never a link: a shard's entries are named by key)."""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+
+from schemas.errors import UserError
+
+if TYPE_CHECKING:
+    from stages.encode.job import EncodeJob
+
+IMAGES_TABLE = "images"
+
+
+def _norm(value: Any) -> str | None:
+    """A json column's value as one comparable string (stored as JSON text or as nested lists); None: unknown."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return None
+    return json.dumps(value, sort_keys=True)
+
+
+def _column(images, name: str, at: list[int]) -> list[Any]:
+    if not images.has_column(name):
+        return [None] * len(at)
+    return images.column(name).take(pa.array(at, pa.int64())).to_pylist()
+
+
+def _any_version(store, table: str, lineages: tuple[str, ...]) -> bool:
+    """A complete version of `table` of one of these feature lineages (schema.json alone): else no `images`
+    manifest is read (a first encode, or new render settings)."""
+    from store import format as fmt
+    from store.manifest_files import read_schema
+    from store.reuse import same_features
+
+    for v in store.versions(table):
+        vdir = store.version_dir(table, v)
+        try:
+            if fmt.is_complete(vdir) and same_features(read_schema(vdir).attrs, lineages):
+                return True
+        except UserError:
+            continue
+    return False
+
+
+def carry_same_inputs(job: EncodeJob, todo: list[str]) -> set[str]:
+    """Copy into the writer, under each key of `todo` (keys not carried by key), the latents of an earlier row with
+    the same VAE inputs; returns the keys so carried."""
+    from store import format as fmt
+    from store.manifest_files import checked_manifest
+    from store.reuse import reusable
+
+    images, store = job.images, job.store
+    lineages = (job.feature_lineage, *job.earlier_lineages)
+    if not todo or not images.has_column("source_hashes") or not _any_version(store, job.summary.table, lineages):
+        return set()
+    at = [int(i) for i in images.rows_of_keys(pa.array(todo, pa.string()))]
+    keep = [(k, i) for k, i in zip(todo, at) if i >= 0]
+    rows = [i for _, i in keep]
+    hashes = [_norm(v) for v in _column(images, "source_hashes", rows)]
+    masks = _column(images, "mask_sha256", rows)
+    has_masks = _column(images, "has_mask", rows)
+    shapes = [_norm(v) for v in _column(images, "img_shapes", rows)]
+    splits = _column(images, "split", rows)
+    # (source_hashes, has_mask, mask hash, img_shapes) -> the keys now wanting latents of those pictures
+    wanted: dict[tuple[str, bool, str, str], list[tuple[str, str]]] = {}
+    for (key, _), h, has, m, s, split in zip(keep, hashes, has_masks, masks, shapes, splits):
+        # a value unknown (null: an older table) never matches ("" is no mask)
+        if None not in (h, has, m, s):
+            wanted.setdefault((h, bool(has), m, s), []).append((key, split or "train"))
+    if not wanted:
+        return set()
+    by_hashes = {w[0] for w in wanted}
+    # earlier keys whose source bytes are those pictures': any images version holding them says
+    sources: dict[str, str] = {}
+    now = set(todo)
+    for v in fmt.list_versions(store.root, IMAGES_TABLE):
+        vdir = store.version_dir(IMAGES_TABLE, v)
+        try:
+            if not fmt.is_complete(vdir):
+                continue
+            m = checked_manifest(vdir, ["key", "source_hashes"])
+        except UserError:  # damaged or unreadable: its keys are not looked up, nothing else
+            continue
+        if "source_hashes" not in m.column_names:
+            continue
+        for k, h in zip(m.column("key").to_pylist(), m.column("source_hashes").to_pylist()):
+            if k not in now and k not in sources and (h := _norm(h)) in by_hashes:
+                sources[k] = h
+    if not sources:
+        return set()
+    found = reusable(store, job.summary.table, lineages, sources, changed=job.changed_by_fixes)
+    carried: set[str] = set()
+    for version, old in found.items():
+        copies = []
+        for row in old.to_pylist():
+            mask, has = row.get("mask_sha256"), row.get("has_mask")
+            if mask is None or has is None:  # a row stored before masks were compared: its mask is unknown
+                continue
+            copies += [(row, key, split) for key, split in
+                       wanted.pop((sources[row["key"]], bool(has), mask, _norm(row.get("img_shapes"))), [])]
+        if copies:
+            carried |= _copy(job, version, copies)
+    return carried
+
+
+def _copy(job: EncodeJob, version: int, copies: list[tuple[dict[str, Any], str, str]]) -> set[str]:
+    """Each (stored row of `version`, key, split now) added under that key from the row's checked bytes (a damaged
+    sample is not copied: encoded instead); returns the keys added."""
+    from store import format as fmt
+    from store.integrity import DamagedData
+    from store.lease import hold
+    from store.manifest import RESERVED_COLUMNS
+    from store.reader import TableReader
+
+    writer, table = job.writer, job.summary.table
+    added: set[str] = set()
+    # a read lease while copying: a `store gc` meanwhile keeps the source version (store/lease.py)
+    lease = hold(writer.store.root, {table: version}, f"carry latents of the same pictures into '{table}'")
+    try:
+        if lease.version(table) is None:
+            raise UserError(f"table '{table}' v{version} was removed (`store gc`) while this stage chose samples to "
+                            "carry forward from it; rerun the stage (it resumes)")
+        reader = TableReader(fmt.version_dir(writer.store.root, table, version), table, version, on_damaged="skip")
+        try:
+            for row, key, split in copies:
+                try:
+                    s = reader.get(row["key"])
+                except DamagedData:
+                    continue
+                meta = {c: v for c, v in row.items() if c not in RESERVED_COLUMNS and c != "key" and v is not None}
+                writer.add(key, tensors=s["tensors"], files=s["files"], meta={**meta, "split": split})
+                added.add(key)
+        finally:
+            reader.close()
+    finally:
+        lease.release()
+    return added
