@@ -82,3 +82,20 @@ def test_a_recaption_carries_the_latents_and_a_new_target_is_encoded(tiny_edit_m
     vae = encode_vae.run(cfg, store, tiny_edit_model, batch_size=2)
     assert (vae.encoded, vae.reused) == (1, len(CAPTIONS) - 1)
 
+
+
+def test_the_vectorised_prefilter_keeps_exactly_the_rows_holding_the_cells_wanted():
+    """`_rows_holding` narrows an images manifest to the rows whose stored cells are the wanted ones, for the list
+    cells the images table stores, for JSON text cells, and - where the types differ - keeps every row for the
+    per-row compare."""
+    import pyarrow as pa
+
+    from stages.encode.same_inputs import _rows_holding
+
+    cells = [["a0", "b0"], ["a1"], None, ["a2", "b2"]]
+    lists = pa.table({"key": ["k0", "k1", "k2", "k3"], "source_hashes": pa.array(cells, pa.list_(pa.string()))})
+    assert _rows_holding(lists, [["a2", "b2"], ["a1"], None]).column("key").to_pylist() == ["k1", "k3"]
+    assert _rows_holding(lists, [["a0"]]).num_rows == 0  # a prefix of a cell is another cell
+    text = pa.table({"key": ["k0", "k1"], "source_hashes": ['["a0", "b0"]', '["a1"]']})
+    assert _rows_holding(text, ['["a1"]']).column("key").to_pylist() == ["k1"]
+    assert _rows_holding(text, [["a1"]]).num_rows == 2  # cells of another type: all kept, compared row by row
