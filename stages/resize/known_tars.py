@@ -18,7 +18,9 @@ not the tar's: within one such tar every key is distinct (rows of one table), so
 which is kept. Nothing is carried under a lower resize.max_file_bytes than recorded (a member now over it is
 refused by the reader). A sample the stage must judge from its bytes after all (a copy of a key met in an earlier tar)
 is read from its tar alone (`reread`, sources.py). Not carried: tars at URLs (no file-hash cache row), a tar
-whose name is not UTF-8, one unreadable now or not a regular file.
+whose name is not UTF-8, one unreadable now or not a regular file; a tar one of whose samples a lowered
+resize.max_image_pixels must check from its bytes (pixel_limit.py): streamed once, not re-read per sample; every
+tar of a note written by another revision of the tar reader's rules (`READER`).
 """
 
 from __future__ import annotations
@@ -34,9 +36,15 @@ from stages.resize.shards import is_url
 if TYPE_CHECKING:
     import pyarrow as pa
 
+    from stages.resize.pixel_limit import PixelLimit
     from store import Store
 
 NOTE = "source-tars"
+# The rules by which sources.iter_webdataset makes samples of a tar's members (member names and case, dotfiles,
+# which member is the caption or the mask): they are not in the render lineage, so a note records the revision
+# it was written under and a note of another one carries nothing (its tars read, and their samples judged, anew).
+# Bump it with any change to those rules.
+READER = 1
 
 
 class KnownTars:
@@ -77,8 +85,10 @@ class KnownTars:
         self.seen[tar] = [sha256, samples]
 
 
-def known_tars(st: Store, rendered_before: dict[str, str], hashes: FileHashes, max_file_bytes: int) -> KnownTars:
-    """The tars recorded with the newest complete `images` version and unchanged now, with their offered rows."""
+def known_tars(st: Store, rendered_before: dict[str, str], hashes: FileHashes, max_file_bytes: int,
+               limit: PixelLimit | None = None) -> KnownTars:
+    """The tars recorded with the newest complete `images` version and unchanged now, with their offered rows
+    (none of a tar holding a sample `limit` must check from its bytes)."""
     import pyarrow.compute as pc
 
     from schemas import UserError
@@ -104,7 +114,7 @@ def known_tars(st: Store, rendered_before: dict[str, str], hashes: FileHashes, m
         return empty
     # a source name twice (a key's members in two runs of one tar): which row is which sample is not known
     counts = pc.value_counts(rows.column("source"))
-    twice = {_tar_of(s, unchanged) for s in pc.filter(counts.field("values"), pc.greater(counts.field("counts"), 1))
+    read_whole = {_tar_of(s, unchanged) for s in pc.filter(counts.field("values"), pc.greater(counts.field("counts"), 1))
              .to_pylist() if isinstance(s, str)}
     by_tar: dict[str, list[int]] = {}
     i = 0
@@ -113,16 +123,18 @@ def known_tars(st: Store, rendered_before: dict[str, str], hashes: FileHashes, m
         for key, source, n, mask in zip(batch.column("key").to_pylist(), batch.column("source").to_pylist(),
                                         n_hashes, batch.column("mask_sha256").to_pylist()):
             tar = _tar_of(source, unchanged) if isinstance(source, str) else None
-            if tar is not None and n and mask is not None and rendered_before.get(key) == mask:
+            if tar is not None and limit is not None and not limit.unread_ok(key):
+                read_whole.add(tar)  # read whole once, its samples judged from their bytes (not one re-read a sample)
+            elif tar is not None and n and mask is not None and rendered_before.get(key) == mask:
                 by_tar.setdefault(tar, []).append(i)
             i += 1
     return KnownTars(hashes, {t: recorded[t] for t in unchanged}, rows,
-                     {t: idx for t, idx in by_tar.items() if t not in twice})
+                     {t: idx for t, idx in by_tar.items() if t not in read_whole})
 
 
 def note_value(known: KnownTars, max_file_bytes: int) -> dict:
     """What a run records beside the version it commits."""
-    return {"tars": known.seen, "max_file_bytes": max_file_bytes}
+    return {"tars": known.seen, "max_file_bytes": max_file_bytes, "reader": READER}
 
 
 def _valid(value: object, max_file_bytes: int) -> dict[str, tuple[str, int]]:
@@ -130,7 +142,8 @@ def _valid(value: object, max_file_bytes: int) -> dict[str, tuple[str, int]]:
     anything else in a hand-edited note is left out."""
     tars = value.get("tars") if isinstance(value, dict) else None
     limit = value.get("max_file_bytes") if isinstance(value, dict) else None
-    if not isinstance(tars, dict) or not isinstance(limit, int) or limit > max_file_bytes:
+    if not isinstance(tars, dict) or not isinstance(limit, int) or limit > max_file_bytes or \
+            value.get("reader") != READER:
         return {}
     return {t: (v[0], v[1]) for t, v in tars.items() if isinstance(v, list) and len(v) == 2
             and isinstance(v[0], str) and len(v[0]) == 64 and isinstance(v[1], int) and v[1] >= 0}

@@ -479,7 +479,7 @@ def _render_source(source: str | Path, fmt: str, rc: ResizeConfig, writer: Any, 
         # samples of a folder or JSONL source the newest version holds, their files unchanged: carried, not read;
         # of a webdataset source, whole tars (known_tars.py)
         known = known_sources(st, rendered_before, hashes, rc.max_file_bytes) if fmt in ("folder", "jsonl") else \
-            known_tars(st, rendered_before, hashes, rc.max_file_bytes) if fmt == "webdataset" else None
+            known_tars(st, rendered_before, hashes, rc.max_file_bytes, limit) if fmt == "webdataset" else None
         intake.tars, intake.max_file_bytes = (known if fmt == "webdataset" else None), rc.max_file_bytes
         return _render_samples(source, fmt, rc, writer, rendered_before, intake, known, limit)
 

@@ -169,3 +169,36 @@ def test_a_lower_max_file_bytes_reads_the_tars_again(tmp_path: Path, monkeypatch
     assert again.quarantined["bad-source"] > 0 and len(opened.tars) == 3
     monkeypatch.undo()
     _same_as_fresh(tmp_path, out, src, {"resize.max_file_bytes": limit})
+
+
+def test_a_lowered_pixel_limit_streams_each_tar_holding_a_sample_to_check_once(tmp_path: Path, monkeypatch) -> None:
+    """Samples with a control or a mask are checked from their bytes under a lowered resize.max_image_pixels
+    (pixel_limit.py): their tar is read whole once, not streamed again up to each such sample (16 opens a tar)."""
+    src, out = _source(tmp_path), tmp_path / "store"
+    stage.run(load_config(None, SMALL), src, out)
+    areas = sorted(m["source_size"][0] * m["source_size"][1] for _, m in _rows(Store(out)).values())
+    over = {"resize.max_image_pixels": areas[-1] - 1}
+    opened = Opened(monkeypatch)
+    lowered = stage.run(load_config(None, {**SMALL, **over}), src, out)
+    assert lowered.quarantined["image-too-large"] >= 1
+    assert opened.tars and max(opened.tars.values()) <= 2, opened.tars  # streamed + header-walked, at most
+    monkeypatch.undo()
+    _same_as_fresh(tmp_path, out, src, over)
+
+
+def test_a_note_of_another_tar_reader_revision_carries_nothing(tmp_path: Path, monkeypatch) -> None:
+    """The rules making samples of a tar's members are not in the render lineage: a note written under another
+    revision of them (`known_tars.READER`) carries no tar, so a changed rule applies to every tar as in a fresh run."""
+    from stages.resize import known_tars
+
+    src, out = _source(tmp_path), tmp_path / "store"
+    monkeypatch.setattr(known_tars, "READER", known_tars.READER + 1)
+    stage.run(load_config(None, SMALL), src, out)
+    monkeypatch.undo()
+    opened = Opened(monkeypatch)
+    again = stage.run(load_config(None, {**SMALL, "resize.val_fraction": 0.5}), src, out)
+    assert again.written == 0 and set(opened.tars) == {t.name for t in src.glob("*.tar")}  # every tar read anew
+    monkeypatch.undo()
+    opened = Opened(monkeypatch)
+    stage.run(load_config(None, {**SMALL, "resize.val_fraction": 0.3}), src, out)
+    assert not opened.tars  # the note of this revision, written by the run before, carries them all
