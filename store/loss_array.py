@@ -101,7 +101,14 @@ class LossStore:
                             else f"{self.path} could not be read ({self._unreadable})")
         else:
             if not self.path.exists():
-                self._create(fingerprint, settings)
+                kept = self._kept_of(fingerprint, axes.keys) if take_back else None
+                if kept is not None:  # a kill between `start_over`'s two renames left no group: take it back now
+                    os.rename(kept, self.path)
+                    fmt.fsync_dir(self.path.parent)
+                    self.taken_back = kept
+                    _remove_killed_writes(self.path)
+                else:
+                    self._create(fingerprint, settings)
             self.group = _zarr().open_group(self.path, mode="r+", use_consolidated=True)
             keys = [str(k) for k in self.group["sample"][:]]
             if keys != list(axes.keys):  # other samples (e.g. one found damaged and skipped): not one array any more
@@ -124,7 +131,7 @@ class LossStore:
     def start_over(self, reason: str = "the settings changed", kept: Path | None = None) -> None:
         """Keep the current group aside (`losses.<its fingerprint>[.N].zarr`) and begin an empty one, or rename
         `kept` (a group kept aside earlier) back in; `reason`: why, kept in `aside_reason`. A kill between the
-        two renames leaves no group: the next run starts an empty one, the kept ones stay."""
+        two renames leaves no group: the next run takes its kept one back (`take_back`) or starts an empty one."""
         self.aside_reason = reason
         recorded = (self._recorded_fingerprint() or "unreadable")[:12]
         aside, n = self.path.with_name(f"losses.{recorded}.zarr"), 1

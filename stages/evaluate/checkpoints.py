@@ -775,7 +775,10 @@ def _grid(ranks, transformer, samples, mine: list[int], seeds: list[int], sigmas
 def _plan(losses: LossStore, checkpoints: list[tuple[int, Path]], shas: dict[int, str], first: bool) -> list[int]:
     """Rank 0's decisions as integers: [base recorded, then per checkpoint whether it is to be evaluated].
     `first`: the checkpoints listed at the start (later ones: written by the training meanwhile)."""
-    if losses.taken_back is not None and first:
+    if losses.taken_back is not None and losses.kept_aside is None and first:
+        tqdm.write(f"the losses of these settings are taken back from {losses.taken_back} (an earlier run stopped "
+                   "while it set them back; only checkpoints not in them are evaluated)")
+    elif losses.taken_back is not None and first:
         tqdm.write(f"{losses.aside_reason}: the earlier losses are kept in {losses.kept_aside}; those of these "
                    f"settings are taken back from {losses.taken_back} (only checkpoints not in them are evaluated)")
     elif losses.kept_aside is not None and first:

@@ -149,3 +149,20 @@ def test_a_damaged_group_is_set_aside_saying_so_not_as_changed_settings(tmp_path
     fewer = Axes(AXES.keys[:2], AXES.buckets[:2], AXES.seeds, AXES.sigmas)
     assert LossStore(tmp_path, "fp", fewer, {}).aside_reason == "the val samples changed (3 recorded, 2 now)"
     assert LossStore(tmp_path, "fp2", fewer, {}).aside_reason == "the settings changed"
+
+
+def test_a_take_back_killed_between_its_renames_is_taken_back_by_the_next_run(tmp_path):
+    """A -> B -> A: the third run sets B's group aside, then renames A's kept group back in. Killed between the two
+    renames, no group is left; the next run of A's settings takes A's kept group back, not an empty one (which
+    evaluated every checkpoint again)."""
+    a = LossStore(tmp_path, "fpA", AXES, {})
+    a.append(10, "c", "h", _grid(1.0))
+    b = LossStore(tmp_path, "fpB", AXES, {}, take_back=True)
+    assert b.kept_aside is not None and b.steps() == {}
+    b.append(10, "c", "h", _grid(3.0))
+    (tmp_path / GROUP).rename(tmp_path / "losses.fpB.zarr")  # the take-back's first rename, then the kill
+    again = LossStore(tmp_path, "fpA", AXES, {}, take_back=True)
+    assert again.taken_back is not None and again.steps() == {10: "h"}
+    np.testing.assert_array_equal(xr.open_zarr(tmp_path / GROUP).loss.sel(step=10).values,
+                                  _grid(1.0).astype("float32"))
+    assert LossStore(tmp_path, "fpC", AXES, {}, take_back=True).taken_back is None  # none kept of C: a new group
