@@ -75,13 +75,24 @@ def rank_done_name(rank: int) -> str:
     return f"rank-{rank:02d}.done"
 
 
-def version_id(version: int, manifest: bytes | memoryview | Path) -> str:
-    """`v<N>-<sha256 of its manifest>`, the name of one immutable version (`Store.version_id`). A path is hashed
-    as it is read, never held whole: a manifest is ~140 MB at 1M samples, read by evaluate for each table."""
+def version_id(version: int, manifest: bytes | memoryview | Path | io.BufferedReader) -> str:
+    """`v<N>-<sha256 of its manifest>`, the name of one immutable version (`Store.version_id`). A path (or an open
+    file) is hashed as it is read, never held whole: a manifest is ~140 MB at 1M samples, read by evaluate for each
+    table."""
     if isinstance(manifest, Path):
         with manifest.open("rb") as f:
             return f"v{version}-{hashlib.file_digest(f, 'sha256').hexdigest()[:16]}"
+    if isinstance(manifest, io.BufferedReader):
+        return f"v{version}-{hashlib.file_digest(manifest, 'sha256').hexdigest()[:16]}"
     return f"v{version}-{hashlib.sha256(manifest).hexdigest()[:16]}"
+
+
+def file_identity(st: os.stat_result) -> tuple[int, int, int] | None:
+    """Which manifest file a complete version's is: (inode, mtime ns, size); None for no regular file. A stat, not
+    a hash (a manifest is ~140 MB at 1M samples): a version is immutable, and a new one of the same number (after
+    gc) is written as a new file (`atomic_write_bytes`), so a reused inode would need the same mtime and size. The
+    read leases (store/lease.py) and `Store.version_id`'s cache tell versions apart by it."""
+    return (st.st_ino, st.st_mtime_ns, st.st_size) if stat.S_ISREG(st.st_mode) else None
 
 
 def list_versions(root: Path, table: str) -> list[int]:

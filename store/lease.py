@@ -57,7 +57,6 @@ import time
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
-from stat import S_ISREG
 from typing import Any, Iterable
 
 from schemas.errors import UserError
@@ -375,14 +374,11 @@ class Lease:
 
 
 def _identity(root: Path, table: str, version: int) -> tuple[int, int, int] | None:
-    """Which version `table` v`version` is: its manifest's (inode, mtime ns, size), None while it is not complete.
-    A stat, not a hash (a manifest is ~140 MB at 1M samples): a version is immutable, and a new one of the same
-    number is written as a new file (`atomic_write_bytes`), so a reused inode would need the same mtime and size."""
+    """Which version `table` v`version` is: its manifest's `fmt.file_identity`, None while it is not complete."""
     try:
-        st = os.stat(fmt.version_dir(root, table, version) / fmt.MANIFEST)
+        return fmt.file_identity(os.stat(fmt.version_dir(root, table, version) / fmt.MANIFEST))
     except (FileNotFoundError, NotADirectoryError):
         return None
-    return (st.st_ino, st.st_mtime_ns, st.st_size) if S_ISREG(st.st_mode) else None
 
 
 def hold(root: str | Path, tables: dict[str, int | None], what: str, owner: object | None = None) -> Lease:
