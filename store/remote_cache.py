@@ -15,7 +15,8 @@ reader holds a read lease on (store/lease.py, written by train's reader inside t
 whole, and the metadata of the versions in use never at all. Eviction removes the lease files of dead readers it
 meets (judged as `store gc` judges them; an open without a limit, which evicts nothing, those of the store it
 opens) and, first, the temp files of killed fetches (named by pid, start time and pid namespace: containers
-sharing the cache folder have their own pids, so another namespace's is judged by its age, store/lease.tag_gone).
+sharing the cache folder have their own pids, so another namespace's is judged by its age, store/lease.tag_gone);
+every open, with a limit or without, removes those of the store it opens by the same rule, over the limit or not.
 
 A writer (the encoders) works on the cached copy and then pushes it back (`push_back`): the remote commit keeps
 push's guarantees (write-once objects, manifest last, store.json by compare-and-swap), so a killed encoder leaves
@@ -93,6 +94,8 @@ def local_store(store: str | Path, tables: list[str] | None, cache_dir: str | Pa
             needed = remote_shards.open_lazily(url, root, storage_options, tables, optional)
         for t, v in needed:
             os.utime(fmt.version_dir(root, t, v))  # last use, for LRU
+        # eviction removes them only when over the limit (without one, never): one per killed fetch piled up
+        _remove_dead_fetches(root)
         if limit is not None:
             remote_shards.mark_copies(url, root, storage_options)  # evictable whole; never a version not pushed
             evict(cache, limit, {(root, t, v) for t, v in needed})
@@ -257,6 +260,27 @@ def _live_leases(root: Path) -> set[tuple[str, int]]:
         else:
             found.path.unlink(missing_ok=True)
     return leased
+
+
+def _remove_dead_fetches(root: Path) -> None:
+    """Remove the temp files of killed fetches (`_orphan_fetch`) in the version folders of the cached store `root`
+    (call under the cache lock). Only names with a fetch tag are stat'ed: a 1M-sample version holds ~20k files."""
+    from store.remote_shards import FETCH_TAG
+
+    for table_dir in (p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        for v in fmt.list_versions(root, table_dir.name):
+            vdir = fmt.version_dir(root, table_dir.name, v)
+            try:
+                entries = [e for e in os.scandir(vdir) if FETCH_TAG in e.name]
+            except FileNotFoundError:  # evicted by another process meanwhile
+                continue
+            for e in entries:
+                try:
+                    mtime = e.stat(follow_symlinks=False).st_mtime
+                except FileNotFoundError:  # renamed into place or removed by its fetch meanwhile
+                    continue
+                if _orphan_fetch(e.name, mtime):
+                    Path(e.path).unlink(missing_ok=True)
 
 
 def _orphan_fetch(name: str, mtime: float) -> bool:

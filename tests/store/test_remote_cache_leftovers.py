@@ -230,3 +230,41 @@ def test_a_fetch_whose_temp_file_was_evicted_meanwhile_reads_by_range(s3_env, st
     vdir = fmt.version_dir(root, "vae", 1)
     assert not [p for p in vdir.iterdir() if fmt.SHARD_RE.fullmatch(p.name) or FETCH_TAG in p.name
                 and not p.name.endswith("ranged")]  # nothing cached, nothing left behind
+
+
+KILLED_FETCHER = """
+import sys
+from pathlib import Path
+from store import format as fmt, remote_shards
+from store.remote_cache import local_store
+root = local_store(sys.argv[1], ["vae"], Path(sys.argv[2]), lease=False)
+def stalled(remote, rel, part):  # the download under way when the kill comes: its temp file is there
+    print(part, flush=True)
+    sys.stdin.readline()
+remote_shards._download = stalled
+fetcher = remote_shards.fetcher_for(fmt.version_dir(root, "vae", 1))
+fetcher.fetch_whole(sorted(n for n in fetcher.sums if remote_shards.is_shard(n))[0])
+"""
+
+
+@pytest.mark.parametrize("limit_gb", [None, 1.0], ids=["no-limit", "under-the-limit"])
+def test_an_open_removes_the_temp_file_of_a_killed_fetch_and_keeps_a_live_ones(s3_env, store: Store,
+                                                                                tmp_path: Path, limit_gb) -> None:
+    """Eviction removed a killed fetch's temp file only when the cache was over its limit: without --cache-gb (or
+    under it) one shard-sized file per killed fetch piled up for ever. An open removes them now, by eviction's rule
+    (store/lease.tag_gone): a fetch of a live process keeps its file."""
+    fill(store, 24, shard_size_mb=0.02)
+    push(store.root, s3_env.url())
+    cache = tmp_path / "cache"
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_FETCHER, s3_env.url(), str(cache)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=_env())
+    try:
+        killed = Path(proc.stdout.readline().strip())
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert FETCH_TAG in killed.name and killed.stat().st_size > 0  # created at its full size, never renamed
+    live = killed.with_name(killed.name.split(FETCH_TAG)[0] + f"{FETCH_TAG}{lease.process_tag()}-1")
+    live.write_bytes(b"x" * 10)  # a fetch of this (live) process under way
+    local_store(s3_env.url(), ["vae"], cache, limit_gb=limit_gb, lease=False)
+    assert not killed.exists() and live.exists()
