@@ -493,14 +493,61 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, checkpoints: list[tu
 
 def _run(ranks, cfg: EvaluateConfig, store: str | Path, model: str, checkpoints: list[tuple[int, Path]], out: Path,
          skip_if_done: bool, relist=None) -> CheckpointsResult | None:
+    """The steps of `run`, every rank taking each collective one together (named in `together`'s lines)."""
     from models.collective import together
     from stages.evaluate import stage as single
-    from stages.evaluate.checkpoint_report import generated_rows, write_checkpoint_report
-    from stages.evaluate.val_share import complete, read_share, reader
+    from stages.evaluate.val_share import reader
 
     started = time.perf_counter()
     with together(ranks.world, "evaluate settings"):  # rank 0 makes the images: its node's extra prompt files
         cfg = single.for_model(cfg, model, check=ranks.main)
+    checkpoints, shas, pruned = _checkpoints_on_disk(ranks, checkpoints, relist)
+    # the device and precision every rank computes its share in: one decision of all (a collective, outside
+    # `together`): rows of one loss grid in two precisions would be recorded as the one dtype
+    cfg, precision = single.agreed_config(cfg, ranks.world)
+    check_same_settings(ranks.world, cfg)
+    run = _Evaluation(ranks, cfg, store, model, out, precision, started)
+    with together(ranks.world, "evaluate settings"):
+        _, settings = loss_fingerprint(cfg, store, model)  # its fingerprint: of the tables read, below
+    up_to_date, recorded = _recorded_if_up_to_date(run, settings, checkpoints, shas, skip_if_done)
+    if up_to_date:
+        return recorded
+    _check_report_folder(run, checkpoints)
+    tables, share = _read_val_share(run)
+    load = reader(tables, share)
+    with tables:  # closed on every path: descriptors, check-ahead thread, read lease
+        fingerprint, settings = read_fingerprint(settings, tables)  # the tables read, not those at key time
+        earlier = earlier_settings(settings, tables, cfg)
+        damaged = dict(tables.damaged)
+        losses = _losses_opened(run, share.samples, fingerprint, settings, earlier, tables)
+        transformer = single.load_transformer(cfg, model, ranks.world)  # the ranks' one attention backend
+        done = _evaluate_while_training(ranks, losses, checkpoints, shas, transformer, share.samples, share.mine,
+                                        cfg, load, fingerprint, relist)
+        if ranks.main:  # rank 0 summarises, generates and writes the report
+            return _rank_0_alone(ranks, lambda: _report(run, tables, share, transformer, done, damaged, shas,
+                                                        settings, pruned))
+        del transformer  # this rank's share is done: its memory goes before it waits for rank 0's report
+    _rank_0_alone(ranks, lambda: None)
+    return None
+
+
+@dataclass(frozen=True)
+class _Evaluation:
+    """What the steps of one `_run` share once its settings are agreed."""
+
+    ranks: object
+    cfg: EvaluateConfig
+    store: str | Path
+    model: str
+    out: Path
+    precision: object
+    started: float  # time.perf_counter() at the start: the result's seconds
+
+
+def _checkpoints_on_disk(ranks, checkpoints: list[tuple[int, Path]],
+                         relist) -> tuple[list[tuple[int, Path]], dict[int, str], list[int]]:
+    """(the checkpoints every rank agrees on and read, their sha256s, the steps listed but pruned since): all
+    pruned already, the ones the training keeps now (`relist`). UserError when none is left."""
     checkpoints = agreed_checkpoints(checkpoints, ranks)
     if not checkpoints:
         raise UserError("no checkpoints to evaluate: the run folder holds no checkpoints/step-N "
@@ -512,67 +559,93 @@ def _run(ranks, cfg: EvaluateConfig, store: str | Path, model: str, checkpoints:
         checkpoints, shas = check_and_hash(agreed_checkpoints(relist(), ranks), ranks)
     if not checkpoints:
         raise UserError("every checkpoint of the run was removed while evaluate started: rerun evaluate")
-    # the device and precision every rank computes its share in: one decision of all (a collective, outside
-    # `together`): rows of one loss grid in two precisions would be recorded as the one dtype
-    cfg, precision = single.agreed_config(cfg, ranks.world)
-    check_same_settings(ranks.world, cfg)
-    with together(ranks.world, "evaluate settings"):
-        fingerprint, settings = loss_fingerprint(cfg, store, model)
+    return checkpoints, shas, pruned
+
+
+def _recorded_if_up_to_date(run: _Evaluation, settings: dict, checkpoints: list[tuple[int, Path]],
+                            shas: dict[int, str], skip_if_done: bool) -> tuple[bool, CheckpointsResult | None]:
+    """With `skip_if_done`, rank 0 looks whether OUT's report is current for these settings and checkpoints (else
+    says why it is not), and every rank gets its answer: (True, the recorded result on rank 0, None on the others)
+    when it is; (False, None) when evaluate runs."""
+    ranks, out = run.ranks, run.out
     done = None
     if skip_if_done and ranks.main:  # the val split named by content, as the array records it (`read_tables`)
-        now, now_settings, earlier = content_fingerprint(cfg, store, model, settings)
+        now, now_settings, earlier = content_fingerprint(run.cfg, run.store, run.model, settings)
         why: list[str] = []
         known = known_fingerprint(out, now, now_settings, earlier)
-        done = _up_to_date(out, known, checkpoints, shas, cfg, now_settings, why)
+        done = _up_to_date(out, known, checkpoints, shas, run.cfg, now_settings, why)
         if done is None:
             say_recomputed(out, why, redone(out, known, checkpoints, shas))
     if ranks.from_main([int(done is not None)])[0]:
-        return CheckpointsResult(done, out / "index.html", up_to_date=True) if ranks.main else None
+        return True, (CheckpointsResult(done, out / "index.html", up_to_date=True) if ranks.main else None)
+    return False, None
+
+
+def _check_report_folder(run: _Evaluation, checkpoints: list[tuple[int, Path]]) -> None:
+    """Rank 0 checks OUT holds nothing but a report's files, names the precision and warns of checkpoints of
+    another base model; the others wait (its refusal stops them with its line)."""
+    from models.collective import together
+    from stages.evaluate import stage as single
+
+    ranks, cfg = run.ranks, run.cfg
     with together(ranks.world, "the report folder"):
         if ranks.main:
-            single.check_report_folder(out)
-            tqdm.write(precision.describe("evaluate", cfg.device, f", {ranks.world} ranks" if ranks.world > 1 else ""))
-            single.warn_other_base([path for _, path in checkpoints], model, [step for step, _ in checkpoints])
+            single.check_report_folder(run.out)
+            ranked = f", {ranks.world} ranks" if ranks.world > 1 else ""
+            tqdm.write(run.precision.describe("evaluate", cfg.device, ranked))
+            single.warn_other_base([path for _, path in checkpoints], run.model, [step for step, _ in checkpoints])
 
-    if ranks.world > 1:  # each rank reads only the samples it computes (stages/evaluate/val_share.py)
-        tables, share = read_share(cfg, store, model, ranks)
-    else:  # outlines: the loss passes read the features batch by batch
-        tables, share = single.read_val_samples(cfg, store, model)
-    samples, mine, load = share.samples, share.mine, reader(tables, share)
-    with tables:  # closed on every path: descriptors, check-ahead thread, read lease
-        fingerprint, settings = read_fingerprint(settings, tables)  # the tables read, not those at key time
-        earlier = earlier_settings(settings, tables, cfg)
-        damaged = dict(tables.damaged)
-        axes = Axes([s.key for s in samples], [bucket_of(s) for s in samples], list(cfg.noise_seeds),
-                    [float(t) for t in cfg.timesteps])
-        with together(ranks.world, "open the loss array"):
-            losses = _open_losses(out, fingerprint, settings, earlier, axes, tables.versions()) if ranks.main else None
-        transformer = single.load_transformer(cfg, model, ranks.world)  # the ranks' one attention backend
-        done = _evaluate_while_training(ranks, losses, checkpoints, shas, transformer, samples, mine, cfg, load,
-                                        fingerprint, relist)
-        if ranks.main:  # rank 0 summarises, generates and writes the report
-            def report() -> CheckpointsResult:
-                evaluated, attached, pruned_meanwhile, newer, (metrics, best, last), held = done
-                with writing("the report", out):  # a full disk: its line, not "rank 0: ... OSError" (`fails_alone`)
-                    rows, pictured = [], complete(tables, share, single.pick_samples(samples, cfg.num_samples))
-                    if cfg.num_samples > 0 or cfg.extra_prompts:
-                        rows = generated_rows(cfg, model, store, tables, transformer, pictured, best["path"],
-                                              best["step"], last["path"], last["step"], attached, damaged, shas,
-                                              base_cache=(out / BASE_IMAGES, settings), held=held)
-                    metrics["generation"] = single.generation_summary(rows, cfg, model)  # "lora" = the best one
-                    metrics["run"] = _run_record(cfg, store, model, tables, pictured, damaged, settings,
-                                                 ranks.world, transformer, precision)
-                    written = write_checkpoint_report(out, metrics, rows)
-                    if damaged:
-                        tqdm.write(f"skipped {len(damaged)} damaged val sample(s): {few(damaged)}")
-                    return CheckpointsResult(metrics, written, evaluated=evaluated,
-                                             seconds=time.perf_counter() - started,
-                                             pruned=sorted(set(pruned + pruned_meanwhile)), newer=newer)
 
-            return _rank_0_alone(ranks, report)
-        del transformer  # this rank's share is done: its memory goes before it waits for rank 0's report
-    _rank_0_alone(ranks, lambda: None)
-    return None
+def _read_val_share(run: _Evaluation):
+    """(the val split's tables, the samples this rank computes): with several ranks each reads only its own
+    (stages/evaluate/val_share.py); one process reads outlines (the loss passes read the features batch by
+    batch)."""
+    from stages.evaluate import stage as single
+    from stages.evaluate.val_share import read_share
+
+    if run.ranks.world > 1:
+        return read_share(run.cfg, run.store, run.model, run.ranks)
+    return single.read_val_samples(run.cfg, run.store, run.model)
+
+
+def _losses_opened(run: _Evaluation, samples, fingerprint: str, settings: dict, earlier: list[dict],
+                   tables) -> LossStore | None:
+    """OUT/losses.zarr over the val samples' axes (`_open_losses`), opened by rank 0 while the others wait; None
+    on the others."""
+    from models.collective import together
+
+    ranks, cfg = run.ranks, run.cfg
+    axes = Axes([s.key for s in samples], [bucket_of(s) for s in samples], list(cfg.noise_seeds),
+                [float(t) for t in cfg.timesteps])
+    with together(ranks.world, "open the loss array"):
+        losses = _open_losses(run.out, fingerprint, settings, earlier, axes, tables.versions()) if ranks.main else None
+    return losses
+
+
+def _report(run: _Evaluation, tables, share, transformer, done, damaged: dict, shas: dict[int, str],
+            settings: dict, pruned: list[int]) -> CheckpointsResult:
+    """Rank 0's part once the losses are in: the images of the best and last checkpoints (and the base), the
+    run record, metrics.json and index.html (`_rank_0_alone` runs it)."""
+    from stages.evaluate import stage as single
+    from stages.evaluate.checkpoint_report import generated_rows, write_checkpoint_report
+    from stages.evaluate.val_share import complete
+
+    cfg, model, store, out = run.cfg, run.model, run.store, run.out
+    evaluated, attached, pruned_meanwhile, newer, (metrics, best, last), held = done
+    with writing("the report", out):  # a full disk: its line, not "rank 0: ... OSError" (`fails_alone`)
+        rows, pictured = [], complete(tables, share, single.pick_samples(share.samples, cfg.num_samples))
+        if cfg.num_samples > 0 or cfg.extra_prompts:
+            rows = generated_rows(cfg, model, store, tables, transformer, pictured, best["path"],
+                                  best["step"], last["path"], last["step"], attached, damaged, shas,
+                                  base_cache=(out / BASE_IMAGES, settings), held=held)
+        metrics["generation"] = single.generation_summary(rows, cfg, model)  # "lora" = the best one
+        metrics["run"] = _run_record(cfg, store, model, tables, pictured, damaged, settings,
+                                     run.ranks.world, transformer, run.precision)
+        written = write_checkpoint_report(out, metrics, rows)
+        if damaged:
+            tqdm.write(f"skipped {len(damaged)} damaged val sample(s): {few(damaged)}")
+        return CheckpointsResult(metrics, written, evaluated=evaluated, seconds=time.perf_counter() - run.started,
+                                 pruned=sorted(set(pruned + pruned_meanwhile)), newer=newer)
 
 
 REPORT_WORK = "evaluate: the images and the report"
