@@ -182,7 +182,7 @@ _recorded: dict[str, tuple[tuple[int, int, int], dict[str, int]]] = {}  # versio
 def _metadata_sizes(vdir: Path) -> dict[str, int]:
     """{name: bytes} of a lazily cached version's metadata (every file its checksums.json lists but the shards):
     fetched whole and checked before the version folder exists, and immutable after, so a walk needs no stat for
-    its ~20k shard indexes. Kept per process, keyed by the record file's inode, mtime and size."""
+    its ~20k shard indexes. Kept per process, keyed by the record file's identity (`fmt.file_identity`)."""
     from store import integrity
     from store.remote_shards import is_shard
 
@@ -190,7 +190,7 @@ def _metadata_sizes(vdir: Path) -> dict[str, int]:
         st = os.stat(vdir / fmt.CHECKSUMS)
     except FileNotFoundError:
         return {}
-    key = (st.st_ino, st.st_mtime_ns, st.st_size)
+    key = fmt.file_identity(st)
     got = _recorded.get(str(vdir))
     if got is None or got[0] != key:
         try:
