@@ -158,6 +158,17 @@ def set_backend(transformer, name: str) -> None:
             proc._attention_backend = None if multires in (None, PACKED) else multires
 
 
+def agreed_backend(name: str | None, key: str, device: torch.device, dtype: torch.dtype, world: int = 1,
+                   qwen21: bool = False) -> str:
+    """The backend `use_attention_backend` will set for `name` (before any model is loaded): what a run records
+    and its reuse compares, so that an unset name and the name it resolves to are one run. With several ranks
+    (`world`) a collective, as `use_attention_backend`. `qwen21`: the model is Qwen-Image-2.1 (native only)."""
+    check_name(name, key)
+    if qwen21:
+        return name or "native"  # another name is refused when the model loads (`use_attention_backend`)
+    return agree(choose(name, torch.device(device), dtype, key), world, key).backend
+
+
 def use_attention_backend(transformer, name: str | None, key: str, device: torch.device, dtype: torch.dtype,
                           world: int = 1) -> str:
     """Check the configured name, resolve the default, set it on the model; returns the backend in use. With

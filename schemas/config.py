@@ -216,6 +216,14 @@ _SAMPLES_RECORDED = Role("identity", hashed_as=lambda value: "stop")
 _EXTRA_PROMPTS_ONLY = Role("features", read_if=lambda ev: bool(ev.extra_prompts) and ev.true_cfg_scale > 1)
 
 
+# train.attention_backend: the configured name is not hashed; the backend the run resolved it to (unset: the
+# device's default) is recorded beside the fingerprint (stages/train/state.py `ResumeRecord.attention_backend`) and
+# compared there, so `native` spelled out after an unset CPU run is that run, and a name that resolves to another
+# backend is not. Hashed as None: every run made unset keeps its fingerprint; one made with a name set is read
+# through its spelling as set (stages/train/settings.py `earlier_config_fingerprints`).
+_BACKEND_RECORDED = Role("features", hashed_as=lambda name: None)
+
+
 class TrainConfig(Section):
     device: Annotated[str | list[str] | None, THROUGHPUT] = Field(None, description="None = accelerate's choice; else " + _DEVICE_HELP)
     dtype: Annotated[DType, FEATURES] = Field("auto", description="frozen base weights; " + _DTYPE_HELP + " (auto: "
@@ -289,7 +297,7 @@ class TrainConfig(Section):
         "this many computed tokens (batch size x longest sequence), see stages/train/budget.py")
     prefetch: Annotated[int, THROUGHPUT] = Field(0, ge=0, description="micro-batches read, drawn and copied to the device ahead by a "
                           "background thread (0 = inline)")
-    attention_backend: Annotated[str | None, FEATURES] = Field(
+    attention_backend: Annotated[str | None, _BACKEND_RECORDED] = Field(
         None, description="diffusers attention backend for padded batches (models/attention.py); None = the "
         "fastest correct one available (CUDA) / native (CPU)")
     compile: Annotated[bool, THROUGHPUT] = Field(False, description="torch.compile each transformer block (regional compilation)")

@@ -159,7 +159,7 @@ def lora_digest(checkpoint: Path):
 # What a checkpoint's weights were trained from, in its step folder's resume.json (stages/train/state.py): the
 # checkpoints of one training share these whatever their step, process count or max_steps (schemas.up_to_date)
 _TRAINING_INPUTS = ("config_fingerprint", "model_fingerprint", "init_lora_sha256", "training_revision", "tables",
-                    "table_contents")
+                    "table_contents", "attention_backend")
 
 
 def training_of(checkpoint: Path) -> dict | None:
@@ -190,6 +190,10 @@ def same_training(a: dict, b: dict) -> bool:
         return False
     init = a.get("init_lora_sha256")
     if known_init_lora(init, b.get("init_lora_sha256")) != known_init_lora(b.get("init_lora_sha256"), init):
+        return False
+    # the backend trained with, where both recorded it (the fingerprint hashes no backend name)
+    if None not in (a.get("attention_backend"), b.get("attention_backend")) and \
+            a.get("attention_backend") != b.get("attention_backend"):
         return False
     contents = b.get("table_contents")
     tables = compared_tables(a.get("tables") or {}, a.get("table_contents"), b.get("tables") or {},

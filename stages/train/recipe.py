@@ -53,6 +53,7 @@ from tqdm.auto import tqdm
 from models.collective import fails_alone, together
 from models.flow import FlowBatch, flow_loss_of
 from schemas.config import PipelineConfig, TrainConfig
+from schemas.errors import UserError
 from stages.train import guard, parallel, state as train_state
 from stages.train.build import build_training, check_shapes, setup_transformer
 from stages.train.current import resolved_train, up_to_date
@@ -63,7 +64,7 @@ from stages.train.prefetch import MicroBatches
 from stages.train.result import TrainResult
 from stages.train.sampler import padding_efficiency
 from stages.train.saving import checkpoint, cleanup, finish
-from stages.train.settings import make_accelerator, resolved_config, train_device, validate_config
+from stages.train.settings import make_accelerator, resolved_config, run_backend, train_device, validate_config
 from stages.train.start import check_same_start, open_tables, prepare_run_dir, resume_point, start_record
 from stages.train.state import ResumeRecord
 from stages.train.stop import StopOnSignal
@@ -221,8 +222,13 @@ def finished_here(cfg: PipelineConfig, store: str | Path, model: str, out: str |
 
     # the precision the ranks would train in: agreed (a collective) outside `together`; one process: as before
     train = resolved_train(cfg, world) if world > 1 else None
+    backend = None
+    if world > 1:  # the attention backend too (a collective: every rank probes, all decide together)
+        from stages.train.settings import planned_device
+
+        backend = run_backend(train, model, planned_device(train), world)
     with together(world, "is the run up to date"):
-        done = up_to_date(cfg, store, model, out, train)
+        done = up_to_date(cfg, store, model, out, train, backend)
     return not all_max(world, [int(not done)])[0]
 
 
@@ -252,8 +258,10 @@ def setup(cfg: PipelineConfig, store: str | Path, model: str, out: str | Path, r
     cfg, precision = resolved_config(cfg, chosen or accelerator.device, accelerator.is_main_process,
                                      accelerator.num_processes)
     tc = cfg.train
+    # the attention backend every rank will use (one decision of all), recorded and compared beside the fingerprint
+    backend = run_backend(tc, model, chosen or accelerator.device, accelerator.num_processes)
     tables = open_tables(tc, store, model, accelerator)
-    now = start_record(tc, tables, model, accelerator.num_processes)
+    now = start_record(tc, tables, model, accelerator.num_processes, backend)
     try:
         check_same_start(accelerator.num_processes, now)
     except BaseException:
@@ -275,6 +283,9 @@ def setup(cfg: PipelineConfig, store: str | Path, model: str, out: str | Path, r
             tables.content_ids()
 
     r.transformer = setup_transformer(model, tc, r.device, r.world)
+    if r.transformer._attention_choice.backend != backend:  # the one recorded is the one used, or nothing runs
+        raise UserError(f"train.attention_backend: the model uses {r.transformer._attention_choice.backend}, but "
+                        f"{backend} was decided before it loaded; report this")
     # which attention kernel this run uses and why (a failed packed probe's error included); rank 0 writes it,
     # every rank learns whether it could (the others would otherwise wait for it in DDP's first broadcast)
     with together(r.world, "attention.json"), guard.one_line_errors("attention.json", r.run_dir):
