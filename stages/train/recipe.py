@@ -182,6 +182,10 @@ def run(
         locks.append(guard.RunDirLock(Path(out)) if accelerator.is_main_process else None)
     r = None
     try:
+        if skip_if_done and new_run and world == 1:
+            taken = take_back_finished(cfg, store, model, Path(out), before_keep)
+            if taken is not None:
+                return taken
         from models.shared_folder import check_shared
 
         check_shared(Path(out), accelerator.num_processes, accelerator.process_index, "--out",
@@ -230,6 +234,36 @@ def finished_here(cfg: PipelineConfig, store: str | Path, model: str, out: str |
     with together(world, "is the run up to date"):
         done = up_to_date(cfg, store, model, out, train, backend)
     return not all_max(world, [int(not done)])[0]
+
+
+def take_back_finished(cfg: PipelineConfig, store: str | Path, model: str, out: Path,
+                       before_keep: Callable[[Path], None] | None) -> TrainResult | None:
+    """`run all` (one process, the run folder locked): the newest run kept in OUT.previous that is the finished run
+    of these very settings and inputs (`up_to_date`, as for OUT itself) is renamed back to OUT, the run OUT held kept
+    in its place (`previous.take_back`; `before_keep(OUT)` first, as for any keep); None when there is none.
+    Settings A, then B, then A again: the third run is the first's, trained again before."""
+    from stages.train import previous
+    from stages.train.settings import config_fingerprint, earlier_config_fingerprints
+
+    train = resolved_train(cfg)
+    fingerprints = {config_fingerprint(train), *earlier_config_fingerprints(train)}
+    for kept in previous.kept_runs(out):
+        latest = train_state.latest_checkpoint(kept / "checkpoints")
+        try:  # a cheap look first: only a run of this config has its tables opened (`up_to_date`)
+            if latest is None or ResumeRecord.read(latest / train_state.RESUME_JSON).config_fingerprint not in fingerprints:
+                continue
+        except UserError:  # a damaged kept run is left where it is, never taken back
+            continue
+        if not up_to_date(cfg, store, model, kept, train):
+            continue
+        if before_keep is not None and previous.holds_trained_run(out):
+            before_keep(out)
+        moved = previous.take_back(out, kept)
+        tqdm.write(f"took back the finished run of these settings from {kept} into {out}"
+                   + (f"; kept the run it held in {moved}" if moved is not None else ""))
+        lora = out / "lora"
+        return TrainResult(out, lora, cfg.train.max_steps, cfg.train.max_steps, up_to_date=True, kept_previous=moved)
+    return None
 
 
 def stopped_late(r: Run) -> None:
