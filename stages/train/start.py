@@ -130,10 +130,14 @@ def resume_point(r: Run, resume: bool, cfg: PipelineConfig) -> tuple[Path | None
     # a run made when batch_size was hashed under a token budget is this run when the rest agrees; one made
     # before init LoRAs were hashed is taken as made from the present file (`known_init_lora`)
     # a record from before the backend was recorded: the one its run used, where that is known (`recorded_backend`)
+    backend = recorded_backend(record.attention_backend, record.config_fingerprint, r.cfg, r.run_dir,
+                               r.record.attention_backend)
+    if record.attention_backend is None and r.world > 1:  # each rank read RUN/attention.json: one decision of all
+        (differs,) = all_max(r.world, [int(backend != r.record.attention_backend)])
+        backend = None if differs else r.record.attention_backend
     record = replace(record, config_fingerprint=known_fingerprint(record.config_fingerprint, r.cfg),
                      init_lora_sha256=train_state.known_init_lora(record.init_lora_sha256, r.record.init_lora_sha256),
-                     attention_backend=recorded_backend(record.attention_backend, record.config_fingerprint, r.cfg,
-                                                        r.run_dir, r.record.attention_backend))
+                     attention_backend=backend)
     # on_damaged / on_nonfinite are in no fingerprint (`check_same_start` does not compare them) and the damaged
     # list is read per rank: decided by all ranks together (any rank's refusal is every rank's), so no rank
     # resumes into a collective the others never reach

@@ -103,3 +103,41 @@ def test_records_from_before(unset_run, store_dir, tiny_edit_model, tmp_path):
     _as_before(out, "native")
     assert up_to_date(cfg_of(max_steps=2, attention_backend="native"), store_dir, tiny_edit_model, out)
     assert not up_to_date(cfg_of(max_steps=2, attention_backend="packed"), store_dir, tiny_edit_model, out)
+
+
+# rank 1 reads no RUN/attention.json, as a node whose view of the run folder lacks it
+_NO_ATTENTION_JSON_ON_RANK_1 = """
+import os, pathlib
+if os.environ.get('RANK') == '1':
+    real = pathlib.Path.read_text
+    def read_text(self, *a, **k):
+        if self.name == 'attention.json':
+            raise FileNotFoundError(2, 'No such file or directory', str(self))
+        return real(self, *a, **k)
+    pathlib.Path.read_text = read_text
+"""
+
+
+def test_ranks_that_read_attention_json_differently_decide_together(unset_run, store_dir, tiny_edit_model,
+                                                                   tmp_path):
+    """A record from before the backend was recorded is read through RUN/attention.json by each rank: rank 0 reads
+    native (the run's), rank 1 none (not known to be the run's). Before, rank 0 resumed the run while rank 1 kept it
+    and started afresh (`--new-run`): the ranks went into different collectives (a hang, or a failure naming
+    neither). Now the ranks decide together: another run on every rank, kept once, trained afresh to the end."""
+    from rank_hook import launch_with_hook
+    from stages.train import previous
+    from test_train import BASE
+
+    out = tmp_path / "run"
+    shutil.copytree(unset_run, out)
+    _as_before(out, None)
+    settings = {**BASE, "train.max_steps": 4, "train.checkpoint_every": 2, "train.attention_backend": "native"}
+    args = ["run", "train", "--store", str(store_dir), "--model", tiny_edit_model, "--out", str(out), "--resume",
+            "--new-run", *[a for k, v in settings.items() for a in ("--set", f"{k}={v}")]]
+    done = launch_with_hook(tmp_path, _NO_ATTENTION_JSON_ON_RANK_1, args, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "attention backend (as resolved) None -> native" in done.stdout + done.stderr, done.stdout[-3000:]
+    (kept,) = previous.kept_runs(out)
+    assert train_state.latest_checkpoint(kept / "checkpoints").name == "step-2"  # the old run, as it was
+    record = train_state.ResumeRecord.read(train_state.latest_checkpoint(out / "checkpoints") / train_state.RESUME_JSON)
+    assert (record.step, record.attention_backend) == (4, "native")
