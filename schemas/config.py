@@ -12,7 +12,7 @@ import difflib
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from schemas.lineage import FEATURES, IDENTITY, THROUGHPUT, Role, added_later, adds_columns, section_fingerprint
 
@@ -333,11 +333,17 @@ class EvaluateConfig(Section):
     negative_prompt: Annotated[str, _EXTRA_PROMPTS_ONLY] = Field(" ", description="extra prompts' negative; val samples use the stored empty prompt")
     lora_scale: Annotated[float, FEATURES] = 1.0
     extra_prompts: Annotated[list[ExtraPrompt], FEATURES] = []
+    # hashed as resolved: `stages.evaluate.stage.agreed_config` sets the backend the run uses (unset: the device's
+    # default) before anything is fingerprinted, so `native` spelled out after an unset CPU run is that run's
+    # report, and reports recorded unset are read through `stages.evaluate.backend` (docs/evaluate.md)
     attention_backend: Annotated[str | None, FEATURES] = Field(
         None, description="attention backend of the held-out loss's padded batches (see train.attention_backend)")
     on_damaged: Annotated[Literal["stop", "skip"], _SAMPLES_RECORDED] = _on_damaged(
         "val sample in text/vae", "leave it out (named in the summary and metrics.json)")
     max_damaged_fraction: Annotated[float, THROUGHPUT] = _max_damaged_fraction("the val samples")
+    # the attention backend's choice `agreed_config` made (with its reason, for the run record), set on the model as
+    # it is (`load_transformer`): not a setting, never hashed
+    _attention_choice: Any = PrivateAttr(None)
     on_nonfinite: Annotated[Literal["stop", "skip"], added_later("identity")] = Field(
         "stop", description="a val sample whose held-out loss is NaN/inf (base or LoRA): stop naming the samples, "
         "or leave it out of every mean (counted and named in the summary and metrics.json)")

@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 from schemas.config import PipelineConfig, TrainConfig
 from schemas.errors import UserError
 from schemas.lineage import hashed_settings, section_fingerprint, settings_hash
+from schemas.record_formats import ATTENTION_JSON
 from stages.train.launch import launched_world_size, use_cpu
 
 if TYPE_CHECKING:
@@ -103,9 +104,6 @@ def run_backend(cfg: TrainConfig, model: str, device: torch.device, world: int =
 
     return agreed_backend(cfg.attention_backend, "train.attention_backend", device, resolve_dtype(cfg.dtype, device),
                           world, qwen21=model_variant(model) == "qwen-image-2.1")
-
-
-ATTENTION_JSON = "attention.json"  # the backend of the run's latest start and why (stages/train/recipe.py)
 
 
 def recorded_backend(record_backend: str | None, record_fingerprint: str, cfg: TrainConfig, run_dir: Path,
