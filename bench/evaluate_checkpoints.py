@@ -87,7 +87,7 @@ def main(n: int = 4) -> None:
             k[0] += 1
             checkpoints.run(cfg, tmp / "store", model, ckpts, tmp / f"all-{k[0]}")
 
-        resolved = stage.resolved_config(cfg)
+        resolved = stage.resolved_config(cfg, model)
         from stages.evaluate.val_share import reader
 
         tables, share = stage.read_val_samples(resolved, tmp / "store", model)

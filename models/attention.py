@@ -158,10 +158,31 @@ def set_backend(transformer, name: str) -> None:
             proc._attention_backend = None if multires in (None, PACKED) else multires
 
 
+def agreed_backend(name: str | None, key: str, device: torch.device, dtype: torch.dtype, world: int = 1,
+                   qwen21: bool = False) -> str:
+    """The backend `use_attention_backend` will set for `name` (before any model is loaded): what a run records
+    and its reuse compares, so that an unset name and the name it resolves to are one run. With several ranks
+    (`world`) a collective, as `use_attention_backend`. `qwen21`: the model is Qwen-Image-2.1 (native only)."""
+    return agreed_choice(name, key, device, dtype, world, qwen21).backend
+
+
+def agreed_choice(name: str | None, key: str, device: torch.device, dtype: torch.dtype, world: int = 1,
+                  qwen21: bool = False) -> Choice:
+    """`agreed_backend` with its reason (and probe): what `use_attention_backend(..., choice=)` then sets."""
+    check_name(name, key)
+    if qwen21:  # another name is refused when the model loads (`use_attention_backend`)
+        choice = Choice(name or "native", "Qwen-Image-2.1: its dense block-causal mask through native SDPA")
+    else:
+        choice = choose(name, torch.device(device), dtype, key)
+    return agree(choice, world, key)  # on every path: ranks that took different ones meet in the same collective
+
+
 def use_attention_backend(transformer, name: str | None, key: str, device: torch.device, dtype: torch.dtype,
-                          world: int = 1) -> str:
+                          world: int = 1, choice: Choice | None = None) -> str:
     """Check the configured name, resolve the default, set it on the model; returns the backend in use. With
-    several ranks (`world`), a collective: every rank calls it, and all take the same backend (`agree`)."""
+    several ranks (`world`), a collective: every rank calls it, and all take the same backend (`agree`).
+    `choice`: the ranks' decision made already (`agreed_choice`, of `name`): set as it is, nothing decided again
+    (every rank passes one, or none)."""
     from models.qwen21_flow import is_qwen21
 
     check_name(name, key)
@@ -171,7 +192,8 @@ def use_attention_backend(transformer, name: str | None, key: str, device: torch
                             f"native SDPA, the only kernel they take; set {key}: null (or native)")
         choice = agree(Choice("native", "Qwen-Image-2.1: its dense block-causal mask through native SDPA"), world, key)
     else:
-        choice = agree(choose(name, torch.device(device), dtype, key), world, key)
+        if choice is None:
+            choice = agree(choose(name, torch.device(device), dtype, key), world, key)
         set_backend(transformer, choice.backend)
     transformer._attention_choice = choice
     announce(choice, key)

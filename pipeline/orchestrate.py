@@ -119,9 +119,10 @@ def stages() -> list[tuple[str, Callable[[PipelineConfig, Paths], StageSummary]]
         ("encode-text", lambda cfg, p: encode_text.run(cfg, p.store, p.model)),
         ("encode-vae", lambda cfg, p: encode_vae.run(cfg, p.store, p.model)),
         # resume=True: a killed `run all` continues its training; new_run=True: a run on other inputs is kept
-        ("train", lambda cfg, p: train.run(cfg, p.store, p.model, p.run, resume=True, skip_if_done=True,
-                                           new_run=True, before_keep=lambda run: _report_into(p.report, run),
-                                           rerun="rerun the same command")),  # it has no --resume: resumes itself
+        ("train", lambda cfg, p: _report_back(p.report, p.run, train.run(
+            cfg, p.store, p.model, p.run, resume=True, skip_if_done=True, new_run=True,
+            before_keep=lambda run: _report_into(p.report, run),
+            rerun="rerun the same command"))),  # it has no --resume: resumes itself
         ("evaluate", evaluate_run),
     ]
 
@@ -162,6 +163,22 @@ def _report_into(report: Path, run: Path) -> None:
             os.rename(report, run / REPORT_IN_KEPT_RUN)
         except OSError:  # another file system: the report stays, and evaluate rewrites it for the new LoRA
             pass
+
+
+def _report_back(report: Path, run: Path, result):
+    """After train: a run that holds its own report (`_report_into`: kept with it, then taken back, or a kill right
+    after the move) gives it back to REPORT when REPORT is free, so evaluate finds it (and checks it is current)
+    instead of evaluating every checkpoint again. Rank 0's move (the report is rank 0's). Returns `result`."""
+    import os
+
+    inside = Path(run) / REPORT_IN_KEPT_RUN
+    if launched()[1] and inside.is_dir() and not Path(report).exists():
+        try:
+            Path(report).parent.mkdir(parents=True, exist_ok=True)
+            os.rename(inside, report)
+        except OSError:  # another file system: evaluate writes a report there afresh
+            pass
+    return result
 
 
 def run_all(cfg: PipelineConfig, log: Callable[[str], None] = print, cache_dir: Path | None = None,

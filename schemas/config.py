@@ -12,7 +12,7 @@ import difflib
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from schemas.lineage import FEATURES, IDENTITY, THROUGHPUT, Role, added_later, adds_columns, section_fingerprint
 
@@ -216,6 +216,14 @@ _SAMPLES_RECORDED = Role("identity", hashed_as=lambda value: "stop")
 _EXTRA_PROMPTS_ONLY = Role("features", read_if=lambda ev: bool(ev.extra_prompts) and ev.true_cfg_scale > 1)
 
 
+# train.attention_backend: the configured name is not hashed; the backend the run resolved it to (unset: the
+# device's default) is recorded beside the fingerprint (stages/train/state.py `ResumeRecord.attention_backend`) and
+# compared there, so `native` spelled out after an unset CPU run is that run, and a name that resolves to another
+# backend is not. Hashed as None: every run made unset keeps its fingerprint; one made with a name set is read
+# through its spelling as set (stages/train/settings.py `earlier_config_fingerprints`).
+_BACKEND_RECORDED = Role("features", hashed_as=lambda name: None)
+
+
 class TrainConfig(Section):
     device: Annotated[str | list[str] | None, THROUGHPUT] = Field(None, description="None = accelerate's choice; else " + _DEVICE_HELP)
     dtype: Annotated[DType, FEATURES] = Field("auto", description="frozen base weights; " + _DTYPE_HELP + " (auto: "
@@ -289,7 +297,7 @@ class TrainConfig(Section):
         "this many computed tokens (batch size x longest sequence), see stages/train/budget.py")
     prefetch: Annotated[int, THROUGHPUT] = Field(0, ge=0, description="micro-batches read, drawn and copied to the device ahead by a "
                           "background thread (0 = inline)")
-    attention_backend: Annotated[str | None, FEATURES] = Field(
+    attention_backend: Annotated[str | None, _BACKEND_RECORDED] = Field(
         None, description="diffusers attention backend for padded batches (models/attention.py); None = the "
         "fastest correct one available (CUDA) / native (CPU)")
     compile: Annotated[bool, THROUGHPUT] = Field(False, description="torch.compile each transformer block (regional compilation)")
@@ -325,11 +333,17 @@ class EvaluateConfig(Section):
     negative_prompt: Annotated[str, _EXTRA_PROMPTS_ONLY] = Field(" ", description="extra prompts' negative; val samples use the stored empty prompt")
     lora_scale: Annotated[float, FEATURES] = 1.0
     extra_prompts: Annotated[list[ExtraPrompt], FEATURES] = []
+    # hashed as resolved: `stages.evaluate.stage.agreed_config` sets the backend the run uses (unset: the device's
+    # default) before anything is fingerprinted, so `native` spelled out after an unset CPU run is that run's
+    # report, and reports recorded unset are read through `stages.evaluate.backend` (docs/evaluate.md)
     attention_backend: Annotated[str | None, FEATURES] = Field(
         None, description="attention backend of the held-out loss's padded batches (see train.attention_backend)")
     on_damaged: Annotated[Literal["stop", "skip"], _SAMPLES_RECORDED] = _on_damaged(
         "val sample in text/vae", "leave it out (named in the summary and metrics.json)")
     max_damaged_fraction: Annotated[float, THROUGHPUT] = _max_damaged_fraction("the val samples")
+    # the attention backend's choice `agreed_config` made (with its reason, for the run record), set on the model as
+    # it is (`load_transformer`): not a setting, never hashed
+    _attention_choice: Any = PrivateAttr(None)
     on_nonfinite: Annotated[Literal["stop", "skip"], added_later("identity")] = Field(
         "stop", description="a val sample whose held-out loss is NaN/inf (base or LoRA): stop naming the samples, "
         "or leave it out of every mean (counted and named in the summary and metrics.json)")

@@ -4,6 +4,7 @@ reads resume.json). Each record's format is its own: a bump of one never changes
 
 FOLDER_RECORD = "checksums.json"  # a final LoRA's, a table version's
 FOLDER_RECORD_FORMAT = 1
+ATTENTION_JSON = "attention.json"  # RUN/: the attention backend of the run's latest start and why (train)
 RESUME_JSON = "resume.json"  # a checkpoint's (its `files` map covers lora/<file> too)
 RESUME_FORMAT = 1
 

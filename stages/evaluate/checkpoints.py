@@ -75,11 +75,17 @@ def _loss_settings(cfg: EvaluateConfig, as_set: bool = False) -> dict:
     return {k: v for k, v in hashed_settings(cfg, as_set=as_set).items() if k in LOSS_SETTINGS}
 
 
-def earlier_config_fingerprints(cfg: EvaluateConfig) -> list[str]:
+def earlier_config_fingerprints(cfg: EvaluateConfig, unset_used: str | None = None) -> list[str]:
     """A report's `config_fingerprint` as recorded before on_damaged and an unread negative_prompt were hashed as
-    their defaults (the settings as set; none when that is the present spelling): such a report is current."""
-    earlier = settings_hash(hashed_settings(cfg, as_set=True))
-    return [earlier] if earlier != cfg.fingerprint() else []
+    their defaults (the settings as set; none when that is the present spelling): such a report is current. Also
+    as recorded before the attention backend was hashed as resolved, unset, where the report's evidence says its
+    unset backend was `cfg`'s (`unset_used`: `stages.evaluate.backend.unset_backend`)."""
+    spellings = [cfg]
+    if unset_used is not None and unset_used == cfg.attention_backend:
+        spellings.append(cfg.model_copy(update={"attention_backend": None}))
+    earlier = [settings_hash(hashed_settings(c, as_set=True)) for c in spellings] + \
+        [c.fingerprint() for c in spellings[1:]]
+    return [h for h in dict.fromkeys(earlier) if h != cfg.fingerprint()]
 
 
 def damaged_current(metrics: dict, cfg: EvaluateConfig) -> bool:
@@ -122,17 +128,36 @@ def read_fingerprint(settings: dict, tables) -> tuple[str, dict]:
     return _hash(settings), settings
 
 
-def earlier_settings(settings: dict, tables, cfg: EvaluateConfig) -> list[dict]:
+def earlier_settings(settings: dict, tables, cfg: EvaluateConfig, out: Path | None = None) -> list[dict]:
     """`read_fingerprint`'s settings as spelled before: the tables named by the version ids read (before they
     were named by content), the evaluate settings as set (`cfg`'s; before on_damaged was hashed as its default),
-    and both; none that is the present spelling: an array or a report recorded so is still current. Not the base
-    caches (`base_images`): their keys hold the source digest, which the release that spelled them so had another of."""
+    and both; each also with the attention backend unset (before it was hashed as resolved) where OUT's loss array
+    records it unset and its evidence says that was this backend (`unset_array_backend`); none that is the present
+    spelling: an array or a report recorded so is still current. Not the base caches (`base_images`): their keys
+    hold the source digest, which the release that spelled them so had another of."""
     spellings = [{**settings, "tables": t, "evaluate": e} for e in (settings["evaluate"], _loss_settings(cfg, True))
                  for t in (settings["tables"], tables.versions())]
+    used = unset_array_backend(out) if out is not None else None
+    if used is not None and used == settings["evaluate"].get("attention_backend"):
+        spellings += [{**s, "evaluate": {**s["evaluate"], "attention_backend": None}} for s in spellings]
     return [s for i, s in enumerate(spellings) if s != settings and s not in spellings[:i]]
 
 
-def content_fingerprint(cfg: EvaluateConfig, store: str | Path, model: str, settings: dict) -> tuple[str, dict, list]:
+def unset_array_backend(out: Path) -> str | None:
+    """The backend OUT's loss array was computed with when it records the attention backend unset (recorded before
+    it was hashed as resolved): `stages.evaluate.backend.unset_backend` of its dtype and OUT's report of it; None
+    when the array records another or none, or that is unknown."""
+    from stages.evaluate.backend import report_metrics, unset_backend
+
+    recorded = recorded_setting(out)
+    evaluate = recorded[1].get("evaluate") if recorded is not None and isinstance(recorded[1], dict) else None
+    if not isinstance(evaluate, dict) or "attention_backend" not in evaluate or evaluate["attention_backend"]:
+        return None
+    return unset_backend(evaluate.get("dtype"), report_metrics(out), recorded[1])
+
+
+def content_fingerprint(cfg: EvaluateConfig, store: str | Path, model: str, settings: dict,
+                        out: Path | None = None) -> tuple[str, dict, list]:
     """`read_fingerprint` of the val split as evaluate would read it now (opened and closed here: the up-to-date
     check before anything is loaded) and its `earlier_settings`."""
     from features.open import open_configured
@@ -140,7 +165,7 @@ def content_fingerprint(cfg: EvaluateConfig, store: str | Path, model: str, sett
 
     with open_configured(cfg, "evaluate", store, model, model_fingerprint(model), "val") as tables:
         fingerprint, settings = read_fingerprint(settings, tables)
-        return fingerprint, settings, earlier_settings(settings, tables, cfg)
+        return fingerprint, settings, earlier_settings(settings, tables, cfg, out)
 
 
 def _hash(settings: dict) -> str:
@@ -159,7 +184,7 @@ def lora_digest(checkpoint: Path):
 # What a checkpoint's weights were trained from, in its step folder's resume.json (stages/train/state.py): the
 # checkpoints of one training share these whatever their step, process count or max_steps (schemas.up_to_date)
 _TRAINING_INPUTS = ("config_fingerprint", "model_fingerprint", "init_lora_sha256", "training_revision", "tables",
-                    "table_contents")
+                    "table_contents", "attention_backend")
 
 
 def training_of(checkpoint: Path) -> dict | None:
@@ -190,6 +215,10 @@ def same_training(a: dict, b: dict) -> bool:
         return False
     init = a.get("init_lora_sha256")
     if known_init_lora(init, b.get("init_lora_sha256")) != known_init_lora(b.get("init_lora_sha256"), init):
+        return False
+    # the backend trained with, where both recorded it (the fingerprint hashes no backend name)
+    if None not in (a.get("attention_backend"), b.get("attention_backend")) and \
+            a.get("attention_backend") != b.get("attention_backend"):
         return False
     contents = b.get("table_contents")
     tables = compared_tables(a.get("tables") or {}, a.get("table_contents"), b.get("tables") or {},
@@ -405,7 +434,9 @@ def _up_to_date(out: Path, fingerprint: str, checkpoints: list[tuple[int, Path]]
     named = named_steps(c)
     recorded_inputs["named_on_disk"] = named
     present["named_on_disk"] = [step for step in named if step in dict(checkpoints)]
-    if recorded_inputs["config_fingerprint"] in earlier_config_fingerprints(cfg):
+    from stages.evaluate.backend import unset_backend
+
+    if recorded_inputs["config_fingerprint"] in earlier_config_fingerprints(cfg, unset_backend(cfg.dtype, metrics)):
         present["config_fingerprint"] = recorded_inputs["config_fingerprint"]  # recorded as set: the same settings
     if recorded is not None and current.is_current(recorded_inputs, present) and damaged_current(metrics, cfg):
         return metrics
@@ -504,7 +535,7 @@ def _run(ranks, cfg: EvaluateConfig, store: str | Path, model: str, checkpoints:
     checkpoints, shas, pruned = _checkpoints_on_disk(ranks, checkpoints, relist)
     # the device and precision every rank computes its share in: one decision of all (a collective, outside
     # `together`): rows of one loss grid in two precisions would be recorded as the one dtype
-    cfg, precision = single.agreed_config(cfg, ranks.world)
+    cfg, precision = single.agreed_config(cfg, model, ranks.world)
     check_same_settings(ranks.world, cfg)
     run = _Evaluation(ranks, cfg, store, model, out, precision, started)
     with together(ranks.world, "evaluate settings"):
@@ -517,7 +548,7 @@ def _run(ranks, cfg: EvaluateConfig, store: str | Path, model: str, checkpoints:
     load = reader(tables, share)
     with tables:  # closed on every path: descriptors, check-ahead thread, read lease
         fingerprint, settings = read_fingerprint(settings, tables)  # the tables read, not those at key time
-        earlier = earlier_settings(settings, tables, cfg)
+        earlier = earlier_settings(settings, tables, cfg, out)
         damaged = dict(tables.damaged)
         losses = _losses_opened(run, share.samples, fingerprint, settings, earlier, tables)
         transformer = single.load_transformer(cfg, model, ranks.world)  # the ranks' one attention backend
@@ -570,7 +601,7 @@ def _recorded_if_up_to_date(run: _Evaluation, settings: dict, checkpoints: list[
     ranks, out = run.ranks, run.out
     done = None
     if skip_if_done and ranks.main:  # the val split named by content, as the array records it (`read_tables`)
-        now, now_settings, earlier = content_fingerprint(run.cfg, run.store, run.model, settings)
+        now, now_settings, earlier = content_fingerprint(run.cfg, run.store, run.model, settings, run.out)
         why: list[str] = []
         known = known_fingerprint(out, now, now_settings, earlier)
         done = _up_to_date(out, known, checkpoints, shas, run.cfg, now_settings, why)

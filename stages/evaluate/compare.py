@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from schemas.errors import UserError
+from stages.evaluate.backend import as_resolved
 from stages.evaluate.curves import Chart, Series, pick_best, svg
 from store.loss_array import GROUP, open_dataset
 
@@ -82,6 +83,8 @@ def read_curves(path: str | Path, label: str) -> RunCurves:
     group = find_group(path)
     ds = open_dataset(group)  # in step order
     settings = dict(ds.attrs.get("settings", {}))
+    if isinstance(settings.get("evaluate"), dict):  # an unset backend recorded before it was hashed as resolved
+        settings["evaluate"] = as_resolved(settings["evaluate"], group.parent, dict(ds.attrs.get("settings", {})))
     loss = ds.loss.values.astype(np.float64)  # [step, sample, seed, sigma, region]
     base = ds.base_loss.values.astype(np.float64) if "base_loss" in ds else np.full(loss.shape[1:], np.nan)
     regions = [str(r) for r in ds.region.values]
@@ -111,14 +114,16 @@ def read_curves(path: str | Path, label: str) -> RunCurves:
                                                                 if k != "on_damaged"},
         },
         table_versions=_table_versions(settings, dict(ds.attrs)),
-        measured=_measured(settings, dict(ds.attrs)),
+        measured=_measured(settings, dict(ds.attrs), group.parent),
     )
 
 
-def _measured(settings: dict, attrs: dict) -> dict | None:
+def _measured(settings: dict, attrs: dict, folder: Path | None = None) -> dict | None:
     """One spelling of how an array's losses were computed, for evaluate arrays (`settings["evaluate"]`) and
     validation curves (`attrs["measured"]`, stages/train/val_curve.py) alike, so a validation curve is compared
-    with a report too; None for a curve recorded before train noted it (comparable as before)."""
+    with a report too; None for a curve recorded before train noted it (comparable as before). The attention
+    backend is the one resolved: a curve recorded unset (before train recorded it resolved) reads the one its run
+    used from FOLDER/attention.json (the run folder), as train's reuse does."""
     evaluate, train = settings.get("evaluate"), attrs.get("measured")
     if isinstance(evaluate, dict):
         return {"precision": evaluate.get("dtype"), "quantize_base": evaluate.get("quantize_base", "none"),
@@ -126,8 +131,19 @@ def _measured(settings: dict, attrs: dict) -> dict | None:
     if isinstance(train, dict):
         autocast = " with bf16 autocast" if train.get("mixed_precision") == "bf16" else ""
         return {"precision": f"{train.get('dtype')}{autocast}", "quantize_base": train.get("quantize_base", "none"),
-                "attention_backend": train.get("attention_backend"), "lora_scale": 1.0}
+                "attention_backend": train.get("attention_backend") or _run_backend(folder), "lora_scale": 1.0}
     return None
+
+
+def _run_backend(run_dir: Path | None) -> str | None:
+    """The backend RUN/attention.json names (the run's latest start; stages/train/recipe.py), or None."""
+    from schemas.record_formats import ATTENTION_JSON
+
+    try:
+        used = json.loads((Path(run_dir) / ATTENTION_JSON).read_text()).get("backend") if run_dir else None
+    except (OSError, ValueError, AttributeError):
+        return None
+    return used if isinstance(used, str) else None
 
 
 def _table_versions(settings: dict, attrs: dict) -> dict | None:

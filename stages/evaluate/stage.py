@@ -274,16 +274,21 @@ def generation_summary(rows: list[SampleRow], cfg: EvaluateConfig, model: str | 
 # ------------------------------------------------------------------------------------------------ the stage
 
 
-def resolved_config(cfg: EvaluateConfig) -> EvaluateConfig:
-    """This rank's device and the concrete dtype (`auto` decided by the device): what runs and is recorded."""
-    return agreed_config(cfg)[0]
+def resolved_config(cfg: EvaluateConfig, model: str) -> EvaluateConfig:
+    """This rank's device, the concrete dtype (`auto` decided by the device) and the attention backend (unset: the
+    device's default): what runs, is hashed and is recorded."""
+    return agreed_config(cfg, model)[0]
 
 
-def agreed_config(cfg: EvaluateConfig, world: int = 1) -> tuple[EvaluateConfig, Precision]:
+def agreed_config(cfg: EvaluateConfig, model: str, world: int = 1) -> tuple[EvaluateConfig, Precision]:
     """(`resolved_config`, the precision with its reason). With several ranks (`world`, --all-checkpoints) the
-    dtype is one decision of all (`models.precision.agreed_precision`, a collective: every rank calls it): their
-    rows of one loss grid are computed in one precision, the one recorded. A rank without its device stops every
-    rank with its line there."""
+    dtype and the attention backend are each one decision of all (`models.precision.agreed_precision`,
+    `models.attention.agreed_choice`: collectives, every rank calls them): their rows of one loss grid are
+    computed in one precision and backend, the ones recorded. A rank without its device stops every rank with its
+    line there. The backend is set as resolved (its choice kept for `load_transformer`), so that every hash of
+    the settings names the backend used, not its spelling: unset on a CPU and `native` are one report."""
+    from models.attention import agreed_choice
+    from models.loading import model_variant
     from models.precision import agreed_precision, device_for_rank, resolve_precision
 
     device = ""
@@ -294,7 +299,17 @@ def agreed_config(cfg: EvaluateConfig, world: int = 1) -> tuple[EvaluateConfig, 
         return resolve_precision(cfg.dtype, device, what="evaluate.dtype")
 
     precision = agreed_precision(own, world, "evaluate.dtype")
-    return cfg.model_copy(update={"device": device, "dtype": precision.weights}), precision
+    choice = cfg._attention_choice  # resolved already: the choice made then (a resolved name reads "configured")
+    if choice is None:
+        dtype = parse_dtype(precision.weights)
+        # Qwen-Image-2.1 takes native only; its files are read only where the default could be another backend
+        qwen21 = cfg.attention_backend is None and torch.device(device).type == "cuda" and \
+            dtype in (torch.bfloat16, torch.float16) and model_variant(model) == "qwen-image-2.1"
+        choice = agreed_choice(cfg.attention_backend, "evaluate.attention_backend", torch.device(device), dtype,
+                               world, qwen21)
+    resolved = cfg.model_copy(update={"device": device, "dtype": precision.weights, "attention_backend": choice.backend})
+    resolved._attention_choice = choice
+    return resolved, precision
 
 
 def check_sampling(cfg: EvaluateConfig, model: str) -> None:
@@ -365,7 +380,7 @@ def evaluate_inputs(cfg: EvaluateConfig, store: str | Path, model: str, lora: st
     from stages.evaluate.base_images import extra_prompt_bytes
     from stages.evaluate.checkpoints import EVALUATION_REVISION
 
-    cfg = resolved_config(cfg)
+    cfg = resolved_config(cfg, model)
     h = lora_sha256 or file_sha256(lora_weight_file(lora))  # chunked: a GB-sized LoRA is not read into memory
     inputs = {  # not the store's path: the tables' identities name the data (a moved store is the same report)
         "tables": table_ids if table_ids is not None else read_table_ids(cfg, store, model, tables),
@@ -423,6 +438,7 @@ def report_up_to_date(cfg: EvaluateConfig, store: str | Path, model: str, lora: 
                       lora_sha256: str | None = None, why: list[str] | None = None) -> bool:
     """Is OUT's report this run's (`schemas.up_to_date`)? `why`: filled, when it holds one that is not, with what
     differs (`checkpoints.differences`)."""
+    from stages.evaluate.backend import unset_backend
     from stages.evaluate.checkpoints import damaged_current, differences, earlier_config_fingerprints
 
     metrics = Path(out) / "metrics.json"
@@ -443,12 +459,15 @@ def report_up_to_date(cfg: EvaluateConfig, store: str | Path, model: str, lora: 
     versions = version_table_ids(store)
     table_ids = versions if recorded.get("tables") == versions else None
     present = evaluate_inputs(cfg, store, model, lora, lora_sha256, table_ids=table_ids)
-    if recorded.get("config_fingerprint") in earlier_config_fingerprints(resolved_config(cfg)):
+    resolved = resolved_config(cfg, model)
+    # a report recorded unset before the backend was hashed as resolved: its own run record says which it used
+    unset_used = unset_backend(resolved.dtype, metrics_of)
+    if recorded.get("config_fingerprint") in earlier_config_fingerprints(resolved, unset_used):
         present["config_fingerprint"] = recorded["config_fingerprint"]  # recorded as set: the same settings
     if current.is_current(recorded, present) and damaged_current(metrics_of, cfg):
         return True
     if why is not None:
-        why += differences(recorded, present, metrics_of, resolved_config(cfg), None)
+        why += differences(recorded, present, metrics_of, resolved, None)
     return False
 
 
@@ -516,8 +535,12 @@ def load_transformer(cfg: EvaluateConfig, model: str, world: int = 1):
         check_loaded_dtype(transformer, cfg.dtype, "evaluate.dtype")
         if not is_qwen21(transformer):  # 2.1: its own mixed-layout forward (models/qwen21_multires.py), images by stages/evaluate/qwen21.py
             install_multires(transformer)
-    use_attention_backend(transformer, cfg.attention_backend, "evaluate.attention_backend", torch.device(cfg.device),
-                          dtype, world)
+    # the backend the settings were hashed with (`agreed_config`), as decided then: nothing decided again
+    used = use_attention_backend(transformer, cfg.attention_backend, "evaluate.attention_backend",
+                                 torch.device(cfg.device), dtype, world, cfg._attention_choice)
+    if cfg._attention_choice is not None and used != cfg.attention_backend:  # the same on every rank: all stop
+        raise UserError(f"evaluate.attention_backend: the model uses {used}, but the report is hashed with "
+                        f"{cfg.attention_backend}; report this")
     return transformer
 
 
@@ -616,7 +639,7 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, ou
     say_recomputed(out, why)
     check_report_folder(out)
     requested = cfg.dtype
-    cfg = resolved_config(cfg)
+    cfg = resolved_config(cfg, model)
     tqdm.write(describe("evaluate", parse_dtype(cfg.dtype), cfg.device, requested)
                + (f", quantize_base {cfg.quantize_base}" if cfg.quantize_base != "none" else ""))
     warn_other_base([lora], model)

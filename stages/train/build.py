@@ -131,7 +131,8 @@ def build_training(r: Run, store: str | Path, model: str, latest: Path | None, r
     if tc.validate_every is not None or tc.sample_every is not None:
         from stages.train.validate import Validator
 
-        r.validator = Validator(tc, store, model, r.run_dir, r.world, r.main, start_step=r.step)
+        r.validator = Validator(tc, store, model, r.run_dir, r.world, r.main, start_step=r.step,
+                                attention_backend=r.record.attention_backend)
         if r.main and r.validator.damaged:
             tqdm.write(f"validation: left out {len(r.validator.damaged)} damaged val sample(s) (train.on_damaged="
                        f"skip): {', '.join(sorted(r.validator.damaged))}")

@@ -12,16 +12,18 @@ from schemas import up_to_date as current
 from schemas.config import PipelineConfig, TrainConfig
 from stages.train import damaged_log, state as train_state
 from stages.train.settings import (config_fingerprint, earlier_config_fingerprints, training_revision,
-                                   init_lora_sha256, planned_device, resolve_precision)
+                                   init_lora_sha256, planned_device, recorded_backend, resolve_precision,
+                                   run_backend)
 from stages.train.state import ResumeRecord
 from store.join import JoinedTables
 
 
 def up_to_date(cfg: PipelineConfig, store: str | Path, model: str, out: str | Path,
-               train: TrainConfig | None = None) -> bool:
+               train: TrainConfig | None = None, backend: str | None = None) -> bool:
     """OUT/lora is the final LoRA of a run on the same tables, model, train config and init LoRA bytes, trained to
     max_steps under this code's training revision (`schemas.up_to_date`: the last checkpoint's record against
-    `run_inputs`). `train`: the train section as resolved already (`resolved_train`; several ranks: agreed)."""
+    `run_inputs`). `train`: the train section as resolved already (`resolved_train`; several ranks: agreed);
+    `backend`: the attention backend as resolved already (`run_backend`; several ranks: agreed)."""
     weights = Path(out) / "lora" / WEIGHT_NAME
     latest = train_state.latest_checkpoint(Path(out) / "checkpoints")
     if not weights.is_file() or latest is None:
@@ -34,7 +36,11 @@ def up_to_date(cfg: PipelineConfig, store: str | Path, model: str, out: str | Pa
     if not damaged_current(Path(out), train) or not nonfinite_current(record, train):
         return False
     now, tables = _inputs(cfg, store, model, train)
+    now["attention_backend"] = backend or run_backend(train, model, planned_device(train))
     recorded = {"step": record.step, **record.inputs()}
+    # a record from before the backend was recorded: the one its run used, where known (`recorded_backend`)
+    recorded["attention_backend"] = recorded_backend(record.attention_backend, record.config_fingerprint, train,
+                                                     Path(out), now["attention_backend"])
     # the same samples under other version numbers (an `images` rerun that changed none) are the same run
     recorded["tables"], now["tables"] = train_state.compared_tables(record.tables, record.table_contents,
                                                                     now["tables"], tables.content_ids)

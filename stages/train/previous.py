@@ -6,11 +6,17 @@ empty RUN is made for the new run. One rename is the whole move, so a kill leave
 kept folder complete (and RUN missing, which the rerun creates): nothing is lost at any point. The kept folder
 sits beside RUN, not inside it, because moving a folder into its own subfolder takes one rename per entry (and a
 recovery step for a kill between them); beside it, RUN stays exactly one run (TensorBoard, `lora merge`, ...).
+
+Taking one back (`take_back`, `pipeline run all` when a kept run is the finished run of the present settings and
+inputs): RUN is renamed away first (kept as above when it holds a trained run; else into `RUN.previous/.untrained-*`,
+removed after), then the kept run is renamed to RUN. A kill between the two renames leaves RUN missing and both
+runs under RUN.previous: the rerun finds the same kept run current and renames it back.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -32,6 +38,36 @@ def holds_trained_run(run_dir: Path) -> bool:
 def _next_number(root: Path) -> int:
     numbers = [int(p.name.split("-")[0]) for p in root.iterdir() if p.name.split("-")[0].isdigit()]
     return max(numbers, default=0) + 1
+
+
+def kept_runs(run_dir: Path) -> list[Path]:
+    """The runs kept in `RUN.previous/`, newest first (by N)."""
+    root = previous_root(Path(run_dir))
+    if not root.is_dir():
+        return []
+    kept = [p for p in root.iterdir() if p.is_dir() and p.name.split("-")[0].isdigit()]
+    return sorted(kept, key=lambda p: int(p.name.split("-")[0]), reverse=True)
+
+
+def take_back(run_dir: Path, kept: Path) -> Path | None:
+    """Rename the kept run `kept` back to `run_dir`; the run `run_dir` holds goes first, kept (`keep`'s rename,
+    returned) when it holds a trained run, else removed (returns None). The caller holds the run folder's lock."""
+    run_dir = Path(run_dir)
+    root = previous_root(run_dir)
+    moved = None
+    if run_dir.exists():
+        if holds_trained_run(run_dir):
+            moved = keep(run_dir)  # its one rename; it makes an empty RUN again, which the next rename replaces
+            run_dir.rmdir()
+        else:  # a start killed before its first checkpoint (or a lock's empty folder): nothing to keep
+            aside = root / f".untrained-{os.getpid()}-{time.time_ns()}"
+            os.rename(run_dir, aside)
+            shutil.rmtree(aside, ignore_errors=True)
+    fmt.crash_point("take_back_between_renames")
+    os.rename(kept, run_dir)  # the commit: the finished run is RUN again
+    fmt.fsync_dir(root)
+    fmt.fsync_dir(run_dir.parent)
+    return moved
 
 
 def keep(run_dir: Path) -> Path:

@@ -53,6 +53,7 @@ from tqdm.auto import tqdm
 from models.collective import fails_alone, together
 from models.flow import FlowBatch, flow_loss_of
 from schemas.config import PipelineConfig, TrainConfig
+from schemas.errors import UserError
 from stages.train import guard, parallel, state as train_state
 from stages.train.build import build_training, check_shapes, setup_transformer
 from stages.train.current import resolved_train, up_to_date
@@ -63,7 +64,7 @@ from stages.train.prefetch import MicroBatches
 from stages.train.result import TrainResult
 from stages.train.sampler import padding_efficiency
 from stages.train.saving import checkpoint, cleanup, finish
-from stages.train.settings import make_accelerator, resolved_config, train_device, validate_config
+from stages.train.settings import make_accelerator, resolved_config, run_backend, train_device, validate_config
 from stages.train.start import check_same_start, open_tables, prepare_run_dir, resume_point, start_record
 from stages.train.state import ResumeRecord
 from stages.train.stop import StopOnSignal
@@ -181,6 +182,10 @@ def run(
         locks.append(guard.RunDirLock(Path(out)) if accelerator.is_main_process else None)
     r = None
     try:
+        if skip_if_done and new_run and world == 1:
+            taken = take_back_finished(cfg, store, model, Path(out), before_keep)
+            if taken is not None:
+                return taken
         from models.shared_folder import check_shared
 
         check_shared(Path(out), accelerator.num_processes, accelerator.process_index, "--out",
@@ -221,9 +226,44 @@ def finished_here(cfg: PipelineConfig, store: str | Path, model: str, out: str |
 
     # the precision the ranks would train in: agreed (a collective) outside `together`; one process: as before
     train = resolved_train(cfg, world) if world > 1 else None
+    backend = None
+    if world > 1:  # the attention backend too (a collective: every rank probes, all decide together)
+        from stages.train.settings import planned_device
+
+        backend = run_backend(train, model, planned_device(train), world)
     with together(world, "is the run up to date"):
-        done = up_to_date(cfg, store, model, out, train)
+        done = up_to_date(cfg, store, model, out, train, backend)
     return not all_max(world, [int(not done)])[0]
+
+
+def take_back_finished(cfg: PipelineConfig, store: str | Path, model: str, out: Path,
+                       before_keep: Callable[[Path], None] | None) -> TrainResult | None:
+    """`run all` (one process, the run folder locked): the newest run kept in OUT.previous that is the finished run
+    of these very settings and inputs (`up_to_date`, as for OUT itself) is renamed back to OUT, the run OUT held kept
+    in its place (`previous.take_back`; `before_keep(OUT)` first, as for any keep); None when there is none.
+    Settings A, then B, then A again: the third run is the first's, trained again before."""
+    from stages.train import previous
+    from stages.train.settings import config_fingerprint, earlier_config_fingerprints
+
+    train = resolved_train(cfg)
+    fingerprints = {config_fingerprint(train), *earlier_config_fingerprints(train)}
+    for kept in previous.kept_runs(out):
+        latest = train_state.latest_checkpoint(kept / "checkpoints")
+        try:  # a cheap look first: only a run of this config has its tables opened (`up_to_date`)
+            if latest is None or ResumeRecord.read(latest / train_state.RESUME_JSON).config_fingerprint not in fingerprints:
+                continue
+        except UserError:  # a damaged kept run is left where it is, never taken back
+            continue
+        if not up_to_date(cfg, store, model, kept, train):
+            continue
+        if before_keep is not None and previous.holds_trained_run(out):
+            before_keep(out)
+        moved = previous.take_back(out, kept)
+        tqdm.write(f"took back the finished run of these settings from {kept} into {out}"
+                   + (f"; kept the run it held in {moved}" if moved is not None else ""))
+        lora = out / "lora"
+        return TrainResult(out, lora, cfg.train.max_steps, cfg.train.max_steps, up_to_date=True, kept_previous=moved)
+    return None
 
 
 def stopped_late(r: Run) -> None:
@@ -252,8 +292,10 @@ def setup(cfg: PipelineConfig, store: str | Path, model: str, out: str | Path, r
     cfg, precision = resolved_config(cfg, chosen or accelerator.device, accelerator.is_main_process,
                                      accelerator.num_processes)
     tc = cfg.train
+    # the attention backend every rank will use (one decision of all), recorded and compared beside the fingerprint
+    backend = run_backend(tc, model, chosen or accelerator.device, accelerator.num_processes)
     tables = open_tables(tc, store, model, accelerator)
-    now = start_record(tc, tables, model, accelerator.num_processes)
+    now = start_record(tc, tables, model, accelerator.num_processes, backend)
     try:
         check_same_start(accelerator.num_processes, now)
     except BaseException:
@@ -275,6 +317,9 @@ def setup(cfg: PipelineConfig, store: str | Path, model: str, out: str | Path, r
             tables.content_ids()
 
     r.transformer = setup_transformer(model, tc, r.device, r.world)
+    if r.transformer._attention_choice.backend != backend:  # the one recorded is the one used, or nothing runs
+        raise UserError(f"train.attention_backend: the model uses {r.transformer._attention_choice.backend}, but "
+                        f"{backend} was decided before it loaded; report this")
     # which attention kernel this run uses and why (a failed packed probe's error included); rank 0 writes it,
     # every rank learns whether it could (the others would otherwise wait for it in DDP's first broadcast)
     with together(r.world, "attention.json"), guard.one_line_errors("attention.json", r.run_dir):

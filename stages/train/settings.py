@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -11,6 +12,7 @@ from tqdm.auto import tqdm
 from schemas.config import PipelineConfig, TrainConfig
 from schemas.errors import UserError
 from schemas.lineage import hashed_settings, section_fingerprint, settings_hash
+from schemas.record_formats import ATTENTION_JSON
 from stages.train.launch import launched_world_size, use_cpu
 
 if TYPE_CHECKING:
@@ -83,12 +85,48 @@ def earlier_config_fingerprints(cfg: TrainConfig) -> tuple[str, ...]:
     configured now: its bytes were recorded beside it, or taken as the file there): runs made then resume and stay
     current."""
     now = hashed_settings(cfg)
+    if cfg.attention_backend is not None:  # hashed as set before its resolved backend was recorded instead
+        now = {**now, "attention_backend": cfg.attention_backend}
     budget = [{}] if cfg.max_tokens_per_batch is None else [{}, {"batch_size": cfg.batch_size}]
     path = {} if cfg.init_lora is None else {"init_lora": cfg.init_lora}  # hashed in every earlier spelling
     memory = ({"gradient_checkpointing": gc, "offload": off, "offload_blocks_on_device": n}
               for gc, off in _MEMORY_AS_BEFORE for n in {cfg.offload_blocks_on_device, 0})
     spellings = ({**now, **b, **path, **m} for m in [{}, *memory] for b in budget)
     return tuple(dict.fromkeys(settings_hash(s) for s in spellings))
+
+
+def run_backend(cfg: TrainConfig, model: str, device: torch.device, world: int = 1) -> str:
+    """The attention backend a run of `cfg` (its precision resolved) uses on `device`: the configured one, or the
+    device's default (models/attention.py `agreed_backend`; several ranks: a collective)."""
+    from models.attention import agreed_backend
+    from models.loading import model_variant
+    from models.precision import resolve_dtype
+
+    return agreed_backend(cfg.attention_backend, "train.attention_backend", device, resolve_dtype(cfg.dtype, device),
+                          world, qwen21=model_variant(model) == "qwen-image-2.1")
+
+
+def recorded_backend(record_backend: str | None, record_fingerprint: str, cfg: TrainConfig, run_dir: Path,
+                     now: str) -> str | None:
+    """The attention backend the run of a checkpoint record trained with: its own record; for a record written
+    before it held one, the name its fingerprint hashed when one was set (`earlier_config_fingerprints`: the
+    configured name, used as named), else RUN/attention.json (the run's latest start; unset, the record hashed
+    none); with neither, `now` when unset now too (such records were always taken as this run's), else None (not
+    known to be `now`'s: not reused)."""
+    if record_backend is not None:
+        return record_backend
+    if cfg.attention_backend is not None and record_fingerprint in earlier_config_fingerprints(cfg) and \
+            record_fingerprint not in earlier_config_fingerprints(cfg.model_copy(update={"attention_backend": None})):
+        return cfg.attention_backend
+    try:
+        import json
+
+        used = json.loads((Path(run_dir) / ATTENTION_JSON).read_text()).get("backend")
+    except (OSError, ValueError, AttributeError):
+        used = None
+    if isinstance(used, str):
+        return used
+    return now if cfg.attention_backend is None else None
 
 
 def known_fingerprint(record_fingerprint: str, cfg: TrainConfig) -> str:

@@ -21,7 +21,8 @@ from stages.train import damaged_log, elastic, guard, previous, state as train_s
 from stages.train.current import damaged_current, nonfinite_current
 from stages.train.data import DataStream, write_data_report
 from stages.train.resume import changed_settings
-from stages.train.settings import config_fingerprint, init_lora_sha256, known_fingerprint, training_revision
+from stages.train.settings import (config_fingerprint, init_lora_sha256, known_fingerprint, recorded_backend,
+                                   training_revision)
 from stages.train.state import ResumeRecord
 from store.format import atomic_write_bytes, atomic_write_json
 from store.join import JoinedTables
@@ -64,15 +65,17 @@ def agreed_model_fingerprint(world: int, model: str) -> str:
     return fingerprint
 
 
-def start_record(tc: TrainConfig, tables: JoinedTables, model: str, world_size: int) -> ResumeRecord:
-    """What this start trains on (step, epoch and batch are filled in at each checkpoint)."""
+def start_record(tc: TrainConfig, tables: JoinedTables, model: str, world_size: int,
+                 attention_backend: str | None = None) -> ResumeRecord:
+    """What this start trains on (step, epoch and batch are filled in at each checkpoint); `attention_backend`:
+    the one it resolved to (`settings.run_backend`)."""
     from models.loading import model_fingerprint
 
     return ResumeRecord(
         step=0, epoch=0, batch_in_epoch=0, config_fingerprint=config_fingerprint(tc),
         tables=tables.versions(), store=str(Path(tables.store_root).resolve()),
         model_fingerprint=model_fingerprint(model), world_size=world_size, init_lora_sha256=init_lora_sha256(tc),
-        training_revision=training_revision(tc),
+        training_revision=training_revision(tc), attention_backend=attention_backend,
     )
 
 
@@ -126,8 +129,15 @@ def resume_point(r: Run, resume: bool, cfg: PipelineConfig) -> tuple[Path | None
         record = ResumeRecord.read(latest / train_state.RESUME_JSON, keep=kept)
     # a run made when batch_size was hashed under a token budget is this run when the rest agrees; one made
     # before init LoRAs were hashed is taken as made from the present file (`known_init_lora`)
+    # a record from before the backend was recorded: the one its run used, where that is known (`recorded_backend`)
+    backend = recorded_backend(record.attention_backend, record.config_fingerprint, r.cfg, r.run_dir,
+                               r.record.attention_backend)
+    if record.attention_backend is None and r.world > 1:  # each rank read RUN/attention.json: one decision of all
+        (differs,) = all_max(r.world, [int(backend != r.record.attention_backend)])
+        backend = None if differs else r.record.attention_backend
     record = replace(record, config_fingerprint=known_fingerprint(record.config_fingerprint, r.cfg),
-                     init_lora_sha256=train_state.known_init_lora(record.init_lora_sha256, r.record.init_lora_sha256))
+                     init_lora_sha256=train_state.known_init_lora(record.init_lora_sha256, r.record.init_lora_sha256),
+                     attention_backend=backend)
     # on_damaged / on_nonfinite are in no fingerprint (`check_same_start` does not compare them) and the damaged
     # list is read per rank: decided by all ranks together (any rank's refusal is every rank's), so no rank
     # resumes into a collective the others never reach

@@ -111,7 +111,7 @@ def check_files(folder: Path, files: dict[str, dict[str, Any]], keep: dict[str, 
 
 _INPUT_LABEL = {"config_fingerprint": "train config fingerprint", "tables": "store tables",
                 "model_fingerprint": "model fingerprint", "init_lora_sha256": "train.init_lora weights (sha256)",
-                "training_revision": "training revision"}
+                "training_revision": "training revision", "attention_backend": "attention backend (as resolved)"}
 
 
 @dataclass(frozen=True)
@@ -144,6 +144,10 @@ class ResumeRecord:
     # `images` rerun that changed no sample) has other `tables` ids but the same content: the same run
     # (`compared_tables`). A field of its own: records without it compare `tables` as before.
     table_contents: dict[str, str] | None = None
+    # the attention backend the run trained with (`settings.run_backend`: train.attention_backend as resolved on its
+    # device; None: a record written before it was recorded, `settings.recorded_backend`). A field of its own: the
+    # fingerprint hashes no backend name, so an unset backend and the name it resolves to are one run.
+    attention_backend: str | None = None
 
     @property
     def canonical(self) -> int:
@@ -180,7 +184,7 @@ class ResumeRecord:
         """What the weights were trained from (`schemas.up_to_date`: a resume and the up-to-date check compare it)."""
         return {"config_fingerprint": self.config_fingerprint, "tables": self.tables,
                 "model_fingerprint": self.model_fingerprint, "init_lora_sha256": self.init_lora_sha256,
-                "training_revision": self.training_revision}
+                "training_revision": self.training_revision, "attention_backend": self.attention_backend}
 
     def check_matches(self, now: "ResumeRecord", where: Path,
                       contents: Callable[[], dict[str, str] | None] | None = None) -> None:

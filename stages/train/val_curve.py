@@ -24,11 +24,12 @@ from schemas.config import TrainConfig
 
 class ValidationCurve:
     def __init__(self, cfg: TrainConfig, run_dir: Path, samples: list[TrainSample], tables: list[str] | dict,
-                 versions, model_fingerprint: str, start_step: int = 0) -> None:
+                 versions, model_fingerprint: str, start_step: int = 0, attention_backend: str | None = None) -> None:
         """`tables`: the val split's tables as the setting names them (by content; the other ranks, which never
         read the setting, pass the version ids), `versions`: the version ids read. `start_step`: the step this
         start resumes at (0: a fresh start, whose curve begins anew: what a killed earlier start in this folder
-        recorded before its first checkpoint, base included, was measured for another run)."""
+        recorded before its first checkpoint, base included, was measured for another run). `attention_backend`: the
+        one the run resolved (`settings.run_backend`; None: as configured)."""
         self.cfg, self.run_dir, self.samples, self.versions = cfg, run_dir, samples, versions
         self.start_step = start_step
         validate = {"keys": [s.key for s in samples], "noise_seeds": list(cfg.validate_noise_seeds),
@@ -37,7 +38,7 @@ class ValidationCurve:
             validate = _without_batch_size(validate)
         self.settings = {"tables": tables, "model_fingerprint": model_fingerprint, "validate": validate}
         self.fingerprint = _fingerprint(self.settings)
-        self.measured = measured(cfg)
+        self.measured = measured(cfg, attention_backend)
         self._losses = None  # opened at the first append
 
     def _respelled(self, settings: dict) -> dict:
@@ -108,15 +109,15 @@ def _fingerprint(settings: dict) -> str:
     return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def measured(cfg: TrainConfig) -> dict:
+def measured(cfg: TrainConfig, attention_backend: str | None = None) -> dict:
     """How the validation losses are computed besides the setting they are recorded under (`RUN/losses.zarr`'s
     `measured`, not hashed: the train config fixes it for the run): the resolved precision of the frozen base and
-    its autocast, its quantisation, the attention backend. `pipeline compare` refuses two curves measured
-    otherwise, as it refuses evaluate arrays of another `evaluate.dtype` etc.: on the same val samples a bf16 or
-    quantised base gives other numbers (tiny model, bf16 autocast vs float32: up to 1e-3 on a step's
-    mean loss)."""
+    its autocast, its quantisation, the attention backend (as resolved: `attention_backend`, else as configured).
+    `pipeline compare` refuses two curves measured otherwise, as it refuses evaluate arrays of another
+    `evaluate.dtype` etc.: on the same val samples a bf16 or quantised base gives other numbers (tiny model, bf16
+    autocast vs float32: up to 1e-3 on a step's mean loss)."""
     return {"dtype": cfg.dtype, "mixed_precision": cfg.mixed_precision, "quantize_base": cfg.quantize_base,
-            "attention_backend": cfg.attention_backend}
+            "attention_backend": attention_backend or cfg.attention_backend}
 
 
 def _without_batch_size(validate: dict) -> dict:

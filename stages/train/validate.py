@@ -97,7 +97,7 @@ class _Agreement:
 
 class Validator:
     def __init__(self, cfg: TrainConfig, store, model: str, run_dir: Path, world: int = 1, main: bool = True,
-                 start_step: int = 0):
+                 start_step: int = 0, attention_backend: str | None = None):
         """Every rank reads the same val samples (each computes its share of the grid): opened and read by all
         ranks together, from the same versions (models/same_versions.py), or every rank stops with one line.
         `main`: the process that reads and writes RUN/losses.zarr, the only one that hashes the val split's
@@ -131,7 +131,7 @@ class Validator:
         try:  # the other ranks never read the setting (`_unrecorded` and `record` are the main process's)
             named = tables.content_names() if main else tables.versions()
             self.curve = ValidationCurve(cfg, run_dir, self.samples, named, tables.versions(),
-                                         model_fingerprint(model), start_step)
+                                         model_fingerprint(model), start_step, attention_backend)
         finally:
             tables.close()  # the samples are in memory now
 

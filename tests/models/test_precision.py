@@ -57,13 +57,14 @@ def test_stage_sections_resolve_and_record_a_concrete_dtype(fake_gpus):
     assert config_hash(cpu_vae) == config_hash(explicit)
     tc = train_precision(cfg.train, torch.device("cpu"))
     assert (tc.dtype, tc.mixed_precision) == ("float32", "no")
-    assert resolved_config(cfg.evaluate).dtype == "float32"
+    assert resolved_config(cfg.evaluate, "tiny-model").dtype == "float32"
 
     fake_gpus((8, 0))
     assert resolve_precision(cfg.encode_text, "cuda:0", "encode-text").dtype == "bfloat16"
     tc = train_precision(cfg.train, torch.device("cuda:0"))
     assert (tc.dtype, tc.mixed_precision) == ("bfloat16", "bf16")  # a bf16 base computes under bf16 autocast
-    assert resolved_config(cfg.evaluate.model_copy(update={"device": "cuda:1"})).dtype == "bfloat16"
+    cuda = cfg.evaluate.model_copy(update={"device": "cuda:1", "attention_backend": "native"})  # no packed probe here
+    assert resolved_config(cuda, "tiny-model").dtype == "bfloat16"
     assert train_precision(cfg.train.model_copy(update={"dtype": "float32"}), torch.device("cuda:0")).dtype == "float32"
 
 

@@ -6,6 +6,8 @@ and a report measured alike compare, and their numbers for the same checkpoint a
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import xarray as xr
@@ -47,3 +49,16 @@ def test_validation_curves_of_another_precision_are_refused_and_a_report_measure
     np.testing.assert_array_equal(curve.loss.values, evaluated.loss.values)
     with pytest.raises(UserError, match="measured differently"):
         write_compare([str(tmp_path / "bf16"), str(report)], tmp_path / "cmp")
+    # both unset: each records the backend it resolved (native on the CPU), so they stay one scale
+    assert curve.attrs["measured"]["attention_backend"] == "native"
+    assert json.loads((report / "metrics.json").read_text())["run"]["config"]["attention_backend"] == "native"
+    # a curve noted unset (before train noted the resolved one): its run's RUN/attention.json tells, else refused
+    import zarr
+
+    group = zarr.open_group(tmp_path / "fp32" / GROUP, mode="r+", use_consolidated=True)
+    group.attrs["measured"] = {**group.attrs["measured"], "attention_backend": None}
+    zarr.consolidate_metadata(tmp_path / "fp32" / GROUP)
+    write_compare([str(tmp_path / "fp32"), str(report)], tmp_path / "cmp-noted-unset")
+    (tmp_path / "fp32" / "attention.json").unlink()
+    with pytest.raises(UserError, match="attention_backend: None vs native"):
+        write_compare([str(tmp_path / "fp32"), str(report)], tmp_path / "cmp-unknown")

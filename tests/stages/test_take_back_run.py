@@ -1,0 +1,79 @@
+"""`run all` with settings A, then B, then A again: the third takes A's finished run back from RUN.previous (B's
+kept in its place) instead of training A afresh; a kill between the swap's two renames loses neither run."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from stages.train import previous
+from stages.train.recipe import run
+from test_train import REPO, assert_same_lora, cfg_of, lora_of
+from train_store import make_train_store, mixed_specs
+
+
+@pytest.fixture(scope="module")
+def store_dir(tmp_path_factory, tiny_edit_model):
+    root = tmp_path_factory.mktemp("takeback") / "store"
+    make_train_store(root, tiny_edit_model, mixed_specs(8, 4, masks=True))
+    return root
+
+
+A, B = {"max_steps": 2, "checkpoint_every": 2}, {"max_steps": 2, "checkpoint_every": 2, "learning_rate": 5e-3}
+
+
+def run_all_train(cfg, store, model, out):
+    return run(cfg, store, model, out, resume=True, skip_if_done=True, new_run=True)
+
+
+def test_a_b_a_takes_a_back(store_dir, tiny_edit_model, tmp_path):
+    out = tmp_path / "run"
+    run_all_train(cfg_of(**A), store_dir, tiny_edit_model, out)
+    a = lora_of(out)
+    run_all_train(cfg_of(**B), store_dir, tiny_edit_model, out)
+    b = lora_of(out)
+    result = run_all_train(cfg_of(**A), store_dir, tiny_edit_model, out)
+    assert result.up_to_date and result.kept_previous is not None and not result.losses  # nothing trained
+    assert_same_lora(lora_of(out), a)
+    assert_same_lora(lora_of(result.kept_previous), b)
+    assert len(previous.kept_runs(out)) == 1  # A left RUN.previous; B is there
+    # other inputs than A's (here: another seed) train afresh, A kept again
+    result = run_all_train(cfg_of(**A, seed=7), store_dir, tiny_edit_model, out)
+    assert not result.up_to_date and result.start_step == 0 and len(previous.kept_runs(out)) == 2
+
+
+_KILLED = """
+import sys
+from pathlib import Path
+from pipeline.config import load_config
+from stages.train.recipe import run
+store, model, out, overrides = sys.argv[1], sys.argv[2], Path(sys.argv[3]), eval(sys.argv[4])
+run(load_config(None, overrides), store, model, out, resume=True, skip_if_done=True, new_run=True)
+"""
+
+
+def test_a_kill_between_the_renames_loses_neither(store_dir, tiny_edit_model, tmp_path):
+    out = tmp_path / "run"
+    run_all_train(cfg_of(**A), store_dir, tiny_edit_model, out)
+    a = lora_of(out)
+    run_all_train(cfg_of(**B), store_dir, tiny_edit_model, out)
+    b = lora_of(out)
+    from test_train import BASE
+
+    env = {**os.environ, "STORE_CRASH_AT": "take_back_between_renames", "PYTHONPATH": str(REPO)}
+    args = {**BASE, **{f"train.{k}": v for k, v in A.items()}}
+    done = subprocess.run([sys.executable, "-c", _KILLED, str(store_dir), tiny_edit_model, str(out), repr(args)],
+                          env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == -9, done.stderr[-2000:]
+    assert not out.exists()  # between the renames: both runs under RUN.previous
+    kept = previous.kept_runs(out)
+    assert len(kept) == 2
+    result = run_all_train(cfg_of(**A), store_dir, tiny_edit_model, out)
+    assert result.up_to_date and not result.losses
+    assert_same_lora(lora_of(out), a)
+    (left,) = previous.kept_runs(out)
+    assert_same_lora(lora_of(left), b)
