@@ -658,13 +658,20 @@ def _open_losses(out: Path, fingerprint: str, settings: dict, earlier: list[dict
                  versions: dict) -> LossStore:
     """OUT/losses.zarr for these settings (rank 0): an array recorded under an earlier spelling of them is
     continued and recorded again under today's, with the table versions read, in one commit."""
-    out.mkdir(parents=True, exist_ok=True)
-    recorded = known_fingerprint(out, fingerprint, settings, earlier)
-    losses = LossStore(out, recorded, axes, settings, versions, take_back=True)
-    if recorded != fingerprint:
-        losses.refingerprint(fingerprint, settings, versions)
-    losses.note_versions(versions)  # `pipeline compare` against arrays named by versions (no-op when just noted)
+    with _writing_losses(out):
+        out.mkdir(parents=True, exist_ok=True)
+        recorded = known_fingerprint(out, fingerprint, settings, earlier)
+        losses = LossStore(out, recorded, axes, settings, versions, take_back=True)
+        if recorded != fingerprint:
+            losses.refingerprint(fingerprint, settings, versions)
+        losses.note_versions(versions)  # `pipeline compare` against arrays named by versions (no-op when just noted)
     return losses
+
+
+def _writing_losses(out: Path):
+    """A full disk / read-only folder while losses.zarr is written: one line naming it and OUT (before: the CLI's
+    last resort named no file, `disk full while writing output in .`, the cwd's free space)."""
+    return writing("the held-out loss array (losses.zarr) of the report", out)
 
 
 def _run_record(cfg: EvaluateConfig, store: str | Path, model: str, tables, samples, damaged: dict, settings: dict,
@@ -810,7 +817,8 @@ def _append_missing(ranks, losses: LossStore | None, checkpoints: list[tuple[int
     plan = [0] * (len(checkpoints) + 1)
     with together(ranks.world, "the loss array"):
         if ranks.main:
-            plan = _plan(losses, checkpoints, shas, first)
+            with _writing_losses(losses.path.parent):  # may set an earlier array aside (a rename)
+                plan = _plan(losses, checkpoints, shas, first)
     plan = ranks.from_main(plan)
     todo = sorted((c for c, flag in zip(checkpoints, plan[1:]) if flag), key=lambda c: c[0], reverse=True)
     seeds, sigmas = list(cfg.noise_seeds), [float(t) for t in cfg.timesteps]
@@ -822,7 +830,8 @@ def _append_missing(ranks, losses: LossStore | None, checkpoints: list[tuple[int
             if base is None:
                 base = losses.base()
             else:
-                losses.write_base(base)
+                with _writing_losses(losses.path.parent):
+                    losses.write_base(base)
             # A non-finite base loss means bad stored features (evaluate.on_nonfinite=stop names them): stop
             # before the checkpoints are evaluated, not after all of them
             single.finite_samples(samples, {"base": base}, cfg)
@@ -857,7 +866,8 @@ def _append_missing(ranks, losses: LossStore | None, checkpoints: list[tuple[int
                      f"held-out loss (step {step})", load)
         with together(ranks.world, f"record checkpoint step {step}"):
             if ranks.main:
-                losses.append(step, str(Path(path).resolve()), shas[step], grid, training_of(path))
+                with _writing_losses(losses.path.parent):
+                    losses.append(step, str(Path(path).resolve()), shas[step], grid, training_of(path))
         evaluated += 1
     return evaluated, attached, pruned
 
