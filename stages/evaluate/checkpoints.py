@@ -385,24 +385,27 @@ def _up_to_date(out: Path, fingerprint: str, checkpoints: list[tuple[int, Path]]
     except (OSError, json.JSONDecodeError):
         return None
     recorded = recorded_steps(out, fingerprint)  # None: no loss array of these settings
-    c = metrics.get("checkpoints", {})
-    recorded_paths = dict(zip(c.get("steps") or [], c.get("paths") or []))
-    # the LoRA bytes the report's numbers are of, as it records them: the array's may be newer (checkpoints
-    # retrained under the same steps and paths, their losses appended, evaluate killed before this report was
-    # rewritten: the old report then passed for theirs). Reports from before it recorded them: the array's.
-    reported = dict(zip(c.get("steps") or [], c["lora_sha256"])) if "lora_sha256" in c else (recorded or {})
-    recorded_inputs = {"fingerprint": c.get("fingerprint"), "steps": c.get("steps"),
-                       "config_fingerprint": c.get("config_fingerprint"),
-                       "extra_prompts_sha256": c.get("extra_prompts_sha256"),
-                       "loras": {str(step): reported.get(step) for step, _ in checkpoints},
-                       "paths": {str(step): recorded_paths.get(step) for step, _ in checkpoints}}
+    try:  # a metrics.json damaged into other valid JSON (a list, a number for a section) is no report either
+        c = metrics.get("checkpoints", {})
+        recorded_paths = dict(zip(c.get("steps") or [], c.get("paths") or []))
+        # the LoRA bytes the report's numbers are of, as it records them: the array's may be newer (checkpoints
+        # retrained under the same steps and paths, their losses appended, evaluate killed before this report was
+        # rewritten: the old report then passed for theirs). Reports from before it recorded them: the array's.
+        reported = dict(zip(c.get("steps") or [], c["lora_sha256"])) if "lora_sha256" in c else (recorded or {})
+        recorded_inputs = {"fingerprint": c.get("fingerprint"), "steps": c.get("steps"),
+                           "config_fingerprint": c.get("config_fingerprint"),
+                           "extra_prompts_sha256": c.get("extra_prompts_sha256"),
+                           "loras": {str(step): reported.get(step) for step, _ in checkpoints},
+                           "paths": {str(step): recorded_paths.get(step) for step, _ in checkpoints}}
+        named = named_steps(c)
+    except (AttributeError, TypeError, KeyError, ValueError):
+        return None
     present = {"fingerprint": fingerprint, "steps": sorted(recorded) if recorded is not None else c.get("steps"),
                "config_fingerprint": cfg.fingerprint(), "extra_prompts_sha256": extra_prompt_bytes(cfg) or None,
                "loras": {str(step): shas[step] for step, _ in checkpoints},
                "paths": {str(step): str(Path(path).resolve()) for step, path in checkpoints}}
     # the checkpoints the report names (best, next best, last) are still there: one removed since (pruned, or
     # deleted by hand) left the report "up to date" naming a path that is gone as the best
-    named = named_steps(c)
     recorded_inputs["named_on_disk"] = named
     present["named_on_disk"] = [step for step in named if step in dict(checkpoints)]
     if recorded_inputs["config_fingerprint"] in earlier_config_fingerprints(cfg):

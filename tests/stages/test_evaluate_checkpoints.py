@@ -866,3 +866,16 @@ def test_a_full_disk_while_the_loss_array_is_written_names_the_report_folder(run
     assert list(xr.open_zarr(out / GROUP).step.values) == [30]  # what was committed is kept
     res = ev.run(EvaluateConfig(**CFG), root / "store", tiny_edit_model, _ckpts(root), out)
     assert res.evaluated == 2 and sorted(xr.open_zarr(out / GROUP).step.values) == [10, 20, 30]
+
+
+@pytest.mark.parametrize("damaged", ["[1, 2]", '{"checkpoints": 5}', '{"checkpoints": {"steps": 3}}'])
+def test_a_metrics_json_that_is_not_a_report_record_is_written_over(run_and_store, tiny_edit_model, tmp_path,
+                                                                      damaged):
+    """metrics.json damaged into other valid JSON (a list, a number where a section was): the up-to-date check
+    stopped with an AttributeError traceback (`'list' object has no attribute 'get'`); JSON that did not parse was
+    already taken for no report. Now both are: the report is made again."""
+    ckpts, out = _ckpts(run_and_store)[:1], tmp_path / "report"
+    assert ev.run(EvaluateConfig(**CFG), run_and_store / "store", tiny_edit_model, ckpts, out).evaluated == 1
+    (out / "metrics.json").write_text(damaged)
+    res = ev.run(EvaluateConfig(**CFG), run_and_store / "store", tiny_edit_model, ckpts, out, skip_if_done=True)
+    assert not res.up_to_date and json.loads((out / "metrics.json").read_text())["checkpoints"]["steps"] == [10]
