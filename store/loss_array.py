@@ -53,6 +53,27 @@ FORMAT = 1  # bump when the layout above changes; a group of another format is k
 _STR = dict(dtype=str)  # zarr 3 variable-length UTF-8 strings
 
 
+def _checked() -> dict:
+    """Every array's chunks end in a CRC32C: zstd keeps no checksum, and a flipped bit in a chunk decoded into other
+    losses (a step of 7e35, or one slightly off: another best checkpoint) without complaint. Groups written
+    before keep their codecs (nothing to check there)."""
+    from zarr.codecs import Crc32cCodec, ZstdCodec
+
+    return dict(compressors=(ZstdCodec(level=0), Crc32cCodec()))
+
+
+def _damage(e: BaseException) -> str | None:
+    """What a read found damaged (zarr's CRC32C codec raises a ValueError), else None."""
+    return f"a chunk is damaged ({e})" if isinstance(e, ValueError) and "checksum do not match" in str(e) else None
+
+
+def _verify(group) -> None:
+    """Read every array of the group once (a few MB at most: steps x val samples x seeds x σ x 3 floats), so a
+    damaged chunk is found when the group is opened, not used as numbers later."""
+    for name in group.array_keys():
+        group[name][...]
+
+
 def _zarr():
     import zarr
 
@@ -110,6 +131,13 @@ class LossStore:
                 else:
                     self._create(fingerprint, settings)
             self.group = _zarr().open_group(self.path, mode="r+", use_consolidated=True)
+            try:
+                _verify(self.group)
+            except ValueError as e:
+                if (damage := _damage(e)) is None:
+                    raise
+                self.start_over(f"{self.path} is damaged ({damage}: it changed after it was written)")
+                return
             keys = [str(k) for k in self.group["sample"][:]]
             if keys != list(axes.keys):  # other samples (e.g. one found damaged and skipped): not one array any more
                 self.start_over(f"the val samples changed ({len(keys)} recorded, {len(axes.keys)} now"
@@ -123,6 +151,7 @@ class LossStore:
                 g = _zarr().open_group(kept, mode="r", use_consolidated=True)
                 if g.attrs.get("format") == FORMAT and g.attrs.get("fingerprint") == fingerprint and \
                         [str(k) for k in g["sample"][:]] == list(keys):
+                    _verify(g)
                     return kept
             except Exception:  # noqa: BLE001 - a damaged kept group is left where it is, never taken back
                 continue
@@ -193,16 +222,16 @@ class LossStore:
         g = zarr.open_group(tmp, mode="w", zarr_format=3)
         a, full = self.axes, self.axes.shape
         g.attrs.update({"format": FORMAT, "fingerprint": fingerprint, "settings": settings, **self.notes})
-        g.create_array("sample", shape=(len(a.keys),), dimension_names=["sample"], **_STR)[:] = np.array(a.keys, dtype=object)
-        g.create_array("bucket", shape=(len(a.keys),), dimension_names=["sample"], **_STR)[:] = np.array(a.buckets, dtype=object)
-        g.create_array("seed", data=np.asarray(a.seeds, dtype="int64"), dimension_names=["seed"])
-        g.create_array("sigma", data=np.asarray(a.sigmas, dtype="float64"), dimension_names=["sigma"])
-        g.create_array("region", shape=(len(REGIONS),), dimension_names=["region"], **_STR)[:] = np.array(REGIONS, dtype=object)
+        g.create_array("sample", shape=(len(a.keys),), dimension_names=["sample"], **_STR, **_checked())[:] = np.array(a.keys, dtype=object)
+        g.create_array("bucket", shape=(len(a.keys),), dimension_names=["sample"], **_STR, **_checked())[:] = np.array(a.buckets, dtype=object)
+        g.create_array("seed", data=np.asarray(a.seeds, dtype="int64"), dimension_names=["seed"], **_checked())
+        g.create_array("sigma", data=np.asarray(a.sigmas, dtype="float64"), dimension_names=["sigma"], **_checked())
+        g.create_array("region", shape=(len(REGIONS),), dimension_names=["region"], **_STR, **_checked())[:] = np.array(REGIONS, dtype=object)
         g.create_array("loss", shape=(0, *full), chunks=(1, *full), dtype="float32", fill_value=np.nan,
-                       dimension_names=["step", "sample", "seed", "sigma", "region"])
-        g.create_array("step", shape=(0,), chunks=(1,), dtype="int64", dimension_names=["step"])
+                       dimension_names=["step", "sample", "seed", "sigma", "region"], **_checked())
+        g.create_array("step", shape=(0,), chunks=(1,), dtype="int64", dimension_names=["step"], **_checked())
         for name in ("checkpoint", "lora_sha256"):
-            g.create_array(name, shape=(0,), chunks=(1,), dimension_names=["step"], **_STR)
+            g.create_array(name, shape=(0,), chunks=(1,), dimension_names=["step"], **_STR, **_checked())
         g["loss"].attrs["coordinates"] = "bucket checkpoint lora_sha256"  # xarray: these are coordinates
         zarr.consolidate_metadata(tmp)
 
@@ -269,7 +298,7 @@ class LossStore:
 
     def write_base(self, grid: np.ndarray) -> None:
         self.group.create_array("base_loss", data=grid.astype("float32"), fill_value=np.nan,
-                                dimension_names=["sample", "seed", "sigma", "region"], overwrite=True)
+                                dimension_names=["sample", "seed", "sigma", "region"], overwrite=True, **_checked())
         base = self.path / "base_loss"
         self._commit([(Path(folder) / f).relative_to(self.path).as_posix()
                       for folder, _, files in os.walk(base) for f in files])
@@ -382,6 +411,15 @@ def open_dataset(path: str | Path):
     appends the newest checkpoints first (stages/evaluate/checkpoints.py), the step axis is in that order."""
     import xarray as xr
 
+    from schemas.errors import UserError
+
     _zarr()
     ds = xr.open_zarr(path, consolidated=True)
+    try:
+        ds = ds.load()  # small (see `_verify`); a damaged chunk is found here, not as numbers in a page
+    except ValueError as e:
+        if (damage := _damage(e)) is None:
+            raise
+        raise UserError(f"{path}: {damage}; the file changed after it was written: move {path} aside and rerun "
+                        "`pipeline run evaluate` for that report (its checkpoints are evaluated again)") from None
     return ds.sortby("step") if ds.sizes.get("step") else ds

@@ -62,7 +62,7 @@ def command(
         from stages.evaluate.checkpoints import run as run_checkpoints
 
         run_path = Path(require(run_dir or cfg.paths.run, "--run", "paths.run"))
-        with user_errors(), json_mode(as_json):
+        with user_errors(report), json_mode(as_json):  # a full disk no closer handler named: the report folder
             from models.collective import together_before_group
             from pipeline.launched import launched
             from schemas.errors import UserError

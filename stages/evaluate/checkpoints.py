@@ -414,24 +414,27 @@ def _up_to_date(out: Path, fingerprint: str, checkpoints: list[tuple[int, Path]]
     except (OSError, json.JSONDecodeError):
         return None
     recorded = recorded_steps(out, fingerprint)  # None: no loss array of these settings
-    c = metrics.get("checkpoints", {})
-    recorded_paths = dict(zip(c.get("steps") or [], c.get("paths") or []))
-    # the LoRA bytes the report's numbers are of, as it records them: the array's may be newer (checkpoints
-    # retrained under the same steps and paths, their losses appended, evaluate killed before this report was
-    # rewritten: the old report then passed for theirs). Reports from before it recorded them: the array's.
-    reported = dict(zip(c.get("steps") or [], c["lora_sha256"])) if "lora_sha256" in c else (recorded or {})
-    recorded_inputs = {"fingerprint": c.get("fingerprint"), "steps": c.get("steps"),
-                       "config_fingerprint": c.get("config_fingerprint"),
-                       "extra_prompts_sha256": c.get("extra_prompts_sha256"),
-                       "loras": {str(step): reported.get(step) for step, _ in checkpoints},
-                       "paths": {str(step): recorded_paths.get(step) for step, _ in checkpoints}}
+    try:  # a metrics.json damaged into other valid JSON (a list, a number for a section) is no report either
+        c = metrics.get("checkpoints", {})
+        recorded_paths = dict(zip(c.get("steps") or [], c.get("paths") or []))
+        # the LoRA bytes the report's numbers are of, as it records them: the array's may be newer (checkpoints
+        # retrained under the same steps and paths, their losses appended, evaluate killed before this report was
+        # rewritten: the old report then passed for theirs). Reports from before it recorded them: the array's.
+        reported = dict(zip(c.get("steps") or [], c["lora_sha256"])) if "lora_sha256" in c else (recorded or {})
+        recorded_inputs = {"fingerprint": c.get("fingerprint"), "steps": c.get("steps"),
+                           "config_fingerprint": c.get("config_fingerprint"),
+                           "extra_prompts_sha256": c.get("extra_prompts_sha256"),
+                           "loras": {str(step): reported.get(step) for step, _ in checkpoints},
+                           "paths": {str(step): recorded_paths.get(step) for step, _ in checkpoints}}
+        named = named_steps(c)
+    except (AttributeError, TypeError, KeyError, ValueError):
+        return None
     present = {"fingerprint": fingerprint, "steps": sorted(recorded) if recorded is not None else c.get("steps"),
                "config_fingerprint": cfg.fingerprint(), "extra_prompts_sha256": extra_prompt_bytes(cfg) or None,
                "loras": {str(step): shas[step] for step, _ in checkpoints},
                "paths": {str(step): str(Path(path).resolve()) for step, path in checkpoints}}
     # the checkpoints the report names (best, next best, last) are still there: one removed since (pruned, or
     # deleted by hand) left the report "up to date" naming a path that is gone as the best
-    named = named_steps(c)
     recorded_inputs["named_on_disk"] = named
     present["named_on_disk"] = [step for step in named if step in dict(checkpoints)]
     from stages.evaluate.backend import unset_backend
@@ -762,13 +765,20 @@ def _open_losses(out: Path, fingerprint: str, settings: dict, earlier: list[dict
                  versions: dict) -> LossStore:
     """OUT/losses.zarr for these settings (rank 0): an array recorded under an earlier spelling of them is
     continued and recorded again under today's, with the table versions read, in one commit."""
-    out.mkdir(parents=True, exist_ok=True)
-    recorded = known_fingerprint(out, fingerprint, settings, earlier)
-    losses = LossStore(out, recorded, axes, settings, versions, take_back=True)
-    if recorded != fingerprint:
-        losses.refingerprint(fingerprint, settings, versions)
-    losses.note_versions(versions)  # `pipeline compare` against arrays named by versions (no-op when just noted)
+    with _writing_losses(out):
+        out.mkdir(parents=True, exist_ok=True)
+        recorded = known_fingerprint(out, fingerprint, settings, earlier)
+        losses = LossStore(out, recorded, axes, settings, versions, take_back=True)
+        if recorded != fingerprint:
+            losses.refingerprint(fingerprint, settings, versions)
+        losses.note_versions(versions)  # `pipeline compare` against arrays named by versions (no-op when just noted)
     return losses
+
+
+def _writing_losses(out: Path):
+    """A full disk / read-only folder while losses.zarr is written: one line naming it and OUT (before: the CLI's
+    last resort named no file, `disk full while writing output in .`, the cwd's free space)."""
+    return writing("the held-out loss array (losses.zarr) of the report", out)
 
 
 def _run_record(cfg: EvaluateConfig, store: str | Path, model: str, tables, samples, damaged: dict, settings: dict,
@@ -914,7 +924,8 @@ def _append_missing(ranks, losses: LossStore | None, checkpoints: list[tuple[int
     plan = [0] * (len(checkpoints) + 1)
     with together(ranks.world, "the loss array"):
         if ranks.main:
-            plan = _plan(losses, checkpoints, shas, first)
+            with _writing_losses(losses.path.parent):  # may set an earlier array aside (a rename)
+                plan = _plan(losses, checkpoints, shas, first)
     plan = ranks.from_main(plan)
     todo = sorted((c for c, flag in zip(checkpoints, plan[1:]) if flag), key=lambda c: c[0], reverse=True)
     seeds, sigmas = list(cfg.noise_seeds), [float(t) for t in cfg.timesteps]
@@ -926,7 +937,8 @@ def _append_missing(ranks, losses: LossStore | None, checkpoints: list[tuple[int
             if base is None:
                 base = losses.base()
             else:
-                losses.write_base(base)
+                with _writing_losses(losses.path.parent):
+                    losses.write_base(base)
             # A non-finite base loss means bad stored features (evaluate.on_nonfinite=stop names them): stop
             # before the checkpoints are evaluated, not after all of them
             single.finite_samples(samples, {"base": base}, cfg)
@@ -961,7 +973,8 @@ def _append_missing(ranks, losses: LossStore | None, checkpoints: list[tuple[int
                      f"held-out loss (step {step})", load)
         with together(ranks.world, f"record checkpoint step {step}"):
             if ranks.main:
-                losses.append(step, str(Path(path).resolve()), shas[step], grid, training_of(path))
+                with _writing_losses(losses.path.parent):
+                    losses.append(step, str(Path(path).resolve()), shas[step], grid, training_of(path))
         evaluated += 1
     return evaluated, attached, pruned
 

@@ -833,3 +833,49 @@ def test_going_back_to_earlier_settings_takes_their_kept_losses_back(run_and_sto
     # B's losses kept in turn: going to B again takes them back too
     assert ev.run(b, run_and_store / "store", tiny_edit_model, ckpts, out, skip_if_done=True).evaluated == 0
     assert len(list(out.glob("losses.*.zarr"))) == 1  # A's, kept aside once more: no copies pile up
+
+
+def test_a_full_disk_while_the_loss_array_is_written_names_the_report_folder(run_and_store, tiny_edit_model,
+                                                                              tmp_path, monkeypatch):
+    """ENOSPC inside a zarr write of losses.zarr (its group created on a full disk, or a step's chunk) reached the
+    CLI's last-resort handler, which named no file: `disk full while writing output in . (68250.3 MB free)` - the
+    cwd and its free space, not the report folder that filled up. Now the line names the loss array and the
+    report folder, and the rerun after freeing space completes what was committed."""
+    import contextlib
+    import errno
+
+    import zarr.storage._local as local
+
+    from store.io_errors import DiskFullError
+
+    root, out = run_and_store, tmp_path / "report"
+    real_write = local._atomic_write
+
+    @contextlib.contextmanager
+    def full_at_the_second_steps_chunk(path, *a, **k):  # step 30 committed; step 20's chunk fails
+        if "/losses.zarr/loss/c/1/" in str(path):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        with real_write(path, *a, **k) as f:
+            yield f
+
+    monkeypatch.setattr(local, "_atomic_write", full_at_the_second_steps_chunk)
+    with pytest.raises(DiskFullError) as e:
+        ev.run(EvaluateConfig(**CFG), root / "store", tiny_edit_model, _ckpts(root), out)
+    assert "loss" in str(e.value) and f" in {out} (" in str(e.value), str(e.value)
+    monkeypatch.undo()
+    assert list(xr.open_zarr(out / GROUP).step.values) == [30]  # what was committed is kept
+    res = ev.run(EvaluateConfig(**CFG), root / "store", tiny_edit_model, _ckpts(root), out)
+    assert res.evaluated == 2 and sorted(xr.open_zarr(out / GROUP).step.values) == [10, 20, 30]
+
+
+@pytest.mark.parametrize("damaged", ["[1, 2]", '{"checkpoints": 5}', '{"checkpoints": {"steps": 3}}'])
+def test_a_metrics_json_that_is_not_a_report_record_is_written_over(run_and_store, tiny_edit_model, tmp_path,
+                                                                      damaged):
+    """metrics.json damaged into other valid JSON (a list, a number where a section was): the up-to-date check
+    stopped with an AttributeError traceback (`'list' object has no attribute 'get'`); JSON that did not parse was
+    already taken for no report. Now both are: the report is made again."""
+    ckpts, out = _ckpts(run_and_store)[:1], tmp_path / "report"
+    assert ev.run(EvaluateConfig(**CFG), run_and_store / "store", tiny_edit_model, ckpts, out).evaluated == 1
+    (out / "metrics.json").write_text(damaged)
+    res = ev.run(EvaluateConfig(**CFG), run_and_store / "store", tiny_edit_model, ckpts, out, skip_if_done=True)
+    assert not res.up_to_date and json.loads((out / "metrics.json").read_text())["checkpoints"]["steps"] == [10]

@@ -166,3 +166,39 @@ def test_a_take_back_killed_between_its_renames_is_taken_back_by_the_next_run(tm
     np.testing.assert_array_equal(xr.open_zarr(tmp_path / GROUP).loss.sel(step=10).values,
                                   _grid(1.0).astype("float32"))
     assert LossStore(tmp_path, "fpC", AXES, {}, take_back=True).taken_back is None  # none kept of C: a new group
+
+
+def _flip_a_byte(chunk: Path) -> None:
+    data = bytearray(chunk.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    chunk.write_bytes(bytes(data))
+
+
+def test_a_flipped_bit_in_a_chunk_is_found_not_read_as_a_loss(tmp_path):
+    """A chunk of losses.zarr changed on disk (a flipped bit, a bad sector) decoded without complaint: zstd kept no
+    checksum, so a step read back as losses of 7e35 (or slightly off: a wrong best checkpoint), and `compare` and
+    the report used them silently. Every chunk now carries a CRC32C: a damaged group is set aside saying so (the
+    steps are evaluated again) and is never taken back; a reader of the array names it."""
+    import pytest
+
+    from schemas.errors import UserError
+    from store.loss_array import open_dataset
+
+    s = LossStore(tmp_path, "fp", AXES, {})
+    s.write_base(_grid(2.0))
+    for step in (10, 20):
+        s.append(step, f"ckpt-{step}", f"sha{step}", _grid(step / 10))
+    _flip_a_byte(tmp_path / GROUP / "loss" / "c" / "1" / "0" / "0" / "0" / "0")  # step 20's row
+    with pytest.raises(UserError, match=r"losses\.zarr.*damaged"):
+        open_dataset(tmp_path / GROUP)
+    t = LossStore(tmp_path, "fp", AXES, {}, take_back=True)
+    assert t.kept_aside is not None and t.steps() == {} and not t.has_base()
+    assert "damaged" in t.aside_reason and str(tmp_path / GROUP) in t.aside_reason
+    t.append(10, "ckpt-10", "sha10", _grid(1.0))
+    other = LossStore(tmp_path, "fp2", AXES, {}, take_back=True)  # sets the new one aside
+    assert LossStore(tmp_path, "fp", AXES, {}, take_back=True).taken_back == other.kept_aside  # the intact one
+
+    base_only = tmp_path / "base"
+    LossStore(base_only, "fp", AXES, {}).write_base(_grid(2.0))
+    _flip_a_byte(base_only / GROUP / "base_loss" / "c" / "0" / "0" / "0" / "0")
+    assert not LossStore(base_only, "fp", AXES, {}).has_base()  # set aside: the base is computed again
