@@ -8,16 +8,20 @@ order was lost under `-n 2 --dist loadfile` (scripts/test.sh): the controller is
 
 from __future__ import annotations
 
-# The longest files (`--durations`, 2026-12-02: a minute or more each on the project's 2-core machine), longest
-# first. 2026-12-03: the 2.1 rehearsal moved from test_rehearsal.py to test_tiny_model_21.py (one rehearsal each
-# now); test_signals.py's processes start warm (about a third of its time), so it left the list.
-SLOW_FILES_FIRST = ("tests/stages/test_remote_multinode.py", "tests/stages/test_evaluate_checkpoints_ranks.py",
-                    "tests/stages/test_rank_stale_view.py", "tests/pipeline/test_rehearsal.py",
-                    "tests/models/test_tiny_model_21.py", "tests/store/test_remote_maintenance.py",
-                    "tests/pipeline/test_launch_cli.py", "tests/models/test_attention_layout.py",
-                    "tests/store/test_remote_parts.py", "tests/store/test_remote_lazy.py",
-                    "tests/stages/test_predict.py", "tests/store/test_remote_parts_runs.py",
-                    "tests/test_gpu_proof_smoke.py", "tests/stages/test_qwen21_stages.py")
+# The files of a minute or more in a full run's junit report (2026-12-03: `-n 2 --dist loadfile` on the 2-core
+# machine under other jobs' load, the suite's CPU time 5070 s), longest first.
+SLOW_FILES_FIRST = ("tests/stages/test_remote_multinode.py", "tests/models/test_attention_layout.py",
+                    "tests/stages/test_start_one_node.py", "tests/stages/test_settings_one_node.py",
+                    "tests/test_gpu_proof_smoke.py", "tests/pipeline/test_rehearsal.py",
+                    "tests/pipeline/test_launch_cli.py", "tests/models/test_tiny_model_21.py",
+                    "tests/stages/test_evaluate_base_images.py", "tests/stages/test_remote_encode_damaged.py",
+                    "tests/stages/test_evaluate_checkpoints_ranks.py", "tests/pipeline/test_run_all_launch.py",
+                    "tests/store/test_remote_parts.py", "tests/pipeline/test_cli_startup.py",
+                    "tests/store/test_remote_cache_walks.py", "tests/pipeline/test_run_all.py",
+                    "tests/store/test_remote_maintenance.py", "tests/stages/test_encode_multinode.py",
+                    "tests/store/test_remote_lazy.py", "tests/stages/test_encode_vae.py",
+                    "tests/store/test_remote_parts_runs.py", "tests/stages/test_rank_stale_view.py",
+                    "tests/stages/test_evaluate_extra_prompts.py", "tests/stages/test_train_throughput.py")
 
 
 def pytest_configure(config) -> None:
