@@ -17,16 +17,13 @@ and diffusers imports bitsandbytes whenever it is installed - ~0.7 s CPU of the 
 
 from __future__ import annotations
 
-import argparse
-import os
 import resource
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from old_vs_new import REPO, interleaved_medians, old_tree  # bench/ is on sys.path: this script's folder
+from old_vs_new import REPO, bench_args, bench_folders, env_for, interleaved_medians, old_tree  # bench/ is on sys.path: this script's folder
 
 
 def commands(work: Path) -> dict[str, list[str]]:
@@ -38,10 +35,6 @@ def commands(work: Path) -> dict[str, list[str]]:
         "store gc --dry-run": ["store", "gc", store, "--dry-run"],
         "plan (tiny model)": ["plan", "--model", model],
     }
-
-
-def env_for(tree: Path) -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(tree), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
 
 
 def run(tree: Path, words: list[str], cwd: Path) -> tuple[float, float]:
@@ -71,16 +64,10 @@ def build_fixtures(work: Path) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("old", help="git revision to compare with (e.g. main, HEAD~3)")
-    ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--work", type=Path, help="fixture folder (kept; reused when it holds them)")
-    args = ap.parse_args()
-    with tempfile.TemporaryDirectory(prefix="cold-start-") as tmp:
-        work = args.work or Path(tmp) / "work"
-        work.mkdir(parents=True, exist_ok=True)
+    args = bench_args(__doc__, repeat=3, work_holds="them")
+    with bench_folders(args, "cold-start-") as (tmp, work):
         build_fixtures(work)
-        old = old_tree(args.old, Path(tmp))
+        old = old_tree(args.old, tmp)
         print(f"== cold start, old {args.old} vs this checkout, median of {args.repeat} (interleaved)")
         print(f"{'command':22s} {'old wall':>9s} {'new wall':>9s} {'ratio':>6s}   {'old cpu':>8s} {'new cpu':>8s} {'ratio':>6s}")
         for name, words in commands(work).items():

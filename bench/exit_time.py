@@ -19,16 +19,13 @@ the exit's garbage would not be finalized); os._exit ~0.1 s.
 
 from __future__ import annotations
 
-import argparse
-import os
 import resource
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from old_vs_new import REPO, interleaved_medians, old_tree  # bench/ is on sys.path: this script's folder
+from old_vs_new import REPO, bench_args, bench_folders, env_for, interleaved_medians, old_tree  # bench/ is on sys.path: this script's folder
 
 
 def commands(work: Path) -> dict[str, list[str]]:
@@ -37,8 +34,7 @@ def commands(work: Path) -> dict[str, list[str]]:
 
 def run(tree: Path, words: list[str], cwd: Path) -> tuple[float, float, float]:
     """(exit, wall, CPU) seconds of one `python -m pipeline.cli WORDS` from `tree`."""
-    env = {**os.environ, "PYTHONPATH": str(tree), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
-           "PYTHONUNBUFFERED": "1"}
+    env = {**env_for(tree), "PYTHONUNBUFFERED": "1"}
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = last = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", *words], env=env, cwd=cwd, text=True,
@@ -57,17 +53,11 @@ def run(tree: Path, words: list[str], cwd: Path) -> tuple[float, float, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("old", help="git revision to compare with (e.g. main, HEAD~3)")
-    ap.add_argument("--repeat", type=int, default=5)
-    ap.add_argument("--work", type=Path, help="fixture folder (kept; reused when it holds the tiny model)")
-    args = ap.parse_args()
-    with tempfile.TemporaryDirectory(prefix="exit-time-") as tmp:
-        work = args.work or Path(tmp) / "work"
-        work.mkdir(parents=True, exist_ok=True)
+    args = bench_args(__doc__, repeat=5, work_holds="the tiny model")
+    with bench_folders(args, "exit-time-") as (tmp, work):
         if not (work / "model" / "model_index.json").is_file():
             run(REPO, ["make-tiny-model", str(work / "model"), "--variant", "edit-plus"], work)
-        old = old_tree(args.old, Path(tmp))
+        old = old_tree(args.old, tmp)
         print(f"== exit time, old {args.old} vs this checkout, median of {args.repeat} (interleaved)")
         print(f"{'command':18s} {'old exit':>9s} {'new exit':>9s} {'ratio':>6s}   {'old wall':>9s} {'new wall':>9s}"
               f"   {'old cpu':>8s} {'new cpu':>8s} {'ratio':>6s}")

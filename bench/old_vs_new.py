@@ -9,10 +9,13 @@ A module for bench/cold_start.py, exit_time.py and meta_memory.py; run alone it 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
+import tempfile
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -24,6 +27,29 @@ def old_tree(rev: str, into: Path) -> Path:
     archive = subprocess.run(["git", "-C", str(REPO), "archive", rev], capture_output=True, check=True).stdout
     subprocess.run(["tar", "-x", "-C", str(out)], input=archive, check=True)
     return out
+
+
+def bench_args(doc: str, repeat: int, work_holds: str) -> argparse.Namespace:
+    """The command line of a bench: the old revision, how many interleaved runs, a fixture folder to keep."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("old", help="git revision to compare with (e.g. main, HEAD~3)")
+    ap.add_argument("--repeat", type=int, default=repeat)
+    ap.add_argument("--work", type=Path, help=f"fixture folder (kept; reused when it holds {work_holds})")
+    return ap.parse_args()
+
+
+@contextmanager
+def bench_folders(args: argparse.Namespace, prefix: str) -> Iterator[tuple[Path, Path]]:
+    """(a temp folder for the old tree, removed after; the fixture folder: --work, else one inside the temp one)."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        work = args.work or Path(tmp) / "work"
+        work.mkdir(parents=True, exist_ok=True)
+        yield Path(tmp), work
+
+
+def env_for(tree: Path) -> dict[str, str]:
+    """A command's environment: the code of `tree`, offline, one torch thread (as the tests run it)."""
+    return {**os.environ, "PYTHONPATH": str(tree), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
 
 
 def interleaved_medians(repeat: int, old: Callable[[], Sequence[float]],

@@ -16,7 +16,7 @@ from pipeline.config import load_config
 from pipeline.demo_data import make_demo_data
 from stages.resize import content, sources, stage
 from store import Store
-from tests.stages.test_resize_rerun_reads import SMALL, _quarantine, _rows
+from tests.stages.test_resize_rerun_reads import SMALL, _rows, _same_as_fresh
 
 
 class Opened:
@@ -61,14 +61,6 @@ def _source(tmp_path: Path) -> Path:
     make_demo_data(src, n=48, fmt="webdataset", max_controls=2, seed=5, with_masks=True)
     assert [t.name for t in sorted(src.glob("*.tar"))] == ["demo-000000.tar", "demo-000001.tar", "demo-000002.tar"]
     return src
-
-
-def _same_as_fresh(tmp_path: Path, out: Path, src: Path, over: dict) -> None:
-    fresh = tmp_path / f"fresh{len(list(tmp_path.glob('fresh*')))}"
-    stage.run(load_config(None, {**SMALL, **over}), src, fresh)
-    a, b = Store(out), Store(fresh)
-    assert _rows(a) == _rows(b)  # same keys, PNG bytes, metadata (split, source, hashes...)
-    assert _quarantine(a) == _quarantine(b)
 
 
 def test_unchanged_tars_are_not_opened_on_a_val_fraction_rerun(tmp_path: Path, monkeypatch) -> None:

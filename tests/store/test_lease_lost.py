@@ -65,6 +65,35 @@ def _lease_objects(s3_env) -> list[str]:
     return [o["Key"] for o in out if "/.leases/" in o["Key"]]
 
 
+@pytest.fixture
+def two_versions(store: Store) -> Store:
+    """v1 and v2 (current) of 4 samples each: v1 is what a gc may take."""
+    fill(store, 4, tag="a")  # v1
+    fill(store, 4, tag="b", start=10)  # v2 current
+    return store
+
+
+@pytest.fixture
+def v1_reader(two_versions: Store):
+    """A reader of v1 under its lease: (the lease, a read of one of its samples); released and closed after."""
+    held = lease.hold(two_versions.root, {"vae": 1}, "a reader")
+    reader = two_versions.reader("vae", 1)
+    key = sorted(reader.keys())[0]
+    yield held, lambda: reader.tensors(key)
+    held.release()
+    reader.close()
+
+
+def _lost_for_good(held: lease.Lease, read, match: str, other_version: int) -> None:
+    """Lost: never written again, by a beat or an add, and the reader's next read stops with one line."""
+    assert held._beat() is False and not held.path.exists()
+    with pytest.raises(lease.LeaseLost, match=match):
+        read()
+    with pytest.raises(lease.LeaseLost):
+        held.add("vae", other_version)
+    assert not held.path.exists()
+
+
 # A reader of a URL on "another node" (its lease judged by refresh age, as gc on another host judges it), every
 # shard of v1 in its cache: it could read on for ever from there. Its heartbeat beats every 0.2 s.
 PAUSED_READER = """
@@ -162,40 +191,27 @@ def test_a_url_lease_found_older_than_the_margin_is_lost_once_a_version_it_names
 
 
 def test_a_shared_file_system_lease_removed_with_its_version_is_lost_and_a_stale_one_refreshed_only_while_intact(
-        store: Store) -> None:
-    fill(store, 4, tag="a")  # v1
-    fill(store, 4, tag="b", start=10)  # v2 current: v1 is what a gc may take
-    held = lease.hold(store.root, {"vae": 1}, "a reader")
-    reader = store.reader("vae", 1)
-    key = sorted(reader.keys())[0]
-    try:
-        assert held._beat() is True
-        _paused_past_the_margin(held)  # no gc judged it (it is still there)
-        long_ago = held.path.stat().st_mtime
-        assert held._beat() is True and held.path.stat().st_mtime > long_ago  # v1 intact: refreshed
-        assert reader.tensors(key)
-        held.path.unlink()  # a gc on another host judged it dead
-        _taken_by_gc(store, 1)  # and took v1
-        assert held._beat() is False and not held.path.exists()  # never written again
-        with pytest.raises(lease.LeaseLost, match="a reader on .* was removed .* and vae v1 is gone.*vae v1.*Rerun"):
-            reader.tensors(key)
-        with pytest.raises(lease.LeaseLost):
-            held.add("vae", 2)
-        assert not held.path.exists()
-    finally:
-        held.release()
-    reader.close()
+        store: Store, v1_reader) -> None:
+    held, read = v1_reader
+    assert held._beat() is True
+    _paused_past_the_margin(held)  # no gc judged it (it is still there)
+    long_ago = held.path.stat().st_mtime
+    assert held._beat() is True and held.path.stat().st_mtime > long_ago  # v1 intact: refreshed
+    assert read()
+    held.path.unlink()  # a gc on another host judged it dead
+    _taken_by_gc(store, 1)  # and took v1
+    _lost_for_good(held, read, "a reader on .* was removed .* and vae v1 is gone.*vae v1.*Rerun", 2)
+    held.release()
     lease.check_held()  # released: the process reads on without it
 
 
+@pytest.mark.usefixtures("two_versions")
 def test_a_lease_gc_removed_while_paused_is_written_again_when_gc_kept_every_version_it_names(
         store: Store, monkeypatch, caplog) -> None:
     """Paused past its margin, the reader's lease was judged dead by a gc on another host and its file removed, but
     that gc kept what it names: v2 is current, v1 another reader's live lease holds. Before, waking always stopped
     the reader ("was removed"); under the store lock no gc is midway, so the lease is written again and it reads
     on - and the next gc keeps v1 for it."""
-    fill(store, 4, tag="a")  # v1
-    fill(store, 4, tag="b", start=10)  # v2 current
     held = lease.hold(store.root, {"vae": None}, "a reader")
     assert held.add("vae", 1)
     other = lease.hold(store.root, {"vae": 1}, "another reader")  # refreshed lately: live for any gc
@@ -227,28 +243,17 @@ def test_a_lease_gc_removed_while_paused_is_written_again_when_gc_kept_every_ver
 
 
 def test_a_lease_gc_removed_while_paused_with_a_version_it_names_is_lost_and_never_written_again(
-        store: Store, monkeypatch) -> None:
-    fill(store, 4, tag="a")  # v1
-    fill(store, 4, tag="b", start=10)  # v2 current
-    held = lease.hold(store.root, {"vae": 1}, "a reader")
-    reader = store.reader("vae", 1)
-    key = sorted(reader.keys())[0]
-    try:
-        _paused_past_the_margin(held)
-        messages = _gc_on_another_host(store, monkeypatch)
-        assert "remove vae/v1" in messages and not held.path.exists(), messages
-        assert held._beat() is False and not held.path.exists()  # never written again
-        with pytest.raises(lease.LeaseLost, match=r"a reader on .* was removed \(.*\) and vae v1 is gone.*Rerun"):
-            reader.tensors(key)
-        with pytest.raises(lease.LeaseLost):
-            held.add("vae", 2)
-        assert not held.path.exists()
-    finally:
-        held.release()
-        reader.close()
+        store: Store, v1_reader, monkeypatch) -> None:
+    held, read = v1_reader
+    _paused_past_the_margin(held)
+    messages = _gc_on_another_host(store, monkeypatch)
+    assert "remove vae/v1" in messages and not held.path.exists(), messages
+    _lost_for_good(held, read, r"a reader on .* was removed \(.*\) and vae v1 is gone.*Rerun", 2)
+    held.release()
     lease.check_held()
 
 
+@pytest.mark.usefixtures("two_versions")
 def test_a_lease_whose_version_gc_took_and_a_writer_numbered_again_is_lost_not_written_again(
         store: Store, monkeypatch) -> None:
     """A writer numbers a new version one past the newest folder left (store/writer_open.candidate_version), so
@@ -256,8 +261,6 @@ def test_a_lease_whose_version_gc_took_and_a_writer_numbered_again_is_lost_not_w
     paused past its margin), A again makes v1 current; gc takes v2 and the lease; settings C commit a new v2.
     Before, the woken reader found "vae v2" complete, wrote its lease again and read on from the new v2's files
     under the old manifest's offsets."""
-    fill(store, 4, tag="a")  # v1
-    fill(store, 4, tag="b", start=10)  # v2 current
     held = lease.hold(store.root, {"vae": None}, "a training")
     reader = store.reader("vae")
     key = sorted(reader.keys())[0]
@@ -269,49 +272,37 @@ def test_a_lease_whose_version_gc_took_and_a_writer_numbered_again_is_lost_not_w
         assert "remove vae/v2" in messages and not held.path.exists(), messages
         assert fill(store, 6, tag="c", start=20) == 2  # a different v2, by a real writer
         assert fmt.is_complete(fmt.version_dir(store.root, "vae", 2))
-        assert held._beat() is False and not held.path.exists()  # never written again
-        with pytest.raises(lease.LeaseLost, match=r"a training on .* was removed \(.*\) and vae v2 \(a new version "
-                                                  r"of that number since\) is gone.*Rerun"):
-            reader.tensors(key)
-        with pytest.raises(lease.LeaseLost):
-            held.add("vae", 1)
-        assert not held.path.exists()
+        _lost_for_good(held, lambda: reader.tensors(key), r"a training on .* was removed \(.*\) and vae v2 \(a new "
+                                                          r"version of that number since\) is gone.*Rerun", 1)
     finally:
         held.release()
         reader.close()
     lease.check_held()
 
 
-def test_a_lease_lost_on_one_store_stops_the_reads_of_that_store_only(store: Store, tmp_path: Path) -> None:
+def test_a_lease_lost_on_one_store_stops_the_reads_of_that_store_only(store: Store, v1_reader,
+                                                                     tmp_path: Path) -> None:
     """A lease the process left unreleased (a failed command whose traceback a caller keeps, in-process: run all,
     the tests) and lost since stopped every later read of the process, of any store (before: a CI worker's
     later tests of other stores all failed on it)."""
-    fill(store, 4, tag="a")  # v1
-    fill(store, 4, tag="b", start=10)  # v2 current
+    held, read = v1_reader
     other = Store(tmp_path / "other")
     fill(other, 4)
-    held = lease.hold(store.root, {"vae": 1}, "a reader")
-    mine, theirs = store.reader("vae", 1), other.reader("vae")
-    try:
+    with other.reader("vae") as theirs:
         held.path.unlink()
         _taken_by_gc(store, 1)
         assert held._beat() is False
         with pytest.raises(lease.LeaseLost, match="a reader on .* was removed"):
-            mine.tensors(sorted(mine.keys())[0])
+            read()
         assert theirs.tensors(sorted(theirs.keys())[0])  # another store: read on
-    finally:
-        held.release()
-        mine.close()
-        theirs.close()
 
 
+@pytest.mark.usefixtures("two_versions")
 def test_a_lease_removed_while_paused_is_lost_when_its_reader_adds_a_version_before_the_heartbeat_wakes(
         store: Store) -> None:
     """The main thread may add a version right after waking, before the heartbeat looks: the add looks as the
     heartbeat does (before: it wrote the removed lease back, fresh, naming a version gc had taken, and the
     heartbeat never marked it lost)."""
-    fill(store, 4, tag="a")  # v1
-    fill(store, 4, tag="b", start=10)  # v2
     held = lease.hold(store.root, {"vae": 1}, "a reader")
     try:
         held.path.unlink()  # a gc on another host judged it dead
@@ -326,9 +317,8 @@ def test_a_lease_removed_while_paused_is_lost_when_its_reader_adds_a_version_bef
     lease.check_held()
 
 
+@pytest.mark.usefixtures("two_versions")
 def test_a_lease_removed_while_paused_with_its_versions_kept_is_written_again_by_an_add(store: Store) -> None:
-    fill(store, 4, tag="a")  # v1
-    fill(store, 4, tag="b", start=10)  # v2
     held = lease.hold(store.root, {"vae": 1}, "a reader")
     try:
         held.path.unlink()  # a gc on another host judged it dead, but kept v1
@@ -341,9 +331,8 @@ def test_a_lease_removed_while_paused_with_its_versions_kept_is_written_again_by
     assert list((store.root / lease.LEASES_DIR).glob("*.json")) == []  # released: removed
 
 
+@pytest.mark.usefixtures("two_versions")
 def test_a_url_lease_removed_while_paused_is_lost_when_its_reader_adds_a_version(s3_env, store: Store) -> None:
-    fill(store, 4, tag="a")
-    fill(store, 4, tag="b", start=10)
     push(store.root, s3_env.url())
     held = remote_lease.hold(open_remote(s3_env.url()), [("vae", 1)], "pipeline train")
     try:
@@ -403,13 +392,12 @@ def test_a_lease_records_a_longer_margin_that_gc_honours(tmp_path: Path, monkeyp
         lease.stale_seconds()
 
 
+@pytest.mark.usefixtures("two_versions")
 def test_a_lease_keeps_the_margin_it_was_held_with_whatever_the_environment_says_later(
         s3_env, store: Store, monkeypatch, caplog) -> None:
     """The margin (`stale_s`) is decided when a lease is held. Before, every beat and look read
     PIPELINE_LEASE_MINUTES again: lowered later, a lease was rewritten recording 15 min (gc then judged it by that)
     and lost at 17 min although held for 120; set to a bad value, the heartbeat raised in its thread."""
-    fill(store, 4, tag="a")  # v1
-    fill(store, 4, tag="b", start=10)  # v2
     push(store.root, s3_env.url())
     monkeypatch.setenv(lease.LEASE_MINUTES_ENV, "120")
     local = lease.hold(store.root, {"vae": 1}, "a reader")
@@ -494,6 +482,7 @@ def test_gc_keeps_a_dead_lease_its_reader_refreshed_after_the_plan(s3_env, store
         held.release()
 
 
+@pytest.mark.usefixtures("two_versions")
 def test_gc_removes_a_refreshed_lease_that_names_a_version_it_removed_and_its_reader_stops(
         s3_env, store: Store, monkeypatch) -> None:
     """The reader woke after gc's look right before v1's manifest DELETE (`_still_doomed`): it found v1 intact,
@@ -502,8 +491,6 @@ def test_gc_removes_a_refreshed_lease_that_names_a_version_it_removed_and_its_re
     uncached one with a fetch error. Now the lease goes with v1 and the reader's next beat stops it in one line."""
     from store import remote_gc
 
-    fill(store, 4, tag="a")  # v1
-    fill(store, 4, tag="b", start=10)  # v2 current
     push(store.root, s3_env.url())
     real_identity = lease.process_identity  # as on another node: judged by its refresh age
     monkeypatch.setattr(lease, "process_identity", lambda: {**real_identity(), "boot_id": "another-node-s-kernel"})

@@ -85,28 +85,31 @@ sys.stdin.readline()
 """
 
 
-def test_eviction_removes_the_lease_files_of_killed_readers_in_the_cache(s3_env, store: Store,
-                                                                         tmp_path: Path) -> None:
+@pytest.fixture
+def killed_reader(s3_env, store: Store, tmp_path: Path):
+    """(the cache, the lease file a reader of the URL killed with -9 left in the cached store, a live reader's lease
+    beside it). One killed run only: an open without a limit, as that reader's, removes the lease files of killed
+    readers too."""
     fill(store, 6)
     push(store.root, s3_env.url())
     cache = tmp_path / "cache"
-    # a run killed with -9 leaves its lease file in the cached store (one run only: an open without a limit, as
-    # this reader's, removes the lease files of killed readers too)
     proc = subprocess.Popen([sys.executable, "-c", CACHED_READER, s3_env.url(), str(cache)],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=_env())
     try:
-        killed = [Path(proc.stdout.readline().strip())]
+        killed = Path(proc.stdout.readline().strip())
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-    assert all(p.is_file() for p in killed)
-    root = killed[0].parent.parent
-    live = lease.hold(root, {"vae": None}, "this reader")
-    try:
-        local_store(s3_env.url(), ["vae"], cache, limit_gb=1.0, lease=False)  # an open with a limit evicts
-        assert [p for p in killed if p.exists()] == [] and live.path.is_file()
-    finally:
-        live.release()
+    assert killed.is_file()
+    live = lease.hold(killed.parent.parent, {"vae": None}, "this reader")
+    yield cache, killed, live
+    live.release()
+
+
+def test_eviction_removes_the_lease_files_of_killed_readers_in_the_cache(s3_env, killed_reader) -> None:
+    cache, killed, live = killed_reader
+    local_store(s3_env.url(), ["vae"], cache, limit_gb=1.0, lease=False)  # an open with a limit evicts
+    assert not killed.exists() and live.path.is_file()
 
 
 def _gone_pid() -> int:
@@ -180,27 +183,12 @@ def test_a_live_fetcher_in_its_own_pid_namespace_keeps_its_temp_file(s3_env, sto
         proc.wait()
 
 
-def test_an_open_without_a_limit_removes_the_lease_files_of_killed_readers(s3_env, store: Store,
-                                                                           tmp_path: Path) -> None:
+def test_an_open_without_a_limit_removes_the_lease_files_of_killed_readers(s3_env, killed_reader) -> None:
     """Without --cache-gb nothing evicts, and the lease files of killed readers piled up in the cached store's
     `.leases/` for ever (one per kill -9). An open removes them now, judged as eviction judges them."""
-    fill(store, 6)
-    push(store.root, s3_env.url())
-    cache = tmp_path / "cache"
-    proc = subprocess.Popen([sys.executable, "-c", CACHED_READER, s3_env.url(), str(cache)],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=_env())
-    try:
-        killed = Path(proc.stdout.readline().strip())
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-    assert killed.is_file()
-    live = lease.hold(killed.parent.parent, {"vae": None}, "this reader")
-    try:
-        local_store(s3_env.url(), ["vae"], cache, lease=False)  # no limit
-        assert not killed.exists() and live.path.is_file()
-    finally:
-        live.release()
+    cache, killed, live = killed_reader
+    local_store(s3_env.url(), ["vae"], cache, lease=False)  # no limit
+    assert not killed.exists() and live.path.is_file()
 
 
 def test_a_fetch_whose_temp_file_was_evicted_meanwhile_reads_by_range(s3_env, store: Store, tmp_path: Path,
