@@ -528,7 +528,7 @@ def _render_samples(source: str | Path, fmt: str, rc: ResizeConfig, writer: Any,
             elif key in writer.done_keys:  # a later copy holds it: this first copy's rendering failed before
                 intake.revived_before.add(key)  # rendered again for its row; its copies judged as then
                 yield rec, key, caption
-            elif rendered_before.get(key, None) == mask_hash(rec.mask) and limit.fits(key, rec):  # same content, mask
+            elif _rendered_alike(rec, key, rendered_before, limit):  # same content, mask
                 carry[key] = (rec.source, split_for(key, rc.val_fraction))
             else:
                 yield rec, key, caption
@@ -541,33 +541,44 @@ def _render_samples(source: str | Path, fmt: str, rc: ResizeConfig, writer: Any,
         for (rec, key, _), out in rendered_in_order(render_one, to_render(bar), rc.workers, ahead=2 * rc.workers,
                                                     on_crash=_worker_died):
             intake.store(writer, rec, key, out)
-        # First copies the rendering rejected (a bad mask): their next copy instead, in rounds (the i-th held
-        # copy of every key not yet kept), so the table does not depend on the worker count.
-        pending = intake.revivals()
-        while pending:
-            items = []
-            for key, recs in pending.items():
-                rec, row = recs.pop(0)
-                intake.take_back(key, rec, row)
-                if intake.holds(writer, key, rec):  # the copy the interrupted run revived: in the table already
-                    intake.summary.resumed += 1
-                    intake.kept_instead(key, rec, recs + intake.superseded.pop(key, []))
-                    recs.clear()
-                elif rendered_before.get(key, None) == mask_hash(rec.mask) and limit.fits(key, rec):
-                    carry[key] = (rec.source, split_for(key, rc.val_fraction))
-                    intake.kept_instead(key, rec, recs)
-                else:
-                    items.append((rec, key, ""))
-            for (rec, key, _), out in rendered_in_order(render_one, items, rc.workers, ahead=2 * rc.workers,
-                                                        on_crash=_worker_died):
-                if intake.store(writer, rec, key, out):
-                    intake.kept_instead(key, rec, pending[key])
-            pending = {k: recs for k, recs in pending.items()
-                       if recs and k not in carry and k not in writer.carried_keys}
+        _revive(intake, writer, rendered_before, limit, carry, rc, render_one)
         if bar.total != bar.n:  # orphans / unreadable entries counted differently: end at 100 %
             bar.total = bar.n
             bar.refresh()
     return carry
+
+
+def _rendered_alike(rec: SourceSample, key: str, rendered_before: dict[str, str], limit: Any) -> bool:
+    """An earlier version holds `key` rendered from the same content and mask, within the pixel limit now in force:
+    carried forward, not rendered."""
+    return rendered_before.get(key, None) == mask_hash(rec.mask) and limit.fits(key, rec)
+
+
+def _revive(intake: _Intake, writer: Any, rendered_before: dict[str, str], limit: Any,
+            carry: dict[str, tuple[str, str]], rc: ResizeConfig, render_one: Any) -> None:
+    """First copies the rendering rejected (a bad mask): their next copy instead, in rounds (the i-th held copy of
+    every key not yet kept), so the table does not depend on the worker count."""
+    pending = intake.revivals()
+    while pending:
+        items = []
+        for key, recs in pending.items():
+            rec, row = recs.pop(0)
+            intake.take_back(key, rec, row)
+            if intake.holds(writer, key, rec):  # the copy the interrupted run revived: in the table already
+                intake.summary.resumed += 1
+                intake.kept_instead(key, rec, recs + intake.superseded.pop(key, []))
+                recs.clear()
+            elif _rendered_alike(rec, key, rendered_before, limit):
+                carry[key] = (rec.source, split_for(key, rc.val_fraction))
+                intake.kept_instead(key, rec, recs)
+            else:
+                items.append((rec, key, ""))
+        for (rec, key, _), out in rendered_in_order(render_one, items, rc.workers, ahead=2 * rc.workers,
+                                                    on_crash=_worker_died):
+            if intake.store(writer, rec, key, out):
+                intake.kept_instead(key, rec, pending[key])
+        pending = {k: recs for k, recs in pending.items()
+                   if recs and k not in carry and k not in writer.carried_keys}
 
 
 def _carried_unread(rec: SourceSample, writer: Any, rendered_before: dict[str, str], intake: _Intake,
