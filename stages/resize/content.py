@@ -22,13 +22,15 @@ from tqdm import tqdm
 
 from models.file_hashes import FileHashes, file_sha256
 
+from stages.resize.first_read import stamp
 from stages.resize.shards import is_shard_list, is_url, remote_listing, remote_source_files
 from stages.resize.sources import printable, source_files
 
 
-def content_listing_hash(source: str | Path) -> str:
+def content_listing_hash(source: str | Path, pending: frozenset[str] = frozenset()) -> str:
     """Hash of (relative path, sha256 of the bytes) of every local source file (`sources.source_files`), and of
-    (URL, size, content tag) of every shard at a URL."""
+    (URL, size, content tag) of every shard at a URL. `pending`: local tars hashed while the reader streams them,
+    standing for their stat stamp here (a provisional listing: first_read.py)."""
     s = str(source)
     base = listing_base(s)
     h = hashlib.sha256()
@@ -38,7 +40,8 @@ def content_listing_hash(source: str | Path) -> str:
             name = _relative(str(f), prefix, base)
             try:
                 # a name that is not UTF-8 (lone surrogates from the OS) cannot be a cache row: hashed uncached
-                digest = hashes.sha256(f) if printable(str(f)) == str(f) else file_sha256(f)
+                digest = stamp(f) if str(f) in pending else \
+                    hashes.sha256(f) if printable(str(f)) == str(f) else file_sha256(f)
             except OSError as e:  # unreadable (permissions) or gone since the listing: its sample is quarantined
                 digest = f"unreadable {e.errno}"  # when read; once readable the hash changes, and it is rendered
             h.update(f"{name}\0{digest}\n".encode("utf-8", "surrogateescape"))

@@ -4,7 +4,8 @@ not opened (known_sources.py does the same per sample for a folder or JSONL sour
 
 A tar's identity is the sha256 the file-hash cache holds for it (models/file_hashes.py: stands while size,
 mtime_ns and ctime_ns are those it was hashed at), the one the listing hash (content.py) has just used; it hashed
-every local tar there already (one pass, cached), so recording it costs no read. Each run records, beside the
+every local tar there already (one pass, cached), so recording it costs no read; a tar read for the first time
+is hashed from the bytes the reader streams instead (first_read.py). Each run records, beside the
 version it commits (store/version_notes.py, note `source-tars`), each local tar it read whole or carried: its
 sha256 before and after it was streamed (unchanged meanwhile) and how many samples the reader yielded from it,
 problem samples included, and the resize.max_file_bytes it read them under.
@@ -54,6 +55,10 @@ class KnownTars:
                  by_tar: dict[str, list[int]]) -> None:
         self._hashes, self._recorded, self._rows, self._by_tar = hashes, recorded, rows, by_tar
         self.seen: dict[str, list] = {}  # tar -> [sha256, samples yielded] of this run
+        # tars hashed while streamed (first_read.py), and tar -> (sha256, its stat when its stream began) of each
+        # streamed whole and unchanged meanwhile: cached just before the commit
+        self.pending: frozenset[str] = frozenset()
+        self.streamed: dict[str, tuple[str, os.stat_result]] = {}
 
     def identity(self, tar: str) -> str | None:
         """The tar's sha256 by the cache's rule, not read; None where it is not known or would not be read."""

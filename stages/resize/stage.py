@@ -33,6 +33,7 @@ from stages.resize.bucketing import BucketRule, bucket_size, crop_box_for_aspect
 from features.decode import Decoded, ImageRejected, decode_image, decode_keeping_alpha, decode_mask, oriented_as
 from stages.resize.render_pool import rendered_in_order
 from stages.resize.content import content_listing_hash
+from stages.resize.first_read import pending_tars, settle_listing
 from stages.resize.known_sources import clean_caption
 from stages.resize.folder_listing import remembered
 from stages.resize.moved_source import Moved, recorded_source
@@ -158,7 +159,10 @@ def _run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> 
     started = time.perf_counter()
     fmt = detect_format(source)
     st = st if st is not None else Store(store)
-    schema = _as_repair_expects(images_schema(rc, content_listing_hash(source), source=str(source), source_format=fmt))
+    # local tars read for the first time: hashed while streamed, the version's lineage settled at its commit
+    pending = pending_tars(st, source, fmt)
+    schema = _as_repair_expects(images_schema(rc, content_listing_hash(source, pending), source=str(source),
+                                              source_format=fmt))
     found, newer = _up_to_date_version(st, schema)
     if found is not None:
         before = recorded_source(st, found)
@@ -178,8 +182,11 @@ def _run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> 
                                    sizes=sizes_in_force(rc.model_dump()), source=str(source),
                                    source_before=moved.before if moved and moved.version == writer.version else ""))
     try:
-        carry = _render_source(source, fmt, rc, writer, _rendered_before(st, schema), intake, st)
+        carry = _render_source(source, fmt, rc, writer, _rendered_before(st, schema), intake, st, pending)
         _carry_forward(st, writer, schema, carry, intake.summary)
+        if pending:  # before the commit: the lineage of the bytes streamed (first_read.py)
+            settle_listing(writer, intake.tars.streamed, lambda: content_listing_hash(source), lambda listing:
+                           _as_repair_expects(images_schema(rc, listing, source=str(source), source_format=fmt)))
         _commit(st, writer, source, intake)
     finally:
         writer.close()
@@ -464,7 +471,7 @@ def _rendered_before(st: Store, schema: TableSchema) -> dict[str, str]:
 
 
 def _render_source(source: str | Path, fmt: str, rc: ResizeConfig, writer: Any, rendered_before: dict[str, str],
-                   intake: _Intake, st: Store) -> dict[str, tuple[str, str]]:
+                   intake: _Intake, st: Store, pending: frozenset[str] = frozenset()) -> dict[str, tuple[str, str]]:
     """Judge every source sample, render the new ones in `rc.workers` processes and add them to the writer.
     Returns key -> (source, split) of the samples to carry forward from an earlier version instead."""
     from models.file_hashes import FileHashes
@@ -481,6 +488,8 @@ def _render_source(source: str | Path, fmt: str, rc: ResizeConfig, writer: Any, 
         known = known_sources(st, rendered_before, hashes, rc.max_file_bytes) if fmt in ("folder", "jsonl") else \
             known_tars(st, rendered_before, hashes, rc.max_file_bytes, limit) if fmt == "webdataset" else None
         intake.tars, intake.max_file_bytes = (known if fmt == "webdataset" else None), rc.max_file_bytes
+        if intake.tars is not None:
+            intake.tars.pending = pending
         return _render_samples(source, fmt, rc, writer, rendered_before, intake, known, limit)
 
 

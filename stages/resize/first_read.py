@@ -1,0 +1,112 @@
+"""Local tars a run reads for the first time are read once, not twice: their sha256 (for the source listing hash,
+content.py, and the source-tars note, known_tars.py) is taken from the bytes the reader streams, not by a pass of
+its own before.
+
+Which tars (`pending_tars`): local tars the file-hash cache does not know (no read: models/file_hashes.py's rule)
+and the source-tars note of the newest complete `images` version does not name. A tar that note names is hashed
+first as before: it was seen, so it is probably unchanged, and the version may be up to date without any other read.
+
+Until their bytes are known the version is written under a provisional listing hash, in which each such tar
+stands for its stat stamp (size, mtime_ns, ctime_ns: the cache's own rule). A killed run's rerun computes the same
+provisional hash (nothing is cached before the commit, the note is unchanged), so it resumes that version. Just
+before the commit (`settle_listing`) each tar streamed whole and unchanged meanwhile has its sha256 put in the
+file-hash cache, the listing hash is computed again from the cache (a tar not streamed whole is hashed then: a read,
+as before), and the in-progress version's schema.json gets that lineage: the version commits under the lineage an
+unchanged source has on the next run (up to date, nothing read). A kill after schema.json is rewritten: the rerun
+finds the tars cached, so the same listing, and resumes the version.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any, Callable
+
+from models.file_hashes import FileHashes
+from stages.resize.known_tars import NOTE, TABLE
+from stages.resize.shards import is_url, shard_urls
+
+if TYPE_CHECKING:
+    from schemas.table import TableSchema
+    from store import Store
+
+CHUNK = 1 << 20
+
+
+def pending_tars(st: Store, source: str | Path, fmt: str) -> frozenset[str]:
+    """The source's local tars to hash while they are streamed (module doc); none for other formats and in a
+    `store repair`, which must find the damaged version's exact lineage up front."""
+    from store import repair_context
+    from store.version_notes import read_note
+
+    if fmt != "webdataset" or repair_context.active():
+        return frozenset()
+    tars = [t for t in shard_urls(source) if not is_url(t)]
+    if not tars:
+        return frozenset()
+    newest = st.newest_complete(TABLE)
+    note = read_note(st, TABLE, newest[0], NOTE) if newest is not None else None
+    named = note.get("tars") if isinstance(note, dict) else None
+    named = named if isinstance(named, dict) else {}
+    out = set()
+    with FileHashes() as hashes:
+        for t in tars:
+            try:
+                t.encode("utf-8")  # a name that is not UTF-8 has no cache row: hashed first, as before
+                if t in named or not os.access(t, os.R_OK) or not stat.S_ISREG(os.stat(t).st_mode) or \
+                        hashes.cached(t) is not None:
+                    continue
+            except (OSError, UnicodeEncodeError):
+                continue
+            out.add(str(Path(t)))
+    return frozenset(out)
+
+
+def stamp(path: str | Path) -> str:
+    """What stands for a pending tar in the provisional listing hash."""
+    st = os.stat(path)
+    return f"streamed {st.st_size} {st.st_mtime_ns} {st.st_ctime_ns}"
+
+
+class HashingStream:
+    """A shard's stream whose bytes are hashed as the reader takes them; on close the rest (the tar's end blocks
+    and padding, or what a truncated read left) is read into the hash too, so `digest` is the whole file's."""
+
+    def __init__(self, raw: IO[bytes]) -> None:
+        self.raw, self._h, self.whole = raw, hashlib.sha256(), False
+
+    def read(self, n: int = -1) -> bytes:
+        b = self.raw.read(n)
+        self._h.update(b)
+        return b
+
+    def close(self) -> None:
+        if self.raw.closed:
+            return
+        try:
+            while b := self.raw.read(CHUNK):
+                self._h.update(b)
+            self.whole = True
+        finally:
+            self.raw.close()
+
+    def digest(self) -> str | None:
+        return self._h.hexdigest() if self.whole else None
+
+
+def settle_listing(writer: Any, streamed: dict[str, tuple[str, os.stat_result]], listing: Callable[[], str],
+                   schema_for: Callable[[str], TableSchema]) -> TableSchema:
+    """Before the commit of a version written under a provisional listing: the streamed tars' sha256 cached, the
+    listing hash computed again (`listing`, from the cache), the version's schema.json rewritten with
+    `schema_for(listing)`, which is returned (module doc)."""
+    from store import format as fmt
+
+    with FileHashes() as hashes:
+        for tar, (digest, before) in streamed.items():
+            hashes.learn(tar, digest, before)
+    schema = schema_for(listing())
+    fmt.atomic_write_json(writer.dir / fmt.SCHEMA_JSON, schema.to_dict())
+    writer.schema = schema
+    return schema
