@@ -116,8 +116,8 @@ def iter_source(source: str | Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
     """The samples of a source; `columns` is `resize.columns` (a parquet source's column mapping). `done`: {source:
     key} of the samples a resumed run holds (resumed_sources.py): yielded with `done_key`, their files not read
     (a parquet row is read with its batch anyway). `known` (known_sources.KnownSources; a folder or JSONL source): samples
-    an earlier version holds with unchanged files, yielded with `known`, their images not read; a webdataset
-    source's: known_tars.KnownTars (unchanged tars not opened)."""
+    an earlier version holds with unchanged files, yielded with `known`, their images not read; a webdataset or
+    parquet source's: known_tars.KnownTars (unchanged tars not opened, unchanged parquet files not read)."""
     fmt = detect_format(source)
     done = done or {}
     if fmt == "webdataset":
@@ -125,7 +125,7 @@ def iter_source(source: str | Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
     elif fmt == "parquet":
         from stages.resize.parquet_source import iter_parquet
 
-        samples = iter_parquet(source if is_url(source) else Path(source), columns, max_file_bytes)
+        samples = iter_parquet(source if is_url(source) else Path(source), columns, max_file_bytes, known)
     else:
         samples = iter_folder(Path(source), max_file_bytes, done, known) if fmt == "folder" else \
             iter_jsonl(Path(source), max_file_bytes, done, known)

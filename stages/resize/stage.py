@@ -245,7 +245,7 @@ class _Intake:
     # the copy it revived instead, which their rows name once it is met
     superseded: dict[str, list[tuple[SourceSample, dict[str, Any]]]] = field(default_factory=dict)
     masks: Any = None  # resumed_sources.ResumedMasks of the resumed version, read when first needed
-    tars: Any = None  # known_tars.KnownTars of a webdataset source: its tars' record, written with the version
+    tars: Any = None  # known_tars.KnownTars of a webdataset or parquet source: its files' record, with the version
     max_file_bytes: int = 0  # resize.max_file_bytes the tars were read under (recorded with them)
     max_image_pixels: int = 0  # the limit every row of the version is within (recorded with it: pixel_limit.py)
 
@@ -476,7 +476,7 @@ def _render_source(source: str | Path, fmt: str, rc: ResizeConfig, writer: Any, 
     Returns key -> (source, split) of the samples to carry forward from an earlier version instead."""
     from models.file_hashes import FileHashes
     from stages.resize.known_sources import known_sources
-    from stages.resize.known_tars import known_tars
+    from stages.resize.known_tars import known_tars, parquet_kind
     from stages.resize.pixel_limit import PixelLimit, pixel_limit
 
     # carried samples are not decoded: those last checked under a higher resize.max_image_pixels are checked here
@@ -484,10 +484,11 @@ def _render_source(source: str | Path, fmt: str, rc: ResizeConfig, writer: Any, 
     intake.max_image_pixels = rc.max_image_pixels
     with FileHashes() as hashes:
         # samples of a folder or JSONL source the newest version holds, their files unchanged: carried, not read;
-        # of a webdataset source, whole tars (known_tars.py)
+        # of a webdataset or parquet source, whole tars / parquet files (known_tars.py)
         known = known_sources(st, rendered_before, hashes, rc.max_file_bytes) if fmt in ("folder", "jsonl") else \
-            known_tars(st, rendered_before, hashes, rc.max_file_bytes, limit) if fmt == "webdataset" else None
-        intake.tars, intake.max_file_bytes = (known if fmt == "webdataset" else None), rc.max_file_bytes
+            known_tars(st, rendered_before, hashes, rc.max_file_bytes, limit) if fmt == "webdataset" else \
+            known_tars(st, rendered_before, hashes, rc.max_file_bytes, limit, parquet_kind(rc.columns))
+        intake.tars, intake.max_file_bytes = (known if fmt in ("webdataset", "parquet") else None), rc.max_file_bytes
         if intake.tars is not None:
             intake.tars.pending = pending
         return _render_samples(source, fmt, rc, writer, rendered_before, intake, known, limit)
@@ -642,10 +643,10 @@ def _commit(st: Store, writer: Any, source: str | Path, intake: _Intake) -> None
         )
     summary.version = writer.commit()  # its last shard committed first
     if intake.tars is not None and intake.tars.seen:  # after the commit: a kill before it leaves no record (read)
-        from stages.resize.known_tars import NOTE, note_value
+        from stages.resize.known_tars import note_value
         from store.version_notes import write_note
 
-        write_note(st, TABLE, summary.version, NOTE, note_value(intake.tars, intake.max_file_bytes))
+        write_note(st, TABLE, summary.version, intake.tars.kind.note, note_value(intake.tars, intake.max_file_bytes))
     if intake.max_image_pixels:  # every row rendered, resumed or carried is within it (pixel_limit.py)
         from stages.resize.pixel_limit import NOTE as PIXEL_NOTE
         from store.version_notes import write_note
