@@ -10,10 +10,12 @@ Until their bytes are known the version is written under a provisional listing h
 stands for its stat stamp (size, mtime_ns, ctime_ns: the cache's own rule). A killed run's rerun computes the same
 provisional hash (nothing is cached before the commit, the note is unchanged), so it resumes that version. Just
 before the commit (`settle_listing`) each tar streamed whole and unchanged meanwhile has its sha256 put in the
-file-hash cache, the listing hash is computed again from the cache (a tar not streamed whole is hashed then: a read,
-as before), and the in-progress version's schema.json gets that lineage: the version commits under the lineage an
-unchanged source has on the next run (up to date, nothing read). A kill after schema.json is rewritten: the rerun
-finds the tars cached, so the same listing, and resumes the version.
+file-hash cache, the listing hash is made again from the lines hashed at the start with those sha256 in place of the
+stamps (a tar not streamed whole, or changed since, gets a stand-in no run computes: its rows hold the bytes read
+then, so the next run reads it again), and the in-progress version's schema.json gets that lineage: the version
+commits under the lineage an unchanged source has on the next run (up to date, nothing read). A kill after
+schema.json is rewritten: the rerun finds the tars cached, so the same listing, and resumes the version; a kill
+between the cache write and that rewrite: the rerun finds the version by its record of pending tars (`settling`).
 """
 
 from __future__ import annotations
@@ -96,17 +98,75 @@ class HashingStream:
         return self._h.hexdigest() if self.whole else None
 
 
-def settle_listing(writer: Any, streamed: dict[str, tuple[str, os.stat_result]], listing: Callable[[], str],
-                   schema_for: Callable[[str], TableSchema]) -> TableSchema:
-    """Before the commit of a version written under a provisional listing: the streamed tars' sha256 cached, the
-    listing hash computed again (`listing`, from the cache), the version's schema.json rewritten with
-    `schema_for(listing)`, which is returned (module doc)."""
+# Beside the provisional schema.json of an in-progress version: which tars stood for their stamps. A run killed after
+# the streamed hashes went into the cache, before schema.json was rewritten, computes another listing (those tars
+# are cached now): it finds the version by this record (`settling`) instead of rendering everything anew. Removed
+# once schema.json holds the final lineage, so never part of a committed version.
+PENDING_JSON = ".provisional-tars.json"
+
+
+def record_pending(writer: Any, pending: frozenset[str]) -> None:
+    from store import format as fmt
+
+    fmt.atomic_write_json(writer.dir / PENDING_JSON, {"tars": sorted(pending)})
+
+
+def settling(st: Store, fmt_name: str, pending: frozenset[str], want: dict,
+             provisional: Callable[[frozenset[str]], tuple[TableSchema, Any]]) -> tuple[frozenset[str], Any] | None:
+    """(pending tars, (schema, listing)) of an in-progress version a killed run left between the cache write and
+    the schema.json rewrite (its record names the tars; `provisional(tars)` gives the schema they stand for now,
+    equal to its schema.json while they are unchanged); None when there is none, or when an in-progress version
+    of `want` (this run's schema) is there to resume anyway."""
+    from store import format as fmt
+    from store import repair_context
+
+    if fmt_name != "webdataset" or repair_context.active():
+        return None
+    found = []
+    for v in reversed(fmt.list_versions(st.root, TABLE)):
+        vdir = fmt.version_dir(st.root, TABLE, v)
+        if fmt.is_complete(vdir) or not (vdir / fmt.SCHEMA_JSON).is_file():
+            continue
+        try:
+            schema = fmt.read_json(vdir / fmt.SCHEMA_JSON, "schema.json")
+        except Exception:  # noqa: BLE001 - a damaged in-progress folder is the writer's to judge, not this look's
+            continue
+        if schema == want:
+            return None
+        if (vdir / PENDING_JSON).is_file():
+            found.append((vdir, schema))
+    for vdir, schema in found:
+        try:
+            tars = fmt.read_json(vdir / PENDING_JSON, PENDING_JSON)["tars"]
+            tars = frozenset(str(t) for t in tars)
+        except Exception:  # noqa: BLE001 - a hand-edited record: that version is not resumed, as before
+            continue
+        if tars == pending:
+            continue
+        made = provisional(tars)
+        if made[0].to_dict() == schema:
+            return tars, made
+    return None
+
+
+def settle_listing(writer: Any, streamed: dict[str, tuple[str, os.stat_result]], pending: frozenset[str],
+                   listing: Any, schema_for: Callable[[str], TableSchema]) -> TableSchema:
+    """Before the commit of a version written under a provisional listing (`listing`, content.Listing: its lines
+    as hashed at the run's start): the streamed tars' sha256 cached, the listing hash made again with them in
+    place of their stamps, the version's schema.json rewritten with `schema_for(listing)`, which is returned, and
+    its record of pending tars removed (module doc). A pending tar not streamed whole, or changed since its stream
+    began, gets a stand-in no run computes: its rows hold the bytes read then, not those there now, so the next run
+    reads it again (a hash of it now would call that run up to date)."""
     from store import format as fmt
 
     with FileHashes() as hashes:
-        for tar, (digest, before) in streamed.items():
-            hashes.learn(tar, digest, before)
-    schema = schema_for(listing())
+        learned = {str(Path(tar)): digest for tar, (digest, before) in streamed.items()
+                   if hashes.learn(tar, digest, before)}
+    settled = {path: learned.get(path, f"changed while read: {digest}")
+               for path, _, digest in listing.lines if path in pending}
+    schema = schema_for(listing.hash(settled))
     fmt.atomic_write_json(writer.dir / fmt.SCHEMA_JSON, schema.to_dict())
     writer.schema = schema
+    (writer.dir / PENDING_JSON).unlink(missing_ok=True)
+    fmt.fsync_dir(writer.dir)
     return schema

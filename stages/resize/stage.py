@@ -32,8 +32,8 @@ from schemas.resize_sizes import sizes_in_force
 from stages.resize.bucketing import BucketRule, bucket_size, crop_box_for_aspect
 from features.decode import Decoded, ImageRejected, decode_image, decode_keeping_alpha, decode_mask, oriented_as
 from stages.resize.render_pool import rendered_in_order
-from stages.resize.content import content_listing_hash
-from stages.resize.first_read import pending_tars, settle_listing
+from stages.resize.content import Listing, content_listing_hash
+from stages.resize.first_read import pending_tars, record_pending, settle_listing, settling
 from stages.resize.known_sources import clean_caption
 from stages.resize.folder_listing import remembered
 from stages.resize.moved_source import Moved, recorded_source
@@ -161,8 +161,16 @@ def _run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> 
     st = st if st is not None else Store(store)
     # local tars read for the first time: hashed while streamed, the version's lineage settled at its commit
     pending = pending_tars(st, source, fmt)
-    schema = _as_repair_expects(images_schema(rc, content_listing_hash(source, pending), source=str(source),
-                                              source_format=fmt))
+
+    def provisional(tars: frozenset[str]) -> tuple[TableSchema, Listing]:
+        listing = Listing()  # its lines kept: the lineage is settled from them (first_read.py)
+        return _as_repair_expects(images_schema(rc, content_listing_hash(source, tars, listing), source=str(source),
+                                                source_format=fmt)), listing
+
+    schema, listing = provisional(pending)
+    # a run killed between caching the streamed hashes and rewriting schema.json: its tars taken as pending again
+    if (killed := settling(st, fmt, pending, schema.to_dict(), provisional)) is not None:
+        pending, (schema, listing) = killed
     found, newer = _up_to_date_version(st, schema)
     if found is not None:
         before = recorded_source(st, found)
@@ -182,11 +190,13 @@ def _run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> 
                                    sizes=sizes_in_force(rc.model_dump()), source=str(source),
                                    source_before=moved.before if moved and moved.version == writer.version else ""))
     try:
+        if pending:
+            record_pending(writer, pending)
         carry = _render_source(source, fmt, rc, writer, _rendered_before(st, schema), intake, st, pending)
         _carry_forward(st, writer, schema, carry, intake.summary)
         if pending:  # before the commit: the lineage of the bytes streamed (first_read.py)
-            settle_listing(writer, intake.tars.streamed, lambda: content_listing_hash(source), lambda listing:
-                           _as_repair_expects(images_schema(rc, listing, source=str(source), source_format=fmt)))
+            settle_listing(writer, intake.tars.streamed, pending, listing, lambda hashed:
+                           _as_repair_expects(images_schema(rc, hashed, source=str(source), source_format=fmt)))
         _commit(st, writer, source, intake)
     finally:
         writer.close()

@@ -1,0 +1,113 @@
+"""Review reproductions for stages/resize/first_read.py: a local tar read for the first time is hashed from the
+bytes the reader streams, and the version's lineage settled just before its commit."""
+
+from __future__ import annotations
+
+import io
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from pipeline.config import load_config
+from stages.resize import first_read, stage
+from store import Store
+from tests.stages.test_resize_first_read import _source
+from tests.stages.test_resize_rerun_reads import SMALL
+
+
+def _rewrite(tar: Path, seed: int) -> None:
+    """The same members (names, sizes differ) with other pixels: other samples."""
+    rng = np.random.default_rng(seed)
+    members = []
+    with tarfile.open(tar) as tf:
+        for m in tf.getmembers():
+            data = tf.extractfile(m).read()
+            if m.name.endswith(".png"):
+                buf = io.BytesIO()
+                Image.fromarray(rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(buf, format="PNG")
+                data = buf.getvalue()
+            members.append((m.name, data))
+    with tarfile.open(tar, "w", format=tarfile.USTAR_FORMAT) as tf:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size, info.mtime, info.mode = len(data), 0, 0o644
+            tf.addfile(info, io.BytesIO(data))
+
+
+def test_a_tar_rewritten_while_streamed_is_rendered_on_the_next_run(tmp_path: Path, monkeypatch) -> None:
+    """The version holds the bytes streamed before the rewrite: it must not commit under the rewritten tar's
+    lineage, or the next run calls it up to date and the new samples are never rendered."""
+    src, out = _source(tmp_path, tars=2), tmp_path / "store"
+    cfg = load_config(None, SMALL)
+    victim = src / "shard-0000.tar"
+    real, changed = first_read.HashingStream.close, []
+
+    def close(self):
+        real(self)
+        if not changed:  # the first tar, once streamed: rewritten with other images
+            changed.append(victim)
+            _rewrite(victim, 7)
+    with monkeypatch.context() as m:
+        m.setattr(first_read.HashingStream, "close", close)
+        first = stage.run(cfg, src, out)
+    assert first.written == 6 and changed
+    again = stage.run(cfg, src, out)
+    assert not again.up_to_date, "the table holds the old images of shard-0000, the run calls it up to date"
+    assert again.written == 3  # the rewritten tar's samples, the other tar's carried
+
+
+class Killed(BaseException):
+    pass
+
+
+def test_a_run_killed_between_the_cache_write_and_the_schema_rewrite_resumes(tmp_path: Path, monkeypatch) -> None:
+    """The streamed hashes are in the cache, the version's schema.json still the provisional one: the rerun
+    (tars cached: the final listing) must resume that version, not render everything into a new one."""
+    from store import format as store_format
+
+    src, out = _source(tmp_path), tmp_path / "store"
+    cfg = load_config(None, SMALL)
+    real = store_format.atomic_write_json
+
+    def write(path, value, *a, **k):
+        if Path(path).name == "schema.json" and Path(path).exists():  # the rewrite, not the version's creation
+            raise Killed
+        return real(path, value, *a, **k)
+    with monkeypatch.context() as m:
+        m.setattr(store_format, "atomic_write_json", write)
+        with pytest.raises(Killed):
+            stage.run(cfg, src, out)
+    assert Store(out).newest_complete("images") is None
+    again = stage.run(cfg, src, out)
+    assert (again.version, again.resumed, again.written) == (1, 12, 0)
+    assert stage.run(cfg, src, out).up_to_date
+
+
+def test_a_known_tar_rewritten_after_it_was_streamed_is_rendered_on_the_next_run(tmp_path: Path, monkeypatch) -> None:
+    """shard-0000 is in the hash cache (hashed first, streamed as ever), shard-0001 read for the first time. The
+    first is rewritten once streamed: the lineage settled at the commit keeps the hash it had at the start."""
+    from models.file_hashes import FileHashes
+
+    src, out = _source(tmp_path, tars=2), tmp_path / "store"
+    cfg = load_config(None, SMALL)
+    known = src / "shard-0000.tar"
+    with FileHashes() as hashes:
+        hashes.sha256(known)
+    real, changed = first_read.HashingStream.__init__, []
+
+    def opened(self, raw):  # shard-0001's stream opens once shard-0000 was streamed whole
+        if not changed:
+            changed.append(known)
+            _rewrite(known, 11)
+        real(self, raw)
+    with monkeypatch.context() as m:
+        m.setattr(first_read.HashingStream, "__init__", opened)
+        first = stage.run(cfg, src, out)
+    assert first.written == 6 and changed
+    again = stage.run(cfg, src, out)
+    assert not again.up_to_date, "the table holds the old images of shard-0000, the run calls it up to date"
+    assert again.written == 3
+
