@@ -5,6 +5,9 @@ its own before.
 Which tars (`pending_tars`): local tars the file-hash cache does not know (no read: models/file_hashes.py's rule)
 and the source-tars note of the newest complete `images` version does not name. A tar that note names is hashed
 first as before: it was seen, so it is probably unchanged, and the version may be up to date without any other read.
+None at all when the store holds complete versions but that note names none of the source's tars (or there is no
+note: a store URL's cache, a version written before notes): an earlier version may be of this very listing, found
+only by the hashes (the source copied elsewhere; settings of an older version rerun on another machine).
 
 Until their bytes are known the version is written under a provisional listing hash, in which each such tar
 stands for its stat stamp (size, mtime_ns, ctime_ns: the cache's own rule). A killed run's rerun computes the same
@@ -52,6 +55,11 @@ def pending_tars(st: Store, source: str | Path, fmt: str) -> frozenset[str]:
     note = read_note(st, TABLE, newest[0], NOTE) if newest is not None else None
     named = note.get("tars") if isinstance(note, dict) else None
     named = named if isinstance(named, dict) else {}
+    if newest is not None and not any(t in named for t in tars):
+        # the store holds versions but none read these tars here (a note of another source, of this one at another
+        # path, or none: a store URL's fresh cache): one of them may be this very listing (up to date, or adopted
+        # from the URL), which only the hashes tell; a provisional one matched none, and every image was rendered
+        return frozenset()
     out = set()
     with FileHashes() as hashes:
         for t in tars:

@@ -111,3 +111,47 @@ def test_a_known_tar_rewritten_after_it_was_streamed_is_rendered_on_the_next_run
     assert not again.up_to_date, "the table holds the old images of shard-0000, the run calls it up to date"
     assert again.written == 3
 
+
+def test_a_fresh_machine_rerunning_an_older_versions_settings_adopts_it_from_the_url(
+        s3_env, tmp_path: Path, monkeypatch) -> None:
+    """Settings A -> v1, B -> v2 (current) on a store URL; A again on another machine (an empty store cache, an
+    empty file-hash cache; notes are not copied to a URL): the tars are not known there, but v1 may hold them,
+    so they are hashed first and v1 is found on the remote. Read while streamed instead, the provisional listing
+    matched no version and every image was rendered again into v3."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from pipeline.cli import app
+    from pipeline.demo_data import make_demo_data
+
+    data = tmp_path / "data"
+    make_demo_data(data, n=6, fmt="webdataset", max_controls=1, seed=3)
+    url = s3_env.url("wds-fresh")
+
+    def run(area: str, cache: str) -> dict:
+        res = CliRunner().invoke(app, ["run", "resize-bucket", "--source", str(data), "--area", area, "--multiple",
+                                       "32", "--val-fraction", "0.25", "--workers", "0", "--json", "--store", url,
+                                       "--cache-dir", str(tmp_path / cache)])
+        assert res.exit_code == 0, res.output
+        return json.loads(res.stdout)
+
+    assert run("4096", "node-a")["version"] == 1 and run("9216", "node-b")["version"] == 2
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "another-machine"))  # its own file-hash cache
+    again = run("4096", "node-c")
+    assert (again["version"], again["up_to_date"], again["encoded"]) == (1, True, 0)
+
+
+def test_a_source_copied_to_another_disk_is_up_to_date(tmp_path: Path) -> None:
+    """Copied tars (new inodes: not in the file-hash cache) at a path no note names: hashed first, the listing
+    (relative names and bytes) is v1's, so v1 is up to date, as for a folder source; read while streamed, a
+    duplicate v2 was written (and every table built on it after)."""
+    import shutil
+
+    src, out = _source(tmp_path, tars=2), tmp_path / "store"
+    cfg = load_config(None, SMALL)
+    first = stage.run(cfg, src, out)
+    copy = tmp_path / "disk2" / "src"
+    shutil.copytree(src, copy)
+    again = stage.run(cfg, copy, out)
+    assert (again.up_to_date, again.version) == (True, first.version)
