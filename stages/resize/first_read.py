@@ -114,9 +114,14 @@ PENDING_JSON = ".provisional-tars.json"
 
 
 def record_pending(writer: Any, pending: frozenset[str]) -> None:
+    """The record of the opened version's pending tars; with none, a record a run killed after its schema.json
+    rewrite left is removed (the version resumes under its final lineage, and commits without it)."""
     from store import format as fmt
 
-    fmt.atomic_write_json(writer.dir / PENDING_JSON, {"tars": sorted(pending)})
+    if pending:
+        fmt.atomic_write_json(writer.dir / PENDING_JSON, {"tars": sorted(pending)})
+    else:
+        (writer.dir / PENDING_JSON).unlink(missing_ok=True)
 
 
 def settling(st: Store, fmt_name: str, pending: frozenset[str], want: dict,
@@ -170,11 +175,14 @@ def settle_listing(writer: Any, streamed: dict[str, tuple[str, os.stat_result]],
     with FileHashes() as hashes:
         learned = {str(Path(tar)): digest for tar, (digest, before) in streamed.items()
                    if hashes.learn(tar, digest, before)}
+    fmt.crash_point("listing_cached")
     settled = {path: learned.get(path, f"changed while read: {digest}")
                for path, _, digest in listing.lines if path in pending}
     schema = schema_for(listing.hash(settled))
     fmt.atomic_write_json(writer.dir / fmt.SCHEMA_JSON, schema.to_dict())
     writer.schema = schema
+    fmt.crash_point("listing_rewritten")
     (writer.dir / PENDING_JSON).unlink(missing_ok=True)
     fmt.fsync_dir(writer.dir)
+    fmt.crash_point("listing_settled")
     return schema

@@ -190,8 +190,7 @@ def _run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> 
                                    sizes=sizes_in_force(rc.model_dump()), source=str(source),
                                    source_before=moved.before if moved and moved.version == writer.version else ""))
     try:
-        if pending:
-            record_pending(writer, pending)
+        record_pending(writer, pending)
         carry = _render_source(source, fmt, rc, writer, _rendered_before(st, schema), intake, st, pending)
         _carry_forward(st, writer, schema, carry, intake.summary)
         if pending:  # before the commit: the lineage of the bytes streamed (first_read.py)

@@ -155,3 +155,34 @@ def test_a_source_copied_to_another_disk_is_up_to_date(tmp_path: Path) -> None:
     shutil.copytree(src, copy)
     again = stage.run(cfg, copy, out)
     assert (again.up_to_date, again.version) == (True, first.version)
+
+
+@pytest.mark.parametrize("at", ["after_shard_commit", "listing_cached", "listing_rewritten", "listing_settled"])
+def test_a_first_run_sigkilled_at_each_step_of_settling_resumes_its_version(tmp_path: Path, at: str) -> None:
+    """A real SIGKILL (no cleanup: the hash cache as far as it was written) mid-stream, after the streamed hashes
+    were cached, after schema.json was rewritten, after the pending record went: the rerun resumes v1, renders
+    nothing finished, ends as an uninterrupted run (rows, schema) and the next run is up to date."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.stages.test_resize_rerun_reads import _rows
+
+    src, out = _source(tmp_path), tmp_path / "store"
+    run = ("import sys; from pipeline.config import load_config; from stages.resize.stage import run;"
+           f"run(load_config(None, {SMALL!r}), sys.argv[1], sys.argv[2])")
+    done = subprocess.run([sys.executable, "-c", run, str(src), str(out)], capture_output=True, text=True,
+                          env={**os.environ, "STORE_CRASH_AT": at})
+    assert done.returncode == -9, done.stderr[-2000:]
+    cfg = load_config(None, SMALL)
+    again = stage.run(cfg, src, out)
+    assert again.version == 1 and again.resumed + again.written == 12 and again.resumed > 0
+    vdir = Store(out).version_dir("images", 1)
+    assert not (vdir / first_read.PENDING_JSON).exists()
+    assert stage.run(cfg, src, out).up_to_date
+    fresh = tmp_path / "fresh"
+    stage.run(cfg, src, fresh)
+    assert json.loads((vdir / "schema.json").read_text()) == \
+        json.loads((Store(fresh).version_dir("images", 1) / "schema.json").read_text())
+    assert _rows(Store(out)) == _rows(Store(fresh))
