@@ -186,3 +186,32 @@ def test_a_first_run_sigkilled_at_each_step_of_settling_resumes_its_version(tmp_
     assert json.loads((vdir / "schema.json").read_text()) == \
         json.loads((Store(fresh).version_dir("images", 1) / "schema.json").read_text())
     assert _rows(Store(out)) == _rows(Store(fresh))
+
+
+def test_a_run_killed_with_part_of_the_hashes_cached_resumes(tmp_path: Path, monkeypatch) -> None:
+    """The cache is written in batches: a kill may leave some streamed tars cached and others not. The rerun's
+    listing is then neither the provisional nor the final one; the version's record of pending tars finds it."""
+    from models.file_hashes import FileHashes
+    from store import format as store_format
+
+    src, out = _source(tmp_path), tmp_path / "store"
+    cfg = load_config(None, SMALL)
+    real_write, real_learn = store_format.atomic_write_json, FileHashes.learn
+
+    def write(path, value, *a, **k):
+        if Path(path).name == "schema.json" and Path(path).exists():
+            raise Killed
+        return real_write(path, value, *a, **k)
+
+    def learn(self, f, digest, before):  # only the first tar's row reached the database
+        return Path(f).name == "shard-0000.tar" and real_learn(self, f, digest, before)
+    with monkeypatch.context() as m:
+        m.setattr(store_format, "atomic_write_json", write)
+        m.setattr(FileHashes, "learn", learn)
+        with pytest.raises(Killed):
+            stage.run(cfg, src, out)
+    with FileHashes() as hashes:
+        assert [hashes.cached(t) is not None for t in sorted(src.glob("*.tar"))] == [True, False, False, False]
+    again = stage.run(cfg, src, out)
+    assert (again.version, again.resumed, again.written) == (1, 12, 0)
+    assert stage.run(cfg, src, out).up_to_date
