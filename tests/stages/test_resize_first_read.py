@@ -123,8 +123,8 @@ def test_a_run_killed_before_its_commit_records_nothing_and_resumes(tmp_path: Pa
 
 
 def test_a_tar_changed_while_streamed_is_not_cached_nor_noted(tmp_path: Path, monkeypatch) -> None:
-    """Its bytes are not known: it is hashed for the lineage at the commit (read again) and not noted, so the
-    next run streams it again."""
+    """Its bytes are not known: it stands in the lineage for a stand-in no run computes (not read again) and is not
+    noted, so the next run streams it again (tests/stages/test_resize_first_read_review.py)."""
     src, out = _source(tmp_path, tars=2), tmp_path / "store"
     cfg = load_config(None, SMALL)
     victim = src / "shard-0000.tar"
