@@ -9,6 +9,12 @@ measured in the same run on copies of the same store. "before" is this code with
 `--side N`: each target replaced by an N x N noise PNG (the demo's own images are ~1 KB; a real dataset's ~MB),
 rendered small (the render is not what is measured). Files are in the page cache: a cold disk widens the gap.
 
+`--format parquet` (stages/resize/known_tars.py, parquet files by the tars' rules): bytes hashed and read by
+pyarrow from the parquet files in a rerun, before (this code with the file record off: every file read whole) and
+now (unchanged files: their footers only).
+
+    python bench/resize_rerun_reads.py --format parquet --samples 400 --side 512 --files 4
+
 `--format webdataset` (stages/resize/known_tars.py): bytes hashed (the listing hash's file_sha256) and streamed from
 the tars, and tars header-walked for the bar's total, in the first run and in the rerun, before (no tar record:
 this code with known_tars off) and now.
@@ -17,6 +23,7 @@ this code with known_tars off) and now.
 from __future__ import annotations
 
 import argparse
+import io
 import shutil
 import tempfile
 import time
@@ -97,7 +104,7 @@ def tar_run(src: Path, store: Path, before: bool, val_fraction: float) -> tuple[
     sources.open_shard = lambda url: _Counted(real[0](url), streamed)
     tarfile.open, file_hashes.file_sha256, content.file_sha256 = tar_open, sha, sha
     if before:  # no record read: every tar streamed, as before
-        known_tars.known_tars = lambda st, rb, h, mb: known_tars.KnownTars(h, {}, None, {})
+        known_tars.known_tars = lambda st, rb, h, *a, **k: known_tars.KnownTars(h, {}, None, {})
     try:
         t = time.perf_counter()
         stage.run(load_config(None, {**SETTINGS, "resize.val_fraction": val_fraction}), src, store)
@@ -151,14 +158,111 @@ def tar_main(samples: int, side: int) -> None:
           f"time {b[3] / n[3]:.2f}x")
 
 
+def parquet_run(src: Path, store: Path, before: bool) -> tuple[int, int, float]:
+    """(bytes hashed, bytes pyarrow read from the parquet files, seconds) of a rerun with val_fraction 0.1 -> 0.3."""
+    import builtins
+
+    from models import file_hashes
+    from pipeline.config import load_config
+    from stages.resize import content, known_tars, parquet_source, stage
+
+    hashed, read = [0], [0]
+    real = (parquet_source._open, file_hashes.file_sha256, content.file_sha256, known_tars.known_tars)
+
+    def sha(p):
+        hashed[0] += Path(p).stat().st_size
+        return real[1](p)
+
+    class Counted(io.RawIOBase):  # pyarrow reads a Python file through readinto/seek
+        def __init__(self, path):
+            self.f = builtins.open(path, "rb", buffering=0)
+
+        def readinto(self, b):
+            n = self.f.readinto(b)
+            read[0] += n or 0
+            return n
+
+        def readable(self):
+            return True
+
+        def seekable(self):
+            return True
+
+        def seek(self, *a):
+            return self.f.seek(*a)
+
+        def tell(self):
+            return self.f.tell()
+
+        def close(self):
+            self.f.close()
+            super().close()
+
+    parquet_source._open = lambda p: Counted(p)
+    file_hashes.file_sha256, content.file_sha256 = sha, sha
+    if before:  # no record read: every file read whole, as before
+        known_tars.known_tars = lambda st, rb, h, mb, limit=None, kind=known_tars.Kind(): \
+            known_tars.KnownTars(h, {}, None, {}, kind)
+    try:
+        t = time.perf_counter()
+        s = stage.run(load_config(None, {**SETTINGS, "resize.val_fraction": 0.3}), src, store)
+        assert s.written == 0 and s.reused > 0, s
+        return hashed[0], read[0], time.perf_counter() - t
+    finally:
+        parquet_source._open, file_hashes.file_sha256, content.file_sha256, known_tars.known_tars = real
+
+
+def parquet_main(samples: int, side: int, files: int) -> None:
+    import os
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from pipeline.config import load_config
+    from stages.resize import stage
+
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        os.environ["XDG_CACHE_HOME"] = str(root / "cache")
+        (root / "src").mkdir()
+        rng = np.random.default_rng(0)
+        per = -(-samples // files)
+        for i in range(files):
+            targets = []
+            for _ in range(per):
+                buf = io.BytesIO()
+                Image.fromarray(rng.integers(0, 256, (side, side, 3), dtype=np.uint8)).save(buf, "PNG",
+                                                                                         compress_level=1)
+                targets.append(buf.getvalue())
+            pq.write_table(pa.table({"target": pa.array(targets, pa.binary()),
+                                     "controls": pa.array([[] for _ in range(per)], pa.list_(pa.binary())),
+                                     "caption": [f"make edit {i} {j}" for j in range(per)]}),
+                           root / "src" / f"train-{i:05d}.parquet", row_group_size=100)
+        stage.run(load_config(None, {**SETTINGS, "resize.val_fraction": 0.1}), root / "src", root / "store")
+        shutil.copytree(root / "store", root / "store-before")
+        shutil.copytree(root / "store", root / "store-now")
+        total = sum(f.stat().st_size for f in (root / "src").glob("*.parquet"))
+        old = parquet_run(root / "src", root / "store-before", before=True)
+        new = parquet_run(root / "src", root / "store-now", before=False)
+    mib = 2 ** 20
+    print(f"{files * per} samples in {files} parquet files, {total / mib:.1f} MiB; rerun with val_fraction 0.1 -> 0.3:")
+    for name, (h, r, sec) in (("before", old), ("now", new)):
+        print(f"  {name:6s} hashed {h / mib:7.2f} MiB, read by pyarrow {r / mib:8.2f} MiB, {sec:6.2f} s")
+    print(f"  bytes read: {(old[0] + old[1]) / max(new[0] + new[1], 1):.0f}x fewer; time: {old[2] / new[2]:.2f}x")
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--samples", type=int, default=300)
     ap.add_argument("--side", type=int, default=512)
-    ap.add_argument("--format", choices=("folder", "webdataset"), default="folder")
+    ap.add_argument("--format", choices=("folder", "webdataset", "parquet"), default="folder")
+    ap.add_argument("--files", type=int, default=4, help="parquet files (--format parquet)")
     args = ap.parse_args()
     if args.format == "webdataset":
         tar_main(args.samples, args.side)
+        return
+    if args.format == "parquet":
+        parquet_main(args.samples, args.side, args.files)
         return
     from pipeline.config import load_config
     from pipeline.demo_data import make_demo_data

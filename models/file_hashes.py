@@ -339,6 +339,17 @@ class FileHashes:
         if len(self._pending) >= FLUSH_EVERY:
             self._flush()
 
+    def learn(self, f: str | Path, digest: str, before: os.stat_result) -> bool:
+        """Record `digest`, the sha256 of `f`'s bytes read by the caller (a tar streamed whole), when the file is as
+        it was when that read began (`before`: size, mtime, ctime, inode). Whether it was recorded."""
+        real = os.path.realpath(f)
+        st = os.stat(real)
+        if (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino) != \
+                (before.st_size, before.st_mtime_ns, before.st_ctime_ns, before.st_ino):
+            return False
+        self._remember(real, st, digest)
+        return True
+
     def sha256(self, f: str | Path) -> str:
         real = os.path.realpath(f)
         st = os.stat(real)

@@ -22,29 +22,56 @@ from tqdm import tqdm
 
 from models.file_hashes import FileHashes, file_sha256
 
+from stages.resize.first_read import stamp
 from stages.resize.shards import is_shard_list, is_url, remote_listing, remote_source_files
 from stages.resize.sources import printable, source_files
 
 
-def content_listing_hash(source: str | Path) -> str:
+class Listing:
+    """The lines a listing hash was made of, kept to settle a provisional listing (first_read.py): the pending tars'
+    lines get the sha256 of the bytes streamed, every other line stays as it was hashed at the run's start (a file
+    changed during the run must not lend its new bytes' hash to rows rendered from the old ones)."""
+
+    def __init__(self) -> None:
+        self.lines: list[tuple[str | None, str, str]] = []  # (local path or None, name or URL line, digest)
+
+    def hash(self, settled: dict[str, str] | None = None) -> str:
+        h = hashlib.sha256()
+        for path, name, digest in self.lines:
+            if path is None:
+                h.update(f"{name}\n".encode())
+                continue
+            digest = (settled or {}).get(path, digest)
+            h.update(f"{name}\0{digest}\n".encode("utf-8", "surrogateescape"))
+        return h.hexdigest()[:16]
+
+
+def content_listing_hash(source: str | Path, pending: frozenset[str] = frozenset(), keep: Listing | None = None) -> str:
     """Hash of (relative path, sha256 of the bytes) of every local source file (`sources.source_files`), and of
-    (URL, size, content tag) of every shard at a URL."""
+    (URL, size, content tag) of every shard at a URL. `pending`: local tars hashed while the reader streams them,
+    standing for their stat stamp here (a provisional listing: first_read.py). `keep`: its lines recorded there."""
     s = str(source)
     base = listing_base(s)
     h = hashlib.sha256()
+    lines = keep.lines if keep is not None else None
     prefix = os.path.join(os.path.abspath(base), "")
     with FileHashes() as hashes:
         for f in tqdm(source_files(s), desc="source content hashes", unit="file", leave=False):
             name = _relative(str(f), prefix, base)
             try:
                 # a name that is not UTF-8 (lone surrogates from the OS) cannot be a cache row: hashed uncached
-                digest = hashes.sha256(f) if printable(str(f)) == str(f) else file_sha256(f)
+                digest = stamp(f) if str(f) in pending else \
+                    hashes.sha256(f) if printable(str(f)) == str(f) else file_sha256(f)
             except OSError as e:  # unreadable (permissions) or gone since the listing: its sample is quarantined
                 digest = f"unreadable {e.errno}"  # when read; once readable the hash changes, and it is rendered
             h.update(f"{name}\0{digest}\n".encode("utf-8", "surrogateescape"))
+            if lines is not None:
+                lines.append((str(f), name, digest))
     if is_url(s):
         for line in remote_listing([u for u in remote_source_files(s) if is_url(u)]):
             h.update(f"{line}\n".encode())
+            if lines is not None:
+                lines.append((None, line, ""))
     return h.hexdigest()[:16]
 
 

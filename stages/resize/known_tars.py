@@ -4,7 +4,8 @@ not opened (known_sources.py does the same per sample for a folder or JSONL sour
 
 A tar's identity is the sha256 the file-hash cache holds for it (models/file_hashes.py: stands while size,
 mtime_ns and ctime_ns are those it was hashed at), the one the listing hash (content.py) has just used; it hashed
-every local tar there already (one pass, cached), so recording it costs no read. Each run records, beside the
+every local tar there already (one pass, cached), so recording it costs no read; a tar read for the first time
+is hashed from the bytes the reader streams instead (first_read.py). Each run records, beside the
 version it commits (store/version_notes.py, note `source-tars`), each local tar it read whole or carried: its
 sha256 before and after it was streamed (unchanged meanwhile) and how many samples the reader yielded from it,
 problem samples included, and the resize.max_file_bytes it read them under.
@@ -21,13 +22,20 @@ is read from its tar alone (`reread`, sources.py). Not carried: tars at URLs (no
 whose name is not UTF-8, one unreadable now or not a regular file; a tar one of whose samples a lowered
 resize.max_image_pixels must check from its bytes (pixel_limit.py): streamed once, not re-read per sample; every
 tar of a note written by another revision of the tar reader's rules (`READER`).
+
+A local parquet source's files are judged by the same rules (`parquet_kind`, note `source-parquet`): an unchanged
+file, every row of it a row, is not read beyond its footer (parquet_source.iter_parquet checks each file's columns
+from it); a changed file is read whole (a rewritten parquet file's row groups shift, and their bytes are not
+hashed apart: finding the unchanged ones would take a read of each anyway). Its note also records resize.columns
+(not in the render lineage: another mapping reads other cells, so a note of another one carries nothing).
 """
 
 from __future__ import annotations
 
 import os
 import stat
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from models.file_hashes import FileHashes
 from stages.resize.known_sources import TABLE, Known
@@ -45,15 +53,41 @@ NOTE = "source-tars"
 # it was written under and a note of another one carries nothing (its tars read, and their samples judged, anew).
 # Bump it with any change to those rules.
 READER = 1
+# A parquet source's files, by the same rules (parquet_source.py): rows `<file>:<row>`. Its reader's rules (how a
+# row's cells become a sample) have their own revision, and the note records resize.columns, which is not in the
+# render lineage either (another mapping reads other cells: nothing carried).
+PARQUET_NOTE = "source-parquet"
+PARQUET_READER = 1
+
+
+@dataclass(frozen=True)
+class Kind:
+    """Which source files a note records: its name, its reader's revision, and the reading settings it must match."""
+
+    note: str = NOTE
+    reader_revision: int | None = None  # None: the tar reader's `READER`, as it is when read
+    settings: dict | None = None  # recorded; a note with other ones carries nothing
+
+    @property
+    def reader(self) -> int:
+        return READER if self.reader_revision is None else self.reader_revision
+
+
+def parquet_kind(columns: Any) -> Kind:
+    return Kind(PARQUET_NOTE, PARQUET_READER, {"columns": columns.model_dump(mode="json")})
 
 
 class KnownTars:
     """tar -> its recorded samples while it is unchanged (`unchanged`); what this run read (`seen`, the note)."""
 
     def __init__(self, hashes: FileHashes, recorded: dict[str, tuple[str, int]], rows: pa.Table | None,
-                 by_tar: dict[str, list[int]]) -> None:
-        self._hashes, self._recorded, self._rows, self._by_tar = hashes, recorded, rows, by_tar
+                 by_tar: dict[str, list[int]], kind: Kind = Kind()) -> None:
+        self._hashes, self._recorded, self._rows, self._by_tar, self.kind = hashes, recorded, rows, by_tar, kind
         self.seen: dict[str, list] = {}  # tar -> [sha256, samples yielded] of this run
+        # tars hashed while streamed (first_read.py), and tar -> (sha256, its stat when its stream began) of each
+        # streamed whole and unchanged meanwhile: cached just before the commit
+        self.pending: frozenset[str] = frozenset()
+        self.streamed: dict[str, tuple[str, os.stat_result]] = {}
 
     def identity(self, tar: str) -> str | None:
         """The tar's sha256 by the cache's rule, not read; None where it is not known or would not be read."""
@@ -86,9 +120,9 @@ class KnownTars:
 
 
 def known_tars(st: Store, rendered_before: dict[str, str], hashes: FileHashes, max_file_bytes: int,
-               limit: PixelLimit | None = None) -> KnownTars:
-    """The tars recorded with the newest complete `images` version and unchanged now, with their offered rows
-    (none of a tar holding a sample `limit` must check from its bytes)."""
+               limit: PixelLimit | None = None, kind: Kind = Kind()) -> KnownTars:
+    """The tars (`kind`: or parquet files) recorded with the newest complete `images` version and unchanged now,
+    with their offered rows (none of a file holding a sample `limit` must check from its bytes)."""
     import pyarrow.compute as pc
 
     from schemas import UserError
@@ -97,12 +131,12 @@ def known_tars(st: Store, rendered_before: dict[str, str], hashes: FileHashes, m
     from store.version_notes import read_note
 
     newest = st.newest_complete(TABLE)
-    empty = KnownTars(hashes, {}, None, {})
+    empty = KnownTars(hashes, {}, None, {}, kind)
     if newest is None or not rendered_before:
         return empty
-    value = read_note(st, TABLE, newest[0], NOTE)
-    recorded = _valid(value, max_file_bytes)
-    now = KnownTars(hashes, recorded, None, {})
+    value = read_note(st, TABLE, newest[0], kind.note)
+    recorded = _valid(value, max_file_bytes, kind)
+    now = KnownTars(hashes, recorded, None, {}, kind)
     unchanged = {t for t, (sha, _) in recorded.items() if now.identity(t) == sha}
     if not unchanged:
         return empty
@@ -129,21 +163,22 @@ def known_tars(st: Store, rendered_before: dict[str, str], hashes: FileHashes, m
                 by_tar.setdefault(tar, []).append(i)
             i += 1
     return KnownTars(hashes, {t: recorded[t] for t in unchanged}, rows,
-                     {t: idx for t, idx in by_tar.items() if t not in read_whole})
+                     {t: idx for t, idx in by_tar.items() if t not in read_whole}, kind)
 
 
 def note_value(known: KnownTars, max_file_bytes: int) -> dict:
     """What a run records beside the version it commits."""
-    return {"tars": known.seen, "max_file_bytes": max_file_bytes, "reader": READER}
+    return {"tars": known.seen, "max_file_bytes": max_file_bytes, "reader": known.kind.reader,
+            **(known.kind.settings or {})}
 
 
-def _valid(value: object, max_file_bytes: int) -> dict[str, tuple[str, int]]:
-    """The note's tars, each a [sha256, count], when read under a resize.max_file_bytes no higher than now's;
-    anything else in a hand-edited note is left out."""
+def _valid(value: object, max_file_bytes: int, kind: Kind = Kind()) -> dict[str, tuple[str, int]]:
+    """The note's tars (files), each a [sha256, count], when read under a resize.max_file_bytes no higher than
+    now's, by this reader revision, with these reading settings; anything else in a hand-edited note is left out."""
     tars = value.get("tars") if isinstance(value, dict) else None
     limit = value.get("max_file_bytes") if isinstance(value, dict) else None
     if not isinstance(tars, dict) or not isinstance(limit, int) or limit > max_file_bytes or \
-            value.get("reader") != READER:
+            value.get("reader") != kind.reader or any(value.get(k) != v for k, v in (kind.settings or {}).items()):
         return {}
     return {t: (v[0], v[1]) for t, v in tars.items() if isinstance(v, list) and len(v) == 2
             and isinstance(v[0], str) and len(v[0]) == 64 and isinstance(v[1], int) and v[1] >= 0}

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -226,8 +227,10 @@ def _sample(row: dict[str, Any], lay: _Layout, path: Path, no: int, max_bytes: i
     return s
 
 
-def iter_parquet(root: str | Path, columns: Any, max_file_bytes: int) -> Iterator[Any]:
-    """One `SourceSample` per row of every file, in file then row order."""
+def iter_parquet(root: str | Path, columns: Any, max_file_bytes: int, known: Any = None) -> Iterator[Any]:
+    """One `SourceSample` per row of every file, in file then row order. `known` (known_tars.KnownTars of this
+    source's files): a local file unchanged since the newest version, every row of it there, is not read (its
+    footer aside): its rows are yielded with `known`; each file read whole is recorded in it (hash, rows)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -245,23 +248,70 @@ def iter_parquet(root: str | Path, columns: Any, max_file_bytes: int) -> Iterato
             continue  # quarantined below
         layouts[path] = _layout(schema, columns, path)
     for path in files:
-        try:
-            # buffered column-chunk reads: a row group's chunk is streamed, not read whole before decoding
-            with _server_errors(path):
-                pf = pq.ParquetFile(_open(path), buffer_size=8 << 20, pre_buffer=False)
-            lay = layouts[path]
-        except (pa.ArrowException, OSError, KeyError) as e:
-            yield SourceSample(name=_stem(path), source=str(path), problem=f"cannot open parquet file: {e}")
+        carried = known.unchanged(str(path)) if known is not None and path in layouts else None
+        if carried is not None:
+            sha, rows = carried
+            for source, hit in rows:
+                no = source[len(str(path)) + 1:]
+                yield SourceSample(name=f"{_stem(path)}:{no}", source=source, known=hit,
+                                   reread=partial(_reread_row, path, int(no), layouts[path], max_file_bytes))
+            known.note(str(path), sha, len(rows))
             continue
-        with pf, _server_errors(path):
-            no = 0
-            try:
-                for batch in pf.iter_batches(batch_size=BATCH_ROWS, columns=lay.names):
-                    for row in batch.to_pylist():
-                        yield _sample(row, lay, path, no, max_file_bytes)
-                        no += 1
-            except (pa.ArrowException, OSError) as e:
-                if is_url(path) and is_transport_error(e):
-                    raise
-                yield SourceSample(name=f"{_stem(path)}:{no}", source=f"{path}:{no}",
-                                   problem=f"parquet file is truncated or corrupt from row {no} on: {e}")
+        before = known.identity(str(path)) if known is not None else None
+        yielded = 0
+        for s in _file_samples(path, layouts, max_file_bytes):
+            yielded += 1
+            yield s
+        if before is not None and known.identity(str(path)) == before:  # not changed while it was read
+            known.note(str(path), before, yielded)
+
+
+def _reread_row(path: Path, no: int, lay: _Layout, max_file_bytes: int) -> Any:
+    """Row `no` of a file carried unread, read after all (its row group's mapped columns)."""
+    import pyarrow.parquet as pq
+
+    from stages.resize.sources import SourceSample
+
+    try:
+        with pq.ParquetFile(_open(path)) as pf:
+            first = 0
+            for g in range(pf.metadata.num_row_groups):
+                n = pf.metadata.row_group(g).num_rows
+                if no < first + n:
+                    row = pf.read_row_group(g, columns=lay.names).slice(no - first, 1).to_pylist()[0]
+                    return _sample(row, lay, path, no, max_file_bytes)
+                first += n
+    except (OSError, ValueError) as e:  # pyarrow's errors are OSError / ValueError (ArrowInvalid)
+        return SourceSample(name=f"{_stem(path)}:{no}", source=f"{path}:{no}", problem=f"cannot read row {no} of "
+                            f"{path} again (it changed while this run read it?): {e}; rerun")
+    return SourceSample(name=f"{_stem(path)}:{no}", source=f"{path}:{no}", problem=f"row {no} is no longer in "
+                        f"{path} (the file changed while this run read it); rerun")
+
+
+def _file_samples(path: Any, layouts: dict, max_file_bytes: int) -> Iterator[Any]:
+    """Every row of one file, read in batches of its mapped columns."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from stages.resize.sources import SourceSample
+
+    try:
+        # buffered column-chunk reads: a row group's chunk is streamed, not read whole before decoding
+        with _server_errors(path):
+            pf = pq.ParquetFile(_open(path), buffer_size=8 << 20, pre_buffer=False)
+        lay = layouts[path]
+    except (pa.ArrowException, OSError, KeyError) as e:
+        yield SourceSample(name=_stem(path), source=str(path), problem=f"cannot open parquet file: {e}")
+        return
+    with pf, _server_errors(path):
+        no = 0
+        try:
+            for batch in pf.iter_batches(batch_size=BATCH_ROWS, columns=lay.names):
+                for row in batch.to_pylist():
+                    yield _sample(row, lay, path, no, max_file_bytes)
+                    no += 1
+        except (pa.ArrowException, OSError) as e:
+            if is_url(path) and is_transport_error(e):
+                raise
+            yield SourceSample(name=f"{_stem(path)}:{no}", source=f"{path}:{no}",
+                               problem=f"parquet file is truncated or corrupt from row {no} on: {e}")

@@ -40,7 +40,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path, PurePosixPath
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from schemas.errors import UserError
 from stages.resize.folder_listing import Scan, _inside, scan, stem_suffix
@@ -116,8 +116,8 @@ def iter_source(source: str | Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
     """The samples of a source; `columns` is `resize.columns` (a parquet source's column mapping). `done`: {source:
     key} of the samples a resumed run holds (resumed_sources.py): yielded with `done_key`, their files not read
     (a parquet row is read with its batch anyway). `known` (known_sources.KnownSources; a folder or JSONL source): samples
-    an earlier version holds with unchanged files, yielded with `known`, their images not read; a webdataset
-    source's: known_tars.KnownTars (unchanged tars not opened)."""
+    an earlier version holds with unchanged files, yielded with `known`, their images not read; a webdataset or
+    parquet source's: known_tars.KnownTars (unchanged tars not opened, unchanged parquet files not read)."""
     fmt = detect_format(source)
     done = done or {}
     if fmt == "webdataset":
@@ -125,7 +125,7 @@ def iter_source(source: str | Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
     elif fmt == "parquet":
         from stages.resize.parquet_source import iter_parquet
 
-        samples = iter_parquet(source if is_url(source) else Path(source), columns, max_file_bytes)
+        samples = iter_parquet(source if is_url(source) else Path(source), columns, max_file_bytes, known)
     else:
         samples = iter_folder(Path(source), max_file_bytes, done, known) if fmt == "folder" else \
             iter_jsonl(Path(source), max_file_bytes, done, known)
@@ -522,6 +522,9 @@ def iter_webdataset(root: str | Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYT
                                    reread=partial(_reread_tar, tar, source, max_file_bytes))
             known.note(tar, sha, len(samples))
             continue
+        if known is not None and str(Path(tar)) in known.pending:  # read for the first time: hashed as streamed
+            yield from _hashed_shard(tar, max_file_bytes, done or {}, known)
+            continue
         before = known.identity(tar) if known is not None else None
         count = 0
         for s in _shard_samples(tar, max_file_bytes, done or {}):
@@ -531,10 +534,39 @@ def iter_webdataset(root: str | Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYT
             known.note(tar, before, count)
 
 
-def _shard_samples(tar: str, max_file_bytes: int, done: Done) -> Iterator[SourceSample]:
+def _hashed_shard(tar: str, max_file_bytes: int, done: Done, known: Any) -> Iterator[SourceSample]:
+    """A local tar's samples, its sha256 taken from the same bytes (first_read.py): noted as read, and kept for
+    the cache, when it was streamed whole and is unchanged since its stream began."""
+    from stages.resize.first_read import HashingStream
+
+    streams: list[HashingStream] = []
+
+    def opened(url: str) -> HashingStream:
+        streams.append(HashingStream(open_shard(url)))
+        return streams[-1]
+
+    def stamp() -> tuple[int, int, int, int] | None:
+        try:
+            st = os.stat(tar)
+        except OSError:  # gone or unreadable: the reader says so (its sample quarantined), nothing noted
+            return None
+        return st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino
+
+    before, count = stamp(), 0
+    for s in _shard_samples(tar, max_file_bytes, done, opener=opened):
+        count += 1
+        yield s
+    digest = streams[0].digest() if streams else None
+    if digest is not None and before is not None and stamp() == before:
+        known.streamed[tar] = (digest, os.stat(tar))
+        known.note(tar, digest, count)
+
+
+def _shard_samples(tar: str, max_file_bytes: int, done: Done,
+                   opener: Callable[[str], Any] | None = None) -> Iterator[SourceSample]:
     stream = None
     try:
-        stream = open_shard(tar)
+        stream = (opener or open_shard)(tar)
         tf = tarfile.open(fileobj=stream, mode="r|*")  # streaming: one pass, like webdataset
     except (tarfile.TarError, OSError) as e:
         if stream is not None:

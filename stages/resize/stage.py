@@ -32,7 +32,8 @@ from schemas.resize_sizes import sizes_in_force
 from stages.resize.bucketing import BucketRule, bucket_size, crop_box_for_aspect
 from features.decode import Decoded, ImageRejected, decode_image, decode_keeping_alpha, decode_mask, oriented_as
 from stages.resize.render_pool import rendered_in_order
-from stages.resize.content import content_listing_hash
+from stages.resize.content import Listing, content_listing_hash
+from stages.resize.first_read import pending_tars, record_pending, settle_listing, settling
 from stages.resize.known_sources import clean_caption
 from stages.resize.folder_listing import remembered
 from stages.resize.moved_source import Moved, recorded_source
@@ -158,7 +159,18 @@ def _run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> 
     started = time.perf_counter()
     fmt = detect_format(source)
     st = st if st is not None else Store(store)
-    schema = _as_repair_expects(images_schema(rc, content_listing_hash(source), source=str(source), source_format=fmt))
+    # local tars read for the first time: hashed while streamed, the version's lineage settled at its commit
+    pending = pending_tars(st, source, fmt)
+
+    def provisional(tars: frozenset[str]) -> tuple[TableSchema, Listing]:
+        listing = Listing()  # its lines kept: the lineage is settled from them (first_read.py)
+        return _as_repair_expects(images_schema(rc, content_listing_hash(source, tars, listing), source=str(source),
+                                                source_format=fmt)), listing
+
+    schema, listing = provisional(pending)
+    # a run killed between caching the streamed hashes and rewriting schema.json: its tars taken as pending again
+    if (killed := settling(st, fmt, pending, schema.to_dict(), provisional)) is not None:
+        pending, (schema, listing) = killed
     found, newer = _up_to_date_version(st, schema)
     if found is not None:
         before = recorded_source(st, found)
@@ -178,8 +190,12 @@ def _run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> 
                                    sizes=sizes_in_force(rc.model_dump()), source=str(source),
                                    source_before=moved.before if moved and moved.version == writer.version else ""))
     try:
-        carry = _render_source(source, fmt, rc, writer, _rendered_before(st, schema), intake, st)
+        record_pending(writer, pending)
+        carry = _render_source(source, fmt, rc, writer, _rendered_before(st, schema), intake, st, pending)
         _carry_forward(st, writer, schema, carry, intake.summary)
+        if pending:  # before the commit: the lineage of the bytes streamed (first_read.py)
+            settle_listing(writer, intake.tars.streamed, pending, listing, lambda hashed:
+                           _as_repair_expects(images_schema(rc, hashed, source=str(source), source_format=fmt)))
         _commit(st, writer, source, intake)
     finally:
         writer.close()
@@ -238,7 +254,7 @@ class _Intake:
     # the copy it revived instead, which their rows name once it is met
     superseded: dict[str, list[tuple[SourceSample, dict[str, Any]]]] = field(default_factory=dict)
     masks: Any = None  # resumed_sources.ResumedMasks of the resumed version, read when first needed
-    tars: Any = None  # known_tars.KnownTars of a webdataset source: its tars' record, written with the version
+    tars: Any = None  # known_tars.KnownTars of a webdataset or parquet source: its files' record, with the version
     max_file_bytes: int = 0  # resize.max_file_bytes the tars were read under (recorded with them)
     max_image_pixels: int = 0  # the limit every row of the version is within (recorded with it: pixel_limit.py)
 
@@ -464,12 +480,12 @@ def _rendered_before(st: Store, schema: TableSchema) -> dict[str, str]:
 
 
 def _render_source(source: str | Path, fmt: str, rc: ResizeConfig, writer: Any, rendered_before: dict[str, str],
-                   intake: _Intake, st: Store) -> dict[str, tuple[str, str]]:
+                   intake: _Intake, st: Store, pending: frozenset[str] = frozenset()) -> dict[str, tuple[str, str]]:
     """Judge every source sample, render the new ones in `rc.workers` processes and add them to the writer.
     Returns key -> (source, split) of the samples to carry forward from an earlier version instead."""
     from models.file_hashes import FileHashes
     from stages.resize.known_sources import known_sources
-    from stages.resize.known_tars import known_tars
+    from stages.resize.known_tars import known_tars, parquet_kind
     from stages.resize.pixel_limit import PixelLimit, pixel_limit
 
     # carried samples are not decoded: those last checked under a higher resize.max_image_pixels are checked here
@@ -477,10 +493,13 @@ def _render_source(source: str | Path, fmt: str, rc: ResizeConfig, writer: Any, 
     intake.max_image_pixels = rc.max_image_pixels
     with FileHashes() as hashes:
         # samples of a folder or JSONL source the newest version holds, their files unchanged: carried, not read;
-        # of a webdataset source, whole tars (known_tars.py)
+        # of a webdataset or parquet source, whole tars / parquet files (known_tars.py)
         known = known_sources(st, rendered_before, hashes, rc.max_file_bytes) if fmt in ("folder", "jsonl") else \
-            known_tars(st, rendered_before, hashes, rc.max_file_bytes, limit) if fmt == "webdataset" else None
-        intake.tars, intake.max_file_bytes = (known if fmt == "webdataset" else None), rc.max_file_bytes
+            known_tars(st, rendered_before, hashes, rc.max_file_bytes, limit) if fmt == "webdataset" else \
+            known_tars(st, rendered_before, hashes, rc.max_file_bytes, limit, parquet_kind(rc.columns))
+        intake.tars, intake.max_file_bytes = (known if fmt in ("webdataset", "parquet") else None), rc.max_file_bytes
+        if intake.tars is not None:
+            intake.tars.pending = pending
         return _render_samples(source, fmt, rc, writer, rendered_before, intake, known, limit)
 
 
@@ -528,7 +547,7 @@ def _render_samples(source: str | Path, fmt: str, rc: ResizeConfig, writer: Any,
             elif key in writer.done_keys:  # a later copy holds it: this first copy's rendering failed before
                 intake.revived_before.add(key)  # rendered again for its row; its copies judged as then
                 yield rec, key, caption
-            elif rendered_before.get(key, None) == mask_hash(rec.mask) and limit.fits(key, rec):  # same content, mask
+            elif _rendered_alike(rec, key, rendered_before, limit):  # same content, mask
                 carry[key] = (rec.source, split_for(key, rc.val_fraction))
             else:
                 yield rec, key, caption
@@ -541,33 +560,44 @@ def _render_samples(source: str | Path, fmt: str, rc: ResizeConfig, writer: Any,
         for (rec, key, _), out in rendered_in_order(render_one, to_render(bar), rc.workers, ahead=2 * rc.workers,
                                                     on_crash=_worker_died):
             intake.store(writer, rec, key, out)
-        # First copies the rendering rejected (a bad mask): their next copy instead, in rounds (the i-th held
-        # copy of every key not yet kept), so the table does not depend on the worker count.
-        pending = intake.revivals()
-        while pending:
-            items = []
-            for key, recs in pending.items():
-                rec, row = recs.pop(0)
-                intake.take_back(key, rec, row)
-                if intake.holds(writer, key, rec):  # the copy the interrupted run revived: in the table already
-                    intake.summary.resumed += 1
-                    intake.kept_instead(key, rec, recs + intake.superseded.pop(key, []))
-                    recs.clear()
-                elif rendered_before.get(key, None) == mask_hash(rec.mask) and limit.fits(key, rec):
-                    carry[key] = (rec.source, split_for(key, rc.val_fraction))
-                    intake.kept_instead(key, rec, recs)
-                else:
-                    items.append((rec, key, ""))
-            for (rec, key, _), out in rendered_in_order(render_one, items, rc.workers, ahead=2 * rc.workers,
-                                                        on_crash=_worker_died):
-                if intake.store(writer, rec, key, out):
-                    intake.kept_instead(key, rec, pending[key])
-            pending = {k: recs for k, recs in pending.items()
-                       if recs and k not in carry and k not in writer.carried_keys}
+        _revive(intake, writer, rendered_before, limit, carry, rc, render_one)
         if bar.total != bar.n:  # orphans / unreadable entries counted differently: end at 100 %
             bar.total = bar.n
             bar.refresh()
     return carry
+
+
+def _rendered_alike(rec: SourceSample, key: str, rendered_before: dict[str, str], limit: Any) -> bool:
+    """An earlier version holds `key` rendered from the same content and mask, within the pixel limit now in force:
+    carried forward, not rendered."""
+    return rendered_before.get(key, None) == mask_hash(rec.mask) and limit.fits(key, rec)
+
+
+def _revive(intake: _Intake, writer: Any, rendered_before: dict[str, str], limit: Any,
+            carry: dict[str, tuple[str, str]], rc: ResizeConfig, render_one: Any) -> None:
+    """First copies the rendering rejected (a bad mask): their next copy instead, in rounds (the i-th held copy of
+    every key not yet kept), so the table does not depend on the worker count."""
+    pending = intake.revivals()
+    while pending:
+        items = []
+        for key, recs in pending.items():
+            rec, row = recs.pop(0)
+            intake.take_back(key, rec, row)
+            if intake.holds(writer, key, rec):  # the copy the interrupted run revived: in the table already
+                intake.summary.resumed += 1
+                intake.kept_instead(key, rec, recs + intake.superseded.pop(key, []))
+                recs.clear()
+            elif _rendered_alike(rec, key, rendered_before, limit):
+                carry[key] = (rec.source, split_for(key, rc.val_fraction))
+                intake.kept_instead(key, rec, recs)
+            else:
+                items.append((rec, key, ""))
+        for (rec, key, _), out in rendered_in_order(render_one, items, rc.workers, ahead=2 * rc.workers,
+                                                    on_crash=_worker_died):
+            if intake.store(writer, rec, key, out):
+                intake.kept_instead(key, rec, pending[key])
+        pending = {k: recs for k, recs in pending.items()
+                   if recs and k not in carry and k not in writer.carried_keys}
 
 
 def _carried_unread(rec: SourceSample, writer: Any, rendered_before: dict[str, str], intake: _Intake,
@@ -622,10 +652,10 @@ def _commit(st: Store, writer: Any, source: str | Path, intake: _Intake) -> None
         )
     summary.version = writer.commit()  # its last shard committed first
     if intake.tars is not None and intake.tars.seen:  # after the commit: a kill before it leaves no record (read)
-        from stages.resize.known_tars import NOTE, note_value
+        from stages.resize.known_tars import note_value
         from store.version_notes import write_note
 
-        write_note(st, TABLE, summary.version, NOTE, note_value(intake.tars, intake.max_file_bytes))
+        write_note(st, TABLE, summary.version, intake.tars.kind.note, note_value(intake.tars, intake.max_file_bytes))
     if intake.max_image_pixels:  # every row rendered, resumed or carried is within it (pixel_limit.py)
         from stages.resize.pixel_limit import NOTE as PIXEL_NOTE
         from store.version_notes import write_note

@@ -23,6 +23,15 @@ class _Counting(io.RawIOBase):
     def readable(self) -> bool:
         return True
 
+    def seekable(self) -> bool:  # tarfile's header walk seeks header to header
+        return self.raw.seekable()
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        return self.raw.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self.raw.tell()
+
     def fileno(self) -> int:
         return self.raw.fileno()
 

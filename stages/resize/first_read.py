@@ -1,0 +1,188 @@
+"""Local tars a run reads for the first time are read once, not twice: their sha256 (for the source listing hash,
+content.py, and the source-tars note, known_tars.py) is taken from the bytes the reader streams, not by a pass of
+its own before.
+
+Which tars (`pending_tars`): local tars the file-hash cache does not know (no read: models/file_hashes.py's rule)
+and the source-tars note of the newest complete `images` version does not name. A tar that note names is hashed
+first as before: it was seen, so it is probably unchanged, and the version may be up to date without any other read.
+None at all when the store holds complete versions but that note names none of the source's tars (or there is no
+note: a store URL's cache, a version written before notes): an earlier version may be of this very listing, found
+only by the hashes (the source copied elsewhere; settings of an older version rerun on another machine).
+
+Until their bytes are known the version is written under a provisional listing hash, in which each such tar
+stands for its stat stamp (size, mtime_ns, ctime_ns: the cache's own rule). A killed run's rerun computes the same
+provisional hash (nothing is cached before the commit, the note is unchanged), so it resumes that version. Just
+before the commit (`settle_listing`) each tar streamed whole and unchanged meanwhile has its sha256 put in the
+file-hash cache, the listing hash is made again from the lines hashed at the start with those sha256 in place of the
+stamps (a tar not streamed whole, or changed since, gets a stand-in no run computes: its rows hold the bytes read
+then, so the next run reads it again), and the in-progress version's schema.json gets that lineage: the version
+commits under the lineage an unchanged source has on the next run (up to date, nothing read). A kill after
+schema.json is rewritten: the rerun finds the tars cached, so the same listing, and resumes the version; a kill
+between the cache write and that rewrite: the rerun finds the version by its record of pending tars (`settling`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any, Callable
+
+from models.file_hashes import FileHashes
+from stages.resize.known_tars import NOTE, TABLE
+from stages.resize.shards import is_url, shard_urls
+
+if TYPE_CHECKING:
+    from schemas.table import TableSchema
+    from store import Store
+
+CHUNK = 1 << 20
+
+
+def pending_tars(st: Store, source: str | Path, fmt: str) -> frozenset[str]:
+    """The source's local tars to hash while they are streamed (module doc); none for other formats and in a
+    `store repair`, which must find the damaged version's exact lineage up front."""
+    from store import repair_context
+    from store.version_notes import read_note
+
+    if fmt != "webdataset" or repair_context.active():
+        return frozenset()
+    tars = [t for t in shard_urls(source) if not is_url(t)]
+    if not tars:
+        return frozenset()
+    newest = st.newest_complete(TABLE)
+    note = read_note(st, TABLE, newest[0], NOTE) if newest is not None else None
+    named = note.get("tars") if isinstance(note, dict) else None
+    named = named if isinstance(named, dict) else {}
+    if newest is not None and not any(t in named for t in tars):
+        # the store holds versions but none read these tars here (a note of another source, of this one at another
+        # path, or none: a store URL's fresh cache): one of them may be this very listing (up to date, or adopted
+        # from the URL), which only the hashes tell; a provisional one matched none, and every image was rendered
+        return frozenset()
+    out = set()
+    with FileHashes() as hashes:
+        for t in tars:
+            try:
+                t.encode("utf-8")  # a name that is not UTF-8 has no cache row: hashed first, as before
+                if t in named or not os.access(t, os.R_OK) or not stat.S_ISREG(os.stat(t).st_mode) or \
+                        hashes.cached(t) is not None:
+                    continue
+            except (OSError, UnicodeEncodeError):
+                continue
+            out.add(str(Path(t)))
+    return frozenset(out)
+
+
+def stamp(path: str | Path) -> str:
+    """What stands for a pending tar in the provisional listing hash."""
+    st = os.stat(path)
+    return f"streamed {st.st_size} {st.st_mtime_ns} {st.st_ctime_ns}"
+
+
+class HashingStream:
+    """A shard's stream whose bytes are hashed as the reader takes them; on close the rest (the tar's end blocks
+    and padding, or what a truncated read left) is read into the hash too, so `digest` is the whole file's."""
+
+    def __init__(self, raw: IO[bytes]) -> None:
+        self.raw, self._h, self.whole = raw, hashlib.sha256(), False
+
+    def read(self, n: int = -1) -> bytes:
+        b = self.raw.read(n)
+        self._h.update(b)
+        return b
+
+    def close(self) -> None:
+        if self.raw.closed:
+            return
+        try:
+            while b := self.raw.read(CHUNK):
+                self._h.update(b)
+            self.whole = True
+        finally:
+            self.raw.close()
+
+    def digest(self) -> str | None:
+        return self._h.hexdigest() if self.whole else None
+
+
+# Beside the provisional schema.json of an in-progress version: which tars stood for their stamps. A run killed after
+# the streamed hashes went into the cache, before schema.json was rewritten, computes another listing (those tars
+# are cached now): it finds the version by this record (`settling`) instead of rendering everything anew. Removed
+# once schema.json holds the final lineage, so never part of a committed version.
+PENDING_JSON = ".provisional-tars.json"
+
+
+def record_pending(writer: Any, pending: frozenset[str]) -> None:
+    """The record of the opened version's pending tars; with none, a record a run killed after its schema.json
+    rewrite left is removed (the version resumes under its final lineage, and commits without it)."""
+    from store import format as fmt
+
+    if pending:
+        fmt.atomic_write_json(writer.dir / PENDING_JSON, {"tars": sorted(pending)})
+    else:
+        (writer.dir / PENDING_JSON).unlink(missing_ok=True)
+
+
+def settling(st: Store, fmt_name: str, pending: frozenset[str], want: dict,
+             provisional: Callable[[frozenset[str]], tuple[TableSchema, Any]]) -> tuple[frozenset[str], Any] | None:
+    """(pending tars, (schema, listing)) of an in-progress version a killed run left between the cache write and
+    the schema.json rewrite (its record names the tars; `provisional(tars)` gives the schema they stand for now,
+    equal to its schema.json while they are unchanged); None when there is none, or when an in-progress version
+    of `want` (this run's schema) is there to resume anyway."""
+    from store import format as fmt
+    from store import repair_context
+
+    if fmt_name != "webdataset" or repair_context.active():
+        return None
+    found = []
+    for v in reversed(fmt.list_versions(st.root, TABLE)):
+        vdir = fmt.version_dir(st.root, TABLE, v)
+        if fmt.is_complete(vdir) or not (vdir / fmt.SCHEMA_JSON).is_file():
+            continue
+        try:
+            schema = fmt.read_json(vdir / fmt.SCHEMA_JSON, "schema.json")
+        except Exception:  # noqa: BLE001 - a damaged in-progress folder is the writer's to judge, not this look's
+            continue
+        if schema == want:
+            return None
+        if (vdir / PENDING_JSON).is_file():
+            found.append((vdir, schema))
+    for vdir, schema in found:
+        try:
+            tars = fmt.read_json(vdir / PENDING_JSON, PENDING_JSON)["tars"]
+            tars = frozenset(str(t) for t in tars)
+        except Exception:  # noqa: BLE001 - a hand-edited record: that version is not resumed, as before
+            continue
+        if tars == pending:
+            continue
+        made = provisional(tars)
+        if made[0].to_dict() == schema:
+            return tars, made
+    return None
+
+
+def settle_listing(writer: Any, streamed: dict[str, tuple[str, os.stat_result]], pending: frozenset[str],
+                   listing: Any, schema_for: Callable[[str], TableSchema]) -> TableSchema:
+    """Before the commit of a version written under a provisional listing (`listing`, content.Listing: its lines
+    as hashed at the run's start): the streamed tars' sha256 cached, the listing hash made again with them in
+    place of their stamps, the version's schema.json rewritten with `schema_for(listing)`, which is returned, and
+    its record of pending tars removed (module doc). A pending tar not streamed whole, or changed since its stream
+    began, gets a stand-in no run computes: its rows hold the bytes read then, not those there now, so the next run
+    reads it again (a hash of it now would call that run up to date)."""
+    from store import format as fmt
+
+    with FileHashes() as hashes:
+        learned = {str(Path(tar)): digest for tar, (digest, before) in streamed.items()
+                   if hashes.learn(tar, digest, before)}
+    fmt.crash_point("listing_cached")
+    settled = {path: learned.get(path, f"changed while read: {digest}")
+               for path, _, digest in listing.lines if path in pending}
+    schema = schema_for(listing.hash(settled))
+    fmt.atomic_write_json(writer.dir / fmt.SCHEMA_JSON, schema.to_dict())
+    writer.schema = schema
+    fmt.crash_point("listing_rewritten")
+    (writer.dir / PENDING_JSON).unlink(missing_ok=True)
+    fmt.fsync_dir(writer.dir)
+    fmt.crash_point("listing_settled")
+    return schema
