@@ -1,6 +1,7 @@
 """Opening the trainer's features: `text` + `vae` of one split, built with the expected model, the samples both
 hold (the dropped ones counted, with their quarantine reasons; too many is an error), damaged samples checked or
-left out where they are read per the section's reading keys (features/damaged.py), sequence lengths from the manifests (`store.join`).
+left out where they are read per the section's reading keys (features/damaged.py), sequence lengths from the manifests (`store.join`),
+the `images` versions the two were encoded from checked (features/images_versions.py: a stale one said, two renders refused).
 `open_configured` is the one way train, its validator, its up-to-date check and evaluate open them."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any, Protocol
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from features.images_versions import check_images_versions
 from features.tables import PRODUCER
 from schemas.errors import UserError
 from store import format as fmt
@@ -96,6 +98,8 @@ def _open_features(st, lease, readers: dict[str, TableReader], model: str, model
                 f"{found or 'none'}) than --model {model} ({model_fingerprint}); use the model that encoded the "
                 f"store, or re-run `pipeline run {PRODUCER[r.table]} --model {model}`"
             )
+    # the `images` versions they were encoded from: a sample of two renders refused, a stale table said
+    check_images_versions(st, readers, section)
     joined = JoinedTables(readers, split, st.root)
     text, vae = readers["text"], readers["vae"]
     joined.report = dropped_report(st, joined, split)

@@ -279,8 +279,11 @@ def write_report(out: str | Path, metrics: dict, rows: list[SampleRow]) -> Path:
 
 
 def write_report_files(out: str | Path, metrics: dict, grid: Image.Image, page: str) -> Path:
-    """grid.png, index.html, then metrics.json: its presence means the report is complete."""
-    from store.format import atomic_write_bytes
+    """grid.png, index.html, then metrics.json: its presence means the report is complete. An earlier report's
+    metrics.json is removed first (the removal made durable): a run killed, or out of disk, between the files
+    leaves no report, never the earlier settings' metrics.json - "up to date" to a rerun of them - beside this
+    run's page."""
+    from store.format import atomic_write_bytes, fsync_dir
     from store.io_errors import writing
 
     out = Path(out)
@@ -288,6 +291,11 @@ def write_report_files(out: str | Path, metrics: dict, grid: Image.Image, page: 
     grid.save(buf, format="PNG")
     with writing("the evaluate report", out):
         out.mkdir(parents=True, exist_ok=True)
+        try:
+            (out / "metrics.json").unlink()
+            fsync_dir(out)
+        except FileNotFoundError:
+            pass
         atomic_write_bytes(out / "grid.png", buf.getvalue())
         atomic_write_bytes(out / "index.html", page.encode("utf-8"))
         atomic_write_bytes(out / "metrics.json", (json.dumps(_json_safe(metrics), indent=2) + "\n").encode())

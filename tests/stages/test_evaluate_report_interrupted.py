@@ -1,0 +1,60 @@
+"""A report written over an earlier one and interrupted between its files (a full disk, a kill) leaves no report:
+the earlier metrics.json - what a rerun calls "up to date" - is gone before the first new file is written. Before:
+grid.png and index.html of settings B beside A's metrics.json, and a rerun with A said "up to date" over B's page."""
+
+from __future__ import annotations
+
+import errno
+import json
+
+import pytest
+
+from test_same_content_tables import EVAL, _copy, _steps, trained  # noqa: F401 (the module fixture)
+
+
+def _both(store, run, single, every, model, skip_if_done=False, **settings):
+    from schemas.config import EvaluateConfig
+    from stages.evaluate import checkpoints as ev
+    from stages.evaluate import stage
+
+    cfg = EvaluateConfig(**{**EVAL, **settings})
+    return (stage.run(cfg, store, model, run / "lora", single, skip_if_done=skip_if_done),
+            ev.run(cfg, store, model, _steps(run), every, skip_if_done=skip_if_done))
+
+
+def test_a_report_cut_off_before_metrics_json_is_no_report(trained, tiny_plus_model, tmp_path, monkeypatch):
+    from schemas.errors import UserError
+    from store import format as fmt
+
+    store, run = _copy(trained, tmp_path)
+    single, every = tmp_path / "report", tmp_path / "checkpoints"
+    _both(store, run, single, every, tiny_plus_model)  # settings A: both reports complete
+    pages_a = {out: (out / "index.html").read_text() for out in (single, every)}
+
+    write = fmt.atomic_write_bytes
+
+    def disk_full_at_metrics(path, data, *a, **k):
+        if path.name == "metrics.json":
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return write(path, data, *a, **k)
+
+    from schemas.config import EvaluateConfig
+    from stages.evaluate import checkpoints as ev
+    from stages.evaluate import stage
+
+    cfg_b = EvaluateConfig(**{**EVAL, "noise_seeds": [7]})  # settings B: other numbers
+    with monkeypatch.context() as m:
+        m.setattr(fmt, "atomic_write_bytes", disk_full_at_metrics)
+        for write_b in (lambda: stage.run(cfg_b, store, tiny_plus_model, run / "lora", single),
+                        lambda: ev.run(cfg_b, store, tiny_plus_model, _steps(run), every)):
+            with pytest.raises((UserError, OSError)):
+                write_b()
+    for out in (single, every):
+        assert (out / "index.html").read_text() != pages_a[out]  # B's page was written ...
+        assert not (out / "metrics.json").exists()  # ... and no report claims it: A's evidence is gone
+
+    one, all_ = _both(store, run, single, every, tiny_plus_model, skip_if_done=True)  # `run all` with A again
+    assert not one.up_to_date and not all_.up_to_date  # before: both "up to date", index.html showing B
+    for out in (single, every):
+        assert json.loads((out / "metrics.json").read_text())  # A's report again, complete
+        assert (out / "index.html").read_text() == pages_a[out]
