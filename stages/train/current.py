@@ -44,7 +44,8 @@ def up_to_date(cfg: PipelineConfig, store: str | Path, model: str, out: str | Pa
     # the same samples under other version numbers (an `images` rerun that changed none) are the same run
     recorded["tables"], now["tables"] = train_state.compared_tables(record.tables, record.table_contents,
                                                                     now["tables"], tables.content_ids)
-    if recorded["config_fingerprint"] in earlier_config_fingerprints(train):  # an earlier spelling
+    # an earlier spelling (a backend hashed by name: the one resolved now)
+    if recorded["config_fingerprint"] in earlier_config_fingerprints(train, now["attention_backend"]):
         recorded["config_fingerprint"] = now["config_fingerprint"]
     recorded["init_lora_sha256"] = train_state.known_init_lora(record.init_lora_sha256, now["init_lora_sha256"])
     return current.is_current(recorded, now)

@@ -243,10 +243,11 @@ def take_back_finished(cfg: PipelineConfig, store: str | Path, model: str, out: 
     in its place (`previous.take_back`; `before_keep(OUT)` first, as for any keep); None when there is none.
     Settings A, then B, then A again: the third run is the first's, trained again before."""
     from stages.train import previous
-    from stages.train.settings import config_fingerprint, earlier_config_fingerprints
+    from stages.train.settings import config_fingerprint, earlier_config_fingerprints, planned_device
 
     train = resolved_train(cfg)
-    fingerprints = {config_fingerprint(train), *earlier_config_fingerprints(train)}
+    backend = run_backend(train, model, planned_device(train))
+    fingerprints = {config_fingerprint(train), *earlier_config_fingerprints(train, backend)}
     for kept in previous.kept_runs(out):
         latest = train_state.latest_checkpoint(kept / "checkpoints")
         try:  # a cheap look first: only a run of this config has its tables opened (`up_to_date`)
@@ -254,7 +255,7 @@ def take_back_finished(cfg: PipelineConfig, store: str | Path, model: str, out: 
                 continue
         except UserError:  # a damaged kept run is left where it is, never taken back
             continue
-        if not up_to_date(cfg, store, model, kept, train):
+        if not up_to_date(cfg, store, model, kept, train, backend):
             continue
         if before_keep is not None and previous.holds_trained_run(out):
             before_keep(out)

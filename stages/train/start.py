@@ -135,7 +135,8 @@ def resume_point(r: Run, resume: bool, cfg: PipelineConfig) -> tuple[Path | None
     if record.attention_backend is None and r.world > 1:  # each rank read RUN/attention.json: one decision of all
         (differs,) = all_max(r.world, [int(backend != r.record.attention_backend)])
         backend = None if differs else r.record.attention_backend
-    record = replace(record, config_fingerprint=known_fingerprint(record.config_fingerprint, r.cfg),
+    known = known_fingerprint(record.config_fingerprint, r.cfg, r.record.attention_backend)
+    record = replace(record, config_fingerprint=known,
                      init_lora_sha256=train_state.known_init_lora(record.init_lora_sha256, r.record.init_lora_sha256),
                      attention_backend=backend)
     # on_damaged / on_nonfinite are in no fingerprint (`check_same_start` does not compare them) and the damaged
