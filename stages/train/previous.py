@@ -64,7 +64,15 @@ def take_back(run_dir: Path, kept: Path) -> Path | None:
             os.rename(run_dir, aside)
             shutil.rmtree(aside, ignore_errors=True)
     fmt.crash_point("take_back_between_renames")
-    os.rename(kept, run_dir)  # the commit: the finished run is RUN again
+    try:
+        os.rename(kept, run_dir)  # the commit: the finished run is RUN again
+    except OSError as e:  # RUN made again meanwhile: another `train` into it took its lock while it was missing
+        from schemas.errors import UserError
+
+        raise UserError(f"could not take the run kept in {kept} back into {run_dir}: {run_dir} was made again "
+                        f"meanwhile ({e.strerror}; another `train` into it?); both runs are kept"
+                        f"{f' ({moved} holds the one it held)' if moved is not None else ''}; rerun once that "
+                        "one is done") from None
     fmt.fsync_dir(root)
     fmt.fsync_dir(run_dir.parent)
     return moved

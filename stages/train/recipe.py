@@ -261,13 +261,14 @@ def take_back_kept(cfg: PipelineConfig, store: str | Path, model: str, out: Path
         try:  # a cheap look first: only a run of this config has its tables opened (`up_to_date`)
             if latest is None or ResumeRecord.read(latest / train_state.RESUME_JSON).config_fingerprint not in fingerprints:
                 continue
-            if up_to_date(cfg, store, model, kept, train, backend):
-                moved = _swap(out, kept, before_keep, locks, "the finished run")
-                return TrainResult(out, out / "lora", cfg.train.max_steps, cfg.train.max_steps, up_to_date=True,
-                                   kept_previous=moved), moved
-            step = resumable_step(cfg, store, model, kept, train, backend)
+            finished = up_to_date(cfg, store, model, kept, train, backend)
+            step = None if finished else resumable_step(cfg, store, model, kept, train, backend)
         except UserError:  # a damaged kept run is left where it is, never taken back
             continue
+        if finished:
+            moved = _swap(out, kept, before_keep, locks, "the finished run")
+            return TrainResult(out, out / "lora", cfg.train.max_steps, cfg.train.max_steps, up_to_date=True,
+                               kept_previous=moved), moved
         if step is not None:
             partial.append((step, kept))
     if partial and not _resumes(cfg, store, model, out, train, backend):

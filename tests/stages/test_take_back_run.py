@@ -113,3 +113,35 @@ def test_a_stopped_then_b_then_a_resumes_a(store_dir, tiny_edit_model, tmp_path)
     (kept,) = previous.kept_runs(out)
     assert result.kept_previous == kept
     assert_same_lora(lora_of(kept), b)
+
+
+def test_a_train_that_made_run_between_the_renames_stops_the_take_back_in_one_line(store_dir, tiny_edit_model,
+                                                                                   tmp_path, monkeypatch):
+    """Another `train` into RUN that starts while the take-back has renamed RUN away (RUN missing: it makes RUN and
+    takes its lock) makes the second rename fail: one line naming both folders, both runs kept where they are
+    (before: a bare OSError traceback out of `run all`)."""
+    from schemas import UserError
+    from stages.train import guard
+    from store import format as fmt
+
+    out = tmp_path / "run"
+    run_all_train(cfg_of(**A), store_dir, tiny_edit_model, out)
+    a = lora_of(out)
+    run_all_train(cfg_of(**B), store_dir, tiny_edit_model, out)
+    b = lora_of(out)
+    other = []
+    real = fmt.crash_point
+
+    def another_train_starts(name):
+        if name == "take_back_between_renames":
+            other.append(guard.RunDirLock(out))
+        real(name)
+
+    monkeypatch.setattr(fmt, "crash_point", another_train_starts)
+    with pytest.raises(UserError, match=r"could not take the run kept in .* back into .*made again meanwhile"):
+        run_all_train(cfg_of(**A), store_dir, tiny_edit_model, out)
+    other[0].release()
+    kept = previous.kept_runs(out)
+    assert len(kept) == 2
+    assert_same_lora(lora_of(kept[0]), b)
+    assert_same_lora(lora_of(kept[1]), a)
