@@ -183,7 +183,7 @@ def run(
     r, moved = None, None
     try:
         if skip_if_done and new_run and world == 1:
-            taken, moved = take_back_kept(cfg, store, model, Path(out), before_keep, locks)
+            taken, moved = take_back_kept(cfg, store, model, Path(out), before_keep, locks, resume)
             if taken is not None:
                 return taken
         from models.shared_folder import check_shared
@@ -238,7 +238,8 @@ def finished_here(cfg: PipelineConfig, store: str | Path, model: str, out: str |
 
 
 def take_back_kept(cfg: PipelineConfig, store: str | Path, model: str, out: Path,
-                   before_keep: Callable[[Path], None] | None, locks: list) -> tuple[TrainResult | None, Path | None]:
+                   before_keep: Callable[[Path], None] | None, locks: list,
+                   resume: bool = True) -> tuple[TrainResult | None, Path | None]:
     """`run all` (one process, the run folder locked): the newest run kept in OUT.previous that is the finished run
     of these very settings and inputs (`up_to_date`, as for OUT itself) is renamed back to OUT, the run OUT held kept
     in its place (`previous.take_back`; `before_keep(OUT)` first, as for any keep), and returned as up to date
@@ -246,8 +247,8 @@ def take_back_kept(cfg: PipelineConfig, store: str | Path, model: str, out: Path
     Settings A, then B, then A again: the third run is the first's, trained again before. With no finished one, and
     OUT no run these settings resume: the kept run of them a resume continues (`resumable_step`, the furthest) is
     taken back the same way and None returned, so the start resumes it (A stopped half-way, B, A: A goes on from
-    its last checkpoint, not from step 0). (None, None), nothing moved, when there is neither. OUT's lock is taken
-    again after a swap (`locks`): the one held moved away with the run OUT held."""
+    its last checkpoint, not from step 0; only with `resume`). (None, None), nothing moved, when there is neither.
+    OUT's lock is taken again after a swap (`locks`): the one held moved away with the run OUT held."""
     from stages.train import previous
     from stages.train.current import resumable_step
     from stages.train.settings import config_fingerprint, earlier_config_fingerprints, planned_device
@@ -271,7 +272,7 @@ def take_back_kept(cfg: PipelineConfig, store: str | Path, model: str, out: Path
                                kept_previous=moved), moved
         if step is not None:
             partial.append((step, kept))
-    if partial and not _resumes(cfg, store, model, out, train, backend):
+    if resume and partial and not _resumes(cfg, store, model, out, train, backend):
         return None, _swap(out, max(partial, key=lambda p: p[0])[1], before_keep, locks, "the run to continue")
     return None, None
 
