@@ -28,6 +28,7 @@ from schemas import up_to_date as current
 from schemas.config import EvaluateConfig
 from schemas.errors import UserError
 from schemas.lineage import hashed_settings, settings_hash, unhashed_names
+from schemas.record_formats import EARLIER_FINGERPRINTS
 from schemas.stage import few
 from schemas.up_to_date import UNRECORDED_REVISION
 from stages.evaluate.base_images import FOLDER as BASE_IMAGES, extra_prompt_bytes
@@ -200,7 +201,10 @@ def training_of(checkpoint: Path) -> dict | None:
         return None
     if not isinstance(record, dict) or not record.get("config_fingerprint"):
         return None
-    return {k: record.get(k) for k in _TRAINING_INPUTS}
+    extra = record.get("extra")
+    earlier = extra.get(EARLIER_FINGERPRINTS) if isinstance(extra, dict) else None
+    return {**{k: record.get(k) for k in _TRAINING_INPUTS},
+            **({EARLIER_FINGERPRINTS: list(earlier)} if isinstance(earlier, list) else {})}
 
 
 def same_training(a: dict, b: dict) -> bool:
@@ -211,7 +215,11 @@ def same_training(a: dict, b: dict) -> bool:
     passed for another training's and every earlier point went aside."""
     from schemas.up_to_date import compared_tables, known_init_lora
 
-    if any(a.get(k) != b.get(k) for k in ("config_fingerprint", "model_fingerprint", "training_revision")):
+    if any(a.get(k) != b.get(k) for k in ("model_fingerprint", "training_revision")):
+        return False
+    # one fingerprint, or one the other's run recorded under an earlier spelling of its settings and resumed
+    fa, fb = a.get("config_fingerprint"), b.get("config_fingerprint")
+    if fa != fb and fa not in (b.get(EARLIER_FINGERPRINTS) or ()) and fb not in (a.get(EARLIER_FINGERPRINTS) or ()):
         return False
     init = a.get("init_lora_sha256")
     if known_init_lora(init, b.get("init_lora_sha256")) != known_init_lora(b.get("init_lora_sha256"), init):

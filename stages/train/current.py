@@ -32,10 +32,31 @@ def up_to_date(cfg: PipelineConfig, store: str | Path, model: str, out: str | Pa
     if weights.stat().st_mtime < (latest / train_state.RESUME_JSON).stat().st_mtime:
         return False
     record = ResumeRecord.read(latest / train_state.RESUME_JSON)
+    return _same_run(record, cfg, store, model, out, train, backend, step=True)
+
+
+def resumable_step(cfg: PipelineConfig, store: str | Path, model: str, out: str | Path,
+                   train: TrainConfig | None = None, backend: str | None = None) -> int | None:
+    """The step of OUT's last checkpoint when a resume would continue it (`up_to_date`'s comparison without the
+    step: a run of these settings and inputs not past max_steps), else None. One process (`run all`'s take-back)."""
+    latest = train_state.latest_checkpoint(Path(out) / "checkpoints")
+    if latest is None:
+        return None
+    record = ResumeRecord.read(latest / train_state.RESUME_JSON)
+    if record.step > cfg.train.max_steps:
+        return None
+    return record.step if _same_run(record, cfg, store, model, out, train, backend, step=False) else None
+
+
+def _same_run(record: ResumeRecord, cfg: PipelineConfig, store: str | Path, model: str, out: str | Path,
+              train: TrainConfig | None, backend: str | None, step: bool) -> bool:
+    """The record's inputs are the present ones (`step`: its step max_steps too)."""
     train = train or resolved_train(cfg)
     if not damaged_current(Path(out), train) or not nonfinite_current(record, train):
         return False
     now, tables = _inputs(cfg, store, model, train)
+    if not step:
+        now["step"] = record.step
     now["attention_backend"] = backend or run_backend(train, model, planned_device(train))
     recorded = {"step": record.step, **record.inputs()}
     # a record from before the backend was recorded: the one its run used, where known (`recorded_backend`)
@@ -44,7 +65,8 @@ def up_to_date(cfg: PipelineConfig, store: str | Path, model: str, out: str | Pa
     # the same samples under other version numbers (an `images` rerun that changed none) are the same run
     recorded["tables"], now["tables"] = train_state.compared_tables(record.tables, record.table_contents,
                                                                     now["tables"], tables.content_ids)
-    if recorded["config_fingerprint"] in earlier_config_fingerprints(train):  # an earlier spelling
+    # an earlier spelling (a backend hashed by name: the one resolved now)
+    if recorded["config_fingerprint"] in earlier_config_fingerprints(train, now["attention_backend"]):
         recorded["config_fingerprint"] = now["config_fingerprint"]
     recorded["init_lora_sha256"] = train_state.known_init_lora(record.init_lora_sha256, now["init_lora_sha256"])
     return current.is_current(recorded, now)

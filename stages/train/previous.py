@@ -8,7 +8,7 @@ sits beside RUN, not inside it, because moving a folder into its own subfolder t
 recovery step for a kill between them); beside it, RUN stays exactly one run (TensorBoard, `lora merge`, ...).
 
 Taking one back (`take_back`, `pipeline run all` when a kept run is the finished run of the present settings and
-inputs): RUN is renamed away first (kept as above when it holds a trained run; else into `RUN.previous/.untrained-*`,
+inputs, or with none such, one they resume while RUN holds none): RUN is renamed away first (kept as above when it holds a trained run; else into `RUN.previous/.untrained-*`,
 removed after), then the kept run is renamed to RUN. A kill between the two renames leaves RUN missing and both
 runs under RUN.previous: the rerun finds the same kept run current and renames it back.
 """
@@ -64,7 +64,15 @@ def take_back(run_dir: Path, kept: Path) -> Path | None:
             os.rename(run_dir, aside)
             shutil.rmtree(aside, ignore_errors=True)
     fmt.crash_point("take_back_between_renames")
-    os.rename(kept, run_dir)  # the commit: the finished run is RUN again
+    try:
+        os.rename(kept, run_dir)  # the commit: the finished run is RUN again
+    except OSError as e:  # RUN made again meanwhile: another `train` into it took its lock while it was missing
+        from schemas.errors import UserError
+
+        raise UserError(f"could not take the run kept in {kept} back into {run_dir}: {run_dir} was made again "
+                        f"meanwhile ({e.strerror}; another `train` into it?); both runs are kept"
+                        f"{f' ({moved} holds the one it held)' if moved is not None else ''}; rerun once that "
+                        "one is done") from None
     fmt.fsync_dir(root)
     fmt.fsync_dir(run_dir.parent)
     return moved

@@ -180,10 +180,10 @@ def run(
         if accelerator.is_main_process:
             tracker_classes(cfg.train.log_with)
         locks.append(guard.RunDirLock(Path(out)) if accelerator.is_main_process else None)
-    r = None
+    r, moved = None, None
     try:
         if skip_if_done and new_run and world == 1:
-            taken = take_back_finished(cfg, store, model, Path(out), before_keep)
+            taken, moved = take_back_kept(cfg, store, model, Path(out), before_keep, locks, resume)
             if taken is not None:
                 return taken
         from models.shared_folder import check_shared
@@ -211,6 +211,7 @@ def run(
                 if r.validator is not None:
                     r.validator(r)
         result = finish(r)
+        result.kept_previous = result.kept_previous or moved  # a kept run taken back to resume: where OUT's went
         stopped_late(r)
         result.seconds = time.perf_counter() - started
         return result
@@ -236,34 +237,69 @@ def finished_here(cfg: PipelineConfig, store: str | Path, model: str, out: str |
     return not all_max(world, [int(not done)])[0]
 
 
-def take_back_finished(cfg: PipelineConfig, store: str | Path, model: str, out: Path,
-                       before_keep: Callable[[Path], None] | None) -> TrainResult | None:
+def take_back_kept(cfg: PipelineConfig, store: str | Path, model: str, out: Path,
+                   before_keep: Callable[[Path], None] | None, locks: list,
+                   resume: bool = True) -> tuple[TrainResult | None, Path | None]:
     """`run all` (one process, the run folder locked): the newest run kept in OUT.previous that is the finished run
     of these very settings and inputs (`up_to_date`, as for OUT itself) is renamed back to OUT, the run OUT held kept
-    in its place (`previous.take_back`; `before_keep(OUT)` first, as for any keep); None when there is none.
-    Settings A, then B, then A again: the third run is the first's, trained again before."""
+    in its place (`previous.take_back`; `before_keep(OUT)` first, as for any keep), and returned as up to date
+    (with where OUT's run went, or None).
+    Settings A, then B, then A again: the third run is the first's, trained again before. With no finished one, and
+    OUT no run these settings resume: the kept run of them a resume continues (`resumable_step`, the furthest) is
+    taken back the same way and None returned, so the start resumes it (A stopped half-way, B, A: A goes on from
+    its last checkpoint, not from step 0; only with `resume`). (None, None), nothing moved, when there is neither.
+    OUT's lock is taken again after a swap (`locks`): the one held moved away with the run OUT held."""
     from stages.train import previous
-    from stages.train.settings import config_fingerprint, earlier_config_fingerprints
+    from stages.train.current import resumable_step
+    from stages.train.settings import config_fingerprint, earlier_config_fingerprints, planned_device
 
     train = resolved_train(cfg)
-    fingerprints = {config_fingerprint(train), *earlier_config_fingerprints(train)}
+    backend = run_backend(train, model, planned_device(train))
+    fingerprints = {config_fingerprint(train), *earlier_config_fingerprints(train, backend)}
+    partial: list[tuple[int, Path]] = []
     for kept in previous.kept_runs(out):
         latest = train_state.latest_checkpoint(kept / "checkpoints")
         try:  # a cheap look first: only a run of this config has its tables opened (`up_to_date`)
             if latest is None or ResumeRecord.read(latest / train_state.RESUME_JSON).config_fingerprint not in fingerprints:
                 continue
+            finished = up_to_date(cfg, store, model, kept, train, backend)
+            step = None if finished else resumable_step(cfg, store, model, kept, train, backend)
         except UserError:  # a damaged kept run is left where it is, never taken back
             continue
-        if not up_to_date(cfg, store, model, kept, train):
-            continue
-        if before_keep is not None and previous.holds_trained_run(out):
-            before_keep(out)
-        moved = previous.take_back(out, kept)
-        tqdm.write(f"took back the finished run of these settings from {kept} into {out}"
-                   + (f"; kept the run it held in {moved}" if moved is not None else ""))
-        lora = out / "lora"
-        return TrainResult(out, lora, cfg.train.max_steps, cfg.train.max_steps, up_to_date=True, kept_previous=moved)
-    return None
+        if finished:
+            moved = _swap(out, kept, before_keep, locks, "the finished run")
+            return TrainResult(out, out / "lora", cfg.train.max_steps, cfg.train.max_steps, up_to_date=True,
+                               kept_previous=moved), moved
+        if step is not None:
+            partial.append((step, kept))
+    if resume and partial and not _resumes(cfg, store, model, out, train, backend):
+        return None, _swap(out, max(partial, key=lambda p: p[0])[1], before_keep, locks, "the run to continue")
+    return None, None
+
+
+def _resumes(cfg: PipelineConfig, store: str | Path, model: str, out: Path, train: TrainConfig,
+             backend: str) -> bool:
+    """OUT holds a run these settings resume (a damaged record: none; it is kept, as any run OUT holds)."""
+    from stages.train.current import resumable_step
+
+    try:
+        return resumable_step(cfg, store, model, out, train, backend) is not None
+    except UserError:
+        return False
+
+
+def _swap(out: Path, kept: Path, before_keep: Callable[[Path], None] | None, locks: list, what: str) -> Path | None:
+    """`previous.take_back` of `kept` into OUT, then OUT locked again (appended to `locks`); returns where the run
+    OUT held went, or None."""
+    from stages.train import previous
+
+    if before_keep is not None and previous.holds_trained_run(out):
+        before_keep(out)
+    moved = previous.take_back(out, kept)
+    locks.append(guard.RunDirLock(out))
+    tqdm.write(f"took back {what} of these settings from {kept} into {out}"
+               + (f"; kept the run it held in {moved}" if moved is not None else ""))
+    return moved
 
 
 def stopped_late(r: Run) -> None:

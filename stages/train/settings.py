@@ -78,20 +78,22 @@ def config_fingerprint(cfg: TrainConfig) -> str:
 _MEMORY_AS_BEFORE = tuple((gc, off) for gc in (False, True) for off in ("none", "blocks"))
 
 
-def earlier_config_fingerprints(cfg: TrainConfig) -> tuple[str, ...]:
+def earlier_config_fingerprints(cfg: TrainConfig, backend: str | None = None) -> tuple[str, ...]:
     """`config_fingerprint` as written before the memory settings left it (with any of their values; the blocks
     kept on the device as configured now, or 0), before batch_size left it under a token budget (only with
     the batch_size they were made with, as before), and before init_lora's path left it (only with the path
     configured now: its bytes were recorded beside it, or taken as the file there): runs made then resume and stay
-    current."""
+    current. Each also as hashed before the backend was recorded resolved: the name unset, as configured, or as
+    `backend` (the one this run resolves to: a run made with `native` spelled out resumes unset on the CPU);
+    which backend such a record's run used is `recorded_backend`'s to say, and compared there."""
     now = hashed_settings(cfg)
-    if cfg.attention_backend is not None:  # hashed as set before its resolved backend was recorded instead
-        now = {**now, "attention_backend": cfg.attention_backend}
+    names = dict.fromkeys([None, cfg.attention_backend, backend])
     budget = [{}] if cfg.max_tokens_per_batch is None else [{}, {"batch_size": cfg.batch_size}]
     path = {} if cfg.init_lora is None else {"init_lora": cfg.init_lora}  # hashed in every earlier spelling
     memory = ({"gradient_checkpointing": gc, "offload": off, "offload_blocks_on_device": n}
               for gc, off in _MEMORY_AS_BEFORE for n in {cfg.offload_blocks_on_device, 0})
-    spellings = ({**now, **b, **path, **m} for m in [{}, *memory] for b in budget)
+    spellings = ({**now, "attention_backend": n, **b, **path, **m} for n in names for m in [{}, *memory]
+                 for b in budget)
     return tuple(dict.fromkeys(settings_hash(s) for s in spellings))
 
 
@@ -110,14 +112,16 @@ def recorded_backend(record_backend: str | None, record_fingerprint: str, cfg: T
                      now: str) -> str | None:
     """The attention backend the run of a checkpoint record trained with: its own record; for a record written
     before it held one, the name its fingerprint hashed when one was set (`earlier_config_fingerprints`: the
-    configured name, used as named), else RUN/attention.json (the run's latest start; unset, the record hashed
+    configured name or `now`, used as named), else RUN/attention.json (the run's latest start; unset, the record hashed
     none); with neither, `now` when unset now too (such records were always taken as this run's), else None (not
     known to be `now`'s: not reused)."""
     if record_backend is not None:
         return record_backend
-    if cfg.attention_backend is not None and record_fingerprint in earlier_config_fingerprints(cfg) and \
-            record_fingerprint not in earlier_config_fingerprints(cfg.model_copy(update={"attention_backend": None})):
-        return cfg.attention_backend
+    unset = earlier_config_fingerprints(cfg.model_copy(update={"attention_backend": None}))
+    for name in dict.fromkeys(n for n in (cfg.attention_backend, now) if n is not None):
+        if record_fingerprint not in unset and \
+                record_fingerprint in earlier_config_fingerprints(cfg.model_copy(update={"attention_backend": name})):
+            return name  # the name hashed then, used as named
     try:
         import json
 
@@ -129,9 +133,11 @@ def recorded_backend(record_backend: str | None, record_fingerprint: str, cfg: T
     return now if cfg.attention_backend is None else None
 
 
-def known_fingerprint(record_fingerprint: str, cfg: TrainConfig) -> str:
-    """The record's fingerprint, read as this config's when it is one of its earlier spellings."""
-    return config_fingerprint(cfg) if record_fingerprint in earlier_config_fingerprints(cfg) else record_fingerprint
+def known_fingerprint(record_fingerprint: str, cfg: TrainConfig, backend: str | None = None) -> str:
+    """The record's fingerprint, read as this config's when it is one of its earlier spellings (`backend`: the one
+    this run resolves to)."""
+    return config_fingerprint(cfg) if record_fingerprint in earlier_config_fingerprints(cfg, backend) else \
+        record_fingerprint
 
 
 def init_lora_sha256(cfg: TrainConfig) -> str | None:

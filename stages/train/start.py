@@ -17,6 +17,7 @@ from models.same_versions import check_same_versions
 from schemas.config import PipelineConfig, TrainConfig, dump_config
 from schemas.errors import UserError
 from schemas.lineage import unhashed_names
+from schemas.record_formats import EARLIER_FINGERPRINTS
 from stages.train import damaged_log, elastic, guard, previous, state as train_state
 from stages.train.current import damaged_current, nonfinite_current
 from stages.train.data import DataStream, write_data_report
@@ -132,10 +133,12 @@ def resume_point(r: Run, resume: bool, cfg: PipelineConfig) -> tuple[Path | None
     # a record from before the backend was recorded: the one its run used, where that is known (`recorded_backend`)
     backend = recorded_backend(record.attention_backend, record.config_fingerprint, r.cfg, r.run_dir,
                                r.record.attention_backend)
+    earlier = [*record.extra.get(EARLIER_FINGERPRINTS, ()), record.config_fingerprint]
     if record.attention_backend is None and r.world > 1:  # each rank read RUN/attention.json: one decision of all
         (differs,) = all_max(r.world, [int(backend != r.record.attention_backend)])
         backend = None if differs else r.record.attention_backend
-    record = replace(record, config_fingerprint=known_fingerprint(record.config_fingerprint, r.cfg),
+    known = known_fingerprint(record.config_fingerprint, r.cfg, r.record.attention_backend)
+    record = replace(record, config_fingerprint=known,
                      init_lora_sha256=train_state.known_init_lora(record.init_lora_sha256, r.record.init_lora_sha256),
                      attention_backend=backend)
     # on_damaged / on_nonfinite are in no fingerprint (`check_same_start` does not compare them) and the damaged
@@ -175,6 +178,10 @@ def resume_point(r: Run, resume: bool, cfg: PipelineConfig) -> tuple[Path | None
             f"{why}\nTo keep this run (moved to {previous.previous_root(r.run_dir)}/N-TIME) and train afresh into "
             f"{r.run_dir}, add --new-run (what `pipeline run all` does)", reason=e.reason) from None
     r.resume_bytes = kept
+    # the fingerprints this run's earlier checkpoints recorded, carried in its records: one training for evaluate
+    earlier = [f for f in dict.fromkeys(earlier) if f != r.record.config_fingerprint]
+    if earlier:
+        r.record = replace(r.record, extra={**r.record.extra, EARLIER_FINGERPRINTS: earlier})
     return latest, record
 
 

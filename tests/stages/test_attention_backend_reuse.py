@@ -141,3 +141,47 @@ def test_ranks_that_read_attention_json_differently_decide_together(unset_run, s
     assert train_state.latest_checkpoint(kept / "checkpoints").name == "step-2"  # the old run, as it was
     record = train_state.ResumeRecord.read(train_state.latest_checkpoint(out / "checkpoints") / train_state.RESUME_JSON)
     assert (record.step, record.attention_backend) == (4, "native")
+
+
+def test_a_name_spelled_then_and_resolved_now_unset_is_that_run(unset_run, store_dir, tiny_edit_model, tmp_path):
+    """A run recorded with `native` spelled out (hashed by name, before the backend was recorded) is the run of the
+    unset setting on the CPU, where unset resolves to native, as the other way round: up to date, and resumed (the
+    same LoRA as an unset run continued), not trained afresh. Before, only the name spelled now read such a record:
+    unset, its fingerprint passed for another config and the run was kept and trained again from step 0."""
+    plain, out = tmp_path / "plain", tmp_path / "run"
+    shutil.copytree(unset_run, plain)
+    shutil.copytree(unset_run, out)
+    _as_before(out, "native")
+    (out / "attention.json").unlink()  # the name hashed then is the evidence, not a start's note
+    assert up_to_date(cfg_of(max_steps=2), store_dir, tiny_edit_model, out)
+    run(cfg_of(max_steps=4, checkpoint_every=2), store_dir, tiny_edit_model, plain, resume=True)
+    result = run(cfg_of(max_steps=4, checkpoint_every=2), store_dir, tiny_edit_model, out, resume=True, new_run=True)
+    assert result.kept_previous is None and result.start_step == 2
+    assert_same_lora(lora_of(out), lora_of(plain))
+    # a name that resolves to another backend than unset now is still another run
+    _as_before(plain, "packed")
+    assert not up_to_date(cfg_of(max_steps=4), store_dir, tiny_edit_model, plain)
+
+
+def test_a_run_resumed_from_a_name_hashed_then_is_one_training_for_evaluate(unset_run, store_dir, tiny_edit_model,
+                                                                              tmp_path):
+    """A run whose checkpoints hashed train.attention_backend by name (`packed` / `native` set, before it was
+    recorded resolved), resumed under this release: its new checkpoints record the fingerprint without the name.
+    Evaluate tells another training from a pruned step of this one by that record (`same_training`); before, once
+    keep_checkpoints pruned the old checkpoints, their steps passed for another training's and every earlier point
+    of the report went aside ('the run's checkpoints are not the ones evaluated before'), all evaluated again.
+    The new records carry the earlier fingerprint (and on through later resumes): one training."""
+    from stages.evaluate.checkpoints import same_training, training_of
+
+    out = tmp_path / "run"
+    shutil.copytree(unset_run, out)
+    _as_before(out, "native")
+    run(cfg_of(max_steps=4, checkpoint_every=2, attention_backend="native"), store_dir, tiny_edit_model, out,
+        resume=True)
+    run(cfg_of(max_steps=6, checkpoint_every=2), store_dir, tiny_edit_model, out, resume=True)
+    old, new, newer = (training_of(out / "checkpoints" / f"step-{s}" / "lora") for s in (2, 4, 6))
+    assert old["config_fingerprint"] != new["config_fingerprint"]  # the name hashed then, not now
+    assert same_training(old, new) and same_training(new, old) and same_training(old, newer)
+    assert same_training(new, newer)
+    other = {**old, "config_fingerprint": "another config"}  # another training is still another one
+    assert not same_training(other, new) and not same_training(new, other)

@@ -77,3 +77,71 @@ def test_a_kill_between_the_renames_loses_neither(store_dir, tiny_edit_model, tm
     assert_same_lora(lora_of(out), a)
     (left,) = previous.kept_runs(out)
     assert_same_lora(lora_of(left), b)
+
+
+def test_a_stopped_then_b_then_a_resumes_a(store_dir, tiny_edit_model, tmp_path):
+    """A trained 2 of 4 steps (here: a run of 2, then max_steps 4: what a stopped run leaves), then B, then A
+    again: the third takes A's kept run back and resumes it at step 2 (the LoRA of A continued in place), B kept.
+    Before, only a finished run was taken back: A's two steps were kept aside and A trained again from step 0.
+    The run folder is locked again after the swap (the lock held moved away with B): a second `train` is refused."""
+    from stages.train import guard
+
+    plain, out = tmp_path / "plain", tmp_path / "run"
+    run_all_train(cfg_of(**A), store_dir, tiny_edit_model, plain)
+    run_all_train(cfg_of(**{**A, "max_steps": 4}), store_dir, tiny_edit_model, plain)  # A continued in place
+    run_all_train(cfg_of(**A), store_dir, tiny_edit_model, out)
+    run_all_train(cfg_of(**B), store_dir, tiny_edit_model, out)
+    b = lora_of(out)
+    held = []
+    real = guard.RunDirLock.__init__
+
+    def second_train_refused(self, run_dir):  # a second `train` into RUN while this one trains in it
+        real(self, run_dir)
+        held.append(run_dir)
+        if len(held) == 2:
+            with pytest.raises(Exception, match="held|lock"):
+                guard.RunDirLock(Path(run_dir))
+
+    guard.RunDirLock.__init__ = second_train_refused
+    try:
+        result = run_all_train(cfg_of(**{**A, "max_steps": 4}), store_dir, tiny_edit_model, out)
+    finally:
+        guard.RunDirLock.__init__ = real
+    assert held == [out, out]
+    assert result.start_step == 2 and not result.up_to_date
+    assert_same_lora(lora_of(out), lora_of(plain))
+    (kept,) = previous.kept_runs(out)
+    assert result.kept_previous == kept
+    assert_same_lora(lora_of(kept), b)
+
+
+def test_a_train_that_made_run_between_the_renames_stops_the_take_back_in_one_line(store_dir, tiny_edit_model,
+                                                                                   tmp_path, monkeypatch):
+    """Another `train` into RUN that starts while the take-back has renamed RUN away (RUN missing: it makes RUN and
+    takes its lock) makes the second rename fail: one line naming both folders, both runs kept where they are
+    (before: a bare OSError traceback out of `run all`)."""
+    from schemas import UserError
+    from stages.train import guard
+    from store import format as fmt
+
+    out = tmp_path / "run"
+    run_all_train(cfg_of(**A), store_dir, tiny_edit_model, out)
+    a = lora_of(out)
+    run_all_train(cfg_of(**B), store_dir, tiny_edit_model, out)
+    b = lora_of(out)
+    other = []
+    real = fmt.crash_point
+
+    def another_train_starts(name):
+        if name == "take_back_between_renames":
+            other.append(guard.RunDirLock(out))
+        real(name)
+
+    monkeypatch.setattr(fmt, "crash_point", another_train_starts)
+    with pytest.raises(UserError, match=r"could not take the run kept in .* back into .*made again meanwhile"):
+        run_all_train(cfg_of(**A), store_dir, tiny_edit_model, out)
+    other[0].release()
+    kept = previous.kept_runs(out)
+    assert len(kept) == 2
+    assert_same_lora(lora_of(kept[0]), b)
+    assert_same_lora(lora_of(kept[1]), a)
