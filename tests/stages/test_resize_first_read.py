@@ -25,6 +25,22 @@ from tests.stages.read_counter import count_reads_under
 from tests.stages.test_resize_rerun_reads import SMALL, _quarantine, _rows
 
 
+def changed_once_streamed(monkeypatch, victim: Path, change) -> list[Path]:
+    """`change(victim)` runs once, right after the first tar's stream is read whole (closed); returns the list that
+    records it (empty while it has not run). 1 KiB of zeros appended keeps a tar valid."""
+    from stages.resize import first_read
+
+    real, changed = first_read.HashingStream.close, []
+
+    def close(self):
+        real(self)
+        if not changed:
+            changed.append(victim)
+            change(victim)
+    monkeypatch.setattr(first_read.HashingStream, "close", close)
+    return changed
+
+
 def _png(rng: np.random.Generator, side: int) -> bytes:
     """Noise: a PNG about as large as its pixels (a tar's bytes are its images, not its headers)."""
     buf = io.BytesIO()
@@ -128,17 +144,11 @@ def test_a_tar_changed_while_streamed_is_not_cached_nor_noted(tmp_path: Path, mo
     src, out = _source(tmp_path, tars=2), tmp_path / "store"
     cfg = load_config(None, SMALL)
     victim = src / "shard-0000.tar"
-    from stages.resize import first_read
 
-    real, changed = first_read.HashingStream.close, []
-
-    def close(self):
-        real(self)
-        if not changed:  # the first tar, once its stream is read: 1 KiB of zeros appended, still a valid tar
-            changed.append(victim)
-            with open(victim, "ab") as f:
-                f.write(b"\0" * 1024)
-    monkeypatch.setattr(first_read.HashingStream, "close", close)
+    def grow(tar: Path) -> None:
+        with open(tar, "ab") as f:
+            f.write(b"\0" * 1024)
+    changed = changed_once_streamed(monkeypatch, victim, grow)
     run = stage.run(cfg, src, out)
     assert run.written == 6 and changed
     note = read_note(Store(out), "images", run.version, NOTE)

@@ -14,7 +14,7 @@ from PIL import Image
 from pipeline.config import load_config
 from stages.resize import first_read, stage
 from store import Store
-from tests.stages.test_resize_first_read import _source
+from tests.stages.test_resize_first_read import _source, changed_once_streamed
 from tests.stages.test_resize_rerun_reads import SMALL
 
 
@@ -43,15 +43,8 @@ def test_a_tar_rewritten_while_streamed_is_rendered_on_the_next_run(tmp_path: Pa
     src, out = _source(tmp_path, tars=2), tmp_path / "store"
     cfg = load_config(None, SMALL)
     victim = src / "shard-0000.tar"
-    real, changed = first_read.HashingStream.close, []
-
-    def close(self):
-        real(self)
-        if not changed:  # the first tar, once streamed: rewritten with other images
-            changed.append(victim)
-            _rewrite(victim, 7)
-    with monkeypatch.context() as m:
-        m.setattr(first_read.HashingStream, "close", close)
+    with monkeypatch.context() as m:  # the first tar, once streamed: rewritten with other images
+        changed = changed_once_streamed(m, victim, lambda tar: _rewrite(tar, 7))
         first = stage.run(cfg, src, out)
     assert first.written == 6 and changed
     again = stage.run(cfg, src, out)

@@ -85,6 +85,17 @@ sys.stdin.readline()
 """
 
 
+def _killed_after_first_line(script: str, url: str, cache: Path) -> Path:
+    """The path a child running `script URL CACHE` prints first; the child is killed with -9 right after."""
+    proc = subprocess.Popen([sys.executable, "-c", script, url, str(cache)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env=_env())
+    try:
+        return Path(proc.stdout.readline().strip())
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+
+
 @pytest.fixture
 def killed_reader(s3_env, store: Store, tmp_path: Path):
     """(the cache, the lease file a reader of the URL killed with -9 left in the cached store, a live reader's lease
@@ -93,13 +104,7 @@ def killed_reader(s3_env, store: Store, tmp_path: Path):
     fill(store, 6)
     push(store.root, s3_env.url())
     cache = tmp_path / "cache"
-    proc = subprocess.Popen([sys.executable, "-c", CACHED_READER, s3_env.url(), str(cache)],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=_env())
-    try:
-        killed = Path(proc.stdout.readline().strip())
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
+    killed = _killed_after_first_line(CACHED_READER, s3_env.url(), cache)
     assert killed.is_file()
     live = lease.hold(killed.parent.parent, {"vae": None}, "this reader")
     yield cache, killed, live
@@ -244,13 +249,7 @@ def test_an_open_removes_the_temp_file_of_a_killed_fetch_and_keeps_a_live_ones(s
     fill(store, 24, shard_size_mb=0.02)
     push(store.root, s3_env.url())
     cache = tmp_path / "cache"
-    proc = subprocess.Popen([sys.executable, "-c", KILLED_FETCHER, s3_env.url(), str(cache)],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=_env())
-    try:
-        killed = Path(proc.stdout.readline().strip())
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
+    killed = _killed_after_first_line(KILLED_FETCHER, s3_env.url(), cache)
     assert FETCH_TAG in killed.name and killed.stat().st_size > 0  # created at its full size, never renamed
     live = killed.with_name(killed.name.split(FETCH_TAG)[0] + f"{FETCH_TAG}{lease.process_tag()}-1")
     live.write_bytes(b"x" * 10)  # a fetch of this (live) process under way
