@@ -54,6 +54,8 @@ def take_back(run_dir: Path, kept: Path) -> Path | None:
     returned) when it holds a trained run, else removed (returns None). The caller holds the run folder's lock."""
     run_dir = Path(run_dir)
     root = previous_root(run_dir)
+    for left in root.glob(".untrained-*"):  # a kill during an earlier take-back's removal; the lock says none is live
+        shutil.rmtree(left, ignore_errors=True)
     moved = None
     if run_dir.exists():
         if holds_trained_run(run_dir):

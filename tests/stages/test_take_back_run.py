@@ -3,6 +3,7 @@ kept in its place) instead of training A afresh; a kill between the swap's two r
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -47,11 +48,12 @@ def test_a_b_a_takes_a_back(store_dir, tiny_edit_model, tmp_path):
 
 
 _KILLED = """
+import json
 import sys
 from pathlib import Path
 from pipeline.config import load_config
 from stages.train.recipe import run
-store, model, out, overrides = sys.argv[1], sys.argv[2], Path(sys.argv[3]), eval(sys.argv[4])
+store, model, out, overrides = sys.argv[1], sys.argv[2], Path(sys.argv[3]), json.loads(sys.argv[4])
 run(load_config(None, overrides), store, model, out, resume=True, skip_if_done=True, new_run=True)
 """
 
@@ -66,7 +68,7 @@ def test_a_kill_between_the_renames_loses_neither(store_dir, tiny_edit_model, tm
 
     env = {**os.environ, "STORE_CRASH_AT": "take_back_between_renames", "PYTHONPATH": str(REPO)}
     args = {**BASE, **{f"train.{k}": v for k, v in A.items()}}
-    done = subprocess.run([sys.executable, "-c", _KILLED, str(store_dir), tiny_edit_model, str(out), repr(args)],
+    done = subprocess.run([sys.executable, "-c", _KILLED, str(store_dir), tiny_edit_model, str(out), json.dumps(args)],
                           env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == -9, done.stderr[-2000:]
     assert not out.exists()  # between the renames: both runs under RUN.previous
@@ -145,3 +147,16 @@ def test_a_train_that_made_run_between_the_renames_stops_the_take_back_in_one_li
     assert len(kept) == 2
     assert_same_lora(lora_of(kept[0]), b)
     assert_same_lora(lora_of(kept[1]), a)
+
+
+def test_a_take_back_removes_what_a_killed_take_back_left_of_an_untrained_run(store_dir, tiny_edit_model, tmp_path):
+    """A kill while a take-back removed an untrained RUN (`RUN.previous/.untrained-*`) left it for good: the next
+    take-back (under RUN's lock: no other is under way) removes it."""
+    out = tmp_path / "run"
+    run_all_train(cfg_of(**A), store_dir, tiny_edit_model, out)
+    run_all_train(cfg_of(**B), store_dir, tiny_edit_model, out)
+    left = previous.previous_root(out) / ".untrained-1-2"
+    (left / "checkpoints").mkdir(parents=True)
+    (left / "checkpoints" / "partial.bin").write_bytes(b"x" * 1024)
+    assert run_all_train(cfg_of(**A), store_dir, tiny_edit_model, out).up_to_date
+    assert not left.exists()
