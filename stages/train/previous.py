@@ -8,8 +8,9 @@ sits beside RUN, not inside it, because moving a folder into its own subfolder t
 recovery step for a kill between them); beside it, RUN stays exactly one run (TensorBoard, `lora merge`, ...).
 
 Taking one back (`take_back`, `pipeline run all` when a kept run is the finished run of the present settings and
-inputs, or with none such, one they resume while RUN holds none): RUN is renamed away first (kept as above when it holds a trained run; else into `RUN.previous/.untrained-*`,
-removed after), then the kept run is renamed to RUN. A kill between the two renames leaves RUN missing and both
+inputs, or with none such, one they resume while RUN holds none): RUN is renamed away first (kept as above when it
+holds a trained run; else into `RUN.previous/.untrained-*`, removed after, or by the next take-back if a kill
+stopped that), then the kept run is renamed to RUN. A kill between the two renames leaves RUN missing and both
 runs under RUN.previous: the rerun finds the same kept run current and renames it back.
 """
 
