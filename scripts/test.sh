@@ -9,9 +9,9 @@ if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; 
 fi
 . .venv/bin/activate
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-# Two test files at a time (pytest-xdist; a file's tests stay in one process, with its module fixtures), the
-# longest files first, one torch thread per process (tests/conftest.py: two processes with torch's default threads
-# oversubscribed the 2 cores). Three at a time, measured before that ordering: 19.0 min against 20.0 for two, not
-# worth the load. Tests that launch ranks take free ports and start them warm (tests/warm_start.py); every test
-# writes under its own tmp_path.
+# Two test files at a time (pytest-xdist; a file's tests stay in one process, with its module fixtures), in
+# xdist's order (tests/conftest.py says why not longest first), one torch thread per process (tests/conftest.py:
+# two processes with torch's default threads oversubscribed the 2 cores). Three at a time, measured before: 19.0 min
+# against 20.0 for two, not worth the load. Tests that launch ranks take free ports and start them warm
+# (tests/warm_start.py); every test writes under its own tmp_path.
 python -m pytest tests -n 2 --dist loadfile "$@"
