@@ -15,15 +15,7 @@ from schemas import UserError
 from stages.train import state as train_state
 from stages.train.current import up_to_date
 from stages.train.recipe import run
-from test_train import assert_same_lora, cfg_of, lora_of
-from train_store import make_train_store, mixed_specs
-
-
-@pytest.fixture(scope="module")
-def store_dir(tmp_path_factory, tiny_edit_model):
-    root = tmp_path_factory.mktemp("attn") / "store"
-    make_train_store(root, tiny_edit_model, mixed_specs(8, 4, masks=True))
-    return root
+from test_train import assert_same_lora, cfg_of, lora_of, store_dir  # noqa: F401 (the fixture: test_train's store)
 
 
 @pytest.fixture(scope="module")

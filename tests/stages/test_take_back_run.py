@@ -13,15 +13,7 @@ import pytest
 
 from stages.train import previous
 from stages.train.recipe import run
-from test_train import REPO, assert_same_lora, cfg_of, lora_of
-from train_store import make_train_store, mixed_specs
-
-
-@pytest.fixture(scope="module")
-def store_dir(tmp_path_factory, tiny_edit_model):
-    root = tmp_path_factory.mktemp("takeback") / "store"
-    make_train_store(root, tiny_edit_model, mixed_specs(8, 4, masks=True))
-    return root
+from test_train import REPO, assert_same_lora, cfg_of, lora_of, store_dir  # noqa: F401 (the fixture: test_train's store)
 
 
 A, B = {"max_steps": 2, "checkpoint_every": 2}, {"max_steps": 2, "checkpoint_every": 2, "learning_rate": 5e-3}
@@ -31,12 +23,17 @@ def run_all_train(cfg, store, model, out):
     return run(cfg, store, model, out, resume=True, skip_if_done=True, new_run=True)
 
 
+def a_then_b(store, model, out):
+    """A trained into OUT, then B (A kept in OUT.previous); their LoRAs."""
+    run_all_train(cfg_of(**A), store, model, out)
+    a = lora_of(out)
+    run_all_train(cfg_of(**B), store, model, out)
+    return a, lora_of(out)
+
+
 def test_a_b_a_takes_a_back(store_dir, tiny_edit_model, tmp_path):
     out = tmp_path / "run"
-    run_all_train(cfg_of(**A), store_dir, tiny_edit_model, out)
-    a = lora_of(out)
-    run_all_train(cfg_of(**B), store_dir, tiny_edit_model, out)
-    b = lora_of(out)
+    a, b = a_then_b(store_dir, tiny_edit_model, out)
     result = run_all_train(cfg_of(**A), store_dir, tiny_edit_model, out)
     assert result.up_to_date and result.kept_previous is not None and not result.losses  # nothing trained
     assert_same_lora(lora_of(out), a)
@@ -60,10 +57,7 @@ run(load_config(None, overrides), store, model, out, resume=True, skip_if_done=T
 
 def test_a_kill_between_the_renames_loses_neither(store_dir, tiny_edit_model, tmp_path):
     out = tmp_path / "run"
-    run_all_train(cfg_of(**A), store_dir, tiny_edit_model, out)
-    a = lora_of(out)
-    run_all_train(cfg_of(**B), store_dir, tiny_edit_model, out)
-    b = lora_of(out)
+    a, b = a_then_b(store_dir, tiny_edit_model, out)
     from test_train import BASE
 
     env = {**os.environ, "STORE_CRASH_AT": "take_back_between_renames", "PYTHONPATH": str(REPO)}
@@ -127,10 +121,7 @@ def test_a_train_that_made_run_between_the_renames_stops_the_take_back_in_one_li
     from store import format as fmt
 
     out = tmp_path / "run"
-    run_all_train(cfg_of(**A), store_dir, tiny_edit_model, out)
-    a = lora_of(out)
-    run_all_train(cfg_of(**B), store_dir, tiny_edit_model, out)
-    b = lora_of(out)
+    a, b = a_then_b(store_dir, tiny_edit_model, out)
     other = []
     real = fmt.crash_point
 
@@ -153,8 +144,7 @@ def test_a_take_back_removes_what_a_killed_take_back_left_of_an_untrained_run(st
     """A kill while a take-back removed an untrained RUN (`RUN.previous/.untrained-*`) left it for good: the next
     take-back (under RUN's lock: no other is under way) removes it."""
     out = tmp_path / "run"
-    run_all_train(cfg_of(**A), store_dir, tiny_edit_model, out)
-    run_all_train(cfg_of(**B), store_dir, tiny_edit_model, out)
+    a_then_b(store_dir, tiny_edit_model, out)
     left = previous.previous_root(out) / ".untrained-1-2"
     (left / "checkpoints").mkdir(parents=True)
     (left / "checkpoints" / "partial.bin").write_bytes(b"x" * 1024)
