@@ -45,7 +45,7 @@ def _stale_lines(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if "is current (resize-bucket has run since)" in r.getMessage()]
 
 
-def test_a_table_of_older_images_is_said_by_train_and_evaluate(tiny_plus_model, tmp_path, caplog):
+def test_a_table_of_older_images_is_said_by_train_and_evaluate(tiny_plus_model, tmp_path, caplog, monkeypatch):
     from stages.evaluate import stage as evaluate
     from stages.train.recipe import run as train
     from store import Store
@@ -60,6 +60,20 @@ def test_a_table_of_older_images_is_said_by_train_and_evaluate(tiny_plus_model, 
                               "but images v2 is current")
     assert "run `pipeline run encode-vae`" in said[0] and "encode-text" not in said[0]
     from features import images_versions
+
+    # a launch: rank 0 says it, the other ranks (which read the same schemas) do not repeat it
+    st = Store(store)
+    readers = {t: st.reader(t) for t in ("text", "vae")}
+    for rank, lines in (("1", 0), ("0", 1)):
+        images_versions._SAID.clear()
+        caplog.clear()
+        monkeypatch.setenv("RANK", rank)
+        with caplog.at_level(logging.WARNING):
+            images_versions.check_images_versions(st, readers, "train")
+        assert len(_stale_lines(caplog)) == lines, (rank, _stale_lines(caplog))
+    monkeypatch.delenv("RANK")
+    for r in readers.values():
+        r.close()
 
     images_versions._SAID.clear()  # as a new process: evaluate says it too
     caplog.clear()
