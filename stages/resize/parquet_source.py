@@ -303,7 +303,7 @@ def iter_parquet(root: str | Path, columns: Any, max_file_bytes: int, known: Any
         for s in _file_samples(path, layouts, max_file_bytes):
             yielded += 1
             yield s
-        if before is not None and known.identity(str(path)) == before:  # not changed while it was read
+        if before is not None and known.identity(str(path), fresh=True) == before:  # not changed while read
             known.note(str(path), before, yielded)
 
 
