@@ -56,7 +56,8 @@ class HashedParquet(io.RawIOBase):
         if end > self._hashed and start < self._hashed + self.keep:  # next in order (a skipped column at most)
             self._advance(end)
         if start >= self._kept_at and end <= self._hashed:
-            out = bytes(self._kept[start - self._kept_at:end - self._kept_at])
+            with memoryview(self._kept) as kept:  # one copy (a bytearray slice is a copy of its own)
+                out = bytes(kept[start - self._kept_at:end - self._kept_at])
         else:  # dropped already (a row group over KEEP), or far ahead: from the file (hashed in its turn)
             self.raw.seek(start)
             out = self.raw.read(end - start)
