@@ -1,6 +1,7 @@
-"""Local tars a run reads for the first time are read once, not twice: their sha256 (for the source listing hash,
-content.py, and the source-tars note, known_tars.py) is taken from the bytes the reader streams, not by a pass of
-its own before.
+"""Local tars and parquet files a run reads for the first time are read once, not twice: their sha256 (for the
+source listing hash, content.py, and the source-tars / source-parquet note, known_tars.py) is taken from the bytes
+the reader reads (a tar's stream, `HashingStream`; a parquet file's reads, hashed_parquet.py), not by a pass of its
+own before. Below, "tar" stands for either.
 
 Which tars (`pending_tars`): local tars the file-hash cache does not know (no read: models/file_hashes.py's rule)
 and the source-tars note of the newest complete `images` version does not name. A tar that note names is hashed
@@ -30,7 +31,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Callable
 
 from models.file_hashes import FileHashes
-from stages.resize.known_tars import NOTE, TABLE
+from stages.resize.known_tars import NOTE, PARQUET_NOTE, TABLE
 from stages.resize.shards import is_url, shard_urls
 
 if TYPE_CHECKING:
@@ -41,18 +42,21 @@ CHUNK = 1 << 20
 
 
 def pending_tars(st: Store, source: str | Path, fmt: str) -> frozenset[str]:
-    """The source's local tars to hash while they are streamed (module doc); none for other formats and in a
-    `store repair`, which must find the damaged version's exact lineage up front."""
+    """The source's local tars (parquet files) to hash while they are read (module doc); none for other formats
+    and in a `store repair`, which must find the damaged version's exact lineage up front."""
+    from stages.resize.parquet_source import parquet_files
     from store import repair_context
     from store.version_notes import read_note
 
-    if fmt != "webdataset" or repair_context.active():
+    if fmt not in ("webdataset", "parquet") or repair_context.active() or (fmt == "parquet" and is_url(source)):
         return frozenset()
-    tars = [t for t in shard_urls(source) if not is_url(t)]
+    tars = [t for t in shard_urls(source) if not is_url(t)] if fmt == "webdataset" else \
+        [str(f) for f in parquet_files(source)]
     if not tars:
         return frozenset()
     newest = st.newest_complete(TABLE)
-    note = read_note(st, TABLE, newest[0], NOTE) if newest is not None else None
+    note = read_note(st, TABLE, newest[0], NOTE if fmt == "webdataset" else PARQUET_NOTE) \
+        if newest is not None else None
     named = note.get("tars") if isinstance(note, dict) else None
     named = named if isinstance(named, dict) else {}
     if newest is not None and not any(t in named for t in tars):
@@ -72,6 +76,16 @@ def pending_tars(st: Store, source: str | Path, fmt: str) -> frozenset[str]:
                 continue
             out.add(str(Path(t)))
     return frozenset(out)
+
+
+def file_stamp(path: str | Path) -> tuple[int, int, int, int] | None:
+    """What must be the same when a tar's read ends as when it began for its hash to stand (the cache's
+    `learn` checks it again at the commit); None when it is gone or unreadable (the reader says so)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino
 
 
 def stamp(path: str | Path) -> str:
@@ -133,7 +147,7 @@ def settling(st: Store, fmt_name: str, pending: frozenset[str], want: dict,
     from store import format as fmt
     from store import repair_context
 
-    if fmt_name != "webdataset" or repair_context.active():
+    if fmt_name not in ("webdataset", "parquet") or repair_context.active():
         return None
     found = []
     for v in reversed(fmt.list_versions(st.root, TABLE)):

@@ -27,11 +27,14 @@ A local parquet source's files are judged by the same rules (`parquet_kind`, not
 file, every row of it a row, is not read beyond its footer (parquet_source.iter_parquet checks each file's columns
 from it); a changed file is read whole (a rewritten parquet file's row groups shift, and their bytes are not
 hashed apart: finding the unchanged ones would take a read of each anyway). Its note also records resize.columns
-(not in the render lineage: another mapping reads other cells, so a note of another one carries nothing).
+(not in the render lineage: another mapping reads other cells, so a note of another one carries nothing). A parquet
+file at a URL is judged too (`Kind.urls`), by the sha256 of its URL, size and content tag, the identity the listing
+hash already trusts for it (tars at URLs are not, yet: the same rule would do for them).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import stat
 from dataclasses import dataclass
@@ -67,6 +70,7 @@ class Kind:
     note: str = NOTE
     reader_revision: int | None = None  # None: the tar reader's `READER`, as it is when read
     settings: dict | None = None  # recorded; a note with other ones carries nothing
+    urls: bool = False  # files at URLs judged too, by their size and content tag (`KnownTars.identity`)
 
     @property
     def reader(self) -> int:
@@ -74,7 +78,7 @@ class Kind:
 
 
 def parquet_kind(columns: Any) -> Kind:
-    return Kind(PARQUET_NOTE, PARQUET_READER, {"columns": columns.model_dump(mode="json")})
+    return Kind(PARQUET_NOTE, PARQUET_READER, {"columns": columns.model_dump(mode="json")}, urls=True)
 
 
 class KnownTars:
@@ -88,11 +92,21 @@ class KnownTars:
         # streamed whole and unchanged meanwhile: cached just before the commit
         self.pending: frozenset[str] = frozenset()
         self.streamed: dict[str, tuple[str, os.stat_result]] = {}
+        self._urls: dict[str, str | None] = {}  # url -> its identity, asked once a run (`fresh` asks again)
 
-    def identity(self, tar: str) -> str | None:
-        """The tar's sha256 by the cache's rule, not read; None where it is not known or would not be read."""
+    def identity(self, tar: str, fresh: bool = False) -> str | None:
+        """The tar's sha256 by the cache's rule, not read; None where it is not known or would not be read. A file
+        at a URL (`kind.urls`): the sha256 of its URL, size and content tag (ETag, Content-MD5 or Last-Modified, as
+        the listing hash has them: shards.remote_tag), one metadata request; None when the server sends no tag
+        (the listing then hashes its bytes: nothing here says it is unchanged without a read)."""
+        if is_url(tar):
+            if not self.kind.urls:
+                return None
+            if fresh or tar not in self._urls:
+                self._urls[tar] = _remote_identity(tar)
+            return self._urls[tar]
         try:
-            if is_url(tar) or not os.access(tar, os.R_OK) or not stat.S_ISREG(os.stat(tar).st_mode):
+            if not os.access(tar, os.R_OK) or not stat.S_ISREG(os.stat(tar).st_mode):
                 return None
             tar.encode("utf-8")  # a name that is not UTF-8 has no cache row
             return self._hashes.cached(tar)
@@ -164,6 +178,17 @@ def known_tars(st: Store, rendered_before: dict[str, str], hashes: FileHashes, m
             i += 1
     return KnownTars(hashes, {t: recorded[t] for t in unchanged}, rows,
                      {t: idx for t, idx in by_tar.items() if t not in read_whole}, kind)
+
+
+def _remote_identity(url: str) -> str | None:
+    from schemas import UserError
+    from stages.resize.shards import remote_tag
+
+    try:
+        size, tag = remote_tag(url)
+    except (UserError, OSError):  # gone, or the server unreachable: read it (the reader says what is wrong)
+        return None
+    return hashlib.sha256(f"{url}\0{size} {tag}".encode()).hexdigest() if tag is not None else None
 
 
 def note_value(known: KnownTars, max_file_bytes: int) -> dict:

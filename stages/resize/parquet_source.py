@@ -9,10 +9,16 @@ image datasets in row groups of 100 rows), never the whole file. Rows become `So
 the stage judges like every other format: a null or oversized image, a path without bytes, a non-text
 instruction quarantines the row with the same reasons as a file would; a missing or mistyped mapped column is
 the user's to fix (one UserError naming the column and the file).
+
+Within `remembered_footers()` (one resize-bucket run) each file's footer is read once, shared by the bar's row
+count, the column check and the reader (three reads before). A local file read for the first time is hashed from
+the bytes its reader reads (hashed_parquet.py, first_read.py).
 """
 
 from __future__ import annotations
 
+import bisect
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -108,15 +114,47 @@ def _server_errors(path: Any) -> Iterator[None]:
             raise
 
 
+_footers: dict[Any, Any] | None = None  # footer key -> pyarrow FileMetaData, within remembered_footers()
+
+
+@contextmanager
+def remembered_footers() -> Iterator[None]:
+    """Footers read in this block are reused in it (one resize-bucket run)."""
+    global _footers
+    outer = _footers
+    if _footers is None:
+        _footers = {}
+    try:
+        yield
+    finally:
+        _footers = outer
+
+
+def _footer(path: Any) -> Any:
+    """The file's metadata (pyarrow FileMetaData), its footer read once within remembered_footers(): a local file
+    by its path and stat (a file changed since is read anew), a URL by itself (its footer fetched once a run)."""
+    import pyarrow.parquet as pq
+
+    if is_url(path):
+        key: Any = str(path)
+    else:
+        st = os.stat(path)
+        key = (str(path), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
+    if _footers is not None and key in _footers:
+        return _footers[key]
+    md = pq.read_metadata(_open(path))
+    if _footers is not None:
+        _footers[key] = md
+    return md
+
+
 def _stem(path: Any) -> str:
     return Path(str(path).rsplit("/", 1)[-1]).stem
 
 
 def count_rows(root: str | Path) -> int:
     """Rows of every file, from the footers alone."""
-    import pyarrow.parquet as pq
-
-    return sum(pq.ParquetFile(_open(f)).metadata.num_rows for f in parquet_files(root))
+    return sum(_footer(f).num_rows for f in parquet_files(root))
 
 
 @dataclass
@@ -243,7 +281,7 @@ def iter_parquet(root: str | Path, columns: Any, max_file_bytes: int, known: Any
     for path in files:  # every file's mapping checked from its footer before the first row is read
         try:
             with _server_errors(path):
-                schema = pq.read_schema(_open(path))
+                schema = _footer(path).schema.to_arrow_schema()
         except (pa.ArrowException, OSError):
             continue  # quarantined below
         layouts[path] = _layout(schema, columns, path)
@@ -257,13 +295,44 @@ def iter_parquet(root: str | Path, columns: Any, max_file_bytes: int, known: Any
                                    reread=partial(_reread_row, path, int(no), layouts[path], max_file_bytes))
             known.note(str(path), sha, len(rows))
             continue
+        if known is not None and str(path) in known.pending:  # read for the first time: hashed as it is read
+            yield from _hashed_file(path, layouts, max_file_bytes, known)
+            continue
         before = known.identity(str(path)) if known is not None else None
         yielded = 0
         for s in _file_samples(path, layouts, max_file_bytes):
             yielded += 1
             yield s
-        if before is not None and known.identity(str(path)) == before:  # not changed while it was read
+        if before is not None and known.identity(str(path), fresh=True) == before:  # not changed while read
             known.note(str(path), before, yielded)
+
+
+def _hashed_file(path: Path, layouts: dict, max_file_bytes: int, known: Any) -> Iterator[Any]:
+    """A local file's rows, its sha256 taken from the same bytes (hashed_parquet.py): noted as read, and kept for
+    the cache, when it was read whole and is unchanged since its read began (first_read.py)."""
+    from stages.resize.first_read import file_stamp
+    from stages.resize.hashed_parquet import HashedParquet
+    from stages.resize.sources import SourceSample
+
+    before = file_stamp(path)
+    try:
+        stream = HashedParquet(path)
+    except OSError as e:
+        yield SourceSample(name=_stem(path), source=str(path), problem=f"cannot open parquet file: {e}")
+        return
+    yielded = 0
+    with stream:
+        for s in _file_samples(path, layouts, max_file_bytes, stream):
+            yielded += 1
+            yield s
+        try:
+            stream.finish()  # the bytes no batch read (unmapped columns, the footer): the whole file's hash
+        except OSError:  # shortened while read: not whole, not noted (read again next run)
+            pass
+    digest = stream.digest()
+    if digest is not None and before is not None and file_stamp(path) == before:
+        known.streamed[str(path)] = (digest, os.stat(path))
+        known.note(str(path), digest, yielded)
 
 
 def _reread_row(path: Path, no: int, lay: _Layout, max_file_bytes: int) -> Any:
@@ -273,7 +342,7 @@ def _reread_row(path: Path, no: int, lay: _Layout, max_file_bytes: int) -> Any:
     from stages.resize.sources import SourceSample
 
     try:
-        with pq.ParquetFile(_open(path)) as pf:
+        with pq.ParquetFile(_open(path), metadata=_footer(path)) as pf:
             first = 0
             for g in range(pf.metadata.num_row_groups):
                 n = pf.metadata.row_group(g).num_rows
@@ -288,8 +357,9 @@ def _reread_row(path: Path, no: int, lay: _Layout, max_file_bytes: int) -> Any:
                         f"{path} (the file changed while this run read it); rerun")
 
 
-def _file_samples(path: Any, layouts: dict, max_file_bytes: int) -> Iterator[Any]:
-    """Every row of one file, read in batches of its mapped columns."""
+def _file_samples(path: Any, layouts: dict, max_file_bytes: int, hashed: Any = None) -> Iterator[Any]:
+    """Every row of one file, read in batches of its mapped columns; through `hashed` (hashed_parquet.HashedParquet)
+    when given, told after each batch which bytes no later batch reads."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -297,9 +367,12 @@ def _file_samples(path: Any, layouts: dict, max_file_bytes: int) -> Iterator[Any
 
     try:
         # buffered column-chunk reads: a row group's chunk is streamed, not read whole before decoding
-        with _server_errors(path):
-            pf = pq.ParquetFile(_open(path), buffer_size=8 << 20, pre_buffer=False)
         lay = layouts[path]
+        with _server_errors(path):
+            md = _footer(path)
+            pf = pq.ParquetFile(hashed if hashed is not None else _open(path), metadata=md, buffer_size=8 << 20,
+                                pre_buffer=False)
+        starts = _group_starts(md) if hashed is not None and md.num_row_groups else None
     except (pa.ArrowException, OSError, KeyError) as e:
         yield SourceSample(name=_stem(path), source=str(path), problem=f"cannot open parquet file: {e}")
         return
@@ -310,8 +383,23 @@ def _file_samples(path: Any, layouts: dict, max_file_bytes: int) -> Iterator[Any
                 for row in batch.to_pylist():
                     yield _sample(row, lay, path, no, max_file_bytes)
                     no += 1
+                if starts:  # the next batch starts in the last row group beginning at or before row `no`
+                    hashed.release(starts[1][bisect.bisect_right(starts[0], no) - 1])
         except (pa.ArrowException, OSError) as e:
             if is_url(path) and is_transport_error(e):
                 raise
             yield SourceSample(name=f"{_stem(path)}:{no}", source=f"{path}:{no}",
                                problem=f"parquet file is truncated or corrupt from row {no} on: {e}")
+
+
+def _group_starts(md: Any) -> tuple[list[int], list[int]]:
+    """The first row and the first byte (its column chunks' lowest page offset) of each row group."""
+    rows, firsts, row = [], [], 0
+    for g in range(md.num_row_groups):
+        rg = md.row_group(g)
+        chunks = [rg.column(i) for i in range(rg.num_columns)]
+        firsts.append(min(min(c.data_page_offset, c.dictionary_page_offset or c.data_page_offset)
+                          if c.has_dictionary_page else c.data_page_offset for c in chunks) if chunks else 0)
+        rows.append(row)
+        row += rg.num_rows
+    return rows, firsts

@@ -92,19 +92,25 @@ def open_shard(url: str) -> IO[bytes]:
     return gopen(url, "rb")
 
 
-def remote_identity(url: str) -> str:
-    """`size tag` of a shard at a URL, from the server's metadata; the sha256 of its bytes when it has no tag."""
+def remote_tag(url: str) -> tuple[Any, str | None]:
+    """(size, content tag or None) of a shard at a URL, from the server's metadata: one request."""
     fs, path = remote_fs(url)
     with remote_source_errors(url):
         info = fs.info(path)
     tag = next((f"{k}={info[k]}" for k in (*_REMOTE_TAGS, *(k.lower() for k in _REMOTE_TAGS)) if info.get(k)), None)
+    return info.get("size"), tag
+
+
+def remote_identity(url: str) -> str:
+    """`size tag` of a shard at a URL, from the server's metadata; the sha256 of its bytes when it has no tag."""
+    size, tag = remote_tag(url)
     if tag is None:  # nothing says whether it changed: its bytes do
         h = hashlib.sha256()
         with open_shard(url) as f:
             while chunk := f.read(1 << 20):
                 h.update(chunk)
         tag = f"sha256={h.hexdigest()}"
-    return f"{info.get('size')} {tag}"
+    return f"{size} {tag}"
 
 
 def remote_listing(urls: list[str]) -> list[str]:

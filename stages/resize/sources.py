@@ -537,7 +537,7 @@ def iter_webdataset(root: str | Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYT
 def _hashed_shard(tar: str, max_file_bytes: int, done: Done, known: Any) -> Iterator[SourceSample]:
     """A local tar's samples, its sha256 taken from the same bytes (first_read.py): noted as read, and kept for
     the cache, when it was streamed whole and is unchanged since its stream began."""
-    from stages.resize.first_read import HashingStream
+    from stages.resize.first_read import HashingStream, file_stamp
 
     streams: list[HashingStream] = []
 
@@ -545,19 +545,12 @@ def _hashed_shard(tar: str, max_file_bytes: int, done: Done, known: Any) -> Iter
         streams.append(HashingStream(open_shard(url)))
         return streams[-1]
 
-    def stamp() -> tuple[int, int, int, int] | None:
-        try:
-            st = os.stat(tar)
-        except OSError:  # gone or unreadable: the reader says so (its sample quarantined), nothing noted
-            return None
-        return st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino
-
-    before, count = stamp(), 0
+    before, count = file_stamp(tar), 0
     for s in _shard_samples(tar, max_file_bytes, done, opener=opened):
         count += 1
         yield s
     digest = streams[0].digest() if streams else None
-    if digest is not None and before is not None and stamp() == before:
+    if digest is not None and before is not None and file_stamp(tar) == before:
         known.streamed[tar] = (digest, os.stat(tar))
         known.note(tar, digest, count)
 

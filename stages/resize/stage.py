@@ -36,6 +36,7 @@ from stages.resize.content import Listing, content_listing_hash
 from stages.resize.first_read import pending_tars, record_pending, settle_listing, settling
 from stages.resize.known_sources import clean_caption
 from stages.resize.folder_listing import remembered
+from stages.resize.parquet_source import remembered_footers
 from stages.resize.moved_source import Moved, recorded_source
 from stages.resize.sources import SourceSample, detect_format, iter_source
 from store.row_rule import RowRule
@@ -142,8 +143,9 @@ class ResizeSummary:
 
 
 def run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> ResizeSummary:
-    # a folder source is listed once for the listing hash, the bar's total and the reader (folder_listing.py)
-    with remembered():
+    # a folder source is listed once for the listing hash, the bar's total and the reader (folder_listing.py); a
+    # parquet file's footer read once for the bar's total, the column check and the reader (parquet_source.py)
+    with remembered(), remembered_footers():
         return _run(cfg, source, store)
 
 
@@ -159,7 +161,7 @@ def _run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> 
     started = time.perf_counter()
     fmt = detect_format(source)
     st = st if st is not None else Store(store)
-    # local tars read for the first time: hashed while streamed, the version's lineage settled at its commit
+    # local tars / parquet files read for the first time: hashed while read, the lineage settled at the commit
     pending = pending_tars(st, source, fmt)
 
     def provisional(tars: frozenset[str]) -> tuple[TableSchema, Listing]:

@@ -150,3 +150,38 @@ def test_a_carried_row_met_after_its_copy_is_read_from_its_row_group(tmp_path: P
     size = (src / "part-1.parquet").stat().st_size
     assert FOOTERS < counts["part-1.parquet"] < FOOTERS + size / 2  # one row group of 3 rows, not the file
     _same_as_fresh(tmp_path, out, src, {})
+
+
+def test_files_at_a_url_are_judged_by_their_size_and_etag(s3_env, tmp_path: Path, monkeypatch) -> None:
+    """Parquet objects on the S3 test server, a val_fraction rerun: an unchanged object is carried by the identity
+    the listing hash uses (URL, size, ETag), its footer alone fetched (before: every image cell again, a download
+    of the dataset); an object put again with other rows is read whole. The table equals a fresh run's."""
+    from collections import Counter
+
+    import s3fs
+
+    src, out = _source(tmp_path), tmp_path / "store"
+    client = s3_env.client()
+    for f in sorted(src.glob("*.parquet")):
+        client.put_object(Bucket=s3_env.bucket, Key=f"data/{f.name}", Body=f.read_bytes())
+    url = f"s3://{s3_env.bucket}/data"
+    assert stage.run(load_config(None, SMALL), url, out).written == 2 * ROWS
+    new = pq.read_table(src / "part-1.parquet")  # part-1 put again with other captions: other samples
+    pq.write_table(new.set_column(2, "caption", pa.array([f"new {i}" for i in range(ROWS)])), tmp_path / "new.parquet")
+    client.put_object(Bucket=s3_env.bucket, Key="data/part-1.parquet", Body=(tmp_path / "new.parquet").read_bytes())
+
+    fetched, real = Counter(), s3fs.core.S3File._fetch_range
+
+    def fetch(self, start, end):  # the bytes asked of the server, per object
+        fetched[self.path.rsplit("/", 1)[-1]] += end - start
+        return real(self, start, end)
+    monkeypatch.setattr(s3fs.core.S3File, "_fetch_range", fetch)
+    over = {"resize.val_fraction": 0.5}
+    again = stage.run(load_config(None, {**SMALL, **over}), url, out)
+    assert (again.written, again.reused) == (ROWS, ROWS)
+    size = (src / "part-0.parquet").stat().st_size
+    assert size > 10 * FOOTERS and fetched["part-0.parquet"] <= FOOTERS / 3, fetched
+    assert fetched["part-1.parquet"] > 0.9 * (tmp_path / "new.parquet").stat().st_size, fetched
+    fresh = tmp_path / "fresh"
+    stage.run(load_config(None, {**SMALL, **over}), url, fresh)
+    assert _rows(Store(out)) == _rows(Store(fresh)) and _quarantine(Store(out)) == _quarantine(Store(fresh))
