@@ -35,7 +35,8 @@ class Listing:
     def __init__(self) -> None:
         self.lines: list[tuple[str | None, str, str]] = []  # (local path or None, name or URL line, digest)
 
-    def hash(self, settled: dict[str, str] | None = None) -> str:
+    def hash(self, settled: dict[str, str] | None = None, unread: frozenset[str] = frozenset()) -> str:
+        """`unread`: files a read error kept from being read whole; each adds a line no hash pass writes."""
         h = hashlib.sha256()
         for path, name, digest in self.lines:
             if path is None:
@@ -43,6 +44,8 @@ class Listing:
                 continue
             digest = (settled or {}).get(path, digest)
             h.update(f"{name}\0{digest}\n".encode("utf-8", "surrogateescape"))
+        for path in sorted(unread):
+            h.update(f"read error\0{path}\n".encode("utf-8", "surrogateescape"))
         return h.hexdigest()[:16]
 
 

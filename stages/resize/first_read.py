@@ -99,10 +99,14 @@ class HashingStream:
     and padding, or what a truncated read left) is read into the hash too, so `digest` is the whole file's."""
 
     def __init__(self, raw: IO[bytes]) -> None:
-        self.raw, self._h, self.whole = raw, hashlib.sha256(), False
+        self.raw, self._h, self.whole, self._failed = raw, hashlib.sha256(), False, False
 
     def read(self, n: int = -1) -> bytes:
-        b = self.raw.read(n)
+        try:
+            b = self.raw.read(n)
+        except OSError:  # a read error (EIO): the bytes it skipped are not in the hash, which is no file's then
+            self._failed = True
+            raise
         self._h.update(b)
         return b
 
@@ -112,7 +116,7 @@ class HashingStream:
         try:
             while b := self.raw.read(CHUNK):
                 self._h.update(b)
-            self.whole = True
+            self.whole = not self._failed
         finally:
             self.raw.close()
 
@@ -177,13 +181,16 @@ def settling(st: Store, fmt_name: str, pending: frozenset[str], want: dict,
 
 
 def settle_listing(writer: Any, streamed: dict[str, tuple[str, os.stat_result]], pending: frozenset[str],
-                   listing: Any, schema_for: Callable[[str], TableSchema]) -> TableSchema:
+                   listing: Any, schema_for: Callable[[str], TableSchema],
+                   unread: frozenset[str] = frozenset()) -> TableSchema:
     """Before the commit of a version written under a provisional listing (`listing`, content.Listing: its lines
     as hashed at the run's start): the streamed tars' sha256 cached, the listing hash made again with them in
     place of their stamps, the version's schema.json rewritten with `schema_for(listing)`, which is returned, and
     its record of pending tars removed (module doc). A pending tar not streamed whole, or changed since its stream
     began, gets a stand-in no run computes: its rows hold the bytes read then, not those there now, so the next run
-    reads it again (a hash of it now would call that run up to date)."""
+    reads it again (a hash of it now would call that run up to date). So does every file of `unread` (any format:
+    a read error kept samples of it out of the version; its line stays, a stand-in line is added), whether or not
+    any tar was pending: the version is not the one of a source read whole."""
     from store import format as fmt
 
     with FileHashes() as hashes:
@@ -192,7 +199,7 @@ def settle_listing(writer: Any, streamed: dict[str, tuple[str, os.stat_result]],
     fmt.crash_point("listing_cached")
     settled = {path: learned.get(path, f"changed while read: {digest}")
                for path, _, digest in listing.lines if path in pending}
-    schema = schema_for(listing.hash(settled))
+    schema = schema_for(listing.hash(settled, unread))
     fmt.atomic_write_json(writer.dir / fmt.SCHEMA_JSON, schema.to_dict())
     writer.schema = schema
     fmt.crash_point("listing_rewritten")

@@ -77,6 +77,9 @@ class SourceSample:
     # a sample an earlier version holds, its files unchanged (known_sources.py): only its caption read, no image
     known: Any = None  # known_sources.Known
     reread: Any = None  # with `known`: a callable giving the sample with its bytes read, for the stage's rare needs
+    # the local file (a folder/JSONL file, a tar) whose read failed (problem_kind "read-error": EIO, EACCES): the
+    # version does not count it as read, so a rerun reads it again (stage.py). Its real name, for the listing lines.
+    unread: str | None = None
 
 
 def detect_format(source: str | Path) -> str:
@@ -192,9 +195,24 @@ def source_files(source: str | Path) -> list[Path]:
 
 
 class _Problem(Exception):
-    def __init__(self, message: str, kind: str = "bad-source") -> None:
+    def __init__(self, message: str, kind: str = "bad-source", unread: Path | None = None) -> None:
         super().__init__(message)
-        self.kind = kind
+        self.kind, self.unread = kind, unread
+
+
+# What an OSError says about a path that names no file: the source's fault (a wrong JSONL path), not the disk's.
+_NO_FILE = frozenset({errno.ENOENT, errno.ENOTDIR, errno.ENAMETOOLONG, errno.ELOOP})
+READ_ERROR_HINT = ("a disk, network or permission error, not bad data: this version does not count the file as read, "
+                   "so a rerun once it reads again adds the sample")
+
+
+def _read_failed(what: str, path: Path, e: OSError) -> _Problem:
+    """A file the reader could not read: `read-error` (EIO, EACCES, ...: retried by a rerun), unless the path names
+    no file (`bad-source`)."""
+    if e.errno in _NO_FILE:
+        return _Problem(f"{what} file {path} cannot be read: {e.strerror or e}")
+    return _Problem(f"{what} file {path} could not be read: {e.strerror or e} (errno {e.errno}); {READ_ERROR_HINT}",
+                    "read-error", path)
 
 
 def read_source_file(path: Path, root: Path | None, max_bytes: int, what: str = "file") -> bytes:
@@ -209,7 +227,7 @@ def read_source_file(path: Path, root: Path | None, max_bytes: int, what: str = 
         # O_NONBLOCK: opening a FIFO must not wait for a writer; the mode is checked on the open file (no race)
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError as e:
-        raise _Problem(f"{what} file {path} cannot be read: {e.strerror or e}") from None
+        raise _read_failed(what, path, e) from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
@@ -227,7 +245,7 @@ def read_source_file(path: Path, root: Path | None, max_bytes: int, what: str = 
             raise _Problem(f"{what} {path} is over resize.max_file_bytes ({max_bytes})", "file-too-large")
         return data
     except OSError as e:
-        raise _Problem(f"{what} file {path} cannot be read: {e.strerror or e}") from None
+        raise _read_failed(what, path, e) from None
     finally:
         os.close(fd)
 
@@ -398,7 +416,7 @@ def _read_folder_sample(s: SourceSample, f: _FolderFiles, max_file_bytes: int) -
             s.mask = read(f.mask, "mask")
             s.files.append(str(f.mask))
     except _Problem as e:
-        s.problem, s.problem_kind = str(e), e.kind
+        s.problem, s.problem_kind, s.unread = str(e), e.kind, e.unread and str(e.unread)
     return s
 
 
@@ -526,11 +544,12 @@ def iter_webdataset(root: str | Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYT
             yield from _hashed_shard(tar, max_file_bytes, done or {}, known)
             continue
         before = known.identity(tar) if known is not None else None
-        count = 0
+        count, failed = 0, False
         for s in _shard_samples(tar, max_file_bytes, done or {}):
-            count += 1
+            count, failed = count + 1, failed or s.problem_kind == "read-error"
             yield s
-        if before is not None and known.identity(tar) == before:  # not changed while it was streamed
+        # not changed while it was streamed, and read whole (a read error: not noted, so a rerun reads it again)
+        if before is not None and not failed and known.identity(tar) == before:
             known.note(tar, before, count)
 
 
@@ -545,12 +564,12 @@ def _hashed_shard(tar: str, max_file_bytes: int, done: Done, known: Any) -> Iter
         streams.append(HashingStream(open_shard(url)))
         return streams[-1]
 
-    before, count = file_stamp(tar), 0
+    before, count, failed = file_stamp(tar), 0, False
     for s in _shard_samples(tar, max_file_bytes, done, opener=opened):
-        count += 1
+        count, failed = count + 1, failed or s.problem_kind == "read-error"
         yield s
     digest = streams[0].digest() if streams else None
-    if digest is not None and before is not None and file_stamp(tar) == before:
+    if digest is not None and not failed and before is not None and file_stamp(tar) == before:
         known.streamed[tar] = (digest, os.stat(tar))
         known.note(tar, digest, count)
 
@@ -564,6 +583,9 @@ def _shard_samples(tar: str, max_file_bytes: int, done: Done,
     except (tarfile.TarError, OSError) as e:
         if stream is not None:
             _close_shard(tar, stream)  # a failed transfer (e.g. curl's exit status) stops the run instead
+        if isinstance(e, OSError) and e.errno not in _NO_FILE and not is_url(tar):
+            yield from _unread_rest(tar, -1, None, done, e)  # EACCES, EIO: the disk's, not the data's
+            return
         yield SourceSample(name=Path(tar).stem, source=tar, problem=f"cannot open tar: {e}")
         return
     yield from _tar_samples(tar, tf, stream, max_file_bytes, done)
@@ -587,9 +609,11 @@ def _tar_samples(tar: str, tf: tarfile.TarFile, stream: Any, max_file_bytes: int
     key: str | None = None
     members: dict[str, bytes] = {}
     bad: list[str] = []
+    at, failed = -1, None  # the header offset of the last member met; the local read error that ended the stream
     try:
         with tf:
             for m in tf:
+                at = m.offset
                 if m.isdir() or dot_member(m.name):
                     continue
                 k, ext = _split_member(m.name)
@@ -621,13 +645,47 @@ def _tar_samples(tar: str, tf: tarfile.TarFile, stream: Any, max_file_bytes: int
         if not isinstance(e, OSError):
             raise
         _close_shard(tar, stream)
-        bad.append(f"tar is truncated or corrupt: {e}")
+        failed = e  # the disk's error, not the data's: this sample and the rest of the tar are not read
     else:
         _close_shard(tar, stream)
-    if key is not None:
+    if failed is not None:
+        yield from _unread_rest(tar, at, key, done, failed)
+    elif key is not None:
         yield _sample_from_members(key, f"{tar}:{key}", members, bad, done)
     elif bad:
         yield SourceSample(name=Path(tar).stem, source=tar, problem="; ".join(bad))
+
+
+def _unread_rest(tar: str, after: int, key: str | None, done: Done, error: OSError) -> Iterator[SourceSample]:
+    """The samples a local read error (EIO, EACCES) kept from being read: `key`'s, whose members it cut, and those
+    after it, named by a walk of the tar's headers past header offset `after` (a bad sector mostly spoils one
+    member's data); each a `read-error` sample (a resumed run's written ones: as written). Headers that cannot be
+    read either: one row for the rest of the tar. Never silently missing, never "corrupt": a rerun reads them."""
+    why = f"{error.strerror or error} (errno {error.errno}); {READ_ERROR_HINT}"
+
+    def unread(k: str, what: str) -> SourceSample:
+        source = f"{tar}:{k}"
+        if (done_key := _done_key(done, source)) is not None:
+            return SourceSample(name=k, source=source, done_key=done_key)
+        return SourceSample(name=k, source=source, problem=f"{what} {tar}: {why}", problem_kind="read-error",
+                            unread=tar)
+
+    if key is not None:
+        yield unread(key, "a member of this sample could not be read from")
+    last = key
+    try:
+        with tarfile.open(tar, mode="r:") as tf:  # uncompressed: seeks header to header, member data unread
+            for m in tf:
+                if m.offset <= after or m.isdir() or dot_member(m.name):
+                    continue
+                k = _split_member(m.name)[0]
+                if k != last:  # a run of members sharing a key is a sample
+                    yield unread(k, "not read: a read error earlier in")
+                last = k
+    except (OSError, tarfile.TarError, EOFError) as e:
+        yield SourceSample(name=Path(tar).stem, source=tar, problem_kind="read-error", unread=tar, problem=(
+            f"the rest of the tar after {'key ' + repr(last) if last is not None else 'its start'} could not be "
+            f"read (its headers neither: {type(e).__name__}: {e}), how many samples it holds is not known: {why}"))
 
 
 def _close_shard(tar: str, stream: Any) -> None:
@@ -731,7 +789,7 @@ def _read_jsonl_sample(s: SourceSample, obj: dict, line: str, base: Path, max_fi
             s.mask = _read_ref(base, obj["mask"], "mask")
             s.files.append(str(_resolve(base, obj["mask"])))
     except _Problem as e:
-        s.problem, s.problem_kind = str(e), e.kind
+        s.problem, s.problem_kind, s.unread = str(e), e.kind, e.unread and str(e.unread)
         return s
     s.source = f"{line} ({obj['target']})"
     text = _jsonl_caption(obj)
@@ -781,6 +839,6 @@ def _read_jsonl_ref(base: Path, rel: object, what: str, max_file_bytes: int) -> 
     except _Problem as e:
         hint = foreign_path_hint(rel)
         if hint and not os.path.lexists(_resolve(base, rel)):
-            raise _Problem(f"{e}; {rel!r} {hint}", e.kind) from None
+            raise _Problem(f"{e}; {rel!r} {hint}", e.kind, e.unread) from None
         raise
 

@@ -123,6 +123,10 @@ class ResizeSummary:
             + (": " + ", ".join(f"{r} {c}" for r, c in sorted(self.quarantined.items())) if n_q else "")
             + (f" (rows in {self.quarantine_file})" if n_q and self.quarantine_file else "")
         )
+        if self.quarantined["read-error"]:  # the disk's failure, not the data's: said apart from the quarantine
+            lines.append(f"could not read {self.quarantined['read-error']} sample(s) (reason read-error: a disk, "
+                         "network or permission error, not bad data); this version does not count their files as "
+                         "read: rerun once they read again to add them (the rest is carried, not re-rendered)")
         shown = 5  # every pair is in the quarantine file; the summary names the first few
         for kept, dropped in self.duplicates[:shown]:
             lines.append(f"duplicate: kept {kept}, dropped {dropped} (same target, controls and caption)")
@@ -185,7 +189,7 @@ def _run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> 
                              sizes=sizes_in_force(rc.model_dump()), store=str(st.root), newer_current=newer,
                              source=str(source), source_before=before if before not in ("", str(source)) else "")
     repairing = _damaged_current(st)
-    _say_why_new(st, schema)
+    _say_why_new(st, schema, pending)
     moved = _adopted(st, schema)
     writer = st.writer(TABLE, schema, shard_size_mb=rc.shard_size_mb)
     intake = _Intake(ResizeSummary(version=writer.version, quarantine_file=str(st.root / "quarantine.parquet"),
@@ -195,9 +199,13 @@ def _run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> 
         record_pending(writer, pending)
         carry = _render_source(source, fmt, rc, writer, _rendered_before(st, schema), intake, st, pending)
         _carry_forward(st, writer, schema, carry, intake.summary)
-        if pending:  # before the commit: the lineage of the bytes streamed (first_read.py)
-            settle_listing(writer, intake.tars.streamed, pending, listing, lambda hashed:
-                           _as_repair_expects(images_schema(rc, hashed, source=str(source), source_format=fmt)))
+        if intake.unread:
+            _refuse_unread_repair(intake)
+        if pending or intake.unread:  # before the commit: the lineage of the bytes streamed (first_read.py)
+            settle_listing(writer, intake.tars.streamed if intake.tars is not None else {}, pending, listing,
+                           lambda hashed: _as_repair_expects(images_schema(rc, hashed, source=str(source),
+                                                                           source_format=fmt)),
+                           frozenset(intake.unread))
         _commit(st, writer, source, intake)
     finally:
         writer.close()
@@ -214,6 +222,17 @@ def _run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> 
 
 
 # ---------------------------------------------------------------- the steps of `run`
+
+
+def _refuse_unread_repair(intake: _Intake) -> None:
+    """`store repair` rebuilds a damaged version under its own lineage, which says every file was read: with
+    samples a read error kept out it would pass for whole. It stops instead; rerun it once the disk reads again."""
+    from store import repair_context
+
+    if repair_context.active():
+        raise UserError(f"store repair: {intake.summary.quarantined['read-error']} source sample(s) could not be read "
+                        f"(e.g. {sorted(intake.unread)[0]}: a disk, network or permission error; rows with reason "
+                        "read-error in the quarantine); make the files readable and rerun the repair")
 
 
 def _named_source(source: str | Path) -> str | Path:
@@ -259,9 +278,14 @@ class _Intake:
     tars: Any = None  # known_tars.KnownTars of a webdataset or parquet source: its files' record, with the version
     max_file_bytes: int = 0  # resize.max_file_bytes the tars were read under (recorded with them)
     max_image_pixels: int = 0  # the limit every row of the version is within (recorded with it: pixel_limit.py)
+    # local files a read error kept from being read whole (`read-error`): the version's listing does not count
+    # them as read (first_read.settle_listing), so a rerun reads them again
+    unread: set[str] = field(default_factory=set)
 
     def reject(self, rec: SourceSample, r: Rejected) -> dict[str, Any]:
         row = {"key": r.key, "source": rec.source, "stage": STAGE, "reason": r.reason, "detail": r.detail}
+        if rec.unread is not None:
+            self.unread.add(rec.unread)
         self.rejects.append(row)
         self.summary.quarantined[r.reason] += 1
         if r.reason == "duplicate" and r.key in self.first_source:
@@ -439,10 +463,12 @@ def _unchanged_by_fixes(st: Store, schema: TableSchema) -> int | None:
         else None
 
 
-def _say_why_new(st: Store, schema: TableSchema) -> None:
+def _say_why_new(st: Store, schema: TableSchema, pending: frozenset[str] = frozenset()) -> None:
     """One line: what differs between this run and the newest complete `images` version (its resize settings,
     named; the source's listing; the code revision), as the encoders and train say it (`schemas.up_to_date`).
-    Nothing when there is none or nothing differs (a version recorded as damaged: re-rendered, said below)."""
+    Nothing when there is none or nothing differs (a version recorded as damaged: re-rendered, said below).
+    With tars or parquet files hashed as they are read (`pending`: first_read.py) the listing hash now is provisional, one the
+    version will not have: the line says that instead of printing it."""
     from schemas import up_to_date
     from store import repair_context
 
@@ -450,7 +476,12 @@ def _say_why_new(st: Store, schema: TableSchema) -> None:
     if newest is None or repair_context.active():
         return
     version, before = newest
-    differences = up_to_date.lineage_differences(before.lineage, schema.lineage, {
+    lineage = schema.lineage
+    if pending:
+        settings, _, _ = lineage.config_hash.partition("-")
+        lineage = replace(lineage, config_hash=f"{settings}-(hashed as its {len(pending)} file(s) new to this store "
+                                               "are read)")
+    differences = up_to_date.lineage_differences(before.lineage, lineage, {
         "settings": "resize settings", "data": "source listing (its files and their bytes)"})
     if isinstance(before.attrs.get("resize"), dict) and differences:
         differences += up_to_date.changed_settings(before.attrs["resize"], schema.attrs["resize"], "resize",

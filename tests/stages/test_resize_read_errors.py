@@ -1,0 +1,239 @@
+"""A local read error (EIO: a failing disk; EACCES) is not bad data (stages/resize/sources.py `_unread_rest`,
+`read_source_file`): every sample it kept from being read is a `read-error` quarantine row naming the file and
+the OS error (before: a tar's current sample was "truncated or corrupt" and the rest of the tar silently missing),
+the version does not count the file as read (first_read.settle_listing's stand-in line), and a rerun once the disk
+reads again adds exactly those samples, the others carried, not rendered again: the store then equals a clean
+run's. The fault is raised at a chosen byte by the stream the reader reads (the tar shard's, a source file's)."""
+
+from __future__ import annotations
+
+import errno
+import io
+import json
+import os
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from models.file_hashes import FileHashes
+from pipeline.config import load_config
+from stages.resize import sources, stage
+from stages.resize.content import content_listing_hash
+from store import Store
+from tests.stages.test_resize_rerun_reads import SMALL, _quarantine, _rows
+
+
+def _png(i: int, side: int = 64) -> bytes:
+    """Noise, ~12 KB: a member spans more than one of tarfile's 10 KiB stream reads, so a fault in one sample's
+    data surfaces there, not in the read of an earlier one's."""
+    buf = io.BytesIO()
+    pixels = np.random.default_rng(i).integers(0, 256, (side, side + i, 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _tars(src: Path, tars: int = 2, per_tar: int = 3) -> None:
+    src.mkdir(exist_ok=True)
+    for t in range(tars):
+        with tarfile.open(src / f"shard-{t}.tar", "w", format=tarfile.USTAR_FORMAT) as tf:
+            for i in range(per_tar):
+                for name, data in ((f"s{t}_{i}.png", _png(3 * t + i)), (f"s{t}_{i}.control.png", _png(9 + i)),
+                                   (f"s{t}_{i}.txt", f"edit {t} {i}".encode())):
+                    info = tarfile.TarInfo(name)
+                    info.size, info.mtime, info.mode = len(data), 0, 0o644
+                    tf.addfile(info, io.BytesIO(data))
+
+
+class _Failing(io.RawIOBase):
+    """A file whose reads end with EIO once they reach byte `at` (later reads fail too: a bad sector)."""
+
+    def __init__(self, raw, at: int) -> None:
+        self.raw, self.at = raw, at
+
+    def readinto(self, b) -> int:
+        pos = self.raw.tell()
+        if pos + len(b) > self.at:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return self.raw.readinto(b)
+
+    def readable(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        self.raw.close()
+        super().close()
+
+
+def _failing_tar(monkeypatch, victim: Path, at: int) -> None:
+    """The reader's stream of `victim` fails at byte `at` (the header walk, tarfile's own open, reads it fine)."""
+    real = sources.open_shard
+
+    def opened(url: str):
+        f = real(url)
+        return io.BufferedReader(_Failing(f, at)) if Path(url) == victim else f
+    monkeypatch.setattr(sources, "open_shard", opened)
+
+
+def _data_offset(tar: Path, member: str) -> int:
+    with tarfile.open(tar) as tf:
+        return tf.getmember(member).offset_data
+
+
+@pytest.mark.parametrize("hashed_first", [False, True], ids=["first-read", "hashed-first"])
+def test_a_tar_read_error_quarantines_each_unread_sample_and_a_rerun_adds_them(tmp_path, monkeypatch,
+                                                                                hashed_first) -> None:
+    src, out, clean = tmp_path / "src", tmp_path / "store", tmp_path / "clean"
+    _tars(src)
+    victim = src / "shard-1.tar"
+    if hashed_first:  # the tars in the hash cache: the listing is the real one, no tar streamed for its hash
+        with FileHashes() as h:
+            for t in sorted(src.glob("*.tar")):
+                h.sha256(t)
+    cfg = load_config(None, SMALL)
+    with monkeypatch.context() as m:
+        _failing_tar(m, victim, _data_offset(victim, "s1_1.control.png") + 10)
+        first = stage.run(cfg, src, out)
+    assert first.written == 4 and dict(first.quarantined) == {"read-error": 2}
+    q = {r["source"]: r for r in Store(out).quarantine().to_pylist()}
+    assert sorted(q) == [f"{victim}:s1_1", f"{victim}:s1_2"]  # the cut sample and the one after it, both named
+    assert all(str(victim) in r["detail"] and "Input/output error" in r["detail"] for r in q.values())
+    assert "could not read 2 sample(s)" in str(first) and "rerun" in str(first)
+
+    rendered = []
+    real_render = stage.render
+    monkeypatch.setattr(stage, "render", lambda rec, *a, **k: rendered.append(rec.source) or real_render(rec, *a, **k))
+    again = stage.run(cfg, src, out)  # the disk reads again
+    assert not again.up_to_date and again.version == first.version + 1
+    assert again.written == 2 and again.reused == 4 and not again.quarantined
+    assert sorted(rendered) == [f"{victim}:s1_1", f"{victim}:s1_2"]  # the good samples carried, not rendered
+    assert stage.run(cfg, src, out).up_to_date
+
+    stage.run(cfg, src, clean)
+    assert _rows(Store(out)) == _rows(Store(clean))
+    schemas = [json.loads((Store(o).version_dir("images", v) / "schema.json").read_text())
+               for o, v in ((out, again.version), (clean, 1))]
+    assert schemas[0]["lineage"] == schemas[1]["lineage"]  # the lineage of the source read whole
+
+
+def test_a_tar_whose_headers_fail_too_has_one_row_for_its_rest(tmp_path, monkeypatch) -> None:
+    """When the header walk past the failure fails as well, the rest of the tar is one row, not silence."""
+    src, out = tmp_path / "src", tmp_path / "store"
+    _tars(src, tars=1)
+    victim = src / "shard-0.tar"
+    at = _data_offset(victim, "s0_1.control.png") + 10
+    _failing_tar(monkeypatch, victim, at)
+    real_open = tarfile.open
+
+    def walk(name=None, mode="r", *a, **k):  # the seeking header walk (the bar's count, `_unread_rest`) fails too
+        if name is not None and Path(name) == victim and mode == "r:":
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real_open(name, mode, *a, **k)
+    monkeypatch.setattr(tarfile, "open", walk)
+    s = stage.run(load_config(None, SMALL), src, out)
+    rows = {r["source"]: r for r in Store(out).quarantine().to_pylist()}
+    assert s.written == 1 and sorted(rows) == [str(victim), f"{victim}:s0_1"]
+    assert {r["reason"] for r in rows.values()} == {"read-error"}
+    assert "the rest of the tar after key 's0_1'" in rows[str(victim)]["detail"]
+
+
+def _folder(src: Path) -> None:
+    for i in range(3):
+        for d, data in (("target", _png(i)), ("control", _png(5 + i))):
+            (src / d).mkdir(parents=True, exist_ok=True)
+            (src / d / f"s{i}.png").write_bytes(data)
+        (src / "target" / f"s{i}.txt").write_text(f"edit {i}")
+
+
+def _jsonl(src: Path) -> None:
+    src.mkdir()
+    lines = []
+    for i in range(3):
+        (src / f"t{i}.png").write_bytes(_png(i))
+        (src / f"c{i}.png").write_bytes(_png(5 + i))
+        lines.append(json.dumps({"target": f"t{i}.png", "controls": [f"c{i}.png"], "caption": f"edit {i}"}))
+    (src / "data.jsonl").write_text("\n".join(lines) + "\n")
+
+
+class _FaultyOs:
+    """`os` as sources.py sees it, its `fdopen` of `victim` giving a file that fails at byte `at`."""
+
+    def __init__(self, victim: Path, at: int) -> None:
+        self.victim, self.at = victim, at
+
+    def __getattr__(self, name):
+        return getattr(os, name)
+
+    def fdopen(self, fd, mode="r", *a, **k):
+        f = os.fdopen(fd, mode, *a, **k)
+        if os.readlink(f"/proc/self/fd/{fd}") == str(self.victim):
+            return io.BufferedReader(_Failing(f, self.at))
+        return f
+
+
+@pytest.mark.parametrize("fmt", ["folder", "jsonl"])
+def test_a_file_read_error_is_a_read_error_row_and_a_rerun_reads_it(tmp_path, monkeypatch, fmt) -> None:
+    src, out, clean = tmp_path / "src", tmp_path / "store", tmp_path / "clean"
+    (_folder if fmt == "folder" else _jsonl)(src)
+    victim = (src / "control" / "s1.png") if fmt == "folder" else (src / "c1.png")
+    cfg = load_config(None, SMALL)
+    with monkeypatch.context() as m:  # the listing hash (before) read it fine: the reader's read fails
+        m.setattr(sources, "os", _FaultyOs(victim, 100))
+        first = stage.run(cfg, src, out)
+    [q] = Store(out).quarantine().to_pylist()
+    assert first.written == 2 and q["reason"] == "read-error"
+    assert str(victim) in q["detail"] and "Input/output error" in q["detail"]
+    assert "could not read 1 sample(s)" in str(first)
+
+    again = stage.run(cfg, src, out)
+    assert not again.up_to_date and again.written == 1 and again.reused == 2 and not again.quarantined
+    assert stage.run(cfg, src, out).up_to_date
+    stage.run(cfg, src, clean)
+    assert _rows(Store(out)) == _rows(Store(clean))
+    assert _quarantine(Store(clean)) == []
+
+
+def test_the_new_version_line_names_no_provisional_listing(tmp_path, capsys) -> None:
+    """A tar added to a source is hashed as it is read (first_read.py): the listing hash before the run is a
+    provisional one the version never has; the "why new" line says so instead of printing it."""
+    src, out = tmp_path / "src", tmp_path / "store"
+    _tars(src, tars=1)
+    cfg = load_config(None, SMALL)
+    stage.run(cfg, src, out)
+    _tars(tmp_path / "more", tars=2)
+    (tmp_path / "more" / "shard-1.tar").rename(src / "shard-1.tar")
+    provisional = content_listing_hash(src.resolve(), frozenset({str(src.resolve() / "shard-1.tar")}))
+    capsys.readouterr()
+    second = stage.run(cfg, src, out)
+    said = capsys.readouterr()
+    line = next(ln for ln in (said.out + said.err).splitlines() if "is not this run's" in ln)
+    assert second.written == 3 and provisional not in line
+    assert "hashed as its 1 file(s) new to this store are read" in line
+
+
+def test_store_repair_stops_on_a_read_error_and_repairs_once_it_reads(tmp_path, monkeypatch) -> None:
+    """A repair commits under the damaged version's own lineage, which says every file was read: with a sample a
+    read error kept out it would pass for whole. It stops with one line; once the file reads, it repairs."""
+    import yaml
+    from typer.testing import CliRunner
+
+    from damage import HEADER, flip_bit, key_at, sample_byte
+    from pipeline.cli import app
+
+    src, store, config = tmp_path / "src", tmp_path / "store", tmp_path / "config.yaml"
+    _folder(src)
+    config.write_text(yaml.safe_dump({"resize": {k.split(".", 1)[1]: v for k, v in SMALL.items()}}))
+    stage.run(load_config(config), src, store)
+    key = key_at(store, "images", 1)
+    victim = Path(Store(store).reader("images").meta(key)["source"])
+    flip_bit(*sample_byte(store, "images", key, HEADER, 3), 5)
+    runner = CliRunner()
+    with monkeypatch.context() as m:
+        m.setattr(sources, "os", _FaultyOs(victim, 100))
+        res = runner.invoke(app, ["store", "repair", str(store), "--config", str(config)])
+    assert res.exit_code == 1 and "store repair: 1 source sample(s) could not be read" in res.output, res.output
+    res = runner.invoke(app, ["store", "repair", str(store), "--config", str(config)])
+    assert res.exit_code == 0, res.output
+    assert len(Store(store).reader("images").keys()) == 3
