@@ -114,7 +114,8 @@ class HashingStream:
         if self.raw.closed:
             return
         try:
-            while b := self.raw.read(CHUNK):
+            # after a read error the digest is no file's: the rest of a large tar is not read for nothing
+            while not self._failed and (b := self.raw.read(CHUNK)):
                 self._h.update(b)
             self.whole = not self._failed
         finally:
@@ -131,11 +132,21 @@ class HashingStream:
 PENDING_JSON = ".provisional-tars.json"
 
 
+# Beside the schema.json of a version a read error kept files out of, written just before it is rewritten with that
+# lineage (`settle_listing`): the schema the version was opened with and the tars pending then. A run killed from
+# there to the commit leaves a schema no rerun computes (its listing names the unread files); the rerun finds the
+# version by this record (`settling`), puts the opened schema back and resumes it, rather than rendering all anew.
+# A committed version keeps it (listed in its checksums, read by nothing).
+READ_ERRORS_JSON = ".read-errors.json"
+
+
 def record_pending(writer: Any, pending: frozenset[str]) -> None:
     """The record of the opened version's pending tars; with none, a record a run killed after its schema.json
-    rewrite left is removed (the version resumes under its final lineage, and commits without it)."""
+    rewrite left is removed (the version resumes under its final lineage, and commits without it). A read-error
+    record a killed run left goes too: this run's settling writes it again if files still fail."""
     from store import format as fmt
 
+    (writer.dir / READ_ERRORS_JSON).unlink(missing_ok=True)
     if pending:
         fmt.atomic_write_json(writer.dir / PENDING_JSON, {"tars": sorted(pending)})
     else:
@@ -147,11 +158,12 @@ def settling(st: Store, fmt_name: str, pending: frozenset[str], want: dict,
     """(pending tars, (schema, listing)) of an in-progress version a killed run left between the cache write and
     the schema.json rewrite (its record names the tars; `provisional(tars)` gives the schema they stand for now,
     equal to its schema.json while they are unchanged); None when there is none, or when an in-progress version
-    of `want` (this run's schema) is there to resume anyway."""
+    of `want` (this run's schema) is there to resume anyway. A version killed after a rewrite that marked files a
+    read error kept out (READ_ERRORS_JSON) is judged by the schema it was opened with, which is put back."""
     from store import format as fmt
     from store import repair_context
 
-    if fmt_name not in ("webdataset", "parquet") or repair_context.active():
+    if repair_context.active():
         return None
     found = []
     for v in reversed(fmt.list_versions(st.root, TABLE)):
@@ -160,15 +172,23 @@ def settling(st: Store, fmt_name: str, pending: frozenset[str], want: dict,
             continue
         try:
             schema = fmt.read_json(vdir / fmt.SCHEMA_JSON, "schema.json")
+            record = fmt.read_json(vdir / READ_ERRORS_JSON, READ_ERRORS_JSON) \
+                if (vdir / READ_ERRORS_JSON).is_file() else None
         except Exception:  # noqa: BLE001 - a damaged in-progress folder is the writer's to judge, not this look's
             continue
         if schema == want:
             return None
-        if (vdir / PENDING_JSON).is_file():
-            found.append((vdir, schema))
-    for vdir, schema in found:
+        opened = record.get("opened") if isinstance(record, dict) else None
+        if opened is not None and opened == want:
+            _reopen(st, vdir, opened)
+            return None
+        if opened is not None and isinstance(record.get("tars"), list) and record["tars"]:
+            found.append((vdir, opened, record))  # its schema.json is the read-error one, its pending record aside
+        elif (vdir / PENDING_JSON).is_file():
+            found.append((vdir, schema, None))
+    for vdir, schema, record in found:
         try:
-            tars = fmt.read_json(vdir / PENDING_JSON, PENDING_JSON)["tars"]
+            tars = record["tars"] if record is not None else fmt.read_json(vdir / PENDING_JSON, PENDING_JSON)["tars"]
             tars = frozenset(str(t) for t in tars)
         except Exception:  # noqa: BLE001 - a hand-edited record: that version is not resumed, as before
             continue
@@ -176,8 +196,26 @@ def settling(st: Store, fmt_name: str, pending: frozenset[str], want: dict,
             continue
         made = provisional(tars)
         if made[0].to_dict() == schema:
+            if record is not None:
+                _reopen(st, vdir, schema)
             return tars, made
     return None
+
+
+def _reopen(st: Store, vdir: Path, opened: dict) -> None:
+    """The schema a version was opened with put back over its read-error one (READ_ERRORS_JSON), under the
+    table's writer lock, for this run's writer to resume it."""
+    from store import format as fmt
+    from store.writer_open import lock_rank
+
+    lock = lock_rank(st.root, TABLE, 0)
+    try:
+        if not fmt.is_complete(vdir) and (vdir / READ_ERRORS_JSON).is_file():
+            fmt.atomic_write_json(vdir / fmt.SCHEMA_JSON, opened)
+            (vdir / READ_ERRORS_JSON).unlink()
+            fmt.fsync_dir(vdir)
+    finally:
+        lock.release()
 
 
 def settle_listing(writer: Any, streamed: dict[str, tuple[str, os.stat_result]], pending: frozenset[str],
@@ -200,6 +238,9 @@ def settle_listing(writer: Any, streamed: dict[str, tuple[str, os.stat_result]],
     settled = {path: learned.get(path, f"changed while read: {digest}")
                for path, _, digest in listing.lines if path in pending}
     schema = schema_for(listing.hash(settled, unread))
+    if unread:  # a kill from here to the commit: the rerun finds the version by what it was opened as (`settling`)
+        fmt.atomic_write_json(writer.dir / READ_ERRORS_JSON,
+                              {"opened": writer.schema.to_dict(), "tars": sorted(pending)})
     fmt.atomic_write_json(writer.dir / fmt.SCHEMA_JSON, schema.to_dict())
     writer.schema = schema
     fmt.crash_point("listing_rewritten")

@@ -237,3 +237,41 @@ def test_store_repair_stops_on_a_read_error_and_repairs_once_it_reads(tmp_path, 
     res = runner.invoke(app, ["store", "repair", str(store), "--config", str(config)])
     assert res.exit_code == 0, res.output
     assert len(Store(store).reader("images").keys()) == 3
+
+
+class _Killed(BaseException):
+    pass
+
+
+@pytest.mark.parametrize("fmt", ["folder", "tars"])
+def test_a_run_killed_after_its_read_error_lineage_was_written_resumes(tmp_path, monkeypatch, fmt) -> None:
+    """A kill between the schema rewrite that marks the files a read error kept out and the commit: the rerun (the
+    disk reads again) resumes that version, its rendered samples kept, rather than rendering everything anew."""
+    from store import format as store_format
+
+    src, out, clean = tmp_path / "src", tmp_path / "store", tmp_path / "clean"
+    cfg = load_config(None, SMALL)
+    real_crash = store_format.crash_point
+
+    def crash(name: str) -> None:
+        if name == "listing_rewritten":
+            raise _Killed
+        real_crash(name)
+    with monkeypatch.context() as m:
+        m.setattr(store_format, "crash_point", crash)
+        if fmt == "folder":
+            _folder(src)
+            m.setattr(sources, "os", _FaultyOs(src / "control" / "s1.png", 100))
+        else:  # first read: the tars hashed as streamed, the failed one not
+            _tars(src)
+            victim = src / "shard-1.tar"
+            _failing_tar(m, victim, _data_offset(victim, "s1_1.control.png") + 10)
+        with pytest.raises(_Killed):
+            stage.run(cfg, src, out)
+    again = stage.run(cfg, src, out)
+    good = 2 if fmt == "folder" else 4
+    assert (again.version, again.resumed, again.written) == (1, good, 1 if fmt == "folder" else 2)
+    assert not (Store(out).version_dir("images", 1) / ".read-errors.json").exists()
+    assert stage.run(cfg, src, out).up_to_date
+    stage.run(cfg, src, clean)
+    assert _rows(Store(out)) == _rows(Store(clean))
