@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import save_file
 
 from models.canonical_safetensors import canonicalize
-from models.lora import lora_weight_file, module_scale, read_lora
+from models.lora import lora_weight_file, module_scale, provenance, read_lora
 from schemas.errors import UserError
 
 COMFY_PREFIX = "diffusion_model."
@@ -94,7 +94,9 @@ def export_lora(lora: str | Path, fmt: str, out: str | Path) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp")
     try:
-        save_file(state, tmp, metadata={"format": "pt", "exported_by": "qwen-edit-lora-pipeline", "target": "comfyui"})
+        # ComfyUI ignores metadata; this project's loaders read the base and family from it (refused / warned)
+        save_file(state, tmp, metadata={"format": "pt", "exported_by": "qwen-edit-lora-pipeline", "target": "comfyui",
+                                        **provenance(lora)})
         canonicalize(tmp)  # the same LoRA exports the same bytes (one sha256 to publish), as `save_lora` writes
         tmp.replace(out)
     except BaseException:  # a full disk or a kill mid-write: no partial file left beside --out
