@@ -159,6 +159,14 @@ _FOLDED_KEY = "alpha_folded_into_lora_B"
 _CLASS_KEY = "base_model_class"
 
 
+def provenance(lora: str | Path) -> dict[str, str]:
+    """The metadata that says which model a LoRA was trained on (its base fingerprint, its transformer class), for
+    a writer of another format to carry over: without them a converted file applied to another model family or
+    base without a word."""
+    meta = _metadata(lora_weight_file(lora), None)
+    return {k: meta[k] for k in (_BASE_KEY, _CLASS_KEY) if isinstance(meta.get(k), str)}
+
+
 def _transformer_class(transformer) -> str:
     return type(getattr(transformer, "_orig_mod", transformer)).__name__  # torch.compile wraps it
 

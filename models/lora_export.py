@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import save_file
 
 from models.canonical_safetensors import canonicalize
-from models.lora import module_scale, read_lora
+from models.lora import lora_weight_file, module_scale, provenance, read_lora
 from schemas.errors import UserError
 
 COMFY_PREFIX = "diffusion_model."
@@ -49,6 +49,7 @@ def comfyui_state_dict(lora: str | Path) -> dict[str, torch.Tensor]:
     other = [k for k in state if not k.endswith((".lora_A.weight", ".lora_B.weight"))]
     if other:
         raise UserError(f"{lora}: keys other than lora_A/lora_B ({other[:3]}): not a plain LoRA")
+    _check_pairs(lora, state)
     out: dict[str, torch.Tensor] = {}
     for key, a in state.items():
         if not key.endswith(".lora_A.weight"):
@@ -61,17 +62,41 @@ def comfyui_state_dict(lora: str | Path) -> dict[str, torch.Tensor]:
     return out
 
 
+def _check_pairs(lora: str | Path, state: dict[str, torch.Tensor]) -> None:
+    """Every module's lora_A with its lora_B, of one rank: the loaders refuse such a file (missing keys, shapes),
+    but the export wrote it: a lone lora_B dropped without a word (a module gone from the ComfyUI file), a lone
+    lora_A a KeyError traceback, ranks that differ a file no runtime can apply."""
+    def modules(suffix: str) -> set[str]:
+        return {k[: -len(suffix)] for k in state if k.endswith(suffix)}
+
+    a, b = modules(".lora_A.weight"), modules(".lora_B.weight")
+    if a != b:
+        lone = sorted(a ^ b)
+        raise UserError(f"{lora}: {len(lone)} module(s) have only one of lora_A / lora_B (e.g. {lone[0]}): the file "
+                        "is cut or damaged; export an intact copy (RUN/lora, or a checkpoint's)")
+    if bad := sorted(m for m in a if state[f"{m}.lora_A.weight"].shape[0] != state[f"{m}.lora_B.weight"].shape[-1]):
+        raise UserError(f"{lora}: lora_A and lora_B of {bad[0]} have different ranks "
+                        f"({state[f'{bad[0]}.lora_A.weight'].shape[0]} vs {state[f'{bad[0]}.lora_B.weight'].shape[-1]}): "
+                        "the file is damaged; export an intact copy")
+
+
 def export_lora(lora: str | Path, fmt: str, out: str | Path) -> Path:
     if fmt not in FORMATS:
         raise UserError(f"unknown export format {fmt!r}: use one of {', '.join(FORMATS)}")
     out = Path(out)
     if out.suffix != ".safetensors":
         raise UserError(f"--out {out}: the export is one .safetensors file; name it *.safetensors")
+    source = lora_weight_file(lora)
+    if out.resolve() == source.resolve() or (out.exists() and out.samefile(source)):
+        raise UserError(f"--out {out} is the LoRA being exported ({source}): the export would replace it; pass "
+                        "another --out")
     state = comfyui_state_dict(lora)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp")
     try:
-        save_file(state, tmp, metadata={"format": "pt", "exported_by": "qwen-edit-lora-pipeline", "target": "comfyui"})
+        # ComfyUI ignores metadata; this project's loaders read the base and family from it (refused / warned)
+        save_file(state, tmp, metadata={"format": "pt", "exported_by": "qwen-edit-lora-pipeline", "target": "comfyui",
+                                        **provenance(lora)})
         canonicalize(tmp)  # the same LoRA exports the same bytes (one sha256 to publish), as `save_lora` writes
         tmp.replace(out)
     except BaseException:  # a full disk or a kill mid-write: no partial file left beside --out

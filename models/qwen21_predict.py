@@ -126,6 +126,10 @@ def check_reference_grid(image_processor, height: int, width: int, area: int) ->
     def kept(h: int, w: int) -> bool:
         return smart_resize(h, w, factor, min_pixels, max_pixels) == (h, w)
 
+    if min(height, width) < 1 or max(height, width) / min(height, width) > 200:  # smart_resize's own limit / 0
+        raise UserError(f"a reference sized {width}x{height} px (output area {area} px) is too elongated for the "
+                        "model's VLM processor (at most 200:1, no side 0 px): crop it, or pass a larger --height / "
+                        "--width (predict) or height / width (evaluate.extra_prompts)")
     if not kept(height, width):
         from diffusers.pipelines.qwenimage21.pipeline_qwenimage21 import calculate_dimensions
 

@@ -414,7 +414,13 @@ def open_dataset(path: str | Path):
     from schemas.errors import UserError
 
     _zarr()
-    ds = xr.open_zarr(path, consolidated=True)
+    try:
+        ds = xr.open_zarr(path, consolidated=True)
+    except (ValueError, TypeError, KeyError, AttributeError) as e:  # json's JSONDecodeError is a ValueError
+        # the commit record (root zarr.json) cut, overwritten or not a consolidated group: json's or zarr's traceback
+        raise UserError(f"{path}: its zarr.json is damaged or not a loss array's ({type(e).__name__}: {e}); move "
+                        f"{path} aside and rerun `pipeline run evaluate` for that report (its checkpoints are "
+                        "evaluated again)") from None
     try:
         ds = ds.load()  # small (see `_verify`); a damaged chunk is found here, not as numbers in a page
     except ValueError as e:

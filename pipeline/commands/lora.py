@@ -42,6 +42,8 @@ def merge(
 
     with user_errors(out):
         refuse_a_non_empty(out)  # before the LoRA's base check hashes the model (minutes for a 40 GB one)
+        if Path(model).expanduser().is_dir():  # a hub id: checked once resolved (merge_lora)
+            refuse_inside_model(out, Path(model).expanduser())
         check_writable(out.parent, f"--out {out}")  # and the folder the fused model goes to
         checked_lora(lora, model, strict_base)
         path = merge_lora(model, lora, out, scale=scale, dtype=dtype, device=device)
@@ -63,6 +65,7 @@ def merge_lora(model: str, lora: Path, out: Path, scale: float = 1.0, dtype: str
     out = Path(out)
     refuse_a_non_empty(out)
     root = resolve_model(model)
+    refuse_inside_model(out, root)
     transformer = fused_transformer(model, lora, scale, parse_dtype(dtype, device) if dtype else None, device)
     with atomic_dir(out) as tmp:
         for child in root.iterdir():
@@ -81,6 +84,16 @@ def refuse_a_non_empty(out: Path) -> None:
     out = Path(out)
     if out.exists() and any(out.iterdir()):  # a file: NotADirectoryError, named by user_errors
         raise UserError(f"output folder {out} exists and is not empty; pass a new folder")
+
+
+def refuse_inside_model(out: Path, root: Path) -> None:
+    """OUT inside the model folder: the merge links the folder's every entry into OUT's temp folder, which is one
+    of them (a traceback once the path grew too long), and a model folder holding another model is no longer
+    that model."""
+    from schemas.errors import UserError
+
+    if Path(out).resolve().is_relative_to(Path(root).resolve()):
+        raise UserError(f"--out {out} is inside the model folder {root}: pass a folder outside it")
 
 
 def save_transformer(transformer, folder: Path, max_shard_size: int | str = "10GB") -> None:

@@ -72,6 +72,8 @@ def command(
             "predict.devices.vae": vae_device,
         },
     )
+    with usage_errors():  # an --out that would destroy an input or cannot be a file: before any loading
+        check_out_path(out, list(image))
     _check_local_model(model, len(image), out, cfg.predict.steps)
     with user_errors(out):
         if lora:
@@ -79,6 +81,65 @@ def command(
         path = predict(cfg.predict, model, list(image), prompt, out, str(lora) if lora else None, lora_scale,
                        height, width)
     echo(f"wrote {path}")
+
+
+def check_out_path(out: Path, images: list[Path]) -> None:
+    """A UserError when OUT names one of the control images (the edit replaced the user's own photo, without a
+    word) or an existing folder (PIL's IsADirectoryError, a traceback after every denoising step)."""
+    from schemas.errors import UserError
+
+    out = Path(out)
+    for image in images:
+        if Path(image).resolve() == out.resolve() or (out.exists() and Path(image).exists()
+                                                      and out.samefile(image)):
+            raise UserError(f"--out {out} is the control image --image {image}: the edit would replace it; "
+                            "pass another --out")
+    if out.is_dir():
+        raise UserError(f"--out {out} is a folder; pass the image file to write, e.g. {out / 'edited.png'}")
+
+
+# The vision-language processors' limit (transformers' Qwen2-VL `smart_resize`, which Qwen3-VL's uses too): a
+# longer side over 200x the shorter raises there, after the models have loaded.
+MAX_VL_ASPECT = 200
+
+
+def check_control_shapes(paths: list[Path], images: list, variant: str) -> None:
+    """A UserError naming the control whose views the pipeline cannot make: one whose ~384² (Edit-Plus) or ~1024²
+    (Edit) view the stock resize rounds to 0 px, or whose view for the text encoder is beyond the processor's
+    aspect limit. Before, PIL's or transformers' ValueError, a traceback after every model had loaded."""
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions as edit_dims
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import calculate_dimensions as plus_dims
+
+    from models.edit import VAE_AREA, VL_AREA_PLUS
+    from models.loading import pipeline_family
+    from schemas.errors import UserError
+
+    for path, image in zip(paths, images):
+        w, h = image.size
+        ratio = w / h
+        if variant == "qwen-image-2.1":  # the processor sees the reference as it is
+            views, to_processor = [(w, h)], [(w, h)]
+        elif pipeline_family(variant) == "edit-plus":
+            to_processor = [plus_dims(VL_AREA_PLUS, ratio)]
+            views = to_processor + [plus_dims(VAE_AREA, ratio)]
+        else:  # one ~1024² view for the text encoder and the VAE
+            views = to_processor = [edit_dims(VAE_AREA, ratio)[:2]]
+        if any(min(v) < 1 for v in views) or any(max(v) / min(v) > MAX_VL_ASPECT for v in to_processor):
+            raise UserError(f"--image {path}: {w}x{h} px is too elongated for the model (its view for the text "
+                            f"encoder must be within {MAX_VL_ASPECT}:1, and no side may round to 0 px); crop it "
+                            "to a less extreme aspect ratio")
+
+
+def save_image(image, out: Path) -> None:
+    """OUT whole or not at all (temp file + rename): a kill or a full disk mid-save left a cut PNG there, or
+    replaced the previous image at that name with one."""
+    import io
+
+    from store.format import atomic_write_bytes
+
+    buf = io.BytesIO()
+    image.save(buf, format=image_format(out))
+    atomic_write_bytes(Path(out), buf.getvalue())
 
 
 def _check_local_model(model: str, n_images: int, out: Path, steps: int) -> None:
@@ -127,6 +188,7 @@ def predict(cfg, model: str, images: list[Path], prompt: str, out: Path, lora: s
 
     from store.io_errors import check_writable
 
+    check_out_path(out, images)
     check_writable(Path(out).parent, f"--out {out}")  # so is the folder it goes to (before it was found at the save)
     # before minutes of loading and denoising (the CLI: when parsed, and for a model folder here right after)
     check_for_model(model, len(images), out, cfg.steps)
@@ -137,6 +199,7 @@ def predict(cfg, model: str, images: list[Path], prompt: str, out: Path, lora: s
     # shown on its side, a transparent cutout not on the black its transparent pixels store.
     keep_alpha = model_variant(model) == "qwen-image-2.1"
     pil = [read_image_file(p, keep_alpha, what="--image") for p in images]
+    check_control_shapes(images, pil, model_variant(model))
     unknown = set(cfg.devices) - set(COMPONENTS)
     if unknown:
         raise UserError(f"predict.devices: unknown component(s) {sorted(unknown)}; use {list(COMPONENTS)}")
@@ -168,5 +231,5 @@ def predict(cfg, model: str, images: list[Path], prompt: str, out: Path, lora: s
         check_loaded_dtype(getattr(pipe, name), precision.weights, "predict.dtype")
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    result.save(out)
+    save_image(result, out)
     return out

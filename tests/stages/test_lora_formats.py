@@ -209,3 +209,52 @@ def test_export_that_cannot_write_is_one_line_and_leaves_no_temp_file(tmp_path, 
     assert result.exit_code == 1 and "Traceback" not in result.output, result.output
     assert says in result.output and str(out.parent) in result.output, result.output
     assert list(out.parent.iterdir()) == []
+
+
+def test_export_refuses_a_cut_lora_and_an_out_that_is_the_lora(tmp_path):
+    """A file with a module's lora_B but not its lora_A exported without that module (no word: the ComfyUI file
+    silently lacked it), a lone lora_A was a KeyError traceback, ranks that differ made a file no runtime applies;
+    `--out` naming the LoRA itself replaced it with the export. Each is one line now and nothing is written."""
+    q, k = "transformer.transformer_blocks.0.attn.to_q", "transformer.transformer_blocks.0.attn.to_k"
+    whole = {f"{q}.lora_A.weight": torch.ones(2, 8), f"{q}.lora_B.weight": torch.ones(8, 2),
+             f"{k}.lora_A.weight": torch.ones(2, 8), f"{k}.lora_B.weight": torch.ones(8, 2)}
+    cases = {"lone-B": ({n: v for n, v in whole.items() if n != f"{k}.lora_A.weight"}, "only one of lora_A / lora_B"),
+             "lone-A": ({n: v for n, v in whole.items() if n != f"{k}.lora_B.weight"}, "only one of lora_A / lora_B"),
+             "ranks": ({**whole, f"{k}.lora_B.weight": torch.ones(8, 3)}, "different ranks (2 vs 3)")}
+    for name, (state, says) in cases.items():
+        src, out = tmp_path / f"{name}.safetensors", tmp_path / "out" / f"{name}-comfy.safetensors"
+        save_file(state, src)
+        result = CliRunner().invoke(app, ["lora", "export", str(src), "--out", str(out)])
+        assert result.exit_code == 1 and says in result.output and "Traceback" not in result.output, result.output
+        assert "transformer_blocks.0.attn.to_k" in result.output and not out.exists(), result.output
+    src = tmp_path / "whole.safetensors"
+    save_file(whole, src)
+    before = src.read_bytes()
+    for out in (src, tmp_path / "." / "whole.safetensors"):
+        result = CliRunner().invoke(app, ["lora", "export", str(src), "--out", str(out)])
+        assert result.exit_code == 1 and "is the LoRA being exported" in result.output, result.output
+    assert src.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir() if p.is_file()) == [
+        "lone-A.safetensors", "lone-B.safetensors", "ranks.safetensors", "whole.safetensors"]
+
+
+def test_an_exported_lora_still_names_its_model_to_this_projects_loaders(tiny_21_model, tmp_path):
+    """The export kept none of the metadata naming the model the LoRA was trained on: an Edit LoRA exported and
+    merged (or predicted with) on a Qwen-Image-2.1 model of the same module shapes applied without a word, where
+    the diffusers file is refused. ComfyUI ignores metadata; the export now carries both records over."""
+    from safetensors import safe_open
+
+    with safe_open(next((Path(tiny_21_model) / "transformer").glob("*.safetensors")), framework="pt") as f:
+        out_dim, in_dim = f.get_slice("transformer_blocks.0.attn.to_q.weight").get_shape()
+    q = "transformer.transformer_blocks.0.attn.to_q"
+    src = tmp_path / "edit-lora.safetensors"
+    save_file({f"{q}.lora_A.weight": torch.ones(2, in_dim), f"{q}.lora_B.weight": torch.ones(out_dim, 2)}, src,
+              metadata={"format": "pt", "base_model_class": "QwenImageTransformer2DModel",
+                        "base_model_fingerprint": "0123456789abcdef"})
+    comfy = tmp_path / "comfy.safetensors"
+    _cli("lora", "export", src, "--out", comfy)
+    with safe_open(comfy, framework="pt") as f:
+        assert f.metadata()["base_model_fingerprint"] == "0123456789abcdef"
+    result = CliRunner().invoke(app, ["lora", "merge", "--model", tiny_21_model, "--lora", str(comfy),
+                                      "--out", str(tmp_path / "merged")])
+    assert result.exit_code == 1 and "a LoRA of another model family does not apply" in result.output, result.output
+    assert "0123456789abcdef" in result.output and not (tmp_path / "merged").exists()  # the base warning too

@@ -404,3 +404,106 @@ def test_predict_names_a_control_it_cannot_use(tiny_edit_model, tmp_path):
                                           PROMPT, "--out", str(tmp_path / "o.png")])
         assert result.exit_code == 1 and why in result.output and str(bad) in result.output, result.output
         assert LOAD_LOG == []
+
+
+def test_predict_out_naming_its_control_or_a_folder_is_refused_before_loading(tiny_edit_model, tmp_path):
+    """`--out` naming the control image (by another spelling, or a hard link to it) replaced the user's photo with
+    the edit, without a word; `--out` naming an existing folder was PIL's IsADirectoryError, a traceback after
+    every denoising step. Both are usage mistakes now (exit 2), before anything loads."""
+    import os
+
+    from models.loading import LOAD_LOG
+
+    control = _control(tmp_path / "photo.png")
+    photo = control.read_bytes()
+    os.link(control, tmp_path / "link.png")
+    (tmp_path / "folder.png").mkdir()
+    for out, says in ((control, "is the control image"), (tmp_path / "." / "photo.png", "is the control image"),
+                      (tmp_path / "link.png", "is the control image"), (tmp_path / "folder.png", "is a folder")):
+        LOAD_LOG.clear()
+        result = CliRunner().invoke(app, ["predict", "--model", tiny_edit_model, "--image", str(control), "--prompt",
+                                          PROMPT, "--steps", "2", "--height", "64", "--width", "64", "--out", str(out)])
+        assert result.exit_code == 2 and says in result.output, (result.output, result.exception)
+        assert LOAD_LOG == [] and control.read_bytes() == photo
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["folder.png", "link.png", "photo.png"]
+
+
+def test_a_disk_filling_while_predict_saves_keeps_the_previous_image(tiny_edit_model, tmp_path, monkeypatch):
+    """PIL wrote the edit straight into --out: a disk that filled mid-write left a cut PNG where the previous
+    image at that name was (PIL removes only a file it created). Now a temp file renamed over --out: the old
+    image stays whole, no temp file is left, one line. Simulated: every write into out/ stops half-way, ENOSPC."""
+    import builtins
+    import errno
+
+    control = _control(tmp_path / "control.png")
+    out = tmp_path / "out" / "edited.png"
+    out.parent.mkdir()
+    _control(out, seed=1)
+    previous = out.read_bytes()
+    real_open = builtins.open
+
+    class FillsUp:
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, data):
+            self.f.write(bytes(data)[: len(data) // 2])
+            self.f.flush()
+            raise OSError(errno.ENOSPC, "No space left on device", self.f.name)
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+    def filling_open(file, mode="r", *a, **k):
+        f = real_open(file, mode, *a, **k)
+        return FillsUp(f) if str(file).startswith(str(out.parent)) and any(c in mode for c in "wa+") else f
+
+    monkeypatch.setattr(builtins, "open", filling_open)
+    result = CliRunner().invoke(app, ["predict", "--model", tiny_edit_model, "--image", str(control), "--prompt",
+                                      PROMPT, "--steps", "2", "--height", "64", "--width", "64", "--out", str(out)])
+    monkeypatch.undo()
+    assert result.exit_code == 1 and "disk full" in result.output and "Traceback" not in result.output, result.output
+    assert out.read_bytes() == previous and [p.name for p in out.parent.iterdir()] == ["edited.png"]
+
+
+@pytest.mark.parametrize("variant_model, size", [("tiny_edit_model", (1990, 10)), ("tiny_plus_model", (1, 3000)),
+                                                 ("tiny_21_model", (3000, 1))])
+def test_a_control_too_elongated_for_the_model_is_one_line_before_loading(variant_model, size, tmp_path, request):
+    """A control whose view for the text encoder the stock resize rounds to 0 px, or beyond the VL processor's
+    200:1: PIL's or transformers' ValueError, a traceback after every model had loaded (2.1: while checking the
+    prompt). Now one line naming the file, before any weights load."""
+    from models.loading import LOAD_LOG
+
+    model = request.getfixturevalue(variant_model)
+    control = tmp_path / "strip.png"
+    Image.new("RGB", size, "gray").save(control)
+    LOAD_LOG.clear()
+    result = CliRunner().invoke(app, ["predict", "--model", model, "--image", str(control), "--prompt", PROMPT,
+                                      "--steps", "2", "--out", str(tmp_path / "o.png")])
+    assert result.exit_code == 1 and f"--image {control}" in result.output, (result.output, result.exception)
+    assert "too elongated" in result.output and "Traceback" not in result.output and LOAD_LOG == []
+    assert not (tmp_path / "o.png").exists()
+
+
+def test_lora_merge_refuses_an_out_inside_the_model_folder(tiny_edit_model, tmp_path):
+    """`--out MODEL/merged`: the merge links every entry of MODEL into OUT's temp folder, which is one of them: it
+    recursed until the path was too long (a traceback). Now one line; the model folder is left as it was."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_edit_model, model)
+    before = sorted(p.relative_to(model) for p in model.rglob("*"))
+    lora = tmp_path / "lora"
+    _make_lora(str(model), lora)
+    for out in (model / "merged", model / "transformer" / ".." / "merged"):
+        result = CliRunner().invoke(app, ["lora", "merge", "--model", str(model), "--lora", str(lora),
+                                          "--out", str(out)])
+        assert result.exit_code == 1 and "is inside the model folder" in result.output, result.output
+        assert "Traceback" not in result.output
+    assert sorted(p.relative_to(model) for p in model.rglob("*")) == before

@@ -202,3 +202,21 @@ def test_a_flipped_bit_in_a_chunk_is_found_not_read_as_a_loss(tmp_path):
     LossStore(base_only, "fp", AXES, {}).write_base(_grid(2.0))
     _flip_a_byte(base_only / GROUP / "base_loss" / "c" / "0" / "0" / "0" / "0")
     assert not LossStore(base_only, "fp", AXES, {}).has_base()  # set aside: the base is computed again
+
+
+def test_a_damaged_commit_record_is_one_line_naming_the_group(tmp_path):
+    """The root zarr.json (the group's commit record) cut short or overwritten: `compare` printed json's or zarr's
+    traceback. Now a UserError naming the group and the rerun, as a damaged chunk is."""
+    import pytest
+
+    from schemas.errors import UserError
+    from store.loss_array import open_dataset
+
+    s = LossStore(tmp_path, "fp", AXES, {})
+    s.append(10, "ckpt-10", "sha10", _grid(1.0))
+    record = tmp_path / GROUP / "zarr.json"
+    whole = record.read_bytes()
+    for damaged in (whole[: len(whole) // 2], b"", b"[]", b'{"zarr_format": 3, "node_type": "group"}'):
+        record.write_bytes(damaged)
+        with pytest.raises(UserError, match=rf"{GROUP}: its zarr.json is damaged.*rerun `pipeline run evaluate`"):
+            open_dataset(tmp_path / GROUP)
