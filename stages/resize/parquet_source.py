@@ -8,7 +8,9 @@ is bounded by one row group of those columns (pyarrow decodes a row group's page
 image datasets in row groups of 100 rows), never the whole file. Rows become `SourceSample`s that
 the stage judges like every other format: a null or oversized image, a path without bytes, a non-text
 instruction quarantines the row with the same reasons as a file would; a missing or mistyped mapped column is
-the user's to fix (one UserError naming the column and the file).
+the user's to fix (one UserError naming the column and the file). A local file whose read fails (EIO, EACCES: an
+OSError with an errno, not pyarrow's "corrupt") is a `read-error` row for each row not read, the file marked unread
+(`_unread_rows`: a rerun reads it again), as a tar's samples are (sources.py).
 
 Within `remembered_footers()` (one resize-bucket run) each file's footer is read once, shared by the bar's row
 count, the column check and the reader (three reads before). A local file read for the first time is hashed from
@@ -277,33 +279,36 @@ def iter_parquet(root: str | Path, columns: Any, max_file_bytes: int, known: Any
 
     columns = columns if columns is not None else ParquetColumns()
     files = parquet_files(root)
-    layouts: dict[Path, _Layout] = {}
+    layouts: dict[Path, _Layout | Exception] = {}  # a file whose footer could not be read: why (quarantined below)
     for path in files:  # every file's mapping checked from its footer before the first row is read
         try:
             with _server_errors(path):
                 schema = _footer(path).schema.to_arrow_schema()
-        except (pa.ArrowException, OSError):
-            continue  # quarantined below
+        except (pa.ArrowException, OSError) as e:
+            layouts[path] = e
+            continue
         layouts[path] = _layout(schema, columns, path)
     for path in files:
-        carried = known.unchanged(str(path)) if known is not None and path in layouts else None
+        lay = layouts[path]
+        carried = known.unchanged(str(path)) if known is not None and isinstance(lay, _Layout) else None
         if carried is not None:
             sha, rows = carried
             for source, hit in rows:
                 no = source[len(str(path)) + 1:]
                 yield SourceSample(name=f"{_stem(path)}:{no}", source=source, known=hit,
-                                   reread=partial(_reread_row, path, int(no), layouts[path], max_file_bytes))
+                                   reread=partial(_reread_row, path, int(no), lay, max_file_bytes))
             known.note(str(path), sha, len(rows))
             continue
         if known is not None and str(path) in known.pending:  # read for the first time: hashed as it is read
             yield from _hashed_file(path, layouts, max_file_bytes, known)
             continue
         before = known.identity(str(path)) if known is not None else None
-        yielded = 0
+        yielded, failed = 0, False
         for s in _file_samples(path, layouts, max_file_bytes):
-            yielded += 1
+            yielded, failed = yielded + 1, failed or s.problem_kind == "read-error"
             yield s
-        if before is not None and known.identity(str(path), fresh=True) == before:  # not changed while read
+        # not changed while read, and read whole (a read error: not noted, so a rerun reads it again)
+        if before is not None and not failed and known.identity(str(path), fresh=True) == before:
             known.note(str(path), before, yielded)
 
 
@@ -318,19 +323,20 @@ def _hashed_file(path: Path, layouts: dict, max_file_bytes: int, known: Any) -> 
     try:
         stream = HashedParquet(path)
     except OSError as e:
-        yield SourceSample(name=_stem(path), source=str(path), problem=f"cannot open parquet file: {e}")
+        yield _unopened(path, e)
         return
-    yielded = 0
+    yielded, failed = 0, False
     with stream:
         for s in _file_samples(path, layouts, max_file_bytes, stream):
-            yielded += 1
+            yielded, failed = yielded + 1, failed or s.problem_kind == "read-error"
             yield s
-        try:
-            stream.finish()  # the bytes no batch read (unmapped columns, the footer): the whole file's hash
-        except OSError:  # shortened while read: not whole, not noted (read again next run)
+        try:  # after a read error the digest is no file's: the rest is not read for nothing
+            if not failed:
+                stream.finish()  # the bytes no batch read (unmapped columns, the footer): the whole file's hash
+        except OSError:  # shortened while read, or a read error: not whole, not noted (read again next run)
             pass
     digest = stream.digest()
-    if digest is not None and before is not None and file_stamp(path) == before:
+    if digest is not None and not failed and before is not None and file_stamp(path) == before:
         known.streamed[str(path)] = (digest, os.stat(path))
         known.note(str(path), digest, yielded)
 
@@ -351,6 +357,8 @@ def _reread_row(path: Path, no: int, lay: _Layout, max_file_bytes: int) -> Any:
                     return _sample(row, lay, path, no, max_file_bytes)
                 first += n
     except (OSError, ValueError) as e:  # pyarrow's errors are OSError / ValueError (ArrowInvalid)
+        if _read_error(path, e):
+            return next(_unread_rows(path, no, no + 1, e))
         return SourceSample(name=f"{_stem(path)}:{no}", source=f"{path}:{no}", problem=f"cannot read row {no} of "
                             f"{path} again (it changed while this run read it?): {e}; rerun")
     return SourceSample(name=f"{_stem(path)}:{no}", source=f"{path}:{no}", problem=f"row {no} is no longer in "
@@ -365,16 +373,19 @@ def _file_samples(path: Any, layouts: dict, max_file_bytes: int, hashed: Any = N
 
     from stages.resize.sources import SourceSample
 
+    lay = layouts[path]
+    if isinstance(lay, Exception):  # its footer could not be read: one row for the file
+        yield _unopened(path, lay)
+        return
     try:
         # buffered column-chunk reads: a row group's chunk is streamed, not read whole before decoding
-        lay = layouts[path]
         with _server_errors(path):
             md = _footer(path)
             pf = pq.ParquetFile(hashed if hashed is not None else _open(path), metadata=md, buffer_size=8 << 20,
                                 pre_buffer=False)
         starts = _group_starts(md) if hashed is not None and md.num_row_groups else None
-    except (pa.ArrowException, OSError, KeyError) as e:
-        yield SourceSample(name=_stem(path), source=str(path), problem=f"cannot open parquet file: {e}")
+    except (pa.ArrowException, OSError) as e:
+        yield _unopened(path, e)
         return
     with pf, _server_errors(path):
         no = 0
@@ -388,8 +399,42 @@ def _file_samples(path: Any, layouts: dict, max_file_bytes: int, hashed: Any = N
         except (pa.ArrowException, OSError) as e:
             if is_url(path) and is_transport_error(e):
                 raise
+            if _read_error(path, e):  # the disk's, not the data's: this row and every later one not read
+                yield from _unread_rows(path, no, md.num_rows, e)
+                return
             yield SourceSample(name=f"{_stem(path)}:{no}", source=f"{path}:{no}",
                                problem=f"parquet file is truncated or corrupt from row {no} on: {e}")
+
+
+def _read_error(path: Any, e: BaseException) -> bool:
+    """A local file's read failed for the disk's or the permissions' sake (EIO, EACCES: an OSError with an errno
+    that names an existing file), not for its data's (pyarrow's "corrupt" errors carry no errno)."""
+    from stages.resize.sources import _NO_FILE
+
+    return isinstance(e, OSError) and bool(e.errno) and e.errno not in _NO_FILE and not is_url(path)
+
+
+def _unopened(path: Any, e: BaseException) -> Any:
+    """One row for a file whose footer (or the file itself) could not be read: its rows are not known."""
+    from stages.resize.sources import READ_ERROR_HINT, SourceSample
+
+    if _read_error(path, e):
+        return SourceSample(name=_stem(path), source=str(path), problem_kind="read-error", unread=str(path),
+                            problem=f"parquet file {path} could not be read (how many rows it holds is not known): "
+                            f"{e.strerror or e} (errno {e.errno}); {READ_ERROR_HINT}")  # type: ignore[attr-defined]
+    return SourceSample(name=_stem(path), source=str(path), problem=f"cannot open parquet file: {e}")
+
+
+def _unread_rows(path: Any, first: int, end: int, e: OSError) -> Iterator[Any]:
+    """A `read-error` row for each of rows [first, end) of `path` a read error kept from being read (the file
+    marked unread: a rerun reads it again and adds them)."""
+    from stages.resize.sources import READ_ERROR_HINT, SourceSample
+
+    why = f"{e.strerror or e} (errno {e.errno}); {READ_ERROR_HINT}"
+    for no in range(first, end):
+        what = "could not be read" if no == first else "not read: a read error at an earlier row"
+        yield SourceSample(name=f"{_stem(path)}:{no}", source=f"{path}:{no}", problem_kind="read-error",
+                           unread=str(path), problem=f"row {no} of parquet file {path} {what}: {why}")
 
 
 def _group_starts(md: Any) -> tuple[list[int], list[int]]:

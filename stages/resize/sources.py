@@ -77,7 +77,7 @@ class SourceSample:
     # a sample an earlier version holds, its files unchanged (known_sources.py): only its caption read, no image
     known: Any = None  # known_sources.Known
     reread: Any = None  # with `known`: a callable giving the sample with its bytes read, for the stage's rare needs
-    # the local file (a folder/JSONL file, a tar) whose read failed (problem_kind "read-error": EIO, EACCES): the
+    # the local file (a folder/JSONL file, a tar, a parquet file) whose read failed (problem_kind "read-error": EIO, EACCES): the
     # version does not count it as read, so a rerun reads it again (stage.py). Its real name, for the listing lines.
     unread: str | None = None
 
@@ -598,6 +598,9 @@ def _reread_tar(tar: str, source: str, max_file_bytes: int) -> SourceSample:
         for s in samples:
             if printable(s.source) == source:
                 return _printable_names(s)
+            if s.problem_kind == "read-error" and s.source == tar:  # a read error, the headers after it too
+                return SourceSample(name=source[len(tar) + 1:], source=source, problem_kind="read-error", unread=tar,
+                                    problem=f"sample {source} could not be read again: {s.problem}")
     finally:
         samples.close()
     return SourceSample(name=source[len(tar) + 1:], source=source, problem=f"sample {source} is no longer in "
