@@ -10,6 +10,8 @@ parent, so each child imports them itself, after whatever its script patches fir
 One parent per environment (less the per-launch variables in `PER_LAUNCH`, read at run time): a library reads
 some variables once at import (OMP_NUM_THREADS, HF_HUB_OFFLINE, ...), so a child whose environment differs in
 anything else gets a parent started with it. The parents end with the test process (their stdin closes).
+A torchrun agent started here starts its workers warm too, from its own parent (tests/warm_parent.py says how);
+WARM_COLD_WORKERS=1 in its environment starts them cold.
 """
 
 from __future__ import annotations
@@ -26,13 +28,9 @@ import threading
 from pathlib import Path
 
 from launch_ports import OutputFiles
+from warm_parent import PER_LAUNCH  # noqa: F401 - the variables a child sets itself (its note says which)
 
 HERE = Path(__file__).resolve().parent
-# Variables that differ between launches and that no preloaded library reads at import: set in the child only.
-# PYTHONPATH: the child puts its own before the parent's sys.path (tests/warm_parent.py); the parent's is the
-# test process's (_parent_env).
-PER_LAUNCH = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-              "TORCHELASTIC_USE_AGENT_STORE", "PYTEST_CURRENT_TEST", "STORE_PAUSE_AT", "STORE_CRASH_AT", "PYTHONPATH")
 READY_SECONDS = 300  # a bound for the parent's imports on a loaded 2-core machine
 
 

@@ -4,10 +4,10 @@ launcher's one line (which ranks, which exit status), not torchrun's `ChildFaile
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
+import warm_start  # launcher and ranks started warm
 from rank_hook import launch_with_hook
 
 REPO = Path(__file__).resolve().parents[2]
@@ -17,11 +17,11 @@ def test_a_failed_launch_ends_in_one_line_per_rank_and_one_for_the_launcher(tmp_
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     env.pop("WORLD_SIZE", None)
     missing = tmp_path / "no-model"
-    p = subprocess.run(
+    p = warm_start.run(
         # --standalone: a free port (torchrun's default 29500 may be another test's on a shared machine)
         [sys.executable, "-m", "pipeline.cli", "launch", "--standalone", "--nproc-per-node", "2", "run", "train",
          "--store", str(tmp_path / "store"), "--model", str(missing), "--out", str(tmp_path / "run"), "--device", "cpu"],
-        env=env, capture_output=True, text=True, timeout=300)
+        env=env, timeout=300)
     assert p.returncode == 1, p.stderr[-3000:]
     assert "Traceback" not in p.stderr + p.stdout and "ChildFailedError" not in p.stderr, p.stderr[-3000:]
     errors = [line for line in p.stderr.splitlines() if line.startswith("error: ")]
@@ -99,24 +99,22 @@ def test_a_launch_stopped_by_sigterm_ends_in_one_line(tiny_edit_model, tmp_path)
     make_train_store(store, tiny_edit_model, mixed_specs(8))
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     env.pop("WORLD_SIZE", None)
-    log = tmp_path / "launch.log"  # a file, not a pipe nobody reads while waiting (a full pipe blocks the ranks)
-    with open(log, "w") as stderr:
-        p = subprocess.Popen(
-            # --standalone: a free port (torchrun's default 29500 may be another test's on a shared machine)
-            [sys.executable, "-m", "pipeline.cli", "launch", "--standalone", "--nproc-per-node", "2", "run", "train",
-             "--store", str(store), "--model", tiny_edit_model, "--out", str(run), "--device", "cpu", "--max-steps", "100000",
-             "--batch-size", "2", "--set", "train.lora.rank=4", "--set", "train.checkpoint_every=1"],
-            env=env, stdout=subprocess.DEVNULL, stderr=stderr, text=True)
+    # output into files, not a pipe nobody reads while waiting (a full pipe blocks the ranks)
+    p = warm_start.WarmProcess(
+        # --standalone: a free port (torchrun's default 29500 may be another test's on a shared machine)
+        [sys.executable, "-m", "pipeline.cli", "launch", "--standalone", "--nproc-per-node", "2", "run", "train",
+         "--store", str(store), "--model", tiny_edit_model, "--out", str(run), "--device", "cpu", "--max-steps", "100000",
+         "--batch-size", "2", "--set", "train.lora.rank=4", "--set", "train.checkpoint_every=1"], env=env)
     try:
         deadline = time.monotonic() + 400  # a bound for a launch that never gets going, not a timing assertion
         while not (run / "checkpoints" / "step-1").is_dir() and p.poll() is None and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert p.poll() is None and (run / "checkpoints" / "step-1").is_dir(), log.read_text()[-3000:]
+        assert p.poll() is None and (run / "checkpoints" / "step-1").is_dir(), p.output()[1][-3000:]
         p.send_signal(signal.SIGTERM)
         p.wait(timeout=240)
     finally:
         p.kill()
-    err = log.read_text()
+    err = p.output()[1]
     assert p.returncode == 128 + signal.SIGTERM, err[-3000:]
     assert "SignalException" not in err and "error: pipeline.cli stopped by SIGTERM" in err, err[-3000:]
 

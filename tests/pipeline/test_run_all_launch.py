@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
+
+import warm_start
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -34,12 +35,12 @@ def _launch(config: Path, log: Path) -> tuple[int, str]:
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
            "TOKENIZERS_PARALLELISM": "false"}
     env.pop("WORLD_SIZE", None)
-    with open(log, "w") as out:  # a file, not a pipe nobody reads while waiting (a full pipe blocks the ranks)
-        # --standalone: a free port (torchrun's default 29500 may be another test's on a shared machine)
-        code = subprocess.run([sys.executable, "-m", "pipeline.cli", "launch", "--standalone", "--nproc-per-node", "2",
-                               "run", "all", "--config", str(config)], env=env, stdout=out, stderr=subprocess.STDOUT,
-                              timeout=900).returncode
-    return code, log.read_text()
+    # launcher and ranks started warm (tests/warm_start.py), their output into files (a full pipe blocks the ranks)
+    # --standalone: a free port (torchrun's default 29500 may be another test's on a shared machine)
+    done = warm_start.run([sys.executable, "-m", "pipeline.cli", "launch", "--standalone", "--nproc-per-node", "2",
+                           "run", "all", "--config", str(config)], env=env, timeout=900)
+    log.write_text(done.stdout + done.stderr)
+    return done.returncode, done.stdout + done.stderr
 
 
 def test_run_all_under_a_launcher_runs_every_stage_on_two_ranks(tiny_plus_model, tmp_path):

@@ -22,9 +22,9 @@ def start_nodes(cli_args: list[str], node_env: tuple[dict, dict] = ({}, {}),
     listens there, tests/launch_ports.py). Each in its own session, so a test can kill a whole node (its torchrun
     agent and worker). `node_env` / `node_args`: each node's own environment and extra arguments (e.g. its
     --cache-dir). Their output goes to files: `communicate()` returns it.
-    The agents start warm (tests/warm_start.py: torch imported already, ~2 s of CPU less each; their workers are
-    torchrun's own cold processes) where the nodes' environments add only per-launch variables: another variable
-    would take a warm parent of its own, which costs more than the agents' imports."""
+    The agents start warm (tests/warm_start.py: torch imported already, ~2 s of CPU less each), and so do their
+    workers (~5-9 s each), where the nodes' environments add only per-launch variables: another variable would take
+    a warm parent of its own, which costs more than the agents' imports."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     warm = all(name in PER_LAUNCH for extra in node_env for name in extra)
 
@@ -54,7 +54,9 @@ def nodes_ended(cli_args: list[str], node_env: tuple[dict, dict] = ({}, {}),
 
 def kill_node(node: Logged | WarmProcess) -> None:
     """SIGKILL a whole "node": its torchrun agent's process group and its workers, which torchrun starts in
-    sessions of their own (a worker left alive would hold the node's output pipes open)."""
+    sessions of their own (a worker left alive would hold the node's output pipes open). A warm agent's workers are
+    the warm parent's children, not the agent's: that parent kills them once their agent is gone
+    (tests/warm_parent.py)."""
     import signal
 
     import psutil
