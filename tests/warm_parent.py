@@ -222,7 +222,7 @@ def _serve(conn: socket.socket, conns: dict, workers: dict) -> None:
     conn.close()
     if pid is None:
         return
-    if workers[pid] is not None:  # the agent ended before its worker: SIGKILLed (a test's "node killed")
+    if workers[pid] is conn:  # the agent ended before its worker (not yet told its exit): SIGKILLed, "node killed"
         try:
             os.killpg(pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):  # not yet in a session of its own
