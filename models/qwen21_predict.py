@@ -124,7 +124,10 @@ def check_reference_grid(image_processor, height: int, width: int, area: int) ->
     min_pixels, max_pixels = size["shortest_edge"], size["longest_edge"]
 
     def kept(h: int, w: int) -> bool:
-        return smart_resize(h, w, factor, min_pixels, max_pixels) == (h, w)
+        try:
+            return smart_resize(h, w, factor, min_pixels, max_pixels) == (h, w)
+        except (ValueError, ZeroDivisionError):  # beyond 200:1, or a 0 px side: a size the search below can try
+            return False
 
     if min(height, width) < 1 or max(height, width) / min(height, width) > 200:  # smart_resize's own limit / 0
         raise UserError(f"a reference sized {width}x{height} px (output area {area} px) is too elongated for the "
@@ -134,13 +137,18 @@ def check_reference_grid(image_processor, height: int, width: int, area: int) ->
         from diffusers.pipelines.qwenimage21.pipeline_qwenimage21 import calculate_dimensions
 
         side = int(max_pixels ** 0.5) // 32 * 32  # the largest square output whose reference the processor keeps
-        while side > 32 and not kept(*calculate_dimensions(side * side, width / height)[1::-1]):
+        def fits(side: int) -> bool:
+            return kept(*calculate_dimensions(side * side, width / height)[1::-1])
+
+        side = int(max_pixels ** 0.5) // 32 * 32  # the largest square output whose reference the processor keeps
+        while side > 32 and not fits(side):
             side -= 32
+        todo = (f"pass --height / --width (predict) or height / width (evaluate.extra_prompts) with height x width "
+                f"within them, e.g. {side} x {side}" if fits(side) else
+                "no output size keeps a reference this elongated: crop it to a less extreme aspect ratio")
         raise UserError(f"a reference sized {width}x{height} px (output area {area} px) is outside the model's VLM "
                         f"processor limits ({min_pixels}..{max_pixels} px in its processor/ folder): it "
-                        f"would resize it and its grid would no longer match the VAE's; pass --height / --width "
-                        f"(predict) or height / width (evaluate.extra_prompts) with height x width within them, "
-                        f"e.g. {side} x {side}")
+                        f"would resize it and its grid would no longer match the VAE's; {todo}")
 
 
 @torch.no_grad()

@@ -98,38 +98,6 @@ def check_out_path(out: Path, images: list[Path]) -> None:
         raise UserError(f"--out {out} is a folder; pass the image file to write, e.g. {out / 'edited.png'}")
 
 
-# The vision-language processors' limit (transformers' Qwen2-VL `smart_resize`, which Qwen3-VL's uses too): a
-# longer side over 200x the shorter raises there, after the models have loaded.
-MAX_VL_ASPECT = 200
-
-
-def check_control_shapes(paths: list[Path], images: list, variant: str) -> None:
-    """A UserError naming the control whose views the pipeline cannot make: one whose ~384² (Edit-Plus) or ~1024²
-    (Edit) view the stock resize rounds to 0 px, or whose view for the text encoder is beyond the processor's
-    aspect limit. Before, PIL's or transformers' ValueError, a traceback after every model had loaded."""
-    from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions as edit_dims
-    from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import calculate_dimensions as plus_dims
-
-    from models.edit import VAE_AREA, VL_AREA_PLUS
-    from models.loading import pipeline_family
-    from schemas.errors import UserError
-
-    for path, image in zip(paths, images):
-        w, h = image.size
-        ratio = w / h
-        if variant == "qwen-image-2.1":  # the processor sees the reference as it is
-            views, to_processor = [(w, h)], [(w, h)]
-        elif pipeline_family(variant) == "edit-plus":
-            to_processor = [plus_dims(VL_AREA_PLUS, ratio)]
-            views = to_processor + [plus_dims(VAE_AREA, ratio)]
-        else:  # one ~1024² view for the text encoder and the VAE
-            views = to_processor = [edit_dims(VAE_AREA, ratio)[:2]]
-        if any(min(v) < 1 for v in views) or any(max(v) / min(v) > MAX_VL_ASPECT for v in to_processor):
-            raise UserError(f"--image {path}: {w}x{h} px is too elongated for the model (its view for the text "
-                            f"encoder must be within {MAX_VL_ASPECT}:1, and no side may round to 0 px); crop it "
-                            "to a less extreme aspect ratio")
-
-
 def save_image(image, out: Path) -> None:
     """OUT whole or not at all (temp file + rename): a kill or a full disk mid-save left a cut PNG there, or
     replaced the previous image at that name with one."""
@@ -193,13 +161,14 @@ def predict(cfg, model: str, images: list[Path], prompt: str, out: Path, lora: s
     # before minutes of loading and denoising (the CLI: when parsed, and for a model folder here right after)
     check_for_model(model, len(images), out, cfg.steps)
     from features.decode import read_image_file
+    from models.control_shapes import check_control_shapes
 
     # Decoded as resize-bucket decodes the training images (EXIF orientation, CMYK via its ICC profile, 16-bit
     # scaled, transparency over white; 2.1 keeps it, the stock 2.1 pipeline's own handling): a phone photo is not
     # shown on its side, a transparent cutout not on the black its transparent pixels store.
     keep_alpha = model_variant(model) == "qwen-image-2.1"
     pil = [read_image_file(p, keep_alpha, what="--image") for p in images]
-    check_control_shapes(images, pil, model_variant(model))
+    check_control_shapes(images, pil, model_variant(model), height, width)
     unknown = set(cfg.devices) - set(COMPONENTS)
     if unknown:
         raise UserError(f"predict.devices: unknown component(s) {sorted(unknown)}; use {list(COMPONENTS)}")

@@ -28,13 +28,16 @@ def check_extra_prompts_21(cfg, model: str) -> None:
     with the processor alone, before anything loads: it was met only when the images were made, after the
     held-out loss passes (hours on a large val set)."""
     from features.decode import read_image_file
+    from models.control_shapes import check_control_shapes
     from models.qwen21_predict import check_prompt_fits, tokenizer_only
     from schemas.errors import UserError
 
     pipe = tokenizer_only(model)
     negative = cfg.negative_prompt if cfg.true_cfg_scale > 1 else None
     for i, extra in enumerate(cfg.extra_prompts):
-        refs = [read_image_file(p, keep_alpha=True, what=f"evaluate.extra_prompts[{i}] image") for p in extra.images]
+        what = f"evaluate.extra_prompts[{i}] image"
+        refs = [read_image_file(p, keep_alpha=True, what=what) for p in extra.images]
+        check_control_shapes(extra.images, refs, "qwen-image-2.1", extra.height, extra.width, what)  # names the file
         try:
             check_prompt_fits(pipe, refs, extra.prompt, negative, extra.height, extra.width)
         except UserError as e:

@@ -341,11 +341,13 @@ def check_settings(cfg: EvaluateConfig, model: str) -> None:
     and by `pipeline run all` before its first stage (not hours later, after training): the denoising steps
     (`check_sampling`) and each extra prompt: as many images as the model takes, each image and target a file
     that decodes (before, a missing one stopped evaluate when its picture was made, after the held-out loss
-    passes), and on a 2.1 model the prompt within the RoPE table. `cfg` as `for_model` resolves it (the 2.1
+    passes) and that the stock resize can size (`models.control_shapes`: a too elongated one was a traceback
+    there), and on a 2.1 model the prompt within the RoPE table. `cfg` as `for_model` resolves it (the 2.1
     guidance decides whether the negative prompt is encoded)."""
     check_sampling(cfg, model)
     if not cfg.extra_prompts:
         return
+    from models.control_shapes import check_control_shapes
     from models.loading import model_variant
     from models.qwen21_predict import check_reference_count
 
@@ -360,8 +362,9 @@ def check_settings(cfg: EvaluateConfig, model: str) -> None:
         if extra.target:
             read_image_file(extra.target, what=f"evaluate.extra_prompts[{i}] target")
         if not qwen21:  # a 2.1 model's are read by check_extra_prompts_21, as its generation reads them
-            for p in extra.images:
-                read_image_file(p, what=f"evaluate.extra_prompts[{i}] image")
+            what = f"evaluate.extra_prompts[{i}] image"
+            check_control_shapes(extra.images, [read_image_file(p, what=what) for p in extra.images],
+                                 model_variant(model), extra.height, extra.width, what)
     if qwen21:
         from stages.evaluate.qwen21 import check_extra_prompts_21
 

@@ -121,3 +121,32 @@ def _text_encoders_loaded(monkeypatch, module) -> list:
 
     monkeypatch.setattr(module, "load_component", loading)
     return encoder
+
+
+def test_evaluate_refuses_a_too_elongated_extra_prompt_image_at_its_start(tiny_edit_model, tiny_plus_model,
+                                                                          tiny_21_model, tmp_path):
+    """evaluate's start check (`for_model`, which `pipeline run all` runs before training) decoded each extra
+    prompt's image but not its shape: one the stock resize rounds to 0 px or the VL processor's 200:1 refuses was
+    PIL's / transformers' ValueError when the pictures were made, after training and the held-out passes. Now one
+    line naming the image; one pixel inside the limit passes (predict edits it: test_predict.py, same sizes)."""
+    import pytest
+
+    from schemas.errors import UserError
+    from stages.evaluate.stage import for_model
+
+    square = tmp_path / "square.png"
+    Image.new("RGB", (32, 32), "gray").save(square)
+    for model, inside, outside, size in ((tiny_edit_model, (2000, 13), (2000, 12), {}),
+                                         (tiny_plus_model, (2000, 8), (2000, 7), {}),
+                                         (tiny_21_model, (2559, 10), (2560, 10), {"height": 256, "width": 256})):
+        for shape, ok in ((inside, True), (outside, False)):
+            image = tmp_path / f"{shape[0]}x{shape[1]}.png"
+            Image.new("RGB", shape, "gray").save(image)
+            cfg = load_config(None, {"evaluate.extra_prompts": [{"prompt": "fine", "images": [str(square)], **size},
+                                                                {"prompt": "q", "images": [str(image)], **size}]})
+            cfg = cfg.evaluate
+            if ok:
+                for_model(cfg, model)
+                continue
+            with pytest.raises(UserError, match=rf"evaluate.extra_prompts\[1\] image {image}: .* too elongated"):
+                for_model(cfg, model)

@@ -507,3 +507,44 @@ def test_lora_merge_refuses_an_out_inside_the_model_folder(tiny_edit_model, tmp_
         assert result.exit_code == 1 and "is inside the model folder" in result.output, result.output
         assert "Traceback" not in result.output
     assert sorted(p.relative_to(model) for p in model.rglob("*")) == before
+
+
+@pytest.mark.parametrize("variant_model, inside, outside, size", [
+    ("tiny_edit_model", (2000, 13), (2000, 12), []),  # the ~1024² view: 12704x96 (132:1) / 12800x64 (200:1 +)
+    ("tiny_plus_model", (2000, 8), (2000, 7), []),  # the ~384² view: 6080x32 (190:1) / 6432x32
+    # 2.1 sizes its references at the output's area: 256² keeps a 255.9:1 control (3968x32), 256:1 rounds to 0 px
+    ("tiny_21_model", (2559, 10), (2560, 10), ["--height", "256", "--width", "256"])])
+def test_a_control_one_pixel_inside_the_stock_resize_limit_is_edited_one_outside_refused(
+        variant_model, inside, outside, size, tmp_path, request):
+    """The limit is the stock pipeline's own (its `calculate_dimensions`, then the VL processor's 200:1): a control
+    one pixel inside it is edited end to end, one pixel outside is one line before loading. A 2.1 control was
+    judged as it is, not at the size the pipeline gives it: 2559x10 at a 256² output was refused (255.9:1),
+    though the pipeline makes a 3968x32 view of it."""
+    from models.loading import LOAD_LOG
+
+    model = request.getfixturevalue(variant_model)
+    for shape, ok in ((inside, True), (outside, False)):
+        control, out = tmp_path / f"{shape[0]}x{shape[1]}.png", tmp_path / f"{shape[0]}x{shape[1]}-out.png"
+        Image.new("RGB", shape, "gray").save(control)
+        LOAD_LOG.clear()
+        result = CliRunner().invoke(app, ["predict", "--model", model, "--image", str(control), "--prompt", PROMPT,
+                                          "--steps", "2", *size, "--out", str(out)])
+        if ok:
+            assert result.exit_code == 0 and out.is_file(), (result.output, result.exception)
+        else:
+            assert result.exit_code == 1 and f"--image {control}" in result.output, (result.output, result.exception)
+            assert "too elongated" in result.output and LOAD_LOG == [] and not out.exists()
+
+
+def test_a_21_reference_beyond_the_processor_limits_is_one_line_not_the_search_for_a_size(tiny_21_model, tmp_path):
+    """A reference within 200:1 but past the processor's pixel limits is refused with an output size to pass; the
+    search for that size tried smaller ones at which the reference is past 200:1, and smart_resize's ValueError
+    came out as a traceback (2010x9 at 1200²: its 17920x96 view, 186.7:1, but 219:1 at a smaller output)."""
+    control = tmp_path / "strip.png"
+    Image.new("RGB", (2010, 9), "gray").save(control)
+    result = CliRunner().invoke(app, ["predict", "--model", tiny_21_model, "--image", str(control), "--prompt", PROMPT,
+                                      "--steps", "2", "--height", "1200", "--width", "1200",
+                                      "--out", str(tmp_path / "o.png")])
+    assert result.exit_code == 1 and "outside the model's VLM processor limits" in result.output, (
+        result.output, result.exception)
+    assert "Traceback" not in result.output and not (tmp_path / "o.png").exists()
