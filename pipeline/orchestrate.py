@@ -10,7 +10,9 @@ REPORT/metrics.json records the same tables, model, LoRA bytes and evaluate conf
 
 When paths.run holds a run that cannot be continued (the tables, the model or the train config changed, e.g.
 samples were added), train keeps it as RUN.previous/N-TIME (one atomic rename, stages/train/previous.py), with the
-report evaluated on it moved inside it first as `evaluate-report/`, and trains afresh into paths.run.
+report evaluated on it moved inside it first as `evaluate-report/`, and trains afresh into paths.run; that
+report's base images and base losses (LoRA off: no input of theirs changed) are linked into paths.report for
+evaluate to reuse.
 
 evaluate covers every kept checkpoint (RUN/checkpoints/step-N): held-out losses appended to REPORT/losses.zarr
 (a checkpoint already there is skipped), curves and the best checkpoint in the report.
@@ -178,7 +180,30 @@ def _report_back(report: Path, run: Path, result):
             os.rename(inside, report)
         except OSError:  # another file system: evaluate writes a report there afresh
             pass
+    kept = getattr(result, "kept_previous", None)
+    if launched()[1] and kept is not None:
+        _base_caches_back(Path(report), Path(kept) / REPORT_IN_KEPT_RUN)
     return result
+
+
+def _base_caches_back(report: Path, kept_report: Path) -> None:
+    """A fresh training changes no input of the base column (LoRA off): the kept report's base images and base
+    losses are hard-linked into the new REPORT, where evaluate reuses each whose recorded inputs are this run's
+    (`stages.evaluate.base_images`, `base_losses`: keyed by them, and checked against their recorded sha256 on read,
+    so a link cut short by a kill is computed afresh). Before, every changed train setting generated the base
+    images and computed the base losses again. A cache REPORT holds already is left as it is."""
+    from stages.evaluate.base_images import FOLDER as BASE_IMAGES
+    from stages.evaluate.base_losses import FILE as BASE_LOSSES
+    from store.format import link_or_copy
+
+    for name in (BASE_IMAGES, BASE_LOSSES):
+        src, dst = kept_report / name, report / name
+        if src.exists() and not dst.exists():
+            try:
+                report.mkdir(parents=True, exist_ok=True)
+                link_or_copy(src, dst)
+            except OSError:  # a full disk: evaluate computes them afresh (and says so if the disk stays full)
+                pass
 
 
 def run_all(cfg: PipelineConfig, log: Callable[[str], None] = print, cache_dir: Path | None = None,

@@ -211,6 +211,11 @@ _BYTES_RECORDED = Role("features", hashed_unless_default=True, hashed_as=lambda 
 # "skip" only (stages/evaluate). Hashed as its default, "stop" (what every record of it held), so switching it
 # recomputes nothing; records made with "skip" are accepted as set (`hashed_settings(..., as_set=True)`).
 _SAMPLES_RECORDED = Role("identity", hashed_as=lambda value: "stop")
+# evaluate.on_nonfinite, likewise: a report made under "stop" has no non-finite sample (one stops evaluate), and one that
+# left such samples out (metrics.json loss.nonfinite_samples) is current under "skip" only (stages/evaluate
+# `nonfinite_current`); the loss array holds the numbers as computed. Hashed as its default (left out, as added
+# later), so switching it recomputes nothing; records made with "skip" are accepted as set.
+_NONFINITE_RECORDED = Role("identity", hashed_unless_default=True, hashed_as=lambda value: "stop")
 # evaluate.negative_prompt: read only for the extra prompts, under true CFG (models/edit.py `prepare`,
 # stages/evaluate/qwen21.py); else hashed as its default (the val samples use the stored empty prompt)
 _EXTRA_PROMPTS_ONLY = Role("features", read_if=lambda ev: bool(ev.extra_prompts) and ev.true_cfg_scale > 1)
@@ -344,7 +349,7 @@ class EvaluateConfig(Section):
     # the attention backend's choice `agreed_config` made (with its reason, for the run record), set on the model as
     # it is (`load_transformer`): not a setting, never hashed
     _attention_choice: Any = PrivateAttr(None)
-    on_nonfinite: Annotated[Literal["stop", "skip"], added_later("identity")] = Field(
+    on_nonfinite: Annotated[Literal["stop", "skip"], _NONFINITE_RECORDED] = Field(
         "stop", description="a val sample whose held-out loss is NaN/inf (base or LoRA): stop naming the samples, "
         "or leave it out of every mean (counted and named in the summary and metrics.json)")
     max_dropped_fraction: Annotated[float, THROUGHPUT] = Field(

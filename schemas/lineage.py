@@ -133,7 +133,9 @@ def hashed_settings(section: BaseModel, scope: Scope = "output", as_set: bool = 
         if not role.enters(scope, section):
             continue
         value = getattr(section, name)
-        if role.hashed_unless_default and value == info.default:
+        # added later: left out at its default, and (not as set) where it is hashed as its default
+        if role.hashed_unless_default and (value == info.default or not as_set and role.hashed_as is not None
+                                           and role.hashed_as(value) == info.default):
             continue
         if as_set:
             out[name] = hashed_settings(value, scope, as_set) if isinstance(value, BaseModel) else dumped[name]

@@ -97,6 +97,13 @@ def damaged_current(metrics: dict, cfg: EvaluateConfig) -> bool:
     return current.serves_on_damaged(cfg.on_damaged, lambda: (metrics.get("run") or {}).get("damaged_samples"))
 
 
+def nonfinite_current(metrics: dict, cfg: EvaluateConfig) -> bool:
+    """A report that left val samples with a non-finite loss out (`loss.nonfinite_samples`) is current under
+    on_nonfinite=skip only: under "stop" they stop evaluate, where the report would pass for one of every sample.
+    on_nonfinite is hashed as its default: this is where it still counts."""
+    return cfg.on_nonfinite == "skip" or not (metrics.get("loss") or {}).get("nonfinite_samples")
+
+
 def known_fingerprint(out: Path, fingerprint: str, settings: dict, earlier: list[dict] = ()) -> str:
     """The fingerprint OUT's loss array is recorded under when it is this one's earlier spelling (its settings held
     the store's path, which is no longer hashed, or no evaluation revision: `UNRECORDED_REVISION`'s; or named
@@ -449,7 +456,8 @@ def _up_to_date(out: Path, fingerprint: str, checkpoints: list[tuple[int, Path]]
 
     if recorded_inputs["config_fingerprint"] in earlier_config_fingerprints(cfg, unset_backend(cfg.dtype, metrics)):
         present["config_fingerprint"] = recorded_inputs["config_fingerprint"]  # recorded as set: the same settings
-    if recorded is not None and current.is_current(recorded_inputs, present) and damaged_current(metrics, cfg):
+    if recorded is not None and current.is_current(recorded_inputs, present) and damaged_current(metrics, cfg) \
+            and nonfinite_current(metrics, cfg):
         return metrics
     if why is not None:
         why += differences(recorded_inputs, present, metrics, cfg, settings)

@@ -442,7 +442,8 @@ def report_up_to_date(cfg: EvaluateConfig, store: str | Path, model: str, lora: 
     """Is OUT's report this run's (`schemas.up_to_date`)? `why`: filled, when it holds one that is not, with what
     differs (`checkpoints.differences`)."""
     from stages.evaluate.backend import unset_backend
-    from stages.evaluate.checkpoints import damaged_current, differences, earlier_config_fingerprints
+    from stages.evaluate.checkpoints import (damaged_current, differences, earlier_config_fingerprints,
+                                              nonfinite_current)
 
     metrics = Path(out) / "metrics.json"
     if not metrics.is_file() or not (Path(out) / "index.html").is_file():
@@ -467,7 +468,8 @@ def report_up_to_date(cfg: EvaluateConfig, store: str | Path, model: str, lora: 
     unset_used = unset_backend(resolved.dtype, metrics_of)
     if recorded.get("config_fingerprint") in earlier_config_fingerprints(resolved, unset_used):
         present["config_fingerprint"] = recorded["config_fingerprint"]  # recorded as set: the same settings
-    if current.is_current(recorded, present) and damaged_current(metrics_of, cfg):
+    if current.is_current(recorded, present) and damaged_current(metrics_of, cfg) \
+            and nonfinite_current(metrics_of, cfg):
         return True
     if why is not None:
         why += differences(recorded, present, metrics_of, resolved, None)

@@ -222,3 +222,6 @@ def test_evaluate_settings_that_change_no_number_keep_the_report_and_its_earlier
     assert earlier_config_fingerprints(C.EvaluateConfig(negative_prompt="blurry")) == ["ad6126bc5d0cf3a2"]
     assert earlier_config_fingerprints(C.EvaluateConfig(on_damaged="skip", negative_prompt="blurry")) == \
         ["917ed41fb397a1b9"]
+    # on_nonfinite likewise (a report under "stop" has no non-finite sample); its records as set: a5fa66613d1159e0
+    assert C.EvaluateConfig(on_nonfinite="skip").fingerprint() == base.fingerprint()
+    assert earlier_config_fingerprints(C.EvaluateConfig(on_nonfinite="skip")) == ["a5fa66613d1159e0"]

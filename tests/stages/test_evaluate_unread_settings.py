@@ -1,8 +1,9 @@
 """evaluate settings that change no number keep every evaluate record: on_damaged (a damaged sample skipped changes
-the samples read, which the loss array's sample axis and the base caches' keys record on their own) and a
-negative prompt no extra prompt reads. Before: either changed the report's, the loss array's and the base caches'
-keys, so `run all` re-ran every held-out loss pass (the base's and every checkpoint's: hours at scale) and
-regenerated the base images for the same numbers. Records made with them as set stay current."""
+the samples read, which the loss array's sample axis and the base caches' keys record on their own), on_nonfinite
+(a report made under "stop" has no non-finite sample) and a negative prompt no extra prompt reads. Before: each
+changed the report's (and base images') keys, on_damaged and the negative prompt the loss array's too, so `run all`
+re-ran held-out loss passes (the base's and every checkpoint's: hours at scale) and regenerated the base images for
+the same numbers. Records made with them as set stay current."""
 
 from __future__ import annotations
 
@@ -43,8 +44,8 @@ def _reports(trained, model, tmp_path, monkeypatch, **settings):
     return store, run, single, every
 
 
-@pytest.mark.parametrize("changed", [{"on_damaged": "skip"}, {"negative_prompt": "blurry"}],
-                         ids=["on_damaged", "negative_prompt"])
+@pytest.mark.parametrize("changed", [{"on_damaged": "skip"}, {"negative_prompt": "blurry"}, {"on_nonfinite": "skip"}],
+                         ids=["on_damaged", "negative_prompt", "on_nonfinite"])
 def test_a_setting_that_changes_no_number_recomputes_nothing(trained, tiny_plus_model, tmp_path, monkeypatch,
                                                              changed):
     store, run, single, every = _reports(trained, tiny_plus_model, tmp_path, monkeypatch)
@@ -89,17 +90,20 @@ def test_records_made_with_on_damaged_as_set_stay_current(trained, tiny_plus_mod
     assert (passes, generated) == (2, 2)  # the single LoRA's base and LoRA passes; both base image sets
 
 
-def test_a_report_that_left_damaged_samples_out_is_current_under_skip_only(trained, tiny_plus_model, tmp_path,
-                                                                           monkeypatch):
-    """on_damaged no longer enters the keys: a report that skipped a damaged sample must not pass, once "stop" is
-    set, for a report of every sample (as before, when the changed setting recomputed it)."""
-    store, run, single, every = _reports(trained, tiny_plus_model, tmp_path, monkeypatch, on_damaged="skip")
+@pytest.mark.parametrize("setting, section, left_out", [("on_damaged", "run", "damaged_samples"),
+                                                        ("on_nonfinite", "loss", "nonfinite_samples")])
+def test_a_report_that_left_samples_out_is_current_under_skip_only(trained, tiny_plus_model, tmp_path, monkeypatch,
+                                                                   setting, section, left_out):
+    """on_damaged / on_nonfinite enter no key: a report that skipped a damaged sample (or one with a non-finite
+    loss) must not pass, once "stop" is set, for a report of every sample (as before, when the changed setting
+    recomputed it)."""
+    skip = {setting: "skip"}
+    store, run, single, every = _reports(trained, tiny_plus_model, tmp_path, monkeypatch, **skip)
     for report in (single, every):  # as a run that met one left it
         metrics = json.loads((report / "metrics.json").read_text())
-        metrics["run"]["damaged_samples"] = {"some-key": "checksum mismatch"}
+        metrics[section][left_out] = {"some-key": "left out"} if section == "run" else ["some-key"]
         (report / "metrics.json").write_text(json.dumps(metrics))
-    one, all_, passes, _ = _evaluate(store, run, single, every, tiny_plus_model, monkeypatch, True,
-                                     on_damaged="skip")
+    one, all_, passes, _ = _evaluate(store, run, single, every, tiny_plus_model, monkeypatch, True, **skip)
     assert one.up_to_date and all_.up_to_date and passes == 0
     one, all_, passes, _ = _evaluate(store, run, single, every, tiny_plus_model, monkeypatch, True)  # stop
     assert not one.up_to_date and not all_.up_to_date
