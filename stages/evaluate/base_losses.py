@@ -2,7 +2,10 @@
 by a rerun whose every input of it is unchanged (`stages.evaluate.base_images.losses_key` over all the val
 samples: another release's source digest is another key, recomputed). A rerun with a retrained LoRA, or another
 scale, then runs the LoRA's loss pass only: the base pass cost as much (one forward per sample x seed x σ).
---all-checkpoints keeps its base losses in its loss array.
+--all-checkpoints keeps its base losses in its loss array, and takes them from this file (`agreed_reuse`) when its
+array has none (a new array: `run all` trained afresh, the old report kept with the old run and its base caches
+linked into the new report folder; another checkpoint run into the same folder), and writes the file when it
+computes them: one cache, one key, for both.
 
 The file is safetensors (numbers only) with the key and the numbers' sha256 in its metadata, written atomically;
 one that cannot be read, holds another key or shape, or numbers that are not the recorded ones (a flipped bit
@@ -30,6 +33,24 @@ def cached(out: Path, key: str, shape: tuple[int, ...], compute: Callable[[], np
     grid = compute()
     write(Path(out) / FILE, key, grid)
     return grid
+
+
+def agreed_reuse(ranks, out: Path, key: str | None, shape: tuple[int, ...]) -> tuple[bool, np.ndarray | None]:
+    """--all-checkpoints: (whether the base losses recorded in OUT under `key` are reused, the grid on rank 0).
+    Rank 0 alone reads the file (`key`: its own, None on the other ranks) and its answer is every rank's (one
+    decision of all): another node's view of OUT cannot make a rank skip or run the base pass alone."""
+    from models.collective import together
+
+    grid = None
+    with together(ranks.world, "the kept base losses"):
+        if ranks.main:
+            grid = read(Path(out) / FILE, key, shape)
+    (reused,) = ranks.from_main([int(grid is not None)])
+    if reused and ranks.main:
+        from tqdm.auto import tqdm
+
+        tqdm.write(f"base held-out loss: unchanged inputs, reused from {Path(out) / FILE}")
+    return bool(reused), grid
 
 
 def read(path: Path, key: str, shape: tuple[int, ...]) -> np.ndarray | None:

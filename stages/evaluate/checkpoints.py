@@ -570,9 +570,10 @@ def _run(ranks, cfg: EvaluateConfig, store: str | Path, model: str, checkpoints:
         earlier = earlier_settings(settings, tables, cfg, out)
         damaged = dict(tables.damaged)
         losses = _losses_opened(run, share.samples, fingerprint, settings, earlier, tables)
+        base_cache = (out, _base_key(run, settings, share.samples))
         transformer = single.load_transformer(cfg, model, ranks.world)  # the ranks' one attention backend
         done = _evaluate_while_training(ranks, losses, checkpoints, shas, transformer, share.samples, share.mine,
-                                        cfg, load, fingerprint, relist)
+                                        cfg, load, fingerprint, relist, base_cache)
         if ranks.main:  # rank 0 summarises, generates and writes the report
             return _rank_0_alone(ranks, lambda: _report(run, tables, share, transformer, done, damaged, shas,
                                                         settings, pruned))
@@ -672,6 +673,19 @@ def _losses_opened(run: _Evaluation, samples, fingerprint: str, settings: dict, 
     return losses
 
 
+def _base_key(run: _Evaluation, settings: dict, samples) -> str | None:
+    """Rank 0's key of every input of the base losses over the val samples (`base_images.losses_key` of the
+    tables read: single-LoRA evaluate's key, so both share OUT/base-losses.safetensors); None on the others."""
+    from models.collective import together
+    from stages.evaluate.base_images import losses_key
+
+    key = None
+    with together(run.ranks.world, "the base losses' inputs"):
+        if run.ranks.main:
+            key = losses_key(run.cfg, settings, [s.key for s in samples])
+    return key
+
+
 def _report(run: _Evaluation, tables, share, transformer, done, damaged: dict, shas: dict[int, str],
             settings: dict, pruned: list[int]) -> CheckpointsResult:
     """Rank 0's part once the losses are in: the images of the best and last checkpoints (and the base), the
@@ -716,7 +730,7 @@ def _rank_0_alone(ranks, work):
 
 def _evaluate_while_training(ranks, losses: LossStore | None, checkpoints: list[tuple[int, Path]],
                              shas: dict[int, str], transformer, samples, mine: list[int], cfg: EvaluateConfig, load,
-                             fingerprint: str, relist):
+                             fingerprint: str, relist, base_cache: tuple | None = None):
     """Evaluate the checkpoints not in the array, then list the run again (`relist`; None: the list given is all
     there is): a training beside evaluate writes new checkpoints and prunes old ones meanwhile. When a checkpoint
     evaluated is still on disk, the summary names the best of those and the newer ones are left to a rerun
@@ -732,7 +746,7 @@ def _evaluate_while_training(ranks, losses: LossStore | None, checkpoints: list[
     evaluated, attached, pruned, first = 0, False, [], True
     while True:
         n, attached, gone = _append_missing(ranks, losses, checkpoints, shas, transformer, samples, mine, cfg,
-                                            load, attached, first)
+                                            load, attached, first, base_cache)
         evaluated, pruned, first = evaluated + n, pruned + gone, False
         now = agreed_checkpoints(relist(), ranks) if relist is not None else None
         newer = [c for c in now or [] if c[0] not in listed]
@@ -928,14 +942,16 @@ def _plan(losses: LossStore, checkpoints: list[tuple[int, Path]], shas: dict[int
 
 def _append_missing(ranks, losses: LossStore | None, checkpoints: list[tuple[int, Path]], shas: dict[int, str],
                     transformer, samples, mine: list[int], cfg: EvaluateConfig, load=None, attached: bool = False,
-                    first: bool = True) -> tuple[int, bool, list[int]]:
+                    first: bool = True, base_cache: tuple | None = None) -> tuple[int, bool, list[int]]:
     """The base's grid (once) and each checkpoint not yet in the array, one append each (rank 0; `losses` is None
     on the others), the newest first: a training beside evaluate prunes the oldest (train.keep_checkpoints), so
     the newest are the ones still there when their turn comes (the array's order is no order: every reader sorts
     by step). Returns (how many checkpoints were evaluated now, whether the adapter is attached to `transformer`,
-    the steps pruned before they could be loaded)."""
+    the steps pruned before they could be loaded). `base_cache`: (OUT, rank 0's key of the base losses' inputs):
+    an array without base losses takes them from there when recorded under the key, and records them there when
+    computed (`stages.evaluate.base_losses`)."""
     from models.collective import together
-    from stages.evaluate import stage as single
+    from stages.evaluate import base_losses, stage as single
 
     plan = [0] * (len(checkpoints) + 1)
     with together(ranks.world, "the loss array"):
@@ -945,16 +961,20 @@ def _append_missing(ranks, losses: LossStore | None, checkpoints: list[tuple[int
     plan = ranks.from_main(plan)
     todo = sorted((c for c, flag in zip(checkpoints, plan[1:]) if flag), key=lambda c: c[0], reverse=True)
     seeds, sigmas = list(cfg.noise_seeds), [float(t) for t in cfg.timesteps]
-    base = None
-    if not plan[0]:  # before any adapter exists: the plain model
+    base, reused = None, False
+    if not plan[0] and base_cache is not None:  # one decision of all ranks, rank 0's file
+        reused, base = base_losses.agreed_reuse(ranks, *base_cache, (len(samples), len(seeds), len(sigmas), 3))
+    if not plan[0] and not reused:  # before any adapter exists: the plain model
         base = _grid(ranks, transformer, samples, mine, seeds, sigmas, cfg.batch_size, "held-out loss (base)", load)
     with together(ranks.world, "the base losses"):
         if ranks.main:
-            if base is None:
+            if plan[0]:
                 base = losses.base()
             else:
                 with _writing_losses(losses.path.parent):
                     losses.write_base(base)
+                if base_cache is not None and not reused:
+                    base_losses.write(Path(base_cache[0]) / base_losses.FILE, base_cache[1], base)
             # A non-finite base loss means bad stored features (evaluate.on_nonfinite=stop names them): stop
             # before the checkpoints are evaluated, not after all of them
             single.finite_samples(samples, {"base": base}, cfg)

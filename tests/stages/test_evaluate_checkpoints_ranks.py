@@ -202,3 +202,52 @@ def test_rank_0_failing_in_its_report_stops_every_rank_with_its_line(run_and_sto
     last0, last1 = err0.strip().splitlines()[-1], err1.strip().splitlines()[-1]
     assert last0 == last1 == f"error: cannot write the report into {out} (injected)", (last0, last1)
     assert list(xr.open_zarr(out / GROUP).step.values) == [30, 20, 10]  # the losses computed are kept
+
+
+# each rank counts its base passes into RESULTS/rank-N; rank 1 finds no kept base losses (its node's view of the
+# report folder differs): rank 0's file alone decides
+BASE_PASSES = """
+import os, sys
+from pathlib import Path
+RESULTS = Path(sys.argv.pop(1))
+from stages.evaluate import base_losses, checkpoints as ev
+real_grid, passes = ev.loss_grid, []
+def loss_grid(*a, **k):
+    passes.append(a[5])
+    return real_grid(*a, **k)
+ev.loss_grid = loss_grid
+if os.environ["RANK"] == "1":
+    base_losses.read = lambda *a, **k: None
+from pipeline.cli import app
+sys.argv = ["pipeline", *sys.argv[1:]]
+try:
+    app()
+finally:
+    (RESULTS / f"rank-{os.environ['RANK']}").write_text(str(sum("(base)" in p for p in passes)))
+"""
+
+
+def test_ranks_take_the_kept_base_losses_together(run_and_store, tiny_edit_model, tmp_path):
+    """A report folder with base losses of these inputs (`run all` linked the kept report's in) and no loss array:
+    both ranks skip the base pass, as rank 0's file says, though rank 1 sees none; the array's base is the one a
+    two-rank base pass gives (before, both ranks computed it again)."""
+    from stages.evaluate import base_losses
+    from two_ranks import launch_two
+
+    root, out, fresh = run_and_store, tmp_path / "report", tmp_path / "fresh"
+    script = tmp_path / "base_passes.py"
+    script.write_text(BASE_PASSES)
+    (rc0, _, err0), (rc1, _, err1) = launch_two(str(script), str(tmp_path), *_args(root, tiny_edit_model, fresh),
+                                                timeout=300)
+    assert rc0 == rc1 == 0, (rc0, rc1, err0[-2000:], err1[-2000:])
+    assert [(tmp_path / f"rank-{r}").read_text() for r in (0, 1)] == ["1", "1"]
+    out.mkdir()
+    (out / base_losses.FILE).write_bytes((fresh / base_losses.FILE).read_bytes())  # recorded by rank 0
+
+    (rc0, out0, err0), (rc1, _, err1) = launch_two(str(script), str(tmp_path), *_args(root, tiny_edit_model, out),
+                                                   timeout=300)
+    assert rc0 == rc1 == 0, (rc0, rc1, err0[-2000:], err1[-2000:])
+    assert [(tmp_path / f"rank-{r}").read_text() for r in (0, 1)] == ["0", "0"], (err0[-2000:], err1[-2000:])
+    assert "base held-out loss: unchanged inputs, reused" in out0 + err0
+    np.testing.assert_array_equal(xr.open_zarr(out / GROUP).base_loss.values,
+                                  xr.open_zarr(fresh / GROUP).base_loss.values)
