@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from models.control_shapes import MAX_VL_ASPECT
 from models.loading import check_device, load_component
 from models.lora import attach_lora
 from models.qwen21_generate import pipeline_sample_sigmas
@@ -126,17 +127,16 @@ def check_reference_grid(image_processor, height: int, width: int, area: int) ->
     def kept(h: int, w: int) -> bool:
         try:
             return smart_resize(h, w, factor, min_pixels, max_pixels) == (h, w)
-        except (ValueError, ZeroDivisionError):  # beyond 200:1, or a 0 px side: a size the search below can try
+        except (ValueError, ZeroDivisionError):  # too elongated, or a 0 px side: the search below tries it
             return False
 
-    if min(height, width) < 1 or max(height, width) / min(height, width) > 200:  # smart_resize's own limit / 0
+    if min(height, width) < 1 or max(height, width) / min(height, width) > MAX_VL_ASPECT:  # smart_resize's limit / 0
         raise UserError(f"a reference sized {width}x{height} px (output area {area} px) is too elongated for the "
-                        "model's VLM processor (at most 200:1, no side 0 px): crop it, or pass a larger --height / "
-                        "--width (predict) or height / width (evaluate.extra_prompts)")
+                        f"model's VLM processor (at most {MAX_VL_ASPECT}:1, no side 0 px): crop it, or pass a larger "
+                        "--height / --width (predict) or height / width (evaluate.extra_prompts)")
     if not kept(height, width):
         from diffusers.pipelines.qwenimage21.pipeline_qwenimage21 import calculate_dimensions
 
-        side = int(max_pixels ** 0.5) // 32 * 32  # the largest square output whose reference the processor keeps
         def fits(side: int) -> bool:
             return kept(*calculate_dimensions(side * side, width / height)[1::-1])
 

@@ -345,7 +345,7 @@ def _reread_row(path: Path, no: int, lay: _Layout, max_file_bytes: int) -> Any:
     """Row `no` of a file carried unread, read after all (its row group's mapped columns)."""
     import pyarrow.parquet as pq
 
-    from stages.resize.sources import SourceSample
+    from stages.resize.sources import SourceSample, is_read_error
 
     try:
         with pq.ParquetFile(_open(path), metadata=_footer(path)) as pf:
@@ -357,7 +357,7 @@ def _reread_row(path: Path, no: int, lay: _Layout, max_file_bytes: int) -> Any:
                     return _sample(row, lay, path, no, max_file_bytes)
                 first += n
     except (OSError, ValueError) as e:  # pyarrow's errors are OSError / ValueError (ArrowInvalid)
-        if _read_error(path, e):
+        if is_read_error(path, e):
             return next(_unread_rows(path, no, no + 1, e))
         return SourceSample(name=f"{_stem(path)}:{no}", source=f"{path}:{no}", problem=f"cannot read row {no} of "
                             f"{path} again (it changed while this run read it?): {e}; rerun")
@@ -371,7 +371,7 @@ def _file_samples(path: Any, layouts: dict, max_file_bytes: int, hashed: Any = N
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from stages.resize.sources import SourceSample
+    from stages.resize.sources import SourceSample, is_read_error
 
     lay = layouts[path]
     if isinstance(lay, Exception):  # its footer could not be read: one row for the file
@@ -399,26 +399,18 @@ def _file_samples(path: Any, layouts: dict, max_file_bytes: int, hashed: Any = N
         except (pa.ArrowException, OSError) as e:
             if is_url(path) and is_transport_error(e):
                 raise
-            if _read_error(path, e):  # the disk's, not the data's: this row and every later one not read
+            if is_read_error(path, e):  # the disk's, not the data's: this row and every later one not read
                 yield from _unread_rows(path, no, md.num_rows, e)
                 return
             yield SourceSample(name=f"{_stem(path)}:{no}", source=f"{path}:{no}",
                                problem=f"parquet file is truncated or corrupt from row {no} on: {e}")
 
 
-def _read_error(path: Any, e: BaseException) -> bool:
-    """A local file's read failed for the disk's or the permissions' sake (EIO, EACCES: an OSError with an errno
-    that names an existing file), not for its data's (pyarrow's "corrupt" errors carry no errno)."""
-    from stages.resize.sources import _NO_FILE
-
-    return isinstance(e, OSError) and bool(e.errno) and e.errno not in _NO_FILE and not is_url(path)
-
-
 def _unopened(path: Any, e: BaseException) -> Any:
     """One row for a file whose footer (or the file itself) could not be read: its rows are not known."""
-    from stages.resize.sources import READ_ERROR_HINT, SourceSample
+    from stages.resize.sources import READ_ERROR_HINT, SourceSample, is_read_error
 
-    if _read_error(path, e):
+    if is_read_error(path, e):
         return SourceSample(name=_stem(path), source=str(path), problem_kind="read-error", unread=str(path),
                             problem=f"parquet file {path} could not be read (how many rows it holds is not known): "
                             f"{e.strerror or e} (errno {e.errno}); {READ_ERROR_HINT}")  # type: ignore[attr-defined]

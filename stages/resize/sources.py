@@ -206,6 +206,13 @@ READ_ERROR_HINT = ("a disk, network or permission error, not bad data: this vers
                    "so a rerun once it reads again adds the sample")
 
 
+def is_read_error(path: Any, e: BaseException) -> bool:
+    """A local file's read failed for the disk's or the permissions' sake (EIO, EACCES: an OSError with an errno
+    that names an existing file), not for its data's (pyarrow's and gzip's "corrupt" errors carry no errno): a
+    rerun retries it. A URL's failure is the transfer's, which stops the run instead."""
+    return isinstance(e, OSError) and bool(e.errno) and e.errno not in _NO_FILE and not is_url(path)
+
+
 def _read_failed(what: str, path: Path, e: OSError) -> _Problem:
     """A file the reader could not read: `read-error` (EIO, EACCES, ...: retried by a rerun), unless the path names
     no file (`bad-source`)."""
@@ -583,7 +590,7 @@ def _shard_samples(tar: str, max_file_bytes: int, done: Done,
     except (tarfile.TarError, OSError) as e:
         if stream is not None:
             _close_shard(tar, stream)  # a failed transfer (e.g. curl's exit status) stops the run instead
-        if isinstance(e, OSError) and e.errno not in _NO_FILE and not is_url(tar):
+        if is_read_error(tar, e):
             yield from _unread_rest(tar, -1, None, done, e)  # EACCES, EIO: the disk's, not the data's
             return
         yield SourceSample(name=Path(tar).stem, source=tar, problem=f"cannot open tar: {e}")

@@ -467,8 +467,8 @@ def _say_why_new(st: Store, schema: TableSchema, pending: frozenset[str] = froze
     """One line: what differs between this run and the newest complete `images` version (its resize settings,
     named; the source's listing; the code revision), as the encoders and train say it (`schemas.up_to_date`).
     Nothing when there is none or nothing differs (a version recorded as damaged: re-rendered, said below).
-    With tars or parquet files hashed as they are read (`pending`: first_read.py) the listing hash now is provisional, one the
-    version will not have: the line says that instead of printing it."""
+    With tars or parquet files hashed as they are read (`pending`: first_read.py) the listing hash now is
+    provisional, one the version will not have: the line says that instead of printing it."""
     from schemas import up_to_date
     from store import repair_context
 
