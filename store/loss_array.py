@@ -27,6 +27,15 @@ here therefore fsyncs the files it wrote and their folders before the commit, th
 group's folder (`_commit`); a new group is written whole in a temp folder, fsynced and renamed in
 (`store.format.atomic_dir`). A few fsyncs per validation or checkpoint evaluated, none per sample.
 
+Every chunk on disk (format 2): zarr writes no chunk that holds only the fill value by default, so a chunk
+file lost later (a damaged disk, a partial copy or rsync of a run folder) read back as NaN losses, step 0 or an
+empty sha, exactly as a step whose losses were all non-finite: the best checkpoint, `compare` and the report
+used it silently. Every write here now sets zarr's `write_empty_chunks`, so every chunk inside the committed
+shapes is a file, and every read checks that it is (`store.loss_chunks`): one absent is refused naming it (an
+open for writing sets the group aside saying so, as a chunk failing its CRC32C). Groups of format 1 (earlier
+releases) are read as before, unchecked: an absent chunk there may be a row that was all NaN; a reader says
+so in one line where a chunk of their losses is absent (`unchecked`).
+
 A group is for one evaluation setting (`fingerprint`: store tables, model, noise seeds, σ grid, LoRA scale,
 dtype, ...). Opening with another fingerprint keeps the old group as `losses.<old fingerprint>.zarr` beside it
 and starts a new one, so numbers of different protocols never share an array. With `take_back`, a kept group of
@@ -45,11 +54,17 @@ from pathlib import Path
 import numpy as np
 
 from store import format as fmt
+from store import loss_chunks
+from store.loss_chunks import WRITE, ChunkMissing
 
 
 REGIONS = ("all", "inside", "outside")  # models.held_out computes them in this order
 GROUP = "losses.zarr"
-FORMAT = 1  # bump when the layout above changes; a group of another format is kept aside like a new setting
+# bump when the layout above changes; a group of a format not in _READS is kept aside like a new setting.
+# 2: every chunk written, checked on read; earlier releases set it aside (they would not write every chunk)
+FORMAT = 2
+UNCHECKED = 1  # only the chunks that were not all fill value written: still read, absent chunks unchecked
+_READS = (UNCHECKED, FORMAT)
 _STR = dict(dtype=str)  # zarr 3 variable-length UTF-8 strings
 
 
@@ -59,19 +74,32 @@ def _checked() -> dict:
     before keep their codecs (nothing to check there)."""
     from zarr.codecs import Crc32cCodec, ZstdCodec
 
-    return dict(compressors=(ZstdCodec(level=0), Crc32cCodec()))
+    return dict(compressors=(ZstdCodec(level=0), Crc32cCodec()), config=WRITE)
 
 
 def _damage(e: BaseException) -> str | None:
-    """What a read found damaged (zarr's CRC32C codec raises a ValueError), else None."""
-    return f"a chunk is damaged ({e})" if isinstance(e, ValueError) and "checksum do not match" in str(e) else None
+    """What a read found damaged (zarr's CRC32C codec raises a ValueError; `_verify` a ChunkMissing), else None."""
+    if isinstance(e, ChunkMissing):
+        return f"{e}: lost after it was written"
+    if isinstance(e, ValueError) and "checksum do not match" in str(e):
+        return f"a chunk is damaged ({e}): it changed after it was written"
+    return None
 
 
-def _verify(group) -> None:
-    """Read every array of the group once (a few MB at most: steps x val samples x seeds x σ x 3 floats), so a
-    damaged chunk is found when the group is opened, not used as numbers later."""
+def _verify(group, path: Path) -> None:
+    """Check that every chunk of a format-2 group is on disk (`loss_chunks.check`), then read every array once (a
+    few MB at most: steps x val samples x seeds x σ x 3 floats), so a damaged or lost chunk is found when the
+    group is opened, not used as numbers later."""
+    if group.attrs.get("format") == FORMAT:
+        loss_chunks.check(path, group)
     for name in group.array_keys():
         group[name][...]
+
+
+def unchecked(path: Path, group) -> str | None:
+    """The line a reader says for a format-1 group with an absent chunk of losses (`loss_chunks.unchecked_note`),
+    else None."""
+    return loss_chunks.unchecked_note(path, group) if group.attrs.get("format") == UNCHECKED else None
 
 
 def _zarr():
@@ -112,6 +140,7 @@ class LossStore:
         self.aside_reason: str | None = None
         self._unreadable: str | None = None  # what `_recorded_fingerprint` found wrong with the group
         self.taken_back: Path | None = None  # the kept group renamed back in (`take_back`)
+        self.unchecked: str | None = None  # a format-1 group's absent chunks of losses, for the caller's line
         _remove_killed_writes(self.path)
         if self.path.exists() and (recorded := self._recorded_fingerprint()) != fingerprint:
             if take_back and (kept := self._kept_of(fingerprint, axes.keys)) is not None:
@@ -132,12 +161,13 @@ class LossStore:
                     self._create(fingerprint, settings)
             self.group = _zarr().open_group(self.path, mode="r+", use_consolidated=True)
             try:
-                _verify(self.group)
+                _verify(self.group, self.path)
             except ValueError as e:
                 if (damage := _damage(e)) is None:
                     raise
-                self.start_over(f"{self.path} is damaged ({damage}: it changed after it was written)")
+                self.start_over(f"{self.path} is damaged ({damage})")
                 return
+            self.unchecked = unchecked(self.path, self.group)
             keys = [str(k) for k in self.group["sample"][:]]
             if keys != list(axes.keys):  # other samples (e.g. one found damaged and skipped): not one array any more
                 self.start_over(f"the val samples changed ({len(keys)} recorded, {len(axes.keys)} now"
@@ -149,9 +179,9 @@ class LossStore:
         for kept in sorted(self.path.parent.glob(f"losses.{fingerprint[:12]}*.zarr")):
             try:
                 g = _zarr().open_group(kept, mode="r", use_consolidated=True)
-                if g.attrs.get("format") == FORMAT and g.attrs.get("fingerprint") == fingerprint and \
+                if g.attrs.get("format") in _READS and g.attrs.get("fingerprint") == fingerprint and \
                         [str(k) for k in g["sample"][:]] == list(keys):
-                    _verify(g)
+                    _verify(g, kept)
                     return kept
             except Exception:  # noqa: BLE001 - a damaged kept group is left where it is, never taken back
                 continue
@@ -161,7 +191,7 @@ class LossStore:
         """Keep the current group aside (`losses.<its fingerprint>[.N].zarr`) and begin an empty one, or rename
         `kept` (a group kept aside earlier) back in; `reason`: why, kept in `aside_reason`. A kill between the
         two renames leaves no group: the next run takes its kept one back (`take_back`) or starts an empty one."""
-        self.aside_reason = reason
+        self.aside_reason, self.unchecked = reason, None
         recorded = (self._recorded_fingerprint() or "unreadable")[:12]
         aside, n = self.path.with_name(f"losses.{recorded}.zarr"), 1
         while aside.exists():
@@ -175,6 +205,8 @@ class LossStore:
         else:
             self._create(self.fingerprint, self.settings)
         self.group = _zarr().open_group(self.path, mode="r+", use_consolidated=True)
+        if kept is not None:
+            self.unchecked = unchecked(self.path, self.group)
 
     def note_versions(self, versions: dict) -> None:
         """Record the table version ids the losses were read from beside the settings (`table_versions`, not hashed:
@@ -208,8 +240,8 @@ class LossStore:
         except Exception as e:  # noqa: BLE001 - any unreadable group is replaced, never appended to
             self._unreadable = f"damaged: {type(e).__name__}: {str(e)[:200]}"
             return None
-        if attrs.get("format") != FORMAT:
-            self._unreadable = f"format {attrs.get('format')!r}, this release reads format {FORMAT}"
+        if attrs.get("format") not in _READS:
+            self._unreadable = f"format {attrs.get('format')!r}, this release reads formats {_READS}"
             return None
         return attrs.get("fingerprint")
 
@@ -313,11 +345,11 @@ class LossStore:
         if training is not None:  # the attrs enter the commit below (an entry of an uncommitted step is unread)
             self.group.attrs.update({"trainings": {**dict(self.group.attrs.get("trainings") or {}), str(step): training}})
         n = self.group["step"].shape[0]
-        loss = self.group["loss"]
+        loss = self.group["loss"].with_config(WRITE)  # an all-NaN row is a file too (`store.loss_chunks`)
         loss.resize((n + 1, *self.axes.shape))
         loss[n] = grid.astype("float32")
         for name, value in (("step", step), ("checkpoint", checkpoint), ("lora_sha256", lora_sha256)):
-            arr = self.group[name]
+            arr = self.group[name].with_config(WRITE)  # step 0, an empty sha (validation): files too
             arr.resize((n + 1,))
             arr[n] = value
         written = []
@@ -347,8 +379,8 @@ def _remove_killed_writes(group: Path) -> None:
 def _fsync(group: Path, written: list[str]) -> None:
     """fsync these files of the group and every folder from theirs up to the group's (deepest first): a new
     file's or folder's entry, and a removal, are durable only through their folder. A file not there is
-    skipped: zarr writes no chunk that holds only the fill value (step 0, an empty sha) and removes one that
-    did (an append over a dropped step), which the folder's fsync makes durable."""
+    skipped: a format-1 group's writers wrote no chunk that held only the fill value (step 0, an empty sha) and
+    removed one that did (an append over a dropped step), which the folder's fsync makes durable."""
     folders: set[Path] = set()
     for rel in written:
         path = group / rel
@@ -370,7 +402,7 @@ def recorded_setting(folder: str | Path) -> tuple[str, dict] | None:
         attrs = dict(_zarr().open_group(path, mode="r", use_consolidated=True).attrs)
     except Exception:  # noqa: BLE001 - unreadable: no setting to adopt, the next open replaces it
         return None
-    if attrs.get("format") != FORMAT or not isinstance(attrs.get("settings"), dict):
+    if attrs.get("format") not in _READS or not isinstance(attrs.get("settings"), dict):
         return None
     return attrs.get("fingerprint"), attrs["settings"]
 
@@ -383,7 +415,9 @@ def recorded_base(folder: str | Path, fingerprint: str, shape: tuple[int, ...]) 
         return None
     try:
         g = _zarr().open_group(path, mode="r", use_consolidated=True)
-        if g.attrs.get("format") != FORMAT or g.attrs.get("fingerprint") != fingerprint or "base_loss" not in g:
+        if g.attrs.get("format") not in _READS or g.attrs.get("fingerprint") != fingerprint or "base_loss" not in g:
+            return None
+        if g.attrs.get("format") == FORMAT and loss_chunks.absent(path, g):  # lost: computed again, set aside
             return None
         base = np.asarray(g["base_loss"][:], dtype=np.float64)
     except Exception:  # noqa: BLE001 - unreadable: computed again (and the group replaced where it is opened)
@@ -392,28 +426,34 @@ def recorded_base(folder: str | Path, fingerprint: str, shape: tuple[int, ...]) 
 
 
 def recorded_steps(folder: str | Path, fingerprint: str) -> dict[int, str] | None:
-    """step -> LoRA sha256 committed in `folder/losses.zarr` for this fingerprint; None when there is no such group."""
+    """step -> LoRA sha256 committed in `folder/losses.zarr` for this fingerprint; None when there is no such group
+    (or it is unreadable, or a chunk file of it is missing)."""
     path = Path(folder) / GROUP
     if not path.exists():
         return None
     try:
         g = _zarr().open_group(path, mode="r", use_consolidated=True)
-        if g.attrs.get("format") != FORMAT or g.attrs.get("fingerprint") != fingerprint:
+        if g.attrs.get("format") not in _READS or g.attrs.get("fingerprint") != fingerprint:
             return None
+        if g.attrs.get("format") == FORMAT and loss_chunks.absent(path, g):
+            return None  # a chunk lost: not up to date; the open for writing sets the group aside naming it
         n = g["step"].shape[0]
         return dict(zip((int(s) for s in g["step"][:n]), (str(h) for h in g["lora_sha256"][:n]))) if n else {}
     except Exception:  # noqa: BLE001 - unreadable: not up to date, the next append replaces it
         return None
 
 
-def open_dataset(path: str | Path):
+def open_dataset(path: str | Path, say=None):
     """The group as an xarray Dataset (what the report and `pipeline compare` read), in step order: evaluate
-    appends the newest checkpoints first (stages/evaluate/checkpoints.py), the step axis is in that order."""
+    appends the newest checkpoints first (stages/evaluate/checkpoints.py), the step axis is in that order.
+    A chunk file missing (format 2) is refused naming it; `say`: called with `unchecked`'s line for a format-1
+    group lacking a chunk of losses."""
     import xarray as xr
 
     from schemas.errors import UserError
 
-    _zarr()
+    path = Path(path)
+    zarr = _zarr()
     try:
         ds = xr.open_zarr(path, consolidated=True)
     except (ValueError, TypeError, KeyError, AttributeError) as e:  # json's JSONDecodeError is a ValueError
@@ -422,10 +462,16 @@ def open_dataset(path: str | Path):
                         f"{path} aside and rerun `pipeline run evaluate` for that report (its checkpoints are "
                         "evaluated again)") from None
     try:
+        group = zarr.open_group(path, mode="r", use_consolidated=True)  # the shapes xarray read: the commit
+        if group.attrs.get("format") == FORMAT:
+            loss_chunks.check(path, group)  # an absent chunk reads as NaN: refused before any number is used
+        elif say is not None and (note := unchecked(path, group)) is not None:
+            say(note)
         ds = ds.load()  # small (see `_verify`); a damaged chunk is found here, not as numbers in a page
     except ValueError as e:
         if (damage := _damage(e)) is None:
             raise
-        raise UserError(f"{path}: {damage}; the file changed after it was written: move {path} aside and rerun "
-                        "`pipeline run evaluate` for that report (its checkpoints are evaluated again)") from None
+        raise UserError(f"{path}: {damage}; restore the group from where it was copied (a partial copy), or move "
+                        f"{path} aside and rerun `pipeline run evaluate` for that report (its checkpoints are "
+                        "evaluated again)") from None
     return ds.sortby("step") if ds.sizes.get("step") else ds

@@ -928,6 +928,8 @@ def _plan(losses: LossStore, checkpoints: list[tuple[int, Path]], shas: dict[int
     elif losses.kept_aside is not None and first:
         tqdm.write(f"{losses.aside_reason}: the earlier losses are kept in {losses.kept_aside}; every checkpoint "
                    "is evaluated again")
+    if losses.unchecked is not None and first:  # an array of an earlier release lacking a chunk of losses
+        tqdm.write(losses.unchecked)
     recorded = losses.steps()
     if (any(recorded.get(step, sha) != sha for step, sha in shas.items()) or _other_runs(losses, checkpoints)
             or _other_trainings(losses, checkpoints)):

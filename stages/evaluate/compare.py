@@ -81,7 +81,9 @@ def _kept(reference: np.ndarray) -> np.ndarray:
 
 def read_curves(path: str | Path, label: str) -> RunCurves:
     group = find_group(path)
-    ds = open_dataset(group)  # in step order
+    from tqdm.auto import tqdm
+
+    ds = open_dataset(group, say=tqdm.write)  # in step order; an array of an earlier release lacking a chunk: a line
     settings = dict(ds.attrs.get("settings", {}))
     if isinstance(settings.get("evaluate"), dict):  # an unset backend recorded before it was hashed as resolved
         settings["evaluate"] = as_resolved(settings["evaluate"], group.parent, dict(ds.attrs.get("settings", {})))

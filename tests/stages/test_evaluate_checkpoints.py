@@ -879,3 +879,79 @@ def test_a_metrics_json_that_is_not_a_report_record_is_written_over(run_and_stor
     (out / "metrics.json").write_text(damaged)
     res = ev.run(EvaluateConfig(**CFG), run_and_store / "store", tiny_edit_model, ckpts, out, skip_if_done=True)
     assert not res.up_to_date and json.loads((out / "metrics.json").read_text())["checkpoints"]["steps"] == [10]
+
+
+def test_a_lost_chunk_file_of_the_loss_array_is_refused_not_read_as_a_non_finite_step(run_and_store, tiny_edit_model,
+                                                                                       tmp_path, capsys, monkeypatch):
+    """A chunk file of losses.zarr deleted or lost on disk (a damaged disk, a partial copy of the report) read back
+    as NaN, the fill value, as a checkpoint whose every loss is non-finite: `compare` drew step 20 as NaN and named
+    step 30 the best, and evaluate summarised the array so ("evaluated 0 of 4", best step 30). Every chunk is now
+    a file (the all-NaN checkpoint's too): `compare` refuses in one line naming the file, evaluate sets the array
+    aside naming it and evaluates again. A genuinely all-NaN checkpoint still reads as NaN, and an array written
+    by the previous release (no file for that step) still reads, saying what it cannot check."""
+    import csv
+    import math
+    import shutil
+
+    import zarr
+
+    root, out = run_and_store, tmp_path / "report"
+    shutil.copytree(root / "run", tmp_path / "run")
+    transformer = load_component(tiny_edit_model, "transformer")
+    add_checkpoint_lora(transformer)
+    _write_lora(transformer, tmp_path / "run" / "checkpoints" / "step-40", 5.0)
+    real = ev._grid
+
+    def diverged_at_40(*a, **k):  # every loss of step 40 NaN (a LoRA diverged in bf16; a NaN LoRA file is refused)
+        grid = real(*a, **k)
+        return np.full_like(grid, np.nan) if "(step 40)" in a[7] else grid
+
+    monkeypatch.setattr(ev, "_grid", diverged_at_40)
+    ckpts = [(s, tmp_path / "run" / "checkpoints" / f"step-{s}" / "lora") for s in (10, 20, 30, 40)]
+    res = ev.run(EvaluateConfig(**CFG), root / "store", tiny_edit_model, ckpts, out)
+    assert res.evaluated == 4 and res.best["step"] == 20
+    assert math.isnan(res.metrics["checkpoints"]["per_step"][3]["overall"])
+    rows = {int(s): i for i, s in enumerate(zarr.open_group(out / GROUP, mode="r")["step"][:])}
+
+    def chunk(folder: Path, step: int) -> Path:
+        return folder / GROUP / "loss" / "c" / str(rows[step]) / "0" / "0" / "0" / "0"
+
+    assert chunk(out, 40).is_file()  # the all-NaN row is a file too
+    for copy in ("copy", "copy2"):
+        shutil.copytree(out, tmp_path / copy)
+    chunk(out, 20).unlink()
+
+    cmp = CliRunner().invoke(app, ["compare", str(out), str(tmp_path / "copy"), "--out", str(tmp_path / "cmp")])
+    assert cmp.exit_code == 1 and len(cmp.output.strip().splitlines()) == 1, cmp.output
+    assert f"{chunk(out, 20)} is missing" in cmp.output and "rerun `pipeline run evaluate`" in cmp.output
+    capsys.readouterr()
+    again = ev.run(EvaluateConfig(**CFG), root / "store", tiny_edit_model, ckpts, out, skip_if_done=True)
+    said = capsys.readouterr()
+    line = next(x for x in (said.out + said.err).splitlines() if "is missing" in x)
+    assert f"{chunk(out, 20)} is missing" in line and "every checkpoint is evaluated again" in line
+    assert again.evaluated == 4 and again.best["step"] == 20 and not again.up_to_date
+
+    # the intact copies: the all-NaN checkpoint reads as NaN, never the best
+    cmp = CliRunner().invoke(app, ["compare", str(tmp_path / "copy"), str(tmp_path / "copy2"), "--out",
+                                   str(tmp_path / "cmp2"), "--json"])
+    assert cmp.exit_code == 0, cmp.output
+    assert [r["best_step"] for r in json.loads(cmp.stdout)["runs"]] == [20, 20]
+    steps = {r["step"]: r for r in csv.DictReader((tmp_path / "cmp2" / "curves.csv").open()) if r["run"] == "copy"}
+    assert math.isnan(float(steps["40"]["loss"])) and math.isfinite(float(steps["20"]["loss"]))
+
+    # as the previous release wrote it (store tests: the same files): format 1, no file for the all-NaN row
+    record = tmp_path / "copy2" / GROUP / "zarr.json"
+    meta = json.loads(record.read_text())
+    meta["attributes"]["format"] = 1
+    record.write_text(json.dumps(meta))
+    chunk(tmp_path / "copy2", 40).unlink()
+    capsys.readouterr()
+    old = ev.run(EvaluateConfig(**CFG), root / "store", tiny_edit_model, ckpts, tmp_path / "copy2")
+    said = capsys.readouterr()
+    assert old.evaluated == 0 and old.best["step"] == 20  # kept: nothing evaluated again
+    assert math.isnan(old.metrics["checkpoints"]["per_step"][3]["overall"])
+    assert f"no chunk file {chunk(tmp_path / 'copy2', 40)};" in said.out + said.err
+    cmp = CliRunner().invoke(app, ["compare", str(tmp_path / "copy"), str(tmp_path / "copy2"), "--out",
+                                   str(tmp_path / "cmp3"), "--json"])
+    assert cmp.exit_code == 0 and [r["best_step"] for r in json.loads(cmp.stdout)["runs"]] == [20, 20], cmp.output
+    assert f"no chunk file {chunk(tmp_path / 'copy2', 40)};" in cmp.output

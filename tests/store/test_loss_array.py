@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 import xarray as xr
 
 from store.loss_array import GROUP, Axes, LossStore, recorded_steps
@@ -220,3 +221,85 @@ def test_a_damaged_commit_record_is_one_line_naming_the_group(tmp_path):
         record.write_bytes(damaged)
         with pytest.raises(UserError, match=rf"{GROUP}: its zarr.json is damaged.*rerun `pipeline run evaluate`"):
             open_dataset(tmp_path / GROUP)
+
+
+def _all_nan() -> np.ndarray:
+    return np.full(AXES.shape, np.nan)  # a checkpoint whose every loss is non-finite (a diverged LoRA)
+
+
+@pytest.mark.parametrize("lost", ["loss/c/2/0/0/0/0", "step/c/0", "lora_sha256/c/2", "base_loss/c/0/0/0/0"])
+def test_a_lost_chunk_file_is_refused_naming_it_not_read_as_a_non_finite_step(tmp_path, lost):
+    """A chunk file deleted or lost on disk (a damaged disk, a partial copy of the run folder) read back as the fill
+    value: NaN losses, step 0, an empty sha, as a step whose losses were all non-finite, and every reader used it.
+    Every chunk is now written (the all-NaN step's too) and an absent one is refused: `open_dataset` (report,
+    `compare`) in one line naming the file, `recorded_steps` as not up to date, an open for writing sets the group
+    aside saying so. The genuinely non-finite step still reads as NaN."""
+    from schemas.errors import UserError
+    from store.loss_array import open_dataset, recorded_base
+
+    s = LossStore(tmp_path, "fp", AXES, {})
+    s.write_base(_grid(2.0))
+    for step, grid in ((10, _grid(1.0)), (20, _all_nan()), (30, _grid(3.0))):
+        s.append(step, f"ckpt-{step}", f"sha{step}", grid)
+    group = tmp_path / GROUP
+    assert (group / "loss" / "c" / "1" / "0" / "0" / "0" / "0").is_file()  # the all-NaN row is a file too
+    ds = open_dataset(group)
+    assert list(ds.step.values) == [10, 20, 30] and np.isnan(ds.loss.sel(step=20).values).all()
+    np.testing.assert_array_equal(ds.loss.sel(step=30).values, _grid(3.0).astype("float32"))
+
+    (group / lost).unlink()
+    with pytest.raises(UserError) as e:
+        open_dataset(group)
+    line = str(e.value)
+    assert "\n" not in line and f"{group / lost} is missing" in line and "rerun `pipeline run evaluate`" in line
+    assert recorded_steps(tmp_path, "fp") is None  # not up to date: the next open sets it aside
+    assert recorded_base(tmp_path, "fp", AXES.shape[:3]) is None
+    t = LossStore(tmp_path, "fp", AXES, {}, take_back=True)
+    assert t.kept_aside is not None and t.steps() == {} and not t.has_base()
+    assert f"{group / lost} is missing" in t.aside_reason and "damaged" in t.aside_reason
+    t.append(10, "ckpt-10", "sha10", _grid(1.0))
+    other = LossStore(tmp_path, "fp2", AXES, {}, take_back=True)  # sets the new one aside
+    assert LossStore(tmp_path, "fp", AXES, {}, take_back=True).taken_back == other.kept_aside  # never the lost one
+
+
+def _previous_release(monkeypatch) -> None:
+    """Write as the previous release did: format 1, zarr's default config (no chunk that is all fill value)."""
+    import store.loss_array as la
+
+    monkeypatch.setattr(la, "FORMAT", 1)
+    monkeypatch.setattr(la, "WRITE", {"write_empty_chunks": False})
+
+
+def test_a_group_of_the_previous_release_still_reads_and_says_what_it_cannot_check(tmp_path, monkeypatch):
+    """An array written before every chunk was (format 1) has no file for a step whose losses were all NaN (nor
+    for a validation's empty sha), so an absent file there proves nothing: it reads as before (NaN), and readers
+    say so in one line naming the file; it is kept, not set aside (its checkpoints need not be evaluated again),
+    and appended to by this release."""
+    from store.loss_array import open_dataset
+
+    _previous_release(monkeypatch)
+    s = LossStore(tmp_path, "fp", AXES, {})
+    s.write_base(_grid(2.0))
+    for step, grid in ((10, _grid(1.0)), (20, _all_nan()), (30, _grid(3.0))):
+        s.append(step, f"training step {step}", "", grid)  # a validation curve: its sha is empty
+    monkeypatch.undo()
+    group = tmp_path / GROUP
+    assert not (group / "loss" / "c" / "1" / "0" / "0" / "0" / "0").exists()  # as that release wrote it
+    assert not (group / "lora_sha256" / "c" / "0").exists()
+
+    lines: list[str] = []
+    ds = open_dataset(group, say=lines.append)
+    assert list(ds.step.values) == [10, 20, 30] and np.isnan(ds.loss.sel(step=20).values).all()
+    np.testing.assert_array_equal(ds.loss.sel(step=30).values, _grid(3.0).astype("float32"))
+    assert len(lines) == 1 and f"no chunk file {group / 'loss/c/1/0/0/0/0'};" in lines[0]
+    assert "earlier release" in lines[0]
+    assert recorded_steps(tmp_path, "fp") == {10: "", 20: "", 30: ""}
+
+    again = LossStore(tmp_path, "fp", AXES, {})
+    assert again.kept_aside is None and again.steps() == {10: "", 20: "", 30: ""} and again.unchecked == lines[0]
+    again.append(40, "training step 40", "", _grid(4.0))
+    assert list(open_dataset(group).step.values) == [10, 20, 30, 40]
+    (group / "loss" / "c" / "0" / "0" / "0" / "0" / "0").unlink()  # lost there: read as NaN, said, never refused
+    lines.clear()
+    assert np.isnan(open_dataset(group, say=lines.append).loss.sel(step=10).values).all()
+    assert f"no chunk file {group / 'loss/c/0/0/0/0/0'} and 1 more" in lines[0]
