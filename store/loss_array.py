@@ -454,6 +454,7 @@ def open_dataset(path: str | Path, say=None):
 
     path = Path(path)
     zarr = _zarr()
+    folder = _folder(path)  # the group read: the same folder until the check is done (`_same_folder`)
     try:
         ds = xr.open_zarr(path, consolidated=True)
     except (ValueError, TypeError, KeyError, AttributeError) as e:  # json's JSONDecodeError is a ValueError
@@ -462,16 +463,38 @@ def open_dataset(path: str | Path, say=None):
                         f"{path} aside and rerun `pipeline run evaluate` for that report (its checkpoints are "
                         "evaluated again)") from None
     try:
-        group = zarr.open_group(path, mode="r", use_consolidated=True)  # the shapes xarray read: the commit
+        ds = ds.load()  # small (see `_verify`); a damaged chunk is found here, not as numbers in a page
+        # checked after the load: a chunk absent while it was read is absent still. This commit is the one xarray
+        # read or a later one (appends only add chunks, each written before its commit)
+        group = zarr.open_group(path, mode="r", use_consolidated=True)
         if group.attrs.get("format") == FORMAT:
             loss_chunks.check(path, group)  # an absent chunk reads as NaN: refused before any number is used
         elif say is not None and (note := unchecked(path, group)) is not None:
             say(note)
-        ds = ds.load()  # small (see `_verify`); a damaged chunk is found here, not as numbers in a page
     except ValueError as e:
         if (damage := _damage(e)) is None:
             raise
+        _same_folder(path, folder)  # set aside and replaced meanwhile: not damage
         raise UserError(f"{path}: {damage}; restore the group from where it was copied (a partial copy), or move "
                         f"{path} aside and rerun `pipeline run evaluate` for that report (its checkpoints are "
                         "evaluated again)") from None
+    _same_folder(path, folder)
     return ds.sortby("step") if ds.sizes.get("step") else ds
+
+
+def _folder(path: Path) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _same_folder(path: Path, folder: tuple[int, int] | None) -> None:
+    """Refuse a group that an evaluate or training set aside (renamed) and replaced while it was read: xarray
+    read the old commit's shapes and the new group's chunks (absent: NaN losses, step 0) without an error."""
+    from schemas.errors import UserError
+
+    if _folder(path) != folder:
+        raise UserError(f"{path} was replaced while it was read (an evaluate or training writing it set it aside "
+                        "and began another): rerun to read the group there now")

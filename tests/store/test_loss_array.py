@@ -303,3 +303,33 @@ def test_a_group_of_the_previous_release_still_reads_and_says_what_it_cannot_che
     lines.clear()
     assert np.isnan(open_dataset(group, say=lines.append).loss.sel(step=10).values).all()
     assert f"no chunk file {group / 'loss/c/0/0/0/0/0'} and 1 more" in lines[0]
+
+
+def test_a_group_replaced_while_it_is_read_is_refused_not_read_as_nan(tmp_path, monkeypatch):
+    """`pipeline compare` reading a report while its evaluate (other settings, or a damaged group) sets the group
+    aside and begins a new one in its place: xarray had read the old commit's shapes, the chunk check and the load
+    then looked at the new group, whose absent chunks read as NaN losses and base - no error, a report of NaN.
+    Now the group read must be the same folder from the open to the end of the check, else one line says so."""
+    import xarray
+
+    from schemas.errors import UserError
+    from store.loss_array import open_dataset
+
+    s = LossStore(tmp_path, "fp", AXES, {})
+    s.write_base(_grid(2.0))
+    for step in (10, 20, 30):
+        s.append(step, f"ckpt-{step}", f"sha{step}", _grid(step / 10))
+    real = xarray.open_zarr
+
+    def evaluate_starts_over_meanwhile(*a, **k):
+        ds = real(*a, **k)
+        LossStore(tmp_path, "fp-other", AXES, {})  # the old group set aside, a new empty one renamed in
+        return ds
+
+    monkeypatch.setattr(xarray, "open_zarr", evaluate_starts_over_meanwhile)
+    with pytest.raises(UserError) as e:
+        open_dataset(tmp_path / GROUP)
+    line = str(e.value)
+    assert "\n" not in line and f"{tmp_path / GROUP} was replaced while it was read" in line and "rerun" in line
+    monkeypatch.undo()
+    assert list(open_dataset(tmp_path / GROUP).step.values) == []  # the new group, read whole
