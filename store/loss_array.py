@@ -459,9 +459,8 @@ def open_dataset(path: str | Path, say=None):
         ds = xr.open_zarr(path, consolidated=True)
     except (ValueError, TypeError, KeyError, AttributeError) as e:  # json's JSONDecodeError is a ValueError
         # the commit record (root zarr.json) cut, overwritten or not a consolidated group: json's or zarr's traceback
-        raise UserError(f"{path}: its zarr.json is damaged or not a loss array's ({type(e).__name__}: {e}); move "
-                        f"{path} aside and rerun `pipeline run evaluate` for that report (its checkpoints are "
-                        "evaluated again)") from None
+        raise UserError(f"{path}: its zarr.json is damaged or not a loss array's ({type(e).__name__}: {e}); "
+                        f"{loss_chunks.what_to_do(path)}") from None
     try:
         ds = ds.load()  # small (see `_verify`); a damaged chunk is found here, not as numbers in a page
         # checked after the load: a chunk absent while it was read is absent still. This commit is the one xarray
@@ -475,9 +474,8 @@ def open_dataset(path: str | Path, say=None):
         if (damage := _damage(e)) is None:
             raise
         _same_folder(path, folder)  # set aside and replaced meanwhile: not damage
-        raise UserError(f"{path}: {damage}; restore the group from where it was copied (a partial copy), or move "
-                        f"{path} aside and rerun `pipeline run evaluate` for that report (its checkpoints are "
-                        "evaluated again)") from None
+        raise UserError(f"{path}: {damage}; restore the group from where it was copied (a partial copy), or "
+                        f"{loss_chunks.what_to_do(path)}") from None
     _same_folder(path, folder)
     return ds.sortby("step") if ds.sizes.get("step") else ds
 

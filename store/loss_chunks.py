@@ -44,6 +44,14 @@ def check(path: Path, group) -> None:
         raise ChunkMissing(path, missing[0], len(missing))
 
 
+def what_to_do(path: Path) -> str:
+    """The remedy a line about a damaged group ends with: a report's evaluate computes its losses again, but
+    RUN/losses.zarr is a training's validation curve, which no evaluate writes (the advice recomputed nothing)."""
+    return (f"move {path} aside and rerun `pipeline run evaluate` for that report (its checkpoints are evaluated "
+            "again); a training run's validation curve is not computed again: moved aside, a resumed training begins "
+            "a new one")
+
+
 def unchecked_note(path: Path, group) -> str | None:
     """For a group written before every chunk was (format 1): None when every chunk of its numbers is on disk,
     else one line saying that a lost file cannot be told from a step whose losses were all non-finite there."""
@@ -53,5 +61,4 @@ def unchecked_note(path: Path, group) -> str | None:
     more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
     return (f"{path}: no chunk file {path / missing[0]}{more}; this array was written by an earlier release, which wrote "
             "no chunk that was all NaN, so those losses read as NaN and a lost file cannot be told from a "
-            f"non-finite checkpoint there: if files of it were lost, move {path} aside and rerun `pipeline run "
-            "evaluate` for that report")
+            f"non-finite checkpoint there: if files of it were lost, {what_to_do(path)}")

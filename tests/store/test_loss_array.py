@@ -333,3 +333,28 @@ def test_a_group_replaced_while_it_is_read_is_refused_not_read_as_nan(tmp_path, 
     assert "\n" not in line and f"{tmp_path / GROUP} was replaced while it was read" in line and "rerun" in line
     monkeypatch.undo()
     assert list(open_dataset(tmp_path / GROUP).step.values) == []  # the new group, read whole
+
+
+def test_a_damaged_validation_curve_says_what_to_do_with_a_run_not_a_report(tmp_path):
+    """`pipeline compare RUN` over a training run's validation curve (RUN/losses.zarr) that lost a chunk file, or
+    with one changed on disk, said only "rerun `pipeline run evaluate` for that report (its checkpoints are evaluated
+    again)": evaluate never writes RUN/losses.zarr, so the advice recomputed nothing. The line now says what
+    becomes of a run's curve too (a resumed training begins a new one)."""
+    from schemas.errors import UserError
+    from store.loss_array import open_dataset
+
+    s = LossStore(tmp_path, "fp", AXES, {"validate": {"keys": AXES.keys}})
+    s.write_base(_grid(2.0))
+    for step in (100, 200):
+        s.append(step, f"training step {step}", "", _grid(step / 100))
+    group = tmp_path / GROUP
+    for damage in ("lost", "flipped"):
+        chunk = group / "loss" / "c" / "1" / "0" / "0" / "0" / "0"
+        saved = chunk.read_bytes()
+        chunk.unlink() if damage == "lost" else _flip_a_byte(chunk)
+        with pytest.raises(UserError) as e:
+            open_dataset(group)
+        line = str(e.value)
+        assert "\n" not in line and str(group) in line and "validation curve" in line and "resumed training" in line
+        assert "rerun `pipeline run evaluate`" in line  # a report's remedy still said
+        chunk.write_bytes(saved)
