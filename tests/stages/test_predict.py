@@ -24,6 +24,18 @@ def _cli(*args):
     assert result.exit_code == 0, result.output
     return result
 
+
+@pytest.fixture
+def small_vae_view(monkeypatch):
+    """Edit / Edit-Plus controls VAE-encoded at a ~256² view instead of the stock ~1024² (at 1024², ~2 s of the
+    tiny VAE per control on one core), for tests whose property does not depend on that size: an image compared
+    with one made by the same code, a picture read before encoding, a save. Predict's equality with the stock
+    pipeline at the real area is test_predict_equals_stock_pipeline's."""
+    from models import edit
+
+    monkeypatch.setattr(edit, "VAE_AREA", 256 * 256)
+
+
 def _extra_prompt_pictures(model: str, path):
     """The control and target evaluate shows for an extra prompt whose image and target are both `path`."""
     from models.loading import load_component
@@ -185,7 +197,7 @@ def test_predict_and_merge_refuse_a_read_only_out_folder_before_loading(tiny_edi
         assert LOAD_LOG == []
 
 
-def test_predict_applies_the_exif_orientation_of_a_control(tiny_edit_model, tmp_path):
+def test_predict_applies_the_exif_orientation_of_a_control(tiny_edit_model, tmp_path, small_vae_view):
     """A phone photo stores its pixels sideways with an EXIF rotation tag. Training images get it applied
     (resize-bucket) and so do files read by diffusers' `load_image`; predict read the raw pixels, so the model
     was shown the photo on its side (another output size, too). Reference: the control as `load_image` reads it."""
@@ -211,7 +223,7 @@ def test_predict_applies_the_exif_orientation_of_a_control(tiny_edit_model, tmp_
 
 
 
-def test_predict_shows_a_transparent_control_as_training_did(tiny_edit_model, tmp_path):
+def test_predict_shows_a_transparent_control_as_training_did(tiny_edit_model, tmp_path, small_vae_view):
     """A cutout (RGBA, transparent background stored as black): resize-bucket composites training images over
     white; predict dropped the alpha (`convert("RGB")`), so the model saw a black background it never trained on.
     Reference: the control as resize-bucket decodes it."""
@@ -234,7 +246,7 @@ def test_predict_shows_a_transparent_control_as_training_did(tiny_edit_model, tm
     np.testing.assert_array_equal(np.asarray(Image.open(outs[0])), np.asarray(Image.open(outs[1])))
 
 
-def test_evaluate_extra_prompts_apply_the_exif_orientation(tiny_edit_model, tmp_path):
+def test_evaluate_extra_prompts_apply_the_exif_orientation(tiny_edit_model, tmp_path, small_vae_view):
     """evaluate.extra_prompts read their control and target files the same way (predict's reader)."""
     from diffusers.utils import load_image
 
@@ -248,7 +260,8 @@ def test_evaluate_extra_prompts_apply_the_exif_orientation(tiny_edit_model, tmp_
     np.testing.assert_array_equal(np.asarray(target), upright)
 
 
-def test_evaluate_extra_prompts_show_a_transparent_control_as_training_did(tiny_edit_model, tmp_path):
+def test_evaluate_extra_prompts_show_a_transparent_control_as_training_did(tiny_edit_model, tmp_path,
+                                                                           small_vae_view):
     """A cutout given to evaluate.extra_prompts (Edit / Edit-Plus) is composited over white, as resize-bucket
     decodes the training images (before: its transparent pixels reached the model as the black they store)."""
     from features.decode import decode_image
@@ -329,7 +342,7 @@ def test_lora_merge_refuses_non_empty_out(tiny_edit_model, tmp_path):
     assert result.exit_code == 1 and "not empty" in result.output
 
 
-def test_evaluate_extra_prompts_scale_a_16_bit_control_as_training_does(tiny_edit_model, tmp_path):
+def test_evaluate_extra_prompts_scale_a_16_bit_control_as_training_does(tiny_edit_model, tmp_path, small_vae_view):
     """A 16-bit grayscale PNG (a scan, a depth-like map) as an extra prompt's control and target. resize-bucket
     scales it 65535 -> 255; evaluate read it with Pillow's own convert, which clips: everything above 255 came out
     white. Both now use one decoder (features/decode.py)."""
@@ -428,7 +441,8 @@ def test_predict_out_naming_its_control_or_a_folder_is_refused_before_loading(ti
     assert sorted(p.name for p in tmp_path.iterdir()) == ["folder.png", "link.png", "photo.png"]
 
 
-def test_a_disk_filling_while_predict_saves_keeps_the_previous_image(tiny_edit_model, tmp_path, monkeypatch):
+def test_a_disk_filling_while_predict_saves_keeps_the_previous_image(tiny_edit_model, tmp_path, small_vae_view,
+                                                                    monkeypatch):
     """PIL wrote the edit straight into --out: a disk that filled mid-write left a cut PNG where the previous
     image at that name was (PIL removes only a file it created). Now a temp file renamed over --out: the old
     image stays whole, no temp file is left, one line. Simulated: every write into out/ stops half-way, ENOSPC."""
@@ -510,19 +524,27 @@ def test_lora_merge_refuses_an_out_inside_the_model_folder(tiny_edit_model, tmp_
 
 
 @pytest.mark.parametrize("variant_model, inside, outside, size", [
-    ("tiny_edit_model", (2000, 13), (2000, 12), []),  # the ~1024² view: 12704x96 (132:1) / 12800x64 (200:1 +)
-    ("tiny_plus_model", (2000, 8), (2000, 7), []),  # the ~384² view: 6080x32 (190:1) / 6432x32
+    # Edit / Edit-Plus view a control at fixed areas, whatever the output size: a 32² output keeps every view of
+    # it (the default, the control's ~1024² size, decoded a 12704x96 image: ~15 s of the tiny VAE on one core)
+    ("tiny_edit_model", (2000, 13), (2000, 12), [32, 32]),  # the ~1024² view: 12704x96 (132:1) / 12800x64 (200:1 +)
+    ("tiny_plus_model", (2000, 8), (2000, 7), [32, 32]),  # the ~384² view: 6080x32 (190:1) / 6432x32
     # 2.1 sizes its references at the output's area: 256² keeps a 255.9:1 control (3968x32), 256:1 rounds to 0 px
-    ("tiny_21_model", (2559, 10), (2560, 10), ["--height", "256", "--width", "256"])])
+    ("tiny_21_model", (2559, 10), (2560, 10), [256, 256])])
 def test_a_control_one_pixel_inside_the_stock_resize_limit_is_edited_one_outside_refused(
         variant_model, inside, outside, size, tmp_path, request):
     """The limit is the stock pipeline's own (its `calculate_dimensions`, then the VL processor's 200:1): a control
     one pixel inside it is edited end to end, one pixel outside is one line before loading. A 2.1 control was
     judged as it is, not at the size the pipeline gives it: 2559x10 at a 256² output was refused (255.9:1),
     though the pipeline makes a 3968x32 view of it."""
-    from models.loading import LOAD_LOG
+    from models.control_shapes import control_views
+    from models.loading import LOAD_LOG, model_variant
 
     model = request.getfixturevalue(variant_model)
+    variant = model_variant(model)
+    if variant != "qwen-image-2.1":  # the premise of the small output above: the views are the default output's
+        assert control_views(variant, inside, *size) == control_views(variant, inside)
+    height, width = size
+    size = ["--height", str(height), "--width", str(width)]
     for shape, ok in ((inside, True), (outside, False)):
         control, out = tmp_path / f"{shape[0]}x{shape[1]}.png", tmp_path / f"{shape[0]}x{shape[1]}-out.png"
         Image.new("RGB", shape, "gray").save(control)
