@@ -187,3 +187,25 @@ def check_recorded(path: Path, records: Mapping[str, int] = FOLDER_RECORDS, leve
                                     "was written: use an intact copy or rerun the command that wrote it")
                 return
         folder = folder.parent
+
+
+def recorded_by(path: Path, records: Mapping[str, int] = FOLDER_RECORDS, levels: int = 2) -> Path | None:
+    """The sealed record that names `path` among the files it covers (as `check_recorded` finds it: its own
+    folder's, or up to `levels` folders up), or None: a file some command wrote and sealed (a run's final LoRA,
+    a checkpoint's), which replacing would leave its record naming other bytes. A record that cannot be read
+    tells nothing (None)."""
+    path = Path(path)
+    folder = path.parent
+    for _ in range(levels):
+        for name in records:
+            record = folder / name
+            if not record.is_file():
+                continue
+            try:
+                files = unseal(record.read_bytes()).get("files") or {}
+            except (OSError, SealError):
+                continue
+            if isinstance(files, dict) and path.resolve().relative_to(folder.resolve()).as_posix() in files:
+                return record
+        folder = folder.parent
+    return None

@@ -258,3 +258,61 @@ def test_an_exported_lora_still_names_its_model_to_this_projects_loaders(tiny_21
                                       "--out", str(tmp_path / "merged")])
     assert result.exit_code == 1 and "a LoRA of another model family does not apply" in result.output, result.output
     assert "0123456789abcdef" in result.output and not (tmp_path / "merged").exists()  # the base warning too
+
+
+def test_export_keeps_an_existing_out_file_unless_told_and_never_replaces_a_runs_own(tmp_path, monkeypatch):
+    """`--out` naming an existing file (the user's other LoRA, any file) was replaced by the export without a
+    word. Now one line naming it and --overwrite, the file as it was; --overwrite replaces it (whole, by a
+    rename). The LoRA being exported and a run's own sealed weights (RUN/lora, a checkpoint's) stay refused even
+    with --overwrite; a file made at --out while the export was written is not replaced either."""
+    import models.lora_export as lora_export
+    from models.lora import WEIGHT_NAME
+    from store.checksum import folder_checksums, seal, write_folder_record
+
+    q = "transformer.transformer_blocks.0.attn.to_q"
+    src = tmp_path / "lora.safetensors"
+    save_file({f"{q}.lora_A.weight": torch.ones(2, 8), f"{q}.lora_B.weight": torch.ones(8, 2)}, src)
+
+    def export(out: Path, *flags: str):
+        return CliRunner().invoke(app, ["lora", "export", str(src), "--out", str(out), *flags])
+
+    other = tmp_path / "my-other-lora.safetensors"
+    other.write_bytes(b"the user's other LoRA")
+    result = export(other)
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    line = " ".join(result.output.split())
+    assert f"--out {other} exists" in line and "--overwrite" in line, result.output
+    assert other.read_bytes() == b"the user's other LoRA"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["lora.safetensors", "my-other-lora.safetensors"]
+    assert export(other, "--overwrite").exit_code == 0
+    assert set(load_file(other)) == {f"diffusion_model.transformer_blocks.0.attn.to_q.{k}"
+                                     for k in ("lora_down.weight", "lora_up.weight", "alpha")}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["lora.safetensors", "my-other-lora.safetensors"]
+
+    # the LoRA being exported, and a run's own weights (a final LoRA's checksums.json, a checkpoint's resume.json)
+    before = src.read_bytes()
+    result = export(src, "--overwrite")
+    assert result.exit_code == 1 and "is the LoRA being exported" in result.output and src.read_bytes() == before
+    final, step = tmp_path / "run" / "lora", tmp_path / "run" / "checkpoints" / "step-2"
+    for folder in (final, step / "lora"):
+        folder.mkdir(parents=True)
+        (folder / WEIGHT_NAME).write_bytes(b"a run's weights")
+    write_folder_record(final)
+    (step / "resume.json").write_bytes(seal({"files": folder_checksums(step)}))
+    for weights in (final / WEIGHT_NAME, step / "lora" / WEIGHT_NAME):
+        result = export(weights, "--overwrite")
+        assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+        assert "is a run's own file" in " ".join(result.output.split()) and weights.read_bytes() == b"a run's weights"
+
+    # a file made at --out after the export looked (another process): kept, and no temp file left
+    late = tmp_path / "late" / "comfy.safetensors"
+    real = lora_export.canonicalize
+
+    def another_writer_meanwhile(path, *a, **k):
+        real(path, *a, **k)
+        late.write_bytes(b"written meanwhile")
+
+    monkeypatch.setattr(lora_export, "canonicalize", another_writer_meanwhile)
+    result = export(late)
+    assert result.exit_code == 1 and f"--out {late} exists" in " ".join(result.output.split()), result.output
+    assert late.read_bytes() == b"written meanwhile" and [p.name for p in late.parent.iterdir()] == [late.name]
