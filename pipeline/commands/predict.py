@@ -76,10 +76,12 @@ def command(
         check_out_path(out, list(image))
     _check_local_model(model, len(image), out, cfg.predict.steps)
     with user_errors(out):
+        # the controls read and judged before the LoRA's base check hashes the model (minutes for a 40 GB one)
+        controls = checked_controls(model, list(image), out, cfg.predict.steps, height, width)
         if lora:
             checked_lora(lora, model, strict_base)
         path = predict(cfg.predict, model, list(image), prompt, out, str(lora) if lora else None, lora_scale,
-                       height, width)
+                       height, width, controls=controls)
     echo(f"wrote {path}")
 
 
@@ -144,22 +146,20 @@ def check_for_model(model: str, n_images: int, out: Path, steps: int) -> None:
     check_sampling_steps(steps, "predict.steps", model)
 
 
-def predict(cfg, model: str, images: list[Path], prompt: str, out: Path, lora: str | None, lora_scale: float,
-            height: int | None, width: int | None) -> Path:
-    """Read the control images, load the pipeline (each component on its device), edit, write OUT (PNG)."""
-    from models.edit import COMPONENTS, edit, load_pipeline
+def checked_controls(model: str, images: list[Path], out: Path, steps: int, height: int | None,
+                     width: int | None) -> list:
+    """What predict refuses before loading anything (OUT, its folder, the model's configs, each control's shape),
+    and the control images as PIL images, decoded as resize-bucket decodes the training images."""
+    from models.loading import model_variant
     from schemas.errors import UserError
+    from store.io_errors import check_writable
 
     if not images:
         raise UserError("predict needs at least one --image")
-    from models.loading import model_variant
-
-    from store.io_errors import check_writable
-
     check_out_path(out, images)
     check_writable(Path(out).parent, f"--out {out}")  # so is the folder it goes to (before it was found at the save)
     # before minutes of loading and denoising (the CLI: when parsed, and for a model folder here right after)
-    check_for_model(model, len(images), out, cfg.steps)
+    check_for_model(model, len(images), out, steps)
     from features.decode import read_image_file
     from models.control_shapes import check_control_shapes
 
@@ -169,6 +169,18 @@ def predict(cfg, model: str, images: list[Path], prompt: str, out: Path, lora: s
     keep_alpha = model_variant(model) == "qwen-image-2.1"
     pil = [read_image_file(p, keep_alpha, what="--image") for p in images]
     check_control_shapes(images, pil, model_variant(model), height, width)
+    return pil
+
+
+def predict(cfg, model: str, images: list[Path], prompt: str, out: Path, lora: str | None, lora_scale: float,
+            height: int | None, width: int | None, controls: list | None = None) -> Path:
+    """Read the control images (`controls`: already read by `checked_controls`), load the pipeline (each
+    component on its device), edit, write OUT (PNG)."""
+    from models.edit import COMPONENTS, edit, load_pipeline
+    from models.loading import model_variant
+    from schemas.errors import UserError
+
+    pil = controls if controls is not None else checked_controls(model, images, out, cfg.steps, height, width)
     unknown = set(cfg.devices) - set(COMPONENTS)
     if unknown:
         raise UserError(f"predict.devices: unknown component(s) {sorted(unknown)}; use {list(COMPONENTS)}")
