@@ -194,6 +194,9 @@ def test_run_all_after_adding_a_sample_keeps_the_old_run_and_trains_afresh(tiny_
     assert "store tables" in messages.split(str(kept))[1].splitlines()[0]  # says why, on the same line
     assert _lora_bytes(kept) == old_lora and (kept / "checkpoints" / "step-2" / "resume.json").is_file()
     assert (kept / "evaluate-report" / "metrics.json").read_text() == old_metrics  # its own report, kept with it
+    # evaluate says why it evaluates afresh: the report it replaces went with the kept run
+    assert f"the report in {report} was the previous run's, kept with that run in {kept / 'evaluate-report'}" in (
+        " ".join(messages.split())), messages
     assert by["train"]["start_step"] == 0 and by["train"]["steps"] == 2 and not by["evaluate"]["up_to_date"]
     assert _lora_bytes(run) != old_lora
     metrics = json.loads((report / "metrics.json").read_text())

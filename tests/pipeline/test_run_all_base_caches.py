@@ -5,6 +5,7 @@ train setting generated the base images and computed the base held-out losses ag
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import numpy as np
@@ -44,3 +45,36 @@ def test_a_fresh_training_takes_the_kept_reports_base_caches(tmp_path):
     other = tmp_path / "other-report"
     _report_back(other, run, SimpleNamespace(kept_previous=None))
     assert not other.exists()
+
+
+def test_evaluate_after_a_fresh_training_says_the_report_went_with_the_kept_run(tmp_path, monkeypatch, capsys):
+    """After train kept the old run (its report inside it) and trained afresh, evaluate computed a new report
+    without a word, where every other stage says why it computes again. Now one line naming where the earlier
+    report is (RUN.previous/N/evaluate-report); none when train kept nothing, or REPORT still holds a report
+    (evaluate says itself whether that one is current)."""
+    import stages.evaluate.stage as single
+    from pipeline.config import load_config
+    from pipeline.orchestrate import Paths, evaluate_run
+
+    run, report = tmp_path / "run", tmp_path / "report"
+    (run / "lora").mkdir(parents=True)  # no checkpoints: the one-LoRA evaluate, stood in for below
+    kept = tmp_path / "run.previous" / "1-20261203T120000Z"
+    (kept / REPORT_IN_KEPT_RUN).mkdir(parents=True)
+    (kept / REPORT_IN_KEPT_RUN / "metrics.json").write_text("{}")
+    evaluated = []
+    monkeypatch.setattr(single, "run", lambda cfg, store, model, lora, out, **k: evaluated.append(lora) or "done")
+    cfg = load_config(None, {})
+    paths = Paths("src", "store", "model", run, report)
+
+    def said(kept_run) -> list[str]:
+        capsys.readouterr()
+        assert evaluate_run(cfg, replace(paths, kept=kept_run)) == "done"
+        return [line for line in capsys.readouterr().out.splitlines() if line.startswith("evaluate:")]
+
+    lines = said(kept)
+    assert lines == [f"evaluate: the report in {report} was the previous run's, kept with that run in "
+                     f"{kept / REPORT_IN_KEPT_RUN} ({run} holds another run now): evaluating its LoRA {run / 'lora'}"]
+    assert said(None) == []  # train resumed or was up to date: nothing kept
+    report.mkdir()
+    (report / "metrics.json").write_text("{}")
+    assert said(kept) == [] and evaluated == [run / "lora"] * 3
