@@ -93,6 +93,8 @@ def export_lora(lora: str | Path, fmt: str, out: str | Path, overwrite: bool = F
     if out.resolve() == source.resolve() or (out.exists() and out.samefile(source)):
         raise UserError(f"--out {out} is the LoRA being exported ({source}): the export would replace it; pass "
                         "another --out")
+    if out.is_dir():  # --overwrite too: it names a file to replace, not a folder (a traceback at the rename)
+        raise UserError(f"--out {out} is a folder; pass the file to write, e.g. {out / 'lora-comfyui.safetensors'}")
     if not overwrite:
         _refuse_existing(out)  # before the LoRA is read
     state = comfyui_state_dict(lora)
@@ -114,8 +116,8 @@ def export_lora(lora: str | Path, fmt: str, out: str | Path, overwrite: bool = F
 
 def _refuse_existing(out: Path) -> None:
     if out.exists() or out.is_symlink():
-        raise UserError(f"--out {out} exists (a file that is not the LoRA being exported): the export would replace "
-                        "it; pass another --out, or --overwrite to replace it")
+        raise UserError(f"--out {out} exists (it is not the LoRA being exported): the export would replace it; "
+                        "pass another --out, or --overwrite to replace it")
 
 
 def _link_new(tmp: Path, out: Path) -> None:

@@ -289,6 +289,12 @@ def test_export_keeps_an_existing_out_file_unless_told_and_never_replaces_a_runs
                                      for k in ("lora_down.weight", "lora_up.weight", "alpha")}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["lora.safetensors", "my-other-lora.safetensors"]
 
+    folder = tmp_path / "folder.safetensors"
+    folder.mkdir()
+    result = export(folder, "--overwrite")
+    assert result.exit_code == 1 and "is a folder" in result.output and "Traceback" not in result.output, result.output
+    folder.rmdir()
+
     # the LoRA being exported, and a run's own weights (a final LoRA's checksums.json, a checkpoint's resume.json)
     before = src.read_bytes()
     result = export(src, "--overwrite")
