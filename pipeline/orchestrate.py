@@ -152,11 +152,36 @@ def evaluate_run(cfg: PipelineConfig, p: Paths) -> StageSummary:
     # rank whose view of RUN lags and lists none would otherwise take its own way and stop the others
     if kept or launched()[0] > 1:
         return checkpoints.run(cfg.evaluate, p.store, p.model, kept, p.report, skip_if_done=True,
-                               relist=lambda: kept_checkpoints(p.run))
+                               relist=lambda: kept_checkpoints(p.run), whose_report=report_of_kept_run(p.run))
     return evaluate.run(cfg.evaluate, p.store, p.model, p.lora, p.report, skip_if_done=True)
 
 
 REPORT_IN_KEPT_RUN = "evaluate-report"
+
+
+def report_of_kept_run(run: Path) -> Callable[[Path], str | None]:
+    """For evaluate's line saying why a report is evaluated again (`checkpoints.run(whose_report=)`): REPORT's
+    report is of a run train kept in RUN.previous/N (`pipeline run train --new-run`, then `evaluate
+    --all-checkpoints` over the new run; `run all` where the report could not go with it), named; else None. The
+    report's last checkpoint's sha256 against that step's LoRA in each kept run, newest first: one file hashed
+    per kept run, and only when the report is not current (evaluate hashes every checkpoint then anyway)."""
+    def whose(report: Path) -> str | None:
+        from models.file_hashes import file_sha256
+        from models.lora import WEIGHT_NAME
+        from stages.train.previous import kept_runs
+
+        try:  # a report that does not read as one says nothing here (evaluate names what differs itself)
+            c = json.loads((Path(report) / "metrics.json").read_text())["checkpoints"]
+            step, sha = max(zip(c["steps"], c["lora_sha256"]))
+            for kept in kept_runs(Path(run)):
+                weights = kept / "checkpoints" / f"step-{step}" / "lora" / WEIGHT_NAME
+                if weights.is_file() and file_sha256(weights) == sha:
+                    return f"it is the report of the run kept in {kept}"
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        return None
+
+    return whose
 
 
 def say_report_kept(report: Path, kept_run: Path, run: Path, checkpoints: int) -> None:

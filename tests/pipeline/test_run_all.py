@@ -228,6 +228,11 @@ def test_run_all_after_adding_a_sample_keeps_the_old_run_and_trains_afresh(tiny_
     assert out.exit_code == 0, out.output
     rec = json.loads(out.stdout.strip().splitlines()[-1])
     assert rec["kept_previous"] is None and rec["steps"] == 2 and (run / "lora").is_dir()
+    # evaluate over the fresh run says why the report there is evaluated again: it is of the run kept in 2-*
+    out = CliRunner().invoke(app, ["run", "evaluate", "--all-checkpoints", "--config", str(config)])
+    assert out.exit_code == 0, out.output
+    assert f"is not this run's (it is the report of the run kept in {kept2[0]};" in " ".join(out.output.split()), (
+        out.output)
 
 
 def test_run_all_with_no_val_split_is_refused_before_any_stage(tmp_path):
