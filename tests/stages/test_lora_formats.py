@@ -4,6 +4,7 @@ Qwen-Image loader maps; diffusers' own converter for that format reproduces the 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -322,3 +323,43 @@ def test_export_keeps_an_existing_out_file_unless_told_and_never_replaces_a_runs
     result = export(late)
     assert result.exit_code == 1 and f"--out {late} exists" in " ".join(result.output.split()), result.output
     assert late.read_bytes() == b"written meanwhile" and [p.name for p in late.parent.iterdir()] == [late.name]
+
+
+def test_a_runs_own_file_is_found_by_a_relative_out_and_a_relative_lora_too(tmp_path, monkeypatch):
+    """The sealed record covering a file was looked up by walking its path's names up: from a relative path that
+    stopped at "." (`Path(".").parent` is "."), so `--out adapter weights` named from inside a checkpoint's lora/
+    missed the checkpoint's resume.json and --overwrite replaced the checkpoint's weights; and `--out ../x` from
+    inside RUN/lora (a new file beside the run) was looked up in RUN/lora's checksums.json: a ValueError traceback.
+    check_recorded walked the same way: a damaged checkpoint named from inside its lora/ passed."""
+    from models.lora import WEIGHT_NAME
+    from schemas.errors import UserError
+    from store.checksum import check_recorded, folder_checksums, seal, write_folder_record
+
+    q = "transformer.transformer_blocks.0.attn.to_q"
+    state = {f"{q}.lora_A.weight": torch.ones(2, 8), f"{q}.lora_B.weight": torch.ones(8, 2)}
+    other = tmp_path / "other.safetensors"
+    save_file(state, other)
+    final, step = tmp_path / "run" / "lora", tmp_path / "run" / "checkpoints" / "step-2"
+    for folder in (final, step / "lora"):
+        folder.mkdir(parents=True)
+        save_file(state, folder / WEIGHT_NAME)
+    write_folder_record(final)
+    (step / "resume.json").write_bytes(seal({"files": folder_checksums(step)}))
+    weights = (step / "lora" / WEIGHT_NAME).read_bytes()
+
+    monkeypatch.chdir(step / "lora")
+    result = CliRunner().invoke(app, ["lora", "export", str(other), "--out", WEIGHT_NAME, "--overwrite"])
+    assert result.exit_code == 1 and "is a run's own file" in " ".join(result.output.split()), (
+        result.output, result.exception)
+    assert (step / "lora" / WEIGHT_NAME).read_bytes() == weights and os.listdir(".") == [WEIGHT_NAME]
+    (step / "lora" / WEIGHT_NAME).write_bytes(weights[:-1] + bytes([weights[-1] ^ 1]))
+    with pytest.raises(UserError, match="damaged"):
+        check_recorded(Path(WEIGHT_NAME))
+
+    monkeypatch.chdir(final)
+    result = CliRunner().invoke(app, ["lora", "export", ".", "--out", "../comfy.safetensors"])
+    assert result.exit_code == 0, (result.output, result.exception)
+    assert set(load_file(tmp_path / "run" / "comfy.safetensors")) == {
+        f"diffusion_model.transformer_blocks.0.attn.to_q.{k}" for k in ("lora_down.weight", "lora_up.weight", "alpha")}
+    check_recorded(Path("../comfy.safetensors"))  # no record names it: nothing to check, no traceback
+
