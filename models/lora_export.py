@@ -20,6 +20,7 @@ how the export is tested. Only plain LoRA exports: DoRA / LoHa / LoKr have no su
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -99,7 +100,8 @@ def export_lora(lora: str | Path, fmt: str, out: str | Path, overwrite: bool = F
         _refuse_existing(out)  # before the LoRA is read
     state = comfyui_state_dict(lora)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
+    # its own name: another export to OUT meanwhile put its file at a shared one, which this one then linked in
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     try:
         # ComfyUI ignores metadata; this project's loaders read the base and family from it (refused / warned)
         save_file(state, tmp, metadata={"format": "pt", "exported_by": "qwen-edit-lora-pipeline", "target": "comfyui",
@@ -124,8 +126,6 @@ def _link_new(tmp: Path, out: Path) -> None:
     """TMP becomes OUT only where no OUT exists: a hard link fails on an existing name, so a file made at OUT
     since `_refuse_existing` looked is not replaced either. A file system without hard links: looked at again,
     then renamed."""
-    import os
-
     try:
         os.link(tmp, out)
     except FileExistsError:

@@ -363,3 +363,56 @@ def test_a_runs_own_file_is_found_by_a_relative_out_and_a_relative_lora_too(tmp_
         f"diffusion_model.transformer_blocks.0.attn.to_q.{k}" for k in ("lora_down.weight", "lora_up.weight", "alpha")}
     check_recorded(Path("../comfy.safetensors"))  # no record names it: nothing to check, no traceback
 
+
+def test_two_exports_to_one_out_never_link_in_the_others_lora(tmp_path, monkeypatch):
+    """Every export to one --out wrote the same temp name (`.NAME.tmp`): a second export started meanwhile
+    renamed its file over the first one's finished temp file, which the first then linked in as --out, saying it
+    wrote its LoRA: --out held the other LoRA (the one the user's second command was refused for, or killed).
+    Here the other is a real process, killed once its export is in its temp file."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import models.lora_export as lora_export
+
+    q = "transformer.transformer_blocks.{}.attn.to_q"
+    mine, big = tmp_path / "mine.safetensors", tmp_path / "big.safetensors"
+    save_file({f"{q.format(0)}.lora_A.weight": torch.ones(2, 8), f"{q.format(0)}.lora_B.weight": torch.ones(8, 2)},
+              mine)
+    save_file({f"{q.format(i)}.lora_{ab}.weight": torch.rand(*shape) for i in range(16)
+               for ab, shape in (("A", (256, 4096)), ("B", (4096, 256)))}, big)  # 128 MB: written for a while
+    out = tmp_path / "comfy" / "lora.safetensors"
+    out.parent.mkdir()
+    real, exported = lora_export.canonicalize, {}
+
+    def the_other_writes_meanwhile(path, *a, **k):
+        real(path, *a, **k)
+        exported["bytes"], mine_stat = Path(path).read_bytes(), _stat(Path(path))
+        other = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "lora", "export", str(big), "--out", str(out)],
+                                 env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and other.poll() is None:
+                if _stat(Path(path)) != mine_stat or any(
+                        p != Path(path) and p.name.startswith(f".{out.name}.") for p in out.parent.iterdir()):
+                    break  # its export is in its temp file (safetensors renames its own `.tmpXXXX` there)
+                time.sleep(0.001)
+            else:
+                pytest.fail(f"the other export did not start writing (exit {other.poll()})")
+        finally:
+            other.send_signal(signal.SIGKILL)
+            other.wait()
+
+    monkeypatch.setattr(lora_export, "canonicalize", the_other_writes_meanwhile)
+    lora_export.export_lora(mine, "comfyui", out)
+    assert out.read_bytes() == exported["bytes"]  # what this export wrote, whole
+
+
+def _stat(path: Path) -> tuple[int, int, int]:
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return (0, 0, 0)
+    return st.st_ino, st.st_size, st.st_mtime_ns
