@@ -20,6 +20,7 @@ how the export is tested. Only plain LoRA exports: DoRA / LoHa / LoKr have no su
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -80,7 +81,10 @@ def _check_pairs(lora: str | Path, state: dict[str, torch.Tensor]) -> None:
                         "the file is damaged; export an intact copy")
 
 
-def export_lora(lora: str | Path, fmt: str, out: str | Path) -> Path:
+def export_lora(lora: str | Path, fmt: str, out: str | Path, overwrite: bool = False) -> Path:
+    """Write LORA in format FMT to OUT, whole or not at all (temp file + rename). An existing OUT is refused unless
+    `overwrite` (it may be another LoRA of the user's: it was replaced without a word); OUT naming the LoRA being
+    exported is refused even then (the export would replace its own input)."""
     if fmt not in FORMATS:
         raise UserError(f"unknown export format {fmt!r}: use one of {', '.join(FORMATS)}")
     out = Path(out)
@@ -90,16 +94,43 @@ def export_lora(lora: str | Path, fmt: str, out: str | Path) -> Path:
     if out.resolve() == source.resolve() or (out.exists() and out.samefile(source)):
         raise UserError(f"--out {out} is the LoRA being exported ({source}): the export would replace it; pass "
                         "another --out")
+    if out.is_dir():  # --overwrite too: it names a file to replace, not a folder (a traceback at the rename)
+        raise UserError(f"--out {out} is a folder; pass the file to write, e.g. {out / 'lora-comfyui.safetensors'}")
+    if not overwrite:
+        _refuse_existing(out)  # before the LoRA is read
     state = comfyui_state_dict(lora)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
+    # its own name: another export to OUT meanwhile put its file at a shared one, which this one then linked in
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     try:
         # ComfyUI ignores metadata; this project's loaders read the base and family from it (refused / warned)
         save_file(state, tmp, metadata={"format": "pt", "exported_by": "qwen-edit-lora-pipeline", "target": "comfyui",
                                         **provenance(lora)})
         canonicalize(tmp)  # the same LoRA exports the same bytes (one sha256 to publish), as `save_lora` writes
-        tmp.replace(out)
-    except BaseException:  # a full disk or a kill mid-write: no partial file left beside --out
+        if overwrite:
+            tmp.replace(out)
+        else:
+            _link_new(tmp, out)
+    finally:  # a full disk or a kill mid-write: no partial file left beside --out (renamed or linked: gone too)
         tmp.unlink(missing_ok=True)
-        raise
     return out
+
+
+def _refuse_existing(out: Path) -> None:
+    if out.exists() or out.is_symlink():
+        raise UserError(f"--out {out} exists (it is not the LoRA being exported): the export would replace it; "
+                        "pass another --out, or --overwrite to replace it")
+
+
+def _link_new(tmp: Path, out: Path) -> None:
+    """TMP becomes OUT only where no OUT exists: a hard link fails on an existing name, so a file made at OUT
+    since `_refuse_existing` looked is not replaced either. A file system without hard links: looked at again,
+    then renamed."""
+    try:
+        os.link(tmp, out)
+    except FileExistsError:
+        _refuse_existing(out)
+        raise
+    except OSError:  # no hard links there (some network and FAT file systems)
+        _refuse_existing(out)
+        tmp.replace(out)

@@ -12,7 +12,8 @@ When paths.run holds a run that cannot be continued (the tables, the model or th
 samples were added), train keeps it as RUN.previous/N-TIME (one atomic rename, stages/train/previous.py), with the
 report evaluated on it moved inside it first as `evaluate-report/`, and trains afresh into paths.run; that
 report's base images and base losses (LoRA off: no input of theirs changed) are linked into paths.report for
-evaluate to reuse.
+evaluate to reuse; evaluate says in one line that it evaluates afresh because the report went with the kept run
+(naming RUN.previous/N/evaluate-report).
 
 evaluate covers every kept checkpoint (RUN/checkpoints/step-N): held-out losses appended to REPORT/losses.zarr
 (a checkpoint already there is skipped), curves and the best checkpoint in the report.
@@ -74,6 +75,7 @@ class Paths:
     model: str
     run: Path
     report: Path
+    kept: Path | None = None  # where train kept the run RUN held before (this invocation; rank 0's), else None
 
     @property
     def lora(self) -> Path:
@@ -144,15 +146,57 @@ def evaluate_run(cfg: PipelineConfig, p: Paths) -> StageSummary:
     from stages.evaluate import checkpoints, stage as evaluate
 
     kept = kept_checkpoints(p.run)
+    if p.kept is not None and launched()[1]:
+        say_report_kept(p.report, p.kept, p.run, len(kept))
     # launched: always the checkpoints (one LoRA is evaluated in one process), whose list the ranks agree on: a
     # rank whose view of RUN lags and lists none would otherwise take its own way and stop the others
     if kept or launched()[0] > 1:
         return checkpoints.run(cfg.evaluate, p.store, p.model, kept, p.report, skip_if_done=True,
-                               relist=lambda: kept_checkpoints(p.run))
+                               relist=lambda: kept_checkpoints(p.run), whose_report=report_of_kept_run(p.run))
     return evaluate.run(cfg.evaluate, p.store, p.model, p.lora, p.report, skip_if_done=True)
 
 
 REPORT_IN_KEPT_RUN = "evaluate-report"
+
+
+def report_of_kept_run(run: Path) -> Callable[[Path], str | None]:
+    """For evaluate's line saying why a report is evaluated again (`checkpoints.run(whose_report=)`): REPORT's
+    report is of a run train kept in RUN.previous/N (`pipeline run train --new-run`, then `evaluate
+    --all-checkpoints` over the new run; `run all` where the report could not go with it), named; else None. The
+    report's last checkpoint's sha256 against that step's LoRA in each kept run, newest first: one file hashed
+    per kept run, and only when the report is not current (evaluate hashes every checkpoint then anyway)."""
+    def whose(report: Path) -> str | None:
+        from models.file_hashes import file_sha256
+        from models.lora import WEIGHT_NAME
+        from stages.train.previous import kept_runs
+
+        try:  # a report that does not read as one says nothing here (evaluate names what differs itself)
+            c = json.loads((Path(report) / "metrics.json").read_text())["checkpoints"]
+            step, sha = max(zip(c["steps"], c["lora_sha256"]))
+            for kept in kept_runs(Path(run)):
+                weights = kept / "checkpoints" / f"step-{step}" / "lora" / WEIGHT_NAME
+                if weights.is_file() and file_sha256(weights) == sha:
+                    return f"it is the report of the run kept in {kept}"
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        return None
+
+    return whose
+
+
+def say_report_kept(report: Path, kept_run: Path, run: Path, checkpoints: int) -> None:
+    """One line when evaluate computes a report afresh because REPORT's was the previous run's, which train kept
+    (with that report, `_report_into`) in RUN.previous/N: as every stage says why it computes again, not a
+    silent evaluation of every checkpoint after the train line."""
+    from tqdm.auto import tqdm
+
+    kept_report = Path(kept_run) / REPORT_IN_KEPT_RUN
+    if (Path(report) / "metrics.json").is_file() or not (kept_report / "metrics.json").is_file():
+        return  # REPORT has a report (evaluate says whether it is current), or the kept run had none
+    what = (f"the {checkpoints} checkpoint{'s' if checkpoints != 1 else ''} of {run}" if checkpoints
+            else f"its LoRA {Path(run) / 'lora'}")
+    tqdm.write(f"evaluate: the report in {report} was the previous run's, kept with that run in {kept_report} "
+               f"({run} holds another run now): evaluating {what}")
 
 
 def _report_into(report: Path, run: Path) -> None:
@@ -276,6 +320,8 @@ def _run_stages(cfg: PipelineConfig, paths: Paths, access, log: Callable[[str], 
             else:
                 summary = call(cfg, replace(paths, store=local))
             summary = named_by_url(summary, paths.store)
+        if name == "train":  # evaluate says so when the report it replaces went with a kept run
+            paths = replace(paths, kept=getattr(summary, "kept_previous", None))
         if summary is not None:  # None: a rank other than 0 under a launcher (resize-bucket, evaluate report rank 0)
             outcome = StageOutcome(name, summary.up_to_date, str(summary), time.perf_counter() - t0, summary)
             result.outcomes.append(outcome)

@@ -158,9 +158,7 @@ def check_recorded(path: Path, records: Mapping[str, int] = FOLDER_RECORDS, leve
     from schemas.errors import UserError
     from schemas.newer import refuse_newer
 
-    path = Path(path)
-    folder = path.parent
-    for _ in range(levels):
+    for folder, rel in _covering_folders(Path(path).resolve(), levels):  # the bytes read: a link's target's
         for name, reads_up_to in records.items():
             record = folder / name
             if not record.is_file():
@@ -179,11 +177,37 @@ def check_recorded(path: Path, records: Mapping[str, int] = FOLDER_RECORDS, leve
             # intact, but its `files` may mean something else now: a newer release's, not a damaged file
             refuse_newer(str(record), obj, reads_up_to, intact=True)
             files = obj.get("files") or {}
-            rel = path.resolve().relative_to(folder.resolve()).as_posix()
             if rel in files:
                 problem = file_mismatch(folder, rel, files[rel], measured)
                 if problem:
                     raise UserError(f"{folder}: {problem}, checked against {record}; the file changed after it "
                                     "was written: use an intact copy or rerun the command that wrote it")
                 return
-        folder = folder.parent
+
+
+def _covering_folders(path: Path, levels: int) -> list[tuple[Path, str]]:
+    """(folder, PATH relative to it) for PATH's folder and up to `levels` - 1 above, from its resolved folder (the
+    file's own name kept, not followed: the entry a rename replaces). Walked up by name, a relative PATH stopped
+    at "." (`Path(".").parent`): a checkpoint's `lora/<file>` named from inside `lora/` missed its `resume.json`,
+    and `../x` from a sealed folder was looked up in it (a ValueError traceback)."""
+    entry = Path(path).parent.resolve() / Path(path).name
+    return [(folder, entry.relative_to(folder).as_posix()) for folder in entry.parents[:levels]]
+
+
+def recorded_by(path: Path, records: Mapping[str, int] = FOLDER_RECORDS, levels: int = 2) -> Path | None:
+    """The sealed record that names `path` among the files it covers (as `check_recorded` finds it: its own
+    folder's, or up to `levels` folders up), or None: a file some command wrote and sealed (a run's final LoRA,
+    a checkpoint's), which replacing would leave its record naming other bytes. A record that cannot be read
+    tells nothing (None)."""
+    for folder, rel in _covering_folders(path, levels):  # the name a rename over PATH replaces, not a link's target
+        for name in records:
+            record = folder / name
+            if not record.is_file():
+                continue
+            try:
+                files = unseal(record.read_bytes()).get("files") or {}
+            except (OSError, SealError):
+                continue
+            if isinstance(files, dict) and rel in files:
+                return record
+    return None

@@ -58,7 +58,7 @@ def command(
     model_id = require(cfg.paths.model, "--model", "paths.model")
     report = require(cfg.paths.report, "--out", "paths.report")
     if all_checkpoints:
-        from pipeline.orchestrate import kept_checkpoints
+        from pipeline.orchestrate import kept_checkpoints, report_of_kept_run
         from stages.evaluate.checkpoints import run as run_checkpoints
 
         run_path = Path(require(run_dir or cfg.paths.run, "--run", "paths.run"))
@@ -77,7 +77,8 @@ def command(
                 local = _local(store_dir, cache_dir, cache_gb)
             # relisted at the end: a training beside evaluate writes and prunes checkpoints meanwhile
             result = run_checkpoints(cfg.evaluate, local, model_id, kept, report, skip_if_done=True,
-                                     relist=lambda: kept_checkpoints(run_path))
+                                     relist=lambda: kept_checkpoints(run_path),
+                                     whose_report=report_of_kept_run(run_path))
         if result is not None:  # under a launcher rank 0 reports; the other ranks computed their share
             emit(result, as_json, model_id)
         return

@@ -128,14 +128,31 @@ def export(
     lora: Path = typer.Argument(..., help="LoRA folder (RUN/lora) or .safetensors file."),
     format: str = typer.Option("comfyui", "--format", callback=one_of(_export_formats),
                                help="Target format: comfyui (the only one so far)."),
-    out: Path = typer.Option(..., "--out", callback=_safetensors_file, help="Output .safetensors file."),
+    out: Path = typer.Option(..., "--out", callback=_safetensors_file, help="Output .safetensors file (must not exist, unless --overwrite)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing --out file (never the LoRA being exported, nor a run's own LoRA or checkpoint)."),
 ) -> None:
     one_process("lora export")  # every rank would write the same --out
     from models.lora_export import export_lora
     from store.format import widen_private_file
 
     with user_errors(out):
+        refuse_a_recorded_file(out, lora)
         checked_lora(lora)
-        path = export_lora(lora, format, out)
+        path = export_lora(lora, format, out, overwrite=overwrite)
         widen_private_file(path)  # safetensors writes 0600: readable as the umask says (by ComfyUI's user too)
     echo(f"wrote {format} LoRA to {path}")
+
+
+def refuse_a_recorded_file(out: Path, lora: Path) -> None:
+    """OUT a file a run wrote and sealed (RUN/lora's weights, a checkpoint's): refused even with --overwrite, as
+    the LoRA being exported is (`export_lora`, which names that case itself): the run's own weights would be lost
+    and its record name other bytes."""
+    from models.lora import weight_file_name
+    from schemas.errors import UserError
+    from store.checksum import recorded_by
+
+    if Path(out).resolve() == weight_file_name(lora).resolve():
+        return
+    if (record := recorded_by(Path(out))) is not None:
+        raise UserError(f"--out {out} is a run's own file (recorded in {record}): the export would replace it, "
+                        "even with --overwrite; pass another --out")

@@ -76,10 +76,12 @@ def command(
         check_out_path(out, list(image))
     _check_local_model(model, len(image), out, cfg.predict.steps)
     with user_errors(out):
+        # the controls read and judged before the LoRA's base check hashes the model (minutes for a 40 GB one)
+        controls = checked_controls(cfg.predict, model, list(image), prompt, out, height, width)
         if lora:
             checked_lora(lora, model, strict_base)
         path = predict(cfg.predict, model, list(image), prompt, out, str(lora) if lora else None, lora_scale,
-                       height, width)
+                       height, width, controls=controls)
     echo(f"wrote {path}")
 
 
@@ -144,18 +146,17 @@ def check_for_model(model: str, n_images: int, out: Path, steps: int) -> None:
     check_sampling_steps(steps, "predict.steps", model)
 
 
-def predict(cfg, model: str, images: list[Path], prompt: str, out: Path, lora: str | None, lora_scale: float,
-            height: int | None, width: int | None) -> Path:
-    """Read the control images, load the pipeline (each component on its device), edit, write OUT (PNG)."""
-    from models.edit import COMPONENTS, edit, load_pipeline
+def checked_controls(cfg, model: str, images: list[Path], prompt: str, out: Path, height: int | None,
+                     width: int | None) -> list:
+    """What predict refuses before loading anything (OUT, its folder, the model's configs, each control's shape;
+    for Qwen-Image-2.1 the references against its VLM processor and the prompt against its RoPE table), and the
+    control images as PIL images, decoded as resize-bucket decodes the training images."""
+    from models.loading import model_variant
     from schemas.errors import UserError
+    from store.io_errors import check_writable
 
     if not images:
         raise UserError("predict needs at least one --image")
-    from models.loading import model_variant
-
-    from store.io_errors import check_writable
-
     check_out_path(out, images)
     check_writable(Path(out).parent, f"--out {out}")  # so is the folder it goes to (before it was found at the save)
     # before minutes of loading and denoising (the CLI: when parsed, and for a model folder here right after)
@@ -169,6 +170,30 @@ def predict(cfg, model: str, images: list[Path], prompt: str, out: Path, lora: s
     keep_alpha = model_variant(model) == "qwen-image-2.1"
     pil = [read_image_file(p, keep_alpha, what="--image") for p in images]
     check_control_shapes(images, pil, model_variant(model), height, width)
+    if model_variant(model) == "qwen-image-2.1":  # the processor alone: before the CLI's LoRA base check too
+        from models.qwen21_predict import check_prompt_before_loading
+
+        check_prompt_before_loading(model, pil, prompt, cfg.negative_prompt if _cfg_21(cfg) > 1 else None, height,
+                                    width)
+    return pil
+
+
+def _cfg_21(cfg) -> float:
+    """The 2.1 true-CFG scale: unset, the 2.1 pipeline's own default (no guidance), not the Edit models' 4.0."""
+    from models.qwen21_predict import TRUE_CFG_21
+
+    return cfg.true_cfg_scale if "true_cfg_scale" in cfg.model_fields_set else TRUE_CFG_21
+
+
+def predict(cfg, model: str, images: list[Path], prompt: str, out: Path, lora: str | None, lora_scale: float,
+            height: int | None, width: int | None, controls: list | None = None) -> Path:
+    """Read the control images (`controls`: already read by `checked_controls`), load the pipeline (each
+    component on its device), edit, write OUT (PNG)."""
+    from models.edit import COMPONENTS, edit, load_pipeline
+    from models.loading import model_variant
+    from schemas.errors import UserError
+
+    pil = controls if controls is not None else checked_controls(cfg, model, images, prompt, out, height, width)
     unknown = set(cfg.devices) - set(COMPONENTS)
     if unknown:
         raise UserError(f"predict.devices: unknown component(s) {sorted(unknown)}; use {list(COMPONENTS)}")
@@ -181,11 +206,9 @@ def predict(cfg, model: str, images: list[Path], prompt: str, out: Path, lora: s
     tqdm.write(precision.describe("predict", devices["transformer"])
                + (f", quantize_base {cfg.quantize_base}" if cfg.quantize_base != "none" else ""))
     if model_variant(model) == "qwen-image-2.1":  # the stock 2.1 pipeline; references keep their alpha
-        from models.qwen21_predict import TRUE_CFG_21, check_prompt_before_loading, edit_21, load_pipeline_21
+        from models.qwen21_predict import edit_21, load_pipeline_21
 
-        # unset, the 2.1 pipeline's own default (no guidance), not the Edit models' 4.0
-        scale = cfg.true_cfg_scale if "true_cfg_scale" in cfg.model_fields_set else TRUE_CFG_21
-        check_prompt_before_loading(model, pil, prompt, cfg.negative_prompt if scale > 1 else None, height, width)
+        scale = _cfg_21(cfg)
         pipe = load_pipeline_21(model, precision.dtype, devices, lora, lora_scale, quantize=cfg.quantize_base)
         from models.qwen21_generate import pipeline_sample_sigmas
 

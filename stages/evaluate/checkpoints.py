@@ -520,11 +520,13 @@ def redone(out: Path, fingerprint: str, checkpoints: list[tuple[int, Path]], sha
 
 
 def run(cfg: EvaluateConfig, store: str | Path, model: str, checkpoints: list[tuple[int, Path]], out: str | Path,
-        skip_if_done: bool = False, relist=None) -> CheckpointsResult | None:
+        skip_if_done: bool = False, relist=None, whose_report=None) -> CheckpointsResult | None:
     """Evaluate the base and every (step, LoRA folder) of `checkpoints` into OUT (losses.zarr + the report).
     `relist`: lists the run's checkpoints again (a training beside evaluate writes and prunes them meanwhile:
-    `_evaluate_while_training`). Under a launcher the ranks share the loss passes (`stages.evaluate.ranks`);
-    rank 0 returns the result, the others None."""
+    `_evaluate_while_training`). `whose_report(OUT)`: asked (rank 0) when OUT's report is not current, whose
+    it is (the run a fresh training kept, named; None: unknown), put first in the line saying why. Under a
+    launcher the ranks share the loss passes (`stages.evaluate.ranks`); rank 0 returns the result, the others
+    None."""
     from contextlib import ExitStack
 
     from models.collective import together
@@ -538,11 +540,11 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, checkpoints: list[tu
             if ranks.main:  # one evaluate writes a report folder at a time; the second stops naming the first
                 out.mkdir(parents=True, exist_ok=True)
                 held.enter_context(flock(out / REPORT_LOCK, blocking=False, holder=f"the report folder {out}"))
-        return _run(ranks, cfg, store, model, checkpoints, out, skip_if_done, relist)
+        return _run(ranks, cfg, store, model, checkpoints, out, skip_if_done, relist, whose_report)
 
 
 def _run(ranks, cfg: EvaluateConfig, store: str | Path, model: str, checkpoints: list[tuple[int, Path]], out: Path,
-         skip_if_done: bool, relist=None) -> CheckpointsResult | None:
+         skip_if_done: bool, relist=None, whose_report=None) -> CheckpointsResult | None:
     """The steps of `run`, every rank taking each collective one together (named in `together`'s lines)."""
     from models.collective import together
     from stages.evaluate import stage as single
@@ -559,7 +561,7 @@ def _run(ranks, cfg: EvaluateConfig, store: str | Path, model: str, checkpoints:
     run = _Evaluation(ranks, cfg, store, model, out, precision, started)
     with together(ranks.world, "evaluate settings"):
         _, settings = loss_fingerprint(cfg, store, model)  # its fingerprint: of the tables read, below
-    up_to_date, recorded = _recorded_if_up_to_date(run, settings, checkpoints, shas, skip_if_done)
+    up_to_date, recorded = _recorded_if_up_to_date(run, settings, checkpoints, shas, skip_if_done, whose_report)
     if up_to_date:
         return recorded
     _check_report_folder(run, checkpoints)
@@ -614,7 +616,8 @@ def _checkpoints_on_disk(ranks, checkpoints: list[tuple[int, Path]],
 
 
 def _recorded_if_up_to_date(run: _Evaluation, settings: dict, checkpoints: list[tuple[int, Path]],
-                            shas: dict[int, str], skip_if_done: bool) -> tuple[bool, CheckpointsResult | None]:
+                            shas: dict[int, str], skip_if_done: bool,
+                            whose_report=None) -> tuple[bool, CheckpointsResult | None]:
     """With `skip_if_done`, rank 0 looks whether OUT's report is current for these settings and checkpoints (else
     says why it is not), and every rank gets its answer: (True, the recorded result on rank 0, None on the others)
     when it is; (False, None) when evaluate runs."""
@@ -626,6 +629,8 @@ def _recorded_if_up_to_date(run: _Evaluation, settings: dict, checkpoints: list[
         known = known_fingerprint(out, now, now_settings, earlier)
         done = _up_to_date(out, known, checkpoints, shas, run.cfg, now_settings, why)
         if done is None:
+            if why and whose_report is not None and (whose := whose_report(out)):
+                why.insert(0, whose)
             say_recomputed(out, why, redone(out, known, checkpoints, shas))
     if ranks.from_main([int(done is not None)])[0]:
         return True, (CheckpointsResult(done, out / "index.html", up_to_date=True) if ranks.main else None)

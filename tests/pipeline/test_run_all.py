@@ -194,6 +194,9 @@ def test_run_all_after_adding_a_sample_keeps_the_old_run_and_trains_afresh(tiny_
     assert "store tables" in messages.split(str(kept))[1].splitlines()[0]  # says why, on the same line
     assert _lora_bytes(kept) == old_lora and (kept / "checkpoints" / "step-2" / "resume.json").is_file()
     assert (kept / "evaluate-report" / "metrics.json").read_text() == old_metrics  # its own report, kept with it
+    # evaluate says why it evaluates afresh: the report it replaces went with the kept run
+    assert f"the report in {report} was the previous run's, kept with that run in {kept / 'evaluate-report'}" in (
+        " ".join(messages.split())), messages
     assert by["train"]["start_step"] == 0 and by["train"]["steps"] == 2 and not by["evaluate"]["up_to_date"]
     assert _lora_bytes(run) != old_lora
     metrics = json.loads((report / "metrics.json").read_text())
@@ -225,6 +228,11 @@ def test_run_all_after_adding_a_sample_keeps_the_old_run_and_trains_afresh(tiny_
     assert out.exit_code == 0, out.output
     rec = json.loads(out.stdout.strip().splitlines()[-1])
     assert rec["kept_previous"] is None and rec["steps"] == 2 and (run / "lora").is_dir()
+    # evaluate over the fresh run says why the report there is evaluated again: it is of the run kept in 2-*
+    out = CliRunner().invoke(app, ["run", "evaluate", "--all-checkpoints", "--config", str(config)])
+    assert out.exit_code == 0, out.output
+    assert f"is not this run's (it is the report of the run kept in {kept2[0]};" in " ".join(out.output.split()), (
+        out.output)
 
 
 def test_run_all_with_no_val_split_is_refused_before_any_stage(tmp_path):

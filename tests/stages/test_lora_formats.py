@@ -4,6 +4,7 @@ Qwen-Image loader maps; diffusers' own converter for that format reproduces the 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -258,3 +259,160 @@ def test_an_exported_lora_still_names_its_model_to_this_projects_loaders(tiny_21
                                       "--out", str(tmp_path / "merged")])
     assert result.exit_code == 1 and "a LoRA of another model family does not apply" in result.output, result.output
     assert "0123456789abcdef" in result.output and not (tmp_path / "merged").exists()  # the base warning too
+
+
+def test_export_keeps_an_existing_out_file_unless_told_and_never_replaces_a_runs_own(tmp_path, monkeypatch):
+    """`--out` naming an existing file (the user's other LoRA, any file) was replaced by the export without a
+    word. Now one line naming it and --overwrite, the file as it was; --overwrite replaces it (whole, by a
+    rename). The LoRA being exported and a run's own sealed weights (RUN/lora, a checkpoint's) stay refused even
+    with --overwrite; a file made at --out while the export was written is not replaced either."""
+    import models.lora_export as lora_export
+    from models.lora import WEIGHT_NAME
+    from store.checksum import folder_checksums, seal, write_folder_record
+
+    q = "transformer.transformer_blocks.0.attn.to_q"
+    src = tmp_path / "lora.safetensors"
+    save_file({f"{q}.lora_A.weight": torch.ones(2, 8), f"{q}.lora_B.weight": torch.ones(8, 2)}, src)
+
+    def export(out: Path, *flags: str):
+        return CliRunner().invoke(app, ["lora", "export", str(src), "--out", str(out), *flags])
+
+    other = tmp_path / "my-other-lora.safetensors"
+    other.write_bytes(b"the user's other LoRA")
+    result = export(other)
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    line = " ".join(result.output.split())
+    assert f"--out {other} exists" in line and "--overwrite" in line, result.output
+    assert other.read_bytes() == b"the user's other LoRA"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["lora.safetensors", "my-other-lora.safetensors"]
+    assert export(other, "--overwrite").exit_code == 0
+    assert set(load_file(other)) == {f"diffusion_model.transformer_blocks.0.attn.to_q.{k}"
+                                     for k in ("lora_down.weight", "lora_up.weight", "alpha")}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["lora.safetensors", "my-other-lora.safetensors"]
+
+    folder = tmp_path / "folder.safetensors"
+    folder.mkdir()
+    result = export(folder, "--overwrite")
+    assert result.exit_code == 1 and "is a folder" in result.output and "Traceback" not in result.output, result.output
+    folder.rmdir()
+
+    # the LoRA being exported, and a run's own weights (a final LoRA's checksums.json, a checkpoint's resume.json)
+    before = src.read_bytes()
+    result = export(src, "--overwrite")
+    assert result.exit_code == 1 and "is the LoRA being exported" in result.output and src.read_bytes() == before
+    final, step = tmp_path / "run" / "lora", tmp_path / "run" / "checkpoints" / "step-2"
+    for folder in (final, step / "lora"):
+        folder.mkdir(parents=True)
+        (folder / WEIGHT_NAME).write_bytes(b"a run's weights")
+    write_folder_record(final)
+    (step / "resume.json").write_bytes(seal({"files": folder_checksums(step)}))
+    for weights in (final / WEIGHT_NAME, step / "lora" / WEIGHT_NAME):
+        result = export(weights, "--overwrite")
+        assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+        assert "is a run's own file" in " ".join(result.output.split()) and weights.read_bytes() == b"a run's weights"
+
+    # a file made at --out after the export looked (another process): kept, and no temp file left
+    late = tmp_path / "late" / "comfy.safetensors"
+    real = lora_export.canonicalize
+
+    def another_writer_meanwhile(path, *a, **k):
+        real(path, *a, **k)
+        late.write_bytes(b"written meanwhile")
+
+    monkeypatch.setattr(lora_export, "canonicalize", another_writer_meanwhile)
+    result = export(late)
+    assert result.exit_code == 1 and f"--out {late} exists" in " ".join(result.output.split()), result.output
+    assert late.read_bytes() == b"written meanwhile" and [p.name for p in late.parent.iterdir()] == [late.name]
+
+
+def test_a_runs_own_file_is_found_by_a_relative_out_and_a_relative_lora_too(tmp_path, monkeypatch):
+    """The sealed record covering a file was looked up by walking its path's names up: from a relative path that
+    stopped at "." (`Path(".").parent` is "."), so `--out adapter weights` named from inside a checkpoint's lora/
+    missed the checkpoint's resume.json and --overwrite replaced the checkpoint's weights; and `--out ../x` from
+    inside RUN/lora (a new file beside the run) was looked up in RUN/lora's checksums.json: a ValueError traceback.
+    check_recorded walked the same way: a damaged checkpoint named from inside its lora/ passed."""
+    from models.lora import WEIGHT_NAME
+    from schemas.errors import UserError
+    from store.checksum import check_recorded, folder_checksums, seal, write_folder_record
+
+    q = "transformer.transformer_blocks.0.attn.to_q"
+    state = {f"{q}.lora_A.weight": torch.ones(2, 8), f"{q}.lora_B.weight": torch.ones(8, 2)}
+    other = tmp_path / "other.safetensors"
+    save_file(state, other)
+    final, step = tmp_path / "run" / "lora", tmp_path / "run" / "checkpoints" / "step-2"
+    for folder in (final, step / "lora"):
+        folder.mkdir(parents=True)
+        save_file(state, folder / WEIGHT_NAME)
+    write_folder_record(final)
+    (step / "resume.json").write_bytes(seal({"files": folder_checksums(step)}))
+    weights = (step / "lora" / WEIGHT_NAME).read_bytes()
+
+    monkeypatch.chdir(step / "lora")
+    result = CliRunner().invoke(app, ["lora", "export", str(other), "--out", WEIGHT_NAME, "--overwrite"])
+    assert result.exit_code == 1 and "is a run's own file" in " ".join(result.output.split()), (
+        result.output, result.exception)
+    assert (step / "lora" / WEIGHT_NAME).read_bytes() == weights and os.listdir(".") == [WEIGHT_NAME]
+    (step / "lora" / WEIGHT_NAME).write_bytes(weights[:-1] + bytes([weights[-1] ^ 1]))
+    with pytest.raises(UserError, match="damaged"):
+        check_recorded(Path(WEIGHT_NAME))
+
+    monkeypatch.chdir(final)
+    result = CliRunner().invoke(app, ["lora", "export", ".", "--out", "../comfy.safetensors"])
+    assert result.exit_code == 0, (result.output, result.exception)
+    assert set(load_file(tmp_path / "run" / "comfy.safetensors")) == {
+        f"diffusion_model.transformer_blocks.0.attn.to_q.{k}" for k in ("lora_down.weight", "lora_up.weight", "alpha")}
+    check_recorded(Path("../comfy.safetensors"))  # no record names it: nothing to check, no traceback
+
+
+def test_two_exports_to_one_out_never_link_in_the_others_lora(tmp_path, monkeypatch):
+    """Every export to one --out wrote the same temp name (`.NAME.tmp`): a second export started meanwhile
+    renamed its file over the first one's finished temp file, which the first then linked in as --out, saying it
+    wrote its LoRA: --out held the other LoRA (the one the user's second command was refused for, or killed).
+    Here the other is a real process, killed once its export is in its temp file."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import models.lora_export as lora_export
+
+    q = "transformer.transformer_blocks.{}.attn.to_q"
+    mine, big = tmp_path / "mine.safetensors", tmp_path / "big.safetensors"
+    save_file({f"{q.format(0)}.lora_A.weight": torch.ones(2, 8), f"{q.format(0)}.lora_B.weight": torch.ones(8, 2)},
+              mine)
+    save_file({f"{q.format(i)}.lora_{ab}.weight": torch.rand(*shape) for i in range(16)
+               for ab, shape in (("A", (256, 4096)), ("B", (4096, 256)))}, big)  # 128 MB: written for a while
+    out = tmp_path / "comfy" / "lora.safetensors"
+    out.parent.mkdir()
+    real, exported = lora_export.canonicalize, {}
+
+    def the_other_writes_meanwhile(path, *a, **k):
+        real(path, *a, **k)
+        exported["bytes"], mine_stat = Path(path).read_bytes(), _stat(Path(path))
+        other = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "lora", "export", str(big), "--out", str(out)],
+                                 env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and other.poll() is None:
+                if _stat(Path(path)) != mine_stat or any(
+                        p != Path(path) and p.name.startswith(f".{out.name}.") for p in out.parent.iterdir()):
+                    break  # its export is in its temp file (safetensors renames its own `.tmpXXXX` there)
+                time.sleep(0.001)
+            else:
+                pytest.fail(f"the other export did not start writing (exit {other.poll()})")
+        finally:
+            other.send_signal(signal.SIGKILL)
+            other.wait()
+
+    monkeypatch.setattr(lora_export, "canonicalize", the_other_writes_meanwhile)
+    lora_export.export_lora(mine, "comfyui", out)
+    assert out.read_bytes() == exported["bytes"]  # what this export wrote, whole
+
+
+def _stat(path: Path) -> tuple[int, int, int]:
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return (0, 0, 0)
+    return st.st_ino, st.st_size, st.st_mtime_ns

@@ -570,3 +570,60 @@ def test_a_21_reference_beyond_the_processor_limits_is_one_line_not_the_search_f
     assert result.exit_code == 1 and "outside the model's VLM processor limits" in result.output, (
         result.output, result.exception)
     assert "Traceback" not in result.output and not (tmp_path / "o.png").exists()
+
+
+def test_a_too_elongated_control_is_refused_before_the_loras_base_check_hashes_the_model(tiny_edit_model, tmp_path,
+                                                                                         monkeypatch):
+    """With --lora, the LoRA's base check hashed the model (minutes for the 20B one) before the control's shape
+    was judged: a too-elongated control was refused only after it. Now the controls first; the hash stands in
+    for itself here by a line of its own (asked only when a control passes)."""
+    from safetensors.torch import save_file
+
+    import models.loading
+    from schemas.errors import UserError
+
+    hashed = []
+
+    def hash_model(model):
+        hashed.append(model)
+        raise UserError("the model was hashed")
+
+    monkeypatch.setattr(models.loading, "model_fingerprint", hash_model)
+    q = "transformer.transformer_blocks.0.attn.to_q"
+    lora = tmp_path / "lora.safetensors"  # records a base, so the check hashes the model to compare
+    save_file({f"{q}.lora_A.weight": torch.ones(2, 8), f"{q}.lora_B.weight": torch.ones(8, 2)}, lora,
+              metadata={"format": "pt", "base_model_fingerprint": "0123456789abcdef"})
+    strip, fine = tmp_path / "strip.png", _control(tmp_path / "fine.png")
+    Image.new("RGB", (1990, 10), "gray").save(strip)
+    for control, says, hashes in ((strip, f"--image {strip}: 1990x10 px is too elongated", []),
+                                  (fine, "the model was hashed", [tiny_edit_model])):
+        hashed.clear()
+        result = CliRunner().invoke(app, ["predict", "--model", tiny_edit_model, "--image", str(control), "--prompt",
+                                          PROMPT, "--lora", str(lora), "--steps", "2", "--out", str(tmp_path / "o.png")])
+        assert result.exit_code == 1 and says in " ".join(result.output.split()), (result.output, result.exception)
+        assert hashed == hashes and not (tmp_path / "o.png").exists()
+
+
+def test_a_21_reference_past_the_processor_limits_is_refused_before_the_loras_base_check(tiny_21_model, tmp_path,
+                                                                                        monkeypatch):
+    """The Qwen-Image-2.1 check of the references against the VLM processor (and of the prompt against the RoPE
+    table) ran inside `predict`, after the CLI's LoRA base check had hashed the model (minutes for a 20B one): with
+    --lora, a reference past the processor's limits was refused only after that hash. Now with the controls."""
+    from safetensors.torch import save_file
+
+    import models.loading
+
+    hashed = []
+    monkeypatch.setattr(models.loading, "model_fingerprint", lambda model: hashed.append(model) or "fedcba9876543210")
+    q = "transformer.transformer_blocks.0.attn.to_q"
+    lora = tmp_path / "lora.safetensors"  # records a base, so the check hashes the model to compare
+    save_file({f"{q}.lora_A.weight": torch.ones(2, 8), f"{q}.lora_B.weight": torch.ones(8, 2)}, lora,
+              metadata={"format": "pt", "base_model_fingerprint": "0123456789abcdef"})
+    control = tmp_path / "strip.png"
+    Image.new("RGB", (2010, 9), "gray").save(control)
+    result = CliRunner().invoke(app, ["predict", "--model", tiny_21_model, "--image", str(control), "--prompt", PROMPT,
+                                      "--lora", str(lora), "--steps", "2", "--height", "1200", "--width", "1200",
+                                      "--out", str(tmp_path / "o.png")])
+    assert result.exit_code == 1 and "outside the model's VLM processor limits" in result.output, (
+        result.output, result.exception)
+    assert hashed == [] and not (tmp_path / "o.png").exists()
