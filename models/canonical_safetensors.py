@@ -63,6 +63,8 @@ def canonicalize(path: str | Path, extra: dict[str, str] | None = None) -> None:
             with open(tmp, "wb") as dst:
                 dst.write(spelled(header))
                 shutil.copyfileobj(src, dst, 8 * 1024 * 1024)
+                dst.flush()
+                os.fsync(dst.fileno())  # on disk before the rename: a power loss leaves the old file or this one, not empty
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
