@@ -275,3 +275,80 @@ def test_a_run_killed_after_its_read_error_lineage_was_written_resumes(tmp_path,
     assert stage.run(cfg, src, out).up_to_date
     stage.run(cfg, src, clean)
     assert _rows(Store(out)) == _rows(Store(clean))
+
+
+@pytest.mark.parametrize("fmt", ["tars", "folder"])
+def test_a_rerun_whose_unread_files_still_fail_alike_writes_no_new_version(tmp_path, monkeypatch, capsys,
+                                                                          fmt) -> None:
+    """Rerun while the same files still fail the same way, nothing else changed: the version is kept (current, no
+    new version for the encoders and train to see as new input, no in-progress folder left), one line says how
+    many samples in which files are still unreadable. A failure that now keeps fewer samples out is another
+    version (more rows); once the disk reads, the rerun adds the rest."""
+    from store import format as store_format
+
+    src, out = tmp_path / "src", tmp_path / "store"
+    cfg = load_config(None, SMALL)
+
+    def failing(m, later: bool = False) -> Path:
+        if fmt == "folder":
+            victim = src / "control" / "s1.png"
+            m.setattr(sources, "os", _FaultyOs(victim, 100))
+            return victim
+        victim = src / "shard-1.tar"
+        _failing_tar(m, victim, _data_offset(victim, "s1_2.control.png" if later else "s1_1.control.png") + 10)
+        return victim
+    (_folder if fmt == "folder" else _tars)(src)
+    with monkeypatch.context() as m:
+        victim = failing(m)
+        first = stage.run(cfg, src, out)
+        capsys.readouterr()
+        again = stage.run(cfg, src, out)
+    printed = capsys.readouterr().out
+    assert "reading those files again" in printed and "writing a new version" not in printed, printed
+    unread = 1 if fmt == "folder" else 2
+    assert (again.up_to_date, again.version, again.written) == (True, first.version, 0)
+    assert store_format.list_versions(out, "images") == [first.version]  # nothing new, nothing left in progress
+    assert Store(out).tables()["images"] == first.version
+    said = str(again)
+    assert f"{unread} sample(s) in 1 file(s) still unreadable" in said and str(victim) in said, said
+    assert "no new version" in said and "rerun once" in said, said
+    assert again.to_json()["up_to_date"] and again.quarantined["read-error"] == unread
+    assert len(Store(out).quarantine()) == unread  # its rows not repeated
+
+    if fmt == "tars":  # the failure moved: one sample fewer kept out, the same lineage, so another version
+        with monkeypatch.context() as m:
+            failing(m, later=True)
+            moved = stage.run(cfg, src, out)
+        assert not moved.up_to_date and moved.version == first.version + 1 and moved.written == 1
+    done = stage.run(cfg, src, out)  # the disk reads again: the rest added
+    assert not done.up_to_date and done.written == 1 and not done.quarantined
+    assert stage.run(cfg, src, out).up_to_date
+
+
+@pytest.mark.parametrize("fmt", ["tars", "parquet"])
+def test_a_run_sigkilled_after_its_quarantine_rows_resumes_with_one_runs_rows(tmp_path, monkeypatch, fmt) -> None:
+    """A real SIGKILL at the commit's shard commit, after the read-error rows were written (the one shard holds
+    every sample), resumed while the disk still fails: the store ends with exactly the rows and quarantine an
+    uninterrupted run gives, one row per unread sample (range), none written twice."""
+    import subprocess
+    import sys
+
+    from failing_disk_run import failing_disk
+    from tests.stages.test_resize_rerun_parquet import _source
+
+    src, out, clean = tmp_path / "src", tmp_path / "store", tmp_path / "clean"
+    _tars(src) if fmt == "tars" else _source(tmp_path)
+    cmd = [sys.executable, str(Path(__file__).with_name("failing_disk_run.py")), fmt, str(src), str(out)]
+    killed = subprocess.run(cmd, env={**os.environ, "STORE_CRASH_AT": "after_shard_commit"}, capture_output=True,
+                            text=True, timeout=300)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    def quarantine(o: Path) -> list[tuple]:  # every row, twice if written twice (`_quarantine` is a set)
+        return sorted((r["source"], r["reason"], r["detail"]) for r in Store(o).quarantine().to_pylist())
+    written = quarantine(out)
+    assert written and not Store(out).tables()  # killed after its quarantine rows, before the commit
+    done = subprocess.run(cmd, env=os.environ, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "kept from an interrupted run" in done.stdout, done.stderr[-2000:]
+    failing_disk(monkeypatch, fmt, src)
+    stage.run(load_config(None, SMALL), src, clean)
+    assert quarantine(out) == quarantine(clean) == written
+    assert _rows(Store(out)) == _rows(Store(clean))
