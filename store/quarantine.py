@@ -22,6 +22,19 @@ from store import format as fmt
 
 REQUIRED = ("source", "stage", "reason")
 BASE_COLUMNS = ("key", "source", "stage", "reason", "detail", "time")
+# Optional: how many rejected inputs one row stands for (e.g. a range of rows a read error kept unread); absent or
+# null is 1. Counts users see are of inputs (`samples_by_reason`), not rows.
+SAMPLES = "samples"
+
+
+def samples_by_reason(table: pa.Table) -> dict[str, int]:
+    """reason -> rejected inputs, each row counting its `samples` (1 where absent)."""
+    reasons = table.column("reason").to_pylist() if table.num_rows else []
+    counts = table.column(SAMPLES).to_pylist() if SAMPLES in table.column_names else [None] * len(reasons)
+    out: dict[str, int] = {}
+    for reason, n in zip(reasons, counts):
+        out[reason] = out.get(reason, 0) + (int(n) if n else 1)
+    return out
 
 
 def _as_text(v: Any) -> str | None:

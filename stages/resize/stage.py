@@ -316,10 +316,12 @@ class _Intake:
 
     def reject(self, rec: SourceSample, r: Rejected) -> dict[str, Any]:
         row = {"key": r.key, "source": rec.source, "stage": STAGE, "reason": r.reason, "detail": r.detail}
+        if rec.samples > 1:  # one row for a range of unread rows: the column only there (older rows lack it)
+            row["samples"] = rec.samples
         if rec.unread is not None:
             self.unread.add(rec.unread)
         self.rejects.append(row)
-        self.summary.quarantined[r.reason] += 1
+        self.summary.quarantined[r.reason] += rec.samples
         if r.reason == "duplicate" and r.key in self.first_source:
             self.summary.duplicates.append((self.first_source[r.key], rec.source))
         return row
