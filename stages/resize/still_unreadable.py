@@ -2,7 +2,8 @@
 no new version. The files a version left unread are read again by every rerun (its listing names them: stage.py,
 first_read.settle_listing); when they fail as before, the lineage settled for the commit is a complete version's
 own and the rows are that version's, so committing would only make a copy under a new number, which the encoders
-and train take for new input (each run a new `text`, `vae` version and a retrain, for nothing). That version is
+take for new input (their lineage names the images version: each rerun a new `text` and `vae` version, every
+sample carried, nothing encoded, for nothing). That version is
 kept (made current, as an up-to-date run does) and the in-progress one removed instead. When the failure kept
 fewer or other samples out (the same lineage: the listing cannot tell how far a file was read), or anything else
 changed, the rows differ and a new version is committed as before."""
