@@ -114,6 +114,20 @@ class TableWriter:
         """Keys added in this session (written or carried forward)."""
         return self._shards.added
 
+    def column_of(self, name: str) -> dict[str, Any]:
+        """key -> meta column `name` of every row the commit would hold: the version's committed shards (an
+        earlier session's, this session's written and carried ones) and the open shard; None where absent."""
+        import pyarrow.parquet as pq
+
+        out: dict[str, Any] = {}
+        for p in index_paths(self.dir):
+            with pq.ParquetFile(p) as f:
+                t = f.read(columns=[c for c in ("key", name) if c in f.schema_arrow.names], use_threads=False)
+            values = t.column(name).to_pylist() if name in t.column_names else [None] * t.num_rows
+            out.update(zip(t.column("key").to_pylist(), values))
+        out.update((k, m.get(name)) for k, m in self._shards.open_rows())
+        return out
+
     @property
     def linked_shards(self) -> set[str]:
         """Shard names carried forward (hard-linked) in this session."""

@@ -22,9 +22,10 @@ TABLE = "images"
 
 def same_version(st: Store, writer: Any) -> int | None:
     """The complete version of the writer's (settled) lineage holding exactly the keys the writer would commit
-    (resumed, written and carried), or None. With equal lineages (settings, source listing, the same files left
-    unread) a key set is a row set: a key is its content, its source and split follow from the listing and the
-    settings. Not for a version written through a store URL's parts (its ranks' parts live on the remote)."""
+    (resumed, written and carried), each from the same source copy, or None. With equal lineages (settings, source
+    listing, the same files left unread) a (key, source) set is a row set: a key is its content, a source name the
+    same bytes (its mask too), the split follows from the key and the settings. Not for a version written through
+    a store URL's parts (its ranks' parts live on the remote)."""
     from store.manifest_files import checked_manifest
 
     if getattr(writer, "remote_url", None) is not None:
@@ -32,9 +33,13 @@ def same_version(st: Store, writer: Any) -> int | None:
     found = st.find_version(TABLE, writer.schema.lineage)
     if found is None or found == writer.version:
         return None
-    held = writer.done_keys | writer.carried_keys
-    keys = checked_manifest(st.version_dir(TABLE, found), ["key"]).column("key")
-    return found if len(keys) == len(held) and set(keys.to_pylist()) == held else None
+    # key -> the source copy each row is of: equal keys are not enough, a duplicate's other copy may hold a key now
+    # (a fault that moved within a file: its first copy read now, the later one, and its mask, kept before)
+    held = writer.column_of("source")
+    rows = checked_manifest(st.version_dir(TABLE, found), ["key", "source"])
+    if len(rows) != len(held) or "source" not in rows.column_names:
+        return None
+    return found if dict(zip(rows.column("key").to_pylist(), rows.column("source").to_pylist())) == held else None
 
 
 def discard_version(st: Store, writer: Any) -> None:

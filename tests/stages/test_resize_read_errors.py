@@ -352,3 +352,53 @@ def test_a_run_sigkilled_after_its_quarantine_rows_resumes_with_one_runs_rows(tm
     stage.run(load_config(None, SMALL), src, clean)
     assert quarantine(out) == quarantine(clean) == written
     assert _rows(Store(out)) == _rows(Store(clean))
+
+
+def _white_mask() -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(np.full((64, 64), 255, np.uint8), "L").save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _duplicated_across_tars(src: Path) -> None:
+    """shard-0: s0_0, s0_1, s0_2 (large: a fault in it leaves s0_1 read); shard-1: s1_0, the content of s0_1 with a
+    mask, and s1_1."""
+    src.mkdir()
+    same = (_png(50), _png(51), b"the same edit")  # s0_1 (shard-0) and s1_0 (shard-1): one content key
+    members = {0: [("s0_0", (_png(1), _png(2), b"edit a"), None), ("s0_1", same, None),
+                   ("s0_2", (_png(3, side=256), _png(4, side=256), b"edit c"), None)],
+               1: [("s1_0", same, _white_mask()), ("s1_1", (_png(5), _png(6), b"edit d"), None)]}
+    for t, samples in members.items():
+        with tarfile.open(src / f"shard-{t}.tar", "w", format=tarfile.USTAR_FORMAT) as tf:
+            for stem, (target, control, caption), mask in samples:
+                parts = [(f"{stem}.png", target), (f"{stem}.control.png", control), (f"{stem}.txt", caption)]
+                parts += [(f"{stem}.mask.png", mask)] if mask else []
+                for name, data in parts:
+                    info = tarfile.TarInfo(name)
+                    info.size, info.mtime, info.mode = len(data), 0, 0o644
+                    tf.addfile(info, io.BytesIO(data))
+
+
+def _copies(o: Path) -> dict:
+    with Store(o).reader("images") as r:
+        return {k: (r.meta(k)["source"].rsplit("/", 1)[-1], r.meta(k)["has_mask"]) for k in r.keys()}
+
+
+def test_a_rerun_whose_fault_moved_keeps_no_version_holding_another_copy_of_a_key(tmp_path, monkeypatch) -> None:
+    """The failure moved within the unread file: the first copy of a duplicated content is read now, so the run's
+    row of that key is that copy (its source, no mask), not the later copy (with a mask) the version holds. The key
+    sets are equal; the rows are not: a new version, as a run on an empty store gives (before: that version kept)."""
+    src, out, fresh = tmp_path / "src", tmp_path / "store", tmp_path / "fresh"
+    _duplicated_across_tars(src)
+    victim = src / "shard-0.tar"
+    cfg = load_config(None, SMALL)
+    with monkeypatch.context() as m:  # the disk fails in s0_1: s0_1, s0_2 unread, s1_0 holds the content
+        _failing_tar(m, victim, _data_offset(victim, "s0_1.control.png") + 10)
+        first = stage.run(cfg, src, out)
+    with monkeypatch.context() as m:  # now it fails later, in s0_2: s0_1 is read, s1_0 its duplicate
+        _failing_tar(m, victim, _data_offset(victim, "s0_2.control.png") + 10)
+        again = stage.run(cfg, src, out)
+        stage.run(cfg, src, fresh)  # what a run with this fault gives
+    assert not again.up_to_date and again.version == first.version + 1
+    assert _copies(out) == _copies(fresh)
+    assert _rows(Store(out)) == _rows(Store(fresh))
