@@ -191,3 +191,44 @@ def test_the_rows_an_early_read_error_keeps_out_are_one_quarantine_row_counting_
     assert again.written == unread and again.reused == group and not again.quarantined
     stage.run(cfg, src, clean)
     assert _rows(Store(out)) == _rows(Store(clean))
+
+
+def test_a_flaky_disk_recording_overlapping_ranges_counts_each_unread_row_once(tmp_path, monkeypatch) -> None:
+    """Each rerun of a disk failing at another row group records another range of the same file (10-59, 20-59,
+    30-59: every row equal to none before): `store inspect` counts the rows ever kept out, 50 of a 60-row file, not
+    the 120 the ranges add up to; a row per input that a store written before ranges holds is one of them too."""
+    import numpy as np
+    import pyarrow as pa
+    from PIL import Image
+
+    from store.inspect import describe
+    from store.quarantine import samples_by_reason
+
+    rows, group = 60, 10
+    src, out = tmp_path / "src", tmp_path / "store"
+    src.mkdir()
+    rng = np.random.default_rng(0)
+
+    def png(i: int) -> bytes:
+        buf = io.BytesIO()
+        Image.fromarray(rng.integers(0, 256, (48, 48 + i % 7, 3), dtype=np.uint8)).save(buf, format="PNG")
+        return buf.getvalue()
+    victim = src / "big.parquet"
+    pq.write_table(pa.table({"target": pa.array([png(i) for i in range(rows)], pa.binary()),
+                             "controls": pa.array([[] for _ in range(rows)], pa.list_(pa.binary())),
+                             "caption": pa.array([f"edit {i}" for i in range(rows)])}), victim, row_group_size=group)
+    monkeypatch.setattr(parquet_source, "BATCH_ROWS", group)
+    cfg = load_config(None, SMALL)
+    for g in (1, 2, 3):
+        with monkeypatch.context() as m:
+            _bad_sector(m, victim, pq.read_metadata(victim).row_group(g).column(0).data_page_offset + 100)
+            assert stage.run(cfg, src, out).quarantined["read-error"] == rows - g * group  # this run's own
+    q = Store(out).quarantine()
+    assert sorted(s.rsplit("/", 1)[-1] for s in q.column("source").to_pylist()) == \
+        ["big.parquet:10-59", "big.parquet:20-59", "big.parquet:30-59"]
+    assert describe(out)["quarantine"] == {"rows": 3, "samples": rows - group, "by_reason": {"read-error": rows - group}}
+
+    # the rows the code before ranges wrote for the first failure (one per row, no `samples` column), then a range
+    old = pa.table({"source": [f"{victim}:{i}" for i in range(group, rows)], "reason": ["read-error"] * (rows - group)})
+    both = pa.concat_tables([old, q.select(["source", "reason", "samples"])], promote_options="permissive")
+    assert samples_by_reason(both) == {"read-error": rows - group}
