@@ -114,18 +114,18 @@ class TableWriter:
         """Keys added in this session (written or carried forward)."""
         return self._shards.added
 
-    def column_of(self, name: str) -> dict[str, Any]:
-        """key -> meta column `name` of every row the commit would hold: the version's committed shards (an
-        earlier session's, this session's written and carried ones) and the open shard; None where absent."""
+    def columns_of(self, names: tuple[str, ...]) -> dict[str, tuple]:
+        """key -> its meta columns `names` (None where absent) for every row the commit would hold: the version's
+        committed shards (an earlier session's, this session's written and carried ones) and the open shard."""
         import pyarrow.parquet as pq
 
-        out: dict[str, Any] = {}
+        out: dict[str, tuple] = {}
         for p in index_paths(self.dir):
             with pq.ParquetFile(p) as f:
-                t = f.read(columns=[c for c in ("key", name) if c in f.schema_arrow.names], use_threads=False)
-            values = t.column(name).to_pylist() if name in t.column_names else [None] * t.num_rows
-            out.update(zip(t.column("key").to_pylist(), values))
-        out.update((k, m.get(name)) for k, m in self._shards.open_rows())
+                t = f.read(columns=[c for c in ("key", *names) if c in f.schema_arrow.names], use_threads=False)
+            values = [t.column(n).to_pylist() if n in t.column_names else [None] * t.num_rows for n in names]
+            out.update(zip(t.column("key").to_pylist(), zip(*values) if names else [()] * t.num_rows))
+        out.update((k, tuple(m.get(n) for n in names)) for k, m in self._shards.open_rows())
         return out
 
     @property

@@ -18,13 +18,14 @@ if TYPE_CHECKING:
     from store import Store
 
 TABLE = "images"
+ROW = ("source", "mask_sha256")  # with the key, what a row is rendered from (stage.py `_render`)
 
 
 def same_version(st: Store, writer: Any) -> int | None:
     """The complete version of the writer's (settled) lineage holding exactly the keys the writer would commit
-    (resumed, written and carried), each from the same source copy, or None. With equal lineages (settings, source
-    listing, the same files left unread) a (key, source) set is a row set: a key is its content, a source name the
-    same bytes (its mask too), the split follows from the key and the settings. Not for a version written through
+    (resumed, written and carried), each from the same source copy with the same mask, or None. With equal lineages
+    (settings, source listing, the same files left unread) such a set is a row set: a key is the content of its
+    target, controls and caption, the split follows from the key and the settings. Not for a version written through
     a store URL's parts (its ranks' parts live on the remote)."""
     from store.manifest_files import checked_manifest
 
@@ -33,13 +34,15 @@ def same_version(st: Store, writer: Any) -> int | None:
     found = st.find_version(TABLE, writer.schema.lineage)
     if found is None or found == writer.version:
         return None
-    # key -> the source copy each row is of: equal keys are not enough, a duplicate's other copy may hold a key now
-    # (a fault that moved within a file: its first copy read now, the later one, and its mask, kept before)
-    held = writer.column_of("source")
-    rows = checked_manifest(st.version_dir(TABLE, found), ["key", "source"])
-    if len(rows) != len(held) or "source" not in rows.column_names:
+    # key -> the source copy each row is of, and its mask (not part of the key): equal keys are not enough, a
+    # duplicate's other copy may hold a key now (a fault that moved within a file: its first copy read now, the later
+    # one, with its own mask, kept before), and the listing names an unread file without its bytes (content.py)
+    held = writer.columns_of(ROW)
+    rows = checked_manifest(st.version_dir(TABLE, found), ["key", *ROW])
+    if len(rows) != len(held) or not set(ROW) <= set(rows.column_names):
         return None
-    return found if dict(zip(rows.column("key").to_pylist(), rows.column("source").to_pylist())) == held else None
+    return found if dict(zip(rows.column("key").to_pylist(), zip(*(rows.column(c).to_pylist() for c in ROW)))) \
+        == held else None
 
 
 def discard_version(st: Store, writer: Any) -> None:

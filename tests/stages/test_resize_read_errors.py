@@ -402,3 +402,35 @@ def test_a_rerun_whose_fault_moved_keeps_no_version_holding_another_copy_of_a_ke
     assert not again.up_to_date and again.version == first.version + 1
     assert _copies(out) == _copies(fresh)
     assert _rows(Store(out)) == _rows(Store(fresh))
+
+
+def test_a_source_whose_only_tar_fails_keeps_its_version_from_the_first_rerun(tmp_path, monkeypatch) -> None:
+    """One tar, failing: the first run streams it for its hash (nothing known yet), the rerun hashes it up front
+    (the version's note names none of the source's tars). Its listing line is not its digest but "left unread",
+    so the rerun keeps the version (before: one more version with the same rows, then kept). The tar changed
+    where it was read (a mask added to the sample before the failure), still failing: a new version."""
+    from store import format as store_format
+
+    src, out = tmp_path / "src", tmp_path / "store"
+    _tars(src, tars=1)
+    victim = src / "shard-0.tar"
+    cfg = load_config(None, SMALL)
+    with monkeypatch.context() as m:
+        _failing_tar(m, victim, _data_offset(victim, "s0_1.control.png") + 10)
+        first = stage.run(cfg, src, out)
+        again = stage.run(cfg, src, out)
+    assert (first.written, again.up_to_date, again.version) == (1, True, first.version)
+    assert store_format.list_versions(out, "images") == [first.version]
+
+    with tarfile.open(victim) as tf:  # the same tar with a mask for s0_0, read before the failure
+        members = [(m, tf.extractfile(m).read()) for m in tf.getmembers()]
+    with tarfile.open(victim, "w", format=tarfile.USTAR_FORMAT) as tf:
+        for info, data in members[:3] + [(tarfile.TarInfo("s0_0.mask.png"), _white_mask())] + members[3:]:
+            info.size, info.mtime, info.mode = len(data), 0, 0o644
+            tf.addfile(info, io.BytesIO(data))
+    with monkeypatch.context() as m:
+        _failing_tar(m, victim, _data_offset(victim, "s0_1.control.png") + 10)
+        masked = stage.run(cfg, src, out)
+    assert not masked.up_to_date and masked.version == first.version + 1
+    with Store(out).reader("images") as r:
+        assert [r.meta(k)["has_mask"] for k in r.keys()] == [True]
