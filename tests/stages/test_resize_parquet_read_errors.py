@@ -226,7 +226,8 @@ def test_a_flaky_disk_recording_overlapping_ranges_counts_each_unread_row_once(t
     q = Store(out).quarantine()
     assert sorted(s.rsplit("/", 1)[-1] for s in q.column("source").to_pylist()) == \
         ["big.parquet:10-59", "big.parquet:20-59", "big.parquet:30-59"]
-    assert describe(out)["quarantine"] == {"rows": 3, "samples": rows - group, "by_reason": {"read-error": rows - group}}
+    unread = rows - group
+    assert describe(out)["quarantine"] == {"rows": 3, "samples": unread, "by_reason": {"read-error": unread}}
 
     # the rows the code before ranges wrote for the first failure (one per row, no `samples` column), then a range
     old = pa.table({"source": [f"{victim}:{i}" for i in range(group, rows)], "reason": ["read-error"] * (rows - group)})
