@@ -44,7 +44,8 @@ class Listing:
                 h.update(f"{name}\n".encode())
                 continue
             # a file left unread: its bytes as far as read are in the rows, which a rerun compares
-            # (still_unreadable.py); its digest is not (a tar streamed for its hash the first time, hashed up front after: one file, two lines)
+            # (still_unreadable.py); its digest is not (a tar streamed for its hash the first time is hashed up
+            # front after: one file, two digests)
             digest = "left unread" if path in unread else (settled or {}).get(path, digest)
             h.update(f"{name}\0{digest}\n".encode("utf-8", "surrogateescape"))
         for path in sorted(unread):
