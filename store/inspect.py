@@ -28,7 +28,8 @@ def describe(root: Path) -> dict[str, Any]:
         versions = [_describe_version(st.version_dir(table, v), v) for v in st.versions(table)]
         out["tables"][table] = {"current": current.get(table), "versions": versions}
     q = quarantine.read(root)
-    out["quarantine"] = {"rows": q.num_rows, "by_reason": dict(Counter(q.column("reason").to_pylist()))}
+    by_reason = quarantine.samples_by_reason(q)  # samples: a row may stand for several (quarantine.SAMPLES)
+    out["quarantine"] = {"rows": q.num_rows, "samples": sum(by_reason.values()), "by_reason": by_reason}
     return out
 
 
@@ -65,7 +66,9 @@ def _size_counts(sizes: pa.Array, width: int, scale: int = 1) -> dict[str, int]:
     """"HxW" -> count, in size order, of a list column of `width` numbers per row whose last two are H and W
     (x `scale`); null rows are skipped."""
     sizes = sizes.drop_null()
-    if len(sizes) and not pc.all(pc.equal(pc.list_value_length(sizes), width)).as_py():
+    if not len(sizes):  # e.g. no sample with a control: a column of null type, which list_flatten refuses
+        return {}
+    if not pc.all(pc.equal(pc.list_value_length(sizes), width)).as_py():
         raise ValueError(f"sizes of other than {width} numbers in {sizes.type} column")
     hw = pc.list_flatten(sizes).to_numpy(zero_copy_only=False).astype(np.int64).reshape(-1, width)[:, -2:] * scale
     # one number per size (h, w), sorted as the pairs: np.unique over rows (axis=0) sorts ~10x slower
@@ -116,5 +119,7 @@ def render(info: dict[str, Any]) -> str:
                          f"model {lin['model_fingerprint'][:12] or '-'}, upstream {lin['upstream'] or '-'}, "
                          f"code {lin['code_version'] or '-'}")
     q = info["quarantine"]
-    lines.append(f"  quarantine: {q['rows']} rows" + (f" {q['by_reason']}" if q["rows"] else ""))
+    samples = q.get("samples", q["rows"])
+    lines.append(f"  quarantine: {q['rows']} rows" + (f" ({samples} samples)" if samples != q["rows"] else "")
+                 + (f" {q['by_reason']}" if q["rows"] else ""))
     return "\n".join(lines)

@@ -22,6 +22,59 @@ from store import format as fmt
 
 REQUIRED = ("source", "stage", "reason")
 BASE_COLUMNS = ("key", "source", "stage", "reason", "detail", "time")
+# Optional: how many rejected inputs one row stands for (e.g. a range of rows a read error kept unread); absent or
+# null is 1. Counts users see are of inputs (`samples_by_reason`), not rows. A row of n > 1 whose source is
+# `<name>:<a>-<b>` (b - a + 1 = n) stands for the inputs `<name>:<a>` ... `<name>:<b>`.
+SAMPLES = "samples"
+
+
+def samples_by_reason(table: pa.Table) -> dict[str, int]:
+    """reason -> rejected inputs, each row counting its `samples` (1 where absent). The ranges of one name and
+    reason count their union, the one-input rows inside it none more: each rerun of a flaky disk records another
+    range of the same file (10-59, then 20-59), and a store written before ranges holds a row per input."""
+    reasons = table.column("reason").to_pylist() if table.num_rows else []
+    counts = table.column(SAMPLES).to_pylist() if SAMPLES in table.column_names else [None] * len(reasons)
+    sources = table.column("source").to_pylist() if reasons else []
+    out: dict[str, int] = {}
+    spans: dict[tuple[str, str], list[tuple[int, int]]] = {}
+    for reason, n, source in zip(reasons, counts, sources):
+        n = int(n) if n else 1
+        if (span := _span(source, n)) is not None:
+            spans.setdefault((reason, span[0]), []).append(span[1:])
+        else:
+            out[reason] = out.get(reason, 0) + n
+    if not spans:
+        return out
+    merged = {k: _union(v) for k, v in spans.items()}
+    for (reason, name), parts in merged.items():
+        out[reason] = out.get(reason, 0) + sum(end - first for first, end in parts)
+    for reason, n, source in zip(reasons, counts, sources):  # one-input rows a range already counts
+        name, _, no = (source or "").rpartition(":")
+        if (not n or int(n) == 1) and no.isdigit() and (parts := merged.get((reason, name))) is not None \
+                and any(first <= int(no) < end for first, end in parts):
+            out[reason] -= 1
+    return out
+
+
+def _span(source: str | None, n: int) -> tuple[str, int, int] | None:
+    """(name, first, end) of a row standing for the inputs `name:first` .. `name:end-1`, else None."""
+    if n <= 1 or not source:
+        return None
+    name, _, rows = source.rpartition(":")
+    first, _, last = rows.partition("-")
+    if not (name and first.isdigit() and last.isdigit() and int(last) - int(first) + 1 == n):
+        return None
+    return name, int(first), int(last) + 1
+
+
+def _union(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for first, end in sorted(spans):
+        if out and first <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((first, end))
+    return out
 
 
 def _as_text(v: Any) -> str | None:

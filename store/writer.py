@@ -114,6 +114,20 @@ class TableWriter:
         """Keys added in this session (written or carried forward)."""
         return self._shards.added
 
+    def columns_of(self, names: tuple[str, ...]) -> dict[str, tuple]:
+        """key -> its meta columns `names` (None where absent) for every row the commit would hold: the version's
+        committed shards (an earlier session's, this session's written and carried ones) and the open shard."""
+        import pyarrow.parquet as pq
+
+        out: dict[str, tuple] = {}
+        for p in index_paths(self.dir):
+            with pq.ParquetFile(p) as f:
+                t = f.read(columns=[c for c in ("key", *names) if c in f.schema_arrow.names], use_threads=False)
+            values = [t.column(n).to_pylist() if n in t.column_names else [None] * t.num_rows for n in names]
+            out.update(zip(t.column("key").to_pylist(), zip(*values) if names else [()] * t.num_rows))
+        out.update((k, tuple(m.get(n) for n in names)) for k, m in self._shards.open_rows())
+        return out
+
     @property
     def linked_shards(self) -> set[str]:
         """Shard names carried forward (hard-linked) in this session."""

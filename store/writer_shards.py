@@ -90,6 +90,10 @@ class RankShards:
         if self._builder.nbytes >= self.shard_bytes:
             self.commit()
 
+    def open_rows(self) -> list[tuple[str, dict[str, Any]]]:
+        """(key, meta) of each sample of the open shard (added, not committed yet)."""
+        return [(r.key, m) for r, m in zip(self._builder.records, self._metas)] if self._builder is not None else []
+
     def drop_done(self) -> None:
         """Before this session's first new shard lands: the rank's `rank-RR.done` of an earlier session no longer
         says every shard of the rank is committed (a commit must not count the rank finished). `finish_rank`

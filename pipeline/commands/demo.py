@@ -49,8 +49,9 @@ def summary_lines(cfg, result, store: Path, effective: Path, rerun_flags: str = 
     st = Store(store, create=False)
     with st.reader("images") as images:
         splits = images.manifest.column("split").to_pylist()
-    quarantine = st.quarantine()
-    reasons = quarantine.column("reason").to_pylist() if quarantine.num_rows else []
+    from store.quarantine import samples_by_reason
+
+    reasons = samples_by_reason(st.quarantine())  # samples, not rows (a row may stand for several)
     loss = result.metrics["loss"]
     mask = loss.get("mask")
     train = next(o for o in result.outcomes if o.stage == "train")
@@ -59,7 +60,7 @@ def summary_lines(cfg, result, store: Path, effective: Path, rerun_flags: str = 
         "== demo summary",
         f"samples      {len(images)} in the store (train {splits.count('train')}, val {splits.count('val')}), "
         f"{len(loss['per_bucket'])} val buckets",
-        f"quarantined  {quarantine.num_rows}" + (f" ({', '.join(sorted(set(reasons)))})" if reasons else ""),
+        f"quarantined  {sum(reasons.values())}" + (f" ({', '.join(sorted(reasons))})" if reasons else ""),
         f"train steps  {cfg.train.max_steps} (batch {cfg.train.batch_size}, LoRA rank {cfg.train.lora.rank})"
         + (" — up to date, not retrained" if train.skipped else ""),
     ]

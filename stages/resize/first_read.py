@@ -227,8 +227,9 @@ def settle_listing(writer: Any, streamed: dict[str, tuple[str, os.stat_result]],
     its record of pending tars removed (module doc). A pending tar not streamed whole, or changed since its stream
     began, gets a stand-in no run computes: its rows hold the bytes read then, not those there now, so the next run
     reads it again (a hash of it now would call that run up to date). So does every file of `unread` (any format:
-    a read error kept samples of it out of the version; its line stays, a stand-in line is added), whether or not
-    any tar was pending: the version is not the one of a source read whole."""
+    a read error kept samples of it out of the version; its line stays, saying `left unread` for its digest, and
+    a stand-in line is added), whether or not any tar was pending: the version is not the one of a source read
+    whole."""
     from store import format as fmt
 
     with FileHashes() as hashes:

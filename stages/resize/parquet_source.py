@@ -9,8 +9,8 @@ image datasets in row groups of 100 rows), never the whole file. Rows become `So
 the stage judges like every other format: a null or oversized image, a path without bytes, a non-text
 instruction quarantines the row with the same reasons as a file would; a missing or mistyped mapped column is
 the user's to fix (one UserError naming the column and the file). A local file whose read fails (EIO, EACCES: an
-OSError with an errno, not pyarrow's "corrupt") is a `read-error` row for each row not read, the file marked unread
-(`_unread_rows`: a rerun reads it again), as a tar's samples are (sources.py).
+OSError with an errno, not pyarrow's "corrupt") is one `read-error` row for the rows not read (counting them), the
+file marked unread (`_unread_rows`: a rerun reads it again), as a tar's samples are (sources.py).
 
 Within `remembered_footers()` (one resize-bucket run) each file's footer is read once, shared by the bar's row
 count, the column check and the reader (three reads before). A local file read for the first time is hashed from
@@ -418,15 +418,20 @@ def _unopened(path: Any, e: BaseException) -> Any:
 
 
 def _unread_rows(path: Any, first: int, end: int, e: OSError) -> Iterator[Any]:
-    """A `read-error` row for each of rows [first, end) of `path` a read error kept from being read (the file
-    marked unread: a rerun reads it again and adds them)."""
+    """The `read-error` record of rows [first, end) of `path` a read error kept from being read (the file marked
+    unread: a rerun reads it again and adds them): one record for the range, however many rows (an early failure in a
+    million-row file was a million quarantine rows), named `path:first-last` and counting them (`samples`)."""
     from stages.resize.sources import READ_ERROR_HINT, SourceSample
 
     why = f"{e.strerror or e} (errno {e.errno}); {READ_ERROR_HINT}"
-    for no in range(first, end):
-        what = "could not be read" if no == first else "not read: a read error at an earlier row"
-        yield SourceSample(name=f"{_stem(path)}:{no}", source=f"{path}:{no}", problem_kind="read-error",
-                           unread=str(path), problem=f"row {no} of parquet file {path} {what}: {why}")
+    if end - first == 1:
+        yield SourceSample(name=f"{_stem(path)}:{first}", source=f"{path}:{first}", problem_kind="read-error",
+                           unread=str(path), problem=f"row {first} of parquet file {path} could not be read: {why}")
+        return
+    yield SourceSample(name=f"{_stem(path)}:{first}-{end - 1}", source=f"{path}:{first}-{end - 1}",
+                       problem_kind="read-error", unread=str(path), samples=end - first,
+                       problem=f"rows {first} to {end - 1} ({end - first} rows) of parquet file {path} not read (the "
+                       f"read error at row {first}): {why}")
 
 
 def _group_starts(md: Any) -> tuple[list[int], list[int]]:

@@ -80,6 +80,9 @@ class SourceSample:
     # the local file (a folder/JSONL file, a tar, a parquet file) whose read failed (problem_kind "read-error": EIO, EACCES): the
     # version does not count it as read, so a rerun reads it again (stage.py). Its real name, for the listing lines.
     unread: str | None = None
+    # how many source samples this record stands for: >1 for one `read-error` row naming a range of unread parquet
+    # rows (parquet_source._unread_rows); the quarantine row's `samples` column, the summary counts it
+    samples: int = 1
 
 
 def detect_format(source: str | Path) -> str:

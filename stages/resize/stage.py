@@ -39,6 +39,7 @@ from stages.resize.folder_listing import remembered
 from stages.resize.parquet_source import remembered_footers
 from stages.resize.moved_source import Moved, recorded_source
 from stages.resize.sources import SourceSample, detect_format, iter_source
+from stages.resize.still_unreadable import discard_version, same_version as _same_version
 from store.row_rule import RowRule
 
 if TYPE_CHECKING:
@@ -83,6 +84,8 @@ class ResizeSummary:
     source: str = ""  # where the source was read now
     # where the version reused or resumed was read from, when the same content lay elsewhere then (moved_source.py)
     source_before: str = ""
+    # up to date because the files a read error kept out of the version failed again alike (still_unreadable.py)
+    unreadable: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         from schemas.stage import summary_record
@@ -94,6 +97,16 @@ class ResizeSummary:
                               newer_current=self.newer_current, source_before=self.source_before or None)
 
     def __str__(self) -> str:
+        if self.up_to_date and self.unreadable:
+            n, files = self.quarantined["read-error"], self.unreadable
+            named = ", ".join(files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
+            return (f"images v{self.version} kept, no new version: the files a read error kept out of it were read "
+                    f"again and fail again, nothing else changed: {n} sample(s) in {len(files)} file(s) still "
+                    f"unreadable ({named}; rows with reason read-error in {self.quarantine_file}): a disk, network "
+                    "or permission error, not bad data; rerun once they read to add them"
+                    + (f"; v{self.newer_current}, committed by another writer meanwhile, stays current"
+                       if self.newer_current is not None else "")
+                    + (f"\n{self.sizes}" if self.sizes else ""))
         if self.up_to_date:
             return (f"images v{self.version} is up to date (same source listing and resize settings; no damage "
                     f"recorded, its bytes were not re-read: `pipeline store verify {self.store}` checks them); "
@@ -206,6 +219,11 @@ def _run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> 
                            lambda hashed: _as_repair_expects(images_schema(rc, hashed, source=str(source),
                                                                            source_format=fmt)),
                            frozenset(intake.unread))
+            if intake.unread and (kept := _same_version(st, writer)) is not None:
+                # the unread files read again fail alike, nothing else changed: no new version (still_unreadable.py)
+                st.add_quarantine(intake.rejects)  # equal rows are not repeated; another OS error is recorded
+                discard_version(st, writer)
+                return _kept_summary(st, kept, intake.summary, sorted(intake.unread), started)
         _commit(st, writer, source, intake)
     finally:
         writer.close()
@@ -222,6 +240,20 @@ def _run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> 
 
 
 # ---------------------------------------------------------------- the steps of `run`
+
+
+def _kept_summary(st: Store, kept: int, summary: ResizeSummary, unreadable: list[str],
+                  started: float) -> ResizeSummary:
+    """The summary of a rerun that kept version `kept` (still_unreadable.py): up to date, its samples reused, this
+    run's quarantine counts (the samples still unread among them)."""
+    from store.manifest_files import checked_manifest
+    from store.remote_parts import adopt_version
+
+    newer = adopt_version(st, TABLE, kept)  # current again (a run killed before its store.json switch, say)
+    splits = Counter(checked_manifest(st.version_dir(TABLE, kept), ["split"]).column("split").to_pylist())
+    return replace(summary, version=kept, up_to_date=True, written=0, resumed=0, reused=splits.total(),
+                   splits=splits, bytes_written=0, seconds=time.perf_counter() - started, store=str(st.root),
+                   newer_current=newer, unreadable=unreadable, duplicates=list(summary.duplicates))
 
 
 def _refuse_unread_repair(intake: _Intake) -> None:
@@ -284,10 +316,12 @@ class _Intake:
 
     def reject(self, rec: SourceSample, r: Rejected) -> dict[str, Any]:
         row = {"key": r.key, "source": rec.source, "stage": STAGE, "reason": r.reason, "detail": r.detail}
+        if rec.samples > 1:  # one row for a range of unread rows: the column only there (older rows lack it)
+            row["samples"] = rec.samples
         if rec.unread is not None:
             self.unread.add(rec.unread)
         self.rejects.append(row)
-        self.summary.quarantined[r.reason] += 1
+        self.summary.quarantined[r.reason] += rec.samples
         if r.reason == "duplicate" and r.key in self.first_source:
             self.summary.duplicates.append((self.first_source[r.key], rec.source))
         return row
@@ -483,11 +517,24 @@ def _say_why_new(st: Store, schema: TableSchema, pending: frozenset[str] = froze
                                                "are read)")
     differences = up_to_date.lineage_differences(before.lineage, lineage, {
         "settings": "resize settings", "data": "source listing (its files and their bytes)"})
+    if differences and all(d.startswith("source listing") for d in differences) and _left_unread(st, version):
+        # its listing names the files a read error kept out: they are what differs, unless other files changed too
+        tqdm.write(f"{STAGE}: images v{version} left out the samples of files a read error kept from being read: "
+                   "reading those files again, and any file changed since (the rest carried, not re-rendered); no "
+                   "new version if they fail again and nothing else changed")
+        return
     if isinstance(before.attrs.get("resize"), dict) and differences:
         differences += up_to_date.changed_settings(before.attrs["resize"], schema.attrs["resize"], "resize",
                                                    missing="(default)")
     if differences:
         tqdm.write(up_to_date.new_version_line(STAGE, TABLE, version, differences))
+
+
+def _left_unread(st: Store, version: int) -> bool:
+    """Did a read error keep some files of the source out of `version` (its `.read-errors.json`, first_read.py)?"""
+    from stages.resize.first_read import READ_ERRORS_JSON
+
+    return (st.version_dir(TABLE, version) / READ_ERRORS_JSON).is_file()
 
 
 def _damaged_current(st: Store) -> int | None:

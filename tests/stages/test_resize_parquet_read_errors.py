@@ -1,5 +1,5 @@
-"""A local parquet file whose read fails (EIO: a bad sector; not a corrupt file) is a `read-error` row for each row
-it kept from being read, named from the footer (one row for the file when the footer itself fails), the file
+"""A local parquet file whose read fails (EIO: a bad sector; not a corrupt file) is one `read-error` row for the rows
+it kept from being read, their range named from the footer (one row for the file when the footer itself fails), the file
 marked unread (stages/resize/parquet_source.py `_unread_rows`, `_unopened`): the version does not count it as read,
 and a rerun once the disk reads again adds exactly those rows, the others carried, not rendered again; the store
 then equals a clean run's. Before: the rows from the failure on were `bad-source` ("truncated or corrupt") and the
@@ -90,7 +90,7 @@ def test_a_parquet_read_error_quarantines_each_unread_row_and_a_rerun_adds_them(
         _bad_sector(m, victim, at)
         first = stage.run(cfg, src, out)
     q = {r["source"]: r for r in Store(out).quarantine().to_pylist()}
-    unread = [f"{victim}:{i}" for i in range(3, ROWS)] if where == "row-group-1" else [str(victim)]
+    unread = [f"{victim}:3-{ROWS - 1}"] if where == "row-group-1" else [str(victim)]  # one row for the range
     assert sorted(q) == sorted(unread)
     assert {r["reason"] for r in q.values()} == {"read-error"}
     assert all(str(victim) in r["detail"] and "Input/output error" in r["detail"] for r in q.values())
@@ -104,7 +104,7 @@ def test_a_parquet_read_error_quarantines_each_unread_row_and_a_rerun_adds_them(
     assert not again.up_to_date, "rows a read error kept out, and the run calls the version up to date"
     assert again.written == 2 * ROWS - first.written and again.reused == first.written and not again.quarantined
     # exactly the rows not read before (the footer's failure: all of the file's) rendered, the others carried
-    assert sorted(rendered) == sorted(unread if where == "row-group-1" else [f"{victim}:{i}" for i in range(ROWS)])
+    assert sorted(rendered) == sorted(f"{victim}:{i}" for i in range(3 if where == "row-group-1" else 0, ROWS))
     assert stage.run(cfg, src, out).up_to_date
 
     stage.run(cfg, src, clean)
@@ -146,3 +146,90 @@ def test_a_carried_tar_read_again_whose_headers_fail_too_is_a_read_error(tmp_pat
     s = sources._reread_tar(str(victim), f"{victim}:s0_2", 1 << 30)
     assert (s.problem_kind, s.unread, s.source) == ("read-error", str(victim), f"{victim}:s0_2")
     assert "Input/output error" in s.problem
+
+
+def test_the_rows_an_early_read_error_keeps_out_are_one_quarantine_row_counting_them(tmp_path, monkeypatch) -> None:
+    """A read error early in a large file: one `read-error` row for the unread row range (its `samples` column the
+    count), not one per row (a million rows for a million-row file); the summary, its JSON and `store inspect`
+    still count samples. The rerun, the disk reading again, adds exactly those rows."""
+    import numpy as np
+    import pyarrow as pa
+    from PIL import Image
+
+    from store.inspect import describe, render
+
+    rows, group = 60, 10
+    src, out, clean = tmp_path / "src", tmp_path / "store", tmp_path / "clean"
+    src.mkdir()
+    rng = np.random.default_rng(0)
+
+    def png(i: int) -> bytes:
+        buf = io.BytesIO()
+        Image.fromarray(rng.integers(0, 256, (48, 48 + i % 7, 3), dtype=np.uint8)).save(buf, format="PNG")
+        return buf.getvalue()
+    victim = src / "big.parquet"
+    pq.write_table(pa.table({"target": pa.array([png(i) for i in range(rows)], pa.binary()),
+                             "controls": pa.array([[] for _ in range(rows)], pa.list_(pa.binary())),
+                             "caption": pa.array([f"edit {i}" for i in range(rows)])}), victim, row_group_size=group)
+    monkeypatch.setattr(parquet_source, "BATCH_ROWS", group)
+    cfg = load_config(None, SMALL)
+    with monkeypatch.context() as m:
+        _bad_sector(m, victim, pq.read_metadata(victim).row_group(1).column(0).data_page_offset + 100)
+        first = stage.run(cfg, src, out)
+    unread = rows - group
+    [q] = Store(out).quarantine().to_pylist()
+    assert (q["source"], q["reason"], q["samples"]) == (f"{victim}:{group}-{rows - 1}", "read-error", str(unread))
+    assert f"rows {group} to {rows - 1} ({unread} rows)" in q["detail"] and "Input/output error" in q["detail"]
+    assert first.written == group and first.quarantined["read-error"] == unread
+    assert first.to_json()["quarantined"] == unread and f"could not read {unread} sample(s)" in str(first)
+    info = describe(out)
+    assert info["quarantine"]["rows"] == 1 and info["quarantine"]["samples"] == unread
+    assert info["quarantine"]["by_reason"] == {"read-error": unread}
+    assert f"quarantine: 1 rows ({unread} samples)" in render(info)
+
+    again = stage.run(cfg, src, out)  # the disk reads again: exactly the unread rows added
+    assert again.written == unread and again.reused == group and not again.quarantined
+    stage.run(cfg, src, clean)
+    assert _rows(Store(out)) == _rows(Store(clean))
+
+
+def test_a_flaky_disk_recording_overlapping_ranges_counts_each_unread_row_once(tmp_path, monkeypatch) -> None:
+    """Each rerun of a disk failing at another row group records another range of the same file (10-59, 20-59,
+    30-59: every row equal to none before): `store inspect` counts the rows ever kept out, 50 of a 60-row file, not
+    the 120 the ranges add up to; a row per input that a store written before ranges holds is one of them too."""
+    import numpy as np
+    import pyarrow as pa
+    from PIL import Image
+
+    from store.inspect import describe
+    from store.quarantine import samples_by_reason
+
+    rows, group = 60, 10
+    src, out = tmp_path / "src", tmp_path / "store"
+    src.mkdir()
+    rng = np.random.default_rng(0)
+
+    def png(i: int) -> bytes:
+        buf = io.BytesIO()
+        Image.fromarray(rng.integers(0, 256, (48, 48 + i % 7, 3), dtype=np.uint8)).save(buf, format="PNG")
+        return buf.getvalue()
+    victim = src / "big.parquet"
+    pq.write_table(pa.table({"target": pa.array([png(i) for i in range(rows)], pa.binary()),
+                             "controls": pa.array([[] for _ in range(rows)], pa.list_(pa.binary())),
+                             "caption": pa.array([f"edit {i}" for i in range(rows)])}), victim, row_group_size=group)
+    monkeypatch.setattr(parquet_source, "BATCH_ROWS", group)
+    cfg = load_config(None, SMALL)
+    for g in (1, 2, 3):
+        with monkeypatch.context() as m:
+            _bad_sector(m, victim, pq.read_metadata(victim).row_group(g).column(0).data_page_offset + 100)
+            assert stage.run(cfg, src, out).quarantined["read-error"] == rows - g * group  # this run's own
+    q = Store(out).quarantine()
+    assert sorted(s.rsplit("/", 1)[-1] for s in q.column("source").to_pylist()) == \
+        ["big.parquet:10-59", "big.parquet:20-59", "big.parquet:30-59"]
+    unread = rows - group
+    assert describe(out)["quarantine"] == {"rows": 3, "samples": unread, "by_reason": {"read-error": unread}}
+
+    # the rows the code before ranges wrote for the first failure (one per row, no `samples` column), then a range
+    old = pa.table({"source": [f"{victim}:{i}" for i in range(group, rows)], "reason": ["read-error"] * (rows - group)})
+    both = pa.concat_tables([old, q.select(["source", "reason", "samples"])], promote_options="permissive")
+    assert samples_by_reason(both) == {"read-error": rows - group}

@@ -275,3 +275,162 @@ def test_a_run_killed_after_its_read_error_lineage_was_written_resumes(tmp_path,
     assert stage.run(cfg, src, out).up_to_date
     stage.run(cfg, src, clean)
     assert _rows(Store(out)) == _rows(Store(clean))
+
+
+@pytest.mark.parametrize("fmt", ["tars", "folder"])
+def test_a_rerun_whose_unread_files_still_fail_alike_writes_no_new_version(tmp_path, monkeypatch, capsys,
+                                                                          fmt) -> None:
+    """Rerun while the same files still fail the same way, nothing else changed: the version is kept (current, no
+    new version for the encoders and train to see as new input, no in-progress folder left), one line says how
+    many samples in which files are still unreadable. A failure that now keeps fewer samples out is another
+    version (more rows); once the disk reads, the rerun adds the rest."""
+    from store import format as store_format
+
+    src, out = tmp_path / "src", tmp_path / "store"
+    cfg = load_config(None, SMALL)
+
+    def failing(m, later: bool = False) -> Path:
+        if fmt == "folder":
+            victim = src / "control" / "s1.png"
+            m.setattr(sources, "os", _FaultyOs(victim, 100))
+            return victim
+        victim = src / "shard-1.tar"
+        _failing_tar(m, victim, _data_offset(victim, "s1_2.control.png" if later else "s1_1.control.png") + 10)
+        return victim
+    (_folder if fmt == "folder" else _tars)(src)
+    with monkeypatch.context() as m:
+        victim = failing(m)
+        first = stage.run(cfg, src, out)
+        capsys.readouterr()
+        again = stage.run(cfg, src, out)
+    printed = capsys.readouterr().out
+    assert "reading those files again" in printed and "writing a new version" not in printed, printed
+    unread = 1 if fmt == "folder" else 2
+    assert (again.up_to_date, again.version, again.written) == (True, first.version, 0)
+    assert store_format.list_versions(out, "images") == [first.version]  # nothing new, nothing left in progress
+    assert Store(out).tables()["images"] == first.version
+    said = str(again)
+    assert f"{unread} sample(s) in 1 file(s) still unreadable" in said and str(victim) in said, said
+    assert "no new version" in said and "rerun once" in said, said
+    assert again.to_json()["up_to_date"] and again.quarantined["read-error"] == unread
+    assert len(Store(out).quarantine()) == unread  # its rows not repeated
+
+    if fmt == "tars":  # the failure moved: one sample fewer kept out, the same lineage, so another version
+        with monkeypatch.context() as m:
+            failing(m, later=True)
+            moved = stage.run(cfg, src, out)
+        assert not moved.up_to_date and moved.version == first.version + 1 and moved.written == 1
+    done = stage.run(cfg, src, out)  # the disk reads again: the rest added
+    assert not done.up_to_date and done.written == 1 and not done.quarantined
+    assert stage.run(cfg, src, out).up_to_date
+
+
+@pytest.mark.parametrize("fmt", ["tars", "parquet"])
+def test_a_run_sigkilled_after_its_quarantine_rows_resumes_with_one_runs_rows(tmp_path, monkeypatch, fmt) -> None:
+    """A real SIGKILL at the commit's shard commit, after the read-error rows were written (the one shard holds
+    every sample), resumed while the disk still fails: the store ends with exactly the rows and quarantine an
+    uninterrupted run gives, one row per unread sample (range), none written twice."""
+    import subprocess
+    import sys
+
+    from failing_disk_run import failing_disk
+    from tests.stages.test_resize_rerun_parquet import _source
+
+    src, out, clean = tmp_path / "src", tmp_path / "store", tmp_path / "clean"
+    _tars(src) if fmt == "tars" else _source(tmp_path)
+    cmd = [sys.executable, str(Path(__file__).with_name("failing_disk_run.py")), fmt, str(src), str(out)]
+    killed = subprocess.run(cmd, env={**os.environ, "STORE_CRASH_AT": "after_shard_commit"}, capture_output=True,
+                            text=True, timeout=300)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    def quarantine(o: Path) -> list[tuple]:  # every row, twice if written twice (`_quarantine` is a set)
+        return sorted((r["source"], r["reason"], r["detail"]) for r in Store(o).quarantine().to_pylist())
+    written = quarantine(out)
+    assert written and not Store(out).tables()  # killed after its quarantine rows, before the commit
+    done = subprocess.run(cmd, env=os.environ, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "kept from an interrupted run" in done.stdout, done.stderr[-2000:]
+    failing_disk(monkeypatch, fmt, src)
+    stage.run(load_config(None, SMALL), src, clean)
+    assert quarantine(out) == quarantine(clean) == written
+    assert _rows(Store(out)) == _rows(Store(clean))
+
+
+def _white_mask() -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(np.full((64, 64), 255, np.uint8), "L").save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _duplicated_across_tars(src: Path) -> None:
+    """shard-0: s0_0, s0_1, s0_2 (large: a fault in it leaves s0_1 read); shard-1: s1_0, the content of s0_1 with a
+    mask, and s1_1."""
+    src.mkdir()
+    same = (_png(50), _png(51), b"the same edit")  # s0_1 (shard-0) and s1_0 (shard-1): one content key
+    members = {0: [("s0_0", (_png(1), _png(2), b"edit a"), None), ("s0_1", same, None),
+                   ("s0_2", (_png(3, side=256), _png(4, side=256), b"edit c"), None)],
+               1: [("s1_0", same, _white_mask()), ("s1_1", (_png(5), _png(6), b"edit d"), None)]}
+    for t, samples in members.items():
+        with tarfile.open(src / f"shard-{t}.tar", "w", format=tarfile.USTAR_FORMAT) as tf:
+            for stem, (target, control, caption), mask in samples:
+                parts = [(f"{stem}.png", target), (f"{stem}.control.png", control), (f"{stem}.txt", caption)]
+                parts += [(f"{stem}.mask.png", mask)] if mask else []
+                for name, data in parts:
+                    info = tarfile.TarInfo(name)
+                    info.size, info.mtime, info.mode = len(data), 0, 0o644
+                    tf.addfile(info, io.BytesIO(data))
+
+
+def _copies(o: Path) -> dict:
+    with Store(o).reader("images") as r:
+        return {k: (r.meta(k)["source"].rsplit("/", 1)[-1], r.meta(k)["has_mask"]) for k in r.keys()}
+
+
+def test_a_rerun_whose_fault_moved_keeps_no_version_holding_another_copy_of_a_key(tmp_path, monkeypatch) -> None:
+    """The failure moved within the unread file: the first copy of a duplicated content is read now, so the run's
+    row of that key is that copy (its source, no mask), not the later copy (with a mask) the version holds. The key
+    sets are equal; the rows are not: a new version, as a run on an empty store gives (before: that version kept)."""
+    src, out, fresh = tmp_path / "src", tmp_path / "store", tmp_path / "fresh"
+    _duplicated_across_tars(src)
+    victim = src / "shard-0.tar"
+    cfg = load_config(None, SMALL)
+    with monkeypatch.context() as m:  # the disk fails in s0_1: s0_1, s0_2 unread, s1_0 holds the content
+        _failing_tar(m, victim, _data_offset(victim, "s0_1.control.png") + 10)
+        first = stage.run(cfg, src, out)
+    with monkeypatch.context() as m:  # now it fails later, in s0_2: s0_1 is read, s1_0 its duplicate
+        _failing_tar(m, victim, _data_offset(victim, "s0_2.control.png") + 10)
+        again = stage.run(cfg, src, out)
+        stage.run(cfg, src, fresh)  # what a run with this fault gives
+    assert not again.up_to_date and again.version == first.version + 1
+    assert _copies(out) == _copies(fresh)
+    assert _rows(Store(out)) == _rows(Store(fresh))
+
+
+def test_a_source_whose_only_tar_fails_keeps_its_version_from_the_first_rerun(tmp_path, monkeypatch) -> None:
+    """One tar, failing: the first run streams it for its hash (nothing known yet), the rerun hashes it up front
+    (the version's note names none of the source's tars). Its listing line is not its digest but "left unread",
+    so the rerun keeps the version (before: one more version with the same rows, then kept). The tar changed
+    where it was read (a mask added to the sample before the failure), still failing: a new version."""
+    from store import format as store_format
+
+    src, out = tmp_path / "src", tmp_path / "store"
+    _tars(src, tars=1)
+    victim = src / "shard-0.tar"
+    cfg = load_config(None, SMALL)
+    with monkeypatch.context() as m:
+        _failing_tar(m, victim, _data_offset(victim, "s0_1.control.png") + 10)
+        first = stage.run(cfg, src, out)
+        again = stage.run(cfg, src, out)
+    assert (first.written, again.up_to_date, again.version) == (1, True, first.version)
+    assert store_format.list_versions(out, "images") == [first.version]
+
+    with tarfile.open(victim) as tf:  # the same tar with a mask for s0_0, read before the failure
+        members = [(m, tf.extractfile(m).read()) for m in tf.getmembers()]
+    with tarfile.open(victim, "w", format=tarfile.USTAR_FORMAT) as tf:
+        for info, data in members[:3] + [(tarfile.TarInfo("s0_0.mask.png"), _white_mask())] + members[3:]:
+            info.size, info.mtime, info.mode = len(data), 0, 0o644
+            tf.addfile(info, io.BytesIO(data))
+    with monkeypatch.context() as m:
+        _failing_tar(m, victim, _data_offset(victim, "s0_1.control.png") + 10)
+        masked = stage.run(cfg, src, out)
+    assert not masked.up_to_date and masked.version == first.version + 1
+    with Store(out).reader("images") as r:
+        assert [r.meta(k)["has_mask"] for k in r.keys()] == [True]
