@@ -47,7 +47,7 @@ def same_version(st: Store, writer: Any) -> int | None:
 
 def discard_version(st: Store, writer: Any) -> None:
     """The writer's in-progress version removed (while its writer lock is held): renamed aside under the store lock
-    first, as `store gc` does, so a kill midway leaves a `.v<N>.deleting` folder that gc finishes, never a half
+    first, as `store gc` does, so a kill midway leaves a `.v<N>.gc-deleting` folder that gc finishes, never a half
     version a rerun would resume."""
     from store import format as fmt
     from store.gc import DELETING_SUFFIX
