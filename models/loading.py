@@ -237,6 +237,8 @@ def load_component(
     sub = root / component
     if not sub.is_dir():
         raise ModelNotFoundError(f"model {model!r} has no '{component}' folder ({sub})")
+    if component in ("processor", "tokenizer"):
+        _check_tokenizer_files(root, sub)
     LOAD_LOG.append((str(model), component))
     kwargs: dict = {}
     if component in ("transformer", "vae", "text_encoder") and dtype is not None:
@@ -271,6 +273,17 @@ def load_component(
     return obj
 
 
+def _check_tokenizer_files(root: Path, folder: Path) -> None:
+    """A processor / tokenizer folder without its vocabulary loads without error as a tokenizer of the special
+    tokens alone: every prompt word then encodes to nothing (silently wrong embeddings), or the VLM fails later
+    on image tokens it cannot find. Refused here, naming the files."""
+    if (folder / "tokenizer.json").is_file() or all((folder / f).is_file() for f in ("vocab.json", "merges.txt")):
+        return
+    raise ModelNotFoundError(f"model folder {root} is incomplete: {folder.name}/ has no tokenizer.json (nor both "
+                             "vocab.json and merges.txt), so its tokenizer would hold only the special tokens; "
+                             "restore them from the original download")
+
+
 def _damaged_weight_file(folder: Path) -> str | None:
     """The first weight file of a component folder that its index names but that is missing, or that is not a
     whole safetensors file (safetensors checks the header and that the file covers every tensor it lists), as
@@ -283,6 +296,8 @@ def _damaged_weight_file(folder: Path) -> str | None:
             names |= set(json.loads(index.read_text())["weight_map"].values())
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             return f"{index.relative_to(folder.parent)} is not a weight index ({type(e).__name__}: {e})"
+    if not names and not any(folder.glob("*.bin")):  # the loader's OSError lists file names, not the fix
+        return f"{folder.name}/ has no weight file (*.safetensors) next to its config.json"
     for name in sorted(names):
         path = folder / name
         if not path.is_file():
