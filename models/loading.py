@@ -239,6 +239,7 @@ def load_component(
         raise ModelNotFoundError(f"model {model!r} has no '{component}' folder ({sub})")
     if component in ("processor", "tokenizer"):
         _check_tokenizer_files(root, sub)
+    _check_component_class(root, sub, name)
     LOAD_LOG.append((str(model), component))
     kwargs: dict = {}
     if component in ("transformer", "vae", "text_encoder") and dtype is not None:
@@ -271,6 +272,23 @@ def load_component(
     if hasattr(obj, "eval"):
         obj.eval()
     return obj
+
+
+def _check_component_class(root: Path, folder: Path, expected: str) -> None:
+    """A component folder of another model (a transformer, VAE or text encoder copied in from an Edit folder into a
+    2.1 one, or back) is refused by the class its config.json names. Before, diffusers failed with a shape
+    traceback, and transformers loaded the text encoder with every weight left at random init (a warning table)."""
+    config = folder / "config.json"
+    if not config.is_file():
+        return
+    record = json.loads(config.read_text(encoding="utf-8"))  # parsed already by _check_complete
+    if not isinstance(record, dict):
+        return
+    named = record.get("_class_name") or (record.get("architectures") or [None])[0]  # diffusers / transformers
+    if isinstance(named, str) and named != expected:
+        raise ModelNotFoundError(f"model folder {root} is mixed: {folder.name}/config.json names {named}, but this "
+                                 f"model (model_index.json) loads {expected} there; restore the {folder.name} "
+                                 "folder of this model from its original download")
 
 
 def _check_tokenizer_files(root: Path, folder: Path) -> None:

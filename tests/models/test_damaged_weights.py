@@ -99,3 +99,19 @@ def test_a_tokenizer_folder_without_its_vocabulary_is_refused(tiny_21_model, tin
     full = load_component(tiny_21_model if variant == "21" else tiny_plus_model, "processor").tokenizer
     tok = load_component(str(model), "processor").tokenizer
     assert tok("make it red")["input_ids"] == full("make it red")["input_ids"]
+
+
+@pytest.mark.parametrize("into,component", [("21", "transformer"), ("21", "vae"), ("21", "text_encoder"),
+                                            ("plus", "vae"), ("plus", "text_encoder")])
+def test_a_component_folder_of_the_other_family_is_refused(tiny_21_model, tiny_plus_model, tmp_path, into, component):
+    """An Edit-Plus component copied into a 2.1 folder (or back): diffusers failed with a shape traceback, and
+    transformers loaded the other family's text encoder with every weight left at random init (a warning table),
+    which then encoded a prompt without references to noise."""
+    target, other = (tiny_21_model, tiny_plus_model) if into == "21" else (tiny_plus_model, tiny_21_model)
+    model = _copy(target, tmp_path)
+    shutil.rmtree(model / component)
+    shutil.copytree(os.path.join(other, component), model / component)
+    with pytest.raises(UserError, match=rf"model folder .* is mixed: {component}/config\.json names \w+, but this "
+                                        rf"model \(model_index\.json\) loads \w+ there; restore the {component} folder"):
+        load_component(str(model), component, dtype=torch.float32, device="cpu")
+    assert load_component(target, component, dtype=torch.float32, device="cpu") is not None  # its own folder loads
