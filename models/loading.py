@@ -274,6 +274,17 @@ def load_component(
     return obj
 
 
+def check_weight_files(model: str) -> None:
+    """Every weight file of the transformer, VAE and text encoder is there and whole (safetensors headers only):
+    `pipeline run all` asks before resize-bucket and the encoders, not when train loads a transformer whose
+    file a partial copy left out."""
+    root = resolve_model(model)
+    for component in ("text_encoder", "vae", "transformer"):
+        if (root / component).is_dir() and (problem := _damaged_weight_file(root / component)) is not None:
+            raise ModelNotFoundError(f"model folder {root} is damaged: {problem}; restore it from the original "
+                                     "download")
+
+
 def _check_component_class(root: Path, folder: Path, expected: str) -> None:
     """A component folder of another model (a transformer, VAE or text encoder copied in from an Edit folder into a
     2.1 one, or back) is refused by the class its config.json names. Before, diffusers failed with a shape

@@ -253,6 +253,9 @@ def _check_settings(cfg: PipelineConfig, model: str) -> None:
     from stages.evaluate.stage import check_sampling as evaluate_steps, for_model as evaluate_settings
     from stages.train.recipe import check_sampling as train_steps
 
+    from models.loading import check_weight_files
+
+    check_weight_files(model)  # train loads the transformer only after resize-bucket and both encoders
     train_steps(cfg.train, model)
     _check_resize(cfg, model)
     if cfg.evaluate.extra_prompts:  # they need the model's variant: a hub id is resolved now, not at encode-text

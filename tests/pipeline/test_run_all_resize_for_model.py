@@ -31,3 +31,24 @@ def test_run_all_refuses_resize_settings_the_model_cannot_read_before_resizing(t
     assert r.exit_code == 1 and len(lines) == 1 and "Traceback" not in r.output, r.output
     assert lines[0].startswith(said) and model in lines[0], lines[0]
     assert not store.exists() and not (tmp_path / "run").exists()  # nothing rendered, nothing trained
+
+
+def test_run_all_refuses_a_model_whose_transformer_weights_are_gone_before_resizing(tiny_21_model, tmp_path):
+    """A partial copy without the transformer's weight file: resize-bucket and both encoders ran (they do not
+    read it), then train failed with diffusers' OSError traceback. Now one line naming the folder, first."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_21_model, model)
+    (model / "transformer" / "diffusion_pytorch_model.safetensors").unlink()
+    source, store = tmp_path / "src", tmp_path / "store"
+    make_demo_data(source, n=4, seed=0)
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({"paths": {"source": str(source), "store": str(store), "model": str(model),
+                                                "run": str(tmp_path / "run"), "report": str(tmp_path / "report")}}))
+    r = CliRunner().invoke(app, ["run", "all", "--config", str(config)])
+    lines = [ln for ln in r.output.splitlines() if ln.startswith("error:")]
+    assert r.exit_code == 1 and len(lines) == 1 and "Traceback" not in r.output, r.output
+    assert lines[0] == (f"error: model folder {model} is damaged: transformer/ has no weight file (*.safetensors) "
+                        "next to its config.json; restore it from the original download"), lines[0]
+    assert not store.exists()
