@@ -144,6 +144,26 @@ def check_for_model(model: str, n_images: int, out: Path, steps: int) -> None:
     check_sampling_steps(steps, "predict.steps", model)
 
 
+def check_output_size(model: str, height: int | None, width: int | None) -> None:
+    """--height / --width the stock pipeline would round down (a warning in its log at most): 100 x 100 was
+    written as 96 x 96. Its multiple: 2 x the VAE's scale factor (2.1: 16, fixed; Edit: 2 ** its downsamplings)."""
+    import json
+
+    from models.loading import model_variant, resolve_model
+    from schemas.errors import UserError
+
+    if model_variant(model) == "qwen-image-2.1":
+        multiple = 32
+    else:
+        config = json.loads((resolve_model(model) / "vae" / "config.json").read_text(encoding="utf-8"))
+        multiple = 2 * 2 ** len(config.get("temperal_downsample", [0, 0, 0]))
+    for flag, value in (("--height", height), ("--width", width)):
+        if value is not None and value % multiple:
+            down, up = value // multiple * multiple, (value // multiple + 1) * multiple
+            raise UserError(f"{flag} {value}: {model} makes images in multiples of {multiple} px, and its pipeline "
+                            f"would write {down} px instead; pass {flag} {down or up}{f' or {up}' if down else ''}")
+
+
 def predict(cfg, model: str, images: list[Path], prompt: str, out: Path, lora: str | None, lora_scale: float,
             height: int | None, width: int | None) -> Path:
     """Read the control images, load the pipeline (each component on its device), edit, write OUT (PNG)."""
@@ -186,6 +206,7 @@ def predict(cfg, model: str, images: list[Path], prompt: str, out: Path, lora: s
         # unset, the 2.1 pipeline's own default (no guidance), not the Edit models' 4.0
         scale = cfg.true_cfg_scale if "true_cfg_scale" in cfg.model_fields_set else TRUE_CFG_21
         check_prompt_before_loading(model, pil, prompt, cfg.negative_prompt if scale > 1 else None, height, width)
+        check_output_size(model, height, width)
         pipe = load_pipeline_21(model, precision.dtype, devices, lora, lora_scale, quantize=cfg.quantize_base)
         from models.qwen21_generate import pipeline_sample_sigmas
 
@@ -194,6 +215,7 @@ def predict(cfg, model: str, images: list[Path], prompt: str, out: Path, lora: s
                        f"sample_sigmas), which the stock pipeline uses: --steps / predict.steps {cfg.steps} is unused")
         result = edit_21(pipe, pil, prompt, cfg.negative_prompt, cfg.steps, scale, cfg.seed, height, width)
     else:
+        check_output_size(model, height, width)
         pipe = load_pipeline(model, precision.dtype, devices, lora, lora_scale, quantize=cfg.quantize_base)
         result = edit(pipe, pil, prompt, cfg.negative_prompt, cfg.steps, cfg.true_cfg_scale, cfg.seed, height, width)
     for name in COMPONENTS:
