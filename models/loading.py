@@ -237,6 +237,9 @@ def load_component(
     sub = root / component
     if not sub.is_dir():
         raise ModelNotFoundError(f"model {model!r} has no '{component}' folder ({sub})")
+    if component in ("processor", "tokenizer"):
+        _check_tokenizer_files(root, sub)
+    _check_component_class(root, sub, name)
     LOAD_LOG.append((str(model), component))
     kwargs: dict = {}
     if component in ("transformer", "vae", "text_encoder") and dtype is not None:
@@ -271,6 +274,45 @@ def load_component(
     return obj
 
 
+def check_weight_files(model: str) -> None:
+    """Every weight file of the transformer, VAE and text encoder is there and whole (safetensors headers only):
+    `pipeline run all` asks before resize-bucket and the encoders, not when train loads a transformer whose
+    file a partial copy left out."""
+    root = resolve_model(model)
+    for component in ("text_encoder", "vae", "transformer"):
+        if (root / component).is_dir() and (problem := _damaged_weight_file(root / component)) is not None:
+            raise ModelNotFoundError(f"model folder {root} is damaged: {problem}; restore it from the original "
+                                     "download")
+
+
+def _check_component_class(root: Path, folder: Path, expected: str) -> None:
+    """A component folder of another model (a transformer, VAE or text encoder copied in from an Edit folder into a
+    2.1 one, or back) is refused by the class its config.json names. Before, diffusers failed with a shape
+    traceback, and transformers loaded the text encoder with every weight left at random init (a warning table)."""
+    config = folder / "config.json"
+    if not config.is_file():
+        return
+    record = json.loads(config.read_text(encoding="utf-8"))  # parsed already by _check_complete
+    if not isinstance(record, dict):
+        return
+    named = record.get("_class_name") or (record.get("architectures") or [None])[0]  # diffusers / transformers
+    if isinstance(named, str) and named != expected:
+        raise ModelNotFoundError(f"model folder {root} is mixed: {folder.name}/config.json names {named}, but this "
+                                 f"model (model_index.json) loads {expected} there; restore the {folder.name} "
+                                 "folder of this model from its original download")
+
+
+def _check_tokenizer_files(root: Path, folder: Path) -> None:
+    """A processor / tokenizer folder without its vocabulary loads without error as a tokenizer of the special
+    tokens alone: every prompt word then encodes to nothing (silently wrong embeddings), or the VLM fails later
+    on image tokens it cannot find. Refused here, naming the files."""
+    if (folder / "tokenizer.json").is_file() or all((folder / f).is_file() for f in ("vocab.json", "merges.txt")):
+        return
+    raise ModelNotFoundError(f"model folder {root} is incomplete: {folder.name}/ has no tokenizer.json (nor both "
+                             "vocab.json and merges.txt), so its tokenizer would hold only the special tokens; "
+                             "restore them from the original download")
+
+
 def _damaged_weight_file(folder: Path) -> str | None:
     """The first weight file of a component folder that its index names but that is missing, or that is not a
     whole safetensors file (safetensors checks the header and that the file covers every tensor it lists), as
@@ -283,6 +325,8 @@ def _damaged_weight_file(folder: Path) -> str | None:
             names |= set(json.loads(index.read_text())["weight_map"].values())
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             return f"{index.relative_to(folder.parent)} is not a weight index ({type(e).__name__}: {e})"
+    if not names and not any(folder.glob("*.bin")):  # the loader's OSError lists file names, not the fix
+        return f"{folder.name}/ has no weight file (*.safetensors) next to its config.json"
     for name in sorted(names):
         path = folder / name
         if not path.is_file():

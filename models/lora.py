@@ -188,10 +188,27 @@ def check_lora_family(transformer, lora: str | Path, data: bytes | None = None) 
         recorded = _metadata(lora_weight_file(lora) if data is None else weight_file_name(lora), data).get(_CLASS_KEY)
     except (ValueError, AttributeError):  # bytes that are no safetensors header: read_lora names the file
         return
-    now = _transformer_class(transformer)
-    if recorded is not None and recorded != now:
+    _refuse_other_family(lora, recorded, _transformer_class(transformer))
+
+
+def _refuse_other_family(lora, recorded, now: str | None) -> None:
+    if isinstance(recorded, str) and isinstance(now, str) and recorded != now:
         raise UserError(f"LoRA {lora} was trained on a {recorded} and this model's transformer is a {now}: a LoRA "
                         "of another model family does not apply; pass a LoRA trained on this --model")
+
+
+def check_family_before_loading(lora: str | Path, model: str) -> None:
+    """`check_lora_family` from the class the model folder's transformer/config.json names: a LoRA of the other
+    family (2.1 vs Edit) is refused before the model is hashed and loaded (minutes for the real one), not after."""
+    from models.loading import resolve_model
+
+    path = lora_weight_file(lora)
+    try:
+        now = json.loads((resolve_model(model) / "transformer" / "config.json").read_text(encoding="utf-8"))
+        recorded = _metadata(path, None).get(_CLASS_KEY)
+    except Exception:  # no such config: the loader names it; an unreadable LoRA (SafetensorError): its reader does
+        return
+    _refuse_other_family(lora, recorded, now.get("_class_name") if isinstance(now, dict) else None)
 
 
 def _is_plain_lora(config: dict) -> bool:
@@ -237,6 +254,7 @@ def check_base_model(lora: str | Path, model: str, strict: bool) -> str | None:
     from models.loading import model_fingerprint
 
     recorded = lora_base_fingerprint(lora)
+    check_family_before_loading(lora, model)
     if recorded is None:
         return None
     now = model_fingerprint(model)

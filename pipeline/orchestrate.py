@@ -297,11 +297,31 @@ def _check_settings(cfg: PipelineConfig, model: str) -> None:
     from stages.evaluate.stage import check_sampling as evaluate_steps, for_model as evaluate_settings
     from stages.train.recipe import check_sampling as train_steps
 
+    from models.loading import check_weight_files
+
+    check_weight_files(model)  # train loads the transformer only after resize-bucket and both encoders
     train_steps(cfg.train, model)
+    _check_resize(cfg, model)
     if cfg.evaluate.extra_prompts:  # they need the model's variant: a hub id is resolved now, not at encode-text
         evaluate_settings(cfg.evaluate, model)
     else:
         evaluate_steps(cfg.evaluate, model)
+
+
+def _check_resize(cfg: PipelineConfig, model: str) -> None:
+    """Resize settings the model's encoders cannot use, refused before resize-bucket renders the whole source:
+    an Edit-Plus encode-text refuses a table without the VL views (after resize-bucket ran), and a 2.1
+    encode-text quarantines every reference whose side is not a multiple of its 32 px VLM slot."""
+    from models.loading import model_variant, pipeline_family
+
+    variant = model_variant(model)
+    if pipeline_family(variant) == "edit-plus" and not cfg.resize.vl_views:
+        raise UserError(f"resize.vl_views: false writes no control_{{i}}_vl.png, which {model} ({variant})'s text "
+                        "encoder reads (false is for Qwen-Image-2.1 models); set resize.vl_views: true")
+    if variant == "qwen-image-2.1" and cfg.resize.multiple % 32:
+        raise UserError(f"resize.multiple = {cfg.resize.multiple}: {model} (Qwen-Image-2.1) reads references in "
+                        "32x32 px VLM slots, so encode-text would quarantine every reference with a side that is not "
+                        "a multiple of 32; set resize.multiple to a multiple of 32 (configs/qwen-image-2.1.yaml: 32)")
 
 
 def _run_stages(cfg: PipelineConfig, paths: Paths, access, log: Callable[[str], None],

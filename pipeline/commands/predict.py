@@ -76,6 +76,10 @@ def command(
         check_out_path(out, list(image))
     _check_local_model(model, len(image), out, cfg.predict.steps)
     with user_errors(out):
+        if lora:  # the LoRA's family from the model's config alone: before anything loads (a processor, below)
+            from models.lora import check_family_before_loading
+
+            check_family_before_loading(lora, model)
         # the controls read and judged before the LoRA's base check hashes the model (minutes for a 40 GB one)
         controls = checked_controls(cfg.predict, model, list(image), prompt, out, height, width)
         if lora:
@@ -146,6 +150,26 @@ def check_for_model(model: str, n_images: int, out: Path, steps: int) -> None:
     check_sampling_steps(steps, "predict.steps", model)
 
 
+def check_output_size(model: str, height: int | None, width: int | None) -> None:
+    """--height / --width the stock pipeline would round down (a warning in its log at most): 100 x 100 was
+    written as 96 x 96. Its multiple: 2 x the VAE's scale factor (2.1: 16, fixed; Edit: 2 ** its downsamplings)."""
+    import json
+
+    from models.loading import model_variant, resolve_model
+    from schemas.errors import UserError
+
+    if model_variant(model) == "qwen-image-2.1":
+        multiple = 32
+    else:
+        config = json.loads((resolve_model(model) / "vae" / "config.json").read_text(encoding="utf-8"))
+        multiple = 2 * 2 ** len(config.get("temperal_downsample", [0, 0, 0]))
+    for flag, value in (("--height", height), ("--width", width)):
+        if value is not None and value % multiple:
+            down, up = value // multiple * multiple, (value // multiple + 1) * multiple
+            raise UserError(f"{flag} {value}: {model} makes images in multiples of {multiple} px, and its pipeline "
+                            f"would write {down} px instead; pass {flag} {down or up}{f' or {up}' if down else ''}")
+
+
 def checked_controls(cfg, model: str, images: list[Path], prompt: str, out: Path, height: int | None,
                      width: int | None) -> list:
     """What predict refuses before loading anything (OUT, its folder, the model's configs, each control's shape;
@@ -175,6 +199,7 @@ def checked_controls(cfg, model: str, images: list[Path], prompt: str, out: Path
 
         check_prompt_before_loading(model, pil, prompt, cfg.negative_prompt if _cfg_21(cfg) > 1 else None, height,
                                     width)
+    check_output_size(model, height, width)
     return pil
 
 

@@ -554,8 +554,10 @@ def warn_other_base(loras: list, model: str, steps: list[int] | None = None) -> 
     store may be shared with that model (same VAE and text encoder), so nothing else stops the run, and the
     numbers would say nothing about the LoRA."""
     from models.loading import model_fingerprint
-    from models.lora import lora_base_fingerprint
+    from models.lora import check_family_before_loading, lora_base_fingerprint
 
+    for lora in loras:  # the other family refused before the transformer loads, not after
+        check_family_before_loading(lora, model)
     now = model_fingerprint(model)
     other = [(i, fp) for i, lora in enumerate(loras) if (fp := lora_base_fingerprint(lora)) not in (None, now)]
     if other:

@@ -46,21 +46,31 @@ def test_the_lora_records_its_transformer_class(loras):
 @pytest.mark.parametrize("lora,model", [("21", "plus"), ("plus", "21")])
 def test_a_lora_of_another_family_is_refused_by_predict_and_merge(loras, tiny_21_model, tiny_plus_model, tmp_path,
                                                                   lora, model):
+    """Refused from the folder's transformer/config.json before any component loads (minutes for the real
+    model), and without the base-fingerprint warning first; before, after the whole pipeline had loaded."""
+    from models.loading import LOAD_LOG
+    from schemas.errors import UserError
+    from stages.evaluate.stage import warn_other_base
+
     model = {"21": tiny_21_model, "plus": tiny_plus_model}[model]
     ref = tmp_path / "ref.png"
     Image.fromarray(np.random.default_rng(3).integers(0, 255, (64, 64, 3), dtype=np.uint8)).save(ref)
     out = tmp_path / "out.png"
+    loaded = len(LOAD_LOG)
     result = _cli("predict", "--model", model, "--lora", loras[lora], "--image", ref, "--prompt", "x", "--steps", 2,
                   "--height", 64, "--width", 64, "--out", out)
     assert result.exit_code == 1 and not out.exists(), result.output
     [line] = [x for x in result.output.splitlines() if x.startswith("error:")]
     assert "another model family" in line and "Transformer2DModel" in line, line
-    assert "Traceback" not in result.output
+    assert "Traceback" not in result.output and "fingerprint" not in result.output, result.output
+    assert LOAD_LOG[loaded:] == []
 
     merged = tmp_path / "merged"
     result = _cli("lora", "merge", "--model", model, "--lora", loras[lora], "--out", merged)
     assert result.exit_code == 1 and not merged.exists(), result.output
-    assert "another model family" in result.output
+    assert "another model family" in result.output and LOAD_LOG[loaded:] == []
+    with pytest.raises(UserError, match="another model family"):  # evaluate's check before it loads the model
+        warn_other_base([loras[lora]], model)
 
 
 def test_a_lora_of_the_same_family_still_applies(loras, tiny_21_model, tmp_path):

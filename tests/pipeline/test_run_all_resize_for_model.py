@@ -1,0 +1,54 @@
+"""`pipeline run all` refuses resize settings the model's encoders cannot use before resize-bucket renders the
+source (hours at a million samples). Before: the 2.1 config's `resize.vl_views: false` with an Edit-Plus model
+resized everything, then encode-text refused the table; `resize.multiple: 16` with a 2.1 model resized and
+encoded, encode-text quarantined every reference side not a multiple of 32, and run all stopped on the val split."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from pipeline.cli import app
+from pipeline.demo_data import make_demo_data
+
+
+@pytest.mark.parametrize("variant,sets,said", [
+    ("plus", ["resize.vl_views=false"], "error: resize.vl_views: false writes no control_{i}_vl.png, which "),
+    ("21", ["resize.multiple=16"], "error: resize.multiple = 16: "),
+    ("21", ["resize.multiple=48"], "error: resize.multiple = 48: "),
+])
+def test_run_all_refuses_resize_settings_the_model_cannot_read_before_resizing(tiny_plus_model, tiny_21_model,
+                                                                                  tmp_path, variant, sets, said):
+    model = tiny_plus_model if variant == "plus" else tiny_21_model
+    source, store = tmp_path / "src", tmp_path / "store"
+    make_demo_data(source, n=4, seed=0)
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({"paths": {"source": str(source), "store": str(store), "model": model,
+                                                "run": str(tmp_path / "run"), "report": str(tmp_path / "report")}}))
+    r = CliRunner().invoke(app, ["run", "all", "--config", str(config), *(a for s in sets for a in ("--set", s))])
+    lines = [ln for ln in r.output.splitlines() if ln.startswith("error:")]
+    assert r.exit_code == 1 and len(lines) == 1 and "Traceback" not in r.output, r.output
+    assert lines[0].startswith(said) and model in lines[0], lines[0]
+    assert not store.exists() and not (tmp_path / "run").exists()  # nothing rendered, nothing trained
+
+
+def test_run_all_refuses_a_model_whose_transformer_weights_are_gone_before_resizing(tiny_21_model, tmp_path):
+    """A partial copy without the transformer's weight file: resize-bucket and both encoders ran (they do not
+    read it), then train failed with diffusers' OSError traceback. Now one line naming the folder, first."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_21_model, model)
+    (model / "transformer" / "diffusion_pytorch_model.safetensors").unlink()
+    source, store = tmp_path / "src", tmp_path / "store"
+    make_demo_data(source, n=4, seed=0)
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({"paths": {"source": str(source), "store": str(store), "model": str(model),
+                                                "run": str(tmp_path / "run"), "report": str(tmp_path / "report")}}))
+    r = CliRunner().invoke(app, ["run", "all", "--config", str(config)])
+    lines = [ln for ln in r.output.splitlines() if ln.startswith("error:")]
+    assert r.exit_code == 1 and len(lines) == 1 and "Traceback" not in r.output, r.output
+    assert lines[0] == (f"error: model folder {model} is damaged: transformer/ has no weight file (*.safetensors) "
+                        "next to its config.json; restore it from the original download"), lines[0]
+    assert not store.exists()
