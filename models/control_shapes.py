@@ -56,3 +56,26 @@ def check_control_shapes(paths: list[Path], images: list, variant: str, height: 
                             f"{' and '.join(f'{a}x{b}' for a, b in views)} px; its view for the text encoder must be "
                             f"within {MAX_VL_ASPECT}:1, and no side may round to 0 px); crop it to a less extreme "
                             f"aspect ratio{larger}")
+
+
+def check_output_size(model: str, height: int | None, width: int | None,
+                      names: tuple[str, str] = ("--height", "--width")) -> None:
+    """An output size (`names`: predict's flags, or evaluate.extra_prompts[i].height / .width) that the
+    pipeline would round down (a warning in its log at most): 100 x 100 was written as 96 x 96. Its multiple:
+    2 x the VAE's scale factor (2.1: 16, fixed; Edit: 2 ** its downsamplings)."""
+    import json
+
+    from models.loading import model_variant, resolve_model
+
+    if model_variant(model) == "qwen-image-2.1":
+        multiple = 32
+    else:
+        config = json.loads((resolve_model(model) / "vae" / "config.json").read_text(encoding="utf-8"))
+        multiple = 2 * 2 ** len(config.get("temperal_downsample", [0, 0, 0]))
+    for name, value in zip(names, (height, width)):
+        if value is not None and value % multiple:
+            down, up = value // multiple * multiple, (value // multiple + 1) * multiple
+            sizes = f"{down or up}{f' or {up}' if down else ''}"
+            fix = f"pass {name} {sizes}" if name.startswith("--") else f"set {name} to {sizes}"
+            raise UserError(f"{name}{' ' if name.startswith('--') else ' = '}{value}: {model} makes images in "
+                            f"multiples of {multiple} px, and its pipeline would write {down} px instead; {fix}")

@@ -150,26 +150,6 @@ def check_for_model(model: str, n_images: int, out: Path, steps: int) -> None:
     check_sampling_steps(steps, "predict.steps", model)
 
 
-def check_output_size(model: str, height: int | None, width: int | None) -> None:
-    """--height / --width the stock pipeline would round down (a warning in its log at most): 100 x 100 was
-    written as 96 x 96. Its multiple: 2 x the VAE's scale factor (2.1: 16, fixed; Edit: 2 ** its downsamplings)."""
-    import json
-
-    from models.loading import model_variant, resolve_model
-    from schemas.errors import UserError
-
-    if model_variant(model) == "qwen-image-2.1":
-        multiple = 32
-    else:
-        config = json.loads((resolve_model(model) / "vae" / "config.json").read_text(encoding="utf-8"))
-        multiple = 2 * 2 ** len(config.get("temperal_downsample", [0, 0, 0]))
-    for flag, value in (("--height", height), ("--width", width)):
-        if value is not None and value % multiple:
-            down, up = value // multiple * multiple, (value // multiple + 1) * multiple
-            raise UserError(f"{flag} {value}: {model} makes images in multiples of {multiple} px, and its pipeline "
-                            f"would write {down} px instead; pass {flag} {down or up}{f' or {up}' if down else ''}")
-
-
 def checked_controls(cfg, model: str, images: list[Path], prompt: str, out: Path, height: int | None,
                      width: int | None) -> list:
     """What predict refuses before loading anything (OUT, its folder, the model's configs, each control's shape;
@@ -186,7 +166,7 @@ def checked_controls(cfg, model: str, images: list[Path], prompt: str, out: Path
     # before minutes of loading and denoising (the CLI: when parsed, and for a model folder here right after)
     check_for_model(model, len(images), out, cfg.steps)
     from features.decode import read_image_file
-    from models.control_shapes import check_control_shapes
+    from models.control_shapes import check_control_shapes, check_output_size
 
     # Decoded as resize-bucket decodes the training images (EXIF orientation, CMYK via its ICC profile, 16-bit
     # scaled, transparency over white; 2.1 keeps it, the stock 2.1 pipeline's own handling): a phone photo is not

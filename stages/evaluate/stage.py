@@ -347,7 +347,7 @@ def check_settings(cfg: EvaluateConfig, model: str) -> None:
     check_sampling(cfg, model)
     if not cfg.extra_prompts:
         return
-    from models.control_shapes import check_control_shapes
+    from models.control_shapes import check_control_shapes, check_output_size
     from models.loading import model_variant
     from models.qwen21_predict import check_reference_count
 
@@ -359,6 +359,8 @@ def check_settings(cfg: EvaluateConfig, model: str) -> None:
         elif model_variant(model) == "edit" and len(extra.images) != 1:
             raise UserError(f"evaluate.extra_prompts[{i}].images: {len(extra.images)} control images, but "
                             f"Qwen-Image-Edit ({model}) takes exactly one; list one image in that extra prompt")
+        check_output_size(model, extra.height, extra.width,  # as predict's --height / --width
+                          (f"evaluate.extra_prompts[{i}].height", f"evaluate.extra_prompts[{i}].width"))
         if extra.target:
             read_image_file(extra.target, what=f"evaluate.extra_prompts[{i}] target")
         if not qwen21:  # a 2.1 model's are read by check_extra_prompts_21, as its generation reads them

@@ -150,3 +150,30 @@ def test_evaluate_refuses_a_too_elongated_extra_prompt_image_at_its_start(tiny_e
                 continue
             with pytest.raises(UserError, match=rf"evaluate.extra_prompts\[1\] image {image}: .* too elongated"):
                 for_model(cfg, model)
+
+
+def test_evaluate_refuses_an_extra_prompt_size_the_pipeline_would_round_down(tiny_edit_model, tiny_21_model,
+                                                                             tmp_path):
+    """height / width of an extra prompt were rounded down as predict's --height / --width were (height 100
+    written as 96 px, the report not saying so). Now evaluate's start check (`for_model`, which `pipeline run all`
+    runs before training) refuses them with predict's rule (`models.control_shapes.check_output_size`), naming
+    the setting; a multiple of the model's own passes."""
+    import pytest
+
+    from schemas.errors import UserError
+    from stages.evaluate.stage import for_model
+
+    image = tmp_path / "c.png"
+    Image.new("RGB", (64, 64), "gray").save(image)
+    for model, multiple in ((tiny_edit_model, 16), (tiny_21_model, 32)):
+        def cfg(width):
+            return load_config(None, {"evaluate.extra_prompts": [
+                {"prompt": "fine", "images": [str(image)], "height": 64, "width": 64},
+                {"prompt": "q", "images": [str(image)], "height": 64, "width": width}]}).evaluate
+
+        for_model(cfg(3 * multiple), model)
+        down = 100 // multiple * multiple
+        with pytest.raises(UserError, match=rf"^evaluate\.extra_prompts\[1\]\.width = 100: .* multiples of {multiple} "
+                                            rf"px, and its pipeline would write {down} px instead; set "
+                                            rf"evaluate\.extra_prompts\[1\]\.width to {down} or {down + multiple}$"):
+            for_model(cfg(100), model)
