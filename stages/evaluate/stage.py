@@ -342,8 +342,9 @@ def check_settings(cfg: EvaluateConfig, model: str) -> None:
     (`check_sampling`) and each extra prompt: as many images as the model takes, each image and target a file
     that decodes (before, a missing one stopped evaluate when its picture was made, after the held-out loss
     passes) and that the stock resize can size (`models.control_shapes`: a too elongated one was a traceback
-    there), and on a 2.1 model the prompt within the RoPE table. `cfg` as `for_model` resolves it (the 2.1
-    guidance decides whether the negative prompt is encoded)."""
+    there), its height / width a size the pipeline does not round down (predict's rule), and on a 2.1 model
+    the prompt within the RoPE table. `cfg` as `for_model` resolves it (the 2.1 guidance decides whether the
+    negative prompt is encoded)."""
     check_sampling(cfg, model)
     if not cfg.extra_prompts:
         return
