@@ -62,16 +62,12 @@ def check_output_size(model: str, height: int | None, width: int | None,
                       names: tuple[str, str] = ("--height", "--width")) -> None:
     """An output size (`names`: predict's flags, or evaluate.extra_prompts[i].height / .width) that the
     pipeline would round down (a warning in its log at most): 100 x 100 was written as 96 x 96. Its multiple:
-    2 x the VAE's scale factor (2.1: 16, fixed; Edit: 2 ** its downsamplings)."""
-    import json
+    2.1's stock pipeline, 2 x its VAE's fixed scale factor 16; Edit, the patch `models.edit.prepare` rounds to
+    (one rule: the same constant)."""
+    from models.loading import model_variant
+    from schemas.img_shapes import PIXELS_PER_PATCH
 
-    from models.loading import model_variant, resolve_model
-
-    if model_variant(model) == "qwen-image-2.1":
-        multiple = 32
-    else:
-        config = json.loads((resolve_model(model) / "vae" / "config.json").read_text(encoding="utf-8"))
-        multiple = 2 * 2 ** len(config.get("temperal_downsample", [0, 0, 0]))
+    multiple = 32 if model_variant(model) == "qwen-image-2.1" else PIXELS_PER_PATCH
     for name, value in zip(names, (height, width)):
         if value is not None and value % multiple:
             down, up = value // multiple * multiple, (value // multiple + 1) * multiple

@@ -239,7 +239,7 @@ def load_component(
         raise ModelNotFoundError(f"model {model!r} has no '{component}' folder ({sub})")
     if component in ("processor", "tokenizer"):
         _check_tokenizer_files(root, sub)
-    _check_component_class(root, sub, name)
+    _check_component_class(root, sub, cls)
     LOAD_LOG.append((str(model), component))
     kwargs: dict = {}
     if component in ("transformer", "vae", "text_encoder") and dtype is not None:
@@ -285,21 +285,28 @@ def check_weight_files(model: str) -> None:
                                      "download")
 
 
-def _check_component_class(root: Path, folder: Path, expected: str) -> None:
+def _check_component_class(root: Path, folder: Path, cls: type) -> None:
     """A component folder of another model (a transformer, VAE or text encoder copied in from an Edit folder into a
-    2.1 one, or back) is refused by the class its config.json names. Before, diffusers failed with a shape
-    traceback, and transformers loaded the text encoder with every weight left at random init (a warning table)."""
+    2.1 one, or back) is refused by what its config.json names. Before, diffusers failed with a shape traceback,
+    and transformers loaded the text encoder with every weight left at random init (a warning table). A
+    transformers config is judged by its `model_type` (the architecture family: another head class of the same
+    model, e.g. `Qwen2_5_VLModel`, loads the same weights), a diffusers one by its `_class_name`."""
     config = folder / "config.json"
     if not config.is_file():
         return
     record = json.loads(config.read_text(encoding="utf-8"))  # parsed already by _check_complete
     if not isinstance(record, dict):
         return
-    named = record.get("_class_name") or (record.get("architectures") or [None])[0]  # diffusers / transformers
+    expected_type = getattr(getattr(cls, "config_class", None), "model_type", None)
+    if "_class_name" not in record and isinstance(expected_type, str) and isinstance(record.get("model_type"), str):
+        named, expected = record["model_type"], expected_type
+        what = "model_type"
+    else:
+        named, expected, what = record.get("_class_name"), cls.__name__, "class"
     if isinstance(named, str) and named != expected:
-        raise ModelNotFoundError(f"model folder {root} is mixed: {folder.name}/config.json names {named}, but this "
-                                 f"model (model_index.json) loads {expected} there; restore the {folder.name} "
-                                 "folder of this model from its original download")
+        raise ModelNotFoundError(f"model folder {root} is mixed: {folder.name}/config.json names {what} {named}, but "
+                                 f"this model (model_index.json) loads {cls.__name__} ({what} {expected}) there; "
+                                 f"restore the {folder.name} folder of this model from its original download")
 
 
 def _check_tokenizer_files(root: Path, folder: Path) -> None:

@@ -111,7 +111,18 @@ def test_a_component_folder_of_the_other_family_is_refused(tiny_21_model, tiny_p
     model = _copy(target, tmp_path)
     shutil.rmtree(model / component)
     shutil.copytree(os.path.join(other, component), model / component)
-    with pytest.raises(UserError, match=rf"model folder .* is mixed: {component}/config\.json names \w+, but this "
-                                        rf"model \(model_index\.json\) loads \w+ there; restore the {component} folder"):
+    with pytest.raises(UserError, match=rf"model folder .* is mixed: {component}/config\.json names (class|model_type) "
+                                        rf"\w+, but this model \(model_index\.json\) loads \w+ \((class|model_type) "
+                                        rf"\w+\) there; restore the {component} folder"):
         load_component(str(model), component, dtype=torch.float32, device="cpu")
     assert load_component(target, component, dtype=torch.float32, device="cpu") is not None  # its own folder loads
+
+
+def test_a_text_encoder_config_naming_another_head_of_its_own_model_loads(tiny_plus_model, tmp_path):
+    """The family check reads a transformers config's model_type, not its architectures' class: a text encoder
+    saved as the bare `Qwen2_5_VLModel` holds the same weights and loads (its class name was refused as mixed)."""
+    model = _copy(tiny_plus_model, tmp_path)
+    config = model / "text_encoder" / "config.json"
+    record = json.loads(config.read_text())
+    config.write_text(json.dumps({**record, "architectures": ["Qwen2_5_VLModel"]}))
+    assert load_component(str(model), "text_encoder", dtype=torch.float32, device="cpu") is not None

@@ -82,7 +82,7 @@ def test_inspect_text_and_json(store: Store) -> None:
     assert v1["bytes"] == sum(p.stat().st_size for p in (store.root / "vae" / "v1").glob("*.tar"))
     assert v1["splits"] == {"val": 2, "train": 8} and sum(v1["buckets"].values()) == 10
     assert v1["lineage"]["config_hash"] == "cfg-a"
-    assert info["quarantine"] == {"rows": 1, "by_reason": {"truncated image": 1}}
+    assert info["quarantine"] == {"rows": 1, "samples": 1, "by_reason": {"truncated image": 1}}
 
 
 def test_cli_on_missing_store_is_one_red_line(tmp_path: Path) -> None:
