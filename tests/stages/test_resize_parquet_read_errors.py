@@ -148,29 +148,34 @@ def test_a_carried_tar_read_again_whose_headers_fail_too_is_a_read_error(tmp_pat
     assert "Input/output error" in s.problem
 
 
-def test_the_rows_an_early_read_error_keeps_out_are_one_quarantine_row_counting_them(tmp_path, monkeypatch) -> None:
-    """A read error early in a large file: one `read-error` row for the unread row range (its `samples` column the
-    count), not one per row (a million rows for a million-row file); the summary, its JSON and `store inspect`
-    still count samples. The rerun, the disk reading again, adds exactly those rows."""
+def _big_parquet(path, rows: int, group: int):
+    """A parquet file of `rows` edit pairs (random PNG targets, no controls) in row groups of `group`."""
     import numpy as np
     import pyarrow as pa
     from PIL import Image
 
-    from store.inspect import describe, render
-
-    rows, group = 60, 10
-    src, out, clean = tmp_path / "src", tmp_path / "store", tmp_path / "clean"
-    src.mkdir()
     rng = np.random.default_rng(0)
 
     def png(i: int) -> bytes:
         buf = io.BytesIO()
         Image.fromarray(rng.integers(0, 256, (48, 48 + i % 7, 3), dtype=np.uint8)).save(buf, format="PNG")
         return buf.getvalue()
-    victim = src / "big.parquet"
     pq.write_table(pa.table({"target": pa.array([png(i) for i in range(rows)], pa.binary()),
                              "controls": pa.array([[] for _ in range(rows)], pa.list_(pa.binary())),
-                             "caption": pa.array([f"edit {i}" for i in range(rows)])}), victim, row_group_size=group)
+                             "caption": pa.array([f"edit {i}" for i in range(rows)])}), path, row_group_size=group)
+    return path
+
+
+def test_the_rows_an_early_read_error_keeps_out_are_one_quarantine_row_counting_them(tmp_path, monkeypatch) -> None:
+    """A read error early in a large file: one `read-error` row for the unread row range (its `samples` column the
+    count), not one per row (a million rows for a million-row file); the summary, its JSON and `store inspect`
+    still count samples. The rerun, the disk reading again, adds exactly those rows."""
+    from store.inspect import describe, render
+
+    rows, group = 60, 10
+    src, out, clean = tmp_path / "src", tmp_path / "store", tmp_path / "clean"
+    src.mkdir()
+    victim = _big_parquet(src / "big.parquet", rows, group)
     monkeypatch.setattr(parquet_source, "BATCH_ROWS", group)
     cfg = load_config(None, SMALL)
     with monkeypatch.context() as m:
@@ -197,9 +202,7 @@ def test_a_flaky_disk_recording_overlapping_ranges_counts_each_unread_row_once(t
     """Each rerun of a disk failing at another row group records another range of the same file (10-59, 20-59,
     30-59: every row equal to none before): `store inspect` counts the rows ever kept out, 50 of a 60-row file, not
     the 120 the ranges add up to; a row per input that a store written before ranges holds is one of them too."""
-    import numpy as np
     import pyarrow as pa
-    from PIL import Image
 
     from store.inspect import describe
     from store.quarantine import samples_by_reason
@@ -207,16 +210,7 @@ def test_a_flaky_disk_recording_overlapping_ranges_counts_each_unread_row_once(t
     rows, group = 60, 10
     src, out = tmp_path / "src", tmp_path / "store"
     src.mkdir()
-    rng = np.random.default_rng(0)
-
-    def png(i: int) -> bytes:
-        buf = io.BytesIO()
-        Image.fromarray(rng.integers(0, 256, (48, 48 + i % 7, 3), dtype=np.uint8)).save(buf, format="PNG")
-        return buf.getvalue()
-    victim = src / "big.parquet"
-    pq.write_table(pa.table({"target": pa.array([png(i) for i in range(rows)], pa.binary()),
-                             "controls": pa.array([[] for _ in range(rows)], pa.list_(pa.binary())),
-                             "caption": pa.array([f"edit {i}" for i in range(rows)])}), victim, row_group_size=group)
+    victim = _big_parquet(src / "big.parquet", rows, group)
     monkeypatch.setattr(parquet_source, "BATCH_ROWS", group)
     cfg = load_config(None, SMALL)
     for g in (1, 2, 3):
