@@ -313,15 +313,17 @@ def _check_resize(cfg: PipelineConfig, model: str) -> None:
     an Edit-Plus encode-text refuses a table without the VL views (after resize-bucket ran), and a 2.1
     encode-text quarantines every reference whose side is not a multiple of its 32 px VLM slot."""
     from models.loading import model_variant, pipeline_family
+    from stages.encode.qwen21 import PIXELS_PER_SIDE  # the rule encode-text quarantines by (`_side_rejection`)
 
     variant = model_variant(model)
     if pipeline_family(variant) == "edit-plus" and not cfg.resize.vl_views:
         raise UserError(f"resize.vl_views: false writes no control_{{i}}_vl.png, which {model} ({variant})'s text "
                         "encoder reads (false is for Qwen-Image-2.1 models); set resize.vl_views: true")
-    if variant == "qwen-image-2.1" and cfg.resize.multiple % 32:
+    if variant == "qwen-image-2.1" and cfg.resize.multiple % PIXELS_PER_SIDE:
         raise UserError(f"resize.multiple = {cfg.resize.multiple}: {model} (Qwen-Image-2.1) reads references in "
-                        "32x32 px VLM slots, so encode-text would quarantine every reference with a side that is not "
-                        "a multiple of 32; set resize.multiple to a multiple of 32 (configs/qwen-image-2.1.yaml: 32)")
+                        f"{PIXELS_PER_SIDE}x{PIXELS_PER_SIDE} px VLM slots, so encode-text would quarantine every "
+                        f"reference with a side that is not a multiple of {PIXELS_PER_SIDE}; set resize.multiple to a "
+                        f"multiple of {PIXELS_PER_SIDE} (configs/qwen-image-2.1.yaml: 32)")
 
 
 def _run_stages(cfg: PipelineConfig, paths: Paths, access, log: Callable[[str], None],
