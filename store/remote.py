@@ -481,4 +481,9 @@ def open_remote(url: str, storage_options: dict[str, Any] | None = None) -> Remo
     root = root.rstrip("/")
     if not root:
         raise UserError(f"{url}: no bucket or folder in the URL; pass s3://bucket/prefix")
+    if "//" in root and not remote_local.is_local(fs):
+        # an empty folder name: objects were written under keys the listings never show back (a push "succeeded"
+        # into a store no pull, verify or later push could find)
+        fixed = url.split("://", 1)[0] + "://" + "/".join(p for p in root.split("/") if p)
+        raise UserError(f"{url}: an empty folder name (//) in the URL; write it without: {fixed}")
     return Remote(url, fs, root)

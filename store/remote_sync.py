@@ -546,6 +546,9 @@ def fetch_checked(remote: Remote, f: _File, path: Path, bar, damaged_ok: bool = 
     part = path.with_name(path.name + ".part")
     try:
         crc = remote.download(f.rel, part, bar)
+    except FileNotFoundError as e:
+        part.unlink(missing_ok=True)
+        return _missing_object(remote, f, e, damaged_ok)
     except BaseException:  # a full disk, a lost connection: no partial file is left behind
         part.unlink(missing_ok=True)
         raise
@@ -557,6 +560,18 @@ def fetch_checked(remote: Remote, f: _File, path: Path, bar, damaged_ok: bool = 
         remote_checked.record(part, crc)  # before the rename: a name never carries a record of other bytes
     os.replace(part, path)
     return "sent" if (size, crc) == (f.nbytes, f.crc) else "damaged"
+
+
+def _missing_object(remote: Remote, f: _File, e: FileNotFoundError, damaged_ok: bool) -> str:
+    """An object its version's checksums.json lists is not there. With the version's manifest still there it is
+    lost (deleted behind the tool's back), not removed meanwhile: a rerun fails the same way for ever, so say which
+    object and what helps; repair's pull (`damaged_ok`) leaves it missing for the scan to find ('damaged')."""
+    if "bucket" in str(e).lower() or not remote.exists(f"{f.rel.rsplit('/', 1)[0]}/{fmt.MANIFEST}"):
+        raise e  # the bucket or the whole version went away meanwhile (a gc): remote_errors says rerun
+    if damaged_ok:
+        return "damaged"
+    raise UserError(f"{remote.url}/{f.rel} is missing (its version's {fmt.CHECKSUMS} lists it); refused: push that "
+                    f"version again from an intact store, or `pipeline store repair {remote.url}`")
 
 
 def _pull_version(remote: Remote, dst: Path, table: str, version: int, files: list[_File], bar,

@@ -185,3 +185,40 @@ def test_gc_aborts_the_multipart_uploads_of_killed_pushes(s3_env, store: Store) 
     assert r.exit_code == 0 and "abort 1 unfinished multipart upload" in r.output, r.output
     assert unfinished() == ["elsewhere/big.bin"]
     assert Store(store.root).tables() == {"vae": 1}
+
+
+def test_a_url_with_an_empty_folder_name_is_refused_before_anything_is_written(s3_env, store: Store) -> None:
+    """Before: `push STORE s3://bucket//x` wrote its objects under keys `/x/...` that no listing showed back, said
+    "copied vae/v1", and every pull, verify and later push of that URL found no store (each push sent it all again)."""
+    fill(store, 3)
+    url = f"s3://{s3_env.bucket}//x"
+    with pytest.raises(UserError, match="empty folder name") as e:
+        push(store.root, url)
+    assert f"s3://{s3_env.bucket}/x" in str(e.value)
+    assert "Contents" not in s3_env.client().list_objects_v2(Bucket=s3_env.bucket)
+
+
+def test_an_object_deleted_behind_the_tools_back_is_named_and_repairs_pull_leaves_it_missing(s3_env, store: Store,
+                                                                                            tmp_path: Path) -> None:
+    """Before: pull said "The specified key does not exist. (an object disappeared meanwhile?); rerun" - no object
+    named, and every rerun failed the same way; `store repair URL` (what verify advises) failed with that very line,
+    so a lost shard could never be repaired. Now pull names the object and the fix, and repair's pull leaves the
+    shard missing in its working copy for the scan to find (as a local repair finds a missing shard file)."""
+    from store import verify
+
+    fill(store, 6)
+    url = s3_env.url()
+    push(store.root, url)
+    lost = "vae/v1/shard-r00-000001.tar"
+    s3_env.client().delete_object(Bucket=s3_env.bucket, Key=f"store/{lost}")
+
+    with pytest.raises(UserError) as e:
+        pull(url, tmp_path / "pulled")
+    assert f"{url}/{lost} is missing" in str(e.value) and "disappeared meanwhile" not in str(e.value)
+
+    summary = pull(url, tmp_path / "work", damaged_ok=True)
+    assert summary.damaged == [lost]
+    work = Store(tmp_path / "work")
+    assert not (work.root / lost).exists() and (work.root / "vae/v1/shard-r00-000000.tar").is_file()
+    problems = verify.verify_store(work.root, progress=False)
+    assert any("shard-r00-000001.tar" in p and "missing" in p for p in problems), problems
