@@ -162,7 +162,7 @@ def remote_errors(url: str, action: str, missing: str | None = None) -> Iterator
     except OSError as e:
         if e.filename or e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):  # local: the CLI's handler says
             raise
-        if missing and isinstance(e, FileNotFoundError) and "bucket" not in str(e).lower():
+        if missing and isinstance(e, FileNotFoundError) and not no_bucket(e):
             raise UserError(f"{action}: {url} does not exist ({_first_line(e)}); {missing}") from None
         _remote_os_error(e, url, action, source=missing is not None)
     except Exception as e:  # noqa: BLE001  connection refused/reset, timeouts: botocore's and aiohttp's own types
@@ -181,7 +181,7 @@ def _remote_os_error(e: OSError, url: str, action: str, source: bool = False) ->
         raise UserError(f"{action}: access to {url} denied ({_first_line(e)}); check AWS_ACCESS_KEY_ID / "
                         "AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) and the bucket's permissions") from None
     if isinstance(e, FileNotFoundError):
-        if "bucket" in str(e).lower():
+        if no_bucket(e):
             raise UserError(f"{action}: the bucket of {url} does not exist ({_first_line(e)}); create it or "
                             "fix the URL") from None
         raise UserError(f"{action}: {url}: {_first_line(e)} (an object disappeared meanwhile?); rerun") from None
@@ -189,6 +189,13 @@ def _remote_os_error(e: OSError, url: str, action: str, source: bool = False) ->
         raise UserError(f"{action}: lost the connection to {url} ({type(e).__name__}: {_first_line(e)}); "
                         + _hint(url, source)) from None
     raise UserError(f"{action}: {url} answered: {_first_line(e)}; rerun, or check the server") from None
+
+
+def no_bucket(e: BaseException) -> bool:
+    """Is this not-found the bucket's (S3's NoSuchBucket), not an object's? By the server's words, never by
+    "bucket" anywhere in the text: a missing object's error is its path, and bucket names often hold "bucket"."""
+    text = str(e).lower()
+    return "specified bucket" in text or "nosuchbucket" in text
 
 
 def _is_credentials_error(e: BaseException) -> bool:
@@ -301,7 +308,7 @@ class Remote:
             else:
                 found = self.fs.find(folder, detail=True)
         except FileNotFoundError as e:
-            if "bucket" in str(e).lower():
+            if no_bucket(e):
                 raise
             return {}
         root = self.root.rstrip("/") + "/"

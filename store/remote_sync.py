@@ -35,7 +35,7 @@ from schemas.newer import refuse_newer
 from store import format as fmt
 from store import integrity, remote_checked, remote_lease
 from store.checksum import SealError, crc_hex, seal, unseal
-from store.remote import Remote, SharedBar, each_at_once, open_remote, remote_errors
+from store.remote import Remote, SharedBar, each_at_once, no_bucket, open_remote, remote_errors
 from store.remote_shards import is_lazy
 from store.remote_upload import Mismatch
 
@@ -480,7 +480,7 @@ def pull(url: str, dst: Path, storage_options: dict[str, Any] | None = None,
                 continue
             if damaged_ok and fmt.damaged_marker(dst, table, version).exists():  # replaced here by a killed repair
                 continue
-            record = remote.read(f"{table}/v{version}/{fmt.CHECKSUMS}")
+            record = _read_checksums(remote, table, version)
             files = _ordered(table, version, version_files(record, f"{url}/{table}/v{version}/{fmt.CHECKSUMS}"),
                              record)
             vdir = fmt.version_dir(dst, table, version)
@@ -562,11 +562,24 @@ def fetch_checked(remote: Remote, f: _File, path: Path, bar, damaged_ok: bool = 
     return "sent" if (size, crc) == (f.nbytes, f.crc) else "damaged"
 
 
+def _read_checksums(remote: Remote, table: str, version: int) -> bytes:
+    """A listed version's checksums.json; one gone while its manifest is still there is lost, not removed by a gc
+    meanwhile (gc deletes the manifest first): named in one line, where "rerun" would fail the same way for ever."""
+    rel = f"{table}/v{version}/{fmt.CHECKSUMS}"
+    try:
+        return remote.read(rel)
+    except FileNotFoundError as e:
+        if no_bucket(e) or not remote.exists(f"{table}/v{version}/{fmt.MANIFEST}"):
+            raise
+    raise UserError(f"{remote.url}/{rel} is missing (its version's manifest is there); refused: push that version "
+                    "again from an intact store")
+
+
 def _missing_object(remote: Remote, f: _File, e: FileNotFoundError, damaged_ok: bool) -> str:
     """An object its version's checksums.json lists is not there. With the version's manifest still there it is
     lost (deleted behind the tool's back), not removed meanwhile: a rerun fails the same way for ever, so say which
     object and what helps; repair's pull (`damaged_ok`) leaves it missing for the scan to find ('damaged')."""
-    if "bucket" in str(e).lower() or not remote.exists(f"{f.rel.rsplit('/', 1)[0]}/{fmt.MANIFEST}"):
+    if no_bucket(e) or not remote.exists(f"{f.rel.rsplit('/', 1)[0]}/{fmt.MANIFEST}"):
         raise e  # the bucket or the whole version went away meanwhile (a gc): remote_errors says rerun
     if damaged_ok:
         return "damaged"

@@ -222,3 +222,16 @@ def test_an_object_deleted_behind_the_tools_back_is_named_and_repairs_pull_leave
     assert not (work.root / lost).exists() and (work.root / "vae/v1/shard-r00-000000.tar").is_file()
     problems = verify.verify_store(work.root, progress=False)
     assert any("shard-r00-000001.tar" in p and "missing" in p for p in problems), problems
+
+
+def test_a_lost_checksums_json_is_named_by_pull(s3_env, store: Store, tmp_path: Path) -> None:
+    """Before: "...checksums.json (an object disappeared meanwhile?); rerun", every rerun failing alike - and in a
+    bucket whose name holds "bucket" (as here) "the bucket of URL does not exist": any not-found whose text held
+    "bucket" (the object's path) was taken for a missing bucket."""
+    fill(store, 3)
+    url = s3_env.url()
+    push(store.root, url)
+    s3_env.client().delete_object(Bucket=s3_env.bucket, Key="store/vae/v1/checksums.json")
+    with pytest.raises(UserError) as e:
+        pull(url, tmp_path / "pulled")
+    assert f"{url}/vae/v1/checksums.json is missing" in str(e.value) and "rerun" not in str(e.value)
