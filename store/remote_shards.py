@@ -41,7 +41,7 @@ from store import remote_download
 from store.checksum import RunningCrc
 from store.io_errors import CACHE_FULL, writing
 from store.lease import process_tag
-from store.remote import READ_PIECE, Remote, SharedBar, each_at_once, open_remote, remote_errors
+from store.remote import READ_PIECE, Remote, SharedBar, each_at_once, no_bucket, open_remote, remote_errors
 
 log = logging.getLogger("store")
 
@@ -131,15 +131,28 @@ class ShardFetcher:
         return self._remote
 
     @contextmanager
-    def _connection(self, action: str) -> Iterator[None]:
+    def _connection(self, action: str, shard: str | None = None) -> Iterator[None]:
         """The library's errors as one line; after one, the next fetch opens a fresh connection (a server that
-        restarted is reached again, as by a new process)."""
+        restarted is reached again, as by a new process). `shard`: the object read, named when it is lost."""
         try:
             with remote_errors(self.url, action):
-                yield
+                try:
+                    yield
+                except FileNotFoundError as e:
+                    if shard is not None and e.filename is None and self._lost(e):
+                        raise UserError(f"{self.url}/{self.base}/{shard} is missing (its version's "
+                                        f"{fmt.CHECKSUMS} lists it); refused: push that version again from an "
+                                        f"intact store, or `pipeline store repair {self.url}`") from None
+                    raise
         except BaseException:
             self._remote = None
             raise
+
+    def _lost(self, e: FileNotFoundError) -> bool:
+        """A listed shard not there while its version's manifest is: deleted behind the tool's back, where "rerun"
+        (`remote_errors`' line for an object gone meanwhile, e.g. by a gc, which deletes the manifest first)
+        would fail the same way for ever (as pull says: store/remote_sync._missing_object)."""
+        return not no_bucket(e) and self.remote.exists(f"{self.base}/{fmt.MANIFEST}")
 
     # ------------------------------------------------------------ whole shards
 
@@ -171,7 +184,8 @@ class ShardFetcher:
             if not self._reserve(part, int(entry["nbytes"])):
                 return "no room in the store cache"  # not kept: a later read may find room
             try:
-                with writing("the store cache", self.cache, instead=CACHE_FULL), self._connection(f"fetch {self.base}/{shard}"):
+                with writing("the store cache", self.cache, instead=CACHE_FULL), \
+                        self._connection(f"fetch {self.base}/{shard}", shard):
                     n, crc = _download(self.remote, f"{self.base}/{shard}", part)
                 if (n, crc) != (int(entry["nbytes"]), entry["crc32c"]):
                     problem = (f"{self.url}/{self.base}/{shard} is damaged ({n} bytes, crc32c {crc}; "
@@ -240,7 +254,7 @@ class ShardFetcher:
         if (entry is not None and shard not in self._uncacheable and ranged >= WHOLE_AFTER * int(entry["nbytes"])
                 and self.fetch_whole(shard, wait=False) is None):
             return None
-        with self._connection(f"read {self.base}/{shard}"):
+        with self._connection(f"read {self.base}/{shard}", shard):
             data = self.remote.fs.cat_file(self.remote.path(f"{self.base}/{shard}"),
                                             start=start, end=start + n)  # an HTTP Range GET
         buf = np.frombuffer(bytearray(data), np.uint8)  # writable, as a pread buffer

@@ -132,6 +132,28 @@ def test_an_object_damaged_on_the_server_is_refused_on_first_read_and_not_cached
     assert not [p for p in root.rglob("*") if FETCH_TAG in p.name and not p.name.endswith(RANGED)]  # no temp file
 
 
+@pytest.mark.parametrize("how", ["random", "scan"])
+def test_a_shard_deleted_on_the_server_is_named_not_rerun_for_ever(s3_env, store: Store, tmp_path: Path,
+                                                                   how: str) -> None:
+    """A shard deleted behind the tool's back (its version's manifest still there): a lazy read said "(an object
+    disappeared meanwhile?); rerun", and every rerun of train or evaluate failed alike. Now the object is named,
+    with what helps (as pull names it)."""
+    from schemas.errors import UserError
+
+    url = _pushed(s3_env, store)
+    with store.reader("vae") as local:
+        group = local.shard_groups()[1]
+        shard = local.view.samples.locate(local.row_of(group[0]))[0]
+    s3_env.client().delete_object(Bucket=s3_env.bucket, Key=f"store/vae/v1/{shard}")
+    root = local_store(url, ["vae"], tmp_path / "cache")
+    with Store(root, create=False).reader("vae") as cached:
+        with pytest.raises(UserError) as e:
+            for k in group if how == "scan" else [group[len(group) // 2]]:
+                cached.tensors(k)
+    assert f"{url}/vae/v1/{shard} is missing" in str(e.value) and "store repair" in str(e.value), str(e.value)
+    assert "meanwhile" not in str(e.value)
+
+
 def test_a_read_of_a_store_bigger_than_the_cache_stays_under_its_limit(s3_env, store: Store, tmp_path: Path,
                                                                        monkeypatch) -> None:
     from store import remote_shards
