@@ -11,6 +11,8 @@ progress), with their upstream. Removed:
 - lease objects judged dead, judged again right before their DELETE (`_still_dead`: one live again - a reader woke
   since the plan and refreshed it - is kept, unless it names a version this run removed: its reader must stop, not
   read on from a deleted version), and the damaged marker (`<table>/v<N>.damaged.json`) of a removed version.
+- objects inside a kept complete version that its checksums.json does not list, older than `grace_s`: what a
+  push that lost the race for that version number wrote there before the winner's commit (`_strays`);
 - on S3, unfinished multipart uploads under the prefix (a push killed mid-shard), older than `grace_s` and not in a
   version a live lease names: aborted.
 
@@ -73,6 +75,9 @@ class RemoteGcPlan:
     dead_leases: list[Found] = field(default_factory=list)  # lease objects of gone processes (path: the object)
     markers: dict[tuple[str, int], str] = field(default_factory=dict)  # damaged markers by version
     leftovers: list[str] = field(default_factory=list)  # clock probes and temp uploads of killed commands
+    # objects inside a kept complete version that its checksums.json does not list, older than the grace period:
+    # a push that lost the race for that version number wrote them before the other's commit (`_strays`)
+    strays: list[str] = field(default_factory=list)
     uploads: list[tuple[str, str]] = field(default_factory=list)  # (key, upload id): unfinished multipart uploads
     now: float = 0.0  # the server's clock at the plan
     nbytes: int = 0
@@ -142,6 +147,7 @@ def plan(remote: Remote, grace_s: float = GRACE_SECONDS, now: float | None = Non
     held = {tv for found in found_leases if found.live for tv in found.versions()}
     out.uploads = _stale_uploads(remote, now, grace_s, held)
     out.keep = sorted(tv for tv in keep if tv in versions)
+    out.strays = _strays(remote, [versions[tv] for tv in out.keep if versions[tv].complete], now, grace_s)
     doomed = [v for tv, v in sorted(versions.items()) if tv not in keep]
     out.remove = [v for v in doomed if v.complete]
     for v in (v for v in doomed if not v.complete):
@@ -149,6 +155,27 @@ def plan(remote: Remote, grace_s: float = GRACE_SECONDS, now: float | None = Non
         (out.remove if retired or now - v.newest >= grace_s else out.young_incomplete).append(v)
     out.nbytes = sum(v.nbytes for v in out.remove)
     out.now = now
+    return out
+
+
+def _strays(remote: Remote, kept: list[Version], now: float, grace_s: float) -> list[str]:
+    """Objects of these complete versions that their checksums.json does not list, untouched for the grace
+    period. Two pushes of different stores into one empty prefix race for a version number: the loser's
+    write-once shards stay inside the winner's version, which `store verify` then reports for ever ("not listed")
+    and no reader reads. One GET of checksums.json per kept version; one unreadable: nothing removed from it."""
+    from store.remote_sync import version_files
+
+    out = []
+    for v in kept:
+        ages = {rel[len(v.name) + 1:]: now - t for rel, (_, t) in v.objects.items()}
+        if all(name in (fmt.CHECKSUMS, fmt.MANIFEST) or age < grace_s for name, age in ages.items()):
+            continue  # nothing old enough to judge: no GET
+        try:
+            listed = version_files(remote.read(f"{v.name}/{fmt.CHECKSUMS}"), f"{v.name}/{fmt.CHECKSUMS}")
+        except (FileNotFoundError, UserError):  # gone or damaged: `store verify` names it; nothing judged here
+            continue
+        out += [f"{v.name}/{name}" for name, age in sorted(ages.items())
+                if name not in listed and name != fmt.CHECKSUMS and age >= grace_s]
     return out
 
 
@@ -240,6 +267,10 @@ def collect(url: str, dry_run: bool = False, grace_s: float = GRACE_SECONDS,
         if p.leftovers:
             echo(f"{would} {len(p.leftovers)} leftover(s) of killed commands ({CLOCK_DIR}/ probes, "
                  f"{UPLOAD_DIR}/ temp files)")
+        if p.strays:
+            echo(f"{would} {len(p.strays)} object(s) in kept versions that their {fmt.CHECKSUMS} does not list (a "
+                 "push that lost the race for that version number wrote them): " + ", ".join(p.strays[:3])
+                 + (f" and {len(p.strays) - 3} more" if len(p.strays) > 3 else ""))
         if p.uploads:
             echo(f"{'would abort' if dry_run else 'abort'} {len(p.uploads)} unfinished multipart upload(s) of killed "
                  "pushes (their parts are stored, and billed, but are no object)")
@@ -269,7 +300,7 @@ def collect(url: str, dry_run: bool = False, grace_s: float = GRACE_SECONDS,
                 names = ", ".join(f"{t}/v{v}" for t, v in sorted(gone & set(found.versions())))
                 echo(f"remove the lease of {found.record.get('what', '?')} ({found.path.name}): refreshed since the "
                      f"plan, but {names} is removed now (its process stops at its next refresh)")
-        remote.delete([str(f.path) for f in dead] + p.leftovers)
+        remote.delete([str(f.path) for f in dead] + p.leftovers + p.strays)
         bucket = remote.root.partition("/")[0]
         for key, upload in p.uploads:
             try:

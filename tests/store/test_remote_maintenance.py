@@ -264,6 +264,30 @@ def test_gc_of_a_url_keeps_current_and_leased_versions(s3_env, store: Store, tmp
     assert not any(k.startswith("store/vae/v1/") for k in keys) and "store/vae/v3/manifest.parquet" in keys
 
 
+def test_gc_of_a_url_removes_a_losing_racers_objects_from_the_winners_version(s3_env, store: Store,
+                                                                              tmp_path: Path) -> None:
+    """Two pushes of different stores into one empty prefix: the loser's write-once shards stayed inside the
+    winner's v1, which `store verify` reported for ever ("not listed in checksums.json", pointing at repair) and no
+    gc removed. gc removes such objects once older than --incomplete-after; younger, they are kept."""
+    from store.remote_verify import verify_url
+
+    fill(store, 4)
+    push(store.root, s3_env.url())
+    client, listed = s3_env.client(), objects(s3_env)
+    for name in ("shard-r00-000007.tar", "shard-r00-000007.index.parquet"):  # as the racer left them
+        client.put_object(Bucket=s3_env.bucket, Key=f"store/vae/v1/{name}", Body=b"the other store's bytes")
+    problems, _ = verify_url(s3_env.url(), progress=False)
+    assert len(problems) == 2 and all("not listed in checksums.json" in p for p in problems), problems
+
+    r = _cli("store", "gc", s3_env.url())  # young: a push may still be writing (kept)
+    assert r.exit_code == 0 and "does not list" not in r.output and len(objects(s3_env)) == len(listed) + 2
+    r = _cli("store", "gc", s3_env.url(), "--incomplete-after", "0")
+    assert r.exit_code == 0 and "remove 2 object(s) in kept versions" in r.output, r.output
+    assert objects(s3_env) == listed
+    assert verify_url(s3_env.url(), progress=False)[0] == []
+    assert pull(s3_env.url(), tmp_path / "pulled").copied == ["vae/v1"] and verify_store(tmp_path / "pulled") == []
+
+
 def test_gc_of_many_old_versions_lists_the_whole_prefix_once(s3_env, store: Store, monkeypatch) -> None:
     """Right before each version's DELETE gc looks again for leases naming it: that look lists `.leases/` only.
     It listed the whole prefix (~40k objects a version at 1M samples) once per removed version."""
