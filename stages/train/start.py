@@ -121,6 +121,9 @@ def resume_point(r: Run, resume: bool, cfg: PipelineConfig) -> tuple[Path | None
             return keep_previous(r, why)
         raise UserError(f"{why}; a new run there would replace {r.run_dir / 'lora'}: use a new --out, or --new-run "
                         f"to keep it as {previous.previous_root(r.run_dir)}/N-TIME and train afresh")
+    if resume:  # every rank looks at its folder; one refusing stops all
+        with together(r.world, f"checking {r.checkpoints}"):
+            train_state.check_no_unrecorded(r.checkpoints, latest)
     if not resume or latest is None:
         return None, None
     # a read that fails on one rank stops every rank with its line; the files' bytes, read once for their check,

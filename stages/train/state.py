@@ -246,6 +246,19 @@ def latest_checkpoint(root: Path) -> Path | None:
     return done[-1][1] if done else None
 
 
+def check_no_unrecorded(root: Path, latest: Path | None) -> None:
+    """A committed `step-N/` newer than `latest` without its resume.json was damaged (renamed in whole, it always
+    holds one: a partial copy of the run, a deleted file): named, as a damaged file is, instead of a resume from
+    an earlier checkpoint (or step 0) that overwrites it."""
+    if not root.is_dir():
+        return
+    newest = -1 if latest is None else step_of(latest)
+    lost = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(_PREFIX)
+            and p.name[len(_PREFIX):].isdigit() and step_of(p) > newest and not (p / RESUME_JSON).is_file()]
+    if lost:
+        raise CheckpointDamaged(damaged_message(max(lost, key=step_of), f"{RESUME_JSON} is missing"))
+
+
 def remove_stale(root: Path) -> None:
     """Delete leftovers of killed writes/prunes (`.step-N.tmp`, `.step-N.deleting`)."""
     if root.is_dir():

@@ -4,6 +4,7 @@ damaged checkpoint on resume, and turns a full disk into one line with nothing l
 from __future__ import annotations
 
 import errno
+import shutil
 from pathlib import Path
 
 import pytest
@@ -198,6 +199,24 @@ def test_damaged_checkpoint_is_named_and_the_previous_offered(tmp_path, tiny_edi
     with pytest.raises(train_state.CheckpointDamaged, match=rf"step-2: {'resume.json' if name == 'resume.json' else name}"
                        r".*damaged.*previous checkpoint step-1 is intact"):
         run(cfg_of(max_steps=3, checkpoint_every=1), root, tiny_edit_model, out, resume=True)
+
+
+@pytest.mark.parametrize("lost", ["step-2", "all"])
+def test_a_checkpoint_without_its_resume_record_is_named_not_skipped(tmp_path, tiny_edit_model, lost):
+    """A committed `step-N/` always holds resume.json (it is renamed in whole); one without it was damaged (a
+    partial copy of the run, a deleted file). Before, --resume skipped it without a word: an earlier checkpoint
+    resumed, or with none left step 0, and the damaged folders were overwritten and pruned."""
+    root = tmp_path / "store"
+    make_train_store(root, tiny_edit_model, mixed_specs(4))
+    out = tmp_path / "run"
+    run(cfg_of(max_steps=2, checkpoint_every=1), root, tiny_edit_model, out)
+    shutil.rmtree(out / "lora")  # as a run killed before its final LoRA
+    for step in ([2] if lost == "step-2" else [1, 2]):
+        (out / "checkpoints" / f"step-{step}" / "resume.json").unlink()
+    offer = "previous checkpoint step-1 is intact" if lost == "step-2" else "no intact earlier checkpoint is left"
+    with pytest.raises(train_state.CheckpointDamaged, match=rf"step-2: resume.json is missing.*{offer}"):
+        run(cfg_of(max_steps=3, checkpoint_every=1), root, tiny_edit_model, out, resume=True)
+    assert (out / "checkpoints" / "step-2" / "optimizer.safetensors").is_file()  # nothing overwritten
 
 
 def test_a_resume_record_from_a_newer_release_is_not_called_damaged(tmp_path):
