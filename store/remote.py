@@ -198,6 +198,19 @@ def no_bucket(e: BaseException) -> bool:
     return "specified bucket" in text or "nosuchbucket" in text
 
 
+def lost_object(remote: "Remote", rel: str, e: FileNotFoundError) -> UserError | None:
+    """The line for object `rel` of a version (`<table>/v<N>/<name>`, listed by its checksums.json) that is not
+    there while the version's manifest is: deleted behind the tool's back, where `remote_errors`' "rerun" (right
+    for an object gone with its version: a gc deletes the manifest first) would fail the same way for ever. None
+    when the bucket or the whole version went away. Pull and the lazy reader both say it."""
+    from store import format as fmt
+
+    if no_bucket(e) or not remote.exists(f"{rel.rsplit('/', 1)[0]}/{fmt.MANIFEST}"):
+        return None
+    return UserError(f"{remote.url}/{rel} is missing (its version's {fmt.CHECKSUMS} lists it); refused: push that "
+                     f"version again from an intact store, or `pipeline store repair {remote.url}`")
+
+
 def _is_credentials_error(e: BaseException) -> bool:
     # botocore's NoCredentialsError / PartialCredentialsError (by name: botocore is imported only with s3fs)
     return any(c.__name__ in ("NoCredentialsError", "PartialCredentialsError") for c in type(e).__mro__)

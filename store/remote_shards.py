@@ -41,7 +41,7 @@ from store import remote_download
 from store.checksum import RunningCrc
 from store.io_errors import CACHE_FULL, writing
 from store.lease import process_tag
-from store.remote import READ_PIECE, Remote, SharedBar, each_at_once, no_bucket, open_remote, remote_errors
+from store.remote import READ_PIECE, Remote, SharedBar, each_at_once, lost_object, open_remote, remote_errors
 
 log = logging.getLogger("store")
 
@@ -138,21 +138,14 @@ class ShardFetcher:
             with remote_errors(self.url, action):
                 try:
                     yield
-                except FileNotFoundError as e:
-                    if shard is not None and e.filename is None and self._lost(e):
-                        raise UserError(f"{self.url}/{self.base}/{shard} is missing (its version's "
-                                        f"{fmt.CHECKSUMS} lists it); refused: push that version again from an "
-                                        f"intact store, or `pipeline store repair {self.url}`") from None
+                except FileNotFoundError as e:  # a lost shard named, not "rerun" for ever (`lost_object`)
+                    if shard is not None and e.filename is None and \
+                            (lost := lost_object(self.remote, f"{self.base}/{shard}", e)) is not None:
+                        raise lost from None
                     raise
         except BaseException:
             self._remote = None
             raise
-
-    def _lost(self, e: FileNotFoundError) -> bool:
-        """A listed shard not there while its version's manifest is: deleted behind the tool's back, where "rerun"
-        (`remote_errors`' line for an object gone meanwhile, e.g. by a gc, which deletes the manifest first)
-        would fail the same way for ever (as pull says: store/remote_sync._missing_object)."""
-        return not no_bucket(e) and self.remote.exists(f"{self.base}/{fmt.MANIFEST}")
 
     # ------------------------------------------------------------ whole shards
 

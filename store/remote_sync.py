@@ -35,7 +35,7 @@ from schemas.newer import refuse_newer
 from store import format as fmt
 from store import integrity, remote_checked, remote_lease
 from store.checksum import SealError, crc_hex, seal, unseal
-from store.remote import Remote, SharedBar, each_at_once, no_bucket, open_remote, remote_errors
+from store.remote import Remote, SharedBar, each_at_once, lost_object, open_remote, remote_errors
 from store.remote_shards import is_lazy
 from store.remote_upload import Mismatch
 
@@ -569,22 +569,21 @@ def _read_checksums(remote: Remote, table: str, version: int) -> bytes:
     try:
         return remote.read(rel)
     except FileNotFoundError as e:
-        if no_bucket(e) or not remote.exists(f"{table}/v{version}/{fmt.MANIFEST}"):
+        if lost_object(remote, rel, e) is None:  # the bucket or the version gone: remote_errors says rerun
             raise
     raise UserError(f"{remote.url}/{rel} is missing (its version's manifest is there); refused: push that version "
                     "again from an intact store")
 
 
 def _missing_object(remote: Remote, f: _File, e: FileNotFoundError, damaged_ok: bool) -> str:
-    """An object its version's checksums.json lists is not there. With the version's manifest still there it is
-    lost (deleted behind the tool's back), not removed meanwhile: a rerun fails the same way for ever, so say which
-    object and what helps; repair's pull (`damaged_ok`) leaves it missing for the scan to find ('damaged')."""
-    if no_bucket(e) or not remote.exists(f"{f.rel.rsplit('/', 1)[0]}/{fmt.MANIFEST}"):
+    """An object its version's checksums.json lists is not there (`remote.lost_object`); repair's pull
+    (`damaged_ok`) leaves a lost one missing for the scan to find ('damaged')."""
+    lost = lost_object(remote, f.rel, e)
+    if lost is None:
         raise e  # the bucket or the whole version went away meanwhile (a gc): remote_errors says rerun
     if damaged_ok:
         return "damaged"
-    raise UserError(f"{remote.url}/{f.rel} is missing (its version's {fmt.CHECKSUMS} lists it); refused: push that "
-                    f"version again from an intact store, or `pipeline store repair {remote.url}`")
+    raise lost
 
 
 def _pull_version(remote: Remote, dst: Path, table: str, version: int, files: list[_File], bar,
