@@ -103,6 +103,38 @@ def check_same_start(world: int, record: ResumeRecord) -> None:
                         f"copies: {ranks_differ(init)}); copy the same LoRA to every node")
 
 
+def _check_resumable(r: Run, record: ResumeRecord, latest: Path) -> None:
+    """ResumeMismatch when the checkpoint `latest` (its `record`) cannot be continued by this start: other
+    settings or tables (`check_matches`), samples or steps left out under a policy that is not on now, or past
+    max_steps. Every rank calls it: the policies' counts are decided together."""
+    # on_damaged / on_nonfinite are in no fingerprint (`check_same_start` does not compare them) and the damaged
+    # list is read per rank: decided by all ranks together (any rank's refusal is every rank's), so no rank
+    # resumes into a collective the others never reach
+    steps = train_state.nonfinite_skipped(record)
+    left_out, skipped = all_max(r.world, [0 if damaged_current(r.run_dir, r.cfg) else len(damaged_log.read(r.run_dir)),
+                                          0 if nonfinite_current(record, r.cfg) else len(steps)])
+    record.check_matches(r.record, latest, contents=r.tables.content_ids)
+    if left_out:  # as the up-to-date check
+        raise train_state.ResumeMismatch(
+            f"cannot resume from {latest}: the run left {left_out} damaged sample(s) out under "
+            f"train.on_damaged skip ({r.run_dir / damaged_log.NAME}), and train.on_damaged is not skip now"
+            f"{'' if r.cfg.on_damaged != 'skip' else ' on every rank'}. Set train.on_damaged: skip to continue it",
+            reason=f"train.on_damaged skip -> stop ({left_out} damaged sample(s) left out)")
+    if skipped:
+        shown = ", ".join(map(str, steps[:10])) + (" …" if len(steps) > 10 else "")
+        raise train_state.ResumeMismatch(
+            f"cannot resume from {latest}: the run skipped optimizer step(s) {shown} for a non-finite loss "
+            f"or gradient under train.on_nonfinite skip_step, and train.on_nonfinite is not skip_step now"
+            f"{'' if r.cfg.on_nonfinite != 'skip_step' else ' on every rank'}. Set train.on_nonfinite: skip_step "
+            "to continue it",
+            reason=f"train.on_nonfinite skip_step -> stop ({skipped} step(s) skipped)")
+    if record.step > r.cfg.max_steps:
+        raise train_state.ResumeMismatch(
+            f"{latest} is already past train.max_steps ({record.step} > {r.cfg.max_steps}): raise max_steps "
+            "to continue, or use a new --out for a shorter run",
+            reason=f"train.max_steps {record.step} -> {r.cfg.max_steps}")
+
+
 def resume_point(r: Run, resume: bool, cfg: PipelineConfig) -> tuple[Path | None, ResumeRecord | None]:
     """The checkpoint to resume from and its record (checked against this start, files checked once), or
     (None, None); refuses to overwrite a run. Decided by every rank alike (`seen_run`, the record read together)."""
@@ -144,33 +176,8 @@ def resume_point(r: Run, resume: bool, cfg: PipelineConfig) -> tuple[Path | None
     record = replace(record, config_fingerprint=known,
                      init_lora_sha256=train_state.known_init_lora(record.init_lora_sha256, r.record.init_lora_sha256),
                      attention_backend=backend)
-    # on_damaged / on_nonfinite are in no fingerprint (`check_same_start` does not compare them) and the damaged
-    # list is read per rank: decided by all ranks together (any rank's refusal is every rank's), so no rank
-    # resumes into a collective the others never reach
-    steps = train_state.nonfinite_skipped(record)
-    left_out, skipped = all_max(r.world, [0 if damaged_current(r.run_dir, r.cfg) else len(damaged_log.read(r.run_dir)),
-                                          0 if nonfinite_current(record, r.cfg) else len(steps)])
     try:
-        record.check_matches(r.record, latest, contents=r.tables.content_ids)
-        if left_out:  # as the up-to-date check
-            raise train_state.ResumeMismatch(
-                f"cannot resume from {latest}: the run left {left_out} damaged sample(s) out under "
-                f"train.on_damaged skip ({r.run_dir / damaged_log.NAME}), and train.on_damaged is not skip now"
-                f"{'' if r.cfg.on_damaged != 'skip' else ' on every rank'}. Set train.on_damaged: skip to continue it",
-                reason=f"train.on_damaged skip -> stop ({left_out} damaged sample(s) left out)")
-        if skipped:
-            shown = ", ".join(map(str, steps[:10])) + (" …" if len(steps) > 10 else "")
-            raise train_state.ResumeMismatch(
-                f"cannot resume from {latest}: the run skipped optimizer step(s) {shown} for a non-finite loss "
-                f"or gradient under train.on_nonfinite skip_step, and train.on_nonfinite is not skip_step now"
-                f"{'' if r.cfg.on_nonfinite != 'skip_step' else ' on every rank'}. Set train.on_nonfinite: skip_step "
-                "to continue it",
-                reason=f"train.on_nonfinite skip_step -> stop ({skipped} step(s) skipped)")
-        if record.step > r.cfg.max_steps:
-            raise train_state.ResumeMismatch(
-                f"{latest} is already past train.max_steps ({record.step} > {r.cfg.max_steps}): raise max_steps "
-                "to continue, or use a new --out for a shorter run",
-                reason=f"train.max_steps {record.step} -> {r.cfg.max_steps}")
+        _check_resumable(r, record, latest)
     except train_state.ResumeMismatch as e:
         ignore = unhashed_names(r.cfg)
         changed = changed_settings(r.run_dir, cfg.model_dump(mode="json"), ignore)
