@@ -210,6 +210,10 @@ def run_config(name: str, c: dict, d: dict, samples, batches: list[list[int]], p
     if cuda:
         gc.collect()
         torch.cuda.empty_cache()
+        # before the cap and the first step, kept in `plan` so a failed configuration reports it too: under
+        # offload it tells weights left on the device at setup from memory a step gains (2026-12-04: int8 +
+        # offload ran out at 22.7 GiB of a 24 GiB cap, planned 10.3, cause not found on the CPU)
+        plan["allocated_after_setup"] = torch.cuda.memory_allocated(device)
         if c["cap_gib"]:
             total = torch.cuda.get_device_properties(device).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, c["cap_gib"] * 2**30 / total), _index(device))
