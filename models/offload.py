@@ -17,6 +17,7 @@ a real copy, so the mechanics run and are tested without a GPU.
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -65,6 +66,10 @@ class BlockOffloader:
         self.pending: dict[int, list[torch.Tensor]] = {}
         self.last: int | None = None
         self.onloads = 0  # how many block onloads happened (tests, logs)
+        # blocks whose device copy is still alive (a weak reference per copy, so whatever holds one counts),
+        # and the most at once: the memory plan counts on two; a proof run reports it when it runs out
+        self.live: dict[int, int] = {}
+        self.most_live = 0
         # (block onloaded, block copied ahead or None), the last few: which block is fetched when (tests)
         self.ahead: deque[tuple[int, int | None]] = deque(maxlen=4 * len(blocks) + 4)
         self.blocks: dict[int, _Block] = {}
@@ -102,7 +107,17 @@ class BlockOffloader:
 
         for _, _, host in self.blocks[i].slots:
             out.append(nf4_map(host, move) if is_nf4(host) else move(host.detach()))
+        if out:
+            self.live[i] = self.live.get(i, 0) + 1
+            weakref.finalize(next(_plain_tensors(out[0])), self._dropped, i)
+            self.most_live = max(self.most_live, len(self.live))
         return out
+
+    def _dropped(self, i: int) -> None:
+        if self.live.get(i, 0) <= 1:
+            self.live.pop(i, None)
+        else:
+            self.live[i] -= 1
 
     def _prefetch(self, i: int) -> None:
         if i not in self.blocks or i in self.pending:

@@ -221,29 +221,35 @@ def run_config(name: str, c: dict, d: dict, samples, batches: list[list[int]], p
     warm = 2 if c["compile"] else 1
     g = torch.Generator().manual_seed(0)
     rows, partial = [], False
-    for step, b in enumerate(batches[:warm] + batches):
-        if time.monotonic() > deadline:
-            partial = True
-            break
-        _sync(device)
-        t0 = time.perf_counter()
-        picked = [samples[i] for i in b]
-        sig = torch.rand(len(b), generator=g) * 0.9 + 0.05
-        fb = prepare_flow_batch(picked, sig, [draw_noise(s, 0, step) for s in picked], None, (1.0, 1.0), device,
-                                torch.bfloat16)
-        _sync(device)
-        t1 = time.perf_counter()
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
-            loss = (masked_loss(model, fb) if c.get("masked") else flow_loss_of(model, fb)).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        _sync(device)
-        t2 = time.perf_counter()
-        if step >= warm:
-            rows.append(dict(seconds=t2 - t0, data_seconds=t1 - t0, samples=len(b), loss=loss.item(),
-                             target_tokens=sum(s.target_tokens for s in picked),
-                             lengths=[seq_len(s) for s in picked], padded_tokens=padded_tokens(picked)))
+    offloader = getattr(model, "_block_offloader", None)
+    try:
+        for step, b in enumerate(batches[:warm] + batches):
+            if time.monotonic() > deadline:
+                partial = True
+                break
+            _sync(device)
+            t0 = time.perf_counter()
+            picked = [samples[i] for i in b]
+            sig = torch.rand(len(b), generator=g) * 0.9 + 0.05
+            fb = prepare_flow_batch(picked, sig, [draw_noise(s, 0, step) for s in picked], None, (1.0, 1.0), device,
+                                    torch.bfloat16)
+            _sync(device)
+            t1 = time.perf_counter()
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+                loss = (masked_loss(model, fb) if c.get("masked") else flow_loss_of(model, fb)).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            _sync(device)
+            t2 = time.perf_counter()
+            if step >= warm:
+                rows.append(dict(seconds=t2 - t0, data_seconds=t1 - t0, samples=len(b), loss=loss.item(),
+                                 target_tokens=sum(s.target_tokens for s in picked),
+                                 lengths=[seq_len(s) for s in picked], padded_tokens=padded_tokens(picked)))
+    finally:  # in `plan` so a configuration that runs out of memory reports it too
+        if offloader is not None:  # blocks with a device copy alive: 2 at most is what the plan counts
+            plan["offload_most_live_blocks"] = offloader.most_live
+            plan["offload_live_blocks_at_end"] = sorted(offloader.live)
     out = {"config": c, "attention_backend": backend, "steps": len(rows), "partial": partial,
            "batches_per_epoch": len(batches), **plan, "rows": rows}
     if rows:

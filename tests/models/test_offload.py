@@ -195,3 +195,5 @@ def test_at_most_two_blocks_are_on_the_device_at_once(kind):
     for i, alive in alive_at_copy[n:]:  # backward: block i recomputed while i + 1's backward may still run
         assert alive == sorted({i, i + 1} - {n}), (i, alive)
     assert not [j for j, r in copies if r() is not None], "device copies outlived the step"
+    # the offloader's own count (what a proof run on the GPU reports) agrees
+    assert off.most_live == 2 and not off.live, (off.most_live, off.live)
