@@ -6,7 +6,8 @@ would then read host weights (wrong device on a GPU). Here each onload installs 
 objects and the offload puts the host ones back; a device copy lives exactly as long as something needs it.
 With gradient checkpointing (required: `train.offload: blocks` turns it on) the forward keeps only block
 inputs, so a block's device copy is freed after its forward, and the backward's recompute of a block onloads
-it again and keeps it until that block's backward is done. The next block (in the direction of execution:
+it again and keeps it until the next block's recompute (the recompute stops early, so no forward hook
+ends it; the last block recomputed keeps its copy until the next forward). The next block (in the direction of execution:
 up in the forward, down in the backward's recomputes, told apart by whether autograd's backward is running)
 is copied ahead on a side CUDA stream.
 
@@ -66,9 +67,11 @@ class BlockOffloader:
         self.pending: dict[int, list[torch.Tensor]] = {}
         self.last: int | None = None
         self.onloads = 0  # how many block onloads happened (tests, logs)
-        # blocks whose device copy is still alive (a weak reference per copy, so whatever holds one counts),
-        # and the most at once: the memory plan counts on two; a proof run reports it when it runs out
+        # blocks whose installed device weights are still alive (a weak reference per onload, so whatever
+        # holds them counts) and the most at once: 1 when each block's copy dies with its forward or backward
+        # (the plan adds one prefetched block); a proof run reports it, also when it runs out of memory
         self.live: dict[int, int] = {}
+        self.installed: set[int] = set()  # blocks whose device weights are in their modules now
         self.most_live = 0
         # (block onloaded, block copied ahead or None), the last few: which block is fetched when (tests)
         self.ahead: deque[tuple[int, int | None]] = deque(maxlen=4 * len(blocks) + 4)
@@ -107,11 +110,17 @@ class BlockOffloader:
 
         for _, _, host in self.blocks[i].slots:
             out.append(nf4_map(host, move) if is_nf4(host) else move(host.detach()))
-        if out:
-            self.live[i] = self.live.get(i, 0) + 1
-            weakref.finalize(next(_plain_tensors(out[0])), self._dropped, i)
-            self.most_live = max(self.most_live, len(self.live))
         return out
+
+    def _watch(self, i: int) -> None:
+        """Count block i's installed device weights as alive until their Parameter object dies: a weak
+        reference to it lasts while anything holds it (autograd's saved tensors keep the Python object too)."""
+        if not self.blocks[i].slots:
+            return
+        mod, name, _ = self.blocks[i].slots[0]
+        self.live[i] = self.live.get(i, 0) + 1
+        weakref.finalize(mod._parameters[name], self._dropped, i)
+        self.most_live = max(self.most_live, len(self.live))
 
     def _dropped(self, i: int) -> None:
         if self.live.get(i, 0) <= 1:
@@ -140,8 +149,17 @@ class BlockOffloader:
                 for t in tensors:  # freed on the compute stream's schedule, not the copy stream's
                     for plain in _plain_tensors(t):
                         plain.record_stream(torch.cuda.current_stream(self.device))
+            # A checkpointed block's recompute stops early (torch.utils.checkpoint's default): its forward hook
+            # never runs, so its device weights stayed installed until the next step's forward, all blocks' at
+            # once by the backward's end (H200, int8 at a 24 GiB cap: 22.7 GiB where 10.3 were planned). The
+            # backward recomputes block i after block i + 1's backward, so any other block still installed is
+            # put back here; autograd keeps what it still holds, so nothing it uses is taken away.
+            for j in [j for j in self.installed if j != i]:
+                self._put_back(j)
             for (mod, name, _), t in zip(self.blocks[i].slots, tensors):
                 mod._parameters[name] = _as_parameter(t)
+            self.installed.add(i)
+            self._watch(i)
             self.onloads += 1
             backward = _in_backward()
             if backward is None:  # no way to ask autograd: guess from the last block onloaded
@@ -154,9 +172,13 @@ class BlockOffloader:
 
     def _post_hook(self, i: int):
         def hook(module, args, output):
-            for mod, name, host in self.blocks[i].slots:
-                mod._parameters[name] = host  # autograd still holds the device copy if it needs it
+            self._put_back(i)
         return hook
+
+    def _put_back(self, i: int) -> None:
+        for mod, name, host in self.blocks[i].slots:
+            mod._parameters[name] = host  # autograd still holds the device copy if it needs it
+        self.installed.discard(i)
 
     def remove(self) -> None:
         for entry in self.blocks.values():

@@ -212,7 +212,7 @@ def run_config(name: str, c: dict, d: dict, samples, batches: list[list[int]], p
         torch.cuda.empty_cache()
         # before the cap and the first step, kept in `plan` so a failed configuration reports it too: under
         # offload it tells weights left on the device at setup from memory a step gains (2026-12-04: int8 +
-        # offload ran out at 22.7 GiB of a 24 GiB cap, planned 10.3, cause not found on the CPU)
+        # offload ran out at 22.7 GiB of a 24 GiB cap, planned 10.3: recomputed blocks kept their weights)
         plan["allocated_after_setup"] = torch.cuda.memory_allocated(device)
         if c["cap_gib"]:
             total = torch.cuda.get_device_properties(device).total_memory

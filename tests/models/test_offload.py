@@ -147,19 +147,19 @@ def test_nf4_weights_are_pinned_with_their_statistics():
 
 
 @pytest.mark.parametrize("kind", ["none", "int8"])
-def test_at_most_two_blocks_are_on_the_device_at_once(kind):
-    """What offload's memory plan counts on: during a checkpointed forward and backward, when a block is
-    copied to the device only it and the one before it (in the direction of execution) are still there, and
-    after the step none is. Counted with weak references to every copy's plain tensors (int8: torchao's codes
-    and scales), so a copy kept alive by autograd, the checkpoint or the prefetch would show. (On the H200,
-    2026-12-04, int8 + offload ran out of memory at 24 GiB with 22.7 allocated where 10.3 were planned; this
-    pins down that the mechanics here are not the cause.)"""
+def test_one_block_at_a_time_is_on_the_device(kind):
+    """What offload's memory plan counts on: in a checkpointed forward and backward, when a block's device
+    weights are installed no other block's are still alive, and after the step only the last block recomputed
+    keeps them (until the next forward). Watched with weak references to the Parameters installed in the
+    modules, so whatever holds them (a module, autograd) keeps them counted. The recompute stops early
+    (torch.utils.checkpoint's default) and never ran the block's forward hook: every block's weights stayed
+    installed until the next step, and on the H200 int8 + offload ran out of memory at a 24 GiB cap with
+    22.7 GiB allocated where 10.3 were planned (2026-12-04)."""
     import gc
     import weakref
 
     from models.checkpointing import enable_checkpointing
     from models.multires import install_multires
-    from models.offload import _plain_tensors
     from models.quantize import install_frozen_linear_backward, quantize_rows, quantized_weight_names
 
     model = make_transformer("axes8-12-12_2x32")
@@ -175,25 +175,26 @@ def test_at_most_two_blocks_are_on_the_device_at_once(kind):
     enable_checkpointing(model)
     model.train()
     off = offload_blocks(model, "cpu", keep=0)
-    copies, alive_at_copy = [], []
-    copy = off._copy
+    installed, alive_at_onload = [], []
 
-    def counted(i):
-        out = copy(i)
-        copies.extend((i, weakref.ref(p)) for t in out for p in _plain_tensors(t))
-        gc.collect()
-        alive_at_copy.append((i, sorted({j for j, r in copies if r() is not None})))
-        return out
+    def watch(i):
+        def hook(module, args):  # registered after the offloader's: its weights are installed now
+            mod, name, _ = off.blocks[i].slots[0]
+            installed.append((i, weakref.ref(mod._parameters[name])))
+            gc.collect()
+            alive_at_onload.append((i, sorted({j for j, r in installed if r() is not None})))
+        return hook
 
-    off._copy = counted
+    blocks = model.transformer_blocks
+    for i, block in enumerate(blocks):
+        block.register_forward_pre_hook(watch(i))
     _train_step(model, batch_of(make_samples(MIXED)))
     gc.collect()
-    n = len(model.transformer_blocks)
-    assert n >= 2 and len(alive_at_copy) == 2 * n  # each block onloaded in the forward and in its recompute
-    for i, alive in alive_at_copy[:n]:  # forward: block i copied while i - 1 is still in use
-        assert alive == sorted({i - 1, i} - {-1}), (i, alive)
-    for i, alive in alive_at_copy[n:]:  # backward: block i recomputed while i + 1's backward may still run
-        assert alive == sorted({i, i + 1} - {n}), (i, alive)
-    assert not [j for j, r in copies if r() is not None], "device copies outlived the step"
-    # the offloader's own count (what a proof run on the GPU reports) agrees
-    assert off.most_live == 2 and not off.live, (off.most_live, off.live)
+    n = len(blocks)
+    # forward 0..n-1, then the backward's recomputes n-1..0: each alone on the device
+    assert alive_at_onload == [(i, [i]) for i in [*range(n), *reversed(range(n))]]
+    assert sorted({j for j, r in installed if r() is not None}) == [0]
+    assert off.most_live == 1 and list(off.live) == [0]  # the offloader's own count agrees
+    _train_step(model, batch_of(make_samples(MIXED)))  # the next forward replaces block 0's copy
+    gc.collect()
+    assert sorted({j for j, r in installed if r() is not None}) == [0] and off.most_live == 1
