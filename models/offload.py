@@ -6,10 +6,10 @@ would then read host weights (wrong device on a GPU). Here each onload installs 
 objects and the offload puts the host ones back; a device copy lives exactly as long as something needs it.
 With gradient checkpointing (required: `train.offload: blocks` turns it on) the forward keeps only block
 inputs, so a block's device copy is freed after its forward, and the backward's recompute of a block onloads
-it again and keeps it until the next block's recompute (the recompute stops early, so no forward hook
-ends it; the last block recomputed keeps its copy until the next forward). The next block (in the direction of execution:
-up in the forward, down in the backward's recomputes, told apart by whether autograd's backward is running)
-is copied ahead on a side CUDA stream.
+it again and keeps it until the next block's recompute (the recompute stops early, so no forward hook ends
+it; the last block recomputed keeps its copy until the next forward). The next block (in the direction of
+execution: up in the forward, down in the backward's recomputes, told apart by whether autograd's backward
+is running) is copied ahead on a side CUDA stream.
 
 Only frozen parameters move: LoRA weights (trainable, owned by the optimizer) stay on the device. The first
 `keep` blocks stay on the device whole. On a CPU (storage = compute = cpu) `always_copy` makes every onload

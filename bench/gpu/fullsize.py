@@ -247,7 +247,7 @@ def run_config(name: str, c: dict, d: dict, samples, batches: list[list[int]], p
                                  target_tokens=sum(s.target_tokens for s in picked),
                                  lengths=[seq_len(s) for s in picked], padded_tokens=padded_tokens(picked)))
     finally:  # in `plan` so a configuration that runs out of memory reports it too
-        if offloader is not None:  # blocks with a device copy alive: 2 at most is what the plan counts
+        if offloader is not None:  # blocks whose device weights are alive: 1 at a time when offload works
             plan["offload_most_live_blocks"] = offloader.most_live
             plan["offload_live_blocks_at_end"] = sorted(offloader.live)
     out = {"config": c, "attention_backend": backend, "steps": len(rows), "partial": partial,
