@@ -7,7 +7,7 @@ objects and the offload puts the host ones back; a device copy lives exactly as 
 With gradient checkpointing (required: `train.offload: blocks` turns it on) the forward keeps only block
 inputs, so a block's device copy is freed after its forward, and the backward's recompute of a block onloads
 it again and keeps it until the next block's recompute (the recompute stops early, so no forward hook ends
-it; the last block recomputed keeps its copy until the next forward). The next block (in the direction of
+it; the last block recomputed is put back when the backward ends). The next block (in the direction of
 execution: up in the forward, down in the backward's recomputes, told apart by whether autograd's backward
 is running) is copied ahead on a side CUDA stream.
 
@@ -73,6 +73,7 @@ class BlockOffloader:
         self.live: dict[int, int] = {}
         self.installed: set[int] = set()  # blocks whose device weights are in their modules now
         self.most_live = 0
+        self._queued_for: int | None = None  # the backward whose end puts back the last block recomputed
         # (block onloaded, block copied ahead or None), the last few: which block is fetched when (tests)
         self.ahead: deque[tuple[int, int | None]] = deque(maxlen=4 * len(blocks) + 4)
         self.blocks: dict[int, _Block] = {}
@@ -162,7 +163,9 @@ class BlockOffloader:
             self._watch(i)
             self.onloads += 1
             backward = _in_backward()
-            if backward is None:  # no way to ask autograd: guess from the last block onloaded
+            if backward:
+                self._put_back_at_end_of_backward()
+            elif backward is None:  # no way to ask autograd: guess from the last block onloaded
                 backward = self.last is not None and i <= self.last
             step = -1 if backward else 1
             self.last = i
@@ -174,6 +177,21 @@ class BlockOffloader:
         def hook(module, args, output):
             self._put_back(i)
         return hook
+
+    def _put_back_at_end_of_backward(self) -> None:
+        """Put back whatever is still installed once this backward is done: the last block recomputed would
+        otherwise hold its device weights through the optimizer step and the data wait, until the next forward.
+        Autograd's end-of-backward callback (what DDP and FSDP use too) runs once per backward, so it is queued
+        once per graph task."""
+        task = torch._C._current_graph_task_id()
+        if task == self._queued_for:
+            return
+        self._queued_for = task
+        torch.autograd.Variable._execution_engine.queue_callback(self._put_back_all)
+
+    def _put_back_all(self) -> None:
+        for j in list(self.installed):
+            self._put_back(j)
 
     def _put_back(self, i: int) -> None:
         for mod, name, host in self.blocks[i].slots:
