@@ -7,7 +7,8 @@ objects and the offload puts the host ones back; a device copy lives exactly as 
 With gradient checkpointing (required: `train.offload: blocks` turns it on) the forward keeps only block
 inputs, so a block's device copy is freed after its forward, and the backward's recompute of a block onloads
 it again and keeps it until the next block's recompute (the recompute stops early, so no forward hook ends
-it; the last block recomputed is put back when the backward ends). The next block (in the direction of
+it; the last block recomputed is put back when the backward ends, and the first offloaded block is then
+copied ahead for the next forward; the forward's last block is copied again ahead of its recompute). The next block (in the direction of
 execution: up in the forward, down in the backward's recomputes, told apart by whether autograd's backward
 is running) is copied ahead on a side CUDA stream.
 
@@ -67,6 +68,7 @@ class BlockOffloader:
         self.pending: dict[int, list[torch.Tensor]] = {}
         self.last: int | None = None
         self.onloads = 0  # how many block onloads happened (tests, logs)
+        self.unhidden = 0  # of those, how many were not copied ahead (a copy the compute waits for)
         # blocks whose installed device weights are still alive (a weak reference per onload, so whatever
         # holds them counts) and the most at once: 1 when each block's copy dies with its forward or backward
         # (the plan adds one prefetched block); a proof run reports it, also when it runs out of memory
@@ -145,6 +147,7 @@ class BlockOffloader:
             tensors = self.pending.pop(i, None)
             if tensors is None:
                 tensors = self._copy(i)
+                self.unhidden += 1
             elif self.stream is not None:
                 torch.cuda.current_stream(self.device).wait_stream(self.stream)
                 for t in tensors:  # freed on the compute stream's schedule, not the copy stream's
@@ -169,8 +172,12 @@ class BlockOffloader:
                 backward = self.last is not None and i <= self.last
             step = -1 if backward else 1
             self.last = i
-            self.ahead.append((i, i + step if i + step in self.blocks else None))
-            self._prefetch(i + step)
+            ahead = i + step if i + step in self.blocks else None
+            if ahead is None and not backward and torch.is_grad_enabled():
+                ahead = i  # the backward's first recompute is this block again: copied ahead while it runs
+            self.ahead.append((i, ahead))
+            if ahead is not None:
+                self._prefetch(ahead)
         return hook
 
     def _post_hook(self, i: int):
@@ -192,6 +199,10 @@ class BlockOffloader:
     def _put_back_all(self) -> None:
         for j in list(self.installed):
             self._put_back(j)
+        # the next forward starts at the first offloaded block: copied now, it overlaps the optimizer step
+        # (within the plan's one block copied ahead) instead of being waited for
+        if self.blocks:
+            self._prefetch(min(self.blocks))
 
     def _put_back(self, i: int) -> None:
         for mod, name, host in self.blocks[i].slots:

@@ -250,6 +250,7 @@ def run_config(name: str, c: dict, d: dict, samples, batches: list[list[int]], p
         if offloader is not None:  # blocks whose device weights are alive: 1 at a time when offload works
             plan["offload_most_live_blocks"] = offloader.most_live
             plan["offload_live_blocks_at_end"] = sorted(offloader.live)
+            plan["offload_unhidden_onloads"] = [offloader.unhidden, offloader.onloads]  # waited for, of all
     out = {"config": c, "attention_backend": backend, "steps": len(rows), "partial": partial,
            "batches_per_epoch": len(batches), **plan, "rows": rows}
     if rows:

@@ -92,6 +92,7 @@ def test_offload_streams_pinned_weights_same_gradients(cuda):
         torch.cuda.synchronize()
         assert torch.equal(resident.img_in.weight.grad, off_model.img_in.weight.grad)
     assert list(off.ahead)[0] == (0, 1)  # the forward after a backward: block 0 copied block 1 ahead
+    assert off.unhidden == 1  # only the very first onload was waited for (the backward's end copies block 0)
 
 
 def test_compile_with_packed_matches_eager(cuda):

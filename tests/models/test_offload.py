@@ -1,7 +1,8 @@
 """Block offload (models/offload.py) on the CPU (always_copy: every onload a real copy): which block is
 copied ahead when. Forward: the next block up; a checkpointed backward's recomputes: the next block down; and
 the first block of a forward that follows a backward prefetches upwards too (it prefetched downwards, into
-nothing, before: the block after it was then copied on the compute stream, unhidden)."""
+nothing, before: the block after it was then copied on the compute stream, unhidden); and the backward's end
+copies the first offloaded block ahead for the next forward."""
 
 from __future__ import annotations
 
@@ -38,10 +39,13 @@ def test_prefetch_follows_the_direction_of_execution():
 
     _train_step(model, batch)
     first = list(off.ahead)
-    # forward 1, 2, 3 (each fetches the next one up), then the backward recomputes 3, 2, 1 (the next one down)
-    assert first == [(1, 2), (2, 3), (3, None), (3, 2), (2, 1), (1, None)]
+    # forward 1, 2, 3 (each fetches the next one up; the last one itself again, for the backward's first
+    # recompute), then the backward recomputes 3, 2, 1 (the next one down)
+    assert first == [(1, 2), (2, 3), (3, 3), (3, 2), (2, 1), (1, None)]
+    assert off.unhidden == 1 and list(off.pending) == [1]  # the backward's end copies block 1 ahead
     off.ahead.clear()
     _train_step(model, batch)
+    assert off.unhidden == 1, "the second forward's first block must have been copied ahead, not waited for"
     assert list(off.ahead)[0] == (1, 2), "a forward after a backward must prefetch the next block up"
     assert list(off.ahead) == first
 
