@@ -69,7 +69,7 @@ def test_train_fields(smoke):
     for name, r in configs.items():
         assert "error" not in r, (name, r)
         for key in ("s_per_step", "samples_per_s", "target_tokens_per_s", "data_share", "mfu_vs_measured_matmul",
-                    "plan_bytes", "attention_backend", "steps"):
+                    "plan_bytes", "attention_backend", "steps", "alloc_retries"):
             assert key in r, (name, key)
         assert r["steps"] == r["batches_per_epoch"] and 0 <= r["data_share"] < 1
         assert len(r["rows"]) == r["steps"] and all(row["seconds"] > 0 and row["lengths"] for row in r["rows"])

@@ -227,7 +227,8 @@ def summary(stage: str, rec: dict) -> str:
                 lines.append(f"{name:22s} {r['s_per_step']:7.2f} s/step {r['target_tokens_per_s']:9.0f} tgt tok/s "
                              f"MFU {mfu:.2f} data {r['data_share']:.1%} {pad} "
                              + (f"uncheckpointed {kept} " if (kept := r.get("config", {}).get("uncheckpointed")) else "")
-                             + (f"peak {peak / 2**30:.1f} GiB " if peak else "") + plan)
+                             + (f"peak {peak / 2**30:.1f} GiB " if peak else "")
+                             + (f"alloc retries {n} " if (n := r.get("alloc_retries")) else "") + plan)
     else:
         for name in ("encode_text", "encode_vae", "encode_text_padded"):
             r, first = rec.get(name, {}), rec.get("first_pass", {}).get(name, {})
