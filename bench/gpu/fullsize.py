@@ -57,6 +57,9 @@ CONFIGS = {
     # bf16-packed-b1 with the leading blocks that fit left out of checkpointing (not recomputed): the recompute
     # is a third of a checkpointed step's work, each block kept ~2 GiB of activations at these samples
     "bf16-packed-b1-partial": cfg(batching=("batch", 1), masked=True, uncheckpointed="largest"),
+    # compile at batch 1: at 1 MP one sample fills the GPU (batch 4 only adds padding), and compile gave batch 4
+    # 1.25x (2026-12-04); the likeliest configuration to reach the MFU target
+    "bf16-packed-b1-compile": cfg(batching=("batch", 1), masked=True, compile=True),
     "bf16-packed-nockpt": cfg(ckpt=False, batching=("batch", 1)),  # all 60 blocks' activations: one sample
     "bf16-packed-budget": cfg(batching=("budget", 65536)),
     "bf16-packed-compile": cfg(compile=True),
