@@ -60,6 +60,13 @@ def test_correctness_errors_within_tolerance(smoke):
     q = data["stages"]["correctness"]["quantized"]
     for kind in ("int8", "fp8"):
         assert q[kind]["ran"] and q[kind]["lora_grads_finite"] and q[kind]["rel_loss_deviation"] < 0.05
+    lin = data["stages"]["correctness"]["quantized_linear"]
+    for shape in ("32x128", "128x32"):  # (in, out); every chunk size timed
+        for kind in ("int8", "fp8"):
+            per = lin[shape][kind]
+            assert list(per) == [str(1 << 21), str(1 << 23), str(1 << 25), "whole"], per
+            assert all(v["ms"] > 0 and v["x_bfloat16"] > 0 for v in per.values())
+        assert lin[shape]["bfloat16_ms"] > 0
 
 
 def test_train_fields(smoke):

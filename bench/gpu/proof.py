@@ -8,7 +8,7 @@ Stages (bench/gpu/README.md says which call runs which; docs/gpu.md what each me
 - correctness: padded mixed-resolution batches vs each sample alone through the unmodified diffusers
   transformer at the real width (bench/gpu/correctness.py), fp32 TF32-off and bf16, every attention backend
   that runs; offload / prefetch / compile give the same LoRA, int8 / fp8 (/ nf4) base vs bf16 loss
-  (bench/gpu/same_lora.py);
+  (bench/gpu/same_lora.py); the quantised linear's speed per dequantisation chunk (bench/gpu/quantized_linear.py);
 - train: the 60-layer full-width transformer per configuration (bench/gpu/fullsize.py);
 - encode: encode-text / encode-vae vs the stock pipeline per sample (bench/gpu/encode_speed.py).
 
@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 STAGES = ("correctness", "train", "encode")
-CORRECTNESS_PARTS = ("equivalence", "quantized", "same_lora")
+CORRECTNESS_PARTS = ("equivalence", "quantized", "quantized_linear", "same_lora")
 
 
 class StageRecord(dict):
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--layers", type=int, default=None, help="train: transformer blocks (default 60; smoke 2: a kept and a checkpointed one)")
     ap.add_argument("--samples", type=int, default=None, help="train / encode: samples (default 8 / 16)")
     ap.add_argument("--parts", default=",".join(CORRECTNESS_PARTS),
-                    help="correctness: which parts (equivalence, quantized, same_lora)")
+                    help="correctness: which parts (equivalence, quantized, quantized_linear, same_lora)")
     ap.add_argument("--work", type=Path, default=None, help="scratch folder (default: a temp dir)")
     args = ap.parse_args(argv)
 
@@ -160,6 +160,10 @@ def _run_stages(args, ap, device, results, work: Path, start: float, deadline: f
                 run_equivalence(device, args.smoke, deadline, rec)
             if "quantized" in parts:
                 run_quantized(device, args.smoke, deadline, rec)
+            if "quantized_linear" in parts:
+                from bench.gpu.quantized_linear import run_quantized_linear
+
+                run_quantized_linear(device, args.smoke, deadline, rec)
             if "same_lora" in parts:
                 run_same_lora(device, args.smoke, work / "same-lora", deadline, rec)
         elif stage == "train":
@@ -213,6 +217,11 @@ def summary(stage: str, rec: dict) -> str:
         for name, r in rec.get("quantized", {}).items():
             if isinstance(r, dict) and r.get("ran"):
                 lines.append(f"quantized {name:5s} loss deviation {r['rel_loss_deviation']:.2e}")
+        for shape, r in rec.get("quantized_linear", {}).items():
+            for kind in ("int8", "fp8"):
+                if isinstance(r, dict) and "ms" in next(iter(r.get(kind, {}).values()), {}):
+                    lines.append(f"linear {shape:11s} {kind} x bf16 by chunk: "
+                                 + " ".join(f"{c}={v['x_bfloat16']:.2f}" for c, v in r[kind].items()))
     elif stage == "train":
         for name, r in rec.get("configs", {}).items():
             plan = f"plan {r['plan_bytes'] / 2**30:.1f} GiB" if "plan_bytes" in r else ""
