@@ -28,10 +28,13 @@ TIMEOUT = 120  # a bound for a rank left waiting (the test then fails), generous
 def _env(rank: int, port: int, agent_store: bool, nodes: int = 2) -> dict[str, str]:
     """Rank `rank` of 2, on 2 nodes of one process each (as where one node's driver failed) or on 1 node."""
     local = rank if nodes == 1 else 0
+    # the suite's PYTHONPATH after the repository: a `pip --target` stack (bench/gpu/rehearse, the GPU machine)
+    # has its libraries only there (the warm parent of test_failure_lines lost diffusers without it)
+    suite = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(REPO)]
     env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(local), "WORLD_SIZE": "2",
            "LOCAL_WORLD_SIZE": str(3 - nodes),
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
-           "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+           "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join([str(REPO), *suite])}
     env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
     if agent_store:  # as torchrun's workers: the store is the agent's (here: this test's)
         env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
