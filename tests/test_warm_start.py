@@ -97,11 +97,20 @@ WORKER = textwrap.dedent(r"""
     if what == "sleep":
         open(os.path.join(sys.argv[2], os.environ["RANK"]), "w").write(str(os.getpid()))
         time.sleep(600)
-    if os.environ["RANK"] == "1":
+    if what in ("exit", "kill"):
+        # Rank 0 is still running when rank 1 fails, so torchrun stops it (SIGTERM) and reports both, cold and warm
+        # alike. Before, rank 0 exited on its own and raced rank 1's failure: whichever torchrun saw first decided
+        # whether rank 0 was in the report (a loaded run reported it for the warm agent only).
+        said = "said-" + os.environ["TORCHELASTIC_RUN_ID"]  # one per launch: the cold and warm runs share the folder
+        if os.environ["RANK"] == "0":
+            open(said, "w").close()
+            time.sleep(600)
+        deadline = time.monotonic() + 300
+        while not os.path.exists(said) and time.monotonic() < deadline:  # rank 0's lines are written
+            time.sleep(0.01)
         if what == "exit":
             os._exit(3)
-        if what == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
 """)
 # The agent: a line of its own before torchrun starts (the workers' output follows it in the same files)
 AGENT = ("import os, sys\nprint('agent before', flush=True)\nos.environ.update(dict(a.split('=') for a in sys.argv[1:2] if a))\n"
@@ -152,8 +161,10 @@ def test_a_warm_agents_workers_start_warm_and_end_as_cold_ones_do(tmp_path, what
     assert "GROUP_RANK" in warm_seen["1"]["env"] and warm_seen["1"]["env"]["LOCAL_RANK"] == "1"
     assert warm_out.startswith("agent before\n") and cold_out.startswith("agent before\n")
     assert all(f"stderr of rank {r}" in warm_err for r in "01"), warm_err
-    assert _failures(warm_err) == _failures(cold_err), (warm_err, cold_err)
-    assert ("exitcode  : -9" in warm_err) == (what == "kill") and ("exitcode  : 3" in warm_err) == (what == "exit")
+    rank1 = {"ok": [], "exit": ["exitcode  : 3"], "kill": ["exitcode  : -9   (SIGKILL)"]}[what]
+    rank0 = [] if what == "ok" else ["exitcode  : -15   (SIGTERM)", "rank      : 0 (local_rank: 0)"]
+    expected = sorted(rank0 + rank1 + (["rank      : 1 (local_rank: 1)"] if rank1 else []))
+    assert _failures(warm_err) == _failures(cold_err) == expected, (warm_err, cold_err)
 
 
 def _gone(pid: int) -> bool:
