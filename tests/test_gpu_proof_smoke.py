@@ -189,3 +189,29 @@ def test_plan_comes_before_a_configuration_runs_and_skips_what_cannot_fit(monkey
     assert "error" not in skipped and skipped["plan_bytes"] > 1.1 * 1e-4 * 2**30
     assert fullsize.over_limit(100, fullsize.CONFIGS["bf16-packed"], 95) is None  # within 10 %: run it
     assert "card" in fullsize.over_limit(120, fullsize.CONFIGS["bf16-packed"], 100)
+
+
+def test_a_quantised_linear_that_fails_keeps_its_timed_chunks_and_the_summary_says_so(monkeypatch):
+    """A kind that fails at a larger chunk (out of memory at the whole weight, say) keeps the chunks timed before
+    it, and the summary prints them with the failure; before, the summary raised TypeError on the failed entry."""
+    sys.path.insert(0, str(REPO))
+    import torch
+
+    import models.quantize as qmod
+    from bench.gpu import quantized_linear
+    from bench.gpu.proof import summary
+
+    timed = quantized_linear._time
+
+    def ooms_from_the_second_chunk(fn, device, repeat):
+        if qmod.DEQUANT_ELEMENTS == 1 << 23:
+            raise RuntimeError("CUDA out of memory (simulated)")
+        return timed(fn, device, repeat)
+
+    monkeypatch.setattr(quantized_linear, "_time", ooms_from_the_second_chunk)
+    rec = _Record()
+    quantized_linear.run_quantized_linear(torch.device("cpu"), True, float("inf"), rec)
+    int8 = rec["quantized_linear"]["32x128"]["int8"]
+    assert int8["ran"] is False and "out of memory" in int8["error"] and int8[str(1 << 21)]["ms"] > 0
+    text = summary("correctness", {"quantized_linear": rec["quantized_linear"]})
+    assert f"linear 32x128      int8 x bf16 by chunk: {1 << 21}=" in text and "failed: RuntimeError: CUDA out" in text

@@ -219,9 +219,12 @@ def summary(stage: str, rec: dict) -> str:
                 lines.append(f"quantized {name:5s} loss deviation {r['rel_loss_deviation']:.2e}")
         for shape, r in rec.get("quantized_linear", {}).items():
             for kind in ("int8", "fp8"):
-                if isinstance(r, dict) and "ms" in next(iter(r.get(kind, {}).values()), {}):
-                    lines.append(f"linear {shape:11s} {kind} x bf16 by chunk: "
-                                 + " ".join(f"{c}={v['x_bfloat16']:.2f}" for c, v in r[kind].items()))
+                per = r.get(kind) if isinstance(r, dict) else None
+                if not isinstance(per, dict):
+                    continue
+                timed = " ".join(f"{c}={v['x_bfloat16']:.2f}" for c, v in per.items() if isinstance(v, dict))
+                lines.append(f"linear {shape:11s} {kind} x bf16 by chunk: {timed}"
+                             + (f" failed: {per['error'][:90]}" if "error" in per else ""))
     elif stage == "train":
         for name, r in rec.get("configs", {}).items():
             plan = f"plan {r['plan_bytes'] / 2**30:.1f} GiB" if "plan_bytes" in r else ""

@@ -92,7 +92,7 @@ def run_quantized_linear(device: torch.device, smoke: bool, deadline: float, rec
                                                       "peak_bytes": _peak_above(q, device)}
                 finally:
                     qmod.DEQUANT_ELEMENTS = saved
-            except Exception as e:
-                row[kind] = {"ran": False, "error": f"{type(e).__name__}: {str(e)[:400]}",
-                             "where": traceback.format_exc(limit=-3)[-800:]}
+            except Exception as e:  # the chunks timed before the failure stay (one device call is precious)
+                row.setdefault(kind, {}).update({"ran": False, "error": f"{type(e).__name__}: {str(e)[:400]}",
+                                                 "where": traceback.format_exc(limit=-3)[-800:]})
             record.flush()
