@@ -255,8 +255,11 @@ def watch_failures(world: int) -> None:
     def _stop_watching() -> None:
         # Stopped and joined before the interpreter finalizes: a daemon thread still inside the store client's
         # C++ call then is killed mid-call, which aborted a finished rank (SIGABRT, seen once in CI).
+        if stop.is_set():  # stopped already (the exit after a test's own stop)
+            return
         stop.set()
         watcher.join(timeout=15)
+        _count_exit(client, world)
 
     atexit.register(_stop_watching)
     _state["stop_watching"] = _stop_watching
@@ -307,12 +310,28 @@ def _close_process_group(exiting: threading.Event, closed: threading.Event, dead
         deadline.join()
 
 
+def _hosts_store() -> bool:
+    """Does this process serve the launch's store? Rank 0 of a plain env:// launch does (torch's rendezvous, or
+    `_before_group_store`); under torchrun the node's agent does."""
+    return os.environ.get("RANK") == "0" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true"
+
+
+def _count_exit(client, world: int) -> None:
+    """This process's last use of the launch's store, once its watch thread has stopped: counted, and the store's
+    host waits (at most HOST_WAIT_SECONDS) until every rank has counted before its exit ends the store. Before, a
+    rank whose exit came later (a loaded node) had its watch thread poll a store already gone: torch's client
+    printed a C++ warning and stack after the rank's last line (CI: rank 1 of an agreed refusal)."""
+    if not _state.get("store_gone"):  # a client call to a store found gone prints torch's C++ warning again
+        _count_and_wait(client, _launch_key("exited"), world, wait=_hosts_store())
+
+
 def _watch(client, key: str, stop: threading.Event) -> None:
     while not stop.is_set():
         try:
             if client.check([key]):
                 break
         except Exception:  # noqa: BLE001 - the store is gone: the launch is over
+            _state["store_gone"] = True
             return
         stop.wait(POLL_SECONDS)
     else:
@@ -325,6 +344,7 @@ def _watch(client, key: str, stop: threading.Event) -> None:
         return
     _known_by_all(client, key, _state["world"])  # before the exit: it may end this node's store
     if report_once(message):
+        _count_exit(client, _state["world"])  # os._exit runs no atexit callback: counted here
         os._exit(1)  # the main thread may be inside a collective that never returns
 
 
@@ -722,7 +742,7 @@ def _before_group_store(timeout: float):
     instead of binding MASTER_PORT a second time."""
     if _before["store"] is None:
         # rank 0 of a plain env:// launch serves the store itself; under torchrun the agent does
-        if os.environ.get("RANK") == "0" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
+        if _hosts_store():
             from datetime import timedelta
 
             import torch.distributed as dist
