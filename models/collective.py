@@ -320,8 +320,10 @@ def _count_exit(client, world: int) -> None:
     """This process's last use of the launch's store, once its watch thread has stopped: counted, and the store's
     host waits (at most HOST_WAIT_SECONDS) until every rank has counted before its exit ends the store. Before, a
     rank whose exit came later (a loaded node) had its watch thread poll a store already gone: torch's client
-    printed a C++ warning and stack after the rank's last line (CI: rank 1 of an agreed refusal)."""
-    if not _state.get("store_gone"):  # a client call to a store found gone prints torch's C++ warning again
+    printed a C++ warning and stack after the rank's last line (CI: rank 1 of an agreed refusal). Not after a
+    store found gone (a client call prints that warning again) nor after a published failure, whose ranks all end
+    once they know it (`_known_by_all`): a host waiting here would redraw its progress bar after its line."""
+    if not _state.get("store_done"):
         _count_and_wait(client, _launch_key("exited"), world, wait=_hosts_store())
 
 
@@ -331,7 +333,7 @@ def _watch(client, key: str, stop: threading.Event) -> None:
             if client.check([key]):
                 break
         except Exception:  # noqa: BLE001 - the store is gone: the launch is over
-            _state["store_gone"] = True
+            _state["store_done"] = True
             return
         stop.wait(POLL_SECONDS)
     else:
@@ -344,7 +346,6 @@ def _watch(client, key: str, stop: threading.Event) -> None:
         return
     _known_by_all(client, key, _state["world"])  # before the exit: it may end this node's store
     if report_once(message):
-        _count_exit(client, _state["world"])  # os._exit runs no atexit callback: counted here
         os._exit(1)  # the main thread may be inside a collective that never returns
 
 
@@ -436,7 +437,8 @@ def _known_by_all(client, key: str, world: int) -> None:
     watch thread polls every POLL_SECONDS and needs the GIL, which a long call of its main thread may hold) found
     the store gone and ended on another line (gloo's "connection closed"; NCCL: waited until the collective
     timeout). Ranks that fail at once each count themselves: no wait. A killed rank never counts: the others wait
-    the bound."""
+    the bound. The store's last use by this process (`_count_exit`)."""
+    _state["store_done"] = True
     _count_and_wait(client, f"{key}/known", world)
 
 
