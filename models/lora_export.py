@@ -21,6 +21,7 @@ how the export is tested. Only plain LoRA exports: DoRA / LoHa / LoKr have no su
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -29,6 +30,7 @@ from safetensors.torch import save_file
 from models.canonical_safetensors import canonicalize
 from models.lora import lora_weight_file, module_scale, provenance, read_lora
 from schemas.errors import UserError
+from schemas.temp_files import remove_dead_temps, temp_of
 
 COMFY_PREFIX = "diffusion_model."
 # ComfyUI's 2.1 model holds these two as the halves of a fused `img_mlp.gate_up` (see the module docstring)
@@ -100,8 +102,15 @@ def export_lora(lora: str | Path, fmt: str, out: str | Path, overwrite: bool = F
         _refuse_existing(out)  # before the LoRA is read
     state = comfyui_state_dict(lora)
     out.parent.mkdir(parents=True, exist_ok=True)
-    # its own name: another export to OUT meanwhile put its file at a shared one, which this one then linked in
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    # A folder of its own, the file in it: safetensors writes its own temp file (`.tmpXXXXXX`) beside the path it
+    # is given, which a killed export left beside --out under a name no one could tell was litter. pid-named: a
+    # killed export's folder is removed by the next export to OUT (never a live one's); another export to OUT
+    # meanwhile never links in this one's file.
+    folder = temp_of(out)
+    remove_dead_temps(out, own=folder)
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir()
+    tmp = folder / out.name
     try:
         # ComfyUI ignores metadata; this project's loaders read the base and family from it (refused / warned)
         save_file(state, tmp, metadata={"format": "pt", "exported_by": "qwen-edit-lora-pipeline", "target": "comfyui",
@@ -112,7 +121,7 @@ def export_lora(lora: str | Path, fmt: str, out: str | Path, overwrite: bool = F
         else:
             _link_new(tmp, out)
     finally:  # a full disk or a kill mid-write: no partial file left beside --out (renamed or linked: gone too)
-        tmp.unlink(missing_ok=True)
+        shutil.rmtree(folder, ignore_errors=True)
     return out
 
 

@@ -26,6 +26,7 @@ import pyarrow.parquet as pq
 
 from schemas.errors import UserError
 from schemas.newer import refuse_newer
+from schemas.temp_files import remove_dead_temps, temp_of
 
 STORE_FORMAT = "qwen-edit-feature-store"
 # 2: store.json sealed with its own CRC32C, each version's `checksums.json`, per-sample `sample_crc32c` (see
@@ -123,21 +124,6 @@ def is_litter(name: str) -> bool:
     return (name.startswith(".") and ".tmp-" in name) or name.endswith(".tar.tmp")
 
 
-def litter_writer_alive(name: str) -> bool:
-    """Is the writer of the temp file / folder `name` (`.<name>.tmp-<pid>`) a live process of this host? A name
-    without a pid counts as gone (its writer is not known); a pid not ours to signal as alive."""
-    tail = name.rsplit(".tmp-", 1)[-1]
-    if not tail.isdigit():
-        return False
-    try:
-        os.kill(int(tail), 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-
-
 def store_litter(root: Path, tables) -> list[Path]:
     """Temp files of interrupted atomic writes beside the versions: in the store (store.json's) and in each of
     `tables`' folders (`v<N>.damaged.json`'s, `v<N>.unchanged.json`'s, `v<N>.note-*.json`'s)."""
@@ -202,7 +188,7 @@ def atomic_write_bytes(path: Path, data: bytes, replace: bool = True) -> None:
     """Temp file in the same folder, fsync, rename, fsync the folder: readers see the old or the new file.
     A failed write (full disk, ...) removes its temp file and re-raises. `replace=False`: a file already named
     `path` is never replaced (`rename_new`: FileExistsError)."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = temp_of(path)
     try:
         with open(tmp, "wb") as f:
             f.write(data)
@@ -245,10 +231,8 @@ def atomic_dir(final: Path, tmp: Path | None = None) -> Iterator[Path]:
     names the temp folder when other processes must find it (checkpoint RNG files of every rank)."""
     final = Path(final)
     if tmp is None:  # the pid-named temp folder: a killed writer's (another pid, gone) is removed too
-        tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
-        for left in final.parent.glob(f".{glob.escape(final.name)}.tmp-*"):
-            if left != tmp and not litter_writer_alive(left.name):
-                shutil.rmtree(left, ignore_errors=True)
+        tmp = temp_of(final)
+        remove_dead_temps(final, own=tmp)
     tmp = Path(tmp)
     shutil.rmtree(tmp, ignore_errors=True)
     for left in final.parent.glob(f".{glob.escape(final.name)}.deleting-*"):  # an old folder a killed swap did not finish removing

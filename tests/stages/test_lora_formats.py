@@ -420,3 +420,45 @@ def _stat(path: Path) -> tuple[int, int, int]:
     except FileNotFoundError:
         return (0, 0, 0)
     return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def test_a_killed_exports_temp_is_removed_by_the_next_export_and_a_live_ones_kept(tmp_path):
+    """A SIGKILLed export left its temp file beside --out for good (safetensors' own `.tmpXXXXXX`, a LoRA's size,
+    named by no rule anyone could tell was litter). Now each export writes in a pid-named folder of its own, and
+    the next export to that --out removes a dead writer's folder; a live writer's is kept."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import models.lora_export as lora_export
+
+    q = "transformer.transformer_blocks.0.attn.to_q"
+    src = tmp_path / "lora.safetensors"
+    save_file({f"{q}.lora_A.weight": torch.rand(4, 64), f"{q}.lora_B.weight": torch.rand(64, 4)}, src)
+    out, ready = tmp_path / "comfy" / "lora.safetensors", tmp_path / "ready"
+    stuck = ("import sys, time, pathlib\nimport models.lora_export as e\n"
+             "def stuck(path, *a, **k):\n    pathlib.Path(sys.argv[3]).write_text(str(path))\n    time.sleep(600)\n"
+             "e.canonicalize = stuck\ne.export_lora(sys.argv[1], 'comfyui', sys.argv[2])\n")
+    killed = subprocess.Popen([sys.executable, "-c", stuck, str(src), str(out), str(ready)],
+                              env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        deadline = time.monotonic() + 120
+        while not ready.exists():  # the killed one's file is written, in its temp folder
+            assert killed.poll() is None and time.monotonic() < deadline, killed.returncode
+            time.sleep(0.01)
+        killed.send_signal(signal.SIGKILL)
+        killed.wait()
+        assert Path(ready.read_text()).is_file()  # what the kill leaves beside --out
+        live_folder = out.with_name(f".{out.name}.tmp-{live.pid}")
+        live_folder.mkdir()
+        lora_export.export_lora(src, "comfyui", out)
+        assert sorted(p.name for p in out.parent.iterdir()) == sorted([out.name, live_folder.name])
+        clean = tmp_path / "clean" / "lora.safetensors"
+        lora_export.export_lora(src, "comfyui", clean)
+        assert out.read_bytes() == clean.read_bytes()
+    finally:
+        killed.kill()
+        live.kill()
+        live.wait()
