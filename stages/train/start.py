@@ -42,10 +42,25 @@ def open_tables(tc: TrainConfig, store: str | Path, model: str, accelerator) -> 
         tables = open_configured(tc, "train", store, model, fingerprint, "train", say_dropped=False)
     try:
         check_same_versions(world, tables.versions(), tables.store_root, "train")
+        with together(world, "train.control_dropout"):
+            check_control_dropout(tc, tables)
     except BaseException:
         tables.close()
         raise
     return tables
+
+
+def check_control_dropout(tc: TrainConfig, tables: JoinedTables) -> None:
+    """`train.control_dropout` trains a drawn sample on its instruction without the control images, which the
+    text table holds only when encoded with `encode_text.no_control_embeds` (`nocontrol_embeds`). Refused here,
+    before the model loads; before, the first dropped sample raised, after minutes of loading and maybe many
+    steps (models/randomness.py keeps that check for a sample whose row lacks it)."""
+    text = tables.readers["text"]
+    if tc.control_dropout > 0 and "nocontrol_embeds" not in {f.name for f in text.schema.fields}:
+        raise UserError(f"train.control_dropout {tc.control_dropout} needs the text table's nocontrol_embeds, which "
+                        f"table 'text' {text.dir.name} of {tables.store_root} was encoded without: re-run encode-text "
+                        "with encode_text.no_control_embeds: true (it adds them, reusing the rest), or set "
+                        "train.control_dropout: 0")
 
 
 def agreed_model_fingerprint(world: int, model: str) -> str:

@@ -19,8 +19,10 @@ def _cli(*args, code: int = 0) -> str:
     return result.output
 
 
-def test_no_control_embeds_and_control_dropout_training(tiny_plus_model, plus_store, tmp_path):
+def test_no_control_embeds_and_control_dropout_training(tiny_plus_model, plus_store, tmp_path, monkeypatch):
     from diffusers import QwenImageEditPlusPipeline
+
+    import models.loading
 
     from models.flow import flow_loss
     from models.randomness import draw_caption_dropout, draw_control_dropout, draw_noise, draw_sigma, with_control_dropout
@@ -31,8 +33,14 @@ def test_no_control_embeds_and_control_dropout_training(tiny_plus_model, plus_st
     f32 = ["--set", "encode_text.dtype=float32"]
     _cli("run", "encode-text", "--store", plus_store, "--model", tiny_plus_model, *f32)
     _cli("run", "encode-vae", "--store", plus_store, "--model", tiny_plus_model)
-    _cli("run", "train", "--store", plus_store, "--model", tiny_plus_model, "--out", tmp_path / "refused",
-         "--max-steps", 1, "--device", "cpu", "--set", "train.control_dropout=1.0", code=1)  # no such embeds yet
+    loaded, real_load = [], models.loading.load_component
+    monkeypatch.setattr(models.loading, "load_component", lambda *a, **k: loaded.append(a[1]) or real_load(*a, **k))
+    out = _cli("run", "train", "--store", plus_store, "--model", tiny_plus_model, "--out", tmp_path / "refused",
+               "--max-steps", 1, "--device", "cpu", "--set", "train.control_dropout=1.0", code=1)  # no such embeds yet
+    # refused before the transformer loads (before: at the first dropped sample, after the load)
+    assert "train.control_dropout 1.0 needs the text table's nocontrol_embeds" in out and "v1" in out, out
+    assert "encode_text.no_control_embeds: true" in out and "transformer" not in loaded, (out, loaded)
+    monkeypatch.setattr(models.loading, "load_component", real_load)
     _cli("run", "encode-text", "--store", plus_store, "--model", tiny_plus_model, *f32,
          "--set", "encode_text.no_control_embeds=true")
     st = Store(plus_store)
