@@ -534,7 +534,7 @@ def _not_whole(dst: Path, vdir: Path, files: list[_File]) -> list[_File]:
 
 def _refetch(remote: Remote, dst: Path, files: list[_File], bar, summary: SyncSummary, damaged_ok: bool) -> None:
     """`_not_whole`'s files fetched again in place, each checked and renamed in whole (`fetch_checked`); a file cut
-    short is removed first (`fetch_checked` would otherwise judge it by its recorded checksum alone)."""
+    short goes first, so no reader trusts its old size record."""
     shared = SharedBar(bar)
 
     def fetch(f: _File) -> str:
