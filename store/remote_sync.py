@@ -14,8 +14,7 @@ visible is the same on both sides: its `manifest.parquet`. An object store has n
 - pull downloads into `<table>/.v<N>.pull/` (not a version name: readers ignore it), checks every file's CRC32C
   against the version's sealed `checksums.json` as it arrives (a damaged object is refused, naming it), fetches
   the manifest last and renames the folder to `v<N>` - the local commit, exactly as a writer's. A rerun keeps the
-  files already fetched and checked. A version already complete here is stat'ed file by file: a file missing or of
-  another size than recorded (deleted by hand, cut short by a full disk) is fetched again, checked, in place.
+  files already fetched and checked.
 Versions are immutable, so "what the other side lacks" is a version without a manifest there; the same version
 number with a different manifest is a conflict (two stores that grew apart), refused rather than overwritten.
 Only the store's own files are copied: complete versions not marked damaged, `store.json`, and the rows of
@@ -71,7 +70,6 @@ class SyncSummary:
     damaged: list[str] = field(default_factory=list)  # objects kept although they differ (pull for repair)
     newer: list[str] = field(default_factory=list)  # push: "table/vN" the remote had current, above the pushed one
     set_aside: list[str] = field(default_factory=list)  # push for repair: a damaged remote file, kept under this name
-    refetched: list[str] = field(default_factory=list)  # pull: a present version's file missing or cut short here
 
     def newer_current(self, table: str) -> int | None:
         """The remote's current version of `table` that this push kept over the pushed one (None: none)."""
@@ -87,9 +85,7 @@ class SyncSummary:
                 f"{self.objects_sent} file(s), {self.bytes_sent / 2**20:.1f} MiB "
                 f"{'sent' if self.direction == 'push' else 'fetched'}, {self.objects_skipped} "
                 "already there" + (f"; kept the remote's newer current {', '.join(self.newer)}" if self.newer else "")
-                + "".join(f"; {fmt.QUARANTINE} (damaged) set aside as {name}" for name in self.set_aside)
-                + (f"; fetched again {len(self.refetched)} file(s) missing or cut short here (e.g. "
-                   f"{self.refetched[0]})" if self.refetched else ""))
+                + "".join(f"; {fmt.QUARANTINE} (damaged) set aside as {name}" for name in self.set_aside))
 
 
 @dataclass
@@ -473,7 +469,6 @@ def pull(url: str, dst: Path, storage_options: dict[str, Any] | None = None,
         rec, tables, wanted = wanted_versions(_remote_record(remote, listing), url, tables, optional, listing)
         store = Store(dst)
         plan: list[tuple[str, int, bytes, list[_File]]] = []
-        refill: list[_File] = []
         for rel in sorted(listing):
             m = _MANIFEST_RE.fullmatch(rel)
             if not m:
@@ -493,15 +488,13 @@ def pull(url: str, dst: Path, storage_options: dict[str, Any] | None = None,
                 if not fmt.is_complete(vdir) or remote_checked.known_crc(vdir / fmt.MANIFEST)[0] != files[-1].crc:
                     raise _conflict(table, version, url, dst)
                 summary.present.append(f"{table}/v{version}")
-                refill += _not_whole(dst, vdir, files)
                 continue
             plan.append((table, version, record, files))
-        total = sum(f.nbytes for *_, files in plan for f in files) + sum(f.nbytes for f in refill)
+        total = sum(f.nbytes for *_, files in plan for f in files)
         with _progress(total, f"pull {url}") as bar:
             for table, version, record, files in plan:
                 _pull_version(remote, dst, table, version, files, bar, summary, damaged_ok)
                 summary.copied.append(f"{table}/v{version}")
-            _refetch(remote, dst, refill, bar, summary, damaged_ok)
         if fmt.QUARANTINE in listing:
             pull_quarantine(remote, dst, damaged_ok)
         for table, entry in sorted(rec["tables"].items()):
@@ -510,42 +503,6 @@ def pull(url: str, dst: Path, storage_options: dict[str, Any] | None = None,
             if fmt.is_complete(fmt.version_dir(dst, table, int(entry["current"]))):
                 store.set_current(table, int(entry["current"]))
     return summary
-
-
-def _not_whole(dst: Path, vdir: Path, files: list[_File]) -> list[_File]:
-    """The files of a complete local version (`vdir`) that are not there whole: missing, or of another size than
-    its checksums.json records (deleted by hand, cut short by a full disk or a killed copy). Before, pull counted
-    such a version present and fetched nothing, so the copy stayed broken for every rerun. One stat each, no read:
-    a same-size difference is what readers' CRC checks and `store verify` find. In a lazily cached version a shard
-    not there yet is fetched when read (store/remote_shards.py): only a wrong size counts there."""
-    from store.remote_shards import is_lazy
-
-    lazy = is_lazy(vdir)
-    out = []
-    for f in files:
-        try:
-            if (dst / f.rel).stat().st_size != f.nbytes:
-                out.append(f)
-        except FileNotFoundError:
-            if not lazy:
-                out.append(f)
-    return out
-
-
-def _refetch(remote: Remote, dst: Path, files: list[_File], bar, summary: SyncSummary, damaged_ok: bool) -> None:
-    """`_not_whole`'s files fetched again in place, each checked and renamed in whole (`fetch_checked`); a file cut
-    short goes first, so no reader trusts its old size record."""
-    shared = SharedBar(bar)
-
-    def fetch(f: _File) -> str:
-        (dst / f.rel).unlink(missing_ok=True)
-        return fetch_checked(remote, f, dst / f.rel, shared, damaged_ok)
-
-    for f, how in zip(files, each_at_once(fetch, files)):
-        if how == "damaged":
-            summary.damaged.append(f.rel)
-        summary.sent(f)
-        summary.refetched.append(f.rel)
 
 
 def _all_cached(remote: Remote, dst: Path, tables: list[str], summary: SyncSummary) -> bool:
@@ -567,13 +524,10 @@ def _all_cached(remote: Remote, dst: Path, tables: list[str], summary: SyncSumma
         return False
     for t, v in wanted:
         where = f"{remote.url}/{t}/v{v}/{fmt.CHECKSUMS}"
-        record = remote.read(f"{t}/v{v}/{fmt.CHECKSUMS}")
-        files = version_files(record, where)
-        if remote_checked.known_crc(fmt.version_dir(dst, t, v) / fmt.MANIFEST)[0] != files[fmt.MANIFEST]["crc32c"]:
+        manifest = version_files(remote.read(f"{t}/v{v}/{fmt.CHECKSUMS}"), where)[fmt.MANIFEST]
+        if remote_checked.known_crc(fmt.version_dir(dst, t, v) / fmt.MANIFEST)[0] != manifest["crc32c"]:
             raise _conflict(t, v, remote.url, dst)
-        if _not_whole(dst, fmt.version_dir(dst, t, v), _ordered(t, v, files, record)):
-            return False  # the full way fetches them again
-    summary.present += [f"{t}/v{v}" for t, v in wanted]
+        summary.present.append(f"{t}/v{v}")
     store = Store(dst)
     for t, v in wanted:
         store.set_current(t, v)

@@ -348,26 +348,3 @@ def test_the_summary_of_a_pull_says_fetched_not_sent():
     pull, push = SyncSummary("pull", "s3://b/p"), SyncSummary("push", "s3://b/p")
     assert "0.0 MiB fetched" in str(pull) and "sent" not in str(pull)
     assert "0.0 MiB sent" in str(push)
-
-
-@pytest.mark.parametrize("tables", [None, ["vae"]])  # `store pull`, and a reader's open of a URL (its warm path)
-def test_a_pull_fetches_again_the_files_of_a_present_version_that_are_missing_or_cut_short(
-        s3_env, store: Store, tmp_path: Path, tables) -> None:
-    """A pulled copy whose shard was deleted by hand and whose index was cut short (a full disk, a killed copy):
-    before, the next pull counted the version present and fetched nothing, so the copy stayed broken."""
-    fill(store, 12)
-    push(store.root, s3_env.url())
-    dst = tmp_path / "pulled"
-    pull(s3_env.url(), dst)
-    vdir = dst / "vae" / "v1"
-    shards = sorted(p for p in vdir.iterdir() if p.name.endswith(".tar"))
-    indexes = sorted(p for p in vdir.iterdir() if p.name.endswith(".idx") or "index" in p.name)
-    shards[0].unlink()
-    cut = indexes[0] if indexes else shards[-1]
-    cut.write_bytes(cut.read_bytes()[:-7])
-
-    summary = pull(s3_env.url(), dst, tables=tables)
-    assert sorted(summary.refetched) == sorted(f"vae/v1/{p.name}" for p in (shards[0], cut)), summary
-    assert summary.objects_sent == 2 and "fetched again 2 file(s) missing or cut short" in str(summary)
-    assert files_of(dst) == files_of(store.root) and verify_store(dst) == []
-    assert pull(s3_env.url(), dst, tables=tables).objects_sent == 0  # whole again: nothing more
