@@ -262,6 +262,43 @@ def record_damage(vdir: Path, samples: dict[str, str] | None = None, shards: dic
                     where(vdir), path, type(e).__name__, e.strerror or e, root)
 
 
+def clear_damage(vdir: Path, names: list[str]) -> None:
+    """Drop from the version's `v<N>.damaged.json` what it records about the files `names` (a pull fetched them
+    again, each checked: store/remote_sync.refill): those shards, the samples in them, the problems naming them;
+    the marker goes when nothing is left, so the repaired copy is no longer refused as damaged. Damage elsewhere
+    in the version (a sample whose bytes changed in a shard of the right size) stays recorded."""
+    try:
+        version = int(vdir.name.lstrip("v"))
+    except ValueError:
+        return
+    root = store_root(vdir)
+    path = fmt.damaged_marker(root, vdir.parent.name, version)
+    if not path.exists():
+        return
+    gone = set(names)
+    with fmt.flock(root / DAMAGE_LOCK):
+        rec = _recorded(path, fresh=True)
+        shards = rec.get("shards") if isinstance(rec.get("shards"), dict) else {}
+        samples = rec.get("damaged") if isinstance(rec.get("damaged"), dict) else {}
+        problems = rec.get("problems") if isinstance(rec.get("problems"), list) else []
+        if samples:
+            import pyarrow.parquet as pq
+
+            m = pq.read_table(vdir / fmt.MANIFEST, columns=["key", "shard"])
+            in_gone = {k for k, s in zip(m.column("key").to_pylist(), m.column("shard").to_pylist()) if s in gone}
+            samples = {k: v for k, v in samples.items() if k not in in_gone}
+        shards = {k: v for k, v in shards.items() if k not in gone}
+        problems = [p for p in problems if not any(n in str(p) for n in gone)]
+        own = ("version", "damaged", "shards", "problems")
+        if samples or shards or problems or any(k not in own for k in rec):
+            rec = {**rec, "damaged": samples, "shards": shards, "problems": problems}
+            fmt.atomic_write_json(path, rec)
+            _remember(path, rec)
+        else:
+            path.unlink()
+            _RECORDED.pop(path, None)
+
+
 # marker -> (its stat stamp when read, its record): a repeat finding is judged by one stat. Every write of a
 # marker is an atomic replace (a new inode), and records only grow, so a record cached under the current stamp
 # never claims a finding the file lacks.

@@ -24,6 +24,7 @@ node add up; on the remote by compare-and-swap); never temp files, locks, leases
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ from store.remote_shards import is_lazy
 from store.remote_upload import Mismatch
 
 PULL_SUFFIX = ".pull"
+log = logging.getLogger("store")
 _MANIFEST_RE = re.compile(r"([^/]+)/v(\d+)/" + re.escape(fmt.MANIFEST))
 
 
@@ -485,8 +487,10 @@ def pull(url: str, dst: Path, storage_options: dict[str, Any] | None = None,
                              record)
             vdir = fmt.version_dir(dst, table, version)
             if vdir.exists():
-                if not fmt.is_complete(vdir) or remote_checked.known_crc(vdir / fmt.MANIFEST)[0] != files[-1].crc:
+                if not _same_version(vdir, record, files):
                     raise _conflict(table, version, url, dst)
+                if not damaged_ok:  # repair's working copy keeps what it pulled as it is, for its scan
+                    refill(remote, dst, table, version, files, summary)
                 summary.present.append(f"{table}/v{version}")
                 continue
             plan.append((table, version, record, files))
@@ -524,9 +528,11 @@ def _all_cached(remote: Remote, dst: Path, tables: list[str], summary: SyncSumma
         return False
     for t, v in wanted:
         where = f"{remote.url}/{t}/v{v}/{fmt.CHECKSUMS}"
-        manifest = version_files(remote.read(f"{t}/v{v}/{fmt.CHECKSUMS}"), where)[fmt.MANIFEST]
-        if remote_checked.known_crc(fmt.version_dir(dst, t, v) / fmt.MANIFEST)[0] != manifest["crc32c"]:
+        record = remote.read(f"{t}/v{v}/{fmt.CHECKSUMS}")
+        files = _ordered(t, v, version_files(record, where), record)
+        if not _same_version(fmt.version_dir(dst, t, v), record, files):
             raise _conflict(t, v, remote.url, dst)
+        refill(remote, dst, t, v, files, summary)
         summary.present.append(f"{t}/v{v}")
     store = Store(dst)
     for t, v in wanted:
@@ -534,16 +540,79 @@ def _all_cached(remote: Remote, dst: Path, tables: list[str], summary: SyncSumma
     return True
 
 
-def fetch_checked(remote: Remote, f: _File, path: Path, bar, damaged_ok: bool = False) -> str:
-    """One object into `path`, its size and CRC32C checked while it streams to `.part` (renamed into place: never a
-    partial file under the name): 'skipped' when `path` holds it already (an earlier run), 'sent', or - a
-    difference with `damaged_ok` (pull for repair) - 'damaged', kept; any other difference raises. A file an
-    earlier run fetched is trusted unread while its size and mtime are those recorded when it was checked
-    (store/remote_checked.py), else read again."""
+def _same_version(vdir: Path, record: bytes, files: list[_File]) -> bool:
+    """Is the local `vdir` a copy of the remote version whose sealed checksums.json is `record`? Its own
+    checksums.json is that record byte for byte (then any other difference is damage to this copy: refilled), or
+    its manifest has the remote's CRC32C (a copy whose checksums.json was lost); else it is another store's."""
+    try:
+        if (vdir / fmt.CHECKSUMS).read_bytes() == record:
+            return True
+    except OSError:
+        pass
+    return fmt.is_complete(vdir) and remote_checked.known_crc(vdir / fmt.MANIFEST)[0] == files[-1].crc
+
+
+def stale_files(vdir: Path, files: list[_File]) -> list[_File]:
+    """The files of the local copy `vdir` that are missing or not their recorded size: one stat each (~20k for a
+    1M-sample version), no read. A lazily cached version's shards are not there until read: only a present one of
+    the wrong size counts."""
+    from store.remote_shards import is_shard
+
+    lazy = is_lazy(vdir)
+    out = []
+    for f in files:
+        try:
+            size = os.stat(vdir / f.rel.rsplit("/", 1)[1]).st_size
+        except FileNotFoundError:
+            if not (lazy and is_shard(f.rel.rsplit("/", 1)[1])):
+                out.append(f)
+            continue
+        if size != f.nbytes:
+            out.append(f)
+    return out
+
+
+def refill(remote: Remote, dst: Path, table: str, version: int, files: list[_File], summary: SyncSummary) -> None:
+    """Fetch again the files of a local copy of a version that were deleted or cut short since (a user's rm, a full
+    disk, a killed copy): found by `stale_files`, each checked as it streams to `.NAME.tmp-PID` and renamed into
+    place (never a partial file under the name), the manifest last; then the damage the readers recorded for them
+    (`v<N>.damaged.json`) is cleared, so the repaired copy reads without a stale report."""
+    vdir = fmt.version_dir(dst, table, version)
+    stale = stale_files(vdir, files)
+    if not stale:
+        return
+    log.warning("%s: %d file(s) of %s v%d missing or of the wrong size (%s); fetching them again from %s",
+                vdir, len(stale), table, version, ", ".join(f.rel.rsplit("/", 1)[1] for f in stale[:5])
+                + (" ..." if len(stale) > 5 else ""), remote.url)
+    with _progress(sum(f.nbytes for f in stale), f"refill {table} v{version}") as bar:
+        bar = SharedBar(bar)
+
+        def fetch(f: _File) -> str:
+            path = vdir / f.rel.rsplit("/", 1)[1]
+            return fetch_checked(remote, f, path, bar, part=path.with_name(f".{path.name}.tmp-{os.getpid()}"))
+
+        manifest = [f for f in stale if f.rel.endswith("/" + fmt.MANIFEST)]
+        rest = [f for f in stale if f not in manifest]
+        for f, _ in zip(rest, each_at_once(fetch, rest)):
+            summary.sent(f)
+        for f in manifest:  # last, as a commit: the version is complete again only with every file back
+            fetch(f)
+            summary.sent(f)
+    fmt.fsync_dir(vdir)
+    integrity.clear_damage(vdir, [f.rel.rsplit("/", 1)[1] for f in stale])
+
+
+def fetch_checked(remote: Remote, f: _File, path: Path, bar, damaged_ok: bool = False,
+                  part: Path | None = None) -> str:
+    """One object into `path`, its size and CRC32C checked while it streams to `part` (default `NAME.part`) and
+    renamed into place: never a partial file under the name. 'skipped' when `path` holds it already (an earlier
+    run), 'sent', or - a difference with `damaged_ok` (pull for repair) - 'damaged', kept; any other difference
+    raises. A file an earlier run fetched is trusted unread while its size and mtime are those recorded when it was
+    checked (store/remote_checked.py), else read again."""
     if path.is_file() and remote_checked.known_crc(path) == (f.crc, f.nbytes):
         bar.update(f.nbytes)
         return "skipped"
-    part = path.with_name(path.name + ".part")
+    part = part if part is not None else path.with_name(path.name + ".part")
     try:
         crc = remote.download(f.rel, part, bar)
     except FileNotFoundError as e:
