@@ -72,7 +72,7 @@ class RemoteLease:
     def record(self) -> dict[str, Any]:
         """store/lease.py's record (what `judge` reads), plus the kind and the time of this write."""
         return {**local_lease.process_identity(), "what": self.what, "kind": self.kind,
-                "versions": self.versions, "argv": sys.argv[:6], "stale_s": self.stale_s,
+                "versions": self.versions, "argv": local_lease.command_line(), "stale_s": self.stale_s,
                 "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
     def _write(self) -> None:
