@@ -15,3 +15,19 @@ class Rejected(Exception):
 
     def __str__(self) -> str:
         return self.detail or self.reason
+
+
+_SECRET_NAME = None  # compiled on first use
+
+
+def without_secrets(word: str) -> str:
+    """`word` (a command-line item: `secret=...`, `--option=token=...`, `client_kwargs={aws_secret_access_key: ...}`)
+    with the value after a secret-looking name (secret, token, password, credential, key) replaced by `***`: a
+    credential given on the command line goes into no message, lease record or log. Other items are kept whole."""
+    import re
+
+    global _SECRET_NAME
+    if _SECRET_NAME is None:
+        _SECRET_NAME = re.compile(r"(secret|token|passw|credential|(?<![a-z])key(?![a-z]))[^=:]*[=:]", re.I)
+    m = _SECRET_NAME.search(word)
+    return word if m is None else word[: m.end()] + "***"

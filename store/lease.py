@@ -59,7 +59,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from schemas.errors import UserError
+from schemas.errors import UserError, without_secrets
 from schemas.host import host_id
 from store import format as fmt
 
@@ -237,6 +237,12 @@ def tag_gone(tag: str, mtime: float | None = None, now: float | None = None) -> 
         return None
 
 
+def command_line() -> list[str]:
+    """The command's first words, for a human reading a lease (local or on a remote: anyone who may list the
+    bucket reads it), a credential given as `-o secret=...` masked (schemas.errors.without_secrets)."""
+    return [without_secrets(w) for w in sys.argv[:6]]
+
+
 @dataclass
 class Lease:
     """The versions this process reads from one store; `path` is None when the store is read-only (no gc can run
@@ -260,7 +266,7 @@ class Lease:
         return named[0] if named else None
 
     def record(self) -> dict[str, Any]:
-        return {**process_identity(), "what": self.what, "versions": self.versions, "argv": sys.argv[:6],
+        return {**process_identity(), "what": self.what, "versions": self.versions, "argv": command_line(),
                 "stale_s": self.stale_s, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
     def add(self, table: str, version: int) -> bool:

@@ -18,8 +18,10 @@ progress), with their upstream. Removed:
 
 Order, per version: the leases and store.json are read again (one listing, one GET) right before its manifest is
 DELETEd, so a lease written or a version made current since the plan still keeps it; the manifest goes first (the
-version stops existing at once for every reader: pull, verify and inspect list versions by their manifest),
-then the rest of its objects. A killed gc leaves an incomplete version, which the next gc removes after the
+version stops existing at once for every reader: pull, verify and inspect list versions by their manifest), the
+leases are listed once more, then the rest of its objects - unless a lease names the version now: a reader that
+took its lease between the look and the manifest DELETE passed its manifest check and reads on, so its data stays
+(incomplete, removed by a later gc once no lease names it). A killed gc leaves an incomplete version, which the next gc removes after the
 grace period. docs/store-format.md, "On an object store", states the remaining race and why it is safe.
 """
 
@@ -48,6 +50,7 @@ class Version:
     table: str
     version: int
     objects: dict[str, tuple[int, float]] = field(default_factory=dict)  # rel: (size, modified)
+    leases_seen: dict[str, tuple[int, float]] | None = None  # live leases at the look before its DELETE
 
     @property
     def name(self) -> str:
@@ -208,11 +211,22 @@ def _still_doomed(remote: Remote, v: Version) -> list[str]:
     keepers = []
     if (_current(remote) or {}).get(v.table) == v.version:
         keepers.append("it is current now")
-    leases = remote.listing_times(remote_lease.LEASES_DIR)  # not the whole prefix (~40k objects a version) again
-    for found in remote_lease.leases(remote, leases):
-        if found.live and (v.table, v.version) in set(found.versions()):
-            keepers.append(found.describe())
-    return keepers
+    return keepers + _leased_by(remote, v)
+
+
+def _leased_by(remote: Remote, v: Version, since: dict[str, tuple[int, float]] | None = None) -> list[str]:
+    """The live leases naming `v` now: one listing of `.leases/` (not the whole prefix: ~40k objects a version),
+    one GET per lease. With `since` (`v.leases_seen`: the leases found live at the look before, with their listed
+    size and LastModified) those still listed the same are not read again (~64 GETs at 8 nodes of 8 ranks): they
+    name what they named then (naming one more version makes the record longer), which was not `v`. Sets
+    `v.leases_seen`."""
+    listing = remote.listing_times(remote_lease.LEASES_DIR)
+    unread = {rel: info for rel, info in listing.items() if since is None or since.get(rel) != info}
+    found = remote_lease.leases(remote, unread) if unread else []  # none: no clock probe either
+    v.leases_seen = {rel: listing[rel] for f in found if f.live and (rel := str(f.path)) in listing}
+    if since is not None:
+        v.leases_seen.update({rel: info for rel, info in since.items() if listing.get(rel) == info})
+    return [f.describe() for f in found if f.live and (v.table, v.version) in set(f.versions())]
 
 
 def _still_dead(remote: Remote, p: RemoteGcPlan, removed: set[tuple[str, int]]) -> tuple[list[Found], list[Found]]:
@@ -277,7 +291,7 @@ def collect(url: str, dry_run: bool = False, grace_s: float = GRACE_SECONDS,
         if dry_run:
             echo(f"dry run: {len(p.remove)} version(s), {p.nbytes / 1e6:.1f} MB would be freed")
             return p
-        removed = []
+        removed, held = [], set()  # held: (table, version) whose data a lease taken meanwhile keeps
         for v in tqdm(p.remove, desc=f"gc {url}", unit="version"):
             keepers = _still_doomed(remote, v)
             if keepers:
@@ -287,11 +301,20 @@ def collect(url: str, dry_run: bool = False, grace_s: float = GRACE_SECONDS,
             if manifest in v.objects:
                 remote.delete([manifest])  # the version stops existing here
             fmt.crash_point("remote_gc_after_manifest")
+            removed.append(v)
+            # A reader that wrote its lease after the look above and found the manifest before its DELETE reads on:
+            # its lease is listed now (its PUT came before its look, which came before the DELETE), so its data
+            # stays - an incomplete version a later gc removes once no lease names it. A reader's look from now on
+            # finds no manifest and stops.
+            if holders := _leased_by(remote, v, since=v.leases_seen):
+                echo(f"keep the data of {v.name} (its manifest is removed: no new reader opens it): held since "
+                     f"the look before that by {'; '.join(holders)}; a later gc removes it once no lease names it")
+                held.add((v.table, v.version))
+                continue
             remote.delete(sorted(set(v.objects) - {manifest}))
             if (v.table, v.version) in p.markers:
                 remote.delete([p.markers[(v.table, v.version)]])
-            removed.append(v)
-        gone = {(v.table, v.version) for v in removed}
+        gone = {(v.table, v.version) for v in removed} - held  # a held one's lease reads on
         dead, refreshed = _still_dead(remote, p, gone)
         for found in refreshed:
             echo(f"keep the lease of {found.record.get('what', '?')} ({found.path.name}): refreshed since the plan")
@@ -307,6 +330,7 @@ def collect(url: str, dry_run: bool = False, grace_s: float = GRACE_SECONDS,
                 remote.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload)
             except FileNotFoundError:  # completed or aborted meanwhile
                 pass
-        echo(f"gc {url}: {len(removed)} version(s) removed, {sum(v.nbytes for v in removed) / 1e6:.1f} MB freed")
+        echo(f"gc {url}: {len(removed)} version(s) removed, "
+             f"{sum(v.nbytes for v in removed if (v.table, v.version) not in held) / 1e6:.1f} MB freed")
         p.remove = removed
     return p

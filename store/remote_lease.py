@@ -18,12 +18,11 @@ when the lease is held, where PIPELINE_LEASE_MINUTES asks more) after its last r
 blocks gc for at most that long.
 
 The race with gc (docs/store-format.md, "On an object store"): a reader learns its version from store.json, THEN
-writes its lease, THEN checks that the version's manifest still exists (`hold` retries with the new current
-version when it does not). gc lists the leases again right before each manifest DELETE. What is left is the
-window between that listing and that DELETE (one request) overlapping the reader's lease PUT and manifest check:
-then the reader fails on its next fetch with "an object disappeared meanwhile; rerun" - never wrong bytes, since
-every object is checked against its version's sealed checksums.json and a removed version's number is never
-reused by a reader's writer (new versions are numbered above every existing one).
+writes its lease, THEN checks that the version's manifest still exists (else it stops in one line). gc lists the
+leases again right before each manifest DELETE, and once more after it, before the version's data: a reader whose
+check found the manifest wrote its lease before that DELETE, so gc's second listing sees it and keeps the data
+(store/remote_gc.py). A reader never reads a deleted object; every object is checked against its version's sealed
+checksums.json anyway.
 """
 
 from __future__ import annotations
@@ -73,7 +72,7 @@ class RemoteLease:
     def record(self) -> dict[str, Any]:
         """store/lease.py's record (what `judge` reads), plus the kind and the time of this write."""
         return {**local_lease.process_identity(), "what": self.what, "kind": self.kind,
-                "versions": self.versions, "argv": sys.argv[:6], "stale_s": self.stale_s,
+                "versions": self.versions, "argv": local_lease.command_line(), "stale_s": self.stale_s,
                 "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
     def _write(self) -> None:

@@ -60,16 +60,19 @@ def parse_sets(items: list[str], flag: str = "--set", form: str = "SECTION.KEY=V
     import yaml
 
     from pipeline.config import yaml_problem
+    from schemas.errors import without_secrets
 
     out: dict[str, Any] = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
-            raise typer.BadParameter(f"expected {form}, got {item!r}", param_hint=flag)
+            raise typer.BadParameter(f"expected {form}, got {without_secrets(item)!r}", param_hint=flag)
         try:
             out[key.strip()] = yaml.safe_load(value)
         except yaml.YAMLError as e:  # PyYAML's own message is a caret drawing over several lines
-            raise typer.BadParameter(f"{item!r}: the value is not valid YAML ({yaml_problem(e)}); fix it, or "
+            # no caret drawing either: it shows the value, and a `-o secret=...` never goes into a message
+            where = "" if without_secrets(item) != item else f" ({yaml_problem(e)})"
+            raise typer.BadParameter(f"{without_secrets(item)!r}: the value is not valid YAML{where}; fix it, or "
                                      "quote a string value", param_hint=flag) from None
     return out
 

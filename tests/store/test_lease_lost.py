@@ -482,35 +482,81 @@ def test_gc_keeps_a_dead_lease_its_reader_refreshed_after_the_plan(s3_env, store
         held.release()
 
 
-@pytest.mark.usefixtures("two_versions")
-def test_gc_removes_a_refreshed_lease_that_names_a_version_it_removed_and_its_reader_stops(
-        s3_env, store: Store, monkeypatch) -> None:
-    """The reader woke after gc's look right before v1's manifest DELETE (`_still_doomed`): it found v1 intact,
-    rewrote its lease and read on. Before, gc then deleted v1 and kept the lease as refreshed: young, its beats never
-    looked at v1 again, so the reader read on from cached shards of a deleted version and failed on the first
-    uncached one with a fetch error. Now the lease goes with v1 and the reader's next beat stops it in one line."""
+def _woken_during_gc(s3_env, store: Store, monkeypatch, step: str):
+    """A reader of v1 paused past its margin (its lease dead in gc's plan) wakes during gc at `step` - "look": right
+    after gc's look before v1's manifest DELETE (`_still_doomed`); "relist": right after gc's look for leases after
+    that DELETE (`_leased_by(since=...)`) - finds v1's manifest (still there, or in its cache) and rewrites its
+    lease. (the lease, gc's messages)."""
     from store import remote_gc
 
     push(store.root, s3_env.url())
     real_identity = lease.process_identity  # as on another node: judged by its refresh age
     monkeypatch.setattr(lease, "process_identity", lambda: {**real_identity(), "boot_id": "another-node-s-kernel"})
     held = remote_lease.hold(open_remote(s3_env.url()), [("vae", 1)], "pipeline train")
-    real_now, real_doomed = remote_mod.Remote.now, remote_gc._still_doomed
+    real_now, real_doomed, real_leased = remote_mod.Remote.now, remote_gc._still_doomed, remote_gc._leased_by
     monkeypatch.setattr(remote_mod.Remote, "now", lambda self: real_now(self) + AGED)  # paused past its margin
     woke: list[bool] = []
 
-    def woken_after_the_look(remote, v):
-        keepers = real_doomed(remote, v)  # the lease still looks dead: v1 is doomed
+    def wake() -> None:
         monkeypatch.setattr(remote_mod.Remote, "now", real_now)
-        woke.append(held._beat(now=real_now(held.remote) + AGED))  # old, v1's manifest there: rewritten, reads on
+        # old; at "look" v1's manifest is there (rewritten, reads on); at "relist" it is gone but the rewrite came
+        # first (the If-Match PUT, then the look at the manifests): a reader that looked just before the DELETE
+        woke.append(held._beat(now=real_now(held.remote) + AGED) if step == "look" else held._write_over(
+            held.remote.path(held.rel), None) is None)
         lease.check_held(held)
+
+    def after_the_look(remote, v):
+        keepers = real_doomed(remote, v)  # the lease still looks dead: v1 is doomed
+        wake()
         return keepers
 
-    monkeypatch.setattr(remote_gc, "_still_doomed", woken_after_the_look)
+    def after_the_relist(remote, v, since=None):
+        found = real_leased(remote, v, since)
+        if since is not None:
+            wake()
+        return found
+
+    if step == "look":
+        monkeypatch.setattr(remote_gc, "_still_doomed", after_the_look)
+    else:
+        monkeypatch.setattr(remote_gc, "_leased_by", after_the_relist)
     messages: list[str] = []
+    remote_gc.collect(s3_env.url(), echo=messages.append)
+    assert woke == [True]
+    return held, messages
+
+
+@pytest.mark.usefixtures("two_versions")
+def test_a_reader_woken_after_gc_looked_reads_on_from_the_data_gc_holds_back(s3_env, store: Store,
+                                                                           monkeypatch) -> None:
+    """Its lease is listed after v1's manifest DELETE: v1's data stays while the lease names it, and the lease is
+    kept. Before, gc deleted v1 and then either kept the lease (the reader read on from cached shards and failed
+    on the first uncached one with a fetch error) or, later, deleted it (the reader stopped though it had checked
+    v1 intact)."""
+    held, messages = _woken_during_gc(s3_env, store, monkeypatch, "look")
     try:
-        remote_gc.collect(s3_env.url(), echo=messages.append)
-        assert woke == [True]
+        assert "remove vae/v1" in messages, messages
+        assert any(m.startswith("keep the data of vae/v1") for m in messages), messages
+        v1 = s3_env.client().list_objects_v2(Bucket=s3_env.bucket, Prefix="store/vae/v1/").get("Contents", [])
+        v1 = [o["Key"].rsplit("/", 1)[1] for o in v1]
+        assert v1 and fmt.MANIFEST not in v1 and any(n.endswith(".tar") for n in v1)
+        assert _lease_objects(s3_env) == [f"store/{held.rel}"]  # kept: refreshed, and what it names is intact
+        assert held._beat() is True
+        lease.check_held(held)
+    finally:
+        held.release()
+    lease.check_held()
+
+
+@pytest.mark.usefixtures("two_versions")
+def test_gc_removes_a_refreshed_lease_that_names_a_version_it_removed_and_its_reader_stops(
+        s3_env, store: Store, monkeypatch) -> None:
+    """The reader woke after gc's last look for leases naming v1 (after its manifest DELETE): gc deleted v1's data,
+    and the lease goes with it, so the reader's next beat stops it in one line. Kept as refreshed (as before), its
+    beats never looked at v1 again: it read on from cached shards of a deleted version and failed on the first
+    uncached one with a fetch error."""
+    held, messages = _woken_during_gc(s3_env, store, monkeypatch, "relist")
+    try:
         assert "remove vae/v1" in messages, messages
         assert s3_env.client().list_objects_v2(Bucket=s3_env.bucket, Prefix="store/vae/v1/").get("KeyCount") == 0
         assert _lease_objects(s3_env) == []  # refreshed, but it names v1: removed with it
