@@ -267,10 +267,13 @@ def _sample(row: dict[str, Any], lay: _Layout, path: Path, no: int, max_bytes: i
     return s
 
 
-def iter_parquet(root: str | Path, columns: Any, max_file_bytes: int, known: Any = None) -> Iterator[Any]:
+def iter_parquet(root: str | Path, columns: Any, max_file_bytes: int, known: Any = None,
+                 done: Any = None) -> Iterator[Any]:
     """One `SourceSample` per row of every file, in file then row order. `known` (known_tars.KnownTars of this
     source's files): a local file unchanged since the newest version, every row of it there, is not read (its
-    footer aside): its rows are yielded with `known`; each file read whole is recorded in it (hash, rows)."""
+    footer aside): its rows are yielded with `known`; each file read whole is recorded in it (hash, rows). `done`
+    (resumed_sources.ResumedSources of a resumed version): rows a read error keeps from being read that it holds
+    are yielded as written (`_unread_rows`); the rows read are looked up by the stage."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -300,11 +303,11 @@ def iter_parquet(root: str | Path, columns: Any, max_file_bytes: int, known: Any
             known.note(str(path), sha, len(rows))
             continue
         if known is not None and str(path) in known.pending:  # read for the first time: hashed as it is read
-            yield from _hashed_file(path, layouts, max_file_bytes, known)
+            yield from _hashed_file(path, layouts, max_file_bytes, known, done)
             continue
         before = known.identity(str(path)) if known is not None else None
         yielded, failed = 0, False
-        for s in _file_samples(path, layouts, max_file_bytes):
+        for s in _file_samples(path, layouts, max_file_bytes, done=done):
             yielded, failed = yielded + 1, failed or s.problem_kind == "read-error"
             yield s
         # not changed while read, and read whole (a read error: not noted, so a rerun reads it again)
@@ -312,7 +315,7 @@ def iter_parquet(root: str | Path, columns: Any, max_file_bytes: int, known: Any
             known.note(str(path), before, yielded)
 
 
-def _hashed_file(path: Path, layouts: dict, max_file_bytes: int, known: Any) -> Iterator[Any]:
+def _hashed_file(path: Path, layouts: dict, max_file_bytes: int, known: Any, done: Any = None) -> Iterator[Any]:
     """A local file's rows, its sha256 taken from the same bytes (hashed_parquet.py): noted as read, and kept for
     the cache, when it was read whole and is unchanged since its read began (first_read.py)."""
     from stages.resize.first_read import file_stamp
@@ -323,11 +326,11 @@ def _hashed_file(path: Path, layouts: dict, max_file_bytes: int, known: Any) -> 
     try:
         stream = HashedParquet(path)
     except OSError as e:
-        yield _unopened(path, e)
+        yield from _unopened(path, e, done)
         return
     yielded, failed = 0, False
     with stream:
-        for s in _file_samples(path, layouts, max_file_bytes, stream):
+        for s in _file_samples(path, layouts, max_file_bytes, stream, done):
             yielded, failed = yielded + 1, failed or s.problem_kind == "read-error"
             yield s
         try:  # after a read error the digest is no file's: the rest is not read for nothing
@@ -365,7 +368,8 @@ def _reread_row(path: Path, no: int, lay: _Layout, max_file_bytes: int) -> Any:
                         f"{path} (the file changed while this run read it); rerun")
 
 
-def _file_samples(path: Any, layouts: dict, max_file_bytes: int, hashed: Any = None) -> Iterator[Any]:
+def _file_samples(path: Any, layouts: dict, max_file_bytes: int, hashed: Any = None,
+                  done: Any = None) -> Iterator[Any]:
     """Every row of one file, read in batches of its mapped columns; through `hashed` (hashed_parquet.HashedParquet)
     when given, told after each batch which bytes no later batch reads."""
     import pyarrow as pa
@@ -375,7 +379,7 @@ def _file_samples(path: Any, layouts: dict, max_file_bytes: int, hashed: Any = N
 
     lay = layouts[path]
     if isinstance(lay, Exception):  # its footer could not be read: one row for the file
-        yield _unopened(path, lay)
+        yield from _unopened(path, lay, done)
         return
     try:
         # buffered column-chunk reads: a row group's chunk is streamed, not read whole before decoding
@@ -385,7 +389,7 @@ def _file_samples(path: Any, layouts: dict, max_file_bytes: int, hashed: Any = N
                                 pre_buffer=False)
         starts = _group_starts(md) if hashed is not None and md.num_row_groups else None
     except (pa.ArrowException, OSError) as e:
-        yield _unopened(path, e)
+        yield from _unopened(path, e, done)
         return
     with pf, _server_errors(path):
         no = 0
@@ -400,38 +404,69 @@ def _file_samples(path: Any, layouts: dict, max_file_bytes: int, hashed: Any = N
             if is_url(path) and is_transport_error(e):
                 raise
             if is_read_error(path, e):  # the disk's, not the data's: this row and every later one not read
-                yield from _unread_rows(path, no, md.num_rows, e)
+                yield from _unread_rows(path, no, md.num_rows, e, done)
                 return
             yield SourceSample(name=f"{_stem(path)}:{no}", source=f"{path}:{no}",
                                problem=f"parquet file is truncated or corrupt from row {no} on: {e}")
 
 
-def _unopened(path: Any, e: BaseException) -> Any:
-    """One row for a file whose footer (or the file itself) could not be read: its rows are not known."""
+def _held(path: Any, first: int, end: int, done: Any) -> Iterator[Any]:
+    """The rows [first, end) of `path` a resumed version (`done`) holds, yielded as written (`done_key`: kept,
+    counted as resumed, their bytes not read); returns their row numbers (sorted)."""
+    from stages.resize.resumed_sources import held_rows
+    from stages.resize.sources import SourceSample, printable
+
+    held, keys = held_rows(done, f"{printable(str(path))}:", first, end)
+    for no, key in zip(held.tolist(), keys):
+        yield SourceSample(name=f"{_stem(path)}:{no}", source=f"{path}:{no}", done_key=key)
+    return held
+
+
+def _unopened(path: Any, e: BaseException, done: Any = None) -> Iterator[Any]:
+    """One row for a file whose footer (or the file itself) could not be read: its rows are not known. A read
+    error's: the rows a resumed version holds (`done`) first, as written (kept, as `_unread_rows` keeps them)."""
     from stages.resize.sources import READ_ERROR_HINT, SourceSample, is_read_error
 
     if is_read_error(path, e):
-        return SourceSample(name=_stem(path), source=str(path), problem_kind="read-error", unread=str(path),
+        yield from _held(path, 0, 1 << 62, done)
+        yield SourceSample(name=_stem(path), source=str(path), problem_kind="read-error", unread=str(path),
                             problem=f"parquet file {path} could not be read (how many rows it holds is not known): "
                             f"{e.strerror or e} (errno {e.errno}); {READ_ERROR_HINT}")  # type: ignore[attr-defined]
-    return SourceSample(name=_stem(path), source=str(path), problem=f"cannot open parquet file: {e}")
+    else:
+        yield SourceSample(name=_stem(path), source=str(path), problem=f"cannot open parquet file: {e}")
 
 
-def _unread_rows(path: Any, first: int, end: int, e: OSError) -> Iterator[Any]:
+def _unread_rows(path: Any, first: int, end: int, e: OSError, done: Any = None) -> Iterator[Any]:
     """The `read-error` record of rows [first, end) of `path` a read error kept from being read (the file marked
     unread: a rerun reads it again and adds them): one record for the range, however many rows (an early failure in a
-    million-row file was a million quarantine rows), named `path:first-last` and counting them (`samples`)."""
+    million-row file was a million quarantine rows), named `path:first-last` and counting them (`samples`).
+    `done` (a resumed run's version, resumed_sources.py): the rows it holds, written before this run failed
+    earlier than the interrupted one, are yielded as written (`done_key`: kept, counted as resumed), and the record
+    covers the others only (before, they were counted as unread while the version kept them)."""
+    import numpy as np
+
     from stages.resize.sources import READ_ERROR_HINT, SourceSample
 
+    held = yield from _held(path, first, end, done)
+    left, at = end - first - len(held), first
+    if left <= 0:
+        return
+    if len(held):  # the range from the first row not held to the last (rows held inside it are not counted)
+        steps = np.arange(len(held))
+        before, after = np.flatnonzero(held != first + steps), np.flatnonzero(held[::-1] != end - 1 - steps)
+        first, end = first + (int(before[0]) if len(before) else len(held)), \
+            end - (int(after[0]) if len(after) else len(held))
     why = f"{e.strerror or e} (errno {e.errno}); {READ_ERROR_HINT}"
-    if end - first == 1:
+    if left == 1:
         yield SourceSample(name=f"{_stem(path)}:{first}", source=f"{path}:{first}", problem_kind="read-error",
                            unread=str(path), problem=f"row {first} of parquet file {path} could not be read: {why}")
         return
+    kept = end - first - left
     yield SourceSample(name=f"{_stem(path)}:{first}-{end - 1}", source=f"{path}:{first}-{end - 1}",
-                       problem_kind="read-error", unread=str(path), samples=end - first,
-                       problem=f"rows {first} to {end - 1} ({end - first} rows) of parquet file {path} not read (the "
-                       f"read error at row {first}): {why}")
+                       problem_kind="read-error", unread=str(path), samples=left,
+                       problem=f"rows {first} to {end - 1} ({left} rows"
+                       f"{f'; {kept} others among them kept from the interrupted run' if kept else ''}) of parquet "
+                       f"file {path} not read (the read error at row {at}): {why}")
 
 
 def _group_starts(md: Any) -> tuple[list[int], list[int]]:

@@ -13,6 +13,8 @@ width of the sample keys themselves, which the store already trusts to be collis
 
 Also key -> recorded mask (`resumed_masks`), read only when a copy of a key the version holds is met under
 another source name: a first copy whose key the interrupted run kept under a later copy (a revival, stage.py).
+And the rows of one parquet file the version holds (`held_rows`), for a read error that keeps a range of rows
+from being read: those written before are kept, not counted as unread (parquet_source._unread_rows).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from store.writer_open import index_paths
@@ -37,9 +41,10 @@ class ResumedSources:
     a numpy bytes array) in the same order, and where each bucket of leading digest bits starts (about one
     entry per bucket): a lookup compares a slice or two (numpy's searchsorted per call cost ~40 us)."""
 
-    def __init__(self, parts: Iterable[tuple[list[str], list[str]]]):
+    def __init__(self, parts: Iterable[tuple[list[str], list[str]]], vdir: Path | None = None):
         """`parts`: (sources, keys) per index file, in order, each turned into arrays at once (a million str
-        held at a time would be the dict's peak again)."""
+        held at a time would be the dict's peak again). `vdir`: the version they are read from (`held_rows`)."""
+        self.vdir = vdir
         halves, keys = [], []
         for sources, k in parts:
             halves.append(np.frombuffer(b"".join(_digest(s) for s in sources), dtype=">u8").reshape(-1, 2))
@@ -76,7 +81,35 @@ class ResumedSources:
 
 def resumed_sources(vdir: Path) -> ResumedSources:
     """source -> key of the committed shards in `vdir` (the writer read the same indexes' keys: they are readable)."""
-    return ResumedSources(_index_columns(vdir))
+    return ResumedSources(_index_columns(vdir), vdir)
+
+
+def held_rows(done: object, prefix: str, first: int, end: int) -> tuple[np.ndarray, list[str]]:
+    """(row numbers, keys) of the samples named `prefix` + row number (a parquet file's rows, `PATH:NO`) with
+    first <= NO < end that the resumed version `done` (ResumedSources) holds, by row; none without one. One pass
+    of pyarrow over its indexes' `source` columns, not a lookup per row (a million-row file's range)."""
+    vdir = getattr(done, "vdir", None)
+    if vdir is None:
+        return np.zeros(0, np.int64), []
+    rows, keys = [], []
+    for p in index_paths(vdir):
+        t = pq.read_table(p, columns=["key", "source"])
+        t = t.filter(pc.starts_with(t.column("source"), prefix))
+        tail = pc.utf8_slice_codeunits(t.column("source"), len(prefix))  # (by code points, as len() counts)
+        digits = pc.match_substring_regex(tail, r"^[0-9]+$")
+        t, tail = t.filter(digits), tail.filter(digits)
+        no = pc.cast(tail, pa.int64()).to_numpy(zero_copy_only=False)
+        inside = (no >= first) & (no < end)
+        rows.append(no[inside])
+        keys.append(t.column("key").to_numpy(zero_copy_only=False)[inside])
+    if not rows:
+        return np.zeros(0, np.int64), []
+    no, key = np.concatenate(rows), np.concatenate(keys)
+    # by row; a row listed twice (a shard written again): the last one, as the lookup keeps
+    order = np.argsort(no, kind="stable")
+    no, key = no[order], key[order]
+    last = np.append(no[1:] != no[:-1], True)
+    return no[last], key[last].tolist()
 
 
 def _index_columns(vdir: Path) -> Iterator[tuple[list[str], list[str]]]:

@@ -131,7 +131,7 @@ def iter_source(source: str | Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
     elif fmt == "parquet":
         from stages.resize.parquet_source import iter_parquet
 
-        samples = iter_parquet(source if is_url(source) else Path(source), columns, max_file_bytes, known)
+        samples = iter_parquet(source if is_url(source) else Path(source), columns, max_file_bytes, known, done)
     else:
         samples = iter_folder(Path(source), max_file_bytes, done, known) if fmt == "folder" else \
             iter_jsonl(Path(source), max_file_bytes, done, known)

@@ -227,3 +227,48 @@ def test_a_flaky_disk_recording_overlapping_ranges_counts_each_unread_row_once(t
     old = pa.table({"source": [f"{victim}:{i}" for i in range(group, rows)], "reason": ["read-error"] * (rows - group)})
     both = pa.concat_tables([old, q.select(["source", "reason", "samples"])], promote_options="permissive")
     assert samples_by_reason(both) == {"read-error": rows - group}
+
+
+def test_a_resumed_run_failing_earlier_counts_the_rows_written_before_as_kept(tmp_path, monkeypatch) -> None:
+    """The first run fails reading row group 4 and is killed before its commit (rows 0-39 in committed shards);
+    the resumed run's disk fails at row group 1. Rows 10-39 are in the version it commits: kept from the
+    interrupted run, not read again; its read-error row and summary count rows 40-59 only (before: 50 rows "could
+    not be read", 30 of them in the table). The next run, the disk reading again, adds exactly those 20."""
+    from store.writer import TableWriter
+
+    rows, group = 60, 10
+    src, out, clean = tmp_path / "src", tmp_path / "store", tmp_path / "clean"
+    src.mkdir()
+    victim = _big_parquet(src / "big.parquet", rows, group)
+    monkeypatch.setattr(parquet_source, "BATCH_ROWS", group)
+    cfg = load_config(None, SMALL)
+    at = lambda g: pq.read_metadata(victim).row_group(g).column(0).data_page_offset + 100  # noqa: E731
+
+    class Killed(BaseException):
+        pass
+
+    def killed(*a, **k):
+        raise Killed
+    with monkeypatch.context() as m:
+        _bad_sector(m, victim, at(4))
+        m.setattr(TableWriter, "commit", killed)
+        with pytest.raises(Killed):
+            stage.run(cfg, src, out)
+    rendered = []
+    real_render = stage.render
+    with monkeypatch.context() as m:
+        _bad_sector(m, victim, at(1))
+        m.setattr(stage, "render", lambda rec, *a, **k: rendered.append(rec.source) or real_render(rec, *a, **k))
+        resumed = stage.run(cfg, src, out)
+    assert (resumed.written, resumed.resumed, resumed.quarantined["read-error"]) == (0, 40, 20) and not rendered
+    assert "could not read 20 sample(s)" in str(resumed) and "40 kept from an interrupted run" in str(resumed)
+    with Store(out).reader("images", resumed.version) as r:
+        assert sorted(r.meta(k)["source"] for k in r.keys()) == sorted(f"{victim}:{i}" for i in range(40))
+    last = Store(out).quarantine().to_pylist()[-1]
+    assert (last["source"], last["samples"]) == (f"{victim}:40-59", "20")
+    assert "rows 40 to 59 (20 rows)" in last["detail"] and "read error at row 10" in last["detail"]
+
+    again = stage.run(cfg, src, out)  # the disk reads again: the 20 rows added, the 40 carried
+    assert (again.written, again.reused, dict(again.quarantined)) == (20, 40, {})
+    stage.run(cfg, src, clean)
+    assert _rows(Store(out)) == _rows(Store(clean))
