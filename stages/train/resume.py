@@ -25,29 +25,13 @@ def nothing_to_resume(run_dir: Path) -> str | None:
             "or leave out --resume to start a new run there")
 
 
-def changed_settings(run_dir: Path, now: dict[str, Any], ignore: set[str]) -> list[str] | None:
+def changed_settings(run_dir: Path, now: dict[str, Any], ignore: set[str]) -> list[str]:
     """'train.learning_rate: 0.002 -> 0.001' for each `train.*` key that differs between
     the run folder's train_config.yaml and `now` (a PipelineConfig dump); `ignore` holds train keys a resume may
-    change. None when the file is missing or unreadable (the caller has only the fingerprints)."""
+    change. Empty when the file is missing or unreadable (the caller still has the fingerprints)."""
     path = run_dir / CONFIG_FILE
     try:
-        before = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError, UnicodeDecodeError):
-        return None
-    if not isinstance(before, dict):
-        return None
+        before = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return []
     return up_to_date.changed_settings(before.get("train") or {}, now.get("train") or {}, "train", ignore)
-
-
-def shown_changes(changed: list[str], most: int = 5) -> str:
-    """The changed settings as the refusal lists them: the first `most`, then "and N more" (a whole changed
-    config would bury the line's advice under dozens of settings)."""
-    lines = changed[:most] + ([f"and {len(changed) - most} more"] if len(changed) > most else [])
-    return "\n  ".join(lines)
-
-
-def unnamed_changes(run_dir: Path) -> str:
-    """Why a refused resume names no settings: the run folder keeps its settings only in train_config.yaml
-    (the checkpoints record a fingerprint of them), and that file is missing or unreadable."""
-    return (f"the checkpoints record only a fingerprint of the run's settings, and {run_dir / CONFIG_FILE} (its "
-            "settings in full) is missing or unreadable: the changed settings cannot be named")

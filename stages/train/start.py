@@ -21,7 +21,7 @@ from schemas.record_formats import EARLIER_FINGERPRINTS
 from stages.train import damaged_log, elastic, guard, previous, state as train_state
 from stages.train.current import damaged_current, nonfinite_current
 from stages.train.data import DataStream, write_data_report
-from stages.train.resume import CONFIG_FILE, changed_settings, shown_changes, unnamed_changes
+from stages.train.resume import changed_settings
 from stages.train.settings import (config_fingerprint, init_lora_sha256, known_fingerprint, recorded_backend,
                                    training_revision)
 from stages.train.state import ResumeRecord
@@ -196,14 +196,9 @@ def resume_point(r: Run, resume: bool, cfg: PipelineConfig) -> tuple[Path | None
     except train_state.ResumeMismatch as e:
         ignore = unhashed_names(r.cfg)
         changed = changed_settings(r.run_dir, cfg.model_dump(mode="json"), ignore)
-        if changed:
-            why = f"{e}\nchanged since {r.run_dir / CONFIG_FILE}:\n  {shown_changes(changed)}"
-        elif changed is None and "train config fingerprint" in e.reason:
-            why = f"{e}\n{unnamed_changes(r.run_dir)}"
-        else:
-            why = str(e)
+        why = f"{e}\nchanged since {r.run_dir / 'train_config.yaml'}:\n  " + "\n  ".join(changed) if changed else str(e)
         if r.new_run:
-            return keep_previous(r, "; ".join([e.reason, *(changed or ())]))
+            return keep_previous(r, "; ".join([e.reason, *changed]))
         raise train_state.ResumeMismatch(
             f"{why}\nTo keep this run (moved to {previous.previous_root(r.run_dir)}/N-TIME) and train afresh into "
             f"{r.run_dir}, add --new-run (what `pipeline run all` does)", reason=e.reason) from None
