@@ -93,11 +93,10 @@ def _open_features(st, lease, readers: dict[str, TableReader], model: str, model
     for r in readers.values():
         found = r.schema.lineage.model_fingerprint
         if found != model_fingerprint:
-            files = _differing_files(r, model)
             raise UserError(
                 f"table '{r.table}' v{r.version} in {st.root} was built with a different model (fingerprint "
-                f"{found or 'none'}) than --model {model} ({model_fingerprint}{'; ' + files if files else ''}); use "
-                f"the model that encoded the store, or re-run `pipeline run {PRODUCER[r.table]} --model {model}`"
+                f"{found or 'none'}) than --model {model} ({model_fingerprint}); use the model that encoded the "
+                f"store, or re-run `pipeline run {PRODUCER[r.table]} --model {model}`"
             )
     # the `images` versions they were encoded from: a sample of two renders refused, a stale table said
     check_images_versions(st, readers, section)
@@ -126,16 +125,6 @@ def _open_features(st, lease, readers: dict[str, TableReader], model: str, model
     joined.on_damaged, joined.max_damaged_fraction, joined.section = on_damaged, max_damaged_fraction, section
     joined.lengths = sequence_lengths_of(joined)
     return joined
-
-
-def _differing_files(table: TableReader, model: str) -> str | None:
-    """Which of the model's files differ from those the table recorded (models/model_files.py); None when it
-    records none. The model was just fingerprinted: its hashes come from the cache, nothing is read again."""
-    from models.loading import model_files
-    from models.model_files import MODEL_FILES_ATTR, differing_files
-
-    recorded = table.schema.attrs.get(MODEL_FILES_ATTR)
-    return differing_files(recorded, model_files(model)) if recorded is not None else None
 
 
 def _val_fraction(st, features: TableReader) -> float | None:
