@@ -17,7 +17,7 @@ from models.same_versions import check_same_versions
 from schemas.config import PipelineConfig, TrainConfig, dump_config
 from schemas.errors import UserError
 from schemas.lineage import unhashed_names
-from schemas.record_formats import EARLIER_FINGERPRINTS
+from schemas.record_formats import EARLIER_FINGERPRINTS, UNRECORDED_BACKEND
 from stages.train import damaged_log, elastic, guard, previous, state as train_state
 from stages.train.current import damaged_current, nonfinite_current
 from stages.train.data import DataStream, write_data_report
@@ -168,6 +168,9 @@ def resume_point(r: Run, resume: bool, cfg: PipelineConfig) -> tuple[Path | None
     backend = recorded_backend(record.attention_backend, record.config_fingerprint, r.cfg, r.run_dir,
                                r.record.attention_backend)
     earlier = [*record.extra.get(EARLIER_FINGERPRINTS, ()), record.config_fingerprint]
+    # what the run's checkpoints without a backend are taken for, carried in its records: one training for evaluate
+    unrecorded = record.extra.get(UNRECORDED_BACKEND) or (
+        r.record.attention_backend if record.attention_backend is None else None)
     if record.attention_backend is None and r.world > 1:  # each rank read RUN/attention.json: one decision of all
         (differs,) = all_max(r.world, [int(backend != r.record.attention_backend)])
         backend = None if differs else r.record.attention_backend
@@ -191,6 +194,8 @@ def resume_point(r: Run, resume: bool, cfg: PipelineConfig) -> tuple[Path | None
     earlier = [f for f in dict.fromkeys(earlier) if f != r.record.config_fingerprint]
     if earlier:
         r.record = replace(r.record, extra={**r.record.extra, EARLIER_FINGERPRINTS: earlier})
+    if unrecorded:
+        r.record = replace(r.record, extra={**r.record.extra, UNRECORDED_BACKEND: unrecorded})
     return latest, record
 
 
