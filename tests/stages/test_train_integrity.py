@@ -255,6 +255,17 @@ def test_a_run_left_without_an_intact_checkpoint_is_never_trained_over(tmp_path,
     assert _files_of(out / "checkpoints") == files
 
 
+def test_resume_into_a_folder_of_damaged_checkpoints_only_is_not_nothing_to_resume(tmp_path):
+    """A copy of a run's checkpoints/ alone whose resume.json files were lost: `--resume` said "nothing to resume,
+    RUN holds no checkpoints/ and no train_config.yaml" (it holds checkpoints/). Now the start goes on to name the
+    damaged checkpoint and --new-run (above)."""
+    from stages.train.resume import nothing_to_resume
+
+    (tmp_path / "run" / "checkpoints" / "step-2").mkdir(parents=True)
+    (tmp_path / "run" / "checkpoints" / "step-2" / "optimizer.safetensors").write_bytes(b"state")
+    assert nothing_to_resume(tmp_path / "run") is None
+    assert "holds no checkpoints/" in nothing_to_resume(tmp_path / "run" / "checkpoints" / "step-2")
+
 def test_a_damaged_checkpoint_is_named_before_the_start_asks_for_resume(tmp_path, tiny_edit_model):
     """step-2 lost its resume.json, step-1 is intact: a start without --resume used to say "already holds
     checkpoints (step-1); pass --resume to continue it", and only that --resume named step-2 as damaged. The
