@@ -127,6 +127,17 @@ def compared_tables(recorded: dict[str, str], recorded_contents: dict[str, str] 
     return recorded_contents, present
 
 
+def known_backend(record: Mapping[str, Any], other: Mapping[str, Any]) -> str | None:
+    """The attention backend a checkpoint record (`record`, its inputs with its `extra` keys, as evaluate's
+    `training_of` reads them) trained with, as compared with `other`'s: its own; for a record written before the
+    backend was recorded, the one `other`'s run took such records for on its resume (`UNRECORDED_BACKEND`); else
+    None, unknown (equal only to another unknown one)."""
+    from schemas.record_formats import UNRECORDED_BACKEND
+
+    backend = record.get("attention_backend")
+    return backend if backend is not None else other.get(UNRECORDED_BACKEND)
+
+
 def known_init_lora(recorded: str | None, now: str | None) -> str | None:
     """The record's init LoRA hash, read as `now` when it has none: a checkpoint written before the hash was
     recorded, with train.init_lora set (its config fingerprint, which holds the path, equals this start's, else

@@ -28,7 +28,7 @@ from schemas import up_to_date as current
 from schemas.config import EvaluateConfig
 from schemas.errors import UserError
 from schemas.lineage import hashed_settings, settings_hash, unhashed_names
-from schemas.record_formats import EARLIER_FINGERPRINTS
+from schemas.record_formats import EARLIER_FINGERPRINTS, UNRECORDED_BACKEND
 from schemas.stage import few
 from schemas.up_to_date import UNRECORDED_REVISION
 from stages.evaluate.base_images import FOLDER as BASE_IMAGES, extra_prompt_bytes
@@ -208,19 +208,21 @@ def training_of(checkpoint: Path) -> dict | None:
         return None
     if not isinstance(record, dict) or not record.get("config_fingerprint"):
         return None
-    extra = record.get("extra")
-    earlier = extra.get(EARLIER_FINGERPRINTS) if isinstance(extra, dict) else None
+    extra = record.get("extra") if isinstance(record.get("extra"), dict) else {}
+    earlier, unrecorded = extra.get(EARLIER_FINGERPRINTS), extra.get(UNRECORDED_BACKEND)
     return {**{k: record.get(k) for k in _TRAINING_INPUTS},
-            **({EARLIER_FINGERPRINTS: list(earlier)} if isinstance(earlier, list) else {})}
+            **({EARLIER_FINGERPRINTS: list(earlier)} if isinstance(earlier, list) else {}),
+            **({UNRECORDED_BACKEND: unrecorded} if isinstance(unrecorded, str) else {})}
 
 
 def same_training(a: dict, b: dict) -> bool:
     """Whether two checkpoints' `training_of` are one training, as a resume from one to the other is (train's
     `ResumeRecord.check_matches`): the tables by content where both records hold it (`compared_tables`), an init
-    LoRA's bytes where both recorded them (`known_init_lora`). A run begun before a record held those fields and
-    resumed under a release that records them writes both kinds; compared as one hash, its pruned early steps
-    passed for another training's and every earlier point went aside."""
-    from schemas.up_to_date import compared_tables, known_init_lora
+    LoRA's bytes where both recorded them (`known_init_lora`), the attention backend as `known_backend` reads a
+    record that lacks it. A run begun before a record held those fields and resumed under a release that records
+    them writes both kinds; compared as one hash, its pruned early steps passed for another training's and every
+    earlier point went aside."""
+    from schemas.up_to_date import compared_tables, known_backend, known_init_lora
 
     if any(a.get(k) != b.get(k) for k in ("model_fingerprint", "training_revision")):
         return False
@@ -231,9 +233,8 @@ def same_training(a: dict, b: dict) -> bool:
     init = a.get("init_lora_sha256")
     if known_init_lora(init, b.get("init_lora_sha256")) != known_init_lora(b.get("init_lora_sha256"), init):
         return False
-    # the backend trained with, where both recorded it (the fingerprint hashes no backend name)
-    if None not in (a.get("attention_backend"), b.get("attention_backend")) and \
-            a.get("attention_backend") != b.get("attention_backend"):
+    # the backend trained with (the fingerprint hashes no backend name; an unrecorded one: `UNRECORDED_BACKEND`)
+    if known_backend(a, b) != known_backend(b, a):
         return False
     contents = b.get("table_contents")
     tables = compared_tables(a.get("tables") or {}, a.get("table_contents"), b.get("tables") or {},

@@ -31,7 +31,10 @@ def up_to_date(cfg: PipelineConfig, store: str | Path, model: str, out: str | Pa
     # a LoRA older than the last checkpoint is a previous run's (killed before its final save)
     if weights.stat().st_mtime < (latest / train_state.RESUME_JSON).stat().st_mtime:
         return False
-    record = ResumeRecord.read(latest / train_state.RESUME_JSON)
+    try:
+        record = ResumeRecord.read(latest / train_state.RESUME_JSON)
+    except train_state.CheckpointDamaged:  # no finished run to stand on: the start names it (or keeps it aside)
+        return False
     return _same_run(record, cfg, store, model, out, train, backend, step=True)
 
 

@@ -32,8 +32,11 @@ def previous_root(run_dir: Path) -> Path:
 
 
 def holds_trained_run(run_dir: Path) -> bool:
-    """A committed checkpoint or a final LoRA: something a fresh start would overwrite."""
-    return train_state.latest_checkpoint(run_dir / "checkpoints") is not None or (run_dir / "lora").is_dir()
+    """A committed checkpoint, a damaged one (a `step-N/` without resume.json) or a final LoRA: something a fresh
+    start would overwrite."""
+    checkpoints = run_dir / "checkpoints"
+    return (train_state.latest_checkpoint(checkpoints) is not None or (run_dir / "lora").is_dir()
+            or bool(train_state.unrecorded_checkpoints(checkpoints)))
 
 
 def _next_number(root: Path) -> int:

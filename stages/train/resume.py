@@ -17,7 +17,9 @@ CONFIG_FILE = "train_config.yaml"  # the effective config of the run's latest st
 def nothing_to_resume(run_dir: Path) -> str | None:
     """Why `--resume` into `run_dir` cannot continue anything, or None when it can (a checkpoint, or a run
     killed before its first checkpoint, which then starts again at step 0)."""
-    if train_state.latest_checkpoint(run_dir / "checkpoints") is not None or (run_dir / CONFIG_FILE).is_file():
+    checkpoints = run_dir / "checkpoints"
+    if train_state.latest_checkpoint(checkpoints) is not None or (run_dir / CONFIG_FILE).is_file() or \
+            train_state.unrecorded_checkpoints(checkpoints):  # a damaged one: the resume names it
         return None
     what = "does not exist" if not run_dir.exists() else (
         "is empty" if run_dir.is_dir() and not any(run_dir.iterdir()) else f"holds no checkpoints/ and no {CONFIG_FILE}")
@@ -25,13 +27,20 @@ def nothing_to_resume(run_dir: Path) -> str | None:
             "or leave out --resume to start a new run there")
 
 
+SHOWN_CHANGES = 5  # the changed settings a refusal lists (a few lines; the rest counted)
+
+
 def changed_settings(run_dir: Path, now: dict[str, Any], ignore: set[str]) -> list[str]:
     """'train.learning_rate: 0.002 -> 0.001' for each `train.*` key that differs between
     the run folder's train_config.yaml and `now` (a PipelineConfig dump); `ignore` holds train keys a resume may
-    change. Empty when the file is missing or unreadable (the caller still has the fingerprints)."""
+    change; past `SHOWN_CHANGES`, one line counts the rest. Empty when the file is missing or unreadable (the
+    caller still has the fingerprints)."""
     path = run_dir / CONFIG_FILE
     try:
         before = yaml.safe_load(path.read_text()) or {}
     except (OSError, yaml.YAMLError):
         return []
-    return up_to_date.changed_settings(before.get("train") or {}, now.get("train") or {}, "train", ignore)
+    changed = up_to_date.changed_settings(before.get("train") or {}, now.get("train") or {}, "train", ignore)
+    if len(changed) <= SHOWN_CHANGES:
+        return changed
+    return [*changed[:SHOWN_CHANGES - 1], f"... and {len(changed) - SHOWN_CHANGES + 1} more train.* setting(s)"]

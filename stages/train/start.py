@@ -17,7 +17,7 @@ from models.same_versions import check_same_versions
 from schemas.config import PipelineConfig, TrainConfig, dump_config
 from schemas.errors import UserError
 from schemas.lineage import unhashed_names
-from schemas.record_formats import EARLIER_FINGERPRINTS
+from schemas.record_formats import EARLIER_FINGERPRINTS, UNRECORDED_BACKEND
 from stages.train import damaged_log, elastic, guard, previous, state as train_state
 from stages.train.current import damaged_current, nonfinite_current
 from stages.train.data import DataStream, write_data_report
@@ -154,12 +154,19 @@ def resume_point(r: Run, resume: bool, cfg: PipelineConfig) -> tuple[Path | None
     """The checkpoint to resume from and its record (checked against this start, files checked once), or
     (None, None); refuses to overwrite a run. Decided by every rank alike (`seen_run`, the record read together)."""
     latest, final = seen_run(r)
-    if not resume and r.new_run and (latest is not None or final):  # previous.holds_trained_run, as agreed
-        return keep_previous(r, "--new-run")
+    if not resume and r.new_run:  # previous.holds_trained_run, as agreed
+        (lost,) = all_max(r.world, [int(bool(train_state.unrecorded_checkpoints(r.checkpoints)))])
+        if latest is not None or final or lost:
+            return keep_previous(r, "--new-run")
+    # a damaged checkpoint first (the more fundamental line: a "pass --resume" before it only led to it); the
+    # files' bytes, read once for their check, are kept for `restore` (a second read of every file per rank
+    # doubled the shared filesystem's load)
+    kept: dict[str, bytes] = {}
+    record, none_left = _intact_record(r, latest, resume, kept)
+    if none_left:  # --resume --new-run: kept, nothing deleted
+        return keep_previous(r, f"no intact checkpoint is left in {r.checkpoints}")
     if latest is not None and not resume:
-        raise UserError(f"{r.run_dir} already holds checkpoints ({latest.name}); pass --resume to continue it, "
-                        f"--new-run to keep it as {previous.previous_root(r.run_dir)}/N-TIME and train afresh, "
-                        "or use a new --out")
+        raise UserError(_holds_checkpoints(r, latest, cfg))
     if latest is None and final:
         # A finished run whose checkpoints are gone (deleted to save disk, or only lora/ copied): nothing to
         # continue from, and a start at step 0 would replace its LoRA at the end. Kept (--new-run) or refused.
@@ -168,22 +175,17 @@ def resume_point(r: Run, resume: bool, cfg: PipelineConfig) -> tuple[Path | None
             return keep_previous(r, why)
         raise UserError(f"{why}; a new run there would replace {r.run_dir / 'lora'}: use a new --out, or --new-run "
                         f"to keep it as {previous.previous_root(r.run_dir)}/N-TIME and train afresh")
-    if resume:  # every rank looks at its folder; one refusing stops all
-        with together(r.world, f"checking {r.checkpoints}"):
-            train_state.check_no_unrecorded(r.checkpoints, latest)
     if not resume or latest is None:
         return None, None
-    # a read that fails on one rank stops every rank with its line; the files' bytes, read once for their check,
-    # are kept for `restore` (a second read of every file per rank doubled the shared filesystem's load)
-    kept: dict[str, bytes] = {}
-    with together(r.world, f"reading {latest}"):
-        record = ResumeRecord.read(latest / train_state.RESUME_JSON, keep=kept)
     # a run made when batch_size was hashed under a token budget is this run when the rest agrees; one made
     # before init LoRAs were hashed is taken as made from the present file (`known_init_lora`)
     # a record from before the backend was recorded: the one its run used, where that is known (`recorded_backend`)
     backend = recorded_backend(record.attention_backend, record.config_fingerprint, r.cfg, r.run_dir,
                                r.record.attention_backend)
     earlier = [*record.extra.get(EARLIER_FINGERPRINTS, ()), record.config_fingerprint]
+    # what the run's checkpoints without a backend are taken for, carried in its records: one training for evaluate
+    unrecorded = record.extra.get(UNRECORDED_BACKEND) or (
+        r.record.attention_backend if record.attention_backend is None else None)
     if record.attention_backend is None and r.world > 1:  # each rank read RUN/attention.json: one decision of all
         (differs,) = all_max(r.world, [int(backend != r.record.attention_backend)])
         backend = None if differs else r.record.attention_backend
@@ -207,7 +209,49 @@ def resume_point(r: Run, resume: bool, cfg: PipelineConfig) -> tuple[Path | None
     earlier = [f for f in dict.fromkeys(earlier) if f != r.record.config_fingerprint]
     if earlier:
         r.record = replace(r.record, extra={**r.record.extra, EARLIER_FINGERPRINTS: earlier})
+    if unrecorded:
+        r.record = replace(r.record, extra={**r.record.extra, UNRECORDED_BACKEND: unrecorded})
     return latest, record
+
+
+def _intact_record(r: Run, latest: Path | None, resume: bool,
+                   kept: dict[str, bytes]) -> tuple[ResumeRecord | None, bool]:
+    """The record of `latest` when resuming (its files checked, their bytes into `kept`; None when not resuming or
+    with no checkpoint), after every rank looked for a damaged checkpoint (`check_no_unrecorded`, with or without
+    --resume), and whether to keep the run aside. A damaged one stops every rank with its line, except where no
+    intact checkpoint is left under `--resume --new-run`: (None, True), the run kept. Decided together: any rank's
+    verdict is every rank's (a rank that cannot read the run is one this launch cannot continue)."""
+    found: train_state.CheckpointDamaged | None = None
+    record = None
+    with together(r.world, f"reading {latest or r.checkpoints}"):  # other errors (a newer release's record): agreed
+        try:
+            train_state.check_no_unrecorded(r.checkpoints, latest)
+            if resume and latest is not None:
+                record = ResumeRecord.read(latest / train_state.RESUME_JSON, keep=kept)
+        except train_state.CheckpointDamaged as e:
+            found = e
+    none_left, damaged = all_max(r.world, [int(found is not None and not found.intact_left), int(found is not None)])
+    if none_left and resume and r.new_run:
+        kept.clear()
+        return None, True
+    if damaged:
+        with together(r.world, f"checking {r.checkpoints}"):  # the lowest damaged rank's line on every rank
+            if found is not None:
+                raise found
+    return record, False
+
+
+def _holds_checkpoints(r: Run, latest: Path, cfg: PipelineConfig) -> str:
+    """Why a start without --resume does not train into a folder holding checkpoints, and the ways on: with
+    settings other than those of the run's train_config.yaml, which (a resume continues it only under its own)."""
+    keep = f"--new-run to keep it as {previous.previous_root(r.run_dir)}/N-TIME and train afresh"
+    changed = changed_settings(r.run_dir, cfg.model_dump(mode="json"), unhashed_names(r.cfg))
+    if not changed:
+        return f"{r.run_dir} already holds checkpoints ({latest.name}); pass --resume to continue it, {keep}, " \
+               "or use a new --out"
+    return (f"{r.run_dir} already holds checkpoints ({latest.name}) trained with other settings "
+            f"({r.run_dir / 'train_config.yaml'} -> now):\n  " + "\n  ".join(changed) + "\n--resume continues it only "
+            f"with the settings it was trained with (set those back); {keep} with these; or use a new --out")
 
 
 def seen_run(r: Run) -> tuple[Path | None, bool]:

@@ -44,7 +44,12 @@ class ResumeMismatch(UserError):
 
 
 class CheckpointDamaged(UserError):
-    """A checkpoint file that does not match the checksum recorded when it was written."""
+    """A checkpoint file that does not match the checksum recorded when it was written. `intact_left`: whether an
+    earlier intact checkpoint is left to continue from (the line offers it); else only a fresh start is."""
+
+    def __init__(self, message: str, intact_left: bool = True) -> None:
+        super().__init__(message)
+        self.intact_left = intact_left
 
 
 def _intact(folder: Path) -> bool:
@@ -55,14 +60,20 @@ def _intact(folder: Path) -> bool:
         return False
 
 
-def damaged_message(folder: Path, what: str) -> str:
-    """Names the damaged file and offers the newest intact earlier checkpoint (kept checkpoints exist for this)."""
+def damaged(folder: Path, what: str) -> CheckpointDamaged:
+    """Names the damaged file and offers the newest intact earlier checkpoint (kept checkpoints exist for this);
+    with none left, the two ways on: keep the run aside (`--new-run`) or a new --out."""
     earlier = [p for step, p in complete_checkpoints(folder.parent) if p != folder and step < step_of(folder)]
     intact = next((p for p in reversed(earlier) if _intact(p)), None)
-    offer = (f"the previous checkpoint {intact.name} is intact: move {folder} out of {folder.parent} and rerun with "
-             f"--resume to continue from it" if intact is not None else
-             "no intact earlier checkpoint is left: start again with a new --out")
-    return f"checkpoint {folder}: {what}; {offer}"
+    if intact is not None:
+        return CheckpointDamaged(f"checkpoint {folder}: {what}; the previous checkpoint {intact.name} is intact: move "
+                                 f"{folder} out of {folder.parent} and rerun with --resume to continue from it")
+    from stages.train.previous import previous_root  # it imports this module
+
+    run_dir = folder.parent.parent
+    return CheckpointDamaged(f"checkpoint {folder}: {what}; no intact earlier checkpoint is left to continue from: "
+                             f"add --new-run to keep this run (moved to {previous_root(run_dir)}/N-TIME, nothing "
+                             "deleted) and train afresh, or use a new --out", intact_left=False)
 
 
 def step_of(folder: Path) -> int:
@@ -106,7 +117,7 @@ def check_files(folder: Path, files: dict[str, dict[str, Any]], keep: dict[str, 
                 keep[name] = data
                 room -= len(data)
         if problem:
-            raise CheckpointDamaged(damaged_message(folder, problem))
+            raise damaged(folder, problem)
 
 
 _INPUT_LABEL = {"config_fingerprint": "train config fingerprint", "tables": "store tables",
@@ -175,7 +186,7 @@ class ResumeRecord:
             files = d.pop("files", None)
             record = cls(**d)
         except (OSError, json.JSONDecodeError, UnicodeDecodeError, TypeError, SealError) as e:
-            raise CheckpointDamaged(damaged_message(path.parent, f"{path.name} is damaged or unreadable ({e})")) from None
+            raise damaged(path.parent, f"{path.name} is damaged or unreadable ({e})") from None
         if files is not None:
             check_files(path.parent, files, keep)
         return record
@@ -246,17 +257,22 @@ def latest_checkpoint(root: Path) -> Path | None:
     return done[-1][1] if done else None
 
 
-def check_no_unrecorded(root: Path, latest: Path | None) -> None:
-    """A committed `step-N/` newer than `latest` without its resume.json was damaged (renamed in whole, it always
-    holds one: a partial copy of the run, a deleted file): named, as a damaged file is, instead of a resume from
-    an earlier checkpoint (or step 0) that overwrites it."""
+def unrecorded_checkpoints(root: Path, newer_than: int = -1) -> list[Path]:
+    """The `step-N/` folders past step `newer_than` without their resume.json: damaged (renamed in whole, a
+    committed one always holds it: a partial copy of the run, a deleted file), yet part of the run, never to be
+    trained over or deleted (`previous.holds_trained_run`)."""
     if not root.is_dir():
-        return
-    newest = -1 if latest is None else step_of(latest)
-    lost = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(_PREFIX)
-            and p.name[len(_PREFIX):].isdigit() and step_of(p) > newest and not (p / RESUME_JSON).is_file()]
+        return []
+    return [p for p in root.iterdir() if p.is_dir() and p.name.startswith(_PREFIX)
+            and p.name[len(_PREFIX):].isdigit() and step_of(p) > newer_than and not (p / RESUME_JSON).is_file()]
+
+
+def check_no_unrecorded(root: Path, latest: Path | None) -> None:
+    """A committed `step-N/` newer than `latest` without its resume.json (`unrecorded_checkpoints`) is named, as a
+    damaged file is, instead of a start from an earlier checkpoint (or step 0) that overwrites it."""
+    lost = unrecorded_checkpoints(root, -1 if latest is None else step_of(latest))
     if lost:
-        raise CheckpointDamaged(damaged_message(max(lost, key=step_of), f"{RESUME_JSON} is missing"))
+        raise damaged(max(lost, key=step_of), f"{RESUME_JSON} is missing")
 
 
 def remove_stale(root: Path) -> None:

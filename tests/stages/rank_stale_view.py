@@ -24,6 +24,8 @@ are the test's.
                                                         rank 1 finds val row 0 damaged (its node's copy)
     rank_stale_view.py done STORE MODEL OUT              train.run(skip_if_done=True, resume=True) as `pipeline
                                                         run all` calls it; rank 1 does not see OUT's final LoRA
+    rank_stale_view.py damaged STORE MODEL OUT           `pipeline run train --resume --new-run`; rank 1 reads
+                                                        every checkpoint of OUT as damaged (its node's copy)
 """
 
 from __future__ import annotations
@@ -134,6 +136,16 @@ def main() -> None:
                                  "train.max_steps": 2, "train.checkpoint_every": 2})
         result = recipe.run(cfg, store, model, out, resume=True, skip_if_done=True)
         print(f"RESULT up_to_date: {result.up_to_date}")
+        return
+    if sys.argv[1] == "damaged":
+        store, model, out = sys.argv[2:5]
+        from store import checksum
+
+        if os.environ["RANK"] == "1":  # every checkpoint file fails its CRC32C here
+            checksum.file_mismatch = lambda folder, name, *a: f"{name} does not match its CRC32C (injected)"
+        sys.argv = ["pipeline", "run", "train", "--store", store, "--model", model, "--out", out, "--device", "cpu",
+                    "--max-steps", "3", "--batch-size", "2", "--set", "train.lora.rank=4", "--resume", "--new-run"]
+        cli()
         return
     store, model, out, steps = sys.argv[2:6]
     from stages.train import state as train_state

@@ -177,3 +177,23 @@ def test_a_run_resumed_from_a_name_hashed_then_is_one_training_for_evaluate(unse
     assert same_training(new, newer)
     other = {**old, "config_fingerprint": "another config"}  # another training is still another one
     assert not same_training(other, new) and not same_training(new, other)
+
+
+def test_a_run_resumed_from_records_without_a_backend_carries_the_one_it_took_them_for(unset_run, store_dir,
+                                                                                       tiny_edit_model, tmp_path):
+    """Evaluate reads a record without `attention_backend` as of the backend its run's resume took it for
+    (`UNRECORDED_BACKEND`, schemas/record_formats.py), never as any backend's (tests/stages/
+    test_evaluate_checkpoints.py): the resumed run's records carry it, through later resumes too, so its old and
+    new checkpoints stay one training once the old ones are pruned."""
+    from schemas.record_formats import UNRECORDED_BACKEND
+    from stages.evaluate.checkpoints import same_training, training_of
+
+    out = tmp_path / "run"
+    shutil.copytree(unset_run, out)
+    _as_before(out, None)
+    run(cfg_of(max_steps=4, checkpoint_every=2), store_dir, tiny_edit_model, out, resume=True)
+    run(cfg_of(max_steps=6, checkpoint_every=2), store_dir, tiny_edit_model, out, resume=True)
+    old, new, newer = (training_of(out / "checkpoints" / f"step-{s}" / "lora") for s in (2, 4, 6))
+    assert old["attention_backend"] is None and UNRECORDED_BACKEND not in old  # as written before
+    assert new[UNRECORDED_BACKEND] == newer[UNRECORDED_BACKEND] == "native"
+    assert same_training(old, new) and same_training(new, old) and same_training(old, newer)

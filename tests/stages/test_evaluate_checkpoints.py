@@ -565,16 +565,42 @@ def test_a_run_resumed_under_a_later_release_keeps_its_pruned_steps(run_and_stor
     assert res.metrics["checkpoints"]["steps"] == [40]
 
 
-def test_a_report_interrupted_before_metrics_json_is_written_over(run_and_store, tiny_edit_model, tmp_path):
-    """A kill (or a full disk) while the report was written leaves grid.png / index.html / a temp file and no
-    metrics.json (written last): the rerun was refused as 'not empty and holds no earlier report' (one LoRA's
-    evaluate took such a folder); now both take it (`stages.evaluate.stage.check_report_folder`)."""
-    out = tmp_path / "report"
-    out.mkdir()
-    for name in ("grid.png", "index.html", ".metrics.json.tmp-4242"):
-        (out / name).write_bytes(b"half")
-    res = ev.run(EvaluateConfig(**CFG), run_and_store / "store", tiny_edit_model, _ckpts(run_and_store)[:1], out)
-    assert res.evaluated == 1 and json.loads((out / "metrics.json").read_text())["checkpoints"]["steps"] == [10]
+def test_a_record_without_a_backend_is_one_training_only_with_its_own_runs(run_and_store, tiny_edit_model, tmp_path):
+    """Checkpoints recorded before resume.json held `attention_backend` (steps 10, 20) were taken for a training of
+    any backend: RUN trained afresh with `packed` under the same config fingerprint (it hashes no backend name)
+    passed for the old run, and its curve went on with the old run's steps. Now such a record's backend is the one
+    its run's resume took it for (`UNRECORDED_BACKEND`, carried in the later records), else unknown: the old steps
+    go aside. Its own run resumed keeps them (pruned, they stay on the curve)."""
+    import shutil
+
+    from schemas.record_formats import UNRECORDED_BACKEND
+
+    def checkpoint(step: int, old: int, record: dict) -> tuple[int, Path]:
+        folder = run / "checkpoints" / f"step-{step}"
+        shutil.copytree(run_and_store / "run" / "checkpoints" / f"step-{old}", folder)
+        (folder / "resume.json").write_text(json.dumps({"step": step, **record}))
+        return step, folder / "lora"
+
+    run = tmp_path / "run"
+    before = {"config_fingerprint": "cfg", "model_fingerprint": "m", "training_revision": 3,
+              "tables": {"text": "text-v1", "vae": "vae-v1"}}  # an earlier release's record: no backend
+    first = [checkpoint(10, 10, before), checkpoint(20, 20, before)]
+    ev.run(EvaluateConfig(**CFG), run_and_store / "store", tiny_edit_model, first, tmp_path / "report")
+    shutil.copytree(tmp_path / "report", tmp_path / "report-2")
+
+    resumed = checkpoint(30, 30, {**before, "attention_backend": "native", "extra": {UNRECORDED_BACKEND: "native"}})
+    for _, lora in first:
+        shutil.rmtree(lora.parent)  # train.keep_checkpoints pruned them
+    res = ev.run(EvaluateConfig(**CFG), run_and_store / "store", tiny_edit_model, [resumed], tmp_path / "report")
+    assert res.metrics["checkpoints"]["steps"] == [10, 20, 30] and res.evaluated == 1
+
+    out = tmp_path / "report-2"  # the steps 10, 20 evaluated; then RUN trained afresh with packed instead
+    shutil.move(run, tmp_path / "run.previous")  # --new-run keeps the old run beside RUN
+    afresh = [checkpoint(5, 10, {**before, "attention_backend": "packed"})]
+    res = ev.run(EvaluateConfig(**CFG), run_and_store / "store", tiny_edit_model, afresh, out)
+    assert res.metrics["checkpoints"]["steps"] == [5] and res.evaluated == 1
+    kept = [p for p in out.iterdir() if p.name.startswith("losses.") and p.name != GROUP]
+    assert len(kept) == 1 and sorted(xr.open_zarr(kept[0]).step.values) == [10, 20]
 
 
 def test_a_second_evaluate_into_the_same_report_folder_stops_at_once(tmp_path: Path) -> None:

@@ -35,6 +35,27 @@ def test_ranks_that_see_different_checkpoints_stop_with_one_line(tiny_edit_model
     assert [s for s, _ in train_state.complete_checkpoints(out / "checkpoints")] == [2, 4]  # nothing trained on
 
 
+def test_resume_new_run_keeps_a_run_one_rank_cannot_read_on_every_rank(tiny_edit_model, tmp_path) -> None:
+    """`--resume --new-run` over a run whose checkpoints rank 1 reads as damaged (its node's copy) and rank 0 as
+    intact (alone, it would resume): no intact checkpoint is left for this launch, so the run is kept aside and
+    every rank trains afresh, decided together. Before, rank 1's damaged line stopped every rank (a run --new-run asks to keep, refused);
+    decided alone, rank 0 would have resumed while rank 1 started at step 0."""
+    store, out = tmp_path / "store", tmp_path / "run"
+    make_train_store(store, tiny_edit_model, mixed_specs(8))
+    run(load_config(None, {"train.device": "cpu", "train.batch_size": 2, "train.lora.rank": 4, "train.max_steps": 2,
+                           "train.checkpoint_every": 2}), store, tiny_edit_model, out)
+    step2 = (out / "checkpoints" / "step-2" / "optimizer.safetensors").read_bytes()
+
+    (rc0, out0, err0), (rc1, out1, err1) = launch_two("rank_stale_view.py", "damaged", str(store), tiny_edit_model,
+                                                      str(out), timeout=300)
+    assert rc0 == rc1 == 0, (rc0, rc1, err0[-2000:], err1[-2000:])
+    (kept,) = (tmp_path / "run.previous").iterdir()
+    assert f"kept the previous run of {out} (its LoRA and checkpoints) in {kept}" in out0 + err0
+    assert (kept / "checkpoints" / "step-2" / "optimizer.safetensors").read_bytes() == step2  # nothing deleted
+    # trained afresh (rank 0 alone would have resumed step 2 to step 3, the run's checkpoint kept beside it)
+    assert [s for s, _ in train_state.complete_checkpoints(out / "checkpoints")] == [3]
+
+
 def test_an_encode_whose_ranks_see_the_table_differently_decides_together(tiny_edit_model, edit_store) -> None:
     """Rank 1 does not see the complete `text` v1 yet: before, rank 0 returned "up to date" at once while rank 1
     loaded the encoder and waited for it at the commit (a gloo error, NCCL: the collective timeout). Now every

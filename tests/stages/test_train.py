@@ -234,6 +234,31 @@ def test_resume_with_changed_config_or_store_fails_loudly(store_dir, tiny_edit_m
 
 
 
+def test_a_start_over_a_run_of_other_settings_names_them_and_both_ways_on(store_dir, tiny_edit_model, tmp_path):
+    """A start without --resume into a folder whose run was trained with other settings. Before, it said only
+    "pass --resume to continue it", and that --resume was then refused for the settings, named only there. Now
+    the refusal lists what differs (a few lines: past five, counted) and says what --resume continues (the run
+    under its own settings) beside --new-run; the run is left as it was."""
+    out = tmp_path / "run"
+    run(cfg_of(max_steps=1), store_dir, tiny_edit_model, out)
+    lora = lora_of(out)
+    with pytest.raises(UserError) as refused:
+        run(cfg_of(max_steps=2, learning_rate=1e-2, **{"lora.rank": 2}), store_dir, tiny_edit_model, out)
+    lines = str(refused.value).splitlines()
+    assert lines[0] == f"{out} already holds checkpoints (step-1) trained with other settings " \
+                       f"({out / 'train_config.yaml'} -> now):"
+    assert lines[1:3] == ["  train.learning_rate: 0.002 -> 0.01", "  train.lora.rank: 4 -> 2"]  # not max_steps
+    assert lines[3].startswith("--resume continues it only with the settings it was trained with") and \
+        f"--new-run to keep it as {out}.previous/N-TIME and train afresh" in lines[3]
+    changes = {"learning_rate": 1e-2, "lora.rank": 2, "lora.alpha": 3.0, "weight_decay": 0.5, "seed": 7,
+               "caption_dropout": 0.2}  # six settings: four lines shown, one counting the other two
+    with pytest.raises(UserError) as refused:
+        run(cfg_of(max_steps=1, **changes), store_dir, tiny_edit_model, out)
+    lines = str(refused.value).splitlines()
+    assert len(lines) == 7 and lines[5] == "  ... and 2 more train.* setting(s)", lines
+    assert_same_lora(lora_of(out), lora)  # nothing trained over
+
+
 def test_a_finished_run_without_checkpoints_is_not_replaced(store_dir, tiny_edit_model, tmp_path):
     """RUN/lora of a finished run whose checkpoints were deleted (they hold the optimizer state: the usual thing
     to remove to save disk): a new train into RUN, with or without --resume, used to start at step 0 and replace

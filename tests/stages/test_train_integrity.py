@@ -219,6 +219,95 @@ def test_a_checkpoint_without_its_resume_record_is_named_not_skipped(tmp_path, t
     assert (out / "checkpoints" / "step-2" / "optimizer.safetensors").is_file()  # nothing overwritten
 
 
+
+def _files_of(folder: Path) -> dict[str, bytes]:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _run_without_intact_checkpoints(tmp_path, model, how: str) -> tuple[Path, Path, dict[str, bytes]]:
+    """A run stopped at step 2 (checkpoints 1 and 2, no final LoRA) that no intact checkpoint is left of: both lost
+    their resume.json (`unrecorded`), or the only one kept has a flipped bit (`flipped`). (store, out, its
+    checkpoints' files)."""
+    root = tmp_path / "store"
+    make_train_store(root, model, mixed_specs(4))
+    out = tmp_path / "run"
+    run(cfg_of(max_steps=2, checkpoint_every=1, keep_checkpoints=2 if how == "unrecorded" else 1), root, model, out)
+    shutil.rmtree(out / "lora")  # as a run killed before its final LoRA
+    if how == "unrecorded":
+        for step in (1, 2):
+            (out / "checkpoints" / f"step-{step}" / "resume.json").unlink()
+    else:
+        path = out / "checkpoints" / "step-2" / "optimizer.safetensors"
+        flip_bit(path, path.stat().st_size // 2, 0)
+    return root, out, _files_of(out / "checkpoints")
+
+
+@pytest.mark.parametrize("resume", [False, True])
+def test_a_run_left_without_an_intact_checkpoint_is_never_trained_over(tmp_path, tiny_edit_model, resume):
+    """Checkpoint folders that all lost their resume.json are still a run. Before, a start without --resume took
+    the folder for an empty one and trained over them (step-1 and step-2 rewritten), and --resume's line only
+    said to use a new --out. Now both name the damaged checkpoint and --new-run, and leave every file as it was."""
+    root, out, files = _run_without_intact_checkpoints(tmp_path, tiny_edit_model, "unrecorded")
+    with pytest.raises(train_state.CheckpointDamaged, match=r"step-2: resume.json is missing; no intact earlier "
+                       rf"checkpoint is left to continue from: add --new-run to keep this run \(moved to "
+                       rf"{out}.previous/N-TIME"):
+        run(cfg_of(max_steps=3, checkpoint_every=1), root, tiny_edit_model, out, resume=resume)
+    assert _files_of(out / "checkpoints") == files
+
+
+def test_resume_into_a_folder_of_damaged_checkpoints_only_is_not_nothing_to_resume(tmp_path):
+    """A copy of a run's checkpoints/ alone whose resume.json files were lost: `--resume` said "nothing to resume,
+    RUN holds no checkpoints/ and no train_config.yaml" (it holds checkpoints/). Now the start goes on to name the
+    damaged checkpoint and --new-run (above)."""
+    from stages.train.resume import nothing_to_resume
+
+    (tmp_path / "run" / "checkpoints" / "step-2").mkdir(parents=True)
+    (tmp_path / "run" / "checkpoints" / "step-2" / "optimizer.safetensors").write_bytes(b"state")
+    assert nothing_to_resume(tmp_path / "run") is None
+    assert "holds no checkpoints/" in nothing_to_resume(tmp_path / "run" / "checkpoints" / "step-2")
+
+def test_a_damaged_checkpoint_is_named_before_the_start_asks_for_resume(tmp_path, tiny_edit_model):
+    """step-2 lost its resume.json, step-1 is intact: a start without --resume used to say "already holds
+    checkpoints (step-1); pass --resume to continue it", and only that --resume named step-2 as damaged. The
+    damaged checkpoint comes first now."""
+    root = tmp_path / "store"
+    make_train_store(root, tiny_edit_model, mixed_specs(4))
+    out = tmp_path / "run"
+    run(cfg_of(max_steps=2, checkpoint_every=1), root, tiny_edit_model, out)
+    (out / "checkpoints" / "step-2" / "resume.json").unlink()
+    with pytest.raises(train_state.CheckpointDamaged, match="step-2: resume.json is missing; the previous checkpoint "
+                                                            "step-1 is intact"):
+        run(cfg_of(max_steps=3, checkpoint_every=1), root, tiny_edit_model, out)
+
+
+@pytest.mark.parametrize("how", ["unrecorded", "flipped"])
+def test_resume_new_run_keeps_a_run_without_an_intact_checkpoint_and_trains_afresh(tmp_path, tiny_edit_model, how):
+    """`--resume --new-run` keeps a run that cannot be continued (docs/train.md): one with no intact checkpoint
+    left is such a run. Before, it stopped on the damaged checkpoint. Now it is kept whole under RUN.previous and
+    the new run trains from step 0."""
+    root, out, files = _run_without_intact_checkpoints(tmp_path, tiny_edit_model, how)
+    result = run(cfg_of(max_steps=1, checkpoint_every=1), root, tiny_edit_model, out, resume=True, new_run=True)
+    assert result.kept_previous is not None and result.start_step == 0 and result.steps == 1
+    assert result.kept_previous.parent == out.with_name("run.previous")
+    assert _files_of(result.kept_previous / "checkpoints") == files  # nothing deleted or changed
+    assert [s for s, _ in train_state.complete_checkpoints(out / "checkpoints")] == [1]
+
+
+def test_a_take_back_keeps_a_run_folder_holding_only_damaged_checkpoints(tmp_path):
+    """`run all`'s take-back renames the run RUN holds away first: kept when it is a trained run, removed when it
+    is not. A `step-N/` without resume.json is part of a run: before, such a RUN counted as untrained and was
+    deleted."""
+    from stages.train import previous
+
+    out, kept = tmp_path / "run", tmp_path / "run.previous" / "1-20260101T000000Z"
+    (out / "checkpoints" / "step-3").mkdir(parents=True)
+    (out / "checkpoints" / "step-3" / "optimizer.safetensors").write_bytes(b"the only copy")
+    (kept / "lora").mkdir(parents=True)
+    moved = previous.take_back(out, kept)
+    assert moved is not None and (moved / "checkpoints" / "step-3" / "optimizer.safetensors").read_bytes() == \
+        b"the only copy"
+    assert (out / "lora").is_dir()
+
 def test_a_resume_record_from_a_newer_release_is_not_called_damaged(tmp_path):
     """resume.json written by a newer release (a field this code does not know, or a higher format) is intact:
     the error says to upgrade, not that the checkpoint is damaged (a user would then delete a good run). Before: a
