@@ -240,12 +240,9 @@ def record_damage(vdir: Path, samples: dict[str, str] | None = None, shards: dic
     `store repair` marks the version it replaces here too (one writer mechanism: its own unlocked overwrite lost
     findings a reader recorded meanwhile, and a reader's merge could drop repair's), with `required`: a marker
     that cannot be written raises there, as the marker is what keeps `find_version` off that version."""
-    try:
-        version = int(vdir.name.lstrip("v"))
-    except ValueError:
+    if (marker := _marker_of(vdir)) is None:
         return
-    root = store_root(vdir)
-    path = fmt.damaged_marker(root, vdir.parent.name, version)
+    version, root, path = marker
     try:
         if _merged(_recorded(path), version, samples, shards, problems) is None:
             return
@@ -262,19 +259,24 @@ def record_damage(vdir: Path, samples: dict[str, str] | None = None, shards: dic
                     where(vdir), path, type(e).__name__, e.strerror or e, root)
 
 
+def _marker_of(vdir: Path) -> tuple[int, Path, Path] | None:
+    """(version, store root, damage marker path) of the version folder `vdir`; None for a folder not named vN."""
+    try:
+        version = int(vdir.name.lstrip("v"))
+    except ValueError:
+        return None
+    root = store_root(vdir)
+    return version, root, fmt.damaged_marker(root, vdir.parent.name, version)
+
+
 def clear_damage(vdir: Path, names: list[str]) -> None:
     """Drop from the version's `v<N>.damaged.json` what it records about the files `names` (a pull fetched them
     again, each checked: store/remote_sync.refill): those shards, the samples in them, the problems naming them;
     the marker goes when nothing is left, so the repaired copy is no longer refused as damaged. Damage elsewhere
     in the version (a sample whose bytes changed in a shard of the right size) stays recorded."""
-    try:
-        version = int(vdir.name.lstrip("v"))
-    except ValueError:
+    if (marker := _marker_of(vdir)) is None or not marker[2].exists():
         return
-    root = store_root(vdir)
-    path = fmt.damaged_marker(root, vdir.parent.name, version)
-    if not path.exists():
-        return
+    _, root, path = marker
     gone = set(names)
     with fmt.flock(root / DAMAGE_LOCK):
         rec = _recorded(path, fresh=True)
@@ -284,8 +286,10 @@ def clear_damage(vdir: Path, names: list[str]) -> None:
         if samples:
             import pyarrow.parquet as pq
 
-            m = pq.read_table(vdir / fmt.MANIFEST, columns=["key", "shard"])
-            in_gone = {k for k, s in zip(m.column("key").to_pylist(), m.column("shard").to_pylist()) if s in gone}
+            import pyarrow.compute as pc
+
+            m = pq.read_table(vdir / fmt.MANIFEST, columns=["key", "shard"])  # vectorised: 1M rows at most
+            in_gone = set(m.filter(pc.is_in(m["shard"], value_set=pa.array(sorted(gone)))).column("key").to_pylist())
             samples = {k: v for k, v in samples.items() if k not in in_gone}
         shards = {k: v for k, v in shards.items() if k not in gone}
         problems = [p for p in problems if not any(n in str(p) for n in gone)]
