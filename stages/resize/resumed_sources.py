@@ -102,9 +102,9 @@ def held_rows(done: object, prefix: str, first: int, end: int) -> tuple[np.ndarr
         inside = (no >= first) & (no < end)
         rows.append(no[inside])
         keys.append(t.column("key").to_numpy(zero_copy_only=False)[inside])
-    if not rows:
+    no, key = (np.concatenate(rows), np.concatenate(keys)) if rows else (np.zeros(0, np.int64), [])
+    if not len(no):  # none held in the range (the mask below would be one entry long)
         return np.zeros(0, np.int64), []
-    no, key = np.concatenate(rows), np.concatenate(keys)
     # by row; a row listed twice (a shard written again): the last one, as the lookup keeps
     order = np.argsort(no, kind="stable")
     no, key = no[order], key[order]
