@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import weakref
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, Sequence
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -17,6 +17,7 @@ import pyarrow.compute as pc
 from features.images_versions import check_images_versions
 from features.tables import PRODUCER
 from schemas.errors import UserError
+from schemas.model_files import MODEL_FILES_ATTR, ModelFile, differing_files, fingerprint_of
 from store import format as fmt
 from store import integrity
 from store.integrity import DamagedData
@@ -37,20 +38,22 @@ class ReadingSettings(Protocol):
     max_open_shards: int
 
 
-def open_configured(settings: ReadingSettings, section: str, store: str | Path, model: str, model_fingerprint: str,
-                    split: str, say_dropped: bool = True) -> JoinedTables:
+def open_configured(settings: ReadingSettings, section: str, store: str | Path, model: str,
+                    model_files: Sequence[ModelFile], split: str, say_dropped: bool = True) -> JoinedTables:
     """The one way a stage opens its features: `open_features` with the reading keys of its own config section
-    (`section` names it in errors) on every path - training, its validator, its up-to-date check, evaluate."""
-    return open_features(store, model, model_fingerprint, split, settings.max_dropped_fraction,
+    (`section` names it in errors) on every path - training, its validator, its up-to-date check, evaluate.
+    `model_files`: the model's (`models.loading.model_files`), whose fingerprint the tables must record; a table
+    of another model is refused naming the files that differ."""
+    return open_features(store, model, fingerprint_of(model_files), split, settings.max_dropped_fraction,
                          settings.max_open_shards, on_damaged=settings.on_damaged,
                          max_damaged_fraction=settings.max_damaged_fraction, section=section,
-                         say_dropped=say_dropped)
+                         say_dropped=say_dropped, model_files=model_files)
 
 
 def open_features(store: str | Path, model: str, model_fingerprint: str, split: str = "train",
                   max_dropped_fraction: float = 0.05, max_open_shards: int = DEFAULT_MAX_OPEN_SHARDS,
                   on_damaged: str = "stop", max_damaged_fraction: float = 0.0, section: str = "train",
-                  say_dropped: bool = True) -> JoinedTables:
+                  say_dropped: bool = True, model_files: Sequence[ModelFile] = ()) -> JoinedTables:
     """`text` + `vae` of one split, built with the model whose fingerprint is given: the samples both tables
     hold (the intersection), with each one's joint sequence length in `lengths` and in `report` how many samples
     of the split were dropped (in the `images` table, or in one of the two, but not in both) and why (the
@@ -62,7 +65,10 @@ def open_features(store: str | Path, model: str, model_fingerprint: str, split: 
     step 0 was a full read of the split, terabytes at 1M samples): whoever reads leaves a damaged sample out
     where it meets it and applies `max_damaged_fraction` to what it has read (features/damaged.py; train:
     stages/train/damaged.py). `section`: the config section errors name. `say_dropped`: a warning line for
-    dropped samples (once per process and join); False where the caller prints its own (the trainer's line)."""
+    dropped samples (once per process and join); False where the caller prints its own (the trainer's line).
+    `model_files`: the model's files, from the walk that gave `model_fingerprint` (`models.loading.model_files`):
+    a table built with another model is refused naming the files that differ from those it recorded
+    (schemas/model_files.py); without them, or for a table that records none, by the fingerprints alone."""
     from store.lease import hold
     from store.store import Store
 
@@ -73,7 +79,7 @@ def open_features(store: str | Path, model: str, model_fingerprint: str, split: 
     readers: dict[str, TableReader] = {}
     try:
         joined = _open_features(st, lease, readers, model, model_fingerprint, split, max_dropped_fraction,
-                                max_open_shards, on_damaged, max_damaged_fraction, section, say_dropped)
+                                max_open_shards, on_damaged, max_damaged_fraction, section, say_dropped, model_files)
     except BaseException:
         for r in readers.values():  # a refused store (wrong model, too many dropped) leaves nothing open
             r.close()
@@ -86,17 +92,19 @@ def open_features(store: str | Path, model: str, model_fingerprint: str, split: 
 
 def _open_features(st, lease, readers: dict[str, TableReader], model: str, model_fingerprint: str, split: str,
                    max_dropped_fraction: float, max_open_shards: int, on_damaged: str,
-                   max_damaged_fraction: float, section: str = "train", say_dropped: bool = True) -> JoinedTables:
+                   max_damaged_fraction: float, section: str = "train", say_dropped: bool = True,
+                   model_files: Sequence[ModelFile] = ()) -> JoinedTables:
     """Fills `readers` as it opens them (the caller closes them when this raises)."""
     for t in ("text", "vae"):
         readers[t] = _open_table(st, t, model, max_open_shards, on_damaged, lease.version(t))
     for r in readers.values():
         found = r.schema.lineage.model_fingerprint
         if found != model_fingerprint:
+            files = differing_files(r.schema.attrs.get(MODEL_FILES_ATTR), model_files) if model_files else None
             raise UserError(
                 f"table '{r.table}' v{r.version} in {st.root} was built with a different model (fingerprint "
-                f"{found or 'none'}) than --model {model} ({model_fingerprint}); use the model that encoded the "
-                f"store, or re-run `pipeline run {PRODUCER[r.table]} --model {model}`"
+                f"{found or 'none'}) than --model {model} ({model_fingerprint}{'; ' + files if files else ''}); use "
+                f"the model that encoded the store, or re-run `pipeline run {PRODUCER[r.table]} --model {model}`"
             )
     # the `images` versions they were encoded from: a sample of two renders refused, a stale table said
     check_images_versions(st, readers, section)

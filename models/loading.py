@@ -6,7 +6,6 @@ train: transformer), so `load_component` is the entry point and never builds a w
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from functools import lru_cache
@@ -18,6 +17,7 @@ from tqdm.auto import tqdm
 
 from models.file_hashes import FileHashes
 from schemas.errors import UserError
+from schemas.model_files import ModelFile, fingerprint_of
 
 Component = Literal["transformer", "vae", "text_encoder", "processor", "tokenizer", "scheduler"]
 
@@ -169,7 +169,14 @@ def _check_complete(folder: Path) -> None:
 def model_fingerprint(model: str) -> str:
     """Hash of every file of the model folder (names + full contents; not hidden ones): any changed weight is a
     new model."""
-    return _files_fingerprint(resolve_model(model), None)
+    return fingerprint_of(model_files(model))
+
+
+def model_files(model: str) -> tuple[ModelFile, ...]:
+    """Every file of the model folder with its size and sha256 (schemas/model_files.py): one walk gives both the
+    fingerprint (`fingerprint_of`) and the record an encoder stores or a refusal compares, so the folder is not
+    walked twice."""
+    return _folder_files(resolve_model(model), None)
 
 
 @lru_cache(maxsize=32)
@@ -184,12 +191,18 @@ def component_fingerprint(model: str, components: tuple[str, ...]) -> str:
 
 
 def _files_fingerprint(root: Path, components: tuple[str, ...] | None) -> str:
+    return fingerprint_of(_folder_files(root, components))
+
+
+def _folder_files(root: Path, components: tuple[str, ...] | None) -> tuple[ModelFile, ...]:
     """Hidden files and folders are no part of the model: `hf download --local-dir` keeps its bookkeeping in
     ROOT/.cache/huggingface/ and rewrites it (a fresh timestamp) on every rerun, which changed the fingerprint of
-    unchanged weights (every table re-encoded, every run retrained); `.git` likewise."""
-    files = sorted(root.rglob("*")) if components is None else sorted(f for c in components for f in (root / c).rglob("*"))
-    files = [f for f in files if not any(part.startswith(".") for part in f.relative_to(root).parts)]
-    h = hashlib.sha256()
+    unchanged weights (every table re-encoded, every run retrained); `.git` likewise. Sorted by path parts."""
+    found = root.rglob("*") if components is None else (f for c in components for f in (root / c).rglob("*"))
+    # by path parts, explicitly (what Path's own ordering has always been): "a/b" before "a.b/c", on any Python
+    files = sorted((f for f in found if not any(part.startswith(".") for part in f.relative_to(root).parts)),
+                   key=lambda f: f.relative_to(root).parts)
+    out = []
     with FileHashes() as hashes, hashes.alone(str(root)):  # the ranks of a node: one reads, the others find it cached
         known = [(f, _known_digest(f, hashes)) for f in files if f.is_file()]
         todo = sum(f.stat().st_size for f, digest in known if digest is None)
@@ -197,12 +210,12 @@ def _files_fingerprint(root: Path, components: tuple[str, ...] | None) -> str:
         with tqdm(total=todo, desc=f"hash {root.name}", unit="B", unit_scale=True, unit_divisor=1024,
                   disable=todo == 0, dynamic_ncols=True) as bar:
             for f, digest in known:
+                size = f.stat().st_size
                 if digest is None:
                     digest = hashes.sha256(f)
-                    bar.update(f.stat().st_size)
-                h.update(str(f.relative_to(root)).encode())
-                h.update(digest.encode())
-    return h.hexdigest()[:16]
+                    bar.update(size)
+                out.append(ModelFile(f.relative_to(root).as_posix(), size, digest))
+    return tuple(out)
 
 
 def check_device(device: str | torch.device, what: str) -> torch.device:

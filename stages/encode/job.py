@@ -54,6 +54,7 @@ class EncodeJob:
     lease: Any = None  # the read lease on `images` (store/lease.py); released when the job is done or collected
     on_damaged: str = "stop"  # a damaged `images` sample: stop, or skip (quarantined as DAMAGED_INPUT)
     settings: dict[str, Any] = field(default_factory=dict)  # `settings.settings_record`: hashed, and recorded
+    model_files: tuple = ()  # the model's files (schemas/model_files.py): recorded, named when a later model differs
     max_damaged_fraction: float = 0.0  # on_damaged=skip: stop anyway above this share of this rank's samples
     repairing: int | None = None  # the current version, recorded as damaged: verify the new one after commit
     total: int = 0  # this rank's share of the `images` keys (the damaged-input threshold's base)

@@ -238,15 +238,18 @@ def agreed_found(found: int | None, world: int, several_caches: bool) -> int | N
 
 
 def _with_settings(job: EncodeJob, schema: TableSchema) -> TableSchema:
-    """`schema` with the settings recorded (`attrs.settings`: a later run with others names what differs,
-    `plan._say_why_new`), unless an in-progress version of the table has this schema with another record of them
-    or none - begun by a release that did not record them, or `store repair`'s copy of the version it repairs: the
-    writer resumes only an exact schema, so that version's record (or its absence) is taken and it is resumed."""
+    """`schema` with the settings and the model's files recorded (`attrs.settings`, `attrs.model_files`: a later
+    run with others names what differs, `plan._say_why_new`, as train's refusal of another model does), unless an
+    in-progress version of the table has this schema with another record of them or none - begun by a release
+    that did not record them, or `store repair`'s copy of the version it repairs: the writer resumes only an exact
+    schema, so that version's records (or their absence) are taken and it is resumed."""
+    from schemas.model_files import MODEL_FILES_ATTR, files_record
     from stages.encode.settings import SETTINGS_ATTR
     from store import format as fmt
 
     def without(d: dict[str, Any]) -> dict[str, Any]:
-        return {**d, "attrs": {k: v for k, v in (d.get("attrs") or {}).items() if k != SETTINGS_ATTR}}
+        return {**d, "attrs": {k: v for k, v in (d.get("attrs") or {}).items()
+                               if k not in (SETTINGS_ATTR, MODEL_FILES_ATTR)}}
 
     want = without(schema.to_dict())
     store, table = job.store, job.summary.table
@@ -260,7 +263,8 @@ def _with_settings(job: EncodeJob, schema: TableSchema) -> TableSchema:
             continue
         if isinstance(begun, dict) and without(begun) == want:
             return TableSchema.from_dict(begun)
-    return replace(schema, attrs={**schema.attrs, SETTINGS_ATTR: job.settings})
+    return replace(schema, attrs={**schema.attrs, SETTINGS_ATTR: job.settings,
+                                  MODEL_FILES_ATTR: files_record(job.model_files)})
 
 
 def adopt(job: EncodeJob, found: int) -> None:

@@ -153,7 +153,7 @@ def _open_job(store_path: str | Path, stage: str, table: str, settings: dict[str
                         summary=summary, feature_lineage=lineages.feature, earlier_lineages=lineages.earlier,
                         lease=lease, on_damaged=on_damaged, settings=settings,
                         max_damaged_fraction=max_damaged_fraction, changed_by_fixes=lineages.changed_by_fixes,
-                        serving=lineages.serving)
+                        serving=lineages.serving, model_files=lineages.model_files)
         weakref.finalize(job, lease.release)
         found = _reusable_version(job, lineages.hashed_before, fixes, feature_revision)
         if found is None and ranks.rank == 0 and not repair_context.active():
@@ -180,6 +180,7 @@ class JobLineages(NamedTuple):
     changed_by_fixes: dict[str, Callable[[pa.Table], np.ndarray]]
     hashed_before: list[Lineage]  # the version's lineage as hashed before the declared scheme
     serving: tuple[Lineage, ...]  # versions of settings that store more (extra columns): they serve this run too
+    model_files: tuple  # the model's files (schemas/model_files.py), recorded in the version's schema
 
 
 def _job_lineages(store: Store, images, images_id: str, stage: str, table: str, feature_hash: str, model: str,
@@ -189,10 +190,12 @@ def _job_lineages(store: Store, images, images_id: str, stage: str, table: str, 
     `feature_hash` (the other arguments: `open_job`'s): of the version, of its samples (over the part of the
     pictures the stage reads), and those of earlier samples it carries forward (hashed before the declared scheme,
     over the whole pictures, stored before a fix). Under `store repair`, those of the version repaired."""
-    from models.loading import component_fingerprint, model_fingerprint
+    from models.loading import component_fingerprint, model_files
+    from schemas.model_files import fingerprint_of
 
+    files = model_files(model)  # one walk: the fingerprint and the record of the files (schemas/model_files.py)
     lineage = Lineage(
-        stage=stage, config_hash=f"{feature_hash}-images:{images_id}", model_fingerprint=model_fingerprint(model),
+        stage=stage, config_hash=f"{feature_hash}-images:{images_id}", model_fingerprint=fingerprint_of(files),
         upstream={IMAGES_TABLE: images.version}, code_version=code_version(feature_revision),
     )
     # Per-sample reuse: the features depend on these settings, the components loaded and the images' own
@@ -200,7 +203,7 @@ def _job_lineages(store: Store, images, images_id: str, stage: str, table: str, 
     whole = _images_feature_lineage(store, images, images_id)
     reads = _read_lineage(images.schema, unread)
     upstream = reads or whole
-    fingerprint = component_fingerprint(model, components) if components else model_fingerprint(model)
+    fingerprint = component_fingerprint(model, components) if components else lineage.model_fingerprint
     if reads is not None and _repairs_whole_lineage(store, table, {
             feature_lineage(stage, h, fingerprint, code_version(rev), whole)
             for h in (feature_hash, *earlier_hashes) for rev in (feature_revision, fixes.revision_before) if rev}):
@@ -234,7 +237,7 @@ def _job_lineages(store: Store, images, images_id: str, stage: str, table: str, 
                                               feature_revision, up, before))
     return JobLineages(lineage=lineage, feature=fl, earlier=tuple(dict.fromkeys((*earlier, *same_reads, *changed))),
                        changed_by_fixes=changed, hashed_before=[old for old, _ in hashed_before],
-                       serving=tuple(serving))
+                       serving=tuple(serving), model_files=files)
 
 
 def _say_why_new(job: EncodeJob) -> None:
@@ -263,6 +266,11 @@ def _say_why_new(job: EncodeJob) -> None:
         extras = [{k: v for k, v in record.items() if k != "section"} for record in (before, job.settings)]
         differences += up_to_date.changed_settings(*sections, section, missing="(default)") or \
             up_to_date.changed_settings(*extras, section)
+    if schema.lineage.model_fingerprint != job.lineage.model_fingerprint:  # which of the model's files differ
+        from schemas.model_files import MODEL_FILES_ATTR, differing_files
+
+        files = differing_files(schema.attrs.get(MODEL_FILES_ATTR), job.model_files)
+        differences += [files] if files else []
     if differences:
         tqdm.write(up_to_date.new_version_line(job.summary.stage, table, version, differences))
 

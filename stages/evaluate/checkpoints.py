@@ -169,9 +169,9 @@ def content_fingerprint(cfg: EvaluateConfig, store: str | Path, model: str, sett
     """`read_fingerprint` of the val split as evaluate would read it now (opened and closed here: the up-to-date
     check before anything is loaded) and its `earlier_settings`."""
     from features.open import open_configured
-    from models.loading import model_fingerprint
+    from models.loading import model_files
 
-    with open_configured(cfg, "evaluate", store, model, model_fingerprint(model), "val") as tables:
+    with open_configured(cfg, "evaluate", store, model, model_files(model), "val") as tables:
         fingerprint, settings = read_fingerprint(settings, tables)
         return fingerprint, settings, earlier_settings(settings, tables, cfg, out)
 

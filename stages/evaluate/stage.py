@@ -411,11 +411,11 @@ def read_table_ids(cfg: EvaluateConfig, store: str | Path, model: str, tables: J
     """The tables a report reads, named by content where they have one: text / vae by the val split's content
     ids (`checkpoints.read_tables`), `images` by the rows the pictures and captions come from (`images_rows_id`),
     so an `images` rerun that changed no sample keeps the report. A table without one: its version id."""
-    from models.loading import model_fingerprint
+    from models.loading import model_files
     from stages.evaluate.checkpoints import read_tables
 
     if tables is None:
-        with open_configured(cfg, "evaluate", store, model, model_fingerprint(model), "val") as opened:
+        with open_configured(cfg, "evaluate", store, model, model_files(model), "val") as opened:
             return read_table_ids(cfg, store, model, opened)
     ids = read_tables(tables)
     st = Store(store, create=False)
@@ -519,10 +519,10 @@ def read_val_samples(cfg: EvaluateConfig, store: str | Path, model: str):
     unset). Each is read once to find the intact ones and kept as an outline (key, img_shapes, mask): the loss
     passes read the features again batch by batch (`val_share.reader`), so what is held does not grow with the
     count (10k val samples x several MB each, held in full before)."""
-    from models.loading import model_fingerprint
+    from models.loading import model_files
     from stages.evaluate.val_share import Share, outline
 
-    tables = open_configured(cfg, "evaluate", store, model, model_fingerprint(model), "val")
+    tables = open_configured(cfg, "evaluate", store, model, model_files(model), "val")
     n = min(len(tables), cfg.max_loss_samples) if cfg.max_loss_samples else len(tables)
     tables.check_ahead(lambda: iter(range(len(tables))))  # the bytes checked by a thread just ahead of the reads
     try:  # evaluate.on_damaged=skip: a damaged one left out where it is read, the next one read instead

@@ -37,12 +37,12 @@ def read_share(cfg, store: str | Path, model: str, ranks):
     every rank."""
     from features.open import open_configured
     from models.same_versions import check_same_versions
-    from models.loading import model_fingerprint
+    from models.loading import model_files
 
     from models.collective import together
 
     with together(ranks.world, "open the val split"):
-        tables = open_configured(cfg, "evaluate", store, model, model_fingerprint(model), "val")
+        tables = open_configured(cfg, "evaluate", store, model, model_files(model), "val")
     try:
         check_same_versions(ranks.world, tables.versions(), tables.store_root, "evaluate")
         return tables, _read(tables, cfg, ranks)

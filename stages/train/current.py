@@ -99,9 +99,11 @@ def run_inputs(cfg: PipelineConfig, store: str | Path, model: str) -> dict[str, 
 def _inputs(cfg: PipelineConfig, store: str | Path, model: str,
             train: TrainConfig) -> tuple[dict[str, Any], JoinedTables]:
     """`run_inputs`, and the joined tables (closed) for their content identities."""
-    from models.loading import model_fingerprint
+    from models.loading import model_files
+    from schemas.model_files import fingerprint_of
 
-    tables = open_configured(cfg.train, "train", store, model, model_fingerprint(model), "train",  # as training does
+    files = model_files(model)  # one walk: the tables' check and the record's fingerprint
+    tables = open_configured(cfg.train, "train", store, model, files, "train",  # as training does
                              say_dropped=False)  # the trainer says it (a run that is not current trains)
     tables.close()  # only its versions (or contents: from the manifests it holds) are compared
     return {
@@ -109,7 +111,7 @@ def _inputs(cfg: PipelineConfig, store: str | Path, model: str,
         # the run records its resolved precision (dtype auto -> float32 / bfloat16 for its device)
         "config_fingerprint": config_fingerprint(train),
         "tables": tables.versions(),
-        "model_fingerprint": model_fingerprint(model),
+        "model_fingerprint": fingerprint_of(files),
         "init_lora_sha256": init_lora_sha256(cfg.train),
         "training_revision": training_revision(cfg.train),
     }, tables

@@ -22,10 +22,12 @@ def open_inputs(store: str | Path, model: str, split: str = "train", max_dropped
                 max_damaged_fraction: float = 0.0) -> JoinedTables:
     """With on_damaged=skip nothing is read here: the trainer leaves a damaged sample out of its batch where it
     meets it (stages/train/damaged.py)."""
-    from models.loading import model_fingerprint
+    from models.loading import model_files
+    from schemas.model_files import fingerprint_of
 
-    return open_features(store, model, model_fingerprint(model), split, max_dropped_fraction, max_open_shards,
-                         on_damaged=on_damaged, max_damaged_fraction=max_damaged_fraction)
+    files = model_files(model)
+    return open_features(store, model, fingerprint_of(files), split, max_dropped_fraction, max_open_shards,
+                         on_damaged=on_damaged, max_damaged_fraction=max_damaged_fraction, model_files=files)
 
 
 def load(tables: JoinedTables, key: str) -> TrainSample:

@@ -17,6 +17,7 @@ from models.same_versions import check_same_versions
 from schemas.config import PipelineConfig, TrainConfig, dump_config
 from schemas.errors import UserError
 from schemas.lineage import unhashed_names
+from schemas.model_files import ModelFile, fingerprint_of
 from schemas.record_formats import EARLIER_FINGERPRINTS, UNRECORDED_BACKEND
 from stages.train import damaged_log, elastic, guard, previous, state as train_state
 from stages.train.current import damaged_current, nonfinite_current
@@ -36,10 +37,10 @@ def open_tables(tc: TrainConfig, store: str | Path, model: str, accelerator) -> 
     """The `text` + `vae` samples this run trains on, opened by every rank together: a rank refused alone
     stops every rank, and so do ranks that read different versions (models/same_versions.py)."""
     world = accelerator.num_processes
-    fingerprint = agreed_model_fingerprint(world, model)
+    files = agreed_model_files(world, model)
     with together(world, "opening the store"):
         # the trainer prints the join's one line itself (`data.write_data_report`)
-        tables = open_configured(tc, "train", store, model, fingerprint, "train", say_dropped=False)
+        tables = open_configured(tc, "train", store, model, files, "train", say_dropped=False)
     try:
         check_same_versions(world, tables.versions(), tables.store_root, "train")
         with together(world, "train.control_dropout"):
@@ -63,22 +64,23 @@ def check_control_dropout(tc: TrainConfig, tables: JoinedTables) -> None:
                         "train.control_dropout: 0")
 
 
-def agreed_model_fingerprint(world: int, model: str) -> str:
-    """The base model's fingerprint, the same on every rank. The ranks of a node hash its folder in turn
+def agreed_model_files(world: int, model: str) -> tuple[ModelFile, ...]:
+    """The base model's files (`models.loading.model_files`), their fingerprint the same on every rank (so a
+    table of another model is refused naming the same files on each). The ranks of a node hash its folder in turn
     (`FileHashes.alone`): the first reads the files, the others find them cached (one 41 GB read per node, not
     one per rank). Each node hashes its own copy, and a node whose files differ stops every rank with the same
     line (decided on the fingerprints' maximum and minimum over the ranks)."""
-    from models.loading import model_fingerprint
+    from models.loading import model_files
 
     with together(world, f"hashing the model {model}"):
-        fingerprint = model_fingerprint(model)
-    (odd,) = differing_ranks(world, [fingerprint])
+        files = model_files(model)
+    (odd,) = differing_ranks(world, [fingerprint_of(files)])
     if odd:
         # no rank-local name in the line: every rank raises this same line
         raise UserError(f"the base model (--model) is not the same on every rank ({ranks_differ(odd)}): the nodes' "
                         "copies of its files differ (another version, or a copy cut short); copy the same model "
                         "folder to every node")
-    return fingerprint
+    return files
 
 
 def start_record(tc: TrainConfig, tables: JoinedTables, model: str, world_size: int,

@@ -104,11 +104,13 @@ class Validator:
         content for its setting (a pass over the manifests' checksum columns)."""
         self.cfg, self.model, self.run_dir = cfg, model, run_dir
         from models.collective import together
-        from models.loading import model_fingerprint
+        from models.loading import model_files
         from models.same_versions import check_same_versions
+        from schemas.model_files import fingerprint_of
 
+        files = model_files(model)  # one walk: the tables' check and the curve's record
         with together(world, "open the val split"):  # as training reads
-            tables = open_configured(cfg, "train", store, model, model_fingerprint(model), "val")
+            tables = open_configured(cfg, "train", store, model, files, "val")
         try:
             check_same_versions(world, tables.versions(), tables.store_root, "train (validation)")
             if not len(tables):  # the same versions on every rank: all alike
@@ -131,7 +133,7 @@ class Validator:
         try:  # the other ranks never read the setting (`_unrecorded` and `record` are the main process's)
             named = tables.content_names() if main else tables.versions()
             self.curve = ValidationCurve(cfg, run_dir, self.samples, named, tables.versions(),
-                                         model_fingerprint(model), start_step, attention_backend)
+                                         fingerprint_of(files), start_step, attention_backend)
         finally:
             tables.close()  # the samples are in memory now
 

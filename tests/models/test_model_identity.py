@@ -104,3 +104,30 @@ def test_a_rerun_download_s_bookkeeping_is_no_new_model(tmp_path, monkeypatch):
     (root / "vae" / "config.json").write_text('{"z_dim": 16}')  # a file of the model: another model
     _new_process()
     assert loading.model_fingerprint(str(root)) != first[0]
+
+
+def test_the_walk_gives_each_file_and_the_fingerprint_it_always_gave(tmp_path, monkeypatch):
+    """`model_files` (what an encoder records in attrs.model_files, what a refusal compares) comes from the walk
+    the fingerprint hashes: every file with its size and sha256, by path parts ("a/b" before "a.b/c"), each read
+    once; and the fingerprint is the one every stored table recorded before (a change would re-encode them all)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    root = tmp_path / "m"
+    for rel, data in {"model_index.json": b"{}", "a/b": b"1" * 10, "a.b/c": b"22", "a-b": b"", "z/y/x": b"3" * 7,
+                      ".cache/huggingface/x": b"hidden"}.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(data)
+    read = []
+    real = fh.file_sha256
+    monkeypatch.setattr(fh, "file_sha256", lambda p: read.append(Path(p).name) or real(p))
+    _new_process()
+    files = loading.model_files(str(root))
+    assert [(f.path, f.size) for f in files] == [("a/b", 10), ("a-b", 0), ("a.b/c", 2), ("model_index.json", 2),
+                                                 ("z/y/x", 7)]
+    assert all(f.sha256 == hashlib.sha256((root / f.path).read_bytes()).hexdigest() for f in files)
+    # the fingerprint as models.loading computed it before the walk returned the files: sorted Paths, str names
+    h = hashlib.sha256()
+    for p in sorted(p for p in root.rglob("*") if p.is_file() and ".cache" not in p.parts):
+        h.update(str(p.relative_to(root)).encode())
+        h.update(hashlib.sha256(p.read_bytes()).hexdigest().encode())
+    assert loading.model_fingerprint(str(root)) == h.hexdigest()[:16]
+    assert sorted(read) == ["a-b", "b", "c", "model_index.json", "x"]  # each once: the second walk finds them cached

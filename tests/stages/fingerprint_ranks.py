@@ -1,5 +1,5 @@
 """Run by each of two gloo processes of one node (tests/stages/test_fingerprint_ranks.py, not a test module
-itself): the train start's model fingerprint (`stages.train.start.agreed_model_fingerprint`) with the files each
+itself): the train start's model fingerprint (`stages.train.start.agreed_model_files`) with the files each
 rank reads counted, printed as `RESULT same: {json}`; then rank 1 on a copy whose files differ, each rank's line
 printed as `RESULT differ: <line>`.
 
@@ -21,7 +21,8 @@ def main() -> None:
 
     import models.file_hashes as file_hashes
     from schemas.errors import UserError
-    from stages.train.start import agreed_model_fingerprint
+    from schemas.model_files import fingerprint_of
+    from stages.train.start import agreed_model_files
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -34,10 +35,10 @@ def main() -> None:
 
     file_hashes.file_sha256 = counted
     dist.barrier()  # both ranks hash at once, as on a run's first start
-    fingerprint = agreed_model_fingerprint(2, model)
+    fingerprint = fingerprint_of(agreed_model_files(2, model))
     print(f"RESULT same: {json.dumps({'fingerprint': fingerprint, 'reads': reads})}", flush=True)
     try:
-        agreed_model_fingerprint(2, other if rank == 1 else model)
+        agreed_model_files(2, other if rank == 1 else model)
         print("RESULT differ: accepted", flush=True)
     except UserError as e:
         print(f"RESULT differ: {e}", flush=True)

@@ -174,7 +174,7 @@ def test_max_open_shards_bounds_the_open_files_of_every_reading_section(tiny_edi
     files open per table (one sample per shard here); the default keeps them all."""
     import os
 
-    from models.loading import model_fingerprint
+    from models.loading import model_files
     from stages.train.data import load_at
     from features.open import open_configured
 
@@ -182,7 +182,7 @@ def test_max_open_shards_bounds_the_open_files_of_every_reading_section(tiny_edi
 
     def opened_after_reading(section, name: str, split: str) -> int:
         before = len(os.listdir("/proc/self/fd"))
-        tables = open_configured(section, name, store, tiny_edit_model, model_fingerprint(tiny_edit_model), split)
+        tables = open_configured(section, name, store, tiny_edit_model, model_files(tiny_edit_model), split)
         for i in range(len(tables)):
             load_at(tables, i)
         grown = len(os.listdir("/proc/self/fd")) - before

@@ -326,7 +326,7 @@ def test_the_dropped_report_counts_the_samples_of_both_tables_images_versions(tm
 def test_an_empty_val_split_names_resize_val_fraction_when_it_is_zero(tiny_edit_model, tmp_path):
     """Features encoded from images split with resize.val_fraction: 0: the empty 'val' split names that setting
     (before: 'add training samples', sending the user after samples they have)."""
-    from models.loading import model_fingerprint
+    from models.loading import model_files
     from schemas.config import EvaluateConfig
     from schemas.lineage import Lineage
     from schemas.table import FieldSpec, TableSchema
@@ -341,5 +341,5 @@ def test_an_empty_val_split_names_resize_val_fraction_when_it_is_zero(tiny_edit_
     w.commit()
     with pytest.raises(UserError) as e:
         open_configured(EvaluateConfig(), "evaluate", tmp_path / "store", tiny_edit_model,
-                        model_fingerprint(tiny_edit_model), "val")
+                        model_files(tiny_edit_model), "val")
     assert "'val' split is empty" in str(e.value) and "resize.val_fraction: 0" in str(e.value)
