@@ -95,10 +95,13 @@ def required_paths(cfg: PipelineConfig) -> Paths:
 
 def check_config(cfg: PipelineConfig) -> Paths:
     """What the config alone refuses (no file read): the paths `run all` needs, and the resize and train
-    sections' settings, which each stage checks at its start (train's after resize-bucket and both encoders). The
-    command asks right after parsing: a usage mistake, exit 2."""
+    sections' settings, which each stage checks at its start (train's after resize-bucket and both encoders), by
+    the stages' own checks: train.control_dropout against the text table encode-text will make, and the attention
+    backends' names. The command asks right after parsing: a usage mistake, exit 2. Every rank reads the same
+    config and refuses alike (ranks whose copies differ are stopped by train's `check_same_start`)."""
+    from models.attention import check_name as check_backend_name
     from stages.resize.stage import check_config as check_resize
-    from stages.train.settings import validate_config as check_train
+    from stages.train.settings import check_control_dropout, validate_config as check_train
 
     paths = required_paths(cfg)
     if cfg.resize.val_fraction == 0:  # refused, not evaluate skipped: the report is what `run all` is run for
@@ -109,6 +112,12 @@ def check_config(cfg: PipelineConfig) -> Paths:
             "(`pipeline run resize-bucket`, `encode-text`, `encode-vae`, `train`)")
     check_resize(cfg.resize)
     check_train(cfg.train)
+    # a text table reused as encode-text finds it may hold them without the setting (it only adds a column), but
+    # whether encode-text reuses one depends on what resize-bucket writes: the setting decides, before any stage
+    check_control_dropout(cfg.train, cfg.encode_text.no_control_embeds,
+                          "encode-text writes only with encode_text.no_control_embeds: true, and this config runs it")
+    check_backend_name(cfg.train.attention_backend, "train.attention_backend")
+    check_backend_name(cfg.evaluate.attention_backend, "evaluate.attention_backend")
     return paths
 
 

@@ -46,11 +46,32 @@ def training_revision(tc: TrainConfig) -> int:
 
 
 def validate_config(cfg: TrainConfig) -> None:
+    check_dtype(cfg)
     if cfg.mixed_precision == "fp16":
         raise UserError("train.mixed_precision 'fp16' is not supported (no loss scaling here); use 'bf16' or 'no'")
     if cfg.warmup_steps > cfg.max_steps:
         raise UserError(f"train.warmup_steps ({cfg.warmup_steps}) exceeds train.max_steps ({cfg.max_steps})")
     check_checkpointing(cfg)
+
+
+def check_dtype(cfg: TrainConfig) -> None:
+    """train.dtype float16 is refused (no loss scaling here): at the start (`validate_config`, also `pipeline run
+    all`'s before its first stage) and where the precision is resolved (`train_precision`)."""
+    if cfg.dtype == "float16":
+        raise UserError("train.dtype float16 is not supported (no loss scaling here); use bfloat16, float32 or auto")
+
+
+def check_control_dropout(cfg: TrainConfig, has_nocontrol_embeds: bool, text_table: str) -> None:
+    """`train.control_dropout` trains a drawn sample on its instruction without the control images, which the text
+    table holds only when encoded with `encode_text.no_control_embeds` (`nocontrol_embeds`). Train asks of the
+    table it opened, before the model loads (`start.open_tables`; models/randomness.py keeps the check for a
+    sample whose row lacks it); `pipeline run all` of the table its encode-text makes, before its first stage
+    (before, both encoders ran, hours at scale, and then train refused). `text_table`: which table lacks them, as
+    the line names it ("... which TEXT_TABLE without")."""
+    if cfg.control_dropout > 0 and not has_nocontrol_embeds:
+        raise UserError(f"train.control_dropout {cfg.control_dropout} needs the text table's nocontrol_embeds, which "
+                        f"{text_table} without: set encode_text.no_control_embeds: true for encode-text (it adds "
+                        "them, reusing the rest of the table), or set train.control_dropout: 0")
 
 
 def check_checkpointing(cfg: TrainConfig) -> None:
@@ -205,8 +226,7 @@ def train_precision(cfg: TrainConfig, device: torch.device | Callable[[], torch.
     from models.precision import agreed_precision, resolve_precision as resolve
 
     def own():
-        if cfg.dtype == "float16":
-            raise UserError("train.dtype float16 is not supported (no loss scaling here); use bfloat16, float32 or auto")
+        check_dtype(cfg)
         return resolve(cfg.dtype, device() if callable(device) else device, cfg.mixed_precision, what="train.dtype")
 
     return agreed_precision(own, world, "train.dtype")
