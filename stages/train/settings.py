@@ -166,7 +166,12 @@ def init_lora_sha256(cfg: TrainConfig) -> str | None:
     the config fingerprint does not name (a file rewritten there makes another run)."""
     from models.lora import lora_sha256
 
-    return lora_sha256(cfg.init_lora) if cfg.init_lora else None
+    if not cfg.init_lora:
+        return None
+    try:
+        return lora_sha256(cfg.init_lora)
+    except UserError as e:  # a missing file: the line names the setting (also `run all`'s, before its first stage)
+        raise UserError(f"train.init_lora: {e}") from None
 
 
 def make_accelerator(cfg: TrainConfig):

@@ -1,10 +1,14 @@
-"""`pipeline run all` refuses, before its first stage, a train setting that train would refuse after
-resize-bucket and both encoders (hours at a million samples), by train's own check. Before: with
-`train.control_dropout > 0` and encode-text run without `encode_text.no_control_embeds`, resize-bucket, encode-text
-and encode-vae ran (every encoder loaded), then train refused the text table it opened."""
+"""`pipeline run all` refuses, before its first stage, a setting that train (after resize-bucket and both
+encoders: hours at a million samples) or evaluate (after the training too) would refuse, by that stage's own check.
+Before: with `train.control_dropout > 0` and encode-text run without `encode_text.no_control_embeds`, resize-bucket,
+encode-text and encode-vae ran (every encoder loaded), then train refused the text table it opened; and so for the
+others below, each refused by train or evaluate at its start."""
 
 from __future__ import annotations
 
+import sys
+
+import pytest
 import yaml
 from typer.testing import CliRunner
 
@@ -37,3 +41,32 @@ def test_control_dropout_without_nocontrol_embeds_is_refused_before_any_encoder_
     assert "set encode_text.no_control_embeds: true" in lines[0] and "train.control_dropout: 0" in lines[0], lines[0]
     assert loaded == [], loaded  # no encoder (nor anything else) loaded
     assert not (tmp_path / "store").exists() and not (tmp_path / "run").exists()  # nothing resized, nothing trained
+
+
+@pytest.mark.parametrize("sets,hidden,code,said", [
+    (["train.dtype=float16"], None, 2, "error: train.dtype float16 is not supported"),
+    (["train.attention_backend=nonsense"], None, 2, "error: train.attention_backend 'nonsense' is not an attention"),
+    (["evaluate.attention_backend=nonsense"], None, 2, "error: evaluate.attention_backend 'nonsense' is not an "),
+    (["train.log_with=[wandb]"], "wandb", 1, "error: train.log_with: wandb is not installed"),
+    (["train.optimizer=prodigy"], "prodigyopt", 1, "error: train.optimizer 'prodigy' needs the package 'prodigyopt'"),
+    (["evaluate.quantize_base=nf4"], "bitsandbytes", 1,
+     "error: evaluate.quantize_base 'nf4' needs the package 'bitsandbytes'"),
+    (["train.init_lora=/nonexistent/lora"], None, 1, "error: train.init_lora: no LoRA weights at /nonexistent/lora"),
+    (["train.device=cuda:99"], None, 1, "error: train.device: 'cuda:99' requested but this machine has"),
+    (["evaluate.device=cuda:99"], None, 1, "error: evaluate.device: 'cuda:99' requested but this machine has"),
+])
+def test_train_and_evaluate_refusals_come_before_the_first_stage(tiny_plus_model, tmp_path, monkeypatch, sets,
+                                                                 hidden, code, said):
+    if hidden is not None:  # not installed on this node (None in sys.modules: its import raises ImportError)
+        monkeypatch.setitem(sys.modules, hidden, None)
+        if hidden == "wandb":
+            import accelerate.utils.imports
+
+            monkeypatch.setattr(accelerate.utils.imports, "is_wandb_available", lambda: False)
+    loaded, real_load = [], models.loading.load_component
+    monkeypatch.setattr(models.loading, "load_component", lambda *a, **k: loaded.append(a[1]) or real_load(*a, **k))
+    r = _run_all(tmp_path, tiny_plus_model, *sets)
+    lines = [ln for ln in r.output.splitlines() if ln.startswith("error:")]
+    assert r.exit_code == code and len(lines) == 1 and "Traceback" not in r.output, r.output
+    assert lines[0].startswith(said), lines[0]
+    assert loaded == [] and not (tmp_path / "store").exists(), loaded  # nothing loaded, nothing resized
