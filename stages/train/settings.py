@@ -47,6 +47,7 @@ def training_revision(tc: TrainConfig) -> int:
 
 def validate_config(cfg: TrainConfig) -> None:
     check_dtype(cfg)
+    check_init_lora_kind(cfg)
     if cfg.mixed_precision == "fp16":
         raise UserError("train.mixed_precision 'fp16' is not supported (no loss scaling here); use 'bf16' or 'no'")
     if cfg.warmup_steps > cfg.max_steps:
@@ -59,6 +60,15 @@ def check_dtype(cfg: TrainConfig) -> None:
     all`'s before its first stage) and where the precision is resolved (`train_precision`)."""
     if cfg.dtype == "float16":
         raise UserError("train.dtype float16 is not supported (no loss scaling here); use bfloat16, float32 or auto")
+
+
+def check_init_lora_kind(cfg: TrainConfig) -> None:
+    """train.init_lora starts the adapter from a LoRA file's A/B pairs: a `lora` adapter only (no DoRA magnitude,
+    LoHa or LoKr factors there). At train's start (`validate_config`, also `pipeline run all`'s before its first
+    stage); before, refused once the transformer had loaded (`models.lora.init_from_lora`)."""
+    if cfg.init_lora and cfg.lora.kind != "lora":
+        raise UserError(f"train.init_lora {cfg.init_lora}: starting from a file works for train.lora.kind 'lora' "
+                        f"only, not {cfg.lora.kind!r}; set train.lora.kind: lora, or drop train.init_lora")
 
 
 def check_control_dropout(cfg: TrainConfig, has_nocontrol_embeds: bool, text_table: str) -> None:

@@ -70,3 +70,36 @@ def test_train_and_evaluate_refusals_come_before_the_first_stage(tiny_plus_model
     assert r.exit_code == code and len(lines) == 1 and "Traceback" not in r.output, r.output
     assert lines[0].startswith(said), lines[0]
     assert loaded == [] and not (tmp_path / "store").exists(), loaded  # nothing loaded, nothing resized
+
+
+@pytest.mark.parametrize("section", ["train", "evaluate"])
+def test_an_attention_backend_a_21_model_does_not_take_is_refused_before_the_first_stage(tiny_21_model, tmp_path,
+                                                                                          monkeypatch, section):
+    """Before: refused by train (or evaluate, after the training) once the transformer had loaded."""
+    loaded, real_load = [], models.loading.load_component
+    monkeypatch.setattr(models.loading, "load_component", lambda *a, **k: loaded.append(a[1]) or real_load(*a, **k))
+    r = _run_all(tmp_path, tiny_21_model, "resize.multiple=32", "resize.vl_views=false",
+                 f"{section}.attention_backend=flex")
+    lines = [ln for ln in r.output.splitlines() if ln.startswith("error:")]
+    assert r.exit_code == 1 and len(lines) == 1 and "Traceback" not in r.output, r.output
+    assert lines[0].startswith(f"error: {section}.attention_backend 'flex': Qwen-Image-2.1's padded batches"), lines[0]
+    assert f"set {section}.attention_backend: null (or native)" in lines[0], lines[0]
+    assert loaded == [] and not (tmp_path / "store").exists(), loaded
+
+
+def test_an_init_lora_with_another_adapter_kind_is_refused_before_the_first_stage(tiny_plus_model, tmp_path,
+                                                                                   monkeypatch):
+    """Before: refused once train had loaded the transformer (`models.lora.init_from_lora`), after both encoders."""
+    import torch
+    from safetensors.torch import save_file
+
+    lora = tmp_path / "init.safetensors"  # a file there: train.init_lora's own checks pass
+    save_file({"x": torch.zeros(1)}, lora)
+    loaded, real_load = [], models.loading.load_component
+    monkeypatch.setattr(models.loading, "load_component", lambda *a, **k: loaded.append(a[1]) or real_load(*a, **k))
+    r = _run_all(tmp_path, tiny_plus_model, f"train.init_lora={lora}", "train.lora.kind=dora")
+    lines = [ln for ln in r.output.splitlines() if ln.startswith("error:")]
+    assert r.exit_code == 2 and len(lines) == 1 and "Traceback" not in r.output, r.output
+    assert lines[0] == (f"error: train.init_lora {lora}: starting from a file works for train.lora.kind 'lora' only, "
+                        "not 'dora'; set train.lora.kind: lora, or drop train.init_lora"), lines[0]
+    assert loaded == [] and not (tmp_path / "store").exists(), loaded
