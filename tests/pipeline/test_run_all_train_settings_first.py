@@ -17,7 +17,11 @@ from pipeline.cli import app
 from pipeline.demo_data import make_demo_data
 
 
-def _run_all(tmp_path, model: str, *sets: str):
+def _refused(tmp_path, monkeypatch, model: str, code: int, *sets: str) -> str:
+    """`run all` with `--set`s on a small source: it exits `code` with one error line (returned) and no traceback,
+    no model component ever loaded (`load_component`: the encoders' and train's loader) and nothing resized."""
+    loaded, real_load = [], models.loading.load_component
+    monkeypatch.setattr(models.loading, "load_component", lambda *a, **k: loaded.append(a[1]) or real_load(*a, **k))
     source = tmp_path / "src"
     make_demo_data(source, n=4, seed=0)
     config = tmp_path / "c.yaml"
@@ -26,21 +30,20 @@ def _run_all(tmp_path, model: str, *sets: str):
                   "run": str(tmp_path / "run"), "report": str(tmp_path / "report")},
         "resize": {"target_area": 64 * 64, "control_vae_area": 64 * 64, "val_fraction": 0.5},
         "train": {"max_steps": 1}}))
-    return CliRunner().invoke(app, ["run", "all", "--config", str(config), *(a for s in sets for a in ("--set", s))])
+    r = CliRunner().invoke(app, ["run", "all", "--config", str(config), *(a for s in sets for a in ("--set", s))])
+    lines = [ln for ln in r.output.splitlines() if ln.startswith("error:")]
+    assert r.exit_code == code and len(lines) == 1 and "Traceback" not in r.output, r.output
+    assert loaded == [], loaded  # no encoder (nor the transformer) loaded
+    assert not (tmp_path / "store").exists() and not (tmp_path / "run").exists()  # nothing resized, nothing trained
+    return lines[0]
 
 
 def test_control_dropout_without_nocontrol_embeds_is_refused_before_any_encoder_loads(tiny_plus_model, tmp_path,
                                                                                       monkeypatch):
-    loaded, real_load = [], models.loading.load_component
-    monkeypatch.setattr(models.loading, "load_component", lambda *a, **k: loaded.append(a[1]) or real_load(*a, **k))
-    r = _run_all(tmp_path, tiny_plus_model, "train.control_dropout=0.5")
-    lines = [ln for ln in r.output.splitlines() if ln.startswith("error:")]
-    assert r.exit_code == 2 and len(lines) == 1 and "Traceback" not in r.output, r.output
+    line = _refused(tmp_path, monkeypatch, tiny_plus_model, 2, "train.control_dropout=0.5")
     # names the setting, why, and both ways on
-    assert lines[0].startswith("error: train.control_dropout 0.5 needs the text table's nocontrol_embeds"), lines[0]
-    assert "set encode_text.no_control_embeds: true" in lines[0] and "train.control_dropout: 0" in lines[0], lines[0]
-    assert loaded == [], loaded  # no encoder (nor anything else) loaded
-    assert not (tmp_path / "store").exists() and not (tmp_path / "run").exists()  # nothing resized, nothing trained
+    assert line.startswith("error: train.control_dropout 0.5 needs the text table's nocontrol_embeds"), line
+    assert "set encode_text.no_control_embeds: true" in line and "train.control_dropout: 0" in line, line
 
 
 @pytest.mark.parametrize("sets,hidden,code,said", [
@@ -63,28 +66,18 @@ def test_train_and_evaluate_refusals_come_before_the_first_stage(tiny_plus_model
             import accelerate.utils.imports
 
             monkeypatch.setattr(accelerate.utils.imports, "is_wandb_available", lambda: False)
-    loaded, real_load = [], models.loading.load_component
-    monkeypatch.setattr(models.loading, "load_component", lambda *a, **k: loaded.append(a[1]) or real_load(*a, **k))
-    r = _run_all(tmp_path, tiny_plus_model, *sets)
-    lines = [ln for ln in r.output.splitlines() if ln.startswith("error:")]
-    assert r.exit_code == code and len(lines) == 1 and "Traceback" not in r.output, r.output
-    assert lines[0].startswith(said), lines[0]
-    assert loaded == [] and not (tmp_path / "store").exists(), loaded  # nothing loaded, nothing resized
+    line = _refused(tmp_path, monkeypatch, tiny_plus_model, code, *sets)
+    assert line.startswith(said), line
 
 
 @pytest.mark.parametrize("section", ["train", "evaluate"])
 def test_an_attention_backend_a_21_model_does_not_take_is_refused_before_the_first_stage(tiny_21_model, tmp_path,
                                                                                           monkeypatch, section):
     """Before: refused by train (or evaluate, after the training) once the transformer had loaded."""
-    loaded, real_load = [], models.loading.load_component
-    monkeypatch.setattr(models.loading, "load_component", lambda *a, **k: loaded.append(a[1]) or real_load(*a, **k))
-    r = _run_all(tmp_path, tiny_21_model, "resize.multiple=32", "resize.vl_views=false",
-                 f"{section}.attention_backend=flex")
-    lines = [ln for ln in r.output.splitlines() if ln.startswith("error:")]
-    assert r.exit_code == 1 and len(lines) == 1 and "Traceback" not in r.output, r.output
-    assert lines[0].startswith(f"error: {section}.attention_backend 'flex': Qwen-Image-2.1's padded batches"), lines[0]
-    assert f"set {section}.attention_backend: null (or native)" in lines[0], lines[0]
-    assert loaded == [] and not (tmp_path / "store").exists(), loaded
+    line = _refused(tmp_path, monkeypatch, tiny_21_model, 1, "resize.multiple=32", "resize.vl_views=false",
+                    f"{section}.attention_backend=flex")
+    assert line.startswith(f"error: {section}.attention_backend 'flex': Qwen-Image-2.1's padded batches"), line
+    assert f"set {section}.attention_backend: null (or native)" in line, line
 
 
 def test_an_init_lora_with_another_adapter_kind_is_refused_before_the_first_stage(tiny_plus_model, tmp_path,
@@ -95,11 +88,6 @@ def test_an_init_lora_with_another_adapter_kind_is_refused_before_the_first_stag
 
     lora = tmp_path / "init.safetensors"  # a file there: train.init_lora's own checks pass
     save_file({"x": torch.zeros(1)}, lora)
-    loaded, real_load = [], models.loading.load_component
-    monkeypatch.setattr(models.loading, "load_component", lambda *a, **k: loaded.append(a[1]) or real_load(*a, **k))
-    r = _run_all(tmp_path, tiny_plus_model, f"train.init_lora={lora}", "train.lora.kind=dora")
-    lines = [ln for ln in r.output.splitlines() if ln.startswith("error:")]
-    assert r.exit_code == 2 and len(lines) == 1 and "Traceback" not in r.output, r.output
-    assert lines[0] == (f"error: train.init_lora {lora}: starting from a file works for train.lora.kind 'lora' only, "
-                        "not 'dora'; set train.lora.kind: lora, or drop train.init_lora"), lines[0]
-    assert loaded == [] and not (tmp_path / "store").exists(), loaded
+    line = _refused(tmp_path, monkeypatch, tiny_plus_model, 2, f"train.init_lora={lora}", "train.lora.kind=dora")
+    assert line == (f"error: train.init_lora {lora}: starting from a file works for train.lora.kind 'lora' only, "
+                    "not 'dora'; set train.lora.kind: lora, or drop train.init_lora"), line
