@@ -98,7 +98,7 @@ def check_config(cfg: PipelineConfig) -> Paths:
     sections' settings, which each stage checks at its start (train's after resize-bucket and both encoders), by
     the stages' own checks: train.control_dropout against the text table encode-text will make, and the attention
     backends' names. The command asks right after parsing: a usage mistake, exit 2. Every rank reads the same
-    config and refuses alike (ranks whose copies differ are stopped by train's `check_same_start`)."""
+    config and refuses alike (ranks whose copies differ were stopped before: pipeline/node_settings.py)."""
     from models.attention import check_name as check_backend_name
     from stages.resize.stage import check_config as check_resize
     from stages.train.settings import check_control_dropout, validate_config as check_train
@@ -112,8 +112,8 @@ def check_config(cfg: PipelineConfig) -> Paths:
             "(`pipeline run resize-bucket`, `encode-text`, `encode-vae`, `train`)")
     check_resize(cfg.resize)
     check_train(cfg.train)
-    # a text table reused as encode-text finds it may hold them without the setting (it only adds a column), but
-    # whether encode-text reuses one depends on what resize-bucket writes: the setting decides, before any stage
+    # the setting decides, not the store: a text table encode-text would reuse may hold them without it, but
+    # whether it reuses one depends on what resize-bucket writes (setting it true re-encodes nothing there)
     check_control_dropout(cfg.train, cfg.encode_text.no_control_embeds,
                           "encode-text writes only with encode_text.no_control_embeds: true, and this config runs it")
     check_backend_name(cfg.train.attention_backend, "train.attention_backend")
