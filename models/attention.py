@@ -54,6 +54,14 @@ def check_name(name: str | None, key: str) -> None:
         )
 
 
+def check_qwen21_name(name: str | None, key: str) -> None:
+    """A backend named for a Qwen-Image-2.1 model: native or none (`use_attention_backend` once it loaded;
+    `pipeline run all` before its first stage, from the model folder's variant)."""
+    if name not in (None, "native"):
+        raise UserError(f"{key} {name!r}: Qwen-Image-2.1's padded batches run one dense block-causal mask through "
+                        f"native SDPA, the only kernel they take; set {key}: null (or native)")
+
+
 @dataclass(frozen=True)
 class Choice:
     backend: str
@@ -187,9 +195,7 @@ def use_attention_backend(transformer, name: str | None, key: str, device: torch
 
     check_name(name, key)
     if is_qwen21(transformer):  # its processor (models/qwen21_multires.py) takes no backend: never record one it ignores
-        if name not in (None, "native"):
-            raise UserError(f"{key} {name!r}: Qwen-Image-2.1's padded batches run one dense block-causal mask through "
-                            f"native SDPA, the only kernel they take; set {key}: null (or native)")
+        check_qwen21_name(name, key)
         choice = agree(Choice("native", "Qwen-Image-2.1: its dense block-causal mask through native SDPA"), world, key)
     else:
         if choice is None:

@@ -425,9 +425,7 @@ def init_from_lora(transformer, lora: str | Path, adapter_name: str = ADAPTER) -
     rescaled by (file alpha / r) / (config alpha / r) when the alphas differ."""
     check_lora_family(transformer, lora)
     state, config = read_lora(lora)
-    peft_cfg = transformer.peft_config[adapter_name]
-    if getattr(peft_cfg, "peft_type", None) != "LORA" or getattr(peft_cfg, "use_dora", False):
-        raise UserError(f"train.init_lora {lora}: starting from a file works for train.lora.kind 'lora' only")
+    peft_cfg = transformer.peft_config[adapter_name]  # a `lora` adapter: train refuses another kind at its start
     ranks = {k[: -len(".lora_A.weight")]: v.shape[0] for k, v in state.items() if k.endswith(".lora_A.weight")}
     if set(ranks.values()) - {peft_cfg.r}:
         raise UserError(f"train.init_lora {lora}: LoRA rank {sorted(set(ranks.values()))}, config "

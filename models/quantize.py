@@ -235,6 +235,16 @@ def quantized_weight_names(model) -> set[str]:
             and not any(k in n for k in KEEP_EXACT)}
 
 
+def check_installed(name: str, what: str) -> None:
+    """The package a quantize setting needs beyond the core install (nf4: bitsandbytes), or a UserError naming the
+    setting `what`: where the base loads, and at `pipeline run all`'s start (before its first stage, not after
+    resize-bucket, the encoders and, for evaluate's, the training)."""
+    if canonical(name) == "nf4":
+        from models.optional import require
+
+        require("bitsandbytes", f"{what} 'nf4'")
+
+
 def load_quantized_transformer(folder, dtype, device, name: str):
     """The stock transformer class, built on the meta device and filled shard by shard, block linears
     quantised as they are read (see the module docstring)."""
@@ -249,10 +259,7 @@ def load_quantized_transformer(folder, dtype, device, name: str):
     expected = {n for n, _ in model.named_parameters()}
     seen = set()
     name = canonical(name)
-    if name == "nf4":
-        from models.optional import require
-
-        require("bitsandbytes", "quantize_base 'nf4'")  # before any weight is read
+    check_installed(name, "quantize_base")  # before any weight is read
     cfg = None if name == "nf4" else torchao_config(name)
     for file in tqdm(_weight_files(folder), desc=f"load transformer ({name})", unit="shard", leave=False):
         for key in _tensor_names(folder / file):

@@ -95,10 +95,13 @@ def required_paths(cfg: PipelineConfig) -> Paths:
 
 def check_config(cfg: PipelineConfig) -> Paths:
     """What the config alone refuses (no file read): the paths `run all` needs, and the resize and train
-    sections' settings, which each stage checks at its start (train's after resize-bucket and both encoders). The
-    command asks right after parsing: a usage mistake, exit 2."""
+    sections' settings, which each stage checks at its start (train's after resize-bucket and both encoders), by
+    the stages' own checks: train.control_dropout against the text table encode-text will make, and the attention
+    backends' names. The command asks right after parsing: a usage mistake, exit 2. Every rank reads the same
+    config and refuses alike (ranks whose copies differ were stopped before: pipeline/node_settings.py)."""
+    from models.attention import check_name as check_backend_name
     from stages.resize.stage import check_config as check_resize
-    from stages.train.settings import validate_config as check_train
+    from stages.train.settings import check_control_dropout, validate_config as check_train
 
     paths = required_paths(cfg)
     if cfg.resize.val_fraction == 0:  # refused, not evaluate skipped: the report is what `run all` is run for
@@ -109,6 +112,12 @@ def check_config(cfg: PipelineConfig) -> Paths:
             "(`pipeline run resize-bucket`, `encode-text`, `encode-vae`, `train`)")
     check_resize(cfg.resize)
     check_train(cfg.train)
+    # the setting decides, not the store: a text table encode-text would reuse may hold them without it, but
+    # whether it reuses one depends on what resize-bucket writes (setting it true re-encodes nothing there)
+    check_control_dropout(cfg.train, cfg.encode_text.no_control_embeds,
+                          "encode-text writes only with encode_text.no_control_embeds: true, and this config runs it")
+    check_backend_name(cfg.train.attention_backend, "train.attention_backend")
+    check_backend_name(cfg.evaluate.attention_backend, "evaluate.attention_backend")
     return paths
 
 
@@ -276,6 +285,7 @@ def run_all(cfg: PipelineConfig, log: Callable[[str], None] = print, cache_dir: 
         refuse_a_store_among_other_files(paths.store, "paths.store")
         check_report_folder(paths.report, "paths.report")  # evaluate's check at its start, here before resize
         model_variant(paths.model)  # every rank encodes, trains and evaluates on this node's model folder
+        _check_node(cfg)  # every rank: its node's devices, packages and init LoRA
         if main:  # the sample grid and evaluate's images are rank 0's: only its node needs the extra prompts' files
             _check_settings(cfg, paths.model)
     if world > 1:
@@ -289,18 +299,46 @@ def run_all(cfg: PipelineConfig, log: Callable[[str], None] = print, cache_dir: 
     return result
 
 
+def _check_node(cfg: PipelineConfig) -> None:
+    """What this rank's node must have for the settings, refused before resize-bucket by the checks each stage
+    makes at its start (train's after both encoders, evaluate's after the training): each section's device
+    (`check_devices` of this rank alone: the block around it agrees for all ranks), the packages train.optimizer
+    and each quantize_base need, and train.init_lora's file (hashed as train hashes it first; remembered, so train
+    does not read it again)."""
+    from models.launch_devices import check_devices
+    from models.quantize import check_installed as check_quantize
+    from stages.train.optimizers import check_installed as check_optimizer
+    from stages.train.settings import init_lora_sha256
+
+    for what, spec in (("encode_text.device", cfg.encode_text.device), ("encode_vae.device", cfg.encode_vae.device),
+                       ("train.device", cfg.train.device), ("evaluate.device", cfg.evaluate.device)):
+        if spec is not None:  # train.device unset: accelerate's choice
+            check_devices(spec, what, 1)
+    check_optimizer(cfg.train)
+    check_quantize(cfg.train.quantize_base, "train.quantize_base")
+    check_quantize(cfg.evaluate.quantize_base, "evaluate.quantize_base")
+    init_lora_sha256(cfg.train)
+
+
 def _check_settings(cfg: PipelineConfig, model: str) -> None:
     """What the config and the model decide, refused before resize-bucket and the encoders (hours at a million
     samples), not when train, or evaluate after training, reaches it: one denoising step where the model's
-    scheduler cannot take it, and evaluate's extra prompts (their image counts and files; evaluate's own check at
-    its start, `for_model`)."""
+    scheduler cannot take it, train.log_with's trackers (installed on rank 0's node), an attention backend a 2.1
+    model does not take, and evaluate's extra prompts (their image counts and files; evaluate's own check at its
+    start, `for_model`)."""
     from stages.evaluate.stage import check_sampling as evaluate_steps, for_model as evaluate_settings
     from stages.train.recipe import check_sampling as train_steps
 
-    from models.loading import check_weight_files
+    from models.attention import check_qwen21_name
+    from models.loading import check_weight_files, model_variant
+    from stages.train.trackers import tracker_classes
 
     check_weight_files(model)  # train loads the transformer only after resize-bucket and both encoders
+    tracker_classes(cfg.train.log_with)  # rank 0's trackers (train checks them there too)
     train_steps(cfg.train, model)
+    if model_variant(model) == "qwen-image-2.1":  # refused by train and evaluate once the transformer loaded
+        check_qwen21_name(cfg.train.attention_backend, "train.attention_backend")
+        check_qwen21_name(cfg.evaluate.attention_backend, "evaluate.attention_backend")
     _check_resize(cfg, model)
     if cfg.evaluate.extra_prompts:  # they need the model's variant: a hub id is resolved now, not at encode-text
         evaluate_settings(cfg.evaluate, model)

@@ -20,6 +20,13 @@ def _module(kind: str):
     return require(_MODULE[kind], f"train.optimizer {kind!r}")
 
 
+def check_installed(cfg: TrainConfig) -> None:
+    """The package `train.optimizer` needs, imported as `build_optimizer` will (a UserError naming the extra when it
+    is missing): `pipeline run all` asks before its first stage, not after the encoders and the model's load."""
+    if cfg.optimizer in _MODULE:
+        _module(cfg.optimizer)
+
+
 def build_optimizer(params, cfg: TrainConfig) -> torch.optim.Optimizer:
     kind = cfg.optimizer
     if kind == "adamw":

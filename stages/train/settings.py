@@ -46,11 +46,42 @@ def training_revision(tc: TrainConfig) -> int:
 
 
 def validate_config(cfg: TrainConfig) -> None:
+    check_dtype(cfg)
+    check_init_lora_kind(cfg)
     if cfg.mixed_precision == "fp16":
         raise UserError("train.mixed_precision 'fp16' is not supported (no loss scaling here); use 'bf16' or 'no'")
     if cfg.warmup_steps > cfg.max_steps:
         raise UserError(f"train.warmup_steps ({cfg.warmup_steps}) exceeds train.max_steps ({cfg.max_steps})")
     check_checkpointing(cfg)
+
+
+def check_dtype(cfg: TrainConfig) -> None:
+    """train.dtype float16 is refused (no loss scaling here): at the start (`validate_config`, also `pipeline run
+    all`'s before its first stage) and where the precision is resolved (`train_precision`)."""
+    if cfg.dtype == "float16":
+        raise UserError("train.dtype float16 is not supported (no loss scaling here); use bfloat16, float32 or auto")
+
+
+def check_init_lora_kind(cfg: TrainConfig) -> None:
+    """train.init_lora starts the adapter from a LoRA file's A/B pairs: a `lora` adapter only (no DoRA magnitude,
+    LoHa or LoKr factors there). At train's start (`validate_config`, also `pipeline run all`'s before its first
+    stage); before, refused once the transformer had loaded (`models.lora.init_from_lora`)."""
+    if cfg.init_lora and cfg.lora.kind != "lora":
+        raise UserError(f"train.init_lora {cfg.init_lora}: starting from a file works for train.lora.kind 'lora' "
+                        f"only, not {cfg.lora.kind!r}; set train.lora.kind: lora, or drop train.init_lora")
+
+
+def check_control_dropout(cfg: TrainConfig, has_nocontrol_embeds: bool, text_table: str) -> None:
+    """`train.control_dropout` trains a drawn sample on its instruction without the control images, which the text
+    table holds only when encoded with `encode_text.no_control_embeds` (`nocontrol_embeds`). Train asks of the
+    table it opened, before the model loads (`start.open_tables`; models/randomness.py keeps the check for a
+    sample whose row lacks it); `pipeline run all` of the table its encode-text makes, before its first stage
+    (before, both encoders ran, hours at scale, and then train refused). `text_table`: which table lacks them, as
+    the line names it ("... which TEXT_TABLE without")."""
+    if cfg.control_dropout > 0 and not has_nocontrol_embeds:
+        raise UserError(f"train.control_dropout {cfg.control_dropout} needs the text table's nocontrol_embeds, which "
+                        f"{text_table} without: set encode_text.no_control_embeds: true for encode-text (it adds "
+                        "them, reusing the rest of the table), or set train.control_dropout: 0")
 
 
 def check_checkpointing(cfg: TrainConfig) -> None:
@@ -145,7 +176,12 @@ def init_lora_sha256(cfg: TrainConfig) -> str | None:
     the config fingerprint does not name (a file rewritten there makes another run)."""
     from models.lora import lora_sha256
 
-    return lora_sha256(cfg.init_lora) if cfg.init_lora else None
+    if not cfg.init_lora:
+        return None
+    try:
+        return lora_sha256(cfg.init_lora)
+    except UserError as e:  # a missing file: the line names the setting (also `run all`'s, before its first stage)
+        raise UserError(f"train.init_lora: {e}") from None
 
 
 def make_accelerator(cfg: TrainConfig):
@@ -205,8 +241,7 @@ def train_precision(cfg: TrainConfig, device: torch.device | Callable[[], torch.
     from models.precision import agreed_precision, resolve_precision as resolve
 
     def own():
-        if cfg.dtype == "float16":
-            raise UserError("train.dtype float16 is not supported (no loss scaling here); use bfloat16, float32 or auto")
+        check_dtype(cfg)
         return resolve(cfg.dtype, device() if callable(device) else device, cfg.mixed_precision, what="train.dtype")
 
     return agreed_precision(own, world, "train.dtype")

@@ -23,8 +23,8 @@ from stages.train import damaged_log, elastic, guard, previous, state as train_s
 from stages.train.current import damaged_current, nonfinite_current
 from stages.train.data import DataStream, write_data_report
 from stages.train.resume import changed_settings
-from stages.train.settings import (config_fingerprint, init_lora_sha256, known_fingerprint, recorded_backend,
-                                   training_revision)
+from stages.train.settings import (check_control_dropout, config_fingerprint, init_lora_sha256, known_fingerprint,
+                                   recorded_backend, training_revision)
 from stages.train.state import ResumeRecord
 from store.format import atomic_write_bytes, atomic_write_json
 from store.join import JoinedTables
@@ -43,25 +43,14 @@ def open_tables(tc: TrainConfig, store: str | Path, model: str, accelerator) -> 
         tables = open_configured(tc, "train", store, model, files, "train", say_dropped=False)
     try:
         check_same_versions(world, tables.versions(), tables.store_root, "train")
-        with together(world, "train.control_dropout"):
-            check_control_dropout(tc, tables)
+        with together(world, "train.control_dropout"):  # of the text table opened: its columns
+            text = tables.readers["text"]
+            check_control_dropout(tc, "nocontrol_embeds" in {f.name for f in text.schema.fields},
+                                  f"table 'text' {text.dir.name} of {tables.store_root} was encoded")
     except BaseException:
         tables.close()
         raise
     return tables
-
-
-def check_control_dropout(tc: TrainConfig, tables: JoinedTables) -> None:
-    """`train.control_dropout` trains a drawn sample on its instruction without the control images, which the
-    text table holds only when encoded with `encode_text.no_control_embeds` (`nocontrol_embeds`). Refused here,
-    before the model loads; before, the first dropped sample raised, after minutes of loading and maybe many
-    steps (models/randomness.py keeps that check for a sample whose row lacks it)."""
-    text = tables.readers["text"]
-    if tc.control_dropout > 0 and "nocontrol_embeds" not in {f.name for f in text.schema.fields}:
-        raise UserError(f"train.control_dropout {tc.control_dropout} needs the text table's nocontrol_embeds, which "
-                        f"table 'text' {text.dir.name} of {tables.store_root} was encoded without: re-run encode-text "
-                        "with encode_text.no_control_embeds: true (it adds them, reusing the rest), or set "
-                        "train.control_dropout: 0")
 
 
 def agreed_model_files(world: int, model: str) -> tuple[ModelFile, ...]:

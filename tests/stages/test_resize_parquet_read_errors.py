@@ -166,6 +166,16 @@ def _big_parquet(path, rows: int, group: int):
     return path
 
 
+def _big_source(tmp_path, monkeypatch, rows: int, group: int):
+    """(TMP/src holding big.parquet, that file, the small-render config) with `_big_parquet(rows, group)` read one
+    row group per batch, so a bad sector in row group g keeps out the rows from g * group on."""
+    src = tmp_path / "src"
+    src.mkdir()
+    victim = _big_parquet(src / "big.parquet", rows, group)
+    monkeypatch.setattr(parquet_source, "BATCH_ROWS", group)
+    return src, victim, load_config(None, SMALL)
+
+
 def test_the_rows_an_early_read_error_keeps_out_are_one_quarantine_row_counting_them(tmp_path, monkeypatch) -> None:
     """A read error early in a large file: one `read-error` row for the unread row range (its `samples` column the
     count), not one per row (a million rows for a million-row file); the summary, its JSON and `store inspect`
@@ -173,11 +183,8 @@ def test_the_rows_an_early_read_error_keeps_out_are_one_quarantine_row_counting_
     from store.inspect import describe, render
 
     rows, group = 60, 10
-    src, out, clean = tmp_path / "src", tmp_path / "store", tmp_path / "clean"
-    src.mkdir()
-    victim = _big_parquet(src / "big.parquet", rows, group)
-    monkeypatch.setattr(parquet_source, "BATCH_ROWS", group)
-    cfg = load_config(None, SMALL)
+    src, victim, cfg = _big_source(tmp_path, monkeypatch, rows, group)
+    out, clean = tmp_path / "store", tmp_path / "clean"
     with monkeypatch.context() as m:
         _bad_sector(m, victim, pq.read_metadata(victim).row_group(1).column(0).data_page_offset + 100)
         first = stage.run(cfg, src, out)
@@ -208,11 +215,8 @@ def test_a_flaky_disk_recording_overlapping_ranges_counts_each_unread_row_once(t
     from store.quarantine import samples_by_reason
 
     rows, group = 60, 10
-    src, out = tmp_path / "src", tmp_path / "store"
-    src.mkdir()
-    victim = _big_parquet(src / "big.parquet", rows, group)
-    monkeypatch.setattr(parquet_source, "BATCH_ROWS", group)
-    cfg = load_config(None, SMALL)
+    src, victim, cfg = _big_source(tmp_path, monkeypatch, rows, group)
+    out = tmp_path / "store"
     for g in (1, 2, 3):
         with monkeypatch.context() as m:
             _bad_sector(m, victim, pq.read_metadata(victim).row_group(g).column(0).data_page_offset + 100)
@@ -237,11 +241,8 @@ def test_a_resumed_run_failing_earlier_counts_the_rows_written_before_as_kept(tm
     from store.writer import TableWriter
 
     rows, group = 60, 10
-    src, out, clean = tmp_path / "src", tmp_path / "store", tmp_path / "clean"
-    src.mkdir()
-    victim = _big_parquet(src / "big.parquet", rows, group)
-    monkeypatch.setattr(parquet_source, "BATCH_ROWS", group)
-    cfg = load_config(None, SMALL)
+    src, victim, cfg = _big_source(tmp_path, monkeypatch, rows, group)
+    out, clean = tmp_path / "store", tmp_path / "clean"
     at = lambda g: pq.read_metadata(victim).row_group(g).column(0).data_page_offset + 100  # noqa: E731
 
     class Killed(BaseException):

@@ -89,6 +89,24 @@ def test_run_all_stops_every_node_when_one_nodes_folder_is_refused(tiny_plus_mod
     assert not (tmp_path / "store").exists()
 
 
+def test_run_all_stops_every_node_when_one_node_lacks_the_optimizers_package(tiny_plus_model, tmp_path):
+    """Node 1's install lacks prodigyopt (train.optimizer: prodigy). Before: resize-bucket and both encoders ran on
+    both nodes, then train's optimizer build refused on node 1, after the model's load. Now every node stops with
+    node 1's line before resize-bucket (`orchestrate._check_node`, agreed by every rank)."""
+    config = _run_all_config(tmp_path, tiny_plus_model)
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text("import os, sys\nif os.environ.get('RANK') == '1':\n"
+                                           "    sys.modules['prodigyopt'] = None  # its import raises ImportError\n")
+    env = {"PYTHONPATH": os.pathsep.join([str(hook), str(REPO)])}
+    args = ["--config", config, "--set", "train.optimizer=prodigy"]
+    ended = _two_nodes(tmp_path, (env, env), (args, args))
+    _one_line_each(ended, "error: rank 1: train.optimizer 'prodigy' needs the package 'prodigyopt', which is not "
+                          "installed (import of prodigyopt halted; None in sys.modules); pip install "
+                          "'qwen-edit-lora-pipeline[prodigy]' (or pip install prodigyopt)")
+    assert not (tmp_path / "store").exists()  # stopped before resize-bucket
+
+
 def test_a_node_without_the_extra_prompt_files_does_not_stop_evaluate(run_and_store, tiny_edit_model,  # noqa: F811
                                                                        tmp_path):
     root = run_and_store
