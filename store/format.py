@@ -120,7 +120,8 @@ def unchanged_marker(root: Path, table: str, version: int) -> Path:
 
 
 def is_litter(name: str) -> bool:
-    """Temp files of interrupted atomic writes (`.<name>.tmp-<pid>`, `<shard>.tar.tmp`): never data."""
+    """Temp files of interrupted atomic writes (`.<name>.tmp-<writer>`, `schemas.temp_files`; `<shard>.tar.tmp`):
+    never data."""
     return (name.startswith(".") and ".tmp-" in name) or name.endswith(".tar.tmp")
 
 

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import xarray as xr
 
+from schemas.temp_files import temp_of
 from store.loss_array import GROUP, Axes, LossStore, recorded_steps
 
 AXES = Axes(["k1", "k2", "k3"], ["32x32", "32x64", "32x32"], [0, 1], [0.25, 0.75])
@@ -126,7 +127,8 @@ def test_every_write_is_durable_before_its_commit_and_the_commit_before_it_retur
     s = LossStore(tmp_path, "fp", AXES, {"what": "test"})
     created = {str(p) for p in group.rglob("*")} | {str(group)}
     # a new group is fsynced whole in its temp folder, then renamed in and its parent folder fsynced
-    synced = {path.replace(f".{GROUP}.tmp-{os.getpid()}", GROUP) for what, path in events if what == "fsync"}
+    tmp = temp_of(group).name
+    synced = {path.replace(tmp, GROUP) for what, path in events if what == "fsync"}
     assert created <= synced and str(tmp_path) in synced
     check(lambda: s.write_base(_grid(2.0)))
     for step in (10, 20, 30):
