@@ -1,30 +1,78 @@
-"""The names of atomic writes' temp files and folders (`.<name>.tmp-<pid>`), and whose writer is gone.
+"""The names of atomic writes' temp files and folders (`.<name>.tmp-<pid>-h<host>[-n<pid namespace>]`), and whose
+writer is gone.
 
 A rule of names shared by the store's writers (store/format.py `atomic_dir`, `atomic_write_bytes`) and the
 model-side ones that may import nothing but schemas (models/lora_export.py): one rule for "a killed writer's
-leftover, safe to remove", so no writer removes what a live one is still writing."""
+leftover, safe to remove", so no writer removes what a live one is still writing.
+
+The name says whose process wrote it: the pid, the host (a hash of `schemas.host.host_id`, the running kernel's
+boot id) and the pid namespace (the container: pods of one node share the kernel and number their processes
+apart), as the URL cache names its fetches (store/lease.py `process_tag`). Only a temp of this host and namespace
+is judged by its pid: another host's or container's (a run folder or store on NFS, a volume shared by pods) pid 123
+is not this one's pid 123, and a live writer's temp was taken for a dead one and removed. Names of earlier releases
+(`.<name>.tmp-<pid>`) are judged by their pid, as they were."""
 
 from __future__ import annotations
 
 import glob
+import hashlib
 import os
+import re
 import shutil
+import time
+from functools import lru_cache
 from pathlib import Path
+
+from schemas.host import host_id
+
+# Another host's or namespace's temp is removed only once nothing in it changed for this long. Its writer cannot
+# be asked from here and keeps no heartbeat; a live one touches its temp as it writes, but may sit between two
+# writes (a checkpoint's optimizer state, a merge's next shard) or be paused (SIGSTOP, a suspended VM, a hung
+# mount). A day is past any such pause, and keeping a dead writer's temp that long only holds disk: its own host
+# removes it sooner (by its pid) at that host's next write of the same name.
+ABANDONED_S = 24 * 3600
+_TAG = re.compile(r"(\d+)-h([0-9a-f]{12})(?:-n(\d+))?")
+
+
+@lru_cache(maxsize=1)
+def _here() -> tuple[str, str | None]:
+    """(host, pid namespace) of this process as its temp names write them; the namespace None without /proc."""
+    host = hashlib.sha256(host_id().encode()).hexdigest()[:12]
+    try:
+        ns = str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        ns = None
+    return host, ns
 
 
 def temp_of(final: Path) -> Path:
-    """This process's temp name for `final`: beside it (the rename stays on one file system), hidden, pid-named."""
-    return final.with_name(f".{final.name}.tmp-{os.getpid()}")
+    """This process's temp name for `final`: beside it (the rename stays on one file system), hidden, named by its
+    writer (pid, host, pid namespace)."""
+    host, ns = _here()
+    return final.with_name(f".{final.name}.tmp-{os.getpid()}-h{host}" + (f"-n{ns}" if ns is not None else ""))
 
 
-def writer_alive(name: str) -> bool:
-    """Is the writer of the temp file / folder `name` (`.<name>.tmp-<pid>`) a live process of this host? A name
-    without a pid counts as gone (its writer is not known); a pid not ours to signal as alive."""
-    tail = name.rsplit(".tmp-", 1)[-1]
-    if not tail.isdigit():
+def writer_alive(temp: Path) -> bool:
+    """Is the writer of the temp file / folder `temp` (`temp_of`'s name) still writing it? This host's and pid
+    namespace's (or an earlier release's name, `.<name>.tmp-<pid>`): while its pid is a live process here (a pid
+    not ours to signal counts as alive). Another host's or namespace's: until nothing in it changed for
+    `ABANDONED_S`. A name without a pid counts as gone (its writer is not known)."""
+    temp = Path(temp)
+    tail = temp.name.rsplit(".tmp-", 1)[-1]
+    if tail.isdigit():
+        return _pid_alive(int(tail))
+    m = _TAG.fullmatch(tail)
+    if m is None:
         return False
+    pid, host, ns = m.groups()
+    if (host, ns) == _here():
+        return _pid_alive(int(pid))
+    return not _untouched_for(temp, ABANDONED_S)
+
+
+def _pid_alive(pid: int) -> bool:
     try:
-        os.kill(int(tail), 0)
+        os.kill(pid, 0)
         return True
     except ProcessLookupError:
         return False
@@ -32,11 +80,28 @@ def writer_alive(name: str) -> bool:
         return True
 
 
+def _untouched_for(temp: Path, seconds: float) -> bool:
+    """Nothing in `temp` (the file, or the folder and all it holds) modified for `seconds`; False when it is gone
+    meanwhile (renamed in by its writer: nothing to remove)."""
+    since = time.time() - seconds
+    try:
+        if os.lstat(temp).st_mtime > since:
+            return False
+        if temp.is_dir() and not temp.is_symlink():
+            for folder, dirs, files in os.walk(temp):
+                for name in (*dirs, *files):
+                    if os.lstat(os.path.join(folder, name)).st_mtime > since:
+                        return False
+    except FileNotFoundError:
+        return False
+    return True
+
+
 def remove_dead_temps(final: Path, own: Path | None = None) -> None:
     """Remove the temp files and folders of `final` whose writer is gone: a killed writer's, which nothing else
     ever removes (a LoRA export's hundreds of MB beside the user's file). Never `own`, never a live writer's."""
     for left in Path(final).parent.glob(f".{glob.escape(Path(final).name)}.tmp-*"):
-        if left == own or writer_alive(left.name):
+        if left == own or writer_alive(left):
             continue
         if left.is_dir() and not left.is_symlink():
             shutil.rmtree(left, ignore_errors=True)

@@ -120,7 +120,8 @@ def unchanged_marker(root: Path, table: str, version: int) -> Path:
 
 
 def is_litter(name: str) -> bool:
-    """Temp files of interrupted atomic writes (`.<name>.tmp-<pid>`, `<shard>.tar.tmp`): never data."""
+    """Temp files of interrupted atomic writes (`.<name>.tmp-<writer>`, `schemas.temp_files`; `<shard>.tar.tmp`):
+    never data."""
     return (name.startswith(".") and ".tmp-" in name) or name.endswith(".tar.tmp")
 
 
@@ -219,12 +220,31 @@ def rename_new(src: Path, dst: Path) -> None:
     os.unlink(src)
 
 
+_SWAPPED, _DELETING = ".swapped-", ".deleting-"  # `atomic_dir`'s old folder: whole, then being removed
+
+
+def settle_swap(final: Path) -> None:
+    """Finish what a swap of `final` (`atomic_dir`) killed midway left: with no `final`, the old folder it renamed
+    aside (`.NAME.swapped-PID`, whole: the last commit) is renamed back; an old folder the swap got past (a
+    `.swapped-` one beside `final`, a half-removed `.deleting-` one) is removed. For `final`'s one writer (its
+    callers hold a lock on it), before it reads or writes `final`."""
+    final = Path(final)
+    name = glob.escape(final.name)
+    if not final.exists():
+        for old in sorted(final.parent.glob(f".{name}{_SWAPPED}*"))[:1]:
+            os.rename(old, final)
+            fsync_dir(final.parent)
+    for left in [*final.parent.glob(f".{name}{_SWAPPED}*"), *final.parent.glob(f".{name}{_DELETING}*")]:
+        shutil.rmtree(left, ignore_errors=True)
+
+
 @contextmanager
 def atomic_dir(final: Path, tmp: Path | None = None) -> Iterator[Path]:
     """Yield a fresh temp folder beside `final`; when the block ends without error, fsync everything in it and
     rename it to `final` (an existing `final` is renamed aside, the new one renamed in, then the old one removed:
-    a kill during that removal leaves the new folder in place, and the next swap of `final` removes the rest), so a
-    reader sees the old folder or the complete new one, never a half-written one. On error the temp folder is
+    a kill during that removal leaves the new folder in place, and the next swap of `final` removes the rest; a
+    kill between the two renames leaves no `final`, and the next swap, or `settle_swap`, renames the old one back),
+    so a reader sees the old folder or the complete new one, never a half-written one. On error the temp folder is
     removed.
 
     The one folder-level commit of the project: checkpoints, the final LoRA, merged models, demo data. `tmp`
@@ -235,8 +255,7 @@ def atomic_dir(final: Path, tmp: Path | None = None) -> Iterator[Path]:
         remove_dead_temps(final, own=tmp)
     tmp = Path(tmp)
     shutil.rmtree(tmp, ignore_errors=True)
-    for left in final.parent.glob(f".{glob.escape(final.name)}.deleting-*"):  # an old folder a killed swap did not finish removing
-        shutil.rmtree(left, ignore_errors=True)
+    settle_swap(final)
     try:
         tmp.mkdir(parents=True)
     except OSError as e:  # e.g. a file on the path: named as the user's folder (`named_as_final`)
@@ -251,10 +270,15 @@ def atomic_dir(final: Path, tmp: Path | None = None) -> Iterator[Path]:
                     fsync_dir(f)  # os.fsync works on a file descriptor of a file or a folder alike
             fsync_dir(Path(folder))  # its entries (a subfolder's files are not durable through the top's fsync)
         if final.exists():
-            old = final.with_name(f".{final.name}.deleting-{os.getpid()}")
+            old = final.with_name(f".{final.name}{_SWAPPED}{os.getpid()}")
             os.rename(final, old)
+            crash_point("atomic_dir_between_renames")
         os.rename(tmp, final)  # the new folder in place before the old one's (maybe long) removal
         fsync_dir(final.parent)
+        if old is not None:  # renamed again before its removal: a `.swapped-` folder is always whole (`settle_swap`)
+            deleting = final.with_name(f".{final.name}{_DELETING}{os.getpid()}")
+            os.rename(old, deleting)
+            old = deleting
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if old is not None and not final.exists():  # failed between the two renames: the old folder back

@@ -25,7 +25,8 @@ zarr.json before the new chunk files' bytes, so a step recorded as committed (a 
 validate it again, evaluate does not evaluate it again) could read as NaN / step 0 / an error. Every write
 here therefore fsyncs the files it wrote and their folders before the commit, then the root zarr.json and the
 group's folder (`_commit`); a new group is written whole in a temp folder, fsynced and renamed in
-(`store.format.atomic_dir`). A few fsyncs per validation or checkpoint evaluated, none per sample.
+(`store.format.atomic_dir`), and so is one whose base is written again (`write_base`: zarr would delete the old
+base's chunks before the commit). A few fsyncs per validation or checkpoint evaluated, none per sample.
 
 Every chunk on disk (format 2): zarr writes no chunk that holds only the fill value by default, so a chunk
 file lost later (a damaged disk, a partial copy or rsync of a run folder) read back as NaN losses, step 0 or an
@@ -45,6 +46,7 @@ computed again); its steps are then judged as any recorded steps are.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import warnings
@@ -141,6 +143,7 @@ class LossStore:
         self._unreadable: str | None = None  # what `_recorded_fingerprint` found wrong with the group
         self.taken_back: Path | None = None  # the kept group renamed back in (`take_back`)
         self.unchecked: str | None = None  # a format-1 group's absent chunks of losses, for the caller's line
+        fmt.settle_swap(self.path)  # a `write_base` killed between its renames: the old group back (its lock held)
         _remove_killed_writes(self.path)
         if self.path.exists() and (recorded := self._recorded_fingerprint()) != fingerprint:
             if take_back and (kept := self._kept_of(fingerprint, axes.keys)) is not None:
@@ -329,8 +332,19 @@ class LossStore:
         self._commit([f"{name}/zarr.json" for name in _PER_STEP])
 
     def write_base(self, grid: np.ndarray) -> None:
-        self.group.create_array("base_loss", data=grid.astype("float32"), fill_value=np.nan,
-                                dimension_names=["sample", "seed", "sigma", "region"], overwrite=True, **_checked())
+        """The base model's grid. Over one committed (a fresh training start over a curve a killed start recorded),
+        zarr's overwrite deleted the old chunks before the commit, and a kill between left the group damaged (set
+        aside, its steps evaluated again): the group is then written anew whole, its committed files linked into a
+        temp folder with the new base, and swapped in (`store.format.atomic_dir`): the old commit or the new one."""
+        zarr = _zarr()
+        if "base_loss" in self.group:
+            with fmt.atomic_dir(self.path) as tmp:
+                _link_committed(self.path, tmp, but="base_loss")
+                _create_base(zarr.open_group(tmp, mode="r+", use_consolidated=False), grid)
+                zarr.consolidate_metadata(tmp)
+            self.group = zarr.open_group(self.path, mode="r+", use_consolidated=True)
+            return
+        _create_base(self.group, grid)  # over an uncommitted one at most (a kill before its commit): unread
         base = self.path / "base_loss"
         self._commit([(Path(folder) / f).relative_to(self.path).as_posix()
                       for folder, _, files in os.walk(base) for f in files])
@@ -360,6 +374,33 @@ class LossStore:
 
 
 _PER_STEP = ("loss", "step", "checkpoint", "lora_sha256")  # the arrays with one chunk per step
+
+
+def _create_base(group, grid: np.ndarray) -> None:
+    group.create_array("base_loss", data=grid.astype("float32"), fill_value=np.nan,
+                       dimension_names=["sample", "seed", "sigma", "region"], overwrite=True, **_checked())
+
+
+def _link_committed(group: Path, tmp: Path, but: str) -> None:
+    """The committed group in `tmp`, but the array `but`: the root zarr.json (the commit) as it is, each array's
+    metadata as the commit records it (not its own zarr.json: a killed append's resize, never committed, is
+    there), and its chunk files hard-linked (zarr replaces a file by rename, never writes one in place). A chunk
+    past a committed shape comes along unseen, as in the group."""
+    root = (group / "zarr.json").read_bytes()
+    (tmp / "zarr.json").write_bytes(root)
+    for name, meta in json.loads(root)["consolidated_metadata"]["metadata"].items():
+        if name == but:
+            continue
+        (tmp / name).mkdir(parents=True)
+        (tmp / name / "zarr.json").write_text(json.dumps(meta))
+        for folder, _, files in os.walk(group / name):
+            for f in files:
+                src = Path(folder, f)
+                rel = src.relative_to(group)
+                if rel == Path(name, "zarr.json") or _ZARR_TEMP.fullmatch(f):
+                    continue
+                (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+                fmt.link_or_copy(src, tmp / rel)
 
 
 _ZARR_TEMP = re.compile(r".*\.[0-9a-f]{32}\.partial")  # zarr's LocalStore: NAME.<uuid4 hex>.partial, then renamed

@@ -210,7 +210,7 @@ def scan(root: Path, progress: bool = True, order: Sequence[str] = ()) -> Repair
     plan = RepairPlan(root)
     plan.current, plan.store_json = _current_versions(root)
     # temp files of a killed atomic write whose writer is gone (store.json's, a table's records beside its versions)
-    plan.litter += [p for p in fmt.store_litter(root, plan.current) if not writer_alive(p.name)]
+    plan.litter += [p for p in fmt.store_litter(root, plan.current) if not writer_alive(p)]
     plan.quarantine = quarantine.problem(root)
     rank = {t: i for i, t in enumerate(order)}
     for table in sorted(plan.current, key=lambda t: (rank.get(t, len(rank)), t)):

@@ -78,3 +78,23 @@ def test_the_temp_folder_of_a_killed_writer_is_removed_by_the_next_write(tmp_pat
         (tmp / "weights.bin").write_bytes(b"whole")
     assert not left.exists() and live.exists()
     assert (final / "weights.bin").read_bytes() == b"whole"
+
+
+def test_a_kill_between_the_two_renames_gives_the_old_folder_back(tmp_path) -> None:
+    """Killed after the old folder was renamed aside and before the new one came in: no folder named `final`.
+    Before, the next swap removed the old one as a half-removed leftover; now it (or `settle_swap`, what a
+    reader-writer of the folder runs first) renames it back: the last commit, whole."""
+    final = tmp_path / "lora"
+    final.mkdir()
+    (final / "weights.bin").write_bytes(b"old" * 1000)
+    env = {**os.environ, fmt.CRASH_ENV: "atomic_dir_between_renames", "PYTHONPATH": os.pathsep.join(sys.path)}
+    p = subprocess.run([sys.executable, "-c", SWAP, str(final)], env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == -signal.SIGKILL, p.stderr[-2000:]
+    assert not final.exists()
+    fmt.settle_swap(final)
+    assert (final / "weights.bin").read_bytes() == b"old" * 1000
+    assert sorted(q.name for q in tmp_path.iterdir() if not q.name.startswith(".lora.tmp-")) == ["lora"]
+    with fmt.atomic_dir(final) as tmp:
+        (tmp / "weights.bin").write_bytes(b"newer")
+    assert sorted(q.name for q in tmp_path.iterdir()) == ["lora"]
+    assert (final / "weights.bin").read_bytes() == b"newer"

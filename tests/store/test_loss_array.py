@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import xarray as xr
 
+from schemas.temp_files import temp_of
 from store.loss_array import GROUP, Axes, LossStore, recorded_steps
 
 AXES = Axes(["k1", "k2", "k3"], ["32x32", "32x64", "32x32"], [0, 1], [0.25, 0.75])
@@ -126,7 +127,8 @@ def test_every_write_is_durable_before_its_commit_and_the_commit_before_it_retur
     s = LossStore(tmp_path, "fp", AXES, {"what": "test"})
     created = {str(p) for p in group.rglob("*")} | {str(group)}
     # a new group is fsynced whole in its temp folder, then renamed in and its parent folder fsynced
-    synced = {path.replace(f".{GROUP}.tmp-{os.getpid()}", GROUP) for what, path in events if what == "fsync"}
+    tmp = temp_of(group).name
+    synced = {path.replace(tmp, GROUP) for what, path in events if what == "fsync"}
     assert created <= synced and str(tmp_path) in synced
     check(lambda: s.write_base(_grid(2.0)))
     for step in (10, 20, 30):
@@ -358,3 +360,85 @@ def test_a_damaged_validation_curve_says_what_to_do_with_a_run_not_a_report(tmp_
         assert "\n" not in line and str(group) in line and "validation curve" in line and "resumed training" in line
         assert "rerun `pipeline run evaluate`" in line  # a report's remedy still said
         chunk.write_bytes(saved)
+
+
+# A child that writes the base again over a committed one and is SIGKILLed at one point of it: `deleted`, right
+# after zarr deleted a `base_loss` folder's files (before, the group's own: its commit kept naming chunks gone);
+# `committing`, as the consolidated metadata is to be rewritten; or a named `store.format.crash_point`.
+REWRITE_BASE = """
+import os, signal, sys
+from pathlib import Path
+import numpy as np
+import zarr
+from zarr.storage import LocalStore
+from store.loss_array import Axes, LossStore
+
+folder, at = Path(sys.argv[1]), sys.argv[2]
+kill = lambda: os.kill(os.getpid(), signal.SIGKILL)
+if at == "deleted":
+    real_delete = LocalStore.delete_dir
+    async def delete_dir(self, prefix):
+        await real_delete(self, prefix)
+        if prefix.endswith("base_loss"):
+            kill()
+    LocalStore.delete_dir = delete_dir
+if at == "committing":
+    zarr.consolidate_metadata = lambda *a, **k: kill()
+axes = Axes(["k1", "k2", "k3"], ["32x32", "32x64", "32x32"], [0, 1], [0.25, 0.75])
+grid = np.full(axes.shape, 7.0)
+grid[1, ..., 1:] = np.nan  # as `_grid`
+LossStore(folder, "fp", axes, {}).write_base(grid)
+"""
+
+
+@pytest.mark.parametrize("at", ["deleted", "committing", "atomic_dir_between_renames", "atomic_dir_removing_old"])
+def test_a_base_written_again_and_killed_leaves_the_old_group_or_the_new_never_a_damaged_one(tmp_path, at):
+    """A fresh training start over a curve that holds a base writes its own (`write_base`): zarr's overwrite
+    deleted the old base's chunk files first, and a kill before the commit left a group whose commit named chunks
+    gone: the next open set it aside as damaged, its evaluated steps out of view. Now the group is written anew in
+    a temp folder and swapped in: killed anywhere (a real SIGKILL), it opens with its steps and either base, and
+    the rerun writes the new base over it (the committed steps only: not a killed append's)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from store import format as fmt
+
+    import zarr
+
+    s = LossStore(tmp_path, "fp", AXES, {})
+    s.write_base(_grid(2.0))
+    for step in (10, 20):
+        s.append(step, f"ckpt-{step}", f"sha{step}", _grid(step / 10))
+
+    def killed(*a, **k):
+        raise KeyboardInterrupt("killed before the append's commit (test)")
+
+    real_consolidate, zarr.consolidate_metadata = zarr.consolidate_metadata, killed
+    try:  # an append killed before its commit: its arrays' own zarr.json hold a step the commit does not
+        s.append(30, "ckpt-30", "sha30", _grid(3.0))
+    except KeyboardInterrupt:
+        pass
+    finally:
+        zarr.consolidate_metadata = real_consolidate
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), fmt.CRASH_ENV: at}
+    p = subprocess.run([sys.executable, "-c", REWRITE_BASE, str(tmp_path), at], env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == -signal.SIGKILL, p.stderr[-2000:]
+
+    def intact(again: LossStore) -> None:
+        assert again.kept_aside is None and not list(tmp_path.glob("losses.*.zarr")), again.aside_reason
+        steps, paths, losses = again.losses()
+        assert again.steps() == {10: "sha10", 20: "sha20"} and paths == ["ckpt-10", "ckpt-20"]
+        np.testing.assert_array_equal(losses, np.stack([_grid(1.0), _grid(2.0)]).astype("float32"))
+
+    again = LossStore(tmp_path, "fp", AXES, {})
+    intact(again)
+    new = at == "atomic_dir_removing_old"  # past the swap: the new group, the old one's removal left undone
+    np.testing.assert_array_equal(again.base(), _grid(7.0 if new else 2.0))
+    again.write_base(_grid(7.0))  # the rerun
+    rerun = LossStore(tmp_path, "fp", AXES, {})
+    intact(rerun)
+    np.testing.assert_array_equal(rerun.base(), _grid(7.0))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [GROUP]  # no temp or old folder left beside it
