@@ -3,13 +3,13 @@ files derived from the manifest) at many shards, an old revision against this ch
 over the same store (the old code unpacked by bench/old_vs_new.py, runs interleaved, medians).
 
 Before, the check of the derived files (the shard indexes) rebuilt the set of every sample's shard for each
-checksums.json entry: O(shards x samples), ~12 s of a 14 s scan at 20k samples in 5,000 shards, and ~20 min at
+checksums.json entry: O(shards x samples), ~12 s of a 14 s scan at 20k samples in 5,000 shards, ~28 s of 31 s in 10,000, and ~20 min at
 1M samples in 20k shards (a real 256 MB-shard store of 1M samples has ~20-30k; bench/store_scale.py).
 
-    python bench/repair_scan.py HEAD~1 --samples 20000 --per-shard 4 [--work /tmp/repair-scan]
+    python bench/repair_scan.py HEAD~1 --samples 20000 --per-shard 2 [--work /tmp/repair-scan]
 
-2-core dev machine shared with other jobs, page cache, 20,000 samples in 5,000 shards (10,000 indexes + tars):
-  old 14.2 s   new 1.9 s   7.5x   (the rest: each shard's and each sample's CRC, which grow linearly)
+2-core dev machine shared with other jobs, page cache, 20,000 samples in 10,000 shards (10,000 indexes + tars):
+  old 30.7 s   new 2.4 s   12.7x   (the rest: each shard's and each sample's CRC, which grow linearly)
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def build(root: Path, samples: int, per_shard: int) -> Path:
 
     if (root / "vae" / "v1" / "manifest.parquet").is_file():
         return root
-    w = Store(root).writer("vae", vae_schema(), shard_size_mb=per_shard * 700 / 1e6)  # ~700 B a sample on disk
+    w = Store(root).writer("vae", vae_schema(), shard_size_mb=per_shard * 1400 / 1e6)  # ~1.4 kB a sample on disk
     t = torch.zeros(4, 1, 2, 2, dtype=torch.bfloat16)
     for i in range(samples):
         w.add(key_of(i), tensors={"target": t}, meta={"split": "train", "img_shapes": [[1, 1, 1]]})
@@ -60,14 +60,14 @@ def main() -> None:
     args = ap.parse_args()
     with bench_folders(args, "repair-scan-") as (tmp, work):
         t0 = time.perf_counter()
-        store = build(work / f"n{args.samples}-p{args.per_shard}", args.samples, args.per_shard)
+        store = build((work / f"n{args.samples}-p{args.per_shard}").resolve(), args.samples, args.per_shard)
         shards = len(list((store / "vae" / "v1").glob("*.tar")))
         print(f"store: {args.samples} samples in {shards} shards ({time.perf_counter() - t0:.0f} s to build or find)")
         old = old_tree(args.old, tmp)
         seen = {}
 
         def run(tree: Path, label: str) -> list[float]:
-            out = subprocess.run([sys.executable, "-c", SCAN, str(store)], env=env_for(tree), check=True,
+            out = subprocess.run([sys.executable, "-c", SCAN, str(store)], env=env_for(tree), check=True, cwd=tree,
                                  capture_output=True, text=True).stdout.split()
             seen[label] = out[1:]
             return [float(out[0])]
