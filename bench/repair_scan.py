@@ -3,8 +3,8 @@ files derived from the manifest) at many shards, an old revision against this ch
 over the same store (the old code unpacked by bench/old_vs_new.py, runs interleaved, medians).
 
 Before, the check of the derived files (the shard indexes) rebuilt the set of every sample's shard for each
-checksums.json entry: O(shards x samples), ~12 s of a 14 s scan at 20k samples in 5,000 shards, ~28 s of 31 s in 10,000, and ~20 min at
-1M samples in 20k shards (a real 256 MB-shard store of 1M samples has ~20-30k; bench/store_scale.py).
+checksums.json entry: O(shards x samples), ~12 s of a 14 s scan at 20k samples in 5,000 shards, ~28 s of 31 s in
+10,000, and ~20 min at 1M samples in 20k shards (a real 256 MB-shard store of 1M samples has ~20-30k shards).
 
     python bench/repair_scan.py HEAD~1 --samples 20000 --per-shard 2 [--work /tmp/repair-scan]
 
