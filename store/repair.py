@@ -155,27 +155,28 @@ def scan_table(root: Path, table: str, version: int, progress: bool = True) -> T
     plan.samples = len(reader)
     shards_with_damage: set[str] = set(reader.bad_shards)
     shard_col = reader.manifest.column("shard").to_pylist()
-    for shard in sorted(set(shard_col) - shards_with_damage):  # whole-file check: damage between samples too
+    shards = set(shard_col)  # once: rebuilt per checksums entry, it made the scan O(shards x samples)
+    for shard in sorted(shards - shards_with_damage):  # whole-file check: damage between samples too
         want = sums.get(shard) if sums is not None else None
         if want is not None and file_crc(vdir / shard) != (want["crc32c"], want["nbytes"]):
             shards_with_damage.add(shard)
-    for key, shard in tqdm(list(zip(reader.keys(), shard_col)), desc=f"scan {table}/v{version}", unit="sample",
-                           disable=not progress):
-        problem = reader.damaged(key)
+    keys = reader.keys()
+    for i, shard in enumerate(tqdm(shard_col, desc=f"scan {table}/v{version}", unit="sample", disable=not progress)):
+        problem = reader.damaged_at(i)  # by row: no key lookup per sample
         if problem is not None:
-            plan.damaged[key] = problem
+            plan.damaged[keys[i]] = problem
             shards_with_damage.add(shard)
-    for shard in sorted(shards_with_damage - {s for k, s in zip(reader.keys(), shard_col) if k in plan.damaged}):
+    for shard in sorted(shards_with_damage - {s for k, s in zip(keys, shard_col) if k in plan.damaged}):
         want = sums.get(shard) if sums is not None else None
         if want is not None and _grown_intact(vdir / shard, want):
             plan.trimmed[shard] = want["nbytes"]
     shards_with_damage -= set(plan.trimmed)
-    plan.copied = [k for k, s in zip(reader.keys(), shard_col) if s in shards_with_damage and k not in plan.damaged]
+    plan.copied = [k for k, s in zip(keys, shard_col) if s in shards_with_damage and k not in plan.damaged]
     if sums is not None:  # without this, verify fails on such a file forever while repair finds nothing to do
-        derived = {n: e for n, e in sums.items() if n not in (fmt.MANIFEST, fmt.SCHEMA_JSON) and n not in set(shard_col)}
+        derived = {n: e for n, e in sums.items() if n not in (fmt.MANIFEST, fmt.SCHEMA_JSON) and n not in shards}
         plan.derived_damaged = sorted(n for n, e in derived.items() if not (vdir / n).is_file()
                                       or (measured.get(n) or file_crc(vdir / n)) != (e["crc32c"], e["nbytes"]))
-    plan.intact_shards = sorted(set(shard_col) - shards_with_damage - set(plan.trimmed))
+    plan.intact_shards = sorted(shards - shards_with_damage - set(plan.trimmed))
     reader.close()
     return plan
 

@@ -396,3 +396,32 @@ def test_databases_of_hosts_unseen_for_a_month_are_removed(tmp_path, cache, monk
     assert sorted(p.name for p in folder.iterdir() if p.is_file()) == sorted([
         fh.CACHE_NAME, "file-hashes.recent-boot.sqlite", "file-hashes.this-boot.sqlite"])
     assert time.time() - (folder / "file-hashes.this-boot.sqlite").stat().st_mtime < day
+
+
+def test_paths_resolve_as_realpath_does_with_each_folder_resolved_once(tmp_path, cache, monkeypatch) -> None:
+    """`real_path` (every hash's key, one lstat a file instead of one per path component: bench/source_hash_rerun.py)
+    gives `os.path.realpath`'s answer for plain files, linked files and folders, `..`, relative and missing paths; a
+    rerun over an unchanged source through it finds every file in the cache, and each folder is resolved once."""
+    real = tmp_path / "real" / "deep"
+    files = _files(real, 3)
+    (tmp_path / "linked").symlink_to(real)  # a folder link
+    (real / "alias.png").symlink_to(files[0])  # a file link
+    (real / "dangling.png").symlink_to(real / "gone.png")
+    monkeypatch.chdir(tmp_path)
+    paths = [*files, tmp_path / "linked" / files[1].name, real / "alias.png", real / "dangling.png",
+             real / "missing.png", tmp_path / "linked" / ".." / "real" / "deep" / files[2].name,
+             Path("linked") / files[0].name, Path(files[0].name), real / ".", tmp_path / "linked" / "..", real]
+    folders: dict[str, str] = {}
+    assert [fh.real_path(p, folders) for p in paths] == [os.path.realpath(p) for p in paths]
+    assert [fh.real_path(p, None) for p in paths] == [os.path.realpath(p) for p in paths]
+
+    with FileHashes() as h:
+        first = [h.sha256(f) for f in files]
+    resolved: list[str] = []
+    monkeypatch.setattr(fh.os.path, "realpath", lambda p, real=os.path.realpath: resolved.append(p) or real(p))
+    with FileHashes() as h:
+        again = [h.sha256(p) for p in [*files, tmp_path / "linked" / files[1].name]]
+    assert again == [*first, first[1]] and h.hashed == 0
+    under = [str(p) for p in resolved if str(p).startswith((str(real), str(tmp_path / "linked")))]
+    folders_once = under.count(str(real)) == 1 and under.count(str(tmp_path / "linked")) == 1
+    assert folders_once and len(under) <= 3, under  # besides: the mount type of the files' device, looked up once
