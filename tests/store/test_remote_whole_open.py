@@ -1,0 +1,62 @@
+"""A whole open (`local_store(..., whole=True)`, `pipeline store pull`) of a version this node's cache holds lazily
+(metadata only, store/remote_shards.py): every shard the cache had not fetched yet is fetched now, each checked, so
+the caller gets the whole version on disk - it got the metadata and only the shards some reader had read before."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from store import Store
+from store import format as fmt
+from store.remote_cache import USAGE, local_store
+from store.remote_shards import FETCH_TAG, MARKER, RANGED
+from store.remote_sync import pull, push
+from store_samples import fill
+
+
+def _pushed(s3_env, store: Store) -> str:
+    fill(store, 24, shard_size_mb=0.02)  # 4 shards of 6 samples
+    push(store.root, s3_env.url())
+    return s3_env.url()
+
+
+def _shards(vdir: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(vdir.iterdir()) if fmt.SHARD_RE.fullmatch(p.name)}
+
+
+def _cache_bytes(cache: Path) -> int:
+    """What the cache limit counts: every file but the lock files (store/remote_cache._counted) and the total."""
+    return sum(p.stat().st_size for p in cache.rglob("*")
+               if p.is_file() and not p.name.endswith(".lock") and p != cache / USAGE)
+
+
+def test_a_whole_open_of_a_lazily_cached_version_fetches_its_missing_shards(s3_env, store: Store,
+                                                                           tmp_path: Path) -> None:
+    url = _pushed(s3_env, store)
+    cache = tmp_path / "cache"
+    root = local_store(url, ["vae"], cache, lease=False)  # lazily: metadata only
+    vdir = fmt.version_dir(root, "vae", 1)
+    with Store(root, create=False).reader("vae") as cached:  # one shard read by a scan: cached whole
+        for k in cached.shard_groups()[0]:
+            cached.tensors(k)
+    assert len(_shards(vdir)) == 1
+    limit = 10 * _cache_bytes(store.root)  # room for all of it: nothing evicted after the pull
+    assert local_store(url, ["vae"], cache, limit_gb=limit / 1e9, whole=True, lease=False) == root
+    assert _shards(vdir) == _shards(fmt.version_dir(store.root, "vae", 1))  # every shard, the remote's bytes
+    assert (vdir / MARKER).is_file()  # still a copy of the remote's: evictable, never pushed back
+    assert not [p for p in vdir.iterdir() if FETCH_TAG in p.name and not p.name.endswith(RANGED)
+                or ".tmp-" in p.name]  # no temp file left
+    # what the pull fetched is in the node's running total (a limited reader's next fetch counts from it)
+    assert json.loads((cache / USAGE).read_text())["bytes"] == _cache_bytes(cache)
+
+
+def test_store_pull_into_a_lazy_cache_completes_it(s3_env, store: Store, tmp_path: Path) -> None:
+    """The same through `pull` itself (repair's and migrate's working copy hold older versions lazily; a current
+    version there must be whole: they rewrite it)."""
+    url = _pushed(s3_env, store)
+    root = local_store(url, ["vae"], tmp_path / "cache", lease=False)
+    summary = pull(url, root, tables=["vae"])
+    assert summary.present == ["vae/v1"]
+    assert _shards(fmt.version_dir(root, "vae", 1)) == _shards(fmt.version_dir(store.root, "vae", 1))
+
