@@ -361,6 +361,14 @@ def add_usage(cache: Path, incoming: int) -> None:
         _write_usage(cache, used + incoming)
 
 
+def recount(cache: Path) -> None:
+    """Bytes were written into the cache folder outside any fetch (repair's or migrate's working copy pulled into
+    `.work/`): drop the node's running total, so that a limited process's next fetch walks (and evicts) instead of
+    adding to a total that lacks them."""
+    with fmt.flock(cache / CACHE_LOCK):
+        (cache / USAGE).unlink(missing_ok=True)
+
+
 def make_room(cache: Path, limit: int, incoming: int) -> bool:
     """Before fetching `incoming` bytes (under the cache lock): count them in the running total; when that would
     come near `limit`, walk the cache and evict least recently used shards until they fit with 1/`WALK_FREES` of

@@ -60,3 +60,30 @@ def test_store_pull_into_a_lazy_cache_completes_it(s3_env, store: Store, tmp_pat
     assert summary.present == ["vae/v1"]
     assert _shards(fmt.version_dir(root, "vae", 1)) == _shards(fmt.version_dir(store.root, "vae", 1))
 
+
+def test_a_working_copy_pulled_into_the_cache_folder_counts_against_a_readers_limit(s3_env, store: Store,
+                                                                                    tmp_path: Path) -> None:
+    """`store repair URL` / `migrate URL` pull the current versions whole (and now complete lazy ones) into
+    `CACHE/.work/`, which the cache's walk counts against `--cache-gb`. A limited reader of the node kept adding its
+    fetches to the running total taken before that pull, so it fetched on past its limit by the working copy's
+    size until some walk; now the pull drops the total and the reader's next fetch walks (evicts, or reads by
+    range)."""
+    from store.remote_work import work_copy
+
+    url = _pushed(s3_env, store)
+    cache = tmp_path / "cache"
+    local_store(url, ["vae"], cache, lease=False)
+    metadata = _cache_bytes(cache)
+    shard = max(len(b) for b in _shards(fmt.version_dir(store.root, "vae", 1)).values())
+    work = _cache_bytes(store.root)  # about what the working copy holds
+    limit = metadata + work + shard + shard // 2  # the working copy and one shard fit, two shards do not
+    root = local_store(url, ["vae"], cache, limit_gb=limit / 1e9, lease=False)
+    with Store(root, create=False).reader("vae") as cached:
+        groups = cached.shard_groups()
+        for k in groups[0]:  # a scan: one shard fetched whole
+            cached.tensors(k)
+        work_copy(url, cache)  # another command of the node: repair's working copy
+        assert _cache_bytes(cache) <= limit
+        for k in groups[1]:  # the next whole fetch must not take the cache past its limit
+            cached.tensors(k)
+    assert _cache_bytes(cache) <= limit
