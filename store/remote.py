@@ -145,6 +145,37 @@ def is_url(path: str | Path) -> bool:
     return "://" in str(path)
 
 
+# store URL -> where its credentials come from, as the error lines name it: set by `open_remote` where the caller's
+# storage options (`-o key=...`) hold them (then the AWS_* variables are not used, and telling the user to check
+# them sent them after the wrong thing); a URL not listed uses the environment's.
+_credentials_from: dict[str, str] = {}
+_CREDENTIAL_OPTIONS = ("key", "secret", "token")  # s3fs's names
+
+
+def _options_credentials(storage_options: dict[str, Any] | None) -> str | None:
+    """The credentials the storage options name, as a user would check them (no value but a profile's name)."""
+    opts = storage_options or {}
+    if given := [k for k in _CREDENTIAL_OPTIONS if k in opts]:
+        return " / ".join(f"-o {k}=..." for k in given) + " (given to the command: the AWS_* variables are not used)"
+    if "profile" in opts:
+        return f"the AWS profile -o profile={opts['profile']} (~/.aws/credentials)"
+    if opts.get("anon"):
+        return "-o anon=true (anonymous: no credentials are sent; drop it to use them)"
+    return None
+
+
+def _credentials_hint(url: str) -> str:
+    """Where to look when the server refused or found no credentials for `url`: what was actually used."""
+    given = _credentials_from.get(url.rstrip("/"))
+    if given is not None:
+        return given
+    if os.environ.get("AWS_ACCESS_KEY_ID") or os.environ.get("AWS_SECRET_ACCESS_KEY"):
+        return "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY"
+    if os.environ.get("AWS_PROFILE"):
+        return f"the AWS profile AWS_PROFILE={os.environ['AWS_PROFILE']} (~/.aws/credentials)"
+    return "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or AWS_PROFILE)"
+
+
 def _hint(url: str, source: bool = False) -> str:
     return ("check AWS_ENDPOINT_URL (an S3-compatible server), the network, and that the server runs; "
             + ("then rerun (samples already written are kept)" if source else
@@ -167,8 +198,10 @@ def remote_errors(url: str, action: str, missing: str | None = None) -> Iterator
         _remote_os_error(e, url, action, source=missing is not None)
     except Exception as e:  # noqa: BLE001  connection refused/reset, timeouts: botocore's and aiohttp's own types
         if _is_credentials_error(e):
-            raise UserError(f"{action}: no credentials for {url} ({type(e).__name__}: {_first_line(e)}); set "
-                            "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE)") from None
+            given = _credentials_from.get(url.rstrip("/"))
+            raise UserError(f"{action}: no credentials for {url} ({type(e).__name__}: {_first_line(e)}); "
+                            + (f"check {given}" if given is not None else
+                               "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE)")) from None
         if not _is_transport_error(e):
             raise
         raise UserError(f"{action}: lost the connection to {url} ({type(e).__name__}: {_first_line(e)}); "
@@ -178,8 +211,8 @@ def remote_errors(url: str, action: str, missing: str | None = None) -> Iterator
 def _remote_os_error(e: OSError, url: str, action: str, source: bool = False) -> None:
     """s3fs reports the server's answers as OSError subclasses (no file name)."""
     if isinstance(e, PermissionError):
-        raise UserError(f"{action}: access to {url} denied ({_first_line(e)}); check AWS_ACCESS_KEY_ID / "
-                        "AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) and the bucket's permissions") from None
+        raise UserError(f"{action}: access to {url} denied ({_first_line(e)}); check {_credentials_hint(url)} "
+                        "and the bucket's permissions") from None
     if isinstance(e, FileNotFoundError):
         if no_bucket(e):
             raise UserError(f"{action}: the bucket of {url} does not exist ({_first_line(e)}); create it or "
@@ -501,6 +534,10 @@ def open_remote(url: str, storage_options: dict[str, Any] | None = None) -> Remo
     root = root.rstrip("/")
     if not root:
         raise UserError(f"{url}: no bucket or folder in the URL; pass s3://bucket/prefix")
+    if (given := _options_credentials(storage_options)) is not None:
+        _credentials_from[url.rstrip("/")] = given
+    else:  # a later open of the URL without options uses the environment's
+        _credentials_from.pop(url.rstrip("/"), None)
     if "//" in root and not remote_local.is_local(fs):
         # an empty folder name: objects were written under keys the listings never show back (a push "succeeded"
         # into a store no pull, verify or later push could find)
