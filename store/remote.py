@@ -233,15 +233,45 @@ def no_bucket(e: BaseException) -> bool:
 
 def lost_object(remote: "Remote", rel: str, e: FileNotFoundError) -> UserError | None:
     """The line for object `rel` of a version (`<table>/v<N>/<name>`, listed by its checksums.json) that is not
-    there while the version's manifest is: deleted behind the tool's back, where `remote_errors`' "rerun" (right
-    for an object gone with its version: a gc deletes the manifest first) would fail the same way for ever. None
-    when the bucket or the whole version went away. Pull and the lazy reader both say it."""
+    there while the version's manifest is, or while store.json names the version current (`lost_version`): deleted
+    behind the tool's back, where `remote_errors`' "rerun" (right for an object gone with its version: a gc deletes
+    the manifest first, of versions no longer current) would fail the same way for ever. None when the bucket went
+    away or the version went with a gc. Pull, the lazy open and the lazy reader all say it."""
     from store import format as fmt
 
-    if no_bucket(e) or not remote.exists(f"{rel.rsplit('/', 1)[0]}/{fmt.MANIFEST}"):
+    if no_bucket(e):
         return None
+    version_rel = rel.rsplit("/", 1)[0]
+    if not remote.exists(f"{version_rel}/{fmt.MANIFEST}"):
+        table, name = version_rel.rsplit("/", 1)
+        return lost_version(remote, table, int(name[1:]))
+    if rel.endswith("/" + fmt.CHECKSUMS):
+        return UserError(f"{remote.url}/{rel} is missing (its version's manifest is there); refused: push that "
+                         "version again from an intact store")
     return UserError(f"{remote.url}/{rel} is missing (its version's {fmt.CHECKSUMS} lists it); refused: push that "
                      f"version again from an intact store, or `pipeline store repair {remote.url}`")
+
+
+def lost_version(remote: "Remote", table: str, version: int) -> UserError | None:
+    """The line for a version without its manifest that the remote's store.json still names current: deleted behind
+    the tool's back (an `aws s3 rm`, a lifecycle rule; `store gc` never removes a current version), where "rerun"
+    failed alike for ever. None when its manifest is there (committed since a listing), or store.json names another
+    version now or cannot be read (a push moved on, and a gc removed this one: a rerun reads the new one)."""
+    from store import format as fmt
+    from store.checksum import SealError, unseal
+
+    if remote.exists(f"{table}/v{version}/{fmt.MANIFEST}"):
+        return None
+    try:
+        current = int(unseal(remote.read(fmt.STORE_JSON))["tables"][table]["current"])
+    except (FileNotFoundError, SealError, ValueError, KeyError, TypeError):
+        return None
+    if current != version:
+        return None
+    return UserError(f"{remote.url}/{table}/v{version} is gone (no {fmt.MANIFEST}) while {fmt.STORE_JSON} names it "
+                     "current: deleted behind the tool's back (`store gc` never removes a current version); "
+                     f"refused: push that version again from a store that holds it (`pipeline store push STORE "
+                     f"{remote.url}`)")
 
 
 def _is_credentials_error(e: BaseException) -> bool:

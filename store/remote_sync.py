@@ -37,7 +37,7 @@ from schemas.newer import refuse_newer
 from store import format as fmt
 from store import integrity, remote_checked, remote_lease
 from store.checksum import SealError, crc_hex, seal, unseal
-from store.remote import Remote, SharedBar, each_at_once, lost_object, open_remote, remote_errors
+from store.remote import Remote, SharedBar, each_at_once, lost_object, lost_version, open_remote, remote_errors
 from store.lease import process_tag
 from store.remote_shards import is_lazy
 from store.remote_upload import Mismatch
@@ -471,6 +471,7 @@ def pull(url: str, dst: Path, storage_options: dict[str, Any] | None = None,
             return summary
         listing = remote.listing()
         rec, tables, wanted = wanted_versions(_remote_record(remote, listing), url, tables, optional, listing)
+        _refuse_lost_current(remote, rec, tables, listing)
         store = Store(dst)
         plan: list[tuple[str, int, bytes, list[_File]]] = []
         for rel in sorted(listing):
@@ -513,6 +514,19 @@ def pull(url: str, dst: Path, storage_options: dict[str, Any] | None = None,
     return summary
 
 
+def _refuse_lost_current(remote: Remote, rec: dict[str, Any], tables: list[str] | None,
+                         listing: dict[str, int]) -> None:
+    """A current version (of `tables`, or of every table) without its manifest in the listing: lost on the remote
+    (`lost_version`), or changed since the listing (a rerun sees it). Before, pull copied nothing of it and reported
+    success ("copied nothing new")."""
+    for t in sorted(rec["tables"] if tables is None else tables):
+        v = int(rec["tables"][t]["current"])
+        if f"{t}/v{v}/{fmt.MANIFEST}" in listing or marker_rel(t, v) in listing:
+            continue
+        raise lost_version(remote, t, v) or UserError(f"pull {remote.url}: {t} v{v} changed while it was listed (a "
+                                                      "push or gc meanwhile); rerun")
+
+
 def _all_cached(remote: Remote, dst: Path, tables: list[str], summary: SyncSummary, damaged_ok: bool) -> bool:
     """A reader's warm open: are the current versions of `tables` all in `dst` already? Then one GET of store.json
     and one of each version's checksums.json (a version that differs is refused) replace the listing of the whole
@@ -532,7 +546,7 @@ def _all_cached(remote: Remote, dst: Path, tables: list[str], summary: SyncSumma
         return False
     for t, v in wanted:
         where = f"{remote.url}/{t}/v{v}/{fmt.CHECKSUMS}"
-        record = remote.read(f"{t}/v{v}/{fmt.CHECKSUMS}")
+        record = _read_checksums(remote, t, v)
         files = _ordered(t, v, version_files(record, where), record)
         if not _same_version(fmt.version_dir(dst, t, v), record, files):
             raise _conflict(t, v, remote.url, dst)
@@ -654,16 +668,17 @@ def fetch_checked(remote: Remote, f: _File, path: Path, bar, damaged_ok: bool = 
 
 
 def _read_checksums(remote: Remote, table: str, version: int) -> bytes:
-    """A listed version's checksums.json; one gone while its manifest is still there is lost, not removed by a gc
-    meanwhile (gc deletes the manifest first): named in one line, where "rerun" would fail the same way for ever."""
+    """A version's checksums.json; one gone while its manifest is still there (or with its whole version, which
+    store.json names current) is lost, not removed by a gc meanwhile (gc deletes the manifest first, of versions no
+    longer current): named in one line (`lost_object`), where "rerun" would fail the same way for ever."""
     rel = f"{table}/v{version}/{fmt.CHECKSUMS}"
     try:
         return remote.read(rel)
     except FileNotFoundError as e:
-        if lost_object(remote, rel, e) is None:  # the bucket or the version gone: remote_errors says rerun
+        lost = lost_object(remote, rel, e)
+        if lost is None:  # the bucket gone, or the version with a gc: remote_errors says rerun
             raise
-    raise UserError(f"{remote.url}/{rel} is missing (its version's manifest is there); refused: push that version "
-                    "again from an intact store")
+    raise lost
 
 
 def _missing_object(remote: Remote, f: _File, e: FileNotFoundError, damaged_ok: bool) -> str:
