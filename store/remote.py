@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator
 
 from schemas.errors import UserError
 from store import remote_download, remote_local, remote_upload
-from store.checksum import CHUNK, RunningCrc
+from store.checksum import CHUNK, RunningCrc, SealError, unseal
 
 # user metadata recorded on every object we upload to S3: a rerun can tell an object is already there (same size,
 # same CRC32C as the store's checksums.json) from one HEAD request, without reading it back
@@ -258,7 +258,6 @@ def lost_version(remote: "Remote", table: str, version: int) -> UserError | None
     failed alike for ever. None when its manifest is there (committed since a listing), or store.json names another
     version now or cannot be read (a push moved on, and a gc removed this one: a rerun reads the new one)."""
     from store import format as fmt
-    from store.checksum import SealError, unseal
 
     if remote.exists(f"{table}/v{version}/{fmt.MANIFEST}"):
         return None

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from store import Store
 from store import format as fmt
 from store.remote_cache import USAGE, local_store
@@ -51,14 +53,24 @@ def test_a_whole_open_of_a_lazily_cached_version_fetches_its_missing_shards(s3_e
     assert json.loads((cache / USAGE).read_text())["bytes"] == _cache_bytes(cache)
 
 
-def test_store_pull_into_a_lazy_cache_completes_it(s3_env, store: Store, tmp_path: Path) -> None:
+@pytest.mark.parametrize("damaged_ok", [False, True])
+def test_store_pull_into_a_lazy_cache_completes_it(s3_env, store: Store, tmp_path: Path, damaged_ok: bool) -> None:
     """The same through `pull` itself (repair's and migrate's working copy hold older versions lazily; a current
-    version there must be whole: they rewrite it)."""
+    version there must be whole: they rewrite it). Repair's pull (`damaged_ok`) keeps a shard damaged on the server
+    as it is, for its scan to find."""
     url = _pushed(s3_env, store)
+    want = _shards(fmt.version_dir(store.root, "vae", 1))
     root = local_store(url, ["vae"], tmp_path / "cache", lease=False)
-    summary = pull(url, root, tables=["vae"])
+    if damaged_ok:
+        bad = sorted(want)[2]
+        data = bytearray(want[bad])
+        data[len(data) // 2] ^= 0xFF
+        s3_env.client().put_object(Bucket=s3_env.bucket, Key=f"store/vae/v1/{bad}", Body=bytes(data))
+        want[bad] = bytes(data)
+    summary = pull(url, root, tables=["vae"], damaged_ok=damaged_ok)
     assert summary.present == ["vae/v1"]
-    assert _shards(fmt.version_dir(root, "vae", 1)) == _shards(fmt.version_dir(store.root, "vae", 1))
+    assert summary.damaged == ([f"vae/v1/{bad}"] if damaged_ok else [])
+    assert _shards(fmt.version_dir(root, "vae", 1)) == want
 
 
 def test_a_working_copy_pulled_into_the_cache_folder_counts_against_a_readers_limit(s3_env, store: Store,
