@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator
 
 from schemas.errors import UserError
 from store import remote_download, remote_local, remote_upload
-from store.checksum import CHUNK, RunningCrc
+from store.checksum import CHUNK, RunningCrc, SealError, unseal
 
 # user metadata recorded on every object we upload to S3: a rerun can tell an object is already there (same size,
 # same CRC32C as the store's checksums.json) from one HEAD request, without reading it back
@@ -145,6 +145,37 @@ def is_url(path: str | Path) -> bool:
     return "://" in str(path)
 
 
+# store URL -> where its credentials come from, as the error lines name it: set by `open_remote` where the caller's
+# storage options (`-o key=...`) hold them (then the AWS_* variables are not used, and telling the user to check
+# them sent them after the wrong thing); a URL not listed uses the environment's.
+_credentials_from: dict[str, str] = {}
+_CREDENTIAL_OPTIONS = ("key", "secret", "token")  # s3fs's names
+
+
+def _options_credentials(storage_options: dict[str, Any] | None) -> str | None:
+    """The credentials the storage options name, as a user would check them (no value but a profile's name)."""
+    opts = storage_options or {}
+    if given := [k for k in _CREDENTIAL_OPTIONS if k in opts]:
+        return " / ".join(f"-o {k}=..." for k in given) + " (given to the command: the AWS_* variables are not used)"
+    if "profile" in opts:
+        return f"the AWS profile -o profile={opts['profile']} (~/.aws/credentials)"
+    if opts.get("anon"):
+        return "-o anon=true (anonymous: no credentials are sent; drop it to use them)"
+    return None
+
+
+def _credentials_hint(url: str) -> str:
+    """Where to look when the server refused or found no credentials for `url`: what was actually used."""
+    given = _credentials_from.get(url.rstrip("/"))
+    if given is not None:
+        return given
+    if os.environ.get("AWS_ACCESS_KEY_ID") or os.environ.get("AWS_SECRET_ACCESS_KEY"):
+        return "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY"
+    if os.environ.get("AWS_PROFILE"):
+        return f"the AWS profile AWS_PROFILE={os.environ['AWS_PROFILE']} (~/.aws/credentials)"
+    return "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or AWS_PROFILE)"
+
+
 def _hint(url: str, source: bool = False) -> str:
     return ("check AWS_ENDPOINT_URL (an S3-compatible server), the network, and that the server runs; "
             + ("then rerun (samples already written are kept)" if source else
@@ -167,8 +198,10 @@ def remote_errors(url: str, action: str, missing: str | None = None) -> Iterator
         _remote_os_error(e, url, action, source=missing is not None)
     except Exception as e:  # noqa: BLE001  connection refused/reset, timeouts: botocore's and aiohttp's own types
         if _is_credentials_error(e):
-            raise UserError(f"{action}: no credentials for {url} ({type(e).__name__}: {_first_line(e)}); set "
-                            "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE)") from None
+            given = _credentials_from.get(url.rstrip("/"))
+            raise UserError(f"{action}: no credentials for {url} ({type(e).__name__}: {_first_line(e)}); "
+                            + (f"check {given}" if given is not None else
+                               "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE)")) from None
         if not _is_transport_error(e):
             raise
         raise UserError(f"{action}: lost the connection to {url} ({type(e).__name__}: {_first_line(e)}); "
@@ -178,8 +211,8 @@ def remote_errors(url: str, action: str, missing: str | None = None) -> Iterator
 def _remote_os_error(e: OSError, url: str, action: str, source: bool = False) -> None:
     """s3fs reports the server's answers as OSError subclasses (no file name)."""
     if isinstance(e, PermissionError):
-        raise UserError(f"{action}: access to {url} denied ({_first_line(e)}); check AWS_ACCESS_KEY_ID / "
-                        "AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) and the bucket's permissions") from None
+        raise UserError(f"{action}: access to {url} denied ({_first_line(e)}); check {_credentials_hint(url)} "
+                        "and the bucket's permissions") from None
     if isinstance(e, FileNotFoundError):
         if no_bucket(e):
             raise UserError(f"{action}: the bucket of {url} does not exist ({_first_line(e)}); create it or "
@@ -200,15 +233,44 @@ def no_bucket(e: BaseException) -> bool:
 
 def lost_object(remote: "Remote", rel: str, e: FileNotFoundError) -> UserError | None:
     """The line for object `rel` of a version (`<table>/v<N>/<name>`, listed by its checksums.json) that is not
-    there while the version's manifest is: deleted behind the tool's back, where `remote_errors`' "rerun" (right
-    for an object gone with its version: a gc deletes the manifest first) would fail the same way for ever. None
-    when the bucket or the whole version went away. Pull and the lazy reader both say it."""
+    there while the version's manifest is, or while store.json names the version current (`lost_version`): deleted
+    behind the tool's back, where `remote_errors`' "rerun" (right for an object gone with its version: a gc deletes
+    the manifest first, of versions no longer current) would fail the same way for ever. None when the bucket went
+    away or the version went with a gc. Pull, the lazy open and the lazy reader all say it."""
     from store import format as fmt
 
-    if no_bucket(e) or not remote.exists(f"{rel.rsplit('/', 1)[0]}/{fmt.MANIFEST}"):
+    if no_bucket(e):
         return None
+    version_rel = rel.rsplit("/", 1)[0]
+    if not remote.exists(f"{version_rel}/{fmt.MANIFEST}"):
+        table, name = version_rel.rsplit("/", 1)
+        return lost_version(remote, table, int(name[1:]))
+    if rel.endswith("/" + fmt.CHECKSUMS):
+        return UserError(f"{remote.url}/{rel} is missing (its version's manifest is there); refused: push that "
+                         "version again from an intact store")
     return UserError(f"{remote.url}/{rel} is missing (its version's {fmt.CHECKSUMS} lists it); refused: push that "
                      f"version again from an intact store, or `pipeline store repair {remote.url}`")
+
+
+def lost_version(remote: "Remote", table: str, version: int) -> UserError | None:
+    """The line for a version without its manifest that the remote's store.json still names current: deleted behind
+    the tool's back (an `aws s3 rm`, a lifecycle rule; `store gc` never removes a current version), where "rerun"
+    failed alike for ever. None when its manifest is there (committed since a listing), or store.json names another
+    version now or cannot be read (a push moved on, and a gc removed this one: a rerun reads the new one)."""
+    from store import format as fmt
+
+    if remote.exists(f"{table}/v{version}/{fmt.MANIFEST}"):
+        return None
+    try:
+        current = int(unseal(remote.read(fmt.STORE_JSON))["tables"][table]["current"])
+    except (FileNotFoundError, SealError, ValueError, KeyError, TypeError):
+        return None
+    if current != version:
+        return None
+    return UserError(f"{remote.url}/{table}/v{version} is gone (no {fmt.MANIFEST}) while {fmt.STORE_JSON} names it "
+                     "current: deleted behind the tool's back (`store gc` never removes a current version); "
+                     f"refused: push that version again from a store that holds it (`pipeline store push STORE "
+                     f"{remote.url}`)")
 
 
 def _is_credentials_error(e: BaseException) -> bool:
@@ -501,6 +563,10 @@ def open_remote(url: str, storage_options: dict[str, Any] | None = None) -> Remo
     root = root.rstrip("/")
     if not root:
         raise UserError(f"{url}: no bucket or folder in the URL; pass s3://bucket/prefix")
+    if (given := _options_credentials(storage_options)) is not None:
+        _credentials_from[url.rstrip("/")] = given
+    else:  # a later open of the URL without options uses the environment's
+        _credentials_from.pop(url.rstrip("/"), None)
     if "//" in root and not remote_local.is_local(fs):
         # an empty folder name: objects were written under keys the listings never show back (a push "succeeded"
         # into a store no pull, verify or later push could find)

@@ -68,7 +68,8 @@ def local_store(store: str | Path, tables: list[str] | None, cache_dir: str | Pa
     """`store` itself when it is a local folder; for a URL, the cached local store holding `tables`' current
     versions (those in `optional` only when the remote has them), lazily: metadata now, shards when read.
     `tables=None`: every complete version the remote holds. `whole=True`: pull
-    the versions entirely now (every file checked, as `pipeline store pull`). `lease`: a lease object on the
+    the versions entirely now (every file checked, as `pipeline store pull`; a version cached lazily before gets its
+    missing shards). `lease`: a lease object on the
     remote names the versions read, till this process exits (store/remote_lease.py)."""
     if not is_url(store):
         return Path(store)
@@ -358,6 +359,14 @@ def add_usage(cache: Path, incoming: int) -> None:
     used = _read_usage(cache)
     if used is not None:
         _write_usage(cache, used + incoming)
+
+
+def recount(cache: Path) -> None:
+    """Bytes were written into the cache folder outside any fetch (repair's or migrate's working copy pulled into
+    `.work/`): drop the node's running total, so that a limited process's next fetch walks (and evicts) instead of
+    adding to a total that lacks them."""
+    with fmt.flock(cache / CACHE_LOCK):
+        (cache / USAGE).unlink(missing_ok=True)
 
 
 def make_room(cache: Path, limit: int, incoming: int) -> bool:

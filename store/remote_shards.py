@@ -371,10 +371,10 @@ def _open_version(remote: Remote, root: Path, table: str, version: int) -> bool:
     """The version's metadata fetched and checked into `root` unless cached already (then checked to be the
     remote's: one GET of its checksums.json); whether it was fetched."""
     from store.remote_checked import known_crc
-    from store.remote_sync import version_files, _conflict, _ordered
+    from store.remote_sync import version_files, _conflict, _ordered, _read_checksums
 
     where = f"{remote.url}/{table}/v{version}/{fmt.CHECKSUMS}"
-    record = remote.read(f"{table}/v{version}/{fmt.CHECKSUMS}")
+    record = _read_checksums(remote, table, version)  # a lost one named, not "rerun" for ever
     files = _ordered(table, version, version_files(record, where), record)
     vdir = fmt.version_dir(root, table, version)
     if vdir.exists() and not fmt.is_complete(vdir):

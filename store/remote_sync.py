@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,8 @@ from schemas.newer import refuse_newer
 from store import format as fmt
 from store import integrity, remote_checked, remote_lease
 from store.checksum import SealError, crc_hex, seal, unseal
-from store.remote import Remote, SharedBar, each_at_once, lost_object, open_remote, remote_errors
+from store.remote import Remote, SharedBar, each_at_once, lost_object, lost_version, open_remote, remote_errors
+from store.lease import process_tag
 from store.remote_shards import is_lazy
 from store.remote_upload import Mismatch
 
@@ -465,10 +467,11 @@ def pull(url: str, dst: Path, storage_options: dict[str, Any] | None = None,
     remote = open_remote(url, storage_options)
     summary = SyncSummary("pull", url)
     with remote_errors(url, "pull"):
-        if tables is not None and _all_cached(remote, dst, tables, summary):
+        if tables is not None and _all_cached(remote, dst, tables, summary, damaged_ok):
             return summary
         listing = remote.listing()
         rec, tables, wanted = wanted_versions(_remote_record(remote, listing), url, tables, optional, listing)
+        _refuse_lost_current(remote, rec, tables, listing)
         store = Store(dst)
         plan: list[tuple[str, int, bytes, list[_File]]] = []
         for rel in sorted(listing):
@@ -489,8 +492,10 @@ def pull(url: str, dst: Path, storage_options: dict[str, Any] | None = None,
             if vdir.exists():
                 if not _same_version(vdir, record, files):
                     raise _conflict(table, version, url, dst)
-                if not damaged_ok:  # repair's working copy keeps what it pulled as it is, for its scan
-                    refill(remote, dst, table, version, files, summary)
+                # repair's working copy keeps what it pulled as it is, for its scan; a version it holds lazily
+                # (opened as an older one by a killed run, current since) is completed all the same
+                if not damaged_ok or is_lazy(vdir):
+                    refill(remote, dst, table, version, files, summary, damaged_ok)
                 summary.present.append(f"{table}/v{version}")
                 continue
             plan.append((table, version, record, files))
@@ -509,7 +514,20 @@ def pull(url: str, dst: Path, storage_options: dict[str, Any] | None = None,
     return summary
 
 
-def _all_cached(remote: Remote, dst: Path, tables: list[str], summary: SyncSummary) -> bool:
+def _refuse_lost_current(remote: Remote, rec: dict[str, Any], tables: list[str] | None,
+                         listing: dict[str, int]) -> None:
+    """A current version (of `tables`, or of every table) without its manifest in the listing: lost on the remote
+    (`lost_version`), or changed since the listing (a rerun sees it). Before, pull copied nothing of it and reported
+    success ("copied nothing new")."""
+    for t in sorted(rec["tables"] if tables is None else tables):
+        v = int(rec["tables"][t]["current"])
+        if f"{t}/v{v}/{fmt.MANIFEST}" in listing or marker_rel(t, v) in listing:
+            continue
+        raise lost_version(remote, t, v) or UserError(f"pull {remote.url}: {t} v{v} changed while it was listed (a "
+                                                      "push or gc meanwhile); rerun")
+
+
+def _all_cached(remote: Remote, dst: Path, tables: list[str], summary: SyncSummary, damaged_ok: bool) -> bool:
     """A reader's warm open: are the current versions of `tables` all in `dst` already? Then one GET of store.json
     and one of each version's checksums.json (a version that differs is refused) replace the listing of the whole
     prefix (thousands of objects for a large store); False sends the caller the full way."""
@@ -528,11 +546,12 @@ def _all_cached(remote: Remote, dst: Path, tables: list[str], summary: SyncSumma
         return False
     for t, v in wanted:
         where = f"{remote.url}/{t}/v{v}/{fmt.CHECKSUMS}"
-        record = remote.read(f"{t}/v{v}/{fmt.CHECKSUMS}")
+        record = _read_checksums(remote, t, v)
         files = _ordered(t, v, version_files(record, where), record)
         if not _same_version(fmt.version_dir(dst, t, v), record, files):
             raise _conflict(t, v, remote.url, dst)
-        refill(remote, dst, t, v, files, summary)
+        if not damaged_ok or is_lazy(fmt.version_dir(dst, t, v)):  # as `pull` below
+            refill(remote, dst, t, v, files, summary, damaged_ok)
         summary.present.append(f"{t}/v{v}")
     store = Store(dst)
     for t, v in wanted:
@@ -554,52 +573,69 @@ def _same_version(vdir: Path, record: bytes, files: list[_File]) -> bool:
 
 def stale_files(vdir: Path, files: list[_File]) -> list[_File]:
     """The files of the local copy `vdir` that are missing or not their recorded size: one stat each (~20k for a
-    1M-sample version), no read. A lazily cached version's shards are not there until read: only a present one of
-    the wrong size counts."""
-    from store.remote_shards import is_shard
-
-    lazy = is_lazy(vdir)
+    1M-sample version), no read. A lazily cached version's shards not fetched yet are missing too: a pull takes
+    the version whole (a whole open of the cache, repair's and migrate's working copy)."""
     out = []
     for f in files:
         try:
             size = os.stat(vdir / f.rel.rsplit("/", 1)[1]).st_size
         except FileNotFoundError:
-            if not (lazy and is_shard(f.rel.rsplit("/", 1)[1])):
-                out.append(f)
+            out.append(f)
             continue
         if size != f.nbytes:
             out.append(f)
     return out
 
 
-def refill(remote: Remote, dst: Path, table: str, version: int, files: list[_File], summary: SyncSummary) -> None:
+def refill(remote: Remote, dst: Path, table: str, version: int, files: list[_File], summary: SyncSummary,
+           damaged_ok: bool = False) -> None:
     """Fetch again the files of a local copy of a version that were deleted or cut short since (a user's rm, a full
-    disk, a killed copy): found by `stale_files`, each checked as it streams to `.NAME.tmp-PID` and renamed into
-    place (never a partial file under the name), the manifest last; then the damage the readers recorded for them
-    (`v<N>.damaged.json`) is cleared, so the repaired copy reads without a stale report."""
+    disk, a killed copy), and the shards of a lazily cached copy not fetched yet: found by `stale_files`, each
+    checked as it streams to a temp name and renamed into place (never a partial file under the name), the manifest
+    last; then the damage the readers recorded for them (`v<N>.damaged.json`) is cleared, so the repaired copy reads
+    without a stale report. `damaged_ok` (repair's working copy): an object that fails its check is kept as it is
+    for repair's scan, its damage record too."""
+    from store.remote_shards import FETCH_TAG, is_shard
+
     vdir = fmt.version_dir(dst, table, version)
     stale = stale_files(vdir, files)
     if not stale:
         return
-    log.warning("%s: %d file(s) of %s v%d missing or of the wrong size (%s); fetching them again from %s",
-                vdir, len(stale), table, version, ", ".join(f.rel.rsplit("/", 1)[1] for f in stale[:5])
-                + (" ..." if len(stale) > 5 else ""), remote.url)
+    lazy = is_lazy(vdir)
+    # a lazily cached version's shards not fetched yet are expected there, not damage: no warning for those
+    broken = [f for f in stale if not (lazy and is_shard(f.rel.rsplit("/", 1)[1])
+                                       and not (vdir / f.rel.rsplit("/", 1)[1]).exists())]
+    if broken:
+        log.warning("%s: %d file(s) of %s v%d missing or of the wrong size (%s); fetching them again from %s",
+                    vdir, len(broken), table, version, ", ".join(f.rel.rsplit("/", 1)[1] for f in broken[:5])
+                    + (" ..." if len(broken) > 5 else ""), remote.url)
+    intact: list[str] = []
     with _progress(sum(f.nbytes for f in stale), f"refill {table} v{version}") as bar:
         bar = SharedBar(bar)
 
         def fetch(f: _File) -> str:
             path = vdir / f.rel.rsplit("/", 1)[1]
-            return fetch_checked(remote, f, path, bar, part=path.with_name(f".{path.name}.tmp-{os.getpid()}"))
+            # in a cache, named as a shard fetch's temp file: a killed one's is removed by the next open there
+            # (store/remote_cache._remove_dead_fetches), where `.NAME.tmp-PID` stayed, counted against its limit
+            part = (path.with_name(f".{path.name}{FETCH_TAG}{process_tag()}-{threading.get_ident()}") if lazy
+                    else path.with_name(f".{path.name}.tmp-{os.getpid()}"))
+            return fetch_checked(remote, f, path, bar, damaged_ok, part=part)
+
+        def done(f: _File, how: str) -> None:
+            if how == "damaged":
+                summary.damaged.append(f.rel)
+            else:
+                intact.append(f.rel.rsplit("/", 1)[1])
+            summary.sent(f)
 
         manifest = [f for f in stale if f.rel.endswith("/" + fmt.MANIFEST)]
         rest = [f for f in stale if f not in manifest]
-        for f, _ in zip(rest, each_at_once(fetch, rest)):
-            summary.sent(f)
+        for f, how in zip(rest, each_at_once(fetch, rest)):
+            done(f, how)
         for f in manifest:  # last, as a commit: the version is complete again only with every file back
-            fetch(f)
-            summary.sent(f)
+            done(f, fetch(f))
     fmt.fsync_dir(vdir)
-    integrity.clear_damage(vdir, [f.rel.rsplit("/", 1)[1] for f in stale])
+    integrity.clear_damage(vdir, intact)
 
 
 def fetch_checked(remote: Remote, f: _File, path: Path, bar, damaged_ok: bool = False,
@@ -632,16 +668,17 @@ def fetch_checked(remote: Remote, f: _File, path: Path, bar, damaged_ok: bool = 
 
 
 def _read_checksums(remote: Remote, table: str, version: int) -> bytes:
-    """A listed version's checksums.json; one gone while its manifest is still there is lost, not removed by a gc
-    meanwhile (gc deletes the manifest first): named in one line, where "rerun" would fail the same way for ever."""
+    """A version's checksums.json; one gone while its manifest is still there (or with its whole version, which
+    store.json names current) is lost, not removed by a gc meanwhile (gc deletes the manifest first, of versions no
+    longer current): named in one line (`lost_object`), where "rerun" would fail the same way for ever."""
     rel = f"{table}/v{version}/{fmt.CHECKSUMS}"
     try:
         return remote.read(rel)
     except FileNotFoundError as e:
-        if lost_object(remote, rel, e) is None:  # the bucket or the version gone: remote_errors says rerun
+        lost = lost_object(remote, rel, e)
+        if lost is None:  # the bucket gone, or the version with a gc: remote_errors says rerun
             raise
-    raise UserError(f"{remote.url}/{rel} is missing (its version's manifest is there); refused: push that version "
-                    "again from an intact store")
+    raise lost
 
 
 def _missing_object(remote: Remote, f: _File, e: FileNotFoundError, damaged_ok: bool) -> str:

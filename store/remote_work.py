@@ -36,7 +36,7 @@ WORK_DIR = ".work"
 
 def work_copy(url: str, cache_dir: str | Path | None, damaged_ok: bool = False,
               storage_options: dict[str, Any] | None = None) -> Path:
-    from store.remote_cache import default_cache_dir
+    from store.remote_cache import default_cache_dir, recount
     from store.remote_shards import open_lazily
     from store.remote_sync import pull
 
@@ -53,6 +53,7 @@ def work_copy(url: str, cache_dir: str | Path | None, damaged_ok: bool = False,
                         damaged_ok=damaged_ok)
         except UserError:  # (DamagedData too) an older version's metadata damaged (or its manifest pulled damaged)
             pull(url, root, storage_options, damaged_ok=damaged_ok)
+    recount(cache)  # whole versions just landed in the cache folder: its limited readers count them from now
     (root / "source-url.txt").write_text(url + "\n")
     return root
 

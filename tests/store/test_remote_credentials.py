@@ -123,3 +123,28 @@ def test_a_malformed_secret_option_is_refused_without_echoing_it(tmp_path: Path)
     res = CliRunner().invoke(app, ["store", "pull", "s3://bucket/store", str(tmp_path / "d"), "-o",
                                    f"secret=[{WRONG_SECRET}"])
     assert res.exit_code != 0 and "--option" in res.output and WRONG_SECRET not in res.output, res.output
+
+
+@pytest.mark.parametrize("case", ["-o key and secret", "environment"])
+def test_access_denied_names_where_the_credentials_came_from(case, s3_env, iam_key, store: Store, tmp_path: Path,
+                                                            monkeypatch) -> None:
+    """Credentials given as `-o key=... -o secret=...` are the ones used (the AWS_* variables are not): the line
+    told the user to check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, which were right, and not the options."""
+    key_id, secret = iam_key
+    fill(store, 4)
+    if case == "environment":
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAUNKNOWN000000000")
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", WRONG_SECRET)
+        options = []
+    else:  # the environment holds the right key; the command's options a wrong one
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", key_id)
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
+        options = ["-o", "key=AKIAUNKNOWN000000000", "-o", f"secret={WRONG_SECRET}"]
+    for args in (["store", "push", *options, str(store.root), s3_env.url()],
+                 ["store", "pull", *options, s3_env.url(), str(tmp_path / "pulled")]):
+        out = _one_line(CliRunner().invoke(app, args))
+        assert f"access to {s3_env.url()} denied" in out and WRONG_SECRET not in out and secret not in out
+        if case == "environment":
+            assert "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY" in out, out
+        else:
+            assert "-o key=... / -o secret=..." in out and "AWS_SECRET_ACCESS_KEY" not in out, out

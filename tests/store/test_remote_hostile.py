@@ -235,3 +235,43 @@ def test_a_lost_checksums_json_is_named_by_pull(s3_env, store: Store, tmp_path: 
     with pytest.raises(UserError) as e:
         pull(url, tmp_path / "pulled")
     assert f"{url}/vae/v1/checksums.json is missing" in str(e.value) and "rerun" not in str(e.value)
+
+
+def _delete_version(s3_env, version: str) -> None:
+    client = s3_env.client()
+    for o in client.list_objects_v2(Bucket=s3_env.bucket, Prefix=f"store/{version}/")["Contents"]:
+        client.delete_object(Bucket=s3_env.bucket, Key=o["Key"])
+
+
+@pytest.mark.parametrize("how", ["lazy read", "reopen", "pull table", "pull all"])
+def test_a_current_version_deleted_behind_the_tools_back_is_named_not_rerun_for_ever(s3_env, store: Store,
+                                                                                    tmp_path: Path, how: str) -> None:
+    """Every object of the current vae v1 deleted on the server (an `aws s3 rm --recursive`, a lifecycle rule; never
+    `store gc`, which keeps a current version) while store.json still names it. Before: a lazy reader's next shard
+    and every reopen said "(an object disappeared meanwhile?); rerun", each rerun failing alike; a pull copied
+    nothing and reported success ("copied nothing new"). Now each names the version and the fix."""
+    from store.remote_cache import local_store
+
+    fill(store, 24, shard_size_mb=0.02)
+    url = s3_env.url()
+    push(store.root, url)
+    if how in ("lazy read", "reopen"):
+        root = local_store(url, ["vae"], tmp_path / "cache", lease=False)
+        with Store(root, create=False).reader("vae") as cached:
+            groups = cached.shard_groups()
+            cached.tensors(groups[0][0])  # reading: then the version goes
+            _delete_version(s3_env, "vae/v1")
+            if how == "lazy read":
+                with pytest.raises(UserError) as e:
+                    for k in groups[1]:
+                        cached.tensors(k)
+        if how == "reopen":
+            with pytest.raises(UserError) as e:
+                local_store(url, ["vae"], tmp_path / "cache", lease=False)
+    else:
+        _delete_version(s3_env, "vae/v1")
+        with pytest.raises(UserError) as e:
+            pull(url, tmp_path / "pulled", tables=["vae"] if how == "pull table" else None)
+    line = str(e.value)
+    assert f"{url}/vae/v1" in line and "store.json names it current" in line and "push" in line, line
+    assert "rerun" not in line and "\n" not in line

@@ -440,6 +440,31 @@ def test_gc_judges_ages_by_the_servers_clock_not_this_machines(s3_env, store: St
     assert probe not in objects(s3_env)
 
 
+def test_the_clock_probe_is_one_put_per_command_not_one_per_lease_listing(s3_env, store: Store, monkeypatch) -> None:
+    """The server's clock is measured once per opened remote (`Remote.now`): a gc lists the leases at its plan, before
+    each manifest DELETE and after it, and a reader's heartbeat looks at its lease's age every minute - one probe
+    PUT each, not one per listing or beat (at 8 nodes x 8 ranks a PUT per look would be billed writes)."""
+    from store.remote import CLOCK_DIR
+
+    probes: list[str] = []
+    real = remote_mod.Remote.write
+    monkeypatch.setattr(remote_mod.Remote, "write", lambda self, rel, data, *a, **k: (
+        probes.append(rel) if rel.startswith(CLOCK_DIR + "/") else None) or real(self, rel, data, *a, **k))
+    for tag in "abc":  # v1, v2 not current: two versions for gc to remove
+        fill(store, 4, tag=tag)
+        push(store.root, s3_env.url())
+    held = remote_lease.hold_reading(s3_env.url(), [("vae", 3)])
+    try:
+        for _ in range(3):
+            assert held._beat()
+        assert len(probes) == 1
+        r = _cli("store", "gc", s3_env.url(), "--incomplete-after", "0")
+        assert r.exit_code == 0 and "2 version(s) removed" in r.output, r.output
+        assert len(probes) == 2
+    finally:
+        remote_lease.release_all()
+
+
 def test_gc_dry_run_with_read_only_credentials_reports_the_plan(s3_env, store: Store, monkeypatch) -> None:
     """A dry run writes nothing the user asked for; with a key that may only read (what one hands out to look),
     the clock probe of Remote.now is refused: the plan is still reported (on this machine's clock, said so)."""

@@ -1,0 +1,101 @@
+"""A whole open (`local_store(..., whole=True)`, `pipeline store pull`) of a version this node's cache holds lazily
+(metadata only, store/remote_shards.py): every shard the cache had not fetched yet is fetched now, each checked, so
+the caller gets the whole version on disk - it got the metadata and only the shards some reader had read before."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from store import Store
+from store import format as fmt
+from store.remote_cache import USAGE, local_store
+from store.remote_shards import FETCH_TAG, MARKER, RANGED
+from store.remote_sync import pull, push
+from store_samples import fill
+
+
+def _pushed(s3_env, store: Store) -> str:
+    fill(store, 24, shard_size_mb=0.02)  # 4 shards of 6 samples
+    push(store.root, s3_env.url())
+    return s3_env.url()
+
+
+def _shards(vdir: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(vdir.iterdir()) if fmt.SHARD_RE.fullmatch(p.name)}
+
+
+def _cache_bytes(cache: Path) -> int:
+    """What the cache limit counts: every file but the lock files (store/remote_cache._counted) and the total."""
+    return sum(p.stat().st_size for p in cache.rglob("*")
+               if p.is_file() and not p.name.endswith(".lock") and p != cache / USAGE)
+
+
+def test_a_whole_open_of_a_lazily_cached_version_fetches_its_missing_shards(s3_env, store: Store,
+                                                                           tmp_path: Path) -> None:
+    url = _pushed(s3_env, store)
+    cache = tmp_path / "cache"
+    root = local_store(url, ["vae"], cache, lease=False)  # lazily: metadata only
+    vdir = fmt.version_dir(root, "vae", 1)
+    with Store(root, create=False).reader("vae") as cached:  # one shard read by a scan: cached whole
+        for k in cached.shard_groups()[0]:
+            cached.tensors(k)
+    assert len(_shards(vdir)) == 1
+    limit = 10 * _cache_bytes(store.root)  # room for all of it: nothing evicted after the pull
+    assert local_store(url, ["vae"], cache, limit_gb=limit / 1e9, whole=True, lease=False) == root
+    assert _shards(vdir) == _shards(fmt.version_dir(store.root, "vae", 1))  # every shard, the remote's bytes
+    assert (vdir / MARKER).is_file()  # still a copy of the remote's: evictable, never pushed back
+    assert not [p for p in vdir.iterdir() if FETCH_TAG in p.name and not p.name.endswith(RANGED)
+                or ".tmp-" in p.name]  # no temp file left
+    # what the pull fetched is in the node's running total (a limited reader's next fetch counts from it)
+    assert json.loads((cache / USAGE).read_text())["bytes"] == _cache_bytes(cache)
+
+
+@pytest.mark.parametrize("damaged_ok", [False, True])
+def test_store_pull_into_a_lazy_cache_completes_it(s3_env, store: Store, tmp_path: Path, damaged_ok: bool) -> None:
+    """The same through `pull` itself (repair's and migrate's working copy hold older versions lazily; a current
+    version there must be whole: they rewrite it). Repair's pull (`damaged_ok`) keeps a shard damaged on the server
+    as it is, for its scan to find."""
+    url = _pushed(s3_env, store)
+    want = _shards(fmt.version_dir(store.root, "vae", 1))
+    root = local_store(url, ["vae"], tmp_path / "cache", lease=False)
+    if damaged_ok:
+        bad = sorted(want)[2]
+        data = bytearray(want[bad])
+        data[len(data) // 2] ^= 0xFF
+        s3_env.client().put_object(Bucket=s3_env.bucket, Key=f"store/vae/v1/{bad}", Body=bytes(data))
+        want[bad] = bytes(data)
+    summary = pull(url, root, tables=["vae"], damaged_ok=damaged_ok)
+    assert summary.present == ["vae/v1"]
+    assert summary.damaged == ([f"vae/v1/{bad}"] if damaged_ok else [])
+    assert _shards(fmt.version_dir(root, "vae", 1)) == want
+
+
+def test_a_working_copy_pulled_into_the_cache_folder_counts_against_a_readers_limit(s3_env, store: Store,
+                                                                                    tmp_path: Path) -> None:
+    """`store repair URL` / `migrate URL` pull the current versions whole (and now complete lazy ones) into
+    `CACHE/.work/`, which the cache's walk counts against `--cache-gb`. A limited reader of the node kept adding its
+    fetches to the running total taken before that pull, so it fetched on past its limit by the working copy's
+    size until some walk; now the pull drops the total and the reader's next fetch walks (evicts, or reads by
+    range)."""
+    from store.remote_work import work_copy
+
+    url = _pushed(s3_env, store)
+    cache = tmp_path / "cache"
+    local_store(url, ["vae"], cache, lease=False)
+    metadata = _cache_bytes(cache)
+    shard = max(len(b) for b in _shards(fmt.version_dir(store.root, "vae", 1)).values())
+    work = _cache_bytes(store.root)  # about what the working copy holds
+    limit = metadata + work + shard + shard // 2  # the working copy and one shard fit, two shards do not
+    root = local_store(url, ["vae"], cache, limit_gb=limit / 1e9, lease=False)
+    with Store(root, create=False).reader("vae") as cached:
+        groups = cached.shard_groups()
+        for k in groups[0]:  # a scan: one shard fetched whole
+            cached.tensors(k)
+        work_copy(url, cache)  # another command of the node: repair's working copy
+        assert _cache_bytes(cache) <= limit
+        for k in groups[1]:  # the next whole fetch must not take the cache past its limit
+            cached.tensors(k)
+    assert _cache_bytes(cache) <= limit
