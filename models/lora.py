@@ -77,16 +77,30 @@ def add_lora(transformer, cfg: LoraSettings) -> None:
     transformer.requires_grad_(False)
     from peft.tuners.tuners_utils import NoMatchingPeftModuleError
 
+    names = _linear_names(transformer)  # before peft wraps them (base_layer, lora_A.default, ...)
     try:
         with _no_torchao_merge_warning():
             transformer.add_adapter(adapter_config(cfg), adapter_name=ADAPTER)
     except NoMatchingPeftModuleError:
-        names = sorted({n.rsplit(".", 1)[-1] for n, m in transformer.named_modules() if isinstance(m, torch.nn.Linear)})
         raise UserError(f"train.lora.target_modules {list(cfg.target_modules)} matches no layer of the model; its "
                         f"linear layers are named {names}") from None
+    # peft adapts the names that match and drops the others without a word: the Edit MLP's (net.0.proj) on a
+    # Qwen-Image-2.1 model, or 2.1's (gate_layer) on an Edit one, trained the attention alone
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    adapted = [n for n, m in transformer.named_modules() if isinstance(m, BaseTunerLayer)]
+    unmatched = [t for t in cfg.target_modules if not any(n == t or n.endswith("." + t) for n in adapted)]
+    if unmatched:
+        raise UserError(f"train.lora.target_modules {unmatched} match no layer of the model (the others do); its "
+                        f"linear layers are named {names}; drop them or name this model's layers")
     # LoRA weights train in float32 even when the frozen base is bf16 (optimizer states stay exact).
     for p in lora_parameters(transformer):
         p.data = p.data.float()
+
+
+def _linear_names(transformer) -> list[str]:
+    """The last part of each linear layer's name (to_q, net.0.proj's proj), as a target_modules entry matches."""
+    return sorted({n.rsplit(".", 1)[-1] for n, m in transformer.named_modules() if isinstance(m, torch.nn.Linear)})
 
 
 def lora_parameters(transformer) -> list[torch.nn.Parameter]:
