@@ -39,6 +39,7 @@ _CLASSES_21: dict[str, tuple[str, str]] = {
     "processor": ("transformers", "Qwen3VLProcessor"),
 }
 QWEN21_PIPELINE = "QwenImage21Pipeline"
+_EDIT_PIPELINES = ("QwenImageEditPipeline", "QwenImageEditPlusPipeline")  # edit; edit-plus and edit-2511
 
 # Every load that happened in this process, as (model, component): tests assert a stage loads only what it needs.
 LOAD_LOG: list[tuple[str, str]] = []
@@ -98,9 +99,15 @@ def model_variant(model: str) -> Literal["edit", "edit-plus", "edit-2511", "qwen
     0..10 references, block-causal transformer, Qwen3-VL)."""
     root = resolve_model(model)
     index = json.loads((root / "model_index.json").read_text())
-    if index.get("_class_name") == QWEN21_PIPELINE:
+    named = index.get("_class_name")
+    if named == QWEN21_PIPELINE:
         return "qwen-image-2.1"
-    if "Plus" not in index.get("_class_name", ""):
+    if isinstance(named, str) and named not in _EDIT_PIPELINES:
+        # Qwen-Image-Layered, the text-to-image Qwen-Image, ...: the Edit classes load their components, so the
+        # model encoded and trained as Qwen-Image-Edit without a word (any class without "Plus" was "edit")
+        raise UserError(f"model {model} is a {named} (its model_index.json): this pipeline trains "
+                        f"{', '.join(_EDIT_PIPELINES)} and {QWEN21_PIPELINE} models only; pass one of those")
+    if named != "QwenImageEditPlusPipeline":  # (a folder whose index names no class: as before, the Edit model)
         return "edit"
     config = root / "transformer" / "config.json"
     zero_cond = config.is_file() and json.loads(config.read_text()).get("zero_cond_t", False)

@@ -77,16 +77,30 @@ def add_lora(transformer, cfg: LoraSettings) -> None:
     transformer.requires_grad_(False)
     from peft.tuners.tuners_utils import NoMatchingPeftModuleError
 
+    names = _linear_names(transformer)  # before peft wraps them (base_layer, lora_A.default, ...)
     try:
         with _no_torchao_merge_warning():
             transformer.add_adapter(adapter_config(cfg), adapter_name=ADAPTER)
     except NoMatchingPeftModuleError:
-        names = sorted({n.rsplit(".", 1)[-1] for n, m in transformer.named_modules() if isinstance(m, torch.nn.Linear)})
         raise UserError(f"train.lora.target_modules {list(cfg.target_modules)} matches no layer of the model; its "
                         f"linear layers are named {names}") from None
+    # peft adapts the names that match and drops the others without a word: the Edit MLP's (net.0.proj) on a
+    # Qwen-Image-2.1 model, or 2.1's (gate_layer) on an Edit one, trained the attention alone
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    adapted = [n for n, m in transformer.named_modules() if isinstance(m, BaseTunerLayer)]
+    unmatched = [t for t in cfg.target_modules if not any(n == t or n.endswith("." + t) for n in adapted)]
+    if unmatched:
+        raise UserError(f"train.lora.target_modules {unmatched} match no layer of the model (the others do); its "
+                        f"linear layers are named {names}; drop them or name this model's layers")
     # LoRA weights train in float32 even when the frozen base is bf16 (optimizer states stay exact).
     for p in lora_parameters(transformer):
         p.data = p.data.float()
+
+
+def _linear_names(transformer) -> list[str]:
+    """The last part of each linear layer's name (to_q, net.0.proj's proj), as a target_modules entry matches."""
+    return sorted({n.rsplit(".", 1)[-1] for n, m in transformer.named_modules() if isinstance(m, torch.nn.Linear)})
 
 
 def lora_parameters(transformer) -> list[torch.nn.Parameter]:
@@ -327,6 +341,7 @@ def read_lora(lora: str | Path, data: bytes | None = None) -> tuple[dict[str, to
         raise UserError(f"{path} is not a readable .safetensors file ({type(e).__name__}: {e}); pass the LoRA "
                         "written by `pipeline run train` (RUN/lora) or an intact copy") from None
     _check_finite(path, state)
+    state = _comfy_transformer_named(state)
     if any(not k.startswith(_PREFIX) or k.endswith(".alpha") for k in state):
         state, meta = _converted(path, state), None  # the tensors read above: `data`'s, not the file again
     bad = [k for k in state if not k.startswith(_PREFIX)]
@@ -346,6 +361,20 @@ def _check_finite(path: Path, state: dict[str, torch.Tensor]) -> None:
         raise UserError(f"{path}: {sum(bad.values())} of {total} LoRA values are NaN or infinite (e.g. in "
                         f"{next(iter(bad))}): the file is damaged or training diverged; use an intact copy or an "
                         "earlier checkpoint's LoRA (RUN/checkpoints/step-N/lora)")
+
+
+def _comfy_transformer_named(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Modules in ComfyUI's `transformer.<module>.lora_down/lora_up/alpha` form (the 2.1 MLP halves of `lora
+    export`, which ComfyUI maps only from that name; any module of a file ComfyUI reads) named
+    `diffusion_model.<module>` as the rest of such a file: diffusers' converter strips `diffusion_model.` and adds
+    `transformer.`, so it named these `transformer.transformer.<module>` (its loader drops them with a logged
+    "unexpected keys"; ours refused the file the export wrote)."""
+    down = ".lora_down.weight"
+    modules = {k[len(_PREFIX) : -len(down)] for k in state if k.startswith(_PREFIX) and k.endswith(down)}
+    if not modules:
+        return state
+    named = {f"{_PREFIX}{m}{s}": f"diffusion_model.{m}{s}" for m in modules for s in (down, ".lora_up.weight", ".alpha")}
+    return {named.get(k, k): v for k, v in state.items()}
 
 
 def _converted(path: Path, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

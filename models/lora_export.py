@@ -15,7 +15,10 @@ and `img_mlp.proj` into one `img_mlp.gate_up` at load: its loader maps a LoRA on
 only; the Edit MLP is `img_mlp.net.*`) are therefore written as `transformer.<module>.lora_down.weight` etc.
 
 diffusers' Qwen-Image loader reads the same file (`QwenImagePipeline.lora_state_dict` converts it), which is
-how the export is tested. Only plain LoRA exports: DoRA / LoHa / LoKr have no such key layout here.
+how the export is tested, except those two 2.1 halves: its converter names them `transformer.transformer.<module>`
+and its loader drops them (a logged "unexpected keys"); this project's loaders read them (`models.lora.read_lora`).
+For diffusers, use the diffusers file (RUN/lora). Only plain LoRA exports: DoRA / LoHa / LoKr have no such key
+layout here.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ import pytest
 
 from models.loading import ModelNotFoundError, load_component, model_variant, resolve_model
 from models.tiny import make_tiny_model
+from schemas.errors import UserError
 import warm_start
 
 # Runs in a new process (started warm: tests/warm_start.py preloads only third-party libraries) so that nothing
@@ -108,3 +109,22 @@ def test_fingerprint_sees_a_change_in_the_middle_of_a_large_weight_file(tmp_path
     (b / "transformer" / "extra.safetensors").write_bytes(bytes(data))
     assert model_fingerprint(str(b)) != before
     assert model_fingerprint(str(a)) == before
+
+
+@pytest.mark.parametrize("pipeline", ["QwenImageLayeredPipeline", "QwenImagePipeline", "QwenImageEditInpaintPipeline"])
+def test_a_model_of_another_qwen_image_pipeline_is_refused_not_taken_for_edit(tiny_edit_model, tmp_path, pipeline):
+    """Qwen-Image-Layered (its processor, Qwen2.5-VL, QwenImageTransformer2DModel and VAE classes are the Edit
+    model's) or the text-to-image Qwen-Image: any model_index class without "Plus" was the Edit variant, so such a
+    model encoded and trained as Qwen-Image-Edit without a word. Refused in one line naming its class."""
+    import json
+
+    model = tmp_path / "other"
+    model.mkdir()
+    for entry in Path(tiny_edit_model).iterdir():
+        if entry.name != "model_index.json":
+            (model / entry.name).symlink_to(entry)
+    index = json.loads((Path(tiny_edit_model) / "model_index.json").read_text())
+    (model / "model_index.json").write_text(json.dumps({**index, "_class_name": pipeline}))
+    with pytest.raises(UserError, match=f"{pipeline}.*QwenImageEditPipeline") as e:
+        model_variant(str(model))
+    assert "\n" not in str(e.value)

@@ -75,10 +75,15 @@ def test_decompression_bomb_image_for_predict(tiny_edit_model, tmp_path):
     assert r.exit_code == 1 and "bomb.png" in r.output and not (tmp_path / "o.png").exists()
 
 
-def test_unknown_target_modules(tiny_edit_model, features, tmp_path):
+@pytest.mark.parametrize("targets", ["[nosuch]", "[to_q, to_v, gate_layer]"])
+def test_unknown_target_modules(tiny_edit_model, features, tmp_path, targets):
+    """A name that matches no layer is refused even beside names that do: peft adapts what matches and drops the
+    rest without a word, so Qwen-Image-2.1's MLP names (gate_layer, proj, out) on an Edit model, or the Edit
+    MLP's (net.0.proj, net.2) on 2.1, trained the attention alone."""
     r = _run("run", "train", "--store", features, "--model", tiny_edit_model, "--out", tmp_path / "run",
-             "--max-steps", 1, "--device", "cpu", "--set", "train.lora.target_modules=[nosuch]")
-    assert r.exit_code == 1 and "train.lora.target_modules" in r.output and "to_q" in r.output
+             "--max-steps", 1, "--device", "cpu", "--set", f"train.lora.target_modules={targets}")
+    assert r.exit_code == 1 and "train.lora.target_modules" in r.output and "to_q" in r.output, r.output
+    assert targets.strip("[]").split(", ")[-1] in r.output.split("named")[0], r.output  # the name matching nothing
     assert not (tmp_path / "run" / "lora").exists()
 
 

@@ -462,3 +462,38 @@ def test_a_killed_exports_temp_is_removed_by_the_next_export_and_a_live_ones_kep
         killed.kill()
         live.kill()
         live.wait()
+
+
+def test_a_comfyui_21_export_reads_back_in_this_projects_loaders_with_every_module(tiny_21_model, tmp_path):
+    """The 2.1 export writes the MLP halves as `transformer.<module>.lora_down/up/alpha` (ComfyUI maps them only so).
+    diffusers' converter prefixes those `transformer.` once more: its own loader drops them (a logged "unexpected
+    keys"), and this project's loaders refused the file it had written ("does not match the adapter"). Read back
+    now, every module applies the source's delta (alpha 6 over rank 2, from the source's adapter config)."""
+    import json
+
+    from models.loading import load_component
+    from models.lora import attach_lora
+
+    torch.manual_seed(0)
+    stock = load_component(tiny_21_model, "transformer").float().eval()
+    modules = [f"transformer_blocks.{b}.{m}" for b in range(len(stock.transformer_blocks))
+               for m in ("attn.to_q", "img_mlp.gate_layer", "img_mlp.proj")]
+    lora = {}
+    for m in modules:
+        lin = stock.get_submodule(m)
+        lora[f"transformer.{m}.lora_A.weight"] = torch.randn(2, lin.in_features) * 0.1
+        lora[f"transformer.{m}.lora_B.weight"] = torch.randn(lin.out_features, 2) * 0.1
+    config = {"transformer.r": 2, "transformer.lora_alpha": 6, "transformer.peft_type": "LORA",
+              "transformer.target_modules": ["to_q", "gate_layer", "proj"]}
+    src = tmp_path / "lora21.safetensors"
+    save_file(lora, src, metadata={"format": "pt", "lora_adapter_metadata": json.dumps(config)})
+    out = tmp_path / "comfy21.safetensors"
+    _cli("lora", "export", src, "--format", "comfyui", "--out", out)
+    assert any(k.startswith("transformer.") for k in load_file(out))  # the MLP halves, as ComfyUI reads them
+
+    for f in (src, out):
+        t = load_component(tiny_21_model, "transformer").float().eval()
+        attach_lora(t, f)
+        for m in modules:
+            want = 3.0 * lora[f"transformer.{m}.lora_B.weight"] @ lora[f"transformer.{m}.lora_A.weight"]
+            torch.testing.assert_close(t.get_submodule(m).get_delta_weight("lora"), want, rtol=1e-6, atol=1e-7)
