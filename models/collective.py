@@ -111,7 +111,8 @@ def together(world: int, what: str = "", uneven: bool = False) -> Iterator[None]
     `uneven`: the ranks may come to the agreement far apart (each ends its own share of the work there, or one
     rank works alone in the block): they wait for each other through the launcher's store first
     (`arrive_together`), not inside the agreement's collective, whose timeout (NCCL's: 10 minutes) would end
-    the ranks that came early."""
+    the ranks that came early. Only for a block with no collective inside: a rank failing before one would wait
+    at the arrival for ranks that wait for it in that collective."""
     if world <= 1:
         yield
         return

@@ -70,7 +70,8 @@ def agreed_model_fingerprint(world: int, model: str) -> str:
     line (decided on the fingerprints' maximum and minimum over the ranks)."""
     from models.loading import model_fingerprint
 
-    with together(world, f"hashing the model {model}"):
+    # uneven: each node hashes its own copy once (then cached): a slower disk's node comes minutes later
+    with together(world, f"hashing the model {model}", uneven=True):
         fingerprint = model_fingerprint(model)
     (odd,) = differing_ranks(world, [fingerprint])
     if odd:
