@@ -670,23 +670,24 @@ def arrive_together(world: int, what: str) -> None:
     have ended this rank at its timeout (NCCL's: 10 minutes; the agreement that follows then finds every rank
     there). A rank that fails meanwhile stops this one through its watch thread, as anywhere; a rank killed
     without a word (its watch thread's signs of life, `HEARTBEAT_SECONDS`, stop) stops every waiting rank after
-    LOST_SECONDS with one line naming it. Without a store (a launch naming none): nothing (the collective waits).
-    Every rank calls it as often with the same `what`."""
-    if world <= 1:
+    LOST_SECONDS with one line naming it; one that never gave any (still starting) after BEFORE_GROUP_SECONDS.
+    Without a store (a launch naming none): nothing (the collective waits). Every rank calls it as often, in the
+    same order: the arrivals are numbered per process (`what`, which may name a rank's own path, only names the
+    step in the line)."""
+    if world <= 1 or not (os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")):
         return
     watch_failures(world)
     try:
         client = _store_client()
-    except Exception:  # noqa: BLE001 - no store reachable: the agreement's collective waits, as before
-        client = None
-    if client is None:
-        return
+    except Exception as e:  # noqa: BLE001 - never skipped alone: the others would wait here for this rank
+        raise UserError(f"{what}: the ranks wait for each other through the launch's store at "
+                        f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}, which this rank cannot reach "
+                        f"({_first_line(e)}): see the launcher's log") from None
     import torch.distributed as dist
 
     rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
-    counts = _state.setdefault("arrivals", {})
-    counts[what] = counts.get(what, 0) + 1
-    key = f"{_launch_key('arrived')}/{what}/{counts[what]}"
+    _state["arrivals"] = _state.get("arrivals", 0) + 1
+    key = f"{_launch_key('arrived')}/{_state['arrivals']}"
     client.set(f"{key}/{rank}", "1")
     client.add(key, 1)
     seen: dict[int, tuple[int, float]] = {}  # rank -> (its signs of life, when they last changed here)
@@ -707,8 +708,9 @@ def arrive_together(world: int, what: str) -> None:
 
 
 def _lost_ranks(client, key: str, world: int, seen: dict[int, tuple[int, float]]) -> list[int]:
-    """The ranks not arrived at `key` whose signs of life have not changed for LOST_SECONDS. A rank with none yet
-    (its watch thread could not reach the store) is never taken for lost: nothing says it is gone."""
+    """The ranks not arrived at `key` whose signs of life have not changed for LOST_SECONDS; a rank that never gave
+    any (its watch thread not started yet, or unable to reach the store) only after BEFORE_GROUP_SECONDS: a rank
+    still starting is no lost one, but no wait is for ever."""
     now, lost = time.monotonic(), []
     for r in range(world):
         if client.check([f"{key}/{r}"]):
@@ -716,7 +718,7 @@ def _lost_ranks(client, key: str, world: int, seen: dict[int, tuple[int, float]]
         beats = client.add(_alive_key(r), 0)
         if r not in seen or seen[r][0] != beats:
             seen[r] = (beats, now)
-        elif beats and now - seen[r][1] > LOST_SECONDS:
+        elif now - seen[r][1] > (LOST_SECONDS if beats else BEFORE_GROUP_SECONDS):
             lost.append(r)
     return lost
 

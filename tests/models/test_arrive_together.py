@@ -1,7 +1,8 @@
 """`collective._lost_ranks`, the arrival's liveness rule (models/collective.py `arrive_together`), on a fake store:
-a rank not arrived whose watch thread's counter stopped for LOST_SECONDS is lost; one still counting, one arrived,
-and one that never counted (its watch could not reach the store: nothing says it is gone) are not. The waits
-themselves, on two processes: tests/stages/test_uneven_ranks.py."""
+a rank not arrived whose watch thread's counter stopped for LOST_SECONDS is lost; one still counting and one arrived
+are not; one that never counted (still starting) only after BEFORE_GROUP_SECONDS. The waits themselves, on two
+processes: tests/stages/test_uneven_ranks.py (and ranks naming their own model paths in the step:
+tests/stages/test_fingerprint_ranks.py)."""
 
 from __future__ import annotations
 
@@ -36,4 +37,6 @@ def test_a_rank_whose_signs_of_life_stopped_is_lost_and_only_it(monkeypatch) -> 
     assert collective._lost_ranks(store, key, 4, seen) == [1]
     store.values[f"{key}/1"] = 1  # arrived after all: never lost
     now[0] += 10 * collective.LOST_SECONDS
-    assert collective._lost_ranks(store, key, 4, seen) == [2]  # now silent too; rank 3 (no count ever) never
+    assert collective._lost_ranks(store, key, 4, seen) == [2]  # now silent too; rank 3 (no count ever) not yet
+    now[0] += collective.BEFORE_GROUP_SECONDS
+    assert collective._lost_ranks(store, key, 4, seen) == [2, 3]

@@ -55,6 +55,16 @@ def main() -> None:
                 marker.write_text("rank 0 ended its share")
                 if case == "encode-late":
                     _timeout(numbers[0])
+                    agree = collective._agree
+
+                    def agree_once(*args, **kwargs):  # the agreement rank 1 comes late to; then the default
+                        try:
+                            return agree(*args, **kwargs)
+                        finally:
+                            collective._agree = agree
+                            _timeout(None)
+
+                    collective._agree = agree_once
                 return real(job)
             _after_rank_0(marker)
             if case == "encode-killed":
