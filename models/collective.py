@@ -50,6 +50,7 @@ class RankFailed(UserError):
 
 
 POLL_SECONDS = 0.5  # how often a watch thread asks the store whether a rank failed alone
+HEARTBEAT_SECONDS = 2.0  # how often a watch thread counts its rank alive in the store (`arrive_together`)
 HOST_WAIT_SECONDS = 10.0  # how long a rank that ends on a published failure waits for every rank to have read it
 
 
@@ -102,11 +103,16 @@ def _mark(error: BaseException) -> BaseException:
 
 
 @contextmanager
-def together(world: int, what: str = "") -> Iterator[None]:
+def together(world: int, what: str = "", uneven: bool = False) -> Iterator[None]:
     """Run the block on every rank, then agree: an exception on any rank becomes the same `RankFailed` on every
     rank. A `UserError` keeps its message; any other exception is named by type (and re-raised with its
     traceback on the rank where it happened: a bug is still a bug). `what` names the step in that message.
-    Also a barrier: no rank leaves before every rank has run the block."""
+    Also a barrier: no rank leaves before every rank has run the block.
+    `uneven`: the ranks may come to the agreement far apart (each ends its own share of the work there, or one
+    rank works alone in the block): they wait for each other through the launcher's store first
+    (`arrive_together`), not inside the agreement's collective, whose timeout (NCCL's: 10 minutes) would end
+    the ranks that came early. Only for a block with no collective inside: a rank failing before one would wait
+    at the arrival for ranks that wait for it in that collective."""
     if world <= 1:
         yield
         return
@@ -118,6 +124,8 @@ def together(world: int, what: str = "") -> Iterator[None]:
         if agreed(e):  # a nested agreement already told every rank
             raise
         error = e
+    if uneven:
+        arrive_together(world, what)
     message = _agree(None if error is None else _message(error, what), world)
     if message is None:
         return
@@ -248,7 +256,8 @@ def watch_failures(world: int) -> None:
     if client is None:
         return
     stop = threading.Event()
-    watcher = threading.Thread(target=_watch, args=(client, _failure_key(), stop), name="rank-failure-watch",
+    alive = _alive_key(int(os.environ.get("RANK", "0")))
+    watcher = threading.Thread(target=_watch, args=(client, _failure_key(), stop, alive), name="rank-failure-watch",
                                daemon=True)
     watcher.start()
 
@@ -327,9 +336,17 @@ def _count_exit(client, world: int) -> None:
         _count_and_wait(client, _launch_key("exited"), world, wait=_hosts_store())
 
 
-def _watch(client, key: str, stop: threading.Event) -> None:
+def _alive_key(rank: int) -> str:
+    return f"{_launch_key('alive')}/{rank}"
+
+
+def _watch(client, key: str, stop: threading.Event, alive: str | None = None) -> None:
+    beat = 0.0
     while not stop.is_set():
         try:
+            if alive is not None and time.monotonic() >= beat:  # this rank's sign of life (`arrive_together`)
+                client.add(alive, 1)
+                beat = time.monotonic() + HEARTBEAT_SECONDS
             if client.check([key]):
                 break
         except Exception:  # noqa: BLE001 - the store is gone: the launch is over
@@ -641,6 +658,69 @@ def main_alone(world: int, what: str, work: Callable[[], T], oom_advice: str = "
         time.sleep(POLL_SECONDS)
     _count_and_wait(client, f"{key}/seen", world, wait=False)
     return None
+
+
+LOST_SECONDS = 120.0  # a rank waited for whose watch thread has counted no sign of life for this long is gone
+LIVENESS_SECONDS = 5.0  # how often a waiting rank looks at the signs of life of the ranks not arrived
+
+
+def arrive_together(world: int, what: str) -> None:
+    """Wait until every rank has come here, through the launcher's store: however long the others still work
+    (an encoder's share that ends an hour after another's, a commit rank 0 makes alone), where a collective would
+    have ended this rank at its timeout (NCCL's: 10 minutes; the agreement that follows then finds every rank
+    there). A rank that fails meanwhile stops this one through its watch thread, as anywhere; a rank killed
+    without a word (its watch thread's signs of life, `HEARTBEAT_SECONDS`, stop) stops every waiting rank after
+    LOST_SECONDS with one line naming it; one that never gave any (still starting) after BEFORE_GROUP_SECONDS.
+    Without a store (a launch naming none): nothing (the collective waits). Every rank calls it as often, in the
+    same order: the arrivals are numbered per process (`what`, which may name a rank's own path, only names the
+    step in the line)."""
+    if world <= 1 or not (os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")):
+        return
+    watch_failures(world)
+    try:
+        client = _store_client()
+    except Exception as e:  # noqa: BLE001 - never skipped alone: the others would wait here for this rank
+        raise UserError(f"{what}: the ranks wait for each other through the launch's store at "
+                        f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}, which this rank cannot reach "
+                        f"({_first_line(e)}): see the launcher's log") from None
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    _state["arrivals"] = _state.get("arrivals", 0) + 1
+    key = f"{_launch_key('arrived')}/{_state['arrivals']}"
+    client.set(f"{key}/{rank}", "1")
+    client.add(key, 1)
+    seen: dict[int, tuple[int, float]] = {}  # rank -> (its signs of life, when they last changed here)
+    look = 0.0
+    while client.add(key, 0) < world:
+        if time.monotonic() >= look:
+            look = time.monotonic() + LIVENESS_SECONDS
+            lost = _lost_ranks(client, key, world, seen)
+            if lost:
+                from models.agreement import few
+
+                line = (f"{what}: rank(s) {few(lost)} of {world} gave no sign of life for {LOST_SECONDS:.0f} s while "
+                        "the others waited for them (killed: `kill -9`, the out-of-memory killer - `dmesg` on its "
+                        "node says - or its node lost); what the ranks committed is kept: rerun the same command "
+                        "to continue")
+                raise RankFailed(publish_failure(line, world))
+        time.sleep(POLL_SECONDS)
+
+
+def _lost_ranks(client, key: str, world: int, seen: dict[int, tuple[int, float]]) -> list[int]:
+    """The ranks not arrived at `key` whose signs of life have not changed for LOST_SECONDS; a rank that never gave
+    any (its watch thread not started yet, or unable to reach the store) only after BEFORE_GROUP_SECONDS: a rank
+    still starting is no lost one, but no wait is for ever."""
+    now, lost = time.monotonic(), []
+    for r in range(world):
+        if client.check([f"{key}/{r}"]):
+            continue
+        beats = client.add(_alive_key(r), 0)
+        if r not in seen or seen[r][0] != beats:
+            seen[r] = (beats, now)
+        elif now - seen[r][1] > (LOST_SECONDS if beats else BEFORE_GROUP_SECONDS):
+            lost.append(r)
+    return lost
 
 
 # ------------------------------------------------------------------------------------------ before the group

@@ -26,7 +26,10 @@ def finish(job: EncodeJob) -> Summary:
         return job.summary
     assert job.writer is not None
     world, stage = job.ranks.world_size, job.summary.stage
-    with together(world, f"{stage}: this rank's last shard"):
+    # uneven: the ranks end their shares far apart (a share of the samples new since the last encode, a slower
+    # node), and the uploads of a store URL's parts too: they wait for each other through the launcher's store, not
+    # in the agreement's collective, whose timeout (NCCL's: 10 minutes) ended the ranks that were done first
+    with together(world, f"{stage}: this rank's last shard", uneven=True):
         flush_quarantine(job)
         job.writer.finish_rank(rejected=job.summary.quarantined)
         job.summary.loop_seconds = time.perf_counter() - job.loop_started
@@ -41,7 +44,8 @@ def finish(job: EncodeJob) -> Summary:
         with together(world, f"{stage}: the remote quarantine.parquet"):
             if job.ranks.local_rank == 0:
                 check_node_quarantine(job.writer)
-    with together(world, f"{stage}: the commit of table '{job.summary.table}'"):
+    # uneven: rank 0 commits alone (every rank's indexes merged or fetched, a repaired version read back in full)
+    with together(world, f"{stage}: the commit of table '{job.summary.table}'", uneven=True):
         if job.ranks.rank == 0:
             job.summary.version = job.writer.commit(allow_empty=False)
             job.summary.newer_current = job.writer.newer_current  # a store URL: another writer's stays current

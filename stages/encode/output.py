@@ -24,8 +24,12 @@ if TYPE_CHECKING:
 def open_writer(job: EncodeJob, schema: TableSchema, shard_size_mb: float) -> list[str]:
     """Open (or resume) the output version, carry forward every key an earlier version with the same feature
     lineage holds (hard-linked shards, split relabelled from `images`); return this rank's keys left to do."""
+    from models.collective import arrive_together
     from stages.encode.nodes import writer_place
 
+    # the ranks' first agreement after their model loads: a node reading the model from a slower disk comes minutes
+    # later, waited for through the launcher's store (in a collective, NCCL's 10-minute timeout ended the others)
+    arrive_together(job.ranks.world_size, f"{job.summary.stage}: the model loaded")
     schema = _with_settings(job, replace(schema, attrs={**schema.attrs, FEATURE_LINEAGE_ATTR: job.feature_lineage}))
     place = writer_place(job, schema)  # several nodes' caches of a store URL: agreed by all ranks
     if place.committed is not None:

@@ -67,7 +67,9 @@ def open_job(store_path: str | Path, stage: str, table: str, settings: dict[str,
 
     job = None
     try:
-        with together(ranks.world_size, f"{stage}: opening the inputs"):
+        # uneven: each node hashes its own copy of the model here, once (then cached): a slower disk's node comes
+        # minutes later, waited for through the launcher's store (models/collective.py `arrive_together`)
+        with together(ranks.world_size, f"{stage}: opening the inputs", uneven=True):
             job, found = _open_job(store_path, stage, table, settings, model, feature_revision, ranks,
                                    components, on_damaged, max_damaged_fraction, earlier_hashes, fixes, unread,
                                    serving_hashes)

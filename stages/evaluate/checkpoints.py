@@ -560,7 +560,7 @@ def _run(ranks, cfg: EvaluateConfig, store: str | Path, model: str, checkpoints:
     cfg, precision = single.agreed_config(cfg, model, ranks.world)
     check_same_settings(ranks.world, cfg)
     run = _Evaluation(ranks, cfg, store, model, out, precision, started)
-    with together(ranks.world, "evaluate settings"):
+    with together(ranks.world, "evaluate settings", uneven=True):  # each node hashes its copy of the model once
         _, settings = loss_fingerprint(cfg, store, model)  # its fingerprint: of the tables read, below
     up_to_date, recorded = _recorded_if_up_to_date(run, settings, checkpoints, shas, skip_if_done, whose_report)
     if up_to_date:

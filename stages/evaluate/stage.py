@@ -537,8 +537,9 @@ def load_transformer(cfg: EvaluateConfig, model: str, world: int = 1):
     """The transformer in the resolved dtype and device, multi-resolution installed, no adapter yet. With several
     ranks (`world`) every rank calls it: the load is agreed on, the attention backend one decision of all ranks."""
     dtype = parse_dtype(cfg.dtype)
-    # agreed on: a rank that fails to load stops every rank here, not one left in the backend's agreement below
-    with together(world, "load the transformer"):
+    # agreed on: a rank that fails to load stops every rank here, not one left in the backend's agreement below;
+    # uneven: a node reading the model from a slower disk comes minutes later (stages/train/build.py)
+    with together(world, "load the transformer", uneven=True):
         transformer = load_component(model, "transformer", dtype=dtype, device=cfg.device, quantize=cfg.quantize_base)
         check_loaded_dtype(transformer, cfg.dtype, "evaluate.dtype")
         if not is_qwen21(transformer):  # 2.1: its own mixed-layout forward (models/qwen21_multires.py), images by stages/evaluate/qwen21.py

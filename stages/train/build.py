@@ -47,8 +47,10 @@ def setup_transformer(model: str, cfg: TrainConfig, device: torch.device, world:
     # in memory when quantize_base is set. With offload the blocks load into host memory and only what stays
     # resident moves to the device.
     load_on = torch.device("cpu") if cfg.offload == "blocks" else device
-    # agreed on: a rank that fails to load stops every rank here, not one left in the backend's agreement below
-    with together(world, "load the transformer"):
+    # agreed on: a rank that fails to load stops every rank here, not one left in the backend's agreement below;
+    # uneven: a node that reads the model from a slower disk loads it minutes after the others, which wait for it
+    # through the launcher's store (in the agreement's collective, NCCL's 10-minute timeout ended them)
+    with together(world, "load the transformer", uneven=True):
         transformer = load_component(model, "transformer", dtype=base_dtype, device=load_on, quantize=cfg.quantize_base)
         check_loaded_dtype(transformer, dtype_name(base_dtype), "train.dtype")
         from models.qwen21_flow import is_qwen21

@@ -31,8 +31,8 @@ def checkpoint(r: Run) -> None:
     final = train_state.checkpoint_dir(r.checkpoints, r.step)
     what = f"checkpoint step-{r.step}"
 
-    def step_of_all(part: str):
-        return together(r.world, f"{what} ({part})")
+    def step_of_all(part: str, uneven: bool = False):
+        return together(r.world, f"{what} ({part})", uneven=uneven)
 
     with ExitStack() as folder:  # rank 0's temp folder: committed by `folder.close()`, removed on an error
         with step_of_all("temp folder"), guard.one_line_errors(what, r.checkpoints, guard.resume_advice(r.rerun)):
@@ -41,7 +41,9 @@ def checkpoint(r: Run) -> None:
                 folder.enter_context(atomic_dir(final, tmp))
         with step_of_all("RNG state"), guard.one_line_errors(what, r.checkpoints, guard.resume_advice(r.rerun)):
             train_state.save_rng(tmp, acc.process_index)
-        with step_of_all("write"), guard.one_line_errors(what, r.checkpoints, guard.resume_advice(r.rerun)):
+        # uneven: rank 0 writes alone (GBs of a large LoRA's optimizer state and EMA, fsynced) while the others wait
+        with step_of_all("write", uneven=True), guard.one_line_errors(what, r.checkpoints,
+                                                                      guard.resume_advice(r.rerun)):
             if r.main:
                 save_lora(r.transformer, tmp / "lora", base_fingerprint=r.record.model_fingerprint)
                 train_state.save_optimizer(r.optimizer, tmp)
@@ -61,7 +63,8 @@ def finish(r: Run) -> TrainResult:
     r.bar.close()
     r.batches.close()
     r.result.steps = r.step
-    with together(r.world, "the final LoRA"):  # rank 0 writes; every rank learns whether it could
+    # rank 0 writes (uneven: alone, while the others wait); every rank learns whether it could
+    with together(r.world, "the final LoRA", uneven=True):
         if r.main:
             guard.check_lora_finite(r.params, r.result.lora_dir)
             # the EMA LoRA first: `lora/`, committed last, vouches for both (a kill between the two left `lora/`

@@ -61,7 +61,8 @@ def agreed_model_files(world: int, model: str) -> tuple[ModelFile, ...]:
     line (decided on the fingerprints' maximum and minimum over the ranks)."""
     from models.loading import model_files
 
-    with together(world, f"hashing the model {model}"):
+    # uneven: each node hashes its own copy once (then cached): a slower disk's node comes minutes later
+    with together(world, f"hashing the model {model}", uneven=True):
         files = model_files(model)
     (odd,) = differing_ranks(world, [fingerprint_of(files)])
     if odd:

@@ -1,0 +1,42 @@
+"""`collective._lost_ranks`, the arrival's liveness rule (models/collective.py `arrive_together`), on a fake store:
+a rank not arrived whose watch thread's counter stopped for LOST_SECONDS is lost; one still counting and one arrived
+are not; one that never counted (still starting) only after BEFORE_GROUP_SECONDS. The waits themselves, on two
+processes: tests/stages/test_uneven_ranks.py (and ranks naming their own model paths in the step:
+tests/stages/test_fingerprint_ranks.py)."""
+
+from __future__ import annotations
+
+from models import collective
+
+
+class FakeStore:
+    def __init__(self) -> None:
+        self.values: dict[str, int] = {}
+
+    def check(self, keys: list[str]) -> bool:
+        return all(k in self.values for k in keys)
+
+    def add(self, key: str, n: int) -> int:
+        self.values[key] = self.values.get(key, 0) + n
+        return self.values[key]
+
+
+def test_a_rank_whose_signs_of_life_stopped_is_lost_and_only_it(monkeypatch) -> None:
+    now = [1000.0]
+    monkeypatch.setattr(collective.time, "monotonic", lambda: now[0])
+    store, key, seen = FakeStore(), "arrived/x/1", {}
+    store.values[f"{key}/0"] = 1  # rank 0 arrived
+    for r in (1, 2):  # ranks 1 and 2 alive so far; rank 3 never counted
+        store.add(collective._alive_key(r), 5)
+    assert collective._lost_ranks(store, key, 4, seen) == []
+    now[0] += collective.LOST_SECONDS / 2
+    store.add(collective._alive_key(2), 1)  # rank 2 still works
+    assert collective._lost_ranks(store, key, 4, seen) == []
+    now[0] += collective.LOST_SECONDS / 2 + 1  # rank 1 silent for longer than LOST_SECONDS, rank 2 not
+    store.add(collective._alive_key(2), 1)
+    assert collective._lost_ranks(store, key, 4, seen) == [1]
+    store.values[f"{key}/1"] = 1  # arrived after all: never lost
+    now[0] += 10 * collective.LOST_SECONDS
+    assert collective._lost_ranks(store, key, 4, seen) == [2]  # now silent too; rank 3 (no count ever) not yet
+    now[0] += collective.BEFORE_GROUP_SECONDS
+    assert collective._lost_ranks(store, key, 4, seen) == [2, 3]
