@@ -131,24 +131,49 @@ def read_fingerprint(settings: dict, tables) -> tuple[str, dict]:
     """`loss_fingerprint` with the text / vae tables the val samples were read from (`tables`, `read_tables`): the
     store's current versions, looked up before the tables were opened, may have moved since (an encode beside
     evaluate), and an array keyed by those would hold the new version's losses under the old one's name (reused
-    by the next run that reads the old one)."""
-    settings = {**settings, "tables": read_tables(tables)}
+    by the next run that reads the old one). `max_loss_samples` as the samples it reads (`samples_read`)."""
+    settings = {**settings, "tables": read_tables(tables), "evaluate": samples_read(settings["evaluate"], len(tables))}
     return _hash(settings), settings
+
+
+def samples_read(evaluate: dict, n: int) -> dict:
+    """The loss settings with `max_loss_samples` at or above the val split's `n` samples spelled `None`: it reads
+    every sample, as `None` does (`read_val_samples`), so the numbers are the same. Spelled as set, a 50-sample
+    split evaluated again under `null` (or a cap of 512) set the array aside and evaluated every checkpoint and
+    the base again. The tables' content ids name the split, so one spelling never covers two sample counts."""
+    cap = evaluate.get("max_loss_samples")
+    return {**evaluate, "max_loss_samples": None} if cap is not None and cap >= n else evaluate
 
 
 def earlier_settings(settings: dict, tables, cfg: EvaluateConfig, out: Path | None = None) -> list[dict]:
     """`read_fingerprint`'s settings as spelled before: the tables named by the version ids read (before they
-    were named by content), the evaluate settings as set (`cfg`'s; before on_damaged was hashed as its default),
-    and both; each also with the attention backend unset (before it was hashed as resolved) where OUT's loss array
-    records it unset and its evidence says that was this backend (`unset_array_backend`); none that is the present
-    spelling: an array or a report recorded so is still current. Not the base caches (`base_images`): their keys
-    hold the source digest, which the release that spelled them so had another of."""
-    spellings = [{**settings, "tables": t, "evaluate": e} for e in (settings["evaluate"], _loss_settings(cfg, True))
+    were named by content), the evaluate settings with max_loss_samples as set (before `samples_read`; also as OUT's
+    loss array records it, where that cap read every sample too) and all as set (`cfg`'s; before on_damaged was
+    hashed as its default), each with both table spellings; each also with the attention backend unset (before it
+    was hashed as resolved) where OUT's loss array records it unset and its evidence says that was this backend
+    (`unset_array_backend`); none that is the present spelling: an array or a report recorded so is still
+    current. Not the base caches (`base_images`): their keys hold the source digest, which the release that
+    spelled them so had another of."""
+    n = len(tables)
+    evaluates = [settings["evaluate"], *(e for as_set in (False, True) for e in
+                                         (_loss_settings(cfg, as_set), samples_read(_loss_settings(cfg, as_set), n)))]
+    cap = _recorded_cap(out) if out is not None else None
+    if settings["evaluate"].get("max_loss_samples") is None and cap is not None and cap >= n:
+        evaluates += [{**e, "max_loss_samples": cap} for e in evaluates]
+    spellings = [{**settings, "tables": t, "evaluate": e} for e in evaluates
                  for t in (settings["tables"], tables.versions())]
     used = unset_array_backend(out) if out is not None else None
     if used is not None and used == settings["evaluate"].get("attention_backend"):
         spellings += [{**s, "evaluate": {**s["evaluate"], "attention_backend": None}} for s in spellings]
     return [s for i, s in enumerate(spellings) if s != settings and s not in spellings[:i]]
+
+
+def _recorded_cap(out: Path) -> int | None:
+    """The max_loss_samples OUT's loss array records, when a number (None: none, or no such array)."""
+    recorded = recorded_setting(out)
+    evaluate = recorded[1].get("evaluate") if recorded is not None else None
+    cap = evaluate.get("max_loss_samples") if isinstance(evaluate, dict) else None
+    return cap if isinstance(cap, int) and not isinstance(cap, bool) else None
 
 
 def unset_array_backend(out: Path) -> str | None:

@@ -1,0 +1,63 @@
+"""`evaluate.max_loss_samples` at or above the val split's size reads every sample, as `null` does: the loss array
+and the base losses are the same numbers, kept when the cap changes between such values (a 5-sample split: 256,
+the default, then null); a cap below the split's size reads other samples and starts another array. Arrays
+recorded with the cap as set (before) stay current."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import numpy as np
+import xarray as xr
+import zarr
+
+from schemas.config import EvaluateConfig
+from stages.evaluate import checkpoints as ev
+from store.loss_array import GROUP
+from test_evaluate_checkpoints import CFG, _ckpts, run_and_store  # noqa: F401 (the module fixture)
+
+
+def _aside(out):
+    return sorted(p.name for p in out.iterdir() if p.name.startswith("losses.") and p.name != GROUP)
+
+
+def _respell_as_set(out, cap: int) -> None:
+    """The array and the report as a release that hashed max_loss_samples as set recorded them."""
+    group = zarr.open_group(out / GROUP, mode="r+", use_consolidated=True)
+    settings = dict(group.attrs["settings"])
+    settings["evaluate"] = {**settings["evaluate"], "max_loss_samples": cap}
+    fingerprint = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
+    group.attrs.update({"settings": settings, "fingerprint": fingerprint})
+    zarr.consolidate_metadata(out / GROUP)
+    metrics = json.loads((out / "metrics.json").read_text())
+    metrics["checkpoints"]["fingerprint"] = fingerprint
+    metrics["run"]["settings"] = settings
+    (out / "metrics.json").write_text(json.dumps(metrics))
+
+
+def test_a_cap_at_or_above_the_val_split_keeps_the_losses(run_and_store, tiny_edit_model, tmp_path, capsys):
+    root, out = run_and_store, tmp_path / "report"
+    store, model = root / "store", tiny_edit_model
+    first = ev.run(EvaluateConfig(**CFG), store, model, _ckpts(root), out)  # max_loss_samples 256: all 5 samples
+    assert first.evaluated == 3 and first.metrics["loss"]["overall"]["n"] == 5
+    losses = xr.open_zarr(out / GROUP).sortby("step").loss.values
+
+    _respell_as_set(out, 256)  # recorded before: still this setting's report
+    assert ev.run(EvaluateConfig(**CFG), store, model, _ckpts(root), out, skip_if_done=True).up_to_date
+    capsys.readouterr()
+
+    every = ev.run(EvaluateConfig(**{**CFG, "max_loss_samples": None}), store, model, _ckpts(root), out,
+                   skip_if_done=True)
+    said = capsys.readouterr().out
+    # the report's settings changed (its config names the cap), its numbers did not: nothing evaluated again
+    assert not every.up_to_date and every.evaluated == 0, said
+    assert "no checkpoint evaluated again" in said and "max_loss_samples: 256 -> None" in said
+    assert _aside(out) == []  # the array of these numbers (and its base losses) kept in place
+    np.testing.assert_array_equal(xr.open_zarr(out / GROUP).sortby("step").loss.values, losses)
+    assert every.best["step"] == first.best["step"] and every.metrics["loss"] == first.metrics["loss"]
+    assert ev.run(EvaluateConfig(**{**CFG, "max_loss_samples": 5}), store, model, _ckpts(root), out).evaluated == 0
+
+    # fewer than the split holds: other samples, another array (the one of all samples kept aside)
+    fewer = ev.run(EvaluateConfig(**{**CFG, "max_loss_samples": 3}), store, model, _ckpts(root), out, skip_if_done=True)
+    assert fewer.evaluated == 3 and xr.open_zarr(out / GROUP).sizes["sample"] == 3 and len(_aside(out)) == 1
