@@ -36,7 +36,7 @@ from stages.evaluate.curves import pick_best
 from stages.evaluate.paired import paired, per_sample, signed
 from store import Store
 from store.io_errors import writing
-from store.loss_array import GROUP, Axes, LossStore, recorded_setting, recorded_steps
+from store.loss_array import GROUP, Axes, LossStore, kept_steps, recorded_setting, recorded_steps
 
 #: hashed evaluate settings (schemas/config.py declares which) that change the numbers in the array (the others
 #: only change the pictures); device and batch size are throughput: a change keeps the array. on_damaged changes
@@ -529,14 +529,23 @@ def say_recomputed(out: Path, why: list[str], redone: str = "evaluating again") 
 
 def redone(out: Path, fingerprint: str, checkpoints: list[tuple[int, Path]], shas: dict[int, str]) -> str:
     """What a report that is not current costs again: the checkpoints whose losses OUT's loss array of these
-    settings (`fingerprint`) lacks; none when only the report's own settings changed (num_samples, extra
-    prompts: its pictures), the line said "evaluating again" while no checkpoint was."""
-    recorded = recorded_steps(out, fingerprint)
+    settings (`fingerprint`, or a group of them kept aside, which is taken back) lacks; none when only the
+    report's own settings changed (num_samples, extra prompts: its pictures), the line said "evaluating again"
+    while no checkpoint was; every one when a recorded step holds other weights now (`other_weights`). The line
+    said "every checkpoint" where a kept group was taken back (none evaluated), and "1 of 3" where a step
+    retrained with other weights set the array aside (all 3 evaluated)."""
+    where, recorded = out / GROUP, recorded_steps(out, fingerprint)
+    if recorded is None:  # these settings' group kept aside (settings A, B, then A again): taken back (`LossStore`)
+        where, recorded = kept_steps(out, fingerprint)
     if recorded is None:
         return "evaluating every checkpoint again"
+    if other := other_weights(recorded, shas):  # as `_plan` decides: the recorded losses go aside
+        return (f"evaluating every checkpoint again (checkpoint step {', '.join(map(str, other))} holds other weights "
+                f"than the losses recorded in {where}, which are kept aside)")
     todo = [step for step, _ in checkpoints if recorded.get(step) != shas[step]]
     n = len(checkpoints) - len(todo)
-    kept = f"the losses of {n} checkpoint{'s' if n != 1 else ''} in {out / GROUP} kept"
+    kept = (f"the losses of {n} checkpoint{'s' if n != 1 else ''} in {where}"
+            f"{', taken back,' if where.name != GROUP else ''} kept")
     if not todo:
         return f"writing the report again ({kept}: no checkpoint evaluated again)"
     return f"evaluating {len(todo)} of {len(checkpoints)} checkpoints ({kept})"
@@ -962,8 +971,7 @@ def _plan(losses: LossStore, checkpoints: list[tuple[int, Path]], shas: dict[int
     if losses.unchecked is not None and first:  # an array of an earlier release lacking a chunk of losses
         tqdm.write(losses.unchecked)
     recorded = losses.steps()
-    if (any(recorded.get(step, sha) != sha for step, sha in shas.items()) or _other_runs(losses, checkpoints)
-            or _other_trainings(losses, checkpoints)):
+    if other_weights(recorded, shas) or _other_runs(losses, checkpoints) or _other_trainings(losses, checkpoints):
         # a step recorded with other weights (another run trained into this folder), checkpoints of another run
         # folder still on disk (this --out held another run's report), or of another training whose folder is
         # gone (RUN trained afresh, its old checkpoints moved or deleted): its numbers go aside
@@ -1046,6 +1054,12 @@ def _append_missing(ranks, losses: LossStore | None, checkpoints: list[tuple[int
                     losses.append(step, str(Path(path).resolve()), shas[step], grid, training_of(path))
         evaluated += 1
     return evaluated, attached, pruned
+
+
+def other_weights(recorded: dict[int, str], shas: dict[int, str]) -> list[int]:
+    """The steps recorded (step -> LoRA sha256) with other bytes than the checkpoint's now (another run trained
+    into RUN): `_plan` sets the array aside, and `redone` says so."""
+    return sorted(step for step, sha in shas.items() if recorded.get(step, sha) != sha)
 
 
 def _other_runs(losses: LossStore, checkpoints: list[tuple[int, Path]]) -> bool:
