@@ -991,6 +991,8 @@ def _append_missing(ranks, losses: LossStore | None, checkpoints: list[tuple[int
     the steps pruned before they could be loaded). `base_cache`: (OUT, rank 0's key of the base losses' inputs):
     an array without base losses takes them from there when recorded under the key, and records them there when
     computed (`stages.evaluate.base_losses`)."""
+    from contextlib import nullcontext
+
     from models.collective import together
     from stages.evaluate import base_losses, stage as single
 
@@ -1005,8 +1007,11 @@ def _append_missing(ranks, losses: LossStore | None, checkpoints: list[tuple[int
     base, reused = None, False
     if not plan[0] and base_cache is not None:  # one decision of all ranks, rank 0's file
         reused, base = base_losses.agreed_reuse(ranks, *base_cache, (len(samples), len(seeds), len(sigmas), 3))
-    if not plan[0] and not reused:  # before any adapter exists: the plain model
-        base = _grid(ranks, transformer, samples, mine, seeds, sigmas, cfg.batch_size, "held-out loss (base)", load)
+    if not plan[0] and not reused:  # the plain model: a checkpoint's adapter, once loaded, bypassed
+        # (the newer checkpoints of another training set the array aside after one was evaluated: that LoRA's
+        # losses were recorded as the base, and kept in the base-losses file for later runs)
+        with single.lora_enabled(transformer, False) if attached else nullcontext():
+            base = _grid(ranks, transformer, samples, mine, seeds, sigmas, cfg.batch_size, "held-out loss (base)", load)
     with together(ranks.world, "the base losses"):
         if ranks.main:
             if plan[0]:
