@@ -61,3 +61,29 @@ def test_a_cap_at_or_above_the_val_split_keeps_the_losses(run_and_store, tiny_ed
     # fewer than the split holds: other samples, another array (the one of all samples kept aside)
     fewer = ev.run(EvaluateConfig(**{**CFG, "max_loss_samples": 3}), store, model, _ckpts(root), out, skip_if_done=True)
     assert fewer.evaluated == 3 and xr.open_zarr(out / GROUP).sizes["sample"] == 3 and len(_aside(out)) == 1
+
+
+def test_compare_takes_arrays_of_one_sample_list_whatever_their_cap(tmp_path):
+    """An array recorded with the default cap as set (before `samples_read`) and one recorded now as null, over the
+    same val samples, are one held-out set for `pipeline compare` (it refused them: 'max_loss_samples: 256 vs
+    None'); other samples are still refused."""
+    import pytest
+
+    from schemas.errors import UserError
+    from stages.evaluate.compare import check_same_held_out, read_curves
+    from store.loss_array import Axes, LossStore
+
+    def array(folder, cap, keys):
+        settings = {"tables": {"text": "content:t", "vae": "content:v"}, "model_fingerprint": "m",
+                    "evaluate": {"noise_seeds": [0], "timesteps": [0.5], "max_loss_samples": cap, "lora_scale": 1.0,
+                                 "dtype": "float32", "attention_backend": "native", "quantize_base": "none",
+                                 "on_damaged": "stop"}, "evaluation_revision": 1}
+        losses = LossStore(folder, f"fingerprint {cap} {keys}", Axes(keys, ["16x16"] * len(keys), [0], [0.5]), settings)
+        losses.write_base(np.ones(losses.axes.shape))
+        losses.append(10, str(folder / "step-10"), "sha", np.full(losses.axes.shape, 0.5))
+        return read_curves(folder, folder.name)
+
+    before, now = array(tmp_path / "before", 256, ["a", "b"]), array(tmp_path / "now", None, ["a", "b"])
+    check_same_held_out([before, now])
+    with pytest.raises(UserError, match="val samples"):
+        check_same_held_out([before, array(tmp_path / "fewer", 1, ["a"])])
