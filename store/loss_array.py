@@ -469,7 +469,19 @@ def recorded_base(folder: str | Path, fingerprint: str, shape: tuple[int, ...]) 
 def recorded_steps(folder: str | Path, fingerprint: str) -> dict[int, str] | None:
     """step -> LoRA sha256 committed in `folder/losses.zarr` for this fingerprint; None when there is no such group
     (or it is unreadable, or a chunk file of it is missing)."""
-    path = Path(folder) / GROUP
+    return _steps_of(Path(folder) / GROUP, fingerprint)
+
+
+def kept_steps(folder: str | Path, fingerprint: str) -> tuple[Path | None, dict[int, str] | None]:
+    """(the group kept aside beside `folder/losses.zarr` under this fingerprint that an open with `take_back` would
+    take first, its `recorded_steps`); (None, None) when there is none."""
+    for kept in sorted(Path(folder).glob(f"losses.{fingerprint[:12]}*.zarr")):
+        if (steps := _steps_of(kept, fingerprint)) is not None:
+            return kept, steps
+    return None, None
+
+
+def _steps_of(path: Path, fingerprint: str) -> dict[int, str] | None:
     if not path.exists():
         return None
     try:

@@ -36,7 +36,7 @@ from stages.evaluate.curves import pick_best
 from stages.evaluate.paired import paired, per_sample, signed
 from store import Store
 from store.io_errors import writing
-from store.loss_array import GROUP, Axes, LossStore, recorded_setting, recorded_steps
+from store.loss_array import GROUP, Axes, LossStore, kept_steps, recorded_setting, recorded_steps
 
 #: hashed evaluate settings (schemas/config.py declares which) that change the numbers in the array (the others
 #: only change the pictures); device and batch size are throughput: a change keeps the array. on_damaged changes
@@ -131,24 +131,49 @@ def read_fingerprint(settings: dict, tables) -> tuple[str, dict]:
     """`loss_fingerprint` with the text / vae tables the val samples were read from (`tables`, `read_tables`): the
     store's current versions, looked up before the tables were opened, may have moved since (an encode beside
     evaluate), and an array keyed by those would hold the new version's losses under the old one's name (reused
-    by the next run that reads the old one)."""
-    settings = {**settings, "tables": read_tables(tables)}
+    by the next run that reads the old one). `max_loss_samples` as the samples it reads (`samples_read`)."""
+    settings = {**settings, "tables": read_tables(tables), "evaluate": samples_read(settings["evaluate"], len(tables))}
     return _hash(settings), settings
+
+
+def samples_read(evaluate: dict, n: int) -> dict:
+    """The loss settings with `max_loss_samples` at or above the val split's `n` samples spelled `None`: it reads
+    every sample, as `None` does (`read_val_samples`), so the numbers are the same. Spelled as set, a 50-sample
+    split evaluated again under `null` (or a cap of 512) set the array aside and evaluated every checkpoint and
+    the base again. The tables' content ids name the split, so one spelling never covers two sample counts."""
+    cap = evaluate.get("max_loss_samples")
+    return {**evaluate, "max_loss_samples": None} if cap is not None and cap >= n else evaluate
 
 
 def earlier_settings(settings: dict, tables, cfg: EvaluateConfig, out: Path | None = None) -> list[dict]:
     """`read_fingerprint`'s settings as spelled before: the tables named by the version ids read (before they
-    were named by content), the evaluate settings as set (`cfg`'s; before on_damaged was hashed as its default),
-    and both; each also with the attention backend unset (before it was hashed as resolved) where OUT's loss array
-    records it unset and its evidence says that was this backend (`unset_array_backend`); none that is the present
-    spelling: an array or a report recorded so is still current. Not the base caches (`base_images`): their keys
-    hold the source digest, which the release that spelled them so had another of."""
-    spellings = [{**settings, "tables": t, "evaluate": e} for e in (settings["evaluate"], _loss_settings(cfg, True))
+    were named by content), the evaluate settings with max_loss_samples as set (before `samples_read`; also as OUT's
+    loss array records it, where that cap read every sample too) and all as set (`cfg`'s; before on_damaged was
+    hashed as its default), each with both table spellings; each also with the attention backend unset (before it
+    was hashed as resolved) where OUT's loss array records it unset and its evidence says that was this backend
+    (`unset_array_backend`); none that is the present spelling: an array or a report recorded so is still
+    current. Not the base caches (`base_images`): their keys hold the source digest, which the release that
+    spelled them so had another of."""
+    n = len(tables)
+    evaluates = [settings["evaluate"], *(e for as_set in (False, True) for e in
+                                         (_loss_settings(cfg, as_set), samples_read(_loss_settings(cfg, as_set), n)))]
+    cap = _recorded_cap(out) if out is not None else None
+    if settings["evaluate"].get("max_loss_samples") is None and cap is not None and cap >= n:
+        evaluates += [{**e, "max_loss_samples": cap} for e in evaluates]
+    spellings = [{**settings, "tables": t, "evaluate": e} for e in evaluates
                  for t in (settings["tables"], tables.versions())]
     used = unset_array_backend(out) if out is not None else None
     if used is not None and used == settings["evaluate"].get("attention_backend"):
         spellings += [{**s, "evaluate": {**s["evaluate"], "attention_backend": None}} for s in spellings]
     return [s for i, s in enumerate(spellings) if s != settings and s not in spellings[:i]]
+
+
+def _recorded_cap(out: Path) -> int | None:
+    """The max_loss_samples OUT's loss array records, when a number (None: none, or no such array)."""
+    recorded = recorded_setting(out)
+    evaluate = recorded[1].get("evaluate") if recorded is not None else None
+    cap = evaluate.get("max_loss_samples") if isinstance(evaluate, dict) else None
+    return cap if isinstance(cap, int) and not isinstance(cap, bool) else None
 
 
 def unset_array_backend(out: Path) -> str | None:
@@ -504,14 +529,23 @@ def say_recomputed(out: Path, why: list[str], redone: str = "evaluating again") 
 
 def redone(out: Path, fingerprint: str, checkpoints: list[tuple[int, Path]], shas: dict[int, str]) -> str:
     """What a report that is not current costs again: the checkpoints whose losses OUT's loss array of these
-    settings (`fingerprint`) lacks; none when only the report's own settings changed (num_samples, extra
-    prompts: its pictures), the line said "evaluating again" while no checkpoint was."""
-    recorded = recorded_steps(out, fingerprint)
+    settings (`fingerprint`, or a group of them kept aside, which is taken back) lacks; none when only the
+    report's own settings changed (num_samples, extra prompts: its pictures), the line said "evaluating again"
+    while no checkpoint was; every one when a recorded step holds other weights now (`other_weights`). The line
+    said "every checkpoint" where a kept group was taken back (none evaluated), and "1 of 3" where a step
+    retrained with other weights set the array aside (all 3 evaluated)."""
+    where, recorded = out / GROUP, recorded_steps(out, fingerprint)
+    if recorded is None:  # these settings' group kept aside (settings A, B, then A again): taken back (`LossStore`)
+        where, recorded = kept_steps(out, fingerprint)
     if recorded is None:
         return "evaluating every checkpoint again"
+    if other := other_weights(recorded, shas):  # as `_plan` decides: the recorded losses go aside
+        return (f"evaluating every checkpoint again (checkpoint step {', '.join(map(str, other))} holds other weights "
+                f"than the losses recorded in {where}, which are kept aside)")
     todo = [step for step, _ in checkpoints if recorded.get(step) != shas[step]]
     n = len(checkpoints) - len(todo)
-    kept = f"the losses of {n} checkpoint{'s' if n != 1 else ''} in {out / GROUP} kept"
+    kept = (f"the losses of {n} checkpoint{'s' if n != 1 else ''} in {where}"
+            f"{', taken back,' if where.name != GROUP else ''} kept")
     if not todo:
         return f"writing the report again ({kept}: no checkpoint evaluated again)"
     return f"evaluating {len(todo)} of {len(checkpoints)} checkpoints ({kept})"
@@ -937,8 +971,7 @@ def _plan(losses: LossStore, checkpoints: list[tuple[int, Path]], shas: dict[int
     if losses.unchecked is not None and first:  # an array of an earlier release lacking a chunk of losses
         tqdm.write(losses.unchecked)
     recorded = losses.steps()
-    if (any(recorded.get(step, sha) != sha for step, sha in shas.items()) or _other_runs(losses, checkpoints)
-            or _other_trainings(losses, checkpoints)):
+    if other_weights(recorded, shas) or _other_runs(losses, checkpoints) or _other_trainings(losses, checkpoints):
         # a step recorded with other weights (another run trained into this folder), checkpoints of another run
         # folder still on disk (this --out held another run's report), or of another training whose folder is
         # gone (RUN trained afresh, its old checkpoints moved or deleted): its numbers go aside
@@ -958,6 +991,8 @@ def _append_missing(ranks, losses: LossStore | None, checkpoints: list[tuple[int
     the steps pruned before they could be loaded). `base_cache`: (OUT, rank 0's key of the base losses' inputs):
     an array without base losses takes them from there when recorded under the key, and records them there when
     computed (`stages.evaluate.base_losses`)."""
+    from contextlib import nullcontext
+
     from models.collective import together
     from stages.evaluate import base_losses, stage as single
 
@@ -972,8 +1007,11 @@ def _append_missing(ranks, losses: LossStore | None, checkpoints: list[tuple[int
     base, reused = None, False
     if not plan[0] and base_cache is not None:  # one decision of all ranks, rank 0's file
         reused, base = base_losses.agreed_reuse(ranks, *base_cache, (len(samples), len(seeds), len(sigmas), 3))
-    if not plan[0] and not reused:  # before any adapter exists: the plain model
-        base = _grid(ranks, transformer, samples, mine, seeds, sigmas, cfg.batch_size, "held-out loss (base)", load)
+    if not plan[0] and not reused:  # the plain model: a checkpoint's adapter, once loaded, bypassed
+        # (the newer checkpoints of another training set the array aside after one was evaluated: that LoRA's
+        # losses were recorded as the base, and kept in the base-losses file for later runs)
+        with single.lora_enabled(transformer, False) if attached else nullcontext():
+            base = _grid(ranks, transformer, samples, mine, seeds, sigmas, cfg.batch_size, "held-out loss (base)", load)
     with together(ranks.world, "the base losses"):
         if ranks.main:
             if plan[0]:
@@ -1021,6 +1059,12 @@ def _append_missing(ranks, losses: LossStore | None, checkpoints: list[tuple[int
                     losses.append(step, str(Path(path).resolve()), shas[step], grid, training_of(path))
         evaluated += 1
     return evaluated, attached, pruned
+
+
+def other_weights(recorded: dict[int, str], shas: dict[int, str]) -> list[int]:
+    """The steps recorded (step -> LoRA sha256) with other bytes than the checkpoint's now (another run trained
+    into RUN): `_plan` sets the array aside, and `redone` says so."""
+    return sorted(step for step, sha in shas.items() if recorded.get(step, sha) != sha)
 
 
 def _other_runs(losses: LossStore, checkpoints: list[tuple[int, Path]]) -> bool:

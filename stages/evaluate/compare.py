@@ -111,9 +111,11 @@ def read_curves(path: str | Path, label: str) -> RunCurves:
             "σ grid": [float(s) for s in ds.sigma.values],
             # the same samples through another base model, dtype, LoRA scale or quantised base are not one scale
             "base model": settings.get("model_fingerprint"),
-            # not on_damaged: a damaged sample skipped shows in the val samples (arrays recorded it as set)
+            # not on_damaged nor max_loss_samples: the samples they leave read are the val samples, compared above
+            # (arrays recorded on_damaged as set; a cap at or above the split's size is recorded as null now, as
+            # set before: one held-out set, `checkpoints.samples_read`)
             "evaluate settings": settings.get("evaluate") and {k: v for k, v in settings["evaluate"].items()
-                                                                if k != "on_damaged"},
+                                                                if k not in ("on_damaged", "max_loss_samples")},
         },
         table_versions=_table_versions(settings, dict(ds.attrs)),
         measured=_measured(settings, dict(ds.attrs), group.parent),

@@ -753,6 +753,28 @@ def test_a_step_retrained_to_the_same_weights_is_not_evaluated_again(run_and_sto
     assert not res.up_to_date and res.evaluated == 2  # the array went aside: step 20 is not the weights recorded
 
 
+def test_a_step_retrained_with_other_weights_says_every_checkpoint_is_evaluated_again(run_and_store, tiny_edit_model,
+                                                                                      tmp_path, capsys):
+    """Step 20 trained again into the run with other weights: its old losses are not reused, the array goes aside
+    and every checkpoint is evaluated again, and the line saying why says so (it said "evaluating 1 of 3
+    checkpoints (the losses of 2 checkpoints ... kept)", then evaluated 3)."""
+    import shutil
+
+    root, out = tmp_path / "root", tmp_path / "report"
+    shutil.copytree(run_and_store / "run", root / "run")
+    first = ev.run(EvaluateConfig(**CFG), run_and_store / "store", tiny_edit_model, _ckpts(root), out)
+    transformer = load_component(tiny_edit_model, "transformer")
+    add_checkpoint_lora(transformer)
+    _write_lora(transformer, root / "run" / "checkpoints" / "step-20", 5.0)  # was the base (a zero LoRA)
+    capsys.readouterr()
+    res = ev.run(EvaluateConfig(**CFG), run_and_store / "store", tiny_edit_model, _ckpts(root), out, skip_if_done=True)
+    said = capsys.readouterr().out
+    assert res.evaluated == 3 and res.best["step"] == 30
+    assert res.metrics["checkpoints"]["per_step"][1]["overall"] > first.metrics["checkpoints"]["per_step"][1]["overall"]
+    assert "): evaluating every checkpoint again (checkpoint step 20 holds other weights than the losses recorded" \
+        in said and "1 of 3" not in said, said
+
+
 def test_compare_names_the_best_checkpoint_still_on_disk_as_the_report_does(run_and_store, tiny_edit_model, tmp_path):
     """keep_checkpoints pruned the lowest-loss step after evaluate recorded it: the report names the best of the
     checkpoints still there, and so does `pipeline compare` (it named the pruned step, a path that is gone); the
@@ -855,7 +877,11 @@ def test_going_back_to_earlier_settings_takes_their_kept_losses_back(run_and_sto
     assert again.evaluated == 0
     np.testing.assert_array_equal(xr.open_zarr(out / GROUP).loss.sortby("step").values, before)
     said = capsys.readouterr()
-    assert "taken back" in said.out + said.err and "evaluated again" not in said.out + said.err
+    assert "taken back" in said.out + said.err and "checkpoint is evaluated again" not in said.out + said.err
+    # the line saying why names what it costs: nothing (it said "evaluating every checkpoint again")
+    assert re.search(r"evaluate\.timesteps: \[0\.5\] -> \[0\.3, 0\.7\]\): writing the report again \(the losses of 3 "
+                     r"checkpoints in \S+losses\.[0-9a-f]{12}\.zarr, taken back, kept: no checkpoint evaluated again\)",
+                     said.out), said.out
     # B's losses kept in turn: going to B again takes them back too
     assert ev.run(b, run_and_store / "store", tiny_edit_model, ckpts, out, skip_if_done=True).evaluated == 0
     assert len(list(out.glob("losses.*.zarr"))) == 1  # A's, kept aside once more: no copies pile up

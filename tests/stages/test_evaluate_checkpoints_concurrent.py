@@ -314,3 +314,39 @@ def test_a_checkpoint_pruned_while_its_bytes_are_loaded_is_evaluated_from_them_n
     assert res.pruned == [] and res.evaluated == 3
     err = "".join(capsys.readouterr())
     assert "damaged" not in err and "changed after it was written" not in err
+
+
+def test_base_losses_computed_after_a_checkpoint_was_loaded_are_the_base_models(run_and_store, tiny_edit_model,
+                                                                               tmp_path):
+    """The training restarts beside evaluate: the checkpoints evaluated are all pruned and a newer one of another
+    training is written, so the array goes aside and the base losses are needed again, after a checkpoint's LoRA
+    was loaded (here the kept base-losses file holds another key, as one of another release does). They were
+    computed with that LoRA on, recorded as the base and written to the base-losses file for later runs."""
+    root = _copy_run(run_and_store, tmp_path)
+    ck, out, store = root / "run" / "checkpoints", tmp_path / "r", run_and_store / "store"
+    for step in (10, 20):
+        (ck / f"step-{step}" / "resume.json").write_text(json.dumps({"config_fingerprint": "first training"}))
+    cfg = EvaluateConfig(**CFG)
+    ev.run(cfg, store, tiny_edit_model, _ckpts(root)[:2], out)
+    base = xr.open_zarr(out / GROUP).base_loss.values
+    (out / "base-losses.safetensors").unlink()
+    shutil.rmtree(ck / "step-30")
+    shutil.copytree(ck / "step-10", ck / "step-30")  # the far LoRA: the one loaded when the base is needed again
+
+    def relist():  # after step 30 was evaluated: 10..30 gone, step 40 (a zero LoRA) of another training
+        if (ck / "step-10").exists():
+            for step in (10, 20, 30):
+                shutil.rmtree(ck / f"step-{step}")
+            shutil.copytree(run_and_store / "run" / "checkpoints" / "step-20", ck / "step-40")
+            (ck / "step-40" / "resume.json").write_text(json.dumps({"config_fingerprint": "second training"}))
+        return [(40, ck / "step-40" / "lora")]
+
+    res = ev.run(cfg, store, tiny_edit_model, _ckpts(root), out, relist=relist)
+    assert res.metrics["checkpoints"]["steps"] == [40] and res.best["step"] == 40
+    np.testing.assert_allclose(xr.open_zarr(out / GROUP).base_loss.values, base, rtol=1e-6)
+    from safetensors import safe_open
+
+    with safe_open(str(out / "base-losses.safetensors"), framework="numpy") as f:  # kept for later runs
+        np.testing.assert_allclose(f.get_tensor("base"), base, rtol=1e-6)
+    c = res.metrics["checkpoints"]
+    assert c["per_step"][0]["overall"] == pytest.approx(c["base"]["overall"], rel=1e-6)  # a zero LoRA: the base

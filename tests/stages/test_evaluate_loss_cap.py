@@ -1,0 +1,89 @@
+"""`evaluate.max_loss_samples` at or above the val split's size reads every sample, as `null` does: the loss array
+and the base losses are the same numbers, kept when the cap changes between such values (a 5-sample split: 256,
+the default, then null); a cap below the split's size reads other samples and starts another array. Arrays
+recorded with the cap as set (before) stay current."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import numpy as np
+import xarray as xr
+import zarr
+
+from schemas.config import EvaluateConfig
+from stages.evaluate import checkpoints as ev
+from store.loss_array import GROUP
+from test_evaluate_checkpoints import CFG, _ckpts, run_and_store  # noqa: F401 (the module fixture)
+
+
+def _aside(out):
+    return sorted(p.name for p in out.iterdir() if p.name.startswith("losses.") and p.name != GROUP)
+
+
+def _respell_as_set(out, cap: int) -> None:
+    """The array and the report as a release that hashed max_loss_samples as set recorded them."""
+    group = zarr.open_group(out / GROUP, mode="r+", use_consolidated=True)
+    settings = dict(group.attrs["settings"])
+    settings["evaluate"] = {**settings["evaluate"], "max_loss_samples": cap}
+    fingerprint = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
+    group.attrs.update({"settings": settings, "fingerprint": fingerprint})
+    zarr.consolidate_metadata(out / GROUP)
+    metrics = json.loads((out / "metrics.json").read_text())
+    metrics["checkpoints"]["fingerprint"] = fingerprint
+    metrics["run"]["settings"] = settings
+    (out / "metrics.json").write_text(json.dumps(metrics))
+
+
+def test_a_cap_at_or_above_the_val_split_keeps_the_losses(run_and_store, tiny_edit_model, tmp_path, capsys):
+    root, out = run_and_store, tmp_path / "report"
+    store, model = root / "store", tiny_edit_model
+    first = ev.run(EvaluateConfig(**CFG), store, model, _ckpts(root), out)  # max_loss_samples 256: all 5 samples
+    assert first.evaluated == 3 and first.metrics["loss"]["overall"]["n"] == 5
+    losses = xr.open_zarr(out / GROUP).sortby("step").loss.values
+
+    _respell_as_set(out, 256)  # recorded before: still this setting's report
+    assert ev.run(EvaluateConfig(**CFG), store, model, _ckpts(root), out, skip_if_done=True).up_to_date
+    capsys.readouterr()
+
+    every = ev.run(EvaluateConfig(**{**CFG, "max_loss_samples": None}), store, model, _ckpts(root), out,
+                   skip_if_done=True)
+    said = capsys.readouterr().out
+    # the report's settings changed (its config names the cap), its numbers did not: nothing evaluated again
+    assert not every.up_to_date and every.evaluated == 0, said
+    assert "no checkpoint evaluated again" in said and "max_loss_samples: 256 -> None" in said
+    assert _aside(out) == []  # the array of these numbers (and its base losses) kept in place
+    np.testing.assert_array_equal(xr.open_zarr(out / GROUP).sortby("step").loss.values, losses)
+    assert every.best["step"] == first.best["step"] and every.metrics["loss"] == first.metrics["loss"]
+    assert ev.run(EvaluateConfig(**{**CFG, "max_loss_samples": 5}), store, model, _ckpts(root), out).evaluated == 0
+
+    # fewer than the split holds: other samples, another array (the one of all samples kept aside)
+    fewer = ev.run(EvaluateConfig(**{**CFG, "max_loss_samples": 3}), store, model, _ckpts(root), out, skip_if_done=True)
+    assert fewer.evaluated == 3 and xr.open_zarr(out / GROUP).sizes["sample"] == 3 and len(_aside(out)) == 1
+
+
+def test_compare_takes_arrays_of_one_sample_list_whatever_their_cap(tmp_path):
+    """An array recorded with the default cap as set (before `samples_read`) and one recorded now as null, over the
+    same val samples, are one held-out set for `pipeline compare` (it refused them: 'max_loss_samples: 256 vs
+    None'); other samples are still refused."""
+    import pytest
+
+    from schemas.errors import UserError
+    from stages.evaluate.compare import check_same_held_out, read_curves
+    from store.loss_array import Axes, LossStore
+
+    def array(folder, cap, keys):
+        settings = {"tables": {"text": "content:t", "vae": "content:v"}, "model_fingerprint": "m",
+                    "evaluate": {"noise_seeds": [0], "timesteps": [0.5], "max_loss_samples": cap, "lora_scale": 1.0,
+                                 "dtype": "float32", "attention_backend": "native", "quantize_base": "none",
+                                 "on_damaged": "stop"}, "evaluation_revision": 1}
+        losses = LossStore(folder, f"fingerprint {cap} {keys}", Axes(keys, ["16x16"] * len(keys), [0], [0.5]), settings)
+        losses.write_base(np.ones(losses.axes.shape))
+        losses.append(10, str(folder / "step-10"), "sha", np.full(losses.axes.shape, 0.5))
+        return read_curves(folder, folder.name)
+
+    before, now = array(tmp_path / "before", 256, ["a", "b"]), array(tmp_path / "now", None, ["a", "b"])
+    check_same_held_out([before, now])
+    with pytest.raises(UserError, match="val samples"):
+        check_same_held_out([before, array(tmp_path / "fewer", 1, ["a"])])
