@@ -29,7 +29,8 @@ from schemas.host import host_id
 # be asked from here and keeps no heartbeat; a live one touches its temp as it writes, but may sit between two
 # writes (a checkpoint's optimizer state, a merge's next shard) or be paused (SIGSTOP, a suspended VM, a hung
 # mount). A day is past any such pause, and keeping a dead writer's temp that long only holds disk: its own host
-# removes it sooner (by its pid) at that host's next write of the same name.
+# removes it sooner (by its pid) at that host's next write of the same name - unless it rebooted since (a new boot
+# id: its temps of before are another host's then, kept a day; `store verify` names them so).
 ABANDONED_S = 24 * 3600
 _TAG = re.compile(r"(\d+)-h([0-9a-f]{12})(?:-n(\d+))?")
 

@@ -34,6 +34,7 @@ from schemas.errors import UserError
 from schemas.img_shapes import normalize_img_shapes
 from schemas.newer import WrittenByNewer
 from schemas.table import SCHEMA_V1
+from schemas.temp_files import writer_alive
 from store import format as fmt
 from store import integrity, quarantine
 from store.checksum import file_crc
@@ -47,6 +48,11 @@ REMOTE_METADATA = (fmt.SCHEMA_JSON, fmt.MANIFEST)
 ObjectCheck = Callable[[str, "dict[str, dict[str, Any]] | None", "Mapping[str, ShardPart]"], list[str]]
 
 LITTER_NOTE = "temp file left by an interrupted write (`pipeline store repair` removes it)"
+# a temp `store repair` keeps (`schemas.temp_files.writer_alive`): this host's live writer's, or another host's or
+# container's not yet a day untouched - after a reboot, this host's own killed ones too (a new boot id)
+LIVE_TEMP_NOTE = ("temp file of a write in progress, or of one killed on another host or container (or before a "
+                  "reboot): `pipeline store repair` removes it once untouched for a day; with no write of the store "
+                  "running anywhere, delete it")
 
 
 def verify_store(root: Path, progress: bool = True, objects: ObjectCheck | None = None) -> list[str]:
@@ -81,7 +87,8 @@ def verify_store(root: Path, progress: bool = True, objects: ObjectCheck | None 
                 damage = [p for p in found if not p.endswith(LITTER_NOTE)]
                 if damage:
                     integrity.record_damage(vdir, problems=damage)
-    problems += [f"{p.relative_to(root).as_posix()}: {LITTER_NOTE}" for p in fmt.store_litter(root, tables)]
+    problems += [f"{p.relative_to(root).as_posix()}: {LIVE_TEMP_NOTE if writer_alive(p) else LITTER_NOTE}"
+                 for p in fmt.store_litter(root, tables)]  # what repair removes now, as its scan judges them
     if (bad := quarantine.problem(root)) is not None:
         problems.append(f"{fmt.QUARANTINE}: {bad} (`store repair` sets it aside)")
     return problems

@@ -108,8 +108,8 @@ class Validator:
         from models.same_versions import check_same_versions
         from schemas.model_files import fingerprint_of
 
-        files = model_files(model)  # one walk: the tables' check and the curve's record
         with together(world, "open the val split"):  # as training reads
+            files = model_files(model)  # one walk: the tables' check and the curve's record; a rank's failure agreed
             tables = open_configured(cfg, "train", store, model, files, "val")
         try:
             check_same_versions(world, tables.versions(), tables.store_root, "train (validation)")

@@ -22,6 +22,9 @@ are the test's.
                                                         rate, or runs another training revision
     rank_stale_view.py val-damaged STORE MODEL OUT       the train validator (on_damaged=skip) on two ranks;
                                                         rank 1 finds val row 0 damaged (its node's copy)
+    rank_stale_view.py val-model STORE MODEL OUT         the train validator on two ranks; rank 1 cannot walk
+                                                        the model folder (its node's copy), printed as
+                                                        `RESULT error: <line>`
     rank_stale_view.py done STORE MODEL OUT              train.run(skip_if_done=True, resume=True) as `pipeline
                                                         run all` calls it; rank 1 does not see OUT's final LoRA
     rank_stale_view.py damaged STORE MODEL OUT           `pipeline run train --resume --new-run`; rank 1 reads
@@ -124,6 +127,29 @@ def main() -> None:
         v = validate.Validator(cfg.train, store, model, Path(out), 2)
         print(f"RESULT keys: {','.join(s.key for s in v.samples)}")
         print(f"RESULT damaged: {','.join(sorted(v.damaged))}")
+        return
+    if sys.argv[1] == "val-model":
+        store, model, out = sys.argv[2:5]
+        from accelerate import PartialState
+
+        import models.loading
+        from pipeline.config import load_config
+        from schemas.errors import UserError
+        from stages.train import validate
+
+        PartialState(cpu=True)
+        if os.environ["RANK"] == "1":
+            def model_files(model):
+                raise UserError(f"model folder {model} cannot be read on this node (injected)")
+
+            models.loading.model_files = model_files
+        cfg = load_config(None, {"train.device": "cpu", "train.validate_max_samples": 2})
+        try:
+            validate.Validator(cfg.train, store, model, Path(out), 2)
+        except Exception as e:  # noqa: BLE001 - each rank's outcome is the test's
+            print(f"RESULT error: {type(e).__name__}: {' '.join(str(e).splitlines())}", flush=True)
+            return
+        print("RESULT error: none", flush=True)
         return
     if sys.argv[1] == "done":
         store, model, out = sys.argv[2:5]

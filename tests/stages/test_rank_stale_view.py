@@ -226,3 +226,18 @@ def test_a_val_sample_damaged_on_one_rank_is_left_out_on_every_rank(tiny_edit_mo
     assert keys0 == keys1 and len(keys0) == 2, (keys0, keys1)
     damaged = results(out0)["damaged"]
     assert damaged == results(out1)["damaged"] and damaged and damaged not in keys0
+
+
+def test_a_model_folder_one_rank_cannot_walk_stops_the_validator_on_every_rank(tiny_edit_model, tmp_path) -> None:
+    """The validator walks the model folder (its files: the tables' check and the curve's record) on every rank:
+    inside the agreement that opens the val split, as the fingerprint was before it became the files, so a rank
+    whose walk fails stops every rank with its line. Walked before that block, rank 1 raised alone while rank 0
+    waited for it in the agreement."""
+    store = tmp_path / "store"
+    make_train_store(store, tiny_edit_model, mixed_specs(8, 4))
+    (rc0, out0, err0), (rc1, out1, err1) = launch_two("rank_stale_view.py", "val-model", str(store),
+                                                      tiny_edit_model, str(tmp_path / "run"), timeout=180)
+    assert rc0 == rc1 == 0, (rc0, rc1, err0[-2000:], err1[-2000:])
+    line0, line1 = results(out0)["error"], results(out1)["error"]
+    assert "cannot be read on this node (injected)" in line0 and "cannot be read on this node (injected)" in line1, \
+        (line0, line1, err0[-2000:])

@@ -112,3 +112,27 @@ def test_a_damaged_quarantine_file_is_set_aside_by_repair(store: Store) -> None:
     assert _cli("store", "verify", store.root).exit_code == 0
     assert store.add_quarantine([{**row, "key": "k2"}]) == 1
     assert store.quarantine().column("key").to_pylist() == ["k2"]
+
+
+def test_a_temp_file_another_host_may_still_write_is_named_so_and_removed_once_a_day_old(store: Store) -> None:
+    """A temp of another host's or container's writer (or of this host before a reboot: a new boot id) is left by
+    repair until untouched for a day (`schemas/temp_files.py`): verify said "`store repair` removes it", repair
+    then said "nothing to repair: ... intact" and verify failed alike on every rerun. Verify now says whose it may
+    be and when repair removes it; a day later repair does."""
+    import time
+
+    fill(store, 2)
+    litter = store.root / ".store.json.tmp-999999999-h0123456789ab-n1"  # not this host's
+    litter.write_text("{")
+    r = _cli("store", "verify", store.root)
+    assert r.exit_code == 1, r.output
+    (line,) = [ln for ln in r.output.splitlines() if litter.name in ln]
+    assert "another host or container" in line and "untouched for a day" in line, line
+    assert _cli("store", "repair", store.root).exit_code == 0 and litter.exists()
+    old = time.time() - 25 * 3600
+    os.utime(litter, (old, old))
+    r = _cli("store", "verify", store.root)
+    (line,) = [ln for ln in r.output.splitlines() if litter.name in ln]
+    assert line.endswith("temp file left by an interrupted write (`pipeline store repair` removes it)"), line
+    assert _cli("store", "repair", store.root).exit_code == 0 and not litter.exists()
+    assert _cli("store", "verify", store.root).exit_code == 0
