@@ -6,6 +6,7 @@ node often have random ones). The one rule for the model-file hash cache (models
 
 from __future__ import annotations
 
+import os
 import socket
 from pathlib import Path
 
@@ -19,3 +20,12 @@ def host_id() -> str:
         return Path(BOOT_ID).read_text().strip() or socket.gethostname()
     except OSError:
         return socket.gethostname()
+
+
+def pid_namespace_id() -> int | None:
+    """The inode of this process's pid namespace (containers of one host number their processes apart); None
+    where unreadable (no /proc). For temp names (schemas/temp_files.py) and fetch tags (store/lease.py)."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return None

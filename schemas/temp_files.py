@@ -23,7 +23,7 @@ import time
 from functools import lru_cache
 from pathlib import Path
 
-from schemas.host import host_id
+from schemas.host import host_id, pid_namespace_id
 
 # Another host's or namespace's temp is removed only once nothing in it changed for this long. Its writer cannot
 # be asked from here and keeps no heartbeat; a live one touches its temp as it writes, but may sit between two
@@ -39,11 +39,8 @@ _TAG = re.compile(r"(\d+)-h([0-9a-f]{12})(?:-n(\d+))?")
 def _here() -> tuple[str, str | None]:
     """(host, pid namespace) of this process as its temp names write them; the namespace None without /proc."""
     host = hashlib.sha256(host_id().encode()).hexdigest()[:12]
-    try:
-        ns = str(os.stat("/proc/self/ns/pid").st_ino)
-    except OSError:
-        ns = None
-    return host, ns
+    ns = pid_namespace_id()
+    return host, None if ns is None else str(ns)
 
 
 def temp_of(final: Path) -> Path:

@@ -60,7 +60,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from schemas.errors import UserError, without_secrets
-from schemas.host import host_id
+from schemas.host import host_id, pid_namespace_id
 from store import format as fmt
 
 log = logging.getLogger("store")
@@ -195,22 +195,13 @@ def pid_gone(pid: int, started: int | None) -> str | None:
     return None
 
 
-def _pid_namespace_id() -> int | None:
-    """The inode of this process's pid namespace (the number in `_pid_namespace`'s `pid:[N]`); None where
-    unreadable (no /proc)."""
-    try:
-        return os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return None
-
-
 def process_tag() -> str:
     """`<pid>-<start time>-n<pid namespace>`: this process in a temp file's name (store/remote_shards.py's
     fetches), for `tag_gone`; a part left out where unknown (no /proc: `<pid>` alone). The namespace: containers
     sharing one cache folder (pods mounting one node-local volume) number their processes apart, so pid 123 of
     another container is not this one's pid 123."""
     pid = os.getpid()
-    start, ns = _proc_start(pid), _pid_namespace_id()
+    start, ns = _proc_start(pid), pid_namespace_id()
     return "-".join([str(pid), *([str(start)] if start is not None else []), *([f"n{ns}"] if ns is not None else [])])
 
 
@@ -226,7 +217,7 @@ def tag_gone(tag: str, mtime: float | None = None, now: float | None = None) -> 
     try:
         if len(spaces) > 1 or len(starts) > 1 or not all(s.isdigit() for s in spaces):
             return None
-        if spaces and int(spaces[0]) != _pid_namespace_id():
+        if spaces and int(spaces[0]) != pid_namespace_id():
             if mtime is None:
                 return None
             age = (time.time() if now is None else now) - mtime
