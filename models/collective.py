@@ -33,11 +33,16 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
-from typing import Callable, Iterator, TypeVar
-
-import torch
+from typing import TYPE_CHECKING, Callable, Iterator, TypeVar
 
 from schemas.errors import UserError
+
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported in the functions that exchange tensors or reach the launcher's store, not here: one process
+# never calls them, and every command's error line comes through here (pipeline/commands/common.py
+# `user_errors`): `store inspect` of a wrong path paid torch's import (seconds, ~650 MB) for its one line
 
 MESSAGE_BYTES = 2048  # the broadcast message's fixed size (a one-line error; longer ones are cut)
 
@@ -55,6 +60,7 @@ HOST_WAIT_SECONDS = 10.0  # how long a rank that ends on a published failure wai
 
 
 def _device() -> torch.device:
+    import torch
     import torch.distributed as dist
 
     if dist.get_backend() == "nccl":
@@ -64,6 +70,7 @@ def _device() -> torch.device:
 
 def _agree(message: str | None, world: int) -> str | None:
     """Every rank's view of the step: None when every rank succeeded, else the lowest failing rank's message."""
+    import torch
     import torch.distributed as dist
 
     rank, dev = dist.get_rank(), _device()
@@ -170,6 +177,7 @@ def gather_texts(world: int, text: str, size: int = MESSAGE_BYTES) -> list[str]:
     byte buffers, so every rank can take the same decision from the same data. One process: [text]."""
     if world <= 1:
         return [text]
+    import torch
     import torch.distributed as dist
 
     dev = _device()
@@ -190,6 +198,7 @@ def all_sum(world: int, values: list[int]) -> list[int]:
 def _all_reduce(world: int, values: list[int], op: str) -> list[int]:
     if world <= 1:
         return list(values)
+    import torch
     import torch.distributed as dist
 
     t = torch.tensor(values, dtype=torch.int64, device=_device())
@@ -517,6 +526,8 @@ def lost_peer_line(error: BaseException) -> str | None:
 
 
 def out_of_memory(error: BaseException) -> bool:
+    import torch
+
     return isinstance(error, (torch.OutOfMemoryError, MemoryError))
 
 

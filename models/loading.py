@@ -10,14 +10,20 @@ import json
 import os
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
 from tqdm.auto import tqdm
 
 from models.file_hashes import FileHashes
 from schemas.errors import UserError
 from schemas.model_files import ModelFile, fingerprint_of
+
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported by the functions that make devices and load weights: reading a folder's configs
+# (`resolve_model`, `model_variant`: `pipeline plan`, every command's checks of --model) needs none of it, and a
+# mistyped model path is told in about a second instead of after torch's import
 
 Component = Literal["transformer", "vae", "text_encoder", "processor", "tokenizer", "scheduler"]
 
@@ -227,6 +233,8 @@ def _folder_files(root: Path, components: tuple[str, ...] | None) -> tuple[Model
 
 def check_device(device: str | torch.device, what: str) -> torch.device:
     """The device, or a UserError naming the setting when it does not exist on this machine."""
+    import torch
+
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as e:
@@ -250,6 +258,8 @@ def load_component(
 
     `quantize` (transformer only): none | int8 | fp8 | nf4, applied while the weights load (models/quantize.py)."""
     import importlib
+
+    import torch
 
     root = resolve_model(model)
     lib, name = (_CLASSES_21 if model_variant(model) == "qwen-image-2.1" else _CLASSES)[component]

@@ -92,8 +92,7 @@ def _terminate(signum, frame) -> None:
 
 def _loaded(module: str, name: str):
     """`module.name` once that module has defined it, else None. A signal that lands while the module is being
-    imported (models.collective imports torch first: a second or more) finds it in sys.modules without its names
-    yet: the handler raised AttributeError instead of SystemExit, a stop line naming that error, and where an
+    imported finds it in sys.modules without its names yet: the handler raised AttributeError instead of SystemExit, a stop line naming that error, and where an
     import swallows `Exception` (torch's own), no stop at all (the command ran on and exited 0)."""
     return getattr(sys.modules.get(module), name, None)
 
@@ -147,9 +146,11 @@ def _publish_uncaught(error: Exception) -> str | None:
     if launched()[0] <= 1:
         return None
     try:
-        from models import collective
+        import torch.distributed  # noqa: F401  (what publishing goes through; models.collective imports it lazily)
     except Exception:  # noqa: BLE001 - an install that cannot import torch: nothing to publish with
         return None
+    from models import collective
+
     return collective.publish_uncaught(error)
 
 

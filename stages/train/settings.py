@@ -6,7 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-import torch
 from tqdm.auto import tqdm
 
 from schemas.config import PipelineConfig, TrainConfig
@@ -16,7 +15,12 @@ from schemas.record_formats import ATTENTION_JSON
 from stages.train.launch import launched_world_size, use_cpu
 
 if TYPE_CHECKING:
+    import torch
+
     from models.precision import Precision
+
+# torch is imported where a device is made: `pipeline plan` checks the train section here (check_checkpointing)
+# before it reads the model's configs, and a mistyped --model is told without torch's import
 
 
 # What this code computes for a run's config, tables, model and init LoRA: bump it with a release that changes the
@@ -212,6 +216,8 @@ def train_device(cfg: TrainConfig, local_rank: int, world_size: int) -> torch.de
     """This rank's device from `train.device` (cuda:N, a per-rank list, or cuda = cuda:LOCAL_RANK); None =
     accelerate's choice. A set GPU index becomes the current CUDA device, so NCCL and `cuda` tensors use it
     (accelerate alone would put a single process on cuda:0 whatever was asked)."""
+    import torch
+
     from models.loading import check_device
     from models.precision import device_for_rank
 
@@ -226,6 +232,8 @@ def train_device(cfg: TrainConfig, local_rank: int, world_size: int) -> torch.de
 def planned_device(cfg: TrainConfig) -> torch.device:
     """The device this rank would train on, without starting accelerate (for up-to-date checks): train.device
     for this rank, else this rank's GPU (cuda:LOCAL_RANK under a launcher) or the CPU."""
+    import torch
+
     from models.precision import device_for_rank
 
     spec = cfg.device if cfg.device is not None else "cuda" if torch.cuda.is_available() else "cpu"

@@ -28,17 +28,32 @@ print("IMPORTED", sorted(m for m in {heavy!r} if m in sys.modules))
 """
 
 
-def _imported_by(*args: str) -> str:
+def _run_probe(*args: str) -> tuple[str, subprocess.CompletedProcess]:
+    """The heavy modules `pipeline ARGS` imported, and its process."""
     proc = subprocess.run([sys.executable, "-c", PROBE.format(heavy=HEAVY), *args], env=ENV,
                           capture_output=True, text=True, timeout=120)
+    assert "IMPORTED" in proc.stdout, proc.stderr[-2000:]
+    return proc.stdout.rsplit("IMPORTED", 1)[1].strip(), proc
+
+
+def _imported_by(*args: str) -> str:
+    imported, proc = _run_probe(*args)
     assert "Usage:" in proc.stdout, proc.stderr[-2000:]
-    return proc.stdout.rsplit("IMPORTED", 1)[1].strip()
+    return imported
 
 
 def test_help_does_not_import_the_model_stack():
     for args in (["--help"], ["run", "train", "--help"], ["run", "encode-text", "--help"], ["demo", "--help"],
                  ["store", "inspect", "--help"], ["predict", "--help"]):
         assert _imported_by(*args) == "[]", args
+
+
+def test_plan_of_a_mistyped_model_says_so_without_the_model_stack(tmp_path):
+    """`pipeline plan --model TYPO` told its one line after importing torch (models.loading and the train
+    settings it checks first imported it at their top): seconds and ~700 MB for a path that is not there."""
+    imported, proc = _run_probe("plan", "--model", str(tmp_path / "nowhere"))
+    assert f"error: model '{tmp_path / 'nowhere'}' is neither a model folder" in proc.stderr, proc.stderr[-2000:]
+    assert imported == "[]"
 
 
 def test_model_loading_command_has_no_torchao_import_noise(tiny_plus_model, tmp_path):

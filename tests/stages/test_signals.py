@@ -217,17 +217,23 @@ def test_a_sigterm_while_the_process_exits_is_no_traceback(tmp_path):
     assert "Traceback" not in p.stderr and p.stderr.endswith("exit work done\n"), p.stderr
 
 
-# A SIGTERM sent to this process while `models.collective` is being imported (it imports torch first, a second or
-# more): the moment a finder is asked for torch with that module in sys.modules, without its names yet.
+# A SIGTERM sent to this process while `models.collective` is being imported: the moment its code starts to run,
+# the module in sys.modules without its names yet (a loader of its spec that signals first). The window was
+# torch's import (a second or more) while the module imported torch at its top; now shorter, but still there.
 _SIGTERM_MID_IMPORT = '''
-import os, signal, sys
+import importlib.machinery, os, signal, sys
 class _SigtermMidImport:
     def find_spec(self, name, path=None, target=None):
-        mod = sys.modules.get("models.collective")
-        if name == "torch" and mod is not None and not hasattr(mod, "peer_failure"):
-            sys.meta_path.remove(self)
-            os.kill(os.getpid(), signal.SIGTERM)  # the handler runs here, inside the import
-        return None
+        if name != "models.collective":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        run_module = spec.loader.exec_module
+        def signal_then_run(module):
+            os.kill(os.getpid(), signal.SIGTERM)  # the handler runs here, the module empty in sys.modules
+            run_module(module)
+        spec.loader.exec_module = signal_then_run
+        return spec
 sys.meta_path.insert(0, _SigtermMidImport())
 '''
 
