@@ -23,13 +23,19 @@ with atomic_dir(final) as tmp:
 """
 
 
-def test_a_kill_while_the_old_folder_is_removed_leaves_the_new_one(tmp_path) -> None:
+def _swap_killed(tmp_path: Path, point: str) -> Path:
+    """`tmp_path/lora` holding old weights, then a swap to new ones SIGKILLed at `point` (fmt.CRASH_ENV)."""
     final = tmp_path / "lora"
     final.mkdir()
     (final / "weights.bin").write_bytes(b"old" * 1000)
-    env = {**os.environ, fmt.CRASH_ENV: "atomic_dir_removing_old", "PYTHONPATH": os.pathsep.join(sys.path)}
+    env = {**os.environ, fmt.CRASH_ENV: point, "PYTHONPATH": os.pathsep.join(sys.path)}
     p = subprocess.run([sys.executable, "-c", SWAP, str(final)], env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == -signal.SIGKILL, p.stderr[-2000:]
+    return final
+
+
+def test_a_kill_while_the_old_folder_is_removed_leaves_the_new_one(tmp_path) -> None:
+    final = _swap_killed(tmp_path, "atomic_dir_removing_old")
     assert (final / "weights.bin").read_bytes() == b"new" * 1000
     assert [q.name for q in tmp_path.iterdir() if q.name.startswith(".lora.deleting-")]  # the old one, left
     with fmt.atomic_dir(final) as tmp:  # the next swap finishes the removal
@@ -84,12 +90,7 @@ def test_a_kill_between_the_two_renames_gives_the_old_folder_back(tmp_path) -> N
     """Killed after the old folder was renamed aside and before the new one came in: no folder named `final`.
     Before, the next swap removed the old one as a half-removed leftover; now it (or `settle_swap`, what a
     reader-writer of the folder runs first) renames it back: the last commit, whole."""
-    final = tmp_path / "lora"
-    final.mkdir()
-    (final / "weights.bin").write_bytes(b"old" * 1000)
-    env = {**os.environ, fmt.CRASH_ENV: "atomic_dir_between_renames", "PYTHONPATH": os.pathsep.join(sys.path)}
-    p = subprocess.run([sys.executable, "-c", SWAP, str(final)], env=env, capture_output=True, text=True, timeout=120)
-    assert p.returncode == -signal.SIGKILL, p.stderr[-2000:]
+    final = _swap_killed(tmp_path, "atomic_dir_between_renames")
     assert not final.exists()
     fmt.settle_swap(final)
     assert (final / "weights.bin").read_bytes() == b"old" * 1000
