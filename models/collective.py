@@ -673,6 +673,7 @@ def main_alone(world: int, what: str, work: Callable[[], T], oom_advice: str = "
 
 LOST_SECONDS = 120.0  # a rank waited for whose watch thread has counted no sign of life for this long is gone
 LIVENESS_SECONDS = 5.0  # how often a waiting rank looks at the signs of life of the ranks not arrived
+WAIT_NOTICE_SECONDS = 600.0  # how often a long wait says who it waits for (`_wait_notice`)
 
 
 def arrive_together(world: int, what: str) -> None:
@@ -702,8 +703,15 @@ def arrive_together(world: int, what: str) -> None:
     client.set(f"{key}/{rank}", "1")
     client.add(key, 1)
     seen: dict[int, tuple[int, float]] = {}  # rank -> (its signs of life, when they last changed here)
-    look = 0.0
+    look, began = 0.0, time.monotonic()
+    notice = began + WAIT_NOTICE_SECONDS
     while client.add(key, 0) < world:
+        if time.monotonic() >= notice:
+            notice += WAIT_NOTICE_SECONDS
+            line = _wait_notice(client, key, world, rank, time.monotonic() - began, what)
+            if line:
+                sys.stderr.write(line + "\n")
+                sys.stderr.flush()
         if time.monotonic() >= look:
             look = time.monotonic() + LIVENESS_SECONDS
             lost = _lost_ranks(client, key, world, seen)
@@ -716,6 +724,20 @@ def arrive_together(world: int, what: str) -> None:
                         "to continue")
                 raise RankFailed(publish_failure(line, world))
         time.sleep(POLL_SECONDS)
+
+
+def _wait_notice(client, key: str, world: int, rank: int, waited: float, what: str) -> str | None:
+    """The line a long wait prints (every WAIT_NOTICE_SECONDS), by the lowest rank arrived only (one line, not one
+    per rank): a rank alive but stuck (a hung network file system read) keeps counting signs of life, so the
+    others wait on without an end; the line says who they wait for, so a user sees it and can stop the job."""
+    arrived = [r for r in range(world) if client.check([f"{key}/{r}"])]
+    if not arrived or arrived[0] != rank:
+        return None
+    from models.agreement import few
+
+    missing = [r for r in range(world) if r not in arrived]
+    return (f"{what}: {len(arrived)} of {world} ranks have waited {waited / 60:.0f} min for rank(s) {few(missing)}, "
+            "still alive (working, or stuck: its node's logs say which)")
 
 
 def _lost_ranks(client, key: str, world: int, seen: dict[int, tuple[int, float]]) -> list[int]:

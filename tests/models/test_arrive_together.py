@@ -40,3 +40,15 @@ def test_a_rank_whose_signs_of_life_stopped_is_lost_and_only_it(monkeypatch) -> 
     assert collective._lost_ranks(store, key, 4, seen) == [2]  # now silent too; rank 3 (no count ever) not yet
     now[0] += collective.BEFORE_GROUP_SECONDS
     assert collective._lost_ranks(store, key, 4, seen) == [2, 3]
+
+
+def test_a_long_wait_says_who_it_waits_for_once_by_the_lowest_rank_arrived() -> None:
+    """A rank alive but stuck keeps its signs of life: the others wait on without an end (no collective timeout
+    any more), so the wait says who it waits for, on one rank only (not 64 lines)."""
+    store, key = FakeStore(), "arrived/x/1"
+    for r in (1, 2):
+        store.values[f"{key}/{r}"] = 1  # ranks 1 and 2 arrived; 0 and 3 still working
+    line = collective._wait_notice(store, key, 4, 1, 1260.0, "checkpoint write")
+    assert line == ("checkpoint write: 2 of 4 ranks have waited 21 min for rank(s) 0, 3, still alive (working, or "
+                    "stuck: its node's logs say which)")
+    assert collective._wait_notice(store, key, 4, 2, 1260.0, "checkpoint write") is None
