@@ -378,8 +378,8 @@ def step(r: Run) -> StepStats:
     gradients during the last backward), then the update.
 
     Collectives per step: DDP's gradient all-reduce and the loss sum, nothing else; one host sync (the loss,
-    the finite check and the gradient norm read together). This rank's data, forward and backward run in
-    `fails_alone`: the others may be in DDP's all-reduce, so a failure here (a damaged sample, out of memory)
+    the finite check and the gradient norm read together). This rank's data, forward and backward, and its
+    update, run in `fails_alone`: the others may be in DDP's all-reduce, so a failure here (a damaged sample, out of memory)
     is published to every rank instead of agreed on (models/collective.py)."""
     tc, t0, c0 = r.cfg, time.perf_counter(), time.process_time()
     step_losses: list[tuple[list[int], torch.Tensor]] = []  # this rank's rows and losses, for a non-finite step
