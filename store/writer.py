@@ -30,7 +30,8 @@ if TYPE_CHECKING:
 
     from store.store import Store
 
-__all__ = ["TableWriter", "candidate_version"]  # candidate_version: stages/encode/nodes.py imports it from here
+# candidate_version, open_version: stages/encode/nodes.py imports them from here
+__all__ = ["TableWriter", "candidate_version", "open_version"]
 
 MB = 1024 * 1024
 

@@ -6,14 +6,15 @@ number do they all write (their caches may hold different in-progress versions)?
 from __future__ import annotations
 
 import hashlib
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
 from schemas.host import host_id
 from schemas.table import TableSchema
 from models.shared_folder import check_shared
 from store import format as fmt
 from store.remote_parts import OnRemote, on_remote, serving_schemas, source_url
-from store.writer import candidate_version
+from store.io_errors import writing
+from store.writer import candidate_version, open_version
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -25,8 +26,9 @@ _BITS = 62  # a cache's identity, as an integer every rank can all-reduce
 
 class Place(NamedTuple):
     """Where the ranks write. `version`, `url`: the agreed version and the store URL when they write a URL through
-    more than one cache; None, None otherwise (the writer opens its version as always), but `version` alone for one
-    cache whose own next number the remote holds (`_own_number`). `committed`: a complete version
+    more than one cache; otherwise `version` alone, the one rank 0 opened in the folder every rank shares
+    (`_opened_by_rank_0`), or None, None for one process writing a local store (the writer opens its version as
+    always). `committed`: a complete version
     of this very schema that the remote holds but not as current (its store.json swap lost, or another writer's
     version made current since): adopted, not written, unless it left damaged inputs out and this run stops on
     them (`_serves`)."""
@@ -47,10 +49,12 @@ def writer_place(job: EncodeJob, schema: TableSchema) -> Place:
     world, table = job.ranks.world_size, job.summary.table
     url = source_url(job.store.root)
     if url is None:  # the same answer on every rank: all of them open the same URL, or none
-        if world > 1:  # every rank writes its shards into the store and rank 0 commits them: every node must see it
-            check_shared(job.store.root, world, job.ranks.rank, "the store",
-                         "each rank writes its shards there and rank 0 commits them; or use a store URL")
-        return Place()
+        if world == 1:
+            return Place()
+        # every rank writes its shards into the store and rank 0 commits them: every node must see it
+        check_shared(job.store.root, world, job.ranks.rank, "the store",
+                     "each rank writes its shards there and rank 0 commits them; or use a store URL")
+        return Place(_opened_by_rank_0(job, want=schema.to_dict()))
     want = schema.to_dict()
     with together(world, f"{job.summary.stage}: the version of table '{table}'"):
         cache = cache_identity(job.store.root)
@@ -67,12 +71,31 @@ def writer_place(job: EncodeJob, schema: TableSchema) -> Place:
         _open_refused(job, url, committed)
     (high, low), (agreed, _) = spread(world, [cache, mine])
     if high == low:  # one cache: it commits there and pushes back
-        (own,) = all_max(world, [_own_number(job, want, remote.taken) if job.ranks.rank == 0 else 0])
-        return Place(own or None, refused=committed or None)
+        return Place(_opened_by_rank_0(job, want, lambda: _own_number(job, want, remote.taken) or None),
+                     refused=committed or None)
     while agreed in remote.taken:
         agreed += 1
     (agreed,) = all_max(world, [agreed if job.ranks.rank == 0 else 0])
     return Place(agreed, url, refused=committed or None)
+
+
+def _opened_by_rank_0(job: EncodeJob, want: dict, number: Callable[[], int | None] = lambda: None) -> int:
+    """The version every rank writes into the one folder they share: rank 0 opens it (`open_version`: the
+    in-progress one of this schema resumed, else the next number created, or `number()`'s when not None) and the
+    others take its number. Each rank picked its own from its listing of the table's folder before: a listing
+    that lags on one node (an NFS attribute cache, a version another job committed between the ranks' looks)
+    gave another number, and that rank was refused at its writer's open (or wrote a version no one commits).
+    Opened, not only chosen, so no other writer of the store takes the number before the ranks' writers open it."""
+    from models.collective import all_max, together
+
+    world, table = job.ranks.world_size, job.summary.table
+    opened = 0
+    with together(world, f"{job.summary.stage}: opening table '{table}'"):
+        if job.ranks.rank == 0:
+            with writing(f"table '{table}'", job.store.root / table):
+                opened, _ = open_version(job.store.root, table, want, number())
+    (opened,) = all_max(world, [opened])  # rank 0's: the others send 0
+    return opened
 
 
 def _own_number(job: EncodeJob, want: dict, taken: set[int]) -> int:

@@ -74,6 +74,10 @@ from store.join import JoinedTables
 # What to change when a step runs out of memory (named in the error every rank prints).
 OOM_ADVICE = ("lower train.batch_size or train.max_tokens_per_batch, or set train.gradient_checkpointing, "
               "train.offload: blocks or train.quantize_base (`pipeline plan` predicts the peak)")
+# ... and when the update does: Adam's state (two float32 copies of the adapter) is allocated at the first step
+OPTIMIZER_OOM_ADVICE = ("set train.optimizer: adamw8bit or adafactor (a smaller optimizer state), lower "
+                        "train.lora.rank, or set train.offload: blocks or train.quantize_base (`pipeline plan` "
+                        "predicts the peak)")
 
 
 @dataclass
@@ -374,8 +378,8 @@ def step(r: Run) -> StepStats:
     gradients during the last backward), then the update.
 
     Collectives per step: DDP's gradient all-reduce and the loss sum, nothing else; one host sync (the loss,
-    the finite check and the gradient norm read together). This rank's data, forward and backward run in
-    `fails_alone`: the others may be in DDP's all-reduce, so a failure here (a damaged sample, out of memory)
+    the finite check and the gradient norm read together). This rank's data, forward and backward, and its
+    update, run in `fails_alone`: the others may be in DDP's all-reduce, so a failure here (a damaged sample, out of memory)
     is published to every rank instead of agreed on (models/collective.py)."""
     tc, t0, c0 = r.cfg, time.perf_counter(), time.process_time()
     step_losses: list[tuple[list[int], torch.Tensor]] = []  # this rank's rows and losses, for a non-finite step
@@ -421,7 +425,10 @@ def step(r: Run) -> StepStats:
         r.result.skipped_steps.append(r.step + 1)
         ok, grad_norm = False, float("nan")
     elif ok:
-        r.optimizer.step()
+        # this rank's own work too: the others go on to the next step's all-reduce (Adam's first step allocates
+        # its state: out of memory there stopped every rank with a generic line and no advice)
+        with fails_alone(r.world, f"optimizer step {r.step + 1}", OPTIMIZER_OOM_ADVICE):
+            r.optimizer.step()
     else:  # every rank is here (the finite check is of all-reduced figures) and names the same samples
         per_sample = step_sample_losses(r, micro, step_losses)
         message = guard.nonfinite_message(r.step + 1, per_sample, r.tables.store_root)

@@ -5,6 +5,9 @@ are the test's):
     rank_fails_alone.py train-oom STORE MODEL OUT R one rank (R) runs out of memory inside its backward (the
                                                     other then sits in DDP's gradient all-reduce, which never
                                                     completes); rank 0 also serves the launch's store
+    rank_fails_alone.py train-optimizer-oom STORE MODEL OUT R  rank R runs out of memory in its optimizer's
+                                                    step (Adam's state, allocated at the first step), after the
+                                                    backward: the other goes on to the next step's all-reduce
     rank_fails_alone.py encode-open STORE MODEL     rank 1 cannot open encode-vae's inputs (before any
                                                     collective)
     rank_fails_alone.py encode-devices STORE MODEL  one device listed for two processes: only local rank 1 has
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import os
 import sys
+import types
 
 import torch
 
@@ -46,6 +50,24 @@ def main() -> None:
         real = recipe.flow_loss_of
         if RANK == int(sys.argv[5]):
             recipe.flow_loss_of = lambda *a, **k: _OutOfMemoryInBackward.apply(real(*a, **k))
+        sys.argv = ["pipeline", "run", "train", "--store", store, "--model", model, "--out", sys.argv[4],
+                    "--device", "cpu", "--max-steps", "2", "--batch-size", "2", "--set", "train.lora.rank=4"]
+    elif case == "train-optimizer-oom":
+        from stages.train import optimizers
+
+        real_build = optimizers.build_optimizer
+
+        def build(*a, **k):
+            optimizer = real_build(*a, **k)
+
+            def step(self, *_a, **_k):
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 MiB (test)")
+
+            optimizer.step = types.MethodType(step, optimizer)  # bound: the LR scheduler wraps it (`__func__`)
+            return optimizer
+
+        if RANK == int(sys.argv[5]):
+            optimizers.build_optimizer = build
         sys.argv = ["pipeline", "run", "train", "--store", store, "--model", model, "--out", sys.argv[4],
                     "--device", "cpu", "--max-steps", "2", "--batch-size", "2", "--set", "train.lora.rank=4"]
     elif case == "encode-devices":

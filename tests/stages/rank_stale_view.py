@@ -4,12 +4,15 @@ are the test's.
 
     rank_stale_view.py train STORE MODEL OUT MAX_STEPS   `pipeline run train --resume`; rank 1's listing of the
                                                         run folder ends one checkpoint earlier
-    rank_stale_view.py encode STORE MODEL [V|unseen|settings]
+    rank_stale_view.py encode STORE MODEL [V|unseen|settings|listing]
                                                         `pipeline run encode-text`; rank 1 does not see the
                                                         table's complete version yet, or (V) reads `images` vV
                                                         (its view of store.json lags), or (unseen) cannot make
                                                         that version current either, or (settings) is given
-                                                        another hashed setting
+                                                        another hashed setting, or (listing) both ranks encode
+                                                        with another hashed setting (a new version) and rank 1
+                                                        lists no version in the table's folder when it picks
+                                                        the number to write
     rank_stale_view.py evaluate STORE MODEL RUN OUT V|pruned|settings
                                                         `pipeline run evaluate --all-checkpoints`; rank 1 reads
                                                         `text` vV (its view of store.json lags), or does not
@@ -49,6 +52,21 @@ def main() -> None:
         extra = []
         if os.environ["RANK"] == "1" and images == ["settings"]:
             extra = ["--set", "encode_text.batching=padded"]  # its own copy of the config differs
+        elif images == ["listing"]:
+            extra = ["--set", "encode_text.batching=padded"]
+            if os.environ["RANK"] == "1":
+                from store import format as fmt, writer_open
+
+                pick, listing = writer_open.candidate_version, fmt.list_versions
+
+                def lagging(root, table, want, world=None):  # its listing of the table folder lags: no version
+                    fmt.list_versions = lambda root, table: []
+                    try:
+                        return pick(root, table, want, world)
+                    finally:
+                        fmt.list_versions = listing
+
+                writer_open.candidate_version = lagging
         elif os.environ["RANK"] == "1" and images == ["unseen"]:
             from schemas.errors import UserError
 

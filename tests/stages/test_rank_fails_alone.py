@@ -36,6 +36,18 @@ def test_out_of_memory_in_one_ranks_backward_stops_every_rank(tiny_edit_model, t
     assert not (tmp_path / "run" / "lora").exists()
 
 
+def test_out_of_memory_in_one_ranks_optimizer_step_stops_every_rank_with_advice(tiny_edit_model, tmp_path) -> None:
+    """Adam allocates its state in the first `optimizer.step()`, after the backward: out of memory there on rank 1
+    stops both ranks with the same line naming it and what to change, as in the forward and backward. Before:
+    rank 1's traceback and a generic "rank 1 failed: OutOfMemoryError" line, no advice."""
+    store = tmp_path / "store"
+    make_train_store(store, tiny_edit_model, mixed_specs(8))
+    line = _same_line_everywhere(_launch("train-optimizer-oom", str(store), tiny_edit_model, str(tmp_path / "run"), "1"))
+    assert "rank 1 ran out of memory in optimizer step 1" in line and "Tried to allocate" in line, line
+    assert "train.optimizer" in line, line  # what to change: a smaller optimizer state
+    assert not (tmp_path / "run" / "lora").exists()
+
+
 def test_one_rank_failing_to_open_encode_inputs_stops_every_rank(tiny_edit_model, edit_store) -> None:
     line = _same_line_everywhere(_launch("encode-open", str(edit_store), tiny_edit_model))
     assert "rank 1 cannot hold a read lease" in line, line

@@ -107,6 +107,25 @@ def test_an_encode_whose_rank_cannot_adopt_the_version_found_stops_every_rank(ti
     assert last0 == last1 and "table 'text' v1 is not complete; cannot make it current" in last0, (last0, last1)
 
 
+def test_encoder_ranks_write_the_version_rank_0_opens_whatever_their_own_listing(tiny_edit_model, edit_store) -> None:
+    """`text` v1 complete, then both ranks encode with another hashed setting (a new version): rank 1's listing of
+    the table's folder lags (shows no version). Before, each rank picked the number from its own listing: rank 1
+    took v1 and was refused ("another writer's version ... remove that folder": the complete v1), the launch
+    stopped. Now rank 0 opens the version and every rank writes that one: v2 holds every sample."""
+    from stages.encode import text as encode_text
+    from store import Store
+
+    encode_text.run(load_config(None), edit_store, tiny_edit_model, device="cpu")
+    (rc0, out0, err0), (rc1, out1, err1) = launch_two("rank_stale_view.py", "encode", str(edit_store),
+                                                      tiny_edit_model, "listing", timeout=300)
+    assert "Traceback" not in err0 + out0 + err1 + out1, (err0[-3000:], err1[-3000:])
+    assert rc0 == rc1 == 0, (rc0, rc1, err0[-2000:], err1[-2000:])
+    st = Store(edit_store)
+    assert st.tables()["text"] == 2 and not (edit_store / "text" / "v3").exists()
+    with st.reader("images") as images, st.reader("text", 2) as text:
+        assert sorted(text.keys()) == sorted(images.keys())
+
+
 def _text_v2_current(store) -> None:
     """`text` v2 made current: a copy of v1 (the same samples under another number, as a rebuild would be)."""
     import shutil
