@@ -536,9 +536,16 @@ def fails_alone(world: int, what: str, oom_advice: str = "") -> Iterator[None]:
     """Run this rank's own part of a step (its data, its forward and backward) where the other ranks may be
     inside a collective it will not join: an error is published to every rank (see the module doc) and raised
     here as `RankFailed` with the same line, so the failing rank unwinds and reports it without a traceback.
-    Out of memory is named as such, with `oom_advice` (what to change). One process: errors pass through."""
+    Out of memory is named as such, with `oom_advice` (what to change), in one process too (the one-GPU user's
+    case: a CUDA traceback said nothing of what to change); other errors of one process pass through."""
     if world <= 1:
-        yield
+        try:
+            yield
+        except Exception as e:  # noqa: BLE001 - out of memory only: the rest passes through as it is
+            if not out_of_memory(e):
+                raise
+            first = (str(e).splitlines() or [""])[0]
+            raise UserError(f"ran out of memory in {what} ({first})" + (f": {oom_advice}" if oom_advice else "")) from e
         return
     watch_failures(world)
     try:

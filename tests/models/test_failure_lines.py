@@ -219,3 +219,22 @@ def test_a_peers_failure_line_starts_a_line_of_its_own_after_a_bar(monkeypatch, 
         bar.close()
     assert "encode-vae r0" in err and err.endswith("\nerror: 1 of 6 samples are damaged\n"), err
     assert err.splitlines()[-1] == "error: 1 of 6 samples are damaged", err
+
+
+def test_out_of_memory_in_one_process_is_one_line_with_advice_and_other_errors_pass_through() -> None:
+    """One GPU, one process: a CUDA out-of-memory error in the step was a traceback that said nothing of what to
+    change (the advice was given only where several ranks ran); now the same line as a rank's, as a UserError."""
+    import pytest
+    import torch
+
+    from models.collective import fails_alone
+    from schemas.errors import UserError
+
+    with pytest.raises(UserError) as caught:
+        with fails_alone(1, "optimizer step 3", "lower train.batch_size"):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore detail")
+    assert str(caught.value) == ("ran out of memory in optimizer step 3 (CUDA out of memory. Tried to allocate "
+                                 "2.00 GiB): lower train.batch_size")
+    with pytest.raises(ValueError, match="not memory"):
+        with fails_alone(1, "optimizer step 3", "lower train.batch_size"):
+            raise ValueError("not memory")
