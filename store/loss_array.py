@@ -175,6 +175,8 @@ class LossStore:
             if keys != list(axes.keys):  # other samples (e.g. one found damaged and skipped): not one array any more
                 self.start_over(f"the val samples changed ({len(keys)} recorded, {len(axes.keys)} now"
                                 f"{', other keys' if len(keys) == len(axes.keys) else ''})")
+                return
+            self._place = _placement(self.group, axes)
 
     def _kept_of(self, fingerprint: str, keys: list[str]) -> Path | None:
         """A group kept aside (`losses.<fingerprint[:12]>[.N].zarr`) recorded under exactly `fingerprint`, of this
@@ -208,6 +210,7 @@ class LossStore:
         else:
             self._create(self.fingerprint, self.settings)
         self.group = _zarr().open_group(self.path, mode="r+", use_consolidated=True)
+        self._place = _placement(self.group, self.axes)
         if kept is not None:
             self.unchecked = unchecked(self.path, self.group)
 
@@ -299,7 +302,7 @@ class LossStore:
         return "base_loss" in self.group
 
     def base(self) -> np.ndarray:
-        return np.asarray(self.group["base_loss"][:], dtype=np.float64)
+        return self._to_axes(np.asarray(self.group["base_loss"][:], dtype=np.float64), 1)
 
     def losses(self) -> tuple[list[int], list[str], np.ndarray]:
         """(steps, checkpoint paths, [step, sample, seed, σ, region] losses), in step order."""
@@ -308,11 +311,19 @@ class LossStore:
             return [], [], np.zeros((0, *self.axes.shape))
         steps = [int(s) for s in self.group["step"][:]]
         paths = [str(p) for p in self.group["checkpoint"][:]]
-        values = np.asarray(self.group["loss"][:n], dtype=np.float64)
+        values = self._to_axes(np.asarray(self.group["loss"][:n], dtype=np.float64), 2)
         order = np.argsort(steps, kind="stable")
         return [steps[i] for i in order], [paths[i] for i in order], values[order]
 
     # ------------------------------------------------------------------------------------------------ writes
+
+    def _to_axes(self, grid: np.ndarray, seed_axis: int, undo: bool = False) -> np.ndarray:
+        """A recorded grid (its seed axis at `seed_axis`, σ next) in the order of `self.axes` (`_placement`);
+        `undo`: one in that order in the group's."""
+        for axis, index in enumerate(self._place, seed_axis):
+            if index is not None:
+                grid = grid.take(np.argsort(index) if undo else index, axis=axis)
+        return grid
 
     def drop_from(self, step: int) -> None:
         """Forget the steps >= `step` (recorded by a run killed after its last checkpoint, about to be redone)."""
@@ -337,6 +348,7 @@ class LossStore:
         aside, its steps evaluated again): the group is then written anew whole, its committed files linked into a
         temp folder with the new base, and swapped in (`store.format.atomic_dir`): the old commit or the new one."""
         zarr = _zarr()
+        grid = self._to_axes(grid, 1, undo=True)
         if "base_loss" in self.group:
             with fmt.atomic_dir(self.path) as tmp:
                 _link_committed(self.path, tmp, but="base_loss")
@@ -361,7 +373,7 @@ class LossStore:
         n = self.group["step"].shape[0]
         loss = self.group["loss"].with_config(WRITE)  # an all-NaN row is a file too (`store.loss_chunks`)
         loss.resize((n + 1, *self.axes.shape))
-        loss[n] = grid.astype("float32")
+        loss[n] = self._to_axes(grid, 1, undo=True).astype("float32")
         for name, value in (("step", step), ("checkpoint", checkpoint), ("lora_sha256", lora_sha256)):
             arr = self.group[name].with_config(WRITE)  # step 0, an empty sha (validation): files too
             arr.resize((n + 1,))
@@ -374,6 +386,24 @@ class LossStore:
 
 
 _PER_STEP = ("loss", "step", "checkpoint", "lora_sha256")  # the arrays with one chunk per step
+
+
+def _placement(group, axes: Axes) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """For each of `axes`' seeds and σ values, its index in the group's recorded axes (None: as recorded): the
+    group's order is layout, its coordinates say which row is which. An earlier release recorded evaluate's seeds
+    and σ in the configured order, and evaluate now computes them sorted (`EvaluateConfig.loss_axes`): such a
+    group is read and appended to by value. Axes that are not the same values in another order are taken as
+    recorded, by position (a validation curve's, whose settings do not hash its σ grid)."""
+    placed = []
+    for name, wanted in (("seed", axes.seeds), ("sigma", axes.sigmas)):
+        recorded = group[name][:].tolist()
+        if recorded == list(wanted) or sorted(recorded) != sorted(wanted):
+            placed.append(None)
+            continue
+        index = np.empty(len(wanted), dtype=np.int64)  # the k-th of equal values to the k-th (stable sorts)
+        index[np.argsort(wanted, kind="stable")] = np.argsort(recorded, kind="stable")
+        placed.append(index)
+    return placed[0], placed[1]
 
 
 def _create_base(group, grid: np.ndarray) -> None:

@@ -706,8 +706,7 @@ def _losses_opened(run: _Evaluation, samples, fingerprint: str, settings: dict, 
     from models.collective import together
 
     ranks, cfg = run.ranks, run.cfg
-    axes = Axes([s.key for s in samples], [bucket_of(s) for s in samples], list(cfg.noise_seeds),
-                [float(t) for t in cfg.timesteps])
+    axes = Axes([s.key for s in samples], [bucket_of(s) for s in samples], *cfg.loss_axes)
     with together(ranks.world, "open the loss array"):
         losses = _open_losses(run.out, fingerprint, settings, earlier, axes, tables.versions()) if ranks.main else None
     return losses
@@ -1003,7 +1002,7 @@ def _append_missing(ranks, losses: LossStore | None, checkpoints: list[tuple[int
                 plan = _plan(losses, checkpoints, shas, first)
     plan = ranks.from_main(plan)
     todo = sorted((c for c, flag in zip(checkpoints, plan[1:]) if flag), key=lambda c: c[0], reverse=True)
-    seeds, sigmas = list(cfg.noise_seeds), [float(t) for t in cfg.timesteps]
+    seeds, sigmas = cfg.loss_axes
     base, reused = None, False
     if not plan[0] and base_cache is not None:  # one decision of all ranks, rank 0's file
         reused, base = base_losses.agreed_reuse(ranks, *base_cache, (len(samples), len(seeds), len(sigmas), 3))
@@ -1122,8 +1121,7 @@ def _summary(losses: LossStore, samples, cfg: EvaluateConfig, fingerprint: str,
         raise UserError(f"no checkpoint in {losses.path} has a finite held-out loss; check the run's training loss")
     best_i, last_i = alive[best_i], alive[-1]
     protocol = single.protocol(cfg, samples).replace("LoRA off (base) and on", "LoRA off (base) and the best checkpoint")
-    loss = loss_summary({"base": base, "lora": grids[best_i]}, samples, list(cfg.noise_seeds),
-                        [float(t) for t in cfg.timesteps], protocol)
+    loss = loss_summary({"base": base, "lora": grids[best_i]}, samples, *cfg.loss_axes, protocol)
     loss["nonfinite_samples"] = nonfinite  # left out of every number (evaluate.on_nonfinite=skip)
 
     def point(i: int) -> dict:
