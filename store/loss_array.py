@@ -41,7 +41,11 @@ A group is for one evaluation setting (`fingerprint`: store tables, model, noise
 dtype, ...). Opening with another fingerprint keeps the old group as `losses.<old fingerprint>.zarr` beside it
 and starts a new one, so numbers of different protocols never share an array. With `take_back`, a kept group of
 this very fingerprint and samples is renamed back in instead (settings A, B, then A again: A's numbers return, not
-computed again); its steps are then judged as any recorded steps are.
+computed again); its steps are then judged as any recorded steps are. `start_over(reason, kept)` takes back a
+kept group the caller chose among `kept_groups` (evaluate: the one of the run it evaluates, run A, B, then A).
+
+The seed and σ axes are read and written by their coordinates (`_placement`): callers give them in their order
+(evaluate: sorted), a group recorded in another order of the same values is used as it is.
 """
 
 from __future__ import annotations

@@ -95,3 +95,22 @@ def test_an_array_recorded_in_the_configured_order_is_reused_and_appended_to_by_
     curves = [read_curves(out, "kept"), read_curves(tmp_path / "fresh", "fresh")]
     check_same_held_out(curves)
     assert curves[0].overall == pytest.approx(curves[1].overall, rel=1e-6)
+
+
+def test_a_single_lora_report_is_current_under_reordered_seeds_and_sigmas(run_and_store, tiny_edit_model, tmp_path,
+                                                                         monkeypatch):
+    """One LoRA's report: the same (its config fingerprint and base losses' key were of the order as set); forced,
+    its base losses come from OUT/base-losses.safetensors, in the order they are keyed by."""
+    from stages.evaluate import stage
+
+    root, out, lora = run_and_store, tmp_path / "report", _ckpts(run_and_store)[0][1]
+    first = stage.run(EvaluateConfig(**CFG), root / "store", tiny_edit_model, lora, out)
+    reordered = EvaluateConfig(**{**CFG, "noise_seeds": [1, 0], "timesteps": [0.7, 0.3]})
+    assert stage.run(reordered, root / "store", tiny_edit_model, lora, out, skip_if_done=True).up_to_date
+    passes = []
+    real = stage.loss_grid
+    monkeypatch.setattr(stage, "loss_grid", lambda *a, **k: (passes.append(k.get("desc")), real(*a, **k))[1])
+    forced = stage.run(reordered, root / "store", tiny_edit_model, lora, out)
+    assert passes == ["held-out loss (lora)"], passes
+    assert forced.metrics["loss"]["per_timestep"] == first.metrics["loss"]["per_timestep"]
+    assert forced.metrics["loss"]["overall"] == first.metrics["loss"]["overall"]
