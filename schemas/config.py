@@ -221,6 +221,13 @@ _NONFINITE_RECORDED = Role("identity", hashed_unless_default=True, hashed_as=lam
 _EXTRA_PROMPTS_ONLY = Role("features", read_if=lambda ev: bool(ev.extra_prompts) and ev.true_cfg_scale > 1)
 
 
+# evaluate.noise_seeds / timesteps: each (seed, σ) row's loss is its own (noise drawn from the seed and sample key),
+# and every number is a mean over rows, so their order is no setting: hashed sorted, and evaluate computes and
+# records the rows in that order (`EvaluateConfig.loss_axes`). [0.7, 0.3] after [0.3, 0.7] evaluated every
+# checkpoint again. Records made in another order are accepted as set (`hashed_settings(..., as_set=True)`).
+_A_SET_OF_ROWS = Role("features", hashed_as=sorted)
+
+
 # train.attention_backend: the configured name is not hashed; the backend the run resolved it to (unset: the
 # device's default) is recorded beside the fingerprint (stages/train/state.py `ResumeRecord.attention_backend`) and
 # compared there, so `native` spelled out after an unset CPU run is that run, and a name that resolves to another
@@ -325,8 +332,8 @@ class EvaluateConfig(Section):
     dtype: Annotated[DType, FEATURES] = Field("auto", description=_DTYPE_HELP)
     quantize_base: Annotated[Quantize, FEATURES] = Field("none", description=_QUANTIZE_HELP)
     seed: Annotated[int, FEATURES] = Field(1234, description="generation seed (the same for base and LoRA, for every sample)")
-    timesteps: Annotated[list[Sigma], FEATURES] = Field([0.1, 0.3, 0.5, 0.7, 0.9], min_length=1, description="sigma grid of the held-out loss")
-    noise_seeds: Annotated[list[int], FEATURES] = Field([0, 1], min_length=1, description="fixed noise draws of the held-out loss")
+    timesteps: Annotated[list[Sigma], _A_SET_OF_ROWS] = Field([0.1, 0.3, 0.5, 0.7, 0.9], min_length=1, description="sigma grid of the held-out loss")
+    noise_seeds: Annotated[list[int], _A_SET_OF_ROWS] = Field([0, 1], min_length=1, description="fixed noise draws of the held-out loss")
     batch_size: Annotated[int, THROUGHPUT] = Field(8, gt=0, description="held-out loss: (sample, seed, sigma) rows per forward")
     max_loss_samples: Annotated[int | None, FEATURES] = Field(256, gt=0, description="cap on val samples for the held-out loss (the "
                                          "first N keys of the val split, a content hash: a fixed, unbiased subset; "
@@ -357,6 +364,12 @@ class EvaluateConfig(Section):
         "text or vae table (as train.max_dropped_fraction for the train split)")
     max_open_shards: Annotated[int, THROUGHPUT] = Field(256, gt=0, description="shard files kept open per table "
                                                         "(as train.max_open_shards)")
+
+    @property
+    def loss_axes(self) -> tuple[list[int], list[float]]:
+        """(noise seeds, σ grid) of the held-out loss in the order every grid of it is computed and recorded in:
+        sorted, as they are hashed (`_A_SET_OF_ROWS`), so a grid cached under a key is in the key's order."""
+        return sorted(self.noise_seeds), sorted(float(t) for t in self.timesteps)
 
 
 PREDICT_COMPONENTS = ("transformer", "text_encoder", "vae")

@@ -41,7 +41,11 @@ A group is for one evaluation setting (`fingerprint`: store tables, model, noise
 dtype, ...). Opening with another fingerprint keeps the old group as `losses.<old fingerprint>.zarr` beside it
 and starts a new one, so numbers of different protocols never share an array. With `take_back`, a kept group of
 this very fingerprint and samples is renamed back in instead (settings A, B, then A again: A's numbers return, not
-computed again); its steps are then judged as any recorded steps are.
+computed again); its steps are then judged as any recorded steps are. `start_over(reason, kept)` takes back a
+kept group the caller chose among `kept_groups` (evaluate: the one of the run it evaluates, run A, B, then A).
+
+The seed and σ axes are read and written by their coordinates (`_placement`): callers give them in their order
+(evaluate: sorted), a group recorded in another order of the same values is used as it is.
 """
 
 from __future__ import annotations
@@ -127,7 +131,61 @@ class Axes:
         return (len(self.keys), len(self.seeds), len(self.sigmas), len(REGIONS))
 
 
-class LossStore:
+class LossGroup:
+    """A committed group read: its steps, what trained them, the base and the losses, the seeds and σ in the order
+    of `axes` (`_placement`; None: as recorded). `LossStore` writes one; a group kept aside is read as one to judge
+    whether to take it back (`kept_groups`)."""
+
+    def __init__(self, path: str | Path, axes: Axes | None = None):
+        self.path, self.axes = Path(path), axes
+        self.group = _zarr().open_group(self.path, mode="r", use_consolidated=True)
+        self._place = _placement(self.group, axes) if axes is not None else (None, None)
+
+    def steps(self) -> dict[int, str]:
+        """step -> LoRA sha256 of every committed checkpoint."""
+        n = self.group["step"].shape[0]
+        if n == 0:
+            return {}
+        return dict(zip((int(s) for s in self.group["step"][:]), (str(h) for h in self.group["lora_sha256"][:])))
+
+    def trainings(self) -> dict[int, dict]:
+        """step -> what trained its checkpoint (`append`'s `training`), for the steps recorded with one."""
+        steps = self.steps()
+        return {int(k): v for k, v in dict(self.group.attrs.get("trainings") or {}).items()
+                if int(k) in steps and isinstance(v, dict)}
+
+    def has_base(self) -> bool:
+        return "base_loss" in self.group
+
+    def base(self) -> np.ndarray:
+        return self._to_axes(np.asarray(self.group["base_loss"][:], dtype=np.float64), 1)
+
+    def losses(self) -> tuple[list[int], list[str], np.ndarray]:
+        """(steps, checkpoint paths, [step, sample, seed, σ, region] losses), in step order."""
+        n = self.group["step"].shape[0]
+        if n == 0:
+            return [], [], np.zeros((0, *self.group["loss"].shape[1:]))
+        steps = [int(s) for s in self.group["step"][:]]
+        paths = [str(p) for p in self.group["checkpoint"][:]]
+        values = self._to_axes(np.asarray(self.group["loss"][:n], dtype=np.float64), 2)
+        order = np.argsort(steps, kind="stable")
+        return [steps[i] for i in order], [paths[i] for i in order], values[order]
+
+    def _to_axes(self, grid: np.ndarray, seed_axis: int, undo: bool = False) -> np.ndarray:
+        """A recorded grid (its seed axis at `seed_axis`, σ next) in the order of `self.axes` (`_placement`);
+        `undo`: one in that order in the group's."""
+        for axis, index in enumerate(self._place, seed_axis):
+            if index is not None:
+                grid = grid.take(np.argsort(index) if undo else index, axis=axis)
+        return grid
+
+    def checkpoints(self) -> dict[int, str]:
+        """step -> the checkpoint folder recorded with its losses."""
+        n = self.group["step"].shape[0]
+        return dict(zip((int(s) for s in self.group["step"][:n]), (str(p) for p in self.group["checkpoint"][:n])))
+
+
+class LossStore(LossGroup):
     """Open (or start) the group at `folder/losses.zarr` for `fingerprint`; see the module doc."""
 
     def __init__(self, folder: str | Path, fingerprint: str, axes: Axes, settings: dict,
@@ -146,15 +204,14 @@ class LossStore:
         fmt.settle_swap(self.path)  # a `write_base` killed between its renames: the old group back (its lock held)
         _remove_killed_writes(self.path)
         if self.path.exists() and (recorded := self._recorded_fingerprint()) != fingerprint:
-            if take_back and (kept := self._kept_of(fingerprint, axes.keys)) is not None:
+            if take_back and (kept := self._kept_of(fingerprint)) is not None:
                 self.start_over("the settings changed", kept)
-                _remove_killed_writes(self.path)  # the group taken back was written (and maybe killed) before
                 return
             self.start_over("the settings changed" if recorded is not None
                             else f"{self.path} could not be read ({self._unreadable})")
         else:
             if not self.path.exists():
-                kept = self._kept_of(fingerprint, axes.keys) if take_back else None
+                kept = self._kept_of(fingerprint) if take_back else None
                 if kept is not None:  # a kill between `start_over`'s two renames left no group: take it back now
                     os.rename(kept, self.path)
                     fmt.fsync_dir(self.path.parent)
@@ -175,20 +232,12 @@ class LossStore:
             if keys != list(axes.keys):  # other samples (e.g. one found damaged and skipped): not one array any more
                 self.start_over(f"the val samples changed ({len(keys)} recorded, {len(axes.keys)} now"
                                 f"{', other keys' if len(keys) == len(axes.keys) else ''})")
+                return
+            self._place = _placement(self.group, axes)
 
-    def _kept_of(self, fingerprint: str, keys: list[str]) -> Path | None:
-        """A group kept aside (`losses.<fingerprint[:12]>[.N].zarr`) recorded under exactly `fingerprint`, of this
-        format and these samples; None when there is none."""
-        for kept in sorted(self.path.parent.glob(f"losses.{fingerprint[:12]}*.zarr")):
-            try:
-                g = _zarr().open_group(kept, mode="r", use_consolidated=True)
-                if g.attrs.get("format") in _READS and g.attrs.get("fingerprint") == fingerprint and \
-                        [str(k) for k in g["sample"][:]] == list(keys):
-                    _verify(g, kept)
-                    return kept
-            except Exception:  # noqa: BLE001 - a damaged kept group is left where it is, never taken back
-                continue
-        return None
+    def _kept_of(self, fingerprint: str) -> Path | None:
+        """The first group kept aside under exactly `fingerprint` and these samples (`kept_groups`); None: none."""
+        return next((kept.path for kept in kept_groups(self.path.parent, fingerprint, self.axes)), None)
 
     def start_over(self, reason: str = "the settings changed", kept: Path | None = None) -> None:
         """Keep the current group aside (`losses.<its fingerprint>[.N].zarr`) and begin an empty one, or rename
@@ -205,9 +254,11 @@ class LossStore:
             os.rename(kept, self.path)
             fmt.fsync_dir(self.path.parent)  # both renames durable before any append to the group
             self.taken_back = kept
+            _remove_killed_writes(self.path)  # the group taken back was written (and maybe killed) before
         else:
             self._create(self.fingerprint, self.settings)
         self.group = _zarr().open_group(self.path, mode="r+", use_consolidated=True)
+        self._place = _placement(self.group, self.axes)
         if kept is not None:
             self.unchecked = unchecked(self.path, self.group)
 
@@ -280,38 +331,6 @@ class LossStore:
         _fsync(self.path, ["zarr.json"])
         self.group = zarr.open_group(self.path, mode="r+", use_consolidated=True)
 
-    # ------------------------------------------------------------------------------------------------ reads
-
-    def steps(self) -> dict[int, str]:
-        """step -> LoRA sha256 of every committed checkpoint."""
-        n = self.group["step"].shape[0]
-        if n == 0:
-            return {}
-        return dict(zip((int(s) for s in self.group["step"][:]), (str(h) for h in self.group["lora_sha256"][:])))
-
-    def trainings(self) -> dict[int, dict]:
-        """step -> what trained its checkpoint (`append`'s `training`), for the steps recorded with one."""
-        steps = self.steps()
-        return {int(k): v for k, v in dict(self.group.attrs.get("trainings") or {}).items()
-                if int(k) in steps and isinstance(v, dict)}
-
-    def has_base(self) -> bool:
-        return "base_loss" in self.group
-
-    def base(self) -> np.ndarray:
-        return np.asarray(self.group["base_loss"][:], dtype=np.float64)
-
-    def losses(self) -> tuple[list[int], list[str], np.ndarray]:
-        """(steps, checkpoint paths, [step, sample, seed, σ, region] losses), in step order."""
-        n = self.group["step"].shape[0]
-        if n == 0:
-            return [], [], np.zeros((0, *self.axes.shape))
-        steps = [int(s) for s in self.group["step"][:]]
-        paths = [str(p) for p in self.group["checkpoint"][:]]
-        values = np.asarray(self.group["loss"][:n], dtype=np.float64)
-        order = np.argsort(steps, kind="stable")
-        return [steps[i] for i in order], [paths[i] for i in order], values[order]
-
     # ------------------------------------------------------------------------------------------------ writes
 
     def drop_from(self, step: int) -> None:
@@ -337,6 +356,7 @@ class LossStore:
         aside, its steps evaluated again): the group is then written anew whole, its committed files linked into a
         temp folder with the new base, and swapped in (`store.format.atomic_dir`): the old commit or the new one."""
         zarr = _zarr()
+        grid = self._to_axes(grid, 1, undo=True)
         if "base_loss" in self.group:
             with fmt.atomic_dir(self.path) as tmp:
                 _link_committed(self.path, tmp, but="base_loss")
@@ -361,7 +381,7 @@ class LossStore:
         n = self.group["step"].shape[0]
         loss = self.group["loss"].with_config(WRITE)  # an all-NaN row is a file too (`store.loss_chunks`)
         loss.resize((n + 1, *self.axes.shape))
-        loss[n] = grid.astype("float32")
+        loss[n] = self._to_axes(grid, 1, undo=True).astype("float32")
         for name, value in (("step", step), ("checkpoint", checkpoint), ("lora_sha256", lora_sha256)):
             arr = self.group[name].with_config(WRITE)  # step 0, an empty sha (validation): files too
             arr.resize((n + 1,))
@@ -374,6 +394,24 @@ class LossStore:
 
 
 _PER_STEP = ("loss", "step", "checkpoint", "lora_sha256")  # the arrays with one chunk per step
+
+
+def _placement(group, axes: Axes) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """For each of `axes`' seeds and σ values, its index in the group's recorded axes (None: as recorded): the
+    group's order is layout, its coordinates say which row is which. An earlier release recorded evaluate's seeds
+    and σ in the configured order, and evaluate now computes them sorted (`EvaluateConfig.loss_axes`): such a
+    group is read and appended to by value. Axes that are not the same values in another order are taken as
+    recorded, by position (a validation curve's, whose settings do not hash its σ grid)."""
+    placed = []
+    for name, wanted in (("seed", axes.seeds), ("sigma", axes.sigmas)):
+        recorded = group[name][:].tolist()
+        if recorded == list(wanted) or sorted(recorded) != sorted(wanted):
+            placed.append(None)
+            continue
+        index = np.empty(len(wanted), dtype=np.int64)  # the k-th of equal values to the k-th (stable sorts)
+        index[np.argsort(wanted, kind="stable")] = np.argsort(recorded, kind="stable")
+        placed.append(index)
+    return placed[0], placed[1]
 
 
 def _create_base(group, grid: np.ndarray) -> None:
@@ -472,13 +510,22 @@ def recorded_steps(folder: str | Path, fingerprint: str) -> dict[int, str] | Non
     return _steps_of(Path(folder) / GROUP, fingerprint)
 
 
-def kept_steps(folder: str | Path, fingerprint: str) -> tuple[Path | None, dict[int, str] | None]:
-    """(the group kept aside beside `folder/losses.zarr` under this fingerprint that an open with `take_back` would
-    take first, its `recorded_steps`); (None, None) when there is none."""
+def kept_groups(folder: str | Path, fingerprint: str, axes: Axes | None = None) -> list[LossGroup]:
+    """The groups kept aside beside `folder/losses.zarr` (`losses.<fingerprint[:12]>[.N].zarr`) recorded under
+    exactly `fingerprint`, of a format read here and (with `axes`) these samples, every chunk intact (a damaged
+    one is never taken back), in the order an open with `take_back` tries them."""
+    found = []
     for kept in sorted(Path(folder).glob(f"losses.{fingerprint[:12]}*.zarr")):
-        if (steps := _steps_of(kept, fingerprint)) is not None:
-            return kept, steps
-    return None, None
+        try:
+            group = LossGroup(kept, axes)
+            attrs = group.group.attrs
+            if attrs.get("format") in _READS and attrs.get("fingerprint") == fingerprint and \
+                    (axes is None or [str(k) for k in group.group["sample"][:]] == list(axes.keys)):
+                _verify(group.group, kept)
+                found.append(group)
+        except Exception:  # noqa: BLE001 - a damaged kept group is left where it is, never taken back
+            continue
+    return found
 
 
 def _steps_of(path: Path, fingerprint: str) -> dict[int, str] | None:

@@ -36,7 +36,7 @@ from stages.evaluate.curves import pick_best
 from stages.evaluate.paired import paired, per_sample, signed
 from store import Store
 from store.io_errors import writing
-from store.loss_array import GROUP, Axes, LossStore, kept_steps, recorded_setting, recorded_steps
+from store.loss_array import GROUP, Axes, LossGroup, LossStore, kept_groups, recorded_setting, recorded_steps
 
 #: hashed evaluate settings (schemas/config.py declares which) that change the numbers in the array (the others
 #: only change the pictures); device and batch size are throughput: a change keeps the array. on_damaged changes
@@ -534,14 +534,21 @@ def redone(out: Path, fingerprint: str, checkpoints: list[tuple[int, Path]], sha
     while no checkpoint was; every one when a recorded step holds other weights now (`other_weights`). The line
     said "every checkpoint" where a kept group was taken back (none evaluated), and "1 of 3" where a step
     retrained with other weights set the array aside (all 3 evaluated)."""
-    where, recorded = out / GROUP, recorded_steps(out, fingerprint)
-    if recorded is None:  # these settings' group kept aside (settings A, B, then A again): taken back (`LossStore`)
-        where, recorded = kept_steps(out, fingerprint)
-    if recorded is None:
+    if recorded_steps(out, fingerprint) is not None:
+        group = LossGroup(out / GROUP)
+    else:  # these settings' group kept aside (settings A, B, then A again): taken back (`LossStore`)
+        group = next(iter(kept_groups(out, fingerprint)), None)
+    if group is None:
         return "evaluating every checkpoint again"
-    if other := other_weights(recorded, shas):  # as `_plan` decides: the recorded losses go aside
-        return (f"evaluating every checkpoint again (checkpoint step {', '.join(map(str, other))} holds other weights "
-                f"than the losses recorded in {where}, which are kept aside)")
+    if not _this_runs(group, checkpoints, shas):  # as `_plan` decides: aside, and this run's kept group back
+        if (back := this_runs_kept(out, fingerprint, checkpoints, shas)) is not None:
+            group = back
+        elif other := other_weights(group.steps(), shas):
+            return (f"evaluating every checkpoint again (checkpoint step {', '.join(map(str, other))} holds other "
+                    f"weights than the losses recorded in {group.path}, which are kept aside)")
+        else:
+            return f"evaluating every checkpoint again (the losses in {group.path} are another run's, kept aside)"
+    where, recorded = group.path, group.steps()
     todo = [step for step, _ in checkpoints if recorded.get(step) != shas[step]]
     n = len(checkpoints) - len(todo)
     kept = (f"the losses of {n} checkpoint{'s' if n != 1 else ''} in {where}"
@@ -706,8 +713,7 @@ def _losses_opened(run: _Evaluation, samples, fingerprint: str, settings: dict, 
     from models.collective import together
 
     ranks, cfg = run.ranks, run.cfg
-    axes = Axes([s.key for s in samples], [bucket_of(s) for s in samples], list(cfg.noise_seeds),
-                [float(t) for t in cfg.timesteps])
+    axes = Axes([s.key for s in samples], [bucket_of(s) for s in samples], *cfg.loss_axes)
     with together(ranks.world, "open the loss array"):
         losses = _open_losses(run.out, fingerprint, settings, earlier, axes, tables.versions()) if ranks.main else None
     return losses
@@ -970,15 +976,37 @@ def _plan(losses: LossStore, checkpoints: list[tuple[int, Path]], shas: dict[int
                    "is evaluated again")
     if losses.unchecked is not None and first:  # an array of an earlier release lacking a chunk of losses
         tqdm.write(losses.unchecked)
+    if not _this_runs(losses, checkpoints, shas):  # its numbers go aside; this run's kept ones come back
+        back = this_runs_kept(losses.path.parent, losses.fingerprint, checkpoints, shas, losses.axes)
+        losses.start_over("the run's checkpoints are not the ones evaluated before", back and back.path)
+        tqdm.write(f"{losses.aside_reason}: earlier losses kept in {losses.kept_aside}" +
+                   (f"; this run's are taken back from {losses.taken_back} (only checkpoints not in them are "
+                    "evaluated)" if back else ""))
     recorded = losses.steps()
-    if other_weights(recorded, shas) or _other_runs(losses, checkpoints) or _other_trainings(losses, checkpoints):
-        # a step recorded with other weights (another run trained into this folder), checkpoints of another run
-        # folder still on disk (this --out held another run's report), or of another training whose folder is
-        # gone (RUN trained afresh, its old checkpoints moved or deleted): its numbers go aside
-        losses.start_over("the run's checkpoints are not the ones evaluated before")
-        tqdm.write(f"{losses.aside_reason}: earlier losses kept in {losses.kept_aside}")
-        recorded = {}
     return [int(losses.has_base())] + [int(step not in recorded) for step, _ in checkpoints]
+
+
+def _this_runs(group: LossGroup, checkpoints: list[tuple[int, Path]], shas: dict[int, str]) -> bool:
+    """Are the losses in `group` this run's? Not when a step is recorded with other weights (another run trained
+    into this folder), or of another run folder still on disk (this --out held another run's report), or of
+    another training whose folder is gone (RUN trained afresh, its old checkpoints moved or deleted)."""
+    return not (other_weights(group.steps(), shas) or _other_runs(group, checkpoints)
+                or _other_trainings(group, checkpoints))
+
+
+def this_runs_kept(out: Path, fingerprint: str, checkpoints: list[tuple[int, Path]], shas: dict[int, str],
+                   axes: Axes | None = None) -> LossGroup | None:
+    """The group kept aside in OUT under these settings (and `axes`' samples) that is this run's (`_this_runs`)
+    and holds the most of its checkpoints with the same bytes; None when none holds one. Run A, run B, then A
+    again into one report folder: B set A's losses aside, and A's third run evaluated every checkpoint again
+    beside them (a kept group was taken back only for other settings); now they are taken back."""
+    best, most = None, 0
+    for kept in kept_groups(out, fingerprint, axes):
+        steps = kept.steps()
+        held = sum(1 for step, sha in shas.items() if steps.get(step) == sha)
+        if held > most and _this_runs(kept, checkpoints, shas):
+            best, most = kept, held
+    return best
 
 
 def _append_missing(ranks, losses: LossStore | None, checkpoints: list[tuple[int, Path]], shas: dict[int, str],
@@ -1003,7 +1031,7 @@ def _append_missing(ranks, losses: LossStore | None, checkpoints: list[tuple[int
                 plan = _plan(losses, checkpoints, shas, first)
     plan = ranks.from_main(plan)
     todo = sorted((c for c, flag in zip(checkpoints, plan[1:]) if flag), key=lambda c: c[0], reverse=True)
-    seeds, sigmas = list(cfg.noise_seeds), [float(t) for t in cfg.timesteps]
+    seeds, sigmas = cfg.loss_axes
     base, reused = None, False
     if not plan[0] and base_cache is not None:  # one decision of all ranks, rank 0's file
         reused, base = base_losses.agreed_reuse(ranks, *base_cache, (len(samples), len(seeds), len(sigmas), 3))
@@ -1067,7 +1095,7 @@ def other_weights(recorded: dict[int, str], shas: dict[int, str]) -> list[int]:
     return sorted(step for step, sha in shas.items() if recorded.get(step, sha) != sha)
 
 
-def _other_runs(losses: LossStore, checkpoints: list[tuple[int, Path]]) -> bool:
+def _other_runs(losses: LossGroup, checkpoints: list[tuple[int, Path]]) -> bool:
     """Does the array hold a checkpoint of another run folder that is still on disk? (One no longer on disk was
     pruned by this run, or the run folder moved: its numbers stay.)"""
     def run_of(path) -> Path:  # RUN/checkpoints/step-N/lora -> RUN
@@ -1076,11 +1104,11 @@ def _other_runs(losses: LossStore, checkpoints: list[tuple[int, Path]]) -> bool:
 
     steps_now = {step for step, _ in checkpoints}
     runs_now = {run_of(path) for _, path in checkpoints}
-    steps, paths, _ = losses.losses()
-    return any(step not in steps_now and Path(p).is_dir() and run_of(p) not in runs_now for step, p in zip(steps, paths))
+    return any(step not in steps_now and Path(p).is_dir() and run_of(p) not in runs_now
+               for step, p in losses.checkpoints().items())
 
 
-def _other_trainings(losses: LossStore, checkpoints: list[tuple[int, Path]]) -> bool:
+def _other_trainings(losses: LossGroup, checkpoints: list[tuple[int, Path]]) -> bool:
     """Was a recorded step trained by another training than every checkpoint on disk now? A step no longer on disk
     is a checkpoint this run pruned only when the same training wrote it: `pipeline run train --new-run` (or RUN
     deleted and trained again) with other settings keeps no checkpoint of the old run in RUN, and its steps
@@ -1122,8 +1150,7 @@ def _summary(losses: LossStore, samples, cfg: EvaluateConfig, fingerprint: str,
         raise UserError(f"no checkpoint in {losses.path} has a finite held-out loss; check the run's training loss")
     best_i, last_i = alive[best_i], alive[-1]
     protocol = single.protocol(cfg, samples).replace("LoRA off (base) and on", "LoRA off (base) and the best checkpoint")
-    loss = loss_summary({"base": base, "lora": grids[best_i]}, samples, list(cfg.noise_seeds),
-                        [float(t) for t in cfg.timesteps], protocol)
+    loss = loss_summary({"base": base, "lora": grids[best_i]}, samples, *cfg.loss_axes, protocol)
     loss["nonfinite_samples"] = nonfinite  # left out of every number (evaluate.on_nonfinite=skip)
 
     def point(i: int) -> dict:

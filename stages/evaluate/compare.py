@@ -87,6 +87,9 @@ def read_curves(path: str | Path, label: str) -> RunCurves:
     settings = dict(ds.attrs.get("settings", {}))
     if isinstance(settings.get("evaluate"), dict):  # an unset backend recorded before it was hashed as resolved
         settings["evaluate"] = as_resolved(settings["evaluate"], group.parent, dict(ds.attrs.get("settings", {})))
+        # seeds and σ are sets of rows (schemas/config.py `_A_SET_OF_ROWS`): recorded in another order, the same
+        settings["evaluate"] = {k: sorted(v) if k in ("noise_seeds", "timesteps") and isinstance(v, list) else v
+                                for k, v in settings["evaluate"].items()}
     loss = ds.loss.values.astype(np.float64)  # [step, sample, seed, sigma, region]
     base = ds.base_loss.values.astype(np.float64) if "base_loss" in ds else np.full(loss.shape[1:], np.nan)
     regions = [str(r) for r in ds.region.values]
@@ -107,8 +110,8 @@ def read_curves(path: str | Path, label: str) -> RunCurves:
         held_out={
             "store tables": settings.get("tables"),
             "val samples": [str(k) for k in ds.sample.values],
-            "noise seeds": [int(s) for s in ds.seed.values],
-            "σ grid": [float(s) for s in ds.sigma.values],
+            "noise seeds": sorted(int(s) for s in ds.seed.values),  # the array's order is layout (`_A_SET_OF_ROWS`)
+            "σ grid": sorted(float(s) for s in ds.sigma.values),
             # the same samples through another base model, dtype, LoRA scale or quantised base are not one scale
             "base model": settings.get("model_fingerprint"),
             # not on_damaged nor max_loss_samples: the samples they leave read are the val samples, compared above

@@ -117,7 +117,7 @@ def held_out_loss(transformer, samples: list[TrainSample], cfg: EvaluateConfig,
     for name, on in (("base", False), ("lora", True)):
         def compute(on=on, name=name):
             with lora_enabled(transformer, on):
-                return loss_grid(transformer, samples, list(cfg.noise_seeds), [float(t) for t in cfg.timesteps],
+                return loss_grid(transformer, samples, *cfg.loss_axes,
                                  cfg.batch_size, desc=f"held-out loss ({name})", load=load)
 
         shape = (len(samples), len(cfg.noise_seeds), len(cfg.timesteps), 3)
@@ -126,8 +126,8 @@ def held_out_loss(transformer, samples: list[TrainSample], cfg: EvaluateConfig,
         if name == "base":  # a non-finite base loss = bad stored features (on_nonfinite=stop names them): stop
             finite_samples(samples, grids, cfg)  # before the LoRA pass, as --all-checkpoints does
     kept, nonfinite = finite_samples(samples, grids, cfg)
-    result = loss_summary({m: g[kept] for m, g in grids.items()}, [samples[i] for i in kept], list(cfg.noise_seeds),
-                          [float(t) for t in cfg.timesteps], protocol(cfg, samples))
+    result = loss_summary({m: g[kept] for m, g in grids.items()}, [samples[i] for i in kept], *cfg.loss_axes,
+                          protocol(cfg, samples))
     result["nonfinite_samples"] = nonfinite  # left out of every mean (evaluate.on_nonfinite=skip)
     # did training help: paired over the val samples (same noise and σ for both), ± its standard error
     result["lora_minus_base"] = paired(per_sample(grids["lora"][kept]), per_sample(grids["base"][kept]))
@@ -136,8 +136,8 @@ def held_out_loss(transformer, samples: list[TrainSample], cfg: EvaluateConfig,
 
 def protocol(cfg: EvaluateConfig, samples: list[TrainSample]) -> str:
     return (
-        f"flow-matching loss on {len(samples)} val samples x noise seeds {list(cfg.noise_seeds)} x σ "
-        f"{list(cfg.timesteps)}; the trainer's flow_loss, LoRA off (base) and on (scale {cfg.lora_scale}); "
+        f"flow-matching loss on {len(samples)} val samples x noise seeds {cfg.loss_axes[0]} x σ "
+        f"{cfg.loss_axes[1]}; the trainer's flow_loss, LoRA off (base) and on (scale {cfg.lora_scale}); "
         "per sample averaged over its target tokens, then over samples"
     )
 

@@ -498,6 +498,45 @@ def test_another_runs_checkpoints_in_the_same_report_folder_start_a_new_array(ru
     assert len(kept) == 1 and sorted(xr.open_zarr(kept[0]).step.values) == [10, 20, 30]
 
 
+def test_going_back_to_an_earlier_run_takes_its_kept_losses_back(run_and_store, tiny_edit_model, tmp_path,
+                                                                 monkeypatch, capsys):
+    """Run A, run B, then A again into the same --out, one setting throughout: B kept A's array aside (its
+    checkpoints are another run's), and the third run kept B's aside and evaluated A's three checkpoints and the
+    base from scratch, A's numbers lying beside it (a take-back was only looked for when the settings differed).
+    Now it takes A's array back: nothing evaluated, the numbers a fresh evaluation gives."""
+    import shutil
+
+    from test_evaluate_checkpoints_base_cache import _counting
+
+    out, a = tmp_path / "report", _ckpts(run_and_store)
+    b_run = tmp_path / "b" / "checkpoints"
+    for new, old in ((40, 30), (50, 10)):
+        shutil.copytree(run_and_store / "run" / "checkpoints" / f"step-{old}", b_run / f"step-{new}")
+    b = [(s, b_run / f"step-{s}" / "lora") for s in (40, 50)]
+    cfg, store = EvaluateConfig(**CFG), run_and_store / "store"
+    first = ev.run(cfg, store, tiny_edit_model, a, out)
+    assert ev.run(cfg, store, tiny_edit_model, b, out).evaluated == 2
+    passes = _counting(monkeypatch)
+    capsys.readouterr()
+    again = ev.run(cfg, store, tiny_edit_model, a, out, skip_if_done=True)
+    assert again.evaluated == 0 and passes == [], passes
+    said = capsys.readouterr().out
+    assert "this run's are taken back from" in said, said
+    # the line saying why names what it costs, as `_plan` then does: nothing
+    assert re.search(r"writing the report again \(the losses of 3 checkpoints in \S+losses\.[0-9a-f]{12}(\.\d+)?\.zarr, "
+                     r"taken back, kept: no checkpoint evaluated again\)", said), said
+    assert again.metrics["checkpoints"]["steps"] == [10, 20, 30]
+    fresh = ev.run(cfg, store, tiny_edit_model, a, tmp_path / "fresh")
+    kept, computed = (xr.open_zarr(o / GROUP).sortby("step") for o in (out, tmp_path / "fresh"))
+    for name in ("loss", "base_loss"):
+        np.testing.assert_array_equal(kept[name].values, computed[name].values)
+    assert again.metrics["checkpoints"]["per_step"] == fresh.metrics["checkpoints"]["per_step"] == \
+        first.metrics["checkpoints"]["per_step"]
+    # B's array kept in turn: B again takes it back too, and no copies pile up
+    assert ev.run(cfg, store, tiny_edit_model, b, out, skip_if_done=True).evaluated == 0
+    assert len(list(out.glob("losses.*.zarr"))) == 1
+
+
 def test_a_run_trained_afresh_into_the_same_folder_does_not_inherit_the_old_runs_steps(run_and_store,
                                                                                      tiny_edit_model, tmp_path):
     """RUN (steps 10-30, learning rate A) evaluated into REPORT; then `pipeline run train --new-run` (or RUN deleted)
