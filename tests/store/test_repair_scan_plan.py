@@ -1,8 +1,19 @@
 """`store repair`'s scan of one version (store/repair.py `scan_table`) names the same samples, shards and derived
-files as the rule it had before its shard set was built once (bench/repair_scan.py: that rule rebuilt the set of
-every sample's shard for each checksums.json entry, O(shards x samples): minutes at 1M samples)."""
+files as the rules it had before:
+- before its shard set was built once (bench/repair_scan.py: that rule rebuilt the set of every sample's shard for
+  each checksums.json entry, O(shards x samples): minutes at 1M samples);
+- before a shard whose whole file matched its checksums.json entry was trusted whole: every sample of every shard
+  was read and checksummed again after the whole-file pass (every byte of the version read twice: hours of I/O at
+  1M samples of latents). That rule is the scan with no shard trusted whole (`_as_written` empty), compared here
+  on each kind of damage."""
 
 from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import crc32c
+import pytest
 
 from damage import flip_bit, sample_byte
 from store import Store
@@ -44,3 +55,115 @@ def test_scan_names_damaged_samples_shards_and_derived_files(store: Store) -> No
     assert plan.intact_shards == [s for s in shards if s != bad_shard]
     assert plan.copied == [k for k, s in zip(keys, shard_col) if s == bad_shard and k != bad_key]
     assert plan.needs_repair
+
+
+# ---------------------------------------------------------------- each shard's bytes read once
+
+
+class Hashed:
+    """Bytes through CRC32C while the block runs: the scan reads a shard's bytes only to checksum them (the whole
+    file, then a sample's range), by read, pread or its map alike (a map's reads pass no read call, so the
+    kernel's rchar would not see them)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.nbytes = 0
+        real = crc32c.crc32c
+
+        def counted(data, value=0):
+            self.nbytes += memoryview(data).nbytes
+            return real(data, value)
+
+        monkeypatch.setattr(crc32c, "crc32c", counted)
+
+
+def _version_bytes(vdir: Path) -> tuple[int, int]:
+    """(the shard files' bytes, what the scan checksums of the other files) of a version: each once, and
+    checksums.json once more (its seal, checked again by the scan's reader: a few kB, ~4 MB at 1M samples)."""
+    files = [p for p in vdir.iterdir() if p.is_file()]
+    tars = sum(p.stat().st_size for p in files if p.name.endswith(".tar"))
+    return tars, sum(p.stat().st_size for p in files) - tars + (vdir / fmt.CHECKSUMS).stat().st_size
+
+
+def _sample_bytes(store: Store, shard: str) -> int:
+    with store.reader("vae", on_damaged="skip") as r:
+        m = r.manifest
+    return sum(n for s, n in zip(m.column("shard").to_pylist(), m.column("sample_nbytes").to_pylist()) if s == shard)
+
+
+def test_an_intact_store_is_read_once(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    fill(store, 30)
+    vdir = store.version_dir("vae", 1)
+    tars, others = _version_bytes(vdir)
+    hashed = Hashed(monkeypatch)
+
+    plan = repair.scan_table(store.root, "vae", 1, progress=False)
+
+    assert not plan.needs_repair and plan.samples == 30
+    assert hashed.nbytes == tars + others  # before: every sample's bytes a second time (+124 kB here)
+
+
+def test_only_the_damaged_shards_samples_are_read_again(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    fill(store, 30)
+    vdir = store.version_dir("vae", 1)
+    with store.reader("vae") as r:
+        key = r.keys()[7]
+    path, pos = sample_byte(store.root, "vae", key)
+    flip_bit(path, pos, 2)
+    tars, others = _version_bytes(vdir)
+    hashed = Hashed(monkeypatch)
+
+    plan = repair.scan_table(store.root, "vae", 1, progress=False)
+
+    assert list(plan.damaged) == [key] and path.name not in plan.intact_shards
+    assert hashed.nbytes == tars + others + _sample_bytes(store, path.name)
+
+
+# ---------------------------------------------------------------- the same plan as every sample read again
+
+
+def _damage(store: Store, kind: str) -> None:
+    vdir = store.version_dir("vae", 1)
+    tars = sorted(vdir.glob("*.tar"))
+    with store.reader("vae") as r:
+        keys = r.keys()
+    if kind == "sample":  # one byte of one sample's tensor
+        flip_bit(*sample_byte(store.root, "vae", keys[5]), 1)
+    elif kind == "header":  # one sample's tar header
+        flip_bit(*sample_byte(store.root, "vae", keys[9], "<header>", 20), 0)
+    elif kind == "between":  # the shard's end-of-archive blocks: no sample's bytes, the file's CRC only
+        flip_bit(tars[1], tars[1].stat().st_size - 10, 5)
+    elif kind == "truncated":
+        with open(tars[2], "r+b") as f:
+            f.truncate(tars[2].stat().st_size // 2)
+    elif kind == "deleted":
+        tars[0].unlink()
+    elif kind == "grown":  # bytes appended: every sample intact, the shard carried as its recorded bytes
+        with open(tars[1], "ab") as f:
+            f.write(b"\0" * 1024)
+    elif kind == "index":
+        index = sorted(vdir.glob("*" + INDEX))[1]
+        flip_bit(index, index.stat().st_size // 2, 3)
+    elif kind == "manifest":  # rebuilt from the indexes, and a sample damaged too
+        flip_bit(*sample_byte(store.root, "vae", keys[12]), 6)
+        flip_bit(vdir / fmt.MANIFEST, (vdir / fmt.MANIFEST).stat().st_size // 2, 3)
+    elif kind == "several":
+        flip_bit(*sample_byte(store.root, "vae", keys[3]), 1)
+        flip_bit(*sample_byte(store.root, "vae", keys[20], "target.png"), 4)
+        tars[-1].unlink()
+    else:
+        assert kind == "none"
+
+
+@pytest.mark.parametrize("kind", ["none", "sample", "header", "between", "truncated", "deleted", "grown", "index",
+                                  "manifest", "several"])
+def test_the_plan_is_the_one_every_sample_read_gives(store: Store, monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
+    fill(store, 30)
+    _damage(store, kind)
+
+    plan = dataclasses.asdict(repair.scan_table(store.root, "vae", 1, progress=False))
+    with monkeypatch.context() as m:
+        m.setattr(repair, "_as_written", lambda manifest, sums: set())  # no shard trusted whole: the rule before
+        before = dataclasses.asdict(repair.scan_table(store.root, "vae", 1, progress=False))
+
+    assert plan == before
+    assert (kind == "none") != repair.scan_table(store.root, "vae", 1, progress=False).needs_repair
