@@ -1,8 +1,10 @@
 """`pipeline store repair STORE [--dry-run]`: recompute exactly the damaged samples into a new version.
 
 Per table (current version v<N>, in the order the caller gives: images, text, vae):
-  1. scan: every sample's bytes against their checksum, every shard file against checksums.json (a full read,
-     as `store verify`); a damaged manifest is rebuilt from the intact per-shard indexes;
+  1. scan: every shard file against checksums.json (a full read, as `store verify`), and the samples of the
+     shards that fail it each against its own checksum (which are still intact); a shard that passes holds the
+     very bytes its samples' checksums were taken of, so they are not read twice; a damaged manifest is rebuilt
+     from the intact per-shard indexes;
   2. mark v<N> damaged (`<table>/v<N>.damaged.json`, outside the immutable folder): `find_version` never
      reuses it, so the producing stage no longer calls it "up to date";
   3. open a writer with v<N>'s exact schema (a new v<M>, or the one a killed repair left): intact shards are
@@ -194,26 +196,27 @@ def scan_table(root: Path, table: str, version: int, progress: bool = True) -> T
 
 def _as_written(manifest: pa.Table, sums: dict | None) -> set[str]:
     """The shards whose samples need no read of their own once the whole file matches its checksums.json entry:
-    the entry is the CRC32C the writer took of the bytes as it wrote them (the manifest's `shard_crc32c`, equal to
-    it), and every row's sample range lies inside the recorded size. Not listed (so read sample by sample, as before): a format-1 version (no checksums.json), a shard
-    whose entry was taken at commit from a file on disk (a format-1 shard resumed: no `shard_crc32c`), a row whose
-    range the file cannot hold. A 32-bit CRC of the whole file misses damage as rarely as each sample's does."""
+    that entry is the CRC32C the writer took of the shard as it wrote it (the manifest's `shard_crc32c`, equal to
+    it), so a match means the bytes each sample's CRC was taken of, with the same guarantee (every flipped bit,
+    every burst up to 32 bits; other damage missed once in 2^32); and every row's sample range lies inside the
+    recorded size (the only thing the per-sample read checked beyond the CRC). Read sample by sample, as before:
+    a format-1 version (no checksums.json), a shard whose entry was measured from the file at commit (one a
+    format-1 writer began: no `shard_crc32c`), rows that disagree about their shard, a range the file cannot hold."""
     import pyarrow.compute as pc
 
     if sums is None or manifest.num_rows == 0 or "shard_crc32c" not in manifest.column_names:
         return set()
-    small = manifest.select(["shard", "shard_crc32c", "shard_nbytes"])
-    # grouped in Arrow: a million rows one by one in Python cost seconds
-    recorded = small.group_by(small.column_names).aggregate([]).to_pylist()
-    per_shard: dict[str, list] = {}
-    for r in recorded:
-        per_shard.setdefault(r["shard"], []).append(r)
-    ends = pc.add(manifest.column("sample_offset"), manifest.column("sample_nbytes"))
-    outside = pc.or_(pc.less(manifest.column("sample_offset"), 0), pc.greater(ends, manifest.column("shard_nbytes")))
-    bad = set(pc.unique(manifest.column("shard").filter(outside)).to_pylist())
-    return {s for s, (r, *more) in per_shard.items()
-            if not more and s not in bad and (want := sums.get(s)) is not None
-            and r["shard_crc32c"] is not None and (r["shard_crc32c"], r["shard_nbytes"]) == (want["crc32c"], want["nbytes"])}
+    # in Arrow: a million rows one by one in Python cost seconds
+    recorded: dict[str, list[tuple]] = {}
+    for r in manifest.select(["shard", "shard_crc32c", "shard_nbytes"]).group_by(
+            ["shard", "shard_crc32c", "shard_nbytes"]).aggregate([]).to_pylist():
+        recorded.setdefault(r["shard"], []).append((r["shard_crc32c"], r["shard_nbytes"]))
+    start, end = manifest.column("sample_offset"), pc.add(manifest.column("sample_offset"),
+                                                          manifest.column("sample_nbytes"))
+    outside = pc.or_(pc.less(start, 0), pc.greater(end, manifest.column("shard_nbytes")))
+    cannot_hold = set(pc.unique(manifest.column("shard").filter(outside)).to_pylist())
+    return {s for s, entries in recorded.items() if s not in cannot_hold and s in sums
+            and entries == [(sums[s]["crc32c"], sums[s]["nbytes"])]}
 
 
 def _grown_intact(path: Path, want: dict) -> bool:
