@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-import crc32c
 import pytest
 
 from damage import flip_bit, sample_byte
@@ -20,6 +19,7 @@ from store import Store
 from store import format as fmt
 from store import integrity, repair
 from store.checksum import file_crc
+from scan_reads import DAMAGE, Hashed, damage
 from store_samples import fill
 
 INDEX = ".index.parquet"
@@ -58,22 +58,6 @@ def test_scan_names_damaged_samples_shards_and_derived_files(store: Store) -> No
 
 
 # ---------------------------------------------------------------- each shard's bytes read once
-
-
-class Hashed:
-    """Bytes through CRC32C while the block runs: the scan reads a shard's bytes only to checksum them (the whole
-    file, then a sample's range), by read, pread or its map alike (a map's reads pass no read call, so the
-    kernel's rchar would not see them)."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.nbytes = 0
-        real = crc32c.crc32c
-
-        def counted(data, value=0):
-            self.nbytes += memoryview(data).nbytes
-            return real(data, value)
-
-        monkeypatch.setattr(crc32c, "crc32c", counted)
 
 
 def _version_bytes(vdir: Path) -> tuple[int, int]:
@@ -121,44 +105,10 @@ def test_only_the_damaged_shards_samples_are_read_again(store: Store, monkeypatc
 # ---------------------------------------------------------------- the same plan as every sample read again
 
 
-def _damage(store: Store, kind: str) -> None:
-    vdir = store.version_dir("vae", 1)
-    tars = sorted(vdir.glob("*.tar"))
-    with store.reader("vae") as r:
-        keys = r.keys()
-    if kind == "sample":  # one byte of one sample's tensor
-        flip_bit(*sample_byte(store.root, "vae", keys[5]), 1)
-    elif kind == "header":  # one sample's tar header
-        flip_bit(*sample_byte(store.root, "vae", keys[9], "<header>", 20), 0)
-    elif kind == "between":  # the shard's end-of-archive blocks: no sample's bytes, the file's CRC only
-        flip_bit(tars[1], tars[1].stat().st_size - 10, 5)
-    elif kind == "truncated":
-        with open(tars[2], "r+b") as f:
-            f.truncate(tars[2].stat().st_size // 2)
-    elif kind == "deleted":
-        tars[0].unlink()
-    elif kind == "grown":  # bytes appended: every sample intact, the shard carried as its recorded bytes
-        with open(tars[1], "ab") as f:
-            f.write(b"\0" * 1024)
-    elif kind == "index":
-        index = sorted(vdir.glob("*" + INDEX))[1]
-        flip_bit(index, index.stat().st_size // 2, 3)
-    elif kind == "manifest":  # rebuilt from the indexes, and a sample damaged too
-        flip_bit(*sample_byte(store.root, "vae", keys[12]), 6)
-        flip_bit(vdir / fmt.MANIFEST, (vdir / fmt.MANIFEST).stat().st_size // 2, 3)
-    elif kind == "several":
-        flip_bit(*sample_byte(store.root, "vae", keys[3]), 1)
-        flip_bit(*sample_byte(store.root, "vae", keys[20], "target.png"), 4)
-        tars[-1].unlink()
-    else:
-        assert kind == "none"
-
-
-@pytest.mark.parametrize("kind", ["none", "sample", "header", "between", "truncated", "deleted", "grown", "index",
-                                  "manifest", "several"])
+@pytest.mark.parametrize("kind", DAMAGE)
 def test_the_plan_is_the_one_every_sample_read_gives(store: Store, monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
     fill(store, 30)
-    _damage(store, kind)
+    damage(store, kind)
 
     plan = dataclasses.asdict(repair.scan_table(store.root, "vae", 1, progress=False))
     with monkeypatch.context() as m:
