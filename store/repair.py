@@ -1,8 +1,10 @@
 """`pipeline store repair STORE [--dry-run]`: recompute exactly the damaged samples into a new version.
 
 Per table (current version v<N>, in the order the caller gives: images, text, vae):
-  1. scan: every sample's bytes against their checksum, every shard file against checksums.json (a full read,
-     as `store verify`); a damaged manifest is rebuilt from the intact per-shard indexes;
+  1. scan: every shard file against checksums.json (a full read, as `store verify`), and the samples of the
+     shards that fail it each against its own checksum (which are still intact); a shard that passes holds the
+     very bytes its samples' checksums were taken of, so they are not read twice; a damaged manifest is rebuilt
+     from the intact per-shard indexes;
   2. mark v<N> damaged (`<table>/v<N>.damaged.json`, outside the immutable folder): `find_version` never
      reuses it, so the producing stage no longer calls it "up to date";
   3. open a writer with v<N>'s exact schema (a new v<M>, or the one a killed repair left): intact shards are
@@ -156,16 +158,27 @@ def scan_table(root: Path, table: str, version: int, progress: bool = True) -> T
     shards_with_damage: set[str] = set(reader.bad_shards)
     shard_col = reader.manifest.column("shard").to_pylist()
     shards = set(shard_col)  # once: rebuilt per checksums entry, it made the scan O(shards x samples)
-    for shard in sorted(shards - shards_with_damage):  # whole-file check: damage between samples too
-        want = sums.get(shard) if sums is not None else None
-        if want is not None and file_crc(vdir / shard) != (want["crc32c"], want["nbytes"]):
-            shards_with_damage.add(shard)
+    as_written = _as_written(manifest, sums)
+    read_once: set[str] = set()  # shards whose whole file matched, of those
+    listed = [(s, sums[s]) for s in sorted(shards - shards_with_damage) if sums is not None and s in sums]
+    # the scan's long part at scale (every byte of the version): its own bar, in bytes, as verify's
+    with tqdm(total=sum(int(want["nbytes"]) for _, want in listed), desc=f"checksum {table}/v{version}", unit="B",
+              unit_scale=True, unit_divisor=1024, disable=not progress or not listed, dynamic_ncols=True) as bar:
+        for shard, want in listed:  # whole-file check: damage between samples too
+            if file_crc(vdir / shard) != (want["crc32c"], want["nbytes"]):
+                shards_with_damage.add(shard)
+            elif shard in as_written:
+                read_once.add(shard)
+            bar.update(int(want["nbytes"]))
     keys = reader.keys()
-    for i, shard in enumerate(tqdm(shard_col, desc=f"scan {table}/v{version}", unit="sample", disable=not progress)):
+    # Only the samples of shards not shown intact whole are read again, to tell their intact samples from the
+    # damaged: a shard whose file is its CRC's bytes holds exactly the bytes each sample's CRC was taken of.
+    rows = [i for i, s in enumerate(shard_col) if s not in read_once]
+    for i in tqdm(rows, desc=f"scan {table}/v{version}", unit="sample", disable=not progress or not rows):
         problem = reader.damaged_at(i)  # by row: no key lookup per sample
         if problem is not None:
             plan.damaged[keys[i]] = problem
-            shards_with_damage.add(shard)
+            shards_with_damage.add(shard_col[i])
     for shard in sorted(shards_with_damage - {s for k, s in zip(keys, shard_col) if k in plan.damaged}):
         want = sums.get(shard) if sums is not None else None
         if want is not None and _grown_intact(vdir / shard, want):
@@ -179,6 +192,31 @@ def scan_table(root: Path, table: str, version: int, progress: bool = True) -> T
     plan.intact_shards = sorted(shards - shards_with_damage - set(plan.trimmed))
     reader.close()
     return plan
+
+
+def _as_written(manifest: pa.Table, sums: dict | None) -> set[str]:
+    """The shards whose samples need no read of their own once the whole file matches its checksums.json entry:
+    that entry is the CRC32C the writer took of the shard as it wrote it (the manifest's `shard_crc32c`, equal to
+    it), so a match means the bytes each sample's CRC was taken of, with the same guarantee (every flipped bit,
+    every burst up to 32 bits; other damage missed once in 2^32); and every row's sample range lies inside the
+    recorded size (the only thing the per-sample read checked beyond the CRC). Read sample by sample, as before:
+    a format-1 version (no checksums.json), a shard whose entry was measured from the file at commit (one a
+    format-1 writer began: no `shard_crc32c`), rows that disagree about their shard, a range the file cannot hold."""
+    import pyarrow.compute as pc
+
+    if sums is None or manifest.num_rows == 0 or "shard_crc32c" not in manifest.column_names:
+        return set()
+    # in Arrow: a million rows one by one in Python cost seconds
+    recorded: dict[str, list[tuple]] = {}
+    for r in manifest.select(["shard", "shard_crc32c", "shard_nbytes"]).group_by(
+            ["shard", "shard_crc32c", "shard_nbytes"]).aggregate([]).to_pylist():
+        recorded.setdefault(r["shard"], []).append((r["shard_crc32c"], r["shard_nbytes"]))
+    start, end = manifest.column("sample_offset"), pc.add(manifest.column("sample_offset"),
+                                                          manifest.column("sample_nbytes"))
+    outside = pc.or_(pc.less(start, 0), pc.greater(end, manifest.column("shard_nbytes")))
+    cannot_hold = set(pc.unique(manifest.column("shard").filter(outside)).to_pylist())
+    return {s for s, entries in recorded.items() if s not in cannot_hold and s in sums
+            and entries == [(sums[s]["crc32c"], sums[s]["nbytes"])]}
 
 
 def _grown_intact(path: Path, want: dict) -> bool:

@@ -7,7 +7,9 @@ every shard and index), files it does not list (but shard files of no shard the 
 was killed before indexing, which `store gc` removes), temp files left by killed writes; schema valid, manifest columns
 present, keys valid and unique, and each manifest row against its bytes (sample checksum, tar members named
 after the key, safetensors header agreeing with the recorded dtype/shape/offset of every tensor, file members at
-their recorded offsets). Format-1 versions (no checksums.json) get the sha256 checks they always had.
+their recorded offsets). Format-1 versions (no checksums.json) get the sha256 checks they always had. A shard whose
+file matched the CRC32C its writer took (`_as_written`) is read once: its samples' checksums held with the file's,
+so only the headers the row checks compare are read again (a few hundred bytes a sample, not the sample).
 
 A store or version that a newer release wrote (a later format in its intact store.json, checksums.json or
 schema.json: `schemas.newer`) is refused whole with `WrittenByNewer`, the one error verify raises: it is not this
@@ -23,6 +25,7 @@ import functools
 import hashlib
 import json
 import math
+import os
 import struct
 import tarfile
 from pathlib import Path
@@ -100,15 +103,18 @@ def _one_line(problem: str) -> str:
 
 
 def _file_problems(vdir: Path, name: str, sums: dict[str, dict[str, Any]], shards: set[str],
-                   progress: bool = True) -> list[str]:
-    """`shards`: those the manifest names (each must be listed); a shard file of none of them is no file of the
-    version (`integrity.unreferenced_shard_file`: `store gc` removes it)."""
+                   progress: bool = True) -> tuple[list[str], set[str]]:
+    """(problem lines, the listed files that match their entry). `shards`: those the manifest names (each must be
+    listed); a shard file of none of them is no file of the version (`integrity.unreferenced_shard_file`: `store
+    gc` removes it)."""
     problems = [f"{name}/{s}: named by the manifest, not listed in {fmt.CHECKSUMS}"
                 for s in sorted(shards - sums.keys())]
-    # every byte of the version is read here, as long again as the per-shard pass: its own bar, in bytes
+    # every byte of the version is read here (the per-shard pass then reads again only the samples of shards that
+    # fail, and the headers of the others): the long part, its own bar, in bytes
     with tqdm(total=sum(int(e["nbytes"]) for e in sums.values()), desc=f"checksum {name}", unit="B",
               unit_scale=True, unit_divisor=1024, disable=not progress, dynamic_ncols=True) as bar:
-        problems += _each_file(vdir, name, sums, bar)
+        found, intact = _each_file(vdir, name, sums, bar)
+        problems += found
     for p in sorted(vdir.iterdir()):
         if p.name in sums or p.name == fmt.CHECKSUMS or is_cache_file(p.name) or \
                 integrity.unreferenced_shard_file(p.name, shards) is not None:
@@ -117,16 +123,21 @@ def _file_problems(vdir: Path, name: str, sums: dict[str, dict[str, Any]], shard
             problems.append(f"{name}/{p.name}: {LITTER_NOTE}")
         else:
             problems.append(f"{name}/{p.name}: not listed in {fmt.CHECKSUMS}")
-    return problems
+    return problems, intact
 
 
-def _each_file(vdir: Path, name: str, sums: dict[str, dict[str, Any]], bar: tqdm) -> list[str]:
-    """Each file `sums` lists against its size and CRC32C (the bar advanced by its recorded size)."""
+def _each_file(vdir: Path, name: str, sums: dict[str, dict[str, Any]], bar: tqdm) -> tuple[list[str], set[str]]:
+    """Each file `sums` lists against its size and CRC32C (the bar advanced by its recorded size): (problem lines,
+    the files that match)."""
     problems: list[str] = []
+    intact: set[str] = set()
     for fname, entry in sorted(sums.items()):
-        problems += _file_problem(vdir / fname, f"{name}/{fname}", entry)
+        found = _file_problem(vdir / fname, f"{name}/{fname}", entry)
+        problems += found
+        if not found:
+            intact.add(fname)
         bar.update(int(entry["nbytes"]))
-    return problems
+    return problems, intact
 
 
 def _file_problem(path: Path, name: str, entry: dict[str, Any]) -> list[str]:
@@ -153,20 +164,21 @@ def verify_version(vdir: Path, name: str, progress: bool = True, objects: Object
         sums = None
     if objects is None:
         found, by_shard = read_manifest_pass(vdir, name, sums)
-        problems += _file_problems(vdir, name, sums, set(by_shard), progress) if sums is not None else []
-        problems += found
+        files, intact = _file_problems(vdir, name, sums, set(by_shard), progress) if sums is not None else ([], set())
+        problems += files + found
         # in name order: `by_shard` reads a group of shards' rows at a time (store/verify_manifest.py)
         for shard in tqdm(by_shard, desc=f"verify {name}", unit="shard", disable=not progress):
             try:
                 srows, bad = shard_rows(by_shard[shard], name)
                 problems += bad
-                problems += _check_shard(vdir / shard, f"{name}/{shard}", srows, whole_file_checked=sums is not None)
+                problems += _check_shard(vdir / shard, f"{name}/{shard}", srows, whole_file_checked=sums is not None,
+                                         as_written=shard in intact and _as_written(srows, sums[shard]))
             except Exception as e:  # noqa: BLE001 - a manifest with nonsense values is a problem line
                 problems.append(f"{name}/{shard}: cannot be checked ({type(e).__name__}: {e})")
         return problems
     local = {n: e for n, e in (sums or {}).items() if n in REMOTE_METADATA}
     found, by_shard = read_manifest_pass(vdir, name, sums)
-    problems += _file_problems(vdir, name, local, set(), progress=False) if sums is not None else []
+    problems += _file_problems(vdir, name, local, set(), progress=False)[0] if sums is not None else []
     return problems + found + objects(name, sums, by_shard)
 
 
@@ -197,7 +209,17 @@ def _check_columns(r: dict[str, Any], schema_version: int, name: str) -> list[st
     return []
 
 
-def _check_shard(path: Path, name: str, rows: list[dict[str, Any]], whole_file_checked: bool = False) -> list[str]:
+def _as_written(rows: list[dict[str, Any]], entry: dict[str, Any]) -> bool:
+    """Does the shard's checksums.json entry hold the CRC32C its writer took as it wrote it (each row's
+    `shard_crc32c`; a format-1 shard resumed by format-2 code was measured at commit instead)? Then a file that
+    matches it holds the very bytes its samples' CRCs were taken of (store/repair.py `_as_written`)."""
+    return bool(rows) and all(r.get("shard_crc32c") == entry["crc32c"] for r in rows)
+
+
+def _check_shard(path: Path, name: str, rows: list[dict[str, Any]], whole_file_checked: bool = False,
+                 as_written: bool = False) -> list[str]:
+    """`as_written`: the file matched the CRC32C its writer took (`_as_written`): its samples' bytes are not read
+    again, only the tar and safetensors headers the row checks compare with the manifest."""
     if (problem := fetch_problem(path)) is not None:
         return [f"{name}: {problem}"]  # evicted since the file check, and now cannot be fetched
     if not path.is_file():
@@ -217,24 +239,41 @@ def _check_shard(path: Path, name: str, rows: list[dict[str, Any]], whole_file_c
                 problems.append(f"{name}: sha256 mismatch (recorded {sha[:12]}…, found {h.hexdigest()[:12]}…): shard is corrupt")
         for r in rows:
             try:
-                problems += [f"{name}: key {r['key']}: {p}" for p in _check_row(f, size, r)]
+                problems += [f"{name}: key {r['key']}: {p}" for p in _check_row(f, size, r, as_written)]
             except Exception as e:  # noqa: BLE001
                 problems.append(f"{name}: key {r.get('key')!r}: cannot be checked ({type(e).__name__}: {e})")
     return problems
 
 
-def _check_row(f: Any, size: int, r: dict[str, Any]) -> list[str]:
+def _check_row(f: Any, size: int, r: dict[str, Any], as_written: bool = False) -> list[str]:
     start, n = r["sample_offset"], r["sample_nbytes"]
     if start < 0 or start + n > size:
         return [f"sample bytes [{start}, {start + n}) lie outside the shard"]
+    if as_written:  # its CRC held over the whole file: the headers alone, read where the checks look
+        return check_sample(_Pread(f.fileno(), start, n), r, crc=False)
     f.seek(start)
     return check_sample(f.read(n), r)
 
 
-def check_sample(data: bytes, r: dict[str, Any]) -> list[str]:
-    """The problems of one manifest row's sample bytes `data` (read at its `sample_offset`)."""
+class _Pread:
+    """A sample's `n` bytes at `start` of a file, read only where sliced (a tar header, a safetensors header)."""
+
+    def __init__(self, fd: int, start: int, n: int) -> None:
+        self.fd, self.start, self.n = fd, start, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, part: slice) -> bytes:
+        a, b, _ = part.indices(self.n)
+        return os.pread(self.fd, max(0, b - a), self.start + a)
+
+
+def check_sample(data: Any, r: dict[str, Any], crc: bool = True) -> list[str]:
+    """The problems of one manifest row's sample bytes `data` (read at its `sample_offset`; bytes, or anything
+    sliced as bytes are). `crc=False`: their checksum is known to hold (their whole shard's did)."""
     start = r["sample_offset"]
-    bad = integrity.sample_problem(data, r)
+    bad = integrity.sample_problem(data, r) if crc else None
     if bad is not None:
         return [f"sample bytes are damaged ({bad})"]
     members = _members(data, start)

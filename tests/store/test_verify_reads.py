@@ -1,0 +1,61 @@
+"""`store verify` reads a shard's samples again only when the shard fails its whole-file CRC32C: one that matches
+the CRC its writer took holds the very bytes its samples' CRCs were taken of. The checks of the manifest against
+the bytes (tar members named after the key, files and tensors at their recorded offsets, safetensors headers)
+still run, on the headers alone. Before, every sample was read and checksummed again after the whole-file pass."""
+
+from __future__ import annotations
+
+import pyarrow.parquet as pq
+import pytest
+
+from scan_reads import DAMAGE, Hashed, damage
+from store import Store
+from store import format as fmt
+from store import verify
+from store_samples import fill
+
+
+def test_an_intact_version_is_read_once(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    fill(store, 30)
+    vdir = store.version_dir("vae", 1)
+    files = sum(p.stat().st_size for p in vdir.iterdir() if p.is_file())
+    hashed = Hashed(monkeypatch)
+
+    assert verify.verify_version(vdir, "vae/v1", progress=False) == []
+
+    # every file once, schema.json once more (the manifest pass checks it before parsing it: 1 kB)
+    assert hashed.nbytes == files + (vdir / fmt.SCHEMA_JSON).stat().st_size  # before: + every sample's bytes
+
+
+@pytest.mark.parametrize("kind", DAMAGE)
+def test_the_problems_are_those_every_sample_read_gives(store: Store, monkeypatch: pytest.MonkeyPatch,
+                                                       kind: str) -> None:
+    fill(store, 30)
+    damage(store, kind)
+    vdir = store.version_dir("vae", 1)
+
+    found = verify.verify_version(vdir, "vae/v1", progress=False)
+    with monkeypatch.context() as m:
+        m.setattr(verify, "_as_written", lambda rows, entry: False)  # every sample read again: the rule before
+        before = verify.verify_version(vdir, "vae/v1", progress=False)
+
+    assert found == before
+    assert (kind == "none") == (found == [])
+
+
+def test_a_manifest_that_disagrees_with_intact_shards_is_found(store: Store) -> None:
+    """The shards match their CRCs; the manifest (its own bytes damaged) points a tensor at other bytes and names a
+    file at the wrong offset: found from the headers alone."""
+    fill(store, 12)
+    vdir = store.version_dir("vae", 1)
+    m = pq.read_table(vdir / fmt.MANIFEST)
+    rows = m.to_pylist()
+    rows[2]["tensors"][0]["offset"] += 8
+    rows[5]["files"][0]["offset"] += 512
+    pq.write_table(m.from_pylist(rows, schema=m.schema), vdir / fmt.MANIFEST)
+
+    problems = verify.verify_version(vdir, "vae/v1", progress=False)
+
+    assert not any(".tar: crc32c" in p or "sample bytes are damaged" in p for p in problems)
+    assert any(rows[2]["key"] in p and "disagree with the safetensors header" in p for p in problems), problems
+    assert any(rows[5]["key"] in p and "not at its recorded offset/size" in p for p in problems), problems
