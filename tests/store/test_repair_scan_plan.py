@@ -118,3 +118,34 @@ def test_the_plan_is_the_one_every_sample_read_gives(store: Store, monkeypatch: 
 
     assert plan == before
     assert (kind == "none") != repair.scan_table(store.root, "vae", 1, progress=False).needs_repair
+
+
+# ---------------------------------------------------------------- a shard two versions share (one inode)
+
+
+def test_a_shard_carried_by_hard_link_damaged_later_is_damaged_in_both_versions(store: Store) -> None:
+    """v2 carries v1's shards by hard link, their rows (`shard_crc32c` included) copied: one file, two versions.
+    Damage to it after the carry fails the whole-file CRC in both, so neither trusts the shard whole: each scan and
+    verify reads its samples and names the damaged one."""
+    from store.manifest import rows_by_shard
+    from store.verify import verify_version
+    from store_samples import vae_schema
+
+    fill(store, 30)
+    v1 = store.version_dir("vae", 1)
+    with store.reader("vae") as r:
+        keys, manifest = r.keys(), r.manifest
+    w = store.writer("vae", vae_schema("a"))
+    for shard, rows in rows_by_shard(manifest).items():
+        w.add_linked_shard(v1 / shard, rows)
+    assert w.commit() == 2
+    v2 = store.version_dir("vae", 2)
+    assert not verify_version(v1, "vae/v1", progress=False) and not verify_version(v2, "vae/v2", progress=False)
+    path, pos = sample_byte(store.root, "vae", keys[11], version=1)
+    assert (v2 / path.name).stat().st_ino == path.stat().st_ino
+    flip_bit(path, pos, 3)
+
+    for version, vdir in ((1, v1), (2, v2)):
+        assert list(repair.scan_table(store.root, "vae", version, progress=False).damaged) == [keys[11]]
+        problems = verify_version(vdir, f"vae/v{version}", progress=False)
+        assert any(f"key {keys[11]}: sample bytes are damaged" in p for p in problems), problems
