@@ -28,7 +28,7 @@ def cfg_of(**train):
 @pytest.fixture(scope="module")
 def store_dir(tiny_edit_model, tmp_path_factory):
     root = tmp_path_factory.mktemp("curves") / "store"
-    make_train_store(root, tiny_edit_model, mixed_specs(7, 0, masks=True))  # 4 batches of 2 per epoch
+    make_train_store(root, tiny_edit_model, mixed_specs(7, 2, masks=True))  # 4 batches of 2 per epoch
     return root
 
 
@@ -80,12 +80,16 @@ def _stopped_by_sigterm(call) -> bool:
     return stopped.value.code == 128 + signal.SIGTERM
 
 
+@pytest.mark.parametrize("batching", [{}, {"max_tokens_per_batch": 80}], ids=["batch", "token-budget"])
 def test_a_stop_inside_an_accumulation_cycle_resumes_every_state_and_the_curve(store_dir, tiny_edit_model, tmp_path,
-                                                                              monkeypatch):
+                                                                              monkeypatch, batching):
+    """Validation every 3 steps: the one due at the stop's step runs after the resume (from the restored state,
+    its RNG forked) and logs what the straight run logged."""
     from stages.train import recipe
 
     sets = dict(max_steps=6, checkpoint_every=4, keep_checkpoints=10, grad_accum=3, warmup_steps=2,
-                lr_schedule="cosine", ema_decay=0.5, caption_dropout=0.3, prefetch=2, **{
+                lr_schedule="cosine", ema_decay=0.5, caption_dropout=0.3, prefetch=2, validate_every=3,
+                validate_max_samples=2, **batching, **{
                     "lora.dropout": 0.1, "sigma.sampling": "logit_normal", "loss.mask_weight.foreground": 2.0})
     straight = run(cfg_of(**sets), store_dir, tiny_edit_model, tmp_path / "straight")
     out = tmp_path / "resumed"
@@ -110,4 +114,6 @@ def test_a_stop_inside_an_accumulation_cycle_resumes_every_state_and_the_curve(s
     same_file(s / "lora" / "pytorch_lora_weights.safetensors", r / "lora" / "pytorch_lora_weights.safetensors")
     same_file(s / "lora_ema" / "pytorch_lora_weights.safetensors", r / "lora_ema" / "pytorch_lora_weights.safetensors")
     assert list(resumed.losses) == list(straight.losses)[3:]  # bit for bit, step by step
-    assert scalars(s) == scalars(r)
+    curves = scalars(s)
+    assert [step for step, _ in curves["val/loss"]] == [3, 6] and "val/loss_ema" in curves
+    assert curves == scalars(r)
