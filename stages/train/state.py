@@ -37,6 +37,9 @@ NONFINITE_SKIPPED = "nonfinite_skipped_steps"
 # the current epoch's [valid, computed] tokens so far (epoch/padding_efficiency when it ends)
 LOSSES_SINCE_LOG = "losses_since_log"
 EPOCH_TOKENS = "epoch_tokens"
+# ... and train.on_damaged=skip's [damaged, read] sample counts so far: max_damaged_fraction is a limit of the run,
+# not of one start (absent: counted from the resume, as before)
+DAMAGED_READS = "damaged_reads"
 _PREFIX = "step-"
 
 
@@ -242,6 +245,12 @@ def resumed_curve(record: ResumeRecord) -> tuple[list[float], list[int]]:
     losses = [float("nan") if v is None else float(v) for v in record.extra.get(LOSSES_SINCE_LOG, ())]
     tokens = [int(t) for t in record.extra.get(EPOCH_TOKENS, (0, 0))]
     return losses, tokens if len(tokens) == 2 else [0, 0]
+
+
+def damaged_reads(record: ResumeRecord) -> tuple[int, int]:
+    """(damaged, read) sample counts of train.on_damaged=skip up to `record`; (0, 0) for a record without them."""
+    counts = record.extra.get(DAMAGED_READS, (0, 0))
+    return (int(counts[0]), int(counts[1])) if len(counts) == 2 else (0, 0)
 
 
 def nonfinite_skipped(record: ResumeRecord) -> list[int]:

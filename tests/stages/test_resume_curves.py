@@ -117,3 +117,32 @@ def test_a_stop_inside_an_accumulation_cycle_resumes_every_state_and_the_curve(s
     curves = scalars(s)
     assert [step for step, _ in curves["val/loss"]] == [3, 6] and "val/loss_ema" in curves
     assert curves == scalars(r)
+
+
+def test_the_damaged_sample_limit_counts_the_steps_before_a_resume(tiny_edit_model, tmp_path):
+    """train.on_damaged=skip with max_damaged_fraction 0.2 on 8 samples: the straight run stops at the second
+    damaged sample (2 > 0.2 x 8), in step 3. A run stopped after step 2 (one damaged sample read) and resumed
+    used to count from the resume (1 of 8: under the limit) and trained on past the step the straight run
+    refused; the checkpoint now keeps the counts and the resumed run stops where the straight one did."""
+    from damage import flip_bit, sample_byte
+    from stages.train.data import open_inputs
+    from stages.train.sampler import LengthAwareBatchSampler
+
+    store = tmp_path / "store"
+    make_train_store(store, tiny_edit_model, mixed_specs(8))
+    tables = open_inputs(store, tiny_edit_model)
+    plan = LengthAwareBatchSampler(tables.lengths, 2, seed=0, window=64).global_steps(0)
+    keys = [tables.keys[plan[k][0][0]] for k in (0, 2)]  # a sample of step 1 and one of step 3
+    tables.close()
+    for key in keys:
+        flip_bit(*sample_byte(store, "vae", key), 4)
+    sets = {"on_damaged": "skip", "max_damaged_fraction": 0.2}
+    with pytest.raises(Exception, match="2 of the .* are damaged .*more than train.max_damaged_fraction = 0.2"):
+        run(cfg_of(max_steps=4, **sets), store, tiny_edit_model, tmp_path / "straight")
+    out = tmp_path / "resumed"
+    run(cfg_of(max_steps=2, **sets), store, tiny_edit_model, out)
+    with pytest.raises(Exception, match="2 of the .* are damaged .*more than train.max_damaged_fraction = 0.2"):
+        run(cfg_of(max_steps=4, **sets), store, tiny_edit_model, out, resume=True)
+    from stages.train import state as train_state
+
+    assert [s for s, _ in train_state.complete_checkpoints(out / "checkpoints")] == [2]  # nothing trained past it
