@@ -77,3 +77,50 @@ def test_one_two_one_processes_mid_epoch_with_accumulation_and_token_budget(tiny
         x, y = read_lora(tmp_path / "straight" / sub)[0], read_lora(out / sub)[0]
         print(sub, "max |dLoRA|", max(float((x[k] - y[k]).abs().max()) for k in x),
               "max rel dloss", max(abs(u - v) / abs(u) for (_, u), (_, v) in zip(a, b)))
+
+
+def test_two_processes_resumed_on_one_mid_epoch_train_the_two_process_runs_lora(tiny_edit_model, tmp_path):
+    """The shrinking side: a run planned for 2 processes (token budget, grad_accum 2, EMA) resumed on 1 from its
+    mid-epoch step-2 checkpoint, so the one process accumulates each planned step's two shares as micro-batches of
+    the planned size (`elastic.chunks`): the LoRA, EMA and loss curve of the straight 2-process run."""
+    import shutil
+
+    store = tmp_path / "store"
+    make_train_store(store, tiny_edit_model, mixed_specs(9))
+    cfg_file = tmp_path / "train.yaml"
+    cfg_file.write_text(yaml.safe_dump({"train": {**TRAIN, "grad_accum": 2}}))
+    straight = tmp_path / "straight"
+    cmd = lambda port: [  # noqa: E731
+        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+        "--main_process_port", str(port),
+        "-m", "pipeline.cli", "run", "train", "--store", str(store), "--model", tiny_edit_model,
+        "--out", str(straight), "--config", str(cfg_file), "--max-steps", "6",
+    ]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = run_retrying_port(cmd, env=env, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    from stages.train import state as train_state
+
+    # a run killed after its step-2 checkpoint: that checkpoint, the run's config and its logs so far
+    out = tmp_path / "shrunk"
+    (out / "checkpoints").mkdir(parents=True)
+    shutil.copytree(straight / "checkpoints" / "step-2", out / "checkpoints" / "step-2")
+    shutil.copytree(straight / "logs", out / "logs")
+    shutil.copy(straight / "train_config.yaml", out / "train_config.yaml")
+    record = train_state.ResumeRecord.read(out / "checkpoints" / "step-2" / "resume.json")
+    assert record.batch_in_epoch != 0 and record.canonical == 2
+    resumed = run(load_config(cfg_file, {"train.device": "cpu", "train.max_steps": 6}), store, tiny_edit_model, out,
+                  resume=True)
+    assert resumed.start_step == 2
+    for sub in ("lora", "lora_ema"):
+        assert_close_lora(read_lora(straight / sub)[0], read_lora(out / sub)[0], lr=LR, steps=6)
+    a, b = _loss_curve(straight), _loss_curve(out)
+    assert [s for s, _ in a] == [s for s, _ in b] == list(range(1, 7))
+    assert [v for _, v in b] == pytest.approx([v for _, v in a], rel=1e-4)
+    import torch
+
+    for sub in ("lora", "lora_ema"):  # the figure docs/train.md quotes
+        x, y = read_lora(straight / sub)[0], read_lora(out / sub)[0]
+        print(sub, "max |dLoRA|", max(float((x[k] - y[k]).abs().max()) for k in x),
+              "max rel dloss", max(abs(u - v) / abs(u) for (_, u), (_, v) in zip(a, b)))
