@@ -144,7 +144,8 @@ class Run:
         if n <= 0:
             return []
         own = self.result.losses[-n:].tolist()
-        return self.carried_losses[max(0, len(self.carried_losses) - (n - len(own))):] + own if len(own) < n else own
+        missing = n - len(own)  # steps of the window before this start (as many as the checkpoint kept)
+        return (self.carried_losses[-missing:] if missing > 0 else []) + own
 
 
 @dataclass
