@@ -149,6 +149,8 @@ def build_training(r: Run, store: str | Path, model: str, latest: Path | None, r
     r.position = r.stream.position
     if tables_skip(r.tables):
         r.damage = DamageTally(r.run_dir, r.rank, r.world, r.rerun)
+        if resumed is not None:  # the run's counts so far: max_damaged_fraction is the run's limit
+            r.damage.damaged, r.damage.read = train_state.damaged_reads(resumed)
     r.batches = MicroBatches(r.stream, r.tables, tc, r.rank, r.step, r.device, r.transformer.dtype, depth=tc.prefetch)
     r.result = TrainResult(r.run_dir, r.run_dir / "lora", start_step=r.step, steps=r.step, main_process=r.main,
                            data=r.tables.report, kept_previous=r.kept_previous,

@@ -71,8 +71,8 @@ class DamagedRows:
 
 
 class DamageTally:
-    """The run's counts of this start (summed over the ranks at every step) and what this rank has written to
-    RUN/damaged_samples.jsonl."""
+    """The run's counts (summed over the ranks at every step; a resume starts from its checkpoint's) and what
+    this rank has written to RUN/damaged_samples.jsonl."""
 
     def __init__(self, run_dir: Path, rank: int, world: int, rerun: str = "rerun with --resume") -> None:
         self.run_dir, self.rank, self.world, self.rerun = run_dir, rank, world, rerun

@@ -35,7 +35,8 @@ dropout come from (seed, optimizer step, key) (and a sample's repeat within the 
 RNG (saved per rank in checkpoints) only feeds LoRA dropout, which is therefore not layout-independent.
 The sampler's global steps are planned for the run's first world size, so a resume on another process count
 splits the same steps over its ranks and trains the same LoRA (`stages/train/elastic.py`).
-Note: after a mid-epoch resume, that epoch's padding efficiency counts from the resume point.
+A checkpoint also keeps the trackers' running figures (the step losses since the last log point, the epoch's
+token counts), so a resume off the log cadence or mid-epoch logs the straight run's curve.
 """
 
 from __future__ import annotations
@@ -102,6 +103,7 @@ class Run:
     bar: Any = None
     result: TrainResult | None = None
     epoch_tokens: list[int] = field(default_factory=lambda: [0, 0])  # valid, computed of the current epoch
+    carried_losses: list[float] = field(default_factory=list)  # step losses before this start since the last log point
     ema: Any = None  # stages.train.ema.AdapterEMA with train.ema_decay
     validator: Any = None  # stages.train.validate.Validator with train.validate_every / sample_every
     profiler: Any = None  # stages.train.trackers.StepProfiler with train.profile
@@ -135,6 +137,15 @@ class Run:
     @property
     def checkpoints(self) -> Path:
         return self.run_dir / "checkpoints"
+
+    def logged_losses(self, n: int) -> list[float]:
+        """The last `n` step losses of the run, those of the start before this one (the checkpoint's) included:
+        a log point's window may begin before the resume."""
+        if n <= 0:
+            return []
+        own = self.result.losses[-n:].tolist()
+        missing = n - len(own)  # steps of the window before this start (as many as the checkpoint kept)
+        return (self.carried_losses[-missing:] if missing > 0 else []) + own
 
 
 @dataclass
@@ -463,7 +474,7 @@ def log(r: Run, s: StepStats) -> None:
     if r.profiler is not None:
         r.profiler.step()
     every = r.cfg.log_every
-    loss = recent_mean_loss(r.result.losses, r.step - (r.step - 1) // every * every)  # steps since the last log point
+    loss = recent_mean_loss(r.logged_losses(r.step - (r.step - 1) // every * every))  # steps since the last log point
     if r.writer is not None and r.step % every == 0:
         from stages.train.trackers import peak_memory_gb
 
@@ -488,11 +499,11 @@ def check_sampling(tc: TrainConfig, model: str) -> None:
         check_sampling_steps(tc.sample_steps, "train.sample_steps", model)
 
 
-def recent_mean_loss(losses, n: int) -> float:
-    """Mean of the last `n` step losses of this start (fewer after a resume), the non-finite ones left out (a
-    step with no intact sample is nan, a skipped step's loss non-finite: they are reported as skipped, and one
-    would make the whole window nan); the last step's loss when none is finite."""
-    recent = losses[-n:]
+def recent_mean_loss(losses, n: int | None = None) -> float:
+    """Mean of the last `n` step losses (all when None), the non-finite ones left out (a step with no intact
+    sample is nan, a skipped step's loss non-finite: they are reported as skipped, and one would make the whole
+    window nan); the last step's loss when none is finite."""
+    recent = losses[-n:] if n is not None else losses
     finite = [v for v in recent if math.isfinite(v)]
     return math.fsum(finite) / len(finite) if finite else recent[-1]
 

@@ -26,7 +26,12 @@ def checkpoint(r: Run) -> None:
     (rename) once all are in. Each part is agreed on by all ranks (models/collective.py, also the barriers):
     a full disk on rank 0 stops every rank with rank 0's one line, instead of the others waiting for it."""
     epoch, batch = r.position
-    record = replace(r.record, step=r.step, epoch=epoch, batch_in_epoch=batch)
+    # the trackers' state too: a resume off the log cadence or mid-epoch logs the straight run's curve
+    since_log = r.logged_losses(r.step % r.cfg.log_every)
+    extra = {**r.record.extra, **train_state.curve_state(since_log, r.epoch_tokens)}
+    if r.damage is not None:  # the damaged-sample limit goes on counting across a resume
+        extra[train_state.DAMAGED_READS] = [r.damage.damaged, r.damage.read]
+    record = replace(r.record, step=r.step, epoch=epoch, batch_in_epoch=batch, extra=extra)
     acc, tmp = r.accelerator, train_state.temp_dir(r.checkpoints, r.step)
     final = train_state.checkpoint_dir(r.checkpoints, r.step)
     what = f"checkpoint step-{r.step}"

@@ -32,6 +32,14 @@ from schemas.up_to_date import compared_tables, known_init_lora  # the resume ru
 # ResumeRecord.extra key: the optimizer steps train.on_nonfinite=skip_step left without an update, up to the record's
 # step, every start's (on_nonfinite is in no fingerprint: a run that skipped some is current under skip_step only)
 NONFINITE_SKIPPED = "nonfinite_skipped_steps"
+# ResumeRecord.extra keys of what the trackers log across a resume (absent in older records: counted from the resume):
+# the step losses since the last train.log_every point (train/loss there is their mean; null: a non-finite one), and
+# the current epoch's [valid, computed] tokens so far (epoch/padding_efficiency when it ends)
+LOSSES_SINCE_LOG = "losses_since_log"
+EPOCH_TOKENS = "epoch_tokens"
+# ... and train.on_damaged=skip's [damaged, read] sample counts so far: max_damaged_fraction is a limit of the run,
+# not of one start (absent: counted from the resume, as before)
+DAMAGED_READS = "damaged_reads"
 _PREFIX = "step-"
 
 
@@ -223,6 +231,26 @@ class ResumeRecord:
                       f"{before['training_revision']}){same}, or train it afresh under this one: a new --out")
         raise ResumeMismatch(f"cannot resume from {where}: {'; '.join(problems)}. {advice}",
                              reason="; ".join(problems))
+
+
+def curve_state(losses_since_log: list[float], epoch_tokens: list[int]) -> dict[str, Any]:
+    """The `extra` entries a checkpoint records so a resumed start logs the straight run's curve."""
+    return {LOSSES_SINCE_LOG: [v if v == v and abs(v) != float("inf") else None for v in losses_since_log],
+            EPOCH_TOKENS: [int(t) for t in epoch_tokens]}
+
+
+def resumed_curve(record: ResumeRecord) -> tuple[list[float], list[int]]:
+    """(the step losses since the last log point, the epoch's [valid, computed] tokens so far) up to `record`;
+    nothing for a record written before they were kept."""
+    losses = [float("nan") if v is None else float(v) for v in record.extra.get(LOSSES_SINCE_LOG, ())]
+    tokens = [int(t) for t in record.extra.get(EPOCH_TOKENS, (0, 0))]
+    return losses, tokens if len(tokens) == 2 else [0, 0]
+
+
+def damaged_reads(record: ResumeRecord) -> tuple[int, int]:
+    """(damaged, read) sample counts of train.on_damaged=skip up to `record`; (0, 0) for a record without them."""
+    counts = record.extra.get(DAMAGED_READS, (0, 0))
+    return (int(counts[0]), int(counts[1])) if len(counts) == 2 else (0, 0)
 
 
 def nonfinite_skipped(record: ResumeRecord) -> list[int]:
