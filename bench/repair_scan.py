@@ -38,6 +38,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "tests" / "store"))
 
 from old_vs_new import bench_folders, env_for, interleaved_medians, old_tree  # noqa: E402
+from store_read import evict  # noqa: E402  (drops the files' pages: the --cold scan reads the disk)
 
 # bytes read of the version = bytes through CRC32C: the scan reads a file's bytes only to checksum them, by read or
 # through a map alike (a map's page faults pass no read call: the kernel's rchar misses them)
@@ -106,18 +107,6 @@ def main() -> None:
         assert seen["old"] == seen["new"], seen  # the same plan's figures
         print(f"scan_table  old {o:.2f} s, {ob / 1e6:.1f} MB read   new {n:.2f} s, {nb / 1e6:.1f} MB read   "
               f"{o / n:.1f}x time, {ob / nb:.2f}x bytes")
-
-
-def evict(files: list[Path]) -> None:
-    """Drop the files' pages from the page cache (clean pages: they are read from the disk next time)."""
-    import os
-
-    for p in files:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 from pipeline.config import load_config
 from stages.train.recipe import run
+from tests.stages.test_train_preempted import _stopped_by_sigterm
 from train_store import make_train_store, mixed_specs
 
 BASE = {"train.device": "cpu", "train.batch_size": 2, "train.learning_rate": 5e-3, "train.lora.rank": 4}
@@ -65,19 +66,6 @@ def test_a_resume_off_the_log_cadence_logs_the_straight_runs_loss_curve(store_di
     assert [s for s, _ in a["train/loss"]] == [4, 8]
     assert a["train/loss"][0][1] == pytest.approx(sum(losses[:4]) / 4, rel=1e-6)
     assert a == b
-
-
-def _stopped_by_sigterm(call) -> bool:
-    def cli_handler(signum, frame):  # pipeline/cli.py's
-        raise SystemExit(128 + signum)
-
-    before = signal.signal(signal.SIGTERM, cli_handler)
-    try:
-        with pytest.raises(SystemExit) as stopped:
-            call()
-    finally:
-        signal.signal(signal.SIGTERM, before)
-    return stopped.value.code == 128 + signal.SIGTERM
 
 
 @pytest.mark.parametrize("batching", [{}, {"max_tokens_per_batch": 80}], ids=["batch", "token-budget"])
