@@ -56,6 +56,7 @@ import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 
@@ -510,22 +511,22 @@ def recorded_steps(folder: str | Path, fingerprint: str) -> dict[int, str] | Non
     return _steps_of(Path(folder) / GROUP, fingerprint)
 
 
-def kept_groups(folder: str | Path, fingerprint: str, axes: Axes | None = None) -> list[LossGroup]:
+def kept_groups(folder: str | Path, fingerprint: str, axes: Axes | None = None) -> Iterator[LossGroup]:
     """The groups kept aside beside `folder/losses.zarr` (`losses.<fingerprint[:12]>[.N].zarr`) recorded under
     exactly `fingerprint`, of a format read here and (with `axes`) these samples, every chunk intact (a damaged
-    one is never taken back), in the order an open with `take_back` tries them."""
-    found = []
+    one is never taken back), in the order an open with `take_back` tries them; lazily: each is read whole to be
+    checked, and an open wants only the first."""
     for kept in sorted(Path(folder).glob(f"losses.{fingerprint[:12]}*.zarr")):
         try:
             group = LossGroup(kept, axes)
             attrs = group.group.attrs
-            if attrs.get("format") in _READS and attrs.get("fingerprint") == fingerprint and \
-                    (axes is None or [str(k) for k in group.group["sample"][:]] == list(axes.keys)):
-                _verify(group.group, kept)
-                found.append(group)
+            if attrs.get("format") not in _READS or attrs.get("fingerprint") != fingerprint or \
+                    (axes is not None and [str(k) for k in group.group["sample"][:]] != list(axes.keys)):
+                continue
+            _verify(group.group, kept)
         except Exception:  # noqa: BLE001 - a damaged kept group is left where it is, never taken back
             continue
-    return found
+        yield group
 
 
 def _steps_of(path: Path, fingerprint: str) -> dict[int, str] | None:
