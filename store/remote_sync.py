@@ -34,6 +34,7 @@ from typing import Any
 
 from schemas.errors import UserError
 from schemas.newer import refuse_newer
+from schemas.temp_files import temp_of
 from store import format as fmt
 from store import integrity, remote_checked, remote_lease
 from store.checksum import SealError, crc_hex, seal, unseal
@@ -618,7 +619,7 @@ def refill(remote: Remote, dst: Path, table: str, version: int, files: list[_Fil
             # in a cache, named as a shard fetch's temp file: a killed one's is removed by the next open there
             # (store/remote_cache._remove_dead_fetches), where `.NAME.tmp-PID` stayed, counted against its limit
             part = (path.with_name(f".{path.name}{FETCH_TAG}{process_tag()}-{threading.get_ident()}") if lazy
-                    else path.with_name(f".{path.name}.tmp-{os.getpid()}"))
+                    else temp_of(path))
             return fetch_checked(remote, f, path, bar, damaged_ok, part=part)
 
         def done(f: _File, how: str) -> None:

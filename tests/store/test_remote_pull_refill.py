@@ -1,7 +1,7 @@
 """A pulled copy whose files were deleted or cut short since (a user's rm, a full disk, a killed copy): the next
 `store pull` finds them by one stat each against the version's checksums.json, fetches exactly those again (to
-`.NAME.tmp-PID`, renamed into place) and clears the damage readers recorded for them; damage it did not repair (a
-sample's bytes changed in a shard of the right size) stays recorded."""
+`schemas.temp_files.temp_of`'s name, renamed into place) and clears the damage readers recorded for them; damage it
+did not repair (a sample's bytes changed in a shard of the right size) stays recorded."""
 
 from __future__ import annotations
 
