@@ -104,6 +104,7 @@ class Run:
     result: TrainResult | None = None
     epoch_tokens: list[int] = field(default_factory=lambda: [0, 0])  # valid, computed of the current epoch
     carried_losses: list[float] = field(default_factory=list)  # step losses before this start since the last log point
+    logged_step: int = 0  # the last step whose scalars the trackers got (`log_point`)
     ema: Any = None  # stages.train.ema.AdapterEMA with train.ema_decay
     validator: Any = None  # stages.train.validate.Validator with train.validate_every / sample_every
     profiler: Any = None  # stages.train.trackers.StepProfiler with train.profile
@@ -220,6 +221,7 @@ def run(
                 # every rank: the flag came with the step's loss, or (a signal while the checkpoint was written)
                 # is agreed right after it, so the checkpoint just written is the resume point without one more step
                 if r.step < r.cfg.max_steps and (stats.stop or saved and r.stop.pending(r.world)):
+                    log_point(r, stats)  # this start's curve ends where its checkpoint does, as a finished run's
                     r.stop.stop_now(f"stopped by a signal after optimizer step {r.step}: its checkpoint "
                                     f"{r.checkpoints / f'step-{r.step}'} is written; {r.rerun} to continue from it"
                                     if r.main else None)
@@ -467,27 +469,40 @@ def step(r: Run) -> StepStats:
 def log(r: Run, s: StepStats) -> None:
     """The step's figures: the step's own, except train/loss and the bar's loss, the mean since the last log
     point (as HF Trainer logs it): with `log_every` N one step's loss of every N was a sparse sample of a noisy
-    curve."""
+    curve. The trackers get them every N steps and at the run's last step (`log_point`)."""
     r.result.losses.append(s.loss)
     r.result.step_epochs.append(s.epoch)
-    lr = s.lr
     if r.profiler is not None:
         r.profiler.step()
-    every = r.cfg.log_every
-    loss = recent_mean_loss(r.logged_losses(r.step - (r.step - 1) // every * every))  # steps since the last log point
-    if r.writer is not None and r.step % every == 0:
-        from stages.train.trackers import peak_memory_gb
-
-        lin, _ = padding_efficiency(s.batches, r.tables.lengths)
-        r.writer.log({"train/loss": loss, "train/lr": lr, "train/grad_norm": s.grad_norm,
-                      "train/padding_efficiency": lin, "train/samples_per_s": s.samples / s.seconds,
-                      "train/data_wait_share": s.data_seconds / s.seconds,
-                      "train/peak_memory_gb": peak_memory_gb(r.device)}, r.step)
-    r.bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}")
+    if r.step % r.cfg.log_every == 0 or r.step == r.cfg.max_steps:  # max_steps off the cadence: its curve's end
+        log_point(r, s)
+    r.bar.set_postfix(loss=f"{since_log_point(r):.4f}", lr=f"{s.lr:.2e}")
     r.bar.update(1)
     r.result.step_times.append(time.perf_counter() - s.started)  # with logging, without checkpoint writing
     r.result.step_cpu_times.append(time.process_time() - s.cpu_started)
     r.result.step_data_times.append(s.data_seconds)
+
+
+def since_log_point(r: Run) -> float:
+    """train/loss at this step: the mean of the step losses since the last multiple of `log_every` (a checkpoint
+    keeps them: the window may begin before a resume). Only the multiples begin a window: a point off the cadence
+    (the last step, a stop's) leaves the ones after a resume the straight run's."""
+    every = r.cfg.log_every
+    return recent_mean_loss(r.logged_losses(r.step - (r.step - 1) // every * every))
+
+
+def log_point(r: Run, s: StepStats) -> None:
+    """The trackers' scalars of step `s` (main process; once a step: a stop's point may be the cadence's)."""
+    if r.writer is None or r.logged_step == r.step:
+        return
+    from stages.train.trackers import peak_memory_gb
+
+    r.logged_step = r.step
+    lin, _ = padding_efficiency(s.batches, r.tables.lengths)
+    r.writer.log({"train/loss": since_log_point(r), "train/lr": s.lr, "train/grad_norm": s.grad_norm,
+                  "train/padding_efficiency": lin, "train/samples_per_s": s.samples / s.seconds,
+                  "train/data_wait_share": s.data_seconds / s.seconds,
+                  "train/peak_memory_gb": peak_memory_gb(r.device)}, r.step)
 
 
 def check_sampling(tc: TrainConfig, model: str) -> None:

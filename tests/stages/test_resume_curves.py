@@ -45,6 +45,23 @@ def scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
             if t.split("/")[0] in ("train", "val", "epoch") and t not in timing}
 
 
+def logged_steps(run_dir: Path, tag: str = "train/loss") -> list[int]:
+    """The steps of `tag`'s events in the run's event files as written, every start's (no purge applied): a
+    step logged twice shows twice here, where a reader keeps only the later one."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    return [e.step for f in sorted((run_dir / "logs").glob("events.out.tfevents.*"))
+            for e in EventFileLoader(str(f)).Load() if any(v.tag == tag for v in e.summary.value)]
+
+
+def without_step(curves: dict[str, list[tuple[int, float]]], step: int) -> dict[str, list[tuple[int, float]]]:
+    return {t: [p for p in points if p[0] != step] for t, points in curves.items()}
+
+
+class Killed(Exception):
+    """A kill right after a checkpoint is committed (nothing after it is written)."""
+
+
 def same_file(a: Path, b: Path) -> None:
     x, y = load_file(a), load_file(b)
     assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x), a.name
@@ -53,7 +70,9 @@ def same_file(a: Path, b: Path) -> None:
 def test_a_resume_off_the_log_cadence_logs_the_straight_runs_loss_curve(store_dir, tiny_edit_model, tmp_path):
     """train.log_every 4 and a stop after step 3 (a checkpoint off the log cadence: a preemption's, or
     checkpoint_every 3): train/loss at step 4 is the mean of steps 1-4, as in the straight run. Before, the resumed
-    start averaged only its own steps (step 4 alone), a point of the curve off by a step's noise."""
+    start averaged only its own steps (step 4 alone), a point of the curve off by a step's noise. The first start
+    (max_steps 3) logs its last step, the mean of steps 1-3; only multiples of 4 begin a window, so the points
+    after the resume are the straight run's."""
     sets = {"log_every": 4, "warmup_steps": 2}
     straight = run(cfg_of(max_steps=8, checkpoint_every=3, **sets), store_dir, tiny_edit_model, tmp_path / "straight")
     out = tmp_path / "resumed"
@@ -65,7 +84,83 @@ def test_a_resume_off_the_log_cadence_logs_the_straight_runs_loss_curve(store_di
     losses = list(straight.losses)
     assert [s for s, _ in a["train/loss"]] == [4, 8]
     assert a["train/loss"][0][1] == pytest.approx(sum(losses[:4]) / 4, rel=1e-6)
-    assert a == b
+    assert [s for s, _ in b["train/loss"]] == [3, 4, 8]
+    assert b["train/loss"][0][1] == pytest.approx(sum(losses[:3]) / 3, rel=1e-6)
+    assert without_step(b, 3) == a
+
+
+def test_the_last_step_off_the_log_cadence_is_logged_straight_and_resumed(store_dir, tiny_edit_model, tmp_path,
+                                                                          monkeypatch):
+    """max_steps 8 (the second epoch's end) and train.log_every 3: the curve ends with a point at step 8, the
+    mean of steps 7-8, and a run killed after its checkpoint at step 4 and resumed logs the same points, each
+    once. Before, the last point was 6: the run's last two steps were on no curve."""
+    from stages.train import recipe
+
+    sets = {"max_steps": 8, "log_every": 3, "checkpoint_every": 4, "warmup_steps": 2}
+    straight = run(cfg_of(**sets), store_dir, tiny_edit_model, tmp_path / "straight")
+    out, real = tmp_path / "resumed", recipe.checkpoint
+
+    def killed_after_step_4(r):
+        real(r)
+        if r.step == 4:
+            raise Killed
+
+    with monkeypatch.context() as m:
+        m.setattr(recipe, "checkpoint", killed_after_step_4)
+        with pytest.raises(Killed):
+            run(cfg_of(**sets), store_dir, tiny_edit_model, out)
+    resumed = run(cfg_of(**sets), store_dir, tiny_edit_model, out, resume=True)
+    assert resumed.start_step == 4
+    losses = list(straight.losses)
+    a, b = scalars(tmp_path / "straight"), scalars(out)
+    assert [s for s, _ in a["train/loss"]] == [3, 6, 8]
+    assert [v for _, v in a["train/loss"]] == pytest.approx(
+        [sum(losses[:3]) / 3, sum(losses[3:6]) / 3, sum(losses[6:]) / 2], rel=1e-6)
+    assert a == b  # bit for bit: the window of step 6 began before the resume (the checkpoint kept step 4's loss)
+    assert logged_steps(out) == [3, 6, 8]
+
+
+@pytest.mark.parametrize("when", ["in-a-step", "in-its-checkpoint"])
+def test_a_stop_logs_its_last_step_once_and_the_resume_the_straight_runs_points(store_dir, tiny_edit_model,
+                                                                                tmp_path, monkeypatch, when):
+    """train.log_every 4: a SIGTERM in step 2 (its checkpoint the stop's) or during step 3's scheduled checkpoint
+    (checkpoint_every 3: the stop right after it) ends that start's curve with a point at the stop's step, the mean
+    of the steps since step 0, as a finished run's last step; the resumed start logs the straight run's points 4
+    and 6 bit for bit (a stop's point begins no window) and not the stop's step again. Before, the stopped start
+    logged nothing: a run stopped and not resumed had no curve at all."""
+    from stages.train import recipe
+
+    sets = {"max_steps": 6, "log_every": 4, "checkpoint_every": 3}
+    straight = run(cfg_of(**sets), store_dir, tiny_edit_model, tmp_path / "straight")
+    out, stop = tmp_path / "stopped", 2 if when == "in-a-step" else 3
+    real_backward, real_checkpoint, calls = recipe.backward_of, recipe.checkpoint, []
+
+    def signalled_in_step_2(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_backward(*a, **k)
+
+    def signalled_in_checkpoint_3(r):
+        if r.step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        real_checkpoint(r)
+
+    with monkeypatch.context() as m:
+        if when == "in-a-step":
+            m.setattr(recipe, "backward_of", signalled_in_step_2)
+        else:
+            m.setattr(recipe, "checkpoint", signalled_in_checkpoint_3)
+        assert _stopped_by_sigterm(lambda: run(cfg_of(**sets), store_dir, tiny_edit_model, out))
+    stopped = scalars(out)
+    assert [s for s, _ in stopped["train/loss"]] == [stop]
+    assert stopped["train/loss"][0][1] == pytest.approx(sum(list(straight.losses)[:stop]) / stop, rel=1e-6)
+    resumed = run(cfg_of(**sets), store_dir, tiny_edit_model, out, resume=True)
+    assert resumed.start_step == stop
+    b = scalars(out)
+    assert b["train/loss"][0] == stopped["train/loss"][0]
+    assert without_step(b, stop) == scalars(tmp_path / "straight")
+    assert logged_steps(out) == [stop, 4, 6]
 
 
 @pytest.mark.parametrize("batching", [{}, {"max_tokens_per_batch": 80}], ids=["batch", "token-budget"])
@@ -105,6 +200,7 @@ def test_a_stop_inside_an_accumulation_cycle_resumes_every_state_and_the_curve(s
     curves = scalars(s)
     assert [step for step, _ in curves["val/loss"]] == [3, 6] and "val/loss_ema" in curves
     assert curves == scalars(r)
+    assert logged_steps(r) == [1, 2, 3, 4, 5, 6]  # the stop's step on the cadence (log_every 1): logged once
 
 
 def test_the_damaged_sample_limit_counts_the_steps_before_a_resume(tiny_edit_model, tmp_path):

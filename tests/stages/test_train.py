@@ -130,7 +130,8 @@ def test_tensorboard_scalars_and_epoch_padding_efficiency(trained, store_dir, ti
 def test_train_loss_with_log_every_is_the_mean_since_the_last_log_point(store_dir, tiny_edit_model, tmp_path):
     """With train.log_every N, train/loss at a log point is the mean of the N step losses since the previous one
     (HF Trainer's), non-finite ones (a step with no intact sample: nan) left out. Before: the one step's loss,
-    a sparse sample of a noisy curve."""
+    a sparse sample of a noisy curve. max_steps 5 off the cadence of 2: the last step is a point too, the mean of
+    the steps since step 4 (it was left out, and the curve ended a step short)."""
     from array import array
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -142,8 +143,10 @@ def test_train_loss_with_log_every_is_the_mean_since_the_last_log_point(store_di
     ea.Reload()
     logged = ea.Scalars("train/loss")
     losses = result.losses.tolist()
-    assert [e.step for e in logged] == [2, 4]
-    assert [e.value for e in logged] == pytest.approx([sum(losses[0:2]) / 2, sum(losses[2:4]) / 2], rel=1e-6)
+    assert [e.step for e in logged] == [2, 4, 5]
+    assert [e.value for e in logged] == pytest.approx([sum(losses[0:2]) / 2, sum(losses[2:4]) / 2, losses[4]],
+                                                      rel=1e-6)
+    assert [e.step for e in ea.Scalars("train/lr")] == [2, 4, 5]  # the step's other figures with it
     assert losses[1] != pytest.approx(sum(losses[0:2]) / 2, rel=1e-6)  # the step's own loss would not pass
     nan = float("nan")
     assert recent_mean_loss(array("d", [9.0, 1.0, nan, 3.0]), 3) == 2.0  # the window's finite losses
