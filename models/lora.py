@@ -26,8 +26,8 @@ from safetensors.torch import load as load_bytes
 from safetensors.torch import load_file
 
 from schemas.errors import UserError
+from models.lora_files import WEIGHT_NAME, lora_weight_file, weight_file_name  # noqa: F401  (callers' names)
 
-WEIGHT_NAME = "pytorch_lora_weights.safetensors"  # diffusers' default LoRA file name
 ADAPTER = "default"  # the trainer's adapter
 _PREFIX = "transformer."
 _METADATA_KEY = "lora_adapter_metadata"  # diffusers' LORA_ADAPTER_METADATA_KEY (loaders/lora_base.py)
@@ -282,37 +282,6 @@ def check_base_model(lora: str | Path, model: str, strict: bool) -> str | None:
 
 
 # ---------------------------------------------------------------------------------------------- the loader
-
-
-def lora_weight_file(lora: str | Path) -> Path:
-    """RUN/lora (a folder holding WEIGHT_NAME) or the .safetensors file itself; a clear error otherwise."""
-    given = Path(lora)
-    path = given / WEIGHT_NAME if given.is_dir() else given
-    if not path.is_file() or path.suffix != ".safetensors":
-        inside = given / "lora" / WEIGHT_NAME  # a run folder or a checkpoint folder (RUN/checkpoints/step-N)
-        if given.is_dir() and inside.is_file():
-            raise UserError(f"no LoRA weights at {path}: {given} is a run or checkpoint folder; pass its LoRA "
-                            f"folder {inside.parent}")
-        step = given.parent if given.name == "lora" else given  # RUN/checkpoints/step-N[/lora]
-        if not given.exists() and step.parent.name == "checkpoints" and step.parent.is_dir():
-            # a checkpoint the training pruned (train.keep_checkpoints) since a report named it
-            kept = sorted((p.name for p in step.parent.iterdir() if p.name.startswith("step-")),
-                          key=lambda n: int(n[5:]) if n[5:].isdigit() else -1)
-            raise UserError(f"no LoRA weights at {path}: {step} does not exist (pruned by train.keep_checkpoints, "
-                            f"or moved); {step.parent} holds {', '.join(kept) or 'no checkpoint'}")
-        raise UserError(
-            f"no LoRA weights at {path}: pass a folder written by `pipeline run train` (RUN/lora) "
-            f"holding {WEIGHT_NAME}, or the .safetensors file itself"
-        )
-    return path
-
-
-def weight_file_name(lora: str | Path) -> Path:
-    """The weight file `lora` names, not looked up: its bytes are already read (`data=`), and a checkpoint a
-    training pruned after they were read is loaded from them, not refused as missing (evaluate --all-checkpoints
-    beside a training: pruned while loading is not damaged)."""
-    given = Path(lora)
-    return given if given.suffix == ".safetensors" else given / WEIGHT_NAME
 
 
 def lora_sha256(lora: str | Path) -> str:

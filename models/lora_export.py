@@ -32,13 +32,13 @@ from safetensors.torch import save_file
 
 from models.canonical_safetensors import canonicalize
 from models.lora import lora_weight_file, module_scale, provenance, read_lora
+from models.lora_files import EXPORT_FORMATS as FORMATS
 from schemas.errors import UserError
 from schemas.temp_files import remove_dead_temps, temp_of
 
 COMFY_PREFIX = "diffusion_model."
 # ComfyUI's 2.1 model holds these two as the halves of a fused `img_mlp.gate_up` (see the module docstring)
 COMFY_FUSED_HALVES = (".img_mlp.gate_layer", ".img_mlp.proj")
-FORMATS = ("comfyui",)
 
 
 def _alpha(module: str, rank: int, config: dict | None) -> float:

@@ -168,13 +168,19 @@ def user_errors(output: Path | str | None = None) -> Iterator[None]:
 def checked_lora(lora: Path | str, model: str | None = None, strict_base: bool = False) -> None:
     """Before a LoRA is applied: its file matches the checksum record train sealed beside it (finite values are
     checked by the loader itself), and, given MODEL, it was trained on that base (a warning, or with
-    `strict_base` an error, when its recorded fingerprint differs)."""
-    from models.lora import check_base_model, lora_weight_file
-
+    `strict_base` an error, when its recorded fingerprint differs). The paths are checked before torch is imported
+    (models.lora): a mistyped --lora or --model is one line at once."""
+    from models.loading import resolve_model
+    from models.lora_files import lora_weight_file
     from store.checksum import check_recorded
 
-    check_recorded(lora_weight_file(lora))
+    weights = lora_weight_file(lora)
     if model is not None:
+        resolve_model(model)
+    check_recorded(weights)
+    if model is not None:
+        from models.lora import check_base_model
+
         warning = check_base_model(lora, model, strict_base)
         if warning:
             typer.secho(f"warning: {warning}", fg=typer.colors.YELLOW, err=True)

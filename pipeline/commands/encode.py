@@ -39,7 +39,6 @@ def _command(section: str, stage_module: str, component: str, batch_help: str, o
         })
         dst = require(cfg.paths.store, "--store", "paths.store")
         mdl = require(cfg.paths.model, "--model", "paths.model")
-        run = importlib.import_module(stage_module).run  # the heavy stack loads only when the command runs
 
         from pipeline.rank_output import is_rank_0, stdout_of_rank_0
 
@@ -61,6 +60,8 @@ def _command(section: str, stage_module: str, component: str, batch_help: str, o
                     # push it
                     local = local_store(dst, ["images", out_table], cache_dir, cache_gb, optional=(out_table,))
                     model_variant(mdl)  # the stage's first read of the model
+                # the heavy stack (torch) loads once the store and model are there: a mistyped path is told at once
+                run = importlib.import_module(stage_module).run
                 summary = named_by_url(run(cfg, local, mdl), dst)
                 if summary.committed_to:  # several nodes' caches: each rank uploaded its part, rank 0 committed
                     if summary.rank == 0:

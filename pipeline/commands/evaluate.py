@@ -57,9 +57,10 @@ def command(
     store_dir = require(cfg.paths.store, "--store", "paths.store")
     model_id = require(cfg.paths.model, "--model", "paths.model")
     report = require(cfg.paths.report, "--out", "paths.report")
+    from models.loading import resolve_model
+    from models.lora_files import lora_weight_file
     if all_checkpoints:
         from pipeline.orchestrate import kept_checkpoints, report_of_kept_run
-        from stages.evaluate.checkpoints import run as run_checkpoints
 
         run_path = Path(require(run_dir or cfg.paths.run, "--run", "paths.run"))
         with user_errors(report), json_mode(as_json):  # a full disk no closer handler named: the report folder
@@ -69,12 +70,15 @@ def command(
 
             # what this node holds (the run folder, its cache of a URL): one outcome for every rank before the
             # process group forms (a rank that stopped alone here left the others waiting for it there)
-            with together_before_group(launched()[0], "evaluate: the run folder and store"):
+            with together_before_group(launched()[0], "evaluate: the run folder, store and model"):
                 kept = kept_checkpoints(run_path)
                 if not kept and launched()[0] <= 1:  # launched, the ranks decide together (the stage's own check)
                     raise UserError(f"no checkpoints to evaluate: {run_path} holds no checkpoints/step-N (train "
                                     "with train.checkpoint_every set, or evaluate one LoRA without --all-checkpoints)")
                 local = _local(store_dir, cache_dir, cache_gb)
+                resolve_model(model_id)
+            from stages.evaluate.checkpoints import run as run_checkpoints  # torch: after the checks
+
             # relisted at the end: a training beside evaluate writes and prunes checkpoints meanwhile
             result = run_checkpoints(cfg.evaluate, local, model_id, kept, report, skip_if_done=True,
                                      relist=lambda: kept_checkpoints(run_path),
@@ -85,10 +89,13 @@ def command(
     run_given = run_dir or cfg.paths.run
     lora_dir = lora or (str(Path(run_given) / "lora") if run_given else None)
     lora_dir = require(lora_dir, "--lora (or --run)", "paths.run")
-    from stages.evaluate.stage import run
 
     with user_errors(report), json_mode(as_json):
+        local = _local(store_dir, cache_dir, cache_gb)
+        resolve_model(model_id)  # the paths before torch's import (the stage's): a typo is told at once
+        lora_weight_file(lora_dir)
+        from stages.evaluate.stage import run
+
         # a report of the same inputs is up to date, as in `run all`
-        result = run(cfg.evaluate, _local(store_dir, cache_dir, cache_gb), model_id, lora_dir, report,
-                     skip_if_done=True)
+        result = run(cfg.evaluate, local, model_id, lora_dir, report, skip_if_done=True)
     emit(result, as_json, model_id)

@@ -15,9 +15,9 @@ lora_app = typer.Typer(no_args_is_help=True)
 
 
 def _export_formats() -> tuple[str, ...]:
-    from models.lora_export import FORMATS  # here: the module imports torch, which --help does not need
+    from models.lora_files import EXPORT_FORMATS  # not models.lora_export: it imports torch
 
-    return FORMATS
+    return EXPORT_FORMATS
 
 
 def _safetensors_file(out: Path) -> Path:
@@ -45,7 +45,7 @@ def merge(
         if Path(model).expanduser().is_dir():  # a hub id: checked once resolved (merge_lora)
             refuse_inside_model(out, Path(model).expanduser())
         check_writable(out.parent, f"--out {out}")  # and the folder the fused model goes to
-        checked_lora(lora, model, strict_base)
+        checked_lora(lora, model, strict_base)  # the paths before torch's import: a mistyped one is told at once
         path = merge_lora(model, lora, out, scale=scale, dtype=dtype, device=device)
     echo(f"wrote merged model to {path} (loads with diffusers' from_pretrained)")
 
@@ -132,12 +132,13 @@ def export(
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing --out file (never the LoRA being exported, nor a run's own LoRA or checkpoint)."),
 ) -> None:
     one_process("lora export")  # every rank would write the same --out
-    from models.lora_export import export_lora
     from store.format import widen_private_file
 
     with user_errors(out):
         refuse_a_recorded_file(out, lora)
-        checked_lora(lora)
+        checked_lora(lora)  # before torch's import: a mistyped --lora is told at once
+        from models.lora_export import export_lora
+
         path = export_lora(lora, format, out, overwrite=overwrite)
         widen_private_file(path)  # safetensors writes 0600: readable as the umask says (by ComfyUI's user too)
     echo(f"wrote {format} LoRA to {path}")
@@ -147,7 +148,7 @@ def refuse_a_recorded_file(out: Path, lora: Path) -> None:
     """OUT a file a run wrote and sealed (RUN/lora's weights, a checkpoint's): refused even with --overwrite, as
     the LoRA being exported is (`export_lora`, which names that case itself): the run's own weights would be lost
     and its record name other bytes."""
-    from models.lora import weight_file_name
+    from models.lora_files import weight_file_name
     from schemas.errors import UserError
     from store.checksum import recorded_by
 

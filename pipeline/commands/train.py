@@ -49,7 +49,6 @@ def command(
     store_dir = require(cfg.paths.store, "--store", "paths.store")
     model_id = require(cfg.paths.model, "--model", "paths.model")
     run_dir = require(cfg.paths.run, "--out", "paths.run")
-    from stages.train.recipe import run
     from stages.train.settings import validate_config
 
     with usage_errors():  # train's own check at its start, here before a store URL is pulled
@@ -75,6 +74,8 @@ def command(
                     raise UserError(why)
             store_dir = local_store(store_dir, ["text", "vae"], cache_dir, cache_gb)  # a URL: its cached copy
             model_variant(model_id)  # the model's first read (train.sample_steps' check, then its loading)
+        from stages.train.recipe import run  # torch and the model stack: after the checks, a typo is told at once
+
         # a rerun of a finished run (same tables, model and config) is up to date, as in `run all` (--new-run
         # --resume is what run all does); --new-run alone asks for a new training whatever OUT holds
         result = run(cfg, store_dir, model_id, run_dir, resume=resume, new_run=new_run,

@@ -18,16 +18,18 @@ import os
 import shutil
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Callable
-
-import torch
-from safetensors.torch import load as load_bytes, save_file
+from typing import TYPE_CHECKING, Any, Callable
 
 from schemas import up_to_date
 from schemas.errors import UserError
 from schemas.newer import refuse_newer
 from schemas.record_formats import RESUME_FORMAT, RESUME_JSON  # store.checksum reads resume.json too
 from schemas.up_to_date import compared_tables, known_init_lora  # the resume rule (evaluate's "one training" too)
+
+# torch is imported by the functions that write and read the state files: `--resume`'s checks at a command's
+# start (stages/train/resume.py) read records only, and a mistyped --model after them is told without it
+if TYPE_CHECKING:
+    import torch
 
 # ResumeRecord.extra key: the optimizer steps train.on_nonfinite=skip_step left without an update, up to the record's
 # step, every start's (on_nonfinite is in no fingerprint: a run that skipped some is current under skip_step only)
@@ -337,6 +339,8 @@ def _flatten(value: Any, key: str, tensors: dict[str, torch.Tensor], seen: dict[
     """JSON layout of one optimizer state entry; tensors go to `tensors` under `key` (nested dicts recurse:
     bitsandbytes keeps its quantisation state in one). A tensor shared between params (bitsandbytes' qmaps) is
     written once and referenced by its first key."""
+    import torch
+
     if isinstance(value, torch.Tensor):
         ident = (value.data_ptr(), tuple(value.shape), tuple(value.stride()), value.dtype)
         if value.numel() and ident in seen:
@@ -360,6 +364,8 @@ def _unflatten(layout: dict, tensors: dict[str, torch.Tensor]) -> Any:
 def save_optimizer(optimizer: torch.optim.Optimizer, folder: Path) -> None:
     """Any torch-style optimizer (AdamW, bitsandbytes 8-bit, Adafactor, Prodigy): state tensors in safetensors,
     everything else (ints, floats, the param groups) in JSON; no pickle."""
+    from safetensors.torch import save_file
+
     sd = optimizer.state_dict()
     tensors: dict[str, torch.Tensor] = {}
     seen: dict[tuple, str] = {}
@@ -378,6 +384,8 @@ def kept_bytes(folder: Path, name: str, kept: dict[str, bytes] | None) -> bytes:
 
 
 def load_optimizer(optimizer: torch.optim.Optimizer, folder: Path, kept: dict[str, bytes] | None = None) -> None:
+    from safetensors.torch import load as load_bytes
+
     flat = load_bytes(kept_bytes(folder, "optimizer.safetensors", kept))
     saved = json.loads(kept_bytes(folder, "optimizer.json", kept))
     groups = saved["param_groups"]
@@ -409,6 +417,9 @@ def _rng_file(folder: Path, rank: int) -> Path:
 
 
 def save_rng(folder: Path, rank: int) -> None:
+    import torch
+    from safetensors.torch import save_file
+
     states = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         states.update({f"cuda{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
@@ -419,6 +430,9 @@ def load_rng(folder: Path, rank: int, kept: dict[str, bytes] | None = None) -> N
     path = _rng_file(folder, rank)
     if not (kept and path.name in kept) and not path.is_file():
         raise UserError(f"{folder} has no RNG state for rank {rank}: the checkpoint is incomplete")
+    import torch
+    from safetensors.torch import load as load_bytes
+
     states = load_bytes(kept_bytes(folder, path.name, kept))
     torch.set_rng_state(states["cpu"])
     cuda = [states[f"cuda{i}"] for i in range(sum(k.startswith("cuda") for k in states))]

@@ -149,3 +149,37 @@ def test_the_installed_script_is_the_cli_main():
     target = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]["pipeline"]
     module, name = target.split(":")
     assert module == "pipeline.cli" and getattr(cli, name) is cli.main, target
+
+
+def test_a_mistyped_model_or_lora_is_told_without_the_model_stack(tmp_path):
+    """A mistyped --lora of `lora merge` / `lora export`, or --model of `run encode-text` / `encode-vae` / `train` /
+    `evaluate`, was refused only after torch's import (the LoRA module, the stage's, or the export formats of
+    --format's check): ~2 s and ~700 MB for a path that is not there. The paths are checked first now, by the one
+    rule of each (models.loading.resolve_model, models.lora_files.lora_weight_file)."""
+    from cli_probe import run_each
+
+    nowhere, store, run = str(tmp_path / "nowhere"), tmp_path / "store", tmp_path / "run"
+    store.mkdir()
+    (run / "checkpoints" / "step-2").mkdir(parents=True)
+    (run / "checkpoints" / "step-2" / "resume.json").write_text("{}")  # a checkpoint to --resume, to evaluate
+    lora = tmp_path / "lora.safetensors"
+    lora.write_bytes(b"")  # a LoRA file by name: the model's path is checked before it is read
+    out = ["--out", str(tmp_path / "out")]
+    firsts = [["lora", "export", nowhere, "--out", str(tmp_path / "x.safetensors")],
+              ["lora", "merge", "--model", nowhere, "--lora", nowhere, *out],
+              ["run", "encode-text", "--store", str(store), "--model", nowhere],
+              ["run", "encode-vae", "--store", str(store), "--model", nowhere],
+              ["run", "train", "--store", str(store), "--model", nowhere, "--out", str(tmp_path / "new-run")],
+              ["run", "evaluate", "--store", str(store), "--model", nowhere, "--lora", str(lora), *out]]
+    seconds = [["lora", "merge", "--model", nowhere, "--lora", str(lora), *out],
+               ["run", "train", "--store", str(store), "--model", nowhere, "--out", str(run), "--resume"],
+               ["run", "evaluate", "--store", str(store), "--model", nowhere, "--run", str(run), "--all-checkpoints",
+                *out]]
+    no_model = f"error: model '{nowhere}' is neither a model folder nor a hub id"
+    no_lora = f"error: no LoRA weights at {nowhere}: pass a folder written by `pipeline run train`"
+    for commands, lora_lines in ((firsts, 2), (seconds, 0)):
+        added, proc = run_each(commands)
+        assert added == {" ".join(c[:2]): [1, []] for c in commands}, proc.stderr[-3000:]
+        lines = proc.stderr.splitlines()
+        assert sum(line.startswith(no_lora) for line in lines) == lora_lines, proc.stderr[-3000:]
+        assert sum(line.startswith(no_model) for line in lines) == len(commands) - lora_lines, proc.stderr[-3000:]

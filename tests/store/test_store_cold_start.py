@@ -4,41 +4,9 @@ on a loaded machine) for nothing. What they import is checked, not how long it t
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
+from cli_probe import run_each
 from store import Store
 from store_samples import fill
-
-REPO = Path(__file__).resolve().parents[2]
-HEAVY = ("torch", "diffusers", "transformers", "bitsandbytes", "peft", "torchao", "accelerate", "safetensors")
-
-# Each command in turn, in one interpreter (one cold start for all): its exit status and which heavy modules it
-# had loaded by then (a module once loaded stays: a later command's list includes an earlier one's).
-PROBE = """
-import json, sys
-from pipeline.cli import app
-added = {}
-for words in json.loads(sys.argv[1]):
-    try:
-        code = app(words, prog_name="pipeline", standalone_mode=False)  # typer.Exit(n): returned
-    except SystemExit as e:
-        code = e.code
-    added[" ".join(words[:2])] = [code or 0, sorted(m for m in json.loads(sys.argv[2]) if m in sys.modules)]
-print("ADDED", json.dumps(added))
-"""
-
-
-def _run_each(commands: list[list[str]]) -> tuple[dict, subprocess.CompletedProcess]:
-    """{first two words: [exit status, heavy modules loaded]} of `commands` run in one process, and the process."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, "-c", PROBE, json.dumps(commands), json.dumps(HEAVY)], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and "ADDED" in proc.stdout, proc.stderr[-3000:]
-    return json.loads(proc.stdout.rsplit("ADDED", 1)[1]), proc
 
 
 def test_store_commands_import_no_model_stack(tmp_path):
@@ -47,7 +15,7 @@ def test_store_commands_import_no_model_stack(tmp_path):
     s = str(store)
     commands = [["store", "inspect", s], ["store", "verify", s], ["store", "gc", s, "--dry-run"],
                 ["store", "repair", s, "--dry-run"]]
-    added, proc = _run_each(commands)
+    added, proc = run_each(commands)
     assert "verified" in proc.stdout, proc.stdout[-2000:]  # verify read every shard (not an early refusal)
     assert added == {"store inspect": [0, []], "store verify": [0, []], "store gc": [0, []],
                      "store repair": [0, []]}, proc.stderr[-3000:]
@@ -62,7 +30,7 @@ def test_a_store_command_on_a_wrong_path_says_so_without_the_model_stack(tmp_pat
                 ["store", "repair", nowhere, "--dry-run"], ["migrate", "v1-to-v2", nowhere],
                 ["store", "push", nowhere, "s3://bucket/prefix"], ["store", "pull", f"file://{nowhere}", nowhere + "-2"],
                 ["compare", nowhere, nowhere + "-2", "--out", str(tmp_path / "cmp")]]
-    added, proc = _run_each(commands)
+    added, proc = run_each(commands)
     stderr = proc.stderr
     assert added == {" ".join(c[:2]): [1, []] for c in commands}, stderr[-3000:]
     assert stderr.count(f"error: no store at {nowhere} (no store.json)") == 6, stderr  # inspect ... push
