@@ -749,6 +749,26 @@ def _jsonl_controls(obj: dict) -> list:
     return ctrls if isinstance(ctrls, list) else [ctrls]
 
 
+# The fields a JSONL line is read by. A field holding image paths under another name (`mask_path`, `control_images`,
+# `source_image`) was passed over unsaid: the edit pair trained text-to-image, or without its mask.
+_JSONL_FIELDS = ("target", "controls", "control", "caption", "prompt", "mask")
+
+
+def _jsonl_field_problem(obj: dict) -> str | None:
+    """Why a line's fields would drop one of its images unread, or None."""
+    if obj.get("controls") is not None and obj.get("control") is not None:  # one of the two would be dropped
+        return "both 'controls' and 'control' are given; keep one (controls: a list of paths)"
+    for name, value in obj.items():
+        paths = value if isinstance(value, list) else [value]
+        if name in _JSONL_FIELDS or not paths or not all(
+                isinstance(v, str) and v.lower().endswith(IMAGE_SUFFIXES) for v in paths):
+            continue
+        meant = "mask" if "mask" in name.lower() else "controls"
+        return (f"field {name!r} names image file(s) ({paths[0]}) but is not read (a line's fields: "
+                f"{', '.join(_JSONL_FIELDS)}); rename it to {meant!r}, or drop it from the line")
+    return None
+
+
 def _jsonl_paths(obj: dict) -> list[str]:
     paths = [obj.get("target"), *_jsonl_controls(obj), obj.get("mask")]
     return [p for p in paths if isinstance(p, str)]
@@ -767,6 +787,8 @@ def iter_jsonl(root: Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
         s = SourceSample(name=f"line{no}", source=f"{manifest}:{no}")
         if err is None and not isinstance(obj, dict):
             err = "line is not a JSON object"
+        if err is None:
+            err = _jsonl_field_problem(obj)
         if err is not None:
             s.problem = err
             yield s
