@@ -278,3 +278,12 @@ def test_home_and_environment_variables_in_a_files_paths_are_expanded(tmp_path, 
     result = CliRunner().invoke(app, ["run", "resize-bucket", "--config", str(f)])
     assert result.exit_code == 2 and "paths.source: '$NOPE/src' names $NOPE, which is not set" in result.output
     assert not (home / "st2").exists() and list(cwd.iterdir()) == []
+
+
+def test_mask_weights_both_zero_are_refused_naming_the_key():
+    """foreground 0 and background 0 made every masked sample's loss 0 (it is normalised by the sample's total
+    weight): a run that trained nothing from them, printing loss 0.0000, was accepted."""
+    with pytest.raises(ConfigError) as e:
+        load_config(None, {"train.loss.mask_weight.foreground": 0, "train.loss.mask_weight.background": 0})
+    assert "'train.loss.mask_weight'" in str(e.value) and "both 0" in str(e.value)
+    assert load_config(None, {"train.loss.mask_weight.background": 0}).train.loss.mask_weight.foreground == 1.0
