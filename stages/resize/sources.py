@@ -36,6 +36,7 @@ import os
 import re
 import stat
 import tarfile
+import unicodedata
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import partial
@@ -298,13 +299,22 @@ def _layout_dirs(root: Path) -> list[Path]:
     return [root / "target", *(d for _, d in sorted(_control_dirs(root).items())), root / "mask"]
 
 
+def _stem(name: str) -> tuple[str, str]:
+    """(the stem a sample's files are matched by, the suffix). The stem in Unicode NFC: the same name may be stored
+    composed (`café`, NFC: Linux, Windows) or decomposed (`cafe` + U+0301, NFD: written on macOS, copied by rsync or
+    unzipped), and a target and its control or caption spelt the two ways looked alike but parted: the pair trained
+    text-to-image, its control quarantined as an orphan. The files keep their real names."""
+    stem, suffix = stem_suffix(name)
+    return unicodedata.normalize("NFC", stem), suffix
+
+
 def _images_by_stem(sc: Scan, unsupported: dict[str, list[Path]], also: tuple[str, ...] = ()) -> dict[str, list[str]]:
-    """Image file names by stem; every other entry (not an image, nor a suffix in `also`) goes to `unsupported`.
-    Suffixes match in any case (`x.PNG`, `x.TXT`: cameras and Windows tools write them). Names, not Paths: a million
-    Path objects were ~1 GB."""
+    """Image file names by stem (`_stem`); every other entry (not an image, nor a suffix in `also`) goes to
+    `unsupported`. Suffixes match in any case (`x.PNG`, `x.TXT`: cameras and Windows tools write them). Names, not
+    Paths: a million Path objects were ~1 GB."""
     out: dict[str, list[str]] = {}
     for name in sc.names:
-        stem, suffix = stem_suffix(name)
+        stem, suffix = _stem(name)
         is_file = sc.is_file(name)
         if is_file and suffix.lower() in IMAGE_SUFFIXES:
             out.setdefault(stem, []).append(name)
@@ -344,7 +354,7 @@ def iter_folder(root: Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
     targets = _images_by_stem(listed, unsupported, also=(".txt",))
     captions: dict[str, list[str]] = {}  # stem -> its caption file names (`x.txt`, `x.TXT`: either, not both)
     for name in listed.names:
-        if listed.is_file(name) and (split := stem_suffix(name))[1].lower() == ".txt":
+        if listed.is_file(name) and (split := _stem(name))[1].lower() == ".txt":
             captions.setdefault(split[0], []).append(name)
     control_dirs = _control_dirs(root)
     controls = {i: _images_by_stem(scan(d, root), unsupported) for i, d in control_dirs.items()}
