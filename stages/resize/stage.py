@@ -916,6 +916,7 @@ def _render(rec: SourceSample, key: str, caption: str, rc: ResizeConfig, rules: 
     bh, bw = bucket_size(tw, th, rules["target"])
     files = {"target.png": _png(_fit(target, bh, bw, rc.max_aspect, Image.Resampling.LANCZOS))}
     _note_upscale(notes, "target", target, bh, bw, rc.max_aspect)
+    _note_crop(notes, "target", target, rc.max_aspect)
     vae_sizes, vl_sizes = [], []
     for i, data in enumerate(rec.controls):
         ctrl = _decode(data, f"control {i}", rec, key, 1 + i, rc, notes).image
@@ -927,6 +928,7 @@ def _render(rec: SourceSample, key: str, caption: str, rc: ResizeConfig, rules: 
             sizes.append([h, w])
             if view == "vae":
                 _note_upscale(notes, "control", ctrl, h, w, rc.max_aspect)
+                _note_crop(notes, "control", ctrl, rc.max_aspect)
     if rec.mask is not None:
         try:
             dm = decode_mask(rec.mask, rc.max_image_pixels)
@@ -968,6 +970,13 @@ def _note_upscale(notes: list[str], what: str, im: Image.Image, h: int, w: int, 
     left, top, right, bottom = crop_box_for_aspect(im.width, im.height, max_aspect)
     if (h * w / ((right - left) * (bottom - top))) ** 0.5 > UPSCALE_NOTED:
         notes.append(f"{what} upscaled more than {UPSCALE_NOTED}x per side (a small source image)")
+
+
+def _note_crop(notes: list[str], what: str, im: Image.Image, max_aspect: float) -> None:
+    """An image beyond the aspect clamp loses its sides to the centre crop (a 6:1 panorama a third of its width,
+    an edit near its edge all of it): counted in the summary's `converted:` line, as a stretch is, not unsaid."""
+    if crop_box_for_aspect(im.width, im.height, max_aspect) != (0, 0, im.width, im.height):
+        notes.append(f"{what} centre-cropped to resize.max_aspect {max_aspect:g} (its sides beyond it dropped)")
 
 
 def _drawn_on_stored_pixels(mask: Image.Image, mask_orientation: int, target: Image.Image,
