@@ -770,8 +770,9 @@ def _jsonl_field_problem(obj: dict) -> str | None:
         return "both 'controls' and 'control' are given; keep one (controls: a list of paths)"
     for name, value in obj.items():
         paths = value if isinstance(value, list) else [value]
+        # a URL (`"url": "https://.../a.jpg"`, a crawl's provenance) is never read as an image anyway
         if name in _JSONL_FIELDS or not paths or not all(
-                isinstance(v, str) and v.lower().endswith(IMAGE_SUFFIXES) for v in paths):
+                isinstance(v, str) and v.lower().endswith(IMAGE_SUFFIXES) and "://" not in v for v in paths):
             continue
         meant = "mask" if "mask" in name.lower() else "controls"
         return (f"field {name!r} names image file(s) ({paths[0]}) but is not read (a line's fields: "

@@ -30,7 +30,7 @@ def test_a_jsonl_field_naming_images_that_is_not_read_quarantines_its_line(tmp_p
             {"target": "t.png", "control_images": ["c.png"], "caption": "controls under another name"},
             {"target": "t.png", "controls": [], "control": "c.png", "caption": "controls given twice"},
             {"target": "t.png", "controls": ["c.png"], "mask": "m.png", "caption": "read whole", "id": "x.png.1",
-             "width": 32, "tags": []}]
+             "width": 32, "tags": [], "url": "https://example.com/t.png"}]
     (src / "m.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     result = CliRunner().invoke(app, ["run", "resize-bucket", "--source", str(src / "m.jsonl"),
                                       "--store", str(tmp_path / "store"), "--set", "resize.target_area=4096",
