@@ -5,6 +5,8 @@ flag overrides, validated into `schemas.config.PipelineConfig` (the section type
 from __future__ import annotations
 
 import difflib
+import os
+import re
 import typing
 from pathlib import Path
 from typing import Any
@@ -145,6 +147,26 @@ def _set_dotted(d: dict, dotted: str, value: Any) -> None:
     d[parts[-1]] = value
 
 
+_ENV_VAR = re.compile(r"\$(?:(\w+)|\{(\w+)\})")
+
+
+def _expand_paths(data: dict[str, Any]) -> None:
+    """`~` and `$VAR` / `${VAR}` in `paths.*`, as a shell expands them in a flag: YAML does not, and `store: ~/st`
+    made a folder named `~` in the working directory (its summary's `~/st/quarantine.parquet` read as the home's).
+    An unset variable is refused: left as written, it would name a folder called `$VAR` too."""
+    paths = data.get("paths")
+    if not isinstance(paths, dict):
+        return
+    for key, value in paths.items():
+        if not isinstance(value, str):
+            continue
+        for m in _ENV_VAR.finditer(value):
+            if (name := m.group(1) or m.group(2)) not in os.environ:
+                raise ConfigError(f"paths.{key}: {value!r} names ${name}, which is not set in the environment; "
+                                  "export it, or write the path out")
+        paths[key] = os.path.expanduser(os.path.expandvars(value))
+
+
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None,
                 sets: dict[str, Any] | None = None) -> PipelineConfig:
     """Read YAML (or nothing), apply `sets` (`--set`), then dotted-key overrides (`{"train.batch_size": 8}`),
@@ -178,6 +200,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     overridden = {**(sets or {}), **{k: v for k, v in (overrides or {}).items() if v is not None}}
     for k, v in overridden.items():
         _set_dotted(data, k, v)
+    _expand_paths(data)
     try:
         return PipelineConfig.model_validate(data)
     except ValidationError as e:

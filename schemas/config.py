@@ -175,6 +175,15 @@ class MaskWeight(Section):
     foreground: Annotated[float, FEATURES] = Field(1.0, ge=0.0)
     background: Annotated[float, FEATURES] = Field(1.0, ge=0.0)
 
+    @model_validator(mode="after")
+    def _some_weight(self) -> MaskWeight:
+        # every masked sample's loss would be 0 (each is normalised by its total weight): a run that learns nothing
+        # from them, its loss printed as 0.0000
+        if self.foreground == 0 and self.background == 0:
+            raise ValueError("foreground and background are both 0: a masked sample's loss would weigh nothing and "
+                             "train nothing; give the edited region a weight above 0 (e.g. foreground: 1)")
+        return self
+
 
 class LossConfig(Section):
     mask_weight: Annotated[MaskWeight, FEATURES] = MaskWeight()

@@ -36,6 +36,7 @@ import os
 import re
 import stat
 import tarfile
+import unicodedata
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import partial
@@ -298,13 +299,22 @@ def _layout_dirs(root: Path) -> list[Path]:
     return [root / "target", *(d for _, d in sorted(_control_dirs(root).items())), root / "mask"]
 
 
+def _stem(name: str) -> tuple[str, str]:
+    """(the stem a sample's files are matched by, the suffix). The stem in Unicode NFC: the same name may be stored
+    composed (`café`, NFC: Linux, Windows) or decomposed (`cafe` + U+0301, NFD: written on macOS, copied by rsync or
+    unzipped), and a target and its control or caption spelt the two ways looked alike but parted: the pair trained
+    text-to-image, its control quarantined as an orphan. The files keep their real names."""
+    stem, suffix = stem_suffix(name)
+    return unicodedata.normalize("NFC", stem), suffix
+
+
 def _images_by_stem(sc: Scan, unsupported: dict[str, list[Path]], also: tuple[str, ...] = ()) -> dict[str, list[str]]:
-    """Image file names by stem; every other entry (not an image, nor a suffix in `also`) goes to `unsupported`.
-    Suffixes match in any case (`x.PNG`, `x.TXT`: cameras and Windows tools write them). Names, not Paths: a million
-    Path objects were ~1 GB."""
+    """Image file names by stem (`_stem`); every other entry (not an image, nor a suffix in `also`) goes to
+    `unsupported`. Suffixes match in any case (`x.PNG`, `x.TXT`: cameras and Windows tools write them). Names, not
+    Paths: a million Path objects were ~1 GB."""
     out: dict[str, list[str]] = {}
     for name in sc.names:
-        stem, suffix = stem_suffix(name)
+        stem, suffix = _stem(name)
         is_file = sc.is_file(name)
         if is_file and suffix.lower() in IMAGE_SUFFIXES:
             out.setdefault(stem, []).append(name)
@@ -344,7 +354,7 @@ def iter_folder(root: Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
     targets = _images_by_stem(listed, unsupported, also=(".txt",))
     captions: dict[str, list[str]] = {}  # stem -> its caption file names (`x.txt`, `x.TXT`: either, not both)
     for name in listed.names:
-        if listed.is_file(name) and (split := stem_suffix(name))[1].lower() == ".txt":
+        if listed.is_file(name) and (split := _stem(name))[1].lower() == ".txt":
             captions.setdefault(split[0], []).append(name)
     control_dirs = _control_dirs(root)
     controls = {i: _images_by_stem(scan(d, root), unsupported) for i, d in control_dirs.items()}
@@ -749,6 +759,27 @@ def _jsonl_controls(obj: dict) -> list:
     return ctrls if isinstance(ctrls, list) else [ctrls]
 
 
+# The fields a JSONL line is read by. A field holding image paths under another name (`mask_path`, `control_images`,
+# `source_image`) was passed over unsaid: the edit pair trained text-to-image, or without its mask.
+_JSONL_FIELDS = ("target", "controls", "control", "caption", "prompt", "mask")
+
+
+def _jsonl_field_problem(obj: dict) -> str | None:
+    """Why a line's fields would drop one of its images unread, or None."""
+    if obj.get("controls") is not None and obj.get("control") is not None:  # one of the two would be dropped
+        return "both 'controls' and 'control' are given; keep one (controls: a list of paths)"
+    for name, value in obj.items():
+        paths = value if isinstance(value, list) else [value]
+        # a URL (`"url": "https://.../a.jpg"`, a crawl's provenance) is never read as an image anyway
+        if name in _JSONL_FIELDS or not paths or not all(
+                isinstance(v, str) and v.lower().endswith(IMAGE_SUFFIXES) and "://" not in v for v in paths):
+            continue
+        meant = "mask" if "mask" in name.lower() else "controls"
+        return (f"field {name!r} names image file(s) ({paths[0]}) but is not read (a line's fields: "
+                f"{', '.join(_JSONL_FIELDS)}); rename it to {meant!r}, or drop it from the line")
+    return None
+
+
 def _jsonl_paths(obj: dict) -> list[str]:
     paths = [obj.get("target"), *_jsonl_controls(obj), obj.get("mask")]
     return [p for p in paths if isinstance(p, str)]
@@ -767,6 +798,8 @@ def iter_jsonl(root: Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
         s = SourceSample(name=f"line{no}", source=f"{manifest}:{no}")
         if err is None and not isinstance(obj, dict):
             err = "line is not a JSON object"
+        if err is None:
+            err = _jsonl_field_problem(obj)
         if err is not None:
             s.problem = err
             yield s

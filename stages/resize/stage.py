@@ -86,6 +86,8 @@ class ResizeSummary:
     source_before: str = ""
     # up to date because the files a read error kept out of the version failed again alike (still_unreadable.py)
     unreadable: list[str] = field(default_factory=list)
+    # val samples whose target and controls a train sample has too (the pair under another caption: `val_sharing`)
+    val_sharing: int = 0
 
     def to_json(self) -> dict[str, Any]:
         from schemas.stage import summary_record
@@ -94,7 +96,14 @@ class ResizeSummary:
                               sum(self.quarantined.values()), self.bytes_written, self.seconds, self.up_to_date,
                               resumed=self.resumed, splits=dict(self.splits),
                               quarantined_by_reason=dict(self.quarantined), repaired_from=self.repaired_from,
-                              newer_current=self.newer_current, source_before=self.source_before or None)
+                              newer_current=self.newer_current, source_before=self.source_before or None,
+                              val_sharing_train_images=self.val_sharing)
+
+    def _val_sharing_line(self) -> str:
+        return (f"val: {self.val_sharing} of {self.splits['val']} val samples have the target and controls of a train "
+                "sample (the same pair under another caption): the held-out loss is measured on pictures trained on, "
+                "and evaluate's best checkpoint favours memorising them; list each pair once (one caption) for a "
+                "held-out loss that is held out")
 
     def __str__(self) -> str:
         if self.up_to_date and self.unreadable:
@@ -116,6 +125,7 @@ class ResizeSummary:
                     + (f"\nsource: images v{self.version} was read from {self.source_before}, the same files and "
                        f"bytes are now at {self.source}: nothing re-rendered (v{self.version}, complete, is not "
                        f"rewritten: it names {self.source_before})" if self.source_before else "")
+                    + (f"\n{self._val_sharing_line()}" if self.val_sharing else "")
                     + (f"\n{self.sizes}" if self.sizes else ""))
         lines = [
             f"images v{self.version}: {self.written} samples written"
@@ -152,6 +162,8 @@ class ResizeSummary:
             lines.append("controls per sample: " + ", ".join(f"{n}: {c}" for n, c in sorted(self.controls.items()))
                          + ("; samples without a control train text-to-image (resize.min_controls: 1 quarantines "
                             "them)" if 0 in self.controls else ""))
+        if self.val_sharing:
+            lines.append(self._val_sharing_line())
         if self.conversions:
             lines.append("converted: " + ", ".join(f"{c}x {n}" for n, c in sorted(self.conversions.items())))
         if self.sizes:
@@ -196,8 +208,10 @@ def _run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> 
         # every sample of the version is reused as it is (counted so, as the encoders count theirs)
         from store.manifest_files import checked_manifest
 
-        splits = Counter(checked_manifest(st.version_dir(TABLE, found), ["split"]).column("split").to_pylist())
+        rows = checked_manifest(st.version_dir(TABLE, found), ["split", "source_hashes"])
+        splits = Counter(rows.column("split").to_pylist())
         return ResizeSummary(version=found, up_to_date=True, reused=splits.total(), splits=splits,
+                             val_sharing=val_sharing(rows),
                              seconds=time.perf_counter() - started,
                              sizes=sizes_in_force(rc.model_dump()), store=str(st.root), newer_current=newer,
                              source=str(source), source_before=before if before not in ("", str(source)) else "")
@@ -236,7 +250,30 @@ def _run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> 
             summary.splits = Counter(r.manifest.column("split").to_pylist())
             summary.controls = Counter(r.manifest.column("num_controls").to_pylist())
             summary.buckets = Counter(map(tuple, r.manifest.column("bucket").to_pylist()))
+    summary.val_sharing = val_sharing(_split_and_images(st, summary.version))
     return summary
+
+
+def _split_and_images(st: Store, version: int) -> Any:
+    from store.manifest_files import checked_manifest
+
+    return checked_manifest(st.version_dir(TABLE, version), ["split", "source_hashes"])
+
+
+def val_sharing(manifest: Any) -> int:
+    """How many val rows have the target and controls (`source_hashes`) of a train row. The split is a hash of the
+    key, which holds the caption: a pair listed under several captions lands in both splits, and the held-out loss
+    then scores pictures the LoRA was trained on, unsaid. Vectorised: one pass at a million rows."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    images = pc.binary_join(manifest.column("source_hashes"), "")
+    split = manifest.column("split")
+    train = pc.filter(images, pc.equal(split, "train"))
+    val = pc.filter(images, pc.equal(split, "val"))
+    if not len(train) or not len(val):
+        return 0
+    return int(pc.sum(pc.is_in(val, value_set=pa.concat_arrays(train.chunks))).as_py() or 0)
 
 
 # ---------------------------------------------------------------- the steps of `run`
@@ -916,6 +953,7 @@ def _render(rec: SourceSample, key: str, caption: str, rc: ResizeConfig, rules: 
     bh, bw = bucket_size(tw, th, rules["target"])
     files = {"target.png": _png(_fit(target, bh, bw, rc.max_aspect, Image.Resampling.LANCZOS))}
     _note_upscale(notes, "target", target, bh, bw, rc.max_aspect)
+    _note_crop(notes, "target", target, rc.max_aspect)
     vae_sizes, vl_sizes = [], []
     for i, data in enumerate(rec.controls):
         ctrl = _decode(data, f"control {i}", rec, key, 1 + i, rc, notes).image
@@ -927,6 +965,7 @@ def _render(rec: SourceSample, key: str, caption: str, rc: ResizeConfig, rules: 
             sizes.append([h, w])
             if view == "vae":
                 _note_upscale(notes, "control", ctrl, h, w, rc.max_aspect)
+                _note_crop(notes, "control", ctrl, rc.max_aspect)
     if rec.mask is not None:
         try:
             dm = decode_mask(rec.mask, rc.max_image_pixels)
@@ -968,6 +1007,13 @@ def _note_upscale(notes: list[str], what: str, im: Image.Image, h: int, w: int, 
     left, top, right, bottom = crop_box_for_aspect(im.width, im.height, max_aspect)
     if (h * w / ((right - left) * (bottom - top))) ** 0.5 > UPSCALE_NOTED:
         notes.append(f"{what} upscaled more than {UPSCALE_NOTED}x per side (a small source image)")
+
+
+def _note_crop(notes: list[str], what: str, im: Image.Image, max_aspect: float) -> None:
+    """An image beyond the aspect clamp loses its sides to the centre crop (a 6:1 panorama a third of its width,
+    an edit near its edge all of it): counted in the summary's `converted:` line, as a stretch is, not unsaid."""
+    if crop_box_for_aspect(im.width, im.height, max_aspect) != (0, 0, im.width, im.height):
+        notes.append(f"{what} centre-cropped to resize.max_aspect {max_aspect:g} (its sides beyond it dropped)")
 
 
 def _drawn_on_stored_pixels(mask: Image.Image, mask_orientation: int, target: Image.Image,

@@ -251,3 +251,39 @@ def test_an_anchored_mapping_overriding_its_own_merge_is_no_key_given_twice(tmp_
                  "train:\n  <<: *t\n")
     with pytest.raises(ConfigError, match="line 6, column 5: 'seed' is given twice \\(first on line 5\\)"):
         load_config(f)
+
+
+def test_home_and_environment_variables_in_a_files_paths_are_expanded(tmp_path, monkeypatch):
+    """YAML does not expand `~` or `$VAR` as a shell does a flag's: `store: ~/st` made a folder named `~` in the
+    working directory (the summary's `~/st/quarantine.parquet` read as the home's). Now they name the home and the
+    variable's folder; an unset variable is one line, not a folder called `$NOPE`."""
+    from pipeline.demo_data import make_demo_data
+    from store import Store
+
+    home, data, cwd = tmp_path / "home", tmp_path / "data", tmp_path / "cwd"
+    for d in (home, cwd):
+        d.mkdir()
+    make_demo_data(data / "src", n=4, max_controls=1, seed=0)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("DATA", str(data))
+    monkeypatch.chdir(cwd)
+    f = tmp_path / "c.yaml"
+    f.write_text("paths:\n  source: ${DATA}/src\n  store: ~/st\nresize:\n  target_area: 4096\n  multiple: 16\n")
+    result = CliRunner().invoke(app, ["run", "resize-bucket", "--config", str(f)])
+    assert result.exit_code == 0, result.output
+    assert len(Store(home / "st", create=False).reader("images").manifest) == 4
+    assert list(cwd.iterdir()) == []
+    f.write_text("paths:\n  source: $NOPE/src\n  store: ~/st2\n")
+    monkeypatch.delenv("NOPE", raising=False)
+    result = CliRunner().invoke(app, ["run", "resize-bucket", "--config", str(f)])
+    assert result.exit_code == 2 and "paths.source: '$NOPE/src' names $NOPE, which is not set" in result.output
+    assert not (home / "st2").exists() and list(cwd.iterdir()) == []
+
+
+def test_mask_weights_both_zero_are_refused_naming_the_key():
+    """foreground 0 and background 0 made every masked sample's loss 0 (it is normalised by the sample's total
+    weight): a run that trained nothing from them, printing loss 0.0000, was accepted."""
+    with pytest.raises(ConfigError) as e:
+        load_config(None, {"train.loss.mask_weight.foreground": 0, "train.loss.mask_weight.background": 0})
+    assert "'train.loss.mask_weight'" in str(e.value) and "both 0" in str(e.value)
+    assert load_config(None, {"train.loss.mask_weight.background": 0}).train.loss.mask_weight.foreground == 1.0

@@ -121,6 +121,24 @@ def test_hostile_image_files_each_end_deliberately(tmp_path):
     assert sliver["source_size"] == [10, 100000] and sliver["bucket"] == [32, 128]
 
 
+def test_an_image_beyond_the_aspect_clamp_is_counted_as_cropped(tmp_path):
+    """A 6:1 panorama loses a third of its width to the centre crop into `resize.max_aspect` (4), an edit near its
+    edge all of it; before, nothing said so (a stretch of a small image is counted, a crop was not)."""
+    root, store = tmp_path / "src", tmp_path / "store"
+    wide, tall, square = (encoded(Image.new("RGB", size, (200, 30, 30))) for size in ((600, 100), (100, 600), (96, 96)))
+    put(root, "panorama.png", wide, controls=[square])
+    put(root, "portrait.png", square, caption=b"make it tall", controls=[tall])
+    put(root, "inside.png", encoded(Image.new("RGB", (400, 100), (30, 30, 200))), controls=[square])  # 4:1 exactly
+    s = run(cfg(), root, store)
+    t = table(store)
+    target_note = "target centre-cropped to resize.max_aspect 4 (its sides beyond it dropped)"
+    control_note = "control centre-cropped to resize.max_aspect 4 (its sides beyond it dropped)"
+    assert {n: [c for c in m["conversions"] if "cropped" in c] for n, (m, _) in t.items()} == {
+        "panorama.png": [target_note], "portrait.png": [control_note], "inside.png": []}
+    assert s.conversions[target_note] == 1 and s.conversions[control_note] == 1
+    assert f"1x {target_note}" in str(s)
+
+
 def _rgb16_png(w: int, h: int) -> bytes:
     """A 16-bit-per-channel RGB PNG (Pillow writes none): each channel's high byte 0x80, 0x40, 0xff."""
     import struct

@@ -1,0 +1,49 @@
+"""A JSONL line that names an image under a field the reader does not read (`mask_path`, `control_images`), or
+gives both `controls` and `control`: before, that image was passed over unsaid (the edit pair trained
+text-to-image, or without its mask, and nothing in the output said so); now the line is quarantined naming the
+field and what to rename it to."""
+
+from __future__ import annotations
+
+import io
+import json
+
+from PIL import Image
+from typer.testing import CliRunner
+
+from pipeline.cli import app
+from store import Store
+
+
+def _png(colour: tuple[int, int, int]) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (32, 24), colour).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def test_a_jsonl_field_naming_images_that_is_not_read_quarantines_its_line(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    for name, colour in (("t.png", (200, 0, 0)), ("c.png", (0, 200, 0)), ("m.png", (255, 255, 255))):
+        (src / name).write_bytes(_png(colour))
+    rows = [{"target": "t.png", "controls": ["c.png"], "mask_path": "m.png", "caption": "a mask under another name"},
+            {"target": "t.png", "control_images": ["c.png"], "caption": "controls under another name"},
+            {"target": "t.png", "controls": [], "control": "c.png", "caption": "controls given twice"},
+            {"target": "t.png", "controls": ["c.png"], "mask": "m.png", "caption": "read whole", "id": "x.png.1",
+             "width": 32, "tags": [], "url": "https://example.com/t.png"}]
+    (src / "m.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    result = CliRunner().invoke(app, ["run", "resize-bucket", "--source", str(src / "m.jsonl"),
+                                      "--store", str(tmp_path / "store"), "--set", "resize.target_area=4096",
+                                      "--set", "resize.multiple=16"])
+    assert result.exit_code == 0, result.output
+    store = Store(tmp_path / "store", create=False)
+    kept = store.reader("images").manifest.to_pylist()
+    assert [(r["caption"], r["num_controls"], r["has_mask"]) for r in kept] == [("read whole", 1, True)]
+    quarantined = {r["source"].rsplit(":", 1)[1]: (r["reason"], r["detail"]) for r in store.quarantine().to_pylist()}
+    assert quarantined == {
+        "1": ("bad-source", "field 'mask_path' names image file(s) (m.png) but is not read (a line's fields: target, "
+                            "controls, control, caption, prompt, mask); rename it to 'mask', or drop it from the line"),
+        "2": ("bad-source", "field 'control_images' names image file(s) (c.png) but is not read (a line's fields: "
+                            "target, controls, control, caption, prompt, mask); rename it to 'controls', or drop it "
+                            "from the line"),
+        "3": ("bad-source", "both 'controls' and 'control' are given; keep one (controls: a list of paths)")}
