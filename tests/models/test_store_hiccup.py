@@ -1,0 +1,104 @@
+"""A launch's store that fails a call now and then (a TCPStore busy past the client's timeout, a dropped
+connection) while the store itself lives on: the watch thread (models/collective.py `_watch`) and an uneven wait
+(`arrive_together`) connect again (`_reconnect`) and go on. Before, one failed call ended the watch thread for good,
+and with it this live rank's signs of life: the ranks waiting for it stopped the launch after LOST_SECONDS, naming it
+as killed; a failed read of the wait itself ended the rank in a traceback. A store that is gone (its host ended)
+still ends the watch at once, without torch's C++ warnings of a client trying it again. This process plays rank 1 of
+2 against a real TCPStore the test serves (tests/models/test_failure_lines.py `_as_rank_1`)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch.distributed as dist
+
+from own_collective import own_collective  # noqa: F401  (the fixture)
+from test_failure_lines import _as_rank_1
+from test_launch_devices import TIMEOUT
+
+
+class FlakyClient:
+    """The real client, except that its first `budget["left"]` calls that `budget["fails"]` matches raise as a
+    store call that timed out does (the budget is shared by every connection made, as reconnecting is)."""
+
+    def __init__(self, real, budget: dict) -> None:
+        self.real, self.budget = real, budget
+
+    def __getattr__(self, name: str):
+        call = getattr(self.real, name)
+
+        def flaky(*args):
+            if self.budget["left"] and self.budget["fails"](name, *args):
+                self.budget["left"] -= 1
+                raise dist.DistStoreError("Socket Timeout")
+            return call(*args)
+
+        return flaky
+
+
+def _flaky_clients(monkeypatch, collective, fails, left: int) -> dict:
+    budget = {"fails": fails, "left": left}
+    real = collective._store_client
+    monkeypatch.setattr(collective, "_store_client", lambda timeout=10.0: FlakyClient(real(timeout), budget))
+    return budget
+
+
+def _wait_for(condition, what: str) -> None:
+    deadline = time.monotonic() + TIMEOUT  # a bound for a wait that never ends (the test then fails), not a timing
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def test_the_watch_thread_counts_this_rank_alive_on_after_failed_store_calls(monkeypatch, own_collective) -> None:
+    collective = own_collective
+    store = _as_rank_1(monkeypatch)
+    alive = collective._alive_key(1)
+    budget = _flaky_clients(monkeypatch, collective, lambda name, key, *_: name == "add" and key == alive, 3)
+    exits: list[int] = []
+    monkeypatch.setattr(collective.os, "_exit", exits.append)
+    collective.watch_failures(2)
+    _wait_for(lambda: budget["left"] == 0, "the watch thread stopped calling the store")
+    beats = store.add(alive, 0)
+    # three signs of life after the third failure: a rank waiting in `arrive_together` sees this one alive (before:
+    # none ever, the thread had ended at the first failure)
+    _wait_for(lambda: store.add(alive, 0) >= beats + 3, "no sign of life after the store's failed calls")
+    assert not collective._state.get("store_lost")  # its exit counts itself in the store again (`_count_exit`)
+    # and it still watches: a failure another rank publishes ends this process with its line
+    line = "rank 0 ran out of memory in the forward"
+    store.compare_set(collective._failure_key(), "", line)
+    store.add(f"{collective._failure_key()}/known", 1)
+    _wait_for(lambda: exits == [1], "the watch thread missed a published failure after the store's failed calls")
+
+
+def test_an_uneven_wait_goes_on_after_a_failed_store_read(monkeypatch, own_collective) -> None:
+    collective = own_collective
+    store = _as_rank_1(monkeypatch)
+    arrived = f"{collective._launch_key('arrived')}/1"
+    budget = _flaky_clients(monkeypatch, collective, lambda name, key, *v: name == "add" and key == arrived
+                            and v == (0,), 2)
+    store.set(f"{arrived}/0", "1")  # rank 0 is there already
+    store.add(arrived, 1)
+    collective.arrive_together(2, "the encode's commit")  # before: DistStoreError out of the wait
+    assert budget["left"] == 0 and store.add(arrived, 0) == 2
+
+
+def test_a_store_gone_ends_the_watch_at_once_and_quietly(monkeypatch, own_collective, capfd) -> None:
+    """Its host ended: nothing listens on its port any more. The watch thread stops trying at the refused
+    connection, long before STORE_RETRY_SECONDS (here: longer than the test waits), and neither it nor the exit
+    (`_count_exit`) calls the store again: torch's client prints a C++ warning and stack at each call or try (after
+    a rank's last line, where its exit came after the host's)."""
+    collective = own_collective
+    store = _as_rank_1(monkeypatch)
+    monkeypatch.setattr(collective, "STORE_RETRY_SECONDS", 10 * TIMEOUT)
+    collective.watch_failures(2)
+    alive = collective._alive_key(1)
+    _wait_for(lambda: store.add(alive, 0) >= 1, "the watch thread never counted this rank alive")
+    del store  # the store's host ends (the server stops with its object: this test held the only one)
+    watcher = next(t for t in threading.enumerate() if t.name == "rank-failure-watch")
+    watcher.join(TIMEOUT)
+    assert not watcher.is_alive(), "the watch thread kept trying a store that is gone"
+    collective._state["stop_watching"]()  # the exit: nothing more through the store
+    err = capfd.readouterr().err
+    assert err.count("frame #0") <= 1 and "failed to connect" not in err, err  # the one failed poll's, at most
