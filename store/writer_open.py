@@ -4,6 +4,7 @@ create, and what a resumed folder already holds (committed keys, the next shard 
 from __future__ import annotations
 
 import shutil
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -45,28 +46,55 @@ def candidate_version(root: Path, table: str, want: dict[str, Any], world: int |
     return (versions[-1] if versions else 0) + 1
 
 
+VIEW_LAG_SECONDS = 60.0  # how long a folder's new entries may stay unseen from another node: NFS's acdirmax
+LOOK_SECONDS = 0.5  # how often a lagging view is looked at again
+
+
 def open_version(root: Path, table: str, want: dict[str, Any], version: int | None = None) -> tuple[int, Path]:
     """Resume the in-progress version with this exact schema + lineage (`want`), else create v<N+1>; `version`:
-    that one (agreed on by ranks that do not share this folder: stages/encode/nodes.py), resumed or created.
+    that one (the ranks' version, which rank 0 opened: stages/encode/nodes.py), resumed or created.
 
-    Done under the store lock so that ranks starting together agree on one folder.
+    Done under the store lock so that ranks starting together agree on one folder. Rank 0 has just made the
+    ranks' version, and another node's view of the table folder may not show it yet (a shared file system's
+    attribute cache): its folder is then found by its creation failing (`FileExistsError`, a traceback before)
+    and its schema.json waited for (`_schema_seen`); refused as another writer's only once seen.
     """
     with fmt.flock(root / fmt.STORE_LOCK):
         v = candidate_version(root, table, want) if version is None else version
         vdir = fmt.version_dir(root, table, v)
-        if vdir.is_dir():
-            if not fmt.is_complete(vdir) and (vdir / fmt.SCHEMA_JSON).is_file() and \
-                    fmt.read_json(vdir / fmt.SCHEMA_JSON, "schema.json") == want:
+        if not vdir.is_dir():
+            try:
+                vdir.mkdir(parents=True)
+            except FileExistsError:  # there after all, unseen here: another node made it
+                pass
+            else:
+                try:
+                    fmt.atomic_write_json(vdir / fmt.SCHEMA_JSON, want)
+                except BaseException:  # e.g. a full disk: no empty version folder left behind
+                    shutil.rmtree(vdir, ignore_errors=True)
+                    raise
                 return v, vdir
-            raise UserError(f"{vdir} is another writer's version (complete, or another schema), but the ranks "
-                            f"agreed to write table '{table}' v{v}; remove that folder and rerun")
-        vdir.mkdir(parents=True)
-        try:
-            fmt.atomic_write_json(vdir / fmt.SCHEMA_JSON, want)
-        except BaseException:  # e.g. a full disk: no empty version folder left behind
-            shutil.rmtree(vdir, ignore_errors=True)
-            raise
-        return v, vdir
+        schema = _schema_seen(vdir)
+        if schema is None:
+            raise UserError(f"{vdir} holds no schema.json, though the ranks agreed to write table '{table}' v{v} "
+                            f"there (waited {VIEW_LAG_SECONDS:.0f} s for this node to see it: a shared file "
+                            "system's view that lags longer, or a writer killed as it made the folder); unless a "
+                            "job writes that table now, remove that folder and rerun")
+        if not fmt.is_complete(vdir) and schema == want:
+            return v, vdir
+        raise UserError(f"{vdir} is another writer's version (complete, or another schema), but the ranks "
+                        f"agreed to write table '{table}' v{v}; remove that folder and rerun")
+
+
+def _schema_seen(vdir: Path) -> dict[str, Any] | None:
+    """`vdir`'s schema.json, once this node sees it (at most VIEW_LAG_SECONDS: it may have been written on
+    another node a moment ago); None when it does not."""
+    deadline = time.monotonic() + VIEW_LAG_SECONDS
+    while not (vdir / fmt.SCHEMA_JSON).is_file():
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(LOOK_SECONDS)
+    return fmt.read_json(vdir / fmt.SCHEMA_JSON, "schema.json")
 
 
 def parts_world(vdir: Path) -> int | None:
