@@ -422,6 +422,19 @@ def _reconnect(clients: list, stop: threading.Event) -> bool:
     return False
 
 
+def _read(clients: list, read: Callable[[object], T]) -> T:
+    """`read(client)` through `clients[0]` for a main thread's long wait (`arrive_together`, `main_alone`: hours),
+    tried again on a new connection after a failed call (`_reconnect`): one hiccup of the store ended the rank in a
+    traceback, and the launch with it. Reads only: a call that failed may have been applied. A store gone: its
+    failure, as before."""
+    while True:
+        try:
+            return read(clients[0])
+        except Exception:  # noqa: BLE001 - re-raised below when the store does not answer again
+            if not _reconnect(clients, threading.Event()):
+                raise
+
+
 def report_once(message: str) -> bool:
     """Print `error: MESSAGE` to stderr (red on a terminal, as the CLI's lines) unless this process already
     reported a failure; whether it printed. Every failure line of a launched rank comes here - its main thread's
@@ -719,9 +732,10 @@ def main_alone(world: int, what: str, work: Callable[[], T], oom_advice: str = "
         return result
     watch_failures(world)  # rank 0's failure ends this process with its line
     # no progress bar: these ranks print nothing of their own, rank 0 shows the work's bars
-    while not client.check([key]):
+    clients = [client]
+    while not _read(clients, lambda c: c.check([key])):
         time.sleep(POLL_SECONDS)
-    _count_and_wait(client, f"{key}/seen", world, wait=False)
+    _count_and_wait(clients[0], f"{key}/seen", world, wait=False)
     return None
 
 
@@ -759,32 +773,25 @@ def arrive_together(world: int, what: str) -> None:
     seen: dict[int, tuple[int, float]] = {}  # rank -> (its signs of life, when they last changed here)
     look, began = 0.0, time.monotonic()
     notice = began + WAIT_NOTICE_SECONDS
-    clients, lost = [client], []
-    while True:
-        try:  # reads only, so a failed one is tried again on a new connection (`_reconnect`), as the watch thread's
-            if clients[0].add(key, 0) >= world:
-                break
-            if time.monotonic() >= notice:
-                notice += WAIT_NOTICE_SECONDS
-                line = _wait_notice(clients[0], key, world, rank, time.monotonic() - began, what)
-                if line:
-                    sys.stderr.write(line + "\n")
-                    sys.stderr.flush()
-            if time.monotonic() >= look:
-                look = time.monotonic() + LIVENESS_SECONDS
-                lost = _lost_ranks(clients[0], key, world, seen)
-        except Exception:  # noqa: BLE001 - a hiccup of an hours-long wait; a store gone ends it as before
-            if not _reconnect(clients, threading.Event()):
-                raise
-            continue
-        if lost:
-            from models.agreement import few
+    clients = [client]
+    while _read(clients, lambda c: c.add(key, 0)) < world:
+        if time.monotonic() >= notice:
+            notice += WAIT_NOTICE_SECONDS
+            line = _read(clients, lambda c: _wait_notice(c, key, world, rank, time.monotonic() - began, what))
+            if line:
+                sys.stderr.write(line + "\n")
+                sys.stderr.flush()
+        if time.monotonic() >= look:
+            look = time.monotonic() + LIVENESS_SECONDS
+            lost = _read(clients, lambda c: _lost_ranks(c, key, world, seen))
+            if lost:
+                from models.agreement import few
 
-            line = (f"{what}: rank(s) {few(lost)} of {world} gave no sign of life for {LOST_SECONDS:.0f} s while "
-                    "the others waited for them (killed: `kill -9`, the out-of-memory killer - `dmesg` on its "
-                    "node says - or its node lost); what the ranks committed is kept: rerun the same command "
-                    "to continue")
-            raise RankFailed(publish_failure(line, world))
+                line = (f"{what}: rank(s) {few(lost)} of {world} gave no sign of life for {LOST_SECONDS:.0f} s while "
+                        "the others waited for them (killed: `kill -9`, the out-of-memory killer - `dmesg` on its "
+                        "node says - or its node lost); what the ranks committed is kept: rerun the same command "
+                        "to continue")
+                raise RankFailed(publish_failure(line, world))
         time.sleep(POLL_SECONDS)
 
 

@@ -2,7 +2,7 @@
 connection) while the store itself lives on: the watch thread (models/collective.py `_watch`) and an uneven wait
 (`arrive_together`) connect again (`_reconnect`) and go on. Before, one failed call ended the watch thread for good,
 and with it this live rank's signs of life: the ranks waiting for it stopped the launch after LOST_SECONDS, naming it
-as killed; a failed read of the wait itself ended the rank in a traceback. A store that is gone (its host ended)
+as killed; a failed read of the wait itself (`arrive_together`, `main_alone`) ended the rank in a traceback. A store that is gone (its host ended)
 still ends the watch at once, without torch's C++ warnings of a client trying it again. This process plays rank 1 of
 2 against a real TCPStore the test serves (tests/models/test_failure_lines.py `_as_rank_1`)."""
 
@@ -82,6 +82,18 @@ def test_an_uneven_wait_goes_on_after_a_failed_store_read(monkeypatch, own_colle
     store.add(arrived, 1)
     collective.arrive_together(2, "the encode's commit")  # before: DistStoreError out of the wait
     assert budget["left"] == 0 and store.add(arrived, 0) == 2
+
+
+def test_a_rank_waiting_for_rank_0_alone_goes_on_after_a_failed_store_read(monkeypatch, own_collective) -> None:
+    """`main_alone` (resize-bucket: hours of rank 0's work): the waiting rank's poll of rank 0's mark."""
+    collective = own_collective
+    store = _as_rank_1(monkeypatch)
+    done = f"{collective._launch_key('done')}/resize-bucket"
+    budget = _flaky_clients(monkeypatch, collective, lambda name, keys, *_: name == "check" and keys == [done], 2)
+    store.set(done, "done")  # rank 0's work is over
+    store.add(f"{done}/seen", 1)
+    assert collective.main_alone(2, "resize-bucket", lambda: "rank 0's") is None  # before: DistStoreError
+    assert budget["left"] == 0 and store.add(f"{done}/seen", 0) == 2  # it saw the mark and said so
 
 
 def test_a_store_gone_ends_the_watch_at_once_and_quietly(monkeypatch, own_collective, capfd) -> None:
