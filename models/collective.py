@@ -506,9 +506,11 @@ def _write_failure(message: str, world: int, timeout: float = 10.0) -> str | Non
         client = _store_client(timeout)
         if client is None:
             return None
-        key = _failure_key()
-        line = client.compare_set(key, "", message).decode("utf-8", "replace")
-        _known_by_all(client, key, world)
+        key, clients = _failure_key(), [client]
+        # tried again after a hiccup (`_read`; a compare-and-set writes once): unpublished, the line reached no rank,
+        # which ended on another (a lost peer's) or, waiting in `arrive_together`, only after LOST_SECONDS
+        line = _read(clients, lambda c: c.compare_set(key, "", message)).decode("utf-8", "replace")
+        _known_by_all(clients[0], key, world)
         return line
     except Exception:  # noqa: BLE001 - no store: the others learn it at their next agreement, if ever
         return None

@@ -8,14 +8,21 @@ still ends the watch at once, without torch's C++ warnings of a client trying it
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import time
+from pathlib import Path
 
 import torch.distributed as dist
 
 from own_collective import own_collective  # noqa: F401  (the fixture)
 from test_failure_lines import _as_rank_1
+from launch_ports import start_host_first
 from test_launch_devices import TIMEOUT
+from warm_start import WarmProcess, outcomes
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 class FlakyClient:
@@ -114,3 +121,60 @@ def test_a_store_gone_ends_the_watch_at_once_and_quietly(monkeypatch, own_collec
     collective._state["stop_watching"]()  # the exit: nothing more through the store
     err = capfd.readouterr().err
     assert err.count("frame #0") <= 1 and "failed to connect" not in err, err  # the one failed poll's, at most
+
+
+# Rank 1 fails alone (`fails_alone`) while rank 0 waits for it (`together(uneven=True)`: `arrive_together`); the
+# store fails rank 1's first publishing call. LOST_SECONDS is short, so a failure never published ends the test soon
+# (rank 0 then calls rank 1 lost), instead of after 120 s.
+PUBLISH_SCRIPT = """
+import sys
+import torch.distributed as dist
+from models import collective
+from schemas.errors import UserError
+dist.init_process_group("gloo")
+collective.close_at_exit()
+collective.LOST_SECONDS = 5.0
+if dist.get_rank() == 1:
+    real, left = collective._store_client, [1]
+
+    class Flaky:
+        def __init__(self, client):
+            self.client = client
+
+        def __getattr__(self, name):
+            if name == "compare_set" and left[0]:
+                left[0] -= 1
+                raise dist.DistStoreError("Socket Timeout")
+            return getattr(self.client, name)
+
+    collective._store_client = lambda timeout=10.0: Flaky(real(timeout))
+try:
+    if dist.get_rank() == 1:
+        with collective.fails_alone(2, "its share"):
+            raise UserError("rank 1's share of the images is damaged: run `pipeline store repair`")
+    else:
+        with collective.together(2, "the commit", uneven=True):
+            pass
+except UserError as e:
+    collective.report_once(str(e))
+    sys.exit(1)
+"""
+
+
+def test_a_failure_published_through_a_store_hiccup_still_stops_every_rank_with_its_line(tmp_path) -> None:
+    """Before, the publishing call was made once: a hiccup there left the failure unpublished, and rank 0 waited
+    until it called rank 1 lost (LOST_SECONDS: 120 s), ending on that line, not rank 1's."""
+    script = tmp_path / "publish_through_hiccup.py"
+    script.write_text(PUBLISH_SCRIPT)
+
+    def start(rank: int, port: int) -> WarmProcess:
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
+               "PYTHONPATH": str(REPO)}
+        return WarmProcess([sys.executable, str(script)], env=env)
+
+    (rc0, _, err0), (rc1, _, err1) = outcomes(start_host_first(start, 2), timeout=TIMEOUT)
+    line = "error: rank 1's share of the images is damaged: run `pipeline store repair`"
+    assert rc0 == rc1 == 1, (rc0, rc1, err0[-3000:], err1[-3000:])
+    for err in (err0, err1):
+        assert err.strip().splitlines()[-1] == line, err[-3000:]
