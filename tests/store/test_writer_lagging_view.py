@@ -202,6 +202,36 @@ def test_a_rank_whose_view_lags_writes_the_version_rank_0_just_opened(store: Sto
     assert_exact(store, 2)
 
 
+def test_a_rank_whose_view_lags_writes_the_first_version_of_a_table_rank_0_just_made(store: Store,
+                                                                                       monkeypatch) -> None:
+    """The table's first version: rank 0 made the table folder itself a moment ago, and this node's view shows
+    neither it nor the version. The writer's lock met the table folder (FileExistsError: "... is a file, not a
+    folder" on that rank); now it waits for the folder to show, then writes the version."""
+    v, vdir = writer_open.open_version(store.root, "vae", vae_schema().to_dict())  # rank 0 opens it
+    table, version, schema = {"vae"}, {vdir.name}, {fmt.SCHEMA_JSON}
+
+    def catch_up() -> None:  # one name more shows at each wait
+        next(s for s in (table, version, schema, {None}) if s).clear()
+
+    waits = _lagging_clock(monkeypatch, catch_up)
+    with _lagging_view(monkeypatch, store.root, table), _lagging_view(monkeypatch, vdir.parent, version), \
+            _lagging_view(monkeypatch, vdir, schema):
+        rank1 = store.writer("vae", vae_schema(), rank=1, world_size=2, version=v, shard_size_mb=0.0001)
+    assert (rank1.version, rank1.dir) == (v, vdir) and len(waits) == 3  # till the table, version and schema show
+    _add(rank1, 1)
+    rank1.finish_rank()
+    rank1.close()
+    assert (vdir / "rank-01.done").is_file()
+
+
+def test_a_file_where_the_table_folder_goes_is_one_line_at_once(store: Store, monkeypatch) -> None:
+    (store.root / "vae").write_text("not a table")
+    waits = _lagging_clock(monkeypatch)
+    with pytest.raises(UserError, match=r"/vae is not a folder seen from this node: a file of that name \(remove it"):
+        store.writer("vae", vae_schema())
+    assert waits == []  # no wait for a view to catch up: the file is seen
+
+
 def test_a_version_folder_whose_schema_never_shows_is_one_line(store: Store, monkeypatch) -> None:
     """The agreed version's folder is there but this node never sees its schema.json (a view lagging past
     VIEW_LAG_SECONDS, or a writer killed as it made the folder): one line naming the folder, after the wait."""
