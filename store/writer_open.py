@@ -64,8 +64,9 @@ def open_version(root: Path, table: str, want: dict[str, Any], version: int | No
 
     Done under the store lock so that ranks starting together agree on one folder. Rank 0 has just made the
     ranks' version, and another node's view of the table folder may not show it yet (a shared file system's
-    attribute cache): its folder is then found by its creation failing (`FileExistsError`, a traceback before)
-    and its schema.json waited for (`_seen`); refused as another writer's only once seen.
+    attribute cache): its folder is then found by its creation failing (before, that `FileExistsError` ended the
+    rank, the CLI calling the folder "a file") and its schema.json waited for (`_seen`); refused as another
+    writer's only once seen.
     """
     with fmt.flock(root / fmt.STORE_LOCK):
         v = candidate_version(root, table, want) if version is None else version
