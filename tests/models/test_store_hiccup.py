@@ -1,10 +1,11 @@
-"""A launch's store that fails a call now and then (a TCPStore busy past the client's timeout, a dropped
-connection) while the store itself lives on: the watch thread (models/collective.py `_watch`) and an uneven wait
-(`arrive_together`) connect again (`_reconnect`) and go on. Before, one failed call ended the watch thread for good,
-and with it this live rank's signs of life: the ranks waiting for it stopped the launch after LOST_SECONDS, naming it
-as killed; a failed read of the wait itself (`arrive_together`, `main_alone`) ended the rank in a traceback. A store that is gone (its host ended)
-still ends the watch at once, without torch's C++ warnings of a client trying it again. This process plays rank 1 of
-2 against a real TCPStore the test serves (tests/models/test_failure_lines.py `_as_rank_1`)."""
+"""A launch's store that fails a call now and then (a TCPStore busy past the client's timeout, a dropped connection)
+while the store itself lives on: the watch thread (models/collective.py `_watch`), the long waits
+(`arrive_together`, `main_alone`) and a failure's publishing connect again (`_reconnect`) and go on. Before, one
+failed call ended the watch thread for good, and with it this live rank's signs of life: the ranks waiting for it
+stopped the launch after LOST_SECONDS, naming it as killed; a failed read of the wait itself (`arrive_together`,
+`main_alone`) ended the rank in a traceback. A store that is gone (its host ended) still ends the watch at once,
+without torch's C++ warnings of a client trying it again. This process plays rank 1 of 2 against a real TCPStore the
+test serves (tests/models/test_failure_lines.py `_as_rank_1`)."""
 
 from __future__ import annotations
 
