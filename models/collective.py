@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import socket
 import sys
 import threading
 import time
@@ -266,7 +267,8 @@ def watch_failures(world: int) -> None:
         return
     stop = threading.Event()
     alive = _alive_key(int(os.environ.get("RANK", "0")))
-    watcher = threading.Thread(target=_watch, args=(client, _failure_key(), stop, alive), name="rank-failure-watch",
+    clients = [client]  # the watch thread's connection, replaced after a failed call (`_reconnect`)
+    watcher = threading.Thread(target=_watch, args=(clients, _failure_key(), stop, alive), name="rank-failure-watch",
                                daemon=True)
     watcher.start()
 
@@ -277,7 +279,7 @@ def watch_failures(world: int) -> None:
             return
         stop.set()
         watcher.join(timeout=15)
-        _count_exit(client, world)
+        _count_exit(clients[0], world)
 
     atexit.register(_stop_watching)
     _state["stop_watching"] = _stop_watching
@@ -340,8 +342,9 @@ def _count_exit(client, world: int) -> None:
     rank whose exit came later (a loaded node) had its watch thread poll a store already gone: torch's client
     printed a C++ warning and stack after the rank's last line (CI: rank 1 of an agreed refusal). Not after a
     store found gone (a client call prints that warning again) nor after a published failure, whose ranks all end
-    once they know it (`_known_by_all`): a host waiting here would redraw its progress bar after its line."""
-    if not _state.get("store_done"):
+    once they know it (`_known_by_all`): a host waiting here would redraw its progress bar after its line. Nor
+    while the store does not answer (`_reconnect`): the same warning, or a wait for a host that is gone."""
+    if not _state.get("store_done") and not _state.get("store_lost"):
         _count_and_wait(client, _launch_key("exited"), world, wait=_hosts_store())
 
 
@@ -349,18 +352,26 @@ def _alive_key(rank: int) -> str:
     return f"{_launch_key('alive')}/{rank}"
 
 
-def _watch(client, key: str, stop: threading.Event, alive: str | None = None) -> None:
+def _watch(clients: list, key: str, stop: threading.Event, alive: str | None = None) -> None:
+    """The watch thread: counts this rank alive every HEARTBEAT_SECONDS and polls the failure key every
+    POLL_SECONDS through `clients[0]`, its own connection. A failed call is not yet the end of the launch (a store
+    busy past the client's timeout, a dropped connection): it connects again (`_reconnect`). Before, one failed call
+    ended the thread, and with it this live rank's signs of life: the ranks waiting for it in `arrive_together`
+    stopped the launch LOST_SECONDS later, naming it as killed."""
     beat = 0.0
     while not stop.is_set():
+        client = clients[0]
         try:
             if alive is not None and time.monotonic() >= beat:  # this rank's sign of life (`arrive_together`)
                 client.add(alive, 1)
                 beat = time.monotonic() + HEARTBEAT_SECONDS
             if client.check([key]):
                 break
-        except Exception:  # noqa: BLE001 - the store is gone: the launch is over
-            _state["store_done"] = True
-            return
+        except Exception:  # noqa: BLE001 - a hiccup, or the store gone (its host ended: the launch is over)
+            if not _reconnect(clients, stop):
+                return
+            beat = 0.0  # a sign of life at once: the outage took some of the waiting ranks' LOST_SECONDS
+            continue
         stop.wait(POLL_SECONDS)
     else:
         return  # the process is exiting normally
@@ -373,6 +384,55 @@ def _watch(client, key: str, stop: threading.Event, alive: str | None = None) ->
     _known_by_all(client, key, _state["world"])  # before the exit: it may end this node's store
     if report_once(message):
         os._exit(1)  # the main thread may be inside a collective that never returns
+
+
+STORE_RETRY_SECONDS = 30.0  # how long a store that stopped answering is tried again: well under LOST_SECONDS
+PROBE_SECONDS = 2.0  # how long one try waits for the store's port to accept a connection
+
+
+def _reconnect(clients: list, stop: threading.Event) -> bool:
+    """After a failed call through `clients[0]`: a new connection there once the store answers again (True), or
+    False where the store is gone - nothing listens on its port any more (its host ended: at once), or it did not
+    answer for STORE_RETRY_SECONDS - or `stop` is set (this process exits). A new connection, as after a timeout
+    the old one's late answer would be read as the next call's. Each try first opens a plain socket to the port:
+    torch's client, trying a store that is gone, prints a C++ warning and stack each time (after a rank's last
+    line, where its exit came after the host's). Meanwhile, and for good when False, the exit does not count
+    itself in the store (`_count_exit`)."""
+    _state["store_lost"] = True
+    host, port = os.environ.get("MASTER_ADDR"), int(os.environ.get("MASTER_PORT") or 0)
+    if not host or not port:
+        return False
+    deadline, pause = time.monotonic() + STORE_RETRY_SECONDS, POLL_SECONDS
+    while not stop.is_set() and time.monotonic() < deadline:
+        try:
+            socket.create_connection((host, port), timeout=PROBE_SECONDS).close()
+        except ConnectionRefusedError:
+            return False  # the store's host ended: the launch is over
+        except OSError:
+            pass  # no answer yet (a loaded host, a network blip)
+        else:
+            try:
+                clients[0] = _store_client(PROBE_SECONDS)
+                _state["store_lost"] = False
+                return True
+            except Exception:  # noqa: BLE001 - the port answers, the store not yet: try again
+                pass
+        stop.wait(pause)
+        pause = min(2 * pause, HEARTBEAT_SECONDS)
+    return False
+
+
+def _read(clients: list, read: Callable[[object], T]) -> T:
+    """`read(client)` through `clients[0]` for a main thread's long wait (`arrive_together`, `main_alone`: hours),
+    tried again on a new connection after a failed call (`_reconnect`): one hiccup of the store ended the rank in a
+    traceback, and the launch with it. Reads only: a call that failed may have been applied. A store gone: its
+    failure, as before."""
+    while True:
+        try:
+            return read(clients[0])
+        except Exception:  # noqa: BLE001 - re-raised below when the store does not answer again
+            if not _reconnect(clients, threading.Event()):
+                raise
 
 
 def report_once(message: str) -> bool:
@@ -446,9 +506,11 @@ def _write_failure(message: str, world: int, timeout: float = 10.0) -> str | Non
         client = _store_client(timeout)
         if client is None:
             return None
-        key = _failure_key()
-        line = client.compare_set(key, "", message).decode("utf-8", "replace")
-        _known_by_all(client, key, world)
+        key, clients = _failure_key(), [client]
+        # tried again after a hiccup (`_read`; a compare-and-set writes once): unpublished, the line reached no rank,
+        # which ended on another (a lost peer's) or, waiting in `arrive_together`, only after LOST_SECONDS
+        line = _read(clients, lambda c: c.compare_set(key, "", message)).decode("utf-8", "replace")
+        _known_by_all(clients[0], key, world)
         return line
     except Exception:  # noqa: BLE001 - no store: the others learn it at their next agreement, if ever
         return None
@@ -672,9 +734,10 @@ def main_alone(world: int, what: str, work: Callable[[], T], oom_advice: str = "
         return result
     watch_failures(world)  # rank 0's failure ends this process with its line
     # no progress bar: these ranks print nothing of their own, rank 0 shows the work's bars
-    while not client.check([key]):
+    clients = [client]
+    while not _read(clients, lambda c: c.check([key])):
         time.sleep(POLL_SECONDS)
-    _count_and_wait(client, f"{key}/seen", world, wait=False)
+    _count_and_wait(clients[0], f"{key}/seen", world, wait=False)
     return None
 
 
@@ -712,16 +775,17 @@ def arrive_together(world: int, what: str) -> None:
     seen: dict[int, tuple[int, float]] = {}  # rank -> (its signs of life, when they last changed here)
     look, began = 0.0, time.monotonic()
     notice = began + WAIT_NOTICE_SECONDS
-    while client.add(key, 0) < world:
+    clients = [client]
+    while _read(clients, lambda c: c.add(key, 0)) < world:
         if time.monotonic() >= notice:
             notice += WAIT_NOTICE_SECONDS
-            line = _wait_notice(client, key, world, rank, time.monotonic() - began, what)
+            line = _read(clients, lambda c: _wait_notice(c, key, world, rank, time.monotonic() - began, what))
             if line:
                 sys.stderr.write(line + "\n")
                 sys.stderr.flush()
         if time.monotonic() >= look:
             look = time.monotonic() + LIVENESS_SECONDS
-            lost = _lost_ranks(client, key, world, seen)
+            lost = _read(clients, lambda c: _lost_ranks(c, key, world, seen))
             if lost:
                 from models.agreement import few
 

@@ -4,6 +4,7 @@ create, and what a resumed folder already holds (committed keys, the next shard 
 from __future__ import annotations
 
 import shutil
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -21,10 +22,22 @@ from store.io_errors import writing
 WORLD_JSON = "world-size.json"
 
 
+VIEW_LAG_SECONDS = 60.0  # how long a folder's new entries may stay unseen from another node: NFS's acdirmax
+LOOK_SECONDS = 0.5  # how often a lagging view is looked at again
+
+
 def lock_rank(root: Path, table: str, rank: int) -> fmt.HeldLock:
     """The lock of this table's writer of `rank` (the table folder created when absent)."""
     with writing(f"table '{table}'", root / table):
-        (root / table).mkdir(parents=True, exist_ok=True)
+        try:
+            (root / table).mkdir(parents=True, exist_ok=True)
+        except FileExistsError:  # there, but no folder seen here: a file, or rank 0 made it a moment ago (its
+            # first version, `open_version`) and this node's view lags
+            if (root / table).is_file() or not _seen(lambda: (root / table).is_dir()):
+                raise UserError(f"{root / table} is not a folder seen from this node: a file of that name (remove "
+                                "it and rerun), or a folder another node made that this node's view did not show "
+                                f"within {VIEW_LAG_SECONDS:.0f} s (a shared file system's attribute cache: rerun)"
+                                ) from None
         # One writer per (table, rank): a second one fails here at once instead of interleaving shards.
         return fmt.HeldLock(root / table / f".write-r{rank:02d}.lock", holder=f"table '{table}' (rank {rank})")
 
@@ -47,26 +60,49 @@ def candidate_version(root: Path, table: str, want: dict[str, Any], world: int |
 
 def open_version(root: Path, table: str, want: dict[str, Any], version: int | None = None) -> tuple[int, Path]:
     """Resume the in-progress version with this exact schema + lineage (`want`), else create v<N+1>; `version`:
-    that one (agreed on by ranks that do not share this folder: stages/encode/nodes.py), resumed or created.
+    that one (the ranks' version, which rank 0 opened: stages/encode/nodes.py), resumed or created.
 
-    Done under the store lock so that ranks starting together agree on one folder.
+    Done under the store lock so that ranks starting together agree on one folder. Rank 0 has just made the
+    ranks' version, and another node's view of the table folder may not show it yet (a shared file system's
+    attribute cache): its folder is then found by its creation failing (before, that `FileExistsError` ended the
+    rank, the CLI calling the folder "a file") and its schema.json waited for (`_seen`); refused as another
+    writer's only once seen.
     """
     with fmt.flock(root / fmt.STORE_LOCK):
         v = candidate_version(root, table, want) if version is None else version
         vdir = fmt.version_dir(root, table, v)
-        if vdir.is_dir():
-            if not fmt.is_complete(vdir) and (vdir / fmt.SCHEMA_JSON).is_file() and \
-                    fmt.read_json(vdir / fmt.SCHEMA_JSON, "schema.json") == want:
+        if not vdir.is_dir():
+            try:
+                vdir.mkdir(parents=True)
+            except FileExistsError:  # there after all, unseen here: another node made it
+                pass
+            else:
+                try:
+                    fmt.atomic_write_json(vdir / fmt.SCHEMA_JSON, want)
+                except BaseException:  # e.g. a full disk: no empty version folder left behind
+                    shutil.rmtree(vdir, ignore_errors=True)
+                    raise
                 return v, vdir
-            raise UserError(f"{vdir} is another writer's version (complete, or another schema), but the ranks "
-                            f"agreed to write table '{table}' v{v}; remove that folder and rerun")
-        vdir.mkdir(parents=True)
-        try:
-            fmt.atomic_write_json(vdir / fmt.SCHEMA_JSON, want)
-        except BaseException:  # e.g. a full disk: no empty version folder left behind
-            shutil.rmtree(vdir, ignore_errors=True)
-            raise
-        return v, vdir
+        if not _seen(lambda: (vdir / fmt.SCHEMA_JSON).is_file()):
+            raise UserError(f"{vdir} holds no schema.json, though the ranks agreed to write table '{table}' v{v} "
+                            f"there (waited {VIEW_LAG_SECONDS:.0f} s for this node to see it: a shared file "
+                            "system's view that lags longer, or a writer killed as it made the folder); unless a "
+                            "job writes that table now, remove that folder and rerun")
+        if not fmt.is_complete(vdir) and fmt.read_json(vdir / fmt.SCHEMA_JSON, "schema.json") == want:
+            return v, vdir
+        raise UserError(f"{vdir} is another writer's version (complete, or another schema), but the ranks "
+                        f"agreed to write table '{table}' v{v}; remove that folder and rerun")
+
+
+def _seen(look: Callable[[], bool]) -> bool:
+    """Whether `look()` holds, at once or within VIEW_LAG_SECONDS: what another node wrote a moment ago may not show
+    on this one yet (a shared file system's attribute cache)."""
+    deadline = time.monotonic() + VIEW_LAG_SECONDS
+    while not look():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(LOOK_SECONDS)
+    return True
 
 
 def parts_world(vdir: Path) -> int | None:

@@ -149,8 +149,10 @@ def user_errors(output: Path | str | None = None) -> Iterator[None]:
         report_error(failure_line(e, str(e)))
         raise typer.Exit(1) from None
     except (FileExistsError, NotADirectoryError) as e:  # e.g. --out / --store naming an existing file
+        from models.collective import failure_line  # one node's own copy of the path: the others stop too
+
         name = e.filename or output
-        report_error(f"{name} (or a folder on its path) is a file, not a folder: pass a folder path")
+        report_error(failure_line(e, f"{name} (or a folder on its path) is a file, not a folder: pass a folder path"))
         raise typer.Exit(1) from None
     except Exception as e:  # a full disk / read-only folder missed by a closer handler: still one line
         from models.collective import failure_line, peer_line, rank_error_line

@@ -149,6 +149,28 @@ def test_a_rank_failing_before_its_first_exchange_stops_the_rank_waiting_for_it(
     assert (code, out, err.strip()) == (1, "", f"error: {line}"), err[-3000:]
 
 
+def test_a_file_where_a_rank_wants_a_folder_stops_the_rank_waiting_for_it(monkeypatch, own_collective) -> None:
+    """Rank 1 (this process) meets a file where its node's copy of a path should be a folder (FileExistsError,
+    NotADirectoryError: the CLI's "is a file, not a folder" line) while rank 0 waits for it at a decision; rank 0
+    ends at once with that line. Before: that handler printed the line without publishing it, and rank 0 waited out
+    the before-group bound (BEFORE_GROUP_SECONDS, 30 minutes; in a collective: its timeout; here the test's bound
+    fails it)."""
+    import typer
+
+    from pipeline.commands.common import user_errors
+
+    collective = own_collective
+    store = _as_rank_1(monkeypatch)
+    rank0 = WarmProcess([sys.executable, "-c", _TWO_DECISIONS], env=_env(0, store.port, agent_store=True))
+    collective.gather_before_group(2, "the config", "")
+    with pytest.raises(typer.Exit):
+        with user_errors():
+            raise FileExistsError(17, "File exists", "/data/run/out")
+    [(code, out, err)] = outcomes([rank0], TIMEOUT)
+    line = "/data/run/out (or a folder on its path) is a file, not a folder: pass a folder path"
+    assert (code, out, err.strip()) == (1, "first decided\n", f"error: {line}"), err[-3000:]
+
+
 def test_a_single_process_publishes_nothing(monkeypatch, own_collective) -> None:
     """No launch of several ranks: the line as it is, no store tried (a run without a launcher never waits)."""
     collective = own_collective

@@ -4,7 +4,7 @@ are the test's.
 
     rank_stale_view.py train STORE MODEL OUT MAX_STEPS   `pipeline run train --resume`; rank 1's listing of the
                                                         run folder ends one checkpoint earlier
-    rank_stale_view.py encode STORE MODEL [V|unseen|settings|listing]
+    rank_stale_view.py encode STORE MODEL [V|unseen|settings|listing|hidden]
                                                         `pipeline run encode-text`; rank 1 does not see the
                                                         table's complete version yet, or (V) reads `images` vV
                                                         (its view of store.json lags), or (unseen) cannot make
@@ -12,7 +12,9 @@ are the test's.
                                                         another hashed setting, or (listing) both ranks encode
                                                         with another hashed setting (a new version) and rank 1
                                                         lists no version in the table's folder when it picks
-                                                        the number to write
+                                                        the number to write, or (hidden) rank 1 does not see
+                                                        the folder of the version rank 0 opened, nor its
+                                                        schema.json until its writer's first wait
     rank_stale_view.py evaluate STORE MODEL RUN OUT V|pruned|settings
                                                         `pipeline run evaluate --all-checkpoints`; rank 1 reads
                                                         `text` vV (its view of store.json lags), or does not
@@ -67,6 +69,28 @@ def main() -> None:
                         fmt.list_versions = listing
 
                 writer_open.candidate_version = lagging
+        elif images == ["hidden"]:
+            extra = ["--set", "encode_text.batching=padded"]
+            if os.environ["RANK"] == "1":
+                from types import SimpleNamespace
+
+                from store import format as fmt, writer, writer_open
+
+                opening, is_dir, is_file, clock = writer.open_version, Path.is_dir, Path.is_file, writer_open.time
+                waits: list[float] = []
+
+                def hidden(root, table, want, version=None):  # the folder rank 0 just made is not in its view yet
+                    vdir = fmt.version_dir(root, table, version)
+                    Path.is_dir = lambda p: p != vdir and is_dir(p)
+                    Path.is_file = lambda p: (p != vdir / fmt.SCHEMA_JSON or bool(waits)) and is_file(p)
+                    writer_open.time = SimpleNamespace(monotonic=clock.monotonic, sleep=waits.append)
+                    try:
+                        return opening(root, table, want, version)
+                    finally:
+                        Path.is_dir, Path.is_file, writer_open.time = is_dir, is_file, clock
+                        print(f"RESULT waits: {len(waits)}", file=sys.__stdout__, flush=True)  # rank 1: no stdout
+
+                writer.open_version = hidden
         elif os.environ["RANK"] == "1" and images == ["unseen"]:
             from schemas.errors import UserError
 

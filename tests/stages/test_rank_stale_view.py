@@ -126,6 +126,25 @@ def test_encoder_ranks_write_the_version_rank_0_opens_whatever_their_own_listing
         assert sorted(text.keys()) == sorted(images.keys())
 
 
+def test_an_encoder_rank_that_does_not_see_the_version_rank_0_opened_writes_it(tiny_edit_model, edit_store) -> None:
+    """As above, but rank 1's view lags further: it does not see the folder of the version rank 0 opened (v2) at
+    all, nor its schema.json until its writer has waited once. Before, its writer's mkdir raised FileExistsError:
+    a traceback on rank 1, the launch stopped. Now it writes v2, which holds every sample."""
+    from stages.encode import text as encode_text
+    from store import Store
+
+    encode_text.run(load_config(None), edit_store, tiny_edit_model, device="cpu")
+    (rc0, out0, err0), (rc1, out1, err1) = launch_two("rank_stale_view.py", "encode", str(edit_store),
+                                                      tiny_edit_model, "hidden", timeout=300)
+    assert "Traceback" not in err0 + out0 + err1 + out1, (err0[-3000:], err1[-3000:])
+    assert rc0 == rc1 == 0, (rc0, rc1, err0[-2000:], err1[-2000:])
+    assert results(out1) == {"waits": "1"}  # its view did lag: it waited for the schema to show
+    st = Store(edit_store)
+    assert st.tables()["text"] == 2 and not (edit_store / "text" / "v3").exists()
+    with st.reader("images") as images, st.reader("text", 2) as text:
+        assert sorted(text.keys()) == sorted(images.keys())
+
+
 def _text_v2_current(store) -> None:
     """`text` v2 made current: a copy of v1 (the same samples under another number, as a rebuild would be)."""
     import shutil

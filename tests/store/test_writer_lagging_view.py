@@ -9,12 +9,15 @@ import os
 import signal
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from types import SimpleNamespace
+from typing import Callable, Iterator
 
 import pyarrow.parquet as pq
 import pytest
 
-from store import Store
+from schemas.errors import UserError
+
+from store import Store, writer_open
 from store import format as fmt
 from store.checksum import unseal
 from store.gc import collect
@@ -36,11 +39,12 @@ def _lagging_view(monkeypatch: pytest.MonkeyPatch, vdir: Path, hidden: set[str])
     def shown(p: Path) -> bool:
         return not (p.parent == vdir and p.name in hidden)
 
-    glob, iterdir, is_file, exists = Path.glob, Path.iterdir, Path.is_file, Path.exists
+    glob, iterdir, is_file, is_dir, exists = Path.glob, Path.iterdir, Path.is_file, Path.is_dir, Path.exists
     with monkeypatch.context() as m:
         m.setattr(Path, "glob", lambda self, pattern: (p for p in glob(self, pattern) if shown(p)))
         m.setattr(Path, "iterdir", lambda self: (p for p in iterdir(self) if shown(p)))
         m.setattr(Path, "is_file", lambda self: shown(self) and is_file(self))
+        m.setattr(Path, "is_dir", lambda self: shown(self) and is_dir(self))
         m.setattr(Path, "exists", lambda self: shown(self) and exists(self))
         yield
 
@@ -160,3 +164,81 @@ def test_a_shard_whose_index_is_in_place_is_kept_when_the_folder_fsync_fails(tmp
     with pytest.raises(OSError):
         shards._publish(tmp, lambda name: pa.table({"key": ["a"], "shard": [name]}))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["shard-r00-000000.index.parquet", "shard-r00-000000.tar"]
+
+
+def _lagging_clock(monkeypatch, catch_up: Callable[[], None] | None = None) -> list[float]:
+    """store/writer_open.py's clock, advanced by its waits alone (no real sleep); `catch_up`: called at each wait
+    (the view lags until it says otherwise). The waits, returned."""
+    now, waits = [0.0], []
+
+    def wait(seconds: float) -> None:
+        waits.append(seconds)
+        now[0] += seconds
+        if catch_up is not None:
+            catch_up()
+
+    monkeypatch.setattr(writer_open, "time", SimpleNamespace(monotonic=lambda: now[0], sleep=wait))
+    return waits
+
+
+def test_a_rank_whose_view_lags_writes_the_version_rank_0_just_opened(store: Store, monkeypatch) -> None:
+    """stages/encode/nodes.py: rank 0 opens the ranks' version, then every rank's writer opens that number. On
+    another node the table folder may not show it yet (an NFS attribute cache): that rank's writer tried to make
+    the folder and met it (FileExistsError: a traceback, the launch stopped); then its schema.json, unseen for a
+    moment more, was "another writer's version: remove that folder". Now the writer uses the folder and waits for
+    its schema.json to show; both ranks' samples are committed in that version."""
+    v, vdir = writer_open.open_version(store.root, "vae", vae_schema().to_dict())  # rank 0 opens it
+    rank0 = store.writer("vae", vae_schema(), rank=0, world_size=2, version=v, shard_size_mb=0.0001)
+    folder, schema = {vdir.name}, {fmt.SCHEMA_JSON}
+    waits = _lagging_clock(monkeypatch, catch_up=lambda: schema.clear() if len(waits) >= 2 else None)
+    with _lagging_view(monkeypatch, vdir.parent, folder), _lagging_view(monkeypatch, vdir, schema):
+        rank1 = store.writer("vae", vae_schema(), rank=1, world_size=2, version=v, shard_size_mb=0.0001)
+    assert (rank1.version, rank1.dir) == (v, vdir) and len(waits) == 2  # waited for the view to catch up
+    for i, w in enumerate((rank0, rank1)):
+        _add(w, i)
+        w.finish_rank()
+    rank1.close()
+    assert rank0.commit() == v
+    assert_exact(store, 2)
+
+
+def test_a_rank_whose_view_lags_writes_the_first_version_of_a_table_rank_0_just_made(store: Store,
+                                                                                       monkeypatch) -> None:
+    """The table's first version: rank 0 made the table folder itself a moment ago, and this node's view shows
+    neither it nor the version. The writer's lock met the table folder (FileExistsError: "... is a file, not a
+    folder" on that rank); now it waits for the folder to show, then writes the version."""
+    v, vdir = writer_open.open_version(store.root, "vae", vae_schema().to_dict())  # rank 0 opens it
+    table, version, schema = {"vae"}, {vdir.name}, {fmt.SCHEMA_JSON}
+
+    def catch_up() -> None:  # one name more shows at each wait
+        next(s for s in (table, version, schema, {None}) if s).clear()
+
+    waits = _lagging_clock(monkeypatch, catch_up)
+    with _lagging_view(monkeypatch, store.root, table), _lagging_view(monkeypatch, vdir.parent, version), \
+            _lagging_view(monkeypatch, vdir, schema):
+        rank1 = store.writer("vae", vae_schema(), rank=1, world_size=2, version=v, shard_size_mb=0.0001)
+    assert (rank1.version, rank1.dir) == (v, vdir) and len(waits) == 3  # till the table, version and schema show
+    _add(rank1, 1)
+    rank1.finish_rank()
+    rank1.close()
+    assert (vdir / "rank-01.done").is_file()
+
+
+def test_a_file_where_the_table_folder_goes_is_one_line_at_once(store: Store, monkeypatch) -> None:
+    (store.root / "vae").write_text("not a table")
+    waits = _lagging_clock(monkeypatch)
+    with pytest.raises(UserError, match=r"/vae is not a folder seen from this node: a file of that name \(remove it"):
+        store.writer("vae", vae_schema())
+    assert waits == []  # no wait for a view to catch up: the file is seen
+
+
+def test_a_version_folder_whose_schema_never_shows_is_one_line(store: Store, monkeypatch) -> None:
+    """The agreed version's folder is there but this node never sees its schema.json (a view lagging past
+    VIEW_LAG_SECONDS, or a writer killed as it made the folder): one line naming the folder, after the wait."""
+    v, vdir = writer_open.open_version(store.root, "vae", vae_schema().to_dict())
+    waits = _lagging_clock(monkeypatch)
+    with _lagging_view(monkeypatch, vdir.parent, {vdir.name}), _lagging_view(monkeypatch, vdir, {fmt.SCHEMA_JSON}):
+        with pytest.raises(UserError, match=rf"{vdir} holds no schema.json, though the ranks agreed to write table "
+                                            rf"'vae' v{v} there \(waited 60 s.*remove that folder and rerun"):
+            store.writer("vae", vae_schema(), rank=1, world_size=2, version=v)
+    assert sum(waits) >= writer_open.VIEW_LAG_SECONDS

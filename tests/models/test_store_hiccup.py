@@ -1,0 +1,181 @@
+"""A launch's store that fails a call now and then (a TCPStore busy past the client's timeout, a dropped connection)
+while the store itself lives on: the watch thread (models/collective.py `_watch`), the long waits
+(`arrive_together`, `main_alone`) and a failure's publishing connect again (`_reconnect`) and go on. Before, one
+failed call ended the watch thread for good, and with it this live rank's signs of life: the ranks waiting for it
+stopped the launch after LOST_SECONDS, naming it as killed; a failed read of the wait itself (`arrive_together`,
+`main_alone`) ended the rank in a traceback. A store that is gone (its host ended) still ends the watch at once,
+without torch's C++ warnings of a client trying it again. This process plays rank 1 of 2 against a real TCPStore the
+test serves (tests/models/test_failure_lines.py `_as_rank_1`)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+
+from own_collective import own_collective  # noqa: F401  (the fixture)
+from test_failure_lines import _as_rank_1
+from launch_ports import start_host_first
+from test_launch_devices import TIMEOUT
+from warm_start import WarmProcess, outcomes
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class FlakyClient:
+    """The real client, except that its first `budget["left"]` calls that `budget["fails"]` matches raise as a
+    store call that timed out does (the budget is shared by every connection made, as reconnecting is)."""
+
+    def __init__(self, real, budget: dict) -> None:
+        self.real, self.budget = real, budget
+
+    def __getattr__(self, name: str):
+        call = getattr(self.real, name)
+
+        def flaky(*args):
+            if self.budget["left"] and self.budget["fails"](name, *args):
+                self.budget["left"] -= 1
+                raise dist.DistStoreError("Socket Timeout")
+            return call(*args)
+
+        return flaky
+
+
+def _flaky_clients(monkeypatch, collective, fails, left: int) -> dict:
+    budget = {"fails": fails, "left": left}
+    real = collective._store_client
+    monkeypatch.setattr(collective, "_store_client", lambda timeout=10.0: FlakyClient(real(timeout), budget))
+    return budget
+
+
+def _wait_for(condition, what: str) -> None:
+    deadline = time.monotonic() + TIMEOUT  # a bound for a wait that never ends (the test then fails), not a timing
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def test_the_watch_thread_counts_this_rank_alive_on_after_failed_store_calls(monkeypatch, own_collective) -> None:
+    collective = own_collective
+    store = _as_rank_1(monkeypatch)
+    alive = collective._alive_key(1)
+    budget = _flaky_clients(monkeypatch, collective, lambda name, key, *_: name == "add" and key == alive, 3)
+    exits: list[int] = []
+    monkeypatch.setattr(collective.os, "_exit", exits.append)
+    collective.watch_failures(2)
+    _wait_for(lambda: budget["left"] == 0, "the watch thread stopped calling the store")
+    beats = store.add(alive, 0)
+    # three signs of life after the third failure: a rank waiting in `arrive_together` sees this one alive (before:
+    # none ever, the thread had ended at the first failure)
+    _wait_for(lambda: store.add(alive, 0) >= beats + 3, "no sign of life after the store's failed calls")
+    assert not collective._state.get("store_lost")  # its exit counts itself in the store again (`_count_exit`)
+    # and it still watches: a failure another rank publishes ends this process with its line
+    line = "rank 0 ran out of memory in the forward"
+    store.compare_set(collective._failure_key(), "", line)
+    store.add(f"{collective._failure_key()}/known", 1)
+    _wait_for(lambda: exits == [1], "the watch thread missed a published failure after the store's failed calls")
+
+
+def test_an_uneven_wait_goes_on_after_a_failed_store_read(monkeypatch, own_collective) -> None:
+    collective = own_collective
+    store = _as_rank_1(monkeypatch)
+    arrived = f"{collective._launch_key('arrived')}/1"
+    budget = _flaky_clients(monkeypatch, collective, lambda name, key, *v: name == "add" and key == arrived
+                            and v == (0,), 2)
+    store.set(f"{arrived}/0", "1")  # rank 0 is there already
+    store.add(arrived, 1)
+    collective.arrive_together(2, "the encode's commit")  # before: DistStoreError out of the wait
+    assert budget["left"] == 0 and store.add(arrived, 0) == 2
+
+
+def test_a_rank_waiting_for_rank_0_alone_goes_on_after_a_failed_store_read(monkeypatch, own_collective) -> None:
+    """`main_alone` (resize-bucket: hours of rank 0's work): the waiting rank's poll of rank 0's mark."""
+    collective = own_collective
+    store = _as_rank_1(monkeypatch)
+    done = f"{collective._launch_key('done')}/resize-bucket"
+    budget = _flaky_clients(monkeypatch, collective, lambda name, keys, *_: name == "check" and keys == [done], 2)
+    store.set(done, "done")  # rank 0's work is over
+    store.add(f"{done}/seen", 1)
+    assert collective.main_alone(2, "resize-bucket", lambda: "rank 0's") is None  # before: DistStoreError
+    assert budget["left"] == 0 and store.add(f"{done}/seen", 0) == 2  # it saw the mark and said so
+
+
+def test_a_store_gone_ends_the_watch_at_once_and_quietly(monkeypatch, own_collective, capfd) -> None:
+    """Its host ended: nothing listens on its port any more. The watch thread stops trying at the refused
+    connection, long before STORE_RETRY_SECONDS (here: longer than the test waits), and neither it nor the exit
+    (`_count_exit`) calls the store again: torch's client prints a C++ warning and stack at each call or try (after
+    a rank's last line, where its exit came after the host's)."""
+    collective = own_collective
+    store = _as_rank_1(monkeypatch)
+    monkeypatch.setattr(collective, "STORE_RETRY_SECONDS", 10 * TIMEOUT)
+    collective.watch_failures(2)
+    alive = collective._alive_key(1)
+    _wait_for(lambda: store.add(alive, 0) >= 1, "the watch thread never counted this rank alive")
+    del store  # the store's host ends (the server stops with its object: this test held the only one)
+    watcher = next(t for t in threading.enumerate() if t.name == "rank-failure-watch")
+    watcher.join(TIMEOUT)
+    assert not watcher.is_alive(), "the watch thread kept trying a store that is gone"
+    collective._state["stop_watching"]()  # the exit: nothing more through the store
+    err = capfd.readouterr().err
+    assert err.count("frame #0") <= 1 and "failed to connect" not in err, err  # the one failed poll's, at most
+
+
+# Rank 1 fails alone (`fails_alone`) while rank 0 waits for it (`together(uneven=True)`: `arrive_together`); the
+# store fails rank 1's first publishing call. LOST_SECONDS is short, so a failure never published ends the test soon
+# (rank 0 then calls rank 1 lost), instead of after 120 s.
+PUBLISH_SCRIPT = """
+import sys
+import torch.distributed as dist
+from models import collective
+from schemas.errors import UserError
+dist.init_process_group("gloo")
+collective.close_at_exit()
+collective.LOST_SECONDS = 5.0
+if dist.get_rank() == 1:
+    real, left = collective._store_client, [1]
+
+    class Flaky:
+        def __init__(self, client):
+            self.client = client
+
+        def __getattr__(self, name):
+            if name == "compare_set" and left[0]:
+                left[0] -= 1
+                raise dist.DistStoreError("Socket Timeout")
+            return getattr(self.client, name)
+
+    collective._store_client = lambda timeout=10.0: Flaky(real(timeout))
+try:
+    if dist.get_rank() == 1:
+        with collective.fails_alone(2, "its share"):
+            raise UserError("rank 1's share of the images is damaged: run `pipeline store repair`")
+    else:
+        with collective.together(2, "the commit", uneven=True):
+            pass
+except UserError as e:
+    collective.report_once(str(e))
+    sys.exit(1)
+"""
+
+
+def test_a_failure_published_through_a_store_hiccup_still_stops_every_rank_with_its_line(tmp_path) -> None:
+    """Before, the publishing call was made once: a hiccup there left the failure unpublished, and rank 0 waited
+    until it called rank 1 lost (LOST_SECONDS: 120 s), ending on that line, not rank 1's."""
+    script = tmp_path / "publish_through_hiccup.py"
+    script.write_text(PUBLISH_SCRIPT)
+
+    def start(rank: int, port: int) -> WarmProcess:
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
+               "PYTHONPATH": str(REPO)}
+        return WarmProcess([sys.executable, str(script)], env=env)
+
+    (rc0, _, err0), (rc1, _, err1) = outcomes(start_host_first(start, 2), timeout=TIMEOUT)
+    line = "error: rank 1's share of the images is damaged: run `pipeline store repair`"
+    assert rc0 == rc1 == 1, (rc0, rc1, err0[-3000:], err1[-3000:])
+    for err in (err0, err1):
+        assert err.strip().splitlines()[-1] == line, err[-3000:]
