@@ -69,7 +69,8 @@ def local_store(store: str | Path, tables: list[str] | None, cache_dir: str | Pa
     versions (those in `optional` only when the remote has them), lazily: metadata now, shards when read.
     `tables=None`: every complete version the remote holds. `whole=True`: pull
     the versions entirely now (every file checked, as `pipeline store pull`; a version cached lazily before gets its
-    missing shards). `lease`: a lease object on the
+    missing shards): opened lazily, then every missing shard fetched as a reader's scan fetches it (`fetch_all`),
+    without holding the cache lock through the download. `lease`: a lease object on the
     remote names the versions read, till this process exits (store/remote_lease.py)."""
     if not is_url(store):
         return Path(store)
@@ -82,17 +83,18 @@ def local_store(store: str | Path, tables: list[str] | None, cache_dir: str | Pa
     limit = None if limit_gb is None else int(limit_gb * 1e9)
     remote_shards.set_limit(cache, limit)  # this process's shard fetches keep the cache under it
     with fmt.flock(cache / CACHE_LOCK), writing("the store cache", cache, instead=CACHE_FULL):
-        if whole:
-            from store.remote_sync import pull
-
-            pulled = pull(url, root, storage_options, tables=tables, optional=optional)
-            current = fmt.read_store_record(root)["tables"]
-            if tables is None:
-                needed = {(t, int(v)) for t, v in (n.rsplit("/v", 1) for n in pulled.copied + pulled.present)}
-            else:
-                needed = {(t, int(current[t]["current"])) for t in tables if t in current}
-        else:
-            needed = remote_shards.open_lazily(url, root, storage_options, tables, optional)
+        needed = remote_shards.open_lazily(url, root, storage_options, tables, optional)
+        pulling = _hold_while_pulling(root, needed) if whole else None
+    if pulling is not None:
+        # The shards without the cache lock, which the node's other readers need to fetch and open meanwhile (a
+        # whole pull held it for hours): each fetch takes it only to reserve its bytes. A lease file pins the
+        # versions against another open's eviction of whole versions meanwhile (as a reader's lease does).
+        try:
+            remote_shards.fetch_all(root, needed)
+            _refill_unmarked(url, root, needed, storage_options, cache)
+        finally:
+            pulling.release()
+    with fmt.flock(cache / CACHE_LOCK), writing("the store cache", cache, instead=CACHE_FULL):
         for t, v in needed:
             os.utime(fmt.version_dir(root, t, v))  # last use, for LRU
         # eviction removes them only when over the limit (without one, never): one per killed fetch piled up
@@ -112,6 +114,31 @@ def local_store(store: str | Path, tables: list[str] | None, cache_dir: str | Pa
 
         hold_reading(url, sorted(needed), storage_options, root=root)
     return root
+
+
+def _hold_while_pulling(root: Path, versions: set[tuple[str, int]]) -> leases.Lease:
+    """A read lease on the cached store `root` naming `versions` (taken under the cache lock, right after they were
+    opened): no eviction removes them whole while a whole open fetches their shards without the lock."""
+    held = leases.hold(root, {}, "store pull")
+    for t, v in sorted(versions):
+        held.add(t, v)
+    return held
+
+
+def _refill_unmarked(url: str, root: Path, versions: set[tuple[str, int]], storage_options: dict[str, Any] | None,
+                     cache: Path) -> None:
+    """The files missing from the versions of `versions` held whole here, not lazily (pulled whole by earlier
+    releases, or committed here and pushed by a push_back killed before it marked them): fetched again, each
+    checked, as `pipeline store pull` refills a local copy (under the cache lock: such a copy is counted by walks
+    only, `recount`)."""
+    from store.remote_shards import is_lazy
+    from store.remote_sync import pull
+
+    unmarked = [t for t, v in sorted(versions) if not is_lazy(fmt.version_dir(root, t, v))]
+    if unmarked:
+        with fmt.flock(cache / CACHE_LOCK), writing("the store cache", cache, instead=CACHE_FULL):
+            pull(url, root, storage_options, tables=sorted(set(unmarked)))
+            (cache / USAGE).unlink(missing_ok=True)
 
 
 def open_beside(root: Path, table: str, version: int) -> None:
