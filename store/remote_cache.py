@@ -85,6 +85,8 @@ def local_store(store: str | Path, tables: list[str] | None, cache_dir: str | Pa
     with fmt.flock(cache / CACHE_LOCK), writing("the store cache", cache, instead=CACHE_FULL):
         needed = remote_shards.open_lazily(url, root, storage_options, tables, optional)
         pulling = _hold_while_pulling(root, needed) if whole else None
+        if pulling is None:
+            _opened(url, root, cache, limit, needed, storage_options)
     if pulling is not None:
         # The shards without the cache lock, which the node's other readers need to fetch and open meanwhile (a
         # whole pull held it for hours): each fetch takes it only to reserve its bytes. A lease file pins the
@@ -92,28 +94,40 @@ def local_store(store: str | Path, tables: list[str] | None, cache_dir: str | Pa
         try:
             remote_shards.fetch_all(root, needed)
             _refill_unmarked(url, root, needed, storage_options, cache)
-        finally:
+        except BaseException:
             pulling.release()
-    with fmt.flock(cache / CACHE_LOCK), writing("the store cache", cache, instead=CACHE_FULL):
-        for t, v in needed:
-            os.utime(fmt.version_dir(root, t, v))  # last use, for LRU
-        # eviction removes them only when over the limit (without one, never): one per killed fetch piled up
-        _remove_dead_fetches(root)
-        if limit is not None:
-            remote_shards.mark_copies(url, root, storage_options)  # evictable whole; never a version not pushed
-            evict(cache, limit, {(root, t, v) for t, v in needed})
-        else:  # what this open fetched is in no total: a limited process of the node walks before its next fetch
-            (cache / USAGE).unlink(missing_ok=True)
-            # no eviction walk removes the lease files of this store's killed readers (one per kill -9, thousands
-            # at scale): judged here as eviction judges them, one folder, the opened store's
-            _live_leases(root)
-        # which remote this cached store copies: for a human, and store/remote_parts.py finds the URL here
-        (root / "source-url.txt").write_text(url + "\n")
+            raise
+        with fmt.flock(cache / CACHE_LOCK), writing("the store cache", cache, instead=CACHE_FULL):
+            pulling.release()  # under the lock, the versions in the walk's `keep`: its file not in the total it sets
+            _opened(url, root, cache, limit, needed, storage_options)
     if lease:  # a lease object on the remote naming what this process reads, till it exits (store/remote_lease.py)
         from store.remote_lease import hold_reading
 
         hold_reading(url, sorted(needed), storage_options, root=root)
     return root
+
+
+def _opened(url: str, root: Path, cache: Path, limit: int | None, needed: set[tuple[str, int]],
+            storage_options: dict[str, Any] | None) -> None:
+    """What an open does last, under the cache lock: the versions' last use, the temp files of killed fetches and
+    the lease files of killed readers removed, the limit kept (or, without one, the running total dropped)."""
+    from store import remote_shards
+
+    # which remote this cached store copies: for a human, and store/remote_parts.py finds the URL here (before the
+    # walk below: its bytes in the running total it sets)
+    (root / "source-url.txt").write_text(url + "\n")
+    for t, v in needed:
+        os.utime(fmt.version_dir(root, t, v))  # last use, for LRU
+    # eviction removes them only when over the limit (without one, never): one per killed fetch piled up
+    _remove_dead_fetches(root)
+    if limit is not None:
+        remote_shards.mark_copies(url, root, storage_options)  # evictable whole; never a version not pushed
+        evict(cache, limit, {(root, t, v) for t, v in needed})
+    else:  # what this open fetched is in no total: a limited process of the node walks before its next fetch
+        (cache / USAGE).unlink(missing_ok=True)
+        # no eviction walk removes the lease files of this store's killed readers (one per kill -9, thousands at
+        # scale): judged here as eviction judges them, one folder, the opened store's
+        _live_leases(root)
 
 
 def _hold_while_pulling(root: Path, versions: set[tuple[str, int]]) -> leases.Lease:

@@ -158,3 +158,48 @@ def test_a_whole_open_lets_the_nodes_other_readers_fetch_while_it_downloads(s3_e
     assert json.loads((cache / USAGE).read_text())["bytes"] == _cache_bytes(cache)
     assert not [p for p in vdir.iterdir() if FETCH_TAG in p.name and not p.name.endswith(RANGED)]
     assert not list((root / LEASES_DIR).glob("*"))  # the pull's lease released
+
+
+KILLED_PULL = """
+import sys
+from pathlib import Path
+from store import remote, remote_shards
+from store.remote_cache import local_store
+remote.TRANSFERS = 1  # one download under way: one line printed
+def stalled(remote, rel, part):  # the download under way when the kill comes: its temp file is there
+    print(part, flush=True)
+    sys.stdin.readline()
+remote_shards._download = stalled
+local_store(sys.argv[1], ["vae"], Path(sys.argv[2]), limit_gb=float(sys.argv[3]), whole=True, lease=False)
+"""
+
+
+def test_a_whole_open_killed_mid_download_leaves_what_the_next_open_removes(s3_env, store: Store,
+                                                                           tmp_path: Path) -> None:
+    """A whole open killed with -9 inside a download (no cache lock held then): its shard's temp file (reserved at
+    full size) and its lease file are a dead process's; the next whole open removes both, fetches every shard, and
+    counts the cache's bytes once."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from store.lease import LEASES_DIR
+
+    url = _pushed(s3_env, store)
+    cache, limit_gb = tmp_path / "cache", 10 * _cache_bytes(store.root) / 1e9
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_PULL, url, str(cache), str(limit_gb)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    try:
+        part = Path(proc.stdout.readline().strip())
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    root = part.parent.parent.parent
+    assert FETCH_TAG in part.name and part.stat().st_size > 0 and list((root / LEASES_DIR).glob("*"))
+    assert local_store(url, ["vae"], cache, limit_gb=limit_gb, whole=True, lease=False) == root
+    vdir = fmt.version_dir(root, "vae", 1)
+    assert _shards(vdir) == _shards(fmt.version_dir(store.root, "vae", 1))
+    assert not part.exists() and not [p for p in vdir.iterdir() if FETCH_TAG in p.name and not p.name.endswith(RANGED)]
+    assert not list((root / LEASES_DIR).glob("*"))  # the killed pull's lease, judged dead, removed
+    assert json.loads((cache / USAGE).read_text())["bytes"] == _cache_bytes(cache)
