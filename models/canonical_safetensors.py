@@ -27,6 +27,8 @@ import os
 import shutil
 from pathlib import Path
 
+from schemas.temp_files import temp_of
+
 _ALIGN = 8  # the writer pads the header with spaces so the data starts 8-byte aligned
 _MAX_HEADER = 100_000_000  # safetensors' own limit on a header's size
 
@@ -54,7 +56,7 @@ def canonicalize(path: str | Path, extra: dict[str, str] | None = None) -> None:
     """Rewrite the safetensors file at PATH (just written by the library) with its header `spelled`, `extra`'s
     keys added to its metadata; atomically (a temp file beside it, renamed over it)."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.canonical-{os.getpid()}")
+    tmp = temp_of(path)  # within the limit on a name's length where `path`'s is (a 250-byte --out)
     try:
         with open(path, "rb") as src:
             header = read_header(src, path)

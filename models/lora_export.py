@@ -34,7 +34,7 @@ from models.canonical_safetensors import canonicalize
 from models.lora import lora_weight_file, module_scale, provenance, read_lora
 from models.lora_files import EXPORT_FORMATS as FORMATS
 from schemas.errors import UserError
-from schemas.temp_files import remove_dead_temps, temp_of
+from schemas.temp_files import check_name_fits, remove_dead_temps, temp_of
 
 COMFY_PREFIX = "diffusion_model."
 # ComfyUI's 2.1 model holds these two as the halves of a fused `img_mlp.gate_up` (see the module docstring)
@@ -95,6 +95,7 @@ def export_lora(lora: str | Path, fmt: str, out: str | Path, overwrite: bool = F
     out = Path(out)
     if out.suffix != ".safetensors":
         raise UserError(f"--out {out}: the export is one .safetensors file; name it *.safetensors")
+    check_name_fits(out, "--out")
     source = lora_weight_file(lora)
     if out.resolve() == source.resolve() or (out.exists() and out.samefile(source)):
         raise UserError(f"--out {out} is the LoRA being exported ({source}): the export would replace it; pass "

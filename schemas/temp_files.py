@@ -10,7 +10,13 @@ boot id) and the pid namespace (the container: pods of one node share the kernel
 apart), as the URL cache names its fetches (store/lease.py `process_tag`). Only a temp of this host and namespace
 is judged by its pid: another host's or container's (a run folder or store on NFS, a volume shared by pods) pid 123
 is not this one's pid 123, and a live writer's temp was taken for a dead one and removed. Names of earlier releases
-(`.<name>.tmp-<pid>`) are judged by their pid, as they were."""
+(`.<name>.tmp-<pid>`) are judged by their pid, as they were.
+
+A temp name must fit the file system's limit on one name (`NAME_MAX`, 255 bytes) where its final name does: the
+writer's tag adds up to ~40 bytes, and a user's 250-byte `--out` failed with "File name too long" at its final
+write, after the work. A name too long for that keeps its first bytes and stands in a hash of the whole for the
+rest (`temp_stem`): `.<first bytes>~<hash>.tmp-<writer>`, a pure function of the final name, so every reader
+finds both forms (`temps_of`)."""
 
 from __future__ import annotations
 
@@ -23,6 +29,7 @@ import time
 from functools import lru_cache
 from pathlib import Path
 
+from schemas.errors import UserError
 from schemas.host import host_id, pid_namespace_id
 
 # Another host's or namespace's temp is removed only once nothing in it changed for this long. Its writer cannot
@@ -33,6 +40,49 @@ from schemas.host import host_id, pid_namespace_id
 # id: its temps of before are another host's then, kept a day; `store verify` names them so).
 ABANDONED_S = 24 * 3600
 _TAG = re.compile(r"(\d+)-h([0-9a-f]{12})(?:-n(\d+))?")
+NAME_MAX = 255  # bytes in one file name: ext4, xfs, btrfs, tmpfs, NFS; a longer one is ENAMETOOLONG
+# Room kept after a temp's stem for the longest suffix put after it: `.tmp-<pid>-h<host>-n<namespace>` (38 bytes
+# at Linux's largest pid and namespace inode), atomic_dir's `.swapped-<pid>` (16), with bytes to spare
+SUFFIX_ROOM = 48
+_HASH = 16  # hex digits of sha256 standing in for the cut end of a long name
+
+
+def name_bytes(name: str) -> int:
+    """Bytes of `name` on disk (a name read from disk that is not UTF-8 holds its bytes as surrogates)."""
+    return len(name.encode("utf-8", "surrogateescape"))
+
+
+def temp_stem(name: str) -> str:
+    """The start of the names of temp files (and other siblings: `.swapped-`) of the final name `name`: `.NAME`,
+    or - where that and a suffix of `SUFFIX_ROOM` bytes would pass `NAME_MAX` - `.` + NAME's first bytes (whole
+    characters) + `~` + a hash of the whole name."""
+    if 1 + name_bytes(name) + SUFFIX_ROOM <= NAME_MAX:
+        return f".{name}"
+    room, head, used = NAME_MAX - SUFFIX_ROOM - 2 - _HASH, [], 0
+    for ch in name:
+        n = name_bytes(ch)
+        if used + n > room:
+            break
+        head.append(ch)
+        used += n
+    digest = hashlib.sha256(name.encode("utf-8", "surrogateescape")).hexdigest()[:_HASH]
+    return f".{''.join(head)}~{digest}"
+
+
+def siblings(final: Path, suffix: str) -> list[Path]:
+    """The files and folders beside `final` named `<stem><suffix><anything>`, in either form of its stem
+    (`temp_stem`, and `.NAME` as earlier releases named them for every name)."""
+    final = Path(final)
+    stems = dict.fromkeys([f".{final.name}", temp_stem(final.name)])
+    return [p for stem in stems for p in final.parent.glob(f"{glob.escape(stem)}{glob.escape(suffix)}*")]
+
+
+def check_name_fits(path: Path, what: str) -> None:
+    """A final name the user gave (`--out`) longer than `NAME_MAX`: one line now, not "File name too long" after
+    the work."""
+    if (n := name_bytes(Path(path).name)) > NAME_MAX:
+        raise UserError(f"{what} {path}: its name is {n} bytes, over the {NAME_MAX} bytes a file system allows in "
+                        "one name; choose a shorter name")
 
 
 @lru_cache(maxsize=1)
@@ -45,9 +95,10 @@ def _here() -> tuple[str, str | None]:
 
 def temp_of(final: Path) -> Path:
     """This process's temp name for `final`: beside it (the rename stays on one file system), hidden, named by its
-    writer (pid, host, pid namespace)."""
+    writer (pid, host, pid namespace); within `NAME_MAX` whenever `final`'s name is (`temp_stem`)."""
     host, ns = _here()
-    return final.with_name(f".{final.name}.tmp-{os.getpid()}-h{host}" + (f"-n{ns}" if ns is not None else ""))
+    tag = f"{os.getpid()}-h{host}" + (f"-n{ns}" if ns is not None else "")
+    return final.with_name(f"{temp_stem(final.name)}.tmp-{tag}")
 
 
 def writer_alive(temp: Path) -> bool:
@@ -98,7 +149,7 @@ def _untouched_for(temp: Path, seconds: float) -> bool:
 def remove_dead_temps(final: Path, own: Path | None = None) -> None:
     """Remove the temp files and folders of `final` whose writer is gone: a killed writer's, which nothing else
     ever removes (a LoRA export's hundreds of MB beside the user's file). Never `own`, never a live writer's."""
-    for left in Path(final).parent.glob(f".{glob.escape(Path(final).name)}.tmp-*"):
+    for left in siblings(final, ".tmp-"):
         if left == own or writer_alive(left):
             continue
         if left.is_dir() and not left.is_symlink():

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import glob
 import hashlib
 import io
 import json
@@ -26,7 +25,7 @@ import pyarrow.parquet as pq
 
 from schemas.errors import UserError
 from schemas.newer import refuse_newer
-from schemas.temp_files import remove_dead_temps, temp_of
+from schemas.temp_files import remove_dead_temps, siblings, temp_of, temp_stem
 
 STORE_FORMAT = "qwen-edit-feature-store"
 # 2: store.json sealed with its own CRC32C, each version's `checksums.json`, per-sample `sample_crc32c` (see
@@ -229,12 +228,11 @@ def settle_swap(final: Path) -> None:
     `.swapped-` one beside `final`, a half-removed `.deleting-` one) is removed. For `final`'s one writer (its
     callers hold a lock on it), before it reads or writes `final`."""
     final = Path(final)
-    name = glob.escape(final.name)
     if not final.exists():
-        for old in sorted(final.parent.glob(f".{name}{_SWAPPED}*"))[:1]:
+        for old in sorted(siblings(final, _SWAPPED))[:1]:
             os.rename(old, final)
             fsync_dir(final.parent)
-    for left in [*final.parent.glob(f".{name}{_SWAPPED}*"), *final.parent.glob(f".{name}{_DELETING}*")]:
+    for left in [*siblings(final, _SWAPPED), *siblings(final, _DELETING)]:
         shutil.rmtree(left, ignore_errors=True)
 
 
@@ -270,13 +268,13 @@ def atomic_dir(final: Path, tmp: Path | None = None) -> Iterator[Path]:
                     fsync_dir(f)  # os.fsync works on a file descriptor of a file or a folder alike
             fsync_dir(Path(folder))  # its entries (a subfolder's files are not durable through the top's fsync)
         if final.exists():
-            old = final.with_name(f".{final.name}{_SWAPPED}{os.getpid()}")
+            old = final.with_name(f"{temp_stem(final.name)}{_SWAPPED}{os.getpid()}")
             os.rename(final, old)
             crash_point("atomic_dir_between_renames")
         os.rename(tmp, final)  # the new folder in place before the old one's (maybe long) removal
         fsync_dir(final.parent)
         if old is not None:  # renamed again before its removal: a `.swapped-` folder is always whole (`settle_swap`)
-            deleting = final.with_name(f".{final.name}{_DELETING}{os.getpid()}")
+            deleting = final.with_name(f"{temp_stem(final.name)}{_DELETING}{os.getpid()}")
             os.rename(old, deleting)
             old = deleting
     except BaseException as e:

@@ -69,7 +69,8 @@ def local_store(store: str | Path, tables: list[str] | None, cache_dir: str | Pa
     versions (those in `optional` only when the remote has them), lazily: metadata now, shards when read.
     `tables=None`: every complete version the remote holds. `whole=True`: pull
     the versions entirely now (every file checked, as `pipeline store pull`; a version cached lazily before gets its
-    missing shards). `lease`: a lease object on the
+    missing shards): opened lazily, then every missing shard fetched as a reader's scan fetches it (`fetch_all`),
+    without holding the cache lock through the download. `lease`: a lease object on the
     remote names the versions read, till this process exits (store/remote_lease.py)."""
     if not is_url(store):
         return Path(store)
@@ -82,36 +83,76 @@ def local_store(store: str | Path, tables: list[str] | None, cache_dir: str | Pa
     limit = None if limit_gb is None else int(limit_gb * 1e9)
     remote_shards.set_limit(cache, limit)  # this process's shard fetches keep the cache under it
     with fmt.flock(cache / CACHE_LOCK), writing("the store cache", cache, instead=CACHE_FULL):
-        if whole:
-            from store.remote_sync import pull
-
-            pulled = pull(url, root, storage_options, tables=tables, optional=optional)
-            current = fmt.read_store_record(root)["tables"]
-            if tables is None:
-                needed = {(t, int(v)) for t, v in (n.rsplit("/v", 1) for n in pulled.copied + pulled.present)}
-            else:
-                needed = {(t, int(current[t]["current"])) for t in tables if t in current}
-        else:
-            needed = remote_shards.open_lazily(url, root, storage_options, tables, optional)
-        for t, v in needed:
-            os.utime(fmt.version_dir(root, t, v))  # last use, for LRU
-        # eviction removes them only when over the limit (without one, never): one per killed fetch piled up
-        _remove_dead_fetches(root)
-        if limit is not None:
-            remote_shards.mark_copies(url, root, storage_options)  # evictable whole; never a version not pushed
-            evict(cache, limit, {(root, t, v) for t, v in needed})
-        else:  # what this open fetched is in no total: a limited process of the node walks before its next fetch
-            (cache / USAGE).unlink(missing_ok=True)
-            # no eviction walk removes the lease files of this store's killed readers (one per kill -9, thousands
-            # at scale): judged here as eviction judges them, one folder, the opened store's
-            _live_leases(root)
-        # which remote this cached store copies: for a human, and store/remote_parts.py finds the URL here
-        (root / "source-url.txt").write_text(url + "\n")
+        needed = remote_shards.open_lazily(url, root, storage_options, tables, optional)
+        pulling = _hold_while_pulling(root, needed) if whole else None
+        if pulling is None:
+            _opened(url, root, cache, limit, needed, storage_options)
+    if pulling is not None:
+        # The shards without the cache lock, which the node's other readers need to fetch and open meanwhile (a
+        # whole pull held it for hours): each fetch takes it only to reserve its bytes. A lease file pins the
+        # versions against another open's eviction of whole versions meanwhile (as a reader's lease does).
+        try:
+            remote_shards.fetch_all(root, needed)
+            _refill_unmarked(url, root, needed, storage_options, cache)
+        except BaseException:
+            pulling.release()
+            raise
+        with fmt.flock(cache / CACHE_LOCK), writing("the store cache", cache, instead=CACHE_FULL):
+            pulling.release()  # under the lock, the versions in the walk's `keep`: its file not in the total it sets
+            _opened(url, root, cache, limit, needed, storage_options)
     if lease:  # a lease object on the remote naming what this process reads, till it exits (store/remote_lease.py)
         from store.remote_lease import hold_reading
 
         hold_reading(url, sorted(needed), storage_options, root=root)
     return root
+
+
+def _opened(url: str, root: Path, cache: Path, limit: int | None, needed: set[tuple[str, int]],
+            storage_options: dict[str, Any] | None) -> None:
+    """What an open does last, under the cache lock: the versions' last use, the temp files of killed fetches and
+    the lease files of killed readers removed, the limit kept (or, without one, the running total dropped)."""
+    from store import remote_shards
+
+    # which remote this cached store copies: for a human, and store/remote_parts.py finds the URL here (before the
+    # walk below: its bytes in the running total it sets)
+    (root / "source-url.txt").write_text(url + "\n")
+    for t, v in needed:
+        os.utime(fmt.version_dir(root, t, v))  # last use, for LRU
+    # eviction removes them only when over the limit (without one, never): one per killed fetch piled up
+    _remove_dead_fetches(root)
+    if limit is not None:
+        remote_shards.mark_copies(url, root, storage_options)  # evictable whole; never a version not pushed
+        evict(cache, limit, {(root, t, v) for t, v in needed})
+    else:  # what this open fetched is in no total: a limited process of the node walks before its next fetch
+        (cache / USAGE).unlink(missing_ok=True)
+        # no eviction walk removes the lease files of this store's killed readers (one per kill -9, thousands at
+        # scale): judged here as eviction judges them, one folder, the opened store's
+        _live_leases(root)
+
+
+def _hold_while_pulling(root: Path, versions: set[tuple[str, int]]) -> leases.Lease:
+    """A read lease on the cached store `root` naming `versions` (taken under the cache lock, right after they were
+    opened): no eviction removes them whole while a whole open fetches their shards without the lock."""
+    held = leases.hold(root, {}, "store pull")
+    for t, v in sorted(versions):
+        held.add(t, v)
+    return held
+
+
+def _refill_unmarked(url: str, root: Path, versions: set[tuple[str, int]], storage_options: dict[str, Any] | None,
+                     cache: Path) -> None:
+    """The files missing from the versions of `versions` held whole here, not lazily (pulled whole by earlier
+    releases, or committed here and pushed by a push_back killed before it marked them): fetched again, each
+    checked, as `pipeline store pull` refills a local copy (under the cache lock: such a copy is counted by walks
+    only, `recount`)."""
+    from store.remote_shards import is_lazy
+    from store.remote_sync import pull
+
+    unmarked = [t for t, v in sorted(versions) if not is_lazy(fmt.version_dir(root, t, v))]
+    if unmarked:
+        with fmt.flock(cache / CACHE_LOCK), writing("the store cache", cache, instead=CACHE_FULL):
+            pull(url, root, storage_options, tables=sorted(set(unmarked)))
+            (cache / USAGE).unlink(missing_ok=True)
 
 
 def open_beside(root: Path, table: str, version: int) -> None:

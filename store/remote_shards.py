@@ -53,6 +53,7 @@ LAZY_SUFFIX = ".lazy"  # `.v<N>.lazy`: a version's metadata being fetched (not a
 FETCH_TAG = ".fetch-"
 RANGED = FETCH_TAG + "ranged"  # `.<shard>.fetch-ranged`: bytes this node's processes read from the shard by range
 FETCH_LOCK = ".fetch.lock"  # `.<shard>.fetch.lock`: held by the one process of the node fetching the shard whole
+NO_ROOM = "no room in the store cache"  # `fetch_whole`'s answer when the cache limit leaves no room for the shard
 WHOLE_AFTER = 0.5  # fraction of a shard read by range after which it is fetched whole
 MEMO_BYTES = 256 * 2**20  # ranges fetched by a check-ahead thread, kept for the consumer's read
 
@@ -175,7 +176,7 @@ class ShardFetcher:
                 return None
             part = self.vdir / f".{shard}{FETCH_TAG}{process_tag()}-{threading.get_ident()}"
             if not self._reserve(part, int(entry["nbytes"])):
-                return "no room in the store cache"  # not kept: a later read may find room
+                return NO_ROOM  # not kept: a later read may find room
             try:
                 with writing("the store cache", self.cache, instead=CACHE_FULL), \
                         self._connection(f"fetch {self.base}/{shard}", shard):
@@ -294,6 +295,39 @@ def _download(remote: Remote, rel: str, part: Path) -> tuple[int, str]:
             n += len(chunk)
         dst.truncate(n)
     return n, crc.hex()
+
+
+def fetch_all(root: Path, versions: set[tuple[str, int]]) -> None:
+    """Every shard of the lazily cached `versions` of the cached store `root` not in the cache, fetched whole and
+    checked (`fetch_whole`, several at a time): a whole open (`local_store(..., whole=True)`). Called without the
+    cache lock: each fetch takes it only to reserve its bytes (the limit's accounting, eviction first), and
+    downloads to its own temp name beside the shard, so the node's other readers fetch and open meanwhile. A shard
+    that cannot be fetched (damaged on the server, no room under the limit) is one UserError."""
+    from tqdm import tqdm
+
+    todo = [(f, shard) for t, v in sorted(versions) if (f := fetcher_for(fmt.version_dir(root, t, v))) is not None
+            for shard in sorted(f.sums) if is_shard(shard) and not (f.vdir / shard).exists()]
+    if not todo:
+        return
+    with tqdm(total=sum(int(f.sums[shard]["nbytes"]) for f, shard in todo), desc=f"pull {todo[0][0].url}",
+              unit="B", unit_scale=True, unit_divisor=1024, dynamic_ncols=True) as progress:
+        bar = SharedBar(progress)
+
+        def fetch(item: tuple[ShardFetcher, str]) -> None:
+            f, shard = item
+            problem = f.fetch_whole(shard)
+            if problem == NO_ROOM:
+                limit = _limits.get(str(f.cache), 0)
+                raise UserError(f"the store cache {f.cache} has no room for {f.base}/{shard} "
+                                f"({int(f.sums[shard]['nbytes']) / 1e9:.2f} GB) under its limit of {limit / 1e9:.2f} "
+                                "GB; raise the limit (--cache-gb) or use a bigger --cache-dir")
+            if problem is not None:
+                raise UserError(f"{f.vdir / shard}: cannot be fetched ({problem}); rerun, or repair the store at "
+                                f"{f.url}")
+            bar.update(int(f.sums[shard]["nbytes"]))
+
+        for _ in each_at_once(fetch, todo):
+            pass
 
 
 def fetch_problem(path: Path) -> str | None:

@@ -21,8 +21,16 @@ def _export_formats() -> tuple[str, ...]:
 
 
 def _safetensors_file(out: Path) -> Path:
+    from schemas.errors import UserError
+    from schemas.temp_files import check_name_fits
+
     if out is not None and out.suffix != ".safetensors":  # export_lora refuses it too (its callers outside the CLI)
         raise typer.BadParameter(f"{out}: the export is one .safetensors file; name it *.safetensors")
+    try:
+        if out is not None:
+            check_name_fits(out, "--out")  # export_lora too
+    except UserError as e:
+        raise typer.BadParameter(str(e).removeprefix("--out ")) from None
     return out
 
 
@@ -80,8 +88,10 @@ def merge_lora(model: str, lora: Path, out: Path, scale: float = 1.0, dtype: str
 
 def refuse_a_non_empty(out: Path) -> None:
     from schemas.errors import UserError
+    from schemas.temp_files import check_name_fits
 
     out = Path(out)
+    check_name_fits(out, "--out")  # the fused model's folder is renamed to it last, after the fuse
     if out.exists() and any(out.iterdir()):  # a file: NotADirectoryError, named by user_errors
         raise UserError(f"output folder {out} exists and is not empty; pass a new folder")
 

@@ -18,7 +18,9 @@ def image_format(out: Path) -> str:
     from PIL import Image
 
     from schemas.errors import UserError
+    from schemas.temp_files import check_name_fits
 
+    check_name_fits(out, "--out")  # PIL's save would fail after the minutes of denoising
     out_format = Image.registered_extensions().get(Path(out).suffix.lower())
     if out_format is None:
         raise UserError(f"--out {out}: {Path(out).suffix or 'no extension'} is not an image type; name it .png "

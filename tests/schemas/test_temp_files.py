@@ -79,3 +79,61 @@ def test_a_temp_of_this_host_is_judged_by_its_writers_pid(tmp_path):
     assert not writer_alive(temp)
     remove_dead_temps(final)
     assert list(tmp_path.iterdir()) == []
+
+
+# Final names near the 255-byte limit on one name: ASCII, 2-byte and 3-byte UTF-8 characters
+LONG_NAMES = ["a" * 240 + ".safetensors", "é" * 119 + ".safetensors", "日" * 80 + ".safetensors"]
+
+
+def test_long_names_get_temp_names_within_the_limit_and_their_leftovers_are_found(tmp_path):
+    """The writer's tag (`.tmp-PID-hHOST-nNS`) made a temp name ~40 bytes longer than its final name: a 250-byte
+    `--out` failed with "File name too long" at its final write. Written on the real file system: a file, a folder,
+    a folder swapped over an existing one; a killed writer's shortened temp is removed, a live one's kept, and both
+    are litter to `store verify` / repair by the same rule."""
+    for name in LONG_NAMES:
+        assert 250 <= len(name.encode()) <= 255
+        final = tmp_path / name
+        fmt.atomic_write_bytes(final, b"one")
+        fmt.atomic_write_bytes(final, b"two")
+        assert final.read_bytes() == b"two"
+        assert len(temp_of(final).name.encode()) <= temp_files.NAME_MAX
+        folder = tmp_path / f"d{name}"[:-1]  # a folder of the same length
+        for text in ("first", "second"):  # the second swaps the first aside (`.swapped-`) and removes it
+            with fmt.atomic_dir(folder) as tmp:
+                (tmp / "w").write_text(text)
+        assert (folder / "w").read_text() == "second"
+        assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp, no swapped folder
+        # a killed writer's temp (this host's, its pid gone) and a live one's (ours), in the shortened form
+        dead = temp_of(final).with_name(temp_of(final).name.replace(f".tmp-{os.getpid()}-", f".tmp-{GONE}-"))
+        live = temp_of(final)
+        for p in (dead, live):
+            p.write_bytes(b"half")
+        assert fmt.is_litter(dead.name) and fmt.is_litter(live.name)
+        assert not writer_alive(dead) and writer_alive(live)
+        remove_dead_temps(final)
+        assert not dead.exists() and live.exists()
+        live.unlink()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*LONG_NAMES, *(f"d{n}"[:-1] for n in LONG_NAMES)])
+
+
+def test_leftovers_of_the_unshortened_forms_are_still_found(tmp_path):
+    """A name whose temp is shortened now may have a leftover of the full form (`.NAME.tmp-PID`, an earlier
+    release's, which fit): still removed when its writer is gone."""
+    final = tmp_path / ("b" * 210)
+    old = final.with_name(f".{final.name}.tmp-{GONE}")
+    old.write_bytes(b"half")
+    assert temp_of(final).name.split(".tmp-")[0] != f".{final.name}"  # this name's temps are shortened now
+    fmt.atomic_write_bytes(final, b"whole")
+    remove_dead_temps(final)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [final.name]
+
+
+def test_a_name_over_the_limit_is_one_line(tmp_path):
+    import pytest
+
+    from schemas.errors import UserError
+
+    too_long = tmp_path / ("é" * 128 + ".png")  # 260 bytes, 132 characters
+    with pytest.raises(UserError, match=r"--out .*: its name is 260 bytes, over the 255 bytes"):
+        temp_files.check_name_fits(too_long, "--out")
+    temp_files.check_name_fits(tmp_path / ("é" * 125 + ".png"), "--out")  # 254 bytes: fits

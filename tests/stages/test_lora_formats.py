@@ -497,3 +497,27 @@ def test_a_comfyui_21_export_reads_back_in_this_projects_loaders_with_every_modu
         for m in modules:
             want = 3.0 * lora[f"transformer.{m}.lora_B.weight"] @ lora[f"transformer.{m}.lora_A.weight"]
             torch.testing.assert_close(t.get_submodule(m).get_delta_weight("lora"), want, rtol=1e-6, atol=1e-7)
+
+
+def test_export_to_a_name_near_the_limit_is_written_and_one_over_it_refused_up_front(tmp_path, monkeypatch):
+    """A 250-byte --out (multibyte UTF-8) got temp names ~40 bytes longer (the export's temp folder, the canonical
+    rewrite's temp file): "File name too long" at the final write. Now written; a name over 255 bytes is one line
+    before the LoRA is read."""
+    import models.lora_export as lora_export
+
+    q = "transformer.transformer_blocks.0.attn.to_q"
+    src = tmp_path / "lora.safetensors"
+    save_file({f"{q}.lora_A.weight": torch.ones(2, 8), f"{q}.lora_B.weight": torch.ones(8, 2)}, src)
+    out = tmp_path / "out" / ("ü" * 119 + ".safetensors")  # 250 bytes
+    _cli("lora", "export", src, "--out", out)
+    assert set(load_file(out)) == {f"diffusion_model.transformer_blocks.0.attn.to_q.{k}"
+                                   for k in ("lora_down.weight", "lora_up.weight", "alpha")}
+    assert [p.name for p in out.parent.iterdir()] == [out.name]  # no temp left beside it
+
+    def never(*a, **k):
+        raise AssertionError("the LoRA was read")
+
+    monkeypatch.setattr(lora_export, "comfyui_state_dict", never)
+    too_long = tmp_path / "out" / ("ü" * 123 + ".safetensors")  # 258 bytes
+    output = " ".join(_cli("lora", "export", src, "--out", too_long, code=2).replace("│", " ").split())
+    assert "its name is 258 bytes, over the 255 bytes" in output and "Traceback" not in output, output

@@ -99,3 +99,107 @@ def test_a_working_copy_pulled_into_the_cache_folder_counts_against_a_readers_li
         for k in groups[1]:  # the next whole fetch must not take the cache past its limit
             cached.tensors(k)
     assert _cache_bytes(cache) <= limit
+
+
+def test_a_whole_open_lets_the_nodes_other_readers_fetch_while_it_downloads(s3_env, store: Store, tmp_path: Path,
+                                                                            monkeypatch) -> None:
+    """A whole open held the node's cache lock through its whole pull, and a shard fetch of every other reader of
+    the node takes that lock to reserve its bytes: they all waited for the pull (hours at scale). Now the pull
+    downloads without it. Here the pull is held inside its first download until another reader of the cache has
+    fetched a shard whole (a deadlock before: the guard below fails it); then each shard was fetched once, the
+    cache's running total is its bytes, and nothing of the pull is left (temp files, its lease)."""
+    import threading
+
+    from store import remote, remote_download, remote_shards
+    from store.lease import LEASES_DIR
+
+    url = _pushed(s3_env, store)
+    cache, limit = tmp_path / "cache", 10 * _cache_bytes(store.root)
+    root = local_store(url, ["vae"], cache, limit_gb=limit / 1e9, lease=False)  # a reader's open: metadata only
+    vdir = fmt.version_dir(root, "vae", 1)
+    want = _shards(fmt.version_dir(store.root, "vae", 1))
+    before = remote_shards.fetch_stats()["shards"]
+    monkeypatch.setattr(remote, "TRANSFERS", 1)  # the pull fetches in shard order: held in the first, not the last
+    reader: dict = {}
+    pulling, read = threading.Event(), threading.Event()
+    real = remote_download.pieces
+
+    def held(*args, **kwargs):
+        if threading.get_ident() != reader.get("thread"):  # the pull's download waits for the reader
+            pulling.set()
+            read.wait(timeout=600)
+        yield from real(*args, **kwargs)
+
+    monkeypatch.setattr(remote_download, "pieces", held)
+    outcome: dict = {}
+
+    def pull_whole() -> None:
+        try:
+            outcome["root"] = local_store(url, ["vae"], cache, limit_gb=limit / 1e9, whole=True, lease=False)
+        except BaseException as e:  # noqa: BLE001 - reported by the assert below
+            outcome["error"] = e
+
+    def read_last_shard() -> None:
+        reader["thread"] = threading.get_ident()
+        outcome["problem"] = remote_shards.fetch_problem(vdir / sorted(want)[-1])  # a scan's whole fetch
+        read.set()
+
+    puller = threading.Thread(target=pull_whole)
+    puller.start()
+    assert pulling.wait(timeout=600)  # the pull is downloading its first shard now
+    threading.Thread(target=read_last_shard, daemon=True).start()
+    fetched = read.wait(timeout=120)  # a deadlock guard, not a timing: the reader needs a lock or nothing
+    read.set()  # the pull goes on either way
+    puller.join()
+    assert fetched, "another reader of the node could not fetch a shard while a whole open downloaded"
+    assert outcome.get("error") is None and outcome["problem"] is None and outcome["root"] == root
+    assert _shards(vdir) == want  # every shard, the remote's bytes
+    assert remote_shards.fetch_stats()["shards"] - before == len(want)  # each fetched (and reserved) once
+    assert json.loads((cache / USAGE).read_text())["bytes"] == _cache_bytes(cache)
+    assert not [p for p in vdir.iterdir() if FETCH_TAG in p.name and not p.name.endswith(RANGED)]
+    assert not list((root / LEASES_DIR).glob("*"))  # the pull's lease released
+
+
+KILLED_PULL = """
+import sys
+from pathlib import Path
+from store import remote, remote_shards
+from store.remote_cache import local_store
+remote.TRANSFERS = 1  # one download under way: one line printed
+def stalled(remote, rel, part):  # the download under way when the kill comes: its temp file is there
+    print(part, flush=True)
+    sys.stdin.readline()
+remote_shards._download = stalled
+local_store(sys.argv[1], ["vae"], Path(sys.argv[2]), limit_gb=float(sys.argv[3]), whole=True, lease=False)
+"""
+
+
+def test_a_whole_open_killed_mid_download_leaves_what_the_next_open_removes(s3_env, store: Store,
+                                                                           tmp_path: Path) -> None:
+    """A whole open killed with -9 inside a download (no cache lock held then): its shard's temp file (reserved at
+    full size) and its lease file are a dead process's; the next whole open removes both, fetches every shard, and
+    counts the cache's bytes once."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from store.lease import LEASES_DIR
+
+    url = _pushed(s3_env, store)
+    cache, limit_gb = tmp_path / "cache", 10 * _cache_bytes(store.root) / 1e9
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_PULL, url, str(cache), str(limit_gb)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    try:
+        part = Path(proc.stdout.readline().strip())
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    root = part.parent.parent.parent
+    assert FETCH_TAG in part.name and part.stat().st_size > 0 and list((root / LEASES_DIR).glob("*"))
+    assert local_store(url, ["vae"], cache, limit_gb=limit_gb, whole=True, lease=False) == root
+    vdir = fmt.version_dir(root, "vae", 1)
+    assert _shards(vdir) == _shards(fmt.version_dir(store.root, "vae", 1))
+    assert not part.exists() and not [p for p in vdir.iterdir() if FETCH_TAG in p.name and not p.name.endswith(RANGED)]
+    assert not list((root / LEASES_DIR).glob("*"))  # the killed pull's lease, judged dead, removed
+    assert json.loads((cache / USAGE).read_text())["bytes"] == _cache_bytes(cache)
