@@ -43,7 +43,7 @@ import psutil
 from pathlib import Path
 from store import quarantine
 root, way, columns = Path(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3])
-import pyarrow.dataset, pyarrow.parquet  # their imports (read_table imports the dataset module) are no part of either read
+import pyarrow.dataset, pyarrow.parquet  # their imports (read_table imports the dataset module): in neither read
 before = psutil.Process().memory_info().rss
 t0 = time.perf_counter()
 q = quarantine.read(root) if way == "old" else quarantine.read(root, columns)  # old: the whole file, as before
