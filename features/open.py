@@ -178,7 +178,7 @@ def dropped_report(st, joined: JoinedTables, split: str | None) -> dict[str, Any
             universe |= set(ks.filter(pc.invert(pc.is_in(ks, value_set=joined.keys.array))).to_pylist())
     total = len(joined.keys) + len(universe)
     reasons: dict[str, dict[str, int]] = {}
-    q = st.quarantine()
+    q = st.quarantine(["key", "stage", "reason"])  # every rank, every start: not the long source/detail texts
     explained: set[str] = set()
     if universe and q.num_rows:
         q = q.filter(pc.is_in(q.column("key"), value_set=pa.array(sorted(universe), pa.string())))

@@ -6,13 +6,13 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from schemas.resize_sizes import sizes_in_force
 from store import format as fmt
 from store import quarantine
+from store.arrow_columns import size_counts
 from store.integrity import DamagedData
 from store.manifest_files import checked_manifest, read_schema
 from store.store import Store
@@ -63,17 +63,8 @@ COUNTED = ("shard", "shard_nbytes", "split", "bucket", "img_shapes", "height", "
 
 
 def _size_counts(sizes: pa.Array, width: int, scale: int = 1) -> dict[str, int]:
-    """"HxW" -> count, in size order, of a list column of `width` numbers per row whose last two are H and W
-    (x `scale`); null rows are skipped."""
-    sizes = sizes.drop_null()
-    if not len(sizes):  # e.g. no sample with a control: a column of null type, which list_flatten refuses
-        return {}
-    if not pc.all(pc.equal(pc.list_value_length(sizes), width)).as_py():
-        raise ValueError(f"sizes of other than {width} numbers in {sizes.type} column")
-    hw = pc.list_flatten(sizes).to_numpy(zero_copy_only=False).astype(np.int64).reshape(-1, width)[:, -2:] * scale
-    # one number per size (h, w), sorted as the pairs: np.unique over rows (axis=0) sorts ~10x slower
-    found, counts = np.unique(hw[:, 0] * 2**32 + hw[:, 1], return_counts=True)
-    return {f"{v >> 32}x{v & (2**32 - 1)}": n for v, n in zip(found.tolist(), counts.tolist())}
+    """"HxW" -> count, in size order (`arrow_columns.size_counts`)."""
+    return {f"{h}x{w}": n for (h, w), n in size_counts(sizes, width, scale).items()}
 
 
 def _buckets(m: pa.Table) -> dict[str, int]:

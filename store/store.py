@@ -161,5 +161,6 @@ class Store:
     def add_quarantine(self, rows: Iterable[dict[str, Any]]) -> int:
         return quarantine.add_rows(self.root, rows)
 
-    def quarantine(self) -> pa.Table:
-        return quarantine.read(self.root)
+    def quarantine(self, columns: Iterable[str] | None = None) -> pa.Table:
+        """STORE/quarantine.parquet's rows (`columns`: only those; `quarantine.read`)."""
+        return quarantine.read(self.root, columns)

@@ -35,7 +35,7 @@ def left_out(store: Store, table: str, version: int, remote_rows: bool = False) 
     from store.remote_parts import remote_quarantine, source_url
     from store.remote_shards import is_lazy
 
-    keys = _damaged_inputs(store.quarantine(), table, version)
+    keys = _damaged_inputs(store.quarantine(_COLUMNS), table, version)
     url = source_url(store.root) if remote_rows else None
     if url is not None and is_lazy(store.version_dir(table, version)):
         keys |= _damaged_inputs(remote_quarantine(url), table, version)
@@ -49,10 +49,13 @@ def left_out_on_remote(store: Store, url: str, table: str, version: int, remote_
     the remote's (other caches' runs); the keys of the remote's manifest."""
     from store.remote_parts import manifest_keys, remote_quarantine
 
-    keys = _damaged_inputs(store.quarantine(), table, version)
+    keys = _damaged_inputs(store.quarantine(_COLUMNS), table, version)
     if remote_rows:
         keys |= _damaged_inputs(remote_quarantine(url), table, version)
     return _not_held(keys, lambda: manifest_keys(url, table, version))
+
+
+_COLUMNS = ("key", "reason", "table_version")  # what `_damaged_inputs` compares (every rank reads them)
 
 
 def _damaged_inputs(q: pa.Table, table: str, version: int) -> set[str]:

@@ -206,10 +206,10 @@ def _run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> 
     if found is not None:
         before = recorded_source(st, found)
         # every sample of the version is reused as it is (counted so, as the encoders count theirs)
-        from store.manifest_files import checked_manifest
+        from store.arrow_columns import value_counts
 
-        rows = checked_manifest(st.version_dir(TABLE, found), ["split", "source_hashes"])
-        splits = Counter(rows.column("split").to_pylist())
+        rows = _split_and_images(st, found)
+        splits = value_counts(rows.column("split"))
         return ResizeSummary(version=found, up_to_date=True, reused=splits.total(), splits=splits,
                              val_sharing=val_sharing(rows),
                              seconds=time.perf_counter() - started,
@@ -246,12 +246,30 @@ def _run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> 
         _verify_repaired(st, summary, repairing)
     summary.seconds = time.perf_counter() - started
     if summary.resumed or summary.reused:  # the resumed and carried samples count too: the version, whole
-        with st.reader(TABLE, summary.version) as r:
-            summary.splits = Counter(r.manifest.column("split").to_pylist())
-            summary.controls = Counter(r.manifest.column("num_controls").to_pylist())
-            summary.buckets = Counter(map(tuple, r.manifest.column("bucket").to_pylist()))
+        summary.splits, summary.controls, summary.buckets = version_counts(st, summary.version)
     summary.val_sharing = val_sharing(_split_and_images(st, summary.version))
     return summary
+
+
+def version_counts(st: Store, version: int) -> tuple[Counter, Counter, Counter]:
+    """Samples of an `images` version by split, by number of controls and by target bucket (h, w): three columns
+    of its checked manifest, counted in Arrow. A reader's whole manifest (every column: ~730 MB at 1M samples) and
+    a Python object per row and column took seconds and GBs at the end of a rerun that carried samples forward
+    (bench/resize_counts.py)."""
+    from store.arrow_columns import value_counts, size_counts
+    from store.manifest_files import checked_manifest
+
+    m = checked_manifest(st.version_dir(TABLE, version), ["split", "num_controls", "bucket"])
+    return value_counts(m.column("split")), value_counts(m.column("num_controls")), \
+        Counter(size_counts(m.column("bucket"), 2))
+
+
+def split_counts(st: Store, version: int) -> Counter:
+    """Samples of an `images` version by split (a kept version's summary), from that one column."""
+    from store.arrow_columns import value_counts
+    from store.manifest_files import checked_manifest
+
+    return value_counts(checked_manifest(st.version_dir(TABLE, version), ["split"]).column("split"))
 
 
 def _split_and_images(st: Store, version: int) -> Any:
@@ -283,11 +301,10 @@ def _kept_summary(st: Store, kept: int, summary: ResizeSummary, unreadable: list
                   started: float) -> ResizeSummary:
     """The summary of a rerun that kept version `kept` (still_unreadable.py): up to date, its samples reused, this
     run's quarantine counts (the samples still unread among them)."""
-    from store.manifest_files import checked_manifest
     from store.remote_parts import adopt_version
 
     newer = adopt_version(st, TABLE, kept)  # current again (a run killed before its store.json switch, say)
-    splits = Counter(checked_manifest(st.version_dir(TABLE, kept), ["split"]).column("split").to_pylist())
+    splits = split_counts(st, kept)
     return replace(summary, version=kept, up_to_date=True, written=0, resumed=0, reused=splits.total(),
                    splits=splits, bytes_written=0, seconds=time.perf_counter() - started, store=str(st.root),
                    newer_current=newer, unreadable=unreadable, duplicates=list(summary.duplicates))

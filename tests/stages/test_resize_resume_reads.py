@@ -91,10 +91,12 @@ def test_the_resumed_map_answers_as_the_dict_it_replaced() -> None:
     assert ResumedSources([(["only"], ["k1"])]).get("only") == "k1"
 
 
-def test_the_summary_counts_the_whole_table_after_a_resume_or_a_carry_forward(tmp_path: Path) -> None:
+def test_the_summary_counts_the_whole_table_after_a_resume_or_a_carry_forward(tmp_path: Path, monkeypatch) -> None:
     """The summary's "controls per sample" and target buckets describe the version written, as its splits do: a
     resumed run counted only the samples rendered after the kill (and a carried-forward one left its samples'
-    buckets out), so a table of 16 read "controls per sample: 0: 3, 1: 2" after a resume."""
+    buckets out), so a table of 16 read "controls per sample: 0: 3, 1: 2" after a resume. The run that carries
+    samples forward never parses a whole `images` manifest (every column: ~730 MB at 1M samples), neither to find
+    the rows it carries (store/reuse.py) nor to count the version it wrote (`stage.version_counts`)."""
     make_demo_data(tmp_path / "src", n=16, fmt="folder", max_controls=2, seed=2)
     src, out = tmp_path / "src", tmp_path / "store"
     killed = warm_start.run([sys.executable, "-c", KILLED, str(src), str(out)],
@@ -111,7 +113,13 @@ def test_the_summary_counts_the_whole_table_after_a_resume_or_a_carry_forward(tm
         dest = src / f.relative_to(tmp_path / "more")
         dest.parent.mkdir(parents=True, exist_ok=True)
         f.rename(dest.with_name("new_" + dest.name))
+    from store.manifest_view import ManifestView
+
+    whole, real = [], ManifestView.manifest
+    monkeypatch.setattr(ManifestView, "manifest", property(lambda v: whole.append(v.table) or real.fget(v)))
     grown = stage.run(load_config(None, SMALL), src, out)
+    monkeypatch.undo()
+    assert whole == []
     again = stage.run(load_config(None, SMALL), src, tmp_path / "fresh2")
     assert grown.reused == 16 and grown.written == 2 and again.written == 18
     assert grown.controls == again.controls and grown.buckets == again.buckets

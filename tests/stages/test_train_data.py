@@ -295,6 +295,44 @@ def test_the_dropped_samples_of_the_train_split_are_said_once(tmp_path, tiny_edi
                     f"(encode-vae: not encoded 1; rows in {tmp_path / 's' / 'quarantine.parquet'})"], said
 
 
+def test_the_dropped_report_reads_the_quarantines_keys_stages_and_reasons_only(tmp_path, monkeypatch):
+    """Every rank's dropped report at each train / evaluate start reads quarantine.parquet's key, stage and reason
+    columns, not its long source and detail texts (~2/3 of a 1M-row file's ~200 MB, parsed by each of 64 ranks),
+    and counts the same reasons as from the whole file."""
+    import pyarrow.parquet as pq
+
+    from features.open import open_features
+    from schemas import FieldSpec, Lineage, TableSchema
+
+    fp = "0123456789abcdef"
+    st = make_train_store(tmp_path / "s", "m", mixed_specs(4, 2), fingerprint=fp, skip_vae={1})
+    fields = [FieldSpec("target.png", "png", kind="file"), FieldSpec("split", "string", kind="column")]
+    schema = TableSchema("images", fields, Lineage("resize-bucket", config_hash="t", upstream={}, code_version="t"))
+    w = st.writer("images", schema, shard_size_mb=0.0001)
+    for i in range(4):
+        w.add(key_of(i), files={"target.png": b"png"}, meta={"split": "train", "img_shapes": [[1, 2, 2]]})
+    w.commit()
+    st.add_quarantine([{"key": key_of(1), "source": "s" * 99, "stage": "encode-vae", "reason": "damaged-input",
+                        "detail": "d" * 99}])
+    decoded = []
+    real = pq.ParquetFile.read, pq.read_table
+
+    def read(self, columns=None, *a, **kw):
+        decoded.append(columns)
+        return real[0](self, columns, *a, **kw)
+
+    def read_table(source, *a, columns=None, **kw):
+        if str(source).endswith("quarantine.parquet"):
+            decoded.append(columns)
+        return real[1](source, *a, columns=columns, **kw)
+
+    monkeypatch.setattr(pq.ParquetFile, "read", read)
+    monkeypatch.setattr(pq, "read_table", read_table)
+    rep = open_features(st.root, "m", fp, "train", 0.5).report
+    assert rep["reasons"] == {"encode-vae": {"damaged-input": 1}} and rep["dropped"] == 1
+    assert decoded and all(c is not None and not {"source", "detail"} & set(c) for c in decoded), decoded
+
+
 def test_the_dropped_report_counts_the_samples_of_both_tables_images_versions(tmp_path, monkeypatch):
     """encode-text has run on a newer `images` (2 samples added) and encode-vae not yet: the split's samples are
     those of both versions (6), 2 of them not in both. Before: counted from vae's `images` version alone - '2 of 4
