@@ -267,6 +267,12 @@ def val_sharing(manifest: Any) -> int:
     import pyarrow as pa
     import pyarrow.compute as pc
 
+    kind = manifest.schema.field("source_hashes").type if "source_hashes" in manifest.column_names else None
+    if kind is None or not (pa.types.is_list(kind) or pa.types.is_large_list(kind)):  # no lists of hashes here:
+        return 0  # nothing known, nothing said (encode's `_rows_holding` allows for another type too)
+    # a row without hashes (null: a shard index that lacked the column, merged permissively) shares nothing known:
+    # `is_in` matches a null with a null, and every such val row was counted as sharing a train row's pictures
+    manifest = manifest.filter(pc.is_valid(manifest.column("source_hashes")))
     images = pc.binary_join(manifest.column("source_hashes"), "")
     split = manifest.column("split")
     train = pc.filter(images, pc.equal(split, "train"))
