@@ -206,9 +206,7 @@ def _run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> 
     if found is not None:
         before = recorded_source(st, found)
         # every sample of the version is reused as it is (counted so, as the encoders count theirs)
-        from store.manifest_files import checked_manifest
-
-        rows = checked_manifest(st.version_dir(TABLE, found), ["split", "source_hashes"])
+        rows = _split_and_images(st, found)
         splits = Counter(rows.column("split").to_pylist())
         return ResizeSummary(version=found, up_to_date=True, reused=splits.total(), splits=splits,
                              val_sharing=val_sharing(rows),
