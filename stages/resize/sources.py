@@ -770,14 +770,14 @@ def _jsonl_field_problem(obj: dict, base: Path) -> str | None:
     no file there (`original_filename`: a camera's name, provenance): no image of the line is dropped."""
     if obj.get("controls") is not None and obj.get("control") is not None:  # one of the two would be dropped
         return "both 'controls' and 'control' are given; keep one (controls: a list of paths)"
-    read = {_resolve(base, p) for p in _jsonl_paths(obj)}
+    read = {os.path.normpath(_resolve(base, p)) for p in _jsonl_paths(obj)}
     for name, value in obj.items():
         paths = value if isinstance(value, list) else [value]
         # a URL (`"url": "https://.../a.jpg"`, a crawl's provenance) is never read as an image anyway
         if name in _JSONL_FIELDS or not paths or not all(
                 isinstance(v, str) and v.lower().endswith(IMAGE_SUFFIXES) and "://" not in v for v in paths):
             continue
-        if all(_resolve(base, v) in read or not _resolve(base, v).is_file() for v in paths):
+        if all(os.path.normpath(_resolve(base, v)) in read or not _resolve(base, v).is_file() for v in paths):
             continue
         meant = "mask" if "mask" in name.lower() else "controls"
         return (f"field {name!r} names image file(s) ({paths[0]}) but is not read (a line's fields: "

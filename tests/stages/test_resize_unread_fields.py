@@ -58,7 +58,7 @@ def test_a_field_whose_images_are_read_anyway_or_are_no_file_keeps_its_line(tmp_
     for name, colour in (("t.png", (200, 0, 0)), ("c.png", (0, 200, 0))):
         (src / name).write_bytes(_png(colour))
     rows = [{"target": "t.png", "controls": ["c.png"], "caption": "a caption tool's line", "image_path": "t.png",
-             "file_name": "./t.png", "original_filename": "IMG_0001.JPG"}]
+             "file_name": "../src/t.png", "original_filename": "IMG_0001.JPG"}]
     (src / "m.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     result = CliRunner().invoke(app, ["run", "resize-bucket", "--source", str(src / "m.jsonl"),
                                       "--store", str(tmp_path / "store"), "--set", "resize.target_area=4096",
