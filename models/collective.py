@@ -34,6 +34,7 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
+from datetime import timedelta
 from typing import TYPE_CHECKING, Callable, Iterator, TypeVar
 
 from schemas.errors import UserError
@@ -403,6 +404,8 @@ def _reconnect(clients: list, stop: threading.Event) -> bool:
     if not host or not port:
         return False
     deadline, pause = time.monotonic() + STORE_RETRY_SECONDS, POLL_SECONDS
+    held = getattr(clients[0], "timeout", None)
+    timeout = held.total_seconds() if isinstance(held, timedelta) else 10.0  # `_store_client`'s default
     while not stop.is_set() and time.monotonic() < deadline:
         try:
             socket.create_connection((host, port), timeout=PROBE_SECONDS).close()
@@ -412,7 +415,9 @@ def _reconnect(clients: list, stop: threading.Event) -> bool:
             pass  # no answer yet (a loaded host, a network blip)
         else:
             try:
-                clients[0] = _store_client(PROBE_SECONDS)
+                # the timeout the replaced connection had for every later call (PROBE_SECONDS made a store busy for
+                # 3 s, which the first connection waited out, fail each call through the new one)
+                clients[0] = _store_client(timeout)
                 _state["store_lost"] = False
                 return True
             except Exception:  # noqa: BLE001 - the port answers, the store not yet: try again

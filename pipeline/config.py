@@ -150,15 +150,20 @@ def _set_dotted(d: dict, dotted: str, value: Any) -> None:
 _ENV_VAR = re.compile(r"\$(?:(\w+)|\{(\w+)\})")
 
 
-def _expand_paths(data: dict[str, Any]) -> None:
+def _expand_paths(data: dict[str, Any], variables: bool = True) -> None:
     """`~` and `$VAR` / `${VAR}` in `paths.*`, as a shell expands them in a flag: YAML does not, and `store: ~/st`
     made a folder named `~` in the working directory (its summary's `~/st/quarantine.parquet` read as the home's).
-    An unset variable is refused: left as written, it would name a folder called `$VAR` too."""
+    An unset variable is refused: left as written, it would name a folder called `$VAR` too. Not `variables`: `~`
+    alone (a flag's or --set's value, which the shell has expanded already, except a `~` after `=`: `--store=~/st`;
+    a `$` left in it was quoted on purpose: a folder named `price$list`)."""
     paths = data.get("paths")
     if not isinstance(paths, dict):
         return
     for key, value in paths.items():
         if not isinstance(value, str):
+            continue
+        if not variables:
+            paths[key] = os.path.expanduser(value)
             continue
         for m in _ENV_VAR.finditer(value):
             if (name := m.group(1) or m.group(2)) not in os.environ:
@@ -196,11 +201,12 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {p} must hold a mapping of sections, got {type(loaded).__name__}")
         data = loaded
+    _expand_paths(data)  # the file's values; a flag's or --set's only `~` (`_expand_paths`)
     # in order: a section, then its key
     overridden = {**(sets or {}), **{k: v for k, v in (overrides or {}).items() if v is not None}}
     for k, v in overridden.items():
         _set_dotted(data, k, v)
-    _expand_paths(data)
+    _expand_paths(data, variables=False)
     try:
         return PipelineConfig.model_validate(data)
     except ValidationError as e:

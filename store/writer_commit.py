@@ -4,7 +4,6 @@ version on this disk - litter removed, checksums.json, manifest.parquet (presenc
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -13,16 +12,10 @@ from store import format as fmt
 from store.integrity import write_version_checksums
 from store.io_errors import writing
 from store.manifest import merge_measured
-from store.writer_open import index_paths
+from store.writer_open import index_paths, seen_in_time
 
 if TYPE_CHECKING:
     from store.writer import TableWriter
-
-
-# A shard index a rank-done file names but rank 0 does not list: listed again after each of these waits (seconds),
-# about a minute in all: NFS caches a folder's attributes up to acdirmax (60 s by default), and a refused commit
-# costs a rerun, waiting a minute once costs nothing next to it
-RELIST_WAITS_S = (1, 2, 4, 8, 15, 30)
 
 
 def mark_rank_done(writer: TableWriter, rejected: int = 0) -> None:
@@ -87,15 +80,17 @@ def commit_local(writer: TableWriter, allow_empty: bool) -> int:
 def listed_indexes(vdir: Path, dones: list[dict[str, Any]], label: str) -> list[Path]:
     """Every shard index of the version that this node lists, once it lists each one the ranks' done files name
     (`indexes`; done files of older code name none, and are taken as they are): a lagging view is listed again a
-    few times (`RELIST_WAITS_S`), then the commit is refused rather than a manifest without those shards' rows."""
+    few times (`seen_in_time`), then the commit is refused rather than a manifest without those shards' rows."""
     named = {n for d in dones for n in d.get("indexes") or ()}
-    for wait in (*RELIST_WAITS_S, None):
-        paths = index_paths(vdir)
-        missing = sorted(named - {p.name for p in paths})
-        if not missing:
-            return paths
-        if wait is not None:
-            time.sleep(wait)
+    paths: list[Path] = []
+
+    def all_listed() -> bool:
+        paths[:] = index_paths(vdir)
+        return named <= {p.name for p in paths}
+
+    if seen_in_time(all_listed):
+        return paths
+    missing = sorted(named - {p.name for p in paths})
     raise UserError(f"{label}: {len(missing)} committed shard(s) that the ranks' done files name are not listed in "
                     f"{vdir}, e.g. {missing[:3]} (this node's view of the shared folder lags, or they were removed); "
                     "nothing committed. Rerun: the version resumes from its committed shards")

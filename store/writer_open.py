@@ -22,8 +22,11 @@ from store.io_errors import writing
 WORLD_JSON = "world-size.json"
 
 
-VIEW_LAG_SECONDS = 60.0  # how long a folder's new entries may stay unseen from another node: NFS's acdirmax
-LOOK_SECONDS = 0.5  # how often a lagging view is looked at again
+# When a node looks again for what another node wrote a moment ago (seconds between looks): NFS caches a folder's
+# attributes up to acdirmax (60 s by default), and waiting a minute once costs nothing next to a refused open or
+# commit (a rerun)
+VIEW_LAG_WAITS_S = (1, 2, 4, 8, 15, 30)
+VIEW_LAG_SECONDS = sum(VIEW_LAG_WAITS_S)
 
 
 def lock_rank(root: Path, table: str, rank: int) -> fmt.HeldLock:
@@ -33,7 +36,7 @@ def lock_rank(root: Path, table: str, rank: int) -> fmt.HeldLock:
             (root / table).mkdir(parents=True, exist_ok=True)
         except FileExistsError:  # there, but no folder seen here: a file, or rank 0 made it a moment ago (its
             # first version, `open_version`) and this node's view lags
-            if (root / table).is_file() or not _seen(lambda: (root / table).is_dir()):
+            if (root / table).is_file() or not seen_in_time(lambda: (root / table).is_dir()):
                 raise UserError(f"{root / table} is not a folder seen from this node: a file of that name (remove "
                                 "it and rerun), or a folder another node made that this node's view did not show "
                                 f"within {VIEW_LAG_SECONDS:.0f} s (a shared file system's attribute cache: rerun)"
@@ -65,7 +68,7 @@ def open_version(root: Path, table: str, want: dict[str, Any], version: int | No
     Done under the store lock so that ranks starting together agree on one folder. Rank 0 has just made the
     ranks' version, and another node's view of the table folder may not show it yet (a shared file system's
     attribute cache): its folder is then found by its creation failing (before, that `FileExistsError` ended the
-    rank, the CLI calling the folder "a file") and its schema.json waited for (`_seen`); refused as another
+    rank, the CLI calling the folder "a file") and its schema.json waited for (`seen_in_time`); refused as another
     writer's only once seen.
     """
     with fmt.flock(root / fmt.STORE_LOCK):
@@ -83,7 +86,7 @@ def open_version(root: Path, table: str, want: dict[str, Any], version: int | No
                     shutil.rmtree(vdir, ignore_errors=True)
                     raise
                 return v, vdir
-        if not _seen(lambda: (vdir / fmt.SCHEMA_JSON).is_file()):
+        if not seen_in_time(lambda: (vdir / fmt.SCHEMA_JSON).is_file()):
             raise UserError(f"{vdir} holds no schema.json, though the ranks agreed to write table '{table}' v{v} "
                             f"there (waited {VIEW_LAG_SECONDS:.0f} s for this node to see it: a shared file "
                             "system's view that lags longer, or a writer killed as it made the folder); unless a "
@@ -94,15 +97,16 @@ def open_version(root: Path, table: str, want: dict[str, Any], version: int | No
                         f"agreed to write table '{table}' v{v}; remove that folder and rerun")
 
 
-def _seen(look: Callable[[], bool]) -> bool:
-    """Whether `look()` holds, at once or within VIEW_LAG_SECONDS: what another node wrote a moment ago may not show
-    on this one yet (a shared file system's attribute cache)."""
-    deadline = time.monotonic() + VIEW_LAG_SECONDS
-    while not look():
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(LOOK_SECONDS)
-    return True
+def seen_in_time(look: Callable[[], bool]) -> bool:
+    """Whether `look()` holds, at once or after one of the waits of VIEW_LAG_WAITS_S (VIEW_LAG_SECONDS in all): what
+    another node wrote a moment ago may not show on this one yet (a shared file system's attribute cache). The one
+    wait for a lagging view: the writer's open, the commit's listing of the ranks' indexes (store/writer_commit.py)."""
+    for wait in (*VIEW_LAG_WAITS_S, None):
+        if look():
+            return True
+        if wait is not None:
+            time.sleep(wait)
+    return False
 
 
 def parts_world(vdir: Path) -> int | None:

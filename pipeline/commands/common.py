@@ -171,16 +171,15 @@ def checked_lora(lora: Path | str, model: str | None = None, strict_base: bool =
     """Before a LoRA is applied: its file matches the checksum record train sealed beside it (finite values are
     checked by the loader itself), and, given MODEL, it was trained on that base (a warning, or with
     `strict_base` an error, when its recorded fingerprint differs). The paths are checked before torch is imported
-    (models.lora): a mistyped --lora or --model is one line at once."""
+    (models.lora): a mistyped --lora or --model is one line at once. The LoRA's bytes before the model's resolve:
+    a hub id not in the cache is a download of tens of GB, after which a damaged LoRA was told."""
     from models.loading import resolve_model
     from models.lora_files import lora_weight_file
     from store.checksum import check_recorded
 
-    weights = lora_weight_file(lora)
+    check_recorded(lora_weight_file(lora))
     if model is not None:
         resolve_model(model)
-    check_recorded(weights)
-    if model is not None:
         from models.lora import check_base_model
 
         warning = check_base_model(lora, model, strict_base)

@@ -764,15 +764,20 @@ def _jsonl_controls(obj: dict) -> list:
 _JSONL_FIELDS = ("target", "controls", "control", "caption", "prompt", "mask")
 
 
-def _jsonl_field_problem(obj: dict) -> str | None:
-    """Why a line's fields would drop one of its images unread, or None."""
+def _jsonl_field_problem(obj: dict, base: Path) -> str | None:
+    """Why a line's fields would drop one of its images unread, or None. A field is passed whose paths are all read
+    anyway (`image_path` or `file_name` beside `target`, as caption tools and converted datasets keep them) or name
+    no file there (`original_filename`: a camera's name, provenance): no image of the line is dropped."""
     if obj.get("controls") is not None and obj.get("control") is not None:  # one of the two would be dropped
         return "both 'controls' and 'control' are given; keep one (controls: a list of paths)"
+    read = {os.path.normpath(_resolve(base, p)) for p in _jsonl_paths(obj)}
     for name, value in obj.items():
         paths = value if isinstance(value, list) else [value]
         # a URL (`"url": "https://.../a.jpg"`, a crawl's provenance) is never read as an image anyway
         if name in _JSONL_FIELDS or not paths or not all(
                 isinstance(v, str) and v.lower().endswith(IMAGE_SUFFIXES) and "://" not in v for v in paths):
+            continue
+        if all(os.path.normpath(_resolve(base, v)) in read or not _resolve(base, v).is_file() for v in paths):
             continue
         meant = "mask" if "mask" in name.lower() else "controls"
         return (f"field {name!r} names image file(s) ({paths[0]}) but is not read (a line's fields: "
@@ -799,7 +804,7 @@ def iter_jsonl(root: Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
         if err is None and not isinstance(obj, dict):
             err = "line is not a JSON object"
         if err is None:
-            err = _jsonl_field_problem(obj)
+            err = _jsonl_field_problem(obj, base)
         if err is not None:
             s.problem = err
             yield s

@@ -13,6 +13,7 @@ import os
 import sys
 import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import torch.distributed as dist
@@ -78,6 +79,19 @@ def test_the_watch_thread_counts_this_rank_alive_on_after_failed_store_calls(mon
     store.compare_set(collective._failure_key(), "", line)
     store.add(f"{collective._failure_key()}/known", 1)
     _wait_for(lambda: exits == [1], "the watch thread missed a published failure after the store's failed calls")
+
+
+def test_a_connection_made_again_waits_for_the_store_as_long_as_the_one_it_replaces(monkeypatch, own_collective):
+    """After a failed call the new connection (`_reconnect`) kept PROBE_SECONDS (2 s) as its timeout for every later
+    call: a store busy for 3 s, which the first connection (10 s) waited out, failed each call through it from then
+    on - a reconnect per busy spell in the watch, and the waits of `_count_and_wait` (a failure's publishing, the
+    exit) ending early, as if the store were gone."""
+    collective = own_collective
+    _store = _as_rank_1(monkeypatch)  # held: the server lives with its object
+    for timeout in (10.0, collective.UNWATCHED_STORE_SECONDS):
+        clients = [collective._store_client(timeout)]
+        assert collective._reconnect(clients, threading.Event())
+        assert clients[0].timeout == timedelta(seconds=timeout)
 
 
 def test_an_uneven_wait_goes_on_after_a_failed_store_read(monkeypatch, own_collective) -> None:

@@ -183,3 +183,24 @@ def test_a_mistyped_model_or_lora_is_told_without_the_model_stack(tmp_path):
         lines = proc.stderr.splitlines()
         assert sum(line.startswith(no_lora) for line in lines) == lora_lines, proc.stderr[-3000:]
         assert sum(line.startswith(no_model) for line in lines) == len(commands) - lora_lines, proc.stderr[-3000:]
+
+
+def test_a_damaged_lora_is_told_before_a_hub_model_is_downloaded(tmp_path, monkeypatch):
+    """`lora merge` / `predict` with a hub --model not in the cache and a LoRA whose checksum record is damaged:
+    the model's resolve (a download of tens of GB, online) came before the LoRA's check, which is local and takes
+    a second; the damaged LoRA was told after the download. The LoRA is checked first again."""
+    import huggingface_hub
+    import pytest
+
+    from pipeline.commands.common import checked_lora
+    from schemas.errors import UserError
+
+    lora = tmp_path / "lora"
+    lora.mkdir()
+    (lora / "pytorch_lora_weights.safetensors").write_bytes(b"weights")
+    (lora / "checksums.json").write_bytes(b'{"files": {"pytorch_lora_weights.safe')  # cut short: no record
+    downloads: list[str] = []
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda repo, **_: downloads.append(repo) or "")
+    with pytest.raises(UserError, match="checksums.json is damaged"):
+        checked_lora(lora, "Qwen/Qwen-Image-Edit-2509")
+    assert downloads == []

@@ -287,3 +287,17 @@ def test_mask_weights_both_zero_are_refused_naming_the_key():
         load_config(None, {"train.loss.mask_weight.foreground": 0, "train.loss.mask_weight.background": 0})
     assert "'train.loss.mask_weight'" in str(e.value) and "both 0" in str(e.value)
     assert load_config(None, {"train.loss.mask_weight.background": 0}).train.loss.mask_weight.foreground == 1.0
+
+
+def test_a_flags_path_keeps_its_dollar_as_the_shell_gave_it(tmp_path, monkeypatch):
+    """A flag's or --set's value was expanded by the shell already; a `$` left in it was quoted on purpose (a
+    folder named `price$list`, an SMB share's `$DATA`). Expanded again, it was refused as an unset variable (no
+    way to name that folder) or, set, turned into another path. A `~` is expanded still: the shell leaves the one
+    of `--store=~/st`."""
+    monkeypatch.delenv("list", raising=False)
+    monkeypatch.setenv("DATA", "/elsewhere")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = load_config(None, {"paths.source": "/mnt/price$list/src", "paths.store": "~/st"},
+                      sets={"paths.run": "/mnt/share/$DATA/run"})
+    assert (cfg.paths.source, cfg.paths.store, cfg.paths.run) == ("/mnt/price$list/src", f"{tmp_path}/st",
+                                                                  "/mnt/share/$DATA/run")

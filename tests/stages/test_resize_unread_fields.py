@@ -47,3 +47,22 @@ def test_a_jsonl_field_naming_images_that_is_not_read_quarantines_its_line(tmp_p
                             "target, controls, control, caption, prompt, mask); rename it to 'controls', or drop it "
                             "from the line"),
         "3": ("bad-source", "both 'controls' and 'control' are given; keep one (controls: a list of paths)")}
+
+
+def test_a_field_whose_images_are_read_anyway_or_are_no_file_keeps_its_line(tmp_path):
+    """Real manifests carry image names the line does not drop: the target's own path again (`image_path` of a
+    caption tool, `file_name` of a converted image folder) or a provenance name that is no file there
+    (`original_filename`). Quarantined, a whole dataset's lines were lost to a field that dropped nothing."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for name, colour in (("t.png", (200, 0, 0)), ("c.png", (0, 200, 0))):
+        (src / name).write_bytes(_png(colour))
+    rows = [{"target": "t.png", "controls": ["c.png"], "caption": "a caption tool's line", "image_path": "t.png",
+             "file_name": "../src/t.png", "original_filename": "IMG_0001.JPG"}]
+    (src / "m.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    result = CliRunner().invoke(app, ["run", "resize-bucket", "--source", str(src / "m.jsonl"),
+                                      "--store", str(tmp_path / "store"), "--set", "resize.target_area=4096",
+                                      "--set", "resize.multiple=16"])
+    assert result.exit_code == 0, result.output
+    kept = Store(tmp_path / "store", create=False).reader("images").manifest.to_pylist()
+    assert [(r["caption"], r["num_controls"]) for r in kept] == [("a caption tool's line", 1)]

@@ -63,3 +63,16 @@ def test_pairs_listed_once_share_nothing_and_say_nothing(tmp_path):
     out = _resize(tmp_path / "src", tmp_path / "st", captions_per_pair=1)
     assert _sharing(tmp_path / "st")[0] == 0
     assert "val samples have the target" not in out["text"] and out["json"]["val_sharing_train_images"] == 0
+
+
+def test_rows_without_source_hashes_share_nothing():
+    """A manifest row with no `source_hashes` (null: a shard index without the column, merged permissively, as the
+    resize reuse rule allows for: stages/resize/known_sources.py) is no picture known: before, a null val row
+    matched a null train row and the summary said val samples shared a train sample's pictures."""
+    import pyarrow as pa
+
+    from stages.resize.stage import val_sharing
+
+    rows = pa.table({"split": ["train", "val", "train", "val"],
+                     "source_hashes": pa.array([None, None, ["a", "b"], ["a", "b"]], pa.list_(pa.string()))})
+    assert val_sharing(rows) == 1  # the one val row with a train row's target and control
