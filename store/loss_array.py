@@ -529,6 +529,86 @@ def kept_groups(folder: str | Path, fingerprint: str, axes: Axes | None = None) 
         yield group
 
 
+GRID = ("noise_seeds", "timesteps")  # the settings that only add or remove (seed, σ) cells of every grid
+
+
+def same_but_grid(recorded: dict, settings: dict) -> bool:
+    """Are two groups' settings the same but their seed / σ grid (`GRID`)? Then every (seed, σ) cell both hold is
+    the same numbers: a row's loss depends on its sample, seed and σ alone (noise drawn from (seed, key); the
+    batches of one cell, `models.held_out.loss_grid`)."""
+    def but(s: dict) -> dict:
+        return {**s, "evaluate": {k: v for k, v in dict(s.get("evaluate") or {}).items() if k not in GRID}}
+
+    return isinstance(recorded, dict) and isinstance(recorded.get("evaluate"), dict) and but(recorded) == but(settings)
+
+
+class CellDonor:
+    """A group kept aside of the same setting but another seed / σ grid (`same_but_grid`): the (seed, σ) cells it
+    shares with `axes` are taken from it, by coordinates, and only the others are computed (one seed added to a
+    grid: its cells alone, for the base and every checkpoint recorded there with the same bytes; one removed:
+    nothing computed). It is only read: the group written is filled with whole rows, one commit each."""
+
+    def __init__(self, group: LossGroup, seeds: list[int], sigmas: list[float]):
+        self.path, self.group = group.path, group.group
+        recorded = [int(s) for s in self.group["seed"][:]], [float(s) for s in self.group["sigma"][:]]
+        self._seed = [recorded[0].index(s) if s in recorded[0] else -1 for s in seeds]
+        self._sigma = [recorded[1].index(float(t)) if float(t) in recorded[1] else -1 for t in sigmas]
+        self.known = np.array([[a >= 0 and b >= 0 for b in self._sigma] for a in self._seed], dtype=bool)
+        self._steps = group.steps()
+        self._rows = {int(s): i for i, s in enumerate(self.group["step"][:])} if self._steps else {}
+
+    def _fill(self, recorded: np.ndarray, computed: np.ndarray) -> np.ndarray:
+        """`computed` ([sample, seed, σ, region] in `axes`' order, NaN where not computed) with every known cell
+        taken from `recorded` (the group's own order)."""
+        out = np.array(computed, dtype=np.float64)
+        for k, a in enumerate(self._seed):
+            for t, b in enumerate(self._sigma):
+                if a >= 0 and b >= 0:
+                    out[:, k, t] = recorded[:, a, b]
+        return out
+
+    def base(self, computed: np.ndarray) -> np.ndarray:
+        return self._fill(np.asarray(self.group["base_loss"][:], dtype=np.float64), computed)
+
+    def has_base(self) -> bool:
+        return "base_loss" in self.group
+
+    def holds(self, step: int, sha: str) -> bool:
+        """Is this step recorded here with these LoRA bytes?"""
+        return self._steps.get(step) == sha
+
+    def step(self, step: int, computed: np.ndarray) -> np.ndarray:
+        return self._fill(np.asarray(self.group["loss"][self._rows[step]], dtype=np.float64), computed)
+
+
+def cell_donor(folder: str | Path, settings: dict, seeds: list[int], sigmas: list[float],
+               keys: list[str] | None) -> CellDonor | None:
+    """The group at or kept aside beside `folder/losses.zarr` of these settings but another seed / σ grid
+    (`same_but_grid`; one of these very settings is not: evaluate takes such a group back whole, or sets it aside
+    as another run's), of these samples (`keys`; None: those the settings name, before the split is read), every
+    chunk intact, sharing the most (seed, σ) cells with `seeds` x `sigmas` (then holding the most steps); None:
+    none shares a cell."""
+    best, most = None, (0, 0)
+    # the group in place too: before an evaluate of the grown grid sets it aside (its line says what is computed)
+    for kept in [p for p in (Path(folder) / GROUP,) if p.exists()] + sorted(Path(folder).glob("losses.*.zarr")):
+        try:
+            group = LossGroup(kept)
+            attrs = group.group.attrs
+            # a group of these very settings kept aside is another run's (evaluate's rules: taken back whole or not)
+            if attrs.get("format") not in _READS or attrs.get("settings") == settings or \
+                    not same_but_grid(attrs.get("settings"), settings) or \
+                    (keys is not None and [str(k) for k in group.group["sample"][:]] != list(keys)):
+                continue
+            _verify(group.group, kept)
+            donor = CellDonor(group, seeds, sigmas)
+        except Exception:  # noqa: BLE001 - a damaged kept group gives no cell
+            continue
+        held = (int(donor.known.sum()), len(donor._steps))
+        if held[0] and held > most:
+            best, most = donor, held
+    return best
+
+
 def _steps_of(path: Path, fingerprint: str) -> dict[int, str] | None:
     if not path.exists():
         return None
