@@ -56,7 +56,7 @@ import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -190,8 +190,10 @@ class LossStore(LossGroup):
     """Open (or start) the group at `folder/losses.zarr` for `fingerprint`; see the module doc."""
 
     def __init__(self, folder: str | Path, fingerprint: str, axes: Axes, settings: dict,
-                 versions: dict | None = None, measured: dict | None = None, take_back: bool = False):
+                 versions: dict | None = None, measured: dict | None = None, take_back: bool = False,
+                 spelled: Callable[[dict], bool] | None = None):
         self.path = Path(folder) / GROUP
+        self.spelled = spelled  # `kept_groups`: recorded settings that are these under an earlier spelling
         self.axes, self.fingerprint, self.settings = axes, fingerprint, settings
         # `note`: recorded with a new group (no commit of their own)
         self.notes = {k: v for k, v in (("table_versions", versions), ("measured", measured)) if v is not None}
@@ -237,8 +239,9 @@ class LossStore(LossGroup):
             self._place = _placement(self.group, axes)
 
     def _kept_of(self, fingerprint: str) -> Path | None:
-        """The first group kept aside under exactly `fingerprint` and these samples (`kept_groups`); None: none."""
-        return next((kept.path for kept in kept_groups(self.path.parent, fingerprint, self.axes)), None)
+        """The first group kept aside under `fingerprint` (or an earlier spelling of its settings: `spelled`) and
+        these samples (`kept_groups`); None: none."""
+        return next((kept.path for kept in kept_groups(self.path.parent, fingerprint, self.axes, self.spelled)), None)
 
     def start_over(self, reason: str = "the settings changed", kept: Path | None = None) -> None:
         """Keep the current group aside (`losses.<its fingerprint>[.N].zarr`) and begin an empty one, or rename
@@ -511,16 +514,23 @@ def recorded_steps(folder: str | Path, fingerprint: str) -> dict[int, str] | Non
     return _steps_of(Path(folder) / GROUP, fingerprint)
 
 
-def kept_groups(folder: str | Path, fingerprint: str, axes: Axes | None = None) -> Iterator[LossGroup]:
+def kept_groups(folder: str | Path, fingerprint: str, axes: Axes | None = None,
+                spelled: Callable[[dict], bool] | None = None) -> Iterator[LossGroup]:
     """The groups kept aside beside `folder/losses.zarr` (`losses.<fingerprint[:12]>[.N].zarr`) recorded under
-    exactly `fingerprint`, of a format read here and (with `axes`) these samples, every chunk intact (a damaged
-    one is never taken back), in the order an open with `take_back` tries them; lazily: each is read whole to be
-    checked, and an open wants only the first."""
-    for kept in sorted(Path(folder).glob(f"losses.{fingerprint[:12]}*.zarr")):
+    exactly `fingerprint`, then (`spelled`: is a group's recorded settings an earlier spelling of these?) those
+    recorded under another spelling of the same settings (an earlier release's: seeds and σ in the configured
+    order, kept aside under that hash), of a format read here and (with `axes`) these samples, every chunk intact
+    (a damaged one is never taken back), in the order an open with `take_back` tries them; lazily: each is read
+    whole to be checked, and an open wants only the first."""
+    named = sorted(Path(folder).glob(f"losses.{fingerprint[:12]}*.zarr"))
+    others = [p for p in sorted(Path(folder).glob("losses.*.zarr")) if p not in named] if spelled else []
+    for kept in named + others:
         try:
             group = LossGroup(kept, axes)
             attrs = group.group.attrs
-            if attrs.get("format") not in _READS or attrs.get("fingerprint") != fingerprint or \
+            if kept in others and attrs.get("fingerprint") != fingerprint and not spelled(attrs.get("settings")):
+                continue
+            if attrs.get("format") not in _READS or (kept in named and attrs.get("fingerprint") != fingerprint) or \
                     (axes is not None and [str(k) for k in group.group["sample"][:]] != list(axes.keys)):
                 continue
             _verify(group.group, kept)

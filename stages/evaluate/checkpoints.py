@@ -112,11 +112,23 @@ def known_fingerprint(out: Path, fingerprint: str, settings: dict, earlier: list
     `fingerprint`: such an array stays this setting's, its losses kept, and is recorded under the present
     spelling at its next write (`LossStore.refingerprint`)."""
     recorded = recorded_setting(out)
-    if recorded is not None and recorded[0] != fingerprint and \
-            {"evaluation_revision": UNRECORDED_REVISION, **{k: v for k, v in recorded[1].items() if k != "store"}} \
-            in [settings, *earlier]:
+    if recorded is not None and recorded[0] != fingerprint and spelled_as(settings, earlier)(recorded[1]):
         return recorded[0]
     return fingerprint
+
+
+def spelled_as(settings: dict, earlier: list[dict] = ()):
+    """Is a loss array's recorded settings these (`settings`) or an earlier spelling of them (`earlier`, and
+    `known_fingerprint`'s: the store's path, no evaluation revision)? One rule for the array in place and for the
+    groups kept aside (`kept_groups`): one an earlier release kept aside under its hash of seeds and σ in the
+    configured order was never taken back."""
+    spellings = [settings, *earlier]
+
+    def spelled(recorded) -> bool:
+        return isinstance(recorded, dict) and \
+            {"evaluation_revision": UNRECORDED_REVISION, **{k: v for k, v in recorded.items() if k != "store"}} \
+            in spellings
+    return spelled
 
 
 def read_tables(tables) -> dict:
@@ -529,7 +541,7 @@ def say_recomputed(out: Path, why: list[str], redone: str = "evaluating again") 
 
 
 def redone(out: Path, fingerprint: str, checkpoints: list[tuple[int, Path]], shas: dict[int, str],
-           settings: dict | None = None, cfg: EvaluateConfig | None = None) -> str:
+           settings: dict | None = None, cfg: EvaluateConfig | None = None, earlier: list[dict] = ()) -> str:
     """What a report that is not current costs again: the checkpoints whose losses OUT's loss array of these
     settings (`fingerprint`, or a group of them kept aside, which is taken back) lacks; none when only the
     report's own settings changed (num_samples, extra prompts: its pictures), the line said "evaluating again"
@@ -537,15 +549,17 @@ def redone(out: Path, fingerprint: str, checkpoints: list[tuple[int, Path]], sha
     said "every checkpoint" where a kept group was taken back (none evaluated), and "1 of 3" where a step
     retrained with other weights set the array aside (all 3 evaluated). Only a seed / σ grid changed (`settings`,
     `cfg`: a group kept aside shares (seed, σ) cells with it, `store.loss_array.cell_donor`): the new cells of
-    the checkpoints it holds, as `_plan` computes them (it said "every checkpoint")."""
+    the checkpoints it holds, as `_plan` computes them (it said "every checkpoint"). `earlier`: the settings'
+    earlier spellings, whose kept groups are taken back too (`spelled_as`)."""
+    spelled = spelled_as(settings, earlier) if settings is not None else None
     if recorded_steps(out, fingerprint) is not None:
         group = LossGroup(out / GROUP)
     else:  # these settings' group kept aside (settings A, B, then A again): taken back (`LossStore`)
-        group = next(iter(kept_groups(out, fingerprint)), None)
+        group = next(iter(kept_groups(out, fingerprint, spelled=spelled)), None)
     if group is None:
         return _grown(out, checkpoints, shas, settings, cfg) or "evaluating every checkpoint again"
     if not _this_runs(group, checkpoints, shas):  # as `_plan` decides: aside, and this run's kept group back
-        if (back := this_runs_kept(out, fingerprint, checkpoints, shas)) is not None:
+        if (back := this_runs_kept(out, fingerprint, checkpoints, shas, spelled=spelled)) is not None:
             group = back
         elif other := other_weights(group.steps(), shas):
             return (f"evaluating every checkpoint again (checkpoint step {', '.join(map(str, other))} holds other "
@@ -677,7 +691,7 @@ def _recorded_if_up_to_date(run: _Evaluation, settings: dict, checkpoints: list[
         if done is None:
             if why and whose_report is not None and (whose := whose_report(out)):
                 why.insert(0, whose)
-            say_recomputed(out, why, redone(out, known, checkpoints, shas, now_settings, run.cfg))
+            say_recomputed(out, why, redone(out, known, checkpoints, shas, now_settings, run.cfg, earlier))
     if ranks.from_main([int(done is not None)])[0]:
         return True, (CheckpointsResult(done, out / "index.html", up_to_date=True) if ranks.main else None)
     return False, None
@@ -848,8 +862,9 @@ def _open_losses(out: Path, fingerprint: str, settings: dict, earlier: list[dict
     with _writing_losses(out):
         out.mkdir(parents=True, exist_ok=True)
         recorded = known_fingerprint(out, fingerprint, settings, earlier)
-        losses = LossStore(out, recorded, axes, settings, versions, take_back=True)
-        if recorded != fingerprint:
+        losses = LossStore(out, recorded, axes, settings, versions, take_back=True,
+                           spelled=spelled_as(settings, earlier))
+        if losses.group.attrs.get("fingerprint") != fingerprint:  # in place or taken back under an earlier spelling
             losses.refingerprint(fingerprint, settings, versions)
         losses.note_versions(versions)  # `pipeline compare` against arrays named by versions (no-op when just noted)
     return losses
@@ -984,7 +999,7 @@ def _plan(losses: LossStore, checkpoints: list[tuple[int, Path]], shas: dict[int
     if losses.unchecked is not None and first:  # an array of an earlier release lacking a chunk of losses
         tqdm.write(losses.unchecked)
     if not _this_runs(losses, checkpoints, shas):  # its numbers go aside; this run's kept ones come back
-        back = this_runs_kept(losses.path.parent, losses.fingerprint, checkpoints, shas, losses.axes)
+        back = this_runs_kept(losses.path.parent, losses.fingerprint, checkpoints, shas, losses.axes, losses.spelled)
         losses.start_over("the run's checkpoints are not the ones evaluated before", back and back.path)
         tqdm.write(f"{losses.aside_reason}: earlier losses kept in {losses.kept_aside}" +
                    (f"; this run's are taken back from {losses.taken_back} (only checkpoints not in them are "
@@ -1032,13 +1047,13 @@ def _this_runs(group: LossGroup, checkpoints: list[tuple[int, Path]], shas: dict
 
 
 def this_runs_kept(out: Path, fingerprint: str, checkpoints: list[tuple[int, Path]], shas: dict[int, str],
-                   axes: Axes | None = None) -> LossGroup | None:
+                   axes: Axes | None = None, spelled=None) -> LossGroup | None:
     """The group kept aside in OUT under these settings (and `axes`' samples) that is this run's (`_this_runs`)
     and holds the most of its checkpoints with the same bytes; None when none holds one. Run A, run B, then A
     again into one report folder: B set A's losses aside, and A's third run evaluated every checkpoint again
     beside them (a kept group was taken back only for other settings); now they are taken back."""
     best, most = None, 0
-    for kept in kept_groups(out, fingerprint, axes):
+    for kept in kept_groups(out, fingerprint, axes, spelled):
         steps = kept.steps()
         held = sum(1 for step, sha in shas.items() if steps.get(step) == sha)
         if held > most and _this_runs(kept, checkpoints, shas):
