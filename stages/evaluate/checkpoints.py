@@ -203,15 +203,17 @@ def unset_array_backend(out: Path) -> str | None:
 
 
 def content_fingerprint(cfg: EvaluateConfig, store: str | Path, model: str, settings: dict,
-                        out: Path | None = None) -> tuple[str, dict, list]:
+                        out: Path | None = None) -> tuple[str, dict, list, list[str]]:
     """`read_fingerprint` of the val split as evaluate would read it now (opened and closed here: the up-to-date
-    check before anything is loaded) and its `earlier_settings`."""
+    check before anything is loaded), its `earlier_settings` and the keys of the val samples the loss passes
+    will read (`val_share.loss_keys`: the loss array's sample axis)."""
     from features.open import open_configured
     from models.loading import model_files
+    from stages.evaluate.val_share import loss_keys
 
     with open_configured(cfg, "evaluate", store, model, model_files(model), "val") as tables:
         fingerprint, settings = read_fingerprint(settings, tables)
-        return fingerprint, settings, earlier_settings(settings, tables, cfg, out)
+        return fingerprint, settings, earlier_settings(settings, tables, cfg, out), loss_keys(cfg, tables)
 
 
 def _hash(settings: dict) -> str:
@@ -541,7 +543,8 @@ def say_recomputed(out: Path, why: list[str], redone: str = "evaluating again") 
 
 
 def redone(out: Path, fingerprint: str, checkpoints: list[tuple[int, Path]], shas: dict[int, str],
-           settings: dict | None = None, cfg: EvaluateConfig | None = None, earlier: list[dict] = ()) -> str:
+           settings: dict | None = None, cfg: EvaluateConfig | None = None, earlier: list[dict] = (),
+           keys: list[str] | None = None) -> str:
     """What a report that is not current costs again: the checkpoints whose losses OUT's loss array of these
     settings (`fingerprint`, or a group of them kept aside, which is taken back) lacks; none when only the
     report's own settings changed (num_samples, extra prompts: its pictures), the line said "evaluating again"
@@ -550,16 +553,21 @@ def redone(out: Path, fingerprint: str, checkpoints: list[tuple[int, Path]], sha
     retrained with other weights set the array aside (all 3 evaluated). Only a seed / σ grid changed (`settings`,
     `cfg`: a group kept aside shares (seed, σ) cells with it, `store.loss_array.cell_donor`): the new cells of
     the checkpoints it holds, as `_plan` computes them (it said "every checkpoint"). `earlier`: the settings'
-    earlier spellings, whose kept groups are taken back too (`spelled_as`)."""
+    earlier spellings, whose kept groups are taken back too (`spelled_as`). `keys`: the val samples the loss
+    passes will read (`val_share.loss_keys`): a group of other samples is neither kept in place nor taken back,
+    as `LossStore` and `_plan` judge (the line promised a take-back of one, and every checkpoint was evaluated)."""
     spelled = spelled_as(settings, earlier) if settings is not None else None
+    axes = Axes(list(keys), [], *cfg.loss_axes) if keys is not None and cfg is not None else None
     if recorded_steps(out, fingerprint) is not None:
         group = LossGroup(out / GROUP)
+        if axes is not None and [str(k) for k in group.group["sample"][:]] != axes.keys:
+            group = None  # the val samples changed: set aside, nothing taken back (`LossStore`)
     else:  # these settings' group kept aside (settings A, B, then A again): taken back (`LossStore`)
-        group = next(iter(kept_groups(out, fingerprint, spelled=spelled)), None)
+        group = next(iter(kept_groups(out, fingerprint, axes, spelled)), None)
     if group is None:
-        return _grown(out, checkpoints, shas, settings, cfg) or "evaluating every checkpoint again"
+        return _grown(out, checkpoints, shas, settings, cfg, keys) or "evaluating every checkpoint again"
     if not _this_runs(group, checkpoints, shas):  # as `_plan` decides: aside, and this run's kept group back
-        if (back := this_runs_kept(out, fingerprint, checkpoints, shas, spelled=spelled)) is not None:
+        if (back := this_runs_kept(out, fingerprint, checkpoints, shas, axes, spelled)) is not None:
             group = back
         elif other := other_weights(group.steps(), shas):
             return (f"evaluating every checkpoint again (checkpoint step {', '.join(map(str, other))} holds other "
@@ -684,14 +692,14 @@ def _recorded_if_up_to_date(run: _Evaluation, settings: dict, checkpoints: list[
     ranks, out = run.ranks, run.out
     done = None
     if skip_if_done and ranks.main:  # the val split named by content, as the array records it (`read_tables`)
-        now, now_settings, earlier = content_fingerprint(run.cfg, run.store, run.model, settings, run.out)
+        now, now_settings, earlier, keys = content_fingerprint(run.cfg, run.store, run.model, settings, run.out)
         why: list[str] = []
         known = known_fingerprint(out, now, now_settings, earlier)
         done = _up_to_date(out, known, checkpoints, shas, run.cfg, now_settings, why)
         if done is None:
             if why and whose_report is not None and (whose := whose_report(out)):
                 why.insert(0, whose)
-            say_recomputed(out, why, redone(out, known, checkpoints, shas, now_settings, run.cfg, earlier))
+            say_recomputed(out, why, redone(out, known, checkpoints, shas, now_settings, run.cfg, earlier, keys))
     if ranks.from_main([int(done is not None)])[0]:
         return True, (CheckpointsResult(done, out / "index.html", up_to_date=True) if ranks.main else None)
     return False, None
@@ -1020,9 +1028,9 @@ def _plan(losses: LossStore, checkpoints: list[tuple[int, Path]], shas: dict[int
 
 
 def _grown(out: Path, checkpoints: list[tuple[int, Path]], shas: dict[int, str], settings: dict | None,
-           cfg: EvaluateConfig | None) -> str | None:
+           cfg: EvaluateConfig | None, keys: list[str] | None) -> str | None:
     """`redone`'s line when a group kept aside gives these settings' grid some of its (seed, σ) cells; else None."""
-    donor = cell_donor(out, settings, *cfg.loss_axes, None) if settings is not None and cfg is not None else None
+    donor = cell_donor(out, settings, *cfg.loss_axes, keys) if settings is not None and cfg is not None else None
     if donor is None:
         return None
     held = sum(1 for step, _ in checkpoints if donor.holds(step, shas[step]))

@@ -520,10 +520,10 @@ def read_val_samples(cfg: EvaluateConfig, store: str | Path, model: str):
     passes read the features again batch by batch (`val_share.reader`), so what is held does not grow with the
     count (10k val samples x several MB each, held in full before)."""
     from models.loading import model_files
-    from stages.evaluate.val_share import Share, outline
+    from stages.evaluate.val_share import Share, loss_sample_count, outline
 
     tables = open_configured(cfg, "evaluate", store, model, model_files(model), "val")
-    n = min(len(tables), cfg.max_loss_samples) if cfg.max_loss_samples else len(tables)
+    n = loss_sample_count(cfg, tables)
     tables.check_ahead(lambda: iter(range(len(tables))))  # the bytes checked by a thread just ahead of the reads
     try:  # evaluate.on_damaged=skip: a damaged one left out where it is read, the next one read instead
         read = read_intact(tables, n, lambda i: (i, outline(from_features(*tables.features_at(i)))),
