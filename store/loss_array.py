@@ -45,7 +45,9 @@ computed again); its steps are then judged as any recorded steps are. `start_ove
 kept group the caller chose among `kept_groups` (evaluate: the one of the run it evaluates, run A, B, then A).
 
 The seed and σ axes are read and written by their coordinates (`_placement`): callers give them in their order
-(evaluate: sorted), a group recorded in another order of the same values is used as it is.
+(evaluate: sorted), a group recorded in another order of the same values is used as it is. A group of the same
+setting but another seed / σ grid (`cell_donor`) gives a grown or shrunk grid the cells both hold: evaluate
+computes only the others, and writes whole rows into the new group as any append (the donor is only read).
 """
 
 from __future__ import annotations
