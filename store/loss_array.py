@@ -555,10 +555,11 @@ def same_but_grid(recorded: dict, settings: dict) -> bool:
 
 
 class CellDonor:
-    """A group kept aside of the same setting but another seed / σ grid (`same_but_grid`): the (seed, σ) cells it
-    shares with `axes` are taken from it, by coordinates, and only the others are computed (one seed added to a
-    grid: its cells alone, for the base and every checkpoint recorded there with the same bytes; one removed:
-    nothing computed). It is only read: the group written is filled with whole rows, one commit each."""
+    """A group of the same setting but another seed / σ grid (`same_but_grid`): the (seed, σ) cells it shares
+    with `seeds` x `sigmas` (`known`) are taken from it, by coordinates, and only the others are computed (one
+    seed added to a grid: its cells alone, for the base and every checkpoint recorded there with the same bytes;
+    one removed: nothing computed). It is only read: the group written is filled with whole rows, one commit
+    each."""
 
     def __init__(self, group: LossGroup, seeds: list[int], sigmas: list[float]):
         self.path, self.group = group.path, group.group
@@ -566,12 +567,12 @@ class CellDonor:
         self._seed = [recorded[0].index(s) if s in recorded[0] else -1 for s in seeds]
         self._sigma = [recorded[1].index(float(t)) if float(t) in recorded[1] else -1 for t in sigmas]
         self.known = np.array([[a >= 0 and b >= 0 for b in self._sigma] for a in self._seed], dtype=bool)
-        self._steps = group.steps()
-        self._rows = {int(s): i for i, s in enumerate(self.group["step"][:])} if self._steps else {}
+        self.steps = group.steps()  # step -> LoRA sha256
+        self._rows = {int(s): i for i, s in enumerate(self.group["step"][:])} if self.steps else {}
 
     def _fill(self, recorded: np.ndarray, computed: np.ndarray) -> np.ndarray:
-        """`computed` ([sample, seed, σ, region] in `axes`' order, NaN where not computed) with every known cell
-        taken from `recorded` (the group's own order)."""
+        """`computed` ([sample, seed, σ, region] in `seeds` x `sigmas` order, NaN where not computed) with every
+        known cell taken from `recorded` (the group's own order)."""
         out = np.array(computed, dtype=np.float64)
         for k, a in enumerate(self._seed):
             for t, b in enumerate(self._sigma):
@@ -587,7 +588,7 @@ class CellDonor:
 
     def holds(self, step: int, sha: str) -> bool:
         """Is this step recorded here with these LoRA bytes?"""
-        return self._steps.get(step) == sha
+        return self.steps.get(step) == sha
 
     def step(self, step: int, computed: np.ndarray) -> np.ndarray:
         return self._fill(np.asarray(self.group["loss"][self._rows[step]], dtype=np.float64), computed)
@@ -615,7 +616,7 @@ def cell_donor(folder: str | Path, settings: dict, seeds: list[int], sigmas: lis
             donor = CellDonor(group, seeds, sigmas)
         except Exception:  # noqa: BLE001 - a damaged kept group gives no cell
             continue
-        held = (int(donor.known.sum()), len(donor._steps))
+        held = (int(donor.known.sum()), len(donor.steps))
         if held[0] and held > most:
             best, most = donor, held
     return best

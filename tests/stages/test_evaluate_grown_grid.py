@@ -72,7 +72,8 @@ def test_an_added_seed_computes_its_cells_alone_and_equals_a_fresh_evaluation(ru
     assert sorted(passes) == sorted(["held-out loss (base)"] + [f"held-out loss (step {s})" for s in (10, 20, 30)])
     assert len(rows) * 2 == len(fresh_rows) and sum(rows) * 2 == sum(fresh_rows)
     # the line saying why the report is not current says what is computed, as `_plan` then computes it
-    assert "): computing 2 new (seed, σ) cells of 4 for the base and 3 of 3 checkpoints (the cells " in said.out, said.out
+    line = "): computing 2 new (seed, σ) cells of 4 for the base and 3 of 3 checkpoints (the cells "
+    assert line in said.out, said.out
     assert "every checkpoint" not in said.out + said.err
     _same(out, fresh_out)
     assert _report(grown) == _report(fresh_res)
