@@ -46,41 +46,46 @@ def has_two_regions(sample: TrainSample) -> bool:
 
 @torch.no_grad()
 def loss_grid(transformer, samples: list[TrainSample], seeds: list[int], sigmas: list[float], batch_size: int,
-              desc: str = "held-out loss", show: bool = True, load=None) -> np.ndarray:
+              desc: str = "held-out loss", show: bool = True, load=None, cells: np.ndarray | None = None) -> np.ndarray:
     """float64 [len(samples), len(seeds), len(sigmas), 3]: `flow_loss` of every row, regions all/inside/outside.
 
-    Rows go sample-major (sample, seed, σ) in batches of `batch_size` rows: the batches `row_losses` builds,
-    so the "all" region is bit-identical to it. `show`: its progress bar (one rank's of several: off).
-    `load(i)`: sample i in full when `samples` are outlines (key, img_shapes, mask): only the samples of one
-    batch are held, whatever the count.
+    Batches of one (seed, σ) cell: the samples go in chunks of `batch_size`, each chunk read once and run at
+    every cell in turn, so a row's batch companions are the same samples at the same cell whatever the other
+    cells of the grid are: a cell computed alone (`cells`: a [seed, σ] mask of those to compute, the others NaN;
+    a grown seed or σ grid computes only its new cells) equals, bit for bit, that cell of a whole grid (rows
+    batched across cells depended on their neighbours by float rounding). `show`: its progress bar (one rank's of
+    several: off). `load(i)`: sample i in full when `samples` are outlines (key, img_shapes, mask): only the
+    samples of one chunk are held, whatever the count.
     """
     load = load or samples.__getitem__
-    rows = [(i, k, t) for i in range(len(samples)) for k in range(len(seeds)) for t in range(len(sigmas))]
+    todo = [(k, t) for k in range(len(seeds)) for t in range(len(sigmas)) if cells is None or cells[k, t]]
     out = np.full((len(samples), len(seeds), len(sigmas), len(REGIONS)), np.nan)
     two = [has_two_regions(s) for s in samples]
     base = _unwrap(transformer)
-    held: dict = {}
-    for start in tqdm(range(0, len(rows), batch_size), desc=desc, unit="batch", leave=False, disable=not show):
-        chunk = rows[start : start + batch_size]
-        # this batch's samples; one that continues from the last batch is not read again
-        held = {i: held[i] if i in held else load(i) for i in dict.fromkeys(i for i, _, _ in chunk)}
-        batch_samples = [held[i] for i, _, _ in chunk]
-        fb = prepare_flow_batch(
-            batch_samples, torch.tensor([float(sigmas[t]) for _, _, t in chunk], dtype=torch.float32),
-            [eval_noise(held[i], seeds[k]) for i, k, _ in chunk], None, (1.0, 1.0), base.device, base.dtype,
-        )
-        preds = target_predictions(transformer, fb)
-        values = [per_sample_loss(preds, fb.targets)]
-        masked = [j for j, (i, _, _) in enumerate(chunk) if two[i]]
-        for fg, bg in ((1.0, 0.0), (0.0, 1.0)):  # inside, outside
-            region = torch.full((len(chunk),), math.nan)
-            if masked:
-                w = [mask_token_weights(batch_samples[j].mask_weight, fg, bg) for j in masked]
-                region[masked] = per_sample_loss([preds[j] for j in masked], [fb.targets[j] for j in masked], w).cpu()
-            values.append(region)
-        stacked = torch.stack([v.cpu().double() for v in values], dim=1).numpy()
-        for j, (i, k, t) in enumerate(chunk):
-            out[i, k, t] = stacked[j]
+    starts = range(0, len(samples), batch_size) if todo else range(0)
+    bar = tqdm(total=len(starts) * len(todo), desc=desc, unit="batch", leave=False, disable=not show)
+    for start in starts:
+        chunk = list(range(start, min(start + batch_size, len(samples))))
+        held = [load(i) for i in chunk]
+        masked = [j for j, i in enumerate(chunk) if two[i]]
+        for k, t in todo:
+            fb = prepare_flow_batch(
+                held, torch.full((len(chunk),), float(sigmas[t]), dtype=torch.float32),
+                [eval_noise(s, seeds[k]) for s in held], None, (1.0, 1.0), base.device, base.dtype,
+            )
+            preds = target_predictions(transformer, fb)
+            values = [per_sample_loss(preds, fb.targets)]
+            for fg, bg in ((1.0, 0.0), (0.0, 1.0)):  # inside, outside
+                region = torch.full((len(chunk),), math.nan)
+                if masked:
+                    w = [mask_token_weights(held[j].mask_weight, fg, bg) for j in masked]
+                    region[masked] = per_sample_loss([preds[j] for j in masked], [fb.targets[j] for j in masked],
+                                                     w).cpu()
+                values.append(region)
+            out[chunk, k, t] = torch.stack([v.cpu().double() for v in values], dim=1).numpy()
+            bar.update()
+        del held
+    bar.close()
     return out
 
 

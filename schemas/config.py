@@ -343,7 +343,7 @@ class EvaluateConfig(Section):
     seed: Annotated[int, FEATURES] = Field(1234, description="generation seed (the same for base and LoRA, for every sample)")
     timesteps: Annotated[list[Sigma], _A_SET_OF_ROWS] = Field([0.1, 0.3, 0.5, 0.7, 0.9], min_length=1, description="sigma grid of the held-out loss")
     noise_seeds: Annotated[list[int], _A_SET_OF_ROWS] = Field([0, 1], min_length=1, description="fixed noise draws of the held-out loss")
-    batch_size: Annotated[int, THROUGHPUT] = Field(8, gt=0, description="held-out loss: (sample, seed, sigma) rows per forward")
+    batch_size: Annotated[int, THROUGHPUT] = Field(8, gt=0, description="held-out loss: val samples per forward, at one (seed, sigma) each")
     max_loss_samples: Annotated[int | None, FEATURES] = Field(256, gt=0, description="cap on val samples for the held-out loss (the "
                                          "first N keys of the val split, a content hash: a fixed, unbiased subset; "
                                          "None = all, which for a 5% val split of 1M samples is 50k x seeds x σ "

@@ -45,7 +45,9 @@ computed again); its steps are then judged as any recorded steps are. `start_ove
 kept group the caller chose among `kept_groups` (evaluate: the one of the run it evaluates, run A, B, then A).
 
 The seed and σ axes are read and written by their coordinates (`_placement`): callers give them in their order
-(evaluate: sorted), a group recorded in another order of the same values is used as it is.
+(evaluate: sorted), a group recorded in another order of the same values is used as it is. A group of the same
+setting but another seed / σ grid (`cell_donor`) gives a grown or shrunk grid the cells both hold: evaluate
+computes only the others, and writes whole rows into the new group as any append (the donor is only read).
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -190,8 +192,10 @@ class LossStore(LossGroup):
     """Open (or start) the group at `folder/losses.zarr` for `fingerprint`; see the module doc."""
 
     def __init__(self, folder: str | Path, fingerprint: str, axes: Axes, settings: dict,
-                 versions: dict | None = None, measured: dict | None = None, take_back: bool = False):
+                 versions: dict | None = None, measured: dict | None = None, take_back: bool = False,
+                 spelled: Callable[[dict], bool] | None = None):
         self.path = Path(folder) / GROUP
+        self.spelled = spelled  # `kept_groups`: recorded settings that are these under an earlier spelling
         self.axes, self.fingerprint, self.settings = axes, fingerprint, settings
         # `note`: recorded with a new group (no commit of their own)
         self.notes = {k: v for k, v in (("table_versions", versions), ("measured", measured)) if v is not None}
@@ -237,8 +241,9 @@ class LossStore(LossGroup):
             self._place = _placement(self.group, axes)
 
     def _kept_of(self, fingerprint: str) -> Path | None:
-        """The first group kept aside under exactly `fingerprint` and these samples (`kept_groups`); None: none."""
-        return next((kept.path for kept in kept_groups(self.path.parent, fingerprint, self.axes)), None)
+        """The first group kept aside under `fingerprint` (or an earlier spelling of its settings: `spelled`) and
+        these samples (`kept_groups`); None: none."""
+        return next((kept.path for kept in kept_groups(self.path.parent, fingerprint, self.axes, self.spelled)), None)
 
     def start_over(self, reason: str = "the settings changed", kept: Path | None = None) -> None:
         """Keep the current group aside (`losses.<its fingerprint>[.N].zarr`) and begin an empty one, or rename
@@ -511,22 +516,110 @@ def recorded_steps(folder: str | Path, fingerprint: str) -> dict[int, str] | Non
     return _steps_of(Path(folder) / GROUP, fingerprint)
 
 
-def kept_groups(folder: str | Path, fingerprint: str, axes: Axes | None = None) -> Iterator[LossGroup]:
+def kept_groups(folder: str | Path, fingerprint: str, axes: Axes | None = None,
+                spelled: Callable[[dict], bool] | None = None) -> Iterator[LossGroup]:
     """The groups kept aside beside `folder/losses.zarr` (`losses.<fingerprint[:12]>[.N].zarr`) recorded under
-    exactly `fingerprint`, of a format read here and (with `axes`) these samples, every chunk intact (a damaged
-    one is never taken back), in the order an open with `take_back` tries them; lazily: each is read whole to be
-    checked, and an open wants only the first."""
-    for kept in sorted(Path(folder).glob(f"losses.{fingerprint[:12]}*.zarr")):
+    exactly `fingerprint`, then (`spelled`: is a group's recorded settings an earlier spelling of these?) those
+    recorded under another spelling of the same settings (an earlier release's: seeds and σ in the configured
+    order, kept aside under that hash), of a format read here and (with `axes`) these samples, every chunk intact
+    (a damaged one is never taken back), in the order an open with `take_back` tries them; lazily: each is read
+    whole to be checked, and an open wants only the first."""
+    named = sorted(Path(folder).glob(f"losses.{fingerprint[:12]}*.zarr"))
+    others = [p for p in sorted(Path(folder).glob("losses.*.zarr")) if p not in named] if spelled else []
+    for kept in named + others:
         try:
             group = LossGroup(kept, axes)
             attrs = group.group.attrs
-            if attrs.get("format") not in _READS or attrs.get("fingerprint") != fingerprint or \
+            if kept in others and attrs.get("fingerprint") != fingerprint and not spelled(attrs.get("settings")):
+                continue
+            if attrs.get("format") not in _READS or (kept in named and attrs.get("fingerprint") != fingerprint) or \
                     (axes is not None and [str(k) for k in group.group["sample"][:]] != list(axes.keys)):
                 continue
             _verify(group.group, kept)
         except Exception:  # noqa: BLE001 - a damaged kept group is left where it is, never taken back
             continue
         yield group
+
+
+GRID = ("noise_seeds", "timesteps")  # the settings that only add or remove (seed, σ) cells of every grid
+
+
+def same_but_grid(recorded: dict, settings: dict) -> bool:
+    """Are two groups' settings the same but their seed / σ grid (`GRID`)? Then every (seed, σ) cell both hold is
+    the same numbers: a row's loss depends on its sample, seed and σ alone (noise drawn from (seed, key); the
+    batches of one cell, `models.held_out.loss_grid`)."""
+    def but(s: dict) -> dict:
+        return {**s, "evaluate": {k: v for k, v in dict(s.get("evaluate") or {}).items() if k not in GRID}}
+
+    return isinstance(recorded, dict) and isinstance(recorded.get("evaluate"), dict) and but(recorded) == but(settings)
+
+
+class CellDonor:
+    """A group of the same setting but another seed / σ grid (`same_but_grid`): the (seed, σ) cells it shares
+    with `seeds` x `sigmas` (`known`) are taken from it, by coordinates, and only the others are computed (one
+    seed added to a grid: its cells alone, for the base and every checkpoint recorded there with the same bytes;
+    one removed: nothing computed). It is only read: the group written is filled with whole rows, one commit
+    each."""
+
+    def __init__(self, group: LossGroup, seeds: list[int], sigmas: list[float]):
+        self.path, self.group = group.path, group.group
+        recorded = [int(s) for s in self.group["seed"][:]], [float(s) for s in self.group["sigma"][:]]
+        self._seed = [recorded[0].index(s) if s in recorded[0] else -1 for s in seeds]
+        self._sigma = [recorded[1].index(float(t)) if float(t) in recorded[1] else -1 for t in sigmas]
+        self.known = np.array([[a >= 0 and b >= 0 for b in self._sigma] for a in self._seed], dtype=bool)
+        self.steps = group.steps()  # step -> LoRA sha256
+        self._rows = {int(s): i for i, s in enumerate(self.group["step"][:])} if self.steps else {}
+
+    def _fill(self, recorded: np.ndarray, computed: np.ndarray) -> np.ndarray:
+        """`computed` ([sample, seed, σ, region] in `seeds` x `sigmas` order, NaN where not computed) with every
+        known cell taken from `recorded` (the group's own order)."""
+        out = np.array(computed, dtype=np.float64)
+        for k, a in enumerate(self._seed):
+            for t, b in enumerate(self._sigma):
+                if a >= 0 and b >= 0:
+                    out[:, k, t] = recorded[:, a, b]
+        return out
+
+    def base(self, computed: np.ndarray) -> np.ndarray:
+        return self._fill(np.asarray(self.group["base_loss"][:], dtype=np.float64), computed)
+
+    def has_base(self) -> bool:
+        return "base_loss" in self.group
+
+    def holds(self, step: int, sha: str) -> bool:
+        """Is this step recorded here with these LoRA bytes?"""
+        return self.steps.get(step) == sha
+
+    def step(self, step: int, computed: np.ndarray) -> np.ndarray:
+        return self._fill(np.asarray(self.group["loss"][self._rows[step]], dtype=np.float64), computed)
+
+
+def cell_donor(folder: str | Path, settings: dict, seeds: list[int], sigmas: list[float],
+               keys: list[str] | None) -> CellDonor | None:
+    """The group at or kept aside beside `folder/losses.zarr` of these settings but another seed / σ grid
+    (`same_but_grid`; one of these very settings is not: evaluate takes such a group back whole, or sets it aside
+    as another run's), of these samples (`keys`; None: those the settings name, before the split is read), every
+    chunk intact, sharing the most (seed, σ) cells with `seeds` x `sigmas` (then holding the most steps); None:
+    none shares a cell."""
+    best, most = None, (0, 0)
+    # the group in place too: before an evaluate of the grown grid sets it aside (its line says what is computed)
+    for kept in [p for p in (Path(folder) / GROUP,) if p.exists()] + sorted(Path(folder).glob("losses.*.zarr")):
+        try:
+            group = LossGroup(kept)
+            attrs = group.group.attrs
+            # a group of these very settings kept aside is another run's (evaluate's rules: taken back whole or not)
+            if attrs.get("format") not in _READS or attrs.get("settings") == settings or \
+                    not same_but_grid(attrs.get("settings"), settings) or \
+                    (keys is not None and [str(k) for k in group.group["sample"][:]] != list(keys)):
+                continue
+            _verify(group.group, kept)
+            donor = CellDonor(group, seeds, sigmas)
+        except Exception:  # noqa: BLE001 - a damaged kept group gives no cell
+            continue
+        held = (int(donor.known.sum()), len(donor.steps))
+        if held[0] and held > most:
+            best, most = donor, held
+    return best
 
 
 def _steps_of(path: Path, fingerprint: str) -> dict[int, str] | None:

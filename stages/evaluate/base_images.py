@@ -48,7 +48,10 @@ def losses_key(cfg, features: dict, sample_keys: list[str]) -> str:
     guidance, the extra prompts), which made a rerun with more pictures recompute them."""
     from stages.evaluate.checkpoints import LOSS_SETTINGS
 
-    return _digest({**_inputs(cfg, features, lambda k: k in LOSS_SETTINGS), "samples": list(sample_keys)})
+    # max_loss_samples as set is no input: `features` spell it as the samples it reads, `sample_keys` name them
+    # (256 then null on a split 256 covered computed the same base losses again)
+    return _digest({**_inputs(cfg, features, lambda k: k in LOSS_SETTINGS and k != "max_loss_samples"),
+                    "samples": list(sample_keys)})
 
 
 #: the settings only the extra prompts' images are made from (`schemas.config`: the val samples' negative is their

@@ -36,7 +36,8 @@ from stages.evaluate.curves import pick_best
 from stages.evaluate.paired import paired, per_sample, signed
 from store import Store
 from store.io_errors import writing
-from store.loss_array import GROUP, Axes, LossGroup, LossStore, kept_groups, recorded_setting, recorded_steps
+from store.loss_array import (GROUP, Axes, CellDonor, LossGroup, LossStore, cell_donor, kept_groups, recorded_setting,
+                               recorded_steps)
 
 #: hashed evaluate settings (schemas/config.py declares which) that change the numbers in the array (the others
 #: only change the pictures); device and batch size are throughput: a change keeps the array. on_damaged changes
@@ -111,11 +112,23 @@ def known_fingerprint(out: Path, fingerprint: str, settings: dict, earlier: list
     `fingerprint`: such an array stays this setting's, its losses kept, and is recorded under the present
     spelling at its next write (`LossStore.refingerprint`)."""
     recorded = recorded_setting(out)
-    if recorded is not None and recorded[0] != fingerprint and \
-            {"evaluation_revision": UNRECORDED_REVISION, **{k: v for k, v in recorded[1].items() if k != "store"}} \
-            in [settings, *earlier]:
+    if recorded is not None and recorded[0] != fingerprint and spelled_as(settings, earlier)(recorded[1]):
         return recorded[0]
     return fingerprint
+
+
+def spelled_as(settings: dict, earlier: list[dict] = ()):
+    """Is a loss array's recorded settings these (`settings`) or an earlier spelling of them (`earlier`, and
+    `known_fingerprint`'s: the store's path, no evaluation revision)? One rule for the array in place and for the
+    groups kept aside (`kept_groups`): one an earlier release kept aside under its hash of seeds and σ in the
+    configured order was never taken back."""
+    spellings = [settings, *earlier]
+
+    def spelled(recorded) -> bool:
+        return isinstance(recorded, dict) and \
+            {"evaluation_revision": UNRECORDED_REVISION, **{k: v for k, v in recorded.items() if k != "store"}} \
+            in spellings
+    return spelled
 
 
 def read_tables(tables) -> dict:
@@ -190,15 +203,17 @@ def unset_array_backend(out: Path) -> str | None:
 
 
 def content_fingerprint(cfg: EvaluateConfig, store: str | Path, model: str, settings: dict,
-                        out: Path | None = None) -> tuple[str, dict, list]:
+                        out: Path | None = None) -> tuple[str, dict, list, list[str]]:
     """`read_fingerprint` of the val split as evaluate would read it now (opened and closed here: the up-to-date
-    check before anything is loaded) and its `earlier_settings`."""
+    check before anything is loaded), its `earlier_settings` and the keys of the val samples the loss passes
+    will read (`val_share.loss_keys`: the loss array's sample axis)."""
     from features.open import open_configured
     from models.loading import model_files
+    from stages.evaluate.val_share import loss_keys
 
     with open_configured(cfg, "evaluate", store, model, model_files(model), "val") as tables:
         fingerprint, settings = read_fingerprint(settings, tables)
-        return fingerprint, settings, earlier_settings(settings, tables, cfg, out)
+        return fingerprint, settings, earlier_settings(settings, tables, cfg, out), loss_keys(cfg, tables)
 
 
 def _hash(settings: dict) -> str:
@@ -527,21 +542,32 @@ def say_recomputed(out: Path, why: list[str], redone: str = "evaluating again") 
         tqdm.write(f"evaluate: the report in {out} is not this run's ({'; '.join(why)}): {redone}")
 
 
-def redone(out: Path, fingerprint: str, checkpoints: list[tuple[int, Path]], shas: dict[int, str]) -> str:
+def redone(out: Path, fingerprint: str, checkpoints: list[tuple[int, Path]], shas: dict[int, str],
+           settings: dict | None = None, cfg: EvaluateConfig | None = None, earlier: list[dict] = (),
+           keys: list[str] | None = None) -> str:
     """What a report that is not current costs again: the checkpoints whose losses OUT's loss array of these
     settings (`fingerprint`, or a group of them kept aside, which is taken back) lacks; none when only the
     report's own settings changed (num_samples, extra prompts: its pictures), the line said "evaluating again"
     while no checkpoint was; every one when a recorded step holds other weights now (`other_weights`). The line
     said "every checkpoint" where a kept group was taken back (none evaluated), and "1 of 3" where a step
-    retrained with other weights set the array aside (all 3 evaluated)."""
+    retrained with other weights set the array aside (all 3 evaluated). Only a seed / σ grid changed (`settings`,
+    `cfg`: a group kept aside shares (seed, σ) cells with it, `store.loss_array.cell_donor`): the new cells of
+    the checkpoints it holds, as `_plan` computes them (it said "every checkpoint"). `earlier`: the settings'
+    earlier spellings, whose kept groups are taken back too (`spelled_as`). `keys`: the val samples the loss
+    passes will read (`val_share.loss_keys`): a group of other samples is neither kept in place nor taken back,
+    as `LossStore` and `_plan` judge (the line promised a take-back of one, and every checkpoint was evaluated)."""
+    spelled = spelled_as(settings, earlier) if settings is not None else None
+    axes = Axes(list(keys), [], *cfg.loss_axes) if keys is not None and cfg is not None else None
     if recorded_steps(out, fingerprint) is not None:
         group = LossGroup(out / GROUP)
+        if axes is not None and [str(k) for k in group.group["sample"][:]] != axes.keys:
+            group = None  # the val samples changed: set aside, nothing taken back (`LossStore`)
     else:  # these settings' group kept aside (settings A, B, then A again): taken back (`LossStore`)
-        group = next(iter(kept_groups(out, fingerprint)), None)
+        group = next(iter(kept_groups(out, fingerprint, axes, spelled)), None)
     if group is None:
-        return "evaluating every checkpoint again"
+        return _grown(out, checkpoints, shas, settings, cfg, keys) or "evaluating every checkpoint again"
     if not _this_runs(group, checkpoints, shas):  # as `_plan` decides: aside, and this run's kept group back
-        if (back := this_runs_kept(out, fingerprint, checkpoints, shas)) is not None:
+        if (back := this_runs_kept(out, fingerprint, checkpoints, shas, axes, spelled)) is not None:
             group = back
         elif other := other_weights(group.steps(), shas):
             return (f"evaluating every checkpoint again (checkpoint step {', '.join(map(str, other))} holds other "
@@ -666,14 +692,14 @@ def _recorded_if_up_to_date(run: _Evaluation, settings: dict, checkpoints: list[
     ranks, out = run.ranks, run.out
     done = None
     if skip_if_done and ranks.main:  # the val split named by content, as the array records it (`read_tables`)
-        now, now_settings, earlier = content_fingerprint(run.cfg, run.store, run.model, settings, run.out)
+        now, now_settings, earlier, keys = content_fingerprint(run.cfg, run.store, run.model, settings, run.out)
         why: list[str] = []
         known = known_fingerprint(out, now, now_settings, earlier)
         done = _up_to_date(out, known, checkpoints, shas, run.cfg, now_settings, why)
         if done is None:
             if why and whose_report is not None and (whose := whose_report(out)):
                 why.insert(0, whose)
-            say_recomputed(out, why, redone(out, known, checkpoints, shas))
+            say_recomputed(out, why, redone(out, known, checkpoints, shas, now_settings, run.cfg, earlier, keys))
     if ranks.from_main([int(done is not None)])[0]:
         return True, (CheckpointsResult(done, out / "index.html", up_to_date=True) if ranks.main else None)
     return False, None
@@ -844,8 +870,9 @@ def _open_losses(out: Path, fingerprint: str, settings: dict, earlier: list[dict
     with _writing_losses(out):
         out.mkdir(parents=True, exist_ok=True)
         recorded = known_fingerprint(out, fingerprint, settings, earlier)
-        losses = LossStore(out, recorded, axes, settings, versions, take_back=True)
-        if recorded != fingerprint:
+        losses = LossStore(out, recorded, axes, settings, versions, take_back=True,
+                           spelled=spelled_as(settings, earlier))
+        if losses.group.attrs.get("fingerprint") != fingerprint:  # in place or taken back under an earlier spelling
             losses.refingerprint(fingerprint, settings, versions)
         losses.note_versions(versions)  # `pipeline compare` against arrays named by versions (no-op when just noted)
     return losses
@@ -946,44 +973,77 @@ def held_bytes(points: list[dict], shas: dict[int, str]) -> dict[int, bytes] | N
 
 
 def _grid(ranks, transformer, samples, mine: list[int], seeds: list[int], sigmas: list[float], batch_size: int,
-          desc: str, load=None) -> np.ndarray:
+          desc: str, load=None, cells: np.ndarray | None = None) -> np.ndarray:
     """`loss_grid` of every sample: in one process all of them; under a launcher this rank's share (`mine`: the
     positions it read, `stages.evaluate.val_share`), summed with the others' (a rank failing in its own pass
     stops every rank: `fails_alone`)."""
     if ranks.world == 1:
-        return loss_grid(transformer, samples, seeds, sigmas, batch_size, desc, load=load)
+        return loss_grid(transformer, samples, seeds, sigmas, batch_size, desc, load=load, cells=cells)
     from models.collective import fails_alone
 
     # One bar, rank 0's, said to be its share: every rank's progress would take a collective per batch, and the
     # ranks' batch counts differ (shares of unequal size), so they could not all reach it
     shown = f"{desc} [rank 0's share: {len(mine)} of {len(samples)} samples]"
     with fails_alone(ranks.world, desc, "lower evaluate.batch_size"):
-        part = loss_grid(transformer, [samples[i] for i in mine], seeds, sigmas, batch_size, shown, show=ranks.main)
+        part = loss_grid(transformer, [samples[i] for i in mine], seeds, sigmas, batch_size, shown, show=ranks.main,
+                         cells=cells)
     return ranks.full_grid(part, mine, len(samples))
 
 
-def _plan(losses: LossStore, checkpoints: list[tuple[int, Path]], shas: dict[int, str], first: bool) -> list[int]:
-    """Rank 0's decisions as integers: [base recorded, then per checkpoint whether it is to be evaluated].
+def _plan(losses: LossStore, checkpoints: list[tuple[int, Path]], shas: dict[int, str],
+          first: bool) -> tuple[list[int], CellDonor | None]:
+    """Rank 0's decisions as integers: [base recorded, then per checkpoint whether it is to be evaluated], and
+    the group kept aside whose (seed, σ) cells the missing rows take (`store.loss_array.cell_donor`; None: none).
     `first`: the checkpoints listed at the start (later ones: written by the training meanwhile)."""
+    # the group the open set aside for other settings: said below, once it is known whether its cells are reused
+    opened_aside = f"{losses.aside_reason}: the earlier losses are kept in {losses.kept_aside}; " \
+        if losses.kept_aside is not None and losses.taken_back is None and first else None
     if losses.taken_back is not None and losses.kept_aside is None and first:
         tqdm.write(f"the losses of these settings are taken back from {losses.taken_back} (an earlier run stopped "
                    "while it set them back; only checkpoints not in them are evaluated)")
     elif losses.taken_back is not None and first:
         tqdm.write(f"{losses.aside_reason}: the earlier losses are kept in {losses.kept_aside}; those of these "
                    f"settings are taken back from {losses.taken_back} (only checkpoints not in them are evaluated)")
-    elif losses.kept_aside is not None and first:
-        tqdm.write(f"{losses.aside_reason}: the earlier losses are kept in {losses.kept_aside}; every checkpoint "
-                   "is evaluated again")
     if losses.unchecked is not None and first:  # an array of an earlier release lacking a chunk of losses
         tqdm.write(losses.unchecked)
     if not _this_runs(losses, checkpoints, shas):  # its numbers go aside; this run's kept ones come back
-        back = this_runs_kept(losses.path.parent, losses.fingerprint, checkpoints, shas, losses.axes)
+        back = this_runs_kept(losses.path.parent, losses.fingerprint, checkpoints, shas, losses.axes, losses.spelled)
         losses.start_over("the run's checkpoints are not the ones evaluated before", back and back.path)
         tqdm.write(f"{losses.aside_reason}: earlier losses kept in {losses.kept_aside}" +
                    (f"; this run's are taken back from {losses.taken_back} (only checkpoints not in them are "
                     "evaluated)" if back else ""))
     recorded = losses.steps()
-    return [int(losses.has_base())] + [int(step not in recorded) for step, _ in checkpoints]
+    plan = [int(losses.has_base())] + [int(step not in recorded) for step, _ in checkpoints]
+    axes = losses.axes
+    donor = cell_donor(losses.path.parent, losses.settings, axes.seeds, axes.sigmas, axes.keys) \
+        if not plan[0] or any(plan[1:]) else None
+    if first and donor is not None:
+        n = sum(1 for (step, _), todo in zip(checkpoints, plan[1:]) if todo and donor.holds(step, shas[step]))
+        rows = ["the base"] * (not plan[0] and donor.has_base()) + [f"{n} checkpoint{'s' if n != 1 else ''}"]
+        tqdm.write(f"{opened_aside or ''}the (seed, σ) cells both grids hold are taken from {donor.path} "
+                   f"({' and '.join(rows)}): {_cells_line(donor.known)}")
+    elif opened_aside is not None:
+        tqdm.write(f"{opened_aside}every checkpoint is evaluated again")
+    return plan, donor
+
+
+def _grown(out: Path, checkpoints: list[tuple[int, Path]], shas: dict[int, str], settings: dict | None,
+           cfg: EvaluateConfig | None, keys: list[str] | None) -> str | None:
+    """`redone`'s line when a group kept aside gives these settings' grid some of its (seed, σ) cells; else None."""
+    donor = cell_donor(out, settings, *cfg.loss_axes, keys) if settings is not None and cfg is not None else None
+    if donor is None:
+        return None
+    held = sum(1 for step, _ in checkpoints if donor.holds(step, shas[step]))
+    rest = len(checkpoints) - held
+    return (f"{_cells_line(donor.known)} for {'the base and ' if donor.has_base() else ''}{held} of "
+            f"{len(checkpoints)} checkpoints (the cells {donor.path} holds reused)"
+            + (f", evaluating {rest} other{'s' if rest != 1 else ''} whole" if rest else ""))
+
+
+def _cells_line(known: np.ndarray) -> str:
+    new = int((~known).sum())
+    return (f"computing {new} new (seed, σ) cell{'s' if new != 1 else ''} of {known.size}" if new
+            else "nothing to compute (every cell recorded there)")
 
 
 def _this_runs(group: LossGroup, checkpoints: list[tuple[int, Path]], shas: dict[int, str]) -> bool:
@@ -995,13 +1055,13 @@ def _this_runs(group: LossGroup, checkpoints: list[tuple[int, Path]], shas: dict
 
 
 def this_runs_kept(out: Path, fingerprint: str, checkpoints: list[tuple[int, Path]], shas: dict[int, str],
-                   axes: Axes | None = None) -> LossGroup | None:
+                   axes: Axes | None = None, spelled=None) -> LossGroup | None:
     """The group kept aside in OUT under these settings (and `axes`' samples) that is this run's (`_this_runs`)
     and holds the most of its checkpoints with the same bytes; None when none holds one. Run A, run B, then A
     again into one report folder: B set A's losses aside, and A's third run evaluated every checkpoint again
     beside them (a kept group was taken back only for other settings); now they are taken back."""
     best, most = None, 0
-    for kept in kept_groups(out, fingerprint, axes):
+    for kept in kept_groups(out, fingerprint, axes, spelled):
         steps = kept.steps()
         held = sum(1 for step, sha in shas.items() if steps.get(step) == sha)
         if held > most and _this_runs(kept, checkpoints, shas):
@@ -1024,36 +1084,55 @@ def _append_missing(ranks, losses: LossStore | None, checkpoints: list[tuple[int
     from models.collective import together
     from stages.evaluate import base_losses, stage as single
 
-    plan = [0] * (len(checkpoints) + 1)
+    seeds, sigmas = cfg.loss_axes
+    n, cells = len(checkpoints), len(seeds) * len(sigmas)
+    # [base recorded, each checkpoint to evaluate; base from a donor, each checkpoint's row in it; its known cells]
+    plan, donor = [0] * (2 * n + 2 + cells), None
     with together(ranks.world, "the loss array"):
         if ranks.main:
             with _writing_losses(losses.path.parent):  # may set an earlier array aside (a rename)
-                plan = _plan(losses, checkpoints, shas, first)
+                head, donor = _plan(losses, checkpoints, shas, first)
+            plan = head + ([int(donor.has_base())] + [int(donor.holds(step, shas[step])) for step, _ in checkpoints]
+                           + donor.known.astype(int).reshape(-1).tolist() if donor else [0] * (n + 1 + cells))
     plan = ranks.from_main(plan)
-    todo = sorted((c for c, flag in zip(checkpoints, plan[1:]) if flag), key=lambda c: c[0], reverse=True)
-    seeds, sigmas = cfg.loss_axes
+    known = np.array(plan[2 * n + 2:], dtype=bool).reshape(len(seeds), len(sigmas))
+    from_donor = dict(zip((step for step, _ in checkpoints), plan[n + 2 : 2 * n + 2]))
+    todo = sorted((c for c, flag in zip(checkpoints, plan[1 : n + 1]) if flag), key=lambda c: c[0], reverse=True)
     base, reused = None, False
     if not plan[0] and base_cache is not None:  # one decision of all ranks, rank 0's file
         reused, base = base_losses.agreed_reuse(ranks, *base_cache, (len(samples), len(seeds), len(sigmas), 3))
+    base_partial = not plan[0] and not reused and bool(plan[n + 1])  # the donor's cells, the others computed
     if not plan[0] and not reused:  # the plain model: a checkpoint's adapter, once loaded, bypassed
         # (the newer checkpoints of another training set the array aside after one was evaluated: that LoRA's
         # losses were recorded as the base, and kept in the base-losses file for later runs)
         with single.lora_enabled(transformer, False) if attached else nullcontext():
-            base = _grid(ranks, transformer, samples, mine, seeds, sigmas, cfg.batch_size, "held-out loss (base)", load)
+            base = _cells(ranks, transformer, samples, mine, seeds, sigmas, cfg.batch_size, "held-out loss (base)",
+                          load, ~known if base_partial else None)
     with together(ranks.world, "the base losses"):
         if ranks.main:
             if plan[0]:
                 base = losses.base()
             else:
+                if base_partial:
+                    base = donor.base(base)
                 with _writing_losses(losses.path.parent):
                     losses.write_base(base)
-                if base_cache is not None and not reused:
+                # the file holds whole computations only: a grown grid's recorded cells are float32
+                if base_cache is not None and not reused and not base_partial:
                     base_losses.write(Path(base_cache[0]) / base_losses.FILE, base_cache[1], base)
             # A non-finite base loss means bad stored features (evaluate.on_nonfinite=stop names them): stop
             # before the checkpoints are evaluated, not after all of them
             single.finite_samples(samples, {"base": base}, cfg)
     evaluated, pruned = 0, []
     for step, path in tqdm(todo, desc="checkpoints", unit="ckpt", disable=not ranks.main):
+        partial = bool(from_donor[step])
+        if partial and known.all():  # a shrunk grid: every cell of its row recorded under these very bytes
+            with together(ranks.world, f"record checkpoint step {step}"):
+                if ranks.main:
+                    with _writing_losses(losses.path.parent):
+                        losses.append(step, str(Path(path).resolve()), shas[step],
+                                      donor.step(step, np.full(losses.axes.shape, np.nan)), training_of(path))
+            continue
         changed = 0
         with together(ranks.world, f"load checkpoint step {step}"):
             try:
@@ -1079,14 +1158,24 @@ def _append_missing(ranks, losses: LossStore | None, checkpoints: list[tuple[int
                 tqdm.write(f"checkpoint step {step} was rewritten while evaluating ({path}; by a running training?): "
                            "left out; rerun evaluate to evaluate what is there now")
             continue
-        grid = _grid(ranks, transformer, samples, mine, seeds, sigmas, cfg.batch_size,
-                     f"held-out loss (step {step})", load)
+        grid = _cells(ranks, transformer, samples, mine, seeds, sigmas, cfg.batch_size,
+                      f"held-out loss (step {step})", load, ~known if partial else None)
         with together(ranks.world, f"record checkpoint step {step}"):
             if ranks.main:
+                if partial:
+                    grid = donor.step(step, grid)
                 with _writing_losses(losses.path.parent):
                     losses.append(step, str(Path(path).resolve()), shas[step], grid, training_of(path))
         evaluated += 1
     return evaluated, attached, pruned
+
+
+def _cells(ranks, transformer, samples, mine: list[int], seeds: list[int], sigmas: list[float], batch_size: int,
+           desc: str, load, cells: np.ndarray | None) -> np.ndarray:
+    """`_grid` of the `cells` to compute (None: all); no pass at all when there is none (a shrunk grid)."""
+    if cells is not None and not cells.any():
+        return np.full((len(samples), len(seeds), len(sigmas), 3), np.nan)
+    return _grid(ranks, transformer, samples, mine, seeds, sigmas, batch_size, desc, load, cells)
 
 
 def other_weights(recorded: dict[int, str], shas: dict[int, str]) -> list[int]:

@@ -380,24 +380,54 @@ def evaluate_inputs(cfg: EvaluateConfig, store: str | Path, model: str, lora: st
     """Everything a report depends on; equal inputs = the report is up to date (`pipeline run all` skips it).
     `lora_sha256`: the LoRA file's hash when the caller has it (`run` hashes it once, with its CRC check).
     The tables are named by what evaluate reads from them (`read_table_ids`; `tables`: the val split's join when
-    open, else opened here), or `table_ids` when the caller has them."""
+    open, else opened here), or `table_ids` when the caller has them (without `tables`: the split is not opened,
+    and `max_loss_samples` is hashed as set, `config_fingerprint`)."""
     from models.file_hashes import file_sha256
-    from models.loading import model_fingerprint
+    from models.loading import model_files, model_fingerprint
     from stages.evaluate.base_images import extra_prompt_bytes
     from stages.evaluate.checkpoints import EVALUATION_REVISION
 
+    if tables is None and table_ids is None:
+        with open_configured(cfg, "evaluate", store, model, model_files(model), "val") as opened:
+            return evaluate_inputs(cfg, store, model, lora, lora_sha256, opened)
     cfg = resolved_config(cfg, model)
     h = lora_sha256 or file_sha256(lora_weight_file(lora))  # chunked: a GB-sized LoRA is not read into memory
     inputs = {  # not the store's path: the tables' identities name the data (a moved store is the same report)
         "tables": table_ids if table_ids is not None else read_table_ids(cfg, store, model, tables),
         "model_fingerprint": model_fingerprint(model),
         "lora_sha256": h,
-        "config_fingerprint": cfg.fingerprint(),
+        "config_fingerprint": config_fingerprint(cfg, len(tables) if tables is not None else None),
         "evaluation_revision": EVALUATION_REVISION,
     }
     if cfg.extra_prompts:  # only then: a report without extra prompts keeps the inputs it recorded before
         inputs["extra_prompts_sha256"] = extra_prompt_bytes(cfg)
     return inputs
+
+
+def config_fingerprint(cfg: EvaluateConfig, n: int | None) -> str:
+    """A single-LoRA report's `config_fingerprint`: `cfg.fingerprint()` with `max_loss_samples` at or above the val
+    split's `n` samples spelled null, as the loss array's settings spell it (`checkpoints.samples_read`): it reads
+    every sample, the same numbers. Hashed as set, 256 (the default) then null on a split 256 covered made the
+    report out of date, and its rerun ran the LoRA's loss pass again. `n` None: as set (the split not opened)."""
+    return _cap_spelled(cfg, None).fingerprint() if _reads_all(cfg.max_loss_samples, n) else cfg.fingerprint()
+
+
+def _reads_all(cap, n: int | None) -> bool:
+    return n is not None and (cap is None or (isinstance(cap, int) and not isinstance(cap, bool) and cap >= n))
+
+
+def _cap_spelled(cfg: EvaluateConfig, cap) -> EvaluateConfig:
+    return cfg.model_copy(update={"max_loss_samples": cap})
+
+
+def cap_spellings(cfg: EvaluateConfig, n: int | None, recorded_cap) -> list[EvaluateConfig]:
+    """`cfg` and the configs with another cap that reads the same val samples (every one of the split's `n`):
+    null, and the cap `recorded_cap` a report's config records (256 then null: the same numbers, the same
+    report); only `cfg` when its cap reads fewer."""
+    if not _reads_all(cfg.max_loss_samples, n):
+        return [cfg]
+    return [cfg] + [_cap_spelled(cfg, c) for c in dict.fromkeys((None, recorded_cap))
+                    if c != cfg.max_loss_samples and _reads_all(c, n)]
 
 
 def version_table_ids(store: str | Path) -> dict:
@@ -461,16 +491,26 @@ def report_up_to_date(cfg: EvaluateConfig, store: str | Path, model: str, lora: 
     # recorded before the path left the inputs, or before the evaluation revision was recorded
     recorded = {"evaluation_revision": current.UNRECORDED_REVISION,
                 **{k: v for k, v in recorded.items() if k != "store"}}
-    # recorded before the tables were named by content: the store's version ids then, compared as they were (the
-    # val split is not opened); else the present content ids (`read_table_ids`, the val split opened to hash it)
+    # recorded before the tables were named by content: the store's version ids then, compared as they were; else
+    # the present content ids (`read_table_ids`). The val split is opened either way: its size says which caps
+    # read every sample (`cap_spellings`)
     versions = version_table_ids(store)
     table_ids = versions if recorded.get("tables") == versions else None
-    present = evaluate_inputs(cfg, store, model, lora, lora_sha256, table_ids=table_ids)
+    from models.loading import model_files
+
+    with open_configured(cfg, "evaluate", store, model, model_files(model), "val") as tables:  # its size: the cap
+        present = evaluate_inputs(cfg, store, model, lora, lora_sha256, tables, table_ids)
+        n = len(tables)
     resolved = resolved_config(cfg, model)
     # a report recorded unset before the backend was hashed as resolved: its own run record says which it used
     unset_used = unset_backend(resolved.dtype, metrics_of)
-    if recorded.get("config_fingerprint") in earlier_config_fingerprints(resolved, unset_used):
-        present["config_fingerprint"] = recorded["config_fingerprint"]  # recorded as set: the same settings
+    # recorded as set (`earlier_config_fingerprints`), or with another cap that read every sample too (256, then
+    # null; or as set before `config_fingerprint` spelled it null): the same settings
+    recorded_cap = ((metrics_of.get("run") or {}).get("config") or {}).get("max_loss_samples")
+    spellings = cap_spellings(resolved, n, recorded_cap)
+    if recorded.get("config_fingerprint") in [c.fingerprint() for c in spellings] + \
+            [h for c in spellings for h in earlier_config_fingerprints(c, unset_used)]:
+        present["config_fingerprint"] = recorded["config_fingerprint"]
     if current.is_current(recorded, present) and damaged_current(metrics_of, cfg) \
             and nonfinite_current(metrics_of, cfg):
         return True
@@ -520,10 +560,10 @@ def read_val_samples(cfg: EvaluateConfig, store: str | Path, model: str):
     passes read the features again batch by batch (`val_share.reader`), so what is held does not grow with the
     count (10k val samples x several MB each, held in full before)."""
     from models.loading import model_files
-    from stages.evaluate.val_share import Share, outline
+    from stages.evaluate.val_share import Share, loss_sample_count, outline
 
     tables = open_configured(cfg, "evaluate", store, model, model_files(model), "val")
-    n = min(len(tables), cfg.max_loss_samples) if cfg.max_loss_samples else len(tables)
+    n = loss_sample_count(cfg, tables)
     tables.check_ahead(lambda: iter(range(len(tables))))  # the bytes checked by a thread just ahead of the reads
     try:  # evaluate.on_damaged=skip: a damaged one left out where it is read, the next one read instead
         read = read_intact(tables, n, lambda i: (i, outline(from_features(*tables.features_at(i)))),

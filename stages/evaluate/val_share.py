@@ -29,6 +29,17 @@ class Share:
     rows: list[int]  # each sample's row in the joined tables
 
 
+def loss_sample_count(cfg, tables) -> int:
+    """How many val samples the loss passes read: the first `evaluate.max_loss_samples`, all when unset."""
+    return min(len(tables), cfg.max_loss_samples) if cfg.max_loss_samples else len(tables)
+
+
+def loss_keys(cfg, tables) -> list[str]:
+    """The keys of the val samples the loss passes read when none is found damaged (`loss_sample_count`): the
+    loss array's sample axis, known before a sample is read (the up-to-date check's line)."""
+    return [str(tables.keys[i]) for i in range(loss_sample_count(cfg, tables))]
+
+
 def read_share(cfg, store: str | Path, model: str, ranks):
     """(tables, Share): this rank's share of the val split's first `max_loss_samples` intact samples, the
     others as outlines. evaluate.on_damaged=skip: a damaged one is left out on every rank (recorded in
@@ -57,7 +68,7 @@ def _read(tables, cfg, ranks) -> Share:
     from schemas.errors import UserError
     from store.integrity import DamagedData
 
-    n = min(len(tables), cfg.max_loss_samples) if cfg.max_loss_samples else len(tables)
+    n = loss_sample_count(cfg, tables)
 
     def ours(row: int) -> bool:
         return row % ranks.world == ranks.rank

@@ -46,15 +46,18 @@ def transformer(tiny_edit_model):
 
 
 def _reference(transformer, samples, seeds, sigmas, batch_size, weights):
-    """The old path: rows (sample, seed, σ) in batches, `flow_loss` with the region's mask weights."""
-    rows = [(s, k, t) for s in samples for k in seeds for t in sigmas]
-    out = []
+    """The old path: `flow_loss` with the region's mask weights, in `loss_grid`'s batches (chunks of `batch_size`
+    samples, one (seed, σ) cell a forward); the rows in (sample, seed, σ) order."""
+    out = {}
     with torch.no_grad():
-        for i in range(0, len(rows), batch_size):
-            chunk = rows[i : i + batch_size]
-            out += flow_loss(transformer, [s for s, _, _ in chunk], torch.tensor([t for _, _, t in chunk]),
-                             [eval_noise(s, k) for s, k, _ in chunk], mask_weight=weights).tolist()
-    return out
+        for i in range(0, len(samples), batch_size):
+            chunk = samples[i : i + batch_size]
+            for k in seeds:
+                for t in sigmas:
+                    losses = flow_loss(transformer, chunk, torch.full((len(chunk),), float(t)),
+                                       [eval_noise(s, k) for s in chunk], mask_weight=weights).tolist()
+                    out.update({(i + j, k, t): v for j, v in enumerate(losses)})
+    return [out[(i, k, t)] for i in range(len(samples)) for k in seeds for t in sigmas]
 
 
 def test_one_forward_per_row_equals_three_flow_loss_passes(transformer, val_samples):

@@ -58,3 +58,16 @@ def test_an_outline_does_not_keep_its_samples_buffer_alive():
     gc.collect()
     assert gone() is None
     assert torch.equal(small.mask_weight, expected)
+
+
+def test_a_cell_computed_alone_equals_that_cell_of_the_whole_grid(transformer, val_samples):  # noqa: F811
+    """A grown seed / σ grid computes only its new cells (stages/evaluate/checkpoints.py): each cell's batches hold
+    the same samples at that cell alone, so its numbers are those of a whole grid's computation, bit for bit (rows
+    batched across cells differed with their neighbours by float rounding). The other cells stay NaN, unrun."""
+    whole = loss_grid(transformer, val_samples, [0, 1], [0.3, 0.7], 3)
+    cells = np.array([[False, False], [True, False]])
+    part = loss_grid(transformer, val_samples, [0, 1], [0.3, 0.7], 3, cells=cells)
+    np.testing.assert_array_equal(part[:, 1, 0], whole[:, 1, 0])
+    assert np.isnan(part[:, 0]).all() and np.isnan(part[:, 1, 1]).all()
+    # and a seed grid of [1] alone gives seed 1's cells of [0, 1]
+    np.testing.assert_array_equal(loss_grid(transformer, val_samples, [1], [0.3, 0.7], 3)[:, 0], whole[:, 1])

@@ -498,6 +498,33 @@ def test_another_runs_checkpoints_in_the_same_report_folder_start_a_new_array(ru
     assert len(kept) == 1 and sorted(xr.open_zarr(kept[0]).step.values) == [10, 20, 30]
 
 
+def test_the_line_promises_no_take_back_of_a_kept_group_of_other_val_samples(run_and_store, tiny_edit_model,
+                                                                           tmp_path, capsys):
+    """Run A, run B, then A again, A's kept group holding other val samples (one skipped as damaged then, say):
+    evaluate takes it not back and evaluates A's checkpoints (`LossStore`, `_plan`: kept groups of these samples
+    only), and the line saying why now says so; it judged kept groups without their samples and promised "the
+    losses of 3 checkpoints ..., taken back, kept: no checkpoint evaluated again"."""
+    import shutil
+
+    import zarr
+
+    out, a = tmp_path / "report", _ckpts(run_and_store)
+    b_run = tmp_path / "b" / "checkpoints"
+    shutil.copytree(run_and_store / "run" / "checkpoints" / "step-10", b_run / "step-40")
+    cfg, store = EvaluateConfig(**CFG), run_and_store / "store"
+    ev.run(cfg, store, tiny_edit_model, a, out)
+    ev.run(cfg, store, tiny_edit_model, [(40, b_run / "step-40" / "lora")], out)
+    (kept,) = [p for p in out.glob("losses.*.zarr") if p.name != GROUP]
+    g = zarr.open_group(kept, mode="r+", use_consolidated=True)
+    keys = [str(k) for k in g["sample"][:]]
+    g["sample"][:] = np.array(keys[:-1] + ["another-sample"], dtype=object)
+    capsys.readouterr()
+    res = ev.run(cfg, store, tiny_edit_model, a, out, skip_if_done=True)
+    said = capsys.readouterr().out
+    assert res.evaluated == 3
+    assert "): evaluating every checkpoint again (the losses in " in said and "taken back" not in said, said
+
+
 def test_going_back_to_an_earlier_run_takes_its_kept_losses_back(run_and_store, tiny_edit_model, tmp_path,
                                                                  monkeypatch, capsys):
     """Run A, run B, then A again into the same --out, one setting throughout: B kept A's array aside (its

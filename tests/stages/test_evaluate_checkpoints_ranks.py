@@ -251,3 +251,43 @@ def test_ranks_take_the_kept_base_losses_together(run_and_store, tiny_edit_model
     assert "base held-out loss: unchanged inputs, reused" in out0 + err0
     np.testing.assert_array_equal(xr.open_zarr(out / GROUP).base_loss.values,
                                   xr.open_zarr(fresh / GROUP).base_loss.values)
+
+
+FORWARDS = """
+import os, sys
+from pathlib import Path
+RESULTS = Path(sys.argv.pop(1))
+import models.held_out as held_out
+real, rows = held_out.target_predictions, []
+held_out.target_predictions = lambda t, fb: (rows.append(len(fb.targets)), real(t, fb))[1]
+from pipeline.cli import app
+sys.argv = ["pipeline", *sys.argv[1:]]
+try:
+    app()
+finally:
+    (RESULTS / f"rank-{os.environ['RANK']}").write_text(str(sum(rows)))
+"""
+
+
+def test_two_ranks_grow_a_seed_grid_computing_its_new_cells_alone(run_and_store, tiny_edit_model, tmp_path):
+    """Seeds [0] then [0, 1] over two ranks: each rank computes its share of seed 1's cells only (the plan, the
+    donor's cells, broadcast from rank 0), and the array is the one two ranks give for [0, 1] afresh, bit for bit."""
+    from two_ranks import launch_two
+
+    root, out, fresh = run_and_store, tmp_path / "report", tmp_path / "fresh"
+    script = tmp_path / "forwards.py"
+    script.write_text(FORWARDS)
+
+    def rows(target, seeds: str) -> list[int]:
+        (rc0, _, err0), (rc1, _, err1) = launch_two(str(script), str(tmp_path), *_args(root, tiny_edit_model, target),
+                                                    "--set", f"evaluate.noise_seeds={seeds}", timeout=300)
+        assert rc0 == rc1 == 0, (rc0, rc1, err0[-2000:], err1[-2000:])
+        return [int((tmp_path / f"rank-{r}").read_text()) for r in (0, 1)]
+
+    whole = rows(fresh, "[0, 1]")
+    rows(out, "[0]")
+    grown = rows(out, "[0, 1]")
+    assert [2 * g for g in grown] == whole, (grown, whole)
+    a, b = (xr.open_zarr(o / GROUP).sortby("step") for o in (out, fresh))
+    for name in ("loss", "base_loss", "step", "seed"):
+        np.testing.assert_array_equal(a[name].values, b[name].values)

@@ -87,3 +87,34 @@ def test_compare_takes_arrays_of_one_sample_list_whatever_their_cap(tmp_path):
     check_same_held_out([before, now])
     with pytest.raises(UserError, match="val samples"):
         check_same_held_out([before, array(tmp_path / "fewer", 1, ["a"])])
+
+
+def test_a_single_lora_report_is_kept_across_caps_that_read_every_sample(run_and_store, tiny_edit_model, tmp_path,
+                                                                         monkeypatch):
+    """Single-LoRA evaluate, as --all-checkpoints: 256 (the default) then null on a 5-sample split read the same
+    samples, the same numbers; before, the report's config fingerprint named the cap as set, and the rerun ran the
+    LoRA's loss pass again (its base losses reused). A cap below the split's size is another report."""
+    from stages.evaluate import stage
+
+    root, out = run_and_store, tmp_path / "report"
+    store, model, lora = root / "store", tiny_edit_model, dict(_ckpts(root))[10]
+    first = stage.run(EvaluateConfig(**CFG), store, model, lora, out)
+    passes, real = [], stage.loss_grid
+    monkeypatch.setattr(stage, "loss_grid", lambda *a, **k: (passes.append(k.get("desc")), real(*a, **k))[1])
+    for cap in (None, 5, 256):
+        res = stage.run(EvaluateConfig(**{**CFG, "max_loss_samples": cap}), store, model, lora, out, skip_if_done=True)
+        assert res.up_to_date and passes == [], (cap, passes)
+    assert res.metrics["loss"] == first.metrics["loss"]
+    # a report made under null is kept under 256 too
+    stage.run(EvaluateConfig(**{**CFG, "max_loss_samples": None}), store, model, lora, tmp_path / "null")
+    res = stage.run(EvaluateConfig(**CFG), store, model, lora, tmp_path / "null", skip_if_done=True)
+    assert res.up_to_date
+    # another report (another LoRA scale) under the other cap: its LoRA pass only, the base losses kept (their
+    # key held the cap as set)
+    passes.clear()
+    scaled = stage.run(EvaluateConfig(**{**CFG, "max_loss_samples": None, "lora_scale": 0.5}), store, model, lora, out,
+                       skip_if_done=True)
+    assert not scaled.up_to_date and passes == ["held-out loss (lora)"], passes
+    passes.clear()
+    fewer = stage.run(EvaluateConfig(**{**CFG, "max_loss_samples": 3}), store, model, lora, out, skip_if_done=True)
+    assert not fewer.up_to_date and "held-out loss (lora)" in passes and fewer.metrics["loss"]["overall"]["n"] == 3

@@ -114,3 +114,31 @@ def test_a_single_lora_report_is_current_under_reordered_seeds_and_sigmas(run_an
     assert passes == ["held-out loss (lora)"], passes
     assert forced.metrics["loss"]["per_timestep"] == first.metrics["loss"]["per_timestep"]
     assert forced.metrics["loss"]["overall"] == first.metrics["loss"]["overall"]
+
+
+def test_a_group_kept_aside_in_the_configured_order_is_taken_back(run_and_store, tiny_edit_model, tmp_path,
+                                                                  monkeypatch, capsys):
+    """An earlier release's array of [1, 0] x [0.7, 0.3] (recorded as set), kept aside by another setting (here a
+    LoRA scale), then those settings again: the kept group is the one taken back (its steps pruned since too), as
+    the array in place would be reused, and the line says so. Before, only a group kept under the sorted spelling's
+    hash was taken back: the earlier release's stayed aside and the checkpoints' rows were made again."""
+    import os
+
+    root, out = run_and_store, tmp_path / "report"
+    unsorted = EvaluateConfig(**{**CFG, "noise_seeds": [1, 0], "timesteps": [0.7, 0.3]})
+    first = ev.run(EvaluateConfig(**CFG), root / "store", tiny_edit_model, _ckpts(root), out)
+    _as_an_earlier_release_wrote(out, unsorted)
+    old = os.stat(out / GROUP).st_ino
+    ev.run(EvaluateConfig(**{**CFG, "lora_scale": 0.5}), root / "store", tiny_edit_model, _ckpts(root), out)
+    assert os.stat(out / GROUP).st_ino != old  # kept aside
+    passes = _counting(monkeypatch)
+    capsys.readouterr()
+    res = ev.run(unsorted, root / "store", tiny_edit_model, _ckpts(root), out, skip_if_done=True)
+    said = capsys.readouterr().out
+    assert os.stat(out / GROUP).st_ino == old and passes == [] and res.evaluated == 0
+    assert "taken back," in said and "writing the report again" in said, said  # `redone` agrees
+    for a, b in zip(res.metrics["checkpoints"]["per_step"], first.metrics["checkpoints"]["per_step"]):
+        assert a["overall"] == pytest.approx(b["overall"], rel=1e-12)
+    # recorded under the sorted spelling now: the next run finds it up to date in place
+    again = ev.run(unsorted, root / "store", tiny_edit_model, _ckpts(root), out, skip_if_done=True)
+    assert again.up_to_date
