@@ -569,6 +569,15 @@ class CellDonor:
         self.known = np.array([[a >= 0 and b >= 0 for b in self._sigma] for a in self._seed], dtype=bool)
         self.steps = group.steps()  # step -> LoRA sha256
         self._rows = {int(s): i for i, s in enumerate(self.group["step"][:])} if self.steps else {}
+        self._base = "base_loss" in self.group
+        if self.group.attrs.get("format") == UNCHECKED:
+            # an earlier release wrote no chunk that was all NaN: one absent is a lost file or a non-finite row,
+            # which a group that writes every chunk would record as checked numbers; those rows are computed
+            lost = loss_chunks.absent(self.path, self.group, loss_chunks.NUMBERS)
+            self._base = self._base and not any(c.startswith("base_loss/") for c in lost)
+            per = self.group["loss"].chunks[0]
+            rows = {int(c.split("/")[2]) * per + j for c in lost if c.startswith("loss/") for j in range(per)}
+            self.steps = {s: h for s, h in self.steps.items() if self._rows[s] not in rows}
 
     def _fill(self, recorded: np.ndarray, computed: np.ndarray) -> np.ndarray:
         """`computed` ([sample, seed, σ, region] in `seeds` x `sigmas` order, NaN where not computed) with every
@@ -584,7 +593,7 @@ class CellDonor:
         return self._fill(np.asarray(self.group["base_loss"][:], dtype=np.float64), computed)
 
     def has_base(self) -> bool:
-        return "base_loss" in self.group
+        return self._base
 
     def holds(self, step: int, sha: str) -> bool:
         """Is this step recorded here with these LoRA bytes?"""
@@ -599,7 +608,8 @@ def cell_donor(folder: str | Path, settings: dict, seeds: list[int], sigmas: lis
     """The group at or kept aside beside `folder/losses.zarr` of these settings but another seed / σ grid
     (`same_but_grid`; one of these very settings is not: evaluate takes such a group back whole, or sets it aside
     as another run's), of these samples (`keys`; None: those the settings name, before the split is read), every
-    chunk intact, sharing the most (seed, σ) cells with `seeds` x `sigmas` (then holding the most steps); None:
+    chunk intact (an earlier release's group, which wrote no all-NaN chunk: not its rows whose chunk is absent),
+    sharing the most (seed, σ) cells with `seeds` x `sigmas` (then holding the most steps); None:
     none shares a cell."""
     best, most = None, (0, 0)
     # the group in place too: before an evaluate of the grown grid sets it aside (its line says what is computed)
