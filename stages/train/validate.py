@@ -150,7 +150,8 @@ class Validator:
         return full.numpy()
 
     def loss(self, transformer, rank: int = 0, world: int = 1, accelerator=None) -> float:
-        """Mean over samples x seeds x σ of the per-sample flow loss (rows in batches of train.batch_size)."""
+        """Mean over samples x seeds x σ of the per-sample flow loss (train.batch_size val samples a forward, at one
+        (seed, σ) cell each: `loss_grid`)."""
         return mean_loss(self.grid(transformer, rank, world, accelerator))
 
     def samples_grid(self, transformer) -> Image.Image:
