@@ -140,3 +140,27 @@ def test_a_store_split_by_key_keeps_its_split_and_switches_only_when_told(tmp_pa
     assert again["up_to_date"] and again["version"] == switched["version"] and _splits(store)[0] == keys_after
     back, _ = _resize(tmp_path / "src", store, **{"resize.split_by": "key"})  # the old version, current again
     assert back["up_to_date"] and back["version"] == old["version"] and _splits(store)[0] == keys_before
+
+
+def test_the_switch_carries_the_encoded_features_relabelled(tiny_edit_model, tmp_path):
+    """The split is no part of the encoders' lineage: after the switch they encode nothing, only relabel."""
+    from pipeline.config import load_config
+    from stages.encode import text as encode_text
+    from stages.encode import vae as encode_vae
+    from tests.stages.test_fix_revisions_encode import F32
+
+    _source(tmp_path / "src", pairs=6)
+    store = tmp_path / "st"
+    key_cfg = load_config(None, {**SETTINGS, **F32, "resize.split_by": "key"})
+    _resize(tmp_path / "src", store, **{"resize.split_by": "key"})
+    for stage in (encode_text, encode_vae):
+        assert stage.run(key_cfg, store, tiny_edit_model, batch_size=4).encoded == 6 * CAPTIONS
+    _resize(tmp_path / "src", store, **{"resize.split_by": "pictures"})
+    cfg = load_config(None, {**SETTINGS, **F32})  # split_by unset: the store's rule (pictures now)
+    for stage in (encode_text, encode_vae):
+        done = stage.run(cfg, store, tiny_edit_model, batch_size=4)
+        assert not done.up_to_date and (done.encoded, done.reused) == (0, 6 * CAPTIONS)
+    images, _ = _splits(store)
+    for table in ("text", "vae"):
+        with Store(store).reader(table) as r:
+            assert {k: r.meta(k)["split"] for k in r.keys()} == images
