@@ -258,7 +258,7 @@ def quarantined_keys(store: str | Path, stage: str) -> tuple[list[str], list[str
     st = Store(store, create=False)
     q = st.quarantine()
     if not q.num_rows:
-        return [], []
+        return [], [], []
     vdir = st.version_dir("images", st.tables()["images"])
     source = read_schema(vdir).attrs.get("source")
     mine = pc.and_(pc.equal(q.column("stage"), stage), pc.is_valid(q.column("key")))
