@@ -164,3 +164,25 @@ def test_the_switch_carries_the_encoded_features_relabelled(tiny_edit_model, tmp
     for table in ("text", "vae"):
         with Store(store).reader(table) as r:
             assert {k: r.meta(k)["split"] for k in r.keys()} == images
+
+
+
+def test_store_repair_re_renders_a_version_under_its_recorded_rule(tmp_path):
+    """`store repair` with a config that sets no resize.split_by: the damaged version's rule (the store's), its
+    splits unchanged."""
+    import yaml
+
+    from damage import HEADER, flip_bit, key_at, sample_byte
+    from store.verify import verify_store
+
+    _source(tmp_path / "src", pairs=4)
+    store = tmp_path / "st"
+    _resize(tmp_path / "src", store, **{"resize.split_by": "key"})
+    before = _splits(store)[0]
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump({"resize": {k.split(".")[1]: v for k, v in SETTINGS.items()}}))
+    flip_bit(*sample_byte(store, "images", key_at(store, "images", 1), HEADER, 3), 5)
+    res = CliRunner().invoke(app, ["store", "repair", str(store), "--config", str(config)])
+    assert res.exit_code == 0, res.output
+    assert verify_store(store, progress=False) == [] and _splits(store)[0] == before
+    assert _attrs(store, Store(store).tables()["images"])["split_by"] == "key"
