@@ -767,8 +767,10 @@ def _carry_forward(st: Store, writer: Any, schema: TableSchema, carry: dict[str,
     for version, rows in reusable(st, TABLE, (now, before or now), carry,
                                   changed={before: MASK_FIX} if before else None).items():
         keys = rows.column("key").to_pylist()
-        splits = {k: split_for(k, pictures_id(h), rc.val_fraction, rc.split_by)
-                  for k, h in zip(keys, rows.column("source_hashes").to_pylist())}
+        # a version written before source_hashes was recorded lacks them: split by key they are not needed
+        hashes = rows.column("source_hashes").to_pylist() if "source_hashes" in rows.column_names else [None] * len(keys)
+        splits = {k: split_for(k, None if h is None else pictures_id(h), rc.val_fraction, rc.split_by)
+                  for k, h in zip(keys, hashes)}
         views = {"source": {k: carry[k] for k in keys}, "split": splits}
         summary.reused += carry_forward(writer, version, rows, views)  # counted in the summary from the version
 
