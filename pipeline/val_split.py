@@ -83,8 +83,9 @@ def _why_empty(cfg: PipelineConfig, store: str, samples: int, version: int) -> s
                 f"split with resize.val_fraction {fraction} put {len(would_be)} there, and resize-bucket "
                 f"quarantined all {len(would_be)} ({why}; rows in {Path(store) / fmt.QUARANTINE}, store "
                 f"{store}, images v{version}); fix those inputs, add samples or raise resize.val_fraction")
+    of = "key" if rule == "key" else "pictures"
     return (f"0 of {samples} samples went to the 'val' split that evaluate (its last stage) reads: the hash split "
-            f"of each sample's {'key' if rule == 'key' else 'pictures'} with resize.val_fraction {fraction} put none of the {samples} there (store "
+            f"of each sample's {of} with resize.val_fraction {fraction} put none of the {samples} there (store "
             f"{store}, images v{version}); raise resize.val_fraction or add samples")
 
 
