@@ -247,17 +247,18 @@ def images_in_split(store: str | Path, split: str) -> tuple[int, int, int]:
     return len(split_rows(column, split, f"table 'images' v{version} ({vdir})")), len(keys), version
 
 
-def quarantined_keys(store: str | Path, stage: str) -> tuple[list[str], list[str]]:
-    """(keys, reasons) of the samples `stage` quarantined from the source of the store's current `images` version
-    and that version does not hold (a duplicate's key is its first copy's): samples that never got a split. Rows
-    without a key (unreadable, no caption) cannot be told apart and are left out."""
+def quarantined_keys(store: str | Path, stage: str) -> tuple[list[str], list[str], list[str | None]]:
+    """(keys, reasons, pictures ids) of the samples `stage` quarantined from the source of the store's current
+    `images` version and that version does not hold (a duplicate's key is its first copy's): samples that never got
+    a split. Rows without a key (unreadable, no caption) cannot be told apart and are left out; a row recorded
+    before its pictures id was (stages/resize/split_rule.py) has None."""
     from store.manifest_files import read_schema
     from store.store import Store
 
     st = Store(store, create=False)
     q = st.quarantine()
     if not q.num_rows:
-        return [], []
+        return [], [], []
     vdir = st.version_dir("images", st.tables()["images"])
     source = read_schema(vdir).attrs.get("source")
     mine = pc.and_(pc.equal(q.column("stage"), stage), pc.is_valid(q.column("key")))
@@ -265,7 +266,8 @@ def quarantined_keys(store: str | Path, stage: str) -> tuple[list[str], list[str
         mine = pc.and_(mine, pc.starts_with(q.column("source"), pattern=str(source)))
     q = q.filter(mine)
     q = q.filter(pc.invert(pc.is_in(q.column("key"), value_set=_keys_and_splits(vdir)[0])))
-    return q.column("key").to_pylist(), q.column("reason").to_pylist()
+    pictures = q.column("pictures").to_pylist() if "pictures" in q.column_names else [None] * q.num_rows
+    return q.column("key").to_pylist(), q.column("reason").to_pylist(), pictures
 
 
 def split_report(store: str | Path, tables: tuple[str, str], split: str) -> dict[str, Any]:

@@ -62,13 +62,20 @@ def _check(stage: str, cfg: PipelineConfig, store: str) -> None:
 
 def _why_empty(cfg: PipelineConfig, store: str, samples: int, version: int) -> str:
     """What, why, what to do for an empty 'val' split: resize-bucket's quarantine where it took every sample the
-    hash split put there (their keys' split is known), the hash split itself otherwise."""
+    hash split put there (their split is known: the key, and the pictures' identity a row records), the hash split
+    itself otherwise. The split rule is the version's own (stages/resize/split_rule.py)."""
     from features.open import quarantined_keys
-    from stages.resize.stage import STAGE, split_for
+    from stages.resize.split_rule import recorded_rule, split_for
+    from stages.resize.stage import STAGE
+    from store.manifest_files import read_schema
+    from store.store import Store
 
     fraction = cfg.resize.val_fraction
-    keys, reasons = quarantined_keys(store, STAGE)
-    would_be = {k: r for k, r in zip(keys, reasons) if split_for(k, fraction) == "val"}  # one reason per key
+    st = Store(store, create=False)
+    rule = recorded_rule(read_schema(st.version_dir("images", version)).attrs)
+    keys, reasons, pictures = quarantined_keys(store, STAGE)
+    would_be = {k: r for k, r, p in zip(keys, reasons, pictures)  # one reason per key
+                if (rule == "key" or p is not None) and split_for(k, p, fraction, rule) == "val"}
     if would_be:
         counts = Counter(would_be.values())
         why = ", ".join(f"{r} {n}" for r, n in sorted(counts.items()))
@@ -76,8 +83,9 @@ def _why_empty(cfg: PipelineConfig, store: str, samples: int, version: int) -> s
                 f"split with resize.val_fraction {fraction} put {len(would_be)} there, and resize-bucket "
                 f"quarantined all {len(would_be)} ({why}; rows in {Path(store) / fmt.QUARANTINE}, store "
                 f"{store}, images v{version}); fix those inputs, add samples or raise resize.val_fraction")
+    of = "key" if rule == "key" else "pictures"
     return (f"0 of {samples} samples went to the 'val' split that evaluate (its last stage) reads: the hash split "
-            f"of each sample's key with resize.val_fraction {fraction} put none of the {samples} there (store "
+            f"of each sample's {of} with resize.val_fraction {fraction} put none of the {samples} there (store "
             f"{store}, images v{version}); raise resize.val_fraction or add samples")
 
 

@@ -90,6 +90,13 @@ class ResizeConfig(Section):
         True, description="write each control's VL view control_{i}_vl.png (area control_vl_area), which Edit-Plus "
         "reads; Qwen-Image-2.1 does not (its VLM reads control_{i}.png): false skips rendering and storing them")
     val_fraction: Annotated[float, IDENTITY] = Field(0.1, ge=0.0, lt=1.0)
+    # identity (which split a sample is in, not its pixels: the encoders carry every sample across a change). Added
+    # later: "key" hashes as unset, so a store split by key before the rule was recorded stays up to date
+    split_by: Annotated[Literal["pictures", "key"] | None, Role("identity", hashed_unless_default=True,
+                                                             hashed_as=lambda rule: None if rule == "key" else rule)] = Field(
+        None, description="what the train/val hash reads: pictures = target + controls (every caption of a pair in "
+        "one split), key = target + controls + caption (stores made before this setting); None = the store's "
+        "recorded rule, pictures for a new store (stages/resize/split_rule.py)")
     shard_size_mb: Annotated[float, THROUGHPUT] = Field(256, gt=0, description="images table shard size (fractions allowed, e.g. for tests)")
     workers: Annotated[int, THROUGHPUT] = Field(0, ge=0, description="processes decoding/resizing/encoding PNGs (0 = in the main process)")
     # which bytes are the target, controls, caption: changes which samples a table holds (keys are content hashes)

@@ -20,7 +20,7 @@ def command(
     store: Optional[str] = typer.Option(None, "--store", help="Store folder to write the `images` table to (paths.store), or its URL (s3://bucket/prefix: written in a local cache, then pushed; one node)."),
     config: Optional[Path] = ConfigOpt,
     set_: list[str] = SetOpt,
-    val_fraction: Optional[float] = typer.Option(None, "--val-fraction", help="Share of samples (by key) in val (resize.val_fraction)."),
+    val_fraction: Optional[float] = typer.Option(None, "--val-fraction", help="Share of samples in val, drawn by a hash of each pair's pictures or key (resize.val_fraction; resize.split_by)."),
     area: Optional[int] = typer.Option(
         None, "--area", help="Target AND control VAE-view area in pixels, scaled together (resize.area).", min=1),
     target_area: Optional[int] = typer.Option(None, "--target-area", help="Target bucket area in pixels; controls keep theirs (resize.target_area)."),

@@ -53,6 +53,7 @@ class Known:
     key: str
     mask_sha256: str  # "" for no mask
     controls: int
+    source_hashes: tuple[str, ...] = ()  # the target's and controls' sha256s (their split: split_rule.py)
 
 
 def _identity(hashes: list[str], mask_sha256: str, caption: str) -> str:
@@ -89,7 +90,7 @@ class KnownSources:
             return None
         if not caption_text or _identity(digests, mask_digest, caption_text) != value[32:]:
             return None
-        return Known(value[:32], mask_digest, len(images) - 1)
+        return Known(value[:32], mask_digest, len(images) - 1, tuple(digests))
 
     def _cached(self, path: Path, root: Path | None) -> str | None:
         """The file's sha256 by the cache's rule, without reading it; None where the reader would refuse the file

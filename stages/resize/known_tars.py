@@ -126,7 +126,8 @@ class KnownTars:
         if tar in self.seen or self.count(tar) is None or self._rows is None:
             return None
         rows = self._rows.take(self._by_tar[tar]).to_pylist()
-        return self._recorded[tar][0], [(r["source"], Known(r["key"], r["mask_sha256"], len(r["source_hashes"]) - 1))
+        return self._recorded[tar][0], [(r["source"], Known(r["key"], r["mask_sha256"], len(r["source_hashes"]) - 1,
+                                                                      tuple(r["source_hashes"])))
                                         for r in rows]
 
     def note(self, tar: str, sha256: str, samples: int) -> None:

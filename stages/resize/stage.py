@@ -39,6 +39,7 @@ from stages.resize.folder_listing import remembered
 from stages.resize.parquet_source import remembered_footers
 from stages.resize.moved_source import Moved, recorded_source
 from stages.resize.sources import SourceSample, detect_format, iter_source
+from stages.resize.split_rule import pictures_id, rule_in_force, split_for
 from stages.resize.still_unreadable import discard_version, same_version as _same_version
 from store.row_rule import RowRule
 
@@ -88,6 +89,7 @@ class ResizeSummary:
     unreadable: list[str] = field(default_factory=list)
     # val samples whose target and controls a train sample has too (the pair under another caption: `val_sharing`)
     val_sharing: int = 0
+    split_by: str = ""  # the rule the version was split by (split_rule.py)
 
     def to_json(self) -> dict[str, Any]:
         from schemas.stage import summary_record
@@ -97,13 +99,15 @@ class ResizeSummary:
                               resumed=self.resumed, splits=dict(self.splits),
                               quarantined_by_reason=dict(self.quarantined), repaired_from=self.repaired_from,
                               newer_current=self.newer_current, source_before=self.source_before or None,
-                              val_sharing_train_images=self.val_sharing)
+                              val_sharing_train_images=self.val_sharing, split_by=self.split_by or None)
 
     def _val_sharing_line(self) -> str:
+        # only under the key rule: the pictures rule puts every caption of a pair in one split
         return (f"val: {self.val_sharing} of {self.splits['val']} val samples have the target and controls of a train "
                 "sample (the same pair under another caption): the held-out loss is measured on pictures trained on, "
-                "and evaluate's best checkpoint favours memorising them; list each pair once (one caption) for a "
-                "held-out loss that is held out")
+                "and evaluate's best checkpoint favours memorising them; this store splits by key (its rule when "
+                "made); rerun with `--set resize.split_by=pictures` to split by the pictures alone (a new images "
+                "version: samples move between splits, the encoders carry their features; train and evaluate anew)")
 
     def __str__(self) -> str:
         if self.up_to_date and self.unreadable:
@@ -190,6 +194,8 @@ def _run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> 
     started = time.perf_counter()
     fmt = detect_format(source)
     st = st if st is not None else Store(store)
+    # the store's split rule unless resize.split_by sets one: its samples keep their splits (split_rule.py)
+    rc = rc.model_copy(update={"split_by": rule_in_force(st, rc.split_by)})
     # local tars / parquet files read for the first time: hashed while read, the lineage settled at the commit
     pending = pending_tars(st, source, fmt)
 
@@ -211,7 +217,7 @@ def _run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> 
         rows = _split_and_images(st, found)
         splits = value_counts(rows.column("split"))
         return ResizeSummary(version=found, up_to_date=True, reused=splits.total(), splits=splits,
-                             val_sharing=val_sharing(rows),
+                             val_sharing=val_sharing(rows), split_by=rc.split_by,
                              seconds=time.perf_counter() - started,
                              sizes=sizes_in_force(rc.model_dump()), store=str(st.root), newer_current=newer,
                              source=str(source), source_before=before if before not in ("", str(source)) else "")
@@ -225,7 +231,7 @@ def _run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> 
     try:
         record_pending(writer, pending)
         carry = _render_source(source, fmt, rc, writer, _rendered_before(st, schema), intake, st, pending)
-        _carry_forward(st, writer, schema, carry, intake.summary)
+        _carry_forward(st, writer, schema, carry, intake.summary, rc)
         if intake.unread:
             _refuse_unread_repair(intake)
         if pending or intake.unread:  # before the commit: the lineage of the bytes streamed (first_read.py)
@@ -248,6 +254,7 @@ def _run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> 
     if summary.resumed or summary.reused:  # the resumed and carried samples count too: the version, whole
         summary.splits, summary.controls, summary.buckets = version_counts(st, summary.version)
     summary.val_sharing = val_sharing(_split_and_images(st, summary.version))
+    summary.split_by = rc.split_by
     return summary
 
 
@@ -279,8 +286,8 @@ def _split_and_images(st: Store, version: int) -> Any:
 
 
 def val_sharing(manifest: Any) -> int:
-    """How many val rows have the target and controls (`source_hashes`) of a train row. The split is a hash of the
-    key, which holds the caption: a pair listed under several captions lands in both splits, and the held-out loss
+    """How many val rows have the target and controls (`source_hashes`) of a train row. Split by key (which holds
+    the caption: split_rule.py), a pair listed under several captions lands in both splits, and the held-out loss
     then scores pictures the LoRA was trained on, unsaid. Vectorised (Arrow): ~0.4 s and ~130 MB at a million rows."""
     import pyarrow as pa
     import pyarrow.compute as pc
@@ -385,6 +392,8 @@ class _Intake:
         row = {"key": r.key, "source": rec.source, "stage": STAGE, "reason": r.reason, "detail": r.detail}
         if rec.samples > 1:  # one row for a range of unread rows: the column only there (older rows lack it)
             row["samples"] = rec.samples
+        if r.key is not None and (pictures := _pictures_of(rec)) is not None:  # its would-be split under either
+            row["pictures"] = pictures  # rule (`run all`'s val check: pipeline/val_split.py); older rows lack it
         if rec.unread is not None:
             self.unread.add(rec.unread)
         self.rejects.append(row)
@@ -577,6 +586,12 @@ def _say_why_new(st: Store, schema: TableSchema, pending: frozenset[str] = froze
     if newest is None or repair_context.active():
         return
     version, before = newest
+    from stages.resize.split_rule import ATTR, recorded_rule
+
+    if recorded_rule(before.attrs) != schema.attrs[ATTR]:  # only where resize.split_by sets it (split_rule.py)
+        tqdm.write(f"{STAGE}: images v{version} was split by {recorded_rule(before.attrs)}, this run splits by "
+                   f"{schema.attrs[ATTR]} (resize.split_by): samples move between 'train' and 'val' in the new "
+                   "version (their pictures carried, not rendered again)")
     lineage = schema.lineage
     if pending:
         settings, _, _ = lineage.config_hash.partition("-")
@@ -627,9 +642,9 @@ def _rendered_before(st: Store, schema: TableSchema) -> dict[str, str]:
 
 
 def _render_source(source: str | Path, fmt: str, rc: ResizeConfig, writer: Any, rendered_before: dict[str, str],
-                   intake: _Intake, st: Store, pending: frozenset[str] = frozenset()) -> dict[str, tuple[str, str]]:
+                   intake: _Intake, st: Store, pending: frozenset[str] = frozenset()) -> dict[str, str]:
     """Judge every source sample, render the new ones in `rc.workers` processes and add them to the writer.
-    Returns key -> (source, split) of the samples to carry forward from an earlier version instead."""
+    Returns key -> source of the samples to carry forward from an earlier version instead."""
     from models.file_hashes import FileHashes
     from stages.resize.known_sources import known_sources
     from stages.resize.known_tars import known_tars, parquet_kind
@@ -651,11 +666,11 @@ def _render_source(source: str | Path, fmt: str, rc: ResizeConfig, writer: Any, 
 
 
 def _render_samples(source: str | Path, fmt: str, rc: ResizeConfig, writer: Any, rendered_before: dict[str, str],
-                    intake: _Intake, known: Any, limit: Any) -> dict[str, tuple[str, str]]:
+                    intake: _Intake, known: Any, limit: Any) -> dict[str, str]:
     from stages.resize.resumed_sources import resumed_sources
     from stages.resize.source_count import count_samples
 
-    carry: dict[str, tuple[str, str]] = {}
+    carry: dict[str, str] = {}
     done = resumed_sources(writer.dir) if writer.done_keys else {}
 
     def to_render(bar: tqdm) -> Iterator[tuple[SourceSample, str, str]]:
@@ -676,7 +691,7 @@ def _render_samples(source: str | Path, fmt: str, rc: ResizeConfig, writer: Any,
                     key = _judge_known(rec, rc, intake.first_source)
                     if rec.known.mask_sha256:
                         intake.first_mask[key] = int(rec.known.mask_sha256[:16], 16)  # as _mask_bits of its bytes
-                    carry[key] = (rec.source, split_for(key, rc.val_fraction))
+                    carry[key] = rec.source
                     continue
                 key, caption = _judge(rec, rc, intake.first_source)
             except Rejected as r:
@@ -695,7 +710,7 @@ def _render_samples(source: str | Path, fmt: str, rc: ResizeConfig, writer: Any,
                 intake.revived_before.add(key)  # rendered again for its row; its copies judged as then
                 yield rec, key, caption
             elif _rendered_alike(rec, key, rendered_before, limit):  # same content, mask
-                carry[key] = (rec.source, split_for(key, rc.val_fraction))
+                carry[key] = rec.source
             else:
                 yield rec, key, caption
 
@@ -721,7 +736,7 @@ def _rendered_alike(rec: SourceSample, key: str, rendered_before: dict[str, str]
 
 
 def _revive(intake: _Intake, writer: Any, rendered_before: dict[str, str], limit: Any,
-            carry: dict[str, tuple[str, str]], rc: ResizeConfig, render_one: Any) -> None:
+            carry: dict[str, str], rc: ResizeConfig, render_one: Any) -> None:
     """First copies the rendering rejected (a bad mask): their next copy instead, in rounds (the i-th held copy of
     every key not yet kept), so the table does not depend on the worker count."""
     pending = intake.revivals()
@@ -735,7 +750,7 @@ def _revive(intake: _Intake, writer: Any, rendered_before: dict[str, str], limit
                 intake.kept_instead(key, rec, recs + intake.superseded.pop(key, []))
                 recs.clear()
             elif _rendered_alike(rec, key, rendered_before, limit):
-                carry[key] = (rec.source, split_for(key, rc.val_fraction))
+                carry[key] = rec.source
                 intake.kept_instead(key, rec, recs)
             else:
                 items.append((rec, key, ""))
@@ -771,17 +786,22 @@ def _render_item(item: tuple[SourceSample, str, str], rc: ResizeConfig,
     return render(rec, key, caption, rc, rules)
 
 
-def _carry_forward(st: Store, writer: Any, schema: TableSchema, carry: dict[str, tuple[str, str]],
-                   summary: ResizeSummary) -> None:
+def _carry_forward(st: Store, writer: Any, schema: TableSchema, carry: dict[str, str],
+                   summary: ResizeSummary, rc: ResizeConfig) -> None:
     """Link the shards of samples rendered before with the same settings; their source and split are this
-    run's (a view of the same pixels)."""
+    run's (a view of the same pixels: the split by this run's rule and val_fraction, from the recorded key and
+    source_hashes)."""
     from store.reuse import FEATURE_LINEAGE_ATTR, LINEAGE_BEFORE_FIXES_ATTR, carry_forward, reusable
 
     now, before = schema.attrs[FEATURE_LINEAGE_ATTR], schema.attrs.get(LINEAGE_BEFORE_FIXES_ATTR)
     for version, rows in reusable(st, TABLE, (now, before or now), carry,
                                   changed={before: MASK_FIX} if before else None).items():
         keys = rows.column("key").to_pylist()
-        views = {"source": {k: carry[k][0] for k in keys}, "split": {k: carry[k][1] for k in keys}}
+        # a version written before source_hashes was recorded lacks them: split by key they are not needed
+        hashes = rows.column("source_hashes").to_pylist() if "source_hashes" in rows.column_names else [None] * len(keys)
+        splits = {k: split_for(k, None if h is None else pictures_id(h), rc.val_fraction, rc.split_by)
+                  for k, h in zip(keys, hashes)}
+        views = {"source": {k: carry[k] for k in keys}, "split": splits}
         summary.reused += carry_forward(writer, version, rows, views)  # counted in the summary from the version
 
 
@@ -828,6 +848,8 @@ def _verify_repaired(st: Store, summary: ResizeSummary, repairing: int) -> None:
 def images_schema(rc: ResizeConfig, listing: str, source: str = "", source_format: str = "") -> TableSchema:
     from schemas.lineage import unhashed_names
     from schemas.pictures_lineage import CODE_BEFORE_FIXES_ATTR, pictures_lineage
+    from stages.resize.split_rule import ATTR as SPLIT_ATTR
+    from stages.resize.split_rule import FOR_NEW_STORE
     from store.reuse import FEATURE_LINEAGE_ATTR, LINEAGE_BEFORE_FIXES_ATTR
 
     lineage = Lineage(stage=STAGE, config_hash=f"{rc.fingerprint()}-src{listing}", code_version=code_version(f"images.{FEATURE_REVISION}"))
@@ -856,7 +878,9 @@ def images_schema(rc: ResizeConfig, listing: str, source: str = "", source_forma
         ),
         # without the operational settings (shard size, workers), which change neither features nor lineage
         attrs={
-            "resize": rc.model_dump(mode="json", exclude=unhashed_names(rc)),
+            # the split rule apart (split_rule.ATTR): recorded also where it hashes as unset ("key")
+            "resize": rc.model_dump(mode="json", exclude=unhashed_names(rc) | {"split_by"}),
+            SPLIT_ATTR: rc.split_by or FOR_NEW_STORE,
             "source": source,
             "source_format": source_format,
             "source_listing": listing,
@@ -888,13 +912,17 @@ def mask_hash(mask: bytes | None) -> str:
     return hashlib.sha256(mask).hexdigest() if mask is not None else ""
 
 
+def _pictures_of(rec: SourceSample) -> str | None:
+    """`pictures_id` of a sample read (its bytes) or found with its record; None where neither is at hand."""
+    if rec.known is not None and rec.known.source_hashes:
+        return pictures_id(rec.known.source_hashes)
+    if rec.target is None:
+        return None
+    return pictures_id(hashlib.sha256(b).hexdigest() for b in (rec.target, *rec.controls))
+
+
 def _mask_bits(mask: bytes | None) -> int:
     return int(mask_hash(mask)[:16], 16) if mask is not None else 0
-
-
-def split_for(key: str, val_fraction: float) -> str:
-    """Deterministic by key alone: the same sample is in the same split in every run and every table."""
-    return "val" if int(key[:8], 16) / 2**32 < val_fraction else "train"
 
 
 # ---------------------------------------------------------------- per sample
@@ -1010,16 +1038,17 @@ def _render(rec: SourceSample, key: str, caption: str, rc: ResizeConfig, rules: 
             notes.append("mask resized to its target")
         # bilinear keeps partial coverage at the edges as grey (a fractional weight), never rings like Lanczos
         files["mask.png"] = _png(_fit(mask, bh, bw, rc.max_aspect, Image.Resampling.BILINEAR))
+    hashes = [hashlib.sha256(b).hexdigest() for b in (rec.target, *rec.controls)]
     meta = {
         "caption": caption,
-        "split": split_for(key, rc.val_fraction),
+        "split": split_for(key, pictures_id(hashes), rc.val_fraction, rc.split_by),
         "img_shapes": [list(img_shapes_from_pixels(bh, bw))] + [list(img_shapes_from_pixels(h, w)) for h, w in vae_sizes],
         "bucket": [bh, bw],
         "control_sizes": vae_sizes,
         "control_vl_sizes": vl_sizes,
         "num_controls": len(rec.controls),
         "source": rec.source,
-        "source_hashes": [hashlib.sha256(b).hexdigest() for b in (rec.target, *rec.controls)],
+        "source_hashes": hashes,
         "source_size": [th, tw],
         "has_mask": rec.mask is not None,
         "mask_sha256": mask_hash(rec.mask),

@@ -43,6 +43,6 @@ def test_readme_demo_output_is_what_the_demo_prints(tmp_path):
     assert result.exit_code == 0, result.output
     printed = result.stdout.splitlines()
     epochs = [line for line in printed if EPOCH.match(line)]
-    assert len(epochs) == 15, "README: 'one such line per epoch, 15 in all'"
+    assert len(epochs) == 12, "README: 'one such line per epoch, 12 in all'"
     printed = [line for line in printed if not EPOCH.match(line) or line == epochs[0]]
     assert normalised(shown, shown_workdir) == normalised(printed, str(work))

@@ -27,7 +27,9 @@ def _config(tmp: Path, model: str) -> Path:
     cfg = yaml.safe_load((Path(__file__).resolve().parents[2] / "configs" / "demo.yaml").read_text())
     cfg["paths"] = {"source": str(tmp / "data"), "store": str(tmp / "store"), "model": model,
                     "run": str(tmp / "run"), "report": str(tmp / "report")}
-    cfg["resize"].update(target_area=64 * 64, control_vae_area=64 * 64, val_fraction=0.3)
+    # split by key: these demo sources were chosen for what the key hash puts in 'val' (the pictures rule's own
+    # check: tests/pipeline/test_val_split_pictures.py)
+    cfg["resize"].update(target_area=64 * 64, control_vae_area=64 * 64, val_fraction=0.3, split_by="key")
     cfg["train"].update(max_steps=24, checkpoint_every=2, keep_checkpoints=2, batch_size=2)
     cfg["evaluate"].update(num_samples=2, num_inference_steps=2, noise_seeds=[0], timesteps=[0.3, 0.7])
     # an extra prompt from files (goes through predict's stock-equivalent path, text encoder included)
@@ -166,7 +168,7 @@ def test_run_all_after_adding_a_sample_keeps_the_old_run_and_trains_afresh(tiny_
     run, report, store = tmp_path / "run", tmp_path / "report", tmp_path / "store"
     cfg["paths"] = {"source": str(tmp_path / "data"), "store": str(store), "model": tiny_plus_model,
                     "run": str(run), "report": str(report)}
-    cfg["resize"].update(target_area=64 * 64, control_vae_area=64 * 64, val_fraction=0.2)
+    cfg["resize"].update(target_area=64 * 64, control_vae_area=64 * 64, val_fraction=0.2, split_by="key")
     cfg["train"].update(max_steps=2, checkpoint_every=2, batch_size=4)  # 8 draws: the whole train split
     cfg["evaluate"].update(num_samples=1, num_inference_steps=2, noise_seeds=[0], timesteps=[0.5])
     config = tmp_path / "config.yaml"

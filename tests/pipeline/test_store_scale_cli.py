@@ -98,7 +98,7 @@ def test_added_touched_and_relabelled_samples_reuse_features(tmp_path, tiny_plus
     assert all(t["up_to_date"] and t["encoded"] == 0 and t["version"] == 2 for t in touched), touched
 
     # another val_fraction: relabelled everywhere, nothing rendered or encoded
-    relabel = ["--set", "resize.val_fraction=0.5"]
+    relabel = ["--set", "resize.val_fraction=0.9"]  # moves labels under the pictures split of these 10
     r3 = run_json("resize-bucket", "--source", src, *common, *relabel)
     t3, v3 = run_json("encode-text", *enc), run_json("encode-vae", *enc)
     assert [(x["encoded"], x["reused"], x["bytes_written"]) for x in (r3, t3, v3)] == [(0, 10, 0)] * 3

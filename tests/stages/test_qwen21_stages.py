@@ -183,8 +183,10 @@ def test_run_all_with_the_21_config_on_demo_data(tmp_path):
 
     from pipeline.cli import app
 
+    # split by key: 2 of these 10 demo samples in 'val' for the 2 generated val images below (the pictures split: 1)
     result = CliRunner().invoke(app, [str(a) for a in ("run", "all", "--config", config, "--json", *sets, "--set",
-                                                       "train.max_steps=4", "--set", "train.checkpoint_every=2")])
+                                                       "train.max_steps=4", "--set", "train.checkpoint_every=2",
+                                                       "--set", "resize.split_by=key")])
     assert result.exit_code == 0, result.output
     summaries = json.loads(result.stdout)
     assert [s["stage"] for s in summaries][:4] == ["resize-bucket", "encode-text", "encode-vae", "train"]

@@ -18,7 +18,8 @@ from PIL import Image
 from pipeline.config import load_config
 from pipeline.demo_data import make_demo_data
 from stages.resize.bucketing import BucketRule, bucket_size
-from stages.resize.stage import run, sample_key, split_for
+from stages.resize.split_rule import split_for
+from stages.resize.stage import run, sample_key
 from store import Store
 from store.verify import verify_store
 import warm_start  # the killed and rerun resizes: real processes, started warm
@@ -194,9 +195,10 @@ def test_key_is_content_hash_and_split_is_deterministic():
     assert k != sample_key(b"t", [b"c2", b"c1"], "edit") != sample_key(b"t", [b"c1c2"], "edit")
     assert k != sample_key(b"t", [b"c1", b"c2"], "edit!")
     keys = [sample_key(str(i).encode(), [], "x") for i in range(2000)]
-    val = [split_for(x, 0.1) for x in keys].count("val")
-    assert 150 < val < 250 and [split_for(x, 0.1) for x in keys] == [split_for(x, 0.1) for x in keys]
-    assert {split_for(x, 0.0) for x in keys} == {"train"}
+    val = [split_for(x, None, 0.1, "key") for x in keys].count("val")
+    assert 150 < val < 250 and [split_for(x, None, 0.1, "key") for x in keys] == [split_for(x, None, 0.1, "key")
+                                                                                for x in keys]
+    assert {split_for(x, x, 0.0, rule) for x in keys for rule in ("key", "pictures")} == {"train"}
 
 
 def test_three_source_formats_give_the_same_table(tmp_path):

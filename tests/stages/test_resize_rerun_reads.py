@@ -16,6 +16,7 @@ from models import file_hashes
 from pipeline.config import load_config
 from pipeline.demo_data import make_demo_data
 from stages.resize import content, sources, stage
+from stages.resize.split_rule import pictures_id, split_for
 from store import Store
 
 SMALL = {"resize.target_area": 64 * 64, "resize.control_vae_area": 64 * 64, "resize.control_vl_area": 32 * 32,
@@ -92,7 +93,9 @@ def test_a_rerun_with_only_val_fraction_changed_reads_no_image_bytes(tmp_path: P
     assert max(reads.images.values()) == 1
     assert reads.keys == 2 and reads.hashed == []
     monkeypatch.undo()
-    assert Counter(stage.split_for(k, 0.5) for k in _rows(Store(out))) == again.splits
+    # carried unread, split by their pictures (recorded source_hashes) under the new fraction, as a fresh run
+    assert Counter(split_for(k, pictures_id(m["source_hashes"]), 0.5, "pictures")
+                   for k, (_, m) in _rows(Store(out)).items()) == again.splits
     _same_as_fresh(tmp_path, out, src, {"resize.val_fraction": 0.5})
 
 

@@ -15,6 +15,7 @@ from models import file_hashes
 from pipeline.config import load_config
 from pipeline.demo_data import make_demo_data
 from stages.resize import content, sources, stage
+from stages.resize.split_rule import pictures_id, split_for
 from store import Store
 from tests.stages.test_resize_rerun_reads import SMALL, _rows, _same_as_fresh
 
@@ -73,7 +74,9 @@ def test_unchanged_tars_are_not_opened_on_a_val_fraction_rerun(tmp_path: Path, m
     assert (again.written, again.reused, again.version) == (0, 48, 2)
     assert not opened.tars and opened.hashed == []  # before: every tar streamed (and header-walked) again
     monkeypatch.undo()
-    assert Counter(stage.split_for(k, 0.5) for k in _rows(Store(out))) == again.splits
+    # carried unread, split by their pictures (recorded source_hashes) under the new fraction, as a fresh run
+    assert Counter(split_for(k, pictures_id(m["source_hashes"]), 0.5, "pictures")
+                   for k, (_, m) in _rows(Store(out)).items()) == again.splits
     _same_as_fresh(tmp_path, out, src, {"resize.val_fraction": 0.5})
 
     # the record is carried with v2: a third run opens none either

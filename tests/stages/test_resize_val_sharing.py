@@ -1,4 +1,5 @@
-"""A pair listed under several captions: the split is a hash of the key, which holds the caption, so its copies land
+"""A pair listed under several captions, split by key (`resize.split_by: key`, the rule of every store made before
+the pictures rule; tests/stages/test_resize_split_rule.py): the key holds the caption, so its copies land
 in both splits and the held-out loss scores pictures the LoRA was trained on (evaluate's best checkpoint then
 favours memorising them). Before, nothing said so; now the resize summary counts the val samples whose target and
 controls a train sample has too (`val_sharing_train_images` in --json)."""
@@ -33,7 +34,7 @@ def _resize(src, store, captions_per_pair: int) -> dict:
                  for n in range(captions_per_pair)]
     (src / "m.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     args = ["run", "resize-bucket", "--source", str(src / "m.jsonl"), "--store", str(store), "--set",
-            "resize.target_area=4096", "--set", "resize.multiple=16", "--set", "resize.val_fraction=0.3"]
+            "resize.target_area=4096", "--set", "resize.multiple=16", "--set", "resize.val_fraction=0.3", "--set", "resize.split_by=key"]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     again = CliRunner().invoke(app, [*args, "--json"])  # the up-to-date rerun says it too

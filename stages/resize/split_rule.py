@@ -1,0 +1,67 @@
+"""Which split, 'train' or 'val', resize-bucket puts a sample in: the one rule every reader of a split uses.
+
+A hash decides it, deterministic across runs and tables. Of what is `resize.split_by`, recorded per `images`
+version in its schema attrs (`split_by`):
+
+  pictures  the target and controls alone (their file sha256s, the `source_hashes` column): a pair listed under
+            several captions lands in one split, so the held-out loss never scores pictures trained on.
+  key       the sample key (target + controls + caption): the rule of every store made before the record.
+            Such a pair lands in both splits (the summary's `val: N of M val samples have the target ...`).
+
+Unset (None), the rule is the store's: that of its current `images` version (`key` where it records none), and
+`pictures` for a new store. A store's samples never move between splits unless the user sets the rule."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import TYPE_CHECKING, Any, Iterable
+
+if TYPE_CHECKING:
+    from store import Store
+
+ATTR = "split_by"  # the images schema attr recording the rule a version was split by
+RULES = ("pictures", "key")
+BEFORE_RECORD = "key"  # a version that records no rule was split by key
+FOR_NEW_STORE = "pictures"
+
+
+def pictures_id(source_hashes: Iterable[str]) -> str:
+    """The identity of a sample's pictures: a hash of its target's and controls' sha256s, in order (each 64 hex
+    chars, so their concatenation is unambiguous)."""
+    return hashlib.sha256("".join(source_hashes).encode("ascii")).hexdigest()[:32]
+
+
+def split_for(key: str, pictures: str | None, val_fraction: float, rule: str) -> str:
+    """'val' with probability `val_fraction`, by a hash of the pictures (`pictures_id`) or of the key (`rule`)."""
+    if rule not in RULES:
+        raise ValueError(f"unknown split rule {rule!r}")
+    of = key if rule == "key" else pictures
+    if of is None:
+        raise ValueError("the pictures rule needs the pictures' identity")
+    return "val" if int(of[:8], 16) / 2**32 < val_fraction else "train"
+
+
+def recorded_rule(attrs: dict[str, Any]) -> str:
+    """The rule an `images` version was split by, from its schema attrs."""
+    rule = attrs.get(ATTR)
+    return rule if rule in RULES else BEFORE_RECORD
+
+
+def store_rule(st: Store, table: str = "images") -> str | None:
+    """The rule of the store's current `images` version (else its newest complete one); None: it has none."""
+    from schemas.errors import UserError
+    from store.manifest_files import read_schema
+
+    current = st.tables().get(table)
+    if current is not None:
+        try:
+            return recorded_rule(read_schema(st.version_dir(table, current)).attrs)
+        except (UserError, OSError, ValueError):  # unreadable: the newest complete version's
+            pass
+    newest = st.newest_complete(table)
+    return None if newest is None else recorded_rule(newest[1].attrs)
+
+
+def rule_in_force(st: Store, split_by: str | None) -> str:
+    """`resize.split_by` where set, else the store's rule, else (a new store) `pictures`."""
+    return split_by or store_rule(st) or FOR_NEW_STORE
