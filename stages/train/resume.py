@@ -62,5 +62,7 @@ def unapplied_settings(run_dir: Path, now: dict[str, Any]) -> list[str]:
         before = yaml.safe_load((run_dir / CONFIG_FILE).read_text()) or {}
     except (OSError, yaml.YAMLError):
         return []
-    only = lambda train: {k: v for k, v in (train or {}).items() if k in WHILE_TRAINING}  # noqa: E731
-    return up_to_date.changed_settings(only(before.get("train")), only(now.get("train")), "train")
+    recorded = {k: v for k, v in (before.get("train") or {}).items() if k in WHILE_TRAINING}
+    # only those the file records: one written before a setting existed says nothing of it (no "(unset) -> 0")
+    present = {k: v for k, v in (now.get("train") or {}).items() if k in recorded}
+    return up_to_date.changed_settings(recorded, present, "train")

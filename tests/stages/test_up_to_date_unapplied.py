@@ -35,3 +35,11 @@ def test_an_up_to_date_skip_names_the_while_training_settings_it_did_not_apply(s
     line = str(skipped)
     assert "not applied, nothing was trained: train.sample_every: None -> 1, train.validate_every: None -> 1" in line
     assert "--new-run" in line
+    # a train_config.yaml written before a setting existed names none it does not record
+    import yaml
+
+    recorded = yaml.safe_load((out / "train_config.yaml").read_text())
+    del recorded["train"]["profile"], recorded["train"]["sample_every"]
+    (out / "train_config.yaml").write_text(yaml.safe_dump(recorded))
+    older = run(asked, store_dir, tiny_edit_model, out, skip_if_done=True)
+    assert older.up_to_date and older.unapplied == ["train.validate_every: None -> 1"]
