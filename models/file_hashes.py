@@ -6,6 +6,8 @@ Used by the model fingerprints (`models.loading`) and by the source identity of 
 rewritten, copied) is read and hashed again, and keeps its identity when its bytes are the same. The inode change
 time (ctime) counts too: no tool can set it, so weights rewritten in place with the same size and their mtime put
 back (`cp -p`, `rsync -a --inplace`, a download tool restoring the upload time) are not taken for the old ones.
+Where times are whole seconds, a file changed less than `RACY_NS` before it was read is not remembered: a same-size
+rewrite within that second would keep all three.
 
 A file found under another path (its folder moved or renamed, or mounted elsewhere: a bind mount) is known by its
 inode: the same device, inode, size, mtime and ctime as a row hashed under its old path (a rename changes none of
@@ -69,6 +71,13 @@ _BY_INODE = ("SELECT sha256 FROM sha256 WHERE dev = ? AND ino = ? AND size = ? A
 # the client or another host's)
 STABLE_INODES = {"ext2", "ext3", "ext4", "xfs", "btrfs", "zfs", "f2fs", "tmpfs", "overlay", "bcachefs"}
 _INT64 = 1 << 63  # sqlite's INTEGER: a larger inode number is not recorded
+# A file with whole-second times (a file system stamping at 1 s: ext3, HFS+, some NFS servers; 2 s: FAT) changed
+# within this long before its bytes were read is hashed, not remembered ("racy git"): a same-size rewrite in the
+# same second as the read keeps its size, mtime and ctime, and its new bytes would pass for the hashed ones for
+# ever. Such a file is read again by the next run (and remembered once it is older). Times with nanoseconds (ext4,
+# xfs, btrfs, tmpfs) are trusted as they are.
+RACY_NS = 2_000_000_000
+_SECOND_NS = 1_000_000_000
 
 
 def file_sha256(path: str | Path) -> str:
@@ -351,7 +360,13 @@ class FileHashes:
             return None
         return row[0] if row is not None and isinstance(row[0], str) and _SHA256.fullmatch(row[0]) else None
 
-    def _remember(self, real: str, st: os.stat_result, digest: str) -> None:
+    def _remember(self, real: str, st: os.stat_result, digest: str, read_at: int | None = None) -> None:
+        """`read_at`: when the bytes hashed began to be read (time.time_ns; None: now). A file with whole-second
+        times changed within `RACY_NS` of it is not remembered."""
+        changed = max(st.st_mtime_ns, st.st_ctime_ns)
+        if st.st_mtime_ns % _SECOND_NS == 0 and st.st_ctime_ns % _SECOND_NS == 0 and \
+                (time.time_ns() if read_at is None else read_at) - changed < RACY_NS:
+            return
         dev, ino = self._inode(real, st) or (None, None)
         self._pending[real] = (st.st_size, st.st_mtime_ns, st.st_ctime_ns, digest, dev, ino)
         if len(self._pending) >= FLUSH_EVERY:
@@ -374,9 +389,10 @@ class FileHashes:
         stamp = (st.st_size, st.st_mtime_ns, st.st_ctime_ns)
         if (known := self._cached_at(real, st)) is not None:  # resolved and stat'ed once, not again in `cached`
             return known
+        read_at = time.time_ns()
         digest = file_sha256(real)
         self.hashed += 1
         after = os.stat(real)
         if (after.st_size, after.st_mtime_ns, after.st_ctime_ns) == stamp and after.st_ino == st.st_ino:
-            self._remember(real, after, digest)  # not changed while read
+            self._remember(real, after, digest, read_at)  # not changed while read
         return digest

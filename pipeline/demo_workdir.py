@@ -39,3 +39,20 @@ def claim_workdir(workdir: Path) -> None:
         )
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / MARKER).write_text("written by `pipeline demo`; a rerun with this --workdir reuses what is here\n")
+
+
+def write_config(effective: Path, text: str) -> Path | None:
+    """DIR/config.yaml, the settings this demo runs with. One that holds other settings (edited after the last demo,
+    as its summary invites) is kept as DIR/config.previous.yaml first, not overwritten unseen; returns where."""
+    from store.format import atomic_write_bytes
+
+    try:
+        before = effective.read_text()
+    except FileNotFoundError:
+        before = None
+    kept = None
+    if before is not None and before != text:
+        kept = effective.with_name("config.previous.yaml")
+        atomic_write_bytes(kept, before.encode())
+    atomic_write_bytes(effective, text.encode())
+    return kept

@@ -108,11 +108,14 @@ def command(
     paths = {"source": workdir / "data", "store": store or workdir / "store", "model": workdir / "tiny-model",
              "run": workdir / "run", "report": workdir / "report"}
     cfg = config_from(config, {f"paths.{k}": str(v) for k, v in paths.items()}, set_)
-    from pipeline.demo_workdir import claim_workdir
+    from pipeline.demo_workdir import claim_workdir, write_config
 
     with user_errors():
         claim_workdir(workdir)
-    effective.write_text(dump_config(cfg))
+        kept = write_config(effective, dump_config(cfg))
+    if kept is not None:
+        echo(f"{effective} held other settings than this demo's (edited since?): kept as {kept} (run them with "
+             f"`pipeline run all --config {kept}`); this demo runs with --config {config}")
 
     with user_errors():
         prepare_inputs(paths["model"], paths["source"], cfg.resize.max_controls)

@@ -183,7 +183,8 @@ def run(
     accelerator = make_accelerator(cfg.train) if world > 1 else None  # the ranks' process group, to decide together
     if skip_if_done and finished_here(cfg, store, model, out, world):
         lora = Path(out) / "lora"
-        return TrainResult(Path(out), lora, cfg.train.max_steps, cfg.train.max_steps, up_to_date=True)
+        return TrainResult(Path(out), lora, cfg.train.max_steps, cfg.train.max_steps, up_to_date=True,
+                           unapplied=_unapplied(Path(out), cfg))
     from stages.train.trackers import tracker_classes
 
     accelerator = accelerator or make_accelerator(cfg.train)
@@ -236,6 +237,14 @@ def run(
         cleanup(r, locks)
 
 
+def _unapplied(out: Path, cfg: PipelineConfig) -> list[str]:
+    """The settings acting only while training that an up-to-date skip leaves undone (`resume.unapplied_settings`:
+    a validation curve or sample grids asked for now, which the finished run was trained without)."""
+    from stages.train.resume import unapplied_settings
+
+    return unapplied_settings(out, cfg.model_dump(mode="json"))  # as train_config.yaml records it (dump_config)
+
+
 def finished_here(cfg: PipelineConfig, store: str | Path, model: str, out: str | Path, world: int) -> bool:
     """`up_to_date`, decided by every rank together: done only where every rank sees the finished run. Each rank
     reads OUT and the store itself; one that returned while the others trained would leave them waiting for it
@@ -286,7 +295,7 @@ def take_back_kept(cfg: PipelineConfig, store: str | Path, model: str, out: Path
         if finished:
             moved = _swap(out, kept, before_keep, locks, "the finished run")
             return TrainResult(out, out / "lora", cfg.train.max_steps, cfg.train.max_steps, up_to_date=True,
-                               kept_previous=moved), moved
+                               kept_previous=moved, unapplied=_unapplied(out, cfg)), moved
         if step is not None:
             partial.append((step, kept))
     if resume and partial and not _resumes(cfg, store, model, out, train, backend):

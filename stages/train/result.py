@@ -32,6 +32,8 @@ class TrainResult:
     data: dict = field(default_factory=dict)  # the join's report: samples, dropped, reasons (store.join)
     kept_previous: Path | None = None  # where the run the folder held before this fresh start was kept
     init_lora: str | None = None  # train.init_lora this run started from (not a resume)
+    # up to date: the settings acting only while training that differ from the run's (`resume.unapplied_settings`)
+    unapplied: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
         from schemas.stage import absolute, summary_record
@@ -44,6 +46,10 @@ class TrainResult:
 
     def __str__(self) -> str:
         if self.up_to_date:
-            return f"LoRA {self.lora_dir} is up to date ({self.steps} steps on the current tables)"
+            line = f"LoRA {self.lora_dir} is up to date ({self.steps} steps on the current tables)"
+            if self.unapplied:
+                line += (f"; not applied, nothing was trained: {', '.join(self.unapplied)} (they act while training: "
+                         f"`pipeline run train --new-run` trains again with them)")
+            return line
         return train_line(self.start_step, self.steps, self.losses, self.step_epochs, self.lora_dir,
                           init_lora=self.init_lora, skipped=len(self.skipped_steps))

@@ -425,3 +425,48 @@ def test_paths_resolve_as_realpath_does_with_each_folder_resolved_once(tmp_path,
     under = [str(p) for p in resolved if str(p).startswith((str(real), str(tmp_path / "linked")))]
     folders_once = under.count(str(real)) == 1 and under.count(str(tmp_path / "linked")) == 1
     assert folders_once and len(under) <= 3, under  # besides: the mount type of the files' device, looked up once
+
+
+def test_a_same_second_rewrite_on_a_whole_second_file_system_is_read_again(tmp_path, cache, monkeypatch) -> None:
+    """ext3, HFS+, FAT and some NFS servers stamp whole seconds: a caption fixed by one letter within the second
+    it was hashed in keeps its size, mtime and ctime. Its hash is not remembered while that second can still
+    change it ("racy git"), so the next run reads the new bytes; once older, it is remembered (read once)."""
+    f = tmp_path / "sample.txt"
+    f.write_bytes(b"a cat")
+    second = 1_700_000_000 * 10**9  # the second both writes fall in, as such a file system stamps them
+    real_stat, real_path = os.stat, os.path.realpath(f)
+
+    class Coarse:  # the file's stat as a whole-second file system reports it
+        def __init__(self, st):
+            self._st = st
+
+        def __getattr__(self, name):
+            if name in ("st_mtime_ns", "st_ctime_ns"):
+                return second
+            return second / 1e9 if name in ("st_mtime", "st_ctime") else getattr(self._st, name)
+
+    monkeypatch.setattr(fh.os, "stat", lambda p, *a, **k: Coarse(real_stat(p, *a, **k))
+                        if os.fspath(p) == real_path else real_stat(p, *a, **k))
+
+    class Clock:  # time.time_ns at a given offset into that second; the rest of `time` as it is
+        now = second + 300_000_000
+
+        def __getattr__(self, name):
+            return getattr(time, name)
+
+        def time_ns(self):
+            return self.now
+
+    clock = Clock()
+    monkeypatch.setattr(fh, "time", clock)
+    with FileHashes("t.sqlite") as h:
+        assert h.sha256(f) == hashlib.sha256(b"a cat").hexdigest()
+    f.write_bytes(b"a car")  # the same size, the same second: the same (size, mtime, ctime)
+    clock.now = second + 700_000_000
+    with FileHashes("t.sqlite") as h:
+        assert h.sha256(f) == hashlib.sha256(b"a car").hexdigest() and h.hashed == 1
+    clock.now = second + 5 * 10**9  # seconds later: nothing can change it unseen any more, remembered
+    with FileHashes("t.sqlite") as h:
+        assert h.sha256(f) == hashlib.sha256(b"a car").hexdigest() and h.hashed == 1
+    with FileHashes("t.sqlite") as h:
+        assert h.sha256(f) == hashlib.sha256(b"a car").hexdigest() and h.hashed == 0

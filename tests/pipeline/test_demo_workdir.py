@@ -63,3 +63,34 @@ def test_a_demo_killed_right_after_its_data_gets_its_broken_sample_on_the_rerun(
     before = sorted(p.name for p in (data / "target").iterdir())
     demo.prepare_inputs(tmp_path / "model", data, max_controls=1)  # a rerun adds nothing
     assert sorted(p.name for p in (data / "target").iterdir()) == before
+
+
+def test_a_demo_rerun_keeps_a_config_yaml_edited_since(tmp_path, monkeypatch):
+    """The summary invites editing DIR/config.yaml; a later `pipeline demo` into DIR wrote its own settings over
+    it, the edits gone without a word. Now the edited file is kept as DIR/config.previous.yaml and named; an
+    unedited one is rewritten as it was, nothing kept."""
+    import pipeline.orchestrate
+    from pipeline.commands import demo
+
+    class Stop(Exception):
+        pass
+
+    def stop(*a, **k):
+        raise Stop  # the stages are not this test's: the config is written before they run
+
+    monkeypatch.setattr(demo, "prepare_inputs", lambda *a, **k: None)
+    monkeypatch.setattr(pipeline.orchestrate, "run_all", stop)
+    workdir = tmp_path / "w"
+    CliRunner().invoke(app, ["demo", "--workdir", str(workdir)])
+    config = workdir / "config.yaml"
+    written = config.read_text()
+    assert "max_steps: 60" in written
+    res = CliRunner().invoke(app, ["demo", "--workdir", str(workdir)])  # unedited: nothing kept, nothing said
+    assert isinstance(res.exception, Stop) and not (workdir / "config.previous.yaml").exists()
+    assert "config.previous.yaml" not in res.output
+    config.write_text(written.replace("max_steps: 60", "max_steps: 600"))  # the user's edit
+    res = CliRunner().invoke(app, ["demo", "--workdir", str(workdir)])
+    assert isinstance(res.exception, Stop)
+    assert (workdir / "config.previous.yaml").read_text() == written.replace("max_steps: 60", "max_steps: 600")
+    assert config.read_text() == written
+    assert f"kept as {workdir / 'config.previous.yaml'}" in res.output
