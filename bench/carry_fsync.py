@@ -7,13 +7,14 @@ changed), interleaved, --repeat times, after checking both write the same manife
   old   the former per-shard folder fsync (every `atomic_write_bytes` made to fsync its folder, as before)
   new   the code as it is
 the whole relabel (bench/scale_ops.py `relabel`: read v1's manifest, the split flipped for every 7th sample,
-carry_forward, commit), its os.fsync calls and the seconds. Prints old / new.
+carry_forward, commit), its os.fsync calls and their seconds, and the seconds. Prints old / new.
 
     python bench/carry_fsync.py --samples 30000 100000 --dir /tmp/scale
 
-2-core machine shared with other helpers (load ~6, the times swing), ext4 on a virtual disk, best of 2:
-  N=30k   177 shards   old 3.1 s,  367 fsyncs   new 2.8 s, 190 fsyncs   1.11x (best of 1)
-  N=100k  590 shards   old 8.3 s, 1193 fsyncs   new 6.2 s, 603 fsyncs   1.34x
+2-core machine shared with other helpers (load ~6, the times swing), ext4 on a virtual disk, best of 2
+(a first run: 100k 8.3 -> 6.2 s, 300k 14.7 -> 17.4 s: the disk's fsyncs swing with the other jobs' writes):
+  N=100k   590 shards   old  4.4 s, 1193 fsyncs 1.2 s   new  3.7 s,  603 fsyncs 0.5 s   1.18x time, 2.3x fsync
+  N=300k  1769 shards   old 14.0 s, 3551 fsyncs 2.5 s   new 12.4 s, 1782 fsyncs 1.4 s   1.14x time, 1.8x fsync
 The fsyncs left are each linked index's bytes (before its name exists: a name that survives a power loss has its
 bytes), and the commit's own files.
 """
@@ -38,18 +39,20 @@ CHILD = """
 import json, os, sys, time
 sys.path.insert(0, {root!r})
 from store import format as fmt
-fsyncs = [0]
+fsyncs = [0, 0.0]
 real_fsync = os.fsync
 def counted(fd):
-    fsyncs[0] += 1
+    t = time.perf_counter()
     real_fsync(fd)
+    fsyncs[0] += 1
+    fsyncs[1] += time.perf_counter() - t
 os.fsync = counted
 if sys.argv[2] == "old":  # the folder fsynced after every index, as before
     write = fmt.atomic_write_bytes
     fmt.atomic_write_bytes = lambda path, data, replace=True, sync_dir=True: write(path, data, replace, True)
 t0 = time.perf_counter()
 {relabel}
-print(json.dumps({{"s": time.perf_counter() - t0, "fsyncs": fsyncs[0]}}))
+print(json.dumps({{"s": time.perf_counter() - t0, "fsyncs": fsyncs[0], "fsync_s": fsyncs[1]}}))
 """
 
 
@@ -89,8 +92,9 @@ def main() -> None:
                 runs[side].append(run(root, args.dir / f"carry-{n}", side))
         assert len({r["digest"] for rs in runs.values() for r in rs}) == 1, "the written versions differ"
         o, w = (min(rs, key=lambda r: r["s"]) for rs in runs.values())
-        print(f"N={n}: old {o['s']:.1f} s, {o['fsyncs']} fsyncs; new {w['s']:.1f} s, {w['fsyncs']} fsyncs; "
-              f"old / new {o['s'] / w['s']:.2f}x time", flush=True)
+        fo, fw = (min(r["fsync_s"] for r in rs) for rs in runs.values())
+        print(f"N={n}: old {o['s']:.1f} s, {o['fsyncs']} fsyncs {fo:.1f} s; new {w['s']:.1f} s, {w['fsyncs']} fsyncs "
+              f"{fw:.1f} s; old / new {o['s'] / w['s']:.2f}x time, {fo / fw:.2f}x fsync time", flush=True)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,9 @@ of 2 (the RSS has ~70-80 MB that do not grow with N: the readers' threads, first
           images  177 indexes  old 1.25 s +138 MB RSS  46 MB Arrow   new 0.50 s +140 MB RSS  42 MB Arrow
   N=100k  vae     384 indexes  old 1.35 s +203 MB RSS 117 MB Arrow   new 0.87 s +175 MB RSS  75 MB Arrow
           images  590 indexes  old 4.37 s +296 MB RSS 153 MB Arrow   new 2.16 s +220 MB RSS  91 MB Arrow
+  N=300k  vae    1152 indexes  old 2.14 s +523 MB RSS 352 MB Arrow   new 1.71 s +339 MB RSS 225 MB Arrow
+          images 1769 indexes  old 5.59 s +722 MB RSS 459 MB Arrow   new 5.78 s +452 MB RSS 264 MB Arrow
+At 1M (linear from 100k-300k): vae ~+1.65 GB -> ~+1.0 GB, images ~+2.2 GB -> ~+1.3 GB. Times swing ~2x with load.
 """
 
 from __future__ import annotations
