@@ -184,10 +184,12 @@ def named_as_final(e: BaseException, tmp: Path, final: Path) -> BaseException:
     return new
 
 
-def atomic_write_bytes(path: Path, data: bytes, replace: bool = True) -> None:
+def atomic_write_bytes(path: Path, data: bytes, replace: bool = True, sync_dir: bool = True) -> None:
     """Temp file in the same folder, fsync, rename, fsync the folder: readers see the old or the new file.
     A failed write (full disk, ...) removes its temp file and re-raises. `replace=False`: a file already named
-    `path` is never replaced (`rename_new`: FileExistsError)."""
+    `path` is never replaced (`rename_new`: FileExistsError). `sync_dir=False`: the folder not fsynced here - the
+    caller fsyncs it once after many such files, before anything that counts on their names surviving a power
+    loss (the file's bytes are durable before its name: a name that survives always has its bytes)."""
     tmp = temp_of(path)
     try:
         with open(tmp, "wb") as f:
@@ -200,7 +202,8 @@ def atomic_write_bytes(path: Path, data: bytes, replace: bool = True) -> None:
         if (named := named_as_final(e, tmp, path)) is not e:
             raise named from e
         raise
-    fsync_dir(path.parent)
+    if sync_dir:
+        fsync_dir(path.parent)
 
 
 def rename_new(src: Path, dst: Path) -> None:
@@ -323,8 +326,8 @@ def parquet_bytes(table: pa.Table) -> bytes:
     return buf.getvalue()
 
 
-def atomic_write_parquet(path: Path, table: pa.Table, replace: bool = True) -> None:
-    atomic_write_bytes(path, parquet_bytes(table), replace)
+def atomic_write_parquet(path: Path, table: pa.Table, replace: bool = True, sync_dir: bool = True) -> None:
+    atomic_write_bytes(path, parquet_bytes(table), replace, sync_dir)
 
 
 def read_json(path: Path, what: str) -> Any:

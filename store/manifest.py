@@ -82,6 +82,9 @@ WHERE_COLUMNS = frozenset({"shard", "shard_sha256", "shard_nbytes", "shard_crc32
 # shard indexes read at a time by a commit: parquet decoding releases the GIL, and on a shared file system each
 # file is a round trip or more
 INDEX_READERS = 8
+# shard indexes whose rows a merge joins into one table as it reads them (~50-100k rows): a merge's memory is
+# then ~one copy of the rows in a few large buffers, not ~20-30k indexes' small ones (bench/merge_memory.py)
+JOINED_INDEXES = 256
 
 
 class IndexRead(NamedTuple):
@@ -137,16 +140,41 @@ def merge_measured(paths: Iterable[Path], check: Callable[[Path, tuple[str, int]
     Any other duplicate key (two ranks, or other content) is an error naming both shards. `check`: as in
     `read_indexes`."""
     paths = list(paths)
-    reads = read_indexes(paths, check=check)
-    measured = {p.name: r.measured for p, r in zip(paths, reads)}
-    return _merged([r.rows for r in reads]), measured
+    measured: dict[str, tuple[str, int]] = {}
+    parts = []
+    for i in range(0, len(paths), JOINED_INDEXES):
+        batch = paths[i:i + JOINED_INDEXES]
+        reads = read_indexes(batch, check=check)
+        measured.update((p.name, r.measured) for p, r in zip(batch, reads))
+        # one chunk per column for the batch: the indexes' small buffers freed now (and reused by the next batch's),
+        # not held, scattered, until the end of the merge
+        parts.append(pa.concat_tables([r.rows for r in reads], promote_options="permissive").combine_chunks())
+        del reads
+    return _merged(parts), measured  # `_merged` releases each part's columns as it goes: nothing else holds them
 
 
 def _merged(parts: list[pa.Table]) -> pa.Table:
+    """The parts' rows sorted by key (then shard), duplicates dropped or refused (`merge_measured`). Empties `parts`.
+
+    Sorted one column at a time: each column's chunks joined, taken in key order and dropped from the parts, so
+    that the parts' copy shrinks as the sorted one grows (~one copy of the rows, not two plus a column's joined
+    chunks: bench/merge_memory.py); the order from the key and shard columns joined, not over their chunks."""
     if not parts:
         return empty_manifest()
     table = pa.concat_tables(parts, promote_options="permissive")
-    table = table.sort_by([("key", "ascending"), ("shard", "ascending")])  # a rank's shards: by number (zero-padded)
+    parts.clear()
+    keys = table.column("key").combine_chunks()
+    order = pc.sort_indices(pa.table({"key": keys, "shard": table.column("shard").combine_chunks()}),
+                            sort_keys=[("key", "ascending"), ("shard", "ascending")])  # a rank's shards: by number
+    schema, columns = table.schema, []
+    for name in schema.names:
+        column = keys if name == "key" else table.column(name).combine_chunks()
+        table = table.drop_columns([name])
+        columns.append(column.take(order))
+        del column
+    del keys
+    table = pa.Table.from_arrays(columns, schema=schema)
+    del columns
     keys = table.column("key").combine_chunks()
     # rows whose key is the one before (sorted): found in Arrow, not as a Python str per row
     again = np.flatnonzero(pc.equal(keys.slice(1), keys.slice(0, len(keys) - 1)).to_numpy(zero_copy_only=False)) + 1 \

@@ -169,6 +169,7 @@ class TableWriter:
         if self._finished:
             return
         self._shards.commit()
+        self._shards.sync()  # the linked shards' names durable before the done file says they are all committed
         mark_rank_done(self, rejected)
         self._finished = True
 

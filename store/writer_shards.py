@@ -68,6 +68,7 @@ class RankShards:
         self.written_bytes = 0  # bytes of the shards this session wrote and committed itself (not linked ones)
         self.indexes: set[str] = set()  # index names of the shards committed in this session (written or linked)
         self._done_dropped = False
+        self._unsynced = False  # names of linked shards (and their indexes) not yet made durable by a folder fsync
         self._builder: ShardBuilder | None = None
         self._metas: list[dict[str, Any]] = []
 
@@ -134,9 +135,19 @@ class RankShards:
         self._metas = []
         fmt.crash_point("after_shard_commit")
 
-    def _publish(self, tmp: Path, index_of: Callable[[str], pa.Table]) -> str:
+    def sync(self) -> None:
+        """Make the names of the shards linked in this session durable (one fsync of the folder): before the rank's
+        done file, which says every shard of the rank is committed. A power loss before it may lose some linked
+        shards' names (tar or index): those samples are not committed, and a resumed writer carries them again."""
+        if self._unsynced:
+            with writing(f"a shard of {self.label}", self.dir):
+                fmt.fsync_dir(self.dir)
+            self._unsynced = False
+
+    def _publish(self, tmp: Path, index_of: Callable[[str], pa.Table], sync_dir: bool = True) -> str:
         """Name the finished shard file `tmp` with the first free shard name of the rank from `next_index` on, then
-        write its index (`index_of(name)`): the commit. Returns the name; `next_index` is past it."""
+        write its index (`index_of(name)`): the commit. Returns the name; `next_index` is past it. `sync_dir=False`:
+        the folder is not fsynced after the index (`sync` does it later)."""
         while True:
             name = fmt.shard_name(self.rank, self.next_index)
             self.next_index += 1
@@ -146,7 +157,8 @@ class RankShards:
                 continue
             fmt.crash_point("shard_before_index")
             try:
-                fmt.atomic_write_parquet(self.dir / fmt.index_name(name), index_of(name), replace=False)
+                fmt.atomic_write_parquet(self.dir / fmt.index_name(name), index_of(name), replace=False,
+                                         sync_dir=sync_dir)
                 self.indexes.add(fmt.index_name(name))
                 return name
             except FileExistsError:  # another shard's index, its tar not here (adopted from a store URL): skipped
@@ -173,7 +185,11 @@ class RankShards:
             tmp.unlink(missing_ok=True)
             try:
                 fmt.link_or_copy(ensure_local(Path(src)), tmp)  # a lazily cached source shard: fetched first
-                name = self._publish(tmp, index_of)  # carried samples now committed
+                # carried samples now committed; the folder fsynced once for all of them (`sync`), not per shard:
+                # a hard link has no bytes of its own to make durable, only its name, and the index's bytes are
+                # fsynced before its name exists
+                name = self._publish(tmp, index_of, sync_dir=False)
+                self._unsynced = True
             except BaseException:
                 tmp.unlink(missing_ok=True)
                 raise

@@ -187,3 +187,24 @@ def test_an_unreadable_index_at_the_commit_is_refused_with_nothing_committed(sto
     assert str(index) in str(e.value) and "\n" not in str(e.value)
     assert not (vdir / "manifest.parquet").exists() and not (vdir / fmt.CHECKSUMS).exists()
     assert store.tables() == {}
+
+
+def test_a_merge_in_joined_batches_writes_the_manifest_the_former_merge_wrote(store: Store, monkeypatch) -> None:
+    """`merge_measured` joins the indexes a few at a time and sorts one column at a time (bench/merge_memory.py):
+    the manifest's bytes are the former merge's (every index held, `Table.sort_by`), with the indexes spread over
+    several batches, a meta column one batch lacks and another holds only nulls, and a same-rank duplicate."""
+    import pyarrow as pa
+
+    from bench.merge_memory import old_merged
+    from store import manifest
+
+    vdir = store.root / "vae" / "v9"
+    paths = [_index(vdir, fmt.shard_name(r, j), 7 * j + r, **({"note": None} if j == 1 else
+                                                                {"note": f"n{j}"} if j == 2 else {}))
+             for r in range(2) for j in range(3)]
+    paths.append(_index(vdir, fmt.shard_name(0, 5), 0))  # sample 0 again, in a later shard of rank 0
+    monkeypatch.setattr(manifest, "JOINED_INDEXES", 2)
+    got = manifest.merge_indexes(paths)
+    want = old_merged([pq.read_table(p) for p in paths])
+    assert got.num_rows == 6 and got.column("note").type == pa.string()
+    assert fmt.parquet_bytes(got) == fmt.parquet_bytes(want)
