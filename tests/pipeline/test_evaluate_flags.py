@@ -30,6 +30,9 @@ def test_run_names_the_lora_evaluated(tmp_path, monkeypatch):
         raise SystemExit(0)
 
     monkeypatch.setattr(stage, "run", fake_run)
+    # the command's own path checks (before the stage's import) are not what is tested here: no model is built
+    monkeypatch.setattr("models.loading.resolve_model", Path)
+    monkeypatch.setattr("models.lora_files.lora_weight_file", Path)
     cfg = _config(tmp_path)
     CliRunner().invoke(app, ["run", "evaluate", "--config", str(cfg), "--run", str(tmp_path / "named-run")])
     CliRunner().invoke(app, ["run", "evaluate", "--config", str(cfg)])
