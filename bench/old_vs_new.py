@@ -1,7 +1,9 @@
 """What the old-revision-vs-this-checkout bench scripts share: the old code unpacked beside the repository, and
 runs interleaved old/new so that a machine's load drifting during the bench hits both sides alike.
 
-A module for bench/cold_start.py, exit_time.py and meta_memory.py; run alone it only unpacks a revision:
+A module for bench/cold_start.py, exit_time.py and meta_memory.py (the old revision), and quarantine_columns.py,
+resize_counts.py and reuse_rows.py (the old way kept beside the new in a child script); run alone it only unpacks a
+revision:
 
     python bench/old_vs_new.py REV INTO
 """
@@ -11,7 +13,9 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import json
 import subprocess
+import sys
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -61,6 +65,38 @@ def interleaved_medians(repeat: int, old: Callable[[], Sequence[float]],
         runs["new"].append(new())
     return tuple([statistics.median(r[i] for r in runs[k]) for i in range(len(runs[k][0]))]  # type: ignore[return-value]
                  for k in ("old", "new"))
+
+
+# a child script's peak RSS: VmHWM (ru_maxrss would count the parent's, kept across exec); prepended to CHILD texts
+HWM = r"""
+def hwm():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+"""
+
+
+def child_json(code: str, *argv: str) -> dict:
+    """Run `code` (a bench's child script) in a fresh interpreter over this checkout; its last stdout line, JSON."""
+    out = subprocess.run([sys.executable, "-c", HWM + code, *argv], cwd=REPO,
+                         env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}, capture_output=True, text=True)
+    if out.returncode:
+        raise SystemExit(out.stderr)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def best_interleaved(repeat: int, measure: Callable[[str], dict],
+                     least: Sequence[str] = ("peak_mb", "seconds")) -> tuple[dict, dict]:
+    """`measure("old")` then `measure("new")`, `repeat` times; per side its first run's figures with the least of
+    each of `least` over its runs (the run least disturbed by the machine's other jobs)."""
+    best: dict[str, dict] = {}
+    for _ in range(repeat):
+        for way in ("old", "new"):
+            r = measure(way)
+            b = best.setdefault(way, r)
+            for k in least:
+                b[k] = min(b[k], r[k])
+    return best["old"], best["new"]
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -34,10 +33,6 @@ from store import format as fmt  # noqa: E402
 READS = {"report": ["key", "stage", "reason"], "encode": ["key", "reason", "table_version"]}
 
 CHILD = r"""
-def hwm():  # this process's peak RSS (VmHWM: ru_maxrss would count the parent's, kept across exec)
-    for line in open("/proc/self/status"):
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
 import hashlib, json, sys, time
 import psutil
 from pathlib import Path
@@ -54,15 +49,8 @@ print(json.dumps({"seconds": seconds, "table_mb": q.nbytes / 1e6, "peak_mb": max
 """
 
 
-def run(root: Path, way: str, columns: list[str]) -> dict:
-    out = subprocess.run([sys.executable, "-c", CHILD, str(root), way, json.dumps(columns)], cwd=ROOT,
-                         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, capture_output=True, text=True)
-    if out.returncode:
-        raise SystemExit(out.stderr)
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
 def main() -> None:
+    from old_vs_new import best_interleaved, child_json  # bench/
     from quarantine_append import rows  # bench/: the rows its append bench builds
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -77,13 +65,7 @@ def main() -> None:
             fmt.atomic_write_parquet(root / fmt.QUARANTINE, rows(n, 8, 1, np.random.default_rng(0)))
         mb = (root / fmt.QUARANTINE).stat().st_size / 1e6
         for what, columns in READS.items():
-            best: dict[str, dict] = {}
-            for _ in range(args.repeat):
-                for way in ("old", "new"):
-                    r = run(root, way, columns)
-                    b = best.setdefault(way, r)
-                    b["peak_mb"], b["seconds"] = min(b["peak_mb"], r["peak_mb"]), min(b["seconds"], r["seconds"])
-            old, new = best["old"], best["new"]
+            old, new = best_interleaved(args.repeat, lambda way: child_json(CHILD, str(root), way, json.dumps(columns)))
             if old["digest"] != new["digest"]:
                 raise SystemExit(f"{n} rows, {what}: old and new read different values")
             print(f"{n:>9,} rows ({mb:.0f} MB file) {what:6s}: old {old['seconds']:.2f} s, {old['table_mb']:.0f} MB "

@@ -20,18 +20,9 @@ process's RSS before (VmHWM: the manifest's file pages are counted alike in both
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-
 CHILD = r"""
-def hwm():  # this process's peak RSS (VmHWM: ru_maxrss would count the parent's, kept across exec)
-    for line in open("/proc/self/status"):
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
 import gc, json, sys, time
 from collections import Counter
 import psutil
@@ -58,28 +49,16 @@ print(json.dumps({"peak_mb": max(peak, 0) / 1e6, "seconds": seconds,
 """
 
 
-def run(store: Path, way: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", CHILD, str(store), way], cwd=ROOT,
-                         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, capture_output=True, text=True)
-    if out.returncode:
-        raise SystemExit(out.stderr)
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
 def main() -> None:
+    from old_vs_new import best_interleaved, child_json  # bench/
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--samples", type=int, nargs="+", default=[30_000, 100_000])
     ap.add_argument("--dir", type=Path, default=Path("/tmp/scale"))
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
     for n in args.samples:
-        best: dict[str, dict] = {}
-        for _ in range(args.repeat):
-            for way in ("old", "new"):
-                r = run(args.dir / f"n{n}", way)
-                b = best.setdefault(way, r)
-                b["peak_mb"], b["seconds"] = min(b["peak_mb"], r["peak_mb"]), min(b["seconds"], r["seconds"])
-        old, new = best["old"], best["new"]
+        old, new = best_interleaved(args.repeat, lambda way: child_json(CHILD, str(args.dir / f"n{n}"), way))
         if old["counts"] != new["counts"]:
             raise SystemExit(f"N={n}: old and new count differently: {old['counts']} vs {new['counts']}")
         print(f"N={n:>9,}: old +{old['peak_mb']:.0f} MB {old['seconds']:.2f} s   new +{new['peak_mb']:.0f} MB "

@@ -26,12 +26,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
 
 CHILD = r"""
 import gc, json, sys, time
@@ -90,23 +86,15 @@ print(json.dumps(img.iter_keys(rank=0, world_size=int(sys.argv[2]))))
 
 def share_file(store: Path, world: int, into: Path) -> Path:
     """Rank 0's share of the keys (encode's: `iter_keys` of `images`), worked out once, in a process of its own."""
-    out = subprocess.run([sys.executable, "-c", SHARE, str(store), str(world)], cwd=ROOT,
-                         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, capture_output=True, text=True)
-    if out.returncode:
-        raise SystemExit(out.stderr)
-    into.write_text(out.stdout.strip().splitlines()[-1])
+    from old_vs_new import child_json  # bench/
+
+    into.write_text(json.dumps(child_json(SHARE, str(store), str(world))))
     return into
 
 
-def run(store: Path, table: str, keys: Path, way: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", CHILD, str(store), table, str(keys), way], cwd=ROOT,
-                         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, capture_output=True, text=True)
-    if out.returncode:
-        raise SystemExit(out.stderr)
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
 def main() -> None:
+    from old_vs_new import best_interleaved, child_json  # bench/
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--samples", type=int, nargs="+", default=[30_000, 100_000])
     ap.add_argument("--dir", type=Path, default=Path("/tmp/scale"))
@@ -116,15 +104,10 @@ def main() -> None:
     args = ap.parse_args()
     for n in args.samples:
         store = args.dir / f"n{n}"
-        best: dict[str, dict] = {}
         with tempfile.TemporaryDirectory() as tmp:
             keys = share_file(store, args.world_size, Path(tmp) / "share.json")
-            for _ in range(args.repeat):
-                for way in ("old", "new"):
-                    r = run(store, args.table, keys, way)
-                    b = best.setdefault(way, r)
-                    b["peak_mb"], b["seconds"] = min(b["peak_mb"], r["peak_mb"]), min(b["seconds"], r["seconds"])
-        old, new = best["old"], best["new"]
+            old, new = best_interleaved(args.repeat,
+                                        lambda way: child_json(CHILD, str(store), args.table, str(keys), way))
         if old["digest"] != new["digest"]:
             raise SystemExit(f"N={n}: old and new found different rows ({old['rows']} vs {new['rows']})")
         print(f"N={n:>9,} {args.table} rank 0 of {args.world_size} ({new['share']:,} keys, {new['rows']:,} rows "
