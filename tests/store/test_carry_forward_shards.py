@@ -16,13 +16,19 @@ def _schema(tag: str) -> TableSchema:
                        attrs={FEATURE_LINEAGE_ATTR: "features"})
 
 
-def test_carry_forward_links_each_shard_with_its_rows_and_shows_a_bar(tmp_path, capsys):
+def _store_of_forty(tmp_path) -> tuple[Store, list[str]]:
+    """Version 1 of table 't': 40 samples of 300 bytes in many small shards."""
     st = Store(tmp_path / "store")
     w = st.writer("t", _schema("one"), shard_size_mb=0.0005)
     keys = [f"{i:032x}" for i in range(40)]
     for i, k in enumerate(keys):
         w.add(k, files={"a": bytes([i]) * 300}, meta={"split": "train", "img_shapes": [[1, 2, 2]]})
     w.commit()
+    return st, keys
+
+
+def test_carry_forward_links_each_shard_with_its_rows_and_shows_a_bar(tmp_path, capsys):
+    st, keys = _store_of_forty(tmp_path)
     before = st.reader("t", 1)
     shards = before.manifest.column("shard").to_pylist()
     assert len(set(shards)) > 5
@@ -57,12 +63,7 @@ def test_linked_shards_fsync_their_folder_once_before_the_rank_done_file(tmp_pat
     bench/carry_fsync.py). What the folder fsync covers, in order, is what a power loss can keep."""
     from store import format as fmt
 
-    st = Store(tmp_path / "store")
-    w = st.writer("t", _schema("one"), shard_size_mb=0.0005)
-    keys = [f"{i:032x}" for i in range(40)]
-    for i, k in enumerate(keys):
-        w.add(k, files={"a": bytes([i]) * 300}, meta={"split": "train", "img_shapes": [[1, 2, 2]]})
-    w.commit()
+    st, keys = _store_of_forty(tmp_path)
 
     w = st.writer("t", _schema("two"), shard_size_mb=0.0005)
     events: list[str] = []
