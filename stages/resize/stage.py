@@ -799,6 +799,12 @@ def _carry_forward(st: Store, writer: Any, schema: TableSchema, carry: dict[str,
         keys = rows.column("key").to_pylist()
         # a version written before source_hashes was recorded lacks them: split by key they are not needed
         hashes = rows.column("source_hashes").to_pylist() if "source_hashes" in rows.column_names else [None] * len(keys)
+        if rc.split_by == "pictures" and None in hashes:  # the pictures' identity is those hashes: none to split by
+            raise UserError(
+                f"table 'images' v{version} ({st.version_dir(TABLE, version)}) was written by a release that did not "
+                f"record source_hashes ({hashes.count(None)} of the samples this run carries from it), which the "
+                "pictures split (resize.split_by: pictures) reads: keep the key split (--set resize.split_by=key) or "
+                "render the source into a new store")
         splits = {k: split_for(k, None if h is None else pictures_id(h), rc.val_fraction, rc.split_by)
                   for k, h in zip(keys, hashes)}
         views = {"source": {k: carry[k] for k in keys}, "split": splits}
