@@ -196,6 +196,7 @@ def _run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> 
     st = st if st is not None else Store(store)
     # the store's split rule unless resize.split_by sets one: its samples keep their splits (split_rule.py)
     rc = rc.model_copy(update={"split_by": rule_in_force(st, rc.split_by)})
+    _refuse_a_switch_without_hashes(st, rc)
     # local tars / parquet files read for the first time: hashed while read, the lineage settled at the commit
     pending = pending_tars(st, source, fmt)
 
@@ -800,15 +801,37 @@ def _carry_forward(st: Store, writer: Any, schema: TableSchema, carry: dict[str,
         # a version written before source_hashes was recorded lacks them: split by key they are not needed
         hashes = rows.column("source_hashes").to_pylist() if "source_hashes" in rows.column_names else [None] * len(keys)
         if rc.split_by == "pictures" and None in hashes:  # the pictures' identity is those hashes: none to split by
-            raise UserError(
-                f"table 'images' v{version} ({st.version_dir(TABLE, version)}) was written by a release that did not "
-                f"record source_hashes ({hashes.count(None)} of the samples this run carries from it), which the "
-                "pictures split (resize.split_by: pictures) reads: keep the key split (--set resize.split_by=key) or "
-                "render the source into a new store")
+            raise _without_hashes(st, version, hashes.count(None), "of the samples this run carries from it")
         splits = {k: split_for(k, None if h is None else pictures_id(h), rc.val_fraction, rc.split_by)
                   for k, h in zip(keys, hashes)}
         views = {"source": {k: carry[k] for k in keys}, "split": splits}
         summary.reused += carry_forward(writer, version, rows, views)  # counted in the summary from the version
+
+
+def _without_hashes(st: Store, version: int, samples: int, which: str) -> UserError:
+    return UserError(
+        f"table 'images' v{version} ({st.version_dir(TABLE, version)}) was written by a release that did not record "
+        f"source_hashes ({samples} {which}), which the pictures split (resize.split_by: pictures) reads: keep the "
+        "key split (--set resize.split_by=key) or render the source into a new store")
+
+
+def _refuse_a_switch_without_hashes(st: Store, rc: ResizeConfig) -> None:
+    """A switch to the pictures split of a store whose current version records no source_hashes (an older
+    release's): refused before any sample is rendered, not after (`_carry_forward` checks every version it
+    carries from). One column of the manifest read, on a switch only."""
+    from stages.resize.split_rule import store_rule
+    from store.manifest_files import checked_manifest
+
+    current = st.tables().get(TABLE)
+    if rc.split_by != "pictures" or current is None or store_rule(st) in (None, "pictures"):
+        return
+    try:
+        rows = checked_manifest(st.version_dir(TABLE, current), ["source_hashes"])
+    except UserError:  # unreadable: the run says so where it reads it
+        return
+    missing = rows.column("source_hashes").null_count if "source_hashes" in rows.column_names else rows.num_rows
+    if missing:
+        raise _without_hashes(st, current, missing, "of its samples")
 
 
 def _commit(st: Store, writer: Any, source: str | Path, intake: _Intake) -> None:

@@ -211,7 +211,7 @@ def test_a_version_without_source_hashes_refuses_the_pictures_split_in_one_line(
                                    "--store", str(store), *sets])
     assert res.exit_code == 1 and isinstance(res.exception, SystemExit), res.exception
     out = " ".join(res.output.split())
-    assert f"table 'images' v{old['version']}" in out and "did not record source_hashes (24 of the samples" in out
-    assert "--set resize.split_by=key" in out
+    assert f"table 'images' v{old['version']}" in out and "did not record source_hashes (24 of its samples)" in out
+    assert "--set resize.split_by=key" in out and "resize-bucket (jsonl)" not in out  # before rendering anything
     kept, _ = _resize(tmp_path / "src", store, **{"resize.split_by": "key"})
     assert kept["up_to_date"] and kept["version"] == old["version"]
