@@ -196,7 +196,6 @@ def _run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> 
     st = st if st is not None else Store(store)
     # the store's split rule unless resize.split_by sets one: its samples keep their splits (split_rule.py)
     rc = rc.model_copy(update={"split_by": rule_in_force(st, rc.split_by)})
-    _refuse_a_switch_without_hashes(st, rc)
     # local tars / parquet files read for the first time: hashed while read, the lineage settled at the commit
     pending = pending_tars(st, source, fmt)
 
@@ -222,6 +221,7 @@ def _run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> 
                              seconds=time.perf_counter() - started,
                              sizes=sizes_in_force(rc.model_dump()), store=str(st.root), newer_current=newer,
                              source=str(source), source_before=before if before not in ("", str(source)) else "")
+    _refuse_a_switch_without_hashes(st, rc, schema)
     repairing = _damaged_current(st)
     _say_why_new(st, schema, pending)
     moved = _adopted(st, schema)
@@ -815,19 +815,25 @@ def _without_hashes(st: Store, version: int, samples: int, which: str) -> UserEr
         "key split (--set resize.split_by=key) or render the source into a new store")
 
 
-def _refuse_a_switch_without_hashes(st: Store, rc: ResizeConfig) -> None:
+def _refuse_a_switch_without_hashes(st: Store, rc: ResizeConfig, schema: TableSchema) -> None:
     """A switch to the pictures split of a store whose current version records no source_hashes (an older
-    release's): refused before any sample is rendered, not after (`_carry_forward` checks every version it
-    carries from). One column of the manifest read, on a switch only."""
+    release's) and whose samples this run would carry (the same pixels' settings): refused before any sample is
+    rendered, not after (`_carry_forward` checks every version it carries from). One column of the manifest read,
+    on a switch only. A switch that renders every sample anew (other pixels' settings) needs none."""
     from stages.resize.split_rule import store_rule
-    from store.manifest_files import checked_manifest
+    from store.manifest_files import checked_manifest, read_schema
+    from store.reuse import FEATURE_LINEAGE_ATTR, LINEAGE_BEFORE_FIXES_ATTR, same_features
 
     current = st.tables().get(TABLE)
     if rc.split_by != "pictures" or current is None or store_rule(st) in (None, "pictures"):
         return
+    vdir = st.version_dir(TABLE, current)
+    now = schema.attrs[FEATURE_LINEAGE_ATTR]
     try:
-        rows = checked_manifest(st.version_dir(TABLE, current), ["source_hashes"])
-    except UserError:  # unreadable: the run says so where it reads it
+        if not same_features(read_schema(vdir).attrs, (now, schema.attrs.get(LINEAGE_BEFORE_FIXES_ATTR) or now)):
+            return
+        rows = checked_manifest(vdir, ["source_hashes"])
+    except (UserError, OSError):  # unreadable: the run says so where it reads it
         return
     missing = rows.column("source_hashes").null_count if "source_hashes" in rows.column_names else rows.num_rows
     if missing:

@@ -215,3 +215,7 @@ def test_a_version_without_source_hashes_refuses_the_pictures_split_in_one_line(
     assert "--set resize.split_by=key" in out and "resize-bucket (jsonl)" not in out  # before rendering anything
     kept, _ = _resize(tmp_path / "src", store, **{"resize.split_by": "key"})
     assert kept["up_to_date"] and kept["version"] == old["version"]
+    # a switch with other pixels' settings renders every sample anew: their hashes recorded, nothing refused
+    other = {"resize.split_by": "pictures", "resize.target_area": 48 * 48}
+    fresh, _ = _resize(tmp_path / "src", store, **other)
+    assert fresh["version"] == old["version"] + 1 and fresh["split_by"] == "pictures" and not fresh["reused"]
