@@ -372,15 +372,17 @@ class FileHashes:
         if len(self._pending) >= FLUSH_EVERY:
             self._flush()
 
-    def learn(self, f: str | Path, digest: str, before: os.stat_result) -> bool:
+    def learn(self, f: str | Path, digest: str, before: os.stat_result, read_at: int | None = None) -> bool:
         """Record `digest`, the sha256 of `f`'s bytes read by the caller (a tar streamed whole), when the file is as
-        it was when that read began (`before`: size, mtime, ctime, inode). Whether it was recorded."""
+        it was when that read began (`before`: size, mtime, ctime, inode). Whether it is (then recorded, unless its
+        times are whole seconds and it changed within `RACY_NS` of `read_at`: when that read began, time.time_ns;
+        None: now - a learn at the commit, minutes after the stream, would pass any such file)."""
         real = real_path(f, self._folders)
         st = os.stat(real)
         if (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino) != \
                 (before.st_size, before.st_mtime_ns, before.st_ctime_ns, before.st_ino):
             return False
-        self._remember(real, st, digest)
+        self._remember(real, st, digest, read_at)
         return True
 
     def sha256(self, f: str | Path) -> str:

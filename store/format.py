@@ -295,7 +295,9 @@ def atomic_dir(final: Path, tmp: Path | None = None) -> Iterator[Path]:
 def link_or_copy(src: Path, dst: Path) -> None:
     """Hard-link a file (or every file of a folder) to dst: same bytes, no copy of multi-GB weights or shards;
     the source stays intact. Symlinks (hub snapshots point into a blob cache) are followed to the real file.
-    Falls back to a copy across file systems or where hard links are not supported."""
+    Falls back to a copy across file systems or where hard links are not supported: a copy's bytes are its own,
+    fsynced here, so a caller that makes only the name durable (a folder fsync: a carried shard, a migrated
+    version) never keeps a named file whose bytes a power loss dropped."""
     if src.is_dir():
         dst.mkdir(parents=True, exist_ok=True)
         for child in src.iterdir():
@@ -306,6 +308,8 @@ def link_or_copy(src: Path, dst: Path) -> None:
         os.link(real, dst)
     except OSError:
         shutil.copy2(real, dst)
+        with open(dst, "rb") as f:  # read-only: the copy keeps its source's mode (fsync needs no write access)
+            os.fsync(f.fileno())
 
 
 def atomic_write_json(path: Path, obj: Any) -> None:

@@ -26,6 +26,10 @@ BASE_COLUMNS = ("key", "source", "stage", "reason", "detail", "time")
 # null is 1. Counts users see are of inputs (`samples_by_reason`), not rows. A row of n > 1 whose source is
 # `<name>:<a>-<b>` (b - a + 1 = n) stands for the inputs `<name>:<a>` ... `<name>:<b>`.
 SAMPLES = "samples"
+# Columns a function of the row's key (resize-bucket's `pictures`: its target's and controls' identity), so no part
+# of what makes a row new: a rerun after an upgrade adds them to a rejected sample's row recorded without, and that
+# sample was counted twice by `store inspect` (the first copy kept, as for every equal row).
+DERIVED = ("pictures",)
 
 
 def samples_by_reason(table: pa.Table) -> dict[str, int]:
@@ -116,10 +120,11 @@ def merge_into(root: Path, rows: pa.Table) -> int:
 
 def merged_rows(old: pa.Table | None, rows: pa.Table) -> tuple[pa.Table, int]:
     """`old` plus the rows of `rows` it does not hold yet (the one de-duplication rule: equal in every column but
-    `time`), and how many those are. Pure: a local append, push and pull all merge by it."""
+    `time` and the `DERIVED` ones), and how many those are. Pure: a local append, push and pull all merge by it."""
     if old is None or not old.num_rows:
         old = None
-    identity = [c for c in rows.column_names if c != "time"]  # the incoming rows' columns, as an append compares
+    # the incoming rows' columns, as an append compares
+    identity = [c for c in rows.column_names if c != "time" and c not in DERIVED]
     if not identity:  # every row is equal: the first is new only to an empty file
         keep = np.arange(min(rows.num_rows, 1 if old is None else 0))
     else:

@@ -405,6 +405,8 @@ def _repair_table(st, t: TablePlan, recompute: Recompute | None, echo: Callable[
                 while left and (chunk := src.read(min(left, 8 << 20))):
                     dst.write(chunk)
                     left -= len(chunk)
+                dst.flush()  # new bytes, linked in as a carried shard, whose folder fsync makes only names durable
+                os.fsync(dst.fileno())
             _carry(w, trim_dir / shard, by_shard)
             shutil.rmtree(trim_dir, ignore_errors=True)
         for key in t.copied:

@@ -218,7 +218,7 @@ def _reopen(st: Store, vdir: Path, opened: dict) -> None:
         lock.release()
 
 
-def settle_listing(writer: Any, streamed: dict[str, tuple[str, os.stat_result]], pending: frozenset[str],
+def settle_listing(writer: Any, streamed: dict[str, tuple[str, os.stat_result, int]], pending: frozenset[str],
                    listing: Any, schema_for: Callable[[str], TableSchema],
                    unread: frozenset[str] = frozenset()) -> TableSchema:
     """Before the commit of a version written under a provisional listing (`listing`, content.Listing: its lines
@@ -233,8 +233,8 @@ def settle_listing(writer: Any, streamed: dict[str, tuple[str, os.stat_result]],
     from store import format as fmt
 
     with FileHashes() as hashes:
-        learned = {str(Path(tar)): digest for tar, (digest, before) in streamed.items()
-                   if hashes.learn(tar, digest, before)}
+        learned = {str(Path(tar)): digest for tar, (digest, before, started) in streamed.items()
+                   if hashes.learn(tar, digest, before, started)}
     fmt.crash_point("listing_cached")
     settled = {path: learned.get(path, f"changed while read: {digest}")
                for path, _, digest in listing.lines if path in pending}

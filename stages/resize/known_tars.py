@@ -88,10 +88,10 @@ class KnownTars:
                  by_tar: dict[str, list[int]], kind: Kind = Kind()) -> None:
         self._hashes, self._recorded, self._rows, self._by_tar, self.kind = hashes, recorded, rows, by_tar, kind
         self.seen: dict[str, list] = {}  # tar -> [sha256, samples yielded] of this run
-        # tars hashed while streamed (first_read.py), and tar -> (sha256, its stat when its stream began) of each
-        # streamed whole and unchanged meanwhile: cached just before the commit
+        # tars hashed while streamed (first_read.py), and tar -> (sha256, its stat once streamed, when its stream
+        # began: time.time_ns) of each streamed whole and unchanged meanwhile: cached just before the commit
         self.pending: frozenset[str] = frozenset()
-        self.streamed: dict[str, tuple[str, os.stat_result]] = {}
+        self.streamed: dict[str, tuple[str, os.stat_result, int]] = {}
         self._urls: dict[str, str | None] = {}  # url -> its identity, asked once a run (`fresh` asks again)
 
     def identity(self, tar: str, fresh: bool = False) -> str | None:

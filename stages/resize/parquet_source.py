@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import bisect
 import os
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -322,6 +323,7 @@ def _hashed_file(path: Path, layouts: dict, max_file_bytes: int, known: Any, don
     from stages.resize.hashed_parquet import HashedParquet
     from stages.resize.sources import SourceSample
 
+    started = time.time_ns()  # the file-hash cache judges a whole-second stamp by it (models/file_hashes.RACY_NS)
     before = file_stamp(path)
     try:
         stream = HashedParquet(path)
@@ -340,7 +342,7 @@ def _hashed_file(path: Path, layouts: dict, max_file_bytes: int, known: Any, don
             pass
     digest = stream.digest()
     if digest is not None and not failed and before is not None and file_stamp(path) == before:
-        known.streamed[str(path)] = (digest, os.stat(path))
+        known.streamed[str(path)] = (digest, os.stat(path), started)
         known.note(str(path), digest, yielded)
 
 

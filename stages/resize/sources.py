@@ -36,6 +36,7 @@ import os
 import re
 import stat
 import tarfile
+import time
 import unicodedata
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -584,13 +585,14 @@ def _hashed_shard(tar: str, max_file_bytes: int, done: Done, known: Any) -> Iter
         streams.append(HashingStream(open_shard(url)))
         return streams[-1]
 
+    started = time.time_ns()  # the file-hash cache judges a whole-second stamp by it (models/file_hashes.RACY_NS)
     before, count, failed = file_stamp(tar), 0, False
     for s in _shard_samples(tar, max_file_bytes, done, opener=opened):
         count, failed = count + 1, failed or s.problem_kind == "read-error"
         yield s
     digest = streams[0].digest() if streams else None
     if digest is not None and not failed and before is not None and file_stamp(tar) == before:
-        known.streamed[tar] = (digest, os.stat(tar))
+        known.streamed[tar] = (digest, os.stat(tar), started)
         known.note(tar, digest, count)
 
 

@@ -221,6 +221,7 @@ def _run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> 
                              seconds=time.perf_counter() - started,
                              sizes=sizes_in_force(rc.model_dump()), store=str(st.root), newer_current=newer,
                              source=str(source), source_before=before if before not in ("", str(source)) else "")
+    _refuse_a_switch_without_hashes(st, rc, schema)
     repairing = _damaged_current(st)
     _say_why_new(st, schema, pending)
     moved = _adopted(st, schema)
@@ -799,10 +800,44 @@ def _carry_forward(st: Store, writer: Any, schema: TableSchema, carry: dict[str,
         keys = rows.column("key").to_pylist()
         # a version written before source_hashes was recorded lacks them: split by key they are not needed
         hashes = rows.column("source_hashes").to_pylist() if "source_hashes" in rows.column_names else [None] * len(keys)
+        if rc.split_by == "pictures" and None in hashes:  # the pictures' identity is those hashes: none to split by
+            raise _without_hashes(st, version, hashes.count(None), "of the samples this run carries from it")
         splits = {k: split_for(k, None if h is None else pictures_id(h), rc.val_fraction, rc.split_by)
                   for k, h in zip(keys, hashes)}
         views = {"source": {k: carry[k] for k in keys}, "split": splits}
         summary.reused += carry_forward(writer, version, rows, views)  # counted in the summary from the version
+
+
+def _without_hashes(st: Store, version: int, samples: int, which: str) -> UserError:
+    return UserError(
+        f"table 'images' v{version} ({st.version_dir(TABLE, version)}) was written by a release that did not record "
+        f"source_hashes ({samples} {which}), which the pictures split (resize.split_by: pictures) reads: keep the "
+        "key split (--set resize.split_by=key) or render the source into a new store")
+
+
+def _refuse_a_switch_without_hashes(st: Store, rc: ResizeConfig, schema: TableSchema) -> None:
+    """A switch to the pictures split of a store whose current version records no source_hashes (an older
+    release's) and whose samples this run would carry (the same pixels' settings): refused before any sample is
+    rendered, not after (`_carry_forward` checks every version it carries from). One column of the manifest read,
+    on a switch only. A switch that renders every sample anew (other pixels' settings) needs none."""
+    from stages.resize.split_rule import store_rule
+    from store.manifest_files import checked_manifest, read_schema
+    from store.reuse import FEATURE_LINEAGE_ATTR, LINEAGE_BEFORE_FIXES_ATTR, same_features
+
+    current = st.tables().get(TABLE)
+    if rc.split_by != "pictures" or current is None or store_rule(st) in (None, "pictures"):
+        return
+    vdir = st.version_dir(TABLE, current)
+    now = schema.attrs[FEATURE_LINEAGE_ATTR]
+    try:
+        if not same_features(read_schema(vdir).attrs, (now, schema.attrs.get(LINEAGE_BEFORE_FIXES_ATTR) or now)):
+            return
+        rows = checked_manifest(vdir, ["source_hashes"])
+    except (UserError, OSError):  # unreadable: the run says so where it reads it
+        return
+    missing = rows.column("source_hashes").null_count if "source_hashes" in rows.column_names else rows.num_rows
+    if missing:
+        raise _without_hashes(st, current, missing, "of its samples")
 
 
 def _commit(st: Store, writer: Any, source: str | Path, intake: _Intake) -> None:

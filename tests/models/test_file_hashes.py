@@ -470,3 +470,43 @@ def test_a_same_second_rewrite_on_a_whole_second_file_system_is_read_again(tmp_p
         assert h.sha256(f) == hashlib.sha256(b"a car").hexdigest() and h.hashed == 1
     with FileHashes("t.sqlite") as h:
         assert h.sha256(f) == hashlib.sha256(b"a car").hexdigest() and h.hashed == 0
+
+
+def test_a_streamed_hash_learned_later_is_judged_by_when_its_read_began(tmp_path, cache, monkeypatch) -> None:
+    """`learn` records the sha256 a resize stream took of a tar, at the commit, minutes after the read. On a
+    whole-second file system a same-size rewrite in the second the stream began keeps (size, mtime, ctime): judged
+    by the time of the learn (long after) the stream's digest of the old bytes was remembered for ever; judged by
+    when the read began, it is not, and the next run reads the new bytes."""
+    f = tmp_path / "shard.tar"
+    f.write_bytes(b"a cat")
+    second = 1_700_000_000 * 10**9
+    real_stat, real_path = os.stat, os.path.realpath(f)
+
+    class Coarse:  # the file's stat as a whole-second file system reports it
+        def __init__(self, st):
+            self._st = st
+
+        def __getattr__(self, name):
+            if name in ("st_mtime_ns", "st_ctime_ns"):
+                return second
+            return second / 1e9 if name in ("st_mtime", "st_ctime") else getattr(self._st, name)
+
+    monkeypatch.setattr(fh.os, "stat", lambda p, *a, **k: Coarse(real_stat(p, *a, **k))
+                        if os.fspath(p) == real_path else real_stat(p, *a, **k))
+
+    class Clock:
+        now = second + 10 * 10**9  # the commit, seconds after the stream
+
+        def __getattr__(self, name):
+            return getattr(time, name)
+
+        def time_ns(self):
+            return self.now
+
+    monkeypatch.setattr(fh, "time", Clock())
+    streamed = hashlib.sha256(b"a cat").hexdigest()  # the stream began at second + 0.3 s
+    f.write_bytes(b"a car")  # the same size, the same second: the same stamp
+    with FileHashes("t.sqlite") as h:
+        assert h.learn(f, streamed, fh.os.stat(f), read_at=second + 300_000_000)
+    with FileHashes("t.sqlite") as h:
+        assert h.sha256(f) == hashlib.sha256(b"a car").hexdigest() and h.hashed == 1

@@ -196,8 +196,8 @@ def test_a_run_killed_with_part_of_the_hashes_cached_resumes(tmp_path: Path, mon
             raise Killed
         return real_write(path, value, *a, **k)
 
-    def learn(self, f, digest, before):  # only the first tar's row reached the database
-        return Path(f).name == "shard-0000.tar" and real_learn(self, f, digest, before)
+    def learn(self, f, digest, before, read_at=None):  # only the first tar's row reached the database
+        return Path(f).name == "shard-0000.tar" and real_learn(self, f, digest, before, read_at)
     with monkeypatch.context() as m:
         m.setattr(store_format, "atomic_write_json", write)
         m.setattr(FileHashes, "learn", learn)

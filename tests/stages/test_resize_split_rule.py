@@ -186,3 +186,36 @@ def test_store_repair_re_renders_a_version_under_its_recorded_rule(tmp_path):
     assert res.exit_code == 0, res.output
     assert verify_store(store, progress=False) == [] and _splits(store)[0] == before
     assert _attrs(store, Store(store).tables()["images"])["split_by"] == "key"
+
+
+def test_a_version_without_source_hashes_refuses_the_pictures_split_in_one_line(tmp_path):
+    """A version written before `source_hashes` was recorded (no such column in its manifest): the switch to
+    pictures has no pictures' identity for the samples it carries. One line naming the version and what to do
+    (it was an internal ValueError); the key split still carries them."""
+    import pyarrow.parquet as pq
+
+    from store import format as fmt
+    from store.checksum import file_crc, seal, unseal
+
+    _source(tmp_path / "src", pairs=6)
+    store = tmp_path / "st"
+    old, _ = _resize(tmp_path / "src", store, **{"resize.split_by": "key"})
+    vdir = Store(store, create=False).version_dir("images", old["version"])
+    pq.write_table(pq.read_table(vdir / fmt.MANIFEST).drop_columns(["source_hashes"]), vdir / fmt.MANIFEST)
+    sums = unseal((vdir / fmt.CHECKSUMS).read_bytes())  # the manifest as that release recorded it
+    crc, nbytes = file_crc(vdir / fmt.MANIFEST)
+    sums["files"][fmt.MANIFEST] = {"nbytes": nbytes, "crc32c": crc}
+    (vdir / fmt.CHECKSUMS).write_bytes(seal(sums))
+    sets = [a for k, v in {**SETTINGS, "resize.split_by": "pictures"}.items() for a in ("--set", f"{k}={v}")]
+    res = CliRunner().invoke(app, ["run", "resize-bucket", "--source", str(tmp_path / "src" / "m.jsonl"),
+                                   "--store", str(store), *sets])
+    assert res.exit_code == 1 and isinstance(res.exception, SystemExit), res.exception
+    out = " ".join(res.output.split())
+    assert f"table 'images' v{old['version']}" in out and "did not record source_hashes (24 of its samples)" in out
+    assert "--set resize.split_by=key" in out and "resize-bucket (jsonl)" not in out  # before rendering anything
+    kept, _ = _resize(tmp_path / "src", store, **{"resize.split_by": "key"})
+    assert kept["up_to_date"] and kept["version"] == old["version"]
+    # a switch with other pixels' settings renders every sample anew: their hashes recorded, nothing refused
+    other = {"resize.split_by": "pictures", "resize.target_area": 48 * 48}
+    fresh, _ = _resize(tmp_path / "src", store, **other)
+    assert fresh["version"] == old["version"] + 1 and fresh["split_by"] == "pictures" and not fresh["reused"]

@@ -75,3 +75,15 @@ def test_encodes_left_out_samples_read_keys_reasons_and_versions_only(tmp_path: 
     seen = _columns_decoded(monkeypatch)
     assert left_out(st, "vae", 1) == [ROWS[0]["key"], ROWS[3]["key"], ROWS[6]["key"]]
     assert seen and all(c is not None and not {"source", "detail"} & set(c) for c in seen)
+
+
+def test_a_rerun_after_the_upgrade_that_added_pictures_records_a_rejected_sample_once(tmp_path: Path) -> None:
+    """resize-bucket's keyed rows gained `pictures` (a function of the key): the same reject recorded again by a
+    rerun after the upgrade is the same row, not a second one `store inspect` counts (2 inputs for 1)."""
+    root = Store(tmp_path / "st").root
+    row = {"key": "ab" * 16, "source": "src/m.jsonl:3", "stage": "resize-bucket", "reason": "too-small",
+           "detail": "8x8"}
+    assert quarantine.add_rows(root, [row]) == 1  # as the release before recorded it
+    assert quarantine.add_rows(root, [{**row, "pictures": "cd" * 16}]) == 0
+    assert quarantine.add_rows(root, [{**row, "key": "ef" * 16, "pictures": "cd" * 16}]) == 1  # another sample
+    assert quarantine.samples_by_reason(quarantine.read(root)) == {"too-small": 2}

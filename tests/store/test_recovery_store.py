@@ -136,3 +136,32 @@ def test_a_temp_file_another_host_may_still_write_is_named_so_and_removed_once_a
     assert line.endswith("temp file left by an interrupted write (`pipeline store repair` removes it)"), line
     assert _cli("store", "repair", store.root).exit_code == 0 and not litter.exists()
     assert _cli("store", "verify", store.root).exit_code == 0
+
+
+def test_a_trimmed_shard_has_its_bytes_fsynced_before_the_repaired_version_counts_it(store: Store,
+                                                                                     monkeypatch) -> None:
+    """The repair writes the recorded bytes of a shard with bytes appended as a new file, then links it into the
+    new version, whose folder fsync makes only names durable: that file's bytes are fsynced before the rank's
+    done file (a power loss kept a committed shard of zeros in the repaired version)."""
+    from store import format as fmt
+
+    fill(store, 6, shard_size_mb=0.004)
+    shard = sorted((store.root / "vae" / "v1").glob("*.tar"))[0]
+    with open(shard, "ab") as f:
+        f.write(os.urandom(700))
+    events: list[str] = []
+    fsync, atomic_write_bytes = os.fsync, fmt.atomic_write_bytes
+
+    def record_fsync(fd):
+        events.append("fsync " + os.readlink(f"/proc/self/fd/{fd}"))
+        fsync(fd)
+
+    def record_write(path, *args, **kwargs):
+        events.append(path.name)
+        atomic_write_bytes(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "fsync", record_fsync)
+    monkeypatch.setattr(fmt, "atomic_write_bytes", record_write)
+    assert _cli("store", "repair", store.root).exit_code == 0
+    done = events.index(fmt.rank_done_name(0))
+    assert f"fsync {store.root / 'vae' / '.trim-v1' / shard.name}" in events[:done], events[:done]
