@@ -197,12 +197,12 @@ def _run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> 
     source = _named_source(source)
     started = time.perf_counter()
     fmt = detect_format(source)
+    if fmt == "parquet":  # an unset mask column: `mask` where the files have one, in the lineage as set so
+        rc = rc.model_copy(update={"columns": columns_in_force(source, rc.columns)})
+    notes = _source_notes(source, fmt, cfg.resize.columns, rc.columns)  # a bad mapping: refused before a store
     st = st if st is not None else Store(store)
     # the store's split rule unless resize.split_by sets one: its samples keep their splits (split_rule.py)
     rc = rc.model_copy(update={"split_by": rule_in_force(st, rc.split_by)})
-    if fmt == "parquet":  # an unset mask column: `mask` where the files have one, in the lineage as set so
-        rc = rc.model_copy(update={"columns": columns_in_force(source, rc.columns)})
-    notes = _source_notes(source, fmt, cfg.resize.columns, rc.columns)
     # local tars / parquet files read for the first time: hashed while read, the lineage settled at the commit
     pending = pending_tars(st, source, fmt)
 

@@ -9,11 +9,13 @@ import hashlib
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 from typer.testing import CliRunner
 
 from pipeline.cli import app
 from pipeline.config import load_config
 from pipeline.demo_data import generate_samples
+from schemas.errors import UserError
 from stages.resize import parquet_source
 from stages.resize.stage import run
 from store import Store
@@ -123,3 +125,27 @@ def test_a_source_without_a_mask_column_keeps_its_lineage(tmp_path):
     assert s.written == N and "edit mask" not in str(s) and "not read" not in str(s)
     # resolved as unset: the lineage of a store made before the rule
     assert parquet_source.columns_in_force(tmp_path / "d.parquet", cfg().resize.columns) == cfg().resize.columns
+
+
+def test_a_mask_column_no_file_has_is_one_line_and_no_store(tmp_path):
+    ss = _rows(4, True)
+    (tmp_path / "src").mkdir()
+    for name, part in (("a.parquet", ss[:2]), ("b.parquet", ss[2:])):  # the mask column in one file of two
+        pq.write_table(pa.table({
+            "target": pa.array([x.target for x in part], pa.binary()),
+            "controls": pa.array([x.controls for x in part], pa.list_(pa.binary())),
+            "caption": pa.array([x.caption for x in part]),
+            **({"mask_img": pa.array([x.mask for x in part], pa.binary())} if name == "a.parquet" else {}),
+        }), tmp_path / "src" / name)
+    with pytest.raises(UserError) as e:
+        run(cfg(mask="mask_image"), tmp_path / "src", tmp_path / "store")
+    assert "\n" not in str(e.value) and "'mask_image'" in str(e.value) and "mask_img" in str(e.value)
+    assert not (tmp_path / "store").exists()  # refused before a store is made
+    # the column one file has: its rows masked, the other file's not
+    run(cfg(mask="mask_img"), tmp_path / "src", tmp_path / "store")
+    r = Store(tmp_path / "store", create=False).reader("images")
+    try:
+        got = {r.meta(k)["source"]: r.meta(k)["has_mask"] for k in r.keys()}
+    finally:
+        r.close()
+    assert got == {f"{tmp_path / 'src' / f}:{i}": f == "a.parquet" for f in ("a.parquet", "b.parquet") for i in (0, 1)}
