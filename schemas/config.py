@@ -43,7 +43,9 @@ class ParquetColumns(Section):
     references: Annotated[list[str], IDENTITY] = Field(
         default_factory=lambda: ["controls"], description="control image column(s): one list column, or one column per control")
     instruction: Annotated[str, IDENTITY] = Field("caption", description="column of the edit instruction (string)")
-    mask: Annotated[str | None, IDENTITY] = Field(None, description="column of the optional edit mask (None = no masks)")
+    mask: Annotated[str | None, IDENTITY] = Field(
+        None, description="column of the optional edit mask; None (unset) = the column `mask` where a file has one "
+        "as image bytes, '' = no masks")
 
 
 class ResizeConfig(Section):

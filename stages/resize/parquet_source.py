@@ -34,6 +34,7 @@ from store.remote import is_transport_error, is_url
 
 URL_BLOCK_BYTES = 8 << 20  # a parquet file at a URL is fetched by range requests of this size
 BATCH_ROWS = 16  # rows converted to Python at a time: images are large, a few MB per row is common
+MASK_COLUMN = "mask"  # resize.columns.mask unset: the column read as the edit mask where a file has it
 _STORE_MARKER = "store.json"  # = store.format.STORE_JSON: a store kept inside the source is not read as data
 
 
@@ -211,9 +212,91 @@ def _layout(schema: Any, columns: Any, path: Path) -> _Layout:
             or pa.types.is_large_binary(t)):
         raise UserError(f"parquet source {path}: column {columns.instruction!r} (resize.columns.instruction) is {t}, "
                         "not text; fix resize.columns.instruction")
-    if columns.mask:
-        image(columns.mask, "mask", column(columns.mask, "mask"))
-    return _Layout(columns.target, refs, is_list, columns.instruction, columns.mask)
+    return _Layout(columns.target, refs, is_list, columns.instruction, _file_mask(schema, columns, path))
+
+
+def _file_mask(schema: Any, columns: Any, path: Path) -> str | None:
+    """The file's mask column: the one resize.columns.mask names where the file has it (a file without it has no
+    masks; a name no file has is refused by `_check_mask_found`), none for "", and unset (None) the column `mask`
+    where the file has image bytes under that name and no other setting maps it."""
+    if columns.mask == "":
+        return None
+    name = columns.mask if columns.mask is not None else MASK_COLUMN
+    if name not in schema.names or columns.mask is None and name in (columns.target, *columns.references,
+                                                                      columns.instruction):
+        return None
+    t = schema.field(name).type
+    if not _is_image_type(t):
+        if columns.mask is None:  # a column `mask` of flags or numbers is not an image: not read as one
+            return None
+        raise UserError(f"parquet source {path}: column {name!r} (resize.columns.mask) is {t}, not image bytes "
+                        "(binary, or a {bytes, path} struct as HF datasets' Image); fix resize.columns.mask")
+    return name
+
+
+def _check_mask_found(layouts: dict, columns: Any) -> None:
+    """A mask column set by name that no file holds is a typo: one line naming it (a file without it, among files
+    with it, has no masks)."""
+    read = [(p, lay) for p, lay in layouts.items() if isinstance(lay, _Layout)]
+    if columns.mask and read and not any(lay.mask for _, lay in read):
+        path = read[0][0]
+        names = _footer(path).schema.to_arrow_schema().names
+        raise UserError(f"parquet source {path} has no column {columns.mask!r} (resize.columns.mask), nor has any "
+                        f"of its files; its columns: {', '.join(names)}: set resize.columns.mask to the right one, "
+                        "or '' for no masks")
+
+
+def _file_layouts(files: list[Any], columns: Any) -> dict[Any, _Layout | Exception]:
+    """Every file's layout from its footer (a footer that could not be read: why, quarantined by the reader)."""
+    import pyarrow as pa
+
+    layouts: dict[Any, _Layout | Exception] = {}
+    for path in files:
+        try:
+            with _server_errors(path):
+                schema = _footer(path).schema.to_arrow_schema()
+        except (pa.ArrowException, OSError) as e:
+            layouts[path] = e
+            continue
+        layouts[path] = _layout(schema, columns, path)
+    _check_mask_found(layouts, columns)
+    return layouts
+
+
+def columns_in_force(root: str | Path, columns: Any) -> Any:
+    """resize.columns as this source is read, for the version's lineage and the source-parquet note: an unset
+    mask (None) becomes `mask` when a file holds that column as image bytes (else stays None, as stores made
+    before this rule recorded it: those of a source without such a column stay current; those of one with it are
+    rendered anew, their masked samples re-rendered, the rest carried)."""
+    if columns.mask is not None:
+        return columns
+    layouts = _file_layouts(parquet_files(root), columns)
+    found = any(isinstance(lay, _Layout) and lay.mask for lay in layouts.values())
+    return columns.model_copy(update={"mask": MASK_COLUMN}) if found else columns
+
+
+def unread_image_columns(root: str | Path, columns: Any) -> dict[str, int]:
+    """Columns holding image bytes (or lists of them) that the mapping reads in no way -> files holding them: an
+    image the stage never sees (a second control, a mask under another name) is named, not dropped unsaid."""
+    import pyarrow as pa
+
+    out: dict[str, int] = {}
+    for path, lay in _file_layouts(parquet_files(root), columns).items():
+        if not isinstance(lay, _Layout):
+            continue
+        schema = _footer(path).schema.to_arrow_schema()
+        for f in schema:
+            t = f.type.value_type if pa.types.is_list(f.type) or pa.types.is_large_list(f.type) else f.type
+            if f.name not in lay.names and _is_image_type(t):
+                out[f.name] = out.get(f.name, 0) + 1
+    return out
+
+
+def unread_columns_line(unread: dict[str, int], files: int) -> str:
+    """The summary's line naming image columns no setting reads, and how to map them."""
+    named = ", ".join(f"{c!r}" + (f" ({n} of {files} files)" if n != files else "") for c, n in sorted(unread.items()))
+    return (f"parquet: column(s) {named} hold image bytes and are not read: map a control with resize.columns."
+            "references (e.g. [control, control_2]), an edit mask with resize.columns.mask; or leave them unread")
 
 
 class _Problem(Exception):
@@ -275,23 +358,12 @@ def iter_parquet(root: str | Path, columns: Any, max_file_bytes: int, known: Any
     footer aside): its rows are yielded with `known`; each file read whole is recorded in it (hash, rows). `done`
     (resumed_sources.ResumedSources of a resumed version): rows a read error keeps from being read that it holds
     are yielded as written (`_unread_rows`); the rows read are looked up by the stage."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     from schemas.config import ParquetColumns
     from stages.resize.sources import SourceSample
 
     columns = columns if columns is not None else ParquetColumns()
     files = parquet_files(root)
-    layouts: dict[Path, _Layout | Exception] = {}  # a file whose footer could not be read: why (quarantined below)
-    for path in files:  # every file's mapping checked from its footer before the first row is read
-        try:
-            with _server_errors(path):
-                schema = _footer(path).schema.to_arrow_schema()
-        except (pa.ArrowException, OSError) as e:
-            layouts[path] = e
-            continue
-        layouts[path] = _layout(schema, columns, path)
+    layouts = _file_layouts(files, columns)  # every file's mapping checked from its footer before a row is read
     for path in files:
         lay = layouts[path]
         carried = known.unchanged(str(path)) if known is not None and isinstance(lay, _Layout) else None

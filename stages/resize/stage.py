@@ -36,7 +36,7 @@ from stages.resize.content import Listing, content_listing_hash
 from stages.resize.first_read import pending_tars, record_pending, settle_listing, settling
 from stages.resize.known_sources import clean_caption
 from stages.resize.folder_listing import remembered
-from stages.resize.parquet_source import remembered_footers
+from stages.resize.parquet_source import columns_in_force, remembered_footers
 from stages.resize.moved_source import Moved, recorded_source
 from stages.resize.sources import SourceSample, detect_format, iter_source
 from stages.resize.split_rule import pictures_id, rule_in_force, split_for
@@ -90,6 +90,8 @@ class ResizeSummary:
     # val samples whose target and controls a train sample has too (the pair under another caption: `val_sharing`)
     val_sharing: int = 0
     split_by: str = ""  # the rule the version was split by (split_rule.py)
+    # what the reader read that no setting named, and what it left unread (a parquet source: `_source_notes`)
+    source_notes: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         from schemas.stage import summary_record
@@ -130,6 +132,7 @@ class ResizeSummary:
                        f"bytes are now at {self.source}: nothing re-rendered (v{self.version}, complete, is not "
                        f"rewritten: it names {self.source_before})" if self.source_before else "")
                     + (f"\n{self._val_sharing_line()}" if self.val_sharing else "")
+                    + "".join(f"\n{n}" for n in self.source_notes)
                     + (f"\n{self.sizes}" if self.sizes else ""))
         lines = [
             f"images v{self.version}: {self.written} samples written"
@@ -168,6 +171,7 @@ class ResizeSummary:
                             "them)" if 0 in self.controls else ""))
         if self.val_sharing:
             lines.append(self._val_sharing_line())
+        lines += self.source_notes
         if self.conversions:
             lines.append("converted: " + ", ".join(f"{c}x {n}" for n, c in sorted(self.conversions.items())))
         if self.sizes:
@@ -193,6 +197,9 @@ def _run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> 
     source = _named_source(source)
     started = time.perf_counter()
     fmt = detect_format(source)
+    if fmt == "parquet":  # an unset mask column: `mask` where the files have one, in the lineage as set so
+        rc = rc.model_copy(update={"columns": columns_in_force(source, rc.columns)})
+    notes = _source_notes(source, fmt, cfg.resize.columns, rc.columns)  # a bad mapping: refused before a store
     st = st if st is not None else Store(store)
     # the store's split rule unless resize.split_by sets one: its samples keep their splits (split_rule.py)
     rc = rc.model_copy(update={"split_by": rule_in_force(st, rc.split_by)})
@@ -220,14 +227,15 @@ def _run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> 
                              val_sharing=val_sharing(rows), split_by=rc.split_by,
                              seconds=time.perf_counter() - started,
                              sizes=sizes_in_force(rc.model_dump()), store=str(st.root), newer_current=newer,
-                             source=str(source), source_before=before if before not in ("", str(source)) else "")
+                             source=str(source), source_before=before if before not in ("", str(source)) else "",
+                             source_notes=notes)
     _refuse_a_switch_without_hashes(st, rc, schema)
     repairing = _damaged_current(st)
     _say_why_new(st, schema, pending)
     moved = _adopted(st, schema)
     writer = st.writer(TABLE, schema, shard_size_mb=rc.shard_size_mb)
     intake = _Intake(ResizeSummary(version=writer.version, quarantine_file=str(st.root / "quarantine.parquet"),
-                                   sizes=sizes_in_force(rc.model_dump()), source=str(source),
+                                   sizes=sizes_in_force(rc.model_dump()), source=str(source), source_notes=notes,
                                    source_before=moved.before if moved and moved.version == writer.version else ""))
     try:
         record_pending(writer, pending)
@@ -961,6 +969,23 @@ def _mask_bits(mask: bytes | None) -> int:
 
 
 # ---------------------------------------------------------------- per sample
+
+
+def _source_notes(source: Any, fmt: str, columns: Any, in_force: Any) -> list[str]:
+    """A parquet source's summary lines: the mask column read although no setting named it, and the columns
+    holding image bytes that nothing reads (a second control, a mask under another name): named, not dropped
+    unsaid."""
+    if fmt != "parquet":
+        return []
+    from stages.resize.parquet_source import parquet_files, unread_columns_line, unread_image_columns
+
+    notes = []
+    if columns.mask is None and in_force.mask:
+        notes.append(f"parquet: column {in_force.mask!r} read as the edit mask (resize.columns.mask unset reads a "
+                     "column of that name; set resize.columns.mask to '' to read none)")
+    if unread := unread_image_columns(source, in_force):
+        notes.append(unread_columns_line(unread, len(parquet_files(source))))
+    return notes
 
 
 def check_config(rc: ResizeConfig) -> None:

@@ -1,0 +1,151 @@
+"""A parquet source's edit masks and controls are never dropped unsaid: a column named `mask` is read as the mask
+when resize.columns.mask is unset ('' reads none), a store made before that rule from such a file is rendered anew
+(its masked samples re-rendered, the rest carried), and a column of image bytes no setting reads is named in the
+summary."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from typer.testing import CliRunner
+
+from pipeline.cli import app
+from pipeline.config import load_config
+from pipeline.demo_data import generate_samples
+from schemas.errors import UserError
+from stages.resize import parquet_source
+from stages.resize.stage import run
+from store import Store
+
+SMALL = {"resize.target_area": 64 * 64, "resize.control_vae_area": 64 * 64, "resize.control_vl_area": 32 * 32,
+         "resize.multiple": 16, "resize.min_side": 16, "resize.max_controls": 3}
+N = 12
+
+
+def cfg(**columns):
+    return load_config(None, {**SMALL, **{f"resize.columns.{k}": v for k, v in columns.items()}})
+
+
+def _masks(store) -> dict[str, tuple[bool, str]]:
+    """source row number -> (has_mask, mask_sha256) of the images table."""
+    r = Store(store, create=False).reader("images")
+    try:
+        return {r.meta(k)["source"].rsplit(":", 1)[1]: (r.meta(k)["has_mask"], r.meta(k)["mask_sha256"])
+                for k in r.keys()}
+    finally:
+        r.close()
+
+
+def _sha(b: bytes | None) -> str:
+    return hashlib.sha256(b).hexdigest() if b is not None else ""
+
+
+def test_the_demo_parquet_with_masks_round_trips_its_masks_by_default(tmp_path):
+    out = tmp_path / "demo"
+    result = CliRunner().invoke(app, ["make-demo-data", str(out), "--n", str(N), "--format", "parquet", "--max-controls", "2",
+                                      "--with-masks", "--seed", "3"])
+    assert result.exit_code == 0, result.output
+    ss = list(generate_samples(n=N, max_controls=2, seed=3, with_masks=True))
+    s = run(cfg(), out, tmp_path / "store")  # no resize.columns.mask set
+    assert s.written == N and not s.quarantined
+    got = _masks(tmp_path / "store")
+    assert sorted(got.values()) == sorted((True, _sha(x.mask)) for x in ss)
+    assert "column 'mask' read as the edit mask" in str(s)
+    # '' reads none: the masks left out, said
+    s = run(cfg(mask=""), out, tmp_path / "store-none")
+    assert not any(m for m, _ in _masks(tmp_path / "store-none").values())
+    assert "'mask'" in str(s) and "not read" in str(s)
+
+
+def _rows(n: int, with_masks: bool):
+    return list(generate_samples(n=n, max_controls=2, seed=7, with_masks=with_masks))
+
+
+def test_a_mask_column_is_read_and_an_unmapped_control_column_named(tmp_path):
+    ss = _rows(N, True)
+    masks = [x.mask if i % 2 else None for i, x in enumerate(ss)]  # half the rows without a mask
+    pq.write_table(pa.table({
+        "target": pa.array([x.target for x in ss], pa.binary()),
+        "control": pa.array([x.controls[0] if x.controls else None for x in ss], pa.binary()),
+        "control_2": pa.array([x.controls[1] if len(x.controls) > 1 else None for x in ss], pa.binary()),
+        "caption": pa.array([x.caption for x in ss]),
+        "mask": pa.array(masks, pa.binary()),
+    }), tmp_path / "d.parquet")
+    s = run(cfg(references=["control"]), tmp_path / "d.parquet", tmp_path / "store")
+    assert s.written == N and not s.quarantined
+    got = _masks(tmp_path / "store")
+    assert got == {str(i): (m is not None, _sha(m)) for i, m in enumerate(masks)}
+    line = next(n for n in str(s).splitlines() if "not read" in n)
+    assert "'control_2'" in line and "resize.columns.references" in line and "'mask'" not in line
+    # mapped: nothing named, the second controls read
+    s = run(cfg(references=["control", "control_2"]), tmp_path / "d.parquet", tmp_path / "store2")
+    assert "not read" not in str(s) and s.controls[2] == sum(len(x.controls) > 1 for x in ss)
+
+
+def test_a_store_made_before_the_mask_rule_is_not_kept_silently(tmp_path, monkeypatch):
+    ss = _rows(N, True)
+    masks = [x.mask if i % 3 == 0 else None for i, x in enumerate(ss)]
+    pq.write_table(pa.table({
+        "target": pa.array([x.target for x in ss], pa.binary()),
+        "controls": pa.array([x.controls for x in ss], pa.list_(pa.binary())),
+        "caption": pa.array([x.caption for x in ss]),
+        "mask": pa.array(masks, pa.binary()),
+    }), tmp_path / "d.parquet")
+    # as before the rule: an unset mask column read nothing (lineage and source-parquet note as then recorded)
+    monkeypatch.setattr(parquet_source, "MASK_COLUMN", "no such column", raising=False)
+    old = run(cfg(), tmp_path / "d.parquet", tmp_path / "store")
+    assert old.written == N and not any(m for m, _ in _masks(tmp_path / "store").values())
+    monkeypatch.undo()
+    s = run(cfg(), tmp_path / "d.parquet", tmp_path / "store")
+    assert not s.up_to_date
+    masked = sum(m is not None for m in masks)
+    assert (s.written, s.reused) == (masked, N - masked)  # only the masked samples rendered again
+    assert _masks(tmp_path / "store") == {str(i): (m is not None, _sha(m)) for i, m in enumerate(masks)}
+    assert run(cfg(), tmp_path / "d.parquet", tmp_path / "store").up_to_date
+    # '' (no masks) over the old store: another setting, its samples carried, none with a mask
+    monkeypatch.setattr(parquet_source, "MASK_COLUMN", "no such column", raising=False)
+    run(cfg(), tmp_path / "d.parquet", tmp_path / "store-old")
+    monkeypatch.undo()
+    s = run(cfg(mask=""), tmp_path / "d.parquet", tmp_path / "store-old")
+    assert s.written == 0 and not any(m for m, _ in _masks(tmp_path / "store-old").values())
+
+
+def test_a_source_without_a_mask_column_keeps_its_lineage(tmp_path):
+    ss = _rows(N, False)
+    pq.write_table(pa.table({
+        "target": pa.array([x.target for x in ss], pa.binary()),
+        "controls": pa.array([x.controls for x in ss], pa.list_(pa.binary())),
+        "caption": pa.array([x.caption for x in ss]),
+        "mask": pa.array([len(x.controls) for x in ss]),  # a column `mask` holding no image: not read as one
+    }), tmp_path / "d.parquet")
+    s = run(cfg(), tmp_path / "d.parquet", tmp_path / "store")
+    assert s.written == N and "edit mask" not in str(s) and "not read" not in str(s)
+    # resolved as unset: the lineage of a store made before the rule
+    assert parquet_source.columns_in_force(tmp_path / "d.parquet", cfg().resize.columns) == cfg().resize.columns
+
+
+def test_a_mask_column_no_file_has_is_one_line_and_no_store(tmp_path):
+    ss = _rows(4, True)
+    (tmp_path / "src").mkdir()
+    for name, part in (("a.parquet", ss[:2]), ("b.parquet", ss[2:])):  # the mask column in one file of two
+        pq.write_table(pa.table({
+            "target": pa.array([x.target for x in part], pa.binary()),
+            "controls": pa.array([x.controls for x in part], pa.list_(pa.binary())),
+            "caption": pa.array([x.caption for x in part]),
+            **({"mask_img": pa.array([x.mask for x in part], pa.binary())} if name == "a.parquet" else {}),
+        }), tmp_path / "src" / name)
+    with pytest.raises(UserError) as e:
+        run(cfg(mask="mask_image"), tmp_path / "src", tmp_path / "store")
+    assert "\n" not in str(e.value) and "'mask_image'" in str(e.value) and "mask_img" in str(e.value)
+    assert not (tmp_path / "store").exists()  # refused before a store is made
+    # the column one file has: its rows masked, the other file's not
+    run(cfg(mask="mask_img"), tmp_path / "src", tmp_path / "store")
+    r = Store(tmp_path / "store", create=False).reader("images")
+    try:
+        got = {r.meta(k)["source"]: r.meta(k)["has_mask"] for k in r.keys()}
+    finally:
+        r.close()
+    assert got == {f"{tmp_path / 'src' / f}:{i}": f == "a.parquet" for f in ("a.parquet", "b.parquet") for i in (0, 1)}
