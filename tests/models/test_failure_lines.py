@@ -171,6 +171,29 @@ def test_a_file_where_a_rank_wants_a_folder_stops_the_rank_waiting_for_it(monkey
     assert (code, out, err.strip()) == (1, "first decided\n", f"error: {line}"), err[-3000:]
 
 
+def test_a_usage_refusal_of_one_rank_stops_the_rank_waiting_for_it(monkeypatch, own_collective) -> None:
+    """Rank 1 (this process) refuses a flag by its node's files (`usage_errors`: predict's --out an existing
+    folder there) while rank 0 waits for it at a decision; rank 0 ends at once with that line. Before: the refusal
+    was printed without publishing it, and rank 0 waited out the before-group bound (BEFORE_GROUP_SECONDS, 30
+    minutes; here the test's bound fails it)."""
+    import typer
+
+    from pipeline.commands.common import usage_errors
+    from schemas.errors import UserError
+
+    collective = own_collective
+    store = _as_rank_1(monkeypatch)
+    rank0 = WarmProcess([sys.executable, "-c", _TWO_DECISIONS], env=_env(0, store.port, agent_store=True))
+    collective.gather_before_group(2, "the config", "")
+    line = "--out /data/edited is a folder; pass the image file to write, e.g. /data/edited/edited.png"
+    with pytest.raises(typer.Exit) as ended:
+        with usage_errors():
+            raise UserError(line)
+    assert ended.value.exit_code == 2  # still a usage mistake on the rank that made it
+    [(code, out, err)] = outcomes([rank0], TIMEOUT)
+    assert (code, out, err.strip()) == (1, "first decided\n", f"error: {line}"), err[-3000:]
+
+
 def test_a_single_process_publishes_nothing(monkeypatch, own_collective) -> None:
     """No launch of several ranks: the line as it is, no store tried (a run without a launcher never waits)."""
     collective = own_collective
