@@ -295,7 +295,9 @@ def atomic_dir(final: Path, tmp: Path | None = None) -> Iterator[Path]:
 def link_or_copy(src: Path, dst: Path) -> None:
     """Hard-link a file (or every file of a folder) to dst: same bytes, no copy of multi-GB weights or shards;
     the source stays intact. Symlinks (hub snapshots point into a blob cache) are followed to the real file.
-    Falls back to a copy across file systems or where hard links are not supported."""
+    Falls back to a copy across file systems or where hard links are not supported: the copy's bytes fsynced
+    before it returns (a link has none of its own), so a caller that names it and fsyncs only the folder (a shard
+    carried forward: store/writer_shards.py `link`) commits bytes a power loss keeps."""
     if src.is_dir():
         dst.mkdir(parents=True, exist_ok=True)
         for child in src.iterdir():
@@ -306,6 +308,7 @@ def link_or_copy(src: Path, dst: Path) -> None:
         os.link(real, dst)
     except OSError:
         shutil.copy2(real, dst)
+        fsync_dir(dst)  # the file's own bytes (os.fsync takes a file's descriptor as a folder's)
 
 
 def atomic_write_json(path: Path, obj: Any) -> None:

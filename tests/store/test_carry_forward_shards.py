@@ -88,3 +88,44 @@ def test_linked_shards_fsync_their_folder_once_before_the_rank_done_file(tmp_pat
     assert linked.count("index") == 40 and linked.count("fsync folder") == 1
     assert linked[-1] == "fsync folder"  # after every linked index, before the done file
     assert sorted(st.reader("t", 2).keys()) == keys
+
+
+def test_a_shard_copied_where_links_fail_has_its_bytes_fsynced_before_its_name(tmp_path, monkeypatch):
+    """Across file systems (EXDEV) a carried shard is copied, not linked: its bytes are its own, and the writer
+    names and commits it fsyncing only the folder (above). The copy is fsynced before it is named, each shard
+    before its index. Before: copied with shutil.copy2 and never fsynced, so a power loss after the rank's done
+    file could keep a committed shard's name over lost bytes."""
+    import errno
+    import os
+
+    from store import format as fmt
+
+    st, keys = _store_of_forty(tmp_path)
+    w = st.writer("t", _schema("two"), shard_size_mb=0.0005)
+    events: list[str] = []
+    fsync, real_write = os.fsync, fmt.atomic_write_bytes
+
+    def no_link(src, dst, *args, **kwargs):
+        raise OSError(errno.EXDEV, os.strerror(errno.EXDEV), str(src), None, str(dst))
+
+    def record_fsync(fd):
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        if path.endswith(".tar.tmp"):  # a shard's temp file (named by `_publish` after)
+            events.append("fsync shard")
+        fsync(fd)
+
+    def record_write(path, *args, **kwargs):
+        events.append("index" if path.name.endswith(".index.parquet") else path.name)
+        real_write(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "link", no_link)
+    monkeypatch.setattr(os, "fsync", record_fsync)
+    monkeypatch.setattr(fmt, "atomic_write_bytes", record_write)
+    [(version, rows)] = reusable(st, "t", "features", keys).items()
+    assert carry_forward(w, version, rows) == 40
+    w.commit()
+    carried = [e for e in events[:events.index(fmt.rank_done_name(0))] if e in ("fsync shard", "index")]
+    assert carried == ["fsync shard", "index"] * 40
+    after = st.reader("t", 2)
+    assert [after.files(k)["a"] for k in keys] == [bytes([i]) * 300 for i in range(40)]
+    after.close()
