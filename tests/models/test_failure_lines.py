@@ -47,9 +47,9 @@ def test_a_failure_every_rank_met_is_printed_once_on_each(monkeypatch, own_colle
     key = collective._failure_key()
     collective.watch_failures(2)
     store.compare_set(key, "", line)  # rank 0 met it first
-    store.add(f"{key}/known", 1)  # and counts itself among the ranks that read it
+    store.set(f"{key}/known/0", "1")  # and counts itself among the ranks that read it
     deadline = time.monotonic() + TIMEOUT
-    while store.add(f"{key}/known", 0) < 2:  # the watch thread read it: past its "did this rank publish?" check
+    while not store.check([f"{key}/known/1"]):  # the watch thread read it: past its "did this rank publish?" check
         assert time.monotonic() < deadline, "the watch thread never read the published line"
         time.sleep(0.05)
     with pytest.raises(typer.Exit):
@@ -70,7 +70,7 @@ def test_an_error_no_handler_made_a_line_of_is_published_naming_its_rank(monkeyp
     store = _as_rank_1(monkeypatch)
     key = collective._failure_key()
     collective.watch_failures(2)
-    store.add(f"{key}/known", 1)  # rank 0 reads it
+    store.set(f"{key}/known/0", "1")  # rank 0 reads it
     with pytest.raises(RuntimeError):
         with user_errors():
             raise RuntimeError("damaged install\n(second line)")
@@ -92,7 +92,7 @@ def test_an_error_both_top_level_handlers_meet_is_published_once(monkeypatch, ow
     key = collective._failure_key()
     if watching:
         collective.watch_failures(2)
-    store.add(f"{key}/known", 1)  # rank 0 reads it
+    store.set(f"{key}/known/0", "1")  # rank 0 reads it
     writes: list[str] = []
     write = collective._write_failure
     monkeypatch.setattr(collective, "_write_failure", lambda line, *a: writes.append(line) or write(line, *a))
@@ -123,7 +123,7 @@ def test_the_cli_top_level_names_the_peer_a_collective_error_came_from(monkeypat
     store = _as_rank_1(monkeypatch)
     key = collective._failure_key()
     collective.watch_failures(2)
-    store.add(f"{key}/known", 1)  # rank 0 reads it (or the launcher counted for it)
+    store.set(f"{key}/known/0", "1")  # rank 0 reads it (or the launcher counted for it)
     peer = "rank 0: 1 of 6 samples of the images table are damaged"
     if published:
         collective._state["published"] = True  # this rank's watch thread leaves the line to the main thread
