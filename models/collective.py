@@ -430,8 +430,8 @@ def _reconnect(clients: list, stop: threading.Event) -> bool:
 def _read(clients: list, read: Callable[[object], T]) -> T:
     """`read(client)` through `clients[0]` for a main thread's long wait (`arrive_together`, `main_alone`: hours),
     tried again on a new connection after a failed call (`_reconnect`): one hiccup of the store ended the rank in a
-    traceback, and the launch with it. Reads only: a call that failed may have been applied. A store gone: its
-    failure, as before."""
+    traceback, and the launch with it. Reads only, or writes that are the same when applied twice (a `set`, a
+    compare-and-set): a call that failed may have been applied. A store gone: its failure, as before."""
     while True:
         try:
             return read(clients[0])
@@ -539,17 +539,22 @@ _count_lock = threading.Lock()
 
 
 def _count_and_wait(store, counter: str, world: int, wait: bool = True) -> None:
-    """Add this process to `counter` in the launch's store, once (a watch thread and the main thread may both
-    count it), then, with `wait`, wait at most HOST_WAIT_SECONDS until `world` processes have: a process whose end
-    may end the store lets every rank read what it holds first. A store that is gone (its host ended): nothing
-    left to wait for."""
+    """Count this process under `counter` in the launch's store, once (a watch thread and the main thread may both
+    count it), then, with `wait`, wait at most HOST_WAIT_SECONDS until all `world` ranks have: a process whose end
+    may end the store lets every rank read what it holds first. Each rank counts by setting its own key
+    (`COUNTER/RANK`), which a try repeated after a store hiccup (`_read`) sets again, not twice: an `add` that
+    failed may have been applied. Counted in one try, a hiccup there left the rank uncounted and the store's host
+    waiting the whole bound for it (a hiccup in the wait ended the host's wait early). A store that is gone (its
+    host ended): nothing left to wait for."""
+    clients, keys = [store], [f"{counter}/{r}" for r in range(world)]
     try:
         with _count_lock:
             if counter not in _state.get("counted", ()):  # a frozenset, replaced: a copy of `_state` keeps its own
                 _state["counted"] = _state.get("counted", frozenset()) | {counter}
-                store.add(counter, 1)
+                rank = int(os.environ.get("RANK", "0"))
+                _read(clients, lambda c: c.set(keys[rank], "1"))
         deadline = time.monotonic() + HOST_WAIT_SECONDS
-        while wait and store.add(counter, 0) < world and time.monotonic() < deadline:
+        while wait and not _read(clients, lambda c: c.check(keys)) and time.monotonic() < deadline:
             time.sleep(POLL_SECONDS / 5)
     except Exception:  # noqa: BLE001 - the store is gone (its host ended): nothing left to wait for
         pass

@@ -9,10 +9,11 @@ lineage, per-sample feature lineage, the train run fingerprint, evaluate's input
 from __future__ import annotations
 
 import difflib
+import struct
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from schemas.lineage import FEATURES, IDENTITY, THROUGHPUT, Role, added_later, adds_columns, section_fingerprint
 
@@ -107,6 +108,23 @@ class ResizeConfig(Section):
 
 
 Sigma = Annotated[float, Field(gt=0.0, le=1.0)]  # a noise level σ of the flow: 0 (clean) excluded, 1 = pure noise
+
+
+def _each_once(values: list) -> list:
+    """A noise seed or σ listed twice is every loss of that row computed twice and counted twice in the mean (the
+    summary saying "x 2 seeds"). σ are compared as the float32 the loss is computed at (stages/evaluate/stage.py)."""
+    seen: dict = {}
+    for v in values:
+        same = struct.unpack("f", struct.pack("f", v))[0] if isinstance(v, float) else v
+        if same in seen:
+            twice = f"{v!r} (the same float32 σ as {seen[same]!r})" if seen[same] != v else repr(v)
+            raise ValueError(f"{twice} is listed twice: each value is one row of the loss; list it once")
+        seen[same] = v
+    return values
+
+
+Sigmas = Annotated[list[Sigma], AfterValidator(_each_once)]  # a σ grid of a held-out loss: each σ once
+NoiseSeeds = Annotated[list[int], AfterValidator(_each_once)]  # its noise draws: each seed once
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 _DTYPE_HELP = "auto = bfloat16 on a CUDA device that supports it, float32 on the CPU (models/precision.py)"
 
@@ -317,8 +335,8 @@ class TrainConfig(Section):
                                    "instruction encoded without its control images (needs encode_text.no_control_embeds)")
     validate_every: Annotated[int | None, THROUGHPUT] = Field(None, gt=0, description="held-out loss on the val split every N steps")
     validate_max_samples: Annotated[int, THROUGHPUT] = Field(8, gt=0, description="validation: first N val samples (by key)")
-    validate_timesteps: Annotated[list[Sigma], THROUGHPUT] = Field([0.25, 0.5, 0.75], min_length=1, description="validation σ grid")
-    validate_noise_seeds: Annotated[list[int], THROUGHPUT] = Field([0], min_length=1, description="validation noise seeds")
+    validate_timesteps: Annotated[Sigmas, THROUGHPUT] = Field([0.25, 0.5, 0.75], min_length=1, description="validation σ grid")
+    validate_noise_seeds: Annotated[NoiseSeeds, THROUGHPUT] = Field([0], min_length=1, description="validation noise seeds")
     sample_every: Annotated[int | None, THROUGHPUT] = Field(None, gt=0, description="generate val samples every N steps -> RUN/samples")
     sample_count: Annotated[int, THROUGHPUT] = Field(2, gt=0, description="val samples per sample grid")
     sample_steps: Annotated[int, THROUGHPUT] = Field(4, ge=1, description="denoising steps of the sample grid; " + ONE_STEP)
@@ -350,8 +368,8 @@ class EvaluateConfig(Section):
     dtype: Annotated[DType, FEATURES] = Field("auto", description=_DTYPE_HELP)
     quantize_base: Annotated[Quantize, FEATURES] = Field("none", description=_QUANTIZE_HELP)
     seed: Annotated[int, FEATURES] = Field(1234, description="generation seed (the same for base and LoRA, for every sample)")
-    timesteps: Annotated[list[Sigma], _A_SET_OF_ROWS] = Field([0.1, 0.3, 0.5, 0.7, 0.9], min_length=1, description="sigma grid of the held-out loss")
-    noise_seeds: Annotated[list[int], _A_SET_OF_ROWS] = Field([0, 1], min_length=1, description="fixed noise draws of the held-out loss")
+    timesteps: Annotated[Sigmas, _A_SET_OF_ROWS] = Field([0.1, 0.3, 0.5, 0.7, 0.9], min_length=1, description="sigma grid of the held-out loss")
+    noise_seeds: Annotated[NoiseSeeds, _A_SET_OF_ROWS] = Field([0, 1], min_length=1, description="fixed noise draws of the held-out loss")
     batch_size: Annotated[int, THROUGHPUT] = Field(8, gt=0, description="held-out loss: val samples per forward, at one (seed, sigma) each")
     max_loss_samples: Annotated[int | None, FEATURES] = Field(256, gt=0, description="cap on val samples for the held-out loss (the "
                                          "first N keys of the val split, a content hash: a fixed, unbiased subset; "

@@ -186,8 +186,8 @@ class RankShards:
             try:
                 fmt.link_or_copy(ensure_local(Path(src)), tmp)  # a lazily cached source shard: fetched first
                 # carried samples now committed; the folder fsynced once for all of them (`sync`), not per shard:
-                # a hard link has no bytes of its own to make durable, only its name, and the index's bytes are
-                # fsynced before its name exists
+                # a hard link has no bytes of its own to make durable, only its name (a copy, where links fail, is
+                # fsynced by `link_or_copy`), and the index's bytes are fsynced before its name exists
                 name = self._publish(tmp, index_of, sync_dir=False)
                 self._unsynced = True
             except BaseException:

@@ -123,13 +123,16 @@ def report_error(line: str) -> None:
 def usage_errors() -> Iterator[None]:
     """Checks of the flags and the config made before any work (a model folder's JSON configs read at most): what
     they refuse is a usage mistake, one red line and exit 2 as `config_from`'s; what the work finds is 1
-    (`user_errors`). Every rank sees the same flags and files and refuses alike."""
+    (`user_errors`). Published as `user_errors`' lines are: a check of this node's files (predict's --out) may
+    refuse on one rank alone, which left the others waiting for it (a decision: 30 minutes)."""
     from schemas.errors import UserError
 
     try:
         yield
     except UserError as e:
-        report_error(str(e))
+        from models.collective import failure_line  # several ranks: the others stop with the same line
+
+        report_error(failure_line(e, str(e)))
         raise typer.Exit(2) from None
 
 

@@ -9,9 +9,11 @@ hash, the sample count and the reader, which listed it three times before. Outsi
 from __future__ import annotations
 
 import os
+import unicodedata
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 
 from tqdm import tqdm
@@ -84,6 +86,40 @@ def scan(folder: Path, root: Path) -> Scan:
         out.names.sort()
     if _remembered is not None:
         _remembered[key] = out
+    return out
+
+
+def named_on_disk(path: Path) -> Path:
+    """`path` as its folder spells it: a name written composed (NFC: a JSONL manifest made on Linux) while the file
+    on disk is named decomposed (NFD: written on macOS, copied by rsync or unzipped), or the other way round, looked
+    alike but was "no such file". A missing name (each missing folder on its path too) is matched in Unicode NFC
+    against its folder's names, and taken when exactly one matches; otherwise `path` as given. A name that has one
+    spelling (ASCII, CJK: NFC and NFD alike) costs nothing here."""
+    text = str(path)
+    if unicodedata.is_normalized("NFC", text) and unicodedata.is_normalized("NFD", text) or os.path.lexists(path):
+        return path
+    parent = path.parent
+    if parent == path:
+        return path
+    parent = named_on_disk(parent)
+    try:
+        mtime = os.stat(parent).st_mtime_ns
+    except OSError:
+        return path
+    matches = _names_by_nfc(str(parent), mtime).get(unicodedata.normalize("NFC", path.name), [])
+    return parent / matches[0] if len(matches) == 1 else path
+
+
+@lru_cache(maxsize=8)
+def _names_by_nfc(folder: str, mtime_ns: int) -> dict[str, list[str]]:
+    """A folder's names by their NFC form, listed once per folder and change (`mtime_ns`): a manifest of 100k
+    lines naming files of one folder this way would otherwise list it once per line."""
+    out: dict[str, list[str]] = {}
+    try:
+        for name in os.listdir(folder):
+            out.setdefault(unicodedata.normalize("NFC", name), []).append(name)
+    except OSError:
+        pass
     return out
 
 

@@ -45,7 +45,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any, Callable, Protocol
 
 from schemas.errors import UserError
-from stages.resize.folder_listing import Scan, _inside, scan, stem_suffix
+from stages.resize.folder_listing import Scan, _inside, named_on_disk, scan, stem_suffix
 from stages.resize.jsonl_text import checked_manifest, foreign_path_hint, manifest_lines
 from stages.resize.shards import is_shard_list, is_url, open_shard, shard_urls
 
@@ -793,8 +793,10 @@ def _jsonl_paths(obj: dict) -> list[str]:
 
 
 def _resolve(base: Path, rel: str) -> Path:
+    """A line's path: relative to the JSONL file's folder, as its folder spells it (`named_on_disk`: a name written
+    in NFC on disk in NFD, or the other way round, was quarantined as "no such file")."""
     p = Path(rel)
-    return p if p.is_absolute() else base / p
+    return named_on_disk(p if p.is_absolute() else base / p)
 
 
 def iter_jsonl(root: Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,

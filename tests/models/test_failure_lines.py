@@ -47,9 +47,9 @@ def test_a_failure_every_rank_met_is_printed_once_on_each(monkeypatch, own_colle
     key = collective._failure_key()
     collective.watch_failures(2)
     store.compare_set(key, "", line)  # rank 0 met it first
-    store.add(f"{key}/known", 1)  # and counts itself among the ranks that read it
+    store.set(f"{key}/known/0", "1")  # and counts itself among the ranks that read it
     deadline = time.monotonic() + TIMEOUT
-    while store.add(f"{key}/known", 0) < 2:  # the watch thread read it: past its "did this rank publish?" check
+    while not store.check([f"{key}/known/1"]):  # the watch thread read it: past its "did this rank publish?" check
         assert time.monotonic() < deadline, "the watch thread never read the published line"
         time.sleep(0.05)
     with pytest.raises(typer.Exit):
@@ -70,7 +70,7 @@ def test_an_error_no_handler_made_a_line_of_is_published_naming_its_rank(monkeyp
     store = _as_rank_1(monkeypatch)
     key = collective._failure_key()
     collective.watch_failures(2)
-    store.add(f"{key}/known", 1)  # rank 0 reads it
+    store.set(f"{key}/known/0", "1")  # rank 0 reads it
     with pytest.raises(RuntimeError):
         with user_errors():
             raise RuntimeError("damaged install\n(second line)")
@@ -92,7 +92,7 @@ def test_an_error_both_top_level_handlers_meet_is_published_once(monkeypatch, ow
     key = collective._failure_key()
     if watching:
         collective.watch_failures(2)
-    store.add(f"{key}/known", 1)  # rank 0 reads it
+    store.set(f"{key}/known/0", "1")  # rank 0 reads it
     writes: list[str] = []
     write = collective._write_failure
     monkeypatch.setattr(collective, "_write_failure", lambda line, *a: writes.append(line) or write(line, *a))
@@ -123,7 +123,7 @@ def test_the_cli_top_level_names_the_peer_a_collective_error_came_from(monkeypat
     store = _as_rank_1(monkeypatch)
     key = collective._failure_key()
     collective.watch_failures(2)
-    store.add(f"{key}/known", 1)  # rank 0 reads it (or the launcher counted for it)
+    store.set(f"{key}/known/0", "1")  # rank 0 reads it (or the launcher counted for it)
     peer = "rank 0: 1 of 6 samples of the images table are damaged"
     if published:
         collective._state["published"] = True  # this rank's watch thread leaves the line to the main thread
@@ -168,6 +168,29 @@ def test_a_file_where_a_rank_wants_a_folder_stops_the_rank_waiting_for_it(monkey
             raise FileExistsError(17, "File exists", "/data/run/out")
     [(code, out, err)] = outcomes([rank0], TIMEOUT)
     line = "/data/run/out (or a folder on its path) is a file, not a folder: pass a folder path"
+    assert (code, out, err.strip()) == (1, "first decided\n", f"error: {line}"), err[-3000:]
+
+
+def test_a_usage_refusal_of_one_rank_stops_the_rank_waiting_for_it(monkeypatch, own_collective) -> None:
+    """Rank 1 (this process) refuses a flag by its node's files (`usage_errors`: predict's --out an existing
+    folder there) while rank 0 waits for it at a decision; rank 0 ends at once with that line. Before: the refusal
+    was printed without publishing it, and rank 0 waited out the before-group bound (BEFORE_GROUP_SECONDS, 30
+    minutes; here the test's bound fails it)."""
+    import typer
+
+    from pipeline.commands.common import usage_errors
+    from schemas.errors import UserError
+
+    collective = own_collective
+    store = _as_rank_1(monkeypatch)
+    rank0 = WarmProcess([sys.executable, "-c", _TWO_DECISIONS], env=_env(0, store.port, agent_store=True))
+    collective.gather_before_group(2, "the config", "")
+    line = "--out /data/edited is a folder; pass the image file to write, e.g. /data/edited/edited.png"
+    with pytest.raises(typer.Exit) as ended:
+        with usage_errors():
+            raise UserError(line)
+    assert ended.value.exit_code == 2  # still a usage mistake on the rank that made it
+    [(code, out, err)] = outcomes([rank0], TIMEOUT)
     assert (code, out, err.strip()) == (1, "first decided\n", f"error: {line}"), err[-3000:]
 
 

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from own_collective import own_collective  # noqa: F401  (the fixture)
 from test_failure_lines import _as_rank_1
 from launch_ports import start_host_first
-from test_launch_devices import TIMEOUT
+from test_launch_devices import TIMEOUT, _env
 from warm_start import WarmProcess, outcomes
 
 REPO = Path(__file__).resolve().parents[2]
@@ -77,7 +77,7 @@ def test_the_watch_thread_counts_this_rank_alive_on_after_failed_store_calls(mon
     # and it still watches: a failure another rank publishes ends this process with its line
     line = "rank 0 ran out of memory in the forward"
     store.compare_set(collective._failure_key(), "", line)
-    store.add(f"{collective._failure_key()}/known", 1)
+    store.set(f"{collective._failure_key()}/known/0", "1")
     _wait_for(lambda: exits == [1], "the watch thread missed a published failure after the store's failed calls")
 
 
@@ -113,9 +113,9 @@ def test_a_rank_waiting_for_rank_0_alone_goes_on_after_a_failed_store_read(monke
     done = f"{collective._launch_key('done')}/resize-bucket"
     budget = _flaky_clients(monkeypatch, collective, lambda name, keys, *_: name == "check" and keys == [done], 2)
     store.set(done, "done")  # rank 0's work is over
-    store.add(f"{done}/seen", 1)
+    store.set(f"{done}/seen/0", "1")
     assert collective.main_alone(2, "resize-bucket", lambda: "rank 0's") is None  # before: DistStoreError
-    assert budget["left"] == 0 and store.add(f"{done}/seen", 0) == 2  # it saw the mark and said so
+    assert budget["left"] == 0 and store.check([f"{done}/seen/1"])  # it saw the mark and said so
 
 
 def test_a_store_gone_ends_the_watch_at_once_and_quietly(monkeypatch, own_collective, capfd) -> None:
@@ -193,3 +193,30 @@ def test_a_failure_published_through_a_store_hiccup_still_stops_every_rank_with_
     assert rc0 == rc1 == 1, (rc0, rc1, err0[-3000:], err1[-3000:])
     for err in (err0, err1):
         assert err.strip().splitlines()[-1] == line, err[-3000:]
+
+
+# Rank 0 counts itself among the ranks that know a published line (`_known_by_all`) and waits for the others, its
+# bound (HOST_WAIT_SECONDS) longer than the test waits: it returns only once rank 1 is counted.
+COUNT_SCRIPT = """
+from models import collective
+collective.HOST_WAIT_SECONDS = {wait}
+collective._count_and_wait(collective._store_client(), "{counter}", 2)
+print("every rank counted", flush=True)
+"""
+
+
+def test_a_rank_counted_through_a_store_hiccup_is_counted_once(monkeypatch, own_collective) -> None:
+    """A rank about to end counts itself in the store (`_count_and_wait`), and the store's host waits until every
+    rank has. Before, the count was one `add`: a hiccup there left this rank uncounted and the host waiting its
+    whole bound (HOST_WAIT_SECONDS; here longer than the test's bound, which fails it). An `add` tried again may
+    count twice (a failed call may have been applied): each rank sets its own key instead."""
+    collective = own_collective
+    store = _as_rank_1(monkeypatch)
+    counter = f"{collective._failure_key()}/known"
+    budget = _flaky_clients(monkeypatch, collective, lambda name, key, *v: name in ("add", "set")
+                            and key.startswith(counter) and v != (0,), 1)
+    rank0 = WarmProcess([sys.executable, "-c", COUNT_SCRIPT.format(wait=10 * TIMEOUT, counter=counter)],
+                        env=_env(0, store.port, agent_store=True))
+    collective._count_and_wait(collective._store_client(), counter, 2, wait=False)
+    [(code, out, err)] = outcomes([rank0], TIMEOUT)
+    assert budget["left"] == 0 and (code, out) == (0, "every rank counted\n"), err[-3000:]

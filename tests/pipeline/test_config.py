@@ -301,3 +301,22 @@ def test_a_flags_path_keeps_its_dollar_as_the_shell_gave_it(tmp_path, monkeypatc
                       sets={"paths.run": "/mnt/share/$DATA/run"})
     assert (cfg.paths.source, cfg.paths.store, cfg.paths.run) == ("/mnt/price$list/src", f"{tmp_path}/st",
                                                                   "/mnt/share/$DATA/run")
+
+
+@pytest.mark.parametrize("key, values, named, each_once", [
+    ("evaluate.noise_seeds", [0, 0], "0 is listed twice", [0]),
+    ("evaluate.timesteps", [0.3, 0.7, 0.3], "0.3 is listed twice", [0.3, 0.7]),
+    ("evaluate.timesteps", [0.3, 0.30000000001], "0.30000000001 (the same float32 σ as 0.3) is listed twice",
+     [0.3, 0.3000001]),
+    ("train.validate_noise_seeds", [1, 2, 1], "1 is listed twice", [1, 2]),
+    ("train.validate_timesteps", [0.5, 0.5], "0.5 is listed twice", [0.5]),
+])
+def test_a_noise_seed_or_sigma_listed_twice_is_refused_naming_key_and_value(key, values, named, each_once):
+    """A repeated seed or σ was accepted: every loss of that row computed twice, counted twice in the mean, and the
+    summary saying "x 2 seeds" of one draw. σ equal in float32 (the precision the loss is computed at) are one σ."""
+    with pytest.raises(ConfigError) as e:
+        load_config(None, {key: values})
+    line = next(line for line in str(e.value).splitlines() if key in line)
+    assert line.startswith(f"  '{key}': ") and named in line
+    section, name = key.split(".")
+    assert getattr(getattr(load_config(None, {key: each_once}), section), name) == each_once

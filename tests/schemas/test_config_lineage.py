@@ -162,7 +162,7 @@ def _another_value(model: type[BaseModel], name: str, value):
                   *([value + 1, value - 1] if isinstance(value, int) and not isinstance(value, bool) else []),
                   *([value / 2, min(value * 1.5, 0.99)] if isinstance(value, float) else []),
                   *([value[:1] + value[:1]] if isinstance(value, (list, tuple)) and value else []),
-                  "cuda:1", "x", 1, 0.5, [0.5], None]
+                  "cuda:1", "x", 1, 0.5, [0.5], [1], None]  # [1]: a seed list (a seed listed twice is refused)
     for c in candidates:
         if c == value:
             continue

@@ -90,46 +90,42 @@ def test_linked_shards_fsync_their_folder_once_before_the_rank_done_file(tmp_pat
     assert sorted(st.reader("t", 2).keys()) == keys
 
 
-def test_shards_carried_by_copy_where_hard_links_fail_have_their_bytes_fsynced_before_the_rank_done_file(
-        tmp_path, monkeypatch):
-    """Where the file system refuses hard links (or across file systems) `link_or_copy` copies the shard: those
-    are new bytes, and the folder fsync makes only their names durable. Each copy's bytes are fsynced before the
-    rank's done file says it is committed (a power loss kept a named, indexed shard of zeros: a damaged version)."""
+def test_a_shard_copied_where_links_fail_has_its_bytes_fsynced_before_its_name(tmp_path, monkeypatch):
+    """Across file systems (EXDEV) a carried shard is copied, not linked: its bytes are its own, and the writer
+    names and commits it fsyncing only the folder (above). The copy is fsynced before it is named, each shard
+    before its index. Before: copied with shutil.copy2 and never fsynced, so a power loss after the rank's done
+    file could keep a committed shard's name over lost bytes."""
+    import errno
     import os
 
     from store import format as fmt
 
-    st = Store(tmp_path / "store")
-    w = st.writer("t", _schema("one"), shard_size_mb=0.0005)
-    keys = [f"{i:032x}" for i in range(12)]
-    for i, k in enumerate(keys):
-        w.add(k, files={"a": bytes([i]) * 300}, meta={"split": "train", "img_shapes": [[1, 2, 2]]})
-    w.commit()
-
+    st, keys = _store_of_forty(tmp_path)
     w = st.writer("t", _schema("two"), shard_size_mb=0.0005)
     events: list[str] = []
-    fsync, atomic_write_bytes = os.fsync, fmt.atomic_write_bytes
+    fsync, real_write = os.fsync, fmt.atomic_write_bytes
 
     def no_link(src, dst, *args, **kwargs):
-        raise OSError(1, "Operation not permitted")  # e.g. a FUSE or SMB mount
+        raise OSError(errno.EXDEV, os.strerror(errno.EXDEV), str(src), None, str(dst))
 
     def record_fsync(fd):
-        events.append("fsync " + os.path.basename(os.readlink(f"/proc/self/fd/{fd}")))
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        if path.endswith(".tar.tmp"):  # a shard's temp file (named by `_publish` after)
+            events.append("fsync shard")
         fsync(fd)
 
     def record_write(path, *args, **kwargs):
-        events.append(path.name)
-        atomic_write_bytes(path, *args, **kwargs)
+        events.append("index" if path.name.endswith(".index.parquet") else path.name)
+        real_write(path, *args, **kwargs)
 
     monkeypatch.setattr(os, "link", no_link)
     monkeypatch.setattr(os, "fsync", record_fsync)
     monkeypatch.setattr(fmt, "atomic_write_bytes", record_write)
     [(version, rows)] = reusable(st, "t", "features", keys).items()
-    assert carry_forward(w, version, rows) == 12
+    assert carry_forward(w, version, rows) == 40
     w.commit()
-    vdir = st.version_dir("t", 2)
-    copied = sorted(p.name + ".tmp" for p in vdir.glob("*.tar"))
-    assert len(copied) > 5 and not any(os.path.samefile(vdir / c[:-4], st.version_dir("t", 1) / c[:-4]) for c in copied)
-    done = events.index(fmt.rank_done_name(0))
-    assert sorted(e[len("fsync "):] for e in events[:done] if e.endswith(".tar.tmp")) == copied
-    assert sorted(st.reader("t", 2).keys()) == keys
+    carried = [e for e in events[:events.index(fmt.rank_done_name(0))] if e in ("fsync shard", "index")]
+    assert carried == ["fsync shard", "index"] * 40
+    after = st.reader("t", 2)
+    assert [after.files(k)["a"] for k in keys] == [bytes([i]) * 300 for i in range(40)]
+    after.close()
