@@ -1,0 +1,158 @@
+"""Val samples a run trained on. evaluate scores a LoRA on the store's current val split; when the split changed
+after the run trained (`resize.val_fraction`, `resize.split_by`, a rerun that re-split), some of those samples
+were in the run's train split, and their held-out loss scores pictures the LoRA learnt: the best checkpoint then
+favours memorisation. Said in one line and recorded in metrics.json `run.trained_val` (a warning, not a refusal:
+the numbers are still the LoRA's on those samples, and a user comparing checkpoints of a run trained before a
+re-split may want them; the line says how to get a clean figure).
+
+What a run trained on is read from its record (a checkpoint's resume.json `tables`: the text / vae version ids):
+the `images` version those tables were encoded from (their lineage), whose manifest's `key` / `split` /
+`source_hashes` give its train samples. Vectorised Arrow over those three columns only (no per-row Python).
+Rank 0 alone decides (it writes the report); every input is an immutable store file."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+_VERSION_ID = re.compile(r"^v(\d+)-")
+
+
+def run_record(lora: str | Path) -> tuple[Path, dict[str, str]] | None:
+    """(the run folder, its `tables` record) of a LoRA train wrote: RUN/checkpoints/step-N/lora (that checkpoint's
+    resume.json) or RUN/lora (the last checkpoint's); None for a LoRA with no such record (made elsewhere)."""
+    from schemas.record_formats import RESUME_JSON
+    from stages.train.state import latest_checkpoint
+    from store.checksum import SealError, is_sealed, unseal
+
+    lora = Path(lora)
+    folder, run = lora.parent, lora.parent.parent.parent
+    if not (folder / RESUME_JSON).is_file():
+        folder, run = latest_checkpoint(lora.parent / "checkpoints"), lora.parent
+        if folder is None:
+            return None
+    try:
+        data = (folder / RESUME_JSON).read_bytes()
+        record = unseal(data) if is_sealed(data) else json.loads(data)
+    except (OSError, ValueError, SealError):
+        return None
+    tables = record.get("tables") if isinstance(record, dict) else None
+    return (run, dict(tables)) if isinstance(tables, dict) and tables else None
+
+
+def training_images(st, tables: dict[str, str]) -> tuple[int | None, str | None]:
+    """(the `images` version the run's text / vae tables were encoded from, None) or (None, why it cannot be
+    told: a version collected or rebuilt since)."""
+    from store.manifest_files import read_schema
+
+    for table in ("vae", "text"):
+        vid = tables.get(table)
+        m = _VERSION_ID.match(vid or "")
+        if not m:
+            continue
+        version = int(m.group(1))
+        try:
+            same = st.version_id(table, version) == vid
+            upstream = read_schema(st.version_dir(table, version)).lineage.upstream.get("images") if same else None
+        except Exception:  # noqa: BLE001 - gone or unreadable: the check cannot be made, said as such
+            same, upstream = False, None
+        if not same:
+            return None, f"table '{table}' {vid} it trained on is no longer in the store (collected or rebuilt)"
+        try:
+            return int(upstream), None
+        except (TypeError, ValueError):
+            return None, f"table '{table}' {vid} records no images version"
+    return None, "its record names no text / vae version"
+
+
+def _rows(st, version: int) -> Any:
+    from store.manifest_files import checked_manifest
+
+    return checked_manifest(st.version_dir("images", version), ["key", "split", "source_hashes"])
+
+
+def _joined_hashes(rows):
+    """Each row's `source_hashes` joined into one string (None where it has none), or None without the column."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if "source_hashes" not in rows.column_names:
+        return None
+    kind = rows.schema.field("source_hashes").type
+    if not (pa.types.is_list(kind) or pa.types.is_large_list(kind)):
+        return None
+    h = rows.column("source_hashes")
+    joined = pc.binary_join(h, "")
+    return pc.if_else(pc.greater(pc.list_value_length(h), 0), joined, pa.scalar(None, joined.type))
+
+
+def check(st, lora: str | Path, val_keys: list[str], val_images: int | None) -> dict | None:
+    """metrics.json `run.trained_val` for `lora` scored on `val_keys` (read from `images` v`val_images`), its line
+    logged when some were training samples or the check could not be made; None for a LoRA without a run record."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    found = run_record(lora)
+    if found is None:
+        return None
+    run, tables = found
+    trained, why = training_images(st, tables)
+    if trained is not None:
+        try:
+            train = _rows(st, trained)
+        except Exception as e:  # noqa: BLE001 - collected since: the check cannot be made
+            trained, why = None, f"images v{trained} it trained on cannot be read ({' '.join(str(e).split())[:200]})"
+    if trained is None:
+        tqdm.write(f"warning: evaluate: cannot tell whether val samples were training samples of run {run}: {why}; "
+                   "if the split changed since it trained (resize.val_fraction / split_by), its held-out loss may "
+                   "score pictures it trained on")
+        return {"run": str(run), "checked": False, "why": why}
+    keys = pa.array(val_keys, pa.string())
+    train = train.filter(pc.equal(train.column("split"), "train"))
+    by_key = pc.is_in(keys, value_set=train.column("key").combine_chunks())
+    by_pictures = pa.array([False] * len(keys))
+    if val_images is not None and len(keys):
+        now = _rows(st, val_images)
+        now = now.filter(pc.is_in(now.column("key"), value_set=keys))
+        seen, mine = _joined_hashes(train), _joined_hashes(now)
+        if seen is not None and mine is not None:
+            shared = pc.fill_null(pc.is_in(mine, value_set=pc.drop_null(seen).combine_chunks()), False)
+            hits = pc.filter(now.column("key"), shared).combine_chunks()
+            by_pictures = pc.is_in(keys, value_set=hits)
+    leaked = int(pc.sum(pc.or_(by_key, by_pictures)).as_py() or 0)
+    record = {"run": str(run), "checked": True, "trained_images": trained, "val_images": val_images,
+              "val_samples": len(keys), "trained_on": leaked, "same_key": int(pc.sum(by_key).as_py() or 0)}
+    if leaked:
+        since = (f"the split changed since it trained: images v{trained} vs v{val_images}" if trained != val_images
+                 else f"images v{trained}: pictures listed under several captions")
+        tqdm.write(f"warning: evaluate: {leaked} of {len(keys)} val samples were training samples of run {run} "
+                   f"({since}): their held-out loss is not held out and favours memorisation; retrain on the "
+                   "current split, or evaluate on a store whose split is the one it trained on")
+    return record
+
+
+def check_checkpoints(st, checkpoints: list[tuple[int, Path]], val_keys: list[str],
+                      val_images: int | None) -> list[dict]:
+    """`check` once per training among `checkpoints` (their records' `tables`: one run is one list entry)."""
+    seen: set[str] = set()
+    out = []
+    for _, path in checkpoints:
+        found = run_record(path)
+        ident = json.dumps(found[1], sort_keys=True) if found else None
+        if ident is None or ident in seen:
+            continue
+        seen.add(ident)
+        out.append(check(st, path, val_keys, val_images))
+    return out
+
+
+def val_images_version(tables) -> int | None:
+    """The `images` version the val split's tables were encoded from (their lineage)."""
+    try:
+        return int(tables.vae.schema.lineage.upstream.get("images"))
+    except (TypeError, ValueError, AttributeError):
+        return None
