@@ -26,15 +26,17 @@ def run_record(lora: str | Path) -> tuple[Path, dict[str, str]] | None:
     """(the run folder, its `tables` record) of a LoRA train wrote: RUN/checkpoints/step-N/lora (that checkpoint's
     resume.json) or RUN/lora (the last checkpoint's); None for a LoRA with no such record (made elsewhere)."""
     from schemas.record_formats import RESUME_JSON
-    from stages.train.state import latest_checkpoint
     from store.checksum import SealError, is_sealed, unseal
 
     lora = Path(lora)
     folder, run = lora.parent, lora.parent.parent.parent
-    if not (folder / RESUME_JSON).is_file():
-        folder, run = latest_checkpoint(lora.parent / "checkpoints"), lora.parent
-        if folder is None:
+    if not (folder / RESUME_JSON).is_file():  # RUN/lora: the newest committed step-N (train's `latest_checkpoint`;
+        # a stage imports no other stage: the folder rule read here)
+        done = [p.parent for p in (lora.parent / "checkpoints").glob(f"step-*/{RESUME_JSON}")
+                if p.parent.name[len("step-"):].isdigit()]
+        if not done:
             return None
+        folder, run = max(done, key=lambda p: int(p.name[len("step-"):])), lora.parent
     try:
         data = (folder / RESUME_JSON).read_bytes()
         record = unseal(data) if is_sealed(data) else json.loads(data)
@@ -90,12 +92,45 @@ def _joined_hashes(rows):
     return pc.if_else(pc.greater(pc.list_value_length(h), 0), joined, pa.scalar(None, joined.type))
 
 
-def check(st, lora: str | Path, val_keys: list[str], val_images: int | None) -> dict | None:
-    """metrics.json `run.trained_val` for `lora` scored on `val_keys` (read from `images` v`val_images`), its line
-    logged when some were training samples or the check could not be made; None for a LoRA without a run record."""
+def _target(rows):
+    """Each row's first source hash (its target's), null where it has none (`list_element` fails on an empty list)."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
+    h = rows.column("source_hashes")
+    some = pc.fill_null(pc.greater(pc.list_value_length(h), 0), False)
+    return pc.list_element(pc.if_else(some, h, pa.scalar(None, h.type)), 0)
+
+
+def trained_on(trained, now, val_keys: list[str]) -> tuple[int, int]:
+    """(how many of `val_keys` were training samples, how many of those by key): a key in `trained`'s train rows
+    (its manifest's key / split / source_hashes), or - with `now`, the val samples' own manifest rows - the same
+    pictures (`source_hashes`, joined) as a train row (resize's `val_sharing`: the pair under another caption).
+    Vectorised: `is_in` over the columns, no row in Python."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    keys = pa.array(val_keys, pa.string())
+    train = trained.filter(pc.equal(trained.column("split"), "train"))
+    by_key = pc.is_in(keys, value_set=train.column("key").combine_chunks())
+    leaked = by_key
+    if now is not None and len(keys):
+        now = now.filter(pc.is_in(now.column("key"), value_set=keys))
+        mine = _joined_hashes(now)
+        if mine is not None and _joined_hashes(train.slice(0, 0)) is not None:
+            # only the train rows whose target a val sample has are joined (as resize's `val_sharing`): all of
+            # them cost ~1 s more at a million rows
+            firsts = pc.drop_null(_target(now)).combine_chunks()
+            seen = _joined_hashes(train.filter(pc.fill_null(pc.is_in(_target(train), value_set=firsts), False)))
+            shared = pc.fill_null(pc.is_in(mine, value_set=pc.drop_null(seen).combine_chunks()), False)
+            hits = pc.filter(now.column("key"), shared).combine_chunks()
+            leaked = pc.or_(by_key, pc.is_in(keys, value_set=hits))
+    return int(pc.sum(leaked).as_py() or 0), int(pc.sum(by_key).as_py() or 0)
+
+
+def check(st, lora: str | Path, val_keys: list[str], val_images: int | None) -> dict | None:
+    """metrics.json `run.trained_val` for `lora` scored on `val_keys` (read from `images` v`val_images`), its line
+    logged when some were training samples or the check could not be made; None for a LoRA without a run record."""
     found = run_record(lora)
     if found is None:
         return None
@@ -111,27 +146,19 @@ def check(st, lora: str | Path, val_keys: list[str], val_images: int | None) -> 
                    "if the split changed since it trained (resize.val_fraction / split_by), its held-out loss may "
                    "score pictures it trained on")
         return {"run": str(run), "checked": False, "why": why}
-    keys = pa.array(val_keys, pa.string())
-    train = train.filter(pc.equal(train.column("split"), "train"))
-    by_key = pc.is_in(keys, value_set=train.column("key").combine_chunks())
-    by_pictures = pa.array([False] * len(keys))
-    if val_images is not None and len(keys):
-        now = _rows(st, val_images)
-        now = now.filter(pc.is_in(now.column("key"), value_set=keys))
-        seen, mine = _joined_hashes(train), _joined_hashes(now)
-        if seen is not None and mine is not None:
-            shared = pc.fill_null(pc.is_in(mine, value_set=pc.drop_null(seen).combine_chunks()), False)
-            hits = pc.filter(now.column("key"), shared).combine_chunks()
-            by_pictures = pc.is_in(keys, value_set=hits)
-    leaked = int(pc.sum(pc.or_(by_key, by_pictures)).as_py() or 0)
+    now = None if val_images is None or not val_keys else train if val_images == trained else _rows(st, val_images)
+    leaked, same_key = trained_on(train, now, val_keys)
     record = {"run": str(run), "checked": True, "trained_images": trained, "val_images": val_images,
-              "val_samples": len(keys), "trained_on": leaked, "same_key": int(pc.sum(by_key).as_py() or 0)}
+              "val_samples": len(val_keys), "trained_on": leaked, "same_key": same_key}
     if leaked:
-        since = (f"the split changed since it trained: images v{trained} vs v{val_images}" if trained != val_images
-                 else f"images v{trained}: pictures listed under several captions")
-        tqdm.write(f"warning: evaluate: {leaked} of {len(keys)} val samples were training samples of run {run} "
-                   f"({since}): their held-out loss is not held out and favours memorisation; retrain on the "
-                   "current split, or evaluate on a store whose split is the one it trained on")
+        if trained != val_images:
+            since = f"the split changed since it trained: images v{trained} vs v{val_images}"
+            fix = "retrain on the current split, or evaluate on the split it trained on"
+        else:  # one split: pairs listed under several captions in both (resize's val_sharing)
+            since = f"the pictures of train samples under other captions, images v{trained}"
+            fix = "resize with resize.split_by: pictures, re-encode and retrain"
+        tqdm.write(f"warning: evaluate: {leaked} of {len(val_keys)} val samples were training samples of run {run} "
+                   f"({since}): their held-out loss is not held out and favours memorisation; {fix}")
     return record
 
 

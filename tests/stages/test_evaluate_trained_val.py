@@ -79,3 +79,22 @@ def test_val_samples_the_run_trained_on_are_said_and_counted(tiny_edit_model, ed
     output, found = evaluate(edit_store, model, run, tmp_path / "gone")
     assert "cannot tell whether val samples were training samples of run" in output
     assert found["checked"] is False and "no longer in the store" in found["why"]
+
+
+def test_a_val_sample_with_a_train_samples_pictures_counts_as_trained_on():
+    """By key, or by the same `source_hashes` (the pair under another caption); a row without hashes (null or
+    empty) shares nothing; a val row of the old split is no training sample."""
+    import pyarrow as pa
+
+    from stages.evaluate.trained_val import trained_on
+
+    hashes = pa.list_(pa.string())
+    trained = pa.table({"key": ["a", "b", "c", "d"], "split": ["train", "train", "val", "train"],
+                        "source_hashes": pa.array([["t1", "c1"], ["t2"], ["t3"], None], hashes)})
+    now = pa.table({"key": ["a", "x", "y", "z", "w", "c"], "split": ["val"] * 6,
+                    "source_hashes": pa.array([["t1", "c1"], ["t2"], ["t1", "c9"], [], None, ["t3"]], hashes)})
+    keys = ["a", "x", "y", "z", "w", "c"]
+    assert trained_on(trained, now, keys) == (2, 1)  # a by key, x by b's pictures; y shares a target only
+    assert trained_on(trained, None, keys) == (1, 1)  # no manifest of the val samples: keys only
+    assert trained_on(trained.drop(["source_hashes"]), now, keys) == (1, 1)
+    assert trained_on(trained, now, []) == (0, 0)
