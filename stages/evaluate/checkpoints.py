@@ -615,7 +615,7 @@ def _run(ranks, cfg: EvaluateConfig, store: str | Path, model: str, checkpoints:
          skip_if_done: bool, relist=None, whose_report=None) -> CheckpointsResult | None:
     """The steps of `run`, every rank taking each collective one together (named in `together`'s lines)."""
     from models.collective import together
-    from stages.evaluate import stage as single
+    from stages.evaluate import stage as single, trained_val
     from stages.evaluate.val_share import reader
 
     started = time.perf_counter()
@@ -636,6 +636,10 @@ def _run(ranks, cfg: EvaluateConfig, store: str | Path, model: str, checkpoints:
     tables, share = _read_val_share(run)
     load = reader(tables, share)
     with tables:  # closed on every path: descriptors, check-ahead thread, read lease
+        with together(ranks.world, "check the val samples against the runs' train splits"):
+            trained = trained_val.check_checkpoints(  # rank 0 alone decides and says it (it writes the report)
+                Store(store, create=False), checkpoints, [s.key for s in share.samples],
+                trained_val.val_images_version(tables)) if ranks.main else None
         fingerprint, settings = read_fingerprint(settings, tables)  # the tables read, not those at key time
         earlier = earlier_settings(settings, tables, cfg, out)
         damaged = dict(tables.damaged)
@@ -646,7 +650,7 @@ def _run(ranks, cfg: EvaluateConfig, store: str | Path, model: str, checkpoints:
                                         cfg, load, fingerprint, relist, base_cache)
         if ranks.main:  # rank 0 summarises, generates and writes the report
             return _rank_0_alone(ranks, lambda: _report(run, tables, share, transformer, done, damaged, shas,
-                                                        settings, pruned))
+                                                        settings, pruned, trained))
         del transformer  # this rank's share is done: its memory goes before it waits for rank 0's report
     _rank_0_alone(ranks, lambda: None)
     return None
@@ -759,7 +763,7 @@ def _base_key(run: _Evaluation, settings: dict, samples) -> str | None:
 
 
 def _report(run: _Evaluation, tables, share, transformer, done, damaged: dict, shas: dict[int, str],
-            settings: dict, pruned: list[int]) -> CheckpointsResult:
+            settings: dict, pruned: list[int], trained: list[dict] | None = None) -> CheckpointsResult:
     """Rank 0's part once the losses are in: the images of the best and last checkpoints (and the base), the
     run record, metrics.json and index.html (`_rank_0_alone` runs it)."""
     from stages.evaluate import stage as single
@@ -777,6 +781,7 @@ def _report(run: _Evaluation, tables, share, transformer, done, damaged: dict, s
         metrics["generation"] = single.generation_summary(rows, cfg, model)  # "lora" = the best one
         metrics["run"] = _run_record(cfg, store, model, tables, pictured, damaged, settings,
                                      run.ranks.world, transformer, run.precision)
+        metrics["run"]["trained_val"] = trained  # val samples the runs trained on (`trained_val.check`)
         written = write_checkpoint_report(out, metrics, rows)
         if damaged:
             tqdm.write(f"skipped {len(damaged)} damaged val sample(s): {few(damaged)}")

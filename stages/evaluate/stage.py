@@ -694,11 +694,14 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, ou
     tqdm.write(describe("evaluate", parse_dtype(cfg.dtype), cfg.device, requested)
                + (f", quantize_base {cfg.quantize_base}" if cfg.quantize_base != "none" else ""))
     warn_other_base([lora], model)
+    from stages.evaluate import trained_val
     from stages.evaluate.val_share import complete, reader
 
     tables, share = read_val_samples(cfg, store, model)
     inputs = evaluate_inputs(cfg, store, model, lora, checked.sha256, tables)  # of the tables read
     samples, damaged = share.samples, dict(tables.damaged)
+    trained = trained_val.check(Store(store, create=False), lora, [s.key for s in samples],
+                                trained_val.val_images_version(tables))  # said before the long passes
 
     transformer = load_transformer(cfg, model)
     attach_checked(transformer, lora, cfg.lora_scale, checked.sha256)
@@ -714,7 +717,8 @@ def run(cfg: EvaluateConfig, store: str | Path, model: str, lora: str | Path, ou
     metrics = {
         "loss": loss,
         "generation": generation_summary(rows, cfg, model),
-        "run": _run_record(cfg, store, model, lora, tables, len(samples), damaged, inputs),
+        "run": {**_run_record(cfg, store, model, lora, tables, len(samples), damaged, inputs),
+                "trained_val": trained},
     }
     tables.close()  # readers and read lease: a process that goes on (`run all`) holds nothing of them
     return EvaluateResult(metrics, write_report(out, metrics, rows), seconds=time.perf_counter() - started,

@@ -75,8 +75,9 @@ def images_schema(tag: str) -> TableSchema:
 
 
 def write_images_table(store_path: Path, samples: list[FixtureSample], seed: int = 0,
-                       tag: str = "a") -> dict[str, FixtureSample]:
-    """Write one `images` version; returns key -> sample. A new `tag` gives a new lineage (a new version)."""
+                       tag: str = "a", val=lambda i: i % 4 == 3) -> dict[str, FixtureSample]:
+    """Write one `images` version; returns key -> sample. A new `tag` gives a new lineage (a new version); `val`:
+    whether sample i is in the val split (the same samples under another split: a re-split)."""
     rng = np.random.default_rng(seed)
     st = Store(store_path)
     w = st.writer("images", images_schema(tag))
@@ -97,7 +98,7 @@ def write_images_table(store_path: Path, samples: list[FixtureSample], seed: int
         key = hashlib.sha256(b"".join(files[k] for k in sorted(files)) + s.caption.encode()).hexdigest()[:32]
         shapes = [[1, h // 16, w_ // 16]] + [[1, ch // 16, cw // 16] for ch, cw in s.controls]
         w.add(key, files=files, meta={
-            "caption": s.caption, "split": "val" if i % 4 == 3 else "train", "img_shapes": shapes,
+            "caption": s.caption, "split": "val" if val(i) else "train", "img_shapes": shapes,
             "bucket": [h, w_], "control_sizes": [list(c) for c in s.controls], "num_controls": len(s.controls),
             "source": f"fixture/{i}", "has_mask": s.mask,
         })

@@ -1,0 +1,185 @@
+"""Val samples a run trained on. evaluate scores a LoRA on the store's current val split; when the split changed
+after the run trained (`resize.val_fraction`, `resize.split_by`, a rerun that re-split), some of those samples
+were in the run's train split, and their held-out loss scores pictures the LoRA learnt: the best checkpoint then
+favours memorisation. Said in one line and recorded in metrics.json `run.trained_val` (a warning, not a refusal:
+the numbers are still the LoRA's on those samples, and a user comparing checkpoints of a run trained before a
+re-split may want them; the line says how to get a clean figure).
+
+What a run trained on is read from its record (a checkpoint's resume.json `tables`: the text / vae version ids):
+the `images` version those tables were encoded from (their lineage), whose manifest's `key` / `split` /
+`source_hashes` give its train samples. Vectorised Arrow over those three columns only (no per-row Python).
+Rank 0 alone decides (it writes the report); every input is an immutable store file."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+_VERSION_ID = re.compile(r"^v(\d+)-")
+
+
+def run_record(lora: str | Path) -> tuple[Path, dict[str, str]] | None:
+    """(the run folder, its `tables` record) of a LoRA train wrote: RUN/checkpoints/step-N/lora (that checkpoint's
+    resume.json) or RUN/lora (the last checkpoint's); None for a LoRA with no such record (made elsewhere)."""
+    from schemas.record_formats import RESUME_JSON
+    from store.checksum import SealError, is_sealed, unseal
+
+    lora = Path(lora)
+    folder, run = lora.parent, lora.parent.parent.parent
+    if not (folder / RESUME_JSON).is_file():  # RUN/lora: the newest committed step-N (train's `latest_checkpoint`;
+        # a stage imports no other stage: the folder rule read here)
+        done = [p.parent for p in (lora.parent / "checkpoints").glob(f"step-*/{RESUME_JSON}")
+                if p.parent.name[len("step-"):].isdigit()]
+        if not done:
+            return None
+        folder, run = max(done, key=lambda p: int(p.name[len("step-"):])), lora.parent
+    try:
+        data = (folder / RESUME_JSON).read_bytes()
+        record = unseal(data) if is_sealed(data) else json.loads(data)
+    except (OSError, ValueError, SealError):
+        return None
+    tables = record.get("tables") if isinstance(record, dict) else None
+    return (run, dict(tables)) if isinstance(tables, dict) and tables else None
+
+
+def training_images(st, tables: dict[str, str]) -> tuple[int | None, str | None]:
+    """(the `images` version the run's text / vae tables were encoded from, None) or (None, why it cannot be
+    told: a version collected or rebuilt since)."""
+    from store.manifest_files import read_schema
+
+    for table in ("vae", "text"):
+        vid = tables.get(table)
+        m = _VERSION_ID.match(vid or "")
+        if not m:
+            continue
+        version = int(m.group(1))
+        try:
+            same = st.version_id(table, version) == vid
+            upstream = read_schema(st.version_dir(table, version)).lineage.upstream.get("images") if same else None
+        except Exception:  # noqa: BLE001 - gone or unreadable: the check cannot be made, said as such
+            same, upstream = False, None
+        if not same:
+            return None, f"table '{table}' {vid} it trained on is no longer in the store (collected or rebuilt)"
+        try:
+            return int(upstream), None
+        except (TypeError, ValueError):
+            return None, f"table '{table}' {vid} records no images version"
+    return None, "its record names no text / vae version"
+
+
+def _rows(st, version: int) -> Any:
+    from store.manifest_files import checked_manifest
+
+    return checked_manifest(st.version_dir("images", version), ["key", "split", "source_hashes"])
+
+
+def _joined_hashes(rows):
+    """Each row's `source_hashes` joined into one string (None where it has none), or None without the column."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if "source_hashes" not in rows.column_names:
+        return None
+    kind = rows.schema.field("source_hashes").type
+    if not (pa.types.is_list(kind) or pa.types.is_large_list(kind)):
+        return None
+    h = rows.column("source_hashes")
+    joined = pc.binary_join(h, "")
+    return pc.if_else(pc.greater(pc.list_value_length(h), 0), joined, pa.scalar(None, joined.type))
+
+
+def _target(rows):
+    """Each row's first source hash (its target's), null where it has none (`list_element` fails on an empty list)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    h = rows.column("source_hashes")
+    some = pc.fill_null(pc.greater(pc.list_value_length(h), 0), False)
+    return pc.list_element(pc.if_else(some, h, pa.scalar(None, h.type)), 0)
+
+
+def trained_on(trained, now, val_keys: list[str]) -> tuple[int, int]:
+    """(how many of `val_keys` were training samples, how many of those by key): a key in `trained`'s train rows
+    (its manifest's key / split / source_hashes), or - with `now`, the val samples' own manifest rows - the same
+    pictures (`source_hashes`, joined) as a train row (resize's `val_sharing`: the pair under another caption).
+    Vectorised: `is_in` over the columns, no row in Python."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    keys = pa.array(val_keys, pa.string())
+    train = trained.filter(pc.equal(trained.column("split"), "train"))
+    by_key = pc.is_in(keys, value_set=train.column("key").combine_chunks())
+    leaked = by_key
+    if now is not None and len(keys):
+        now = now.filter(pc.is_in(now.column("key"), value_set=keys))
+        mine = _joined_hashes(now)
+        if mine is not None and _joined_hashes(train.slice(0, 0)) is not None:
+            # only the train rows whose target a val sample has are joined (as resize's `val_sharing`): all of
+            # them cost ~1 s more at a million rows
+            firsts = pc.drop_null(_target(now)).combine_chunks()
+            seen = _joined_hashes(train.filter(pc.fill_null(pc.is_in(_target(train), value_set=firsts), False)))
+            shared = pc.fill_null(pc.is_in(mine, value_set=pc.drop_null(seen).combine_chunks()), False)
+            hits = pc.filter(now.column("key"), shared).combine_chunks()
+            leaked = pc.or_(by_key, pc.is_in(keys, value_set=hits))
+    return int(pc.sum(leaked).as_py() or 0), int(pc.sum(by_key).as_py() or 0)
+
+
+def check(st, lora: str | Path, val_keys: list[str], val_images: int | None) -> dict | None:
+    """metrics.json `run.trained_val` for `lora` scored on `val_keys` (read from `images` v`val_images`), its line
+    logged when some were training samples or the check could not be made; None for a LoRA without a run record."""
+    found = run_record(lora)
+    if found is None:
+        return None
+    run, tables = found
+    trained, why = training_images(st, tables)
+    if trained is not None:
+        try:
+            train = _rows(st, trained)
+        except Exception as e:  # noqa: BLE001 - collected since: the check cannot be made
+            trained, why = None, f"images v{trained} it trained on cannot be read ({' '.join(str(e).split())[:200]})"
+    if trained is None:
+        tqdm.write(f"warning: evaluate: cannot tell whether val samples were training samples of run {run}: {why}; "
+                   "if the split changed since it trained (resize.val_fraction / split_by), its held-out loss may "
+                   "score pictures it trained on")
+        return {"run": str(run), "checked": False, "why": why}
+    now = None if val_images is None or not val_keys else train if val_images == trained else _rows(st, val_images)
+    leaked, same_key = trained_on(train, now, val_keys)
+    record = {"run": str(run), "checked": True, "trained_images": trained, "val_images": val_images,
+              "val_samples": len(val_keys), "trained_on": leaked, "same_key": same_key}
+    if leaked:
+        if trained != val_images:
+            since = f"the split changed since it trained: images v{trained} vs v{val_images}"
+            fix = "retrain on the current split, or evaluate on the split it trained on"
+        else:  # one split: pairs listed under several captions in both (resize's val_sharing)
+            since = f"the pictures of train samples under other captions, images v{trained}"
+            fix = "resize with resize.split_by: pictures, re-encode and retrain"
+        tqdm.write(f"warning: evaluate: {leaked} of {len(val_keys)} val samples were training samples of run {run} "
+                   f"({since}): their held-out loss is not held out and favours memorisation; {fix}")
+    return record
+
+
+def check_checkpoints(st, checkpoints: list[tuple[int, Path]], val_keys: list[str],
+                      val_images: int | None) -> list[dict]:
+    """`check` once per training among `checkpoints` (their records' `tables`: one run is one list entry)."""
+    seen: set[str] = set()
+    out = []
+    for _, path in checkpoints:
+        found = run_record(path)
+        ident = json.dumps(found[1], sort_keys=True) if found else None
+        if ident is None or ident in seen:
+            continue
+        seen.add(ident)
+        out.append(check(st, path, val_keys, val_images))
+    return out
+
+
+def val_images_version(tables) -> int | None:
+    """The `images` version the val split's tables were encoded from (their lineage)."""
+    try:
+        return int(tables.vae.schema.lineage.upstream.get("images"))
+    except (TypeError, ValueError, AttributeError):
+        return None

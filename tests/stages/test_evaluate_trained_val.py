@@ -1,0 +1,100 @@
+"""evaluate says when val samples it scores were training samples of the run (the split changed since it
+trained): through the real CLI on the tiny model, a run trained on one split, the same samples re-split (some
+train samples now val) and re-encoded (the encoders carry their features), then evaluated - the single LoRA and
+--all-checkpoints. An unchanged split: no line; the run's training images version gone: the check not made, said."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from pipeline.cli import app
+from store import Store
+from store import format as fmt
+
+runner = CliRunner()
+EVAL = ["--device", "cpu", "--num-samples", "0", "--set", "evaluate.noise_seeds=[0]", "--set",
+        "evaluate.timesteps=[0.5]"]
+
+
+def invoke(*args) -> object:
+    res = runner.invoke(app, [str(a) for a in args])
+    assert res.exit_code == 0, res.output
+    return res
+
+
+def encode(store: Path, model: str) -> None:
+    for stage in ("encode-text", "encode-vae"):
+        invoke("run", stage, "--store", store, "--model", model, "--device", "cpu")
+
+
+def evaluate(store: Path, model: str, run: Path, out: Path, *extra) -> tuple[str, dict]:
+    target = ["--run", run, "--all-checkpoints"] if extra else ["--lora", run / "lora"]
+    res = invoke("run", "evaluate", "--store", store, "--model", model, *target, "--out", out, *EVAL)
+    return res.output, json.loads((out / "metrics.json").read_text())["run"]["trained_val"]
+
+
+def val_keys(store: Path) -> list[str]:
+    r = Store(store).reader("images")
+    return sorted(k for k, s in zip(r.keys(), r.manifest.column("split").to_pylist()) if s == "val")
+
+
+def test_val_samples_the_run_trained_on_are_said_and_counted(tiny_edit_model, edit_store, images_fixture,
+                                                             tmp_path):
+    model, run = tiny_edit_model, tmp_path / "run"
+    encode(edit_store, model)
+    invoke("run", "train", "--store", edit_store, "--model", model, "--out", run, "--max-steps", "2",
+           "--batch-size", "2", "--device", "cpu")
+    before = val_keys(edit_store)  # sample 3 of 6
+
+    # the split it trained on: checked, nothing said
+    output, found = evaluate(edit_store, model, run, tmp_path / "same")
+    assert "training samples of run" not in output
+    assert found == {"run": str(run.resolve()), "checked": True, "trained_images": 1, "val_images": 1,
+                     "val_samples": 1, "trained_on": 0, "same_key": 0}
+
+    # the same samples re-split (as a changed resize.val_fraction does): samples 1 and 5 move from train to val
+    images_fixture.write(edit_store, images_fixture.edit_samples(), tag="b", val=lambda i: i in (1, 3, 5))
+    encode(edit_store, model)
+    now = val_keys(edit_store)
+    assert len(now) == 3 and set(before) < set(now)
+    output, found = evaluate(edit_store, model, run, tmp_path / "resplit")
+    line = [ln for ln in output.splitlines() if "training samples of run" in ln]
+    assert len(line) == 1 and "2 of 3 val samples were training samples" in line[0]
+    assert "images v1 vs v2" in line[0] and "retrain" in line[0]
+    assert (found["trained_on"], found["val_samples"], found["trained_images"], found["val_images"]) == (2, 3, 1, 2)
+
+    # --all-checkpoints: the same count, once for the run's one training, in the report's JSON
+    output, found = evaluate(edit_store, model, run, tmp_path / "ckpts", "all")
+    assert sum("2 of 3 val samples were training samples" in ln for ln in output.splitlines()) == 1
+    assert [(f["trained_on"], f["val_samples"]) for f in found] == [(2, 3)]
+
+    # the run's tables collected: the check cannot be made, said so (not silence, not "0")
+    st = Store(edit_store)
+    for table in ("text", "vae"):
+        shutil.rmtree(fmt.version_dir(st.root, table, 1))
+    output, found = evaluate(edit_store, model, run, tmp_path / "gone")
+    assert "cannot tell whether val samples were training samples of run" in output
+    assert found["checked"] is False and "no longer in the store" in found["why"]
+
+
+def test_a_val_sample_with_a_train_samples_pictures_counts_as_trained_on():
+    """By key, or by the same `source_hashes` (the pair under another caption); a row without hashes (null or
+    empty) shares nothing; a val row of the old split is no training sample."""
+    import pyarrow as pa
+
+    from stages.evaluate.trained_val import trained_on
+
+    hashes = pa.list_(pa.string())
+    trained = pa.table({"key": ["a", "b", "c", "d"], "split": ["train", "train", "val", "train"],
+                        "source_hashes": pa.array([["t1", "c1"], ["t2"], ["t3"], None], hashes)})
+    now = pa.table({"key": ["a", "x", "y", "z", "w", "c"], "split": ["val"] * 6,
+                    "source_hashes": pa.array([["t1", "c1"], ["t2"], ["t1", "c9"], [], None, ["t3"]], hashes)})
+    keys = ["a", "x", "y", "z", "w", "c"]
+    assert trained_on(trained, now, keys) == (2, 1)  # a by key, x by b's pictures; y shares a target only
+    assert trained_on(trained, None, keys) == (1, 1)  # no manifest of the val samples: keys only
+    assert trained_on(trained.drop(["source_hashes"]), now, keys) == (1, 1)
+    assert trained_on(trained, now, []) == (0, 0)
