@@ -239,7 +239,8 @@ def _run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> 
                                    source_before=moved.before if moved and moved.version == writer.version else ""))
     try:
         record_pending(writer, pending)
-        carry = _render_source(source, fmt, rc, writer, _rendered_before(st, schema), intake, st, pending)
+        carry = _render_source(source, fmt, rc, writer, _rendered_before(st, schema), intake, st, pending,
+                               read_columns=cfg.resize.columns)
         _carry_forward(st, writer, schema, carry, intake.summary, rc)
         if intake.unread:
             _refuse_unread_repair(intake)
@@ -651,9 +652,13 @@ def _rendered_before(st: Store, schema: TableSchema) -> dict[str, str]:
 
 
 def _render_source(source: str | Path, fmt: str, rc: ResizeConfig, writer: Any, rendered_before: dict[str, str],
-                   intake: _Intake, st: Store, pending: frozenset[str] = frozenset()) -> dict[str, str]:
+                   intake: _Intake, st: Store, pending: frozenset[str] = frozenset(),
+                   read_columns: Any = None) -> dict[str, str]:
     """Judge every source sample, render the new ones in `rc.workers` processes and add them to the writer.
-    Returns key -> source of the samples to carry forward from an earlier version instead."""
+    Returns key -> source of the samples to carry forward from an earlier version instead. `read_columns`: the
+    parquet mapping as set (rc.columns by default): an unset mask is judged per file (a file whose `mask` column
+    holds no image bytes has no masks), where rc.columns, as the lineage records it, names `mask` once any file
+    holds it."""
     from models.file_hashes import FileHashes
     from stages.resize.known_sources import known_sources
     from stages.resize.known_tars import known_tars, parquet_kind
@@ -671,11 +676,11 @@ def _render_source(source: str | Path, fmt: str, rc: ResizeConfig, writer: Any, 
         intake.tars, intake.max_file_bytes = (known if fmt in ("webdataset", "parquet") else None), rc.max_file_bytes
         if intake.tars is not None:
             intake.tars.pending = pending
-        return _render_samples(source, fmt, rc, writer, rendered_before, intake, known, limit)
+        return _render_samples(source, fmt, rc, writer, rendered_before, intake, known, limit, read_columns)
 
 
 def _render_samples(source: str | Path, fmt: str, rc: ResizeConfig, writer: Any, rendered_before: dict[str, str],
-                    intake: _Intake, known: Any, limit: Any) -> dict[str, str]:
+                    intake: _Intake, known: Any, limit: Any, read_columns: Any = None) -> dict[str, str]:
     from stages.resize.resumed_sources import resumed_sources
     from stages.resize.source_count import count_samples
 
@@ -724,7 +729,8 @@ def _render_samples(source: str | Path, fmt: str, rc: ResizeConfig, writer: Any,
                 yield rec, key, caption
 
     render_one = partial(_render_item, rc=rc, rules=_rules(rc))
-    with tqdm(iter_source(source, rc.max_file_bytes, rc.columns, done, known), desc=f"{STAGE} ({fmt})", unit="sample",
+    columns = read_columns if read_columns is not None else rc.columns
+    with tqdm(iter_source(source, rc.max_file_bytes, columns, done, known), desc=f"{STAGE} ({fmt})", unit="sample",
               total=count_samples(source, fmt, known), dynamic_ncols=True) as bar:
         # at most 2 x workers samples in flight: memory stays bounded whatever the dataset size; a worker that
         # dies (out of memory, a crash in an image library) costs its sample, not the run (render_pool.py)
@@ -983,7 +989,7 @@ def _source_notes(source: Any, fmt: str, columns: Any, in_force: Any) -> list[st
     if columns.mask is None and in_force.mask:
         notes.append(f"parquet: column {in_force.mask!r} read as the edit mask (resize.columns.mask unset reads a "
                      "column of that name; set resize.columns.mask to '' to read none)")
-    if unread := unread_image_columns(source, in_force):
+    if unread := unread_image_columns(source, columns):  # as read: an unset mask judged per file
         notes.append(unread_columns_line(unread, len(parquet_files(source))))
     return notes
 

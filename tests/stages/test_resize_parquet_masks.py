@@ -149,3 +149,28 @@ def test_a_mask_column_no_file_has_is_one_line_and_no_store(tmp_path):
     finally:
         r.close()
     assert got == {f"{tmp_path / 'src' / f}:{i}": f == "a.parquet" for f in ("a.parquet", "b.parquet") for i in (0, 1)}
+
+
+def test_an_unset_mask_reads_the_files_holding_mask_images_and_no_other(tmp_path):
+    # files of one source differing in what their `mask` column holds: unset, the one with image bytes is read as
+    # the mask, the one with numbers has no masks (it was refused as if resize.columns.mask named it)
+    ss = _rows(4, True)
+    (tmp_path / "src").mkdir()
+    for name, part in (("a.parquet", ss[:2]), ("b.parquet", ss[2:])):
+        pq.write_table(pa.table({
+            "target": pa.array([x.target for x in part], pa.binary()),
+            "controls": pa.array([x.controls for x in part], pa.list_(pa.binary())),
+            "caption": pa.array([x.caption for x in part]),
+            "mask": pa.array([x.mask for x in part], pa.binary()) if name == "a.parquet" else pa.array([1, 0]),
+        }), tmp_path / "src" / name)
+    s = run(cfg(), tmp_path / "src", tmp_path / "store")
+    assert s.written == 4 and not s.quarantined
+    r = Store(tmp_path / "store", create=False).reader("images")
+    try:
+        got = {r.meta(k)["source"]: r.meta(k)["has_mask"] for k in r.keys()}
+    finally:
+        r.close()
+    assert got == {f"{tmp_path / 'src' / f}:{i}": f == "a.parquet" for f in ("a.parquet", "b.parquet") for i in (0, 1)}
+    # an explicit setting naming a column of numbers is still refused
+    with pytest.raises(UserError, match="not image bytes"):
+        run(cfg(mask="mask"), tmp_path / "src", tmp_path / "store2")
