@@ -197,9 +197,12 @@ def _run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> 
     source = _named_source(source)
     started = time.perf_counter()
     fmt = detect_format(source)
-    if fmt == "parquet":  # an unset mask column: `mask` where the files have one, in the lineage as set so
+    # an unset parquet mask column: `mask` where the files have one, in the lineage as set so; into a store that
+    # exists, resolved once this run's listing is known (`_mask_by_a_version`: an up-to-date rerun reads no footer)
+    later = fmt == "parquet" and rc.columns.mask is None and st is not None
+    if fmt == "parquet" and not later:
         rc = rc.model_copy(update={"columns": columns_in_force(source, rc.columns)})
-    notes = _source_notes(source, fmt, cfg.resize.columns, rc.columns)  # a bad mapping: refused before a store
+    notes = [] if later else _source_notes(source, fmt, cfg.resize.columns, rc.columns)  # refused before a store
     st = st if st is not None else Store(store)
     # the store's split rule unless resize.split_by sets one: its samples keep their splits (split_rule.py)
     rc = rc.model_copy(update={"split_by": rule_in_force(st, rc.split_by)})
@@ -212,6 +215,10 @@ def _run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> 
                                                 source_format=fmt)), listing
 
     schema, listing = provisional(pending)
+    if later:
+        rc, notes = _mask_by_a_version(st, rc, source, pending, listing.hash()) or \
+            _mask_from_footers(rc, source, cfg.resize.columns)
+        schema = _as_repair_expects(images_schema(rc, listing.hash(), source=str(source), source_format=fmt))
     # a run killed between caching the streamed hashes and rewriting schema.json: its tars taken as pending again
     if (killed := settling(st, fmt, pending, schema.to_dict(), provisional)) is not None:
         pending, (schema, listing) = killed
@@ -977,6 +984,42 @@ def _mask_bits(mask: bytes | None) -> int:
 # ---------------------------------------------------------------- per sample
 
 
+def _mask_by_a_version(st: Store, rc: ResizeConfig, source: Any, pending: frozenset[str],
+                       listing: str) -> tuple[ResizeConfig, list[str]] | None:
+    """An unset parquet mask column resolved without a footer read: by a complete version of this very listing (the
+    same bytes or, at a URL, the same size and content tag: the same footers) made with `mask` read, or with none
+    read under the rule (its note's `mask_rule`; a version made before the rule, from a file with a `mask` column,
+    recorded none too). None where no such version is (files read for the first time, a store repair): the
+    footers say."""
+    from stages.resize.known_tars import MASK_RULE, PARQUET_NOTE
+    from stages.resize.parquet_source import MASK_COLUMN
+    from store import repair_context
+    from store.version_notes import read_note
+
+    if pending or repair_context.active():
+        return None
+    for mask in (MASK_COLUMN, None):
+        cand = rc.model_copy(update={"columns": rc.columns.model_copy(update={"mask": mask})})
+        found = st.find_version(TABLE, _as_repair_expects(images_schema(cand, listing, source=str(source),
+                                                                         source_format="parquet")).lineage)
+        if found is None:
+            continue
+        note = read_note(st, TABLE, found, PARQUET_NOTE)
+        if mask is not None or isinstance(note, dict) and note.get("mask_rule") == MASK_RULE:
+            return cand, [_mask_read_line(mask)] if mask else []
+    return None
+
+
+def _mask_from_footers(rc: ResizeConfig, source: Any, columns: Any) -> tuple[ResizeConfig, list[str]]:
+    rc = rc.model_copy(update={"columns": columns_in_force(source, rc.columns)})
+    return rc, _source_notes(source, "parquet", columns, rc.columns)
+
+
+def _mask_read_line(mask: str) -> str:
+    return (f"parquet: column {mask!r} read as the edit mask (resize.columns.mask unset reads a column of that name; "
+            "set resize.columns.mask to '' to read none)")
+
+
 def _source_notes(source: Any, fmt: str, columns: Any, in_force: Any) -> list[str]:
     """A parquet source's summary lines: the mask column read although no setting named it, and the columns
     holding image bytes that nothing reads (a second control, a mask under another name): named, not dropped
@@ -987,8 +1030,7 @@ def _source_notes(source: Any, fmt: str, columns: Any, in_force: Any) -> list[st
 
     notes = []
     if columns.mask is None and in_force.mask:
-        notes.append(f"parquet: column {in_force.mask!r} read as the edit mask (resize.columns.mask unset reads a "
-                     "column of that name; set resize.columns.mask to '' to read none)")
+        notes.append(_mask_read_line(in_force.mask))
     if unread := unread_image_columns(source, columns):  # as read: an unset mask judged per file
         notes.append(unread_columns_line(unread, len(parquet_files(source))))
     return notes
