@@ -553,8 +553,15 @@ def _count_and_wait(store, counter: str, world: int, wait: bool = True) -> None:
                 _state["counted"] = _state.get("counted", frozenset()) | {counter}
                 rank = int(os.environ.get("RANK", "0"))
                 _read(clients, lambda c: c.set(keys[rank], "1"))
-        deadline = time.monotonic() + HOST_WAIT_SECONDS
-        while wait and not _read(clients, lambda c: c.check(keys)) and time.monotonic() < deadline:
+        deadline, seen = time.monotonic() + HOST_WAIT_SECONDS, 0
+        while wait and time.monotonic() < deadline:
+            # ranks 0..seen-1 are counted (a key once set stays): each poll asks one key at a time from the first
+            # not yet seen, not all `world` keys (every rank of a failed launch waits here, polling the one store:
+            # at 512 ranks, 10 polls/s of 512 keys each kept the store's one thread busy)
+            while seen < world and _read(clients, lambda c: c.check([keys[seen]])):
+                seen += 1
+            if seen == world:
+                break
             time.sleep(POLL_SECONDS / 5)
     except Exception:  # noqa: BLE001 - the store is gone (its host ended): nothing left to wait for
         pass

@@ -61,6 +61,9 @@ READER = 1
 # render lineage either (another mapping reads other cells: nothing carried).
 PARQUET_NOTE = "source-parquet"
 PARQUET_READER = 1
+# A parquet note written under the rule that an unset resize.columns.mask reads a column `mask` (parquet_source.py):
+# a version of the same listing whose note says so resolved it from these very footers (stage._mask_by_a_version)
+MASK_RULE = 1
 
 
 @dataclass(frozen=True)
@@ -195,7 +198,7 @@ def _remote_identity(url: str) -> str | None:
 def note_value(known: KnownTars, max_file_bytes: int) -> dict:
     """What a run records beside the version it commits."""
     return {"tars": known.seen, "max_file_bytes": max_file_bytes, "reader": known.kind.reader,
-            **(known.kind.settings or {})}
+            **({"mask_rule": MASK_RULE} if known.kind.note == PARQUET_NOTE else {}), **(known.kind.settings or {})}
 
 
 def _valid(value: object, max_file_bytes: int, kind: Kind = Kind()) -> dict[str, tuple[str, int]]:

@@ -197,9 +197,12 @@ def _run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> 
     source = _named_source(source)
     started = time.perf_counter()
     fmt = detect_format(source)
-    if fmt == "parquet":  # an unset mask column: `mask` where the files have one, in the lineage as set so
+    # an unset parquet mask column: `mask` where the files have one, in the lineage as set so; into a store that
+    # exists, resolved once this run's listing is known (`_mask_by_a_version`: an up-to-date rerun reads no footer)
+    later = fmt == "parquet" and rc.columns.mask is None and st is not None
+    if fmt == "parquet" and not later:
         rc = rc.model_copy(update={"columns": columns_in_force(source, rc.columns)})
-    notes = _source_notes(source, fmt, cfg.resize.columns, rc.columns)  # a bad mapping: refused before a store
+    notes = [] if later else _source_notes(source, fmt, cfg.resize.columns, rc.columns)  # refused before a store
     st = st if st is not None else Store(store)
     # the store's split rule unless resize.split_by sets one: its samples keep their splits (split_rule.py)
     rc = rc.model_copy(update={"split_by": rule_in_force(st, rc.split_by)})
@@ -212,6 +215,10 @@ def _run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> 
                                                 source_format=fmt)), listing
 
     schema, listing = provisional(pending)
+    if later:
+        rc, notes = _mask_by_a_version(st, rc, source, pending, listing.hash()) or \
+            _mask_from_footers(rc, source, cfg.resize.columns)
+        schema = _as_repair_expects(images_schema(rc, listing.hash(), source=str(source), source_format=fmt))
     # a run killed between caching the streamed hashes and rewriting schema.json: its tars taken as pending again
     if (killed := settling(st, fmt, pending, schema.to_dict(), provisional)) is not None:
         pending, (schema, listing) = killed
@@ -239,7 +246,8 @@ def _run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> 
                                    source_before=moved.before if moved and moved.version == writer.version else ""))
     try:
         record_pending(writer, pending)
-        carry = _render_source(source, fmt, rc, writer, _rendered_before(st, schema), intake, st, pending)
+        carry = _render_source(source, fmt, rc, writer, _rendered_before(st, schema), intake, st, pending,
+                               read_columns=cfg.resize.columns)
         _carry_forward(st, writer, schema, carry, intake.summary, rc)
         if intake.unread:
             _refuse_unread_repair(intake)
@@ -651,9 +659,13 @@ def _rendered_before(st: Store, schema: TableSchema) -> dict[str, str]:
 
 
 def _render_source(source: str | Path, fmt: str, rc: ResizeConfig, writer: Any, rendered_before: dict[str, str],
-                   intake: _Intake, st: Store, pending: frozenset[str] = frozenset()) -> dict[str, str]:
+                   intake: _Intake, st: Store, pending: frozenset[str] = frozenset(),
+                   read_columns: Any = None) -> dict[str, str]:
     """Judge every source sample, render the new ones in `rc.workers` processes and add them to the writer.
-    Returns key -> source of the samples to carry forward from an earlier version instead."""
+    Returns key -> source of the samples to carry forward from an earlier version instead. `read_columns`: the
+    parquet mapping as set (rc.columns by default): an unset mask is judged per file (a file whose `mask` column
+    holds no image bytes has no masks), where rc.columns, as the lineage records it, names `mask` once any file
+    holds it."""
     from models.file_hashes import FileHashes
     from stages.resize.known_sources import known_sources
     from stages.resize.known_tars import known_tars, parquet_kind
@@ -671,11 +683,11 @@ def _render_source(source: str | Path, fmt: str, rc: ResizeConfig, writer: Any, 
         intake.tars, intake.max_file_bytes = (known if fmt in ("webdataset", "parquet") else None), rc.max_file_bytes
         if intake.tars is not None:
             intake.tars.pending = pending
-        return _render_samples(source, fmt, rc, writer, rendered_before, intake, known, limit)
+        return _render_samples(source, fmt, rc, writer, rendered_before, intake, known, limit, read_columns)
 
 
 def _render_samples(source: str | Path, fmt: str, rc: ResizeConfig, writer: Any, rendered_before: dict[str, str],
-                    intake: _Intake, known: Any, limit: Any) -> dict[str, str]:
+                    intake: _Intake, known: Any, limit: Any, read_columns: Any = None) -> dict[str, str]:
     from stages.resize.resumed_sources import resumed_sources
     from stages.resize.source_count import count_samples
 
@@ -724,7 +736,8 @@ def _render_samples(source: str | Path, fmt: str, rc: ResizeConfig, writer: Any,
                 yield rec, key, caption
 
     render_one = partial(_render_item, rc=rc, rules=_rules(rc))
-    with tqdm(iter_source(source, rc.max_file_bytes, rc.columns, done, known), desc=f"{STAGE} ({fmt})", unit="sample",
+    columns = read_columns if read_columns is not None else rc.columns
+    with tqdm(iter_source(source, rc.max_file_bytes, columns, done, known), desc=f"{STAGE} ({fmt})", unit="sample",
               total=count_samples(source, fmt, known), dynamic_ncols=True) as bar:
         # at most 2 x workers samples in flight: memory stays bounded whatever the dataset size; a worker that
         # dies (out of memory, a crash in an image library) costs its sample, not the run (render_pool.py)
@@ -971,6 +984,42 @@ def _mask_bits(mask: bytes | None) -> int:
 # ---------------------------------------------------------------- per sample
 
 
+def _mask_by_a_version(st: Store, rc: ResizeConfig, source: Any, pending: frozenset[str],
+                       listing: str) -> tuple[ResizeConfig, list[str]] | None:
+    """An unset parquet mask column resolved without a footer read: by a complete version of this very listing (the
+    same bytes or, at a URL, the same size and content tag: the same footers) made with `mask` read, or with none
+    read under the rule (its note's `mask_rule`; a version made before the rule, from a file with a `mask` column,
+    recorded none too). None where no such version is (files read for the first time, a store repair): the
+    footers say."""
+    from stages.resize.known_tars import MASK_RULE, PARQUET_NOTE
+    from stages.resize.parquet_source import MASK_COLUMN
+    from store import repair_context
+    from store.version_notes import read_note
+
+    if pending or repair_context.active():
+        return None
+    for mask in (MASK_COLUMN, None):
+        cand = rc.model_copy(update={"columns": rc.columns.model_copy(update={"mask": mask})})
+        found = st.find_version(TABLE, _as_repair_expects(images_schema(cand, listing, source=str(source),
+                                                                         source_format="parquet")).lineage)
+        if found is None:
+            continue
+        note = read_note(st, TABLE, found, PARQUET_NOTE)
+        if mask is not None or isinstance(note, dict) and note.get("mask_rule") == MASK_RULE:
+            return cand, [_mask_read_line(mask)] if mask else []
+    return None
+
+
+def _mask_from_footers(rc: ResizeConfig, source: Any, columns: Any) -> tuple[ResizeConfig, list[str]]:
+    rc = rc.model_copy(update={"columns": columns_in_force(source, rc.columns)})
+    return rc, _source_notes(source, "parquet", columns, rc.columns)
+
+
+def _mask_read_line(mask: str) -> str:
+    return (f"parquet: column {mask!r} read as the edit mask (resize.columns.mask unset reads a column of that name; "
+            "set resize.columns.mask to '' to read none)")
+
+
 def _source_notes(source: Any, fmt: str, columns: Any, in_force: Any) -> list[str]:
     """A parquet source's summary lines: the mask column read although no setting named it, and the columns
     holding image bytes that nothing reads (a second control, a mask under another name): named, not dropped
@@ -981,9 +1030,8 @@ def _source_notes(source: Any, fmt: str, columns: Any, in_force: Any) -> list[st
 
     notes = []
     if columns.mask is None and in_force.mask:
-        notes.append(f"parquet: column {in_force.mask!r} read as the edit mask (resize.columns.mask unset reads a "
-                     "column of that name; set resize.columns.mask to '' to read none)")
-    if unread := unread_image_columns(source, in_force):
+        notes.append(_mask_read_line(in_force.mask))
+    if unread := unread_image_columns(source, columns):  # as read: an unset mask judged per file
         notes.append(unread_columns_line(unread, len(parquet_files(source))))
     return notes
 

@@ -16,7 +16,7 @@ from pipeline.cli import app
 from pipeline.config import load_config
 from pipeline.demo_data import generate_samples
 from schemas.errors import UserError
-from stages.resize import parquet_source
+from stages.resize import known_tars, parquet_source
 from stages.resize.stage import run
 from store import Store
 
@@ -96,6 +96,7 @@ def test_a_store_made_before_the_mask_rule_is_not_kept_silently(tmp_path, monkey
     }), tmp_path / "d.parquet")
     # as before the rule: an unset mask column read nothing (lineage and source-parquet note as then recorded)
     monkeypatch.setattr(parquet_source, "MASK_COLUMN", "no such column", raising=False)
+    monkeypatch.setattr(known_tars, "MASK_RULE", None)  # its note written before the rule
     old = run(cfg(), tmp_path / "d.parquet", tmp_path / "store")
     assert old.written == N and not any(m for m, _ in _masks(tmp_path / "store").values())
     monkeypatch.undo()
@@ -107,6 +108,7 @@ def test_a_store_made_before_the_mask_rule_is_not_kept_silently(tmp_path, monkey
     assert run(cfg(), tmp_path / "d.parquet", tmp_path / "store").up_to_date
     # '' (no masks) over the old store: another setting, its samples carried, none with a mask
     monkeypatch.setattr(parquet_source, "MASK_COLUMN", "no such column", raising=False)
+    monkeypatch.setattr(known_tars, "MASK_RULE", None)
     run(cfg(), tmp_path / "d.parquet", tmp_path / "store-old")
     monkeypatch.undo()
     s = run(cfg(mask=""), tmp_path / "d.parquet", tmp_path / "store-old")
@@ -149,3 +151,51 @@ def test_a_mask_column_no_file_has_is_one_line_and_no_store(tmp_path):
     finally:
         r.close()
     assert got == {f"{tmp_path / 'src' / f}:{i}": f == "a.parquet" for f in ("a.parquet", "b.parquet") for i in (0, 1)}
+
+
+def test_an_unset_mask_reads_the_files_holding_mask_images_and_no_other(tmp_path):
+    # files of one source differing in what their `mask` column holds: unset, the one with image bytes is read as
+    # the mask, the one with numbers has no masks (it was refused as if resize.columns.mask named it)
+    ss = _rows(4, True)
+    (tmp_path / "src").mkdir()
+    for name, part in (("a.parquet", ss[:2]), ("b.parquet", ss[2:])):
+        pq.write_table(pa.table({
+            "target": pa.array([x.target for x in part], pa.binary()),
+            "controls": pa.array([x.controls for x in part], pa.list_(pa.binary())),
+            "caption": pa.array([x.caption for x in part]),
+            "mask": pa.array([x.mask for x in part], pa.binary()) if name == "a.parquet" else pa.array([1, 0]),
+        }), tmp_path / "src" / name)
+    s = run(cfg(), tmp_path / "src", tmp_path / "store")
+    assert s.written == 4 and not s.quarantined
+    r = Store(tmp_path / "store", create=False).reader("images")
+    try:
+        got = {r.meta(k)["source"]: r.meta(k)["has_mask"] for k in r.keys()}
+    finally:
+        r.close()
+    assert got == {f"{tmp_path / 'src' / f}:{i}": f == "a.parquet" for f in ("a.parquet", "b.parquet") for i in (0, 1)}
+    # an explicit setting naming a column of numbers is still refused
+    with pytest.raises(UserError, match="not image bytes"):
+        run(cfg(mask="mask"), tmp_path / "src", tmp_path / "store2")
+
+
+@pytest.mark.parametrize("with_masks", [True, False])
+def test_an_up_to_date_rerun_reads_no_footer(tmp_path, monkeypatch, with_masks):
+    # the unset mask column is resolved from the version of this very listing, not from every file's footer: at a
+    # URL source a range request per file per rerun (before the rule: none)
+    ss = _rows(4, True)
+    (tmp_path / "src").mkdir()
+    for name, part in (("a.parquet", ss[:2]), ("b.parquet", ss[2:])):
+        pq.write_table(pa.table({
+            "target": pa.array([x.target for x in part], pa.binary()),
+            "controls": pa.array([x.controls for x in part], pa.list_(pa.binary())),
+            "caption": pa.array([x.caption for x in part]),
+            **({"mask": pa.array([x.mask for x in part], pa.binary())} if with_masks else {}),
+        }), tmp_path / "src" / name)
+    first = run(cfg(), tmp_path / "src", tmp_path / "store")
+    assert first.written == 4 and (_masks(tmp_path / "store")["0"][0] is with_masks)
+    reads = []
+    real = pq.read_metadata
+    monkeypatch.setattr(pq, "read_metadata", lambda *a, **k: reads.append(a) or real(*a, **k))
+    again = run(cfg(), tmp_path / "src", tmp_path / "store")
+    assert again.up_to_date and again.version == first.version and reads == []
+    assert ("column 'mask' read as the edit mask" in str(again)) is with_masks
