@@ -427,16 +427,11 @@ def test_paths_resolve_as_realpath_does_with_each_folder_resolved_once(tmp_path,
     assert folders_once and len(under) <= 3, under  # besides: the mount type of the files' device, looked up once
 
 
-def test_a_same_second_rewrite_on_a_whole_second_file_system_is_read_again(tmp_path, cache, monkeypatch) -> None:
-    """ext3, HFS+, FAT and some NFS servers stamp whole seconds: a caption fixed by one letter within the second
-    it was hashed in keeps its size, mtime and ctime. Its hash is not remembered while that second can still
-    change it ("racy git"), so the next run reads the new bytes; once older, it is remembered (read once)."""
-    f = tmp_path / "sample.txt"
-    f.write_bytes(b"a cat")
-    second = 1_700_000_000 * 10**9  # the second both writes fall in, as such a file system stamps them
+def _stamped_in_whole_seconds(monkeypatch, f, second: int) -> None:
+    """`f`'s stat as a whole-second file system reports it: mtime and ctime both `second` (ns)."""
     real_stat, real_path = os.stat, os.path.realpath(f)
 
-    class Coarse:  # the file's stat as a whole-second file system reports it
+    class Coarse:
         def __init__(self, st):
             self._st = st
 
@@ -447,6 +442,16 @@ def test_a_same_second_rewrite_on_a_whole_second_file_system_is_read_again(tmp_p
 
     monkeypatch.setattr(fh.os, "stat", lambda p, *a, **k: Coarse(real_stat(p, *a, **k))
                         if os.fspath(p) == real_path else real_stat(p, *a, **k))
+
+
+def test_a_same_second_rewrite_on_a_whole_second_file_system_is_read_again(tmp_path, cache, monkeypatch) -> None:
+    """ext3, HFS+, FAT and some NFS servers stamp whole seconds: a caption fixed by one letter within the second
+    it was hashed in keeps its size, mtime and ctime. Its hash is not remembered while that second can still
+    change it ("racy git"), so the next run reads the new bytes; once older, it is remembered (read once)."""
+    f = tmp_path / "sample.txt"
+    f.write_bytes(b"a cat")
+    second = 1_700_000_000 * 10**9  # the second both writes fall in, as such a file system stamps them
+    _stamped_in_whole_seconds(monkeypatch, f, second)
 
     class Clock:  # time.time_ns at a given offset into that second; the rest of `time` as it is
         now = second + 300_000_000
@@ -480,19 +485,7 @@ def test_a_streamed_hash_learned_later_is_judged_by_when_its_read_began(tmp_path
     f = tmp_path / "shard.tar"
     f.write_bytes(b"a cat")
     second = 1_700_000_000 * 10**9
-    real_stat, real_path = os.stat, os.path.realpath(f)
-
-    class Coarse:  # the file's stat as a whole-second file system reports it
-        def __init__(self, st):
-            self._st = st
-
-        def __getattr__(self, name):
-            if name in ("st_mtime_ns", "st_ctime_ns"):
-                return second
-            return second / 1e9 if name in ("st_mtime", "st_ctime") else getattr(self._st, name)
-
-    monkeypatch.setattr(fh.os, "stat", lambda p, *a, **k: Coarse(real_stat(p, *a, **k))
-                        if os.fspath(p) == real_path else real_stat(p, *a, **k))
+    _stamped_in_whole_seconds(monkeypatch, f, second)
 
     class Clock:
         now = second + 10 * 10**9  # the commit, seconds after the stream

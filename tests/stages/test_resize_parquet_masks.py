@@ -64,6 +64,13 @@ def _rows(n: int, with_masks: bool):
     return list(generate_samples(n=n, max_controls=2, seed=7, with_masks=with_masks))
 
 
+def _table(samples, **extra) -> pa.Table:
+    """A parquet source's columns: target, controls (one list column), caption, and `extra` ones."""
+    return pa.table({"target": pa.array([x.target for x in samples], pa.binary()),
+                     "controls": pa.array([x.controls for x in samples], pa.list_(pa.binary())),
+                     "caption": pa.array([x.caption for x in samples]), **extra})
+
+
 def test_a_mask_column_is_read_and_an_unmapped_control_column_named(tmp_path):
     ss = _rows(N, True)
     masks = [x.mask if i % 2 else None for i, x in enumerate(ss)]  # half the rows without a mask
@@ -88,12 +95,7 @@ def test_a_mask_column_is_read_and_an_unmapped_control_column_named(tmp_path):
 def test_a_store_made_before_the_mask_rule_is_not_kept_silently(tmp_path, monkeypatch):
     ss = _rows(N, True)
     masks = [x.mask if i % 3 == 0 else None for i, x in enumerate(ss)]
-    pq.write_table(pa.table({
-        "target": pa.array([x.target for x in ss], pa.binary()),
-        "controls": pa.array([x.controls for x in ss], pa.list_(pa.binary())),
-        "caption": pa.array([x.caption for x in ss]),
-        "mask": pa.array(masks, pa.binary()),
-    }), tmp_path / "d.parquet")
+    pq.write_table(_table(ss, mask=pa.array(masks, pa.binary())), tmp_path / "d.parquet")
     # as before the rule: an unset mask column read nothing (lineage and source-parquet note as then recorded)
     monkeypatch.setattr(parquet_source, "MASK_COLUMN", "no such column", raising=False)
     monkeypatch.setattr(known_tars, "MASK_RULE", None)  # its note written before the rule
@@ -117,12 +119,8 @@ def test_a_store_made_before_the_mask_rule_is_not_kept_silently(tmp_path, monkey
 
 def test_a_source_without_a_mask_column_keeps_its_lineage(tmp_path):
     ss = _rows(N, False)
-    pq.write_table(pa.table({
-        "target": pa.array([x.target for x in ss], pa.binary()),
-        "controls": pa.array([x.controls for x in ss], pa.list_(pa.binary())),
-        "caption": pa.array([x.caption for x in ss]),
-        "mask": pa.array([len(x.controls) for x in ss]),  # a column `mask` holding no image: not read as one
-    }), tmp_path / "d.parquet")
+    # a column `mask` holding no image: not read as one
+    pq.write_table(_table(ss, mask=pa.array([len(x.controls) for x in ss])), tmp_path / "d.parquet")
     s = run(cfg(), tmp_path / "d.parquet", tmp_path / "store")
     assert s.written == N and "edit mask" not in str(s) and "not read" not in str(s)
     # resolved as unset: the lineage of a store made before the rule
@@ -133,12 +131,8 @@ def test_a_mask_column_no_file_has_is_one_line_and_no_store(tmp_path):
     ss = _rows(4, True)
     (tmp_path / "src").mkdir()
     for name, part in (("a.parquet", ss[:2]), ("b.parquet", ss[2:])):  # the mask column in one file of two
-        pq.write_table(pa.table({
-            "target": pa.array([x.target for x in part], pa.binary()),
-            "controls": pa.array([x.controls for x in part], pa.list_(pa.binary())),
-            "caption": pa.array([x.caption for x in part]),
-            **({"mask_img": pa.array([x.mask for x in part], pa.binary())} if name == "a.parquet" else {}),
-        }), tmp_path / "src" / name)
+        extra = {"mask_img": pa.array([x.mask for x in part], pa.binary())} if name == "a.parquet" else {}
+        pq.write_table(_table(part, **extra), tmp_path / "src" / name)
     with pytest.raises(UserError) as e:
         run(cfg(mask="mask_image"), tmp_path / "src", tmp_path / "store")
     assert "\n" not in str(e.value) and "'mask_image'" in str(e.value) and "mask_img" in str(e.value)
@@ -159,12 +153,8 @@ def test_an_unset_mask_reads_the_files_holding_mask_images_and_no_other(tmp_path
     ss = _rows(4, True)
     (tmp_path / "src").mkdir()
     for name, part in (("a.parquet", ss[:2]), ("b.parquet", ss[2:])):
-        pq.write_table(pa.table({
-            "target": pa.array([x.target for x in part], pa.binary()),
-            "controls": pa.array([x.controls for x in part], pa.list_(pa.binary())),
-            "caption": pa.array([x.caption for x in part]),
-            "mask": pa.array([x.mask for x in part], pa.binary()) if name == "a.parquet" else pa.array([1, 0]),
-        }), tmp_path / "src" / name)
+        mask = pa.array([x.mask for x in part], pa.binary()) if name == "a.parquet" else pa.array([1, 0])
+        pq.write_table(_table(part, mask=mask), tmp_path / "src" / name)
     s = run(cfg(), tmp_path / "src", tmp_path / "store")
     assert s.written == 4 and not s.quarantined
     r = Store(tmp_path / "store", create=False).reader("images")
@@ -185,12 +175,8 @@ def test_an_up_to_date_rerun_reads_no_footer(tmp_path, monkeypatch, with_masks):
     ss = _rows(4, True)
     (tmp_path / "src").mkdir()
     for name, part in (("a.parquet", ss[:2]), ("b.parquet", ss[2:])):
-        pq.write_table(pa.table({
-            "target": pa.array([x.target for x in part], pa.binary()),
-            "controls": pa.array([x.controls for x in part], pa.list_(pa.binary())),
-            "caption": pa.array([x.caption for x in part]),
-            **({"mask": pa.array([x.mask for x in part], pa.binary())} if with_masks else {}),
-        }), tmp_path / "src" / name)
+        extra = {"mask": pa.array([x.mask for x in part], pa.binary())} if with_masks else {}
+        pq.write_table(_table(part, **extra), tmp_path / "src" / name)
     first = run(cfg(), tmp_path / "src", tmp_path / "store")
     assert first.written == 4 and (_masks(tmp_path / "store")["0"][0] is with_masks)
     reads = []
