@@ -58,7 +58,7 @@ def test_a_png_source_is_opened_once_and_decodes_to_its_pixels(opens):
 
 
 def test_render_opens_each_png_of_a_sample_once(opens):
-    rc = ResizeConfig()
+    rc = ResizeConfig(split_by="pictures")  # render is given the rule in force (resolved by the stage's run)
     rec = SourceSample("s", "src/s", target=png(noise(64, 48)), controls=[png(noise(40, 40, 1))],
                        caption=b"edit", mask=png(Image.new("L", (64, 48), 255)))
     out = render(rec, "ab" * 16, "edit", rc, _rules(rc))
