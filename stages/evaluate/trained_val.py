@@ -77,31 +77,6 @@ def _rows(st, version: int) -> Any:
     return checked_manifest(st.version_dir("images", version), ["key", "split", "source_hashes"])
 
 
-def _joined_hashes(rows):
-    """Each row's `source_hashes` joined into one string (None where it has none), or None without the column."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
-    if "source_hashes" not in rows.column_names:
-        return None
-    kind = rows.schema.field("source_hashes").type
-    if not (pa.types.is_list(kind) or pa.types.is_large_list(kind)):
-        return None
-    h = rows.column("source_hashes")
-    joined = pc.binary_join(h, "")
-    return pc.if_else(pc.greater(pc.list_value_length(h), 0), joined, pa.scalar(None, joined.type))
-
-
-def _target(rows):
-    """Each row's first source hash (its target's), null where it has none (`list_element` fails on an empty list)."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
-    h = rows.column("source_hashes")
-    some = pc.fill_null(pc.greater(pc.list_value_length(h), 0), False)
-    return pc.list_element(pc.if_else(some, h, pa.scalar(None, h.type)), 0)
-
-
 def trained_on(trained, now, val_keys: list[str]) -> tuple[int, int]:
     """(how many of `val_keys` were training samples, how many of those by key): a key in `trained`'s train rows
     (its manifest's key / split / source_hashes), or - with `now`, the val samples' own manifest rows - the same
@@ -115,16 +90,11 @@ def trained_on(trained, now, val_keys: list[str]) -> tuple[int, int]:
     by_key = pc.is_in(keys, value_set=train.column("key").combine_chunks())
     leaked = by_key
     if now is not None and len(keys):
+        from features.same_pictures import sharing_pictures
+
         now = now.filter(pc.is_in(now.column("key"), value_set=keys))
-        mine = _joined_hashes(now)
-        if mine is not None and _joined_hashes(train.slice(0, 0)) is not None:
-            # only the train rows whose target a val sample has are joined (as resize's `val_sharing`): all of
-            # them cost ~1 s more at a million rows
-            firsts = pc.drop_null(_target(now)).combine_chunks()
-            seen = _joined_hashes(train.filter(pc.fill_null(pc.is_in(_target(train), value_set=firsts), False)))
-            shared = pc.fill_null(pc.is_in(mine, value_set=pc.drop_null(seen).combine_chunks()), False)
-            hits = pc.filter(now.column("key"), shared).combine_chunks()
-            leaked = pc.or_(by_key, pc.is_in(keys, value_set=hits))
+        hits = pc.filter(now.column("key"), sharing_pictures(now, train)).combine_chunks()
+        leaked = pc.or_(by_key, pc.is_in(keys, value_set=hits))
     return int(pc.sum(leaked).as_py() or 0), int(pc.sum(by_key).as_py() or 0)
 
 

@@ -303,32 +303,18 @@ def _split_and_images(st: Store, version: int) -> Any:
 
 
 def val_sharing(manifest: Any) -> int:
-    """How many val rows have the target and controls (`source_hashes`) of a train row. Split by key (which holds
-    the caption: split_rule.py), a pair listed under several captions lands in both splits, and the held-out loss
-    then scores pictures the LoRA was trained on, unsaid. Vectorised (Arrow): ~0.4 s and ~130 MB at a million rows."""
-    import pyarrow as pa
+    """How many val rows have the target and controls (`source_hashes`) of a train row
+    (`features.same_pictures`). Split by key (which holds the caption: split_rule.py), a pair listed under several
+    captions lands in both splits, and the held-out loss then scores pictures the LoRA was trained on, unsaid."""
     import pyarrow.compute as pc
 
-    kind = manifest.schema.field("source_hashes").type if "source_hashes" in manifest.column_names else None
-    if kind is None or not (pa.types.is_list(kind) or pa.types.is_large_list(kind)):  # no lists of hashes here:
-        return 0  # nothing known, nothing said (encode's `_rows_holding` allows for another type too)
-    # a row without hashes (null: a shard index that lacked the column, merged permissively) shares nothing known:
-    # `is_in` matches a null with a null, and every such val row was counted as sharing a train row's pictures
-    hashes = manifest.column("source_hashes")
-    manifest = manifest.filter(pc.and_(pc.is_valid(hashes), pc.greater(pc.list_value_length(hashes), 0)))
-    hashes, split = manifest.column("source_hashes"), manifest.column("split")
-    val = pc.filter(hashes, pc.equal(split, "val"))
-    if not len(val):
+    from features.same_pictures import sharing_pictures
+
+    split = manifest.column("split")
+    val, train = manifest.filter(pc.equal(split, "val")), manifest.filter(pc.equal(split, "train"))
+    if not val.num_rows or not train.num_rows:
         return 0
-    # only the train rows whose target a val row has are joined: all of them joined and made a set cost ~1.5 s and
-    # ~450 MB more at a million rows (2 hashes each), at every rerun, up to date too
-    targets = pa.concat_arrays(pc.list_element(val, 0).chunks)
-    candidates = pc.is_in(pc.list_element(hashes, 0), value_set=targets)
-    train = pc.filter(hashes, pc.and_(pc.equal(split, "train"), candidates))
-    if not len(train):
-        return 0
-    seen = pa.concat_arrays(pc.binary_join(train, "").chunks)
-    return int(pc.sum(pc.is_in(pc.binary_join(val, ""), value_set=seen)).as_py() or 0)
+    return int(pc.sum(sharing_pictures(val, train)).as_py() or 0)
 
 
 # ---------------------------------------------------------------- the steps of `run`
