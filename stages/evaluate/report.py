@@ -243,12 +243,18 @@ th, td { border: 1px solid #ccc; padding: 4px 8px; text-align: center; vertical-
 th { background: #f3f3f3; }
 td img { display: block; margin: auto; image-rendering: pixelated; }
 td.caption { max-width: 180px; text-align: left; }
-img.grid { max-width: 100%; image-rendering: pixelated; }"""
+img.grid { max-width: 100%; image-rendering: pixelated; }
+p.trained-val { color: #8a1f11; background: #fdecea; padding: 6px 10px; border-left: 3px solid #d93025; }"""
 
 
 def page(title: str, sections: list[str], metrics: dict, extra_css: str = "") -> str:
-    """One self-contained report page (no script): the sections, then the run record."""
-    sections = sections + ["<h2>Run</h2>", f"<pre>{html.escape(json.dumps(metrics.get('run', {}), indent=2))}</pre>"]
+    """One self-contained report page (no script): a warning of val samples the run trained on first (its held-out
+    loss is not held out: stages/evaluate/trained_val.py; one per training), the sections, then the run record."""
+    trained = (metrics.get("run") or {}).get("trained_val")
+    warnings = [t["warning"] for t in (trained if isinstance(trained, list) else [trained])
+                if isinstance(t, dict) and t.get("warning")]
+    sections = ([f"<p class='trained-val'>{html.escape(w)}</p>" for w in warnings] + sections
+                + ["<h2>Run</h2>", f"<pre>{html.escape(json.dumps(metrics.get('run', {}), indent=2))}</pre>"])
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>{title}</title>
 <style>

@@ -112,10 +112,11 @@ def check(st, lora: str | Path, val_keys: list[str], val_images: int | None) -> 
         except Exception as e:  # noqa: BLE001 - collected since: the check cannot be made
             trained, why = None, f"images v{trained} it trained on cannot be read ({' '.join(str(e).split())[:200]})"
     if trained is None:
-        tqdm.write(f"warning: evaluate: cannot tell whether val samples were training samples of run {run}: {why}; "
-                   "if the split changed since it trained (resize.val_fraction / split_by), its held-out loss may "
-                   "score pictures it trained on")
-        return {"run": str(run), "checked": False, "why": why}
+        line = (f"warning: evaluate: cannot tell whether val samples were training samples of run {run}: {why}; "
+                "if the split changed since it trained (resize.val_fraction / split_by), its held-out loss may "
+                "score pictures it trained on")
+        tqdm.write(line)
+        return {"run": str(run), "checked": False, "why": why, "warning": line}
     now = None if val_images is None or not val_keys else train if val_images == trained else _rows(st, val_images)
     leaked, same_key = trained_on(train, now, val_keys)
     record = {"run": str(run), "checked": True, "trained_images": trained, "val_images": val_images,
@@ -127,8 +128,10 @@ def check(st, lora: str | Path, val_keys: list[str], val_images: int | None) -> 
         else:  # one split: pairs listed under several captions in both (resize's val_sharing)
             since = f"the pictures of train samples under other captions, images v{trained}"
             fix = "resize with resize.split_by: pictures, re-encode and retrain"
-        tqdm.write(f"warning: evaluate: {leaked} of {len(val_keys)} val samples were training samples of run {run} "
-                   f"({since}): their held-out loss is not held out and favours memorisation; {fix}")
+        record["warning"] = (f"warning: evaluate: {leaked} of {len(val_keys)} val samples were training samples of "
+                             f"run {run} ({since}): their held-out loss is not held out and favours memorisation; "
+                             f"{fix}")
+        tqdm.write(record["warning"])  # and atop the report page (`report.page`), where the figures are read
     return record
 
 

@@ -66,11 +66,16 @@ def test_val_samples_the_run_trained_on_are_said_and_counted(tiny_edit_model, ed
     assert len(line) == 1 and "2 of 3 val samples were training samples" in line[0]
     assert "images v1 vs v2" in line[0] and "retrain" in line[0]
     assert (found["trained_on"], found["val_samples"], found["trained_images"], found["val_images"]) == (2, 3, 1, 2)
+    # atop the report page too, where its figures are read (not only in the Run record's JSON at its end)
+    page = (tmp_path / "resplit" / "index.html").read_text()
+    assert page.index("<p class='trained-val'>warning: evaluate: 2 of 3 val samples") < page.index("<h2>")
+    assert "class='trained-val'" not in (tmp_path / "same" / "index.html").read_text()
 
     # --all-checkpoints: the same count, once for the run's one training, in the report's JSON
     output, found = evaluate(edit_store, model, run, tmp_path / "ckpts", "all")
     assert sum("2 of 3 val samples were training samples" in ln for ln in output.splitlines()) == 1
     assert [(f["trained_on"], f["val_samples"]) for f in found] == [(2, 3)]
+    assert "<p class='trained-val'>warning: evaluate: 2 of 3" in (tmp_path / "ckpts" / "index.html").read_text()
 
     # the run's tables collected: the check cannot be made, said so (not silence, not "0")
     st = Store(edit_store)
