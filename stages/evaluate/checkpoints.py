@@ -1084,10 +1084,7 @@ def _append_missing(ranks, losses: LossStore | None, checkpoints: list[tuple[int
     the steps pruned before they could be loaded). `base_cache`: (OUT, rank 0's key of the base losses' inputs):
     an array without base losses takes them from there when recorded under the key, and records them there when
     computed (`stages.evaluate.base_losses`)."""
-    from contextlib import nullcontext
-
     from models.collective import together
-    from stages.evaluate import base_losses, stage as single
 
     seeds, sigmas = cfg.loss_axes
     n, cells = len(checkpoints), len(seeds) * len(sigmas)
@@ -1103,11 +1100,53 @@ def _append_missing(ranks, losses: LossStore | None, checkpoints: list[tuple[int
     known = np.array(plan[2 * n + 2:], dtype=bool).reshape(len(seeds), len(sigmas))
     from_donor = dict(zip((step for step, _ in checkpoints), plan[n + 2 : 2 * n + 2]))
     todo = sorted((c for c, flag in zip(checkpoints, plan[1 : n + 1]) if flag), key=lambda c: c[0], reverse=True)
+    _base_row(ranks, losses, transformer, samples, mine, cfg, load, attached, base_cache,
+              recorded=bool(plan[0]), from_donor=bool(plan[n + 1]), donor=donor, known=known)
+    evaluated, pruned = 0, []
+    for step, path in tqdm(todo, desc="checkpoints", unit="ckpt", disable=not ranks.main):
+        partial = bool(from_donor[step])
+        if partial and known.all():  # a shrunk grid: every cell of its row recorded under these very bytes
+            with together(ranks.world, f"record checkpoint step {step}"):
+                if ranks.main:
+                    with _writing_losses(losses.path.parent):
+                        losses.append(step, str(Path(path).resolve()), shas[step],
+                                      donor.step(step, np.full(losses.axes.shape, np.nan)), training_of(path))
+            continue
+        changed, attached = _load_checkpoint(ranks, transformer, step, path, shas[step], cfg.lora_scale, attached)
+        if changed == PRUNED:
+            pruned.append(step)
+        if changed:
+            continue
+        grid = _cells(ranks, transformer, samples, mine, seeds, sigmas, cfg.batch_size,
+                      f"held-out loss (step {step})", load, ~known if partial else None)
+        with together(ranks.world, f"record checkpoint step {step}"):
+            if ranks.main:
+                if partial:
+                    grid = donor.step(step, grid)
+                with _writing_losses(losses.path.parent):
+                    losses.append(step, str(Path(path).resolve()), shas[step], grid, training_of(path))
+        evaluated += 1
+    return evaluated, attached, pruned
+
+
+def _base_row(ranks, losses: LossStore | None, transformer, samples, mine: list[int], cfg: EvaluateConfig, load,
+              attached: bool, base_cache: tuple | None, recorded: bool, from_donor: bool, donor,
+              known: np.ndarray) -> None:
+    """The base's grid in the array (`_append_missing`): `recorded` already, else from the base-losses file
+    (`base_cache`), else computed with the adapter off - with `from_donor` (every rank: the plan's flag) only the
+    cells not `known` to rank 0's `donor`, an old group holding the base - and written; then checked finite
+    (rank 0)."""
+    from contextlib import nullcontext
+
+    from models.collective import together
+    from stages.evaluate import base_losses, stage as single
+
+    seeds, sigmas = cfg.loss_axes
     base, reused = None, False
-    if not plan[0] and base_cache is not None:  # one decision of all ranks, rank 0's file
+    if not recorded and base_cache is not None:  # one decision of all ranks, rank 0's file
         reused, base = base_losses.agreed_reuse(ranks, *base_cache, (len(samples), len(seeds), len(sigmas), 3))
-    base_partial = not plan[0] and not reused and bool(plan[n + 1])  # the donor's cells, the others computed
-    if not plan[0] and not reused:  # the plain model: a checkpoint's adapter, once loaded, bypassed
+    base_partial = not recorded and not reused and from_donor  # the donor's cells, the others computed
+    if not recorded and not reused:  # the plain model: a checkpoint's adapter, once loaded, bypassed
         # (the newer checkpoints of another training set the array aside after one was evaluated: that LoRA's
         # losses were recorded as the base, and kept in the base-losses file for later runs)
         with single.lora_enabled(transformer, False) if attached else nullcontext():
@@ -1115,7 +1154,7 @@ def _append_missing(ranks, losses: LossStore | None, checkpoints: list[tuple[int
                           load, ~known if base_partial else None)
     with together(ranks.world, "the base losses"):
         if ranks.main:
-            if plan[0]:
+            if recorded:
                 base = losses.base()
             else:
                 if base_partial:
@@ -1128,51 +1167,37 @@ def _append_missing(ranks, losses: LossStore | None, checkpoints: list[tuple[int
             # A non-finite base loss means bad stored features (evaluate.on_nonfinite=stop names them): stop
             # before the checkpoints are evaluated, not after all of them
             single.finite_samples(samples, {"base": base}, cfg)
-    evaluated, pruned = 0, []
-    for step, path in tqdm(todo, desc="checkpoints", unit="ckpt", disable=not ranks.main):
-        partial = bool(from_donor[step])
-        if partial and known.all():  # a shrunk grid: every cell of its row recorded under these very bytes
-            with together(ranks.world, f"record checkpoint step {step}"):
-                if ranks.main:
-                    with _writing_losses(losses.path.parent):
-                        losses.append(step, str(Path(path).resolve()), shas[step],
-                                      donor.step(step, np.full(losses.axes.shape, np.nan)), training_of(path))
-            continue
-        changed = 0
-        with together(ranks.world, f"load checkpoint step {step}"):
-            try:
-                # A training running beside evaluate may prune or rewrite a checkpoint after it was hashed: the
-                # numbers are recorded under the hash only when the loaded bytes are still the hashed ones.
-                if _load_if_unchanged(transformer, path, shas[step], cfg.lora_scale, attached):
-                    attached = True
-                else:
-                    changed = 1
-            except (UserError, OSError):
-                if not _gone(path):
-                    raise
-                changed = 2
-        changed = ranks.any([changed])[0]  # left out on every rank when any rank saw it change
-        if changed == 2:
-            pruned.append(step)
-            if ranks.main:
-                tqdm.write(f"checkpoint step {step} was pruned by the training before it was evaluated ({path}): "
-                           "skipped")
-            continue
-        if changed:
-            if ranks.main:
-                tqdm.write(f"checkpoint step {step} was rewritten while evaluating ({path}; by a running training?): "
-                           "left out; rerun evaluate to evaluate what is there now")
-            continue
-        grid = _cells(ranks, transformer, samples, mine, seeds, sigmas, cfg.batch_size,
-                      f"held-out loss (step {step})", load, ~known if partial else None)
-        with together(ranks.world, f"record checkpoint step {step}"):
-            if ranks.main:
-                if partial:
-                    grid = donor.step(step, grid)
-                with _writing_losses(losses.path.parent):
-                    losses.append(step, str(Path(path).resolve()), shas[step], grid, training_of(path))
-        evaluated += 1
-    return evaluated, attached, pruned
+
+
+REWRITTEN, PRUNED = 1, 2  # `_load_checkpoint`: why a checkpoint is left out (0: loaded)
+
+
+def _load_checkpoint(ranks, transformer, step: int, path: Path, sha: str, lora_scale: float,
+                     attached: bool) -> tuple[int, bool]:
+    """(0, True) once checkpoint `step` is loaded into `transformer` on every rank; (REWRITTEN or PRUNED,
+    attached) - said once - when any rank found it changed or gone: left out on every rank."""
+    from models.collective import together
+
+    changed = 0
+    with together(ranks.world, f"load checkpoint step {step}"):
+        try:
+            # A training running beside evaluate may prune or rewrite a checkpoint after it was hashed: the
+            # numbers are recorded under the hash only when the loaded bytes are still the hashed ones.
+            if _load_if_unchanged(transformer, path, sha, lora_scale, attached):
+                attached = True
+            else:
+                changed = REWRITTEN
+        except (UserError, OSError):
+            if not _gone(path):
+                raise
+            changed = PRUNED
+    changed = ranks.any([changed])[0]  # left out on every rank when any rank saw it change
+    if changed and ranks.main:
+        tqdm.write(f"checkpoint step {step} was pruned by the training before it was evaluated ({path}): skipped"
+                   if changed == PRUNED else
+                   f"checkpoint step {step} was rewritten while evaluating ({path}; by a running training?): "
+                   "left out; rerun evaluate to evaluate what is there now")
+    return changed, attached
 
 
 def _cells(ranks, transformer, samples, mine: list[int], seeds: list[int], sigmas: list[float], batch_size: int,

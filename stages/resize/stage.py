@@ -224,18 +224,7 @@ def _run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> 
         pending, (schema, listing) = killed
     found, newer = _up_to_date_version(st, schema)
     if found is not None:
-        before = recorded_source(st, found)
-        # every sample of the version is reused as it is (counted so, as the encoders count theirs)
-        from store.arrow_columns import value_counts
-
-        rows = _split_and_images(st, found)
-        splits = value_counts(rows.column("split"))
-        return ResizeSummary(version=found, up_to_date=True, reused=splits.total(), splits=splits,
-                             val_sharing=val_sharing(rows), split_by=rc.split_by,
-                             seconds=time.perf_counter() - started,
-                             sizes=sizes_in_force(rc.model_dump()), store=str(st.root), newer_current=newer,
-                             source=str(source), source_before=before if before not in ("", str(source)) else "",
-                             source_notes=notes)
+        return _up_to_date_summary(st, found, newer, rc, source, notes, started)
     _refuse_a_switch_without_hashes(st, rc, schema)
     repairing = _damaged_current(st)
     _say_why_new(st, schema, pending)
@@ -273,6 +262,22 @@ def _run(cfg: PipelineConfig, source: str | Path, store: Store | str | Path) -> 
     summary.val_sharing = val_sharing(_split_and_images(st, summary.version))
     summary.split_by = rc.split_by
     return summary
+
+
+def _up_to_date_summary(st: Store, found: int, newer: Any, rc: ResizeConfig, source: str | Path, notes: list[str],
+                        started: float) -> ResizeSummary:
+    """The summary of a rerun whose version `found` holds this run's samples: every one reused as it is (counted
+    so, as the encoders count theirs)."""
+    from store.arrow_columns import value_counts
+
+    before = recorded_source(st, found)
+    rows = _split_and_images(st, found)
+    splits = value_counts(rows.column("split"))
+    return ResizeSummary(version=found, up_to_date=True, reused=splits.total(), splits=splits,
+                         val_sharing=val_sharing(rows), split_by=rc.split_by, seconds=time.perf_counter() - started,
+                         sizes=sizes_in_force(rc.model_dump()), store=str(st.root), newer_current=newer,
+                         source=str(source), source_before=before if before not in ("", str(source)) else "",
+                         source_notes=notes)
 
 
 def version_counts(st: Store, version: int) -> tuple[Counter, Counter, Counter]:
