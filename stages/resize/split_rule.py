@@ -48,18 +48,22 @@ def recorded_rule(attrs: dict[str, Any]) -> str:
 
 
 def store_rule(st: Store, table: str = "images") -> str | None:
-    """The rule of the store's current `images` version (else its newest complete one); None: it has none."""
+    """The rule of the store's current `images` version; None: it has none. Its schema.json unreadable, refused in
+    one line: an older version's rule may be another, and guessing it would move samples between the splits."""
     from schemas.errors import UserError
     from store.manifest_files import read_schema
 
     current = st.tables().get(table)
-    if current is not None:
-        try:
-            return recorded_rule(read_schema(st.version_dir(table, current)).attrs)
-        except (UserError, OSError, ValueError):  # unreadable: the newest complete version's
-            pass
-    newest = st.newest_complete(table)
-    return None if newest is None else recorded_rule(newest[1].attrs)
+    if current is None:
+        return None
+    try:
+        return recorded_rule(read_schema(st.version_dir(table, current)).attrs)
+    except (UserError, OSError, ValueError) as e:
+        older = st.newest_complete(table)
+        hint = "" if older is None else \
+            f"; v{older[0]}, the newest that reads, was split by {recorded_rule(older[1].attrs)}"
+        raise UserError(f"{e}: it records the train/val split rule of table '{table}' v{current}, which a rerun keeps; "
+                        f"rerun with --set resize.split_by=pictures or =key, the rule it was made with{hint}") from None
 
 
 def rule_in_force(st: Store, split_by: str | None) -> str:

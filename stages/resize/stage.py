@@ -832,17 +832,19 @@ def _refuse_a_switch_without_hashes(st: Store, rc: ResizeConfig, schema: TableSc
     release's) and whose samples this run would carry (the same pixels' settings): refused before any sample is
     rendered, not after (`_carry_forward` checks every version it carries from). One column of the manifest read,
     on a switch only. A switch that renders every sample anew (other pixels' settings) needs none."""
-    from stages.resize.split_rule import store_rule
+    from stages.resize.split_rule import recorded_rule
     from store.manifest_files import checked_manifest, read_schema
     from store.reuse import FEATURE_LINEAGE_ATTR, LINEAGE_BEFORE_FIXES_ATTR, same_features
 
     current = st.tables().get(TABLE)
-    if rc.split_by != "pictures" or current is None or store_rule(st) in (None, "pictures"):
+    if rc.split_by != "pictures" or current is None:
         return
     vdir = st.version_dir(TABLE, current)
     now = schema.attrs[FEATURE_LINEAGE_ATTR]
     try:
-        if not same_features(read_schema(vdir).attrs, (now, schema.attrs.get(LINEAGE_BEFORE_FIXES_ATTR) or now)):
+        attrs = read_schema(vdir).attrs
+        before = schema.attrs.get(LINEAGE_BEFORE_FIXES_ATTR) or now
+        if recorded_rule(attrs) == "pictures" or not same_features(attrs, (now, before)):
             return
         rows = checked_manifest(vdir, ["source_hashes"])
     except (UserError, OSError):  # unreadable: the run says so where it reads it

@@ -219,3 +219,30 @@ def test_a_version_without_source_hashes_refuses_the_pictures_split_in_one_line(
     other = {"resize.split_by": "pictures", "resize.target_area": 48 * 48}
     fresh, _ = _resize(tmp_path / "src", store, **other)
     assert fresh["version"] == old["version"] + 1 and fresh["split_by"] == "pictures" and not fresh["reused"]
+
+
+def test_an_unreadable_current_schema_refuses_rather_than_take_an_older_versions_rule(tmp_path):
+    """The current version (split by pictures) has a damaged schema.json, which `store verify` marked damaged; an
+    older one was split by key. A rerun with resize.split_by unset took the older's rule (moving samples between
+    train and val); now it is refused in one line naming the file and the setting that says the rule. Set, the
+    run re-renders under it, nothing moved."""
+    from store import format as fmt
+
+    _source(tmp_path / "src", pairs=6)
+    store = tmp_path / "st"
+    old, _ = _resize(tmp_path / "src", store, **{"resize.split_by": "key"})
+    new, _ = _resize(tmp_path / "src", store, **{"resize.split_by": "pictures"})
+    before = _splits(store)[0]
+    schema_json = Store(store, create=False).version_dir("images", new["version"]) / fmt.SCHEMA_JSON
+    schema_json.write_text("{ damaged")
+    assert CliRunner().invoke(app, ["store", "verify", str(store)]).exit_code != 0  # marks v2 damaged
+    sets = [a for k, v in SETTINGS.items() for a in ("--set", f"{k}={v}")]
+    res = CliRunner().invoke(app, ["run", "resize-bucket", "--source", str(tmp_path / "src" / "m.jsonl"),
+                                   "--store", str(store), *sets, "--json"])
+    assert res.exit_code == 1 and isinstance(res.exception, SystemExit), (res.output, res.exception)
+    out = " ".join(res.output.split())
+    assert str(schema_json) in out and "--set resize.split_by=pictures or =key" in out, out
+    assert f"v{old['version']}, the newest that reads, was split by key" in out
+    assert Store(store, create=False).tables()["images"] == new["version"]  # nothing written
+    told, _ = _resize(tmp_path / "src", store, **{"resize.split_by": "pictures"})
+    assert told["version"] == new["version"] + 1 and told["split_by"] == "pictures" and _splits(store)[0] == before
