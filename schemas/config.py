@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-from schemas.lineage import FEATURES, IDENTITY, THROUGHPUT, Role, added_later, adds_columns, section_fingerprint
+from schemas.lineage import FEATURES, IDENTITY, THROUGHPUT, WHILE_TRAINING, Role, added_later, adds_columns, section_fingerprint
 
 
 class Section(BaseModel):
@@ -300,13 +300,13 @@ class TrainConfig(Section):
         "none", description="blocks: frozen transformer blocks live in (pinned) host memory and stream to the device")
     offload_blocks_on_device: Annotated[int, THROUGHPUT] = Field(0, ge=0, description="offload=blocks: leading blocks kept on the device")
     caption_dropout: Annotated[float, FEATURES] = Field(0.0, ge=0.0, le=1.0)
-    checkpoint_every: Annotated[int, THROUGHPUT] = Field(50, gt=0)
-    keep_checkpoints: Annotated[int, THROUGHPUT] = Field(3, gt=0)
-    log_every: Annotated[int, THROUGHPUT] = Field(1, gt=0, description="tracker scalars every N steps (train/loss: the mean of those N steps)")
-    log_with: Annotated[list[str], THROUGHPUT] = Field(["tensorboard"], description="metric trackers (accelerate's): tensorboard, wandb, "
+    checkpoint_every: Annotated[int, WHILE_TRAINING] = Field(50, gt=0)
+    keep_checkpoints: Annotated[int, WHILE_TRAINING] = Field(3, gt=0)
+    log_every: Annotated[int, WHILE_TRAINING] = Field(1, gt=0, description="tracker scalars every N steps (train/loss: the mean of those N steps)")
+    log_with: Annotated[list[str], WHILE_TRAINING] = Field(["tensorboard"], description="metric trackers (accelerate's): tensorboard, wandb, "
                                 "mlflow, comet_ml, aim, clearml, dvclive, swanlab, trackio; all but tensorboard are "
                                 "optional packages")
-    profile: Annotated[int, THROUGHPUT] = Field(0, ge=0, description="record the first N optimizer steps of a start with torch.profiler -> "
+    profile: Annotated[int, WHILE_TRAINING] = Field(0, ge=0, description="record the first N optimizer steps of a start with torch.profiler -> "
                          "RUN/profile/trace-rank{R}.json (Chrome trace); 0 = off")
     sampler_window: Annotated[int, FEATURES] = Field(64, gt=0, description="length-aware sampler: batches per sorting window")
     on_damaged: Annotated[Literal["stop", "skip"], THROUGHPUT] = _on_damaged(
@@ -333,13 +333,13 @@ class TrainConfig(Section):
                                    "warmed up as diffusers' EMAModel: decay min(d, n / (n + 9)) at step n")
     control_dropout: Annotated[float, added_later()] = Field(0.0, ge=0.0, le=1.0, description="per-sample probability of training on the "
                                    "instruction encoded without its control images (needs encode_text.no_control_embeds)")
-    validate_every: Annotated[int | None, THROUGHPUT] = Field(None, gt=0, description="held-out loss on the val split every N steps")
-    validate_max_samples: Annotated[int, THROUGHPUT] = Field(8, gt=0, description="validation: first N val samples (by key)")
-    validate_timesteps: Annotated[Sigmas, THROUGHPUT] = Field([0.25, 0.5, 0.75], min_length=1, description="validation σ grid")
-    validate_noise_seeds: Annotated[NoiseSeeds, THROUGHPUT] = Field([0], min_length=1, description="validation noise seeds")
-    sample_every: Annotated[int | None, THROUGHPUT] = Field(None, gt=0, description="generate val samples every N steps -> RUN/samples")
-    sample_count: Annotated[int, THROUGHPUT] = Field(2, gt=0, description="val samples per sample grid")
-    sample_steps: Annotated[int, THROUGHPUT] = Field(4, ge=1, description="denoising steps of the sample grid; " + ONE_STEP)
+    validate_every: Annotated[int | None, WHILE_TRAINING] = Field(None, gt=0, description="held-out loss on the val split every N steps")
+    validate_max_samples: Annotated[int, WHILE_TRAINING] = Field(8, gt=0, description="validation: first N val samples (by key)")
+    validate_timesteps: Annotated[Sigmas, WHILE_TRAINING] = Field([0.25, 0.5, 0.75], min_length=1, description="validation σ grid")
+    validate_noise_seeds: Annotated[NoiseSeeds, WHILE_TRAINING] = Field([0], min_length=1, description="validation noise seeds")
+    sample_every: Annotated[int | None, WHILE_TRAINING] = Field(None, gt=0, description="generate val samples every N steps -> RUN/samples")
+    sample_count: Annotated[int, WHILE_TRAINING] = Field(2, gt=0, description="val samples per sample grid")
+    sample_steps: Annotated[int, WHILE_TRAINING] = Field(4, ge=1, description="denoising steps of the sample grid; " + ONE_STEP)
     max_tokens_per_batch: Annotated[int | None, FEATURES] = Field(
         None, gt=0, description="None = fixed batch_size batches; else each batch holds as many samples as fit in "
         "this many computed tokens (batch size x longest sequence), see stages/train/budget.py")

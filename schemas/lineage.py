@@ -90,6 +90,10 @@ class Role:
     # a bool whose True only stores more (extra columns; what False stores stays the same): an output made with it
     # True serves a run that sets it False (`serving_variants`), while False -> True recomputes
     adds_only: bool = False
+    # throughput that acts only while training (what a run writes beside the LoRA: the validation curve, sample
+    # grids, checkpoints, tracker logs, profiles): a rerun skipped as up to date trains nothing and so produces
+    # nothing of it, which it says (stages/train/resume.py `unapplied_settings`) rather than pass over in silence
+    while_training: bool = False
 
     def enters(self, scope: str, section: Any) -> bool:
         if self.features_if is not None:
@@ -100,6 +104,7 @@ class Role:
 FEATURES = Role("features")
 IDENTITY = Role("identity")
 THROUGHPUT = Role("throughput")
+WHILE_TRAINING = Role("throughput", while_training=True)
 
 
 def added_later(kind: RoleKind = "features") -> Role:
@@ -114,6 +119,11 @@ def adds_columns() -> Role:
 def role_of(model: type[BaseModel], name: str) -> Role | None:
     """The field's declared role (None = undeclared: `hashed_settings` refuses it)."""
     return next((m for m in model.model_fields[name].metadata if isinstance(m, Role)), None)
+
+
+def while_training_names(model: type[BaseModel]) -> set[str]:
+    """The model's top-level settings declared `WHILE_TRAINING`."""
+    return {name for name in model.model_fields if getattr(role_of(model, name), "while_training", False)}
 
 
 Scope = Literal["sample", "output"]

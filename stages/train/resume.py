@@ -9,6 +9,8 @@ from typing import Any
 import yaml
 
 from schemas import up_to_date
+from schemas.config import TrainConfig
+from schemas.lineage import while_training_names
 from stages.train import state as train_state
 
 CONFIG_FILE = "train_config.yaml"  # the effective config of the run's latest start, written by stages.train
@@ -46,23 +48,17 @@ def changed_settings(run_dir: Path, now: dict[str, Any], ignore: set[str]) -> li
     return [*changed[:SHOWN_CHANGES - 1], f"... and {len(changed) - SHOWN_CHANGES + 1} more train.* setting(s)"]
 
 
-#: settings that act only while training (what it writes beside the LoRA: the validation curve, sample grids,
-#: checkpoints, tracker logs, profiles): none is hashed, so a run finished without them stays up to date, and a
-#: rerun that sets them trains nothing and so produces nothing of them
-WHILE_TRAINING = ("validate_every", "validate_max_samples", "validate_timesteps", "validate_noise_seeds",
-                  "sample_every", "sample_count", "sample_steps", "checkpoint_every", "keep_checkpoints",
-                  "log_every", "log_with", "profile")
-
-
 def unapplied_settings(run_dir: Path, now: dict[str, Any]) -> list[str]:
-    """'train.validate_every: None -> 10' for each `WHILE_TRAINING` setting that differs between the finished run's
-    train_config.yaml and `now` (a PipelineConfig dump): what an up-to-date skip leaves undone, to be said, not
-    passed over in silence. Empty when the file is missing or unreadable."""
+    """'train.validate_every: None -> 10' for each setting acting only while training (declared `WHILE_TRAINING`
+    in schemas/config.py) that differs between the finished run's train_config.yaml and `now` (a PipelineConfig
+    dump): what an up-to-date skip leaves undone, to be said, not passed over in silence. Empty when the file is
+    missing or unreadable."""
     try:
         before = yaml.safe_load((run_dir / CONFIG_FILE).read_text()) or {}
     except (OSError, yaml.YAMLError):
         return []
-    recorded = {k: v for k, v in (before.get("train") or {}).items() if k in WHILE_TRAINING}
+    while_training = while_training_names(TrainConfig)
+    recorded = {k: v for k, v in (before.get("train") or {}).items() if k in while_training}
     # only those the file records: one written before a setting existed says nothing of it (no "(unset) -> 0")
     present = {k: v for k, v in (now.get("train") or {}).items() if k in recorded}
     return up_to_date.changed_settings(recorded, present, "train")

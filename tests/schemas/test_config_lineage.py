@@ -225,3 +225,25 @@ def test_evaluate_settings_that_change_no_number_keep_the_report_and_its_earlier
     # on_nonfinite likewise (a report under "stop" has no non-finite sample); its records as set: a5fa66613d1159e0
     assert C.EvaluateConfig(on_nonfinite="skip").fingerprint() == base.fingerprint()
     assert earlier_config_fingerprints(C.EvaluateConfig(on_nonfinite="skip")) == ["a5fa66613d1159e0"]
+
+
+# train's throughput settings that change how a run trains, not what it writes beside the LoRA while training
+_HOW_IT_TRAINS = {"device", "gradient_checkpointing", "uncheckpointed_blocks", "offload", "offload_blocks_on_device",
+                  "on_damaged", "max_damaged_fraction", "on_nonfinite", "max_dropped_fraction", "max_open_shards",
+                  "prefetch", "compile", "check_ahead", "max_steps"}  # max_steps: features under a decaying LR
+
+
+def test_every_setting_acting_while_training_declares_it():
+    """An up-to-date train skip names the settings it leaves unapplied (`resume.unapplied_settings`) by their
+    role, `WHILE_TRAINING`: every throughput setting of train is either that or one listed above, so a new one is
+    classified here or this fails (a forgotten one would be passed over in silence). None enters a hash."""
+    from schemas.lineage import WHILE_TRAINING, while_training_names
+
+    throughput = {n for n in C.TrainConfig.model_fields if role_of(C.TrainConfig, n).kind == "throughput"}
+    assert throughput - _HOW_IT_TRAINS == while_training_names(C.TrainConfig)
+    assert while_training_names(C.TrainConfig) == {
+        "validate_every", "validate_max_samples", "validate_timesteps", "validate_noise_seeds", "sample_every",
+        "sample_count", "sample_steps", "checkpoint_every", "keep_checkpoints", "log_every", "log_with", "profile"}
+    assert all(role_of(C.TrainConfig, n) is WHILE_TRAINING for n in while_training_names(C.TrainConfig))
+    changed = C.TrainConfig(validate_every=3, sample_every=2, checkpoint_every=7, log_with=[], profile=1)
+    assert section_fingerprint(changed) == section_fingerprint(C.TrainConfig())
