@@ -190,6 +190,19 @@ def checked_lora(lora: Path | str, model: str | None = None, strict_base: bool =
             typer.secho(f"warning: {warning}", fg=typer.colors.YELLOW, err=True)
 
 
+def existing_store(store: str) -> None:
+    """A local --store that holds no store (a typo) is refused in one line before torch's import, not seconds after
+    it where the stage opens it. A URL is checked where it is pulled (store.remote_cache.local_store); `run all`
+    does not come here (its store is created by its own resize-bucket)."""
+    from schemas.errors import UserError
+    from store import format as fmt
+    from store.remote import is_url
+
+    if not is_url(store) and not (Path(store) / fmt.STORE_JSON).is_file():  # the test of store.Store(create=False)
+        raise UserError(f"no store at {store} (no {fmt.STORE_JSON}); check --store (paths.store), or run "
+                        f"`pipeline run resize-bucket --store {store}` first")
+
+
 def finite(above: float | None = None, at_least: float | None = None):
     """A typer callback refusing a float flag that is NaN / infinite (which click's ranges let through: every
     comparison with NaN is false), or not above / at least a bound: a LoRA scale of nan wrote a model of NaNs."""

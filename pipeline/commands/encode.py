@@ -13,7 +13,7 @@ from typing import Callable, Optional
 import typer
 
 from pipeline.commands.common import (
-    ConfigOpt, JsonOpt, SetOpt, config_from, echo, emit, finite, json_mode, require, user_errors,
+    ConfigOpt, JsonOpt, SetOpt, config_from, echo, emit, existing_store, finite, json_mode, require, user_errors,
 )
 
 
@@ -56,6 +56,7 @@ def _command(section: str, stage_module: str, component: str, batch_help: str, o
                 # every rank before the process group forms (a rank that stopped alone here left the others
                 # waiting for it there, on another node until its timeout)
                 with together_before_group(launched()[0], f"{section.replace('_', '-')}: the store and model"):
+                    existing_store(dst)
                     # a URL: encode into a local cached copy (its images, and the output table for reuse), then
                     # push it
                     local = local_store(dst, ["images", out_table], cache_dir, cache_gb, optional=(out_table,))

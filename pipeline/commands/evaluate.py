@@ -7,7 +7,8 @@ from typing import Optional
 
 import typer
 
-from pipeline.commands.common import ConfigOpt, JsonOpt, SetOpt, config_from, emit, json_mode, require, user_errors
+from pipeline.commands.common import (ConfigOpt, JsonOpt, SetOpt, config_from, emit, existing_store, json_mode, require,
+                                     user_errors)
 from pipeline.commands.store_remote import CacheDirOpt, CacheGbOpt
 
 
@@ -15,6 +16,7 @@ def _local(store: str, cache_dir: Optional[Path], cache_gb: Optional[float]) -> 
     """`store`, or for a URL its cached copy holding the tables evaluate reads."""
     from store.remote_cache import local_store
 
+    existing_store(store)
     return str(local_store(store, ["text", "vae", "images"], cache_dir, cache_gb, optional=("images",)))
 
 

@@ -11,8 +11,8 @@ from typing import Optional
 
 import typer
 
-from pipeline.commands.common import (ConfigOpt, JsonOpt, SetOpt, config_from, emit, finite, json_mode, require,
-                                     usage_errors, user_errors)
+from pipeline.commands.common import (ConfigOpt, JsonOpt, SetOpt, config_from, emit, existing_store, finite, json_mode,
+                                     require, usage_errors, user_errors)
 
 
 def command(
@@ -72,6 +72,7 @@ def command(
 
                 if (why := nothing_to_resume(Path(run_dir))) is not None:
                     raise UserError(why)
+            existing_store(store_dir)
             store_dir = local_store(store_dir, ["text", "vae"], cache_dir, cache_gb)  # a URL: its cached copy
             model_variant(model_id)  # the model's first read (train.sample_steps' check, then its loading)
         from stages.train.recipe import run  # torch and the model stack: after the checks, a typo is told at once

@@ -129,16 +129,19 @@ def test_a_hub_model_named_like_a_folder_in_paths_run_is_not_inside_it(tmp_path)
 
 
 def test_a_start_that_fails_before_writing_leaves_no_run_folder(tmp_path, tiny_edit_model):
-    """A `run train` stopped by a bad input (here: no store) before it wrote anything left --out behind, empty
-    but for its lock: it looked like a run folder. What the failed start made goes (the lock file, --out and the
-    parent it made); what was there before stays (a user's empty folder, an earlier killed start's lock)."""
+    """A `run train` stopped by a bad input (here: a store without tables) before it wrote anything left --out
+    behind, empty but for its lock: it looked like a run folder. What the failed start made goes (the lock file,
+    --out and the parent it made); what was there before stays (a user's empty folder, an earlier killed start's
+    lock)."""
+    from store import Store
+
     store = tmp_path / "store"
-    store.mkdir()  # no store.json: refused when train opens its tables, after the run folder's lock
+    Store(store)  # no tables: refused when train opens them, after the run folder's lock
 
     def train(out):
         r = CliRunner().invoke(app, ["run", "train", "--store", str(store), "--model", tiny_edit_model,
                                      "--out", str(out), "--device", "cpu"])
-        assert r.exit_code == 1 and "no store at" in r.output, r.output
+        assert r.exit_code == 1 and "has no 'text' table" in r.output, r.output
 
     train(tmp_path / "runs" / "exp1")
     assert not (tmp_path / "runs").exists()
