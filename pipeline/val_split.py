@@ -63,16 +63,18 @@ def _check(stage: str, cfg: PipelineConfig, store: str) -> None:
 def _why_empty(cfg: PipelineConfig, store: str, samples: int, version: int) -> str:
     """What, why, what to do for an empty 'val' split: resize-bucket's quarantine where it took every sample the
     hash split put there (their split is known: the key, and the pictures' identity a row records), the hash split
-    itself otherwise. The split rule is the version's own (stages/resize/split_rule.py)."""
+    itself otherwise. The split rule and val_fraction are the version's own, as its schema records them
+    (stages/resize/split_rule.py; the config's where a version records none)."""
     from features.open import quarantined_keys
     from stages.resize.split_rule import recorded_rule, split_for
     from stages.resize.stage import STAGE
     from store.manifest_files import read_schema
     from store.store import Store
 
-    fraction = cfg.resize.val_fraction
     st = Store(store, create=False)
-    rule = recorded_rule(read_schema(st.version_dir("images", version)).attrs)
+    attrs = read_schema(st.version_dir("images", version)).attrs
+    rule = recorded_rule(attrs)
+    fraction = (attrs.get("resize") or {}).get("val_fraction", cfg.resize.val_fraction)  # what split the version
     keys, reasons, pictures = quarantined_keys(store, STAGE)
     would_be = {k: r for k, r, p in zip(keys, reasons, pictures)  # one reason per key
                 if (rule == "key" or p is not None) and split_for(k, p, fraction, rule) == "val"}

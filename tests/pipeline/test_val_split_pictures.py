@@ -70,3 +70,19 @@ def test_the_quarantine_that_took_every_val_sample_is_named_under_the_pictures_s
     assert "put 3 there, and resize-bucket quarantined all 3 (control-count 3; rows in" in line, line
     rows = [r for r in Store(tmp_path / "st").quarantine().to_pylist() if r["reason"] == "control-count"]
     assert len(rows) == 3 and all(r.get("pictures") for r in rows)
+
+
+def test_the_line_names_the_val_fraction_the_version_was_split_with(tmp_path):
+    """The empty-'val' line took resize.val_fraction from the config, not from the images version, which records
+    the one it was split with: under another config value it named that value and redrew the quarantined samples'
+    split with it (here 0.01 puts none of them in 'val', so it blamed the hash split instead of the quarantine)."""
+    _source(tmp_path / "src")
+    sets = {"resize.target_area": 32 * 32, "resize.control_vae_area": 32 * 32, "resize.multiple": 16,
+            "resize.min_side": 16, "resize.val_fraction": FRACTION, "resize.max_controls": 1}
+    stage.run(load_config(None, sets), tmp_path / "src" / "m.jsonl", tmp_path / "st")
+    other = load_config(None, {**sets, "resize.val_fraction": 0.01})
+    with pytest.raises(UserError) as e:
+        check_val_split("encode-text", other, str(tmp_path / "st"))
+    line = str(e.value)
+    assert f"the hash split with resize.val_fraction {FRACTION} put 3 there" in line, line
+    assert "0.01" not in line, line
