@@ -43,7 +43,7 @@ def claim_workdir(workdir: Path) -> None:
 
 def write_config(effective: Path, text: str) -> Path | None:
     """DIR/config.yaml, the settings this demo runs with. One that holds other settings (edited after the last demo,
-    as its summary invites) is kept as DIR/config.previous.yaml first, not overwritten unseen; returns where."""
+    as its summary invites) is kept first, not overwritten unseen; returns where (`_kept_as`)."""
     from store.format import atomic_write_bytes
 
     try:
@@ -52,7 +52,25 @@ def write_config(effective: Path, text: str) -> Path | None:
         before = None
     kept = None
     if before is not None and before != text:
-        kept = effective.with_name("config.previous.yaml")
-        atomic_write_bytes(kept, before.encode())
+        kept = _kept_as(effective, before)
+        if not kept.exists():
+            atomic_write_bytes(kept, before.encode())
     atomic_write_bytes(effective, text.encode())
     return kept
+
+
+def _kept_as(effective: Path, text: str) -> Path:
+    """Where an edited config.yaml is kept: DIR/config.previous.yaml, then config.previous.2.yaml, .3, ... (each
+    edit kept, none written over: a second edited rerun lost the first edits), or the kept file that holds these
+    very settings already."""
+    n = 1
+    while True:
+        kept = effective.with_name("config.previous.yaml" if n == 1 else f"config.previous.{n}.yaml")
+        try:
+            if kept.read_text() == text:
+                return kept
+        except FileNotFoundError:
+            return kept
+        except (OSError, UnicodeDecodeError):  # taken by something else: the next name
+            pass
+        n += 1

@@ -67,8 +67,8 @@ def test_a_demo_killed_right_after_its_data_gets_its_broken_sample_on_the_rerun(
 
 def test_a_demo_rerun_keeps_a_config_yaml_edited_since(tmp_path, monkeypatch):
     """The summary invites editing DIR/config.yaml; a later `pipeline demo` into DIR wrote its own settings over
-    it, the edits gone without a word. Now the edited file is kept as DIR/config.previous.yaml and named; an
-    unedited one is rewritten as it was, nothing kept."""
+    it, the edits gone without a word. Now the edited file is kept as DIR/config.previous.yaml (a later edit as
+    config.previous.2.yaml, ...) and named; an unedited one is rewritten as it was, nothing kept."""
     import pipeline.orchestrate
     from pipeline.commands import demo
 
@@ -94,3 +94,15 @@ def test_a_demo_rerun_keeps_a_config_yaml_edited_since(tmp_path, monkeypatch):
     assert (workdir / "config.previous.yaml").read_text() == written.replace("max_steps: 60", "max_steps: 600")
     assert config.read_text() == written
     assert f"kept as {workdir / 'config.previous.yaml'}" in res.output
+    # a second edit, another rerun: kept beside the first, which it wrote over before (the first edits lost)
+    config.write_text(written.replace("max_steps: 60", "max_steps: 900"))
+    res = CliRunner().invoke(app, ["demo", "--workdir", str(workdir)])
+    assert isinstance(res.exception, Stop) and f"kept as {workdir / 'config.previous.2.yaml'}" in res.output
+    assert (workdir / "config.previous.yaml").read_text() == written.replace("max_steps: 60", "max_steps: 600")
+    assert (workdir / "config.previous.2.yaml").read_text() == written.replace("max_steps: 60", "max_steps: 900")
+    # the first edit made again: named where it is kept already, no third copy
+    config.write_text(written.replace("max_steps: 60", "max_steps: 600"))
+    res = CliRunner().invoke(app, ["demo", "--workdir", str(workdir)])
+    assert f"kept as {workdir / 'config.previous.yaml'}" in res.output
+    assert sorted(p.name for p in workdir.glob("config*")) == ["config.previous.2.yaml", "config.previous.yaml",
+                                                               "config.yaml"]
