@@ -107,6 +107,22 @@ def oriented_as(image: Image.Image, orientation: int) -> Image.Image:
     return ImageOps.exif_transpose(im)
 
 
+def is_picture(data: bytes | None) -> bool:
+    """Whether `data` starts as a picture this module opens (one of ALLOWED_FORMATS, told by Pillow from the
+    header alone; no pixel decoded): an image column's bytes rather than other binary (e.g. embeddings)."""
+    if not data:
+        return False
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        try:
+            with Image.open(io.BytesIO(data), formats=ALLOWED_FORMATS):
+                return True
+        except Image.DecompressionBombError:  # a picture, a large one
+            return True
+        except Exception:  # noqa: BLE001 - no header Pillow reads as a picture
+            return False
+
+
 def _open_oriented(data: bytes, max_pixels: int) -> tuple[Image.Image, list[str], int]:
     if not data:
         raise ImageRejected("empty-image", "empty file (0 bytes)")

@@ -277,10 +277,12 @@ def columns_in_force(root: str | Path, columns: Any) -> Any:
 
 def unread_image_columns(root: str | Path, columns: Any) -> dict[str, int]:
     """Columns holding image bytes (or lists of them) that the mapping reads in no way -> files holding them: an
-    image the stage never sees (a second control, a mask under another name) is named, not dropped unsaid."""
+    image the stage never sees (a second control, a mask under another name) is named, not dropped unsaid. A
+    binary column whose first values are no pictures (embeddings, say: `_holds_pictures`) is not named."""
     import pyarrow as pa
 
-    out: dict[str, int] = {}
+    files: dict[str, int] = {}
+    pictures: dict[str, bool | None] = {}  # column -> whether its first values are pictures (None: none seen yet)
     for path, lay in _file_layouts(parquet_files(root), columns).items():
         if not isinstance(lay, _Layout):
             continue
@@ -288,8 +290,40 @@ def unread_image_columns(root: str | Path, columns: Any) -> dict[str, int]:
         for f in schema:
             t = f.type.value_type if pa.types.is_list(f.type) or pa.types.is_large_list(f.type) else f.type
             if f.name not in lay.names and _is_image_type(t):
-                out[f.name] = out.get(f.name, 0) + 1
-    return out
+                files[f.name] = files.get(f.name, 0) + 1
+                if pictures.get(f.name) is None:
+                    pictures[f.name] = _holds_pictures(path, f.name)
+    # a column whose first row group held no value anywhere is named as before: it may hold pictures further on
+    return {name: n for name, n in files.items() if pictures[name] is not False}
+
+
+SNIFFED_VALUES = 4  # the first values of an unread binary column whose headers tell pictures from other bytes
+
+
+def _holds_pictures(path: Any, name: str) -> bool | None:
+    """Whether the first non-null values of column `name` (binary, {bytes, path} or a list of them) in the file's
+    first row group are pictures (any of the first `SNIFFED_VALUES`, by their headers: features.decode.is_picture;
+    nothing decoded); None where it holds none there or cannot be read (the reader says why where it reads)."""
+    import pyarrow.parquet as pq
+
+    from features.decode import is_picture
+
+    values: list[bytes] = []
+    try:
+        with pq.ParquetFile(_open(path), metadata=_footer(path), buffer_size=1 << 20) as pf:
+            if not pf.metadata.num_row_groups:
+                return None
+            for batch in pf.iter_batches(batch_size=BATCH_ROWS, row_groups=[0], columns=[name]):
+                for cell in batch.column(0).to_pylist():
+                    for v in cell if isinstance(cell, list) else [cell]:
+                        data = v.get("bytes") if isinstance(v, dict) else v
+                        if data:
+                            values.append(data)
+                if len(values) >= SNIFFED_VALUES:
+                    break
+    except Exception:  # noqa: BLE001 - a summary's note: a file that does not read is the reader's to report
+        return None
+    return any(is_picture(v) for v in values[:SNIFFED_VALUES]) if values else None
 
 
 def unread_columns_line(unread: dict[str, int], files: int) -> str:

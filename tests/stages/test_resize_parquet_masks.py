@@ -92,6 +92,23 @@ def test_a_mask_column_is_read_and_an_unmapped_control_column_named(tmp_path):
     assert "not read" not in str(s) and s.controls[2] == sum(len(x.controls) > 1 for x in ss)
 
 
+def test_an_unread_binary_column_of_no_pictures_is_not_named_as_image_bytes(tmp_path):
+    """The line naming unread image columns named every binary column: an embeddings column stored as bytes was
+    called image bytes, with advice to map it as a control or mask. Its first values' headers (Pillow, nothing
+    decoded) tell it apart now; an unread column of pictures is still named."""
+    import numpy as np
+
+    ss = _rows(N, False)
+    rng = np.random.default_rng(0)
+    embeddings = [rng.standard_normal(64).astype(np.float32).tobytes() for _ in ss]
+    pq.write_table(_table(ss, embedding=pa.array(embeddings, pa.binary()),
+                          thumbnail=pa.array([x.target for x in ss], pa.binary())), tmp_path / "d.parquet")
+    s = run(cfg(), tmp_path / "d.parquet", tmp_path / "store")
+    assert s.written == N
+    line = next(n for n in str(s).splitlines() if "not read" in n)
+    assert "'thumbnail'" in line and "'embedding'" not in line, line
+
+
 def test_a_store_made_before_the_mask_rule_is_not_kept_silently(tmp_path, monkeypatch):
     ss = _rows(N, True)
     masks = [x.mask if i % 3 == 0 else None for i, x in enumerate(ss)]
