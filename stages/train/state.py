@@ -53,6 +53,15 @@ class ResumeMismatch(UserError):
         self.reason = reason or message  # what differs, without the advice (the line a keep prints)
 
 
+class PastMaxSteps(ResumeMismatch):
+    """The run's newest checkpoint is past train.max_steps, and nothing else differs (`start._check_resumable`).
+    `point`: its checkpoint a start to this max_steps continues from (`stages/train/shorter.py`), or None."""
+
+    def __init__(self, message: str, reason: str = "", point: Path | None = None) -> None:
+        super().__init__(message, reason)
+        self.point = point
+
+
 class CheckpointDamaged(UserError):
     """A checkpoint file that does not match the checksum recorded when it was written. `intact_left`: whether an
     earlier intact checkpoint is left to continue from (the line offers it); else only a fresh start is."""
