@@ -227,6 +227,12 @@ class ResumeRecord:
         compared = compared_tables(self.tables, self.table_contents, now.tables,
                                    (lambda: now.table_contents) if now.table_contents else contents)
         stale = up_to_date.stale_inputs({**before, "tables": compared[0]}, {**after, "tables": compared[1]})
+        if "config_fingerprint" in stale and "training_revision" in stale:
+            # a run records its config's revision (`settings.training_revision`: e.g. grad_accum 1 -> 2 is revision
+            # 1 -> 2 under one release): with the config changed too, the revision is no release's doing to name
+            # (said as one, the line sent the user after the release that started the run); set back, the config's
+            # revision is the record's again, or this refusal names the release then
+            stale.remove("training_revision")
         # named by their version ids (the tables compared by content, `compared_tables`)
         problems = up_to_date.stale_named({k: before[k] for k in stale}, {k: after[k] for k in stale}, _INPUT_LABEL)
         if not problems:
