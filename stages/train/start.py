@@ -362,4 +362,4 @@ def restore(r: Run, latest: Path, record: ResumeRecord) -> None:
     if r.main:
         tqdm.write(f"resumed from {latest} (step {r.step}, epoch {record.epoch}, batch {record.batch_in_epoch})")
         if record.world_size != r.world:
-            tqdm.write(elastic.change_line(record.world_size, r.world, record.canonical))
+            tqdm.write(elastic.change_line(record.world_size, r.world, record.canonical, r.cfg.lora.dropout))
