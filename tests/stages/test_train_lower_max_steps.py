@@ -17,7 +17,7 @@ from stages.train.current import up_to_date
 from stages.train.recipe import run
 from test_train import assert_same_lora, cfg_of, lora_of, store_dir  # noqa: F401 (the fixture: test_train's store)
 
-CONSTANT = {"warmup_steps": 2, "checkpoint_every": 2, "keep_checkpoints": 5}
+CONSTANT = {"warmup_steps": 2, "checkpoint_every": 2, "keep_checkpoints": 5, "ema_decay": 0.9}
 
 
 @pytest.fixture(scope="module")
@@ -38,9 +38,11 @@ def _copy_of_six(runs: Path, tmp_path: Path) -> Path:
 def test_a_checkpoint_at_the_lower_max_steps_is_the_result(runs, store_dir, tiny_edit_model, tmp_path, capsys):  # noqa: F811
     out = _copy_of_six(runs, tmp_path)
     six = lora_of(out)
-    result = run(cfg_of(max_steps=4, **CONSTANT), store_dir, tiny_edit_model, out, resume=True, new_run=True)
+    result = run(cfg_of(max_steps=4, **CONSTANT), store_dir, tiny_edit_model, out, resume=True, new_run=True,
+                 skip_if_done=True)  # as `run all`
     assert result.start_step == 4 and result.steps == 4 and not result.losses  # nothing trained
     assert_same_lora(lora_of(out), lora_of(runs / "straight4"))
+    assert_same_lora(lora_of(out, "lora_ema"), lora_of(runs / "straight4", "lora_ema"))
     said = capsys.readouterr().out
     assert "train.max_steps 6 -> 4 under a constant LR" in said and "takes its checkpoint step-4" in said
     assert str(result).startswith("nothing left to train: the LoRA of checkpoint step-4")
@@ -61,6 +63,7 @@ def test_a_checkpoint_below_the_lower_max_steps_is_continued(runs, store_dir, ti
     result = run(cfg_of(max_steps=3, **CONSTANT), store_dir, tiny_edit_model, out, resume=True, new_run=True)
     assert result.start_step == 2 and result.steps == 3 and len(result.losses) == 1
     assert_same_lora(lora_of(out), lora_of(runs / "straight3"))
+    assert_same_lora(lora_of(out, "lora_ema"), lora_of(runs / "straight3", "lora_ema"))
     assert_same_lora(lora_of(out, "checkpoints/step-3/lora"), lora_of(runs / "straight3", "checkpoints/step-3/lora"))
     assert result.kept_previous is not None and (result.kept_previous / "checkpoints" / "step-6").is_dir()
 
@@ -86,3 +89,26 @@ def test_a_decaying_schedule_trains_afresh_and_says_why(store_dir, tiny_edit_mod
     result = run(cfg_of(max_steps=2, **cosine), store_dir, tiny_edit_model, out, resume=True, new_run=True)
     assert result.start_step == 0 and result.steps == 2 and result.kept_previous is not None
     assert why in capsys.readouterr().out
+
+
+def test_a_kill_before_the_checkpoints_are_linked_loses_nothing(runs, store_dir, tiny_edit_model, tmp_path,  # noqa: F811
+                                                                 monkeypatch):
+    """Killed once the run is kept, before its checkpoints are in the fresh folder: `run all` again takes the kept run
+    back (`take_back_kept`: a run a lower max_steps continues is one these settings resume) and takes its checkpoint,
+    instead of training from step 0 in the empty folder."""
+    from stages.train import shorter
+
+    out = _copy_of_six(runs, tmp_path)
+
+    def killed(kept, run_dir, max_steps):
+        raise KeyboardInterrupt  # as a kill there: nothing linked yet
+
+    monkeypatch.setattr(shorter, "seed", killed)
+    settings = dict(resume=True, new_run=True, skip_if_done=True)  # `run all`
+    with pytest.raises(KeyboardInterrupt):
+        run(cfg_of(max_steps=4, **CONSTANT), store_dir, tiny_edit_model, out, **settings)
+    assert not (out / "checkpoints").exists()
+    monkeypatch.undo()
+    result = run(cfg_of(max_steps=4, **CONSTANT), store_dir, tiny_edit_model, out, **settings)
+    assert result.start_step == 4 and result.steps == 4
+    assert_same_lora(lora_of(out), lora_of(runs / "straight4"))
