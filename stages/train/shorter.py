@@ -35,8 +35,8 @@ def depends_on_max_steps(cfg: TrainConfig) -> bool:
 
 def why_retrained(cfg: TrainConfig) -> str:
     """Why a changed max_steps is another run: said beside `train.max_steps: A -> B` where it is listed."""
-    return (f"train.lr_schedule {cfg.lr_schedule} decays the learning rate over train.max_steps, so every step's "
-            "rate differs and no checkpoint of the run is a step of this one")
+    return (f"train.lr_schedule {cfg.lr_schedule} decays the learning rate over train.max_steps: every step past "
+            "the warm-up trains at another rate")
 
 
 def start_point(checkpoints: Path, max_steps: int) -> Path | None:

@@ -208,7 +208,8 @@ def resume_point(r: Run, resume: bool, cfg: PipelineConfig) -> tuple[Path | None
     try:
         _check_resumable(r, record, latest)
     except train_state.ResumeMismatch as e:
-        if r.new_run and isinstance(e, train_state.PastMaxSteps) and e.point is not None:
+        # every rank raised it (the newest step was agreed, `seen_run`); where to go on from, too: one listing each
+        if r.new_run and isinstance(e, train_state.PastMaxSteps) and not all_max(r.world, [int(e.point is None)])[0]:
             # the run's steps up to max_steps are this run's: kept whole, its checkpoints up to it carried over
             keep_previous(r, f"{e.reason} under a constant LR, whose steps up to it do not depend on max_steps: "
                              f"{r.run_dir} {_shorter_how(r, e.point, done=True)}",
