@@ -145,21 +145,18 @@ def _check_resumable(r: Run, record: ResumeRecord, latest: Path) -> None:
                 reason=f"train.max_steps {record.step} -> {r.cfg.max_steps}, no checkpoint at or below it kept")
         raise train_state.PastMaxSteps(
             f"{latest} is already past train.max_steps ({record.step} > {r.cfg.max_steps}); under a constant LR its "
-            f"steps up to {r.cfg.max_steps} are a straight run's, so its checkpoint {point.name} "
-            f"{'is that run' if train_state.step_of(point) == r.cfg.max_steps else 'continues it'}: add --new-run to "
-            f"keep this run (moved to {previous.previous_root(r.run_dir)}/N-TIME) and {_shorter_how(r, point)}",
+            f"steps up to {r.cfg.max_steps} are a straight run's: add --new-run to keep this run (moved to "
+            f"{previous.previous_root(r.run_dir)}/N-TIME) and {_shorter_how(r, point)}",
             reason=f"train.max_steps {record.step} -> {r.cfg.max_steps}", point=point)
 
 
 def _shorter_how(r: Run, point: Path, done: bool = False) -> str:
     """What a start to a lower max_steps does with the kept run's checkpoint `point` (`shorter`): to do (the
     refusal's advice), or `done` (the keep's line: what the fresh folder does)."""
-    step, left = train_state.step_of(point), r.cfg.max_steps - train_state.step_of(point)
-    if done:
-        return (f"takes its checkpoint {point.name} as this run's LoRA (nothing to train)" if not left else
-                f"continues from its checkpoint {point.name} ({left} step(s) to train)")
-    return (f"take its checkpoint {point.name} as this run's LoRA (nothing to train)" if not left else
-            f"continue from its checkpoint {point.name} ({left} step(s) to train)")
+    left = r.cfg.max_steps - train_state.step_of(point)
+    take, go_on = ("takes", "continues") if done else ("take", "continue")
+    return (f"{take} its checkpoint {point.name} as this run's LoRA (nothing to train)" if not left else
+            f"{go_on} from its checkpoint {point.name} ({left} step(s) to train)")
 
 
 def resume_point(r: Run, resume: bool, cfg: PipelineConfig) -> tuple[Path | None, ResumeRecord | None]:
