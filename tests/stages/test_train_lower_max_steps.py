@@ -73,6 +73,12 @@ def test_without_new_run_the_refusal_names_the_checkpoint(runs, store_dir, tiny_
     with pytest.raises(UserError, match=r"already past train\.max_steps \(6 > 4\); under a constant LR .* add "
                                         r"--new-run .* take its checkpoint step-4 as this run's LoRA"):
         run(cfg_of(max_steps=4, **CONSTANT), store_dir, tiny_edit_model, out, resume=True)
+    # without --resume: the way on is --resume --new-run (a bare --resume, offered before, is refused as above)
+    with pytest.raises(UserError) as refused:
+        run(cfg_of(max_steps=3, **CONSTANT), store_dir, tiny_edit_model, out)
+    assert "pass --resume to continue it" not in str(refused.value)
+    assert "(step-6, past train.max_steps 3); pass --resume --new-run to keep it" in str(refused.value) and \
+        "and continue from its checkpoint step-2 (1 step(s) to train)" in str(refused.value), str(refused.value)
     assert not previous.previous_root(out).exists()  # nothing moved
 
 
