@@ -10,7 +10,7 @@ from features.open import open_configured
 from models.lora import WEIGHT_NAME
 from schemas import up_to_date as current
 from schemas.config import PipelineConfig, TrainConfig
-from stages.train import damaged_log, state as train_state
+from stages.train import damaged_log, shorter, state as train_state
 from stages.train.settings import (config_fingerprint, earlier_config_fingerprints, training_revision,
                                    init_lora_sha256, planned_device, recorded_backend, resolve_precision,
                                    run_backend)
@@ -40,15 +40,22 @@ def up_to_date(cfg: PipelineConfig, store: str | Path, model: str, out: str | Pa
 
 def resumable_step(cfg: PipelineConfig, store: str | Path, model: str, out: str | Path,
                    train: TrainConfig | None = None, backend: str | None = None) -> int | None:
-    """The step of OUT's last checkpoint when a resume would continue it (`up_to_date`'s comparison without the
-    step: a run of these settings and inputs not past max_steps), else None. One process (`run all`'s take-back)."""
+    """The step a resume of OUT continues from (`up_to_date`'s comparison without the step: a run of these
+    settings and inputs): its last checkpoint's when not past max_steps; past it, under a schedule that does not
+    depend on max_steps, its newest checkpoint at or below max_steps (`shorter`: a start keeps the run and goes on
+    from there). Else None. One process (`run all`'s take-back)."""
     latest = train_state.latest_checkpoint(Path(out) / "checkpoints")
     if latest is None:
         return None
     record = ResumeRecord.read(latest / train_state.RESUME_JSON)
-    if record.step > cfg.train.max_steps:
-        return None
-    return record.step if _same_run(record, cfg, store, model, out, train, backend, step=False) else None
+    step = record.step
+    if step > cfg.train.max_steps:
+        point = None if shorter.depends_on_max_steps(cfg.train) else \
+            shorter.start_point(Path(out) / "checkpoints", cfg.train.max_steps)
+        if point is None:
+            return None
+        step = train_state.step_of(point)
+    return step if _same_run(record, cfg, store, model, out, train, backend, step=False) else None
 
 
 def _same_run(record: ResumeRecord, cfg: PipelineConfig, store: str | Path, model: str, out: str | Path,

@@ -160,11 +160,16 @@ def on_world(sampler, world_size: int):
     return sampler if sampler.world_size == world_size else ElasticSteps(sampler, world_size)
 
 
-def change_line(before: int, now: int, canonical: int) -> str:
-    """The one line a resume on another process count prints."""
-    return (f"world size changed {before} -> {now} processes: the sample order stays the one planned for "
+def change_line(before: int, now: int, canonical: int, lora_dropout: float = 0.0) -> str:
+    """The one line a resume on another process count prints. With LoRA dropout the masks come from each rank's
+    torch RNG, seeded anew after the change (`restore_rng`): the same samples per step, not the same LoRA."""
+    line = (f"world size changed {before} -> {now} processes: the sample order stays the one planned for "
             f"{canonical}; each global step's samples are now split over {now} ({canonical / now:.3g}x as many "
-            "per process as at the start), so the LoRA is the one a straight run trains")
+            "per process as at the start), so ")
+    if lora_dropout > 0:
+        return line + (f"every step holds the straight run's samples, but train.lora.dropout {lora_dropout}'s masks "
+                       f"are drawn by {now} rank(s) seeded anew: the LoRA is not the one a straight run trains")
+    return line + "the LoRA is the one a straight run trains"
 
 
 def restore_rng(folder: Path, rank: int, same_world: bool, seed: int, step: int,

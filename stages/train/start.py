@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from tqdm.auto import tqdm
 
@@ -19,7 +19,7 @@ from schemas.errors import UserError
 from schemas.lineage import unhashed_names
 from schemas.model_files import ModelFile, fingerprint_of
 from schemas.record_formats import EARLIER_FINGERPRINTS, UNRECORDED_BACKEND
-from stages.train import damaged_log, elastic, guard, previous, state as train_state
+from stages.train import damaged_log, elastic, guard, previous, shorter, state as train_state
 from stages.train.current import damaged_current, nonfinite_current
 from stages.train.data import DataStream, write_data_report
 from stages.train.resume import changed_settings
@@ -136,10 +136,27 @@ def _check_resumable(r: Run, record: ResumeRecord, latest: Path) -> None:
             "to continue it",
             reason=f"train.on_nonfinite skip_step -> stop ({skipped} step(s) skipped)")
     if record.step > r.cfg.max_steps:
-        raise train_state.ResumeMismatch(
-            f"{latest} is already past train.max_steps ({record.step} > {r.cfg.max_steps}): raise max_steps "
-            "to continue, or use a new --out for a shorter run",
-            reason=f"train.max_steps {record.step} -> {r.cfg.max_steps}")
+        point = None if shorter.depends_on_max_steps(r.cfg) else shorter.start_point(r.checkpoints, r.cfg.max_steps)
+        if point is None:
+            raise train_state.PastMaxSteps(
+                f"{latest} is already past train.max_steps ({record.step} > {r.cfg.max_steps}) and no checkpoint at "
+                f"or below step {r.cfg.max_steps} is kept to continue from: raise max_steps to continue, or use a "
+                "new --out for a shorter run",
+                reason=f"train.max_steps {record.step} -> {r.cfg.max_steps}, no checkpoint at or below it kept")
+        raise train_state.PastMaxSteps(
+            f"{latest} is already past train.max_steps ({record.step} > {r.cfg.max_steps}); under a constant LR its "
+            f"steps up to {r.cfg.max_steps} are a straight run's: add --new-run to keep this run (moved to "
+            f"{previous.previous_root(r.run_dir)}/N-TIME) and {_shorter_how(r, point)}",
+            reason=f"train.max_steps {record.step} -> {r.cfg.max_steps}", point=point)
+
+
+def _shorter_how(r: Run, point: Path, done: bool = False) -> str:
+    """What a start to a lower max_steps does with the kept run's checkpoint `point` (`shorter`): to do (the
+    refusal's advice), or `done` (the keep's line: what the fresh folder does)."""
+    left = r.cfg.max_steps - train_state.step_of(point)
+    take, go_on = ("takes", "continues") if done else ("take", "continue")
+    return (f"{take} its checkpoint {point.name} as this run's LoRA (nothing to train)" if not left else
+            f"{go_on} from its checkpoint {point.name} ({left} step(s) to train)")
 
 
 def resume_point(r: Run, resume: bool, cfg: PipelineConfig) -> tuple[Path | None, ResumeRecord | None]:
@@ -188,8 +205,14 @@ def resume_point(r: Run, resume: bool, cfg: PipelineConfig) -> tuple[Path | None
     try:
         _check_resumable(r, record, latest)
     except train_state.ResumeMismatch as e:
-        ignore = unhashed_names(r.cfg)
-        changed = changed_settings(r.run_dir, cfg.model_dump(mode="json"), ignore)
+        # every rank raised it (the newest step was agreed, `seen_run`); where to go on from, too: one listing each
+        if r.new_run and isinstance(e, train_state.PastMaxSteps) and not all_max(r.world, [int(e.point is None)])[0]:
+            # the run's steps up to max_steps are this run's: kept whole, its checkpoints up to it carried over
+            keep_previous(r, f"{e.reason} under a constant LR, whose steps up to it do not depend on max_steps: "
+                             f"{r.run_dir} {_shorter_how(r, e.point, done=True)}",
+                          then=lambda kept: shorter.seed(kept, r.run_dir, r.cfg.max_steps))
+            return resume_point(r, resume, cfg)  # the fresh folder's newest checkpoint, checked as any resume's
+        changed = _changed(r, cfg)
         why = f"{e}\nchanged since {r.run_dir / 'train_config.yaml'}:\n  " + "\n  ".join(changed) if changed else str(e)
         if r.new_run:
             return keep_previous(r, "; ".join([e.reason, *changed]))
@@ -237,13 +260,26 @@ def _holds_checkpoints(r: Run, latest: Path, cfg: PipelineConfig) -> str:
     """Why a start without --resume does not train into a folder holding checkpoints, and the ways on: with
     settings other than those of the run's train_config.yaml, which (a resume continues it only under its own)."""
     keep = f"--new-run to keep it as {previous.previous_root(r.run_dir)}/N-TIME and train afresh"
-    changed = changed_settings(r.run_dir, cfg.model_dump(mode="json"), unhashed_names(r.cfg))
+    changed = _changed(r, cfg)
+    if not changed and train_state.step_of(latest) > r.cfg.max_steps:  # a lower max_steps, under a constant LR
+        point = shorter.start_point(r.checkpoints, r.cfg.max_steps)
+        shorten = "" if point is None else (f"pass --resume --new-run to keep it (moved to {previous.previous_root(r.run_dir)}"
+                                            f"/N-TIME) and {_shorter_how(r, point)}, ")
+        return f"{r.run_dir} already holds checkpoints ({latest.name}, past train.max_steps {r.cfg.max_steps}); " \
+               f"{shorten}{keep}, or use a new --out"
     if not changed:
         return f"{r.run_dir} already holds checkpoints ({latest.name}); pass --resume to continue it, {keep}, " \
                "or use a new --out"
     return (f"{r.run_dir} already holds checkpoints ({latest.name}) trained with other settings "
             f"({r.run_dir / 'train_config.yaml'} -> now):\n  " + "\n  ".join(changed) + "\n--resume continues it only "
             f"with the settings it was trained with (set those back); {keep} with these; or use a new --out")
+
+
+def _changed(r: Run, cfg: PipelineConfig) -> list[str]:
+    """The changed `train.*` settings against the run's train_config.yaml (`resume.changed_settings`), a changed
+    max_steps with why it makes another run (it is listed only where the schedule depends on it)."""
+    changed = changed_settings(r.run_dir, cfg.model_dump(mode="json"), unhashed_names(r.cfg))
+    return [f"{c} ({shorter.why_retrained(r.cfg)})" if c.startswith("train.max_steps:") else c for c in changed]
 
 
 def seen_run(r: Run) -> tuple[Path | None, bool]:
@@ -264,18 +300,23 @@ def seen_run(r: Run) -> tuple[Path | None, bool]:
                     "every rank sees alike; on a shared filesystem that has not caught up yet, rerun in a minute")
 
 
-def keep_previous(r: Run, why: str) -> tuple[None, None]:
+def keep_previous(r: Run, why: str, then: Callable[[Path], None] | None = None) -> tuple[None, None]:
     """Every rank has decided alike (from the same files); once all are past reading the old run, the main
-    process moves it aside in one rename and locks the fresh folder."""
+    process moves it aside in one rename and locks the fresh folder. `then(kept)`: what it puts into the fresh
+    folder from the kept run (the line then says `why` alone, which tells what it did)."""
     r.accelerator.wait_for_everyone()
     with together(r.world, "keeping the previous run"):  # rank 0 moves it (a failure there stops every rank)
         if r.main:
             if r.before_keep is not None:
                 r.before_keep(r.run_dir)
             r.kept_previous = previous.keep(r.run_dir)
-            r.run_lock = guard.RunDirLock(r.run_dir)
+            earlier, r.run_lock = r.run_lock, guard.RunDirLock(r.run_dir)
+            if earlier is not None:  # a second keep in this start (`shorter`'s folder refused): the first one's
+                earlier.release()
+            if then is not None:
+                then(r.kept_previous)
             tqdm.write(f"kept the previous run of {r.run_dir} (its LoRA and checkpoints) in {r.kept_previous}; "
-                       f"training afresh into {r.run_dir} ({why})")
+                       + (f"training afresh into {r.run_dir} ({why})" if then is None else why))
     return None, None
 
 
@@ -325,4 +366,4 @@ def restore(r: Run, latest: Path, record: ResumeRecord) -> None:
     if r.main:
         tqdm.write(f"resumed from {latest} (step {r.step}, epoch {record.epoch}, batch {record.batch_in_epoch})")
         if record.world_size != r.world:
-            tqdm.write(elastic.change_line(record.world_size, r.world, record.canonical))
+            tqdm.write(elastic.change_line(record.world_size, r.world, record.canonical, r.cfg.lora.dropout))

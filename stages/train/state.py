@@ -53,6 +53,15 @@ class ResumeMismatch(UserError):
         self.reason = reason or message  # what differs, without the advice (the line a keep prints)
 
 
+class PastMaxSteps(ResumeMismatch):
+    """The run's newest checkpoint is past train.max_steps, and nothing else differs (`start._check_resumable`).
+    `point`: its checkpoint a start to this max_steps continues from (`stages/train/shorter.py`), or None."""
+
+    def __init__(self, message: str, reason: str = "", point: Path | None = None) -> None:
+        super().__init__(message, reason)
+        self.point = point
+
+
 class CheckpointDamaged(UserError):
     """A checkpoint file that does not match the checksum recorded when it was written. `intact_left`: whether an
     earlier intact checkpoint is left to continue from (the line offers it); else only a fresh start is."""
@@ -218,6 +227,12 @@ class ResumeRecord:
         compared = compared_tables(self.tables, self.table_contents, now.tables,
                                    (lambda: now.table_contents) if now.table_contents else contents)
         stale = up_to_date.stale_inputs({**before, "tables": compared[0]}, {**after, "tables": compared[1]})
+        if "config_fingerprint" in stale and "training_revision" in stale:
+            # a run records its config's revision (`settings.training_revision`: e.g. grad_accum 1 -> 2 is revision
+            # 1 -> 2 under one release): with the config changed too, the revision is no release's doing to name
+            # (said as one, the line sent the user after the release that started the run); set back, the config's
+            # revision is the record's again, or this refusal names the release then
+            stale.remove("training_revision")
         # named by their version ids (the tables compared by content, `compared_tables`)
         problems = up_to_date.stale_named({k: before[k] for k in stale}, {k: after[k] for k in stale}, _INPUT_LABEL)
         if not problems:

@@ -52,6 +52,8 @@ def _steps(n: int) -> str:
 
 def train_line(start_step: int, steps: int, losses: list[float], epochs: list[int], lora_dir,
                init_lora: str | None = None, skipped: int = 0) -> str:
+    if start_step and start_step == steps:  # a checkpoint at max_steps (a killed final save, a lowered max_steps)
+        return f"nothing left to train: the LoRA of checkpoint step-{steps}; LoRA: {lora_dir}"
     how = (f"resumed at step {start_step}" if start_step else f"from init_lora {init_lora}" if init_lora
            else "from scratch")
     skip = f" ({skipped} non-finite step(s) skipped, not in the means)" if skipped else ""

@@ -125,6 +125,16 @@ def test_rng_own_state_on_the_same_world_seeded_after_a_change(tmp_path):
 def test_change_line_names_both_counts():
     line = elastic.change_line(4, 2, 4)
     assert line.startswith("world size changed 4 -> 2 processes") and "2x as many" in line
+    assert line.endswith("so the LoRA is the one a straight run trains")
+
+
+def test_change_line_with_lora_dropout_does_not_claim_the_straight_runs_lora():
+    """LoRA dropout's masks come from each rank's RNG, seeded anew after the change: the line claimed the straight
+    run's LoRA all the same."""
+    line = elastic.change_line(2, 1, 2, lora_dropout=0.1)
+    assert "the LoRA is the one a straight run trains" not in line
+    assert line.endswith("train.lora.dropout 0.1's masks are drawn by 1 rank(s) seeded anew: the LoRA is not the one a "
+                         "straight run trains")
 
 
 def _trainable(model: str, tmp_path, n: int):
