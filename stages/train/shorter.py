@@ -6,10 +6,10 @@ to it takes, so its kept checkpoint at exactly that step is that run's result, a
 stands: the start continues from there instead of training from step 0.
 
 The run folder is kept aside whole (`previous.keep`: nothing is lost, and raising max_steps back later takes it back,
-`recipe.take_back_kept`), and the fresh RUN gets the checkpoints up to the new max_steps as hard links (copies where
-the filesystem has none: a committed checkpoint is never written again, only read and removed), each linked into
-`.step-N.tmp` and renamed, so a kill leaves whole checkpoints only (the rerun resumes from the newest there), and
-the damaged-sample list the resume's checks read. The run's curve (TensorBoard events, RUN/losses.zarr, sample
+`recipe.take_back_kept`), and the fresh RUN gets first the damaged-sample list the resume's checks read, then the
+checkpoints up to the new max_steps as hard links (copies where the filesystem has none: a committed checkpoint is
+never written again, only read and removed), each linked into `.step-N.tmp` and committed (`store.format.atomic_dir`),
+so a kill leaves whole checkpoints only, each with the list (the rerun resumes from the newest there). The run's curve (TensorBoard events, RUN/losses.zarr, sample
 grids) stays with the kept run: the fresh one logs from its resume on.
 
 Under a decaying schedule (`cosine`, `linear`) every step's LR depends on max_steps: the run is trained afresh, and
@@ -17,8 +17,6 @@ the line says why (`why_retrained`)."""
 
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
 
 from schemas.config import TrainConfig
@@ -45,26 +43,20 @@ def start_point(checkpoints: Path, max_steps: int) -> Path | None:
     return below[-1] if below else None
 
 
-def _link_or_copy(src: str, dst: str) -> None:
-    try:
-        os.link(src, dst)
-    except OSError:  # another filesystem, or one without hard links
-        shutil.copy2(src, dst)
-
-
 def seed(kept: Path, run_dir: Path, max_steps: int) -> None:
-    """The kept run's checkpoints up to `max_steps` (newest first: a kill leaves the one to resume from) and its
-    damaged-sample list into the fresh `run_dir`. The caller holds the run folder's lock."""
+    """The kept run's damaged-sample list, then its checkpoints up to `max_steps` (newest first: a kill leaves the
+    one to resume from), into the fresh `run_dir`. The list first: a kill between the two leaves no checkpoint
+    without the list a resume of it reads (resumed without it, the run's left-out samples were unlisted, and an
+    up-to-date check under train.on_damaged stop served it). The caller holds the run folder's lock."""
+    for name in damaged_log.FILES:  # a copy (durable): the fresh run appends to its own, a link to the kept one's
+        if (kept / name).is_file():
+            fmt.atomic_write_bytes(run_dir / name, (kept / name).read_bytes())
     root = run_dir / "checkpoints"
     root.mkdir(exist_ok=True)
     for step, src in reversed(train_state.complete_checkpoints(kept / "checkpoints")):
         if step > max_steps:
             continue
-        tmp = train_state.temp_dir(root, step)  # a kill's leftover is removed by the start (`remove_stale`)
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.copytree(src, tmp, copy_function=_link_or_copy)
-        os.rename(tmp, train_state.checkpoint_dir(root, step))
-    fmt.fsync_dir(root)
-    for name in damaged_log.FILES:  # the run's list goes on (as a resume in place reads it)
-        if (kept / name).is_file():
-            shutil.copy2(kept / name, run_dir / name)
+        # the project's folder commit, fsynced (a copy's bytes too, where there are no hard links); a kill's
+        # leftover `.step-N.tmp` is removed by the start (`remove_stale`)
+        with fmt.atomic_dir(train_state.checkpoint_dir(root, step), train_state.temp_dir(root, step)) as tmp:
+            fmt.link_or_copy(src, tmp)

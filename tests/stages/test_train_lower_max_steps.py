@@ -118,3 +118,77 @@ def test_a_kill_before_the_checkpoints_are_linked_loses_nothing(runs, store_dir,
     result = run(cfg_of(max_steps=4, **CONSTANT), store_dir, tiny_edit_model, out, **settings)
     assert result.start_step == 4 and result.steps == 4
     assert_same_lora(lora_of(out), lora_of(runs / "straight4"))
+
+
+def _kept_run(tmp_path: Path) -> tuple[Path, Path]:
+    """A kept run with checkpoints 2, 4, 6 (two files each) and a damaged-sample list; an empty fresh RUN."""
+    from stages.train import damaged_log
+
+    kept, fresh = tmp_path / "kept", tmp_path / "run"
+    for step in (2, 4, 6):
+        folder = kept / "checkpoints" / f"step-{step}"
+        (folder / "lora").mkdir(parents=True)
+        (folder / "lora" / "weights.safetensors").write_bytes(b"w" * step)
+        (folder / "resume.json").write_text("{}")
+    (kept / damaged_log.NAME).write_text('{"sample": "a", "problem": "truncated"}\n')
+    fresh.mkdir()
+    return kept, fresh
+
+
+@pytest.mark.parametrize("renames", [1, 2])
+def test_a_kill_while_linking_leaves_no_checkpoint_without_the_damaged_list(tmp_path, monkeypatch, renames):
+    """Killed after the n-th checkpoint is committed into the fresh RUN: the rerun resumes from it, so the run's
+    damaged-sample list must be there with it (it was copied after the checkpoints: resumed without it, the
+    samples the run left out went unlisted, and under train.on_damaged stop the run counted as leaving none out)."""
+    import os
+
+    from stages.train import damaged_log, shorter
+
+    kept, fresh = _kept_run(tmp_path)
+    real, done = os.rename, []
+
+    def rename(src, dst):
+        real(src, dst)
+        if Path(dst).name.startswith("step-"):
+            done.append(dst)
+            if len(done) == renames:
+                raise KeyboardInterrupt  # as a SIGKILL right after this commit
+
+    monkeypatch.setattr(os, "rename", rename)
+    with pytest.raises(KeyboardInterrupt):
+        shorter.seed(kept, fresh, 4)
+    monkeypatch.undo()
+    assert [p.name for p in (fresh / "checkpoints").iterdir() if not p.name.startswith(".")]  # one committed
+    assert damaged_log.read(fresh) == {"a": "truncated"}
+    assert damaged_log.read(kept) == {"a": "truncated"}  # the kept run's own list untouched
+
+
+def test_checkpoints_copied_without_hard_links_are_durable(tmp_path, monkeypatch):
+    """Where the filesystem has no hard links the checkpoints are copied: each copy's bytes are fsynced before
+    its folder is committed (they were not: a power loss could leave a committed step-N of empty files, which the
+    resume refuses as damaged)."""
+    import os
+
+    from stages.train import shorter
+
+    kept, fresh = _kept_run(tmp_path)
+    synced: set[int] = set()  # the inodes fsynced (under their temp names, then renamed: the same files)
+    real_fsync = os.fsync
+
+    def no_link(src, dst, *a, **k):
+        raise OSError(1, "no hard links here")
+
+    def fsync(fd):
+        synced.add(os.fstat(fd).st_ino)
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "link", no_link)
+    monkeypatch.setattr(os, "fsync", fsync)
+    shorter.seed(kept, fresh, 4)
+    monkeypatch.undo()
+    files = sorted(str(p) for p in (fresh / "checkpoints").rglob("*") if p.is_file())
+    assert [Path(f).relative_to(fresh).as_posix() for f in files] == [
+        "checkpoints/step-2/lora/weights.safetensors", "checkpoints/step-2/resume.json",
+        "checkpoints/step-4/lora/weights.safetensors", "checkpoints/step-4/resume.json"]
+    assert all(os.stat(f).st_ino in synced for f in files), files
+    assert (fresh / "checkpoints" / "step-4" / "lora" / "weights.safetensors").read_bytes() == b"w" * 4
