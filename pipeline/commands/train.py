@@ -70,7 +70,7 @@ def command(
                 from schemas.errors import UserError
                 from stages.train.resume import nothing_to_resume
 
-                if (why := nothing_to_resume(Path(run_dir))) is not None:
+                if (why := nothing_to_resume(Path(run_dir), new_run)) is not None:
                     raise UserError(why)
             existing_store(store_dir)
             store_dir = local_store(store_dir, ["text", "vae"], cache_dir, cache_gb)  # a URL: its cached copy

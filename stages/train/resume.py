@@ -11,17 +11,21 @@ import yaml
 from schemas import up_to_date
 from schemas.config import TrainConfig
 from schemas.lineage import while_training_names
-from stages.train import state as train_state
+from stages.train import previous, state as train_state
 
 CONFIG_FILE = "train_config.yaml"  # the effective config of the run's latest start, written by stages.train
 
 
-def nothing_to_resume(run_dir: Path) -> str | None:
+def nothing_to_resume(run_dir: Path, new_run: bool = False) -> str | None:
     """Why `--resume` into `run_dir` cannot continue anything, or None when it can (a checkpoint, or a run
-    killed before its first checkpoint, which then starts again at step 0)."""
+    killed before its first checkpoint, which then starts again at step 0; with `new_run`, a run kept in
+    RUN.previous, which the start takes back where these settings continue it: `recipe.take_back_kept`, e.g. a
+    start to a lower max_steps killed after the keep, before its checkpoints were in RUN)."""
     checkpoints = run_dir / "checkpoints"
     if train_state.latest_checkpoint(checkpoints) is not None or (run_dir / CONFIG_FILE).is_file() or \
             train_state.unrecorded_checkpoints(checkpoints):  # a damaged one: the resume names it
+        return None
+    if new_run and previous.kept_runs(run_dir):  # --out is no typo: a run was kept from it
         return None
     what = "does not exist" if not run_dir.exists() else (
         "is empty" if run_dir.is_dir() and not any(run_dir.iterdir()) else f"holds no checkpoints/ and no {CONFIG_FILE}")

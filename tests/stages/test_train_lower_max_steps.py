@@ -192,3 +192,27 @@ def test_checkpoints_copied_without_hard_links_are_durable(tmp_path, monkeypatch
         "checkpoints/step-4/lora/weights.safetensors", "checkpoints/step-4/resume.json"]
     assert all(os.stat(f).st_ino in synced for f in files), files
     assert (fresh / "checkpoints" / "step-4" / "lora" / "weights.safetensors").read_bytes() == b"w" * 4
+
+
+def test_run_train_resume_new_run_after_a_kill_before_the_links_takes_the_kept_run_back(runs, store_dir,  # noqa: F811
+                                                                                         tiny_edit_model, tmp_path):
+    """`run train --resume --new-run` (what `run all` does) killed once the run is kept, before its checkpoints
+    are in the fresh RUN (here: RUN gone, as a kill right after the keep's rename leaves it): the rerun was refused
+    "nothing to resume, RUN does not exist" before the start that takes the kept run back (`take_back_kept`), and
+    its advice (leave out --resume) trained from step 0. Now it takes the kept checkpoint, as `run all` does."""
+    from typer.testing import CliRunner
+
+    from pipeline.cli import app
+    from schemas.config import dump_config
+
+    out = _copy_of_six(runs, tmp_path)
+    previous.keep(out)
+    out.rmdir()  # killed between the keep's rename and RUN made again
+    config = tmp_path / "config.yaml"
+    config.write_text(dump_config(cfg_of(max_steps=4, **CONSTANT)))
+    res = CliRunner().invoke(app, ["run", "train", "--config", str(config), "--store", str(store_dir), "--model",
+                                   tiny_edit_model, "--out", str(out), "--resume", "--new-run"])
+    assert res.exit_code == 0, res.output
+    assert "nothing left to train: the LoRA of checkpoint step-4" in res.output, res.output
+    assert_same_lora(lora_of(out), lora_of(runs / "straight4"))
+    assert any((k / "checkpoints" / "step-6").is_dir() for k in previous.kept_runs(out))  # the run to 6 still kept
