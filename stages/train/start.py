@@ -261,8 +261,9 @@ def _holds_checkpoints(r: Run, latest: Path, cfg: PipelineConfig) -> str:
     settings other than those of the run's train_config.yaml, which (a resume continues it only under its own)."""
     keep = f"--new-run to keep it as {previous.previous_root(r.run_dir)}/N-TIME and train afresh"
     changed = _changed(r, cfg)
-    if not changed and train_state.step_of(latest) > r.cfg.max_steps:  # a lower max_steps, under a constant LR
-        point = shorter.start_point(r.checkpoints, r.cfg.max_steps)
+    if not changed and train_state.step_of(latest) > r.cfg.max_steps:  # a lower max_steps
+        # under a decaying LR (listed in `changed` only where train_config.yaml reads) no checkpoint is continued
+        point = None if shorter.depends_on_max_steps(r.cfg) else shorter.start_point(r.checkpoints, r.cfg.max_steps)
         shorten = "" if point is None else (f"pass --resume --new-run to keep it (moved to {previous.previous_root(r.run_dir)}"
                                             f"/N-TIME) and {_shorter_how(r, point)}, ")
         return f"{r.run_dir} already holds checkpoints ({latest.name}, past train.max_steps {r.cfg.max_steps}); " \

@@ -216,3 +216,19 @@ def test_run_train_resume_new_run_after_a_kill_before_the_links_takes_the_kept_r
     assert "nothing left to train: the LoRA of checkpoint step-4" in res.output, res.output
     assert_same_lora(lora_of(out), lora_of(runs / "straight4"))
     assert any((k / "checkpoints" / "step-6").is_dir() for k in previous.kept_runs(out))  # the run to 6 still kept
+
+
+def test_a_decaying_schedule_is_not_offered_a_checkpoint_to_continue_from(store_dir, tiny_edit_model, tmp_path):  # noqa: F811
+    """A start without --resume over a cosine run past a lower max_steps whose train_config.yaml is gone (an
+    earlier release's run, a copy of its checkpoints): the refusal offered `--resume --new-run` to "continue from
+    its checkpoint step-2", which trains afresh under a decaying LR."""
+    from stages.train.resume import CONFIG_FILE
+
+    cosine = {**CONSTANT, "lr_schedule": "cosine"}
+    out = tmp_path / "run"
+    run(cfg_of(max_steps=4, **cosine), store_dir, tiny_edit_model, out)
+    (out / CONFIG_FILE).unlink()
+    with pytest.raises(UserError) as refused:
+        run(cfg_of(max_steps=3, **cosine), store_dir, tiny_edit_model, out)
+    assert "already holds checkpoints (step-4" in str(refused.value), str(refused.value)
+    assert "continue from its checkpoint" not in str(refused.value), str(refused.value)
