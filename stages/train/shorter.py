@@ -9,8 +9,9 @@ The run folder is kept aside whole (`previous.keep`: nothing is lost, and raisin
 `recipe.take_back_kept`), and the fresh RUN gets first the damaged-sample list the resume's checks read, then the
 checkpoints up to the new max_steps as hard links (copies where the filesystem has none: a committed checkpoint is
 never written again, only read and removed), each linked into `.step-N.tmp` and committed (`store.format.atomic_dir`),
-so a kill leaves whole checkpoints only, each with the list (the rerun resumes from the newest there). The run's curve (TensorBoard events, RUN/losses.zarr, sample
-grids) stays with the kept run: the fresh one logs from its resume on.
+so a kill leaves whole checkpoints only, each with the list (the rerun resumes from the newest there). The run's
+curve (TensorBoard events, RUN/losses.zarr, sample grids) stays with the kept run: the fresh one logs from its resume
+on.
 
 Under a decaying schedule (`cosine`, `linear`) every step's LR depends on max_steps: the run is trained afresh, and
 the line says why (`why_retrained`)."""
